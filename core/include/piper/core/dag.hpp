@@ -1,0 +1,132 @@
+// The global training DAG (Boost.Graph, bundled properties): compute, update and communication nodes
+// over interned device sets, with data and temporal edges. Directives rewrite it; lowering reads it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <boost/graph/adjacency_list.hpp>
+#include <nlohmann/json_fwd.hpp>
+
+#include "piper/core/model.hpp"
+
+namespace piper::core {
+
+enum class NodeKind { Compute, Update, Send, Recv, AllReduce, ReduceScatter, AllGather, AllToAll, OrderDummy };
+enum class Pass { None, F, B, BI, BW };
+std::string to_string(NodeKind k);
+std::string to_string(Pass p);
+Pass pass_from_string(const std::string& s);  // "F", "B", "BI", "BW"; throws std::invalid_argument
+bool is_collective(NodeKind k);
+bool is_communication(NodeKind k);
+
+// Device sets are interned: nodes refer to them by index, so a DP-1024 region costs one int per node.
+// Order matters: the j-th device of a sender set talks to the j-th device of the receiver set.
+using DeviceSetId = std::int32_t;
+constexpr DeviceSetId kNoDevices = -1;
+
+class DeviceSetTable {
+ public:
+  DeviceSetId intern(const std::vector<int>& devices);
+  const std::vector<int>& at(DeviceSetId id) const { return sets_.at(static_cast<std::size_t>(id)); }
+  std::size_t size() const { return sets_.size(); }
+  const std::vector<std::vector<int>>& all() const { return sets_; }
+
+ private:
+  std::vector<std::vector<int>> sets_;
+  std::unordered_map<std::string, DeviceSetId> index_;
+};
+
+// Communicator family: the device set is partitioned into groups (e.g. EP groups of consecutive
+// devices, or the strided data-parallel groups of experts); one collective node is issued on every group.
+struct CommFamily {
+  DeviceSetId devices = kNoDevices;
+  int group_size = 0;    // devices per group; groups = |devices| / group_size
+  int stride = 1;        // 1: consecutive chunks; k: group j = {devices[j + i*k]} (strided)
+  std::string purpose;   // "dp", "ep", "pp", "zero3-gather", ...
+  friend bool operator==(const CommFamily&, const CommFamily&) = default;
+};
+
+struct DagNode {
+  NodeKind kind = NodeKind::Compute;
+  Pass pass = Pass::None;
+  TagMap tags;                      // annotation tags + split tags (MB) of the segment
+  DeviceSetId devices = kNoDevices;
+  std::string stream = "compute";   // logical stream
+  int segment = -1;                 // model segment index (compute, update and comm derived from one)
+  int first_layer = -1, last_layer = -1;  // [first, last) model layers of a compute node
+  Costs costs;                      // per device: already divided by any shard degree
+  std::int64_t bytes = 0;           // communication payload per device (send/recv/collectives)
+  DeviceSetId peer_devices = kNoDevices;  // SEND: receiver set; RECV: sender set
+  int family = -1;                  // collectives: index into GlobalDag::families
+  std::vector<int> buffer_segments; // UPD / gradient / param collectives: segments whose params they carry
+  std::string label;                // human-readable, e.g. "F mb3 PP2 seg5"
+  bool removed = false;             // tombstone left by rewrites (BGL vecS keeps indices stable)
+};
+
+enum class EdgeKind { Data, Temporal };
+struct DagEdge {
+  EdgeKind kind = EdgeKind::Data;
+  std::int64_t bytes = 0;  // tensor size for data edges
+  std::string tensor;      // "act", "grad", "stash", "param", ...
+};
+
+using Graph = boost::adjacency_list<boost::vecS, boost::vecS, boost::bidirectionalS, DagNode, DagEdge>;
+using Vertex = Graph::vertex_descriptor;
+
+// One contiguous run of layers with the same tag stack (the unit the DAG is built from).
+struct Segment {
+  int index = 0;
+  int first_layer = 0, last_layer = 0;  // [first, last)
+  TagMap tags;
+  Costs costs;                          // sum of the layers' costs, whole (unsharded)
+  bool has_loss = false;                // holds the LM head + loss (the turn of the DAG)
+  int fanout = 1;                       // tokens fan out by top-k when the segment starts with routed experts
+  // Set by the replicate/shard passes; lowering sizes the per-device state buffers from them.
+  int shard_degree = 1;                 // shard: parameters split over this many devices
+  int replicas = 1;                     // replicate: data-parallel copies holding (shards of) the params
+  int zero_level = 0;                   // 0 none, 1 optimizer states, 2 + gradients, 3 + parameters sharded
+  bool placed = false;
+};
+
+class GlobalDag {
+ public:
+  Graph graph;
+  DeviceSetTable device_sets;
+  std::vector<CommFamily> families;
+  std::vector<Segment> segments;
+  TrainingShape training;
+  std::string model_name;
+  int microbatches = 1;                 // product of the split counts
+
+  Vertex add_node(DagNode n) { return boost::add_vertex(std::move(n), graph); }
+  void add_edge(Vertex u, Vertex v, DagEdge e) { boost::add_edge(u, v, std::move(e), graph); }
+  int family_index(const CommFamily& f);   // interns a family
+  std::vector<Vertex> live_nodes() const;  // not removed, in index order
+  std::size_t live_node_count() const;
+  int num_devices() const;                 // 1 + the largest device id in any set
+  // Counts of live nodes by kind name ("F", "B", "SEND", "ALL_REDUCE", ...).
+  std::map<std::string, std::int64_t> counts_by_kind() const;
+  bool has_cycle() const;                  // BGL depth-first search over live nodes
+  nlohmann::json to_json() const;
+  std::string to_dot() const;
+};
+
+// Kind name as printed in stats and dumps: "F", "B", "BI", "BW", "UPD", "SEND", ..., "ORDER_DUMMY".
+std::string node_kind_name(const DagNode& n);
+
+// Tags as a label suffix: " mb3 EP1 PP2" (microbatch first).
+std::string tags_label(const TagMap& tags);
+// Label of a node from its kind, tags and segment: "F mb3 PP2 s5".
+std::string node_label(const DagNode& n);
+
+// Segments of a model: contiguous layers with equal tag maps. The segment holding the head is last.
+std::vector<Segment> segment_model(const Model& model);
+
+// Build the unplaced training DAG: F chain over segments, mirrored B chain, F->B stash edges, the
+// loss at the turn (the last F feeds the last B), one UPD per segment fed by its B.
+GlobalDag build_dag(const Model& model);
+
+}  // namespace piper::core

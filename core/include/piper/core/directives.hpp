@@ -1,0 +1,85 @@
+// Piper directives: parsing of the JSON program (published format plus Piper's extensions) and the
+// rewrite passes, applied in one fixed order: split -> backward split -> place -> replicate/shard -> order.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "piper/core/dag.hpp"
+#include "piper/core/error.hpp"
+
+namespace piper::core {
+
+// Conjunctive filter {tag: index | "*"}; the empty filter matches everything. PASS is a pseudo-tag.
+struct Filter {
+  std::map<std::string, int> exact;      // tag -> required index
+  std::vector<std::string> any;          // tag must be present, any index
+  std::optional<Pass> pass;              // PASS: F | B | BI | BW
+  bool matches_tags(const TagMap& tags) const;          // ignores PASS
+  bool matches(const DagNode& n) const;                  // compute nodes only; checks PASS too
+  nlohmann::json to_json() const;
+  std::string to_string() const;
+};
+
+struct PlaceDirective {
+  Filter filter;
+  std::vector<int> devices;
+  std::string stream = "pp";   // stream for this region's point-to-point transfers
+};
+
+struct ReplicateDirective {
+  Filter filter;
+  std::vector<int> devices;
+  double bucket_size_mb = 0;   // 0: one gradient collective per segment
+  bool shard_optimizer = false;  // Piper extension (ZeRO-1): reduce-scatter + all-gather, full grads kept
+  bool shard_grads = false;      // ZeRO-2: gradients reduce-scattered
+  bool shard_params = false;     // ZeRO-3: parameters all-gathered before each use
+  std::string reduce_stream = "dp";
+  std::string gather_stream;     // empty: same as reduce_stream
+};
+
+struct ShardDirective {
+  Filter filter;
+  std::vector<int> devices;
+  int degree = 0;              // Piper extension: shard over consecutive groups of `degree` devices (0 = all)
+  std::string stream = "ep";
+};
+
+struct SplitDirective {
+  Filter filter;
+  std::string dim_name = "MB";
+  int count = 1;               // "num_microbatches" in the published format
+};
+
+struct OrderDirective {
+  std::vector<std::vector<Filter>> groups;  // groups run in sequence; filters within a group may interleave
+};
+
+using Directive = std::variant<PlaceDirective, ReplicateDirective, ShardDirective, SplitDirective, OrderDirective>;
+
+
+struct DirectiveProgram {
+  std::vector<Directive> directives;
+  std::vector<nlohmann::json> source;   // original JSON of each directive, for dumps and errors
+  nlohmann::json to_json() const;
+};
+
+// Parse a directive program. Errors name the directive index and field (DirectiveError).
+DirectiveProgram parse_directives(const nlohmann::json& program);
+DirectiveProgram load_directives_file(const std::string& path);  // errors prefixed with the path
+std::string op_name(const Directive& d);  // "place", "replicate", ...
+
+// Called after each directive with its op name and index, so --dump-after can write the DAG.
+using AfterPassHook = std::function<void(const std::string& op, int index, const GlobalDag& dag)>;
+
+// Apply a program to a freshly built DAG. Validates each directive against the DAG; verifies the
+// DAG after each pass; throws DirectiveError without touching `dag` when anything is wrong
+// (the passes work on a copy that replaces `dag` only on success).
+void apply_directives(GlobalDag& dag, const DirectiveProgram& program, const AfterPassHook& hook = {});
+
+}  // namespace piper::core

@@ -1,0 +1,179 @@
+// The model: a sequence of layers with annotation tags and per-microbatch costs, plus the model zoo,
+// JSON spec files, Hugging Face config import, and the RAII builder that mirrors piper.annotate.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace piper::core {
+
+// Tag stack of a layer or DAG node: {"PP": 2, "EP": 5, "MB": 3}. Ordered map so printing is stable.
+using TagMap = std::map<std::string, int>;
+
+enum class Precision { BF16, FP16, FP32 };
+int bytes_per_element(Precision p);
+std::string to_string(Precision p);
+
+// What a training step looks like: it scales every cost.
+struct TrainingShape {
+  std::int64_t seq_len = 4096;
+  std::int64_t micro_batch_size = 1;  // sequences per microbatch
+  Precision precision = Precision::BF16;
+  std::int64_t tokens_per_microbatch() const { return seq_len * micro_batch_size; }
+};
+
+enum class LayerKind { Embedding, Norm, Attention, Mlp, MoeRouter, MoeExperts, Head };
+std::string to_string(LayerKind k);
+
+enum class MlpActivation { SwiGLU, GELU };
+enum class NormKind { RMSNorm, LayerNorm };
+
+// Per-microbatch costs of one layer (or one DAG segment: costs add). FLOPs count a multiply-add as 2.
+struct Costs {
+  std::int64_t params = 0;                 // parameter count held by the layer
+  std::int64_t param_bytes = 0;            // params * bytes of the training precision
+  double forward_flops = 0;                // F
+  double backward_input_flops = 0;         // BI: gradient w.r.t. the layer input
+  double backward_weight_flops = 0;        // BW: gradient w.r.t. the weights
+  std::int64_t activation_bytes = 0;       // kept from F until B (or BW) for the backward pass
+  std::int64_t output_bytes = 0;           // the tensor passed to the next layer
+  std::int64_t forward_memory_bytes = 0;   // HBM traffic of F (reads + writes), for memory-bound ops
+  std::int64_t backward_memory_bytes = 0;  // HBM traffic of B
+  double backward_flops() const { return backward_input_flops + backward_weight_flops; }
+  Costs& operator+=(const Costs& o);
+};
+
+// Shape parameters of one layer; only the fields of its kind are meaningful.
+struct LayerShape {
+  std::int64_t vocab = 0, hidden = 0;
+  std::int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  // Multi-head latent attention (DeepSeek-V3); zero when the attention is plain MHA/GQA.
+  std::int64_t q_lora_rank = 0, kv_lora_rank = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  bool qk_norm = false;         // Qwen3's per-head RMSNorm on q and k
+  bool bias = false;            // GPT-3 style biases on linear layers
+  std::int64_t ffn = 0;         // dense MLP / expert / shared-expert hidden size
+  MlpActivation activation = MlpActivation::SwiGLU;
+  NormKind norm = NormKind::RMSNorm;
+  std::int64_t experts = 0, top_k = 0;    // MoE router / routed experts
+  std::int64_t max_positions = 0;         // learned position embedding rows (GPT-3); 0 = RoPE
+  bool tied_with_embedding = false;       // head shares the embedding matrix (no own params)
+};
+
+struct Layer {
+  std::string name;      // "layers.3.attn"
+  LayerKind kind;
+  LayerShape shape;
+  TagMap tags;           // annotation tags, e.g. {PP:1} or {PP:1, EP:3}
+  int block = -1;        // transformer block index, -1 for embedding / final norm / head
+};
+
+// Costs of one layer for a training shape. The formulas live in model.cpp with their sources.
+Costs layer_costs(const Layer& layer, const TrainingShape& shape);
+
+// Architecture hyper-parameters, as in a model spec file.
+struct ModelConfig {
+  std::string name;
+  std::int64_t vocab = 0, hidden = 0, layers = 0;
+  std::int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  std::int64_t ffn = 0;  // dense MLP hidden size
+  MlpActivation activation = MlpActivation::SwiGLU;
+  NormKind norm = NormKind::RMSNorm;
+  bool qk_norm = false, bias = false, tie_embeddings = false;
+  std::int64_t max_positions = 0;
+  // MoE: experts > 0 turns blocks (from first_dense_layers on) into MoE blocks.
+  std::int64_t experts = 0, top_k = 0, expert_ffn = 0;
+  std::int64_t shared_experts = 0, shared_expert_ffn = 0;
+  std::int64_t first_dense_layers = 0;
+  // MLA attention (0 = off).
+  std::int64_t q_lora_rank = 0, kv_lora_rank = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  TrainingShape training;
+};
+
+class Model {
+ public:
+  Model() = default;
+  Model(std::string name, std::vector<Layer> layers, TrainingShape training);
+
+  const std::string& name() const { return name_; }
+  const std::vector<Layer>& layers() const { return layers_; }
+  std::vector<Layer>& mutable_layers() { return layers_; }
+  const TrainingShape& training() const { return training_; }
+  void set_training(const TrainingShape& t) { training_ = t; }
+
+  Costs layer_cost(std::size_t i) const { return layer_costs(layers_.at(i), training_); }
+  std::int64_t parameter_count() const;
+  // Number of PP regions annotated (max PP index + 1), 0 when no layer has a PP tag.
+  int pp_regions() const;
+
+ private:
+  std::string name_;
+  std::vector<Layer> layers_;
+  TrainingShape training_;
+};
+
+// Build the layer list of a transformer from its config (no PP tags; experts tagged EP per block).
+Model build_model(const ModelConfig& config);
+
+// Zoo: qwen3-9m, qwen3-1b, qwen3-9b, qwen3-30b-a3b, llama3-8b, llama3-70b, gpt3-175b, deepseek-v3.
+std::vector<std::string> zoo_names();
+std::optional<ModelConfig> zoo_config(const std::string& name);
+
+// Parse our model spec JSON ({"name":..., "hidden":..., ...}); `where` prefixes errors (file name).
+ModelConfig config_from_spec_json(const nlohmann::json& j, const std::string& where);
+// Parse a Hugging Face config.json (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3 families).
+ModelConfig config_from_hf_json(const nlohmann::json& j, const std::string& where);
+nlohmann::json config_to_spec_json(const ModelConfig& c);
+
+// Resolve --model: zoo name, path to a spec JSON, or path to an HF config.json (detected by its
+// "architectures" or "model_type" key). Throws ModelError with a one-line message.
+ModelConfig load_model_config(const std::string& name_or_path);
+
+// Annotate PP regions automatically: `stages` contiguous regions balanced by per-layer compute
+// cost (F+B FLOPs), embedding on the first, final norm + head on the last. Replaces existing PP tags.
+void balance_pipeline(Model& model, int stages);
+// Explicit PP annotation: region r spans blocks [starts[r], starts[r+1]); embedding goes with 0 and
+// the final norm and head with the last region.
+void annotate_pipeline_ranges(Model& model, const std::vector<int>& block_starts);
+
+// C++ builder with RAII annotation scopes, mirroring `with piper.annotate("PP"):`.
+//   ModelBuilder b("tiny", shape);
+//   { auto pp = b.annotate("PP"); b.add(...); }   // layers get PP:0
+//   { auto pp = b.annotate("PP"); b.add(...); }   // layers get PP:1
+class ModelBuilder {
+ public:
+  class Scope {
+   public:
+    Scope(Scope&& o) noexcept : builder_(o.builder_), tag_(std::move(o.tag_)) { o.builder_ = nullptr; }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+    Scope& operator=(Scope&&) = delete;
+    ~Scope();
+    int index() const;
+
+   private:
+    friend class ModelBuilder;
+    Scope(ModelBuilder* b, std::string tag) : builder_(b), tag_(std::move(tag)) {}
+    ModelBuilder* builder_;
+    std::string tag_;
+  };
+
+  ModelBuilder(std::string name, TrainingShape training) : name_(std::move(name)), training_(training) {}
+  [[nodiscard]] Scope annotate(const std::string& tag);
+  // Adds a layer carrying the currently open annotation scopes.
+  ModelBuilder& add(Layer layer);
+  Model build() const;
+
+ private:
+  std::string name_;
+  TrainingShape training_;
+  std::vector<Layer> layers_;
+  std::map<std::string, int> next_index_;
+  TagMap open_;
+};
+
+}  // namespace piper::core

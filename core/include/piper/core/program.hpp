@@ -1,0 +1,113 @@
+// The Program: per-device plans lowered from the rewritten DAG. It is the only input of the
+// simulator and the runtime. Devices that differ only by data-parallel rank share one Plan.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "piper/core/dag.hpp"
+
+namespace piper::core {
+
+enum class OpKind { Compute, Update, Send, Recv, AllReduce, ReduceScatter, AllGather, AllToAll };
+std::string to_string(OpKind k);   // "COMPUTE", "UPD", "SEND", ...
+OpKind op_kind_from_string(const std::string& s);
+
+// A position in a plan: stream index and op index within that stream.
+struct OpRef {
+  int stream = -1;
+  int index = -1;
+  friend bool operator==(const OpRef&, const OpRef&) = default;
+  friend auto operator<=>(const OpRef&, const OpRef&) = default;
+};
+
+enum class BufferKind { Parameters, Gradients, OptimizerStates, Activations, Received, GatheredParameters };
+std::string to_string(BufferKind k);
+BufferKind buffer_kind_from_string(const std::string& s);
+
+// A buffer of one device. Persistent buffers (parameters, gradients, optimizer states) have no
+// alloc/free op: they live for the whole step. Transient ones are allocated when `alloc` starts and
+// freed when `free` ends.
+struct Buffer {
+  std::string name;
+  BufferKind kind = BufferKind::Activations;
+  std::int64_t bytes = 0;
+  OpRef alloc;   // {-1,-1}: persistent
+  OpRef free;    // {-1,-1}: persistent
+  bool persistent() const { return alloc.stream < 0; }
+};
+
+struct Op {
+  OpKind kind = OpKind::Compute;
+  Pass pass = Pass::None;
+  std::int32_t node = -1;         // DAG node it came from (also the matching key of SEND/RECV pairs)
+  std::string label;              // "F mb3 PP2"
+  TagMap tags;
+  double flops = 0;
+  std::int64_t memory_bytes = 0;  // HBM traffic (roofline input)
+  std::int64_t bytes = 0;         // communication payload per device
+  DeviceSetId device_set = kNoDevices;  // the set this op's node runs on (resolves peers)
+  DeviceSetId peer_set = kNoDevices;    // SEND/RECV: the other side; peer = peer_set[pos(me, device_set)]
+  int family = -1;                // collectives: Program::families index; group = the one holding me
+  std::vector<OpRef> waits;       // ops of other streams of this device that must finish first
+  std::vector<int> uses;          // buffers read or written
+};
+
+struct Stream {
+  std::string name;
+  std::vector<Op> ops;   // issue order
+};
+
+struct Plan {
+  std::vector<Stream> streams;
+  std::vector<Buffer> buffers;
+  std::int64_t op_count() const;
+};
+
+struct ProgramStats {
+  std::int64_t dag_nodes = 0;
+  std::map<std::string, std::int64_t> nodes_by_kind;
+  double compile_seconds = 0;
+  std::int64_t compiler_peak_rss_bytes = 0;
+};
+
+struct Program {
+  std::string model_name;
+  TrainingShape training;
+  int microbatches = 1;                 // number of microbatch copies per step (product of split counts)
+  int num_devices = 0;
+  std::vector<std::vector<int>> device_sets;   // interned sets, as in the DAG
+  std::vector<CommFamily> families;            // communicator families (explicit groups derivable)
+  std::vector<Plan> plans;                     // distinct plans
+  std::vector<int> plan_of_device;             // device -> index into plans
+  ProgramStats stats;                          // not part of equality; informational
+
+  const Plan& plan_for(int device) const { return plans.at(static_cast<std::size_t>(plan_of_device.at(static_cast<std::size_t>(device)))); }
+  // Position of `device` in device set `set`, or -1.
+  int position_in(DeviceSetId set, int device) const;
+  // SEND/RECV: the device on the other side for `device`.
+  int peer_of(const Op& op, int device) const;
+  // Collective: the ranks of the group that `device` belongs to in family `f`.
+  std::vector<int> group_of(int family, int device) const;
+  // All groups of a family, each a list of device ids.
+  std::vector<std::vector<int>> groups(int family) const;
+  std::int64_t total_ops() const;   // summed over devices (not plans)
+
+  nlohmann::json to_json() const;
+  static Program from_json(const nlohmann::json& j);   // throws PlanError naming the field
+  friend bool operator==(const Program& a, const Program& b);
+};
+
+// Stream-ordering policy (see ARCHITECTURE.md): each device issues its ops in one deterministic
+// topological order of the DAG (ties broken by node creation order, which follows microbatch and
+// order-directive position); each op goes to its node's logical stream in that order; an op waits
+// for every predecessor op of this device that sits on another stream.
+Program lower(const GlobalDag& dag);
+
+// Write `j` to `path` atomically (temporary file in the same folder, then rename).
+void write_file_atomically(const std::string& path, const std::string& contents);
+
+}  // namespace piper::core

@@ -1,0 +1,67 @@
+// Strategy generator: turns parallelism knobs (--pp/--dp/--ep/--zero/--schedule/--microbatches) into a
+// directive program. Each schedule family is one function emitting split + order directives; adding
+// a family is adding one entry to schedule_registry().
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace piper::core {
+
+struct StrategyOptions {
+  int pp = 1, dp = 1, ep = 1, zero = 0;
+  int microbatches = 1;
+  int virtual_stages = 1;          // model chunks per rank (schedules that use them)
+  double bucket_mb = 0;            // 0 = one gradient collective per segment
+  std::string schedule = "1f1b";
+  // Logical stream names written into the directives. Parameters (not constants) so that programs
+  // can match other tools' naming, e.g. the published fixtures' "pp_stream"/"dp_stream".
+  std::string pp_stream = "pp";    // place: point-to-point transfers between pipeline ranks
+  std::string dp_stream = "dp";    // replicate: gradient reduction and (ZeRO-3) parameter gathers
+  std::string ep_stream = "ep";    // shard: expert all-to-all
+};
+
+// Checks the knobs (pp, dp, ep >= 1, dp % ep == 0, zero in 0..3, microbatches >= 1,
+// virtual_stages >= 1, bucket_mb >= 0). Throws std::invalid_argument with one line naming the flag.
+void validate_strategy_options(const StrategyOptions& o);
+
+// What a schedule generator needs to know: how PP regions map to ranks and the microbatch count.
+struct ScheduleContext {
+  int ranks = 1;                           // pipeline ranks (pp)
+  int regions = 1;                         // PP regions of the model
+  int microbatches = 1;
+  int virtual_stages = 1;
+  std::vector<int> rank_of_region;         // region -> pipeline rank
+};
+
+struct ScheduleFamily {
+  std::string name;
+  std::string constraints;                                   // one line, for `schedule list`
+  std::function<int(const StrategyOptions&)> regions;        // PP regions it needs for pp ranks
+  std::function<std::vector<int>(const StrategyOptions&, int regions)> placement;  // region -> rank
+  // Emits the split + order directives (JSON, published format). Throws std::invalid_argument on
+  // unmet constraints with a one-line reason.
+  std::function<nlohmann::json(const ScheduleContext&)> directives;
+};
+
+const std::vector<ScheduleFamily>& schedule_registry();
+const ScheduleFamily& schedule_family(const std::string& name);   // throws std::invalid_argument
+
+// Devices: pipeline rank r, data-parallel rank d -> device r + d * pp (pipeline ranks adjacent).
+// Placement, replicate and shard directives for `regions` PP regions.
+nlohmann::json placement_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region);
+// The full program: placement + replication + sharding + the schedule's split/order.
+nlohmann::json generate_program(const StrategyOptions& o);
+// Split/order of a schedule for a placement-only program with `regions` regions placed as given.
+nlohmann::json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region);
+// Reads the region -> pipeline-rank map of a placement-only program, for appending a schedule.
+// Each distinct device list of the `place {PP:i}` directives is one pipeline rank, numbered in
+// increasing region order (so region 0 is on rank 0). Sets *pipeline_ranks (if not null).
+// Throws std::invalid_argument if the program already has split/order directives, has no such place
+// directives, or its PP regions are not 0..n-1 each placed once.
+std::vector<int> rank_of_region_from_program(const nlohmann::json& program, int* pipeline_ranks);
+
+}  // namespace piper::core

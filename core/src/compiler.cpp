@@ -1,0 +1,35 @@
+// The compile driver shared by every front end: build the DAG, apply directives, lower, verify.
+#include "piper/core/compiler.hpp"
+
+#include <chrono>
+#include <fstream>
+#include <string>
+
+#include "piper/core/verifier.hpp"
+
+namespace piper::core {
+
+std::int64_t peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // reported in kB
+  return 0;
+}
+
+CompileResult compile(const Model& model, const DirectiveProgram& program, const AfterPassHook& hook) {
+  if (model.layers().empty()) throw ModelError("model '" + model.name() + "': field 'layers': has no layers");
+  const auto start = std::chrono::steady_clock::now();
+  CompileResult result{build_dag(model), {}};
+  apply_directives(result.dag, program, hook);
+  result.program = lower(result.dag);
+  verify_or_throw(result.program);
+  auto& stats = result.program.stats;
+  stats.dag_nodes = static_cast<std::int64_t>(result.dag.live_node_count());
+  stats.nodes_by_kind = result.dag.counts_by_kind();
+  stats.compile_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats.compiler_peak_rss_bytes = peak_rss_bytes();
+  return result;
+}
+
+}  // namespace piper::core

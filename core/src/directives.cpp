@@ -1,0 +1,852 @@
+// Piper directives: JSON parsing with field-level errors, and one rewrite pass per directive kind,
+// applied in a fixed order (split -> backward split -> place -> shard/replicate -> order).
+#include "piper/core/directives.hpp"
+
+#include <algorithm>
+#include <deque>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <type_traits>
+
+#include <fmt/format.h>
+
+namespace piper::core {
+
+using nlohmann::json;
+
+// ---------------------------------------------------------------------------------------------
+// Filters
+
+bool Filter::matches_tags(const TagMap& tags) const {
+  for (const auto& [k, v] : exact) {
+    auto it = tags.find(k);
+    if (it == tags.end() || it->second != v) return false;
+  }
+  for (const auto& k : any)
+    if (!tags.contains(k)) return false;
+  return true;
+}
+
+bool Filter::matches(const DagNode& n) const {
+  if (n.kind != NodeKind::Compute || n.removed) return false;
+  if (pass && n.pass != *pass) return false;
+  return matches_tags(n.tags);
+}
+
+json Filter::to_json() const {
+  json j = json::object();
+  for (const auto& [k, v] : exact) j[k] = v;
+  for (const auto& k : any) j[k] = "*";
+  if (pass) j["PASS"] = core::to_string(*pass);
+  return j;
+}
+
+std::string Filter::to_string() const { return to_json().dump(); }
+
+// ---------------------------------------------------------------------------------------------
+// Parsing
+
+namespace {
+
+[[noreturn]] void fail(int index, const std::string& field, const std::string& message) {
+  throw DirectiveError(index, field, message);
+}
+
+std::string type_name(const json& j) { return j.type_name(); }
+
+void check_fields(const json& d, int index, std::initializer_list<const char*> allowed) {
+  for (const auto& [key, value] : d.items()) {
+    if (key == "op") continue;
+    if (std::none_of(allowed.begin(), allowed.end(), [&](const char* a) { return key == a; })) {
+      std::string list;
+      for (const char* a : allowed) list += std::string(list.empty() ? "" : ", ") + a;
+      fail(index, key, "unknown field for '" + d["op"].get<std::string>() + "' (allowed: " + list + ")");
+    }
+  }
+}
+
+const json& require(const json& d, int index, const char* field) {
+  auto it = d.find(field);
+  if (it == d.end()) fail(index, field, "missing required field");
+  return *it;
+}
+
+Filter parse_filter(const json& j, int index, const std::string& field, bool allow_pass) {
+  if (!j.is_object()) fail(index, field, "must be an object {tag: index | \"*\"}, got " + type_name(j));
+  Filter f;
+  for (const auto& [tag, value] : j.items()) {
+    const std::string where = field + "." + tag;
+    if (tag == "PASS") {
+      if (!allow_pass) fail(index, where, "PASS is only allowed in order filters");
+      if (!value.is_string()) fail(index, where, "must be one of \"F\", \"B\", \"BI\", \"BW\"");
+      try {
+        f.pass = pass_from_string(value.get<std::string>());
+      } catch (const std::invalid_argument& e) {
+        fail(index, where, e.what());
+      }
+      if (*f.pass == Pass::None) fail(index, where, "must be one of \"F\", \"B\", \"BI\", \"BW\"");
+    } else if (value.is_string()) {
+      if (value.get<std::string>() != "*") fail(index, where, "must be a non-negative integer or \"*\"");
+      f.any.push_back(tag);
+    } else if (value.is_number_integer()) {
+      if (value.get<long long>() < 0) fail(index, where, "tag index must be >= 0");
+      f.exact[tag] = value.get<int>();
+    } else {
+      fail(index, where, "must be a non-negative integer or \"*\", got " + type_name(value));
+    }
+  }
+  return f;
+}
+
+std::vector<int> parse_devices(const json& d, int index) {
+  const json& j = require(d, index, "devices");
+  if (!j.is_array() || j.empty()) fail(index, "devices", "must be a non-empty array of device ids");
+  std::vector<int> out;
+  std::set<int> seen;
+  for (std::size_t i = 0; i < j.size(); ++i) {
+    const std::string where = "devices[" + std::to_string(i) + "]";
+    if (!j[i].is_number_integer()) fail(index, where, "must be an integer, got " + type_name(j[i]));
+    long long v = j[i].get<long long>();
+    if (v < 0) fail(index, where, "device id " + std::to_string(v) + " is negative");
+    if (v > 100'000'000) fail(index, where, "device id " + std::to_string(v) + " is out of range");
+    if (!seen.insert(static_cast<int>(v)).second) fail(index, where, "device " + std::to_string(v) + " listed twice");
+    out.push_back(static_cast<int>(v));
+  }
+  return out;
+}
+
+std::string get_string(const json& d, int index, const char* field, const std::string& fallback) {
+  auto it = d.find(field);
+  if (it == d.end()) return fallback;
+  if (!it->is_string() || it->get<std::string>().empty()) fail(index, field, "must be a non-empty string");
+  return it->get<std::string>();
+}
+
+bool get_bool(const json& d, int index, const char* field) {
+  auto it = d.find(field);
+  if (it == d.end()) return false;
+  if (!it->is_boolean()) fail(index, field, "must be true or false, got " + type_name(*it));
+  return it->get<bool>();
+}
+
+Directive parse_one(const json& d, int index) {
+  if (!d.is_object()) fail(index, "", "must be an object with an \"op\" field, got " + type_name(d));
+  auto op_it = d.find("op");
+  if (op_it == d.end()) fail(index, "op", "missing required field");
+  if (!op_it->is_string()) fail(index, "op", "must be a string");
+  const std::string op = op_it->get<std::string>();
+  if (op == "place") {
+    check_fields(d, index, {"filter", "devices", "stream"});
+    PlaceDirective p;
+    p.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
+    p.devices = parse_devices(d, index);
+    p.stream = get_string(d, index, "stream", "pp");
+    return p;
+  }
+  if (op == "replicate") {
+    check_fields(d, index, {"filter", "devices", "bucket_size", "shard_grads", "shard_params", "shard_optimizer",
+                            "reduce_stream", "gather_stream"});
+    ReplicateDirective r;
+    r.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
+    r.devices = parse_devices(d, index);
+    if (auto it = d.find("bucket_size"); it != d.end()) {
+      if (!it->is_number() || it->get<double>() < 0) fail(index, "bucket_size", "must be a non-negative number (MB)");
+      r.bucket_size_mb = it->get<double>();
+    }
+    r.shard_optimizer = get_bool(d, index, "shard_optimizer");
+    r.shard_grads = get_bool(d, index, "shard_grads");
+    r.shard_params = get_bool(d, index, "shard_params");
+    if (r.shard_params && !r.shard_grads) fail(index, "shard_params", "requires shard_grads (ZeRO-3 implies ZeRO-2)");
+    r.reduce_stream = get_string(d, index, "reduce_stream", "dp");
+    r.gather_stream = get_string(d, index, "gather_stream", r.reduce_stream);
+    return r;
+  }
+  if (op == "shard") {
+    check_fields(d, index, {"filter", "devices", "stream", "degree"});
+    ShardDirective s;
+    s.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
+    s.devices = parse_devices(d, index);
+    s.stream = get_string(d, index, "stream", "ep");
+    if (auto it = d.find("degree"); it != d.end()) {
+      if (!it->is_number_integer() || it->get<long long>() < 1) fail(index, "degree", "must be a positive integer");
+      s.degree = it->get<int>();
+      if (s.devices.size() % static_cast<std::size_t>(s.degree) != 0)
+        fail(index, "degree", fmt::format("{} does not divide the {} devices", s.degree, s.devices.size()));
+    }
+    return s;
+  }
+  if (op == "split") {
+    check_fields(d, index, {"filter", "dim_name", "num_microbatches"});
+    SplitDirective s;
+    s.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
+    s.dim_name = get_string(d, index, "dim_name", "MB");
+    if (s.dim_name == "PASS") fail(index, "dim_name", "PASS is reserved");
+    const json& n = require(d, index, "num_microbatches");
+    if (!n.is_number_integer() || n.get<long long>() < 1 || n.get<long long>() > 1'000'000)
+      fail(index, "num_microbatches", "must be a positive integer");
+    s.count = n.get<int>();
+    return s;
+  }
+  if (op == "order") {
+    check_fields(d, index, {"filters"});
+    const json& groups = require(d, index, "filters");
+    if (!groups.is_array() || groups.empty()) fail(index, "filters", "must be a non-empty array of filter groups");
+    OrderDirective o;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      const std::string gf = "filters[" + std::to_string(g) + "]";
+      if (!groups[g].is_array() || groups[g].empty()) fail(index, gf, "must be a non-empty array of filters");
+      std::vector<Filter> group;
+      for (std::size_t k = 0; k < groups[g].size(); ++k)
+        group.push_back(parse_filter(groups[g][k], index, gf + "[" + std::to_string(k) + "]", true));
+      o.groups.push_back(std::move(group));
+    }
+    return o;
+  }
+  fail(index, "op", "unknown op '" + op + "' (expected place, replicate, shard, split or order)");
+}
+
+}  // namespace
+
+std::string op_name(const Directive& d) {
+  return std::visit(
+      [](const auto& x) -> std::string {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, PlaceDirective>) return "place";
+        if constexpr (std::is_same_v<T, ReplicateDirective>) return "replicate";
+        if constexpr (std::is_same_v<T, ShardDirective>) return "shard";
+        if constexpr (std::is_same_v<T, SplitDirective>) return "split";
+        return "order";
+      },
+      d);
+}
+
+DirectiveProgram parse_directives(const json& program) {
+  if (!program.is_array())
+    throw Error(std::string("a directive program must be a JSON array, got ") + program.type_name());
+  DirectiveProgram out;
+  for (std::size_t i = 0; i < program.size(); ++i) {
+    out.directives.push_back(parse_one(program[i], static_cast<int>(i)));
+    out.source.push_back(program[i]);
+  }
+  return out;
+}
+
+json DirectiveProgram::to_json() const { return json(source); }
+
+DirectiveProgram load_directives_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw Error(path + ": cannot open file");
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::parse_error& e) {
+    std::string what = e.what();
+    if (auto p = what.find("parse error"); p != std::string::npos) what = what.substr(p);
+    throw Error(path + ": not JSON: " + what);
+  }
+  try {
+    return parse_directives(j);
+  } catch (const DirectiveError& e) {
+    throw e.in_file(path);
+  } catch (const Error& e) {
+    throw Error(path + ": " + e.what());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Passes
+
+namespace {
+
+std::string set_str(const std::vector<int>& s) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    if (i == 8) {
+      out += ",… " + std::to_string(s.size()) + " devices";
+      break;
+    }
+    if (i) out += ',';
+    out += std::to_string(s[i]);
+  }
+  return out + "]";
+}
+
+// Working state of one apply_directives call.
+struct PassContext {
+  GlobalDag& dag;
+  std::vector<std::string> p2p_stream;   // per vertex: stream of its region's point-to-point transfers
+  std::vector<std::string> split_dims;   // dims created by split, outermost first
+  std::vector<bool> replicated;          // per segment
+
+  Graph& g() { return dag.graph; }
+  DagNode& node(Vertex v) { return dag.graph[v]; }
+
+  std::vector<Vertex> match(const Filter& f) {
+    std::vector<Vertex> out;
+    for (auto v : boost::make_iterator_range(boost::vertices(dag.graph)))
+      if (f.matches(dag.graph[v])) out.push_back(v);
+    return out;
+  }
+
+  Vertex add(DagNode n) {
+    n.label = n.label.empty() ? node_label(n) : n.label;
+    Vertex v = dag.add_node(std::move(n));
+    if (p2p_stream.size() <= v) p2p_stream.resize(v + 1);
+    return v;
+  }
+
+  void remove(Vertex v) {
+    boost::clear_vertex(v, dag.graph);
+    dag.graph[v].removed = true;
+  }
+};
+
+struct EdgeRec {
+  Vertex u, v;
+  DagEdge e;
+};
+
+std::vector<EdgeRec> out_edges_of(const Graph& g, Vertex u) {
+  std::vector<EdgeRec> out;
+  for (auto e : boost::make_iterator_range(boost::out_edges(u, g))) out.push_back({u, boost::target(e, g), g[e]});
+  return out;
+}
+std::vector<EdgeRec> in_edges_of(const Graph& g, Vertex v) {
+  std::vector<EdgeRec> out;
+  for (auto e : boost::make_iterator_range(boost::in_edges(v, g))) out.push_back({boost::source(e, g), v, g[e]});
+  return out;
+}
+
+bool is_backward(Pass p) { return p == Pass::B || p == Pass::BI || p == Pass::BW; }
+
+// A split region must be contiguous within the forward pass and within the backward pass: no path
+// leaves the region and comes back (the region is convex in the F sub-DAG and in the B sub-DAG).
+void check_contiguous(PassContext& cx, const std::vector<Vertex>& matched, int index) {
+  const Graph& g = cx.g();
+  std::vector<char> in(boost::num_vertices(g), 0), seen(boost::num_vertices(g), 0);
+  for (auto v : matched) in[v] = 1;
+  std::deque<Vertex> queue;
+  auto same_pass_family = [&](Vertex a, Vertex b) {
+    return g[b].kind == NodeKind::Compute && (g[a].pass == Pass::F) == (g[b].pass == Pass::F);
+  };
+  for (auto u : matched)
+    for (auto e : boost::make_iterator_range(boost::out_edges(u, g))) {
+      Vertex w = boost::target(e, g);
+      if (!in[w] && same_pass_family(u, w) && !seen[w]) seen[w] = 1, queue.push_back(w);
+    }
+  while (!queue.empty()) {
+    Vertex x = queue.front();
+    queue.pop_front();
+    for (auto e : boost::make_iterator_range(boost::out_edges(x, g))) {
+      Vertex w = boost::target(e, g);
+      if (!same_pass_family(x, w)) continue;
+      if (in[w])
+        fail(index, "filter",
+             "selects a non-contiguous region: '" + g[w].label + "' is reached from the region through '" + g[x].label +
+                 "', which the filter does not select");
+      if (!seen[w]) seen[w] = 1, queue.push_back(w);
+    }
+  }
+}
+
+void apply_split(PassContext& cx, const SplitDirective& d, int index) {
+  auto matched = cx.match(d.filter);
+  if (matched.empty()) fail(index, "filter", "matches no node (" + d.filter.to_string() + ")");
+  if (std::find(cx.split_dims.begin(), cx.split_dims.end(), d.dim_name) != cx.split_dims.end())
+    fail(index, "dim_name", "dimension '" + d.dim_name + "' was already split");
+  for (auto v : matched)
+    if (cx.node(v).tags.contains(d.dim_name))
+      fail(index, "dim_name", "'" + d.dim_name + "' is already a tag of '" + cx.node(v).label + "'");
+  check_contiguous(cx, matched, index);
+  cx.split_dims.push_back(d.dim_name);
+
+  Graph& g = cx.g();
+  std::vector<char> in(boost::num_vertices(g), 0);
+  for (auto v : matched) in[v] = 1;
+  std::vector<EdgeRec> inside_or_out, from_outside;
+  for (auto u : matched) {
+    for (auto& r : out_edges_of(g, u)) inside_or_out.push_back(r);
+    for (auto& r : in_edges_of(g, u))
+      if (!in[r.u]) from_outside.push_back(r);
+  }
+  // Copies are created microbatch-major, so creation order (the lowering's tie-break) follows microbatches.
+  std::vector<std::vector<Vertex>> copy(static_cast<std::size_t>(d.count));
+  std::vector<std::size_t> pos(boost::num_vertices(g), 0);
+  for (std::size_t i = 0; i < matched.size(); ++i) pos[matched[i]] = i;
+  for (int k = 0; k < d.count; ++k) {
+    for (auto v : matched) {
+      DagNode n = cx.node(v);
+      n.tags[d.dim_name] = k;
+      n.label.clear();
+      copy[k].push_back(cx.add(std::move(n)));
+    }
+  }
+  for (int k = 0; k < d.count; ++k) {
+    for (const auto& r : inside_or_out)
+      cx.dag.add_edge(copy[k][pos[r.u]], in[r.v] ? copy[k][pos[r.v]] : r.v, r.e);
+    for (const auto& r : from_outside) cx.dag.add_edge(r.u, copy[k][pos[r.v]], r.e);
+  }
+  for (auto v : matched) cx.remove(v);
+  cx.dag.microbatches *= d.count;
+}
+
+// Splits B into BI (input gradient, on the critical path) and BW (weight gradient, deferrable) for
+// every B node selected by an order filter that names BI or BW.
+void apply_backward_split(PassContext& cx, const std::vector<Filter>& filters) {
+  std::vector<Vertex> targets;
+  for (auto v : cx.dag.live_nodes()) {
+    const auto& n = cx.node(v);
+    if (n.kind != NodeKind::Compute || n.pass != Pass::B) continue;
+    for (const auto& f : filters)
+      if (f.matches_tags(n.tags)) {
+        targets.push_back(v);
+        break;
+      }
+  }
+  Graph& g = cx.g();
+  for (auto b : targets) {
+    DagNode bi = cx.node(b), bw = cx.node(b);
+    bi.pass = Pass::BI;
+    bi.costs.backward_weight_flops = 0;
+    bi.costs.backward_memory_bytes = cx.node(b).costs.backward_memory_bytes / 2;
+    bw.pass = Pass::BW;
+    bw.costs.backward_input_flops = 0;
+    bw.costs.backward_memory_bytes -= bi.costs.backward_memory_bytes;
+    bi.label.clear();
+    bw.label.clear();
+    auto ins = in_edges_of(g, b), outs = out_edges_of(g, b);
+    Vertex vi = cx.add(std::move(bi)), vw = cx.add(std::move(bw));
+    for (const auto& r : ins) {
+      cx.dag.add_edge(r.u, vi, r.e);
+      if (r.e.tensor == "stash") cx.dag.add_edge(r.u, vw, r.e);
+    }
+    for (const auto& r : outs) cx.dag.add_edge(cx.node(r.v).kind == NodeKind::Update ? vw : vi, r.v, r.e);
+    // BW reads what BI computed (the gradient at the layer outputs): it runs after its BI.
+    cx.dag.add_edge(vi, vw, {EdgeKind::Data, 0, "igrad"});
+    cx.remove(b);
+  }
+}
+
+void apply_place(PassContext& cx, const PlaceDirective& d, int index, std::vector<int>& placed_by) {
+  if (d.filter.pass) fail(index, "filter", "place cannot select a single pass");
+  auto matched = cx.match(d.filter);
+  if (matched.empty()) fail(index, "filter", "matches no node (" + d.filter.to_string() + ")");
+  DeviceSetId set = cx.dag.device_sets.intern(d.devices);
+  if (placed_by.size() < cx.p2p_stream.size()) placed_by.resize(cx.p2p_stream.size(), -1);
+  for (auto v : matched) {
+    auto& n = cx.node(v);
+    if (n.devices != kNoDevices && n.devices != set)
+      fail(index, "filter",
+           "'" + n.label + "' is already placed on " + set_str(cx.dag.device_sets.at(n.devices)) + " by directive " +
+               std::to_string(placed_by[v]));
+    n.devices = set;
+    cx.p2p_stream[v] = d.stream;
+    placed_by[v] = index;
+  }
+}
+
+std::string common_tags_label(const GlobalDag& dag, const std::vector<int>& segments) {
+  TagMap common = dag.segments.at(static_cast<std::size_t>(segments.front())).tags;
+  for (int s : segments) {
+    const auto& t = dag.segments.at(static_cast<std::size_t>(s)).tags;
+    for (auto it = common.begin(); it != common.end();) it = (t.contains(it->first) && t.at(it->first) == it->second) ? std::next(it) : common.erase(it);
+  }
+  std::string out;
+  for (const auto& [k, v] : common) out += " " + k + std::to_string(v);
+  if (segments.size() == 1) out += " s" + std::to_string(segments.front());
+  else out += " s" + std::to_string(*std::min_element(segments.begin(), segments.end())) + "-" +
+              std::to_string(*std::max_element(segments.begin(), segments.end()));
+  return out;
+}
+
+// After all place directives: every compute node is placed, UPD nodes follow their segments and
+// merge per device set, and every data edge between different device sets becomes SEND -> RECV.
+void finish_placement(PassContext& cx, bool any_place) {
+  auto& dag = cx.dag;
+  Graph& g = cx.g();
+  if (!any_place) {
+    DeviceSetId zero = dag.device_sets.intern({0});
+    for (auto v : dag.live_nodes())
+      if (cx.node(v).kind == NodeKind::Compute) cx.node(v).devices = zero, cx.p2p_stream[v] = "pp";
+  }
+  for (auto v : dag.live_nodes()) {
+    const auto& n = cx.node(v);
+    if (n.kind == NodeKind::Compute && n.devices == kNoDevices)
+      throw Error("directives: '" + n.label + "' is not placed by any place directive (tags " +
+                  Filter{n.tags, {}, {}}.to_string() + ")");
+    if (n.kind == NodeKind::Compute) dag.segments.at(static_cast<std::size_t>(n.segment)).placed = true;
+  }
+  // UPD: on the device set of the backward nodes that feed it; one UPD per device set.
+  std::map<DeviceSetId, Vertex> upd_of_set;
+  for (auto v : dag.live_nodes()) {
+    auto& n = cx.node(v);
+    if (n.kind != NodeKind::Update) continue;
+    DeviceSetId set = kNoDevices;
+    for (const auto& r : in_edges_of(g, v)) {
+      DeviceSetId s = cx.node(r.u).devices;
+      if (set != kNoDevices && s != set)
+        throw Error("directives: the copies of segment " + std::to_string(n.segment) +
+                    " are placed on different device sets (" + set_str(dag.device_sets.at(set)) + " and " +
+                    set_str(dag.device_sets.at(s)) + "); one segment's parameters must live on one device set");
+      set = s;
+    }
+    n.devices = set;
+    auto [it, fresh] = upd_of_set.try_emplace(set, v);
+    if (fresh) continue;
+    Vertex keep = it->second;
+    for (const auto& r : in_edges_of(g, v)) dag.add_edge(r.u, keep, r.e);
+    auto& kn = cx.node(keep);
+    kn.buffer_segments.insert(kn.buffer_segments.end(), n.buffer_segments.begin(), n.buffer_segments.end());
+    cx.remove(v);
+  }
+  for (auto& [set, v] : upd_of_set) {
+    auto& n = cx.node(v);
+    std::sort(n.buffer_segments.begin(), n.buffer_segments.end());
+    n.label = "UPD" + common_tags_label(dag, n.buffer_segments);
+  }
+  // Point-to-point transfers between device sets.
+  std::vector<EdgeRec> cross;
+  for (auto e : boost::make_iterator_range(boost::edges(g))) {
+    Vertex u = boost::source(e, g), v = boost::target(e, g);
+    if (g[u].kind == NodeKind::Compute && g[v].kind == NodeKind::Compute && g[u].devices != g[v].devices)
+      cross.push_back({u, v, g[e]});
+  }
+  for (const auto& r : cross) {
+    const auto& su = dag.device_sets.at(cx.node(r.u).devices);
+    const auto& sv = dag.device_sets.at(cx.node(r.v).devices);
+    if (su.size() != sv.size())
+      throw Error("directives: '" + cx.node(r.u).label + "' on " + set_str(su) + " feeds '" + cx.node(r.v).label +
+                  "' on " + set_str(sv) + ": device sets of different sizes cannot be paired for point-to-point");
+    boost::remove_edge(r.u, r.v, g);
+    DagNode send;
+    send.kind = NodeKind::Send;
+    send.pass = cx.node(r.u).pass;
+    send.tags = cx.node(r.u).tags;
+    send.segment = cx.node(r.u).segment;
+    send.devices = cx.node(r.u).devices;
+    send.peer_devices = cx.node(r.v).devices;
+    send.stream = cx.p2p_stream[r.u];
+    send.bytes = r.e.bytes;
+    send.label = "SEND " + cx.node(r.u).label + " -> s" + std::to_string(cx.node(r.v).segment);
+    DagNode recv = send;
+    recv.kind = NodeKind::Recv;
+    recv.pass = cx.node(r.v).pass;
+    recv.tags = cx.node(r.v).tags;
+    recv.segment = cx.node(r.v).segment;
+    recv.devices = cx.node(r.v).devices;
+    recv.peer_devices = cx.node(r.u).devices;
+    recv.stream = cx.p2p_stream[r.v];
+    recv.label = "RECV " + cx.node(r.v).label + " <- s" + std::to_string(cx.node(r.u).segment);
+    Vertex vs = cx.add(std::move(send));
+    Vertex vr = cx.add(std::move(recv));
+    dag.add_edge(r.u, vs, r.e);
+    dag.add_edge(vs, vr, r.e);
+    dag.add_edge(vr, r.v, r.e);
+  }
+}
+
+// Matched nodes must sit on exactly the directive's devices (in order).
+void check_devices(PassContext& cx, const std::vector<Vertex>& matched, const std::vector<int>& devices, int index) {
+  for (auto v : matched) {
+    const auto& placed = cx.dag.device_sets.at(cx.node(v).devices);
+    if (placed != devices)
+      fail(index, "devices",
+           set_str(devices) + " differ from the placement " + set_str(placed) + " of '" + cx.node(v).label + "'");
+  }
+}
+
+std::vector<int> segments_of(PassContext& cx, const std::vector<Vertex>& nodes) {
+  std::set<int> s;
+  for (auto v : nodes) s.insert(cx.node(v).segment);
+  return {s.begin(), s.end()};
+}
+
+void scale_costs(Costs& c, int degree) {
+  c.params /= degree;
+  c.param_bytes /= degree;
+  c.forward_flops /= degree;
+  c.backward_input_flops /= degree;
+  c.backward_weight_flops /= degree;
+  c.activation_bytes /= degree;
+  c.forward_memory_bytes /= degree;
+  c.backward_memory_bytes /= degree;
+}
+
+void apply_shard(PassContext& cx, const ShardDirective& d, int index) {
+  auto matched = cx.match(d.filter);
+  if (matched.empty()) fail(index, "filter", "matches no node (" + d.filter.to_string() + ")");
+  check_devices(cx, matched, d.devices, index);
+  const int degree = d.degree > 0 ? d.degree : static_cast<int>(d.devices.size());
+  for (int s : segments_of(cx, matched)) {
+    auto& seg = cx.dag.segments.at(static_cast<std::size_t>(s));
+    if (seg.shard_degree != 1) fail(index, "filter", "segment " + std::to_string(s) + " is already sharded");
+    seg.shard_degree = degree;
+  }
+  if (degree == 1) return;
+  Graph& g = cx.g();
+  DeviceSetId set = cx.dag.device_sets.intern(d.devices);
+  int family = cx.dag.family_index({set, degree, 1, "ep"});
+  std::vector<char> in(boost::num_vertices(g), 0);
+  for (auto v : matched) in[v] = 1;
+  std::vector<EdgeRec> crossing;
+  for (auto v : matched) {
+    auto& n = cx.node(v);
+    scale_costs(n.costs, degree);
+    for (auto& r : in_edges_of(g, v))
+      if (!in[r.u] && r.e.kind == EdgeKind::Data && cx.node(r.u).kind != NodeKind::Update) crossing.push_back(r);
+    for (auto& r : out_edges_of(g, v))
+      if (!in[r.v] && r.e.kind == EdgeKind::Data && cx.node(r.v).kind != NodeKind::Update) crossing.push_back(r);
+  }
+  for (auto v : matched)  // the stash of a sharded region is sharded too
+    for (auto e : boost::make_iterator_range(boost::out_edges(v, g)))
+      if (g[e].tensor == "stash") g[e].bytes = cx.node(v).costs.activation_bytes;
+  for (const auto& r : crossing) {
+    const bool into = in[r.v];
+    Vertex sharded = into ? r.v : r.u;
+    const auto& sn = cx.node(sharded);
+    DagNode a2a;
+    a2a.kind = NodeKind::AllToAll;
+    a2a.pass = sn.pass;
+    a2a.tags = sn.tags;
+    a2a.segment = sn.segment;
+    a2a.devices = set;
+    a2a.stream = d.stream;
+    a2a.family = family;
+    a2a.bytes = r.e.bytes * cx.dag.segments.at(static_cast<std::size_t>(sn.segment)).fanout;
+    a2a.label = std::string("ALL_TO_ALL ") + (into ? "dispatch " : "combine ") + sn.label;
+    boost::remove_edge(r.u, r.v, g);
+    Vertex a = cx.add(std::move(a2a));
+    DagEdge e = r.e;
+    cx.dag.add_edge(r.u, a, e);
+    e.bytes = cx.node(a).bytes;
+    cx.dag.add_edge(a, r.v, e);
+  }
+}
+
+void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
+  auto matched = cx.match(d.filter);
+  if (matched.empty()) fail(index, "filter", "matches no node (" + d.filter.to_string() + ")");
+  check_devices(cx, matched, d.devices, index);
+  auto& dag = cx.dag;
+  Graph& g = cx.g();
+  const int n = static_cast<int>(d.devices.size());
+  const int zero = d.shard_params ? 3 : d.shard_grads ? 2 : d.shard_optimizer ? 1 : 0;
+  DeviceSetId set = dag.device_sets.intern(d.devices);
+  // Segments grouped by communicator family: fully replicated ones over all devices; partially
+  // sharded ones (shard degree < devices) over the strided groups holding the same shard.
+  std::map<int, std::vector<int>> by_family;
+  for (int s : segments_of(cx, matched)) {
+    auto& seg = dag.segments.at(static_cast<std::size_t>(s));
+    if (cx.replicated.at(static_cast<std::size_t>(s))) fail(index, "filter", "segment " + std::to_string(s) + " is already replicated");
+    cx.replicated[static_cast<std::size_t>(s)] = true;
+    if (seg.shard_degree >= n) continue;  // fully sharded: nothing to reduce
+    seg.replicas = n / seg.shard_degree;
+    seg.zero_level = zero;
+    if (seg.costs.params == 0 || seg.replicas == 1) continue;
+    CommFamily fam = seg.shard_degree == 1 ? CommFamily{set, n, 1, "dp"} : CommFamily{set, n / seg.shard_degree, seg.shard_degree, "dp-ep"};
+    by_family[dag.family_index(fam)].push_back(s);
+  }
+  // The UPD of this device set, and the backward nodes that produce each segment's gradient.
+  Vertex upd = boost::graph_traits<Graph>::null_vertex();
+  std::map<int, std::vector<Vertex>> producers, consumers;  // segment -> nodes
+  for (auto v : dag.live_nodes()) {
+    auto& nd = cx.node(v);
+    if (nd.kind == NodeKind::Update && nd.devices == set) upd = v;
+    if (nd.kind != NodeKind::Compute || nd.devices != set) continue;
+    if (nd.pass == Pass::B || nd.pass == Pass::BW) producers[nd.segment].push_back(v);
+    consumers[nd.segment].push_back(v);
+  }
+  const std::int64_t cap = static_cast<std::int64_t>(d.bucket_size_mb * 1024.0 * 1024.0);
+  for (auto& [family, segs] : by_family) {
+    std::sort(segs.rbegin(), segs.rend());  // gradients become ready last segment first
+    std::vector<std::vector<int>> buckets;
+    std::int64_t filled = 0;
+    for (int s : segs) {
+      std::int64_t bytes = dag.segments[static_cast<std::size_t>(s)].costs.param_bytes /
+                           dag.segments[static_cast<std::size_t>(s)].shard_degree;
+      if (buckets.empty() || cap == 0 || filled + bytes > cap) buckets.emplace_back(), filled = 0;
+      buckets.back().push_back(s);
+      filled += bytes;
+    }
+    for (const auto& bucket : buckets) {
+      std::int64_t bytes = 0;
+      for (int s : bucket) bytes += dag.segments[static_cast<std::size_t>(s)].costs.param_bytes /
+                                    dag.segments[static_cast<std::size_t>(s)].shard_degree;
+      const std::string what = common_tags_label(dag, bucket);
+      DagNode red;
+      red.kind = zero == 0 ? NodeKind::AllReduce : NodeKind::ReduceScatter;
+      red.devices = set;
+      red.stream = d.reduce_stream;
+      red.family = family;
+      red.bytes = bytes;
+      red.segment = bucket.front();
+      red.buffer_segments = bucket;
+      red.tags = dag.segments[static_cast<std::size_t>(bucket.front())].tags;
+      red.label = to_string(red.kind) + what;
+      Vertex vr = cx.add(red);
+      for (int s : bucket)
+        for (auto p : producers[s]) {
+          if (upd != boost::graph_traits<Graph>::null_vertex()) boost::remove_edge(p, upd, g);
+          dag.add_edge(p, vr, {EdgeKind::Data, bytes, "grad"});
+        }
+      if (upd != boost::graph_traits<Graph>::null_vertex()) dag.add_edge(vr, upd, {EdgeKind::Data, bytes, "grad"});
+      DagNode ag = red;
+      ag.kind = NodeKind::AllGather;
+      ag.stream = d.gather_stream;
+      if (zero == 1 || zero == 2) {
+        // Each rank updated its shard of the parameters: gather the full parameters back.
+        ag.label = "ALL_GATHER" + what;
+        Vertex va = cx.add(ag);
+        if (upd != boost::graph_traits<Graph>::null_vertex()) dag.add_edge(upd, va, {EdgeKind::Data, bytes, "param"});
+      } else if (zero == 3) {
+        // ZeRO-3: gather the bucket's parameters before each use: once per microbatch for F and once
+        // for the backward (kept from BI to BW), freed after the last use.
+        std::map<std::pair<bool, std::vector<int>>, std::vector<Vertex>> uses;
+        for (int s : bucket)
+          for (auto c : consumers[s]) {
+            std::vector<int> key;
+            for (const auto& dim : cx.split_dims) key.push_back(cx.node(c).tags.contains(dim) ? cx.node(c).tags.at(dim) : -1);
+            uses[{is_backward(cx.node(c).pass), key}].push_back(c);
+          }
+        for (auto& [key, users] : uses) {
+          DagNode pre = ag;
+          pre.pass = key.first ? Pass::B : Pass::F;
+          pre.tags = cx.node(users.front()).tags;
+          pre.label = "ALL_GATHER" + std::string(key.first ? " B" : " F") + tags_label(pre.tags) + " s" +
+                      std::to_string(bucket.front());
+          Vertex va = cx.add(pre);
+          for (auto c : users) dag.add_edge(va, c, {EdgeKind::Data, bytes, "param"});
+        }
+      }
+    }
+  }
+}
+
+// UPD costs once sharding is known: AdamW reads/writes parameters, gradients and the optimizer
+// states of this device's shard (ZeRO: Rajbhandari et al. 2020, 2 + 2 + 12 bytes per parameter in
+// mixed precision), at about 10 FLOPs per parameter.
+void cost_updates(PassContext& cx) {
+  auto& dag = cx.dag;
+  const int dt = bytes_per_element(dag.training.precision);
+  const int state = dag.training.precision == Precision::FP32 ? 8 : 12;
+  for (auto v : dag.live_nodes()) {
+    auto& n = cx.node(v);
+    if (n.kind != NodeKind::Update) continue;
+    std::int64_t params = 0;
+    for (int s : n.buffer_segments) {
+      const auto& seg = dag.segments.at(static_cast<std::size_t>(s));
+      params += seg.costs.params / seg.shard_degree / (seg.zero_level >= 1 ? seg.replicas : 1);
+    }
+    n.costs = Costs{};
+    n.costs.params = params;
+    n.costs.forward_flops = 10.0 * static_cast<double>(params);
+    n.costs.forward_memory_bytes = params * (2 * dt + 2 * state);
+  }
+}
+
+void apply_order(PassContext& cx, const OrderDirective& d, int index) {
+  auto& dag = cx.dag;
+  std::vector<std::vector<Vertex>> groups;
+  std::map<Vertex, std::size_t> group_of;
+  DeviceSetId set = kNoDevices;
+  std::string set_origin;
+  for (std::size_t gi = 0; gi < d.groups.size(); ++gi) {
+    std::vector<Vertex> members;
+    for (std::size_t fi = 0; fi < d.groups[gi].size(); ++fi) {
+      const std::string field = "filters[" + std::to_string(gi) + "][" + std::to_string(fi) + "]";
+      auto matched = cx.match(d.groups[gi][fi]);
+      if (matched.empty()) fail(index, field, "matches no node (" + d.groups[gi][fi].to_string() + ")");
+      for (auto v : matched) {
+        const auto& n = cx.node(v);
+        if (set == kNoDevices) set = n.devices, set_origin = field;
+        if (n.devices != set)
+          fail(index, field,
+               "'" + n.label + "' runs on " + set_str(dag.device_sets.at(n.devices)) + " but " + set_origin +
+                   " selects nodes on " + set_str(dag.device_sets.at(set)) + ": an order cannot cross device sets");
+        auto [it, fresh] = group_of.try_emplace(v, gi);
+        if (!fresh && it->second != gi)
+          fail(index, field, "'" + n.label + "' is already selected by group " + std::to_string(it->second));
+        if (fresh) members.push_back(v);
+      }
+    }
+    groups.push_back(std::move(members));
+  }
+  std::vector<Vertex> dummies;
+  for (std::size_t gi = 0; gi + 1 < groups.size(); ++gi) {
+    DagNode dummy;
+    dummy.kind = NodeKind::OrderDummy;
+    dummy.devices = set;
+    dummy.label = "ORDER " + std::to_string(index) + "." + std::to_string(gi);
+    Vertex v = cx.add(dummy);
+    dummies.push_back(v);
+    for (auto u : groups[gi]) dag.add_edge(u, v, {EdgeKind::Temporal, 0, ""});
+    for (auto w : groups[gi + 1]) dag.add_edge(v, w, {EdgeKind::Temporal, 0, ""});
+  }
+  if (!dag.has_cycle()) return;
+  // Slow path, errors only: find the first group boundary that closes a cycle.
+  for (auto v : dummies) boost::clear_vertex(v, dag.graph);
+  for (std::size_t gi = 0; gi < dummies.size(); ++gi) {
+    for (auto u : groups[gi]) dag.add_edge(u, dummies[gi], {EdgeKind::Temporal, 0, ""});
+    for (auto w : groups[gi + 1]) dag.add_edge(dummies[gi], w, {EdgeKind::Temporal, 0, ""});
+    if (dag.has_cycle())
+      fail(index, "filters[" + std::to_string(gi + 1) + "]",
+           "order would create a cycle: group " + std::to_string(gi + 1) + " must run after group " + std::to_string(gi) +
+               ", but a node of group " + std::to_string(gi) + " depends on it");
+  }
+  fail(index, "filters", "order would create a cycle");
+}
+
+// Invariants checked after every pass.
+void verify_dag(PassContext& cx, const std::string& after, bool placed) {
+  if (cx.dag.has_cycle()) throw Error("internal: the DAG has a cycle after " + after);
+  if (!placed) return;
+  for (auto v : cx.dag.live_nodes()) {
+    const auto& n = cx.node(v);
+    if (n.devices == kNoDevices && n.kind != NodeKind::Update)
+      throw Error("internal: '" + n.label + "' has no devices after " + after);
+    if (n.family >= 0 && cx.dag.families.at(static_cast<std::size_t>(n.family)).devices != n.devices)
+      throw Error("internal: '" + n.label + "' runs outside its communicator family after " + after);
+  }
+}
+
+}  // namespace
+
+void apply_directives(GlobalDag& dag_in, const DirectiveProgram& program, const AfterPassHook& hook) {
+  GlobalDag dag = dag_in;  // all-or-nothing: the caller's DAG changes only on success
+  PassContext cx{dag, std::vector<std::string>(boost::num_vertices(dag.graph)), {},
+                 std::vector<bool>(dag.segments.size(), false)};
+  auto after = [&](const std::string& op, int index, bool placed) {
+    verify_dag(cx, op + (index >= 0 ? " (directive " + std::to_string(index) + ")" : ""), placed);
+    if (hook) hook(op, index, dag);
+  };
+  const auto& ds = program.directives;
+  auto each = [&](auto tag, auto&& fn) {
+    using T = typename decltype(tag)::type;
+    for (std::size_t i = 0; i < ds.size(); ++i)
+      if (const auto* d = std::get_if<T>(&ds[i])) fn(*d, static_cast<int>(i));
+  };
+  each(std::type_identity<SplitDirective>{}, [&](const SplitDirective& d, int i) { apply_split(cx, d, i), after("split", i, false); });
+
+  std::vector<Filter> wants_split;
+  each(std::type_identity<OrderDirective>{}, [&](const OrderDirective& d, int) {
+    for (const auto& grp : d.groups)
+      for (const auto& f : grp)
+        if (f.pass == Pass::BI || f.pass == Pass::BW) wants_split.push_back(f);
+  });
+  if (!wants_split.empty()) apply_backward_split(cx, wants_split), after("backward-split", -1, false);
+
+  std::vector<int> placed_by;
+  int last_place = -1;
+  each(std::type_identity<PlaceDirective>{}, [&](const PlaceDirective& d, int i) { apply_place(cx, d, i, placed_by), last_place = i; });
+  finish_placement(cx, last_place >= 0);
+  after("place", last_place, true);
+
+  each(std::type_identity<ShardDirective>{}, [&](const ShardDirective& d, int i) { apply_shard(cx, d, i), after("shard", i, true); });
+  each(std::type_identity<ReplicateDirective>{}, [&](const ReplicateDirective& d, int i) { apply_replicate(cx, d, i), after("replicate", i, true); });
+  cost_updates(cx);
+  each(std::type_identity<OrderDirective>{}, [&](const OrderDirective& d, int i) { apply_order(cx, d, i), after("order", i, true); });
+  dag_in = std::move(dag);
+}
+
+}  // namespace piper::core

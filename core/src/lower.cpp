@@ -1,0 +1,227 @@
+// Lowering: the rewritten global DAG becomes per-device plans (ops per stream, waits, buffers),
+// compiled once per class of devices that hold the same device sets (e.g. all DP ranks of a stage).
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <queue>
+
+#include "piper/core/error.hpp"
+#include "piper/core/program.hpp"
+
+namespace piper::core {
+
+namespace {
+
+// Stream-ordering policy: one global topological order of the DAG, Kahn's algorithm taking the
+// smallest node id among the ready nodes. Node ids follow creation order, which follows segment
+// order and microbatch order (split copies microbatch-major) and the order directives' groups (they
+// add edges, not ids). Every device issues its ops in this one order, so every pair of devices
+// agrees on the order of their shared communication and no wait cycle can arise from lowering.
+std::vector<Vertex> global_order(const Graph& g) {
+  const std::size_t n = boost::num_vertices(g);
+  std::vector<int> indegree(n, 0);
+  std::priority_queue<Vertex, std::vector<Vertex>, std::greater<>> ready;
+  for (Vertex v = 0; v < n; ++v) {
+    if (g[v].removed) continue;
+    indegree[v] = static_cast<int>(boost::in_degree(v, g));
+    if (indegree[v] == 0) ready.push(v);
+  }
+  std::vector<Vertex> order;
+  order.reserve(n);
+  while (!ready.empty()) {
+    Vertex v = ready.top();
+    ready.pop();
+    order.push_back(v);
+    for (auto e : boost::make_iterator_range(boost::out_edges(v, g))) {
+      Vertex w = boost::target(e, g);
+      if (--indegree[w] == 0) ready.push(w);
+    }
+  }
+  return order;
+}
+
+double op_flops(const DagNode& n) {
+  if (n.kind == NodeKind::Update) return n.costs.forward_flops;
+  if (n.kind != NodeKind::Compute) return 0;
+  switch (n.pass) {
+    case Pass::F: return n.costs.forward_flops;
+    case Pass::B: return n.costs.backward_flops();
+    case Pass::BI: return n.costs.backward_input_flops;
+    case Pass::BW: return n.costs.backward_weight_flops;
+    case Pass::None: return 0;
+  }
+  return 0;
+}
+
+std::int64_t op_memory_bytes(const DagNode& n) {
+  if (n.kind == NodeKind::Update) return n.costs.forward_memory_bytes;
+  if (n.kind != NodeKind::Compute) return 0;
+  return n.pass == Pass::F ? n.costs.forward_memory_bytes : n.costs.backward_memory_bytes;
+}
+
+OpKind op_kind(NodeKind k) {
+  switch (k) {
+    case NodeKind::Compute: return OpKind::Compute;
+    case NodeKind::Update: return OpKind::Update;
+    case NodeKind::Send: return OpKind::Send;
+    case NodeKind::Recv: return OpKind::Recv;
+    case NodeKind::AllReduce: return OpKind::AllReduce;
+    case NodeKind::ReduceScatter: return OpKind::ReduceScatter;
+    case NodeKind::AllGather: return OpKind::AllGather;
+    case NodeKind::AllToAll: return OpKind::AllToAll;
+    case NodeKind::OrderDummy: break;
+  }
+  throw Error("internal: ORDER_DUMMY has no op");
+}
+
+}  // namespace
+
+Program lower(const GlobalDag& dag) {
+  const Graph& g = dag.graph;
+  const std::size_t n = boost::num_vertices(g);
+  const auto order = global_order(g);
+  if (order.size() != dag.live_node_count()) throw Error("internal: cannot lower a DAG with a cycle");
+  std::vector<std::size_t> rank(n, 0);
+  for (std::size_t i = 0; i < order.size(); ++i) rank[order[i]] = i;
+
+  // Effective predecessors: ORDER_DUMMY nodes are looked through; a RECV does not wait on its SEND
+  // locally (that is a cross-device edge the runtime resolves by matching).
+  std::vector<std::vector<Vertex>> preds(n);
+  std::function<void(Vertex, std::vector<Vertex>&)> collect = [&](Vertex v, std::vector<Vertex>& out) {
+    for (auto e : boost::make_iterator_range(boost::in_edges(v, g))) {
+      Vertex u = boost::source(e, g);
+      if (g[u].kind == NodeKind::OrderDummy) collect(u, out);
+      else if (!(g[u].kind == NodeKind::Send && g[v].kind == NodeKind::Recv)) out.push_back(u);
+    }
+  };
+  std::vector<std::vector<Vertex>> succs(n);
+  for (auto v : order) {
+    if (g[v].kind == NodeKind::OrderDummy) continue;
+    collect(v, preds[v]);
+    for (auto u : preds[v]) succs[u].push_back(v);
+  }
+
+  Program program;
+  program.model_name = dag.model_name;
+  program.training = dag.training;
+  program.microbatches = dag.microbatches;
+  program.num_devices = dag.num_devices();
+  program.device_sets = dag.device_sets.all();
+  program.families = dag.families;
+
+  // Device classes: devices holding exactly the same device sets get the same plan.
+  const std::size_t num_sets = dag.device_sets.size();
+  std::vector<char> set_used(num_sets, 0);
+  for (auto v : order)
+    if (g[v].kind != NodeKind::OrderDummy && g[v].devices != kNoDevices) set_used[static_cast<std::size_t>(g[v].devices)] = 1;
+  std::vector<std::vector<DeviceSetId>> membership(static_cast<std::size_t>(program.num_devices));
+  for (std::size_t s = 0; s < num_sets; ++s)
+    if (set_used[s])
+      for (int d : dag.device_sets.at(static_cast<DeviceSetId>(s))) membership[static_cast<std::size_t>(d)].push_back(static_cast<DeviceSetId>(s));
+  std::map<std::vector<DeviceSetId>, int> class_of;
+  std::vector<const std::vector<DeviceSetId>*> signature;
+  program.plan_of_device.resize(static_cast<std::size_t>(program.num_devices));
+  for (int d = 0; d < program.num_devices; ++d) {
+    auto [it, fresh] = class_of.try_emplace(membership[static_cast<std::size_t>(d)], static_cast<int>(signature.size()));
+    if (fresh) signature.push_back(&it->first);
+    program.plan_of_device[static_cast<std::size_t>(d)] = it->second;
+  }
+
+  // Segment -> device set (all copies of a segment share one set; checked by placement).
+  std::vector<DeviceSetId> segment_set(dag.segments.size(), kNoDevices);
+  for (auto v : order)
+    if (g[v].kind == NodeKind::Compute) segment_set[static_cast<std::size_t>(g[v].segment)] = g[v].devices;
+
+  const int dt = bytes_per_element(dag.training.precision);
+  const std::int64_t state_bytes_per_param = dag.training.precision == Precision::FP32 ? 8 : 12;
+  std::vector<OpRef> ref(n);
+  for (const auto* sig : signature) {
+    std::vector<char> in_plan(num_sets, 0);
+    for (auto s : *sig) in_plan[static_cast<std::size_t>(s)] = 1;
+    auto here = [&](Vertex v) { return g[v].devices != kNoDevices && in_plan[static_cast<std::size_t>(g[v].devices)]; };
+    Plan plan;
+    std::map<std::string, int> stream_index;
+    auto stream_of = [&](const std::string& name) {
+      auto [it, fresh] = stream_index.try_emplace(name, static_cast<int>(plan.streams.size()));
+      if (fresh) plan.streams.push_back(Stream{name, {}});
+      return it->second;
+    };
+    stream_of("compute");
+    std::fill(ref.begin(), ref.end(), OpRef{});
+    for (auto v : order) {
+      const auto& node = g[v];
+      if (node.kind == NodeKind::OrderDummy || !here(v)) continue;
+      Op op;
+      op.kind = op_kind(node.kind);
+      op.pass = node.pass;
+      op.node = static_cast<std::int32_t>(v);
+      op.label = node.label;
+      op.tags = node.tags;
+      op.flops = op_flops(node);
+      op.memory_bytes = op_memory_bytes(node);
+      op.bytes = node.bytes;
+      op.device_set = node.devices;
+      op.peer_set = node.peer_devices;
+      op.family = node.family;
+      const int s = stream_of(node.kind == NodeKind::Compute || node.kind == NodeKind::Update ? "compute" : node.stream);
+      // Wait on the latest predecessor of each other stream; earlier ones are implied by stream order.
+      std::map<int, int> latest;
+      for (auto u : preds[v]) {
+        if (!here(u) || ref[u].stream < 0 || ref[u].stream == s) continue;
+        auto& idx = latest[ref[u].stream];
+        idx = std::max(idx, ref[u].index + 1);
+      }
+      for (auto [stream, idx] : latest) op.waits.push_back(OpRef{stream, idx - 1});
+      ref[v] = OpRef{s, static_cast<int>(plan.streams[static_cast<std::size_t>(s)].ops.size())};
+      plan.streams[static_cast<std::size_t>(s)].ops.push_back(std::move(op));
+    }
+    auto op_at = [&](OpRef r) -> Op& { return plan.streams[static_cast<std::size_t>(r.stream)].ops[static_cast<std::size_t>(r.index)]; };
+
+    // Persistent state of each segment on this plan, sized by its sharding (ZeRO-aware).
+    for (const auto& seg : dag.segments) {
+      auto set = segment_set[static_cast<std::size_t>(seg.index)];
+      if (set == kNoDevices || !in_plan[static_cast<std::size_t>(set)] || seg.costs.params == 0) continue;
+      const std::int64_t params = seg.costs.params / seg.shard_degree;
+      const std::string suffix = " s" + std::to_string(seg.index);
+      plan.buffers.push_back({"params" + suffix, BufferKind::Parameters, params * dt / (seg.zero_level >= 3 ? seg.replicas : 1), {}, {}});
+      plan.buffers.push_back({"grads" + suffix, BufferKind::Gradients, params * dt / (seg.zero_level >= 2 ? seg.replicas : 1), {}, {}});
+      plan.buffers.push_back({"optimizer" + suffix, BufferKind::OptimizerStates,
+                              params * state_bytes_per_param / (seg.zero_level >= 1 ? seg.replicas : 1), {}, {}});
+    }
+    // Transient buffers: allocated by their producer, freed by their last consumer on this device.
+    for (auto v : order) {
+      if (ref[v].stream < 0) continue;
+      const auto& node = g[v];
+      BufferKind kind;
+      std::int64_t bytes = 0;
+      std::vector<Vertex> consumers;
+      if (node.kind == NodeKind::Compute && node.pass == Pass::F) {
+        kind = BufferKind::Activations;
+        bytes = node.costs.activation_bytes;
+        for (auto e : boost::make_iterator_range(boost::out_edges(v, g)))
+          if (g[e].tensor == "stash") consumers.push_back(boost::target(e, g));
+      } else if (node.kind == NodeKind::Recv || node.kind == NodeKind::AllToAll ||
+                 (node.kind == NodeKind::AllGather && node.pass != Pass::None)) {
+        kind = node.kind == NodeKind::AllGather ? BufferKind::GatheredParameters : BufferKind::Received;
+        bytes = node.bytes;
+        consumers = succs[v];
+      } else {
+        continue;
+      }
+      std::erase_if(consumers, [&](Vertex c) { return ref[c].stream < 0; });
+      if (bytes <= 0) continue;
+      Vertex last = v;
+      for (auto c : consumers)
+        if (rank[c] > rank[last]) last = c;
+      const int id = static_cast<int>(plan.buffers.size());
+      plan.buffers.push_back({std::string(kind == BufferKind::Activations ? "act " : kind == BufferKind::Received ? "recv " : "gathered ") + node.label,
+                              kind, bytes, ref[v], ref[last]});
+      op_at(ref[v]).uses.push_back(id);
+      for (auto c : consumers) op_at(ref[c]).uses.push_back(id);
+    }
+    program.plans.push_back(std::move(plan));
+  }
+  return program;
+}
+
+}  // namespace piper::core

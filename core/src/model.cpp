@@ -1,0 +1,924 @@
+// The model layer list and its cost formulas, the zoo, spec / Hugging Face JSON import, the RAII
+// annotation builder, and automatic pipeline-region balancing.
+#include "piper/core/model.hpp"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "piper/core/error.hpp"
+
+namespace piper::core {
+
+using nlohmann::json;
+
+// ---------------------------------------------------------------------------------------------
+// Small helpers
+// ---------------------------------------------------------------------------------------------
+
+int bytes_per_element(Precision p) {
+  switch (p) {
+    case Precision::BF16: return 2;
+    case Precision::FP16: return 2;
+    case Precision::FP32: return 4;
+  }
+  return 2;
+}
+
+std::string to_string(Precision p) {
+  switch (p) {
+    case Precision::BF16: return "bf16";
+    case Precision::FP16: return "fp16";
+    case Precision::FP32: return "fp32";
+  }
+  return "?";
+}
+
+std::string to_string(LayerKind k) {
+  switch (k) {
+    case LayerKind::Embedding: return "embedding";
+    case LayerKind::Norm: return "norm";
+    case LayerKind::Attention: return "attention";
+    case LayerKind::Mlp: return "mlp";
+    case LayerKind::MoeRouter: return "moe_router";
+    case LayerKind::MoeExperts: return "moe_experts";
+    case LayerKind::Head: return "head";
+  }
+  return "?";
+}
+
+Costs& Costs::operator+=(const Costs& o) {
+  params += o.params;
+  param_bytes += o.param_bytes;
+  forward_flops += o.forward_flops;
+  backward_input_flops += o.backward_input_flops;
+  backward_weight_flops += o.backward_weight_flops;
+  activation_bytes += o.activation_bytes;
+  output_bytes += o.output_bytes;
+  forward_memory_bytes += o.forward_memory_bytes;
+  backward_memory_bytes += o.backward_memory_bytes;
+  return *this;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cost formulas. Conventions used by every layer below (per microbatch):
+//   T = seq_len * micro_batch_size tokens, s = seq_len, b = micro_batch_size, dt = bytes/element.
+//   Matmul FLOPs: T tokens times a KxN weight = 2*T*K*N forward; the input gradient and the weight
+//   gradient cost the same again each, so B = 2F (the "6N" rule: Kaplan et al. 2020; Narayanan
+//   et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters").
+//   Activation bytes follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+//   Transformer Models", Table 2) with dropout removed and FlashAttention (no s^2 score matrix).
+//   Memory traffic of matmul layers = weights + inputs + outputs bytes forward; backward reads the
+//   weights, the stashed input and the output gradient and writes the input and weight gradients,
+//   which we take as 2x the forward traffic.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+struct Dims {
+  double T, s, b;       // tokens, sequence length, sequences (floating: FLOP products overflow int)
+  std::int64_t tokens;  // T as an integer, for byte counts
+  std::int64_t dt;      // bytes per element
+};
+
+// Fills the fields shared by all matmul layers from their weight-matrix element count.
+void matmul_costs(Costs& c, const Dims& d, std::int64_t matmul_weight_elems, std::int64_t in_elems_per_token,
+                  std::int64_t out_bytes_per_token) {
+  c.forward_flops = 2.0 * d.T * static_cast<double>(matmul_weight_elems);
+  c.backward_input_flops = c.forward_flops;
+  c.backward_weight_flops = c.forward_flops;
+  c.forward_memory_bytes =
+      matmul_weight_elems * d.dt + d.tokens * in_elems_per_token * d.dt + d.tokens * out_bytes_per_token;
+  c.backward_memory_bytes = 2 * c.forward_memory_bytes;
+}
+
+Costs embedding_costs(const LayerShape& sh, const Dims& d) {
+  Costs c;
+  // Token table V*h plus learned absolute positions (GPT-3); RoPE models have max_positions = 0.
+  c.params = sh.vocab * sh.hidden + sh.max_positions * sh.hidden;
+  // A gather: no FLOPs, one row written per token; the backward is the matching scatter-add.
+  c.forward_memory_bytes = d.tokens * sh.hidden * d.dt;
+  c.backward_memory_bytes = d.tokens * sh.hidden * d.dt;
+  c.activation_bytes = d.tokens * 4;  // int32 token ids, needed to scatter the gradient
+  c.output_bytes = d.tokens * sh.hidden * d.dt;
+  return c;
+}
+
+Costs norm_costs(const LayerShape& sh, const Dims& d) {
+  Costs c;
+  c.params = sh.norm == NormKind::LayerNorm ? 2 * sh.hidden : sh.hidden;  // gain (+ bias for LayerNorm)
+  // ~4 FLOPs per element forward (square/accumulate, scale, gain); backward ~8, of which the weight
+  // gradient (product + column sum) is 2. Memory-bound: read x, write y forward; read x, dy, write dx.
+  c.forward_flops = 4.0 * d.T * sh.hidden;
+  c.backward_input_flops = 6.0 * d.T * sh.hidden;
+  c.backward_weight_flops = 2.0 * d.T * sh.hidden;
+  c.forward_memory_bytes = 2 * d.tokens * sh.hidden * d.dt;
+  c.backward_memory_bytes = 3 * d.tokens * sh.hidden * d.dt;
+  c.activation_bytes = d.tokens * sh.hidden * d.dt;  // the input x
+  c.output_bytes = d.tokens * sh.hidden * d.dt;
+  return c;
+}
+
+// Attention, MHA/GQA or MLA. Core attention (QK^T and AV) is counted over the full s x s matrix,
+// as Megatron-LM does (Narayanan et al. 2021), i.e. causal masking is not credited:
+//   core F = 2*b*s^2*nh*(qk_dim + v_dim)   (= 4*b*s^2*nh*hd for MHA/GQA)
+// and its backward (dQ, dK, dV, dP) is counted entirely in BI as 2x the core forward.
+Costs attention_costs(const LayerShape& sh, const Dims& d) {
+  Costs c;
+  const std::int64_t h = sh.hidden, nh = sh.heads, hd = sh.head_dim;
+  const bool mla = sh.kv_lora_rank > 0;
+  std::int64_t matmul_elems = 0, other_params = 0, qk_dim = hd, v_dim = hd, stash_elems = 0;
+  if (!mla) {
+    const std::int64_t nkv = sh.kv_heads;
+    matmul_elems = h * (nh * hd) + 2 * h * (nkv * hd) + (nh * hd) * h;  // q, k, v, o
+    if (sh.qk_norm) other_params += 2 * hd;                              // Qwen3 per-head q/k RMSNorm
+    if (sh.bias) other_params += nh * hd + 2 * nkv * hd + h;             // GPT-3: qkv and output biases
+    // Stash: input (for dW_qkv), q, k, v (FlashAttention backward), attention output (for dW_o).
+    stash_elems = h + nh * hd + 2 * nkv * hd + nh * hd;
+  } else {
+    // DeepSeek-V3 multi-head latent attention in its training form: the latent projections are
+    // applied explicitly (no absorbed-weight inference trick), so this is an approximation of what
+    // an optimised kernel executes. head_dim holds qk_nope_head_dim.
+    const std::int64_t rope = sh.qk_rope_head_dim, ql = sh.q_lora_rank, kvl = sh.kv_lora_rank;
+    qk_dim = hd + rope;
+    v_dim = sh.v_head_dim;
+    if (ql > 0) {
+      matmul_elems += h * ql + ql * nh * qk_dim;  // q_a, q_b
+      other_params += ql;                         // q_a_layernorm
+    } else {
+      matmul_elems += h * nh * qk_dim;  // uncompressed q (DeepSeek-V2-Lite style)
+    }
+    matmul_elems += h * (kvl + rope) + kvl * nh * (hd + v_dim) + nh * v_dim * h;  // kv_a, kv_b, o
+    other_params += kvl;                                                          // kv_a_layernorm
+    // Stash: input, q latent, q, kv latent (+ rope key), k, v, attention output.
+    stash_elems = h + ql + nh * qk_dim + (kvl + rope) + nh * qk_dim + nh * v_dim + nh * v_dim;
+  }
+  c.params = matmul_elems + other_params;
+  matmul_costs(c, d, matmul_elems, h, h * d.dt);
+  const double core_flops = 2.0 * d.b * d.s * d.s * static_cast<double>(nh) * static_cast<double>(qk_dim + v_dim);
+  c.forward_flops += core_flops;
+  c.backward_input_flops += 2.0 * core_flops;
+  // FlashAttention keeps fp32 softmax statistics (row max and row sum) per head per query.
+  c.activation_bytes = d.tokens * stash_elems * d.dt + d.tokens * 2 * nh * 4;
+  c.output_bytes = d.tokens * h * d.dt;
+  return c;
+}
+
+Costs mlp_costs(const LayerShape& sh, const Dims& d) {
+  Costs c;
+  const std::int64_t h = sh.hidden, f = sh.ffn;
+  const bool swiglu = sh.activation == MlpActivation::SwiGLU;
+  // SwiGLU: gate, up (h x f each) and down (f x h); GELU: up and down.
+  const std::int64_t matmul_elems = (swiglu ? 3 : 2) * h * f;
+  c.params = matmul_elems + (sh.bias ? f + h : 0);
+  matmul_costs(c, d, matmul_elems, h, h * d.dt);
+  // Stash: input, then SwiGLU gate and up outputs and their product / GELU input and output.
+  c.activation_bytes = d.tokens * (h + (swiglu ? 3 : 2) * f) * d.dt;
+  c.output_bytes = d.tokens * h * d.dt;
+  return c;
+}
+
+Costs router_costs(const LayerShape& sh, const Dims& d) {
+  Costs c;
+  const std::int64_t h = sh.hidden, e = sh.experts;
+  // A linear gate h x E (DeepSeek-V3's E-element score-correction bias is ignored: < 1e-4 of it).
+  c.params = h * e;
+  matmul_costs(c, d, h * e, h, e * 4);  // writes fp32 router probabilities
+  c.activation_bytes = d.tokens * h * d.dt + d.tokens * e * 4;  // input + fp32 probabilities
+  c.output_bytes = d.tokens * h * d.dt;
+  return c;
+}
+
+Costs experts_costs(const LayerShape& sh, const Dims& d) {
+  Costs c;
+  const std::int64_t h = sh.hidden, f = sh.ffn, e = sh.experts, k = sh.top_k;
+  const std::int64_t per_expert = 3 * h * f;  // SwiGLU experts
+  c.params = e * per_expert;
+  // Only the T*top_k routed token copies are computed (balanced routing assumed).
+  c.forward_flops = 2.0 * d.T * static_cast<double>(k) * static_cast<double>(per_expert);
+  c.backward_input_flops = c.forward_flops;
+  c.backward_weight_flops = c.forward_flops;
+  // Weights of the experts that can receive a token at all, plus routed inputs and outputs.
+  const std::int64_t touched = std::min(e, d.tokens * k);
+  c.forward_memory_bytes = touched * per_expert * d.dt + 2 * d.tokens * k * h * d.dt;
+  c.backward_memory_bytes = 2 * c.forward_memory_bytes;
+  c.activation_bytes = d.tokens * k * (h + 3 * f) * d.dt;
+  c.output_bytes = d.tokens * h * d.dt;
+  return c;
+}
+
+Costs head_costs(const LayerShape& sh, const Dims& d) {
+  Costs c;
+  const std::int64_t h = sh.hidden, v = sh.vocab;
+  // A tied head reuses the embedding matrix: no own parameters, same FLOPs (its weight gradient is
+  // still computed here and added to the embedding's).
+  c.params = sh.tied_with_embedding ? 0 : v * h;
+  matmul_costs(c, d, v * h, h, v * 4);  // logits written in fp32
+  // Softmax cross-entropy: ~5 FLOPs per logit (max, subtract, exp, sum, log); its backward
+  // (recompute softmax, subtract the one-hot) is taken as the same and counted in BI.
+  const double loss_flops = 5.0 * d.T * static_cast<double>(v);
+  c.forward_flops += loss_flops;
+  c.backward_input_flops += loss_flops;
+  c.activation_bytes = d.tokens * h * d.dt + d.tokens * v * 4;  // input + fp32 logits
+  c.output_bytes = 4;                                           // the scalar loss
+  return c;
+}
+
+}  // namespace
+
+Costs layer_costs(const Layer& layer, const TrainingShape& shape) {
+  const Dims d{static_cast<double>(shape.tokens_per_microbatch()), static_cast<double>(shape.seq_len),
+               static_cast<double>(shape.micro_batch_size), shape.tokens_per_microbatch(),
+               bytes_per_element(shape.precision)};
+  Costs c;
+  switch (layer.kind) {
+    case LayerKind::Embedding: c = embedding_costs(layer.shape, d); break;
+    case LayerKind::Norm: c = norm_costs(layer.shape, d); break;
+    case LayerKind::Attention: c = attention_costs(layer.shape, d); break;
+    case LayerKind::Mlp: c = mlp_costs(layer.shape, d); break;
+    case LayerKind::MoeRouter: c = router_costs(layer.shape, d); break;
+    case LayerKind::MoeExperts: c = experts_costs(layer.shape, d); break;
+    case LayerKind::Head: c = head_costs(layer.shape, d); break;
+  }
+  c.param_bytes = c.params * d.dt;
+  return c;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model
+// ---------------------------------------------------------------------------------------------
+
+Model::Model(std::string name, std::vector<Layer> layers, TrainingShape training)
+    : name_(std::move(name)), layers_(std::move(layers)), training_(training) {}
+
+std::int64_t Model::parameter_count() const {
+  std::int64_t n = 0;
+  for (const auto& l : layers_) n += layer_costs(l, training_).params;
+  return n;
+}
+
+int Model::pp_regions() const {
+  int regions = 0;
+  for (const auto& l : layers_) {
+    auto it = l.tags.find("PP");
+    if (it != l.tags.end()) regions = std::max(regions, it->second + 1);
+  }
+  return regions;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Config validation and build_model
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+[[noreturn]] void field_error(const std::string& where, const std::string& field, const std::string& msg) {
+  throw ModelError(where + ": field '" + field + "': " + msg);
+}
+
+// Checks the invariants every consumer of a ModelConfig relies on; field names are the spec's.
+void validate_config(const ModelConfig& c, const std::string& where) {
+  auto positive = [&](std::int64_t v, const char* field) {
+    if (v <= 0) field_error(where, field, "must be a positive integer");
+  };
+  auto non_negative = [&](std::int64_t v, const char* field) {
+    if (v < 0) field_error(where, field, "must be a non-negative integer");
+  };
+  positive(c.vocab, "vocab");
+  positive(c.hidden, "hidden");
+  positive(c.layers, "layers");
+  positive(c.heads, "heads");
+  positive(c.kv_heads, "kv_heads");
+  positive(c.head_dim, "head_dim");
+  if (c.heads % c.kv_heads != 0)
+    field_error(where, "kv_heads", "must divide heads (" + std::to_string(c.heads) + ")");
+  non_negative(c.ffn, "ffn");
+  non_negative(c.max_positions, "max_positions");
+  non_negative(c.experts, "moe.experts");
+  const bool has_dense_block = c.experts == 0 || c.first_dense_layers > 0;
+  if (has_dense_block && c.ffn <= 0) field_error(where, "ffn", "must be a positive integer (the model has dense blocks)");
+  if (c.experts > 0) {
+    positive(c.top_k, "moe.top_k");
+    if (c.top_k > c.experts)
+      field_error(where, "moe.top_k", "must not exceed moe.experts (" + std::to_string(c.experts) + ")");
+    positive(c.expert_ffn, "moe.expert_ffn");
+    non_negative(c.shared_experts, "moe.shared_experts");
+    if (c.shared_experts > 0) positive(c.shared_expert_ffn, "moe.shared_expert_ffn");
+    non_negative(c.first_dense_layers, "moe.first_dense_layers");
+    if (c.first_dense_layers > c.layers)
+      field_error(where, "moe.first_dense_layers", "must not exceed layers (" + std::to_string(c.layers) + ")");
+  }
+  non_negative(c.kv_lora_rank, "mla.kv_lora_rank");
+  non_negative(c.q_lora_rank, "mla.q_lora_rank");
+  if (c.kv_lora_rank > 0) {
+    positive(c.qk_rope_head_dim, "mla.qk_rope_head_dim");
+    positive(c.v_head_dim, "mla.v_head_dim");
+  } else if (c.q_lora_rank > 0) {
+    field_error(where, "mla.kv_lora_rank", "must be positive when mla.q_lora_rank is set");
+  }
+  positive(c.training.seq_len, "training.seq_len");
+  positive(c.training.micro_batch_size, "training.micro_batch_size");
+}
+
+}  // namespace
+
+Model build_model(const ModelConfig& c) {
+  validate_config(c, c.name.empty() ? "model" : c.name);
+  std::vector<Layer> layers;
+  auto add = [&](std::string name, LayerKind kind, LayerShape shape, int block, TagMap tags = {}) {
+    layers.push_back(Layer{std::move(name), kind, shape, std::move(tags), block});
+  };
+
+  LayerShape norm;
+  norm.hidden = c.hidden;
+  norm.norm = c.norm;
+
+  LayerShape embed;
+  embed.vocab = c.vocab;
+  embed.hidden = c.hidden;
+  embed.max_positions = c.max_positions;
+
+  LayerShape attn;
+  attn.hidden = c.hidden;
+  attn.heads = c.heads;
+  attn.kv_heads = c.kv_heads;
+  attn.head_dim = c.head_dim;
+  attn.q_lora_rank = c.q_lora_rank;
+  attn.kv_lora_rank = c.kv_lora_rank;
+  attn.qk_rope_head_dim = c.qk_rope_head_dim;
+  attn.v_head_dim = c.v_head_dim;
+  attn.qk_norm = c.qk_norm;
+  attn.bias = c.bias;
+
+  auto mlp_shape = [&](std::int64_t ffn) {
+    LayerShape m;
+    m.hidden = c.hidden;
+    m.ffn = ffn;
+    m.activation = c.activation;
+    m.bias = c.bias;
+    return m;
+  };
+  LayerShape moe;
+  moe.hidden = c.hidden;
+  moe.experts = c.experts;
+  moe.top_k = c.top_k;
+  LayerShape experts = moe;
+  experts.ffn = c.expert_ffn;
+
+  add("embed", LayerKind::Embedding, embed, -1);
+  int moe_block = 0;
+  for (int i = 0; i < static_cast<int>(c.layers); ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    add(p + "attn_norm", LayerKind::Norm, norm, i);
+    add(p + "attn", LayerKind::Attention, attn, i);
+    add(p + "mlp_norm", LayerKind::Norm, norm, i);
+    if (c.experts == 0 || i < c.first_dense_layers) {
+      add(p + "mlp", LayerKind::Mlp, mlp_shape(c.ffn), i);
+    } else {
+      // Shared experts see every token, so they are one dense MLP of the summed width.
+      if (c.shared_experts > 0) add(p + "shared_mlp", LayerKind::Mlp, mlp_shape(c.shared_experts * c.shared_expert_ffn), i);
+      add(p + "router", LayerKind::MoeRouter, moe, i);
+      add(p + "experts", LayerKind::MoeExperts, experts, i, TagMap{{"EP", moe_block++}});
+    }
+  }
+  add("norm", LayerKind::Norm, norm, -1);
+  LayerShape head;
+  head.vocab = c.vocab;
+  head.hidden = c.hidden;
+  head.tied_with_embedding = c.tie_embeddings;
+  add("head", LayerKind::Head, head, -1);
+  return Model(c.name, std::move(layers), c.training);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Zoo
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+ModelConfig qwen3_shape(std::string name, std::int64_t vocab, std::int64_t hidden, std::int64_t layers,
+                        std::int64_t heads, std::int64_t kv, std::int64_t head_dim, std::int64_t experts,
+                        std::int64_t top_k, std::int64_t expert_ffn) {
+  ModelConfig c;
+  c.name = std::move(name);
+  c.vocab = vocab;
+  c.hidden = hidden;
+  c.layers = layers;
+  c.heads = heads;
+  c.kv_heads = kv;
+  c.head_dim = head_dim;
+  c.qk_norm = true;
+  c.experts = experts;
+  c.top_k = top_k;
+  c.expert_ffn = expert_ffn;
+  return c;
+}
+
+ModelConfig llama3(std::string name, std::int64_t hidden, std::int64_t layers, std::int64_t heads, std::int64_t ffn) {
+  ModelConfig c;
+  c.name = std::move(name);
+  c.vocab = 128256;
+  c.hidden = hidden;
+  c.layers = layers;
+  c.heads = heads;
+  c.kv_heads = 8;
+  c.head_dim = 128;
+  c.ffn = ffn;
+  return c;
+}
+
+}  // namespace
+
+std::vector<std::string> zoo_names() {
+  return {"qwen3-9m", "qwen3-1b", "qwen3-9b", "qwen3-30b-a3b", "llama3-8b", "llama3-70b", "gpt3-175b", "deepseek-v3"};
+}
+
+std::optional<ModelConfig> zoo_config(const std::string& name) {
+  if (name == "qwen3-9m") {
+    auto c = qwen3_shape(name, 2048, 256, 4, 8, 4, 32, 8, 2, 128);
+    c.training.seq_len = 256;  // tiny: CPU tests run it for real
+    return c;
+  }
+  if (name == "qwen3-1b") return qwen3_shape(name, 151936, 1024, 16, 16, 8, 64, 4, 2, 3584);
+  if (name == "qwen3-9b") return qwen3_shape(name, 151936, 2048, 24, 32, 8, 64, 8, 2, 7168);
+  if (name == "qwen3-30b-a3b") {
+    auto c = qwen3_shape(name, 151936, 2048, 48, 32, 4, 128, 128, 8, 768);
+    c.ffn = 6144;  // HF intermediate_size; unused since every block is MoE
+    return c;
+  }
+  if (name == "llama3-8b") return llama3(name, 4096, 32, 32, 14336);
+  if (name == "llama3-70b") return llama3(name, 8192, 80, 64, 28672);
+  if (name == "gpt3-175b") {
+    ModelConfig c;
+    c.name = name;
+    c.vocab = 50257;
+    c.hidden = 12288;
+    c.layers = 96;
+    c.heads = 96;
+    c.kv_heads = 96;
+    c.head_dim = 128;
+    c.ffn = 49152;
+    c.activation = MlpActivation::GELU;
+    c.norm = NormKind::LayerNorm;
+    c.bias = true;
+    c.tie_embeddings = true;
+    c.max_positions = 2048;
+    c.training.seq_len = 2048;
+    return c;
+  }
+  if (name == "deepseek-v3") {
+    ModelConfig c;
+    c.name = name;
+    c.vocab = 129280;
+    c.hidden = 7168;
+    c.layers = 61;
+    c.heads = 128;
+    c.kv_heads = 128;
+    c.head_dim = 128;  // qk_nope_head_dim
+    c.ffn = 18432;
+    c.experts = 256;
+    c.top_k = 8;
+    c.expert_ffn = 2048;
+    c.shared_experts = 1;
+    c.shared_expert_ffn = 2048;
+    c.first_dense_layers = 3;
+    c.q_lora_rank = 1536;
+    c.kv_lora_rank = 512;
+    c.qk_rope_head_dim = 64;
+    c.v_head_dim = 128;
+    return c;
+  }
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------------------------------------------
+// JSON: our spec format and Hugging Face config.json
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+// Typed access to one JSON object with one-line errors naming `where` and the dotted field.
+class FieldReader {
+ public:
+  FieldReader(const json& j, std::string where, std::string prefix = "")
+      : j_(j), where_(std::move(where)), prefix_(std::move(prefix)) {}
+
+  [[noreturn]] void fail(const std::string& field, const std::string& msg) const {
+    field_error(where_, prefix_ + field, msg);
+  }
+  bool has(const std::string& f) const { return j_.contains(f) && !j_.at(f).is_null(); }
+
+  std::optional<std::int64_t> opt_int(const std::string& f) const {
+    if (!has(f)) return std::nullopt;
+    const json& v = j_.at(f);
+    if (!v.is_number_integer()) fail(f, "must be an integer");
+    return v.get<std::int64_t>();
+  }
+  std::int64_t req_positive(const std::string& f) const {
+    auto v = opt_int(f);
+    if (!v) fail(f, "missing required field (a positive integer)");
+    if (*v <= 0) fail(f, "must be a positive integer");
+    return *v;
+  }
+  std::int64_t positive_or(const std::string& f, std::int64_t dflt) const {
+    auto v = opt_int(f);
+    if (v && *v <= 0) fail(f, "must be a positive integer");
+    return v.value_or(dflt);
+  }
+  std::int64_t non_negative_or(const std::string& f, std::int64_t dflt) const {
+    auto v = opt_int(f);
+    if (v && *v < 0) fail(f, "must be a non-negative integer");
+    return v.value_or(dflt);
+  }
+  bool bool_or(const std::string& f, bool dflt) const {
+    if (!has(f)) return dflt;
+    if (!j_.at(f).is_boolean()) fail(f, "must be true or false");
+    return j_.at(f).get<bool>();
+  }
+  std::optional<std::string> opt_string(const std::string& f) const {
+    if (!has(f)) return std::nullopt;
+    if (!j_.at(f).is_string()) fail(f, "must be a string");
+    return j_.at(f).get<std::string>();
+  }
+  const json* opt_object(const std::string& f) const {
+    if (!has(f)) return nullptr;
+    if (!j_.at(f).is_object()) fail(f, "must be a JSON object");
+    return &j_.at(f);
+  }
+  void reject_unknown(const std::set<std::string>& known) const {
+    for (auto it = j_.begin(); it != j_.end(); ++it)
+      if (!known.count(it.key())) fail(it.key(), "unknown field");
+  }
+
+ private:
+  const json& j_;
+  std::string where_;
+  std::string prefix_;
+};
+
+MlpActivation parse_activation(const FieldReader& r, const std::string& s) {
+  if (s == "swiglu") return MlpActivation::SwiGLU;
+  if (s == "gelu") return MlpActivation::GELU;
+  r.fail("activation", "unknown activation '" + s + "' (expected \"swiglu\" or \"gelu\")");
+}
+NormKind parse_norm(const FieldReader& r, const std::string& s) {
+  if (s == "rmsnorm") return NormKind::RMSNorm;
+  if (s == "layernorm") return NormKind::LayerNorm;
+  r.fail("norm", "unknown norm '" + s + "' (expected \"rmsnorm\" or \"layernorm\")");
+}
+Precision parse_precision(const FieldReader& r, const std::string& s) {
+  if (s == "bf16") return Precision::BF16;
+  if (s == "fp16") return Precision::FP16;
+  if (s == "fp32") return Precision::FP32;
+  r.fail("precision", "unknown precision '" + s + "' (expected \"bf16\", \"fp16\" or \"fp32\")");
+}
+
+void require_object(const json& j, const std::string& where, const char* what) {
+  if (!j.is_object()) throw ModelError(where + ": " + what + " must be a JSON object");
+}
+
+}  // namespace
+
+ModelConfig config_from_spec_json(const json& j, const std::string& where) {
+  require_object(j, where, "model spec");
+  FieldReader r(j, where);
+  r.reject_unknown({"name", "description", "vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn",
+                    "activation", "norm", "qk_norm", "bias", "tie_embeddings", "max_positions", "moe", "mla",
+                    "training"});
+  ModelConfig c;
+  auto name = r.opt_string("name");
+  if (!name || name->empty()) r.fail("name", "missing required field (a non-empty string)");
+  c.name = *name;
+  c.vocab = r.req_positive("vocab");
+  c.hidden = r.req_positive("hidden");
+  c.layers = r.req_positive("layers");
+  c.heads = r.req_positive("heads");
+  c.kv_heads = r.positive_or("kv_heads", c.heads);
+  if (!r.has("head_dim") && c.hidden % c.heads != 0)
+    r.fail("head_dim", "missing, and hidden is not divisible by heads");
+  c.head_dim = r.positive_or("head_dim", c.hidden / c.heads);
+  c.ffn = r.non_negative_or("ffn", 0);
+  c.activation = parse_activation(r, r.opt_string("activation").value_or("swiglu"));
+  c.norm = parse_norm(r, r.opt_string("norm").value_or("rmsnorm"));
+  c.qk_norm = r.bool_or("qk_norm", false);
+  c.bias = r.bool_or("bias", false);
+  c.tie_embeddings = r.bool_or("tie_embeddings", false);
+  c.max_positions = r.non_negative_or("max_positions", 0);
+  if (const json* moe = r.opt_object("moe")) {
+    FieldReader m(*moe, where, "moe.");
+    m.reject_unknown({"experts", "top_k", "expert_ffn", "shared_experts", "shared_expert_ffn", "first_dense_layers"});
+    c.experts = m.req_positive("experts");
+    c.top_k = m.req_positive("top_k");
+    c.expert_ffn = m.req_positive("expert_ffn");
+    c.shared_experts = m.non_negative_or("shared_experts", 0);
+    c.shared_expert_ffn = m.positive_or("shared_expert_ffn", c.shared_experts > 0 ? c.expert_ffn : 0);
+    c.first_dense_layers = m.non_negative_or("first_dense_layers", 0);
+  }
+  if (const json* mla = r.opt_object("mla")) {
+    FieldReader m(*mla, where, "mla.");
+    m.reject_unknown({"q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim"});
+    c.q_lora_rank = m.non_negative_or("q_lora_rank", 0);
+    c.kv_lora_rank = m.req_positive("kv_lora_rank");
+    c.qk_rope_head_dim = m.req_positive("qk_rope_head_dim");
+    c.v_head_dim = m.req_positive("v_head_dim");
+  }
+  if (const json* tr = r.opt_object("training")) {
+    FieldReader t(*tr, where, "training.");
+    t.reject_unknown({"seq_len", "micro_batch_size", "precision"});
+    c.training.seq_len = t.positive_or("seq_len", c.training.seq_len);
+    c.training.micro_batch_size = t.positive_or("micro_batch_size", c.training.micro_batch_size);
+    c.training.precision = parse_precision(t, t.opt_string("precision").value_or("bf16"));
+  }
+  validate_config(c, where);
+  return c;
+}
+
+json config_to_spec_json(const ModelConfig& c) {
+  json j;
+  j["name"] = c.name;
+  j["vocab"] = c.vocab;
+  j["hidden"] = c.hidden;
+  j["layers"] = c.layers;
+  j["heads"] = c.heads;
+  j["kv_heads"] = c.kv_heads;
+  j["head_dim"] = c.head_dim;
+  j["ffn"] = c.ffn;
+  j["activation"] = c.activation == MlpActivation::SwiGLU ? "swiglu" : "gelu";
+  j["norm"] = c.norm == NormKind::RMSNorm ? "rmsnorm" : "layernorm";
+  j["qk_norm"] = c.qk_norm;
+  j["bias"] = c.bias;
+  j["tie_embeddings"] = c.tie_embeddings;
+  j["max_positions"] = c.max_positions;
+  if (c.experts > 0) {
+    j["moe"] = {{"experts", c.experts},
+                {"top_k", c.top_k},
+                {"expert_ffn", c.expert_ffn},
+                {"shared_experts", c.shared_experts},
+                {"first_dense_layers", c.first_dense_layers}};
+    if (c.shared_experts > 0) j["moe"]["shared_expert_ffn"] = c.shared_expert_ffn;
+  }
+  if (c.kv_lora_rank > 0) {
+    j["mla"] = {{"q_lora_rank", c.q_lora_rank},
+                {"kv_lora_rank", c.kv_lora_rank},
+                {"qk_rope_head_dim", c.qk_rope_head_dim},
+                {"v_head_dim", c.v_head_dim}};
+  }
+  j["training"] = {{"seq_len", c.training.seq_len},
+                   {"micro_batch_size", c.training.micro_batch_size},
+                   {"precision", to_string(c.training.precision)}};
+  return j;
+}
+
+namespace {
+
+// A readable model name for an HF config: its _name_or_path, else the file (or its folder for a
+// checkpoint's config.json), else the model_type.
+std::string hf_model_name(const json& j, const std::string& where, const std::string& model_type) {
+  if (j.contains("_name_or_path") && j["_name_or_path"].is_string() && !j["_name_or_path"].get<std::string>().empty())
+    return j["_name_or_path"].get<std::string>();
+  std::filesystem::path p(where);
+  std::string stem = p.stem().string();
+  if (stem == "config" && p.has_parent_path()) stem = p.parent_path().filename().string();
+  return stem.empty() ? model_type : stem;
+}
+
+std::string hf_model_type(const json& j, const FieldReader& r) {
+  if (auto t = r.opt_string("model_type")) return *t;
+  if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
+      j["architectures"][0].is_string()) {
+    const std::string a = j["architectures"][0].get<std::string>();
+    if (a == "LlamaForCausalLM") return "llama";
+    if (a == "Qwen3ForCausalLM") return "qwen3";
+    if (a == "Qwen3MoeForCausalLM") return "qwen3_moe";
+    if (a == "DeepseekV3ForCausalLM") return "deepseek_v3";
+    r.fail("architectures", "unsupported architecture '" + a +
+                                "' (supported: LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
+                                "DeepseekV3ForCausalLM)");
+  }
+  r.fail("model_type", "missing (and no \"architectures\" to infer it from)");
+}
+
+}  // namespace
+
+ModelConfig config_from_hf_json(const json& j, const std::string& where) {
+  require_object(j, where, "Hugging Face config");
+  FieldReader r(j, where);
+  const std::string type = hf_model_type(j, r);
+  if (type != "llama" && type != "qwen3" && type != "qwen3_moe" && type != "deepseek_v3")
+    r.fail("model_type", "unsupported model_type '" + type + "' (supported: llama, qwen3, qwen3_moe, deepseek_v3)");
+
+  ModelConfig c;
+  c.name = hf_model_name(j, where, type);
+  c.vocab = r.req_positive("vocab_size");
+  c.hidden = r.req_positive("hidden_size");
+  c.layers = r.req_positive("num_hidden_layers");
+  c.heads = r.req_positive("num_attention_heads");
+  c.kv_heads = r.positive_or("num_key_value_heads", c.heads);
+  if (!r.has("head_dim") && c.hidden % c.heads != 0)
+    r.fail("head_dim", "missing, and hidden_size is not divisible by num_attention_heads");
+  c.head_dim = r.positive_or("head_dim", c.hidden / c.heads);
+  c.ffn = r.req_positive("intermediate_size");
+  // Every supported family is a SwiGLU, RMSNorm, bias-free, RoPE transformer; refuse what differs.
+  if (auto act = r.opt_string("hidden_act"); act && *act != "silu")
+    r.fail("hidden_act", "unsupported activation '" + *act + "' (only silu, i.e. SwiGLU, is modelled)");
+  if (r.bool_or("attention_bias", false)) r.fail("attention_bias", "biased attention projections are not modelled");
+  if (r.bool_or("mlp_bias", false)) r.fail("mlp_bias", "biased MLP projections are not modelled");
+  c.tie_embeddings = r.bool_or("tie_word_embeddings", false);
+  c.qk_norm = type == "qwen3" || type == "qwen3_moe";  // Qwen3 always has q_norm / k_norm
+
+  if (type == "qwen3_moe") {
+    c.experts = r.req_positive("num_experts");
+    c.top_k = r.req_positive("num_experts_per_tok");
+    c.expert_ffn = r.req_positive("moe_intermediate_size");
+    // Piper models "first k blocks dense, the rest MoE"; other sparsity patterns are refused
+    // rather than silently approximated.
+    if (r.positive_or("decoder_sparse_step", 1) != 1)
+      r.fail("decoder_sparse_step", "only 1 (every block MoE) is supported");
+    if (r.has("mlp_only_layers")) {
+      const json& m = j["mlp_only_layers"];
+      if (!m.is_array()) r.fail("mlp_only_layers", "must be an array of layer indices");
+      std::vector<std::int64_t> idx;
+      for (const auto& e : m) {
+        if (!e.is_number_integer()) r.fail("mlp_only_layers", "must be an array of layer indices");
+        idx.push_back(e.get<std::int64_t>());
+      }
+      std::sort(idx.begin(), idx.end());
+      for (std::size_t i = 0; i < idx.size(); ++i)
+        if (idx[i] != static_cast<std::int64_t>(i))
+          r.fail("mlp_only_layers", "only a prefix 0..k-1 of dense layers is supported");
+      c.first_dense_layers = static_cast<std::int64_t>(idx.size());
+    }
+  } else if (type == "deepseek_v3") {
+    c.experts = r.req_positive("n_routed_experts");
+    c.top_k = r.req_positive("num_experts_per_tok");
+    c.expert_ffn = r.req_positive("moe_intermediate_size");
+    c.shared_experts = r.non_negative_or("n_shared_experts", 0);
+    c.shared_expert_ffn = c.shared_experts > 0 ? c.expert_ffn : 0;
+    c.first_dense_layers = r.non_negative_or("first_k_dense_replace", 0);
+    if (r.positive_or("moe_layer_freq", 1) != 1) r.fail("moe_layer_freq", "only 1 (every block after the dense prefix MoE) is supported");
+    c.q_lora_rank = r.non_negative_or("q_lora_rank", 0);  // null in V2-Lite: uncompressed q
+    c.kv_lora_rank = r.req_positive("kv_lora_rank");
+    c.qk_rope_head_dim = r.req_positive("qk_rope_head_dim");
+    c.v_head_dim = r.req_positive("v_head_dim");
+    c.head_dim = r.req_positive("qk_nope_head_dim");
+    // num_nextn_predict_layers (the multi-token-prediction module) is not modelled.
+  }
+  validate_config(c, where);
+  return c;
+}
+
+ModelConfig load_model_config(const std::string& name_or_path) {
+  if (auto z = zoo_config(name_or_path)) return *z;
+  std::filesystem::path path(name_or_path);
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) path /= "config.json";  // an HF checkpoint folder
+  std::ifstream in(path);
+  if (!in) {
+    std::string names;
+    for (const auto& n : zoo_names()) names += (names.empty() ? "" : ", ") + n;
+    throw ModelError(name_or_path + ": neither a zoo model (" + names + ") nor a readable file");
+  }
+  const std::string where = path.string();
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::parse_error& e) {
+    std::string reason = e.what();
+    // Drop nlohmann's "[json.exception.parse_error.101] " prefix; the rest is one readable line.
+    if (auto pos = reason.find("] "); pos != std::string::npos) reason = reason.substr(pos + 2);
+    throw ModelError(where + ": not JSON: " + reason);
+  }
+  if (!j.is_object()) throw ModelError(where + ": expected a JSON object");
+  if (j.contains("model_type") || j.contains("architectures")) return config_from_hf_json(j, where);
+  return config_from_spec_json(j, where);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pipeline regions
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+void clear_pp_tags(Model& model) {
+  for (auto& l : model.mutable_layers()) l.tags.erase("PP");
+}
+
+}  // namespace
+
+void balance_pipeline(Model& model, int stages) {
+  auto& layers = model.mutable_layers();
+  // Units are maximal runs of layers with the same block index: [embedding], each block,
+  // [final norm + head]. Regions are contiguous runs of units.
+  struct Unit {
+    std::size_t first, last;  // layer range [first, last)
+    double flops;
+  };
+  std::vector<Unit> units;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    const Costs c = model.layer_cost(i);
+    const double f = c.forward_flops + c.backward_flops();
+    if (units.empty() || layers[units.back().first].block != layers[i].block)
+      units.push_back({i, i + 1, f});
+    else {
+      units.back().last = i + 1;
+      units.back().flops += f;
+    }
+  }
+  const int n = static_cast<int>(units.size());
+  if (stages < 1 || stages > n)
+    throw ModelError(model.name() + ": balance_pipeline: stages must be between 1 and " + std::to_string(n) +
+                     " (the number of pipeline units), got " + std::to_string(stages));
+
+  std::vector<double> prefix(n + 1, 0.0);
+  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + units[i].flops;
+  auto cost = [&](int i, int j) { return prefix[j] - prefix[i]; };  // units [i, j)
+  const double inf = std::numeric_limits<double>::infinity();
+  const int K = stages;
+
+  // Pass 1 (exact DP, O(K n^2)): the smallest achievable maximum region cost.
+  std::vector<std::vector<double>> best(K + 1, std::vector<double>(n + 1, inf));
+  for (int j = 1; j <= n; ++j) best[1][j] = cost(0, j);
+  for (int k = 2; k <= K; ++k)
+    for (int j = k; j <= n; ++j)
+      for (int i = k - 1; i < j; ++i) best[k][j] = std::min(best[k][j], std::max(best[k - 1][i], cost(i, j)));
+  const double bound = best[K][n] * (1 + 1e-12) + 1e-9;
+
+  // Pass 2: among partitions within that maximum, minimise the sum of squared region costs so the
+  // non-bottleneck regions are balanced too (a plain min-max partition may leave them lopsided).
+  std::vector<std::vector<double>> sq(K + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<int>> from(K + 1, std::vector<int>(n + 1, -1));
+  sq[0][0] = 0;
+  for (int k = 1; k <= K; ++k)
+    for (int j = k; j <= n; ++j)
+      for (int i = k - 1; i < j; ++i) {
+        const double c = cost(i, j);
+        if (c > bound || sq[k - 1][i] == inf) continue;
+        const double v = sq[k - 1][i] + c * c;
+        if (v < sq[k][j]) {
+          sq[k][j] = v;
+          from[k][j] = i;
+        }
+      }
+
+  clear_pp_tags(model);
+  int j = n;
+  for (int k = K; k >= 1; --k) {
+    const int i = from[k][j];
+    for (int u = i; u < j; ++u)
+      for (std::size_t l = units[u].first; l < units[u].last; ++l) layers[l].tags["PP"] = k - 1;
+    j = i;
+  }
+}
+
+void annotate_pipeline_ranges(Model& model, const std::vector<int>& block_starts) {
+  int blocks = 0;
+  for (const auto& l : model.layers()) blocks = std::max(blocks, l.block + 1);
+  const std::string where = model.name() + ": pipeline ranges";
+  if (blocks == 0) throw ModelError(where + ": the model has no blocks");
+  if (block_starts.empty()) throw ModelError(where + ": at least one region is required");
+  if (block_starts[0] != 0) throw ModelError(where + ": the first region must start at block 0");
+  for (std::size_t r = 0; r < block_starts.size(); ++r) {
+    if (block_starts[r] >= blocks)
+      throw ModelError(where + ": start " + std::to_string(block_starts[r]) + " of region " + std::to_string(r) +
+                       " is past the last block (" + std::to_string(blocks - 1) + ")");
+    if (r > 0 && block_starts[r] <= block_starts[r - 1])
+      throw ModelError(where + ": starts must be strictly increasing (region " + std::to_string(r) + ")");
+  }
+  clear_pp_tags(model);
+  int region = 0;  // layers outside blocks follow the previous layer: embedding -> 0, head -> last
+  for (auto& l : model.mutable_layers()) {
+    if (l.block >= 0)
+      region = static_cast<int>(std::upper_bound(block_starts.begin(), block_starts.end(), l.block) -
+                                block_starts.begin()) - 1;
+    l.tags["PP"] = region;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ModelBuilder
+// ---------------------------------------------------------------------------------------------
+
+ModelBuilder::Scope ModelBuilder::annotate(const std::string& tag) {
+  // Same-tag nesting has no meaning (a layer holds one index per tag), so refuse it.
+  if (open_.count(tag)) throw ModelError(name_ + ": annotate(\"" + tag + "\"): a scope with this tag is already open");
+  open_[tag] = next_index_[tag]++;
+  return Scope(this, tag);
+}
+
+ModelBuilder::Scope::~Scope() {
+  if (builder_) builder_->open_.erase(tag_);
+}
+
+int ModelBuilder::Scope::index() const {
+  if (!builder_) throw ModelError("annotate(\"" + tag_ + "\"): scope was moved from");
+  return builder_->open_.at(tag_);
+}
+
+ModelBuilder& ModelBuilder::add(Layer layer) {
+  for (const auto& [tag, index] : open_) layer.tags[tag] = index;
+  layers_.push_back(std::move(layer));
+  return *this;
+}
+
+Model ModelBuilder::build() const { return Model(name_, layers_, training_); }
+
+}  // namespace piper::core

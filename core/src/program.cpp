@@ -1,0 +1,522 @@
+// Program queries (peers, communicator groups), its exact JSON round trip, and atomic file writes.
+#include "piper/core/program.hpp"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "piper/core/error.hpp"
+
+namespace piper::core {
+
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kOpKindNames[] = {"COMPUTE",        "UPD",        "SEND",      "RECV", "ALL_REDUCE",
+                                        "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL"};
+constexpr const char* kBufferKindNames[] = {"parameters",  "gradients", "optimizer_states",
+                                            "activations", "received",  "gathered_parameters"};
+
+template <class Enum, std::size_t N>
+std::optional<Enum> parse_enum(const char* const (&names)[N], const std::string& s) {
+  for (std::size_t i = 0; i < N; ++i)
+    if (s == names[i]) return static_cast<Enum>(i);
+  return std::nullopt;
+}
+
+std::optional<Precision> parse_precision(const std::string& s) {
+  for (Precision p : {Precision::BF16, Precision::FP16, Precision::FP32})
+    if (to_string(p) == s) return p;
+  return std::nullopt;
+}
+
+// ---- JSON reading with a field path, so every error names the offending field ----
+
+[[noreturn]] void fail(const std::string& path, const std::string& message) {
+  throw PlanError("plan: field '" + path + "': " + message);
+}
+
+std::string at_index(const std::string& path, std::size_t i) { return path + "[" + std::to_string(i) + "]"; }
+std::string member(const std::string& path, const char* key) { return path.empty() ? key : path + "." + key; }
+
+const json& require(const json& obj, const std::string& path, const char* key) {
+  auto it = obj.find(key);
+  if (it == obj.end()) fail(member(path, key), "missing");
+  return *it;
+}
+const json* optional_field(const json& obj, const char* key) {
+  auto it = obj.find(key);
+  return it == obj.end() ? nullptr : &*it;
+}
+
+const json& as_object(const json& j, const std::string& path) {
+  if (!j.is_object()) fail(path, std::string("expected an object, got ") + j.type_name());
+  return j;
+}
+const json& as_array(const json& j, const std::string& path) {
+  if (!j.is_array()) fail(path, std::string("expected an array, got ") + j.type_name());
+  return j;
+}
+std::int64_t as_int64(const json& j, const std::string& path) {
+  if (!j.is_number_integer()) fail(path, std::string("expected an integer, got ") + j.type_name());
+  return j.get<std::int64_t>();
+}
+int as_int(const json& j, const std::string& path) {
+  std::int64_t v = as_int64(j, path);
+  if (v < INT32_MIN || v > INT32_MAX) fail(path, "integer " + std::to_string(v) + " out of range");
+  return static_cast<int>(v);
+}
+double as_double(const json& j, const std::string& path) {
+  if (!j.is_number()) fail(path, std::string("expected a number, got ") + j.type_name());
+  return j.get<double>();
+}
+std::string as_string(const json& j, const std::string& path) {
+  if (!j.is_string()) fail(path, std::string("expected a string, got ") + j.type_name());
+  return j.get<std::string>();
+}
+
+// An index field: -1 (none) when `allow_none`, else within [0, size).
+int check_index(int v, const std::string& path, std::size_t size, const char* what, bool allow_none) {
+  if (allow_none && v == -1) return v;
+  if (v < 0 || static_cast<std::size_t>(v) >= size)
+    fail(path, what + std::string(" ") + std::to_string(v) + " out of range [0, " + std::to_string(size) + ")");
+  return v;
+}
+int as_index(const json& j, const std::string& path, std::size_t size, const char* what, bool allow_none) {
+  return check_index(as_int(j, path), path, size, what, allow_none);
+}
+
+json ref_to_json(const OpRef& r) { return json::array({r.stream, r.index}); }
+
+OpRef ref_from_json(const json& j, const std::string& path) {
+  if (!j.is_array() || j.size() != 2) fail(path, "expected [stream, index]");
+  return OpRef{as_int(j[0], at_index(path, 0)), as_int(j[1], at_index(path, 1))};
+}
+
+// A reference to an op of `plan`, checked against its streams.
+void check_ref(const OpRef& r, const Plan& plan, const std::string& path) {
+  if (r.stream < 0 || static_cast<std::size_t>(r.stream) >= plan.streams.size())
+    fail(path, "stream " + std::to_string(r.stream) + " out of range [0, " + std::to_string(plan.streams.size()) + ")");
+  const auto& ops = plan.streams[static_cast<std::size_t>(r.stream)].ops;
+  if (r.index < 0 || static_cast<std::size_t>(r.index) >= ops.size())
+    fail(path, "op " + std::to_string(r.index) + " out of range [0, " + std::to_string(ops.size()) + ")");
+}
+
+TagMap tags_from_json(const json& j, const std::string& path) {
+  as_object(j, path);
+  TagMap tags;
+  for (auto it = j.begin(); it != j.end(); ++it) tags[it.key()] = as_int(it.value(), member(path, it.key().c_str()));
+  return tags;
+}
+
+// ---- writing: default-valued op fields are omitted to keep large plans small ----
+
+json op_to_json(const Op& op) {
+  json j;
+  j["kind"] = to_string(op.kind);
+  if (op.pass != Pass::None) j["pass"] = to_string(op.pass);
+  if (op.node != -1) j["node"] = op.node;
+  if (!op.label.empty()) j["label"] = op.label;
+  if (!op.tags.empty()) j["tags"] = op.tags;
+  if (op.flops != 0) j["flops"] = op.flops;
+  if (op.memory_bytes != 0) j["memory_bytes"] = op.memory_bytes;
+  if (op.bytes != 0) j["bytes"] = op.bytes;
+  if (op.device_set != kNoDevices) j["device_set"] = op.device_set;
+  if (op.peer_set != kNoDevices) j["peer_set"] = op.peer_set;
+  if (op.family != -1) j["family"] = op.family;
+  if (!op.waits.empty()) {
+    json waits = json::array();
+    for (const auto& w : op.waits) waits.push_back(ref_to_json(w));
+    j["waits"] = std::move(waits);
+  }
+  if (!op.uses.empty()) j["uses"] = op.uses;
+  return j;
+}
+
+json buffer_to_json(const Buffer& b) {
+  json j{{"name", b.name}, {"kind", to_string(b.kind)}, {"bytes", b.bytes}};
+  if (b.alloc != OpRef{}) j["alloc"] = ref_to_json(b.alloc);
+  if (b.free != OpRef{}) j["free"] = ref_to_json(b.free);
+  return j;
+}
+
+// Reads an op's own fields; references to streams, buffers, sets and families are checked later,
+// once the whole plan and program tables are known.
+Op op_from_json(const json& j, const std::string& path) {
+  as_object(j, path);
+  Op op;
+  {
+    std::string p = member(path, "kind");
+    std::string s = as_string(require(j, path, "kind"), p);
+    auto kind = parse_enum<OpKind>(kOpKindNames, s);
+    if (!kind) fail(p, "unknown op kind '" + s + "'");
+    op.kind = *kind;
+  }
+  if (const json* f = optional_field(j, "pass")) {
+    std::string p = member(path, "pass");
+    std::string s = as_string(*f, p);
+    try {
+      op.pass = pass_from_string(s);
+    } catch (const std::exception&) {
+      fail(p, "unknown pass '" + s + "'");
+    }
+  }
+  if (const json* f = optional_field(j, "node")) op.node = as_int(*f, member(path, "node"));
+  if (const json* f = optional_field(j, "label")) op.label = as_string(*f, member(path, "label"));
+  if (const json* f = optional_field(j, "tags")) op.tags = tags_from_json(*f, member(path, "tags"));
+  if (const json* f = optional_field(j, "flops")) op.flops = as_double(*f, member(path, "flops"));
+  if (const json* f = optional_field(j, "memory_bytes")) op.memory_bytes = as_int64(*f, member(path, "memory_bytes"));
+  if (const json* f = optional_field(j, "bytes")) op.bytes = as_int64(*f, member(path, "bytes"));
+  if (const json* f = optional_field(j, "device_set")) op.device_set = as_int(*f, member(path, "device_set"));
+  if (const json* f = optional_field(j, "peer_set")) op.peer_set = as_int(*f, member(path, "peer_set"));
+  if (const json* f = optional_field(j, "family")) op.family = as_int(*f, member(path, "family"));
+  if (const json* f = optional_field(j, "waits")) {
+    std::string p = member(path, "waits");
+    as_array(*f, p);
+    for (std::size_t i = 0; i < f->size(); ++i) op.waits.push_back(ref_from_json((*f)[i], at_index(p, i)));
+  }
+  if (const json* f = optional_field(j, "uses")) {
+    std::string p = member(path, "uses");
+    as_array(*f, p);
+    for (std::size_t i = 0; i < f->size(); ++i) op.uses.push_back(as_int((*f)[i], at_index(p, i)));
+  }
+  return op;
+}
+
+Plan plan_from_json(const json& j, const std::string& path, std::size_t num_sets, std::size_t num_families) {
+  as_object(j, path);
+  Plan plan;
+  std::string sp = member(path, "streams");
+  const json& streams = as_array(require(j, path, "streams"), sp);
+  for (std::size_t s = 0; s < streams.size(); ++s) {
+    std::string p = at_index(sp, s);
+    as_object(streams[s], p);
+    Stream stream;
+    stream.name = as_string(require(streams[s], p, "name"), member(p, "name"));
+    std::string op_path = member(p, "ops");
+    const json& ops = as_array(require(streams[s], p, "ops"), op_path);
+    stream.ops.reserve(ops.size());
+    for (std::size_t i = 0; i < ops.size(); ++i) stream.ops.push_back(op_from_json(ops[i], at_index(op_path, i)));
+    plan.streams.push_back(std::move(stream));
+  }
+  std::string bp = member(path, "buffers");
+  const json& buffers = as_array(require(j, path, "buffers"), bp);
+  for (std::size_t b = 0; b < buffers.size(); ++b) {
+    std::string p = at_index(bp, b);
+    as_object(buffers[b], p);
+    Buffer buf;
+    buf.name = as_string(require(buffers[b], p, "name"), member(p, "name"));
+    std::string kind = as_string(require(buffers[b], p, "kind"), member(p, "kind"));
+    auto k = parse_enum<BufferKind>(kBufferKindNames, kind);
+    if (!k) fail(member(p, "kind"), "unknown buffer kind '" + kind + "'");
+    buf.kind = *k;
+    buf.bytes = as_int64(require(buffers[b], p, "bytes"), member(p, "bytes"));
+    if (const json* f = optional_field(buffers[b], "alloc")) {
+      buf.alloc = ref_from_json(*f, member(p, "alloc"));
+      check_ref(buf.alloc, plan, member(p, "alloc"));
+    }
+    if (const json* f = optional_field(buffers[b], "free")) {
+      buf.free = ref_from_json(*f, member(p, "free"));
+      check_ref(buf.free, plan, member(p, "free"));
+    }
+    plan.buffers.push_back(std::move(buf));
+  }
+  // Cross references inside the plan and into the program tables.
+  for (std::size_t s = 0; s < plan.streams.size(); ++s) {
+    for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
+      const Op& op = plan.streams[s].ops[i];
+      std::string p = at_index(member(at_index(sp, s), "ops"), i);
+      for (std::size_t w = 0; w < op.waits.size(); ++w) check_ref(op.waits[w], plan, at_index(member(p, "waits"), w));
+      for (std::size_t u = 0; u < op.uses.size(); ++u)
+        check_index(op.uses[u], at_index(member(p, "uses"), u), plan.buffers.size(), "buffer", false);
+      check_index(op.device_set, member(p, "device_set"), num_sets, "device set", true);
+      check_index(op.peer_set, member(p, "peer_set"), num_sets, "device set", true);
+      check_index(op.family, member(p, "family"), num_families, "family", true);
+    }
+  }
+  return plan;
+}
+
+bool same_op(const Op& a, const Op& b) {
+  return a.kind == b.kind && a.pass == b.pass && a.node == b.node && a.label == b.label && a.tags == b.tags &&
+         a.flops == b.flops && a.memory_bytes == b.memory_bytes && a.bytes == b.bytes && a.device_set == b.device_set &&
+         a.peer_set == b.peer_set && a.family == b.family && a.waits == b.waits && a.uses == b.uses;
+}
+
+bool same_plan(const Plan& a, const Plan& b) {
+  if (a.streams.size() != b.streams.size() || a.buffers.size() != b.buffers.size()) return false;
+  for (std::size_t s = 0; s < a.streams.size(); ++s) {
+    const Stream& x = a.streams[s];
+    const Stream& y = b.streams[s];
+    if (x.name != y.name || x.ops.size() != y.ops.size()) return false;
+    for (std::size_t i = 0; i < x.ops.size(); ++i)
+      if (!same_op(x.ops[i], y.ops[i])) return false;
+  }
+  for (std::size_t i = 0; i < a.buffers.size(); ++i) {
+    const Buffer& x = a.buffers[i];
+    const Buffer& y = b.buffers[i];
+    if (x.name != y.name || x.kind != y.kind || x.bytes != y.bytes || x.alloc != y.alloc || x.free != y.free)
+      return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string to_string(OpKind k) { return kOpKindNames[static_cast<int>(k)]; }
+
+OpKind op_kind_from_string(const std::string& s) {
+  if (auto k = parse_enum<OpKind>(kOpKindNames, s)) return *k;
+  throw PlanError("unknown op kind '" + s + "'");
+}
+
+std::string to_string(BufferKind k) { return kBufferKindNames[static_cast<int>(k)]; }
+
+BufferKind buffer_kind_from_string(const std::string& s) {
+  if (auto k = parse_enum<BufferKind>(kBufferKindNames, s)) return *k;
+  throw PlanError("unknown buffer kind '" + s + "'");
+}
+
+std::int64_t Plan::op_count() const {
+  std::int64_t n = 0;
+  for (const auto& s : streams) n += static_cast<std::int64_t>(s.ops.size());
+  return n;
+}
+
+int Program::position_in(DeviceSetId set, int device) const {
+  if (set < 0 || static_cast<std::size_t>(set) >= device_sets.size()) return -1;
+  const auto& devices = device_sets[static_cast<std::size_t>(set)];
+  for (std::size_t i = 0; i < devices.size(); ++i)
+    if (devices[i] == device) return static_cast<int>(i);
+  return -1;
+}
+
+int Program::peer_of(const Op& op, int device) const {
+  int pos = position_in(op.device_set, device);
+  if (pos < 0) return -1;
+  if (op.peer_set < 0 || static_cast<std::size_t>(op.peer_set) >= device_sets.size()) return -1;
+  const auto& peers = device_sets[static_cast<std::size_t>(op.peer_set)];
+  return static_cast<std::size_t>(pos) < peers.size() ? peers[static_cast<std::size_t>(pos)] : -1;
+}
+
+namespace {
+
+// The device list of family `f` and its number of groups, after checking the partition is well formed.
+const std::vector<int>& family_devices(const Program& p, int family, int& num_groups) {
+  if (family < 0 || static_cast<std::size_t>(family) >= p.families.size())
+    throw PlanError("plan: family " + std::to_string(family) + " out of range");
+  const CommFamily& f = p.families[static_cast<std::size_t>(family)];
+  if (f.devices < 0 || static_cast<std::size_t>(f.devices) >= p.device_sets.size())
+    throw PlanError("plan: family " + std::to_string(family) + ": device set " + std::to_string(f.devices) +
+                    " out of range");
+  const auto& devices = p.device_sets[static_cast<std::size_t>(f.devices)];
+  int n = static_cast<int>(devices.size());
+  if (f.group_size <= 0 || n % f.group_size != 0 || f.stride <= 0 || (f.stride > 1 && f.group_size * f.stride != n))
+    throw PlanError("plan: family " + std::to_string(family) + ": group_size " + std::to_string(f.group_size) +
+                    " with stride " + std::to_string(f.stride) + " does not partition " + std::to_string(n) +
+                    " devices");
+  num_groups = n / f.group_size;
+  return devices;
+}
+
+}  // namespace
+
+std::vector<std::vector<int>> Program::groups(int family) const {
+  int num_groups = 0;
+  const auto& devices = family_devices(*this, family, num_groups);
+  const CommFamily& f = families[static_cast<std::size_t>(family)];
+  std::vector<std::vector<int>> out(static_cast<std::size_t>(num_groups));
+  for (std::size_t i = 0; i < devices.size(); ++i) {
+    // stride 1: chunk i / group_size; stride k: residue i % k.
+    std::size_t g = f.stride == 1 ? i / static_cast<std::size_t>(f.group_size) : i % static_cast<std::size_t>(f.stride);
+    out[g].push_back(devices[i]);
+  }
+  return out;
+}
+
+std::vector<int> Program::group_of(int family, int device) const {
+  int num_groups = 0;
+  const auto& devices = family_devices(*this, family, num_groups);
+  const CommFamily& f = families[static_cast<std::size_t>(family)];
+  int pos = position_in(f.devices, device);
+  if (pos < 0) return {};
+  std::vector<int> out;
+  out.reserve(static_cast<std::size_t>(f.group_size));
+  if (f.stride == 1) {
+    int first = pos / f.group_size * f.group_size;
+    for (int i = 0; i < f.group_size; ++i) out.push_back(devices[static_cast<std::size_t>(first + i)]);
+  } else {
+    for (std::size_t i = static_cast<std::size_t>(pos % f.stride); i < devices.size();
+         i += static_cast<std::size_t>(f.stride))
+      out.push_back(devices[i]);
+  }
+  return out;
+}
+
+std::int64_t Program::total_ops() const {
+  std::vector<std::int64_t> devices_per_plan(plans.size(), 0);
+  for (int p : plan_of_device) devices_per_plan.at(static_cast<std::size_t>(p)) += 1;
+  std::int64_t total = 0;
+  for (std::size_t p = 0; p < plans.size(); ++p) total += devices_per_plan[p] * plans[p].op_count();
+  return total;
+}
+
+json Program::to_json() const {
+  json j;
+  j["format"] = "piper-program";
+  j["version"] = 1;
+  j["model"] = model_name;
+  j["training"] = {{"seq_len", training.seq_len},
+                   {"micro_batch_size", training.micro_batch_size},
+                   {"precision", to_string(training.precision)}};
+  j["microbatches"] = microbatches;
+  j["num_devices"] = num_devices;
+  j["device_sets"] = device_sets;
+  json fams = json::array();
+  for (const auto& f : families)
+    fams.push_back(
+        {{"devices", f.devices}, {"group_size", f.group_size}, {"stride", f.stride}, {"purpose", f.purpose}});
+  j["families"] = std::move(fams);
+  json plan_array = json::array();
+  for (const auto& plan : plans) {
+    json streams = json::array();
+    for (const auto& s : plan.streams) {
+      json ops = json::array();
+      for (const auto& op : s.ops) ops.push_back(op_to_json(op));
+      streams.push_back({{"name", s.name}, {"ops", std::move(ops)}});
+    }
+    json buffers = json::array();
+    for (const auto& b : plan.buffers) buffers.push_back(buffer_to_json(b));
+    plan_array.push_back({{"streams", std::move(streams)}, {"buffers", std::move(buffers)}});
+  }
+  j["plans"] = std::move(plan_array);
+  j["plan_of_device"] = plan_of_device;
+  j["stats"] = {{"dag_nodes", stats.dag_nodes},
+                {"nodes_by_kind", stats.nodes_by_kind},
+                {"compile_seconds", stats.compile_seconds},
+                {"compiler_peak_rss_bytes", stats.compiler_peak_rss_bytes}};
+  return j;
+}
+
+Program Program::from_json(const json& j) {
+  as_object(j, "(top level)");
+  Program p;
+  {
+    std::string format = as_string(require(j, "", "format"), "format");
+    if (format != "piper-program") fail("format", "expected 'piper-program', got '" + format + "'");
+    int version = as_int(require(j, "", "version"), "version");
+    if (version != 1) fail("version", "unsupported version " + std::to_string(version) + " (expected 1)");
+  }
+  p.model_name = as_string(require(j, "", "model"), "model");
+  {
+    const json& t = as_object(require(j, "", "training"), "training");
+    p.training.seq_len = as_int64(require(t, "training", "seq_len"), "training.seq_len");
+    p.training.micro_batch_size = as_int64(require(t, "training", "micro_batch_size"), "training.micro_batch_size");
+    std::string prec = as_string(require(t, "training", "precision"), "training.precision");
+    auto parsed = parse_precision(prec);
+    if (!parsed) fail("training.precision", "unknown precision '" + prec + "' (expected bf16, fp16 or fp32)");
+    p.training.precision = *parsed;
+  }
+  p.microbatches = as_int(require(j, "", "microbatches"), "microbatches");
+  p.num_devices = as_int(require(j, "", "num_devices"), "num_devices");
+  if (p.num_devices < 0) fail("num_devices", "negative");
+  {
+    const json& sets = as_array(require(j, "", "device_sets"), "device_sets");
+    p.device_sets.reserve(sets.size());
+    for (std::size_t s = 0; s < sets.size(); ++s) {
+      std::string sp = at_index("device_sets", s);
+      as_array(sets[s], sp);
+      std::vector<int> devices;
+      devices.reserve(sets[s].size());
+      for (std::size_t i = 0; i < sets[s].size(); ++i)
+        devices.push_back(
+            as_index(sets[s][i], at_index(sp, i), static_cast<std::size_t>(p.num_devices), "device", false));
+      p.device_sets.push_back(std::move(devices));
+    }
+  }
+  {
+    const json& fams = as_array(require(j, "", "families"), "families");
+    for (std::size_t i = 0; i < fams.size(); ++i) {
+      std::string fp = at_index("families", i);
+      as_object(fams[i], fp);
+      CommFamily f;
+      f.devices =
+          as_index(require(fams[i], fp, "devices"), member(fp, "devices"), p.device_sets.size(), "device set", false);
+      f.group_size = as_int(require(fams[i], fp, "group_size"), member(fp, "group_size"));
+      f.stride = as_int(require(fams[i], fp, "stride"), member(fp, "stride"));
+      f.purpose = as_string(require(fams[i], fp, "purpose"), member(fp, "purpose"));
+      p.families.push_back(std::move(f));
+    }
+  }
+  {
+    const json& plans = as_array(require(j, "", "plans"), "plans");
+    p.plans.reserve(plans.size());
+    for (std::size_t i = 0; i < plans.size(); ++i)
+      p.plans.push_back(plan_from_json(plans[i], at_index("plans", i), p.device_sets.size(), p.families.size()));
+  }
+  {
+    const json& pod = as_array(require(j, "", "plan_of_device"), "plan_of_device");
+    if (pod.size() != static_cast<std::size_t>(p.num_devices))
+      fail("plan_of_device",
+           "has " + std::to_string(pod.size()) + " entries for " + std::to_string(p.num_devices) + " devices");
+    p.plan_of_device.reserve(pod.size());
+    for (std::size_t i = 0; i < pod.size(); ++i)
+      p.plan_of_device.push_back(as_index(pod[i], at_index("plan_of_device", i), p.plans.size(), "plan", false));
+  }
+  if (const json* s = optional_field(j, "stats")) {
+    as_object(*s, "stats");
+    if (const json* f = optional_field(*s, "dag_nodes")) p.stats.dag_nodes = as_int64(*f, "stats.dag_nodes");
+    if (const json* f = optional_field(*s, "nodes_by_kind")) {
+      as_object(*f, "stats.nodes_by_kind");
+      for (auto it = f->begin(); it != f->end(); ++it)
+        p.stats.nodes_by_kind[it.key()] = as_int64(it.value(), "stats.nodes_by_kind." + it.key());
+    }
+    if (const json* f = optional_field(*s, "compile_seconds"))
+      p.stats.compile_seconds = as_double(*f, "stats.compile_seconds");
+    if (const json* f = optional_field(*s, "compiler_peak_rss_bytes"))
+      p.stats.compiler_peak_rss_bytes = as_int64(*f, "stats.compiler_peak_rss_bytes");
+  }
+  return p;
+}
+
+bool operator==(const Program& a, const Program& b) {
+  if (a.model_name != b.model_name || a.training.seq_len != b.training.seq_len ||
+      a.training.micro_batch_size != b.training.micro_batch_size || a.training.precision != b.training.precision ||
+      a.microbatches != b.microbatches || a.num_devices != b.num_devices || a.device_sets != b.device_sets ||
+      a.families != b.families || a.plan_of_device != b.plan_of_device || a.plans.size() != b.plans.size())
+    return false;
+  for (std::size_t i = 0; i < a.plans.size(); ++i)
+    if (!same_plan(a.plans[i], b.plans[i])) return false;
+  return true;
+}
+
+void write_file_atomically(const std::string& path, const std::string& contents) {
+  // The temporary sits in the same folder so the rename stays within one file system (atomic).
+  std::string temp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
+    if (!out) throw Error("cannot write " + path + ": " + std::strerror(errno));
+    out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+    out.close();
+    if (!out) {
+      std::error_code ignored;
+      std::filesystem::remove(temp, ignored);
+      throw Error("cannot write " + path + ": write to temporary file failed");
+    }
+  }
+  std::error_code ec;
+  std::filesystem::rename(temp, path, ec);
+  if (ec) {
+    std::error_code ignored;
+    std::filesystem::remove(temp, ignored);
+    throw Error("cannot write " + path + ": " + ec.message());
+  }
+}
+
+}  // namespace piper::core

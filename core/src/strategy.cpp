@@ -1,0 +1,173 @@
+// Strategy generator: turns parallelism knobs into place/replicate/shard directives and delegates the
+// split/order part to a schedule family looked up by name in the registry (schedules.cpp).
+#include "piper/core/strategy.hpp"
+
+#include <cmath>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace piper::core {
+namespace {
+
+using nlohmann::json;
+
+[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument(message); }
+
+std::string num(double v) {
+  std::string s = std::to_string(v);
+  s.erase(s.find_last_not_of('0') + 1);
+  if (!s.empty() && s.back() == '.') s.pop_back();
+  return s;
+}
+
+// Devices of pipeline rank r: r + d * pp for d = 0..dp-1 (pipeline ranks adjacent).
+json devices_of_rank(const StrategyOptions& o, int rank) {
+  json devices = json::array();
+  for (int d = 0; d < o.dp; ++d) devices.push_back(rank + d * o.pp);
+  return devices;
+}
+
+void check_placement(const StrategyOptions& o, const std::vector<int>& rank_of_region) {
+  if (rank_of_region.empty()) fail("placement has no PP regions");
+  for (size_t i = 0; i < rank_of_region.size(); ++i)
+    if (rank_of_region[i] < 0 || rank_of_region[i] >= o.pp)
+      fail("region PP " + std::to_string(i) + " is placed on rank " + std::to_string(rank_of_region[i]) +
+           ", outside --pp " + std::to_string(o.pp));
+}
+
+}  // namespace
+
+void validate_strategy_options(const StrategyOptions& o) {
+  auto at_least_one = [](const char* flag, int v) {
+    if (v < 1) fail(std::string(flag) + " must be >= 1 (got " + std::to_string(v) + ")");
+  };
+  at_least_one("--pp", o.pp);
+  at_least_one("--dp", o.dp);
+  at_least_one("--ep", o.ep);
+  at_least_one("--microbatches", o.microbatches);
+  at_least_one("--virtual-stages", o.virtual_stages);
+  if (o.dp % o.ep != 0) fail("--ep " + std::to_string(o.ep) + " must divide --dp " + std::to_string(o.dp));
+  if (o.zero < 0 || o.zero > 3) fail("--zero must be 0, 1, 2 or 3 (got " + std::to_string(o.zero) + ")");
+  if (!(o.bucket_mb >= 0) || !std::isfinite(o.bucket_mb))
+    fail("--bucket-mb must be a finite number >= 0 (got " + num(o.bucket_mb) + ")");
+}
+
+const ScheduleFamily& schedule_family(const std::string& name) {
+  const auto& registry = schedule_registry();
+  for (const auto& family : registry)
+    if (family.name == name) return family;
+  std::string valid;
+  for (const auto& family : registry) valid += (valid.empty() ? "" : ", ") + family.name;
+  fail("--schedule '" + name + "' is unknown; valid schedules: " + valid);
+}
+
+json placement_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region) {
+  validate_strategy_options(o);
+  check_placement(o, rank_of_region);
+  const int regions = static_cast<int>(rank_of_region.size());
+  auto devices_of_region = [&](int i) { return devices_of_rank(o, rank_of_region[static_cast<size_t>(i)]); };
+  json out = json::array();
+  // Directive order follows the published programs: all place, then all replicate, then all shard.
+  for (int i = 0; i < regions; ++i) {
+    json place{{"op", "place"}, {"filter", {{"PP", i}}}, {"devices", devices_of_region(i)}};
+    // With one pipeline rank there are no point-to-point transfers, so no stream (as in dp2.json).
+    if (o.pp > 1) place["stream"] = o.pp_stream;
+    out.push_back(place);
+  }
+  if (o.dp > 1) {
+    for (int i = 0; i < regions; ++i) {
+      json rep{{"op", "replicate"}, {"filter", {{"PP", i}}}, {"devices", devices_of_region(i)},
+               {"reduce_stream", o.dp_stream}};
+      if (o.bucket_mb > 0) {
+        // Whole megabytes are written as integers, as the published format does.
+        if (o.bucket_mb == std::floor(o.bucket_mb)) rep["bucket_size"] = static_cast<long long>(o.bucket_mb);
+        else rep["bucket_size"] = o.bucket_mb;
+      }
+      if (o.zero == 1) rep["shard_optimizer"] = true;
+      if (o.zero >= 2) rep["shard_grads"] = true;
+      if (o.zero == 3) {
+        rep["shard_params"] = true;
+        rep["gather_stream"] = o.dp_stream;
+      }
+      out.push_back(rep);
+    }
+  }
+  if (o.ep > 1) {
+    for (int i = 0; i < regions; ++i) {
+      json shard{{"op", "shard"}, {"filter", {{"PP", i}, {"EP", "*"}}}, {"devices", devices_of_region(i)},
+                 {"stream", o.ep_stream}};
+      // Experts sharded over consecutive groups of ep of the dp replicas (Piper extension).
+      if (o.ep < o.dp) shard["degree"] = o.ep;
+      out.push_back(shard);
+    }
+  }
+  return out;
+}
+
+json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region) {
+  validate_strategy_options(o);
+  const ScheduleFamily& family = schedule_family(o.schedule);
+  ScheduleContext ctx;
+  ctx.ranks = o.pp;
+  ctx.regions = static_cast<int>(rank_of_region.size());
+  ctx.microbatches = o.microbatches;
+  ctx.virtual_stages = o.virtual_stages;
+  ctx.rank_of_region = rank_of_region;
+  return family.directives(ctx);
+}
+
+json generate_program(const StrategyOptions& o) {
+  validate_strategy_options(o);
+  const ScheduleFamily& family = schedule_family(o.schedule);
+  const int regions = family.regions(o);
+  const std::vector<int> rank_of_region = family.placement(o, regions);
+  json program = placement_directives(o, rank_of_region);
+  for (auto& d : schedule_directives(o, rank_of_region)) program.push_back(d);
+  return program;
+}
+
+std::vector<int> rank_of_region_from_program(const json& program, int* pipeline_ranks) {
+  if (!program.is_array()) fail("program must be a JSON array of directives");
+  std::map<int, json> devices_of_region;
+  for (size_t k = 0; k < program.size(); ++k) {
+    const json& d = program[k];
+    const std::string op = d.is_object() && d.contains("op") && d["op"].is_string() ? d["op"].get<std::string>() : "";
+    if (op == "split" || op == "order")
+      fail("directive " + std::to_string(k) + ": program already has split/order directives; drop --schedule");
+    if (op != "place") continue;
+    const json& filter = d.value("filter", json::object());
+    if (!filter.is_object() || filter.size() != 1 || !filter.contains("PP") || !filter["PP"].is_number_integer())
+      continue;  // places of sub-regions (e.g. {PP:i, EP:j}) do not define a pipeline rank
+    const int region = filter["PP"].get<int>();
+    if (region < 0) fail("directive " + std::to_string(k) + " field 'filter': PP " + std::to_string(region) + " is negative");
+    if (!d.contains("devices") || !d["devices"].is_array() || d["devices"].empty())
+      fail("directive " + std::to_string(k) + " field 'devices': must be a non-empty array");
+    if (!devices_of_region.emplace(region, d["devices"]).second)
+      fail("directive " + std::to_string(k) + " field 'filter': region PP " + std::to_string(region) + " is placed twice");
+  }
+  if (devices_of_region.empty()) fail("program has no place directives with filter {PP: i}; nothing to schedule");
+  const int regions = static_cast<int>(devices_of_region.size());
+  if (devices_of_region.rbegin()->first != regions - 1) {
+    for (int i = 0; i < regions; ++i)
+      if (!devices_of_region.count(i)) fail("program places no region PP " + std::to_string(i) + "; PP regions must be 0..n-1");
+  }
+  // Ranks numbered by first appearance in region order, so region 0 sits on rank 0.
+  std::vector<json> rank_devices;
+  std::vector<int> rank_of_region;
+  for (const auto& [region, devices] : devices_of_region) {
+    int rank = -1;
+    for (size_t r = 0; r < rank_devices.size(); ++r)
+      if (rank_devices[r] == devices) rank = static_cast<int>(r);
+    if (rank < 0) {
+      rank = static_cast<int>(rank_devices.size());
+      rank_devices.push_back(devices);
+    }
+    rank_of_region.push_back(rank);
+  }
+  if (pipeline_ranks) *pipeline_ranks = static_cast<int>(rank_devices.size());
+  return rank_of_region;
+}
+
+}  // namespace piper::core

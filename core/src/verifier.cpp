@@ -1,0 +1,578 @@
+// Static checks of a Program at the level of plans (classes of devices): transfers, collectives,
+// buffer lifetimes and deadlock freedom, without expanding the data-parallel degree.
+//
+// Semantics of a Program (the contract this file checks):
+//  * Device d runs plans[plan_of_device[d]]. Its streams run concurrently; ops of one stream run in
+//    order. op.waits lists ops of other streams of the same device that must finish before op starts.
+//  * A SEND on device d goes to peer_of(op, d). Its RECV is the op of kind RECV on that peer with the
+//    same `node` (SEND and RECV of one transfer share the DAG node id) whose own peer_of is d; both
+//    carry the same bytes. Every RECV has its SEND as well.
+//  * A collective (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL) on device d runs in the group
+//    group_of(op.family, d). Every member of a group issues the same sequence of (node, kind, bytes) on
+//    that family, read over the device's streams in index order, ops in order. A collective
+//    completes only when every member has reached it (rendezvous).
+//  * A transient buffer is allocated when its `alloc` op starts and freed when its `free` op ends:
+//    alloc happens-before-or-equals every use, and every use happens-before-or-equals the free.
+//    Happens-before inside a device is stream order plus waits, transitively (vector clocks).
+//  * No deadlock: the wait graph over all op instances is acyclic. Edges: stream order, waits, SEND ->
+//    its RECV, and for collectives one rendezvous vertex per group instance (all members merged).
+//
+// Scale: devices of one plan have identical ops, so every check works per plan; device-level facts
+// (peers, groups) are resolved by iterating class members once per distinct (plan, device set, peer
+// set) or per family, never per op and device. The deadlock graph is the quotient over plans: one
+// vertex per (plan, op), edges per distinct (plan, peer plan) pair, rendezvous merged per (family,
+// set of plans in the group). A real cycle among device instances maps onto a cycle of the quotient,
+// so no deadlock is missed; in pathological asymmetric programs (devices of one plan talking to
+// different peer plans in ways that only close a loop in the quotient) the check may report a cycle
+// that no single set of devices can realise.
+#include "piper/core/verifier.hpp"
+
+#include <algorithm>
+#include <boost/graph/adjacency_list.hpp>
+#include <boost/graph/depth_first_search.hpp>
+#include <boost/graph/topological_sort.hpp>
+#include <map>
+#include <numeric>
+#include <set>
+#include <tuple>
+#include <unordered_map>
+
+#include "piper/core/error.hpp"
+
+namespace piper::core {
+
+namespace {
+
+bool is_collective_op(OpKind k) {
+  return k == OpKind::AllReduce || k == OpKind::ReduceScatter || k == OpKind::AllGather || k == OpKind::AllToAll;
+}
+
+// Container index from the Program's int indices (validated by check_structure first).
+constexpr std::size_t ix(int i) { return static_cast<std::size_t>(i); }
+
+using DiGraph = boost::adjacency_list<boost::vecS, boost::vecS, boost::directedS>;
+
+// A back edge found by depth-first search closes a cycle; tree edges give the path back along it.
+struct CycleFound {
+  std::size_t from, to;
+};
+struct CycleVisitor : boost::default_dfs_visitor {
+  std::vector<std::size_t>* parent;
+  template <class Edge, class G>
+  void tree_edge(Edge e, const G& g) const {
+    (*parent)[boost::target(e, g)] = boost::source(e, g);
+  }
+  template <class Edge, class G>
+  void back_edge(Edge e, const G& g) const {
+    throw CycleFound{boost::source(e, g), boost::target(e, g)};
+  }
+};
+
+class Verifier {
+ public:
+  explicit Verifier(const Program& p) : prog_(p) {}
+
+  std::vector<VerifyIssue> run() {
+    check_structure();
+    if (!issues_.empty()) return issues_;  // the other checks index freely into the tables
+    index_ops();
+    check_send_recv();
+    check_collectives();
+    for (std::size_t p = 0; p < prog_.plans.size(); ++p) check_buffers(static_cast<int>(p));
+    check_deadlock();
+    return issues_;
+  }
+
+ private:
+  struct Loc {
+    int plan, stream, index;
+  };
+  // For devices of `plan`, the peer of each member (by member index) through (device set, peer set).
+  struct PeerMap {
+    std::vector<int> peer;        // per member of the plan; -1 when unresolvable
+    std::vector<int> peer_plans;  // distinct plans of the peers
+    std::string error;            // non-empty: some member has no peer
+  };
+
+  const Program& prog_;
+  std::vector<VerifyIssue> issues_;
+  std::vector<std::vector<int>> members_;      // plan -> devices running it
+  std::vector<int> member_index_;              // device -> its index in members_[plan]
+  std::vector<std::vector<int>> stream_base_;  // plan, stream -> global vertex of op 0
+  std::vector<Loc> loc_;                       // global vertex -> op
+  std::vector<std::vector<int>> position_;     // device set -> (device -> position), built lazily
+  std::map<std::tuple<int, int, int>, int> peer_map_ids_;
+  std::vector<PeerMap> peer_maps_;
+  std::map<std::tuple<int, int, int>, int> compose_cache_;  // (map, plan, map') -> failing member or -1
+  std::vector<std::unordered_map<std::int64_t, std::vector<OpRef>>> by_node_;  // plan -> (node, kind) -> ops
+  std::vector<std::pair<std::size_t, std::size_t>> transfer_edges_;            // SEND -> RECV vertices
+  std::vector<std::size_t> rendezvous_parent_;                                 // union-find over vertices
+
+  void add(const char* check, std::string message) { issues_.push_back({check, std::move(message)}); }
+
+  const Op& op_at(int plan, OpRef r) const { return prog_.plans[ix(plan)].streams[ix(r.stream)].ops[ix(r.index)]; }
+  std::size_t vertex(int plan, OpRef r) const { return ix(stream_base_[ix(plan)][ix(r.stream)] + r.index); }
+
+  std::string where(int plan) const {
+    const auto& m = members_[ix(plan)];
+    if (m.empty()) return "plan " + std::to_string(plan) + " (no devices)";
+    return "device " + std::to_string(m.front()) + " (plan " + std::to_string(plan) + ")";
+  }
+  std::string op_name(int plan, OpRef r) const {
+    const Op& op = op_at(plan, r);
+    return "stream '" + prog_.plans[ix(plan)].streams[ix(r.stream)].name + "' op " + std::to_string(r.index) + " '" +
+           op.label + "'";
+  }
+  std::string device_op(int device, int plan, OpRef r) const {
+    return "device " + std::to_string(device) + " (plan " + std::to_string(plan) + ") " + op_name(plan, r);
+  }
+
+  // ---- structure: every index in range, so later checks can index freely ----
+
+  void check_structure() {
+    const auto num_sets = prog_.device_sets.size();
+    if (prog_.plan_of_device.size() != ix(prog_.num_devices))
+      add("structure", "plan_of_device has " + std::to_string(prog_.plan_of_device.size()) + " entries for " +
+                           std::to_string(prog_.num_devices) + " devices");
+    for (std::size_t d = 0; d < prog_.plan_of_device.size(); ++d) {
+      int p = prog_.plan_of_device[d];
+      if (p < 0 || ix(p) >= prog_.plans.size())
+        add("structure", "device " + std::to_string(d) + " runs plan " + std::to_string(p) + " which does not exist");
+    }
+    for (std::size_t s = 0; s < num_sets; ++s)
+      for (int d : prog_.device_sets[s])
+        if (d < 0 || d >= prog_.num_devices)
+          add("structure", "device set " + std::to_string(s) + " holds device " + std::to_string(d) + " out of range");
+    for (std::size_t f = 0; f < prog_.families.size(); ++f) {
+      try {
+        (void)prog_.groups(static_cast<int>(f));
+      } catch (const PlanError& e) {
+        add("structure", e.what());
+      }
+    }
+    auto in_range = [](int v, std::size_t n) { return v >= 0 && ix(v) < n; };
+    for (std::size_t p = 0; p < prog_.plans.size(); ++p) {
+      const Plan& plan = prog_.plans[p];
+      auto valid_ref = [&](OpRef r) {
+        return in_range(r.stream, plan.streams.size()) && in_range(r.index, plan.streams[ix(r.stream)].ops.size());
+      };
+      for (std::size_t s = 0; s < plan.streams.size(); ++s) {
+        for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
+          const Op& op = plan.streams[s].ops[i];
+          std::string at = "plan " + std::to_string(p) + " stream '" + plan.streams[s].name + "' op " +
+                           std::to_string(i) + " '" + op.label + "': ";
+          if (op.device_set != kNoDevices && !in_range(op.device_set, num_sets))
+            add("structure", at + "device set " + std::to_string(op.device_set) + " does not exist");
+          if (op.peer_set != kNoDevices && !in_range(op.peer_set, num_sets))
+            add("structure", at + "peer set " + std::to_string(op.peer_set) + " does not exist");
+          if ((op.kind == OpKind::Send || op.kind == OpKind::Recv) && (op.device_set < 0 || op.peer_set < 0))
+            add("structure", at + to_string(op.kind) + " needs a device set and a peer set");
+          if (op.family != -1 && !in_range(op.family, prog_.families.size()))
+            add("structure", at + "family " + std::to_string(op.family) + " does not exist");
+          if (is_collective_op(op.kind) && op.family < 0) add("structure", at + to_string(op.kind) + " has no family");
+          for (const OpRef& w : op.waits)
+            if (!valid_ref(w))
+              add("structure", at + "waits on stream " + std::to_string(w.stream) + " op " + std::to_string(w.index) +
+                                   " which does not exist");
+          for (int u : op.uses)
+            if (!in_range(u, plan.buffers.size()))
+              add("structure", at + "uses buffer " + std::to_string(u) + " which does not exist");
+        }
+      }
+      for (const Buffer& b : plan.buffers) {
+        for (const OpRef& r : {b.alloc, b.free})
+          if (r.stream != -1 && !valid_ref(r))
+            add("structure", "plan " + std::to_string(p) + " buffer '" + b.name + "': alloc/free refers to stream " +
+                                 std::to_string(r.stream) + " op " + std::to_string(r.index) + " which does not exist");
+      }
+    }
+  }
+
+  void index_ops() {
+    members_.assign(prog_.plans.size(), {});
+    member_index_.assign(ix(prog_.num_devices), -1);
+    for (int d = 0; d < prog_.num_devices; ++d) {
+      auto& m = members_[ix(prog_.plan_of_device[ix(d)])];
+      member_index_[ix(d)] = static_cast<int>(m.size());
+      m.push_back(d);
+    }
+    stream_base_.resize(prog_.plans.size());
+    by_node_.resize(prog_.plans.size());
+    position_.resize(prog_.device_sets.size());
+    for (std::size_t p = 0; p < prog_.plans.size(); ++p) {
+      const Plan& plan = prog_.plans[p];
+      for (std::size_t s = 0; s < plan.streams.size(); ++s) {
+        stream_base_[p].push_back(static_cast<int>(loc_.size()));
+        for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
+          loc_.push_back({static_cast<int>(p), static_cast<int>(s), static_cast<int>(i)});
+          const Op& op = plan.streams[s].ops[i];
+          if (op.kind == OpKind::Send || op.kind == OpKind::Recv)
+            by_node_[p][node_key(op.node, op.kind)].push_back({static_cast<int>(s), static_cast<int>(i)});
+        }
+      }
+    }
+    rendezvous_parent_.resize(loc_.size());
+    std::iota(rendezvous_parent_.begin(), rendezvous_parent_.end(), std::size_t{0});
+  }
+
+  static std::int64_t node_key(std::int32_t node, OpKind kind) {
+    return static_cast<std::int64_t>(node) * 2 + (kind == OpKind::Recv ? 1 : 0);
+  }
+
+  const std::vector<int>& positions(DeviceSetId set) {
+    auto& table = position_[ix(set)];
+    if (table.empty()) {
+      table.assign(ix(prog_.num_devices), -1);
+      const auto& devices = prog_.device_sets[ix(set)];
+      for (std::size_t i = 0; i < devices.size(); ++i) table[ix(devices[i])] = static_cast<int>(i);
+    }
+    return table;
+  }
+
+  // ---- send / recv ----
+
+  int peer_map(int plan, DeviceSetId set, DeviceSetId peer_set) {
+    auto key = std::make_tuple(plan, set, peer_set);
+    if (auto it = peer_map_ids_.find(key); it != peer_map_ids_.end()) return it->second;
+    PeerMap m;
+    const auto& pos = positions(set);
+    const auto& peers = prog_.device_sets[ix(peer_set)];
+    std::vector<char> seen(prog_.plans.size(), 0);
+    for (int d : members_[ix(plan)]) {
+      int k = pos[ix(d)];
+      int peer = -1;
+      if (k < 0) {
+        if (m.error.empty())
+          m.error = "device " + std::to_string(d) + " is not in the op's device set " + std::to_string(set);
+      } else if (ix(k) >= peers.size()) {
+        if (m.error.empty())
+          m.error = "device " + std::to_string(d) + " has position " + std::to_string(k) + " but peer set " +
+                    std::to_string(peer_set) + " has only " + std::to_string(peers.size()) + " devices";
+      } else {
+        peer = peers[ix(k)];
+        int q = prog_.plan_of_device[ix(peer)];
+        if (!seen[ix(q)]) {
+          seen[ix(q)] = 1;
+          m.peer_plans.push_back(q);
+        }
+      }
+      m.peer.push_back(peer);
+    }
+    int id = static_cast<int>(peer_maps_.size());
+    peer_maps_.push_back(std::move(m));
+    peer_map_ids_.emplace(key, id);
+    return id;
+  }
+
+  // For members of plan p whose peer (through map `there`) runs plan q: does the peer's own map `back`
+  // point at them? Returns the first member index that fails, or -1.
+  int compose(int p, int there, int q, int back) {
+    auto key = std::make_tuple(there, q, back);
+    if (auto it = compose_cache_.find(key); it != compose_cache_.end()) return it->second;
+    int failing = -1;
+    const auto& out = peer_maps_[ix(there)].peer;
+    const auto& in = peer_maps_[ix(back)].peer;
+    const auto& m = members_[ix(p)];
+    for (std::size_t i = 0; i < m.size() && failing < 0; ++i) {
+      int e = out[i];
+      if (e < 0 || prog_.plan_of_device[ix(e)] != q) continue;
+      if (in[ix(member_index_[ix(e)])] != m[i]) failing = static_cast<int>(i);
+    }
+    compose_cache_.emplace(key, failing);
+    return failing;
+  }
+
+  // Finds, for one SEND (or RECV) of plan p, its counterpart on every peer plan.
+  void match(int p, OpRef r) {
+    const Op& op = op_at(p, r);
+    const bool sending = op.kind == OpKind::Send;
+    const OpKind want = sending ? OpKind::Recv : OpKind::Send;
+    const char* verb = sending ? "to" : "from";
+    if (members_[ix(p)].empty()) return;
+    int there = peer_map(p, op.device_set, op.peer_set);
+    if (!peer_maps_[ix(there)].error.empty()) {
+      add("send-recv", where(p) + " " + op_name(p, r) + ": " + peer_maps_[ix(there)].error);
+      return;
+    }
+    const auto& m = members_[ix(p)];
+    for (int q : std::vector<int>(peer_maps_[ix(there)].peer_plans)) {
+      // A representative pair (d on p, e on q) for messages.
+      std::size_t rep = 0;
+      while (prog_.plan_of_device[ix(peer_maps_[ix(there)].peer[rep])] != q) ++rep;
+      int d = m[rep];
+      int e = peer_maps_[ix(there)].peer[rep];
+      std::string head = device_op(d, p, r) + " " + to_string(op.kind) + " node " + std::to_string(op.node) + " " +
+                         verb + " device " + std::to_string(e);
+      auto found = by_node_[ix(q)].find(node_key(op.node, want));
+      if (found == by_node_[ix(q)].end()) {
+        add("send-recv", head + ": no " + to_string(want) + " of node " + std::to_string(op.node) + " on device " +
+                             std::to_string(e) + " (plan " + std::to_string(q) + ")");
+        continue;
+      }
+      bool matched = false;
+      std::string mismatch;
+      for (const OpRef& c : found->second) {
+        const Op& other = op_at(q, c);
+        int back = peer_map(q, other.device_set, other.peer_set);
+        if (!peer_maps_[ix(back)].error.empty()) continue;  // reported from its own side
+        int failing = compose(p, there, q, back);
+        if (failing >= 0) {
+          int bad_d = m[ix(failing)];
+          int bad_e = peer_maps_[ix(there)].peer[ix(failing)];
+          int other_peer = peer_maps_[ix(back)].peer[ix(member_index_[ix(bad_e)])];
+          mismatch = device_op(bad_d, p, r) + " " + to_string(op.kind) + " node " + std::to_string(op.node) + " " +
+                     verb + " device " + std::to_string(bad_e) + ": its " + to_string(want) + " " +
+                     (sending ? "receives from" : "sends to") + " device " + std::to_string(other_peer) + " instead";
+          continue;
+        }
+        matched = true;
+        if (sending) {
+          transfer_edges_.emplace_back(vertex(p, r), vertex(q, c));
+          if (other.bytes != op.bytes)
+            add("send-recv", head + ": sends " + std::to_string(op.bytes) + " bytes but its RECV (" +
+                                 device_op(e, q, c) + ") expects " + std::to_string(other.bytes) + " bytes");
+        }
+        break;
+      }
+      if (!matched) {
+        if (!mismatch.empty())
+          add("send-recv", mismatch);
+        else
+          add("send-recv", head + ": no usable " + to_string(want) + " of node " + std::to_string(op.node) +
+                               " on device " + std::to_string(e));
+      }
+    }
+  }
+
+  void check_send_recv() {
+    for (std::size_t p = 0; p < prog_.plans.size(); ++p) {
+      const Plan& plan = prog_.plans[p];
+      for (std::size_t s = 0; s < plan.streams.size(); ++s)
+        for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
+          OpKind k = plan.streams[s].ops[i].kind;
+          if (k == OpKind::Send || k == OpKind::Recv)
+            match(static_cast<int>(p), {static_cast<int>(s), static_cast<int>(i)});
+        }
+    }
+  }
+
+  // ---- collectives ----
+
+  std::string describe_collective(int plan, OpRef r) const {
+    const Op& op = op_at(plan, r);
+    return to_string(op.kind) + " node " + std::to_string(op.node) + " (" + std::to_string(op.bytes) + " bytes) '" +
+           op.label + "'";
+  }
+
+  std::size_t find(std::size_t v) {
+    while (rendezvous_parent_[v] != v) v = rendezvous_parent_[v] = rendezvous_parent_[rendezvous_parent_[v]];
+    return v;
+  }
+
+  void check_collectives() {
+    const std::size_t num_families = prog_.families.size();
+    // Sequence of collectives per plan and family, in stream index order then op order.
+    std::vector<std::vector<std::vector<OpRef>>> seq(prog_.plans.size(), std::vector<std::vector<OpRef>>(num_families));
+    for (std::size_t p = 0; p < prog_.plans.size(); ++p) {
+      const Plan& plan = prog_.plans[p];
+      for (std::size_t s = 0; s < plan.streams.size(); ++s)
+        for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
+          const Op& op = plan.streams[s].ops[i];
+          if (is_collective_op(op.kind)) seq[p][ix(op.family)].push_back({static_cast<int>(s), static_cast<int>(i)});
+        }
+    }
+    // Devices issuing a family's collectives must belong to its set.
+    for (std::size_t p = 0; p < prog_.plans.size(); ++p)
+      for (std::size_t f = 0; f < num_families; ++f) {
+        if (seq[p][f].empty()) continue;
+        const auto& pos = positions(prog_.families[f].devices);
+        for (int d : members_[p])
+          if (pos[ix(d)] < 0) {
+            add("collective-order", "device " + std::to_string(d) + " (plan " + std::to_string(p) + ") " +
+                                        op_name(static_cast<int>(p), seq[p][f].front()) +
+                                        " issues a collective on family " + std::to_string(f) + " ('" +
+                                        prog_.families[f].purpose + "') but is not in its device set");
+            break;
+          }
+      }
+
+    std::set<std::tuple<std::size_t, int, int>> reported;
+    std::set<std::pair<std::size_t, std::vector<int>>> classes;
+    for (std::size_t f = 0; f < num_families; ++f) {
+      for (const auto& group : prog_.groups(static_cast<int>(f))) {
+        std::vector<int> plans;  // distinct plans of the group, with one device of each
+        std::vector<int> device;
+        for (int d : group) {
+          int p = prog_.plan_of_device[ix(d)];
+          if (std::find(plans.begin(), plans.end(), p) == plans.end()) {
+            plans.push_back(p);
+            device.push_back(d);
+          }
+        }
+        bool consistent = true;
+        for (std::size_t k = 1; k < plans.size(); ++k) {
+          int a = plans[0], b = plans[k];
+          std::string diff = sequence_difference(f, a, device[0], seq[ix(a)][f], b, device[k], seq[ix(b)][f]);
+          if (diff.empty()) continue;
+          consistent = false;
+          if (reported.insert({f, std::min(a, b), std::max(a, b)}).second) add("collective-order", diff);
+        }
+        if (!consistent) continue;
+        std::sort(plans.begin(), plans.end());
+        if (!classes.insert({f, plans}).second) continue;
+        // One rendezvous per position of the sequence: merge the members' ops into one vertex.
+        for (std::size_t k = 0; k < seq[ix(plans[0])][f].size(); ++k) {
+          std::size_t root = find(vertex(plans[0], seq[ix(plans[0])][f][k]));
+          for (std::size_t j = 1; j < plans.size(); ++j)
+            rendezvous_parent_[find(vertex(plans[j], seq[ix(plans[j])][f][k]))] = root;
+        }
+      }
+    }
+  }
+
+  // Empty when the two sequences agree on (node, kind, bytes) at every position.
+  std::string sequence_difference(std::size_t f, int a, int da, const std::vector<OpRef>& sa, int b, int db,
+                                  const std::vector<OpRef>& sb) const {
+    std::string head = "family " + std::to_string(f) + " ('" + prog_.families[f].purpose + "'): device " +
+                       std::to_string(da) + " (plan " + std::to_string(a) + ") and device " + std::to_string(db) +
+                       " (plan " + std::to_string(b) + ") of one group ";
+    std::size_t n = std::min(sa.size(), sb.size());
+    for (std::size_t k = 0; k < n; ++k) {
+      const Op& x = op_at(a, sa[k]);
+      const Op& y = op_at(b, sb[k]);
+      if (x.node != y.node || x.kind != y.kind || x.bytes != y.bytes)
+        return head + "differ at collective " + std::to_string(k) + ": " + describe_collective(a, sa[k]) + " vs " +
+               describe_collective(b, sb[k]);
+    }
+    if (sa.size() != sb.size())
+      return head + "issue " + std::to_string(sa.size()) + " and " + std::to_string(sb.size()) + " collectives";
+    return {};
+  }
+
+  // ---- buffers: vector clocks over stream order and waits within one plan ----
+
+  void check_buffers(int p) {
+    const Plan& plan = prog_.plans[ix(p)];
+    if (plan.buffers.empty()) return;
+    const std::size_t num_streams = plan.streams.size();
+    const std::size_t base = ix(stream_base_[ix(p)].empty() ? 0 : stream_base_[ix(p)][0]);
+    const std::size_t n = static_cast<std::size_t>(plan.op_count());
+    DiGraph g(n);
+    auto local = [&](OpRef r) { return vertex(p, r) - base; };
+    for (std::size_t s = 0; s < num_streams; ++s)
+      for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
+        OpRef me{static_cast<int>(s), static_cast<int>(i)};
+        if (i > 0) boost::add_edge(local({me.stream, me.index - 1}), local(me), g);
+        for (const OpRef& w : plan.streams[s].ops[i].waits) boost::add_edge(local(w), local(me), g);
+      }
+    std::vector<std::size_t> order;
+    try {
+      boost::topological_sort(g, std::back_inserter(order));
+    } catch (const boost::not_a_dag&) {
+      return;  // an intra-device wait cycle: reported by the deadlock check
+    }
+    // clock[v * S + s]: highest op index of stream s known to have finished before v starts.
+    std::vector<int> clock(n * num_streams, -1);
+    for (auto it = order.rbegin(); it != order.rend(); ++it) {
+      const Loc& me = loc_[*it + base];
+      int* c = &clock[*it * num_streams];
+      auto absorb = [&](OpRef pred) {
+        const int* pc = &clock[local(pred) * num_streams];
+        for (std::size_t s = 0; s < num_streams; ++s) c[s] = std::max(c[s], pc[s]);
+        c[pred.stream] = std::max(c[pred.stream], pred.index);
+      };
+      if (me.index > 0) absorb({me.stream, me.index - 1});
+      for (const OpRef& w : op_at(p, {me.stream, me.index}).waits) absorb(w);
+    }
+    auto before_or_equal = [&](OpRef a, OpRef b) {
+      return a == b || clock[local(b) * num_streams + ix(a.stream)] >= a.index;
+    };
+
+    std::vector<std::vector<OpRef>> users(plan.buffers.size());
+    for (std::size_t s = 0; s < num_streams; ++s)
+      for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i)
+        for (int u : plan.streams[s].ops[i].uses) users[ix(u)].push_back({static_cast<int>(s), static_cast<int>(i)});
+    for (std::size_t b = 0; b < plan.buffers.size(); ++b) {
+      const Buffer& buf = plan.buffers[b];
+      std::string head = where(p) + " buffer '" + buf.name + "'";
+      bool has_alloc = buf.alloc.stream >= 0, has_free = buf.free.stream >= 0;
+      if (!has_alloc && !has_free) continue;  // persistent
+      if (!has_free) {
+        add("buffer", head + " is never freed");
+        continue;
+      }
+      if (!has_alloc) {
+        add("buffer", head + " is freed but never allocated");
+        continue;
+      }
+      if (!before_or_equal(buf.alloc, buf.free)) {
+        add("buffer",
+            head + " may be freed by " + op_name(p, buf.free) + " before its alloc at " + op_name(p, buf.alloc));
+        continue;
+      }
+      for (const OpRef& u : users[b]) {
+        if (!before_or_equal(buf.alloc, u))
+          add("buffer", head + " is used by " + op_name(p, u) + " before (or concurrently with) its alloc at " +
+                            op_name(p, buf.alloc));
+        if (!before_or_equal(u, buf.free))
+          add("buffer", head + " is used by " + op_name(p, u) + " after (or concurrently with) its free at " +
+                            op_name(p, buf.free));
+      }
+    }
+  }
+
+  // ---- deadlock: cycle search over the class-level wait graph ----
+
+  void check_deadlock() {
+    DiGraph g(loc_.size());
+    auto edge = [&](std::size_t u, std::size_t v) { boost::add_edge(find(u), find(v), g); };
+    for (std::size_t p = 0; p < prog_.plans.size(); ++p) {
+      const Plan& plan = prog_.plans[p];
+      for (std::size_t s = 0; s < plan.streams.size(); ++s)
+        for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
+          OpRef me{static_cast<int>(s), static_cast<int>(i)};
+          std::size_t v = vertex(static_cast<int>(p), me);
+          if (i > 0) edge(v - 1, v);
+          for (const OpRef& w : plan.streams[s].ops[i].waits) edge(vertex(static_cast<int>(p), w), v);
+        }
+    }
+    for (auto [u, v] : transfer_edges_) edge(u, v);
+
+    std::vector<std::size_t> parent(loc_.size());
+    CycleVisitor visitor;
+    visitor.parent = &parent;
+    try {
+      boost::depth_first_search(g, boost::visitor(visitor));
+    } catch (const CycleFound& c) {
+      // The back edge from -> to closes the cycle to -> ... -> from -> to; print it as "waits on".
+      std::vector<std::size_t> cycle{c.to, c.from};
+      while (cycle.back() != c.to) cycle.push_back(parent[cycle.back()]);
+      const std::size_t length = cycle.size() - 1;
+      constexpr std::size_t kShown = 6;
+      std::string message;
+      for (std::size_t k = 0; k < cycle.size() && k <= kShown; ++k) {
+        const Loc& l = loc_[cycle[k]];
+        if (k > 0) message += " waits on ";
+        message += where(l.plan) + " " + op_name(l.plan, {l.stream, l.index});
+        if (is_collective_op(op_at(l.plan, {l.stream, l.index}).kind)) message += " [rendezvous]";
+      }
+      if (cycle.size() > kShown + 1) message += " waits on ...";
+      message += " (cycle of " + std::to_string(length) + " op" + (length == 1 ? "" : "s") + ")";
+      add("deadlock", message);
+    }
+  }
+};
+
+}  // namespace
+
+std::vector<VerifyIssue> verify(const Program& program) { return Verifier(program).run(); }
+
+void verify_or_throw(const Program& program) {
+  auto issues = verify(program);
+  if (issues.empty()) return;
+  std::string message = "verify: " + issues.front().check + ": " + issues.front().message;
+  if (issues.size() > 1) message += " (+" + std::to_string(issues.size() - 1) + " more)";
+  throw PlanError(message);
+}
+
+}  // namespace piper::core

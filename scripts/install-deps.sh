@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages Piper needs to build and test (idempotent; run as root).
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build git pkg-config
+  libboost-graph-dev      # global training DAG (Boost.Graph)
+  nlohmann-json3-dev      # directive programs, plans, model specs
+  libcli11-dev            # the piper command line
+  libfmt-dev              # formatting of reports and errors
+  libgtest-dev libgmock-dev  # unit and integration tests (CTest)
+  libbenchmark-dev        # tests/bench
+)
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "install-deps.sh: must run as root (it calls apt-get)" >&2
+  exit 1
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}"

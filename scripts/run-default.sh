@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Sets up, builds, and runs Piper's main job on its built-in default scenario (README command 1).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# Packages come from apt, which needs root; a non-root user is expected to have them already.
+if [ "$(id -u)" -eq 0 ]; then
+  bash scripts/install-deps.sh
+else
+  echo "run-default: not root, skipping scripts/install-deps.sh (run it as root if the build misses packages)"
+fi
+
+cmake --preset default
+cmake --build --preset default -j"$(nproc)"
+
+# The default scenario: Qwen3-1B-MoE on 8 devices (PP 4 x DP 2, experts sharded over EP 2), ZeRO-1,
+# 1F1B with 8 microbatches. The simulator will take this job over; for now it prints compile statistics.
+build/bin/piper compile --model qwen3-1b --pp 4 --dp 2 --ep 2 --zero 1 --schedule 1f1b --microbatches 8 --stats

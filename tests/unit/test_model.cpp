@@ -1,0 +1,400 @@
+// Tests of the model layer: parameter counts against published and hand-derived totals, the FLOP
+// formulas against the 6N rule, builder scopes, EP tags, pipeline balancing and JSON import.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "piper/core/error.hpp"
+#include "piper/core/model.hpp"
+
+using namespace piper::core;
+using nlohmann::json;
+
+namespace {
+
+const std::string kSource = PIPER_SOURCE_DIR;
+
+Model zoo_model(const std::string& name) {
+  auto c = zoo_config(name);
+  EXPECT_TRUE(c.has_value()) << name;
+  return build_model(*c);
+}
+
+// Relative difference, for tolerance checks against published numbers.
+double rel(double a, double b) { return std::abs(a - b) / std::abs(b); }
+
+std::string write_temp(const std::string& name, const std::string& text) {
+  const std::string path = testing::TempDir() + "/" + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+// Error message of `f`, which must throw ModelError; also checks it is one line.
+template <class F>
+std::string model_error(F&& f) {
+  try {
+    f();
+  } catch (const ModelError& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    return msg;
+  }
+  ADD_FAILURE() << "expected ModelError";
+  return {};
+}
+
+double max_region_flops(const Model& m) {
+  std::vector<double> region(m.pp_regions(), 0.0);
+  for (std::size_t i = 0; i < m.layers().size(); ++i) {
+    const Costs c = m.layer_cost(i);
+    region.at(m.layers()[i].tags.at("PP")) += c.forward_flops + c.backward_flops();
+  }
+  return *std::max_element(region.begin(), region.end());
+}
+
+}  // namespace
+
+// --- Parameter counts --------------------------------------------------------------------------
+
+// Published totals (model cards / papers); 1% covers rounding in the published figure.
+TEST(ModelParams, PublishedTotalsWithinOnePercent) {
+  EXPECT_LT(rel(zoo_model("llama3-8b").parameter_count(), 8.03e9), 0.01);    // Meta Llama 3 model card
+  EXPECT_LT(rel(zoo_model("llama3-70b").parameter_count(), 70.6e9), 0.01);   // Meta Llama 3 model card
+  EXPECT_LT(rel(zoo_model("gpt3-175b").parameter_count(), 175e9), 0.01);     // Brown et al. 2020
+  EXPECT_LT(rel(zoo_model("deepseek-v3").parameter_count(), 671e9), 0.01);   // DeepSeek-V3 report, no MTP
+  EXPECT_LT(rel(zoo_model("qwen3-30b-a3b").parameter_count(), 30.5e9), 0.01);  // Qwen3 report
+}
+
+TEST(ModelParams, Qwen3TinyHandDerived) {
+  // qwen3-9m: V=2048, h=256, 4 blocks, 8 heads, 4 kv heads, head_dim 32, 8 experts of ffn 128, untied.
+  //   embedding            2048*256                    =   524,288
+  //   per block: attn_norm 256
+  //              attn      q 256*256 = 65,536; k 256*128 = 32,768; v 32,768; o 256*256 = 65,536;
+  //                        q/k norm 2*32 = 64          =   196,672
+  //              mlp_norm  256
+  //              router    256*8                       =     2,048
+  //              experts   8 * 3*256*128               =   786,432
+  //              block                                 =   985,664;  x4 = 3,942,656
+  //   final norm 256, head 2048*256 = 524,288
+  //   total = 524,288 + 3,942,656 + 256 + 524,288      = 4,991,488
+  EXPECT_EQ(zoo_model("qwen3-9m").parameter_count(), 4'991'488);
+}
+
+TEST(ModelParams, TiedHeadHasNoParameters) {
+  const Model m = zoo_model("gpt3-175b");
+  const Layer& head = m.layers().back();
+  ASSERT_EQ(head.kind, LayerKind::Head);
+  const Costs c = m.layer_cost(m.layers().size() - 1);
+  EXPECT_EQ(c.params, 0);
+  EXPECT_EQ(c.param_bytes, 0);
+  EXPECT_GT(c.forward_flops, 2.0 * 2048 * 12288 * 50257 * 0.999);  // the matmul is still done
+}
+
+// --- FLOPs -------------------------------------------------------------------------------------
+
+TEST(ModelFlops, SixNRuleLlama3_8b) {
+  // Per token, F+B of the matmul layers = 6 * N_non-embedding + 12 * l * nh * hd * s
+  // (Narayanan et al. 2021 count; attention scores over the full s x s matrix).
+  const Model m = zoo_model("llama3-8b");
+  const double T = m.training().tokens_per_microbatch();
+  double flops = 0;
+  for (std::size_t i = 0; i < m.layers().size(); ++i) {
+    const LayerKind k = m.layers()[i].kind;
+    if (k == LayerKind::Embedding || k == LayerKind::Norm) continue;
+    const Costs c = m.layer_cost(i);
+    flops += c.forward_flops + c.backward_flops();
+  }
+  const double n_non_embedding = 8.03e9 - 128256.0 * 4096;  // published total minus the token table
+  const double closed_form = 6 * n_non_embedding + 12.0 * 32 * 32 * 128 * 4096;
+  EXPECT_LT(rel(flops / T, closed_form), 0.02);
+}
+
+TEST(ModelFlops, AttentionLayerHandDerived) {
+  // Llama-3-8B attention at s=4096, b=1: projections 2*T*(2*4096*4096 + 2*4096*1024),
+  // core 4*b*s^2*nh*hd; BI = projections + 2*core, BW = projections.
+  const Model m = zoo_model("llama3-8b");
+  const Costs c = m.layer_cost(2);
+  ASSERT_EQ(m.layers()[2].kind, LayerKind::Attention);
+  const double T = 4096, proj = 2 * T * (2.0 * 4096 * 4096 + 2.0 * 4096 * 1024), core = 4 * T * T * 32 * 128;
+  EXPECT_DOUBLE_EQ(c.forward_flops, proj + core);
+  EXPECT_DOUBLE_EQ(c.backward_input_flops, proj + 2 * core);
+  EXPECT_DOUBLE_EQ(c.backward_weight_flops, proj);
+  // Stash (bf16): input 4096 + q 4096 + k,v 2*1024 + attn out 4096 elements per token, + 2*32 fp32 stats.
+  EXPECT_EQ(c.activation_bytes, 4096 * ((4096 + 4096 + 2048 + 4096) * 2 + 2 * 32 * 4));
+  EXPECT_EQ(c.output_bytes, 4096 * 4096 * 2);
+}
+
+TEST(ModelFlops, ExpertsCountOnlyRoutedTokens) {
+  // qwen3-9m experts at s=256: 2*T*top_k*3*h*f = 2*256*2*3*256*128 forward.
+  const Model m = zoo_model("qwen3-9m");
+  for (std::size_t i = 0; i < m.layers().size(); ++i) {
+    if (m.layers()[i].kind != LayerKind::MoeExperts) continue;
+    EXPECT_DOUBLE_EQ(m.layer_cost(i).forward_flops, 2.0 * 256 * 2 * 3 * 256 * 128);
+    EXPECT_EQ(m.layer_cost(i).activation_bytes, 256 * 2 * (256 + 3 * 128) * 2);
+  }
+}
+
+TEST(ModelFlops, CostsScaleLinearlyWithMicroBatch) {
+  for (const char* name : {"deepseek-v3", "gpt3-175b", "qwen3-9m"}) {
+    const Model m = zoo_model(name);
+    TrainingShape three = m.training();
+    three.micro_batch_size = 3;
+    for (const Layer& l : m.layers()) {
+      const Costs a = layer_costs(l, m.training()), b = layer_costs(l, three);
+      EXPECT_DOUBLE_EQ(b.forward_flops, 3 * a.forward_flops) << name << " " << l.name;
+      EXPECT_DOUBLE_EQ(b.backward_input_flops, 3 * a.backward_input_flops) << l.name;
+      EXPECT_DOUBLE_EQ(b.backward_weight_flops, 3 * a.backward_weight_flops) << l.name;
+      EXPECT_EQ(b.activation_bytes, 3 * a.activation_bytes) << l.name;
+      if (l.kind != LayerKind::Head) {
+        EXPECT_EQ(b.output_bytes, 3 * a.output_bytes) << l.name;
+      }
+      EXPECT_EQ(b.params, a.params);
+    }
+  }
+}
+
+TEST(ModelFlops, CostsAdd) {
+  Costs a{1, 2, 3, 4, 5, 6, 7, 8, 9};
+  a += Costs{10, 20, 30, 40, 50, 60, 70, 80, 90};
+  EXPECT_EQ(a.params, 11);
+  EXPECT_EQ(a.param_bytes, 22);
+  EXPECT_DOUBLE_EQ(a.forward_flops, 33);
+  EXPECT_DOUBLE_EQ(a.backward_flops(), 44 + 55);
+  EXPECT_EQ(a.activation_bytes, 66);
+  EXPECT_EQ(a.output_bytes, 77);
+  EXPECT_EQ(a.forward_memory_bytes, 88);
+  EXPECT_EQ(a.backward_memory_bytes, 99);
+  EXPECT_EQ(bytes_per_element(Precision::FP32), 4);
+  EXPECT_EQ(bytes_per_element(Precision::BF16), 2);
+}
+
+// --- Layer structure and tags ------------------------------------------------------------------
+
+TEST(ModelStructure, EpTagsOnEachMoeBlockOnly) {
+  const Model m = zoo_model("deepseek-v3");
+  int expected_ep = 0;
+  for (const Layer& l : m.layers()) {
+    if (l.kind == LayerKind::MoeExperts) {
+      EXPECT_GE(l.block, 3);  // first three blocks are dense
+      EXPECT_EQ(l.tags, (TagMap{{"EP", expected_ep}})) << l.name;
+      ++expected_ep;
+    } else {
+      EXPECT_TRUE(l.tags.empty()) << l.name;
+    }
+  }
+  EXPECT_EQ(expected_ep, 61 - 3);
+  EXPECT_EQ(m.layers().front().name, "embed");
+  EXPECT_EQ(m.layers().back().name, "head");
+  EXPECT_EQ(m.pp_regions(), 0);
+}
+
+TEST(ModelStructure, SharedExpertPrecedesRouter) {
+  const Model m = zoo_model("deepseek-v3");
+  std::vector<std::string> block3;
+  for (const Layer& l : m.layers())
+    if (l.block == 3) block3.push_back(l.name);
+  EXPECT_EQ(block3, (std::vector<std::string>{"layers.3.attn_norm", "layers.3.attn", "layers.3.mlp_norm",
+                                               "layers.3.shared_mlp", "layers.3.router", "layers.3.experts"}));
+}
+
+TEST(ModelBuilderTest, ScopesNumberAndNest) {
+  ModelBuilder b("tiny", TrainingShape{});
+  auto layer = [](const std::string& n) { return Layer{n, LayerKind::Norm, LayerShape{.hidden = 8}, {}, -1}; };
+  b.add(layer("untagged"));
+  for (int stage = 0; stage < 3; ++stage) {
+    auto pp = b.annotate("PP");
+    EXPECT_EQ(pp.index(), stage);
+    b.add(layer("pp"));
+    {
+      auto ep = b.annotate("EP");
+      EXPECT_EQ(ep.index(), stage);  // EP numbering is independent of PP's
+      b.add(layer("pp+ep"));
+    }
+    b.add(layer("pp again"));
+  }
+  const Model m = b.build();
+  ASSERT_EQ(m.layers().size(), 10u);
+  EXPECT_TRUE(m.layers()[0].tags.empty());
+  EXPECT_EQ(m.layers()[4].tags, (TagMap{{"PP", 1}}));
+  EXPECT_EQ(m.layers()[5].tags, (TagMap{{"EP", 1}, {"PP", 1}}));
+  EXPECT_EQ(m.layers()[6].tags, (TagMap{{"PP", 1}}));
+  EXPECT_EQ(m.layers()[8].tags, (TagMap{{"EP", 2}, {"PP", 2}}));
+  EXPECT_EQ(m.pp_regions(), 3);
+  auto pp = b.annotate("PP");
+  EXPECT_NE(model_error([&] { auto again = b.annotate("PP"); }).find("PP"), std::string::npos);
+}
+
+// --- Pipeline regions --------------------------------------------------------------------------
+
+TEST(Pipeline, BalancedNoWorseThanEqualLayerSplit) {
+  struct Case {
+    const char* model;
+    std::vector<int> naive;
+  };
+  for (const Case& tc : {Case{"llama3-8b", {0, 8, 16, 24}}, Case{"deepseek-v3", {0, 16, 31, 46}},
+                         Case{"gpt3-175b", {0, 12, 24, 36, 48, 60, 72, 84}}}) {
+    Model m = zoo_model(tc.model);
+    const int stages = static_cast<int>(tc.naive.size());
+    annotate_pipeline_ranges(m, tc.naive);
+    const double naive = max_region_flops(m);
+    balance_pipeline(m, stages);
+    EXPECT_EQ(m.pp_regions(), stages);
+    EXPECT_EQ(m.layers().front().tags.at("PP"), 0);
+    EXPECT_EQ(m.layers().back().tags.at("PP"), stages - 1);
+    std::vector<int> per_region(stages, 0);
+    int previous = 0;
+    for (const Layer& l : m.layers()) {
+      const int r = l.tags.at("PP");
+      EXPECT_GE(r, previous) << "regions must be contiguous";
+      previous = r;
+      ++per_region.at(r);
+    }
+    for (int r = 0; r < stages; ++r) EXPECT_GT(per_region[r], 0) << tc.model << " region " << r;
+    EXPECT_LE(max_region_flops(m), naive) << tc.model;
+  }
+}
+
+TEST(Pipeline, BalancedIsOptimalByBruteForce) {
+  // qwen3-9m has 6 units (embed, 4 blocks, norm+head); try every 3-region contiguous split.
+  Model m = zoo_model("qwen3-9m");
+  std::vector<double> unit(6, 0.0);
+  for (std::size_t i = 0; i < m.layers().size(); ++i) {
+    const Costs c = m.layer_cost(i);
+    const int b = m.layers()[i].block;
+    unit[b < 0 ? (i == 0 ? 0 : 5) : b + 1] += c.forward_flops + c.backward_flops();
+  }
+  double best = 1e300;
+  for (int a = 1; a < 6; ++a)
+    for (int b = a + 1; b < 6; ++b) {
+      double r0 = 0, r1 = 0, r2 = 0;
+      for (int u = 0; u < 6; ++u) (u < a ? r0 : u < b ? r1 : r2) += unit[u];
+      best = std::min(best, std::max({r0, r1, r2}));
+    }
+  balance_pipeline(m, 3);
+  EXPECT_DOUBLE_EQ(max_region_flops(m), best);
+}
+
+TEST(Pipeline, ManyStagesAndErrors) {
+  auto c = *zoo_config("llama3-8b");
+  c.layers = 126;
+  Model m = build_model(c);
+  balance_pipeline(m, 128);  // 128 units: one per region
+  EXPECT_EQ(m.pp_regions(), 128);
+  EXPECT_EQ(m.layers().back().tags.at("PP"), 127);
+  balance_pipeline(m, 2);  // replaces the previous tags
+  EXPECT_EQ(m.pp_regions(), 2);
+  EXPECT_NE(model_error([&] { balance_pipeline(m, 0); }).find("stages"), std::string::npos);
+  EXPECT_NE(model_error([&] { balance_pipeline(m, 129); }).find("128"), std::string::npos);
+}
+
+TEST(Pipeline, ExplicitRanges) {
+  Model m = zoo_model("llama3-8b");
+  annotate_pipeline_ranges(m, {0, 10, 20});
+  EXPECT_EQ(m.pp_regions(), 3);
+  for (const Layer& l : m.layers()) {
+    const int expect = l.block < 0 ? (l.name == "embed" ? 0 : 2) : l.block < 10 ? 0 : l.block < 20 ? 1 : 2;
+    EXPECT_EQ(l.tags.at("PP"), expect) << l.name;
+  }
+  EXPECT_NE(model_error([&] { annotate_pipeline_ranges(m, {1, 10}); }).find("block 0"), std::string::npos);
+  EXPECT_NE(model_error([&] { annotate_pipeline_ranges(m, {0, 10, 10}); }).find("increasing"), std::string::npos);
+  EXPECT_NE(model_error([&] { annotate_pipeline_ranges(m, {0, 32}); }).find("32"), std::string::npos);
+  EXPECT_NE(model_error([&] { annotate_pipeline_ranges(m, {}); }), "");
+}
+
+// --- JSON --------------------------------------------------------------------------------------
+
+TEST(ModelJson, SpecRoundTripForEveryZooModel) {
+  for (const auto& name : zoo_names()) {
+    const ModelConfig c = *zoo_config(name);
+    const json j = config_to_spec_json(c);
+    const ModelConfig back = config_from_spec_json(j, name);
+    EXPECT_EQ(config_to_spec_json(back), j) << name;
+    EXPECT_EQ(build_model(back).parameter_count(), build_model(c).parameter_count()) << name;
+    EXPECT_EQ(back.training.seq_len, c.training.seq_len);
+    EXPECT_EQ(back.q_lora_rank, c.q_lora_rank);
+    EXPECT_EQ(back.tie_embeddings, c.tie_embeddings);
+  }
+}
+
+TEST(ModelJson, ExampleSpecs) {
+  // tiny-moe: V=2048, h=256, 4 blocks, block 0 dense (ffn 512), blocks 1-3 MoE (8 experts x ffn 128,
+  // 1 shared expert of ffn 128), attention as qwen3-9m (196,672 with q/k norm).
+  //   block 0: 196,672 + 2*256 norms + 3*256*512 (393,216)                         =   590,400
+  //   MoE block: 196,672 + 512 + shared 3*256*128 (98,304) + router 2,048
+  //              + experts 8*3*256*128 (786,432)                                    = 1,083,968
+  //   total: 524,288 embed + 590,400 + 3*1,083,968 + 256 + 524,288 head            = 4,891,136
+  const ModelConfig tiny = load_model_config(kSource + "/examples/models/tiny-moe.json");
+  EXPECT_EQ(tiny.name, "tiny-moe");
+  EXPECT_EQ(tiny.training.micro_batch_size, 2);
+  EXPECT_EQ(build_model(tiny).parameter_count(), 4'891'136);
+  // GPT-3 Small is published as 125M (Brown et al. 2020, Table 2.1).
+  const ModelConfig small = load_model_config(kSource + "/examples/models/gpt-small.json");
+  EXPECT_LT(rel(build_model(small).parameter_count(), 125e6), 0.01);
+}
+
+TEST(ModelJson, HuggingFaceImports) {
+  const std::string dir = kSource + "/tests/data/hf/";
+  EXPECT_EQ(build_model(load_model_config(dir + "llama3-8b.json")).parameter_count(),
+            zoo_model("llama3-8b").parameter_count());
+  EXPECT_EQ(build_model(load_model_config(dir + "qwen3-30b-a3b.json")).parameter_count(),
+            zoo_model("qwen3-30b-a3b").parameter_count());
+  EXPECT_EQ(build_model(load_model_config(dir + "deepseek-v3.json")).parameter_count(),
+            zoo_model("deepseek-v3").parameter_count());
+  // Qwen3-8B (dense): per block q 4096*4096 = 16,777,216, k and v 4096*1024 = 4,194,304 each,
+  // o 16,777,216, q/k norm 256 -> 41,943,296; MLP 3*4096*12288 = 150,994,944; norms 8,192;
+  // block 192,946,432 x 36 = 6,946,071,552; embed + head 2*151936*4096 = 1,244,659,712; final norm 4,096.
+  const ModelConfig q8 = load_model_config(dir + "qwen3-8b.json");
+  EXPECT_TRUE(q8.qk_norm);
+  EXPECT_EQ(q8.head_dim, 128);
+  EXPECT_EQ(build_model(q8).parameter_count(), 8'190'735'360);
+  EXPECT_LT(rel(8'190'735'360.0, 8.2e9), 0.01);  // Qwen3 report: 8.2B
+}
+
+TEST(ModelJson, HuggingFaceByArchitecturesAndDefaults) {
+  json j = {{"architectures", {"LlamaForCausalLM"}}, {"vocab_size", 1000}, {"hidden_size", 64},
+            {"num_hidden_layers", 2},   {"num_attention_heads", 4},  {"intermediate_size", 128}};
+  const ModelConfig c = config_from_hf_json(j, "mini.json");
+  EXPECT_EQ(c.kv_heads, 4);   // defaults to num_attention_heads
+  EXPECT_EQ(c.head_dim, 16);  // defaults to hidden/heads
+  EXPECT_FALSE(c.tie_embeddings);
+  EXPECT_FALSE(c.qk_norm);
+}
+
+TEST(ModelJson, ErrorsNameFileAndField) {
+  json spec = config_to_spec_json(*zoo_config("llama3-8b"));
+  spec["layers"] = 0;
+  const std::string zero = write_temp("zero-layers.json", spec.dump());
+  std::string msg = model_error([&] { load_model_config(zero); });
+  EXPECT_NE(msg.find("zero-layers.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("field 'layers'"), std::string::npos) << msg;
+
+  const std::string bad = write_temp("not-json.json", "{ this is not json");
+  msg = model_error([&] { load_model_config(bad); });
+  EXPECT_NE(msg.find("not-json.json: not JSON"), std::string::npos) << msg;
+
+  const std::string unknown = write_temp("gpt2.json", R"({"model_type": "gpt2", "vocab_size": 50257})");
+  msg = model_error([&] { load_model_config(unknown); });
+  EXPECT_NE(msg.find("gpt2.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("model_type"), std::string::npos) << msg;
+
+  msg = model_error([] { load_model_config("no-such-model"); });
+  EXPECT_NE(msg.find("no-such-model"), std::string::npos) << msg;
+
+  json moe = config_to_spec_json(*zoo_config("qwen3-9m"));
+  moe["moe"]["top_k"] = 9;
+  EXPECT_NE(model_error([&] { config_from_spec_json(moe, "m.json"); }).find("field 'moe.top_k'"), std::string::npos);
+  json act = config_to_spec_json(*zoo_config("llama3-8b"));
+  act["activation"] = "relu";
+  EXPECT_NE(model_error([&] { config_from_spec_json(act, "a.json"); }).find("field 'activation'"), std::string::npos);
+  json type = config_to_spec_json(*zoo_config("llama3-8b"));
+  type["hidden"] = "4096";
+  EXPECT_NE(model_error([&] { config_from_spec_json(type, "t.json"); }).find("field 'hidden'"), std::string::npos);
+  json missing = config_to_spec_json(*zoo_config("llama3-8b"));
+  missing.erase("vocab");
+  EXPECT_NE(model_error([&] { config_from_spec_json(missing, "v.json"); }).find("field 'vocab': missing"),
+            std::string::npos);
+}

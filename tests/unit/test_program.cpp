@@ -1,0 +1,318 @@
+// Tests of the Program: kind names, peers and communicator groups, the exact JSON round trip with
+// field-naming errors, and atomic file writes.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "piper/core/error.hpp"
+#include "piper/core/program.hpp"
+
+using namespace piper::core;
+using nlohmann::json;
+
+namespace {
+
+Op make_op(OpKind kind, const std::string& label, int node) {
+  Op op;
+  op.kind = kind;
+  op.node = node;
+  op.label = label;
+  return op;
+}
+
+// Two devices, one plan each, two streams each: device 0 computes F and sends its output to device 1,
+// which receives it and computes; both then all-reduce over the family {0, 1}.
+Program small_program() {
+  Program p;
+  p.model_name = "tiny";
+  p.training.seq_len = 128;
+  p.training.micro_batch_size = 2;
+  p.training.precision = Precision::FP32;
+  p.microbatches = 1;
+  p.num_devices = 2;
+  p.device_sets = {{0}, {1}, {0, 1}};
+  p.families = {CommFamily{2, 2, 1, "dp"}};
+  p.plan_of_device = {0, 1};
+
+  Plan p0;
+  p0.streams = {{"compute", {}}, {"comm", {}}};
+  Op f0 = make_op(OpKind::Compute, "F mb0 PP0", 1);
+  f0.pass = Pass::F;
+  f0.tags = {{"PP", 0}, {"MB", 0}};
+  f0.flops = 1.0e12 / 3.0;  // not representable in a short decimal: checks the double round trip
+  f0.memory_bytes = 123456789012;
+  f0.device_set = 0;
+  f0.uses = {0, 1};
+  Op send = make_op(OpKind::Send, "SEND act", 2);
+  send.bytes = 4096;
+  send.device_set = 0;
+  send.peer_set = 1;
+  send.waits = {{0, 0}};
+  send.uses = {1};
+  Op ar0 = make_op(OpKind::AllReduce, "AR grads", 5);
+  ar0.bytes = 1 << 20;
+  ar0.device_set = 2;
+  ar0.family = 0;
+  ar0.waits = {{0, 0}};
+  p0.streams[0].ops = {f0};
+  p0.streams[1].ops = {send, ar0};
+  p0.buffers = {Buffer{"params", BufferKind::Parameters, 1000, {}, {}},
+                Buffer{"act mb0", BufferKind::Activations, 4096, {0, 0}, {1, 0}}};
+
+  Plan p1;
+  p1.streams = {{"compute", {}}, {"comm", {}}};
+  Op recv = make_op(OpKind::Recv, "RECV act", 2);
+  recv.bytes = 4096;
+  recv.device_set = 1;
+  recv.peer_set = 0;
+  recv.uses = {0};
+  Op f1 = make_op(OpKind::Compute, "F mb0 PP1", 3);
+  f1.pass = Pass::F;
+  f1.flops = 0.1;
+  f1.device_set = 1;
+  f1.waits = {{1, 0}};
+  f1.uses = {0};
+  Op ar1 = ar0;
+  ar1.node = 6;
+  ar1.waits = {{0, 0}};
+  p1.streams[0].ops = {f1};
+  p1.streams[1].ops = {recv, ar1};
+  p1.buffers = {Buffer{"recv act", BufferKind::Received, 4096, {1, 0}, {0, 0}}};
+
+  p.plans = {p0, p1};
+  p.stats.dag_nodes = 7;
+  p.stats.nodes_by_kind = {{"F", 2}, {"SEND", 1}};
+  p.stats.compile_seconds = 0.25;
+  p.stats.compiler_peak_rss_bytes = 1 << 30;
+  return p;
+}
+
+std::string error_of(const json& j) {
+  try {
+    (void)Program::from_json(j);
+  } catch (const PlanError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST(Program, KindNamesRoundTrip) {
+  const std::vector<std::pair<OpKind, std::string>> ops = {{OpKind::Compute, "COMPUTE"},
+                                                           {OpKind::Update, "UPD"},
+                                                           {OpKind::Send, "SEND"},
+                                                           {OpKind::Recv, "RECV"},
+                                                           {OpKind::AllReduce, "ALL_REDUCE"},
+                                                           {OpKind::ReduceScatter, "REDUCE_SCATTER"},
+                                                           {OpKind::AllGather, "ALL_GATHER"},
+                                                           {OpKind::AllToAll, "ALL_TO_ALL"}};
+  for (const auto& [kind, name] : ops) {
+    EXPECT_EQ(to_string(kind), name);
+    EXPECT_EQ(op_kind_from_string(name), kind);
+  }
+  const std::vector<std::pair<BufferKind, std::string>> buffers = {
+      {BufferKind::Parameters, "parameters"},
+      {BufferKind::Gradients, "gradients"},
+      {BufferKind::OptimizerStates, "optimizer_states"},
+      {BufferKind::Activations, "activations"},
+      {BufferKind::Received, "received"},
+      {BufferKind::GatheredParameters, "gathered_parameters"}};
+  for (const auto& [kind, name] : buffers) {
+    EXPECT_EQ(to_string(kind), name);
+    EXPECT_EQ(buffer_kind_from_string(name), kind);
+  }
+  EXPECT_THROW(op_kind_from_string("FOO"), PlanError);
+  EXPECT_THROW(buffer_kind_from_string("weights"), PlanError);
+}
+
+TEST(Program, PeersAndCounts) {
+  Program p = small_program();
+  EXPECT_EQ(p.position_in(2, 1), 1);
+  EXPECT_EQ(p.position_in(0, 1), -1);
+  EXPECT_EQ(p.peer_of(p.plans[0].streams[1].ops[0], 0), 1);
+  EXPECT_EQ(p.peer_of(p.plans[1].streams[1].ops[0], 1), 0);
+  EXPECT_EQ(p.plans[0].op_count(), 3);
+  // Two devices with 3 ops each.
+  EXPECT_EQ(p.total_ops(), 6);
+  // One plan shared by three devices counts its ops three times.
+  p.num_devices = 4;
+  p.plan_of_device = {0, 1, 0, 0};
+  EXPECT_EQ(p.total_ops(), 3 * 3 + 3);
+}
+
+TEST(Program, GroupsConsecutiveAndStrided) {
+  Program p;
+  p.num_devices = 24;
+  // Even devices 0..22 in order: positions 0..11.
+  std::vector<int> evens;
+  for (int d = 0; d < 24; d += 2) evens.push_back(d);
+  p.device_sets = {evens};
+  p.families = {CommFamily{0, 4, 1, "ep"}, CommFamily{0, 4, 3, "dp"}};
+  // Stride 1, group size 4: consecutive chunks of positions.
+  std::vector<std::vector<int>> chunks = {{0, 2, 4, 6}, {8, 10, 12, 14}, {16, 18, 20, 22}};
+  EXPECT_EQ(p.groups(0), chunks);
+  EXPECT_EQ(p.group_of(0, 10), (std::vector<int>{8, 10, 12, 14}));
+  // Stride 3: group j holds positions j, j+3, j+6, j+9.
+  std::vector<std::vector<int>> strided = {{0, 6, 12, 18}, {2, 8, 14, 20}, {4, 10, 16, 22}};
+  EXPECT_EQ(p.groups(1), strided);
+  EXPECT_EQ(p.group_of(1, 14), (std::vector<int>{2, 8, 14, 20}));
+  EXPECT_TRUE(p.group_of(1, 3).empty());             // odd devices are not in the family
+  p.families.push_back(CommFamily{0, 5, 1, "bad"});  // 12 devices do not split into groups of 5
+  EXPECT_THROW(p.groups(2), PlanError);
+}
+
+TEST(Program, JsonRoundTripIsExact) {
+  Program p = small_program();
+  std::string text = p.to_json().dump();
+  Program q = Program::from_json(json::parse(text));
+  EXPECT_TRUE(q == p);
+  EXPECT_EQ(q.plans[0].streams[0].ops[0].flops, 1.0e12 / 3.0);  // bit-exact
+  EXPECT_EQ(q.plans[1].streams[0].ops[0].flops, 0.1);
+  EXPECT_EQ(q.stats.dag_nodes, 7);
+  EXPECT_EQ(q.stats.nodes_by_kind, (std::map<std::string, std::int64_t>{{"F", 2}, {"SEND", 1}}));
+  EXPECT_EQ(q.stats.compile_seconds, 0.25);
+  EXPECT_EQ(q.stats.compiler_peak_rss_bytes, 1 << 30);
+  EXPECT_EQ(q.training.precision, Precision::FP32);
+  EXPECT_EQ(q.training.seq_len, 128);
+  // Serialising again gives the same text.
+  EXPECT_EQ(q.to_json().dump(), text);
+}
+
+TEST(Program, JsonOmitsDefaultOpFields) {
+  json j = small_program().to_json();
+  const json& f1 = j["plans"][1]["streams"][0]["ops"][0];
+  EXPECT_FALSE(f1.contains("peer_set"));
+  EXPECT_FALSE(f1.contains("family"));
+  EXPECT_FALSE(f1.contains("bytes"));
+  EXPECT_FALSE(f1.contains("tags"));
+  EXPECT_TRUE(f1.contains("waits"));
+  EXPECT_FALSE(j["plans"][0]["buffers"][0].contains("alloc"));  // persistent
+}
+
+TEST(Program, EqualityComparesEveryFieldButStats) {
+  const Program p = small_program();
+  Program q = p;
+  q.stats.dag_nodes = 99;
+  q.stats.compile_seconds = 9;
+  EXPECT_TRUE(q == p);
+
+  std::vector<std::function<void(Program&)>> changes = {
+      [](Program& x) {
+        auto& f = x.plans[0].streams[0].ops[0].flops;
+        f = std::nextafter(f, 1e300);
+      },
+      [](Program& x) { x.plans[0].streams[1].ops[0].waits.clear(); },
+      [](Program& x) { x.plans[1].streams[1].ops[0].bytes += 1; },
+      [](Program& x) { x.plans[0].streams[0].ops[0].tags["PP"] = 1; },
+      [](Program& x) {
+        x.plans[0].buffers[1].free = {0, 0};
+      },
+      [](Program& x) { x.plans[1].streams[1].name = "pp"; },
+      [](Program& x) { x.families[0].purpose = "ep"; },
+      [](Program& x) {
+        x.plan_of_device = {1, 0};
+      },
+      [](Program& x) {
+        x.device_sets[2] = {1, 0};
+      },
+      [](Program& x) { x.training.precision = Precision::BF16; },
+      [](Program& x) { x.microbatches = 2; },
+  };
+  for (std::size_t i = 0; i < changes.size(); ++i) {
+    Program r = p;
+    changes[i](r);
+    EXPECT_FALSE(r == p) << "change " << i;
+  }
+}
+
+TEST(Program, FromJsonNamesTheField) {
+  const json good = small_program().to_json();
+  {
+    json j = good;
+    j["plans"][1]["streams"][0]["ops"][0].erase("kind");
+    EXPECT_EQ(error_of(j), "plan: field 'plans[1].streams[0].ops[0].kind': missing");
+  }
+  {
+    json j = good;
+    j["plans"][0]["streams"][1]["ops"][1]["kind"] = "FOO";
+    EXPECT_EQ(error_of(j), "plan: field 'plans[0].streams[1].ops[1].kind': unknown op kind 'FOO'");
+  }
+  {
+    json j = good;
+    j["plans"][0]["streams"][1]["ops"][0]["bytes"] = "many";
+    EXPECT_EQ(error_of(j), "plan: field 'plans[0].streams[1].ops[0].bytes': expected an integer, got string");
+  }
+  {
+    json j = good;
+    j["plans"][0]["streams"][1]["ops"][0]["waits"] = json::array({json::array({0, 3})});
+    EXPECT_EQ(error_of(j), "plan: field 'plans[0].streams[1].ops[0].waits[0]': op 3 out of range [0, 1)");
+  }
+  {
+    json j = good;
+    j["plans"][1]["streams"][0]["ops"][0]["uses"] = json::array({0, 4});
+    EXPECT_EQ(error_of(j), "plan: field 'plans[1].streams[0].ops[0].uses[1]': buffer 4 out of range [0, 1)");
+  }
+  {
+    json j = good;
+    j["plans"][0]["streams"][1]["ops"][1]["family"] = 1;
+    EXPECT_EQ(error_of(j), "plan: field 'plans[0].streams[1].ops[1].family': family 1 out of range [0, 1)");
+  }
+  {
+    json j = good;
+    j["plans"][0]["buffers"][1]["free"] = json::array({2, 0});
+    EXPECT_EQ(error_of(j), "plan: field 'plans[0].buffers[1].free': stream 2 out of range [0, 2)");
+  }
+  {
+    json j = good;
+    j["plan_of_device"][1] = 2;
+    EXPECT_EQ(error_of(j), "plan: field 'plan_of_device[1]': plan 2 out of range [0, 2)");
+  }
+  {
+    json j = good;
+    j["device_sets"][2][1] = 5;
+    EXPECT_EQ(error_of(j), "plan: field 'device_sets[2][1]': device 5 out of range [0, 2)");
+  }
+  {
+    json j = good;
+    j["training"]["precision"] = "int4";
+    EXPECT_EQ(error_of(j), "plan: field 'training.precision': unknown precision 'int4' (expected bf16, fp16 or fp32)");
+  }
+  {
+    json j = good;
+    j.erase("families");
+    EXPECT_EQ(error_of(j), "plan: field 'families': missing");
+  }
+}
+
+TEST(Program, WriteFileAtomically) {
+  namespace fs = std::filesystem;
+  fs::path dir = fs::temp_directory_path() / ("piper_test_program_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::string path = (dir / "plan.json").string();
+  write_file_atomically(path, "old contents");
+  write_file_atomically(path, "new");
+  std::ifstream in(path);
+  std::stringstream read;
+  read << in.rdbuf();
+  EXPECT_EQ(read.str(), "new");
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  EXPECT_EQ(names, std::vector<std::string>{"plan.json"});  // no temporary left behind
+
+  std::string missing = (dir / "no-such-folder" / "plan.json").string();
+  try {
+    write_file_atomically(missing, "x");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("cannot write " + missing + ": ", 0), 0u) << e.what();
+  }
+  fs::remove_all(dir);
+}
