@@ -1,6 +1,8 @@
 // The piper command: thin subcommands (compile, directives, verify, models) over piper_core.
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
+#include <limits>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -153,6 +155,30 @@ void check_ep_against_model(const core::ModelConfig& cfg, int ep) {
     throw CliError("", fmt::format("--ep {}: does not divide the {} experts of model '{}'", ep, cfg.experts, cfg.name));
 }
 
+// CLI11's Range prints DBL_MAX for a non-number; these say what is expected in a few words.
+const CLI::Validator kPositiveInt(
+    [](std::string& value) -> std::string {
+      try {
+        std::size_t used = 0;
+        long long v = std::stoll(value, &used);
+        if (used == value.size() && v > 0 && v <= std::numeric_limits<int>::max()) return {};
+      } catch (const std::exception&) {
+      }
+      return "must be a positive integer, got '" + value + "'";
+    },
+    "POSITIVE");
+const CLI::Validator kNonNegativeNumber(
+    [](std::string& value) -> std::string {
+      try {
+        std::size_t used = 0;
+        double v = std::stod(value, &used);
+        if (used == value.size() && v >= 0 && std::isfinite(v)) return {};
+      } catch (const std::exception&) {
+      }
+      return "must be a non-negative number, got '" + value + "'";
+    },
+    "NONNEGATIVE");
+
 // Strategy flags shared by `compile` and `directives`.
 struct StrategyFlags {
   core::StrategyOptions options;
@@ -166,19 +192,19 @@ struct StrategyFlags {
   CLI::Option* bucket_mb = nullptr;
 
   void add_to(CLI::App* app) {
-    pp = app->add_option("--pp", options.pp, "pipeline-parallel ranks")->check(CLI::PositiveNumber);
-    dp = app->add_option("--dp", options.dp, "data-parallel replicas")->check(CLI::PositiveNumber);
-    ep = app->add_option("--ep", options.ep, "expert-parallel degree (divides --dp)")->check(CLI::PositiveNumber);
+    pp = app->add_option("--pp", options.pp, "pipeline-parallel ranks")->check(kPositiveInt);
+    dp = app->add_option("--dp", options.dp, "data-parallel replicas")->check(kPositiveInt);
+    ep = app->add_option("--ep", options.ep, "expert-parallel degree (divides --dp)")->check(kPositiveInt);
     zero = app->add_option("--zero", options.zero, "ZeRO level: 0, 1 (optimizer), 2 (+grads), 3 (+params)")
                ->check(CLI::Range(0, 3));
     schedule = app->add_option("--schedule", options.schedule, "pipeline schedule family")
                    ->check(CLI::IsMember(schedule_names()));
     microbatches = app->add_option("--microbatches", options.microbatches, "microbatches per step")
-                       ->check(CLI::PositiveNumber);
+                       ->check(kPositiveInt);
     virtual_stages = app->add_option("--virtual", options.virtual_stages, "model chunks per pipeline rank")
-                         ->check(CLI::PositiveNumber);
+                         ->check(kPositiveInt);
     bucket_mb = app->add_option("--bucket-mb", options.bucket_mb, "gradient bucket size in MB (0: one per segment)")
-                    ->check(CLI::NonNegativeNumber);
+                    ->check(kNonNegativeNumber);
   }
 };
 
@@ -292,7 +318,8 @@ int run_compile(CompileArgs& a) {
   if (!a.dump_after.empty()) {
     hook = [&](const std::string& op, int index, const core::GlobalDag& dag) {
       if (!dump_all && std::find(a.dump_after.begin(), a.dump_after.end(), op) == a.dump_after.end()) return;
-      fs::path base = fs::path(a.dump_dir) / fmt::format("after-{}-{}", index, op);
+      // Passes that no single directive owns (the backward split) come with index -1.
+      fs::path base = fs::path(a.dump_dir) / (index >= 0 ? fmt::format("after-{}-{}", index, op) : "after-" + op);
       dumps.emplace_back(fs::path(base.string() + ".json"), dag.to_json().dump(1) + "\n");
       dumps.emplace_back(fs::path(base.string() + ".dot"), dag.to_dot());
     };
@@ -335,7 +362,17 @@ int run_directives(DirectivesArgs& a) {
     check_ep_against_model(cfg, a.strategy.options.ep);
   }
   json program = blame("", [&] { return core::generate_program(a.strategy.options); });
-  fmt::print("{}\n", program.dump(2));
+  // Print "op" and the filter first, as the published programs are written (json objects sort keys).
+  nlohmann::ordered_json printed = nlohmann::ordered_json::array();
+  for (const json& d : program) {
+    nlohmann::ordered_json o = nlohmann::ordered_json::object();
+    for (const char* first : {"op", "filter", "filters"})
+      if (d.contains(first)) o[first] = d[first];
+    for (auto it = d.begin(); it != d.end(); ++it)
+      if (!o.contains(it.key())) o[it.key()] = it.value();
+    printed.push_back(std::move(o));
+  }
+  fmt::print("{}\n", printed.dump(2));
   return 0;
 }
 
@@ -377,17 +414,17 @@ void print_error(const std::string& file, const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"piper: a programmable distributed-training compiler (model + directives -> per-device plans)"};
+  CLI::App app{"piper: a programmable distributed-training compiler (model + directives -> per-device plans)", "piper"};
   app.require_subcommand(1);
 
   CompileArgs compile_args;
   CLI::App* compile = app.add_subcommand("compile", "compile a model and a directive program into per-device plans");
   compile->add_option("--model", compile_args.model, "zoo name, model spec JSON, or Hugging Face config.json")->required();
   compile->add_option("--seq-len", compile_args.seq_len, "tokens per sequence (overrides the model's)")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositiveInt);
   compile->add_option("--micro-batch-size", compile_args.micro_batch_size, "sequences per microbatch")
-      ->check(CLI::PositiveNumber);
-  compile->add_option("--stages", compile_args.stages, "balance the model over N PP regions")->check(CLI::PositiveNumber);
+      ->check(kPositiveInt);
+  compile->add_option("--stages", compile_args.stages, "balance the model over N PP regions")->check(kPositiveInt);
   compile_args.directives =
       compile->add_option("--directives", compile_args.directives_path, "directive program (JSON)");
   compile_args.strategy.add_to(compile);
@@ -397,9 +434,9 @@ int main(int argc, char** argv) {
   compile->add_option("-o,--output", compile_args.out_path, "write the Program (JSON) here");
   compile->add_flag("--stats", compile_args.stats, "print a statistics table");
   compile->add_option("--dump-after", compile_args.dump_after,
-                      "after these passes (place, replicate, shard, split, order, all) write the DAG as JSON and DOT")
+                      "after these passes write the DAG to DIR/after-<directive index>-<pass>.json and .dot")
       ->delimiter(',')
-      ->check(CLI::IsMember(std::vector<std::string>{"place", "replicate", "shard", "split", "order", "all"}));
+      ->check(CLI::IsMember(std::vector<std::string>{"split", "backward-split", "place", "shard", "replicate", "order", "all"}));
   compile->add_option("--dump-dir", compile_args.dump_dir, "folder for --dump-after files")->capture_default_str();
 
   DirectivesArgs directives_args;
@@ -413,11 +450,18 @@ int main(int argc, char** argv) {
 
   CLI::App* models = app.add_subcommand("models", "list the built-in model zoo");
 
+  // CLI11 would only say "A subcommand is required" for a misspelt one; name it instead.
+  const std::vector<std::string> commands = {"compile", "directives", "verify", "models"};
+  if (argc > 1 && argv[1][0] != '-' && std::find(commands.begin(), commands.end(), argv[1]) == commands.end()) {
+    print_error("", fmt::format("unknown command '{}' (expected compile, directives, verify or models)", argv[1]));
+    return kExitBadInput;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
-    print_error("", std::string(e.what()) + " (see --help)");
+    std::string help = argc > 1 && argv[1][0] != '-' ? fmt::format("piper {} --help", argv[1]) : "piper --help";
+    print_error("", fmt::format("{} (see '{}')", e.what(), help));
     return kExitBadInput;
   }
 

@@ -155,6 +155,9 @@ Program lower(const GlobalDag& dag) {
       op.kind = op_kind(node.kind);
       op.pass = node.pass;
       op.node = static_cast<std::int32_t>(v);
+      if (node.kind == NodeKind::Recv)  // a transfer is named by its SEND node on both sides
+        for (auto e : boost::make_iterator_range(boost::in_edges(v, g)))
+          if (g[boost::source(e, g)].kind == NodeKind::Send) op.node = static_cast<std::int32_t>(boost::source(e, g));
       op.label = node.label;
       op.tags = node.tags;
       op.flops = op_flops(node);

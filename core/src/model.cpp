@@ -806,8 +806,7 @@ void clear_pp_tags(Model& model) {
 
 void balance_pipeline(Model& model, int stages) {
   auto& layers = model.mutable_layers();
-  // Units are maximal runs of layers with the same block index: [embedding], each block,
-  // [final norm + head]. Regions are contiguous runs of units.
+  // Units are maximal runs of layers with the same block index. Regions are contiguous runs of units.
   struct Unit {
     std::size_t first, last;  // layer range [first, last)
     double flops;
@@ -822,6 +821,18 @@ void balance_pipeline(Model& model, int stages) {
       units.back().last = i + 1;
       units.back().flops += f;
     }
+  }
+  // The embedding travels with the first block and the final norm + head with the last block (as in
+  // Megatron), so every region holds at least one transformer block.
+  if (units.size() >= 3 && layers[units.front().first].block < 0) {
+    units[1].first = units[0].first;
+    units[1].flops += units[0].flops;
+    units.erase(units.begin());
+  }
+  if (units.size() >= 2 && layers[units.back().first].block < 0) {
+    units[units.size() - 2].last = units.back().last;
+    units[units.size() - 2].flops += units.back().flops;
+    units.pop_back();
   }
   const int n = static_cast<int>(units.size());
   if (stages < 1 || stages > n)

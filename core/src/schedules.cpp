@@ -14,9 +14,6 @@ namespace {
 
 using nlohmann::json;
 
-// One order group: filters that may interleave; groups of one rank run in sequence.
-using Group = std::vector<json>;
-
 int regions_pp_times_virtual(const StrategyOptions& o) { return o.pp * o.virtual_stages; }
 
 // Contiguous blocks: region i -> rank i * pp / regions (identity when regions == pp).
@@ -47,79 +44,55 @@ void check_context(const std::string& family, const ScheduleContext& ctx) {
     if (!used[static_cast<size_t>(r)]) fail("pipeline rank " + std::to_string(r) + " holds no PP region");
 }
 
-// Regions held by each rank, in increasing region order.
-std::vector<std::vector<int>> regions_of_ranks(const ScheduleContext& ctx) {
-  std::vector<std::vector<int>> held(static_cast<size_t>(ctx.ranks));
-  for (int i = 0; i < ctx.regions; ++i) held[static_cast<size_t>(ctx.rank_of_region[static_cast<size_t>(i)])].push_back(i);
-  return held;
-}
-
-json step_filter(int region, int mb, const char* pass) {
-  return json{{"PP", region}, {"MB", mb}, {"PASS", pass}};
-}
-
-// One step of microbatch `mb` on a rank: a filter per region the rank holds, in one group, so the
-// rank's chunks of that microbatch may interleave as data dependencies allow. Forward-like passes
-// list regions in increasing order, backward-like ones in decreasing order (the order data flows).
-// With one region per rank this is the usual one-filter step (a total order).
-Group step(const std::vector<int>& held, int mb, const char* pass, bool forward) {
-  Group g;
-  if (forward)
-    for (int region : held) g.push_back(step_filter(region, mb, pass));
-  else
-    for (auto it = held.rbegin(); it != held.rend(); ++it) g.push_back(step_filter(*it, mb, pass));
-  return g;
+json step(int region, int mb, const char* pass) {
+  return json::array({json{{"PP", region}, {"MB", mb}, {"PASS", pass}}});
 }
 
 json split_directive(int microbatches) {
   return json{{"op", "split"}, {"filter", json::object()}, {"dim_name", "MB"}, {"num_microbatches", microbatches}};
 }
 
-json order_directive(const std::vector<Group>& groups) {
-  json filters = json::array();
-  for (const Group& g : groups) filters.push_back(json(g));
-  return json{{"op", "order"}, {"filters", filters}};
-}
-
-// Builds split + one order per rank from a per-rank step sequence generator.
-template <class PerRank>
-json split_and_orders(const ScheduleContext& ctx, PerRank per_rank) {
+// Builds split + one order per PP region from a per-region step sequence. Each region is ordered as
+// a stage of a pipeline with `regions` stages; a rank that holds several regions (a V placement, or
+// virtual stages appended to a placement-only program) interleaves them as data dependencies allow.
+// Ordering each region on its own keeps any placement deadlock-free: the orders together are those
+// of a plain `regions`-stage pipeline, which is acyclic.
+template <class PerStage>
+json split_and_orders(const ScheduleContext& ctx, PerStage per_stage) {
   json out = json::array();
   out.push_back(split_directive(ctx.microbatches));
-  auto held = regions_of_ranks(ctx);
-  for (int r = 0; r < ctx.ranks; ++r) out.push_back(order_directive(per_rank(r, held[static_cast<size_t>(r)])));
+  for (int k = 0; k < ctx.regions; ++k) out.push_back(json{{"op", "order"}, {"filters", per_stage(k)}});
   return out;
 }
 
-// GPipe: every rank runs all forwards (mb 0..M-1), then all backwards (mb 0..M-1).
+// GPipe: every stage runs all forwards (mb 0..M-1), then all backwards (mb 0..M-1).
 json gpipe_directives(const ScheduleContext& ctx) {
   check_context("gpipe", ctx);
   const int m_count = ctx.microbatches;
-  return split_and_orders(ctx, [&](int, const std::vector<int>& held) {
-    std::vector<Group> groups;
-    for (int mb = 0; mb < m_count; ++mb) groups.push_back(step(held, mb, "F", true));
-    for (int mb = 0; mb < m_count; ++mb) groups.push_back(step(held, mb, "B", false));
+  return split_and_orders(ctx, [&](int k) {
+    json groups = json::array();
+    for (int mb = 0; mb < m_count; ++mb) groups.push_back(step(k, mb, "F"));
+    for (int mb = 0; mb < m_count; ++mb) groups.push_back(step(k, mb, "B"));
     return groups;
   });
 }
 
-// 1F1B (PipeDream-flush, as in Megatron-LM): rank r of p runs warmup = min(p-1-r, M) forwards, then
-// M-warmup steady pairs F(warmup+i), B(i), then the remaining backwards. Rank r's warmup fills the
-// pipeline exactly when its first backward can arrive, which bounds in-flight activations to p-r.
-// When a rank holds several regions (e.g. a V placement), each step covers all of them (see step()).
+// 1F1B (PipeDream-flush, as in Megatron-LM): stage k of n runs warmup = min(n-1-k, M) forwards, then
+// M-warmup steady pairs F(warmup+i), B(i), then the remaining backwards. Stage k's warmup fills the
+// pipeline exactly when its first backward can arrive, which bounds in-flight activations to n-k.
 json one_f_one_b_directives(const ScheduleContext& ctx) {
   check_context("1f1b", ctx);
   const int m_count = ctx.microbatches;
-  const int p = ctx.ranks;
-  return split_and_orders(ctx, [&](int r, const std::vector<int>& held) {
-    std::vector<Group> groups;
-    const int warmup = std::min(p - 1 - r, m_count);
-    for (int mb = 0; mb < warmup; ++mb) groups.push_back(step(held, mb, "F", true));
+  const int n = ctx.regions;
+  return split_and_orders(ctx, [&](int k) {
+    json groups = json::array();
+    const int warmup = std::min(n - 1 - k, m_count);
+    for (int mb = 0; mb < warmup; ++mb) groups.push_back(step(k, mb, "F"));
     for (int i = 0; i < m_count - warmup; ++i) {
-      groups.push_back(step(held, warmup + i, "F", true));
-      groups.push_back(step(held, i, "B", false));
+      groups.push_back(step(k, warmup + i, "F"));
+      groups.push_back(step(k, i, "B"));
     }
-    for (int mb = m_count - warmup; mb < m_count; ++mb) groups.push_back(step(held, mb, "B", false));
+    for (int mb = m_count - warmup; mb < m_count; ++mb) groups.push_back(step(k, mb, "B"));
     return groups;
   });
 }

@@ -259,30 +259,35 @@ TEST(Pipeline, BalancedNoWorseThanEqualLayerSplit) {
 }
 
 TEST(Pipeline, BalancedIsOptimalByBruteForce) {
-  // qwen3-9m has 6 units (embed, 4 blocks, norm+head); try every 3-region contiguous split.
+  // qwen3-9m has 4 units: block 0 (with the embedding), blocks 1 and 2, block 3 (with norm + head);
+  // try every 3-region contiguous split.
   Model m = zoo_model("qwen3-9m");
-  std::vector<double> unit(6, 0.0);
+  std::vector<double> unit(4, 0.0);
   for (std::size_t i = 0; i < m.layers().size(); ++i) {
     const Costs c = m.layer_cost(i);
     const int b = m.layers()[i].block;
-    unit[b < 0 ? (i == 0 ? 0 : 5) : b + 1] += c.forward_flops + c.backward_flops();
+    unit[b < 0 ? (i == 0 ? 0 : 3) : b] += c.forward_flops + c.backward_flops();
   }
   double best = 1e300;
-  for (int a = 1; a < 6; ++a)
-    for (int b = a + 1; b < 6; ++b) {
+  for (int a = 1; a < 4; ++a)
+    for (int b = a + 1; b < 4; ++b) {
       double r0 = 0, r1 = 0, r2 = 0;
-      for (int u = 0; u < 6; ++u) (u < a ? r0 : u < b ? r1 : r2) += unit[u];
+      for (int u = 0; u < 4; ++u) (u < a ? r0 : u < b ? r1 : r2) += unit[u];
       best = std::min(best, std::max({r0, r1, r2}));
     }
   balance_pipeline(m, 3);
   EXPECT_DOUBLE_EQ(max_region_flops(m), best);
+  // Four regions over four blocks: one block each, so every region holds experts.
+  balance_pipeline(m, 4);
+  for (const Layer& l : m.layers())
+    if (l.block >= 0) EXPECT_EQ(l.tags.at("PP"), l.block) << l.name;
 }
 
 TEST(Pipeline, ManyStagesAndErrors) {
   auto c = *zoo_config("llama3-8b");
-  c.layers = 126;
+  c.layers = 128;
   Model m = build_model(c);
-  balance_pipeline(m, 128);  // 128 units: one per region
+  balance_pipeline(m, 128);  // 128 blocks: one per region
   EXPECT_EQ(m.pp_regions(), 128);
   EXPECT_EQ(m.layers().back().tags.at("PP"), 127);
   balance_pipeline(m, 2);  // replaces the previous tags

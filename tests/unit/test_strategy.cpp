@@ -175,19 +175,22 @@ TEST(Strategy, RankOfRegionFromVPlacement) {
   EXPECT_EQ(rank_of_region, (std::vector<int>{0, 1, 1, 0}));
   EXPECT_EQ(ranks, 2);
 
-  // 1F1B appended to the V placement: each step of a rank covers both of its regions in one group,
-  // forwards in increasing region order, backwards in decreasing order.
+  // 1F1B appended to the V placement: one order per PP region, each region ordered as a stage of a
+  // 4-stage pipeline (warmup 3-k), so the two regions of a rank interleave by data dependencies.
   StrategyOptions o;
-  o.pp = ranks, o.microbatches = 2, o.schedule = "1f1b";
+  o.pp = ranks, o.microbatches = 3, o.schedule = "1f1b";
   json sched = schedule_directives(o, rank_of_region);
-  auto orders = orders_by_rank(sched, rank_of_region);
-  ASSERT_EQ(orders.size(), 2u);
-  EXPECT_EQ(orders[0]["filters"], json::parse(R"([
-    [{"PP":0,"MB":0,"PASS":"F"},{"PP":3,"MB":0,"PASS":"F"}],
-    [{"PP":0,"MB":1,"PASS":"F"},{"PP":3,"MB":1,"PASS":"F"}],
-    [{"PP":3,"MB":0,"PASS":"B"},{"PP":0,"MB":0,"PASS":"B"}],
-    [{"PP":3,"MB":1,"PASS":"B"},{"PP":0,"MB":1,"PASS":"B"}]])"));
-  EXPECT_EQ(orders[1]["filters"][0], json::parse(R"([{"PP":1,"MB":0,"PASS":"F"},{"PP":2,"MB":0,"PASS":"F"}])"));
+  auto orders = only_ops(sched, {"order"});
+  ASSERT_EQ(orders.size(), 4u);
+  std::vector<std::vector<std::string>> expected = {
+      {"F0", "F1", "F2", "B0", "B1", "B2"},  // region 0: warmup min(3, 3)
+      {"F0", "F1", "F2", "B0", "B1", "B2"},  // region 1: warmup 2, one steady pair, then cooldown
+      {"F0", "F1", "B0", "F2", "B1", "B2"},  // region 2: warmup 1
+      {"F0", "B0", "F1", "B1", "F2", "B2"}};  // region 3: no warmup
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_EQ(total_order(orders[static_cast<size_t>(k)]), expected[static_cast<size_t>(k)]) << "region " << k;
+    for (const auto& group : orders[static_cast<size_t>(k)]["filters"]) EXPECT_EQ(group[0]["PP"], k);
+  }
 }
 
 TEST(Strategy, ErrorsAreOneLineAndNameTheFlag) {

@@ -43,7 +43,7 @@ struct Buffer {
 struct Op {
   OpKind kind = OpKind::Compute;
   Pass pass = Pass::None;
-  std::int32_t node = -1;         // DAG node it came from (also the matching key of SEND/RECV pairs)
+  std::int32_t node = -1;         // DAG node it came from; SEND and RECV both carry the SEND node (the pair's key)
   std::string label;              // "F mb3 PP2"
   TagMap tags;
   double flops = 0;
