@@ -97,6 +97,9 @@ struct BadCase {
   std::vector<std::string> fragments;   // must appear in the error line (besides the file path)
 };
 
+// Keeps CTest's test names readable (GoogleTest would print the struct's bytes).
+void PrintTo(const BadCase& c, std::ostream* os) { *os << c.file; }
+
 class CliBadInput : public Cli, public ::testing::WithParamInterface<BadCase> {};
 
 TEST_P(CliBadInput, OneLineNamingFileDirectiveAndFieldAndNothingWritten) {
