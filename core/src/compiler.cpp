@@ -23,6 +23,11 @@ CompileResult compile(const Model& model, const DirectiveProgram& program, const
   CompileResult result{build_dag(model), {}};
   apply_directives(result.dag, program, hook);
   result.program = lower(result.dag);
+  if (model.config()) {
+    ModelConfig c = *model.config();
+    c.training = model.training();  // the plan's training shape, after any CLI overrides
+    result.program.model_spec = config_to_spec_json(c);
+  }
   verify_or_throw(result.program);
   auto& stats = result.program.stats;
   stats.dag_nodes = static_cast<std::int64_t>(result.dag.live_node_count());

@@ -17,6 +17,8 @@ namespace {
 // order and microbatch order (split copies microbatch-major) and the order directives' groups (they
 // add edges, not ids). Every device issues its ops in this one order, so every pair of devices
 // agrees on the order of their shared communication and no wait cycle can arise from lowering.
+// A RECV is emitted right after its SEND (its only predecessor), so each transfer is one event of
+// the global order and rendezvous transfers cannot deadlock either.
 std::vector<Vertex> global_order(const Graph& g) {
   const std::size_t n = boost::num_vertices(g);
   std::vector<int> indegree(n, 0);
@@ -28,13 +30,20 @@ std::vector<Vertex> global_order(const Graph& g) {
   }
   std::vector<Vertex> order;
   order.reserve(n);
+  std::vector<Vertex> now;
   while (!ready.empty()) {
-    Vertex v = ready.top();
+    now.assign(1, ready.top());
     ready.pop();
-    order.push_back(v);
-    for (auto e : boost::make_iterator_range(boost::out_edges(v, g))) {
-      Vertex w = boost::target(e, g);
-      if (--indegree[w] == 0) ready.push(w);
+    while (!now.empty()) {
+      Vertex v = now.back();
+      now.pop_back();
+      order.push_back(v);
+      for (auto e : boost::make_iterator_range(boost::out_edges(v, g))) {
+        Vertex w = boost::target(e, g);
+        if (--indegree[w] > 0) continue;
+        if (g[v].kind == NodeKind::Send && g[w].kind == NodeKind::Recv) now.push_back(w);
+        else ready.push(w);
+      }
     }
   }
   return order;
@@ -108,6 +117,9 @@ Program lower(const GlobalDag& dag) {
   program.num_devices = dag.num_devices();
   program.device_sets = dag.device_sets.all();
   program.families = dag.families;
+  for (const auto& seg : dag.segments)
+    program.segments.push_back({seg.first_layer, seg.last_layer, seg.tags, kNoDevices, seg.costs.params,
+                                seg.shard_degree, seg.replicas, seg.zero_level});
 
   // Device classes: devices holding exactly the same device sets get the same plan.
   const std::size_t num_sets = dag.device_sets.size();
@@ -131,6 +143,7 @@ Program lower(const GlobalDag& dag) {
   std::vector<DeviceSetId> segment_set(dag.segments.size(), kNoDevices);
   for (auto v : order)
     if (g[v].kind == NodeKind::Compute) segment_set[static_cast<std::size_t>(g[v].segment)] = g[v].devices;
+  for (std::size_t s = 0; s < segment_set.size(); ++s) program.segments[s].devices = segment_set[s];
 
   const int dt = bytes_per_element(dag.training.precision);
   const std::int64_t state_bytes_per_param = dag.training.precision == Precision::FP32 ? 8 : 12;
@@ -166,6 +179,8 @@ Program lower(const GlobalDag& dag) {
       op.device_set = node.devices;
       op.peer_set = node.peer_devices;
       op.family = node.family;
+      if (node.kind == NodeKind::Compute) op.segment = node.segment;
+      op.segments = node.buffer_segments;
       const int s = stream_of(node.kind == NodeKind::Compute || node.kind == NodeKind::Update ? "compute" : node.stream);
       // Wait on the latest predecessor of each other stream; earlier ones are implied by stream order.
       std::map<int, int> latest;

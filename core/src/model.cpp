@@ -389,7 +389,9 @@ Model build_model(const ModelConfig& c) {
   head.hidden = c.hidden;
   head.tied_with_embedding = c.tie_embeddings;
   add("head", LayerKind::Head, head, -1);
-  return Model(c.name, std::move(layers), c.training);
+  Model model(c.name, std::move(layers), c.training);
+  model.set_config(c);
+  return model;
 }
 
 // ---------------------------------------------------------------------------------------------

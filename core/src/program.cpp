@@ -136,6 +136,8 @@ json op_to_json(const Op& op) {
     j["waits"] = std::move(waits);
   }
   if (!op.uses.empty()) j["uses"] = op.uses;
+  if (op.segment != -1) j["segment"] = op.segment;
+  if (!op.segments.empty()) j["segments"] = op.segments;
   return j;
 }
 
@@ -185,6 +187,12 @@ Op op_from_json(const json& j, const std::string& path) {
     std::string p = member(path, "uses");
     as_array(*f, p);
     for (std::size_t i = 0; i < f->size(); ++i) op.uses.push_back(as_int((*f)[i], at_index(p, i)));
+  }
+  if (const json* f = optional_field(j, "segment")) op.segment = as_int(*f, member(path, "segment"));
+  if (const json* f = optional_field(j, "segments")) {
+    std::string p = member(path, "segments");
+    as_array(*f, p);
+    for (std::size_t i = 0; i < f->size(); ++i) op.segments.push_back(as_int((*f)[i], at_index(p, i)));
   }
   return op;
 }
@@ -246,7 +254,8 @@ Plan plan_from_json(const json& j, const std::string& path, std::size_t num_sets
 bool same_op(const Op& a, const Op& b) {
   return a.kind == b.kind && a.pass == b.pass && a.node == b.node && a.label == b.label && a.tags == b.tags &&
          a.flops == b.flops && a.memory_bytes == b.memory_bytes && a.bytes == b.bytes && a.device_set == b.device_set &&
-         a.peer_set == b.peer_set && a.family == b.family && a.waits == b.waits && a.uses == b.uses;
+         a.peer_set == b.peer_set && a.family == b.family && a.waits == b.waits && a.uses == b.uses &&
+         a.segment == b.segment && a.segments == b.segments;
 }
 
 bool same_plan(const Plan& a, const Plan& b) {
@@ -376,6 +385,13 @@ json Program::to_json() const {
                    {"micro_batch_size", training.micro_batch_size},
                    {"precision", to_string(training.precision)}};
   j["microbatches"] = microbatches;
+  if (!model_spec.is_null()) j["model_spec"] = model_spec;
+  json segs = json::array();
+  for (const auto& sg : segments)
+    segs.push_back({{"layers", {sg.first_layer, sg.last_layer}}, {"tags", sg.tags}, {"devices", sg.devices},
+                    {"params", sg.params}, {"shard_degree", sg.shard_degree}, {"replicas", sg.replicas},
+                    {"zero_level", sg.zero_level}});
+  j["segments"] = std::move(segs);
   j["num_devices"] = num_devices;
   j["device_sets"] = device_sets;
   json fams = json::array();
@@ -424,6 +440,27 @@ Program Program::from_json(const json& j) {
     p.training.precision = *parsed;
   }
   p.microbatches = as_int(require(j, "", "microbatches"), "microbatches");
+  if (const json* f = optional_field(j, "model_spec")) p.model_spec = as_object(*f, "model_spec");
+  if (const json* f = optional_field(j, "segments")) {
+    as_array(*f, "segments");
+    for (std::size_t i = 0; i < f->size(); ++i) {
+      const std::string sp = at_index("segments", i);
+      const json& o = as_object((*f)[i], sp);
+      ProgramSegment sg;
+      const json& layers = as_array(require(o, sp, "layers"), member(sp, "layers"));
+      if (layers.size() != 2) fail(member(sp, "layers"), "expected [first, last]");
+      sg.first_layer = as_int(layers[0], member(sp, "layers"));
+      sg.last_layer = as_int(layers[1], member(sp, "layers"));
+      sg.tags = tags_from_json(require(o, sp, "tags"), member(sp, "tags"));
+      sg.devices = as_int(require(o, sp, "devices"), member(sp, "devices"));
+      sg.params = as_int64(require(o, sp, "params"), member(sp, "params"));
+      sg.shard_degree = as_int(require(o, sp, "shard_degree"), member(sp, "shard_degree"));
+      sg.replicas = as_int(require(o, sp, "replicas"), member(sp, "replicas"));
+      sg.zero_level = as_int(require(o, sp, "zero_level"), member(sp, "zero_level"));
+      if (sg.shard_degree < 1 || sg.replicas < 1) fail(sp, "shard_degree and replicas must be >= 1");
+      p.segments.push_back(std::move(sg));
+    }
+  }
   p.num_devices = as_int(require(j, "", "num_devices"), "num_devices");
   if (p.num_devices < 0) fail("num_devices", "negative");
   {
@@ -486,7 +523,8 @@ Program Program::from_json(const json& j) {
 }
 
 bool operator==(const Program& a, const Program& b) {
-  if (a.model_name != b.model_name || a.training.seq_len != b.training.seq_len ||
+  if (a.model_name != b.model_name || a.model_spec != b.model_spec || a.segments != b.segments ||
+      a.training.seq_len != b.training.seq_len ||
       a.training.micro_batch_size != b.training.micro_batch_size || a.training.precision != b.training.precision ||
       a.microbatches != b.microbatches || a.num_devices != b.num_devices || a.device_sets != b.device_sets ||
       a.families != b.families || a.plan_of_device != b.plan_of_device || a.plans.size() != b.plans.size())

@@ -14,8 +14,9 @@
 //  * A transient buffer is allocated when its `alloc` op starts and freed when its `free` op ends:
 //    alloc happens-before-or-equals every use, and every use happens-before-or-equals the free.
 //    Happens-before inside a device is stream order plus waits, transitively (vector clocks).
-//  * No deadlock: the wait graph over all op instances is acyclic. Edges: stream order, waits, SEND ->
-//    its RECV, and for collectives one rendezvous vertex per group instance (all members merged).
+//  * No deadlock: the wait graph over all op instances is acyclic. Edges: stream order and waits; a
+//    SEND and its RECV are one rendezvous vertex (both sides complete together, as NCCL send/recv
+//    do), and so are all members of one collective group instance.
 //
 // Scale: devices of one plan have identical ops, so every check works per plan; device-level facts
 // (peers, groups) are resolved by iterating class members once per distinct (plan, device set, peer
@@ -524,6 +525,7 @@ class Verifier {
   // ---- deadlock: cycle search over the class-level wait graph ----
 
   void check_deadlock() {
+    for (auto [u, v] : transfer_edges_) rendezvous_parent_[find(v)] = find(u);
     DiGraph g(loc_.size());
     auto edge = [&](std::size_t u, std::size_t v) { boost::add_edge(find(u), find(v), g); };
     for (std::size_t p = 0; p < prog_.plans.size(); ++p) {
@@ -536,7 +538,6 @@ class Verifier {
           for (const OpRef& w : plan.streams[s].ops[i].waits) edge(vertex(static_cast<int>(p), w), v);
         }
     }
-    for (auto [u, v] : transfer_edges_) edge(u, v);
 
     std::vector<std::size_t> parent(loc_.size());
     CycleVisitor visitor;

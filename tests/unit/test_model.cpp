@@ -280,7 +280,9 @@ TEST(Pipeline, BalancedIsOptimalByBruteForce) {
   // Four regions over four blocks: one block each, so every region holds experts.
   balance_pipeline(m, 4);
   for (const Layer& l : m.layers())
-    if (l.block >= 0) EXPECT_EQ(l.tags.at("PP"), l.block) << l.name;
+    if (l.block >= 0) {
+      EXPECT_EQ(l.tags.at("PP"), l.block) << l.name;
+    }
 }
 
 TEST(Pipeline, ManyStagesAndErrors) {

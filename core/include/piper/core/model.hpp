@@ -105,6 +105,10 @@ class Model {
   const TrainingShape& training() const { return training_; }
   void set_training(const TrainingShape& t) { training_ = t; }
 
+  // The architecture this model was built from (build_model sets it; builder models have none).
+  const std::optional<ModelConfig>& config() const { return config_; }
+  void set_config(const ModelConfig& c) { config_ = c; }
+
   Costs layer_cost(std::size_t i) const { return layer_costs(layers_.at(i), training_); }
   std::int64_t parameter_count() const;
   // Number of PP regions annotated (max PP index + 1), 0 when no layer has a PP tag.
@@ -114,6 +118,7 @@ class Model {
   std::string name_;
   std::vector<Layer> layers_;
   TrainingShape training_;
+  std::optional<ModelConfig> config_;
 };
 
 // Build the layer list of a transformer from its config (no PP tags; experts tagged EP per block).

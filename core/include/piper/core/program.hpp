@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json_fwd.hpp>
+#include <nlohmann/json.hpp>
 
 #include "piper/core/dag.hpp"
 
@@ -53,7 +53,9 @@ struct Op {
   DeviceSetId peer_set = kNoDevices;    // SEND/RECV: the other side; peer = peer_set[pos(me, device_set)]
   int family = -1;                // collectives: Program::families index; group = the one holding me
   std::vector<OpRef> waits;       // ops of other streams of this device that must finish first
-  std::vector<int> uses;          // buffers read or written
+  std::vector<int> uses;          // transient buffers read or written (persistent state is per segment)
+  int segment = -1;               // Program::segments index: which model layers a COMPUTE op runs
+  std::vector<int> segments;      // UPD and gradient/parameter collectives: the segments whose state they touch
 };
 
 struct Stream {
@@ -67,6 +69,19 @@ struct Plan {
   std::int64_t op_count() const;
 };
 
+// One model segment as the simulator and runtime need it: which layers, and how its parameters are
+// distributed (shard degree = expert/tensor sharding; replicas = data-parallel copies; ZeRO level).
+struct ProgramSegment {
+  int first_layer = 0, last_layer = 0;   // [first, last) layers of the model
+  TagMap tags;
+  DeviceSetId devices = kNoDevices;
+  std::int64_t params = 0;               // whole segment, before sharding
+  int shard_degree = 1;
+  int replicas = 1;
+  int zero_level = 0;
+  friend bool operator==(const ProgramSegment&, const ProgramSegment&) = default;
+};
+
 struct ProgramStats {
   std::int64_t dag_nodes = 0;
   std::map<std::string, std::int64_t> nodes_by_kind;
@@ -76,6 +91,8 @@ struct ProgramStats {
 
 struct Program {
   std::string model_name;
+  nlohmann::json model_spec;            // the model config as a spec file (core::config_from_spec_json), if known
+  std::vector<ProgramSegment> segments;
   TrainingShape training;
   int microbatches = 1;                 // number of microbatch copies per step (product of split counts)
   int num_devices = 0;
