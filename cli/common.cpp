@@ -1,0 +1,149 @@
+// Shared pieces of the piper command (see common.hpp).
+#include "cli/common.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "piper/core/strategy.hpp"
+
+namespace piper::cli {
+
+namespace fs = std::filesystem;
+
+// Error messages must stay on one line: a newline inside one would break "one line per error".
+std::string one_line(std::string s) {
+  std::replace(s.begin(), s.end(), '\n', ' ');
+  std::replace(s.begin(), s.end(), '\r', ' ');
+  while (!s.empty() && s.back() == ' ') s.pop_back();
+  return s;
+}
+
+// nlohmann messages start with "[json.exception.parse_error.101] "; the id means nothing to a user.
+std::string json_message(const json::exception& e) {
+  std::string m = e.what();
+  if (!m.empty() && m.front() == '[') {
+    auto close = m.find("] ");
+    if (close != std::string::npos) m = m.substr(close + 2);
+  }
+  return m;
+}
+
+std::string read_text_file(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) throw CliError(path, "is a directory, expected a file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw CliError(path, fmt::format("cannot open: {}", std::strerror(errno)));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw CliError(path, "read failed");
+  return text.str();
+}
+
+json read_json_file(const std::string& path) {
+  std::string text = read_text_file(path);
+  try {
+    return json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw CliError(path, "not valid JSON: " + json_message(e));
+  }
+}
+
+std::string human_count(std::int64_t n) {
+  if (n >= 1'000'000'000) return fmt::format("{:.2f} B", static_cast<double>(n) / 1e9);
+  if (n >= 1'000'000) return fmt::format("{:.2f} M", static_cast<double>(n) / 1e6);
+  if (n >= 1'000) return fmt::format("{:.2f} K", static_cast<double>(n) / 1e3);
+  return std::to_string(n);
+}
+
+double mib(std::int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+
+static std::vector<std::string> schedule_names() {
+  std::vector<std::string> names;
+  for (const auto& f : core::schedule_registry()) names.push_back(f.name);
+  return names;
+}
+
+// CLI11's Range prints DBL_MAX for a non-number; these say what is expected in a few words.
+const CLI::Validator kPositiveInt(
+    [](std::string& value) -> std::string {
+      try {
+        std::size_t used = 0;
+        long long v = std::stoll(value, &used);
+        if (used == value.size() && v > 0 && v <= std::numeric_limits<int>::max()) return {};
+      } catch (const std::exception&) {
+      }
+      return "must be a positive integer, got '" + value + "'";
+    },
+    "POSITIVE");
+const CLI::Validator kNonNegativeNumber(
+    [](std::string& value) -> std::string {
+      try {
+        std::size_t used = 0;
+        double v = std::stod(value, &used);
+        if (used == value.size() && v >= 0 && std::isfinite(v)) return {};
+      } catch (const std::exception&) {
+      }
+      return "must be a non-negative number, got '" + value + "'";
+    },
+    "NONNEGATIVE");
+
+void StrategyFlags::add_to(CLI::App* app) {
+  pp = app->add_option("--pp", options.pp, "pipeline-parallel ranks")->check(kPositiveInt);
+    dp = app->add_option("--dp", options.dp, "data-parallel replicas")->check(kPositiveInt);
+    ep = app->add_option("--ep", options.ep, "expert-parallel degree (divides --dp)")->check(kPositiveInt);
+    zero = app->add_option("--zero", options.zero, "ZeRO level: 0, 1 (optimizer), 2 (+grads), 3 (+params)")
+               ->check(CLI::Range(0, 3));
+    schedule = app->add_option("--schedule", options.schedule, "pipeline schedule family")
+                   ->check(CLI::IsMember(schedule_names()));
+    microbatches = app->add_option("--microbatches", options.microbatches, "microbatches per step")
+                       ->check(kPositiveInt);
+    virtual_stages = app->add_option("--virtual", options.virtual_stages, "model chunks per pipeline rank")
+                         ->check(kPositiveInt);
+    bucket_mb = app->add_option("--bucket-mb", options.bucket_mb, "gradient bucket size in MB (0: one per segment)")
+                    ->check(kNonNegativeNumber);
+  }
+
+void ScenarioFlags::add_to(CLI::App* app) {
+  app->add_option("--model", model, "zoo name, model spec JSON, or Hugging Face config.json")->required();
+  app->add_option("--seq-len", seq_len, "tokens per sequence (overrides the model's)")->check(kPositiveInt);
+  app->add_option("--micro-batch-size", micro_batch_size, "sequences per microbatch")->check(kPositiveInt);
+  app->add_option("--stages", stages, "balance the model over N PP regions")->check(kPositiveInt);
+  directives = app->add_option("--directives", directives_path, "directive program (JSON)");
+  strategy.add_to(app);
+  for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.bucket_mb}) o->excludes(directives);
+}
+
+core::Scenario ScenarioFlags::scenario() const {
+  if (strategy.microbatches->count() > 0 && directives->count() > 0 && strategy.schedule->count() == 0)
+    throw CliError("", "--microbatches with --directives needs --schedule (the schedule to append)");
+  core::Scenario s;
+  s.model = model;
+  s.seq_len = seq_len;
+  s.micro_batch_size = micro_batch_size;
+  s.stages = stages;
+  s.strategy = strategy.options;
+  if (!directives_path.empty()) {
+    s.directives = read_json_file(directives_path);
+    s.directives_source = directives_path;
+    s.append_schedule = strategy.schedule->count() > 0;
+  }
+  return s;
+}
+
+void print_error(const std::string& file, const std::string& message) {
+  if (file.empty())
+    fmt::print(stderr, "piper: error: {}\n", one_line(message));
+  else
+    fmt::print(stderr, "piper: error: {}: {}\n", file, one_line(message));
+}
+
+
+}  // namespace piper::cli

@@ -1,0 +1,85 @@
+// Shared pieces of the piper command: one-line errors, file reading, flag validators, and the flags
+// that describe a scenario (model, training shape, strategy or directive program).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "piper/core/error.hpp"
+#include "piper/core/scenario.hpp"
+
+namespace piper::cli {
+
+namespace core = piper::core;
+using nlohmann::json;
+
+constexpr int kExitBadInput = 2;      // every user error: bad file, bad directive, bad flag
+constexpr int kExitVerifyFailed = 1;  // `piper verify` found issues
+constexpr int kExitInternal = 3;      // a bug in piper, not in the input
+
+// A user-facing failure: printed as "piper: error: <file>: <message>" (file omitted when empty).
+class CliError : public std::runtime_error {
+ public:
+  CliError(std::string file, const std::string& message) : std::runtime_error(message), file_(std::move(file)) {}
+  const std::string& file() const { return file_; }
+
+ private:
+  std::string file_;
+};
+
+std::string one_line(std::string s);
+std::string json_message(const json::exception& e);
+std::string read_text_file(const std::string& path);
+json read_json_file(const std::string& path);
+std::string human_count(std::int64_t n);
+double mib(std::int64_t bytes);
+void print_error(const std::string& file, const std::string& message);
+
+extern const CLI::Validator kPositiveInt;
+extern const CLI::Validator kNonNegativeNumber;
+
+// Strategy flags (--pp --dp --ep --zero --schedule --microbatches --virtual --bucket-mb).
+struct StrategyFlags {
+  core::StrategyOptions options;
+  CLI::Option* pp = nullptr;
+  CLI::Option* dp = nullptr;
+  CLI::Option* ep = nullptr;
+  CLI::Option* zero = nullptr;
+  CLI::Option* schedule = nullptr;
+  CLI::Option* microbatches = nullptr;
+  CLI::Option* virtual_stages = nullptr;
+  CLI::Option* bucket_mb = nullptr;
+  void add_to(CLI::App* app);
+};
+
+// The inputs of `piper compile`, reused by every command that compiles (simulate, run, ...):
+// --model, --seq-len, --micro-batch-size, --stages, --directives and the strategy flags.
+struct ScenarioFlags {
+  std::string model;
+  std::int64_t seq_len = 0, micro_batch_size = 0;
+  int stages = 0;
+  std::string directives_path;
+  StrategyFlags strategy;
+  CLI::Option* directives = nullptr;
+  void add_to(CLI::App* app);
+  // Checks flag combinations and reads the directive file; throws CliError.
+  core::Scenario scenario() const;
+};
+
+// Registers a subcommand: `run` is called when it was parsed. Commands live in cli/cmd_*.cpp.
+struct Command {
+  CLI::App* app;
+  std::function<int()> run;
+};
+Command add_compile_command(CLI::App& app);
+Command add_directives_command(CLI::App& app);
+Command add_verify_command(CLI::App& app);
+Command add_models_command(CLI::App& app);
+
+}  // namespace piper::cli

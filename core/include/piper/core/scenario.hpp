@@ -1,0 +1,51 @@
+// A scenario: everything that decides a Program (model, training shape, PP regions, and a directive
+// program or strategy flags). Shared by the CLI, the GUI and sweeps, and storable as one JSON file.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "piper/core/compiler.hpp"
+#include "piper/core/model.hpp"
+#include "piper/core/strategy.hpp"
+
+namespace piper::core {
+
+struct Scenario {
+  std::string model = "qwen3-9m";          // zoo name, model spec JSON or HF config.json path
+  std::int64_t seq_len = 0;                // 0: the model's default
+  std::int64_t micro_batch_size = 0;       // 0: the model's default
+  int stages = 0;                          // PP regions; 0: from the program or the schedule family
+  std::optional<nlohmann::json> directives;  // a directive program; empty: generated from `strategy`
+  std::string directives_source;           // file the program came from (for error messages)
+  StrategyOptions strategy;
+  bool append_schedule = false;            // directives is placement-only: append strategy.schedule
+  std::string cluster;                     // cluster preset or file (used by the simulator)
+  std::string engine;                      // simulator engine (empty: default)
+
+  nlohmann::json to_json() const;
+  // Reads a scenario file's JSON; `where` names it in errors. Relative paths resolve against `base_dir`.
+  static Scenario from_json(const nlohmann::json& j, const std::string& where, const std::string& base_dir = "");
+};
+
+struct CompiledScenario {
+  ModelConfig config;
+  Model model;          // with PP annotations
+  nlohmann::json program_json;  // the directive program that was compiled
+  CompileResult result;
+};
+
+// Loads the model, balances its PP regions, builds the directive program and compiles it. Errors are
+// core::Error subclasses whose one-line message names the file or flag at fault.
+CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook = {});
+
+// The directive program a scenario compiles (without compiling it); `regions` receives the PP count.
+nlohmann::json scenario_program(const Scenario& s, int* regions = nullptr);
+
+// PP regions a directive program refers to: 1 + the largest "PP" index in any filter (at least 1).
+int pp_regions_in_program(const nlohmann::json& program);
+
+}  // namespace piper::core

@@ -1,0 +1,233 @@
+// Scenarios: model + strategy (flags or a directive program) -> the directive program -> a Program.
+#include "piper/core/scenario.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <set>
+#include <type_traits>
+
+#include <fmt/format.h>
+
+#include "piper/core/error.hpp"
+
+namespace piper::core {
+
+using nlohmann::json;
+
+namespace {
+
+// Runs `fn`, attributing input errors to `source` (a file or a flag) unless they already name it.
+template <class F>
+auto from(const std::string& source, F&& fn) -> decltype(fn()) {
+  auto named = [&](const std::string& m) { return source.empty() || m.find(source) != std::string::npos; };
+  try {
+    return fn();
+  } catch (const DirectiveError& e) {
+    if (named(e.what())) throw;
+    throw e.in_file(source);
+  } catch (const ModelError& e) {
+    if (named(e.what())) throw;
+    throw ModelError(source + ": " + e.what());
+  } catch (const Error& e) {
+    if (named(e.what())) throw;
+    throw Error(source + ": " + e.what());
+  } catch (const std::invalid_argument& e) {
+    throw Error(named(e.what()) ? e.what() : source + ": " + e.what());
+  } catch (const json::exception& e) {
+    throw Error(named(e.what()) ? e.what() : source + ": " + e.what());
+  }
+}
+
+std::string model_file_of(const std::string& model) {
+  std::error_code ec;
+  return std::filesystem::exists(model, ec) ? model : std::string();
+}
+
+// Expert parallelism needs experts to shard: reject --ep on a dense model before generating anything.
+void check_ep(const ModelConfig& cfg, int ep) {
+  if (ep <= 1) return;
+  if (cfg.experts <= 0) throw Error(fmt::format("--ep {}: model '{}' has no MoE experts (use --ep 1)", ep, cfg.name));
+  if (cfg.experts % ep != 0)
+    throw Error(fmt::format("--ep {}: does not divide the {} experts of model '{}'", ep, cfg.experts, cfg.name));
+}
+
+ModelConfig load_config(const Scenario& s) {
+  ModelConfig cfg = from(model_file_of(s.model), [&] { return load_model_config(s.model); });
+  if (s.seq_len > 0) cfg.training.seq_len = s.seq_len;
+  if (s.micro_batch_size > 0) cfg.training.micro_batch_size = s.micro_batch_size;
+  return cfg;
+}
+
+json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
+  const StrategyOptions& opts = s.strategy;
+  int regions = s.stages;
+  if (s.directives) {
+    if (regions == 0) regions = pp_regions_in_program(*s.directives);
+  } else {
+    check_ep(cfg, opts.ep);
+    if (regions == 0) regions = from("--schedule", [&] { return schedule_family(opts.schedule).regions(opts); });
+  }
+  if (regions_out) *regions_out = regions;
+  if (s.directives) {
+    json program = *s.directives;
+    if (s.append_schedule) {
+      // As in Piper's harness: a placement-only program plus the schedule's split/order.
+      from(s.directives_source, [&] {
+        int pipeline_ranks = 0;
+        std::vector<int> rank_of_region = rank_of_region_from_program(program, &pipeline_ranks);
+        StrategyOptions o = opts;
+        o.pp = pipeline_ranks;
+        for (auto& d : schedule_directives(o, rank_of_region)) program.push_back(std::move(d));
+        return 0;
+      });
+    }
+    return program;
+  }
+  if (s.stages > 0) {
+    // Explicit region count: place it with the family's own placement, then its schedule.
+    return from("", [&] {
+      const ScheduleFamily& family = schedule_family(opts.schedule);
+      std::vector<int> rank_of_region = family.placement(opts, regions);
+      json p = placement_directives(opts, rank_of_region);
+      for (auto& d : schedule_directives(opts, rank_of_region)) p.push_back(std::move(d));
+      return p;
+    });
+  }
+  return from("", [&] { return generate_program(opts); });
+}
+
+}  // namespace
+
+int pp_regions_in_program(const json& program) {
+  int max_index = -1;
+  std::function<void(const json&)> walk = [&](const json& j) {
+    if (j.is_object()) {
+      for (auto it = j.begin(); it != j.end(); ++it) {
+        if (it.key() == "PP" && it.value().is_number_integer() && it.value().get<long long>() >= 0)
+          max_index = std::max(max_index, static_cast<int>(it.value().get<long long>()));
+        walk(it.value());
+      }
+    } else if (j.is_array()) {
+      for (const auto& e : j) walk(e);
+    }
+  };
+  walk(program);
+  return std::max(1, max_index + 1);
+}
+
+json scenario_program(const Scenario& s, int* regions) { return program_for(s, load_config(s), regions); }
+
+CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) {
+  CompiledScenario out;
+  out.config = load_config(s);
+  const std::string model_file = model_file_of(s.model);
+  out.model = from(model_file, [&] { return build_model(out.config); });
+  int regions = 0;
+  out.program_json = program_for(s, out.config, &regions);
+  try {
+    balance_pipeline(out.model, regions);
+  } catch (const Error& e) {
+    throw ModelError((model_file.empty() ? "" : model_file + ": ") +
+                     fmt::format("cannot balance {} PP regions: {}", regions, e.what()));
+  }
+  const std::string source = s.directives ? s.directives_source : std::string();
+  DirectiveProgram program = from(source, [&] { return parse_directives(out.program_json); });
+  out.result = from(source, [&] { return compile(out.model, program, hook); });
+  return out;
+}
+
+json Scenario::to_json() const {
+  json j{{"model", model}};
+  if (seq_len) j["seq_len"] = seq_len;
+  if (micro_batch_size) j["micro_batch_size"] = micro_batch_size;
+  if (stages) j["stages"] = stages;
+  if (directives) {
+    j["directives"] = *directives;
+    if (append_schedule) j["append_schedule"] = true;
+  }
+  j["strategy"] = {{"pp", strategy.pp},         {"dp", strategy.dp},
+                   {"ep", strategy.ep},         {"zero", strategy.zero},
+                   {"schedule", strategy.schedule}, {"microbatches", strategy.microbatches},
+                   {"virtual", strategy.virtual_stages}, {"bucket_mb", strategy.bucket_mb}};
+  if (!cluster.empty()) j["cluster"] = cluster;
+  if (!engine.empty()) j["engine"] = engine;
+  return j;
+}
+
+Scenario Scenario::from_json(const json& j, const std::string& where, const std::string& base_dir) {
+  auto fail = [&](const std::string& field, const std::string& msg) -> Error {
+    return Error(where + ": field '" + field + "': " + msg);
+  };
+  if (!j.is_object()) throw Error(where + ": a scenario must be a JSON object");
+  static const std::set<std::string> known = {"model", "seq_len", "micro_batch_size", "stages", "directives",
+                                              "append_schedule", "strategy", "cluster", "engine"};
+  for (auto it = j.begin(); it != j.end(); ++it)
+    if (!known.contains(it.key())) throw fail(it.key(), "unknown field");
+  auto resolve = [&](const std::string& p) {
+    if (p.empty() || base_dir.empty() || std::filesystem::path(p).is_absolute()) return p;
+    std::error_code ec;
+    auto candidate = std::filesystem::path(base_dir) / p;
+    return std::filesystem::exists(candidate, ec) ? candidate.string() : p;
+  };
+  Scenario s;
+  auto int_field = [&](const json& obj, const char* key, const std::string& path, auto& out, long long min) {
+    if (!obj.contains(key)) return;
+    if (!obj[key].is_number_integer() || obj[key].get<long long>() < min)
+      throw fail(path, fmt::format("must be an integer >= {}", min));
+    out = static_cast<std::remove_reference_t<decltype(out)>>(obj[key].get<long long>());
+  };
+  if (!j.contains("model") || !j["model"].is_string()) throw fail("model", "required: a zoo name or a model file");
+  s.model = resolve(j["model"].get<std::string>());
+  int_field(j, "seq_len", "seq_len", s.seq_len, 1);
+  int_field(j, "micro_batch_size", "micro_batch_size", s.micro_batch_size, 1);
+  int_field(j, "stages", "stages", s.stages, 1);
+  if (j.contains("directives")) {
+    const json& d = j["directives"];
+    if (d.is_string()) {
+      s.directives_source = resolve(d.get<std::string>());
+      std::ifstream in(s.directives_source);
+      if (!in) throw fail("directives", "cannot open '" + s.directives_source + "'");
+      try {
+        s.directives = json::parse(in);
+      } catch (const json::parse_error& e) {
+        throw Error(s.directives_source + ": not JSON: " + e.what());
+      }
+    } else if (d.is_array()) {
+      s.directives = d;
+      s.directives_source = where;
+    } else {
+      throw fail("directives", "must be a directive program (array) or a file name");
+    }
+  }
+  if (j.contains("append_schedule")) {
+    if (!j["append_schedule"].is_boolean()) throw fail("append_schedule", "must be true or false");
+    s.append_schedule = j["append_schedule"].get<bool>();
+  }
+  if (j.contains("strategy")) {
+    const json& st = j["strategy"];
+    if (!st.is_object()) throw fail("strategy", "must be an object");
+    int_field(st, "pp", "strategy.pp", s.strategy.pp, 1);
+    int_field(st, "dp", "strategy.dp", s.strategy.dp, 1);
+    int_field(st, "ep", "strategy.ep", s.strategy.ep, 1);
+    int_field(st, "zero", "strategy.zero", s.strategy.zero, 0);
+    int_field(st, "microbatches", "strategy.microbatches", s.strategy.microbatches, 1);
+    int_field(st, "virtual", "strategy.virtual", s.strategy.virtual_stages, 1);
+    if (st.contains("schedule")) {
+      if (!st["schedule"].is_string()) throw fail("strategy.schedule", "must be a string");
+      s.strategy.schedule = st["schedule"].get<std::string>();
+    }
+    if (st.contains("bucket_mb")) {
+      if (!st["bucket_mb"].is_number() || st["bucket_mb"].get<double>() < 0)
+        throw fail("strategy.bucket_mb", "must be a non-negative number");
+      s.strategy.bucket_mb = st["bucket_mb"].get<double>();
+    }
+  }
+  for (const char* key : {"cluster", "engine"})
+    if (j.contains(key) && !j[key].is_string()) throw fail(key, "must be a string");
+  if (j.contains("cluster")) s.cluster = resolve(j["cluster"].get<std::string>());
+  if (j.contains("engine")) s.engine = j["engine"].get<std::string>();
+  return s;
+}
+
+}  // namespace piper::core
