@@ -10,6 +10,10 @@ packages=(
   libfmt-dev              # formatting of reports and errors
   libgtest-dev libgmock-dev  # unit and integration tests (CTest)
   libbenchmark-dev        # tests/bench
+  libsimgrid-dev          # sim: flow-level network simulation engine
+  libeigen3-dev           # gpu_runtime host backend kernels, sim math
+  libopenmpi-dev openmpi-bin  # gpu_runtime host backend: one MPI rank per device
+  qt6-base-dev libgl-dev  # gui: piper-studio (Qt 6 Widgets)
 )
 
 if [ "$(id -u)" -ne 0 ]; then

@@ -836,11 +836,16 @@ void apply_directives(GlobalDag& dag_in, const DirectiveProgram& program, const 
   });
   if (!wants_split.empty()) apply_backward_split(cx, wants_split), after("backward-split", -1, false);
 
-  std::vector<int> placed_by;
-  int last_place = -1;
-  each(std::type_identity<PlaceDirective>{}, [&](const PlaceDirective& d, int i) { apply_place(cx, d, i, placed_by), last_place = i; });
-  finish_placement(cx, last_place >= 0);
-  after("place", last_place, true);
+  // Each place directive is dumped after it runs; the last one also completes the placement
+  // (unplaced check, UPD per device set, SEND/RECV between device sets).
+  std::vector<int> placed_by, places;
+  each(std::type_identity<PlaceDirective>{}, [&](const PlaceDirective&, int i) { places.push_back(i); });
+  for (int i : places) {
+    apply_place(cx, std::get<PlaceDirective>(ds[static_cast<std::size_t>(i)]), i, placed_by);
+    if (i != places.back()) after("place", i, false);
+  }
+  finish_placement(cx, !places.empty());
+  after("place", places.empty() ? -1 : places.back(), true);
 
   each(std::type_identity<ShardDirective>{}, [&](const ShardDirective& d, int i) { apply_shard(cx, d, i), after("shard", i, true); });
   each(std::type_identity<ReplicateDirective>{}, [&](const ReplicateDirective& d, int i) { apply_replicate(cx, d, i), after("replicate", i, true); });
