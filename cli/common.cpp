@@ -116,6 +116,9 @@ void ScenarioFlags::add_to(CLI::App* app) {
   app->add_option("--seq-len", seq_len, "tokens per sequence (overrides the model's)")->check(kPositiveInt);
   app->add_option("--micro-batch-size", micro_batch_size, "sequences per microbatch")->check(kPositiveInt);
   app->add_option("--stages", stages, "balance the model over N PP regions")->check(kPositiveInt);
+  app->add_option("--pp-ranges", pp_ranges, "explicit PP regions: first block of each, e.g. 0,10,20")
+      ->delimiter(',')
+      ->check(CLI::NonNegativeNumber);
   directives = app->add_option("--directives", directives_path, "directive program (JSON)");
   strategy.add_to(app);
   for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.bucket_mb}) o->excludes(directives);
@@ -129,6 +132,7 @@ core::Scenario ScenarioFlags::scenario() const {
   s.seq_len = seq_len;
   s.micro_batch_size = micro_batch_size;
   s.stages = stages;
+  s.stage_starts = pp_ranges;
   s.strategy = strategy.options;
   if (!directives_path.empty()) {
     s.directives = read_json_file(directives_path);

@@ -64,6 +64,7 @@ struct ScenarioFlags {
   std::string model;
   std::int64_t seq_len = 0, micro_batch_size = 0;
   int stages = 0;
+  std::vector<int> pp_ranges;
   std::string directives_path;
   StrategyFlags strategy;
   CLI::Option* directives = nullptr;
@@ -81,5 +82,9 @@ Command add_compile_command(CLI::App& app);
 Command add_directives_command(CLI::App& app);
 Command add_verify_command(CLI::App& app);
 Command add_models_command(CLI::App& app);
+Command add_simulate_command(CLI::App& app);
+Command add_sweep_command(CLI::App& app);
+Command add_run_command(CLI::App& app);
+Command add_schedule_command(CLI::App& app);
 
 }  // namespace piper::cli

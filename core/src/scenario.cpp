@@ -61,7 +61,9 @@ ModelConfig load_config(const Scenario& s) {
 
 json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
   const StrategyOptions& opts = s.strategy;
-  int regions = s.stages;
+  if (!s.stage_starts.empty() && s.stages > 0 && s.stages != static_cast<int>(s.stage_starts.size()))
+    throw Error(fmt::format("--stages {} disagrees with the {} regions of --pp-ranges", s.stages, s.stage_starts.size()));
+  int regions = s.stage_starts.empty() ? s.stages : static_cast<int>(s.stage_starts.size());
   if (s.directives) {
     if (regions == 0) regions = pp_regions_in_program(*s.directives);
   } else {
@@ -84,12 +86,12 @@ json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
     }
     return program;
   }
-  if (s.stages > 0) {
+  if (regions > 0 && (s.stages > 0 || !s.stage_starts.empty())) {
     // Explicit region count: place it with the family's own placement, then its schedule.
     return from("", [&] {
       const ScheduleFamily& family = schedule_family(opts.schedule);
       std::vector<int> rank_of_region = family.placement(opts, regions);
-      json p = placement_directives(opts, rank_of_region);
+      json p = placement_directives(opts, rank_of_region, family.mirrored);
       for (auto& d : schedule_directives(opts, rank_of_region)) p.push_back(std::move(d));
       return p;
     });
@@ -126,10 +128,11 @@ CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) 
   int regions = 0;
   out.program_json = program_for(s, out.config, &regions);
   try {
-    balance_pipeline(out.model, regions);
+    if (s.stage_starts.empty()) balance_pipeline(out.model, regions);
+    else annotate_pipeline_ranges(out.model, s.stage_starts);
   } catch (const Error& e) {
     throw ModelError((model_file.empty() ? "" : model_file + ": ") +
-                     fmt::format("cannot balance {} PP regions: {}", regions, e.what()));
+                     fmt::format("cannot annotate {} PP regions: {}", regions, e.what()));
   }
   const std::string source = s.directives ? s.directives_source : std::string();
   DirectiveProgram program = from(source, [&] { return parse_directives(out.program_json); });
@@ -142,6 +145,7 @@ json Scenario::to_json() const {
   if (seq_len) j["seq_len"] = seq_len;
   if (micro_batch_size) j["micro_batch_size"] = micro_batch_size;
   if (stages) j["stages"] = stages;
+  if (!stage_starts.empty()) j["pp_ranges"] = stage_starts;
   if (directives) {
     j["directives"] = *directives;
     if (append_schedule) j["append_schedule"] = true;
@@ -160,7 +164,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     return Error(where + ": field '" + field + "': " + msg);
   };
   if (!j.is_object()) throw Error(where + ": a scenario must be a JSON object");
-  static const std::set<std::string> known = {"model", "seq_len", "micro_batch_size", "stages", "directives",
+  static const std::set<std::string> known = {"model", "seq_len", "micro_batch_size", "stages", "pp_ranges", "directives",
                                               "append_schedule", "strategy", "cluster", "engine"};
   for (auto it = j.begin(); it != j.end(); ++it)
     if (!known.contains(it.key())) throw fail(it.key(), "unknown field");
@@ -182,6 +186,13 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
   int_field(j, "seq_len", "seq_len", s.seq_len, 1);
   int_field(j, "micro_batch_size", "micro_batch_size", s.micro_batch_size, 1);
   int_field(j, "stages", "stages", s.stages, 1);
+  if (j.contains("pp_ranges")) {
+    if (!j["pp_ranges"].is_array()) throw fail("pp_ranges", "must be an array of first blocks, e.g. [0, 8, 16]");
+    for (const auto& v : j["pp_ranges"]) {
+      if (!v.is_number_integer() || v.get<long long>() < 0) throw fail("pp_ranges", "entries must be integers >= 0");
+      s.stage_starts.push_back(v.get<int>());
+    }
+  }
   if (j.contains("directives")) {
     const json& d = j["directives"];
     if (d.is_string()) {

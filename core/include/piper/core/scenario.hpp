@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -19,6 +20,7 @@ struct Scenario {
   std::int64_t seq_len = 0;                // 0: the model's default
   std::int64_t micro_batch_size = 0;       // 0: the model's default
   int stages = 0;                          // PP regions; 0: from the program or the schedule family
+  std::vector<int> stage_starts;           // explicit PP regions: first block of each (overrides balancing)
   std::optional<nlohmann::json> directives;  // a directive program; empty: generated from `strategy`
   std::string directives_source;           // file the program came from (for error messages)
   StrategyOptions strategy;

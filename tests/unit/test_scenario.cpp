@@ -1,0 +1,60 @@
+// Tests of scenarios: the one JSON file that decides a Program, shared by the CLI, GUI and sweeps.
+#include <gtest/gtest.h>
+
+#include "piper/core/error.hpp"
+#include "piper/core/scenario.hpp"
+
+using namespace piper::core;
+using nlohmann::json;
+
+TEST(Scenario, JsonRoundTripKeepsEveryField) {
+  Scenario s;
+  s.model = "qwen3-9m";
+  s.seq_len = 128;
+  s.micro_batch_size = 2;
+  s.stage_starts = {0, 2};
+  s.strategy.pp = 2;
+  s.strategy.dp = 2;
+  s.strategy.ep = 2;
+  s.strategy.zero = 1;
+  s.strategy.microbatches = 4;
+  s.cluster = "dgx-h200";
+  const Scenario back = Scenario::from_json(s.to_json(), "test");
+  EXPECT_EQ(back.to_json(), s.to_json());
+  EXPECT_EQ(back.stage_starts, (std::vector<int>{0, 2}));
+}
+
+TEST(Scenario, ExplicitPipelineRangesReplaceBalancing) {
+  Scenario s;
+  s.model = "qwen3-9m";
+  s.stage_starts = {0, 3};  // blocks 0-2 on PP0, block 3 (+ head) on PP1
+  s.strategy.pp = 2;
+  s.strategy.microbatches = 2;
+  const auto c = compile_scenario(s);
+  for (const auto& layer : c.model.layers())
+    if (layer.block >= 0) {
+      EXPECT_EQ(layer.tags.at("PP"), layer.block < 3 ? 0 : 1) << layer.name;
+    }
+  EXPECT_EQ(c.result.program.num_devices, 2);
+}
+
+TEST(Scenario, ErrorsNameTheFieldOrFlag) {
+  auto message = [](auto fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  EXPECT_EQ(message([] { Scenario::from_json(json{{"model", "qwen3-9m"}, {"stages", 0}}, "s.json"); }),
+            "s.json: field 'stages': must be an integer >= 1");
+  EXPECT_EQ(message([] { Scenario::from_json(json{{"modle", "x"}}, "s.json"); }), "s.json: field 'modle': unknown field");
+  Scenario s;
+  s.model = "llama3-8b";
+  s.strategy.ep = 2;
+  EXPECT_NE(message([&] { compile_scenario(s); }).find("--ep 2"), std::string::npos);
+  s.strategy.ep = 1;
+  s.stage_starts = {0, 40};
+  EXPECT_NE(message([&] { compile_scenario(s); }).find("past the last block"), std::string::npos);
+}
