@@ -83,7 +83,6 @@ Command add_directives_command(CLI::App& app);
 Command add_verify_command(CLI::App& app);
 Command add_models_command(CLI::App& app);
 Command add_simulate_command(CLI::App& app);
-Command add_sweep_command(CLI::App& app);
 Command add_run_command(CLI::App& app);
 Command add_schedule_command(CLI::App& app);
 

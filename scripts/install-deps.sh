@@ -14,6 +14,7 @@ packages=(
   libeigen3-dev           # gpu_runtime host backend kernels, sim math
   libopenmpi-dev openmpi-bin  # gpu_runtime host backend: one MPI rank per device
   qt6-base-dev libgl-dev  # gui: piper-studio (Qt 6 Widgets)
+  qt6-svg-dev             # gui: export the timeline view as SVG (QSvgGenerator)
 )
 
 if [ "$(id -u)" -ne 0 ]; then

@@ -512,6 +512,7 @@ void finish_placement(PassContext& cx, bool any_place) {
     if (g[u].kind == NodeKind::Compute && g[v].kind == NodeKind::Compute && g[u].devices != g[v].devices)
       cross.push_back({u, v, g[e]});
   }
+  std::map<std::pair<DeviceSetId, DeviceSetId>, bool> exchange;  // (sender set, receiver set) -> same devices
   for (const auto& r : cross) {
     const auto& su = dag.device_sets.at(cx.node(r.u).devices);
     const auto& sv = dag.device_sets.at(cx.node(r.v).devices);
@@ -526,7 +527,9 @@ void finish_placement(PassContext& cx, bool any_place) {
     send.segment = cx.node(r.u).segment;
     send.devices = cx.node(r.u).devices;
     send.peer_devices = cx.node(r.v).devices;
-    send.stream = cx.p2p_stream[r.u];
+    // One stream per direction and peer set: a rendezvous SEND must never queue behind a RECV from
+    // another peer (or a send to another peer), which would hold the pipeline beyond its schedule.
+    send.stream = cx.p2p_stream[r.u] + ">" + set_str(sv);
     send.bytes = r.e.bytes;
     send.label = "SEND " + cx.node(r.u).label + " -> s" + std::to_string(cx.node(r.v).segment);
     DagNode recv = send;
@@ -536,7 +539,18 @@ void finish_placement(PassContext& cx, bool any_place) {
     recv.segment = cx.node(r.v).segment;
     recv.devices = cx.node(r.v).devices;
     recv.peer_devices = cx.node(r.u).devices;
-    recv.stream = cx.p2p_stream[r.v];
+    recv.stream = cx.p2p_stream[r.v] + "<" + set_str(su);
+    // An exchange: both sets hold the same devices (e.g. mirrored data-parallel copies), so every
+    // device sends and receives this tensor at once. Its receive gets a stream of its own, as NCCL
+    // groups such a send/recv pair; on one stream each device's send would wait for its own receive.
+    auto [known, fresh] = exchange.try_emplace({send.devices, recv.devices}, false);
+    if (fresh) {
+      std::vector<int> a = su, b = sv;
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+      known->second = a == b;
+    }
+    if (known->second) recv.stream += "-exchange";
     recv.label = "RECV " + cx.node(r.v).label + " <- s" + std::to_string(cx.node(r.u).segment);
     Vertex vs = cx.add(std::move(send));
     Vertex vr = cx.add(std::move(recv));
@@ -751,6 +765,12 @@ void apply_order(PassContext& cx, const OrderDirective& d, int index) {
   std::map<Vertex, std::size_t> group_of;
   DeviceSetId set = kNoDevices;
   std::string set_origin;
+  std::vector<int> set_members;
+  auto sorted_devices = [&](DeviceSetId id) {
+    std::vector<int> v = dag.device_sets.at(id);
+    std::sort(v.begin(), v.end());
+    return v;
+  };
   for (std::size_t gi = 0; gi < d.groups.size(); ++gi) {
     std::vector<Vertex> members;
     for (std::size_t fi = 0; fi < d.groups[gi].size(); ++fi) {
@@ -759,8 +779,10 @@ void apply_order(PassContext& cx, const OrderDirective& d, int index) {
       if (matched.empty()) fail(index, field, "matches no node (" + d.groups[gi][fi].to_string() + ")");
       for (auto v : matched) {
         const auto& n = cx.node(v);
-        if (set == kNoDevices) set = n.devices, set_origin = field;
-        if (n.devices != set)
+        if (set == kNoDevices) set = n.devices, set_origin = field, set_members = sorted_devices(n.devices);
+        // Sets holding the same devices in another order (mirrored data-parallel copies) share one
+        // order: each device still sees one total order of its own nodes.
+        if (n.devices != set && sorted_devices(n.devices) != set_members)
           fail(index, field,
                "'" + n.label + "' runs on " + set_str(dag.device_sets.at(n.devices)) + " but " + set_origin +
                    " selects nodes on " + set_str(dag.device_sets.at(set)) + ": an order cannot cross device sets");

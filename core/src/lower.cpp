@@ -179,7 +179,11 @@ Program lower(const GlobalDag& dag) {
       op.device_set = node.devices;
       op.peer_set = node.peer_devices;
       op.family = node.family;
-      if (node.kind == NodeKind::Compute) op.segment = node.segment;
+      // COMPUTE: the layers it runs; SEND/RECV: its own side's segment (the producer on the sender,
+      // the consumer on the receiver); ALL_TO_ALL: the sharded segment. The runtime keys data on it.
+      if (node.kind == NodeKind::Compute || node.kind == NodeKind::Send || node.kind == NodeKind::Recv ||
+          node.kind == NodeKind::AllToAll)
+        op.segment = node.segment;
       op.segments = node.buffer_segments;
       const int s = stream_of(node.kind == NodeKind::Compute || node.kind == NodeKind::Update ? "compute" : node.stream);
       // Wait on the latest predecessor of each other stream; earlier ones are implied by stream order.

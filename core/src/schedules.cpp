@@ -1,6 +1,10 @@
 // Pipeline schedule families as directive generators (split + order); the only file that knows
-// schedule names, so that the compiler, simulator and runtime never branch on them.
+// schedule names, so that the compiler, simulator and runtime never branch on them. Each family
+// states its rule once, as a per-rank step order (a ScheduleTable, PyTorch's compute-only
+// `pipeline_order`); directives, `schedule show` and the PyTorch CSV are all derived from it.
 #include <algorithm>
+#include <deque>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -14,6 +18,10 @@ namespace {
 
 using nlohmann::json;
 
+[[noreturn]] void fail(const std::string& family, const std::string& why) {
+  throw std::invalid_argument(family + ": " + why);
+}
+
 int regions_pp_times_virtual(const StrategyOptions& o) { return o.pp * o.virtual_stages; }
 
 // Contiguous blocks: region i -> rank i * pp / regions (identity when regions == pp).
@@ -24,24 +32,52 @@ std::vector<int> contiguous_placement(const StrategyOptions& o, int regions) {
   return rank_of_region;
 }
 
+// Round robin (Megatron's virtual stages): region i -> rank i mod pp.
+int looped_rank(int region, int ranks) { return region % ranks; }
+std::vector<int> looped_placement(const StrategyOptions& o, int regions) {
+  std::vector<int> r(static_cast<size_t>(regions));
+  for (int i = 0; i < regions; ++i) r[static_cast<size_t>(i)] = looped_rank(i, o.pp);
+  return r;
+}
+
+// V shape: rank r holds regions r and 2p-1-r, so the first and last stage share rank 0.
+int v_rank(int region, int ranks) { return region < ranks ? region : 2 * ranks - 1 - region; }
+std::vector<int> v_placement(const StrategyOptions& o, int regions) {
+  std::vector<int> r(static_cast<size_t>(regions));
+  for (int i = 0; i < regions; ++i) r[static_cast<size_t>(i)] = v_rank(i, o.pp);
+  return r;
+}
+
 // Checks what every family needs of the context; `family` prefixes the one-line message.
 void check_context(const std::string& family, const ScheduleContext& ctx) {
-  auto fail = [&](const std::string& why) { throw std::invalid_argument(family + ": " + why); };
-  if (ctx.microbatches < 1) fail("--microbatches must be >= 1 (got " + std::to_string(ctx.microbatches) + ")");
-  if (ctx.ranks < 1) fail("--pp must be >= 1 (got " + std::to_string(ctx.ranks) + ")");
+  if (ctx.microbatches < 1) fail(family, "--microbatches must be >= 1 (got " + std::to_string(ctx.microbatches) + ")");
+  if (ctx.ranks < 1) fail(family, "--pp must be >= 1 (got " + std::to_string(ctx.ranks) + ")");
   if (static_cast<int>(ctx.rank_of_region.size()) != ctx.regions)
-    fail("placement covers " + std::to_string(ctx.rank_of_region.size()) + " regions, model has " +
-         std::to_string(ctx.regions));
+    fail(family, "placement covers " + std::to_string(ctx.rank_of_region.size()) + " regions, model has " +
+                     std::to_string(ctx.regions));
   std::vector<bool> used(static_cast<size_t>(ctx.ranks), false);
   for (int i = 0; i < ctx.regions; ++i) {
     int r = ctx.rank_of_region[static_cast<size_t>(i)];
     if (r < 0 || r >= ctx.ranks)
-      fail("region PP " + std::to_string(i) + " is placed on rank " + std::to_string(r) + ", outside 0.." +
-           std::to_string(ctx.ranks - 1));
+      fail(family, "region PP " + std::to_string(i) + " is placed on rank " + std::to_string(r) + ", outside 0.." +
+                       std::to_string(ctx.ranks - 1));
     used[static_cast<size_t>(r)] = true;
   }
   for (int r = 0; r < ctx.ranks; ++r)
-    if (!used[static_cast<size_t>(r)]) fail("pipeline rank " + std::to_string(r) + " holds no PP region");
+    if (!used[static_cast<size_t>(r)]) fail(family, "pipeline rank " + std::to_string(r) + " holds no PP region");
+}
+
+// Families whose rule assumes a placement check it (a placement-only program may place otherwise).
+template <class RankOf>
+void expect_placement(const std::string& family, const ScheduleContext& ctx, int regions, const std::string& shape,
+                      RankOf rank_of) {
+  if (ctx.regions != regions)
+    fail(family, "needs " + std::to_string(regions) + " PP regions for --pp " + std::to_string(ctx.ranks) + " (" +
+                     shape + "), the model has " + std::to_string(ctx.regions));
+  for (int i = 0; i < regions; ++i)
+    if (ctx.rank_of_region[static_cast<size_t>(i)] != rank_of(i, ctx.ranks))
+      fail(family, "needs region PP " + std::to_string(i) + " on rank " + std::to_string(rank_of(i, ctx.ranks)) + " (" +
+                       shape + "), it is on rank " + std::to_string(ctx.rank_of_region[static_cast<size_t>(i)]));
 }
 
 json step(int region, int mb, const char* pass) {
@@ -53,8 +89,8 @@ json split_directive(int microbatches) {
 }
 
 // Builds split + one order per PP region from a per-region step sequence. Each region is ordered as
-// a stage of a pipeline with `regions` stages; a rank that holds several regions (a V placement, or
-// virtual stages appended to a placement-only program) interleaves them as data dependencies allow.
+// a stage of a pipeline with `regions` stages; a rank that holds several regions (virtual stages
+// appended to a placement-only program) interleaves them as data dependencies allow.
 // Ordering each region on its own keeps any placement deadlock-free: the orders together are those
 // of a plain `regions`-stage pipeline, which is acyclic.
 template <class PerStage>
@@ -65,47 +101,410 @@ json split_and_orders(const ScheduleContext& ctx, PerStage per_stage) {
   return out;
 }
 
-// GPipe: every stage runs all forwards (mb 0..M-1), then all backwards (mb 0..M-1).
-json gpipe_directives(const ScheduleContext& ctx) {
-  check_context("gpipe", ctx);
-  const int m_count = ctx.microbatches;
-  return split_and_orders(ctx, [&](int k) {
-    json groups = json::array();
-    for (int mb = 0; mb < m_count; ++mb) groups.push_back(step(k, mb, "F"));
-    for (int mb = 0; mb < m_count; ++mb) groups.push_back(step(k, mb, "B"));
-    return groups;
-  });
+// Per-stage sequences of the single-stage families, as actions.
+std::vector<ScheduleAction> gpipe_stage(int k, int m_count) {
+  std::vector<ScheduleAction> out;
+  for (int mb = 0; mb < m_count; ++mb) out.push_back({k, ActionKind::F, mb});
+  for (int mb = 0; mb < m_count; ++mb) out.push_back({k, ActionKind::B, mb});
+  return out;
 }
 
 // 1F1B (PipeDream-flush, as in Megatron-LM): stage k of n runs warmup = min(n-1-k, M) forwards, then
 // M-warmup steady pairs F(warmup+i), B(i), then the remaining backwards. Stage k's warmup fills the
 // pipeline exactly when its first backward can arrive, which bounds in-flight activations to n-k.
-json one_f_one_b_directives(const ScheduleContext& ctx) {
-  check_context("1f1b", ctx);
-  const int m_count = ctx.microbatches;
-  const int n = ctx.regions;
+std::vector<ScheduleAction> one_f_one_b_stage(int k, int n, int m_count) {
+  std::vector<ScheduleAction> out;
+  const int warmup = std::min(n - 1 - k, m_count);
+  for (int mb = 0; mb < warmup; ++mb) out.push_back({k, ActionKind::F, mb});
+  for (int i = 0; i < m_count - warmup; ++i) {
+    out.push_back({k, ActionKind::F, warmup + i});
+    out.push_back({k, ActionKind::B, i});
+  }
+  for (int mb = m_count - warmup; mb < m_count; ++mb) out.push_back({k, ActionKind::B, mb});
+  return out;
+}
+
+const char* pass_name(ActionKind k) {
+  switch (k) {
+    case ActionKind::F: return "F";
+    case ActionKind::B: return "B";
+    case ActionKind::I: return "BI";
+    case ActionKind::W: return "BW";
+  }
+  return "F";
+}
+
+json gpipe_directives(const ScheduleContext& ctx) {
+  check_context("gpipe", ctx);
   return split_and_orders(ctx, [&](int k) {
     json groups = json::array();
-    const int warmup = std::min(n - 1 - k, m_count);
-    for (int mb = 0; mb < warmup; ++mb) groups.push_back(step(k, mb, "F"));
-    for (int i = 0; i < m_count - warmup; ++i) {
-      groups.push_back(step(k, warmup + i, "F"));
-      groups.push_back(step(k, i, "B"));
-    }
-    for (int mb = m_count - warmup; mb < m_count; ++mb) groups.push_back(step(k, mb, "B"));
+    for (const auto& a : gpipe_stage(k, ctx.microbatches)) groups.push_back(step(a.stage, a.microbatch, pass_name(a.kind)));
     return groups;
   });
 }
 
+json one_f_one_b_directives(const ScheduleContext& ctx) {
+  check_context("1f1b", ctx);
+  return split_and_orders(ctx, [&](int k) {
+    json groups = json::array();
+    for (const auto& a : one_f_one_b_stage(k, ctx.regions, ctx.microbatches))
+      groups.push_back(step(a.stage, a.microbatch, pass_name(a.kind)));
+    return groups;
+  });
+}
+
+// Single-stage families have a per-rank order only when each rank holds exactly one region.
+template <class PerStage>
+ScheduleTable one_region_per_rank_table(const std::string& family, const ScheduleContext& ctx, PerStage per_stage) {
+  check_context(family, ctx);
+  ScheduleTable t{ctx.regions, ctx.microbatches, std::vector<std::vector<ScheduleStep>>(static_cast<size_t>(ctx.ranks))};
+  std::vector<int> region_of_rank(static_cast<size_t>(ctx.ranks), -1);
+  for (int k = 0; k < ctx.regions; ++k) {
+    int& slot = region_of_rank[static_cast<size_t>(ctx.rank_of_region[static_cast<size_t>(k)])];
+    if (slot >= 0)
+      fail(family, "rank " + std::to_string(ctx.rank_of_region[static_cast<size_t>(k)]) +
+                       " holds several regions; its steps are ordered per region, so there is no single per-rank order");
+    slot = k;
+  }
+  for (int r = 0; r < ctx.ranks; ++r)
+    for (const auto& a : per_stage(region_of_rank[static_cast<size_t>(r)])) t.ranks[static_cast<size_t>(r)].push_back({a});
+  return t;
+}
+
+// Appends actions to one rank's order, numbering microbatches per (stage, kind) as they are issued.
+class RankWriter {
+ public:
+  explicit RankWriter(std::vector<ScheduleStep>& out) : out_(out) {}
+  ScheduleAction next(int stage, ActionKind kind) {
+    // A full B consumes one input-gradient and one weight-gradient slot of its stage, as in PyTorch.
+    const ActionKind counter = kind == ActionKind::B ? ActionKind::I : kind;
+    int& n = count_[{stage, counter}];
+    ScheduleAction a{stage, kind, n++};
+    if (kind == ActionKind::B) ++count_[{stage, ActionKind::W}];
+    if (kind == ActionKind::I) weights_.push_back({stage, ActionKind::W, a.microbatch});
+    return a;
+  }
+  void add(int stage, ActionKind kind) { out_.push_back({next(stage, kind)}); }
+  void overlap(int forward_stage, int backward_stage) {
+    ScheduleAction f = next(forward_stage, ActionKind::F);
+    ScheduleAction b = next(backward_stage, ActionKind::B);
+    out_.push_back({f, b});
+  }
+  // The oldest deferred weight gradient, if any (DualPipe's WeightGradStore).
+  void weight() {
+    if (weights_.empty()) return;
+    out_.push_back({weights_.front()});
+    ++count_[{weights_.front().stage, ActionKind::W}];
+    weights_.pop_front();
+  }
+  int issued(int stage, ActionKind kind) const {
+    auto it = count_.find({stage, kind});
+    return it == count_.end() ? 0 : it->second;
+  }
+
+ private:
+  std::vector<ScheduleStep>& out_;
+  std::map<std::pair<int, ActionKind>, int> count_;
+  std::deque<ScheduleAction> weights_;
+};
+
+// The depth-first interleaved rule shared by Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM)
+// and ZB-H1 / ZB1P (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): rank r holds stages
+// r, r+p, ..., r+(v-1)p. Forwards walk the local stages in rounds of `per_round` microbatches;
+// after `warmup` forwards every forward is paired with a backward walking the stages in reverse.
+// With zero_bubble the backward is split: I on the critical path, W deferred by r steps so that
+// rank r fills its cooldown bubble with weight gradients.
+ScheduleTable depth_first_table(const ScheduleContext& ctx, bool zero_bubble) {
+  const int p = ctx.ranks, v = ctx.regions / ctx.ranks, m = ctx.microbatches;
+  const int rounds = std::max(1, m / p), per_round = m / rounds;
+  ScheduleTable t{ctx.regions, m, std::vector<std::vector<ScheduleStep>>(static_cast<size_t>(p))};
+  for (int r = 0; r < p; ++r) {
+    const int total = m * v;
+    const int warmup = std::min((v - 1) * per_round + (zero_bubble ? 1 : 2) * (p - 1 - r), total);
+    auto fstage = [&](int k) { return ((k / per_round) % v) * p + r; };
+    auto bstage = [&](int k) { return (v - 1 - ((k - warmup) / per_round) % v) * p + r; };
+    RankWriter w(t.ranks[static_cast<size_t>(r)]);
+    std::vector<int> backward_stages;
+    int weights_done = 0;
+    auto backward = [&](int op) {
+      const int s = bstage(op);
+      w.add(s, zero_bubble ? ActionKind::I : ActionKind::B);
+      backward_stages.push_back(s);
+      if (zero_bubble && op - warmup >= r) w.add(backward_stages[static_cast<size_t>(weights_done++)], ActionKind::W);
+    };
+    for (int op = 0; op < total + warmup; ++op) {
+      if (op < total) w.add(fstage(op), ActionKind::F);
+      if (op >= warmup) backward(op);
+    }
+    while (zero_bubble && weights_done < static_cast<int>(backward_stages.size()))
+      w.add(backward_stages[static_cast<size_t>(weights_done++)], ActionKind::W);
+  }
+  return t;
+}
+
+void check_virtual_rounds(const std::string& family, const ScheduleContext& ctx) {
+  const int v = ctx.regions / ctx.ranks;
+  if (v > 1 && ctx.microbatches % ctx.ranks != 0)
+    fail(family, "--microbatches " + std::to_string(ctx.microbatches) + " must be a multiple of --pp " +
+                     std::to_string(ctx.ranks) + " with --virtual " + std::to_string(v) +
+                     " (microbatches go through the virtual stages in groups of pp)");
+}
+
+ScheduleTable interleaved_table(const ScheduleContext& ctx) {
+  const std::string family = "interleaved-1f1b";
+  check_context(family, ctx);
+  if (ctx.regions % ctx.ranks != 0) fail(family, "PP regions must be a multiple of --pp");
+  expect_placement(family, ctx, ctx.regions, "region k on rank k mod pp", looped_rank);
+  check_virtual_rounds(family, ctx);
+  return depth_first_table(ctx, false);
+}
+
+ScheduleTable zb_h1_table(const ScheduleContext& ctx) {
+  const std::string family = "zb-h1";
+  check_context(family, ctx);
+  if (ctx.regions % ctx.ranks != 0) fail(family, "PP regions must be a multiple of --pp");
+  expect_placement(family, ctx, ctx.regions, "region k on rank k mod pp", looped_rank);
+  check_virtual_rounds(family, ctx);
+  return depth_first_table(ctx, true);
+}
+
+// Looped BFS (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism"): each rank runs all
+// microbatches through its first local stage, then its next one, ...; backwards in reverse.
+ScheduleTable looped_bfs_table(const ScheduleContext& ctx) {
+  const std::string family = "looped-bfs";
+  check_context(family, ctx);
+  if (ctx.regions % ctx.ranks != 0) fail(family, "PP regions must be a multiple of --pp");
+  expect_placement(family, ctx, ctx.regions, "region k on rank k mod pp", looped_rank);
+  const int p = ctx.ranks, v = ctx.regions / p, m = ctx.microbatches;
+  ScheduleTable t{ctx.regions, m, std::vector<std::vector<ScheduleStep>>(static_cast<size_t>(p))};
+  for (int r = 0; r < p; ++r) {
+    auto& out = t.ranks[static_cast<size_t>(r)];
+    for (int l = 0; l < v; ++l)
+      for (int mb = 0; mb < m; ++mb) out.push_back({{l * p + r, ActionKind::F, mb}});
+    for (int l = v - 1; l >= 0; --l)
+      for (int mb = m - 1; mb >= 0; --mb) out.push_back({{l * p + r, ActionKind::B, mb}});
+  }
+  return t;
+}
+
+// ZB-H2 (Qi et al. 2023): rank r runs 2(p-1-r)+1 warmup forwards, exactly those that fit before its
+// first input gradient can arrive, then I, W, F in the steady state and I, W in the cooldown. Twice
+// 1F1B's activation memory buys a pipeline that stays busy from its first forward on.
+ScheduleTable zb_h2_table(const ScheduleContext& ctx) {
+  const std::string family = "zb-h2";
+  check_context(family, ctx);
+  expect_placement(family, ctx, ctx.ranks, "one region per rank", [](int i, int) { return i; });
+  const int p = ctx.ranks, m = ctx.microbatches;
+  ScheduleTable t{ctx.regions, m, std::vector<std::vector<ScheduleStep>>(static_cast<size_t>(p))};
+  for (int r = 0; r < p; ++r) {
+    RankWriter w(t.ranks[static_cast<size_t>(r)]);
+    const int warmup = std::min(2 * (p - 1 - r) + 1, m);
+    for (int i = 0; i < warmup; ++i) w.add(r, ActionKind::F);
+    for (int i = 0; i < m; ++i) {
+      w.add(r, ActionKind::I);
+      w.add(r, ActionKind::W);
+      if (w.issued(r, ActionKind::F) < m) w.add(r, ActionKind::F);
+    }
+  }
+  return t;
+}
+
+// ZB-V (Qi et al. 2023, section 6; as in PyTorch's ScheduleZBVZeroBubble): V placement, rank r
+// holds chunk 0 = stage r and chunk 1 = stage 2p-1-r. Warmup 2(p-r)-1 chunk-0 forwards, r pairs
+// F1 F0, p-r triples F1 I1 W1; steady F0 I0 W0 F1 I1 W1; cooldown I0 I1 pairs, I0 W0 pairs, then the
+// remaining W1 and W0. It is computed for max(M, 2p-1) microbatches and the extra ones dropped.
+ScheduleTable zb_v_table(const ScheduleContext& ctx) {
+  const std::string family = "zb-v";
+  check_context(family, ctx);
+  expect_placement(family, ctx, 2 * ctx.ranks, "V: rank r holds regions r and 2pp-1-r", v_rank);
+  const int p = ctx.ranks, m = ctx.microbatches, n = std::max(2 * p - 1, m);
+  ScheduleTable t{ctx.regions, m, std::vector<std::vector<ScheduleStep>>(static_cast<size_t>(p))};
+  for (int r = 0; r < p; ++r) {
+    std::vector<ScheduleStep> all;
+    const int s0 = r, s1 = 2 * p - 1 - r;
+    int f0 = 0, f1 = 0, b0 = 0, b1 = 0;
+    auto add = [&](int s, ActionKind k, int mb) { all.push_back({{s, k, mb}}); };
+    for (int i = 0; i < 2 * (p - r) - 1; ++i) add(s0, ActionKind::F, f0++);
+    for (int i = 0; i < r; ++i) add(s1, ActionKind::F, f1++), add(s0, ActionKind::F, f0++);
+    for (int i = 0; i < p - r; ++i) add(s1, ActionKind::F, f1++), add(s1, ActionKind::I, b1), add(s1, ActionKind::W, b1++);
+    while (f1 < f0 || f0 < n) {
+      if (f0 < n) add(s0, ActionKind::F, f0++);
+      add(s0, ActionKind::I, b0), add(s0, ActionKind::W, b0++);
+      add(s1, ActionKind::F, f1++), add(s1, ActionKind::I, b1), add(s1, ActionKind::W, b1++);
+    }
+    int w0 = b0, w1 = b1;
+    for (int i = 0; i < r; ++i) add(s0, ActionKind::I, b0++), add(s1, ActionKind::I, b1++);
+    for (int i = 0; i < p - r; ++i) add(s0, ActionKind::I, b0++), add(s0, ActionKind::W, w0++);
+    while (w1 < b1) add(s1, ActionKind::W, w1++);
+    while (w0 < b0) add(s0, ActionKind::W, w0++);
+    for (auto& st : all)
+      if (st.front().microbatch < m) t.ranks[static_cast<size_t>(r)].push_back(st);
+  }
+  return t;
+}
+
+// The eight phases of DualPipe (DeepSeek-V3 report, section 3.2; github.com/deepseek-ai/DualPipe) for
+// one rank at depth `h` of a pipeline of `half` depths, with chunk 0 the stage at depth h and chunk 1
+// the stage at depth 2*half-1-h, over `chunks` microbatches per direction. DualPipeV is the same
+// rule on a V (one model, depth = rank); DualPipe runs it on both copies of a mirrored pair.
+// `mirrored_middle` selects DualPipe's variant of phase 7 (always zero-bubble I).
+void dualpipe_phases(RankWriter& w, int h, int half, int chunks, int c0, int c1, bool dualpipe) {
+  // 1: F0 until the chunk-1 input can arrive.
+  for (int i = 0; i < (half - h - 1) * 2; ++i) w.add(c0, ActionKind::F);
+  // 2: F0 F1.
+  for (int i = 0; i < h + 1; ++i) w.add(c0, ActionKind::F), w.add(c1, ActionKind::F);
+  // 3: I1 W1 F1 (zero bubble).
+  for (int i = 0; i < half - h - 1; ++i) w.add(c1, ActionKind::I), w.weight(), w.add(c1, ActionKind::F);
+  // 4: the main phase, overlapped F0&B1 and F1&B0; the middle rank does not overlap its first pair.
+  for (int i = 0; i < chunks - 2 * half + h + 1; ++i) {
+    if (i == 0 && h == half - 1) w.add(c0, ActionKind::F), w.add(c1, ActionKind::B);
+    else w.overlap(c0, c1);
+    w.overlap(c1, c0);
+  }
+  // 5: B1, F1&B0.
+  for (int i = 0; i < half - h - 1; ++i) w.add(c1, ActionKind::B), w.overlap(c1, c0);
+  // 6: B1 B0; the second half of them zero-bubble (I now, W later).
+  bool zb = false;
+  for (int i = 0; i < h + 1; ++i) {
+    if (i == (h + 1) / 2 && h % 2 == 1) zb = true;
+    w.add(c1, zb ? ActionKind::I : ActionKind::B);
+    if (i == (h + 1) / 2 && h % 2 == 0) zb = true;
+    w.add(c0, zb ? ActionKind::I : ActionKind::B);
+  }
+  // 7: W, B0.
+  for (int i = 0; i < half - h - 1; ++i) w.weight(), w.add(c0, (zb || dualpipe) ? ActionKind::I : ActionKind::B);
+  // 8: the remaining W.
+  for (int i = 0; i < h + 1; ++i) w.weight();
+}
+
+ScheduleTable dualpipev_table(const ScheduleContext& ctx) {
+  const std::string family = "dualpipev";
+  check_context(family, ctx);
+  expect_placement(family, ctx, 2 * ctx.ranks, "V: rank r holds regions r and 2pp-1-r", v_rank);
+  const int p = ctx.ranks, m = ctx.microbatches;
+  if (m < 2 * p)
+    fail(family, "--microbatches " + std::to_string(m) + " must be >= 2 x --pp = " + std::to_string(2 * p));
+  ScheduleTable t{ctx.regions, m, std::vector<std::vector<ScheduleStep>>(static_cast<size_t>(p))};
+  for (int r = 0; r < p; ++r) {
+    RankWriter w(t.ranks[static_cast<size_t>(r)]);
+    dualpipe_phases(w, r, p, m, r, 2 * p - 1 - r, false);
+  }
+  return t;
+}
+
+// DualPipe: two copies of a p-stage model; copy 0 runs stage k on rank k, copy 1 on rank p-1-k, and
+// each takes half the microbatches. Rank r and rank p-1-r run the same steps (on mirrored copies), so
+// the DAG holds one node per (stage, microbatch) on the pair of devices and orders it once.
+ScheduleTable dualpipe_table(const ScheduleContext& ctx) {
+  const std::string family = "dualpipe";
+  check_context(family, ctx);
+  expect_placement(family, ctx, ctx.ranks, "one region per rank, mirrored", [](int i, int) { return i; });
+  const int p = ctx.ranks, m = ctx.microbatches;
+  if (p % 2 != 0) fail(family, "--pp " + std::to_string(p) + " must be even (the two directions meet in the middle)");
+  if (m % 2 != 0 || m < 2 * p)
+    fail(family, "--microbatches " + std::to_string(m) + " must be even and >= 2 x --pp = " + std::to_string(2 * p));
+  ScheduleTable t{ctx.regions, m / 2, std::vector<std::vector<ScheduleStep>>(static_cast<size_t>(p))};
+  for (int r = 0; r < p; ++r) {
+    const int h = std::min(r, p - 1 - r);
+    RankWriter w(t.ranks[static_cast<size_t>(r)]);
+    dualpipe_phases(w, h, p / 2, m / 2, h, p - 1 - h, true);
+  }
+  return t;
+}
+
+template <ScheduleTable (*Table)(const ScheduleContext&)>
+json table_directives(const ScheduleContext& ctx) {
+  ScheduleTable t = Table(ctx);
+  return directives_from_table(t, ctx.rank_of_region, t.microbatches, ctx.mirrored);
+}
+
+int virtual_must_be(const std::string& family, const StrategyOptions& o, int allowed) {
+  if (o.virtual_stages != 1 && o.virtual_stages != allowed)
+    fail(family, "--virtual " + std::to_string(o.virtual_stages) + " is not supported (its shape fixes " +
+                     std::to_string(allowed) + " region(s) per rank)");
+  return allowed;
+}
+
 }  // namespace
 
+char to_char(ActionKind k) {
+  switch (k) {
+    case ActionKind::F: return 'F';
+    case ActionKind::B: return 'B';
+    case ActionKind::I: return 'I';
+    case ActionKind::W: return 'W';
+  }
+  return '?';
+}
+
+json directives_from_table(const ScheduleTable& table, const std::vector<int>& rank_of_region, int split_count,
+                           bool mirrored) {
+  json out = json::array();
+  out.push_back(split_directive(split_count));
+  const int ranks = static_cast<int>(table.ranks.size());
+  for (int r = 0; r < ranks; ++r) {
+    const auto& steps = table.ranks[static_cast<size_t>(r)];
+    if (steps.empty()) continue;
+    // Mirrored ranks repeat an earlier rank's steps on the same nodes: one order serves both.
+    bool repeat = false;
+    for (int q = 0; q < r && !repeat; ++q) repeat = table.ranks[static_cast<size_t>(q)] == steps;
+    if (repeat) continue;
+    json groups = json::array();
+    for (const auto& st : steps) {
+      json group = json::array();
+      for (const auto& a : st) {
+        if (a.stage < 0 || a.stage >= static_cast<int>(rank_of_region.size()))
+          throw std::invalid_argument("rank " + std::to_string(r) + " names stage " + std::to_string(a.stage) +
+                                      ", outside the " + std::to_string(rank_of_region.size()) + " PP regions");
+        const int home = rank_of_region[static_cast<size_t>(a.stage)];
+        if (home != r && !(mirrored && ranks - 1 - home == r))
+          throw std::invalid_argument("rank " + std::to_string(r) + " names stage " + std::to_string(a.stage) +
+                                      ", which is placed on rank " + std::to_string(home));
+        group.push_back(json{{"PP", a.stage}, {"MB", a.microbatch}, {"PASS", pass_name(a.kind)}});
+      }
+      groups.push_back(std::move(group));
+    }
+    out.push_back(json{{"op", "order"}, {"filters", std::move(groups)}});
+  }
+  return out;
+}
+
 const std::vector<ScheduleFamily>& schedule_registry() {
-  static const std::vector<ScheduleFamily> registry = {
-      {"gpipe", "any --pp, --microbatches >= 1; all forwards then all backwards (activations of M microbatches)",
-       regions_pp_times_virtual, contiguous_placement, gpipe_directives},
-      {"1f1b", "any --pp, --microbatches >= 1 (>= pp to fill the pipeline); at most p-r microbatches in flight",
-       regions_pp_times_virtual, contiguous_placement, one_f_one_b_directives},
-  };
+  static const std::vector<ScheduleFamily> registry = [] {
+    std::vector<ScheduleFamily> r;
+    r.push_back({"gpipe", "any --pp, --microbatches >= 1; all forwards then all backwards (activations of M microbatches)",
+                 regions_pp_times_virtual, contiguous_placement, gpipe_directives,
+                 [](const ScheduleContext& ctx) {
+                   return one_region_per_rank_table("gpipe", ctx, [&](int k) { return gpipe_stage(k, ctx.microbatches); });
+                 }});
+    r.push_back({"1f1b", "any --pp, --microbatches >= 1 (>= pp to fill the pipeline); at most p-r microbatches in flight",
+                 regions_pp_times_virtual, contiguous_placement, one_f_one_b_directives,
+                 [](const ScheduleContext& ctx) {
+                   return one_region_per_rank_table(
+                       "1f1b", ctx, [&](int k) { return one_f_one_b_stage(k, ctx.regions, ctx.microbatches); });
+                 }});
+    r.push_back({"interleaved-1f1b",
+                 "--virtual V chunks per rank (region k on rank k mod pp); with V > 1, --microbatches a multiple of --pp",
+                 regions_pp_times_virtual, looped_placement, table_directives<interleaved_table>, interleaved_table});
+    r.push_back({"looped-bfs", "--virtual V chunks per rank (region k on rank k mod pp); all microbatches per chunk",
+                 regions_pp_times_virtual, looped_placement, table_directives<looped_bfs_table>, looped_bfs_table});
+    r.push_back({"zb-h1", "B split into BI/BW; any --microbatches (with --virtual V > 1 a multiple of --pp); 1F1B memory",
+                 regions_pp_times_virtual, looped_placement, table_directives<zb_h1_table>, zb_h1_table});
+    r.push_back({"zb-h2", "B split into BI/BW; one region per rank (no --virtual); about 2x 1F1B activation memory",
+                 [](const StrategyOptions& o) { return virtual_must_be("zb-h2", o, 1) * o.pp; }, contiguous_placement,
+                 table_directives<zb_h2_table>, zb_h2_table});
+    r.push_back({"zb-v", "V placement (2 regions per rank: r and 2pp-1-r); B split into BI/BW; any --microbatches",
+                 [](const StrategyOptions& o) { return virtual_must_be("zb-v", o, 2) * o.pp; }, v_placement,
+                 table_directives<zb_v_table>, zb_v_table});
+    r.push_back({"dualpipev", "V placement (2 regions per rank); --microbatches >= 2 x --pp; overlapped F&B pairs",
+                 [](const StrategyOptions& o) { return virtual_must_be("dualpipev", o, 2) * o.pp; }, v_placement,
+                 table_directives<dualpipev_table>, dualpipev_table});
+    r.push_back({"dualpipe",
+                 "even --pp; even --microbatches >= 2 x --pp; two mirrored model copies, half the microbatches each",
+                 [](const StrategyOptions& o) { return virtual_must_be("dualpipe", o, 1) * o.pp; }, contiguous_placement,
+                 table_directives<dualpipe_table>, dualpipe_table, true});
+    return r;
+  }();
   return registry;
 }
 

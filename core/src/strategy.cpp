@@ -63,11 +63,19 @@ const ScheduleFamily& schedule_family(const std::string& name) {
   fail("--schedule '" + name + "' is unknown; valid schedules: " + valid);
 }
 
-json placement_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region) {
+json placement_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region, bool mirrored) {
   validate_strategy_options(o);
   check_placement(o, rank_of_region);
   const int regions = static_cast<int>(rank_of_region.size());
-  auto devices_of_region = [&](int i) { return devices_of_rank(o, rank_of_region[static_cast<size_t>(i)]); };
+  auto devices_of_region = [&](int i) {
+    const int rank = rank_of_region[static_cast<size_t>(i)];
+    json devices = devices_of_rank(o, rank);
+    // The mirrored copy: a data-parallel replica of the region on the opposite pipeline rank.
+    if (mirrored)
+      for (const auto& d : devices_of_rank(o, o.pp - 1 - rank)) devices.push_back(d);
+    return devices;
+  };
+  const int replicas = o.dp * (mirrored ? 2 : 1);
   json out = json::array();
   // Directive order follows the published programs: all place, then all replicate, then all shard.
   for (int i = 0; i < regions; ++i) {
@@ -76,7 +84,7 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
     if (o.pp > 1) place["stream"] = o.pp_stream;
     out.push_back(place);
   }
-  if (o.dp > 1) {
+  if (replicas > 1) {
     for (int i = 0; i < regions; ++i) {
       json rep{{"op", "replicate"}, {"filter", {{"PP", i}}}, {"devices", devices_of_region(i)},
                {"reduce_stream", o.dp_stream}};
@@ -98,8 +106,8 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
     for (int i = 0; i < regions; ++i) {
       json shard{{"op", "shard"}, {"filter", {{"PP", i}, {"EP", "*"}}}, {"devices", devices_of_region(i)},
                  {"stream", o.ep_stream}};
-      // Experts sharded over consecutive groups of ep of the dp replicas (Piper extension).
-      if (o.ep < o.dp) shard["degree"] = o.ep;
+      // Experts sharded over consecutive groups of ep of the replicas (Piper extension).
+      if (o.ep < replicas) shard["degree"] = o.ep;
       out.push_back(shard);
     }
   }
@@ -115,6 +123,7 @@ json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_
   ctx.microbatches = o.microbatches;
   ctx.virtual_stages = o.virtual_stages;
   ctx.rank_of_region = rank_of_region;
+  ctx.mirrored = family.mirrored;
   return family.directives(ctx);
 }
 
@@ -123,9 +132,22 @@ json generate_program(const StrategyOptions& o) {
   const ScheduleFamily& family = schedule_family(o.schedule);
   const int regions = family.regions(o);
   const std::vector<int> rank_of_region = family.placement(o, regions);
-  json program = placement_directives(o, rank_of_region);
+  json program = placement_directives(o, rank_of_region, family.mirrored);
   for (auto& d : schedule_directives(o, rank_of_region)) program.push_back(d);
   return program;
+}
+
+ScheduleTable schedule_table(const StrategyOptions& o) {
+  validate_strategy_options(o);
+  const ScheduleFamily& family = schedule_family(o.schedule);
+  ScheduleContext ctx;
+  ctx.ranks = o.pp;
+  ctx.regions = family.regions(o);
+  ctx.microbatches = o.microbatches;
+  ctx.virtual_stages = o.virtual_stages;
+  ctx.rank_of_region = family.placement(o, ctx.regions);
+  ctx.mirrored = family.mirrored;
+  return family.table(ctx);
 }
 
 std::vector<int> rank_of_region_from_program(const json& program, int* pipeline_ranks) {

@@ -122,7 +122,7 @@ TEST(Fixtures, Pp2Dp2Ep2CommunicationMatchesHandCount) {
       if (op.kind == OpKind::Send) {
         EXPECT_EQ(r.program.peer_of(op, 0), 1);
         EXPECT_EQ(r.program.peer_of(op, 2), 3);
-        EXPECT_EQ(s.name, "pp_stream");
+        EXPECT_EQ(s.name, "pp_stream>[1,3]");  // the place stream, per direction and peer set
       }
 }
 

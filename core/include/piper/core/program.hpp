@@ -54,7 +54,8 @@ struct Op {
   int family = -1;                // collectives: Program::families index; group = the one holding me
   std::vector<OpRef> waits;       // ops of other streams of this device that must finish first
   std::vector<int> uses;          // transient buffers read or written (persistent state is per segment)
-  int segment = -1;               // Program::segments index: which model layers a COMPUTE op runs
+  int segment = -1;               // Program::segments index: which model layers a COMPUTE op runs; SEND: the
+                                  // producer's segment, RECV: the consumer's, ALL_TO_ALL: the sharded one
   std::vector<int> segments;      // UPD and gradient/parameter collectives: the segments whose state they touch
 };
 

@@ -35,6 +35,27 @@ struct ScheduleContext {
   int microbatches = 1;
   int virtual_stages = 1;
   std::vector<int> rank_of_region;         // region -> pipeline rank
+  bool mirrored = false;                   // each region also lives on rank ranks-1-r (see ScheduleFamily)
+};
+
+// One compute action of a schedule, named as PyTorch's torch.distributed.pipelining names them:
+// stage (PP region), kind, microbatch. I is the input-gradient half of B (BI), W the weight half (BW).
+enum class ActionKind { F, B, I, W };
+char to_char(ActionKind k);
+struct ScheduleAction {
+  int stage = 0;
+  ActionKind kind = ActionKind::F;
+  int microbatch = 0;
+  friend bool operator==(const ScheduleAction&, const ScheduleAction&) = default;
+};
+// One slot of a rank's order: one action, or two overlapped ones (an F&B pair, as in DualPipe).
+using ScheduleStep = std::vector<ScheduleAction>;
+// A schedule in its published form: per pipeline rank, the total order of its compute steps
+// (PyTorch's compute-only `pipeline_order`). Directives and the PyTorch CSV are both derived from it.
+struct ScheduleTable {
+  int stages = 0;         // PP regions
+  int microbatches = 0;   // microbatch copies in the DAG (a mirrored family runs each on both copies)
+  std::vector<std::vector<ScheduleStep>> ranks;
 };
 
 struct ScheduleFamily {
@@ -45,6 +66,13 @@ struct ScheduleFamily {
   // Emits the split + order directives (JSON, published format). Throws std::invalid_argument on
   // unmet constraints with a one-line reason.
   std::function<nlohmann::json(const ScheduleContext&)> directives;
+  // The per-rank step order (for `schedule show`, CSV export). Throws std::invalid_argument when the
+  // placement has no single per-rank order (e.g. 1F1B with several regions per rank).
+  std::function<ScheduleTable(const ScheduleContext&)> table;
+  // Mirrored (DualPipe): the model exists twice; region r lives on rank placement(r) for the first
+  // copy and on rank pp-1-placement(r) for the second, as a data-parallel pair whose gradients are
+  // reduced together. The split count is microbatches/2: each DAG microbatch runs once on each copy.
+  bool mirrored = false;
 };
 
 const std::vector<ScheduleFamily>& schedule_registry();
@@ -52,7 +80,10 @@ const ScheduleFamily& schedule_family(const std::string& name);   // throws std:
 
 // Devices: pipeline rank r, data-parallel rank d -> device r + d * pp (pipeline ranks adjacent).
 // Placement, replicate and shard directives for `regions` PP regions.
-nlohmann::json placement_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region);
+// With `mirrored`, region i is placed on the devices of rank_of_region[i] followed by those of rank
+// pp-1-rank_of_region[i] (a data-parallel pair; see ScheduleFamily::mirrored).
+nlohmann::json placement_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region,
+                                    bool mirrored = false);
 // The full program: placement + replication + sharding + the schedule's split/order.
 nlohmann::json generate_program(const StrategyOptions& o);
 // Split/order of a schedule for a placement-only program with `regions` regions placed as given.
@@ -63,5 +94,13 @@ nlohmann::json schedule_directives(const StrategyOptions& o, const std::vector<i
 // Throws std::invalid_argument if the program already has split/order directives, has no such place
 // directives, or its PP regions are not 0..n-1 each placed once.
 std::vector<int> rank_of_region_from_program(const nlohmann::json& program, int* pipeline_ranks);
+
+// The per-rank step order of a schedule for the knobs (its own regions and placement).
+ScheduleTable schedule_table(const StrategyOptions& o);
+// Split + one order per pipeline rank (overlapped steps become two-filter groups; I/W become
+// PASS BI/BW). `split_count` microbatches; rank r's steps must name only regions placed on rank r
+// (or, `mirrored`, on rank ranks-1-r). A rank repeating an earlier rank's steps gets no order of its own.
+nlohmann::json directives_from_table(const ScheduleTable& table, const std::vector<int>& rank_of_region,
+                                     int split_count, bool mirrored = false);
 
 }  // namespace piper::core

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <iosfwd>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,5 +43,11 @@ struct Timeline {
     return program->plan_for(device).streams.at(static_cast<std::size_t>(s.stream)).ops.at(static_cast<std::size_t>(s.index));
   }
 };
+
+// Chrome trace event format (opens in Perfetto / chrome://tracing): one process per device, one thread
+// per stream, ops as complete ("X") events named by their label, flow arrows from each SEND to its
+// RECV, and memory as a counter track per device. Times in microseconds. Predicted and measured
+// timelines share this writer.
+void write_chrome_trace(const Timeline& timeline, std::ostream& out);
 
 }  // namespace piper::core

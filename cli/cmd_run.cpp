@@ -1,0 +1,104 @@
+// `piper run`: trains a compiled Program for real, one MPI rank per device (host backend), or the
+// single-process reference on the same global batch (--reference).
+#include <cstdio>
+
+#include <fmt/format.h>
+#include <mpi.h>
+
+#include "cli/common.hpp"
+#include "piper/runtime/executor.hpp"
+#include "piper/runtime/trainer.hpp"
+
+namespace piper::cli {
+
+namespace {
+
+struct RunArgs {
+  ScenarioFlags scenario;
+  std::string plan_path;
+  bool reference = false;
+  runtime::TrainOptions train;
+  CLI::Option* plan = nullptr;
+};
+
+core::Program load_program(const RunArgs& a) {
+  if (!a.plan_path.empty()) {
+    try {
+      return core::Program::from_json(read_json_file(a.plan_path));
+    } catch (const core::Error& e) {
+      throw CliError(a.plan_path, e.what());
+    }
+  }
+  if (a.scenario.model.empty()) throw CliError("", "give --plan FILE or the compile inputs (--model ...)");
+  return core::compile_scenario(a.scenario.scenario()).result.program;
+}
+
+int run_distributed(const RunArgs& a) {
+  int provided = 0;
+  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SINGLE, &provided);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  int code = 0;
+  core::Program program;
+  try {
+    program = load_program(a);
+  } catch (const CliError& e) {  // the same on every rank: one rank says it
+    if (rank == 0) print_error(e.file(), e.what());
+    code = kExitBadInput;
+  } catch (const std::exception& e) {
+    if (rank == 0) print_error("", e.what());
+    code = kExitBadInput;
+  }
+  if (code == 0) {
+    try {
+      runtime::TrainOptions o = a.train;
+      o.print = rank == 0;
+      runtime::train_distributed(program, o);
+    } catch (const runtime::ReportedByAnotherRank&) {
+      code = kExitBadInput;
+    } catch (const std::invalid_argument& e) {  // setup errors: train_distributed throws them on one rank only
+      print_error("", e.what());
+      code = kExitBadInput;
+    } catch (const std::exception& e) {
+      // A failure mid-step leaves peers waiting on this rank: end them all now, with the reason.
+      fmt::print(stderr, "piper: error: rank {}: {}\n", rank, one_line(e.what()));
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, kExitInternal);
+    }
+  }
+  MPI_Finalize();
+  return code;
+}
+
+}  // namespace
+
+Command add_run_command(CLI::App& app) {
+  auto args = std::make_shared<RunArgs>();
+  CLI::App* cmd = app.add_subcommand("run", "train a plan for real: one MPI rank per device (mpirun -np N piper run ...), or --reference");
+  args->scenario.add_to(cmd);
+  cmd->get_option("--model")->required(false);
+  args->plan = cmd->add_option("--plan", args->plan_path, "a compiled Program (piper compile -o); else the compile inputs")->excludes("--model");
+  cmd->add_flag("--reference", args->reference, "run the same model on the same global batch in one process, without parallelism");
+  cmd->add_option("--steps", args->train.steps, "training steps (a resumed run continues up to this step)")->check(kPositiveInt);
+  cmd->add_option("--seed", args->train.seed, "seed of the parameter initialisation and the synthetic token stream");
+  cmd->add_option("--data", args->train.data_path, "train on this file's bytes (mod vocab) instead of synthetic tokens");
+  cmd->add_option("--lr", args->train.adamw.lr, "AdamW learning rate")->check(kNonNegativeNumber);
+  cmd->add_option("--adam-eps", args->train.adamw.eps, "AdamW epsilon (the equivalence tests raise it so that rounding-level gradients stay rounding-level updates)")
+      ->check(kNonNegativeNumber);
+  cmd->add_option("--report", args->train.report_path, "write run.json: losses, tokens_per_s, step_time_s");
+  cmd->add_option("--trace", args->train.trace_path, "write the last step's measured timeline as a Chrome trace");
+  cmd->add_option("--save", args->train.save_dir, "after the last step, write a checkpoint (one file per rank) into DIR");
+  cmd->add_option("--resume", args->train.resume_dir, "continue from the checkpoint in DIR");
+  cmd->add_option("--dump-params", args->train.dump_params_path, "write the final parameters (canonical layout) to FILE");
+  cmd->add_option("--stall-timeout", args->train.stall_timeout_s, "seconds without progress before a rank gives up")->check(kNonNegativeNumber);
+  return {cmd, [args]() -> int {
+            if (args->reference) {
+              const core::Program program = load_program(*args);
+              runtime::train_reference(program, args->train);
+              return 0;
+            }
+            return run_distributed(*args);
+          }};
+}
+
+}  // namespace piper::cli

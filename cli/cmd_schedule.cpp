@@ -1,0 +1,126 @@
+// `piper schedule`: list the schedule families, show one as a unit-time rank x time grid computed
+// from its compiled program, and exchange schedules with PyTorch as compute-only CSV.
+#include <optional>
+
+#include <fmt/format.h>
+
+#include "cli/common.hpp"
+#include "piper/core/pytorch_csv.hpp"
+#include "piper/core/schedule_view.hpp"
+
+namespace piper::cli {
+
+namespace {
+
+struct ScheduleArgs {
+  std::string name;
+  int ranks = 4, microbatches = 8, virtual_stages = 1;
+  std::vector<int> costs;
+  std::string directives_path, csv_path, out_path;
+  int dp = 1;
+};
+
+core::StrategyOptions options_of(const ScheduleArgs& a) {
+  core::StrategyOptions o;
+  o.schedule = a.name;
+  o.pp = a.ranks;
+  o.microbatches = a.microbatches;
+  o.virtual_stages = a.virtual_stages;
+  return o;
+}
+
+void write_or_print(const std::string& path, const std::string& text) {
+  if (path.empty() || path == "-") fmt::print("{}", text);
+  else core::write_file_atomically(path, text);
+}
+
+void add_shape(CLI::App* app, ScheduleArgs& a) {
+  app->add_option("--ranks", a.ranks, "pipeline ranks")->check(kPositiveInt);
+  app->add_option("--microbatches", a.microbatches, "microbatches per step")->check(kPositiveInt);
+  app->add_option("--virtual", a.virtual_stages, "model chunks per rank (interleaved, looped-bfs, zb-h1)")
+      ->check(kPositiveInt);
+}
+
+std::vector<std::string> family_names() {
+  std::vector<std::string> names;
+  for (const auto& f : core::schedule_registry()) names.push_back(f.name);
+  return names;
+}
+
+}  // namespace
+
+Command add_schedule_command(CLI::App& app) {
+  auto args = std::make_shared<ScheduleArgs>();
+  CLI::App* cmd = app.add_subcommand("schedule", "pipeline schedule families: list, show, PyTorch CSV export/import");
+  cmd->require_subcommand(1);
+  CLI::App* list = cmd->add_subcommand("list", "list the schedule families and their constraints");
+  CLI::App* show = cmd->add_subcommand("show", "rank x time grid of a schedule with unit costs, bubbles, peak activations");
+  show->add_option("name", args->name, "schedule family")->required()->check(CLI::IsMember(family_names()));
+  add_shape(show, *args);
+  show->add_option("--costs", args->costs, "unit costs F,B,W (BI = B-W, BW = W); default 1,2,1")
+      ->delimiter(',')
+      ->expected(3)
+      ->check(kPositiveInt);
+  CLI::App* exp = cmd->add_subcommand("export-csv", "write a schedule as PyTorch compute-only CSV");
+  exp->add_option("name", args->name, "schedule family")->check(CLI::IsMember(family_names()));
+  add_shape(exp, *args);
+  exp->add_option("--directives", args->directives_path, "read the schedule from a directive program instead");
+  exp->add_option("-o,--out", args->out_path, "output file (default: stdout)");
+  CLI::App* imp = cmd->add_subcommand("import-csv", "turn a PyTorch compute-only CSV into a directive program");
+  imp->add_option("file", args->csv_path, "CSV file, one row per rank")->required();
+  imp->add_option("--dp", args->dp, "data-parallel replicas of each pipeline rank")->check(kPositiveInt);
+  imp->add_option("-o,--out", args->out_path, "output file (default: stdout)");
+
+  auto run = [args, list, show, exp, imp]() -> int {
+    const ScheduleArgs& a = *args;
+    if (list->parsed()) {
+      for (const auto& f : core::schedule_registry()) fmt::print("{:<18}{}\n", f.name, f.constraints);
+      return 0;
+    }
+    if (show->parsed()) {
+      core::UnitCosts costs;
+      if (!a.costs.empty()) costs = {a.costs[0], a.costs[1], a.costs[2]};
+      const core::StrategyOptions o = options_of(a);
+      const core::UnitSchedule s = core::unit_time_schedule(o, costs);
+      std::optional<core::ScheduleTable> table;
+      try {
+        table = core::schedule_table(o);
+      } catch (const std::invalid_argument&) {  // ordered per region: no per-rank marks
+      }
+      fmt::print("{} on {} ranks, {} microbatches{}; costs F={} B={} W={} (comm 0)\n", a.name, a.ranks, a.microbatches,
+                 a.virtual_stages > 1 ? fmt::format(", {} virtual stages", a.virtual_stages) : "", costs.forward,
+                 costs.backward, costs.weight);
+      fmt::print("{}", core::render_unit_schedule(s, table ? &*table : nullptr));
+      return 0;
+    }
+    if (exp->parsed()) {
+      core::ScheduleTable table;
+      if (!a.directives_path.empty()) {
+        if (!a.name.empty()) throw CliError("", "give a schedule name or --directives, not both");
+        try {
+          table = core::schedule_table_from_program(read_json_file(a.directives_path));
+        } catch (const std::invalid_argument& e) {
+          throw CliError(a.directives_path, e.what());
+        }
+      } else {
+        if (a.name.empty()) throw CliError("", "export-csv needs a schedule name or --directives FILE");
+        if (core::schedule_family(a.name).mirrored)
+          throw CliError("", a.name + " runs two mirrored model copies; the PyTorch CSV has one stage -> rank map");
+        table = core::schedule_table(options_of(a));
+      }
+      write_or_print(a.out_path, core::schedule_to_pytorch_csv(table));
+      return 0;
+    }
+    if (imp->parsed()) {
+      const core::ScheduleTable table = core::schedule_from_pytorch_csv(read_text_file(a.csv_path), a.csv_path);
+      core::StrategyOptions o;
+      o.dp = a.dp;
+      write_or_print(a.out_path, core::program_from_schedule_table(table, o).dump(1) + "\n");
+      return 0;
+    }
+    return 0;
+  };
+  return {cmd, run};
+}
+
+}  // namespace piper::cli

@@ -1,0 +1,83 @@
+// `piper simulate`: compile a scenario (or read a plan), simulate one training step on a cluster,
+// print the report, and optionally write report JSON and a Chrome trace.
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "cli/common.hpp"
+#include "piper/core/verifier.hpp"
+#include "piper/sim/simulate.hpp"
+
+namespace piper::cli {
+
+namespace {
+
+struct SimulateArgs {
+  ScenarioFlags scenario;
+  std::string plan_path;
+  std::string cluster = piper::sim::kDefaultCluster;
+  std::string engine = piper::sim::kDefaultEngine;
+  std::string calibration_path;
+  std::string report_path;
+  std::string trace_path;
+  int max_devices = 16;
+  CLI::Option* model = nullptr;
+  CLI::Option* plan = nullptr;
+};
+
+int run_simulate(const SimulateArgs& a) {
+  sim::SimulateOptions options;
+  options.cluster = a.cluster;
+  options.engine = a.engine;
+  options.calibration_path = a.calibration_path;
+  sim::SimulationResult result;
+  if (!a.plan_path.empty()) {
+    json j = read_json_file(a.plan_path);
+    core::Program program;
+    try {
+      program = core::Program::from_json(j);
+      core::verify_or_throw(program);
+    } catch (const core::Error& e) {
+      throw CliError(a.plan_path, e.what());
+    }
+    result = sim::simulate_program(std::make_shared<const core::Program>(std::move(program)), options);
+  } else {
+    if (a.model->count() == 0) throw CliError("", "--model is required (or give --plan)");
+    result = sim::simulate(a.scenario.scenario(), options);
+  }
+  // Files are written whole (temporary file, then rename) so an interrupted run leaves nothing half-written.
+  if (!a.report_path.empty()) core::write_file_atomically(a.report_path, result.report.to_json().dump(1) + "\n");
+  if (!a.trace_path.empty()) {
+    std::ostringstream trace;
+    core::write_chrome_trace(result.timeline, trace);
+    core::write_file_atomically(a.trace_path, trace.str());
+  }
+  fmt::print("{}", result.report.to_text(a.max_devices));
+  if (!a.report_path.empty()) fmt::print("report written to {}\n", a.report_path);
+  if (!a.trace_path.empty()) fmt::print("trace written to {} (open in https://ui.perfetto.dev)\n", a.trace_path);
+  return 0;
+}
+
+}  // namespace
+
+Command add_simulate_command(CLI::App& app) {
+  auto args = std::make_shared<SimulateArgs>();
+  CLI::App* cmd = app.add_subcommand("simulate", "simulate one training step: step time, bubbles, memory, critical path");
+  args->scenario.add_to(cmd);
+  args->model = cmd->get_option("--model");
+  args->model->required(false);
+  args->plan = cmd->add_option("--plan", args->plan_path, "simulate this plan (from `piper compile -o`) instead of compiling");
+  args->plan->excludes(args->model);
+  cmd->add_option("--cluster", args->cluster, "cluster preset (dgx-a100-80g, dgx-h100, dgx-h200, hgx-h800) or spec JSON; nodes are added to fit the program")
+      ->capture_default_str();
+  cmd->add_option("--engine", args->engine, "simulation engine: simgrid (flow-level network) or analytic (fast, no contention)")
+      ->capture_default_str();
+  cmd->add_option("--calibration", args->calibration_path, "measured op times (piper-calibration JSON) overriding the cost model");
+  cmd->add_option("--report", args->report_path, "write the report as JSON here");
+  cmd->add_option("--trace", args->trace_path, "write a Chrome trace (Perfetto) here");
+  cmd->add_option("--show-devices", args->max_devices, "devices listed in the printed table")->capture_default_str();
+  return {cmd, [args] { return run_simulate(*args); }};
+}
+
+}  // namespace piper::cli

@@ -1,0 +1,224 @@
+// PyTorch torch.distributed.pipelining compute-only CSV <-> ScheduleTable <-> directive program.
+#include "piper/core/pytorch_csv.hpp"
+
+#include <map>
+#include <regex>
+#include <set>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+namespace piper::core {
+
+using nlohmann::json;
+
+namespace {
+
+std::string action_text(const ScheduleAction& a) { return fmt::format("{}{}{}", a.stage, to_char(a.kind), a.microbatch); }
+
+ActionKind kind_from_char(char c) {
+  switch (c) {
+    case 'F': return ActionKind::F;
+    case 'B': return ActionKind::B;
+    case 'I': return ActionKind::I;
+    default: return ActionKind::W;
+  }
+}
+
+}  // namespace
+
+std::string schedule_to_pytorch_csv(const ScheduleTable& table) {
+  std::string out;
+  for (const auto& row : table.ranks) {
+    for (std::size_t i = 0; i < row.size(); ++i) {
+      if (i) out += ',';
+      const auto& step = row[i];
+      if (step.size() == 1) {
+        out += action_text(step.front());
+      } else if (!step.empty()) {
+        out += '(';
+        for (std::size_t k = 0; k < step.size(); ++k) {
+          if (k) out += ';';
+          out += action_text(step[k]);
+        }
+        out += ")OVERLAP_F_B";
+      }
+    }
+    out += '\n';
+  }
+  return out;
+}
+
+ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::string& where) {
+  static const std::regex single(R"((\d+)([FBIW])(\d+))");
+  static const std::regex overlap(R"(\((.*)\)OVERLAP_F_B)");
+  auto at = [&](std::size_t row, std::size_t col, const std::string& why) {
+    return std::invalid_argument(fmt::format("{}: row {} (rank {}), column {}: {}", where, row + 1, row, col + 1, why));
+  };
+  // Rows and cells (compute-only CSVs never quote; surrounding quotes and CR are tolerated).
+  std::vector<std::vector<std::string>> rows;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    std::size_t eol = text.find('\n', pos);
+    std::string line = text.substr(pos, eol == std::string::npos ? std::string::npos : eol - pos);
+    pos = eol == std::string::npos ? text.size() : eol + 1;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    std::vector<std::string> cells;
+    std::size_t c = 0;
+    while (true) {
+      std::size_t comma = line.find(',', c);
+      std::string cell = line.substr(c, comma == std::string::npos ? std::string::npos : comma - c);
+      if (cell.size() >= 2 && cell.front() == '"' && cell.back() == '"') cell = cell.substr(1, cell.size() - 2);
+      cells.push_back(cell);
+      if (comma == std::string::npos) break;
+      c = comma + 1;
+    }
+    rows.push_back(std::move(cells));
+  }
+  while (!rows.empty() && rows.back().size() == 1 && rows.back().front().empty()) rows.pop_back();
+  if (rows.empty()) throw std::invalid_argument(where + ": no rows (expected one row of actions per rank)");
+
+  ScheduleTable t;
+  t.ranks.resize(rows.size());
+  std::map<int, std::pair<std::size_t, std::size_t>> stage_home;  // stage -> (row, col) of first use
+  struct Seen {
+    std::size_t row, col;
+  };
+  std::map<std::tuple<int, ActionKind, int>, Seen> seen;
+  int max_stage = -1, max_mb = -1;
+  for (std::size_t r = 0; r < rows.size(); ++r) {
+    for (std::size_t c = 0; c < rows[r].size(); ++c) {
+      const std::string& cell = rows[r][c];
+      if (cell.empty()) continue;  // an idle slot
+      ScheduleStep step;
+      std::vector<std::string> parts;
+      std::smatch m;
+      if (std::regex_match(cell, m, overlap)) {
+        const std::string inner = m[1];
+        const auto semi = inner.find(';');
+        if (semi == std::string::npos || inner.find(';', semi + 1) != std::string::npos)
+          throw at(r, c, "'" + cell + "': an OVERLAP_F_B step holds exactly two actions (F;B)");
+        parts = {inner.substr(0, semi), inner.substr(semi + 1)};
+      } else {
+        parts = {cell};
+      }
+      for (const auto& part : parts) {
+        std::smatch a;
+        if (!std::regex_match(part, a, single))
+          throw at(r, c, "'" + cell + "' is not a compute action like 2F0, 3B1, 3I1, 7W4 or (0F7;7B3)OVERLAP_F_B");
+        ScheduleAction act{std::stoi(a[1]), kind_from_char(a[2].str()[0]), std::stoi(a[3])};
+        step.push_back(act);
+      }
+      if (step.size() == 2 && !(step[0].kind == ActionKind::F && step[1].kind != ActionKind::F))
+        throw at(r, c, "'" + cell + "': an overlapped step is a forward then a backward");
+      for (const auto& act : step) {
+        auto [home, fresh] = stage_home.try_emplace(act.stage, std::make_pair(r, c));
+        if (!fresh && home->second.first != r)
+          throw at(r, c, fmt::format("stage {} is already on rank {} (row {}, column {}); a stage lives on one rank",
+                                     act.stage, home->second.first, home->second.first + 1, home->second.second + 1));
+        auto [it, first] = seen.try_emplace({act.stage, act.kind, act.microbatch}, Seen{r, c});
+        if (!first)
+          throw at(r, c, fmt::format("{} is already at row {}, column {}", action_text(act), it->second.row + 1,
+                                     it->second.col + 1));
+        if (act.kind == ActionKind::W && !seen.contains({act.stage, ActionKind::I, act.microbatch}))
+          throw at(r, c, fmt::format("{} comes before its input gradient {}{}{}", action_text(act), act.stage, 'I',
+                                     act.microbatch));
+        if ((act.kind == ActionKind::I || act.kind == ActionKind::W) && seen.contains({act.stage, ActionKind::B, act.microbatch}))
+          throw at(r, c, fmt::format("{}: stage {} microbatch {} already has a full backward B", action_text(act),
+                                     act.stage, act.microbatch));
+        if (act.kind == ActionKind::B && seen.contains({act.stage, ActionKind::I, act.microbatch}))
+          throw at(r, c, fmt::format("{}: stage {} microbatch {} already has a split backward I", action_text(act),
+                                     act.stage, act.microbatch));
+        max_stage = std::max(max_stage, act.stage);
+        max_mb = std::max(max_mb, act.microbatch);
+      }
+      t.ranks[r].push_back(std::move(step));
+    }
+  }
+  t.stages = max_stage + 1;
+  t.microbatches = max_mb + 1;
+  // Completeness: every stage on some rank, every (stage, microbatch) with one F and one backward.
+  for (int s = 0; s < t.stages; ++s) {
+    auto home = stage_home.find(s);
+    if (home == stage_home.end())
+      throw std::invalid_argument(fmt::format("{}: stage {} appears on no row (stages must be 0..{})", where, s, t.stages - 1));
+    const std::size_t r = home->second.first, end_col = rows[r].size();
+    for (int mb = 0; mb < t.microbatches; ++mb) {
+      if (!seen.contains({s, ActionKind::F, mb}))
+        throw at(r, end_col, fmt::format("missing microbatch: stage {} has no forward {}F{}", s, s, mb));
+      const bool full = seen.contains({s, ActionKind::B, mb}), input = seen.contains({s, ActionKind::I, mb});
+      if (!full && !input)
+        throw at(r, end_col, fmt::format("missing microbatch: stage {} has no backward {}B{} (or {}I{})", s, s, mb, s, mb));
+      if (input && !seen.contains({s, ActionKind::W, mb}))
+        throw at(r, end_col, fmt::format("missing microbatch: stage {} has {}I{} but no {}W{}", s, s, mb, s, mb));
+    }
+  }
+  return t;
+}
+
+std::vector<int> stage_ranks(const ScheduleTable& table) {
+  std::vector<int> rank_of(static_cast<std::size_t>(table.stages), -1);
+  for (std::size_t r = 0; r < table.ranks.size(); ++r)
+    for (const auto& step : table.ranks[r])
+      for (const auto& a : step) {
+        int& home = rank_of.at(static_cast<std::size_t>(a.stage));
+        if (home >= 0 && home != static_cast<int>(r))
+          throw std::invalid_argument(fmt::format("stage {} is on ranks {} and {}", a.stage, home, r));
+        home = static_cast<int>(r);
+      }
+  for (std::size_t s = 0; s < rank_of.size(); ++s)
+    if (rank_of[s] < 0) throw std::invalid_argument(fmt::format("stage {} is on no rank", s));
+  return rank_of;
+}
+
+json program_from_schedule_table(const ScheduleTable& table, StrategyOptions o) {
+  const std::vector<int> rank_of = stage_ranks(table);
+  o.pp = static_cast<int>(table.ranks.size());
+  json program = placement_directives(o, rank_of);
+  for (auto& d : directives_from_table(table, rank_of, table.microbatches)) program.push_back(std::move(d));
+  return program;
+}
+
+ScheduleTable schedule_table_from_program(const json& program) {
+  // The placement part numbers the ranks; the split gives the microbatch count.
+  json placement = json::array();
+  int microbatches = 0;
+  std::vector<const json*> orders;
+  for (const auto& d : program) {
+    const std::string op = d.is_object() ? d.value("op", "") : "";
+    if (op == "order") orders.push_back(&d);
+    else if (op == "split") microbatches = d.value("num_microbatches", 0);
+    else placement.push_back(d);
+  }
+  int ranks = 0;
+  const std::vector<int> rank_of = rank_of_region_from_program(placement, &ranks);
+  ScheduleTable t;
+  t.stages = static_cast<int>(rank_of.size());
+  t.microbatches = microbatches;
+  t.ranks.resize(static_cast<std::size_t>(ranks));
+  std::set<int> ordered;
+  for (std::size_t k = 0; k < orders.size(); ++k) {
+    std::vector<ScheduleStep> steps;
+    int rank = -1;
+    for (const auto& group : (*orders[k])["filters"]) {
+      ScheduleStep step;
+      for (const auto& f : group) {
+        if (!f.contains("PP") || !f.contains("MB") || !f.contains("PASS"))
+          throw std::invalid_argument(fmt::format("order {}: every filter needs PP, MB and PASS to be a PyTorch action", k));
+        const std::string pass = f["PASS"].get<std::string>();
+        const ActionKind kind = pass == "F" ? ActionKind::F : pass == "B" ? ActionKind::B : pass == "BI" ? ActionKind::I : ActionKind::W;
+        const int stage = f["PP"].get<int>();
+        if (stage < 0 || stage >= t.stages) throw std::invalid_argument(fmt::format("order {}: PP {} is not placed", k, stage));
+        rank = rank_of[static_cast<std::size_t>(stage)];
+        step.push_back({stage, kind, f["MB"].get<int>()});
+      }
+      steps.push_back(std::move(step));
+    }
+    if (rank < 0 || !ordered.insert(rank).second)
+      throw std::invalid_argument(fmt::format("order {}: need exactly one order directive per pipeline rank", k));
+    t.ranks[static_cast<std::size_t>(rank)] = std::move(steps);
+  }
+  return t;
+}
+
+}  // namespace piper::core

@@ -1,0 +1,290 @@
+// Unit-time list scheduling of a compiled Program (per-pass integer costs, zero-cost rendezvous
+// communication), for `piper schedule show` and the published bubble/memory formula tests.
+#include "piper/core/schedule_view.hpp"
+
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "piper/core/compiler.hpp"
+#include "piper/core/error.hpp"
+
+namespace piper::core {
+
+namespace {
+
+int op_cost(const Op& op, const UnitCosts& c) {
+  if (op.kind != OpKind::Compute) return 0;
+  switch (op.pass) {
+    case Pass::F: return c.forward;
+    case Pass::B: return c.backward;
+    case Pass::BI: return c.backward - c.weight;
+    case Pass::BW: return c.weight;
+    case Pass::None: return 0;
+  }
+  return 0;
+}
+
+int tag_or(const TagMap& tags, const char* key, int fallback) {
+  auto it = tags.find(key);
+  return it == tags.end() ? fallback : it->second;
+}
+
+ActionKind action_kind(Pass p) {
+  return p == Pass::F ? ActionKind::F : p == Pass::B ? ActionKind::B : p == Pass::BI ? ActionKind::I : ActionKind::W;
+}
+std::tuple<int, int, int> action_key(const ScheduleAction& a) { return {a.stage, static_cast<int>(a.kind), a.microbatch}; }
+std::tuple<int, int, int> action_key(const Op& op) {
+  return {tag_or(op.tags, "PP", 0), static_cast<int>(action_kind(op.pass)), tag_or(op.tags, "MB", 0)};
+}
+
+}  // namespace
+
+UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs, const ScheduleTable* table) {
+  const int devices = program.num_devices;
+  // Overlapped F&B steps of the table, per rank, in DAG terms: such a pair runs as one unit.
+  std::vector<std::set<std::tuple<int, int, int>>> paired(static_cast<std::size_t>(devices));
+  if (table)
+    for (std::size_t r = 0; r < table->ranks.size() && r < paired.size(); ++r)
+      for (const auto& step : table->ranks[r])
+        if (step.size() == 2) paired[r].insert(action_key(step[0])), paired[r].insert(action_key(step[1]));
+  struct DeviceState {
+    const Plan* plan = nullptr;
+    std::vector<char> ordered;                     // per stream: issue order binds (the compute stream)
+    std::vector<std::size_t> next;                 // per stream: first op not yet done
+    std::vector<std::vector<char>> done, waiting;  // per stream, per op: scheduled / at a rendezvous
+    std::vector<std::vector<int>> start, end;      // per stream, per op (valid once done)
+  };
+  std::vector<DeviceState> state(static_cast<std::size_t>(devices));
+  std::size_t remaining = 0;
+  for (int d = 0; d < devices; ++d) {
+    auto& s = state[static_cast<std::size_t>(d)];
+    s.plan = &program.plan_for(d);
+    const std::size_t n = s.plan->streams.size();
+    s.next.assign(n, 0);
+    s.ordered.assign(n, 0);
+    s.done.resize(n), s.waiting.resize(n), s.start.resize(n), s.end.resize(n);
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::size_t ops = s.plan->streams[k].ops.size();
+      s.ordered[k] = s.plan->streams[k].name == "compute";
+      s.done[k].assign(ops, 0), s.waiting[k].assign(ops, 0);
+      s.start[k].assign(ops, 0), s.end[k].assign(ops, 0);
+      remaining += ops;
+    }
+  }
+  // A rendezvous: the SEND node and sending device for a transfer, the node and group for a collective.
+  struct Rendezvous {
+    int needed = 0;
+    int ready_time = 0;
+    std::vector<std::tuple<int, int, std::size_t>> arrived;  // (device, stream, op)
+  };
+  std::map<std::pair<std::int32_t, int>, Rendezvous> meeting;
+  auto finish = [&](int d, std::size_t k, std::size_t i, int start, int end) {
+    auto& s = state[static_cast<std::size_t>(d)];
+    s.start[k][i] = start, s.end[k][i] = end, s.done[k][i] = 1, s.waiting[k][i] = 0;
+    while (s.next[k] < s.done[k].size() && s.done[k][s.next[k]]) ++s.next[k];
+    --remaining;
+  };
+  // Communication is free: its streams do not serialise it, only its waits and its peers do. The
+  // compute stream runs in issue order, which is what the order directives decide.
+  auto try_op = [&](int d, std::size_t k, std::size_t i) -> bool {
+    auto& s = state[static_cast<std::size_t>(d)];
+    const Op& op = s.plan->streams[k].ops[i];
+    int ready = s.ordered[k] && i > 0 ? s.end[k][i - 1] : 0;
+    for (const auto& w : op.waits) {
+      const auto ws = static_cast<std::size_t>(w.stream), wi = static_cast<std::size_t>(w.index);
+      if (!s.done[ws][wi]) return false;
+      ready = std::max(ready, s.end[ws][wi]);
+    }
+    const bool transfer = op.kind == OpKind::Send || op.kind == OpKind::Recv;
+    if (!transfer && (op.kind == OpKind::Compute || op.kind == OpKind::Update)) {
+      // The first op of an overlapped F&B step starts only when its partner (next in the stream)
+      // can start too, and the pair runs back to back: one unit costing F + B, as in the papers.
+      const auto& ops = s.plan->streams[k].ops;
+      if (op.kind == OpKind::Compute && s.ordered[k] && i + 1 < ops.size() && !paired[static_cast<std::size_t>(d)].empty() &&
+          paired[static_cast<std::size_t>(d)].contains(action_key(op))) {
+        for (const auto& w : ops[i + 1].waits) {
+          const auto ws = static_cast<std::size_t>(w.stream), wi = static_cast<std::size_t>(w.index);
+          if (!s.done[ws][wi]) return false;
+          ready = std::max(ready, s.end[ws][wi]);
+        }
+        const int middle = ready + op_cost(op, costs);
+        finish(d, k, i, ready, middle);
+        finish(d, k, i + 1, middle, middle + op_cost(ops[i + 1], costs));
+        return true;
+      }
+      finish(d, k, i, ready, ready + op_cost(op, costs));
+      return true;
+    }
+    // A transfer node spans every pair of its device sets: the sending device names the pair.
+    int group_key = op.kind == OpKind::Send ? d : op.kind == OpKind::Recv ? program.peer_of(op, d) : -1;
+    int needed = 2;
+    if (!transfer) {
+      const auto group = program.group_of(op.family, d);
+      needed = static_cast<int>(group.size());
+      group_key = group.empty() ? d : *std::min_element(group.begin(), group.end());
+    }
+    auto& m = meeting[{op.node, group_key}];
+    m.needed = needed;
+    m.ready_time = std::max(m.ready_time, ready);
+    m.arrived.emplace_back(d, static_cast<int>(k), i);
+    s.waiting[k][i] = 1;
+    if (static_cast<int>(m.arrived.size()) == m.needed) {
+      const Rendezvous met = m;
+      meeting.erase({op.node, group_key});
+      for (auto [pd, pk, pi] : met.arrived) finish(pd, static_cast<std::size_t>(pk), pi, met.ready_time, met.ready_time);
+    }
+    return true;
+  };
+  while (remaining > 0) {
+    bool progress = false;
+    for (int d = 0; d < devices; ++d) {
+      auto& s = state[static_cast<std::size_t>(d)];
+      for (std::size_t k = 0; k < s.next.size(); ++k) {
+        const std::size_t n = s.done[k].size();
+        for (std::size_t i = s.next[k]; i < n; ++i) {
+          if (s.done[k][i] || s.waiting[k][i]) {
+            if (s.ordered[k] && !s.done[k][i]) break;
+            continue;
+          }
+          if (!try_op(d, k, i)) {
+            if (s.ordered[k]) break;
+            continue;
+          }
+          progress = true;
+          if (s.ordered[k] && !s.done[k][i]) break;
+        }
+      }
+    }
+    if (!progress) throw Error("schedule view: the program makes no progress (a wait cycle)");
+  }
+
+  UnitSchedule out;
+  out.ranks.resize(static_cast<std::size_t>(devices));
+  for (int d = 0; d < devices; ++d) {
+    const auto& s = state[static_cast<std::size_t>(d)];
+    auto& rank = out.ranks[static_cast<std::size_t>(d)];
+    for (std::size_t k = 0; k < s.next.size(); ++k) {
+      const auto& ops = s.plan->streams[k].ops;
+      for (std::size_t i = 0; i < ops.size(); ++i) {
+        const Op& op = ops[i];
+        if (op.kind != OpKind::Compute) continue;
+        // The second copy of a mirrored pair (position past the first half of its device set).
+        const auto& set = program.device_sets.at(static_cast<std::size_t>(op.device_set));
+        const int position = program.position_in(op.device_set, d);
+        const int copy = set.size() > 1 && position >= static_cast<int>(set.size()) / 2 ? 1 : 0;
+        TimedOp t;
+        t.stage = tag_or(op.tags, "PP", 0);
+        t.microbatch = tag_or(op.tags, "MB", 0) + copy * program.microbatches;
+        t.pass = op.pass;
+        t.start = s.start[k][i];
+        t.end = s.end[k][i];
+        rank.busy += t.end - t.start;
+        out.step_time = std::max(out.step_time, t.end);
+        rank.ops.push_back(t);
+      }
+    }
+    std::sort(rank.ops.begin(), rank.ops.end(), [](const TimedOp& a, const TimedOp& b) { return a.start < b.start; });
+    // Activation buffers: +1 when their F starts, -1 when their last user ends (frees first on ties).
+    std::vector<std::pair<int, int>> events;
+    for (const auto& b : s.plan->buffers) {
+      if (b.kind != BufferKind::Activations || b.persistent()) continue;
+      events.emplace_back(s.start[static_cast<std::size_t>(b.alloc.stream)][static_cast<std::size_t>(b.alloc.index)], +1);
+      events.emplace_back(s.end[static_cast<std::size_t>(b.free.stream)][static_cast<std::size_t>(b.free.index)], -1);
+    }
+    std::sort(events.begin(), events.end());
+    int alive = 0;
+    for (auto [t, delta] : events) rank.peak_activations = std::max(rank.peak_activations, alive += delta);
+  }
+  for (auto& rank : out.ranks) rank.bubble = out.step_time - rank.busy;
+  return out;
+}
+
+UnitSchedule unit_time_schedule(const StrategyOptions& options, const UnitCosts& costs) {
+  if (costs.forward < 1 || costs.backward < 1 || costs.weight < 1 || costs.weight >= costs.backward)
+    throw Error("--costs F,B,W: need integers F >= 1, B >= 2 and 1 <= W < B (BI = B - W must be positive)");
+  StrategyOptions o = options;
+  o.dp = 1, o.ep = 1, o.zero = 0, o.bucket_mb = 0;
+  const ScheduleFamily& family = schedule_family(o.schedule);
+  const int regions = family.regions(o);
+  // A small dense model (no expert segments) with one block per region: one compute op per
+  // (region, microbatch, pass), so a unit cost per op is a unit cost per pipeline step.
+  ModelConfig cfg = *zoo_config("llama3-8b");
+  cfg.layers = regions;
+  cfg.training.seq_len = 128;
+  Model model = build_model(cfg);
+  std::vector<int> starts;
+  for (int i = 0; i < regions; ++i) starts.push_back(i);
+  annotate_pipeline_ranges(model, starts);
+  const DirectiveProgram program = parse_directives(generate_program(o));
+  // Families ordered per region on multi-region ranks (1F1B with --virtual) have no per-rank table.
+  std::optional<ScheduleTable> table;
+  try {
+    table = schedule_table(o);
+  } catch (const std::invalid_argument&) {
+  }
+  return unit_time_schedule(compile(model, program).program, costs, table ? &*table : nullptr);
+}
+
+std::string render_unit_schedule(const UnitSchedule& s, const ScheduleTable* table) {
+  auto kind_char = [](Pass p) {
+    switch (p) {
+      case Pass::F: return 'F';
+      case Pass::B: return 'B';
+      case Pass::BI: return 'I';
+      case Pass::BW: return 'W';
+      case Pass::None: break;
+    }
+    return '?';
+  };
+  // Overlapped actions per rank, in DAG terms (the table's microbatches), to mark them with '*'.
+  std::vector<std::set<std::tuple<int, int, int>>> overlapped(s.ranks.size());
+  const int copy_microbatches = table ? table->microbatches : 0;
+  if (table)
+    for (std::size_t r = 0; r < table->ranks.size() && r < overlapped.size(); ++r)
+      for (const auto& step : table->ranks[r])
+        if (step.size() > 1)
+          for (const auto& a : step) overlapped[r].insert({a.stage, static_cast<int>(a.kind), a.microbatch});
+  std::vector<std::vector<std::string>> labels(s.ranks.size());
+  std::size_t width = 1;
+  for (std::size_t r = 0; r < s.ranks.size(); ++r)
+    for (const auto& op : s.ranks[r].ops) {
+      std::string label = fmt::format("{}{}{}", op.stage, kind_char(op.pass), op.microbatch);
+      const int dag_mb = copy_microbatches > 0 ? op.microbatch % copy_microbatches : op.microbatch;
+      if (overlapped[r].contains({op.stage, static_cast<int>(action_kind(op.pass)), dag_mb})) label += '*';
+      width = std::max(width, label.size());
+      labels[r].push_back(std::move(label));
+    }
+  const std::size_t cell = width + 1;
+  std::string out;
+  // Time ruler: a mark every 5 units.
+  out += fmt::format("{:<8}", "time");
+  for (int t = 0; t < s.step_time; t += 5) out += fmt::format("{:<{}}", t, cell * static_cast<std::size_t>(std::min(5, s.step_time - t)));
+  out += "\n";
+  for (std::size_t r = 0; r < s.ranks.size(); ++r) {
+    std::string row(cell * static_cast<std::size_t>(s.step_time), ' ');
+    for (int t = 0; t < s.step_time; ++t) row[cell * static_cast<std::size_t>(t)] = '.';
+    const auto& ops = s.ranks[r].ops;
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      if (ops[i].end == ops[i].start) continue;
+      const std::size_t at = cell * static_cast<std::size_t>(ops[i].start);
+      const std::size_t span = cell * static_cast<std::size_t>(ops[i].end - ops[i].start) - 1;
+      std::string text = labels[r][i];
+      text.resize(span, '-');
+      row.replace(at, span + 1, text + ' ');
+    }
+    while (!row.empty() && row.back() == ' ') row.pop_back();
+    out += fmt::format("rank {:<3}{}\n", r, row);
+  }
+  out += fmt::format("\nstep time {} units; bubble = step time - busy time of the rank\n", s.step_time);
+  for (std::size_t r = 0; r < s.ranks.size(); ++r)
+    out += fmt::format("rank {:<3} busy {:>5}  bubble {:>5}  peak activations {:>3}\n", r, s.ranks[r].busy,
+                       s.ranks[r].bubble, s.ranks[r].peak_activations);
+  if (table) out += "* = one of the two ops of an overlapped F&B step\n";
+  return out;
+}
+
+}  // namespace piper::core

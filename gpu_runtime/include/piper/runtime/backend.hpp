@@ -1,0 +1,25 @@
+// The interface between the backend-neutral executor and a backend (kernels + communication):
+// the host backend (Eigen over MPI ranks) implements it today, a CUDA backend (cuBLAS, NCCL) later.
+#pragma once
+
+#include "piper/core/program.hpp"
+
+namespace piper::runtime {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual void begin_step(int step) = 0;
+  // Starts the op at `at` of this device's plan. Returns true when it already completed (host
+  // compute runs synchronously); false when the backend must be polled (communication in flight).
+  virtual bool start(const core::OpRef& at, const core::Op& op) = 0;
+  // Progresses an op started earlier; true once it has completed.
+  virtual bool poll(const core::OpRef& at, const core::Op& op) = 0;
+  // A transient buffer of the plan was freed (after its free op ended).
+  virtual void buffer_freed(int buffer) { (void)buffer; }
+  virtual void end_step() = 0;
+  // Names the op a rank is stuck on for the watchdog's error (e.g. the peer it waits for).
+  virtual std::string describe_wait(const core::Op& op) const { return op.label; }
+};
+
+}  // namespace piper::runtime

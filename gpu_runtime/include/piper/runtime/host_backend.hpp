@@ -1,0 +1,102 @@
+// The host backend: one MPI rank is one device of the Program. Compute ops run the Eigen kernels of
+// their segment's layers on their microbatch; transfers are MPI_Issend/Improbe+Imrecv; collectives are
+// non-blocking MPI collectives on one communicator per Program communicator group.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <mpi.h>
+
+#include "piper/core/program.hpp"
+#include "piper/runtime/backend.hpp"
+#include "piper/runtime/host_model.hpp"
+
+namespace piper::runtime {
+
+struct HostConfig {
+  std::uint64_t seed = 1;
+  std::string data_path;
+  host::AdamWConfig adamw;
+};
+
+// The data-parallel shape of a program, as the data and the loss need it.
+struct DataShape {
+  int microbatches = 1;       // Program::microbatches
+  int ranks = 1;              // data-parallel ranks: devices of a compute op's device set
+  std::int64_t micro_batch_size = 1, seq_len = 1;
+  std::int64_t global_tokens() const { return static_cast<std::int64_t>(microbatches) * ranks * micro_batch_size * seq_len; }
+};
+DataShape data_shape(const core::Program& program);
+
+// The model a Program trains: its spec with the Program's training shape; checks the layer count.
+core::Model program_model(const core::Program& program);
+
+// Which segments `device` holds and how (shard / replica index, ZeRO level).
+std::vector<host::SegmentSpec> device_segments(const core::Program& program, int device);
+
+class HostBackend : public Backend {
+ public:
+  HostBackend(const core::Program& program, int device, MPI_Comm world, const HostConfig& config);
+  ~HostBackend() override;
+  HostBackend(const HostBackend&) = delete;
+  HostBackend& operator=(const HostBackend&) = delete;
+
+  void begin_step(int step) override;
+  bool start(const core::OpRef& at, const core::Op& op) override;
+  bool poll(const core::OpRef& at, const core::Op& op) override;
+  void buffer_freed(int buffer) override;
+  void end_step() override;
+  std::string describe_wait(const core::Op& op) const override;
+
+  double loss_sum() const { return loss_sum_; }   // this device's summed token losses of the step
+  host::HostModel& model() { return *model_; }
+  int steps_done() const { return steps_done_; }
+  void set_steps_done(int steps) { steps_done_ = steps; }
+
+ private:
+  struct Pending;
+  void run_compute(const core::Op& op);
+  void start_comm(const core::OpRef& at, const core::Op& op);
+  void finish_comm(const core::Op& op, Pending& p);
+  MPI_Comm comm_of(const core::Op& op) const;
+  int mb_of(const core::Op& op) const;
+  int data_rank_of(const core::Op& op) const;
+  const core::ProgramSegment& seg(int s) const { return program_.segments.at(static_cast<std::size_t>(s)); }
+
+  const core::Program& program_;
+  const core::Plan& plan_;
+  int device_;
+  MPI_Comm world_ = MPI_COMM_NULL;
+  std::vector<MPI_Comm> family_comm_;   // this device's group communicator per family (or null)
+  HostConfig config_;
+  DataShape shape_;
+  float loss_scale_ = 1;
+  int num_layers_ = 0;
+  std::unique_ptr<host::HostModel> model_;
+  std::unique_ptr<host::TokenStream> stream_;
+  int step_ = 0, steps_done_ = 0;
+  double loss_sum_ = 0;
+
+  // Data in flight between ops, keyed by microbatch and model layer boundary (the tensor entering
+  // that layer in the forward direction, or leaving it in the backward direction).
+  // The data-parallel rank is part of the key: with mirrored placements one device runs different
+  // ranks' data in different segments (its position differs between their device sets).
+  using Key = std::tuple<int, int, int>;         // (microbatch, data-parallel rank, layer)
+  using SegKey = std::pair<int, int>;            // (segment, microbatch)
+  using EpKey = std::tuple<int, bool, int>;      // (segment, backward, microbatch)
+  std::map<Key, host::ForwardState> forward_;
+  std::map<Key, host::BackwardState> backward_;
+  std::map<SegKey, host::SegmentStash> stash_;
+  std::map<SegKey, host::ExpertSource> ep_source_;
+  std::map<SegKey, host::BackwardState> ep_grad_;
+  std::map<EpKey, std::vector<host::ExpertPacket>> ep_in_, ep_out_;
+  std::map<EpKey, int> a2a_seen_;
+  std::map<core::OpRef, std::unique_ptr<Pending>> pending_;
+};
+
+}  // namespace piper::runtime

@@ -1,0 +1,121 @@
+// Host (Eigen, fp32) kernels of the transformer layers: one forward and a backward split into the
+// input gradient (BI) and the weight gradient (BW) per kernel, plus AdamW. The reference beside which
+// any faster (CUDA) kernel is checked.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include <Eigen/Dense>
+
+namespace piper::runtime::host {
+
+// Row-major so that a row is a token and a tensor's storage is one contiguous span of a flat vector.
+using Mat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Vec = Eigen::VectorXf;
+using MatMap = Eigen::Map<Mat>;
+using ConstMatMap = Eigen::Map<const Mat>;
+using VecMap = Eigen::Map<Vec>;
+using ConstVecMap = Eigen::Map<const Vec>;
+
+constexpr float kNormEps = 1e-6f;
+
+// ---- Embedding: x[t] = table[token[t]] ----
+Mat embedding_forward(const ConstMatMap& table, const std::vector<int>& tokens);
+void embedding_backward_weight(const std::vector<int>& tokens, const Mat& dx, MatMap dtable);
+
+// ---- RMSNorm over the columns of each row: y = x / rms(x) * g ----
+struct RmsNormCache {
+  Mat x;
+  Vec rstd;  // 1 / sqrt(mean(x^2) + eps), per row
+};
+Mat rmsnorm_forward(const Mat& x, const ConstVecMap& g, RmsNormCache* cache);
+Mat rmsnorm_backward_input(const RmsNormCache& c, const ConstVecMap& g, const Mat& dy);
+void rmsnorm_backward_weight(const RmsNormCache& c, const Mat& dy, VecMap dg);
+
+// ---- Causal self-attention with grouped KV heads, RoPE, optional Qwen3 per-head q/k RMSNorm ----
+struct AttentionShape {
+  int heads = 1, kv_heads = 1, head_dim = 1;
+  int seq_len = 1;          // rows are sequences of seq_len tokens one after another
+  bool qk_norm = false;
+  float rope_theta = 10000.0f;
+};
+struct AttentionWeights {
+  ConstMatMap wq, wk, wv, wo;      // [H, heads*hd], [H, kv*hd], [H, kv*hd], [heads*hd, H]
+  ConstVecMap q_norm, k_norm;      // [hd] each (unused without qk_norm)
+};
+struct AttentionGrads {
+  MatMap wq, wk, wv, wo;
+  VecMap q_norm, k_norm;
+};
+struct AttentionCache {
+  Mat u;                          // input
+  Mat q_lin, k_lin, v;            // projections (before qk-norm and RoPE)
+  Mat q_rstd, k_rstd;             // [T, heads], [T, kv] per-head RMSNorm factors
+  Mat q, k;                       // after qk-norm and RoPE
+  std::vector<Mat> probs;         // per (sequence, head): [seq, seq] softmax
+  Mat o;                          // [T, heads*hd] attention output before wo
+  // Saved by backward_input for backward_weight:
+  Mat dout, dq_lin, dk_lin, dv;
+  Vec dq_norm, dk_norm;
+};
+Mat attention_forward(const AttentionShape& s, const AttentionWeights& w, const Mat& u, AttentionCache* c);
+Mat attention_backward_input(const AttentionShape& s, const AttentionWeights& w, AttentionCache& c, const Mat& dout);
+void attention_backward_weight(const AttentionShape& s, const AttentionCache& c, AttentionGrads& g);
+
+// ---- SwiGLU MLP: y = (silu(u wg) * (u wu)) wd ----
+struct MlpWeights {
+  ConstMatMap wg, wu, wd;          // [H, F], [H, F], [F, H]
+};
+struct MlpGrads {
+  MatMap wg, wu, wd;
+};
+struct MlpCache {
+  Mat u, a, b, h;                 // h = silu(a) * b
+  Mat dout, da, db;               // saved by backward_input
+};
+Mat mlp_forward(const MlpWeights& w, const Mat& u, MlpCache* c);
+Mat mlp_backward_input(const MlpWeights& w, MlpCache& c, const Mat& dout);
+void mlp_backward_weight(const MlpCache& c, MlpGrads& g);
+
+// ---- MoE router: softmax over the top-k logits of u wr (Qwen3-MoE normalises the top-k) ----
+struct RouterCache {
+  Mat u;
+  Eigen::MatrixXi topk;           // [T, k] expert ids, best first
+  Mat gates;                      // [T, k]
+  Mat dlogits;                    // [T, E] saved by backward_input
+};
+void router_forward(const ConstMatMap& wr, int top_k, const Mat& u, RouterCache* c, Eigen::MatrixXi* topk, Mat* gates);
+Mat router_backward_input(const ConstMatMap& wr, RouterCache& c, const Mat& dgates);
+void router_backward_weight(const RouterCache& c, MatMap dwr);
+
+// ---- Routed experts on a list of (row, expert) entries: y_i = mlp_{expert_i}(rows_i) ----
+// Expert e's weights are at index e - first_expert of `experts` (a device holds a contiguous range).
+struct ExpertsCache {
+  std::vector<int> expert;        // per entry
+  std::vector<MlpCache> per_expert;
+  std::vector<std::vector<int>> rows_of;  // local expert -> entry indices
+};
+Mat experts_forward(const std::vector<MlpWeights>& experts, int first_expert, const std::vector<int>& expert,
+                    const Mat& rows, ExpertsCache* c);
+Mat experts_backward_input(const std::vector<MlpWeights>& experts, ExpertsCache& c, const Mat& dy);
+void experts_backward_weight(ExpertsCache& c, std::vector<MlpGrads>& g);
+
+// ---- LM head + cross-entropy: loss_sum = sum_t (logsumexp(l_t) - l_t[target_t]), l = u wh ----
+struct HeadCache {
+  Mat u;
+  Mat dlogits;                    // (softmax - onehot) * loss_scale, computed in the forward
+};
+double head_forward(const ConstMatMap& wh, const Mat& u, const std::vector<int>& targets, float loss_scale, HeadCache* c);
+Mat head_backward_input(const ConstMatMap& wh, const HeadCache& c);
+void head_backward_weight(const HeadCache& c, MatMap dwh);
+
+// ---- AdamW (Loshchilov & Hutter 2019), decoupled weight decay, bias-corrected; step counts from 1 ----
+struct AdamWConfig {
+  float lr = 3e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.01f;
+};
+void adamw_update(const AdamWConfig& cfg, int step, std::span<float> params, std::span<const float> grads,
+                  std::span<float> m, std::span<float> v);
+
+}  // namespace piper::runtime::host

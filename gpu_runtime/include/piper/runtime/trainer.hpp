@@ -1,0 +1,59 @@
+// Training drivers over a Program: the distributed run (one MPI rank per device, the Executor over the
+// host backend) and the single-process reference on the same global batch; checkpoints and
+// parameter dumps used to compare the two.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "piper/core/program.hpp"
+#include "piper/runtime/kernels.hpp"
+
+namespace piper::runtime {
+
+// Thrown on ranks that stop because another rank reported the error: one line, not one per rank.
+struct ReportedByAnotherRank : std::runtime_error {
+  ReportedByAnotherRank() : std::runtime_error("reported by another rank") {}
+};
+
+struct TrainOptions {
+  int steps = 3;                  // total steps of the run (a resumed run continues up to this step)
+  std::uint64_t seed = 1;
+  std::string data_path;          // empty: synthetic token stream
+  host::AdamWConfig adamw;
+  std::string report_path;        // run.json: losses, tokens_per_s, step_time_s
+  std::string trace_path;         // Chrome trace of the last step (measured timeline)
+  std::string save_dir, resume_dir;
+  std::string dump_params_path;   // final parameters in canonical layout (for equivalence tests)
+  double stall_timeout_s = 20;
+  bool print = true;
+};
+
+struct TrainResult {
+  int first_step = 0;
+  std::vector<double> losses;     // one per step run
+  double step_time_s = 0;         // mean over steps (slowest rank)
+  double tokens_per_s = 0;
+  // Executor accounting summed over steps on this rank (distributed runs only).
+  double backend_s = 0, idle_s = 0, overhead_s = 0, total_s = 0;
+  std::int64_t ops = 0;
+};
+
+// The same model on the same global batch (all microbatches of all data-parallel ranks), in one process.
+TrainResult train_reference(const core::Program& program, const TrainOptions& options);
+// Must run under MPI (MPI_Init done by the caller) with as many ranks as the Program has devices.
+TrainResult train_distributed(const core::Program& program, const TrainOptions& options);
+
+// Parameter dumps: one file with records (layer, offset, values) of the canonical parameter layout.
+// Reads a dump into layer -> values (NaN where no record covered an element).
+std::map<int, std::vector<float>> read_param_dump(const std::string& path);
+// Largest |a - b| over all parameters; throws if a layer or element is missing from either.
+double max_param_difference(const std::string& path_a, const std::string& path_b);
+
+// What identifies a model for checkpoint compatibility: spec, training shape and segmentation.
+std::string model_fingerprint(const core::Program& program);
+
+}  // namespace piper::runtime

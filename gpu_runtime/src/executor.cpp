@@ -1,0 +1,138 @@
+// The backend-neutral executor: one cursor per stream, an op starts once its stream reached it and
+// its cross-stream waits completed; communication stays in flight while other streams progress.
+#include "piper/runtime/executor.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include <fmt/format.h>
+
+namespace piper::runtime {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double seconds_between(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+}  // namespace
+
+Executor::Executor(const core::Plan& plan, Backend& backend, ExecutorOptions options)
+    : plan_(plan), backend_(backend), options_(options) {
+  std::size_t n = 0;
+  for (const auto& s : plan_.streams) stream_base_.push_back(n), n += s.ops.size();
+  allocs_.assign(n, {});
+  frees_.assign(n, {});
+  for (std::size_t b = 0; b < plan_.buffers.size(); ++b) {
+    const auto& buf = plan_.buffers[b];
+    if (buf.persistent()) {
+      persistent_bytes_ += buf.bytes;
+      continue;
+    }
+    allocs_.at(stream_base_.at(static_cast<std::size_t>(buf.alloc.stream)) + static_cast<std::size_t>(buf.alloc.index)).push_back(static_cast<int>(b));
+    frees_.at(stream_base_.at(static_cast<std::size_t>(buf.free.stream)) + static_cast<std::size_t>(buf.free.index)).push_back(static_cast<int>(b));
+  }
+}
+
+StepMeasurement Executor::run_step(int step) {
+  const std::size_t streams = plan_.streams.size();
+  std::vector<int> cursor(streams, 0);     // next op to start
+  std::vector<int> completed(streams, 0);  // ops completed (a stream completes in order)
+  std::vector<bool> in_flight(streams, false);
+  StepMeasurement m;
+  m.timeline.spans.reserve(static_cast<std::size_t>(plan_.op_count()));
+  std::vector<core::OpSpan> spans(static_cast<std::size_t>(plan_.op_count()));
+  std::int64_t memory = persistent_bytes_;
+
+  backend_.begin_step(step);
+  const auto t0 = Clock::now();
+  m.timeline.memory.push_back({0.0, memory});
+  m.timeline.peak_memory_bytes = memory;
+  auto now_s = [&] { return seconds_between(t0, Clock::now()); };
+  auto waits_done = [&](const core::Op& op) {
+    return std::all_of(op.waits.begin(), op.waits.end(),
+                       [&](const core::OpRef& w) { return completed[static_cast<std::size_t>(w.stream)] > w.index; });
+  };
+  auto finish = [&](std::size_t s) {
+    const int index = completed[s]++;
+    const std::size_t flat = stream_base_[s] + static_cast<std::size_t>(index);
+    spans[flat].end_s = now_s();
+    for (int b : frees_[flat]) {
+      memory -= plan_.buffers[static_cast<std::size_t>(b)].bytes;
+      m.timeline.memory.push_back({spans[flat].end_s, memory});
+      backend_.buffer_freed(b);
+    }
+    in_flight[s] = false;
+  };
+
+  std::size_t remaining = static_cast<std::size_t>(plan_.op_count());
+  auto last_progress = Clock::now();
+  while (remaining > 0) {
+    const auto sweep_start = Clock::now();
+    double backend_s = 0;
+    bool progressed = false;
+    for (std::size_t s = 0; s < streams; ++s) {
+      const auto& ops = plan_.streams[s].ops;
+      if (in_flight[s]) {
+        const auto& op = ops[static_cast<std::size_t>(completed[s])];
+        const auto b0 = Clock::now();
+        const bool done = backend_.poll({static_cast<int>(s), completed[s]}, op);
+        backend_s += seconds_between(b0, Clock::now());
+        if (!done) continue;
+        finish(s);
+        --remaining;
+        progressed = true;
+      }
+      // Start as many ops of this stream as are ready (synchronous ones complete at once).
+      while (!in_flight[s] && cursor[s] < static_cast<int>(ops.size()) && waits_done(ops[static_cast<std::size_t>(cursor[s])])) {
+        const int index = cursor[s]++;
+        const std::size_t flat = stream_base_[s] + static_cast<std::size_t>(index);
+        spans[flat] = core::OpSpan{static_cast<std::int32_t>(s), index, now_s(), 0.0};
+        for (int b : allocs_[flat]) {
+          memory += plan_.buffers[static_cast<std::size_t>(b)].bytes;
+          m.timeline.memory.push_back({spans[flat].start_s, memory});
+          if (memory > m.timeline.peak_memory_bytes) m.timeline.peak_memory_bytes = memory, m.timeline.peak_memory_time_s = spans[flat].start_s;
+        }
+        in_flight[s] = true;
+        const auto b0 = Clock::now();
+        const bool done = backend_.start({static_cast<int>(s), index}, ops[static_cast<std::size_t>(index)]);
+        backend_s += seconds_between(b0, Clock::now());
+        progressed = true;
+        if (!done) break;
+        finish(s);
+        --remaining;
+      }
+    }
+    const auto sweep_end = Clock::now();
+    const double sweep_s = seconds_between(sweep_start, sweep_end);
+    if (progressed) {
+      m.backend_seconds += backend_s;
+      m.overhead_seconds += std::max(0.0, sweep_s - backend_s);
+      last_progress = sweep_end;
+    } else {
+      m.idle_seconds += sweep_s;
+      if (seconds_between(last_progress, sweep_end) > options_.stall_timeout_s) {
+        std::string stuck;
+        for (std::size_t s = 0; s < streams; ++s)
+          if (cursor[s] < static_cast<int>(plan_.streams[s].ops.size()) || in_flight[s]) {
+            const auto& op = plan_.streams[s].ops[static_cast<std::size_t>(in_flight[s] ? completed[s] : cursor[s])];
+            stuck += fmt::format("{}{}: {}{}", stuck.empty() ? "" : "; ", plan_.streams[s].name, in_flight[s] ? "" : "not started ",
+                                 backend_.describe_wait(op));
+          }
+        throw RuntimeError(fmt::format("step {}: no progress for {:.0f} s (a peer rank died or the plan deadlocks): {}", step,
+                                       options_.stall_timeout_s, stuck));
+      }
+      // Nothing to do until a peer or the network moves: give the core away (ranks often outnumber
+      // cores in tests), after a short spin so that fast transfers keep a low latency.
+      if (seconds_between(last_progress, sweep_end) > 2e-4) {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+        m.idle_seconds += seconds_between(sweep_end, Clock::now());
+      }
+    }
+  }
+  m.step_seconds = now_s();
+  backend_.end_step();
+  m.timeline.spans = std::move(spans);  // flattened stream-major = sorted by (stream, index)
+  m.ops = plan_.op_count();
+  return m;
+}
+
+}  // namespace piper::runtime

@@ -1,0 +1,434 @@
+// The host backend: compute ops run the Eigen model on the op's microbatch and segment; SEND/RECV and
+// collectives are non-blocking MPI on communicators created once per Program communicator group.
+#include "piper/runtime/host_backend.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+#include "piper/runtime/executor.hpp"
+
+namespace piper::runtime {
+
+namespace {
+
+void check_mpi(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw RuntimeError(fmt::format("{} failed: {}", what, std::string(text, static_cast<std::size_t>(len))));
+}
+
+bool is_backward(core::Pass p) { return p == core::Pass::B || p == core::Pass::BI; }
+
+template <class Map, class K>
+auto take(Map& m, const K& key, const char* what) {
+  auto it = m.find(key);
+  if (it == m.end()) throw RuntimeError(fmt::format("runtime: plan order violated: {} is not available", what));
+  auto v = std::move(it->second);
+  m.erase(it);
+  return v;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Program -> model and data shape
+// ---------------------------------------------------------------------------------------------
+core::Model program_model(const core::Program& program) {
+  if (program.model_spec.is_null() || program.model_spec.empty())
+    throw std::invalid_argument("plan: field 'model_spec' is empty; the runtime needs the model to train (compile from a model spec or zoo name)");
+  core::Model model = core::build_model(core::config_from_spec_json(program.model_spec, "plan model_spec"));
+  model.set_training(program.training);
+  const int layers = static_cast<int>(model.layers().size());
+  for (std::size_t s = 0; s < program.segments.size(); ++s)
+    if (program.segments[s].last_layer > layers)
+      throw std::invalid_argument(fmt::format("plan: segment {} spans layers up to {} but model '{}' has {} layers", s,
+                                              program.segments[s].last_layer, model.name(), layers));
+  return model;
+}
+
+DataShape data_shape(const core::Program& program) {
+  DataShape d;
+  d.microbatches = program.microbatches;
+  d.micro_batch_size = program.training.micro_batch_size;
+  d.seq_len = program.training.seq_len;
+  d.ranks = 0;
+  for (const auto& seg : program.segments) {
+    if (seg.devices == core::kNoDevices) throw std::invalid_argument("plan: a segment is not placed on any device");
+    const int n = static_cast<int>(program.device_sets.at(static_cast<std::size_t>(seg.devices)).size());
+    if (d.ranks != 0 && n != d.ranks)
+      throw std::invalid_argument(fmt::format("plan: segments run on device sets of {} and {} devices; the runtime needs one data-parallel degree", d.ranks, n));
+    d.ranks = n;
+  }
+  return d;
+}
+
+std::vector<host::SegmentSpec> device_segments(const core::Program& program, int device) {
+  std::vector<host::SegmentSpec> out;
+  for (std::size_t s = 0; s < program.segments.size(); ++s) {
+    const auto& seg = program.segments[s];
+    const int pos = program.position_in(seg.devices, device);
+    if (pos < 0) continue;
+    host::SegmentSpec sp;
+    sp.segment = static_cast<int>(s);
+    sp.first_layer = seg.first_layer;
+    sp.last_layer = seg.last_layer;
+    sp.shard_degree = seg.shard_degree;
+    // Shard groups are consecutive devices of the set; replicas of a shard are strided by the degree.
+    sp.shard_index = pos % seg.shard_degree;
+    sp.replicas = seg.replicas;
+    sp.replica_index = pos / seg.shard_degree;
+    sp.zero_level = seg.zero_level;
+    out.push_back(sp);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backend
+// ---------------------------------------------------------------------------------------------
+struct HostBackend::Pending {
+  MPI_Request request = MPI_REQUEST_NULL;
+  MPI_Message message = MPI_MESSAGE_NULL;
+  bool matched = false;        // RECV: the message was probed and its receive posted
+  int peer = -1;
+  bool dispatch = false;       // ALL_TO_ALL: the first of its segment/pass/microbatch
+  std::int64_t block = 0;
+  std::vector<float> send, recv;
+};
+
+HostBackend::HostBackend(const core::Program& program, int device, MPI_Comm world, const HostConfig& config)
+    : program_(program), plan_(program.plan_for(device)), device_(device), config_(config) {
+  check_mpi(MPI_Comm_dup(world, &world_), "MPI_Comm_dup");
+  MPI_Comm_set_errhandler(world_, MPI_ERRORS_RETURN);
+  const core::Model model = program_model(program);
+  num_layers_ = static_cast<int>(model.layers().size());
+  shape_ = data_shape(program);
+  loss_scale_ = 1.0f / static_cast<float>(shape_.global_tokens());
+  model_ = std::make_unique<host::HostModel>(model, device_segments(program, device), config.seed);
+  stream_ = std::make_unique<host::TokenStream>(model.config() ? model.config()->vocab : 0, shape_.seq_len, config.seed, config.data_path);
+  // One communicator per group of every family, created collectively by all ranks in family order.
+  for (std::size_t f = 0; f < program.families.size(); ++f) {
+    const auto group = program.group_of(static_cast<int>(f), device);
+    int color = MPI_UNDEFINED, key = 0;
+    if (!group.empty()) {
+      const auto groups = program.groups(static_cast<int>(f));
+      color = static_cast<int>(std::find(groups.begin(), groups.end(), group) - groups.begin());
+      key = static_cast<int>(std::find(group.begin(), group.end(), device) - group.begin());
+    }
+    MPI_Comm c = MPI_COMM_NULL;
+    check_mpi(MPI_Comm_split(world_, color, key, &c), "MPI_Comm_split");
+    if (c != MPI_COMM_NULL) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    family_comm_.push_back(c);
+  }
+}
+
+HostBackend::~HostBackend() {
+  for (auto& c : family_comm_)
+    if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
+  if (world_ != MPI_COMM_NULL) MPI_Comm_free(&world_);
+}
+
+MPI_Comm HostBackend::comm_of(const core::Op& op) const {
+  if (op.family < 0 || op.family >= static_cast<int>(family_comm_.size()) || family_comm_[static_cast<std::size_t>(op.family)] == MPI_COMM_NULL)
+    throw RuntimeError(fmt::format("runtime: device {} holds no group of family {} for '{}'", device_, op.family, op.label));
+  return family_comm_[static_cast<std::size_t>(op.family)];
+}
+
+int HostBackend::mb_of(const core::Op& op) const {
+  auto it = op.tags.find("MB");
+  return it == op.tags.end() ? 0 : it->second;
+}
+
+int HostBackend::data_rank_of(const core::Op& op) const {
+  const int pos = program_.position_in(op.device_set, device_);
+  if (pos < 0) throw RuntimeError(fmt::format("runtime: device {} is not in the device set of '{}'", device_, op.label));
+  return pos;
+}
+
+void HostBackend::begin_step(int step) {
+  step_ = step;
+  loss_sum_ = 0;
+}
+
+void HostBackend::end_step() {
+  // Every tensor the plan produced must have been consumed: leftovers mean a plan the runtime misread.
+  if (!forward_.empty() || !backward_.empty() || !stash_.empty() || !ep_in_.empty() || !ep_out_.empty() || !ep_grad_.empty() || !pending_.empty())
+    throw RuntimeError(fmt::format("runtime: device {} ended step {} with unconsumed data ({} activations, {} gradients, {} stashes)",
+                                   device_, step_, forward_.size(), backward_.size(), stash_.size()));
+  ep_source_.clear();
+  a2a_seen_.clear();
+  ++steps_done_;
+}
+
+bool HostBackend::start(const core::OpRef& at, const core::Op& op) {
+  switch (op.kind) {
+    case core::OpKind::Compute: run_compute(op); return true;
+    case core::OpKind::Update:
+      for (int s : op.segments) model_->update(s, config_.adamw, steps_done_ + 1);
+      return true;
+    default: start_comm(at, op); return poll(at, op);
+  }
+}
+
+void HostBackend::run_compute(const core::Op& op) {
+  const int s = op.segment, mb = mb_of(op);
+  const auto& sg = seg(s);
+  const bool sharded = sg.shard_degree > 1;
+  const bool has_head = sg.last_layer == num_layers_;
+  const SegKey sk{s, mb};
+  if (op.pass == core::Pass::F) {
+    if (sharded) {
+      auto from = take(ep_in_, EpKey{s, false, mb}, "dispatched expert inputs");
+      model_->experts_forward_entries(s, from, stash_[sk], &ep_out_[EpKey{s, false, mb}]);
+      return;
+    }
+    host::ForwardState state;
+    if (sg.first_layer > 0) state = take(forward_, Key{mb, data_rank_of(op), sg.first_layer}, "the activation entering the segment");
+    const auto data = stream_->microbatch(step_, mb, data_rank_of(op), shape_.microbatches, shape_.ranks, shape_.micro_batch_size);
+    loss_sum_ += model_->forward(s, data, loss_scale_, state, stash_[sk]);
+    if (!has_head) forward_[Key{mb, data_rank_of(op), sg.last_layer}] = std::move(state);
+    return;
+  }
+  if (op.pass == core::Pass::BW) {
+    model_->backward_weight(s, stash_.at(sk));
+    stash_.erase(sk);
+    return;
+  }
+  // B or BI
+  if (sharded) {
+    auto from = take(ep_in_, EpKey{s, true, mb}, "dispatched expert gradients");
+    model_->experts_backward_entries(s, from, stash_.at(sk), &ep_out_[EpKey{s, true, mb}]);
+  } else {
+    host::BackwardState g;
+    if (!has_head) g = take(backward_, Key{mb, data_rank_of(op), sg.last_layer}, "the gradient leaving the segment");
+    model_->backward_input(s, g, stash_.at(sk));
+    if (sg.first_layer > 0) backward_[Key{mb, data_rank_of(op), sg.first_layer}] = std::move(g);
+  }
+  if (op.pass == core::Pass::B) {
+    model_->backward_weight(s, stash_.at(sk));
+    stash_.erase(sk);
+  }
+}
+
+void HostBackend::start_comm(const core::OpRef& at, const core::Op& op) {
+  auto p = std::make_unique<Pending>();
+  const int mb = mb_of(op);
+  switch (op.kind) {
+    case core::OpKind::Send: {
+      const auto& sg = seg(op.segment);
+      p->peer = program_.peer_of(op, device_);
+      if (is_backward(op.pass)) p->send = take(backward_, Key{mb, data_rank_of(op), sg.first_layer}, "the gradient to send").serialize();
+      else p->send = take(forward_, Key{mb, data_rank_of(op), sg.last_layer}, "the activation to send").serialize();
+      // Synchronous send: completes when the receiver matched it, the rendezvous the simulator models.
+      check_mpi(MPI_Issend(p->send.data(), static_cast<int>(p->send.size()), MPI_FLOAT, p->peer, op.node, world_, &p->request), "MPI_Issend");
+      break;
+    }
+    case core::OpKind::Recv: p->peer = program_.peer_of(op, device_); break;  // probed in poll()
+    case core::OpKind::AllReduce: {
+      for (int s : op.segments) {
+        auto& g = model_->segment(s).grads;
+        p->send.insert(p->send.end(), g.begin(), g.end());
+      }
+      check_mpi(MPI_Iallreduce(MPI_IN_PLACE, p->send.data(), static_cast<int>(p->send.size()), MPI_FLOAT, MPI_SUM, comm_of(op), &p->request),
+                "MPI_Iallreduce");
+      break;
+    }
+    case core::OpKind::ReduceScatter: {
+      // Block r holds replica r's chunk of every segment of the bucket (zero padded).
+      MPI_Comm c = comm_of(op);
+      int ranks = 0;
+      MPI_Comm_size(c, &ranks);
+      std::int64_t block = 0;
+      for (int s : op.segments) block += model_->segment(s).chunk_floats;
+      p->send.assign(static_cast<std::size_t>(block * ranks), 0.0f);
+      for (int r = 0; r < ranks; ++r) {
+        std::int64_t at_floats = r * block;
+        for (int s : op.segments) {
+          auto& sp = model_->segment(s);
+          if (sp.replicas != ranks) throw RuntimeError(fmt::format("runtime: '{}' reduces over {} ranks but segment {} has {} replicas", op.label, ranks, s, sp.replicas));
+          const std::int64_t n = static_cast<std::int64_t>(sp.grads.size());
+          const std::int64_t b = std::min(n, r * sp.chunk_floats), e = std::min(n, b + sp.chunk_floats);
+          std::copy(sp.grads.begin() + b, sp.grads.begin() + e, p->send.begin() + at_floats);
+          at_floats += sp.chunk_floats;
+        }
+      }
+      p->recv.assign(static_cast<std::size_t>(block), 0.0f);
+      check_mpi(MPI_Ireduce_scatter_block(p->send.data(), p->recv.data(), static_cast<int>(block), MPI_FLOAT, MPI_SUM, c, &p->request),
+                "MPI_Ireduce_scatter_block");
+      break;
+    }
+    case core::OpKind::AllGather: {
+      MPI_Comm c = comm_of(op);
+      int ranks = 0;
+      MPI_Comm_size(c, &ranks);
+      for (int s : op.segments) {
+        auto& sp = model_->segment(s);
+        std::vector<float> chunk = sp.master;
+        chunk.resize(static_cast<std::size_t>(sp.chunk_floats), 0.0f);
+        p->send.insert(p->send.end(), chunk.begin(), chunk.end());
+      }
+      p->block = static_cast<std::int64_t>(p->send.size());
+      p->recv.assign(static_cast<std::size_t>(p->block * ranks), 0.0f);
+      check_mpi(MPI_Iallgather(p->send.data(), static_cast<int>(p->block), MPI_FLOAT, p->recv.data(), static_cast<int>(p->block), MPI_FLOAT, c, &p->request),
+                "MPI_Iallgather");
+      break;
+    }
+    case core::OpKind::AllToAll: {
+      MPI_Comm c = comm_of(op);
+      int ranks = 0;
+      MPI_Comm_size(c, &ranks);
+      const int s = op.segment;
+      if (s < 0 || seg(s).shard_degree != ranks)
+        throw RuntimeError(fmt::format("runtime: '{}' exchanges over {} ranks but its segment is sharded {} ways", op.label, ranks, s < 0 ? 0 : seg(s).shard_degree));
+      const bool backward = is_backward(op.pass);
+      const EpKey key{s, backward, mb};
+      // The first all-to-all of a (segment, pass, microbatch) carries tokens into the sharded
+      // experts, the second carries their results back: dataflow order, not a schedule property.
+      p->dispatch = a2a_seen_[key]++ == 0;
+      const std::int64_t cap = shape_.micro_batch_size * shape_.seq_len * model_->top_k();
+      p->block = 1 + cap * (1 + model_->hidden());
+      std::vector<host::ExpertPacket> out;
+      const SegKey sk{s, mb};
+      const int first = seg(s).first_layer;
+      if (!backward && p->dispatch) {
+        auto& state = forward_.at(Key{mb, data_rank_of(op), first});
+        ep_source_[sk] = model_->route(state, ranks);
+        out = model_->dispatch_forward(state, ep_source_[sk]);
+      } else if (backward && p->dispatch) {
+        auto g = take(backward_, Key{mb, data_rank_of(op), seg(s).last_layer}, "the gradient entering the experts");
+        out = model_->dispatch_backward(g, ep_source_.at(sk));
+        ep_grad_[sk] = std::move(g);
+      } else {
+        out = take(ep_out_, key, "the experts' results");
+      }
+      p->send = host::pack_packets(out, p->block, model_->hidden());
+      p->recv.assign(p->send.size(), 0.0f);
+      check_mpi(MPI_Ialltoall(p->send.data(), static_cast<int>(p->block), MPI_FLOAT, p->recv.data(), static_cast<int>(p->block), MPI_FLOAT, c, &p->request),
+                "MPI_Ialltoall");
+      break;
+    }
+    default: throw RuntimeError(fmt::format("runtime: unexpected op kind for communication: {}", op.label));
+  }
+  pending_[at] = std::move(p);
+}
+
+bool HostBackend::poll(const core::OpRef& at, const core::Op& op) {
+  auto it = pending_.find(at);
+  if (it == pending_.end()) throw RuntimeError(fmt::format("runtime: polled an op that is not in flight: {}", op.label));
+  Pending& p = *it->second;
+  if (op.kind == core::OpKind::Recv && !p.matched) {
+    int flag = 0;
+    MPI_Status status;
+    check_mpi(MPI_Improbe(p.peer, op.node, world_, &flag, &p.message, &status), "MPI_Improbe");
+    if (!flag) return false;
+    int count = 0;
+    MPI_Get_count(&status, MPI_FLOAT, &count);
+    p.recv.assign(static_cast<std::size_t>(count), 0.0f);
+    check_mpi(MPI_Imrecv(p.recv.data(), count, MPI_FLOAT, &p.message, &p.request), "MPI_Imrecv");
+    p.matched = true;
+  }
+  int done = 0;
+  check_mpi(MPI_Test(&p.request, &done, MPI_STATUS_IGNORE), "MPI_Test");
+  if (!done) return false;
+  finish_comm(op, p);
+  pending_.erase(it);
+  return true;
+}
+
+void HostBackend::finish_comm(const core::Op& op, Pending& p) {
+  const int mb = mb_of(op);
+  switch (op.kind) {
+    case core::OpKind::Send: break;
+    case core::OpKind::Recv: {
+      const auto& sg = seg(op.segment);
+      if (is_backward(op.pass)) backward_[Key{mb, data_rank_of(op), sg.last_layer}] = host::BackwardState::deserialize(p.recv);
+      else forward_[Key{mb, data_rank_of(op), sg.first_layer}] = host::ForwardState::deserialize(p.recv);
+      break;
+    }
+    case core::OpKind::AllReduce: {
+      std::size_t at = 0;
+      for (int s : op.segments) {
+        auto& g = model_->segment(s).grads;
+        std::copy(p.send.begin() + static_cast<std::ptrdiff_t>(at), p.send.begin() + static_cast<std::ptrdiff_t>(at + g.size()), g.begin());
+        at += g.size();
+      }
+      break;
+    }
+    case core::OpKind::ReduceScatter: {
+      std::int64_t at = 0;
+      for (int s : op.segments) {
+        auto& sp = model_->segment(s);
+        std::copy(p.recv.begin() + at, p.recv.begin() + at + static_cast<std::int64_t>(sp.grad_chunk.size()), sp.grad_chunk.begin());
+        sp.grad_chunk_ready = true;
+        at += sp.chunk_floats;
+      }
+      break;
+    }
+    case core::OpKind::AllGather: {
+      const auto ranks = static_cast<std::int64_t>(p.recv.size()) / p.block;
+      std::int64_t at = 0;
+      for (int s : op.segments) {
+        auto& sp = model_->segment(s);
+        const std::int64_t n = static_cast<std::int64_t>(sp.params.size());
+        for (std::int64_t r = 0; r < ranks; ++r) {
+          const std::int64_t b = std::min(n, r * sp.chunk_floats), e = std::min(n, b + sp.chunk_floats);
+          std::copy(p.recv.begin() + r * p.block + at, p.recv.begin() + r * p.block + at + (e - b), sp.params.begin() + b);
+        }
+        at += sp.chunk_floats;
+        if (op.pass != core::Pass::None) ++sp.gathered;  // ZeRO-3 gather before a use; released with its buffer
+      }
+      break;
+    }
+    case core::OpKind::AllToAll: {
+      int ranks = 0;
+      MPI_Comm_size(comm_of(op), &ranks);
+      auto in = host::unpack_packets(p.recv, ranks, p.block, model_->hidden());
+      const int s = op.segment;
+      const bool backward = is_backward(op.pass);
+      const SegKey sk{s, mb};
+      if (p.dispatch) {
+        ep_in_[EpKey{s, backward, mb}] = std::move(in);
+      } else if (!backward) {
+        auto state = take(forward_, Key{mb, data_rank_of(op), seg(s).first_layer}, "the activation around the experts");
+        model_->combine_forward(state, ep_source_.at(sk), in);
+        forward_[Key{mb, data_rank_of(op), seg(s).last_layer}] = std::move(state);
+      } else {
+        auto g = take(ep_grad_, sk, "the gradient around the experts");
+        model_->combine_backward(g, ep_source_.at(sk), in);
+        backward_[Key{mb, data_rank_of(op), seg(s).first_layer}] = std::move(g);
+      }
+      break;
+    }
+    default: break;
+  }
+}
+
+void HostBackend::buffer_freed(int buffer) {
+  const auto& b = plan_.buffers.at(static_cast<std::size_t>(buffer));
+  if (b.kind != core::BufferKind::GatheredParameters) return;
+  const auto& op = plan_.streams.at(static_cast<std::size_t>(b.alloc.stream)).ops.at(static_cast<std::size_t>(b.alloc.index));
+  for (int s : op.segments) {
+    auto& sp = model_->segment(s);
+    if (--sp.gathered <= 0) {
+      sp.gathered = 0;
+      model_->poison_params(s);
+    }
+  }
+}
+
+std::string HostBackend::describe_wait(const core::Op& op) const {
+  if (op.kind == core::OpKind::Send || op.kind == core::OpKind::Recv)
+    return fmt::format("'{}' with device {}", op.label, program_.peer_of(op, device_));
+  if (op.family >= 0) {
+    std::string members;
+    for (int d : program_.group_of(op.family, device_)) members += fmt::format("{}{}", members.empty() ? "" : ",", d);
+    return fmt::format("'{}' on devices [{}]", op.label, members);
+  }
+  return fmt::format("'{}'", op.label);
+}
+
+}  // namespace piper::runtime

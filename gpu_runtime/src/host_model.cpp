@@ -1,0 +1,593 @@
+// The host model: parameter layout and initialisation, per-layer forward/backward on the residual
+// stream, expert-parallel routing helpers, AdamW with ZeRO chunks, and the deterministic token stream.
+#include "piper/runtime/host_model.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <stdexcept>
+
+namespace piper::runtime::host {
+
+namespace {
+
+std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// Uniform in [-1, 1), a pure function of (seed, layer, element): every rank initialises its shard
+// exactly as the single-process reference does.
+float uniform_pm1(std::uint64_t seed, int layer, std::int64_t element) {
+  std::uint64_t h = splitmix64(seed ^ splitmix64(static_cast<std::uint64_t>(layer) * 0x100000001b3ULL + 17) ^
+                               splitmix64(static_cast<std::uint64_t>(element)));
+  return static_cast<float>(static_cast<double>(h >> 11) * (1.0 / 9007199254740992.0) * 2.0 - 1.0);
+}
+
+void put_mat(std::vector<float>& out, const Mat& m) { out.insert(out.end(), m.data(), m.data() + m.size()); }
+
+Mat get_mat(std::span<const float> data, std::size_t& pos, Eigen::Index rows, Eigen::Index cols) {
+  if (pos + static_cast<std::size_t>(rows * cols) > data.size()) throw std::runtime_error("runtime: truncated tensor message");
+  Mat m = ConstMatMap(data.data() + pos, rows, cols);
+  pos += static_cast<std::size_t>(rows * cols);
+  return m;
+}
+
+Mat zeros_like_rows(Eigen::Index rows, Eigen::Index cols) { return Mat::Zero(rows, cols); }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// State serialisation: a 5-float header then the tensors.
+// ---------------------------------------------------------------------------------------------
+std::vector<float> ForwardState::serialize() const {
+  const bool has_u = u.size() > 0, has_routing = topk.size() > 0;
+  std::vector<float> out = {static_cast<float>(x.rows()), static_cast<float>(x.cols()),
+                            static_cast<float>(has_routing ? topk.cols() : 0), has_u ? 1.0f : 0.0f, has_routing ? 1.0f : 0.0f};
+  put_mat(out, x);
+  if (has_u) put_mat(out, u);
+  if (has_routing) {
+    for (Eigen::Index t = 0; t < topk.rows(); ++t)
+      for (Eigen::Index j = 0; j < topk.cols(); ++j) out.push_back(static_cast<float>(topk(t, j)));
+    put_mat(out, gates);
+  }
+  return out;
+}
+
+ForwardState ForwardState::deserialize(std::span<const float> data) {
+  if (data.size() < 5) throw std::runtime_error("runtime: truncated activation message");
+  const auto T = static_cast<Eigen::Index>(data[0]), H = static_cast<Eigen::Index>(data[1]), k = static_cast<Eigen::Index>(data[2]);
+  std::size_t pos = 5;
+  ForwardState s;
+  s.x = get_mat(data, pos, T, H);
+  if (data[3] != 0) s.u = get_mat(data, pos, T, H);
+  if (data[4] != 0) {
+    Mat ids = get_mat(data, pos, T, k);
+    s.topk = ids.cast<int>();
+    s.gates = get_mat(data, pos, T, k);
+  }
+  return s;
+}
+
+std::vector<float> BackwardState::serialize() const {
+  const bool has_du = du.size() > 0, has_dg = dgates.size() > 0;
+  std::vector<float> out = {static_cast<float>(dx.rows()), static_cast<float>(dx.cols()),
+                            static_cast<float>(has_dg ? dgates.cols() : 0), has_du ? 1.0f : 0.0f, has_dg ? 1.0f : 0.0f};
+  put_mat(out, dx);
+  if (has_du) put_mat(out, du);
+  if (has_dg) put_mat(out, dgates);
+  return out;
+}
+
+BackwardState BackwardState::deserialize(std::span<const float> data) {
+  if (data.size() < 5) throw std::runtime_error("runtime: truncated gradient message");
+  const auto T = static_cast<Eigen::Index>(data[0]), H = static_cast<Eigen::Index>(data[1]), k = static_cast<Eigen::Index>(data[2]);
+  std::size_t pos = 5;
+  BackwardState s;
+  s.dx = get_mat(data, pos, T, H);
+  if (data[3] != 0) s.du = get_mat(data, pos, T, H);
+  if (data[4] != 0) s.dgates = get_mat(data, pos, T, k);
+  return s;
+}
+
+// Per peer a block of block_floats: [n, n expert ids, n rows of `hidden`], zero padded.
+std::vector<float> pack_packets(const std::vector<ExpertPacket>& packets, std::int64_t block_floats, std::int64_t hidden) {
+  std::vector<float> out(static_cast<std::size_t>(block_floats) * packets.size(), 0.0f);
+  for (std::size_t p = 0; p < packets.size(); ++p) {
+    float* b = out.data() + p * static_cast<std::size_t>(block_floats);
+    const auto n = packets[p].rows.rows();
+    if (1 + n * (1 + hidden) > block_floats) throw std::runtime_error("runtime: expert packet exceeds its block");
+    b[0] = static_cast<float>(n);
+    for (Eigen::Index i = 0; i < n; ++i) b[1 + i] = packets[p].expert.empty() ? -1.0f : static_cast<float>(packets[p].expert[static_cast<std::size_t>(i)]);
+    if (n > 0) std::memcpy(b + 1 + n, packets[p].rows.data(), sizeof(float) * static_cast<std::size_t>(n * hidden));
+  }
+  return out;
+}
+
+std::vector<ExpertPacket> unpack_packets(std::span<const float> data, int peers, std::int64_t block_floats, std::int64_t hidden) {
+  std::vector<ExpertPacket> out(static_cast<std::size_t>(peers));
+  for (int p = 0; p < peers; ++p) {
+    const float* b = data.data() + static_cast<std::size_t>(p) * static_cast<std::size_t>(block_floats);
+    const auto n = static_cast<Eigen::Index>(b[0]);
+    auto& pk = out[static_cast<std::size_t>(p)];
+    for (Eigen::Index i = 0; i < n; ++i) pk.expert.push_back(static_cast<int>(b[1 + i]));
+    pk.rows = ConstMatMap(b + 1 + n, n, hidden);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layout
+// ---------------------------------------------------------------------------------------------
+std::vector<TensorSpec> layer_tensors(const core::Layer& l) {
+  const auto& s = l.shape;
+  switch (l.kind) {
+    case core::LayerKind::Embedding: return {{"embed", s.vocab, s.hidden}};
+    case core::LayerKind::Norm: return {{"norm", 1, s.hidden}};
+    case core::LayerKind::Attention: {
+      std::vector<TensorSpec> t = {{"wq", s.hidden, s.heads * s.head_dim}, {"wk", s.hidden, s.kv_heads * s.head_dim},
+                                   {"wv", s.hidden, s.kv_heads * s.head_dim}, {"wo", s.heads * s.head_dim, s.hidden}};
+      if (s.qk_norm) t.push_back({"q_norm", 1, s.head_dim}), t.push_back({"k_norm", 1, s.head_dim});
+      return t;
+    }
+    case core::LayerKind::Mlp: return {{"wg", s.hidden, s.ffn}, {"wu", s.hidden, s.ffn}, {"wd", s.ffn, s.hidden}};
+    case core::LayerKind::MoeRouter: return {{"wr", s.hidden, s.experts}};
+    case core::LayerKind::MoeExperts: {
+      std::vector<TensorSpec> t;
+      for (std::int64_t e = 0; e < s.experts; ++e)
+        t.push_back({"wg", s.hidden, s.ffn}), t.push_back({"wu", s.hidden, s.ffn}), t.push_back({"wd", s.ffn, s.hidden});
+      return t;
+    }
+    case core::LayerKind::Head: return {{"wh", s.hidden, s.vocab}};
+  }
+  return {};
+}
+
+struct HostModel::LayerView {
+  const core::Layer* layer = nullptr;
+  float* base = nullptr;
+  std::vector<std::pair<float*, TensorSpec>> tensors;
+  MatMap mat(std::size_t i) { return MatMap(tensors[i].first, tensors[i].second.rows, tensors[i].second.cols); }
+  ConstMatMap cmat(std::size_t i) { return ConstMatMap(tensors[i].first, tensors[i].second.rows, tensors[i].second.cols); }
+  VecMap vec(std::size_t i) { return VecMap(tensors[i].first, tensors[i].second.size()); }
+  ConstVecMap cvec(std::size_t i) { return ConstVecMap(tensors[i].first, tensors[i].second.size()); }
+};
+
+HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, std::uint64_t seed) : model_(model) {
+  for (const auto& l : model_.layers()) {
+    if (l.kind == core::LayerKind::Attention) {
+      if (l.shape.q_lora_rank || l.shape.kv_lora_rank) throw std::invalid_argument("runtime: the host backend has no MLA attention (" + l.name + ")");
+      if (l.shape.bias) throw std::invalid_argument("runtime: the host backend has no linear biases (" + l.name + ")");
+      attn_shape_ = AttentionShape{static_cast<int>(l.shape.heads), static_cast<int>(l.shape.kv_heads),
+                                   static_cast<int>(l.shape.head_dim), static_cast<int>(model_.training().seq_len), l.shape.qk_norm, 10000.0f};
+    }
+    if (l.kind == core::LayerKind::Norm && l.shape.norm != core::NormKind::RMSNorm)
+      throw std::invalid_argument("runtime: the host backend has RMSNorm only (" + l.name + ")");
+    if (l.kind == core::LayerKind::Mlp && l.shape.activation != core::MlpActivation::SwiGLU)
+      throw std::invalid_argument("runtime: the host backend has SwiGLU MLPs only (" + l.name + ")");
+    if (l.kind == core::LayerKind::Head && l.shape.tied_with_embedding)
+      throw std::invalid_argument("runtime: the host backend does not tie the head to the embedding");
+    if (l.kind == core::LayerKind::Embedding && l.shape.max_positions > 0)
+      throw std::invalid_argument("runtime: the host backend uses RoPE, not learned positions");
+    if (l.kind == core::LayerKind::MoeRouter) top_k_ = static_cast<int>(l.shape.top_k), experts_ = static_cast<int>(l.shape.experts);
+    hidden_ = std::max(hidden_, l.shape.hidden);
+  }
+  for (const auto& sp : specs) {
+    SegmentParams p;
+    p.segment = sp.segment;
+    p.first_layer = sp.first_layer;
+    p.last_layer = sp.last_layer;
+    p.shard_degree = sp.shard_degree;
+    p.shard_index = sp.shard_index;
+    p.replicas = sp.replicas;
+    p.replica_index = sp.replica_index;
+    p.zero_level = sp.zero_level;
+    std::int64_t n = 0;
+    p.layer_offset.push_back(0);
+    for (int l = sp.first_layer; l < sp.last_layer; ++l) {
+      const auto& layer = model_.layers().at(static_cast<std::size_t>(l));
+      if (sp.shard_degree > 1 && layer.kind != core::LayerKind::MoeExperts)
+        throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) + " is sharded but layer '" + layer.name +
+                                    "' is not routed experts (the host backend shards experts only)");
+      std::int64_t size = layer_param_count(l);
+      if (sp.shard_degree > 1) {
+        if (layer.shape.experts % sp.shard_degree != 0)
+          throw std::invalid_argument("runtime: " + std::to_string(layer.shape.experts) + " experts of '" + layer.name +
+                                      "' do not split over " + std::to_string(sp.shard_degree) + " devices");
+        size /= sp.shard_degree;
+      }
+      n += size;
+      p.layer_offset.push_back(n);
+    }
+    p.params.assign(static_cast<std::size_t>(n), 0.0f);
+    p.grads.assign(static_cast<std::size_t>(n), 0.0f);
+    p.chunk_floats = p.zero_level >= 1 ? (n + p.replicas - 1) / p.replicas : n;
+    p.chunk_begin = p.zero_level >= 1 ? std::min<std::int64_t>(n, p.replica_index * p.chunk_floats) : 0;
+    p.chunk_end = p.zero_level >= 1 ? std::min<std::int64_t>(n, p.chunk_begin + p.chunk_floats) : n;
+    init_params(p, seed);
+    const auto chunk = static_cast<std::size_t>(p.chunk_end - p.chunk_begin);
+    if (p.zero_level >= 1) {
+      p.master.assign(p.params.begin() + p.chunk_begin, p.params.begin() + p.chunk_end);
+      p.grad_chunk.assign(chunk, 0.0f);
+    }
+    p.adam_m.assign(chunk, 0.0f);
+    p.adam_v.assign(chunk, 0.0f);
+    by_index_[p.segment] = segments_.size();
+    segments_.push_back(std::move(p));
+    if (segments_.back().zero_level >= 3) poison_params(segments_.back().segment);
+  }
+}
+
+std::int64_t HostModel::layer_param_count(int layer) const {
+  std::int64_t n = 0;
+  for (const auto& t : layer_tensors(model_.layers().at(static_cast<std::size_t>(layer)))) n += t.size();
+  return n;
+}
+
+SegmentParams& HostModel::segment(int index) {
+  auto it = by_index_.find(index);
+  if (it == by_index_.end()) throw std::logic_error("runtime: this device holds no parameters of segment " + std::to_string(index));
+  return segments_[it->second];
+}
+
+// Matrices ~ U(-a, a) with std 1/sqrt(fan_in) (embedding: std 1); norm weights 1.
+void HostModel::init_params(SegmentParams& sp, std::uint64_t seed) {
+  for (int l = sp.first_layer; l < sp.last_layer; ++l) {
+    const auto& layer = model_.layers().at(static_cast<std::size_t>(l));
+    const auto tensors = layer_tensors(layer);
+    const std::int64_t local = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer + 1)] - sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)];
+    const std::int64_t full_begin = sp.shard_degree > 1 ? sp.shard_index * local : 0;
+    std::int64_t full = 0;
+    for (const auto& t : tensors) {
+      const double std = t.name.find("norm") != std::string::npos ? 0.0 : layer.kind == core::LayerKind::Embedding ? 1.0 : 1.0 / std::sqrt(static_cast<double>(t.rows));
+      const float a = static_cast<float>(std * std::sqrt(3.0));
+      for (std::int64_t i = 0; i < t.size(); ++i, ++full) {
+        if (full < full_begin || full >= full_begin + local) continue;
+        float v = std == 0.0 ? 1.0f : a * uniform_pm1(seed, l, full);
+        sp.params[static_cast<std::size_t>(sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)] + full - full_begin)] = v;
+      }
+    }
+  }
+}
+
+HostModel::LayerView HostModel::view(SegmentParams& sp, int layer, bool grads) {
+  LayerView v;
+  v.layer = &model_.layers().at(static_cast<std::size_t>(layer));
+  float* p = (grads ? sp.grads.data() : sp.params.data()) + sp.layer_offset.at(static_cast<std::size_t>(layer - sp.first_layer));
+  auto tensors = layer_tensors(*v.layer);
+  if (v.layer->kind == core::LayerKind::MoeExperts) tensors.resize(tensors.size() / static_cast<std::size_t>(sp.shard_degree));
+  for (const auto& t : tensors) {
+    v.tensors.emplace_back(p, t);
+    p += t.size();
+  }
+  return v;
+}
+
+std::vector<MlpWeights> HostModel::expert_weights(SegmentParams& sp, int layer) {
+  LayerView v = view(sp, layer, false);
+  std::vector<MlpWeights> w;
+  for (std::size_t i = 0; i + 2 < v.tensors.size(); i += 3) w.push_back({v.cmat(i), v.cmat(i + 1), v.cmat(i + 2)});
+  return w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward / backward of a segment
+// ---------------------------------------------------------------------------------------------
+double HostModel::forward(int seg, const MicrobatchData& data, float loss_scale, ForwardState& s, SegmentStash& stash) {
+  SegmentParams& sp = segment(seg);
+  stash.layers.assign(static_cast<std::size_t>(sp.last_layer - sp.first_layer), LayerCache{});
+  double loss = 0;
+  for (int l = sp.first_layer; l < sp.last_layer; ++l) {
+    LayerCache& c = stash.layers[static_cast<std::size_t>(l - sp.first_layer)];
+    LayerView v = view(sp, l, false);
+    switch (v.layer->kind) {
+      case core::LayerKind::Embedding:
+        c.tokens = data.tokens;
+        s.x = embedding_forward(v.cmat(0), data.tokens);
+        s.u.resize(0, 0);
+        break;
+      case core::LayerKind::Norm: s.u = rmsnorm_forward(s.x, v.cvec(0), &c.norm); break;
+      case core::LayerKind::Attention: {
+        AttentionWeights w{v.cmat(0), v.cmat(1), v.cmat(2), v.cmat(3), attn_shape_.qk_norm ? v.cvec(4) : v.cvec(0), attn_shape_.qk_norm ? v.cvec(5) : v.cvec(0)};
+        s.x += attention_forward(attn_shape_, w, s.u, &c.attn);
+        break;
+      }
+      case core::LayerKind::Mlp: s.x += mlp_forward({v.cmat(0), v.cmat(1), v.cmat(2)}, s.u, &c.mlp); break;
+      case core::LayerKind::MoeRouter: router_forward(v.cmat(0), top_k_, s.u, &c.router, &s.topk, &s.gates); break;
+      case core::LayerKind::MoeExperts: {
+        if (sp.shard_degree > 1) throw std::logic_error("runtime: sharded experts run through the expert-parallel path");
+        c.source = route(s, 1);
+        auto packets = dispatch_forward(s, c.source);
+        Mat y = experts_forward(expert_weights(sp, l), 0, packets[0].expert, packets[0].rows, &c.experts);
+        combine_forward(s, c.source, {ExpertPacket{{}, std::move(y)}});
+        break;
+      }
+      case core::LayerKind::Head: loss += head_forward(v.cmat(0), s.u, data.targets, loss_scale, &c.head); break;
+    }
+  }
+  return loss;
+}
+
+void HostModel::backward_input(int seg, BackwardState& g, SegmentStash& stash) {
+  SegmentParams& sp = segment(seg);
+  for (int l = sp.last_layer - 1; l >= sp.first_layer; --l) {
+    LayerCache& c = stash.layers.at(static_cast<std::size_t>(l - sp.first_layer));
+    LayerView v = view(sp, l, false);
+    if (g.du.size() == 0 && g.dx.size() > 0) g.du = zeros_like_rows(g.dx.rows(), g.dx.cols());
+    switch (v.layer->kind) {
+      case core::LayerKind::Head:
+        g.du = head_backward_input(v.cmat(0), c.head);
+        g.dx = zeros_like_rows(g.du.rows(), g.du.cols());
+        break;
+      case core::LayerKind::Norm:
+        c.dy_norm = g.du;
+        g.dx += rmsnorm_backward_input(c.norm, v.cvec(0), g.du);
+        g.du.setZero();
+        break;
+      case core::LayerKind::MoeExperts: {
+        auto packets = dispatch_backward(g, c.source);
+        Mat du = experts_backward_input(expert_weights(sp, l), c.experts, packets[0].rows);
+        combine_backward(g, c.source, {ExpertPacket{{}, std::move(du)}});
+        break;
+      }
+      case core::LayerKind::MoeRouter:
+        g.du += router_backward_input(v.cmat(0), c.router, g.dgates);
+        g.dgates.resize(0, 0);
+        break;
+      case core::LayerKind::Mlp: g.du += mlp_backward_input({v.cmat(0), v.cmat(1), v.cmat(2)}, c.mlp, g.dx); break;
+      case core::LayerKind::Attention: {
+        AttentionWeights w{v.cmat(0), v.cmat(1), v.cmat(2), v.cmat(3), attn_shape_.qk_norm ? v.cvec(4) : v.cvec(0), attn_shape_.qk_norm ? v.cvec(5) : v.cvec(0)};
+        g.du += attention_backward_input(attn_shape_, w, c.attn, g.dx);
+        break;
+      }
+      case core::LayerKind::Embedding:
+        c.dx_embed = g.dx;
+        g = BackwardState{};
+        break;
+    }
+  }
+}
+
+void HostModel::backward_weight(int seg, SegmentStash& stash) {
+  SegmentParams& sp = segment(seg);
+  for (int l = sp.first_layer; l < sp.last_layer; ++l) {
+    LayerCache& c = stash.layers.at(static_cast<std::size_t>(l - sp.first_layer));
+    LayerView gv = view(sp, l, true);
+    switch (gv.layer->kind) {
+      case core::LayerKind::Embedding: embedding_backward_weight(c.tokens, c.dx_embed, gv.mat(0)); break;
+      case core::LayerKind::Norm: rmsnorm_backward_weight(c.norm, c.dy_norm, gv.vec(0)); break;
+      case core::LayerKind::Attention: {
+        AttentionGrads g{gv.mat(0), gv.mat(1), gv.mat(2), gv.mat(3), attn_shape_.qk_norm ? gv.vec(4) : gv.vec(0), attn_shape_.qk_norm ? gv.vec(5) : gv.vec(0)};
+        attention_backward_weight(attn_shape_, c.attn, g);
+        break;
+      }
+      case core::LayerKind::Mlp: {
+        MlpGrads g{gv.mat(0), gv.mat(1), gv.mat(2)};
+        mlp_backward_weight(c.mlp, g);
+        break;
+      }
+      case core::LayerKind::MoeRouter: router_backward_weight(c.router, gv.mat(0)); break;
+      case core::LayerKind::MoeExperts: {
+        std::vector<MlpGrads> g;
+        for (std::size_t i = 0; i + 2 < gv.tensors.size(); i += 3) g.push_back({gv.mat(i), gv.mat(i + 1), gv.mat(i + 2)});
+        experts_backward_weight(c.experts, g);
+        break;
+      }
+      case core::LayerKind::Head: head_backward_weight(c.head, gv.mat(0)); break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Expert parallelism
+// ---------------------------------------------------------------------------------------------
+ExpertSource HostModel::route(const ForwardState& s, int group_size) const {
+  if (s.topk.size() == 0) throw std::logic_error("runtime: experts reached without a router output");
+  ExpertSource src;
+  src.topk = s.topk;
+  src.gates = s.gates;
+  src.slots_to.assign(static_cast<std::size_t>(group_size), {});
+  const int per_rank = experts_ / group_size;
+  for (Eigen::Index t = 0; t < s.topk.rows(); ++t)
+    for (Eigen::Index j = 0; j < s.topk.cols(); ++j)
+      src.slots_to[static_cast<std::size_t>(s.topk(t, j) / per_rank)].push_back(static_cast<int>(t * s.topk.cols() + j));
+  src.y = Mat::Zero(s.topk.rows() * s.topk.cols(), s.x.cols());
+  return src;
+}
+
+std::vector<ExpertPacket> HostModel::dispatch_forward(const ForwardState& s, const ExpertSource& src) const {
+  std::vector<ExpertPacket> out(src.slots_to.size());
+  const auto k = static_cast<int>(src.topk.cols());
+  for (std::size_t p = 0; p < out.size(); ++p) {
+    const auto& slots = src.slots_to[p];
+    out[p].rows.resize(static_cast<Eigen::Index>(slots.size()), s.u.cols());
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      out[p].expert.push_back(src.topk(slots[i] / k, slots[i] % k));
+      out[p].rows.row(static_cast<Eigen::Index>(i)) = s.u.row(slots[i] / k);
+    }
+  }
+  return out;
+}
+
+namespace {
+Mat concat_rows(const std::vector<ExpertPacket>& from, std::int64_t hidden, std::vector<int>* experts, std::vector<int>* counts) {
+  Eigen::Index n = 0;
+  for (const auto& p : from) n += p.rows.rows();
+  Mat rows(n, hidden);
+  Eigen::Index at = 0;
+  for (const auto& p : from) {
+    if (p.rows.rows()) rows.middleRows(at, p.rows.rows()) = p.rows;
+    at += p.rows.rows();
+    if (experts) experts->insert(experts->end(), p.expert.begin(), p.expert.end());
+    if (counts) counts->push_back(static_cast<int>(p.rows.rows()));
+  }
+  return rows;
+}
+
+std::vector<ExpertPacket> split_rows(const Mat& rows, const std::vector<int>& counts) {
+  std::vector<ExpertPacket> out(counts.size());
+  Eigen::Index at = 0;
+  for (std::size_t p = 0; p < counts.size(); ++p) {
+    out[p].rows = rows.middleRows(at, counts[p]);
+    at += counts[p];
+  }
+  return out;
+}
+}  // namespace
+
+Mat HostModel::experts_forward_entries(int seg, const std::vector<ExpertPacket>& from, SegmentStash& stash,
+                                       std::vector<ExpertPacket>* to_sources) {
+  SegmentParams& sp = segment(seg);
+  stash.layers.assign(1, LayerCache{});
+  LayerCache& c = stash.layers[0];
+  std::vector<int> experts;
+  Mat rows = concat_rows(from, hidden_, &experts, &c.source_counts);
+  const int first = sp.shard_index * experts_ / sp.shard_degree;
+  Mat y = experts_forward(expert_weights(sp, sp.first_layer), first, experts, rows, &c.experts);
+  *to_sources = split_rows(y, c.source_counts);
+  return y;
+}
+
+void HostModel::combine_forward(ForwardState& s, ExpertSource& src, const std::vector<ExpertPacket>& from_owners) const {
+  for (std::size_t p = 0; p < from_owners.size(); ++p) {
+    const auto& slots = src.slots_to[p];
+    if (static_cast<Eigen::Index>(slots.size()) != from_owners[p].rows.rows())
+      throw std::runtime_error("runtime: expert combine got " + std::to_string(from_owners[p].rows.rows()) + " rows from rank " +
+                               std::to_string(p) + ", expected " + std::to_string(slots.size()));
+    for (std::size_t i = 0; i < slots.size(); ++i) src.y.row(slots[i]) = from_owners[p].rows.row(static_cast<Eigen::Index>(i));
+  }
+  const auto k = src.topk.cols();
+  for (Eigen::Index t = 0; t < src.topk.rows(); ++t)
+    for (Eigen::Index j = 0; j < k; ++j) s.x.row(t) += src.gates(t, j) * src.y.row(t * k + j);
+  s.topk.resize(0, 0);
+  s.gates.resize(0, 0);
+}
+
+// x += sum_j g_j y_j:  dy_j = g_j dx,  dg_j = dx . y_j.
+std::vector<ExpertPacket> HostModel::dispatch_backward(BackwardState& g, const ExpertSource& src) const {
+  const auto k = src.topk.cols();
+  g.dgates = Mat::Zero(src.topk.rows(), k);
+  for (Eigen::Index t = 0; t < src.topk.rows(); ++t)
+    for (Eigen::Index j = 0; j < k; ++j) g.dgates(t, j) = g.dx.row(t).dot(src.y.row(t * k + j));
+  std::vector<ExpertPacket> out(src.slots_to.size());
+  for (std::size_t p = 0; p < out.size(); ++p) {
+    const auto& slots = src.slots_to[p];
+    out[p].rows.resize(static_cast<Eigen::Index>(slots.size()), g.dx.cols());
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      out[p].rows.row(static_cast<Eigen::Index>(i)) = src.gates(slots[i] / k, slots[i] % k) * g.dx.row(slots[i] / k);
+  }
+  return out;
+}
+
+void HostModel::experts_backward_entries(int seg, const std::vector<ExpertPacket>& from, SegmentStash& stash,
+                                         std::vector<ExpertPacket>* to_sources) {
+  SegmentParams& sp = segment(seg);
+  LayerCache& c = stash.layers.at(0);
+  Mat dy = concat_rows(from, hidden_, nullptr, nullptr);
+  Mat du = experts_backward_input(expert_weights(sp, sp.first_layer), c.experts, dy);
+  *to_sources = split_rows(du, c.source_counts);
+}
+
+void HostModel::combine_backward(BackwardState& g, const ExpertSource& src, const std::vector<ExpertPacket>& from_owners) const {
+  const auto k = static_cast<int>(src.topk.cols());
+  if (g.du.size() == 0) g.du = Mat::Zero(g.dx.rows(), g.dx.cols());
+  for (std::size_t p = 0; p < from_owners.size(); ++p) {
+    const auto& slots = src.slots_to[p];
+    if (static_cast<Eigen::Index>(slots.size()) != from_owners[p].rows.rows())
+      throw std::runtime_error("runtime: expert backward combine got a wrong row count from rank " + std::to_string(p));
+    for (std::size_t i = 0; i < slots.size(); ++i) g.du.row(slots[i] / k) += from_owners[p].rows.row(static_cast<Eigen::Index>(i));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Optimizer
+// ---------------------------------------------------------------------------------------------
+void HostModel::update(int seg, const AdamWConfig& cfg, int step) {
+  SegmentParams& sp = segment(seg);
+  if (sp.zero_level >= 1) {
+    if (!sp.grad_chunk_ready)  // one replica: no reduce-scatter ran, the chunk is the whole gradient
+      sp.grad_chunk.assign(sp.grads.begin() + sp.chunk_begin, sp.grads.begin() + sp.chunk_end);
+    adamw_update(cfg, step, sp.master, sp.grad_chunk, sp.adam_m, sp.adam_v);
+    if (sp.zero_level < 3) std::copy(sp.master.begin(), sp.master.end(), sp.params.begin() + sp.chunk_begin);
+  } else {
+    adamw_update(cfg, step, sp.params, sp.grads, sp.adam_m, sp.adam_v);
+  }
+  std::fill(sp.grads.begin(), sp.grads.end(), 0.0f);
+  std::fill(sp.grad_chunk.begin(), sp.grad_chunk.end(), 0.0f);
+  sp.grad_chunk_ready = false;
+}
+
+void HostModel::poison_params(int seg) {
+  auto& p = segment(seg).params;
+  std::fill(p.begin(), p.end(), std::numeric_limits<float>::quiet_NaN());
+}
+
+std::vector<ParamRecord> HostModel::param_records() const {
+  std::vector<ParamRecord> out;
+  for (const auto& sp : segments_) {
+    const std::vector<float>& src = sp.zero_level >= 3 ? sp.master : sp.params;
+    const std::int64_t begin = sp.zero_level >= 3 ? sp.chunk_begin : 0, end = sp.zero_level >= 3 ? sp.chunk_end : static_cast<std::int64_t>(sp.params.size());
+    for (int l = sp.first_layer; l < sp.last_layer; ++l) {
+      const std::int64_t lo = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)], hi = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer + 1)];
+      const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
+      if (a >= b) continue;
+      const std::int64_t full_begin = sp.shard_degree > 1 ? sp.shard_index * (hi - lo) : 0;
+      ParamRecord r;
+      r.layer = l;
+      r.offset = full_begin + (a - lo);
+      r.values.assign(src.begin() + (a - begin), src.begin() + (b - begin));
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Token stream
+// ---------------------------------------------------------------------------------------------
+TokenStream::TokenStream(std::int64_t vocab, std::int64_t seq_len, std::uint64_t seed, const std::string& data_path)
+    : vocab_(vocab), seq_len_(seq_len), seed_(seed) {
+  if (!data_path.empty()) {
+    std::ifstream in(data_path, std::ios::binary);
+    if (!in) throw std::invalid_argument(data_path + ": cannot read the --data file");
+    bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    if (static_cast<std::int64_t>(bytes_.size()) < seq_len + 2)
+      throw std::invalid_argument(data_path + ": --data holds " + std::to_string(bytes_.size()) + " bytes, fewer than one sequence (" +
+                                  std::to_string(seq_len + 1) + ")");
+  }
+}
+
+// Synthetic: an arithmetic sequence mod vocab with a random start and a stride in 1..4, so the next
+// token is predictable from context and the loss falls.
+std::vector<int> TokenStream::sequence(std::int64_t index) const {
+  std::vector<int> out(static_cast<std::size_t>(seq_len_ + 1));
+  if (!bytes_.empty()) {
+    const auto span = static_cast<std::int64_t>(bytes_.size()) - seq_len_ - 1;
+    const std::int64_t start = (index * seq_len_) % span;
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<int>(bytes_[static_cast<std::size_t>(start) + i] % vocab_);
+    return out;
+  }
+  const std::uint64_t h = splitmix64(seed_ * 0x2545f4914f6cdd1dULL + static_cast<std::uint64_t>(index));
+  const auto start = static_cast<std::int64_t>(h % static_cast<std::uint64_t>(vocab_));
+  const auto stride = static_cast<std::int64_t>(1 + (h >> 32) % 4);
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<int>((start + static_cast<std::int64_t>(i) * stride) % vocab_);
+  return out;
+}
+
+MicrobatchData TokenStream::microbatch(int step, int mb, int rank, int microbatches, int ranks, std::int64_t micro_batch_size) const {
+  MicrobatchData d;
+  const std::int64_t first = ((static_cast<std::int64_t>(step) * microbatches + mb) * ranks + rank) * micro_batch_size;
+  for (std::int64_t b = 0; b < micro_batch_size; ++b) {
+    auto s = sequence(first + b);
+    d.tokens.insert(d.tokens.end(), s.begin(), s.end() - 1);
+    d.targets.insert(d.targets.end(), s.begin() + 1, s.end());
+  }
+  return d;
+}
+
+}  // namespace piper::runtime::host

@@ -1,0 +1,328 @@
+// Host (Eigen, fp32) kernels: forward, backward-input and backward-weight of each layer, and AdamW.
+#include "piper/runtime/kernels.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace piper::runtime::host {
+
+// ---------------------------------------------------------------------------------------------
+// Embedding
+// ---------------------------------------------------------------------------------------------
+Mat embedding_forward(const ConstMatMap& table, const std::vector<int>& tokens) {
+  Mat x(static_cast<Eigen::Index>(tokens.size()), table.cols());
+  for (std::size_t t = 0; t < tokens.size(); ++t) x.row(static_cast<Eigen::Index>(t)) = table.row(tokens[t]);
+  return x;
+}
+
+void embedding_backward_weight(const std::vector<int>& tokens, const Mat& dx, MatMap dtable) {
+  for (std::size_t t = 0; t < tokens.size(); ++t) dtable.row(tokens[t]) += dx.row(static_cast<Eigen::Index>(t));
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm (Zhang & Sennrich 2019)
+// ---------------------------------------------------------------------------------------------
+Mat rmsnorm_forward(const Mat& x, const ConstVecMap& g, RmsNormCache* c) {
+  const float inv_h = 1.0f / static_cast<float>(x.cols());
+  Vec rstd = ((x.array().square().rowwise().sum() * inv_h) + kNormEps).rsqrt().matrix();
+  Mat y = (x.array().colwise() * rstd.array()).rowwise() * g.transpose().array();
+  if (c) c->x = x, c->rstd = std::move(rstd);
+  return y;
+}
+
+// dy/dx of y_j = g_j x_j r with r = (mean x^2 + eps)^-1/2:  dx = r g*dy - r^3 x (sum_k g_k dy_k x_k) / H.
+Mat rmsnorm_backward_input(const RmsNormCache& c, const ConstVecMap& g, const Mat& dy) {
+  const float inv_h = 1.0f / static_cast<float>(c.x.cols());
+  Mat gdy = dy.array().rowwise() * g.transpose().array();
+  Vec dot = (gdy.array() * c.x.array()).rowwise().sum().matrix();
+  Vec coef = (c.rstd.array().cube() * dot.array() * inv_h).matrix();
+  return (gdy.array().colwise() * c.rstd.array() - c.x.array().colwise() * coef.array()).matrix();
+}
+
+void rmsnorm_backward_weight(const RmsNormCache& c, const Mat& dy, VecMap dg) {
+  dg += ((dy.array() * c.x.array()).colwise() * c.rstd.array()).colwise().sum().transpose().matrix();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+// RoPE (Su et al. 2021), rotate-half layout as in Hugging Face Llama/Qwen: pairs (i, i + hd/2) of
+// each head rotate by pos * theta^(-2i/hd). `sign` = -1 applies the inverse rotation (backward).
+void rope_inplace(Mat& m, int heads, int head_dim, int seq_len, float theta, float sign) {
+  const int half = head_dim / 2;
+  for (Eigen::Index t = 0; t < m.rows(); ++t) {
+    const float pos = static_cast<float>(t % seq_len);
+    for (int i = 0; i < half; ++i) {
+      const float angle = pos * std::pow(theta, -2.0f * static_cast<float>(i) / static_cast<float>(head_dim));
+      const float cs = std::cos(angle), sn = sign * std::sin(angle);
+      for (int h = 0; h < heads; ++h) {
+        float& a = m(t, h * head_dim + i);
+        float& b = m(t, h * head_dim + i + half);
+        const float a0 = a, b0 = b;
+        a = a0 * cs - b0 * sn;
+        b = b0 * cs + a0 * sn;
+      }
+    }
+  }
+}
+
+// Per-head RMSNorm of a [T, heads*hd] projection with weight w [hd]; writes the factors to rstd [T, heads].
+Mat head_norm_forward(const Mat& lin, int heads, int hd, const ConstVecMap& w, Mat& rstd) {
+  Mat out(lin.rows(), lin.cols());
+  rstd.resize(lin.rows(), heads);
+  for (int h = 0; h < heads; ++h) {
+    RmsNormCache c;
+    Mat block = lin.middleCols(h * hd, hd);
+    out.middleCols(h * hd, hd) = rmsnorm_forward(block, w, &c);
+    rstd.col(h) = c.rstd;
+  }
+  return out;
+}
+
+Mat head_norm_backward(const Mat& lin, int heads, int hd, const ConstVecMap& w, const Mat& rstd, const Mat& dy, Vec& dw) {
+  Mat dx(lin.rows(), lin.cols());
+  dw = Vec::Zero(hd);
+  for (int h = 0; h < heads; ++h) {
+    RmsNormCache c{lin.middleCols(h * hd, hd), rstd.col(h)};
+    Mat dyh = dy.middleCols(h * hd, hd);
+    dx.middleCols(h * hd, hd) = rmsnorm_backward_input(c, w, dyh);
+    rmsnorm_backward_weight(c, dyh, VecMap(dw.data(), hd));
+  }
+  return dx;
+}
+
+}  // namespace
+
+Mat attention_forward(const AttentionShape& s, const AttentionWeights& w, const Mat& u, AttentionCache* c) {
+  const int hd = s.head_dim, group = s.heads / s.kv_heads, L = s.seq_len;
+  const Eigen::Index T = u.rows();
+  AttentionCache local;
+  AttentionCache& k = c ? *c : local;
+  k.u = u;
+  k.q_lin = u * w.wq;
+  k.k_lin = u * w.wk;
+  k.v = u * w.wv;
+  if (s.qk_norm) {
+    k.q = head_norm_forward(k.q_lin, s.heads, hd, w.q_norm, k.q_rstd);
+    k.k = head_norm_forward(k.k_lin, s.kv_heads, hd, w.k_norm, k.k_rstd);
+  } else {
+    k.q = k.q_lin;
+    k.k = k.k_lin;
+  }
+  rope_inplace(k.q, s.heads, hd, L, s.rope_theta, 1.0f);
+  rope_inplace(k.k, s.kv_heads, hd, L, s.rope_theta, 1.0f);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const Eigen::Index seqs = T / L;
+  k.o.setZero(T, static_cast<Eigen::Index>(s.heads) * hd);
+  k.probs.assign(static_cast<std::size_t>(seqs * s.heads), Mat());
+  for (Eigen::Index b = 0; b < seqs; ++b)
+    for (int h = 0; h < s.heads; ++h) {
+      const int g = h / group;
+      Mat scores = (k.q.block(b * L, h * hd, L, hd) * k.k.block(b * L, g * hd, L, hd).transpose()) * scale;
+      for (int i = 0; i < L; ++i) {  // causal softmax over j <= i
+        float mx = scores.row(i).head(i + 1).maxCoeff();
+        scores.row(i).head(i + 1) = (scores.row(i).head(i + 1).array() - mx).exp().matrix();
+        scores.row(i).head(i + 1) /= scores.row(i).head(i + 1).sum();
+        scores.row(i).tail(L - i - 1).setZero();
+      }
+      k.o.block(b * L, h * hd, L, hd) = scores * k.v.block(b * L, g * hd, L, hd);
+      k.probs[static_cast<std::size_t>(b * s.heads + h)] = std::move(scores);
+    }
+  return k.o * w.wo;
+}
+
+Mat attention_backward_input(const AttentionShape& s, const AttentionWeights& w, AttentionCache& c, const Mat& dout) {
+  const int hd = s.head_dim, group = s.heads / s.kv_heads, L = s.seq_len;
+  const Eigen::Index T = c.u.rows(), seqs = T / L;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  c.dout = dout;
+  Mat d_o = dout * w.wo.transpose();
+  Mat dq = Mat::Zero(T, c.q.cols()), dk = Mat::Zero(T, c.k.cols());
+  c.dv = Mat::Zero(T, c.v.cols());
+  for (Eigen::Index b = 0; b < seqs; ++b)
+    for (int h = 0; h < s.heads; ++h) {
+      const int g = h / group;
+      const Mat& p = c.probs[static_cast<std::size_t>(b * s.heads + h)];
+      Mat doh = d_o.block(b * L, h * hd, L, hd);
+      Mat dp = doh * c.v.block(b * L, g * hd, L, hd).transpose();
+      c.dv.block(b * L, g * hd, L, hd) += p.transpose() * doh;
+      // softmax backward: dS = P * (dP - rowsum(dP * P)); masked entries have P = 0.
+      Vec rowdot = (dp.array() * p.array()).rowwise().sum().matrix();
+      Mat ds = (p.array() * (dp.array().colwise() - rowdot.array())).matrix() * scale;
+      dq.block(b * L, h * hd, L, hd) += ds * c.k.block(b * L, g * hd, L, hd);
+      dk.block(b * L, g * hd, L, hd) += ds.transpose() * c.q.block(b * L, h * hd, L, hd);
+    }
+  rope_inplace(dq, s.heads, hd, L, s.rope_theta, -1.0f);
+  rope_inplace(dk, s.kv_heads, hd, L, s.rope_theta, -1.0f);
+  if (s.qk_norm) {
+    c.dq_lin = head_norm_backward(c.q_lin, s.heads, hd, w.q_norm, c.q_rstd, dq, c.dq_norm);
+    c.dk_lin = head_norm_backward(c.k_lin, s.kv_heads, hd, w.k_norm, c.k_rstd, dk, c.dk_norm);
+  } else {
+    c.dq_lin = std::move(dq);
+    c.dk_lin = std::move(dk);
+  }
+  return c.dq_lin * w.wq.transpose() + c.dk_lin * w.wk.transpose() + c.dv * w.wv.transpose();
+}
+
+void attention_backward_weight(const AttentionShape& s, const AttentionCache& c, AttentionGrads& g) {
+  g.wq += c.u.transpose() * c.dq_lin;
+  g.wk += c.u.transpose() * c.dk_lin;
+  g.wv += c.u.transpose() * c.dv;
+  g.wo += c.o.transpose() * c.dout;
+  if (s.qk_norm) {
+    g.q_norm += c.dq_norm;
+    g.k_norm += c.dk_norm;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU MLP (Shazeer 2020)
+// ---------------------------------------------------------------------------------------------
+namespace {
+float sigmoid(float a) { return 1.0f / (1.0f + std::exp(-a)); }
+}  // namespace
+
+Mat mlp_forward(const MlpWeights& w, const Mat& u, MlpCache* c) {
+  MlpCache local;
+  MlpCache& k = c ? *c : local;
+  k.u = u;
+  k.a = u * w.wg;
+  k.b = u * w.wu;
+  k.h = k.a.unaryExpr([](float a) { return a * sigmoid(a); }).cwiseProduct(k.b);
+  return k.h * w.wd;
+}
+
+Mat mlp_backward_input(const MlpWeights& w, MlpCache& c, const Mat& dout) {
+  c.dout = dout;
+  Mat dh = dout * w.wd.transpose();
+  // silu'(a) = s(a) (1 + a (1 - s(a)))
+  Mat dsilu = c.a.unaryExpr([](float a) { float s = sigmoid(a); return s * (1.0f + a * (1.0f - s)); });
+  Mat silu = c.a.unaryExpr([](float a) { return a * sigmoid(a); });
+  c.da = dh.cwiseProduct(c.b).cwiseProduct(dsilu);
+  c.db = dh.cwiseProduct(silu);
+  return c.da * w.wg.transpose() + c.db * w.wu.transpose();
+}
+
+void mlp_backward_weight(const MlpCache& c, MlpGrads& g) {
+  g.wd += c.h.transpose() * c.dout;
+  g.wg += c.u.transpose() * c.da;
+  g.wu += c.u.transpose() * c.db;
+}
+
+// ---------------------------------------------------------------------------------------------
+// MoE router and experts
+// ---------------------------------------------------------------------------------------------
+void router_forward(const ConstMatMap& wr, int top_k, const Mat& u, RouterCache* c, Eigen::MatrixXi* topk, Mat* gates) {
+  Mat logits = u * wr;
+  const Eigen::Index T = u.rows(), E = wr.cols();
+  topk->resize(T, top_k);
+  gates->resize(T, top_k);
+  std::vector<int> order(static_cast<std::size_t>(E));
+  for (Eigen::Index t = 0; t < T; ++t) {
+    std::iota(order.begin(), order.end(), 0);
+    // Ties go to the lower expert id, so every rank and the reference pick the same experts.
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int a, int b) { return logits(t, a) > logits(t, b) || (logits(t, a) == logits(t, b) && a < b); });
+    float mx = logits(t, order[0]), sum = 0;
+    for (int j = 0; j < top_k; ++j) sum += std::exp(logits(t, order[static_cast<std::size_t>(j)]) - mx);
+    for (int j = 0; j < top_k; ++j) {
+      (*topk)(t, j) = order[static_cast<std::size_t>(j)];
+      (*gates)(t, j) = std::exp(logits(t, order[static_cast<std::size_t>(j)]) - mx) / sum;
+    }
+  }
+  if (c) c->u = u, c->topk = *topk, c->gates = *gates;
+}
+
+// gates = softmax over the selected logits: dl_j = g_j (dg_j - sum_i g_i dg_i); unselected get 0.
+Mat router_backward_input(const ConstMatMap& wr, RouterCache& c, const Mat& dgates) {
+  const Eigen::Index T = c.u.rows(), k = c.topk.cols();
+  c.dlogits = Mat::Zero(T, wr.cols());
+  for (Eigen::Index t = 0; t < T; ++t) {
+    float dot = c.gates.row(t).dot(dgates.row(t));
+    for (Eigen::Index j = 0; j < k; ++j) c.dlogits(t, c.topk(t, j)) = c.gates(t, j) * (dgates(t, j) - dot);
+  }
+  return c.dlogits * wr.transpose();
+}
+
+void router_backward_weight(const RouterCache& c, MatMap dwr) { dwr += c.u.transpose() * c.dlogits; }
+
+Mat experts_forward(const std::vector<MlpWeights>& experts, int first_expert, const std::vector<int>& expert,
+                    const Mat& rows, ExpertsCache* c) {
+  ExpertsCache local;
+  ExpertsCache& k = c ? *c : local;
+  k.expert = expert;
+  k.rows_of.assign(experts.size(), {});
+  for (std::size_t i = 0; i < expert.size(); ++i) k.rows_of.at(static_cast<std::size_t>(expert[i] - first_expert)).push_back(static_cast<int>(i));
+  k.per_expert.assign(experts.size(), MlpCache{});
+  Mat y(rows.rows(), rows.cols());
+  for (std::size_t e = 0; e < experts.size(); ++e) {
+    const auto& idx = k.rows_of[e];
+    if (idx.empty()) continue;
+    Mat in(static_cast<Eigen::Index>(idx.size()), rows.cols());
+    for (std::size_t i = 0; i < idx.size(); ++i) in.row(static_cast<Eigen::Index>(i)) = rows.row(idx[i]);
+    Mat out = mlp_forward(experts[e], in, &k.per_expert[e]);
+    for (std::size_t i = 0; i < idx.size(); ++i) y.row(idx[i]) = out.row(static_cast<Eigen::Index>(i));
+  }
+  return y;
+}
+
+Mat experts_backward_input(const std::vector<MlpWeights>& experts, ExpertsCache& c, const Mat& dy) {
+  Mat du(dy.rows(), dy.cols());
+  for (std::size_t e = 0; e < experts.size(); ++e) {
+    const auto& idx = c.rows_of[e];
+    if (idx.empty()) continue;
+    Mat d(static_cast<Eigen::Index>(idx.size()), dy.cols());
+    for (std::size_t i = 0; i < idx.size(); ++i) d.row(static_cast<Eigen::Index>(i)) = dy.row(idx[i]);
+    Mat dx = mlp_backward_input(experts[e], c.per_expert[e], d);
+    for (std::size_t i = 0; i < idx.size(); ++i) du.row(idx[i]) = dx.row(static_cast<Eigen::Index>(i));
+  }
+  return du;
+}
+
+void experts_backward_weight(ExpertsCache& c, std::vector<MlpGrads>& g) {
+  for (std::size_t e = 0; e < g.size(); ++e)
+    if (!c.rows_of[e].empty()) mlp_backward_weight(c.per_expert[e], g[e]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// LM head + cross-entropy
+// ---------------------------------------------------------------------------------------------
+double head_forward(const ConstMatMap& wh, const Mat& u, const std::vector<int>& targets, float loss_scale, HeadCache* c) {
+  Mat logits = u * wh;
+  double loss_sum = 0;
+  for (Eigen::Index t = 0; t < logits.rows(); ++t) {
+    const float mx = logits.row(t).maxCoeff();
+    logits.row(t) = (logits.row(t).array() - mx).exp().matrix();
+    const float sum = logits.row(t).sum();
+    const int y = targets[static_cast<std::size_t>(t)];
+    loss_sum += std::log(static_cast<double>(sum)) - std::log(static_cast<double>(logits(t, y)));
+    logits.row(t) /= sum;  // now softmax
+    logits(t, y) -= 1.0f;
+  }
+  if (c) c->u = u, c->dlogits = logits * loss_scale;
+  return loss_sum;
+}
+
+Mat head_backward_input(const ConstMatMap& wh, const HeadCache& c) { return c.dlogits * wh.transpose(); }
+
+void head_backward_weight(const HeadCache& c, MatMap dwh) { dwh += c.u.transpose() * c.dlogits; }
+
+// ---------------------------------------------------------------------------------------------
+// AdamW
+// ---------------------------------------------------------------------------------------------
+void adamw_update(const AdamWConfig& cfg, int step, std::span<float> params, std::span<const float> grads,
+                  std::span<float> m, std::span<float> v) {
+  const float c1 = 1.0f - std::pow(cfg.beta1, static_cast<float>(step));
+  const float c2 = 1.0f - std::pow(cfg.beta2, static_cast<float>(step));
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    m[i] = cfg.beta1 * m[i] + (1.0f - cfg.beta1) * grads[i];
+    v[i] = cfg.beta2 * v[i] + (1.0f - cfg.beta2) * grads[i] * grads[i];
+    const float mhat = m[i] / c1, vhat = v[i] / c2;
+    params[i] -= cfg.lr * (mhat / (std::sqrt(vhat) + cfg.eps) + cfg.weight_decay * params[i]);
+  }
+}
+
+}  // namespace piper::runtime::host

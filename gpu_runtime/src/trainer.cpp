@@ -1,0 +1,355 @@
+// Training drivers: the distributed run (Executor over the host backend, one MPI rank per device), the
+// single-process reference, checkpoints (one file per rank, written atomically) and parameter dumps.
+#include "piper/runtime/trainer.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <mpi.h>
+#include <nlohmann/json.hpp>
+
+#include "piper/core/timeline.hpp"
+#include "piper/runtime/executor.hpp"
+#include "piper/runtime/host_backend.hpp"
+
+namespace piper::runtime {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// ---- byte buffers ----
+template <class T>
+void put(std::string& out, const T& v) { out.append(reinterpret_cast<const char*>(&v), sizeof(T)); }
+void put_floats(std::string& out, const std::vector<float>& v) { out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float)); }
+template <class T>
+T get(const std::string& in, std::size_t& pos) {
+  if (pos + sizeof(T) > in.size()) throw std::runtime_error("truncated");
+  T v;
+  std::memcpy(&v, in.data() + pos, sizeof(T));
+  pos += sizeof(T);
+  return v;
+}
+void get_floats(const std::string& in, std::size_t& pos, std::vector<float>& v, std::size_t n) {
+  if (pos + n * sizeof(float) > in.size()) throw std::runtime_error("truncated");
+  v.resize(n);
+  std::memcpy(v.data(), in.data() + pos, n * sizeof(float));
+  pos += n * sizeof(float);
+}
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::invalid_argument(path + ": cannot read");
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string serialize_records(const std::vector<host::ParamRecord>& records) {
+  std::string out;
+  for (const auto& r : records) {
+    put(out, static_cast<std::int32_t>(r.layer));
+    put(out, static_cast<std::int64_t>(r.offset));
+    put(out, static_cast<std::int64_t>(r.values.size()));
+    put_floats(out, r.values);
+  }
+  return out;
+}
+
+constexpr char kDumpMagic[8] = {'P', 'I', 'P', 'E', 'R', 'P', 'R', 'M'};
+
+void write_dump(const std::string& path, const std::string& records) {
+  core::write_file_atomically(path, std::string(kDumpMagic, 8) + records);
+}
+
+// ---- checkpoints: one JSON header line, then the float arrays it lists ----
+std::string checkpoint_file(const std::string& dir, int device) {
+  return (fs::path(dir) / (device < 0 ? std::string("reference.ckpt") : fmt::format("rank-{}.ckpt", device))).string();
+}
+
+void save_checkpoint(const std::string& dir, int device, const core::Program& program, host::HostModel& model, int step) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw std::invalid_argument(dir + ": cannot create the checkpoint folder: " + ec.message());
+  json header = {{"format", "piper-checkpoint"}, {"version", 1}, {"model", program.model_name}, {"fingerprint", model_fingerprint(program)},
+                 {"device", device}, {"devices", program.num_devices}, {"step", step}, {"data_position", step}};
+  std::string body;
+  json segs = json::array();
+  for (auto& sp : model.segments()) {
+    segs.push_back({{"segment", sp.segment}, {"params", sp.params.size()}, {"master", sp.master.size()}, {"adam", sp.adam_m.size()}});
+    put_floats(body, sp.params);
+    put_floats(body, sp.master);
+    put_floats(body, sp.adam_m);
+    put_floats(body, sp.adam_v);
+  }
+  header["segments"] = segs;
+  core::write_file_atomically(checkpoint_file(dir, device), header.dump() + "\n" + body);
+}
+
+// Returns the step to continue from; throws std::invalid_argument with one line naming the file.
+int load_checkpoint(const std::string& dir, int device, const core::Program& program, host::HostModel& model) {
+  const std::string path = checkpoint_file(dir, device);
+  if (!fs::exists(path)) throw std::invalid_argument(path + ": no checkpoint for this device (was it saved with another device count?)");
+  const std::string data = read_all(path);
+  const auto nl = data.find('\n');
+  json h;
+  try {
+    h = json::parse(data.substr(0, nl == std::string::npos ? data.size() : nl));
+  } catch (const json::exception&) {
+    throw std::invalid_argument(path + ": not a piper checkpoint");
+  }
+  if (h.value("format", "") != "piper-checkpoint") throw std::invalid_argument(path + ": not a piper checkpoint");
+  if (h.value("fingerprint", "") != model_fingerprint(program))
+    throw std::invalid_argument(fmt::format("{}: checkpoint of model '{}' ({}) does not match the plan's model '{}' ({}): its spec, training shape or segments differ",
+                                            path, h.value("model", "?"), h.value("fingerprint", "?"), program.model_name, model_fingerprint(program)));
+  if (h.value("devices", -1) != program.num_devices)
+    throw std::invalid_argument(fmt::format("{}: checkpoint of {} devices, the plan has {}", path, h.value("devices", -1), program.num_devices));
+  std::size_t pos = nl + 1;
+  const auto& segs = h.at("segments");
+  if (segs.size() != model.segments().size()) throw std::invalid_argument(path + ": checkpoint holds other segments than this device's plan");
+  try {
+    for (std::size_t i = 0; i < segs.size(); ++i) {
+      auto& sp = model.segments()[i];
+      if (segs[i].value("segment", -1) != sp.segment || segs[i].value("params", 0ULL) != sp.params.size() ||
+          segs[i].value("master", 0ULL) != sp.master.size() || segs[i].value("adam", 0ULL) != sp.adam_m.size())
+        throw std::invalid_argument(fmt::format("{}: segment {} was sharded differently when saved", path, sp.segment));
+      get_floats(data, pos, sp.params, sp.params.size());
+      get_floats(data, pos, sp.master, sp.master.size());
+      get_floats(data, pos, sp.adam_m, sp.adam_m.size());
+      get_floats(data, pos, sp.adam_v, sp.adam_v.size());
+    }
+  } catch (const std::runtime_error&) {
+    throw std::invalid_argument(path + ": truncated checkpoint");
+  }
+  return h.at("step").get<int>();
+}
+
+void write_report(const std::string& path, const TrainResult& r, const std::string& mode, int devices) {
+  json j = {{"mode", mode}, {"devices", devices}, {"first_step", r.first_step}, {"losses", r.losses},
+            {"tokens_per_s", r.tokens_per_s}, {"step_time_s", r.step_time_s}};
+  if (mode == "distributed")
+    j["executor"] = {{"ops", r.ops}, {"backend_s", r.backend_s}, {"idle_s", r.idle_s}, {"overhead_s", r.overhead_s}, {"total_s", r.total_s}};
+  core::write_file_atomically(path, j.dump(1) + "\n");
+}
+
+std::uint64_t fnv1a(const std::string& s) {
+  std::uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ULL;
+  return h;
+}
+
+}  // namespace
+
+std::string model_fingerprint(const core::Program& program) {
+  std::string s = program.model_spec.dump() + fmt::format("|seq{}|mbs{}", program.training.seq_len, program.training.micro_batch_size);
+  for (const auto& seg : program.segments)
+    s += fmt::format("|{}-{}:{}x{}z{}", seg.first_layer, seg.last_layer, seg.shard_degree, seg.replicas, seg.zero_level);
+  return fmt::format("{:016x}", fnv1a(s));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reference
+// ---------------------------------------------------------------------------------------------
+TrainResult train_reference(const core::Program& program, const TrainOptions& o) {
+  const core::Model model = program_model(program);
+  const DataShape shape = data_shape(program);
+  host::SegmentSpec all;
+  all.segment = 0;
+  all.first_layer = 0;
+  all.last_layer = static_cast<int>(model.layers().size());
+  host::HostModel m(model, {all}, o.seed);
+  host::TokenStream stream(model.config() ? model.config()->vocab : 0, shape.seq_len, o.seed, o.data_path);
+  const float scale = 1.0f / static_cast<float>(shape.global_tokens());
+  TrainResult r;
+  if (!o.resume_dir.empty()) r.first_step = load_checkpoint(o.resume_dir, -1, program, m);
+  double total_s = 0;
+  for (int step = r.first_step; step < o.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    double loss = 0;
+    for (int mb = 0; mb < shape.microbatches; ++mb)
+      for (int rank = 0; rank < shape.ranks; ++rank) {
+        const auto data = stream.microbatch(step, mb, rank, shape.microbatches, shape.ranks, shape.micro_batch_size);
+        host::ForwardState s;
+        host::SegmentStash stash;
+        loss += m.forward(0, data, scale, s, stash);
+        host::BackwardState g;
+        m.backward_input(0, g, stash);
+        m.backward_weight(0, stash);
+      }
+    m.update(0, o.adamw, step + 1);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    total_s += dt;
+    r.losses.push_back(loss / static_cast<double>(shape.global_tokens()));
+    if (o.print) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), dt * 1e3);
+  }
+  const int ran = o.steps - r.first_step;
+  r.step_time_s = ran > 0 ? total_s / ran : 0;
+  r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
+  if (!o.save_dir.empty()) save_checkpoint(o.save_dir, -1, program, m, o.steps);
+  if (!o.dump_params_path.empty()) write_dump(o.dump_params_path, serialize_records(m.param_records()));
+  if (!o.report_path.empty()) write_report(o.report_path, r, "reference", 1);
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Distributed
+// ---------------------------------------------------------------------------------------------
+TrainResult train_distributed(const core::Program& program, const TrainOptions& o) {
+  int rank = 0, size = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  if (size != program.num_devices) {
+    if (rank != 0) throw ReportedByAnotherRank();
+    throw std::invalid_argument(fmt::format("the plan has {} devices but {} MPI ranks were started (mpirun -np {})", program.num_devices, size,
+                                            program.num_devices));
+  }
+  // Setup errors (model, data, checkpoint) are the same on every rank or local to one: the lowest
+  // failing rank reports, every rank stops before the first step.
+  std::unique_ptr<HostBackend> backend;
+  std::string error;
+  TrainResult r;
+  try {
+    HostConfig cfg{o.seed, o.data_path, o.adamw};
+    backend = std::make_unique<HostBackend>(program, rank, MPI_COMM_WORLD, cfg);
+    if (!o.resume_dir.empty()) r.first_step = load_checkpoint(o.resume_dir, rank, program, backend->model());
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  int first_failing = error.empty() ? size : rank;
+  MPI_Allreduce(MPI_IN_PLACE, &first_failing, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (first_failing < size) {
+    if (rank == first_failing) throw std::invalid_argument(error);
+    throw ReportedByAnotherRank();
+  }
+  int steps_agree[2] = {r.first_step, -r.first_step};
+  MPI_Allreduce(MPI_IN_PLACE, steps_agree, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (steps_agree[0] != -steps_agree[1]) {
+    if (rank != 0) throw ReportedByAnotherRank();
+    throw std::invalid_argument(o.resume_dir + ": ranks' checkpoints are from different steps");
+  }
+  backend->set_steps_done(r.first_step);
+
+  const DataShape shape = data_shape(program);
+  Executor executor(program.plan_for(rank), *backend, ExecutorOptions{o.stall_timeout_s});
+  StepMeasurement last;
+  double total_step_s = 0;
+  for (int step = r.first_step; step < o.steps; ++step) {
+    MPI_Barrier(MPI_COMM_WORLD);  // align step starts so the timeline's devices share a time origin
+    last = executor.run_step(step);
+    double sums[1] = {backend->loss_sum()};
+    double step_s = last.step_seconds;
+    MPI_Allreduce(MPI_IN_PLACE, sums, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &step_s, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    r.losses.push_back(sums[0] / static_cast<double>(shape.global_tokens()));
+    total_step_s += step_s;
+    r.backend_s += last.backend_seconds;
+    r.idle_s += last.idle_seconds;
+    r.overhead_s += last.overhead_seconds;
+    r.total_s += last.step_seconds;
+    r.ops += last.ops;
+    if (o.print && rank == 0) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), step_s * 1e3);
+  }
+  const int ran = o.steps - r.first_step;
+  r.step_time_s = ran > 0 ? total_step_s / ran : 0;
+  r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
+
+  if (!o.save_dir.empty()) {
+    save_checkpoint(o.save_dir, rank, program, backend->model(), o.steps);
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  if (!o.dump_params_path.empty()) {
+    const std::string mine = serialize_records(backend->model().param_records());
+    int n = static_cast<int>(mine.size());
+    std::vector<int> sizes(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
+    MPI_Gather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
+    int total = 0;
+    for (int i = 0; i < size; ++i) offsets[static_cast<std::size_t>(i)] = total, total += sizes[static_cast<std::size_t>(i)];
+    std::string all(static_cast<std::size_t>(rank == 0 ? total : 0), '\0');
+    MPI_Gatherv(mine.data(), n, MPI_BYTE, all.data(), sizes.data(), offsets.data(), MPI_BYTE, 0, MPI_COMM_WORLD);
+    if (rank == 0) write_dump(o.dump_params_path, all);
+  }
+  if (!o.trace_path.empty() && ran > 0) {
+    // The last step's measured timeline of every device, gathered on rank 0.
+    std::vector<double> mine;
+    mine.push_back(static_cast<double>(last.timeline.spans.size()));
+    for (const auto& s : last.timeline.spans) mine.insert(mine.end(), {static_cast<double>(s.stream), static_cast<double>(s.index), s.start_s, s.end_s});
+    for (const auto& m : last.timeline.memory) mine.insert(mine.end(), {m.time_s, static_cast<double>(m.bytes)});
+    int n = static_cast<int>(mine.size());
+    std::vector<int> sizes(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
+    MPI_Gather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
+    int total = 0;
+    for (int i = 0; i < size; ++i) offsets[static_cast<std::size_t>(i)] = total, total += sizes[static_cast<std::size_t>(i)];
+    std::vector<double> all(static_cast<std::size_t>(rank == 0 ? total : 0));
+    MPI_Gatherv(mine.data(), n, MPI_DOUBLE, all.data(), sizes.data(), offsets.data(), MPI_DOUBLE, 0, MPI_COMM_WORLD);
+    if (rank == 0) {
+      core::Timeline t;
+      t.source = "measured";
+      t.program = std::make_shared<const core::Program>(program);
+      for (int d = 0; d < size; ++d) {
+        std::size_t at = static_cast<std::size_t>(offsets[static_cast<std::size_t>(d)]);
+        const std::size_t end = at + static_cast<std::size_t>(sizes[static_cast<std::size_t>(d)]);
+        core::DeviceTimeline dt;
+        const auto spans = static_cast<std::size_t>(all[at++]);
+        for (std::size_t i = 0; i < spans; ++i, at += 4)
+          dt.spans.push_back({static_cast<std::int32_t>(all[at]), static_cast<std::int32_t>(all[at + 1]), all[at + 2], all[at + 3]});
+        for (; at + 1 < end; at += 2) {
+          dt.memory.push_back({all[at], static_cast<std::int64_t>(all[at + 1])});
+          if (dt.memory.back().bytes > dt.peak_memory_bytes) dt.peak_memory_bytes = dt.memory.back().bytes, dt.peak_memory_time_s = all[at];
+        }
+        for (const auto& s : dt.spans) t.step_time_s = std::max(t.step_time_s, s.end_s);
+        t.devices.push_back(std::move(dt));
+      }
+      std::ostringstream out;
+      core::write_chrome_trace(t, out);
+      core::write_file_atomically(o.trace_path, out.str());
+    }
+  }
+  if (rank == 0 && !o.report_path.empty()) write_report(o.report_path, r, "distributed", size);
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parameter dumps
+// ---------------------------------------------------------------------------------------------
+std::map<int, std::vector<float>> read_param_dump(const std::string& path) {
+  const std::string data = read_all(path);
+  if (data.size() < 8 || std::memcmp(data.data(), kDumpMagic, 8) != 0) throw std::invalid_argument(path + ": not a parameter dump");
+  std::map<int, std::vector<float>> out;
+  std::size_t pos = 8;
+  std::vector<float> values;
+  while (pos < data.size()) {
+    const auto layer = get<std::int32_t>(data, pos);
+    const auto offset = get<std::int64_t>(data, pos);
+    const auto count = get<std::int64_t>(data, pos);
+    get_floats(data, pos, values, static_cast<std::size_t>(count));
+    auto& v = out[layer];
+    if (static_cast<std::int64_t>(v.size()) < offset + count) v.resize(static_cast<std::size_t>(offset + count), std::numeric_limits<float>::quiet_NaN());
+    std::copy(values.begin(), values.end(), v.begin() + offset);
+  }
+  return out;
+}
+
+double max_param_difference(const std::string& path_a, const std::string& path_b) {
+  const auto a = read_param_dump(path_a), b = read_param_dump(path_b);
+  if (a.size() != b.size()) throw std::runtime_error(fmt::format("dumps hold {} and {} layers", a.size(), b.size()));
+  double worst = 0;
+  for (const auto& [layer, va] : a) {
+    auto it = b.find(layer);
+    if (it == b.end() || it->second.size() != va.size()) throw std::runtime_error(fmt::format("layer {} differs in size between the dumps", layer));
+    for (std::size_t i = 0; i < va.size(); ++i) {
+      if (std::isnan(va[i]) || std::isnan(it->second[i])) throw std::runtime_error(fmt::format("layer {} element {} is missing or NaN", layer, i));
+      worst = std::max(worst, static_cast<double>(std::abs(va[i] - it->second[i])));
+    }
+  }
+  return worst;
+}
+
+}  // namespace piper::runtime

@@ -1,0 +1,91 @@
+// Report panel HTML: summary figures per scenario and a per-device bubble / peak-memory table.
+#include "piper/gui/report_panel.hpp"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+namespace piper::gui {
+
+namespace {
+
+std::string seconds(double s) {
+  if (s >= 1) return fmt::format("{:.3f} s", s);
+  if (s >= 1e-3) return fmt::format("{:.2f} ms", s * 1e3);
+  return fmt::format("{:.1f} µs", s * 1e6);
+}
+std::string gib(std::int64_t b) { return fmt::format("{:.2f} GiB", static_cast<double>(b) / (1024.0 * 1024 * 1024)); }
+std::string percent(double f) { return fmt::format("{:.1f} %", f * 100); }
+std::string count(double v) {
+  if (v >= 1e6) return fmt::format("{:.2f} M", v / 1e6);
+  if (v >= 1e3) return fmt::format("{:.1f} k", v / 1e3);
+  return fmt::format("{:.0f}", v);
+}
+
+}  // namespace
+
+std::string report_html(const std::vector<NamedReport>& reports, int max_device_rows) {
+  if (reports.empty()) return "<p style='color:#888'>No simulation yet.</p>";
+  std::string h = "<style>td,th{padding:1px 6px;} th{text-align:left;color:#333;} td.v{text-align:right;} "
+                  "tr.oom td{color:#c00;font-weight:bold;} .n{color:#777;}</style>";
+  h += "<table cellspacing='0' width='100%'><tr><th></th>";
+  for (const auto& r : reports) h += "<th style='text-align:right'>" + r.name + "</th>";
+  h += "</tr>";
+  auto row = [&](const std::string& label, auto&& value, bool red = false) {
+    h += std::string(red ? "<tr class='oom'>" : "<tr>") + "<td>" + label + "</td>";
+    for (const auto& r : reports) h += "<td class='v'>" + value(r.report) + "</td>";
+    h += "</tr>";
+  };
+  const bool any_oom = std::any_of(reports.begin(), reports.end(), [](const NamedReport& r) { return r.report.oom; });
+  row("step time", [](const sim::Report& r) { return "<b>" + seconds(r.step_time_s) + "</b>"; });
+  row("tokens/s", [](const sim::Report& r) { return count(r.tokens_per_s); });
+  row("MFU", [](const sim::Report& r) { return percent(r.mfu); });
+  row("bubble (mean)", [](const sim::Report& r) { return percent(r.bubble_fraction); });
+  row("peak memory", [](const sim::Report& r) { return gib(r.peak_memory_bytes); }, any_oom);
+  row("out of memory", [](const sim::Report& r) {
+    return r.oom ? fmt::format("YES: dev {} at {}", r.oom_details.device, seconds(r.oom_details.time_s)) : std::string("no");
+  }, any_oom);
+  row("devices", [](const sim::Report& r) { return std::to_string(r.devices); });
+  row("microbatches", [](const sim::Report& r) { return std::to_string(r.microbatches); });
+  row("ops", [](const sim::Report& r) { return count(static_cast<double>(r.total_ops)); });
+  row("crit. path compute", [](const sim::Report& r) { return seconds(r.critical_path.compute_s); });
+  row("crit. path comm", [](const sim::Report& r) { return seconds(r.critical_path.comm_s); });
+  row("compile time", [](const sim::Report& r) { return seconds(r.compile_time_s); });
+  row("simulate time", [](const sim::Report& r) { return seconds(r.simulate_time_s); });
+  row("engine", [](const sim::Report& r) { return r.engine; });
+  h += "</table><p style='margin-top:8px'><b>Per device</b> <span class='n'>(bubble = idle / step)</span></p>";
+  h += "<table cellspacing='0' width='100%'><tr><th>dev</th>";
+  for (const auto& r : reports) h += "<th style='text-align:right'>bubble" + (r.name.empty() ? "" : " " + r.name) + "</th><th style='text-align:right'>peak GiB" + (r.name.empty() ? "" : " " + r.name) + "</th>";
+  h += "</tr>";
+  std::size_t devices = 0;
+  for (const auto& r : reports) devices = std::max(devices, r.report.per_device.size());
+  const std::size_t shown = std::min<std::size_t>(devices, static_cast<std::size_t>(max_device_rows));
+  for (std::size_t d = 0; d < shown; ++d) {
+    bool oom = false;
+    std::string cells;
+    for (const auto& r : reports) {
+      if (d < r.report.per_device.size()) {
+        const sim::DeviceReport& dr = r.report.per_device[d];
+        oom = oom || dr.oom;
+        cells += "<td class='v'>" + percent(dr.bubble_fraction) + "</td><td class='v'>" + fmt::format("{:.2f}", static_cast<double>(dr.peak_memory_bytes) / (1024.0 * 1024 * 1024)) + "</td>";
+      } else {
+        cells += "<td></td><td></td>";
+      }
+    }
+    h += std::string(oom ? "<tr class='oom'>" : "<tr>") + "<td>" + std::to_string(d) + "</td>" + cells + "</tr>";
+  }
+  h += "</table>";
+  if (shown < devices) h += fmt::format("<p class='n'>{} more devices not listed.</p>", devices - shown);
+  return h;
+}
+
+ReportPanel::ReportPanel(QWidget* parent) : QTextBrowser(parent) {
+  QFont f = font();
+  f.setPointSizeF(9);
+  setFont(f);
+  setHtml(QString::fromStdString(report_html({})));
+}
+
+void ReportPanel::set_reports(const std::vector<NamedReport>& reports) { setHtml(QString::fromStdString(report_html(reports))); }
+
+}  // namespace piper::gui

@@ -1,0 +1,99 @@
+// Cluster specs: GPUs, nodes, intra-node fabric and inter-node network, loaded from a preset name or
+// a JSON file. The simulator's cost model and the SimGrid platform are built from a Cluster.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "piper/core/error.hpp"
+
+namespace piper::sim {
+
+// A bad cluster spec or a cluster too small for a program. what() is one line naming file and field.
+class ClusterError : public core::Error {
+ public:
+  using core::Error::Error;
+};
+
+// One GPU model. Compute time of an op with `flops` FLOPs and `bytes` of HBM traffic is the roofline
+//   max(flops / (peak_flops * efficiency(flops)), bytes / hbm_bandwidth_bytes_per_s) + launch_overhead_s
+// where efficiency(f) = max_efficiency * f / (f + half_efficiency_flops): small kernels reach a small
+// fraction of peak, large GEMMs approach max_efficiency (half of it at f = half_efficiency_flops).
+struct GpuSpec {
+  std::string name;
+  double peak_flops = 0;                  // dense bf16/fp16 tensor-core FLOP/s (no sparsity)
+  int sm_count = 0;
+  std::int64_t hbm_bytes = 0;
+  double hbm_bandwidth_bytes_per_s = 0;
+  double launch_overhead_s = 0;           // per kernel-sized op
+  double comm_sm_share = 0;               // fraction of compute throughput a running comm kernel takes
+  double max_efficiency = 1;              // asymptotic fraction of peak_flops reached by large ops
+  double half_efficiency_flops = 0;       // op size reaching max_efficiency / 2 (0: always max)
+  double efficiency(double flops) const {
+    return half_efficiency_flops <= 0 ? max_efficiency : max_efficiency * flops / (flops + half_efficiency_flops);
+  }
+  nlohmann::json to_json() const;
+  friend bool operator==(const GpuSpec&, const GpuSpec&) = default;
+};
+
+// One node: identical GPUs on an NVLink/NVSwitch fabric, NICs to the inter-node network.
+struct NodeSpec {
+  int gpus_per_node = 8;
+  GpuSpec gpu;
+  double nvlink_bandwidth_bytes_per_s = 0;  // per GPU per direction
+  double nvlink_latency_s = 0;
+  int nics = 8;
+  double nic_bandwidth_bytes_per_s = 0;     // each NIC, per direction
+  // Inter-node bandwidth one GPU can use when all GPUs of the node talk off-node (rail-optimized:
+  // GPU i uses NIC i): nics * nic_bandwidth / gpus_per_node.
+  double nic_bandwidth_per_gpu_bytes_per_s() const {
+    return gpus_per_node > 0 ? nics * nic_bandwidth_bytes_per_s / gpus_per_node : 0;
+  }
+  nlohmann::json to_json() const;
+  friend bool operator==(const NodeSpec&, const NodeSpec&) = default;
+};
+
+struct NetworkSpec {
+  double latency_s = 0;               // end-to-end NIC-to-NIC latency across the switches
+  std::string topology = "rail-optimized";  // "rail-optimized" | "fat-tree"
+  double oversubscription = 1;        // fat-tree: downlink/uplink ratio at the leaf (1 = full bisection)
+  friend bool operator==(const NetworkSpec&, const NetworkSpec&) = default;
+};
+
+struct Cluster {
+  std::string name;
+  std::vector<NodeSpec> nodes;        // devices are numbered node by node: node 0 holds 0..g0-1, ...
+  NetworkSpec network;
+  bool fixed_size = false;            // the spec fixes its node count: with_devices() will not grow it
+
+  int num_devices() const;
+  int node_of(int device) const;      // throws ClusterError when out of range
+  int local_index(int device) const;  // index of the GPU inside its node
+  const NodeSpec& node(int device) const { return nodes.at(static_cast<std::size_t>(node_of(device))); }
+  const GpuSpec& gpu(int device) const { return node(device).gpu; }
+  // node_of for every device at once (O(devices)); engines use it instead of per-call lookups.
+  std::vector<int> node_of_devices() const;
+  bool homogeneous() const;
+
+  nlohmann::json to_json() const;
+};
+
+// Preset names: dgx-a100-80g, dgx-h100, dgx-h200, hgx-h800.
+std::vector<std::string> cluster_presets();
+// A preset name or a path to a cluster JSON file (format in examples/clusters/README or
+// notes/readme-simulator.md). Throws ClusterError with one line naming the file and field.
+Cluster load_cluster(const std::string& preset_or_path);
+// Parses a cluster spec; `where` (a file name) prefixes errors.
+//   {"name": "...", "preset": "dgx-h200"?, "nodes": N, "fixed": bool?,
+//    "node": {"gpus_per_node", "gpu": {...}|"h100-sxm", "nvlink_bandwidth_gbps"...}?,   (overrides of the preset's node)
+//    "overrides": [{"nodes": [i, j] | "first": i, "count": n, ...node fields...}],
+//    "network": {"latency_us", "topology", "oversubscription"}}
+Cluster cluster_from_json(const nlohmann::json& j, const std::string& where);
+// The same node type repeated to hold `devices` GPUs: ceil(devices / gpus_per_node(last node)) nodes;
+// extra nodes copy the last node. A fixed-size cluster with fewer devices throws ClusterError.
+Cluster with_devices(const Cluster& cluster, int devices);
+
+}  // namespace piper::sim

@@ -1,0 +1,100 @@
+// Cost model: how long an op takes on a device of a Cluster — roofline compute with an efficiency
+// curve, alpha-beta point-to-point transfers and NCCL-like collectives — optionally overridden by a
+// calibration file of measured times or by a per-op function (tests, unit-time views).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "piper/core/program.hpp"
+#include "piper/sim/cluster.hpp"
+
+namespace piper::sim {
+
+// Measured op times that replace the model where they match. JSON format (written by the runtime):
+//   {"format": "piper-calibration", "version": 1, "gpu": "H200-SXM" (informational),
+//    "entries": [{"kind": "COMPUTE"|"UPD"|"SEND"|"ALL_REDUCE"|..., "pass": "F"|"B"|"BI"|"BW"|"" ,
+//                 "flops": 1.2e12?, "memory_bytes": 123?, "bytes": 456?, "group_size": 8?,
+//                 "key": "label or shape key"?, "seconds": 0.0123}]}
+// An entry matches an op when kind and pass are equal and each field the entry gives is equal to the
+// op's (flops within 1e-9 relative; group_size: the collective's group, or 2 for SEND/RECV; key: the
+// op's label). Among matches the entry giving the most fields wins; the first such entry on ties.
+struct CalibrationEntry {
+  core::OpKind kind = core::OpKind::Compute;
+  core::Pass pass = core::Pass::None;
+  std::optional<double> flops;
+  std::optional<std::int64_t> memory_bytes;
+  std::optional<std::int64_t> bytes;
+  std::optional<int> group_size;
+  std::optional<std::string> key;
+  double seconds = 0;
+};
+
+struct Calibration {
+  std::string gpu;
+  std::vector<CalibrationEntry> entries;
+  std::optional<double> lookup(const core::Op& op, int group_size) const;
+  nlohmann::json to_json() const;
+  static Calibration from_json(const nlohmann::json& j, const std::string& where);  // throws ClusterError
+  static Calibration load(const std::string& path);
+};
+
+// Per-op override: a value replaces every other estimate of that op (compute or communication).
+using OpOverride = std::function<std::optional<double>(const core::Op&)>;
+
+// Communication formulas, with S = op.bytes (the full buffer: all-reduce input, reduce-scatter input,
+// all-gather output, all-to-all total sent per rank), n ranks, alpha = latency, B = bandwidth per
+// rank per direction:
+//   point-to-point     alpha + S / B                  (intra-node: NVLink figures; else NIC per GPU)
+//   ring all-reduce    2(n-1) alpha + 2 (n-1)/n S / B
+//   reduce-scatter     (n-1) alpha + (n-1)/n S / B
+//   all-gather         (n-1) alpha + (n-1)/n S / B
+//   all-to-all         (n-1) (alpha + S / (n B))      (pairwise exchange, n-1 rounds)
+// Flat forms apply when the group is inside one node (NVLink alpha, B) or has one rank per node
+// (network latency, per-GPU NIC bandwidth = nics * nic_bandwidth / gpus_per_node of the slowest node).
+// Hierarchical (group spans k > 1 nodes with m > 1 ranks on the busiest node; NCCL's tree/ring of rings):
+//   all-reduce      = RS_intra(m, S) + AR_inter(k, S/m) + AG_intra(m, S)
+//   reduce-scatter  = RS_intra(m, S) + RS_inter(k, S/m)
+//   all-gather      = AG_inter(k, S/m) + AG_intra(m, S)
+//   all-to-all      = (m-1)(alpha_i + S/(n B_i)) + (n-m)(alpha_e + S/(n B_e))   (intra peers over NVLink)
+// Links are uncontended here (alpha-beta); contention is the SimGrid engine's business.
+class CostModel {
+ public:
+  explicit CostModel(const Cluster& cluster, std::optional<Calibration> calibration = std::nullopt);
+
+  const Cluster& cluster() const { return cluster_; }
+  void set_override(OpOverride f) { override_ = std::move(f); }
+  const OpOverride& op_override() const { return override_; }
+
+  // COMPUTE and UPD ops: override, then calibration, then the roofline of the device's GPU.
+  double compute_seconds(const core::Program& program, int device, const core::Op& op) const;
+  // Roofline alone (no override or calibration).
+  double roofline_seconds(int device, double flops, std::int64_t memory_bytes) const;
+
+  double p2p_seconds(int src, int dst, std::int64_t bytes) const;
+  double collective_seconds(core::OpKind kind, const std::vector<int>& ranks, std::int64_t bytes) const;
+  // The same with the override and calibration applied (what the engines call for an op).
+  double transfer_seconds(const core::Op& send, int src, int dst) const;
+  double collective_op_seconds(const core::Op& op, const std::vector<int>& ranks) const;
+
+  // Latency and per-direction bandwidth between two devices (intra: NVLink; inter: network + NIC/GPU).
+  double latency_s(int src, int dst) const;
+  double bandwidth_bytes_per_s(int src, int dst) const;
+
+  // Fraction of compute throughput lost on `device` while >= 1 communication op runs there.
+  double comm_sm_share(int device) const { return cluster_.gpu(device).comm_sm_share; }
+
+ private:
+  Cluster cluster_;
+  std::vector<int> node_of_;   // device -> node (cached)
+  std::optional<Calibration> calibration_;
+  OpOverride override_;
+  std::optional<double> replaced(const core::Op& op, int group_size) const;
+};
+
+}  // namespace piper::sim

@@ -1,0 +1,68 @@
+// Simulation engines: the execution semantics of a Program, shared by every engine and by the
+// runtime, and the Engine interface ("analytic" | "simgrid") that turns a Program into a Timeline.
+//
+// Execution semantics (the contract; core/src/verifier.cpp checks deadlock-freedom under it):
+//  * Device d runs plans[plan_of_device[d]]. Its streams run concurrently. A stream runs one op at a
+//    time, in issue order: op i starts no earlier than op i-1 of the same stream ends (CUDA stream).
+//  * An op also waits for every op in its `waits` (other streams of the same device) to end.
+//  * Compute (COMPUTE, UPD) ops start as soon as they are ready.
+//  * A SEND on d (peer e = peer_of(op, d)) and the RECV on e with the same `node` whose peer is d form
+//    ONE transfer: it starts when both ops are ready and ends for both at the same time (rendezvous,
+//    as NCCL send/recv). Its duration is CostModel::transfer_seconds (analytic engine).
+//  * A collective (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL) on d runs in group
+//    group_of(op.family, d); the k-th collective of a family on each member (streams in index order,
+//    ops in order) is one instance. It starts when every member's op is ready and ends for all members
+//    together. Duration: CostModel::collective_op_seconds (analytic engine).
+//  * Compute slowdown by communication: a compute op has work w = CostModel::compute_seconds. While
+//    at least one communication op (transfer or collective) is running on the same device, its
+//    remaining work progresses at rate (1 - comm_sm_share(d)); otherwise at rate 1. Only running
+//    comm ops count: one waiting at a rendezvous takes no SMs. (An SM-partition directive can later
+//    set the share per op.)
+//  * Memory: persistent buffers are allocated at t = 0; a transient buffer is allocated when its
+//    alloc op starts and freed when its free op ends. At equal times frees apply before allocations.
+//  * Step time: the end of the last op on any device (every device starts at t = 0).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "piper/core/timeline.hpp"
+#include "piper/sim/cost_model.hpp"
+
+namespace piper::sim {
+
+class Engine {
+ public:
+  virtual ~Engine();
+  virtual std::string name() const = 0;
+  // Simulates one step. Fills spans of every op of every device (sorted by stream, index), and leaves
+  // memory to fill_memory() (engines may call it themselves). Throws DeadlockError if stuck.
+  virtual core::Timeline run(std::shared_ptr<const core::Program> program, const Cluster& cluster,
+                             const CostModel& cost) = 0;
+};
+
+using EngineFactory = std::function<std::unique_ptr<Engine>()>;
+// Engines by name. "analytic" is always registered; "simgrid" when SimGrid was found at build time.
+void register_engine(const std::string& name, EngineFactory factory);
+std::vector<std::string> engine_names();
+// Throws core::Error (one line) for an unknown or unavailable engine.
+std::unique_ptr<Engine> make_engine(const std::string& name);
+constexpr const char* kDefaultEngine = "simgrid";
+
+std::unique_ptr<Engine> make_analytic_engine();
+// Defined in sim/src/simgrid_engine.cpp when SimGrid is available, else by a stub that throws
+// core::Error("engine 'simgrid' is not available: piper was built without SimGrid").
+std::unique_ptr<Engine> make_simgrid_engine();
+
+// Memory over time from the spans: persistent buffers at 0, transient ones from their alloc op's start
+// to their free op's end (frees first at equal times). Sets memory, peak_memory_bytes, peak time.
+void fill_memory(core::Timeline& timeline);
+
+// An empty timeline with one span per op (stream, index set; times 0), the layout engines fill.
+core::Timeline empty_timeline(std::shared_ptr<const core::Program> program, const std::string& source);
+// Index of an op's span in DeviceTimeline::spans (spans are sorted by stream, then index).
+std::vector<std::int32_t> stream_span_base(const core::Plan& plan);
+
+}  // namespace piper::sim

@@ -1,0 +1,40 @@
+// The simulator's front door, shared by the CLI, the GUI and sweeps: scenario (or Program) + cluster
+// + engine -> compiled program, Timeline and Report.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "piper/core/scenario.hpp"
+#include "piper/core/timeline.hpp"
+#include "piper/sim/cluster.hpp"
+#include "piper/sim/cost_model.hpp"
+#include "piper/sim/engine.hpp"
+#include "piper/sim/report.hpp"
+
+namespace piper::sim {
+
+struct SimulateOptions {
+  std::string cluster;               // preset or file; empty: the scenario's, else "dgx-h200"
+  std::string engine;                // "analytic" | "simgrid"; empty: the scenario's, else kDefaultEngine
+  std::string calibration_path;      // optional calibration JSON
+  OpOverride op_override;            // optional per-op durations (tests, unit-time views)
+};
+
+constexpr const char* kDefaultCluster = "dgx-h200";
+
+struct SimulationResult {
+  // Set by simulate(Scenario): the compiled scenario; its result.program was moved into `program`.
+  std::optional<core::CompiledScenario> compiled;
+  std::shared_ptr<const core::Program> program;
+  Cluster cluster;                   // grown to the program's device count (with_devices)
+  core::Timeline timeline;
+  Report report;
+};
+
+SimulationResult simulate(const core::Scenario& scenario, const SimulateOptions& options = {});
+// A Program already compiled (e.g. read from --plan); compile stats come from program.stats.
+SimulationResult simulate_program(std::shared_ptr<const core::Program> program, const SimulateOptions& options = {});
+
+}  // namespace piper::sim

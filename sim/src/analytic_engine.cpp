@@ -1,0 +1,156 @@
+// The analytic engine: a discrete-event simulation of a Program with alpha-beta communication and no
+// link contention, driven by ReadyTracker. Compute slows by comm_sm_share while comm runs (engine.hpp).
+#include <algorithm>
+#include <queue>
+
+#include "piper/sim/engine.hpp"
+#include "piper/sim/ready_tracker.hpp"
+
+namespace piper::sim {
+
+namespace {
+
+using Activity = ReadyTracker::Activity;
+constexpr std::size_t ix(std::int64_t i) { return static_cast<std::size_t>(i); }
+
+class AnalyticEngine : public Engine {
+ public:
+  std::string name() const override { return "analytic"; }
+
+  core::Timeline run(std::shared_ptr<const core::Program> program_ptr, const Cluster& cluster,
+                     const CostModel& cost) override {
+    const core::Program& program = *program_ptr;
+    const int n = program.num_devices;
+    if (cluster.num_devices() < n) throw ClusterError("cluster '" + cluster.name + "' has " + std::to_string(cluster.num_devices()) + " devices but the program needs " + std::to_string(n));
+    core::Timeline timeline = empty_timeline(program_ptr, "analytic");
+    std::vector<std::vector<std::int32_t>> span_base(program.plans.size());
+    for (std::size_t p = 0; p < program.plans.size(); ++p) span_base[p] = stream_span_base(program.plans[p]);
+
+    ReadyTracker tracker(program);
+    std::vector<double> share(ix(n));
+    for (int d = 0; d < n; ++d) share[ix(d)] = cost.comm_sm_share(d);
+    std::vector<std::int32_t> comm_active(ix(n), 0);
+    std::vector<std::vector<std::int32_t>> computes(ix(n));  // running compute activities per device
+
+    struct Running {
+      Activity activity;
+      double remaining = 0;    // compute: work left at full speed (seconds), as of `since`
+      double rate = 1;
+      double since = 0;
+      std::uint32_t version = 0;
+    };
+    std::vector<Running> running;
+    std::vector<std::int32_t> free_slots;
+    struct Event {
+      double time;
+      std::uint64_t seq;
+      std::int32_t slot;
+      std::uint32_t version;
+      bool operator>(const Event& o) const { return time > o.time || (time == o.time && seq > o.seq); }
+    };
+    std::priority_queue<Event, std::vector<Event>, std::greater<>> events;
+    std::uint64_t seq = 0;
+
+    auto span = [&](int device, core::OpRef r) -> core::OpSpan& {
+      const auto& base = span_base[ix(program.plan_of_device[ix(device)])];
+      return timeline.devices[ix(device)].spans[ix(base[ix(r.stream)] + r.index)];
+    };
+    auto op_of = [&](int device, core::OpRef r) -> const core::Op& {
+      return program.plan_for(device).streams[ix(r.stream)].ops[ix(r.index)];
+    };
+    // Comm started or ended on `device`: running compute there changes speed.
+    auto set_comm = [&](int device, int delta, double now) {
+      const int before = comm_active[ix(device)];
+      comm_active[ix(device)] += delta;
+      const int after = comm_active[ix(device)];
+      if ((before > 0) == (after > 0) || share[ix(device)] <= 0) return;
+      const double rate = after > 0 ? 1 - share[ix(device)] : 1;
+      for (std::int32_t slot : computes[ix(device)]) {
+        Running& r = running[ix(slot)];
+        r.remaining = std::max(0.0, r.remaining - (now - r.since) * r.rate);
+        r.rate = rate;
+        r.since = now;
+        r.version += 1;
+        events.push({now + r.remaining / rate, seq++, slot, r.version});
+      }
+    };
+
+    std::vector<Activity> ready;
+    double now = 0;
+    std::vector<int> ranks;
+    while (true) {
+      ready.clear();
+      tracker.take_ready(ready);
+      for (Activity& a : ready) {
+        std::int32_t slot;
+        if (!free_slots.empty()) {
+          slot = free_slots.back();
+          free_slots.pop_back();
+        } else {
+          slot = static_cast<std::int32_t>(running.size());
+          running.emplace_back();
+        }
+        Running& r = running[ix(slot)];
+        r.activity = std::move(a);
+        r.version += 1;
+        r.since = now;
+        for (const auto& [d, ref] : r.activity.members) span(d, ref).start_s = now;
+        double end = now;
+        if (r.activity.kind == Activity::Kind::Compute) {
+          const auto [d, ref] = r.activity.members.front();
+          r.remaining = cost.compute_seconds(program, d, op_of(d, ref));
+          r.rate = comm_active[ix(d)] > 0 ? 1 - share[ix(d)] : 1;
+          end = now + r.remaining / r.rate;
+          computes[ix(d)].push_back(slot);
+        } else if (r.activity.kind == Activity::Kind::Transfer) {
+          const auto [src, send] = r.activity.members[0];
+          const int dst = r.activity.members[1].first;
+          end = now + cost.transfer_seconds(op_of(src, send), src, dst);
+          set_comm(src, +1, now);
+          set_comm(dst, +1, now);
+        } else {
+          ranks.clear();
+          for (const auto& m : r.activity.members) ranks.push_back(m.first);
+          const auto [d0, ref0] = r.activity.members.front();
+          end = now + cost.collective_op_seconds(op_of(d0, ref0), ranks);
+          for (int d : ranks) set_comm(d, +1, now);
+        }
+        tracker.started(r.activity, now);
+        events.push({end, seq++, slot, r.version});
+      }
+      // Stale events (compute rescheduled by a speed change) must not advance the clock.
+      while (!events.empty() && events.top().version != running[ix(events.top().slot)].version) events.pop();
+      if (events.empty()) break;
+      // Finish everything that ends at the next event time, then release dependents once.
+      now = events.top().time;
+      while (!events.empty() && events.top().time == now) {
+        const Event e = events.top();
+        events.pop();
+        Running& r = running[ix(e.slot)];
+        if (e.version != r.version) continue;  // rescheduled by a speed change
+        r.version += 1;
+        for (const auto& [d, ref] : r.activity.members) span(d, ref).end_s = now;
+        if (r.activity.kind == Activity::Kind::Compute) {
+          auto& list = computes[ix(r.activity.members.front().first)];
+          list.erase(std::find(list.begin(), list.end(), e.slot));
+        } else {
+          for (const auto& m : r.activity.members) set_comm(m.first, -1, now);
+        }
+        tracker.finished(r.activity, now);
+        free_slots.push_back(e.slot);
+      }
+    }
+    if (!tracker.done()) tracker.throw_stuck();
+    timeline.step_time_s = 0;
+    for (const auto& dt : timeline.devices)
+      for (const auto& sp : dt.spans) timeline.step_time_s = std::max(timeline.step_time_s, sp.end_s);
+    fill_memory(timeline);
+    return timeline;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> make_analytic_engine() { return std::make_unique<AnalyticEngine>(); }
+
+}  // namespace piper::sim

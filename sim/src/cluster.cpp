@@ -1,0 +1,410 @@
+// Cluster specs: built-in presets (public vendor figures, cited) and the JSON spec format.
+#include "piper/sim/cluster.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+
+namespace piper::sim {
+
+using nlohmann::json;
+
+namespace {
+
+constexpr double kGB = 1e9;           // vendor bandwidths are decimal: 1 GB/s = 1e9 bytes/s
+constexpr double kGbit = 1e9 / 8;     // NIC line rates: 400 Gb/s = 50e9 bytes/s
+constexpr double kTera = 1e12;
+constexpr std::int64_t kGiB = std::int64_t{1} << 30;
+
+// Assumptions shared by every preset (not vendor figures; documented in notes/readme-simulator.md):
+//  * launch overhead 5 us per op (CUDA kernel launch + framework dispatch, a few us on H100);
+//  * comm kernels take 20 of 132 SMs (DeepSeek-V3 report, sec. 3.2.2: 20 SMs for communication) -> 0.15;
+//  * efficiency curve: 75 % of peak for large GEMMs, half of that at 2 GFLOP per op;
+//  * NVLink latency 3 us and network latency 5 us per message (NCCL-level, not wire-level).
+GpuSpec gpu_with_defaults(std::string name, double tflops, int sms, std::int64_t hbm, double hbm_gb_per_s) {
+  GpuSpec g;
+  g.name = std::move(name);
+  g.peak_flops = tflops * kTera;
+  g.sm_count = sms;
+  g.hbm_bytes = hbm;
+  g.hbm_bandwidth_bytes_per_s = hbm_gb_per_s * kGB;
+  g.launch_overhead_s = 5e-6;
+  g.comm_sm_share = 20.0 / sms;
+  g.max_efficiency = 0.75;
+  g.half_efficiency_flops = 2e9;
+  return g;
+}
+
+// NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOPS dense BF16, 2,039 GB/s HBM2e, 108 SMs; NVLink 3
+// 600 GB/s total = 300 GB/s per direction. DGX A100 (Selene's node): 8 x ConnectX-6 HDR 200 Gb/s.
+GpuSpec a100_sxm_80g() { return gpu_with_defaults("A100-SXM4-80GB", 312, 108, 80 * kGiB, 2039); }
+// NVIDIA H100 datasheet (SXM5): 989 TFLOPS dense BF16, 3.35 TB/s HBM3, 80 GB, 132 SMs; NVLink 4 900 GB/s
+// total = 450 GB/s per direction. DGX H100: 8 x ConnectX-7 400 Gb/s for compute traffic.
+GpuSpec h100_sxm() { return gpu_with_defaults("H100-SXM5-80GB", 989, 132, 80 * kGiB, 3350); }
+// NVIDIA H200 datasheet (SXM): 989 TFLOPS dense BF16, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+// DGX H200: 8 x ConnectX-7 400 Gb/s.
+GpuSpec h200_sxm() { return gpu_with_defaults("H200-SXM-141GB", 989, 132, 141'000'000'000, 4800); }
+// H800 SXM: the H100 compute die (989 TFLOPS dense BF16, 80 GB HBM3 3.35 TB/s) with NVLink cut to
+// 400 GB/s total (200 GB/s per direction), as DeepSeek-V3's report describes its cluster (sec. 3.1:
+// NVLink + 8 x 400 Gb/s InfiniBand per node).
+GpuSpec h800_sxm() { return gpu_with_defaults("H800-SXM-80GB", 989, 132, 80 * kGiB, 3350); }
+
+NodeSpec node_of(GpuSpec gpu, double nvlink_gb_per_s_per_direction, int nics, double nic_gbit) {
+  NodeSpec n;
+  n.gpus_per_node = 8;
+  n.gpu = std::move(gpu);
+  n.nvlink_bandwidth_bytes_per_s = nvlink_gb_per_s_per_direction * kGB;
+  n.nvlink_latency_s = 3e-6;
+  n.nics = nics;
+  n.nic_bandwidth_bytes_per_s = nic_gbit * kGbit;
+  return n;
+}
+
+struct Preset {
+  const char* name;
+  NodeSpec node;
+  NetworkSpec network;
+};
+
+const std::vector<Preset>& presets() {
+  static const std::vector<Preset> p = {
+      {"dgx-a100-80g", node_of(a100_sxm_80g(), 300, 8, 200), {5e-6, "rail-optimized", 1}},
+      {"dgx-h100", node_of(h100_sxm(), 450, 8, 400), {5e-6, "rail-optimized", 1}},
+      {"dgx-h200", node_of(h200_sxm(), 450, 8, 400), {5e-6, "rail-optimized", 1}},
+      {"hgx-h800", node_of(h800_sxm(), 200, 8, 400), {5e-6, "rail-optimized", 1}},
+  };
+  return p;
+}
+
+const std::vector<std::pair<std::string, GpuSpec>>& gpu_presets() {
+  static const std::vector<std::pair<std::string, GpuSpec>> g = {
+      {"a100-sxm-80g", a100_sxm_80g()}, {"h100-sxm", h100_sxm()}, {"h200-sxm", h200_sxm()}, {"h800-sxm", h800_sxm()}};
+  return g;
+}
+
+// Reads JSON fields with one-line errors naming the file and the field path.
+struct Reader {
+  std::string where;
+  [[noreturn]] void fail(const std::string& field, const std::string& msg) const {
+    throw ClusterError(fmt::format("{}: field '{}': {}", where, field, msg));
+  }
+  double number(const json& j, const std::string& key, const std::string& path, double min, bool positive) const {
+    const json& v = j.at(key);
+    if (!v.is_number()) fail(path + key, "expected a number, got " + std::string(v.type_name()));
+    double x = v.get<double>();
+    if (!std::isfinite(x) || x < min || (positive && x <= 0))
+      fail(path + key, fmt::format("must be {} {}, got {}", positive ? ">" : ">=", min, x));
+    return x;
+  }
+  void check_keys(const json& j, const std::string& path, std::initializer_list<const char*> known) const {
+    if (!j.is_object()) fail(path.empty() ? "(top level)" : path.substr(0, path.size() - 1), "expected an object");
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      bool ok = false;
+      std::string list;
+      for (const char* k : known) {
+        ok = ok || it.key() == k;
+        list += (list.empty() ? "" : ", ") + std::string(k);
+      }
+      if (!ok) fail(path + it.key(), "unknown field (expected one of: " + list + ")");
+    }
+  }
+};
+
+void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec& g) {
+  if (j.is_string()) {
+    const std::string name = j.get<std::string>();
+    for (const auto& [n, spec] : gpu_presets())
+      if (n == name) {
+        g = spec;
+        return;
+      }
+    std::string list;
+    for (const auto& [n, spec] : gpu_presets()) list += (list.empty() ? "" : ", ") + n;
+    r.fail(path.substr(0, path.size() - 1), "unknown GPU '" + name + "' (expected one of: " + list + ")");
+  }
+  r.check_keys(j, path,
+               {"name", "preset", "peak_tflops", "sm_count", "hbm_gib", "hbm_bandwidth_gb_per_s", "launch_overhead_us",
+                "comm_sm_share", "max_efficiency", "half_efficiency_gflops"});
+  if (j.contains("preset")) apply_gpu(r, j.at("preset"), path + "preset.", g);
+  if (j.contains("name")) {
+    if (!j.at("name").is_string()) r.fail(path + "name", "expected a string");
+    g.name = j.at("name").get<std::string>();
+  }
+  if (j.contains("peak_tflops")) g.peak_flops = r.number(j, "peak_tflops", path, 0, true) * kTera;
+  if (j.contains("sm_count")) g.sm_count = static_cast<int>(r.number(j, "sm_count", path, 1, false));
+  if (j.contains("hbm_gib"))
+    g.hbm_bytes = static_cast<std::int64_t>(r.number(j, "hbm_gib", path, 0, true) * static_cast<double>(kGiB));
+  if (j.contains("hbm_bandwidth_gb_per_s"))
+    g.hbm_bandwidth_bytes_per_s = r.number(j, "hbm_bandwidth_gb_per_s", path, 0, true) * kGB;
+  if (j.contains("launch_overhead_us")) g.launch_overhead_s = r.number(j, "launch_overhead_us", path, 0, false) * 1e-6;
+  if (j.contains("comm_sm_share")) {
+    g.comm_sm_share = r.number(j, "comm_sm_share", path, 0, false);
+    if (g.comm_sm_share >= 1) r.fail(path + "comm_sm_share", "must be < 1");
+  }
+  if (j.contains("max_efficiency")) {
+    g.max_efficiency = r.number(j, "max_efficiency", path, 0, true);
+    if (g.max_efficiency > 1) r.fail(path + "max_efficiency", "must be <= 1");
+  }
+  if (j.contains("half_efficiency_gflops"))
+    g.half_efficiency_flops = r.number(j, "half_efficiency_gflops", path, 0, false) * 1e9;
+}
+
+void apply_node(const Reader& r, const json& j, const std::string& path, NodeSpec& n, bool allow_selector) {
+  if (allow_selector)
+    r.check_keys(j, path,
+                 {"nodes", "first", "count", "gpus_per_node", "gpu", "nvlink_bandwidth_gb_per_s", "nvlink_latency_us",
+                  "nics", "nic_bandwidth_gbit_per_s"});
+  else
+    r.check_keys(j, path, {"gpus_per_node", "gpu", "nvlink_bandwidth_gb_per_s", "nvlink_latency_us", "nics",
+                           "nic_bandwidth_gbit_per_s"});
+  if (j.contains("gpus_per_node")) n.gpus_per_node = static_cast<int>(r.number(j, "gpus_per_node", path, 1, false));
+  if (j.contains("gpu")) apply_gpu(r, j.at("gpu"), path + "gpu.", n.gpu);
+  if (j.contains("nvlink_bandwidth_gb_per_s"))
+    n.nvlink_bandwidth_bytes_per_s = r.number(j, "nvlink_bandwidth_gb_per_s", path, 0, true) * kGB;
+  if (j.contains("nvlink_latency_us")) n.nvlink_latency_s = r.number(j, "nvlink_latency_us", path, 0, false) * 1e-6;
+  if (j.contains("nics")) n.nics = static_cast<int>(r.number(j, "nics", path, 0, false));
+  if (j.contains("nic_bandwidth_gbit_per_s"))
+    n.nic_bandwidth_bytes_per_s = r.number(j, "nic_bandwidth_gbit_per_s", path, 0, true) * kGbit;
+}
+
+void check_node_complete(const Reader& r, const NodeSpec& n, const std::string& path) {
+  if (n.gpu.peak_flops <= 0) r.fail(path + "gpu.peak_tflops", "missing (give it, or a \"preset\")");
+  if (n.gpu.hbm_bytes <= 0) r.fail(path + "gpu.hbm_gib", "missing (give it, or a \"preset\")");
+  if (n.gpu.hbm_bandwidth_bytes_per_s <= 0) r.fail(path + "gpu.hbm_bandwidth_gb_per_s", "missing");
+  if (n.nvlink_bandwidth_bytes_per_s <= 0 && n.gpus_per_node > 1) r.fail(path + "nvlink_bandwidth_gb_per_s", "missing");
+}
+
+Cluster preset_cluster(const Preset& p, int nodes) {
+  Cluster c;
+  c.name = p.name;
+  c.nodes.assign(static_cast<std::size_t>(nodes), p.node);
+  c.network = p.network;
+  return c;
+}
+
+}  // namespace
+
+json GpuSpec::to_json() const {
+  return {{"name", name},
+          {"peak_tflops", peak_flops / kTera},
+          {"sm_count", sm_count},
+          {"hbm_gib", static_cast<double>(hbm_bytes) / static_cast<double>(kGiB)},
+          {"hbm_bandwidth_gb_per_s", hbm_bandwidth_bytes_per_s / kGB},
+          {"launch_overhead_us", launch_overhead_s * 1e6},
+          {"comm_sm_share", comm_sm_share},
+          {"max_efficiency", max_efficiency},
+          {"half_efficiency_gflops", half_efficiency_flops / 1e9}};
+}
+
+json NodeSpec::to_json() const {
+  return {{"gpus_per_node", gpus_per_node},
+          {"gpu", gpu.to_json()},
+          {"nvlink_bandwidth_gb_per_s", nvlink_bandwidth_bytes_per_s / kGB},
+          {"nvlink_latency_us", nvlink_latency_s * 1e6},
+          {"nics", nics},
+          {"nic_bandwidth_gbit_per_s", nic_bandwidth_bytes_per_s / kGbit}};
+}
+
+int Cluster::num_devices() const {
+  int n = 0;
+  for (const auto& node : nodes) n += node.gpus_per_node;
+  return n;
+}
+
+int Cluster::node_of(int device) const {
+  if (device >= 0) {
+    // Homogeneous fast path, then a walk over heterogeneous nodes.
+    const int g = nodes.empty() ? 0 : nodes.front().gpus_per_node;
+    if (g > 0 && device / g < static_cast<int>(nodes.size()) && nodes[static_cast<std::size_t>(device / g)].gpus_per_node == g) {
+      bool uniform_prefix = true;
+      for (int i = 0; i < device / g && uniform_prefix; ++i) uniform_prefix = nodes[static_cast<std::size_t>(i)].gpus_per_node == g;
+      if (uniform_prefix) return device / g;
+    }
+    int first = 0;
+    for (std::size_t i = 0; i < nodes.size(); ++i) {
+      if (device < first + nodes[i].gpus_per_node) return static_cast<int>(i);
+      first += nodes[i].gpus_per_node;
+    }
+  }
+  throw ClusterError(fmt::format("cluster '{}': device {} out of range ({} devices)", name, device, num_devices()));
+}
+
+int Cluster::local_index(int device) const {
+  int node = node_of(device);
+  int first = 0;
+  for (int i = 0; i < node; ++i) first += nodes[static_cast<std::size_t>(i)].gpus_per_node;
+  return device - first;
+}
+
+std::vector<int> Cluster::node_of_devices() const {
+  std::vector<int> out;
+  out.reserve(static_cast<std::size_t>(num_devices()));
+  for (std::size_t i = 0; i < nodes.size(); ++i) out.insert(out.end(), static_cast<std::size_t>(nodes[i].gpus_per_node), static_cast<int>(i));
+  return out;
+}
+
+bool Cluster::homogeneous() const {
+  return std::all_of(nodes.begin(), nodes.end(), [&](const NodeSpec& n) { return n == nodes.front(); });
+}
+
+json Cluster::to_json() const {
+  json j{{"name", name},
+         {"fixed", fixed_size},
+         {"network", {{"latency_us", network.latency_s * 1e6}, {"topology", network.topology}, {"oversubscription", network.oversubscription}}}};
+  // Runs of identical nodes are written once, as {"count": n, ...}.
+  json node_list = json::array();
+  for (std::size_t i = 0; i < nodes.size();) {
+    std::size_t k = i;
+    while (k < nodes.size() && nodes[k] == nodes[i]) ++k;
+    json n = nodes[i].to_json();
+    n["count"] = k - i;
+    node_list.push_back(std::move(n));
+    i = k;
+  }
+  j["node_groups"] = std::move(node_list);
+  j["devices"] = num_devices();
+  return j;
+}
+
+std::vector<std::string> cluster_presets() {
+  std::vector<std::string> out;
+  for (const auto& p : presets()) out.push_back(p.name);
+  return out;
+}
+
+Cluster cluster_from_json(const json& j, const std::string& where) {
+  Reader r{where};
+  r.check_keys(j, "", {"name", "preset", "nodes", "fixed", "node", "overrides", "network", "comment"});
+  NodeSpec base;
+  NetworkSpec network;
+  std::string name = where;
+  if (j.contains("preset")) {
+    if (!j.at("preset").is_string()) r.fail("preset", "expected a string");
+    const std::string p = j.at("preset").get<std::string>();
+    auto it = std::find_if(presets().begin(), presets().end(), [&](const Preset& x) { return x.name == p; });
+    if (it == presets().end()) {
+      std::string list;
+      for (const auto& n : cluster_presets()) list += (list.empty() ? "" : ", ") + n;
+      r.fail("preset", "unknown preset '" + p + "' (expected one of: " + list + ")");
+    }
+    base = it->node;
+    network = it->network;
+    name = p;
+  }
+  if (j.contains("name")) {
+    if (!j.at("name").is_string()) r.fail("name", "expected a string");
+    name = j.at("name").get<std::string>();
+  }
+  if (j.contains("node")) apply_node(r, j.at("node"), "node.", base, false);
+  check_node_complete(r, base, j.contains("node") ? "node." : "");
+  if (j.contains("network")) {
+    const json& n = j.at("network");
+    r.check_keys(n, "network.", {"latency_us", "topology", "oversubscription"});
+    if (n.contains("latency_us")) network.latency_s = r.number(n, "latency_us", "network.", 0, false) * 1e-6;
+    if (n.contains("topology")) {
+      const json& t = n.at("topology");
+      if (!t.is_string() || (t.get<std::string>() != "rail-optimized" && t.get<std::string>() != "fat-tree"))
+        r.fail("network.topology", "expected \"rail-optimized\" or \"fat-tree\"");
+      network.topology = t.get<std::string>();
+    }
+    if (n.contains("oversubscription")) network.oversubscription = r.number(n, "oversubscription", "network.", 1, false);
+  }
+  int count = 1;
+  bool fixed = false;
+  if (j.contains("nodes")) {
+    const json& n = j.at("nodes");
+    if (!n.is_number_integer() || n.get<long long>() < 1) r.fail("nodes", "expected a positive integer");
+    count = static_cast<int>(n.get<long long>());
+    fixed = true;
+  }
+  if (j.contains("fixed")) {
+    if (!j.at("fixed").is_boolean()) r.fail("fixed", "expected true or false");
+    fixed = j.at("fixed").get<bool>();
+  }
+  Cluster c;
+  c.name = name;
+  c.network = network;
+  c.fixed_size = fixed;
+  c.nodes.assign(static_cast<std::size_t>(count), base);
+  if (j.contains("overrides")) {
+    const json& list = j.at("overrides");
+    if (!list.is_array()) r.fail("overrides", "expected an array of node overrides");
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const std::string path = fmt::format("overrides[{}].", i);
+      const json& o = list[i];
+      if (!o.is_object()) r.fail(path.substr(0, path.size() - 1), "expected an object");
+      std::vector<int> which;
+      if (o.contains("nodes")) {
+        if (!o.at("nodes").is_array()) r.fail(path + "nodes", "expected an array of node indices");
+        for (const json& x : o.at("nodes")) {
+          if (!x.is_number_integer()) r.fail(path + "nodes", "expected integer node indices");
+          which.push_back(x.get<int>());
+        }
+      } else if (o.contains("first")) {
+        int first = static_cast<int>(r.number(o, "first", path, 0, false));
+        int n = o.contains("count") ? static_cast<int>(r.number(o, "count", path, 1, false)) : 1;
+        for (int k = 0; k < n; ++k) which.push_back(first + k);
+      } else {
+        r.fail(path + "nodes", "missing (give \"nodes\": [indices] or \"first\" and \"count\")");
+      }
+      for (int w : which) {
+        if (w < 0 || w >= count) r.fail(path + "nodes", fmt::format("node {} out of range (the cluster has {} nodes)", w, count));
+        apply_node(r, o, path, c.nodes[static_cast<std::size_t>(w)], true);
+        check_node_complete(r, c.nodes[static_cast<std::size_t>(w)], path);
+      }
+    }
+  }
+  return c;
+}
+
+Cluster load_cluster(const std::string& preset_or_path) {
+  for (const auto& p : presets())
+    if (p.name == preset_or_path) return preset_cluster(p, 1);
+  std::error_code ec;
+  if (!std::filesystem::exists(preset_or_path, ec)) {
+    std::string list;
+    for (const auto& n : cluster_presets()) list += (list.empty() ? "" : ", ") + n;
+    throw ClusterError(fmt::format("--cluster '{}': neither a preset ({}) nor a file", preset_or_path, list));
+  }
+  std::ifstream in(preset_or_path);
+  if (!in) throw ClusterError(preset_or_path + ": cannot read file");
+  std::stringstream text;
+  text << in.rdbuf();
+  json j;
+  try {
+    j = json::parse(text.str());
+  } catch (const json::parse_error& e) {
+    std::string m = e.what();
+    std::replace(m.begin(), m.end(), '\n', ' ');
+    throw ClusterError(preset_or_path + ": invalid JSON: " + m);
+  }
+  try {
+    return cluster_from_json(j, preset_or_path);
+  } catch (const json::exception& e) {
+    throw ClusterError(preset_or_path + ": " + e.what());
+  }
+}
+
+Cluster with_devices(const Cluster& cluster, int devices) {
+  if (cluster.nodes.empty()) throw ClusterError(fmt::format("cluster '{}' has no nodes", cluster.name));
+  const int have = cluster.num_devices();
+  if (devices <= have) return cluster;
+  if (cluster.fixed_size)
+    throw ClusterError(fmt::format("cluster '{}' has {} devices ({} nodes) but the program needs {}", cluster.name,
+                                   have, cluster.nodes.size(), devices));
+  Cluster out = cluster;
+  const NodeSpec last = cluster.nodes.back();
+  int missing = devices - have;
+  while (missing > 0) {
+    out.nodes.push_back(last);
+    missing -= last.gpus_per_node;
+  }
+  return out;
+}
+
+}  // namespace piper::sim

@@ -1,0 +1,231 @@
+// Cost model: roofline compute, alpha-beta point-to-point and NCCL-like collective formulas, and the
+// calibration file that overrides them with measured times.
+#include "piper/sim/cost_model.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+
+namespace piper::sim {
+
+using nlohmann::json;
+using core::OpKind;
+
+namespace {
+
+bool is_collective(OpKind k) {
+  return k == OpKind::AllReduce || k == OpKind::ReduceScatter || k == OpKind::AllGather || k == OpKind::AllToAll;
+}
+
+// Flat ring/pairwise forms for n ranks sharing one (alpha, B).
+double flat(OpKind kind, double n, double alpha, double bw, double bytes) {
+  if (n <= 1) return 0;
+  switch (kind) {
+    case OpKind::AllReduce: return 2 * (n - 1) * alpha + 2 * (n - 1) / n * bytes / bw;
+    case OpKind::ReduceScatter:
+    case OpKind::AllGather: return (n - 1) * alpha + (n - 1) / n * bytes / bw;
+    case OpKind::AllToAll: return (n - 1) * (alpha + bytes / (n * bw));
+    default: return 0;
+  }
+}
+
+}  // namespace
+
+// ---- calibration ----
+
+std::optional<double> Calibration::lookup(const core::Op& op, int group_size) const {
+  const CalibrationEntry* best = nullptr;
+  int best_fields = -1;
+  for (const auto& e : entries) {
+    if (e.kind != op.kind || e.pass != op.pass) continue;
+    int fields = 0;
+    if (e.flops) {
+      if (std::abs(*e.flops - op.flops) > 1e-9 * std::max(1.0, std::abs(op.flops))) continue;
+      ++fields;
+    }
+    if (e.memory_bytes) {
+      if (*e.memory_bytes != op.memory_bytes) continue;
+      ++fields;
+    }
+    if (e.bytes) {
+      if (*e.bytes != op.bytes) continue;
+      ++fields;
+    }
+    if (e.group_size) {
+      if (*e.group_size != group_size) continue;
+      ++fields;
+    }
+    if (e.key) {
+      if (*e.key != op.label) continue;
+      ++fields;
+    }
+    if (fields > best_fields) best = &e, best_fields = fields;
+  }
+  if (!best) return std::nullopt;
+  return best->seconds;
+}
+
+json Calibration::to_json() const {
+  json list = json::array();
+  for (const auto& e : entries) {
+    json j{{"kind", core::to_string(e.kind)}, {"pass", e.pass == core::Pass::None ? "" : core::to_string(e.pass)}, {"seconds", e.seconds}};
+    if (e.flops) j["flops"] = *e.flops;
+    if (e.memory_bytes) j["memory_bytes"] = *e.memory_bytes;
+    if (e.bytes) j["bytes"] = *e.bytes;
+    if (e.group_size) j["group_size"] = *e.group_size;
+    if (e.key) j["key"] = *e.key;
+    list.push_back(std::move(j));
+  }
+  return {{"format", "piper-calibration"}, {"version", 1}, {"gpu", gpu}, {"entries", std::move(list)}};
+}
+
+Calibration Calibration::from_json(const json& j, const std::string& where) {
+  auto fail = [&](const std::string& field, const std::string& m) {
+    throw ClusterError(fmt::format("{}: field '{}': {}", where, field, m));
+  };
+  if (!j.is_object() || j.value("format", "") != "piper-calibration")
+    fail("format", "expected \"piper-calibration\"");
+  Calibration c;
+  c.gpu = j.value("gpu", "");
+  if (!j.contains("entries") || !j.at("entries").is_array()) fail("entries", "expected an array");
+  const json& list = j.at("entries");
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const json& e = list[i];
+    const std::string at = fmt::format("entries[{}].", i);
+    CalibrationEntry c_e;
+    try {
+      c_e.kind = core::op_kind_from_string(e.at("kind").get<std::string>());
+    } catch (const std::exception&) {
+      fail(at + "kind", "expected an op kind (COMPUTE, UPD, SEND, RECV, ALL_REDUCE, ...)");
+    }
+    const std::string pass = e.value("pass", "");
+    if (!pass.empty()) {
+      try {
+        c_e.pass = core::pass_from_string(pass);
+      } catch (const std::exception&) {
+        fail(at + "pass", "expected F, B, BI, BW or \"\"");
+      }
+    }
+    if (!e.contains("seconds") || !e.at("seconds").is_number() || e.at("seconds").get<double>() < 0)
+      fail(at + "seconds", "expected a number >= 0");
+    c_e.seconds = e.at("seconds").get<double>();
+    if (e.contains("flops")) c_e.flops = e.at("flops").get<double>();
+    if (e.contains("memory_bytes")) c_e.memory_bytes = e.at("memory_bytes").get<std::int64_t>();
+    if (e.contains("bytes")) c_e.bytes = e.at("bytes").get<std::int64_t>();
+    if (e.contains("group_size")) c_e.group_size = e.at("group_size").get<int>();
+    if (e.contains("key")) c_e.key = e.at("key").get<std::string>();
+    c.entries.push_back(std::move(c_e));
+  }
+  return c;
+}
+
+Calibration Calibration::load(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw ClusterError(path + ": cannot read calibration file");
+  std::stringstream text;
+  text << in.rdbuf();
+  try {
+    return from_json(json::parse(text.str()), path);
+  } catch (const json::exception& e) {
+    std::string m = e.what();
+    std::replace(m.begin(), m.end(), '\n', ' ');
+    throw ClusterError(path + ": " + m);
+  }
+}
+
+// ---- cost model ----
+
+CostModel::CostModel(const Cluster& cluster, std::optional<Calibration> calibration)
+    : cluster_(cluster), node_of_(cluster.node_of_devices()), calibration_(std::move(calibration)) {}
+
+std::optional<double> CostModel::replaced(const core::Op& op, int group_size) const {
+  if (override_)
+    if (auto s = override_(op)) return s;
+  if (calibration_) return calibration_->lookup(op, group_size);
+  return std::nullopt;
+}
+
+double CostModel::roofline_seconds(int device, double flops, std::int64_t memory_bytes) const {
+  const GpuSpec& g = cluster_.nodes[static_cast<std::size_t>(node_of_.at(static_cast<std::size_t>(device)))].gpu;
+  double compute = flops > 0 ? flops / (g.peak_flops * g.efficiency(flops)) : 0;
+  double memory = memory_bytes > 0 ? static_cast<double>(memory_bytes) / g.hbm_bandwidth_bytes_per_s : 0;
+  return std::max(compute, memory) + g.launch_overhead_s;
+}
+
+double CostModel::compute_seconds(const core::Program&, int device, const core::Op& op) const {
+  if (auto s = replaced(op, 1)) return *s;
+  return roofline_seconds(device, op.flops, op.memory_bytes);
+}
+
+double CostModel::latency_s(int src, int dst) const {
+  const int a = node_of_.at(static_cast<std::size_t>(src)), b = node_of_.at(static_cast<std::size_t>(dst));
+  return a == b ? cluster_.nodes[static_cast<std::size_t>(a)].nvlink_latency_s : cluster_.network.latency_s;
+}
+
+double CostModel::bandwidth_bytes_per_s(int src, int dst) const {
+  const int a = node_of_.at(static_cast<std::size_t>(src)), b = node_of_.at(static_cast<std::size_t>(dst));
+  const NodeSpec& na = cluster_.nodes[static_cast<std::size_t>(a)];
+  if (a == b) return na.nvlink_bandwidth_bytes_per_s;
+  const NodeSpec& nb = cluster_.nodes[static_cast<std::size_t>(b)];
+  return std::min(na.nic_bandwidth_per_gpu_bytes_per_s(), nb.nic_bandwidth_per_gpu_bytes_per_s());
+}
+
+double CostModel::p2p_seconds(int src, int dst, std::int64_t bytes) const {
+  if (src == dst) return 0;
+  return latency_s(src, dst) + static_cast<double>(bytes) / bandwidth_bytes_per_s(src, dst);
+}
+
+double CostModel::collective_seconds(OpKind kind, const std::vector<int>& ranks, std::int64_t bytes) const {
+  const double n = static_cast<double>(ranks.size());
+  if (ranks.size() <= 1 || bytes < 0) return 0;
+  const double S = static_cast<double>(bytes);
+  // Ranks per node (the busiest node sets m) and the slowest links on each level. Sorting keeps this
+  // O(n log n) for 10^4-rank groups.
+  std::vector<int> nodes;
+  nodes.reserve(ranks.size());
+  for (int r : ranks) nodes.push_back(node_of_.at(static_cast<std::size_t>(r)));
+  std::sort(nodes.begin(), nodes.end());
+  double alpha_i = 0, bw_i = INFINITY, bw_e = INFINITY, k = 0, m = 0;
+  for (std::size_t i = 0; i < nodes.size();) {
+    std::size_t j = i;
+    while (j < nodes.size() && nodes[j] == nodes[i]) ++j;
+    const NodeSpec& ns = cluster_.nodes[static_cast<std::size_t>(nodes[i])];
+    alpha_i = std::max(alpha_i, ns.nvlink_latency_s);
+    bw_i = std::min(bw_i, ns.nvlink_bandwidth_bytes_per_s);
+    bw_e = std::min(bw_e, ns.nic_bandwidth_per_gpu_bytes_per_s());
+    k += 1;
+    m = std::max(m, static_cast<double>(j - i));
+    i = j;
+  }
+  const double alpha_e = cluster_.network.latency_s;
+  if (k == 1) return flat(kind, n, alpha_i, bw_i, S);
+  if (m == 1) return flat(kind, n, alpha_e, bw_e, S);
+  switch (kind) {
+    case OpKind::AllReduce:
+      return flat(OpKind::ReduceScatter, m, alpha_i, bw_i, S) + flat(OpKind::AllReduce, k, alpha_e, bw_e, S / m) +
+             flat(OpKind::AllGather, m, alpha_i, bw_i, S);
+    case OpKind::ReduceScatter:
+      return flat(OpKind::ReduceScatter, m, alpha_i, bw_i, S) + flat(OpKind::ReduceScatter, k, alpha_e, bw_e, S / m);
+    case OpKind::AllGather:
+      return flat(OpKind::AllGather, k, alpha_e, bw_e, S / m) + flat(OpKind::AllGather, m, alpha_i, bw_i, S);
+    case OpKind::AllToAll:
+      return (m - 1) * (alpha_i + S / (n * bw_i)) + (n - m) * (alpha_e + S / (n * bw_e));
+    default: return 0;
+  }
+}
+
+double CostModel::transfer_seconds(const core::Op& send, int src, int dst) const {
+  if (auto s = replaced(send, 2)) return *s;
+  return p2p_seconds(src, dst, send.bytes);
+}
+
+double CostModel::collective_op_seconds(const core::Op& op, const std::vector<int>& ranks) const {
+  if (auto s = replaced(op, static_cast<int>(ranks.size()))) return *s;
+  if (!is_collective(op.kind)) return 0;
+  return collective_seconds(op.kind, ranks, op.bytes);
+}
+
+}  // namespace piper::sim

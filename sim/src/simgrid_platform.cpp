@@ -1,0 +1,94 @@
+// Builds the SimGrid platform of a Cluster (see simgrid_platform.hpp for what and why).
+#include "simgrid_platform.hpp"
+
+#include <algorithm>
+#include <string>
+
+#include <simgrid/s4u.hpp>
+#include <xbt/log.h>
+
+namespace sg = simgrid::s4u;
+
+namespace piper::sim::simgrid_detail {
+
+void quiet_simgrid_logs() { xbt_log_control_set("root.thresh:critical"); }
+
+void configure_simgrid_for_alpha_beta() {
+  sg::Engine::set_config("network/model:CM02");
+  sg::Engine::set_config("network/crosstraffic:0");
+  sg::Engine::set_config("network/TCP-gamma:1e30");
+  sg::Engine::set_config("network/latency-factor:1");
+  sg::Engine::set_config("network/bandwidth-factor:1");
+  sg::Engine::set_config("network/weight-S:0");
+}
+
+Platform::Platform(const Cluster& cluster, const CostModel& cost, int num_devices, std::vector<int> cores_per_host,
+                   const std::vector<std::pair<int, int>>& routes) {
+  node_of_ = cluster.node_of_devices();
+  node_of_.resize(static_cast<std::size_t>(num_devices));
+  auto* zone = sg::create_full_zone("cluster");
+  hosts_.resize(static_cast<std::size_t>(num_devices));
+  slow_state_.assign(static_cast<std::size_t>(num_devices), 0);
+  std::vector<sg::Link*> nv_up(hosts_.size()), nv_dn(hosts_.size()), net_up(hosts_.size()), net_dn(hosts_.size());
+  nvlink_latency_half_.resize(hosts_.size());
+  network_latency_half_.resize(hosts_.size());
+  for (int d = 0; d < num_devices; ++d) {
+    const auto du = static_cast<std::size_t>(d);
+    const NodeSpec& node = cluster.node(d);
+    const double share = std::clamp(cost.comm_sm_share(d), 0.0, 0.999);
+    std::vector<double> speeds{1.0};
+    if (share > 0) speeds.push_back(1.0 - share), slow_state_[du] = 1;
+    const std::string id = std::to_string(d);
+    hosts_[du] = zone->create_host("gpu" + id, speeds);
+    hosts_[du]->set_core_count(std::max(1, cores_per_host.at(du)));
+    nvlink_latency_half_[du] = node.nvlink_latency_s / 2;
+    network_latency_half_[du] = cluster.network.latency_s / 2;
+    nv_up[du] = zone->create_link("nvlink_up" + id, std::max(1.0, node.nvlink_bandwidth_bytes_per_s) * kUnitsPerByte)->set_latency(nvlink_latency_half_[du])->seal();
+    nv_dn[du] = zone->create_link("nvlink_down" + id, std::max(1.0, node.nvlink_bandwidth_bytes_per_s) * kUnitsPerByte)->set_latency(nvlink_latency_half_[du])->seal();
+    const double nic = std::max(1.0, node.nic_bandwidth_per_gpu_bytes_per_s()) * kUnitsPerByte;
+    net_up[du] = zone->create_link("net_up" + id, nic)->set_latency(network_latency_half_[du])->seal();
+    net_dn[du] = zone->create_link("net_down" + id, nic)->set_latency(network_latency_half_[du])->seal();
+  }
+  const bool thin_leaf = cluster.network.topology == "fat-tree" && cluster.network.oversubscription > 1;
+  std::vector<sg::Link*> leaf_up, leaf_dn;
+  if (thin_leaf) {
+    for (std::size_t n = 0; n < cluster.nodes.size(); ++n) {
+      const NodeSpec& node = cluster.nodes[n];
+      const double bw = node.nics * node.nic_bandwidth_bytes_per_s / cluster.network.oversubscription * kUnitsPerByte;
+      leaf_up.push_back(zone->create_link("leaf_up" + std::to_string(n), bw)->set_latency(0)->seal());
+      leaf_dn.push_back(zone->create_link("leaf_down" + std::to_string(n), bw)->set_latency(0)->seal());
+    }
+  }
+  timers_ = zone->create_host("timers", 1.0);
+  timers_->set_core_count(1 << 20);
+
+  std::vector<std::pair<int, int>> pairs = routes;
+  std::sort(pairs.begin(), pairs.end());
+  pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());
+  for (auto [s, t] : pairs) {
+    if (s == t) continue;
+    const auto su = static_cast<std::size_t>(s), tu = static_cast<std::size_t>(t);
+    std::vector<sg::LinkInRoute> links;
+    if (node_of_[su] == node_of_[tu]) {
+      links = {sg::LinkInRoute(nv_up[su]), sg::LinkInRoute(nv_dn[tu])};
+    } else {
+      links.emplace_back(net_up[su]);
+      if (thin_leaf) {
+        links.emplace_back(leaf_up[static_cast<std::size_t>(node_of_[su])]);
+        links.emplace_back(leaf_dn[static_cast<std::size_t>(node_of_[tu])]);
+      }
+      links.emplace_back(net_dn[tu]);
+    }
+    zone->add_route(hosts_[su]->get_netpoint(), hosts_[tu]->get_netpoint(), nullptr, nullptr, links, false);
+  }
+  zone->seal();
+}
+
+double Platform::route_latency_s(int src, int dst) const {
+  const auto su = static_cast<std::size_t>(src), tu = static_cast<std::size_t>(dst);
+  if (src == dst) return 0;
+  if (node_of_[su] == node_of_[tu]) return nvlink_latency_half_[su] + nvlink_latency_half_[tu];
+  return network_latency_half_[su] + network_latency_half_[tu];
+}
+
+}  // namespace piper::sim::simgrid_detail

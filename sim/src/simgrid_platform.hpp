@@ -1,0 +1,65 @@
+// SimGrid platform built from a Cluster: one host per GPU, NVLink and NIC links per GPU, leaf
+// uplinks for oversubscribed fat-trees, and a full routing table over the device pairs a Program
+// uses. Link figures come from the CostModel so that an uncontended transfer costs exactly its
+// alpha + S / B.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "piper/sim/cluster.hpp"
+#include "piper/sim/cost_model.hpp"
+
+namespace simgrid::s4u {
+class Host;
+class Link;
+}  // namespace simgrid::s4u
+
+namespace piper::sim::simgrid_detail {
+
+// Payloads are given to SimGrid in 2^-20 byte units (and bandwidths in units/s) so that fractional
+// collective chunks (S / n) are not rounded to whole bytes: SimGrid payloads are integers.
+constexpr double kUnitsPerByte = 1048576.0;
+
+// Silences SimGrid's logs below critical (call before creating the s4u::Engine).
+void quiet_simgrid_logs();
+
+// Sets the SimGrid configuration that makes CM02 an exact alpha-beta model when uncontended: no
+// TCP window bound (TCP-gamma huge), no latency/bandwidth factors, no cross-traffic, no RTT-based
+// weighting of concurrent flows (weight-S 0). Call after creating the s4u::Engine, before the platform.
+void configure_simgrid_for_alpha_beta();
+
+// What is built (all in one full-routing zone):
+//  * host "gpu<d>" per device, speed 1 flop/s so that an Exec of w flops lasts w seconds, with a
+//    second power state of speed 1 - comm_sm_share (compute slowed while communication runs), and
+//    `cores_per_host` cores so that concurrent compute streams do not share a core;
+//  * per device: NVLink up/down links (nvlink bandwidth, half the NVLink latency each) and network
+//    up/down links (NIC bandwidth per GPU = nics * nic_bandwidth / gpus_per_node: rail-optimized,
+//    GPU i drives its own rail; half the network latency each);
+//  * fat-tree with oversubscription o > 1: per node a leaf up and a leaf down link of bandwidth
+//    nics * nic_bandwidth / o (latency 0) on every inter-node route — the shared, thin link;
+//  * a "timers" host (speed 1, many cores) for delays that occupy no link;
+//  * routes: same node [nvlink_up(src), nvlink_down(dst)]; other nodes [net_up(src),
+//    (leaf_up(node src), leaf_down(node dst)), net_down(dst)].
+class Platform {
+ public:
+  Platform(const Cluster& cluster, const CostModel& cost, int num_devices, std::vector<int> cores_per_host,
+           const std::vector<std::pair<int, int>>& routes);
+
+  simgrid::s4u::Host* host(int device) const { return hosts_[static_cast<std::size_t>(device)]; }
+  simgrid::s4u::Host* timer_host() const { return timers_; }
+  bool has_slow_state(int device) const { return slow_state_[static_cast<std::size_t>(device)] != 0; }
+  // Sum of the link latencies of the route src -> dst (seconds).
+  double route_latency_s(int src, int dst) const;
+  const std::vector<int>& node_of() const { return node_of_; }
+
+ private:
+  std::vector<int> node_of_;
+  std::vector<simgrid::s4u::Host*> hosts_;
+  std::vector<char> slow_state_;
+  simgrid::s4u::Host* timers_ = nullptr;
+  std::vector<double> nvlink_latency_half_, network_latency_half_;
+};
+
+}  // namespace piper::sim::simgrid_detail

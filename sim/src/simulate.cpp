@@ -1,0 +1,44 @@
+// simulate(): scenario or Program + cluster + engine -> Timeline and Report, for the CLI, GUI and sweeps.
+#include "piper/sim/simulate.hpp"
+
+#include <chrono>
+
+namespace piper::sim {
+
+namespace {
+
+SimulationResult run(SimulationResult out, const std::string& cluster_name, const std::string& engine_name,
+                     const SimulateOptions& options) {
+  out.cluster = with_devices(load_cluster(cluster_name), out.program->num_devices);
+  std::optional<Calibration> calibration;
+  if (!options.calibration_path.empty()) calibration = Calibration::load(options.calibration_path);
+  CostModel cost(out.cluster, calibration);
+  if (options.op_override) cost.set_override(options.op_override);
+  std::unique_ptr<Engine> engine = make_engine(engine_name);
+  const auto t0 = std::chrono::steady_clock::now();
+  out.timeline = engine->run(out.program, out.cluster, cost);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  out.report = make_report(out.timeline, out.cluster, compile_stats_of(*out.program));
+  out.report.simulate_time_s = seconds;
+  return out;
+}
+
+}  // namespace
+
+SimulationResult simulate(const core::Scenario& scenario, const SimulateOptions& options) {
+  SimulationResult out;
+  out.compiled = core::compile_scenario(scenario);
+  out.program = std::make_shared<const core::Program>(std::move(out.compiled->result.program));
+  const std::string cluster = !options.cluster.empty() ? options.cluster : !scenario.cluster.empty() ? scenario.cluster : kDefaultCluster;
+  const std::string engine = !options.engine.empty() ? options.engine : !scenario.engine.empty() ? scenario.engine : kDefaultEngine;
+  return run(std::move(out), cluster, engine, options);
+}
+
+SimulationResult simulate_program(std::shared_ptr<const core::Program> program, const SimulateOptions& options) {
+  SimulationResult out;
+  out.program = std::move(program);
+  return run(std::move(out), options.cluster.empty() ? kDefaultCluster : options.cluster,
+             options.engine.empty() ? kDefaultEngine : options.engine, options);
+}
+
+}  // namespace piper::sim

@@ -1,0 +1,268 @@
+// piper-studio under the offscreen platform: rows per device, click-to-select with cross-device
+// dependencies, zoom around the cursor, editor errors that keep the last timeline, trace round trip,
+// export and the --screenshot mode.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <QApplication>
+#include <QImage>
+#include <QSignalSpy>
+#include <QTest>
+#include <QWheelEvent>
+
+#include "piper/gui/chrome_trace.hpp"
+#include "piper/gui/directive_editor.hpp"
+#include "piper/gui/studio_window.hpp"
+
+using namespace piper;
+using namespace piper::gui;
+
+namespace {
+
+QApplication& app() {
+  if (qEnvironmentVariableIsEmpty("QT_QPA_PLATFORM")) qputenv("QT_QPA_PLATFORM", "offscreen");
+  static int argc = 1;
+  static char name[] = "test_gui";
+  static char* argv[] = {name, nullptr};
+  // Never destroyed: a static QApplication would be torn down after Qt's own globals at exit.
+  static QApplication* a = new QApplication(argc, argv);
+  return *a;
+}
+
+// qwen3-9m, 1F1B over PP=4 with DP=2 and 4 microbatches: devices = PP * DP = 8.
+core::Scenario small_scenario() {
+  core::Scenario s;
+  s.model = "qwen3-9m";
+  s.strategy.pp = 4;
+  s.strategy.dp = 2;
+  s.strategy.microbatches = 4;
+  s.strategy.schedule = "1f1b";
+  s.engine = "analytic";
+  return s;
+}
+
+struct AppFirst {
+  AppFirst() { app(); }   // the QApplication must exist before any widget
+};
+
+struct Studio : AppFirst {
+  StudioWindow window;
+  Studio() {
+    window.resize(1400, 900);
+    window.show();
+    window.load_scenario(small_scenario(), /*synchronous=*/true);
+    QApplication::processEvents();
+  }
+};
+
+}  // namespace
+
+TEST(GuiData, LaneVisibleRangeAndHitUseBinarySearchOverSortedSpans) {
+  // Hand-made lane: [0,1) [1,2) [5,6) and a long overlapping measured-style span [1.5, 10).
+  Lane lane;
+  lane.start_s = {0, 1, 1.5, 5};
+  lane.end_s = {1, 2, 10, 6};
+  lane.max_end_s = {1, 2, 10, 10};
+  auto [first, last] = lane.visible(2.5, 4.0);   // only the long span intersects
+  EXPECT_EQ(first, 2u);
+  EXPECT_EQ(last, 3u);
+  EXPECT_EQ(lane.visible(0.5, 1.2), (std::pair<std::size_t, std::size_t>{0, 2}));
+  EXPECT_EQ(lane.hit(5.5, 0.01), 2);    // the first span (by start) containing t
+  EXPECT_EQ(lane.hit(0.5, 0.01), 0);
+  EXPECT_EQ(lane.hit(-0.5, 0.1), -1);   // nothing within the tolerance
+}
+
+TEST(GuiEditor, DirectiveIndexAndFieldMapToTheirLine) {
+  const std::string text =
+      "[\n"
+      "  {\"op\": \"place\", \"devices\": [0]},\n"
+      "  {\"op\": \"split\",\n"
+      "   \"num_microbatches\": \"x\"},\n"
+      "  {\"op\": \"order\", \"filters\": [\"[,]{\"]}\n"
+      "]\n";
+  EXPECT_EQ(top_level_elements(text).size(), 3u);
+  EXPECT_EQ(directive_line(text, 0, ""), 1);
+  EXPECT_EQ(directive_line(text, 1, ""), 2);
+  EXPECT_EQ(directive_line(text, 1, "num_microbatches"), 3);
+  EXPECT_EQ(directive_line(text, 2, "filters"), 4);
+  EXPECT_EQ(directive_line(text, 3, ""), -1);
+  const JsonCheck bad = check_json("[\n  {\"op\": \"place\"},\n  {\"op\" \"split\"}\n]");
+  EXPECT_FALSE(bad.ok);
+  EXPECT_EQ(bad.line, 2);
+  nlohmann::json program = nlohmann::json::array({{{"op", "place"}}, {{"op", "split"}}});
+  EXPECT_EQ(format_program(program), "[\n  {\"op\":\"place\"},\n  {\"op\":\"split\"}\n]\n");
+}
+
+TEST(GuiStudio, LoadingAScenarioFillsOneRowPerDevice) {
+  Studio s;
+  ASSERT_TRUE(s.window.run_a()) << s.window.error_text().toStdString();
+  EXPECT_EQ(s.window.view()->device_rows(), 4 * 2);
+  // Every op of the program is in exactly one lane.
+  const auto& track = *s.window.view()->tracks().at(0);
+  EXPECT_EQ(track.span_count, s.window.run_a()->timeline->program->total_ops());
+  EXPECT_FALSE(s.window.editor()->toPlainText().isEmpty());
+  EXPECT_NE(s.window.report_panel()->toPlainText().indexOf("step time"), -1);
+}
+
+TEST(GuiStudio, ClickSelectsTheOpUnderTheCursorAndItsCrossDeviceDependencies) {
+  Studio s;
+  TimelineView* view = s.window.view();
+  const core::Timeline& tl = *s.window.run_a()->timeline;
+  // The first RECV on device 1 receives microbatch 0's activations from device 0 (pipeline rank 0).
+  const core::Plan& plan = tl.program->plan_for(1);
+  OpKey recv;
+  for (int st = 0; st < static_cast<int>(plan.streams.size()) && !recv.valid(); ++st)
+    for (int i = 0; i < static_cast<int>(plan.streams[static_cast<std::size_t>(st)].ops.size()); ++i)
+      if (plan.streams[static_cast<std::size_t>(st)].ops[static_cast<std::size_t>(i)].kind == core::OpKind::Recv) {
+        recv = {1, st, i};
+        break;
+      }
+  ASSERT_TRUE(recv.valid());
+  // Zoom so the op is a few pixels wide at least, then click its centre.
+  const auto& span_list = tl.devices[1].spans;
+  double start = 0, end = 0;
+  for (const auto& sp : span_list)
+    if (sp.stream == recv.stream && sp.index == recv.index) start = sp.start_s, end = sp.end_s;
+  view->set_time_range(start - (end - start) * 20, end + (end - start) * 20);
+  auto centre = view->op_centre(0, recv);
+  ASSERT_TRUE(centre);
+  QTest::mouseClick(view, Qt::LeftButton, Qt::NoModifier, centre->toPoint());
+  EXPECT_EQ(view->selected_op(), recv);
+  const core::Op& recv_op = tl.op(1, core::OpSpan{recv.stream, recv.index, 0, 0});
+  bool has_send_partner = false;
+  for (const OpKey& k : view->selected_dependencies().incoming)
+    if (k.device == 0) {
+      const core::Op& o = tl.op(0, core::OpSpan{k.stream, k.index, 0, 0});
+      has_send_partner = has_send_partner || (o.kind == core::OpKind::Send && o.node == recv_op.node);
+    }
+  EXPECT_TRUE(has_send_partner);
+  // Clicking empty space (left of time 0) clears the selection.
+  QTest::mouseClick(view, Qt::LeftButton, Qt::NoModifier, QPoint(view->plot_left() + 1, centre->toPoint().y()));
+  EXPECT_FALSE(view->selected_op().valid());
+}
+
+TEST(GuiStudio, WheelZoomKeepsTheTimeUnderTheCursorFixed) {
+  Studio s;
+  TimelineView* view = s.window.view();
+  const QPointF at(view->plot_left() + 377.0, 200.0);
+  const double t_before = view->time_at(at.x());
+  const double scale_before = view->pixels_per_s();
+  QWheelEvent wheel(at, view->mapToGlobal(at), QPoint(), QPoint(0, 240), Qt::NoButton, Qt::NoModifier, Qt::NoScrollPhase, false);
+  QApplication::sendEvent(view, &wheel);
+  // Two notches: 1.25^2 zoom; the time under the cursor moves by less than 1e-9 of the view width.
+  EXPECT_NEAR(view->pixels_per_s() / scale_before, 1.5625, 1e-12);
+  EXPECT_NEAR(view->time_at(at.x()), t_before, 1e-9 * (view->view_end_s() - view->view_start_s()));
+}
+
+TEST(GuiStudio, InvalidDirectiveEditShowsTheErrorAtItsLineAndKeepsTheLastTimeline) {
+  Studio s;
+  s.window.set_debounce_ms(10);
+  auto before = s.window.view()->tracks().at(0);
+  nlohmann::json program = s.window.run_a()->program_json;
+  ASSERT_TRUE(program.is_array());
+  // Directive 1 is a `place`: give it a device list that is not a list.
+  int place = -1;
+  for (std::size_t i = 0; i < program.size() && place < 0; ++i)
+    if (program[i]["op"] == "place") place = static_cast<int>(i);
+  ASSERT_GE(place, 0);
+  program[static_cast<std::size_t>(place)]["devices"] = "not a list";
+  QSignalSpy spy(&s.window, &StudioWindow::simulation_finished);
+  s.window.editor()->setPlainText(QString::fromStdString(format_program(program)));   // a user edit: debounced, background
+  ASSERT_TRUE(spy.wait(20000));
+  EXPECT_FALSE(spy.takeFirst().at(0).toBool());
+  EXPECT_NE(s.window.error_text().indexOf("directive " + QString::number(place)), -1) << s.window.error_text().toStdString();
+  EXPECT_EQ(s.window.editor()->error_line(), place + 1);   // line 0 is "["
+  EXPECT_EQ(s.window.view()->tracks().at(0), before);
+
+  // A JSON syntax error is marked at its line without simulating.
+  s.window.editor()->setPlainText("[\n  {\"op\": \"split\"},\n  {\"op\" \"place\"}\n]\n");
+  ASSERT_TRUE(spy.wait(20000));
+  EXPECT_EQ(s.window.editor()->error_line(), 2);
+  EXPECT_EQ(s.window.view()->tracks().at(0), before);
+}
+
+TEST(GuiStudio, ChromeTraceRoundTripOverlaysMeasuredLanes) {
+  Studio s;
+  const core::Timeline& tl = *s.window.run_a()->timeline;
+  std::ostringstream out;
+  core::write_chrome_trace(tl, out);
+  auto measured = parse_chrome_trace(out.str(), "trace.json", "measured");
+  ASSERT_EQ(measured->rows.size(), tl.devices.size());
+  EXPECT_EQ(measured->span_count, tl.program->total_ops());
+  // The writer keeps microseconds with 3 decimals: times round-trip to 1 ns.
+  EXPECT_NEAR(measured->step_time_s, tl.step_time_s, 1e-9);
+  const auto dir = std::filesystem::temp_directory_path() / "piper_test_gui";
+  std::filesystem::create_directories(dir);
+  const auto path = (dir / "trace.json").string();
+  std::ofstream(path) << out.str();
+  ASSERT_TRUE(s.window.overlay_trace(QString::fromStdString(path)));
+  const auto& row0 = s.window.view()->tracks().at(0)->rows.at(0);
+  int measured_lanes = 0;
+  for (const Lane& l : row0.lanes) measured_lanes += l.measured;
+  EXPECT_EQ(measured_lanes, static_cast<int>(tl.program->plan_for(0).streams.size()));
+  EXPECT_THROW(parse_chrome_trace("{\"traceEvents\": 3}", "bad.json"), core::Error);
+}
+
+TEST(GuiStudio, CriticalPathIsAChainEndingAtTheStepTime) {
+  Studio s;
+  TimelineView* view = s.window.view();
+  view->set_show_critical_path(true);
+  const auto& path = view->critical_path();
+  ASSERT_FALSE(path.empty());
+  DependencyIndex index(s.window.run_a()->timeline);
+  EXPECT_DOUBLE_EQ(index.span(path.back()).end_s, s.window.run_a()->timeline->step_time_s);
+  for (std::size_t i = 1; i < path.size(); ++i)
+    EXPECT_LE(index.span(path[i - 1]).end_s, index.span(path[i]).start_s + 1e-12);
+}
+
+TEST(GuiStudio, ExportsPngSvgAndChromeTrace) {
+  Studio s;
+  const auto dir = std::filesystem::temp_directory_path() / "piper_test_gui";
+  std::filesystem::create_directories(dir);
+  ASSERT_TRUE(s.window.export_png(QString::fromStdString((dir / "v.png").string())));
+  ASSERT_TRUE(s.window.export_svg(QString::fromStdString((dir / "v.svg").string())));
+  ASSERT_TRUE(s.window.export_chrome_trace(QString::fromStdString((dir / "t.json").string())));
+  QImage png((dir / "v.png").string().c_str());
+  EXPECT_EQ(png.size(), s.window.view()->size());
+  std::ifstream svg(dir / "v.svg");
+  std::string text((std::istreambuf_iterator<char>(svg)), {});
+  EXPECT_NE(text.find("<svg"), std::string::npos);
+  EXPECT_GT(text.size(), 10000u);
+  auto back = read_chrome_trace((dir / "t.json").string());
+  EXPECT_EQ(back->span_count, s.window.run_a()->timeline->program->total_ops());
+}
+
+TEST(GuiStudio, ScreenshotModeWritesANonBlankImageOfTheRequestedSize) {
+  const auto dir = std::filesystem::temp_directory_path() / "piper_test_gui";
+  std::filesystem::create_directories(dir);
+  const auto scenario = (dir / "scenario.json").string();
+  std::ofstream(scenario) << small_scenario().to_json().dump();
+  const auto png = (dir / "shot.png").string();
+  std::filesystem::remove(png);
+  const std::string cmd = std::string("QT_QPA_PLATFORM=offscreen '") + PIPER_STUDIO + "' --screenshot '" + png +
+                          "' --size 1100x700 '" + scenario + "' > /dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  QImage image(png.c_str());
+  ASSERT_FALSE(image.isNull());
+  EXPECT_EQ(image.size(), QSize(1100, 700));
+  std::set<QRgb> colours;
+  std::int64_t non_white = 0;
+  for (int y = 0; y < image.height(); y += 2)
+    for (int x = 0; x < image.width(); x += 2) {
+      const QRgb c = image.pixel(x, y);
+      colours.insert(c);
+      non_white += c != qRgb(255, 255, 255);
+    }
+  EXPECT_GT(colours.size(), 30u);   // the op colours, text, axes: not a flat fill
+  EXPECT_GT(non_white, static_cast<std::int64_t>(image.width() * image.height() / 4 / 5));
+  // A bad scenario file fails with one line and a non-zero status.
+  std::ofstream(dir / "bad.json") << "{\"model\": 3}";
+  const std::string bad = std::string("QT_QPA_PLATFORM=offscreen '") + PIPER_STUDIO + "' --screenshot '" + png + "' '" +
+                          (dir / "bad.json").string() + "' > /dev/null 2>&1";
+  EXPECT_NE(std::system(bad.c_str()), 0);
+}

@@ -1,0 +1,255 @@
+// Runtime end to end: compiled plans run over mpirun (one rank per device) and must match the
+// single-process reference; checkpoints resume exactly; failures end every rank with one clear error.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "piper/core/scenario.hpp"
+#include "piper/runtime/host_model.hpp"
+#include "piper/runtime/trainer.hpp"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+namespace core = piper::core;
+
+namespace {
+
+const std::string kModel = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-moe.json";
+
+// Tolerances. Losses: fp32 sums in another order (per-microbatch, per-rank partial sums, MPI
+// reductions) differ by ~1e-7 relative, so 1e-5 leaves two orders of margin. Parameters after 3
+// AdamW steps: Adam divides each gradient by its own RMS, so with the usual eps = 1e-8 an element
+// whose gradient is at rounding level (~1e-9) moves by a random fraction of lr per step (seen: 1.1e-4
+// at lr 1e-3). With eps = 1e-6 a gradient rounding difference dg moves a parameter by at most
+// steps * lr * dg / eps ~ 3 * 3e-3 * 1e-10 / 1e-6 ~ 1e-6 (seen: 2e-6 worst), while a wrong gradient
+// still moves it by O(lr) per step, far above the 1e-4 bound.
+constexpr double kLossRelTol = 1e-5;
+constexpr double kParamAbsTol = 1e-4;
+constexpr const char* kOptimizer = " --lr 3e-3 --adam-eps 1e-6";
+
+struct Result {
+  int code = -1;
+  std::string output;
+};
+
+Result sh(const std::string& cmd) {
+  Result r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, p)) r.output += buf;
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string mpirun(int ranks) {
+  // As root mpirun refuses to start without --allow-run-as-root; --oversubscribe lets 4 ranks share 2 cores.
+  return std::string("timeout 120 ") + PIPER_MPIEXEC + " --allow-run-as-root --oversubscribe -np " + std::to_string(ranks) + " ";
+}
+
+fs::path temp_dir(const std::string& name) {
+  fs::path d = fs::temp_directory_path() / ("piper-runtime-test-" + std::to_string(getpid())) / name;
+  fs::create_directories(d);
+  return d;
+}
+
+// Compiles the tiny model with strategy knobs (or a published directive program) and writes the plan.
+fs::path compile_plan(const fs::path& dir, const core::StrategyOptions& strategy, const std::string& directives_file = "") {
+  core::Scenario s;
+  s.model = kModel;
+  s.strategy = strategy;
+  if (!directives_file.empty()) {
+    std::ifstream in(directives_file);
+    s.directives = json::parse(in);
+    s.directives_source = directives_file;
+  }
+  const auto compiled = core::compile_scenario(s);
+  fs::path plan = dir / "plan.json";
+  std::ofstream(plan) << compiled.result.program.to_json().dump();
+  return plan;
+}
+
+std::vector<double> losses_of(const fs::path& report) {
+  std::ifstream in(report);
+  return json::parse(in).at("losses").get<std::vector<double>>();
+}
+
+// Runs the plan distributed and as the reference for `steps`, and checks losses and parameters.
+void expect_equivalent(const std::string& name, int ranks, const core::StrategyOptions& strategy, const std::string& directives = "") {
+  const fs::path dir = temp_dir(name);
+  const fs::path plan = compile_plan(dir, strategy, directives);
+  const std::string common = " run --plan " + plan.string() + " --steps 3" + kOptimizer + " --seed 7";
+  Result ref = sh(std::string(PIPER_CLI) + common + " --reference --report " + (dir / "ref.json").string() + " --dump-params " + (dir / "ref.bin").string());
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  Result run = sh(mpirun(ranks) + PIPER_CLI + common + " --report " + (dir / "run.json").string() + " --dump-params " + (dir / "run.bin").string());
+  ASSERT_EQ(run.code, 0) << run.output;
+  const auto a = losses_of(dir / "ref.json"), b = losses_of(dir / "run.json");
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], kLossRelTol * std::abs(a[i])) << name << " step " << i + 1;
+  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "run.bin").string()), kParamAbsTol) << name;
+}
+
+core::StrategyOptions strategy(int pp, int dp, int ep, int zero, int microbatches, const std::string& schedule, int virtual_stages = 1,
+                               double bucket_mb = 0) {
+  core::StrategyOptions o;
+  o.pp = pp, o.dp = dp, o.ep = ep, o.zero = zero, o.microbatches = microbatches, o.schedule = schedule;
+  o.virtual_stages = virtual_stages, o.bucket_mb = bucket_mb;
+  return o;
+}
+
+}  // namespace
+
+// The runtime's parameter layout must hold exactly the parameters the compiler costs per layer.
+TEST(Runtime, LayoutMatchesCompilerParameterCounts) {
+  const core::Model model = core::build_model(core::load_model_config(kModel));
+  piper::runtime::host::HostModel m(model, {}, 1);
+  for (std::size_t l = 0; l < model.layers().size(); ++l)
+    EXPECT_EQ(m.layer_param_count(static_cast<int>(l)), model.layer_cost(l).params) << model.layers()[l].name;
+}
+
+TEST(Runtime, ReferenceLearnsTheSyntheticStream) {
+  const fs::path dir = temp_dir("reference");
+  const fs::path plan = compile_plan(dir, strategy(1, 1, 1, 0, 2, "1f1b"));
+  piper::runtime::TrainOptions o;
+  o.steps = 12;
+  o.print = false;
+  const auto r = piper::runtime::train_reference(core::Program::from_json(json::parse(std::ifstream(plan))), o);
+  // At initialisation logits have std ~1 (unit-RMS features, weights 1/sqrt(fan_in)): loss ~ ln(64) + 1/2.
+  EXPECT_NEAR(r.losses.front(), std::log(64.0) + 0.5, 0.5);
+  EXPECT_LT(r.losses.back(), r.losses.front() - 0.5);  // arithmetic sequences are learnable
+}
+
+TEST(RuntimeEquivalence, OneFOneB_PP2xDP2) { expect_equivalent("1f1b", 4, strategy(2, 2, 1, 0, 4, "1f1b")); }
+TEST(RuntimeEquivalence, GPipe_PP4) { expect_equivalent("gpipe", 4, strategy(4, 1, 1, 0, 4, "gpipe")); }
+TEST(RuntimeEquivalence, OneFOneB_PP2xDP2xEP2_Zero2) { expect_equivalent("zero2", 4, strategy(2, 2, 2, 2, 4, "1f1b")); }
+TEST(RuntimeEquivalence, OneFOneB_PP2xDP2xEP2_Zero3) { expect_equivalent("zero3", 4, strategy(2, 2, 2, 3, 4, "1f1b")); }
+TEST(RuntimeEquivalence, BucketedDP2) { expect_equivalent("bucket", 2, strategy(1, 2, 1, 0, 2, "1f1b", 1, 0.05)); }
+TEST(RuntimeEquivalence, Interleaved1F1B_PP2x2Chunks) { expect_equivalent("interleaved", 2, strategy(2, 1, 1, 0, 4, "interleaved-1f1b", 2)); }
+TEST(RuntimeEquivalence, ZBH1_PP2) { expect_equivalent("zbh1", 2, strategy(2, 1, 1, 0, 4, "zb-h1")); }
+TEST(RuntimeEquivalence, DualPipeV_PP2xDP2xEP2) { expect_equivalent("dualpipev", 4, strategy(2, 2, 2, 0, 4, "dualpipev")); }
+TEST(RuntimeEquivalence, ZBV_PP2) { expect_equivalent("zbv", 2, strategy(2, 1, 1, 0, 4, "zb-v")); }
+// Two mirrored model copies: each device runs different data-parallel ranks in different segments.
+TEST(RuntimeEquivalence, DualPipe_PP2) { expect_equivalent("dualpipe", 2, strategy(2, 1, 1, 0, 4, "dualpipe")); }
+TEST(RuntimeEquivalence, PublishedFixtureV_PP4xDP2xEP2) {
+  expect_equivalent("fixture-v", 4, {}, std::string(PIPER_FIXTURES) + "/piper-directives/pp4_dp2_ep2_v_placement.json");
+}
+
+TEST(RuntimeCheckpoint, ResumeReproducesTheUninterruptedRun) {
+  const fs::path dir = temp_dir("checkpoint");
+  const fs::path plan = compile_plan(dir, strategy(2, 2, 2, 2, 4, "1f1b"));
+  const std::string run = mpirun(4) + PIPER_CLI + " run --plan " + plan.string() + " --seed 3";
+  Result full = sh(run + " --steps 4 --report " + (dir / "full.json").string() + " --dump-params " + (dir / "full.bin").string());
+  ASSERT_EQ(full.code, 0) << full.output;
+  Result first = sh(run + " --steps 2 --save " + (dir / "ckpt").string());
+  ASSERT_EQ(first.code, 0) << first.output;
+  for (int r = 0; r < 4; ++r) EXPECT_TRUE(fs::exists(dir / "ckpt" / ("rank-" + std::to_string(r) + ".ckpt")));
+  Result rest = sh(run + " --steps 4 --resume " + (dir / "ckpt").string() + " --report " + (dir / "rest.json").string() + " --dump-params " +
+                   (dir / "rest.bin").string());
+  ASSERT_EQ(rest.code, 0) << rest.output;
+  const auto a = losses_of(dir / "full.json"), b = losses_of(dir / "rest.json");
+  ASSERT_EQ(a.size(), 4u);
+  ASSERT_EQ(b.size(), 2u);
+  // Same ranks, same plan, same data position: bit-identical arithmetic.
+  EXPECT_EQ(b[0], a[2]);
+  EXPECT_EQ(b[1], a[3]);
+  EXPECT_EQ(piper::runtime::max_param_difference((dir / "full.bin").string(), (dir / "rest.bin").string()), 0.0);
+
+  // A checkpoint of another model (wider hidden size) is refused before any step, with one line.
+  json spec = json::parse(std::ifstream(kModel));
+  spec["hidden"] = 48;
+  std::ofstream(dir / "other.json") << spec.dump();
+  core::Scenario other;
+  other.model = (dir / "other.json").string();
+  other.strategy = strategy(2, 2, 2, 2, 4, "1f1b");
+  std::ofstream(dir / "other-plan.json") << core::compile_scenario(other).result.program.to_json().dump();
+  Result bad = sh(mpirun(4) + PIPER_CLI + " run --plan " + (dir / "other-plan.json").string() + " --steps 3 --resume " + (dir / "ckpt").string());
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.output.find("does not match the plan's model"), std::string::npos) << bad.output;
+  EXPECT_EQ(bad.output.find("step "), std::string::npos) << bad.output;
+}
+
+TEST(RuntimeFailure, WrongRankCountIsOneLineBeforeAnything) {
+  const fs::path dir = temp_dir("ranks");
+  const fs::path plan = compile_plan(dir, strategy(2, 2, 1, 0, 2, "1f1b"));
+  Result r = sh(mpirun(3) + PIPER_CLI + " run --plan " + plan.string() + " --steps 2");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("piper: error: the plan has 4 devices but 3 MPI ranks were started"), std::string::npos) << r.output;
+  std::size_t count = 0;
+  for (std::size_t at = r.output.find("piper: error"); at != std::string::npos; at = r.output.find("piper: error", at + 1)) ++count;
+  EXPECT_EQ(count, 1u) << r.output;
+}
+
+TEST(RuntimeFailure, KilledRankEndsEveryRankWithin30s) {
+  const fs::path dir = temp_dir("kill");
+  const fs::path plan = compile_plan(dir, strategy(2, 2, 1, 0, 4, "1f1b"));
+  const fs::path log = dir / "log.txt";
+  const std::string cmd = mpirun(4) + PIPER_CLI + " run --plan " + plan.string() + " --steps 1000000 > " + log.string() + " 2>&1";
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    setpgid(0, 0);
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  // Wait until training runs, then SIGKILL one rank: a `piper` process descending from our launcher.
+  auto parent_of = [](pid_t pid, std::string* comm) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    if (close == std::string::npos) return pid_t{0};
+    if (comm) *comm = line.substr(line.find('(') + 1, close - line.find('(') - 1);
+    return static_cast<pid_t>(std::atoi(line.c_str() + close + 4));  // ") S <ppid>"
+  };
+  auto ranks = [&] {
+    std::vector<pid_t> out;
+    for (const auto& e : fs::directory_iterator("/proc")) {
+      const std::string name = e.path().filename();
+      if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+      std::string comm;
+      pid_t p = parent_of(std::stoi(name), &comm);
+      if (comm != "piper") continue;
+      for (int depth = 0; p > 1 && depth < 8; ++depth, p = parent_of(p, nullptr))
+        if (p == launcher) {
+          out.push_back(std::stoi(name));
+          break;
+        }
+    }
+    return out;
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  auto since = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  std::string text;
+  while (since() < 60 && text.find("step    2") == std::string::npos) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::ifstream in(log);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  auto alive = ranks();
+  ASSERT_EQ(alive.size(), 4u) << text;
+  kill(*std::max_element(alive.begin(), alive.end()), SIGKILL);
+  const auto killed_at = since();
+  int status = 0;
+  pid_t done = 0;
+  while ((done = waitpid(launcher, &status, WNOHANG)) == 0 && since() - killed_at < 30) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  if (done == 0) kill(-launcher, SIGKILL), waitpid(launcher, &status, 0);
+  EXPECT_NE(done, 0) << "mpirun still running 30 s after a rank was killed";
+  EXPECT_TRUE(ranks().empty());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0);
+  std::ifstream in(log);
+  text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("signal 9"), std::string::npos) << text;  // mpirun names the dead rank and its signal
+}

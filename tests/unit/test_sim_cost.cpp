@@ -1,0 +1,199 @@
+// Cluster presets and spec errors, and the cost model's closed forms recomputed here from the
+// cluster's alpha and beta (relative tolerance 1e-12: the same arithmetic in another order).
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+#include "piper/sim/cluster.hpp"
+#include "piper/sim/cost_model.hpp"
+
+using namespace piper;
+using namespace piper::sim;
+using nlohmann::json;
+
+namespace {
+
+void expect_rel(double actual, double expected, double tol = 1e-12) {
+  EXPECT_NEAR(actual, expected, tol * std::abs(expected)) << "expected " << expected;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const core::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::vector<int> one_per_node(int n, int gpus_per_node) {
+  std::vector<int> ranks;
+  for (int i = 0; i < n; ++i) ranks.push_back(i * gpus_per_node);
+  return ranks;
+}
+
+}  // namespace
+
+TEST(SimCluster, PresetsCarryTheDatasheetFigures) {
+  // Figures from the vendor datasheets cited in cluster.cpp.
+  Cluster h200 = load_cluster("dgx-h200");
+  EXPECT_EQ(h200.num_devices(), 8);
+  EXPECT_EQ(h200.gpu(0).peak_flops, 989e12);
+  EXPECT_EQ(h200.gpu(7).hbm_bytes, 141'000'000'000);
+  EXPECT_EQ(h200.gpu(0).hbm_bandwidth_bytes_per_s, 4.8e12);
+  EXPECT_EQ(h200.nodes[0].nvlink_bandwidth_bytes_per_s, 450e9);   // 900 GB/s bidirectional
+  EXPECT_EQ(h200.nodes[0].nic_bandwidth_per_gpu_bytes_per_s(), 50e9);  // 8 x 400 Gb/s over 8 GPUs
+  EXPECT_EQ(load_cluster("hgx-h800").nodes[0].nvlink_bandwidth_bytes_per_s, 200e9);  // 400 GB/s bidirectional
+  EXPECT_EQ(load_cluster("dgx-a100-80g").gpu(0).peak_flops, 312e12);
+  EXPECT_EQ(load_cluster("dgx-h100").gpu(0).sm_count, 132);
+  EXPECT_EQ(cluster_presets().size(), 4u);
+}
+
+TEST(SimCluster, GrowsToFitAProgramUnlessFixed) {
+  Cluster c = with_devices(load_cluster("dgx-h100"), 20);
+  EXPECT_EQ(c.nodes.size(), 3u);  // ceil(20 / 8)
+  EXPECT_EQ(c.node_of(19), 2);
+  EXPECT_EQ(c.local_index(19), 3);
+  Cluster fixed = cluster_from_json(json{{"preset", "dgx-h100"}, {"nodes", 2}}, "two.json");
+  EXPECT_TRUE(fixed.fixed_size);
+  std::string e = error_of([&] { with_devices(fixed, 20); });
+  EXPECT_NE(e.find("has 16 devices"), std::string::npos) << e;
+  EXPECT_NE(e.find("needs 20"), std::string::npos) << e;
+}
+
+TEST(SimCluster, HeterogeneousOverridesAndOneLineErrors) {
+  json j = {{"preset", "dgx-h100"},
+            {"nodes", 3},
+            {"overrides", {{{"nodes", {2}}, {"gpus_per_node", 4}, {"gpu", "a100-sxm-80g"}}}}};
+  Cluster c = cluster_from_json(j, "mixed.json");
+  EXPECT_EQ(c.num_devices(), 20);
+  EXPECT_EQ(c.gpu(16).peak_flops, 312e12);
+  EXPECT_EQ(c.gpu(15).peak_flops, 989e12);
+  EXPECT_FALSE(c.homogeneous());
+
+  auto one_line_naming = [](const std::string& e, const std::string& file, const std::string& field) {
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+    EXPECT_NE(e.find(file), std::string::npos) << e;
+    EXPECT_NE(e.find(field), std::string::npos) << e;
+  };
+  one_line_naming(error_of([] { cluster_from_json(json{{"preset", "dgx-h9"}}, "a.json"); }), "a.json", "preset");
+  one_line_naming(error_of([] { cluster_from_json(json{{"preset", "dgx-h100"}, {"node", {{"nics", -1}}}}, "b.json"); }),
+                  "b.json", "node.nics");
+  one_line_naming(error_of([] { cluster_from_json(json{{"preset", "dgx-h100"}, {"node", {{"gpu", {{"hbm_gb", 3}}}}}}, "c.json"); }),
+                  "c.json", "node.gpu.hbm_gb");
+  one_line_naming(error_of([] { cluster_from_json(json{{"node", {{"gpus_per_node", 2}}}}, "d.json"); }), "d.json", "peak_tflops");
+  one_line_naming(error_of([] { cluster_from_json(json{{"preset", "dgx-h100"}, {"nodes", 2}, {"overrides", {{{"nodes", {5}}}}}}, "e.json"); }),
+                  "e.json", "overrides[0].nodes");
+  one_line_naming(error_of([] { load_cluster("no-such-cluster"); }), "no-such-cluster", "preset");
+  const auto path = std::filesystem::temp_directory_path() / "piper_sim_bad_cluster.json";
+  std::ofstream(path) << "{\"preset\": \"dgx-h100\",\n \"nodes\": }";
+  one_line_naming(error_of([&] { load_cluster(path.string()); }), path.string(), "JSON");
+  std::filesystem::remove(path);
+}
+
+TEST(SimCost, RingAllReduceMatchesClosedForm) {
+  const std::int64_t bytes = 1 << 30;
+  const double S = static_cast<double>(bytes);
+  // Inside one node: NVLink alpha and beta.
+  {
+    Cluster c = load_cluster("dgx-h200");
+    CostModel cost(c);
+    const double a = c.nodes[0].nvlink_latency_s, b = c.nodes[0].nvlink_bandwidth_bytes_per_s;
+    const double n = 8;
+    expect_rel(cost.collective_seconds(core::OpKind::AllReduce, {0, 1, 2, 3, 4, 5, 6, 7}, bytes),
+               2 * (n - 1) * a + 2 * (n - 1) / n * S / b);
+  }
+  // One rank per node (a data-parallel group over 64 and 1,024 pipelines): network alpha, NIC beta per GPU.
+  for (int n : {64, 1024}) {
+    Cluster c = with_devices(load_cluster("dgx-h200"), n * 8);
+    CostModel cost(c);
+    const double a = c.network.latency_s;
+    const double b = c.nodes[0].nics * c.nodes[0].nic_bandwidth_bytes_per_s / c.nodes[0].gpus_per_node;
+    const double nn = n;
+    expect_rel(cost.collective_seconds(core::OpKind::AllReduce, one_per_node(n, 8), bytes),
+               2 * (nn - 1) * a + 2 * (nn - 1) / nn * S / b);
+    expect_rel(cost.collective_seconds(core::OpKind::ReduceScatter, one_per_node(n, 8), bytes), (nn - 1) * a + (nn - 1) / nn * S / b);
+    expect_rel(cost.collective_seconds(core::OpKind::AllGather, one_per_node(n, 8), bytes), (nn - 1) * a + (nn - 1) / nn * S / b);
+    expect_rel(cost.collective_seconds(core::OpKind::AllToAll, one_per_node(n, 8), bytes), (nn - 1) * (a + S / (nn * b)));
+  }
+}
+
+TEST(SimCost, HierarchicalWhenAGroupSpansNodes) {
+  Cluster c = with_devices(load_cluster("dgx-h100"), 16);
+  CostModel cost(c);
+  const double S = 256e6;
+  const double ai = c.nodes[0].nvlink_latency_s, bi = c.nodes[0].nvlink_bandwidth_bytes_per_s;
+  const double ae = c.network.latency_s, be = 50e9;  // 8 x 400 Gb/s over 8 GPUs
+  std::vector<int> all(16);
+  for (int i = 0; i < 16; ++i) all[static_cast<std::size_t>(i)] = i;
+  const double m = 8, k = 2;
+  const double rs_intra = (m - 1) * ai + (m - 1) / m * S / bi;
+  const double ar_inter = 2 * (k - 1) * ae + 2 * (k - 1) / k * (S / m) / be;
+  expect_rel(cost.collective_seconds(core::OpKind::AllReduce, all, static_cast<std::int64_t>(S)), rs_intra + ar_inter + rs_intra);
+  expect_rel(cost.collective_seconds(core::OpKind::AllToAll, all, static_cast<std::int64_t>(S)),
+             (m - 1) * (ai + S / (16 * bi)) + (16 - m) * (ae + S / (16 * be)));
+}
+
+TEST(SimCost, PointToPointAndRoofline) {
+  Cluster c = with_devices(load_cluster("dgx-h200"), 16);
+  CostModel cost(c);
+  expect_rel(cost.p2p_seconds(0, 1, 1'000'000), 3e-6 + 1e6 / 450e9);  // NVLink
+  expect_rel(cost.p2p_seconds(0, 8, 1'000'000), 5e-6 + 1e6 / 50e9);   // one 400 Gb/s NIC per GPU
+  const GpuSpec& g = c.gpu(0);
+  const double f = 4e12;
+  expect_rel(cost.roofline_seconds(0, f, 0), f / (989e12 * 0.75 * f / (f + 2e9)) + 5e-6);
+  // Memory-bound: 48 GB of traffic at 4.8 TB/s.
+  expect_rel(cost.roofline_seconds(0, 1e9, 48'000'000'000), 48e9 / 4.8e12 + g.launch_overhead_s);
+}
+
+TEST(SimCost, CalibrationAndOverrideReplaceTheModel) {
+  Cluster c = load_cluster("dgx-h200");
+  Calibration cal = Calibration::from_json(
+      json{{"format", "piper-calibration"},
+           {"entries", {{{"kind", "COMPUTE"}, {"pass", "F"}, {"seconds", 0.5}},
+                        {{"kind", "COMPUTE"}, {"pass", "F"}, {"flops", 1e12}, {"seconds", 0.25}},
+                        {{"kind", "ALL_REDUCE"}, {"group_size", 8}, {"seconds", 0.125}}}}},
+      "cal.json");
+  // Round trip through JSON keeps every field.
+  cal = Calibration::from_json(cal.to_json(), "cal.json");
+  CostModel cost(c, cal);
+  core::Program program;
+  core::Op f;
+  f.pass = core::Pass::F;
+  f.flops = 1e12;
+  EXPECT_EQ(cost.compute_seconds(program, 0, f), 0.25);  // the more specific entry wins
+  f.flops = 2e12;
+  EXPECT_EQ(cost.compute_seconds(program, 0, f), 0.5);
+  core::Op ar;
+  ar.kind = core::OpKind::AllReduce;
+  ar.bytes = 1 << 20;
+  EXPECT_EQ(cost.collective_op_seconds(ar, {0, 1, 2, 3, 4, 5, 6, 7}), 0.125);
+  EXPECT_NE(cost.collective_op_seconds(ar, {0, 1}), 0.125);
+  cost.set_override([](const core::Op& op) -> std::optional<double> {
+    if (op.kind == core::OpKind::AllReduce) return 7.0;
+    return std::nullopt;
+  });
+  EXPECT_EQ(cost.collective_op_seconds(ar, {0, 1}), 7.0);
+  EXPECT_EQ(cost.compute_seconds(program, 0, f), 0.5);
+  std::string e;
+  try {
+    Calibration::from_json(json{{"format", "piper-calibration"}, {"entries", {{{"kind", "NOPE"}, {"seconds", 1}}}}}, "x.json");
+  } catch (const core::Error& err) {
+    e = err.what();
+  }
+  EXPECT_NE(e.find("x.json: field 'entries[0].kind'"), std::string::npos) << e;
+}
+
+TEST(SimCluster, ExampleSpecsLoad) {
+  int loaded = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(std::string(PIPER_SOURCE_DIR) + "/examples/clusters")) {
+    if (entry.path().extension() != ".json") continue;
+    SCOPED_TRACE(entry.path().string());
+    Cluster c = load_cluster(entry.path().string());
+    EXPECT_GT(c.num_devices(), 0);
+    ++loaded;
+  }
+  EXPECT_GE(loaded, 3);
+}
