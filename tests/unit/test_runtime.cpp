@@ -59,8 +59,19 @@ std::string mpirun(int ranks) {
   return std::string("timeout 120 ") + PIPER_MPIEXEC + " --allow-run-as-root --oversubscribe -np " + std::to_string(ranks) + " ";
 }
 
+fs::path temp_root() { return fs::temp_directory_path() / ("piper-runtime-test-" + std::to_string(getpid())); }
+
+// Removes this process's scratch folder (plans, reports, dumps, checkpoints) after the last test.
+struct ScratchCleanup : ::testing::Environment {
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(temp_root(), ec);
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kCleanup = ::testing::AddGlobalTestEnvironment(new ScratchCleanup);
+
 fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("piper-runtime-test-" + std::to_string(getpid())) / name;
+  fs::path d = temp_root() / name;
   fs::create_directories(d);
   return d;
 }

@@ -200,9 +200,15 @@ TEST(Schedules, DualPipePlacesMirroredCopiesAndReducesThemTogether) {
   const auto program = core::generate_program(o);
   int replicates = 0;
   for (const auto& d : program) {
-    if (d["op"] == "place" && d["filter"]["PP"] == 1) EXPECT_EQ(d["devices"], (nlohmann::json{1, 5, 2, 6}));
-    if (d["op"] == "replicate" && d["filter"]["PP"] == 0) EXPECT_EQ(d["devices"], (nlohmann::json{0, 4, 3, 7}));
-    if (d["op"] == "split") EXPECT_EQ(d["num_microbatches"], 4);  // each DAG microbatch runs on both copies
+    if (d["op"] == "place" && d["filter"]["PP"] == 1) {
+      EXPECT_EQ(d["devices"], (nlohmann::json{1, 5, 2, 6}));
+    }
+    if (d["op"] == "replicate" && d["filter"]["PP"] == 0) {
+      EXPECT_EQ(d["devices"], (nlohmann::json{0, 4, 3, 7}));
+    }
+    if (d["op"] == "split") {
+      EXPECT_EQ(d["num_microbatches"], 4);  // each DAG microbatch runs on both copies
+    }
     replicates += d["op"] == "replicate";
   }
   EXPECT_EQ(replicates, 4);

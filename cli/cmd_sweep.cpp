@@ -1,0 +1,70 @@
+// `piper sweep`: simulate every combination of a spec's strategy knobs and append one CSV row each;
+// rerunning with the same -o resumes (the logic is sim::run_sweep, shared with the GUI).
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "cli/common.hpp"
+#include "piper/sim/sweep.hpp"
+
+namespace piper::cli {
+
+namespace {
+
+struct SweepArgs {
+  std::string spec_path;
+  std::string output_path;
+  int jobs = 1;
+};
+
+int run_sweep(const SweepArgs& a) {
+  sim::SweepSpec spec;
+  try {
+    spec = sim::SweepSpec::load(a.spec_path);
+  } catch (const sim::SweepError& e) {
+    throw CliError("", e.what());
+  }
+  const bool tty = isatty(fileno(stderr)) != 0;
+  sim::SweepOptions options;
+  options.jobs = a.jobs;
+  // The bar redraws one line in place, so only on a terminal; logs and pipes get nothing.
+  options.on_row = [tty](const sim::SweepRow& row, std::size_t done, std::size_t total) {
+    if (!tty) return;
+    constexpr int kWidth = 30;
+    const int filled = total ? static_cast<int>(kWidth * done / total) : kWidth;
+    fmt::print(stderr, "\r[{}{}] {}/{} {:<60.60}", std::string(static_cast<std::size_t>(filled), '#'),
+               std::string(static_cast<std::size_t>(kWidth - filled), ' '), done, total, row.point.key());
+    if (done == total) fmt::print(stderr, "\n");
+    std::fflush(stderr);
+  };
+  sim::SweepSummary s;
+  try {
+    s = sim::run_sweep(spec, a.output_path, options);
+  } catch (const sim::SweepError& e) {
+    throw CliError("", e.what());
+  }
+  fmt::print("{} combinations: {} already in {}, {} run ({} ok, {} invalid, {} failed)\n", s.combinations, s.resumed,
+             a.output_path, s.ran, s.ok, s.invalid, s.failed);
+  return 0;
+}
+
+}  // namespace
+
+Command add_sweep_command(CLI::App& app) {
+  auto args = std::make_shared<SweepArgs>();
+  CLI::App* cmd = app.add_subcommand("sweep", "simulate every combination of a spec's strategy knobs into a CSV (resumable)");
+  cmd->add_option("spec", args->spec_path, "sweep spec JSON: model, cluster and a list of values per knob")->required();
+  cmd->add_option("-o,--output", args->output_path, "results CSV; rerunning with the same file resumes")->required();
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  args->jobs = static_cast<int>(cores);
+  cmd->add_option("-j,--jobs", args->jobs, "worker threads (simgrid combinations run one at a time)")
+      ->check(kPositiveInt)
+      ->capture_default_str();
+  return {cmd, [args] { return run_sweep(*args); }};
+}
+
+}  // namespace piper::cli

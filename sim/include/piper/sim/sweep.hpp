@@ -1,0 +1,97 @@
+// Sweeps: expand a spec's lists of strategy knobs into every combination, simulate each (in worker
+// threads), and append one CSV row per combination to a results file that a rerun resumes from.
+// The CLI (`piper sweep`) and the GUI call the same functions.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "piper/core/error.hpp"
+
+namespace piper::sim {
+
+// A bad sweep spec or results file: one line naming the file and field.
+class SweepError : public core::Error {
+ public:
+  using core::Error::Error;
+};
+
+// Lists of values per knob; every knob not given in the spec holds one default value.
+struct SweepSpec {
+  std::string model = "qwen3-9m";
+  std::string cluster = "dgx-h200";
+  std::string calibration_path;
+  std::vector<int> pp{1}, dp{1}, ep{1}, zero{0}, microbatches{1}, virtual_stages{1};
+  std::vector<std::string> schedule{"1f1b"};
+  std::vector<double> bucket_mb{0};
+  std::vector<std::string> engine{"analytic"};
+  std::vector<std::int64_t> seq_len{0}, micro_batch_size{0};  // 0: the model's default
+
+  // Reads a spec's JSON; `where` names it in errors. Each knob is a value or a list of values.
+  // Relative model/cluster/calibration file paths resolve against `base_dir`.
+  static SweepSpec from_json(const nlohmann::json& j, const std::string& where, const std::string& base_dir = "");
+  static SweepSpec load(const std::string& path);
+};
+
+// One combination of knob values.
+struct SweepPoint {
+  std::string model, cluster, engine, schedule;
+  int pp = 1, dp = 1, ep = 1, zero = 0, microbatches = 1, virtual_stages = 1;
+  double bucket_mb = 0;
+  std::int64_t seq_len = 0, micro_batch_size = 0;
+  // Stable identity of the combination (no commas): the resume key.
+  std::string key() const;
+};
+
+// The cartesian product, in spec order (engine outermost, then pp, dp, ep, zero, schedule,
+// microbatches, virtual, bucket_mb, seq_len, micro_batch_size).
+std::vector<SweepPoint> expand(const SweepSpec& spec);
+
+// One row of the results: the knobs plus the report's headline fields.
+struct SweepRow {
+  SweepPoint point;
+  std::string status;                // "ok" | "invalid" (rejected before simulating) | "error" (simulation failed)
+  std::string reason;                // one line; empty when ok
+  int devices = 0;
+  double step_time_s = 0, tokens_per_s = 0, mfu = 0, bubble_fraction = 0;
+  std::int64_t peak_memory_bytes = 0;  // max over devices
+  bool oom = false;
+  double compile_time_s = 0, simulate_time_s = 0;
+};
+
+// CSV columns (the first is `key`) and one row without its newline; fields are quoted when needed.
+const std::vector<std::string>& sweep_csv_columns();
+std::string sweep_csv_header();
+std::string to_csv(const SweepRow& row);
+
+// Compiles and simulates one combination; never throws for a bad combination (status says why).
+SweepRow run_point(const SweepPoint& point, const std::string& calibration_path = "");
+
+// Reads an existing results file for resuming: returns the keys of its complete rows. A trailing
+// partial line (a run killed mid-write) is cut off the file. Throws SweepError if its header differs.
+// A missing or empty file yields no keys (and is not created).
+std::set<std::string> repair_results(const std::string& csv_path);
+
+struct SweepOptions {
+  int jobs = 1;                      // worker threads
+  // Called after each row is written (from a worker thread, one call at a time).
+  std::function<void(const SweepRow& row, std::size_t done, std::size_t total)> on_row;
+};
+
+struct SweepSummary {
+  std::size_t combinations = 0;      // in the spec
+  std::size_t resumed = 0;           // already in the CSV, not rerun
+  std::size_t ran = 0, ok = 0, invalid = 0, failed = 0;
+};
+
+// Runs every combination not already in `csv_path` and appends its row (flushed one at a time; rows
+// land in completion order). Analytic combinations run on `jobs` threads; simgrid ones run one at a
+// time afterwards, with no other worker alive, because that engine forks a child per run.
+SweepSummary run_sweep(const SweepSpec& spec, const std::string& csv_path, const SweepOptions& options = {});
+
+}  // namespace piper::sim

@@ -1,0 +1,375 @@
+// Sweeps: spec parsing, cartesian expansion, one simulation per combination, and a resumable
+// append-only CSV (complete rows are kept; a partial last line from a killed run is cut off).
+#include "piper/sim/sweep.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "piper/core/scenario.hpp"
+#include "piper/core/strategy.hpp"
+#include "piper/sim/cluster.hpp"
+#include "piper/sim/simulate.hpp"
+
+namespace piper::sim {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string one_line(std::string s) {
+  std::replace(s.begin(), s.end(), '\n', ' ');
+  std::replace(s.begin(), s.end(), '\r', ' ');
+  return s;
+}
+
+// A knob is a value or a list of values; each value must have type T.
+template <class T>
+std::vector<T> knob(const json& j, const char* field, const std::string& where, const std::vector<T>& fallback) {
+  if (!j.contains(field)) return fallback;
+  const json& v = j.at(field);
+  std::vector<T> out;
+  auto one = [&](const json& x) {
+    bool ok;
+    if constexpr (std::is_same_v<T, std::string>) ok = x.is_string();
+    else if constexpr (std::is_floating_point_v<T>) ok = x.is_number();
+    else ok = x.is_number_integer();
+    if (!ok)
+      throw SweepError(fmt::format("{}: field '{}': expected {} or a list of them, got {}", where, field,
+                                   std::is_same_v<T, std::string> ? "a string" : std::is_floating_point_v<T> ? "a number" : "an integer",
+                                   x.dump()));
+    out.push_back(x.get<T>());
+  };
+  if (v.is_array()) {
+    if (v.empty()) throw SweepError(fmt::format("{}: field '{}': empty list", where, field));
+    for (const json& x : v) one(x);
+  } else {
+    one(v);
+  }
+  return out;
+}
+
+// A relative file path in the spec is relative to the spec; names (presets, zoo models) stay as given.
+std::string resolve(const std::string& value, const std::string& base_dir) {
+  if (value.empty() || base_dir.empty() || fs::path(value).is_absolute()) return value;
+  const fs::path candidate = fs::path(base_dir) / value;
+  std::error_code ec;
+  return fs::is_regular_file(candidate, ec) ? candidate.string() : value;
+}
+
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+// Splits one CSV line (no newline) into fields, honouring double quotes.
+std::vector<std::string> csv_split(const std::string& line) {
+  std::vector<std::string> out(1);
+  bool quoted = false;
+  for (std::size_t i = 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') out.back() += '"', ++i;
+      else if (c == '"') quoted = false;
+      else out.back() += c;
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == ',') {
+      out.emplace_back();
+    } else {
+      out.back() += c;
+    }
+  }
+  return out;
+}
+
+bool is_simgrid(const SweepPoint& p) { return p.engine == "simgrid"; }
+
+}  // namespace
+
+SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const std::string& base_dir) {
+  if (!j.is_object()) throw SweepError(where + ": expected a JSON object with model, cluster and knob lists");
+  static const std::set<std::string> known = {"model", "cluster", "calibration", "pp", "dp", "ep", "zero", "schedule",
+                                              "microbatches", "virtual", "bucket_mb", "engine", "seq_len",
+                                              "micro_batch_size", "comment"};
+  for (const auto& [k, v] : j.items())
+    if (!known.count(k)) {
+      std::string list;
+      for (const auto& n : known) list += (list.empty() ? "" : ", ") + n;
+      throw SweepError(fmt::format("{}: unknown field '{}' (expected one of: {})", where, k, list));
+    }
+  SweepSpec s;
+  auto text = [&](const char* field, std::string fallback) {
+    if (!j.contains(field)) return fallback;
+    if (!j.at(field).is_string()) throw SweepError(fmt::format("{}: field '{}': expected a string", where, field));
+    return j.at(field).get<std::string>();
+  };
+  s.model = resolve(text("model", s.model), base_dir);
+  s.cluster = resolve(text("cluster", s.cluster), base_dir);
+  s.calibration_path = resolve(text("calibration", ""), base_dir);
+  s.pp = knob(j, "pp", where, s.pp);
+  s.dp = knob(j, "dp", where, s.dp);
+  s.ep = knob(j, "ep", where, s.ep);
+  s.zero = knob(j, "zero", where, s.zero);
+  s.schedule = knob(j, "schedule", where, s.schedule);
+  s.microbatches = knob(j, "microbatches", where, s.microbatches);
+  s.virtual_stages = knob(j, "virtual", where, s.virtual_stages);
+  s.bucket_mb = knob(j, "bucket_mb", where, s.bucket_mb);
+  s.engine = knob(j, "engine", where, s.engine);
+  s.seq_len = knob(j, "seq_len", where, s.seq_len);
+  s.micro_batch_size = knob(j, "micro_batch_size", where, s.micro_batch_size);
+  // Names that no combination could use are errors in the spec, not rows: say so once, up front.
+  const auto engines = engine_names();
+  for (const auto& e : s.engine)
+    if (std::find(engines.begin(), engines.end(), e) == engines.end())
+      throw SweepError(fmt::format("{}: field 'engine': unknown engine '{}'", where, e));
+  for (const auto& name : s.schedule) {
+    try {
+      core::schedule_family(name);
+    } catch (const std::invalid_argument& e) {
+      throw SweepError(fmt::format("{}: field 'schedule': {}", where, one_line(e.what())));
+    }
+  }
+  try {
+    load_cluster(s.cluster);
+  } catch (const core::Error& e) {
+    throw SweepError(fmt::format("{}: field 'cluster': {}", where, one_line(e.what())));
+  }
+  return s;
+}
+
+SweepSpec SweepSpec::load(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw SweepError(path + ": cannot open");
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::exception& e) {
+    throw SweepError(path + ": not valid JSON: " + one_line(e.what()));
+  }
+  return from_json(j, path, fs::path(path).parent_path().string());
+}
+
+std::string SweepPoint::key() const {
+  // '/' separates fields (commas would need CSV quoting); bucket_mb uses the shortest exact form.
+  std::string k = fmt::format("{}/{}/{}/pp{}/dp{}/ep{}/z{}/{}/mb{}/v{}/b{}", model, cluster, engine, pp, dp, ep, zero,
+                              schedule, microbatches, virtual_stages, bucket_mb);
+  if (seq_len > 0) k += fmt::format("/s{}", seq_len);
+  if (micro_batch_size > 0) k += fmt::format("/m{}", micro_batch_size);
+  std::replace(k.begin(), k.end(), ',', ';');
+  return k;
+}
+
+std::vector<SweepPoint> expand(const SweepSpec& s) {
+  std::vector<SweepPoint> out;
+  for (const auto& engine : s.engine)
+    for (int pp : s.pp)
+      for (int dp : s.dp)
+        for (int ep : s.ep)
+          for (int zero : s.zero)
+            for (const auto& schedule : s.schedule)
+              for (int mb : s.microbatches)
+                for (int v : s.virtual_stages)
+                  for (double bucket : s.bucket_mb)
+                    for (auto seq : s.seq_len)
+                      for (auto mbs : s.micro_batch_size)
+                        out.push_back({s.model, s.cluster, engine, schedule, pp, dp, ep, zero, mb, v, bucket, seq, mbs});
+  return out;
+}
+
+const std::vector<std::string>& sweep_csv_columns() {
+  static const std::vector<std::string> columns = {
+      "key", "model", "cluster", "engine", "pp", "dp", "ep", "zero", "schedule", "microbatches", "virtual",
+      "bucket_mb", "seq_len", "micro_batch_size", "devices", "step_time_s", "tokens_per_s", "mfu",
+      "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s", "status", "reason"};
+  return columns;
+}
+
+std::string sweep_csv_header() {
+  std::string h;
+  for (const auto& c : sweep_csv_columns()) h += (h.empty() ? "" : ",") + c;
+  return h;
+}
+
+std::string to_csv(const SweepRow& r) {
+  const SweepPoint& p = r.point;
+  // {} prints doubles in their shortest round-trip form, so rows compare exactly across runs.
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(p.key()),
+                     csv_field(p.model), csv_field(p.cluster), csv_field(p.engine), p.pp, p.dp, p.ep, p.zero,
+                     csv_field(p.schedule), p.microbatches, p.virtual_stages, p.bucket_mb, p.seq_len,
+                     p.micro_batch_size, r.devices, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
+                     r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.status,
+                     csv_field(one_line(r.reason)));
+}
+
+SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
+  SweepRow row;
+  row.point = p;
+  core::Scenario scenario;
+  scenario.model = p.model;
+  scenario.seq_len = p.seq_len;
+  scenario.micro_batch_size = p.micro_batch_size;
+  scenario.strategy.pp = p.pp;
+  scenario.strategy.dp = p.dp;
+  scenario.strategy.ep = p.ep;
+  scenario.strategy.zero = p.zero;
+  scenario.strategy.schedule = p.schedule;
+  scenario.strategy.microbatches = p.microbatches;
+  scenario.strategy.virtual_stages = p.virtual_stages;
+  scenario.strategy.bucket_mb = p.bucket_mb;
+  // A combination the compiler (or the cluster) rejects is "invalid"; one that compiles but fails to
+  // simulate (deadlock, engine failure) is "error": the second is worth a bug report, the first is not.
+  std::shared_ptr<const core::Program> program;
+  try {
+    core::validate_strategy_options(scenario.strategy);
+    core::CompiledScenario compiled = core::compile_scenario(scenario);
+    program = std::make_shared<const core::Program>(std::move(compiled.result.program));
+    with_devices(load_cluster(p.cluster), program->num_devices);
+  } catch (const std::exception& e) {
+    row.status = "invalid";
+    row.reason = one_line(e.what());
+    return row;
+  }
+  try {
+    SimulateOptions options;
+    options.cluster = p.cluster;
+    options.engine = p.engine;
+    options.calibration_path = calibration_path;
+    const SimulationResult result = simulate_program(program, options);
+    const Report& r = result.report;
+    row.devices = r.devices;
+    row.step_time_s = r.step_time_s;
+    row.tokens_per_s = r.tokens_per_s;
+    row.mfu = r.mfu;
+    row.bubble_fraction = r.bubble_fraction;
+    row.peak_memory_bytes = r.peak_memory_bytes;
+    row.oom = r.oom;
+    row.compile_time_s = r.compile_time_s;
+    row.simulate_time_s = r.simulate_time_s;
+    row.status = "ok";
+  } catch (const std::exception& e) {
+    row.status = "error";
+    row.reason = one_line(e.what());
+    row.devices = program->num_devices;
+  }
+  return row;
+}
+
+std::set<std::string> repair_results(const std::string& path) {
+  std::set<std::string> keys;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return keys;
+  std::string text;
+  {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw SweepError(path + ": cannot open for reading");
+    std::ostringstream s;
+    s << in.rdbuf();
+    text = s.str();
+  }
+  // Rows are written whole and newline-terminated, so everything after the last newline is a row cut
+  // by a kill: drop it (its combination simply reruns).
+  const std::size_t complete = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
+  if (complete < text.size()) {
+    fs::resize_file(path, complete, ec);
+    if (ec) throw SweepError(path + ": cannot cut the partial last line: " + ec.message());
+    text.resize(complete);
+  }
+  if (text.empty()) return keys;
+  const std::size_t columns = sweep_csv_columns().size();
+  std::size_t pos = 0;
+  int line_no = 0;
+  while (pos < text.size()) {
+    const std::size_t end = text.find('\n', pos);
+    const std::string line = text.substr(pos, end - pos);
+    pos = end + 1;
+    line_no += 1;
+    if (line_no == 1) {
+      if (line != sweep_csv_header())
+        throw SweepError(path + ": line 1: not a piper sweep results file (header differs); choose another -o");
+      continue;
+    }
+    const auto fields = csv_split(line);
+    if (fields.size() != columns)
+      throw SweepError(fmt::format("{}: line {}: {} fields, expected {}", path, line_no, fields.size(), columns));
+    keys.insert(fields.front());
+  }
+  return keys;
+}
+
+SweepSummary run_sweep(const SweepSpec& spec, const std::string& csv_path, const SweepOptions& options) {
+  SweepSummary summary;
+  const std::vector<SweepPoint> all = expand(spec);
+  summary.combinations = all.size();
+  const std::set<std::string> done = repair_results(csv_path);
+  std::vector<SweepPoint> parallel, serial;
+  std::set<std::string> queued;
+  for (const auto& p : all) {
+    const std::string k = p.key();
+    if (done.count(k)) {
+      summary.resumed += 1;
+      continue;
+    }
+    if (!queued.insert(k).second) continue;  // a value listed twice in the spec
+    (is_simgrid(p) ? serial : parallel).push_back(p);
+  }
+  const std::size_t total = summary.resumed + parallel.size() + serial.size();
+
+  std::error_code ec;
+  const bool fresh = !fs::exists(csv_path, ec) || fs::file_size(csv_path, ec) == 0;
+  std::FILE* out = std::fopen(csv_path.c_str(), "ab");
+  if (!out) throw SweepError(csv_path + ": cannot open for appending");
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> guard(out, &std::fclose);
+  if (fresh) {
+    std::fputs((sweep_csv_header() + "\n").c_str(), out);
+    std::fflush(out);
+  }
+  std::mutex mutex;
+  std::size_t finished = summary.resumed;
+  auto record = [&](const SweepRow& row) {
+    // One fputs + fflush per row: a kill can only cut the row being written, which the next run drops.
+    const std::string line = to_csv(row) + "\n";
+    std::lock_guard lock(mutex);
+    if (std::fputs(line.c_str(), out) < 0 || std::fflush(out) != 0) throw SweepError(csv_path + ": write failed");
+    summary.ran += 1;
+    (row.status == "ok" ? summary.ok : row.status == "invalid" ? summary.invalid : summary.failed) += 1;
+    finished += 1;
+    if (options.on_row) options.on_row(row, finished, total);
+  };
+
+  std::atomic<std::size_t> next{0};
+  std::exception_ptr failure;
+  auto worker = [&] {
+    try {
+      for (std::size_t i = next++; i < parallel.size(); i = next++) record(run_point(parallel[i], spec.calibration_path));
+    } catch (...) {
+      std::lock_guard lock(mutex);
+      if (!failure) failure = std::current_exception();
+      next = parallel.size();
+    }
+  };
+  const int jobs = std::max(1, std::min<int>(options.jobs, static_cast<int>(parallel.size())));
+  std::vector<std::thread> threads;
+  for (int t = 1; t < jobs; ++t) threads.emplace_back(worker);
+  worker();
+  for (auto& t : threads) t.join();
+  if (failure) std::rethrow_exception(failure);
+  // The simgrid engine forks a child per run; forking while other threads may hold locks (allocator
+  // arenas aside, e.g. stdio or a registry mutex) could deadlock the child, so these run alone.
+  for (const auto& p : serial) record(run_point(p, spec.calibration_path));
+  return summary;
+}
+
+}  // namespace piper::sim

@@ -1,0 +1,172 @@
+// Sweeps: cartesian expansion, invalid combinations carrying their reason, resuming after a kill
+// (partial last line) without losing or duplicating rows, and -j 2 giving the rows of -j 1.
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include <gtest/gtest.h>
+
+#include "piper/sim/simulate.hpp"
+#include "piper/sim/sweep.hpp"
+
+using namespace piper;
+using namespace piper::sim;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+// 2 pp x 3 dp x 2 ep = 12 combinations; ep 3 divides none of dp 1, 2, 4, so 6 are invalid.
+SweepSpec small_spec() {
+  return SweepSpec::from_json(json::parse(R"({"model": "qwen3-9m", "cluster": "dgx-h200", "engine": "analytic",
+      "pp": [1, 2], "dp": [1, 2, 4], "ep": [1, 3], "schedule": "1f1b", "microbatches": 4})"),
+                              "spec.json");
+}
+
+fs::path temp_csv(const std::string& name) {
+  const fs::path p = fs::temp_directory_path() / ("piper_test_sweep_" + std::to_string(::getpid()) + "_" + name + ".csv");
+  fs::remove(p);
+  return p;
+}
+
+std::vector<std::string> lines_of(const fs::path& p) {
+  std::ifstream in(p);
+  std::vector<std::string> out;
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+std::string field(const std::string& line, const std::string& column) {
+  const auto& cols = sweep_csv_columns();
+  const std::size_t i = static_cast<std::size_t>(std::find(cols.begin(), cols.end(), column) - cols.begin());
+  // Test rows have no quoted fields before `reason` (the last column), so a plain split works.
+  std::vector<std::string> fields;
+  std::stringstream s(line);
+  for (std::string f; std::getline(s, f, ',');) fields.push_back(f);
+  return i < fields.size() ? fields[i] : "";
+}
+
+// key -> column value, over the data rows (after the header) of a results file's lines.
+std::map<std::string, std::string> column_by_key(const std::vector<std::string>& lines, const std::string& column) {
+  std::map<std::string, std::string> out;
+  for (std::size_t i = 1; i < lines.size(); ++i) out[field(lines[i], "key")] = field(lines[i], column);
+  return out;
+}
+std::map<std::string, std::string> column_by_key(const fs::path& p, const std::string& column) {
+  return column_by_key(lines_of(p), column);
+}
+
+}  // namespace
+
+TEST(Sweep, ExpandsTheCartesianProduct) {
+  const SweepSpec spec = small_spec();
+  const auto points = expand(spec);
+  EXPECT_EQ(points.size(), 12u);
+  std::set<std::string> keys;
+  for (const auto& p : points) keys.insert(p.key());
+  EXPECT_EQ(keys.size(), 12u) << "keys must identify combinations";
+  // Unlisted knobs keep one default value; a scalar is a one-element list.
+  EXPECT_EQ(spec.zero, std::vector<int>{0});
+  EXPECT_EQ(spec.microbatches, std::vector<int>{4});
+}
+
+TEST(Sweep, SpecErrorsNameTheField) {
+  try {
+    SweepSpec::from_json(json::parse(R"({"pp": [1, "two"]})"), "bad.json");
+    FAIL() << "expected SweepError";
+  } catch (const SweepError& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.json: field 'pp'"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(SweepSpec::from_json(json::parse(R"({"dp_size": 2})"), "bad.json"), SweepError);
+  EXPECT_THROW(SweepSpec::from_json(json::parse(R"({"engine": "fast"})"), "bad.json"), SweepError);
+}
+
+TEST(Sweep, InvalidCombinationsCarryTheReason) {
+  SweepPoint p = expand(small_spec()).front();
+  p.pp = 1, p.dp = 4, p.ep = 3;
+  const SweepRow row = run_point(p);
+  EXPECT_EQ(row.status, "invalid");
+  EXPECT_NE(row.reason.find("--ep 3 must divide --dp 4"), std::string::npos) << row.reason;
+  EXPECT_EQ(to_csv(row).find('\n'), std::string::npos);
+}
+
+TEST(Sweep, RowMatchesADirectSimulation) {
+  SweepPoint p = expand(small_spec()).front();
+  p.pp = 2, p.dp = 2, p.ep = 1;
+  const SweepRow row = run_point(p);
+  ASSERT_EQ(row.status, "ok") << row.reason;
+  core::Scenario s;
+  s.model = "qwen3-9m";
+  s.strategy.pp = 2, s.strategy.dp = 2, s.strategy.microbatches = 4, s.strategy.schedule = "1f1b";
+  const SimulationResult direct = simulate(s, {.cluster = "dgx-h200", .engine = "analytic"});
+  EXPECT_EQ(row.devices, 4);
+  EXPECT_EQ(row.step_time_s, direct.report.step_time_s);  // same program, same deterministic engine
+  EXPECT_EQ(row.peak_memory_bytes, direct.report.peak_memory_bytes);
+}
+
+TEST(Sweep, ResumesAfterAKillWithoutLosingOrDuplicatingRows) {
+  const SweepSpec spec = small_spec();
+  const fs::path csv = temp_csv("resume");
+  const SweepSummary first = run_sweep(spec, csv.string());
+  EXPECT_EQ(first.ran, 12u);
+  EXPECT_EQ(first.ok, 6u);
+  EXPECT_EQ(first.invalid, 6u);
+  const auto full = lines_of(csv);
+  ASSERT_EQ(full.size(), 13u);  // header + 12 rows
+  EXPECT_EQ(full.front(), sweep_csv_header());
+
+  // A kill after 2 rows, in the middle of writing the third.
+  {
+    std::ofstream out(csv, std::ios::trunc | std::ios::binary);
+    out << full[0] << "\n" << full[1] << "\n" << full[2] << "\n" << full[3].substr(0, full[3].size() / 2);
+  }
+  const SweepSummary second = run_sweep(spec, csv.string());
+  EXPECT_EQ(second.resumed, 2u);
+  EXPECT_EQ(second.ran, 10u);
+
+  const auto after = lines_of(csv);
+  ASSERT_EQ(after.size(), 13u);
+  EXPECT_EQ(after[1], full[1]) << "rows already written are kept as they were";
+  EXPECT_EQ(after[2], full[2]);
+  std::multiset<std::string> keys;
+  for (std::size_t i = 1; i < after.size(); ++i) keys.insert(field(after[i], "key"));
+  std::set<std::string> expected;
+  for (const auto& p : expand(spec)) expected.insert(p.key());
+  EXPECT_EQ(std::set<std::string>(keys.begin(), keys.end()), expected);
+  EXPECT_EQ(keys.size(), expected.size()) << "no row duplicated";
+  EXPECT_EQ(column_by_key(after, "step_time_s"), column_by_key(full, "step_time_s")) << "reruns give the same figures";
+
+  // A complete rerun does nothing.
+  const SweepSummary third = run_sweep(spec, csv.string());
+  EXPECT_EQ(third.resumed, 12u);
+  EXPECT_EQ(third.ran, 0u);
+  EXPECT_EQ(lines_of(csv).size(), 13u);
+  fs::remove(csv);
+}
+
+TEST(Sweep, RefusesAFileThatIsNotASweepResult) {
+  const fs::path csv = temp_csv("foreign");
+  std::ofstream(csv) << "a,b,c\n1,2,3\n";
+  EXPECT_THROW(run_sweep(small_spec(), csv.string()), SweepError);
+  EXPECT_EQ(lines_of(csv).size(), 2u) << "a foreign file is left alone";
+  fs::remove(csv);
+}
+
+TEST(Sweep, TwoJobsGiveTheRowsOfOne) {
+  const SweepSpec spec = small_spec();
+  const fs::path one = temp_csv("j1"), two = temp_csv("j2");
+  run_sweep(spec, one.string(), {.jobs = 1});
+  run_sweep(spec, two.string(), {.jobs = 2});
+  const auto a = column_by_key(one, "step_time_s"), b = column_by_key(two, "step_time_s");
+  EXPECT_EQ(a.size(), 12u);
+  EXPECT_EQ(a, b);  // each combination is simulated alone, so threads must not change a bit of it
+  EXPECT_EQ(column_by_key(one, "status"), column_by_key(two, "status"));
+  EXPECT_EQ(column_by_key(one, "peak_memory_bytes"), column_by_key(two, "peak_memory_bytes"));
+  fs::remove(one);
+  fs::remove(two);
+}
