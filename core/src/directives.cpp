@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <deque>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <type_traits>
@@ -794,7 +795,37 @@ void apply_order(PassContext& cx, const OrderDirective& d, int index) {
     }
     groups.push_back(std::move(members));
   }
+  // The members of one group form one step (e.g. an overlapped F&B pair): the step starts when the
+  // inputs of all its members are ready, so each member also waits for the others' producers.
+  std::vector<std::vector<std::pair<Vertex, Vertex>>> costart(groups.size());
+  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+    if (groups[gi].size() < 2) continue;
+    std::set<Vertex> members(groups[gi].begin(), groups[gi].end()), producers;
+    // A producer is internal when it is a member or communication fed by a member (e.g. the
+    // all-to-all between two segments of one matched chain); only external producers gate the step.
+    std::map<Vertex, bool> memo;
+    std::function<bool(Vertex)> internal = [&](Vertex p) -> bool {
+      if (members.contains(p)) return true;
+      if (!is_communication(dag.graph[p].kind)) return false;
+      if (auto it = memo.find(p); it != memo.end()) return it->second;
+      bool fed = false;
+      for (auto e : boost::make_iterator_range(boost::in_edges(p, dag.graph)))
+        if (dag.graph[e].kind == EdgeKind::Data && internal(boost::source(e, dag.graph))) fed = true;
+      return memo[p] = fed;
+    };
+    for (auto w : groups[gi])
+      for (auto e : boost::make_iterator_range(boost::in_edges(w, dag.graph)))
+        if (dag.graph[e].kind == EdgeKind::Data && !internal(boost::source(e, dag.graph)))
+          producers.insert(boost::source(e, dag.graph));
+    for (auto v : groups[gi])
+      for (auto u : producers)
+        if (!boost::edge(u, v, dag.graph).second) costart[gi].emplace_back(u, v);
+  }
+  auto add_costart = [&](std::size_t gi) {
+    for (auto [u, v] : costart[gi]) dag.add_edge(u, v, {EdgeKind::Temporal, 0, "step"});
+  };
   std::vector<Vertex> dummies;
+  for (std::size_t gi = 0; gi < groups.size(); ++gi) add_costart(gi);
   for (std::size_t gi = 0; gi + 1 < groups.size(); ++gi) {
     DagNode dummy;
     dummy.kind = NodeKind::OrderDummy;
@@ -806,15 +837,22 @@ void apply_order(PassContext& cx, const OrderDirective& d, int index) {
     for (auto w : groups[gi + 1]) dag.add_edge(v, w, {EdgeKind::Temporal, 0, ""});
   }
   if (!dag.has_cycle()) return;
-  // Slow path, errors only: find the first group boundary that closes a cycle.
+  // Slow path, errors only: find the first group (or group boundary) that closes a cycle.
   for (auto v : dummies) boost::clear_vertex(v, dag.graph);
-  for (std::size_t gi = 0; gi < dummies.size(); ++gi) {
-    for (auto u : groups[gi]) dag.add_edge(u, dummies[gi], {EdgeKind::Temporal, 0, ""});
-    for (auto w : groups[gi + 1]) dag.add_edge(dummies[gi], w, {EdgeKind::Temporal, 0, ""});
+  for (const auto& edges : costart)
+    for (auto [u, v] : edges) boost::remove_edge(u, v, dag.graph);
+  for (std::size_t gi = 0; gi < groups.size(); ++gi) {
+    add_costart(gi);
     if (dag.has_cycle())
-      fail(index, "filters[" + std::to_string(gi + 1) + "]",
-           "order would create a cycle: group " + std::to_string(gi + 1) + " must run after group " + std::to_string(gi) +
-               ", but a node of group " + std::to_string(gi) + " depends on it");
+      fail(index, "filters[" + std::to_string(gi) + "]",
+           "group " + std::to_string(gi) + " cannot run as one step: one of its nodes depends on another");
+    if (gi == 0) continue;
+    for (auto u : groups[gi - 1]) dag.add_edge(u, dummies[gi - 1], {EdgeKind::Temporal, 0, ""});
+    for (auto w : groups[gi]) dag.add_edge(dummies[gi - 1], w, {EdgeKind::Temporal, 0, ""});
+    if (dag.has_cycle())
+      fail(index, "filters[" + std::to_string(gi) + "]",
+           "order would create a cycle: group " + std::to_string(gi) + " must run after group " + std::to_string(gi - 1) +
+               ", but a node of group " + std::to_string(gi - 1) + " depends on it");
   }
   fail(index, "filters", "order would create a cycle");
 }

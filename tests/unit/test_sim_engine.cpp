@@ -76,11 +76,21 @@ SimRun simulate_unit(std::shared_ptr<const core::Program> program, const OpOverr
 // issue. Adding a family is one line here.
 struct Family {
   const char* schedule;
-  double (*step)(double p, double m);
-  double (*bubble)(double p, double m);
+  double (*busy)(double p, double m);    // per rank
+  double (*bubble)(double p, double m);  // per rank: step time - busy
+  std::vector<int> (*microbatches)(int p);
 };
+constexpr double kFB = kF + kB;  // an overlapped F&B pair (DualPipe's F&B = F + B)
 const Family kFamilies[] = {
-    {"1f1b", [](double p, double m) { return (m + p - 1) * (kF + kB); }, [](double p, double) { return (p - 1) * (kF + kB); }},
+    {"1f1b", [](double, double m) { return m * (kF + kB); }, [](double p, double) { return (p - 1) * (kF + kB); },
+     [](int) { return std::vector<int>{1, 4, 8, 13}; }},
+    // ZB-H1: (p-1)(F+B-2W), for M >= p.
+    {"zb-h1", [](double, double m) { return m * (kF + kB); }, [](double p, double) { return (p - 1) * (kF + kB - 2 * kW); },
+     [](int p) { return std::vector<int>{p, 2 * p + 1}; }},
+    // DualPipeV: 2p stages (PP) on p ranks, two per rank; (PP/2-1)(F&B+B-3W), for M >= 2p.
+    {"dualpipev", [](double, double m) { return 2 * m * (kF + kB); },
+     [](double p, double) { return (2 * p / 2 - 1) * (kFB + kB - 3 * kW); },
+     [](int p) { return std::vector<int>{2 * p, 2 * p + 2}; }},
 };
 
 }  // namespace
@@ -88,17 +98,18 @@ const Family kFamilies[] = {
 TEST(SimAnalytic, PipelineStepAndBubbleMatchTheFormulas) {
   for (const Family& family : kFamilies)
     for (int p : {4, 8})
-      for (int m : {1, 4, 8, 13}) {
+      for (int m : family.microbatches(p)) {
         SCOPED_TRACE(std::string(family.schedule) + " p=" + std::to_string(p) + " M=" + std::to_string(m));
         SimRun r = simulate_unit(compile(family.schedule, p, m));
         // Unit costs are exact in binary floating point: sums are exact, tolerance 1e-9 s.
-        EXPECT_NEAR(r.report.step_time_s, family.step(p, m), 1e-9);
+        const double step = family.busy(p, m) + family.bubble(p, m);
+        EXPECT_NEAR(r.report.step_time_s, step, 1e-9);
         ASSERT_EQ(r.report.per_device.size(), static_cast<std::size_t>(p));
         for (const auto& d : r.report.per_device) {
           EXPECT_NEAR(d.idle_s, family.bubble(p, m), 1e-9) << "device " << d.device;
-          EXPECT_NEAR(d.busy_s, m * (kF + kB), 1e-9) << "device " << d.device;
+          EXPECT_NEAR(d.busy_s, family.busy(p, m), 1e-9) << "device " << d.device;
         }
-        EXPECT_NEAR(r.report.bubble_fraction, family.bubble(p, m) / family.step(p, m), 1e-12);
+        EXPECT_NEAR(r.report.bubble_fraction, family.bubble(p, m) / step, 1e-12);
       }
 }
 

@@ -103,7 +103,10 @@ TEST(Sweep, RowMatchesADirectSimulation) {
   core::Scenario s;
   s.model = "qwen3-9m";
   s.strategy.pp = 2, s.strategy.dp = 2, s.strategy.microbatches = 4, s.strategy.schedule = "1f1b";
-  const SimulationResult direct = simulate(s, {.cluster = "dgx-h200", .engine = "analytic"});
+  SimulateOptions options;
+  options.cluster = "dgx-h200";
+  options.engine = "analytic";
+  const SimulationResult direct = simulate(s, options);
   EXPECT_EQ(row.devices, 4);
   EXPECT_EQ(row.step_time_s, direct.report.step_time_s);  // same program, same deterministic engine
   EXPECT_EQ(row.peak_memory_bytes, direct.report.peak_memory_bytes);
@@ -160,8 +163,11 @@ TEST(Sweep, RefusesAFileThatIsNotASweepResult) {
 TEST(Sweep, TwoJobsGiveTheRowsOfOne) {
   const SweepSpec spec = small_spec();
   const fs::path one = temp_csv("j1"), two = temp_csv("j2");
-  run_sweep(spec, one.string(), {.jobs = 1});
-  run_sweep(spec, two.string(), {.jobs = 2});
+  SweepOptions jobs;
+  jobs.jobs = 1;
+  run_sweep(spec, one.string(), jobs);
+  jobs.jobs = 2;
+  run_sweep(spec, two.string(), jobs);
   const auto a = column_by_key(one, "step_time_s"), b = column_by_key(two, "step_time_s");
   EXPECT_EQ(a.size(), 12u);
   EXPECT_EQ(a, b);  // each combination is simulated alone, so threads must not change a bit of it
