@@ -65,6 +65,7 @@ int run_compile(const CompileArgs& a) {
     };
   }
   const core::CompiledScenario compiled = core::compile_scenario(scenario, hook);
+  a.scenario.save_if_requested(scenario);
   const core::Program& plan = compiled.result.program;
 
   if (!dumps.empty()) {

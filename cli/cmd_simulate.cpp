@@ -44,7 +44,11 @@ int run_simulate(const SimulateArgs& a) {
     result = sim::simulate_program(std::make_shared<const core::Program>(std::move(program)), options);
   } else {
     if (a.model->count() == 0) throw CliError("", "--model is required (or give --plan)");
-    result = sim::simulate(a.scenario.scenario(), options);
+    core::Scenario scenario = a.scenario.scenario();
+    result = sim::simulate(scenario, options);
+    scenario.cluster = a.cluster;
+    scenario.engine = a.engine;
+    a.scenario.save_if_requested(scenario);
   }
   // Files are written whole (temporary file, then rename) so an interrupted run leaves nothing half-written.
   if (!a.report_path.empty()) core::write_file_atomically(a.report_path, result.report.to_json().dump(1) + "\n");

@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "piper/core/program.hpp"
 #include "piper/core/strategy.hpp"
 
 namespace piper::cli {
@@ -120,8 +121,15 @@ void ScenarioFlags::add_to(CLI::App* app) {
       ->delimiter(',')
       ->check(CLI::NonNegativeNumber);
   directives = app->add_option("--directives", directives_path, "directive program (JSON)");
+  app->add_option("--save-scenario", save_scenario_path,
+                  "also write these inputs as a scenario JSON (the file piper-studio opens)");
   strategy.add_to(app);
   for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.bucket_mb}) o->excludes(directives);
+}
+
+void ScenarioFlags::save_if_requested(const core::Scenario& s) const {
+  if (save_scenario_path.empty()) return;
+  core::write_file_atomically(save_scenario_path, s.to_json().dump(2) + "\n");
 }
 
 core::Scenario ScenarioFlags::scenario() const {

@@ -66,9 +66,12 @@ struct ScenarioFlags {
   int stages = 0;
   std::vector<int> pp_ranges;
   std::string directives_path;
+  std::string save_scenario_path;
   StrategyFlags strategy;
   CLI::Option* directives = nullptr;
   void add_to(CLI::App* app);
+  // --save-scenario FILE: writes the scenario (the file piper-studio opens) atomically, if asked.
+  void save_if_requested(const core::Scenario& s) const;
   // Checks flag combinations and reads the directive file; throws CliError.
   core::Scenario scenario() const;
 };

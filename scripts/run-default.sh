@@ -13,8 +13,8 @@ fi
 cmake --preset default
 cmake --build --preset default -j"$(nproc)"
 
-# The default scenario: Qwen3-MoE 1B (qwen3-1b) on one dgx-h200 node (8 GPUs): PP 4 x DP 2, experts
-# sharded over EP 2, ZeRO-1, 8 microbatches, simulated on the SimGrid engine. The issue asks for
-# DualPipeV; it runs 1F1B until the dualpipev schedule family is registered (`piper directives --schedule dualpipev --pp 4`).
-build/bin/piper simulate --model qwen3-1b --pp 4 --dp 2 --ep 2 --zero 1 --schedule 1f1b --microbatches 8 \
+# The default scenario: Qwen3-MoE 1B (qwen3-1b) on one dgx-h200 node (8 GPUs): DualPipeV over PP 4
+# (8 regions in a V) x DP 2, experts sharded over EP 2, ZeRO-1, 8 microbatches, simulated on the
+# SimGrid engine. The report and a Chrome trace (open it in Perfetto) land in build/.
+build/bin/piper simulate --model qwen3-1b --pp 4 --dp 2 --ep 2 --zero 1 --schedule dualpipev --microbatches 8 \
   --cluster dgx-h200 --report build/default-report.json --trace build/default-trace.json

@@ -295,10 +295,18 @@ TEST(Apply, HookSeesEveryPassInTheFixedOrder) {
   EXPECT_EQ(seen, (std::vector<std::string>{"split3", "place2", "replicate1", "order0"}));
 }
 
-// Schedules are directive generators: the compiler must not know their names.
-TEST(Layering, CompilerSourcesNeverNameASchedule) {
-  for (const char* file : {"dag.cpp", "directives.cpp", "lower.cpp", "program.cpp", "verifier.cpp", "compiler.cpp"}) {
-    std::ifstream in(std::string(PIPER_SOURCE_DIR) + "/core/src/" + file);
+// Schedules are directive generators: the compiler, simulator and runtime must not know their names.
+TEST(Layering, CompilerSimulatorAndRuntimeNeverNameASchedule) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> files;
+  for (const char* file : {"dag.cpp", "directives.cpp", "lower.cpp", "program.cpp", "verifier.cpp", "compiler.cpp"})
+    files.push_back(fs::path(PIPER_SOURCE_DIR) / "core/src" / file);
+  for (const char* dir : {"sim/src", "sim/include", "gpu_runtime/src", "gpu_runtime/include"})
+    for (const auto& e : fs::recursive_directory_iterator(fs::path(PIPER_SOURCE_DIR) / dir))
+      if (e.is_regular_file()) files.push_back(e.path());
+  ASSERT_GT(files.size(), 10u);
+  for (const auto& file : files) {
+    std::ifstream in(file);
     ASSERT_TRUE(in.good()) << file;
     std::stringstream ss;
     ss << in.rdbuf();

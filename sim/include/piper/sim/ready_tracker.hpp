@@ -3,7 +3,10 @@
 // advances the per-stream cursors when they finish. Flat per-device arrays; no maps in the hot path.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <utility>
@@ -21,13 +24,71 @@ class DeadlockError : public core::Error {
   using core::Error::Error;
 };
 
+// The (device, op) members of an activity. Most activities are a compute op or a transfer, so up to
+// two members live inline: millions of activities then cost no heap allocation (a vector-like subset).
+class ActivityMembers {
+ public:
+  using value_type = std::pair<int /*device*/, core::OpRef>;
+  static constexpr std::size_t kInline = 2;
+  ActivityMembers() = default;
+  ActivityMembers(std::initializer_list<value_type> list) {
+    reserve(list.size());
+    for (const auto& v : list) push_back(v);
+  }
+  std::size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  value_type* begin() { return spilled_ ? heap_.data() : inline_.data(); }
+  value_type* end() { return begin() + size_; }
+  const value_type* begin() const { return spilled_ ? heap_.data() : inline_.data(); }
+  const value_type* end() const { return begin() + size_; }
+  value_type& operator[](std::size_t i) { return begin()[i]; }
+  const value_type& operator[](std::size_t i) const { return begin()[i]; }
+  value_type& front() { return *begin(); }
+  const value_type& front() const { return *begin(); }
+  value_type& back() { return begin()[size_ - 1]; }
+  const value_type& back() const { return begin()[size_ - 1]; }
+  void reserve(std::size_t n) {
+    if (n <= kInline) return;
+    spill();
+    heap_.reserve(n);
+  }
+  void push_back(const value_type& v) {
+    if (!spilled_ && size_ == kInline) spill();
+    if (spilled_)
+      heap_.push_back(v);
+    else
+      inline_[size_] = v;
+    size_ += 1;
+  }
+  template <class... Args>
+  void emplace_back(Args&&... args) {
+    push_back(value_type(std::forward<Args>(args)...));
+  }
+  void clear() {
+    size_ = 0;
+    heap_.clear();
+    spilled_ = false;
+  }
+
+ private:
+  void spill() {
+    if (spilled_) return;
+    heap_.assign(inline_.begin(), inline_.begin() + static_cast<std::ptrdiff_t>(size_));
+    spilled_ = true;
+  }
+  std::array<value_type, kInline> inline_{};
+  std::vector<value_type> heap_;
+  std::size_t size_ = 0;
+  bool spilled_ = false;
+};
+
 class ReadyTracker {
  public:
   struct Activity {
     enum class Kind { Compute, Transfer, Collective } kind = Kind::Compute;
     // Compute: one member. Transfer: {sender, SEND op}, {receiver, RECV op}. Collective: one member
     // per rank of the group, in group order.
-    std::vector<std::pair<int /*device*/, core::OpRef>> members;
+    ActivityMembers members;
   };
 
   explicit ReadyTracker(const core::Program& program);

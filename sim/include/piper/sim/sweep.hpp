@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "piper/core/error.hpp"
+#include "piper/core/strategy.hpp"
 
 namespace piper::sim {
 
@@ -27,7 +28,7 @@ struct SweepSpec {
   std::string cluster = "dgx-h200";
   std::string calibration_path;
   std::vector<int> pp{1}, dp{1}, ep{1}, zero{0}, microbatches{1}, virtual_stages{1};
-  std::vector<std::string> schedule{"1f1b"};
+  std::vector<std::string> schedule{core::StrategyOptions{}.schedule};  // the strategy generator's default
   std::vector<double> bucket_mb{0};
   std::vector<std::string> engine{"analytic"};
   std::vector<std::int64_t> seq_len{0}, micro_batch_size{0};  // 0: the model's default
