@@ -1,7 +1,7 @@
 // The analytic engine: a discrete-event simulation of a Program with alpha-beta communication and no
 // link contention, driven by ReadyTracker. Compute slows by comm_sm_share while comm runs (engine.hpp).
 #include <algorithm>
-#include <queue>
+#include <map>
 
 #include "piper/sim/engine.hpp"
 #include "piper/sim/ready_tracker.hpp"
@@ -41,15 +41,15 @@ class AnalyticEngine : public Engine {
     };
     std::vector<Running> running;
     std::vector<std::int32_t> free_slots;
-    struct Event {
-      double time;
-      std::uint64_t seq;
+    // Pending ends, bucketed by time. Data-parallel replicas end their ops at identical times, so
+    // distinct times are far fewer than events: a small ordered map of buckets replaces a binary heap
+    // over every event, which at 16K devices no longer fits in cache. A bucket keeps push order, the
+    // (time, push sequence) order of the heap it replaces, so results are unchanged.
+    struct Pending {
       std::int32_t slot;
       std::uint32_t version;
-      bool operator>(const Event& o) const { return time > o.time || (time == o.time && seq > o.seq); }
     };
-    std::priority_queue<Event, std::vector<Event>, std::greater<>> events;
-    std::uint64_t seq = 0;
+    std::map<double, std::vector<Pending>> events;
 
     auto span = [&](int device, core::OpRef r) -> core::OpSpan& {
       const auto& base = span_base[ix(program.plan_of_device[ix(device)])];
@@ -71,7 +71,7 @@ class AnalyticEngine : public Engine {
         r.rate = rate;
         r.since = now;
         r.version += 1;
-        events.push({now + r.remaining / rate, seq++, slot, r.version});
+        events[now + r.remaining / rate].push_back({slot, r.version});
       }
     };
 
@@ -116,16 +116,19 @@ class AnalyticEngine : public Engine {
           for (int d : ranks) set_comm(d, +1, now);
         }
         tracker.started(r.activity, now);
-        events.push({end, seq++, slot, r.version});
+        events[end].push_back({slot, r.version});
       }
       // Stale events (compute rescheduled by a speed change) must not advance the clock.
-      while (!events.empty() && events.top().version != running[ix(events.top().slot)].version) events.pop();
+      auto live = [&](const Pending& e) { return e.version == running[ix(e.slot)].version; };
+      while (!events.empty() && std::none_of(events.begin()->second.begin(), events.begin()->second.end(), live))
+        events.erase(events.begin());
       if (events.empty()) break;
-      // Finish everything that ends at the next event time, then release dependents once.
-      now = events.top().time;
-      while (!events.empty() && events.top().time == now) {
-        const Event e = events.top();
-        events.pop();
+      // Finish everything that ends at the next event time (including ends pushed at that same time
+      // while finishing), then release dependents once.
+      const auto bucket = events.begin();
+      now = bucket->first;
+      for (std::size_t k = 0; k < bucket->second.size(); ++k) {
+        const Pending e = bucket->second[k];  // by value: pushes below may grow this bucket
         Running& r = running[ix(e.slot)];
         if (e.version != r.version) continue;  // rescheduled by a speed change
         r.version += 1;
@@ -139,6 +142,7 @@ class AnalyticEngine : public Engine {
         tracker.finished(r.activity, now);
         free_slots.push_back(e.slot);
       }
+      events.erase(bucket);
     }
     if (!tracker.done()) tracker.throw_stuck();
     timeline.step_time_s = 0;

@@ -35,6 +35,27 @@ class ActivityMembers {
     reserve(list.size());
     for (const auto& v : list) push_back(v);
   }
+  ActivityMembers(const ActivityMembers&) = default;
+  ActivityMembers& operator=(const ActivityMembers&) = default;
+  // A moved-from list is empty (the default would leave size_ counting elements it no longer has).
+  ActivityMembers(ActivityMembers&& o) noexcept
+      : inline_(o.inline_), heap_(std::move(o.heap_)), size_(o.size_), spilled_(o.spilled_) {
+    o.size_ = 0;
+    o.heap_.clear();
+    o.spilled_ = false;
+  }
+  ActivityMembers& operator=(ActivityMembers&& o) noexcept {
+    if (this != &o) {
+      inline_ = o.inline_;
+      heap_ = std::move(o.heap_);
+      size_ = o.size_;
+      spilled_ = o.spilled_;
+      o.size_ = 0;
+      o.heap_.clear();
+      o.spilled_ = false;
+    }
+    return *this;
+  }
   std::size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
   value_type* begin() { return spilled_ ? heap_.data() : inline_.data(); }
