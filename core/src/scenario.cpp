@@ -134,6 +134,23 @@ CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) 
     throw ModelError((model_file.empty() ? "" : model_file + ": ") +
                      fmt::format("cannot annotate {} PP regions: {}", regions, e.what()));
   }
+  if (!s.directives) {
+    // A generated program shards every region's experts; regions without experts (dense first blocks,
+    // as in DeepSeek-V3) have nothing to shard, so their shard directive is dropped rather than
+    // rejected. A hand-written program keeps the strict "filter matches nothing" error.
+    json kept = json::array();
+    for (const auto& d : out.program_json) {
+      if (d.value("op", "") == "shard" && d.contains("filter") && d["filter"].contains("PP")) {
+        const int region = d["filter"]["PP"].get<int>();
+        bool has_experts = false;
+        for (const auto& layer : out.model.layers())
+          has_experts |= layer.tags.contains("EP") && layer.tags.contains("PP") && layer.tags.at("PP") == region;
+        if (!has_experts) continue;
+      }
+      kept.push_back(d);
+    }
+    out.program_json = std::move(kept);
+  }
   const std::string source = s.directives ? s.directives_source : std::string();
   DirectiveProgram program = from(source, [&] { return parse_directives(out.program_json); });
   out.result = from(source, [&] { return compile(out.model, program, hook); });

@@ -58,3 +58,20 @@ TEST(Scenario, ErrorsNameTheFieldOrFlag) {
   s.stage_starts = {0, 40};
   EXPECT_NE(message([&] { compile_scenario(s); }).find("past the last block"), std::string::npos);
 }
+
+TEST(Scenario, GeneratedProgramsSkipShardingRegionsWithoutExperts) {
+  // tiny-moe's first block is dense: with DualPipeV over 2 ranks (4 regions, one block each) region 0
+  // has no experts, so the generated program must not ask to shard it.
+  Scenario s;
+  s.model = std::string(PIPER_SOURCE_DIR) + "/examples/models/tiny-moe.json";
+  s.strategy.schedule = "dualpipev";
+  s.strategy.pp = 2;
+  s.strategy.dp = 2;
+  s.strategy.ep = 2;
+  s.strategy.microbatches = 4;
+  const auto c = compile_scenario(s);
+  int shards = 0;
+  for (const auto& d : c.program_json) shards += d["op"] == "shard";
+  EXPECT_EQ(shards, 3);  // regions 1, 2 and 3 hold experts
+  EXPECT_EQ(c.result.program.num_devices, 4);
+}
