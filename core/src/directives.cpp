@@ -513,7 +513,6 @@ void finish_placement(PassContext& cx, bool any_place) {
     if (g[u].kind == NodeKind::Compute && g[v].kind == NodeKind::Compute && g[u].devices != g[v].devices)
       cross.push_back({u, v, g[e]});
   }
-  std::map<std::pair<DeviceSetId, DeviceSetId>, bool> exchange;  // (sender set, receiver set) -> same devices
   for (const auto& r : cross) {
     const auto& su = dag.device_sets.at(cx.node(r.u).devices);
     const auto& sv = dag.device_sets.at(cx.node(r.v).devices);
@@ -530,6 +529,8 @@ void finish_placement(PassContext& cx, bool any_place) {
     send.peer_devices = cx.node(r.v).devices;
     // One stream per direction and peer set: a rendezvous SEND must never queue behind a RECV from
     // another peer (or a send to another peer), which would hold the pipeline beyond its schedule.
+    // Send and receive streams never share a name (the sets differ), so an exchange between mirrored
+    // sets ([0,1] -> [1,0]) sends and receives at once, as an NCCL send/recv group does.
     send.stream = cx.p2p_stream[r.u] + ">" + set_str(sv);
     send.bytes = r.e.bytes;
     send.label = "SEND " + cx.node(r.u).label + " -> s" + std::to_string(cx.node(r.v).segment);
@@ -541,17 +542,6 @@ void finish_placement(PassContext& cx, bool any_place) {
     recv.devices = cx.node(r.v).devices;
     recv.peer_devices = cx.node(r.u).devices;
     recv.stream = cx.p2p_stream[r.v] + "<" + set_str(su);
-    // An exchange: both sets hold the same devices (e.g. mirrored data-parallel copies), so every
-    // device sends and receives this tensor at once. Its receive gets a stream of its own, as NCCL
-    // groups such a send/recv pair; on one stream each device's send would wait for its own receive.
-    auto [known, fresh] = exchange.try_emplace({send.devices, recv.devices}, false);
-    if (fresh) {
-      std::vector<int> a = su, b = sv;
-      std::sort(a.begin(), a.end());
-      std::sort(b.begin(), b.end());
-      known->second = a == b;
-    }
-    if (known->second) recv.stream += "-exchange";
     recv.label = "RECV " + cx.node(r.v).label + " <- s" + std::to_string(cx.node(r.u).segment);
     Vertex vs = cx.add(std::move(send));
     Vertex vr = cx.add(std::move(recv));
