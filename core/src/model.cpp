@@ -804,16 +804,17 @@ void clear_pp_tags(Model& model) {
   for (auto& l : model.mutable_layers()) l.tags.erase("PP");
 }
 
-}  // namespace
+// Pipeline units: maximal runs of layers with the same block index; the embedding travels with the
+// first block and the final norm + head with the last block (as in Megatron), so every region holds
+// at least one transformer block. Regions are contiguous runs of units.
+struct PipelineUnit {
+  std::size_t first, last;  // layer range [first, last)
+  double flops;             // F + BI + BW at the model's training shape
+};
 
-void balance_pipeline(Model& model, int stages) {
-  auto& layers = model.mutable_layers();
-  // Units are maximal runs of layers with the same block index. Regions are contiguous runs of units.
-  struct Unit {
-    std::size_t first, last;  // layer range [first, last)
-    double flops;
-  };
-  std::vector<Unit> units;
+std::vector<PipelineUnit> pipeline_units(const Model& model) {
+  const auto& layers = model.layers();
+  std::vector<PipelineUnit> units;
   for (std::size_t i = 0; i < layers.size(); ++i) {
     const Costs c = model.layer_cost(i);
     const double f = c.forward_flops + c.backward_flops();
@@ -824,8 +825,6 @@ void balance_pipeline(Model& model, int stages) {
       units.back().flops += f;
     }
   }
-  // The embedding travels with the first block and the final norm + head with the last block (as in
-  // Megatron), so every region holds at least one transformer block.
   if (units.size() >= 3 && layers[units.front().first].block < 0) {
     units[1].first = units[0].first;
     units[1].flops += units[0].flops;
@@ -836,6 +835,14 @@ void balance_pipeline(Model& model, int stages) {
     units[units.size() - 2].flops += units.back().flops;
     units.pop_back();
   }
+  return units;
+}
+
+}  // namespace
+
+void balance_pipeline(Model& model, int stages) {
+  auto& layers = model.mutable_layers();
+  const std::vector<PipelineUnit> units = pipeline_units(model);
   const int n = static_cast<int>(units.size());
   if (stages < 1 || stages > n)
     throw ModelError(model.name() + ": balance_pipeline: stages must be between 1 and " + std::to_string(n) +
@@ -880,6 +887,54 @@ void balance_pipeline(Model& model, int stages) {
       for (std::size_t l = units[u].first; l < units[u].last; ++l) layers[l].tags["PP"] = k - 1;
     j = i;
   }
+}
+
+void rebalance_for_devices(Model& model, const std::vector<std::vector<int>>& devices_of_region) {
+  const std::vector<PipelineUnit> units = pipeline_units(model);
+  const int regions = static_cast<int>(devices_of_region.size());
+  auto& layers = model.mutable_layers();
+  // Current boundaries from the PP tags: start[r] = first unit of region r.
+  std::vector<int> start(static_cast<std::size_t>(regions) + 1, static_cast<int>(units.size()));
+  for (int u = static_cast<int>(units.size()) - 1; u >= 0; --u) {
+    auto it = layers[units[static_cast<std::size_t>(u)].first].tags.find("PP");
+    if (it == layers[units[static_cast<std::size_t>(u)].first].tags.end() || it->second >= regions) return;
+    start[static_cast<std::size_t>(it->second)] = u;
+  }
+  int top_device = 0;
+  for (const auto& ds : devices_of_region)
+    for (int d : ds) top_device = std::max(top_device, d);
+  // Objective: device loads sorted in decreasing order, compared lexicographically (the busiest
+  // device first, then the next, ...).
+  auto loads = [&](const std::vector<int>& st) {
+    std::vector<double> load(static_cast<std::size_t>(top_device) + 1, 0.0);
+    for (int r = 0; r < regions; ++r) {
+      double c = 0;
+      for (int u = st[static_cast<std::size_t>(r)]; u < st[static_cast<std::size_t>(r) + 1]; ++u) c += units[static_cast<std::size_t>(u)].flops;
+      for (int d : devices_of_region[static_cast<std::size_t>(r)]) load[static_cast<std::size_t>(d)] += c;
+    }
+    std::sort(load.rbegin(), load.rend());
+    return load;
+  };
+  // Hill climbing over single-unit boundary moves; each accepted move strictly improves the objective.
+  auto best = loads(start);
+  for (bool improved = true; improved;) {
+    improved = false;
+    std::vector<int> best_start = start;
+    for (int r = 1; r < regions; ++r)
+      for (int step : {-1, 1}) {
+        std::vector<int> trial = start;
+        trial[static_cast<std::size_t>(r)] += step;
+        if (trial[static_cast<std::size_t>(r)] <= trial[static_cast<std::size_t>(r) - 1] ||
+            trial[static_cast<std::size_t>(r)] >= trial[static_cast<std::size_t>(r) + 1])
+          continue;
+        auto l = loads(trial);
+        if (l < best) best = l, best_start = trial, improved = true;
+      }
+    start = best_start;
+  }
+  for (int r = 0; r < regions; ++r)
+    for (int u = start[static_cast<std::size_t>(r)]; u < start[static_cast<std::size_t>(r) + 1]; ++u)
+      for (std::size_t l = units[static_cast<std::size_t>(u)].first; l < units[static_cast<std::size_t>(u)].last; ++l) layers[l].tags["PP"] = r;
 }
 
 void annotate_pipeline_ranges(Model& model, const std::vector<int>& block_starts) {

@@ -1,7 +1,9 @@
 // Scenarios: model + strategy (flags or a directive program) -> the directive program -> a Program.
 #include "piper/core/scenario.hpp"
 
+#include <algorithm>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <functional>
 #include <set>
@@ -128,8 +130,34 @@ CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) 
   int regions = 0;
   out.program_json = program_for(s, out.config, &regions);
   try {
-    if (s.stage_starts.empty()) balance_pipeline(out.model, regions);
-    else annotate_pipeline_ranges(out.model, s.stage_starts);
+    if (s.stage_starts.empty()) {
+      balance_pipeline(out.model, regions);
+      // Regions sharing a device (V placements, mirrored pairs) are balanced per device as well.
+      std::vector<std::vector<int>> devices_of_region(static_cast<std::size_t>(regions));
+      for (const auto& d : out.program_json)
+        if (d.value("op", "") == "place" && d.contains("filter") && d["filter"].size() == 1 &&
+            d["filter"].contains("PP") && d["filter"]["PP"].is_number_integer() && d.contains("devices")) {
+          const int r = d["filter"]["PP"].get<int>();
+          // Malformed programs are left to parse_directives, which names the field at fault.
+          const json& devs = d["devices"];
+          if (r < 0 || r >= regions || !devs.is_array()) continue;
+          std::vector<int> list;
+          for (const auto& v : devs)
+            if (v.is_number_integer()) list.push_back(v.get<int>());
+          if (list.size() == devs.size()) devices_of_region[static_cast<std::size_t>(r)] = list;
+        }
+      std::map<int, int> regions_of_device;
+      bool complete = true;
+      for (const auto& ds : devices_of_region) {
+        complete &= !ds.empty();
+        for (int dev : ds) ++regions_of_device[dev];
+      }
+      const bool shared = std::any_of(regions_of_device.begin(), regions_of_device.end(),
+                                      [](const auto& kv) { return kv.second > 1; });
+      if (complete && shared) rebalance_for_devices(out.model, devices_of_region);
+    } else {
+      annotate_pipeline_ranges(out.model, s.stage_starts);
+    }
   } catch (const Error& e) {
     throw ModelError((model_file.empty() ? "" : model_file + ": ") +
                      fmt::format("cannot annotate {} PP regions: {}", regions, e.what()));

@@ -405,3 +405,31 @@ TEST(ModelJson, ErrorsNameFileAndField) {
   EXPECT_NE(model_error([&] { config_from_spec_json(missing, "v.json"); }).find("field 'vocab': missing"),
             std::string::npos);
 }
+
+TEST(Pipeline, RebalanceForSharedDevicesLowersTheBusiestDevice) {
+  // DualPipeV-style V over 4 devices: region r and region 7-r share device r. qwen3-1b's last region
+  // carries the 151,936-word head, so a per-region balance overloads device 0.
+  Model m = zoo_model("qwen3-1b");
+  balance_pipeline(m, 8);
+  std::vector<std::vector<int>> devices = {{0}, {1}, {2}, {3}, {3}, {2}, {1}, {0}};
+  auto busiest = [&](const Model& model) {
+    std::vector<double> load(4, 0.0);
+    for (std::size_t i = 0; i < model.layers().size(); ++i) {
+      const Costs c = model.layer_cost(i);
+      load[static_cast<std::size_t>(devices[static_cast<std::size_t>(model.layers()[i].tags.at("PP"))][0])] +=
+          c.forward_flops + c.backward_flops();
+    }
+    return *std::max_element(load.begin(), load.end());
+  };
+  const double before = busiest(m);
+  rebalance_for_devices(m, devices);
+  const double after = busiest(m);
+  EXPECT_LT(after, before);
+  EXPECT_EQ(m.pp_regions(), 8);
+  int previous = 0;
+  for (const Layer& l : m.layers()) {  // still contiguous, every region non-empty
+    EXPECT_GE(l.tags.at("PP"), previous);
+    EXPECT_LE(l.tags.at("PP") - previous, 1);
+    previous = l.tags.at("PP");
+  }
+}

@@ -144,6 +144,10 @@ void balance_pipeline(Model& model, int stages);
 // Explicit PP annotation: region r spans blocks [starts[r], starts[r+1]); embedding goes with 0 and
 // the final norm and head with the last region.
 void annotate_pipeline_ranges(Model& model, const std::vector<int>& block_starts);
+// After balancing: when several regions share a device (V placements, DualPipe's mirrored pairs),
+// moves region boundaries block by block to minimise the busiest device's load (then the next
+// busiest, ...). devices_of_region[r] lists the devices that run region r. Never makes it worse.
+void rebalance_for_devices(Model& model, const std::vector<std::vector<int>>& devices_of_region);
 
 // C++ builder with RAII annotation scopes, mirroring `with piper.annotate("PP"):`.
 //   ModelBuilder b("tiny", shape);
