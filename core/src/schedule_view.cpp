@@ -36,24 +36,13 @@ int tag_or(const TagMap& tags, const char* key, int fallback) {
 ActionKind action_kind(Pass p) {
   return p == Pass::F ? ActionKind::F : p == Pass::B ? ActionKind::B : p == Pass::BI ? ActionKind::I : ActionKind::W;
 }
-std::tuple<int, int, int> action_key(const ScheduleAction& a) { return {a.stage, static_cast<int>(a.kind), a.microbatch}; }
-std::tuple<int, int, int> action_key(const Op& op) {
-  return {tag_or(op.tags, "PP", 0), static_cast<int>(action_kind(op.pass)), tag_or(op.tags, "MB", 0)};
-}
 
 }  // namespace
 
-UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs, const ScheduleTable* table) {
+UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs) {
   const int devices = program.num_devices;
-  // Overlapped F&B steps of the table, per rank, in DAG terms: such a pair runs as one unit.
-  std::vector<std::set<std::tuple<int, int, int>>> paired(static_cast<std::size_t>(devices));
-  if (table)
-    for (std::size_t r = 0; r < table->ranks.size() && r < paired.size(); ++r)
-      for (const auto& step : table->ranks[r])
-        if (step.size() == 2) paired[r].insert(action_key(step[0])), paired[r].insert(action_key(step[1]));
   struct DeviceState {
     const Plan* plan = nullptr;
-    std::vector<char> ordered;                     // per stream: issue order binds (the compute stream)
     std::vector<std::size_t> next;                 // per stream: first op not yet done
     std::vector<std::vector<char>> done, waiting;  // per stream, per op: scheduled / at a rendezvous
     std::vector<std::vector<int>> start, end;      // per stream, per op (valid once done)
@@ -65,11 +54,9 @@ UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs, 
     s.plan = &program.plan_for(d);
     const std::size_t n = s.plan->streams.size();
     s.next.assign(n, 0);
-    s.ordered.assign(n, 0);
     s.done.resize(n), s.waiting.resize(n), s.start.resize(n), s.end.resize(n);
     for (std::size_t k = 0; k < n; ++k) {
       const std::size_t ops = s.plan->streams[k].ops.size();
-      s.ordered[k] = s.plan->streams[k].name == "compute";
       s.done[k].assign(ops, 0), s.waiting[k].assign(ops, 0);
       s.start[k].assign(ops, 0), s.end[k].assign(ops, 0);
       remaining += ops;
@@ -88,12 +75,13 @@ UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs, 
     while (s.next[k] < s.done[k].size() && s.done[k][s.next[k]]) ++s.next[k];
     --remaining;
   };
-  // Communication is free: its streams do not serialise it, only its waits and its peers do. The
-  // compute stream runs in issue order, which is what the order directives decide.
+  // Every stream runs in issue order (the execution semantics of the simulator and runtime);
+  // communication costs nothing. Overlapped F&B pairs need no special case: the order pass makes a
+  // group's members wait for all of the group's inputs.
   auto try_op = [&](int d, std::size_t k, std::size_t i) -> bool {
     auto& s = state[static_cast<std::size_t>(d)];
     const Op& op = s.plan->streams[k].ops[i];
-    int ready = s.ordered[k] && i > 0 ? s.end[k][i - 1] : 0;
+    int ready = i > 0 ? s.end[k][i - 1] : 0;
     for (const auto& w : op.waits) {
       const auto ws = static_cast<std::size_t>(w.stream), wi = static_cast<std::size_t>(w.index);
       if (!s.done[ws][wi]) return false;
@@ -101,21 +89,6 @@ UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs, 
     }
     const bool transfer = op.kind == OpKind::Send || op.kind == OpKind::Recv;
     if (!transfer && (op.kind == OpKind::Compute || op.kind == OpKind::Update)) {
-      // The first op of an overlapped F&B step starts only when its partner (next in the stream)
-      // can start too, and the pair runs back to back: one unit costing F + B, as in the papers.
-      const auto& ops = s.plan->streams[k].ops;
-      if (op.kind == OpKind::Compute && s.ordered[k] && i + 1 < ops.size() && !paired[static_cast<std::size_t>(d)].empty() &&
-          paired[static_cast<std::size_t>(d)].contains(action_key(op))) {
-        for (const auto& w : ops[i + 1].waits) {
-          const auto ws = static_cast<std::size_t>(w.stream), wi = static_cast<std::size_t>(w.index);
-          if (!s.done[ws][wi]) return false;
-          ready = std::max(ready, s.end[ws][wi]);
-        }
-        const int middle = ready + op_cost(op, costs);
-        finish(d, k, i, ready, middle);
-        finish(d, k, i + 1, middle, middle + op_cost(ops[i + 1], costs));
-        return true;
-      }
       finish(d, k, i, ready, ready + op_cost(op, costs));
       return true;
     }
@@ -146,16 +119,10 @@ UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs, 
       for (std::size_t k = 0; k < s.next.size(); ++k) {
         const std::size_t n = s.done[k].size();
         for (std::size_t i = s.next[k]; i < n; ++i) {
-          if (s.done[k][i] || s.waiting[k][i]) {
-            if (s.ordered[k] && !s.done[k][i]) break;
-            continue;
-          }
-          if (!try_op(d, k, i)) {
-            if (s.ordered[k]) break;
-            continue;
-          }
+          if (s.done[k][i]) continue;
+          if (s.waiting[k][i] || !try_op(d, k, i)) break;
           progress = true;
-          if (s.ordered[k] && !s.done[k][i]) break;
+          if (!s.done[k][i]) break;
         }
       }
     }
@@ -220,13 +187,7 @@ UnitSchedule unit_time_schedule(const StrategyOptions& options, const UnitCosts&
   for (int i = 0; i < regions; ++i) starts.push_back(i);
   annotate_pipeline_ranges(model, starts);
   const DirectiveProgram program = parse_directives(generate_program(o));
-  // Families ordered per region on multi-region ranks (1F1B with --virtual) have no per-rank table.
-  std::optional<ScheduleTable> table;
-  try {
-    table = schedule_table(o);
-  } catch (const std::invalid_argument&) {
-  }
-  return unit_time_schedule(compile(model, program).program, costs, table ? &*table : nullptr);
+  return unit_time_schedule(compile(model, program).program, costs);
 }
 
 std::string render_unit_schedule(const UnitSchedule& s, const ScheduleTable* table) {

@@ -40,10 +40,9 @@ struct UnitSchedule {
 // Schedules every device of `program`: each stream runs its ops in issue order; an op starts when
 // its stream predecessor and every op it waits for have ended; compute ops take their pass's unit
 // cost, UPD and communication take none, and transfers and collectives are rendezvous (all
-// participants start together); communication streams do not serialise their (free) ops, only the
-// compute stream keeps its issue order. The two ops of an overlapped step of `table` (if given; rank
-// r = device r) run as one unit: both start when both can. Throws Error on a wait cycle.
-UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs, const ScheduleTable* table = nullptr);
+// participants start together). Overlapped steps need nothing special: the order pass already makes
+// a group's members wait for all of the group's inputs. Throws Error on a wait cycle.
+UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs);
 
 // Compiles the schedule family of `o` (pp ranks, dp 1, no EP/ZeRO) for a small dense model with
 // exactly one transformer block per PP region and schedules it as above.
