@@ -445,8 +445,15 @@ class Verifier {
         return head + "differ at collective " + std::to_string(k) + ": " + describe_collective(a, sa[k]) + " vs " +
                describe_collective(b, sb[k]);
     }
-    if (sa.size() != sb.size())
-      return head + "issue " + std::to_string(sa.size()) + " and " + std::to_string(sb.size()) + " collectives";
+    if (sa.size() != sb.size()) {
+      // Name the first collective the shorter side never matches, so the message points at an op.
+      const bool a_longer = sa.size() > sb.size();
+      const int plan = a_longer ? a : b, device = a_longer ? da : db;
+      const OpRef extra = a_longer ? sa[n] : sb[n];
+      return head + "issue " + std::to_string(sa.size()) + " and " + std::to_string(sb.size()) +
+             " collectives; the first unmatched one is " + device_op(device, plan, extra) + " (" +
+             describe_collective(plan, extra) + ")";
+    }
     return {};
   }
 
@@ -549,15 +556,43 @@ class Verifier {
       std::vector<std::size_t> cycle{c.to, c.from};
       while (cycle.back() != c.to) cycle.push_back(parent[cycle.back()]);
       const std::size_t length = cycle.size() - 1;
-      constexpr std::size_t kShown = 6;
+      // Members of each merged rendezvous vertex (a transfer's SEND and RECV, a collective's members),
+      // so that the message names every device taking part, not just the representative.
+      std::unordered_map<std::size_t, std::vector<std::size_t>> merged;
+      for (std::size_t v = 0; v < loc_.size(); ++v)
+        if (std::size_t r = find(v); r != v) merged[r].push_back(v);
+      auto name = [&](std::size_t v) {
+        const Loc& l = loc_[v];
+        std::string text = where(l.plan) + " " + op_name(l.plan, {l.stream, l.index});
+        auto m = merged.find(v);
+        if (m == merged.end()) return text;
+        text += " [rendezvous with";
+        constexpr std::size_t kMembers = 8;
+        for (std::size_t k = 0; k < m->second.size() && k < kMembers; ++k) {
+          const Loc& o = loc_[m->second[k]];
+          text += (k ? ", " : " ") + where(o.plan) + " " + op_name(o.plan, {o.stream, o.index});
+        }
+        if (m->second.size() > kMembers) text += ", ...";
+        return text + "]";
+      };
+      // Runs of stream order (an op waiting on its predecessor) print as one entry: the waits and
+      // the rendezvous between devices are what close the cycle, and the fault is among them.
+      constexpr std::size_t kShown = 16;
       std::string message;
-      for (std::size_t k = 0; k < cycle.size() && k <= kShown; ++k) {
-        const Loc& l = loc_[cycle[k]];
-        if (k > 0) message += " waits on ";
-        message += where(l.plan) + " " + op_name(l.plan, {l.stream, l.index});
-        if (is_collective_op(op_at(l.plan, {l.stream, l.index}).kind)) message += " [rendezvous]";
+      std::size_t shown = 0, k = 0;
+      while (k + 1 < cycle.size() && shown < kShown) {
+        std::size_t end = k;
+        while (end + 1 < cycle.size() - 1 && loc_[cycle[end + 1]].plan == loc_[cycle[end]].plan && loc_[cycle[end + 1]].stream == loc_[cycle[end]].stream &&
+               loc_[cycle[end + 1]].index + 1 == loc_[cycle[end]].index)
+          ++end;
+        if (!message.empty()) message += " waits on ";
+        message += name(cycle[k]);
+        if (end > k) message += " after its stream predecessors back to op " + std::to_string(loc_[cycle[end]].index) + " '" +
+                                op_at(loc_[cycle[end]].plan, {loc_[cycle[end]].stream, loc_[cycle[end]].index}).label + "'";
+        k = end + 1;
+        ++shown;
       }
-      if (cycle.size() > kShown + 1) message += " waits on ...";
+      if (k + 1 < cycle.size()) message += " waits on ...";
       message += " (cycle of " + std::to_string(length) + " op" + (length == 1 ? "" : "s") + ")";
       add("deadlock", message);
     }
