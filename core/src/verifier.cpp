@@ -33,7 +33,6 @@
 #include <boost/graph/depth_first_search.hpp>
 #include <boost/graph/topological_sort.hpp>
 #include <map>
-#include <numeric>
 #include <set>
 #include <tuple>
 #include <unordered_map>

@@ -269,6 +269,31 @@ TEST(RuntimeCheckpoint, CrashBeforeRenameKeepsTheLastGoodCheckpoint) {
   for (std::size_t i = 0; i < 2; ++i) EXPECT_NEAR(got[i], want[i + 2], kLossRelTol * std::abs(want[i + 2])) << "step " << i + 3;
 }
 
+// The single-process reference saves and resumes through the same canonical file: 1 + 2 steps give
+// bit-identical losses to 3 uninterrupted steps (same arithmetic, same order).
+TEST(RuntimeCheckpoint, ReferenceResumesBitIdentically) {
+  const fs::path dir = temp_dir("reference-resume");
+  const core::Program program = core::Program::from_json(json::parse(std::ifstream(compile_plan(dir, strategy(2, 2, 1, 1, 2, "1f1b")))));
+  piper::runtime::TrainOptions o;
+  o.steps = 3;
+  o.print = false;
+  const auto full = piper::runtime::train_reference(program, o);
+  o.steps = 1;
+  o.save_path = (dir / "state.ckpt").string();
+  const auto first = piper::runtime::train_reference(program, o);
+  o.steps = 3;
+  o.save_path.clear();
+  o.resume_path = (dir / "state.ckpt").string();
+  const auto rest = piper::runtime::train_reference(program, o);
+  ASSERT_EQ(full.losses.size(), 3u);
+  ASSERT_EQ(first.losses.size(), 1u);
+  ASSERT_EQ(rest.losses.size(), 2u);
+  EXPECT_EQ(rest.first_step, 1);
+  EXPECT_EQ(first.losses[0], full.losses[0]);
+  EXPECT_EQ(rest.losses[0], full.losses[1]);
+  EXPECT_EQ(rest.losses[1], full.losses[2]);
+}
+
 // Resuming needs the same model and the same sequences per step; anything else is one line.
 TEST(RuntimeCheckpoint, IncompatibleCheckpointsAreRefusedWithOneLine) {
   const fs::path dir = temp_dir("incompatible");
