@@ -182,7 +182,7 @@ void write_checkpoint(const std::string& path, const CheckpointInfo& info, const
   std::error_code ec;
   fs::create_directories(folder, ec);
   if (ec) throw std::runtime_error("cannot create the checkpoint folder " + folder.string() + ": " + ec.message());
-  if (fs::is_directory(target)) throw std::runtime_error(path + " is a folder; --save takes a file name");
+  if (fs::is_directory(target)) throw std::runtime_error(path + ": is a folder; --save takes a checkpoint file name");
   // Same folder as the target, so rename() stays on one file system and replaces it atomically.
   const std::string temp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);

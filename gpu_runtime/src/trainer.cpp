@@ -84,6 +84,11 @@ CheckpointInfo checkpoint_info(const core::Program& program, int step) {
   return i;
 }
 
+// Refuses a --save path that can never be written, before any step runs.
+void check_save_path(const std::string& path) {
+  if (!path.empty() && fs::is_directory(path)) throw std::invalid_argument(path + ": is a folder; --save takes a checkpoint file name");
+}
+
 // Whether the run saves after `done` steps: every --save-every steps, and after the last one.
 bool saves_after(const TrainOptions& o, int done) {
   if (o.save_path.empty()) return false;
@@ -163,6 +168,7 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
   host::TokenStream stream(model.config() ? model.config()->vocab : 0, shape.seq_len, o.seed, o.data_path);
   const float scale = 1.0f / static_cast<float>(shape.global_tokens());
   TrainResult r;
+  check_save_path(o.save_path);
   if (!o.resume_path.empty()) r.first_step = resume_from(o.resume_path, read_checkpoint_bytes(o.resume_path), program, m);
   double total_s = 0;
   for (int step = r.first_step; step < o.steps; ++step) {
@@ -236,6 +242,7 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
     }
   }
   try {
+    check_save_path(o.save_path);
     HostConfig cfg{o.seed, o.data_path, o.adamw};
     if (error.empty()) backend = std::make_unique<HostBackend>(program, rank, MPI_COMM_WORLD, cfg);
     if (error.empty() && !o.resume_path.empty()) r.first_step = resume_from(o.resume_path, checkpoint, program, backend->model());

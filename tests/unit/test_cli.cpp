@@ -347,6 +347,8 @@ TEST_F(Cli, ImportCsvSaysWhichPyTorchSpellingItAssumed) {
   expect_one_line_error(run("schedule import-csv " + quote((dir_ / "mixed.csv").string())), {"mixed.csv", "column 5", "mixed spellings"});
 }
 
-TEST_F(Cli, SaveEveryNeedsSave) {
+TEST_F(Cli, SaveEveryNeedsSaveAndSaveNeedsAFile) {
   expect_one_line_error(run("run --reference --model qwen3-9m --save-every 2"), {"--save-every", "--save"});
+  // A folder is refused before any step runs.
+  expect_one_line_error(run("run --reference --model qwen3-9m --save " + quote(dir_.string())), {"is a folder", "--save"});
 }
