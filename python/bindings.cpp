@@ -2,7 +2,7 @@
 // same library functions the CLI calls, taking and returning the CLI's JSON shapes as dicts/lists.
 #include <unistd.h>
 
-#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <memory>

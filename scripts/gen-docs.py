@@ -3,7 +3,8 @@
 
 The convention (docs/README.md says it for authors):
   * A ```console block holds `$ command` lines, each followed by the output it prints (stdout and
-    stderr together). A command may continue on following lines after a trailing backslash.
+    stderr together). A command continues on the following lines after a trailing backslash or
+    while a quoted string is open (a multi-line `python3 -c '...'`).
   * Commands run from the repository root, in one bash per block, blocks of a file in order (so a
     block may use a file an earlier block wrote). build/bin is first on PATH, so `piper` works;
     scratch files go under /tmp.
@@ -13,6 +14,7 @@ The convention (docs/README.md says it for authors):
   * `<!-- docs: skip REASON -->` on the line just before the fence leaves the block unchecked (slow
     benchmarks, mpirun jobs, GUI runs); --list shows them.
   * A plain ``` block whose lines start with `$ ` is an error: shown output must be checked.
+  * A relative link [text](path) to a file that does not exist is an error.
 
 Usage: scripts/gen-docs.py [--check | --update] [--list] [FILE.md ...]
   --check   (default) exit 1 and show a diff when a block's output differs
@@ -23,6 +25,7 @@ import difflib
 import glob
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -57,7 +60,7 @@ class Block:
             if not line.startswith("$ "):
                 raise SyntaxError(f"{self.path}:{self.start + 2 + i}: output before the first '$ ' command")
             cmd = [line[2:]]
-            while cmd[-1].endswith("\\") and i + 1 < len(self.lines):
+            while (cmd[-1].endswith("\\") or not quotes_closed("\n".join(cmd))) and i + 1 < len(self.lines):
                 i += 1
                 cmd.append(self.lines[i])
             i += 1
@@ -66,6 +69,15 @@ class Block:
                 i += 1
             out.append(("\n".join(cmd), self.lines[first:i], first))
         return out
+
+
+def quotes_closed(command):
+    """False while a quoted string is still open (a multi-line `python3 -c '...'`)."""
+    try:
+        shlex.split(command)
+        return True
+    except ValueError:
+        return False
 
 
 def parse(path):
@@ -90,6 +102,14 @@ def parse(path):
             errors.append(f"{path}:{i + 1}: a ``` block shows '$ ' commands: make it ```console (checked) "
                           "or <!-- docs: skip REASON --> ```console")
         i = j + 1
+    # Relative links must point at files that exist (anchors and web links are not checked).
+    for n, line in enumerate(text):
+        for target in re.findall(r"\]\(([^)\s]+)\)", line):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            file = os.path.join(os.path.dirname(path), target.split("#")[0])
+            if not os.path.exists(file):
+                errors.append(f"{path}:{n + 1}: link to a missing file: {target}")
     return text, blocks, errors
 
 

@@ -173,8 +173,14 @@ class Errors(unittest.TestCase):
         bad = "tests/data/bad/order_cycle.json"
         cli = run_cli("compile", "--model", "qwen3-9m", "--directives", bad, check=False)
         self.assertEqual(cli.returncode, 2)
-        with self.assertRaises(piper.Error) as ctx:
-            piper.compile({"model": "qwen3-9m", "directives": bad}, base_dir=SOURCE_DIR)
+        # Relative to the same folder as the CLI's run, so that both name the file the same way.
+        cwd = os.getcwd()
+        os.chdir(SOURCE_DIR)
+        try:
+            with self.assertRaises(piper.Error) as ctx:
+                piper.compile({"model": "qwen3-9m", "directives": bad})
+        finally:
+            os.chdir(cwd)
         self.assertEqual(cli.stderr, "piper: error: " + str(ctx.exception) + "\n")
         self.assertIn("directive 7 field 'filters[1]'", str(ctx.exception))
 

@@ -8,6 +8,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include <google/protobuf/io/coded_stream.h>
 #include <gtest/gtest.h>
