@@ -28,6 +28,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,7 +105,7 @@ def parse(path):
         i = j + 1
     # Relative links must point at files that exist (anchors and web links are not checked).
     for n, line in enumerate(text):
-        for target in re.findall(r"\]\(([^)\s]+)\)", line):
+        for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line)):
             if re.match(r"[a-z]+:", target) or target.startswith("#"):
                 continue
             file = os.path.join(os.path.dirname(path), target.split("#")[0])
@@ -196,6 +197,9 @@ def main():
     env = dict(os.environ)
     env["PATH"] = os.path.join(ROOT, "build", "bin") + os.pathsep + env.get("PATH", "")
     env["COLUMNS"] = "100"
+    # Qt warns on stderr when XDG_RUNTIME_DIR is unset (CI, root shells): give it a private one.
+    xdg = tempfile.TemporaryDirectory(prefix="piper-docs-xdg-")  # removed when main returns
+    env.setdefault("XDG_RUNTIME_DIR", xdg.name)
     failures, checked, skipped = [], 0, 0
     for path in files:
         rel = os.path.relpath(path, ROOT)

@@ -197,3 +197,32 @@ TEST_F(Chakra, GlobalMetadataFirst) {
   EXPECT_EQ(a.at("device")->int64_val(), 1);
   EXPECT_EQ(a.at("devices")->int64_val(), 2);
 }
+
+// `piper export-chakra`: a bad plan is one line naming the file, exit status 2, and no folder.
+TEST_F(Chakra, CliBadPlanWritesNothing) {
+  fs::create_directories(dir_);
+  const fs::path plan = dir_ / "bad-plan.json", out = dir_ / "out";
+  std::ofstream(plan) << "{\"format\": \"piper-program\"}";
+  const std::string cmd = std::string(PIPER_CLI) + " export-chakra " + plan.string() + " -o " + out.string() + " 2>" +
+                          (dir_ / "err.txt").string();
+  const int status = std::system(cmd.c_str());
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+  std::ifstream err(dir_ / "err.txt");
+  std::string line, extra;
+  std::getline(err, line);
+  EXPECT_EQ(line.rfind("piper: error: " + plan.string() + ": ", 0), 0u) << line;
+  EXPECT_FALSE(std::getline(err, extra)) << "one line only";
+  EXPECT_FALSE(fs::exists(out));
+}
+
+TEST_F(Chakra, CliWritesOneFilePerDevice) {
+  fs::create_directories(dir_);
+  const fs::path plan = dir_ / "plan.json", out = dir_ / "traces";
+  const std::string compile = std::string(PIPER_CLI) + " compile --model qwen3-9m --pp 2 --dp 2 --microbatches 2 -o " +
+                              plan.string() + " >/dev/null";
+  ASSERT_EQ(std::system(compile.c_str()), 0);
+  const std::string cmd = std::string(PIPER_CLI) + " export-chakra " + plan.string() + " -o " + out.string() + " >/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  for (int d = 0; d < 4; ++d) EXPECT_TRUE(fs::exists(out / ("piper." + std::to_string(d) + ".et"))) << d;
+  EXPECT_FALSE(fs::exists(out / "piper.4.et"));
+}

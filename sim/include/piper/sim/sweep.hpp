@@ -1,6 +1,6 @@
 // Sweeps: expand a spec's lists of strategy knobs into every combination, simulate each (in worker
 // threads), and append one CSV row per combination to a results file that a rerun resumes from.
-// The CLI (`piper sweep`) and the GUI call the same functions.
+// The CLI (`piper sweep`) and the Python module (`piper.sweep`) call the same functions.
 #pragma once
 
 #include <cstdint>
