@@ -7,7 +7,8 @@ The convention (docs/README.md says it for authors):
     while a quoted string is open (a multi-line `python3 -c '...'`).
   * Commands run from the repository root, in one bash per block, blocks of a file in order (so a
     block may use a file an earlier block wrote). build/bin is first on PATH, so `piper` works;
-    scratch files go under /tmp.
+    scratch files go under /tmp/, which is mapped to a private folder per file (and back in the
+    output), so that concurrent runs cannot collide.
   * A line that is exactly `...` (indentation allowed) in the output stands for any number of lines.
   * Volatile fields (the wall time and memory of the compiler and simulator, per-step wall times)
     are compared with their numbers masked: see VOLATILE below.
@@ -160,13 +161,14 @@ def match(expected, actual):
     return result
 
 
-def run_block(block, env):
+def run_block(block, env, scratch):
+    """Runs the block's commands with /tmp/ mapped to `scratch`; outputs name /tmp/ again."""
     cmds = block.commands()
     script = ["set +e"]
     for n, (cmd, _, _) in enumerate(cmds):
         # Keep $? of the previous command across the marker, so `echo $?` reports it.
         script.append(f"__s=$?; printf '%s\\n' '{MARK.format(n)}'; (exit $__s)")
-        script.append(cmd)
+        script.append(cmd.replace("/tmp/", scratch + "/"))
     proc = subprocess.run(["bash", "-c", "\n".join(script) + "\n"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     outputs, current = [], None
@@ -176,7 +178,7 @@ def run_block(block, env):
             current = []
             outputs.append(current)
         elif current is not None:
-            current.append(line)
+            current.append(line.replace(scratch + "/", "/tmp/"))
     while len(outputs) < len(cmds):
         outputs.append([])
     for out in outputs:
@@ -206,6 +208,9 @@ def main():
         text, blocks, errors = parse(path)
         failures += errors
         changed = False
+        # The file's scratch folder: its blocks share it, and runs of other files or other
+        # checkouts cannot overwrite its files.
+        scratch_dir = tempfile.TemporaryDirectory(prefix="piper-docs-")
         for block in blocks:
             where = f"{rel}:{block.start + 1}"
             if block.skip_reason is not None:
@@ -215,7 +220,7 @@ def main():
                 continue
             t0 = time.monotonic()
             try:
-                cmds, outputs = run_block(block, env)
+                cmds, outputs = run_block(block, env, scratch_dir.name)
             except SyntaxError as e:
                 failures.append(str(e))
                 continue
