@@ -94,13 +94,7 @@ struct DirectivesArgs {
 };
 
 int run_directives(const DirectivesArgs& a) {
-  if (!a.model.empty()) {
-    core::Scenario s;
-    s.model = a.model;
-    s.strategy = a.strategy.options;
-    core::scenario_program(s);  // loads the model and checks --ep against its experts
-  }
-  json program = core::generate_program(a.strategy.options);
+  json program = core::strategy_directives(a.strategy.options, a.model);
   // Print "op" and the filter first, as the published programs are written (json objects sort keys).
   nlohmann::ordered_json printed = nlohmann::ordered_json::array();
   for (const json& d : program) {

@@ -1,7 +1,5 @@
 // `piper schedule`: list the schedule families, show one as a unit-time rank x time grid computed
 // from its compiled program, and exchange schedules with PyTorch as compute-only CSV.
-#include <optional>
-
 #include <fmt/format.h>
 
 #include "cli/common.hpp"
@@ -80,17 +78,7 @@ Command add_schedule_command(CLI::App& app) {
     if (show->parsed()) {
       core::UnitCosts costs;
       if (!a.costs.empty()) costs = {a.costs[0], a.costs[1], a.costs[2]};
-      const core::StrategyOptions o = options_of(a);
-      const core::UnitSchedule s = core::unit_time_schedule(o, costs);
-      std::optional<core::ScheduleTable> table;
-      try {
-        table = core::schedule_table(o);
-      } catch (const std::invalid_argument&) {  // ordered per region: no per-rank marks
-      }
-      fmt::print("{} on {} ranks, {} microbatches{}; costs F={} B={} W={} (comm 0)\n", a.name, a.ranks, a.microbatches,
-                 a.virtual_stages > 1 ? fmt::format(", {} virtual stages", a.virtual_stages) : "", costs.forward,
-                 costs.backward, costs.weight);
-      fmt::print("{}", core::render_unit_schedule(s, table ? &*table : nullptr));
+      fmt::print("{}", core::schedule_show_text(options_of(a), costs));
       return 0;
     }
     if (exp->parsed()) {

@@ -1,5 +1,5 @@
 // `piper sweep`: simulate every combination of a spec's strategy knobs and append one CSV row each;
-// rerunning with the same -o resumes (the logic is sim::run_sweep, shared with the GUI).
+// rerunning with the same -o resumes (the logic is sim::run_sweep, shared with the Python module).
 #include <unistd.h>
 
 #include <algorithm>

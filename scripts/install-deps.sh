@@ -15,6 +15,8 @@ packages=(
   libopenmpi-dev openmpi-bin  # gpu_runtime host backend: one MPI rank per device
   qt6-base-dev libgl-dev  # gui: piper-studio (Qt 6 Widgets)
   qt6-svg-dev             # gui: export the timeline view as SVG (QSvgGenerator)
+  libprotobuf-dev protobuf-compiler  # chakra: Chakra execution traces (protoc compiles et_def.proto)
+  pybind11-dev python3-dev  # python: the `piper` Python module (tests and gen-docs.py use python3's stdlib)
 )
 
 if [ "$(id -u)" -ne 0 ]; then

@@ -122,6 +122,16 @@ int pp_regions_in_program(const json& program) {
 
 json scenario_program(const Scenario& s, int* regions) { return program_for(s, load_config(s), regions); }
 
+json strategy_directives(const StrategyOptions& o, const std::string& model) {
+  if (!model.empty()) {
+    Scenario s;
+    s.model = model;
+    s.strategy = o;
+    scenario_program(s);  // loads the model and checks --ep against its experts
+  }
+  return generate_program(o);
+}
+
 CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) {
   CompiledScenario out;
   out.config = load_config(s);

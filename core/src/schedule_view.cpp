@@ -249,3 +249,33 @@ std::string render_unit_schedule(const UnitSchedule& s, const ScheduleTable* tab
 }
 
 }  // namespace piper::core
+
+namespace piper::core {
+
+std::string schedule_show_text(const StrategyOptions& o, const UnitCosts& costs) {
+  const UnitSchedule s = unit_time_schedule(o, costs);
+  std::optional<ScheduleTable> table;
+  try {
+    table = schedule_table(o);
+  } catch (const std::invalid_argument&) {  // ordered per region: no per-rank marks
+  }
+  std::string text = fmt::format("{} on {} ranks, {} microbatches{}; costs F={} B={} W={} (comm 0)\n", o.schedule, o.pp,
+                                 o.microbatches,
+                                 o.virtual_stages > 1 ? fmt::format(", {} virtual stages", o.virtual_stages) : "",
+                                 costs.forward, costs.backward, costs.weight);
+  return text + render_unit_schedule(s, table ? &*table : nullptr);
+}
+
+nlohmann::json to_json(const UnitSchedule& s) {
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const RankTimeline& r : s.ranks) {
+    nlohmann::json ops = nlohmann::json::array();
+    for (const TimedOp& op : r.ops)
+      ops.push_back({{"stage", op.stage}, {"microbatch", op.microbatch}, {"pass", to_string(op.pass)},
+                     {"start", op.start}, {"end", op.end}});
+    ranks.push_back({{"busy", r.busy}, {"bubble", r.bubble}, {"peak_activations", r.peak_activations}, {"ops", ops}});
+  }
+  return {{"step_time", s.step_time}, {"ranks", ranks}};
+}
+
+}  // namespace piper::core

@@ -21,7 +21,7 @@ constexpr double kGbit = 1e9 / 8;     // NIC line rates: 400 Gb/s = 50e9 bytes/s
 constexpr double kTera = 1e12;
 constexpr std::int64_t kGiB = std::int64_t{1} << 30;
 
-// Assumptions shared by every preset (not vendor figures; documented in notes/readme-simulator.md):
+// Assumptions shared by every preset (not vendor figures; documented in docs/simulator.md, "Cost model"):
 //  * launch overhead 5 us per op (CUDA kernel launch + framework dispatch, a few us on H100);
 //  * comm kernels take 20 of 132 SMs (DeepSeek-V3 report, sec. 3.2.2: 20 SMs for communication) -> 0.15;
 //  * efficiency curve: 75 % of peak for large GEMMs, half of that at 2 GFLOP per op;

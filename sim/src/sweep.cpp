@@ -214,6 +214,35 @@ std::string to_csv(const SweepRow& r) {
                      csv_field(one_line(r.reason)));
 }
 
+nlohmann::json to_json(const SweepRow& r) {
+  const SweepPoint& p = r.point;
+  return {{"key", p.key()},
+          {"model", p.model},
+          {"cluster", p.cluster},
+          {"engine", p.engine},
+          {"pp", p.pp},
+          {"dp", p.dp},
+          {"ep", p.ep},
+          {"zero", p.zero},
+          {"schedule", p.schedule},
+          {"microbatches", p.microbatches},
+          {"virtual", p.virtual_stages},
+          {"bucket_mb", p.bucket_mb},
+          {"seq_len", p.seq_len},
+          {"micro_batch_size", p.micro_batch_size},
+          {"devices", r.devices},
+          {"step_time_s", r.step_time_s},
+          {"tokens_per_s", r.tokens_per_s},
+          {"mfu", r.mfu},
+          {"bubble_fraction", r.bubble_fraction},
+          {"peak_memory_bytes", r.peak_memory_bytes},
+          {"oom", r.oom},
+          {"compile_time_s", r.compile_time_s},
+          {"simulate_time_s", r.simulate_time_s},
+          {"status", r.status},
+          {"reason", one_line(r.reason)}};
+}
+
 SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
   SweepRow row;
   row.point = p;

@@ -47,6 +47,10 @@ CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook =
 // The directive program a scenario compiles (without compiling it); `regions` receives the PP count.
 nlohmann::json scenario_program(const Scenario& s, int* regions = nullptr);
 
+// `piper directives`: the directive program the strategy generator emits for `o`. With a model (zoo
+// name or file), first checks the strategy against it (e.g. --ep against its experts).
+nlohmann::json strategy_directives(const StrategyOptions& o, const std::string& model = "");
+
 // PP regions a directive program refers to: 1 + the largest "PP" index in any filter (at least 1).
 int pp_regions_in_program(const nlohmann::json& program);
 

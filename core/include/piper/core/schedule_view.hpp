@@ -52,4 +52,13 @@ UnitSchedule unit_time_schedule(const StrategyOptions& o, const UnitCosts& costs
 // of an overlapped F&B step of `table`, if given), then per-rank busy, bubble and peak activations.
 std::string render_unit_schedule(const UnitSchedule& s, const ScheduleTable* table);
 
+// `piper schedule show`: the header line ("dualpipev on 4 ranks, ..."), then render_unit_schedule of
+// the family's unit-time schedule, with overlapped-pair marks when the family has a per-rank table.
+// The CLI and the Python bindings print/return exactly this.
+std::string schedule_show_text(const StrategyOptions& o, const UnitCosts& costs);
+
+// The unit-time schedule as JSON: step_time and, per rank, busy, bubble, peak_activations and ops
+// ({stage, microbatch, pass, start, end}); the Python bindings return it.
+nlohmann::json to_json(const UnitSchedule& s);
+
 }  // namespace piper::core

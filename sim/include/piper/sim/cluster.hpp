@@ -83,8 +83,8 @@ struct Cluster {
 
 // Preset names: dgx-a100-80g, dgx-h100, dgx-h200, hgx-h800.
 std::vector<std::string> cluster_presets();
-// A preset name or a path to a cluster JSON file (format in examples/clusters/README or
-// notes/readme-simulator.md). Throws ClusterError with one line naming the file and field.
+// A preset name or a path to a cluster JSON file (format in docs/simulator.md,
+// "Cluster specs"). Throws ClusterError with one line naming the file and field.
 Cluster load_cluster(const std::string& preset_or_path);
 // Parses a cluster spec; `where` (a file name) prefixes errors.
 //   {"name": "...", "preset": "dgx-h200"?, "nodes": N, "fixed": bool?,

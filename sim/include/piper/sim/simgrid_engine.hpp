@@ -1,5 +1,6 @@
 // Options of the SimGrid engine (flow-level network simulation of a Program; see engine.hpp for the
-// execution semantics it implements and notes/readme-simgrid.md for the platform it builds).
+// execution semantics it implements and docs/simulator.md, "The SimGrid engine", for the platform
+// it builds).
 #pragma once
 
 #include <memory>

@@ -1,6 +1,6 @@
 // Sweeps: expand a spec's lists of strategy knobs into every combination, simulate each (in worker
 // threads), and append one CSV row per combination to a results file that a rerun resumes from.
-// The CLI (`piper sweep`) and the GUI call the same functions.
+// The CLI (`piper sweep`) and the Python module (`piper.sweep`) call the same functions.
 #pragma once
 
 #include <cstdint>
@@ -69,6 +69,8 @@ struct SweepRow {
 const std::vector<std::string>& sweep_csv_columns();
 std::string sweep_csv_header();
 std::string to_csv(const SweepRow& row);
+// The same row as a JSON object keyed by the CSV columns (oom as a bool); the Python bindings return it.
+nlohmann::json to_json(const SweepRow& row);
 
 // Compiles and simulates one combination; never throws for a bad combination (status says why).
 SweepRow run_point(const SweepPoint& point, const std::string& calibration_path = "");

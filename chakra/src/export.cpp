@@ -1,0 +1,177 @@
+// Chakra execution-trace export of a Program (see piper/chakra/export.hpp for the file layout).
+#include "piper/chakra/export.hpp"
+
+#include <cstdint>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+
+#include "et_def.pb.h"
+#include "piper/core/error.hpp"
+#include "piper/core/verifier.hpp"
+
+namespace piper::chakra {
+
+namespace {
+
+namespace pb = ChakraProtoMsg;
+
+// The schema string Chakra's own converters put in GlobalMetadata (text_converter.py).
+constexpr const char* kChakraSchema = "1.0.2-chakra.1.0.0";
+
+void add_attr(pb::Node& node, const std::string& name, auto setter) {
+  pb::AttributeProto* a = node.add_attr();
+  a->set_name(name);
+  setter(*a);
+}
+
+pb::CollectiveCommType comm_type_of(core::OpKind kind) {
+  switch (kind) {
+    case core::OpKind::AllReduce: return pb::ALL_REDUCE;
+    case core::OpKind::ReduceScatter: return pb::REDUCE_SCATTER;
+    case core::OpKind::AllGather: return pb::ALL_GATHER;
+    case core::OpKind::AllToAll: return pb::ALL_TO_ALL;
+    default: throw core::Error("chakra export: " + core::to_string(kind) + " is not a collective");
+  }
+}
+
+// ASTRA-sim's feeder reads comm_src/comm_dst/comm_tag as int32 attributes.
+std::int32_t as_int32(std::int64_t v, const char* what) {
+  if (v < 0 || v > std::numeric_limits<std::int32_t>::max())
+    throw core::Error(fmt::format("chakra export: {} {} does not fit Chakra's int32 attribute", what, v));
+  return static_cast<std::int32_t>(v);
+}
+
+// Appends `m` length-delimited: its size as a varint32, then its bytes (Chakra's encodeMessage).
+void append_delimited(const google::protobuf::MessageLite& m, std::string& out) {
+  google::protobuf::io::StringOutputStream raw(&out);
+  google::protobuf::io::CodedOutputStream coded(&raw);
+  coded.WriteVarint32(static_cast<std::uint32_t>(m.ByteSizeLong()));
+  m.SerializeWithCachedSizes(&coded);
+}
+
+}  // namespace
+
+std::string trace_file_name(const std::string& prefix, int device) { return fmt::format("{}.{}.et", prefix, device); }
+
+std::string encode_device_trace(const core::Program& program, int device) {
+  const core::Plan& plan = program.plan_for(device);
+
+  // Dependencies of each op: its stream predecessor and its cross-stream waits.
+  std::map<core::OpRef, std::vector<core::OpRef>> deps;
+  std::map<core::OpRef, std::vector<core::OpRef>> dependents;
+  std::map<core::OpRef, int> missing;
+  std::set<core::OpRef> ready;  // ordered by (stream, index): a deterministic topological order
+  for (int s = 0; s < static_cast<int>(plan.streams.size()); ++s) {
+    const auto& ops = plan.streams[static_cast<std::size_t>(s)].ops;
+    for (int i = 0; i < static_cast<int>(ops.size()); ++i) {
+      const core::OpRef me{s, i};
+      std::vector<core::OpRef>& d = deps[me];
+      if (i > 0) d.push_back({s, i - 1});
+      for (const core::OpRef& w : ops[static_cast<std::size_t>(i)].waits) d.push_back(w);
+      for (const core::OpRef& p : d) dependents[p].push_back(me);
+      missing[me] = static_cast<int>(d.size());
+      if (d.empty()) ready.insert(me);
+    }
+  }
+  std::map<core::OpRef, std::uint64_t> id_of;
+  std::vector<core::OpRef> order;
+  while (!ready.empty()) {
+    const core::OpRef op = *ready.begin();
+    ready.erase(ready.begin());
+    id_of[op] = order.size();
+    order.push_back(op);
+    for (const core::OpRef& next : dependents[op])
+      if (--missing[next] == 0) ready.insert(next);
+  }
+  if (order.size() != deps.size())
+    throw core::Error(fmt::format("chakra export: device {}: the plan's stream order and waits form a cycle", device));
+
+  std::string out;
+  pb::GlobalMetadata meta;
+  meta.set_version("0.0.4");
+  auto meta_attr = [&](const std::string& name) {
+    pb::AttributeProto* a = meta.add_attr();
+    a->set_name(name);
+    return a;
+  };
+  meta_attr("schema")->set_string_val(kChakraSchema);
+  meta_attr("producer")->set_string_val("piper export-chakra");
+  meta_attr("model")->set_string_val(program.model_name);
+  meta_attr("device")->set_int64_val(device);
+  meta_attr("devices")->set_int64_val(program.num_devices);
+  append_delimited(meta, out);
+
+  pb::Node node;
+  for (const core::OpRef& ref : order) {
+    const core::Stream& stream = plan.streams[static_cast<std::size_t>(ref.stream)];
+    const core::Op& op = stream.ops[static_cast<std::size_t>(ref.index)];
+    node.Clear();
+    node.set_id(id_of.at(ref));
+    node.set_name(op.label.empty() ? core::to_string(op.kind) : op.label);
+    for (const core::OpRef& d : deps.at(ref)) node.add_data_deps(id_of.at(d));
+    add_attr(node, "is_cpu_op", [](auto& a) { a.set_bool_val(false); });
+    switch (op.kind) {
+      case core::OpKind::Compute:
+      case core::OpKind::Update:
+        node.set_type(pb::COMP_NODE);
+        add_attr(node, "num_ops", [&](auto& a) { a.set_int64_val(static_cast<std::int64_t>(op.flops)); });
+        add_attr(node, "tensor_size", [&](auto& a) { a.set_uint64_val(static_cast<std::uint64_t>(op.memory_bytes)); });
+        break;
+      case core::OpKind::Send:
+      case core::OpKind::Recv: {
+        const bool send = op.kind == core::OpKind::Send;
+        const int peer = program.peer_of(op, device);
+        node.set_type(send ? pb::COMM_SEND_NODE : pb::COMM_RECV_NODE);
+        add_attr(node, "comm_src", [&](auto& a) { a.set_int32_val(as_int32(send ? device : peer, "device")); });
+        add_attr(node, "comm_dst", [&](auto& a) { a.set_int32_val(as_int32(send ? peer : device, "device")); });
+        add_attr(node, "comm_size", [&](auto& a) { a.set_int64_val(op.bytes); });
+        // Both sides carry the SEND node's id, which names the transfer uniquely.
+        add_attr(node, "comm_tag", [&](auto& a) { a.set_int32_val(as_int32(op.node, "DAG node")); });
+        break;
+      }
+      default: {
+        node.set_type(pb::COMM_COLL_NODE);
+        add_attr(node, "comm_type", [&](auto& a) { a.set_int64_val(comm_type_of(op.kind)); });
+        add_attr(node, "comm_size", [&](auto& a) { a.set_int64_val(op.bytes); });
+        // One network dimension: ASTRA-sim spreads the collective over the dimensions marked true.
+        add_attr(node, "involved_dim", [](auto& a) { a.mutable_bool_list()->add_values(true); });
+        add_attr(node, "piper_group", [&](auto& a) {
+          for (int r : program.group_of(op.family, device)) a.mutable_int64_list()->add_values(r);
+        });
+        break;
+      }
+    }
+    // Where the node came from, so a reader can map it back to the plan.
+    add_attr(node, "piper_stream", [&](auto& a) { a.set_string_val(stream.name); });
+    add_attr(node, "piper_index", [&](auto& a) { a.set_int64_val(ref.index); });
+    add_attr(node, "piper_kind", [&](auto& a) { a.set_string_val(core::to_string(op.kind)); });
+    if (op.pass != core::Pass::None) add_attr(node, "piper_pass", [&](auto& a) { a.set_string_val(core::to_string(op.pass)); });
+    append_delimited(node, out);
+  }
+  return out;
+}
+
+std::vector<std::string> export_traces(const core::Program& program, const std::string& out_dir, const std::string& prefix) {
+  core::verify_or_throw(program);
+  // Every file is encoded before any is written, so a bad plan leaves nothing behind.
+  std::vector<std::string> bytes;
+  for (int d = 0; d < program.num_devices; ++d) bytes.push_back(encode_device_trace(program, d));
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  if (ec) throw core::Error(out_dir + ": cannot create folder: " + ec.message());
+  std::vector<std::string> paths;
+  for (int d = 0; d < program.num_devices; ++d) {
+    const std::string path = (std::filesystem::path(out_dir) / trace_file_name(prefix, d)).string();
+    core::write_file_atomically(path, bytes[static_cast<std::size_t>(d)]);
+    paths.push_back(path);
+  }
+  return paths;
+}
+
+}  // namespace piper::chakra

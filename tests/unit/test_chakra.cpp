@@ -1,0 +1,228 @@
+// Chakra export round trip: the .et files, read back with the generated protobuf code, hold one node
+// per op of each device's plan, the plan's dependencies, matching send/recv pairs and collective types.
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <tuple>
+
+#include <google/protobuf/io/coded_stream.h>
+#include <gtest/gtest.h>
+
+#include "et_def.pb.h"
+#include "piper/chakra/export.hpp"
+#include "piper/core/scenario.hpp"
+
+namespace fs = std::filesystem;
+namespace core = piper::core;
+namespace pb = ChakraProtoMsg;
+
+namespace {
+
+struct Trace {
+  pb::GlobalMetadata meta;
+  std::vector<pb::Node> nodes;
+};
+
+// Reads a file the way Chakra's protolib decodeMessage does: varint32 size, then that many bytes.
+Trace read_trace(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string bytes = ss.str();
+  google::protobuf::io::CodedInputStream coded(reinterpret_cast<const std::uint8_t*>(bytes.data()),
+                                               static_cast<int>(bytes.size()));
+  Trace t;
+  bool first = true;
+  std::uint32_t size = 0;
+  while (coded.ReadVarint32(&size)) {
+    std::string message;
+    EXPECT_TRUE(coded.ReadString(&message, static_cast<int>(size))) << path;
+    if (first) {
+      EXPECT_TRUE(t.meta.ParseFromString(message)) << path;
+      first = false;
+    } else {
+      pb::Node n;
+      EXPECT_TRUE(n.ParseFromString(message)) << path;
+      t.nodes.push_back(std::move(n));
+    }
+  }
+  return t;
+}
+
+const pb::AttributeProto* attr(const pb::Node& n, const std::string& name) {
+  for (const auto& a : n.attr())
+    if (a.name() == name) return &a;
+  return nullptr;
+}
+
+core::Program compile(int pp, int dp, int ep, int zero, const std::string& schedule, int microbatches) {
+  core::Scenario s;
+  s.model = "qwen3-9m";
+  s.strategy.pp = pp;
+  s.strategy.dp = dp;
+  s.strategy.ep = ep;
+  s.strategy.zero = zero;
+  s.strategy.schedule = schedule;
+  s.strategy.microbatches = microbatches;
+  return core::compile_scenario(s).result.program;
+}
+
+class Chakra : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("piper_chakra_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Exports `p` and checks every device's file against its plan; returns node types counted over all.
+  std::map<std::string, int> round_trip(const core::Program& p) {
+    const auto paths = piper::chakra::export_traces(p, dir_.string(), "t");
+    EXPECT_EQ(static_cast<int>(paths.size()), p.num_devices);
+    std::map<std::string, int> kinds;
+    // Transfers by (src, dst, tag): the sending and the receiving side must each appear once.
+    std::map<std::tuple<int, int, int>, std::pair<int, int>> transfers;
+    for (int d = 0; d < p.num_devices; ++d) {
+      const fs::path path = dir_ / ("t." + std::to_string(d) + ".et");
+      EXPECT_EQ(paths[static_cast<std::size_t>(d)], path.string());
+      const Trace t = read_trace(path);
+      const core::Plan& plan = p.plan_for(d);
+      EXPECT_EQ(static_cast<std::int64_t>(t.nodes.size()), plan.op_count()) << "device " << d;
+      EXPECT_FALSE(t.meta.version().empty());
+
+      // Map each node back to its op through the piper_stream / piper_index attributes.
+      std::map<std::string, int> stream_index;
+      for (int s = 0; s < static_cast<int>(plan.streams.size()); ++s) stream_index[plan.streams[static_cast<std::size_t>(s)].name] = s;
+      std::map<std::uint64_t, core::OpRef> op_of;
+      std::set<core::OpRef> seen;
+      for (std::size_t i = 0; i < t.nodes.size(); ++i) {
+        const pb::Node& n = t.nodes[i];
+        EXPECT_EQ(n.id(), i) << "ids are 0..n-1 in file order";
+        const core::OpRef ref{stream_index.at(attr(n, "piper_stream")->string_val()),
+                              static_cast<int>(attr(n, "piper_index")->int64_val())};
+        EXPECT_TRUE(seen.insert(ref).second) << "one node per op";
+        op_of[n.id()] = ref;
+      }
+      for (const pb::Node& n : t.nodes) {
+        const core::OpRef ref = op_of.at(n.id());
+        const core::Op& op = plan.streams[static_cast<std::size_t>(ref.stream)].ops[static_cast<std::size_t>(ref.index)];
+        // Dependencies: exactly the stream predecessor and the waits, all as data_deps, all earlier.
+        std::set<core::OpRef> expected(op.waits.begin(), op.waits.end());
+        if (ref.index > 0) expected.insert({ref.stream, ref.index - 1});
+        std::set<core::OpRef> got;
+        for (std::uint64_t dep : n.data_deps()) {
+          EXPECT_LT(dep, n.id());
+          got.insert(op_of.at(dep));
+        }
+        EXPECT_EQ(got, expected) << "device " << d << " node " << n.name();
+        EXPECT_EQ(n.ctrl_deps_size(), 0);
+        switch (op.kind) {
+          case core::OpKind::Compute:
+          case core::OpKind::Update:
+            EXPECT_EQ(n.type(), pb::COMP_NODE);
+            EXPECT_EQ(attr(n, "num_ops")->int64_val(), static_cast<std::int64_t>(op.flops));
+            EXPECT_EQ(attr(n, "tensor_size")->uint64_val(), static_cast<std::uint64_t>(op.memory_bytes));
+            kinds["COMP"] += 1;
+            break;
+          case core::OpKind::Send:
+          case core::OpKind::Recv: {
+            const bool send = op.kind == core::OpKind::Send;
+            EXPECT_EQ(n.type(), send ? pb::COMM_SEND_NODE : pb::COMM_RECV_NODE);
+            const int src = attr(n, "comm_src")->int32_val(), dst = attr(n, "comm_dst")->int32_val();
+            EXPECT_EQ(send ? src : dst, d);
+            EXPECT_EQ(attr(n, "comm_size")->int64_val(), op.bytes);
+            auto& pair = transfers[{src, dst, attr(n, "comm_tag")->int32_val()}];
+            (send ? pair.first : pair.second) += 1;
+            kinds[send ? "SEND" : "RECV"] += 1;
+            break;
+          }
+          default: {
+            EXPECT_EQ(n.type(), pb::COMM_COLL_NODE);
+            const std::map<core::OpKind, std::pair<pb::CollectiveCommType, const char*>> expected_type = {
+                {core::OpKind::AllReduce, {pb::ALL_REDUCE, "ALL_REDUCE"}},
+                {core::OpKind::ReduceScatter, {pb::REDUCE_SCATTER, "REDUCE_SCATTER"}},
+                {core::OpKind::AllGather, {pb::ALL_GATHER, "ALL_GATHER"}},
+                {core::OpKind::AllToAll, {pb::ALL_TO_ALL, "ALL_TO_ALL"}}};
+            const auto& [type, name] = expected_type.at(op.kind);
+            EXPECT_EQ(attr(n, "comm_type")->int64_val(), type);
+            EXPECT_EQ(attr(n, "comm_size")->int64_val(), op.bytes);
+            kinds[name] += 1;
+          }
+        }
+      }
+    }
+    for (const auto& [key, sides] : transfers) EXPECT_EQ(sides, std::make_pair(1, 1)) << "unmatched transfer";
+    return kinds;
+  }
+  fs::path dir_;
+};
+
+}  // namespace
+
+TEST_F(Chakra, PipelineExpertZeroPlan) {
+  const core::Program p = compile(2, 2, 2, 1, "1f1b", 4);
+  const auto kinds = round_trip(p);
+  // PP 2 with 4 microbatches moves activations forward and gradients back: transfers on both sides.
+  EXPECT_GT(kinds.at("SEND"), 0);
+  EXPECT_EQ(kinds.at("SEND"), kinds.at("RECV"));
+  EXPECT_GT(kinds.at("ALL_TO_ALL"), 0);      // EP 2
+  EXPECT_GT(kinds.at("REDUCE_SCATTER"), 0);  // ZeRO-1 gradients
+  EXPECT_GT(kinds.at("ALL_GATHER"), 0);      // ZeRO-1 updated shards
+  EXPECT_EQ(kinds.count("ALL_REDUCE"), 0u);
+  std::int64_t nodes = 0;
+  for (const auto& [k, n] : kinds) nodes += n;
+  EXPECT_EQ(nodes, p.total_ops());
+}
+
+TEST_F(Chakra, DataParallelAllReduce) {
+  const auto kinds = round_trip(compile(1, 4, 1, 0, "1f1b", 2));
+  EXPECT_GT(kinds.at("ALL_REDUCE"), 0);
+  EXPECT_EQ(kinds.count("SEND"), 0u);
+}
+
+TEST_F(Chakra, GlobalMetadataFirst) {
+  const core::Program p = compile(2, 1, 1, 0, "gpipe", 2);
+  piper::chakra::export_traces(p, dir_.string(), "m");
+  const Trace t = read_trace(dir_ / "m.1.et");
+  std::map<std::string, const pb::AttributeProto*> a;
+  for (const auto& x : t.meta.attr()) a[x.name()] = &x;
+  EXPECT_EQ(a.at("schema")->string_val(), "1.0.2-chakra.1.0.0");
+  EXPECT_EQ(a.at("device")->int64_val(), 1);
+  EXPECT_EQ(a.at("devices")->int64_val(), 2);
+}
+
+// `piper export-chakra`: a bad plan is one line naming the file, exit status 2, and no folder.
+TEST_F(Chakra, CliBadPlanWritesNothing) {
+  fs::create_directories(dir_);
+  const fs::path plan = dir_ / "bad-plan.json", out = dir_ / "out";
+  std::ofstream(plan) << "{\"format\": \"piper-program\"}";
+  const std::string cmd = std::string(PIPER_CLI) + " export-chakra " + plan.string() + " -o " + out.string() + " 2>" +
+                          (dir_ / "err.txt").string();
+  const int status = std::system(cmd.c_str());
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+  std::ifstream err(dir_ / "err.txt");
+  std::string line, extra;
+  std::getline(err, line);
+  EXPECT_EQ(line.rfind("piper: error: " + plan.string() + ": ", 0), 0u) << line;
+  EXPECT_FALSE(std::getline(err, extra)) << "one line only";
+  EXPECT_FALSE(fs::exists(out));
+}
+
+TEST_F(Chakra, CliWritesOneFilePerDevice) {
+  fs::create_directories(dir_);
+  const fs::path plan = dir_ / "plan.json", out = dir_ / "traces";
+  const std::string compile = std::string(PIPER_CLI) + " compile --model qwen3-9m --pp 2 --dp 2 --microbatches 2 -o " +
+                              plan.string() + " >/dev/null";
+  ASSERT_EQ(std::system(compile.c_str()), 0);
+  const std::string cmd = std::string(PIPER_CLI) + " export-chakra " + plan.string() + " -o " + out.string() + " >/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  for (int d = 0; d < 4; ++d) EXPECT_TRUE(fs::exists(out / ("piper." + std::to_string(d) + ".et"))) << d;
+  EXPECT_FALSE(fs::exists(out / "piper.4.et"));
+}
