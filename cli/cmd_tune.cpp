@@ -119,7 +119,8 @@ int run_tune(TuneArgs& a) {
   const auto& e = s.enumeration;
   fmt::print("{} on {} x {}, global batch {} sequences, memory cap {:.2f} GiB\n", spec.model, spec.devices, spec.cluster,
              spec.effective_global_batch(), s.memory_cap_bytes / kGiB);
-  fmt::print("enumerated  {} legal strategies ({} combinations: {} batch split impossible, {} refused by the family)\n",
+  fmt::print("enumerated  {} legal candidates with their ZeRO levels, from {} (PP, EP, micro batch, family, virtual) tuples\n"
+             "            ({} with a global batch that does not split, {} refused by the schedule family)\n",
              s.candidates, e.considered, e.batch_indivisible, e.family_rejected);
   fmt::print("pruned      {} by the memory lower bound\n", s.pruned);
   fmt::print("simulated   {} analytic ({} placement variants), {} SimGrid; {} fit the cap; {} rows resumed from {}\n",

@@ -104,6 +104,7 @@ bool TuneBrowser::open(const QString& path, QString* error) {
     table_->setItem(i, 8, what);
   }
   table_->setSortingEnabled(true);
+  table_->sortByColumn(0, Qt::AscendingOrder);  // best first until the user sorts otherwise
   table_->resizeColumnsToContents();
   summary_->setText(QString::fromStdString(fmt::format("<b>Tune results</b>: {} on {} x {}, global batch {}; {} candidates "
                                                        "(double-click one to simulate it)",

@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <limits>
 
+#include <unistd.h>
+
 #include <QColor>
 #include <QFont>
 #include <QFontMetrics>
@@ -117,6 +119,14 @@ void ensure_gui_application() {
   if (QCoreApplication::instance()) return;
   // Text needs a QGuiApplication; the offscreen platform needs no display. It lives until exit.
   if (std::getenv("QT_QPA_PLATFORM") == nullptr) qputenv("QT_QPA_PLATFORM", "offscreen");
+  // Qt warns on stderr when XDG_RUNTIME_DIR is unset (common in batch jobs); give it a private one.
+  if (std::getenv("XDG_RUNTIME_DIR") == nullptr) {
+    const auto dir = std::filesystem::temp_directory_path() / ("runtime-piper-" + std::to_string(::getuid()));
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    std::filesystem::permissions(dir, std::filesystem::perms::owner_all, ec);
+    if (!ec) qputenv("XDG_RUNTIME_DIR", QByteArray::fromStdString(dir.string()));
+  }
   static int argc = 1;
   static char name[] = "piper";
   static char* argv[] = {name, nullptr};

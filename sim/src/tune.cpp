@@ -253,6 +253,45 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
 // Memory lower bound
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+
+// Activations alive on a rank when its forwards start, from its step order. Steps run one after
+// another (each order group waits for the previous one), so when the last segment of the forward in
+// step i starts, every forward of an earlier step has allocated its activations, and a microbatch's
+// activations are still held unless its first backward action (B, or I when split) ran in an earlier
+// step. Actions sharing step i (an overlapped F&B pair) may run in either order, so their frees
+// count as done. A free that really waits for a later W only makes the true peak larger.
+std::int64_t in_flight_bound(const std::vector<core::ScheduleStep>& steps, const std::vector<std::int64_t>& activation_of_region) {
+  std::map<std::pair<int, int>, std::size_t> first_backward;  // (stage, microbatch) -> step
+  for (std::size_t i = 0; i < steps.size(); ++i)
+    for (const auto& a : steps[i])
+      if (a.kind == core::ActionKind::B || a.kind == core::ActionKind::I) first_backward.try_emplace({a.stage, a.microbatch}, i);
+  auto act = [&](int stage) {
+    return stage >= 0 && stage < static_cast<int>(activation_of_region.size()) ? activation_of_region[static_cast<std::size_t>(stage)] : 0;
+  };
+  std::int64_t best = 0;
+  std::vector<std::pair<std::pair<int, int>, std::size_t>> started;  // forwards of earlier steps
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    std::int64_t held = 0;
+    for (const auto& [id, step] : started) {
+      auto it = first_backward.find(id);
+      if (it == first_backward.end() || it->second > i) held += act(id.first);
+    }
+    for (const auto& a : steps[i])
+      if (a.kind == core::ActionKind::F) best = std::max(best, held + act(a.stage));
+    for (const auto& a : steps[i])
+      if (a.kind == core::ActionKind::F) started.push_back({{a.stage, a.microbatch}, i});
+    // Forwards whose backward already ran can never count again: drop them (keeps this linear-ish).
+    std::erase_if(started, [&](const auto& e) {
+      auto it = first_backward.find(e.first);
+      return it != first_backward.end() && it->second <= i;
+    });
+  }
+  return best;
+}
+
+}  // namespace
+
 std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
   const core::Model model = annotated_model(spec, c);
   const RegionPlacement place = placement_of(c);
@@ -277,9 +316,23 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
                                                          params * state_bytes / (c.zero >= 1 ? replicas : 1);
     activation_of_region[static_cast<std::size_t>(r)] += costs.activation_bytes / shard;
   }
-  // One microbatch's forward passes through every region of a model copy before any of its backward
-  // passes start, so the activations it leaves on a device (one per region the copy has there) are
-  // all alive together. The two copies of a mirrored family are separate chains: count the larger.
+  // The schedule's per-rank step order, when it has one: order directives run a rank's steps one
+  // after another, so the activations in flight at each forward are known (see in_flight_bound).
+  std::optional<core::ScheduleTable> table;
+  try {
+    const core::ScheduleFamily& family = core::schedule_family(c.schedule);
+    core::ScheduleContext ctx;
+    ctx.ranks = c.pp;
+    ctx.regions = place.regions;
+    ctx.microbatches = c.microbatches;
+    ctx.virtual_stages = c.virtual_stages;
+    ctx.rank_of_region = place.rank_of_region;
+    ctx.mirrored = place.mirrored;
+    table = family.table(ctx);
+    if (static_cast<int>(table->ranks.size()) != c.pp) table.reset();
+  } catch (const std::invalid_argument&) {
+    table.reset();  // e.g. several regions per rank in a family ordered per region
+  }
   std::int64_t peak = 0;
   for (int rank = 0; rank < c.pp; ++rank) {
     std::int64_t persistent = 0, chain[2] = {0, 0};
@@ -293,7 +346,13 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
       persistent += persistent_of_region[static_cast<std::size_t>(r)];
       chain[first ? 0 : 1] += activation_of_region[static_cast<std::size_t>(r)];
     }
-    peak = std::max(peak, persistent + std::max(chain[0], chain[1]));
+    // Without a table: one microbatch's forward passes through every region of a model copy before
+    // any of its backward passes start, so the activations it leaves on a device (one per region the
+    // copy has there) are all alive together. The two copies of a mirrored family are separate
+    // chains: count the larger.
+    std::int64_t transient = std::max(chain[0], chain[1]);
+    if (table) transient = std::max(transient, in_flight_bound(table->ranks[static_cast<std::size_t>(rank)], activation_of_region));
+    peak = std::max(peak, persistent + transient);
   }
   return peak;
 }
