@@ -155,7 +155,7 @@ int run_tune(TuneArgs& a) {
     core::Scenario scenario = sim::tune_scenario(spec, best.candidate, best.engine);
     scenario.stage_starts = ranges;
     core::write_file_atomically(a.scenario_path, scenario.to_json().dump(2) + "\n");
-    fmt::print("scenario -> {} (piper simulate --scenario, or open it in piper-studio)\n", a.scenario_path);
+    fmt::print("scenario -> {} (open it in piper-studio)\n", a.scenario_path);
   }
   if (!a.plot_path.empty()) {
     plot_pareto(spec, s, a.output_path, a.plot_path);

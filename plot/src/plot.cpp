@@ -209,7 +209,12 @@ QImage render(const Chart& c) {
     if (r.vertical) p.drawLine(QPointF(px(r.value), plot.top()), QPointF(px(r.value), plot.bottom()));
     else p.drawLine(QPointF(plot.left(), py(r.value)), QPointF(plot.right(), py(r.value)));
     const QString s = QString::fromStdString(r.label);
-    if (r.vertical) p.drawText(QPointF(px(r.value) + 4, plot.top() + fm.height()), s);
+    // Labels sit at the bottom (the legend owns the top right), on the side with room.
+    if (r.vertical) {
+      const double w = fm.horizontalAdvance(s);
+      const double x = px(r.value) + 4 + w > plot.right() ? px(r.value) - 4 - w : px(r.value) + 4;
+      p.drawText(QPointF(x, plot.bottom() - 6), s);
+    }
     else p.drawText(QPointF(plot.right() - fm.horizontalAdvance(s) - 4, py(r.value) - 4), s);
   }
   for (std::size_t i = 0; i < c.series.size(); ++i) {
@@ -245,7 +250,7 @@ QImage render(const Chart& c) {
   // Legend, top right inside the plot.
   std::vector<std::size_t> named;
   for (std::size_t i = 0; i < c.series.size(); ++i)
-    if (!c.series[i].name.empty()) named.push_back(i);
+    if (!c.series[i].name.empty() && !c.series[i].x.empty()) named.push_back(i);
   if (!named.empty()) {
     int w = 0;
     for (auto i : named) w = std::max(w, fm.horizontalAdvance(QString::fromStdString(c.series[i].name)));
