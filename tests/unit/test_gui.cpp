@@ -2,6 +2,7 @@
 // dependencies, zoom around the cursor, editor errors that keep the last timeline, trace round trip,
 // export and the --screenshot mode.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -12,12 +13,15 @@
 #include <QApplication>
 #include <QImage>
 #include <QSignalSpy>
+#include <QTableWidget>
 #include <QTest>
 #include <QWheelEvent>
 
 #include "piper/gui/chrome_trace.hpp"
 #include "piper/gui/directive_editor.hpp"
 #include "piper/gui/studio_window.hpp"
+#include "piper/gui/tune_browser.hpp"
+#include "piper/sim/tune.hpp"
 
 using namespace piper;
 using namespace piper::gui;
@@ -265,4 +269,58 @@ TEST(GuiStudio, ScreenshotModeWritesANonBlankImageOfTheRequestedSize) {
   const std::string bad = std::string("QT_QPA_PLATFORM=offscreen '") + PIPER_STUDIO + "' --screenshot '" + png + "' '" +
                           (dir / "bad.json").string() + "' > /dev/null 2>&1";
   EXPECT_NE(std::system(bad.c_str()), 0);
+}
+
+// A `piper tune` result opens as a table of candidates, best first; activating one compiles and
+// simulates its scenario, whose report is the one the tune recorded (same program, same engine).
+TEST(GuiStudio, TuneResultsListCandidatesAndOpenTheirTimelines) {
+  app();
+  sim::TuneSpec spec;
+  spec.model = "qwen3-9m";
+  spec.devices = 4;
+  spec.global_batch = 8;
+  spec.micro_batch_sizes = {1};
+  spec.zero_levels = {0, 1};
+  spec.schedules = {"1f1b", "gpipe"};
+  spec.top_k = 0;
+  spec.placement_search = false;
+  const std::string csv =
+      (std::filesystem::temp_directory_path() / ("piper_test_gui_tune_" + std::to_string(::getpid()) + ".csv")).string();
+  std::filesystem::remove(csv);
+  const sim::TuneSummary summary = sim::run_tune(spec, csv);
+  ASSERT_FALSE(summary.ranked.empty());
+
+  StudioWindow window;
+  window.resize(1400, 900);
+  window.show();
+  ASSERT_TRUE(window.open_tune_results(QString::fromStdString(csv)));
+  TuneBrowser* browser = window.tune_browser();
+  ASSERT_NE(browser, nullptr);
+  EXPECT_EQ(browser->table()->rowCount(), static_cast<int>(summary.candidates));
+  // Best first: the table's first row is the search's winner.
+  EXPECT_EQ(browser->rows().front().candidate, summary.ranked.front().candidate);
+  for (std::size_t i = 1; i < summary.ranked.size(); ++i)
+    EXPECT_LE(browser->rows()[i - 1].step_time_s, browser->rows()[i].step_time_s);
+
+  QSignalSpy spy(&window, &StudioWindow::simulation_finished);
+  const int pick = 1;  // not the first row, to see the row's own scenario open
+  browser->table()->setCurrentCell(pick, 0);
+  emit browser->table()->cellActivated(pick, 0);
+  ASSERT_TRUE(spy.wait(30000));
+  EXPECT_TRUE(spy.takeFirst().at(0).toBool()) << window.error_text().toStdString();
+  ASSERT_TRUE(window.run_a().has_value());
+  EXPECT_EQ(browser->table()->item(pick, 0)->text().toInt(), pick + 1) << "best first";
+  const sim::TuneRow& row = browser->rows()[pick];
+  EXPECT_EQ(window.run_a()->report.step_time_s, row.step_time_s);
+  EXPECT_EQ(window.run_a()->report.peak_memory_bytes, row.peak_memory_bytes);
+  EXPECT_EQ(window.run_a()->report.devices, 4);
+
+  // A file that is not a tune result is refused with one line naming it.
+  const std::string bad = csv + ".bad.csv";
+  { std::ofstream(bad) << "a,b\n1,2\n"; }
+  EXPECT_FALSE(window.open_tune_results(QString::fromStdString(bad)));
+  EXPECT_NE(window.error_text().toStdString().find("not a piper tune results file"), std::string::npos)
+      << window.error_text().toStdString();
+  std::filesystem::remove(csv);
+  std::filesystem::remove(bad);
 }

@@ -92,3 +92,48 @@ TEST_F(SimCli, BadClusterIsOneLineAndWritesNothing) {
   EXPECT_EQ(e.code, 2);
   EXPECT_NE(e.err.find("--engine 'nope'"), std::string::npos) << e.err;
 }
+
+// `piper tune` end to end: the best plan's directive program and scenario compile to the plan it
+// reports, the plot is a PNG, a rerun resumes everything, and bad flags are one-line errors.
+TEST_F(SimCli, TuneWritesTheWinnersProgramAndResumes) {
+  const fs::path csv = dir_ / "tune.csv", best = dir_ / "best.json", scenario = dir_ / "best-scenario.json",
+                 png = dir_ / "pareto.png";
+  const std::string args = "tune --model qwen3-9m --devices 4 --global-batch 8 --micro-batch-size 1 --zero 0,1 "
+                           "--schedules 1f1b,zb-h1 --top 1 -j 2 -o " + csv.string();
+  Result r = run(args + " --emit-directives " + best.string() + " --emit-scenario " + scenario.string() +
+                     " --plot " + png.string(),
+                 dir_);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("best: PP "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  simgrid "), std::string::npos) << "the top plan is re-simulated on SimGrid: " << r.out;
+  ASSERT_TRUE(fs::exists(best));
+  ASSERT_TRUE(fs::exists(png));
+  const auto line = [](const std::string& text, const std::string& prefix) {
+    const auto at = text.find(prefix);
+    return at == std::string::npos ? std::string() : text.substr(at, text.find('\n', at) - at);
+  };
+  // The scenario is the winner's strategy.
+  std::ifstream in(scenario);
+  const json sc = json::parse(in);
+  EXPECT_EQ(sc["model"], "qwen3-9m");
+  EXPECT_EQ(sc["micro_batch_size"], 1);
+  const std::string head = "best: PP " + std::to_string(sc["strategy"]["pp"].get<int>()) + " x DP " +
+                           std::to_string(sc["strategy"]["dp"].get<int>()) + ", " + sc["strategy"]["schedule"].get<std::string>();
+  EXPECT_EQ(line(r.out, "best: ").rfind(head, 0), 0u) << line(r.out, "best: ") << " vs " << head;
+  // The directive program compiles.
+  Result compiled = run("compile --model qwen3-9m --micro-batch-size 1 --directives " + best.string(), dir_);
+  EXPECT_EQ(compiled.code, 0) << compiled.err;
+
+  Result again = run(args, dir_);
+  ASSERT_EQ(again.code, 0) << again.err;
+  EXPECT_NE(again.out.find("rows resumed"), std::string::npos);
+  EXPECT_EQ(line(again.out, "best: "), line(r.out, "best: "));
+
+  Result bad = run("tune --model qwen3-9m --devices 4 --schedules nope -o " + (dir_ / "x.csv").string(), dir_);
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("--schedule 'nope' is unknown"), std::string::npos) << bad.err;
+  EXPECT_FALSE(fs::exists(dir_ / "x.csv")) << "nothing written for bad input";
+  Result foreign = run("tune --model qwen3-9m --devices 4 --global-batch 16 -o " + csv.string(), dir_);
+  EXPECT_EQ(foreign.code, 2);
+  EXPECT_NE(foreign.err.find("holds a tune of qwen3-9m"), std::string::npos) << foreign.err;
+}

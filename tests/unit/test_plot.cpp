@@ -1,0 +1,116 @@
+// piper_plot and `piper plot`: nice ticks and labels by hand, series drawn in their colour, PNGs of
+// the requested size written atomically, and one-line errors for bad input.
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include <QColor>
+#include <QImage>
+
+#include "piper/plot/plot.hpp"
+
+using namespace piper::plot;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path temp(const std::string& name) {
+  return fs::temp_directory_path() / ("piper_test_plot_" + std::to_string(::getpid()) + "_" + name);
+}
+
+// Pixels close to `c` (antialiasing blends edges, so a tolerance per channel).
+int pixels_like(const QImage& image, QColor c) {
+  int n = 0;
+  for (int y = 0; y < image.height(); ++y)
+    for (int x = 0; x < image.width(); ++x) {
+      const QColor p = image.pixelColor(x, y);
+      if (std::abs(p.red() - c.red()) < 12 && std::abs(p.green() - c.green()) < 12 && std::abs(p.blue() - c.blue()) < 12) ++n;
+    }
+  return n;
+}
+
+struct CliRun {
+  int status;
+  std::string output;
+};
+
+CliRun run(const std::string& args) {
+  const fs::path out = temp("cli.txt");
+  const std::string cmd = std::string(PIPER_CLI) + " " + args + " > " + out.string() + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  std::ifstream in(out);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  fs::remove(out);
+  return {WEXITSTATUS(rc), text};
+}
+
+}  // namespace
+
+TEST(Plot, NiceTicksAreMultiplesOfOneTwoOrFive) {
+  // (9.7 - 0.3) / 6 = 1.57 -> step 2.
+  EXPECT_EQ(nice_ticks(0.3, 9.7, false), (std::vector<double>{2, 4, 6, 8}));
+  // 1000 / 6 = 167 -> step 200.
+  EXPECT_EQ(nice_ticks(0, 1000, false), (std::vector<double>{0, 200, 400, 600, 800, 1000}));
+  // Log: the decades; with fewer than three, 2 and 5 between them.
+  EXPECT_EQ(nice_ticks(1, 1000, true), (std::vector<double>{1, 10, 100, 1000}));
+  EXPECT_EQ(nice_ticks(1, 20, true), (std::vector<double>{1, 2, 5, 10, 20}));
+  EXPECT_TRUE(nice_ticks(5, 5, false).empty());
+}
+
+TEST(Plot, TickLabelsAreCompact) {
+  EXPECT_EQ(tick_label(1.5e6), "1.5M");
+  EXPECT_EQ(tick_label(20000), "20k");
+  EXPECT_EQ(tick_label(2.5e9), "2.5G");
+  EXPECT_EQ(tick_label(0.25), "0.25");
+  EXPECT_EQ(tick_label(1000), "1e+03");
+}
+
+TEST(Plot, SeriesAreDrawnInTheirColourAndTheFileHasTheRequestedSize) {
+  Chart chart;
+  chart.title = "test";
+  chart.x = {"memory (GiB)", false, 0.0, 10.0};
+  chart.y = {"throughput (tokens/s)", false, 0.0, 10.0};
+  chart.width = 640;
+  chart.height = 480;
+  const QColor green("#00aa00");
+  // Markers are filled with the series colour at alpha 170/255 over the white background.
+  const QColor fill((0x00 * 170 + 255 * 85) / 255, (0xaa * 170 + 255 * 85) / 255, (0x00 * 170 + 255 * 85) / 255);
+  const QImage empty = render(chart);
+  EXPECT_EQ(pixels_like(empty, fill), 0);
+  chart.series.push_back({"points", {2, 5, 8}, {2, 5, 8}, Style::Points, "#00aa00", 6});
+  const QImage drawn = render(chart);
+  // Three discs of radius 6 (about 113 px each, minus antialiased rims) plus the legend marker.
+  EXPECT_GT(pixels_like(drawn, fill), 150);
+  const fs::path png = temp("chart.png");
+  write_line_png(chart, png.string());
+  QImage back(QString::fromStdString(png.string()));
+  EXPECT_EQ(back.width(), 640);
+  EXPECT_EQ(back.height(), 480);
+  EXPECT_FALSE(fs::exists(png.string() + ".tmp"));
+  fs::remove(png);
+  EXPECT_THROW(write_png(chart, "/nonexistent-dir/x.png"), PlotError);
+  chart.series.push_back({"bad", {1, 2}, {1}, Style::Points, "", 3});
+  EXPECT_THROW(render(chart), PlotError);
+}
+
+TEST(PlotCli, PlotsColumnsOfACsvBySeries) {
+  const fs::path csv = temp("data.csv"), png = temp("cli.png");
+  {
+    std::ofstream out(csv);
+    out << "name,x,y,status\n" << "a,1,2,ok\n" << "a,2,4,ok\n" << "b,1,3,ok\n" << "b,2,,invalid\n";
+  }
+  CliRun r = run("plot " + csv.string() + " --x x --y y --series name --line -o " + png.string());
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("3 points in 2 series (1 rows without numbers skipped)"), std::string::npos) << r.output;
+  EXPECT_TRUE(QImage(QString::fromStdString(png.string())).width() > 0);
+  r = run("plot " + csv.string() + " --x nope --y y -o " + png.string());
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.output.find("--x 'nope': no such column (columns: name, x, y, status)"), std::string::npos) << r.output;
+  fs::remove(csv);
+  fs::remove(png);
+}
