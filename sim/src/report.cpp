@@ -277,6 +277,7 @@ json Report::to_json() const {
          {"bubble_fraction", bubble_fraction},
          {"compile_time_s", compile_time_s},
          {"simulate_time_s", simulate_time_s},
+         {"simulation", simulation},
          {"dag_nodes", dag_nodes},
          {"total_ops", total_ops},
          {"oom", oom},
@@ -314,6 +315,7 @@ Report Report::from_json(const json& j) {
   r.bubble_fraction = j.value("bubble_fraction", 0.0);
   r.compile_time_s = j.value("compile_time_s", 0.0);
   r.simulate_time_s = j.value("simulate_time_s", 0.0);
+  r.simulation = j.value("simulation", "");
   r.dag_nodes = j.value("dag_nodes", std::int64_t{0});
   r.total_ops = j.value("total_ops", std::int64_t{0});
   r.oom = j.value("oom", false);
@@ -379,6 +381,7 @@ std::string Report::to_text(int max_devices) const {
   }
   row("compile time", fmt::format("{:.1f} ms ({} DAG nodes, {} ops)", compile_time_s * 1e3, dag_nodes, total_ops));
   row("simulate time", fmt::format("{:.1f} ms", simulate_time_s * 1e3));
+  if (!simulation.empty()) row("simulation", simulation);
   // Critical path: where its compute time sits.
   std::vector<std::pair<double, int>> top;
   for (const auto& [d, s] : critical_path.seconds_by_device) top.emplace_back(s, d);

@@ -82,6 +82,8 @@ struct Report {
   double bubble_fraction = 0;        // mean of the devices' bubble fractions
   double compile_time_s = 0;
   double simulate_time_s = 0;
+  // How the engine ran: "full: <why>" or "reduced: <classes>" (symmetry.hpp); set by simulate().
+  std::string simulation;
   std::int64_t dag_nodes = 0;
   std::int64_t total_ops = 0;
   bool oom = false;
