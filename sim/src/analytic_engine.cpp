@@ -40,7 +40,9 @@ class AnalyticEngine : public Engine {
 
     ReadyTracker tracker(program, symmetry);
     std::vector<double> share(ix(n));
-    for (int d = 0; d < n; ++d) share[ix(d)] = cost.comm_sm_share(d);
+    // Per node, not per device: Cluster::gpu(d) walks the node list, quadratic over 10^5 devices.
+    const std::vector<int> node_of = cluster.node_of_devices();
+    for (int d = 0; d < n; ++d) share[ix(d)] = cluster.nodes[ix(node_of[ix(d)])].gpu.comm_sm_share;
     std::vector<std::int32_t> comm_active(ix(n), 0);
     std::vector<std::vector<std::int32_t>> computes(ix(n));  // running compute activities per device
 

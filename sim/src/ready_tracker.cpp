@@ -407,13 +407,18 @@ std::vector<std::pair<int, OpRef>> ReadyTracker::partners(const core::Program& p
   };
   const auto mine = sequence(device);
   const std::size_t k = ix(std::find(mine.begin(), mine.end(), r) - mine.begin());
+  // The k-th collective of the family depends only on the member's plan: one scan per plan, not per
+  // member (DP groups have 10^4 members).
+  std::map<int, std::vector<OpRef>> by_plan;
   for (int member : program.group_of(op.family, device)) {
     if (member == device) {
       out.emplace_back(device, r);
       continue;
     }
-    const auto seq = member == device ? mine : sequence(member);
-    if (k < seq.size()) out.emplace_back(member, seq[k]);
+    const int plan = program.plan_of_device[ix(member)];
+    auto it = by_plan.find(plan);
+    if (it == by_plan.end()) it = by_plan.emplace(plan, sequence(member)).first;
+    if (k < it->second.size()) out.emplace_back(member, it->second[k]);
   }
   return out;
 }
