@@ -22,6 +22,7 @@ struct SimulateArgs {
   std::string report_path;
   std::string trace_path;
   int max_devices = 16;
+  bool no_symmetry = false;
   CLI::Option* model = nullptr;
   CLI::Option* plan = nullptr;
 };
@@ -31,6 +32,7 @@ int run_simulate(const SimulateArgs& a) {
   options.cluster = a.cluster;
   options.engine = a.engine;
   options.calibration_path = a.calibration_path;
+  options.symmetry = !a.no_symmetry;
   sim::SimulationResult result;
   if (!a.plan_path.empty()) {
     json j = read_json_file(a.plan_path);
@@ -80,6 +82,8 @@ Command add_simulate_command(CLI::App& app) {
   cmd->add_option("--calibration", args->calibration_path, "measured op times (piper-calibration JSON) overriding the cost model");
   cmd->add_option("--report", args->report_path, "write the report as JSON here");
   cmd->add_option("--trace", args->trace_path, "write a Chrome trace (Perfetto) here");
+  cmd->add_flag("--no-symmetry", args->no_symmetry,
+                "simulate every device, even where symmetric devices could be simulated once (same result, slower)");
   cmd->add_option("--show-devices", args->max_devices, "devices listed in the printed table")->capture_default_str();
   return {cmd, [args] { return run_simulate(*args); }};
 }

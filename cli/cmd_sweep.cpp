@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "cli/common.hpp"
+#include "cli/sweep_mpi.hpp"
 #include "piper/sim/sweep.hpp"
 
 namespace piper::cli {
@@ -22,6 +23,8 @@ struct SweepArgs {
 };
 
 int run_sweep(const SweepArgs& a) {
+  // Under mpirun (more than one rank) the combinations are spread over the ranks; see sweep_mpi.hpp.
+  if (launched_under_mpi()) return run_sweep_mpi(a.spec_path, a.output_path, a.jobs);
   sim::SweepSpec spec;
   try {
     spec = sim::SweepSpec::load(a.spec_path);
@@ -56,7 +59,7 @@ int run_sweep(const SweepArgs& a) {
 
 Command add_sweep_command(CLI::App& app) {
   auto args = std::make_shared<SweepArgs>();
-  CLI::App* cmd = app.add_subcommand("sweep", "simulate every combination of a spec's strategy knobs into a CSV (resumable)");
+  CLI::App* cmd = app.add_subcommand("sweep", "simulate every combination of a spec's strategy knobs into a CSV (resumable; under mpirun -np N the combinations are spread over the ranks)");
   cmd->add_option("spec", args->spec_path, "sweep spec JSON: model, cluster and a list of values per knob")->required();
   cmd->add_option("-o,--output", args->output_path, "results CSV; rerunning with the same file resumes")->required();
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());

@@ -19,16 +19,30 @@ class AnalyticEngine : public Engine {
 
   core::Timeline run(std::shared_ptr<const core::Program> program_ptr, const Cluster& cluster,
                      const CostModel& cost) override {
+    return simulate(std::move(program_ptr), cluster, cost, nullptr);
+  }
+  bool supports_symmetry() const override { return true; }
+  core::Timeline run_reduced(std::shared_ptr<const core::Program> program_ptr, const Cluster& cluster,
+                             const CostModel& cost, const Symmetry& symmetry) override {
+    return simulate(std::move(program_ptr), cluster, cost, &symmetry);
+  }
+
+ private:
+  // Full simulation, or (symmetry set) the representatives only, expanded at the end.
+  core::Timeline simulate(std::shared_ptr<const core::Program> program_ptr, const Cluster& cluster,
+                          const CostModel& cost, const Symmetry* symmetry) {
     const core::Program& program = *program_ptr;
     const int n = program.num_devices;
     if (cluster.num_devices() < n) throw ClusterError("cluster '" + cluster.name + "' has " + std::to_string(cluster.num_devices()) + " devices but the program needs " + std::to_string(n));
-    core::Timeline timeline = empty_timeline(program_ptr, "analytic");
+    core::Timeline timeline = symmetry ? empty_timeline(program_ptr, "analytic", *symmetry) : empty_timeline(program_ptr, "analytic");
     std::vector<std::vector<std::int32_t>> span_base(program.plans.size());
     for (std::size_t p = 0; p < program.plans.size(); ++p) span_base[p] = stream_span_base(program.plans[p]);
 
-    ReadyTracker tracker(program);
+    ReadyTracker tracker(program, symmetry);
     std::vector<double> share(ix(n));
-    for (int d = 0; d < n; ++d) share[ix(d)] = cost.comm_sm_share(d);
+    // Per node, not per device: Cluster::gpu(d) walks the node list, quadratic over 10^5 devices.
+    const std::vector<int> node_of = cluster.node_of_devices();
+    for (int d = 0; d < n; ++d) share[ix(d)] = cluster.nodes[ix(node_of[ix(d)])].gpu.comm_sm_share;
     std::vector<std::int32_t> comm_active(ix(n), 0);
     std::vector<std::vector<std::int32_t>> computes(ix(n));  // running compute activities per device
 
@@ -77,7 +91,6 @@ class AnalyticEngine : public Engine {
 
     std::vector<Activity> ready;
     double now = 0;
-    std::vector<int> ranks;
     while (true) {
       ready.clear();
       tracker.take_ready(ready);
@@ -105,15 +118,13 @@ class AnalyticEngine : public Engine {
         } else if (r.activity.kind == Activity::Kind::Transfer) {
           const auto [src, send] = r.activity.members[0];
           const int dst = r.activity.members[1].first;
-          end = now + cost.transfer_seconds(op_of(src, send), src, dst);
+          end = now + cost.transfer_seconds(op_of(src, send), src, tracker.transfer_receiver(r.activity));
           set_comm(src, +1, now);
           set_comm(dst, +1, now);
         } else {
-          ranks.clear();
-          for (const auto& m : r.activity.members) ranks.push_back(m.first);
           const auto [d0, ref0] = r.activity.members.front();
-          end = now + cost.collective_op_seconds(op_of(d0, ref0), ranks);
-          for (int d : ranks) set_comm(d, +1, now);
+          end = now + cost.collective_op_seconds(op_of(d0, ref0), tracker.collective_ranks(r.activity));
+          for (const auto& m : r.activity.members) set_comm(m.first, +1, now);
         }
         tracker.started(r.activity, now);
         events[end].push_back({slot, r.version});
@@ -148,7 +159,12 @@ class AnalyticEngine : public Engine {
     timeline.step_time_s = 0;
     for (const auto& dt : timeline.devices)
       for (const auto& sp : dt.spans) timeline.step_time_s = std::max(timeline.step_time_s, sp.end_s);
-    fill_memory(timeline);
+    if (symmetry) {
+      fill_memory(timeline, symmetry->representative);
+      expand_timeline(timeline, *symmetry);
+    } else {
+      fill_memory(timeline);
+    }
     return timeline;
   }
 };

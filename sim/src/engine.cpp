@@ -13,6 +13,18 @@ namespace piper::sim {
 
 Engine::~Engine() = default;
 
+core::Timeline Engine::run_reduced(std::shared_ptr<const core::Program> program, const Cluster& cluster,
+                                   const CostModel& cost, const Symmetry&) {
+  return run(std::move(program), cluster, cost);
+}
+
+void expand_timeline(core::Timeline& timeline, const Symmetry& symmetry) {
+  for (std::size_t d = 0; d < timeline.devices.size(); ++d) {
+    const int rep = symmetry.representative_of(static_cast<int>(d));
+    if (rep != static_cast<int>(d)) timeline.devices[d] = timeline.devices[static_cast<std::size_t>(rep)];
+  }
+}
+
 namespace {
 
 struct Registry {
@@ -73,6 +85,22 @@ std::vector<std::int32_t> stream_span_base(const core::Plan& plan) {
   return base;
 }
 
+core::Timeline empty_timeline(std::shared_ptr<const core::Program> program, const std::string& source,
+                              const Symmetry& symmetry) {
+  core::Timeline t;
+  t.source = source;
+  t.program = program;
+  t.devices.resize(static_cast<std::size_t>(program->num_devices));
+  for (int rep : symmetry.representative) {
+    const auto& plan = program->plan_for(rep);
+    auto& spans = t.devices[static_cast<std::size_t>(rep)].spans;
+    for (std::size_t s = 0; s < plan.streams.size(); ++s)
+      for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i)
+        spans.push_back({static_cast<std::int32_t>(s), static_cast<std::int32_t>(i), 0, 0});
+  }
+  return t;
+}
+
 core::Timeline empty_timeline(std::shared_ptr<const core::Program> program, const std::string& source) {
   core::Timeline t;
   t.source = source;
@@ -92,6 +120,12 @@ core::Timeline empty_timeline(std::shared_ptr<const core::Program> program, cons
 }
 
 void fill_memory(core::Timeline& timeline) {
+  std::vector<int> all(timeline.devices.size());
+  for (std::size_t d = 0; d < all.size(); ++d) all[d] = static_cast<int>(d);
+  fill_memory(timeline, all);
+}
+
+void fill_memory(core::Timeline& timeline, const std::vector<int>& devices) {
   const core::Program& program = *timeline.program;
   std::vector<std::vector<std::int32_t>> bases(program.plans.size());
   for (std::size_t p = 0; p < program.plans.size(); ++p) bases[p] = stream_span_base(program.plans[p]);
@@ -100,7 +134,8 @@ void fill_memory(core::Timeline& timeline) {
     std::int64_t bytes;  // negative: free (sorted first at equal times)
   };
   std::vector<Change> changes;
-  for (std::size_t d = 0; d < timeline.devices.size(); ++d) {
+  for (const int device : devices) {
+    const auto d = static_cast<std::size_t>(device);
     const int p = program.plan_of_device[d];
     const core::Plan& plan = program.plans[static_cast<std::size_t>(p)];
     const auto& base = bases[static_cast<std::size_t>(p)];

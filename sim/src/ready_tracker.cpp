@@ -3,6 +3,7 @@
 #include "piper/sim/ready_tracker.hpp"
 
 #include <algorithm>
+#include <map>
 #include <unordered_map>
 
 #include <fmt/format.h>
@@ -51,7 +52,10 @@ struct ReadyTracker::State {
   };
 
   const core::Program& program;
+  const Symmetry* sym = nullptr;  // reduced mode when set
   std::vector<int> plan_of;
+  std::vector<int> ranks;          // collective_ranks() buffer (full mode)
+  std::map<std::pair<int, int>, std::vector<int>> real_groups;  // (family, device) -> group (reduced)
   std::vector<PlanIndex> plans;
   std::vector<std::int64_t> device_base;
   std::vector<std::int64_t> stream_state_base;  // device -> first entry of done/issued
@@ -79,7 +83,8 @@ struct ReadyTracker::State {
   int peer_of(const core::Op& op, int device) {
     const int pos = position_table(op.device_set)[ix(device)];
     const auto& peers = program.device_sets[ix(op.peer_set)];
-    return pos >= 0 && ix(pos) < peers.size() ? peers[ix(pos)] : -1;
+    if (pos < 0 || ix(pos) >= peers.size()) return -1;
+    return sym ? sym->representative_of(peers[ix(pos)]) : peers[ix(pos)];
   }
   const core::Op& op_at(int device, OpRef r) const {
     return program.plans[ix(plan_of[ix(device)])].streams[ix(r.stream)].ops[ix(r.index)];
@@ -177,8 +182,13 @@ struct ReadyTracker::State {
   }
 };
 
-ReadyTracker::ReadyTracker(const core::Program& program) : s_(std::make_unique<State>(program)) {
+ReadyTracker::ReadyTracker(const core::Program& program) : ReadyTracker(program, nullptr) {}
+
+ReadyTracker::ReadyTracker(const core::Program& program, const Symmetry* symmetry) : s_(std::make_unique<State>(program)) {
   State& st = *s_;
+  st.sym = symmetry;
+  // Reduced mode: non-representatives hold no op instances and are never scanned.
+  auto simulated = [&](int d) { return !symmetry || symmetry->is_representative(d); };
   const int n = program.num_devices;
   st.plan_of.assign(program.plan_of_device.begin(), program.plan_of_device.end());
   st.positions.resize(program.device_sets.size());
@@ -216,6 +226,7 @@ ReadyTracker::ReadyTracker(const core::Program& program) : s_(std::make_unique<S
   for (int d = 0; d < n; ++d) {
     st.device_base[ix(d)] = ops;
     st.stream_state_base[ix(d)] = streams;
+    if (!simulated(d)) continue;
     const auto& pi = st.plans[ix(st.plan_of[ix(d)])];
     ops += pi.stream_base.back();
     streams += static_cast<std::int64_t>(pi.stream_base.size()) - 1;
@@ -230,6 +241,21 @@ ReadyTracker::ReadyTracker(const core::Program& program) : s_(std::make_unique<S
   for (std::size_t f = 0; f < program.families.size(); ++f) {
     auto& fam = st.families[f];
     fam.groups = program.groups(static_cast<int>(f));
+    if (symmetry) {
+      // Quotient groups: the representatives of the classes a group touches (equal for every group
+      // touching a class, by the symmetry rule), each counted once.
+      std::map<std::vector<int>, int> ids;
+      std::vector<std::vector<int>> quotient;
+      for (const auto& g : fam.groups) {
+        std::vector<int> reps;
+        for (int d : g) {
+          const int r = symmetry->representative_of(d);
+          if (std::find(reps.begin(), reps.end(), r) == reps.end()) reps.push_back(r);
+        }
+        if (ids.try_emplace(reps, static_cast<int>(quotient.size())).second) quotient.push_back(std::move(reps));
+      }
+      fam.groups = std::move(quotient);
+    }
     fam.group_of_device.assign(ix(n), -1);
     for (std::size_t g = 0; g < fam.groups.size(); ++g)
       for (int d : fam.groups[g]) fam.group_of_device[ix(d)] = static_cast<std::int32_t>(g);
@@ -238,7 +264,29 @@ ReadyTracker::ReadyTracker(const core::Program& program) : s_(std::make_unique<S
     fam.arrived.assign(fam.groups.size() * ix(fam.seq_count), 0);
   }
   st.dirty.assign(ix(n), 0);
-  for (int d = 0; d < n; ++d) st.mark_dirty(d);
+  for (int d = 0; d < n; ++d)
+    if (simulated(d)) st.mark_dirty(d);
+}
+
+int ReadyTracker::transfer_receiver(const Activity& a) const {
+  const State& st = *s_;
+  if (!st.sym) return a.members[1].first;
+  const auto [src, send] = a.members[0];
+  return st.program.peer_of(st.op_at(src, send), src);
+}
+
+const std::vector<int>& ReadyTracker::collective_ranks(const Activity& a) {
+  State& st = *s_;
+  const auto [d0, r0] = a.members.front();
+  if (!st.sym) {
+    st.ranks.clear();
+    for (const auto& m : a.members) st.ranks.push_back(m.first);
+    return st.ranks;
+  }
+  const int family = st.op_at(d0, r0).family;
+  auto [it, inserted] = st.real_groups.try_emplace({family, d0});
+  if (inserted) it->second = st.program.group_of(family, d0);
+  return it->second;
 }
 
 ReadyTracker::~ReadyTracker() = default;
@@ -294,6 +342,7 @@ std::string ReadyTracker::stuck_report() const {
   std::string out = fmt::format("deadlock: {} of {} ops finished;", st.finished_ops, st.total_ops);
   int shown = 0;
   for (int d = 0; d < st.program.num_devices && shown < 3; ++d) {
+    if (st.sym && !st.sym->is_representative(d)) continue;
     const auto& pi = st.plans[ix(st.plan_of[ix(d)])];
     const core::Plan& plan = st.program.plan_for(d);
     const std::int64_t base = st.stream_state_base[ix(d)];
@@ -358,13 +407,18 @@ std::vector<std::pair<int, OpRef>> ReadyTracker::partners(const core::Program& p
   };
   const auto mine = sequence(device);
   const std::size_t k = ix(std::find(mine.begin(), mine.end(), r) - mine.begin());
+  // The k-th collective of the family depends only on the member's plan: one scan per plan, not per
+  // member (DP groups have 10^4 members).
+  std::map<int, std::vector<OpRef>> by_plan;
   for (int member : program.group_of(op.family, device)) {
     if (member == device) {
       out.emplace_back(device, r);
       continue;
     }
-    const auto seq = member == device ? mine : sequence(member);
-    if (k < seq.size()) out.emplace_back(member, seq[k]);
+    const int plan = program.plan_of_device[ix(member)];
+    auto it = by_plan.find(plan);
+    if (it == by_plan.end()) it = by_plan.emplace(plan, sequence(member)).first;
+    if (k < it->second.size()) out.emplace_back(member, it->second[k]);
   }
   return out;
 }

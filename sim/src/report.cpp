@@ -63,7 +63,7 @@ CompileStats compile_stats_of(const core::Program& program) {
   return {program.stats.compile_seconds, program.stats.dag_nodes, program.stats.compiler_peak_rss_bytes};
 }
 
-CriticalPath critical_path(const core::Timeline& timeline) {
+CriticalPath critical_path(const core::Timeline& timeline, const Symmetry* symmetry) {
   CriticalPath path;
   const core::Program& program = *timeline.program;
   std::vector<std::vector<std::int32_t>> base(program.plans.size());
@@ -74,9 +74,11 @@ CriticalPath critical_path(const core::Timeline& timeline) {
   int device = -1;
   core::OpRef ref;
   double last = -1;
-  for (std::size_t d = 0; d < timeline.devices.size(); ++d)
+  for (std::size_t d = 0; d < timeline.devices.size(); ++d) {
+    if (symmetry && !symmetry->is_representative(static_cast<int>(d))) continue;
     for (const auto& s : timeline.devices[d].spans)
       if (s.end_s > last) last = s.end_s, device = static_cast<int>(d), ref = {s.stream, s.index};
+  }
   if (device < 0) return path;
   std::vector<CriticalPathStep> reversed;
   const std::int64_t limit = program.total_ops() + 1;
@@ -119,7 +121,8 @@ CriticalPath critical_path(const core::Timeline& timeline) {
   return path;
 }
 
-Report make_report(const core::Timeline& timeline, const Cluster& cluster, const CompileStats& compile) {
+Report make_report(const core::Timeline& timeline, const Cluster& cluster, const CompileStats& compile,
+                   const Symmetry* symmetry) {
   const core::Program& program = *timeline.program;
   Report r;
   r.engine = timeline.source;
@@ -146,8 +149,11 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
             program.segments[ix(op.segment)].first_layer == 0)
           r.tokens_per_step += tokens_per_mb * devices_of_plan[p] / std::max(1, program.segments[ix(op.segment)].shard_degree);
       }
+  // node_of_devices() once: per-device Cluster lookups are not constant-time on big clusters.
+  const std::vector<int> node_of = cluster.node_of_devices();
+  auto gpu_of = [&](int d) -> const GpuSpec& { return cluster.nodes[ix(node_of[ix(d)])].gpu; };
   double peak_flops = 0;
-  for (int d = 0; d < program.num_devices; ++d) peak_flops += cluster.gpu(d).peak_flops;
+  for (int d = 0; d < program.num_devices; ++d) peak_flops += gpu_of(d).peak_flops;
   if (r.step_time_s > 0) {
     r.tokens_per_s = r.tokens_per_step / r.step_time_s;
     r.mfu = peak_flops > 0 ? r.model_flops / (r.step_time_s * peak_flops) : 0;
@@ -165,6 +171,16 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
   double bubble_sum = 0;
   r.per_device.reserve(ix(program.num_devices));
   for (int d = 0; d < program.num_devices; ++d) {
+    if (symmetry && !symmetry->is_representative(d)) {
+      // Same spans and memory as its representative, which has a lower id (already reported, and
+      // the first OOM device if this one is over).
+      DeviceReport dr = r.per_device[ix(symmetry->representative_of(d))];
+      dr.device = d;
+      bubble_sum += dr.bubble_fraction;
+      if (dr.oom) r.oom_details.devices_over += 1;
+      r.per_device.push_back(std::move(dr));
+      continue;
+    }
     const core::DeviceTimeline& dt = timeline.devices[ix(d)];
     const core::Plan& plan = program.plan_for(d);
     DeviceReport dr;
@@ -183,7 +199,7 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
     bubble_sum += dr.bubble_fraction;
     dr.peak_memory_bytes = dt.peak_memory_bytes;
     dr.peak_memory_time_s = dt.peak_memory_time_s;
-    dr.hbm_bytes = cluster.gpu(d).hbm_bytes;
+    dr.hbm_bytes = gpu_of(d).hbm_bytes;
     dr.oom = dr.peak_memory_bytes > dr.hbm_bytes;
     // Peak of each buffer kind on its own (frees before allocations at equal times).
     const auto& b = base[ix(program.plan_of_device[ix(d)])];
@@ -238,7 +254,7 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
     r.per_device.push_back(std::move(dr));
   }
   r.bubble_fraction = program.num_devices > 0 ? bubble_sum / program.num_devices : 0;
-  r.critical_path = critical_path(timeline);
+  r.critical_path = critical_path(timeline, symmetry);
   return r;
 }
 
@@ -277,6 +293,7 @@ json Report::to_json() const {
          {"bubble_fraction", bubble_fraction},
          {"compile_time_s", compile_time_s},
          {"simulate_time_s", simulate_time_s},
+         {"simulation", simulation},
          {"dag_nodes", dag_nodes},
          {"total_ops", total_ops},
          {"oom", oom},
@@ -314,6 +331,7 @@ Report Report::from_json(const json& j) {
   r.bubble_fraction = j.value("bubble_fraction", 0.0);
   r.compile_time_s = j.value("compile_time_s", 0.0);
   r.simulate_time_s = j.value("simulate_time_s", 0.0);
+  r.simulation = j.value("simulation", "");
   r.dag_nodes = j.value("dag_nodes", std::int64_t{0});
   r.total_ops = j.value("total_ops", std::int64_t{0});
   r.oom = j.value("oom", false);
@@ -379,6 +397,7 @@ std::string Report::to_text(int max_devices) const {
   }
   row("compile time", fmt::format("{:.1f} ms ({} DAG nodes, {} ops)", compile_time_s * 1e3, dag_nodes, total_ops));
   row("simulate time", fmt::format("{:.1f} ms", simulate_time_s * 1e3));
+  if (!simulation.empty()) row("simulation", simulation);
   // Critical path: where its compute time sits.
   std::vector<std::pair<double, int>> top;
   for (const auto& [d, s] : critical_path.seconds_by_device) top.emplace_back(s, d);

@@ -3,6 +3,8 @@
 
 #include <chrono>
 
+#include <fmt/format.h>
+
 namespace piper::sim {
 
 namespace {
@@ -16,10 +18,22 @@ SimulationResult run(SimulationResult out, const std::string& cluster_name, cons
   if (options.op_override) cost.set_override(options.op_override);
   std::unique_ptr<Engine> engine = make_engine(engine_name);
   const auto t0 = std::chrono::steady_clock::now();
-  out.timeline = engine->run(out.program, out.cluster, cost);
+  std::string mode;
+  std::optional<Symmetry> symmetry;
+  if (!options.symmetry) {
+    mode = "full: symmetry off (--no-symmetry)";
+  } else if (!engine->supports_symmetry()) {
+    mode = fmt::format("full: the {} engine models link contention, which couples symmetric devices", engine_name);
+  } else {
+    symmetry = find_symmetry(*out.program, out.cluster);
+    mode = (symmetry->reduces() ? "reduced: " : "full: ") + symmetry->note;
+    if (!symmetry->reduces()) symmetry.reset();
+  }
+  out.timeline = symmetry ? engine->run_reduced(out.program, out.cluster, cost, *symmetry) : engine->run(out.program, out.cluster, cost);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  out.report = make_report(out.timeline, out.cluster, compile_stats_of(*out.program));
+  out.report = make_report(out.timeline, out.cluster, compile_stats_of(*out.program), symmetry ? &*symmetry : nullptr);
   out.report.simulate_time_s = seconds;
+  out.report.simulation = mode;
   return out;
 }
 

@@ -30,6 +30,7 @@
 
 #include "piper/core/timeline.hpp"
 #include "piper/sim/cost_model.hpp"
+#include "piper/sim/symmetry.hpp"
 
 namespace piper::sim {
 
@@ -41,6 +42,13 @@ class Engine {
   // memory to fill_memory() (engines may call it themselves). Throws DeadlockError if stuck.
   virtual core::Timeline run(std::shared_ptr<const core::Program> program, const Cluster& cluster,
                              const CostModel& cost) = 0;
+  // Whether run_reduced() is exact for this engine: true when durations never depend on other
+  // activities (no link contention), so symmetric devices stay symmetric (symmetry.hpp).
+  virtual bool supports_symmetry() const { return false; }
+  // Simulates the representatives of `symmetry`'s classes only and copies their spans and memory to
+  // the other devices of their class: the same Timeline as run(). Default: run().
+  virtual core::Timeline run_reduced(std::shared_ptr<const core::Program> program, const Cluster& cluster,
+                                     const CostModel& cost, const Symmetry& symmetry);
 };
 
 using EngineFactory = std::function<std::unique_ptr<Engine>()>;
@@ -60,8 +68,16 @@ std::unique_ptr<Engine> make_simgrid_engine();
 // to their free op's end (frees first at equal times). Sets memory, peak_memory_bytes, peak time.
 void fill_memory(core::Timeline& timeline);
 
+// fill_memory() for the listed devices only.
+void fill_memory(core::Timeline& timeline, const std::vector<int>& devices);
+// Copies each representative's DeviceTimeline (spans, memory) to the other devices of its class.
+void expand_timeline(core::Timeline& timeline, const Symmetry& symmetry);
+
 // An empty timeline with one span per op (stream, index set; times 0), the layout engines fill.
 core::Timeline empty_timeline(std::shared_ptr<const core::Program> program, const std::string& source);
+// The same with spans for the representatives of `symmetry` only (other devices left empty).
+core::Timeline empty_timeline(std::shared_ptr<const core::Program> program, const std::string& source,
+                              const Symmetry& symmetry);
 // Index of an op's span in DeviceTimeline::spans (spans are sorted by stream, then index).
 std::vector<std::int32_t> stream_span_base(const core::Plan& plan);
 

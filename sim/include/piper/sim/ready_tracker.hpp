@@ -14,6 +14,7 @@
 
 #include "piper/core/error.hpp"
 #include "piper/core/program.hpp"
+#include "piper/sim/symmetry.hpp"
 
 namespace piper::sim {
 
@@ -113,6 +114,14 @@ class ReadyTracker {
   };
 
   explicit ReadyTracker(const core::Program& program);
+  // Reduced mode: only the representatives of `symmetry`'s classes run; a peer or group member is
+  // replaced by its class's representative (`symmetry` must outlive the tracker and reduce()).
+  ReadyTracker(const core::Program& program, const Symmetry* symmetry);
+
+  // The devices whose costs an activity has in the full program: a transfer's real receiver, a
+  // collective's real group (those of the first member). In full mode, the members themselves.
+  int transfer_receiver(const Activity& a) const;
+  const std::vector<int>& collective_ranks(const Activity& a);
 
   // Activities that became startable since the last call (each is returned exactly once).
   std::vector<Activity> take_ready();

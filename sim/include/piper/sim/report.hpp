@@ -11,6 +11,7 @@
 
 #include "piper/core/timeline.hpp"
 #include "piper/sim/cluster.hpp"
+#include "piper/sim/symmetry.hpp"
 
 namespace piper::sim {
 
@@ -82,6 +83,8 @@ struct Report {
   double bubble_fraction = 0;        // mean of the devices' bubble fractions
   double compile_time_s = 0;
   double simulate_time_s = 0;
+  // How the engine ran: "full: <why>" or "reduced: <classes>" (symmetry.hpp); set by simulate().
+  std::string simulation;
   std::int64_t dag_nodes = 0;
   std::int64_t total_ops = 0;
   bool oom = false;
@@ -97,8 +100,12 @@ struct Report {
 };
 
 // Needs timeline.program, spans and memory (fill_memory). simulate_time_s is left for the caller.
-Report make_report(const core::Timeline& timeline, const Cluster& cluster, const CompileStats& compile = {});
+// With `symmetry` (the classes a reduced run used), each class's rows are computed once and copied.
+Report make_report(const core::Timeline& timeline, const Cluster& cluster, const CompileStats& compile = {},
+                   const Symmetry* symmetry = nullptr);
 CompileStats compile_stats_of(const core::Program& program);
-CriticalPath critical_path(const core::Timeline& timeline);
+// With `symmetry`, only representatives are scanned for the last-ending op (each is the lowest device
+// of its class, so the same op is found).
+CriticalPath critical_path(const core::Timeline& timeline, const Symmetry* symmetry = nullptr);
 
 }  // namespace piper::sim

@@ -20,6 +20,9 @@ struct SimulateOptions {
   std::string engine;                // "analytic" | "simgrid"; empty: the scenario's, else kDefaultEngine
   std::string calibration_path;      // optional calibration JSON
   OpOverride op_override;            // optional per-op durations (tests, unit-time views)
+  // Simulate one device per symmetry class when the engine and program allow it (symmetry.hpp); the
+  // result equals the full simulation. false: always simulate every device (--no-symmetry).
+  bool symmetry = true;
 };
 
 constexpr const char* kDefaultCluster = "dgx-h200";

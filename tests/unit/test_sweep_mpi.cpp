@@ -1,0 +1,124 @@
+// `piper sweep` under mpirun -np 2: the combinations are split over the ranks and gathered into one
+// CSV whose rows equal a local sweep's; a rerun resumes; a bad spec ends every rank with one line.
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int code = -1;
+  std::string output;
+};
+
+Result sh(const std::string& cmd) {
+  Result r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, p)) r.output += buf;
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string mpirun(int ranks) {
+  // As root mpirun refuses to start without --allow-run-as-root; --oversubscribe lets ranks share 2 cores.
+  return std::string("timeout 120 ") + PIPER_MPIEXEC + " --allow-run-as-root --oversubscribe -np " + std::to_string(ranks) + " ";
+}
+
+const std::string kSpec = std::string(PIPER_SOURCE_DIR) + "/examples/sweeps/qwen3-9m-quick.json";
+
+std::vector<std::string> lines_of(const fs::path& p) {
+  std::ifstream in(p);
+  std::vector<std::string> out;
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+// key -> row without the two wall-time columns (compile_time_s, simulate_time_s: fields 21 and 22,
+// 0-based; only the last field, reason, may hold a quoted comma).
+std::map<std::string, std::string> rows_by_key(const fs::path& p) {
+  std::map<std::string, std::string> out;
+  const auto lines = lines_of(p);
+  for (std::size_t i = 1; i < lines.size(); ++i) {
+    const std::string& line = lines[i];
+    std::vector<std::size_t> commas;
+    for (std::size_t c = 0; c < line.size() && commas.size() < 23; ++c)
+      if (line[c] == ',') commas.push_back(c);
+    EXPECT_EQ(commas.size(), 23u) << line;
+    if (commas.size() < 23) continue;
+    const std::string row = line.substr(0, commas[20]) + line.substr(commas[22]);
+    const std::string key = row.substr(0, row.find(','));
+    EXPECT_TRUE(out.emplace(key, row).second) << "key twice: " << key;
+  }
+  return out;
+}
+
+fs::path fresh_dir(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / ("piper-sweep-mpi-" + name + "-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+// The quick spec has 2*3*2*2*2*2 = 96 combinations (pp, dp, ep, zero, schedule, microbatches).
+TEST(SweepMpi, TwoRanksWriteTheSameRowsAsALocalSweep) {
+  const fs::path dir = fresh_dir("same");
+  const Result local = sh(std::string(PIPER_CLI) + " sweep " + kSpec + " -o " + (dir / "local.csv").string() + " -j 1");
+  ASSERT_EQ(local.code, 0) << local.output;
+  const Result mpi = sh(mpirun(2) + PIPER_CLI + " sweep " + kSpec + " -o " + (dir / "mpi.csv").string() + " -j 1");
+  ASSERT_EQ(mpi.code, 0) << mpi.output;
+  EXPECT_NE(mpi.output.find("96 combinations: 0 already in"), std::string::npos) << mpi.output;
+  EXPECT_NE(mpi.output.find("on 2 MPI ranks"), std::string::npos) << mpi.output;
+  EXPECT_EQ(lines_of(dir / "mpi.csv").front(), lines_of(dir / "local.csv").front());  // one header
+  const auto a = rows_by_key(dir / "mpi.csv");
+  const auto b = rows_by_key(dir / "local.csv");
+  EXPECT_EQ(a.size(), 96u);
+  EXPECT_EQ(a, b);
+  fs::remove_all(dir);
+}
+
+TEST(SweepMpi, ResumesAKilledRun) {
+  const fs::path dir = fresh_dir("resume");
+  const fs::path csv = dir / "mpi.csv";
+  ASSERT_EQ(sh(mpirun(2) + PIPER_CLI + " sweep " + kSpec + " -o " + csv.string() + " -j 1").code, 0);
+  const auto full = rows_by_key(csv);
+  // Keep the header and 10 rows, then a row cut mid-write (as a kill leaves it).
+  const auto lines = lines_of(csv);
+  {
+    std::ofstream out(csv, std::ios::trunc);
+    for (std::size_t i = 0; i <= 10; ++i) out << lines[i] << "\n";
+    out << lines[11].substr(0, 12);
+  }
+  const Result again = sh(mpirun(2) + PIPER_CLI + " sweep " + kSpec + " -o " + csv.string() + " -j 1");
+  ASSERT_EQ(again.code, 0) << again.output;
+  EXPECT_NE(again.output.find("96 combinations: 10 already in"), std::string::npos) << again.output;
+  EXPECT_NE(again.output.find("86 run"), std::string::npos) << again.output;
+  EXPECT_EQ(rows_by_key(csv), full);
+  fs::remove_all(dir);
+}
+
+TEST(SweepMpi, BadSpecEndsEveryRankWithOneLine) {
+  const fs::path dir = fresh_dir("bad");
+  {
+    std::ofstream(dir / "bad.json") << R"({"model": "qwen3-9m", "pp": "four"})";
+  }
+  const Result r = sh(mpirun(2) + PIPER_CLI + " sweep " + (dir / "bad.json").string() + " -o " + (dir / "out.csv").string());
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("pp"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir / "out.csv"));
+  fs::remove_all(dir);
+}
+
+}  // namespace
