@@ -910,7 +910,7 @@ void apply_tensor_parallel(PassContext& cx, const TensorParallelDirective& d, in
       };
       if (layer.kind == LayerKind::Attention) indivisible("heads", sh.heads);
       if (layer.kind == LayerKind::Mlp) indivisible("ffn columns", sh.ffn);
-      if (layer.kind == LayerKind::Embedding || layer.kind == LayerKind::Head) indivisible("vocabulary rows", sh.vocab);
+      // The vocabulary is not checked: Megatron pads it to a multiple of the TP degree.
     }
     if (d.sequence_parallel && cx.dag.training.seq_len % d.degree != 0)
       fail(index, "sequence_parallel",

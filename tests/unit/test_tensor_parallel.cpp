@@ -196,8 +196,12 @@ TEST(TensorParallel, GroupsInTheProgram) {
   // Every F of a TP segment carries its collectives; activations between SP stages are sliced.
   for (const auto& st : p.plan_for(0).streams)
     for (const auto& op : st.ops) {
-      if (op.kind == OpKind::Compute && op.pass == Pass::F) EXPECT_GT(op.tp_collectives, 0);
-      if (op.kind == OpKind::Send && op.pass == Pass::F) EXPECT_EQ(op.bytes, 64 * 2 * 64 * 2 / 2);
+      if (op.kind == OpKind::Compute && op.pass == Pass::F) {
+        EXPECT_GT(op.tp_collectives, 0);
+      }
+      if (op.kind == OpKind::Send && op.pass == Pass::F) {
+        EXPECT_EQ(op.bytes, 64 * 2 * 64 * 2 / 2);
+      }
     }
   // The JSON round trip keeps the TP fields.
   EXPECT_TRUE(Program::from_json(p.to_json()) == p);
@@ -309,8 +313,13 @@ TEST(TensorParallel, StrategyFlagsAndGlobalBatch) {
       EXPECT_EQ(d["degree"], 4);
       EXPECT_EQ(d["sequence_parallel"], true);
     }
-    if (d["op"] == "recompute") ++rc, EXPECT_EQ(d["mode"], "selective");
-    if (d["op"] == "place") EXPECT_EQ(d["devices"], json({0, 1, 2, 3, 4, 5, 6, 7}));
+    if (d["op"] == "recompute") {
+      ++rc;
+      EXPECT_EQ(d["mode"], "selective");
+    }
+    if (d["op"] == "place") {
+      EXPECT_EQ(d["devices"], json({0, 1, 2, 3, 4, 5, 6, 7}));
+    }
   }
   EXPECT_EQ(tp, 1);
   EXPECT_EQ(rc, 1);
