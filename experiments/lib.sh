@@ -1,0 +1,21 @@
+# Shared helpers for the experiment scripts (sourced): paths, quick mode, CSV -> markdown, plots.
+# Every study writes into its own folder: results.csv (or several CSVs), results.md, and PNG plots.
+set -euo pipefail
+EXPERIMENTS_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_DIR="$(cd "$EXPERIMENTS_DIR/.." && pwd)"
+PIPER="${PIPER:-$REPO_DIR/build/bin/piper}"
+QUICK=0
+for arg in "$@"; do [ "$arg" = "--quick" ] && QUICK=1; done
+[ -x "$PIPER" ] || { echo "experiments: $PIPER not found; build it first (cmake --build build --target piper)" >&2; exit 2; }
+
+# csv_to_md FILE: a CSV with a header row as a GitHub markdown table on stdout.
+csv_to_md() {
+  awk -F, 'NR==1 { printf "|"; for (i=1;i<=NF;i++) printf " %s |", $i; printf "\n|"; for (i=1;i<=NF;i++) printf "---|"; printf "\n"; next }
+           { printf "|"; for (i=1;i<=NF;i++) printf " %s |", $i; printf "\n" }' "$1"
+}
+
+# has_plot: whether this piper build has the `plot` subcommand (the offscreen Qt plotting library).
+has_plot() { "$PIPER" plot --help >/dev/null 2>&1; }
+
+# json_num FILE KEY: a top-level number of a piper report.
+json_num() { jq -r ".$2" "$1"; }
