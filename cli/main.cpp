@@ -15,7 +15,8 @@ int main(int argc, char** argv) {
   std::vector<Command> commands = {add_compile_command(app), add_directives_command(app), add_verify_command(app),
                                    add_models_command(app), add_run_command(app),
                                    add_simulate_command(app), add_schedule_command(app),
-                                   add_sweep_command(app)};
+                                   add_sweep_command(app), add_tune_command(app),
+                                   add_plot_command(app)};
 
   // CLI11 would only say "A subcommand is required" for a misspelt one; name it instead.
   std::vector<std::string> names;

@@ -120,21 +120,13 @@ int pp_regions_in_program(const json& program) {
   return std::max(1, max_index + 1);
 }
 
-json scenario_program(const Scenario& s, int* regions) { return program_for(s, load_config(s), regions); }
-
-CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) {
-  CompiledScenario out;
-  out.config = load_config(s);
-  const std::string model_file = model_file_of(s.model);
-  out.model = from(model_file, [&] { return build_model(out.config); });
-  int regions = 0;
-  out.program_json = program_for(s, out.config, &regions);
+void annotate_regions(const Scenario& s, Model& model, const json& program, int regions) {
   try {
     if (s.stage_starts.empty()) {
-      balance_pipeline(out.model, regions);
+      balance_pipeline(model, regions);
       // Regions sharing a device (V placements, mirrored pairs) are balanced per device as well.
       std::vector<std::vector<int>> devices_of_region(static_cast<std::size_t>(regions));
-      for (const auto& d : out.program_json)
+      for (const auto& d : program)
         if (d.value("op", "") == "place" && d.contains("filter") && d["filter"].size() == 1 &&
             d["filter"].contains("PP") && d["filter"]["PP"].is_number_integer() && d.contains("devices")) {
           const int r = d["filter"]["PP"].get<int>();
@@ -154,14 +146,27 @@ CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) 
       }
       const bool shared = std::any_of(regions_of_device.begin(), regions_of_device.end(),
                                       [](const auto& kv) { return kv.second > 1; });
-      if (complete && shared) rebalance_for_devices(out.model, devices_of_region);
+      if (complete && shared) rebalance_for_devices(model, devices_of_region);
     } else {
-      annotate_pipeline_ranges(out.model, s.stage_starts);
+      annotate_pipeline_ranges(model, s.stage_starts);
     }
   } catch (const Error& e) {
-    throw ModelError((model_file.empty() ? "" : model_file + ": ") +
+    throw ModelError((model_file_of(s.model).empty() ? "" : model_file_of(s.model) + ": ") +
                      fmt::format("cannot annotate {} PP regions: {}", regions, e.what()));
   }
+}
+
+ModelConfig scenario_model_config(const Scenario& s) { return load_config(s); }
+
+json scenario_program(const Scenario& s, int* regions) { return program_for(s, load_config(s), regions); }
+
+CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) {
+  CompiledScenario out;
+  out.config = load_config(s);
+  out.model = from(model_file_of(s.model), [&] { return build_model(out.config); });
+  int regions = 0;
+  out.program_json = program_for(s, out.config, &regions);
+  annotate_regions(s, out.model, out.program_json, regions);
   if (!s.directives) {
     // A generated program shards every region's experts; regions without experts (dense first blocks,
     // as in DeepSeek-V3) have nothing to shard, so their shard directive is dropped rather than

@@ -8,6 +8,7 @@
 #include <QAction>
 #include <QApplication>
 #include <QComboBox>
+#include <QDockWidget>
 #include <QCommandLineParser>
 #include <QFileDialog>
 #include <QFormLayout>
@@ -130,6 +131,10 @@ void StudioWindow::build_menus() {
     const JsonCheck c = check_json(editor_->toPlainText().toStdString());
     if (c.ok) s.directives = c.value;
     core::write_file_atomically(p.toStdString(), s.to_json().dump(2) + "\n");
+  });
+  file->addAction("Open &tune results…", this, [this] {
+    const QString p = QFileDialog::getOpenFileName(this, "Open tune results", {}, "piper tune CSV (*.csv)");
+    if (!p.isEmpty()) open_tune_results(p);
   });
   file->addSeparator();
   file->addAction("&Compare with scenario…", this, [this] {
@@ -430,6 +435,24 @@ bool StudioWindow::export_chrome_trace(const QString& path) {
   return true;
 }
 
+bool StudioWindow::open_tune_results(const QString& path) {
+  if (!tune_browser_) {
+    tune_browser_ = new TuneBrowser;
+    tune_dock_ = new QDockWidget("Tune results", this);
+    tune_dock_->setWidget(tune_browser_);
+    addDockWidget(Qt::BottomDockWidgetArea, tune_dock_);
+    connect(tune_browser_, &TuneBrowser::candidate_activated, this,
+            [this](const core::Scenario& s) { load_scenario(s); });
+  }
+  QString error;
+  if (!tune_browser_->open(path, &error)) {
+    show_error(RunError{error.toStdString(), -1, {}}, {});
+    return false;
+  }
+  tune_dock_->show();
+  return true;
+}
+
 int studio_main(int argc, char** argv) {
   bool screenshot = false;
   for (int i = 1; i < argc; ++i) {
@@ -475,8 +498,16 @@ int studio_main(int argc, char** argv) {
     return 2;
   };
   bool ok = true;
-  if (!parser.positionalArguments().isEmpty()) ok = window.open_scenario_file(parser.positionalArguments().first(), sync);
-  else window.load_scenario(default_scenario(), sync);
+  const QString first = parser.positionalArguments().isEmpty() ? QString() : parser.positionalArguments().first();
+  if (first.endsWith(".csv", Qt::CaseInsensitive)) {
+    // A tune result: list its candidates and show the best one's timeline.
+    ok = window.open_tune_results(first);
+    if (ok) window.load_scenario(window.tune_browser()->scenario_of(0), sync);
+  } else if (!first.isEmpty()) {
+    ok = window.open_scenario_file(first, sync);
+  } else {
+    window.load_scenario(default_scenario(), sync);
+  }
   if (sync && (!ok || !window.run_a())) return fail(window.error_text());
   if (parser.isSet(compare) && !window.compare_with_file(parser.value(compare), sync) && sync) return fail(window.error_text());
   if (sync && parser.isSet(compare) && !window.run_b()) return fail(window.error_text());

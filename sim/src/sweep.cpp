@@ -3,21 +3,21 @@
 #include "piper/sim/sweep.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
-#include <thread>
 
 #include <fmt/format.h>
 
 #include "piper/core/scenario.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/sim/cluster.hpp"
+#include "piper/sim/results_csv.hpp"
 #include "piper/sim/simulate.hpp"
 
 namespace piper::sim {
@@ -26,12 +26,6 @@ using nlohmann::json;
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string one_line(std::string s) {
-  std::replace(s.begin(), s.end(), '\n', ' ');
-  std::replace(s.begin(), s.end(), '\r', ' ');
-  return s;
-}
 
 // A knob is a value or a list of values; each value must have type T.
 template <class T>
@@ -65,34 +59,6 @@ std::string resolve(const std::string& value, const std::string& base_dir) {
   const fs::path candidate = fs::path(base_dir) / value;
   std::error_code ec;
   return fs::is_regular_file(candidate, ec) ? candidate.string() : value;
-}
-
-std::string csv_field(const std::string& s) {
-  if (s.find_first_of(",\"\n") == std::string::npos) return s;
-  std::string out = "\"";
-  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
-  return out + "\"";
-}
-
-// Splits one CSV line (no newline) into fields, honouring double quotes.
-std::vector<std::string> csv_split(const std::string& line) {
-  std::vector<std::string> out(1);
-  bool quoted = false;
-  for (std::size_t i = 0; i < line.size(); ++i) {
-    const char c = line[i];
-    if (quoted) {
-      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') out.back() += '"', ++i;
-      else if (c == '"') quoted = false;
-      else out.back() += c;
-    } else if (c == '"') {
-      quoted = true;
-    } else if (c == ',') {
-      out.emplace_back();
-    } else {
-      out.back() += c;
-    }
-  }
-  return out;
 }
 
 bool is_simgrid(const SweepPoint& p) { return p.engine == "simgrid"; }
@@ -197,11 +163,7 @@ const std::vector<std::string>& sweep_csv_columns() {
   return columns;
 }
 
-std::string sweep_csv_header() {
-  std::string h;
-  for (const auto& c : sweep_csv_columns()) h += (h.empty() ? "" : ",") + c;
-  return h;
-}
+std::string sweep_csv_header() { return csv_header(sweep_csv_columns()); }
 
 std::string to_csv(const SweepRow& r) {
   const SweepPoint& p = r.point;
@@ -214,9 +176,49 @@ std::string to_csv(const SweepRow& r) {
                      csv_field(one_line(r.reason)));
 }
 
+Outcome simulate_outcome(const core::Scenario& scenario, const std::string& cluster, const std::string& engine,
+                         const std::string& calibration_path) {
+  Outcome out;
+  // A combination the compiler (or the cluster) rejects is "invalid"; one that compiles but fails to
+  // simulate (deadlock, engine failure) is "error": the second is worth a bug report, the first is not.
+  std::shared_ptr<const core::Program> program;
+  try {
+    if (!scenario.directives) core::validate_strategy_options(scenario.strategy);
+    core::CompiledScenario compiled = core::compile_scenario(scenario);
+    program = std::make_shared<const core::Program>(std::move(compiled.result.program));
+    with_devices(load_cluster(cluster), program->num_devices);
+  } catch (const std::exception& e) {
+    out.status = "invalid";
+    out.reason = one_line(e.what());
+    return out;
+  }
+  try {
+    SimulateOptions options;
+    options.cluster = cluster;
+    options.engine = engine;
+    options.calibration_path = calibration_path;
+    const SimulationResult result = simulate_program(program, options);
+    const Report& r = result.report;
+    out.devices = r.devices;
+    out.step_time_s = r.step_time_s;
+    out.tokens_per_step = r.tokens_per_step;
+    out.tokens_per_s = r.tokens_per_s;
+    out.mfu = r.mfu;
+    out.bubble_fraction = r.bubble_fraction;
+    out.peak_memory_bytes = r.peak_memory_bytes;
+    out.oom = r.oom;
+    out.compile_time_s = r.compile_time_s;
+    out.simulate_time_s = r.simulate_time_s;
+    out.status = "ok";
+  } catch (const std::exception& e) {
+    out.status = "error";
+    out.reason = one_line(e.what());
+    out.devices = program->num_devices;
+  }
+  return out;
+}
+
 SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
-  SweepRow row;
-  row.point = p;
   core::Scenario scenario;
   scenario.model = p.model;
   scenario.seq_len = p.seq_len;
@@ -229,82 +231,29 @@ SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
   scenario.strategy.microbatches = p.microbatches;
   scenario.strategy.virtual_stages = p.virtual_stages;
   scenario.strategy.bucket_mb = p.bucket_mb;
-  // A combination the compiler (or the cluster) rejects is "invalid"; one that compiles but fails to
-  // simulate (deadlock, engine failure) is "error": the second is worth a bug report, the first is not.
-  std::shared_ptr<const core::Program> program;
-  try {
-    core::validate_strategy_options(scenario.strategy);
-    core::CompiledScenario compiled = core::compile_scenario(scenario);
-    program = std::make_shared<const core::Program>(std::move(compiled.result.program));
-    with_devices(load_cluster(p.cluster), program->num_devices);
-  } catch (const std::exception& e) {
-    row.status = "invalid";
-    row.reason = one_line(e.what());
-    return row;
-  }
-  try {
-    SimulateOptions options;
-    options.cluster = p.cluster;
-    options.engine = p.engine;
-    options.calibration_path = calibration_path;
-    const SimulationResult result = simulate_program(program, options);
-    const Report& r = result.report;
-    row.devices = r.devices;
-    row.step_time_s = r.step_time_s;
-    row.tokens_per_s = r.tokens_per_s;
-    row.mfu = r.mfu;
-    row.bubble_fraction = r.bubble_fraction;
-    row.peak_memory_bytes = r.peak_memory_bytes;
-    row.oom = r.oom;
-    row.compile_time_s = r.compile_time_s;
-    row.simulate_time_s = r.simulate_time_s;
-    row.status = "ok";
-  } catch (const std::exception& e) {
-    row.status = "error";
-    row.reason = one_line(e.what());
-    row.devices = program->num_devices;
-  }
+  const Outcome o = simulate_outcome(scenario, p.cluster, p.engine, calibration_path);
+  SweepRow row;
+  row.point = p;
+  row.status = o.status;
+  row.reason = o.reason;
+  row.devices = o.devices;
+  row.step_time_s = o.step_time_s;
+  row.tokens_per_s = o.tokens_per_s;
+  row.mfu = o.mfu;
+  row.bubble_fraction = o.bubble_fraction;
+  row.peak_memory_bytes = o.peak_memory_bytes;
+  row.oom = o.oom;
+  row.compile_time_s = o.compile_time_s;
+  row.simulate_time_s = o.simulate_time_s;
   return row;
 }
 
 std::set<std::string> repair_results(const std::string& path) {
   std::set<std::string> keys;
-  std::error_code ec;
-  if (!fs::exists(path, ec)) return keys;
-  std::string text;
-  {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw SweepError(path + ": cannot open for reading");
-    std::ostringstream s;
-    s << in.rdbuf();
-    text = s.str();
-  }
-  // Rows are written whole and newline-terminated, so everything after the last newline is a row cut
-  // by a kill: drop it (its combination simply reruns).
-  const std::size_t complete = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
-  if (complete < text.size()) {
-    fs::resize_file(path, complete, ec);
-    if (ec) throw SweepError(path + ": cannot cut the partial last line: " + ec.message());
-    text.resize(complete);
-  }
-  if (text.empty()) return keys;
-  const std::size_t columns = sweep_csv_columns().size();
-  std::size_t pos = 0;
-  int line_no = 0;
-  while (pos < text.size()) {
-    const std::size_t end = text.find('\n', pos);
-    const std::string line = text.substr(pos, end - pos);
-    pos = end + 1;
-    line_no += 1;
-    if (line_no == 1) {
-      if (line != sweep_csv_header())
-        throw SweepError(path + ": line 1: not a piper sweep results file (header differs); choose another -o");
-      continue;
-    }
-    const auto fields = csv_split(line);
-    if (fields.size() != columns)
-      throw SweepError(fmt::format("{}: line {}: {} fields, expected {}", path, line_no, fields.size(), columns));
-    keys.insert(fields.front());
+  try {
+    for (const auto& fields : read_results(path, sweep_csv_columns(), "sweep")) keys.insert(fields.front());
+  } catch (const ResultsFileError& e) {
+    throw SweepError(e.what());
   }
   return keys;
 }
@@ -327,45 +276,27 @@ SweepSummary run_sweep(const SweepSpec& spec, const std::string& csv_path, const
   }
   const std::size_t total = summary.resumed + parallel.size() + serial.size();
 
-  std::error_code ec;
-  const bool fresh = !fs::exists(csv_path, ec) || fs::file_size(csv_path, ec) == 0;
-  std::FILE* out = std::fopen(csv_path.c_str(), "ab");
-  if (!out) throw SweepError(csv_path + ": cannot open for appending");
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> guard(out, &std::fclose);
-  if (fresh) {
-    std::fputs((sweep_csv_header() + "\n").c_str(), out);
-    std::fflush(out);
+  std::optional<ResultsAppender> out;
+  try {
+    out.emplace(csv_path, sweep_csv_columns());
+  } catch (const ResultsFileError& e) {
+    throw SweepError(e.what());
   }
   std::mutex mutex;
   std::size_t finished = summary.resumed;
   auto record = [&](const SweepRow& row) {
-    // One fputs + fflush per row: a kill can only cut the row being written, which the next run drops.
-    const std::string line = to_csv(row) + "\n";
+    try {
+      out->append(to_csv(row));
+    } catch (const ResultsFileError& e) {
+      throw SweepError(e.what());
+    }
     std::lock_guard lock(mutex);
-    if (std::fputs(line.c_str(), out) < 0 || std::fflush(out) != 0) throw SweepError(csv_path + ": write failed");
     summary.ran += 1;
     (row.status == "ok" ? summary.ok : row.status == "invalid" ? summary.invalid : summary.failed) += 1;
     finished += 1;
     if (options.on_row) options.on_row(row, finished, total);
   };
-
-  std::atomic<std::size_t> next{0};
-  std::exception_ptr failure;
-  auto worker = [&] {
-    try {
-      for (std::size_t i = next++; i < parallel.size(); i = next++) record(run_point(parallel[i], spec.calibration_path));
-    } catch (...) {
-      std::lock_guard lock(mutex);
-      if (!failure) failure = std::current_exception();
-      next = parallel.size();
-    }
-  };
-  const int jobs = std::max(1, std::min<int>(options.jobs, static_cast<int>(parallel.size())));
-  std::vector<std::thread> threads;
-  for (int t = 1; t < jobs; ++t) threads.emplace_back(worker);
-  worker();
-  for (auto& t : threads) t.join();
-  if (failure) std::rethrow_exception(failure);
+  run_pool(parallel.size(), options.jobs, [&](std::size_t i) { record(run_point(parallel[i], spec.calibration_path)); });
   // The simgrid engine forks a child per run; forking while other threads may hold locks (allocator
   // arenas aside, e.g. stdio or a registry mutex) could deadlock the child, so these run alone.
   for (const auto& p : serial) record(run_point(p, spec.calibration_path));

@@ -44,6 +44,14 @@ struct CompiledScenario {
 // core::Error subclasses whose one-line message names the file or flag at fault.
 CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook = {});
 
+// The model's architecture with the scenario's training shape (seq_len, micro_batch_size) applied.
+ModelConfig scenario_model_config(const Scenario& s);
+
+// Annotates `model`'s PP regions as compile_scenario does: the scenario's explicit ranges, or `regions`
+// regions balanced by compute, then rebalanced per device when `program` places several regions on
+// one device (V placements, mirrored pairs). Throws ModelError naming the region count.
+void annotate_regions(const Scenario& s, Model& model, const nlohmann::json& program, int regions);
+
 // The directive program a scenario compiles (without compiling it); `regions` receives the PP count.
 nlohmann::json scenario_program(const Scenario& s, int* regions = nullptr);
 

@@ -13,11 +13,13 @@
 #include "piper/gui/report_panel.hpp"
 #include "piper/gui/session.hpp"
 #include "piper/gui/timeline_view.hpp"
+#include "piper/gui/tune_browser.hpp"
 
 class QComboBox;
 class QSpinBox;
 class QLabel;
 class QAction;
+class QDockWidget;
 
 namespace piper::gui {
 
@@ -43,6 +45,9 @@ class StudioWindow : public QMainWindow {
   bool compare_with_file(const QString& path, bool synchronous = false);
   void close_compare();
   bool overlay_trace(const QString& path);
+  // Shows a `piper tune` results file in a dock; activating a candidate simulates its scenario.
+  bool open_tune_results(const QString& path);
+  TuneBrowser* tune_browser() const { return tune_browser_; }
   // Re-simulates from the editor text now (the debounce timer calls this after edits).
   void simulate_editor_text(bool synchronous = false);
 
@@ -82,6 +87,8 @@ class StudioWindow : public QMainWindow {
   QComboBox *model_ = nullptr, *cluster_ = nullptr, *engine_ = nullptr, *schedule_ = nullptr;
   QSpinBox *pp_ = nullptr, *microbatches_ = nullptr, *virtual_ = nullptr, *dp_ = nullptr, *ep_ = nullptr, *zero_ = nullptr;
   QAction* critical_action_ = nullptr;
+  TuneBrowser* tune_browser_ = nullptr;
+  QDockWidget* tune_dock_ = nullptr;
 
   core::Scenario scenario_a_;
   std::optional<ScenarioRun> run_a_, run_b_;
@@ -93,7 +100,7 @@ class StudioWindow : public QMainWindow {
   bool view_fitted_ = false;
 };
 
-// piper-studio's main(): `piper-studio [scenario.json] [--compare other.json] [--overlay trace.json]
+// piper-studio's main(): `piper-studio [scenario.json | tune-results.csv] [--compare other.json] [--overlay trace.json]
 // [--screenshot out.png [--size 1600x1000] [--critical-path]]`.
 int studio_main(int argc, char** argv);
 

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "piper/core/error.hpp"
+#include "piper/core/scenario.hpp"
 #include "piper/core/strategy.hpp"
 
 namespace piper::sim {
@@ -69,6 +70,20 @@ struct SweepRow {
 const std::vector<std::string>& sweep_csv_columns();
 std::string sweep_csv_header();
 std::string to_csv(const SweepRow& row);
+
+// The headline figures of one compiled and simulated scenario, or why it could not be simulated.
+struct Outcome {
+  std::string status;                // "ok" | "invalid" (rejected before simulating) | "error" (simulation failed)
+  std::string reason;                // one line; empty when ok
+  int devices = 0;
+  double step_time_s = 0, tokens_per_step = 0, tokens_per_s = 0, mfu = 0, bubble_fraction = 0;
+  std::int64_t peak_memory_bytes = 0;  // max over devices
+  bool oom = false;
+  double compile_time_s = 0, simulate_time_s = 0;
+};
+// Compiles `scenario` and simulates it on `cluster` with `engine`; never throws for a bad scenario.
+Outcome simulate_outcome(const core::Scenario& scenario, const std::string& cluster, const std::string& engine,
+                         const std::string& calibration_path = "");
 
 // Compiles and simulates one combination; never throws for a bad combination (status says why).
 SweepRow run_point(const SweepPoint& point, const std::string& calibration_path = "");

@@ -1,0 +1,134 @@
+// `piper plot`: draw columns of a CSV (a sweep's or tune's results, or any CSV with a header) as a
+// PNG scatter or line chart, one series per value of an optional grouping column.
+#include <cmath>
+#include <fstream>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "cli/common.hpp"
+#include "piper/sim/results_csv.hpp"
+#ifdef PIPER_HAVE_PLOT
+#include "piper/plot/plot.hpp"
+#endif
+
+namespace piper::cli {
+
+namespace {
+
+struct PlotArgs {
+  std::string csv_path, x, y, series, where, title, x_label, y_label, output_path;
+  bool line = false, log_x = false, log_y = false;
+};
+
+int run_plot(const PlotArgs& a) {
+#ifdef PIPER_HAVE_PLOT
+  std::ifstream in(a.csv_path);
+  if (!in) throw CliError(a.csv_path, "cannot open");
+  std::string header;
+  if (!std::getline(in, header)) throw CliError(a.csv_path, "empty file (expected a header line)");
+  const auto columns = sim::csv_split(header);
+  auto column = [&](const std::string& name, const char* flag) -> int {
+    for (std::size_t i = 0; i < columns.size(); ++i)
+      if (columns[i] == name) return static_cast<int>(i);
+    std::string list;
+    for (const auto& c : columns) list += (list.empty() ? "" : ", ") + c;
+    throw CliError(a.csv_path, fmt::format("{} '{}': no such column (columns: {})", flag, name, list));
+  };
+  const int xi = column(a.x, "--x"), yi = column(a.y, "--y");
+  const int si = a.series.empty() ? -1 : column(a.series, "--series");
+  int wi = -1;
+  std::string wanted;
+  if (!a.where.empty()) {
+    const auto eq = a.where.find('=');
+    if (eq == std::string::npos) throw CliError("", fmt::format("--where '{}': expected COLUMN=VALUE", a.where));
+    wi = column(a.where.substr(0, eq), "--where");
+    wanted = a.where.substr(eq + 1);
+  }
+  std::map<std::string, plot::Series> groups;
+  std::vector<std::string> order;
+  int line_no = 1, skipped = 0;
+  auto number = [](const std::string& s, double* out) {
+    try {
+      std::size_t used = 0;
+      *out = std::stod(s, &used);
+      return used == s.size() && std::isfinite(*out);
+    } catch (const std::exception&) {
+      return false;
+    }
+  };
+  for (std::string line; std::getline(in, line);) {
+    line_no += 1;
+    if (line.empty()) continue;
+    const auto f = sim::csv_split(line);
+    if (f.size() != columns.size())
+      throw CliError(a.csv_path, fmt::format("line {}: {} fields, the header has {}", line_no, f.size(), columns.size()));
+    if (wi >= 0 && f[static_cast<std::size_t>(wi)] != wanted) continue;
+    double x = 0, y = 0;
+    if (!number(f[static_cast<std::size_t>(xi)], &x) || !number(f[static_cast<std::size_t>(yi)], &y)) {
+      skipped += 1;  // e.g. invalid or pruned rows with empty figures
+      continue;
+    }
+    const std::string name = si >= 0 ? f[static_cast<std::size_t>(si)] : std::string();
+    if (!groups.count(name)) {
+      order.push_back(name);
+      groups[name].name = si >= 0 ? fmt::format("{} = {}", a.series, name) : std::string();
+    }
+    groups[name].x.push_back(x);
+    groups[name].y.push_back(y);
+  }
+  plot::Chart chart;
+  chart.title = a.title;
+  chart.x = {a.x_label.empty() ? a.x : a.x_label, a.log_x, {}, {}};
+  chart.y = {a.y_label.empty() ? a.y : a.y_label, a.log_y, {}, {}};
+  std::size_t points = 0;
+  for (const auto& name : order) {
+    plot::Series s = groups[name];
+    if (a.line) {
+      // A line joins points by increasing x.
+      std::vector<std::size_t> idx(s.x.size());
+      for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+      std::sort(idx.begin(), idx.end(), [&](std::size_t l, std::size_t r) { return s.x[l] < s.x[r]; });
+      plot::Series sorted = s;
+      for (std::size_t i = 0; i < idx.size(); ++i) sorted.x[i] = s.x[idx[i]], sorted.y[i] = s.y[idx[i]];
+      s = sorted;
+    }
+    points += s.x.size();
+    chart.series.push_back(std::move(s));
+  }
+  if (points == 0) throw CliError(a.csv_path, fmt::format("no row has numbers in both '{}' and '{}'", a.x, a.y));
+  try {
+    if (a.line) plot::write_line_png(chart, a.output_path);
+    else plot::write_scatter_png(chart, a.output_path);
+  } catch (const plot::PlotError& e) {
+    throw CliError("", e.what());
+  }
+  fmt::print("{} points in {} series ({} rows without numbers skipped) -> {}\n", points, chart.series.size(), skipped,
+             a.output_path);
+  return 0;
+#else
+  throw CliError(a.output_path, "this piper was built without Qt 6 Gui, so it cannot draw plots");
+#endif
+}
+
+}  // namespace
+
+Command add_plot_command(CLI::App& app) {
+  auto a = std::make_shared<PlotArgs>();
+  CLI::App* cmd = app.add_subcommand("plot", "draw two columns of a CSV as a PNG scatter or line chart");
+  cmd->add_option("csv", a->csv_path, "CSV file with a header line (e.g. sweep or tune results)")->required();
+  cmd->add_option("--x", a->x, "column for the x axis")->required();
+  cmd->add_option("--y", a->y, "column for the y axis")->required();
+  cmd->add_option("--series", a->series, "column whose values split the rows into series");
+  cmd->add_option("--where", a->where, "keep only rows with COLUMN=VALUE");
+  cmd->add_flag("--line", a->line, "join each series' points by increasing x");
+  cmd->add_flag("--log-x", a->log_x, "logarithmic x axis");
+  cmd->add_flag("--log-y", a->log_y, "logarithmic y axis");
+  cmd->add_option("--title", a->title, "chart title");
+  cmd->add_option("--x-label", a->x_label, "x axis label with its unit (default: the column name)");
+  cmd->add_option("--y-label", a->y_label, "y axis label with its unit (default: the column name)");
+  cmd->add_option("-o,--output", a->output_path, "PNG file to write")->required();
+  return {cmd, [a] { return run_plot(*a); }};
+}
+
+}  // namespace piper::cli

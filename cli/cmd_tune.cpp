@@ -1,0 +1,205 @@
+// `piper tune`: search the strategy space with the simulator (sim::run_tune), print the best plans
+// that fit, write the winner's directive program and a Pareto plot (throughput vs peak memory).
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "cli/common.hpp"
+#include "piper/core/program.hpp"
+#include "piper/sim/tune.hpp"
+#ifdef PIPER_HAVE_PLOT
+#include "piper/plot/plot.hpp"
+#endif
+
+namespace piper::cli {
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+struct TuneArgs {
+  sim::TuneSpec spec;
+  double memory_cap_gib = 0;
+  double budget_s = 0;
+  int jobs = 1;
+  int show = 10;
+  bool no_placement = false;
+  std::string output_path, directives_path, scenario_path, plot_path;
+};
+
+std::string duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  if (s < 60) return fmt::format("{:.0f}s", s);
+  if (s < 3600) return fmt::format("{}m{:02.0f}s", static_cast<int>(s / 60), std::fmod(s, 60));
+  return fmt::format("{}h{:02d}m", static_cast<int>(s / 3600), static_cast<int>(std::fmod(s, 3600) / 60));
+}
+
+// Throughput against peak memory: every simulated candidate, the Pareto front, the best plan, the cap.
+void plot_pareto(const sim::TuneSpec& spec, const sim::TuneSummary& s, const std::string& csv_path,
+                 const std::string& png_path) {
+#ifdef PIPER_HAVE_PLOT
+  plot::Chart chart;
+  chart.title = fmt::format("{} on {} x {}: throughput vs peak memory", spec.model, spec.devices, spec.cluster);
+  chart.x.label = "peak memory per device (GiB)";
+  chart.y.label = "throughput (tokens/s)";
+  plot::Series fits{"fits the cap (analytic)", {}, {}, plot::Style::Points, "#0072B2", 3.5};
+  plot::Series over{"over the cap", {}, {}, plot::Style::Points, "#E69F00", 3.5};
+  std::vector<sim::TuneRow> analytic;
+  for (const auto& r : sim::read_tune_results(csv_path)) {
+    if (r.engine != "analytic" || r.status != "ok") continue;
+    analytic.push_back(r);
+    auto& series = r.fits(s.memory_cap_bytes) ? fits : over;
+    series.x.push_back(static_cast<double>(r.peak_memory_bytes) / kGiB);
+    series.y.push_back(r.tokens_per_s);
+  }
+  plot::Series front{"Pareto front", {}, {}, plot::Style::LinePoints, "#009E73", 4.5};
+  for (const auto& r : sim::pareto_front(analytic)) {
+    front.x.push_back(static_cast<double>(r.peak_memory_bytes) / kGiB);
+    front.y.push_back(r.tokens_per_s);
+  }
+  chart.series = {over, fits, front};
+  if (!s.ranked.empty()) {
+    const auto& b = s.ranked.front();
+    chart.series.push_back({fmt::format("best ({})", b.engine), {static_cast<double>(b.peak_memory_bytes) / kGiB},
+                            {b.tokens_per_s}, plot::Style::Points, "#D55E00", 8});
+  }
+  if (std::isfinite(s.memory_cap_bytes))
+    chart.references.push_back({true, s.memory_cap_bytes / kGiB, fmt::format("cap {:.0f} GiB", s.memory_cap_bytes / kGiB)});
+  chart.x.min = 0;
+  chart.y.min = 0;
+  try {
+    plot::write_png(chart, png_path);
+  } catch (const plot::PlotError& e) {
+    throw CliError("", e.what());
+  }
+#else
+  (void)spec, (void)s, (void)csv_path;
+  throw CliError(png_path, "this piper was built without Qt 6 Gui, so it cannot draw plots");
+#endif
+}
+
+int run_tune(TuneArgs& a) {
+  sim::TuneSpec& spec = a.spec;
+  spec.memory_cap_bytes = a.memory_cap_gib * kGiB;
+  spec.placement_search = !a.no_placement;
+  const bool tty = isatty(fileno(stderr)) != 0;
+  sim::TuneOptions options;
+  options.jobs = a.jobs;
+  options.budget_s = a.budget_s;
+  // The bar redraws one line in place, so only on a terminal; logs and pipes get nothing.
+  options.on_progress = [tty](const sim::TuneProgress& p) {
+    if (!tty) return;
+    constexpr int kWidth = 30;
+    const int filled = p.total ? static_cast<int>(kWidth * p.done / p.total) : kWidth;
+    static std::string phase;
+    static double phase_start = 0;
+    static std::size_t phase_first = 0;
+    if (p.phase != phase) phase = p.phase, phase_start = p.elapsed_s, phase_first = p.done;
+    // ETA from this phase's own rate (resumed rows excluded).
+    const double rate = p.done > phase_first ? (p.elapsed_s - phase_start) / static_cast<double>(p.done - phase_first)
+                                             : std::numeric_limits<double>::quiet_NaN();
+    fmt::print(stderr, "\r{:<9} [{}{}] {}/{}  elapsed {}  eta {}   ", p.phase, std::string(static_cast<std::size_t>(filled), '#'),
+               std::string(static_cast<std::size_t>(kWidth - filled), ' '), p.done, p.total, duration(p.elapsed_s),
+               duration(rate * static_cast<double>(p.total - p.done)));
+    if (p.done == p.total) fmt::print(stderr, "\n");
+    std::fflush(stderr);
+  };
+  sim::TuneSummary s;
+  try {
+    s = sim::run_tune(spec, a.output_path, options);
+  } catch (const sim::TuneError& e) {
+    throw CliError("", e.what());
+  }
+  const auto& e = s.enumeration;
+  fmt::print("{} on {} x {}, global batch {} sequences, memory cap {:.2f} GiB\n", spec.model, spec.devices, spec.cluster,
+             spec.effective_global_batch(), s.memory_cap_bytes / kGiB);
+  fmt::print("enumerated  {} legal strategies ({} combinations: {} batch split impossible, {} refused by the family)\n",
+             s.candidates, e.considered, e.batch_indivisible, e.family_rejected);
+  fmt::print("pruned      {} by the memory lower bound\n", s.pruned);
+  fmt::print("simulated   {} analytic ({} placement variants), {} SimGrid; {} fit the cap; {} rows resumed from {}\n",
+             s.simulated, s.placement_variants, s.simgrid, s.fitting, s.resumed, a.output_path);
+  fmt::print("wall time   {:.1f} s with -j {}\n", s.elapsed_s, a.jobs);
+  if (s.budget_exhausted) fmt::print("budget      {:.0f} s exhausted in {}; rerun with the same -o to continue\n", a.budget_s, s.stopped);
+  if (s.ranked.empty()) {
+    fmt::print("no simulated plan fits {:.2f} GiB\n", s.memory_cap_bytes / kGiB);
+    return 0;
+  }
+  fmt::print("\nrank  engine      step ms    tokens/s     MFU  peak GiB  strategy\n");
+  const int shown = std::min<int>(a.show, static_cast<int>(s.ranked.size()));
+  for (int i = 0; i < shown; ++i) {
+    const auto& r = s.ranked[static_cast<std::size_t>(i)];
+    fmt::print("{:>4}  {:<8} {:>10.3f} {:>11.0f} {:>6.1f}% {:>9.2f}  {}\n", i + 1, r.engine, r.step_time_s * 1e3,
+               r.tokens_per_s, r.mfu * 100, static_cast<double>(r.peak_memory_bytes) / kGiB, r.candidate.describe());
+  }
+  const sim::TuneRow& best = s.ranked.front();
+  const std::vector<int> ranges = sim::effective_pp_ranges(spec, best.candidate);
+  std::string ranges_text;
+  for (int r : ranges) ranges_text += (ranges_text.empty() ? "" : ",") + std::to_string(r);
+  fmt::print("\nbest: {} ({}): {:.3f} ms/step, {:.0f} tokens/s, MFU {:.1f} %, peak {:.2f} GiB\n", best.candidate.describe(),
+             best.engine, best.step_time_s * 1e3, best.tokens_per_s, best.mfu * 100,
+             static_cast<double>(best.peak_memory_bytes) / kGiB);
+  if (!a.directives_path.empty()) {
+    core::write_file_atomically(a.directives_path, sim::tune_directives(spec, best.candidate).dump(2) + "\n");
+    fmt::print("directives -> {} (compile with --model {} --micro-batch-size {}{} --pp-ranges {})\n", a.directives_path,
+               spec.model, best.candidate.micro_batch_size,
+               spec.seq_len > 0 ? fmt::format(" --seq-len {}", spec.seq_len) : std::string(), ranges_text);
+  }
+  if (!a.scenario_path.empty()) {
+    core::Scenario scenario = sim::tune_scenario(spec, best.candidate, best.engine);
+    scenario.stage_starts = ranges;
+    core::write_file_atomically(a.scenario_path, scenario.to_json().dump(2) + "\n");
+    fmt::print("scenario -> {} (piper simulate --scenario, or open it in piper-studio)\n", a.scenario_path);
+  }
+  if (!a.plot_path.empty()) {
+    plot_pareto(spec, s, a.output_path, a.plot_path);
+    fmt::print("plot -> {}\n", a.plot_path);
+  }
+  return 0;
+}
+
+}  // namespace
+
+Command add_tune_command(CLI::App& app) {
+  auto a = std::make_shared<TuneArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "tune", "search PP x DP x EP, schedules, microbatching and ZeRO with the simulator; print the best plans that fit");
+  cmd->add_option("--model", a->spec.model, "zoo name, model spec JSON or HF config.json")->required();
+  cmd->add_option("--cluster", a->spec.cluster, "cluster preset or spec file")->capture_default_str();
+  cmd->add_option("--devices", a->spec.devices, "GPUs to use")->required()->check(kPositiveInt);
+  cmd->add_option("--global-batch", a->spec.global_batch, "sequences per step (default: 4 per device)")->check(kPositiveInt);
+  cmd->add_option("--seq-len", a->spec.seq_len, "tokens per sequence (default: the model's)")->check(kPositiveInt);
+  cmd->add_option("--micro-batch-size", a->spec.micro_batch_sizes, "sequences per microbatch to try (a list)")
+      ->check(kPositiveInt)
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--zero", a->spec.zero_levels, "ZeRO levels to try (a list)")
+      ->check(CLI::Range(0, 3))
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--schedules", a->spec.schedules, "schedule families to try (default: all; see 'piper schedule list')")
+      ->delimiter(',');
+  cmd->add_option("--max-virtual", a->spec.max_virtual, "most PP regions per rank tried")->check(kPositiveInt)->capture_default_str();
+  cmd->add_option("--memory-cap", a->memory_cap_gib, "GiB per device a plan may use (default: the GPU's HBM)")
+      ->check(kNonNegativeNumber);
+  cmd->add_option("--budget-s", a->budget_s, "stop starting simulations after this many seconds (0: no limit)")
+      ->check(kNonNegativeNumber);
+  cmd->add_option("--top", a->spec.top_k, "best plans re-simulated on the SimGrid engine")->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_flag("--no-placement-search", a->no_placement, "keep the generator's PP boundaries");
+  cmd->add_option("--show", a->show, "plans printed")->check(kPositiveInt)->capture_default_str();
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  a->jobs = static_cast<int>(cores);
+  cmd->add_option("-j,--jobs", a->jobs, "worker threads for analytic simulations")->check(kPositiveInt)->capture_default_str();
+  cmd->add_option("-o,--output", a->output_path, "results CSV; rerunning with the same file resumes")->required();
+  cmd->add_option("--emit-directives", a->directives_path, "write the best plan's directive program (JSON)");
+  cmd->add_option("--emit-scenario", a->scenario_path, "write the best plan's scenario (JSON, opens in piper-studio)");
+  cmd->add_option("--plot", a->plot_path, "write a Pareto plot (throughput vs peak memory) as PNG");
+  return {cmd, [a] { return run_tune(*a); }};
+}
+
+}  // namespace piper::cli

@@ -1,0 +1,295 @@
+// Offscreen PNG charts with QPainter: axes with nice ticks, series as points or lines, a legend,
+// reference lines; written atomically (temporary file, then rename).
+#include "piper/plot/plot.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <limits>
+
+#include <QColor>
+#include <QFont>
+#include <QFontMetrics>
+#include <QGuiApplication>
+#include <QImage>
+#include <QPainter>
+#include <QPainterPath>
+#include <QPen>
+#include <QString>
+
+namespace piper::plot {
+
+namespace {
+
+// Colour-blind-friendly palette (Okabe & Ito 2008).
+const char* const kPalette[] = {"#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000"};
+
+struct Range {
+  double lo = 0, hi = 1;
+};
+
+double forward(double v, bool log) { return log ? std::log10(v) : v; }
+
+Range data_range(const Chart& c, bool x_axis) {
+  const Axis& axis = x_axis ? c.x : c.y;
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+  for (const auto& s : c.series)
+    for (double v : x_axis ? s.x : s.y) {
+      if (!std::isfinite(v) || (axis.log && v <= 0)) continue;
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+    }
+  for (const auto& r : c.references)
+    if (r.vertical == x_axis && std::isfinite(r.value) && (!axis.log || r.value > 0)) {
+      lo = std::min(lo, r.value);
+      hi = std::max(hi, r.value);
+    }
+  if (!std::isfinite(lo)) lo = axis.log ? 1 : 0, hi = axis.log ? 10 : 1;
+  if (axis.log) {
+    lo = std::pow(10, std::floor(std::log10(lo) * 10) / 10 - 0.05);
+    hi = std::pow(10, std::ceil(std::log10(hi) * 10) / 10 + 0.05);
+  } else {
+    // Pad 5 % so markers on the edge stay whole; a single value gets a unit-wide window.
+    const double pad = hi > lo ? 0.05 * (hi - lo) : std::max(1.0, std::abs(lo) * 0.1);
+    lo -= pad;
+    hi += pad;
+  }
+  if (axis.min) lo = *axis.min;
+  if (axis.max) hi = *axis.max;
+  if (!(hi > lo)) hi = lo + 1;
+  return {lo, hi};
+}
+
+QColor color_of(const std::string& name, std::size_t index) {
+  if (!name.empty()) {
+    QColor c(QString::fromStdString(name));
+    if (c.isValid()) return c;
+  }
+  return QColor(kPalette[index % (sizeof kPalette / sizeof *kPalette)]);
+}
+
+}  // namespace
+
+std::vector<double> nice_ticks(double lo, double hi, bool log, int target) {
+  std::vector<double> out;
+  if (!(hi > lo) || !std::isfinite(lo) || !std::isfinite(hi)) return out;
+  if (log) {
+    if (lo <= 0) return out;
+    const int first = static_cast<int>(std::ceil(std::log10(lo) - 1e-9));
+    const int last = static_cast<int>(std::floor(std::log10(hi) + 1e-9));
+    const bool few = last - first < 3;
+    for (int e = first - 1; e <= last; ++e)
+      for (double m : few ? std::vector<double>{1, 2, 5} : std::vector<double>{1}) {
+        const double v = m * std::pow(10.0, e);
+        if (v >= lo * (1 - 1e-9) && v <= hi * (1 + 1e-9)) out.push_back(v);
+      }
+    return out;
+  }
+  const double raw = (hi - lo) / std::max(1, target);
+  const double mag = std::pow(10.0, std::floor(std::log10(raw)));
+  double step = mag;
+  for (double m : {1.0, 2.0, 5.0, 10.0})
+    if (m * mag >= raw) {
+      step = m * mag;
+      break;
+    }
+  for (double v = std::ceil(lo / step - 1e-9) * step; v <= hi + step * 1e-9; v += step)
+    out.push_back(std::abs(v) < step * 1e-9 ? 0.0 : v);
+  return out;
+}
+
+std::string tick_label(double v) {
+  const double a = std::abs(v);
+  auto compact = [](double x) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.3g", x);
+    return std::string(buf);
+  };
+  if (a >= 1e12) return compact(v / 1e12) + "T";
+  if (a >= 1e9) return compact(v / 1e9) + "G";
+  if (a >= 1e6) return compact(v / 1e6) + "M";
+  if (a >= 1e4) return compact(v / 1e3) + "k";
+  return compact(v);
+}
+
+void ensure_gui_application() {
+  if (QCoreApplication::instance()) return;
+  // Text needs a QGuiApplication; the offscreen platform needs no display. It lives until exit.
+  if (std::getenv("QT_QPA_PLATFORM") == nullptr) qputenv("QT_QPA_PLATFORM", "offscreen");
+  static int argc = 1;
+  static char name[] = "piper";
+  static char* argv[] = {name, nullptr};
+  new QGuiApplication(argc, argv);
+}
+
+QImage render(const Chart& c) {
+  ensure_gui_application();
+  for (const auto& s : c.series)
+    if (s.x.size() != s.y.size())
+      throw PlotError("series '" + s.name + "': " + std::to_string(s.x.size()) + " x values but " +
+                      std::to_string(s.y.size()) + " y values");
+  if (c.width < 200 || c.height < 150) throw PlotError("chart size must be at least 200 x 150 pixels");
+  QImage image(c.width, c.height, QImage::Format_ARGB32_Premultiplied);
+  image.fill(Qt::white);
+  QPainter p(&image);
+  p.setRenderHint(QPainter::Antialiasing);
+  QFont font("DejaVu Sans");
+  font.setPixelSize(14);
+  p.setFont(font);
+  const QFontMetrics fm(font);
+
+  const Range xr = data_range(c, true), yr = data_range(c, false);
+  const auto xticks = nice_ticks(xr.lo, xr.hi, c.x.log), yticks = nice_ticks(yr.lo, yr.hi, c.y.log);
+  int ytick_w = 0;
+  for (double t : yticks) ytick_w = std::max(ytick_w, fm.horizontalAdvance(QString::fromStdString(tick_label(t))));
+  const int left = 30 + ytick_w + fm.height(), right = 30, top = c.title.empty() ? 20 : 50;
+  const int bottom = 30 + 2 * fm.height();
+  const QRectF plot(left, top, c.width - left - right, c.height - top - bottom);
+  auto px = [&](double v) {
+    return plot.left() + (forward(v, c.x.log) - forward(xr.lo, c.x.log)) / (forward(xr.hi, c.x.log) - forward(xr.lo, c.x.log)) * plot.width();
+  };
+  auto py = [&](double v) {
+    return plot.bottom() - (forward(v, c.y.log) - forward(yr.lo, c.y.log)) / (forward(yr.hi, c.y.log) - forward(yr.lo, c.y.log)) * plot.height();
+  };
+  auto visible = [&](double x, double y) {
+    return std::isfinite(x) && std::isfinite(y) && (!c.x.log || x > 0) && (!c.y.log || y > 0);
+  };
+
+  // Title, grid, ticks and axis labels.
+  if (!c.title.empty()) {
+    QFont tf = font;
+    tf.setPixelSize(18);
+    tf.setBold(true);
+    p.setFont(tf);
+    p.drawText(QRectF(0, 10, c.width, 30), Qt::AlignHCenter | Qt::AlignVCenter, QString::fromStdString(c.title));
+    p.setFont(font);
+  }
+  p.setPen(QPen(QColor("#e5e5e5"), 1));
+  for (double t : xticks) p.drawLine(QPointF(px(t), plot.top()), QPointF(px(t), plot.bottom()));
+  for (double t : yticks) p.drawLine(QPointF(plot.left(), py(t)), QPointF(plot.right(), py(t)));
+  p.setPen(QPen(Qt::black, 1));
+  p.drawRect(plot);
+  for (double t : xticks) {
+    const QString s = QString::fromStdString(tick_label(t));
+    p.drawLine(QPointF(px(t), plot.bottom()), QPointF(px(t), plot.bottom() + 5));
+    p.drawText(QRectF(px(t) - 60, plot.bottom() + 7, 120, fm.height()), Qt::AlignHCenter | Qt::AlignTop, s);
+  }
+  for (double t : yticks) {
+    const QString s = QString::fromStdString(tick_label(t));
+    p.drawLine(QPointF(plot.left() - 5, py(t)), QPointF(plot.left(), py(t)));
+    p.drawText(QRectF(plot.left() - 8 - ytick_w, py(t) - fm.height() / 2.0, ytick_w, fm.height()),
+               Qt::AlignRight | Qt::AlignVCenter, s);
+  }
+  p.drawText(QRectF(plot.left(), c.height - fm.height() - 8, plot.width(), fm.height()), Qt::AlignHCenter,
+             QString::fromStdString(c.x.label));
+  p.save();
+  p.translate(12, plot.center().y());
+  p.rotate(-90);
+  p.drawText(QRectF(-plot.height() / 2, 0, plot.height(), fm.height()), Qt::AlignHCenter, QString::fromStdString(c.y.label));
+  p.restore();
+
+  // Data, clipped to the plot area.
+  p.save();
+  p.setClipRect(plot);
+  for (const auto& r : c.references) {
+    if (c.x.log && r.vertical && r.value <= 0) continue;
+    if (c.y.log && !r.vertical && r.value <= 0) continue;
+    p.setPen(QPen(color_of(r.color, 0), 1.5, Qt::DashLine));
+    if (r.vertical) p.drawLine(QPointF(px(r.value), plot.top()), QPointF(px(r.value), plot.bottom()));
+    else p.drawLine(QPointF(plot.left(), py(r.value)), QPointF(plot.right(), py(r.value)));
+    const QString s = QString::fromStdString(r.label);
+    if (r.vertical) p.drawText(QPointF(px(r.value) + 4, plot.top() + fm.height()), s);
+    else p.drawText(QPointF(plot.right() - fm.horizontalAdvance(s) - 4, py(r.value) - 4), s);
+  }
+  for (std::size_t i = 0; i < c.series.size(); ++i) {
+    const Series& s = c.series[i];
+    const QColor col = color_of(s.color, i);
+    if (s.style != Style::Points) {
+      QPainterPath path;
+      bool open = false;
+      for (std::size_t k = 0; k < s.x.size(); ++k) {
+        if (!visible(s.x[k], s.y[k])) {
+          open = false;
+          continue;
+        }
+        const QPointF pt(px(s.x[k]), py(s.y[k]));
+        if (open) path.lineTo(pt);
+        else path.moveTo(pt), open = true;
+      }
+      p.setPen(QPen(col, 2));
+      p.setBrush(Qt::NoBrush);
+      p.drawPath(path);
+    }
+    if (s.style != Style::Line) {
+      QColor fill = col;
+      fill.setAlpha(170);
+      p.setPen(QPen(col.darker(130), 1));
+      p.setBrush(fill);
+      for (std::size_t k = 0; k < s.x.size(); ++k)
+        if (visible(s.x[k], s.y[k])) p.drawEllipse(QPointF(px(s.x[k]), py(s.y[k])), s.marker_px, s.marker_px);
+    }
+  }
+  p.restore();
+
+  // Legend, top right inside the plot.
+  std::vector<std::size_t> named;
+  for (std::size_t i = 0; i < c.series.size(); ++i)
+    if (!c.series[i].name.empty()) named.push_back(i);
+  if (!named.empty()) {
+    int w = 0;
+    for (auto i : named) w = std::max(w, fm.horizontalAdvance(QString::fromStdString(c.series[i].name)));
+    const double row = fm.height() + 4;
+    const QRectF box(plot.right() - w - 50, plot.top() + 8, w + 42, row * static_cast<double>(named.size()) + 8);
+    p.setPen(QPen(QColor("#999999"), 1));
+    p.setBrush(QColor(255, 255, 255, 230));
+    p.drawRect(box);
+    for (std::size_t k = 0; k < named.size(); ++k) {
+      const Series& s = c.series[named[k]];
+      const QColor col = color_of(s.color, named[k]);
+      const double y = box.top() + 4 + row * static_cast<double>(k) + row / 2;
+      if (s.style != Style::Points) {
+        p.setPen(QPen(col, 2));
+        p.drawLine(QPointF(box.left() + 6, y), QPointF(box.left() + 26, y));
+      }
+      if (s.style != Style::Line) {
+        p.setPen(QPen(col.darker(130), 1));
+        p.setBrush(col);
+        p.drawEllipse(QPointF(box.left() + 16, y), 4, 4);
+      }
+      p.setPen(Qt::black);
+      p.drawText(QRectF(box.left() + 32, y - row / 2, w + 10, row), Qt::AlignVCenter | Qt::AlignLeft,
+                 QString::fromStdString(s.name));
+    }
+  }
+  p.end();
+  return image;
+}
+
+void write_png(const Chart& chart, const std::string& path) {
+  const QImage image = render(chart);
+  const std::string tmp = path + ".tmp";
+  if (!image.save(QString::fromStdString(tmp), "PNG")) {
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
+    throw PlotError(path + ": cannot write the PNG");
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::filesystem::remove(tmp, ec);
+    throw PlotError(path + ": cannot write the PNG: " + ec.message());
+  }
+}
+
+void write_scatter_png(Chart chart, const std::string& path) {
+  for (auto& s : chart.series) s.style = Style::Points;
+  write_png(chart, path);
+}
+
+void write_line_png(Chart chart, const std::string& path) {
+  for (auto& s : chart.series) s.style = Style::LinePoints;
+  write_png(chart, path);
+}
+
+}  // namespace piper::plot

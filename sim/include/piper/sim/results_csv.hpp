@@ -1,0 +1,60 @@
+// Machinery shared by the result-producing drivers (`piper sweep`, `piper tune`): CSV fields, a
+// resumable append-only results file (complete rows survive a kill, a cut last row is dropped), and
+// a worker pool that stops starting new work when asked (a time budget).
+#pragma once
+
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "piper/core/error.hpp"
+
+namespace piper::sim {
+
+// A results file that cannot be read, resumed or written: one line naming the file (and line).
+class ResultsFileError : public core::Error {
+ public:
+  using core::Error::Error;
+};
+
+// One CSV field: quoted (with doubled quotes) only when it holds a comma, a quote or a newline.
+std::string csv_field(const std::string& s);
+// Splits one CSV line (no newline) into fields, honouring double quotes.
+std::vector<std::string> csv_split(const std::string& line);
+// Newlines and carriage returns become spaces (reasons and messages are kept to one CSV line).
+std::string one_line(std::string s);
+// The header line for `columns` (no newline).
+std::string csv_header(const std::vector<std::string>& columns);
+
+// Reads a results file for resuming: cuts a trailing partial line (a run killed mid-write) off the
+// file and returns the fields of every complete data row. `kind` names the file type in errors
+// ("sweep", "tune"). Throws ResultsFileError if the header differs from `columns` or a row has the
+// wrong field count. A missing or empty file yields no rows (and is not created).
+std::vector<std::vector<std::string>> read_results(const std::string& csv_path, const std::vector<std::string>& columns,
+                                                   const std::string& kind);
+
+// Appends rows to a results file, writing the header first when the file is new or empty. Each
+// append is one write + flush under a lock, so a kill can only cut the row being written.
+class ResultsAppender {
+ public:
+  ResultsAppender(const std::string& csv_path, const std::vector<std::string>& columns);
+  void append(const std::string& row);  // without its newline; thread-safe
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file_;
+  std::mutex mutex_;
+};
+
+// Runs work(i) for i in [0, count) on `jobs` threads (the caller's thread is one of them). Before
+// starting an item each worker asks `stop` (when given); once it says yes no new item starts and
+// the running ones finish. Returns how many items started. The first exception thrown by `work` stops
+// the pool and is rethrown.
+std::size_t run_pool(std::size_t count, int jobs, const std::function<void(std::size_t)>& work,
+                     const std::function<bool()>& stop = {});
+
+}  // namespace piper::sim

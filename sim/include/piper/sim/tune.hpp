@@ -1,0 +1,167 @@
+// Strategy search (`piper tune`): enumerate the legal strategies for a model on N devices, prune
+// those whose closed-form memory lower bound exceeds the cap, rank the rest with the analytic engine
+// (in parallel), try a few PP region placements balanced with the real cost model for the leaders,
+// re-simulate the best on the SimGrid engine, and keep every result in a resumable CSV.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "piper/core/error.hpp"
+#include "piper/core/scenario.hpp"
+
+namespace piper::sim {
+
+// A bad tune request or results file: one line naming the flag, file or field.
+class TuneError : public core::Error {
+ public:
+  using core::Error::Error;
+};
+
+struct TuneSpec {
+  std::string model = "qwen3-9m";         // zoo name, model spec or HF config
+  std::string cluster = "dgx-h200";       // preset or file; grown to `devices` when not fixed
+  int devices = 8;
+  std::int64_t global_batch = 0;          // sequences per step; 0: 4 per device
+  std::int64_t seq_len = 0;               // 0: the model's
+  std::vector<std::int64_t> micro_batch_sizes{1, 2};  // sequences per microbatch to try
+  std::vector<int> zero_levels{0, 1, 2, 3};
+  std::vector<std::string> schedules;     // families to try; empty: every registered family
+  int max_virtual = 4;                    // largest regions-per-rank count tried (families that take it)
+  double memory_cap_bytes = 0;            // 0: the smallest HBM of the cluster's GPUs
+  int top_k = 3;                          // re-simulated on the SimGrid engine (0: none)
+  bool placement_search = true;           // try cost-model-balanced PP boundaries for the leaders
+  int placement_leaders = 0;              // strategies whose placement is searched; 0: max(top_k, 4)
+  std::string calibration_path;
+
+  std::int64_t effective_global_batch() const { return global_batch > 0 ? global_batch : 4LL * devices; }
+};
+
+// One point of the search space. Each strategy dimension is one field and one loop in
+// enumerate_candidates (a new one, e.g. a tensor-parallel degree, is one more of each).
+struct TuneCandidate {
+  int pp = 1, dp = 1, ep = 1, zero = 0;
+  std::string schedule;
+  int virtual_stages = 1;                 // PP regions per pipeline rank
+  int microbatches = 1;                   // per data-parallel replica and step
+  std::int64_t micro_batch_size = 1;      // sequences per microbatch
+  std::string placement = "default";      // how the PP boundaries were chosen (a label)
+  std::vector<int> pp_ranges;             // first block of each PP region; empty: the generator's balance
+
+  // Stable identity (no commas): the resume key.
+  std::string key() const;
+  // "PP 4 x DP 2, 1f1b, 8 microbatches of 1, ZeRO-1" and the boundaries when not the default.
+  std::string describe() const;
+  friend bool operator==(const TuneCandidate&, const TuneCandidate&) = default;
+};
+
+// The scenario that compiles `c` for the spec's model (training shape, strategy, PP ranges, cluster).
+core::Scenario tune_scenario(const TuneSpec& spec, const TuneCandidate& c, const std::string& engine = "analytic");
+
+// How enumeration went: every combination of degrees, batch split and family considered, and why
+// the illegal ones were dropped.
+struct EnumerationStats {
+  std::size_t considered = 0;             // (pp, dp, ep, micro batch size, family, virtual) tuples
+  std::size_t batch_indivisible = 0;      // global batch not a multiple of dp x micro batch size
+  std::size_t family_rejected = 0;        // the schedule family's constraints (e.g. microbatch count)
+  std::size_t legal = 0;                  // candidates (with ZeRO levels)
+};
+
+// Every legal candidate, in a stable order: pp, then ep, micro batch size, family, regions, ZeRO.
+std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, EnumerationStats* stats = nullptr);
+
+// A lower bound of the simulator's peak memory (bytes, max over devices) for `c`, in closed form from
+// the model's layer costs: each device's parameters, gradients and optimizer states (sized by ZeRO
+// level, replicas and expert sharding, as lowering sizes them) plus the activations one microbatch
+// keeps on that device until its backward pass. Pruning with it never drops a plan that fits.
+std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c);
+
+// Up to three alternatives to c's PP boundaries: regions balanced by the cost model's compute time on
+// the cluster's GPU (not FLOPs), minimising the busiest device (which sees every region it holds, as
+// in V and mirrored placements), and that balance with the last region's boundary moved one block
+// either way (the LM head makes the last region heavy). Alternatives equal to the default are dropped.
+std::vector<TuneCandidate> placement_variants(const TuneSpec& spec, const TuneCandidate& c);
+
+// The first block of each PP region that compile_scenario would use for `c` (the default balance
+// when c.pp_ranges is empty).
+std::vector<int> effective_pp_ranges(const TuneSpec& spec, const TuneCandidate& c);
+
+struct TuneRow {
+  TuneCandidate candidate;
+  std::string engine;                     // "analytic" | "simgrid" | "" (pruned: not simulated)
+  std::string status;                     // "ok" | "pruned" | "invalid" | "error"
+  std::string reason;
+  std::int64_t estimated_memory_bytes = 0;
+  int devices = 0;
+  double step_time_s = 0, tokens_per_s = 0, mfu = 0, bubble_fraction = 0;
+  std::int64_t peak_memory_bytes = 0;
+  bool oom = false;
+  double compile_time_s = 0, simulate_time_s = 0;
+  bool fits(double memory_cap_bytes) const {
+    return status == "ok" && !oom && static_cast<double>(peak_memory_bytes) <= memory_cap_bytes;
+  }
+};
+
+// Compiles and simulates `c` with `engine`; never throws for a bad candidate (status says why).
+TuneRow evaluate_candidate(const TuneSpec& spec, const TuneCandidate& c, const std::string& engine,
+                           std::int64_t estimated_memory_bytes = 0);
+
+const std::vector<std::string>& tune_csv_columns();
+std::string to_csv(const TuneSpec& spec, const TuneRow& row);
+// A data row of a tune CSV back into the spec fields it names (model, cluster, devices, global batch,
+// seq_len) and the row. Throws TuneError naming `where` and the column on a malformed field.
+TuneRow tune_row_from_csv(const std::vector<std::string>& fields, TuneSpec* spec, const std::string& where);
+// Reads every data row of a tune results file (for the studio and the CLI's summary).
+std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* spec = nullptr);
+
+struct TuneProgress {
+  std::string phase;                      // "estimate" | "analytic" | "placement" | "simgrid"
+  std::size_t done = 0, total = 0;        // in this phase (resumed rows included)
+  double elapsed_s = 0;                   // since run_tune started
+};
+
+struct TuneOptions {
+  int jobs = 1;                           // worker threads for analytic simulations
+  double budget_s = 0;                    // 0: none; else no new simulation starts after this
+  // Called after every row (from a worker thread, one call at a time).
+  std::function<void(const TuneProgress&)> on_progress;
+};
+
+struct TuneSummary {
+  EnumerationStats enumeration;
+  std::size_t candidates = 0;             // legal strategies (default placement)
+  std::size_t pruned = 0;                 // by the memory lower bound
+  std::size_t simulated = 0;              // analytic rows (this run and resumed), placement variants included
+  std::size_t placement_variants = 0;     // of which placement alternatives
+  std::size_t simgrid = 0;                // SimGrid rows
+  std::size_t resumed = 0;                // rows read back from the CSV
+  std::size_t ran = 0;                    // simulations run by this call
+  std::size_t fitting = 0;                // ok rows within the memory cap (analytic)
+  double memory_cap_bytes = 0;
+  double elapsed_s = 0;
+  bool budget_exhausted = false;
+  std::string stopped;                    // where the budget stopped the search ("" when it did not)
+  // Best first: candidates re-simulated on SimGrid by their SimGrid step time, then the others by
+  // their analytic step time; only rows that fit the cap. `ranked[i].engine` says which engine.
+  std::vector<TuneRow> ranked;
+};
+
+// Runs (or resumes) the search, appending every row to `csv_path`. Throws TuneError on a bad spec or
+// a results file of another search.
+TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const TuneOptions& options = {});
+
+// The rows no other row beats on both throughput (higher) and peak memory (lower), by increasing
+// peak memory. Rows that are not "ok" are ignored.
+std::vector<TuneRow> pareto_front(std::vector<TuneRow> rows);
+
+// The directive program of `c` as compiled (generated placement + schedule; regions without experts
+// drop their shard directives). Region boundaries are not part of a directive program: compile it
+// with the model and --pp-ranges effective_pp_ranges(spec, c).
+nlohmann::json tune_directives(const TuneSpec& spec, const TuneCandidate& c);
+
+}  // namespace piper::sim

@@ -1,0 +1,151 @@
+// Resumable CSV results files and the worker pool shared by sweeps and the tuner.
+#include "piper/sim/results_csv.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <fmt/format.h>
+
+namespace piper::sim {
+
+namespace fs = std::filesystem;
+
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+std::vector<std::string> csv_split(const std::string& line) {
+  std::vector<std::string> out(1);
+  bool quoted = false;
+  for (std::size_t i = 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') out.back() += '"', ++i;
+      else if (c == '"') quoted = false;
+      else out.back() += c;
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == ',') {
+      out.emplace_back();
+    } else {
+      out.back() += c;
+    }
+  }
+  return out;
+}
+
+std::string one_line(std::string s) {
+  std::replace(s.begin(), s.end(), '\n', ' ');
+  std::replace(s.begin(), s.end(), '\r', ' ');
+  return s;
+}
+
+std::string csv_header(const std::vector<std::string>& columns) {
+  std::string h;
+  for (const auto& c : columns) h += (h.empty() ? "" : ",") + c;
+  return h;
+}
+
+std::vector<std::vector<std::string>> read_results(const std::string& path, const std::vector<std::string>& columns,
+                                                   const std::string& kind) {
+  std::vector<std::vector<std::string>> rows;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return rows;
+  std::string text;
+  {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw ResultsFileError(path + ": cannot open for reading");
+    std::ostringstream s;
+    s << in.rdbuf();
+    text = s.str();
+  }
+  // Rows are written whole and newline-terminated, so everything after the last newline is a row cut
+  // by a kill: drop it (its item simply reruns).
+  const std::size_t complete = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
+  if (complete < text.size()) {
+    fs::resize_file(path, complete, ec);
+    if (ec) throw ResultsFileError(path + ": cannot cut the partial last line: " + ec.message());
+    text.resize(complete);
+  }
+  if (text.empty()) return rows;
+  const std::string header = csv_header(columns);
+  std::size_t pos = 0;
+  int line_no = 0;
+  while (pos < text.size()) {
+    const std::size_t end = text.find('\n', pos);
+    const std::string line = text.substr(pos, end - pos);
+    pos = end + 1;
+    line_no += 1;
+    if (line_no == 1) {
+      if (line != header)
+        throw ResultsFileError(
+            fmt::format("{}: line 1: not a piper {} results file (header differs); choose another -o", path, kind));
+      continue;
+    }
+    auto fields = csv_split(line);
+    if (fields.size() != columns.size())
+      throw ResultsFileError(fmt::format("{}: line {}: {} fields, expected {}", path, line_no, fields.size(), columns.size()));
+    rows.push_back(std::move(fields));
+  }
+  return rows;
+}
+
+ResultsAppender::ResultsAppender(const std::string& csv_path, const std::vector<std::string>& columns)
+    : path_(csv_path), file_(nullptr, &std::fclose) {
+  std::error_code ec;
+  const bool fresh = !fs::exists(csv_path, ec) || fs::file_size(csv_path, ec) == 0;
+  file_.reset(std::fopen(csv_path.c_str(), "ab"));
+  if (!file_) throw ResultsFileError(csv_path + ": cannot open for appending");
+  if (fresh) append(csv_header(columns));
+}
+
+void ResultsAppender::append(const std::string& row) {
+  // One fputs + fflush per row: a kill can only cut the row being written, which read_results drops.
+  const std::string line = row + "\n";
+  std::lock_guard lock(mutex_);
+  if (std::fputs(line.c_str(), file_.get()) < 0 || std::fflush(file_.get()) != 0)
+    throw ResultsFileError(path_ + ": write failed");
+}
+
+std::size_t run_pool(std::size_t count, int jobs, const std::function<void(std::size_t)>& work,
+                     const std::function<bool()>& stop) {
+  std::atomic<std::size_t> next{0};
+  std::atomic<std::size_t> started{0};
+  std::mutex mutex;
+  std::exception_ptr failure;
+  auto worker = [&] {
+    try {
+      while (true) {
+        if (stop && stop()) {
+          next = count;
+          return;
+        }
+        const std::size_t i = next++;
+        if (i >= count) return;
+        started += 1;
+        work(i);
+      }
+    } catch (...) {
+      std::lock_guard lock(mutex);
+      if (!failure) failure = std::current_exception();
+      next = count;
+    }
+  };
+  const int threads_wanted = std::max(1, std::min<int>(jobs, static_cast<int>(count)));
+  std::vector<std::thread> threads;
+  for (int t = 1; t < threads_wanted; ++t) threads.emplace_back(worker);
+  worker();
+  for (auto& t : threads) t.join();
+  if (failure) std::rethrow_exception(failure);
+  return std::min(started.load(), count);
+}
+
+}  // namespace piper::sim
