@@ -19,3 +19,9 @@ has_plot() { "$PIPER" plot --help >/dev/null 2>&1; }
 
 # json_num FILE KEY: a top-level number of a piper report.
 json_num() { jq -r ".$2" "$1"; }
+
+# Qt (piper plot) wants a private runtime folder; give it one instead of a warning per plot.
+if [ -z "${XDG_RUNTIME_DIR:-}" ]; then
+  export XDG_RUNTIME_DIR="/tmp/piper-experiments-runtime-$(id -u)"
+  mkdir -p "$XDG_RUNTIME_DIR" && chmod 700 "$XDG_RUNTIME_DIR"
+fi

@@ -33,6 +33,11 @@ mv "$out" results.csv
 csv_to_md results.csv > results.md
 echo "bubbles: $(grep -c ',yes,' results.csv) of $(($(wc -l < results.csv) - 1)) rows match the bubble formula; $(awk -F, 'NR>1 && $15=="yes"' results.csv | wc -l) match the activation formula"
 if has_plot; then
-  awk -F, 'NR==1 || ($2==4 && $5==1 && $4==8)' results.csv > plot-p4.csv
-  "$PIPER" plot plot-p4.csv --x family --y bubble_sim,bubble_formula --kind bar --title "Bubble per rank, P=4 ranks, M=8, F=1 B=2 W=1" --ylabel "bubble (time units)" -o bubbles.png
+  # Bubble fraction (bubble / step) against microbatches, P = the largest rank count, F=1 B=2 W=1; and simulated
+  # against closed-form bubbles for every row (all points on the diagonal when they agree).
+  awk -F, -v p="${ranks[-1]}" 'NR==1 { print "family,microbatches,bubble_fraction_pct" } NR>1 && $2==p && $5==1 { printf "%s,%s,%.2f\n", $1, $4, 100*$10/$8 }' results.csv > plot-fraction.csv
+  "$PIPER" plot plot-fraction.csv --x microbatches --y bubble_fraction_pct --series family --line \
+    --title "Unit-time bubble, ${ranks[-1]} pipeline ranks, F=1 B=2 W=1" --x-label "microbatches per step" --y-label "bubble / step time (%)" -o bubble-fraction.png > /dev/null
+  "$PIPER" plot results.csv --x bubble_formula --y bubble_sim --series family \
+    --title "Simulated bubble vs closed form (DualPipe README), all P, M, costs" --x-label "closed-form bubble (time units)" --y-label "simulated bubble (time units)" -o bubble-vs-formula.png > /dev/null
 fi

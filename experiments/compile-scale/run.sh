@@ -33,7 +33,8 @@ awk -F, 'NR>1 { s=$1; x=log($2); n[s]++; sx[s]+=x; sxx[s]+=x*x; sy[s]+=log($3); 
 { csv_to_md results.csv; echo; csv_to_md growth.csv; } > results.md
 echo "compile-scale: $(tail -n +2 growth.csv | cut -d, -f1,2 | tr '\n' ';')"
 if has_plot; then
-  { echo -n "devices"; for st in "${strategies[@]}"; do echo -n ",${st%%|*}"; done; echo;
-    for n in "${sizes[@]}"; do echo -n "$n"; for st in "${strategies[@]}"; do echo -n ",$(awk -F, -v s="${st%%|*}" -v n="$n" '$1==s && $2==n { print $3 }' results.csv)"; done; echo; done; } > plot.csv
-  "$PIPER" plot plot.csv --x devices --kind line --logx --title "Compile time vs devices (data parallelism grows)" --xlabel "devices" --ylabel "compile time (s)" -o compile-time.png
+  "$PIPER" plot results.csv --x devices --y compile_s --series strategy --line --log-x --log-y \
+    --title "Compile time vs devices (pipeline fixed, data parallelism grows)" --x-label "devices" --y-label "compile time (s)" -o compile-time.png > /dev/null
+  "$PIPER" plot results.csv --x devices --y process_peak_rss_mib --series strategy --line --log-x \
+    --title "Compiler peak memory vs devices" --x-label "devices" --y-label "peak RSS of piper compile (MiB)" -o compile-memory.png > /dev/null
 fi

@@ -35,6 +35,14 @@ sed -i 's/,\([0-9]*\.[0-9]\{3\}\)[0-9]*$/,\1/' results.csv
     END { printf "uniform default %s ms; mixed default %s ms (%.2fx); best mixed placement %s: %s ms (%.2fx of uniform)\n", u, d, d/u, w, b, b/u }' results.csv; } > results.md
 echo "heterogeneous: $(tail -1 results.md)"
 if has_plot; then
-  awk -F, 'NR==1 { print "placement,step time (ms)" } NR>1 { printf "%s: %s %s,%s\n", $1, $2, ($3=="balanced" ? "" : $3), $4 }' results.csv > plot.csv
-  "$PIPER" plot plot.csv --x placement --kind bar --title "llama3-8b PP4 x DP8 1F1B on 32 GPUs: placement vs cluster" --ylabel "step time (ms)" -o step-time.png
+  # Step time against the blocks given to the A100 node's stage; the uniform cluster and the mixed
+  # cluster's default placement as flat reference series.
+  awk -F, 'NR==1 { print "placement,a100_blocks,step_ms" }
+    NR>1 && $1=="uniform-4x-h100" && $2 ~ /^default/ { u=$4 } NR>1 && $1=="mixed-h100-a100" && $2 ~ /^default/ { d=$4 }
+    NR>1 && $2 ~ /A100 = last/ { split($3, r, " "); printf "A100 node = last stage (with LM head),%d,%s\n", 32 - r[4], $4; xs[32 - r[4]] = 1 }
+    NR>1 && $2 ~ /A100 = first/ { split($3, r, " "); printf "A100 node = first stage (with embedding),%d,%s\n", r[2], $4; xs[r[2]] = 1 }
+    END { for (x in xs) { printf "uniform H100 cluster (default placement),%d,%s\n", x, u; printf "mixed cluster (default placement),%d,%s\n", x, d } }' results.csv > plot.csv
+  "$PIPER" plot plot.csv --x a100_blocks --y step_ms --series placement --line \
+    --title "llama3-8b PP4 x DP8 1F1B on 3 H100 nodes + 1 A100 node: one stage per node" \
+    --x-label "transformer blocks on the A100 node's stage (of 32)" --y-label "step time (ms)" -o step-time.png > /dev/null
 fi

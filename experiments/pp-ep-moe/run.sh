@@ -9,13 +9,13 @@ mkdir -p out
 # shape name | model | pp | dp | ep | microbatches (JSON list)
 shapes=(
   "qwen3-1b-pp4|qwen3-1b|4|2|2|[8, 16, 32]"
-  "qwen3-1b-pp2|qwen3-1b|2|4|4|[4, 8, 16]"
+  "qwen3-1b-pp2|qwen3-1b|2|4|2|[4, 8, 16]"
   "vocab8k-pp4|inputs/qwen3-1b-vocab8k.json|4|2|2|[8, 16, 32]"
   "qwen3-30b-a3b-pp4|qwen3-30b-a3b|4|2|2|[8, 16]"
 )
 clusters=("dgx-h200" "inputs/h200-2gpu-nodes-400g.json" "inputs/h200-2gpu-nodes-100g.json")
 if [ "$QUICK" = 1 ]; then
-  shapes=("qwen3-1b-pp4|qwen3-1b|4|2|2|[8]" "qwen3-1b-pp2|qwen3-1b|2|4|4|[4]")
+  shapes=("qwen3-1b-pp4|qwen3-1b|4|2|2|[8]" "qwen3-1b-pp2|qwen3-1b|2|4|2|[4]")
   clusters=("dgx-h200" "inputs/h200-2gpu-nodes-400g.json")
 fi
 echo "shape,cluster,schedule,microbatches,step_ms,tokens_per_s,mfu_pct,bubble_pct,peak_gib,oom" > results.csv.tmp
@@ -56,7 +56,7 @@ awk -F, 'NR>1 && $5!="" { t[$1","$2","$4","$3]=$5; k[$1","$2","$4]=1 }
 
 # The default scenario's shapes on the SimGrid engine: step time and per-device busy time.
 echo "strategy,schedule,step_ms,busy_ms_dev0,busy_ms_dev1,busy_ms_dev2,busy_ms_dev3,max_busy_ms,step_over_max_busy" > simgrid.csv
-for cfg in "pp4|--pp 4 --dp 2 --ep 2 --microbatches 8" "pp2|--pp 2 --dp 4 --ep 4 --microbatches 4"; do
+for cfg in "pp4|--pp 4 --dp 2 --ep 2 --microbatches 8" "pp2|--pp 2 --dp 4 --ep 2 --microbatches 4"; do
   IFS='|' read -r tag flags <<< "$cfg"
   for s in 1f1b dualpipev; do
     [ "$QUICK" = 1 ] && [ "$tag" = pp4 ] && [ "$s" = 1f1b ] && continue
@@ -68,14 +68,20 @@ for cfg in "pp4|--pp 4 --dp 2 --ep 2 --microbatches 8" "pp2|--pp 2 --dp 4 --ep 4
       | map(if type == "number" then (. * 1000 | round / 1000) else . end) | @csv' "out/$tag-$s.json" | tr -d '"' >> simgrid.csv
   done
 done
+# The DualPipeV order against the DualPipe reference schedule (PyTorch CSV of deepseek-ai/DualPipe's
+# DualPipeV, 4 ranks, 10 microbatches), when the shared fixtures are beside the checkout.
+ref="$REPO_DIR/../shared/fixtures/pytorch-schedules/dualpipev_4rank_10mb.csv"
+if [ -f "$ref" ]; then
+  if "$PIPER" schedule export-csv dualpipev --ranks 4 --microbatches 10 | cmp -s - "$ref"; then check="identical to"; else check="DIFFERS from"; fi
+  echo "piper schedule export-csv dualpipev --ranks 4 --microbatches 10: $check dualpipev_4rank_10mb.csv" > reference-check.txt
+fi
 { echo "### All runs (analytic engine)"; echo; csv_to_md results.csv; echo; echo "### DualPipeV / 1F1B and DualPipeV / ZB-V step-time ratios"; echo;
   csv_to_md ratios.csv; echo; echo "### SimGrid engine, qwen3-1b on one DGX H200 (8 GPUs), same 65,536 tokens per step"; echo; csv_to_md simgrid.csv; } > results.md
 echo "pp-ep-moe: $(($(wc -l < results.csv) - 1)) runs; DualPipeV faster than 1F1B in $(awk -F, 'NR>1 && $7<1' ratios.csv | wc -l) of $(($(wc -l < ratios.csv) - 1)) settings"
 if has_plot; then
-  for sh in qwen3-1b-pp4 qwen3-1b-pp2; do
-    { echo "microbatches,NVLink (DGX H200),400 Gb/s between 2-GPU nodes,100 Gb/s between 2-GPU nodes";
-      awk -F, -v s="$sh" 'NR>1 && $1==s { r[$3][$2]=$7 } END { for (m in r) printf "%s,%s,%s,%s\n", m, r[m]["dgx-h200"], r[m]["h200-2gpu-nodes-400g"], r[m]["h200-2gpu-nodes-100g"] }' ratios.csv | sort -n; } > "plot-$sh.csv"
-    "$PIPER" plot "plot-$sh.csv" --x microbatches --kind line --title "DualPipeV / 1F1B step time, $sh (below 1: DualPipeV faster)" \
-      --xlabel "microbatches per step" --ylabel "step-time ratio" -o "ratio-$sh.png"
+  for sh in $(tail -n +2 ratios.csv | cut -d, -f1 | sort -u); do
+    "$PIPER" plot ratios.csv --where "shape=$sh" --x microbatches --y dualpipev_over_1f1b --series cluster --line \
+      --title "DualPipeV / 1F1B step time, $sh (below 1: DualPipeV faster)" --x-label "microbatches per step" \
+      --y-label "step-time ratio DualPipeV / 1F1B" -o "ratio-$sh.png" > /dev/null
   done
 fi

@@ -43,9 +43,10 @@ awk -F, 'NR>1 { if ($2==1) { if ($6>d[$1]) d[$1]=$6 } else if ($6>p[$1]) { p[$1]
 { csv_to_md results.csv; echo; csv_to_md gain.csv; } > results.md
 echo "pp-zero: $(tail -n +2 gain.csv | tr '\n' ';')"
 if has_plot; then
+  awk -F, 'NR==1 { print "cluster,strategy,zero,max_micro_batch" } NR>1 { printf "%s,%s,%s,%s\n", $1, ($2==1 ? "DP8 alone" : "PP"$2" x DP"$3" "$4), $5, $6 }' results.csv > plot.csv
   for cl in "${clusters[@]}"; do
-    awk -F, -v c="$cl" 'NR==1 { print "strategy,max micro-batch (sequences)" } NR>1 && $1==c { printf "PP%s %s Z%s,%s\n", $2, $4, $5, $6 }' results.csv > "plot-$cl.csv"
-    "$PIPER" plot "plot-$cl.csv" --x strategy --kind bar --title "llama3-8b, 8 GPUs, $cl: largest micro-batch that fits (8 microbatches of 2k-token sequences)" \
-      --ylabel "sequences per micro-batch" -o "max-batch-$cl.png"
+    "$PIPER" plot plot.csv --where "cluster=$cl" --x zero --y max_micro_batch --series strategy --line \
+      --title "llama3-8b on 8 GPUs ($cl): largest micro-batch that fits, 8 microbatches of 2k-token sequences" \
+      --x-label "ZeRO level" --y-label "largest micro-batch (sequences)" -o "max-batch-$cl.png" > /dev/null
   done
 fi
