@@ -3,7 +3,7 @@
 # unit time (`piper schedule show`, computed from each compiled program), against the closed forms
 # of the DualPipe README / DeepSeek-V3 report (table 2).
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
-cd "$EXPERIMENTS_DIR/bubbles"
+enter_study bubbles
 ranks=(4 8); costs=("1,2,1" "2,3,1"); [ "$QUICK" = 1 ] && ranks=(4) && costs=("1,2,1")
 out=results.csv.tmp
 echo "family,ranks,stages,microbatches,F,B,W,step_units,busy_units,bubble_sim,bubble_formula,bubble_match,peak_act_sim,peak_act_formula,act_match" > "$out"

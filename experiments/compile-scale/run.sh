@@ -4,7 +4,7 @@
 # compile time, the compiler's peak memory (and the process's peak RSS), total ops of the Program,
 # and the growth law time ~ devices^k fitted by least squares on log-log.
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
-cd "$EXPERIMENTS_DIR/compile-scale"
+enter_study compile-scale
 sizes=(1024 4096 16384 65536)
 # name | pp | flags
 strategies=(

@@ -3,7 +3,7 @@
 # Piper's prediction and the relative error; mean and max error printed last. Nothing is fitted:
 # the cost model's constants are the presets' (sim/src/cluster.cpp), set before these comparisons.
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
-cd "$EXPERIMENTS_DIR/fidelity"
+enter_study fidelity
 mkdir -p out
 echo "quantity,source,configuration,published,predicted,error_pct" > results.csv.tmp
 row() { awk -v q="$1" -v s="$2" -v c="$3" -v p="$4" -v x="$5" 'BEGIN { printf "%s,%s,%s,%s,%s,%.2f\n", q, s, c, p, x, 100 * (x - p) / p }' >> results.csv.tmp; }

@@ -7,7 +7,7 @@
 # A100 node's stage given fewer blocks (searched: the A100 stage holds c blocks, the others split the
 # rest evenly; the A100 node holds the last stage (with the LM head) or, reversed, the first).
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
-cd "$EXPERIMENTS_DIR/heterogeneous"
+enter_study heterogeneous
 mkdir -p out
 base="--model llama3-8b --schedule 1f1b --microbatches 16 --engine analytic"
 clusters=(uniform-4x-h100 slow-fabric-4x-h100 mixed-h100-a100); counts=(1 2 3 4 6 8)

@@ -4,7 +4,7 @@
 # inside a DGX node vs 400 Gb/s and 100 Gb/s between 2-GPU nodes), with `piper sweep` (analytic
 # engine); then the default scenario's shapes on the SimGrid engine with per-device busy time.
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
-cd "$EXPERIMENTS_DIR/pp-ep-moe"
+enter_study pp-ep-moe
 mkdir -p out
 # shape name | model | pp | dp | ep | microbatches (JSON list)
 shapes=(

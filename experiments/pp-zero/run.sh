@@ -4,7 +4,7 @@
 # parallelism alone (DP 8) with ZeRO-0..3, and PP 2 / PP 4 x DP with GPipe, 1F1B or ZB-H1 and
 # ZeRO-0..3, under the 80 GB (DGX H100) and 141 GB (DGX H200) caps; and the throughput at that size.
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
-cd "$EXPERIMENTS_DIR/pp-zero"
+enter_study pp-zero
 mkdir -p out
 model=llama3-8b; seq=2048; m=8; limit=128
 clusters=(dgx-h100 dgx-h200); zeros=(0 1 2 3); pps=(1 2 4); scheds=(gpipe 1f1b zb-h1)
