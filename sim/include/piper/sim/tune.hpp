@@ -55,7 +55,7 @@ struct TuneCandidate {
 
   // Stable identity (no commas): the resume key.
   std::string key() const;
-  // "PP 4 x DP 2, 1f1b, 8 microbatches of 1, ZeRO-1" and the boundaries when not the default.
+  // "PP 4 x DP 2, <schedule>, 8 microbatches of 1, ZeRO-1" and the boundaries when not the default.
   std::string describe() const;
   friend bool operator==(const TuneCandidate&, const TuneCandidate&) = default;
 };
