@@ -36,6 +36,14 @@ if [ "$QUICK" = 0 ]; then
   hours=$(jq -r '2048 * .step_time_s / .tokens_per_step * 1e12 / 3600 / 1000' out/deepseek-v3.json)
   row "H800 GPU hours per trillion tokens (thousands)" "DeepSeek-V3 technical report table 1" "deepseek-v3 on 2048 H800 (hgx-h800); DualPipe PP16 EP64 ZeRO-1; bf16; 32 microbatches" 180 "$(printf '%.1f' "$hours")"
 fi
+# 4. Megatron 22B, Korthikanti et al. table 5 (study 6), on the SimGrid engine when it ran.
+if [ -f ../megatron-22b/results.csv ]; then
+  engine=$(awk -F, 'NR>1 { print $2; exit }' ../megatron-22b/results.csv)
+  awk -F, -v e="$engine" 'NR>1 && $2==e { printf "%s,%s,%s\n", $1, $3, $4 }' ../megatron-22b/results.csv |
+    while IFS=, read -r name pub pred; do
+      row "iteration time (s)" "Korthikanti et al. 2022 (arXiv:2205.05198) table 5" "gpt-22b on 8 A100-80GB; TP 8; $name; global batch 4 x 2048; $engine" "$pub" "$pred"
+    done
+fi
 mv results.csv.tmp results.csv
 { csv_to_md results.csv; echo;
   awk -F, 'NR>1 { e=$6; if (e<0) e=-e; s+=e; n++; if (e>m) { m=e; w=$3 } } END { printf "mean |error| %.2f %% over %d figures; max |error| %.2f %% (%s)\n", s/n, n, m, w }' results.csv; } > results.md
