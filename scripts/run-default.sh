@@ -13,8 +13,9 @@ fi
 cmake --preset default
 cmake --build --preset default -j"$(nproc)"
 
-# The default scenario: Qwen3-MoE 1B (qwen3-1b) on one dgx-h200 node (8 GPUs): DualPipeV over PP 4
-# (8 regions in a V) x DP 2, experts sharded over EP 2, ZeRO-1, 8 microbatches, simulated on the
+# The default scenario: Qwen3-MoE 1B (qwen3-1b) on one dgx-h200 node (8 GPUs): DualPipeV over PP 2
+# (4 regions in a V, so rank 0 holds the LM head with few blocks) x DP 4, experts sharded over EP 2,
+# ZeRO-1, 4 microbatches (65,536 tokens per step), simulated on the
 # SimGrid engine. The report and a Chrome trace (open it in Perfetto) land in build/.
-build/bin/piper simulate --model qwen3-1b --pp 4 --dp 2 --ep 2 --zero 1 --schedule dualpipev --microbatches 8 \
+build/bin/piper simulate --model qwen3-1b --pp 2 --dp 4 --ep 2 --zero 1 --schedule dualpipev --microbatches 4 \
   --cluster dgx-h200 --report build/default-report.json --trace build/default-trace.json

@@ -602,13 +602,16 @@ std::vector<int> segments_of(PassContext& cx, const std::vector<Vertex>& nodes) 
   return {s.begin(), s.end()};
 }
 
+// Per-device costs of a segment sharded over `degree` devices that are data-parallel replicas (each
+// holds its own microbatch; expert parallelism as generated and as in the published programs): each
+// device keeps 1/degree of the parameters and of their weight traffic, but the all-to-all brings it
+// every token routed to its experts from all `degree` devices, so with balanced routing it computes
+// (and stashes activations for) exactly as many token-expert pairs as one unsharded device would.
+// Dividing the FLOPs as well, as this pass once did, made expert parallelism look degree x cheaper
+// than it is (experiments/pp-ep-moe/README.md).
 void scale_costs(Costs& c, int degree) {
   c.params /= degree;
   c.param_bytes /= degree;
-  c.forward_flops /= degree;
-  c.backward_input_flops /= degree;
-  c.backward_weight_flops /= degree;
-  c.activation_bytes /= degree;
   c.forward_memory_bytes /= degree;
   c.backward_memory_bytes /= degree;
 }
@@ -638,9 +641,6 @@ void apply_shard(PassContext& cx, const ShardDirective& d, int index) {
     for (auto& r : out_edges_of(g, v))
       if (!in[r.v] && r.e.kind == EdgeKind::Data && cx.node(r.v).kind != NodeKind::Update) crossing.push_back(r);
   }
-  for (auto v : matched)  // the stash of a sharded region is sharded too
-    for (auto e : boost::make_iterator_range(boost::out_edges(v, g)))
-      if (g[e].tensor == "stash") g[e].bytes = cx.node(v).costs.activation_bytes;
   for (const auto& r : crossing) {
     const bool into = in[r.v];
     Vertex sharded = into ? r.v : r.u;

@@ -2,6 +2,7 @@
 // compiled once per class of devices that hold the same device sets (e.g. all DP ranks of a stage).
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <map>
 #include <queue>
 
@@ -12,27 +13,82 @@ namespace piper::core {
 
 namespace {
 
-// Stream-ordering policy: one global topological order of the DAG, Kahn's algorithm taking the
-// smallest node id among the ready nodes. Node ids follow creation order, which follows segment
-// order and microbatch order (split copies microbatch-major) and the order directives' groups (they
-// add edges, not ids). Every device issues its ops in this one order, so every pair of devices
-// agrees on the order of their shared communication and no wait cycle can arise from lowering.
-// A RECV is emitted right after its SEND (its only predecessor), so each transfer is one event of
-// the global order and rendezvous transfers cannot deadlock either.
+double op_flops(const DagNode& n);
+std::int64_t op_memory_bytes(const DagNode& n);
+
+// Stream-ordering policy: one global topological order of the DAG (Kahn's algorithm), taking among
+// the ready nodes the one with the earliest estimated start, then the smallest node id. Every device
+// issues its ops in this one order, so every pair of devices agrees on the order of their shared
+// communication and no wait cycle can arise from lowering. A RECV is emitted right after its SEND
+// (its only predecessor), so each transfer is one event of the global order and rendezvous transfers
+// cannot deadlock either.
+//
+// Why a key and not the node id alone: a stream runs its ops in issue order, so a communication op
+// issued before another one whose data the device needs first blocks it (head-of-line blocking).
+// With ids (microbatch-major) as the only key, the all-to-all of an early microbatch's backward, fed
+// by a RECV from another device, was issued on the `ep` stream ahead of the all-to-all of a later
+// microbatch's forward that the order directive runs first; the forward then waited for a gradient
+// that the rest of the pipeline produces much later (a V schedule with overlapped F&B pairs lost
+// half its speed to it; experiments/pp-ep-moe/README.md).
+// The key of a compute op is its estimated start: the longest path to it with each compute op
+// weighted by its roofline work (FLOPs, or memory bytes times a machine balance of 300 FLOP/byte,
+// about an H100's) and communication weighted zero; the order directives' temporal edges serialise
+// each device's steps, so this approximates when the op runs. The key of a communication op is the
+// smallest key of the compute it feeds (through other communication): it is issued in the order its
+// data is consumed, as a program posts its receives and all-to-alls for the step that needs them.
 std::vector<Vertex> global_order(const Graph& g) {
   const std::size_t n = boost::num_vertices(g);
   std::vector<int> indegree(n, 0);
-  std::priority_queue<Vertex, std::vector<Vertex>, std::greater<>> ready;
-  for (Vertex v = 0; v < n; ++v) {
-    if (g[v].removed) continue;
-    indegree[v] = static_cast<int>(boost::in_degree(v, g));
-    if (indegree[v] == 0) ready.push(v);
+  for (Vertex v = 0; v < n; ++v)
+    if (!g[v].removed) indegree[v] = static_cast<int>(boost::in_degree(v, g));
+
+  // Pass 1: estimated start times along a topological order (any; here by id).
+  constexpr double kMachineBalanceFlopsPerByte = 300;
+  auto is_compute = [&](Vertex v) { return g[v].kind == NodeKind::Compute || g[v].kind == NodeKind::Update; };
+  auto work = [&](Vertex v) {
+    if (!is_compute(v)) return 0.0;
+    return std::max(op_flops(g[v]), kMachineBalanceFlopsPerByte * static_cast<double>(op_memory_bytes(g[v])));
+  };
+  std::vector<double> key(n, 0.0);
+  std::vector<Vertex> topo;
+  topo.reserve(n);
+  {
+    std::vector<int> left = indegree;
+    std::vector<Vertex> ready;
+    for (Vertex v = 0; v < n; ++v)
+      if (!g[v].removed && left[v] == 0) ready.push_back(v);
+    while (!ready.empty()) {
+      const Vertex v = ready.back();
+      ready.pop_back();
+      topo.push_back(v);
+      const double end = key[v] + work(v);
+      for (auto e : boost::make_iterator_range(boost::out_edges(v, g))) {
+        const Vertex w = boost::target(e, g);
+        key[w] = std::max(key[w], end);
+        if (--left[w] == 0) ready.push_back(w);
+      }
+    }
   }
+  // Communication takes the earliest key of what it feeds (successors first: reverse topological).
+  for (auto it = topo.rbegin(); it != topo.rend(); ++it) {
+    const Vertex v = *it;
+    if (!is_communication(g[v].kind)) continue;
+    double consumed = std::numeric_limits<double>::infinity();
+    for (auto e : boost::make_iterator_range(boost::out_edges(v, g)))
+      if (g[e].kind == EdgeKind::Data) consumed = std::min(consumed, key[boost::target(e, g)]);
+    if (consumed != std::numeric_limits<double>::infinity()) key[v] = std::max(key[v], consumed);
+  }
+
+  // Pass 2: Kahn's algorithm by (estimated start, id).
+  using Key = std::pair<double, Vertex>;
+  std::priority_queue<Key, std::vector<Key>, std::greater<>> ready;
+  for (Vertex v = 0; v < n; ++v)
+    if (!g[v].removed && indegree[v] == 0) ready.push({key[v], v});
   std::vector<Vertex> order;
   order.reserve(n);
   std::vector<Vertex> now;
   while (!ready.empty()) {
-    now.assign(1, ready.top());
+    now.assign(1, ready.top().second);
     ready.pop();
     while (!now.empty()) {
       Vertex v = now.back();
@@ -42,7 +98,7 @@ std::vector<Vertex> global_order(const Graph& g) {
         Vertex w = boost::target(e, g);
         if (--indegree[w] > 0) continue;
         if (g[v].kind == NodeKind::Send && g[w].kind == NodeKind::Recv) now.push_back(w);
-        else ready.push(w);
+        else ready.push({key[w], w});
       }
     }
   }

@@ -380,9 +380,11 @@ std::vector<double> unit_seconds(const TuneSpec& spec, const TuneCandidate& c) {
     const core::Layer& l = model.layers()[i];
     const std::size_t unit = l.block < 0 ? (i == 0 ? 0 : out.size() - 1) : static_cast<std::size_t>(l.block);
     core::Costs k = model.layer_cost(i);
+    // As the shard pass costs experts: EP divides their weights (and weight traffic), not the
+    // per-device FLOPs, since each device computes every token routed to its experts.
     const double shard = l.tags.contains("EP") ? c.ep : 1;
-    out[unit] += cost.roofline_seconds(0, k.forward_flops / shard, static_cast<std::int64_t>(k.forward_memory_bytes / shard)) +
-                 cost.roofline_seconds(0, k.backward_flops() / shard, static_cast<std::int64_t>(k.backward_memory_bytes / shard));
+    out[unit] += cost.roofline_seconds(0, k.forward_flops, static_cast<std::int64_t>(k.forward_memory_bytes / shard)) +
+                 cost.roofline_seconds(0, k.backward_flops(), static_cast<std::int64_t>(k.backward_memory_bytes / shard));
   }
   return out;
 }

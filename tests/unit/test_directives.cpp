@@ -181,7 +181,10 @@ TEST(Place, InsertsSendRecvBetweenDeviceSetsAndRejectsConflicts) {
   EXPECT_NE(std::string(e.what()).find("matches no node"), std::string::npos);
 }
 
-TEST(Shard, DividesCostsAndInsertsAllToAllsAtTheRegionBoundary) {
+// Expert parallelism over data-parallel replicas: each device holds a quarter of the experts'
+// parameters, but receives every token routed to them from the four devices, so with balanced
+// routing it computes as many token-expert pairs (FLOPs) as one unsharded device on its own tokens.
+TEST(Shard, DividesParametersKeepsPerDeviceFlopsAndInsertsAllToAllsAtTheRegionBoundary) {
   const Model m = qwen9m(1);
   const GlobalDag dag = apply_program(m, json::parse(R"([
     {"op":"place","filter":{"PP":0},"devices":[0,1,2,3]},
@@ -191,7 +194,8 @@ TEST(Shard, DividesCostsAndInsertsAllToAllsAtTheRegionBoundary) {
   for (auto v : dag.live_nodes()) {
     const auto& n = dag.graph[v];
     if (n.kind == NodeKind::Compute && n.segment == 1 && n.pass == Pass::F) {
-      EXPECT_DOUBLE_EQ(n.costs.forward_flops, segs[1].costs.forward_flops / 4);
+      EXPECT_DOUBLE_EQ(n.costs.forward_flops, segs[1].costs.forward_flops);
+      EXPECT_EQ(n.costs.params, segs[1].costs.params / 4);
     }
     if (n.kind == NodeKind::AllToAll) {
       EXPECT_EQ(n.bytes, segs[0].costs.output_bytes * 2);  // top-2: each token goes to two experts

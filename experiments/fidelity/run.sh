@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Every published figure the project compares against, with source, configuration, published value,
+# Piper's prediction and the relative error; mean and max error printed last. Nothing is fitted:
+# the cost model's constants are the presets' (sim/src/cluster.cpp), set before these comparisons.
+source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
+enter_study fidelity
+mkdir -p out
+echo "quantity,source,configuration,published,predicted,error_pct" > results.csv.tmp
+row() { awk -v q="$1" -v s="$2" -v c="$3" -v p="$4" -v x="$5" 'BEGIN { printf "%s,%s,%s,%s,%s,%.2f\n", q, s, c, p, x, 100 * (x - p) / p }' >> results.csv.tmp; }
+
+# 1. Parameter counts (model cards and papers), from `piper models`.
+models=$("$PIPER" models)
+params() { awk -v m="$1" '$1 == m { print $2 }' <<< "$models"; }
+row "parameters (B)" "Meta Llama 3 model card" "llama3-8b" 8.03 "$(params llama3-8b)"
+row "parameters (B)" "Meta Llama 3 model card" "llama3-70b" 70.6 "$(params llama3-70b)"
+row "parameters (B)" "Brown et al. 2020 (GPT-3) table 2.1" "gpt3-175b" 175 "$(params gpt3-175b)"
+row "parameters (B)" "DeepSeek-V3 technical report (671B total; MTP module not modelled)" "deepseek-v3" 671 "$(params deepseek-v3)"
+row "parameters (B)" "Qwen3 technical report / model card" "qwen3-30b-a3b" 30.5 "$(params qwen3-30b-a3b)"
+
+# 2. Pipeline bubbles: the DualPipe README table, through study 1 (unit time, exact integers).
+if [ -f ../bubbles/results.csv ]; then
+  n=$(($(wc -l < ../bubbles/results.csv) - 1))
+  worst=$(awk -F, 'NR>1 { d=$10-$11; if (d<0) d=-d; if (d>w) w=d } END { print w+0 }' ../bubbles/results.csv)
+  total=$(awk -F, 'NR>1 { s+=$11 } END { print s }' ../bubbles/results.csv)
+  sim=$(awk -F, 'NR>1 { s+=$10 } END { print s }' ../bubbles/results.csv)
+  row "bubble (sum over $n cases; units)" "DualPipe README / DeepSeek-V3 report table 2" "1F1B ZB1P DualPipe DualPipeV; P 4 and 8; several M and F/B/W" "$total" "$sim"
+fi
+
+# 3. Training throughput: DeepSeek-V3 report, table 1 and section 1: 180K H800 GPU hours per
+# trillion tokens on 2,048 H800 GPUs (DualPipe PP16, EP64 over 8 nodes, ZeRO-1 DP; section 3.2).
+# Piper: deepseek-v3, DualPipe PP16 x DP128, EP64, ZeRO-1, bf16 (the report trains in FP8), 32
+# microbatches of one 4,096-token sequence per DP rank (the report's batch is larger: 15,360).
+if [ "$QUICK" = 0 ]; then
+  "$PIPER" simulate --model deepseek-v3 --pp 16 --dp 128 --ep 64 --zero 1 --schedule dualpipe --microbatches 32 \
+    --cluster hgx-h800 --engine analytic --report out/deepseek-v3.json > /dev/null
+  hours=$(jq -r '2048 * .step_time_s / .tokens_per_step * 1e12 / 3600 / 1000' out/deepseek-v3.json)
+  row "H800 GPU hours per trillion tokens (thousands)" "DeepSeek-V3 technical report table 1" "deepseek-v3 on 2048 H800 (hgx-h800); DualPipe PP16 EP64 ZeRO-1; bf16; 32 microbatches" 180 "$(printf '%.1f' "$hours")"
+fi
+# 4. Megatron 22B, Korthikanti et al. table 5 (study 6), on the SimGrid engine when it ran.
+if [ -f ../megatron-22b/results.csv ]; then
+  engine=$(awk -F, 'NR>1 { print $2; exit }' ../megatron-22b/results.csv)
+  awk -F, -v e="$engine" 'NR>1 && $2==e { printf "%s,%s,%s\n", $1, $3, $4 }' ../megatron-22b/results.csv |
+    while IFS=, read -r name pub pred; do
+      row "iteration time (s)" "Korthikanti et al. 2022 (arXiv:2205.05198) table 5" "gpt-22b on 8 A100-80GB; TP 8; $name; global batch 4 x 2048; $engine" "$pub" "$pred"
+    done
+fi
+mv results.csv.tmp results.csv
+{ csv_to_md results.csv; echo;
+  awk -F, 'NR>1 { e=$6; if (e<0) e=-e; s+=e; n++; if (e>m) { m=e; w=$3 } } END { printf "mean |error| %.2f %% over %d figures; max |error| %.2f %% (%s)\n", s/n, n, m, w }' results.csv; } > results.md
+tail -1 results.md
