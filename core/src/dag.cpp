@@ -46,6 +46,22 @@ Pass pass_from_string(const std::string& s) {
   throw std::invalid_argument("unknown pass '" + s + "' (expected F, B, BI or BW)");
 }
 
+std::string to_string(Recompute r) {
+  switch (r) {
+    case Recompute::None: return "none";
+    case Recompute::Selective: return "selective";
+    case Recompute::Full: return "full";
+  }
+  return "?";
+}
+
+Recompute recompute_from_string(const std::string& s) {
+  if (s == "none") return Recompute::None;
+  if (s == "selective") return Recompute::Selective;
+  if (s == "full") return Recompute::Full;
+  throw std::invalid_argument("unknown recompute mode '" + s + "' (expected none, selective or full)");
+}
+
 bool is_collective(NodeKind k) {
   return k == NodeKind::AllReduce || k == NodeKind::ReduceScatter || k == NodeKind::AllGather ||
          k == NodeKind::AllToAll;

@@ -119,7 +119,8 @@ Program lower(const GlobalDag& dag) {
   program.families = dag.families;
   for (const auto& seg : dag.segments)
     program.segments.push_back({seg.first_layer, seg.last_layer, seg.tags, kNoDevices, seg.costs.params,
-                                seg.shard_degree, seg.replicas, seg.zero_level});
+                                seg.shard_degree, seg.replicas, seg.zero_level, seg.tp_degree,
+                                seg.sequence_parallel, seg.recompute, seg.tp_family});
 
   // Device classes: devices holding exactly the same device sets get the same plan.
   const std::size_t num_sets = dag.device_sets.size();

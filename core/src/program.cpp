@@ -138,6 +138,8 @@ json op_to_json(const Op& op) {
   if (!op.uses.empty()) j["uses"] = op.uses;
   if (op.segment != -1) j["segment"] = op.segment;
   if (!op.segments.empty()) j["segments"] = op.segments;
+  if (op.tp_bytes != 0) j["tp_bytes"] = op.tp_bytes;
+  if (op.tp_collectives != 0) j["tp_collectives"] = op.tp_collectives;
   return j;
 }
 
@@ -194,6 +196,8 @@ Op op_from_json(const json& j, const std::string& path) {
     as_array(*f, p);
     for (std::size_t i = 0; i < f->size(); ++i) op.segments.push_back(as_int((*f)[i], at_index(p, i)));
   }
+  if (const json* f = optional_field(j, "tp_bytes")) op.tp_bytes = as_int64(*f, member(path, "tp_bytes"));
+  if (const json* f = optional_field(j, "tp_collectives")) op.tp_collectives = as_int(*f, member(path, "tp_collectives"));
   return op;
 }
 
@@ -255,7 +259,8 @@ bool same_op(const Op& a, const Op& b) {
   return a.kind == b.kind && a.pass == b.pass && a.node == b.node && a.label == b.label && a.tags == b.tags &&
          a.flops == b.flops && a.memory_bytes == b.memory_bytes && a.bytes == b.bytes && a.device_set == b.device_set &&
          a.peer_set == b.peer_set && a.family == b.family && a.waits == b.waits && a.uses == b.uses &&
-         a.segment == b.segment && a.segments == b.segments;
+         a.segment == b.segment && a.segments == b.segments && a.tp_bytes == b.tp_bytes &&
+         a.tp_collectives == b.tp_collectives;
 }
 
 bool same_plan(const Plan& a, const Plan& b) {
@@ -387,10 +392,17 @@ json Program::to_json() const {
   j["microbatches"] = microbatches;
   if (!model_spec.is_null()) j["model_spec"] = model_spec;
   json segs = json::array();
-  for (const auto& sg : segments)
-    segs.push_back({{"layers", {sg.first_layer, sg.last_layer}}, {"tags", sg.tags}, {"devices", sg.devices},
-                    {"params", sg.params}, {"shard_degree", sg.shard_degree}, {"replicas", sg.replicas},
-                    {"zero_level", sg.zero_level}});
+  for (const auto& sg : segments) {
+    json o{{"layers", {sg.first_layer, sg.last_layer}}, {"tags", sg.tags}, {"devices", sg.devices},
+           {"params", sg.params}, {"shard_degree", sg.shard_degree}, {"replicas", sg.replicas},
+           {"zero_level", sg.zero_level}};
+    // Tensor-parallel fields are omitted at their defaults, so programs without TP are unchanged.
+    if (sg.tp_degree != 1) o["tp_degree"] = sg.tp_degree;
+    if (sg.sequence_parallel) o["sequence_parallel"] = true;
+    if (sg.recompute != Recompute::None) o["recompute"] = to_string(sg.recompute);
+    if (sg.tp_family != -1) o["tp_family"] = sg.tp_family;
+    segs.push_back(std::move(o));
+  }
   j["segments"] = std::move(segs);
   j["num_devices"] = num_devices;
   j["device_sets"] = device_sets;
@@ -458,6 +470,23 @@ Program Program::from_json(const json& j) {
       sg.replicas = as_int(require(o, sp, "replicas"), member(sp, "replicas"));
       sg.zero_level = as_int(require(o, sp, "zero_level"), member(sp, "zero_level"));
       if (sg.shard_degree < 1 || sg.replicas < 1) fail(sp, "shard_degree and replicas must be >= 1");
+      if (const json* t = optional_field(o, "tp_degree")) {
+        sg.tp_degree = as_int(*t, member(sp, "tp_degree"));
+        if (sg.tp_degree < 1) fail(member(sp, "tp_degree"), "must be >= 1");
+      }
+      if (const json* t = optional_field(o, "sequence_parallel")) {
+        if (!t->is_boolean()) fail(member(sp, "sequence_parallel"), "expected true or false");
+        sg.sequence_parallel = t->get<bool>();
+      }
+      if (const json* t = optional_field(o, "recompute")) {
+        std::string r = as_string(*t, member(sp, "recompute"));
+        try {
+          sg.recompute = recompute_from_string(r);
+        } catch (const std::exception& e) {
+          fail(member(sp, "recompute"), e.what());
+        }
+      }
+      if (const json* t = optional_field(o, "tp_family")) sg.tp_family = as_int(*t, member(sp, "tp_family"));
       p.segments.push_back(std::move(sg));
     }
   }
@@ -491,6 +520,8 @@ Program Program::from_json(const json& j) {
       p.families.push_back(std::move(f));
     }
   }
+  for (std::size_t i = 0; i < p.segments.size(); ++i)
+    check_index(p.segments[i].tp_family, member(at_index("segments", i), "tp_family"), p.families.size(), "family", true);
   {
     const json& plans = as_array(require(j, "", "plans"), "plans");
     p.plans.reserve(plans.size());

@@ -316,3 +316,59 @@ TEST(Program, WriteFileAtomically) {
   }
   fs::remove_all(dir);
 }
+
+// The tensor-parallel contract: segment fields tp_degree / sequence_parallel / recompute / tp_family
+// and the op fields tp_bytes / tp_collectives round-trip, are omitted at their defaults, and the TP
+// group of a device is the consecutive chunk of the segment's set.
+TEST(Program, TensorParallelFieldsRoundTrip) {
+  EXPECT_EQ(to_string(Recompute::None), "none");
+  EXPECT_EQ(to_string(Recompute::Selective), "selective");
+  EXPECT_EQ(to_string(Recompute::Full), "full");
+  EXPECT_EQ(recompute_from_string("selective"), Recompute::Selective);
+  EXPECT_EQ(recompute_from_string("full"), Recompute::Full);
+  EXPECT_THROW(recompute_from_string("partial"), std::invalid_argument);
+
+  Program p = small_program();
+  p.num_devices = 4;
+  p.device_sets.push_back({0, 1, 2, 3});                 // set 3
+  p.families.push_back(CommFamily{3, 2, 1, "tp"});       // family 1: {0,1} {2,3}
+  p.plan_of_device = {0, 1, 0, 1};
+  ProgramSegment plain;
+  plain.devices = 2;
+  ProgramSegment tp;
+  tp.devices = 3;
+  tp.tp_degree = 2;
+  tp.sequence_parallel = true;
+  tp.recompute = Recompute::Selective;
+  tp.tp_family = 1;
+  p.segments = {plain, tp};
+  p.plans[0].streams[0].ops[0].tp_bytes = 3 * 4096;
+  p.plans[0].streams[0].ops[0].tp_collectives = 3;
+
+  const json j = p.to_json();
+  EXPECT_FALSE(j["segments"][0].contains("tp_degree"));
+  EXPECT_FALSE(j["segments"][0].contains("sequence_parallel"));
+  EXPECT_FALSE(j["segments"][0].contains("recompute"));
+  EXPECT_FALSE(j["segments"][0].contains("tp_family"));
+  EXPECT_EQ(j["segments"][1]["tp_degree"], 2);
+  EXPECT_EQ(j["segments"][1]["sequence_parallel"], true);
+  EXPECT_EQ(j["segments"][1]["recompute"], "selective");
+  EXPECT_EQ(j["segments"][1]["tp_family"], 1);
+  EXPECT_EQ(j["plans"][0]["streams"][0]["ops"][0]["tp_bytes"], 3 * 4096);
+  EXPECT_FALSE(j["plans"][1]["streams"][0]["ops"][0].contains("tp_bytes"));
+  const Program back = Program::from_json(j);
+  EXPECT_TRUE(back == p);
+  EXPECT_EQ(back.segments[1].recompute, Recompute::Selective);
+  EXPECT_EQ(back.group_of(back.segments[1].tp_family, 2), (std::vector<int>{2, 3}));
+  EXPECT_EQ(back.group_of(back.segments[1].tp_family, 1), (std::vector<int>{0, 1}));
+
+  json bad = j;
+  bad["segments"][1]["recompute"] = "partial";
+  EXPECT_NE(error_of(bad).find("segments[1].recompute"), std::string::npos) << error_of(bad);
+  bad = j;
+  bad["segments"][1]["tp_family"] = 7;
+  EXPECT_NE(error_of(bad).find("segments[1].tp_family"), std::string::npos) << error_of(bad);
+  bad = j;
+  bad["segments"][1]["tp_degree"] = 0;
+  EXPECT_NE(error_of(bad).find("segments[1].tp_degree"), std::string::npos) << error_of(bad);
+}

@@ -20,6 +20,13 @@ std::string to_string(NodeKind k);
 std::string to_string(Pass p);
 Pass pass_from_string(const std::string& s);  // "F", "B", "BI", "BW"; throws std::invalid_argument
 bool is_collective(NodeKind k);
+
+// Activation recomputation of a segment (Korthikanti et al. 2022): None keeps every activation for
+// backward; Selective drops the attention core (QK^T, softmax, dropout, softmax·V) and recomputes it
+// in B; Full keeps only the segment input and reruns the segment's forward at the start of its B/BI.
+enum class Recompute { None, Selective, Full };
+std::string to_string(Recompute r);                 // "none", "selective", "full"
+Recompute recompute_from_string(const std::string& s);  // throws std::invalid_argument
 bool is_communication(NodeKind k);
 
 // Device sets are interned: nodes refer to them by index, so a DP-1024 region costs one int per node.
@@ -88,6 +95,11 @@ struct Segment {
   int shard_degree = 1;                 // shard: parameters split over this many devices
   int replicas = 1;                     // replicate: data-parallel copies holding (shards of) the params
   int zero_level = 0;                   // 0 none, 1 optimizer states, 2 + gradients, 3 + parameters sharded
+  // Set by the tensor_parallel / recompute passes (Megatron layout, see ARCHITECTURE.md).
+  int tp_degree = 1;                    // tensor-parallel group size (consecutive devices of the set)
+  bool sequence_parallel = false;       // TP all-reduces become reduce-scatter + all-gather
+  Recompute recompute = Recompute::None;
+  int tp_family = -1;                   // GlobalDag::families index of the TP groups (purpose "tp")
   bool placed = false;
 };
 

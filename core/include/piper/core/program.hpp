@@ -57,6 +57,13 @@ struct Op {
   int segment = -1;               // Program::segments index: which model layers a COMPUTE op runs; SEND: the
                                   // producer's segment, RECV: the consumer's, ALL_TO_ALL: the sharded one
   std::vector<int> segments;      // UPD and gradient/parameter collectives: the segments whose state they touch
+  // COMPUTE ops of a tensor-parallel segment: the TP collectives performed inside the op over the
+  // segment's TP group (ProgramSegment::tp_family). tp_bytes sums the full (unsharded) tensor bytes
+  // of each collective counted in all-gather units: an all-gather or reduce-scatter of an N-byte
+  // tensor counts N, an all-reduce counts 2N; each device moves tp_bytes·(t-1)/t over the fabric
+  // (ring). tp_collectives is the number of collective calls (latency term).
+  std::int64_t tp_bytes = 0;
+  int tp_collectives = 0;
 };
 
 struct Stream {
@@ -80,6 +87,13 @@ struct ProgramSegment {
   int shard_degree = 1;
   int replicas = 1;
   int zero_level = 0;
+  // Tensor parallelism (Megatron layout): the TP group of device d is group_of(tp_family, d),
+  // consecutive chunks of tp_degree devices of `devices` (purpose "tp"); the DP replicas are the
+  // strided groups of devices with the same TP rank. -1 / 1: no TP.
+  int tp_degree = 1;
+  bool sequence_parallel = false;
+  Recompute recompute = Recompute::None;
+  int tp_family = -1;
   friend bool operator==(const ProgramSegment&, const ProgramSegment&) = default;
 };
 
