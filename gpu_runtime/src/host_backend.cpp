@@ -63,6 +63,10 @@ DataShape data_shape(const core::Program& program) {
     if (seg.devices == core::kNoDevices) throw std::invalid_argument("plan: a segment is not placed on any device");
     // The TP ranks of a group work on the same data: data-parallel ranks are the TP groups.
     const int n = static_cast<int>(program.device_sets.at(static_cast<std::size_t>(seg.devices)).size()) / std::max(1, seg.tp_degree);
+    if (d.ranks != 0 && n != d.ranks && std::any_of(program.segments.begin(), program.segments.end(), [](const auto& g) { return g.tp_degree > 1; }))
+      throw std::invalid_argument(
+          "plan: tensor-parallel segments run beside segments without TP on the same devices (routed experts keep expert parallelism); "
+          "the host backend runs tensor parallelism on dense models only");
     if (d.ranks != 0 && n != d.ranks)
       throw std::invalid_argument(fmt::format("plan: segments run on device sets of {} and {} devices; the runtime needs one data-parallel degree", d.ranks, n));
     d.ranks = n;
