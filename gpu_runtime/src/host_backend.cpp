@@ -37,6 +37,20 @@ auto take(Map& m, const K& key, const char* what) {
 
 }  // namespace
 
+// The tensor parallelism of a device set: that of its TP segments. Routed experts keep expert
+// parallelism in segments without TP on the same devices; there the TP ranks of a group still share
+// their data-parallel rank, and hold either the same tokens (plain TP) or their sequence slice (SP).
+struct StageTp {
+  int degree = 1;
+  bool sequence_parallel = false;
+};
+StageTp stage_tp(const core::Program& program, core::DeviceSetId set) {
+  StageTp t;
+  for (const auto& seg : program.segments)
+    if (seg.devices == set && seg.tp_degree > t.degree) t = {seg.tp_degree, seg.sequence_parallel};
+  return t;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Program -> model and data shape
 // ---------------------------------------------------------------------------------------------
@@ -62,11 +76,7 @@ DataShape data_shape(const core::Program& program) {
   for (const auto& seg : program.segments) {
     if (seg.devices == core::kNoDevices) throw std::invalid_argument("plan: a segment is not placed on any device");
     // The TP ranks of a group work on the same data: data-parallel ranks are the TP groups.
-    const int n = static_cast<int>(program.device_sets.at(static_cast<std::size_t>(seg.devices)).size()) / std::max(1, seg.tp_degree);
-    if (d.ranks != 0 && n != d.ranks && std::any_of(program.segments.begin(), program.segments.end(), [](const auto& g) { return g.tp_degree > 1; }))
-      throw std::invalid_argument(
-          "plan: tensor-parallel segments run beside segments without TP on the same devices (routed experts keep expert parallelism); "
-          "the host backend runs tensor parallelism on dense models only");
+    const int n = static_cast<int>(program.device_sets.at(static_cast<std::size_t>(seg.devices)).size()) / stage_tp(program, seg.devices).degree;
     if (d.ranks != 0 && n != d.ranks)
       throw std::invalid_argument(fmt::format("plan: segments run on device sets of {} and {} devices; the runtime needs one data-parallel degree", d.ranks, n));
     d.ranks = n;
@@ -75,6 +85,7 @@ DataShape data_shape(const core::Program& program) {
 }
 
 std::vector<host::SegmentSpec> device_segments(const core::Program& program, int device) {
+  const core::Model model = program_model(program);
   std::vector<host::SegmentSpec> out;
   for (std::size_t s = 0; s < program.segments.size(); ++s) {
     const auto& seg = program.segments[s];
@@ -100,6 +111,13 @@ std::vector<host::SegmentSpec> device_segments(const core::Program& program, int
       sp.tp_rank = pos % seg.tp_degree;
       sp.replica_index = pos / seg.tp_degree;
       sp.sequence_parallel = seg.sequence_parallel;
+    } else if (const StageTp t = stage_tp(program, seg.devices); t.degree > 1) {
+      // Only routed experts work on whatever rows they are given; attention needs whole sequences.
+      for (int l = seg.first_layer; l < seg.last_layer; ++l)
+        if (model.layers().at(static_cast<std::size_t>(l)).kind != core::LayerKind::MoeExperts)
+          throw std::invalid_argument(fmt::format("plan: segment {} runs without TP on the devices of a TP {} stage but holds layer '{}' (only routed experts may)",
+                                                  s, t.degree, model.layers().at(static_cast<std::size_t>(l)).name));
+      sp.token_copies = t.sequence_parallel ? 1 : t.degree;
     }
     sp.recompute = seg.recompute == core::Recompute::Full        ? host::RecomputeMode::Full
                    : seg.recompute == core::Recompute::Selective ? host::RecomputeMode::Selective
@@ -192,6 +210,7 @@ HostBackend::HostBackend(const core::Program& program, int device, MPI_Comm worl
   const core::Model model = program_model(program);
   num_layers_ = static_cast<int>(model.layers().size());
   shape_ = data_shape(program);
+  for (std::size_t set = 0; set < program.device_sets.size(); ++set) set_tp_.push_back(stage_tp(program, static_cast<core::DeviceSetId>(set)).degree);
   loss_scale_ = 1.0f / static_cast<float>(shape_.global_tokens());
   model_ = std::make_unique<host::HostModel>(model, device_segments(program, device), config.seed);
   stream_ = std::make_unique<host::TokenStream>(model.config() ? model.config()->vocab : 0, shape_.seq_len, config.seed, config.data_path);
@@ -275,8 +294,7 @@ int HostBackend::data_rank_of(const core::Op& op) const {
   const int pos = program_.position_in(op.device_set, device_);
   if (pos < 0) throw RuntimeError(fmt::format("runtime: device {} is not in the device set of '{}'", device_, op.label));
   // The TP ranks of a group share their data-parallel rank (TP groups are consecutive devices).
-  const int tp = op.segment >= 0 ? std::max(1, seg(op.segment).tp_degree) : 1;
-  return pos / tp;
+  return pos / set_tp_.at(static_cast<std::size_t>(op.device_set));
 }
 
 void HostBackend::begin_step(int step) {

@@ -242,6 +242,7 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     p.tp_rank = sp.tp_rank;
     p.sequence_parallel = sp.sequence_parallel && sp.tp_degree > 1;
     p.recompute = sp.recompute;
+    p.token_copies = sp.token_copies;
     if (sp.tp_degree > 1 && sp.shard_degree > 1)
       throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) + " is both expert-sharded and tensor-parallel; the host backend keeps experts expert-parallel only");
     if (sp.tp_degree > 1 && (attn_shape_.heads % sp.tp_degree != 0 || attn_shape_.kv_heads % sp.tp_degree != 0))
@@ -553,6 +554,9 @@ void HostModel::backward_weight(int seg, SegmentStash& stash) {
     }
   std::vector<float> before;
   for (auto [p, n] : partial) before.insert(before.end(), p, p + n), std::fill(p, p + n, 0.0f);
+  // (token_copies > 1 only on segments without TP, whose `partial` is empty: its pointers stay valid.)
+  std::vector<float> copies_before;
+  if (sp.token_copies > 1) copies_before.swap(sp.grads), sp.grads.assign(copies_before.size(), 0.0f);
   for (int l = sp.first_layer; l < sp.last_layer; ++l) {
     LayerCache& c = stash.layers.at(static_cast<std::size_t>(l - sp.first_layer));
     LayerView gv = view(sp, l, true);
@@ -580,6 +584,10 @@ void HostModel::backward_weight(int seg, SegmentStash& stash) {
       }
       case core::LayerKind::Head: head_backward_weight(c.head, gv.mat(0)); break;
     }
+  }
+  if (sp.token_copies > 1) {
+    const float inv = 1.0f / static_cast<float>(sp.token_copies);
+    for (std::size_t i = 0; i < sp.grads.size(); ++i) sp.grads[i] = copies_before[i] + sp.grads[i] * inv;
   }
   if (!partial.empty()) {
     std::vector<float> sum;

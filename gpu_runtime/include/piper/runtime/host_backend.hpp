@@ -79,6 +79,7 @@ class HostBackend : public Backend {
   MPI_Comm world_ = MPI_COMM_NULL;
   std::vector<MPI_Comm> family_comm_;   // this device's group communicator per family (or null)
   std::map<int, std::unique_ptr<MpiTpComm>> tp_comms_;   // TP family -> this device's TP group
+  std::vector<int> set_tp_;                              // device set -> TP degree of its stage
   HostConfig config_;
   DataShape shape_;
   float loss_scale_ = 1;

@@ -111,6 +111,9 @@ struct SegmentParams {
   bool sequence_parallel = false;
   RecomputeMode recompute = RecomputeMode::None;
   TpComm* tp = nullptr;                     // set by the backend when tp_degree > 1
+  // Routed experts without TP on a TP stage without SP: the t TP ranks route the same tokens, so the
+  // experts see each token t times; BW divides their weight gradients by this.
+  int token_copies = 1;
   std::vector<float> params, grads;         // this device's (expert-sharded) part, all replicas' chunks
   std::vector<std::int64_t> layer_offset;   // start of each layer in params (size = layers + 1)
   // ZeRO >= 1: the chunk [chunk_begin, chunk_end) of params this replica updates, its master copy,
@@ -134,6 +137,7 @@ struct SegmentSpec {
   int tp_degree = 1, tp_rank = 0;
   bool sequence_parallel = false;
   RecomputeMode recompute = RecomputeMode::None;
+  int token_copies = 1;
 };
 
 class HostModel {
