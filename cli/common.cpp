@@ -110,6 +110,16 @@ void StrategyFlags::add_to(CLI::App* app) {
                          ->check(kPositiveInt);
     bucket_mb = app->add_option("--bucket-mb", options.bucket_mb, "gradient bucket size in MB (0: one per segment)")
                     ->check(kNonNegativeNumber);
+    tp = app->add_option("--tp", options.tp, "tensor-parallel degree (consecutive devices, inside a node)")
+             ->check(kPositiveInt);
+    sequence_parallel = app->add_flag("--sequence-parallel", options.sequence_parallel,
+                                      "sequence parallelism inside each TP group (needs --tp >= 2)");
+    recompute = app->add_option("--recompute", options.recompute, "activation recomputation: none, selective or full")
+                    ->check(CLI::IsMember({"none", "selective", "full"}));
+    global_batch = app->add_option("--global-batch", options.global_batch,
+                                   "sequences per step; microbatches = N / (micro-batch size x dp)")
+                       ->check(kPositiveInt);
+    global_batch->excludes(microbatches);
   }
 
 void ScenarioFlags::add_to(CLI::App* app) {
@@ -124,7 +134,9 @@ void ScenarioFlags::add_to(CLI::App* app) {
   app->add_option("--save-scenario", save_scenario_path,
                   "also write these inputs as a scenario JSON (the file piper-studio opens)");
   strategy.add_to(app);
-  for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.bucket_mb}) o->excludes(directives);
+  for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.bucket_mb, strategy.tp,
+                         strategy.sequence_parallel, strategy.recompute})
+    o->excludes(directives);
 }
 
 void ScenarioFlags::save_if_requested(const core::Scenario& s) const {

@@ -44,7 +44,8 @@ void print_error(const std::string& file, const std::string& message);
 extern const CLI::Validator kPositiveInt;
 extern const CLI::Validator kNonNegativeNumber;
 
-// Strategy flags (--pp --dp --ep --zero --schedule --microbatches --virtual --bucket-mb).
+// Strategy flags (--pp --dp --ep --zero --schedule --microbatches --virtual --bucket-mb --tp
+// --sequence-parallel --recompute --global-batch).
 struct StrategyFlags {
   core::StrategyOptions options;
   CLI::Option* pp = nullptr;
@@ -55,6 +56,10 @@ struct StrategyFlags {
   CLI::Option* microbatches = nullptr;
   CLI::Option* virtual_stages = nullptr;
   CLI::Option* bucket_mb = nullptr;
+  CLI::Option* tp = nullptr;
+  CLI::Option* sequence_parallel = nullptr;
+  CLI::Option* recompute = nullptr;
+  CLI::Option* global_batch = nullptr;
   void add_to(CLI::App* app);
 };
 

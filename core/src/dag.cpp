@@ -243,6 +243,7 @@ GlobalDag build_dag(const Model& model) {
   GlobalDag dag;
   dag.model_name = model.name();
   dag.training = model.training();
+  dag.layers = model.layers();
   dag.segments = segment_model(model);
   const int n = static_cast<int>(dag.segments.size());
   std::vector<Vertex> f(n), b(n);

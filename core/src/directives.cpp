@@ -204,7 +204,36 @@ Directive parse_one(const json& d, int index) {
     }
     return o;
   }
-  fail(index, "op", "unknown op '" + op + "' (expected place, replicate, shard, split or order)");
+  if (op == "tensor_parallel") {
+    check_fields(d, index, {"filter", "devices", "degree", "sequence_parallel"});
+    TensorParallelDirective t;
+    t.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
+    if (d.contains("devices")) t.devices = parse_devices(d, index);
+    const json& n = require(d, index, "degree");
+    if (!n.is_number_integer() || n.get<long long>() < 1 || n.get<long long>() > 1'000'000)
+      fail(index, "degree", "must be a positive integer");
+    t.degree = n.get<int>();
+    if (!t.devices.empty() && t.devices.size() % static_cast<std::size_t>(t.degree) != 0)
+      fail(index, "degree", fmt::format("{} does not divide the {} devices", t.degree, t.devices.size()));
+    t.sequence_parallel = get_bool(d, index, "sequence_parallel");
+    if (t.sequence_parallel && t.degree == 1) fail(index, "sequence_parallel", "needs degree > 1");
+    return t;
+  }
+  if (op == "recompute") {
+    check_fields(d, index, {"filter", "mode"});
+    RecomputeDirective r;
+    r.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
+    const json& m = require(d, index, "mode");
+    if (!m.is_string()) fail(index, "mode", "must be \"none\", \"selective\" or \"full\"");
+    try {
+      r.mode = recompute_from_string(m.get<std::string>());
+    } catch (const std::invalid_argument& e) {
+      fail(index, "mode", e.what());
+    }
+    return r;
+  }
+  fail(index, "op", "unknown op '" + op +
+                        "' (expected place, replicate, shard, split, order, tensor_parallel or recompute)");
 }
 
 }  // namespace
@@ -217,6 +246,8 @@ std::string op_name(const Directive& d) {
         if constexpr (std::is_same_v<T, ReplicateDirective>) return "replicate";
         if constexpr (std::is_same_v<T, ShardDirective>) return "shard";
         if constexpr (std::is_same_v<T, SplitDirective>) return "split";
+        if constexpr (std::is_same_v<T, TensorParallelDirective>) return "tensor_parallel";
+        if constexpr (std::is_same_v<T, RecomputeDirective>) return "recompute";
         return "order";
       },
       d);
@@ -414,6 +445,10 @@ void apply_backward_split(PassContext& cx, const std::vector<Filter>& filters) {
     bw.pass = Pass::BW;
     bw.costs.backward_input_flops = 0;
     bw.costs.backward_memory_bytes -= bi.costs.backward_memory_bytes;
+    // Element-wise kernels and TP collectives of the backward belong to the input-gradient half.
+    bw.costs.backward_elementwise_bytes = 0;
+    bw.costs.backward_tp_bytes = 0;
+    bw.costs.backward_tp_collectives = 0;
     bi.label.clear();
     bw.label.clear();
     auto ins = in_edges_of(g, b), outs = out_edges_of(g, b);
@@ -646,10 +681,14 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
     if (cx.replicated.at(static_cast<std::size_t>(s))) fail(index, "filter", "segment " + std::to_string(s) + " is already replicated");
     cx.replicated[static_cast<std::size_t>(s)] = true;
     if (seg.shard_degree >= n) continue;  // fully sharded: nothing to reduce
-    seg.replicas = n / seg.shard_degree;
+    // A TP segment's replicas are the strided groups of devices with the same TP rank.
+    const int split = seg.tp_degree > 1 ? seg.tp_degree : seg.shard_degree;
+    seg.replicas = n / split;
     seg.zero_level = zero;
     if (seg.costs.params == 0 || seg.replicas == 1) continue;
-    CommFamily fam = seg.shard_degree == 1 ? CommFamily{set, n, 1, "dp"} : CommFamily{set, n / seg.shard_degree, seg.shard_degree, "dp-ep"};
+    CommFamily fam = split == 1                ? CommFamily{set, n, 1, "dp"}
+                     : seg.tp_degree > 1       ? CommFamily{set, n / split, split, "dp"}
+                                               : CommFamily{set, n / split, split, "dp-ep"};
     by_family[dag.family_index(fam)].push_back(s);
   }
   // The UPD of this device set, and the backward nodes that produce each segment's gradient.
@@ -668,16 +707,14 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
     std::vector<std::vector<int>> buckets;
     std::int64_t filled = 0;
     for (int s : segs) {
-      std::int64_t bytes = dag.segments[static_cast<std::size_t>(s)].costs.param_bytes /
-                           dag.segments[static_cast<std::size_t>(s)].shard_degree;
+      std::int64_t bytes = dag.segments[static_cast<std::size_t>(s)].local_params() * bytes_per_element(dag.training.precision);
       if (buckets.empty() || cap == 0 || filled + bytes > cap) buckets.emplace_back(), filled = 0;
       buckets.back().push_back(s);
       filled += bytes;
     }
     for (const auto& bucket : buckets) {
       std::int64_t bytes = 0;
-      for (int s : bucket) bytes += dag.segments[static_cast<std::size_t>(s)].costs.param_bytes /
-                                    dag.segments[static_cast<std::size_t>(s)].shard_degree;
+      for (int s : bucket) bytes += dag.segments[static_cast<std::size_t>(s)].local_params() * bytes_per_element(dag.training.precision);
       const std::string what = common_tags_label(dag, bucket);
       DagNode red;
       red.kind = zero == 0 ? NodeKind::AllReduce : NodeKind::ReduceScatter;
@@ -741,7 +778,7 @@ void cost_updates(PassContext& cx) {
     std::int64_t params = 0;
     for (int s : n.buffer_segments) {
       const auto& seg = dag.segments.at(static_cast<std::size_t>(s));
-      params += seg.costs.params / seg.shard_degree / (seg.zero_level >= 1 ? seg.replicas : 1);
+      params += seg.local_params() / (seg.zero_level >= 1 ? seg.replicas : 1);
     }
     n.costs = Costs{};
     n.costs.params = params;
@@ -847,6 +884,129 @@ void apply_order(PassContext& cx, const OrderDirective& d, int index) {
   fail(index, "filters", "order would create a cycle");
 }
 
+// tensor_parallel: marks the selected segments (routed experts keep EP). Costs are rewritten once all
+// tensor_parallel and recompute directives have run (recost_segments); groups are made after place.
+void apply_tensor_parallel(PassContext& cx, const TensorParallelDirective& d, int index, std::vector<int>& tp_by) {
+  auto matched = cx.match(d.filter);
+  if (matched.empty()) fail(index, "filter", "matches no node (" + d.filter.to_string() + ")");
+  for (int s : segments_of(cx, matched)) {
+    auto& seg = cx.dag.segments.at(static_cast<std::size_t>(s));
+    bool experts = false;
+    for (int l = seg.first_layer; l < seg.last_layer; ++l)
+      experts = experts || cx.dag.layers.at(static_cast<std::size_t>(l)).kind == LayerKind::MoeExperts;
+    if (experts) continue;
+    if (tp_by[static_cast<std::size_t>(s)] >= 0)
+      fail(index, "filter",
+           "segment " + std::to_string(s) + " is already tensor-parallel (directive " +
+               std::to_string(tp_by[static_cast<std::size_t>(s)]) + ")");
+    tp_by[static_cast<std::size_t>(s)] = index;
+    for (int l = seg.first_layer; l < seg.last_layer; ++l) {
+      const Layer& layer = cx.dag.layers.at(static_cast<std::size_t>(l));
+      const auto& sh = layer.shape;
+      auto indivisible = [&](const char* what, std::int64_t v) {
+        if (v > 0 && v % d.degree != 0)
+          fail(index, "degree",
+               fmt::format("{} does not divide the {} {} of layer '{}'", d.degree, v, what, layer.name));
+      };
+      if (layer.kind == LayerKind::Attention) indivisible("heads", sh.heads);
+      if (layer.kind == LayerKind::Mlp) indivisible("ffn columns", sh.ffn);
+      if (layer.kind == LayerKind::Embedding || layer.kind == LayerKind::Head) indivisible("vocabulary rows", sh.vocab);
+    }
+    if (d.sequence_parallel && cx.dag.training.seq_len % d.degree != 0)
+      fail(index, "sequence_parallel",
+           fmt::format("{} does not divide the sequence length {}", d.degree, cx.dag.training.seq_len));
+    seg.tp_degree = d.degree;
+    seg.sequence_parallel = d.sequence_parallel;
+  }
+}
+
+void apply_recompute(PassContext& cx, const RecomputeDirective& d, int index, std::vector<int>& rc_by) {
+  auto matched = cx.match(d.filter);
+  if (matched.empty()) fail(index, "filter", "matches no node (" + d.filter.to_string() + ")");
+  for (int s : segments_of(cx, matched)) {
+    if (rc_by[static_cast<std::size_t>(s)] >= 0)
+      fail(index, "filter",
+           "segment " + std::to_string(s) + " already has a recompute mode (directive " +
+               std::to_string(rc_by[static_cast<std::size_t>(s)]) + ")");
+    rc_by[static_cast<std::size_t>(s)] = index;
+    cx.dag.segments.at(static_cast<std::size_t>(s)).recompute = d.mode;
+  }
+}
+
+// Rewrites the per-device costs of every TP or recomputed segment from its layers (core::layer_costs
+// with a ParallelLayout): its compute nodes (F, B, BI, BW as the backward split shares them), its
+// stash, and, between two sequence-parallel segments of the same degree, the activations and
+// gradients they pass (sliced along the sequence).
+void recost_segments(PassContext& cx) {
+  auto& dag = cx.dag;
+  std::vector<char> changed(dag.segments.size(), 0);
+  std::vector<Costs> costs(dag.segments.size());
+  for (auto& seg : dag.segments) {
+    if (seg.tp_degree == 1 && seg.recompute == Recompute::None) continue;
+    const ParallelLayout layout{seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute)};
+    Costs c;
+    for (int l = seg.first_layer; l < seg.last_layer; ++l)
+      c += layer_costs(dag.layers.at(static_cast<std::size_t>(l)), dag.training, layout);
+    seg.tp_local_params = c.params;
+    costs[static_cast<std::size_t>(seg.index)] = c;
+    changed[static_cast<std::size_t>(seg.index)] = 1;
+  }
+  Graph& g = cx.g();
+  for (auto v : dag.live_nodes()) {
+    auto& n = cx.node(v);
+    if (n.kind != NodeKind::Compute || !changed[static_cast<std::size_t>(n.segment)]) continue;
+    Costs c = costs[static_cast<std::size_t>(n.segment)];
+    if (n.pass == Pass::BI) {  // as apply_backward_split divides a B
+      c.backward_weight_flops = 0;
+      c.backward_memory_bytes /= 2;
+    } else if (n.pass == Pass::BW) {
+      c.backward_input_flops = 0;
+      c.backward_memory_bytes -= c.backward_memory_bytes / 2;
+      c.backward_elementwise_bytes = 0;
+      c.backward_tp_bytes = 0;
+      c.backward_tp_collectives = 0;
+      c.recompute_flops = 0;
+    }
+    n.costs = c;
+  }
+  auto sp_degree = [&](int segment) {
+    const auto& sg = dag.segments.at(static_cast<std::size_t>(segment));
+    return sg.sequence_parallel ? sg.tp_degree : 1;
+  };
+  for (auto e : boost::make_iterator_range(boost::edges(g))) {
+    Vertex u = boost::source(e, g), v = boost::target(e, g);
+    if (g[u].kind != NodeKind::Compute || g[e].kind != EdgeKind::Data) continue;
+    if (g[e].tensor == "stash" && changed[static_cast<std::size_t>(g[u].segment)]) {
+      g[e].bytes = g[u].costs.activation_bytes;
+    } else if ((g[e].tensor == "act" || g[e].tensor == "grad") && g[v].kind == NodeKind::Compute) {
+      const int t = sp_degree(g[u].segment);
+      if (t > 1 && t == sp_degree(g[v].segment)) g[e].bytes /= t;
+    }
+  }
+}
+
+// After placement: each TP segment's set splits into consecutive groups of its degree (family "tp").
+void make_tp_groups(PassContext& cx, const DirectiveProgram& program, const std::vector<int>& tp_by) {
+  auto& dag = cx.dag;
+  std::vector<DeviceSetId> set_of(dag.segments.size(), kNoDevices);
+  for (auto v : dag.live_nodes())
+    if (cx.node(v).kind == NodeKind::Compute) set_of[static_cast<std::size_t>(cx.node(v).segment)] = cx.node(v).devices;
+  for (auto& seg : dag.segments) {
+    const int index = tp_by[static_cast<std::size_t>(seg.index)];
+    if (index < 0) continue;
+    const auto& d = std::get<TensorParallelDirective>(program.directives[static_cast<std::size_t>(index)]);
+    const DeviceSetId set = set_of[static_cast<std::size_t>(seg.index)];
+    const auto& devices = dag.device_sets.at(set);
+    if (!d.devices.empty() && d.devices != devices)
+      fail(index, "devices", set_str(d.devices) + " differ from the placement " + set_str(devices) + " of segment " +
+                                 std::to_string(seg.index));
+    if (devices.size() % static_cast<std::size_t>(seg.tp_degree) != 0)
+      fail(index, "degree",
+           fmt::format("{} does not divide the {} devices segment {} is placed on", seg.tp_degree, devices.size(), seg.index));
+    seg.tp_family = dag.family_index({set, seg.tp_degree, 1, "tp"});
+  }
+}
+
 // Invariants checked after every pass.
 void verify_dag(PassContext& cx, const std::string& after, bool placed) {
   if (cx.dag.has_cycle()) throw Error("internal: the DAG has a cycle after " + after);
@@ -888,6 +1048,18 @@ void apply_directives(GlobalDag& dag_in, const DirectiveProgram& program, const 
 
   // Each place directive is dumped after it runs; the last one also completes the placement
   // (unplaced check, UPD per device set, SEND/RECV between device sets).
+  // Tensor parallelism and recomputation change per-device costs before placement creates the
+  // transfers (whose sizes they change); their groups are formed once the placement is known.
+  std::vector<int> tp_by(dag.segments.size(), -1), rc_by(dag.segments.size(), -1);
+  bool any_layout = false;
+  each(std::type_identity<TensorParallelDirective>{}, [&](const TensorParallelDirective& d, int i) {
+    apply_tensor_parallel(cx, d, i, tp_by), any_layout = true;
+  });
+  each(std::type_identity<RecomputeDirective>{}, [&](const RecomputeDirective& d, int i) {
+    apply_recompute(cx, d, i, rc_by), any_layout = true;
+  });
+  if (any_layout) recost_segments(cx), after("tensor_parallel/recompute", -1, false);
+
   std::vector<int> placed_by, places;
   each(std::type_identity<PlaceDirective>{}, [&](const PlaceDirective&, int i) { places.push_back(i); });
   for (int i : places) {
@@ -895,6 +1067,7 @@ void apply_directives(GlobalDag& dag_in, const DirectiveProgram& program, const 
     if (i != places.back()) after("place", i, false);
   }
   finish_placement(cx, !places.empty());
+  make_tp_groups(cx, program, tp_by);
   after("place", places.empty() ? -1 : places.back(), true);
 
   each(std::type_identity<ShardDirective>{}, [&](const ShardDirective& d, int i) { apply_shard(cx, d, i), after("shard", i, true); });

@@ -176,6 +176,13 @@ Program lower(const GlobalDag& dag) {
       op.tags = node.tags;
       op.flops = op_flops(node);
       op.memory_bytes = op_memory_bytes(node);
+      if (node.kind == NodeKind::Compute) {
+        const bool fwd = node.pass == Pass::F;
+        op.elementwise_bytes = fwd ? node.costs.forward_elementwise_bytes : node.costs.backward_elementwise_bytes;
+        op.tp_bytes = fwd ? node.costs.forward_tp_bytes : node.costs.backward_tp_bytes;
+        op.tp_collectives = fwd ? node.costs.forward_tp_collectives : node.costs.backward_tp_collectives;
+        if (node.pass == Pass::B || node.pass == Pass::BI) op.recompute_flops = node.costs.recompute_flops;
+      }
       op.bytes = node.bytes;
       op.device_set = node.devices;
       op.peer_set = node.peer_devices;
@@ -204,7 +211,7 @@ Program lower(const GlobalDag& dag) {
     for (const auto& seg : dag.segments) {
       auto set = segment_set[static_cast<std::size_t>(seg.index)];
       if (set == kNoDevices || !in_plan[static_cast<std::size_t>(set)] || seg.costs.params == 0) continue;
-      const std::int64_t params = seg.costs.params / seg.shard_degree;
+      const std::int64_t params = seg.local_params();
       const std::string suffix = " s" + std::to_string(seg.index);
       plan.buffers.push_back({"params" + suffix, BufferKind::Parameters, params * dt / (seg.zero_level >= 3 ? seg.replicas : 1), {}, {}});
       plan.buffers.push_back({"grads" + suffix, BufferKind::Gradients, params * dt / (seg.zero_level >= 2 ? seg.replicas : 1), {}, {}});

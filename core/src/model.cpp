@@ -61,6 +61,13 @@ Costs& Costs::operator+=(const Costs& o) {
   output_bytes += o.output_bytes;
   forward_memory_bytes += o.forward_memory_bytes;
   backward_memory_bytes += o.backward_memory_bytes;
+  forward_elementwise_bytes += o.forward_elementwise_bytes;
+  backward_elementwise_bytes += o.backward_elementwise_bytes;
+  forward_tp_bytes += o.forward_tp_bytes;
+  backward_tp_bytes += o.backward_tp_bytes;
+  forward_tp_collectives += o.forward_tp_collectives;
+  backward_tp_collectives += o.backward_tp_collectives;
+  recompute_flops += o.recompute_flops;
   return *this;
 }
 
@@ -119,6 +126,12 @@ Costs norm_costs(const LayerShape& sh, const Dims& d) {
   c.backward_memory_bytes = 3 * d.tokens * sh.hidden * d.dt;
   c.activation_bytes = d.tokens * sh.hidden * d.dt;  // the input x
   c.output_bytes = d.tokens * sh.hidden * d.dt;
+  if (sh.attention_kernel == AttentionKernel::Standard) {
+    // Unfused-kernel models: the same traffic, counted as element-wise time (not hidden by GEMMs).
+    c.forward_elementwise_bytes = c.forward_memory_bytes;
+    c.backward_elementwise_bytes = c.backward_memory_bytes;
+    c.forward_memory_bytes = c.backward_memory_bytes = 0;
+  }
   return c;
 }
 
@@ -161,9 +174,26 @@ Costs attention_costs(const LayerShape& sh, const Dims& d) {
   const double core_flops = 2.0 * d.b * d.s * d.s * static_cast<double>(nh) * static_cast<double>(qk_dim + v_dim);
   c.forward_flops += core_flops;
   c.backward_input_flops += 2.0 * core_flops;
-  // FlashAttention keeps fp32 softmax statistics (row max and row sum) per head per query.
-  c.activation_bytes = d.tokens * stash_elems * d.dt + d.tokens * 2 * nh * 4;
   c.output_bytes = d.tokens * h * d.dt;
+  if (sh.attention_kernel == AttentionKernel::Flash) {
+    // FlashAttention keeps fp32 softmax statistics (row max and row sum) per head per query.
+    c.activation_bytes = d.tokens * stash_elems * d.dt + d.tokens * 2 * nh * 4;
+  } else {
+    // Standard attention (Korthikanti et al. 2022, sec. 4.1): the softmax output (2 bytes per score)
+    // and, with dropout, its 1-byte mask and the dropout output are stored: 5·a·s²·b bytes in bf16.
+    const std::int64_t scores = static_cast<std::int64_t>(d.b) * nh * static_cast<std::int64_t>(d.s) *
+                                static_cast<std::int64_t>(d.s);
+    c.activation_bytes = d.tokens * stash_elems * d.dt + scores * (sh.dropout ? 2 * d.dt + 1 : d.dt);
+    // Element-wise kernels: fused scale-mask-softmax (read scores, write probabilities), attention
+    // dropout (read, write, mask), and the fused bias-dropout-add after the output projection (read
+    // two tensors, write one, mask). Backward: softmax (read probabilities and gradient, write),
+    // dropout (read gradient and mask, write), bias-dropout-add (read gradient and mask, write).
+    c.forward_elementwise_bytes = scores * (2 * d.dt + (sh.dropout ? 2 * d.dt + 1 : 0)) +
+                                  d.tokens * h * (3 * d.dt + (sh.dropout ? 1 : 0));
+    c.backward_elementwise_bytes = scores * (3 * d.dt + (sh.dropout ? 2 * d.dt + 1 : 0)) +
+                                   d.tokens * h * (2 * d.dt + (sh.dropout ? 1 : 0));
+  }
+  if (sh.dropout) c.activation_bytes += d.tokens * h;  // 1-byte mask of the dropout after the projection
   return c;
 }
 
@@ -178,6 +208,13 @@ Costs mlp_costs(const LayerShape& sh, const Dims& d) {
   // Stash: input, then SwiGLU gate and up outputs and their product / GELU input and output.
   c.activation_bytes = d.tokens * (h + (swiglu ? 3 : 2) * f) * d.dt;
   c.output_bytes = d.tokens * h * d.dt;
+  if (sh.dropout) c.activation_bytes += d.tokens * h;  // 1-byte mask of the dropout after the MLP
+  if (sh.attention_kernel == AttentionKernel::Standard) {
+    // Element-wise kernels: bias + activation (GELU: read, write; SwiGLU: read two, write one) and the
+    // fused bias-dropout-add; backward reads the stored input and the gradient and writes the gradient.
+    c.forward_elementwise_bytes = d.tokens * f * (swiglu ? 3 : 2) * d.dt + d.tokens * h * (3 * d.dt + (sh.dropout ? 1 : 0));
+    c.backward_elementwise_bytes = d.tokens * f * (swiglu ? 5 : 3) * d.dt + d.tokens * h * (2 * d.dt + (sh.dropout ? 1 : 0));
+  }
   return c;
 }
 
@@ -244,6 +281,166 @@ Costs layer_costs(const Layer& layer, const TrainingShape& shape) {
     case LayerKind::Head: c = head_costs(layer.shape, d); break;
   }
   c.param_bytes = c.params * d.dt;
+  return c;
+}
+
+// Tensor / sequence parallelism and recomputation (Megatron layout; Korthikanti et al. 2022).
+// A layer's stored activations split into three parts:
+//   replicated: tensors every TP rank holds whole unless sequence parallelism slices them along the
+//     sequence (norm inputs, the inputs of the column-parallel GEMMs, dropout masks on the hidden);
+//   split: tensors on the TP-split dimension (q, k, v, the row-parallel inputs, the MLP's ffn-wide
+//     intermediates, the vocabulary-parallel logits), divided by t;
+//   core: the attention core (softmax statistics, or the scores/softmax/dropout of standard
+//     attention), split by heads, and dropped by selective recomputation.
+// Their sum at t = 1 is the layer's activation_bytes. For a standard-attention GPT layer with
+// dropout this gives Korthikanti's Table 2: sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) with TP,
+// sbh(34 + 5as/h)/t with TP+SP, 34sbh/t with TP+SP+selective; full recomputation keeps only the
+// block input 2sbh (2sbh/t with SP: the stored input is the sequence slice).
+namespace {
+
+struct ActivationParts {
+  std::int64_t replicated = 0, split = 0, core = 0;
+};
+
+ActivationParts activation_parts(const Layer& layer, const Costs& base, const TrainingShape& shape) {
+  const std::int64_t T = shape.tokens_per_microbatch(), dt = bytes_per_element(shape.precision);
+  const std::int64_t h = layer.shape.hidden;
+  const std::int64_t mask = layer.shape.dropout ? T * h : 0;
+  ActivationParts p;
+  switch (layer.kind) {
+    case LayerKind::Attention: {
+      const std::int64_t nh = layer.shape.heads;
+      std::int64_t core = T * 2 * nh * 4;
+      if (layer.shape.attention_kernel == AttentionKernel::Standard)
+        core = shape.micro_batch_size * nh * shape.seq_len * shape.seq_len * (layer.shape.dropout ? 2 * dt + 1 : dt);
+      p.replicated = T * h * dt + mask;
+      p.core = core;
+      p.split = base.activation_bytes - p.replicated - p.core;
+      break;
+    }
+    case LayerKind::Mlp:
+      p.replicated = T * h * dt + mask;
+      p.split = base.activation_bytes - p.replicated;
+      break;
+    case LayerKind::Head:
+      p.replicated = T * h * dt;
+      p.split = base.activation_bytes - p.replicated;
+      break;
+    default:  // norms, embedding ids, router, experts: not split by TP
+      p.replicated = base.activation_bytes;
+  }
+  return p;
+}
+
+// Forward work of the attention core (QK^T, softmax, dropout, ·V) that selective recomputation redoes.
+void attention_core_forward(const Layer& layer, const TrainingShape& shape, double& flops, std::int64_t& elementwise) {
+  const LayerShape& sh = layer.shape;
+  const std::int64_t qk = sh.kv_lora_rank > 0 ? sh.head_dim + sh.qk_rope_head_dim : sh.head_dim;
+  const std::int64_t v = sh.kv_lora_rank > 0 ? sh.v_head_dim : sh.head_dim;
+  const double b = static_cast<double>(shape.micro_batch_size), s = static_cast<double>(shape.seq_len);
+  flops = 2.0 * b * s * s * static_cast<double>(sh.heads) * static_cast<double>(qk + v);
+  elementwise = 0;
+  if (sh.attention_kernel == AttentionKernel::Standard) {
+    const std::int64_t dt = bytes_per_element(shape.precision);
+    const std::int64_t scores = shape.micro_batch_size * sh.heads * shape.seq_len * shape.seq_len;
+    elementwise = scores * (2 * dt + (sh.dropout ? 2 * dt + 1 : 0));
+  }
+}
+
+}  // namespace
+
+Costs layer_costs(const Layer& layer, const TrainingShape& shape, const ParallelLayout& L) {
+  const Costs base = layer_costs(layer, shape);
+  const int t = std::max(1, L.tp);
+  if (t == 1 && L.recompute == 0) return base;
+  const std::int64_t T = shape.tokens_per_microbatch(), dt = bytes_per_element(shape.precision);
+  const std::int64_t h = layer.shape.hidden;
+  const std::int64_t N = T * h * dt;           // one full hidden-state tensor of the microbatch
+  const int seq = L.sequence_parallel ? t : 1;  // divisor of sequence-sliced work
+  const bool block = layer.block >= 0;
+  Costs c = base;
+  const ActivationParts parts = activation_parts(layer, base, shape);
+  auto div_all = [&](Costs& x, int k) {
+    x.forward_flops /= k;
+    x.backward_input_flops /= k;
+    x.backward_weight_flops /= k;
+    x.forward_memory_bytes /= k;
+    x.backward_memory_bytes /= k;
+    x.forward_elementwise_bytes /= k;
+    x.backward_elementwise_bytes /= k;
+  };
+  switch (layer.kind) {
+    case LayerKind::Attention:
+    case LayerKind::Mlp:
+      // Column- then row-parallel GEMMs: weights, FLOPs and the ffn/head-wide traffic divide by t;
+      // the bias-dropout-add on the hidden after the row-parallel GEMM is replicated (SP: sliced).
+      div_all(c, t);
+      c.params = base.params / t;
+      if (layer.shape.attention_kernel == AttentionKernel::Standard) {
+        const std::int64_t m = layer.shape.dropout ? 1 : 0;
+        const std::int64_t hf = T * h * (3 * dt + m), hb = T * h * (2 * dt + m);
+        c.forward_elementwise_bytes = (base.forward_elementwise_bytes - hf) / t + hf / seq;
+        c.backward_elementwise_bytes = (base.backward_elementwise_bytes - hb) / t + hb / seq;
+      }
+      if (t > 1) {
+        // F: all-reduce after the row-parallel GEMM (SP: all-gather before the column-parallel
+        // GEMM + reduce-scatter after the row-parallel one); B (input gradient): the mirror.
+        c.forward_tp_bytes = c.backward_tp_bytes = 2 * N;
+        c.forward_tp_collectives = c.backward_tp_collectives = L.sequence_parallel ? 2 : 1;
+      }
+      break;
+    case LayerKind::Head:
+      div_all(c, t);
+      c.params = base.params / t;
+      if (t > 1) {
+        // Vocabulary-parallel head: SP all-gathers its input; parallel cross-entropy all-reduces
+        // the row max, the target logit and the exp-sum (fp32 per token); B all-reduces the input
+        // gradient (SP: reduce-scatters it).
+        c.forward_tp_bytes = (L.sequence_parallel ? N : 0) + 3 * 2 * T * 4;
+        c.forward_tp_collectives = (L.sequence_parallel ? 1 : 0) + 3;
+        c.backward_tp_bytes = L.sequence_parallel ? N : 2 * N;
+        c.backward_tp_collectives = 1;
+      }
+      break;
+    case LayerKind::Embedding:
+      // Vocabulary-parallel rows (learned positions are replicated); the lookup's output is
+      // all-reduced (SP: reduce-scattered); its dropout runs on the sequence slice with SP.
+      c.params = layer.shape.vocab * h / t + layer.shape.max_positions * h;
+      div_all(c, seq);
+      if (t > 1) {
+        c.forward_tp_bytes = L.sequence_parallel ? N : 2 * N;
+        c.forward_tp_collectives = 1;
+        c.backward_tp_bytes = L.sequence_parallel ? N : 0;  // SP: gather the output gradient
+        c.backward_tp_collectives = L.sequence_parallel ? 1 : 0;
+      }
+      break;
+    default:
+      // Norms and the router: replicated weights; their work is sliced by SP only. Experts keep EP.
+      if (layer.kind != LayerKind::MoeExperts) div_all(c, seq);
+  }
+  c.param_bytes = c.params * dt;
+  // Stored activations.
+  const bool selective = L.recompute == 1, full = L.recompute == 2 && block;
+  c.activation_bytes = parts.replicated / seq + parts.split / t + (selective ? 0 : parts.core / t);
+  if (layer.kind == LayerKind::MoeExperts) c.activation_bytes = base.activation_bytes;
+  if (full) c.activation_bytes = layer.name.ends_with("attn_norm") ? N / seq : 0;
+  // Recomputed forward work runs at the start of the backward (input-gradient) pass.
+  if (selective && layer.kind == LayerKind::Attention) {
+    double flops = 0;
+    std::int64_t elementwise = 0;
+    attention_core_forward(layer, shape, flops, elementwise);
+    c.backward_input_flops += flops / t;
+    c.recompute_flops += flops / t;
+    c.backward_elementwise_bytes += elementwise / t;
+  }
+  if (full) {
+    c.backward_input_flops += c.forward_flops;
+    c.recompute_flops += c.forward_flops;
+    c.backward_memory_bytes += c.forward_memory_bytes;
+    c.backward_elementwise_bytes += c.forward_elementwise_bytes;
+    c.backward_tp_bytes += c.forward_tp_bytes;
+    c.backward_tp_collectives += c.forward_tp_collectives;
+  }
   return c;
 }
 
@@ -334,6 +531,7 @@ Model build_model(const ModelConfig& c) {
   LayerShape norm;
   norm.hidden = c.hidden;
   norm.norm = c.norm;
+  norm.attention_kernel = c.attention_kernel;
 
   LayerShape embed;
   embed.vocab = c.vocab;
@@ -351,6 +549,8 @@ Model build_model(const ModelConfig& c) {
   attn.v_head_dim = c.v_head_dim;
   attn.qk_norm = c.qk_norm;
   attn.bias = c.bias;
+  attn.attention_kernel = c.attention_kernel;
+  attn.dropout = c.dropout;
 
   auto mlp_shape = [&](std::int64_t ffn) {
     LayerShape m;
@@ -358,6 +558,8 @@ Model build_model(const ModelConfig& c) {
     m.ffn = ffn;
     m.activation = c.activation;
     m.bias = c.bias;
+    m.attention_kernel = c.attention_kernel;
+    m.dropout = c.dropout;
     return m;
   };
   LayerShape moe;
@@ -586,7 +788,7 @@ ModelConfig config_from_spec_json(const json& j, const std::string& where) {
   FieldReader r(j, where);
   r.reject_unknown({"name", "description", "vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn",
                     "activation", "norm", "qk_norm", "bias", "tie_embeddings", "max_positions", "moe", "mla",
-                    "training"});
+                    "training", "attention", "dropout"});
   ModelConfig c;
   auto name = r.opt_string("name");
   if (!name || name->empty()) r.fail("name", "missing required field (a non-empty string)");
@@ -606,6 +808,19 @@ ModelConfig config_from_spec_json(const json& j, const std::string& where) {
   c.bias = r.bool_or("bias", false);
   c.tie_embeddings = r.bool_or("tie_embeddings", false);
   c.max_positions = r.non_negative_or("max_positions", 0);
+  {
+    const std::string kernel = r.opt_string("attention").value_or("flash");
+    if (kernel == "flash") c.attention_kernel = AttentionKernel::Flash;
+    else if (kernel == "standard") c.attention_kernel = AttentionKernel::Standard;
+    else r.fail("attention", "must be \"flash\" or \"standard\", got \"" + kernel + "\"");
+  }
+  if (r.has("dropout")) {
+    const json& p = j.at("dropout");
+    if (!p.is_number() || p.get<double>() < 0 || p.get<double>() >= 1)
+      r.fail("dropout", "must be a probability in [0, 1)");
+    c.dropout_probability = p.get<double>();
+    c.dropout = c.dropout_probability > 0;
+  }
   if (const json* moe = r.opt_object("moe")) {
     FieldReader m(*moe, where, "moe.");
     m.reject_unknown({"experts", "top_k", "expert_ffn", "shared_experts", "shared_expert_ffn", "first_dense_layers"});
@@ -651,6 +866,8 @@ json config_to_spec_json(const ModelConfig& c) {
   j["bias"] = c.bias;
   j["tie_embeddings"] = c.tie_embeddings;
   j["max_positions"] = c.max_positions;
+  if (c.attention_kernel == AttentionKernel::Standard) j["attention"] = "standard";
+  if (c.dropout) j["dropout"] = c.dropout_probability;
   if (c.experts > 0) {
     j["moe"] = {{"experts", c.experts},
                 {"top_k", c.top_k},

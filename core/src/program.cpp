@@ -140,6 +140,8 @@ json op_to_json(const Op& op) {
   if (!op.segments.empty()) j["segments"] = op.segments;
   if (op.tp_bytes != 0) j["tp_bytes"] = op.tp_bytes;
   if (op.tp_collectives != 0) j["tp_collectives"] = op.tp_collectives;
+  if (op.elementwise_bytes != 0) j["elementwise_bytes"] = op.elementwise_bytes;
+  if (op.recompute_flops != 0) j["recompute_flops"] = op.recompute_flops;
   return j;
 }
 
@@ -198,6 +200,8 @@ Op op_from_json(const json& j, const std::string& path) {
   }
   if (const json* f = optional_field(j, "tp_bytes")) op.tp_bytes = as_int64(*f, member(path, "tp_bytes"));
   if (const json* f = optional_field(j, "tp_collectives")) op.tp_collectives = as_int(*f, member(path, "tp_collectives"));
+  if (const json* f = optional_field(j, "elementwise_bytes")) op.elementwise_bytes = as_int64(*f, member(path, "elementwise_bytes"));
+  if (const json* f = optional_field(j, "recompute_flops")) op.recompute_flops = as_double(*f, member(path, "recompute_flops"));
   return op;
 }
 
@@ -260,7 +264,8 @@ bool same_op(const Op& a, const Op& b) {
          a.flops == b.flops && a.memory_bytes == b.memory_bytes && a.bytes == b.bytes && a.device_set == b.device_set &&
          a.peer_set == b.peer_set && a.family == b.family && a.waits == b.waits && a.uses == b.uses &&
          a.segment == b.segment && a.segments == b.segments && a.tp_bytes == b.tp_bytes &&
-         a.tp_collectives == b.tp_collectives;
+         a.tp_collectives == b.tp_collectives && a.elementwise_bytes == b.elementwise_bytes &&
+         a.recompute_flops == b.recompute_flops;
 }
 
 bool same_plan(const Plan& a, const Plan& b) {

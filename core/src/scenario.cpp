@@ -62,7 +62,8 @@ ModelConfig load_config(const Scenario& s) {
 }
 
 json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
-  const StrategyOptions& opts = s.strategy;
+  StrategyOptions opts = s.strategy;
+  from("", [&] { return resolve_global_batch(opts, cfg.training.micro_batch_size), 0; });
   if (!s.stage_starts.empty() && s.stages > 0 && s.stages != static_cast<int>(s.stage_starts.size()))
     throw Error(fmt::format("--stages {} disagrees with the {} regions of --pp-ranges", s.stages, s.stage_starts.size()));
   int regions = s.stage_starts.empty() ? s.stages : static_cast<int>(s.stage_starts.size());
@@ -199,6 +200,11 @@ json Scenario::to_json() const {
                    {"ep", strategy.ep},         {"zero", strategy.zero},
                    {"schedule", strategy.schedule}, {"microbatches", strategy.microbatches},
                    {"virtual", strategy.virtual_stages}, {"bucket_mb", strategy.bucket_mb}};
+  // Tensor parallelism, recomputation and the global batch: written only when used.
+  if (strategy.tp != 1) j["strategy"]["tp"] = strategy.tp;
+  if (strategy.sequence_parallel) j["strategy"]["sequence_parallel"] = true;
+  if (strategy.recompute != "none") j["strategy"]["recompute"] = strategy.recompute;
+  if (strategy.global_batch > 0) j["strategy"]["global_batch"] = strategy.global_batch;
   if (!cluster.empty()) j["cluster"] = cluster;
   if (!engine.empty()) j["engine"] = engine;
   return j;
@@ -269,6 +275,16 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     int_field(st, "zero", "strategy.zero", s.strategy.zero, 0);
     int_field(st, "microbatches", "strategy.microbatches", s.strategy.microbatches, 1);
     int_field(st, "virtual", "strategy.virtual", s.strategy.virtual_stages, 1);
+    int_field(st, "tp", "strategy.tp", s.strategy.tp, 1);
+    int_field(st, "global_batch", "strategy.global_batch", s.strategy.global_batch, 1);
+    if (st.contains("sequence_parallel")) {
+      if (!st["sequence_parallel"].is_boolean()) throw fail("strategy.sequence_parallel", "must be true or false");
+      s.strategy.sequence_parallel = st["sequence_parallel"].get<bool>();
+    }
+    if (st.contains("recompute")) {
+      if (!st["recompute"].is_string()) throw fail("strategy.recompute", "must be \"none\", \"selective\" or \"full\"");
+      s.strategy.recompute = st["recompute"].get<std::string>();
+    }
     if (st.contains("schedule")) {
       if (!st["schedule"].is_string()) throw fail("strategy.schedule", "must be a string");
       s.strategy.schedule = st["schedule"].get<std::string>();

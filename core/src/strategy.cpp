@@ -22,10 +22,12 @@ std::string num(double v) {
   return s;
 }
 
-// Devices of pipeline rank r: r + d * pp for d = 0..dp-1 (pipeline ranks adjacent).
+// Devices of pipeline rank r: k + tp * (r + d * pp) for d = 0..dp-1, k = 0..tp-1 (each TP group
+// consecutive, pipeline ranks adjacent; tp = 1 gives r + d * pp).
 json devices_of_rank(const StrategyOptions& o, int rank) {
   json devices = json::array();
-  for (int d = 0; d < o.dp; ++d) devices.push_back(rank + d * o.pp);
+  for (int d = 0; d < o.dp; ++d)
+    for (int k = 0; k < o.tp; ++k) devices.push_back(k + o.tp * (rank + d * o.pp));
   return devices;
 }
 
@@ -47,11 +49,25 @@ void validate_strategy_options(const StrategyOptions& o) {
   at_least_one("--dp", o.dp);
   at_least_one("--ep", o.ep);
   at_least_one("--microbatches", o.microbatches);
+  at_least_one("--tp", o.tp);
+  if (o.sequence_parallel && o.tp < 2) fail("--sequence-parallel needs --tp >= 2");
+  if (o.recompute != "none" && o.recompute != "selective" && o.recompute != "full")
+    fail("--recompute must be none, selective or full (got '" + o.recompute + "')");
+  if (o.global_batch < 0) fail("--global-batch must be >= 1 (got " + std::to_string(o.global_batch) + ")");
   at_least_one("--virtual-stages", o.virtual_stages);
   if (o.dp % o.ep != 0) fail("--ep " + std::to_string(o.ep) + " must divide --dp " + std::to_string(o.dp));
   if (o.zero < 0 || o.zero > 3) fail("--zero must be 0, 1, 2 or 3 (got " + std::to_string(o.zero) + ")");
   if (!(o.bucket_mb >= 0) || !std::isfinite(o.bucket_mb))
     fail("--bucket-mb must be a finite number >= 0 (got " + num(o.bucket_mb) + ")");
+}
+
+void resolve_global_batch(StrategyOptions& o, std::int64_t micro_batch_size) {
+  if (o.global_batch <= 0) return;
+  const std::int64_t per_microbatch = micro_batch_size * o.dp;
+  if (per_microbatch <= 0 || o.global_batch % per_microbatch != 0)
+    fail("--global-batch " + std::to_string(o.global_batch) + " is not divisible by micro-batch size " +
+         std::to_string(micro_batch_size) + " x --dp " + std::to_string(o.dp));
+  o.microbatches = static_cast<int>(o.global_batch / per_microbatch);
 }
 
 const ScheduleFamily& schedule_family(const std::string& name) {
@@ -75,7 +91,7 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
       for (const auto& d : devices_of_rank(o, o.pp - 1 - rank)) devices.push_back(d);
     return devices;
   };
-  const int replicas = o.dp * (mirrored ? 2 : 1);
+  const int replicas = o.dp * o.tp * (mirrored ? 2 : 1);  // devices per region
   json out = json::array();
   // Directive order follows the published programs: all place, then all replicate, then all shard.
   for (int i = 0; i < regions; ++i) {
@@ -84,7 +100,7 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
     if (o.pp > 1) place["stream"] = o.pp_stream;
     out.push_back(place);
   }
-  if (replicas > 1) {
+  if (replicas / o.tp > 1) {
     for (int i = 0; i < regions; ++i) {
       json rep{{"op", "replicate"}, {"filter", {{"PP", i}}}, {"devices", devices_of_region(i)},
                {"reduce_stream", o.dp_stream}};
@@ -111,6 +127,16 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
       out.push_back(shard);
     }
   }
+  // Piper extensions: tensor (and sequence) parallelism and recomputation of every region.
+  if (o.tp > 1)
+    for (int i = 0; i < regions; ++i) {
+      json tp{{"op", "tensor_parallel"}, {"filter", {{"PP", i}}}, {"degree", o.tp}};
+      if (o.sequence_parallel) tp["sequence_parallel"] = true;
+      out.push_back(tp);
+    }
+  if (o.recompute != "none")
+    for (int i = 0; i < regions; ++i)
+      out.push_back({{"op", "recompute"}, {"filter", {{"PP", i}}}, {"mode", o.recompute}});
   return out;
 }
 

@@ -79,6 +79,7 @@ class Verifier {
     index_ops();
     check_send_recv();
     check_collectives();
+    check_tensor_parallel();
     for (std::size_t p = 0; p < prog_.plans.size(); ++p) check_buffers(static_cast<int>(p));
     check_deadlock();
     return issues_;
@@ -451,6 +452,69 @@ class Verifier {
   }
 
   // ---- buffers: vector clocks over stream order and waits within one plan ----
+
+  // ---- tensor parallelism: each TP segment's family is its set cut into consecutive groups of its
+  // degree, and the members of every TP group issue the same TP compute ops in the same order
+  // (their collectives happen inside those ops, so a mismatch would hang or mix tensors) ----
+
+  void check_tensor_parallel() {
+    std::set<int> tp_families;
+    for (std::size_t s = 0; s < prog_.segments.size(); ++s) {
+      const ProgramSegment& sg = prog_.segments[s];
+      const std::string at = "segment " + std::to_string(s);
+      if (sg.tp_degree <= 1) {
+        if (sg.tp_family != -1) add("tp-group", at + " has tp_family " + std::to_string(sg.tp_family) + " but tp_degree 1");
+        continue;
+      }
+      if (sg.tp_family < 0 || ix(sg.tp_family) >= prog_.families.size()) {
+        add("tp-group", at + " has tp_degree " + std::to_string(sg.tp_degree) + " but no TP family");
+        continue;
+      }
+      const CommFamily& f = prog_.families[ix(sg.tp_family)];
+      if (f.purpose != "tp" || f.stride != 1 || f.group_size != sg.tp_degree || f.devices != sg.devices ||
+          prog_.device_sets[ix(f.devices)].size() % ix(sg.tp_degree) != 0) {
+        add("tp-group", at + " (tp_degree " + std::to_string(sg.tp_degree) + "): family " + std::to_string(sg.tp_family) +
+                            " is not its device set in consecutive groups of " + std::to_string(sg.tp_degree));
+        continue;
+      }
+      tp_families.insert(sg.tp_family);
+    }
+    // A plan's TP sequence for one family: its compute ops of segments in that family, in issue order.
+    auto sequence = [&](int plan, int family) {
+      std::vector<std::tuple<int, int, std::int64_t, int>> seq;
+      for (const auto& stream : prog_.plans[ix(plan)].streams)
+        for (const auto& op : stream.ops) {
+          if (op.kind != OpKind::Compute || op.segment < 0 || ix(op.segment) >= prog_.segments.size()) continue;
+          if (prog_.segments[ix(op.segment)].tp_family != family) continue;
+          seq.emplace_back(op.node, static_cast<int>(op.pass), op.tp_bytes, op.tp_collectives);
+        }
+      return seq;
+    };
+    for (const auto& p : prog_.plans)
+      for (const auto& stream : p.streams)
+        for (const auto& op : stream.ops)
+          if (op.tp_collectives > 0 && (op.segment < 0 || ix(op.segment) >= prog_.segments.size() ||
+                                        prog_.segments[ix(op.segment)].tp_degree <= 1)) {
+            add("tp-group", "op '" + op.label + "' performs TP collectives but its segment is not tensor-parallel");
+            return;
+          }
+    for (int family : tp_families) {
+      std::map<std::pair<int, int>, bool> compared;
+      for (const auto& group : prog_.groups(family)) {
+        const int first = prog_.plan_of_device[ix(group.front())];
+        for (int d : group) {
+          const int plan = prog_.plan_of_device[ix(d)];
+          if (plan == first || compared.contains({first, plan})) continue;
+          compared[{first, plan}] = true;
+          if (sequence(first, family) != sequence(plan, family))
+            add("tp-group", "device " + std::to_string(d) + " (plan " + std::to_string(plan) + ") and device " +
+                                std::to_string(group.front()) + " (plan " + std::to_string(first) +
+                                ") are in one TP group (family " + std::to_string(family) +
+                                ") but issue different TP compute ops");
+        }
+      }
+    }
+  }
 
   void check_buffers(int p) {
     const Plan& plan = prog_.plans[ix(p)];

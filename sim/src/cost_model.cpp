@@ -155,9 +155,28 @@ double CostModel::roofline_seconds(int device, double flops, std::int64_t memory
   return std::max(compute, memory) + g.launch_overhead_s;
 }
 
-double CostModel::compute_seconds(const core::Program&, int device, const core::Op& op) const {
+double CostModel::compute_seconds(const core::Program& program, int device, const core::Op& op) const {
   if (auto s = replaced(op, 1)) return *s;
-  return roofline_seconds(device, op.flops, op.memory_bytes);
+  double seconds = roofline_seconds(device, op.flops, op.memory_bytes);
+  // Memory-bound element-wise kernels run between the GEMMs: their time adds to the roofline.
+  if (op.elementwise_bytes > 0) {
+    const GpuSpec& g = cluster_.nodes[static_cast<std::size_t>(node_of_.at(static_cast<std::size_t>(device)))].gpu;
+    seconds += static_cast<double>(op.elementwise_bytes) / g.hbm_bandwidth_bytes_per_s;
+  }
+  return seconds + tp_seconds(program, device, op);
+}
+
+double CostModel::tp_seconds(const core::Program& program, int device, const core::Op& op) const {
+  if (op.tp_collectives <= 0 || op.segment < 0 || static_cast<std::size_t>(op.segment) >= program.segments.size())
+    return 0;
+  const int family = program.segments[static_cast<std::size_t>(op.segment)].tp_family;
+  if (family < 0) return 0;
+  // The TP collectives run inside the op, not overlapped with its GEMMs (Megatron-LM's default):
+  // each is costed as an all-gather of its share of tp_bytes over the TP group (an all-reduce
+  // counts twice in tp_bytes, so it costs a reduce-scatter + all-gather, the ring all-reduce).
+  const std::vector<int> group = program.group_of(family, device);
+  const double per_call = static_cast<double>(op.tp_bytes) / op.tp_collectives;
+  return op.tp_collectives * collective_seconds(OpKind::AllGather, group, static_cast<std::int64_t>(per_call));
 }
 
 double CostModel::latency_s(int src, int dst) const {

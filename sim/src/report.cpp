@@ -140,11 +140,13 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
     for (const auto& s : program.plans[p].streams)
       for (const auto& op : s.ops) {
         if (op.kind != OpKind::Compute) continue;
-        if (op.pass != core::Pass::None) r.model_flops += op.flops * devices_of_plan[p];
+        // Recomputed forward work is hardware work, not model work (MFU excludes it).
+        if (op.pass != core::Pass::None) r.model_flops += (op.flops - op.recompute_flops) * devices_of_plan[p];
         // Each forward of the segment holding layer 0 consumes one microbatch (sharded copies count once).
         if (op.pass == core::Pass::F && op.segment >= 0 && ix(op.segment) < program.segments.size() &&
             program.segments[ix(op.segment)].first_layer == 0)
-          r.tokens_per_step += tokens_per_mb * devices_of_plan[p] / std::max(1, program.segments[ix(op.segment)].shard_degree);
+          r.tokens_per_step += tokens_per_mb * devices_of_plan[p] / std::max(1, program.segments[ix(op.segment)].shard_degree) /
+                               std::max(1, program.segments[ix(op.segment)].tp_degree);
       }
   double peak_flops = 0;
   for (int d = 0; d < program.num_devices; ++d) peak_flops += cluster.gpu(d).peak_flops;

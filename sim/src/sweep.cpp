@@ -42,11 +42,12 @@ std::vector<T> knob(const json& j, const char* field, const std::string& where, 
   auto one = [&](const json& x) {
     bool ok;
     if constexpr (std::is_same_v<T, std::string>) ok = x.is_string();
+    else if constexpr (std::is_same_v<T, bool>) ok = x.is_boolean();
     else if constexpr (std::is_floating_point_v<T>) ok = x.is_number();
     else ok = x.is_number_integer();
     if (!ok)
       throw SweepError(fmt::format("{}: field '{}': expected {} or a list of them, got {}", where, field,
-                                   std::is_same_v<T, std::string> ? "a string" : std::is_floating_point_v<T> ? "a number" : "an integer",
+                                   std::is_same_v<T, std::string> ? "a string" : std::is_same_v<T, bool> ? "true/false" : std::is_floating_point_v<T> ? "a number" : "an integer",
                                    x.dump()));
     out.push_back(x.get<T>());
   };
@@ -103,7 +104,8 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   if (!j.is_object()) throw SweepError(where + ": expected a JSON object with model, cluster and knob lists");
   static const std::set<std::string> known = {"model", "cluster", "calibration", "pp", "dp", "ep", "zero", "schedule",
                                               "microbatches", "virtual", "bucket_mb", "engine", "seq_len",
-                                              "micro_batch_size", "comment"};
+                                              "micro_batch_size", "comment", "tp", "sequence_parallel",
+                                              "recompute", "global_batch"};
   for (const auto& [k, v] : j.items())
     if (!known.count(k)) {
       std::string list;
@@ -130,6 +132,13 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   s.engine = knob(j, "engine", where, s.engine);
   s.seq_len = knob(j, "seq_len", where, s.seq_len);
   s.micro_batch_size = knob(j, "micro_batch_size", where, s.micro_batch_size);
+  s.tp = knob(j, "tp", where, s.tp);
+  s.sequence_parallel = knob(j, "sequence_parallel", where, s.sequence_parallel);
+  s.recompute = knob(j, "recompute", where, s.recompute);
+  s.global_batch = knob(j, "global_batch", where, s.global_batch);
+  for (const auto& r : s.recompute)
+    if (r != "none" && r != "selective" && r != "full")
+      throw SweepError(fmt::format("{}: field 'recompute': unknown mode '{}' (expected none, selective or full)", where, r));
   // Names that no combination could use are errors in the spec, not rows: say so once, up front.
   const auto engines = engine_names();
   for (const auto& e : s.engine)
@@ -168,6 +177,11 @@ std::string SweepPoint::key() const {
                               schedule, microbatches, virtual_stages, bucket_mb);
   if (seq_len > 0) k += fmt::format("/s{}", seq_len);
   if (micro_batch_size > 0) k += fmt::format("/m{}", micro_batch_size);
+  // Written only when set, so keys of sweeps without them (and their resume files) are unchanged.
+  if (tp != 1) k += fmt::format("/tp{}", tp);
+  if (sequence_parallel) k += "/sp";
+  if (recompute != "none") k += "/rc-" + recompute;
+  if (global_batch > 0) k += fmt::format("/gb{}", global_batch);
   std::replace(k.begin(), k.end(), ',', ';');
   return k;
 }
@@ -185,14 +199,19 @@ std::vector<SweepPoint> expand(const SweepSpec& s) {
                   for (double bucket : s.bucket_mb)
                     for (auto seq : s.seq_len)
                       for (auto mbs : s.micro_batch_size)
-                        out.push_back({s.model, s.cluster, engine, schedule, pp, dp, ep, zero, mb, v, bucket, seq, mbs});
+                        for (int tp : s.tp)
+                          for (bool sp : s.sequence_parallel)
+                            for (const auto& rc : s.recompute)
+                              for (int gb : s.global_batch)
+                                out.push_back({s.model, s.cluster, engine, schedule, pp, dp, ep, zero, mb, v, bucket,
+                                               seq, mbs, tp, gb, sp, rc});
   return out;
 }
 
 const std::vector<std::string>& sweep_csv_columns() {
   static const std::vector<std::string> columns = {
       "key", "model", "cluster", "engine", "pp", "dp", "ep", "zero", "schedule", "microbatches", "virtual",
-      "bucket_mb", "seq_len", "micro_batch_size", "devices", "step_time_s", "tokens_per_s", "mfu",
+      "bucket_mb", "seq_len", "micro_batch_size", "tp", "sequence_parallel", "recompute", "global_batch", "devices", "step_time_s", "tokens_per_s", "mfu",
       "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s", "status", "reason"};
   return columns;
 }
@@ -206,10 +225,10 @@ std::string sweep_csv_header() {
 std::string to_csv(const SweepRow& r) {
   const SweepPoint& p = r.point;
   // {} prints doubles in their shortest round-trip form, so rows compare exactly across runs.
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(p.key()),
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(p.key()),
                      csv_field(p.model), csv_field(p.cluster), csv_field(p.engine), p.pp, p.dp, p.ep, p.zero,
                      csv_field(p.schedule), p.microbatches, p.virtual_stages, p.bucket_mb, p.seq_len,
-                     p.micro_batch_size, r.devices, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
+                     p.micro_batch_size, p.tp, p.sequence_parallel ? 1 : 0, p.recompute, p.global_batch, r.devices, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
                      r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.status,
                      csv_field(one_line(r.reason)));
 }
@@ -229,6 +248,10 @@ SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
   scenario.strategy.microbatches = p.microbatches;
   scenario.strategy.virtual_stages = p.virtual_stages;
   scenario.strategy.bucket_mb = p.bucket_mb;
+  scenario.strategy.tp = p.tp;
+  scenario.strategy.sequence_parallel = p.sequence_parallel;
+  scenario.strategy.recompute = p.recompute;
+  scenario.strategy.global_batch = p.global_batch;
   // A combination the compiler (or the cluster) rejects is "invalid"; one that compiles but fails to
   // simulate (deadlock, engine failure) is "error": the second is worth a bug report, the first is not.
   std::shared_ptr<const core::Program> program;

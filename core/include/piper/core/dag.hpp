@@ -100,6 +100,9 @@ struct Segment {
   bool sequence_parallel = false;       // TP all-reduces become reduce-scatter + all-gather
   Recompute recompute = Recompute::None;
   int tp_family = -1;                   // GlobalDag::families index of the TP groups (purpose "tp")
+  std::int64_t tp_local_params = 0;     // parameters one TP rank holds (norms replicated), when tp_degree > 1
+  // Parameters of one shard (EP shard or TP rank), before ZeRO.
+  std::int64_t local_params() const { return tp_degree > 1 ? tp_local_params : costs.params / shard_degree; }
   bool placed = false;
 };
 
@@ -111,6 +114,7 @@ class GlobalDag {
   std::vector<Segment> segments;
   TrainingShape training;
   std::string model_name;
+  std::vector<Layer> layers;            // the model's layers (passes that re-cost segments read them)
   int microbatches = 1;                 // product of the split counts
 
   Vertex add_node(DagNode n) { return boost::add_vertex(std::move(n), graph); }

@@ -1,5 +1,6 @@
 // Piper directives: parsing of the JSON program (published format plus Piper's extensions) and the
-// rewrite passes, applied in one fixed order: split -> backward split -> place -> replicate/shard -> order.
+// rewrite passes, applied in one fixed order: split -> backward split -> tensor_parallel/recompute ->
+// place -> shard -> replicate -> order.
 #pragma once
 
 #include <functional>
@@ -60,7 +61,24 @@ struct OrderDirective {
   std::vector<std::vector<Filter>> groups;  // groups run in sequence; filters within a group may interleave
 };
 
-using Directive = std::variant<PlaceDirective, ReplicateDirective, ShardDirective, SplitDirective, OrderDirective>;
+// Piper extension: Megatron tensor parallelism of the selected segments over consecutive groups of
+// `degree` devices of their placement, optionally with sequence parallelism. Routed-expert segments
+// keep expert parallelism and are left alone.
+struct TensorParallelDirective {
+  Filter filter;
+  std::vector<int> devices;    // optional: when given, must equal the placement
+  int degree = 1;
+  bool sequence_parallel = false;
+};
+
+// Piper extension: activation recomputation of the selected segments.
+struct RecomputeDirective {
+  Filter filter;
+  Recompute mode = Recompute::None;
+};
+
+using Directive = std::variant<PlaceDirective, ReplicateDirective, ShardDirective, SplitDirective, OrderDirective,
+                               TensorParallelDirective, RecomputeDirective>;
 
 
 struct DirectiveProgram {

@@ -32,6 +32,10 @@ std::string to_string(LayerKind k);
 
 enum class MlpActivation { SwiGLU, GELU };
 enum class NormKind { RMSNorm, LayerNorm };
+// How the attention core runs: Flash (fused; keeps only q, k, v, the output and softmax statistics)
+// or Standard (Megatron-LM 2022: the s x s scores, softmax output, dropout mask and dropout output
+// are materialised and stored for backward, as Korthikanti et al. 2022 count them).
+enum class AttentionKernel { Flash, Standard };
 
 // Per-microbatch costs of one layer (or one DAG segment: costs add). FLOPs count a multiply-add as 2.
 struct Costs {
@@ -44,6 +48,16 @@ struct Costs {
   std::int64_t output_bytes = 0;           // the tensor passed to the next layer
   std::int64_t forward_memory_bytes = 0;   // HBM traffic of F (reads + writes), for memory-bound ops
   std::int64_t backward_memory_bytes = 0;  // HBM traffic of B
+  // Memory-bound element-wise kernels (norms, softmax, dropout, activation, residual) of layers whose
+  // model counts them separately (standard attention): they run between the GEMMs, so the simulator
+  // adds their time to the roofline instead of hiding it under it. Zero for the other models.
+  std::int64_t forward_elementwise_bytes = 0;
+  std::int64_t backward_elementwise_bytes = 0;
+  // Tensor-parallel collectives inside the layer (ParallelLayout::tp > 1), in all-gather units (see
+  // core::Op::tp_bytes): forward, and backward (all in the input-gradient half).
+  std::int64_t forward_tp_bytes = 0, backward_tp_bytes = 0;
+  int forward_tp_collectives = 0, backward_tp_collectives = 0;
+  double recompute_flops = 0;              // forward FLOPs redone in the backward (inside backward_input_flops)
   double backward_flops() const { return backward_input_flops + backward_weight_flops; }
   Costs& operator+=(const Costs& o);
 };
@@ -62,6 +76,8 @@ struct LayerShape {
   std::int64_t experts = 0, top_k = 0;    // MoE router / routed experts
   std::int64_t max_positions = 0;         // learned position embedding rows (GPT-3); 0 = RoPE
   bool tied_with_embedding = false;       // head shares the embedding matrix (no own params)
+  AttentionKernel attention_kernel = AttentionKernel::Flash;
+  bool dropout = false;                   // dropout layers present (their 1-byte masks are kept)
 };
 
 struct Layer {
@@ -75,6 +91,18 @@ struct Layer {
 // Costs of one layer for a training shape. The formulas live in model.cpp with their sources.
 Costs layer_costs(const Layer& layer, const TrainingShape& shape);
 
+// How a layer is parallelised and recomputed inside one device (Megatron layout, see ARCHITECTURE.md).
+struct ParallelLayout {
+  int tp = 1;                          // tensor-parallel degree
+  bool sequence_parallel = false;
+  int recompute = 0;                   // 0 none, 1 selective, 2 full (core::Recompute's order)
+};
+// Per-device costs of one layer under a layout: FLOPs, parameters and traffic of the split GEMMs
+// divided by tp, TP collectives counted, activation bytes as Korthikanti et al. 2022 Table 2, and
+// the recomputed forward work added to the backward (input-gradient) pass. layout {1,false,0} gives
+// exactly layer_costs(layer, shape).
+Costs layer_costs(const Layer& layer, const TrainingShape& shape, const ParallelLayout& layout);
+
 // Architecture hyper-parameters, as in a model spec file.
 struct ModelConfig {
   std::string name;
@@ -85,6 +113,9 @@ struct ModelConfig {
   NormKind norm = NormKind::RMSNorm;
   bool qk_norm = false, bias = false, tie_embeddings = false;
   std::int64_t max_positions = 0;
+  AttentionKernel attention_kernel = AttentionKernel::Flash;  // spec "attention": "flash" | "standard"
+  bool dropout = false;                                       // spec "dropout": probability > 0
+  double dropout_probability = 0;
   // MoE: experts > 0 turns blocks (from first_dense_layers on) into MoE blocks.
   std::int64_t experts = 0, top_k = 0, expert_ffn = 0;
   std::int64_t shared_experts = 0, shared_expert_ffn = 0;

@@ -64,6 +64,10 @@ struct Op {
   // (ring). tp_collectives is the number of collective calls (latency term).
   std::int64_t tp_bytes = 0;
   int tp_collectives = 0;
+  // COMPUTE: HBM traffic of memory-bound element-wise kernels that run between the op's GEMMs
+  // (models with standard attention); the simulator adds their time to the roofline.
+  std::int64_t elementwise_bytes = 0;
+  double recompute_flops = 0;     // part of `flops` that recomputes forward work (not model FLOPs)
 };
 
 struct Stream {

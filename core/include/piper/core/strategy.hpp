@@ -3,6 +3,7 @@
 // a family is adding one entry to schedule_registry().
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -13,6 +14,10 @@ namespace piper::core {
 
 struct StrategyOptions {
   int pp = 1, dp = 1, ep = 1, zero = 0;
+  int tp = 1;                      // tensor-parallel degree (consecutive devices, inside a node)
+  bool sequence_parallel = false;  // with tp > 1
+  std::string recompute = "none";  // none | selective | full
+  int global_batch = 0;            // sequences per step; > 0 sets microbatches (see resolve_global_batch)
   int microbatches = 1;
   int virtual_stages = 1;          // model chunks per rank (schedules that use them)
   double bucket_mb = 0;            // 0 = one gradient collective per segment
@@ -27,6 +32,10 @@ struct StrategyOptions {
 // Checks the knobs (pp, dp, ep >= 1, dp % ep == 0, zero in 0..3, microbatches >= 1,
 // virtual_stages >= 1, bucket_mb >= 0). Throws std::invalid_argument with one line naming the flag.
 void validate_strategy_options(const StrategyOptions& o);
+
+// --global-batch N: microbatches = N / (micro_batch_size * dp); throws std::invalid_argument naming
+// the flag when it does not divide. No-op when global_batch is 0.
+void resolve_global_batch(StrategyOptions& o, std::int64_t micro_batch_size);
 
 // What a schedule generator needs to know: how PP regions map to ranks and the microbatch count.
 struct ScheduleContext {
@@ -78,7 +87,8 @@ struct ScheduleFamily {
 const std::vector<ScheduleFamily>& schedule_registry();
 const ScheduleFamily& schedule_family(const std::string& name);   // throws std::invalid_argument
 
-// Devices: pipeline rank r, data-parallel rank d -> device r + d * pp (pipeline ranks adjacent).
+// Devices: pipeline rank r, data-parallel rank d, tensor-parallel rank k -> device
+// k + tp * (r + d * pp): TP groups are consecutive devices (inside a node), pipeline ranks adjacent.
 // Placement, replicate and shard directives for `regions` PP regions.
 // With `mirrored`, region i is placed on the devices of rank_of_region[i] followed by those of rank
 // pp-1-rank_of_region[i] (a data-parallel pair; see ScheduleFamily::mirrored).

@@ -73,6 +73,8 @@ class CostModel {
 
   // COMPUTE and UPD ops: override, then calibration, then the roofline of the device's GPU.
   double compute_seconds(const core::Program& program, int device, const core::Op& op) const;
+  // The tensor-parallel collectives a COMPUTE op performs inside itself (0 for non-TP ops).
+  double tp_seconds(const core::Program& program, int device, const core::Op& op) const;
   // Roofline alone (no override or calibration).
   double roofline_seconds(int device, double flops, std::int64_t memory_bytes) const;
 

@@ -32,6 +32,9 @@ struct SweepSpec {
   std::vector<double> bucket_mb{0};
   std::vector<std::string> engine{"analytic"};
   std::vector<std::int64_t> seq_len{0}, micro_batch_size{0};  // 0: the model's default
+  std::vector<int> tp{1}, global_batch{0};          // global_batch 0: use microbatches
+  std::vector<bool> sequence_parallel{false};
+  std::vector<std::string> recompute{"none"};
 
   // Reads a spec's JSON; `where` names it in errors. Each knob is a value or a list of values.
   // Relative model/cluster/calibration file paths resolve against `base_dir`.
@@ -45,12 +48,16 @@ struct SweepPoint {
   int pp = 1, dp = 1, ep = 1, zero = 0, microbatches = 1, virtual_stages = 1;
   double bucket_mb = 0;
   std::int64_t seq_len = 0, micro_batch_size = 0;
+  int tp = 1, global_batch = 0;
+  bool sequence_parallel = false;
+  std::string recompute = "none";
   // Stable identity of the combination (no commas): the resume key.
   std::string key() const;
 };
 
 // The cartesian product, in spec order (engine outermost, then pp, dp, ep, zero, schedule,
-// microbatches, virtual, bucket_mb, seq_len, micro_batch_size).
+// microbatches, virtual, bucket_mb, seq_len, micro_batch_size, tp, sequence_parallel, recompute,
+// global_batch).
 std::vector<SweepPoint> expand(const SweepSpec& spec);
 
 // One row of the results: the knobs plus the report's headline fields.

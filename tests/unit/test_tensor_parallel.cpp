@@ -1,0 +1,390 @@
+// Tests of tensor parallelism, sequence parallelism and activation recomputation: Korthikanti et
+// al. 2022 Table 2 activation formulas derived by hand, TP collective counts and volumes per op,
+// FLOP and parameter splits, directive validation, strategy flags, TP groups in the Program and
+// the verifier, the simulator's TP cost, and composition with every schedule family, EP and ZeRO.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "piper/core/compiler.hpp"
+#include "piper/core/directives.hpp"
+#include "piper/core/error.hpp"
+#include "piper/core/scenario.hpp"
+#include "piper/core/strategy.hpp"
+#include "piper/core/verifier.hpp"
+#include "piper/sim/cost_model.hpp"
+#include "piper/sim/simulate.hpp"
+
+using namespace piper::core;
+using nlohmann::json;
+
+namespace {
+
+// A small GPT in Korthikanti's setting (standard attention, dropout, GELU, ffn = 4h): s = 64,
+// b = 2, h = 64, a = 4 heads, vocab 256, L layers.
+ModelConfig small_gpt(int layers = 2) {
+  ModelConfig c;
+  c.name = "tp-gpt";
+  c.vocab = 256;
+  c.hidden = 64;
+  c.layers = layers;
+  c.heads = 4;
+  c.kv_heads = 4;
+  c.head_dim = 16;
+  c.ffn = 256;
+  c.activation = MlpActivation::GELU;
+  c.norm = NormKind::LayerNorm;
+  c.bias = true;
+  c.max_positions = 64;
+  c.attention_kernel = AttentionKernel::Standard;
+  c.dropout = true;
+  c.dropout_probability = 0.1;
+  c.training.seq_len = 64;
+  c.training.micro_batch_size = 2;
+  c.training.precision = Precision::BF16;
+  return c;
+}
+
+// Stored activation bytes of transformer block 0 (attn_norm, attn, mlp_norm, mlp) under a layout.
+double block_activations(const Model& m, ParallelLayout layout) {
+  double bytes = 0;
+  for (const auto& layer : m.layers())
+    if (layer.block == 0) bytes += static_cast<double>(layer_costs(layer, m.training(), layout).activation_bytes);
+  return bytes;
+}
+
+constexpr double s = 64, b = 2, h = 64, a = 4;
+
+}  // namespace
+
+// Korthikanti et al. 2022, Table 2, each row derived from its formula (bytes, bf16).
+TEST(TensorParallel, ActivationMemoryFollowsKorthikantiTable2) {
+  const Model m = build_model(small_gpt());
+  const double sbh = s * b * h;
+  EXPECT_DOUBLE_EQ(block_activations(m, {1, false, 0}), sbh * (34 + 5 * a * s / h));
+  for (int t : {2, 4}) {
+    SCOPED_TRACE("t = " + std::to_string(t));
+    EXPECT_DOUBLE_EQ(block_activations(m, {t, false, 0}), sbh * (10 + 24.0 / t + 5 * a * s / (h * t)));
+    EXPECT_DOUBLE_EQ(block_activations(m, {t, true, 0}), sbh / t * (34 + 5 * a * s / h));
+    EXPECT_DOUBLE_EQ(block_activations(m, {t, false, 1}), sbh * (10 + 24.0 / t));
+    EXPECT_DOUBLE_EQ(block_activations(m, {t, true, 1}), 34 * sbh / t);
+    // Full recomputation keeps the block input: 2sbh (the sequence slice with SP).
+    EXPECT_DOUBLE_EQ(block_activations(m, {t, false, 2}), 2 * sbh);
+    EXPECT_DOUBLE_EQ(block_activations(m, {t, true, 2}), 2 * sbh / t);
+  }
+  EXPECT_DOUBLE_EQ(block_activations(m, {1, false, 2}), 2 * sbh);
+}
+
+// FLOPs and parameters of a layer split by t (norms replicated; with SP their work is sliced).
+TEST(TensorParallel, FlopsAndParametersSplit) {
+  const Model m = build_model(small_gpt());
+  for (const auto& layer : m.layers()) {
+    SCOPED_TRACE(layer.name);
+    const Costs base = layer_costs(layer, m.training());
+    const Costs sp = layer_costs(layer, m.training(), {4, true, 0});
+    const Costs tp = layer_costs(layer, m.training(), {4, false, 0});
+    EXPECT_NEAR(sp.forward_flops * 4, base.forward_flops, 1e-9 * base.forward_flops);
+    EXPECT_NEAR(sp.backward_flops() * 4, base.backward_flops(), 1e-9 * base.backward_flops());
+    if (layer.kind == LayerKind::Norm) {
+      EXPECT_EQ(tp.params, base.params);                 // replicated weights
+      EXPECT_EQ(tp.forward_flops, base.forward_flops);   // every rank normalises the whole sequence
+    } else if (layer.kind == LayerKind::Embedding) {
+      EXPECT_EQ(tp.params, 256 * 64 / 4 + 64 * 64);      // vocabulary rows split, positions replicated
+    } else if (layer.kind != LayerKind::Head) {          // the head is tied: no parameters
+      EXPECT_EQ(tp.params * 4, base.params);
+    }
+  }
+}
+
+// Collectives inside each op, per Megatron layout: N = s·b·h·2 bytes (one hidden tensor).
+TEST(TensorParallel, CollectiveCountsAndVolumes) {
+  const Model m = build_model(small_gpt(3));
+  const std::int64_t N = 64 * 2 * 64 * 2, T = 64 * 2;
+  for (bool sp : {false, true}) {
+    SCOPED_TRACE(sp ? "SP" : "TP");
+    Costs total;
+    for (const auto& layer : m.layers()) total += layer_costs(layer, m.training(), {2, sp, 0});
+    const int L = 3;
+    // F: embedding all-reduce (SP: reduce-scatter); per block two all-reduces (SP: two all-gathers
+    // + two reduce-scatters); head: SP all-gather + 3 cross-entropy all-reduces of T fp32.
+    EXPECT_EQ(total.forward_tp_bytes, (sp ? N : 2 * N) + L * 4 * N + (sp ? N : 0) + 3 * 2 * T * 4);
+    EXPECT_EQ(total.forward_tp_collectives, 1 + L * (sp ? 4 : 2) + (sp ? 1 : 0) + 3);
+    // B: the mirror of each block's collectives; the head's input gradient; SP: the embedding's
+    // output gradient is all-gathered.
+    EXPECT_EQ(total.backward_tp_bytes, (sp ? N : 0) + L * 4 * N + (sp ? N : 2 * N));
+    EXPECT_EQ(total.backward_tp_collectives, (sp ? 1 : 0) + L * (sp ? 4 : 2) + 1);
+  }
+}
+
+// Recomputation adds forward work to B: selective the attention core (4·b·s²·h / t FLOPs per
+// layer), full the whole block forward (with its TP collectives).
+TEST(TensorParallel, RecomputeAddsForwardWorkToBackward) {
+  const Model m = build_model(small_gpt());
+  for (const auto& layer : m.layers()) {
+    if (layer.block < 0) continue;
+    SCOPED_TRACE(layer.name);
+    const Costs none = layer_costs(layer, m.training(), {2, true, 0});
+    const Costs sel = layer_costs(layer, m.training(), {2, true, 1});
+    const Costs full = layer_costs(layer, m.training(), {2, true, 2});
+    const double core = layer.kind == LayerKind::Attention ? 4 * b * s * s * h / 2 : 0;
+    EXPECT_DOUBLE_EQ(sel.backward_input_flops - none.backward_input_flops, core);
+    EXPECT_DOUBLE_EQ(sel.recompute_flops, core);
+    EXPECT_DOUBLE_EQ(full.backward_input_flops - none.backward_input_flops, none.forward_flops);
+    EXPECT_EQ(full.backward_tp_bytes - none.backward_tp_bytes, none.forward_tp_bytes);
+    EXPECT_EQ(sel.forward_flops, none.forward_flops);
+  }
+}
+
+namespace {
+
+Scenario tp_scenario(const std::string& model_path, StrategyOptions o) {
+  Scenario sc;
+  sc.model = model_path;
+  sc.strategy = o;
+  return sc;
+}
+
+std::string write_spec(const ModelConfig& c) {
+  const std::string path = ::testing::TempDir() + "/" + c.name + ".json";
+  write_file_atomically(path, config_to_spec_json(c).dump());
+  return path;
+}
+
+}  // namespace
+
+// TP groups: consecutive devices (k + tp·(r + d·pp)); DP replicas strided; gradients over 1/t.
+TEST(TensorParallel, GroupsInTheProgram) {
+  StrategyOptions o;
+  o.pp = 2;
+  o.dp = 2;
+  o.tp = 2;
+  o.sequence_parallel = true;
+  o.microbatches = 4;
+  const auto compiled = compile_scenario(tp_scenario(write_spec(small_gpt(4)), o));
+  const Program& p = compiled.result.program;
+  EXPECT_EQ(p.num_devices, 8);
+  EXPECT_TRUE(verify(p).empty());
+  for (const auto& sg : p.segments) {
+    ASSERT_EQ(sg.tp_degree, 2);
+    EXPECT_TRUE(sg.sequence_parallel);
+    ASSERT_GE(sg.tp_family, 0);
+    EXPECT_EQ(p.families[static_cast<std::size_t>(sg.tp_family)].purpose, "tp");
+    EXPECT_EQ(sg.replicas, 2);
+  }
+  // PP rank 0 holds devices {0,1} (DP 0) and {4,5} (DP 1); rank 1 holds {2,3} and {6,7}.
+  const auto& s0 = p.segments.front();
+  EXPECT_EQ(p.device_sets[static_cast<std::size_t>(s0.devices)], (std::vector<int>{0, 1, 4, 5}));
+  EXPECT_EQ(p.group_of(s0.tp_family, 4), (std::vector<int>{4, 5}));
+  // The gradient all-reduce of segment 0 runs over the strided group {0, 4}, on 1/t of the weights.
+  bool found = false;
+  for (const auto& st : p.plan_for(0).streams)
+    for (const auto& op : st.ops)
+      if (op.kind == OpKind::AllReduce && op.segments == std::vector<int>{0}) {
+        found = true;
+        EXPECT_EQ(p.group_of(op.family, 0), (std::vector<int>{0, 4}));
+        std::int64_t local = 0;
+        const Model& m = compiled.model;
+        for (int l = s0.first_layer; l < s0.last_layer; ++l)
+          local += layer_costs(m.layers()[static_cast<std::size_t>(l)], m.training(), {2, true, 0}).params;
+        EXPECT_EQ(op.bytes, local * 2);
+      }
+  EXPECT_TRUE(found);
+  // Every F of a TP segment carries its collectives; activations between SP stages are sliced.
+  for (const auto& st : p.plan_for(0).streams)
+    for (const auto& op : st.ops) {
+      if (op.kind == OpKind::Compute && op.pass == Pass::F) EXPECT_GT(op.tp_collectives, 0);
+      if (op.kind == OpKind::Send && op.pass == Pass::F) EXPECT_EQ(op.bytes, 64 * 2 * 64 * 2 / 2);
+    }
+  // The JSON round trip keeps the TP fields.
+  EXPECT_TRUE(Program::from_json(p.to_json()) == p);
+}
+
+TEST(TensorParallel, VerifierChecksGroups) {
+  StrategyOptions o;
+  o.tp = 2;
+  o.dp = 2;
+  o.microbatches = 2;
+  const Program good = compile_scenario(tp_scenario(write_spec(small_gpt()), o)).result.program;
+  ASSERT_TRUE(verify(good).empty());
+  {
+    Program bad = good;
+    bad.families[static_cast<std::size_t>(bad.segments[0].tp_family)].group_size = 4;
+    auto issues = verify(bad);
+    ASSERT_FALSE(issues.empty());
+    bool tp = false;
+    for (const auto& i : issues) tp = tp || i.check == "tp-group";
+    EXPECT_TRUE(tp);
+  }
+  {
+    // Device 1 gets its own plan whose first TP op moves different bytes than device 0's.
+    Program bad = good;
+    Plan changed = bad.plan_for(1);
+    for (auto& st : changed.streams)
+      for (auto& op : st.ops)
+        if (op.tp_collectives > 0) {
+          op.tp_bytes += 2;
+          goto done;
+        }
+  done:
+    bad.plans.push_back(changed);
+    bad.plan_of_device[1] = static_cast<int>(bad.plans.size()) - 1;
+    auto issues = verify(bad);
+    ASSERT_FALSE(issues.empty());
+    EXPECT_EQ(issues.front().check, "tp-group");
+    EXPECT_NE(issues.front().message.find("device 1"), std::string::npos) << issues.front().message;
+  }
+}
+
+TEST(TensorParallel, DirectiveValidation) {
+  auto error_of = [](const json& program) -> std::string {
+    try {
+      (void)parse_directives(program);
+    } catch (const DirectiveError& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  EXPECT_NE(error_of(json::parse(R"([{"op":"tensor_parallel","filter":{"PP":0}}])")).find("degree"), std::string::npos);
+  EXPECT_NE(error_of(json::parse(R"([{"op":"tensor_parallel","filter":{"PP":0},"degree":0}])")).find("degree"),
+            std::string::npos);
+  EXPECT_NE(error_of(json::parse(R"([{"op":"tensor_parallel","filter":{},"degree":1,"sequence_parallel":true}])"))
+                .find("sequence_parallel"),
+            std::string::npos);
+  EXPECT_NE(error_of(json::parse(R"([{"op":"tensor_parallel","filter":{},"degree":2,"overlap":true}])")).find("overlap"),
+            std::string::npos);
+  EXPECT_NE(error_of(json::parse(R"([{"op":"place","filter":{},"devices":[0]},{"op":"recompute","filter":{},"mode":"some"}])"))
+                .find("directive 1"),
+            std::string::npos);
+  EXPECT_NE(error_of(json::parse(R"([{"op":"recompute","filter":{}}])")).find("mode"), std::string::npos);
+
+  // Against the model: 3 does not divide 4 heads; a segment made TP twice.
+  const Model m = build_model(small_gpt());
+  auto apply_error = [&](const json& program) -> std::string {
+    GlobalDag dag = build_dag(m);
+    try {
+      apply_directives(dag, parse_directives(program));
+    } catch (const DirectiveError& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  const std::string heads = apply_error(json::parse(
+      R"([{"op":"place","filter":{},"devices":[0,1,2]},{"op":"tensor_parallel","filter":{},"degree":3}])"));
+  EXPECT_NE(heads.find("directive 1"), std::string::npos) << heads;
+  EXPECT_NE(heads.find("heads"), std::string::npos) << heads;
+  const std::string twice = apply_error(json::parse(
+      R"([{"op":"place","filter":{},"devices":[0,1]},{"op":"tensor_parallel","filter":{},"degree":2},{"op":"tensor_parallel","filter":{},"degree":2}])"));
+  EXPECT_NE(twice.find("directive 2"), std::string::npos) << twice;
+  const std::string devices = apply_error(json::parse(
+      R"([{"op":"place","filter":{},"devices":[0,1,2]},{"op":"tensor_parallel","filter":{},"degree":2}])"));
+  EXPECT_NE(devices.find("does not divide the 3 devices"), std::string::npos) << devices;
+}
+
+TEST(TensorParallel, StrategyFlagsAndGlobalBatch) {
+  StrategyOptions o;
+  o.dp = 2;
+  o.tp = 4;
+  o.sequence_parallel = true;
+  o.recompute = "selective";
+  o.global_batch = 16;
+  resolve_global_batch(o, 2);
+  EXPECT_EQ(o.microbatches, 4);  // 16 / (2 × 2)
+  o.global_batch = 10;
+  try {
+    resolve_global_batch(o, 2);
+    ADD_FAILURE() << "10 is not divisible by 2 × 2";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--global-batch 10"), std::string::npos);
+  }
+  o.global_batch = 0;
+  const json program = generate_program(o);
+  int tp = 0, rc = 0;
+  for (const auto& d : program) {
+    if (d["op"] == "tensor_parallel") {
+      ++tp;
+      EXPECT_EQ(d["degree"], 4);
+      EXPECT_EQ(d["sequence_parallel"], true);
+    }
+    if (d["op"] == "recompute") ++rc, EXPECT_EQ(d["mode"], "selective");
+    if (d["op"] == "place") EXPECT_EQ(d["devices"], json({0, 1, 2, 3, 4, 5, 6, 7}));
+  }
+  EXPECT_EQ(tp, 1);
+  EXPECT_EQ(rc, 1);
+  StrategyOptions bad;
+  bad.sequence_parallel = true;
+  EXPECT_THROW(validate_strategy_options(bad), std::invalid_argument);
+}
+
+// The simulator costs an op's TP collectives on the intra-node fabric, not overlapped: per call an
+// all-gather of tp_bytes / calls over the group, (t-1)·alpha + (t-1)/t · bytes / B.
+TEST(TensorParallel, SimulatorCostsTheCollectivesInsideTheOp) {
+  StrategyOptions o;
+  o.tp = 4;
+  const Program p = compile_scenario(tp_scenario(write_spec(small_gpt()), o)).result.program;
+  const piper::sim::Cluster cluster = piper::sim::with_devices(piper::sim::load_cluster("dgx-a100-80g"), 4);
+  const piper::sim::CostModel cost(cluster);
+  const Op* f = nullptr;
+  for (const auto& st : p.plan_for(0).streams)
+    for (const auto& op : st.ops)
+      if (op.kind == OpKind::Compute && op.pass == Pass::F) f = &op;
+  ASSERT_NE(f, nullptr);
+  const auto& node = cluster.nodes.front();
+  const double per_call = static_cast<double>(f->tp_bytes) / f->tp_collectives;
+  const double expected =
+      f->tp_collectives * (3 * node.nvlink_latency_s + 0.75 * std::floor(per_call) / node.nvlink_bandwidth_bytes_per_s);
+  EXPECT_NEAR(cost.tp_seconds(p, 0, *f), expected, 1e-12);
+  Op plain = *f;
+  plain.tp_collectives = 0;
+  plain.tp_bytes = 0;
+  EXPECT_NEAR(cost.compute_seconds(p, 0, *f) - cost.compute_seconds(p, 0, plain), expected, 1e-12);
+}
+
+// Every schedule family composes with TP + SP + recompute, with ZeRO 0-3 and (MoE) EP: each
+// combination that compiles without TP compiles with it, verifies, and simulates.
+TEST(TensorParallel, ComposesWithSchedulesEpAndZero) {
+  ModelConfig moe = small_gpt(4);
+  moe.name = "tp-moe";
+  moe.experts = 4;
+  moe.top_k = 2;
+  moe.expert_ffn = 64;
+  const std::string dense_path = write_spec(small_gpt(4)), moe_path = write_spec(moe);
+  int combinations = 0;
+  for (const auto& family : schedule_registry()) {
+    for (int zero = 0; zero <= 3; ++zero) {
+      for (bool with_ep : {false, true}) {
+        StrategyOptions o;
+        o.schedule = family.name;
+        o.pp = 2;
+        o.dp = 2;
+        o.ep = with_ep ? 2 : 1;
+        o.zero = zero;
+        o.microbatches = 4;
+        o.virtual_stages = family.name == "zb-v" || family.name == "dualpipev" ? 2 : 1;
+        o.tp = 2;
+        o.sequence_parallel = true;
+        o.recompute = zero % 2 ? "selective" : "full";
+        SCOPED_TRACE(family.name + " zero " + std::to_string(zero) + (with_ep ? " ep2" : ""));
+        auto sc = tp_scenario(with_ep ? moe_path : dense_path, o);
+        std::shared_ptr<const Program> program;
+        try {
+          program = std::make_shared<const Program>(compile_scenario(sc).result.program);
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << e.what();
+          continue;
+        }
+        EXPECT_TRUE(verify(*program).empty());
+        piper::sim::SimulateOptions so;
+        so.cluster = "dgx-a100-80g";
+        so.engine = "analytic";
+        const auto r = piper::sim::simulate_program(program, so);
+        EXPECT_GT(r.report.step_time_s, 0);
+        ++combinations;
+      }
+    }
+  }
+  EXPECT_EQ(combinations, static_cast<int>(schedule_registry().size()) * 8);
+}
