@@ -217,7 +217,7 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   std::string error;
   TrainResult r;
   try {
-    HostConfig cfg{o.seed, o.data_path, o.adamw};
+    HostConfig cfg{o.seed, o.data_path, o.adamw, o.stall_timeout_s};
     backend = std::make_unique<HostBackend>(program, rank, MPI_COMM_WORLD, cfg);
     if (!o.resume_dir.empty()) r.first_step = load_checkpoint(o.resume_dir, rank, program, backend->model());
   } catch (const std::exception& e) {
