@@ -112,7 +112,10 @@ Command add_schedule_command(CLI::App& app) {
       return 0;
     }
     if (imp->parsed()) {
-      const core::ScheduleTable table = core::schedule_from_pytorch_csv(read_text_file(a.csv_path), a.csv_path);
+      core::CsvSpelling spelling = core::CsvSpelling::Either;
+      const core::ScheduleTable table = core::schedule_from_pytorch_csv(read_text_file(a.csv_path), a.csv_path, &spelling);
+      // Said on stderr so that the program on stdout stays pipeable.
+      fmt::print(stderr, "{}: read as {}\n", a.csv_path, core::describe(spelling));
       core::StrategyOptions o;
       o.dp = a.dp;
       write_or_print(a.out_path, core::program_from_schedule_table(table, o).dump(1) + "\n");

@@ -27,6 +27,16 @@ ActionKind kind_from_char(char c) {
 
 }  // namespace
 
+std::string describe(CsvSpelling s) {
+  switch (s) {
+    case CsvSpelling::Modern: return "PyTorch >= 2.5 spelling (I = input gradient, W = weight gradient, B = full backward)";
+    case CsvSpelling::Legacy:
+      return "PyTorch < 2.5 spelling (B with a W for the same stage and microbatch = input gradient, W = weight gradient)";
+    case CsvSpelling::Either: break;
+  }
+  return "no split backward (B = full backward in every PyTorch spelling)";
+}
+
 std::string schedule_to_pytorch_csv(const ScheduleTable& table) {
   std::string out;
   for (const auto& row : table.ranks) {
@@ -49,7 +59,7 @@ std::string schedule_to_pytorch_csv(const ScheduleTable& table) {
   return out;
 }
 
-ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::string& where) {
+ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::string& where, CsvSpelling* spelling) {
   static const std::regex single(R"((\d+)([FBIW])(\d+))");
   static const std::regex overlap(R"(\((.*)\)OVERLAP_F_B)");
   auto at = [&](std::size_t row, std::size_t col, const std::string& why) {
@@ -78,14 +88,13 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::stri
   while (!rows.empty() && rows.back().size() == 1 && rows.back().front().empty()) rows.pop_back();
   if (rows.empty()) throw std::invalid_argument(where + ": no rows (expected one row of actions per rank)");
 
-  ScheduleTable t;
-  t.ranks.resize(rows.size());
-  std::map<int, std::pair<std::size_t, std::size_t>> stage_home;  // stage -> (row, col) of first use
-  struct Seen {
+  // Pass 1: every cell's actions, as written.
+  struct Cell {
     std::size_t row, col;
+    std::string text;
+    ScheduleStep step;
   };
-  std::map<std::tuple<int, ActionKind, int>, Seen> seen;
-  int max_stage = -1, max_mb = -1;
+  std::vector<Cell> cells;
   for (std::size_t r = 0; r < rows.size(); ++r) {
     for (std::size_t c = 0; c < rows[r].size(); ++c) {
       const std::string& cell = rows[r][c];
@@ -106,9 +115,55 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::stri
         std::smatch a;
         if (!std::regex_match(part, a, single))
           throw at(r, c, "'" + cell + "' is not a compute action like 2F0, 3B1, 3I1, 7W4 or (0F7;7B3)OVERLAP_F_B");
-        ScheduleAction act{std::stoi(a[1]), kind_from_char(a[2].str()[0]), std::stoi(a[3])};
-        step.push_back(act);
+        step.push_back({std::stoi(a[1]), kind_from_char(a[2].str()[0]), std::stoi(a[3])});
       }
+      cells.push_back({r, c, cell, std::move(step)});
+    }
+  }
+
+  // Pass 2: which spelling. PyTorch >= 2.5 writes I (input gradient), W (weight gradient) and B (full
+  // backward); older releases had no I and wrote the input gradient as B whenever the same stage and
+  // microbatch also has a W. An I anywhere means the new spelling, so a B that also has a W is then a
+  // mix of both; a W without any I can only be the old spelling (in the new one a W needs its I).
+  std::set<std::pair<int, int>> has_weight;
+  const Cell* first_input = nullptr;
+  for (const auto& cell : cells)
+    for (const auto& act : cell.step) {
+      if (act.kind == ActionKind::W) has_weight.insert({act.stage, act.microbatch});
+      if (act.kind == ActionKind::I && !first_input) first_input = &cell;
+    }
+  const CsvSpelling found = first_input ? CsvSpelling::Modern : has_weight.empty() ? CsvSpelling::Either : CsvSpelling::Legacy;
+  for (auto& cell : cells)
+    for (auto& act : cell.step) {
+      if (act.kind != ActionKind::B || !has_weight.contains({act.stage, act.microbatch})) continue;
+      if (found == CsvSpelling::Modern)
+        throw at(cell.row, cell.col,
+                 fmt::format("mixed spellings: {}B{} has a weight gradient {}W{}, so it is an input gradient in the PyTorch < 2.5 "
+                             "spelling, but row {} column {} writes input gradients as I (PyTorch >= 2.5); use one spelling",
+                             act.stage, act.microbatch, act.stage, act.microbatch, first_input->row + 1, first_input->col + 1));
+      act.kind = ActionKind::I;
+    }
+  if (spelling) *spelling = found;
+  // Messages show actions as the file wrote them.
+  auto shown = [&](const ScheduleAction& a) {
+    return found == CsvSpelling::Legacy && a.kind == ActionKind::I ? fmt::format("{}B{}", a.stage, a.microbatch) : action_text(a);
+  };
+  const char input_letter = found == CsvSpelling::Legacy ? 'B' : 'I';
+
+  // Pass 3: placement, duplicates and order, in the new spelling.
+  ScheduleTable t;
+  t.ranks.resize(rows.size());
+  std::map<int, std::pair<std::size_t, std::size_t>> stage_home;  // stage -> (row, col) of first use
+  struct Seen {
+    std::size_t row, col;
+  };
+  std::map<std::tuple<int, ActionKind, int>, Seen> seen;
+  int max_stage = -1, max_mb = -1;
+  for (auto& cellv : cells) {
+    const std::size_t r = cellv.row, c = cellv.col;
+    const std::string& cell = cellv.text;
+    ScheduleStep& step = cellv.step;
+    {
       if (step.size() == 2 && !(step[0].kind == ActionKind::F && step[1].kind != ActionKind::F))
         throw at(r, c, "'" + cell + "': an overlapped step is a forward then a backward");
       for (const auto& act : step) {
@@ -118,17 +173,17 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::stri
                                      act.stage, home->second.first, home->second.first + 1, home->second.second + 1));
         auto [it, first] = seen.try_emplace({act.stage, act.kind, act.microbatch}, Seen{r, c});
         if (!first)
-          throw at(r, c, fmt::format("{} is already at row {}, column {}", action_text(act), it->second.row + 1,
+          throw at(r, c, fmt::format("{} is already at row {}, column {}", shown(act), it->second.row + 1,
                                      it->second.col + 1));
         if (act.kind == ActionKind::W && !seen.contains({act.stage, ActionKind::I, act.microbatch}))
-          throw at(r, c, fmt::format("{} comes before its input gradient {}{}{}", action_text(act), act.stage, 'I',
+          throw at(r, c, fmt::format("{} comes before its input gradient {}{}{}", shown(act), act.stage, input_letter,
                                      act.microbatch));
         if ((act.kind == ActionKind::I || act.kind == ActionKind::W) && seen.contains({act.stage, ActionKind::B, act.microbatch}))
-          throw at(r, c, fmt::format("{}: stage {} microbatch {} already has a full backward B", action_text(act),
+          throw at(r, c, fmt::format("{}: stage {} microbatch {} already has a full backward B", shown(act),
                                      act.stage, act.microbatch));
         if (act.kind == ActionKind::B && seen.contains({act.stage, ActionKind::I, act.microbatch}))
-          throw at(r, c, fmt::format("{}: stage {} microbatch {} already has a split backward I", action_text(act),
-                                     act.stage, act.microbatch));
+          throw at(r, c, fmt::format("{}: stage {} microbatch {} already has a split backward {}", shown(act),
+                                     act.stage, act.microbatch, input_letter));
         max_stage = std::max(max_stage, act.stage);
         max_mb = std::max(max_mb, act.microbatch);
       }
@@ -150,7 +205,7 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::stri
       if (!full && !input)
         throw at(r, end_col, fmt::format("missing microbatch: stage {} has no backward {}B{} (or {}I{})", s, s, mb, s, mb));
       if (input && !seen.contains({s, ActionKind::W, mb}))
-        throw at(r, end_col, fmt::format("missing microbatch: stage {} has {}I{} but no {}W{}", s, s, mb, s, mb));
+        throw at(r, end_col, fmt::format("missing microbatch: stage {} has {}{}{} but no {}W{}", s, s, input_letter, mb, s, mb));
     }
   }
   return t;

@@ -21,11 +21,11 @@
 // Scale: devices of one plan have identical ops, so every check works per plan; device-level facts
 // (peers, groups) are resolved by iterating class members once per distinct (plan, device set, peer
 // set) or per family, never per op and device. The deadlock graph is the quotient over plans: one
-// vertex per (plan, op), edges per distinct (plan, peer plan) pair, rendezvous merged per (family,
-// set of plans in the group). A real cycle among device instances maps onto a cycle of the quotient,
-// so no deadlock is missed; in pathological asymmetric programs (devices of one plan talking to
-// different peer plans in ways that only close a loop in the quotient) the check may report a cycle
-// that no single set of devices can realise.
+// vertex per (plan, op), plus one rendezvous vertex per matched (SEND op, RECV op) pair of plans and
+// per collective position of each (family, set of plans in the group). A real cycle among device
+// instances maps onto a cycle of the quotient, so no deadlock is missed; in pathological asymmetric
+// programs (devices of one plan talking to different peer plans in ways that only close a loop in
+// the quotient) the check may report a cycle that no single set of devices can realise.
 #include "piper/core/verifier.hpp"
 
 #include <algorithm>
@@ -33,7 +33,6 @@
 #include <boost/graph/depth_first_search.hpp>
 #include <boost/graph/topological_sort.hpp>
 #include <map>
-#include <numeric>
 #include <set>
 #include <tuple>
 #include <unordered_map>
@@ -108,7 +107,7 @@ class Verifier {
   std::map<std::tuple<int, int, int>, int> compose_cache_;  // (map, plan, map') -> failing member or -1
   std::vector<std::unordered_map<std::int64_t, std::vector<OpRef>>> by_node_;  // plan -> (node, kind) -> ops
   std::vector<std::pair<std::size_t, std::size_t>> transfer_edges_;            // SEND -> RECV vertices
-  std::vector<std::size_t> rendezvous_parent_;                                 // union-find over vertices
+  std::vector<std::vector<std::size_t>> collective_instances_;                 // member op vertices of each
 
   void add(const char* check, std::string message) { issues_.push_back({check, std::move(message)}); }
 
@@ -213,8 +212,6 @@ class Verifier {
         }
       }
     }
-    rendezvous_parent_.resize(loc_.size());
-    std::iota(rendezvous_parent_.begin(), rendezvous_parent_.end(), std::size_t{0});
   }
 
   static std::int64_t node_key(std::int32_t node, OpKind kind) {
@@ -366,11 +363,6 @@ class Verifier {
            op.label + "'";
   }
 
-  std::size_t find(std::size_t v) {
-    while (rendezvous_parent_[v] != v) v = rendezvous_parent_[v] = rendezvous_parent_[rendezvous_parent_[v]];
-    return v;
-  }
-
   void check_collectives() {
     const std::size_t num_families = prog_.families.size();
     // Sequence of collectives per plan and family, in stream index order then op order.
@@ -422,11 +414,11 @@ class Verifier {
         if (!consistent) continue;
         std::sort(plans.begin(), plans.end());
         if (!classes.insert({f, plans}).second) continue;
-        // One rendezvous per position of the sequence: merge the members' ops into one vertex.
+        // One rendezvous per position of the sequence, joining the members' ops.
         for (std::size_t k = 0; k < seq[ix(plans[0])][f].size(); ++k) {
-          std::size_t root = find(vertex(plans[0], seq[ix(plans[0])][f][k]));
-          for (std::size_t j = 1; j < plans.size(); ++j)
-            rendezvous_parent_[find(vertex(plans[j], seq[ix(plans[j])][f][k]))] = root;
+          std::vector<std::size_t> members;
+          for (int q : plans) members.push_back(vertex(q, seq[ix(q)][f][k]));
+          collective_instances_.push_back(std::move(members));
         }
       }
     }
@@ -446,8 +438,15 @@ class Verifier {
         return head + "differ at collective " + std::to_string(k) + ": " + describe_collective(a, sa[k]) + " vs " +
                describe_collective(b, sb[k]);
     }
-    if (sa.size() != sb.size())
-      return head + "issue " + std::to_string(sa.size()) + " and " + std::to_string(sb.size()) + " collectives";
+    if (sa.size() != sb.size()) {
+      // Name the first collective the shorter side never matches, so the message points at an op.
+      const bool a_longer = sa.size() > sb.size();
+      const int plan = a_longer ? a : b, device = a_longer ? da : db;
+      const OpRef extra = a_longer ? sa[n] : sb[n];
+      return head + "issue " + std::to_string(sa.size()) + " and " + std::to_string(sb.size()) +
+             " collectives; the first unmatched one is " + device_op(device, plan, extra) + " (" +
+             describe_collective(plan, extra) + ")";
+    }
     return {};
   }
 
@@ -589,21 +588,40 @@ class Verifier {
   // ---- deadlock: cycle search over the class-level wait graph ----
 
   void check_deadlock() {
-    for (auto [u, v] : transfer_edges_) rendezvous_parent_[find(v)] = find(u);
-    DiGraph g(loc_.size());
-    auto edge = [&](std::size_t u, std::size_t v) { boost::add_edge(find(u), find(v), g); };
+    // Vertices: one per (plan, op), then one per rendezvous: a transfer (SEND op, RECV op) or a
+    // collective instance (its members' ops). A rendezvous op reaches its rendezvous vertex, and
+    // whatever waits for the op waits for its rendezvous vertices (all of them: for different
+    // devices of the plan the op may meet different peer plans). Keeping one vertex per pair or
+    // instance, rather than merging every op that ever meets into one, is what keeps a device that
+    // both sends and receives one DAG edge (mirrored placements) from looking like a self-wait.
+    std::sort(transfer_edges_.begin(), transfer_edges_.end());
+    transfer_edges_.erase(std::unique(transfer_edges_.begin(), transfer_edges_.end()), transfer_edges_.end());
+    std::vector<std::vector<std::size_t>> rendezvous;
+    for (auto [u, v] : transfer_edges_) rendezvous.push_back({u, v});
+    for (auto& members : collective_instances_) rendezvous.push_back(members);
+    const std::size_t num_ops = loc_.size();
+    std::vector<std::vector<std::size_t>> completion(num_ops);
+    for (std::size_t j = 0; j < rendezvous.size(); ++j)
+      for (std::size_t m : rendezvous[j])
+        if (std::find(completion[m].begin(), completion[m].end(), num_ops + j) == completion[m].end()) completion[m].push_back(num_ops + j);
+    DiGraph g(num_ops + rendezvous.size());
+    auto after = [&](std::size_t u, std::size_t v) {  // v starts after u completes
+      if (completion[u].empty()) boost::add_edge(u, v, g);
+      for (std::size_t c : completion[u]) boost::add_edge(c, v, g);
+    };
     for (std::size_t p = 0; p < prog_.plans.size(); ++p) {
       const Plan& plan = prog_.plans[p];
       for (std::size_t s = 0; s < plan.streams.size(); ++s)
         for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
           OpRef me{static_cast<int>(s), static_cast<int>(i)};
           std::size_t v = vertex(static_cast<int>(p), me);
-          if (i > 0) edge(v - 1, v);
-          for (const OpRef& w : plan.streams[s].ops[i].waits) edge(vertex(static_cast<int>(p), w), v);
+          if (i > 0) after(v - 1, v);
+          for (const OpRef& w : plan.streams[s].ops[i].waits) after(vertex(static_cast<int>(p), w), v);
+          for (std::size_t c : completion[v]) boost::add_edge(v, c, g);
         }
     }
 
-    std::vector<std::size_t> parent(loc_.size());
+    std::vector<std::size_t> parent(num_ops + rendezvous.size());
     CycleVisitor visitor;
     visitor.parent = &parent;
     try {
@@ -612,16 +630,52 @@ class Verifier {
       // The back edge from -> to closes the cycle to -> ... -> from -> to; print it as "waits on".
       std::vector<std::size_t> cycle{c.to, c.from};
       while (cycle.back() != c.to) cycle.push_back(parent[cycle.back()]);
-      const std::size_t length = cycle.size() - 1;
-      constexpr std::size_t kShown = 6;
+      std::size_t length = 0;
+      for (std::size_t k = 0; k + 1 < cycle.size(); ++k) length += cycle[k] < num_ops ? 1 : 0;
+      auto op_text = [&](std::size_t v) {
+        const Loc& l = loc_[v];
+        return where(l.plan) + " " + op_name(l.plan, {l.stream, l.index});
+      };
+      // A rendezvous names every device taking part, not just one side.
+      auto name = [&](std::size_t v) {
+        if (v < num_ops) return op_text(v);
+        const auto& members = rendezvous[v - num_ops];
+        std::string text = "the rendezvous of";
+        constexpr std::size_t kMembers = 8;
+        for (std::size_t k = 0; k < members.size() && k < kMembers; ++k) text += (k ? ", " : " ") + op_text(members[k]);
+        if (members.size() > kMembers) text += ", ...";
+        return text;
+      };
+      // Runs of stream order (an op waiting on its predecessor, directly or through the
+      // predecessor's rendezvous) print as one entry: the waits and the rendezvous between devices
+      // are what close the cycle, and the fault is among them.
+      auto same_run = [&](std::size_t a, std::size_t b) {  // b is a's stream predecessor
+        return a < num_ops && b < num_ops && loc_[a].plan == loc_[b].plan && loc_[a].stream == loc_[b].stream &&
+               loc_[b].index + 1 == loc_[a].index;
+      };
+      constexpr std::size_t kShown = 16;
       std::string message;
-      for (std::size_t k = 0; k < cycle.size() && k <= kShown; ++k) {
-        const Loc& l = loc_[cycle[k]];
-        if (k > 0) message += " waits on ";
-        message += where(l.plan) + " " + op_name(l.plan, {l.stream, l.index});
-        if (is_collective_op(op_at(l.plan, {l.stream, l.index}).kind)) message += " [rendezvous]";
+      std::size_t shown = 0, k = 0;
+      while (k + 1 < cycle.size() && shown < kShown) {
+        std::size_t end = k;
+        const std::size_t last = cycle.size() - 1;  // cycle[last] repeats cycle[0]
+        while (end < last && cycle[end] < num_ops) {
+          if (end + 1 < last && same_run(cycle[end], cycle[end + 1])) {
+            ++end;
+          } else if (end + 2 < last && cycle[end + 1] >= num_ops && same_run(cycle[end], cycle[end + 2])) {
+            end += 2;  // the predecessor is a rendezvous op: x waits on its rendezvous, which waits on it
+          } else {
+            break;
+          }
+        }
+        if (!message.empty()) message += " waits on ";
+        message += name(cycle[k]);
+        if (end > k) message += " after its stream predecessors back to op " + std::to_string(loc_[cycle[end]].index) + " '" +
+                                op_at(loc_[cycle[end]].plan, {loc_[cycle[end]].stream, loc_[cycle[end]].index}).label + "'";
+        k = end + 1;
+        ++shown;
       }
-      if (cycle.size() > kShown + 1) message += " waits on ...";
+      if (k + 1 < cycle.size()) message += " waits on ...";
       message += " (cycle of " + std::to_string(length) + " op" + (length == 1 ? "" : "s") + ")";
       add("deadlock", message);
     }

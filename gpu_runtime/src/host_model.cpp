@@ -761,26 +761,32 @@ std::vector<ParamRecord> HostModel::grad_records() const {
   return out;
 }
 
-// `src` holds the segment's local elements [begin, end): each local run of a tensor that overlaps
-// it becomes one record at its canonical offset.
-std::vector<ParamRecord> HostModel::records(const SegmentParams& sp, const std::vector<float>& src, std::int64_t begin, std::int64_t end) const {
-  std::vector<ParamRecord> out;
+std::vector<HostModel::CanonicalRun> HostModel::canonical_runs(const SegmentParams& sp) const {
+  std::vector<CanonicalRun> out;
   for (int l = sp.first_layer; l < sp.last_layer; ++l) {
     std::int64_t at = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)];
     for (const auto& t : local_tensors(model_.layers().at(static_cast<std::size_t>(l)), sp.shard_degree, sp.shard_index, sp.tp_degree, sp.tp_rank)) {
-      const bool skip = sp.tp_degree > 1 && sp.tp_rank != 0 && t.split == TpSplit::Replicated;  // TP rank 0 reports replicated tensors
-      if (!skip)
-        for (const auto& [local, full, len] : t.runs()) {
-          const std::int64_t a = std::max(at + local, begin), b = std::min(at + local + len, end);
-          if (a >= b) continue;
-          ParamRecord r;
-          r.layer = l;
-          r.offset = full + (a - at - local);
-          r.values.assign(src.begin() + (a - begin), src.begin() + (b - begin));
-          out.push_back(std::move(r));
-        }
+      const bool replicated = sp.tp_degree > 1 && t.split == TpSplit::Replicated;
+      for (const auto& [local, full, len] : t.runs()) out.push_back({l, at + local, full, len, replicated});
       at += t.local.size();
     }
+  }
+  return out;
+}
+
+// `src` holds the segment's local elements [begin, end): each local run that overlaps it becomes one
+// record at its canonical offset. Replicated tensors of a TP group are reported by TP rank 0.
+std::vector<ParamRecord> HostModel::records(const SegmentParams& sp, const std::vector<float>& src, std::int64_t begin, std::int64_t end) const {
+  std::vector<ParamRecord> out;
+  for (const auto& run : canonical_runs(sp)) {
+    if (run.replicated && sp.tp_rank != 0) continue;
+    const std::int64_t a = std::max(run.local, begin), b = std::min(run.local + run.length, end);
+    if (a >= b) continue;
+    ParamRecord r;
+    r.layer = run.layer;
+    r.offset = run.canonical + (a - run.local);
+    r.values.assign(src.begin() + (a - begin), src.begin() + (b - begin));
+    out.push_back(std::move(r));
   }
   return out;
 }

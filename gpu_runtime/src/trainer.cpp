@@ -1,5 +1,5 @@
 // Training drivers: the distributed run (Executor over the host backend, one MPI rank per device), the
-// single-process reference, checkpoints (one file per rank, written atomically) and parameter dumps.
+// single-process reference, checkpoints (canonical layout, see checkpoint.cpp) and parameter dumps.
 #include "piper/runtime/trainer.hpp"
 
 #include <chrono>
@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "piper/core/timeline.hpp"
+#include "piper/runtime/checkpoint.hpp"
 #include "piper/runtime/executor.hpp"
 #include "piper/runtime/host_backend.hpp"
 
@@ -69,66 +70,65 @@ void write_dump(const std::string& path, const std::string& records) {
   core::write_file_atomically(path, std::string(kDumpMagic, 8) + records);
 }
 
-// ---- checkpoints: one JSON header line, then the float arrays it lists ----
-std::string checkpoint_file(const std::string& dir, int device) {
-  return (fs::path(dir) / (device < 0 ? std::string("reference.ckpt") : fmt::format("rank-{}.ckpt", device))).string();
+// ---- checkpoints (canonical layout, see checkpoint.hpp) ----
+CheckpointInfo checkpoint_info(const core::Program& program, int step) {
+  const DataShape shape = data_shape(program);
+  CheckpointInfo i;
+  i.model_name = program.model_name;
+  i.fingerprint = model_fingerprint(program);
+  i.step = step;
+  i.sequences_per_step = static_cast<std::int64_t>(shape.microbatches) * shape.ranks * shape.micro_batch_size;
+  i.data_position = static_cast<std::int64_t>(step) * i.sequences_per_step;
+  i.seq_len = shape.seq_len;
+  i.saved_layout = layout_summary(program);
+  return i;
 }
 
-void save_checkpoint(const std::string& dir, int device, const core::Program& program, host::HostModel& model, int step) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) throw std::invalid_argument(dir + ": cannot create the checkpoint folder: " + ec.message());
-  json header = {{"format", "piper-checkpoint"}, {"version", 1}, {"model", program.model_name}, {"fingerprint", model_fingerprint(program)},
-                 {"device", device}, {"devices", program.num_devices}, {"step", step}, {"data_position", step}};
-  std::string body;
-  json segs = json::array();
-  for (auto& sp : model.segments()) {
-    segs.push_back({{"segment", sp.segment}, {"params", sp.params.size()}, {"master", sp.master.size()}, {"adam", sp.adam_m.size()}});
-    put_floats(body, sp.params);
-    put_floats(body, sp.master);
-    put_floats(body, sp.adam_m);
-    put_floats(body, sp.adam_v);
-  }
-  header["segments"] = segs;
-  core::write_file_atomically(checkpoint_file(dir, device), header.dump() + "\n" + body);
+// Refuses a --save path that can never be written, before any step runs.
+void check_save_path(const std::string& path) {
+  if (!path.empty() && fs::is_directory(path)) throw std::invalid_argument(path + ": is a folder; --save takes a checkpoint file name");
 }
 
-// Returns the step to continue from; throws std::invalid_argument with one line naming the file.
-int load_checkpoint(const std::string& dir, int device, const core::Program& program, host::HostModel& model) {
-  const std::string path = checkpoint_file(dir, device);
-  if (!fs::exists(path)) throw std::invalid_argument(path + ": no checkpoint for this device (was it saved with another device count?)");
-  const std::string data = read_all(path);
-  const auto nl = data.find('\n');
-  json h;
-  try {
-    h = json::parse(data.substr(0, nl == std::string::npos ? data.size() : nl));
-  } catch (const json::exception&) {
-    throw std::invalid_argument(path + ": not a piper checkpoint");
-  }
-  if (h.value("format", "") != "piper-checkpoint") throw std::invalid_argument(path + ": not a piper checkpoint");
-  if (h.value("fingerprint", "") != model_fingerprint(program))
-    throw std::invalid_argument(fmt::format("{}: checkpoint of model '{}' ({}) does not match the plan's model '{}' ({}): its spec, training shape or segments differ",
-                                            path, h.value("model", "?"), h.value("fingerprint", "?"), program.model_name, model_fingerprint(program)));
-  if (h.value("devices", -1) != program.num_devices)
-    throw std::invalid_argument(fmt::format("{}: checkpoint of {} devices, the plan has {}", path, h.value("devices", -1), program.num_devices));
-  std::size_t pos = nl + 1;
-  const auto& segs = h.at("segments");
-  if (segs.size() != model.segments().size()) throw std::invalid_argument(path + ": checkpoint holds other segments than this device's plan");
-  try {
-    for (std::size_t i = 0; i < segs.size(); ++i) {
-      auto& sp = model.segments()[i];
-      if (segs[i].value("segment", -1) != sp.segment || segs[i].value("params", 0ULL) != sp.params.size() ||
-          segs[i].value("master", 0ULL) != sp.master.size() || segs[i].value("adam", 0ULL) != sp.adam_m.size())
-        throw std::invalid_argument(fmt::format("{}: segment {} was sharded differently when saved", path, sp.segment));
-      get_floats(data, pos, sp.params, sp.params.size());
-      get_floats(data, pos, sp.master, sp.master.size());
-      get_floats(data, pos, sp.adam_m, sp.adam_m.size());
-      get_floats(data, pos, sp.adam_v, sp.adam_v.size());
+// Whether the run saves after `done` steps: every --save-every steps, and after the last one.
+bool saves_after(const TrainOptions& o, int done) {
+  if (o.save_path.empty()) return false;
+  return done == o.steps || (o.save_every > 0 && done % o.save_every == 0);
+}
+
+// Loads a checkpoint into `model` (all checks first); returns the step to continue from.
+int resume_from(const std::string& path, const std::string& bytes, const core::Program& program, host::HostModel& model) {
+  const Checkpoint ckpt = parse_checkpoint(path, bytes);
+  check_compatible(path, ckpt, program);
+  load_state(model, ckpt.state);
+  return ckpt.info.step;
+}
+
+// Every rank sends its part of the canonical state to rank 0, which assembles and writes the file.
+// A failed write stops every rank (one line from rank 0) rather than training on without checkpoints.
+void save_distributed(const TrainOptions& o, const core::Program& program, host::HostModel& model, int step, int rank, int size) {
+  const std::string mine = serialize_state_records(state_records(model));
+  int n = static_cast<int>(mine.size());
+  std::vector<int> sizes(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
+  MPI_Gather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
+  int total = 0;
+  for (int i = 0; i < size; ++i) offsets[static_cast<std::size_t>(i)] = total, total += sizes[static_cast<std::size_t>(i)];
+  std::string all(static_cast<std::size_t>(rank == 0 ? total : 0), '\0');
+  MPI_Gatherv(mine.data(), n, MPI_BYTE, all.data(), sizes.data(), offsets.data(), MPI_BYTE, 0, MPI_COMM_WORLD);
+  std::string error;
+  if (rank == 0) {
+    try {
+      write_checkpoint(o.save_path, checkpoint_info(program, step), assemble_state(model.model(), parse_state_records(all)));
+      if (o.print) fmt::print("checkpoint after step {} -> {}\n", step, o.save_path);
+    } catch (const std::exception& e) {
+      error = e.what();
     }
-  } catch (const std::runtime_error&) {
-    throw std::invalid_argument(path + ": truncated checkpoint");
   }
-  return h.at("step").get<int>();
+  int failed = error.empty() ? 0 : 1;
+  MPI_Bcast(&failed, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  if (failed) {
+    if (rank == 0) throw std::invalid_argument(error);
+    throw ReportedByAnotherRank();
+  }
 }
 
 void write_report(const std::string& path, const TrainResult& r, const std::string& mode, int devices) {
@@ -148,9 +148,9 @@ std::uint64_t fnv1a(const std::string& s) {
 }  // namespace
 
 std::string model_fingerprint(const core::Program& program) {
-  std::string s = program.model_spec.dump() + fmt::format("|seq{}|mbs{}", program.training.seq_len, program.training.micro_batch_size);
-  for (const auto& seg : program.segments)
-    s += fmt::format("|{}-{}:{}x{}z{}", seg.first_layer, seg.last_layer, seg.shard_degree, seg.replicas, seg.zero_level);
+  // The model alone (its spec): the layout (segments, sharding, ZeRO) may change between save and
+  // resume, and the training shape is checked separately with its own message.
+  const std::string s = program.model_spec.is_null() ? "name:" + program.model_name : program.model_spec.dump();
   return fmt::format("{:016x}", fnv1a(s));
 }
 
@@ -168,7 +168,8 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
   host::TokenStream stream(model.config() ? model.config()->vocab : 0, shape.seq_len, o.seed, o.data_path);
   const float scale = 1.0f / static_cast<float>(shape.global_tokens());
   TrainResult r;
-  if (!o.resume_dir.empty()) r.first_step = load_checkpoint(o.resume_dir, -1, program, m);
+  check_save_path(o.save_path);
+  if (!o.resume_path.empty()) r.first_step = resume_from(o.resume_path, read_checkpoint_bytes(o.resume_path), program, m);
   double total_s = 0;
   for (int step = r.first_step; step < o.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -188,11 +189,15 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
     total_s += dt;
     r.losses.push_back(loss / static_cast<double>(shape.global_tokens()));
     if (o.print) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), dt * 1e3);
+    if (saves_after(o, step + 1)) {
+      write_checkpoint(o.save_path, checkpoint_info(program, step + 1), assemble_state(m.model(), state_records(m)));
+      if (o.print) fmt::print("checkpoint after step {} -> {}\n", step + 1, o.save_path);
+    }
   }
   const int ran = o.steps - r.first_step;
   r.step_time_s = ran > 0 ? total_s / ran : 0;
   r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
-  if (!o.save_dir.empty()) save_checkpoint(o.save_dir, -1, program, m, o.steps);
+  if (!o.save_path.empty() && ran <= 0) write_checkpoint(o.save_path, checkpoint_info(program, r.first_step), assemble_state(m.model(), state_records(m)));
   if (!o.dump_params_path.empty()) write_dump(o.dump_params_path, serialize_records(m.param_records()));
   if (!o.report_path.empty()) write_report(o.report_path, r, "reference", 1);
   return r;
@@ -216,10 +221,31 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   std::unique_ptr<HostBackend> backend;
   std::string error;
   TrainResult r;
+  // Rank 0 reads the checkpoint and sends it to every rank (ranks need not share a file system).
+  std::string checkpoint;
+  if (!o.resume_path.empty()) {
+    long long length = -1;
+    if (rank == 0) {
+      try {
+        checkpoint = read_checkpoint_bytes(o.resume_path);
+        length = static_cast<long long>(checkpoint.size());
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
+    MPI_Bcast(&length, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD);
+    if (length >= 0) {
+      checkpoint.resize(static_cast<std::size_t>(length));
+      MPI_Bcast(checkpoint.data(), static_cast<int>(length), MPI_BYTE, 0, MPI_COMM_WORLD);
+    } else if (rank != 0) {
+      error = "reported by rank 0";
+    }
+  }
   try {
+    check_save_path(o.save_path);
     HostConfig cfg{o.seed, o.data_path, o.adamw, o.stall_timeout_s};
-    backend = std::make_unique<HostBackend>(program, rank, MPI_COMM_WORLD, cfg);
-    if (!o.resume_dir.empty()) r.first_step = load_checkpoint(o.resume_dir, rank, program, backend->model());
+    if (error.empty()) backend = std::make_unique<HostBackend>(program, rank, MPI_COMM_WORLD, cfg);
+    if (error.empty() && !o.resume_path.empty()) r.first_step = resume_from(o.resume_path, checkpoint, program, backend->model());
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -233,7 +259,7 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   MPI_Allreduce(MPI_IN_PLACE, steps_agree, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   if (steps_agree[0] != -steps_agree[1]) {
     if (rank != 0) throw ReportedByAnotherRank();
-    throw std::invalid_argument(o.resume_dir + ": ranks' checkpoints are from different steps");
+    throw std::invalid_argument(o.resume_path + ": ranks read different steps from the checkpoint");
   }
   backend->set_steps_done(r.first_step);
 
@@ -256,15 +282,13 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
     r.total_s += last.step_seconds;
     r.ops += last.ops;
     if (o.print && rank == 0) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), step_s * 1e3);
+    if (saves_after(o, step + 1)) save_distributed(o, program, backend->model(), step + 1, rank, size);
   }
   const int ran = o.steps - r.first_step;
   r.step_time_s = ran > 0 ? total_step_s / ran : 0;
   r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
 
-  if (!o.save_dir.empty()) {
-    save_checkpoint(o.save_dir, rank, program, backend->model(), o.steps);
-    MPI_Barrier(MPI_COMM_WORLD);
-  }
+  if (!o.save_path.empty() && ran <= 0) save_distributed(o, program, backend->model(), r.first_step, rank, size);
   if (!o.dump_params_path.empty()) {
     const std::string mine = serialize_records(backend->model().param_records());
     int n = static_cast<int>(mine.size());

@@ -328,3 +328,27 @@ TEST_F(Cli, ModelsListsTheZooWithPublishedParameterCounts) {
 }
 
 }  // namespace
+
+// import-csv reads both PyTorch spellings of the split backward and says on stderr which it assumed;
+// the program it prints is the same for both.
+TEST_F(Cli, ImportCsvSaysWhichPyTorchSpellingItAssumed) {
+  std::ofstream(dir_ / "old.csv") << "0F0,0F1,0B0,0W0,0B1,0W1\n1F0,1B0,1F1,1B1,1W0,1W1\n";
+  std::ofstream(dir_ / "new.csv") << "0F0,0F1,0I0,0W0,0I1,0W1\n1F0,1I0,1F1,1I1,1W0,1W1\n";
+  std::ofstream(dir_ / "mixed.csv") << "0F0,0F1,0I0,0W0,0B1,0W1\n";
+  const CliRun old_run = run("schedule import-csv " + quote((dir_ / "old.csv").string()));
+  const CliRun new_run = run("schedule import-csv " + quote((dir_ / "new.csv").string()));
+  ASSERT_EQ(old_run.exit_code, 0) << old_run.err;
+  ASSERT_EQ(new_run.exit_code, 0) << new_run.err;
+  ASSERT_EQ(old_run.err_lines().size(), 1u) << old_run.err;
+  EXPECT_NE(old_run.err.find("old.csv: read as PyTorch < 2.5 spelling"), std::string::npos) << old_run.err;
+  EXPECT_NE(new_run.err.find("new.csv: read as PyTorch >= 2.5 spelling"), std::string::npos) << new_run.err;
+  EXPECT_EQ(old_run.out, new_run.out);
+  EXPECT_FALSE(old_run.out.empty());
+  expect_one_line_error(run("schedule import-csv " + quote((dir_ / "mixed.csv").string())), {"mixed.csv", "column 5", "mixed spellings"});
+}
+
+TEST_F(Cli, SaveEveryNeedsSaveAndSaveNeedsAFile) {
+  expect_one_line_error(run("run --reference --model qwen3-9m --save-every 2"), {"--save-every", "--save"});
+  // A folder is refused before any step runs.
+  expect_one_line_error(run("run --reference --model qwen3-9m --save " + quote(dir_.string())), {"is a folder", "--save"});
+}

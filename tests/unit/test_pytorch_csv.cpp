@@ -83,3 +83,61 @@ TEST(PytorchCsv, IdleCellsAndWindowsLineEndsAreAccepted) {
   EXPECT_EQ(t.ranks[0].size(), 2u);
   EXPECT_EQ(core::schedule_to_pytorch_csv(t), "0F0,0B0\n1F0,1B0\n");
 }
+
+// PyTorch < 2.5 wrote the input gradient as B when the same stage and microbatch also has a W; newer
+// releases write I. A hand-written ZB-style schedule in both spellings reads to the same table, and
+// the importer says which spelling it assumed.
+TEST(PytorchCsv, OldAndNewSpellingsOfTheSplitBackwardReadAlike) {
+  const std::string modern = "0F0,0F1,0I0,0W0,0I1,0W1\n1F0,1I0,1F1,1I1,1W0,1W1\n";
+  const std::string legacy = "0F0,0F1,0B0,0W0,0B1,0W1\n1F0,1B0,1F1,1B1,1W0,1W1\n";
+  core::CsvSpelling a = core::CsvSpelling::Either, b = core::CsvSpelling::Either;
+  const auto tm = core::schedule_from_pytorch_csv(modern, "new.csv", &a);
+  const auto tl = core::schedule_from_pytorch_csv(legacy, "old.csv", &b);
+  EXPECT_EQ(a, core::CsvSpelling::Modern);
+  EXPECT_EQ(b, core::CsvSpelling::Legacy);
+  ASSERT_EQ(tl.ranks.size(), 2u);
+  EXPECT_EQ(tl.ranks[1][1], (core::ScheduleStep{{1, core::ActionKind::I, 0}}));  // "1B0" became an input gradient
+  EXPECT_EQ(tl.ranks, tm.ranks);
+  // Export always writes the new spelling.
+  EXPECT_EQ(core::schedule_to_pytorch_csv(tl), modern);
+
+  // In the old spelling a B without a W stays a full backward, beside split ones.
+  core::CsvSpelling c = core::CsvSpelling::Either;
+  const auto mixed_kinds = core::schedule_from_pytorch_csv("0F0,0F1,0B0,0B1,0W1\n", "old.csv", &c);
+  EXPECT_EQ(c, core::CsvSpelling::Legacy);
+  EXPECT_EQ(mixed_kinds.ranks[0][2], (core::ScheduleStep{{0, core::ActionKind::B, 0}}));
+  EXPECT_EQ(mixed_kinds.ranks[0][3], (core::ScheduleStep{{0, core::ActionKind::I, 1}}));
+
+  // No W anywhere: both spellings mean the same.
+  core::CsvSpelling d = core::CsvSpelling::Modern;
+  (void)core::schedule_from_pytorch_csv("0F0,0B0\n", "x.csv", &d);
+  EXPECT_EQ(d, core::CsvSpelling::Either);
+}
+
+TEST(PytorchCsv, GoldenDualPipeVInTheOldSpellingReadsAsTheGolden) {
+  // PyTorch's DualPipeV written the pre-2.5 way: every I becomes B (its W stays), overlapped full
+  // backwards (7B3 in "(0F7;7B3)OVERLAP_F_B") have no W and stay full backwards.
+  std::string old = golden();
+  ASSERT_FALSE(old.empty());
+  std::size_t replaced = 0;
+  for (std::size_t i = 0; i < old.size(); ++i)
+    if (old[i] == 'I') old[i] = 'B', ++replaced;
+  ASSERT_GT(replaced, 0u);
+  core::CsvSpelling s = core::CsvSpelling::Either;
+  const auto t = core::schedule_from_pytorch_csv(old, "old.csv", &s);
+  EXPECT_EQ(s, core::CsvSpelling::Legacy);
+  EXPECT_EQ(core::schedule_to_pytorch_csv(t), golden());
+  // Unchanged, the golden file is read in the new spelling.
+  (void)core::schedule_from_pytorch_csv(golden(), "golden.csv", &s);
+  EXPECT_EQ(s, core::CsvSpelling::Modern);
+}
+
+TEST(PytorchCsv, BothSpellingsInOneFileAreAnError) {
+  // 0I0 is the new spelling; 0B1 with 0W1 is the old spelling of an input gradient.
+  EXPECT_EQ(import_error("0F0,0F1,0I0,0W0,0B1,0W1\n"),
+            "x.csv: row 1 (rank 0), column 5: mixed spellings: 0B1 has a weight gradient 0W1, so it is an input gradient in the "
+            "PyTorch < 2.5 spelling, but row 1 column 3 writes input gradients as I (PyTorch >= 2.5); use one spelling");
+  // Old-spelling errors show the actions as written.
+  EXPECT_EQ(import_error("0F0,0W0,0B0\n"), "x.csv: row 1 (rank 0), column 2: 0W0 comes before its input gradient 0B0");
+  EXPECT_EQ(import_error("0F0,0B0,0W0,0B0\n"), "x.csv: row 1 (rank 0), column 4: 0B0 is already at row 1, column 2");
+}

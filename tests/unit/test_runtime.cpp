@@ -95,6 +95,20 @@ fs::path compile_plan(const fs::path& dir, const core::StrategyOptions& strategy
   return plan;
 }
 
+// The JSON header line of a checkpoint file.
+json checkpoint_header(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string line;
+  std::getline(in, line);
+  return json::parse(line);
+}
+
+std::size_t count_of(const std::string& text, const std::string& what) {
+  std::size_t count = 0;
+  for (std::size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++count;
+  return count;
+}
+
 std::vector<double> losses_of(const fs::path& report) {
   std::ifstream in(report);
   return json::parse(in).at("losses").get<std::vector<double>>();
@@ -197,7 +211,7 @@ TEST(RuntimeCheckpoint, ResumeReproducesTheUninterruptedRun) {
   ASSERT_EQ(full.code, 0) << full.output;
   Result first = sh(run + " --steps 2 --save " + (dir / "ckpt").string());
   ASSERT_EQ(first.code, 0) << first.output;
-  for (int r = 0; r < 4; ++r) EXPECT_TRUE(fs::exists(dir / "ckpt" / ("rank-" + std::to_string(r) + ".ckpt")));
+  EXPECT_EQ(checkpoint_header(dir / "ckpt").at("step"), 2);
   Result rest = sh(run + " --steps 4 --resume " + (dir / "ckpt").string() + " --report " + (dir / "rest.json").string() + " --dump-params " +
                    (dir / "rest.bin").string());
   ASSERT_EQ(rest.code, 0) << rest.output;
@@ -221,6 +235,126 @@ TEST(RuntimeCheckpoint, ResumeReproducesTheUninterruptedRun) {
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.output.find("does not match the plan's model"), std::string::npos) << bad.output;
   EXPECT_EQ(bad.output.find("step "), std::string::npos) << bad.output;
+  EXPECT_EQ(count_of(bad.output, "piper: error"), 1u) << bad.output;
+}
+
+// The checkpoint holds every layer's full parameters and AdamW moments, so a run saved under one
+// layout continues under others: PP2 x DP2 x EP2 with ZeRO-2 (1F1B) -> PP2 DualPipeV (a V placement,
+// no DP, no ZeRO) -> DP4 x EP2 with ZeRO-3 (no PP). Each layout takes 16 sequences per step
+// (microbatches x DP x micro-batch size 2), so the token stream continues where it stopped; the
+// losses and final parameters must match one uninterrupted single-process reference run.
+TEST(RuntimeCheckpoint, ResumesUnderAnotherStrategy) {
+  const fs::path dir = temp_dir("restrategy");
+  const fs::path plan_a = compile_plan(temp_dir("restrategy/a"), strategy(2, 2, 2, 2, 4, "1f1b"));
+  const fs::path plan_b = compile_plan(temp_dir("restrategy/b"), strategy(2, 1, 1, 0, 8, "dualpipev"));
+  const fs::path plan_c = compile_plan(temp_dir("restrategy/c"), strategy(1, 4, 2, 3, 2, "1f1b"));
+  const std::string flags = std::string(kOptimizer) + " --seed 5";
+  const std::string ckpt = (dir / "state.ckpt").string();
+  Result ref = sh(std::string(PIPER_CLI) + " run --reference --plan " + plan_a.string() + flags + " --steps 6 --report " + (dir / "ref.json").string() +
+                  " --dump-params " + (dir / "ref.bin").string());
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  Result a = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_a.string() + flags + " --steps 2 --save-every 1 --save " + ckpt + " --report " +
+                (dir / "a.json").string());
+  ASSERT_EQ(a.code, 0) << a.output;
+  EXPECT_NE(a.output.find("checkpoint after step 1 -> "), std::string::npos) << a.output;
+  EXPECT_EQ(checkpoint_header(ckpt).at("step"), 2);
+  Result b = sh(mpirun(2) + PIPER_CLI + " run --plan " + plan_b.string() + flags + " --steps 4 --resume " + ckpt + " --save " + ckpt + " --report " +
+                (dir / "b.json").string());
+  ASSERT_EQ(b.code, 0) << b.output;
+  Result c = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_c.string() + flags + " --steps 6 --resume " + ckpt + " --report " +
+                (dir / "c.json").string() + " --dump-params " + (dir / "c.bin").string());
+  ASSERT_EQ(c.code, 0) << c.output;
+  const auto want = losses_of(dir / "ref.json");
+  std::vector<double> got = losses_of(dir / "a.json");
+  for (const char* part : {"b.json", "c.json"})
+    for (double l : losses_of(dir / part)) got.push_back(l);
+  ASSERT_EQ(want.size(), 6u);
+  ASSERT_EQ(got.size(), 6u);
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], kLossRelTol * std::abs(want[i])) << "step " << i + 1;
+  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "c.bin").string()), kParamAbsTol);
+}
+
+// A crash between writing the new checkpoint and renaming it over the old one (the test hook exits
+// there) leaves the previous checkpoint intact and loadable; resuming from it continues the run.
+TEST(RuntimeCheckpoint, CrashBeforeRenameKeepsTheLastGoodCheckpoint) {
+  const fs::path dir = temp_dir("crash");
+  const fs::path plan = compile_plan(dir, strategy(2, 1, 1, 0, 4, "1f1b"));
+  const std::string ckpt = (dir / "state.ckpt").string();
+  const std::string flags = " run --plan " + plan.string() + std::string(kOptimizer) + " --seed 11";
+  Result ref = sh(std::string(PIPER_CLI) + flags + " --reference --steps 4 --report " + (dir / "ref.json").string());
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  Result crashed = sh("PIPER_TEST_CRASH_BEFORE_RENAME=3 " + mpirun(2) + PIPER_CLI + flags + " --steps 4 --save-every 1 --save " + ckpt);
+  EXPECT_NE(crashed.code, 0) << crashed.output;
+  EXPECT_NE(crashed.output.find("test hook: exiting after writing"), std::string::npos) << crashed.output;
+  EXPECT_EQ(crashed.output.find("step    4"), std::string::npos) << crashed.output;
+  // The step-3 file was written and synced but never renamed: it lies beside the good one.
+  bool temp_left = false;
+  for (const auto& e : fs::directory_iterator(dir)) temp_left |= e.path().filename().string().rfind("state.ckpt.tmp.", 0) == 0;
+  EXPECT_TRUE(temp_left);
+  EXPECT_EQ(checkpoint_header(ckpt).at("step"), 2);
+  Result resumed = sh(mpirun(2) + PIPER_CLI + flags + " --steps 4 --resume " + ckpt + " --report " + (dir / "resumed.json").string());
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  const auto want = losses_of(dir / "ref.json"), got = losses_of(dir / "resumed.json");
+  ASSERT_EQ(want.size(), 4u);
+  ASSERT_EQ(got.size(), 2u);
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_NEAR(got[i], want[i + 2], kLossRelTol * std::abs(want[i + 2])) << "step " << i + 3;
+}
+
+// The single-process reference saves and resumes through the same canonical file: 1 + 2 steps give
+// bit-identical losses to 3 uninterrupted steps (same arithmetic, same order).
+TEST(RuntimeCheckpoint, ReferenceResumesBitIdentically) {
+  const fs::path dir = temp_dir("reference-resume");
+  const core::Program program = core::Program::from_json(json::parse(std::ifstream(compile_plan(dir, strategy(2, 2, 1, 1, 2, "1f1b")))));
+  piper::runtime::TrainOptions o;
+  o.steps = 3;
+  o.print = false;
+  const auto full = piper::runtime::train_reference(program, o);
+  o.steps = 1;
+  o.save_path = (dir / "state.ckpt").string();
+  const auto first = piper::runtime::train_reference(program, o);
+  o.steps = 3;
+  o.save_path.clear();
+  o.resume_path = (dir / "state.ckpt").string();
+  const auto rest = piper::runtime::train_reference(program, o);
+  ASSERT_EQ(full.losses.size(), 3u);
+  ASSERT_EQ(first.losses.size(), 1u);
+  ASSERT_EQ(rest.losses.size(), 2u);
+  EXPECT_EQ(rest.first_step, 1);
+  EXPECT_EQ(first.losses[0], full.losses[0]);
+  EXPECT_EQ(rest.losses[0], full.losses[1]);
+  EXPECT_EQ(rest.losses[1], full.losses[2]);
+}
+
+// Resuming needs the same model and the same sequences per step; anything else is one line.
+TEST(RuntimeCheckpoint, IncompatibleCheckpointsAreRefusedWithOneLine) {
+  const fs::path dir = temp_dir("incompatible");
+  const core::Program program = core::Program::from_json(json::parse(std::ifstream(compile_plan(temp_dir("incompatible/a"), strategy(1, 1, 1, 0, 2, "1f1b")))));
+  piper::runtime::TrainOptions o;
+  o.steps = 1;
+  o.print = false;
+  o.save_path = (dir / "state.ckpt").string();
+  piper::runtime::train_reference(program, o);
+  const core::Program more = core::Program::from_json(json::parse(std::ifstream(compile_plan(temp_dir("incompatible/b"), strategy(1, 1, 1, 0, 3, "1f1b")))));
+  piper::runtime::TrainOptions r;
+  r.steps = 2;
+  r.print = false;
+  r.resume_path = o.save_path;
+  try {
+    piper::runtime::train_reference(more, r);
+    FAIL() << "resumed with another global batch";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint took 4 sequences per step, the plan takes 6"), std::string::npos) << e.what();
+  }
+  // A truncated file (as a crash without the atomic rename would leave) is named as damaged.
+  const std::string bytes = [&] { std::ifstream in(o.save_path, std::ios::binary); return std::string(std::istreambuf_iterator<char>(in), {}); }();
+  std::ofstream(dir / "cut.ckpt", std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  r.resume_path = (dir / "cut.ckpt").string();
+  try {
+    piper::runtime::train_reference(program, r);
+    FAIL() << "resumed from a truncated checkpoint";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("cut.ckpt: damaged checkpoint"), std::string::npos) << e.what();
+  }
 }
 
 TEST(RuntimeFailure, WrongRankCountIsOneLineBeforeAnything) {

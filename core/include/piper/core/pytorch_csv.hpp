@@ -14,10 +14,17 @@ namespace piper::core {
 // One row per rank, comma-separated actions, '\n' after each row (as the published fixtures).
 std::string schedule_to_pytorch_csv(const ScheduleTable& table);
 
-// Parses and validates a compute-only CSV. Empty cells are idle slots. Errors are one line,
+// How the CSV spells the split backward. PyTorch >= 2.5: I = input gradient, W = weight gradient,
+// B = full backward. PyTorch < 2.5 had no I: a B whose stage and microbatch also have a W was the
+// input gradient. Either: no W at all, so B is the full backward in both.
+enum class CsvSpelling { Either, Modern, Legacy };
+std::string describe(CsvSpelling s);   // one phrase for the CLI's note
+
+// Parses and validates a compute-only CSV in either spelling (detected; stored in *spelling). Empty cells are idle slots. Errors are one line,
 // "WHERE: row R (rank R-1), column C: ...": a malformed action, a stage on two ranks, an action
-// given twice, W before its I, B mixed with I/W, or a missing stage, forward or backward.
-ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::string& where);
+// given twice, W before its I, B mixed with I/W, both spellings in one file, or a missing stage,
+// forward or backward.
+ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::string& where, CsvSpelling* spelling = nullptr);
 
 // Stage -> rank of a valid table (each stage on one rank).
 std::vector<int> stage_ranks(const ScheduleTable& table);

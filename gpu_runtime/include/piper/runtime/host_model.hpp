@@ -186,6 +186,15 @@ class HostModel {
   // This device's accumulated gradients in the canonical layout (tests compare them with the
   // reference's; no ZeRO chunking).
   std::vector<ParamRecord> grad_records() const;
+  // Where a segment's local vector sits in the canonical layout: contiguous runs in local order
+  // (expert shards: whole experts; TP: one run per row of a column-split tensor). `replicated` marks
+  // tensors every TP rank of a group holds in full.
+  struct CanonicalRun {
+    int layer = 0;
+    std::int64_t local = 0, canonical = 0, length = 0;
+    bool replicated = false;
+  };
+  std::vector<CanonicalRun> canonical_runs(const SegmentParams& sp) const;
   // The TP group of a segment this device holds with tp_degree > 1 (the backend owns it).
   void set_tp_comm(int seg, TpComm* comm);
 

@@ -26,7 +26,9 @@ struct TrainOptions {
   host::AdamWConfig adamw;
   std::string report_path;        // run.json: losses, tokens_per_s, step_time_s
   std::string trace_path;         // Chrome trace of the last step (measured timeline)
-  std::string save_dir, resume_dir;
+  std::string save_path;           // checkpoint file written after the last step (and every save_every steps)
+  int save_every = 0;              // 0: only after the last step
+  std::string resume_path;         // checkpoint to continue from (any layout of the same model)
   std::string dump_params_path;   // final parameters in canonical layout (for equivalence tests)
   double stall_timeout_s = 20;
   bool print = true;
@@ -53,7 +55,7 @@ std::map<int, std::vector<float>> read_param_dump(const std::string& path);
 // Largest |a - b| over all parameters; throws if a layer or element is missing from either.
 double max_param_difference(const std::string& path_a, const std::string& path_b);
 
-// What identifies a model for checkpoint compatibility: spec, training shape and segmentation.
+// What identifies a model for checkpoint compatibility: its spec only (never the layout).
 std::string model_fingerprint(const core::Program& program);
 
 }  // namespace piper::runtime

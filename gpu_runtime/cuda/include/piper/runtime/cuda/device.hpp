@@ -1,0 +1,52 @@
+// CUDA device helpers for the CUDA backend: availability probe, error checks that throw with the
+// failing call named, and an owning device buffer. Host-only header (no CUDA kernels here).
+#pragma once
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include <cuda_runtime_api.h>
+
+namespace piper::runtime::cuda {
+
+// Thrown for any CUDA, cuBLASLt or NCCL failure; the message names the call and the error string.
+class CudaError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// True when at least one usable GPU is visible; otherwise `why` says what is missing ("no CUDA
+// device", "driver too old", ...). Never throws: tests use it to skip cleanly on CPU-only machines.
+bool device_available(std::string* why = nullptr);
+
+void check(cudaError_t status, const char* what);
+
+// Storage type of activations and parameters: fp32 for equivalence tests, bf16 for speed (fp32
+// accumulation in every kernel either way).
+enum class DType { F32, BF16 };
+std::size_t dtype_bytes(DType t);
+
+// Owning, move-only device allocation.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* get() const { return ptr_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace piper::runtime::cuda

@@ -1,0 +1,78 @@
+// CUDA kernels of the transformer layers, one per host kernel in piper/runtime/kernels.hpp (the
+// reference each is checked against). Activations and parameters are stored as `DType` (fp32 or
+// bf16); every kernel accumulates in fp32; norm statistics, softmax probabilities, losses, weight
+// gradients of norms/embeddings and optimizer state are fp32. Row-major throughout: a row is a token.
+// All functions enqueue on `stream` and return immediately; pointers are device pointers.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "piper/runtime/cuda/device.hpp"
+
+namespace piper::runtime::cuda {
+
+// ---- Embedding: x[t] = table[token[t]]; dtable[token[t]] += dx[t] (fp32) ----
+void embedding_forward(DType dt, const void* table, const int* tokens, int tokens_count, int hidden, void* x,
+                       cudaStream_t stream);
+void embedding_backward_weight(DType dt, const int* tokens, const void* dx, int tokens_count, int hidden,
+                               float* dtable, cudaStream_t stream);
+
+// ---- RMSNorm over each row of [rows, cols]: y = x * rstd * g, rstd = (mean(x^2) + eps)^-1/2 ----
+// (Per-head q/k norm is the same kernel on [tokens * heads, head_dim].)
+void rmsnorm_forward(DType dt, const void* x, const void* g, int rows, int cols, float eps, void* y, float* rstd,
+                     cudaStream_t stream);
+void rmsnorm_backward_input(DType dt, const void* x, const float* rstd, const void* g, const void* dy, int rows,
+                            int cols, void* dx, cudaStream_t stream);
+// dg += sum over rows of dy * x * rstd (accumulates).
+void rmsnorm_backward_weight(DType dt, const void* x, const float* rstd, const void* dy, int rows, int cols,
+                             float* dg, cudaStream_t stream);
+
+// ---- RoPE, rotate-half layout (pairs i, i + head_dim/2), in place on [tokens, heads * head_dim];
+// the position of token t is t mod seq_len; sign = -1 applies the inverse rotation (backward). ----
+void rope(DType dt, void* m, int tokens, int heads, int head_dim, int seq_len, float theta, float sign,
+          cudaStream_t stream);
+
+// ---- Causal attention core with grouped KV heads (correctness path: explicit probabilities) ----
+// q [T, heads*hd], k/v [T, kv_heads*hd], T = sequences * seq_len. probs [sequences*heads, L, L] (fp32,
+// kept for the backward), o [T, heads*hd]. Scores are scaled by 1/sqrt(hd).
+struct AttentionDims {
+  int tokens = 0, seq_len = 1, heads = 1, kv_heads = 1, head_dim = 1;
+};
+void attention_core_forward(DType dt, const AttentionDims& d, const void* q, const void* k, const void* v,
+                            float* probs, void* o, cudaStream_t stream);
+// From d_o, the saved probabilities and q/k/v: dq, dk, dv (overwritten). `ds` is fp32 scratch of the
+// size of probs.
+void attention_core_backward(DType dt, const AttentionDims& d, const void* q, const void* k, const void* v,
+                             const float* probs, const void* d_o, float* ds, void* dq, void* dk, void* dv,
+                             cudaStream_t stream);
+
+// ---- SwiGLU gate: h = silu(a) * b, elementwise over n; backward gives da, db ----
+void swiglu_forward(DType dt, const void* a, const void* b, std::int64_t n, void* h, cudaStream_t stream);
+void swiglu_backward(DType dt, const void* a, const void* b, const void* dh, std::int64_t n, void* da, void* db,
+                     cudaStream_t stream);
+
+// ---- Cross-entropy on logits [T, V], in place: logits become (softmax - onehot(target)) * scale,
+// loss[t] = logsumexp(l_t) - l_t[target_t] (fp32, unscaled). ----
+void cross_entropy(DType dt, void* logits, const int* targets, int tokens_count, int vocab, float loss_scale,
+                   float* loss, cudaStream_t stream);
+
+// ---- AdamW (decoupled weight decay, bias-corrected, step counts from 1) on fp32 master state ----
+struct AdamW {
+  float lr = 3e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.01f;
+};
+void adamw(const AdamW& cfg, int step, float* params, const float* grads, float* m, float* v, std::int64_t n,
+           cudaStream_t stream);
+
+// ---- Data movement and reductions (MoE permute/unpermute, loopback collectives, casts) ----
+// out[i] = in[index[i]] for rows of `cols` elements.
+void gather_rows(DType dt, const void* in, const int* index, int rows, int cols, void* out, cudaStream_t stream);
+// out[index[i]] += weight[i] * in[i] (fp32 out; weight may be null for 1).
+void scatter_add_rows(DType dt, const void* in, const int* index, const float* weight, int rows, int cols,
+                      float* out, cudaStream_t stream);
+// dst += src elementwise.
+void accumulate(DType dt, void* dst, const void* src, std::int64_t n, cudaStream_t stream);
+void convert(DType from, const void* src, DType to, void* dst, std::int64_t n, cudaStream_t stream);
+
+}  // namespace piper::runtime::cuda

@@ -1,0 +1,46 @@
+// CUDA device probe, error checks and the owning device buffer.
+#include "piper/runtime/cuda/device.hpp"
+
+#include <fmt/format.h>
+
+namespace piper::runtime::cuda {
+
+bool device_available(std::string* why) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    if (why) *why = fmt::format("no GPU ({})", cudaGetErrorString(status));
+    cudaGetLastError();  // clear the sticky-free error so later probes start clean
+    return false;
+  }
+  if (count == 0) {
+    if (why) *why = "no GPU (no CUDA device visible)";
+    return false;
+  }
+  return true;
+}
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) throw CudaError(fmt::format("{}: {}", what, cudaGetErrorString(status)));
+}
+
+std::size_t dtype_bytes(DType t) { return t == DType::F32 ? 4 : 2; }
+
+DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
+  if (bytes > 0) check(cudaMalloc(&ptr_, bytes), "cudaMalloc");
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_) cudaFree(ptr_);
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    if (ptr_) cudaFree(ptr_);
+    ptr_ = std::exchange(o.ptr_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+  }
+  return *this;
+}
+
+}  // namespace piper::runtime::cuda

@@ -1,0 +1,472 @@
+// CUDA kernels of the transformer layers (correctness first; each mirrors a host kernel in
+// gpu_runtime/src/kernels.cpp, which the GPU tests compare against). fp32 accumulation everywhere.
+#include "piper/runtime/cuda/kernels.hpp"
+
+#include <cmath>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+
+namespace piper::runtime::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float load(const float* p, std::int64_t i) { return p[i]; }
+__device__ __forceinline__ float load(const __nv_bfloat16* p, std::int64_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void store(float* p, std::int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, std::int64_t i, float v) { p[i] = __float2bfloat16(v); }
+
+// Block-wide sum or max of one float per thread (blockDim.x == kThreads); every thread gets the result.
+template <bool Max>
+__device__ float block_reduce(float v) {
+  __shared__ float shared[kThreads / 32];
+  __shared__ float result;
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float o = __shfl_down_sync(0xffffffffu, v, offset);
+    v = Max ? fmaxf(v, o) : v + o;
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kThreads / 32 ? shared[lane] : (Max ? -INFINITY : 0.0f);
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float o = __shfl_down_sync(0xffffffffu, v, offset);
+      v = Max ? fmaxf(v, o) : v + o;
+    }
+    if (lane == 0) result = v;
+  }
+  __syncthreads();
+  const float r = result;
+  __syncthreads();  // `result` may be rewritten by the next reduction
+  return r;
+}
+
+unsigned blocks_for(std::int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
+
+void launched(const char* what) { check(cudaGetLastError(), what); }
+
+// ---- embedding ----
+template <typename T>
+__global__ void embedding_forward_k(const T* table, const int* tokens, int n_tok, int hidden, T* x) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<std::int64_t>(n_tok) * hidden) return;
+  const std::int64_t t = i / hidden, c = i % hidden;
+  x[i] = table[static_cast<std::int64_t>(tokens[t]) * hidden + c];
+}
+template <typename T>
+__global__ void embedding_backward_weight_k(const int* tokens, const T* dx, int n_tok, int hidden, float* dtable) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<std::int64_t>(n_tok) * hidden) return;
+  const std::int64_t t = i / hidden, c = i % hidden;
+  atomicAdd(&dtable[static_cast<std::int64_t>(tokens[t]) * hidden + c], load(dx, i));
+}
+
+// ---- RMSNorm: one block per row ----
+template <typename T>
+__global__ void rmsnorm_forward_k(const T* x, const T* g, int cols, float eps, T* y, float* rstd) {
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * cols;
+  float ss = 0;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float v = load(x, row + c);
+    ss += v * v;
+  }
+  const float r = rsqrtf(block_reduce<false>(ss) / static_cast<float>(cols) + eps);
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) store(y, row + c, load(x, row + c) * r * load(g, c));
+  if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+}
+// dx = r g*dy - r^3 x (sum_k g_k dy_k x_k) / H
+template <typename T>
+__global__ void rmsnorm_backward_input_k(const T* x, const float* rstd, const T* g, const T* dy, int cols, T* dx) {
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * cols;
+  const float r = rstd[blockIdx.x];
+  float dot = 0;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) dot += load(g, c) * load(dy, row + c) * load(x, row + c);
+  const float coef = r * r * r * block_reduce<false>(dot) / static_cast<float>(cols);
+  for (int c = threadIdx.x; c < cols; c += blockDim.x)
+    store(dx, row + c, r * load(g, c) * load(dy, row + c) - load(x, row + c) * coef);
+}
+// One thread per column, summing over rows (coalesced across the threads of a warp).
+template <typename T>
+__global__ void rmsnorm_backward_weight_k(const T* x, const float* rstd, const T* dy, int rows, int cols, float* dg) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float acc = 0;
+  for (int r = 0; r < rows; ++r) {
+    const std::int64_t i = static_cast<std::int64_t>(r) * cols + c;
+    acc += load(dy, i) * load(x, i) * rstd[r];
+  }
+  dg[c] += acc;
+}
+
+// ---- RoPE, rotate-half: one thread per (token, head, pair) ----
+template <typename T>
+__global__ void rope_k(T* m, int n_tok, int heads, int head_dim, int seq_len, float theta, float sign) {
+  const int half = head_dim / 2;
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<std::int64_t>(n_tok) * heads * half) return;
+  const int pair = static_cast<int>(i % half);
+  const std::int64_t th = i / half;
+  const int h = static_cast<int>(th % heads);
+  const std::int64_t t = th / heads;
+  const float pos = static_cast<float>(t % seq_len);
+  // Same expression as the host kernel (pow in fp32) so fp32 results agree to rounding.
+  const float angle = pos * powf(theta, -2.0f * static_cast<float>(pair) / static_cast<float>(head_dim));
+  const float cs = cosf(angle), sn = sign * sinf(angle);
+  const std::int64_t base = t * static_cast<std::int64_t>(heads) * head_dim + static_cast<std::int64_t>(h) * head_dim;
+  const float a = load(m, base + pair), b = load(m, base + pair + half);
+  store(m, base + pair, a * cs - b * sn);
+  store(m, base + pair + half, b * cs + a * sn);
+}
+
+// ---- attention core: one block per (query token, head) ----
+template <typename T>
+__global__ void attention_forward_k(AttentionDims d, const T* q, const T* k, const T* v, float* probs, T* o) {
+  const int t = blockIdx.x, h = blockIdx.y;
+  const int L = d.seq_len, hd = d.head_dim, g = h / (d.heads / d.kv_heads);
+  const int seq = t / L, i = t % L;
+  const float scale = rsqrtf(static_cast<float>(hd));
+  const std::int64_t qs = static_cast<std::int64_t>(d.heads) * hd, ks = static_cast<std::int64_t>(d.kv_heads) * hd;
+  float* p = probs + ((static_cast<std::int64_t>(seq) * d.heads + h) * L + i) * L;
+  const T* qrow = q + t * qs + static_cast<std::int64_t>(h) * hd;
+  float mx = -INFINITY;
+  for (int j = threadIdx.x; j < L; j += blockDim.x) {
+    if (j > i) {
+      p[j] = 0;
+      continue;
+    }
+    const T* krow = k + (static_cast<std::int64_t>(seq) * L + j) * ks + static_cast<std::int64_t>(g) * hd;
+    float s = 0;
+    for (int e = 0; e < hd; ++e) s += load(qrow, e) * load(krow, e);
+    s *= scale;
+    p[j] = s;
+    mx = fmaxf(mx, s);
+  }
+  mx = block_reduce<true>(mx);
+  float sum = 0;
+  for (int j = threadIdx.x; j <= i; j += blockDim.x) {
+    const float e = expf(p[j] - mx);
+    p[j] = e;
+    sum += e;
+  }
+  const float inv = 1.0f / block_reduce<false>(sum);
+  for (int j = threadIdx.x; j <= i; j += blockDim.x) p[j] *= inv;
+  __syncthreads();
+  for (int e = threadIdx.x; e < hd; e += blockDim.x) {
+    float acc = 0;
+    for (int j = 0; j <= i; ++j)
+      acc += p[j] * load(v, (static_cast<std::int64_t>(seq) * L + j) * ks + static_cast<std::int64_t>(g) * hd + e);
+    store(o, t * qs + static_cast<std::int64_t>(h) * hd + e, acc);
+  }
+}
+// dS_ij = P_ij (dP_ij - sum_k P_ik dP_ik) * scale with dP_ij = dO_i . v_j; dq_i = sum_j dS_ij k_j.
+template <typename T>
+__global__ void attention_backward_q_k(AttentionDims d, const T* k, const T* v, const float* probs, const T* d_o,
+                                       float* ds, T* dq) {
+  const int t = blockIdx.x, h = blockIdx.y;
+  const int L = d.seq_len, hd = d.head_dim, g = h / (d.heads / d.kv_heads);
+  const int seq = t / L, i = t % L;
+  const float scale = rsqrtf(static_cast<float>(hd));
+  const std::int64_t qs = static_cast<std::int64_t>(d.heads) * hd, ks = static_cast<std::int64_t>(d.kv_heads) * hd;
+  const std::int64_t prow = ((static_cast<std::int64_t>(seq) * d.heads + h) * L + i) * L;
+  const T* dorow = d_o + t * qs + static_cast<std::int64_t>(h) * hd;
+  float rowdot = 0;
+  for (int j = threadIdx.x; j < L; j += blockDim.x) {
+    if (j > i) {
+      ds[prow + j] = 0;
+      continue;
+    }
+    const T* vrow = v + (static_cast<std::int64_t>(seq) * L + j) * ks + static_cast<std::int64_t>(g) * hd;
+    float dp = 0;
+    for (int e = 0; e < hd; ++e) dp += load(dorow, e) * load(vrow, e);
+    ds[prow + j] = dp;
+    rowdot += dp * probs[prow + j];
+  }
+  rowdot = block_reduce<false>(rowdot);
+  for (int j = threadIdx.x; j <= i; j += blockDim.x) ds[prow + j] = probs[prow + j] * (ds[prow + j] - rowdot) * scale;
+  __syncthreads();
+  for (int e = threadIdx.x; e < hd; e += blockDim.x) {
+    float acc = 0;
+    for (int j = 0; j <= i; ++j)
+      acc += ds[prow + j] * load(k, (static_cast<std::int64_t>(seq) * L + j) * ks + static_cast<std::int64_t>(g) * hd + e);
+    store(dq, t * qs + static_cast<std::int64_t>(h) * hd + e, acc);
+  }
+}
+// One block per (key token, kv head): dk_j = sum_{h in group} sum_{i>=j} dS_ij q_i, dv_j = ... P_ij dO_i.
+template <typename T>
+__global__ void attention_backward_kv_k(AttentionDims d, const T* q, const float* probs, const T* d_o,
+                                        const float* ds, T* dk, T* dv) {
+  const int t = blockIdx.x, g = blockIdx.y;
+  const int L = d.seq_len, hd = d.head_dim, group = d.heads / d.kv_heads;
+  const int seq = t / L, j = t % L;
+  const std::int64_t qs = static_cast<std::int64_t>(d.heads) * hd, ks = static_cast<std::int64_t>(d.kv_heads) * hd;
+  for (int e = threadIdx.x; e < hd; e += blockDim.x) {
+    float acc_k = 0, acc_v = 0;
+    for (int h = g * group; h < (g + 1) * group; ++h) {
+      const std::int64_t pbase = (static_cast<std::int64_t>(seq) * d.heads + h) * L * L;
+      for (int i = j; i < L; ++i) {
+        const std::int64_t row = (static_cast<std::int64_t>(seq) * L + i) * qs + static_cast<std::int64_t>(h) * hd + e;
+        acc_k += ds[pbase + static_cast<std::int64_t>(i) * L + j] * load(q, row);
+        acc_v += probs[pbase + static_cast<std::int64_t>(i) * L + j] * load(d_o, row);
+      }
+    }
+    store(dk, t * ks + static_cast<std::int64_t>(g) * hd + e, acc_k);
+    store(dv, t * ks + static_cast<std::int64_t>(g) * hd + e, acc_v);
+  }
+}
+
+// ---- SwiGLU ----
+__device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
+template <typename T>
+__global__ void swiglu_forward_k(const T* a, const T* b, std::int64_t n, T* h) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float x = load(a, i);
+  store(h, i, x * sigmoid(x) * load(b, i));
+}
+// silu'(a) = s(a) (1 + a (1 - s(a)))
+template <typename T>
+__global__ void swiglu_backward_k(const T* a, const T* b, const T* dh, std::int64_t n, T* da, T* db) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float x = load(a, i), s = sigmoid(x), g = load(dh, i);
+  store(da, i, g * load(b, i) * s * (1.0f + x * (1.0f - s)));
+  store(db, i, g * x * s);
+}
+
+// ---- cross-entropy: one block per token ----
+template <typename T>
+__global__ void cross_entropy_k(T* logits, const int* targets, int vocab, float loss_scale, float* loss) {
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * vocab;
+  float mx = -INFINITY;
+  for (int c = threadIdx.x; c < vocab; c += blockDim.x) mx = fmaxf(mx, load(logits, row + c));
+  mx = block_reduce<true>(mx);
+  float sum = 0;
+  for (int c = threadIdx.x; c < vocab; c += blockDim.x) sum += expf(load(logits, row + c) - mx);
+  sum = block_reduce<false>(sum);
+  const int y = targets[blockIdx.x];
+  // Every thread reads the target logit before any thread overwrites the row.
+  const float target_logit = load(logits, row + y);
+  __syncthreads();
+  if (threadIdx.x == 0) loss[blockIdx.x] = logf(sum) - (target_logit - mx);
+  for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
+    const float p = expf(load(logits, row + c) - mx) / sum;
+    store(logits, row + c, (p - (c == y ? 1.0f : 0.0f)) * loss_scale);
+  }
+}
+
+// ---- AdamW ----
+__global__ void adamw_k(AdamW cfg, float bc1, float bc2, float* params, const float* grads, float* m, float* v,
+                        std::int64_t n) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float gr = grads[i];
+  m[i] = cfg.beta1 * m[i] + (1.0f - cfg.beta1) * gr;
+  v[i] = cfg.beta2 * v[i] + (1.0f - cfg.beta2) * gr * gr;
+  const float mhat = m[i] / bc1, vhat = v[i] / bc2;
+  params[i] -= cfg.lr * (mhat / (sqrtf(vhat) + cfg.eps) + cfg.weight_decay * params[i]);
+}
+
+// ---- data movement ----
+template <typename T>
+__global__ void gather_rows_k(const T* in, const int* index, int rows, int cols, T* out) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<std::int64_t>(rows) * cols) return;
+  const std::int64_t r = i / cols, c = i % cols;
+  out[i] = in[static_cast<std::int64_t>(index[r]) * cols + c];
+}
+template <typename T>
+__global__ void scatter_add_rows_k(const T* in, const int* index, const float* weight, int rows, int cols, float* out) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<std::int64_t>(rows) * cols) return;
+  const std::int64_t r = i / cols, c = i % cols;
+  const float w = weight ? weight[r] : 1.0f;
+  atomicAdd(&out[static_cast<std::int64_t>(index[r]) * cols + c], w * load(in, i));
+}
+template <typename T>
+__global__ void accumulate_k(T* dst, const T* src, std::int64_t n) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) store(dst, i, load(dst, i) + load(src, i));
+}
+template <typename From, typename To>
+__global__ void convert_k(const From* src, To* dst, std::int64_t n) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) store(dst, i, load(src, i));
+}
+
+// Calls f with a typed null pointer selecting the storage type.
+template <typename F>
+void dispatch(DType dt, F&& f) {
+  if (dt == DType::F32)
+    f(static_cast<float*>(nullptr));
+  else
+    f(static_cast<__nv_bfloat16*>(nullptr));
+}
+
+}  // namespace
+
+void embedding_forward(DType dt, const void* table, const int* tokens, int n_tok, int hidden, void* x,
+                       cudaStream_t stream) {
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    embedding_forward_k<T><<<blocks_for(static_cast<std::int64_t>(n_tok) * hidden), kThreads, 0, stream>>>(
+        static_cast<const T*>(table), tokens, n_tok, hidden, static_cast<T*>(x));
+  });
+  launched("embedding_forward");
+}
+
+void embedding_backward_weight(DType dt, const int* tokens, const void* dx, int n_tok, int hidden, float* dtable,
+                               cudaStream_t stream) {
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    embedding_backward_weight_k<T><<<blocks_for(static_cast<std::int64_t>(n_tok) * hidden), kThreads, 0, stream>>>(
+        tokens, static_cast<const T*>(dx), n_tok, hidden, dtable);
+  });
+  launched("embedding_backward_weight");
+}
+
+void rmsnorm_forward(DType dt, const void* x, const void* g, int rows, int cols, float eps, void* y, float* rstd,
+                     cudaStream_t stream) {
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rmsnorm_forward_k<T><<<rows, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(g), cols, eps,
+                                                        static_cast<T*>(y), rstd);
+  });
+  launched("rmsnorm_forward");
+}
+
+void rmsnorm_backward_input(DType dt, const void* x, const float* rstd, const void* g, const void* dy, int rows,
+                            int cols, void* dx, cudaStream_t stream) {
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rmsnorm_backward_input_k<T><<<rows, kThreads, 0, stream>>>(static_cast<const T*>(x), rstd, static_cast<const T*>(g),
+                                                               static_cast<const T*>(dy), cols, static_cast<T*>(dx));
+  });
+  launched("rmsnorm_backward_input");
+}
+
+void rmsnorm_backward_weight(DType dt, const void* x, const float* rstd, const void* dy, int rows, int cols,
+                             float* dg, cudaStream_t stream) {
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rmsnorm_backward_weight_k<T><<<blocks_for(cols), kThreads, 0, stream>>>(
+        static_cast<const T*>(x), rstd, static_cast<const T*>(dy), rows, cols, dg);
+  });
+  launched("rmsnorm_backward_weight");
+}
+
+void rope(DType dt, void* m, int n_tok, int heads, int head_dim, int seq_len, float theta, float sign,
+          cudaStream_t stream) {
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rope_k<T><<<blocks_for(static_cast<std::int64_t>(n_tok) * heads * (head_dim / 2)), kThreads, 0, stream>>>(
+        static_cast<T*>(m), n_tok, heads, head_dim, seq_len, theta, sign);
+  });
+  launched("rope");
+}
+
+void attention_core_forward(DType dt, const AttentionDims& d, const void* q, const void* k, const void* v,
+                            float* probs, void* o, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(d.tokens), static_cast<unsigned>(d.heads));
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    attention_forward_k<T><<<grid, kThreads, 0, stream>>>(d, static_cast<const T*>(q), static_cast<const T*>(k),
+                                                          static_cast<const T*>(v), probs, static_cast<T*>(o));
+  });
+  launched("attention_core_forward");
+}
+
+void attention_core_backward(DType dt, const AttentionDims& d, const void* q, const void* k, const void* v,
+                             const float* probs, const void* d_o, float* ds, void* dq, void* dk, void* dv,
+                             cudaStream_t stream) {
+  const dim3 grid_q(static_cast<unsigned>(d.tokens), static_cast<unsigned>(d.heads));
+  const dim3 grid_kv(static_cast<unsigned>(d.tokens), static_cast<unsigned>(d.kv_heads));
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    attention_backward_q_k<T><<<grid_q, kThreads, 0, stream>>>(d, static_cast<const T*>(k), static_cast<const T*>(v),
+                                                               probs, static_cast<const T*>(d_o), ds, static_cast<T*>(dq));
+    attention_backward_kv_k<T><<<grid_kv, kThreads, 0, stream>>>(d, static_cast<const T*>(q), probs,
+                                                                 static_cast<const T*>(d_o), ds, static_cast<T*>(dk),
+                                                                 static_cast<T*>(dv));
+  });
+  launched("attention_core_backward");
+}
+
+void swiglu_forward(DType dt, const void* a, const void* b, std::int64_t n, void* h, cudaStream_t stream) {
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    swiglu_forward_k<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b), n,
+                                                                static_cast<T*>(h));
+  });
+  launched("swiglu_forward");
+}
+
+void swiglu_backward(DType dt, const void* a, const void* b, const void* dh, std::int64_t n, void* da, void* db,
+                     cudaStream_t stream) {
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    swiglu_backward_k<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b),
+                                                                 static_cast<const T*>(dh), n, static_cast<T*>(da),
+                                                                 static_cast<T*>(db));
+  });
+  launched("swiglu_backward");
+}
+
+void cross_entropy(DType dt, void* logits, const int* targets, int n_tok, int vocab, float loss_scale, float* loss,
+                   cudaStream_t stream) {
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cross_entropy_k<T><<<n_tok, kThreads, 0, stream>>>(static_cast<T*>(logits), targets, vocab, loss_scale, loss);
+  });
+  launched("cross_entropy");
+}
+
+void adamw(const AdamW& cfg, int step, float* params, const float* grads, float* m, float* v, std::int64_t n,
+           cudaStream_t stream) {
+  // Bias corrections on the host in double, as the host kernel does, then rounded once to fp32.
+  const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg.beta1), step));
+  const float bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg.beta2), step));
+  adamw_k<<<blocks_for(n), kThreads, 0, stream>>>(cfg, bc1, bc2, params, grads, m, v, n);
+  launched("adamw");
+}
+
+void gather_rows(DType dt, const void* in, const int* index, int rows, int cols, void* out, cudaStream_t stream) {
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    gather_rows_k<T><<<blocks_for(static_cast<std::int64_t>(rows) * cols), kThreads, 0, stream>>>(
+        static_cast<const T*>(in), index, rows, cols, static_cast<T*>(out));
+  });
+  launched("gather_rows");
+}
+
+void scatter_add_rows(DType dt, const void* in, const int* index, const float* weight, int rows, int cols, float* out,
+                      cudaStream_t stream) {
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    scatter_add_rows_k<T><<<blocks_for(static_cast<std::int64_t>(rows) * cols), kThreads, 0, stream>>>(
+        static_cast<const T*>(in), index, weight, rows, cols, out);
+  });
+  launched("scatter_add_rows");
+}
+
+void accumulate(DType dt, void* dst, const void* src, std::int64_t n, cudaStream_t stream) {
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    accumulate_k<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<T*>(dst), static_cast<const T*>(src), n);
+  });
+  launched("accumulate");
+}
+
+void convert(DType from, const void* src, DType to, void* dst, std::int64_t n, cudaStream_t stream) {
+  dispatch(from, [&](auto* from_tag) {
+    using F = std::remove_pointer_t<decltype(from_tag)>;
+    dispatch(to, [&](auto* to_tag) {
+      using T = std::remove_pointer_t<decltype(to_tag)>;
+      convert_k<F, T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const F*>(src), static_cast<T*>(dst), n);
+    });
+  });
+  launched("convert");
+}
+
+}  // namespace piper::runtime::cuda

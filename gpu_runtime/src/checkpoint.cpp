@@ -1,0 +1,321 @@
+// Canonical checkpoints: mapping a device's shards and chunks to and from each layer's full vector,
+// and the durable, atomic checkpoint file (one JSON header line, then per layer params, m, v).
+#include "piper/runtime/checkpoint.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "piper/runtime/host_backend.hpp"
+#include "piper/runtime/trainer.hpp"
+
+namespace piper::runtime {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr std::size_t ix(std::int64_t i) { return static_cast<std::size_t>(i); }
+
+// Calls fn(layer, local_begin, local_end, canonical_offset) for every contiguous run of `sp`'s local
+// vector (HostModel::canonical_runs: expert shards, TP slices) that meets [begin, end).
+template <class Fn>
+void for_each_layer_part(const host::HostModel& model, const host::SegmentParams& sp, std::int64_t begin, std::int64_t end, Fn&& fn) {
+  for (const auto& r : model.canonical_runs(sp)) {
+    const std::int64_t a = std::max(r.local, begin), b = std::min(r.local + r.length, end);
+    if (a >= b) continue;
+    fn(r.layer, a, b, r.canonical + (a - r.local));
+  }
+}
+
+template <class T>
+void put(std::string& out, const T& v) { out.append(reinterpret_cast<const char*>(&v), sizeof(T)); }
+void put_floats(std::string& out, const std::vector<float>& v) {
+  out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+}
+template <class T>
+T get(const std::string& in, std::size_t& pos) {
+  if (pos + sizeof(T) > in.size()) throw std::runtime_error("truncated");
+  T v;
+  std::memcpy(&v, in.data() + pos, sizeof(T));
+  pos += sizeof(T);
+  return v;
+}
+void get_floats(const std::string& in, std::size_t& pos, std::vector<float>& v, std::size_t n) {
+  if (n > (in.size() - pos) / sizeof(float)) throw std::runtime_error("truncated");
+  v.resize(n);
+  std::memcpy(v.data(), in.data() + pos, n * sizeof(float));
+  pos += n * sizeof(float);
+}
+
+const char* kind_name(int k) { return k == 0 ? "parameters" : k == 1 ? "AdamW first moment" : "AdamW second moment"; }
+
+void write_all(int fd, const std::string& data, const std::string& temp) {
+  std::size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw std::runtime_error("cannot write " + temp + ": " + std::strerror(errno));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+}
+
+}  // namespace
+
+std::vector<StateRecord> state_records(host::HostModel& model) {
+  std::vector<StateRecord> out;
+  for (const auto& sp : model.segments()) {
+    const std::int64_t n = static_cast<std::int64_t>(sp.params.size());
+    // ZeRO-3 keeps parameters only in the master chunk (params are poisoned outside gathers).
+    const bool from_master = sp.zero_level >= 3;
+    const std::int64_t pb = from_master ? sp.chunk_begin : 0, pe = from_master ? sp.chunk_end : n;
+    for_each_layer_part(model, sp, pb, pe, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
+      const auto& src = from_master ? sp.master : sp.params;
+      const std::int64_t base = from_master ? sp.chunk_begin : 0;
+      out.push_back({l, StateKind::Params, at, std::vector<float>(src.begin() + (a - base), src.begin() + (b - base))});
+    });
+    // Moments cover the chunk this device updates (ZeRO 0: the whole local vector).
+    for_each_layer_part(model, sp, sp.chunk_begin, sp.chunk_end, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
+      const auto off = a - sp.chunk_begin, len = b - a;
+      out.push_back({l, StateKind::AdamM, at, std::vector<float>(sp.adam_m.begin() + off, sp.adam_m.begin() + off + len)});
+      out.push_back({l, StateKind::AdamV, at, std::vector<float>(sp.adam_v.begin() + off, sp.adam_v.begin() + off + len)});
+    });
+  }
+  return out;
+}
+
+std::string serialize_state_records(const std::vector<StateRecord>& records) {
+  std::string out;
+  for (const auto& r : records) {
+    put(out, static_cast<std::int32_t>(r.layer));
+    put(out, static_cast<std::int32_t>(r.kind));
+    put(out, r.offset);
+    put(out, static_cast<std::int64_t>(r.values.size()));
+    put_floats(out, r.values);
+  }
+  return out;
+}
+
+std::vector<StateRecord> parse_state_records(const std::string& bytes) {
+  std::vector<StateRecord> out;
+  std::size_t pos = 0;
+  while (pos < bytes.size()) {
+    StateRecord r;
+    r.layer = get<std::int32_t>(bytes, pos);
+    r.kind = static_cast<StateKind>(get<std::int32_t>(bytes, pos));
+    r.offset = get<std::int64_t>(bytes, pos);
+    const auto count = get<std::int64_t>(bytes, pos);
+    if (count < 0) throw std::runtime_error("negative record length");
+    get_floats(bytes, pos, r.values, ix(count));
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+CanonicalState assemble_state(const core::Model& model, const std::vector<StateRecord>& records) {
+  CanonicalState s;
+  std::map<int, std::array<std::vector<char>, 3>> covered;
+  const int layers = static_cast<int>(model.layers().size());
+  for (int l = 0; l < layers; ++l) {
+    std::int64_t n = 0;
+    for (const auto& t : host::layer_tensors(model.layers()[ix(l)])) n += t.size();
+    for (int k = 0; k < 3; ++k) {
+      s.layers[l][ix(k)].assign(ix(n), 0.0f);
+      covered[l][ix(k)].assign(ix(n), 0);
+    }
+  }
+  for (const auto& r : records) {
+    const int k = static_cast<int>(r.kind);
+    auto it = s.layers.find(r.layer);
+    if (it == s.layers.end() || k < 0 || k > 2 || r.offset < 0 ||
+        r.offset + static_cast<std::int64_t>(r.values.size()) > static_cast<std::int64_t>(it->second[ix(k)].size()))
+      throw std::runtime_error(fmt::format("checkpoint record out of range (layer {}, kind {}, offset {})", r.layer, k, r.offset));
+    std::copy(r.values.begin(), r.values.end(), it->second[ix(k)].begin() + r.offset);
+    std::fill_n(covered[r.layer][ix(k)].begin() + r.offset, r.values.size(), char{1});
+  }
+  for (const auto& [l, kinds] : covered)
+    for (int k = 0; k < 3; ++k) {
+      const auto& c = kinds[ix(k)];
+      const auto gap = std::find(c.begin(), c.end(), char{0});
+      if (gap != c.end())
+        throw std::runtime_error(fmt::format("checkpoint: no device holds element {} of layer {} ('{}') {}", gap - c.begin(), l,
+                                             model.layers()[ix(l)].name, kind_name(k)));
+    }
+  return s;
+}
+
+void write_checkpoint(const std::string& path, const CheckpointInfo& info, const CanonicalState& state) {
+  json layers = json::array();
+  std::string body;
+  for (const auto& [l, kinds] : state.layers) {
+    layers.push_back({{"layer", l}, {"floats", kinds[0].size()}});
+    for (const auto& v : kinds) put_floats(body, v);
+  }
+  const json header = {{"format", "piper-checkpoint"},
+                       {"version", 2},
+                       {"layout", "canonical"},
+                       {"model", info.model_name},
+                       {"fingerprint", info.fingerprint},
+                       {"step", info.step},
+                       {"data_position", info.data_position},
+                       {"sequences_per_step", info.sequences_per_step},
+                       {"seq_len", info.seq_len},
+                       {"saved_layout", info.saved_layout},
+                       {"layers", layers}};
+  const fs::path target(path);
+  const fs::path folder = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  std::error_code ec;
+  fs::create_directories(folder, ec);
+  if (ec) throw std::runtime_error("cannot create the checkpoint folder " + folder.string() + ": " + ec.message());
+  if (fs::is_directory(target)) throw std::runtime_error(path + ": is a folder; --save takes a checkpoint file name");
+  // Same folder as the target, so rename() stays on one file system and replaces it atomically.
+  const std::string temp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot write " + temp + ": " + std::strerror(errno));
+  try {
+    write_all(fd, header.dump() + "\n", temp);
+    write_all(fd, body, temp);
+    // The data must be on disk before the rename makes it the checkpoint, or a power cut could leave
+    // a renamed but empty file.
+    if (::fsync(fd) != 0) throw std::runtime_error("cannot sync " + temp + ": " + std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    fs::remove(temp, ec);
+    throw;
+  }
+  ::close(fd);
+  if (const char* crash = std::getenv("PIPER_TEST_CRASH_BEFORE_RENAME"); crash && std::atoi(crash) == info.step) {
+    std::fprintf(stderr, "piper: test hook: exiting after writing %s, before renaming it\n", temp.c_str());
+    std::fflush(stderr);
+    std::_Exit(86);
+  }
+  fs::rename(temp, target, ec);
+  if (ec) {
+    std::error_code ignored;
+    fs::remove(temp, ignored);
+    throw std::runtime_error("cannot rename " + temp + " to " + path + ": " + ec.message());
+  }
+  // Make the rename itself durable.
+  if (const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); dir >= 0) {
+    (void)::fsync(dir);
+    ::close(dir);
+  }
+}
+
+std::string read_checkpoint_bytes(const std::string& path) {
+  if (fs::is_directory(path)) throw std::invalid_argument(path + ": is a folder, not a checkpoint file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::invalid_argument(path + ": cannot read the checkpoint");
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
+  const auto nl = bytes.find('\n');
+  json h;
+  try {
+    h = json::parse(bytes.substr(0, nl == std::string::npos ? bytes.size() : nl));
+  } catch (const json::exception&) {
+    throw std::invalid_argument(path + ": not a piper checkpoint");
+  }
+  if (!h.is_object() || h.value("format", "") != "piper-checkpoint") throw std::invalid_argument(path + ": not a piper checkpoint");
+  if (h.value("version", 0) != 2)
+    throw std::invalid_argument(fmt::format("{}: checkpoint version {} is not supported (this piper reads version 2)", path, h.value("version", 0)));
+  Checkpoint c;
+  try {
+    c.info.model_name = h.at("model").get<std::string>();
+    c.info.fingerprint = h.at("fingerprint").get<std::string>();
+    c.info.step = h.at("step").get<int>();
+    c.info.data_position = h.at("data_position").get<std::int64_t>();
+    c.info.sequences_per_step = h.at("sequences_per_step").get<std::int64_t>();
+    c.info.seq_len = h.at("seq_len").get<std::int64_t>();
+    c.info.saved_layout = h.value("saved_layout", "");
+    std::size_t pos = nl + 1;
+    for (const auto& l : h.at("layers")) {
+      const int layer = l.at("layer").get<int>();
+      const auto floats = l.at("floats").get<std::int64_t>();
+      if (floats < 0) throw std::runtime_error("negative size");
+      auto& kinds = c.state.layers[layer];
+      for (auto& v : kinds) get_floats(bytes, pos, v, ix(floats));
+    }
+    if (pos != bytes.size()) throw std::runtime_error("trailing bytes");
+  } catch (const json::exception& e) {
+    throw std::invalid_argument(path + ": malformed checkpoint header: " + e.what());
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument(path + ": damaged checkpoint (" + e.what() + ")");
+  }
+  return c;
+}
+
+void check_compatible(const std::string& path, const Checkpoint& ckpt, const core::Program& program) {
+  const auto& i = ckpt.info;
+  if (i.fingerprint != model_fingerprint(program))
+    throw std::invalid_argument(fmt::format("{}: checkpoint of model '{}' ({}) does not match the plan's model '{}' ({}): their specs differ", path,
+                                            i.model_name, i.fingerprint, program.model_name, model_fingerprint(program)));
+  const DataShape shape = data_shape(program);
+  if (i.seq_len != shape.seq_len)
+    throw std::invalid_argument(fmt::format("{}: checkpoint trained on sequences of {} tokens, the plan uses {}", path, i.seq_len, shape.seq_len));
+  const std::int64_t per_step = static_cast<std::int64_t>(shape.microbatches) * shape.ranks * shape.micro_batch_size;
+  if (i.sequences_per_step != per_step)
+    throw std::invalid_argument(fmt::format(
+        "{}: checkpoint took {} sequences per step, the plan takes {} (microbatches x data-parallel ranks x micro-batch size must match to continue the same run)",
+        path, i.sequences_per_step, per_step));
+  if (i.data_position != static_cast<std::int64_t>(i.step) * per_step)
+    throw std::invalid_argument(fmt::format("{}: checkpoint data position {} is not step {} x {} sequences", path, i.data_position, i.step, per_step));
+  const core::Model model = program_model(program);
+  if (ckpt.state.layers.size() != model.layers().size())
+    throw std::invalid_argument(fmt::format("{}: checkpoint holds {} layers, the model has {}", path, ckpt.state.layers.size(), model.layers().size()));
+  for (std::size_t l = 0; l < model.layers().size(); ++l) {
+    std::int64_t n = 0;
+    for (const auto& t : host::layer_tensors(model.layers()[l])) n += t.size();
+    auto it = ckpt.state.layers.find(static_cast<int>(l));
+    if (it == ckpt.state.layers.end() || static_cast<std::int64_t>(it->second[0].size()) != n)
+      throw std::invalid_argument(fmt::format("{}: checkpoint layer {} ('{}') does not hold {} parameters", path, l, model.layers()[l].name, n));
+  }
+}
+
+void load_state(host::HostModel& model, const CanonicalState& state) {
+  for (auto& sp : model.segments()) {
+    const auto n = static_cast<std::int64_t>(sp.params.size());
+    for_each_layer_part(model, sp, 0, n, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
+      const auto& src = state.layers.at(l)[0];
+      std::copy(src.begin() + at, src.begin() + at + (b - a), sp.params.begin() + a);
+    });
+    if (sp.zero_level >= 1) sp.master.assign(sp.params.begin() + sp.chunk_begin, sp.params.begin() + sp.chunk_end);
+    for_each_layer_part(model, sp, sp.chunk_begin, sp.chunk_end, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
+      const auto& m = state.layers.at(l)[1];
+      const auto& v = state.layers.at(l)[2];
+      std::copy(m.begin() + at, m.begin() + at + (b - a), sp.adam_m.begin() + (a - sp.chunk_begin));
+      std::copy(v.begin() + at, v.begin() + at + (b - a), sp.adam_v.begin() + (a - sp.chunk_begin));
+    });
+    std::fill(sp.grads.begin(), sp.grads.end(), 0.0f);
+    std::fill(sp.grad_chunk.begin(), sp.grad_chunk.end(), 0.0f);
+    sp.grad_chunk_ready = false;
+    if (sp.zero_level >= 3) model.poison_params(sp.segment);
+  }
+}
+
+std::string layout_summary(const core::Program& program) {
+  std::string s = fmt::format("{} devices, {} microbatches;", program.num_devices, program.microbatches);
+  for (const auto& seg : program.segments)
+    s += fmt::format(" layers {}-{}: {} shard(s) x {} replica(s){}, ZeRO-{};", seg.first_layer, seg.last_layer - 1, seg.shard_degree,
+                     seg.replicas, seg.tp_degree > 1 ? fmt::format(", TP{}{}", seg.tp_degree, seg.sequence_parallel ? "+SP" : "") : "",
+                     seg.zero_level);
+  s.pop_back();
+  return s;
+}
+
+}  // namespace piper::runtime

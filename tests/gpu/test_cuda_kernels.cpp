@@ -1,0 +1,272 @@
+// CUDA kernels and cuBLASLt GEMMs against the host (Eigen) kernels they mirror. fp32 mode must agree to
+// fp32 rounding (1e-5 relative to the output's largest magnitude); bf16 mode within 3e-2 of it (bf16
+// keeps 8 significand bits, so each stored input is off by up to 2^-9 relative; fp32 accumulation keeps
+// the sum's own error small, and 3e-2 leaves room for the rounding of inputs, weights and outputs).
+// Without a GPU the binary prints "skipped: no GPU" and exits 77, which CTest reports as skipped.
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "piper/runtime/cuda/device.hpp"
+#include "piper/runtime/cuda/gemm.hpp"
+#include "piper/runtime/cuda/kernels.hpp"
+#include "piper/runtime/kernels.hpp"
+
+namespace cu = piper::runtime::cuda;
+namespace host = piper::runtime::host;
+using host::Mat;
+
+namespace {
+
+constexpr float kFp32Tol = 1e-5f;
+constexpr float kBf16Tol = 3e-2f;
+
+Mat random_mat(Eigen::Index rows, Eigen::Index cols, unsigned seed, float scale = 1.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  Mat m(rows, cols);
+  for (Eigen::Index i = 0; i < m.size(); ++i) m.data()[i] = dist(gen);
+  return m;
+}
+
+// A device copy of host floats, stored as `dt`.
+cu::DeviceBuffer upload(const float* data, std::size_t n, cu::DType dt = cu::DType::F32) {
+  cu::DeviceBuffer f32(n * 4);
+  cu::check(cudaMemcpy(f32.get(), data, n * 4, cudaMemcpyHostToDevice), "upload");
+  if (dt == cu::DType::F32) return f32;
+  cu::DeviceBuffer out(n * cu::dtype_bytes(dt));
+  cu::convert(cu::DType::F32, f32.get(), dt, out.get(), static_cast<std::int64_t>(n), nullptr);
+  return out;
+}
+cu::DeviceBuffer upload(const Mat& m, cu::DType dt = cu::DType::F32) {
+  return upload(m.data(), static_cast<std::size_t>(m.size()), dt);
+}
+cu::DeviceBuffer upload_ints(const std::vector<int>& v) {
+  cu::DeviceBuffer b(v.size() * sizeof(int));
+  cu::check(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(int), cudaMemcpyHostToDevice), "upload ints");
+  return b;
+}
+Mat download(const cu::DeviceBuffer& b, Eigen::Index rows, Eigen::Index cols, cu::DType dt = cu::DType::F32) {
+  Mat m(rows, cols);
+  const std::int64_t n = rows * cols;
+  cu::DeviceBuffer f32(static_cast<std::size_t>(n) * 4);
+  cu::convert(dt, b.get(), cu::DType::F32, f32.get(), n, nullptr);
+  cu::check(cudaMemcpy(m.data(), f32.get(), static_cast<std::size_t>(n) * 4, cudaMemcpyDeviceToHost), "download");
+  return m;
+}
+
+// max |a - b| relative to max |b|.
+float rel_error(const Mat& a, const Mat& b) {
+  const float scale = std::max(b.cwiseAbs().maxCoeff(), 1e-30f);
+  return (a - b).cwiseAbs().maxCoeff() / scale;
+}
+
+class CudaKernels : public ::testing::TestWithParam<cu::DType> {
+ protected:
+  cu::DType dt() const { return GetParam(); }
+  float tol() const { return dt() == cu::DType::F32 ? kFp32Tol : kBf16Tol; }
+  // The host reference sees the inputs the GPU sees: rounded to bf16 in bf16 mode.
+  Mat rounded(const Mat& m) const { return dt() == cu::DType::F32 ? m : download(upload(m, dt()), m.rows(), m.cols(), dt()); }
+};
+
+TEST_P(CudaKernels, GemmAllTransposes) {
+  cu::Gemm gemm(nullptr);
+  const int m = 37, n = 53, k = 64;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      Mat a = rounded(random_mat(ta ? k : m, ta ? m : k, 1)), b = rounded(random_mat(tb ? n : k, tb ? k : n, 2));
+      Mat ref = (ta ? Mat(a.transpose()) : a) * (tb ? Mat(b.transpose()) : b);
+      auto da = upload(a, dt()), db = upload(b, dt());
+      cu::DeviceBuffer dc(static_cast<std::size_t>(m * n) * cu::dtype_bytes(dt()));
+      cu::GemmShape s;
+      s.m = m, s.n = n, s.k = k, s.trans_a = ta, s.trans_b = tb;
+      gemm.run(dt(), s, da.get(), db.get(), dc.get());
+      EXPECT_LT(rel_error(download(dc, m, n, dt()), ref), tol()) << "trans_a=" << ta << " trans_b=" << tb;
+    }
+}
+
+TEST_P(CudaKernels, RmsNormForwardAndBackward) {
+  const int rows = 19, cols = 96;
+  Mat x = rounded(random_mat(rows, cols, 3)), g = rounded(random_mat(1, cols, 4)), dy = rounded(random_mat(rows, cols, 5));
+  host::Vec gv = g.row(0).transpose();
+  host::RmsNormCache cache;
+  Mat y = host::rmsnorm_forward(x, host::ConstVecMap(gv.data(), cols), &cache);
+  Mat dx = host::rmsnorm_backward_input(cache, host::ConstVecMap(gv.data(), cols), dy);
+  host::Vec dg = host::Vec::Zero(cols);
+  host::rmsnorm_backward_weight(cache, dy, host::VecMap(dg.data(), cols));
+
+  auto d_x = upload(x, dt()), d_g = upload(g, dt()), d_dy = upload(dy, dt());
+  const std::size_t bytes = static_cast<std::size_t>(rows * cols) * cu::dtype_bytes(dt());
+  cu::DeviceBuffer d_y(bytes), d_dx(bytes), rstd(rows * 4);
+  Mat zero = Mat::Zero(1, cols);
+  auto d_dg = upload(zero);
+  cu::rmsnorm_forward(dt(), d_x.get(), d_g.get(), rows, cols, host::kNormEps, d_y.get(), rstd.as<float>(), nullptr);
+  cu::rmsnorm_backward_input(dt(), d_x.get(), rstd.as<float>(), d_g.get(), d_dy.get(), rows, cols, d_dx.get(), nullptr);
+  cu::rmsnorm_backward_weight(dt(), d_x.get(), rstd.as<float>(), d_dy.get(), rows, cols, d_dg.as<float>(), nullptr);
+  EXPECT_LT(rel_error(download(d_y, rows, cols, dt()), y), tol());
+  EXPECT_LT(rel_error(download(d_dx, rows, cols, dt()), dx), tol());
+  EXPECT_LT(rel_error(download(d_dg, 1, cols), Mat(dg.transpose())), tol());
+}
+
+TEST_P(CudaKernels, SwigluMlpForwardAndBackward) {
+  const int tokens = 24, hidden = 32, ffn = 48;
+  Mat wg = rounded(random_mat(hidden, ffn, 6, 0.2f)), wu = rounded(random_mat(hidden, ffn, 7, 0.2f)),
+      wd = rounded(random_mat(ffn, hidden, 8, 0.2f)), u = rounded(random_mat(tokens, hidden, 9)),
+      dout = rounded(random_mat(tokens, hidden, 10));
+  host::MlpWeights w{host::ConstMatMap(wg.data(), hidden, ffn), host::ConstMatMap(wu.data(), hidden, ffn),
+                     host::ConstMatMap(wd.data(), ffn, hidden)};
+  host::MlpCache cache;
+  Mat y = host::mlp_forward(w, u, &cache);
+  Mat du = host::mlp_backward_input(w, cache, dout);
+
+  cu::Gemm gemm(nullptr);
+  const std::size_t e = cu::dtype_bytes(dt());
+  auto d_u = upload(u, dt()), d_wg = upload(wg, dt()), d_wu = upload(wu, dt()), d_wd = upload(wd, dt()),
+       d_dout = upload(dout, dt());
+  cu::DeviceBuffer a(tokens * ffn * e), b(tokens * ffn * e), h(tokens * ffn * e), d_y(tokens * hidden * e),
+      dh(tokens * ffn * e), da(tokens * ffn * e), db(tokens * ffn * e), d_du(tokens * hidden * e);
+  cu::GemmShape up{tokens, ffn, hidden};
+  gemm.run(dt(), up, d_u.get(), d_wg.get(), a.get());
+  gemm.run(dt(), up, d_u.get(), d_wu.get(), b.get());
+  cu::swiglu_forward(dt(), a.get(), b.get(), tokens * ffn, h.get(), nullptr);
+  gemm.run(dt(), cu::GemmShape{tokens, hidden, ffn}, h.get(), d_wd.get(), d_y.get());
+  EXPECT_LT(rel_error(download(d_y, tokens, hidden, dt()), y), tol());
+  // Backward input: dh = dout wd^T; (da, db) from the gate; du = da wg^T + db wu^T.
+  cu::GemmShape back_h{tokens, ffn, hidden};
+  back_h.trans_b = true;
+  gemm.run(dt(), back_h, d_dout.get(), d_wd.get(), dh.get());
+  cu::swiglu_backward(dt(), a.get(), b.get(), dh.get(), tokens * ffn, da.get(), db.get(), nullptr);
+  cu::GemmShape back_u{tokens, hidden, ffn};
+  back_u.trans_b = true;
+  gemm.run(dt(), back_u, da.get(), d_wg.get(), d_du.get());
+  gemm.run(dt(), back_u, db.get(), d_wu.get(), d_du.get(), 1.0f, 1.0f);
+  EXPECT_LT(rel_error(download(d_du, tokens, hidden, dt()), du), tol());
+}
+
+TEST_P(CudaKernels, CausalAttentionWithRopeAndGqa) {
+  host::AttentionShape s;
+  s.heads = 4, s.kv_heads = 2, s.head_dim = 16, s.seq_len = 12;
+  const int seqs = 2, tokens = seqs * s.seq_len, hidden = 48, qd = s.heads * s.head_dim, kd = s.kv_heads * s.head_dim;
+  Mat wq = rounded(random_mat(hidden, qd, 11, 0.2f)), wk = rounded(random_mat(hidden, kd, 12, 0.2f)),
+      wv = rounded(random_mat(hidden, kd, 13, 0.2f)), wo = rounded(random_mat(qd, hidden, 14, 0.2f)),
+      u = rounded(random_mat(tokens, hidden, 15)), dout = rounded(random_mat(tokens, hidden, 16));
+  host::Vec unit = host::Vec::Ones(s.head_dim);
+  host::AttentionWeights w{host::ConstMatMap(wq.data(), hidden, qd), host::ConstMatMap(wk.data(), hidden, kd),
+                           host::ConstMatMap(wv.data(), hidden, kd), host::ConstMatMap(wo.data(), qd, hidden),
+                           host::ConstVecMap(unit.data(), s.head_dim), host::ConstVecMap(unit.data(), s.head_dim)};
+  host::AttentionCache cache;
+  Mat y = host::attention_forward(s, w, u, &cache);
+  Mat du = host::attention_backward_input(s, w, cache, dout);
+
+  cu::Gemm gemm(nullptr);
+  const std::size_t e = cu::dtype_bytes(dt());
+  auto d_u = upload(u, dt()), d_wq = upload(wq, dt()), d_wk = upload(wk, dt()), d_wv = upload(wv, dt()),
+       d_wo = upload(wo, dt()), d_dout = upload(dout, dt());
+  cu::DeviceBuffer q(tokens * qd * e), k(tokens * kd * e), v(tokens * kd * e), o(tokens * qd * e),
+      d_y(tokens * hidden * e), probs(static_cast<std::size_t>(seqs * s.heads * s.seq_len * s.seq_len) * 4),
+      ds(probs.bytes()), d_o(tokens * qd * e), dq(tokens * qd * e), dk(tokens * kd * e), dv(tokens * kd * e),
+      d_du(tokens * hidden * e);
+  gemm.run(dt(), cu::GemmShape{tokens, qd, hidden}, d_u.get(), d_wq.get(), q.get());
+  gemm.run(dt(), cu::GemmShape{tokens, kd, hidden}, d_u.get(), d_wk.get(), k.get());
+  gemm.run(dt(), cu::GemmShape{tokens, kd, hidden}, d_u.get(), d_wv.get(), v.get());
+  cu::rope(dt(), q.get(), tokens, s.heads, s.head_dim, s.seq_len, s.rope_theta, 1.0f, nullptr);
+  cu::rope(dt(), k.get(), tokens, s.kv_heads, s.head_dim, s.seq_len, s.rope_theta, 1.0f, nullptr);
+  const cu::AttentionDims dims{tokens, s.seq_len, s.heads, s.kv_heads, s.head_dim};
+  cu::attention_core_forward(dt(), dims, q.get(), k.get(), v.get(), probs.as<float>(), o.get(), nullptr);
+  gemm.run(dt(), cu::GemmShape{tokens, hidden, qd}, o.get(), d_wo.get(), d_y.get());
+  EXPECT_LT(rel_error(download(d_y, tokens, hidden, dt()), y), tol());
+
+  cu::GemmShape back_o{tokens, qd, hidden};
+  back_o.trans_b = true;
+  gemm.run(dt(), back_o, d_dout.get(), d_wo.get(), d_o.get());
+  cu::attention_core_backward(dt(), dims, q.get(), k.get(), v.get(), probs.as<float>(), d_o.get(), ds.as<float>(),
+                              dq.get(), dk.get(), dv.get(), nullptr);
+  EXPECT_LT(rel_error(download(dv, tokens, kd, dt()), cache.dv), tol());
+  cu::rope(dt(), dq.get(), tokens, s.heads, s.head_dim, s.seq_len, s.rope_theta, -1.0f, nullptr);
+  cu::rope(dt(), dk.get(), tokens, s.kv_heads, s.head_dim, s.seq_len, s.rope_theta, -1.0f, nullptr);
+  cu::GemmShape back_q{tokens, hidden, qd}, back_kv{tokens, hidden, kd};
+  back_q.trans_b = back_kv.trans_b = true;
+  gemm.run(dt(), back_q, dq.get(), d_wq.get(), d_du.get());
+  gemm.run(dt(), back_kv, dk.get(), d_wk.get(), d_du.get(), 1.0f, 1.0f);
+  gemm.run(dt(), back_kv, dv.get(), d_wv.get(), d_du.get(), 1.0f, 1.0f);
+  EXPECT_LT(rel_error(download(d_du, tokens, hidden, dt()), du), tol());
+}
+
+TEST_P(CudaKernels, CrossEntropyWithLmHead) {
+  const int tokens = 20, hidden = 32, vocab = 301;
+  Mat wh = rounded(random_mat(hidden, vocab, 17, 0.3f)), u = rounded(random_mat(tokens, hidden, 18));
+  std::vector<int> targets(tokens);
+  for (int t = 0; t < tokens; ++t) targets[static_cast<std::size_t>(t)] = (t * 37 + 5) % vocab;
+  host::HeadCache cache;
+  const double loss = host::head_forward(host::ConstMatMap(wh.data(), hidden, vocab), u, targets, 0.5f, &cache);
+
+  cu::Gemm gemm(nullptr);
+  auto d_u = upload(u, dt()), d_wh = upload(wh, dt()), d_t = upload_ints(targets);
+  cu::DeviceBuffer logits(static_cast<std::size_t>(tokens * vocab) * cu::dtype_bytes(dt())), losses(tokens * 4);
+  gemm.run(dt(), cu::GemmShape{tokens, vocab, hidden}, d_u.get(), d_wh.get(), logits.get());
+  cu::cross_entropy(dt(), logits.get(), d_t.as<int>(), tokens, vocab, 0.5f, losses.as<float>(), nullptr);
+  Mat per_token = download(losses, 1, tokens);
+  EXPECT_NEAR(per_token.sum(), loss, tol() * std::abs(loss));
+  EXPECT_LT(rel_error(download(logits, tokens, vocab, dt()), cache.dlogits), tol());
+}
+
+TEST_P(CudaKernels, EmbeddingGatherScatter) {
+  const int vocab = 50, hidden = 24, tokens = 30;
+  Mat table = rounded(random_mat(vocab, hidden, 19)), dx = rounded(random_mat(tokens, hidden, 20));
+  std::vector<int> ids(tokens);
+  for (int t = 0; t < tokens; ++t) ids[static_cast<std::size_t>(t)] = (t * 7) % vocab;
+  Mat x = host::embedding_forward(host::ConstMatMap(table.data(), vocab, hidden), ids);
+  Mat dtable = Mat::Zero(vocab, hidden);
+  host::embedding_backward_weight(ids, dx, host::MatMap(dtable.data(), vocab, hidden));
+
+  auto d_table = upload(table, dt()), d_ids = upload_ints(ids), d_dx = upload(dx, dt());
+  cu::DeviceBuffer d_x(static_cast<std::size_t>(tokens * hidden) * cu::dtype_bytes(dt()));
+  Mat zero = Mat::Zero(vocab, hidden);
+  auto d_dtable = upload(zero);
+  cu::embedding_forward(dt(), d_table.get(), d_ids.as<int>(), tokens, hidden, d_x.get(), nullptr);
+  cu::embedding_backward_weight(dt(), d_ids.as<int>(), d_dx.get(), tokens, hidden, d_dtable.as<float>(), nullptr);
+  EXPECT_EQ(download(d_x, tokens, hidden, dt()), x);  // a gather copies exactly
+  EXPECT_LT(rel_error(download(d_dtable, vocab, hidden), dtable), tol());
+  // MoE permute/unpermute: gather rows by index, scatter them back by position with unit weights.
+  cu::DeviceBuffer permuted(d_x.bytes());
+  cu::gather_rows(dt(), d_x.get(), d_ids.as<int>(), tokens, hidden, permuted.get(), nullptr);
+  Mat back_zero = Mat::Zero(tokens, hidden);
+  auto back = upload(back_zero);
+  std::vector<int> identity(tokens);
+  for (int t = 0; t < tokens; ++t) identity[static_cast<std::size_t>(t)] = t;
+  auto d_identity = upload_ints(identity);
+  cu::scatter_add_rows(dt(), permuted.get(), d_identity.as<int>(), nullptr, tokens, hidden, back.as<float>(), nullptr);
+  EXPECT_EQ(download(back, tokens, hidden), download(permuted, tokens, hidden, dt()));
+}
+
+TEST(CudaAdamW, MatchesHostUpdate) {
+  const int n = 1000;
+  Mat p = random_mat(1, n, 21), g = random_mat(1, n, 22), m = Mat::Zero(1, n), v = Mat::Zero(1, n);
+  auto dp = upload(p), dg = upload(g), dm = upload(m), dv = upload(v);
+  host::AdamWConfig hc;
+  cu::AdamW cc{hc.lr, hc.beta1, hc.beta2, hc.eps, hc.weight_decay};
+  for (int step = 1; step <= 3; ++step) {
+    host::adamw_update(hc, step, {p.data(), static_cast<std::size_t>(n)}, {g.data(), static_cast<std::size_t>(n)},
+                       {m.data(), static_cast<std::size_t>(n)}, {v.data(), static_cast<std::size_t>(n)});
+    cu::adamw(cc, step, dp.as<float>(), dg.as<float>(), dm.as<float>(), dv.as<float>(), n, nullptr);
+  }
+  EXPECT_LT(rel_error(download(dp, 1, n), p), kFp32Tol);
+}
+
+INSTANTIATE_TEST_SUITE_P(Storage, CudaKernels, ::testing::Values(cu::DType::F32, cu::DType::BF16),
+                         [](const auto& info) { return info.param == cu::DType::F32 ? "fp32" : "bf16"; });
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string why;
+  if (!cu::device_available(&why)) {
+    std::printf("skipped: %s\n", why.c_str());
+    return 77;  // CTest SKIP_RETURN_CODE
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
