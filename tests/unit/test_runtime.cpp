@@ -274,6 +274,35 @@ TEST(RuntimeCheckpoint, ResumesUnderAnotherStrategy) {
   EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "c.bin").string()), kParamAbsTol);
 }
 
+// The canonical checkpoint carries TP slices: TP2xDP2 (ZeRO-1) -> PP2 without TP -> TP2+SP x PP2.
+TEST(RuntimeCheckpoint, ResumesAcrossTensorParallelLayouts) {
+  const fs::path dir = temp_dir("restrategy-tp");
+  const fs::path plan_a = compile_plan(temp_dir("restrategy-tp/a"), megatron(strategy(1, 2, 1, 1, 4, "1f1b"), 2, false, "none"), "", kDense);
+  const fs::path plan_b = compile_plan(temp_dir("restrategy-tp/b"), strategy(2, 1, 1, 0, 8, "1f1b"), "", kDense);
+  const fs::path plan_c = compile_plan(temp_dir("restrategy-tp/c"), megatron(strategy(2, 1, 1, 0, 8, "1f1b"), 2, true, "full"), "", kDense);
+  const std::string flags = std::string(kOptimizer) + " --seed 5";
+  const std::string ckpt = (dir / "state.ckpt").string();
+  Result ref = sh(std::string(PIPER_CLI) + " run --reference --plan " + plan_a.string() + flags + " --steps 6 --report " + (dir / "ref.json").string() +
+                  " --dump-params " + (dir / "ref.bin").string());
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  Result a = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_a.string() + flags + " --steps 2 --save " + ckpt + " --report " + (dir / "a.json").string());
+  ASSERT_EQ(a.code, 0) << a.output;
+  Result b = sh(mpirun(2) + PIPER_CLI + " run --plan " + plan_b.string() + flags + " --steps 4 --resume " + ckpt + " --save " + ckpt + " --report " +
+                (dir / "b.json").string());
+  ASSERT_EQ(b.code, 0) << b.output;
+  Result c = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_c.string() + flags + " --steps 6 --resume " + ckpt + " --report " +
+                (dir / "c.json").string() + " --dump-params " + (dir / "c.bin").string());
+  ASSERT_EQ(c.code, 0) << c.output;
+  const auto want = losses_of(dir / "ref.json");
+  std::vector<double> got = losses_of(dir / "a.json");
+  for (const char* part : {"b.json", "c.json"})
+    for (double l : losses_of(dir / part)) got.push_back(l);
+  ASSERT_EQ(want.size(), 6u);
+  ASSERT_EQ(got.size(), 6u);
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], kLossRelTol * std::abs(want[i])) << "step " << i + 1;
+  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "c.bin").string()), kParamAbsTol);
+}
+
 // A crash between writing the new checkpoint and renaming it over the old one (the test hook exits
 // there) leaves the previous checkpoint intact and loadable; resuming from it continues the run.
 TEST(RuntimeCheckpoint, CrashBeforeRenameKeepsTheLastGoodCheckpoint) {
