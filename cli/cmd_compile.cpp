@@ -155,7 +155,7 @@ Command add_compile_command(CLI::App& app) {
   cmd->add_option("--dump-after", args->dump_after,
                   "after these passes write the DAG to DIR/after-<directive index>-<pass>.json and .dot")
       ->delimiter(',')
-      ->check(CLI::IsMember(std::vector<std::string>{"split", "backward-split", "place", "shard", "replicate", "order", "all"}));
+      ->check(CLI::IsMember(std::vector<std::string>{"split", "backward-split", "tensor-parallel", "place", "shard", "replicate", "order", "all"}));
   cmd->add_option("--dump-dir", args->dump_dir, "folder for --dump-after files")->capture_default_str();
   return {cmd, [args] { return run_compile(*args); }};
 }

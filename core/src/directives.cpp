@@ -910,7 +910,7 @@ void apply_tensor_parallel(PassContext& cx, const TensorParallelDirective& d, in
       };
       if (layer.kind == LayerKind::Attention) indivisible("heads", sh.heads);
       if (layer.kind == LayerKind::Mlp) indivisible("ffn columns", sh.ffn);
-      if (layer.kind == LayerKind::Embedding || layer.kind == LayerKind::Head) indivisible("vocabulary rows", sh.vocab);
+      // The vocabulary is not checked: Megatron pads it to a multiple of the TP degree.
     }
     if (d.sequence_parallel && cx.dag.training.seq_len % d.degree != 0)
       fail(index, "sequence_parallel",
@@ -1058,7 +1058,7 @@ void apply_directives(GlobalDag& dag_in, const DirectiveProgram& program, const 
   each(std::type_identity<RecomputeDirective>{}, [&](const RecomputeDirective& d, int i) {
     apply_recompute(cx, d, i, rc_by), any_layout = true;
   });
-  if (any_layout) recost_segments(cx), after("tensor_parallel/recompute", -1, false);
+  if (any_layout) recost_segments(cx), after("tensor-parallel", -1, false);
 
   std::vector<int> placed_by, places;
   each(std::type_identity<PlaceDirective>{}, [&](const PlaceDirective&, int i) { places.push_back(i); });

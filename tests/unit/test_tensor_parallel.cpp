@@ -196,8 +196,12 @@ TEST(TensorParallel, GroupsInTheProgram) {
   // Every F of a TP segment carries its collectives; activations between SP stages are sliced.
   for (const auto& st : p.plan_for(0).streams)
     for (const auto& op : st.ops) {
-      if (op.kind == OpKind::Compute && op.pass == Pass::F) EXPECT_GT(op.tp_collectives, 0);
-      if (op.kind == OpKind::Send && op.pass == Pass::F) EXPECT_EQ(op.bytes, 64 * 2 * 64 * 2 / 2);
+      if (op.kind == OpKind::Compute && op.pass == Pass::F) {
+        EXPECT_GT(op.tp_collectives, 0);
+      }
+      if (op.kind == OpKind::Send && op.pass == Pass::F) {
+        EXPECT_EQ(op.bytes, 64 * 2 * 64 * 2 / 2);
+      }
     }
   // The JSON round trip keeps the TP fields.
   EXPECT_TRUE(Program::from_json(p.to_json()) == p);
@@ -309,8 +313,13 @@ TEST(TensorParallel, StrategyFlagsAndGlobalBatch) {
       EXPECT_EQ(d["degree"], 4);
       EXPECT_EQ(d["sequence_parallel"], true);
     }
-    if (d["op"] == "recompute") ++rc, EXPECT_EQ(d["mode"], "selective");
-    if (d["op"] == "place") EXPECT_EQ(d["devices"], json({0, 1, 2, 3, 4, 5, 6, 7}));
+    if (d["op"] == "recompute") {
+      ++rc;
+      EXPECT_EQ(d["mode"], "selective");
+    }
+    if (d["op"] == "place") {
+      EXPECT_EQ(d["devices"], json({0, 1, 2, 3, 4, 5, 6, 7}));
+    }
   }
   EXPECT_EQ(tp, 1);
   EXPECT_EQ(rc, 1);
@@ -387,4 +396,60 @@ TEST(TensorParallel, ComposesWithSchedulesEpAndZero) {
     }
   }
   EXPECT_EQ(combinations, static_cast<int>(schedule_registry().size()) * 8);
+}
+
+// A paper's GPT typed in as a spec: the 22B GPT of Korthikanti et al. (with Megatron's biases,
+// learned positions and tied embeddings) has 12Lh² + 13Lh + (V + P)h + 2h parameters.
+TEST(TensorParallel, ModelSpecTakesAPapersGpt) {
+  const ModelConfig c = load_model_config(std::string(PIPER_SOURCE_DIR) + "/examples/models/gpt-22b-korthikanti.json");
+  EXPECT_EQ(c.layers, 48);
+  EXPECT_EQ(c.hidden, 6144);
+  EXPECT_EQ(c.heads, 64);
+  EXPECT_EQ(c.ffn, 4 * 6144);
+  EXPECT_EQ(c.activation, MlpActivation::GELU);
+  EXPECT_EQ(c.norm, NormKind::LayerNorm);
+  EXPECT_EQ(c.attention_kernel, AttentionKernel::Standard);
+  EXPECT_TRUE(c.dropout);
+  const std::int64_t L = 48, hh = 6144, V = 51200, P = 2048;
+  EXPECT_EQ(build_model(c).parameter_count(), 12 * L * hh * hh + 13 * L * hh + (V + P) * hh + 2 * hh);
+  const ModelConfig back = config_from_spec_json(config_to_spec_json(c), "round trip");
+  EXPECT_EQ(back.attention_kernel, AttentionKernel::Standard);
+  EXPECT_DOUBLE_EQ(back.dropout_probability, 0.1);
+
+  json spec = config_to_spec_json(c);
+  spec["attention"] = "fast";
+  try {
+    (void)config_from_spec_json(spec, "m.json");
+    ADD_FAILURE() << "attention 'fast' accepted";
+  } catch (const ModelError& e) {
+    EXPECT_NE(std::string(e.what()).find("m.json: field 'attention'"), std::string::npos) << e.what();
+  }
+  spec = config_to_spec_json(c);
+  spec["dropout"] = 1.5;
+  EXPECT_THROW((void)config_from_spec_json(spec, "m.json"), ModelError);
+}
+
+// The fidelity point (Korthikanti et al. 2022, Table 5): the simulator's step time for the 22B GPT
+// on one DGX A100, TP 8, global batch 4, within the documented error of the published 1.42 s (full
+// recomputation) and 1.10 s (SP + selective). The bound is the error measured when the cost model
+// was written (docs/tensor-parallel.md), not the 5 % goal, which is not met.
+TEST(TensorParallel, Korthikanti22BWithinDocumentedError) {
+  auto step = [](bool sp, const std::string& recompute) {
+    Scenario sc;
+    sc.model = std::string(PIPER_SOURCE_DIR) + "/examples/models/gpt-22b-korthikanti.json";
+    sc.micro_batch_size = 1;
+    sc.strategy.tp = 8;
+    sc.strategy.sequence_parallel = sp;
+    sc.strategy.recompute = recompute;
+    sc.strategy.global_batch = 4;
+    piper::sim::SimulateOptions so;
+    so.cluster = "dgx-a100-80g";
+    so.engine = "analytic";
+    return piper::sim::simulate(sc, so).report.step_time_s;
+  };
+  const double full = step(false, "full"), selective = step(true, "selective");
+  EXPECT_NEAR(full, 1.42, 0.20 * 1.42);
+  EXPECT_NEAR(selective, 1.10, 0.20 * 1.10);
+  // Selective + SP must beat full recomputation by about the paper's factor 1.42 / 1.10 = 1.29.
+  EXPECT_NEAR(full / selective, 1.42 / 1.10, 0.10);
 }
