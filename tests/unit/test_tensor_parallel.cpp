@@ -4,8 +4,14 @@
 // the verifier, the simulator's TP cost, and composition with every schedule family, EP and ZeRO.
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -18,6 +24,7 @@
 #include "piper/core/verifier.hpp"
 #include "piper/sim/cost_model.hpp"
 #include "piper/sim/simulate.hpp"
+#include "piper/sim/sweep.hpp"
 
 using namespace piper::core;
 using nlohmann::json;
@@ -452,4 +459,40 @@ TEST(TensorParallel, Korthikanti22BWithinDocumentedError) {
   EXPECT_NEAR(selective, 1.10, 0.20 * 1.10);
   // Selective + SP must beat full recomputation by about the paper's factor 1.42 / 1.10 = 1.29.
   EXPECT_NEAR(full / selective, 1.42 / 1.10, 0.10);
+}
+
+// Sweep spec keys tp / sequence_parallel / recompute / global_batch expand like every knob and run.
+TEST(TensorParallel, SweepKeys) {
+  const std::string model = write_spec(small_gpt());
+  const json spec = {{"model", model}, {"cluster", "dgx-a100-80g"}, {"dp", 2}, {"tp", json::array({1, 2})},
+                     {"sequence_parallel", json::array({false, true})}, {"recompute", "selective"},
+                     {"global_batch", 8}};
+  const auto points = piper::sim::expand(piper::sim::SweepSpec::from_json(spec, "s.json"));
+  ASSERT_EQ(points.size(), 4u);
+  EXPECT_EQ(points[3].tp, 2);
+  EXPECT_TRUE(points[3].sequence_parallel);
+  EXPECT_NE(points[3].key().find("/tp2/sp/rc-selective/gb8"), std::string::npos) << points[3].key();
+  const auto ok = piper::sim::run_point(points[3], "");
+  EXPECT_EQ(ok.status, "ok") << ok.reason;
+  EXPECT_EQ(ok.devices, 4);
+  // SP without TP is rejected as a combination, not as a spec.
+  EXPECT_EQ(piper::sim::run_point(points[1], "").status, "invalid");
+  json bad = spec;
+  bad["recompute"] = "some";
+  EXPECT_THROW((void)piper::sim::SweepSpec::from_json(bad, "s.json"), piper::sim::SweepError);
+}
+
+// The CLI: a global batch that does not divide is one error line and exit status 2.
+TEST(TensorParallel, CliGlobalBatchError) {
+  const std::string err = ::testing::TempDir() + "/tp-cli-err.txt";
+  const std::string cmd = std::string(PIPER_CLI) + " compile --model " + write_spec(small_gpt()) +
+                          " --dp 2 --tp 2 --micro-batch-size 2 --global-batch 6 >/dev/null 2>" + err;
+  const int status = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+  std::ifstream in(err);
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_NE(text.str().find("--global-batch 6 is not divisible by micro-batch size 2 x --dp 2"), std::string::npos)
+      << text.str();
 }
