@@ -27,17 +27,14 @@ namespace {
 
 constexpr std::size_t ix(std::int64_t i) { return static_cast<std::size_t>(i); }
 
-// Calls fn(layer, local_begin, local_end, canonical_offset) for every layer of `sp` whose part of the
-// local vector meets [begin, end). Experts sharded S ways hold a contiguous 1/S of the layer's
-// canonical vector (layer_tensors repeats each expert's tensors in expert order), from shard_index/S.
+// Calls fn(layer, local_begin, local_end, canonical_offset) for every contiguous run of `sp`'s local
+// vector (HostModel::canonical_runs: expert shards, TP slices) that meets [begin, end).
 template <class Fn>
-void for_each_layer_part(const host::SegmentParams& sp, std::int64_t begin, std::int64_t end, Fn&& fn) {
-  for (int l = sp.first_layer; l < sp.last_layer; ++l) {
-    const std::int64_t lo = sp.layer_offset[ix(l - sp.first_layer)], hi = sp.layer_offset[ix(l - sp.first_layer + 1)];
-    const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
+void for_each_layer_part(const host::HostModel& model, const host::SegmentParams& sp, std::int64_t begin, std::int64_t end, Fn&& fn) {
+  for (const auto& r : model.canonical_runs(sp)) {
+    const std::int64_t a = std::max(r.local, begin), b = std::min(r.local + r.length, end);
     if (a >= b) continue;
-    const std::int64_t full_begin = sp.shard_degree > 1 ? sp.shard_index * (hi - lo) : 0;
-    fn(l, a, b, full_begin + (a - lo));
+    fn(r.layer, a, b, r.canonical + (a - r.local));
   }
 }
 
@@ -84,13 +81,13 @@ std::vector<StateRecord> state_records(host::HostModel& model) {
     // ZeRO-3 keeps parameters only in the master chunk (params are poisoned outside gathers).
     const bool from_master = sp.zero_level >= 3;
     const std::int64_t pb = from_master ? sp.chunk_begin : 0, pe = from_master ? sp.chunk_end : n;
-    for_each_layer_part(sp, pb, pe, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
+    for_each_layer_part(model, sp, pb, pe, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
       const auto& src = from_master ? sp.master : sp.params;
       const std::int64_t base = from_master ? sp.chunk_begin : 0;
       out.push_back({l, StateKind::Params, at, std::vector<float>(src.begin() + (a - base), src.begin() + (b - base))});
     });
     // Moments cover the chunk this device updates (ZeRO 0: the whole local vector).
-    for_each_layer_part(sp, sp.chunk_begin, sp.chunk_end, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
+    for_each_layer_part(model, sp, sp.chunk_begin, sp.chunk_end, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
       const auto off = a - sp.chunk_begin, len = b - a;
       out.push_back({l, StateKind::AdamM, at, std::vector<float>(sp.adam_m.begin() + off, sp.adam_m.begin() + off + len)});
       out.push_back({l, StateKind::AdamV, at, std::vector<float>(sp.adam_v.begin() + off, sp.adam_v.begin() + off + len)});
@@ -293,12 +290,12 @@ void check_compatible(const std::string& path, const Checkpoint& ckpt, const cor
 void load_state(host::HostModel& model, const CanonicalState& state) {
   for (auto& sp : model.segments()) {
     const auto n = static_cast<std::int64_t>(sp.params.size());
-    for_each_layer_part(sp, 0, n, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
+    for_each_layer_part(model, sp, 0, n, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
       const auto& src = state.layers.at(l)[0];
       std::copy(src.begin() + at, src.begin() + at + (b - a), sp.params.begin() + a);
     });
     if (sp.zero_level >= 1) sp.master.assign(sp.params.begin() + sp.chunk_begin, sp.params.begin() + sp.chunk_end);
-    for_each_layer_part(sp, sp.chunk_begin, sp.chunk_end, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
+    for_each_layer_part(model, sp, sp.chunk_begin, sp.chunk_end, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
       const auto& m = state.layers.at(l)[1];
       const auto& v = state.layers.at(l)[2];
       std::copy(m.begin() + at, m.begin() + at + (b - a), sp.adam_m.begin() + (a - sp.chunk_begin));
@@ -314,8 +311,9 @@ void load_state(host::HostModel& model, const CanonicalState& state) {
 std::string layout_summary(const core::Program& program) {
   std::string s = fmt::format("{} devices, {} microbatches;", program.num_devices, program.microbatches);
   for (const auto& seg : program.segments)
-    s += fmt::format(" layers {}-{}: {} shard(s) x {} replica(s), ZeRO-{};", seg.first_layer, seg.last_layer - 1, seg.shard_degree,
-                     seg.replicas, seg.zero_level);
+    s += fmt::format(" layers {}-{}: {} shard(s) x {} replica(s){}, ZeRO-{};", seg.first_layer, seg.last_layer - 1, seg.shard_degree,
+                     seg.replicas, seg.tp_degree > 1 ? fmt::format(", TP{}{}", seg.tp_degree, seg.sequence_parallel ? "+SP" : "") : "",
+                     seg.zero_level);
   s.pop_back();
   return s;
 }

@@ -3,7 +3,10 @@
 #include "piper/runtime/host_backend.hpp"
 
 #include <algorithm>
+#include <chrono>
+#include <limits>
 #include <stdexcept>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -34,6 +37,20 @@ auto take(Map& m, const K& key, const char* what) {
 
 }  // namespace
 
+// The tensor parallelism of a device set: that of its TP segments. Routed experts keep expert
+// parallelism in segments without TP on the same devices; there the TP ranks of a group still share
+// their data-parallel rank, and hold either the same tokens (plain TP) or their sequence slice (SP).
+struct StageTp {
+  int degree = 1;
+  bool sequence_parallel = false;
+};
+StageTp stage_tp(const core::Program& program, core::DeviceSetId set) {
+  StageTp t;
+  for (const auto& seg : program.segments)
+    if (seg.devices == set && seg.tp_degree > t.degree) t = {seg.tp_degree, seg.sequence_parallel};
+  return t;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Program -> model and data shape
 // ---------------------------------------------------------------------------------------------
@@ -58,7 +75,8 @@ DataShape data_shape(const core::Program& program) {
   d.ranks = 0;
   for (const auto& seg : program.segments) {
     if (seg.devices == core::kNoDevices) throw std::invalid_argument("plan: a segment is not placed on any device");
-    const int n = static_cast<int>(program.device_sets.at(static_cast<std::size_t>(seg.devices)).size());
+    // The TP ranks of a group work on the same data: data-parallel ranks are the TP groups.
+    const int n = static_cast<int>(program.device_sets.at(static_cast<std::size_t>(seg.devices)).size()) / stage_tp(program, seg.devices).degree;
     if (d.ranks != 0 && n != d.ranks)
       throw std::invalid_argument(fmt::format("plan: segments run on device sets of {} and {} devices; the runtime needs one data-parallel degree", d.ranks, n));
     d.ranks = n;
@@ -67,6 +85,7 @@ DataShape data_shape(const core::Program& program) {
 }
 
 std::vector<host::SegmentSpec> device_segments(const core::Program& program, int device) {
+  const core::Model model = program_model(program);
   std::vector<host::SegmentSpec> out;
   for (std::size_t s = 0; s < program.segments.size(); ++s) {
     const auto& seg = program.segments[s];
@@ -82,6 +101,27 @@ std::vector<host::SegmentSpec> device_segments(const core::Program& program, int
     sp.replicas = seg.replicas;
     sp.replica_index = pos / seg.shard_degree;
     sp.zero_level = seg.zero_level;
+    // TP groups are consecutive devices too (Program::group_of(tp_family)); the DP replicas of a
+    // TP slice are the devices with the same TP rank.
+    if (seg.tp_degree > 1) {
+      if (seg.shard_degree > 1)
+        throw std::invalid_argument(fmt::format("plan: segment {} is both sharded ({}) and tensor-parallel ({}); the host backend does not combine them",
+                                                s, seg.shard_degree, seg.tp_degree));
+      sp.tp_degree = seg.tp_degree;
+      sp.tp_rank = pos % seg.tp_degree;
+      sp.replica_index = pos / seg.tp_degree;
+      sp.sequence_parallel = seg.sequence_parallel;
+    } else if (const StageTp t = stage_tp(program, seg.devices); t.degree > 1) {
+      // Only routed experts work on whatever rows they are given; attention needs whole sequences.
+      for (int l = seg.first_layer; l < seg.last_layer; ++l)
+        if (model.layers().at(static_cast<std::size_t>(l)).kind != core::LayerKind::MoeExperts)
+          throw std::invalid_argument(fmt::format("plan: segment {} runs without TP on the devices of a TP {} stage but holds layer '{}' (only routed experts may)",
+                                                  s, t.degree, model.layers().at(static_cast<std::size_t>(l)).name));
+      sp.token_copies = t.sequence_parallel ? 1 : t.degree;
+    }
+    sp.recompute = seg.recompute == core::Recompute::Full        ? host::RecomputeMode::Full
+                   : seg.recompute == core::Recompute::Selective ? host::RecomputeMode::Selective
+                                                                 : host::RecomputeMode::None;
     out.push_back(sp);
   }
   return out;
@@ -94,10 +134,73 @@ struct HostBackend::Pending {
   MPI_Request request = MPI_REQUEST_NULL;
   MPI_Message message = MPI_MESSAGE_NULL;
   bool matched = false;        // RECV: the message was probed and its receive posted
+  bool receive = false;        // RECV (tag = the pair's node)
+  int tag = -1;
   int peer = -1;
   bool dispatch = false;       // ALL_TO_ALL: the first of its segment/pass/microbatch
   std::int64_t block = 0;
   std::vector<float> send, recv;
+};
+
+// A segment's TP group over MPI. The model calls it inside compute ops, which the executor runs
+// synchronously; while a collective waits for its peers this rank keeps matching the receives its
+// other streams have posted, so that a peer's synchronous send (its stream may be blocked on it)
+// completes as it would if this op were asynchronous.
+class HostBackend::MpiTpComm : public host::TpComm {
+ public:
+  MpiTpComm(HostBackend& owner, MPI_Comm comm) : owner_(owner), comm_(comm) {
+    MPI_Comm_size(comm_, &size_);
+    MPI_Comm_rank(comm_, &rank_);
+  }
+  ~MpiTpComm() override { MPI_Comm_free(&comm_); }
+  MpiTpComm(const MpiTpComm&) = delete;
+  MpiTpComm& operator=(const MpiTpComm&) = delete;
+  int size() const override { return size_; }
+  int rank() const override { return rank_; }
+  void allreduce_sum(float* d, std::int64_t n) override {
+    MPI_Request r;
+    check_mpi(MPI_Iallreduce(MPI_IN_PLACE, d, count(n), MPI_FLOAT, MPI_SUM, comm_, &r), "MPI_Iallreduce (TP)");
+    wait(r);
+  }
+  void allreduce_max(float* d, std::int64_t n) override {
+    MPI_Request r;
+    check_mpi(MPI_Iallreduce(MPI_IN_PLACE, d, count(n), MPI_FLOAT, MPI_MAX, comm_, &r), "MPI_Iallreduce (TP)");
+    wait(r);
+  }
+  void allgather(const float* in, std::int64_t n, float* out) override {
+    MPI_Request r;
+    check_mpi(MPI_Iallgather(in, count(n), MPI_FLOAT, out, count(n), MPI_FLOAT, comm_, &r), "MPI_Iallgather (TP)");
+    wait(r);
+  }
+  void reduce_scatter(const float* in, std::int64_t n, float* out) override {
+    MPI_Request r;
+    check_mpi(MPI_Ireduce_scatter_block(in, out, count(n), MPI_FLOAT, MPI_SUM, comm_, &r), "MPI_Ireduce_scatter_block (TP)");
+    wait(r);
+  }
+
+ private:
+  static int count(std::int64_t n) {
+    if (n > std::numeric_limits<int>::max()) throw RuntimeError("runtime: a TP collective exceeds MPI's int count");
+    return static_cast<int>(n);
+  }
+  void wait(MPI_Request& r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int spins = 0;; ++spins) {
+      int done = 0;
+      check_mpi(MPI_Test(&r, &done, MPI_STATUS_IGNORE), "MPI_Test (TP)");
+      if (done) return;
+      owner_.match_posted_receives();
+      if (spins > 1000) {
+        if (std::chrono::steady_clock::now() - t0 > std::chrono::duration<double>(owner_.config_.stall_timeout_s))
+          throw RuntimeError(fmt::format("runtime: a tensor-parallel collective of device {} waited {:.0f} s for its group (a peer died or the plan deadlocks)",
+                                         owner_.device_, owner_.config_.stall_timeout_s));
+        std::this_thread::sleep_for(std::chrono::microseconds(50));  // ranks often outnumber cores in tests
+      }
+    }
+  }
+  HostBackend& owner_;
+  MPI_Comm comm_;
+  int size_ = 1, rank_ = 0;
 };
 
 HostBackend::HostBackend(const core::Program& program, int device, MPI_Comm world, const HostConfig& config)
@@ -107,6 +210,7 @@ HostBackend::HostBackend(const core::Program& program, int device, MPI_Comm worl
   const core::Model model = program_model(program);
   num_layers_ = static_cast<int>(model.layers().size());
   shape_ = data_shape(program);
+  for (std::size_t set = 0; set < program.device_sets.size(); ++set) set_tp_.push_back(stage_tp(program, static_cast<core::DeviceSetId>(set)).degree);
   loss_scale_ = 1.0f / static_cast<float>(shape_.global_tokens());
   model_ = std::make_unique<host::HostModel>(model, device_segments(program, device), config.seed);
   stream_ = std::make_unique<host::TokenStream>(model.config() ? model.config()->vocab : 0, shape_.seq_len, config.seed, config.data_path);
@@ -124,9 +228,52 @@ HostBackend::HostBackend(const core::Program& program, int device, MPI_Comm worl
     if (c != MPI_COMM_NULL) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
     family_comm_.push_back(c);
   }
+  // TP groups: a duplicate of the family's communicator per TP family this device uses, so the
+  // collectives inside compute ops never mix with the plan's own collectives on that family. Every
+  // member duplicates in family order, which is the same on all of them.
+  std::vector<bool> tp_family(program.families.size(), false);
+  for (const auto& seg : program.segments)
+    if (seg.tp_degree > 1) {
+      if (seg.tp_family < 0 || seg.tp_family >= static_cast<int>(program.families.size()))
+        throw std::invalid_argument(fmt::format("plan: a segment with tp_degree {} has no valid tp_family ({})", seg.tp_degree, seg.tp_family));
+      tp_family[static_cast<std::size_t>(seg.tp_family)] = true;
+    }
+  for (std::size_t f = 0; f < tp_family.size(); ++f) {
+    if (!tp_family[f] || family_comm_[f] == MPI_COMM_NULL) continue;
+    MPI_Comm c = MPI_COMM_NULL;
+    check_mpi(MPI_Comm_dup(family_comm_[f], &c), "MPI_Comm_dup (TP)");
+    MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    tp_comms_[static_cast<int>(f)] = std::make_unique<MpiTpComm>(*this, c);
+  }
+  for (auto& sp : model_->segments()) {
+    if (sp.tp_degree <= 1) continue;
+    const auto& seg = program.segments.at(static_cast<std::size_t>(sp.segment));
+    auto it = tp_comms_.find(seg.tp_family);
+    const auto group = program.group_of(seg.tp_family, device);
+    if (it == tp_comms_.end() || static_cast<int>(group.size()) != seg.tp_degree)
+      throw std::invalid_argument(fmt::format("plan: segment {}'s TP family {} gives device {} a group of {} devices, not tp_degree {}", sp.segment,
+                                              seg.tp_family, device, group.size(), seg.tp_degree));
+    model_->set_tp_comm(sp.segment, it->second.get());
+  }
+}
+
+void HostBackend::match_posted_receives() {
+  for (auto& [at, p] : pending_) {
+    if (!p->receive || p->matched) continue;
+    int flag = 0;
+    MPI_Status status;
+    check_mpi(MPI_Improbe(p->peer, p->tag, world_, &flag, &p->message, &status), "MPI_Improbe");
+    if (!flag) continue;
+    int count = 0;
+    MPI_Get_count(&status, MPI_FLOAT, &count);
+    p->recv.assign(static_cast<std::size_t>(count), 0.0f);
+    check_mpi(MPI_Imrecv(p->recv.data(), count, MPI_FLOAT, &p->message, &p->request), "MPI_Imrecv");
+    p->matched = true;
+  }
 }
 
 HostBackend::~HostBackend() {
+  tp_comms_.clear();
   for (auto& c : family_comm_)
     if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
   if (world_ != MPI_COMM_NULL) MPI_Comm_free(&world_);
@@ -146,7 +293,8 @@ int HostBackend::mb_of(const core::Op& op) const {
 int HostBackend::data_rank_of(const core::Op& op) const {
   const int pos = program_.position_in(op.device_set, device_);
   if (pos < 0) throw RuntimeError(fmt::format("runtime: device {} is not in the device set of '{}'", device_, op.label));
-  return pos;
+  // The TP ranks of a group share their data-parallel rank (TP groups are consecutive devices).
+  return pos / set_tp_.at(static_cast<std::size_t>(op.device_set));
 }
 
 void HostBackend::begin_step(int step) {
@@ -227,7 +375,11 @@ void HostBackend::start_comm(const core::OpRef& at, const core::Op& op) {
       check_mpi(MPI_Issend(p->send.data(), static_cast<int>(p->send.size()), MPI_FLOAT, p->peer, op.node, world_, &p->request), "MPI_Issend");
       break;
     }
-    case core::OpKind::Recv: p->peer = program_.peer_of(op, device_); break;  // probed in poll()
+    case core::OpKind::Recv:  // probed in poll()
+      p->peer = program_.peer_of(op, device_);
+      p->receive = true;
+      p->tag = op.node;
+      break;
     case core::OpKind::AllReduce: {
       for (int s : op.segments) {
         auto& g = model_->segment(s).grads;
@@ -321,15 +473,8 @@ bool HostBackend::poll(const core::OpRef& at, const core::Op& op) {
   if (it == pending_.end()) throw RuntimeError(fmt::format("runtime: polled an op that is not in flight: {}", op.label));
   Pending& p = *it->second;
   if (op.kind == core::OpKind::Recv && !p.matched) {
-    int flag = 0;
-    MPI_Status status;
-    check_mpi(MPI_Improbe(p.peer, op.node, world_, &flag, &p.message, &status), "MPI_Improbe");
-    if (!flag) return false;
-    int count = 0;
-    MPI_Get_count(&status, MPI_FLOAT, &count);
-    p.recv.assign(static_cast<std::size_t>(count), 0.0f);
-    check_mpi(MPI_Imrecv(p.recv.data(), count, MPI_FLOAT, &p.message, &p.request), "MPI_Imrecv");
-    p.matched = true;
+    match_posted_receives();
+    if (!p.matched) return false;
   }
   int done = 0;
   check_mpi(MPI_Test(&p.request, &done, MPI_STATUS_IGNORE), "MPI_Test");

@@ -148,6 +148,57 @@ std::vector<TensorSpec> layer_tensors(const core::Layer& l) {
   return {};
 }
 
+std::vector<std::array<std::int64_t, 3>> LocalTensor::runs() const {
+  if (split == TpSplit::Columns) {
+    std::vector<std::array<std::int64_t, 3>> out;
+    out.reserve(static_cast<std::size_t>(local.rows));
+    for (std::int64_t i = 0; i < local.rows; ++i) out.push_back({i * local.cols, full_offset + i * full.cols + part * local.cols, local.cols});
+    return out;
+  }
+  return {{0, full_offset + (split == TpSplit::Rows ? part * local.size() : 0), local.size()}};
+}
+
+std::vector<LocalTensor> local_tensors(const core::Layer& layer, int shard_degree, int shard_index, int tp_degree, int tp_rank) {
+  const auto full = layer_tensors(layer);
+  std::size_t first = 0, last = full.size();
+  if (layer.kind == core::LayerKind::MoeExperts && shard_degree > 1) {
+    const std::size_t per = full.size() / static_cast<std::size_t>(shard_degree);
+    first = per * static_cast<std::size_t>(shard_index), last = first + per;
+  }
+  std::vector<LocalTensor> out;
+  std::int64_t offset = 0;
+  for (std::size_t i = 0; i < full.size(); offset += full[i].size(), ++i) {
+    if (i < first || i >= last) continue;
+    LocalTensor t{full[i], full[i], TpSplit::Replicated, tp_rank, offset};
+    if (tp_degree > 1) {
+      const std::string& n = full[i].name;
+      switch (layer.kind) {
+        case core::LayerKind::Embedding: t.split = TpSplit::Rows; break;                  // vocab rows
+        case core::LayerKind::Attention:
+          if (n == "wq" || n == "wk" || n == "wv") t.split = TpSplit::Columns;            // heads
+          else if (n == "wo") t.split = TpSplit::Rows;
+          break;
+        case core::LayerKind::Mlp: t.split = n == "wd" ? TpSplit::Rows : TpSplit::Columns; break;
+        case core::LayerKind::Head: t.split = TpSplit::Columns; break;                    // vocab columns
+        default: break;                                                                  // norms, router, experts
+      }
+      if (t.split == TpSplit::Columns) {
+        if (t.full.cols % tp_degree != 0)
+          throw std::invalid_argument("runtime: " + std::to_string(t.full.cols) + " columns of " + layer.name + "." + n + " do not split over " +
+                                      std::to_string(tp_degree) + " tensor-parallel ranks");
+        t.local.cols /= tp_degree;
+      } else if (t.split == TpSplit::Rows) {
+        if (t.full.rows % tp_degree != 0)
+          throw std::invalid_argument("runtime: " + std::to_string(t.full.rows) + " rows of " + layer.name + "." + n + " do not split over " +
+                                      std::to_string(tp_degree) + " tensor-parallel ranks");
+        t.local.rows /= tp_degree;
+      }
+    }
+    out.push_back(t);
+  }
+  return out;
+}
+
 struct HostModel::LayerView {
   const core::Layer* layer = nullptr;
   float* base = nullptr;
@@ -187,6 +238,16 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     p.replicas = sp.replicas;
     p.replica_index = sp.replica_index;
     p.zero_level = sp.zero_level;
+    p.tp_degree = sp.tp_degree;
+    p.tp_rank = sp.tp_rank;
+    p.sequence_parallel = sp.sequence_parallel && sp.tp_degree > 1;
+    p.recompute = sp.recompute;
+    p.token_copies = sp.token_copies;
+    if (sp.tp_degree > 1 && sp.shard_degree > 1)
+      throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) + " is both expert-sharded and tensor-parallel; the host backend keeps experts expert-parallel only");
+    if (sp.tp_degree > 1 && (attn_shape_.heads % sp.tp_degree != 0 || attn_shape_.kv_heads % sp.tp_degree != 0))
+      throw std::invalid_argument("runtime: " + std::to_string(attn_shape_.heads) + " heads / " + std::to_string(attn_shape_.kv_heads) +
+                                  " KV heads do not split over " + std::to_string(sp.tp_degree) + " tensor-parallel ranks");
     std::int64_t n = 0;
     p.layer_offset.push_back(0);
     for (int l = sp.first_layer; l < sp.last_layer; ++l) {
@@ -194,14 +255,10 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
       if (sp.shard_degree > 1 && layer.kind != core::LayerKind::MoeExperts)
         throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) + " is sharded but layer '" + layer.name +
                                     "' is not routed experts (the host backend shards experts only)");
-      std::int64_t size = layer_param_count(l);
-      if (sp.shard_degree > 1) {
-        if (layer.shape.experts % sp.shard_degree != 0)
-          throw std::invalid_argument("runtime: " + std::to_string(layer.shape.experts) + " experts of '" + layer.name +
-                                      "' do not split over " + std::to_string(sp.shard_degree) + " devices");
-        size /= sp.shard_degree;
-      }
-      n += size;
+      if (sp.shard_degree > 1 && layer.shape.experts % sp.shard_degree != 0)
+        throw std::invalid_argument("runtime: " + std::to_string(layer.shape.experts) + " experts of '" + layer.name +
+                                    "' do not split over " + std::to_string(sp.shard_degree) + " devices");
+      for (const auto& t : local_tensors(layer, sp.shard_degree, sp.shard_index, sp.tp_degree, sp.tp_rank)) n += t.local.size();
       p.layer_offset.push_back(n);
     }
     p.params.assign(static_cast<std::size_t>(n), 0.0f);
@@ -235,35 +292,37 @@ SegmentParams& HostModel::segment(int index) {
   return segments_[it->second];
 }
 
-// Matrices ~ U(-a, a) with std 1/sqrt(fan_in) (embedding: std 1); norm weights 1.
+// Matrices ~ U(-a, a) with std 1/sqrt(fan_in) (embedding: std 1); norm weights 1. Each element is
+// drawn from its canonical index, so every shard and slice holds exactly the reference's values.
 void HostModel::init_params(SegmentParams& sp, std::uint64_t seed) {
   for (int l = sp.first_layer; l < sp.last_layer; ++l) {
     const auto& layer = model_.layers().at(static_cast<std::size_t>(l));
-    const auto tensors = layer_tensors(layer);
-    const std::int64_t local = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer + 1)] - sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)];
-    const std::int64_t full_begin = sp.shard_degree > 1 ? sp.shard_index * local : 0;
-    std::int64_t full = 0;
-    for (const auto& t : tensors) {
-      const double std = t.name.find("norm") != std::string::npos ? 0.0 : layer.kind == core::LayerKind::Embedding ? 1.0 : 1.0 / std::sqrt(static_cast<double>(t.rows));
+    std::int64_t at = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)];
+    for (const auto& t : local_tensors(layer, sp.shard_degree, sp.shard_index, sp.tp_degree, sp.tp_rank)) {
+      const double std = t.full.name.find("norm") != std::string::npos ? 0.0 : layer.kind == core::LayerKind::Embedding ? 1.0 : 1.0 / std::sqrt(static_cast<double>(t.full.rows));
       const float a = static_cast<float>(std * std::sqrt(3.0));
-      for (std::int64_t i = 0; i < t.size(); ++i, ++full) {
-        if (full < full_begin || full >= full_begin + local) continue;
-        float v = std == 0.0 ? 1.0f : a * uniform_pm1(seed, l, full);
-        sp.params[static_cast<std::size_t>(sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)] + full - full_begin)] = v;
-      }
+      for (const auto& [local, full, len] : t.runs())
+        for (std::int64_t i = 0; i < len; ++i)
+          sp.params[static_cast<std::size_t>(at + local + i)] = std == 0.0 ? 1.0f : a * uniform_pm1(seed, l, full + i);
+      at += t.local.size();
     }
   }
+}
+
+void HostModel::set_tp_comm(int seg, TpComm* comm) {
+  auto& sp = segment(seg);
+  if (comm == nullptr || comm->size() != sp.tp_degree || comm->rank() != sp.tp_rank)
+    throw std::logic_error("runtime: segment " + std::to_string(seg) + " got a tensor-parallel group that does not match its degree and rank");
+  sp.tp = comm;
 }
 
 HostModel::LayerView HostModel::view(SegmentParams& sp, int layer, bool grads) {
   LayerView v;
   v.layer = &model_.layers().at(static_cast<std::size_t>(layer));
   float* p = (grads ? sp.grads.data() : sp.params.data()) + sp.layer_offset.at(static_cast<std::size_t>(layer - sp.first_layer));
-  auto tensors = layer_tensors(*v.layer);
-  if (v.layer->kind == core::LayerKind::MoeExperts) tensors.resize(tensors.size() / static_cast<std::size_t>(sp.shard_degree));
-  for (const auto& t : tensors) {
-    v.tensors.emplace_back(p, t);
-    p += t.size();
+  for (const auto& t : local_tensors(*v.layer, sp.shard_degree, sp.shard_index, sp.tp_degree, sp.tp_rank)) {
+    v.tensors.emplace_back(p, t.local);
+    p += t.local.size();
   }
   return v;
 }
@@ -275,29 +334,134 @@ std::vector<MlpWeights> HostModel::expert_weights(SegmentParams& sp, int layer) 
   return w;
 }
 
+namespace {
+
+// ---- Tensor-parallel collectives on token-row matrices (rows are tokens, row-major storage) ----
+bool tp_on(const SegmentParams& sp) { return sp.tp_degree > 1; }
+
+void tp_sum(const SegmentParams& sp, Mat& m) {
+  if (tp_on(sp)) sp.tp->allreduce_sum(m.data(), m.size());
+}
+
+// Sequence parallelism: rank r holds the r-th contiguous 1/t of a microbatch's token rows.
+Mat tp_gather_rows(const SegmentParams& sp, const Mat& local) {
+  Mat full(local.rows() * sp.tp_degree, local.cols());
+  sp.tp->allgather(local.data(), local.size(), full.data());
+  return full;
+}
+
+Mat tp_scatter_sum_rows(const SegmentParams& sp, const Mat& partial) {
+  if (partial.rows() % sp.tp_degree != 0)
+    throw std::invalid_argument("runtime: " + std::to_string(partial.rows()) + " token rows do not split over " + std::to_string(sp.tp_degree) +
+                                " sequence-parallel ranks");
+  Mat local(partial.rows() / sp.tp_degree, partial.cols());
+  sp.tp->reduce_scatter(partial.data(), local.size(), local.data());
+  return local;
+}
+
+// Entering a column-parallel GEMM: SP gathers the sequence (g in Megatron's f/g notation); plain TP
+// already holds the whole, replicated input.
+Mat tp_enter(const SegmentParams& sp, const Mat& m) { return sp.sequence_parallel ? tp_gather_rows(sp, m) : m; }
+// Leaving a row-parallel GEMM (forward) or entering a column-parallel one (backward): the partial
+// sums of the ranks are all-reduced, or reduce-scattered to the sequence slice under SP.
+Mat tp_leave(const SegmentParams& sp, Mat partial) {
+  if (!tp_on(sp)) return partial;
+  if (sp.sequence_parallel) return tp_scatter_sum_rows(sp, partial);
+  tp_sum(sp, partial);
+  return partial;
+}
+
+// Vocab-parallel LM head with the parallel cross-entropy: logits stay split by vocabulary; the row
+// max and the softmax denominator are all-reduced, the target logit comes from the rank owning it.
+double head_forward_vocab_parallel(const SegmentParams& sp, const ConstMatMap& wh, const Mat& u, const std::vector<int>& targets,
+                                   float loss_scale, HeadCache* c) {
+  const Eigen::Index T = u.rows(), V = wh.cols();
+  const int first = sp.tp_rank * static_cast<int>(V);
+  Mat logits = u * wh;
+  Vec mx = logits.rowwise().maxCoeff();
+  sp.tp->allreduce_max(mx.data(), mx.size());
+  logits = (logits.colwise() - mx).array().exp().matrix();
+  Vec sum_z(2 * T);  // [sum of exp, target logit - max] per row
+  sum_z.head(T) = logits.rowwise().sum();
+  sum_z.tail(T).setZero();
+  for (Eigen::Index t = 0; t < T; ++t) {
+    const int y = targets[static_cast<std::size_t>(t)] - first;
+    if (y >= 0 && y < V) sum_z(T + t) = std::log(logits(t, y));
+  }
+  sp.tp->allreduce_sum(sum_z.data(), sum_z.size());
+  double loss_sum = 0;
+  for (Eigen::Index t = 0; t < T; ++t) {
+    loss_sum += std::log(static_cast<double>(sum_z(t))) - static_cast<double>(sum_z(T + t));
+    logits.row(t) /= sum_z(t);
+    const int y = targets[static_cast<std::size_t>(t)] - first;
+    if (y >= 0 && y < V) logits(t, y) -= 1.0f;
+  }
+  if (c) c->u = u, c->dlogits = logits * loss_scale;
+  return loss_sum;
+}
+
+std::int64_t mat_floats(const Mat& m) { return m.size(); }
+template <class... M>
+std::int64_t mats(const M&... m) { return (std::int64_t{0} + ... + static_cast<std::int64_t>(m.size())); }
+
+}  // namespace
+
+std::int64_t SegmentStash::floats() const {
+  std::int64_t n = 0;
+  for (const auto& c : layers) {
+    n += mats(c.norm.x, c.norm.rstd);
+    n += mats(c.attn.u, c.attn.q_lin, c.attn.k_lin, c.attn.v, c.attn.q_rstd, c.attn.k_rstd, c.attn.q, c.attn.k, c.attn.o);
+    for (const auto& p : c.attn.probs) n += mat_floats(p);
+    n += mats(c.mlp.u, c.mlp.a, c.mlp.b, c.mlp.h);
+    n += mats(c.router.u, c.router.gates) + c.router.topk.size();
+    for (const auto& e : c.experts.per_expert) n += mats(e.u, e.a, e.b, e.h);
+    n += mats(c.source.y, c.source.gates) + c.source.topk.size();
+    n += mats(c.head.u, c.head.dlogits) + static_cast<std::int64_t>(c.tokens.size());
+  }
+  if (input) n += mats(input->x, input->u, input->gates) + input->topk.size() + static_cast<std::int64_t>(data.tokens.size() + data.targets.size());
+  return n;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward / backward of a segment
 // ---------------------------------------------------------------------------------------------
 double HostModel::forward(int seg, const MicrobatchData& data, float loss_scale, ForwardState& s, SegmentStash& stash) {
   SegmentParams& sp = segment(seg);
-  stash.layers.assign(static_cast<std::size_t>(sp.last_layer - sp.first_layer), LayerCache{});
+  if (tp_on(sp) && sp.tp == nullptr) throw std::logic_error("runtime: tensor-parallel segment " + std::to_string(seg) + " has no TP group");
+  const bool full = sp.recompute == RecomputeMode::Full;
+  stash = SegmentStash{};
+  if (full) stash.input = s, stash.data = data, stash.loss_scale = loss_scale;
   double loss = 0;
+  forward_layers(sp, data, loss_scale, s, stash, &loss);
+  // Full recomputation keeps nothing but the input: the layers' caches go now, B rebuilds them.
+  if (full) stash.layers.clear();
+  return loss;
+}
+
+void HostModel::forward_layers(SegmentParams& sp, const MicrobatchData& data, float loss_scale, ForwardState& s, SegmentStash& stash, double* loss) {
+  // A rerun for full recomputation keeps the attention core: the backward is about to use it.
+  const bool drop_core = sp.recompute == RecomputeMode::Selective && loss != nullptr;
+  AttentionShape shape = attn_shape_;
+  shape.heads /= sp.tp_degree;
+  shape.kv_heads /= sp.tp_degree;
+  stash.layers.assign(static_cast<std::size_t>(sp.last_layer - sp.first_layer), LayerCache{});
   for (int l = sp.first_layer; l < sp.last_layer; ++l) {
     LayerCache& c = stash.layers[static_cast<std::size_t>(l - sp.first_layer)];
     LayerView v = view(sp, l, false);
     switch (v.layer->kind) {
       case core::LayerKind::Embedding:
         c.tokens = data.tokens;
-        s.x = embedding_forward(v.cmat(0), data.tokens);
+        s.x = tp_leave(sp, embedding_forward(v.cmat(0), data.tokens, sp.tp_rank * static_cast<int>(v.tensors[0].second.rows)));
         s.u.resize(0, 0);
         break;
       case core::LayerKind::Norm: s.u = rmsnorm_forward(s.x, v.cvec(0), &c.norm); break;
       case core::LayerKind::Attention: {
-        AttentionWeights w{v.cmat(0), v.cmat(1), v.cmat(2), v.cmat(3), attn_shape_.qk_norm ? v.cvec(4) : v.cvec(0), attn_shape_.qk_norm ? v.cvec(5) : v.cvec(0)};
-        s.x += attention_forward(attn_shape_, w, s.u, &c.attn);
+        AttentionWeights w{v.cmat(0), v.cmat(1), v.cmat(2), v.cmat(3), shape.qk_norm ? v.cvec(4) : v.cvec(0), shape.qk_norm ? v.cvec(5) : v.cvec(0)};
+        s.x += tp_leave(sp, attention_forward(shape, w, tp_enter(sp, s.u), &c.attn));
+        if (drop_core) attention_drop_core(c.attn);
         break;
       }
-      case core::LayerKind::Mlp: s.x += mlp_forward({v.cmat(0), v.cmat(1), v.cmat(2)}, s.u, &c.mlp); break;
+      case core::LayerKind::Mlp: s.x += tp_leave(sp, mlp_forward({v.cmat(0), v.cmat(1), v.cmat(2)}, tp_enter(sp, s.u), &c.mlp)); break;
       case core::LayerKind::MoeRouter: router_forward(v.cmat(0), top_k_, s.u, &c.router, &s.topk, &s.gates); break;
       case core::LayerKind::MoeExperts: {
         if (sp.shard_degree > 1) throw std::logic_error("runtime: sharded experts run through the expert-parallel path");
@@ -307,21 +471,38 @@ double HostModel::forward(int seg, const MicrobatchData& data, float loss_scale,
         combine_forward(s, c.source, {ExpertPacket{{}, std::move(y)}});
         break;
       }
-      case core::LayerKind::Head: loss += head_forward(v.cmat(0), s.u, data.targets, loss_scale, &c.head); break;
+      case core::LayerKind::Head: {
+        double ls = 0;
+        if (tp_on(sp)) {
+          ls = head_forward_vocab_parallel(sp, v.cmat(0), tp_enter(sp, s.u), data.targets, loss_scale, &c.head);
+          if (sp.tp_rank != 0) ls = 0;  // every TP rank computed the same loss: count it once
+        } else {
+          ls = head_forward(v.cmat(0), s.u, data.targets, loss_scale, &c.head);
+        }
+        if (loss) *loss += ls;
+        break;
+      }
     }
   }
-  return loss;
 }
 
 void HostModel::backward_input(int seg, BackwardState& g, SegmentStash& stash) {
   SegmentParams& sp = segment(seg);
+  if (stash.layers.empty() && stash.input) {  // full recomputation: rerun the forward from the kept input
+    ForwardState s = *stash.input;
+    forward_layers(sp, stash.data, stash.loss_scale, s, stash, nullptr);
+    stash.input.reset();
+  }
+  AttentionShape shape = attn_shape_;
+  shape.heads /= sp.tp_degree;
+  shape.kv_heads /= sp.tp_degree;
   for (int l = sp.last_layer - 1; l >= sp.first_layer; --l) {
     LayerCache& c = stash.layers.at(static_cast<std::size_t>(l - sp.first_layer));
     LayerView v = view(sp, l, false);
     if (g.du.size() == 0 && g.dx.size() > 0) g.du = zeros_like_rows(g.dx.rows(), g.dx.cols());
     switch (v.layer->kind) {
       case core::LayerKind::Head:
-        g.du = head_backward_input(v.cmat(0), c.head);
+        g.du = tp_leave(sp, head_backward_input(v.cmat(0), c.head));
         g.dx = zeros_like_rows(g.du.rows(), g.du.cols());
         break;
       case core::LayerKind::Norm:
@@ -339,14 +520,14 @@ void HostModel::backward_input(int seg, BackwardState& g, SegmentStash& stash) {
         g.du += router_backward_input(v.cmat(0), c.router, g.dgates);
         g.dgates.resize(0, 0);
         break;
-      case core::LayerKind::Mlp: g.du += mlp_backward_input({v.cmat(0), v.cmat(1), v.cmat(2)}, c.mlp, g.dx); break;
+      case core::LayerKind::Mlp: g.du += tp_leave(sp, mlp_backward_input({v.cmat(0), v.cmat(1), v.cmat(2)}, c.mlp, tp_enter(sp, g.dx))); break;
       case core::LayerKind::Attention: {
-        AttentionWeights w{v.cmat(0), v.cmat(1), v.cmat(2), v.cmat(3), attn_shape_.qk_norm ? v.cvec(4) : v.cvec(0), attn_shape_.qk_norm ? v.cvec(5) : v.cvec(0)};
-        g.du += attention_backward_input(attn_shape_, w, c.attn, g.dx);
+        AttentionWeights w{v.cmat(0), v.cmat(1), v.cmat(2), v.cmat(3), shape.qk_norm ? v.cvec(4) : v.cvec(0), shape.qk_norm ? v.cvec(5) : v.cvec(0)};
+        g.du += tp_leave(sp, attention_backward_input(shape, w, c.attn, tp_enter(sp, g.dx)));
         break;
       }
       case core::LayerKind::Embedding:
-        c.dx_embed = g.dx;
+        c.dx_embed = tp_enter(sp, g.dx);
         g = BackwardState{};
         break;
     }
@@ -355,15 +536,38 @@ void HostModel::backward_input(int seg, BackwardState& g, SegmentStash& stash) {
 
 void HostModel::backward_weight(int seg, SegmentStash& stash) {
   SegmentParams& sp = segment(seg);
+  AttentionShape shape = attn_shape_;
+  shape.heads /= sp.tp_degree;
+  shape.kv_heads /= sp.tp_degree;
+  // Replicated weights of a TP segment whose per-rank gradients are partial: the per-head q/k norms
+  // (each rank sees its heads), and under SP every replicated weight (each rank sees its tokens).
+  // Their contribution of this microbatch is summed over the TP group here, in BW.
+  std::vector<std::pair<float*, std::int64_t>> partial;
+  if (tp_on(sp))
+    for (int l = sp.first_layer; l < sp.last_layer; ++l) {
+      const auto& layer = model_.layers().at(static_cast<std::size_t>(l));
+      float* p = sp.grads.data() + sp.layer_offset.at(static_cast<std::size_t>(l - sp.first_layer));
+      for (const auto& t : local_tensors(layer, sp.shard_degree, sp.shard_index, sp.tp_degree, sp.tp_rank)) {
+        if (t.split == TpSplit::Replicated && (sp.sequence_parallel || layer.kind == core::LayerKind::Attention)) partial.emplace_back(p, t.local.size());
+        p += t.local.size();
+      }
+    }
+  std::vector<float> before;
+  for (auto [p, n] : partial) before.insert(before.end(), p, p + n), std::fill(p, p + n, 0.0f);
+  // (token_copies > 1 only on segments without TP, whose `partial` is empty: its pointers stay valid.)
+  std::vector<float> copies_before;
+  if (sp.token_copies > 1) copies_before.swap(sp.grads), sp.grads.assign(copies_before.size(), 0.0f);
   for (int l = sp.first_layer; l < sp.last_layer; ++l) {
     LayerCache& c = stash.layers.at(static_cast<std::size_t>(l - sp.first_layer));
     LayerView gv = view(sp, l, true);
     switch (gv.layer->kind) {
-      case core::LayerKind::Embedding: embedding_backward_weight(c.tokens, c.dx_embed, gv.mat(0)); break;
+      case core::LayerKind::Embedding:
+        embedding_backward_weight(c.tokens, c.dx_embed, gv.mat(0), sp.tp_rank * static_cast<int>(gv.tensors[0].second.rows));
+        break;
       case core::LayerKind::Norm: rmsnorm_backward_weight(c.norm, c.dy_norm, gv.vec(0)); break;
       case core::LayerKind::Attention: {
-        AttentionGrads g{gv.mat(0), gv.mat(1), gv.mat(2), gv.mat(3), attn_shape_.qk_norm ? gv.vec(4) : gv.vec(0), attn_shape_.qk_norm ? gv.vec(5) : gv.vec(0)};
-        attention_backward_weight(attn_shape_, c.attn, g);
+        AttentionGrads g{gv.mat(0), gv.mat(1), gv.mat(2), gv.mat(3), shape.qk_norm ? gv.vec(4) : gv.vec(0), shape.qk_norm ? gv.vec(5) : gv.vec(0)};
+        attention_backward_weight(shape, c.attn, g);
         break;
       }
       case core::LayerKind::Mlp: {
@@ -380,6 +584,18 @@ void HostModel::backward_weight(int seg, SegmentStash& stash) {
       }
       case core::LayerKind::Head: head_backward_weight(c.head, gv.mat(0)); break;
     }
+  }
+  if (sp.token_copies > 1) {
+    const float inv = 1.0f / static_cast<float>(sp.token_copies);
+    for (std::size_t i = 0; i < sp.grads.size(); ++i) sp.grads[i] = copies_before[i] + sp.grads[i] * inv;
+  }
+  if (!partial.empty()) {
+    std::vector<float> sum;
+    for (auto [p, n] : partial) sum.insert(sum.end(), p, p + n);
+    sp.tp->allreduce_sum(sum.data(), static_cast<std::int64_t>(sum.size()));
+    std::size_t at = 0;
+    for (auto [p, n] : partial)
+      for (std::int64_t i = 0; i < n; ++i, ++at) p[i] = before[at] + sum[at];
   }
 }
 
@@ -530,19 +746,47 @@ void HostModel::poison_params(int seg) {
 std::vector<ParamRecord> HostModel::param_records() const {
   std::vector<ParamRecord> out;
   for (const auto& sp : segments_) {
-    const std::vector<float>& src = sp.zero_level >= 3 ? sp.master : sp.params;
-    const std::int64_t begin = sp.zero_level >= 3 ? sp.chunk_begin : 0, end = sp.zero_level >= 3 ? sp.chunk_end : static_cast<std::int64_t>(sp.params.size());
-    for (int l = sp.first_layer; l < sp.last_layer; ++l) {
-      const std::int64_t lo = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)], hi = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer + 1)];
-      const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
-      if (a >= b) continue;
-      const std::int64_t full_begin = sp.shard_degree > 1 ? sp.shard_index * (hi - lo) : 0;
-      ParamRecord r;
-      r.layer = l;
-      r.offset = full_begin + (a - lo);
-      r.values.assign(src.begin() + (a - begin), src.begin() + (b - begin));
-      out.push_back(std::move(r));
+    auto r = sp.zero_level >= 3 ? records(sp, sp.master, sp.chunk_begin, sp.chunk_end) : records(sp, sp.params, 0, static_cast<std::int64_t>(sp.params.size()));
+    std::move(r.begin(), r.end(), std::back_inserter(out));
+  }
+  return out;
+}
+
+std::vector<ParamRecord> HostModel::grad_records() const {
+  std::vector<ParamRecord> out;
+  for (const auto& sp : segments_) {
+    auto r = records(sp, sp.grads, 0, static_cast<std::int64_t>(sp.grads.size()));
+    std::move(r.begin(), r.end(), std::back_inserter(out));
+  }
+  return out;
+}
+
+std::vector<HostModel::CanonicalRun> HostModel::canonical_runs(const SegmentParams& sp) const {
+  std::vector<CanonicalRun> out;
+  for (int l = sp.first_layer; l < sp.last_layer; ++l) {
+    std::int64_t at = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)];
+    for (const auto& t : local_tensors(model_.layers().at(static_cast<std::size_t>(l)), sp.shard_degree, sp.shard_index, sp.tp_degree, sp.tp_rank)) {
+      const bool replicated = sp.tp_degree > 1 && t.split == TpSplit::Replicated;
+      for (const auto& [local, full, len] : t.runs()) out.push_back({l, at + local, full, len, replicated});
+      at += t.local.size();
     }
+  }
+  return out;
+}
+
+// `src` holds the segment's local elements [begin, end): each local run that overlaps it becomes one
+// record at its canonical offset. Replicated tensors of a TP group are reported by TP rank 0.
+std::vector<ParamRecord> HostModel::records(const SegmentParams& sp, const std::vector<float>& src, std::int64_t begin, std::int64_t end) const {
+  std::vector<ParamRecord> out;
+  for (const auto& run : canonical_runs(sp)) {
+    if (run.replicated && sp.tp_rank != 0) continue;
+    const std::int64_t a = std::max(run.local, begin), b = std::min(run.local + run.length, end);
+    if (a >= b) continue;
+    ParamRecord r;
+    r.layer = run.layer;
+    r.offset = run.canonical + (a - run.local);
+    r.values.assign(src.begin() + (a - begin), src.begin() + (b - begin));
+    out.push_back(std::move(r));
   }
   return out;
 }

@@ -10,14 +10,20 @@ namespace piper::runtime::host {
 // ---------------------------------------------------------------------------------------------
 // Embedding
 // ---------------------------------------------------------------------------------------------
-Mat embedding_forward(const ConstMatMap& table, const std::vector<int>& tokens) {
-  Mat x(static_cast<Eigen::Index>(tokens.size()), table.cols());
-  for (std::size_t t = 0; t < tokens.size(); ++t) x.row(static_cast<Eigen::Index>(t)) = table.row(tokens[t]);
+Mat embedding_forward(const ConstMatMap& table, const std::vector<int>& tokens, int first_row) {
+  Mat x = Mat::Zero(static_cast<Eigen::Index>(tokens.size()), table.cols());
+  for (std::size_t t = 0; t < tokens.size(); ++t) {
+    const int row = tokens[t] - first_row;
+    if (row >= 0 && row < table.rows()) x.row(static_cast<Eigen::Index>(t)) = table.row(row);
+  }
   return x;
 }
 
-void embedding_backward_weight(const std::vector<int>& tokens, const Mat& dx, MatMap dtable) {
-  for (std::size_t t = 0; t < tokens.size(); ++t) dtable.row(tokens[t]) += dx.row(static_cast<Eigen::Index>(t));
+void embedding_backward_weight(const std::vector<int>& tokens, const Mat& dx, MatMap dtable, int first_row) {
+  for (std::size_t t = 0; t < tokens.size(); ++t) {
+    const int row = tokens[t] - first_row;
+    if (row >= 0 && row < dtable.rows()) dtable.row(row) += dx.row(static_cast<Eigen::Index>(t));
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -96,24 +102,9 @@ Mat head_norm_backward(const Mat& lin, int heads, int hd, const ConstVecMap& w, 
 
 }  // namespace
 
-Mat attention_forward(const AttentionShape& s, const AttentionWeights& w, const Mat& u, AttentionCache* c) {
+void attention_core_forward(const AttentionShape& s, AttentionCache& k) {
   const int hd = s.head_dim, group = s.heads / s.kv_heads, L = s.seq_len;
-  const Eigen::Index T = u.rows();
-  AttentionCache local;
-  AttentionCache& k = c ? *c : local;
-  k.u = u;
-  k.q_lin = u * w.wq;
-  k.k_lin = u * w.wk;
-  k.v = u * w.wv;
-  if (s.qk_norm) {
-    k.q = head_norm_forward(k.q_lin, s.heads, hd, w.q_norm, k.q_rstd);
-    k.k = head_norm_forward(k.k_lin, s.kv_heads, hd, w.k_norm, k.k_rstd);
-  } else {
-    k.q = k.q_lin;
-    k.k = k.k_lin;
-  }
-  rope_inplace(k.q, s.heads, hd, L, s.rope_theta, 1.0f);
-  rope_inplace(k.k, s.kv_heads, hd, L, s.rope_theta, 1.0f);
+  const Eigen::Index T = k.q.rows();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const Eigen::Index seqs = T / L;
   k.o.setZero(T, static_cast<Eigen::Index>(s.heads) * hd);
@@ -131,6 +122,33 @@ Mat attention_forward(const AttentionShape& s, const AttentionWeights& w, const 
       k.o.block(b * L, h * hd, L, hd) = scores * k.v.block(b * L, g * hd, L, hd);
       k.probs[static_cast<std::size_t>(b * s.heads + h)] = std::move(scores);
     }
+}
+
+void attention_drop_core(AttentionCache& c) {
+  c.probs.clear();
+  c.probs.shrink_to_fit();
+  c.o = Mat();
+}
+
+Mat attention_forward(const AttentionShape& s, const AttentionWeights& w, const Mat& u, AttentionCache* c) {
+  const int hd = s.head_dim;
+  const int L = s.seq_len;
+  AttentionCache local;
+  AttentionCache& k = c ? *c : local;
+  k.u = u;
+  k.q_lin = u * w.wq;
+  k.k_lin = u * w.wk;
+  k.v = u * w.wv;
+  if (s.qk_norm) {
+    k.q = head_norm_forward(k.q_lin, s.heads, hd, w.q_norm, k.q_rstd);
+    k.k = head_norm_forward(k.k_lin, s.kv_heads, hd, w.k_norm, k.k_rstd);
+  } else {
+    k.q = k.q_lin;
+    k.k = k.k_lin;
+  }
+  rope_inplace(k.q, s.heads, hd, L, s.rope_theta, 1.0f);
+  rope_inplace(k.k, s.kv_heads, hd, L, s.rope_theta, 1.0f);
+  attention_core_forward(s, k);
   return k.o * w.wo;
 }
 
@@ -138,6 +156,7 @@ Mat attention_backward_input(const AttentionShape& s, const AttentionWeights& w,
   const int hd = s.head_dim, group = s.heads / s.kv_heads, L = s.seq_len;
   const Eigen::Index T = c.u.rows(), seqs = T / L;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  if (c.probs.empty()) attention_core_forward(s, c);  // selective recomputation: the core was not kept
   c.dout = dout;
   Mat d_o = dout * w.wo.transpose();
   Mat dq = Mat::Zero(T, c.q.cols()), dk = Mat::Zero(T, c.k.cols());

@@ -243,7 +243,7 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   }
   try {
     check_save_path(o.save_path);
-    HostConfig cfg{o.seed, o.data_path, o.adamw};
+    HostConfig cfg{o.seed, o.data_path, o.adamw, o.stall_timeout_s};
     if (error.empty()) backend = std::make_unique<HostBackend>(program, rank, MPI_COMM_WORLD, cfg);
     if (error.empty() && !o.resume_path.empty()) r.first_step = resume_from(o.resume_path, checkpoint, program, backend->model());
   } catch (const std::exception& e) {

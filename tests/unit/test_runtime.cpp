@@ -26,6 +26,8 @@ namespace core = piper::core;
 namespace {
 
 const std::string kModel = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-moe.json";
+// Tensor parallelism runs on dense models (routed experts keep expert parallelism).
+const std::string kDense = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-dense.json";
 
 // Tolerances. Losses: fp32 sums in another order (per-microbatch, per-rank partial sums, MPI
 // reductions) differ by ~1e-7 relative, so 1e-5 leaves two orders of margin. Parameters after 3
@@ -77,9 +79,10 @@ fs::path temp_dir(const std::string& name) {
 }
 
 // Compiles the tiny model with strategy knobs (or a published directive program) and writes the plan.
-fs::path compile_plan(const fs::path& dir, const core::StrategyOptions& strategy, const std::string& directives_file = "") {
+fs::path compile_plan(const fs::path& dir, const core::StrategyOptions& strategy, const std::string& directives_file = "",
+                      const std::string& model = kModel) {
   core::Scenario s;
-  s.model = kModel;
+  s.model = model;
   s.strategy = strategy;
   if (!directives_file.empty()) {
     std::ifstream in(directives_file);
@@ -112,9 +115,10 @@ std::vector<double> losses_of(const fs::path& report) {
 }
 
 // Runs the plan distributed and as the reference for `steps`, and checks losses and parameters.
-void expect_equivalent(const std::string& name, int ranks, const core::StrategyOptions& strategy, const std::string& directives = "") {
+void expect_equivalent(const std::string& name, int ranks, const core::StrategyOptions& strategy, const std::string& directives = "",
+                       const std::string& model = kModel) {
   const fs::path dir = temp_dir(name);
-  const fs::path plan = compile_plan(dir, strategy, directives);
+  const fs::path plan = compile_plan(dir, strategy, directives, model);
   const std::string common = " run --plan " + plan.string() + " --steps 3" + kOptimizer + " --seed 7";
   Result ref = sh(std::string(PIPER_CLI) + common + " --reference --report " + (dir / "ref.json").string() + " --dump-params " + (dir / "ref.bin").string());
   ASSERT_EQ(ref.code, 0) << ref.output;
@@ -132,6 +136,12 @@ core::StrategyOptions strategy(int pp, int dp, int ep, int zero, int microbatche
   core::StrategyOptions o;
   o.pp = pp, o.dp = dp, o.ep = ep, o.zero = zero, o.microbatches = microbatches, o.schedule = schedule;
   o.virtual_stages = virtual_stages, o.bucket_mb = bucket_mb;
+  return o;
+}
+
+// Megatron-style knobs on top of a strategy.
+core::StrategyOptions megatron(core::StrategyOptions o, int tp, bool sequence_parallel, const std::string& recompute) {
+  o.tp = tp, o.sequence_parallel = sequence_parallel, o.recompute = recompute;
   return o;
 }
 
@@ -170,6 +180,27 @@ TEST(RuntimeEquivalence, ZBV_PP2) { expect_equivalent("zbv", 2, strategy(2, 1, 1
 TEST(RuntimeEquivalence, DualPipe_PP2) { expect_equivalent("dualpipe", 2, strategy(2, 1, 1, 0, 4, "dualpipe")); }
 TEST(RuntimeEquivalence, PublishedFixtureV_PP4xDP2xEP2) {
   expect_equivalent("fixture-v", 4, {}, std::string(PIPER_FIXTURES) + "/piper-directives/pp4_dp2_ep2_v_placement.json");
+}
+
+// Tensor and sequence parallelism, recomputation (issue 10): TP collectives run inside the compute ops
+// over MPI; every composition must still match the single-process reference.
+TEST(RuntimeEquivalence, TP2xPP2xDP2_1F1B) { expect_equivalent("tp2pp2dp2", 8, megatron(strategy(2, 2, 1, 0, 4, "1f1b"), 2, false, "none"), "", kDense); }
+TEST(RuntimeEquivalence, TP2_SP_PP2_1F1B) { expect_equivalent("tp2sp-1f1b", 4, megatron(strategy(2, 1, 1, 0, 4, "1f1b"), 2, true, "none"), "", kDense); }
+TEST(RuntimeEquivalence, TP2_SP_PP2_Interleaved_FullRecompute) {
+  expect_equivalent("tp2sp-interleaved", 4, megatron(strategy(2, 1, 1, 0, 4, "interleaved-1f1b", 2), 2, true, "full"), "", kDense);
+}
+TEST(RuntimeEquivalence, TP2xDP2_Zero3) { expect_equivalent("tp2-zero3", 4, megatron(strategy(1, 2, 1, 3, 2, "1f1b"), 2, false, "none"), "", kDense); }
+// BI/BW split: the recomputation runs at the start of BI, BW uses what it rebuilt.
+TEST(RuntimeEquivalence, TP2_PP2_ZBH1_SelectiveRecompute) {
+  expect_equivalent("tp2-zbh1-selective", 4, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 2, false, "selective"), "", kDense);
+}
+// MoE: routed experts keep EP beside the TP segments. Without SP both TP ranks route the same tokens
+// (the experts' gradients are divided by the copies); with SP each routes its sequence slice.
+TEST(RuntimeEquivalence, TP2xDP2xEP2_MoE) { expect_equivalent("tp2-ep2", 4, megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, false, "none")); }
+TEST(RuntimeEquivalence, TP2_SP_DP2xEP2_MoE) { expect_equivalent("tp2sp-ep2", 4, megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, true, "none")); }
+TEST(RuntimeEquivalence, FullRecompute_ZBH1_PP2) { expect_equivalent("full-zbh1", 2, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 1, false, "full")); }
+TEST(RuntimeEquivalence, SelectiveRecompute_PP2xDP2xEP2) {
+  expect_equivalent("selective-ep", 4, megatron(strategy(2, 2, 2, 0, 4, "1f1b"), 1, false, "selective"));
 }
 
 TEST(RuntimeCheckpoint, ResumeReproducesTheUninterruptedRun) {
@@ -227,6 +258,35 @@ TEST(RuntimeCheckpoint, ResumesUnderAnotherStrategy) {
   ASSERT_EQ(a.code, 0) << a.output;
   EXPECT_NE(a.output.find("checkpoint after step 1 -> "), std::string::npos) << a.output;
   EXPECT_EQ(checkpoint_header(ckpt).at("step"), 2);
+  Result b = sh(mpirun(2) + PIPER_CLI + " run --plan " + plan_b.string() + flags + " --steps 4 --resume " + ckpt + " --save " + ckpt + " --report " +
+                (dir / "b.json").string());
+  ASSERT_EQ(b.code, 0) << b.output;
+  Result c = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_c.string() + flags + " --steps 6 --resume " + ckpt + " --report " +
+                (dir / "c.json").string() + " --dump-params " + (dir / "c.bin").string());
+  ASSERT_EQ(c.code, 0) << c.output;
+  const auto want = losses_of(dir / "ref.json");
+  std::vector<double> got = losses_of(dir / "a.json");
+  for (const char* part : {"b.json", "c.json"})
+    for (double l : losses_of(dir / part)) got.push_back(l);
+  ASSERT_EQ(want.size(), 6u);
+  ASSERT_EQ(got.size(), 6u);
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], kLossRelTol * std::abs(want[i])) << "step " << i + 1;
+  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "c.bin").string()), kParamAbsTol);
+}
+
+// The canonical checkpoint carries TP slices: TP2xDP2 (ZeRO-1) -> PP2 without TP -> TP2+SP x PP2.
+TEST(RuntimeCheckpoint, ResumesAcrossTensorParallelLayouts) {
+  const fs::path dir = temp_dir("restrategy-tp");
+  const fs::path plan_a = compile_plan(temp_dir("restrategy-tp/a"), megatron(strategy(1, 2, 1, 1, 4, "1f1b"), 2, false, "none"), "", kDense);
+  const fs::path plan_b = compile_plan(temp_dir("restrategy-tp/b"), strategy(2, 1, 1, 0, 8, "1f1b"), "", kDense);
+  const fs::path plan_c = compile_plan(temp_dir("restrategy-tp/c"), megatron(strategy(2, 1, 1, 0, 8, "1f1b"), 2, true, "full"), "", kDense);
+  const std::string flags = std::string(kOptimizer) + " --seed 5";
+  const std::string ckpt = (dir / "state.ckpt").string();
+  Result ref = sh(std::string(PIPER_CLI) + " run --reference --plan " + plan_a.string() + flags + " --steps 6 --report " + (dir / "ref.json").string() +
+                  " --dump-params " + (dir / "ref.bin").string());
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  Result a = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_a.string() + flags + " --steps 2 --save " + ckpt + " --report " + (dir / "a.json").string());
+  ASSERT_EQ(a.code, 0) << a.output;
   Result b = sh(mpirun(2) + PIPER_CLI + " run --plan " + plan_b.string() + flags + " --steps 4 --resume " + ckpt + " --save " + ckpt + " --report " +
                 (dir / "b.json").string());
   ASSERT_EQ(b.code, 0) << b.output;

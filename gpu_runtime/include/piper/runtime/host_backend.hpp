@@ -22,6 +22,7 @@ struct HostConfig {
   std::uint64_t seed = 1;
   std::string data_path;
   host::AdamWConfig adamw;
+  double stall_timeout_s = 20;   // a TP collective inside a compute op waits at most this long for its group
 };
 
 // The data-parallel shape of a program, as the data and the loss need it.
@@ -60,6 +61,10 @@ class HostBackend : public Backend {
 
  private:
   struct Pending;
+  class MpiTpComm;
+  // Posts the receive of every in-flight RECV whose message has arrived (also while a compute op
+  // blocks in a TP collective).
+  void match_posted_receives();
   void run_compute(const core::Op& op);
   void start_comm(const core::OpRef& at, const core::Op& op);
   void finish_comm(const core::Op& op, Pending& p);
@@ -73,6 +78,8 @@ class HostBackend : public Backend {
   int device_;
   MPI_Comm world_ = MPI_COMM_NULL;
   std::vector<MPI_Comm> family_comm_;   // this device's group communicator per family (or null)
+  std::map<int, std::unique_ptr<MpiTpComm>> tp_comms_;   // TP family -> this device's TP group
+  std::vector<int> set_tp_;                              // device set -> TP degree of its stage
   HostConfig config_;
   DataShape shape_;
   float loss_scale_ = 1;

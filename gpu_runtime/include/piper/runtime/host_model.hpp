@@ -3,9 +3,11 @@
 // stream state, built on the kernels. The reference trainer is the same model holding every layer.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -69,6 +71,31 @@ struct LayerCache {
 };
 struct SegmentStash {
   std::vector<LayerCache> layers;
+  // Full recomputation: F keeps only the segment's input (and its microbatch's tokens); B or BI
+  // reruns the segment's forward from them before the backward.
+  std::optional<ForwardState> input;
+  MicrobatchData data;
+  float loss_scale = 0;
+  // Floats held for the backward (activations kept from F): what recomputation saves.
+  std::int64_t floats() const;
+};
+
+// Activation recomputation of a segment (Korthikanti et al. 2022): none; selective (the attention
+// core's QK^T, softmax and .V are dropped after F and rerun in B); full (only the input is kept).
+enum class RecomputeMode { None, Selective, Full };
+
+// The tensor-parallel group of a segment, as the model's collectives need it. Every call is
+// collective over the group (all ranks call it in the same order with the same sizes). Rank r's
+// block of a gather/scatter is the r-th contiguous 1/size of the buffer.
+class TpComm {
+ public:
+  virtual ~TpComm() = default;
+  virtual int size() const = 0;
+  virtual int rank() const = 0;
+  virtual void allreduce_sum(float* data, std::int64_t n) = 0;
+  virtual void allreduce_max(float* data, std::int64_t n) = 0;
+  virtual void allgather(const float* in, std::int64_t n, float* out) = 0;       // out: size * n
+  virtual void reduce_scatter(const float* in, std::int64_t n, float* out) = 0;  // in: size * n, out: n
 };
 
 // Parameters, gradients and optimizer state of one segment on one device.
@@ -78,6 +105,15 @@ struct SegmentParams {
   int shard_degree = 1, shard_index = 0;    // experts: this device holds experts [shard_index*E/S, ...)
   int replicas = 1, replica_index = 0;      // data-parallel copies and ZeRO shard owner index
   int zero_level = 0;
+  // Tensor parallelism (Megatron layout): this device holds TP rank tp_rank's slice of each split
+  // tensor; with sequence parallelism the residual stream holds 1/tp_degree of the token rows.
+  int tp_degree = 1, tp_rank = 0;
+  bool sequence_parallel = false;
+  RecomputeMode recompute = RecomputeMode::None;
+  TpComm* tp = nullptr;                     // set by the backend when tp_degree > 1
+  // Routed experts without TP on a TP stage without SP: the t TP ranks route the same tokens, so the
+  // experts see each token t times; BW divides their weight gradients by this.
+  int token_copies = 1;
   std::vector<float> params, grads;         // this device's (expert-sharded) part, all replicas' chunks
   std::vector<std::int64_t> layer_offset;   // start of each layer in params (size = layers + 1)
   // ZeRO >= 1: the chunk [chunk_begin, chunk_end) of params this replica updates, its master copy,
@@ -98,6 +134,10 @@ struct ParamRecord {
 struct SegmentSpec {
   int segment = -1, first_layer = 0, last_layer = 0;
   int shard_degree = 1, shard_index = 0, replicas = 1, replica_index = 0, zero_level = 0;
+  int tp_degree = 1, tp_rank = 0;
+  bool sequence_parallel = false;
+  RecomputeMode recompute = RecomputeMode::None;
+  int token_copies = 1;
 };
 
 class HostModel {
@@ -140,11 +180,28 @@ class HostModel {
   // ZeRO-3: parameters outside a gather are poisoned with NaN so a plan that uses them fails loudly.
   void poison_params(int seg);
 
-  // This device's parameters as records of the canonical layout (ZeRO-3: its master chunk).
+  // This device's parameters as records of the canonical layout (ZeRO-3: its master chunk). TP
+  // slices map to their canonical offsets; replicated tensors of a TP segment come from TP rank 0.
   std::vector<ParamRecord> param_records() const;
+  // This device's accumulated gradients in the canonical layout (tests compare them with the
+  // reference's; no ZeRO chunking).
+  std::vector<ParamRecord> grad_records() const;
+  // Where a segment's local vector sits in the canonical layout: contiguous runs in local order
+  // (expert shards: whole experts; TP: one run per row of a column-split tensor). `replicated` marks
+  // tensors every TP rank of a group holds in full.
+  struct CanonicalRun {
+    int layer = 0;
+    std::int64_t local = 0, canonical = 0, length = 0;
+    bool replicated = false;
+  };
+  std::vector<CanonicalRun> canonical_runs(const SegmentParams& sp) const;
+  // The TP group of a segment this device holds with tp_degree > 1 (the backend owns it).
+  void set_tp_comm(int seg, TpComm* comm);
 
  private:
   struct LayerView;
+  std::vector<ParamRecord> records(const SegmentParams& sp, const std::vector<float>& src, std::int64_t begin, std::int64_t end) const;
+  void forward_layers(SegmentParams& sp, const MicrobatchData& data, float loss_scale, ForwardState& s, SegmentStash& stash, double* loss);
   LayerView view(SegmentParams& sp, int layer, bool grads);
   std::vector<MlpWeights> expert_weights(SegmentParams& sp, int layer);
   void init_params(SegmentParams& sp, std::uint64_t seed);
@@ -165,6 +222,21 @@ struct TensorSpec {
   std::int64_t size() const { return rows * cols; }
 };
 std::vector<TensorSpec> layer_tensors(const core::Layer& layer);
+
+// One tensor of a layer as one device holds it: its local shape, how it is split over the TP group
+// (Megatron: column-parallel splits the output dim, row-parallel the input dim; the embedding's rows
+// and the head's columns are the vocabulary), and where the full tensor starts in the layer's
+// canonical vector. Expert-parallel shards hold a contiguous range of whole expert tensors.
+enum class TpSplit { Replicated, Columns, Rows };
+struct LocalTensor {
+  TensorSpec local, full;
+  TpSplit split = TpSplit::Replicated;
+  int part = 0;                    // TP rank: which block of the split
+  std::int64_t full_offset = 0;    // start of the full tensor in the layer's canonical vector
+  // Contiguous runs (local offset within the tensor, canonical offset within the layer, length).
+  std::vector<std::array<std::int64_t, 3>> runs() const;
+};
+std::vector<LocalTensor> local_tensors(const core::Layer& layer, int shard_degree, int shard_index, int tp_degree, int tp_rank);
 
 // Deterministic token stream: synthetic (arithmetic sequences mod vocab) or a file's bytes mod vocab.
 class TokenStream {

@@ -22,8 +22,10 @@ using ConstVecMap = Eigen::Map<const Vec>;
 constexpr float kNormEps = 1e-6f;
 
 // ---- Embedding: x[t] = table[token[t]] ----
-Mat embedding_forward(const ConstMatMap& table, const std::vector<int>& tokens);
-void embedding_backward_weight(const std::vector<int>& tokens, const Mat& dx, MatMap dtable);
+// A vocab-parallel shard holds rows [first_row, first_row + table.rows()): other tokens give zero rows
+// (forward) and no gradient (backward); the TP all-reduce of the rows completes the lookup.
+Mat embedding_forward(const ConstMatMap& table, const std::vector<int>& tokens, int first_row = 0);
+void embedding_backward_weight(const std::vector<int>& tokens, const Mat& dx, MatMap dtable, int first_row = 0);
 
 // ---- RMSNorm over the columns of each row: y = x / rms(x) * g ----
 struct RmsNormCache {
@@ -61,6 +63,11 @@ struct AttentionCache {
   Vec dq_norm, dk_norm;
 };
 Mat attention_forward(const AttentionShape& s, const AttentionWeights& w, const Mat& u, AttentionCache* c);
+// The attention core (QK^T, causal softmax, .V) from c.q, c.k, c.v: fills c.probs and c.o. Selective
+// recomputation (Korthikanti et al. 2022) drops exactly these after the forward and reruns this in
+// the backward, which attention_backward_input does when c.probs is empty.
+void attention_core_forward(const AttentionShape& s, AttentionCache& c);
+void attention_drop_core(AttentionCache& c);
 Mat attention_backward_input(const AttentionShape& s, const AttentionWeights& w, AttentionCache& c, const Mat& dout);
 void attention_backward_weight(const AttentionShape& s, const AttentionCache& c, AttentionGrads& g);
 
