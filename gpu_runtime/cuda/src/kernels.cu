@@ -390,7 +390,8 @@ __global__ void sum_into_k(const float* v, int n, float* acc) {
   float s = 0;
   for (int i = threadIdx.x; i < n; i += blockDim.x) s += v[i];
   s = block_reduce<false>(s);
-  if (threadIdx.x == 0) *acc += s;
+  // Atomic: heads of different streams (or virtual devices' ops) may add to one accumulator at once.
+  if (threadIdx.x == 0) atomicAdd(acc, s);
 }
 
 // Calls f with a typed null pointer selecting the storage type.

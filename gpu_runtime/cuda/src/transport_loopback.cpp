@@ -33,12 +33,12 @@ int LoopbackTransport::post(const CommRequest& r) {
     c = r.node;
     rank = r.kind == CommKind::Send ? 0 : 1;
   } else {
-    // Members issue a group's collectives in the same order (as MPI and NCCL require): the
-    // per-group sequence number matches them. Groups of a family are disjoint: (family, first
-    // member) names the group.
+    // A collective is one DAG node lowered onto every member, so (family, first member, node)
+    // names it whatever order the members post in (groups of a family are disjoint; the
+    // sequence number tells steps apart).
     a = r.family;
     b = r.group.empty() ? -1 : r.group.front();
-    c = static_cast<int>(r.kind);
+    c = r.node;
     expected = static_cast<int>(r.group.size());
     rank = -1;
     for (std::size_t i = 0; i < r.group.size(); ++i)

@@ -102,7 +102,7 @@ void scatter_rows(DType dt, const void* in, const int* index, int rows, int cols
 void accumulate_f32(DType dt, float* dst, const void* src, std::int64_t n, cudaStream_t stream);
 // out = a + b elementwise.
 void add(DType dt, const void* a, const void* b, std::int64_t n, void* out, cudaStream_t stream);
-// *acc += sum of v[0, n) (one block, deterministic order).
+// *acc += sum of v[0, n) (one block sums in a fixed order, then one atomic add).
 void sum_into(const float* v, int n, float* acc, cudaStream_t stream);
 
 }  // namespace piper::runtime::cuda
