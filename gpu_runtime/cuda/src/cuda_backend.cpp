@@ -68,7 +68,10 @@ CudaBackend::CudaBackend(const core::Program& program, int device, Transport& tr
     check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
     streams_.push_back(st);
     alloc_->add_stream(st);
-    gemms_.push_back(std::make_unique<Gemm>(st));
+    // cuBLASLt handles (each with a 32 MiB workspace) only for streams that run compute ops.
+    const auto& ops = plan_.streams[s].ops;
+    const bool computes = std::any_of(ops.begin(), ops.end(), [](const core::Op& op) { return op.kind == core::OpKind::Compute; });
+    gemms_.push_back(computes ? std::make_unique<Gemm>(st) : nullptr);
   }
   check(cudaStreamCreateWithFlags(&util_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   alloc_->add_stream(util_);

@@ -23,6 +23,11 @@ struct M {
 };
 M of(const Tensor& t) { return {t.data(), t.rows, t.cols}; }
 
+Gemm& gemm_of(const Exec& e) {
+  if (!e.gemm) throw std::logic_error("runtime: a GEMM was issued on a stream without compute ops");
+  return *e.gemm;
+}
+
 GemmShape shape_of(M a, bool ta, M b, bool tb) {
   GemmShape s;
   s.m = static_cast<int>(ta ? a.cols : a.rows);
@@ -39,7 +44,7 @@ Tensor matmul(const Exec& e, DType dt, M a, bool ta, M b, bool tb) {
   Tensor c = new_tensor(e, s.m, s.n, dtype_bytes(dt));
   if (s.m > 0 && s.n > 0) {
     if (s.k == 0) check(cudaMemsetAsync(c.data(), 0, c.bytes(), e.stream), "cudaMemsetAsync");
-    else e.gemm->run(dt, s, a.p, b.p, c.data());
+    else gemm_of(e).run(dt, s, a.p, b.p, c.data());
   }
   return c;
 }
@@ -47,7 +52,7 @@ Tensor matmul(const Exec& e, DType dt, M a, bool ta, M b, bool tb) {
 // C += op(A) op(B) in the storage type.
 void matmul_acc(const Exec& e, DType dt, M a, bool ta, M b, bool tb, Tensor& c) {
   const GemmShape s = shape_of(a, ta, b, tb);
-  if (s.m > 0 && s.n > 0 && s.k > 0) e.gemm->run(dt, s, a.p, b.p, c.data(), 1.0f, 1.0f);
+  if (s.m > 0 && s.n > 0 && s.k > 0) gemm_of(e).run(dt, s, a.p, b.p, c.data(), 1.0f, 1.0f);
 }
 
 // g (fp32) += op(A) op(B): weight gradients accumulate in fp32 whatever the storage type.
@@ -55,7 +60,7 @@ void weight_grad(const Exec& e, DType dt, M a, bool ta, M b, bool tb, float* g) 
   const GemmShape s = shape_of(a, ta, b, tb);
   if (s.m == 0 || s.n == 0 || s.k == 0) return;
   if (dt == DType::F32) {
-    e.gemm->run(dt, s, a.p, b.p, g, 1.0f, 1.0f);
+    gemm_of(e).run(dt, s, a.p, b.p, g, 1.0f, 1.0f);
     return;
   }
   Tensor t = matmul(e, dt, a, ta, b, tb);
