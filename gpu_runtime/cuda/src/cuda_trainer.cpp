@@ -164,6 +164,7 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
   try {
     check(cudaGetDeviceCount(&gpus), "cudaGetDeviceCount");
     check(cudaSetDevice(local % gpus), "cudaSetDevice");
+    p2p_channels(program);  // a plan NCCL cannot run: one line from one rank, before NCCL starts
   } catch (const std::exception& e) {
     error = e.what();
   }

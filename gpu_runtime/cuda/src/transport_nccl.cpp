@@ -16,6 +16,42 @@
 
 namespace piper::runtime::cuda {
 
+namespace {
+bool is_backward_pass(core::Pass p) { return p == core::Pass::B || p == core::Pass::BI; }
+}  // namespace
+
+std::vector<P2PChannel> p2p_channels(const core::Program& program) {
+  // NCCL matches a channel's sends and receives by issue order, so each channel's SENDs must be on
+  // one stream of the sender, its RECVs on one stream of the receiver, in the same node order.
+  std::map<P2PChannel, std::pair<std::vector<int>, std::vector<int>>> order;   // send nodes, recv nodes
+  std::map<P2PChannel, std::pair<std::set<int>, std::set<int>>> streams_of;
+  for (int d = 0; d < program.num_devices; ++d) {
+    const auto& plan = program.plan_for(d);
+    for (std::size_t si = 0; si < plan.streams.size(); ++si)
+      for (const auto& op : plan.streams[si].ops) {
+        if (op.kind != core::OpKind::Send && op.kind != core::OpKind::Recv) continue;
+        const auto& seg = program.segments.at(static_cast<std::size_t>(op.segment));
+        const bool bwd = is_backward_pass(op.pass), send = op.kind == core::OpKind::Send;
+        const int peer = program.peer_of(op, d);
+        // The boundary the tensor crosses: SEND forward leaves at last_layer, backward at first_layer;
+        // RECV the other way round.
+        const int boundary = send == bwd ? seg.first_layer : seg.last_layer;
+        const P2PChannel ch{send ? d : peer, send ? peer : d, boundary, bwd};
+        (send ? order[ch].first : order[ch].second).push_back(op.node);
+        (send ? streams_of[ch].first : streams_of[ch].second).insert(static_cast<int>(si));
+      }
+  }
+  std::vector<P2PChannel> out;
+  for (const auto& [ch, nodes] : order) {
+    if (nodes.first != nodes.second || streams_of[ch].first.size() != 1 || streams_of[ch].second.size() != 1)
+      throw CudaError(fmt::format("nccl: transfers {} -> {} at layer {} ({}) are not sent and received in one order on one stream each, "
+                                  "which NCCL's issue-order matching needs (use --virtual-devices, or the host backend)",
+                                  ch.src, ch.dst, ch.boundary, ch.backward ? "gradients" : "activations"));
+    out.push_back(ch);
+  }
+  return out;
+}
+
 #ifdef PIPER_HAVE_NCCL
 
 namespace {
@@ -24,11 +60,12 @@ void check_nccl(ncclResult_t r, const char* what) {
   if (r != ncclSuccess) throw CudaError(fmt::format("{}: {}", what, ncclGetErrorString(r)));
 }
 
-bool is_backward(core::Pass p) { return p == core::Pass::B || p == core::Pass::BI; }
-
 class NcclTransport : public Transport {
  public:
   NcclTransport(const core::Program& program, int device, MPI_Comm world) : device_(device) {
+    // Point-to-point channels of every device's plan, in one global order (checked before any
+    // communicator exists: see p2p_channels).
+    const auto channels = p2p_channels(program);
     int size = 0;
     MPI_Comm_size(world, &size);
     ncclUniqueId id{};
@@ -48,16 +85,6 @@ class NcclTransport : public Transport {
       check_nccl(ncclCommSplit(world_, color, key, &c, nullptr), "ncclCommSplit (family)");
       family_.push_back(c);
     }
-    // Point-to-point channels of every device's plan, in one global order.
-    std::set<Channel> channels;
-    for (int d = 0; d < program.num_devices; ++d)
-      for (const auto& stream : program.plan_for(d).streams)
-        for (const auto& op : stream.ops) {
-          if (op.kind != core::OpKind::Send) continue;
-          const auto& seg = program.segments.at(static_cast<std::size_t>(op.segment));
-          const bool bwd = is_backward(op.pass);
-          channels.insert(Channel{d, program.peer_of(op, d), bwd ? seg.first_layer : seg.last_layer, bwd});
-        }
     for (const auto& ch : channels) {
       const bool member = ch.src == device || ch.dst == device;
       ncclComm_t c = nullptr;
@@ -138,11 +165,7 @@ class NcclTransport : public Transport {
   std::string name() const override { return "nccl"; }
 
  private:
-  struct Channel {
-    int src, dst, boundary;
-    bool backward;
-    auto operator<=>(const Channel&) const = default;
-  };
+  using Channel = P2PChannel;
   ncclComm_t channel(const Channel& ch) const {
     auto it = p2p_.find(ch);
     if (it == p2p_.end()) throw CudaError(fmt::format("nccl: no channel {}->{} at layer {}", ch.src, ch.dst, ch.boundary));

@@ -101,6 +101,16 @@ class LoopbackTransport : public Transport {
 // group of every collective family, and one per point-to-point channel (sender, receiver, layer
 // boundary, direction) so that transfers of different channels never match each other in NCCL's
 // issue-order matching. Collective over all ranks of `world` (every rank must construct it).
+// A point-to-point channel: every tensor from `src` to `dst` crossing one layer boundary in one direction.
+struct P2PChannel {
+  int src = 0, dst = 0, boundary = 0;
+  bool backward = false;
+  auto operator<=>(const P2PChannel&) const = default;
+};
+// The Program's channels, sorted. Throws CudaError when a channel's SENDs (or RECVs) are spread over
+// several streams or its two sides list its transfers in different orders: NCCL would mismatch them.
+std::vector<P2PChannel> p2p_channels(const core::Program& program);
+
 std::unique_ptr<Transport> make_nccl_transport(const core::Program& program, int device, MPI_Comm world);
 bool nccl_available();
 
