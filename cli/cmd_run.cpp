@@ -1,4 +1,5 @@
-// `piper run`: trains a compiled Program for real, one MPI rank per device (host backend), or the
+// `piper run`: trains a compiled Program for real, one MPI rank per device (host backend), on GPUs
+// (--backend cuda: one rank per GPU over NCCL, or --virtual-devices on one GPU), or the
 // single-process reference on the same global batch (--reference).
 #include <cstdio>
 
@@ -8,6 +9,9 @@
 #include "cli/common.hpp"
 #include "piper/runtime/executor.hpp"
 #include "piper/runtime/trainer.hpp"
+#ifdef PIPER_HAVE_CUDA
+#include "piper/runtime/cuda/cuda_trainer.hpp"
+#endif
 
 namespace piper::cli {
 
@@ -17,6 +21,9 @@ struct RunArgs {
   ScenarioFlags scenario;
   std::string plan_path;
   bool reference = false;
+  std::string backend = "host";
+  bool virtual_devices = false;
+  std::string precision = "fp32";
   runtime::TrainOptions train;
   CLI::Option* plan = nullptr;
 };
@@ -31,6 +38,63 @@ core::Program load_program(const RunArgs& a) {
   }
   if (a.scenario.model.empty()) throw CliError("", "give --plan FILE or the compile inputs (--model ...)");
   return core::compile_scenario(a.scenario.scenario()).result.program;
+}
+
+// --backend cuda: checks for a GPU first (one line and exit 2 without one), then trains on virtual
+// devices in this process or as one MPI rank per GPU.
+int run_cuda(const RunArgs& a) {
+#ifdef PIPER_HAVE_CUDA
+  std::string why;
+  if (!runtime::cuda::device_available(&why)) {
+    print_error("", "--backend cuda: " + why);
+    return kExitBadInput;
+  }
+  runtime::cuda::CudaRunOptions c;
+  c.virtual_devices = a.virtual_devices;
+  c.dtype = a.precision == "bf16" ? runtime::cuda::DType::BF16 : runtime::cuda::DType::F32;
+  if (a.virtual_devices) {
+    const core::Program program = load_program(a);
+    runtime::cuda::train_cuda(program, a.train, c);
+    return 0;
+  }
+  int provided = 0;
+  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SINGLE, &provided);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  int code = 0;
+  core::Program program;
+  try {
+    program = load_program(a);
+  } catch (const CliError& e) {
+    if (rank == 0) print_error(e.file(), e.what());
+    code = kExitBadInput;
+  } catch (const std::exception& e) {
+    if (rank == 0) print_error("", e.what());
+    code = kExitBadInput;
+  }
+  if (code == 0) {
+    try {
+      runtime::TrainOptions o = a.train;
+      o.print = rank == 0;
+      runtime::cuda::train_cuda(program, o, c);
+    } catch (const runtime::ReportedByAnotherRank&) {
+      code = kExitBadInput;
+    } catch (const std::invalid_argument& e) {
+      print_error("", e.what());
+      code = kExitBadInput;
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "piper: error: rank {}: {}\n", rank, one_line(e.what()));
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, kExitInternal);
+    }
+  }
+  MPI_Finalize();
+  return code;
+#else
+  (void)a;
+  print_error("", "--backend cuda: this piper was built without CUDA (configure with a CUDA compiler, PIPER_CUDA=ON)");
+  return kExitBadInput;
+#endif
 }
 
 int run_distributed(const RunArgs& a) {
@@ -79,6 +143,11 @@ Command add_run_command(CLI::App& app) {
   cmd->get_option("--model")->required(false);
   args->plan = cmd->add_option("--plan", args->plan_path, "a compiled Program (piper compile -o); else the compile inputs")->excludes("--model");
   cmd->add_flag("--reference", args->reference, "run the same model on the same global batch in one process, without parallelism");
+  cmd->add_option("--backend", args->backend, "host: Eigen kernels, one MPI rank per device; cuda: GPUs (one MPI rank per GPU over NCCL, or --virtual-devices)")
+      ->check(CLI::IsMember({"host", "cuda"}));
+  cmd->add_flag("--virtual-devices", args->virtual_devices, "--backend cuda: run every device of the plan in this process on one GPU (loopback transport)");
+  cmd->add_option("--precision", args->precision, "--backend cuda: storage type of parameters and activations (fp32 accumulation either way)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   cmd->add_option("--steps", args->train.steps, "training steps (a resumed run continues up to this step)")->check(kPositiveInt);
   cmd->add_option("--seed", args->train.seed, "seed of the parameter initialisation and the synthetic token stream");
   cmd->add_option("--data", args->train.data_path, "train on this file's bytes (mod vocab) instead of synthetic tokens");
@@ -96,6 +165,9 @@ Command add_run_command(CLI::App& app) {
   cmd->add_option("--dump-params", args->train.dump_params_path, "write the final parameters (canonical layout) to FILE");
   cmd->add_option("--stall-timeout", args->train.stall_timeout_s, "seconds without progress before a rank gives up")->check(kNonNegativeNumber);
   return {cmd, [args]() -> int {
+            if ((args->virtual_devices || args->precision != "fp32") && args->backend != "cuda")
+              throw CliError("", "--virtual-devices and --precision need --backend cuda");
+            if (args->backend == "cuda" && !args->reference) return run_cuda(*args);
             if (args->reference) {
               const core::Program program = load_program(*args);
               runtime::train_reference(program, args->train);

@@ -295,6 +295,105 @@ __global__ void convert_k(const From* src, To* dst, std::int64_t n) {
   if (i < n) store(dst, i, load(src, i));
 }
 
+
+// ---- MoE routing: one thread per token (k and E are small) ----
+template <typename T>
+__global__ void router_topk_k(const T* logits, int n_tok, int experts, int top_k, int* topk, float* gates) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= n_tok) return;
+  const T* l = logits + static_cast<std::int64_t>(t) * experts;
+  int* ids = topk + static_cast<std::int64_t>(t) * top_k;
+  // Selection in rank order: the best unused logit each round, ties to the lower id (as the host).
+  for (int j = 0; j < top_k; ++j) {
+    int best = -1;
+    float bv = 0;
+    for (int e = 0; e < experts; ++e) {
+      bool used = false;
+      for (int i = 0; i < j; ++i) used |= ids[i] == e;
+      if (used) continue;
+      const float v = load(l, e);
+      if (best < 0 || v > bv) best = e, bv = v;
+    }
+    ids[j] = best;
+  }
+  const float mx = load(l, ids[0]);
+  float sum = 0;
+  for (int j = 0; j < top_k; ++j) sum += expf(load(l, ids[j]) - mx);
+  for (int j = 0; j < top_k; ++j) gates[static_cast<std::int64_t>(t) * top_k + j] = expf(load(l, ids[j]) - mx) / sum;
+}
+template <typename T>
+__global__ void router_backward_k(const int* topk, const float* gates, const float* dgates, int n_tok, int experts,
+                                  int top_k, T* dlogits) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= n_tok) return;
+  const std::int64_t r = static_cast<std::int64_t>(t) * top_k;
+  T* dl = dlogits + static_cast<std::int64_t>(t) * experts;
+  for (int e = 0; e < experts; ++e) store(dl, e, 0.0f);
+  float dot = 0;
+  for (int j = 0; j < top_k; ++j) dot += gates[r + j] * dgates[r + j];
+  for (int j = 0; j < top_k; ++j) store(dl, topk[r + j], gates[r + j] * (dgates[r + j] - dot));
+}
+template <typename T>
+__global__ void moe_combine_k(const T* x, const T* y, const float* gates, int n_tok, int top_k, int hidden, T* out) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<std::int64_t>(n_tok) * hidden) return;
+  const std::int64_t t = i / hidden, c = i % hidden;
+  float acc = load(x, i);
+  for (int j = 0; j < top_k; ++j) acc += gates[t * top_k + j] * load(y, (t * top_k + j) * hidden + c);
+  store(out, i, acc);
+}
+// One block per slot.
+template <typename T>
+__global__ void moe_gate_grad_k(const T* dx, const T* y, int top_k, int hidden, float* dgates) {
+  const std::int64_t slot = blockIdx.x, t = slot / top_k;
+  float acc = 0;
+  for (int c = threadIdx.x; c < hidden; c += blockDim.x) acc += load(dx, t * hidden + c) * load(y, slot * hidden + c);
+  acc = block_reduce<false>(acc);
+  if (threadIdx.x == 0) dgates[slot] = acc;
+}
+template <typename T>
+__global__ void moe_sum_slots_k(const T* du, const T* slots, int n_tok, int top_k, int hidden, T* out) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<std::int64_t>(n_tok) * hidden) return;
+  const std::int64_t t = i / hidden, c = i % hidden;
+  float acc = load(du, i);
+  for (int j = 0; j < top_k; ++j) acc += load(slots, (t * top_k + j) * hidden + c);
+  store(out, i, acc);
+}
+template <typename T>
+__global__ void gather_slots_k(const T* in, const int* index, int div, const float* weight, int rows, int cols, T* out) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<std::int64_t>(rows) * cols) return;
+  const std::int64_t r = i / cols, c = i % cols;
+  const int slot = index[r];
+  const float w = weight ? weight[slot] : 1.0f;
+  store(out, i, w * load(in, static_cast<std::int64_t>(slot / div) * cols + c));
+}
+template <typename T>
+__global__ void scatter_rows_k(const T* in, const int* index, int rows, int cols, T* out) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<std::int64_t>(rows) * cols) return;
+  const std::int64_t r = i / cols, c = i % cols;
+  out[static_cast<std::int64_t>(index[r]) * cols + c] = in[i];
+}
+template <typename T>
+__global__ void accumulate_f32_k(float* dst, const T* src, std::int64_t n) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] += load(src, i);
+}
+template <typename T>
+__global__ void add_k(const T* a, const T* b, std::int64_t n, T* out) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) store(out, i, load(a, i) + load(b, i));
+}
+__global__ void sum_into_k(const float* v, int n, float* acc) {
+  float s = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s += v[i];
+  s = block_reduce<false>(s);
+  // Atomic: heads of different streams (or virtual devices' ops) may add to one accumulator at once.
+  if (threadIdx.x == 0) atomicAdd(acc, s);
+}
+
 // Calls f with a typed null pointer selecting the storage type.
 template <typename F>
 void dispatch(DType dt, F&& f) {
@@ -468,5 +567,83 @@ void convert(DType from, const void* src, DType to, void* dst, std::int64_t n, c
   });
   launched("convert");
 }
+
+
+#define PIPER_TYPED(dt, body)                                 \
+  dispatch(dt, [&](auto* tag) {                               \
+    using T = std::remove_pointer_t<decltype(tag)>;           \
+    body;                                                     \
+  })
+
+void router_topk(DType dt, const void* logits, int n_tok, int experts, int top_k, int* topk, float* gates,
+                 cudaStream_t stream) {
+  PIPER_TYPED(dt, (router_topk_k<T><<<blocks_for(n_tok), kThreads, 0, stream>>>(static_cast<const T*>(logits), n_tok,
+                                                                                 experts, top_k, topk, gates)));
+  launched("router_topk");
+}
+
+void router_backward(DType dt, const int* topk, const float* gates, const float* dgates, int n_tok, int experts,
+                     int top_k, void* dlogits, cudaStream_t stream) {
+  PIPER_TYPED(dt, (router_backward_k<T><<<blocks_for(n_tok), kThreads, 0, stream>>>(topk, gates, dgates, n_tok, experts,
+                                                                                     top_k, static_cast<T*>(dlogits))));
+  launched("router_backward");
+}
+
+void moe_combine(DType dt, const void* x, const void* y, const float* gates, int n_tok, int top_k, int hidden,
+                 void* out, cudaStream_t stream) {
+  PIPER_TYPED(dt, (moe_combine_k<T><<<blocks_for(static_cast<std::int64_t>(n_tok) * hidden), kThreads, 0, stream>>>(
+                      static_cast<const T*>(x), static_cast<const T*>(y), gates, n_tok, top_k, hidden, static_cast<T*>(out))));
+  launched("moe_combine");
+}
+
+void moe_gate_grad(DType dt, const void* dx, const void* y, int n_tok, int top_k, int hidden, float* dgates,
+                   cudaStream_t stream) {
+  if (n_tok * top_k == 0) return;
+  PIPER_TYPED(dt, (moe_gate_grad_k<T><<<static_cast<unsigned>(n_tok * top_k), kThreads, 0, stream>>>(
+                      static_cast<const T*>(dx), static_cast<const T*>(y), top_k, hidden, dgates)));
+  launched("moe_gate_grad");
+}
+
+void moe_sum_slots(DType dt, const void* du, const void* slots, int n_tok, int top_k, int hidden, void* out,
+                   cudaStream_t stream) {
+  PIPER_TYPED(dt, (moe_sum_slots_k<T><<<blocks_for(static_cast<std::int64_t>(n_tok) * hidden), kThreads, 0, stream>>>(
+                      static_cast<const T*>(du), static_cast<const T*>(slots), n_tok, top_k, hidden, static_cast<T*>(out))));
+  launched("moe_sum_slots");
+}
+
+void gather_slots(DType dt, const void* in, const int* index, int div, const float* weight, int rows, int cols,
+                  void* out, cudaStream_t stream) {
+  if (rows == 0) return;
+  PIPER_TYPED(dt, (gather_slots_k<T><<<blocks_for(static_cast<std::int64_t>(rows) * cols), kThreads, 0, stream>>>(
+                      static_cast<const T*>(in), index, div, weight, rows, cols, static_cast<T*>(out))));
+  launched("gather_slots");
+}
+
+void scatter_rows(DType dt, const void* in, const int* index, int rows, int cols, void* out, cudaStream_t stream) {
+  if (rows == 0) return;
+  PIPER_TYPED(dt, (scatter_rows_k<T><<<blocks_for(static_cast<std::int64_t>(rows) * cols), kThreads, 0, stream>>>(
+                      static_cast<const T*>(in), index, rows, cols, static_cast<T*>(out))));
+  launched("scatter_rows");
+}
+
+void accumulate_f32(DType dt, float* dst, const void* src, std::int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  PIPER_TYPED(dt, (accumulate_f32_k<T><<<blocks_for(n), kThreads, 0, stream>>>(dst, static_cast<const T*>(src), n)));
+  launched("accumulate_f32");
+}
+
+void add(DType dt, const void* a, const void* b, std::int64_t n, void* out, cudaStream_t stream) {
+  if (n == 0) return;
+  PIPER_TYPED(dt, (add_k<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b), n,
+                                                                     static_cast<T*>(out))));
+  launched("add");
+}
+
+void sum_into(const float* v, int n, float* acc, cudaStream_t stream) {
+  sum_into_k<<<1, kThreads, 0, stream>>>(v, n, acc);
+  launched("sum_into");
+}
+
+#undef PIPER_TYPED
 
 }  // namespace piper::runtime::cuda

@@ -75,4 +75,34 @@ void scatter_add_rows(DType dt, const void* in, const int* index, const float* w
 void accumulate(DType dt, void* dst, const void* src, std::int64_t n, cudaStream_t stream);
 void convert(DType from, const void* src, DType to, void* dst, std::int64_t n, cudaStream_t stream);
 
+// ---- MoE routing (mirrors host router_forward/backward and HostModel's route/combine) ----
+// logits [T, E] -> topk [T, k] expert ids (best first, ties to the lower id) and gates [T, k] (fp32,
+// softmax over the selected logits).
+void router_topk(DType dt, const void* logits, int tokens_count, int experts, int top_k, int* topk, float* gates,
+                 cudaStream_t stream);
+// dlogits [T, E] (overwritten; zero outside the selection): dl_j = g_j (dg_j - sum_i g_i dg_i).
+void router_backward(DType dt, const int* topk, const float* gates, const float* dgates, int tokens_count, int experts,
+                     int top_k, void* dlogits, cudaStream_t stream);
+// out[t] = x[t] + sum_j gates[t, j] * y[t * k + j] (fp32 sum in j order).
+void moe_combine(DType dt, const void* x, const void* y, const float* gates, int tokens_count, int top_k, int hidden,
+                 void* out, cudaStream_t stream);
+// dgates[t, j] = dx[t] . y[t * k + j].
+void moe_gate_grad(DType dt, const void* dx, const void* y, int tokens_count, int top_k, int hidden, float* dgates,
+                   cudaStream_t stream);
+// out[t] = du[t] + sum_j slots[t * k + j].
+void moe_sum_slots(DType dt, const void* du, const void* slots, int tokens_count, int top_k, int hidden, void* out,
+                   cudaStream_t stream);
+// out[i] = weight[index[i]] * in[index[i] / div] (weight may be null for 1): the dispatch of slot
+// `index[i]` (token index / k) with its gate.
+void gather_slots(DType dt, const void* in, const int* index, int div, const float* weight, int rows, int cols, void* out,
+                  cudaStream_t stream);
+// out[index[i]] = in[i] (indices unique).
+void scatter_rows(DType dt, const void* in, const int* index, int rows, int cols, void* out, cudaStream_t stream);
+// dst (fp32) += src (storage type): weight gradients accumulate in fp32 whatever the storage.
+void accumulate_f32(DType dt, float* dst, const void* src, std::int64_t n, cudaStream_t stream);
+// out = a + b elementwise.
+void add(DType dt, const void* a, const void* b, std::int64_t n, void* out, cudaStream_t stream);
+// *acc += sum of v[0, n) (one block sums in a fixed order, then one atomic add).
+void sum_into(const float* v, int n, float* acc, cudaStream_t stream);
+
 }  // namespace piper::runtime::cuda

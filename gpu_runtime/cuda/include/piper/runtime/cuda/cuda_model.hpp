@@ -1,0 +1,213 @@
+// The CUDA backend's model: the GPU counterpart of host::HostModel (host_model.hpp), structured the same
+// way so that the two can be read side by side. Parameters use the host's canonical layout
+// (layer_tensors, segment offsets, ZeRO chunks) and its initialisation: a host::HostModel is built
+// once for the layout and initial values, then the device holds params (storage type), fp32 grads,
+// fp32 master weights and AdamW moments. Activations are device tensors in the storage type.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "piper/core/model.hpp"
+#include "piper/runtime/cuda/allocator.hpp"
+#include "piper/runtime/cuda/device.hpp"
+#include "piper/runtime/cuda/gemm.hpp"
+#include "piper/runtime/cuda/kernels.hpp"
+#include "piper/runtime/host_model.hpp"
+
+namespace piper::runtime::cuda {
+
+// A rows x cols view of `elem`-byte elements into a shared device block. Kernels never write into a
+// tensor that a cache may share: each result is a new tensor (so caches can share instead of copy).
+struct Tensor {
+  std::shared_ptr<Block> mem;
+  std::size_t offset = 0;
+  std::int64_t rows = 0, cols = 0;
+  std::size_t elem = 0;
+  void* data() const { return mem && mem->get() ? static_cast<char*>(mem->get()) + offset : nullptr; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(data()); }
+  std::int64_t size() const { return rows * cols; }
+  std::size_t bytes() const { return static_cast<std::size_t>(size()) * elem; }
+  bool empty() const { return size() == 0; }
+  // Rows [first, first + count) as a view sharing the block.
+  Tensor row_range(std::int64_t first, std::int64_t count) const {
+    return Tensor{mem, offset + static_cast<std::size_t>(first * cols) * elem, count, cols, elem};
+  }
+};
+
+// Where an op's work goes: its stream, that stream's GEMM handle, and the device's allocator.
+struct Exec {
+  cudaStream_t stream = nullptr;
+  Gemm* gemm = nullptr;
+  Allocator* alloc = nullptr;
+};
+
+Tensor new_tensor(const Exec& e, std::int64_t rows, std::int64_t cols, std::size_t elem);
+Tensor zeros(const Exec& e, std::int64_t rows, std::int64_t cols, std::size_t elem);
+Tensor upload_ints(const Exec& e, const std::vector<int>& v);
+// Synchronises `e.stream` (the tensor's producer) and copies to the host.
+std::vector<int> download_ints(const Exec& e, const Tensor& t);
+std::vector<float> download_floats(const Exec& e, const Tensor& t);
+
+// host::ForwardState on the device: x, u [T, H] (storage type), topk [T, k] (int32), gates [T, k] (fp32).
+struct ForwardState {
+  Tensor x, u, topk, gates;
+};
+// host::BackwardState on the device: dx, du [T, H] (storage type), dgates [T, k] (fp32).
+struct BackwardState {
+  Tensor dx, du, dgates;
+};
+
+// Messages between devices have a fixed capacity (the receiver of a NCCL transfer must know the byte
+// count up front): a 64-byte header (rows, cols, k, which fields are present) then the tensors at
+// 256-byte aligned offsets, sized for T = micro_batch_size * seq_len tokens.
+struct MessageShape {
+  std::int64_t tokens = 0, hidden = 0, top_k = 0;
+  DType dt = DType::F32;
+  std::size_t bytes() const;
+};
+Tensor pack_forward(const Exec& e, const MessageShape& m, const ForwardState& s);
+Tensor pack_backward(const Exec& e, const MessageShape& m, const BackwardState& s);
+// Unpacking reads the header to the host (synchronising `e.stream`); the fields view the message.
+ForwardState unpack_forward(const Exec& e, const MessageShape& m, const Tensor& msg);
+BackwardState unpack_backward(const Exec& e, const MessageShape& m, const Tensor& msg);
+
+// Expert-parallel bookkeeping, as host::ExpertSource / host::ExpertPacket.
+struct ExpertSource {
+  std::vector<std::vector<int>> slots_to;   // per owner rank: routing slots t * k + j (host)
+  std::vector<Tensor> slot_index;           // the same on the device
+  Tensor y;                                 // [T * k, H] experts' outputs per slot
+  Tensor topk, gates;
+  std::vector<int> topk_host;
+  std::int64_t tokens = 0;
+  int k = 0;
+};
+struct ExpertPacket {
+  std::vector<int> expert;
+  Tensor rows;
+};
+// Per peer a block of fixed size: int32 count, int32 expert ids (capacity entries), then the rows.
+struct PacketShape {
+  std::int64_t capacity = 0, hidden = 0;
+  DType dt = DType::F32;
+  std::size_t ids_bytes() const;
+  std::size_t block_bytes() const;
+};
+Tensor pack_packets(const Exec& e, const PacketShape& s, const std::vector<ExpertPacket>& packets);
+std::vector<ExpertPacket> unpack_packets(const Exec& e, const PacketShape& s, const Tensor& data, int peers);
+
+// Saved forward state per layer (and BI's results for BW), as host::LayerCache.
+struct NormCache {
+  Tensor x, rstd;
+};
+struct AttentionCache {
+  Tensor u, q_lin, k_lin, v, q_rstd, k_rstd, q, k, probs, o;
+  Tensor dout, dq_lin, dk_lin, dv, dq_norm, dk_norm;
+};
+struct MlpCache {
+  Tensor u, a, b, h;
+  Tensor dout, da, db;
+};
+struct RouterCache {
+  Tensor u, topk, gates, dlogits;
+};
+struct ExpertsCache {
+  struct Group {
+    int local = 0;              // expert index within this device's shard
+    Tensor index;               // entries routed to it (device int32)
+    MlpCache mlp;
+  };
+  std::vector<Group> groups;
+  std::int64_t entries = 0;
+};
+struct HeadCache {
+  Tensor u, dlogits;
+};
+struct LayerCache {
+  NormCache norm;
+  AttentionCache attn;
+  MlpCache mlp;
+  RouterCache router;
+  ExpertsCache experts;
+  ExpertSource source;
+  std::vector<int> source_counts;
+  HeadCache head;
+  Tensor tokens;
+  Tensor dx_embed;
+  Tensor dy_norm;
+};
+struct SegmentStash {
+  std::vector<LayerCache> layers;
+};
+
+// Device arrays of one segment; sizes and chunk bounds come from the host layout.
+struct SegmentDevice {
+  Tensor params;              // storage type, this device's whole (expert-sharded) vector
+  Tensor grads;               // fp32, same length
+  Tensor master;              // fp32: ZeRO 0 the whole vector, ZeRO >= 1 this replica's chunk
+  Tensor grad_chunk, adam_m, adam_v;
+  bool grad_chunk_ready = false;
+  int gathered = 0;
+};
+
+class CudaModel {
+ public:
+  CudaModel(const core::Model& model, std::vector<host::SegmentSpec> segments, std::uint64_t seed, DType dt,
+            Allocator& alloc, cudaStream_t init_stream);
+
+  const core::Model& model() const { return layout_.model(); }
+  DType dtype() const { return dt_; }
+  std::size_t elem() const { return dtype_bytes(dt_); }
+  int top_k() const { return layout_.top_k(); }
+  std::int64_t hidden() const { return layout_.hidden(); }
+  int experts() const { return layout_.experts(); }
+  // Host layout (offsets, chunk bounds) of a segment; its values are stale after the first step.
+  host::SegmentParams& layout(int seg) { return layout_.segment(seg); }
+  SegmentDevice& device(int seg);
+  bool holds(int seg) const { return layout_.holds(seg); }
+
+  // As HostModel::forward; the head adds its summed token loss to loss_accumulator() (device fp32).
+  void forward(const Exec& e, int seg, const host::MicrobatchData& data, float loss_scale, ForwardState& state,
+               SegmentStash& stash);
+  void backward_input(const Exec& e, int seg, BackwardState& state, SegmentStash& stash);
+  void backward_weight(const Exec& e, int seg, SegmentStash& stash);
+
+  ExpertSource route(const Exec& e, const ForwardState& state, int group_size) const;
+  std::vector<ExpertPacket> dispatch_forward(const Exec& e, const ForwardState& state, const ExpertSource& src) const;
+  void experts_forward_entries(const Exec& e, int seg, const std::vector<ExpertPacket>& from, SegmentStash& stash,
+                               std::vector<ExpertPacket>* to_sources);
+  void combine_forward(const Exec& e, ForwardState& state, ExpertSource& src, const std::vector<ExpertPacket>& from_owners) const;
+  std::vector<ExpertPacket> dispatch_backward(const Exec& e, BackwardState& grad, const ExpertSource& src) const;
+  void experts_backward_entries(const Exec& e, int seg, const std::vector<ExpertPacket>& from, SegmentStash& stash,
+                                std::vector<ExpertPacket>* to_sources);
+  void combine_backward(const Exec& e, BackwardState& grad, const ExpertSource& src, const std::vector<ExpertPacket>& from_owners) const;
+
+  void update(const Exec& e, int seg, const AdamW& cfg, int step);
+  void poison_params(const Exec& e, int seg);
+
+  float* loss_accumulator() const { return loss_.as<float>(); }
+  // Copies the device parameters into the host layout and returns HostModel::param_records().
+  std::vector<host::ParamRecord> param_records(const Exec& e);
+
+ private:
+  struct Weights;
+  Weights weights(int seg, int layer, bool grads);
+  Tensor experts_forward(const Exec& e, int seg, int layer, int first_expert, const std::vector<int>& expert,
+                         const Tensor& rows, ExpertsCache& c);
+  Tensor experts_backward_input(const Exec& e, int seg, int layer, ExpertsCache& c, const Tensor& dy);
+  void experts_backward_weight(const Exec& e, int seg, int layer, ExpertsCache& c);
+
+  host::HostModel layout_;
+  DType dt_;
+  Allocator& alloc_;
+  host::AttentionShape attn_shape_;
+  std::map<int, SegmentDevice> device_;
+  Tensor loss_;
+};
+
+}  // namespace piper::runtime::cuda

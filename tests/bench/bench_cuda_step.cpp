@@ -1,0 +1,87 @@
+// One training step of a dense 1.1B model (examples/models/dense-1b.json) on one GPU in bf16 through
+// the CUDA backend (one virtual device): step time, MFU against the GPU's dense bf16 peak, the
+// executor's share of the step, and a large cuBLASLt GEMM's throughput against the same peak.
+// Prints its figures; without a GPU prints "skipped: no GPU" and exits 77. Never run on a GPU yet.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "piper/core/scenario.hpp"
+#include "piper/runtime/cuda/cuda_trainer.hpp"
+#include "piper/runtime/cuda/device.hpp"
+#include "piper/runtime/cuda/gemm.hpp"
+
+namespace cu = piper::runtime::cuda;
+namespace core = piper::core;
+
+namespace {
+
+// NVIDIA H100/H200 SXM dense (no sparsity) BF16 tensor-core peak, TFLOP/s (datasheet).
+constexpr double kPeakTflops = 989.4;
+
+double gemm_tflops(int n) {
+  cudaStream_t s = nullptr;
+  cu::check(cudaStreamCreate(&s), "cudaStreamCreate");
+  cu::Gemm g(s);
+  const std::size_t bytes = static_cast<std::size_t>(n) * n * 2;
+  cu::DeviceBuffer a(bytes), b(bytes), c(bytes);
+  cu::check(cudaMemsetAsync(a.get(), 0, bytes, s), "memset");
+  cu::check(cudaMemsetAsync(b.get(), 0, bytes, s), "memset");
+  cu::GemmShape shape{n, n, n, false, false, 0, 0, 0};
+  for (int i = 0; i < 3; ++i) g.run(cu::DType::BF16, shape, a.get(), b.get(), c.get());
+  cudaEvent_t t0 = nullptr, t1 = nullptr;
+  cu::check(cudaEventCreate(&t0), "cudaEventCreate");
+  cu::check(cudaEventCreate(&t1), "cudaEventCreate");
+  constexpr int kReps = 20;
+  cu::check(cudaEventRecord(t0, s), "cudaEventRecord");
+  for (int i = 0; i < kReps; ++i) g.run(cu::DType::BF16, shape, a.get(), b.get(), c.get());
+  cu::check(cudaEventRecord(t1, s), "cudaEventRecord");
+  cu::check(cudaEventSynchronize(t1), "cudaEventSynchronize");
+  float ms = 0;
+  cu::check(cudaEventElapsedTime(&ms, t0, t1), "cudaEventElapsedTime");
+  cudaEventDestroy(t0);
+  cudaEventDestroy(t1);
+  cudaStreamDestroy(s);
+  return 2.0 * n * static_cast<double>(n) * n * kReps / (ms * 1e-3) / 1e12;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string why;
+  if (!cu::device_available(&why)) {
+    std::printf("skipped: %s\n", why.c_str());
+    return 77;
+  }
+  const int steps = argc > 1 ? std::atoi(argv[1]) : 5;
+  cudaDeviceProp prop{};
+  cu::check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+
+  core::Scenario s;
+  s.model = std::string(PIPER_SOURCE_DIR) + "/examples/models/dense-1b.json";
+  s.strategy.pp = 1, s.strategy.dp = 1, s.strategy.microbatches = 2, s.strategy.schedule = "1f1b";
+  const core::Program program = core::compile_scenario(s).result.program;
+  // The step's model FLOPs as the compiler costs them (forward + backward of every layer).
+  double flops = 0;
+  for (const auto& st : program.plan_for(0).streams)
+    for (const auto& op : st.ops)
+      if (op.kind == core::OpKind::Compute) flops += op.flops;
+
+  piper::runtime::TrainOptions o;
+  o.steps = steps;
+  o.print = true;
+  cu::CudaRunOptions c;
+  c.virtual_devices = true;
+  c.dtype = cu::DType::BF16;
+  const auto r = cu::train_cuda(program, o, c);
+
+  const double tflops = flops / r.step_time_s / 1e12;
+  const double gemm = gemm_tflops(8192);
+  std::printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
+  std::printf("dense-1b bf16, 1 GPU, %d steps (mean includes the first step's allocations)\n", steps);
+  std::printf("step time %.1f ms, %.0f tokens/s, model %.2f TFLOP/step, %.1f TFLOP/s\n", r.step_time_s * 1e3, r.tokens_per_s, flops / 1e12, tflops);
+  std::printf("MFU %.1f %% of %.1f TFLOP/s (target >= 50 %%)\n", 100 * tflops / kPeakTflops, kPeakTflops);
+  std::printf("executor overhead %.2f %% of the step (target <= 2 %%)\n", r.total_s > 0 ? 100 * r.overhead_s / r.total_s : 0.0);
+  std::printf("cuBLASLt bf16 GEMM 8192^3: %.1f TFLOP/s = %.1f %% of peak\n", gemm, 100 * gemm / kPeakTflops);
+  return 0;
+}
