@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "piper/core/limits.hpp"
 #include "piper/core/program.hpp"
 #include "piper/core/strategy.hpp"
 
@@ -37,16 +38,8 @@ std::string json_message(const json::exception& e) {
   return m;
 }
 
-std::string read_text_file(const std::string& path) {
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) throw CliError(path, "is a directory, expected a file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw CliError(path, fmt::format("cannot open: {}", std::strerror(errno)));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw CliError(path, "read failed");
-  return text.str();
-}
+// Sized before reading (Limit::InputBytes): a 10 GB file is refused without reading a byte.
+std::string read_text_file(const std::string& path) { return core::read_input_file(path); }
 
 json read_json_file(const std::string& path) {
   std::string text = read_text_file(path);

@@ -89,5 +89,6 @@ Command add_simulate_command(CLI::App& app);
 Command add_run_command(CLI::App& app);
 Command add_schedule_command(CLI::App& app);
 Command add_sweep_command(CLI::App& app);
+Command add_limits_command(CLI::App& app);
 
 }  // namespace piper::cli

@@ -12,6 +12,8 @@
 
 #include <fmt/format.h>
 
+#include "piper/core/limits.hpp"
+
 namespace piper::core {
 
 using nlohmann::json;
@@ -110,7 +112,8 @@ std::vector<int> parse_devices(const json& d, int index) {
     if (!j[i].is_number_integer()) fail(index, where, "must be an integer, got " + type_name(j[i]));
     long long v = j[i].get<long long>();
     if (v < 0) fail(index, where, "device id " + std::to_string(v) + " is negative");
-    if (v > 100'000'000) fail(index, where, "device id " + std::to_string(v) + " is out of range");
+    // Device ids size per-device tables later; an id past the device limit is refused here.
+    if (v >= limit_value(Limit::Devices)) fail(index, where, "device id " + std::to_string(v) + ": " + limit_message(Limit::Devices, v + 1, "devices"));
     if (!seen.insert(static_cast<int>(v)).second) fail(index, where, "device " + std::to_string(v) + " listed twice");
     out.push_back(static_cast<int>(v));
   }
@@ -184,8 +187,9 @@ Directive parse_one(const json& d, int index) {
     s.dim_name = get_string(d, index, "dim_name", "MB");
     if (s.dim_name == "PASS") fail(index, "dim_name", "PASS is reserved");
     const json& n = require(d, index, "num_microbatches");
-    if (!n.is_number_integer() || n.get<long long>() < 1 || n.get<long long>() > 1'000'000)
-      fail(index, "num_microbatches", "must be a positive integer");
+    if (!n.is_number_integer() || n.get<long long>() < 1) fail(index, "num_microbatches", "must be a positive integer");
+    if (n.get<long long>() > limit_value(Limit::Microbatches))
+      fail(index, "num_microbatches", limit_message(Limit::Microbatches, n.get<long long>(), "microbatches"));
     s.count = n.get<int>();
     return s;
   }
@@ -236,11 +240,10 @@ DirectiveProgram parse_directives(const json& program) {
 json DirectiveProgram::to_json() const { return json(source); }
 
 DirectiveProgram load_directives_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw Error(path + ": cannot open file");
+  const std::string text = read_input_file(path);
   json j;
   try {
-    j = json::parse(in);
+    j = json::parse(text);
   } catch (const json::parse_error& e) {
     std::string what = e.what();
     if (auto p = what.find("parse error"); p != std::string::npos) what = what.substr(p);
@@ -291,6 +294,9 @@ struct PassContext {
   }
 
   Vertex add(DagNode n) {
+    // Backstop for passes other than split (which checks up front, naming its directive).
+    check_limit(Limit::DagNodes, static_cast<std::int64_t>(boost::num_vertices(dag.graph)) + 1, "global training DAG",
+                "nodes");
     n.label = n.label.empty() ? node_label(n) : n.label;
     Vertex v = dag.add_node(std::move(n));
     if (p2p_stream.size() <= v) p2p_stream.resize(v + 1);
@@ -360,6 +366,14 @@ void apply_split(PassContext& cx, const SplitDirective& d, int index) {
     if (cx.node(v).tags.contains(d.dim_name))
       fail(index, "dim_name", "'" + d.dim_name + "' is already a tag of '" + cx.node(v).label + "'");
   check_contiguous(cx, matched, index);
+  // Nested splits multiply: refuse before copying anything.
+  const std::int64_t microbatches = static_cast<std::int64_t>(cx.dag.microbatches) * d.count;
+  if (microbatches > limit_value(Limit::Microbatches))
+    fail(index, "num_microbatches", "with the splits before it, " + limit_message(Limit::Microbatches, microbatches, "microbatches"));
+  const std::int64_t nodes = static_cast<std::int64_t>(boost::num_vertices(cx.g())) +
+                             static_cast<std::int64_t>(matched.size()) * d.count;
+  if (nodes > limit_value(Limit::DagNodes))
+    fail(index, "num_microbatches", "the global DAG would reach " + limit_message(Limit::DagNodes, nodes, "nodes"));
   cx.split_dims.push_back(d.dim_name);
 
   Graph& g = cx.g();

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "piper/core/error.hpp"
+#include "piper/core/limits.hpp"
 
 namespace piper::core {
 
@@ -72,6 +73,8 @@ json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
     check_ep(cfg, opts.ep);
     if (regions == 0) regions = from("--schedule", [&] { return schedule_family(opts.schedule).regions(opts); });
   }
+  // Regions size per-region tables (balancing, placement): a "PP": 2000000000 filter must not allocate.
+  check_limit(Limit::Layers, regions, s.directives ? s.directives_source : std::string("--stages"), "PP regions");
   if (regions_out) *regions_out = regions;
   if (s.directives) {
     json program = *s.directives;
@@ -242,10 +245,14 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     const json& d = j["directives"];
     if (d.is_string()) {
       s.directives_source = resolve(d.get<std::string>());
-      std::ifstream in(s.directives_source);
-      if (!in) throw fail("directives", "cannot open '" + s.directives_source + "'");
+      std::string text;
       try {
-        s.directives = json::parse(in);
+        text = read_input_file(s.directives_source);
+      } catch (const Error& e) {
+        throw fail("directives", e.what());
+      }
+      try {
+        s.directives = json::parse(text);
       } catch (const json::parse_error& e) {
         throw Error(s.directives_source + ": not JSON: " + e.what());
       }

@@ -9,6 +9,8 @@
 
 #include <fmt/format.h>
 
+#include "piper/core/limits.hpp"
+
 namespace piper::sim {
 
 using nlohmann::json;
@@ -122,13 +124,12 @@ Calibration Calibration::from_json(const json& j, const std::string& where) {
   return c;
 }
 
-Calibration Calibration::load(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw ClusterError(path + ": cannot read calibration file");
-  std::stringstream text;
-  text << in.rdbuf();
+Calibration Calibration::load(const std::string& path) { return parse(core::read_input_file(path), path); }
+
+Calibration Calibration::parse(const std::string& text, const std::string& where) {
+  const std::string& path = where;
   try {
-    return from_json(json::parse(text.str()), path);
+    return from_json(json::parse(text), path);
   } catch (const json::exception& e) {
     std::string m = e.what();
     std::replace(m.begin(), m.end(), '\n', ' ');
