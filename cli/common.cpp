@@ -2,13 +2,8 @@
 #include "cli/common.hpp"
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <limits>
-#include <sstream>
 
 #include <fmt/format.h>
 
@@ -17,8 +12,6 @@
 #include "piper/core/strategy.hpp"
 
 namespace piper::cli {
-
-namespace fs = std::filesystem;
 
 // Error messages must stay on one line: a newline inside one would break "one line per error".
 std::string one_line(std::string s) {
@@ -45,7 +38,7 @@ json read_json_file(const std::string& path) {
   std::string text = read_text_file(path);
   try {
     return json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
     throw CliError(path, "not valid JSON: " + json_message(e));
   }
 }

@@ -15,6 +15,7 @@ packages=(
   libopenmpi-dev openmpi-bin  # gpu_runtime host backend: one MPI rank per device
   qt6-base-dev libgl-dev  # gui: piper-studio (Qt 6 Widgets)
   qt6-svg-dev             # gui: export the timeline view as SVG (QSvgGenerator)
+  clang libclang-rt-14-dev  # tests/fuzz: libFuzzer harnesses (clang 14 and its fuzzer/sanitizer runtimes)
 )
 
 if [ "$(id -u)" -ne 0 ]; then

@@ -52,6 +52,9 @@ std::string Filter::to_string() const { return to_json().dump(); }
 
 namespace {
 
+constexpr long long kMaxTagIndex = 1 << 30;
+constexpr double kMaxBucketMb = 1e9;  // 1 PB: past it, the bucket size in bytes overflows int64
+
 [[noreturn]] void fail(int index, const std::string& field, const std::string& message) {
   throw DirectiveError(index, field, message);
 }
@@ -59,7 +62,8 @@ namespace {
 std::string type_name(const json& j) { return j.type_name(); }
 
 void check_fields(const json& d, int index, std::initializer_list<const char*> allowed) {
-  for (const auto& [key, value] : d.items()) {
+  for (auto it = d.begin(); it != d.end(); ++it) {
+    const std::string& key = it.key();  // a plain reference: clang 14 cannot capture structured bindings
     if (key == "op") continue;
     if (std::none_of(allowed.begin(), allowed.end(), [&](const char* a) { return key == a; })) {
       std::string list;
@@ -94,7 +98,10 @@ Filter parse_filter(const json& j, int index, const std::string& field, bool all
       f.any.push_back(tag);
     } else if (value.is_number_integer()) {
       if (value.get<long long>() < 0) fail(index, where, "tag index must be >= 0");
-      f.exact[tag] = value.get<int>();
+      // Larger indices would wrap when narrowed to int and silently select another region.
+      if (value.get<long long>() > kMaxTagIndex)
+        fail(index, where, "tag index " + std::to_string(value.get<long long>()) + " is larger than " + std::to_string(kMaxTagIndex));
+      f.exact[tag] = static_cast<int>(value.get<long long>());
     } else {
       fail(index, where, "must be a non-negative integer or \"*\", got " + type_name(value));
     }
@@ -155,7 +162,8 @@ Directive parse_one(const json& d, int index) {
     r.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     r.devices = parse_devices(d, index);
     if (auto it = d.find("bucket_size"); it != d.end()) {
-      if (!it->is_number() || it->get<double>() < 0) fail(index, "bucket_size", "must be a non-negative number (MB)");
+      if (!it->is_number() || it->get<double>() < 0 || it->get<double>() > kMaxBucketMb)
+        fail(index, "bucket_size", fmt::format("must be a number of MB in [0, {:g}]", kMaxBucketMb));
       r.bucket_size_mb = it->get<double>();
     }
     r.shard_optimizer = get_bool(d, index, "shard_optimizer");
@@ -174,7 +182,10 @@ Directive parse_one(const json& d, int index) {
     s.stream = get_string(d, index, "stream", "ep");
     if (auto it = d.find("degree"); it != d.end()) {
       if (!it->is_number_integer() || it->get<long long>() < 1) fail(index, "degree", "must be a positive integer");
-      s.degree = it->get<int>();
+      // Checked before narrowing: 2^32 would become 0 and divide by zero below.
+      if (it->get<long long>() > static_cast<long long>(s.devices.size()))
+        fail(index, "degree", fmt::format("{} exceeds the {} devices", it->get<long long>(), s.devices.size()));
+      s.degree = static_cast<int>(it->get<long long>());
       if (s.devices.size() % static_cast<std::size_t>(s.degree) != 0)
         fail(index, "degree", fmt::format("{} does not divide the {} devices", s.degree, s.devices.size()));
     }
@@ -244,7 +255,7 @@ DirectiveProgram load_directives_file(const std::string& path) {
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
     std::string what = e.what();
     if (auto p = what.find("parse error"); p != std::string::npos) what = what.substr(p);
     throw Error(path + ": not JSON: " + what);

@@ -807,7 +807,7 @@ ModelConfig config_from_text(const std::string& text, const std::string& where) 
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
     std::string reason = e.what();
     // Drop nlohmann's "[json.exception.parse_error.101] " prefix; the rest is one readable line.
     if (auto pos = reason.find("] "); pos != std::string::npos) reason = reason.substr(pos + 2);

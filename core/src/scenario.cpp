@@ -112,7 +112,7 @@ int pp_regions_in_program(const json& program) {
     if (j.is_object()) {
       for (auto it = j.begin(); it != j.end(); ++it) {
         if (it.key() == "PP" && it.value().is_number_integer() && it.value().get<long long>() >= 0)
-          max_index = std::max(max_index, static_cast<int>(it.value().get<long long>()));
+          max_index = std::max(max_index, static_cast<int>(std::min(it.value().get<long long>(), 1LL << 30)));
         walk(it.value());
       }
     } else if (j.is_array()) {
@@ -253,7 +253,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
       }
       try {
         s.directives = json::parse(text);
-      } catch (const json::parse_error& e) {
+      } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
         throw Error(s.directives_source + ": not JSON: " + e.what());
       }
     } else if (d.is_array()) {

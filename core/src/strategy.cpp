@@ -56,8 +56,8 @@ void validate_strategy_options(const StrategyOptions& o) {
   check_limit(Limit::Layers, static_cast<std::int64_t>(o.pp) * o.virtual_stages, "--pp x --virtual", "PP regions");
   if (o.dp % o.ep != 0) fail("--ep " + std::to_string(o.ep) + " must divide --dp " + std::to_string(o.dp));
   if (o.zero < 0 || o.zero > 3) fail("--zero must be 0, 1, 2 or 3 (got " + std::to_string(o.zero) + ")");
-  if (!(o.bucket_mb >= 0) || !std::isfinite(o.bucket_mb))
-    fail("--bucket-mb must be a finite number >= 0 (got " + num(o.bucket_mb) + ")");
+  if (!(o.bucket_mb >= 0) || !std::isfinite(o.bucket_mb) || o.bucket_mb > 1e9)  // bytes must fit in int64
+    fail("--bucket-mb must be a number in [0, 1e9] (got " + num(o.bucket_mb) + ")");
 }
 
 const ScheduleFamily& schedule_family(const std::string& name) {

@@ -402,7 +402,7 @@ Cluster cluster_from_text(const std::string& text, const std::string& where) {
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
     std::string m = e.what();
     std::replace(m.begin(), m.end(), '\n', ' ');
     throw ClusterError(preset_or_path + ": invalid JSON: " + m);

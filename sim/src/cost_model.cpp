@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <sstream>
 
@@ -114,11 +115,25 @@ Calibration Calibration::from_json(const json& j, const std::string& where) {
     if (!e.contains("seconds") || !e.at("seconds").is_number() || e.at("seconds").get<double>() < 0)
       fail(at + "seconds", "expected a number >= 0");
     c_e.seconds = e.at("seconds").get<double>();
-    if (e.contains("flops")) c_e.flops = e.at("flops").get<double>();
-    if (e.contains("memory_bytes")) c_e.memory_bytes = e.at("memory_bytes").get<std::int64_t>();
-    if (e.contains("bytes")) c_e.bytes = e.at("bytes").get<std::int64_t>();
-    if (e.contains("group_size")) c_e.group_size = e.at("group_size").get<int>();
-    if (e.contains("key")) c_e.key = e.at("key").get<std::string>();
+    // Whole-number fields must be JSON integers: converting 1e300 to an integer is undefined.
+    auto integer = [&](const char* field, std::int64_t max) {
+      const json& v = e.at(field);
+      if (!v.is_number_integer() || v.get<std::int64_t>() < 0 || v.get<std::int64_t>() > max)
+        fail(at + field, fmt::format("expected an integer in [0, {}]", max));
+      return v.get<std::int64_t>();
+    };
+    if (e.contains("flops")) {
+      if (!e.at("flops").is_number() || e.at("flops").get<double>() < 0) fail(at + "flops", "expected a number >= 0");
+      c_e.flops = e.at("flops").get<double>();
+    }
+    if (e.contains("memory_bytes")) c_e.memory_bytes = integer("memory_bytes", INT64_MAX);
+    if (e.contains("bytes")) c_e.bytes = integer("bytes", INT64_MAX);
+    if (e.contains("group_size"))
+      c_e.group_size = static_cast<int>(integer("group_size", core::limit_value(core::Limit::Devices)));
+    if (e.contains("key")) {
+      if (!e.at("key").is_string()) fail(at + "key", "expected a string");
+      c_e.key = e.at("key").get<std::string>();
+    }
     c.entries.push_back(std::move(c_e));
   }
   return c;

@@ -14,7 +14,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(piper::fuzz::text_of(data, size));
-  } catch (const nlohmann::json::parse_error&) {
+  } catch (const nlohmann::json::exception&) {
     return 0;  // the CLI reports "not valid JSON" before any library code runs
   }
   piper::fuzz::rejects_cleanly([&] {
