@@ -138,7 +138,7 @@ CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) 
       // Regions sharing a device (V placements, mirrored pairs) are balanced per device as well.
       std::vector<std::vector<int>> devices_of_region(static_cast<std::size_t>(regions));
       for (const auto& d : out.program_json)
-        if (d.value("op", "") == "place" && d.contains("filter") && d["filter"].size() == 1 &&
+        if (d.is_object() && d.contains("op") && d["op"] == "place" && d.contains("filter") && d["filter"].size() == 1 &&
             d["filter"].contains("PP") && d["filter"]["PP"].is_number_integer() && d.contains("devices")) {
           const int r = d["filter"]["PP"].get<int>();
           // Malformed programs are left to parse_directives, which names the field at fault.

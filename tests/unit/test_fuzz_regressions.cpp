@@ -11,6 +11,7 @@
 #include "piper/core/directives.hpp"
 #include "piper/core/model.hpp"
 #include "piper/core/pytorch_csv.hpp"
+#include "piper/core/scenario.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/cost_model.hpp"
 
@@ -95,6 +96,20 @@ TEST(FuzzRegressions, NumberOverflowInJsonNamesTheFile) {
   EXPECT_NE(m.find("m.json: not JSON"), std::string::npos) << m;
   m = error_of<sim::ClusterError>([&] { sim::cluster_from_text(R"({"nodes": 1e400})", "c.json"); });
   EXPECT_NE(m.find("c.json"), std::string::npos) << m;
+}
+
+// A directive that is not an object (here a number) reached d.value("op", ...) in the PP balancing
+// before parse_directives could name it: json::type_error escaped (found by fuzz_directives).
+TEST(FuzzRegressions, NonObjectDirectiveIsNamedNotTypeError) {
+  core::Scenario s;
+  s.model = "qwen3-9m";
+  s.directives = json::parse(R"([{"op": "place", "filter": {"PP": 0}, "devices": [0]}, 5])");
+  s.directives_source = "p.json";
+  std::string m = error_of<core::DirectiveError>([&] { core::compile_scenario(s); });
+  EXPECT_NE(m.find("p.json: directive 1"), std::string::npos) << m;
+  s.directives = json::parse(R"([{"op": 7, "filter": {"PP": 0}, "devices": [0]}])");  // "op" not a string
+  m = error_of<core::DirectiveError>([&] { core::compile_scenario(s); });
+  EXPECT_NE(m.find("p.json: directive 0 field 'op'"), std::string::npos) << m;
 }
 
 }  // namespace
