@@ -2,22 +2,16 @@
 #include "cli/common.hpp"
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <limits>
-#include <sstream>
 
 #include <fmt/format.h>
 
+#include "piper/core/limits.hpp"
 #include "piper/core/program.hpp"
 #include "piper/core/strategy.hpp"
 
 namespace piper::cli {
-
-namespace fs = std::filesystem;
 
 // Error messages must stay on one line: a newline inside one would break "one line per error".
 std::string one_line(std::string s) {
@@ -37,22 +31,14 @@ std::string json_message(const json::exception& e) {
   return m;
 }
 
-std::string read_text_file(const std::string& path) {
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) throw CliError(path, "is a directory, expected a file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw CliError(path, fmt::format("cannot open: {}", std::strerror(errno)));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw CliError(path, "read failed");
-  return text.str();
-}
+// Sized before reading (Limit::InputBytes): a 10 GB file is refused without reading a byte.
+std::string read_text_file(const std::string& path) { return core::read_input_file(path); }
 
 json read_json_file(const std::string& path) {
   std::string text = read_text_file(path);
   try {
     return json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
     throw CliError(path, "not valid JSON: " + json_message(e));
   }
 }

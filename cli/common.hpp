@@ -97,5 +97,6 @@ Command add_sweep_command(CLI::App& app);
 Command add_export_chakra_command(CLI::App& app);
 Command add_tune_command(CLI::App& app);
 Command add_plot_command(CLI::App& app);
+Command add_limits_command(CLI::App& app);
 
 }  // namespace piper::cli

@@ -6,17 +6,23 @@
 #include <fmt/format.h>
 
 #include "cli/common.hpp"
+#include "piper/core/limits.hpp"
 
 using namespace piper::cli;
 
 int main(int argc, char** argv) {
   CLI::App app{"piper: a programmable distributed-training compiler, simulator and runtime", "piper"};
   app.require_subcommand(1);
+  // Resource limits (docs/reliability.md) may be given before or after the subcommand.
+  app.fallthrough();
+  std::vector<std::string> limit_flags;
+  app.add_option("--limit", limit_flags, "override a resource limit, NAME=N (repeatable; see `piper limits`)")
+      ->expected(1);
   std::vector<Command> commands = {add_compile_command(app), add_directives_command(app), add_verify_command(app),
                                    add_models_command(app), add_run_command(app),
                                    add_simulate_command(app), add_schedule_command(app),
                                    add_sweep_command(app), add_export_chakra_command(app), add_tune_command(app),
-                                   add_plot_command(app)};
+                                   add_plot_command(app), add_limits_command(app)};
 
   // CLI11 would only say "A subcommand is required" for a misspelt one; name it instead.
   std::vector<std::string> names;
@@ -37,6 +43,8 @@ int main(int argc, char** argv) {
   }
 
   try {
+    (void)piper::core::limit_value(piper::core::Limit::InputBytes);  // a malformed PIPER_LIMIT_* fails up front
+    for (const auto& spec : limit_flags) piper::core::set_limit_from_flag(spec);
     for (const auto& c : commands)
       if (c.app->parsed()) return c.run();
   } catch (const CliError& e) {

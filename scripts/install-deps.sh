@@ -18,6 +18,7 @@ packages=(
   libprotobuf-dev protobuf-compiler  # chakra: Chakra execution traces (protoc compiles et_def.proto)
   pybind11-dev python3-dev  # python: the `piper` Python module (tests and gen-docs.py use python3's stdlib)
   jq bc time              # experiments/: the study scripts read JSON reports, time themselves, measure peak RSS
+  clang libclang-rt-14-dev  # tests/fuzz: libFuzzer harnesses (clang 14 and its fuzzer/sanitizer runtimes)
 )
 
 if [ "$(id -u)" -ne 0 ]; then

@@ -12,6 +12,8 @@
 
 #include <fmt/format.h>
 
+#include "piper/core/limits.hpp"
+
 namespace piper::core {
 
 using nlohmann::json;
@@ -50,6 +52,9 @@ std::string Filter::to_string() const { return to_json().dump(); }
 
 namespace {
 
+constexpr long long kMaxTagIndex = 1 << 30;
+constexpr double kMaxBucketMb = 1e9;  // 1 PB: past it, the bucket size in bytes overflows int64
+
 [[noreturn]] void fail(int index, const std::string& field, const std::string& message) {
   throw DirectiveError(index, field, message);
 }
@@ -57,7 +62,8 @@ namespace {
 std::string type_name(const json& j) { return j.type_name(); }
 
 void check_fields(const json& d, int index, std::initializer_list<const char*> allowed) {
-  for (const auto& [key, value] : d.items()) {
+  for (auto it = d.begin(); it != d.end(); ++it) {
+    const std::string& key = it.key();  // a plain reference: clang 14 cannot capture structured bindings
     if (key == "op") continue;
     if (std::none_of(allowed.begin(), allowed.end(), [&](const char* a) { return key == a; })) {
       std::string list;
@@ -92,7 +98,10 @@ Filter parse_filter(const json& j, int index, const std::string& field, bool all
       f.any.push_back(tag);
     } else if (value.is_number_integer()) {
       if (value.get<long long>() < 0) fail(index, where, "tag index must be >= 0");
-      f.exact[tag] = value.get<int>();
+      // Larger indices would wrap when narrowed to int and silently select another region.
+      if (value.get<long long>() > kMaxTagIndex)
+        fail(index, where, "tag index " + std::to_string(value.get<long long>()) + " is larger than " + std::to_string(kMaxTagIndex));
+      f.exact[tag] = static_cast<int>(value.get<long long>());
     } else {
       fail(index, where, "must be a non-negative integer or \"*\", got " + type_name(value));
     }
@@ -110,7 +119,8 @@ std::vector<int> parse_devices(const json& d, int index) {
     if (!j[i].is_number_integer()) fail(index, where, "must be an integer, got " + type_name(j[i]));
     long long v = j[i].get<long long>();
     if (v < 0) fail(index, where, "device id " + std::to_string(v) + " is negative");
-    if (v > 100'000'000) fail(index, where, "device id " + std::to_string(v) + " is out of range");
+    // Device ids size per-device tables later; an id past the device limit is refused here.
+    if (v >= limit_value(Limit::Devices)) fail(index, where, "device id " + std::to_string(v) + ": " + limit_message(Limit::Devices, v + 1, "devices"));
     if (!seen.insert(static_cast<int>(v)).second) fail(index, where, "device " + std::to_string(v) + " listed twice");
     out.push_back(static_cast<int>(v));
   }
@@ -152,7 +162,8 @@ Directive parse_one(const json& d, int index) {
     r.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     r.devices = parse_devices(d, index);
     if (auto it = d.find("bucket_size"); it != d.end()) {
-      if (!it->is_number() || it->get<double>() < 0) fail(index, "bucket_size", "must be a non-negative number (MB)");
+      if (!it->is_number() || it->get<double>() < 0 || it->get<double>() > kMaxBucketMb)
+        fail(index, "bucket_size", fmt::format("must be a number of MB in [0, {:g}]", kMaxBucketMb));
       r.bucket_size_mb = it->get<double>();
     }
     r.shard_optimizer = get_bool(d, index, "shard_optimizer");
@@ -171,7 +182,10 @@ Directive parse_one(const json& d, int index) {
     s.stream = get_string(d, index, "stream", "ep");
     if (auto it = d.find("degree"); it != d.end()) {
       if (!it->is_number_integer() || it->get<long long>() < 1) fail(index, "degree", "must be a positive integer");
-      s.degree = it->get<int>();
+      // Checked before narrowing: 2^32 would become 0 and divide by zero below.
+      if (it->get<long long>() > static_cast<long long>(s.devices.size()))
+        fail(index, "degree", fmt::format("{} exceeds the {} devices", it->get<long long>(), s.devices.size()));
+      s.degree = static_cast<int>(it->get<long long>());
       if (s.devices.size() % static_cast<std::size_t>(s.degree) != 0)
         fail(index, "degree", fmt::format("{} does not divide the {} devices", s.degree, s.devices.size()));
     }
@@ -184,8 +198,9 @@ Directive parse_one(const json& d, int index) {
     s.dim_name = get_string(d, index, "dim_name", "MB");
     if (s.dim_name == "PASS") fail(index, "dim_name", "PASS is reserved");
     const json& n = require(d, index, "num_microbatches");
-    if (!n.is_number_integer() || n.get<long long>() < 1 || n.get<long long>() > 1'000'000)
-      fail(index, "num_microbatches", "must be a positive integer");
+    if (!n.is_number_integer() || n.get<long long>() < 1) fail(index, "num_microbatches", "must be a positive integer");
+    if (n.get<long long>() > limit_value(Limit::Microbatches))
+      fail(index, "num_microbatches", limit_message(Limit::Microbatches, n.get<long long>(), "microbatches"));
     s.count = n.get<int>();
     return s;
   }
@@ -267,12 +282,11 @@ DirectiveProgram parse_directives(const json& program) {
 json DirectiveProgram::to_json() const { return json(source); }
 
 DirectiveProgram load_directives_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw Error(path + ": cannot open file");
+  const std::string text = read_input_file(path);
   json j;
   try {
-    j = json::parse(in);
-  } catch (const json::parse_error& e) {
+    j = json::parse(text);
+  } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
     std::string what = e.what();
     if (auto p = what.find("parse error"); p != std::string::npos) what = what.substr(p);
     throw Error(path + ": not JSON: " + what);
@@ -322,6 +336,9 @@ struct PassContext {
   }
 
   Vertex add(DagNode n) {
+    // Backstop for passes other than split (which checks up front, naming its directive).
+    check_limit(Limit::DagNodes, static_cast<std::int64_t>(boost::num_vertices(dag.graph)) + 1, "global training DAG",
+                "nodes");
     n.label = n.label.empty() ? node_label(n) : n.label;
     Vertex v = dag.add_node(std::move(n));
     if (p2p_stream.size() <= v) p2p_stream.resize(v + 1);
@@ -391,6 +408,14 @@ void apply_split(PassContext& cx, const SplitDirective& d, int index) {
     if (cx.node(v).tags.contains(d.dim_name))
       fail(index, "dim_name", "'" + d.dim_name + "' is already a tag of '" + cx.node(v).label + "'");
   check_contiguous(cx, matched, index);
+  // Nested splits multiply: refuse before copying anything.
+  const std::int64_t microbatches = static_cast<std::int64_t>(cx.dag.microbatches) * d.count;
+  if (microbatches > limit_value(Limit::Microbatches))
+    fail(index, "num_microbatches", "with the splits before it, " + limit_message(Limit::Microbatches, microbatches, "microbatches"));
+  const std::int64_t nodes = static_cast<std::int64_t>(boost::num_vertices(cx.g())) +
+                             static_cast<std::int64_t>(matched.size()) * d.count;
+  if (nodes > limit_value(Limit::DagNodes))
+    fail(index, "num_microbatches", "the global DAG would reach " + limit_message(Limit::DagNodes, nodes, "nodes"));
   cx.split_dims.push_back(d.dim_name);
 
   Graph& g = cx.g();

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "piper/core/error.hpp"
+#include "piper/core/limits.hpp"
 
 namespace piper::core {
 
@@ -517,6 +518,25 @@ void validate_config(const ModelConfig& c, const std::string& where) {
   }
   positive(c.training.seq_len, "training.seq_len");
   positive(c.training.micro_batch_size, "training.micro_batch_size");
+  // Resource limits (limits.hpp): past them the DAG would not fit in memory or the costs (int64
+  // bytes) would overflow; checked here so every front end (spec, HF config, flags) is covered.
+  auto within = [&](Limit l, std::int64_t v, const char* field, const char* unit) {
+    check_limit(l, v, where + ": field '" + field + "'", unit);
+  };
+  within(Limit::Layers, c.layers, "layers", "layers");
+  const std::pair<std::int64_t, const char*> widths[] = {
+      {c.vocab, "vocab"}, {c.hidden, "hidden"}, {c.ffn, "ffn"}, {c.heads, "heads"}, {c.kv_heads, "kv_heads"},
+      {c.head_dim, "head_dim"}, {c.max_positions, "max_positions"}, {c.expert_ffn, "moe.expert_ffn"},
+      {c.shared_expert_ffn, "moe.shared_expert_ffn"}, {c.q_lora_rank, "mla.q_lora_rank"},
+      {c.kv_lora_rank, "mla.kv_lora_rank"}, {c.qk_rope_head_dim, "mla.qk_rope_head_dim"},
+      {c.v_head_dim, "mla.v_head_dim"}};
+  for (const auto& [value, field] : widths) within(Limit::ModelWidth, value, field, "");
+  within(Limit::Experts, c.experts, "moe.experts", "experts");
+  within(Limit::Experts, c.shared_experts, "moe.shared_experts", "shared experts");
+  within(Limit::TokensPerMicrobatch, c.training.seq_len, "training.seq_len", "tokens");
+  within(Limit::TokensPerMicrobatch, c.training.micro_batch_size, "training.micro_batch_size", "sequences");
+  within(Limit::TokensPerMicrobatch, c.training.seq_len * c.training.micro_batch_size, "training",
+         "tokens per microbatch");
 }
 
 }  // namespace
@@ -991,17 +1011,20 @@ ModelConfig load_model_config(const std::string& name_or_path) {
   std::filesystem::path path(name_or_path);
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) path /= "config.json";  // an HF checkpoint folder
-  std::ifstream in(path);
-  if (!in) {
+  if (!std::filesystem::exists(path, ec) || !std::ifstream(path)) {
     std::string names;
     for (const auto& n : zoo_names()) names += (names.empty() ? "" : ", ") + n;
     throw ModelError(name_or_path + ": neither a zoo model (" + names + ") nor a readable file");
   }
   const std::string where = path.string();
+  return config_from_text(read_input_file(where), where);
+}
+
+ModelConfig config_from_text(const std::string& text, const std::string& where) {
   json j;
   try {
-    j = json::parse(in);
-  } catch (const json::parse_error& e) {
+    j = json::parse(text);
+  } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
     std::string reason = e.what();
     // Drop nlohmann's "[json.exception.parse_error.101] " prefix; the rest is one readable line.
     if (auto pos = reason.find("] "); pos != std::string::npos) reason = reason.substr(pos + 2);

@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "piper/core/error.hpp"
+#include "piper/core/limits.hpp"
 
 namespace piper::core {
 
@@ -457,6 +458,7 @@ Program Program::from_json(const json& j) {
     p.training.precision = *parsed;
   }
   p.microbatches = as_int(require(j, "", "microbatches"), "microbatches");
+  check_limit(Limit::Microbatches, p.microbatches, "plan: field 'microbatches'", "microbatches");
   if (const json* f = optional_field(j, "model_spec")) p.model_spec = as_object(*f, "model_spec");
   if (const json* f = optional_field(j, "segments")) {
     as_array(*f, "segments");
@@ -497,6 +499,8 @@ Program Program::from_json(const json& j) {
   }
   p.num_devices = as_int(require(j, "", "num_devices"), "num_devices");
   if (p.num_devices < 0) fail("num_devices", "negative");
+  // Engines and the verifier size per-device tables by num_devices.
+  check_limit(Limit::Devices, p.num_devices, "plan: field 'num_devices'", "devices");
   {
     const json& sets = as_array(require(j, "", "device_sets"), "device_sets");
     p.device_sets.reserve(sets.size());

@@ -1,12 +1,15 @@
 // PyTorch torch.distributed.pipelining compute-only CSV <-> ScheduleTable <-> directive program.
 #include "piper/core/pytorch_csv.hpp"
 
+#include <cstdint>
 #include <map>
 #include <regex>
 #include <set>
 #include <stdexcept>
 
 #include <fmt/format.h>
+
+#include "piper/core/limits.hpp"
 
 namespace piper::core {
 
@@ -87,6 +90,8 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::stri
   }
   while (!rows.empty() && rows.back().size() == 1 && rows.back().front().empty()) rows.pop_back();
   if (rows.empty()) throw std::invalid_argument(where + ": no rows (expected one row of actions per rank)");
+  if (rows.size() > static_cast<std::size_t>(limit_value(Limit::Devices)))
+    throw std::invalid_argument(where + ": " + limit_message(Limit::Devices, static_cast<std::int64_t>(rows.size()), "ranks (rows)"));
 
   // Pass 1: every cell's actions, as written.
   struct Cell {
@@ -115,7 +120,16 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::stri
         std::smatch a;
         if (!std::regex_match(part, a, single))
           throw at(r, c, "'" + cell + "' is not a compute action like 2F0, 3B1, 3I1, 7W4 or (0F7;7B3)OVERLAP_F_B");
-        step.push_back({std::stoi(a[1]), kind_from_char(a[2].str()[0]), std::stoi(a[3])});
+        // Stage and microbatch numbers size tables: bound them (limits.hpp) before converting.
+        auto bounded = [&](const std::string& digits, Limit l, const char* unit) {
+          const std::int64_t v = digits.size() > 15 ? INT64_MAX : std::stoll(digits);
+          if (v == INT64_MAX || v + 1 > limit_value(l))
+            throw at(r, c, "'" + cell + "': " + limit_message(l, v == INT64_MAX ? v : v + 1, unit));
+          return static_cast<int>(v);
+        };
+        ScheduleAction act{bounded(a[1], Limit::Layers, "stages"), kind_from_char(a[2].str()[0]),
+                           bounded(a[3], Limit::Microbatches, "microbatches")};
+        step.push_back(act);
       }
       cells.push_back({r, c, cell, std::move(step)});
     }

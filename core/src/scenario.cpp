@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "piper/core/error.hpp"
+#include "piper/core/limits.hpp"
 
 namespace piper::core {
 
@@ -73,6 +74,8 @@ json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
     check_ep(cfg, opts.ep);
     if (regions == 0) regions = from("--schedule", [&] { return schedule_family(opts.schedule).regions(opts); });
   }
+  // Regions size per-region tables (balancing, placement): a "PP": 2000000000 filter must not allocate.
+  check_limit(Limit::Layers, regions, s.directives ? s.directives_source : std::string("--stages"), "PP regions");
   if (regions_out) *regions_out = regions;
   if (s.directives) {
     json program = *s.directives;
@@ -110,7 +113,7 @@ int pp_regions_in_program(const json& program) {
     if (j.is_object()) {
       for (auto it = j.begin(); it != j.end(); ++it) {
         if (it.key() == "PP" && it.value().is_number_integer() && it.value().get<long long>() >= 0)
-          max_index = std::max(max_index, static_cast<int>(it.value().get<long long>()));
+          max_index = std::max(max_index, static_cast<int>(std::min(it.value().get<long long>(), 1LL << 30)));
         walk(it.value());
       }
     } else if (j.is_array()) {
@@ -138,7 +141,7 @@ void annotate_regions(const Scenario& s, Model& model, const json& program, int 
       // Regions sharing a device (V placements, mirrored pairs) are balanced per device as well.
       std::vector<std::vector<int>> devices_of_region(static_cast<std::size_t>(regions));
       for (const auto& d : program)
-        if (d.value("op", "") == "place" && d.contains("filter") && d["filter"].size() == 1 &&
+        if (d.is_object() && d.contains("op") && d["op"] == "place" && d.contains("filter") && d["filter"].size() == 1 &&
             d["filter"].contains("PP") && d["filter"]["PP"].is_number_integer() && d.contains("devices")) {
           const int r = d["filter"]["PP"].get<int>();
           // Malformed programs are left to parse_directives, which names the field at fault.
@@ -263,11 +266,15 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     const json& d = j["directives"];
     if (d.is_string()) {
       s.directives_source = resolve(d.get<std::string>());
-      std::ifstream in(s.directives_source);
-      if (!in) throw fail("directives", "cannot open '" + s.directives_source + "'");
+      std::string text;
       try {
-        s.directives = json::parse(in);
-      } catch (const json::parse_error& e) {
+        text = read_input_file(s.directives_source);
+      } catch (const Error& e) {
+        throw fail("directives", e.what());
+      }
+      try {
+        s.directives = json::parse(text);
+      } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
         throw Error(s.directives_source + ": not JSON: " + e.what());
       }
     } else if (d.is_array()) {

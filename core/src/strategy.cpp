@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "piper/core/limits.hpp"
+
 namespace piper::core {
 namespace {
 
@@ -55,10 +57,14 @@ void validate_strategy_options(const StrategyOptions& o) {
     fail("--recompute must be none, selective or full (got '" + o.recompute + "')");
   if (o.global_batch < 0) fail("--global-batch must be >= 1 (got " + std::to_string(o.global_batch) + ")");
   at_least_one("--virtual-stages", o.virtual_stages);
+  // Resource limits (limits.hpp), before any generator loops over ranks, regions or microbatches.
+  check_limit(Limit::Microbatches, o.microbatches, "--microbatches", "microbatches");
+  check_limit(Limit::Devices, static_cast<std::int64_t>(o.pp) * o.dp, "--pp x --dp", "devices");
+  check_limit(Limit::Layers, static_cast<std::int64_t>(o.pp) * o.virtual_stages, "--pp x --virtual", "PP regions");
   if (o.dp % o.ep != 0) fail("--ep " + std::to_string(o.ep) + " must divide --dp " + std::to_string(o.dp));
   if (o.zero < 0 || o.zero > 3) fail("--zero must be 0, 1, 2 or 3 (got " + std::to_string(o.zero) + ")");
-  if (!(o.bucket_mb >= 0) || !std::isfinite(o.bucket_mb))
-    fail("--bucket-mb must be a finite number >= 0 (got " + num(o.bucket_mb) + ")");
+  if (!(o.bucket_mb >= 0) || !std::isfinite(o.bucket_mb) || o.bucket_mb > 1e9)  // bytes must fit in int64
+    fail("--bucket-mb must be a number in [0, 1e9] (got " + num(o.bucket_mb) + ")");
 }
 
 void resolve_global_batch(StrategyOptions& o, std::int64_t micro_batch_size) {

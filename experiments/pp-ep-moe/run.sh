@@ -70,7 +70,7 @@ for cfg in "pp4|--pp 4 --dp 2 --ep 2 --microbatches 8" "pp2|--pp 2 --dp 4 --ep 2
 done
 # The DualPipeV order against the DualPipe reference schedule (PyTorch CSV of deepseek-ai/DualPipe's
 # DualPipeV, 4 ranks, 10 microbatches), when the shared fixtures are beside the checkout.
-ref="$REPO_DIR/../shared/fixtures/pytorch-schedules/dualpipev_4rank_10mb.csv"
+ref="$REPO_DIR/tests/fixtures/pytorch-schedules/dualpipev_4rank_10mb.csv"
 if [ -f "$ref" ]; then
   if "$PIPER" schedule export-csv dualpipev --ranks 4 --microbatches 10 | cmp -s - "$ref"; then check="identical to"; else check="DIFFERS from"; fi
   echo "piper schedule export-csv dualpipev --ranks 4 --microbatches 10: $check dualpipev_4rank_10mb.csv" > reference-check.txt

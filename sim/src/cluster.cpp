@@ -2,6 +2,7 @@
 #include "piper/sim/cluster.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -9,6 +10,8 @@
 #include <sstream>
 
 #include <fmt/format.h>
+
+#include "piper/core/limits.hpp"
 
 namespace piper::sim {
 
@@ -101,6 +104,15 @@ struct Reader {
       fail(path + key, fmt::format("must be {} {}, got {}", positive ? ">" : ">=", min, x));
     return x;
   }
+  // A whole number in [min, limit]: counts of nodes and GPUs, which size tables (limits.hpp).
+  int count(const json& j, const std::string& key, const std::string& path, double min, core::Limit limit,
+            const char* unit) const {
+    const double x = number(j, key, path, min, false);
+    if (x != std::floor(x)) fail(path + key, fmt::format("expected a whole number, got {}", x));
+    const double max = static_cast<double>(core::limit_value(limit));
+    if (x > max) fail(path + key, core::limit_message(limit, x > 9e18 ? INT64_MAX : static_cast<std::int64_t>(x), unit));
+    return static_cast<int>(x);
+  }
   void check_keys(const json& j, const std::string& path, std::initializer_list<const char*> known) const {
     if (!j.is_object()) fail(path.empty() ? "(top level)" : path.substr(0, path.size() - 1), "expected an object");
     for (auto it = j.begin(); it != j.end(); ++it) {
@@ -162,7 +174,7 @@ void apply_node(const Reader& r, const json& j, const std::string& path, NodeSpe
   else
     r.check_keys(j, path, {"gpus_per_node", "gpu", "nvlink_bandwidth_gb_per_s", "nvlink_latency_us", "nics",
                            "nic_bandwidth_gbit_per_s"});
-  if (j.contains("gpus_per_node")) n.gpus_per_node = static_cast<int>(r.number(j, "gpus_per_node", path, 1, false));
+  if (j.contains("gpus_per_node")) n.gpus_per_node = r.count(j, "gpus_per_node", path, 1, core::Limit::Devices, "GPUs per node");
   if (j.contains("gpu")) apply_gpu(r, j.at("gpu"), path + "gpu.", n.gpu);
   if (j.contains("nvlink_bandwidth_gb_per_s"))
     n.nvlink_bandwidth_bytes_per_s = r.number(j, "nvlink_bandwidth_gb_per_s", path, 0, true) * kGB;
@@ -319,6 +331,8 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
   if (j.contains("nodes")) {
     const json& n = j.at("nodes");
     if (!n.is_number_integer() || n.get<long long>() < 1) r.fail("nodes", "expected a positive integer");
+    if (n.get<long long>() > core::limit_value(core::Limit::Devices))
+      r.fail("nodes", core::limit_message(core::Limit::Devices, n.get<long long>(), "nodes"));
     count = static_cast<int>(n.get<long long>());
     fixed = true;
   }
@@ -343,11 +357,16 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
         if (!o.at("nodes").is_array()) r.fail(path + "nodes", "expected an array of node indices");
         for (const json& x : o.at("nodes")) {
           if (!x.is_number_integer()) r.fail(path + "nodes", "expected integer node indices");
+          if (x.get<long long>() < 0 || x.get<long long>() >= count)
+            r.fail(path + "nodes", fmt::format("node {} out of range (the cluster has {} nodes)", x.get<long long>(), count));
           which.push_back(x.get<int>());
         }
       } else if (o.contains("first")) {
-        int first = static_cast<int>(r.number(o, "first", path, 0, false));
-        int n = o.contains("count") ? static_cast<int>(r.number(o, "count", path, 1, false)) : 1;
+        const int first = r.count(o, "first", path, 0, core::Limit::Devices, "nodes");
+        const int n = o.contains("count") ? r.count(o, "count", path, 1, core::Limit::Devices, "nodes") : 1;
+        if (static_cast<std::int64_t>(first) + n > count)
+          r.fail(path + "count", fmt::format("nodes {}..{} out of range (the cluster has {} nodes)", first,
+                                             static_cast<std::int64_t>(first) + n - 1, count));
         for (int k = 0; k < n; ++k) which.push_back(first + k);
       } else {
         r.fail(path + "nodes", "missing (give \"nodes\": [indices] or \"first\" and \"count\")");
@@ -359,6 +378,10 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
       }
     }
   }
+  std::int64_t devices = 0;
+  for (const auto& node : c.nodes) devices += node.gpus_per_node;
+  if (devices > core::limit_value(core::Limit::Devices))
+    r.fail(j.contains("nodes") ? "nodes" : "node.gpus_per_node", core::limit_message(core::Limit::Devices, devices, "GPUs"));
   return c;
 }
 
@@ -371,14 +394,15 @@ Cluster load_cluster(const std::string& preset_or_path) {
     for (const auto& n : cluster_presets()) list += (list.empty() ? "" : ", ") + n;
     throw ClusterError(fmt::format("--cluster '{}': neither a preset ({}) nor a file", preset_or_path, list));
   }
-  std::ifstream in(preset_or_path);
-  if (!in) throw ClusterError(preset_or_path + ": cannot read file");
-  std::stringstream text;
-  text << in.rdbuf();
+  return cluster_from_text(core::read_input_file(preset_or_path), preset_or_path);
+}
+
+Cluster cluster_from_text(const std::string& text, const std::string& where) {
+  const std::string& preset_or_path = where;
   json j;
   try {
-    j = json::parse(text.str());
-  } catch (const json::parse_error& e) {
+    j = json::parse(text);
+  } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
     std::string m = e.what();
     std::replace(m.begin(), m.end(), '\n', ' ');
     throw ClusterError(preset_or_path + ": invalid JSON: " + m);

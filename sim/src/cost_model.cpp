@@ -4,10 +4,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <sstream>
 
 #include <fmt/format.h>
+
+#include "piper/core/limits.hpp"
 
 namespace piper::sim {
 
@@ -112,23 +115,36 @@ Calibration Calibration::from_json(const json& j, const std::string& where) {
     if (!e.contains("seconds") || !e.at("seconds").is_number() || e.at("seconds").get<double>() < 0)
       fail(at + "seconds", "expected a number >= 0");
     c_e.seconds = e.at("seconds").get<double>();
-    if (e.contains("flops")) c_e.flops = e.at("flops").get<double>();
-    if (e.contains("memory_bytes")) c_e.memory_bytes = e.at("memory_bytes").get<std::int64_t>();
-    if (e.contains("bytes")) c_e.bytes = e.at("bytes").get<std::int64_t>();
-    if (e.contains("group_size")) c_e.group_size = e.at("group_size").get<int>();
-    if (e.contains("key")) c_e.key = e.at("key").get<std::string>();
+    // Whole-number fields must be JSON integers: converting 1e300 to an integer is undefined.
+    auto integer = [&](const char* field, std::int64_t max) {
+      const json& v = e.at(field);
+      if (!v.is_number_integer() || v.get<std::int64_t>() < 0 || v.get<std::int64_t>() > max)
+        fail(at + field, fmt::format("expected an integer in [0, {}]", max));
+      return v.get<std::int64_t>();
+    };
+    if (e.contains("flops")) {
+      if (!e.at("flops").is_number() || e.at("flops").get<double>() < 0) fail(at + "flops", "expected a number >= 0");
+      c_e.flops = e.at("flops").get<double>();
+    }
+    if (e.contains("memory_bytes")) c_e.memory_bytes = integer("memory_bytes", INT64_MAX);
+    if (e.contains("bytes")) c_e.bytes = integer("bytes", INT64_MAX);
+    if (e.contains("group_size"))
+      c_e.group_size = static_cast<int>(integer("group_size", core::limit_value(core::Limit::Devices)));
+    if (e.contains("key")) {
+      if (!e.at("key").is_string()) fail(at + "key", "expected a string");
+      c_e.key = e.at("key").get<std::string>();
+    }
     c.entries.push_back(std::move(c_e));
   }
   return c;
 }
 
-Calibration Calibration::load(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw ClusterError(path + ": cannot read calibration file");
-  std::stringstream text;
-  text << in.rdbuf();
+Calibration Calibration::load(const std::string& path) { return parse(core::read_input_file(path), path); }
+
+Calibration Calibration::parse(const std::string& text, const std::string& where) {
+  const std::string& path = where;
   try {
-    return from_json(json::parse(text.str()), path);
+    return from_json(json::parse(text), path);
   } catch (const json::exception& e) {
     std::string m = e.what();
     std::replace(m.begin(), m.end(), '\n', ' ');

@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include <fmt/format.h>
+#include "piper/core/limits.hpp"
 
 namespace piper::sim {
 
@@ -11,6 +12,12 @@ namespace {
 
 SimulationResult run(SimulationResult out, const std::string& cluster_name, const std::string& engine_name,
                      const SimulateOptions& options) {
+  // Every device runs its plan's ops; refuse a simulation too large to finish before starting it.
+  std::int64_t instances = 0;
+  for (const int plan : out.program->plan_of_device)
+    if (plan >= 0 && static_cast<std::size_t>(plan) < out.program->plans.size())
+      instances += out.program->plans[static_cast<std::size_t>(plan)].op_count();
+  core::check_limit(core::Limit::SimulatedOps, instances, "simulation", "op instances");
   out.cluster = with_devices(load_cluster(cluster_name), out.program->num_devices);
   std::optional<Calibration> calibration;
   if (!options.calibration_path.empty()) calibration = Calibration::load(options.calibration_path);

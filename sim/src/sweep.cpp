@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "piper/core/limits.hpp"
 #include "piper/core/scenario.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/sim/cluster.hpp"
@@ -105,6 +106,17 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   for (const auto& r : s.recompute)
     if (r != "none" && r != "selective" && r != "full")
       throw SweepError(fmt::format("{}: field 'recompute': unknown mode '{}' (expected none, selective or full)", where, r));
+  // The combinations multiply: refuse an absurd sweep before expanding it (limits.hpp).
+  double runs = 1;  // a double cannot overflow here: at most ~10^8 values per list in an input file
+  for (std::size_t n : {s.pp.size(), s.dp.size(), s.ep.size(), s.zero.size(), s.schedule.size(), s.microbatches.size(),
+                        s.virtual_stages.size(), s.bucket_mb.size(), s.engine.size(), s.seq_len.size(),
+                        s.micro_batch_size.size(), s.tp.size(), s.sequence_parallel.size(),
+                        s.recompute.size(), s.global_batch.size()})
+    runs *= static_cast<double>(n);
+  if (runs > static_cast<double>(core::limit_value(core::Limit::SweepRuns)))
+    throw SweepError(fmt::format("{}: {}", where,
+                                 core::limit_message(core::Limit::SweepRuns, static_cast<std::int64_t>(std::min(runs, 9e18)),
+                                                     "combinations")));
   // Names that no combination could use are errors in the spec, not rows: say so once, up front.
   const auto engines = engine_names();
   for (const auto& e : s.engine)
@@ -126,15 +138,17 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
 }
 
 SweepSpec SweepSpec::load(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw SweepError(path + ": cannot open");
+  return parse(core::read_input_file(path), path, fs::path(path).parent_path().string());
+}
+
+SweepSpec SweepSpec::parse(const std::string& text, const std::string& where, const std::string& base_dir) {
   json j;
   try {
-    j = json::parse(in);
+    j = json::parse(text);
   } catch (const json::exception& e) {
-    throw SweepError(path + ": not valid JSON: " + one_line(e.what()));
+    throw SweepError(where + ": not valid JSON: " + one_line(e.what()));
   }
-  return from_json(j, path, fs::path(path).parent_path().string());
+  return from_json(j, where, base_dir);
 }
 
 std::string SweepPoint::key() const {

@@ -1,4 +1,4 @@
-// The published Piper directive programs (shared/fixtures/piper-directives) compile for qwen3-9m,
+// The published Piper directive programs (tests/fixtures/piper-directives) compile for qwen3-9m,
 // verify clean, round-trip through JSON, and insert exactly the communication derived by hand.
 #include <gtest/gtest.h>
 

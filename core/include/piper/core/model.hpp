@@ -168,6 +168,8 @@ nlohmann::json config_to_spec_json(const ModelConfig& c);
 // Resolve --model: zoo name, path to a spec JSON, or path to an HF config.json (detected by its
 // "architectures" or "model_type" key). Throws ModelError with a one-line message.
 ModelConfig load_model_config(const std::string& name_or_path);
+// A model file's text (what load_model_config reads): an HF config.json or a model spec.
+ModelConfig config_from_text(const std::string& text, const std::string& where);
 
 // Annotate PP regions automatically: `stages` contiguous regions balanced by per-layer compute
 // cost (F+B FLOPs), embedding on the first, final norm + head on the last. Replaces existing PP tags.

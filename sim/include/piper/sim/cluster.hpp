@@ -92,6 +92,8 @@ Cluster load_cluster(const std::string& preset_or_path);
 //    "overrides": [{"nodes": [i, j] | "first": i, "count": n, ...node fields...}],
 //    "network": {"latency_us", "topology", "oversubscription"}}
 Cluster cluster_from_json(const nlohmann::json& j, const std::string& where);
+// A cluster file's text (what load_cluster reads): JSON parse errors become ClusterError too.
+Cluster cluster_from_text(const std::string& text, const std::string& where);
 // The same node type repeated to hold `devices` GPUs: ceil(devices / gpus_per_node(last node)) nodes;
 // extra nodes copy the last node. A fixed-size cluster with fewer devices throws ClusterError.
 Cluster with_devices(const Cluster& cluster, int devices);

@@ -41,7 +41,9 @@ struct Calibration {
   std::optional<double> lookup(const core::Op& op, int group_size) const;
   nlohmann::json to_json() const;
   static Calibration from_json(const nlohmann::json& j, const std::string& where);  // throws ClusterError
-  static Calibration load(const std::string& path);
+  static Calibration load(const std::string& path);  // size-checked read, then parse
+  // A calibration file's text; JSON errors (syntax or a field's type) become ClusterError.
+  static Calibration parse(const std::string& text, const std::string& where);
 };
 
 // Per-op override: a value replaces every other estimate of that op (compute or communication).

@@ -40,7 +40,8 @@ struct SweepSpec {
   // Reads a spec's JSON; `where` names it in errors. Each knob is a value or a list of values.
   // Relative model/cluster/calibration file paths resolve against `base_dir`.
   static SweepSpec from_json(const nlohmann::json& j, const std::string& where, const std::string& base_dir = "");
-  static SweepSpec load(const std::string& path);
+  static SweepSpec load(const std::string& path);  // size-checked read, then parse
+  static SweepSpec parse(const std::string& text, const std::string& where, const std::string& base_dir = "");
 };
 
 // One combination of knob values.

@@ -1,0 +1,67 @@
+// Resource limits: the largest inputs Piper accepts, in one table, so that an absurd input (a 10 GB
+// file, 10^12 layers, 10^6 microbatches or devices) is refused up front with one line naming the limit
+// instead of running away in memory or time. Each limit is overridable: `piper --limit NAME=VALUE`
+// or the environment variable PIPER_LIMIT_<NAME> (upper case, '-' -> '_'); see docs/reliability.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "piper/core/error.hpp"
+
+namespace piper::core {
+
+enum class Limit {
+  InputBytes,           // size of any input file read (programs, specs, configs, CSVs, plans)
+  Layers,               // model blocks (layers / num_hidden_layers)
+  ModelWidth,           // hidden, ffn, expert_ffn, heads, head_dim, vocab, MLA ranks, positions
+  Experts,              // MoE experts (and top_k, shared experts)
+  TokensPerMicrobatch,  // seq_len x micro_batch_size
+  Microbatches,         // microbatches per step (flags, split directives, CSVs, plans)
+  Devices,              // devices in a program, cluster or strategy; device ids are below it
+  DagNodes,             // nodes of the global training DAG while compiling
+  SimulatedOps,         // op instances a simulation runs (sum over devices of their plan's ops)
+  SweepRuns,            // combinations in one sweep
+};
+
+struct LimitInfo {
+  Limit limit;
+  const char* name;            // as given to --limit, e.g. "microbatches"
+  std::int64_t default_value;
+  const char* what;            // one line for docs and errors
+};
+
+// Every limit with its default, in declaration order.
+const std::vector<LimitInfo>& limit_table();
+
+// A limit was exceeded (or an override was malformed). The message names the limit and how to raise it.
+class LimitError : public Error {
+ public:
+  using Error::Error;
+};
+
+// The current value: an override (set_limit), else PIPER_LIMIT_<NAME> from the environment, else
+// the default. Thread-safe; read the environment once.
+std::int64_t limit_value(Limit l);
+
+// Overrides a limit by name ("microbatches"); throws LimitError for an unknown name or a value < 1.
+void set_limit(const std::string& name, std::int64_t value);
+// Parses "NAME=VALUE" (the --limit flag) and applies it; throws LimitError naming the flag.
+void set_limit_from_flag(const std::string& spec);
+// Restores every limit to its default (ignoring the environment); for tests and fuzz harnesses.
+void reset_limits_to_defaults();
+
+// "<value> <unit> exceeds the limit of <max> (limit 'NAME'; raise it with --limit NAME=N or ...)",
+// for errors that carry their own location (a directive index and field).
+std::string limit_message(Limit l, std::int64_t value, const std::string& unit);
+
+// Throws LimitError "<where>: <value> <unit> exceeds the limit of <max> (...)" when value > limit.
+// `where` names the file/field or flag; `unit` says what was counted ("microbatches").
+void check_limit(Limit l, std::int64_t value, const std::string& where, const std::string& unit);
+
+// Reads a whole input file after checking its size against Limit::InputBytes (before reading a
+// byte). Throws Error "<path>: ..." for a missing, unreadable or oversized file or a directory.
+std::string read_input_file(const std::string& path);
+
+}  // namespace piper::core

@@ -1,0 +1,153 @@
+// Resource limits (see limits.hpp): the table, overrides from flags and the environment, and the
+// size-checked file reader every input path goes through.
+#include "piper/core/limits.hpp"
+
+#include <array>
+#include <atomic>
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+
+namespace piper::core {
+
+namespace {
+
+// Defaults are far above any real job (the largest zoo model has 96 blocks; clusters being built have
+// ~10^5 GPUs) and low enough that the work they allow finishes in minutes and fits in memory.
+const std::vector<LimitInfo> kTable = {
+    {Limit::InputBytes, "input-bytes", 256LL << 20, "size of an input file in bytes"},
+    {Limit::Layers, "layers", 4096, "transformer blocks in a model"},
+    {Limit::ModelWidth, "model-width", 1LL << 20,
+     "any model width: vocab, hidden, ffn, expert_ffn, heads, kv_heads, head_dim, MLA ranks, max_positions"},
+    {Limit::Experts, "experts", 65536, "MoE experts (also top_k and shared experts)"},
+    {Limit::TokensPerMicrobatch, "tokens-per-microbatch", 1LL << 24, "seq_len x micro_batch_size"},
+    {Limit::Microbatches, "microbatches", 16384, "microbatches per training step"},
+    {Limit::Devices, "devices", 262144, "devices in a strategy, program or cluster (device ids are below it)"},
+    {Limit::DagNodes, "dag-nodes", 4'000'000, "nodes of the global training DAG while compiling"},
+    {Limit::SimulatedOps, "simulated-ops", 250'000'000, "op instances one simulation runs (all devices)"},
+    {Limit::SweepRuns, "sweep-runs", 100'000, "combinations in one sweep"},
+};
+
+constexpr std::size_t kCount = 10;
+
+std::string env_name(const char* name) {
+  std::string s = "PIPER_LIMIT_";
+  for (const char* p = name; *p; ++p) s += *p == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(*p)));
+  return s;
+}
+
+std::int64_t parse_positive(const std::string& text, const std::string& where) {
+  std::int64_t v = 0;
+  std::size_t used = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size() || v < 1)
+    throw LimitError(fmt::format("{}: expected a positive integer, got '{}'", where, text));
+  return v;
+}
+
+struct Values {
+  std::array<std::atomic<std::int64_t>, kCount> v;
+  Values() { reset(); }
+  void reset() {
+    for (std::size_t i = 0; i < kCount; ++i) v[i] = kTable[i].default_value;
+  }
+};
+
+// Read the environment once; a malformed variable is reported on every use (it never half-applies).
+Values& values() {
+  static Values vals;
+  static const std::string env_error = [] {
+    for (std::size_t i = 0; i < kCount; ++i) {
+      const std::string name = env_name(kTable[i].name);
+      if (const char* text = std::getenv(name.c_str())) {
+        try {
+          vals.v[i] = parse_positive(text, name);
+        } catch (const LimitError& e) {
+          return std::string(e.what());
+        }
+      }
+    }
+    return std::string();
+  }();
+  if (!env_error.empty()) throw LimitError(env_error);
+  return vals;
+}
+
+std::size_t index_of(Limit l) { return static_cast<std::size_t>(l); }
+
+}  // namespace
+
+const std::vector<LimitInfo>& limit_table() {
+  static_assert(static_cast<std::size_t>(Limit::SweepRuns) + 1 == kCount);
+  return kTable;
+}
+
+std::int64_t limit_value(Limit l) { return values().v[index_of(l)]; }
+
+void set_limit(const std::string& name, std::int64_t value) {
+  for (std::size_t i = 0; i < kCount; ++i)
+    if (name == kTable[i].name) {
+      if (value < 1) throw LimitError(fmt::format("--limit {}: must be a positive integer", name));
+      values().v[i] = value;
+      return;
+    }
+  std::string names;
+  for (const auto& info : kTable) names += (names.empty() ? "" : ", ") + std::string(info.name);
+  throw LimitError(fmt::format("--limit: unknown limit '{}' (expected one of: {})", name, names));
+}
+
+void set_limit_from_flag(const std::string& spec) {
+  const auto eq = spec.find('=');
+  if (eq == std::string::npos) throw LimitError(fmt::format("--limit '{}': expected NAME=VALUE", spec));
+  const std::string name = spec.substr(0, eq);
+  set_limit(name, parse_positive(spec.substr(eq + 1), "--limit " + name));
+}
+
+void reset_limits_to_defaults() { values().reset(); }
+
+std::string limit_message(Limit l, std::int64_t value, const std::string& unit) {
+  const LimitInfo& info = kTable[index_of(l)];
+  return fmt::format("{}{}{} exceeds the limit of {} (limit '{}'; raise it with --limit {}=N or {}=N)", value,
+                     unit.empty() ? "" : " ", unit, limit_value(l), info.name, info.name, env_name(info.name));
+}
+
+void check_limit(Limit l, std::int64_t value, const std::string& where, const std::string& unit) {
+  if (value <= limit_value(l)) return;
+  throw LimitError(where.empty() ? limit_message(l, value, unit) : where + ": " + limit_message(l, value, unit));
+}
+
+std::string read_input_file(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec || !fs::exists(st)) throw Error(fmt::format("{}: cannot open: no such file", path));
+  if (fs::is_directory(st)) throw Error(fmt::format("{}: is a directory, expected a file", path));
+  // Regular files are sized before reading; pipes and devices (/dev/stdin) are read in chunks and
+  // stopped as soon as they pass the limit.
+  if (fs::is_regular_file(st)) {
+    const auto size = fs::file_size(path, ec);
+    if (!ec) check_limit(Limit::InputBytes, static_cast<std::int64_t>(size), path, "bytes");
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  std::string text;
+  char buffer[1 << 16];
+  while (in.read(buffer, sizeof buffer) || in.gcount() > 0) {
+    text.append(buffer, static_cast<std::size_t>(in.gcount()));
+    check_limit(Limit::InputBytes, static_cast<std::int64_t>(text.size()), path, "bytes (or more)");
+  }
+  if (in.bad()) throw Error(fmt::format("{}: read failed", path));
+  return text;
+}
+
+}  // namespace piper::core

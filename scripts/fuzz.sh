@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer harnesses (preset "fuzz", build-fuzz/) and runs each for SECONDS seconds,
+# then prints executions and findings (crashes, leaks, timeouts, out-of-memory) per harness.
+# Usage: bash scripts/fuzz.sh SECONDS [HARNESS...]   (default: every harness; exit 1 on any finding)
+# Corpora grow in build-fuzz/corpus/<harness>/ across runs; each run's findings land in build-fuzz/findings/.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+seconds=${1:?usage: scripts/fuzz.sh SECONDS [HARNESS...]}
+shift
+all=(fuzz_directives fuzz_model fuzz_cluster fuzz_calibration fuzz_sweep fuzz_pytorch_csv fuzz_plan)
+if [ $# -gt 0 ]; then harnesses=("$@"); else harnesses=("${all[@]}"); fi
+
+cmake --preset fuzz >/dev/null
+cmake --build --preset fuzz -j"$(nproc)" --target "${harnesses[@]}"
+
+# Seeds: the vendored fixtures, the examples and the test inputs, per input surface. Plans and
+# extra programs come from the normal build's piper when it exists (scripts/test.sh builds it first).
+seeds=build-fuzz/seeds
+rm -rf "$seeds"
+mkdir -p "$seeds"/{fuzz_directives,fuzz_model,fuzz_cluster,fuzz_calibration,fuzz_sweep,fuzz_pytorch_csv,fuzz_plan}
+cp tests/fixtures/piper-directives/*.json "$seeds/fuzz_directives/"
+for f in tests/data/bad/*.json; do
+  case "$f" in *model*) cp "$f" "$seeds/fuzz_model/" ;; *) cp "$f" "$seeds/fuzz_directives/" ;; esac
+done
+cp examples/models/*.json tests/data/hf/*.json "$seeds/fuzz_model/"
+cp examples/clusters/*.json "$seeds/fuzz_cluster/"
+cp tests/fuzz/seeds/calibration/*.json "$seeds/fuzz_calibration/"
+cp examples/sweeps/*.json "$seeds/fuzz_sweep/"
+cp tests/fixtures/pytorch-schedules/*.csv "$seeds/fuzz_pytorch_csv/"
+piper=build/bin/piper
+if [ -x "$piper" ]; then
+  "$piper" directives --pp 2 --dp 2 --ep 2 --zero 1 --schedule 1f1b --microbatches 2 >"$seeds/fuzz_directives/gen-1f1b.json"
+  "$piper" directives --pp 2 --schedule zbh1 --microbatches 2 >"$seeds/fuzz_directives/gen-zbh1.json" 2>/dev/null || true
+  "$piper" schedule export-csv 1f1b --ranks 2 --microbatches 3 -o "$seeds/fuzz_pytorch_csv/1f1b.csv"
+  "$piper" compile --model examples/models/tiny-moe.json --pp 2 --microbatches 2 -o "$seeds/fuzz_plan/tiny-pp2.json" >/dev/null
+  "$piper" compile --model examples/models/tiny-moe.json --dp 2 --ep 2 --zero 3 --microbatches 1 \
+    -o "$seeds/fuzz_plan/tiny-dp2-zero3.json" >/dev/null
+else
+  echo "fuzz: $piper not built; fuzz_plan starts without seeds"
+fi
+
+# Findings are per run (fix them before the next): crash-*, leak-*, timeout-*, oom-* inputs and logs.
+rm -rf build-fuzz/findings
+mkdir -p build-fuzz/findings
+printf '\n%-20s %12s %8s %8s %8s %8s\n' harness executions crashes leaks timeouts ooms
+total_execs=0
+total_findings=0
+for h in "${harnesses[@]}"; do
+  corpus=build-fuzz/corpus/$h
+  mkdir -p "$corpus"
+  log=build-fuzz/findings/$h.log
+  # -timeout: one input taking 10 s is a hang; -rss_limit_mb: one using 2 GB is a runaway.
+  set +e
+  "build-fuzz/bin/$h" "$corpus" "$seeds/$h" -dict=tests/fuzz/piper.dict -max_total_time="$seconds" \
+    -timeout=10 -rss_limit_mb=2048 -max_len=65536 -print_final_stats=1 \
+    -artifact_prefix="build-fuzz/findings/$h-" </dev/null >"$log" 2>&1
+  set -e
+  execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -1)
+  execs=${execs:-0}
+  count() { ls build-fuzz/findings | grep -c "^$h-$1-" || true; }
+  crashes=$(count crash); leaks=$(count leak); timeouts=$(count timeout); ooms=$(count oom)
+  new=$((crashes + leaks + timeouts + ooms))
+  printf '%-20s %12s %8s %8s %8s %8s\n' "$h" "$execs" "$crashes" "$leaks" "$timeouts" "$ooms"
+  total_execs=$((total_execs + execs))
+  total_findings=$((total_findings + new))
+  if [ "$new" -gt 0 ]; then grep -m3 -E 'ERROR|SUMMARY|uncaught|deadly' "$log" | sed 's/^/    /' || true; fi
+done
+printf '%-20s %12s   findings: %s (inputs and logs in build-fuzz/findings/)\n' total "$total_execs" "$total_findings"
+[ "$total_findings" -eq 0 ]
