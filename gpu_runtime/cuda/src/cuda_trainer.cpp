@@ -69,7 +69,7 @@ core::DeviceTimeline merged(const CudaBackend& b, const StepMeasurement& m) {
 CudaConfig config_of(const TrainOptions& o, const CudaRunOptions& c) { return CudaConfig{o.seed, o.data_path, o.adamw, c.dtype}; }
 
 void refuse_checkpoints(const TrainOptions& o) {
-  if (!o.save_dir.empty() || !o.resume_dir.empty())
+  if (!o.save_path.empty() || !o.resume_path.empty())
     throw std::invalid_argument("--save/--resume: checkpoints are not implemented for --backend cuda yet");
 }
 
