@@ -46,19 +46,32 @@ std::vector<std::string> lines_of(const fs::path& p) {
   return out;
 }
 
-// key -> row without the two wall-time columns (compile_time_s, simulate_time_s: fields 21 and 22,
-// 0-based; only the last field, reason, may hold a quoted comma).
+// key -> row without the two wall-time columns (compile_time_s, simulate_time_s, adjacent; found by
+// name in the header; only the last field, reason, may hold a quoted comma).
 std::map<std::string, std::string> rows_by_key(const fs::path& p) {
   std::map<std::string, std::string> out;
   const auto lines = lines_of(p);
+  if (lines.empty()) return out;
+  std::size_t compile_field = 0, fields = 1;
+  {
+    std::stringstream header(lines[0]);
+    std::size_t i = 0;
+    for (std::string name; std::getline(header, name, ','); ++i) {
+      if (name == "compile_time_s") compile_field = i;
+      fields = i + 1;
+    }
+  }
+  EXPECT_GT(compile_field, 0u) << "no compile_time_s column: " << lines[0];
+  const std::size_t needed = fields - 1;
   for (std::size_t i = 1; i < lines.size(); ++i) {
     const std::string& line = lines[i];
     std::vector<std::size_t> commas;
-    for (std::size_t c = 0; c < line.size() && commas.size() < 23; ++c)
+    for (std::size_t c = 0; c < line.size() && commas.size() < needed; ++c)
       if (line[c] == ',') commas.push_back(c);
-    EXPECT_EQ(commas.size(), 23u) << line;
-    if (commas.size() < 23) continue;
-    const std::string row = line.substr(0, commas[20]) + line.substr(commas[22]);
+    EXPECT_EQ(commas.size(), needed) << line;
+    if (commas.size() < needed) continue;
+    // Drop fields compile_field and compile_field + 1 (with the comma before the first).
+    const std::string row = line.substr(0, commas[compile_field - 1]) + line.substr(commas[compile_field + 1]);
     const std::string key = row.substr(0, row.find(','));
     EXPECT_TRUE(out.emplace(key, row).second) << "key twice: " << key;
   }

@@ -2,6 +2,8 @@
 // al. 2022 Table 2 activation formulas derived by hand, TP collective counts and volumes per op,
 // FLOP and parameter splits, directive validation, strategy flags, TP groups in the Program and
 // the verifier, the simulator's TP cost, and composition with every schedule family, EP and ZeRO.
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
@@ -156,7 +158,8 @@ Scenario tp_scenario(const std::string& model_path, StrategyOptions o) {
 }
 
 std::string write_spec(const ModelConfig& c) {
-  const std::string path = ::testing::TempDir() + "/" + c.name + ".json";
+  // One file per process: CTest runs this binary's tests in parallel processes.
+  const std::string path = ::testing::TempDir() + "/" + c.name + "-" + std::to_string(::getpid()) + ".json";
   write_file_atomically(path, config_to_spec_json(c).dump());
   return path;
 }
