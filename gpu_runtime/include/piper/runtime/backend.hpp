@@ -1,5 +1,5 @@
 // The interface between the backend-neutral executor and a backend (kernels + communication):
-// the host backend (Eigen over MPI ranks) implements it today, a CUDA backend (cuBLAS, NCCL) later.
+// the host backend (Eigen over MPI ranks) and the CUDA backend (cuBLASLt, NCCL or loopback) implement it.
 #pragma once
 
 #include "piper/core/program.hpp"
