@@ -304,17 +304,7 @@ SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
   const Outcome o = simulate_outcome(scenario, p.cluster, p.engine, calibration_path);
   SweepRow row;
   row.point = p;
-  row.status = o.status;
-  row.reason = o.reason;
-  row.devices = o.devices;
-  row.step_time_s = o.step_time_s;
-  row.tokens_per_s = o.tokens_per_s;
-  row.mfu = o.mfu;
-  row.bubble_fraction = o.bubble_fraction;
-  row.peak_memory_bytes = o.peak_memory_bytes;
-  row.oom = o.oom;
-  row.compile_time_s = o.compile_time_s;
-  row.simulate_time_s = o.simulate_time_s;
+  copy_outcome(o, row);
   return row;
 }
 

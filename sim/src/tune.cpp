@@ -489,18 +489,8 @@ TuneRow evaluate_candidate(const TuneSpec& spec, const TuneCandidate& c, const s
   TuneRow row;
   row.candidate = c;
   row.engine = engine;
-  row.status = o.status;
-  row.reason = o.reason;
   row.estimated_memory_bytes = estimated_memory_bytes;
-  row.devices = o.devices;
-  row.step_time_s = o.step_time_s;
-  row.tokens_per_s = o.tokens_per_s;
-  row.mfu = o.mfu;
-  row.bubble_fraction = o.bubble_fraction;
-  row.peak_memory_bytes = o.peak_memory_bytes;
-  row.oom = o.oom;
-  row.compile_time_s = o.compile_time_s;
-  row.simulate_time_s = o.simulate_time_s;
+  copy_outcome(o, row);
   return row;
 }
 

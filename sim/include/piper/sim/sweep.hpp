@@ -91,6 +91,22 @@ struct Outcome {
   bool oom = false;
   double compile_time_s = 0, simulate_time_s = 0;
 };
+// Copies an outcome into a results row (SweepRow, TuneRow: the same field names).
+template <typename Row>
+void copy_outcome(const Outcome& o, Row& row) {
+  row.status = o.status;
+  row.reason = o.reason;
+  row.devices = o.devices;
+  row.step_time_s = o.step_time_s;
+  row.tokens_per_s = o.tokens_per_s;
+  row.mfu = o.mfu;
+  row.bubble_fraction = o.bubble_fraction;
+  row.peak_memory_bytes = o.peak_memory_bytes;
+  row.oom = o.oom;
+  row.compile_time_s = o.compile_time_s;
+  row.simulate_time_s = o.simulate_time_s;
+}
+
 // Compiles `scenario` and simulates it on `cluster` with `engine`; never throws for a bad scenario.
 Outcome simulate_outcome(const core::Scenario& scenario, const std::string& cluster, const std::string& engine,
                          const std::string& calibration_path = "");
