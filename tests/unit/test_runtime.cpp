@@ -13,6 +13,8 @@
 #include <thread>
 
 #include <gtest/gtest.h>
+
+#include "shell.hpp"
 #include <nlohmann/json.hpp>
 
 #include "piper/core/scenario.hpp"
@@ -40,26 +42,10 @@ constexpr double kLossRelTol = 1e-5;
 constexpr double kParamAbsTol = 1e-4;
 constexpr const char* kOptimizer = " --lr 3e-3 --adam-eps 1e-6";
 
-struct Result {
-  int code = -1;
-  std::string output;
-};
+using piper::test::Result;
+using piper::test::sh;
+using piper::test::mpirun;
 
-Result sh(const std::string& cmd) {
-  Result r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  while (std::fgets(buf, sizeof buf, p)) r.output += buf;
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
-
-std::string mpirun(int ranks) {
-  // As root mpirun refuses to start without --allow-run-as-root; --oversubscribe lets 4 ranks share 2 cores.
-  return std::string("timeout 120 ") + PIPER_MPIEXEC + " --allow-run-as-root --oversubscribe -np " + std::to_string(ranks) + " ";
-}
 
 fs::path temp_root() { return fs::temp_directory_path() / ("piper-runtime-test-" + std::to_string(getpid())); }
 

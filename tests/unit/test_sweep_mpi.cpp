@@ -12,30 +12,16 @@
 
 #include <gtest/gtest.h>
 
+#include "shell.hpp"
+
 namespace fs = std::filesystem;
 
 namespace {
 
-struct Result {
-  int code = -1;
-  std::string output;
-};
+using piper::test::Result;
+using piper::test::sh;
+using piper::test::mpirun;
 
-Result sh(const std::string& cmd) {
-  Result r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  while (std::fgets(buf, sizeof buf, p)) r.output += buf;
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
-
-std::string mpirun(int ranks) {
-  // As root mpirun refuses to start without --allow-run-as-root; --oversubscribe lets ranks share 2 cores.
-  return std::string("timeout 120 ") + PIPER_MPIEXEC + " --allow-run-as-root --oversubscribe -np " + std::to_string(ranks) + " ";
-}
 
 const std::string kSpec = std::string(PIPER_SOURCE_DIR) + "/examples/sweeps/qwen3-9m-quick.json";
 
