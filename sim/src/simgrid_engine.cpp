@@ -1,7 +1,7 @@
 // The "simgrid" engine: runs a Program on a SimGrid platform built from the Cluster, releasing each
-// activity (compute Exec, transfer Comm, collective as rounds of Comms) from SimGrid completion
-// callbacks as the ReadyTracker frees it. SimGrid 3.32 cannot be initialised twice in a process, so
-// every run happens in a forked child that sends the op times back through a pipe.
+// op (transfer as a Comm, collective as rounds of Comms, compute and fixed delays as SimGrid timers)
+// from SimGrid callbacks as the ReadyTracker frees it. SimGrid 3.32 cannot be initialised twice in a
+// process, so every run happens in a forked child that sends the op times back through a pipe.
 #include "piper/sim/simgrid_engine.hpp"
 
 #include <sys/wait.h>
@@ -16,6 +16,7 @@
 #include <set>
 #include <string>
 
+#include <simgrid/kernel/Timer.hpp>
 #include <simgrid/s4u.hpp>
 
 #include "piper/core/error.hpp"
@@ -45,14 +46,13 @@ class Run {
   Run(const core::Program& program, const Cluster& cluster, const CostModel& cost, const SimgridOptions& options)
       : program_(program), cost_(cost), options_(options), tracker_(program) {
     const int n = program.num_devices;
-    std::vector<int> cores(static_cast<std::size_t>(n));
-    for (int d = 0; d < n; ++d) cores[static_cast<std::size_t>(d)] = static_cast<int>(program.plan_for(d).streams.size());
     node_of_ = cluster.node_of_devices();
     if (static_cast<int>(node_of_.size()) < n)
       throw ClusterError("cluster '" + cluster.name + "' has " + std::to_string(node_of_.size()) + " GPUs, the program needs " + std::to_string(n));
-    platform_ = std::make_unique<simgrid_detail::Platform>(cluster, cost, n, std::move(cores), route_pairs());
+    platform_ = std::make_unique<simgrid_detail::Platform>(cluster, cost, n, route_pairs());
     times_.assign(static_cast<std::size_t>(2 * tracker_.total_ops()), 0.0);
     comm_active_.assign(static_cast<std::size_t>(n), 0);
+    computing_.resize(static_cast<std::size_t>(n));
   }
 
   // Simulates; returns op (start, end) times for every device in (stream, index) order.
@@ -77,13 +77,24 @@ class Run {
   }
 
  private:
-  // What a running SimGrid activity stands for.
-  enum class SlotKind { Activity, FlowDelay, Flow };
+  // What a running SimGrid Comm stands for.
+  enum class SlotKind { Activity, Flow };
   struct Slot {
     sg::ActivityPtr act;
     SlotKind kind = SlotKind::Activity;
-    int owner = -1;   // Activity: index into live_; FlowDelay/Flow: index into collectives_
+    int owner = -1;   // Activity: index into live_; Flow: index into collectives_
     int schedule = 0, participant = 0, step = 0;
+  };
+  // Compute ops do not become SimGrid Execs: a GPU's compute streams never share a core, so an op of
+  // w seconds only ever runs at speed 1, or at 1 - comm_sm_share while a communication runs on its
+  // device (engine.hpp), and both changes happen in this class. A timer at the op's end, moved when
+  // the speed changes, is the same model without a SimGrid activity per op (each costs a CPU action,
+  // an LMM variable, and an entry in an activity list that SimGrid 3.32 scans linearly).
+  struct Compute {
+    int live = -1, device = -1;
+    double remaining = 0;  // seconds of work at full speed left at `since`
+    double rate = 1, since = 0;
+    simgrid::kernel::timer::Timer* timer = nullptr;
   };
   struct Live {
     Activity activity;
@@ -121,6 +132,9 @@ class Run {
   std::vector<int> finished_now_;       // live activities that end at the current time without SimGrid
   std::vector<Activity> ready_;
   std::vector<sg::ActivityPtr> graveyard_;  // completed activities, released once time advances
+  std::vector<Compute> computes_;
+  std::vector<int> free_computes_;
+  std::vector<std::vector<int>> computing_;  // per device: its running computes
 
   static double now() { return sg::Engine::get_clock(); }
 
@@ -165,12 +179,62 @@ class Run {
     return id;
   }
 
-  void start_exec(sg::Host* host, double seconds, SlotKind kind, int owner, int schedule = 0, int participant = 0, int step = 0) {
-    sg::ExecPtr e = sg::Exec::init();
-    e->set_flops_amount(seconds);
-    e->set_host(host);
-    const int id = new_slot(e, kind, owner, schedule, participant, step);
-    slots_[static_cast<std::size_t>(id)].act->start();
+  // Runs `fn` (from SimGrid's timer loop) `seconds` from now.
+  template <class F>
+  static void after(double seconds, F fn) {
+    simgrid::kernel::timer::Timer::set(now() + seconds, std::move(fn));
+  }
+
+  double compute_rate(int d) const {
+    return comm_active_[static_cast<std::size_t>(d)] > 0 ? platform_->speed_while_communicating(d) : 1.0;
+  }
+
+  void start_compute(int live, int d, double seconds) {
+    int c;
+    if (!free_computes_.empty()) {
+      c = free_computes_.back();
+      free_computes_.pop_back();
+    } else {
+      c = static_cast<int>(computes_.size());
+      computes_.emplace_back();
+    }
+    Compute& k = computes_[static_cast<std::size_t>(c)];
+    k.live = live;
+    k.device = d;
+    k.remaining = seconds;
+    k.rate = compute_rate(d);
+    k.since = now();
+    computing_[static_cast<std::size_t>(d)].push_back(c);
+    arm(c);
+  }
+
+  void arm(int c) {
+    Compute& k = computes_[static_cast<std::size_t>(c)];
+    k.timer = simgrid::kernel::timer::Timer::set(k.since + k.remaining / k.rate, [this, c] { compute_done(c); });
+  }
+
+  void compute_done(int c) {
+    Compute& k = computes_[static_cast<std::size_t>(c)];
+    auto& running = computing_[static_cast<std::size_t>(k.device)];
+    running.erase(std::find(running.begin(), running.end(), c));
+    k.timer = nullptr;  // SimGrid deletes a timer after running it
+    finished_now_.push_back(k.live);
+    free_computes_.push_back(c);
+    pump();
+  }
+
+  // Device d's compute speed changed now: charge its running computes the work done at the old
+  // speed and move their end timers.
+  void compute_rate_changed(int d) {
+    const double t = now(), rate = compute_rate(d);
+    for (int c : computing_[static_cast<std::size_t>(d)]) {
+      Compute& k = computes_[static_cast<std::size_t>(c)];
+      k.remaining = std::max(0.0, k.remaining - (t - k.since) * k.rate);
+      k.since = t;
+      k.rate = rate;
+      k.timer->remove();
+      arm(c);
+    }
   }
 
   void start_comm(int src, int dst, double bytes, SlotKind kind, int owner, int schedule = 0, int participant = 0, int step = 0) {
@@ -186,9 +250,7 @@ class Run {
       int& c = comm_active_[static_cast<std::size_t>(d)];
       const int before = c;
       c += delta;
-      if (!platform_->has_slow_state(d)) continue;
-      if (before == 0 && c > 0) platform_->host(d)->set_pstate(1);
-      if (before > 0 && c == 0) platform_->host(d)->set_pstate(0);
+      if ((before == 0) != (c == 0) && platform_->speed_while_communicating(d) != 1.0) compute_rate_changed(d);
     }
   }
 
@@ -220,7 +282,7 @@ class Run {
       case Activity::Kind::Compute: {
         const double w = cost_.compute_seconds(program_, d0, op);
         if (w > 0)
-          start_exec(platform_->host(d0), w, SlotKind::Activity, live);
+          start_compute(live, d0, w);
         else
           finished_now_.push_back(live);
         break;
@@ -230,7 +292,7 @@ class Run {
         const double formula = cost_.p2p_seconds(src, dst, op.bytes);
         const double seconds = cost_.transfer_seconds(op, src, dst);
         if (seconds != formula)  // calibrated or overridden: a delay on no link
-          seconds > 0 ? start_exec(platform_->timer_host(), seconds, SlotKind::Activity, live) : finished_now_.push_back(live);
+          seconds > 0 ? start_delay(live, seconds) : finished_now_.push_back(live);
         else if (src == dst)
           finished_now_.push_back(live);
         else
@@ -244,7 +306,7 @@ class Run {
         const double formula = cost_.collective_seconds(op.kind, ranks, op.bytes);
         const double seconds = cost_.collective_op_seconds(op, ranks);
         if (seconds != formula) {
-          seconds > 0 ? start_exec(platform_->timer_host(), seconds, SlotKind::Activity, live) : finished_now_.push_back(live);
+          seconds > 0 ? start_delay(live, seconds) : finished_now_.push_back(live);
           break;
         }
         auto phases = simgrid_detail::decompose_collective(op.kind, ranks, static_cast<double>(std::max<std::int64_t>(0, op.bytes)), node_of_);
@@ -269,6 +331,14 @@ class Run {
         break;
       }
     }
+  }
+
+  // An op that lasts `seconds` and occupies no link.
+  void start_delay(int live, double seconds) {
+    after(seconds, [this, live] {
+      finished_now_.push_back(live);
+      pump();
+    });
   }
 
   void start_phase(int c) {
@@ -306,10 +376,11 @@ class Run {
     const int rounds = std::min(st.rounds_per_step, st.s->rounds - first_round);
     const int src = st.s->devices[iu], dst = st.s->devices[static_cast<std::size_t>(st.s->target(first_round, i))];
     const double delay = (rounds - 1) * platform_->route_latency_s(src, dst);
+    const double bytes = rounds * st.s->chunk_bytes;
     if (delay > 0)
-      start_exec(platform_->timer_host(), delay, SlotKind::FlowDelay, c, k, i, step);
+      after(delay, [this, src, dst, bytes, c, k, i, step] { start_comm(src, dst, bytes, SlotKind::Flow, c, k, i, step); });
     else
-      start_comm(src, dst, rounds * st.s->chunk_bytes, SlotKind::Flow, c, k, i, step);
+      start_comm(src, dst, bytes, SlotKind::Flow, c, k, i, step);
   }
 
   void flow_done(int c, int k, int i, int step) {
@@ -373,15 +444,6 @@ class Run {
       case SlotKind::Activity:
         finished_now_.push_back(owner);
         break;
-      case SlotKind::FlowDelay: {
-        const ScheduleState& st = collectives_[static_cast<std::size_t>(owner)].states[static_cast<std::size_t>(k)];
-        const int first_round = step * st.rounds_per_step;
-        const int rounds = std::min(st.rounds_per_step, st.s->rounds - first_round);
-        const int src = st.s->devices[static_cast<std::size_t>(i)];
-        const int dst = st.s->devices[static_cast<std::size_t>(st.s->target(first_round, i))];
-        start_comm(src, dst, rounds * st.s->chunk_bytes, SlotKind::Flow, owner, k, i, step);
-        break;
-      }
       case SlotKind::Flow:
         flow_done(owner, k, i, step);
         break;
