@@ -215,6 +215,33 @@ TEST(SimgridEngine, HierarchicalCollectivesMatchClosedForms) {
   EXPECT_LE(rel(simgrid_step(collective_program(OpKind::AllToAll, 16, bytes, {iota(16)}), c), a2a), 1e-9);
 }
 
+// SM stealing (engine.hpp): compute runs at 1 - comm_sm_share = 0.9 of its speed while a
+// communication runs on its device. Device 0 computes for w = 4.8 GB / 4.8 TB/s + 5 us launch =
+// 1.005 ms while its stream "pp" sends S bytes over NVLink (T = 2 us + S / 450 GB/s), both from 0:
+//   w > 0.9 T:  the op ends at T + (w - 0.9 T) = w + 0.1 T;      w < 0.9 T:  it ends at w / 0.9.
+// The SimGrid engine moves the compute op's end timer when the transfer starts and ends.
+TEST(SimgridEngine, ComputeSlowsWhileItsDeviceCommunicates) {
+  const sim::Cluster c = make_cluster(1, 2);
+  const double w = 4.8e9 / 4.8e12 + 5e-6;
+  for (double S : {225e6, 900e6}) {
+    auto p = transfer_program(2, 1, static_cast<std::int64_t>(S));
+    core::Op compute;
+    compute.kind = OpKind::Compute;
+    compute.node = 1;
+    compute.label = "F";
+    compute.memory_bytes = static_cast<std::int64_t>(4.8e9);
+    compute.device_set = 0;
+    p->plans[0].streams.insert(p->plans[0].streams.begin(), core::Stream{"compute", {compute}});
+    const double T = 2e-6 + S / (450 * kGB);
+    const double want = w > 0.9 * T ? w + 0.1 * T : w / 0.9;
+    auto engine = sim::make_simgrid_engine();
+    const core::Timeline t = run_engine(*engine, p, c);
+    ASSERT_EQ(t.devices[0].spans.size(), 2u);
+    EXPECT_LE(rel(t.devices[0].spans[0].end_s, want), 1e-9) << S << " bytes: " << t.devices[0].spans[0].end_s << " s vs " << want << " s";
+    EXPECT_LE(rel(t.devices[0].spans[1].end_s, T), 1e-9) << S << " bytes";
+  }
+}
+
 // Two DP groups {0, 2} and {1, 3} on 2 nodes x 2 GPUs (2 NICs of 50 GB/s: 50 GB/s per GPU) of a
 // fat-tree with oversubscription 2: the leaf uplink of a node carries 2 * 50 / 2 = 50 GB/s. Both
 // all-reduces (n = 2: two rounds of S/2) cross it at once, so each flow gets 25 GB/s:
