@@ -33,9 +33,10 @@ void configure_simgrid_for_alpha_beta();
 // What is built (all in one full-routing zone):
 //  * host "gpu<d>" per device: the end point of its routes (compute runs on engine timers, not on
 //    SimGrid hosts: see simgrid_engine.cpp);
-//  * per device: NVLink up/down links (nvlink bandwidth, half the NVLink latency each) and network
-//    up/down links (NIC bandwidth per GPU = nics * nic_bandwidth / gpus_per_node: rail-optimized,
-//    GPU i drives its own rail; half the network latency each);
+//  * per device: NVLink up/down links (nvlink bandwidth) and network up/down links (NIC bandwidth
+//    per GPU = nics * nic_bandwidth / gpus_per_node: rail-optimized, GPU i drives its own rail);
+//    links have latency 0: the engine waits route_latency_s() on a timer before it starts a Comm,
+//    which CM02 makes the same as a link latency (a flow in its latency phase has no bandwidth share);
 //  * fat-tree with oversubscription o > 1: per node a leaf up and a leaf down link of bandwidth
 //    nics * nic_bandwidth / o (latency 0) on every inter-node route — the shared, thin link;
 //  * routes: same node [nvlink_up(src), nvlink_down(dst)]; other nodes [net_up(src),
@@ -48,7 +49,8 @@ class Platform {
   // Compute speed of a device (1 = full) while at least one communication runs on it:
   // 1 - comm_sm_share, clamped to [0.001, 1].
   double speed_while_communicating(int device) const { return slow_speed_[static_cast<std::size_t>(device)]; }
-  // Sum of the link latencies of the route src -> dst (seconds).
+  // Latency of the route src -> dst (seconds): the NVLink latency inside a node, the network latency
+  // between nodes (half of it charged to each end).
   double route_latency_s(int src, int dst) const;
   const std::vector<int>& node_of() const { return node_of_; }
 
