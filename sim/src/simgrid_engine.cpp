@@ -244,7 +244,7 @@ class Run {
     retire_if_done();
   }
   void retire_if_done() {
-    if (flows_in_use_ > 0 || simgrid::kernel::timer::Timer::next() >= 0) return;
+    if (!error_ && (flows_in_use_ > 0 || simgrid::kernel::timer::Timer::next() >= 0)) return;
     for (int w : idle_workers_) {
       workers_[static_cast<std::size_t>(w)].job = -1;
       workers_[static_cast<std::size_t>(w)].wake->release();
@@ -268,7 +268,8 @@ class Run {
         next = dispatch(w);
         if (next < 0) {
           retire_if_done();
-          if (flows_in_use_ == 0 && simgrid::kernel::timer::Timer::next() < 0)
+          // After a failure nothing new starts: the workers exit as their flows end.
+          if (error_ || (flows_in_use_ == 0 && simgrid::kernel::timer::Timer::next() < 0))
             exit = true;
           else
             idle_workers_.push_back(w);
