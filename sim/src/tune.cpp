@@ -7,7 +7,9 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <fstream>
 #include <map>
+#include <numeric>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -51,7 +53,22 @@ core::StrategyOptions strategy_of(const TuneCandidate& c) {
   o.schedule = c.schedule;
   o.microbatches = c.microbatches;
   o.virtual_stages = c.virtual_stages;
+  o.tp = c.tp;
+  o.sequence_parallel = c.sequence_parallel;
+  o.recompute = c.recompute;
   return o;
+}
+
+// Recompute modes by the work they add (none < selective < full); -1 for an unknown mode.
+int recompute_level(const std::string& mode) {
+  return mode == "none" ? 0 : mode == "selective" ? 1 : mode == "full" ? 2 : -1;
+}
+
+// The layout lowering gives a layer of candidate c: routed experts keep expert parallelism and never
+// take TP (the compiler skips their segments in tensor_parallel), everything else takes c's TP.
+core::ParallelLayout layout_of(const TuneCandidate& c, const core::Layer& layer) {
+  const bool experts = layer.kind == core::LayerKind::MoeExperts;
+  return {experts ? 1 : c.tp, experts ? false : c.sequence_parallel, recompute_level(c.recompute)};
 }
 
 core::ModelConfig model_config(const TuneSpec& spec, std::int64_t micro_batch_size) {
@@ -129,16 +146,24 @@ RegionPlacement placement_of(const TuneCandidate& c) {
 std::string TuneCandidate::key() const {
   std::string k = fmt::format("pp{}/dp{}/ep{}/z{}/{}/v{}/mb{}/m{}/{}", pp, dp, ep, zero, schedule, virtual_stages,
                               microbatches, micro_batch_size, pp_ranges.empty() ? "default" : "r" + join(pp_ranges, '.'));
+  // Knobs added later are appended only when not at their default, so the keys of rows written
+  // before they existed still name the same plans.
+  if (tp != 1) k += fmt::format("/tp{}", tp);
+  if (sequence_parallel) k += "/sp";
+  if (recompute != "none") k += "/rc-" + recompute;
   std::replace(k.begin(), k.end(), ',', ';');
   return k;
 }
 
 std::string TuneCandidate::describe() const {
-  std::string s = fmt::format("PP {} x DP {}", pp, dp);
+  std::string s = fmt::format("PP {}", pp);
+  if (tp > 1) s += fmt::format(" x TP {}{}", tp, sequence_parallel ? " (SP)" : "");
+  s += fmt::format(" x DP {}", dp);
   if (ep > 1) s += fmt::format(" (EP {})", ep);
   s += fmt::format(", {}", schedule);
   if (virtual_stages > 1) s += fmt::format(" ({} regions/rank)", virtual_stages);
   s += fmt::format(", {} microbatches of {}, ZeRO-{}", microbatches, micro_batch_size, zero);
+  if (recompute != "none") s += fmt::format(", recompute {}", recompute);
   if (!pp_ranges.empty()) s += fmt::format(", PP starts {} ({})", join(pp_ranges, ','), placement);
   return s;
 }
@@ -182,10 +207,73 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
   }
   const core::ModelConfig& cfg = configs.begin()->second;
   const int units = pipeline_units(cfg);
-  // Tensor parallelism would be one more loop here (pp x tp x dp = devices).
-  for (int pp : divisors(spec.devices)) {
+  std::vector<std::string> recompute_modes = spec.recompute_modes;
+  for (const auto& m : recompute_modes)
+    if (recompute_level(m) < 0) throw TuneError(fmt::format("--recompute: unknown mode '{}' (expected none, selective or full)", m));
+  std::sort(recompute_modes.begin(), recompute_modes.end(),
+            [](const std::string& a, const std::string& b) { return recompute_level(a) < recompute_level(b); });
+  recompute_modes.erase(std::unique(recompute_modes.begin(), recompute_modes.end()), recompute_modes.end());
+  if (recompute_modes.empty()) recompute_modes = {"none"};
+  std::vector<bool> sp_modes = spec.sequence_parallel;
+  std::sort(sp_modes.begin(), sp_modes.end());
+  sp_modes.erase(std::unique(sp_modes.begin(), sp_modes.end()), sp_modes.end());
+  if (sp_modes.empty()) sp_modes = {false};
+
+  // TP degrees: TP groups are consecutive devices that must stay inside a node, so t divides the
+  // GPU count of every node (and the devices). What the model needs of t (heads, ffn columns, the
+  // sequence for SP) is asked of the compiler with a one-stage probe; KV heads are checked here
+  // because the Megatron layout the runtime executes splits them too, while the cost model does not
+  // need it.
+  Cluster cluster;
+  try {
+    cluster = with_devices(load_cluster(spec.cluster), spec.devices);
+  } catch (const core::Error& e) {
+    throw TuneError(e.what());
+  }
+  int node_gpus = 0;
+  for (int d = 0; d < spec.devices; ++d) node_gpus = std::gcd(node_gpus, cluster.node(d).gpus_per_node);
+  std::vector<int> tps = spec.tp_degrees;
+  if (tps.empty()) tps = divisors(std::gcd(node_gpus, spec.devices));
+  std::sort(tps.begin(), tps.end());
+  tps.erase(std::unique(tps.begin(), tps.end()), tps.end());
+  std::map<int, std::vector<bool>> sp_of_tp;  // accepted TP degree -> its sequence-parallel modes
+  for (int t : tps) {
+    if (t < 1) throw TuneError(fmt::format("--tp must be >= 1 (got {})", t));
+    if (spec.devices % t != 0) {
+      stats.tp_rejected.push_back(fmt::format("TP {}: does not divide the {} devices", t, spec.devices));
+      continue;
+    }
+    if (node_gpus % t != 0) {
+      stats.tp_rejected.push_back(fmt::format("TP {}: TP groups stay inside a node, and a node has {} GPUs", t, node_gpus));
+      continue;
+    }
+    if (t > 1 && cfg.kv_heads > 0 && cfg.kv_heads % t != 0) {
+      stats.tp_rejected.push_back(fmt::format("TP {}: does not divide the {} KV heads", t, cfg.kv_heads));
+      continue;
+    }
+    for (bool sp : t == 1 ? std::vector<bool>{false} : sp_modes) {
+      TuneCandidate probe;
+      probe.tp = t;
+      probe.sequence_parallel = sp;
+      probe.schedule = "1f1b";
+      probe.micro_batch_size = configs.begin()->first;
+      TuneSpec one = spec;
+      one.devices = t;
+      try {
+        core::compile_scenario(tune_scenario(one, probe));
+        sp_of_tp[t].push_back(sp);
+      } catch (const core::Error& e) {
+        stats.tp_rejected.push_back(fmt::format("TP {}{}: {}", t, sp ? " with SP" : "", one_line(e.what())));
+      } catch (const std::invalid_argument& e) {
+        stats.tp_rejected.push_back(fmt::format("TP {}{}: {}", t, sp ? " with SP" : "", one_line(e.what())));
+      }
+    }
+    if (sp_of_tp.count(t)) stats.tp_degrees.push_back(t);
+  }
+  for (const auto& [tp, sps] : sp_of_tp)
+  for (int pp : divisors(spec.devices / tp)) {
     if (pp > units) continue;
-    const int dp = spec.devices / pp;
+    const int dp = spec.devices / tp / pp;
     for (int ep : divisors(dp)) {
       // Expert parallelism shards experts over consecutive groups of ep data-parallel replicas.
       if (ep > 1 && (cfg.experts <= 0 || cfg.experts % ep != 0)) continue;
@@ -200,6 +288,7 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
               continue;
             }
             TuneCandidate c;
+            c.tp = tp;
             c.pp = pp;
             c.dp = dp;
             c.ep = ep;
@@ -231,14 +320,18 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
               stats.family_rejected += 1;
               continue;
             }
-            // ZeRO levels differ only when a region has more than one replica.
+            // ZeRO levels differ only when a region has more than one data-parallel replica.
             const int replicas = dp * (family->mirrored ? 2 : 1);
-            for (int z : spec.zero_levels) {
-              if (z < 0 || z > 3) throw TuneError(fmt::format("ZeRO level {} is not 0..3", z));
-              if (replicas == 1 && z != spec.zero_levels.front()) continue;
-              c.zero = replicas == 1 ? 0 : z;
-              out.push_back(c);
-            }
+            for (bool sp : sps)
+              for (const auto& rc : recompute_modes)
+                for (int z : spec.zero_levels) {
+                  if (z < 0 || z > 3) throw TuneError(fmt::format("ZeRO level {} is not 0..3", z));
+                  if (replicas == 1 && z != spec.zero_levels.front()) continue;
+                  c.sequence_parallel = sp;
+                  c.recompute = rc;
+                  c.zero = replicas == 1 ? 0 : z;
+                  out.push_back(c);
+                }
           }
         }
       }
@@ -297,19 +390,25 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
   const RegionPlacement place = placement_of(c);
   const int dt = core::bytes_per_element(model.training().precision);
   const std::int64_t state_bytes = model.training().precision == core::Precision::FP32 ? 8 : 12;
-  // Devices holding a region: dp per rank, twice that for a mirrored family (the two copies).
-  const std::int64_t region_devices = static_cast<std::int64_t>(c.dp) * (place.mirrored ? 2 : 1);
+  // Data-parallel replicas of a region: dp per rank, twice that for a mirrored family (the two
+  // copies). A TP segment's replicas are the devices with the same TP rank; routed experts (no TP)
+  // are sharded over all the region's devices, tp of them per replica.
+  const std::int64_t region_replicas = static_cast<std::int64_t>(c.dp) * (place.mirrored ? 2 : 1);
   std::vector<std::int64_t> persistent_of_region(static_cast<std::size_t>(place.regions), 0);
   std::vector<std::int64_t> activation_of_region(static_cast<std::size_t>(place.regions), 0);
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
     const core::Layer& layer = model.layers()[i];
     const int r = layer.tags.at("PP");
-    const core::Costs costs = model.layer_cost(i);
+    // The per-device costs lowering uses (the compiler's own layer_costs under the TP layout and
+    // recompute mode): parameters of split tensors divided by t, activations as Korthikanti et al.
+    // (divided by t with SP, the attention core dropped by selective, block inputs only with full).
+    const core::Costs costs = core::layer_costs(layer, model.training(), layout_of(c, layer));
     // Lowering sizes each segment's state as params/shard * bytes / (replicas if sharded by ZeRO),
     // with integer division; summing it per layer rounds down at least as much, so it stays a bound.
     const bool expert = layer.tags.contains("EP") && c.ep > 1;
     const std::int64_t shard = expert ? c.ep : 1;
-    const std::int64_t replicas = std::max<std::int64_t>(1, region_devices / shard);
+    const std::int64_t devices = region_replicas * (layer.kind == core::LayerKind::MoeExperts ? c.tp : 1);
+    const std::int64_t replicas = std::max<std::int64_t>(1, devices / shard);
     const std::int64_t params = costs.params / shard;
     persistent_of_region[static_cast<std::size_t>(r)] += params * dt / (c.zero >= 3 ? replicas : 1) +
                                                          params * dt / (c.zero >= 2 ? replicas : 1) +
@@ -358,6 +457,51 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Step time estimate (for ordering only)
+// ---------------------------------------------------------------------------------------------
+
+double step_time_estimate(const TuneSpec& spec, const TuneCandidate& c) {
+  const core::Model model = annotated_model(spec, c);
+  const RegionPlacement place = placement_of(c);
+  const Cluster cluster = with_devices(load_cluster(spec.cluster), spec.devices);
+  const CostModel cost(cluster);
+  const double nvlink = cluster.node(0).nvlink_bandwidth_bytes_per_s;
+  std::vector<double> f(static_cast<std::size_t>(place.regions), 0.0), fb(f.size(), 0.0);
+  for (std::size_t i = 0; i < model.layers().size(); ++i) {
+    const core::Layer& layer = model.layers()[i];
+    const auto r = static_cast<std::size_t>(layer.tags.at("PP"));
+    const core::Costs k = core::layer_costs(layer, model.training(), layout_of(c, layer));
+    const double shard = layer.tags.contains("EP") ? c.ep : 1;
+    // TP collectives run inside the ops at about (t-1)/t of the bytes over NVLink.
+    const double tp = c.tp > 1 && nvlink > 0 ? (c.tp - 1.0) / c.tp / nvlink : 0.0;
+    const double fwd = cost.roofline_seconds(0, k.forward_flops, static_cast<std::int64_t>(k.forward_memory_bytes / shard)) +
+                       tp * static_cast<double>(k.forward_tp_bytes);
+    const double bwd = cost.roofline_seconds(0, k.backward_flops(), static_cast<std::int64_t>(k.backward_memory_bytes / shard)) +
+                       tp * static_cast<double>(k.backward_tp_bytes);
+    f[r] += fwd;
+    fb[r] += fwd + bwd;
+  }
+  // Per rank: every microbatch through every region it holds, after the first microbatch has come
+  // through the regions before its earliest one (the pipeline fill).
+  const double per_copy = place.mirrored ? c.microbatches / 2.0 : c.microbatches;
+  double worst = 0;
+  for (int rank = 0; rank < c.pp; ++rank) {
+    double busy = 0, fill = std::numeric_limits<double>::infinity();
+    for (int r = 0; r < place.regions; ++r) {
+      const int home = place.rank_of_region[static_cast<std::size_t>(r)];
+      const int copies = (home == rank ? 1 : 0) + (place.mirrored && c.pp - 1 - home == rank ? 1 : 0);
+      if (copies == 0) continue;
+      busy += copies * per_copy * fb[static_cast<std::size_t>(r)];
+      double before = 0;
+      for (int s = 0; s < r; ++s) before += f[static_cast<std::size_t>(s)];
+      fill = std::min(fill, before);
+    }
+    if (std::isfinite(fill)) worst = std::max(worst, fill + busy);
+  }
+  return worst;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Placement search
 // ---------------------------------------------------------------------------------------------
 
@@ -379,7 +523,8 @@ std::vector<double> unit_seconds(const TuneSpec& spec, const TuneCandidate& c) {
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
     const core::Layer& l = model.layers()[i];
     const std::size_t unit = l.block < 0 ? (i == 0 ? 0 : out.size() - 1) : static_cast<std::size_t>(l.block);
-    core::Costs k = model.layer_cost(i);
+    // Per device under c's TP layout and recompute mode (recomputed work is in the backward).
+    const core::Costs k = core::layer_costs(l, model.training(), layout_of(c, l));
     // As the shard pass costs experts: EP divides their weights (and weight traffic), not the
     // per-device FLOPs, since each device computes every token routed to its experts.
     const double shard = l.tags.contains("EP") ? c.ep : 1;
@@ -496,7 +641,8 @@ TuneRow evaluate_candidate(const TuneSpec& spec, const TuneCandidate& c, const s
 
 const std::vector<std::string>& tune_csv_columns() {
   static const std::vector<std::string> columns = {
-      "key", "model", "cluster", "devices", "global_batch", "seq_len", "pp", "dp", "ep", "zero", "schedule", "virtual",
+      "key", "model", "cluster", "devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp", "sequence_parallel",
+      "recompute", "zero", "schedule", "virtual",
       "microbatches", "micro_batch_size", "placement", "pp_ranges", "engine", "estimated_memory_bytes", "step_time_s",
       "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s",
       "status", "reason"};
@@ -506,9 +652,10 @@ const std::vector<std::string>& tune_csv_columns() {
 std::string to_csv(const TuneSpec& spec, const TuneRow& r) {
   const TuneCandidate& c = r.candidate;
   // {} prints doubles in their shortest round-trip form, so a row read back compares exactly.
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                      csv_field(c.key()), csv_field(spec.model), csv_field(spec.cluster), spec.devices,
-                     spec.effective_global_batch(), spec.seq_len, c.pp, c.dp, c.ep, c.zero, csv_field(c.schedule),
+                     spec.effective_global_batch(), spec.seq_len, c.pp, c.dp, c.ep, c.tp, c.sequence_parallel ? 1 : 0,
+                     csv_field(c.recompute), c.zero, csv_field(c.schedule),
                      c.virtual_stages, c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '),
                      r.engine, r.estimated_memory_bytes, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
                      r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.status,
@@ -539,6 +686,9 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
   c.dp = static_cast<int>(integer("dp"));
   c.ep = static_cast<int>(integer("ep"));
   c.zero = static_cast<int>(integer("zero"));
+  c.tp = static_cast<int>(integer("tp"));
+  c.sequence_parallel = integer("sequence_parallel") != 0;
+  c.recompute = at("recompute");
   c.schedule = at("schedule");
   c.virtual_stages = static_cast<int>(integer("virtual"));
   c.microbatches = static_cast<int>(integer("microbatches"));
@@ -584,6 +734,18 @@ std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* sp
   try {
     rows = read_results(csv_path, tune_csv_columns(), "tune");
   } catch (const ResultsFileError& e) {
+    // A file from before TP and recomputation were searched has the same columns less three. Its rows
+    // could be read, but new rows could not be appended under its header, so it is refused by name
+    // rather than rewritten behind the user's back.
+    std::ifstream in(csv_path);
+    std::string header;
+    std::getline(in, header);
+    std::vector<std::string> older = tune_csv_columns();
+    std::erase_if(older, [](const std::string& c) { return c == "tp" || c == "sequence_parallel" || c == "recompute"; });
+    if (in && header == csv_header(older))
+      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no tp, sequence_parallel and recompute "
+                                  "columns); choose another -o",
+                                  csv_path));
     throw TuneError(e.what());
   }
   std::vector<TuneRow> out;
@@ -600,6 +762,25 @@ namespace {
 
 // Faster first; ties (equal step times) go to the smaller memory peak, then the key, so the order is
 // stable across runs and thread counts.
+// Candidates by their step time estimate, fastest first (stable for equal estimates), so that a
+// budget cuts the least promising ones. Estimates are computed in parallel-free closed form.
+std::vector<TuneCandidate> rank_by_estimate(const TuneSpec& spec, std::vector<TuneCandidate> list) {
+  std::vector<std::pair<double, std::size_t>> order;
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    double e = std::numeric_limits<double>::infinity();
+    try {
+      e = step_time_estimate(spec, list[i]);
+    } catch (const std::exception&) {
+      // Simulated last; the simulation reports what is wrong with it.
+    }
+    order.push_back({e, i});
+  }
+  std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<TuneCandidate> out;
+  for (const auto& [e, i] : order) out.push_back(std::move(list[i]));
+  return out;
+}
+
 bool better(const TuneRow& a, const TuneRow& b) {
   if (a.step_time_s != b.step_time_s) return a.step_time_s < b.step_time_s;
   if (a.peak_memory_bytes != b.peak_memory_bytes) return a.peak_memory_bytes < b.peak_memory_bytes;
@@ -722,7 +903,40 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
     return rows;
   };
 
-  simulate_all("analytic", survivors);
+  // Phase 2 in waves by recompute mode, lightest first. Recomputation adds work (the same ops with
+  // a longer backward) and saves memory, so a plan whose lighter twin (same strategy, the next lighter
+  // mode tried) fits the cap is normally slower than that twin: such plans are deferred to a last
+  // wave, which a budget cuts first. It is not skipped: the simulated step is not monotone in op
+  // durations everywhere (a longer backward can shift when a communication starts, and tiny models
+  // show heavier modes up to a few per cent faster, see test_sim_tune), so without a budget every
+  // survivor is simulated and the result equals a brute force.
+  std::vector<std::string> modes;
+  for (const auto& c : candidates)
+    if (std::find(modes.begin(), modes.end(), c.recompute) == modes.end()) modes.push_back(c.recompute);
+  std::sort(modes.begin(), modes.end(), [](const std::string& a, const std::string& b) { return recompute_level(a) < recompute_level(b); });
+  std::set<std::string> deferred_keys;
+  std::vector<TuneCandidate> deferred;
+  for (std::size_t wave = 0; wave < modes.size() && !summary.budget_exhausted; ++wave) {
+    std::vector<TuneCandidate> todo;
+    for (const auto& c : survivors) {
+      if (c.recompute != modes[wave]) continue;
+      if (wave > 0) {
+        TuneCandidate twin = c;
+        twin.recompute = modes[wave - 1];
+        const std::string tk = twin.key();
+        auto row = done.find({tk, "analytic"});
+        if (deferred_keys.count(tk) || (row != done.end() && row->second.fits(cap))) {
+          deferred_keys.insert(c.key());
+          deferred.push_back(c);
+          continue;
+        }
+      }
+      todo.push_back(c);
+    }
+    simulate_all(modes.size() > 1 ? "analytic " + modes[wave] : "analytic", rank_by_estimate(spec, std::move(todo)));
+  }
+  summary.dominated = deferred.size();
+  if (!summary.budget_exhausted) simulate_all("analytic, dominated", rank_by_estimate(spec, std::move(deferred)));
 
   // Phase 3: PP placement alternatives for the leading strategies (default placements only).
   std::vector<TuneCandidate> variants;

@@ -31,6 +31,11 @@ struct TuneSpec {
   std::int64_t seq_len = 0;               // 0: the model's
   std::vector<std::int64_t> micro_batch_sizes{1, 2};  // sequences per microbatch to try
   std::vector<int> zero_levels{0, 1, 2, 3};
+  // Tensor-parallel degrees to try; empty: every degree dividing the devices and the GPUs of every
+  // node (TP groups stay inside a node) that the compiler accepts for the model (heads, ffn, ...).
+  std::vector<int> tp_degrees;
+  std::vector<bool> sequence_parallel{false, true};  // tried for TP degrees > 1 (TP 1 has none)
+  std::vector<std::string> recompute_modes{"none", "selective", "full"};
   std::vector<std::string> schedules;     // families to try; empty: every registered family
   int max_virtual = 4;                    // largest regions-per-rank count tried (families that take it)
   double memory_cap_bytes = 0;            // 0: the smallest HBM of the cluster's GPUs
@@ -43,9 +48,12 @@ struct TuneSpec {
 };
 
 // One point of the search space. Each strategy dimension is one field and one loop in
-// enumerate_candidates (a new one, e.g. a tensor-parallel degree, is one more of each).
+// enumerate_candidates.
 struct TuneCandidate {
   int pp = 1, dp = 1, ep = 1, zero = 0;
+  int tp = 1;                             // tensor-parallel degree: pp x tp x dp = devices
+  bool sequence_parallel = false;         // with tp > 1
+  std::string recompute = "none";         // none | selective | full, every region
   std::string schedule;
   int virtual_stages = 1;                 // PP regions per pipeline rank
   int microbatches = 1;                   // per data-parallel replica and step
@@ -55,7 +63,8 @@ struct TuneCandidate {
 
   // Stable identity (no commas): the resume key.
   std::string key() const;
-  // "PP 4 x DP 2, <family>, 8 microbatches of 1, ZeRO-1" and the boundaries when not the default.
+  // "PP 4 x TP 2 (SP) x DP 2, <family>, 8 microbatches of 1, ZeRO-1, recompute selective" and the
+  // boundaries when not the default.
   std::string describe() const;
   friend bool operator==(const TuneCandidate&, const TuneCandidate&) = default;
 };
@@ -66,13 +75,16 @@ core::Scenario tune_scenario(const TuneSpec& spec, const TuneCandidate& c, const
 // How enumeration went: every combination of degrees, batch split and family considered, and why
 // the illegal ones were dropped.
 struct EnumerationStats {
-  std::size_t considered = 0;             // (pp, dp, ep, micro batch size, family, virtual) tuples
+  std::size_t considered = 0;             // (tp, pp, dp, ep, micro batch size, family, virtual) tuples
+  std::vector<int> tp_degrees;            // the TP degrees tried
+  std::vector<std::string> tp_rejected;   // "TP 3: <why>" for each degree left out
   std::size_t batch_indivisible = 0;      // global batch not a multiple of dp x micro batch size
   std::size_t family_rejected = 0;        // the schedule family's constraints (e.g. microbatch count)
   std::size_t legal = 0;                  // candidates (with ZeRO levels)
 };
 
-// Every legal candidate, in a stable order: pp, then ep, micro batch size, family, regions, ZeRO.
+// Every legal candidate, in a stable order: tp, pp, then ep, micro batch size, family, regions,
+// sequence parallelism, recompute mode, ZeRO.
 std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, EnumerationStats* stats = nullptr);
 
 // A lower bound of the simulator's peak memory (bytes, max over devices) for `c`, in closed form from
@@ -80,6 +92,13 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
 // level, replicas and expert sharding, as lowering sizes them) plus the activations one microbatch
 // keeps on that device until its backward pass. Pruning with it never drops a plan that fits.
 std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c);
+
+// A closed-form estimate of c's step time (seconds) from the cost model: per pipeline rank, every
+// microbatch's F and B (TP collectives and recomputation included) of the regions it holds plus the
+// pipeline fill before its first region; the busiest rank. It ignores data-parallel communication,
+// waiting inside the schedule and contention, so it only orders the simulations (a budget cuts the
+// least promising first); it never prunes.
+double step_time_estimate(const TuneSpec& spec, const TuneCandidate& c);
 
 // Up to three alternatives to c's PP boundaries: regions balanced by the cost model's compute time on
 // the cluster's GPU (not FLOPs), minimising the busiest device (which sees every region it holds, as
@@ -136,6 +155,9 @@ struct TuneSummary {
   EnumerationStats enumeration;
   std::size_t candidates = 0;             // legal strategies (default placement)
   std::size_t pruned = 0;                 // by the memory lower bound
+  // Recompute variants deferred to the last wave (a budget cuts them first): the same strategy with
+  // less recomputation fits the cap, so they are normally slower (see run_tune).
+  std::size_t dominated = 0;
   std::size_t simulated = 0;              // analytic rows (this run and resumed), placement variants included
   std::size_t placement_variants = 0;     // of which placement alternatives
   std::size_t simgrid = 0;                // SimGrid rows
