@@ -9,6 +9,7 @@
 #include <limits>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <mutex>
 #include <optional>
@@ -113,6 +114,9 @@ core::Model annotated_model(const TuneSpec& spec, const TuneCandidate& c) {
   s.strategy.dp = 1;
   s.strategy.ep = 1;
   s.strategy.zero = 0;
+  s.strategy.tp = 1;  // TP, SP and recomputation do not move region boundaries
+  s.strategy.sequence_parallel = false;
+  s.strategy.recompute = "none";
   const core::ModelConfig cfg = core::scenario_model_config(s);
   core::Model model = core::build_model(cfg);
   int regions = 0;
@@ -135,6 +139,127 @@ RegionPlacement placement_of(const TuneCandidate& c) {
   p.rank_of_region = family.placement(o, p.regions);
   p.mirrored = family.mirrored;
   return p;
+}
+
+// What the memory bound and the step estimate read of a candidate besides its degrees: the model with
+// its regions annotated, the placement and the per-rank step order. It depends only on the family,
+// PP, regions per rank, microbatches, micro batch size and boundaries, which thousands of candidates
+// share (TP, SP, recompute, DP, EP and ZeRO do not change it), so it is built once per shape.
+struct Shape {
+  core::Model model;
+  RegionPlacement place;
+  std::optional<core::ScheduleTable> table;
+  // Per layer: its PP region, whether it carries an EP tag, whether it is a routed-experts layer.
+  std::vector<int> region_of_layer;
+  std::vector<char> ep_tagged, experts;
+  // Per rank, with a table: the distinct sets of activations held when a forward starts, as
+  // (region, count) lists (see held_patterns); the bound weighs them with each candidate's sizes.
+  std::vector<std::vector<std::vector<std::pair<int, int>>>> held;
+
+  // Per-device layer costs under a (tp, sp, recompute) layout, computed once per layout.
+  std::shared_ptr<const std::vector<core::Costs>> costs(const TuneCandidate& c) const {
+    const std::tuple<int, bool, std::string> key{c.tp, c.sequence_parallel, c.recompute};
+    std::lock_guard lock(mutex);
+    auto& slot = by_layout[key];
+    if (!slot) {
+      auto v = std::make_shared<std::vector<core::Costs>>();
+      for (const auto& layer : model.layers()) v->push_back(core::layer_costs(layer, model.training(), layout_of(c, layer)));
+      slot = std::move(v);
+    }
+    return slot;
+  }
+
+ private:
+  mutable std::mutex mutex;
+  mutable std::map<std::tuple<int, bool, std::string>, std::shared_ptr<const std::vector<core::Costs>>> by_layout;
+};
+
+// The activations a rank provably holds when each of its forwards starts, from its step order. Steps
+// run one after another (each order group waits for the previous one), so when the forward in step i
+// starts, every forward of an earlier step has allocated its activations, and a microbatch's
+// activations are still held unless its first backward action (B, or I when split) ran in an earlier
+// step. Actions sharing step i (an overlapped F&B pair) may run in either order, so their frees count
+// as done. A free that really waits for a later W only makes the true peak larger. Returned as the
+// distinct (region, count) multisets, the starting forward's region included.
+std::vector<std::vector<std::pair<int, int>>> held_patterns(const std::vector<core::ScheduleStep>& steps) {
+  std::map<std::pair<int, int>, std::size_t> first_backward;  // (stage, microbatch) -> step
+  for (std::size_t i = 0; i < steps.size(); ++i)
+    for (const auto& a : steps[i])
+      if (a.kind == core::ActionKind::B || a.kind == core::ActionKind::I) first_backward.try_emplace({a.stage, a.microbatch}, i);
+  std::set<std::vector<std::pair<int, int>>> patterns;
+  std::vector<std::pair<std::pair<int, int>, std::size_t>> started;  // forwards of earlier steps
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    std::map<int, int> held;
+    for (const auto& [id, step] : started) {
+      auto it = first_backward.find(id);
+      if (it == first_backward.end() || it->second > i) held[id.first] += 1;
+    }
+    for (const auto& a : steps[i])
+      if (a.kind == core::ActionKind::F) {
+        std::map<int, int> with = held;
+        with[a.stage] += 1;
+        patterns.insert(std::vector<std::pair<int, int>>(with.begin(), with.end()));
+      }
+    for (const auto& a : steps[i])
+      if (a.kind == core::ActionKind::F) started.push_back({{a.stage, a.microbatch}, i});
+    // Forwards whose backward already ran can never count again: drop them.
+    std::erase_if(started, [&](const auto& e) {
+      auto it = first_backward.find(e.first);
+      return it != first_backward.end() && it->second <= i;
+    });
+  }
+  return {patterns.begin(), patterns.end()};
+}
+
+std::shared_ptr<const Shape> shape_of(const TuneSpec& spec, const TuneCandidate& c) {
+  static std::mutex mutex;
+  static std::map<std::string, std::shared_ptr<const Shape>> cache;
+  const std::string key = fmt::format("{}|{}|{}|{}|{}|{}|{}|{}", spec.model, spec.seq_len, c.schedule, c.pp, c.virtual_stages,
+                                      c.microbatches, c.micro_batch_size, join(c.pp_ranges, '.'));
+  {
+    std::lock_guard lock(mutex);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  auto shape = std::make_shared<Shape>();
+  shape->model = annotated_model(spec, c);
+  shape->place = placement_of(c);
+  for (const auto& layer : shape->model.layers()) {
+    shape->region_of_layer.push_back(layer.tags.at("PP"));
+    shape->ep_tagged.push_back(layer.tags.contains("EP") ? 1 : 0);
+    shape->experts.push_back(layer.kind == core::LayerKind::MoeExperts ? 1 : 0);
+  }
+  // The schedule's per-rank step order, when it has one: order directives run a rank's steps one
+  // after another, so the activations in flight at each forward are known (see in_flight_bound).
+  try {
+    const core::ScheduleFamily& family = core::schedule_family(c.schedule);
+    core::ScheduleContext ctx;
+    ctx.ranks = c.pp;
+    ctx.regions = shape->place.regions;
+    ctx.microbatches = c.microbatches;
+    ctx.virtual_stages = c.virtual_stages;
+    ctx.rank_of_region = shape->place.rank_of_region;
+    ctx.mirrored = shape->place.mirrored;
+    shape->table = family.table(ctx);
+    if (static_cast<int>(shape->table->ranks.size()) != c.pp) shape->table.reset();
+    if (shape->table)
+      for (const auto& steps : shape->table->ranks) shape->held.push_back(held_patterns(steps));
+  } catch (const std::invalid_argument&) {
+    shape->table.reset();  // e.g. several regions per rank in a family ordered per region
+  }
+  std::lock_guard lock(mutex);
+  if (cache.size() > 4096) cache.clear();  // a long-lived process (the studio) does not grow without end
+  return cache.emplace(key, std::move(shape)).first->second;
+}
+
+// The cluster grown to the spec's devices and its cost model, built once per (cluster, devices).
+std::shared_ptr<const CostModel> cost_model_of(const TuneSpec& spec) {
+  static std::mutex mutex;
+  static std::map<std::pair<std::string, int>, std::shared_ptr<const CostModel>> cache;
+  std::lock_guard lock(mutex);
+  auto& slot = cache[{spec.cluster, spec.devices}];
+  if (!slot) slot = std::make_shared<const CostModel>(with_devices(load_cluster(spec.cluster), spec.devices));
+  return slot;
 }
 
 }  // namespace
@@ -348,46 +473,13 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
 
 namespace {
 
-// Activations alive on a rank when its forwards start, from its step order. Steps run one after
-// another (each order group waits for the previous one), so when the last segment of the forward in
-// step i starts, every forward of an earlier step has allocated its activations, and a microbatch's
-// activations are still held unless its first backward action (B, or I when split) ran in an earlier
-// step. Actions sharing step i (an overlapped F&B pair) may run in either order, so their frees
-// count as done. A free that really waits for a later W only makes the true peak larger.
-std::int64_t in_flight_bound(const std::vector<core::ScheduleStep>& steps, const std::vector<std::int64_t>& activation_of_region) {
-  std::map<std::pair<int, int>, std::size_t> first_backward;  // (stage, microbatch) -> step
-  for (std::size_t i = 0; i < steps.size(); ++i)
-    for (const auto& a : steps[i])
-      if (a.kind == core::ActionKind::B || a.kind == core::ActionKind::I) first_backward.try_emplace({a.stage, a.microbatch}, i);
-  auto act = [&](int stage) {
-    return stage >= 0 && stage < static_cast<int>(activation_of_region.size()) ? activation_of_region[static_cast<std::size_t>(stage)] : 0;
-  };
-  std::int64_t best = 0;
-  std::vector<std::pair<std::pair<int, int>, std::size_t>> started;  // forwards of earlier steps
-  for (std::size_t i = 0; i < steps.size(); ++i) {
-    std::int64_t held = 0;
-    for (const auto& [id, step] : started) {
-      auto it = first_backward.find(id);
-      if (it == first_backward.end() || it->second > i) held += act(id.first);
-    }
-    for (const auto& a : steps[i])
-      if (a.kind == core::ActionKind::F) best = std::max(best, held + act(a.stage));
-    for (const auto& a : steps[i])
-      if (a.kind == core::ActionKind::F) started.push_back({{a.stage, a.microbatch}, i});
-    // Forwards whose backward already ran can never count again: drop them (keeps this linear-ish).
-    std::erase_if(started, [&](const auto& e) {
-      auto it = first_backward.find(e.first);
-      return it != first_backward.end() && it->second <= i;
-    });
-  }
-  return best;
-}
 
 }  // namespace
 
 std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
-  const core::Model model = annotated_model(spec, c);
-  const RegionPlacement place = placement_of(c);
+  const std::shared_ptr<const Shape> shape = shape_of(spec, c);
+  const core::Model& model = shape->model;
+  const RegionPlacement& place = shape->place;
   const int dt = core::bytes_per_element(model.training().precision);
   const std::int64_t state_bytes = model.training().precision == core::Precision::FP32 ? 8 : 12;
   // Data-parallel replicas of a region: dp per rank, twice that for a mirrored family (the two
@@ -396,41 +488,24 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
   const std::int64_t region_replicas = static_cast<std::int64_t>(c.dp) * (place.mirrored ? 2 : 1);
   std::vector<std::int64_t> persistent_of_region(static_cast<std::size_t>(place.regions), 0);
   std::vector<std::int64_t> activation_of_region(static_cast<std::size_t>(place.regions), 0);
+  // The per-device costs lowering uses (the compiler's own layer_costs under the TP layout and
+  // recompute mode): parameters of split tensors divided by t, activations as Korthikanti et al.
+  // (divided by t with SP, the attention core dropped by selective, block inputs only with full).
+  const std::shared_ptr<const std::vector<core::Costs>> layer_costs = shape->costs(c);
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
-    const core::Layer& layer = model.layers()[i];
-    const int r = layer.tags.at("PP");
-    // The per-device costs lowering uses (the compiler's own layer_costs under the TP layout and
-    // recompute mode): parameters of split tensors divided by t, activations as Korthikanti et al.
-    // (divided by t with SP, the attention core dropped by selective, block inputs only with full).
-    const core::Costs costs = core::layer_costs(layer, model.training(), layout_of(c, layer));
+    const int r = shape->region_of_layer[i];
+    const core::Costs& costs = (*layer_costs)[i];
     // Lowering sizes each segment's state as params/shard * bytes / (replicas if sharded by ZeRO),
     // with integer division; summing it per layer rounds down at least as much, so it stays a bound.
-    const bool expert = layer.tags.contains("EP") && c.ep > 1;
+    const bool expert = shape->ep_tagged[i] && c.ep > 1;
     const std::int64_t shard = expert ? c.ep : 1;
-    const std::int64_t devices = region_replicas * (layer.kind == core::LayerKind::MoeExperts ? c.tp : 1);
+    const std::int64_t devices = region_replicas * (shape->experts[i] ? c.tp : 1);
     const std::int64_t replicas = std::max<std::int64_t>(1, devices / shard);
     const std::int64_t params = costs.params / shard;
     persistent_of_region[static_cast<std::size_t>(r)] += params * dt / (c.zero >= 3 ? replicas : 1) +
                                                          params * dt / (c.zero >= 2 ? replicas : 1) +
                                                          params * state_bytes / (c.zero >= 1 ? replicas : 1);
     activation_of_region[static_cast<std::size_t>(r)] += costs.activation_bytes / shard;
-  }
-  // The schedule's per-rank step order, when it has one: order directives run a rank's steps one
-  // after another, so the activations in flight at each forward are known (see in_flight_bound).
-  std::optional<core::ScheduleTable> table;
-  try {
-    const core::ScheduleFamily& family = core::schedule_family(c.schedule);
-    core::ScheduleContext ctx;
-    ctx.ranks = c.pp;
-    ctx.regions = place.regions;
-    ctx.microbatches = c.microbatches;
-    ctx.virtual_stages = c.virtual_stages;
-    ctx.rank_of_region = place.rank_of_region;
-    ctx.mirrored = place.mirrored;
-    table = family.table(ctx);
-    if (static_cast<int>(table->ranks.size()) != c.pp) table.reset();
-  } catch (const std::invalid_argument&) {
-    table.reset();  // e.g. several regions per rank in a family ordered per region
   }
   std::int64_t peak = 0;
   for (int rank = 0; rank < c.pp; ++rank) {
@@ -450,7 +525,13 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     // copy has there) are all alive together. The two copies of a mirrored family are separate
     // chains: count the larger.
     std::int64_t transient = std::max(chain[0], chain[1]);
-    if (table) transient = std::max(transient, in_flight_bound(table->ranks[static_cast<std::size_t>(rank)], activation_of_region));
+    if (!shape->held.empty())
+      for (const auto& pattern : shape->held[static_cast<std::size_t>(rank)]) {
+        std::int64_t held = 0;
+        for (const auto& [region, count] : pattern)
+          if (region >= 0 && region < place.regions) held += count * activation_of_region[static_cast<std::size_t>(region)];
+        transient = std::max(transient, held);
+      }
     peak = std::max(peak, persistent + transient);
   }
   return peak;
@@ -461,17 +542,18 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
 // ---------------------------------------------------------------------------------------------
 
 double step_time_estimate(const TuneSpec& spec, const TuneCandidate& c) {
-  const core::Model model = annotated_model(spec, c);
-  const RegionPlacement place = placement_of(c);
-  const Cluster cluster = with_devices(load_cluster(spec.cluster), spec.devices);
-  const CostModel cost(cluster);
-  const double nvlink = cluster.node(0).nvlink_bandwidth_bytes_per_s;
+  const std::shared_ptr<const Shape> shape = shape_of(spec, c);
+  const core::Model& model = shape->model;
+  const RegionPlacement& place = shape->place;
+  const std::shared_ptr<const CostModel> costs = cost_model_of(spec);
+  const CostModel& cost = *costs;
+  const double nvlink = cost.cluster().node(0).nvlink_bandwidth_bytes_per_s;
   std::vector<double> f(static_cast<std::size_t>(place.regions), 0.0), fb(f.size(), 0.0);
+  const std::shared_ptr<const std::vector<core::Costs>> layer_costs = shape->costs(c);
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
-    const core::Layer& layer = model.layers()[i];
-    const auto r = static_cast<std::size_t>(layer.tags.at("PP"));
-    const core::Costs k = core::layer_costs(layer, model.training(), layout_of(c, layer));
-    const double shard = layer.tags.contains("EP") ? c.ep : 1;
+    const auto r = static_cast<std::size_t>(shape->region_of_layer[i]);
+    const core::Costs& k = (*layer_costs)[i];
+    const double shard = shape->ep_tagged[i] ? c.ep : 1;
     // TP collectives run inside the ops at about (t-1)/t of the bytes over NVLink.
     const double tp = c.tp > 1 && nvlink > 0 ? (c.tp - 1.0) / c.tp / nvlink : 0.0;
     const double fwd = cost.roofline_seconds(0, k.forward_flops, static_cast<std::int64_t>(k.forward_memory_bytes / shard)) +
@@ -507,7 +589,8 @@ double step_time_estimate(const TuneSpec& spec, const TuneCandidate& c) {
 
 std::vector<int> effective_pp_ranges(const TuneSpec& spec, const TuneCandidate& c) {
   if (!c.pp_ranges.empty()) return c.pp_ranges;
-  return starts_of(annotated_model(spec, c), placement_of(c).regions);
+  const std::shared_ptr<const Shape> shape = shape_of(spec, c);
+  return starts_of(shape->model, shape->place.regions);
 }
 
 namespace {
@@ -518,7 +601,8 @@ namespace {
 std::vector<double> unit_seconds(const TuneSpec& spec, const TuneCandidate& c) {
   const core::ModelConfig cfg = model_config(spec, c.micro_batch_size);
   const core::Model model = core::build_model(cfg);
-  const CostModel cost(with_devices(load_cluster(spec.cluster), spec.devices));
+  const std::shared_ptr<const CostModel> costs = cost_model_of(spec);
+  const CostModel& cost = *costs;
   std::vector<double> out(static_cast<std::size_t>(cfg.layers), 0.0);
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
     const core::Layer& l = model.layers()[i];
