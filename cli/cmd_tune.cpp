@@ -89,6 +89,7 @@ int run_tune(TuneArgs& a) {
   sim::TuneSpec& spec = a.spec;
   spec.memory_cap_bytes = a.memory_cap_gib * kGiB;
   spec.placement_search = !a.no_placement;
+  spec.exact_top = a.show;  // the printed plans are exactly the best (branch and bound keeps them)
   spec.sequence_parallel = a.sequence_parallel == "on" ? std::vector<bool>{true}
                            : a.sequence_parallel == "off" ? std::vector<bool>{false}
                                                           : std::vector<bool>{false, true};
@@ -131,8 +132,9 @@ int run_tune(TuneArgs& a) {
   fmt::print("enumerated  {} legal candidates with their SP, recompute and ZeRO options, from {} (TP, PP, EP, micro batch,\n"
              "            family, virtual) tuples ({} with a global batch that does not split, {} refused by the family)\n",
              s.candidates, e.considered, e.batch_indivisible, e.family_rejected);
-  fmt::print("pruned      {} by the memory lower bound; {} recompute variants dominated by a lighter mode that fits\n",
-             s.pruned, s.dominated);
+  fmt::print("pruned      {} by the memory lower bound; {} by the step time lower bound (above the {}th best)\n", s.pruned,
+             s.bounded, std::max(a.show, spec.top_k));
+  fmt::print("deferred    {} recompute variants whose lighter twin fits (simulated last)\n", s.dominated);
   fmt::print("simulated   {} analytic ({} placement variants), {} SimGrid; {} fit the cap; {} rows resumed from {}\n",
              s.simulated, s.placement_variants, s.simgrid, s.fitting, s.resumed, a.output_path);
   fmt::print("wall time   {:.1f} s with -j {}\n", s.elapsed_s, a.jobs);

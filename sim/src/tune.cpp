@@ -538,33 +538,64 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Step time estimate (for ordering only)
+// Step time lower bound
 // ---------------------------------------------------------------------------------------------
 
-double step_time_estimate(const TuneSpec& spec, const TuneCandidate& c) {
+double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
+  if (!spec.calibration_path.empty()) return 0;  // measured op times replace the cost model's
   const std::shared_ptr<const Shape> shape = shape_of(spec, c);
   const core::Model& model = shape->model;
   const RegionPlacement& place = shape->place;
   const std::shared_ptr<const CostModel> costs = cost_model_of(spec);
-  const CostModel& cost = *costs;
-  const double nvlink = cost.cluster().node(0).nvlink_bandwidth_bytes_per_s;
-  std::vector<double> f(static_cast<std::size_t>(place.regions), 0.0), fb(f.size(), 0.0);
+  const Cluster& cluster = costs->cluster();
+  // The fastest GPU and link of the cluster, so that the bound holds on every device.
+  double flops_rate = 0, hbm = 0, link = 0;
+  double half = std::numeric_limits<double>::infinity(), launch = half;
+  for (const auto& node : cluster.nodes) {
+    flops_rate = std::max(flops_rate, node.gpu.peak_flops * node.gpu.max_efficiency);
+    half = std::min(half, node.gpu.half_efficiency_flops);
+    launch = std::min(launch, node.gpu.launch_overhead_s);
+    hbm = std::max(hbm, node.gpu.hbm_bandwidth_bytes_per_s);
+    link = std::max({link, node.nvlink_bandwidth_bytes_per_s, node.nic_bandwidth_per_gpu_bytes_per_s()});
+  }
+  if (flops_rate <= 0 || hbm <= 0) return 0;
+  half = std::max(0.0, half);
+  launch = std::max(0.0, launch);
+  // Per region and microbatch: the FLOPs, HBM traffic, element-wise traffic and TP bytes of its F and
+  // of its B (BI + BW when split), per device under c's layout (recomputed work is in B).
+  struct Pass {
+    double flops = 0, memory = 0, elementwise = 0, tp = 0;
+    // An op of f FLOPs takes max(f / (peak * eff(f)), memory / hbm) + launch, where
+    // eff(f) = max_eff * f / (f + half), i.e. f / (peak * eff(f)) = (f + half) / (peak * max_eff); plus
+    // its element-wise kernels and its TP collectives (an all-gather moves (t-1)/t of its bytes
+    // through each device's link). A pass of a region is at least one op, and over its ops the max
+    // of the sums is below the sum of the maxes.
+    double seconds(int t) const {
+      return std::max((flops + half_) / flops_rate_, memory / hbm_) + launch_ + elementwise / hbm_ +
+             (t > 1 && link_ > 0 ? tp * (t - 1.0) / t / link_ : 0.0);
+    }
+    double flops_rate_ = 0, hbm_ = 0, link_ = 0, half_ = 0, launch_ = 0;
+  };
+  std::vector<Pass> f(static_cast<std::size_t>(place.regions), Pass{0, 0, 0, 0, flops_rate, hbm, link, half, launch}), b = f;
   const std::shared_ptr<const std::vector<core::Costs>> layer_costs = shape->costs(c);
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
     const auto r = static_cast<std::size_t>(shape->region_of_layer[i]);
     const core::Costs& k = (*layer_costs)[i];
+    // Expert parallelism divides the experts' weight traffic (each device computes every token
+    // routed to its experts, so not their FLOPs); dividing by EP is never larger than lowering's.
     const double shard = shape->ep_tagged[i] ? c.ep : 1;
-    // TP collectives run inside the ops at about (t-1)/t of the bytes over NVLink.
-    const double tp = c.tp > 1 && nvlink > 0 ? (c.tp - 1.0) / c.tp / nvlink : 0.0;
-    const double fwd = cost.roofline_seconds(0, k.forward_flops, static_cast<std::int64_t>(k.forward_memory_bytes / shard)) +
-                       tp * static_cast<double>(k.forward_tp_bytes);
-    const double bwd = cost.roofline_seconds(0, k.backward_flops(), static_cast<std::int64_t>(k.backward_memory_bytes / shard)) +
-                       tp * static_cast<double>(k.backward_tp_bytes);
-    f[r] += fwd;
-    fb[r] += fwd + bwd;
+    f[r].flops += k.forward_flops;
+    f[r].memory += static_cast<double>(k.forward_memory_bytes) / shard;
+    f[r].elementwise += static_cast<double>(k.forward_elementwise_bytes);
+    f[r].tp += static_cast<double>(k.forward_tp_bytes);
+    b[r].flops += k.backward_flops();
+    b[r].memory += static_cast<double>(k.backward_memory_bytes) / shard;
+    b[r].elementwise += static_cast<double>(k.backward_elementwise_bytes);
+    b[r].tp += static_cast<double>(k.backward_tp_bytes);
   }
-  // Per rank: every microbatch through every region it holds, after the first microbatch has come
-  // through the regions before its earliest one (the pipeline fill).
+  // A device's compute ops run one at a time on its compute stream. Rank r runs every microbatch's F
+  // and B of each region it holds, and cannot start before the first microbatch has gone through
+  // every region before its earliest one (the regions form a chain).
   const double per_copy = place.mirrored ? c.microbatches / 2.0 : c.microbatches;
   double worst = 0;
   for (int rank = 0; rank < c.pp; ++rank) {
@@ -573,9 +604,9 @@ double step_time_estimate(const TuneSpec& spec, const TuneCandidate& c) {
       const int home = place.rank_of_region[static_cast<std::size_t>(r)];
       const int copies = (home == rank ? 1 : 0) + (place.mirrored && c.pp - 1 - home == rank ? 1 : 0);
       if (copies == 0) continue;
-      busy += copies * per_copy * fb[static_cast<std::size_t>(r)];
+      busy += copies * per_copy * (f[static_cast<std::size_t>(r)].seconds(c.tp) + b[static_cast<std::size_t>(r)].seconds(c.tp));
       double before = 0;
-      for (int s = 0; s < r; ++s) before += f[static_cast<std::size_t>(s)];
+      for (int s = 0; s < r; ++s) before += f[static_cast<std::size_t>(s)].seconds(c.tp);
       fill = std::min(fill, before);
     }
     if (std::isfinite(fill)) worst = std::max(worst, fill + busy);
@@ -846,25 +877,6 @@ namespace {
 
 // Faster first; ties (equal step times) go to the smaller memory peak, then the key, so the order is
 // stable across runs and thread counts.
-// Candidates by their step time estimate, fastest first (stable for equal estimates), so that a
-// budget cuts the least promising ones. Estimates are computed in parallel-free closed form.
-std::vector<TuneCandidate> rank_by_estimate(const TuneSpec& spec, std::vector<TuneCandidate> list) {
-  std::vector<std::pair<double, std::size_t>> order;
-  for (std::size_t i = 0; i < list.size(); ++i) {
-    double e = std::numeric_limits<double>::infinity();
-    try {
-      e = step_time_estimate(spec, list[i]);
-    } catch (const std::exception&) {
-      // Simulated last; the simulation reports what is wrong with it.
-    }
-    order.push_back({e, i});
-  }
-  std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  std::vector<TuneCandidate> out;
-  for (const auto& [e, i] : order) out.push_back(std::move(list[i]));
-  return out;
-}
-
 bool better(const TuneRow& a, const TuneRow& b) {
   if (a.step_time_s != b.step_time_s) return a.step_time_s < b.step_time_s;
   if (a.peak_memory_bytes != b.peak_memory_bytes) return a.peak_memory_bytes < b.peak_memory_bytes;
@@ -919,9 +931,25 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
   auto progress = [&](const std::string& phase, std::size_t finished, std::size_t total) {
     if (options.on_progress) options.on_progress({phase, finished, total, elapsed()});
   };
+  // Branch and bound: the step times of the fitting analytic rows, so that a candidate whose step
+  // time lower bound exceeds the exact_top-th best cannot enter the best exact_top and is not
+  // simulated (without a calibration, whose measured times the bound does not know).
+  const std::size_t exact_top = static_cast<std::size_t>(std::max({spec.exact_top, spec.top_k, 1}));
+  std::multiset<double> best_times;
+  auto threshold = [&] {
+    if (best_times.size() < exact_top) return std::numeric_limits<double>::infinity();
+    return *std::next(best_times.begin(), static_cast<std::ptrdiff_t>(exact_top) - 1);
+  };
+  auto note_time = [&](const TuneRow& row) {
+    if (row.engine != "analytic" || !row.fits(cap)) return;
+    best_times.insert(row.step_time_s);
+    if (best_times.size() > exact_top) best_times.erase(std::prev(best_times.end()));
+  };
+  for (const auto& [id, row] : done) note_time(row);
   auto record = [&](const TuneRow& row) {
     out->append(to_csv(spec, row));
     done[{row.candidate.key(), row.engine}] = row;
+    note_time(row);
   };
 
   // Phase 1: the memory lower bound of every candidate; those above the cap are pruned (recorded so
@@ -957,6 +985,26 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
   }
 
   // Phases 2 and 3 run analytic simulations in parallel; rows already in the file are skipped.
+  // Candidates ordered by their step time lower bound (best first): the threshold falls fast, and
+  // once one candidate's bound exceeds it, so do all later ones'.
+  std::map<std::string, double> time_bound;
+  auto by_bound = [&](std::vector<TuneCandidate> list) {
+    std::vector<std::pair<double, std::size_t>> order;
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      double lb = 0;
+      try {
+        lb = step_time_lower_bound(spec, list[i]);
+      } catch (const std::exception&) {
+        // No bound: simulated first, and the simulation reports what is wrong with it.
+      }
+      time_bound[list[i].key()] = lb;
+      order.push_back({lb, i});
+    }
+    std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+    std::vector<TuneCandidate> sorted;
+    for (const auto& [lb, i] : order) sorted.push_back(std::move(list[i]));
+    return sorted;
+  };
   auto simulate_all = [&](const std::string& phase, const std::vector<TuneCandidate>& list) {
     std::vector<std::size_t> todo;
     for (std::size_t i = 0; i < list.size(); ++i)
@@ -967,6 +1015,26 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
         todo.size(), options.jobs,
         [&](std::size_t j) {
           const TuneCandidate& c = list[todo[j]];
+          {
+            std::lock_guard lock(mutex);
+            const auto lb = time_bound.find(c.key());
+            const double limit = threshold();
+            if (lb != time_bound.end() && lb->second > limit) {
+              summary.bounded += 1;
+              auto old = done.find({c.key(), ""});
+              if (old == done.end() || old->second.status != "bounded") {
+                TuneRow row;
+                row.candidate = c;
+                row.status = "bounded";
+                row.reason = fmt::format("step time lower bound {:.3f} ms > the {}th best {:.3f} ms", lb->second * 1e3,
+                                         exact_top, limit * 1e3);
+                row.estimated_memory_bytes = estimate.count(c.key()) ? estimate.at(c.key()) : 0;
+                record(row);
+              }
+              progress(phase, ++finished, list.size());
+              return;
+            }
+          }
           const TuneRow row = evaluate_candidate(spec, c, "analytic", estimate.count(c.key()) ? estimate.at(c.key()) : 0);
           std::lock_guard lock(mutex);
           record(row);
@@ -1017,10 +1085,10 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
       }
       todo.push_back(c);
     }
-    simulate_all(modes.size() > 1 ? "analytic " + modes[wave] : "analytic", rank_by_estimate(spec, std::move(todo)));
+    simulate_all(modes.size() > 1 ? "analytic " + modes[wave] : "analytic", by_bound(std::move(todo)));
   }
   summary.dominated = deferred.size();
-  if (!summary.budget_exhausted) simulate_all("analytic, dominated", rank_by_estimate(spec, std::move(deferred)));
+  if (!summary.budget_exhausted) simulate_all("analytic, dominated", by_bound(std::move(deferred)));
 
   // Phase 3: PP placement alternatives for the leading strategies (default placements only).
   std::vector<TuneCandidate> variants;
@@ -1038,7 +1106,7 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
       }
     }
     for (const auto& v : variants) estimate[v.key()] = memory_lower_bound(spec, v);
-    simulate_all("placement", variants);
+    simulate_all("placement", by_bound(std::move(variants)));
   }
 
   // Phase 4: the top K on the SimGrid engine, one at a time (it forks a child per run).

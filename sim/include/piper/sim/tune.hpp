@@ -42,6 +42,9 @@ struct TuneSpec {
   int top_k = 3;                          // re-simulated on the SimGrid engine (0: none)
   bool placement_search = true;           // try cost-model-balanced PP boundaries for the leaders
   int placement_leaders = 0;              // strategies whose placement is searched; 0: max(top_k, 4)
+  // The best this many plans are exact: a candidate whose step time lower bound exceeds the
+  // exact_top-th best fitting step time found so far is not simulated (branch and bound).
+  int exact_top = 10;
   std::string calibration_path;
 
   std::int64_t effective_global_batch() const { return global_batch > 0 ? global_batch : 4LL * devices; }
@@ -93,12 +96,13 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
 // keeps on that device until its backward pass. Pruning with it never drops a plan that fits.
 std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c);
 
-// A closed-form estimate of c's step time (seconds) from the cost model: per pipeline rank, every
-// microbatch's F and B (TP collectives and recomputation included) of the regions it holds plus the
-// pipeline fill before its first region; the busiest rank. It ignores data-parallel communication,
-// waiting inside the schedule and contention, so it only orders the simulations (a budget cuts the
-// least promising first); it never prunes.
-double step_time_estimate(const TuneSpec& spec, const TuneCandidate& c);
+// A lower bound of the simulated step time (seconds) of `c`, in closed form from the model's layer
+// costs under c's layout: a device's compute ops run one at a time, each at least max(FLOPs /
+// (peak x max efficiency), HBM bytes / bandwidth) plus its element-wise kernels and TP collectives,
+// so each pipeline rank needs every microbatch's F and B of the regions it holds, after the first
+// microbatch has gone through every region before its earliest one. The fastest GPU and link of the
+// cluster are used. 0 with a calibration file (measured times replace the model).
+double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c);
 
 // Up to three alternatives to c's PP boundaries: regions balanced by the cost model's compute time on
 // the cluster's GPU (not FLOPs), minimising the busiest device (which sees every region it holds, as
@@ -158,6 +162,7 @@ struct TuneSummary {
   // Recompute variants deferred to the last wave (a budget cuts them first): the same strategy with
   // less recomputation fits the cap, so they are normally slower (see run_tune).
   std::size_t dominated = 0;
+  std::size_t bounded = 0;                // not simulated: step time lower bound above the exact_top-th best
   std::size_t simulated = 0;              // analytic rows (this run and resumed), placement variants included
   std::size_t placement_variants = 0;     // of which placement alternatives
   std::size_t simgrid = 0;                // SimGrid rows
