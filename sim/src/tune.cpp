@@ -276,6 +276,7 @@ std::string TuneCandidate::key() const {
   if (tp != 1) k += fmt::format("/tp{}", tp);
   if (sequence_parallel) k += "/sp";
   if (recompute != "none") k += "/rc-" + recompute;
+  if (!rank_order.empty()) k += "/o" + join(rank_order, '.');
   std::replace(k.begin(), k.end(), ',', ';');
   return k;
 }
@@ -289,7 +290,9 @@ std::string TuneCandidate::describe() const {
   if (virtual_stages > 1) s += fmt::format(" ({} regions/rank)", virtual_stages);
   s += fmt::format(", {} microbatches of {}, ZeRO-{}", microbatches, micro_batch_size, zero);
   if (recompute != "none") s += fmt::format(", recompute {}", recompute);
-  if (!pp_ranges.empty()) s += fmt::format(", PP starts {} ({})", join(pp_ranges, ','), placement);
+  if (!pp_ranges.empty()) s += fmt::format(", PP starts {}", join(pp_ranges, ','));
+  if (!rank_order.empty()) s += fmt::format(", ranks on device groups {}", join(rank_order, ','));
+  if (!pp_ranges.empty() || !rank_order.empty()) s += fmt::format(" ({})", placement);
   return s;
 }
 
@@ -302,6 +305,22 @@ core::Scenario tune_scenario(const TuneSpec& spec, const TuneCandidate& c, const
   s.stage_starts = c.pp_ranges;
   s.cluster = spec.cluster;
   s.engine = engine;
+  if (!c.rank_order.empty()) {
+    // Another order of the pipeline ranks on the device groups: the compiled program of the
+    // generator's order with every device relabelled (device k + t (r + d pp) becomes
+    // k + t (order[r] + d pp)), given to the compiler as an explicit program.
+    TuneCandidate plain = c;
+    plain.rank_order.clear();
+    json program = core::compile_scenario(tune_scenario(spec, plain)).program_json;
+    const int t = c.tp, pp = c.pp;
+    for (auto& d : program)
+      if (d.contains("devices"))
+        for (auto& dev : d["devices"]) {
+          const int x = dev.get<int>(), q = x / t;
+          dev = x % t + t * (c.rank_order.at(static_cast<std::size_t>(q % pp)) + (q / pp) * pp);
+        }
+    s.directives = std::move(program);
+  }
   return s;
 }
 
@@ -739,15 +758,72 @@ std::vector<TuneCandidate> placement_variants(const TuneSpec& spec, const TuneCa
   return out;
 }
 
+std::vector<TuneCandidate> rank_order_variants(const TuneSpec& spec, const TuneCandidate& c) {
+  std::vector<TuneCandidate> out;
+  if (c.pp < 2 || !c.rank_order.empty()) return out;
+  const Cluster& cluster = cost_model_of(spec)->cluster();
+  // A group is as fast as its slowest device (its TP group and data-parallel replicas wait for it).
+  std::vector<double> speed(static_cast<std::size_t>(c.pp), std::numeric_limits<double>::infinity());
+  for (int g = 0; g < c.pp; ++g)
+    for (int d = 0; d < c.dp; ++d)
+      for (int k = 0; k < c.tp; ++k) {
+        const GpuSpec& gpu = cluster.gpu(k + c.tp * (g + d * c.pp));
+        speed[static_cast<std::size_t>(g)] = std::min(speed[static_cast<std::size_t>(g)], gpu.peak_flops * gpu.max_efficiency);
+      }
+  if (std::all_of(speed.begin(), speed.end(), [&](double v) { return v == speed.front(); })) return out;
+  // Per-rank compute time of the regions each holds, with c's boundaries.
+  const RegionPlacement place = placement_of(c);
+  const std::vector<double> w = unit_seconds(spec, c);
+  const std::vector<int> starts = effective_pp_ranges(spec, c);
+  std::vector<double> load(static_cast<std::size_t>(c.pp), 0.0);
+  const auto ranks = ranks_of_regions(place.rank_of_region, c.pp, place.mirrored);
+  for (std::size_t r = 0; r < starts.size(); ++r) {
+    const int end = r + 1 < starts.size() ? starts[r + 1] : static_cast<int>(w.size());
+    double sum = 0;
+    for (int u = starts[r]; u < end; ++u) sum += w[static_cast<std::size_t>(u)];
+    for (int rank : ranks[r]) load[static_cast<std::size_t>(rank)] += sum;
+  }
+  std::vector<int> by_load(static_cast<std::size_t>(c.pp)), by_speed(static_cast<std::size_t>(c.pp));
+  std::iota(by_load.begin(), by_load.end(), 0);
+  std::iota(by_speed.begin(), by_speed.end(), 0);
+  std::stable_sort(by_load.begin(), by_load.end(), [&](int a, int b) { return load[static_cast<std::size_t>(a)] > load[static_cast<std::size_t>(b)]; });
+  std::stable_sort(by_speed.begin(), by_speed.end(), [&](int a, int b) { return speed[static_cast<std::size_t>(a)] > speed[static_cast<std::size_t>(b)]; });
+  std::vector<int> busiest_fastest(static_cast<std::size_t>(c.pp));
+  for (std::size_t i = 0; i < by_load.size(); ++i) busiest_fastest[static_cast<std::size_t>(by_load[i])] = by_speed[i];
+  std::vector<int> reversed(static_cast<std::size_t>(c.pp)), identity(static_cast<std::size_t>(c.pp));
+  std::iota(identity.begin(), identity.end(), 0);
+  for (int r = 0; r < c.pp; ++r) reversed[static_cast<std::size_t>(r)] = c.pp - 1 - r;
+  std::set<std::vector<int>> seen{identity};
+  const std::string base = c.pp_ranges.empty() ? std::string() : c.placement + "; ";
+  for (const auto& [order, label] : {std::pair{busiest_fastest, "busiest ranks on the fastest GPUs"}, std::pair{reversed, "ranks reversed"}}) {
+    if (!seen.insert(order).second) continue;
+    TuneCandidate v = c;
+    v.rank_order = order;
+    v.placement = base + label;
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Rows and the CSV
 // ---------------------------------------------------------------------------------------------
 
 TuneRow evaluate_candidate(const TuneSpec& spec, const TuneCandidate& c, const std::string& engine,
                            std::int64_t estimated_memory_bytes) {
-  const Outcome o = simulate_outcome(tune_scenario(spec, c, engine), spec.cluster, engine, spec.calibration_path);
   TuneRow row;
   row.candidate = c;
+  core::Scenario scenario;
+  try {
+    scenario = tune_scenario(spec, c, engine);
+  } catch (const std::exception& e) {
+    row.engine = engine;
+    row.status = "invalid";
+    row.reason = e.what();
+    row.estimated_memory_bytes = estimated_memory_bytes;
+    return row;
+  }
+  const Outcome o = simulate_outcome(scenario, spec.cluster, engine, spec.calibration_path);
   row.engine = engine;
   row.estimated_memory_bytes = estimated_memory_bytes;
   copy_outcome(o, row);
@@ -758,7 +834,7 @@ const std::vector<std::string>& tune_csv_columns() {
   static const std::vector<std::string> columns = {
       "key", "model", "cluster", "devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp", "sequence_parallel",
       "recompute", "zero", "schedule", "virtual",
-      "microbatches", "micro_batch_size", "placement", "pp_ranges", "engine", "estimated_memory_bytes", "step_time_s",
+      "microbatches", "micro_batch_size", "placement", "pp_ranges", "rank_order", "engine", "estimated_memory_bytes", "step_time_s",
       "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s",
       "status", "reason"};
   return columns;
@@ -767,11 +843,11 @@ const std::vector<std::string>& tune_csv_columns() {
 std::string to_csv(const TuneSpec& spec, const TuneRow& r) {
   const TuneCandidate& c = r.candidate;
   // {} prints doubles in their shortest round-trip form, so a row read back compares exactly.
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                      csv_field(c.key()), csv_field(spec.model), csv_field(spec.cluster), spec.devices,
                      spec.effective_global_batch(), spec.seq_len, c.pp, c.dp, c.ep, c.tp, c.sequence_parallel ? 1 : 0,
                      csv_field(c.recompute), c.zero, csv_field(c.schedule),
-                     c.virtual_stages, c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '),
+                     c.virtual_stages, c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '), join(c.rank_order, ' '),
                      r.engine, r.estimated_memory_bytes, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
                      r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.status,
                      csv_field(one_line(r.reason)));
@@ -809,17 +885,21 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
   c.microbatches = static_cast<int>(integer("microbatches"));
   c.micro_batch_size = integer("micro_batch_size");
   c.placement = at("placement");
-  std::size_t pos = 0;
-  const std::string& ranges = at("pp_ranges");
-  while (pos < ranges.size()) {
-    const std::size_t end = std::min(ranges.find(' ', pos), ranges.size());
-    try {
-      c.pp_ranges.push_back(std::stoi(ranges.substr(pos, end - pos)));
-    } catch (const std::exception&) {
-      throw TuneError(fmt::format("{}: column 'pp_ranges': '{}' is not a list of blocks", where, ranges));
+  auto int_list = [&](const char* name, std::vector<int>& into) {
+    std::size_t pos = 0;
+    const std::string& text = at(name);
+    while (pos < text.size()) {
+      const std::size_t end = std::min(text.find(' ', pos), text.size());
+      try {
+        into.push_back(std::stoi(text.substr(pos, end - pos)));
+      } catch (const std::exception&) {
+        throw TuneError(fmt::format("{}: column '{}': '{}' is not a list of integers", where, name, text));
+      }
+      pos = end + 1;
     }
-    pos = end + 1;
-  }
+  };
+  int_list("pp_ranges", c.pp_ranges);
+  int_list("rank_order", c.rank_order);
   if (c.key() != at("key")) throw TuneError(fmt::format("{}: column 'key': '{}' does not match the row's knobs", where, at("key")));
   r.engine = at("engine");
   r.status = at("status");
@@ -856,10 +936,12 @@ std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* sp
     std::string header;
     std::getline(in, header);
     std::vector<std::string> older = tune_csv_columns();
-    std::erase_if(older, [](const std::string& c) { return c == "tp" || c == "sequence_parallel" || c == "recompute"; });
+    std::erase_if(older, [](const std::string& c) {
+      return c == "tp" || c == "sequence_parallel" || c == "recompute" || c == "rank_order";
+    });
     if (in && header == csv_header(older))
-      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no tp, sequence_parallel and recompute "
-                                  "columns); choose another -o",
+      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no tp, sequence_parallel, recompute and "
+                                  "rank_order columns); choose another -o",
                                   csv_path));
     throw TuneError(e.what());
   }
@@ -1055,38 +1137,47 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
     return rows;
   };
 
-  // Phase 2 in waves by recompute mode, lightest first. Recomputation adds work (the same ops with
-  // a longer backward) and saves memory, so a plan whose lighter twin (same strategy, the next lighter
-  // mode tried) fits the cap is normally slower than that twin: such plans are deferred to a last
-  // wave, which a budget cuts first. It is not skipped: the simulated step is not monotone in op
-  // durations everywhere (a longer backward can shift when a communication starts, and tiny models
-  // show heavier modes up to a few per cent faster, see test_sim_tune), so without a budget every
-  // survivor is simulated and the result equals a brute force.
+  // Phase 2 in waves by (recompute mode, ZeRO level), lightest first. Recomputation adds work (the
+  // same ops with a longer backward) and ZeRO adds or keeps communication, both to save memory, so a
+  // plan whose lighter twin (same strategy, the next lighter mode or the next lower ZeRO level
+  // tried) fits the cap is normally no faster than that twin: such plans are deferred to a last
+  // wave, which a budget cuts first. They are not skipped: the simulated step is not monotone in op
+  // durations everywhere (a longer backward can shift when a transfer starts; tiny models show
+  // heavier recompute modes up to a few per cent faster, see test_sim_tune), so without a budget
+  // every survivor is simulated (or bounded) and the result equals a brute force.
   std::vector<std::string> modes;
-  for (const auto& c : candidates)
+  std::vector<int> zeros;
+  for (const auto& c : candidates) {
     if (std::find(modes.begin(), modes.end(), c.recompute) == modes.end()) modes.push_back(c.recompute);
+    if (std::find(zeros.begin(), zeros.end(), c.zero) == zeros.end()) zeros.push_back(c.zero);
+  }
   std::sort(modes.begin(), modes.end(), [](const std::string& a, const std::string& b) { return recompute_level(a) < recompute_level(b); });
+  std::sort(zeros.begin(), zeros.end());
   std::set<std::string> deferred_keys;
   std::vector<TuneCandidate> deferred;
-  for (std::size_t wave = 0; wave < modes.size() && !summary.budget_exhausted; ++wave) {
-    std::vector<TuneCandidate> todo;
-    for (const auto& c : survivors) {
-      if (c.recompute != modes[wave]) continue;
-      if (wave > 0) {
-        TuneCandidate twin = c;
-        twin.recompute = modes[wave - 1];
-        const std::string tk = twin.key();
-        auto row = done.find({tk, "analytic"});
-        if (deferred_keys.count(tk) || (row != done.end() && row->second.fits(cap))) {
+  for (std::size_t mi = 0; mi < modes.size() && !summary.budget_exhausted; ++mi)
+    for (std::size_t zi = 0; zi < zeros.size() && !summary.budget_exhausted; ++zi) {
+      std::vector<TuneCandidate> todo;
+      for (const auto& c : survivors) {
+        if (c.recompute != modes[mi] || c.zero != zeros[zi]) continue;
+        std::vector<TuneCandidate> twins;
+        if (mi > 0) twins.push_back(c), twins.back().recompute = modes[mi - 1];
+        if (zi > 0) twins.push_back(c), twins.back().zero = zeros[zi - 1];
+        bool dominated = false;
+        for (const auto& twin : twins) {
+          const std::string tk = twin.key();
+          auto row = done.find({tk, "analytic"});
+          dominated = dominated || deferred_keys.count(tk) || (row != done.end() && row->second.fits(cap));
+        }
+        if (dominated) {
           deferred_keys.insert(c.key());
           deferred.push_back(c);
-          continue;
+        } else {
+          todo.push_back(c);
         }
       }
-      todo.push_back(c);
+      if (!todo.empty()) simulate_all(fmt::format("analytic ({}, ZeRO-{})", modes[mi], zeros[zi]), by_bound(std::move(todo)));
     }
-    simulate_all(modes.size() > 1 ? "analytic " + modes[wave] : "analytic", by_bound(std::move(todo)));
-  }
   summary.dominated = deferred.size();
   if (!summary.budget_exhausted) simulate_all("analytic, dominated", by_bound(std::move(deferred)));
 
@@ -1107,6 +1198,24 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
     }
     for (const auto& v : variants) estimate[v.key()] = memory_lower_bound(spec, v);
     simulate_all("placement", by_bound(std::move(variants)));
+    // Then the order of the pipeline ranks on the device groups, for the leaders with their best
+    // boundaries (only where groups differ: rank_order_variants returns none on uniform clusters).
+    std::vector<TuneCandidate> orders;
+    std::set<std::string> strategies;
+    for (const auto& row : fitting_analytic()) {
+      if (static_cast<int>(strategies.size()) >= leaders) break;
+      TuneCandidate plain = row.candidate;
+      plain.pp_ranges.clear();
+      plain.rank_order.clear();
+      if (!strategies.insert(plain.key()).second || !row.candidate.rank_order.empty()) continue;
+      try {
+        for (auto& v : rank_order_variants(spec, row.candidate)) orders.push_back(std::move(v));
+      } catch (const std::exception&) {
+        // Keeps the generator's order.
+      }
+    }
+    for (const auto& v : orders) estimate[v.key()] = memory_lower_bound(spec, v);
+    simulate_all("rank order", by_bound(std::move(orders)));
   }
 
   // Phase 4: the top K on the SimGrid engine, one at a time (it forks a child per run).
@@ -1136,7 +1245,7 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
   for (const auto& [id, row] : done) {
     if (id.second == "analytic") {
       summary.simulated += 1;
-      if (!row.candidate.pp_ranges.empty()) summary.placement_variants += 1;
+      if (!row.candidate.pp_ranges.empty() || !row.candidate.rank_order.empty()) summary.placement_variants += 1;
       if (row.fits(cap)) summary.fitting += 1;
     } else if (id.second == "simgrid") {
       summary.simgrid += 1;

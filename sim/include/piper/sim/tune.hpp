@@ -63,6 +63,9 @@ struct TuneCandidate {
   std::int64_t micro_batch_size = 1;      // sequences per microbatch
   std::string placement = "default";      // how the PP boundaries were chosen (a label)
   std::vector<int> pp_ranges;             // first block of each PP region; empty: the generator's balance
+  // Device group of each pipeline rank (a permutation of 0..pp-1; empty: rank r on group r). Group g
+  // is the devices k + tp * (g + d * pp) that the generator gives rank g.
+  std::vector<int> rank_order;
 
   // Stable identity (no commas): the resume key.
   std::string key() const;
@@ -109,6 +112,14 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c);
 // in V and mirrored placements), and that balance with the last region's boundary moved one block
 // either way (the LM head makes the last region heavy). Alternatives equal to the default are dropped.
 std::vector<TuneCandidate> placement_variants(const TuneSpec& spec, const TuneCandidate& c);
+
+// Alternatives to the order of c's pipeline ranks on the device groups, for clusters whose groups
+// differ (heterogeneous nodes): the busiest ranks (cost-model time of the regions each holds, both
+// copies for mirrored families, both arms of a V) on the fastest groups, and the reversed order. On a
+// cluster whose groups all have the same GPUs none is returned: the generator's order keeps every
+// pipeline transfer between adjacent groups, and any other order is the same chain relabelled or
+// crosses more node boundaries.
+std::vector<TuneCandidate> rank_order_variants(const TuneSpec& spec, const TuneCandidate& c);
 
 // The first block of each PP region that compile_scenario would use for `c` (the default balance
 // when c.pp_ranges is empty).
@@ -159,8 +170,8 @@ struct TuneSummary {
   EnumerationStats enumeration;
   std::size_t candidates = 0;             // legal strategies (default placement)
   std::size_t pruned = 0;                 // by the memory lower bound
-  // Recompute variants deferred to the last wave (a budget cuts them first): the same strategy with
-  // less recomputation fits the cap, so they are normally slower (see run_tune).
+  // Candidates deferred to the last wave (a budget cuts them first): the same strategy with less
+  // recomputation or a lower ZeRO level fits the cap, so they are normally no faster (see run_tune).
   std::size_t dominated = 0;
   std::size_t bounded = 0;                // not simulated: step time lower bound above the exact_top-th best
   std::size_t simulated = 0;              // analytic rows (this run and resumed), placement variants included
