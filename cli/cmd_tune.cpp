@@ -134,7 +134,7 @@ int run_tune(TuneArgs& a) {
              s.candidates, e.considered, e.batch_indivisible, e.family_rejected);
   fmt::print("pruned      {} by the memory lower bound; {} by the step time lower bound (above the {}th best)\n", s.pruned,
              s.bounded, std::max(a.show, spec.top_k));
-  fmt::print("deferred    {} whose twin with less recomputation or a lower ZeRO level fits (simulated last)\n", s.dominated);
+  fmt::print("deferred    {} recompute variants whose twin with less recomputation fits (simulated last)\n", s.dominated);
   fmt::print("simulated   {} analytic ({} placement variants), {} SimGrid; {} fit the cap; {} rows resumed from {}\n",
              s.simulated, s.placement_variants, s.simgrid, s.fitting, s.resumed, a.output_path);
   fmt::print("wall time   {:.1f} s with -j {}\n", s.elapsed_s, a.jobs);

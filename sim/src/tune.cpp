@@ -1137,47 +1137,39 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
     return rows;
   };
 
-  // Phase 2 in waves by (recompute mode, ZeRO level), lightest first. Recomputation adds work (the
-  // same ops with a longer backward) and ZeRO adds or keeps communication, both to save memory, so a
-  // plan whose lighter twin (same strategy, the next lighter mode or the next lower ZeRO level
-  // tried) fits the cap is normally no faster than that twin: such plans are deferred to a last
+  // Phase 2 in waves by recompute mode, lightest first. Recomputation adds work (the same ops with
+  // a longer backward) to save memory, so a plan whose lighter twin (same strategy, the next lighter
+  // mode tried) fits the cap is normally slower than that twin: such plans are deferred to a last
   // wave, which a budget cuts first. They are not skipped: the simulated step is not monotone in op
   // durations everywhere (a longer backward can shift when a transfer starts; tiny models show
-  // heavier recompute modes up to a few per cent faster, see test_sim_tune), so without a budget
-  // every survivor is simulated (or bounded) and the result equals a brute force.
+  // heavier modes up to a few per cent faster, see test_sim_tune), so without a budget every
+  // survivor is simulated (or bounded) and the result equals a brute force. ZeRO levels are not
+  // treated so: ZeRO-1 shards the optimizer step and is often faster than ZeRO-0.
   std::vector<std::string> modes;
-  std::vector<int> zeros;
-  for (const auto& c : candidates) {
+  for (const auto& c : candidates)
     if (std::find(modes.begin(), modes.end(), c.recompute) == modes.end()) modes.push_back(c.recompute);
-    if (std::find(zeros.begin(), zeros.end(), c.zero) == zeros.end()) zeros.push_back(c.zero);
-  }
   std::sort(modes.begin(), modes.end(), [](const std::string& a, const std::string& b) { return recompute_level(a) < recompute_level(b); });
-  std::sort(zeros.begin(), zeros.end());
   std::set<std::string> deferred_keys;
   std::vector<TuneCandidate> deferred;
-  for (std::size_t mi = 0; mi < modes.size() && !summary.budget_exhausted; ++mi)
-    for (std::size_t zi = 0; zi < zeros.size() && !summary.budget_exhausted; ++zi) {
-      std::vector<TuneCandidate> todo;
-      for (const auto& c : survivors) {
-        if (c.recompute != modes[mi] || c.zero != zeros[zi]) continue;
-        std::vector<TuneCandidate> twins;
-        if (mi > 0) twins.push_back(c), twins.back().recompute = modes[mi - 1];
-        if (zi > 0) twins.push_back(c), twins.back().zero = zeros[zi - 1];
-        bool dominated = false;
-        for (const auto& twin : twins) {
-          const std::string tk = twin.key();
-          auto row = done.find({tk, "analytic"});
-          dominated = dominated || deferred_keys.count(tk) || (row != done.end() && row->second.fits(cap));
-        }
-        if (dominated) {
+  for (std::size_t mi = 0; mi < modes.size() && !summary.budget_exhausted; ++mi) {
+    std::vector<TuneCandidate> todo;
+    for (const auto& c : survivors) {
+      if (c.recompute != modes[mi]) continue;
+      if (mi > 0) {
+        TuneCandidate twin = c;
+        twin.recompute = modes[mi - 1];
+        const std::string tk = twin.key();
+        auto row = done.find({tk, "analytic"});
+        if (deferred_keys.count(tk) || (row != done.end() && row->second.fits(cap))) {
           deferred_keys.insert(c.key());
           deferred.push_back(c);
-        } else {
-          todo.push_back(c);
+          continue;
         }
       }
-      if (!todo.empty()) simulate_all(fmt::format("analytic ({}, ZeRO-{})", modes[mi], zeros[zi]), by_bound(std::move(todo)));
+      todo.push_back(c);
     }
+    if (!todo.empty()) simulate_all(modes.size() > 1 ? "analytic " + modes[mi] : "analytic", by_bound(std::move(todo)));
+  }
   summary.dominated = deferred.size();
   if (!summary.budget_exhausted) simulate_all("analytic, dominated", by_bound(std::move(deferred)));
 

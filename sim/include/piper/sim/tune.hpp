@@ -170,8 +170,8 @@ struct TuneSummary {
   EnumerationStats enumeration;
   std::size_t candidates = 0;             // legal strategies (default placement)
   std::size_t pruned = 0;                 // by the memory lower bound
-  // Candidates deferred to the last wave (a budget cuts them first): the same strategy with less
-  // recomputation or a lower ZeRO level fits the cap, so they are normally no faster (see run_tune).
+  // Recompute variants deferred to the last wave (a budget cuts them first): the same strategy with
+  // less recomputation fits the cap, so they are normally slower (see run_tune).
   std::size_t dominated = 0;
   std::size_t bounded = 0;                // not simulated: step time lower bound above the exact_top-th best
   std::size_t simulated = 0;              // analytic rows (this run and resumed), placement variants included
