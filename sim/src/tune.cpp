@@ -110,7 +110,9 @@ std::vector<int> starts_of(const core::Model& model, int regions) {
 // The placement only depends on (family, pp, regions) and the model on the micro batch size, so the
 // program is generated with one data-parallel replica (cheap at any scale).
 core::Model annotated_model(const TuneSpec& spec, const TuneCandidate& c) {
-  core::Scenario s = tune_scenario(spec, c);
+  TuneCandidate plain = c;
+  plain.rank_order.clear();  // which devices a rank uses does not move region boundaries
+  core::Scenario s = tune_scenario(spec, plain);
   s.strategy.dp = 1;
   s.strategy.ep = 1;
   s.strategy.zero = 0;
