@@ -401,7 +401,7 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
       TuneCandidate probe;
       probe.tp = t;
       probe.sequence_parallel = sp;
-      probe.schedule = "1f1b";
+      probe.schedule = core::schedule_registry().front().name;  // any family: one stage, one microbatch
       probe.micro_batch_size = configs.begin()->first;
       TuneSpec one = spec;
       one.devices = t;
