@@ -30,6 +30,7 @@ struct TuneArgs {
   int jobs = 1;
   int show = 10;
   bool no_placement = false;
+  std::string sequence_parallel = "both";
   std::string output_path, directives_path, scenario_path, plot_path;
 };
 
@@ -88,6 +89,10 @@ int run_tune(TuneArgs& a) {
   sim::TuneSpec& spec = a.spec;
   spec.memory_cap_bytes = a.memory_cap_gib * kGiB;
   spec.placement_search = !a.no_placement;
+  spec.exact_top = a.show;  // the printed plans are exactly the best (branch and bound keeps them)
+  spec.sequence_parallel = a.sequence_parallel == "on" ? std::vector<bool>{true}
+                           : a.sequence_parallel == "off" ? std::vector<bool>{false}
+                                                          : std::vector<bool>{false, true};
   const bool tty = isatty(fileno(stderr)) != 0;
   sim::TuneOptions options;
   options.jobs = a.jobs;
@@ -119,10 +124,17 @@ int run_tune(TuneArgs& a) {
   const auto& e = s.enumeration;
   fmt::print("{} on {} x {}, global batch {} sequences, memory cap {:.2f} GiB\n", spec.model, spec.devices, spec.cluster,
              spec.effective_global_batch(), s.memory_cap_bytes / kGiB);
-  fmt::print("enumerated  {} legal candidates with their ZeRO levels, from {} (PP, EP, micro batch, family, virtual) tuples\n"
-             "            ({} with a global batch that does not split, {} refused by the schedule family)\n",
+  std::string tps;
+  for (int t : e.tp_degrees) tps += (tps.empty() ? "" : ",") + std::to_string(t);
+  fmt::print("TP degrees  {}{}\n", tps, e.tp_rejected.empty() ? "" : " (left out:");
+  for (const auto& why : e.tp_rejected) fmt::print("              {}\n", why);
+  if (!e.tp_rejected.empty()) fmt::print("            )\n");
+  fmt::print("enumerated  {} legal candidates with their SP, recompute and ZeRO options, from {} (TP, PP, EP, micro batch,\n"
+             "            family, virtual) tuples ({} with a global batch that does not split, {} refused by the family)\n",
              s.candidates, e.considered, e.batch_indivisible, e.family_rejected);
-  fmt::print("pruned      {} by the memory lower bound\n", s.pruned);
+  fmt::print("pruned      {} by the memory lower bound; {} by the step time lower bound (above the {}th best)\n", s.pruned,
+             s.bounded, std::max(a.show, spec.top_k));
+  fmt::print("deferred    {} recompute variants whose twin with less recomputation fits (simulated last)\n", s.dominated);
   fmt::print("simulated   {} analytic ({} placement variants), {} SimGrid; {} fit the cap; {} rows resumed from {}\n",
              s.simulated, s.placement_variants, s.simgrid, s.fitting, s.resumed, a.output_path);
   fmt::print("wall time   {:.1f} s with -j {}\n", s.elapsed_s, a.jobs);
@@ -169,7 +181,7 @@ int run_tune(TuneArgs& a) {
 Command add_tune_command(CLI::App& app) {
   auto a = std::make_shared<TuneArgs>();
   CLI::App* cmd = app.add_subcommand(
-      "tune", "search PP x DP x EP, schedules, microbatching and ZeRO with the simulator; print the best plans that fit");
+      "tune", "search PP x TP x DP x EP, SP, recompute, schedules, microbatching and ZeRO with the simulator; print the best plans that fit");
   cmd->add_option("--model", a->spec.model, "zoo name, model spec JSON or HF config.json")->required();
   cmd->add_option("--cluster", a->spec.cluster, "cluster preset or spec file")->capture_default_str();
   cmd->add_option("--devices", a->spec.devices, "GPUs to use")->required()->check(kPositiveInt);
@@ -181,6 +193,17 @@ Command add_tune_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--zero", a->spec.zero_levels, "ZeRO levels to try (a list)")
       ->check(CLI::Range(0, 3))
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--tp", a->spec.tp_degrees,
+                  "tensor-parallel degrees to try (a list; default: every divisor of the GPUs per node the model accepts)")
+      ->check(kPositiveInt)
+      ->delimiter(',');
+  cmd->add_option("--sequence-parallel", a->sequence_parallel, "sequence parallelism with TP > 1: on, off or both")
+      ->check(CLI::IsMember({"on", "off", "both"}))
+      ->capture_default_str();
+  cmd->add_option("--recompute", a->spec.recompute_modes, "recompute modes to try (a list of none, selective, full)")
+      ->check(CLI::IsMember({"none", "selective", "full"}))
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--schedules", a->spec.schedules, "schedule families to try (default: all; see 'piper schedule list')")

@@ -71,7 +71,7 @@ bool TuneBrowser::open(const QString& path, QString* error) {
     if (!fresh && r.engine == "simgrid") it->second = r;
   }
   // Fitting plans (within the search's HBM: OOM is the simulator's verdict) by step time, then the rest.
-  auto rank = [](const sim::TuneRow& r) { return r.status == "ok" && !r.oom ? 0 : r.status == "ok" ? 1 : r.status == "pruned" ? 3 : 2; };
+  auto rank = [](const sim::TuneRow& r) { return r.status == "ok" && !r.oom ? 0 : r.status == "ok" ? 1 : r.status == "pruned" || r.status == "bounded" ? 3 : 2; };
   rows_.clear();
   for (auto& [k, r] : by_key) rows_.push_back(r);
   std::stable_sort(rows_.begin(), rows_.end(), [&](const sim::TuneRow& a, const sim::TuneRow& b) {

@@ -7,7 +7,10 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <fstream>
 #include <map>
+#include <memory>
+#include <numeric>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -51,7 +54,22 @@ core::StrategyOptions strategy_of(const TuneCandidate& c) {
   o.schedule = c.schedule;
   o.microbatches = c.microbatches;
   o.virtual_stages = c.virtual_stages;
+  o.tp = c.tp;
+  o.sequence_parallel = c.sequence_parallel;
+  o.recompute = c.recompute;
   return o;
+}
+
+// Recompute modes by the work they add (none < selective < full); -1 for an unknown mode.
+int recompute_level(const std::string& mode) {
+  return mode == "none" ? 0 : mode == "selective" ? 1 : mode == "full" ? 2 : -1;
+}
+
+// The layout lowering gives a layer of candidate c: routed experts keep expert parallelism and never
+// take TP (the compiler skips their segments in tensor_parallel), everything else takes c's TP.
+core::ParallelLayout layout_of(const TuneCandidate& c, const core::Layer& layer) {
+  const bool experts = layer.kind == core::LayerKind::MoeExperts;
+  return {experts ? 1 : c.tp, experts ? false : c.sequence_parallel, recompute_level(c.recompute)};
 }
 
 core::ModelConfig model_config(const TuneSpec& spec, std::int64_t micro_batch_size) {
@@ -92,10 +110,15 @@ std::vector<int> starts_of(const core::Model& model, int regions) {
 // The placement only depends on (family, pp, regions) and the model on the micro batch size, so the
 // program is generated with one data-parallel replica (cheap at any scale).
 core::Model annotated_model(const TuneSpec& spec, const TuneCandidate& c) {
-  core::Scenario s = tune_scenario(spec, c);
+  TuneCandidate plain = c;
+  plain.rank_order.clear();  // which devices a rank uses does not move region boundaries
+  core::Scenario s = tune_scenario(spec, plain);
   s.strategy.dp = 1;
   s.strategy.ep = 1;
   s.strategy.zero = 0;
+  s.strategy.tp = 1;  // TP, SP and recomputation do not move region boundaries
+  s.strategy.sequence_parallel = false;
+  s.strategy.recompute = "none";
   const core::ModelConfig cfg = core::scenario_model_config(s);
   core::Model model = core::build_model(cfg);
   int regions = 0;
@@ -120,6 +143,127 @@ RegionPlacement placement_of(const TuneCandidate& c) {
   return p;
 }
 
+// What the memory bound and the step estimate read of a candidate besides its degrees: the model with
+// its regions annotated, the placement and the per-rank step order. It depends only on the family,
+// PP, regions per rank, microbatches, micro batch size and boundaries, which thousands of candidates
+// share (TP, SP, recompute, DP, EP and ZeRO do not change it), so it is built once per shape.
+struct Shape {
+  core::Model model;
+  RegionPlacement place;
+  std::optional<core::ScheduleTable> table;
+  // Per layer: its PP region, whether it carries an EP tag, whether it is a routed-experts layer.
+  std::vector<int> region_of_layer;
+  std::vector<char> ep_tagged, experts;
+  // Per rank, with a table: the distinct sets of activations held when a forward starts, as
+  // (region, count) lists (see held_patterns); the bound weighs them with each candidate's sizes.
+  std::vector<std::vector<std::vector<std::pair<int, int>>>> held;
+
+  // Per-device layer costs under a (tp, sp, recompute) layout, computed once per layout.
+  std::shared_ptr<const std::vector<core::Costs>> costs(const TuneCandidate& c) const {
+    const std::tuple<int, bool, std::string> key{c.tp, c.sequence_parallel, c.recompute};
+    std::lock_guard lock(mutex);
+    auto& slot = by_layout[key];
+    if (!slot) {
+      auto v = std::make_shared<std::vector<core::Costs>>();
+      for (const auto& layer : model.layers()) v->push_back(core::layer_costs(layer, model.training(), layout_of(c, layer)));
+      slot = std::move(v);
+    }
+    return slot;
+  }
+
+ private:
+  mutable std::mutex mutex;
+  mutable std::map<std::tuple<int, bool, std::string>, std::shared_ptr<const std::vector<core::Costs>>> by_layout;
+};
+
+// The activations a rank provably holds when each of its forwards starts, from its step order. Steps
+// run one after another (each order group waits for the previous one), so when the forward in step i
+// starts, every forward of an earlier step has allocated its activations, and a microbatch's
+// activations are still held unless its first backward action (B, or I when split) ran in an earlier
+// step. Actions sharing step i (an overlapped F&B pair) may run in either order, so their frees count
+// as done. A free that really waits for a later W only makes the true peak larger. Returned as the
+// distinct (region, count) multisets, the starting forward's region included.
+std::vector<std::vector<std::pair<int, int>>> held_patterns(const std::vector<core::ScheduleStep>& steps) {
+  std::map<std::pair<int, int>, std::size_t> first_backward;  // (stage, microbatch) -> step
+  for (std::size_t i = 0; i < steps.size(); ++i)
+    for (const auto& a : steps[i])
+      if (a.kind == core::ActionKind::B || a.kind == core::ActionKind::I) first_backward.try_emplace({a.stage, a.microbatch}, i);
+  std::set<std::vector<std::pair<int, int>>> patterns;
+  std::vector<std::pair<std::pair<int, int>, std::size_t>> started;  // forwards of earlier steps
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    std::map<int, int> held;
+    for (const auto& [id, step] : started) {
+      auto it = first_backward.find(id);
+      if (it == first_backward.end() || it->second > i) held[id.first] += 1;
+    }
+    for (const auto& a : steps[i])
+      if (a.kind == core::ActionKind::F) {
+        std::map<int, int> with = held;
+        with[a.stage] += 1;
+        patterns.insert(std::vector<std::pair<int, int>>(with.begin(), with.end()));
+      }
+    for (const auto& a : steps[i])
+      if (a.kind == core::ActionKind::F) started.push_back({{a.stage, a.microbatch}, i});
+    // Forwards whose backward already ran can never count again: drop them.
+    std::erase_if(started, [&](const auto& e) {
+      auto it = first_backward.find(e.first);
+      return it != first_backward.end() && it->second <= i;
+    });
+  }
+  return {patterns.begin(), patterns.end()};
+}
+
+std::shared_ptr<const Shape> shape_of(const TuneSpec& spec, const TuneCandidate& c) {
+  static std::mutex mutex;
+  static std::map<std::string, std::shared_ptr<const Shape>> cache;
+  const std::string key = fmt::format("{}|{}|{}|{}|{}|{}|{}|{}", spec.model, spec.seq_len, c.schedule, c.pp, c.virtual_stages,
+                                      c.microbatches, c.micro_batch_size, join(c.pp_ranges, '.'));
+  {
+    std::lock_guard lock(mutex);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  auto shape = std::make_shared<Shape>();
+  shape->model = annotated_model(spec, c);
+  shape->place = placement_of(c);
+  for (const auto& layer : shape->model.layers()) {
+    shape->region_of_layer.push_back(layer.tags.at("PP"));
+    shape->ep_tagged.push_back(layer.tags.contains("EP") ? 1 : 0);
+    shape->experts.push_back(layer.kind == core::LayerKind::MoeExperts ? 1 : 0);
+  }
+  // The schedule's per-rank step order, when it has one: order directives run a rank's steps one
+  // after another, so the activations in flight at each forward are known (see in_flight_bound).
+  try {
+    const core::ScheduleFamily& family = core::schedule_family(c.schedule);
+    core::ScheduleContext ctx;
+    ctx.ranks = c.pp;
+    ctx.regions = shape->place.regions;
+    ctx.microbatches = c.microbatches;
+    ctx.virtual_stages = c.virtual_stages;
+    ctx.rank_of_region = shape->place.rank_of_region;
+    ctx.mirrored = shape->place.mirrored;
+    shape->table = family.table(ctx);
+    if (static_cast<int>(shape->table->ranks.size()) != c.pp) shape->table.reset();
+    if (shape->table)
+      for (const auto& steps : shape->table->ranks) shape->held.push_back(held_patterns(steps));
+  } catch (const std::invalid_argument&) {
+    shape->table.reset();  // e.g. several regions per rank in a family ordered per region
+  }
+  std::lock_guard lock(mutex);
+  if (cache.size() > 4096) cache.clear();  // a long-lived process (the studio) does not grow without end
+  return cache.emplace(key, std::move(shape)).first->second;
+}
+
+// The cluster grown to the spec's devices and its cost model, built once per (cluster, devices).
+std::shared_ptr<const CostModel> cost_model_of(const TuneSpec& spec) {
+  static std::mutex mutex;
+  static std::map<std::pair<std::string, int>, std::shared_ptr<const CostModel>> cache;
+  std::lock_guard lock(mutex);
+  auto& slot = cache[{spec.cluster, spec.devices}];
+  if (!slot) slot = std::make_shared<const CostModel>(with_devices(load_cluster(spec.cluster), spec.devices));
+  return slot;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -129,17 +273,28 @@ RegionPlacement placement_of(const TuneCandidate& c) {
 std::string TuneCandidate::key() const {
   std::string k = fmt::format("pp{}/dp{}/ep{}/z{}/{}/v{}/mb{}/m{}/{}", pp, dp, ep, zero, schedule, virtual_stages,
                               microbatches, micro_batch_size, pp_ranges.empty() ? "default" : "r" + join(pp_ranges, '.'));
+  // Knobs added later are appended only when not at their default, so the keys of rows written
+  // before they existed still name the same plans.
+  if (tp != 1) k += fmt::format("/tp{}", tp);
+  if (sequence_parallel) k += "/sp";
+  if (recompute != "none") k += "/rc-" + recompute;
+  if (!rank_order.empty()) k += "/o" + join(rank_order, '.');
   std::replace(k.begin(), k.end(), ',', ';');
   return k;
 }
 
 std::string TuneCandidate::describe() const {
-  std::string s = fmt::format("PP {} x DP {}", pp, dp);
+  std::string s = fmt::format("PP {}", pp);
+  if (tp > 1) s += fmt::format(" x TP {}{}", tp, sequence_parallel ? " (SP)" : "");
+  s += fmt::format(" x DP {}", dp);
   if (ep > 1) s += fmt::format(" (EP {})", ep);
   s += fmt::format(", {}", schedule);
   if (virtual_stages > 1) s += fmt::format(" ({} regions/rank)", virtual_stages);
   s += fmt::format(", {} microbatches of {}, ZeRO-{}", microbatches, micro_batch_size, zero);
-  if (!pp_ranges.empty()) s += fmt::format(", PP starts {} ({})", join(pp_ranges, ','), placement);
+  if (recompute != "none") s += fmt::format(", recompute {}", recompute);
+  if (!pp_ranges.empty()) s += fmt::format(", PP starts {}", join(pp_ranges, ','));
+  if (!rank_order.empty()) s += fmt::format(", ranks on device groups {}", join(rank_order, ','));
+  if (!pp_ranges.empty() || !rank_order.empty()) s += fmt::format(" ({})", placement);
   return s;
 }
 
@@ -152,6 +307,22 @@ core::Scenario tune_scenario(const TuneSpec& spec, const TuneCandidate& c, const
   s.stage_starts = c.pp_ranges;
   s.cluster = spec.cluster;
   s.engine = engine;
+  if (!c.rank_order.empty()) {
+    // Another order of the pipeline ranks on the device groups: the compiled program of the
+    // generator's order with every device relabelled (device k + t (r + d pp) becomes
+    // k + t (order[r] + d pp)), given to the compiler as an explicit program.
+    TuneCandidate plain = c;
+    plain.rank_order.clear();
+    json program = core::compile_scenario(tune_scenario(spec, plain)).program_json;
+    const int t = c.tp, pp = c.pp;
+    for (auto& d : program)
+      if (d.contains("devices"))
+        for (auto& dev : d["devices"]) {
+          const int x = dev.get<int>(), q = x / t;
+          dev = x % t + t * (c.rank_order.at(static_cast<std::size_t>(q % pp)) + (q / pp) * pp);
+        }
+    s.directives = std::move(program);
+  }
   return s;
 }
 
@@ -182,10 +353,73 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
   }
   const core::ModelConfig& cfg = configs.begin()->second;
   const int units = pipeline_units(cfg);
-  // Tensor parallelism would be one more loop here (pp x tp x dp = devices).
-  for (int pp : divisors(spec.devices)) {
+  std::vector<std::string> recompute_modes = spec.recompute_modes;
+  for (const auto& m : recompute_modes)
+    if (recompute_level(m) < 0) throw TuneError(fmt::format("--recompute: unknown mode '{}' (expected none, selective or full)", m));
+  std::sort(recompute_modes.begin(), recompute_modes.end(),
+            [](const std::string& a, const std::string& b) { return recompute_level(a) < recompute_level(b); });
+  recompute_modes.erase(std::unique(recompute_modes.begin(), recompute_modes.end()), recompute_modes.end());
+  if (recompute_modes.empty()) recompute_modes = {"none"};
+  std::vector<bool> sp_modes = spec.sequence_parallel;
+  std::sort(sp_modes.begin(), sp_modes.end());
+  sp_modes.erase(std::unique(sp_modes.begin(), sp_modes.end()), sp_modes.end());
+  if (sp_modes.empty()) sp_modes = {false};
+
+  // TP degrees: TP groups are consecutive devices that must stay inside a node, so t divides the
+  // GPU count of every node (and the devices). What the model needs of t (heads, ffn columns, the
+  // sequence for SP) is asked of the compiler with a one-stage probe; KV heads are checked here
+  // because the Megatron layout the runtime executes splits them too, while the cost model does not
+  // need it.
+  Cluster cluster;
+  try {
+    cluster = with_devices(load_cluster(spec.cluster), spec.devices);
+  } catch (const core::Error& e) {
+    throw TuneError(e.what());
+  }
+  int node_gpus = 0;
+  for (int d = 0; d < spec.devices; ++d) node_gpus = std::gcd(node_gpus, cluster.node(d).gpus_per_node);
+  std::vector<int> tps = spec.tp_degrees;
+  if (tps.empty()) tps = divisors(std::gcd(node_gpus, spec.devices));
+  std::sort(tps.begin(), tps.end());
+  tps.erase(std::unique(tps.begin(), tps.end()), tps.end());
+  std::map<int, std::vector<bool>> sp_of_tp;  // accepted TP degree -> its sequence-parallel modes
+  for (int t : tps) {
+    if (t < 1) throw TuneError(fmt::format("--tp must be >= 1 (got {})", t));
+    if (spec.devices % t != 0) {
+      stats.tp_rejected.push_back(fmt::format("TP {}: does not divide the {} devices", t, spec.devices));
+      continue;
+    }
+    if (node_gpus % t != 0) {
+      stats.tp_rejected.push_back(fmt::format("TP {}: TP groups stay inside a node, and a node has {} GPUs", t, node_gpus));
+      continue;
+    }
+    if (t > 1 && cfg.kv_heads > 0 && cfg.kv_heads % t != 0) {
+      stats.tp_rejected.push_back(fmt::format("TP {}: does not divide the {} KV heads", t, cfg.kv_heads));
+      continue;
+    }
+    for (bool sp : t == 1 ? std::vector<bool>{false} : sp_modes) {
+      TuneCandidate probe;
+      probe.tp = t;
+      probe.sequence_parallel = sp;
+      probe.schedule = core::schedule_registry().front().name;  // any family: one stage, one microbatch
+      probe.micro_batch_size = configs.begin()->first;
+      TuneSpec one = spec;
+      one.devices = t;
+      try {
+        core::compile_scenario(tune_scenario(one, probe));
+        sp_of_tp[t].push_back(sp);
+      } catch (const core::Error& e) {
+        stats.tp_rejected.push_back(fmt::format("TP {}{}: {}", t, sp ? " with SP" : "", one_line(e.what())));
+      } catch (const std::invalid_argument& e) {
+        stats.tp_rejected.push_back(fmt::format("TP {}{}: {}", t, sp ? " with SP" : "", one_line(e.what())));
+      }
+    }
+    if (sp_of_tp.count(t)) stats.tp_degrees.push_back(t);
+  }
+  for (const auto& [tp, sps] : sp_of_tp)
+  for (int pp : divisors(spec.devices / tp)) {
     if (pp > units) continue;
-    const int dp = spec.devices / pp;
+    const int dp = spec.devices / tp / pp;
     for (int ep : divisors(dp)) {
       // Expert parallelism shards experts over consecutive groups of ep data-parallel replicas.
       if (ep > 1 && (cfg.experts <= 0 || cfg.experts % ep != 0)) continue;
@@ -200,6 +434,7 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
               continue;
             }
             TuneCandidate c;
+            c.tp = tp;
             c.pp = pp;
             c.dp = dp;
             c.ep = ep;
@@ -231,14 +466,18 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
               stats.family_rejected += 1;
               continue;
             }
-            // ZeRO levels differ only when a region has more than one replica.
+            // ZeRO levels differ only when a region has more than one data-parallel replica.
             const int replicas = dp * (family->mirrored ? 2 : 1);
-            for (int z : spec.zero_levels) {
-              if (z < 0 || z > 3) throw TuneError(fmt::format("ZeRO level {} is not 0..3", z));
-              if (replicas == 1 && z != spec.zero_levels.front()) continue;
-              c.zero = replicas == 1 ? 0 : z;
-              out.push_back(c);
-            }
+            for (bool sp : sps)
+              for (const auto& rc : recompute_modes)
+                for (int z : spec.zero_levels) {
+                  if (z < 0 || z > 3) throw TuneError(fmt::format("ZeRO level {} is not 0..3", z));
+                  if (replicas == 1 && z != spec.zero_levels.front()) continue;
+                  c.sequence_parallel = sp;
+                  c.recompute = rc;
+                  c.zero = replicas == 1 ? 0 : z;
+                  out.push_back(c);
+                }
           }
         }
       }
@@ -255,83 +494,39 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
 
 namespace {
 
-// Activations alive on a rank when its forwards start, from its step order. Steps run one after
-// another (each order group waits for the previous one), so when the last segment of the forward in
-// step i starts, every forward of an earlier step has allocated its activations, and a microbatch's
-// activations are still held unless its first backward action (B, or I when split) ran in an earlier
-// step. Actions sharing step i (an overlapped F&B pair) may run in either order, so their frees
-// count as done. A free that really waits for a later W only makes the true peak larger.
-std::int64_t in_flight_bound(const std::vector<core::ScheduleStep>& steps, const std::vector<std::int64_t>& activation_of_region) {
-  std::map<std::pair<int, int>, std::size_t> first_backward;  // (stage, microbatch) -> step
-  for (std::size_t i = 0; i < steps.size(); ++i)
-    for (const auto& a : steps[i])
-      if (a.kind == core::ActionKind::B || a.kind == core::ActionKind::I) first_backward.try_emplace({a.stage, a.microbatch}, i);
-  auto act = [&](int stage) {
-    return stage >= 0 && stage < static_cast<int>(activation_of_region.size()) ? activation_of_region[static_cast<std::size_t>(stage)] : 0;
-  };
-  std::int64_t best = 0;
-  std::vector<std::pair<std::pair<int, int>, std::size_t>> started;  // forwards of earlier steps
-  for (std::size_t i = 0; i < steps.size(); ++i) {
-    std::int64_t held = 0;
-    for (const auto& [id, step] : started) {
-      auto it = first_backward.find(id);
-      if (it == first_backward.end() || it->second > i) held += act(id.first);
-    }
-    for (const auto& a : steps[i])
-      if (a.kind == core::ActionKind::F) best = std::max(best, held + act(a.stage));
-    for (const auto& a : steps[i])
-      if (a.kind == core::ActionKind::F) started.push_back({{a.stage, a.microbatch}, i});
-    // Forwards whose backward already ran can never count again: drop them (keeps this linear-ish).
-    std::erase_if(started, [&](const auto& e) {
-      auto it = first_backward.find(e.first);
-      return it != first_backward.end() && it->second <= i;
-    });
-  }
-  return best;
-}
 
 }  // namespace
 
 std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
-  const core::Model model = annotated_model(spec, c);
-  const RegionPlacement place = placement_of(c);
+  const std::shared_ptr<const Shape> shape = shape_of(spec, c);
+  const core::Model& model = shape->model;
+  const RegionPlacement& place = shape->place;
   const int dt = core::bytes_per_element(model.training().precision);
   const std::int64_t state_bytes = model.training().precision == core::Precision::FP32 ? 8 : 12;
-  // Devices holding a region: dp per rank, twice that for a mirrored family (the two copies).
-  const std::int64_t region_devices = static_cast<std::int64_t>(c.dp) * (place.mirrored ? 2 : 1);
+  // Data-parallel replicas of a region: dp per rank, twice that for a mirrored family (the two
+  // copies). A TP segment's replicas are the devices with the same TP rank; routed experts (no TP)
+  // are sharded over all the region's devices, tp of them per replica.
+  const std::int64_t region_replicas = static_cast<std::int64_t>(c.dp) * (place.mirrored ? 2 : 1);
   std::vector<std::int64_t> persistent_of_region(static_cast<std::size_t>(place.regions), 0);
   std::vector<std::int64_t> activation_of_region(static_cast<std::size_t>(place.regions), 0);
+  // The per-device costs lowering uses (the compiler's own layer_costs under the TP layout and
+  // recompute mode): parameters of split tensors divided by t, activations as Korthikanti et al.
+  // (divided by t with SP, the attention core dropped by selective, block inputs only with full).
+  const std::shared_ptr<const std::vector<core::Costs>> layer_costs = shape->costs(c);
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
-    const core::Layer& layer = model.layers()[i];
-    const int r = layer.tags.at("PP");
-    const core::Costs costs = model.layer_cost(i);
+    const int r = shape->region_of_layer[i];
+    const core::Costs& costs = (*layer_costs)[i];
     // Lowering sizes each segment's state as params/shard * bytes / (replicas if sharded by ZeRO),
     // with integer division; summing it per layer rounds down at least as much, so it stays a bound.
-    const bool expert = layer.tags.contains("EP") && c.ep > 1;
+    const bool expert = shape->ep_tagged[i] && c.ep > 1;
     const std::int64_t shard = expert ? c.ep : 1;
-    const std::int64_t replicas = std::max<std::int64_t>(1, region_devices / shard);
+    const std::int64_t devices = region_replicas * (shape->experts[i] ? c.tp : 1);
+    const std::int64_t replicas = std::max<std::int64_t>(1, devices / shard);
     const std::int64_t params = costs.params / shard;
     persistent_of_region[static_cast<std::size_t>(r)] += params * dt / (c.zero >= 3 ? replicas : 1) +
                                                          params * dt / (c.zero >= 2 ? replicas : 1) +
                                                          params * state_bytes / (c.zero >= 1 ? replicas : 1);
     activation_of_region[static_cast<std::size_t>(r)] += costs.activation_bytes / shard;
-  }
-  // The schedule's per-rank step order, when it has one: order directives run a rank's steps one
-  // after another, so the activations in flight at each forward are known (see in_flight_bound).
-  std::optional<core::ScheduleTable> table;
-  try {
-    const core::ScheduleFamily& family = core::schedule_family(c.schedule);
-    core::ScheduleContext ctx;
-    ctx.ranks = c.pp;
-    ctx.regions = place.regions;
-    ctx.microbatches = c.microbatches;
-    ctx.virtual_stages = c.virtual_stages;
-    ctx.rank_of_region = place.rank_of_region;
-    ctx.mirrored = place.mirrored;
-    table = family.table(ctx);
-    if (static_cast<int>(table->ranks.size()) != c.pp) table.reset();
-  } catch (const std::invalid_argument&) {
-    table.reset();  // e.g. several regions per rank in a family ordered per region
   }
   std::int64_t peak = 0;
   for (int rank = 0; rank < c.pp; ++rank) {
@@ -351,10 +546,93 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     // copy has there) are all alive together. The two copies of a mirrored family are separate
     // chains: count the larger.
     std::int64_t transient = std::max(chain[0], chain[1]);
-    if (table) transient = std::max(transient, in_flight_bound(table->ranks[static_cast<std::size_t>(rank)], activation_of_region));
+    if (!shape->held.empty())
+      for (const auto& pattern : shape->held[static_cast<std::size_t>(rank)]) {
+        std::int64_t held = 0;
+        for (const auto& [region, count] : pattern)
+          if (region >= 0 && region < place.regions) held += count * activation_of_region[static_cast<std::size_t>(region)];
+        transient = std::max(transient, held);
+      }
     peak = std::max(peak, persistent + transient);
   }
   return peak;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Step time lower bound
+// ---------------------------------------------------------------------------------------------
+
+double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
+  if (!spec.calibration_path.empty()) return 0;  // measured op times replace the cost model's
+  const std::shared_ptr<const Shape> shape = shape_of(spec, c);
+  const core::Model& model = shape->model;
+  const RegionPlacement& place = shape->place;
+  const std::shared_ptr<const CostModel> costs = cost_model_of(spec);
+  const Cluster& cluster = costs->cluster();
+  // The fastest GPU and link of the cluster, so that the bound holds on every device.
+  double flops_rate = 0, hbm = 0, link = 0;
+  double half = std::numeric_limits<double>::infinity(), launch = half;
+  for (const auto& node : cluster.nodes) {
+    flops_rate = std::max(flops_rate, node.gpu.peak_flops * node.gpu.max_efficiency);
+    half = std::min(half, node.gpu.half_efficiency_flops);
+    launch = std::min(launch, node.gpu.launch_overhead_s);
+    hbm = std::max(hbm, node.gpu.hbm_bandwidth_bytes_per_s);
+    link = std::max({link, node.nvlink_bandwidth_bytes_per_s, node.nic_bandwidth_per_gpu_bytes_per_s()});
+  }
+  if (flops_rate <= 0 || hbm <= 0) return 0;
+  half = std::max(0.0, half);
+  launch = std::max(0.0, launch);
+  // Per region and microbatch: the FLOPs, HBM traffic, element-wise traffic and TP bytes of its F and
+  // of its B (BI + BW when split), per device under c's layout (recomputed work is in B).
+  struct Pass {
+    double flops = 0, memory = 0, elementwise = 0, tp = 0;
+    // An op of f FLOPs takes max(f / (peak * eff(f)), memory / hbm) + launch, where
+    // eff(f) = max_eff * f / (f + half), i.e. f / (peak * eff(f)) = (f + half) / (peak * max_eff); plus
+    // its element-wise kernels and its TP collectives (an all-gather moves (t-1)/t of its bytes
+    // through each device's link). A pass of a region is at least one op, and over its ops the max
+    // of the sums is below the sum of the maxes.
+    double seconds(int t) const {
+      return std::max((flops + half_) / flops_rate_, memory / hbm_) + launch_ + elementwise / hbm_ +
+             (t > 1 && link_ > 0 ? tp * (t - 1.0) / t / link_ : 0.0);
+    }
+    double flops_rate_ = 0, hbm_ = 0, link_ = 0, half_ = 0, launch_ = 0;
+  };
+  std::vector<Pass> f(static_cast<std::size_t>(place.regions), Pass{0, 0, 0, 0, flops_rate, hbm, link, half, launch}), b = f;
+  const std::shared_ptr<const std::vector<core::Costs>> layer_costs = shape->costs(c);
+  for (std::size_t i = 0; i < model.layers().size(); ++i) {
+    const auto r = static_cast<std::size_t>(shape->region_of_layer[i]);
+    const core::Costs& k = (*layer_costs)[i];
+    // Expert parallelism divides the experts' weight traffic (each device computes every token
+    // routed to its experts, so not their FLOPs); dividing by EP is never larger than lowering's.
+    const double shard = shape->ep_tagged[i] ? c.ep : 1;
+    f[r].flops += k.forward_flops;
+    f[r].memory += static_cast<double>(k.forward_memory_bytes) / shard;
+    f[r].elementwise += static_cast<double>(k.forward_elementwise_bytes);
+    f[r].tp += static_cast<double>(k.forward_tp_bytes);
+    b[r].flops += k.backward_flops();
+    b[r].memory += static_cast<double>(k.backward_memory_bytes) / shard;
+    b[r].elementwise += static_cast<double>(k.backward_elementwise_bytes);
+    b[r].tp += static_cast<double>(k.backward_tp_bytes);
+  }
+  // A device's compute ops run one at a time on its compute stream. Rank r runs every microbatch's F
+  // and B of each region it holds, and cannot start before the first microbatch has gone through
+  // every region before its earliest one (the regions form a chain).
+  const double per_copy = place.mirrored ? c.microbatches / 2.0 : c.microbatches;
+  double worst = 0;
+  for (int rank = 0; rank < c.pp; ++rank) {
+    double busy = 0, fill = std::numeric_limits<double>::infinity();
+    for (int r = 0; r < place.regions; ++r) {
+      const int home = place.rank_of_region[static_cast<std::size_t>(r)];
+      const int copies = (home == rank ? 1 : 0) + (place.mirrored && c.pp - 1 - home == rank ? 1 : 0);
+      if (copies == 0) continue;
+      busy += copies * per_copy * (f[static_cast<std::size_t>(r)].seconds(c.tp) + b[static_cast<std::size_t>(r)].seconds(c.tp));
+      double before = 0;
+      for (int s = 0; s < r; ++s) before += f[static_cast<std::size_t>(s)].seconds(c.tp);
+      fill = std::min(fill, before);
+    }
+    if (std::isfinite(fill)) worst = std::max(worst, fill + busy);
+  }
+  return worst;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -363,7 +641,8 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
 
 std::vector<int> effective_pp_ranges(const TuneSpec& spec, const TuneCandidate& c) {
   if (!c.pp_ranges.empty()) return c.pp_ranges;
-  return starts_of(annotated_model(spec, c), placement_of(c).regions);
+  const std::shared_ptr<const Shape> shape = shape_of(spec, c);
+  return starts_of(shape->model, shape->place.regions);
 }
 
 namespace {
@@ -374,12 +653,14 @@ namespace {
 std::vector<double> unit_seconds(const TuneSpec& spec, const TuneCandidate& c) {
   const core::ModelConfig cfg = model_config(spec, c.micro_batch_size);
   const core::Model model = core::build_model(cfg);
-  const CostModel cost(with_devices(load_cluster(spec.cluster), spec.devices));
+  const std::shared_ptr<const CostModel> costs = cost_model_of(spec);
+  const CostModel& cost = *costs;
   std::vector<double> out(static_cast<std::size_t>(cfg.layers), 0.0);
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
     const core::Layer& l = model.layers()[i];
     const std::size_t unit = l.block < 0 ? (i == 0 ? 0 : out.size() - 1) : static_cast<std::size_t>(l.block);
-    core::Costs k = model.layer_cost(i);
+    // Per device under c's TP layout and recompute mode (recomputed work is in the backward).
+    const core::Costs k = core::layer_costs(l, model.training(), layout_of(c, l));
     // As the shard pass costs experts: EP divides their weights (and weight traffic), not the
     // per-device FLOPs, since each device computes every token routed to its experts.
     const double shard = l.tags.contains("EP") ? c.ep : 1;
@@ -479,15 +760,72 @@ std::vector<TuneCandidate> placement_variants(const TuneSpec& spec, const TuneCa
   return out;
 }
 
+std::vector<TuneCandidate> rank_order_variants(const TuneSpec& spec, const TuneCandidate& c) {
+  std::vector<TuneCandidate> out;
+  if (c.pp < 2 || !c.rank_order.empty()) return out;
+  const Cluster& cluster = cost_model_of(spec)->cluster();
+  // A group is as fast as its slowest device (its TP group and data-parallel replicas wait for it).
+  std::vector<double> speed(static_cast<std::size_t>(c.pp), std::numeric_limits<double>::infinity());
+  for (int g = 0; g < c.pp; ++g)
+    for (int d = 0; d < c.dp; ++d)
+      for (int k = 0; k < c.tp; ++k) {
+        const GpuSpec& gpu = cluster.gpu(k + c.tp * (g + d * c.pp));
+        speed[static_cast<std::size_t>(g)] = std::min(speed[static_cast<std::size_t>(g)], gpu.peak_flops * gpu.max_efficiency);
+      }
+  if (std::all_of(speed.begin(), speed.end(), [&](double v) { return v == speed.front(); })) return out;
+  // Per-rank compute time of the regions each holds, with c's boundaries.
+  const RegionPlacement place = placement_of(c);
+  const std::vector<double> w = unit_seconds(spec, c);
+  const std::vector<int> starts = effective_pp_ranges(spec, c);
+  std::vector<double> load(static_cast<std::size_t>(c.pp), 0.0);
+  const auto ranks = ranks_of_regions(place.rank_of_region, c.pp, place.mirrored);
+  for (std::size_t r = 0; r < starts.size(); ++r) {
+    const int end = r + 1 < starts.size() ? starts[r + 1] : static_cast<int>(w.size());
+    double sum = 0;
+    for (int u = starts[r]; u < end; ++u) sum += w[static_cast<std::size_t>(u)];
+    for (int rank : ranks[r]) load[static_cast<std::size_t>(rank)] += sum;
+  }
+  std::vector<int> by_load(static_cast<std::size_t>(c.pp)), by_speed(static_cast<std::size_t>(c.pp));
+  std::iota(by_load.begin(), by_load.end(), 0);
+  std::iota(by_speed.begin(), by_speed.end(), 0);
+  std::stable_sort(by_load.begin(), by_load.end(), [&](int a, int b) { return load[static_cast<std::size_t>(a)] > load[static_cast<std::size_t>(b)]; });
+  std::stable_sort(by_speed.begin(), by_speed.end(), [&](int a, int b) { return speed[static_cast<std::size_t>(a)] > speed[static_cast<std::size_t>(b)]; });
+  std::vector<int> busiest_fastest(static_cast<std::size_t>(c.pp));
+  for (std::size_t i = 0; i < by_load.size(); ++i) busiest_fastest[static_cast<std::size_t>(by_load[i])] = by_speed[i];
+  std::vector<int> reversed(static_cast<std::size_t>(c.pp)), identity(static_cast<std::size_t>(c.pp));
+  std::iota(identity.begin(), identity.end(), 0);
+  for (int r = 0; r < c.pp; ++r) reversed[static_cast<std::size_t>(r)] = c.pp - 1 - r;
+  std::set<std::vector<int>> seen{identity};
+  const std::string base = c.pp_ranges.empty() ? std::string() : c.placement + "; ";
+  for (const auto& [order, label] : {std::pair{busiest_fastest, "busiest ranks on the fastest GPUs"}, std::pair{reversed, "ranks reversed"}}) {
+    if (!seen.insert(order).second) continue;
+    TuneCandidate v = c;
+    v.rank_order = order;
+    v.placement = base + label;
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Rows and the CSV
 // ---------------------------------------------------------------------------------------------
 
 TuneRow evaluate_candidate(const TuneSpec& spec, const TuneCandidate& c, const std::string& engine,
                            std::int64_t estimated_memory_bytes) {
-  const Outcome o = simulate_outcome(tune_scenario(spec, c, engine), spec.cluster, engine, spec.calibration_path);
   TuneRow row;
   row.candidate = c;
+  core::Scenario scenario;
+  try {
+    scenario = tune_scenario(spec, c, engine);
+  } catch (const std::exception& e) {
+    row.engine = engine;
+    row.status = "invalid";
+    row.reason = e.what();
+    row.estimated_memory_bytes = estimated_memory_bytes;
+    return row;
+  }
+  const Outcome o = simulate_outcome(scenario, spec.cluster, engine, spec.calibration_path);
   row.engine = engine;
   row.estimated_memory_bytes = estimated_memory_bytes;
   copy_outcome(o, row);
@@ -496,8 +834,9 @@ TuneRow evaluate_candidate(const TuneSpec& spec, const TuneCandidate& c, const s
 
 const std::vector<std::string>& tune_csv_columns() {
   static const std::vector<std::string> columns = {
-      "key", "model", "cluster", "devices", "global_batch", "seq_len", "pp", "dp", "ep", "zero", "schedule", "virtual",
-      "microbatches", "micro_batch_size", "placement", "pp_ranges", "engine", "estimated_memory_bytes", "step_time_s",
+      "key", "model", "cluster", "devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp", "sequence_parallel",
+      "recompute", "zero", "schedule", "virtual",
+      "microbatches", "micro_batch_size", "placement", "pp_ranges", "rank_order", "engine", "estimated_memory_bytes", "step_time_s",
       "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s",
       "status", "reason"};
   return columns;
@@ -506,10 +845,11 @@ const std::vector<std::string>& tune_csv_columns() {
 std::string to_csv(const TuneSpec& spec, const TuneRow& r) {
   const TuneCandidate& c = r.candidate;
   // {} prints doubles in their shortest round-trip form, so a row read back compares exactly.
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                      csv_field(c.key()), csv_field(spec.model), csv_field(spec.cluster), spec.devices,
-                     spec.effective_global_batch(), spec.seq_len, c.pp, c.dp, c.ep, c.zero, csv_field(c.schedule),
-                     c.virtual_stages, c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '),
+                     spec.effective_global_batch(), spec.seq_len, c.pp, c.dp, c.ep, c.tp, c.sequence_parallel ? 1 : 0,
+                     csv_field(c.recompute), c.zero, csv_field(c.schedule),
+                     c.virtual_stages, c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '), join(c.rank_order, ' '),
                      r.engine, r.estimated_memory_bytes, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
                      r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.status,
                      csv_field(one_line(r.reason)));
@@ -539,22 +879,29 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
   c.dp = static_cast<int>(integer("dp"));
   c.ep = static_cast<int>(integer("ep"));
   c.zero = static_cast<int>(integer("zero"));
+  c.tp = static_cast<int>(integer("tp"));
+  c.sequence_parallel = integer("sequence_parallel") != 0;
+  c.recompute = at("recompute");
   c.schedule = at("schedule");
   c.virtual_stages = static_cast<int>(integer("virtual"));
   c.microbatches = static_cast<int>(integer("microbatches"));
   c.micro_batch_size = integer("micro_batch_size");
   c.placement = at("placement");
-  std::size_t pos = 0;
-  const std::string& ranges = at("pp_ranges");
-  while (pos < ranges.size()) {
-    const std::size_t end = std::min(ranges.find(' ', pos), ranges.size());
-    try {
-      c.pp_ranges.push_back(std::stoi(ranges.substr(pos, end - pos)));
-    } catch (const std::exception&) {
-      throw TuneError(fmt::format("{}: column 'pp_ranges': '{}' is not a list of blocks", where, ranges));
+  auto int_list = [&](const char* name, std::vector<int>& into) {
+    std::size_t pos = 0;
+    const std::string& text = at(name);
+    while (pos < text.size()) {
+      const std::size_t end = std::min(text.find(' ', pos), text.size());
+      try {
+        into.push_back(std::stoi(text.substr(pos, end - pos)));
+      } catch (const std::exception&) {
+        throw TuneError(fmt::format("{}: column '{}': '{}' is not a list of integers", where, name, text));
+      }
+      pos = end + 1;
     }
-    pos = end + 1;
-  }
+  };
+  int_list("pp_ranges", c.pp_ranges);
+  int_list("rank_order", c.rank_order);
   if (c.key() != at("key")) throw TuneError(fmt::format("{}: column 'key': '{}' does not match the row's knobs", where, at("key")));
   r.engine = at("engine");
   r.status = at("status");
@@ -584,6 +931,20 @@ std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* sp
   try {
     rows = read_results(csv_path, tune_csv_columns(), "tune");
   } catch (const ResultsFileError& e) {
+    // A file from before TP and recomputation were searched has the same columns less three. Its rows
+    // could be read, but new rows could not be appended under its header, so it is refused by name
+    // rather than rewritten behind the user's back.
+    std::ifstream in(csv_path);
+    std::string header;
+    std::getline(in, header);
+    std::vector<std::string> older = tune_csv_columns();
+    std::erase_if(older, [](const std::string& c) {
+      return c == "tp" || c == "sequence_parallel" || c == "recompute" || c == "rank_order";
+    });
+    if (in && header == csv_header(older))
+      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no tp, sequence_parallel, recompute and "
+                                  "rank_order columns); choose another -o",
+                                  csv_path));
     throw TuneError(e.what());
   }
   std::vector<TuneRow> out;
@@ -654,9 +1015,25 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
   auto progress = [&](const std::string& phase, std::size_t finished, std::size_t total) {
     if (options.on_progress) options.on_progress({phase, finished, total, elapsed()});
   };
+  // Branch and bound: the step times of the fitting analytic rows, so that a candidate whose step
+  // time lower bound exceeds the exact_top-th best cannot enter the best exact_top and is not
+  // simulated (without a calibration, whose measured times the bound does not know).
+  const std::size_t exact_top = static_cast<std::size_t>(std::max({spec.exact_top, spec.top_k, 1}));
+  std::multiset<double> best_times;
+  auto threshold = [&] {
+    if (best_times.size() < exact_top) return std::numeric_limits<double>::infinity();
+    return *std::next(best_times.begin(), static_cast<std::ptrdiff_t>(exact_top) - 1);
+  };
+  auto note_time = [&](const TuneRow& row) {
+    if (row.engine != "analytic" || !row.fits(cap)) return;
+    best_times.insert(row.step_time_s);
+    if (best_times.size() > exact_top) best_times.erase(std::prev(best_times.end()));
+  };
+  for (const auto& [id, row] : done) note_time(row);
   auto record = [&](const TuneRow& row) {
     out->append(to_csv(spec, row));
     done[{row.candidate.key(), row.engine}] = row;
+    note_time(row);
   };
 
   // Phase 1: the memory lower bound of every candidate; those above the cap are pruned (recorded so
@@ -692,6 +1069,26 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
   }
 
   // Phases 2 and 3 run analytic simulations in parallel; rows already in the file are skipped.
+  // Candidates ordered by their step time lower bound (best first): the threshold falls fast, and
+  // once one candidate's bound exceeds it, so do all later ones'.
+  std::map<std::string, double> time_bound;
+  auto by_bound = [&](std::vector<TuneCandidate> list) {
+    std::vector<std::pair<double, std::size_t>> order;
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      double lb = 0;
+      try {
+        lb = step_time_lower_bound(spec, list[i]);
+      } catch (const std::exception&) {
+        // No bound: simulated first, and the simulation reports what is wrong with it.
+      }
+      time_bound[list[i].key()] = lb;
+      order.push_back({lb, i});
+    }
+    std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+    std::vector<TuneCandidate> sorted;
+    for (const auto& [lb, i] : order) sorted.push_back(std::move(list[i]));
+    return sorted;
+  };
   auto simulate_all = [&](const std::string& phase, const std::vector<TuneCandidate>& list) {
     std::vector<std::size_t> todo;
     for (std::size_t i = 0; i < list.size(); ++i)
@@ -702,6 +1099,26 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
         todo.size(), options.jobs,
         [&](std::size_t j) {
           const TuneCandidate& c = list[todo[j]];
+          {
+            std::lock_guard lock(mutex);
+            const auto lb = time_bound.find(c.key());
+            const double limit = threshold();
+            if (lb != time_bound.end() && lb->second > limit) {
+              summary.bounded += 1;
+              auto old = done.find({c.key(), ""});
+              if (old == done.end() || old->second.status != "bounded") {
+                TuneRow row;
+                row.candidate = c;
+                row.status = "bounded";
+                row.reason = fmt::format("step time lower bound {:.3f} ms > the {}th best {:.3f} ms", lb->second * 1e3,
+                                         exact_top, limit * 1e3);
+                row.estimated_memory_bytes = estimate.count(c.key()) ? estimate.at(c.key()) : 0;
+                record(row);
+              }
+              progress(phase, ++finished, list.size());
+              return;
+            }
+          }
           const TuneRow row = evaluate_candidate(spec, c, "analytic", estimate.count(c.key()) ? estimate.at(c.key()) : 0);
           std::lock_guard lock(mutex);
           record(row);
@@ -722,7 +1139,41 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
     return rows;
   };
 
-  simulate_all("analytic", survivors);
+  // Phase 2 in waves by recompute mode, lightest first. Recomputation adds work (the same ops with
+  // a longer backward) to save memory, so a plan whose lighter twin (same strategy, the next lighter
+  // mode tried) fits the cap is normally slower than that twin: such plans are deferred to a last
+  // wave, which a budget cuts first. They are not skipped: the simulated step is not monotone in op
+  // durations everywhere (a longer backward can shift when a transfer starts; tiny models show
+  // heavier modes up to a few per cent faster, see test_sim_tune), so without a budget every
+  // survivor is simulated (or bounded) and the result equals a brute force. ZeRO levels are not
+  // treated so: ZeRO-1 shards the optimizer step and is often faster than ZeRO-0.
+  std::vector<std::string> modes;
+  for (const auto& c : candidates)
+    if (std::find(modes.begin(), modes.end(), c.recompute) == modes.end()) modes.push_back(c.recompute);
+  std::sort(modes.begin(), modes.end(), [](const std::string& a, const std::string& b) { return recompute_level(a) < recompute_level(b); });
+  std::set<std::string> deferred_keys;
+  std::vector<TuneCandidate> deferred;
+  for (std::size_t mi = 0; mi < modes.size() && !summary.budget_exhausted; ++mi) {
+    std::vector<TuneCandidate> todo;
+    for (const auto& c : survivors) {
+      if (c.recompute != modes[mi]) continue;
+      if (mi > 0) {
+        TuneCandidate twin = c;
+        twin.recompute = modes[mi - 1];
+        const std::string tk = twin.key();
+        auto row = done.find({tk, "analytic"});
+        if (deferred_keys.count(tk) || (row != done.end() && row->second.fits(cap))) {
+          deferred_keys.insert(c.key());
+          deferred.push_back(c);
+          continue;
+        }
+      }
+      todo.push_back(c);
+    }
+    if (!todo.empty()) simulate_all(modes.size() > 1 ? "analytic " + modes[mi] : "analytic", by_bound(std::move(todo)));
+  }
+  summary.dominated = deferred.size();
+  if (!summary.budget_exhausted) simulate_all("analytic, dominated", by_bound(std::move(deferred)));
 
   // Phase 3: PP placement alternatives for the leading strategies (default placements only).
   std::vector<TuneCandidate> variants;
@@ -740,7 +1191,25 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
       }
     }
     for (const auto& v : variants) estimate[v.key()] = memory_lower_bound(spec, v);
-    simulate_all("placement", variants);
+    simulate_all("placement", by_bound(std::move(variants)));
+    // Then the order of the pipeline ranks on the device groups, for the leaders with their best
+    // boundaries (only where groups differ: rank_order_variants returns none on uniform clusters).
+    std::vector<TuneCandidate> orders;
+    std::set<std::string> strategies;
+    for (const auto& row : fitting_analytic()) {
+      if (static_cast<int>(strategies.size()) >= leaders) break;
+      TuneCandidate plain = row.candidate;
+      plain.pp_ranges.clear();
+      plain.rank_order.clear();
+      if (!strategies.insert(plain.key()).second || !row.candidate.rank_order.empty()) continue;
+      try {
+        for (auto& v : rank_order_variants(spec, row.candidate)) orders.push_back(std::move(v));
+      } catch (const std::exception&) {
+        // Keeps the generator's order.
+      }
+    }
+    for (const auto& v : orders) estimate[v.key()] = memory_lower_bound(spec, v);
+    simulate_all("rank order", by_bound(std::move(orders)));
   }
 
   // Phase 4: the top K on the SimGrid engine, one at a time (it forks a child per run).
@@ -770,7 +1239,7 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
   for (const auto& [id, row] : done) {
     if (id.second == "analytic") {
       summary.simulated += 1;
-      if (!row.candidate.pp_ranges.empty()) summary.placement_variants += 1;
+      if (!row.candidate.pp_ranges.empty() || !row.candidate.rank_order.empty()) summary.placement_variants += 1;
       if (row.fits(cap)) summary.fitting += 1;
     } else if (id.second == "simgrid") {
       summary.simgrid += 1;

@@ -282,6 +282,8 @@ TEST(GuiStudio, TuneResultsListCandidatesAndOpenTheirTimelines) {
   spec.micro_batch_sizes = {1};
   spec.zero_levels = {0, 1};
   spec.schedules = {"1f1b", "gpipe"};
+  spec.tp_degrees = {1, 2};  // TP candidates open their timelines too
+  spec.recompute_modes = {"none"};
   spec.top_k = 0;
   spec.placement_search = false;
   const std::string csv =

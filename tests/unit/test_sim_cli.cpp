@@ -99,7 +99,7 @@ TEST_F(SimCli, TuneWritesTheWinnersProgramAndResumes) {
   const fs::path csv = dir_ / "tune.csv", best = dir_ / "best.json", scenario = dir_ / "best-scenario.json",
                  png = dir_ / "pareto.png";
   const std::string args = "tune --model qwen3-9m --devices 4 --global-batch 8 --micro-batch-size 1 --zero 0,1 "
-                           "--schedules 1f1b,zb-h1 --top 1 -j 2 -o " + csv.string();
+                           "--schedules 1f1b,zb-h1 --tp 1,2 --recompute none,full --top 1 -j 2 -o " + csv.string();
   Result r = run(args + " --emit-directives " + best.string() + " --emit-scenario " + scenario.string() +
                      " --plot " + png.string(),
                  dir_);
@@ -117,12 +117,33 @@ TEST_F(SimCli, TuneWritesTheWinnersProgramAndResumes) {
   const json sc = json::parse(in);
   EXPECT_EQ(sc["model"], "qwen3-9m");
   EXPECT_EQ(sc["micro_batch_size"], 1);
-  const std::string head = "best: PP " + std::to_string(sc["strategy"]["pp"].get<int>()) + " x DP " +
-                           std::to_string(sc["strategy"]["dp"].get<int>()) + ", " + sc["strategy"]["schedule"].get<std::string>();
+  const int tp = sc["strategy"].value("tp", 1);
+  const bool sp = sc["strategy"].value("sequence_parallel", false);
+  const std::string recompute = sc["strategy"].value("recompute", "none");
+  const std::string head = "best: PP " + std::to_string(sc["strategy"]["pp"].get<int>()) +
+                           (tp > 1 ? " x TP " + std::to_string(tp) + (sp ? " (SP)" : "") : "") + " x DP " +
+                           std::to_string(sc["strategy"]["dp"].get<int>());
   EXPECT_EQ(line(r.out, "best: ").rfind(head, 0), 0u) << line(r.out, "best: ") << " vs " << head;
-  // The directive program compiles.
+  EXPECT_NE(line(r.out, "best: ").find(", " + sc["strategy"]["schedule"].get<std::string>()), std::string::npos);
+  EXPECT_EQ(line(r.out, "best: ").find("recompute") != std::string::npos, recompute != "none") << line(r.out, "best: ");
+  EXPECT_NE(r.out.find("TP degrees  1,2\n"), std::string::npos) << r.out;
+  // The directive program compiles, and carries the winner's TP and recompute directives.
   Result compiled = run("compile --model qwen3-9m --micro-batch-size 1 --directives " + best.string(), dir_);
   EXPECT_EQ(compiled.code, 0) << compiled.err;
+  std::ifstream program_in(best);
+  const json program = json::parse(program_in);
+  int tp_directives = 0, recompute_directives = 0;
+  for (const auto& d : program) {
+    tp_directives += d.value("op", "") == "tensor_parallel" && d.value("degree", 0) == tp && d.value("sequence_parallel", false) == sp;
+    recompute_directives += d.value("op", "") == "recompute" && d.value("mode", "") == recompute;
+  }
+  EXPECT_EQ(tp_directives > 0, tp > 1) << program.dump();
+  EXPECT_EQ(recompute_directives > 0, recompute != "none") << program.dump();
+  // The CSV carries the new knobs.
+  std::ifstream csv_in(csv);
+  std::string header;
+  std::getline(csv_in, header);
+  EXPECT_NE(header.find(",tp,sequence_parallel,recompute,"), std::string::npos) << header;
 
   Result again = run(args, dir_);
   ASSERT_EQ(again.code, 0) << again.err;

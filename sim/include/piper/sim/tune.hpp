@@ -31,31 +31,46 @@ struct TuneSpec {
   std::int64_t seq_len = 0;               // 0: the model's
   std::vector<std::int64_t> micro_batch_sizes{1, 2};  // sequences per microbatch to try
   std::vector<int> zero_levels{0, 1, 2, 3};
+  // Tensor-parallel degrees to try; empty: every degree dividing the devices and the GPUs of every
+  // node (TP groups stay inside a node) that the compiler accepts for the model (heads, ffn, ...).
+  std::vector<int> tp_degrees;
+  std::vector<bool> sequence_parallel{false, true};  // tried for TP degrees > 1 (TP 1 has none)
+  std::vector<std::string> recompute_modes{"none", "selective", "full"};
   std::vector<std::string> schedules;     // families to try; empty: every registered family
   int max_virtual = 4;                    // largest regions-per-rank count tried (families that take it)
   double memory_cap_bytes = 0;            // 0: the smallest HBM of the cluster's GPUs
   int top_k = 3;                          // re-simulated on the SimGrid engine (0: none)
   bool placement_search = true;           // try cost-model-balanced PP boundaries for the leaders
   int placement_leaders = 0;              // strategies whose placement is searched; 0: max(top_k, 4)
+  // The best this many plans are exact: a candidate whose step time lower bound exceeds the
+  // exact_top-th best fitting step time found so far is not simulated (branch and bound).
+  int exact_top = 10;
   std::string calibration_path;
 
   std::int64_t effective_global_batch() const { return global_batch > 0 ? global_batch : 4LL * devices; }
 };
 
 // One point of the search space. Each strategy dimension is one field and one loop in
-// enumerate_candidates (a new one, e.g. a tensor-parallel degree, is one more of each).
+// enumerate_candidates.
 struct TuneCandidate {
   int pp = 1, dp = 1, ep = 1, zero = 0;
+  int tp = 1;                             // tensor-parallel degree: pp x tp x dp = devices
+  bool sequence_parallel = false;         // with tp > 1
+  std::string recompute = "none";         // none | selective | full, every region
   std::string schedule;
   int virtual_stages = 1;                 // PP regions per pipeline rank
   int microbatches = 1;                   // per data-parallel replica and step
   std::int64_t micro_batch_size = 1;      // sequences per microbatch
   std::string placement = "default";      // how the PP boundaries were chosen (a label)
   std::vector<int> pp_ranges;             // first block of each PP region; empty: the generator's balance
+  // Device group of each pipeline rank (a permutation of 0..pp-1; empty: rank r on group r). Group g
+  // is the devices k + tp * (g + d * pp) that the generator gives rank g.
+  std::vector<int> rank_order;
 
   // Stable identity (no commas): the resume key.
   std::string key() const;
-  // "PP 4 x DP 2, <family>, 8 microbatches of 1, ZeRO-1" and the boundaries when not the default.
+  // "PP 4 x TP 2 (SP) x DP 2, <family>, 8 microbatches of 1, ZeRO-1, recompute selective" and the
+  // boundaries when not the default.
   std::string describe() const;
   friend bool operator==(const TuneCandidate&, const TuneCandidate&) = default;
 };
@@ -66,13 +81,16 @@ core::Scenario tune_scenario(const TuneSpec& spec, const TuneCandidate& c, const
 // How enumeration went: every combination of degrees, batch split and family considered, and why
 // the illegal ones were dropped.
 struct EnumerationStats {
-  std::size_t considered = 0;             // (pp, dp, ep, micro batch size, family, virtual) tuples
+  std::size_t considered = 0;             // (tp, pp, dp, ep, micro batch size, family, virtual) tuples
+  std::vector<int> tp_degrees;            // the TP degrees tried
+  std::vector<std::string> tp_rejected;   // "TP 3: <why>" for each degree left out
   std::size_t batch_indivisible = 0;      // global batch not a multiple of dp x micro batch size
   std::size_t family_rejected = 0;        // the schedule family's constraints (e.g. microbatch count)
   std::size_t legal = 0;                  // candidates (with ZeRO levels)
 };
 
-// Every legal candidate, in a stable order: pp, then ep, micro batch size, family, regions, ZeRO.
+// Every legal candidate, in a stable order: tp, pp, then ep, micro batch size, family, regions,
+// sequence parallelism, recompute mode, ZeRO.
 std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, EnumerationStats* stats = nullptr);
 
 // A lower bound of the simulator's peak memory (bytes, max over devices) for `c`, in closed form from
@@ -81,11 +99,27 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
 // keeps on that device until its backward pass. Pruning with it never drops a plan that fits.
 std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c);
 
+// A lower bound of the simulated step time (seconds) of `c`, in closed form from the model's layer
+// costs under c's layout: a device's compute ops run one at a time, each at least max(FLOPs /
+// (peak x max efficiency), HBM bytes / bandwidth) plus its element-wise kernels and TP collectives,
+// so each pipeline rank needs every microbatch's F and B of the regions it holds, after the first
+// microbatch has gone through every region before its earliest one. The fastest GPU and link of the
+// cluster are used. 0 with a calibration file (measured times replace the model).
+double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c);
+
 // Up to three alternatives to c's PP boundaries: regions balanced by the cost model's compute time on
 // the cluster's GPU (not FLOPs), minimising the busiest device (which sees every region it holds, as
 // in V and mirrored placements), and that balance with the last region's boundary moved one block
 // either way (the LM head makes the last region heavy). Alternatives equal to the default are dropped.
 std::vector<TuneCandidate> placement_variants(const TuneSpec& spec, const TuneCandidate& c);
+
+// Alternatives to the order of c's pipeline ranks on the device groups, for clusters whose groups
+// differ (heterogeneous nodes): the busiest ranks (cost-model time of the regions each holds, both
+// copies for mirrored families, both arms of a V) on the fastest groups, and the reversed order. On a
+// cluster whose groups all have the same GPUs none is returned: the generator's order keeps every
+// pipeline transfer between adjacent groups, and any other order is the same chain relabelled or
+// crosses more node boundaries.
+std::vector<TuneCandidate> rank_order_variants(const TuneSpec& spec, const TuneCandidate& c);
 
 // The first block of each PP region that compile_scenario would use for `c` (the default balance
 // when c.pp_ranges is empty).
@@ -136,6 +170,10 @@ struct TuneSummary {
   EnumerationStats enumeration;
   std::size_t candidates = 0;             // legal strategies (default placement)
   std::size_t pruned = 0;                 // by the memory lower bound
+  // Recompute variants deferred to the last wave (a budget cuts them first): the same strategy with
+  // less recomputation fits the cap, so they are normally slower (see run_tune).
+  std::size_t dominated = 0;
+  std::size_t bounded = 0;                // not simulated: step time lower bound above the exact_top-th best
   std::size_t simulated = 0;              // analytic rows (this run and resumed), placement variants included
   std::size_t placement_variants = 0;     // of which placement alternatives
   std::size_t simgrid = 0;                // SimGrid rows
