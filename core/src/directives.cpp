@@ -466,6 +466,8 @@ void apply_backward_split(PassContext& cx, const std::vector<Filter>& filters) {
     DagNode bi = cx.node(b), bw = cx.node(b);
     bi.pass = Pass::BI;
     bi.costs.backward_weight_flops = 0;
+    bi.costs.backward_weight_gemm_kernels = 0;
+    bw.costs.backward_input_gemm_kernels = 0;
     bi.costs.backward_memory_bytes = cx.node(b).costs.backward_memory_bytes / 2;
     bw.pass = Pass::BW;
     bw.costs.backward_input_flops = 0;
@@ -983,9 +985,11 @@ void recost_segments(PassContext& cx) {
     Costs c = costs[static_cast<std::size_t>(n.segment)];
     if (n.pass == Pass::BI) {  // as apply_backward_split divides a B
       c.backward_weight_flops = 0;
+      c.backward_weight_gemm_kernels = 0;
       c.backward_memory_bytes /= 2;
     } else if (n.pass == Pass::BW) {
       c.backward_input_flops = 0;
+      c.backward_input_gemm_kernels = 0;
       c.backward_memory_bytes -= c.backward_memory_bytes / 2;
       c.backward_elementwise_bytes = 0;
       c.backward_tp_bytes = 0;

@@ -148,6 +148,45 @@ TEST(TensorParallel, RecomputeAddsForwardWorkToBackward) {
   }
 }
 
+// GEMM kernels per pass, counted by hand for Megatron-LM's layer (fused QKV, output projection,
+// fc1, fc2; standard attention's QK^T and P·V batched GEMMs, four in the backward): TP splits each
+// GEMM but keeps the kernel; selective recomputation reruns the two core GEMMs in BI, full the
+// block's forward GEMMs.
+TEST(TensorParallel, GemmKernelsPerPass) {
+  const Model m = build_model(small_gpt());
+  for (const auto& layer : m.layers()) {
+    SCOPED_TRACE(layer.name);
+    int f = 0, bi = 0, bw = 0;  // expected, layout {2, SP, none}
+    switch (layer.kind) {
+      case LayerKind::Attention: f = 2 + 2, bi = 2 + 4, bw = 2; break;
+      case LayerKind::Mlp: f = 2, bi = 2, bw = 2; break;
+      case LayerKind::Head: f = 1, bi = 1, bw = 1; break;
+      default: break;  // embedding gather, norms: no GEMM
+    }
+    const Costs none = layer_costs(layer, m.training(), {2, true, 0});
+    EXPECT_EQ(none.forward_gemm_kernels, f);
+    EXPECT_EQ(none.backward_input_gemm_kernels, bi);
+    EXPECT_EQ(none.backward_weight_gemm_kernels, bw);
+    EXPECT_EQ(layer_costs(layer, m.training()).forward_gemm_kernels, f);  // TP does not change the count
+    const Costs sel = layer_costs(layer, m.training(), {2, true, 1});
+    EXPECT_EQ(sel.backward_input_gemm_kernels, bi + (layer.kind == LayerKind::Attention ? 2 : 0));
+    const Costs full = layer_costs(layer, m.training(), {2, true, 2});
+    EXPECT_EQ(full.backward_input_gemm_kernels, bi + (layer.block >= 0 ? f : 0));
+    EXPECT_EQ(full.backward_weight_gemm_kernels, bw);
+  }
+  // FlashAttention: one fused core kernel each way.
+  ModelConfig flash = small_gpt();
+  flash.attention_kernel = AttentionKernel::Flash;
+  const Model fm = build_model(flash);
+  for (const auto& layer : fm.layers())
+    if (layer.kind == LayerKind::Attention) {
+      const Costs c = layer_costs(layer, fm.training());
+      EXPECT_EQ(c.forward_gemm_kernels, 3);
+      EXPECT_EQ(c.backward_input_gemm_kernels, 3);
+      EXPECT_EQ(c.backward_weight_gemm_kernels, 2);
+    }
+}
+
 namespace {
 
 Scenario tp_scenario(const std::string& model_path, StrategyOptions o) {
@@ -354,7 +393,7 @@ TEST(TensorParallel, SimulatorCostsTheCollectivesInsideTheOp) {
   const auto& node = cluster.nodes.front();
   const double per_call = static_cast<double>(f->tp_bytes) / f->tp_collectives;
   const double expected =
-      f->tp_collectives * (3 * node.nvlink_latency_s + 0.75 * std::floor(per_call) / node.nvlink_bandwidth_bytes_per_s);
+      f->tp_collectives * (3 * node.nvlink_latency_s + 0.75 * std::floor(per_call) / 230e9);  // NCCL on A100 NVLink
   EXPECT_NEAR(cost.tp_seconds(p, 0, *f), expected, 1e-12);
   Op plain = *f;
   plain.tp_collectives = 0;
