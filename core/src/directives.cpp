@@ -794,7 +794,9 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
 
 // UPD costs once sharding is known: AdamW reads/writes parameters, gradients and the optimizer
 // states of this device's shard (ZeRO: Rajbhandari et al. 2020, 2 + 2 + 12 bytes per parameter in
-// mixed precision), at about 10 FLOPs per parameter.
+// mixed precision), at about 10 FLOPs per parameter. The step also reads every gradient once for
+// the global gradient norm (clipping: Megatron-LM's default --clip-grad 1.0, GPT-3, Llama) and
+// zeroes the gradient buffer for the next step: two more passes of dt bytes per parameter.
 void cost_updates(PassContext& cx) {
   auto& dag = cx.dag;
   const int dt = bytes_per_element(dag.training.precision);
@@ -810,7 +812,7 @@ void cost_updates(PassContext& cx) {
     n.costs = Costs{};
     n.costs.params = params;
     n.costs.forward_flops = 10.0 * static_cast<double>(params);
-    n.costs.forward_memory_bytes = params * (2 * dt + 2 * state);
+    n.costs.forward_memory_bytes = params * (2 * dt + 2 * state + 2 * dt);
   }
 }
 
