@@ -483,10 +483,10 @@ TEST(TensorParallel, ModelSpecTakesAPapersGpt) {
 // recomputation) and 1.10 s (SP + selective). The bound is the error measured when the cost model
 // was written (docs/tensor-parallel.md), not the 5 % goal, which is not met.
 TEST(TensorParallel, Korthikanti22BWithinDocumentedError) {
-  auto step = [](bool sp, const std::string& recompute) {
+  auto step = [](int micro_batch, bool sp, const std::string& recompute) {
     Scenario sc;
     sc.model = std::string(PIPER_SOURCE_DIR) + "/examples/models/gpt-22b-korthikanti.json";
-    sc.micro_batch_size = 1;
+    sc.micro_batch_size = micro_batch;
     sc.strategy.tp = 8;
     sc.strategy.sequence_parallel = sp;
     sc.strategy.recompute = recompute;
@@ -496,11 +496,18 @@ TEST(TensorParallel, Korthikanti22BWithinDocumentedError) {
     so.engine = "analytic";
     return piper::sim::simulate(sc, so).report.step_time_s;
   };
-  const double full = step(false, "full"), selective = step(true, "selective");
-  EXPECT_NEAR(full, 1.42, 0.20 * 1.42);
-  EXPECT_NEAR(selective, 1.10, 0.20 * 1.10);
+  // The paper's Table 5 cells against the errors documented in docs/tensor-parallel.md (no constant
+  // is fitted to them): micro-batch 4 (the paper's Table 3) -10.4 % and -15.1 %, micro-batch 1
+  // (issue #10's command) -7.0 % and -10.6 %. The bounds leave ~1.5 points for the shared curve.
+  const double full4 = step(4, false, "full"), selective4 = step(4, true, "selective");
+  EXPECT_NEAR(full4, 1.42, 0.12 * 1.42);
+  EXPECT_NEAR(selective4, 1.10, 0.165 * 1.10);
+  const double full1 = step(1, false, "full"), selective1 = step(1, true, "selective");
+  EXPECT_NEAR(full1, 1.42, 0.085 * 1.42);
+  EXPECT_NEAR(selective1, 1.10, 0.12 * 1.10);
   // Selective + SP must beat full recomputation by about the paper's factor 1.42 / 1.10 = 1.29.
-  EXPECT_NEAR(full / selective, 1.42 / 1.10, 0.10);
+  EXPECT_NEAR(full4 / selective4, 1.42 / 1.10, 0.10);
+  EXPECT_NEAR(full1 / selective1, 1.42 / 1.10, 0.10);
 }
 
 // Sweep spec keys tp / sequence_parallel / recompute / global_batch expand like every knob and run.
