@@ -1,7 +1,8 @@
 // The "simgrid" engine: runs a Program on a SimGrid platform built from the Cluster, releasing each
-// activity (compute Exec, transfer Comm, collective as rounds of Comms) from SimGrid completion
-// callbacks as the ReadyTracker frees it. SimGrid 3.32 cannot be initialised twice in a process, so
-// every run happens in a forked child that sends the op times back through a pipe.
+// op (transfer as one network flow, collective as rounds of flows, compute and fixed delays as
+// SimGrid timers) as the ReadyTracker frees it; worker actors run the flows (see Run::Worker).
+// SimGrid 3.32 cannot be initialised twice in a process, so every run happens in a forked child that
+// sends the op times back through a pipe.
 #include "piper/sim/simgrid_engine.hpp"
 
 #include <sys/wait.h>
@@ -12,11 +13,15 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <exception>
 #include <iostream>
 #include <set>
 #include <string>
 
+#include <simgrid/kernel/Timer.hpp>
 #include <simgrid/s4u.hpp>
+#include <simgrid/simix.hpp>
 
 #include "piper/core/error.hpp"
 #include "piper/sim/ready_tracker.hpp"
@@ -45,22 +50,32 @@ class Run {
   Run(const core::Program& program, const Cluster& cluster, const CostModel& cost, const SimgridOptions& options)
       : program_(program), cost_(cost), options_(options), tracker_(program) {
     const int n = program.num_devices;
-    std::vector<int> cores(static_cast<std::size_t>(n));
-    for (int d = 0; d < n; ++d) cores[static_cast<std::size_t>(d)] = static_cast<int>(program.plan_for(d).streams.size());
     node_of_ = cluster.node_of_devices();
     if (static_cast<int>(node_of_.size()) < n)
       throw ClusterError("cluster '" + cluster.name + "' has " + std::to_string(node_of_.size()) + " GPUs, the program needs " + std::to_string(n));
-    platform_ = std::make_unique<simgrid_detail::Platform>(cluster, cost, n, std::move(cores), route_pairs());
+    platform_ = std::make_unique<simgrid_detail::Platform>(cluster, cost, n, route_pairs());
     times_.assign(static_cast<std::size_t>(2 * tracker_.total_ops()), 0.0);
     comm_active_.assign(static_cast<std::size_t>(n), 0);
+    computing_.resize(static_cast<std::size_t>(n));
   }
 
   // Simulates; returns op (start, end) times for every device in (stream, index) order.
   std::vector<double> simulate() {
-    sg::Engine::on_time_advance_cb([this](double) { graveyard_.clear(); });
-    sg::Activity::on_completion_cb([this](const sg::Activity& a) { on_completion(a); });
-    pump();
+    // A worker only creates, starts and waits for one flow at a time (its bookkeeping runs in
+    // maestro): a small stack is enough, and thousands of SimGrid's default 8 MiB would reserve
+    // tens of GiB of address space.
+    sg::Engine::set_config("contexts/stack-size:128");
+    using Starter = SimgridOptions::FlowStarter;
+    use_workers_ = options_.flow_starter == Starter::Workers ||
+                   (options_.flow_starter == Starter::Auto && program_.num_devices >= SimgridOptions::kWorkersFromDevices);
+    if (!use_workers_) {
+      sg::Engine::on_time_advance_cb([this](double) { graveyard_.clear(); });
+      sg::Activity::on_completion_cb([this](const sg::Activity& a) { comm_completed(a); });
+    }
+    guarded([this] { pump(); });
+    settle();
     sg::Engine::get_instance()->run();
+    if (error_) std::rethrow_exception(error_);
     if (!tracker_.done()) tracker_.throw_stuck();
     std::vector<double> out;
     out.reserve(times_.size());
@@ -77,13 +92,42 @@ class Run {
   }
 
  private:
-  // What a running SimGrid activity stands for.
-  enum class SlotKind { Activity, FlowDelay, Flow };
+  // A network flow: what it stands for, and what its worker puts on the network.
+  enum class SlotKind { Activity, Flow };
   struct Slot {
-    sg::ActivityPtr act;
     SlotKind kind = SlotKind::Activity;
-    int owner = -1;   // Activity: index into live_; FlowDelay/Flow: index into collectives_
+    int owner = -1;   // Activity: index into live_; Flow: index into collectives_
     int schedule = 0, participant = 0, step = 0;
+    int src = 0, dst = 0;
+    double units = 0;  // payload in kUnitsPerByte units
+    sg::ActivityPtr comm;  // the running Comm (FlowStarter::Maestro)
+  };
+  // FlowStarter::Maestro: a flow is a Comm::sendto started by the bookkeeping itself, and its end
+  // comes back through s4u::Activity::on_completion. But SimGrid 3.32 keeps every live host-to-host
+  // Comm in maestro's std::list and takes it out on completion with a linear std::list::remove,
+  // so each completion scans every live flow (35-45 % of the time at 1,024 GPUs, quadratic in the
+  // cluster size).
+  // FlowStarter::Workers: a flow is a two-host parallel Exec (no flops, `units` from src to dst),
+  // which SimGrid's default host model turns into the same CM02 network action as a Comm, created
+  // by a worker actor; SimGrid lists an Exec with the actor that created it. The worker starts it,
+  // waits for it and runs the bookkeeping its end frees (in maestro, through a simcall, at that
+  // simulated instant before time advances, so later flows still start when they are released).
+  // Each worker's list holds one entry. Idle workers wait on their semaphore; the pool grows to the
+  // largest number of concurrent flows, and idle workers exit once nothing is left to happen.
+  struct Worker {
+    sg::SemaphorePtr wake;
+    int job = -1;  // slot to run when woken; -1: exit
+  };
+  // Compute ops do not become SimGrid Execs: a GPU's compute streams never share a core, so an op of
+  // w seconds only ever runs at speed 1, or at 1 - comm_sm_share while a communication runs on its
+  // device (engine.hpp), and both changes happen in this class. A timer at the op's end, moved when
+  // the speed changes, is the same model without a SimGrid activity per op (each costs a CPU action,
+  // an LMM variable, and an entry in an activity list that SimGrid 3.32 scans linearly).
+  struct Compute {
+    int live = -1, device = -1;
+    double remaining = 0;  // seconds of work at full speed left at `since`
+    double rate = 1, since = 0;
+    simgrid::kernel::timer::Timer* timer = nullptr;
   };
   struct Live {
     Activity activity;
@@ -120,7 +164,16 @@ class Run {
   std::vector<int> free_collectives_;
   std::vector<int> finished_now_;       // live activities that end at the current time without SimGrid
   std::vector<Activity> ready_;
-  std::vector<sg::ActivityPtr> graveyard_;  // completed activities, released once time advances
+  std::deque<Worker> workers_;   // a deque: a worker's entry stays put while the pool grows
+  std::vector<int> idle_workers_;
+  std::vector<int> pending_;     // flows released by the bookkeeping, not yet given to workers
+  int flows_in_use_ = 0;         // pending or running flows
+  std::exception_ptr error_;     // what the bookkeeping threw; the run drains, then it is rethrown
+  bool use_workers_ = false;
+  std::vector<sg::ActivityPtr> graveyard_;  // ended Comms, released once time advances (Maestro)
+  std::vector<Compute> computes_;
+  std::vector<int> free_computes_;
+  std::vector<std::vector<int>> computing_;  // per device: its running computes
 
   static double now() { return sg::Engine::get_clock(); }
 
@@ -145,7 +198,99 @@ class Run {
     return pairs;
   }
 
-  int new_slot(sg::ActivityPtr act, SlotKind kind, int owner, int schedule = 0, int participant = 0, int step = 0) {
+  // Runs `fn`; an exception stops all further bookkeeping and is rethrown after the run.
+  template <class F>
+  void guarded(F&& fn) {
+    if (error_) return;
+    try {
+      fn();
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+  }
+
+  // Hands the pending flows to workers: worker `self` (when >= 0) keeps the first one, idle workers
+  // take the next ones, new workers the rest. Returns the flow kept by `self`, or -1. Maestro only.
+  int dispatch(int self) {
+    int kept = -1;
+    for (int id : pending_) {
+      if (self >= 0 && kept < 0) {
+        kept = id;
+        continue;
+      }
+      if (!idle_workers_.empty()) {
+        const int w = idle_workers_.back();
+        idle_workers_.pop_back();
+        workers_[static_cast<std::size_t>(w)].job = id;
+        workers_[static_cast<std::size_t>(w)].wake->release();
+      } else {
+        const int w = static_cast<int>(workers_.size());
+        workers_.emplace_back();
+        workers_.back().wake = sg::Semaphore::create(0);
+        workers_.back().job = id;
+        workers_.back().wake->release();
+        sg::Actor::create("worker" + std::to_string(w), platform_->host(slots_[static_cast<std::size_t>(id)].src),
+                          [this, w] { worker_loop(w); });
+      }
+    }
+    pending_.clear();
+    return kept;
+  }
+
+  // After bookkeeping in maestro: start what it released; once no flow runs and no timer is set,
+  // nothing can happen any more, so the idle workers exit (SimGrid would report them deadlocked).
+  void settle() {
+    dispatch(-1);
+    retire_if_done();
+  }
+  void retire_if_done() {
+    if (!error_ && (flows_in_use_ > 0 || simgrid::kernel::timer::Timer::next() >= 0)) return;
+    for (int w : idle_workers_) {
+      workers_[static_cast<std::size_t>(w)].job = -1;
+      workers_[static_cast<std::size_t>(w)].wake->release();
+    }
+    idle_workers_.clear();
+  }
+
+  void worker_loop(int w) {
+    int job = -1;
+    for (;;) {
+      if (job < 0) {
+        workers_[static_cast<std::size_t>(w)].wake->acquire();
+        job = std::exchange(workers_[static_cast<std::size_t>(w)].job, -1);
+        if (job < 0) return;
+      }
+      run_flow(job);
+      int next = -1;
+      bool exit = false;
+      simgrid::kernel::actor::simcall_answered([this, w, job, &next, &exit] {
+        guarded([this, job] { flow_ended(job); });
+        next = dispatch(w);
+        if (next < 0) {
+          retire_if_done();
+          // After a failure nothing new starts: the workers exit as their flows end.
+          if (error_ || (flows_in_use_ == 0 && simgrid::kernel::timer::Timer::next() < 0))
+            exit = true;
+          else
+            idle_workers_.push_back(w);
+        }
+      });
+      if (exit) return;
+      job = next;
+    }
+  }
+
+  void run_flow(int id) {
+    const Slot& s = slots_[static_cast<std::size_t>(id)];
+    sg::ExecPtr e = sg::Exec::init();
+    e->set_hosts({platform_->host(s.src), platform_->host(s.dst)});
+    e->set_flops_amounts({0.0, 0.0});
+    e->set_bytes_amounts({0.0, s.units, 0.0, 0.0});
+    e->start();
+    e->wait();
+  }
+
+  int new_slot(SlotKind kind, int owner, int schedule, int participant, int step) {
     int id;
     if (!free_slots_.empty()) {
       id = free_slots_.back();
@@ -155,29 +300,117 @@ class Run {
       slots_.emplace_back();
     }
     Slot& s = slots_[static_cast<std::size_t>(id)];
-    s.act = std::move(act);
     s.kind = kind;
     s.owner = owner;
     s.schedule = schedule;
     s.participant = participant;
     s.step = step;
-    s.act->set_data(reinterpret_cast<void*>(static_cast<std::uintptr_t>(id) + 1));
     return id;
   }
 
-  void start_exec(sg::Host* host, double seconds, SlotKind kind, int owner, int schedule = 0, int participant = 0, int step = 0) {
-    sg::ExecPtr e = sg::Exec::init();
-    e->set_flops_amount(seconds);
-    e->set_host(host);
-    const int id = new_slot(e, kind, owner, schedule, participant, step);
-    slots_[static_cast<std::size_t>(id)].act->start();
+  // Runs `fn` as bookkeeping at time `date` (from SimGrid's timer loop, in maestro).
+  template <class F>
+  simgrid::kernel::timer::Timer* at(double date, F fn) {
+    return simgrid::kernel::timer::Timer::set(date, [this, fn = std::move(fn)] {
+      guarded(fn);
+      settle();
+    });
+  }
+  template <class F>
+  void after(double seconds, F fn) {
+    at(now() + seconds, std::move(fn));
   }
 
-  void start_comm(int src, int dst, double bytes, SlotKind kind, int owner, int schedule = 0, int participant = 0, int step = 0) {
-    sg::CommPtr c = sg::Comm::sendto_init(platform_->host(src), platform_->host(dst));
-    c->set_payload_size(static_cast<std::uint64_t>(std::llround(std::max(0.0, bytes) * kUnitsPerByte)));
-    const int id = new_slot(c, kind, owner, schedule, participant, step);
-    slots_[static_cast<std::size_t>(id)].act->start();
+  double compute_rate(int d) const {
+    return comm_active_[static_cast<std::size_t>(d)] > 0 ? platform_->speed_while_communicating(d) : 1.0;
+  }
+
+  void start_compute(int live, int d, double seconds) {
+    int c;
+    if (!free_computes_.empty()) {
+      c = free_computes_.back();
+      free_computes_.pop_back();
+    } else {
+      c = static_cast<int>(computes_.size());
+      computes_.emplace_back();
+    }
+    Compute& k = computes_[static_cast<std::size_t>(c)];
+    k.live = live;
+    k.device = d;
+    k.remaining = seconds;
+    k.rate = compute_rate(d);
+    k.since = now();
+    computing_[static_cast<std::size_t>(d)].push_back(c);
+    arm(c);
+  }
+
+  void arm(int c) {
+    Compute& k = computes_[static_cast<std::size_t>(c)];
+    k.timer = at(k.since + k.remaining / k.rate, [this, c] { compute_done(c); });
+  }
+
+  void compute_done(int c) {
+    Compute& k = computes_[static_cast<std::size_t>(c)];
+    auto& running = computing_[static_cast<std::size_t>(k.device)];
+    running.erase(std::find(running.begin(), running.end(), c));
+    k.timer = nullptr;  // SimGrid deletes a timer after running it
+    finished_now_.push_back(k.live);
+    free_computes_.push_back(c);
+    pump();
+  }
+
+  // Device d's compute speed changed now: charge its running computes the work done at the old
+  // speed and move their end timers.
+  void compute_rate_changed(int d) {
+    const double t = now(), rate = compute_rate(d);
+    for (int c : computing_[static_cast<std::size_t>(d)]) {
+      Compute& k = computes_[static_cast<std::size_t>(c)];
+      k.remaining = std::max(0.0, k.remaining - (t - k.since) * k.rate);
+      k.since = t;
+      k.rate = rate;
+      k.timer->remove();
+      arm(c);
+    }
+  }
+
+  // A flow of `bytes` from src to dst after `latency` seconds (the route's links have no latency of
+  // their own, see simgrid_platform.hpp). CM02 gives a flow in its latency phase no share of any
+  // link, so waiting on a timer first is the same model, and the Comm exists only while it moves
+  // bytes: SimGrid 3.32 keeps every live host-to-host Comm in one std::list (maestro's) and scans
+  // it linearly when one ends, so fewer live Comms make every completion cheaper.
+  void start_comm(int src, int dst, double bytes, double latency, SlotKind kind, int owner, int schedule = 0, int participant = 0,
+                  int step = 0) {
+    if (latency > 0)
+      after(latency, [this, src, dst, bytes, kind, owner, schedule, participant, step] {
+        start_flow(src, dst, bytes, kind, owner, schedule, participant, step);
+      });
+    else
+      start_flow(src, dst, bytes, kind, owner, schedule, participant, step);
+  }
+
+  void start_flow(int src, int dst, double bytes, SlotKind kind, int owner, int schedule, int participant, int step) {
+    const int id = new_slot(kind, owner, schedule, participant, step);
+    Slot& s = slots_[static_cast<std::size_t>(id)];
+    s.src = src;
+    s.dst = dst;
+    s.units = static_cast<double>(std::llround(std::max(0.0, bytes) * kUnitsPerByte));
+    ++flows_in_use_;
+    if (use_workers_) {
+      pending_.push_back(id);
+      return;
+    }
+    sg::CommPtr comm = sg::Comm::sendto_init(platform_->host(src), platform_->host(dst));
+    comm->set_payload_size(static_cast<std::uint64_t>(s.units));
+    comm->set_data(reinterpret_cast<void*>(static_cast<std::uintptr_t>(id) + 1));
+    s.comm = comm;
+    comm->start();
+  }
+
+  void comm_completed(const sg::Activity& a) {
+    if (a.get_state() != sg::Activity::State::FINISHED) return;
+    const auto id = static_cast<std::size_t>(reinterpret_cast<std::uintptr_t>(a.get_data<void>()) - 1);
+    graveyard_.push_back(std::move(slots_[id].comm));
+    guarded([this, id] { flow_ended(static_cast<int>(id)); });
   }
 
   // Compute throughput of a device drops to 1 - comm_sm_share while >= 1 communication runs on it.
@@ -186,9 +419,7 @@ class Run {
       int& c = comm_active_[static_cast<std::size_t>(d)];
       const int before = c;
       c += delta;
-      if (!platform_->has_slow_state(d)) continue;
-      if (before == 0 && c > 0) platform_->host(d)->set_pstate(1);
-      if (before > 0 && c == 0) platform_->host(d)->set_pstate(0);
+      if ((before == 0) != (c == 0) && platform_->speed_while_communicating(d) != 1.0) compute_rate_changed(d);
     }
   }
 
@@ -220,7 +451,7 @@ class Run {
       case Activity::Kind::Compute: {
         const double w = cost_.compute_seconds(program_, d0, op);
         if (w > 0)
-          start_exec(platform_->host(d0), w, SlotKind::Activity, live);
+          start_compute(live, d0, w);
         else
           finished_now_.push_back(live);
         break;
@@ -230,11 +461,11 @@ class Run {
         const double formula = cost_.p2p_seconds(src, dst, op.bytes);
         const double seconds = cost_.transfer_seconds(op, src, dst);
         if (seconds != formula)  // calibrated or overridden: a delay on no link
-          seconds > 0 ? start_exec(platform_->timer_host(), seconds, SlotKind::Activity, live) : finished_now_.push_back(live);
+          seconds > 0 ? start_delay(live, seconds) : finished_now_.push_back(live);
         else if (src == dst)
           finished_now_.push_back(live);
         else
-          start_comm(src, dst, static_cast<double>(op.bytes), SlotKind::Activity, live);
+          start_comm(src, dst, static_cast<double>(op.bytes), platform_->route_latency_s(src, dst), SlotKind::Activity, live);
         break;
       }
       case Activity::Kind::Collective: {
@@ -244,7 +475,7 @@ class Run {
         const double formula = cost_.collective_seconds(op.kind, ranks, op.bytes);
         const double seconds = cost_.collective_op_seconds(op, ranks);
         if (seconds != formula) {
-          seconds > 0 ? start_exec(platform_->timer_host(), seconds, SlotKind::Activity, live) : finished_now_.push_back(live);
+          seconds > 0 ? start_delay(live, seconds) : finished_now_.push_back(live);
           break;
         }
         auto phases = simgrid_detail::decompose_collective(op.kind, ranks, static_cast<double>(std::max<std::int64_t>(0, op.bytes)), node_of_);
@@ -269,6 +500,14 @@ class Run {
         break;
       }
     }
+  }
+
+  // An op that lasts `seconds` and occupies no link.
+  void start_delay(int live, double seconds) {
+    after(seconds, [this, live] {
+      finished_now_.push_back(live);
+      pump();
+    });
   }
 
   void start_phase(int c) {
@@ -305,11 +544,8 @@ class Run {
     const int first_round = step * st.rounds_per_step;
     const int rounds = std::min(st.rounds_per_step, st.s->rounds - first_round);
     const int src = st.s->devices[iu], dst = st.s->devices[static_cast<std::size_t>(st.s->target(first_round, i))];
-    const double delay = (rounds - 1) * platform_->route_latency_s(src, dst);
-    if (delay > 0)
-      start_exec(platform_->timer_host(), delay, SlotKind::FlowDelay, c, k, i, step);
-    else
-      start_comm(src, dst, rounds * st.s->chunk_bytes, SlotKind::Flow, c, k, i, step);
+    // A step of c merged rounds pays the c route latencies of its rounds, then moves c chunks.
+    start_comm(src, dst, rounds * st.s->chunk_bytes, rounds * platform_->route_latency_s(src, dst), SlotKind::Flow, c, k, i, step);
   }
 
   void flow_done(int c, int k, int i, int step) {
@@ -361,29 +597,17 @@ class Run {
     }
   }
 
-  void on_completion(const sg::Activity& a) {
-    if (a.get_state() != sg::Activity::State::FINISHED) return;
-    const auto id = static_cast<std::size_t>(reinterpret_cast<std::uintptr_t>(a.get_data<void>()) - 1);
-    Slot& s = slots_[id];
-    graveyard_.push_back(std::move(s.act));
-    free_slots_.push_back(static_cast<int>(id));
-    const SlotKind kind = s.kind;
-    const int owner = s.owner, k = s.schedule, i = s.participant, step = s.step;
-    switch (kind) {
+  // The bookkeeping when flow `id` has ended (maestro).
+  void flow_ended(int id) {
+    const Slot s = slots_[static_cast<std::size_t>(id)];
+    free_slots_.push_back(id);
+    --flows_in_use_;
+    switch (s.kind) {
       case SlotKind::Activity:
-        finished_now_.push_back(owner);
+        finished_now_.push_back(s.owner);
         break;
-      case SlotKind::FlowDelay: {
-        const ScheduleState& st = collectives_[static_cast<std::size_t>(owner)].states[static_cast<std::size_t>(k)];
-        const int first_round = step * st.rounds_per_step;
-        const int rounds = std::min(st.rounds_per_step, st.s->rounds - first_round);
-        const int src = st.s->devices[static_cast<std::size_t>(i)];
-        const int dst = st.s->devices[static_cast<std::size_t>(st.s->target(first_round, i))];
-        start_comm(src, dst, rounds * st.s->chunk_bytes, SlotKind::Flow, owner, k, i, step);
-        break;
-      }
       case SlotKind::Flow:
-        flow_done(owner, k, i, step);
+        flow_done(s.owner, s.schedule, s.participant, s.step);
         break;
     }
     pump();

@@ -22,32 +22,28 @@ void configure_simgrid_for_alpha_beta() {
   sg::Engine::set_config("network/weight-S:0");
 }
 
-Platform::Platform(const Cluster& cluster, const CostModel& cost, int num_devices, std::vector<int> cores_per_host,
-                   const std::vector<std::pair<int, int>>& routes) {
+Platform::Platform(const Cluster& cluster, const CostModel& cost, int num_devices, const std::vector<std::pair<int, int>>& routes) {
   node_of_ = cluster.node_of_devices();
   node_of_.resize(static_cast<std::size_t>(num_devices));
   auto* zone = sg::create_full_zone("cluster");
   hosts_.resize(static_cast<std::size_t>(num_devices));
-  slow_state_.assign(static_cast<std::size_t>(num_devices), 0);
+  slow_speed_.assign(static_cast<std::size_t>(num_devices), 1.0);
   std::vector<sg::Link*> nv_up(hosts_.size()), nv_dn(hosts_.size()), net_up(hosts_.size()), net_dn(hosts_.size());
   nvlink_latency_half_.resize(hosts_.size());
   network_latency_half_.resize(hosts_.size());
   for (int d = 0; d < num_devices; ++d) {
     const auto du = static_cast<std::size_t>(d);
     const NodeSpec& node = cluster.node(d);
-    const double share = std::clamp(cost.comm_sm_share(d), 0.0, 0.999);
-    std::vector<double> speeds{1.0};
-    if (share > 0) speeds.push_back(1.0 - share), slow_state_[du] = 1;
+    slow_speed_[du] = 1.0 - std::clamp(cost.comm_sm_share(d), 0.0, 0.999);
     const std::string id = std::to_string(d);
-    hosts_[du] = zone->create_host("gpu" + id, speeds);
-    hosts_[du]->set_core_count(std::max(1, cores_per_host.at(du)));
+    hosts_[du] = zone->create_host("gpu" + id, 1.0);
     nvlink_latency_half_[du] = node.nvlink_latency_s / 2;
     network_latency_half_[du] = cluster.network.latency_s / 2;
-    nv_up[du] = zone->create_link("nvlink_up" + id, std::max(1.0, node.nvlink_effective_bandwidth_bytes_per_s()) * kUnitsPerByte)->set_latency(nvlink_latency_half_[du])->seal();
-    nv_dn[du] = zone->create_link("nvlink_down" + id, std::max(1.0, node.nvlink_effective_bandwidth_bytes_per_s()) * kUnitsPerByte)->set_latency(nvlink_latency_half_[du])->seal();
+    nv_up[du] = zone->create_link("nvlink_up" + id, std::max(1.0, node.nvlink_effective_bandwidth_bytes_per_s()) * kUnitsPerByte)->set_latency(0)->seal();
+    nv_dn[du] = zone->create_link("nvlink_down" + id, std::max(1.0, node.nvlink_effective_bandwidth_bytes_per_s()) * kUnitsPerByte)->set_latency(0)->seal();
     const double nic = std::max(1.0, node.nic_bandwidth_per_gpu_bytes_per_s()) * kUnitsPerByte;
-    net_up[du] = zone->create_link("net_up" + id, nic)->set_latency(network_latency_half_[du])->seal();
-    net_dn[du] = zone->create_link("net_down" + id, nic)->set_latency(network_latency_half_[du])->seal();
+    net_up[du] = zone->create_link("net_up" + id, nic)->set_latency(0)->seal();
+    net_dn[du] = zone->create_link("net_down" + id, nic)->set_latency(0)->seal();
   }
   const bool thin_leaf = cluster.network.topology == "fat-tree" && cluster.network.oversubscription > 1;
   std::vector<sg::Link*> leaf_up, leaf_dn;
@@ -59,9 +55,6 @@ Platform::Platform(const Cluster& cluster, const CostModel& cost, int num_device
       leaf_dn.push_back(zone->create_link("leaf_down" + std::to_string(n), bw)->set_latency(0)->seal());
     }
   }
-  timers_ = zone->create_host("timers", 1.0);
-  timers_->set_core_count(1 << 20);
-
   std::vector<std::pair<int, int>> pairs = routes;
   std::sort(pairs.begin(), pairs.end());
   pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());

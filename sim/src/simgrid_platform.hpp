@@ -31,34 +31,33 @@ void quiet_simgrid_logs();
 void configure_simgrid_for_alpha_beta();
 
 // What is built (all in one full-routing zone):
-//  * host "gpu<d>" per device, speed 1 flop/s so that an Exec of w flops lasts w seconds, with a
-//    second power state of speed 1 - comm_sm_share (compute slowed while communication runs), and
-//    `cores_per_host` cores so that concurrent compute streams do not share a core;
-//  * per device: NVLink up/down links (nvlink bandwidth, half the NVLink latency each) and network
-//    up/down links (NIC bandwidth per GPU = nics * nic_bandwidth / gpus_per_node: rail-optimized,
-//    GPU i drives its own rail; half the network latency each);
+//  * host "gpu<d>" per device: the end point of its routes (compute runs on engine timers, not on
+//    SimGrid hosts: see simgrid_engine.cpp);
+//  * per device: NVLink up/down links (nvlink bandwidth) and network up/down links (NIC bandwidth
+//    per GPU = nics * nic_bandwidth / gpus_per_node: rail-optimized, GPU i drives its own rail);
+//    links have latency 0: the engine waits route_latency_s() on a timer before it starts a Comm,
+//    which CM02 makes the same as a link latency (a flow in its latency phase has no bandwidth share);
 //  * fat-tree with oversubscription o > 1: per node a leaf up and a leaf down link of bandwidth
 //    nics * nic_bandwidth / o (latency 0) on every inter-node route — the shared, thin link;
-//  * a "timers" host (speed 1, many cores) for delays that occupy no link;
 //  * routes: same node [nvlink_up(src), nvlink_down(dst)]; other nodes [net_up(src),
 //    (leaf_up(node src), leaf_down(node dst)), net_down(dst)].
 class Platform {
  public:
-  Platform(const Cluster& cluster, const CostModel& cost, int num_devices, std::vector<int> cores_per_host,
-           const std::vector<std::pair<int, int>>& routes);
+  Platform(const Cluster& cluster, const CostModel& cost, int num_devices, const std::vector<std::pair<int, int>>& routes);
 
   simgrid::s4u::Host* host(int device) const { return hosts_[static_cast<std::size_t>(device)]; }
-  simgrid::s4u::Host* timer_host() const { return timers_; }
-  bool has_slow_state(int device) const { return slow_state_[static_cast<std::size_t>(device)] != 0; }
-  // Sum of the link latencies of the route src -> dst (seconds).
+  // Compute speed of a device (1 = full) while at least one communication runs on it:
+  // 1 - comm_sm_share, clamped to [0.001, 1].
+  double speed_while_communicating(int device) const { return slow_speed_[static_cast<std::size_t>(device)]; }
+  // Latency of the route src -> dst (seconds): the NVLink latency inside a node, the network latency
+  // between nodes (half of it charged to each end).
   double route_latency_s(int src, int dst) const;
   const std::vector<int>& node_of() const { return node_of_; }
 
  private:
   std::vector<int> node_of_;
   std::vector<simgrid::s4u::Host*> hosts_;
-  std::vector<char> slow_state_;
-  simgrid::s4u::Host* timers_ = nullptr;
+  std::vector<double> slow_speed_;
   std::vector<double> nvlink_latency_half_, network_latency_half_;
 };
 

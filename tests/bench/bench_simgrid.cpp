@@ -2,6 +2,7 @@
 // times the analytic engine and the SimGrid engine (rounds of rings unmerged, and merged into at most
 // 32 steps) and prints their step times. Prints figures; asserts nothing.
 // Usage: bench_simgrid [--dp N] [--microbatches N] [--model NAME] [--max-ring-steps q ...]
+//                      [--flow-starter auto|maestro|workers]
 #include <sys/resource.h>
 
 #include <chrono>
@@ -33,12 +34,23 @@ int main(int argc, char** argv) {
   int dp = 128, microbatches = 64;
   std::string model = "qwen3-9b";
   std::vector<int> merges;
+  sim::SimgridOptions::FlowStarter starter = sim::SimgridOptions::FlowStarter::Auto;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--dp" && i + 1 < argc) dp = std::atoi(argv[++i]);
     else if (a == "--microbatches" && i + 1 < argc) microbatches = std::atoi(argv[++i]);
     else if (a == "--model" && i + 1 < argc) model = argv[++i];
     else if (a == "--max-ring-steps" && i + 1 < argc) merges.push_back(std::atoi(argv[++i]));
+    else if (a == "--flow-starter" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (v == "auto") starter = sim::SimgridOptions::FlowStarter::Auto;
+      else if (v == "maestro") starter = sim::SimgridOptions::FlowStarter::Maestro;
+      else if (v == "workers") starter = sim::SimgridOptions::FlowStarter::Workers;
+      else {
+        std::fprintf(stderr, "bench_simgrid: --flow-starter must be auto, maestro or workers, not '%s'\n", v.c_str());
+        return 2;
+      }
+    }
     else {
       std::fprintf(stderr, "bench_simgrid: unknown argument '%s'\n", a.c_str());
       return 2;
@@ -69,7 +81,10 @@ int main(int argc, char** argv) {
   for (int q : merges) {
     auto t2 = Clock::now();
     const double cpu0 = children_cpu_s();
-    const core::Timeline t = sim::make_simgrid_engine(sim::SimgridOptions{q})->run(program, cluster, cost);
+    sim::SimgridOptions options;
+    options.max_ring_steps = q;
+    options.flow_starter = starter;
+    const core::Timeline t = sim::make_simgrid_engine(options)->run(program, cluster, cost);
     const std::string name = q == 0 ? "simgrid (rounds unmerged)" : "simgrid (max_ring_steps " + std::to_string(q) + ")";
     std::printf("%-28s %12.3f %12.3f %14.6f %+15.2e\n", name.c_str(), since(t2), children_cpu_s() - cpu0, t.step_time_s * 1e3,
                 t.step_time_s / analytic.step_time_s - 1);

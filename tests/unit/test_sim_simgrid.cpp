@@ -121,8 +121,24 @@ core::Timeline run_engine(sim::Engine& engine, std::shared_ptr<const core::Progr
   return engine.run(p, c, cost);
 }
 
+// Every test runs twice: flows started from SimGrid's callbacks and by worker actors
+// (SimgridOptions::FlowStarter); both must give the same results.
+sim::SimgridOptions::FlowStarter starter = sim::SimgridOptions::FlowStarter::Maestro;
+
+std::unique_ptr<sim::Engine> simgrid_engine(int max_ring_steps = 0) {
+  sim::SimgridOptions options;
+  options.max_ring_steps = max_ring_steps;
+  options.flow_starter = starter;
+  return sim::make_simgrid_engine(options);
+}
+
+class SimgridEngine : public ::testing::TestWithParam<sim::SimgridOptions::FlowStarter> {
+ protected:
+  void SetUp() override { starter = GetParam(); }
+};
+
 double simgrid_step(std::shared_ptr<const core::Program> p, const sim::Cluster& c, int max_ring_steps = 0) {
-  auto engine = sim::make_simgrid_engine(sim::SimgridOptions{max_ring_steps});
+  auto engine = simgrid_engine(max_ring_steps);
   return run_engine(*engine, p, c).step_time_s;
 }
 
@@ -131,7 +147,7 @@ double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 
 }  // namespace
 
 // alpha + S / B, exactly, over NVLink and over the network, from 1 byte to 30 GB.
-TEST(SimgridEngine, SingleTransferIsAlphaPlusSizeOverBandwidth) {
+TEST_P(SimgridEngine, SingleTransferIsAlphaPlusSizeOverBandwidth) {
   const sim::Cluster c = make_cluster(2, 4);
   for (double s : {1.0, 1e3, 1e6, 1e9, 3e10}) {
     const auto bytes = static_cast<std::int64_t>(s);
@@ -146,7 +162,7 @@ TEST(SimgridEngine, SingleTransferIsAlphaPlusSizeOverBandwidth) {
 // Ring all-reduce of S bytes on n ranks: 2(n-1) alpha + 2(n-1)/n S / B (within 0.1 %, the issue's
 // bar; the measured error is ~1e-12). 8 and 64 ranks share one NVLink node (alpha = 2 us, B = 450 GB/s);
 // 256 ranks are 256 single-GPU nodes with one 50 GB/s NIC each (alpha = 5 us, B = 50 GB/s).
-TEST(SimgridEngine, RingAllReduceMatchesClosedForm) {
+TEST_P(SimgridEngine, RingAllReduceMatchesClosedForm) {
   const double S = 1e9;
   for (int n : {8, 64}) {
     const sim::Cluster c = make_cluster(1, n);
@@ -167,7 +183,7 @@ TEST(SimgridEngine, RingAllReduceMatchesClosedForm) {
 // 1,024 ranks on one NVLink fabric with rounds merged into 64 steps per ring (SimgridOptions::
 // max_ring_steps): the merged step adds (c-1) route latencies, so the closed form is unchanged.
 // (Unmerged, 1,024 ranks are 2.1 M flows: ~40 s of SimGrid, too slow for a unit test.)
-TEST(SimgridEngine, RingAllReduceOn1024RanksWithMergedRounds) {
+TEST_P(SimgridEngine, RingAllReduceOn1024RanksWithMergedRounds) {
   const int n = 1024;
   const double S = 4e9;
   const sim::Cluster c = make_cluster(1, n);
@@ -178,7 +194,7 @@ TEST(SimgridEngine, RingAllReduceOn1024RanksWithMergedRounds) {
 
 // Reduce-scatter and all-gather: (n-1) alpha + (n-1)/n S / B; all-to-all (pairwise exchange):
 // (n-1)(alpha + S / (n B)). Flat on one node (NVLink) and on one GPU per node (network).
-TEST(SimgridEngine, ReduceScatterAllGatherAllToAllMatchClosedForms) {
+TEST_P(SimgridEngine, ReduceScatterAllGatherAllToAllMatchClosedForms) {
   const double S = 256e6;
   struct Case {
     sim::Cluster cluster;
@@ -199,7 +215,7 @@ TEST(SimgridEngine, ReduceScatterAllGatherAllToAllMatchClosedForms) {
 
 // A group of 4 nodes x 4 GPUs is hierarchical: intra-node ring (m = 4, NVLink), inter-node rings
 // over the k = 4 nodes (S/m bytes, 5 us, 8 NICs * 50 GB/s / 4 GPUs = 100 GB/s per GPU), intra ring.
-TEST(SimgridEngine, HierarchicalCollectivesMatchClosedForms) {
+TEST_P(SimgridEngine, HierarchicalCollectivesMatchClosedForms) {
   const sim::Cluster c = make_cluster(4, 4);
   const double S = 512e6, m = 4, k = 4, n = 16;
   const double ai = 2e-6, bi = 450 * kGB, ae = 5e-6, be = 100 * kGB;
@@ -215,12 +231,39 @@ TEST(SimgridEngine, HierarchicalCollectivesMatchClosedForms) {
   EXPECT_LE(rel(simgrid_step(collective_program(OpKind::AllToAll, 16, bytes, {iota(16)}), c), a2a), 1e-9);
 }
 
+// SM stealing (engine.hpp): compute runs at 1 - comm_sm_share = 0.9 of its speed while a
+// communication runs on its device. Device 0 computes for w = 4.8 GB / 4.8 TB/s + 5 us launch =
+// 1.005 ms while its stream "pp" sends S bytes over NVLink (T = 2 us + S / 450 GB/s), both from 0:
+//   w > 0.9 T:  the op ends at T + (w - 0.9 T) = w + 0.1 T;      w < 0.9 T:  it ends at w / 0.9.
+// The SimGrid engine moves the compute op's end timer when the transfer starts and ends.
+TEST_P(SimgridEngine, ComputeSlowsWhileItsDeviceCommunicates) {
+  const sim::Cluster c = make_cluster(1, 2);
+  const double w = 4.8e9 / 4.8e12 + 5e-6;
+  for (double S : {225e6, 900e6}) {
+    auto p = transfer_program(2, 1, static_cast<std::int64_t>(S));
+    core::Op compute;
+    compute.kind = OpKind::Compute;
+    compute.node = 1;
+    compute.label = "F";
+    compute.memory_bytes = static_cast<std::int64_t>(4.8e9);
+    compute.device_set = 0;
+    p->plans[0].streams.insert(p->plans[0].streams.begin(), core::Stream{"compute", {compute}});
+    const double T = 2e-6 + S / (450 * kGB);
+    const double want = w > 0.9 * T ? w + 0.1 * T : w / 0.9;
+    auto engine = simgrid_engine();
+    const core::Timeline t = run_engine(*engine, p, c);
+    ASSERT_EQ(t.devices[0].spans.size(), 2u);
+    EXPECT_LE(rel(t.devices[0].spans[0].end_s, want), 1e-9) << S << " bytes: " << t.devices[0].spans[0].end_s << " s vs " << want << " s";
+    EXPECT_LE(rel(t.devices[0].spans[1].end_s, T), 1e-9) << S << " bytes";
+  }
+}
+
 // Two DP groups {0, 2} and {1, 3} on 2 nodes x 2 GPUs (2 NICs of 50 GB/s: 50 GB/s per GPU) of a
 // fat-tree with oversubscription 2: the leaf uplink of a node carries 2 * 50 / 2 = 50 GB/s. Both
 // all-reduces (n = 2: two rounds of S/2) cross it at once, so each flow gets 25 GB/s:
 //   simgrid  = 2 alpha + 2 S / B      analytic = 2 alpha + S / B      (B = 50 GB/s)
 // i.e. the bandwidth term doubles (x1.9999 for S = 1 GB); on a full-bisection fat-tree both agree.
-TEST(SimgridEngine, SharedLeafUplinkSlowsAllReducesOnSimgridOnly) {
+TEST_P(SimgridEngine, SharedLeafUplinkSlowsAllReducesOnSimgridOnly) {
   const double S = 1e9, alpha = 5e-6, B = 50 * kGB;
   auto program = collective_program(OpKind::AllReduce, 4, static_cast<std::int64_t>(S), {{0, 2}, {1, 3}});
   program->families[0].stride = 1;
@@ -268,7 +311,7 @@ double max_span_difference(const core::Timeline& a, const core::Timeline& b) {
 // device share its one "pp" stream; ZeRO-3 gathers and reduce-scatters share the "dp" stream; rings
 // of one node use distinct NVLink ports) with communication slowing compute (comm_sm_share 0.1):
 // both engines give every op the same start and end within 1e-6 relative.
-TEST(SimgridEngine, AgreesWithAnalyticOnContentionFreePrograms) {
+TEST_P(SimgridEngine, AgreesWithAnalyticOnContentionFreePrograms) {
   struct Case {
     int pp, dp, zero;
     std::string schedule;
@@ -281,7 +324,7 @@ TEST(SimgridEngine, AgreesWithAnalyticOnContentionFreePrograms) {
     auto program = std::make_shared<const core::Program>(std::move(compiled.result.program));
     const sim::Cluster c = make_cluster(1, 8);
     auto analytic = sim::make_analytic_engine();
-    auto simgrid = sim::make_simgrid_engine();
+    auto simgrid = simgrid_engine();
     const core::Timeline a = run_engine(*analytic, program, c);
     const core::Timeline s = run_engine(*simgrid, program, c);
     const std::string what = k.schedule + " PP" + std::to_string(k.pp) + " DP" + std::to_string(k.dp) + " ZeRO-" + std::to_string(k.zero);
@@ -296,13 +339,13 @@ TEST(SimgridEngine, AgreesWithAnalyticOnContentionFreePrograms) {
 // both leave the GPU through its one NVLink port, so SimGrid shares the port's bandwidth and the
 // analytic engine does not. Everything that ends before the first such overlap (found in the
 // analytic timeline) agrees within 1e-9; the step is then longer on SimGrid (by ~0.2 % here).
-TEST(SimgridEngine, SendSharingAnNvlinkPortWithReduceScatterIsSlowerOnSimgrid) {
+TEST_P(SimgridEngine, SendSharingAnNvlinkPortWithReduceScatterIsSlowerOnSimgrid) {
   auto compiled = compile(4, 2, 1, "1f1b", 8);
   auto program = std::make_shared<const core::Program>(std::move(compiled.result.program));
   const sim::Cluster c = make_cluster(1, 8);
   auto analytic = sim::make_analytic_engine();
   const core::Timeline a = run_engine(*analytic, program, c);
-  const core::Timeline s = run_engine(*sim::make_simgrid_engine(), program, c);
+  const core::Timeline s = run_engine(*simgrid_engine(), program, c);
   // The contended pair: a SEND and a collective leaving one GPU through its NVLink port (transfers in
   // opposite directions, or to different peers, use different links and stay uncontended).
   auto is_send = [](const core::Op& op) { return op.kind == OpKind::Send; };
@@ -335,10 +378,16 @@ TEST(SimgridEngine, SendSharingAnNvlinkPortWithReduceScatterIsSlowerOnSimgrid) {
 
 // A SEND whose RECV never comes: the engine stops with the tracker's one-line deadlock report
 // (thrown in the SimGrid process, rethrown here as sim::DeadlockError).
-TEST(SimgridEngine, UnmatchedSendIsReportedAsDeadlock) {
+TEST_P(SimgridEngine, UnmatchedSendIsReportedAsDeadlock) {
   auto program = transfer_program(2, 1, 1000);
   program->plans[1].streams[0].ops.clear();
   EXPECT_THROW(simgrid_step(program, make_cluster(1, 2)), sim::DeadlockError);
 }
+
+INSTANTIATE_TEST_SUITE_P(FlowStarters, SimgridEngine,
+                         ::testing::Values(sim::SimgridOptions::FlowStarter::Maestro, sim::SimgridOptions::FlowStarter::Workers),
+                         [](const ::testing::TestParamInfo<sim::SimgridOptions::FlowStarter>& info) {
+                           return info.param == sim::SimgridOptions::FlowStarter::Maestro ? std::string("Maestro") : std::string("Workers");
+                         });
 
 #endif  // PIPER_HAVE_SIMGRID
