@@ -466,6 +466,8 @@ void apply_backward_split(PassContext& cx, const std::vector<Filter>& filters) {
     DagNode bi = cx.node(b), bw = cx.node(b);
     bi.pass = Pass::BI;
     bi.costs.backward_weight_flops = 0;
+    bi.costs.backward_weight_gemm_kernels = 0;
+    bw.costs.backward_input_gemm_kernels = 0;
     bi.costs.backward_memory_bytes = cx.node(b).costs.backward_memory_bytes / 2;
     bw.pass = Pass::BW;
     bw.costs.backward_input_flops = 0;
@@ -792,7 +794,9 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
 
 // UPD costs once sharding is known: AdamW reads/writes parameters, gradients and the optimizer
 // states of this device's shard (ZeRO: Rajbhandari et al. 2020, 2 + 2 + 12 bytes per parameter in
-// mixed precision), at about 10 FLOPs per parameter.
+// mixed precision), at about 10 FLOPs per parameter. The step also reads every gradient once for
+// the global gradient norm (clipping: Megatron-LM's default --clip-grad 1.0, GPT-3, Llama) and
+// zeroes the gradient buffer for the next step: two more passes of dt bytes per parameter.
 void cost_updates(PassContext& cx) {
   auto& dag = cx.dag;
   const int dt = bytes_per_element(dag.training.precision);
@@ -808,7 +812,7 @@ void cost_updates(PassContext& cx) {
     n.costs = Costs{};
     n.costs.params = params;
     n.costs.forward_flops = 10.0 * static_cast<double>(params);
-    n.costs.forward_memory_bytes = params * (2 * dt + 2 * state);
+    n.costs.forward_memory_bytes = params * (2 * dt + 2 * state + 2 * dt);
   }
 }
 
@@ -983,9 +987,11 @@ void recost_segments(PassContext& cx) {
     Costs c = costs[static_cast<std::size_t>(n.segment)];
     if (n.pass == Pass::BI) {  // as apply_backward_split divides a B
       c.backward_weight_flops = 0;
+      c.backward_weight_gemm_kernels = 0;
       c.backward_memory_bytes /= 2;
     } else if (n.pass == Pass::BW) {
       c.backward_input_flops = 0;
+      c.backward_input_gemm_kernels = 0;
       c.backward_memory_bytes -= c.backward_memory_bytes / 2;
       c.backward_elementwise_bytes = 0;
       c.backward_tp_bytes = 0;

@@ -118,6 +118,18 @@ double op_flops(const DagNode& n) {
   return 0;
 }
 
+int op_gemm_kernels(const DagNode& n) {
+  if (n.kind != NodeKind::Compute) return 0;
+  switch (n.pass) {
+    case Pass::F: return n.costs.forward_gemm_kernels;
+    case Pass::B: return n.costs.backward_input_gemm_kernels + n.costs.backward_weight_gemm_kernels;
+    case Pass::BI: return n.costs.backward_input_gemm_kernels;
+    case Pass::BW: return n.costs.backward_weight_gemm_kernels;
+    case Pass::None: return 0;
+  }
+  return 0;
+}
+
 std::int64_t op_memory_bytes(const DagNode& n) {
   if (n.kind == NodeKind::Update) return n.costs.forward_memory_bytes;
   if (n.kind != NodeKind::Compute) return 0;
@@ -238,6 +250,7 @@ Program lower(const GlobalDag& dag) {
         op.tp_bytes = fwd ? node.costs.forward_tp_bytes : node.costs.backward_tp_bytes;
         op.tp_collectives = fwd ? node.costs.forward_tp_collectives : node.costs.backward_tp_collectives;
         if (node.pass == Pass::B || node.pass == Pass::BI) op.recompute_flops = node.costs.recompute_flops;
+        op.gemm_kernels = op_gemm_kernels(node);
       }
       op.bytes = node.bytes;
       op.device_set = node.devices;

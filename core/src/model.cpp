@@ -69,6 +69,9 @@ Costs& Costs::operator+=(const Costs& o) {
   forward_tp_collectives += o.forward_tp_collectives;
   backward_tp_collectives += o.backward_tp_collectives;
   recompute_flops += o.recompute_flops;
+  forward_gemm_kernels += o.forward_gemm_kernels;
+  backward_input_gemm_kernels += o.backward_input_gemm_kernels;
+  backward_weight_gemm_kernels += o.backward_weight_gemm_kernels;
   return *this;
 }
 
@@ -93,8 +96,11 @@ struct Dims {
 };
 
 // Fills the fields shared by all matmul layers from their weight-matrix element count.
+// `gemms` is the number of GEMM kernels those weights run as (forward; the backward runs one
+// input-gradient and one weight-gradient kernel per forward GEMM).
 void matmul_costs(Costs& c, const Dims& d, std::int64_t matmul_weight_elems, std::int64_t in_elems_per_token,
-                  std::int64_t out_bytes_per_token) {
+                  std::int64_t out_bytes_per_token, int gemms) {
+  c.forward_gemm_kernels = c.backward_input_gemm_kernels = c.backward_weight_gemm_kernels = gemms;
   c.forward_flops = 2.0 * d.T * static_cast<double>(matmul_weight_elems);
   c.backward_input_flops = c.forward_flops;
   c.backward_weight_flops = c.forward_flops;
@@ -171,10 +177,18 @@ Costs attention_costs(const LayerShape& sh, const Dims& d) {
     stash_elems = h + ql + nh * qk_dim + (kvl + rope) + nh * qk_dim + nh * v_dim + nh * v_dim;
   }
   c.params = matmul_elems + other_params;
-  matmul_costs(c, d, matmul_elems, h, h * d.dt);
+  // GEMM kernels: MHA/GQA runs Q, K and V as one fused column-parallel GEMM plus the output
+  // projection (Megatron-LM's layout); MLA runs q_a, q_b (or one q), kv_a, kv_b and o.
+  const int projections = !mla ? 2 : (sh.q_lora_rank > 0 ? 5 : 4);
+  matmul_costs(c, d, matmul_elems, h, h * d.dt, projections);
   const double core_flops = 2.0 * d.b * d.s * d.s * static_cast<double>(nh) * static_cast<double>(qk_dim + v_dim);
   c.forward_flops += core_flops;
   c.backward_input_flops += 2.0 * core_flops;
+  // The attention core: standard attention is two batched GEMMs forward (QK^T, P·V) and four
+  // backward (dP, dV, dS·K, dS^T·Q); FlashAttention is one fused kernel each way.
+  const bool standard = sh.attention_kernel == AttentionKernel::Standard;
+  c.forward_gemm_kernels += standard ? 2 : 1;
+  c.backward_input_gemm_kernels += standard ? 4 : 1;
   c.output_bytes = d.tokens * h * d.dt;
   if (sh.attention_kernel == AttentionKernel::Flash) {
     // FlashAttention keeps fp32 softmax statistics (row max and row sum) per head per query.
@@ -205,7 +219,9 @@ Costs mlp_costs(const LayerShape& sh, const Dims& d) {
   // SwiGLU: gate, up (h x f each) and down (f x h); GELU: up and down.
   const std::int64_t matmul_elems = (swiglu ? 3 : 2) * h * f;
   c.params = matmul_elems + (sh.bias ? f + h : 0);
-  matmul_costs(c, d, matmul_elems, h, h * d.dt);
+  // Two GEMM kernels: fc1 (SwiGLU's gate and up fused into one 2f-wide GEMM, as Megatron-LM runs
+  // it) and fc2.
+  matmul_costs(c, d, matmul_elems, h, h * d.dt, 2);
   // Stash: input, then SwiGLU gate and up outputs and their product / GELU input and output.
   c.activation_bytes = d.tokens * (h + (swiglu ? 3 : 2) * f) * d.dt;
   c.output_bytes = d.tokens * h * d.dt;
@@ -224,7 +240,7 @@ Costs router_costs(const LayerShape& sh, const Dims& d) {
   const std::int64_t h = sh.hidden, e = sh.experts;
   // A linear gate h x E (DeepSeek-V3's E-element score-correction bias is ignored: < 1e-4 of it).
   c.params = h * e;
-  matmul_costs(c, d, h * e, h, e * 4);  // writes fp32 router probabilities
+  matmul_costs(c, d, h * e, h, e * 4, 1);  // writes fp32 router probabilities
   c.activation_bytes = d.tokens * h * d.dt + d.tokens * e * 4;  // input + fp32 probabilities
   c.output_bytes = d.tokens * h * d.dt;
   return c;
@@ -239,6 +255,9 @@ Costs experts_costs(const LayerShape& sh, const Dims& d) {
   c.forward_flops = 2.0 * d.T * static_cast<double>(k) * static_cast<double>(per_expert);
   c.backward_input_flops = c.forward_flops;
   c.backward_weight_flops = c.forward_flops;
+  // Two grouped GEMMs over the local experts (fc1 with gate and up fused, fc2), as Megatron-LM's
+  // grouped-GEMM MLP runs them.
+  c.forward_gemm_kernels = c.backward_input_gemm_kernels = c.backward_weight_gemm_kernels = 2;
   // Weights of the experts that can receive a token at all, plus routed inputs and outputs.
   const std::int64_t touched = std::min(e, d.tokens * k);
   c.forward_memory_bytes = touched * per_expert * d.dt + 2 * d.tokens * k * h * d.dt;
@@ -254,7 +273,7 @@ Costs head_costs(const LayerShape& sh, const Dims& d) {
   // A tied head reuses the embedding matrix: no own parameters, same FLOPs (its weight gradient is
   // still computed here and added to the embedding's).
   c.params = sh.tied_with_embedding ? 0 : v * h;
-  matmul_costs(c, d, v * h, h, v * 4);  // logits written in fp32
+  matmul_costs(c, d, v * h, h, v * 4, 1);  // logits written in fp32
   // Softmax cross-entropy: ~5 FLOPs per logit (max, subtract, exp, sum, log); its backward
   // (recompute softmax, subtract the one-hot) is taken as the same and counted in BI.
   const double loss_flops = 5.0 * d.T * static_cast<double>(v);
@@ -433,8 +452,10 @@ Costs layer_costs(const Layer& layer, const TrainingShape& shape, const Parallel
     c.backward_input_flops += flops / t;
     c.recompute_flops += flops / t;
     c.backward_elementwise_bytes += elementwise / t;
+    c.backward_input_gemm_kernels += layer.shape.attention_kernel == AttentionKernel::Standard ? 2 : 1;
   }
   if (full) {
+    c.backward_input_gemm_kernels += c.forward_gemm_kernels;
     c.backward_input_flops += c.forward_flops;
     c.recompute_flops += c.forward_flops;
     c.backward_memory_bytes += c.forward_memory_bytes;

@@ -143,6 +143,7 @@ json op_to_json(const Op& op) {
   if (op.tp_collectives != 0) j["tp_collectives"] = op.tp_collectives;
   if (op.elementwise_bytes != 0) j["elementwise_bytes"] = op.elementwise_bytes;
   if (op.recompute_flops != 0) j["recompute_flops"] = op.recompute_flops;
+  if (op.gemm_kernels != 0) j["gemm_kernels"] = op.gemm_kernels;
   return j;
 }
 
@@ -203,6 +204,10 @@ Op op_from_json(const json& j, const std::string& path) {
   if (const json* f = optional_field(j, "tp_collectives")) op.tp_collectives = as_int(*f, member(path, "tp_collectives"));
   if (const json* f = optional_field(j, "elementwise_bytes")) op.elementwise_bytes = as_int64(*f, member(path, "elementwise_bytes"));
   if (const json* f = optional_field(j, "recompute_flops")) op.recompute_flops = as_double(*f, member(path, "recompute_flops"));
+  if (const json* f = optional_field(j, "gemm_kernels")) {
+    op.gemm_kernels = as_int(*f, member(path, "gemm_kernels"));
+    if (op.gemm_kernels < 0) fail(member(path, "gemm_kernels"), "must be >= 0");
+  }
   return op;
 }
 
@@ -266,7 +271,7 @@ bool same_op(const Op& a, const Op& b) {
          a.peer_set == b.peer_set && a.family == b.family && a.waits == b.waits && a.uses == b.uses &&
          a.segment == b.segment && a.segments == b.segments && a.tp_bytes == b.tp_bytes &&
          a.tp_collectives == b.tp_collectives && a.elementwise_bytes == b.elementwise_bytes &&
-         a.recompute_flops == b.recompute_flops;
+         a.recompute_flops == b.recompute_flops && a.gemm_kernels == b.gemm_kernels;
 }
 
 bool same_plan(const Plan& a, const Plan& b) {

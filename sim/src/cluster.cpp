@@ -57,11 +57,21 @@ GpuSpec h200_sxm() { return gpu_with_defaults("H200-SXM-141GB", 989, 132, 141'00
 // NVLink + 8 x 400 Gb/s InfiniBand per node).
 GpuSpec h800_sxm() { return gpu_with_defaults("H800-SXM-80GB", 989, 132, 80 * kGiB, 3350); }
 
-NodeSpec node_of(GpuSpec gpu, double nvlink_gb_per_s_per_direction, int nics, double nic_gbit) {
+// What NCCL reaches of the NVLink line rate (bus bandwidth of large messages / line rate), as NCCL's
+// maintainer states it (S. Jeaugey, NVIDIA): A100 NVLink 3: 12 links x 25 GB/s = 300 GB/s line rate,
+// ~20 GB/s effective per link with the SMs' 128-byte payloads, "limits it to ~230GB/s" in all
+// (github.com/NVIDIA/nccl-tests/issues/149, 2023-07-05) -> 230/300; NVLink 4 (H100, H200, H800):
+// "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective NVLink
+// bandwidth of 370GB/s" (github.com/NVIDIA/nccl-tests/issues/212, 2024-05-06) -> 370/450.
+constexpr double kNvlink3Efficiency = 230.0 / 300.0;
+constexpr double kNvlink4Efficiency = 370.0 / 450.0;
+
+NodeSpec node_of(GpuSpec gpu, double nvlink_gb_per_s_per_direction, double nvlink_efficiency, int nics, double nic_gbit) {
   NodeSpec n;
   n.gpus_per_node = 8;
   n.gpu = std::move(gpu);
   n.nvlink_bandwidth_bytes_per_s = nvlink_gb_per_s_per_direction * kGB;
+  n.nvlink_efficiency = nvlink_efficiency;
   n.nvlink_latency_s = 3e-6;
   n.nics = nics;
   n.nic_bandwidth_bytes_per_s = nic_gbit * kGbit;
@@ -76,10 +86,10 @@ struct Preset {
 
 const std::vector<Preset>& presets() {
   static const std::vector<Preset> p = {
-      {"dgx-a100-80g", node_of(a100_sxm_80g(), 300, 8, 200), {5e-6, "rail-optimized", 1}},
-      {"dgx-h100", node_of(h100_sxm(), 450, 8, 400), {5e-6, "rail-optimized", 1}},
-      {"dgx-h200", node_of(h200_sxm(), 450, 8, 400), {5e-6, "rail-optimized", 1}},
-      {"hgx-h800", node_of(h800_sxm(), 200, 8, 400), {5e-6, "rail-optimized", 1}},
+      {"dgx-a100-80g", node_of(a100_sxm_80g(), 300, kNvlink3Efficiency, 8, 200), {5e-6, "rail-optimized", 1}},
+      {"dgx-h100", node_of(h100_sxm(), 450, kNvlink4Efficiency, 8, 400), {5e-6, "rail-optimized", 1}},
+      {"dgx-h200", node_of(h200_sxm(), 450, kNvlink4Efficiency, 8, 400), {5e-6, "rail-optimized", 1}},
+      {"hgx-h800", node_of(h800_sxm(), 200, kNvlink4Efficiency, 8, 400), {5e-6, "rail-optimized", 1}},
   };
   return p;
 }
@@ -169,15 +179,19 @@ void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec&
 void apply_node(const Reader& r, const json& j, const std::string& path, NodeSpec& n, bool allow_selector) {
   if (allow_selector)
     r.check_keys(j, path,
-                 {"nodes", "first", "count", "gpus_per_node", "gpu", "nvlink_bandwidth_gb_per_s", "nvlink_latency_us",
+                 {"nodes", "first", "count", "gpus_per_node", "gpu", "nvlink_bandwidth_gb_per_s", "nvlink_efficiency", "nvlink_latency_us",
                   "nics", "nic_bandwidth_gbit_per_s"});
   else
-    r.check_keys(j, path, {"gpus_per_node", "gpu", "nvlink_bandwidth_gb_per_s", "nvlink_latency_us", "nics",
+    r.check_keys(j, path, {"gpus_per_node", "gpu", "nvlink_bandwidth_gb_per_s", "nvlink_efficiency", "nvlink_latency_us", "nics",
                            "nic_bandwidth_gbit_per_s"});
   if (j.contains("gpus_per_node")) n.gpus_per_node = r.count(j, "gpus_per_node", path, 1, core::Limit::Devices, "GPUs per node");
   if (j.contains("gpu")) apply_gpu(r, j.at("gpu"), path + "gpu.", n.gpu);
   if (j.contains("nvlink_bandwidth_gb_per_s"))
     n.nvlink_bandwidth_bytes_per_s = r.number(j, "nvlink_bandwidth_gb_per_s", path, 0, true) * kGB;
+  if (j.contains("nvlink_efficiency")) {
+    n.nvlink_efficiency = r.number(j, "nvlink_efficiency", path, 0, true);
+    if (n.nvlink_efficiency > 1) r.fail(path + "nvlink_efficiency", "must be <= 1");
+  }
   if (j.contains("nvlink_latency_us")) n.nvlink_latency_s = r.number(j, "nvlink_latency_us", path, 0, false) * 1e-6;
   if (j.contains("nics")) n.nics = static_cast<int>(r.number(j, "nics", path, 0, false));
   if (j.contains("nic_bandwidth_gbit_per_s"))
@@ -217,6 +231,7 @@ json NodeSpec::to_json() const {
   return {{"gpus_per_node", gpus_per_node},
           {"gpu", gpu.to_json()},
           {"nvlink_bandwidth_gb_per_s", nvlink_bandwidth_bytes_per_s / kGB},
+          {"nvlink_efficiency", nvlink_efficiency},
           {"nvlink_latency_us", nvlink_latency_s * 1e6},
           {"nics", nics},
           {"nic_bandwidth_gbit_per_s", nic_bandwidth_bytes_per_s / kGbit}};

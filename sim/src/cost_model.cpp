@@ -164,16 +164,16 @@ std::optional<double> CostModel::replaced(const core::Op& op, int group_size) co
   return std::nullopt;
 }
 
-double CostModel::roofline_seconds(int device, double flops, std::int64_t memory_bytes) const {
+double CostModel::roofline_seconds(int device, double flops, std::int64_t memory_bytes, int gemm_kernels) const {
   const GpuSpec& g = cluster_.nodes[static_cast<std::size_t>(node_of_.at(static_cast<std::size_t>(device)))].gpu;
-  double compute = flops > 0 ? flops / (g.peak_flops * g.efficiency(flops)) : 0;
+  const double compute = g.gemm_seconds(flops, gemm_kernels);
   double memory = memory_bytes > 0 ? static_cast<double>(memory_bytes) / g.hbm_bandwidth_bytes_per_s : 0;
   return std::max(compute, memory) + g.launch_overhead_s;
 }
 
 double CostModel::compute_seconds(const core::Program& program, int device, const core::Op& op) const {
   if (auto s = replaced(op, 1)) return *s;
-  double seconds = roofline_seconds(device, op.flops, op.memory_bytes);
+  double seconds = roofline_seconds(device, op.flops, op.memory_bytes, op.gemm_kernels);
   // Memory-bound element-wise kernels run between the GEMMs: their time adds to the roofline.
   if (op.elementwise_bytes > 0) {
     const GpuSpec& g = cluster_.nodes[static_cast<std::size_t>(node_of_.at(static_cast<std::size_t>(device)))].gpu;
@@ -203,7 +203,7 @@ double CostModel::latency_s(int src, int dst) const {
 double CostModel::bandwidth_bytes_per_s(int src, int dst) const {
   const int a = node_of_.at(static_cast<std::size_t>(src)), b = node_of_.at(static_cast<std::size_t>(dst));
   const NodeSpec& na = cluster_.nodes[static_cast<std::size_t>(a)];
-  if (a == b) return na.nvlink_bandwidth_bytes_per_s;
+  if (a == b) return na.nvlink_effective_bandwidth_bytes_per_s();
   const NodeSpec& nb = cluster_.nodes[static_cast<std::size_t>(b)];
   return std::min(na.nic_bandwidth_per_gpu_bytes_per_s(), nb.nic_bandwidth_per_gpu_bytes_per_s());
 }
@@ -229,7 +229,7 @@ double CostModel::collective_seconds(OpKind kind, const std::vector<int>& ranks,
     while (j < nodes.size() && nodes[j] == nodes[i]) ++j;
     const NodeSpec& ns = cluster_.nodes[static_cast<std::size_t>(nodes[i])];
     alpha_i = std::max(alpha_i, ns.nvlink_latency_s);
-    bw_i = std::min(bw_i, ns.nvlink_bandwidth_bytes_per_s);
+    bw_i = std::min(bw_i, ns.nvlink_effective_bandwidth_bytes_per_s());
     bw_e = std::min(bw_e, ns.nic_bandwidth_per_gpu_bytes_per_s());
     k += 1;
     m = std::max(m, static_cast<double>(j - i));

@@ -39,8 +39,8 @@ Platform::Platform(const Cluster& cluster, const CostModel& cost, int num_device
     hosts_[du] = zone->create_host("gpu" + id, 1.0);
     nvlink_latency_half_[du] = node.nvlink_latency_s / 2;
     network_latency_half_[du] = cluster.network.latency_s / 2;
-    nv_up[du] = zone->create_link("nvlink_up" + id, std::max(1.0, node.nvlink_bandwidth_bytes_per_s) * kUnitsPerByte)->set_latency(0)->seal();
-    nv_dn[du] = zone->create_link("nvlink_down" + id, std::max(1.0, node.nvlink_bandwidth_bytes_per_s) * kUnitsPerByte)->set_latency(0)->seal();
+    nv_up[du] = zone->create_link("nvlink_up" + id, std::max(1.0, node.nvlink_effective_bandwidth_bytes_per_s()) * kUnitsPerByte)->set_latency(0)->seal();
+    nv_dn[du] = zone->create_link("nvlink_down" + id, std::max(1.0, node.nvlink_effective_bandwidth_bytes_per_s()) * kUnitsPerByte)->set_latency(0)->seal();
     const double nic = std::max(1.0, node.nic_bandwidth_per_gpu_bytes_per_s()) * kUnitsPerByte;
     net_up[du] = zone->create_link("net_up" + id, nic)->set_latency(0)->seal();
     net_dn[du] = zone->create_link("net_down" + id, nic)->set_latency(0)->seal();

@@ -664,8 +664,10 @@ std::vector<double> unit_seconds(const TuneSpec& spec, const TuneCandidate& c) {
     // As the shard pass costs experts: EP divides their weights (and weight traffic), not the
     // per-device FLOPs, since each device computes every token routed to its experts.
     const double shard = l.tags.contains("EP") ? c.ep : 1;
-    out[unit] += cost.roofline_seconds(0, k.forward_flops, static_cast<std::int64_t>(k.forward_memory_bytes / shard)) +
-                 cost.roofline_seconds(0, k.backward_flops(), static_cast<std::int64_t>(k.backward_memory_bytes / shard));
+    out[unit] += cost.roofline_seconds(0, k.forward_flops, static_cast<std::int64_t>(k.forward_memory_bytes / shard),
+                                       k.forward_gemm_kernels) +
+                 cost.roofline_seconds(0, k.backward_flops(), static_cast<std::int64_t>(k.backward_memory_bytes / shard),
+                                       k.backward_input_gemm_kernels + k.backward_weight_gemm_kernels);
   }
   return out;
 }

@@ -232,6 +232,14 @@ TEST(Replicate, ZeroLevelsChooseTheCollectives) {
   };
   EXPECT_EQ(upd_params(z0), m.parameter_count());
   EXPECT_EQ(upd_params(z1), m.parameter_count() / 2);
+  // HBM traffic per updated bf16 parameter: AdamW reads the gradient and writes the parameter
+  // (2 + 2), reads and writes fp32 master weights, m and v (2 x 12), plus the gradient-norm read
+  // and the gradient zeroing (2 + 2): 32 bytes.
+  for (auto v : z1.live_nodes()) {
+    if (z1.graph[v].kind == NodeKind::Update) {
+      EXPECT_EQ(z1.graph[v].costs.forward_memory_bytes, 32 * z1.graph[v].costs.params);
+    }
+  }
 }
 
 TEST(Replicate, ExpertsShardedOverFewerDevicesAreReducedAcrossStridedGroups) {

@@ -344,8 +344,11 @@ TEST(Program, TensorParallelFieldsRoundTrip) {
   p.segments = {plain, tp};
   p.plans[0].streams[0].ops[0].tp_bytes = 3 * 4096;
   p.plans[0].streams[0].ops[0].tp_collectives = 3;
+  p.plans[0].streams[0].ops[0].gemm_kernels = 7;
 
   const json j = p.to_json();
+  EXPECT_EQ(j["plans"][0]["streams"][0]["ops"][0]["gemm_kernels"], 7);
+  EXPECT_FALSE(j["plans"][1]["streams"][0]["ops"][0].contains("gemm_kernels"));
   EXPECT_FALSE(j["segments"][0].contains("tp_degree"));
   EXPECT_FALSE(j["segments"][0].contains("sequence_parallel"));
   EXPECT_FALSE(j["segments"][0].contains("recompute"));
@@ -363,6 +366,9 @@ TEST(Program, TensorParallelFieldsRoundTrip) {
   EXPECT_EQ(back.group_of(back.segments[1].tp_family, 1), (std::vector<int>{0, 1}));
 
   json bad = j;
+  bad["plans"][0]["streams"][0]["ops"][0]["gemm_kernels"] = -1;
+  EXPECT_NE(error_of(bad).find("gemm_kernels"), std::string::npos) << error_of(bad);
+  bad = j;
   bad["segments"][1]["recompute"] = "partial";
   EXPECT_NE(error_of(bad).find("segments[1].recompute"), std::string::npos) << error_of(bad);
   bad = j;

@@ -47,6 +47,12 @@ TEST(SimCluster, PresetsCarryTheDatasheetFigures) {
   EXPECT_EQ(h200.nodes[0].nic_bandwidth_per_gpu_bytes_per_s(), 50e9);  // 8 x 400 Gb/s over 8 GPUs
   EXPECT_EQ(load_cluster("hgx-h800").nodes[0].nvlink_bandwidth_bytes_per_s, 200e9);  // 400 GB/s bidirectional
   EXPECT_EQ(load_cluster("dgx-a100-80g").gpu(0).peak_flops, 312e12);
+  // NCCL's effective NVLink bandwidth as its maintainer gives it: ~230 GB/s of A100's 300 GB/s line
+  // rate (nccl-tests issue 149), 370 GB/s of NVLink 4's 450 GB/s (nccl-tests issue 212).
+  EXPECT_DOUBLE_EQ(load_cluster("dgx-a100-80g").nodes[0].nvlink_effective_bandwidth_bytes_per_s(), 230e9);
+  EXPECT_DOUBLE_EQ(h200.nodes[0].nvlink_effective_bandwidth_bytes_per_s(), 370e9);
+  EXPECT_DOUBLE_EQ(load_cluster("dgx-h100").nodes[0].nvlink_effective_bandwidth_bytes_per_s(), 370e9);
+  EXPECT_DOUBLE_EQ(load_cluster("hgx-h800").nodes[0].nvlink_effective_bandwidth_bytes_per_s(), 200e9 * 370 / 450);
   EXPECT_EQ(load_cluster("dgx-h100").gpu(0).sm_count, 132);
   EXPECT_EQ(cluster_presets().size(), 4u);
 }
@@ -100,7 +106,7 @@ TEST(SimCost, RingAllReduceMatchesClosedForm) {
   {
     Cluster c = load_cluster("dgx-h200");
     CostModel cost(c);
-    const double a = c.nodes[0].nvlink_latency_s, b = c.nodes[0].nvlink_bandwidth_bytes_per_s;
+    const double a = c.nodes[0].nvlink_latency_s, b = 370e9;  // NCCL's effective NVLink 4 bandwidth
     const double n = 8;
     expect_rel(cost.collective_seconds(core::OpKind::AllReduce, {0, 1, 2, 3, 4, 5, 6, 7}, bytes),
                2 * (n - 1) * a + 2 * (n - 1) / n * S / b);
@@ -124,7 +130,7 @@ TEST(SimCost, HierarchicalWhenAGroupSpansNodes) {
   Cluster c = with_devices(load_cluster("dgx-h100"), 16);
   CostModel cost(c);
   const double S = 256e6;
-  const double ai = c.nodes[0].nvlink_latency_s, bi = c.nodes[0].nvlink_bandwidth_bytes_per_s;
+  const double ai = c.nodes[0].nvlink_latency_s, bi = 370e9;  // NCCL's effective NVLink 4 bandwidth
   const double ae = c.network.latency_s, be = 50e9;  // 8 x 400 Gb/s over 8 GPUs
   std::vector<int> all(16);
   for (int i = 0; i < 16; ++i) all[static_cast<std::size_t>(i)] = i;
@@ -139,13 +145,34 @@ TEST(SimCost, HierarchicalWhenAGroupSpansNodes) {
 TEST(SimCost, PointToPointAndRoofline) {
   Cluster c = with_devices(load_cluster("dgx-h200"), 16);
   CostModel cost(c);
-  expect_rel(cost.p2p_seconds(0, 1, 1'000'000), 3e-6 + 1e6 / 450e9);  // NVLink
+  expect_rel(cost.p2p_seconds(0, 1, 1'000'000), 3e-6 + 1e6 / 370e9);  // NVLink at NCCL's effective rate
   expect_rel(cost.p2p_seconds(0, 8, 1'000'000), 5e-6 + 1e6 / 50e9);   // one 400 Gb/s NIC per GPU
   const GpuSpec& g = c.gpu(0);
   const double f = 4e12;
   expect_rel(cost.roofline_seconds(0, f, 0), f / (989e12 * 0.75 * f / (f + 2e9)) + 5e-6);
   // Memory-bound: 48 GB of traffic at 4.8 TB/s.
   expect_rel(cost.roofline_seconds(0, 1e9, 48'000'000'000), 48e9 / 4.8e12 + g.launch_overhead_s);
+}
+
+TEST(SimCost, EfficiencyCurveAppliesPerGemmKernel) {
+  Cluster c = load_cluster("dgx-a100-80g");
+  CostModel cost(c);
+  // Three GEMMs of 1, 3 and 8 GFLOP run one after another, each at the curve's efficiency for its
+  // own size: f / (312 TFLOP/s * 0.75 * f / (f + 2 GFLOP)).
+  double separate = 0;
+  for (double f : {1e9, 3e9, 8e9}) separate += f / (312e12 * 0.75 * f / (f + 2e9));
+  // As one op of 12 GFLOP in 3 kernels: (12 + 3 * 2) GFLOP / (312 TFLOP/s * 0.75) = 76.9 us.
+  expect_rel(separate, 18e9 / (312e12 * 0.75));
+  expect_rel(cost.roofline_seconds(0, 12e9, 0, 3), separate + 5e-6);
+  // One kernel (and 0 = unknown) is the old per-op curve.
+  expect_rel(cost.roofline_seconds(0, 12e9, 0, 1), 12e9 / (312e12 * 0.75 * 12e9 / 14e9) + 5e-6);
+  expect_rel(cost.roofline_seconds(0, 12e9, 0, 0), cost.roofline_seconds(0, 12e9, 0, 1));
+  // A COMPUTE op carries its kernel count from the compiler.
+  core::Program program;
+  core::Op op;
+  op.flops = 12e9;
+  op.gemm_kernels = 3;
+  expect_rel(cost.compute_seconds(program, 0, op), separate + 5e-6);
 }
 
 TEST(SimCost, CalibrationAndOverrideReplaceTheModel) {

@@ -148,6 +148,45 @@ TEST(TensorParallel, RecomputeAddsForwardWorkToBackward) {
   }
 }
 
+// GEMM kernels per pass, counted by hand for Megatron-LM's layer (fused QKV, output projection,
+// fc1, fc2; standard attention's QK^T and P·V batched GEMMs, four in the backward): TP splits each
+// GEMM but keeps the kernel; selective recomputation reruns the two core GEMMs in BI, full the
+// block's forward GEMMs.
+TEST(TensorParallel, GemmKernelsPerPass) {
+  const Model m = build_model(small_gpt());
+  for (const auto& layer : m.layers()) {
+    SCOPED_TRACE(layer.name);
+    int f = 0, bi = 0, bw = 0;  // expected, layout {2, SP, none}
+    switch (layer.kind) {
+      case LayerKind::Attention: f = 2 + 2, bi = 2 + 4, bw = 2; break;
+      case LayerKind::Mlp: f = 2, bi = 2, bw = 2; break;
+      case LayerKind::Head: f = 1, bi = 1, bw = 1; break;
+      default: break;  // embedding gather, norms: no GEMM
+    }
+    const Costs none = layer_costs(layer, m.training(), {2, true, 0});
+    EXPECT_EQ(none.forward_gemm_kernels, f);
+    EXPECT_EQ(none.backward_input_gemm_kernels, bi);
+    EXPECT_EQ(none.backward_weight_gemm_kernels, bw);
+    EXPECT_EQ(layer_costs(layer, m.training()).forward_gemm_kernels, f);  // TP does not change the count
+    const Costs sel = layer_costs(layer, m.training(), {2, true, 1});
+    EXPECT_EQ(sel.backward_input_gemm_kernels, bi + (layer.kind == LayerKind::Attention ? 2 : 0));
+    const Costs full = layer_costs(layer, m.training(), {2, true, 2});
+    EXPECT_EQ(full.backward_input_gemm_kernels, bi + (layer.block >= 0 ? f : 0));
+    EXPECT_EQ(full.backward_weight_gemm_kernels, bw);
+  }
+  // FlashAttention: one fused core kernel each way.
+  ModelConfig flash = small_gpt();
+  flash.attention_kernel = AttentionKernel::Flash;
+  const Model fm = build_model(flash);
+  for (const auto& layer : fm.layers())
+    if (layer.kind == LayerKind::Attention) {
+      const Costs c = layer_costs(layer, fm.training());
+      EXPECT_EQ(c.forward_gemm_kernels, 3);
+      EXPECT_EQ(c.backward_input_gemm_kernels, 3);
+      EXPECT_EQ(c.backward_weight_gemm_kernels, 2);
+    }
+}
+
 namespace {
 
 Scenario tp_scenario(const std::string& model_path, StrategyOptions o) {
@@ -354,7 +393,7 @@ TEST(TensorParallel, SimulatorCostsTheCollectivesInsideTheOp) {
   const auto& node = cluster.nodes.front();
   const double per_call = static_cast<double>(f->tp_bytes) / f->tp_collectives;
   const double expected =
-      f->tp_collectives * (3 * node.nvlink_latency_s + 0.75 * std::floor(per_call) / node.nvlink_bandwidth_bytes_per_s);
+      f->tp_collectives * (3 * node.nvlink_latency_s + 0.75 * std::floor(per_call) / 230e9);  // NCCL on A100 NVLink
   EXPECT_NEAR(cost.tp_seconds(p, 0, *f), expected, 1e-12);
   Op plain = *f;
   plain.tp_collectives = 0;
@@ -444,10 +483,10 @@ TEST(TensorParallel, ModelSpecTakesAPapersGpt) {
 // recomputation) and 1.10 s (SP + selective). The bound is the error measured when the cost model
 // was written (docs/tensor-parallel.md), not the 5 % goal, which is not met.
 TEST(TensorParallel, Korthikanti22BWithinDocumentedError) {
-  auto step = [](bool sp, const std::string& recompute) {
+  auto step = [](int micro_batch, bool sp, const std::string& recompute) {
     Scenario sc;
     sc.model = std::string(PIPER_SOURCE_DIR) + "/examples/models/gpt-22b-korthikanti.json";
-    sc.micro_batch_size = 1;
+    sc.micro_batch_size = micro_batch;
     sc.strategy.tp = 8;
     sc.strategy.sequence_parallel = sp;
     sc.strategy.recompute = recompute;
@@ -457,11 +496,42 @@ TEST(TensorParallel, Korthikanti22BWithinDocumentedError) {
     so.engine = "analytic";
     return piper::sim::simulate(sc, so).report.step_time_s;
   };
-  const double full = step(false, "full"), selective = step(true, "selective");
-  EXPECT_NEAR(full, 1.42, 0.20 * 1.42);
-  EXPECT_NEAR(selective, 1.10, 0.20 * 1.10);
+  // The paper's Table 5 cells against the errors documented in docs/tensor-parallel.md (no constant
+  // is fitted to them): micro-batch 4 (the paper's Table 3) -10.4 % and -15.1 %, micro-batch 1
+  // (issue #10's command) -7.0 % and -10.6 %. The bounds leave ~1.5 points for the shared curve.
+  const double full4 = step(4, false, "full"), selective4 = step(4, true, "selective");
+  EXPECT_NEAR(full4, 1.42, 0.12 * 1.42);
+  EXPECT_NEAR(selective4, 1.10, 0.165 * 1.10);
+  const double full1 = step(1, false, "full"), selective1 = step(1, true, "selective");
+  EXPECT_NEAR(full1, 1.42, 0.085 * 1.42);
+  EXPECT_NEAR(selective1, 1.10, 0.12 * 1.10);
   // Selective + SP must beat full recomputation by about the paper's factor 1.42 / 1.10 = 1.29.
-  EXPECT_NEAR(full / selective, 1.42 / 1.10, 0.10);
+  EXPECT_NEAR(full4 / selective4, 1.42 / 1.10, 0.10);
+  EXPECT_NEAR(full1 / selective1, 1.42 / 1.10, 0.10);
+}
+
+// An independent check, not used for any constant: the paper's 175B cells (Table 5: 18.13 s full
+// recomputation, 13.75 s SP + selective; TP 8 x PP 8 interleaved with 3 chunks per rank, global
+// batch 64, micro-batch 1) against the errors docs/tensor-parallel.md documents (-6.1 %, -10.1 %).
+TEST(TensorParallel, Korthikanti175BWithinDocumentedError) {
+  auto step = [](bool sp, const std::string& recompute) {
+    Scenario sc;
+    sc.model = std::string(PIPER_SOURCE_DIR) + "/examples/models/gpt-175b-korthikanti.json";
+    sc.micro_batch_size = 1;
+    sc.strategy.pp = 8;
+    sc.strategy.schedule = "interleaved-1f1b";
+    sc.strategy.virtual_stages = 3;
+    sc.strategy.tp = 8;
+    sc.strategy.sequence_parallel = sp;
+    sc.strategy.recompute = recompute;
+    sc.strategy.global_batch = 64;
+    piper::sim::SimulateOptions so;
+    so.cluster = "dgx-a100-80g";
+    so.engine = "analytic";
+    return piper::sim::simulate(sc, so).report.step_time_s;
+  };
+  EXPECT_NEAR(step(false, "full"), 18.13, 0.08 * 18.13);
+  EXPECT_NEAR(step(true, "selective"), 13.75, 0.12 * 13.75);
 }
 
 // Sweep spec keys tp / sequence_parallel / recompute / global_batch expand like every knob and run.

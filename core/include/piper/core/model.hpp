@@ -58,6 +58,12 @@ struct Costs {
   std::int64_t forward_tp_bytes = 0, backward_tp_bytes = 0;
   int forward_tp_collectives = 0, backward_tp_collectives = 0;
   double recompute_flops = 0;              // forward FLOPs redone in the backward (inside backward_input_flops)
+  // Matrix-multiply kernels launched per pass (Megatron layout: fused QKV, output projection, fc1
+  // with SwiGLU's gate and up fused, fc2, the attention core's batched GEMMs or one fused flash
+  // kernel, router, head; a backward GEMM is one input-gradient and one weight-gradient kernel).
+  // The simulator applies its GEMM efficiency curve per kernel instead of per op (cluster.hpp).
+  // Zero: unknown (the op counts as one kernel). Not divided by TP: a split GEMM is still a kernel.
+  int forward_gemm_kernels = 0, backward_input_gemm_kernels = 0, backward_weight_gemm_kernels = 0;
   double backward_flops() const { return backward_input_flops + backward_weight_flops; }
   Costs& operator+=(const Costs& o);
 };

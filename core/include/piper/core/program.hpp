@@ -68,6 +68,9 @@ struct Op {
   // (models with standard attention); the simulator adds their time to the roofline.
   std::int64_t elementwise_bytes = 0;
   double recompute_flops = 0;     // part of `flops` that recomputes forward work (not model FLOPs)
+  // COMPUTE: GEMM kernels the op launches (core::Costs::*_gemm_kernels); the simulator applies its
+  // efficiency curve per kernel. 0: unknown, costed as one kernel.
+  int gemm_kernels = 0;
 };
 
 struct Stream {

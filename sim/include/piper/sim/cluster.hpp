@@ -18,10 +18,13 @@ class ClusterError : public core::Error {
   using core::Error::Error;
 };
 
-// One GPU model. Compute time of an op with `flops` FLOPs and `bytes` of HBM traffic is the roofline
-//   max(flops / (peak_flops * efficiency(flops)), bytes / hbm_bandwidth_bytes_per_s) + launch_overhead_s
-// where efficiency(f) = max_efficiency * f / (f + half_efficiency_flops): small kernels reach a small
-// fraction of peak, large GEMMs approach max_efficiency (half of it at f = half_efficiency_flops).
+// One GPU model. Compute time of an op with `flops` FLOPs in k GEMM kernels and `bytes` of HBM
+// traffic is the roofline
+//   max(gemm_seconds(flops, k), bytes / hbm_bandwidth_bytes_per_s) + launch_overhead_s
+// where efficiency(f) = max_efficiency * f / (f + half_efficiency_flops) applies per kernel: small
+// kernels reach a small fraction of peak, large GEMMs approach max_efficiency (half of it at
+// f = half_efficiency_flops). With this curve the sum over kernels depends only on the total and the
+// count: sum_i f_i / (peak * efficiency(f_i)) = (flops + k * half_efficiency_flops) / (peak * max_efficiency).
 struct GpuSpec {
   std::string name;
   double peak_flops = 0;                  // dense bf16/fp16 tensor-core FLOP/s (no sparsity)
@@ -35,6 +38,12 @@ struct GpuSpec {
   double efficiency(double flops) const {
     return half_efficiency_flops <= 0 ? max_efficiency : max_efficiency * flops / (flops + half_efficiency_flops);
   }
+  // Seconds for `flops` run as `kernels` GEMM kernels (< 1: one kernel), the curve applied per kernel.
+  double gemm_seconds(double flops, int kernels) const {
+    if (flops <= 0) return 0;
+    const double k = kernels < 1 ? 1.0 : static_cast<double>(kernels), per_kernel = flops / k;
+    return k * per_kernel / (peak_flops * efficiency(per_kernel));
+  }
   nlohmann::json to_json() const;
   friend bool operator==(const GpuSpec&, const GpuSpec&) = default;
 };
@@ -43,7 +52,10 @@ struct GpuSpec {
 struct NodeSpec {
   int gpus_per_node = 8;
   GpuSpec gpu;
-  double nvlink_bandwidth_bytes_per_s = 0;  // per GPU per direction
+  double nvlink_bandwidth_bytes_per_s = 0;  // per GPU per direction (line rate)
+  // Fraction of the NVLink line rate that NCCL's transfers reach (SM copies move 128-byte payloads;
+  // protocol overhead): the bus bandwidth nccl-tests reports for large messages over the line rate.
+  double nvlink_efficiency = 1;
   double nvlink_latency_s = 0;
   int nics = 8;
   double nic_bandwidth_bytes_per_s = 0;     // each NIC, per direction
@@ -52,6 +64,8 @@ struct NodeSpec {
   double nic_bandwidth_per_gpu_bytes_per_s() const {
     return gpus_per_node > 0 ? nics * nic_bandwidth_bytes_per_s / gpus_per_node : 0;
   }
+  // What the cost model and the SimGrid platform use for intra-node transfers.
+  double nvlink_effective_bandwidth_bytes_per_s() const { return nvlink_bandwidth_bytes_per_s * nvlink_efficiency; }
   nlohmann::json to_json() const;
   friend bool operator==(const NodeSpec&, const NodeSpec&) = default;
 };

@@ -53,6 +53,7 @@ using OpOverride = std::function<std::optional<double>(const core::Op&)>;
 // all-gather output, all-to-all total sent per rank), n ranks, alpha = latency, B = bandwidth per
 // rank per direction:
 //   point-to-point     alpha + S / B                  (intra-node: NVLink figures; else NIC per GPU)
+// (intra-node B is the NVLink line rate times the node's nvlink_efficiency: what NCCL reaches)
 //   ring all-reduce    2(n-1) alpha + 2 (n-1)/n S / B
 //   reduce-scatter     (n-1) alpha + (n-1)/n S / B
 //   all-gather         (n-1) alpha + (n-1)/n S / B
@@ -77,8 +78,8 @@ class CostModel {
   double compute_seconds(const core::Program& program, int device, const core::Op& op) const;
   // The tensor-parallel collectives a COMPUTE op performs inside itself (0 for non-TP ops).
   double tp_seconds(const core::Program& program, int device, const core::Op& op) const;
-  // Roofline alone (no override or calibration).
-  double roofline_seconds(int device, double flops, std::int64_t memory_bytes) const;
+  // Roofline alone (no override or calibration); the FLOPs run as `gemm_kernels` GEMMs (< 1: one).
+  double roofline_seconds(int device, double flops, std::int64_t memory_bytes, int gemm_kernels = 1) const;
 
   double p2p_seconds(int src, int dst, std::int64_t bytes) const;
   double collective_seconds(core::OpKind kind, const std::vector<int>& ranks, std::int64_t bytes) const;
