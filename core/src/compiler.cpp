@@ -18,9 +18,15 @@ std::int64_t peak_rss_bytes() {
 }
 
 CompileResult compile(const Model& model, const DirectiveProgram& program, const AfterPassHook& hook) {
+  CompileResult result;
+  compile(model, program, result, hook);
+  return result;
+}
+
+void compile(const Model& model, const DirectiveProgram& program, CompileResult& result, const AfterPassHook& hook) {
   if (model.layers().empty()) throw ModelError("model '" + model.name() + "': field 'layers': has no layers");
   const auto start = std::chrono::steady_clock::now();
-  CompileResult result{build_dag(model), {}};
+  result.dag = build_dag(model);
   apply_directives(result.dag, program, hook);
   result.program = lower(result.dag);
   if (model.config()) {
@@ -34,7 +40,6 @@ CompileResult compile(const Model& model, const DirectiveProgram& program, const
   stats.nodes_by_kind = result.dag.counts_by_kind();
   stats.compile_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   stats.compiler_peak_rss_bytes = peak_rss_bytes();
-  return result;
 }
 
 }  // namespace piper::core

@@ -200,7 +200,7 @@ CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) 
   }
   const std::string source = s.directives ? s.directives_source : std::string();
   DirectiveProgram program = from(source, [&] { return parse_directives(out.program_json); });
-  out.result = from(source, [&] { return compile(out.model, program, hook); });
+  from(source, [&] { return compile(out.model, program, out.result, hook); });  // in place: see compiler.hpp
   return out;
 }
 

@@ -160,24 +160,27 @@ class Verifier {
       for (std::size_t s = 0; s < plan.streams.size(); ++s) {
         for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
           const Op& op = plan.streams[s].ops[i];
-          std::string at = "plan " + std::to_string(p) + " stream '" + plan.streams[s].name + "' op " +
-                           std::to_string(i) + " '" + op.label + "': ";
+          // Formatted only for a message: building it for every op cost more than the checks.
+          auto at = [&] {
+            return "plan " + std::to_string(p) + " stream '" + plan.streams[s].name + "' op " + std::to_string(i) +
+                   " '" + op.label + "': ";
+          };
           if (op.device_set != kNoDevices && !in_range(op.device_set, num_sets))
-            add("structure", at + "device set " + std::to_string(op.device_set) + " does not exist");
+            add("structure", at() + "device set " + std::to_string(op.device_set) + " does not exist");
           if (op.peer_set != kNoDevices && !in_range(op.peer_set, num_sets))
-            add("structure", at + "peer set " + std::to_string(op.peer_set) + " does not exist");
+            add("structure", at() + "peer set " + std::to_string(op.peer_set) + " does not exist");
           if ((op.kind == OpKind::Send || op.kind == OpKind::Recv) && (op.device_set < 0 || op.peer_set < 0))
-            add("structure", at + to_string(op.kind) + " needs a device set and a peer set");
+            add("structure", at() + to_string(op.kind) + " needs a device set and a peer set");
           if (op.family != -1 && !in_range(op.family, prog_.families.size()))
-            add("structure", at + "family " + std::to_string(op.family) + " does not exist");
-          if (is_collective_op(op.kind) && op.family < 0) add("structure", at + to_string(op.kind) + " has no family");
+            add("structure", at() + "family " + std::to_string(op.family) + " does not exist");
+          if (is_collective_op(op.kind) && op.family < 0) add("structure", at() + to_string(op.kind) + " has no family");
           for (const OpRef& w : op.waits)
             if (!valid_ref(w))
-              add("structure", at + "waits on stream " + std::to_string(w.stream) + " op " + std::to_string(w.index) +
+              add("structure", at() + "waits on stream " + std::to_string(w.stream) + " op " + std::to_string(w.index) +
                                    " which does not exist");
           for (int u : op.uses)
             if (!in_range(u, plan.buffers.size()))
-              add("structure", at + "uses buffer " + std::to_string(u) + " which does not exist");
+              add("structure", at() + "uses buffer " + std::to_string(u) + " which does not exist");
         }
       }
       for (const Buffer& b : plan.buffers) {
@@ -558,28 +561,28 @@ class Verifier {
         for (int u : plan.streams[s].ops[i].uses) users[ix(u)].push_back({static_cast<int>(s), static_cast<int>(i)});
     for (std::size_t b = 0; b < plan.buffers.size(); ++b) {
       const Buffer& buf = plan.buffers[b];
-      std::string head = where(p) + " buffer '" + buf.name + "'";
+      auto head = [&] { return where(p) + " buffer '" + buf.name + "'"; };  // for messages only
       bool has_alloc = buf.alloc.stream >= 0, has_free = buf.free.stream >= 0;
       if (!has_alloc && !has_free) continue;  // persistent
       if (!has_free) {
-        add("buffer", head + " is never freed");
+        add("buffer", head() + " is never freed");
         continue;
       }
       if (!has_alloc) {
-        add("buffer", head + " is freed but never allocated");
+        add("buffer", head() + " is freed but never allocated");
         continue;
       }
       if (!before_or_equal(buf.alloc, buf.free)) {
         add("buffer",
-            head + " may be freed by " + op_name(p, buf.free) + " before its alloc at " + op_name(p, buf.alloc));
+            head() + " may be freed by " + op_name(p, buf.free) + " before its alloc at " + op_name(p, buf.alloc));
         continue;
       }
       for (const OpRef& u : users[b]) {
         if (!before_or_equal(buf.alloc, u))
-          add("buffer", head + " is used by " + op_name(p, u) + " before (or concurrently with) its alloc at " +
+          add("buffer", head() + " is used by " + op_name(p, u) + " before (or concurrently with) its alloc at " +
                             op_name(p, buf.alloc));
         if (!before_or_equal(u, buf.free))
-          add("buffer", head + " is used by " + op_name(p, u) + " after (or concurrently with) its free at " +
+          add("buffer", head() + " is used by " + op_name(p, u) + " after (or concurrently with) its free at " +
                             op_name(p, buf.free));
       }
     }

@@ -376,6 +376,21 @@ std::string ReadyTracker::stuck_report() const {
 void ReadyTracker::throw_stuck() const { throw DeadlockError(stuck_report()); }
 
 std::vector<std::pair<int, OpRef>> ReadyTracker::partners(const core::Program& program, int device, OpRef r) {
+  return PartnerFinder(program)(device, r);
+}
+
+struct PartnerFinder::Index {
+  // plan -> DAG node -> its SEND and RECV ops, in stream order (streams in order, ops in order).
+  std::map<int, std::unordered_map<std::int32_t, std::vector<OpRef>>> transfers;
+  // (plan, family) -> the plan's collectives on that family, in the same order.
+  std::map<std::pair<int, int>, std::vector<OpRef>> collectives;
+};
+
+PartnerFinder::PartnerFinder(const core::Program& program) : program_(program), index_(std::make_unique<Index>()) {}
+PartnerFinder::~PartnerFinder() = default;
+
+std::vector<std::pair<int, OpRef>> PartnerFinder::operator()(int device, OpRef r) {
+  const core::Program& program = program_;
   const core::Op& op = program.plan_for(device).streams.at(ix(r.stream)).ops.at(ix(r.index));
   std::vector<std::pair<int, OpRef>> out;
   if (op.kind == OpKind::Send || op.kind == OpKind::Recv) {
@@ -383,42 +398,51 @@ std::vector<std::pair<int, OpRef>> ReadyTracker::partners(const core::Program& p
     out.emplace_back(device, r);
     if (peer < 0) return out;
     const OpKind want = op.kind == OpKind::Send ? OpKind::Recv : OpKind::Send;
-    const core::Plan& plan = program.plan_for(peer);
-    for (std::size_t s = 0; s < plan.streams.size(); ++s)
-      for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
-        const core::Op& o = plan.streams[s].ops[i];
-        if (o.kind == want && o.node == op.node && program.peer_of(o, peer) == device) {
-          out.emplace_back(peer, OpRef{static_cast<int>(s), static_cast<int>(i)});
+    const int peer_plan = program.plan_of_device.at(ix(peer));
+    auto [it, fresh] = index_->transfers.try_emplace(peer_plan);
+    if (fresh) {
+      const core::Plan& plan = program.plans.at(ix(peer_plan));
+      for (std::size_t s = 0; s < plan.streams.size(); ++s)
+        for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
+          const core::Op& o = plan.streams[s].ops[i];
+          if (o.kind == OpKind::Send || o.kind == OpKind::Recv)
+            it->second[o.node].push_back({static_cast<int>(s), static_cast<int>(i)});
+        }
+    }
+    const core::Plan& plan = program.plans[ix(peer_plan)];
+    if (auto candidates = it->second.find(op.node); candidates != it->second.end())
+      for (OpRef c : candidates->second) {
+        const core::Op& o = plan.streams[ix(c.stream)].ops[ix(c.index)];
+        if (o.kind == want && program.peer_of(o, peer) == device) {
+          out.emplace_back(peer, c);
           return out;
         }
       }
     return out;
   }
   if (!is_collective(op.kind)) return {{device, r}};
-  auto sequence = [&](int d) {
-    std::vector<OpRef> seq;
-    const core::Plan& plan = program.plan_for(d);
-    for (std::size_t s = 0; s < plan.streams.size(); ++s)
-      for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
-        const core::Op& o = plan.streams[s].ops[i];
-        if (is_collective(o.kind) && o.family == op.family) seq.push_back({static_cast<int>(s), static_cast<int>(i)});
-      }
-    return seq;
+  auto sequence = [&](int plan_index) -> const std::vector<OpRef>& {
+    auto [it, fresh] = index_->collectives.try_emplace({plan_index, op.family});
+    if (fresh) {
+      const core::Plan& plan = program.plans.at(ix(plan_index));
+      for (std::size_t s = 0; s < plan.streams.size(); ++s)
+        for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
+          const core::Op& o = plan.streams[s].ops[i];
+          if (is_collective(o.kind) && o.family == op.family) it->second.push_back({static_cast<int>(s), static_cast<int>(i)});
+        }
+    }
+    return it->second;
   };
-  const auto mine = sequence(device);
+  const auto& mine = sequence(program.plan_of_device.at(ix(device)));
   const std::size_t k = ix(std::find(mine.begin(), mine.end(), r) - mine.begin());
-  // The k-th collective of the family depends only on the member's plan: one scan per plan, not per
-  // member (DP groups have 10^4 members).
-  std::map<int, std::vector<OpRef>> by_plan;
+  // The k-th collective of the family depends only on the member's plan (DP groups have 10^4 members).
   for (int member : program.group_of(op.family, device)) {
     if (member == device) {
       out.emplace_back(device, r);
       continue;
     }
-    const int plan = program.plan_of_device[ix(member)];
-    auto it = by_plan.find(plan);
-    if (it == by_plan.end()) it = by_plan.emplace(plan, sequence(member)).first;
-    if (k < it->second.size()) out.emplace_back(member, it->second[k]);
+    const auto& theirs = sequence(program.plan_of_device[ix(member)]);
+    if (k < theirs.size()) out.emplace_back(member, theirs[k]);
   }
   return out;
 }

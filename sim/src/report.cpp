@@ -81,6 +81,7 @@ CriticalPath critical_path(const core::Timeline& timeline, const Symmetry* symme
   }
   if (device < 0) return path;
   std::vector<CriticalPathStep> reversed;
+  PartnerFinder partners(program);
   const std::int64_t limit = program.total_ops() + 1;
   for (std::int64_t guard = 0; guard < limit; ++guard) {
     const core::OpSpan& cur = span(device, ref);
@@ -97,7 +98,7 @@ CriticalPath critical_path(const core::Timeline& timeline, const Symmetry* symme
       reversed.push_back({device, program.plan_for(device).streams[ix(ref.stream)].name, op.label, cur.start_s, cur.end_s});
     // The dependency (of any member of this op's activity) that ended last released it.
     std::vector<std::pair<int, core::OpRef>> members =
-        is_compute(op.kind) ? std::vector<std::pair<int, core::OpRef>>{{device, ref}} : ReadyTracker::partners(program, device, ref);
+        is_compute(op.kind) ? std::vector<std::pair<int, core::OpRef>>{{device, ref}} : partners(device, ref);
     int best_d = -1;
     core::OpRef best;
     double best_end = -1;

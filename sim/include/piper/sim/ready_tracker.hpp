@@ -148,7 +148,7 @@ class ReadyTracker {
 
   // The members of the activity an op belongs to (itself included), resolved without the tracker's
   // run state: for reports (critical path) over any Timeline of the same Program. Linear in the plan
-  // size; meant for a few hundred calls, not for every op.
+  // size; for many calls over one Program, keep a PartnerFinder.
   static std::vector<std::pair<int, core::OpRef>> partners(const core::Program& program, int device, core::OpRef r);
 
   ~ReadyTracker();
@@ -158,6 +158,22 @@ class ReadyTracker {
  private:
   struct State;  // flat per-plan and per-device tables (ready_tracker.cpp)
   std::unique_ptr<State> s_;
+};
+
+// ReadyTracker::partners over one Program, with what it looks up in a plan (the transfers of a DAG
+// node, the collectives of a family, in stream order) indexed on first use: the critical path of a
+// 1,024-GPU program asks for the partners of thousands of ops, and scanning the peer's whole plan
+// for each cost more than the rest of the report. Same answers as partners(), in the same order.
+class PartnerFinder {
+ public:
+  explicit PartnerFinder(const core::Program& program);
+  ~PartnerFinder();
+  std::vector<std::pair<int, core::OpRef>> operator()(int device, core::OpRef r);
+
+ private:
+  struct Index;
+  const core::Program& program_;
+  std::unique_ptr<Index> index_;
 };
 
 }  // namespace piper::sim
