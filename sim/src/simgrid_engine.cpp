@@ -50,7 +50,7 @@ class Run {
     node_of_ = cluster.node_of_devices();
     if (static_cast<int>(node_of_.size()) < n)
       throw ClusterError("cluster '" + cluster.name + "' has " + std::to_string(node_of_.size()) + " GPUs, the program needs " + std::to_string(n));
-    platform_ = std::make_unique<simgrid_detail::Platform>(cluster, cost, n, std::move(cores), route_pairs());
+    platform_ = std::make_unique<simgrid_detail::Platform>(cluster, compute_rates(program, cluster), n, std::move(cores), route_pairs());
     times_.assign(static_cast<std::size_t>(2 * tracker_.total_ops()), 0.0);
     comm_active_.assign(static_cast<std::size_t>(n), 0);
   }
@@ -180,7 +180,7 @@ class Run {
     slots_[static_cast<std::size_t>(id)].act->start();
   }
 
-  // Compute throughput of a device drops to 1 - comm_sm_share while >= 1 communication runs on it.
+  // Compute throughput of a device changes to ComputeRates::with_comm while >= 1 communication runs on it.
   void comm_delta(const Activity& a, int delta) {
     for (const auto& [d, r] : a.members) {
       int& c = comm_active_[static_cast<std::size_t>(d)];
@@ -455,6 +455,7 @@ class SimgridEngine : public Engine {
   std::string name() const override { return "simgrid"; }
 
   core::Timeline run(std::shared_ptr<const core::Program> program, const Cluster& cluster, const CostModel& cost) override {
+    compute_rates(*program, cluster);  // a partition that does not fit fails here, in one line, not in the child
     const std::string bytes = run_in_child([&]() -> std::string {
       int argc = 1;
       char arg0[] = "piper-simgrid";

@@ -22,7 +22,7 @@ void configure_simgrid_for_alpha_beta() {
   sg::Engine::set_config("network/weight-S:0");
 }
 
-Platform::Platform(const Cluster& cluster, const CostModel& cost, int num_devices, std::vector<int> cores_per_host,
+Platform::Platform(const Cluster& cluster, const std::vector<ComputeRates>& rates, int num_devices, std::vector<int> cores_per_host,
                    const std::vector<std::pair<int, int>>& routes) {
   node_of_ = cluster.node_of_devices();
   node_of_.resize(static_cast<std::size_t>(num_devices));
@@ -35,9 +35,9 @@ Platform::Platform(const Cluster& cluster, const CostModel& cost, int num_device
   for (int d = 0; d < num_devices; ++d) {
     const auto du = static_cast<std::size_t>(d);
     const NodeSpec& node = cluster.node(d);
-    const double share = std::clamp(cost.comm_sm_share(d), 0.0, 0.999);
-    std::vector<double> speeds{1.0};
-    if (share > 0) speeds.push_back(1.0 - share), slow_state_[du] = 1;
+    const ComputeRates& r = rates.at(du);
+    std::vector<double> speeds{std::max(1e-3, r.idle)};
+    if (r.with_comm != r.idle) speeds.push_back(std::max(1e-3, r.with_comm)), slow_state_[du] = 1;
     const std::string id = std::to_string(d);
     hosts_[du] = zone->create_host("gpu" + id, speeds);
     hosts_[du]->set_core_count(std::max(1, cores_per_host.at(du)));

@@ -31,8 +31,9 @@ void quiet_simgrid_logs();
 void configure_simgrid_for_alpha_beta();
 
 // What is built (all in one full-routing zone):
-//  * host "gpu<d>" per device, speed 1 flop/s so that an Exec of w flops lasts w seconds, with a
-//    second power state of speed 1 - comm_sm_share (compute slowed while communication runs), and
+//  * host "gpu<d>" per device, speed rates[d].idle flop/s so that an Exec of w flops lasts w / idle
+//    seconds, with a second power state of speed rates[d].with_comm when it differs (compute slowed
+//    while communication runs: shared SMs, cost_model.hpp), and
 //    `cores_per_host` cores so that concurrent compute streams do not share a core;
 //  * per device: NVLink up/down links (nvlink bandwidth, half the NVLink latency each) and network
 //    up/down links (NIC bandwidth per GPU = nics * nic_bandwidth / gpus_per_node: rail-optimized,
@@ -44,7 +45,7 @@ void configure_simgrid_for_alpha_beta();
 //    (leaf_up(node src), leaf_down(node dst)), net_down(dst)].
 class Platform {
  public:
-  Platform(const Cluster& cluster, const CostModel& cost, int num_devices, std::vector<int> cores_per_host,
+  Platform(const Cluster& cluster, const std::vector<ComputeRates>& rates, int num_devices, std::vector<int> cores_per_host,
            const std::vector<std::pair<int, int>>& routes);
 
   simgrid::s4u::Host* host(int device) const { return hosts_[static_cast<std::size_t>(device)]; }
