@@ -73,7 +73,7 @@ void write_dump(const std::string& path, const std::string& records) {
 
 void write_report(const std::string& path, const TrainResult& r, const std::string& mode, int devices) {
   json j = {{"mode", mode}, {"devices", devices}, {"first_step", r.first_step}, {"losses", r.losses},
-            {"tokens_per_s", r.tokens_per_s}, {"step_time_s", r.step_time_s}};
+            {"tokens_per_s", r.tokens_per_s}, {"step_time_s", r.step_time_s}, {"step_times_s", r.step_times_s}};
   if (mode == "distributed")
     j["executor"] = {{"ops", r.ops}, {"backend_s", r.backend_s}, {"idle_s", r.idle_s}, {"overhead_s", r.overhead_s}, {"total_s", r.total_s}};
   core::write_file_atomically(path, j.dump(1) + "\n");
@@ -213,6 +213,7 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
     m.update(0, o.adamw, step + 1);
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     total_s += dt;
+    r.step_times_s.push_back(dt);
     r.losses.push_back(loss / static_cast<double>(shape.global_tokens()));
     if (o.print) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), dt * 1e3);
     if (saves_after(o, step + 1)) {
@@ -288,6 +289,7 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
     MPI_Allreduce(MPI_IN_PLACE, sums, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, &step_s, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     r.losses.push_back(sums[0] / static_cast<double>(shape.global_tokens()));
+    r.step_times_s.push_back(step_s);
     total_step_s += step_s;
     r.backend_s += last.backend_seconds;
     r.idle_s += last.idle_seconds;

@@ -43,7 +43,7 @@ void write_dump(const std::string& path, const std::string& records) { core::wri
 
 void write_report(const std::string& path, const TrainResult& r, const std::string& mode, int devices, const std::string& precision) {
   nlohmann::json j = {{"mode", mode}, {"backend", "cuda"}, {"precision", precision}, {"devices", devices}, {"first_step", r.first_step},
-                      {"losses", r.losses}, {"tokens_per_s", r.tokens_per_s}, {"step_time_s", r.step_time_s}};
+                      {"losses", r.losses}, {"tokens_per_s", r.tokens_per_s}, {"step_time_s", r.step_time_s}, {"step_times_s", r.step_times_s}};
   j["executor"] = {{"ops", r.ops}, {"backend_s", r.backend_s}, {"idle_s", r.idle_s}, {"overhead_s", r.overhead_s}, {"total_s", r.total_s}};
   core::write_file_atomically(path, j.dump(1) + "\n");
 }
@@ -130,6 +130,7 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
     double sum = 0, slowest = 0;
     for (int d = 0; d < n; ++d) sum += loss[static_cast<std::size_t>(d)], slowest = std::max(slowest, step_s[static_cast<std::size_t>(d)]);
     r.losses.push_back(sum / static_cast<double>(shape.global_tokens()));
+    r.step_times_s.push_back(slowest);
     total_step_s += slowest;
     for (const auto& m : last) r.backend_s += m.backend_seconds, r.idle_s += m.idle_seconds, r.overhead_s += m.overhead_seconds, r.ops += m.ops;
     r.total_s += slowest;
@@ -266,6 +267,7 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
     MPI_Allreduce(MPI_IN_PLACE, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, &step_s, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     r.losses.push_back(sum / static_cast<double>(shape.global_tokens()));
+    r.step_times_s.push_back(step_s);
     total_step_s += step_s;
     r.backend_s += last.backend_seconds;
     r.idle_s += last.idle_seconds;

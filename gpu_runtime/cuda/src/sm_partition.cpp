@@ -3,6 +3,8 @@
 // machines without a GPU driver.
 #include "piper/runtime/cuda/sm_partition.hpp"
 
+#include <algorithm>
+
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <fmt/format.h>

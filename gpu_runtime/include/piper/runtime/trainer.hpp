@@ -39,6 +39,7 @@ struct TrainOptions {
 struct TrainResult {
   int first_step = 0;
   std::vector<double> losses;     // one per step run
+  std::vector<double> step_times_s;  // one per step run (slowest rank)
   double step_time_s = 0;         // mean over steps (slowest rank)
   double tokens_per_s = 0;
   // Executor accounting summed over steps on this rank (distributed runs only).
