@@ -80,8 +80,10 @@ echo "== (4) calibrated simulator vs measured step: 3 schedules on 8 virtual dev
 cat > "$out/one-gpu.json" <<'JSON'
 {"preset": "dgx-h200", "node": {"gpu": {"comm_sm_share": 0}}}
 JSON
+# The plan: PP2 x DP4 x EP2 = 8 devices, 8 microbatches of the tiny MoE model (its 4 layers allow
+# DualPipeV's 4 regions at PP2); fp32 storage, as the equivalence tests.
 for sched in 1f1b zb-h1 dualpipev; do
-  flags="--model tests/data/runtime-tiny-moe.json --pp 4 --dp 2 --ep 2 --microbatches 8 --schedule $sched --precision bf16"
+  flags="--model tests/data/runtime-tiny-moe.json --pp 2 --dp 4 --ep 2 --microbatches 8 --schedule $sched"
   timeout 120 build-gpu/bin/piper run --backend cuda --virtual-devices $flags --steps 6 --calibrate "$out/calib-$sched.json" > "$out/calib-$sched.log" 2>&1 \
     && timeout 120 build-gpu/bin/piper run --backend cuda --virtual-devices $flags --steps 6 --report "$out/measured-$sched.json" >> "$out/calib-$sched.log" 2>&1 \
     && build-gpu/bin/piper simulate $flags --cluster "$out/one-gpu.json" --engine analytic --calibration "$out/calib-$sched.json" \

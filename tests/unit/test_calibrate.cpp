@@ -112,7 +112,8 @@ TEST(Calibrate, RefusesAFolderAndTheReference) {
   const fs::path dir = scratch();
   const std::string common = std::string(PIPER_CLI) + " run --model " + kModel + " --pp 2 --microbatches 2 --steps 1";
   const auto folder = sh(mpirun(2) + common + " --calibrate " + dir.string());
-  EXPECT_EQ(folder.code, 2) << folder.output;
+  EXPECT_NE(folder.code, 0) << folder.output;  // mpirun's status: a rank's exit 2
+  EXPECT_EQ(folder.output.find("step "), std::string::npos) << folder.output;  // refused before the first step
   EXPECT_NE(folder.output.find("--calibrate takes a file name"), std::string::npos) << folder.output;
   const auto reference = sh(common + " --reference --calibrate " + (dir / "c.json").string());
   EXPECT_EQ(reference.code, 2) << reference.output;
