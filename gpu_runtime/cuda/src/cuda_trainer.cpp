@@ -1,5 +1,6 @@
 // The CUDA training driver: virtual devices (threads over the loopback transport) or MPI + NCCL ranks;
-// losses, report, parameter dump (the format of trainer.cpp, read by read_param_dump) and trace.
+// losses, report, parameter dump (the format of trainer.cpp, read by read_param_dump), trace,
+// checkpoints (the host's canonical files and code) and --calibrate.
 #include "piper/runtime/cuda/cuda_trainer.hpp"
 
 #include <barrier>
