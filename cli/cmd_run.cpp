@@ -163,10 +163,14 @@ Command add_run_command(CLI::App& app) {
       ->needs(save);
   cmd->add_option("--resume", args->train.resume_path, "continue from a checkpoint FILE, saved under this or another strategy of the same model");
   cmd->add_option("--dump-params", args->train.dump_params_path, "write the final parameters (canonical layout) to FILE");
+  cmd->add_option("--calibrate", args->train.calibrate_path,
+                  "write measured per-op times (median over the steps after the first) as a piper-calibration FILE for piper simulate --calibration");
   cmd->add_option("--stall-timeout", args->train.stall_timeout_s, "seconds without progress before a rank gives up")->check(kNonNegativeNumber);
   return {cmd, [args]() -> int {
             if ((args->virtual_devices || args->precision != "fp32") && args->backend != "cuda")
               throw CliError("", "--virtual-devices and --precision need --backend cuda");
+            if (args->reference && !args->train.calibrate_path.empty())
+              throw CliError("", "--calibrate measures the plan's ops: it needs a distributed run, not --reference");
             if (args->backend == "cuda" && !args->reference) return run_cuda(*args);
             if (args->reference) {
               const core::Program program = load_program(*args);

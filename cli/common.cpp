@@ -106,6 +106,9 @@ void StrategyFlags::add_to(CLI::App* app) {
                                    "sequences per step; microbatches = N / (micro-batch size x dp)")
                        ->check(kPositiveInt);
     global_batch->excludes(microbatches);
+    comm_sms = app->add_option("--comm-sms", options.comm_sms,
+                               "give the communication streams N SMs of each GPU, compute the rest (sm_partition directive)")
+                   ->check(kPositiveInt);
   }
 
 void ScenarioFlags::add_to(CLI::App* app) {
@@ -121,7 +124,7 @@ void ScenarioFlags::add_to(CLI::App* app) {
                   "also write these inputs as a scenario JSON (the file piper-studio opens)");
   strategy.add_to(app);
   for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.bucket_mb, strategy.tp,
-                         strategy.sequence_parallel, strategy.recompute})
+                         strategy.sequence_parallel, strategy.recompute, strategy.comm_sms})
     o->excludes(directives);
 }
 

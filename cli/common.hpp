@@ -60,6 +60,7 @@ struct StrategyFlags {
   CLI::Option* sequence_parallel = nullptr;
   CLI::Option* recompute = nullptr;
   CLI::Option* global_batch = nullptr;
+  CLI::Option* comm_sms = nullptr;
   void add_to(CLI::App* app);
 };
 

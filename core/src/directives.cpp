@@ -54,7 +54,8 @@ std::string Filter::to_string() const { return to_json().dump(); }
 namespace {
 
 constexpr long long kMaxTagIndex = 1 << 30;
-constexpr double kMaxBucketMb = 1e9;  // 1 PB: past it, the bucket size in bytes overflows int64
+constexpr double kMaxBucketMb = 1e9;
+constexpr long long kMaxSms = 1 << 20;  // far above any GPU; the real bound is the device's SM count  // 1 PB: past it, the bucket size in bytes overflows int64
 
 [[noreturn]] void fail(int index, const std::string& field, const std::string& message) {
   throw DirectiveError(index, field, message);
@@ -248,8 +249,22 @@ Directive parse_one(const json& d, int index) {
     }
     return r;
   }
+  if (op == "sm_partition") {
+    check_fields(d, index, {"stream", "sms"});
+    SmPartitionDirective p;
+    p.partition.stream = get_string(d, index, "stream", "comm");
+    // Only the communication streams as one class: per-stream partitions would need one SM group per
+    // stream, and NCCL's and the simulator's SM use is per device, not per stream.
+    if (p.partition.stream != "comm")
+      fail(index, "stream", "must be \"comm\" (every communication stream of a device), got \"" + p.partition.stream + "\"");
+    const json& n = require(d, index, "sms");
+    if (!n.is_number_integer() || n.get<long long>() < 1 || n.get<long long>() > kMaxSms)
+      fail(index, "sms", fmt::format("must be an integer number of SMs in [1, {}]", kMaxSms));
+    p.partition.sms = n.get<int>();
+    return p;
+  }
   fail(index, "op", "unknown op '" + op +
-                        "' (expected place, replicate, shard, split, order, tensor_parallel or recompute)");
+                        "' (expected place, replicate, shard, split, order, tensor_parallel, recompute or sm_partition)");
 }
 
 }  // namespace
@@ -264,6 +279,7 @@ std::string op_name(const Directive& d) {
         if constexpr (std::is_same_v<T, SplitDirective>) return "split";
         if constexpr (std::is_same_v<T, TensorParallelDirective>) return "tensor_parallel";
         if constexpr (std::is_same_v<T, RecomputeDirective>) return "recompute";
+        if constexpr (std::is_same_v<T, SmPartitionDirective>) return "sm_partition";
         return "order";
       },
       d);
@@ -273,9 +289,15 @@ DirectiveProgram parse_directives(const json& program) {
   if (!program.is_array())
     throw Error(std::string("a directive program must be a JSON array, got ") + program.type_name());
   DirectiveProgram out;
+  int sm_partition_at = -1;
   for (std::size_t i = 0; i < program.size(); ++i) {
     out.directives.push_back(parse_one(program[i], static_cast<int>(i)));
     out.source.push_back(program[i]);
+    if (std::holds_alternative<SmPartitionDirective>(out.directives.back())) {
+      if (sm_partition_at >= 0)
+        fail(static_cast<int>(i), "op", fmt::format("a second sm_partition (directive {} already partitions the SMs)", sm_partition_at));
+      sm_partition_at = static_cast<int>(i);
+    }
   }
   return out;
 }
@@ -1173,6 +1195,7 @@ void apply_directives_in_place(GlobalDag& dag, const DirectiveProgram& program, 
   phase_done();
   cost_updates(cx);
   each(std::type_identity<OrderDirective>{}, [&](const OrderDirective& d, int i) { apply_order(cx, d, i), after("order", i, true); });
+  each(std::type_identity<SmPartitionDirective>{}, [&](const SmPartitionDirective& d, int) { dag.sm_partition = d.partition; });
   phase_done();
 }
 

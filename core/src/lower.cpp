@@ -185,6 +185,7 @@ Program lower(const GlobalDag& dag) {
   program.num_devices = dag.num_devices();
   program.device_sets = dag.device_sets.all();
   program.families = dag.families;
+  program.sm_partition = dag.sm_partition;
   for (const auto& seg : dag.segments)
     program.segments.push_back({seg.first_layer, seg.last_layer, seg.tags, kNoDevices, seg.costs.params,
                                 seg.shard_degree, seg.replicas, seg.zero_level, seg.tp_degree,

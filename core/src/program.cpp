@@ -436,6 +436,7 @@ json Program::to_json() const {
   }
   j["plans"] = std::move(plan_array);
   j["plan_of_device"] = plan_of_device;
+  if (sm_partition) j["sm_partition"] = {{"stream", sm_partition->stream}, {"sms", sm_partition->sms}};
   j["stats"] = {{"dag_nodes", stats.dag_nodes},
                 {"nodes_by_kind", stats.nodes_by_kind},
                 {"compile_seconds", stats.compile_seconds},
@@ -551,6 +552,15 @@ Program Program::from_json(const json& j) {
     for (std::size_t i = 0; i < pod.size(); ++i)
       p.plan_of_device.push_back(as_index(pod[i], at_index("plan_of_device", i), p.plans.size(), "plan", false));
   }
+  if (const json* f = optional_field(j, "sm_partition")) {
+    as_object(*f, "sm_partition");
+    SmPartition part;
+    part.stream = as_string(require(*f, "sm_partition", "stream"), "sm_partition.stream");
+    if (part.stream != "comm") fail("sm_partition.stream", "expected \"comm\", got '" + part.stream + "'");
+    part.sms = as_int(require(*f, "sm_partition", "sms"), "sm_partition.sms");
+    if (part.sms < 1) fail("sm_partition.sms", "must be >= 1");
+    p.sm_partition = part;
+  }
   if (const json* s = optional_field(j, "stats")) {
     as_object(*s, "stats");
     if (const json* f = optional_field(*s, "dag_nodes")) p.stats.dag_nodes = as_int64(*f, "stats.dag_nodes");
@@ -572,7 +582,8 @@ bool operator==(const Program& a, const Program& b) {
       a.training.seq_len != b.training.seq_len ||
       a.training.micro_batch_size != b.training.micro_batch_size || a.training.precision != b.training.precision ||
       a.microbatches != b.microbatches || a.num_devices != b.num_devices || a.device_sets != b.device_sets ||
-      a.families != b.families || a.plan_of_device != b.plan_of_device || a.plans.size() != b.plans.size())
+      a.families != b.families || a.plan_of_device != b.plan_of_device || a.sm_partition != b.sm_partition ||
+      a.plans.size() != b.plans.size())
     return false;
   for (std::size_t i = 0; i < a.plans.size(); ++i)
     if (!same_plan(a.plans[i], b.plans[i])) return false;

@@ -55,6 +55,7 @@ void validate_strategy_options(const StrategyOptions& o) {
   if (o.sequence_parallel && o.tp < 2) fail("--sequence-parallel needs --tp >= 2");
   if (o.recompute != "none" && o.recompute != "selective" && o.recompute != "full")
     fail("--recompute must be none, selective or full (got '" + o.recompute + "')");
+  if (o.comm_sms < 0) fail("--comm-sms must be >= 1 (got " + std::to_string(o.comm_sms) + ")");
   if (o.global_batch < 0) fail("--global-batch must be >= 1 (got " + std::to_string(o.global_batch) + ")");
   at_least_one("--virtual-stages", o.virtual_stages);
   // Resource limits (limits.hpp), before any generator loops over ranks, regions or microbatches.
@@ -143,6 +144,7 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
   if (o.recompute != "none")
     for (int i = 0; i < regions; ++i)
       out.push_back({{"op", "recompute"}, {"filter", {{"PP", i}}}, {"mode", o.recompute}});
+  if (o.comm_sms > 0) out.push_back({{"op", "sm_partition"}, {"stream", "comm"}, {"sms", o.comm_sms}});
   return out;
 }
 

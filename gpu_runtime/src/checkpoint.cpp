@@ -78,8 +78,10 @@ std::vector<StateRecord> state_records(host::HostModel& model) {
   std::vector<StateRecord> out;
   for (const auto& sp : model.segments()) {
     const std::int64_t n = static_cast<std::int64_t>(sp.params.size());
-    // ZeRO-3 keeps parameters only in the master chunk (params are poisoned outside gathers).
-    const bool from_master = sp.zero_level >= 3;
+    // ZeRO >= 1: the parameters of this replica's chunk, from its fp32 master copy (ZeRO-3 keeps them
+    // nowhere else; ZeRO-1/2 hold the same values in params on the host, but a bf16 GPU run holds
+    // rounded ones there). The replicas' chunks cover the vector.
+    const bool from_master = sp.zero_level >= 1;
     const std::int64_t pb = from_master ? sp.chunk_begin : 0, pe = from_master ? sp.chunk_end : n;
     for_each_layer_part(model, sp, pb, pe, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
       const auto& src = from_master ? sp.master : sp.params;

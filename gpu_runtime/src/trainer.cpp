@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "piper/core/timeline.hpp"
+#include "piper/runtime/calibrate.hpp"
 #include "piper/runtime/checkpoint.hpp"
 #include "piper/runtime/executor.hpp"
 #include "piper/runtime/host_backend.hpp"
@@ -70,70 +71,9 @@ void write_dump(const std::string& path, const std::string& records) {
   core::write_file_atomically(path, std::string(kDumpMagic, 8) + records);
 }
 
-// ---- checkpoints (canonical layout, see checkpoint.hpp) ----
-CheckpointInfo checkpoint_info(const core::Program& program, int step) {
-  const DataShape shape = data_shape(program);
-  CheckpointInfo i;
-  i.model_name = program.model_name;
-  i.fingerprint = model_fingerprint(program);
-  i.step = step;
-  i.sequences_per_step = static_cast<std::int64_t>(shape.microbatches) * shape.ranks * shape.micro_batch_size;
-  i.data_position = static_cast<std::int64_t>(step) * i.sequences_per_step;
-  i.seq_len = shape.seq_len;
-  i.saved_layout = layout_summary(program);
-  return i;
-}
-
-// Refuses a --save path that can never be written, before any step runs.
-void check_save_path(const std::string& path) {
-  if (!path.empty() && fs::is_directory(path)) throw std::invalid_argument(path + ": is a folder; --save takes a checkpoint file name");
-}
-
-// Whether the run saves after `done` steps: every --save-every steps, and after the last one.
-bool saves_after(const TrainOptions& o, int done) {
-  if (o.save_path.empty()) return false;
-  return done == o.steps || (o.save_every > 0 && done % o.save_every == 0);
-}
-
-// Loads a checkpoint into `model` (all checks first); returns the step to continue from.
-int resume_from(const std::string& path, const std::string& bytes, const core::Program& program, host::HostModel& model) {
-  const Checkpoint ckpt = parse_checkpoint(path, bytes);
-  check_compatible(path, ckpt, program);
-  load_state(model, ckpt.state);
-  return ckpt.info.step;
-}
-
-// Every rank sends its part of the canonical state to rank 0, which assembles and writes the file.
-// A failed write stops every rank (one line from rank 0) rather than training on without checkpoints.
-void save_distributed(const TrainOptions& o, const core::Program& program, host::HostModel& model, int step, int rank, int size) {
-  const std::string mine = serialize_state_records(state_records(model));
-  int n = static_cast<int>(mine.size());
-  std::vector<int> sizes(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
-  MPI_Gather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
-  int total = 0;
-  for (int i = 0; i < size; ++i) offsets[static_cast<std::size_t>(i)] = total, total += sizes[static_cast<std::size_t>(i)];
-  std::string all(static_cast<std::size_t>(rank == 0 ? total : 0), '\0');
-  MPI_Gatherv(mine.data(), n, MPI_BYTE, all.data(), sizes.data(), offsets.data(), MPI_BYTE, 0, MPI_COMM_WORLD);
-  std::string error;
-  if (rank == 0) {
-    try {
-      write_checkpoint(o.save_path, checkpoint_info(program, step), assemble_state(model.model(), parse_state_records(all)));
-      if (o.print) fmt::print("checkpoint after step {} -> {}\n", step, o.save_path);
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-  }
-  int failed = error.empty() ? 0 : 1;
-  MPI_Bcast(&failed, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  if (failed) {
-    if (rank == 0) throw std::invalid_argument(error);
-    throw ReportedByAnotherRank();
-  }
-}
-
 void write_report(const std::string& path, const TrainResult& r, const std::string& mode, int devices) {
   json j = {{"mode", mode}, {"devices", devices}, {"first_step", r.first_step}, {"losses", r.losses},
-            {"tokens_per_s", r.tokens_per_s}, {"step_time_s", r.step_time_s}};
+            {"tokens_per_s", r.tokens_per_s}, {"step_time_s", r.step_time_s}, {"step_times_s", r.step_times_s}};
   if (mode == "distributed")
     j["executor"] = {{"ops", r.ops}, {"backend_s", r.backend_s}, {"idle_s", r.idle_s}, {"overhead_s", r.overhead_s}, {"total_s", r.total_s}};
   core::write_file_atomically(path, j.dump(1) + "\n");
@@ -152,6 +92,92 @@ std::string model_fingerprint(const core::Program& program) {
   // resume, and the training shape is checked separately with its own message.
   const std::string s = program.model_spec.is_null() ? "name:" + program.model_name : program.model_spec.dump();
   return fmt::format("{:016x}", fnv1a(s));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checkpoints: what the host and CUDA trainers share (canonical layout, see checkpoint.hpp)
+// ---------------------------------------------------------------------------------------------
+CheckpointInfo checkpoint_info(const core::Program& program, int step) {
+  const DataShape shape = data_shape(program);
+  CheckpointInfo i;
+  i.model_name = program.model_name;
+  i.fingerprint = model_fingerprint(program);
+  i.step = step;
+  i.sequences_per_step = static_cast<std::int64_t>(shape.microbatches) * shape.ranks * shape.micro_batch_size;
+  i.data_position = static_cast<std::int64_t>(step) * i.sequences_per_step;
+  i.seq_len = shape.seq_len;
+  i.saved_layout = layout_summary(program);
+  return i;
+}
+
+void check_save_path(const std::string& path) {
+  if (!path.empty() && fs::is_directory(path)) throw std::invalid_argument(path + ": is a folder; --save takes a checkpoint file name");
+}
+
+bool saves_after(const TrainOptions& o, int done) {
+  if (o.save_path.empty()) return false;
+  return done == o.steps || (o.save_every > 0 && done % o.save_every == 0);
+}
+
+Checkpoint read_compatible_checkpoint(const std::string& path, const std::string& bytes, const core::Program& program) {
+  Checkpoint ckpt = parse_checkpoint(path, bytes);
+  check_compatible(path, ckpt, program);
+  return ckpt;
+}
+
+std::string broadcast_checkpoint_bytes(const std::string& path, int rank, std::string& error) {
+  std::string bytes;
+  long long length = -1;
+  if (rank == 0) {
+    try {
+      bytes = read_checkpoint_bytes(path);
+      length = static_cast<long long>(bytes.size());
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  MPI_Bcast(&length, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD);
+  if (length >= 0) {
+    bytes.resize(static_cast<std::size_t>(length));
+    MPI_Bcast(bytes.data(), static_cast<int>(length), MPI_BYTE, 0, MPI_COMM_WORLD);
+  } else if (rank != 0) {
+    error = "reported by rank 0";
+  }
+  return bytes;
+}
+
+void save_distributed(const TrainOptions& o, const core::Program& program, const std::vector<StateRecord>& records, const core::Model& model,
+                      int step, int rank, int size) {
+  const std::string mine = serialize_state_records(records);
+  int n = static_cast<int>(mine.size());
+  std::vector<int> sizes(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
+  MPI_Gather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
+  int total = 0;
+  for (int i = 0; i < size; ++i) offsets[static_cast<std::size_t>(i)] = total, total += sizes[static_cast<std::size_t>(i)];
+  std::string all(static_cast<std::size_t>(rank == 0 ? total : 0), '\0');
+  MPI_Gatherv(mine.data(), n, MPI_BYTE, all.data(), sizes.data(), offsets.data(), MPI_BYTE, 0, MPI_COMM_WORLD);
+  std::string error;
+  if (rank == 0) {
+    try {
+      write_checkpoint(o.save_path, checkpoint_info(program, step), assemble_state(model, parse_state_records(all)));
+      if (o.print) fmt::print("checkpoint after step {} -> {}\n", step, o.save_path);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  int failed = error.empty() ? 0 : 1;
+  MPI_Bcast(&failed, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  if (failed) {
+    if (rank == 0) throw std::invalid_argument(error);
+    throw ReportedByAnotherRank();
+  }
+}
+
+// Loads a checkpoint into `model` (all checks first); returns the step to continue from.
+static int resume_from(const std::string& path, const std::string& bytes, const core::Program& program, host::HostModel& model) {
+  const Checkpoint ckpt = read_compatible_checkpoint(path, bytes, program);
+  load_state(model, ckpt.state);
+  return ckpt.info.step;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -187,6 +213,7 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
     m.update(0, o.adamw, step + 1);
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     total_s += dt;
+    r.step_times_s.push_back(dt);
     r.losses.push_back(loss / static_cast<double>(shape.global_tokens()));
     if (o.print) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), dt * 1e3);
     if (saves_after(o, step + 1)) {
@@ -223,26 +250,10 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   TrainResult r;
   // Rank 0 reads the checkpoint and sends it to every rank (ranks need not share a file system).
   std::string checkpoint;
-  if (!o.resume_path.empty()) {
-    long long length = -1;
-    if (rank == 0) {
-      try {
-        checkpoint = read_checkpoint_bytes(o.resume_path);
-        length = static_cast<long long>(checkpoint.size());
-      } catch (const std::exception& e) {
-        error = e.what();
-      }
-    }
-    MPI_Bcast(&length, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD);
-    if (length >= 0) {
-      checkpoint.resize(static_cast<std::size_t>(length));
-      MPI_Bcast(checkpoint.data(), static_cast<int>(length), MPI_BYTE, 0, MPI_COMM_WORLD);
-    } else if (rank != 0) {
-      error = "reported by rank 0";
-    }
-  }
+  if (!o.resume_path.empty()) checkpoint = broadcast_checkpoint_bytes(o.resume_path, rank, error);
   try {
     check_save_path(o.save_path);
+    check_calibrate_path(o.calibrate_path);
     HostConfig cfg{o.seed, o.data_path, o.adamw, o.stall_timeout_s};
     if (error.empty()) backend = std::make_unique<HostBackend>(program, rank, MPI_COMM_WORLD, cfg);
     if (error.empty() && !o.resume_path.empty()) r.first_step = resume_from(o.resume_path, checkpoint, program, backend->model());
@@ -266,15 +277,19 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   const DataShape shape = data_shape(program);
   Executor executor(program.plan_for(rank), *backend, ExecutorOptions{o.stall_timeout_s});
   StepMeasurement last;
+  std::vector<core::DeviceTimeline> calibration_steps;  // --calibrate: this rank's kept steps
   double total_step_s = 0;
   for (int step = r.first_step; step < o.steps; ++step) {
     MPI_Barrier(MPI_COMM_WORLD);  // align step starts so the timeline's devices share a time origin
     last = executor.run_step(step);
+    if (!o.calibrate_path.empty() && calibration_uses_step(step - r.first_step, o.steps - r.first_step))
+      calibration_steps.push_back(last.timeline);
     double sums[1] = {backend->loss_sum()};
     double step_s = last.step_seconds;
     MPI_Allreduce(MPI_IN_PLACE, sums, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, &step_s, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     r.losses.push_back(sums[0] / static_cast<double>(shape.global_tokens()));
+    r.step_times_s.push_back(step_s);
     total_step_s += step_s;
     r.backend_s += last.backend_seconds;
     r.idle_s += last.idle_seconds;
@@ -282,13 +297,13 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
     r.total_s += last.step_seconds;
     r.ops += last.ops;
     if (o.print && rank == 0) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), step_s * 1e3);
-    if (saves_after(o, step + 1)) save_distributed(o, program, backend->model(), step + 1, rank, size);
+    if (saves_after(o, step + 1)) save_distributed(o, program, state_records(backend->model()), backend->model().model(), step + 1, rank, size);
   }
   const int ran = o.steps - r.first_step;
   r.step_time_s = ran > 0 ? total_step_s / ran : 0;
   r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
 
-  if (!o.save_path.empty() && ran <= 0) save_distributed(o, program, backend->model(), r.first_step, rank, size);
+  if (!o.save_path.empty() && ran <= 0) save_distributed(o, program, state_records(backend->model()), backend->model().model(), r.first_step, rank, size);
   if (!o.dump_params_path.empty()) {
     const std::string mine = serialize_records(backend->model().param_records());
     int n = static_cast<int>(mine.size());
@@ -335,6 +350,11 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
       core::write_chrome_trace(t, out);
       core::write_file_atomically(o.trace_path, out.str());
     }
+  }
+  if (!o.calibrate_path.empty() && ran > 0) {
+    write_calibration_distributed(o.calibrate_path, program, calibration_steps, "host-cpu",
+                                  {{"backend", "host"}, {"clock", "executor (host steady clock, op start to completion)"}});
+    if (o.print && rank == 0) fmt::print("calibration ({} steps) -> {}\n", calibration_steps.size(), o.calibrate_path);
   }
   if (rank == 0 && !o.report_path.empty()) write_report(o.report_path, r, "distributed", size);
   return r;

@@ -1,5 +1,5 @@
 // The analytic engine: a discrete-event simulation of a Program with alpha-beta communication and no
-// link contention, driven by ReadyTracker. Compute slows by comm_sm_share while comm runs (engine.hpp).
+// link contention, driven by ReadyTracker. Compute runs at the device's ComputeRates (engine.hpp).
 #include <algorithm>
 #include <map>
 
@@ -39,10 +39,8 @@ class AnalyticEngine : public Engine {
     for (std::size_t p = 0; p < program.plans.size(); ++p) span_base[p] = stream_span_base(program.plans[p]);
 
     ReadyTracker tracker(program, symmetry);
-    std::vector<double> share(ix(n));
-    // Per node, not per device: Cluster::gpu(d) walks the node list, quadratic over 10^5 devices.
-    const std::vector<int> node_of = cluster.node_of_devices();
-    for (int d = 0; d < n; ++d) share[ix(d)] = cluster.nodes[ix(node_of[ix(d)])].gpu.comm_sm_share;
+    // Compute speed per device with and without communication running (SM sharing or partition).
+    const std::vector<ComputeRates> rates = compute_rates(program, cluster);
     std::vector<std::int32_t> comm_active(ix(n), 0);
     std::vector<std::vector<std::int32_t>> computes(ix(n));  // running compute activities per device
 
@@ -77,8 +75,9 @@ class AnalyticEngine : public Engine {
       const int before = comm_active[ix(device)];
       comm_active[ix(device)] += delta;
       const int after = comm_active[ix(device)];
-      if ((before > 0) == (after > 0) || share[ix(device)] <= 0) return;
-      const double rate = after > 0 ? 1 - share[ix(device)] : 1;
+      const ComputeRates& rr = rates[ix(device)];
+      if ((before > 0) == (after > 0) || rr.idle == rr.with_comm) return;
+      const double rate = after > 0 ? rr.with_comm : rr.idle;
       for (std::int32_t slot : computes[ix(device)]) {
         Running& r = running[ix(slot)];
         r.remaining = std::max(0.0, r.remaining - (now - r.since) * r.rate);
@@ -112,7 +111,7 @@ class AnalyticEngine : public Engine {
         if (r.activity.kind == Activity::Kind::Compute) {
           const auto [d, ref] = r.activity.members.front();
           r.remaining = cost.compute_seconds(program, d, op_of(d, ref));
-          r.rate = comm_active[ix(d)] > 0 ? 1 - share[ix(d)] : 1;
+          r.rate = comm_active[ix(d)] > 0 ? rates[ix(d)].with_comm : rates[ix(d)].idle;
           end = now + r.remaining / r.rate;
           computes[ix(d)].push_back(slot);
         } else if (r.activity.kind == Activity::Kind::Transfer) {

@@ -37,6 +37,32 @@ double flat(OpKind kind, double n, double alpha, double bw, double bytes) {
 
 }  // namespace
 
+// ---- SM sharing and partitioning ----
+
+ComputeRates compute_rates(const std::optional<core::SmPartition>& partition, const GpuSpec& gpu) {
+  if (!partition) return {1.0, 1.0 - gpu.comm_sm_share};
+  if (gpu.sm_count <= 0)
+    throw ClusterError(fmt::format("sm_partition: the cluster's GPU '{}' has no sm_count to partition", gpu.name));
+  if (partition->sms >= gpu.sm_count)
+    throw ClusterError(fmt::format("sm_partition: field 'sms': {} SMs for communication leave none for compute on '{}' ({} SMs)",
+                                   partition->sms, gpu.name, gpu.sm_count));
+  const double compute = static_cast<double>(gpu.sm_count - partition->sms) / gpu.sm_count;
+  return {compute, compute};
+}
+
+std::vector<ComputeRates> compute_rates(const core::Program& program, const Cluster& cluster) {
+  const std::vector<int> node_of = cluster.node_of_devices();
+  if (static_cast<int>(node_of.size()) < program.num_devices)
+    throw ClusterError(fmt::format("cluster '{}' has {} devices but the program needs {}", cluster.name, node_of.size(), program.num_devices));
+  // Per node, not per device: 10^5 devices share a few GPU specs.
+  std::vector<ComputeRates> per_node;
+  per_node.reserve(cluster.nodes.size());
+  for (const auto& node : cluster.nodes) per_node.push_back(compute_rates(program.sm_partition, node.gpu));
+  std::vector<ComputeRates> out(static_cast<std::size_t>(program.num_devices));
+  for (std::size_t d = 0; d < out.size(); ++d) out[d] = per_node[static_cast<std::size_t>(node_of[d])];
+  return out;
+}
+
 // ---- calibration ----
 
 std::optional<double> Calibration::lookup(const core::Op& op, int group_size) const {

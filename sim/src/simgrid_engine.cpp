@@ -53,7 +53,8 @@ class Run {
     node_of_ = cluster.node_of_devices();
     if (static_cast<int>(node_of_.size()) < n)
       throw ClusterError("cluster '" + cluster.name + "' has " + std::to_string(node_of_.size()) + " GPUs, the program needs " + std::to_string(n));
-    platform_ = std::make_unique<simgrid_detail::Platform>(cluster, cost, n, route_pairs());
+    platform_ = std::make_unique<simgrid_detail::Platform>(cluster, n, route_pairs());
+    rates_ = compute_rates(program, cluster);
     times_.assign(static_cast<std::size_t>(2 * tracker_.total_ops()), 0.0);
     comm_active_.assign(static_cast<std::size_t>(n), 0);
     computing_.resize(static_cast<std::size_t>(n));
@@ -156,6 +157,7 @@ class Run {
   std::unique_ptr<simgrid_detail::Platform> platform_;
   std::vector<double> times_;
   std::vector<int> comm_active_;
+  std::vector<ComputeRates> rates_;  // per device: compute speed idle / while communicating (cost_model.hpp)
   std::vector<Slot> slots_;
   std::vector<int> free_slots_;
   std::vector<Live> live_;
@@ -322,7 +324,8 @@ class Run {
   }
 
   double compute_rate(int d) const {
-    return comm_active_[static_cast<std::size_t>(d)] > 0 ? platform_->speed_while_communicating(d) : 1.0;
+    const ComputeRates& r = rates_[static_cast<std::size_t>(d)];
+    return comm_active_[static_cast<std::size_t>(d)] > 0 ? r.with_comm : r.idle;
   }
 
   void start_compute(int live, int d, double seconds) {
@@ -413,13 +416,14 @@ class Run {
     guarded([this, id] { flow_ended(static_cast<int>(id)); });
   }
 
-  // Compute throughput of a device drops to 1 - comm_sm_share while >= 1 communication runs on it.
+  // Compute throughput of a device changes to ComputeRates::with_comm while >= 1 communication runs on it.
   void comm_delta(const Activity& a, int delta) {
     for (const auto& [d, r] : a.members) {
       int& c = comm_active_[static_cast<std::size_t>(d)];
       const int before = c;
       c += delta;
-      if ((before == 0) != (c == 0) && platform_->speed_while_communicating(d) != 1.0) compute_rate_changed(d);
+      if ((before == 0) != (c == 0) && rates_[static_cast<std::size_t>(d)].with_comm != rates_[static_cast<std::size_t>(d)].idle)
+        compute_rate_changed(d);
     }
   }
 
@@ -679,6 +683,7 @@ class SimgridEngine : public Engine {
   std::string name() const override { return "simgrid"; }
 
   core::Timeline run(std::shared_ptr<const core::Program> program, const Cluster& cluster, const CostModel& cost) override {
+    compute_rates(*program, cluster);  // a partition that does not fit fails here, in one line, not in the child
     const std::string bytes = run_in_child([&]() -> std::string {
       int argc = 1;
       char arg0[] = "piper-simgrid";

@@ -22,19 +22,17 @@ void configure_simgrid_for_alpha_beta() {
   sg::Engine::set_config("network/weight-S:0");
 }
 
-Platform::Platform(const Cluster& cluster, const CostModel& cost, int num_devices, const std::vector<std::pair<int, int>>& routes) {
+Platform::Platform(const Cluster& cluster, int num_devices, const std::vector<std::pair<int, int>>& routes) {
   node_of_ = cluster.node_of_devices();
   node_of_.resize(static_cast<std::size_t>(num_devices));
   auto* zone = sg::create_full_zone("cluster");
   hosts_.resize(static_cast<std::size_t>(num_devices));
-  slow_speed_.assign(static_cast<std::size_t>(num_devices), 1.0);
   std::vector<sg::Link*> nv_up(hosts_.size()), nv_dn(hosts_.size()), net_up(hosts_.size()), net_dn(hosts_.size());
   nvlink_latency_half_.resize(hosts_.size());
   network_latency_half_.resize(hosts_.size());
   for (int d = 0; d < num_devices; ++d) {
     const auto du = static_cast<std::size_t>(d);
     const NodeSpec& node = cluster.node(d);
-    slow_speed_[du] = 1.0 - std::clamp(cost.comm_sm_share(d), 0.0, 0.999);
     const std::string id = std::to_string(d);
     hosts_[du] = zone->create_host("gpu" + id, 1.0);
     nvlink_latency_half_[du] = node.nvlink_latency_s / 2;

@@ -43,12 +43,9 @@ void configure_simgrid_for_alpha_beta();
 //    (leaf_up(node src), leaf_down(node dst)), net_down(dst)].
 class Platform {
  public:
-  Platform(const Cluster& cluster, const CostModel& cost, int num_devices, const std::vector<std::pair<int, int>>& routes);
+  Platform(const Cluster& cluster, int num_devices, const std::vector<std::pair<int, int>>& routes);
 
   simgrid::s4u::Host* host(int device) const { return hosts_[static_cast<std::size_t>(device)]; }
-  // Compute speed of a device (1 = full) while at least one communication runs on it:
-  // 1 - comm_sm_share, clamped to [0.001, 1].
-  double speed_while_communicating(int device) const { return slow_speed_[static_cast<std::size_t>(device)]; }
   // Latency of the route src -> dst (seconds): the NVLink latency inside a node, the network latency
   // between nodes (half of it charged to each end).
   double route_latency_s(int src, int dst) const;
@@ -57,7 +54,6 @@ class Platform {
  private:
   std::vector<int> node_of_;
   std::vector<simgrid::s4u::Host*> hosts_;
-  std::vector<double> slow_speed_;
   std::vector<double> nvlink_latency_half_, network_latency_half_;
 };
 

@@ -9,10 +9,12 @@
 // bf16 parameters are only printed: their storage rounding (up to 2^-9 * |p|, 3.4e-3 for the
 // embedding's |p| <= sqrt(3)) is as large as 3 AdamW steps of lr 3e-3, so an absolute bound could not
 // tell a wrong update from rounding. The bf16 bound is a first estimate that a GPU run must confirm.
+// Also: SM partitioning (same bounds), checkpoints resumed on the GPU and on the host, --calibrate.
 // Without a GPU: exit 77 (CTest skip).
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include <unistd.h>
@@ -88,6 +90,56 @@ TEST(CudaBackendEquivalence, DualPipeV_PP2xDP2xEP2) { expect_equivalent("dualpip
 TEST(CudaBackendEquivalence, Zero3_PP2xDP2xEP2) { expect_equivalent("zero3", compile(2, 2, 2, 3, 4, "1f1b")); }
 TEST(CudaBackendEquivalence, EP2_Zero2_PP2xDP2) { expect_equivalent("ep-zero2", compile(2, 2, 2, 2, 4, "1f1b")); }
 TEST(CudaBackendEquivalence, Bf16_OneFOneB_PP2xDP2) { expect_equivalent("bf16-1f1b", compile(2, 2, 1, 0, 4, "1f1b"), cu::DType::BF16); }
+
+// SM partitioning changes where kernels run, not what they compute: DualPipeV with communication on
+// 24 SMs (green contexts on Hopper, else CTA limits) matches the host reference like the run above.
+TEST(CudaBackendSmPartition, DualPipeVWithCommOn24Sms) {
+  core::Program p = compile(2, 2, 2, 0, 4, "dualpipev");
+  p.sm_partition = core::SmPartition{"comm", 24};
+  expect_equivalent("dualpipev-sm24", p);
+}
+
+// A checkpoint of a GPU run is the host's canonical file: 2 CUDA steps saved, then resumed for the
+// third on the CUDA backend and on the host reference, both match 3 uninterrupted reference steps.
+TEST(CudaBackendCheckpoint, ResumesOnGpuAndOnHost) {
+  const core::Program program = compile(2, 2, 2, 2, 4, "1f1b");
+  const fs::path dir = temp_dir("checkpoint");
+  const auto full = rt::train_reference(program, options(dir / "full.bin"));
+  cu::CudaRunOptions c;
+  c.virtual_devices = true;
+  rt::TrainOptions first = options(dir / "first.bin");
+  first.steps = 2;
+  first.save_path = (dir / "ckpt").string();
+  cu::train_cuda(program, first, c);
+  rt::TrainOptions gpu = options(dir / "gpu.bin");
+  gpu.resume_path = first.save_path;
+  const auto resumed_gpu = cu::train_cuda(program, gpu, c);
+  rt::TrainOptions host = options(dir / "host.bin");
+  host.resume_path = first.save_path;
+  const auto resumed_host = rt::train_reference(program, host);
+  ASSERT_EQ(resumed_gpu.losses.size(), 1u);
+  ASSERT_EQ(resumed_host.losses.size(), 1u);
+  EXPECT_NEAR(resumed_gpu.losses[0], full.losses[2], kLossRelTol * std::abs(full.losses[2]));
+  EXPECT_NEAR(resumed_host.losses[0], full.losses[2], kLossRelTol * std::abs(full.losses[2]));
+  EXPECT_LT(rt::max_param_difference((dir / "full.bin").string(), (dir / "gpu.bin").string()), kParamAbsTol);
+  EXPECT_LT(rt::max_param_difference((dir / "full.bin").string(), (dir / "host.bin").string()), kParamAbsTol);
+}
+
+// --calibrate on virtual devices writes a calibration with the steps after the first.
+TEST(CudaBackendCalibrate, WritesAPiperCalibration) {
+  const core::Program program = compile(2, 2, 2, 0, 4, "dualpipev");
+  const fs::path dir = temp_dir("calibrate");
+  rt::TrainOptions o = options(dir / "p.bin");
+  o.calibrate_path = (dir / "calib.json").string();
+  cu::CudaRunOptions c;
+  c.virtual_devices = true;
+  cu::train_cuda(program, o, c);
+  std::ifstream in(o.calibrate_path);
+  const auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j.at("format"), "piper-calibration");
+  EXPECT_EQ(j.at("measured").at("steps"), 2);
+  EXPECT_FALSE(j.at("entries").empty());
+}
 
 int main(int argc, char** argv) {
   std::string why;

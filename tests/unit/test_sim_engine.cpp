@@ -1,6 +1,7 @@
 // The analytic engine against hand-derived schedules: pipeline step time and bubbles with unit op
 // costs, the 1F1B activation-memory pattern, OOM, heterogeneous clusters on the critical path,
 // compute slowed by communication, deadlock reports, and the Chrome trace's event counts.
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <sstream>
@@ -220,6 +221,38 @@ TEST(SimAnalytic, CommunicationStealsComputeShare) {
   EXPECT_EQ(r.timeline.devices[1].spans[0].start_s, spans0[1].start_s);
   EXPECT_EQ(r.timeline.devices[1].spans[0].end_s, spans0[1].end_s);
   EXPECT_NEAR(r.report.per_device[0].comm_compute_overlap, 1.0, 1e-12);
+}
+
+// sm_partition: compute runs on (N - s) / N of the SMs whether or not communication runs. The same
+// program as above (F = 10 s of work on device 0, a 4 s SEND from t = 0) on 132-SM H100s: giving
+// communication 33 SMs runs F at 0.75 from start to end, 10 / 0.75 s, where shared SMs gave 11 s.
+TEST(SimAnalytic, SmPartitionSetsComputeSpeedByHand) {
+  Cluster c = cluster_from_json(json{{"preset", "dgx-h100"}, {"node", {{"gpu", {{"comm_sm_share", 0.25}}}}}}, "c.json");
+  auto costs = [](const core::Op& op) -> std::optional<double> { return op.kind == core::OpKind::Compute ? 10.0 : 4.0; };
+  for (int sms : {33, 66}) {
+    core::Program p = overlap_program();
+    p.sm_partition = core::SmPartition{"comm", sms};
+    SimRun r = simulate_unit(std::make_shared<const core::Program>(p), costs, c);
+    const double rate = (132.0 - sms) / 132.0;
+    EXPECT_NEAR(r.timeline.devices[0].spans[0].end_s, 10.0 / rate, 1e-9) << sms;
+    EXPECT_NEAR(r.timeline.devices[0].spans[1].end_s, 4.0, 1e-12);  // communication keeps its time
+  }
+  // The SimGrid engine follows the same rule (its hosts' speed is the idle rate).
+  const std::vector<std::string> engines = engine_names();
+  if (std::find(engines.begin(), engines.end(), "simgrid") != engines.end()) {
+    core::Program p = overlap_program();
+    p.sm_partition = core::SmPartition{"comm", 33};
+    auto program = std::make_shared<const core::Program>(p);
+    Cluster cluster = with_devices(c, program->num_devices);
+    CostModel cost(cluster);
+    cost.set_override(costs);
+    const core::Timeline t = make_simgrid_engine()->run(program, cluster, cost);
+    EXPECT_NEAR(t.devices[0].spans[0].end_s, 10.0 / 0.75, 1e-6);
+  }
+  // More SMs than the GPU has: one line naming the field, before anything runs.
+  core::Program p = overlap_program();
+  p.sm_partition = core::SmPartition{"comm", 200};
+  EXPECT_THROW(simulate_unit(std::make_shared<const core::Program>(p), costs, c), ClusterError);
 }
 
 TEST(SimAnalytic, DeadlockIsReportedOnOneLine) {

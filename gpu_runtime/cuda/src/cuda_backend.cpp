@@ -61,17 +61,19 @@ CudaBackend::CudaBackend(const core::Program& program, int device, Transport& tr
   for (const auto& b : plan_.buffers)
     if (!b.persistent()) transient += b.bytes;
   alloc_ = std::make_unique<Allocator>(std::max<std::size_t>(std::size_t{256} << 20, static_cast<std::size_t>(2 * transient)));
+  if (!config_.sm) config_.sm = SmPartitioner::create(std::nullopt);
   for (std::size_t s = 0; s < plan_.streams.size(); ++s) {
-    cudaStream_t st = nullptr;
-    // Non-blocking: no implicit synchronisation with the legacy default stream (NCCL kernels of
-    // one stream must never wait for another stream's work behind the host's back).
-    check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    // A stream that runs compute or update ops belongs to the compute partition, any other to the
+    // communication partition (sm_partition's "comm": every stream but the compute one).
+    const auto& ops = plan_.streams[s].ops;
+    const bool computes = std::any_of(ops.begin(), ops.end(), [](const core::Op& op) {
+      return op.kind == core::OpKind::Compute || op.kind == core::OpKind::Update;
+    });
+    cudaStream_t st = config_.sm->create_stream(!computes);
     streams_.push_back(st);
     alloc_->add_stream(st);
     // cuBLASLt handles (each with a 32 MiB workspace) only for streams that run compute ops.
-    const auto& ops = plan_.streams[s].ops;
-    const bool computes = std::any_of(ops.begin(), ops.end(), [](const core::Op& op) { return op.kind == core::OpKind::Compute; });
-    gemms_.push_back(computes ? std::make_unique<Gemm>(st) : nullptr);
+    gemms_.push_back(computes ? std::make_unique<Gemm>(st, config_.sm->gemm_sm_target()) : nullptr);
   }
   check(cudaStreamCreateWithFlags(&util_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   alloc_->add_stream(util_);
@@ -459,6 +461,17 @@ std::string CudaBackend::describe_wait(const core::Op& op) const {
     return fmt::format("'{}' on devices [{}] ({})", op.label, members, transport_.name());
   }
   return fmt::format("'{}'", op.label);
+}
+
+std::vector<StateRecord> CudaBackend::checkpoint_records() {
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  return state_records(model_->state_to_host(util()));
+}
+
+void CudaBackend::restore(const CanonicalState& state) {
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  load_state(model_->host_state(), state);
+  model_->state_from_host(util());
 }
 
 std::vector<host::ParamRecord> CudaBackend::param_records() {

@@ -264,23 +264,52 @@ CudaModel::CudaModel(const core::Model& model, std::vector<host::SegmentSpec> se
     SegmentDevice d;
     const auto n = static_cast<std::int64_t>(sp.params.size());
     // ZeRO 0 keeps the whole vector as fp32 master; ZeRO >= 1 the host already holds the chunk.
-    const std::vector<float>& master = sp.zero_level >= 1 ? sp.master : sp.params;
-    d.master = new_tensor(e, static_cast<std::int64_t>(master.size()), 1, 4);
-    if (d.master.bytes()) check(cudaMemcpyAsync(d.master.data(), master.data(), d.master.bytes(), cudaMemcpyHostToDevice, init_stream), "cudaMemcpyAsync");
-    // Params in the storage type: converted from the host values (NaN-poisoned for ZeRO-3, as the host).
-    Tensor staging = new_tensor(e, n, 1, 4);
-    if (staging.bytes()) check(cudaMemcpyAsync(staging.data(), sp.params.data(), staging.bytes(), cudaMemcpyHostToDevice, init_stream), "cudaMemcpyAsync");
+    d.master = new_tensor(e, static_cast<std::int64_t>(sp.zero_level >= 1 ? sp.master.size() : sp.params.size()), 1, 4);
     d.params = new_tensor(e, n, 1, elem());
-    if (n) convert(DType::F32, staging.data(), dt_, d.params.data(), n, init_stream);
-    d.grads = zeros(e, n, 1, 4);
-    d.grad_chunk = zeros(e, static_cast<std::int64_t>(sp.grad_chunk.size()), 1, 4);
-    d.adam_m = zeros(e, static_cast<std::int64_t>(sp.adam_m.size()), 1, 4);
-    d.adam_v = zeros(e, static_cast<std::int64_t>(sp.adam_v.size()), 1, 4);
-    check(cudaStreamSynchronize(init_stream), "cudaStreamSynchronize");  // the host vectors are read above
+    d.grads = new_tensor(e, n, 1, 4);
+    d.grad_chunk = new_tensor(e, static_cast<std::int64_t>(sp.grad_chunk.size()), 1, 4);
+    d.adam_m = new_tensor(e, static_cast<std::int64_t>(sp.adam_m.size()), 1, 4);
+    d.adam_v = new_tensor(e, static_cast<std::int64_t>(sp.adam_v.size()), 1, 4);
+    upload_segment(e, sp, d);  // the host's initial values (moments zero)
     device_.emplace(sp.segment, std::move(d));
   }
   loss_ = zeros(e, 1, 1, 4);
   check(cudaStreamSynchronize(init_stream), "cudaStreamSynchronize");
+}
+
+void CudaModel::upload_segment(const Exec& e, const host::SegmentParams& sp, SegmentDevice& d) {
+  auto up = [&](Tensor& t, const std::vector<float>& v) {
+    if (static_cast<std::size_t>(t.size()) != v.size()) throw std::logic_error("runtime: host and device state sizes differ");
+    if (t.bytes()) check(cudaMemcpyAsync(t.data(), v.data(), t.bytes(), cudaMemcpyHostToDevice, e.stream), "cudaMemcpyAsync");
+  };
+  up(d.master, sp.zero_level >= 1 ? sp.master : sp.params);
+  // Params in the storage type: converted from the host values (NaN-poisoned for ZeRO-3, as the host).
+  const auto n = static_cast<std::int64_t>(sp.params.size());
+  Tensor staging = new_tensor(e, n, 1, 4);
+  up(staging, sp.params);
+  if (n) convert(DType::F32, staging.data(), dt_, d.params.data(), n, e.stream);
+  up(d.adam_m, sp.adam_m);
+  up(d.adam_v, sp.adam_v);
+  for (Tensor* t : {&d.grads, &d.grad_chunk})
+    if (t->bytes()) check(cudaMemsetAsync(t->data(), 0, t->bytes(), e.stream), "cudaMemsetAsync");
+  d.grad_chunk_ready = false;
+  d.gathered = 0;
+  check(cudaStreamSynchronize(e.stream), "cudaStreamSynchronize");  // the host vectors are read above
+}
+
+host::HostModel& CudaModel::state_to_host(const Exec& e) {
+  for (auto& sp : layout_.segments()) {
+    SegmentDevice& d = device(sp.segment);
+    // The fp32 masters, never the storage-type params: a bf16 run resumes exactly where it stopped.
+    (sp.zero_level >= 1 ? sp.master : sp.params) = download_floats(e, d.master);
+    sp.adam_m = download_floats(e, d.adam_m);
+    sp.adam_v = download_floats(e, d.adam_v);
+  }
+  return layout_;
+}
+
+void CudaModel::state_from_host(const Exec& e) {
+  for (auto& sp : layout_.segments()) upload_segment(e, sp, device(sp.segment));
 }
 
 SegmentDevice& CudaModel::device(int seg) {

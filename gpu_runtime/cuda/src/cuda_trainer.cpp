@@ -1,5 +1,6 @@
 // The CUDA training driver: virtual devices (threads over the loopback transport) or MPI + NCCL ranks;
-// losses, report, parameter dump (the format of trainer.cpp, read by read_param_dump) and trace.
+// losses, report, parameter dump (the format of trainer.cpp, read by read_param_dump), trace,
+// checkpoints (the host's canonical files and code) and --calibrate.
 #include "piper/runtime/cuda/cuda_trainer.hpp"
 
 #include <barrier>
@@ -7,6 +8,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -15,7 +17,10 @@
 #include <nlohmann/json.hpp>
 
 #include "piper/core/timeline.hpp"
+#include "piper/runtime/calibrate.hpp"
+#include "piper/runtime/checkpoint.hpp"
 #include "piper/runtime/cuda/cuda_backend.hpp"
+#include "piper/runtime/cuda/sm_partition.hpp"
 #include "piper/runtime/executor.hpp"
 
 namespace piper::runtime::cuda {
@@ -39,7 +44,7 @@ void write_dump(const std::string& path, const std::string& records) { core::wri
 
 void write_report(const std::string& path, const TrainResult& r, const std::string& mode, int devices, const std::string& precision) {
   nlohmann::json j = {{"mode", mode}, {"backend", "cuda"}, {"precision", precision}, {"devices", devices}, {"first_step", r.first_step},
-                      {"losses", r.losses}, {"tokens_per_s", r.tokens_per_s}, {"step_time_s", r.step_time_s}};
+                      {"losses", r.losses}, {"tokens_per_s", r.tokens_per_s}, {"step_time_s", r.step_time_s}, {"step_times_s", r.step_times_s}};
   j["executor"] = {{"ops", r.ops}, {"backend_s", r.backend_s}, {"idle_s", r.idle_s}, {"overhead_s", r.overhead_s}, {"total_s", r.total_s}};
   core::write_file_atomically(path, j.dump(1) + "\n");
 }
@@ -66,39 +71,81 @@ core::DeviceTimeline merged(const CudaBackend& b, const StepMeasurement& m) {
   return d;
 }
 
-CudaConfig config_of(const TrainOptions& o, const CudaRunOptions& c) { return CudaConfig{o.seed, o.data_path, o.adamw, c.dtype}; }
+CudaConfig config_of(const TrainOptions& o, const CudaRunOptions& c, std::shared_ptr<const SmPartitioner> sm) {
+  return CudaConfig{o.seed, o.data_path, o.adamw, c.dtype, std::move(sm)};
+}
 
-void refuse_checkpoints(const TrainOptions& o) {
-  if (!o.save_path.empty() || !o.resume_path.empty())
-    throw std::invalid_argument("--save/--resume: checkpoints are not implemented for --backend cuda yet");
+std::string gpu_name() {
+  int device = 0;
+  cudaDeviceProp p{};
+  if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&p, device) != cudaSuccess) return "GPU";
+  return p.name;
+}
+
+nlohmann::json calibration_source(const std::string& mode) {
+  return {{"backend", "cuda"}, {"mode", mode}, {"clock", "CUDA events around each op's work (communication: until its data is unpacked)"}};
 }
 
 TrainResult train_virtual(const core::Program& program, const TrainOptions& o, const CudaRunOptions& c) {
   const int n = program.num_devices;
   check(cudaSetDevice(0), "cudaSetDevice");
+  check_save_path(o.save_path);
+  check_calibrate_path(o.calibrate_path);
+  // One partition for the GPU that every virtual device shares.
+  const auto sm = SmPartitioner::create(program.sm_partition);
+  if (o.print && program.sm_partition) fmt::print("sm_partition: {}\n", sm->describe());
   LoopbackHub hub(n);
   std::vector<std::unique_ptr<LoopbackTransport>> transports;
   std::vector<std::unique_ptr<CudaBackend>> backends;
   // Built in this thread, before any device runs: a setup error stops the run before the first step.
   for (int d = 0; d < n; ++d) {
     transports.push_back(std::make_unique<LoopbackTransport>(hub, d));
-    backends.push_back(std::make_unique<CudaBackend>(program, d, *transports.back(), config_of(o, c)));
+    backends.push_back(std::make_unique<CudaBackend>(program, d, *transports.back(), config_of(o, c, sm)));
   }
   const DataShape shape = data_shape(program);
   TrainResult r;
+  if (!o.resume_path.empty()) {
+    const Checkpoint ckpt = read_compatible_checkpoint(o.resume_path, read_checkpoint_bytes(o.resume_path), program);
+    for (auto& b : backends) b->restore(ckpt.state), b->set_steps_done(ckpt.info.step);
+    r.first_step = ckpt.info.step;
+  }
+  // Every device's records, assembled and written atomically (checkpoint.hpp).
+  auto save = [&](int step) {
+    std::vector<StateRecord> records;
+    for (auto& b : backends) {
+      auto mine = b->checkpoint_records();
+      records.insert(records.end(), std::make_move_iterator(mine.begin()), std::make_move_iterator(mine.end()));
+    }
+    write_checkpoint(o.save_path, checkpoint_info(program, step), assemble_state(backends.front()->model(), records));
+    if (o.print) fmt::print("checkpoint after step {} -> {}\n", step, o.save_path);
+  };
+  const int ran = o.steps - r.first_step;
+  std::vector<std::vector<core::DeviceTimeline>> calibration(static_cast<std::size_t>(n));  // per device, kept steps
+  std::string save_error;
+  bool stop = false;
   std::vector<double> loss(static_cast<std::size_t>(n)), step_s(static_cast<std::size_t>(n));
   std::vector<StepMeasurement> last(static_cast<std::size_t>(n));
   double total_step_s = 0;
-  int step_now = 0;
+  int step_now = r.first_step;
   auto on_step = [&]() noexcept {
     double sum = 0, slowest = 0;
     for (int d = 0; d < n; ++d) sum += loss[static_cast<std::size_t>(d)], slowest = std::max(slowest, step_s[static_cast<std::size_t>(d)]);
     r.losses.push_back(sum / static_cast<double>(shape.global_tokens()));
+    r.step_times_s.push_back(slowest);
     total_step_s += slowest;
     for (const auto& m : last) r.backend_s += m.backend_seconds, r.idle_s += m.idle_seconds, r.overhead_s += m.overhead_seconds, r.ops += m.ops;
     r.total_s += slowest;
     if (o.print) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step_now + 1, r.losses.back(), slowest * 1e3);
     ++step_now;
+    // Every device finished the step (its ops completed on the GPU): the state is final.
+    if (saves_after(o, step_now)) {
+      try {
+        save(step_now);
+      } catch (const std::exception& e) {
+        save_error = e.what();
+        stop = true;
+      }
+    }
   };
   std::barrier sync(n, on_step);
   std::mutex error_mutex;
@@ -110,11 +157,13 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
       try {
         check(cudaSetDevice(0), "cudaSetDevice");
         Executor executor(program.plan_for(d), *backends[i], ExecutorOptions{o.stall_timeout_s});
-        for (int step = 0; step < o.steps; ++step) {
+        for (int step = r.first_step; step < o.steps; ++step) {
           last[i] = executor.run_step(step);
           loss[i] = backends[i]->loss_sum();
           step_s[i] = last[i].step_seconds;
+          if (!o.calibrate_path.empty() && calibration_uses_step(step - r.first_step, ran)) calibration[i].push_back(backends[i]->gpu_timeline());
           sync.arrive_and_wait();
+          if (stop) break;  // set by the completion step when a checkpoint could not be written
         }
       } catch (const std::exception& e) {
         {
@@ -126,14 +175,26 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
     });
   for (auto& t : threads) t.join();
   if (!error.empty()) throw RuntimeError(error);
-  r.step_time_s = o.steps > 0 ? total_step_s / o.steps : 0;
+  if (!save_error.empty()) throw std::invalid_argument(save_error);
+  if (!o.save_path.empty() && ran <= 0) save(r.first_step);
+  if (!o.calibrate_path.empty() && ran > 0) {
+    CalibrationRecorder recorder(program);
+    for (std::size_t k = 0; k < calibration.front().size(); ++k) {
+      std::vector<core::DeviceTimeline> devices;
+      for (auto& per_device : calibration) devices.push_back(per_device.at(k));
+      recorder.add_step(devices);
+    }
+    core::write_file_atomically(o.calibrate_path, recorder.to_json(gpu_name(), calibration_source("virtual devices")).dump(1) + "\n");
+    if (o.print) fmt::print("calibration ({} steps) -> {}\n", recorder.steps(), o.calibrate_path);
+  }
+  r.step_time_s = ran > 0 ? total_step_s / ran : 0;
   r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
   if (!o.dump_params_path.empty()) {
     std::string all;
     for (auto& b : backends) all += serialize_records(b->param_records());
     write_dump(o.dump_params_path, all);
   }
-  if (!o.trace_path.empty() && o.steps > 0) {
+  if (!o.trace_path.empty() && ran > 0) {
     std::vector<core::DeviceTimeline> devices;
     for (int d = 0; d < n; ++d) devices.push_back(merged(*backends[static_cast<std::size_t>(d)], last[static_cast<std::size_t>(d)]));
     write_trace(o.trace_path, program, std::move(devices));
@@ -161,10 +222,19 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
   std::string error;
   std::unique_ptr<Transport> transport;
   std::unique_ptr<CudaBackend> backend;
+  std::shared_ptr<const SmPartitioner> sm;
+  std::optional<Checkpoint> ckpt;
+  const std::string checkpoint_bytes = o.resume_path.empty() ? std::string() : broadcast_checkpoint_bytes(o.resume_path, rank, error);
   try {
-    check(cudaGetDeviceCount(&gpus), "cudaGetDeviceCount");
-    check(cudaSetDevice(local % gpus), "cudaSetDevice");
-    p2p_channels(program);  // a plan NCCL cannot run: one line from one rank, before NCCL starts
+    if (error.empty()) {
+      check_save_path(o.save_path);
+      check_calibrate_path(o.calibrate_path);
+      check(cudaGetDeviceCount(&gpus), "cudaGetDeviceCount");
+      check(cudaSetDevice(local % gpus), "cudaSetDevice");
+      p2p_channels(program);  // a plan NCCL cannot run: one line from one rank, before NCCL starts
+      sm = SmPartitioner::create(program.sm_partition);  // a partition this GPU cannot realise, likewise
+      if (!o.resume_path.empty()) ckpt = read_compatible_checkpoint(o.resume_path, checkpoint_bytes, program);
+    }
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -175,20 +245,30 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
     throw ReportedByAnotherRank();
   }
   // Collective on every rank (NCCL init and splits): errors past this point abort the job.
-  transport = make_nccl_transport(program, rank, MPI_COMM_WORLD);
-  backend = std::make_unique<CudaBackend>(program, rank, *transport, config_of(o, c));
+  if (o.print && program.sm_partition) fmt::print("sm_partition: {}\n", sm->describe());
+  transport = make_nccl_transport(program, rank, MPI_COMM_WORLD, sm->nccl_max_ctas());
+  backend = std::make_unique<CudaBackend>(program, rank, *transport, config_of(o, c, sm));
+  TrainResult r;
+  if (ckpt) {
+    backend->restore(ckpt->state);
+    backend->set_steps_done(ckpt->info.step);
+    r.first_step = ckpt->info.step;
+  }
+  const int ran = o.steps - r.first_step;
   const DataShape shape = data_shape(program);
   Executor executor(program.plan_for(rank), *backend, ExecutorOptions{o.stall_timeout_s});
-  TrainResult r;
   StepMeasurement last;
+  std::vector<core::DeviceTimeline> calibration;  // this rank's kept steps
   double total_step_s = 0;
-  for (int step = 0; step < o.steps; ++step) {
+  for (int step = r.first_step; step < o.steps; ++step) {
     MPI_Barrier(MPI_COMM_WORLD);
     last = executor.run_step(step);
+    if (!o.calibrate_path.empty() && calibration_uses_step(step - r.first_step, ran)) calibration.push_back(backend->gpu_timeline());
     double sum = backend->loss_sum(), step_s = last.step_seconds;
     MPI_Allreduce(MPI_IN_PLACE, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, &step_s, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     r.losses.push_back(sum / static_cast<double>(shape.global_tokens()));
+    r.step_times_s.push_back(step_s);
     total_step_s += step_s;
     r.backend_s += last.backend_seconds;
     r.idle_s += last.idle_seconds;
@@ -196,8 +276,14 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
     r.total_s += last.step_seconds;
     r.ops += last.ops;
     if (o.print && rank == 0) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), step_s * 1e3);
+    if (saves_after(o, step + 1)) save_distributed(o, program, backend->checkpoint_records(), backend->model(), step + 1, rank, size);
   }
-  r.step_time_s = o.steps > 0 ? total_step_s / o.steps : 0;
+  if (!o.save_path.empty() && ran <= 0) save_distributed(o, program, backend->checkpoint_records(), backend->model(), r.first_step, rank, size);
+  if (!o.calibrate_path.empty() && ran > 0) {
+    write_calibration_distributed(o.calibrate_path, program, calibration, gpu_name(), calibration_source("nccl"));
+    if (o.print && rank == 0) fmt::print("calibration ({} steps) -> {}\n", calibration.size(), o.calibrate_path);
+  }
+  r.step_time_s = ran > 0 ? total_step_s / ran : 0;
   r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
   if (!o.dump_params_path.empty()) {
     const std::string mine = serialize_records(backend->param_records());
@@ -210,7 +296,7 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
     MPI_Gatherv(mine.data(), bytes, MPI_BYTE, all.data(), sizes.data(), offsets.data(), MPI_BYTE, 0, MPI_COMM_WORLD);
     if (rank == 0) write_dump(o.dump_params_path, all);
   }
-  if (!o.trace_path.empty() && o.steps > 0) {
+  if (!o.trace_path.empty() && ran > 0) {
     // Spans as (stream, index, start, end) doubles, gathered on rank 0.
     const core::DeviceTimeline mine = merged(*backend, last);
     std::vector<double> flat;
@@ -240,7 +326,6 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
 }  // namespace
 
 TrainResult train_cuda(const core::Program& program, const TrainOptions& options, const CudaRunOptions& cuda) {
-  refuse_checkpoints(options);
   return cuda.virtual_devices ? train_virtual(program, options, cuda) : train_mpi(program, options, cuda);
 }
 

@@ -62,7 +62,7 @@ void check_nccl(ncclResult_t r, const char* what) {
 
 class NcclTransport : public Transport {
  public:
-  NcclTransport(const core::Program& program, int device, MPI_Comm world) : device_(device) {
+  NcclTransport(const core::Program& program, int device, MPI_Comm world, int max_ctas) : device_(device) {
     // Point-to-point channels of every device's plan, in one global order (checked before any
     // communicator exists: see p2p_channels).
     const auto channels = p2p_channels(program);
@@ -71,7 +71,10 @@ class NcclTransport : public Transport {
     ncclUniqueId id{};
     if (device == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
     MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, world);
-    check_nccl(ncclCommInitRank(&world_, size, id, device), "ncclCommInitRank");
+    // Split communicators are given the same configuration, so the CTA cap holds for all of them.
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    if (max_ctas > 0) config.maxCTAs = max_ctas, config.minCTAs = 1;
+    check_nccl(ncclCommInitRankConfig(&world_, size, id, device, &config), "ncclCommInitRankConfig");
     // One communicator per group of every family (family order, as the host backend's MPI_Comm_split).
     for (std::size_t f = 0; f < program.families.size(); ++f) {
       const auto group = program.group_of(static_cast<int>(f), device);
@@ -82,13 +85,15 @@ class NcclTransport : public Transport {
         key = static_cast<int>(std::find(group.begin(), group.end(), device) - group.begin());
       }
       ncclComm_t c = nullptr;
-      check_nccl(ncclCommSplit(world_, color, key, &c, nullptr), "ncclCommSplit (family)");
+      ncclConfig_t split_config = config;
+      check_nccl(ncclCommSplit(world_, color, key, &c, &split_config), "ncclCommSplit (family)");
       family_.push_back(c);
     }
     for (const auto& ch : channels) {
       const bool member = ch.src == device || ch.dst == device;
       ncclComm_t c = nullptr;
-      check_nccl(ncclCommSplit(world_, member ? 0 : NCCL_SPLIT_NOCOLOR, ch.src == device ? 0 : 1, &c, nullptr), "ncclCommSplit (channel)");
+      ncclConfig_t split_config = config;
+      check_nccl(ncclCommSplit(world_, member ? 0 : NCCL_SPLIT_NOCOLOR, ch.src == device ? 0 : 1, &c, &split_config), "ncclCommSplit (channel)");
       if (member) p2p_[ch] = c;
     }
   }
@@ -187,14 +192,14 @@ class NcclTransport : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_nccl_transport(const core::Program& program, int device, MPI_Comm world) {
-  return std::make_unique<NcclTransport>(program, device, world);
+std::unique_ptr<Transport> make_nccl_transport(const core::Program& program, int device, MPI_Comm world, int max_ctas) {
+  return std::make_unique<NcclTransport>(program, device, world, max_ctas);
 }
 bool nccl_available() { return true; }
 
 #else
 
-std::unique_ptr<Transport> make_nccl_transport(const core::Program&, int, MPI_Comm) {
+std::unique_ptr<Transport> make_nccl_transport(const core::Program&, int, MPI_Comm, int) {
   throw CudaError("this build has no NCCL: multi-GPU runs need it (use --virtual-devices on one GPU)");
 }
 bool nccl_available() { return false; }

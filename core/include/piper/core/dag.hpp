@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -28,6 +29,15 @@ enum class Recompute { None, Selective, Full };
 std::string to_string(Recompute r);                 // "none", "selective", "full"
 Recompute recompute_from_string(const std::string& s);  // throws std::invalid_argument
 bool is_communication(NodeKind k);
+
+// SM partitioning (Piper's sm_partition directive): a static split of every GPU's SMs between its
+// communication streams (every stream but "compute") and its compute stream, as DeepSeek-V3 gives
+// communication 20 of 132 SMs. `stream` names the partitioned stream class; "comm" is the only one.
+struct SmPartition {
+  std::string stream = "comm";
+  int sms = 0;                          // SMs the communication streams run on; compute gets the rest
+  friend bool operator==(const SmPartition&, const SmPartition&) = default;
+};
 
 // Device sets are interned: nodes refer to them by index, so a DP-1024 region costs one int per node.
 // Order matters: the j-th device of a sender set talks to the j-th device of the receiver set.
@@ -116,6 +126,7 @@ class GlobalDag {
   std::string model_name;
   std::vector<Layer> layers;            // the model's layers (passes that re-cost segments read them)
   int microbatches = 1;                 // product of the split counts
+  std::optional<SmPartition> sm_partition;  // set by the sm_partition directive
 
   Vertex add_node(DagNode n) { return boost::add_vertex(std::move(n), graph); }
   void add_edge(Vertex u, Vertex v, DagEdge e) { boost::add_edge(u, v, std::move(e), graph); }

@@ -1,6 +1,6 @@
 // Piper directives: parsing of the JSON program (published format plus Piper's extensions) and the
 // rewrite passes, applied in one fixed order: split -> backward split -> tensor_parallel/recompute ->
-// place -> shard -> replicate -> order.
+// place -> shard -> replicate -> order (sm_partition touches no node: it is recorded for lowering).
 #pragma once
 
 #include <functional>
@@ -77,8 +77,15 @@ struct RecomputeDirective {
   Recompute mode = Recompute::None;
 };
 
+// Piper extension: a static split of every GPU's SMs, `sms` for the communication streams and the rest
+// for compute (core::SmPartition). At most one per program; the SM count is checked against the
+// cluster by the simulator and against the GPU by the CUDA backend, which know them.
+struct SmPartitionDirective {
+  SmPartition partition;
+};
+
 using Directive = std::variant<PlaceDirective, ReplicateDirective, ShardDirective, SplitDirective, OrderDirective,
-                               TensorParallelDirective, RecomputeDirective>;
+                               TensorParallelDirective, RecomputeDirective, SmPartitionDirective>;
 
 
 struct DirectiveProgram {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -122,6 +123,9 @@ struct Program {
   std::vector<CommFamily> families;            // communicator families (explicit groups derivable)
   std::vector<Plan> plans;                     // distinct plans
   std::vector<int> plan_of_device;             // device -> index into plans
+  // The sm_partition directive's split of each GPU's SMs (none: communication and compute share the
+  // SMs dynamically, the cluster's comm_sm_share). In JSON: "sm_partition": {"stream", "sms"}, omitted when none.
+  std::optional<SmPartition> sm_partition;
   ProgramStats stats;                          // not part of equality; informational
 
   const Plan& plan_for(int device) const { return plans.at(static_cast<std::size_t>(plan_of_device.at(static_cast<std::size_t>(device)))); }

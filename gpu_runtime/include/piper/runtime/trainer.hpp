@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "piper/core/program.hpp"
+#include "piper/runtime/checkpoint.hpp"
 #include "piper/runtime/kernels.hpp"
 
 namespace piper::runtime {
@@ -30,6 +31,7 @@ struct TrainOptions {
   int save_every = 0;              // 0: only after the last step
   std::string resume_path;         // checkpoint to continue from (any layout of the same model)
   std::string dump_params_path;   // final parameters in canonical layout (for equivalence tests)
+  std::string calibrate_path;     // measured per-op times as a piper-calibration file (calibrate.hpp)
   double stall_timeout_s = 20;
   bool print = true;
 };
@@ -37,6 +39,7 @@ struct TrainOptions {
 struct TrainResult {
   int first_step = 0;
   std::vector<double> losses;     // one per step run
+  std::vector<double> step_times_s;  // one per step run (slowest rank)
   double step_time_s = 0;         // mean over steps (slowest rank)
   double tokens_per_s = 0;
   // Executor accounting summed over steps on this rank (distributed runs only).
@@ -57,5 +60,23 @@ double max_param_difference(const std::string& path_a, const std::string& path_b
 
 // What identifies a model for checkpoint compatibility: its spec only (never the layout).
 std::string model_fingerprint(const core::Program& program);
+
+// ---- checkpoint steps shared by the host and CUDA trainers (the format is checkpoint.hpp's) ----
+// The header of a checkpoint of `program` after `step` optimizer steps.
+CheckpointInfo checkpoint_info(const core::Program& program, int step);
+// Refuses a --save path that can never be written, before any step runs (std::invalid_argument).
+void check_save_path(const std::string& path);
+// Whether the run saves after `done` steps: every --save-every steps, and after the last one.
+bool saves_after(const TrainOptions& o, int done);
+// Parses a checkpoint and checks that it fits `program`; std::invalid_argument naming `path` otherwise.
+Checkpoint read_compatible_checkpoint(const std::string& path, const std::string& bytes, const core::Program& program);
+// Rank 0 of MPI_COMM_WORLD reads the file and broadcasts it (ranks need not share a file system).
+// Collective. On failure `error` is set (rank 0: the reason; others: "reported by rank 0").
+std::string broadcast_checkpoint_bytes(const std::string& path, int rank, std::string& error);
+// Every rank sends its records of the canonical state to rank 0, which assembles and writes the file
+// atomically. Collective. A failed write stops every rank: std::invalid_argument on rank 0,
+// ReportedByAnotherRank elsewhere.
+void save_distributed(const TrainOptions& o, const core::Program& program, const std::vector<StateRecord>& records, const core::Model& model,
+                      int step, int rank, int size);
 
 }  // namespace piper::runtime

@@ -46,6 +46,25 @@ struct Calibration {
   static Calibration parse(const std::string& text, const std::string& where);
 };
 
+// How fast compute work (CostModel::compute_seconds) progresses on a device, relative to the roofline:
+// `idle` while no communication op runs there, `with_comm` while at least one does (engine.hpp).
+//  * Shared SMs (no sm_partition, the default): compute has every SM until a communication kernel
+//    takes its share: idle = 1, with_comm = 1 - comm_sm_share of the device's GPU.
+//  * sm_partition giving communication s of the GPU's N SMs: compute runs on the other N - s SMs
+//    whether or not communication runs (a static partition, as green contexts make it):
+//    idle = with_comm = (N - s) / N. Communication times are unchanged (bandwidth-bound: the
+//    partition is meant to give them enough SMs to saturate the links, as DeepSeek-V3's 20 do).
+struct ComputeRates {
+  double idle = 1;
+  double with_comm = 1;
+  friend bool operator==(const ComputeRates&, const ComputeRates&) = default;
+};
+// For one GPU model. Throws ClusterError (one line) when the partition does not fit: sms >= N (no SM
+// left for compute) or a GPU spec without sm_count.
+ComputeRates compute_rates(const std::optional<core::SmPartition>& partition, const GpuSpec& gpu);
+// Per device of `program` (indexed by device). Throws like the above, naming the first device that fails.
+std::vector<ComputeRates> compute_rates(const core::Program& program, const Cluster& cluster);
+
 // Per-op override: a value replaces every other estimate of that op (compute or communication).
 using OpOverride = std::function<std::optional<double>(const core::Op&)>;
 
@@ -91,7 +110,8 @@ class CostModel {
   double latency_s(int src, int dst) const;
   double bandwidth_bytes_per_s(int src, int dst) const;
 
-  // Fraction of compute throughput lost on `device` while >= 1 communication op runs there.
+  // Fraction of compute throughput lost on `device` while >= 1 communication op runs there, when the
+  // program does not partition the SMs (compute_rates() covers both cases).
   double comm_sm_share(int device) const { return cluster_.gpu(device).comm_sm_share; }
 
  private:

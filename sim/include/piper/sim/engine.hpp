@@ -13,11 +13,12 @@
 //    group_of(op.family, d); the k-th collective of a family on each member (streams in index order,
 //    ops in order) is one instance. It starts when every member's op is ready and ends for all members
 //    together. Duration: CostModel::collective_op_seconds (analytic engine).
-//  * Compute slowdown by communication: a compute op has work w = CostModel::compute_seconds. While
+//  * Compute speed and communication: a compute op has work w = CostModel::compute_seconds. While
 //    at least one communication op (transfer or collective) is running on the same device, its
-//    remaining work progresses at rate (1 - comm_sm_share(d)); otherwise at rate 1. Only running
-//    comm ops count: one waiting at a rendezvous takes no SMs. (An SM-partition directive can later
-//    set the share per op.)
+//    remaining work progresses at rate compute_rates(d).with_comm (1 - comm_sm_share(d) when SMs
+//    are shared); otherwise at rate compute_rates(d).idle (1 when shared). With the program's
+//    sm_partition both are (N - s) / N (cost_model.hpp). Only running comm ops count: one waiting
+//    at a rendezvous takes no SMs.
 //  * Memory: persistent buffers are allocated at t = 0; a transient buffer is allocated when its
 //    alloc op starts and freed when its free op ends. At equal times frees apply before allocations.
 //  * Step time: the end of the last op on any device (every device starts at t = 0).

@@ -16,7 +16,9 @@
 #include "piper/core/timeline.hpp"
 #include "piper/runtime/backend.hpp"
 #include "piper/runtime/cuda/cuda_model.hpp"
+#include "piper/runtime/cuda/sm_partition.hpp"
 #include "piper/runtime/cuda/transport.hpp"
+#include "piper/runtime/checkpoint.hpp"
 #include "piper/runtime/host_backend.hpp"
 
 namespace piper::runtime::cuda {
@@ -26,6 +28,9 @@ struct CudaConfig {
   std::string data_path;
   host::AdamWConfig adamw;
   DType dtype = DType::F32;
+  // The GPU's SM partition (the program's sm_partition), shared by the virtual devices of one GPU;
+  // null: plain streams, no limits.
+  std::shared_ptr<const SmPartitioner> sm;
 };
 
 class CudaBackend : public Backend {
@@ -47,6 +52,11 @@ class CudaBackend : public Backend {
   int steps_done() const { return steps_done_; }
   void set_steps_done(int steps) { steps_done_ = steps; }
   std::vector<host::ParamRecord> param_records();
+  // Checkpoints in the canonical layout (checkpoint.hpp): this device's records (fp32 masters and
+  // AdamW moments), and the reverse (its shards and chunks of a canonical state; gradients zeroed).
+  std::vector<StateRecord> checkpoint_records();
+  void restore(const CanonicalState& state);
+  const core::Model& model() const { return model_->model(); }
   // The last step's spans measured with CUDA events (start recorded before the op's work is
   // enqueued, end after it), relative to an event recorded at begin_step.
   const core::DeviceTimeline& gpu_timeline() const { return timeline_; }

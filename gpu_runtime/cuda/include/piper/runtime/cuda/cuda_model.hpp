@@ -193,10 +193,18 @@ class CudaModel {
   float* loss_accumulator() const { return loss_.as<float>(); }
   // Copies the device parameters into the host layout and returns HostModel::param_records().
   std::vector<host::ParamRecord> param_records(const Exec& e);
+  // Checkpoints reuse the host's canonical-layout code (checkpoint.hpp), which reads and writes a
+  // host::HostModel: state_to_host copies the fp32 master weights and AdamW moments into the host
+  // layout and returns it (for state_records); state_from_host uploads the host layout's state (after
+  // load_state) to the device: parameters in the storage type, masters, moments, zero gradients.
+  host::HostModel& state_to_host(const Exec& e);
+  host::HostModel& host_state() { return layout_; }
+  void state_from_host(const Exec& e);
 
  private:
   struct Weights;
   Weights weights(int seg, int layer, bool grads);
+  void upload_segment(const Exec& e, const host::SegmentParams& sp, SegmentDevice& d);
   Tensor experts_forward(const Exec& e, int seg, int layer, int first_expert, const std::vector<int>& expert,
                          const Tensor& rows, ExpertsCache& c);
   Tensor experts_backward_input(const Exec& e, int seg, int layer, ExpertsCache& c, const Tensor& dy);

@@ -14,8 +14,9 @@ struct CudaRunOptions {
 };
 
 // Virtual devices: no MPI needed. Otherwise MPI must be initialised with one rank per plan device;
-// rank r uses GPU (local rank mod visible GPUs). Writes the same report, parameter dump and trace
-// files as train_distributed; the trace holds CUDA-event times per op. No checkpoints yet.
+// rank r uses GPU (local rank mod visible GPUs). Writes the same report, parameter dump, trace,
+// checkpoint and calibration files as train_distributed; the trace and the calibration hold CUDA-event
+// times per op. The program's sm_partition is realised once per GPU (sm_partition.hpp).
 TrainResult train_cuda(const core::Program& program, const TrainOptions& options, const CudaRunOptions& cuda);
 
 }  // namespace piper::runtime::cuda

@@ -111,7 +111,9 @@ struct P2PChannel {
 // several streams or its two sides list its transfers in different orders: NCCL would mismatch them.
 std::vector<P2PChannel> p2p_channels(const core::Program& program);
 
-std::unique_ptr<Transport> make_nccl_transport(const core::Program& program, int device, MPI_Comm world);
+// `max_ctas` > 0 caps the CTAs (hence SMs) of every NCCL kernel (ncclConfig_t::maxCTAs): the
+// communication side of an SM partition.
+std::unique_ptr<Transport> make_nccl_transport(const core::Program& program, int device, MPI_Comm world, int max_ctas = 0);
 bool nccl_available();
 
 }  // namespace piper::runtime::cuda
