@@ -80,12 +80,18 @@ void plot_pareto(const sim::TuneSpec& spec, const sim::TuneSummary& s, const std
     throw CliError("", e.what());
   }
 #else
-  (void)spec, (void)s, (void)csv_path;
-  throw CliError(png_path, "this piper was built without Qt 6 Gui, so it cannot draw plots");
+  (void)spec, (void)s, (void)csv_path, (void)png_path;  // run_tune refuses --plot before the search
 #endif
 }
 
 int run_tune(TuneArgs& a) {
+#ifndef PIPER_HAVE_PLOT
+  // Refused before the search, not after it: a search takes minutes and writes the CSV, and the
+  // house rule for bad input is one line and nothing written.
+  if (!a.plot_path.empty())
+    throw CliError("", fmt::format("--plot '{}': this piper was built without Qt 6 Gui, so it cannot draw plots",
+                                   a.plot_path));
+#endif
   sim::TuneSpec& spec = a.spec;
   spec.memory_cap_bytes = a.memory_cap_gib * kGiB;
   spec.placement_search = !a.no_placement;

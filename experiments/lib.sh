@@ -29,8 +29,20 @@ csv_to_md() {
            { printf "|"; for (i=1;i<=NF;i++) printf " %s |", $i; printf "\n" }' "$1"
 }
 
-# has_plot: whether this piper build has the `plot` subcommand (the offscreen Qt plotting library).
-has_plot() { "$PIPER" plot --help >/dev/null 2>&1; }
+# has_plot: whether this piper build can draw (the offscreen Qt plotting library). `piper plot --help`
+# succeeds in a build without Qt 6 Gui too (the subcommand exists and says it cannot draw), so draw one
+# point into a scratch folder instead; the answer is kept for the rest of the study.
+has_plot() {
+  if [ -z "${PIPER_CAN_PLOT:-}" ]; then
+    local scratch
+    scratch=$(mktemp -d)
+    printf 'x,y\n1,1\n' > "$scratch/p.csv"
+    PIPER_CAN_PLOT=0
+    "$PIPER" plot "$scratch/p.csv" --x x --y y -o "$scratch/p.png" >/dev/null 2>&1 && PIPER_CAN_PLOT=1
+    rm -rf "$scratch"
+  fi
+  [ "$PIPER_CAN_PLOT" = 1 ]
+}
 
 # json_num FILE KEY: a top-level number of a piper report.
 json_num() { jq -r ".$2" "$1"; }
