@@ -585,19 +585,19 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
   // Per region and microbatch: the FLOPs, HBM traffic, element-wise traffic and TP bytes of its F and
   // of its B (BI + BW when split), per device under c's layout (recomputed work is in B).
   struct Pass {
-    double flops = 0, memory = 0, elementwise = 0, tp = 0;
-    // An op of f FLOPs takes max(f / (peak * eff(f)), memory / hbm) + launch, where
-    // eff(f) = max_eff * f / (f + half), i.e. f / (peak * eff(f)) = (f + half) / (peak * max_eff); plus
+    double flops = 0, memory = 0, elementwise = 0, tp = 0, kernels = 0;
+    // An op of f FLOPs in k GEMM kernels takes max((f + k * half) / (peak * max_eff), memory / hbm)
+    // + launch (the efficiency curve per kernel, cluster.hpp; an op counts at least one kernel); plus
     // its element-wise kernels and its TP collectives (an all-gather moves (t-1)/t of its bytes
-    // through each device's link). A pass of a region is at least one op, and over its ops the max
-    // of the sums is below the sum of the maxes.
+    // through each device's link). A pass of a region is at least one op whose kernels add up to the
+    // layers' kernels, and over its ops the max of the sums is below the sum of the maxes.
     double seconds(int t) const {
-      return std::max((flops + half_) / flops_rate_, memory / hbm_) + launch_ + elementwise / hbm_ +
+      return std::max((flops + std::max(1.0, kernels) * half_) / flops_rate_, memory / hbm_) + launch_ + elementwise / hbm_ +
              (t > 1 && link_ > 0 ? tp * (t - 1.0) / t / link_ : 0.0);
     }
     double flops_rate_ = 0, hbm_ = 0, link_ = 0, half_ = 0, launch_ = 0;
   };
-  std::vector<Pass> f(static_cast<std::size_t>(place.regions), Pass{0, 0, 0, 0, flops_rate, hbm, link, half, launch}), b = f;
+  std::vector<Pass> f(static_cast<std::size_t>(place.regions), Pass{0, 0, 0, 0, 0, flops_rate, hbm, link, half, launch}), b = f;
   const std::shared_ptr<const std::vector<core::Costs>> layer_costs = shape->costs(c);
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
     const auto r = static_cast<std::size_t>(shape->region_of_layer[i]);
@@ -609,6 +609,8 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     f[r].memory += static_cast<double>(k.forward_memory_bytes) / shard;
     f[r].elementwise += static_cast<double>(k.forward_elementwise_bytes);
     f[r].tp += static_cast<double>(k.forward_tp_bytes);
+    f[r].kernels += k.forward_gemm_kernels;
+    b[r].kernels += k.backward_input_gemm_kernels + k.backward_weight_gemm_kernels;
     b[r].flops += k.backward_flops();
     b[r].memory += static_cast<double>(k.backward_memory_bytes) / shard;
     b[r].elementwise += static_cast<double>(k.backward_elementwise_bytes);
