@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Sets up, builds every target (library, CLI, tests, benchmarks) and runs, in order: with SANITIZE=1
 # the test suite under ASan + UBSan (preset "sanitize" in build-sanitize/: its own build, then CTest;
-# off by default: its cold build adds ~15 minutes on 2 cores and the whole suite has not yet passed
-# under it in one run, docs/reliability.md), a short fuzz run of every libFuzzer harness (preset "fuzz",
+# off by default: its cold build and its tests add ~28 minutes on 2 cores, docs/reliability.md), a short fuzz run of every libFuzzer harness (preset "fuzz",
 # FUZZ_SECONDS each, default 5; SKIP_FUZZ=1 leaves it out), and last the normal test suite through
 # CTest. README command 2; .ci/run runs exactly this. Costs on 2 cores are in docs/reliability.md.
 # Every stage runs even if an earlier one failed (except that nothing runs without the normal build);
