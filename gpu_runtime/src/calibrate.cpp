@@ -9,6 +9,8 @@
 #include <fmt/format.h>
 #include <mpi.h>
 
+#include "piper/runtime/mpi_gather.hpp"
+
 namespace piper::runtime {
 
 using core::OpKind;
@@ -119,13 +121,7 @@ void write_calibration_distributed(const std::string& path, const core::Program&
     flat.push_back(static_cast<double>(step.spans.size()));
     for (const auto& s : step.spans) flat.insert(flat.end(), {s.start_s, s.end_s});
   }
-  int n = static_cast<int>(flat.size());
-  std::vector<int> sizes(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
-  MPI_Gather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
-  int total = 0;
-  for (int i = 0; i < size; ++i) offsets[static_cast<std::size_t>(i)] = total, total += sizes[static_cast<std::size_t>(i)];
-  std::vector<double> all(static_cast<std::size_t>(rank == 0 ? total : 0));
-  MPI_Gatherv(flat.data(), n, MPI_DOUBLE, all.data(), sizes.data(), offsets.data(), MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  const auto [all, offsets, sizes] = gather_on_root(flat);
   if (rank != 0) return;
   CalibrationRecorder recorder(program);
   std::vector<std::size_t> at(static_cast<std::size_t>(size));

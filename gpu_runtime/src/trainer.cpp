@@ -18,6 +18,7 @@
 #include "piper/runtime/calibrate.hpp"
 #include "piper/runtime/checkpoint.hpp"
 #include "piper/runtime/executor.hpp"
+#include "piper/runtime/mpi_gather.hpp"
 #include "piper/runtime/host_backend.hpp"
 
 namespace piper::runtime {
@@ -147,15 +148,8 @@ std::string broadcast_checkpoint_bytes(const std::string& path, int rank, std::s
 }
 
 void save_distributed(const TrainOptions& o, const core::Program& program, const std::vector<StateRecord>& records, const core::Model& model,
-                      int step, int rank, int size) {
-  const std::string mine = serialize_state_records(records);
-  int n = static_cast<int>(mine.size());
-  std::vector<int> sizes(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
-  MPI_Gather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
-  int total = 0;
-  for (int i = 0; i < size; ++i) offsets[static_cast<std::size_t>(i)] = total, total += sizes[static_cast<std::size_t>(i)];
-  std::string all(static_cast<std::size_t>(rank == 0 ? total : 0), '\0');
-  MPI_Gatherv(mine.data(), n, MPI_BYTE, all.data(), sizes.data(), offsets.data(), MPI_BYTE, 0, MPI_COMM_WORLD);
+                      int step, int rank) {
+  const std::string all = gather_on_root(serialize_state_records(records)).all;
   std::string error;
   if (rank == 0) {
     try {
@@ -297,23 +291,16 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
     r.total_s += last.step_seconds;
     r.ops += last.ops;
     if (o.print && rank == 0) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), step_s * 1e3);
-    if (saves_after(o, step + 1)) save_distributed(o, program, state_records(backend->model()), backend->model().model(), step + 1, rank, size);
+    if (saves_after(o, step + 1)) save_distributed(o, program, state_records(backend->model()), backend->model().model(), step + 1, rank);
   }
   const int ran = o.steps - r.first_step;
   r.step_time_s = ran > 0 ? total_step_s / ran : 0;
   r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
 
-  if (!o.save_path.empty() && ran <= 0) save_distributed(o, program, state_records(backend->model()), backend->model().model(), r.first_step, rank, size);
+  if (!o.save_path.empty() && ran <= 0) save_distributed(o, program, state_records(backend->model()), backend->model().model(), r.first_step, rank);
   if (!o.dump_params_path.empty()) {
     const std::string mine = serialize_records(backend->model().param_records());
-    int n = static_cast<int>(mine.size());
-    std::vector<int> sizes(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
-    MPI_Gather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
-    int total = 0;
-    for (int i = 0; i < size; ++i) offsets[static_cast<std::size_t>(i)] = total, total += sizes[static_cast<std::size_t>(i)];
-    std::string all(static_cast<std::size_t>(rank == 0 ? total : 0), '\0');
-    MPI_Gatherv(mine.data(), n, MPI_BYTE, all.data(), sizes.data(), offsets.data(), MPI_BYTE, 0, MPI_COMM_WORLD);
-    if (rank == 0) write_dump(o.dump_params_path, all);
+    if (const auto g = gather_on_root(mine); rank == 0) write_dump(o.dump_params_path, g.all);
   }
   if (!o.trace_path.empty() && ran > 0) {
     // The last step's measured timeline of every device, gathered on rank 0.
@@ -321,13 +308,7 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
     mine.push_back(static_cast<double>(last.timeline.spans.size()));
     for (const auto& s : last.timeline.spans) mine.insert(mine.end(), {static_cast<double>(s.stream), static_cast<double>(s.index), s.start_s, s.end_s});
     for (const auto& m : last.timeline.memory) mine.insert(mine.end(), {m.time_s, static_cast<double>(m.bytes)});
-    int n = static_cast<int>(mine.size());
-    std::vector<int> sizes(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
-    MPI_Gather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
-    int total = 0;
-    for (int i = 0; i < size; ++i) offsets[static_cast<std::size_t>(i)] = total, total += sizes[static_cast<std::size_t>(i)];
-    std::vector<double> all(static_cast<std::size_t>(rank == 0 ? total : 0));
-    MPI_Gatherv(mine.data(), n, MPI_DOUBLE, all.data(), sizes.data(), offsets.data(), MPI_DOUBLE, 0, MPI_COMM_WORLD);
+    const auto [all, offsets, sizes] = gather_on_root(mine);
     if (rank == 0) {
       core::Timeline t;
       t.source = "measured";

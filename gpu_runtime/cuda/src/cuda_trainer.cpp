@@ -22,6 +22,7 @@
 #include "piper/runtime/cuda/cuda_backend.hpp"
 #include "piper/runtime/cuda/sm_partition.hpp"
 #include "piper/runtime/executor.hpp"
+#include "piper/runtime/mpi_gather.hpp"
 
 namespace piper::runtime::cuda {
 
@@ -276,9 +277,9 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
     r.total_s += last.step_seconds;
     r.ops += last.ops;
     if (o.print && rank == 0) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), step_s * 1e3);
-    if (saves_after(o, step + 1)) save_distributed(o, program, backend->checkpoint_records(), backend->model(), step + 1, rank, size);
+    if (saves_after(o, step + 1)) save_distributed(o, program, backend->checkpoint_records(), backend->model(), step + 1, rank);
   }
-  if (!o.save_path.empty() && ran <= 0) save_distributed(o, program, backend->checkpoint_records(), backend->model(), r.first_step, rank, size);
+  if (!o.save_path.empty() && ran <= 0) save_distributed(o, program, backend->checkpoint_records(), backend->model(), r.first_step, rank);
   if (!o.calibrate_path.empty() && ran > 0) {
     write_calibration_distributed(o.calibrate_path, program, calibration, gpu_name(), calibration_source("nccl"));
     if (o.print && rank == 0) fmt::print("calibration ({} steps) -> {}\n", calibration.size(), o.calibrate_path);
@@ -287,27 +288,14 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
   r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
   if (!o.dump_params_path.empty()) {
     const std::string mine = serialize_records(backend->param_records());
-    int bytes = static_cast<int>(mine.size());
-    std::vector<int> sizes(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
-    MPI_Gather(&bytes, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
-    int total = 0;
-    for (int i = 0; i < size; ++i) offsets[static_cast<std::size_t>(i)] = total, total += sizes[static_cast<std::size_t>(i)];
-    std::string all(static_cast<std::size_t>(rank == 0 ? total : 0), '\0');
-    MPI_Gatherv(mine.data(), bytes, MPI_BYTE, all.data(), sizes.data(), offsets.data(), MPI_BYTE, 0, MPI_COMM_WORLD);
-    if (rank == 0) write_dump(o.dump_params_path, all);
+    if (const auto g = gather_on_root(mine); rank == 0) write_dump(o.dump_params_path, g.all);
   }
   if (!o.trace_path.empty() && ran > 0) {
     // Spans as (stream, index, start, end) doubles, gathered on rank 0.
     const core::DeviceTimeline mine = merged(*backend, last);
     std::vector<double> flat;
     for (const auto& s : mine.spans) flat.insert(flat.end(), {static_cast<double>(s.stream), static_cast<double>(s.index), s.start_s, s.end_s});
-    int count = static_cast<int>(flat.size());
-    std::vector<int> sizes(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
-    MPI_Gather(&count, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
-    int total = 0;
-    for (int i = 0; i < size; ++i) offsets[static_cast<std::size_t>(i)] = total, total += sizes[static_cast<std::size_t>(i)];
-    std::vector<double> all(static_cast<std::size_t>(rank == 0 ? total : 0));
-    MPI_Gatherv(flat.data(), count, MPI_DOUBLE, all.data(), sizes.data(), offsets.data(), MPI_DOUBLE, 0, MPI_COMM_WORLD);
+    const auto [all, offsets, sizes] = gather_on_root(flat);
     if (rank == 0) {
       std::vector<core::DeviceTimeline> devices(static_cast<std::size_t>(size));
       for (int d = 0; d < size; ++d)

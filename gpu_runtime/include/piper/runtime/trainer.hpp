@@ -77,6 +77,6 @@ std::string broadcast_checkpoint_bytes(const std::string& path, int rank, std::s
 // atomically. Collective. A failed write stops every rank: std::invalid_argument on rank 0,
 // ReportedByAnotherRank elsewhere.
 void save_distributed(const TrainOptions& o, const core::Program& program, const std::vector<StateRecord>& records, const core::Model& model,
-                      int step, int rank, int size);
+                      int step, int rank);
 
 }  // namespace piper::runtime
