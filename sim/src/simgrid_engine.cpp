@@ -44,6 +44,18 @@ bool is_collective_kind(core::OpKind k) {
          k == core::OpKind::AllToAll;
 }
 
+// Index of an unused element of `pool`: the last one released to `free`, else a new one appended.
+template <class T>
+int take(std::vector<T>& pool, std::vector<int>& free) {
+  if (free.empty()) {
+    pool.emplace_back();
+    return static_cast<int>(pool.size()) - 1;
+  }
+  const int i = free.back();
+  free.pop_back();
+  return i;
+}
+
 // One run of a Program inside the child process.
 class Run {
  public:
@@ -293,14 +305,7 @@ class Run {
   }
 
   int new_slot(SlotKind kind, int owner, int schedule, int participant, int step) {
-    int id;
-    if (!free_slots_.empty()) {
-      id = free_slots_.back();
-      free_slots_.pop_back();
-    } else {
-      id = static_cast<int>(slots_.size());
-      slots_.emplace_back();
-    }
+    const int id = take(slots_, free_slots_);
     Slot& s = slots_[static_cast<std::size_t>(id)];
     s.kind = kind;
     s.owner = owner;
@@ -329,14 +334,7 @@ class Run {
   }
 
   void start_compute(int live, int d, double seconds) {
-    int c;
-    if (!free_computes_.empty()) {
-      c = free_computes_.back();
-      free_computes_.pop_back();
-    } else {
-      c = static_cast<int>(computes_.size());
-      computes_.emplace_back();
-    }
+    const int c = take(computes_, free_computes_);
     Compute& k = computes_[static_cast<std::size_t>(c)];
     k.live = live;
     k.device = d;
@@ -432,14 +430,7 @@ class Run {
   }
 
   void start(Activity a) {
-    int live;
-    if (!free_live_.empty()) {
-      live = free_live_.back();
-      free_live_.pop_back();
-    } else {
-      live = static_cast<int>(live_.size());
-      live_.emplace_back();
-    }
+    const int live = take(live_, free_live_);
     Live& L = live_[static_cast<std::size_t>(live)];
     L.activity = std::move(a);
     L.collective = -1;
@@ -487,14 +478,7 @@ class Run {
           finished_now_.push_back(live);
           break;
         }
-        int c;
-        if (!free_collectives_.empty()) {
-          c = free_collectives_.back();
-          free_collectives_.pop_back();
-        } else {
-          c = static_cast<int>(collectives_.size());
-          collectives_.emplace_back();
-        }
+        const int c = take(collectives_, free_collectives_);
         CollectiveRun& run = collectives_[static_cast<std::size_t>(c)];
         run.live = live;
         run.phases = std::move(phases);
