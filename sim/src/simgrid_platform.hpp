@@ -1,7 +1,7 @@
 // SimGrid platform built from a Cluster: one host per GPU, NVLink and NIC links per GPU, leaf
 // uplinks for oversubscribed fat-trees, and a full routing table over the device pairs a Program
-// uses. Link figures come from the CostModel so that an uncontended transfer costs exactly its
-// alpha + S / B.
+// uses. Link figures are the Cluster's, as the CostModel reads them, so that an uncontended transfer
+// costs exactly its alpha + S / B.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "piper/sim/cluster.hpp"
-#include "piper/sim/cost_model.hpp"
 
 namespace simgrid::s4u {
 class Host;
