@@ -278,6 +278,26 @@ TEST(TensorParallel, Fp32MainGradsByHand) {
   const piper::sim::Cluster cluster = piper::sim::with_devices(piper::sim::load_cluster("dgx-a100-80g"), 4);
   const piper::sim::CostModel cost(cluster);
   EXPECT_NEAR(cost.compute_seconds(fp32, 0, *b32) - cost.compute_seconds(bf16, 0, *b16), 8 * P / 2039e9, 1e-12);
+  // With the backward split (zero-bubble schedules) the accumulation belongs to BW: 8 bytes per
+  // parameter of the stage (its UPD moves 42), nothing in BI.
+  StrategyOptions zb = o;
+  zb.dp = 1;
+  zb.pp = 2;
+  zb.schedule = "zb-h1";
+  zb.microbatches = 2;
+  c.name = "tp-gpt-fp32-zb";
+  const Program split32 = compile_scenario(tp_scenario(write_spec(c), zb)).result.program;
+  c.name = "tp-gpt-bf16-zb";
+  c.training.fp32_main_grads = false;
+  const Program split16 = compile_scenario(tp_scenario(write_spec(c), zb)).result.program;
+  c.training.fp32_main_grads = true;
+  const Op *bi32 = find(split32, OpKind::Compute, Pass::BI), *bi16 = find(split16, OpKind::Compute, Pass::BI);
+  const Op *bw32 = find(split32, OpKind::Compute, Pass::BW), *bw16 = find(split16, OpKind::Compute, Pass::BW);
+  const Op* upd = find(split32, OpKind::Update, Pass::None);
+  ASSERT_TRUE(bi32 && bi16 && bw32 && bw16 && upd);
+  EXPECT_EQ(bi32->elementwise_bytes, bi16->elementwise_bytes);
+  EXPECT_EQ((bw32->elementwise_bytes - bw16->elementwise_bytes) * 42, 8 * upd->memory_bytes);
+  EXPECT_GT(upd->memory_bytes, 0);
   // The spec field round-trips and is type-checked.
   EXPECT_TRUE(config_from_spec_json(config_to_spec_json(c), "round trip").training.fp32_main_grads);
   json spec = config_to_spec_json(c);
