@@ -18,8 +18,10 @@
 #include <iostream>
 #include <set>
 #include <string>
+#include <unordered_map>
 
 #include <simgrid/kernel/Timer.hpp>
+#include <simgrid/kernel/resource/Action.hpp>
 #include <simgrid/s4u.hpp>
 #include <simgrid/simix.hpp>
 
@@ -79,9 +81,25 @@ class Run {
     // tens of GiB of address space.
     sg::Engine::set_config("contexts/stack-size:128");
     using Starter = SimgridOptions::FlowStarter;
-    use_workers_ = options_.flow_starter == Starter::Workers ||
-                   (options_.flow_starter == Starter::Auto && program_.num_devices >= SimgridOptions::kWorkersFromDevices);
-    if (!use_workers_) {
+    use_workers_ = options_.flow_starter == Starter::Workers;
+    use_pool_ = options_.flow_starter == Starter::Pool || options_.flow_starter == Starter::Auto;
+    if (use_pool_) {
+      pool_.resize(kPoolActors);
+      for (int j = 0; j < kPoolActors; ++j) {
+        pool_[static_cast<std::size_t>(j)].wake = sg::Semaphore::create(0);
+        sg::Actor::create("pool" + std::to_string(j), platform_->host(0), [this, j] { pool_loop(j); });
+      }
+    }
+    if (use_pool_) {
+      // Ended flows are released one time advance later: SimGrid posts an Exec's end after the
+      // bookkeeping of that instant has run (see pool_flow_ended).
+      sg::Engine::on_time_advance_cb([this](double) {
+        graveyard_old_.clear();
+        graveyard_old_.swap(graveyard_);
+      });
+      sg::Link::on_communication_state_change_cb(
+          [this](simgrid::kernel::resource::NetworkAction& a, simgrid::kernel::resource::Action::State) { pool_flow_ended(a); });
+    } else if (!use_workers_) {
       sg::Engine::on_time_advance_cb([this](double) { graveyard_.clear(); });
       sg::Activity::on_completion_cb([this](const sg::Activity& a) { comm_completed(a); });
     }
@@ -131,6 +149,19 @@ class Run {
     sg::SemaphorePtr wake;
     int job = -1;  // slot to run when woken; -1: exit
   };
+  // FlowStarter::Pool: a flow is the same two-host Exec, but the bookkeeping starts it itself (in
+  // maestro, no actor switch) from a stock of Execs that pool actors create in batches of kPoolBatch.
+  // An Exec is listed with the actor that created it, so each pool actor's list holds its unused
+  // stock and the live flows of its own batches, not every live flow: a completion scans about one
+  // batch. When the stock runs low, the next pool actor (round robin) is woken to add a batch; it
+  // runs at the same simulated instant, before time advances, and first starts the flows that found
+  // the stock empty. So every flow starts when it is released, as with the other starters.
+  struct PoolActor {
+    sg::SemaphorePtr wake;
+    bool exit = false;
+  };
+  static constexpr int kPoolActors = 64;
+  static constexpr std::size_t kPoolBatch = 32;
   // Compute ops do not become SimGrid Execs: a GPU's compute streams never share a core, so an op of
   // w seconds only ever runs at speed 1, or at 1 - comm_sm_share while a communication runs on its
   // device (engine.hpp), and both changes happen in this class. A timer at the op's end, moved when
@@ -184,7 +215,15 @@ class Run {
   int flows_in_use_ = 0;         // pending or running flows
   std::exception_ptr error_;     // what the bookkeeping threw; the run drains, then it is rethrown
   bool use_workers_ = false;
+  bool use_pool_ = false;
+  std::vector<PoolActor> pool_;
+  std::vector<sg::ExecPtr> stock_;  // Execs created by pool actors, not started yet
+  int next_pool_ = 0;
+  bool refill_asked_ = false, pool_retired_ = false;
   std::vector<sg::ActivityPtr> graveyard_;  // ended Comms, released once time advances (Maestro)
+  std::vector<sg::ActivityPtr> graveyard_old_;  // Pool: ended Execs, released at the second time advance
+  std::unordered_map<const void*, int> flow_of_impl_;  // Pool: running Exec (its ActivityImpl) -> slot
+  std::vector<int> ended_;                              // Pool: flows ended now, bookkeeping pending
   std::vector<Compute> computes_;
   std::vector<int> free_computes_;
   std::vector<std::vector<int>> computing_;  // per device: its running computes
@@ -254,11 +293,19 @@ class Run {
   // After bookkeeping in maestro: start what it released; once no flow runs and no timer is set,
   // nothing can happen any more, so the idle workers exit (SimGrid would report them deadlocked).
   void settle() {
-    dispatch(-1);
+    if (use_workers_) dispatch(-1);
     retire_if_done();
   }
   void retire_if_done() {
     if (!error_ && (flows_in_use_ > 0 || simgrid::kernel::timer::Timer::next() >= 0)) return;
+    if (use_pool_ && !pool_retired_) {
+      pool_retired_ = true;
+      stock_.clear();
+      for (auto& a : pool_) {
+        a.exit = true;
+        a.wake->release();
+      }
+    }
     for (int w : idle_workers_) {
       workers_[static_cast<std::size_t>(w)].job = -1;
       workers_[static_cast<std::size_t>(w)].wake->release();
@@ -292,6 +339,73 @@ class Run {
       if (exit) return;
       job = next;
     }
+  }
+
+  // Pool actor j: on each wake-up, creates a batch of Execs (listed with j) for the stock, and
+  // starts the flows that were waiting for one.
+  void pool_loop(int j) {
+    PoolActor& self = pool_[static_cast<std::size_t>(j)];
+    std::vector<sg::ExecPtr> fresh;
+    for (;;) {
+      self.wake->acquire();
+      if (self.exit) return;
+      // Maestro does not run while this actor does, so pending_ cannot grow before the simcall.
+      const std::size_t n = kPoolBatch + pending_.size();
+      fresh.clear();
+      for (std::size_t i = 0; i < n; ++i) fresh.push_back(sg::Exec::init());
+      simgrid::kernel::actor::simcall_answered([this, &fresh] {
+        refill_asked_ = false;
+        for (auto& e : fresh) stock_.push_back(std::move(e));
+        std::vector<int> waiting;
+        waiting.swap(pending_);
+        for (int id : waiting) launch(id);
+        if (stock_.size() < kPoolBatch / 2) ask_refill();
+        retire_if_done();
+      });
+    }
+  }
+
+  void ask_refill() {
+    if (refill_asked_ || pool_retired_) return;
+    refill_asked_ = true;
+    pool_[static_cast<std::size_t>(next_pool_)].wake->release();
+    next_pool_ = (next_pool_ + 1) % kPoolActors;
+  }
+
+  // Starts flow `id` on an Exec from the stock (maestro).
+  void launch(int id) {
+    Slot& s = slots_[static_cast<std::size_t>(id)];
+    sg::ExecPtr e = std::move(stock_.back());
+    stock_.pop_back();
+    e->set_hosts({platform_->host(s.src), platform_->host(s.dst)});
+    e->set_flops_amounts({0.0, 0.0});
+    e->set_bytes_amounts({0.0, s.units, 0.0, 0.0});
+    e->start();
+    flow_of_impl_.emplace(e->get_impl(), id);
+    s.comm = std::move(e);
+  }
+
+  // Pool: SimGrid signals that a network action changed state. It does so while it updates its
+  // actions, where starting new ones is not safe, and an Exec that nobody waits for fires no
+  // s4u::Activity::on_completion; so the flow's end is noted here and its bookkeeping runs in a
+  // timer at the same instant (SimGrid runs timers due now right after the update).
+  // NetworkAction is only declared in SimGrid's public headers; it derives from Action alone, so
+  // it is that Action.
+  void pool_flow_ended(simgrid::kernel::resource::NetworkAction& network_action) {
+    const auto& action = reinterpret_cast<const simgrid::kernel::resource::Action&>(network_action);
+    if (action.get_state() != simgrid::kernel::resource::Action::State::FINISHED) return;
+    const auto it = flow_of_impl_.find(action.get_activity());
+    if (it == flow_of_impl_.end()) return;
+    const int id = it->second;
+    flow_of_impl_.erase(it);
+    graveyard_.push_back(std::move(slots_[static_cast<std::size_t>(id)].comm));
+    if (ended_.empty())
+      at(now(), [this] {
+        std::vector<int> ended;
+        ended.swap(ended_);
+        for (int flow : ended) flow_ended(flow);
+      });
+    ended_.push_back(id);
   }
 
   void run_flow(int id) {
@@ -400,6 +514,16 @@ class Run {
       pending_.push_back(id);
       return;
     }
+    if (use_pool_) {
+      if (stock_.empty()) {
+        pending_.push_back(id);
+        ask_refill();
+        return;
+      }
+      launch(id);
+      if (stock_.size() < kPoolBatch / 2) ask_refill();
+      return;
+    }
     sg::CommPtr comm = sg::Comm::sendto_init(platform_->host(src), platform_->host(dst));
     comm->set_payload_size(static_cast<std::uint64_t>(s.units));
     comm->set_data(reinterpret_cast<void*>(static_cast<std::uintptr_t>(id) + 1));
@@ -408,7 +532,7 @@ class Run {
   }
 
   void comm_completed(const sg::Activity& a) {
-    if (a.get_state() != sg::Activity::State::FINISHED) return;
+    if (a.get_state() != sg::Activity::State::FINISHED || a.get_data<void>() == nullptr) return;
     const auto id = static_cast<std::size_t>(reinterpret_cast<std::uintptr_t>(a.get_data<void>()) - 1);
     graveyard_.push_back(std::move(slots_[id].comm));
     guarded([this, id] { flow_ended(static_cast<int>(id)); });

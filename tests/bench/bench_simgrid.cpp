@@ -2,7 +2,7 @@
 // times the analytic engine and the SimGrid engine (rounds of rings unmerged, and merged into at most
 // 32 steps) and prints their step times. Prints figures; asserts nothing.
 // Usage: bench_simgrid [--dp N] [--microbatches N] [--model NAME] [--max-ring-steps q ...]
-//                      [--flow-starter auto|maestro|workers]
+//                      [--flow-starter auto|maestro|workers|pool]
 #include <sys/resource.h>
 
 #include <chrono>
@@ -46,8 +46,9 @@ int main(int argc, char** argv) {
       if (v == "auto") starter = sim::SimgridOptions::FlowStarter::Auto;
       else if (v == "maestro") starter = sim::SimgridOptions::FlowStarter::Maestro;
       else if (v == "workers") starter = sim::SimgridOptions::FlowStarter::Workers;
+      else if (v == "pool") starter = sim::SimgridOptions::FlowStarter::Pool;
       else {
-        std::fprintf(stderr, "bench_simgrid: --flow-starter must be auto, maestro or workers, not '%s'\n", v.c_str());
+        std::fprintf(stderr, "bench_simgrid: --flow-starter must be auto, maestro, workers or pool, not '%s'\n", v.c_str());
         return 2;
       }
     }

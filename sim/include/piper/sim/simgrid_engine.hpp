@@ -22,8 +22,11 @@ struct SimgridOptions {
   //  * Workers: a flow is a two-host parallel Exec (no flops), the same CM02 network action,
   //    created and waited for by a pool of worker actors. More work per flow (actor switches), but
   //    the cost of a completion does not grow with the number of live flows.
-  //  * Auto: Workers from kWorkersFromDevices devices up, Maestro below.
-  enum class FlowStarter { Auto, Maestro, Workers };
+  //  * Pool: a flow is the same two-host Exec, started by the bookkeeping itself from a stock of
+  //    Execs that a few pool actors create in batches. Each actor's list holds about one batch,
+  //    and a flow costs no actor switch (one per batch).
+  //  * Auto: Pool.
+  enum class FlowStarter { Auto, Maestro, Workers, Pool };
   FlowStarter flow_starter = FlowStarter::Auto;
   static constexpr int kWorkersFromDevices = 4096;
 };
