@@ -72,6 +72,8 @@ class Run {
     times_.assign(static_cast<std::size_t>(2 * tracker_.total_ops()), 0.0);
     comm_active_.assign(static_cast<std::size_t>(n), 0);
     computing_.resize(static_cast<std::size_t>(n));
+    link_flows_.assign(static_cast<std::size_t>(platform_->num_links()), 0);
+    link_merge_.assign(static_cast<std::size_t>(platform_->num_links()), -1);
   }
 
   // Simulates; returns op (start, end) times for every device in (stream, index) order.
@@ -181,8 +183,25 @@ class Run {
   struct ScheduleState {
     const RoundSchedule* s = nullptr;
     int rounds_per_step = 1, steps = 0;
+    int merge = -1;  // index into merges_ while the ring runs merged
     std::vector<int> sends_done;
     std::vector<char> inflight, received;   // received[step * n + i]
+  };
+  // A ring whose steps run merged (SimgridOptions::merge_lone_rings): when a ring phase starts with
+  // every hop on its own links (no flow on them, no two hops sharing one) and every hop has the same
+  // latency and lone-flow rate, each participant's step j runs alone from start + j * period, a
+  // latency then units / rate of transfer, in lockstep with the others: that is what the max-min
+  // model gives a flow alone on its links. So the ring needs no flow at all while nothing else
+  // touches its links: one timer at start + steps * period ends it. Its links are held; a flow that
+  // starts on one of them first splits the ring (split_merge): the steps done so far are counted as
+  // done, and each participant's current step is put back as it would be at that instant (the rest
+  // of its latency on a timer, or a flow with the bytes it has left), so the run goes on as if
+  // never merged.
+  struct Merge {
+    int collective = -1, schedule = -1;
+    double start = 0, period = 0, latency = 0, units = 0, rate = 0;
+    simgrid::kernel::timer::Timer* timer = nullptr;
+    std::vector<int> links;
   };
   struct CollectiveRun {
     int live = -1;
@@ -227,6 +246,10 @@ class Run {
   std::vector<Compute> computes_;
   std::vector<int> free_computes_;
   std::vector<std::vector<int>> computing_;  // per device: its running computes
+  std::vector<int> link_flows_;              // per platform link: flows on it now
+  std::vector<int> link_merge_;              // per platform link: the merge holding it, or -1
+  std::vector<Merge> merges_;
+  std::vector<int> free_merges_;
 
   static double now() { return sg::Engine::get_clock(); }
 
@@ -505,6 +528,13 @@ class Run {
   }
 
   void start_flow(int src, int dst, double bytes, SlotKind kind, int owner, int schedule, int participant, int step) {
+    int links[simgrid_detail::Platform::kMaxRouteLinks];
+    const int nlinks = platform_->route_links(src, dst, links);
+    for (int l = 0; l < nlinks; ++l) {
+      const int m = link_merge_[static_cast<std::size_t>(links[l])];
+      if (m >= 0) split_merge(m);
+    }
+    for (int l = 0; l < nlinks; ++l) ++link_flows_[static_cast<std::size_t>(links[l])];
     const int id = new_slot(kind, owner, schedule, participant, step);
     Slot& s = slots_[static_cast<std::size_t>(id)];
     s.src = src;
@@ -642,8 +672,123 @@ class Run {
       run.flows_left += static_cast<std::int64_t>(st.steps) * s.size();
     }
     if (run.flows_left == 0) return finish_collective(c);
-    for (std::size_t k = 0; k < run.states.size(); ++k)
+    for (std::size_t k = 0; k < run.states.size(); ++k) {
+      if (options_.merge_lone_rings && try_merge(c, static_cast<int>(k))) continue;
       for (int i = 0; i < run.states[k].s->size(); ++i) try_flow(c, static_cast<int>(k), i);
+    }
+  }
+
+  // Runs schedule k of collective c merged if it is a ring alone on its links (see Merge).
+  bool try_merge(int c, int k) {
+    ScheduleState& st = collectives_[static_cast<std::size_t>(c)].states[static_cast<std::size_t>(k)];
+    const RoundSchedule& s = *st.s;
+    if (s.pattern != RoundSchedule::Pattern::Ring || st.rounds_per_step != 1 || st.steps < 2) return false;
+    const int n = s.size();
+    // The payload as start_flow gives it to SimGrid.
+    const double units = static_cast<double>(std::llround(std::max(0.0, s.chunk_bytes) * kUnitsPerByte));
+    if (units <= 0) return false;
+    const int first = s.devices[0], second = s.devices[static_cast<std::size_t>(s.target(0, 0))];
+    const double latency = platform_->route_latency_s(first, second), rate = platform_->route_rate_units(first, second);
+    std::vector<int> links;
+    int route[simgrid_detail::Platform::kMaxRouteLinks];
+    for (int i = 0; i < n; ++i) {
+      const int src = s.devices[static_cast<std::size_t>(i)], dst = s.devices[static_cast<std::size_t>(s.target(0, i))];
+      if (platform_->route_latency_s(src, dst) != latency || platform_->route_rate_units(src, dst) != rate) return false;
+      const int k2 = platform_->route_links(src, dst, route);
+      for (int l = 0; l < k2; ++l) {
+        const auto lu = static_cast<std::size_t>(route[l]);
+        if (link_flows_[lu] > 0 || link_merge_[lu] >= 0) return false;
+        links.push_back(route[l]);
+      }
+    }
+    std::sort(links.begin(), links.end());
+    if (std::adjacent_find(links.begin(), links.end()) != links.end()) return false;
+    const int m = take(merges_, free_merges_);
+    Merge& M = merges_[static_cast<std::size_t>(m)];
+    M.collective = c;
+    M.schedule = k;
+    M.start = now();
+    M.latency = latency;
+    M.units = units;
+    M.rate = rate;
+    M.period = latency + units / rate;
+    M.links = std::move(links);
+    for (int l : M.links) link_merge_[static_cast<std::size_t>(l)] = m;
+    st.merge = m;
+    M.timer = at(M.start + st.steps * M.period, [this, m] { merge_done(m); });
+    return true;
+  }
+
+  void release_links(int m) {
+    for (int l : merges_[static_cast<std::size_t>(m)].links)
+      if (link_merge_[static_cast<std::size_t>(l)] == m) link_merge_[static_cast<std::size_t>(l)] = -1;
+    merges_[static_cast<std::size_t>(m)].links.clear();
+  }
+
+  // The merged ring's last steps end now.
+  void merge_done(int m) {
+    Merge& M = merges_[static_cast<std::size_t>(m)];
+    M.timer = nullptr;  // SimGrid deletes a timer after running it
+    release_links(m);
+    const int c = M.collective, k = M.schedule;
+    free_merges_.push_back(m);
+    CollectiveRun& run = collectives_[static_cast<std::size_t>(c)];
+    ScheduleState& st = run.states[static_cast<std::size_t>(k)];
+    st.merge = -1;
+    std::fill(st.sends_done.begin(), st.sends_done.end(), st.steps);
+    run.flows_left -= static_cast<std::int64_t>(st.steps) * st.s->size();
+    if (run.flows_left == 0) {
+      if (++run.phase < run.phases.size())
+        start_phase(c);
+      else
+        finish_collective(c);
+    }
+    pump();
+  }
+
+  // A flow is about to start on a link of merged ring m: put the ring back into its unmerged state
+  // at this instant (see Merge) and free its links.
+  void split_merge(int m) {
+    Merge& M = merges_[static_cast<std::size_t>(m)];
+    const double t = now();
+    const double elapsed = t - M.start;
+    int j = static_cast<int>(std::floor(elapsed / M.period));
+    double into = elapsed - j * M.period;
+    const int c = M.collective, k = M.schedule;
+    ScheduleState& st = collectives_[static_cast<std::size_t>(c)].states[static_cast<std::size_t>(k)];
+    bool in_latency = into < M.latency;
+    double left = 0;  // units left of step j's flow
+    if (!in_latency) {
+      left = M.units - (into - M.latency) * M.rate;
+      if (std::llround(left) <= 0) {  // step j's flows end now: step j + 1 starts its latency
+        ++j;
+        into = 0;
+        in_latency = true;
+      }
+    }
+    release_links(m);
+    if (j >= st.steps) return;  // the ring ends now: its timer (due now) does the bookkeeping
+    M.timer->remove();
+    M.timer = nullptr;
+    free_merges_.push_back(m);
+    st.merge = -1;
+    CollectiveRun& run = collectives_[static_cast<std::size_t>(c)];
+    const RoundSchedule& s = *st.s;
+    const int n = s.size();
+    run.flows_left -= static_cast<std::int64_t>(j) * n;
+    for (int i = 0; i < n; ++i) {
+      st.sends_done[static_cast<std::size_t>(i)] = j;
+      st.inflight[static_cast<std::size_t>(i)] = 1;
+      for (int done = 0; done < j; ++done) st.received[static_cast<std::size_t>(done) * static_cast<std::size_t>(n) + static_cast<std::size_t>(i)] = 1;
+    }
+    const double latency_left = M.latency - into, chunk = s.chunk_bytes;
+    for (int i = 0; i < n; ++i) {
+      const int src = s.devices[static_cast<std::size_t>(i)], dst = s.devices[static_cast<std::size_t>(s.target(j, i))];
+      if (in_latency)
+        start_comm(src, dst, chunk, latency_left, SlotKind::Flow, c, k, i, j);
+      else
+        start_flow(src, dst, left / kUnitsPerByte, SlotKind::Flow, c, k, i, j);
+    }
   }
 
   // Participant i starts its next step once its previous send and its previous receive are done.
@@ -651,7 +796,7 @@ class Run {
     ScheduleState& st = collectives_[static_cast<std::size_t>(c)].states[static_cast<std::size_t>(k)];
     const auto iu = static_cast<std::size_t>(i);
     const int step = st.sends_done[iu];
-    if (st.inflight[iu] || step >= st.steps) return;
+    if (st.merge >= 0 || st.inflight[iu] || step >= st.steps) return;
     if (step > 0 && !st.received[static_cast<std::size_t>(step - 1) * static_cast<std::size_t>(st.s->size()) + iu]) return;
     st.inflight[iu] = 1;
     const int first_round = step * st.rounds_per_step;
@@ -714,6 +859,9 @@ class Run {
   void flow_ended(int id) {
     const Slot s = slots_[static_cast<std::size_t>(id)];
     free_slots_.push_back(id);
+    int links[simgrid_detail::Platform::kMaxRouteLinks];
+    const int nlinks = platform_->route_links(s.src, s.dst, links);
+    for (int l = 0; l < nlinks; ++l) --link_flows_[static_cast<std::size_t>(links[l])];
     --flows_in_use_;
     switch (s.kind) {
       case SlotKind::Activity:

@@ -49,11 +49,23 @@ class Platform {
   // between nodes (half of it charged to each end).
   double route_latency_s(int src, int dst) const;
   const std::vector<int>& node_of() const { return node_of_; }
+  // The links of the route src -> dst (as built above), as ids in [0, num_links()), written to
+  // `out` (at most kMaxRouteLinks; returns how many); and the rate a flow alone on that route gets
+  // (its thinnest link, in kUnitsPerByte units per second). The engine uses them to know which
+  // flows share a link (simgrid_engine.cpp, exact ring merging).
+  static constexpr int kMaxRouteLinks = 4;
+  int route_links(int src, int dst, int* out) const;
+  double route_rate_units(int src, int dst) const;
+  int num_links() const { return static_cast<int>(link_rate_.size()); }
 
  private:
   std::vector<int> node_of_;
   std::vector<simgrid::s4u::Host*> hosts_;
   std::vector<double> nvlink_latency_half_, network_latency_half_;
+  bool thin_leaf_ = false;
+  int num_devices_ = 0;
+  std::vector<double> link_rate_;  // by link id: 4d nvlink up, 4d+1 nvlink down, 4d+2 net up, 4d+3 net down
+                                   // of device d; 4D+2n leaf up, 4D+2n+1 leaf down of node n (D devices)
 };
 
 }  // namespace piper::sim::simgrid_detail
