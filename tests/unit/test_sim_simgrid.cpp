@@ -182,7 +182,8 @@ TEST_P(SimgridEngine, RingAllReduceMatchesClosedForm) {
 
 // 1,024 ranks on one NVLink fabric with rounds merged into 64 steps per ring (SimgridOptions::
 // max_ring_steps): the merged step adds (c-1) route latencies, so the closed form is unchanged.
-// (Unmerged, 1,024 ranks are 2.1 M flows: ~40 s of SimGrid, too slow for a unit test.)
+// Exact (max_ring_steps 0) the ring is alone on its links, so it runs merged as one timer
+// (SimgridOptions::merge_lone_rings; as 2.1 M flows it took ~40 s of SimGrid): within 1e-9.
 TEST_P(SimgridEngine, RingAllReduceOn1024RanksWithMergedRounds) {
   const int n = 1024;
   const double S = 4e9;
@@ -190,6 +191,8 @@ TEST_P(SimgridEngine, RingAllReduceOn1024RanksWithMergedRounds) {
   const double want = 2 * (n - 1) * 2e-6 + 2.0 * (n - 1) / n * S / (450 * kGB);
   const double got = simgrid_step(collective_program(OpKind::AllReduce, n, static_cast<std::int64_t>(S), {iota(n)}), c, 64);
   EXPECT_LE(rel(got, want), 1e-3) << got << " s vs " << want << " s";
+  const double exact = simgrid_step(collective_program(OpKind::AllReduce, n, static_cast<std::int64_t>(S), {iota(n)}), c, 0);
+  EXPECT_LE(rel(exact, want), 1e-9) << exact << " s vs " << want << " s";
 }
 
 // Reduce-scatter and all-gather: (n-1) alpha + (n-1)/n S / B; all-to-all (pairwise exchange):
