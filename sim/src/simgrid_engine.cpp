@@ -1,6 +1,7 @@
 // The "simgrid" engine: runs a Program on a SimGrid platform built from the Cluster, releasing each
-// op (transfer as one network flow, collective as rounds of flows, compute and fixed delays as
-// SimGrid timers) as the ReadyTracker frees it; worker actors run the flows (see Run::Worker).
+// op (transfer as one network flow, collective as rounds of flows or, for a ring alone on its links,
+// one timer; compute and fixed delays as SimGrid timers) as the ReadyTracker frees it; flows are
+// started from a stock of Execs made by pool actors (see Run::PoolActor) or as SimgridOptions says.
 // SimGrid 3.32 cannot be initialised twice in a process, so every run happens in a forked child that
 // sends the op times back through a pipe.
 #include "piper/sim/simgrid_engine.hpp"
@@ -78,9 +79,9 @@ class Run {
 
   // Simulates; returns op (start, end) times for every device in (stream, index) order.
   std::vector<double> simulate() {
-    // A worker only creates, starts and waits for one flow at a time (its bookkeeping runs in
-    // maestro): a small stack is enough, and thousands of SimGrid's default 8 MiB would reserve
-    // tens of GiB of address space.
+    // A worker only creates, starts and waits for one flow at a time, and a pool actor only creates
+    // Execs (the bookkeeping runs in maestro): a small stack is enough, and thousands of SimGrid's
+    // default 8 MiB would reserve tens of GiB of address space.
     sg::Engine::set_config("contexts/stack-size:128");
     using Starter = SimgridOptions::FlowStarter;
     use_workers_ = options_.flow_starter == Starter::Workers;
@@ -91,8 +92,6 @@ class Run {
         pool_[static_cast<std::size_t>(j)].wake = sg::Semaphore::create(0);
         sg::Actor::create("pool" + std::to_string(j), platform_->host(0), [this, j] { pool_loop(j); });
       }
-    }
-    if (use_pool_) {
       // Ended flows are released one time advance later: SimGrid posts an Exec's end after the
       // bookkeeping of that instant has run (see pool_flow_ended).
       sg::Engine::on_time_advance_cb([this](double) {
