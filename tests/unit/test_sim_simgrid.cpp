@@ -469,6 +469,44 @@ TEST(SimgridMergedRings, EqualUnmergedOpByOp) {
   }
 }
 
+// The same on qwen3-9b (MoE) programs of every schedule family, compiled for 32 GPUs: DP replicas
+// spread over four nodes (hierarchical collectives: intra-node rings, then inter-node rings), EP
+// all-to-alls and pipeline transfers on the same NVLink and network ports, ZeRO 1-3; on dgx-h200
+// (rail-optimized) and on the mixed H100/A100 cluster (a 2:1 fat-tree: inter-node rings share leaf
+// uplinks, and the A100 node's links are slower, so some rings are not alike and never merge).
+TEST(SimgridMergedRings, EqualUnmergedOnCompiledPrograms) {
+  struct Config {
+    std::string schedule;
+    int pp, dp, ep, zero;
+    std::string cluster;
+  };
+  const std::string mixed = PIPER_SOURCE_DIR "/examples/clusters/mixed-h100-a100.json";
+  const std::vector<Config> configs = {{"1f1b", 4, 8, 4, 0, "dgx-h200"},  {"interleaved-1f1b", 4, 8, 1, 1, "dgx-h200"},
+                                       {"zb-h1", 4, 8, 1, 2, "dgx-h200"}, {"dualpipev", 4, 8, 8, 3, "dgx-h200"},
+                                       {"1f1b", 4, 8, 1, 1, mixed},       {"zb-v", 2, 16, 8, 1, mixed}};
+  for (const auto& c : configs) {
+    core::Scenario s;
+    s.model = "qwen3-9b";
+    s.strategy.schedule = c.schedule;
+    s.strategy.pp = c.pp;
+    s.strategy.dp = c.dp;
+    s.strategy.ep = c.ep;
+    s.strategy.zero = c.zero;
+    s.strategy.microbatches = 8;
+    auto compiled = core::compile_scenario(s);
+    auto program = std::make_shared<const core::Program>(std::move(compiled.result.program));
+    const sim::Cluster cluster = sim::with_devices(sim::load_cluster(c.cluster), program->num_devices);
+    sim::SimgridOptions merged, unmerged;
+    unmerged.merge_lone_rings = false;
+    const core::Timeline a = run_engine(*sim::make_simgrid_engine(merged), program, cluster);
+    const core::Timeline b = run_engine(*sim::make_simgrid_engine(unmerged), program, cluster);
+    const std::string what = c.schedule + " PP" + std::to_string(c.pp) + " DP" + std::to_string(c.dp) + " EP" + std::to_string(c.ep) +
+                             " ZeRO-" + std::to_string(c.zero) + " on " + c.cluster;
+    EXPECT_GT(b.step_time_s, 0) << what;
+    EXPECT_LE(max_span_difference(a, b), 1e-12) << what;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(FlowStarters, SimgridEngine,
                          ::testing::Values(sim::SimgridOptions::FlowStarter::Maestro, sim::SimgridOptions::FlowStarter::Workers,
                                            sim::SimgridOptions::FlowStarter::Pool),
