@@ -31,7 +31,8 @@ struct SimgridOptions {
   //  * Pool: a flow is the same two-host Exec, started by the bookkeeping itself from a stock of
   //    Execs that 64 pool actors create in batches of 32. SimGrid lists an Exec with the actor that
   //    created it, so a completion scans about one batch, and a flow costs no actor switch (one
-  //    wake-up per batch). The fastest at every size measured (128 to 8,192 GPUs).
+  //    wake-up per batch). The fastest measured at 1,024 and 8,192 GPUs (at 128 GPUs every
+  //    starter takes a fraction of a second).
   //  * Auto: Pool.
   enum class FlowStarter { Auto, Maestro, Workers, Pool };
   FlowStarter flow_starter = FlowStarter::Auto;
