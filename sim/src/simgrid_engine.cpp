@@ -1,6 +1,6 @@
 // The "simgrid" engine: runs a Program on a SimGrid platform built from the Cluster, releasing each
-// op (transfer as one network flow, collective as rounds of flows or, for a ring alone on its links,
-// one timer; compute and fixed delays as SimGrid timers) as the ReadyTracker frees it; flows are
+// op (transfer as one network flow, collective as rounds of flows or, for a schedule alone on its
+// links, one timer; compute and fixed delays as SimGrid timers) as the ReadyTracker frees it; flows are
 // started from a stock of Execs made by pool actors (see Run::PoolActor) or as SimgridOptions says.
 // SimGrid 3.32 cannot be initialised twice in a process, so every run happens in a forked child that
 // sends the op times back through a pipe.
@@ -186,19 +186,21 @@ class Run {
     std::vector<int> sends_done;
     std::vector<char> inflight, received;   // received[step * n + i]
   };
-  // A ring whose steps run merged (SimgridOptions::merge_lone_rings): when a ring phase starts with
-  // every hop on its own links (no flow on them, no two hops sharing one) and every hop has the same
-  // latency and lone-flow rate, each participant's step j runs alone from start + j * period, a
-  // latency then units / rate of transfer, in lockstep with the others: that is what the max-min
-  // model gives a flow alone on its links. So the ring needs no flow at all while nothing else
-  // touches its links: one timer at start + steps * period ends it. Its links are held; a flow that
-  // starts on one of them first splits the ring (split_merge): the steps done so far are counted as
-  // done, and each participant's current step is put back as it would be at that instant (the rest
-  // of its latency on a timer, or a flow with the bytes it has left), so the run goes on as if
-  // never merged.
+  // A schedule whose rounds run merged (SimgridOptions::merge_lone_collectives): when a schedule (a ring,
+  // or a pairwise all-to-all) starts with its links free (no flow on them), no two flows of a round
+  // sharing a link, and all flows of a round alike (same route latency and lone-flow rate), each
+  // participant's round j runs alone from start + offset[j], a latency then units / rate of
+  // transfer, in lockstep with the others: that is what the max-min model gives a flow alone on its
+  // links. So the schedule needs no flow at all while nothing else touches its links: one timer at
+  // start + offset[rounds] ends it. Its links are held; a flow that starts on one of them first
+  // splits the schedule (split_merge): the rounds done so far are counted as done, and each
+  // participant's current round is put back as it would be at that instant (the rest of its latency
+  // on a timer, or a flow with the bytes it has left), so the run goes on as if never merged.
   struct Merge {
     int collective = -1, schedule = -1;
-    double start = 0, period = 0, latency = 0, units = 0, rate = 0;
+    double start = 0, units = 0;
+    std::vector<double> offset;            // round j starts at start + offset[j]; offset[rounds]: the end
+    std::vector<double> latency, rate;     // per round (rate in units per second)
     simgrid::kernel::timer::Timer* timer = nullptr;
     std::vector<int> links;
   };
@@ -672,49 +674,69 @@ class Run {
     }
     if (run.flows_left == 0) return finish_collective(c);
     for (std::size_t k = 0; k < run.states.size(); ++k) {
-      if (options_.merge_lone_rings && try_merge(c, static_cast<int>(k))) continue;
+      if (options_.merge_lone_collectives && try_merge(c, static_cast<int>(k))) continue;
       for (int i = 0; i < run.states[k].s->size(); ++i) try_flow(c, static_cast<int>(k), i);
     }
   }
 
-  // Runs schedule k of collective c merged if it is a ring alone on its links (see Merge).
+  // Runs schedule k of collective c merged if its rounds run alone on their links (see Merge).
   bool try_merge(int c, int k) {
     ScheduleState& st = collectives_[static_cast<std::size_t>(c)].states[static_cast<std::size_t>(k)];
     const RoundSchedule& s = *st.s;
-    if (s.pattern != RoundSchedule::Pattern::Ring || st.rounds_per_step != 1 || st.steps < 2) return false;
+    if (st.rounds_per_step != 1 || st.steps < 2) return false;
     const int n = s.size();
     // The payload as start_flow gives it to SimGrid.
     const double units = static_cast<double>(std::llround(std::max(0.0, s.chunk_bytes) * kUnitsPerByte));
     if (units <= 0) return false;
-    const int first = s.devices[0], second = s.devices[static_cast<std::size_t>(s.target(0, 0))];
-    const double latency = platform_->route_latency_s(first, second), rate = platform_->route_rate_units(first, second);
-    std::vector<int> links;
+    const bool ring = s.pattern == RoundSchedule::Pattern::Ring;
+    // A ring's rounds all use the same pairs, so its first round stands for all.
+    const int distinct_rounds = ring ? 1 : st.steps;
+    std::vector<double> latency(static_cast<std::size_t>(distinct_rounds)), rate(latency.size());
+    std::vector<int> links, round_links;
     int route[simgrid_detail::Platform::kMaxRouteLinks];
-    for (int i = 0; i < n; ++i) {
-      const int src = s.devices[static_cast<std::size_t>(i)], dst = s.devices[static_cast<std::size_t>(s.target(0, i))];
-      if (platform_->route_latency_s(src, dst) != latency || platform_->route_rate_units(src, dst) != rate) return false;
-      const int k2 = platform_->route_links(src, dst, route);
-      for (int l = 0; l < k2; ++l) {
-        const auto lu = static_cast<std::size_t>(route[l]);
-        if (link_flows_[lu] > 0 || link_merge_[lu] >= 0) return false;
-        links.push_back(route[l]);
+    for (int j = 0; j < distinct_rounds; ++j) {
+      const int first = s.devices[0], second = s.devices[static_cast<std::size_t>(s.target(j, 0))];
+      const double lat = platform_->route_latency_s(first, second), r = platform_->route_rate_units(first, second);
+      round_links.clear();
+      for (int i = 0; i < n; ++i) {
+        const int src = s.devices[static_cast<std::size_t>(i)], dst = s.devices[static_cast<std::size_t>(s.target(j, i))];
+        if (platform_->route_latency_s(src, dst) != lat || platform_->route_rate_units(src, dst) != r) return false;
+        const int count = platform_->route_links(src, dst, route);
+        for (int l = 0; l < count; ++l) {
+          const auto lu = static_cast<std::size_t>(route[l]);
+          if (link_flows_[lu] > 0 || link_merge_[lu] >= 0) return false;
+          round_links.push_back(route[l]);
+        }
       }
+      std::sort(round_links.begin(), round_links.end());
+      if (std::adjacent_find(round_links.begin(), round_links.end()) != round_links.end()) return false;
+      links.insert(links.end(), round_links.begin(), round_links.end());
+      latency[static_cast<std::size_t>(j)] = lat;
+      rate[static_cast<std::size_t>(j)] = r;
     }
     std::sort(links.begin(), links.end());
-    if (std::adjacent_find(links.begin(), links.end()) != links.end()) return false;
+    links.erase(std::unique(links.begin(), links.end()), links.end());
     const int m = take(merges_, free_merges_);
     Merge& M = merges_[static_cast<std::size_t>(m)];
     M.collective = c;
     M.schedule = k;
     M.start = now();
-    M.latency = latency;
     M.units = units;
-    M.rate = rate;
-    M.period = latency + units / rate;
+    M.latency.resize(static_cast<std::size_t>(st.steps));
+    M.rate.resize(M.latency.size());
+    M.offset.resize(M.latency.size() + 1);
+    M.offset[0] = 0;
+    for (std::size_t j = 0; j < M.latency.size(); ++j) {
+      M.latency[j] = latency[ring ? 0 : j];
+      M.rate[j] = rate[ring ? 0 : j];
+      const double period = M.latency[j] + units / M.rate[j];
+      // A ring's rounds are alike: j * period, one rounding, not a sum of j.
+      M.offset[j + 1] = ring ? static_cast<double>(j + 1) * period : M.offset[j] + period;
+    }
     M.links = std::move(links);
     for (int l : M.links) link_merge_[static_cast<std::size_t>(l)] = m;
     st.merge = m;
-    M.timer = at(M.start + st.steps * M.period, [this, m] { merge_done(m); });
+    M.timer = at(M.start + M.offset.back(), [this, m] { merge_done(m); });
     return true;
   }
 
@@ -724,7 +746,7 @@ class Run {
     merges_[static_cast<std::size_t>(m)].links.clear();
   }
 
-  // The merged ring's last steps end now.
+  // The merged schedule's last rounds end now.
   void merge_done(int m) {
     Merge& M = merges_[static_cast<std::size_t>(m)];
     M.timer = nullptr;  // SimGrid deletes a timer after running it
@@ -745,28 +767,31 @@ class Run {
     pump();
   }
 
-  // A flow is about to start on a link of merged ring m: put the ring back into its unmerged state
-  // at this instant (see Merge) and free its links.
+  // A flow is about to start on a link of merged schedule m: put the schedule back into its
+  // unmerged state at this instant (see Merge) and free its links.
   void split_merge(int m) {
     Merge& M = merges_[static_cast<std::size_t>(m)];
-    const double t = now();
-    const double elapsed = t - M.start;
-    int j = static_cast<int>(std::floor(elapsed / M.period));
-    double into = elapsed - j * M.period;
+    const double elapsed = now() - M.start;
+    const int rounds = static_cast<int>(M.latency.size());
+    // The round under way: the last whose start offset is not after `elapsed`.
+    int j = static_cast<int>(std::upper_bound(M.offset.begin(), M.offset.end(), elapsed) - M.offset.begin()) - 1;
+    j = std::max(0, j);
+    double into = elapsed - M.offset[static_cast<std::size_t>(std::min(j, rounds))];
     const int c = M.collective, k = M.schedule;
     ScheduleState& st = collectives_[static_cast<std::size_t>(c)].states[static_cast<std::size_t>(k)];
-    bool in_latency = into < M.latency;
-    double left = 0;  // units left of step j's flow
-    if (!in_latency) {
-      left = M.units - (into - M.latency) * M.rate;
-      if (std::llround(left) <= 0) {  // step j's flows end now: step j + 1 starts its latency
+    bool in_latency = true;
+    double left = 0;  // units left of round j's flows
+    if (j < rounds && into >= M.latency[static_cast<std::size_t>(j)]) {
+      in_latency = false;
+      left = M.units - (into - M.latency[static_cast<std::size_t>(j)]) * M.rate[static_cast<std::size_t>(j)];
+      if (std::llround(left) <= 0) {  // round j's flows end now: round j + 1 starts its latency
         ++j;
         into = 0;
         in_latency = true;
       }
     }
     release_links(m);
-    if (j >= st.steps) return;  // the ring ends now: its timer (due now) does the bookkeeping
+    if (j >= rounds) return;  // the schedule ends now: its timer (due now) does the bookkeeping
     M.timer->remove();
     M.timer = nullptr;
     free_merges_.push_back(m);
@@ -780,7 +805,7 @@ class Run {
       st.inflight[static_cast<std::size_t>(i)] = 1;
       for (int done = 0; done < j; ++done) st.received[static_cast<std::size_t>(done) * static_cast<std::size_t>(n) + static_cast<std::size_t>(i)] = 1;
     }
-    const double latency_left = M.latency - into, chunk = s.chunk_bytes;
+    const double latency_left = M.latency[static_cast<std::size_t>(j)] - into, chunk = s.chunk_bytes;
     for (int i = 0; i < n; ++i) {
       const int src = s.devices[static_cast<std::size_t>(i)], dst = s.devices[static_cast<std::size_t>(s.target(j, i))];
       if (in_latency)

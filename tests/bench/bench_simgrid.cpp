@@ -2,8 +2,8 @@
 // times the analytic engine and the SimGrid engine (exact, and with rounds of rings merged into at
 // most 32 steps, an approximation) and prints their step times. Prints figures; asserts nothing.
 // Usage: bench_simgrid [--dp N] [--microbatches N] [--model NAME] [--max-ring-steps q ...]
-//                      [--flow-starter auto|maestro|workers|pool] [--no-ring-merge]
-// (--no-ring-merge: SimgridOptions::merge_lone_rings = false, every ring round as flows.)
+//                      [--flow-starter auto|maestro|workers|pool] [--no-merge]
+// (--no-merge: SimgridOptions::merge_lone_collectives = false, every ring round as flows.)
 #include <sys/resource.h>
 
 #include <chrono>
@@ -36,14 +36,14 @@ int main(int argc, char** argv) {
   std::string model = "qwen3-9b";
   std::vector<int> merges;
   sim::SimgridOptions::FlowStarter starter = sim::SimgridOptions::FlowStarter::Auto;
-  bool merge_rings = true;
+  bool merge_lone = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--dp" && i + 1 < argc) dp = std::atoi(argv[++i]);
     else if (a == "--microbatches" && i + 1 < argc) microbatches = std::atoi(argv[++i]);
     else if (a == "--model" && i + 1 < argc) model = argv[++i];
     else if (a == "--max-ring-steps" && i + 1 < argc) merges.push_back(std::atoi(argv[++i]));
-    else if (a == "--no-ring-merge") merge_rings = false;
+    else if (a == "--no-merge") merge_lone = false;
     else if (a == "--flow-starter" && i + 1 < argc) {
       const std::string v = argv[++i];
       if (v == "auto") starter = sim::SimgridOptions::FlowStarter::Auto;
@@ -88,10 +88,10 @@ int main(int argc, char** argv) {
     sim::SimgridOptions options;
     options.max_ring_steps = q;
     options.flow_starter = starter;
-    options.merge_lone_rings = merge_rings;
+    options.merge_lone_collectives = merge_lone;
     const core::Timeline t = sim::make_simgrid_engine(options)->run(program, cluster, cost);
     const std::string name = (q == 0 ? std::string("simgrid (exact)") : "simgrid (max_ring_steps " + std::to_string(q) + ")") +
-                             (merge_rings ? "" : " no merge");
+                             (merge_lone ? "" : " no merge");
     std::printf("%-36s %12.3f %12.3f %14.6f %+15.2e\n", name.c_str(), since(t2), children_cpu_s() - cpu0, t.step_time_s * 1e3,
                 t.step_time_s / analytic.step_time_s - 1);
     std::fflush(stdout);

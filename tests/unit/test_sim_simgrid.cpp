@@ -183,7 +183,7 @@ TEST_P(SimgridEngine, RingAllReduceMatchesClosedForm) {
 // 1,024 ranks on one NVLink fabric with rounds merged into 64 steps per ring (SimgridOptions::
 // max_ring_steps): the merged step adds (c-1) route latencies, so the closed form is unchanged.
 // Exact (max_ring_steps 0) the ring is alone on its links, so it runs merged as one timer
-// (SimgridOptions::merge_lone_rings; as 2.1 M flows it took ~40 s of SimGrid): within 1e-9.
+// (SimgridOptions::merge_lone_collectives; as 2.1 M flows it took ~40 s of SimGrid): within 1e-9.
 TEST_P(SimgridEngine, RingAllReduceOn1024RanksWithMergedRounds) {
   const int n = 1024;
   const double S = 4e9;
@@ -431,7 +431,8 @@ TEST(SimgridFlowStarters, GiveTheSameTimelineOpByOp) {
   }
 }
 
-// SimgridOptions::merge_lone_rings is exact: a ring alone on its links runs as one timer, and is
+// SimgridOptions::merge_lone_collectives is exact: a ring or all-to-all alone on its links runs as
+// one timer, and is
 // split back into its flows when another flow comes onto one of its links. Merged and unmerged runs
 // give every op the same start and end, on programs where rings run alone (and merge) and where
 // other traffic comes onto their links mid-ring (and splits them): ZB-H1 PP2 x DP4 with ZeRO-3 and
@@ -461,7 +462,7 @@ TEST(SimgridMergedRings, EqualUnmergedOpByOp) {
   }
   for (const auto& k : cases) {
     sim::SimgridOptions merged, unmerged;
-    unmerged.merge_lone_rings = false;
+    unmerged.merge_lone_collectives = false;
     const core::Timeline a = run_engine(*sim::make_simgrid_engine(merged), k.program, k.cluster);
     const core::Timeline b = run_engine(*sim::make_simgrid_engine(unmerged), k.program, k.cluster);
     EXPECT_GT(b.step_time_s, 0) << k.what;
@@ -497,7 +498,7 @@ TEST(SimgridMergedRings, EqualUnmergedOnCompiledPrograms) {
     auto program = std::make_shared<const core::Program>(std::move(compiled.result.program));
     const sim::Cluster cluster = sim::with_devices(sim::load_cluster(c.cluster), program->num_devices);
     sim::SimgridOptions merged, unmerged;
-    unmerged.merge_lone_rings = false;
+    unmerged.merge_lone_collectives = false;
     const core::Timeline a = run_engine(*sim::make_simgrid_engine(merged), program, cluster);
     const core::Timeline b = run_engine(*sim::make_simgrid_engine(unmerged), program, cluster);
     const std::string what = c.schedule + " PP" + std::to_string(c.pp) + " DP" + std::to_string(c.dp) + " EP" + std::to_string(c.ep) +

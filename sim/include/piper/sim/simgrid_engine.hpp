@@ -15,12 +15,13 @@ struct SimgridOptions {
   // preceded by a (c-1) * route-latency delay on no link, so the uncontended time is unchanged while
   // SimGrid handles R/q times fewer flows (contention is then averaged over c rounds). 0: never merge.
   int max_ring_steps = 0;
-  // Exact: a ring phase whose hops are alone on their links (and alike: same latency and rate)
-  // runs as one timer instead of (n-1) or 2(n-1) rounds of n flows, and is split back into its
-  // flows, at the instant, if another flow starts on one of its links (simgrid_engine.cpp, Merge).
-  // The max-min model gives a lone flow exactly latency + size / rate, so the times are the same as
-  // unmerged (up to floating-point rounding, ~1e-15 relative). false: never merge (for tests).
-  bool merge_lone_rings = true;
+  // Exact: a collective's schedule (a ring phase, or a pairwise all-to-all) whose flows are alone
+  // on their links (and alike within a round: same latency and rate) runs as one timer instead of
+  // rounds of n flows, and is split back into its flows, at the instant, if another flow starts on
+  // one of its links (simgrid_engine.cpp, Merge). The max-min model gives a lone flow exactly
+  // latency + size / rate, so the times are the same as unmerged (up to floating-point rounding,
+  // ~1e-14 relative). false: never merge (for tests and comparisons).
+  bool merge_lone_collectives = true;
   // Who starts the network flows (the results are the same, op by op; only the speed differs):
   //  * Maestro: a flow is a host-to-host Comm started from SimGrid's callbacks. Least work per flow,
   //    but SimGrid 3.32 keeps every live host-to-host Comm in one list and scans it when one ends,
