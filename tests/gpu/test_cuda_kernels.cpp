@@ -87,6 +87,14 @@ TEST_P(CudaKernels, GemmAllTransposes) {
       s.m = m, s.n = n, s.k = k, s.trans_a = ta, s.trans_b = tb;
       gemm.run(dt(), s, da.get(), db.get(), dc.get());
       EXPECT_LT(rel_error(download(dc, m, n, dt()), ref), tol()) << "trans_a=" << ta << " trans_b=" << tb;
+      // Weight-gradient form: fp32 C += op(A) op(B) with A, B in the storage type (no rounding of the
+      // product to bf16): even bf16 inputs give an fp32-accumulated sum of their exact products, so the
+      // bound is 1e-4 (fp32 rounding over k = 64 terms and the tensor cores' summation order), far
+      // below the 2^-9 a bf16 rounding of the product would cost.
+      Mat c0 = random_mat(m, n, 3);
+      auto dc32 = upload(c0);
+      gemm.run_f32_out(dt(), s, da.get(), db.get(), dc32.as<float>(), 1.0f, 1.0f);
+      EXPECT_LT(rel_error(download(dc32, m, n), Mat(ref + c0)), 1e-4f) << "f32 out, trans_a=" << ta << " trans_b=" << tb;
     }
 }
 

@@ -55,16 +55,12 @@ void matmul_acc(const Exec& e, DType dt, M a, bool ta, M b, bool tb, Tensor& c) 
   if (s.m > 0 && s.n > 0 && s.k > 0) gemm_of(e).run(dt, s, a.p, b.p, c.data(), 1.0f, 1.0f);
 }
 
-// g (fp32) += op(A) op(B): weight gradients accumulate in fp32 whatever the storage type.
+// g (fp32) += op(A) op(B): weight gradients accumulate in fp32 whatever the storage type (a bf16
+// product is never rounded to bf16 before it is added).
 void weight_grad(const Exec& e, DType dt, M a, bool ta, M b, bool tb, float* g) {
   const GemmShape s = shape_of(a, ta, b, tb);
   if (s.m == 0 || s.n == 0 || s.k == 0) return;
-  if (dt == DType::F32) {
-    gemm_of(e).run(dt, s, a.p, b.p, g, 1.0f, 1.0f);
-    return;
-  }
-  Tensor t = matmul(e, dt, a, ta, b, tb);
-  accumulate_f32(dt, g, t.data(), t.size(), e.stream);
+  gemm_of(e).run_f32_out(dt, s, a.p, b.p, g, 1.0f, 1.0f);
 }
 
 Tensor plus(const Exec& e, DType dt, const Tensor& a, const Tensor& b) {
