@@ -2,6 +2,7 @@
 // gpu_runtime/src/kernels.cpp, which the GPU tests compare against). fp32 accumulation everywhere.
 #include "piper/runtime/cuda/kernels.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -43,7 +44,8 @@ __device__ float block_reduce(float v) {
   return r;
 }
 
-unsigned blocks_for(std::int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
+// At least one block: a zero-block grid is a launch error, and every elementwise kernel bounds-checks.
+unsigned blocks_for(std::int64_t n) { return static_cast<unsigned>(std::max<std::int64_t>(1, (n + kThreads - 1) / kThreads)); }
 
 void launched(const char* what) { check(cudaGetLastError(), what); }
 
@@ -439,6 +441,7 @@ void embedding_backward_weight(DType dt, const int* tokens, const void* dx, int 
 
 void rmsnorm_forward(DType dt, const void* x, const void* g, int rows, int cols, float eps, void* y, float* rstd,
                      cudaStream_t stream) {
+  if (rows == 0) return;
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     rmsnorm_forward_k<T><<<rows, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(g), cols, eps,
@@ -449,6 +452,7 @@ void rmsnorm_forward(DType dt, const void* x, const void* g, int rows, int cols,
 
 void rmsnorm_backward_input(DType dt, const void* x, const float* rstd, const void* g, const void* dy, int rows,
                             int cols, void* dx, cudaStream_t stream) {
+  if (rows == 0) return;
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     rmsnorm_backward_input_k<T><<<rows, kThreads, 0, stream>>>(static_cast<const T*>(x), rstd, static_cast<const T*>(g),
@@ -526,6 +530,7 @@ void swiglu_backward(DType dt, const void* a, const void* b, const void* dh, std
 
 void cross_entropy(DType dt, void* logits, const int* targets, int n_tok, int vocab, float loss_scale, float* loss,
                    cudaStream_t stream) {
+  if (n_tok == 0) return;
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     cross_entropy_k<T><<<n_tok, kThreads, 0, stream>>>(static_cast<T*>(logits), targets, vocab, loss_scale, loss);
