@@ -214,7 +214,7 @@ Command add_tune_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--comm-sms", a->spec.comm_sms,
                   "SMs of each GPU given to communication to try (a list; 0: shared; default: shared only; sm_partition directive)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegativeInt)
       ->delimiter(',');
   cmd->add_option("--schedules", a->spec.schedules, "schedule families to try (default: all; see 'piper schedule list')")
       ->delimiter(',');
