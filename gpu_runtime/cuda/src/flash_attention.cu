@@ -18,6 +18,7 @@
 // memory and never stored; keys at or past L are always masked for rows i < L (j >= L > i).
 #include "piper/runtime/cuda/kernels.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -546,7 +547,18 @@ bool flash_attention_supported(DType dt, const AttentionDims& d) {
          d.heads % d.kv_heads == 0;
 }
 
-bool use_flash_attention(DType dt, const AttentionDims& d) { return !attention_reference_forced() && flash_attention_supported(dt, d); }
+bool use_flash_attention(DType dt, const AttentionDims& d) {
+  if (attention_reference_forced() || !flash_attention_supported(dt, d)) return false;
+  // A GPU whose opt-in shared memory per block is smaller than the plan (not Hopper's 227 KiB; e.g.
+  // consumer Ampere's 99 KiB for head_dim 128) takes the reference kernels instead of failing to launch.
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  const std::size_t need = d.head_dim == 64 ? std::max(Plan<64>::kFwdBytes, Plan<64>::kBwdBytes) : std::max(Plan<128>::kFwdBytes, Plan<128>::kBwdBytes);
+  return static_cast<std::size_t>(optin) >= need;
+}
 
 void flash_attention_forward(const AttentionDims& d, const void* q, const void* k, const void* v, float* lse, void* o, cudaStream_t stream) {
   check_dims(d);

@@ -58,7 +58,8 @@ void attention_core_backward(DType dt, const AttentionDims& d, const void* q, co
 bool flash_attention_supported(DType dt, const AttentionDims& d);
 // True when PIPER_ATTENTION=reference is set: every attention then takes the reference kernels.
 bool attention_reference_forced();
-// The backend's choice: the fast path where supported, unless the reference is forced.
+// The backend's choice: the fast path where supported and the current GPU offers the shared memory
+// it needs per block, unless the reference is forced.
 bool use_flash_attention(DType dt, const AttentionDims& d);
 void flash_attention_forward(const AttentionDims& d, const void* q, const void* k, const void* v, float* lse, void* o,
                              cudaStream_t stream);
