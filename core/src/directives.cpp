@@ -810,14 +810,14 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
     std::vector<std::vector<int>> buckets;
     std::int64_t filled = 0;
     for (int s : segs) {
-      std::int64_t bytes = dag.segments[static_cast<std::size_t>(s)].local_params() * bytes_per_element(dag.training.precision);
+      std::int64_t bytes = dag.segments[static_cast<std::size_t>(s)].local_params() * gradient_bytes_per_element(dag.training);
       if (buckets.empty() || cap == 0 || filled + bytes > cap) buckets.emplace_back(), filled = 0;
       buckets.back().push_back(s);
       filled += bytes;
     }
     for (const auto& bucket : buckets) {
       std::int64_t bytes = 0;
-      for (int s : bucket) bytes += dag.segments[static_cast<std::size_t>(s)].local_params() * bytes_per_element(dag.training.precision);
+      for (int s : bucket) bytes += dag.segments[static_cast<std::size_t>(s)].local_params() * gradient_bytes_per_element(dag.training);
       const std::string what = common_tags_label(dag, bucket);
       DagNode red;
       red.kind = zero == 0 ? NodeKind::AllReduce : NodeKind::ReduceScatter;
@@ -888,7 +888,15 @@ void cost_updates(PassContext& cx) {
     n.costs = Costs{};
     n.costs.params = params;
     n.costs.forward_flops = 10.0 * static_cast<double>(params);
-    n.costs.forward_memory_bytes = params * (2 * dt + 2 * state + 2 * dt);
+    if (dag.training.fp32_main_grads && dag.training.precision != Precision::FP32) {
+      // Megatron-LM's Float16OptimizerWithFloat16Params (megatron/optimizer/optimizer.py): the
+      // gradient norm reads the fp32 main_grad (4), Adam reads it (4) and reads and writes the fp32
+      // main parameter and both moments (2 x 12), _copy_main_params_to_model_params reads the main
+      // parameter (4) and writes the model parameter (dt), and the main_grad buffer is zeroed (4).
+      n.costs.forward_memory_bytes = params * (4 + 4 + 2 * state + 4 + dt + 4);
+    } else {
+      n.costs.forward_memory_bytes = params * (2 * dt + 2 * state + 2 * dt);
+    }
   }
 }
 

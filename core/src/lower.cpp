@@ -130,6 +130,17 @@ int op_gemm_kernels(const DagNode& n) {
   return 0;
 }
 
+// With fp32 main grads (Megatron-LM's gradient_accumulation_fusion) every weight-gradient GEMM
+// accumulates into its parameter's fp32 main_grad: the epilogue reads and writes 4 bytes per
+// parameter of the segment (this device's share) once per microbatch backward, after the main
+// loop, so the traffic adds to the backward's time. Charged to B, or to BW when B is split.
+std::int64_t main_grad_accumulation_bytes(const GlobalDag& dag, const DagNode& n) {
+  if (!dag.training.fp32_main_grads || n.kind != NodeKind::Compute || (n.pass != Pass::B && n.pass != Pass::BW) ||
+      n.segment < 0)
+    return 0;
+  return 2 * 4 * dag.segments.at(static_cast<std::size_t>(n.segment)).local_params();
+}
+
 std::int64_t op_memory_bytes(const DagNode& n) {
   if (n.kind == NodeKind::Update) return n.costs.forward_memory_bytes;
   if (n.kind != NodeKind::Compute) return 0;
@@ -254,6 +265,7 @@ Program lower(const GlobalDag& dag) {
         op.tp_collectives = fwd ? node.costs.forward_tp_collectives : node.costs.backward_tp_collectives;
         if (node.pass == Pass::B || node.pass == Pass::BI) op.recompute_flops = node.costs.recompute_flops;
         op.gemm_kernels = op_gemm_kernels(node);
+        op.elementwise_bytes += main_grad_accumulation_bytes(dag, node);
       }
       op.bytes = node.bytes;
       op.device_set = node.devices;
@@ -294,7 +306,7 @@ Program lower(const GlobalDag& dag) {
       const std::int64_t params = seg.local_params();
       const std::string suffix = " s" + std::to_string(seg.index);
       plan.buffers.push_back({"params" + suffix, BufferKind::Parameters, params * dt / (seg.zero_level >= 3 ? seg.replicas : 1), {}, {}});
-      plan.buffers.push_back({"grads" + suffix, BufferKind::Gradients, params * dt / (seg.zero_level >= 2 ? seg.replicas : 1), {}, {}});
+      plan.buffers.push_back({"grads" + suffix, BufferKind::Gradients, params * gradient_bytes_per_element(dag.training) / (seg.zero_level >= 2 ? seg.replicas : 1), {}, {}});
       plan.buffers.push_back({"optimizer" + suffix, BufferKind::OptimizerStates,
                               params * state_bytes_per_param / (seg.zero_level >= 1 ? seg.replicas : 1), {}, {}});
     }

@@ -30,6 +30,8 @@ int bytes_per_element(Precision p) {
   return 2;
 }
 
+int gradient_bytes_per_element(const TrainingShape& t) { return t.fp32_main_grads ? 4 : bytes_per_element(t.precision); }
+
 std::string to_string(Precision p) {
   switch (p) {
     case Precision::BF16: return "bf16";
@@ -94,6 +96,11 @@ struct Dims {
   std::int64_t tokens;  // T as an integer, for byte counts
   std::int64_t dt;      // bytes per element
 };
+
+// Standard attention's score-producing batched GEMM (QK^T forward; dP in the backward) writes one
+// element per score from its epilogue. Its inputs (q and k, or dO and v) are s x head_dim per head:
+// their reads are negligible beside the s x s output once s >> head_dim, so only the write counts.
+std::int64_t attention_score_epilogue_bytes(std::int64_t scores, std::int64_t dt) { return scores * dt; }
 
 // Fills the fields shared by all matmul layers from their weight-matrix element count.
 // `gemms` is the number of GEMM kernels those weights run as (forward; the backward runs one
@@ -203,10 +210,16 @@ Costs attention_costs(const LayerShape& sh, const Dims& d) {
     // dropout (read, write, mask), and the fused bias-dropout-add after the output projection (read
     // two tensors, write one, mask). Backward: softmax (read probabilities and gradient, write),
     // dropout (read gradient and mask, write), bias-dropout-add (read gradient and mask, write).
+    // Plus the epilogue of the two batched GEMMs whose output is the s x s score matrix (QK^T
+    // forward, dP = dO·V^T backward): with a head dimension of ~100 their main loop is a few
+    // k-steps and each output tile's write to HBM follows it on the SM, so the writes add to the
+    // GEMM time (attention_score_epilogue_bytes).
     c.forward_elementwise_bytes = scores * (2 * d.dt + (sh.dropout ? 2 * d.dt + 1 : 0)) +
-                                  d.tokens * h * (3 * d.dt + (sh.dropout ? 1 : 0));
+                                  d.tokens * h * (3 * d.dt + (sh.dropout ? 1 : 0)) +
+                                  attention_score_epilogue_bytes(scores, d.dt);
     c.backward_elementwise_bytes = scores * (3 * d.dt + (sh.dropout ? 2 * d.dt + 1 : 0)) +
-                                   d.tokens * h * (2 * d.dt + (sh.dropout ? 1 : 0));
+                                   d.tokens * h * (2 * d.dt + (sh.dropout ? 1 : 0)) +
+                                   attention_score_epilogue_bytes(scores, d.dt);
   }
   if (sh.dropout) c.activation_bytes += d.tokens * h;  // 1-byte mask of the dropout after the projection
   return c;
@@ -363,7 +376,7 @@ void attention_core_forward(const Layer& layer, const TrainingShape& shape, doub
   if (sh.attention_kernel == AttentionKernel::Standard) {
     const std::int64_t dt = bytes_per_element(shape.precision);
     const std::int64_t scores = shape.micro_batch_size * sh.heads * shape.seq_len * shape.seq_len;
-    elementwise = scores * (2 * dt + (sh.dropout ? 2 * dt + 1 : 0));
+    elementwise = scores * (2 * dt + (sh.dropout ? 2 * dt + 1 : 0)) + attention_score_epilogue_bytes(scores, dt);
   }
 }
 
@@ -882,10 +895,11 @@ ModelConfig config_from_spec_json(const json& j, const std::string& where) {
   }
   if (const json* tr = r.opt_object("training")) {
     FieldReader t(*tr, where, "training.");
-    t.reject_unknown({"seq_len", "micro_batch_size", "precision"});
+    t.reject_unknown({"seq_len", "micro_batch_size", "precision", "fp32_main_grads"});
     c.training.seq_len = t.positive_or("seq_len", c.training.seq_len);
     c.training.micro_batch_size = t.positive_or("micro_batch_size", c.training.micro_batch_size);
     c.training.precision = parse_precision(t, t.opt_string("precision").value_or("bf16"));
+    c.training.fp32_main_grads = t.bool_or("fp32_main_grads", false);
   }
   validate_config(c, where);
   return c;
@@ -926,6 +940,7 @@ json config_to_spec_json(const ModelConfig& c) {
   j["training"] = {{"seq_len", c.training.seq_len},
                    {"micro_batch_size", c.training.micro_batch_size},
                    {"precision", to_string(c.training.precision)}};
+  if (c.training.fp32_main_grads) j["training"]["fp32_main_grads"] = true;
   return j;
 }
 

@@ -400,6 +400,7 @@ json Program::to_json() const {
   j["training"] = {{"seq_len", training.seq_len},
                    {"micro_batch_size", training.micro_batch_size},
                    {"precision", to_string(training.precision)}};
+  if (training.fp32_main_grads) j["training"]["fp32_main_grads"] = true;  // omitted at its default
   j["microbatches"] = microbatches;
   if (!model_spec.is_null()) j["model_spec"] = model_spec;
   json segs = json::array();
@@ -462,6 +463,10 @@ Program Program::from_json(const json& j) {
     auto parsed = parse_precision(prec);
     if (!parsed) fail("training.precision", "unknown precision '" + prec + "' (expected bf16, fp16 or fp32)");
     p.training.precision = *parsed;
+    if (const json* f = optional_field(t, "fp32_main_grads")) {
+      if (!f->is_boolean()) fail("training.fp32_main_grads", "expected true or false");
+      p.training.fp32_main_grads = f->get<bool>();
+    }
   }
   p.microbatches = as_int(require(j, "", "microbatches"), "microbatches");
   check_limit(Limit::Microbatches, p.microbatches, "plan: field 'microbatches'", "microbatches");
@@ -581,6 +586,7 @@ bool operator==(const Program& a, const Program& b) {
   if (a.model_name != b.model_name || a.model_spec != b.model_spec || a.segments != b.segments ||
       a.training.seq_len != b.training.seq_len ||
       a.training.micro_batch_size != b.training.micro_batch_size || a.training.precision != b.training.precision ||
+      a.training.fp32_main_grads != b.training.fp32_main_grads ||
       a.microbatches != b.microbatches || a.num_devices != b.num_devices || a.device_sets != b.device_sets ||
       a.families != b.families || a.plan_of_device != b.plan_of_device || a.sm_partition != b.sm_partition ||
       a.plans.size() != b.plans.size())

@@ -527,6 +527,7 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
   const RegionPlacement& place = shape->place;
   const int dt = core::bytes_per_element(model.training().precision);
   const std::int64_t state_bytes = model.training().precision == core::Precision::FP32 ? 8 : 12;
+  const int grad_bytes = core::gradient_bytes_per_element(model.training());  // fp32 main grads: 4
   // Data-parallel replicas of a region: dp per rank, twice that for a mirrored family (the two
   // copies). A TP segment's replicas are the devices with the same TP rank; routed experts (no TP)
   // are sharded over all the region's devices, tp of them per replica.
@@ -548,7 +549,7 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     const std::int64_t replicas = std::max<std::int64_t>(1, devices / shard);
     const std::int64_t params = costs.params / shard;
     persistent_of_region[static_cast<std::size_t>(r)] += params * dt / (c.zero >= 3 ? replicas : 1) +
-                                                         params * dt / (c.zero >= 2 ? replicas : 1) +
+                                                         params * grad_bytes / (c.zero >= 2 ? replicas : 1) +
                                                          params * state_bytes / (c.zero >= 1 ? replicas : 1);
     activation_of_region[static_cast<std::size_t>(r)] += costs.activation_bytes / shard;
   }

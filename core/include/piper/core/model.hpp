@@ -24,8 +24,17 @@ struct TrainingShape {
   std::int64_t seq_len = 4096;
   std::int64_t micro_batch_size = 1;  // sequences per microbatch
   Precision precision = Precision::BF16;
+  // Megatron-LM's mixed-precision recipe: gradients accumulate in an fp32 `main_grad` buffer (its
+  // default with bf16: "bfloat16 requires gradient accumulation and all-reduce to be done in
+  // fp32", megatron/arguments.py), which the weight-gradient GEMMs read and write every microbatch
+  // (gradient_accumulation_fusion), the data-parallel reduction sends, and the optimizer reads; the
+  // optimizer then copies its fp32 main parameters to the bf16 model parameters. False: gradients
+  // in the training precision (the ZeRO paper's 2 + 2 + 12 bytes per parameter).
+  bool fp32_main_grads = false;
   std::int64_t tokens_per_microbatch() const { return seq_len * micro_batch_size; }
 };
+// Bytes per element of the gradient buffer: 4 with fp32 main grads, else the training precision's.
+int gradient_bytes_per_element(const TrainingShape& t);
 
 enum class LayerKind { Embedding, Norm, Attention, Mlp, MoeRouter, MoeExperts, Head };
 std::string to_string(LayerKind k);
