@@ -212,6 +212,10 @@ Command add_tune_command(CLI::App& app) {
       ->check(CLI::IsMember({"none", "selective", "full"}))
       ->delimiter(',')
       ->capture_default_str();
+  cmd->add_option("--comm-sms", a->spec.comm_sms,
+                  "SMs of each GPU given to communication to try (a list; 0: shared; default: shared only; sm_partition directive)")
+      ->check(kNonNegativeInt)
+      ->delimiter(',');
   cmd->add_option("--schedules", a->spec.schedules, "schedule families to try (default: all; see 'piper schedule list')")
       ->delimiter(',');
   cmd->add_option("--max-virtual", a->spec.max_virtual, "most PP regions per rank tried")->check(kPositiveInt)->capture_default_str();

@@ -70,6 +70,17 @@ const CLI::Validator kPositiveInt(
       return "must be a positive integer, got '" + value + "'";
     },
     "POSITIVE");
+const CLI::Validator kNonNegativeInt(
+    [](std::string& value) -> std::string {
+      try {
+        std::size_t used = 0;
+        long long v = std::stoll(value, &used);
+        if (used == value.size() && v >= 0 && v <= std::numeric_limits<int>::max()) return {};
+      } catch (const std::exception&) {
+      }
+      return "must be a non-negative integer, got '" + value + "'";
+    },
+    "NONNEGATIVE");
 const CLI::Validator kNonNegativeNumber(
     [](std::string& value) -> std::string {
       try {

@@ -42,6 +42,7 @@ double mib(std::int64_t bytes);
 void print_error(const std::string& file, const std::string& message);
 
 extern const CLI::Validator kPositiveInt;
+extern const CLI::Validator kNonNegativeInt;
 extern const CLI::Validator kNonNegativeNumber;
 
 // Strategy flags (--pp --dp --ep --zero --schedule --microbatches --virtual --bucket-mb --tp

@@ -72,7 +72,7 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   static const std::set<std::string> known = {"model", "cluster", "calibration", "pp", "dp", "ep", "zero", "schedule",
                                               "microbatches", "virtual", "bucket_mb", "engine", "seq_len",
                                               "micro_batch_size", "comment", "tp", "sequence_parallel",
-                                              "recompute", "global_batch"};
+                                              "recompute", "global_batch", "comm_sms"};
   for (const auto& [k, v] : j.items())
     if (!known.count(k)) {
       std::string list;
@@ -103,6 +103,7 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   s.sequence_parallel = knob(j, "sequence_parallel", where, s.sequence_parallel);
   s.recompute = knob(j, "recompute", where, s.recompute);
   s.global_batch = knob(j, "global_batch", where, s.global_batch);
+  s.comm_sms = knob(j, "comm_sms", where, s.comm_sms);
   for (const auto& r : s.recompute)
     if (r != "none" && r != "selective" && r != "full")
       throw SweepError(fmt::format("{}: field 'recompute': unknown mode '{}' (expected none, selective or full)", where, r));
@@ -111,7 +112,7 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   for (std::size_t n : {s.pp.size(), s.dp.size(), s.ep.size(), s.zero.size(), s.schedule.size(), s.microbatches.size(),
                         s.virtual_stages.size(), s.bucket_mb.size(), s.engine.size(), s.seq_len.size(),
                         s.micro_batch_size.size(), s.tp.size(), s.sequence_parallel.size(),
-                        s.recompute.size(), s.global_batch.size()})
+                        s.recompute.size(), s.global_batch.size(), s.comm_sms.size()})
     runs *= static_cast<double>(n);
   if (runs > static_cast<double>(core::limit_value(core::Limit::SweepRuns)))
     throw SweepError(fmt::format("{}: {}", where,
@@ -129,10 +130,26 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
       throw SweepError(fmt::format("{}: field 'schedule': {}", where, one_line(e.what())));
     }
   }
+  Cluster cluster;
   try {
-    load_cluster(s.cluster);
+    cluster = load_cluster(s.cluster);
   } catch (const core::Error& e) {
     throw SweepError(fmt::format("{}: field 'cluster': {}", where, one_line(e.what())));
+  }
+  // SM partitions: the simulator's rule (sim::compute_rates, the check `simulate --comm-sms` makes:
+  // at least one SM left for compute) for every GPU of the cluster, once, rather than one invalid row
+  // per combination. Like `simulate`, any count is accepted below that: green contexts' granularity
+  // (Hopper: multiples of 8) is the CUDA backend's constraint, and DeepSeek-V3's 20 SMs are not one.
+  for (int sms : s.comm_sms) {
+    if (sms < 0) throw SweepError(fmt::format("{}: field 'comm_sms': {} is negative (0: SMs shared, N >= 1: an sm_partition of N SMs)", where, sms));
+    if (sms == 0) continue;
+    for (const auto& node : cluster.nodes) {
+      if (node.gpu.sm_count <= 0)
+        throw SweepError(fmt::format("{}: field 'comm_sms': the cluster's GPU '{}' has no sm_count to partition", where, node.gpu.name));
+      if (sms >= node.gpu.sm_count)
+        throw SweepError(fmt::format("{}: field 'comm_sms': {} SMs for communication leave none for compute on '{}' ({} SMs)", where, sms,
+                                     node.gpu.name, node.gpu.sm_count));
+    }
   }
   return s;
 }
@@ -162,6 +179,7 @@ std::string SweepPoint::key() const {
   if (sequence_parallel) k += "/sp";
   if (recompute != "none") k += "/rc-" + recompute;
   if (global_batch > 0) k += fmt::format("/gb{}", global_batch);
+  if (comm_sms > 0) k += fmt::format("/sms{}", comm_sms);
   std::replace(k.begin(), k.end(), ',', ';');
   return k;
 }
@@ -183,15 +201,16 @@ std::vector<SweepPoint> expand(const SweepSpec& s) {
                           for (bool sp : s.sequence_parallel)
                             for (const auto& rc : s.recompute)
                               for (int gb : s.global_batch)
-                                out.push_back({s.model, s.cluster, engine, schedule, pp, dp, ep, zero, mb, v, bucket,
-                                               seq, mbs, tp, gb, sp, rc});
+                                for (int sms : s.comm_sms)
+                                  out.push_back({s.model, s.cluster, engine, schedule, pp, dp, ep, zero, mb, v, bucket,
+                                                 seq, mbs, tp, gb, sp, rc, sms});
   return out;
 }
 
 const std::vector<std::string>& sweep_csv_columns() {
   static const std::vector<std::string> columns = {
       "key", "model", "cluster", "engine", "pp", "dp", "ep", "zero", "schedule", "microbatches", "virtual",
-      "bucket_mb", "seq_len", "micro_batch_size", "tp", "sequence_parallel", "recompute", "global_batch", "devices", "step_time_s", "tokens_per_s", "mfu",
+      "bucket_mb", "seq_len", "micro_batch_size", "tp", "sequence_parallel", "recompute", "global_batch", "comm_sms", "devices", "step_time_s", "tokens_per_s", "mfu",
       "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s", "status", "reason"};
   return columns;
 }
@@ -201,10 +220,10 @@ std::string sweep_csv_header() { return csv_header(sweep_csv_columns()); }
 std::string to_csv(const SweepRow& r) {
   const SweepPoint& p = r.point;
   // {} prints doubles in their shortest round-trip form, so rows compare exactly across runs.
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(p.key()),
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(p.key()),
                      csv_field(p.model), csv_field(p.cluster), csv_field(p.engine), p.pp, p.dp, p.ep, p.zero,
                      csv_field(p.schedule), p.microbatches, p.virtual_stages, p.bucket_mb, p.seq_len,
-                     p.micro_batch_size, p.tp, p.sequence_parallel ? 1 : 0, p.recompute, p.global_batch, r.devices, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
+                     p.micro_batch_size, p.tp, p.sequence_parallel ? 1 : 0, p.recompute, p.global_batch, p.comm_sms, r.devices, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
                      r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.status,
                      csv_field(one_line(r.reason)));
 }
@@ -229,6 +248,7 @@ nlohmann::json to_json(const SweepRow& r) {
           {"sequence_parallel", p.sequence_parallel},
           {"recompute", p.recompute},
           {"global_batch", p.global_batch},
+          {"comm_sms", p.comm_sms},
           {"devices", r.devices},
           {"step_time_s", r.step_time_s},
           {"tokens_per_s", r.tokens_per_s},
@@ -301,6 +321,7 @@ SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
   scenario.strategy.sequence_parallel = p.sequence_parallel;
   scenario.strategy.recompute = p.recompute;
   scenario.strategy.global_batch = p.global_batch;
+  scenario.strategy.comm_sms = p.comm_sms;
   const Outcome o = simulate_outcome(scenario, p.cluster, p.engine, calibration_path);
   SweepRow row;
   row.point = p;

@@ -57,6 +57,7 @@ core::StrategyOptions strategy_of(const TuneCandidate& c) {
   o.tp = c.tp;
   o.sequence_parallel = c.sequence_parallel;
   o.recompute = c.recompute;
+  o.comm_sms = c.comm_sms;
   return o;
 }
 
@@ -119,6 +120,7 @@ core::Model annotated_model(const TuneSpec& spec, const TuneCandidate& c) {
   s.strategy.tp = 1;  // TP, SP and recomputation do not move region boundaries
   s.strategy.sequence_parallel = false;
   s.strategy.recompute = "none";
+  s.strategy.comm_sms = 0;  // nor does an SM partition
   const core::ModelConfig cfg = core::scenario_model_config(s);
   core::Model model = core::build_model(cfg);
   int regions = 0;
@@ -279,6 +281,7 @@ std::string TuneCandidate::key() const {
   if (sequence_parallel) k += "/sp";
   if (recompute != "none") k += "/rc-" + recompute;
   if (!rank_order.empty()) k += "/o" + join(rank_order, '.');
+  if (comm_sms > 0) k += fmt::format("/sms{}", comm_sms);
   std::replace(k.begin(), k.end(), ',', ';');
   return k;
 }
@@ -292,6 +295,7 @@ std::string TuneCandidate::describe() const {
   if (virtual_stages > 1) s += fmt::format(" ({} regions/rank)", virtual_stages);
   s += fmt::format(", {} microbatches of {}, ZeRO-{}", microbatches, micro_batch_size, zero);
   if (recompute != "none") s += fmt::format(", recompute {}", recompute);
+  if (comm_sms > 0) s += fmt::format(", communication on {} SMs", comm_sms);
   if (!pp_ranges.empty()) s += fmt::format(", PP starts {}", join(pp_ranges, ','));
   if (!rank_order.empty()) s += fmt::format(", ranks on device groups {}", join(rank_order, ','));
   if (!pp_ranges.empty() || !rank_order.empty()) s += fmt::format(" ({})", placement);
@@ -378,6 +382,23 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
   }
   int node_gpus = 0;
   for (int d = 0; d < spec.devices; ++d) node_gpus = std::gcd(node_gpus, cluster.node(d).gpus_per_node);
+  // SM partitions: the simulator's rule (at least one SM left for compute on every GPU, as `simulate
+  // --comm-sms` checks) up front, in one line, rather than one invalid row per candidate.
+  std::vector<int> comm_sms = spec.comm_sms;
+  std::sort(comm_sms.begin(), comm_sms.end());
+  comm_sms.erase(std::unique(comm_sms.begin(), comm_sms.end()), comm_sms.end());
+  if (comm_sms.empty()) comm_sms = {0};
+  for (int sms : comm_sms) {
+    if (sms < 0) throw TuneError(fmt::format("--comm-sms: {} is negative (0: SMs shared, N >= 1: N SMs for communication)", sms));
+    if (sms == 0) continue;
+    for (int d = 0; d < spec.devices; ++d) {
+      const GpuSpec& gpu = cluster.node(d).gpu;
+      if (gpu.sm_count <= 0) throw TuneError(fmt::format("--comm-sms {}: the cluster's GPU '{}' has no sm_count to partition", sms, gpu.name));
+      if (sms >= gpu.sm_count)
+        throw TuneError(fmt::format("--comm-sms {}: {} SMs for communication leave none for compute on '{}' ({} SMs)", sms, sms, gpu.name,
+                                    gpu.sm_count));
+    }
+  }
   std::vector<int> tps = spec.tp_degrees;
   if (tps.empty()) tps = divisors(std::gcd(node_gpus, spec.devices));
   std::sort(tps.begin(), tps.end());
@@ -476,7 +497,10 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
                   c.sequence_parallel = sp;
                   c.recompute = rc;
                   c.zero = replicas == 1 ? 0 : z;
-                  out.push_back(c);
+                  for (int sms : comm_sms) {
+                    c.comm_sms = sms;
+                    out.push_back(c);
+                  }
                 }
           }
         }
@@ -840,7 +864,7 @@ TuneRow evaluate_candidate(const TuneSpec& spec, const TuneCandidate& c, const s
 const std::vector<std::string>& tune_csv_columns() {
   static const std::vector<std::string> columns = {
       "key", "model", "cluster", "devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp", "sequence_parallel",
-      "recompute", "zero", "schedule", "virtual",
+      "recompute", "comm_sms", "zero", "schedule", "virtual",
       "microbatches", "micro_batch_size", "placement", "pp_ranges", "rank_order", "engine", "estimated_memory_bytes", "step_time_s",
       "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s",
       "status", "reason"};
@@ -850,10 +874,10 @@ const std::vector<std::string>& tune_csv_columns() {
 std::string to_csv(const TuneSpec& spec, const TuneRow& r) {
   const TuneCandidate& c = r.candidate;
   // {} prints doubles in their shortest round-trip form, so a row read back compares exactly.
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                      csv_field(c.key()), csv_field(spec.model), csv_field(spec.cluster), spec.devices,
                      spec.effective_global_batch(), spec.seq_len, c.pp, c.dp, c.ep, c.tp, c.sequence_parallel ? 1 : 0,
-                     csv_field(c.recompute), c.zero, csv_field(c.schedule),
+                     csv_field(c.recompute), c.comm_sms, c.zero, csv_field(c.schedule),
                      c.virtual_stages, c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '), join(c.rank_order, ' '),
                      r.engine, r.estimated_memory_bytes, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
                      r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.status,
@@ -887,6 +911,7 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
   c.tp = static_cast<int>(integer("tp"));
   c.sequence_parallel = integer("sequence_parallel") != 0;
   c.recompute = at("recompute");
+  c.comm_sms = static_cast<int>(integer("comm_sms"));
   c.schedule = at("schedule");
   c.virtual_stages = static_cast<int>(integer("virtual"));
   c.microbatches = static_cast<int>(integer("microbatches"));
@@ -942,14 +967,17 @@ std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* sp
     std::ifstream in(csv_path);
     std::string header;
     std::getline(in, header);
-    std::vector<std::string> older = tune_csv_columns();
-    std::erase_if(older, [](const std::string& c) {
-      return c == "tp" || c == "sequence_parallel" || c == "recompute" || c == "rank_order";
-    });
-    if (in && header == csv_header(older))
-      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no tp, sequence_parallel, recompute and "
-                                  "rank_order columns); choose another -o",
+    auto without = [](std::set<std::string> gone) {
+      std::vector<std::string> older = tune_csv_columns();
+      std::erase_if(older, [&](const std::string& c) { return gone.count(c) > 0; });
+      return csv_header(older);
+    };
+    if (in && header == without({"tp", "sequence_parallel", "recompute", "rank_order", "comm_sms"}))
+      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no tp, sequence_parallel, recompute, "
+                                  "rank_order and comm_sms columns); choose another -o",
                                   csv_path));
+    if (in && header == without({"comm_sms"}))
+      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no comm_sms column); choose another -o", csv_path));
     throw TuneError(e.what());
   }
   std::vector<TuneRow> out;

@@ -24,6 +24,7 @@
 #include "piper/core/scenario.hpp"
 #include "piper/runtime/cuda/cuda_trainer.hpp"
 #include "piper/runtime/cuda/device.hpp"
+#include "piper/runtime/cuda/kernels.hpp"
 #include "piper/runtime/trainer.hpp"
 
 namespace fs = std::filesystem;
@@ -43,9 +44,12 @@ fs::path temp_dir(const std::string& name) {
   return d;
 }
 
-core::Program compile(int pp, int dp, int ep, int zero, int microbatches, const std::string& schedule) {
+// head_dim 64 and 100-token sequences: bf16 runs take the fast attention path (flash_attention.cu).
+const std::string kHd64Model = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-small-hd64.json";
+
+core::Program compile(int pp, int dp, int ep, int zero, int microbatches, const std::string& schedule, const std::string& model = kModel) {
   core::Scenario s;
-  s.model = kModel;
+  s.model = model;
   s.strategy.pp = pp, s.strategy.dp = dp, s.strategy.ep = ep, s.strategy.zero = zero;
   s.strategy.microbatches = microbatches, s.strategy.schedule = schedule;
   return core::compile_scenario(s).result.program;
@@ -90,6 +94,17 @@ TEST(CudaBackendEquivalence, DualPipeV_PP2xDP2xEP2) { expect_equivalent("dualpip
 TEST(CudaBackendEquivalence, Zero3_PP2xDP2xEP2) { expect_equivalent("zero3", compile(2, 2, 2, 3, 4, "1f1b")); }
 TEST(CudaBackendEquivalence, EP2_Zero2_PP2xDP2) { expect_equivalent("ep-zero2", compile(2, 2, 2, 2, 4, "1f1b")); }
 TEST(CudaBackendEquivalence, Bf16_OneFOneB_PP2xDP2) { expect_equivalent("bf16-1f1b", compile(2, 2, 1, 0, 4, "1f1b"), cu::DType::BF16); }
+// The fast attention path end to end (forward, BI with its lse and delta, then BW) in bf16, against the
+// host reference with the bf16 loss bound. PIPER_ATTENTION=reference runs the same plan on the
+// reference kernels (scripts/gpu-check.sh compares the two runs' losses).
+TEST(CudaBackendEquivalence, Bf16_FlashAttention_PP2xDP2) {
+  const core::Program p = compile(2, 2, 1, 0, 4, "1f1b", kHd64Model);
+  const cu::AttentionDims dims{200, 100, 4, 2, 64};
+  if (!cu::attention_reference_forced()) {
+    EXPECT_TRUE(cu::use_flash_attention(cu::DType::BF16, dims));
+  }
+  expect_equivalent("bf16-flash-1f1b", p, cu::DType::BF16);
+}
 
 // SM partitioning changes where kernels run, not what they compute: DualPipeV with communication on
 // 24 SMs (green contexts on Hopper, else CTA limits) matches the host reference like the run above.

@@ -6,8 +6,10 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "piper/runtime/cuda/device.hpp"
@@ -85,6 +87,14 @@ TEST_P(CudaKernels, GemmAllTransposes) {
       s.m = m, s.n = n, s.k = k, s.trans_a = ta, s.trans_b = tb;
       gemm.run(dt(), s, da.get(), db.get(), dc.get());
       EXPECT_LT(rel_error(download(dc, m, n, dt()), ref), tol()) << "trans_a=" << ta << " trans_b=" << tb;
+      // Weight-gradient form: fp32 C += op(A) op(B) with A, B in the storage type (no rounding of the
+      // product to bf16): even bf16 inputs give an fp32-accumulated sum of their exact products, so the
+      // bound is 1e-4 (fp32 rounding over k = 64 terms and the tensor cores' summation order), far
+      // below the 2^-9 a bf16 rounding of the product would cost.
+      Mat c0 = random_mat(m, n, 3);
+      auto dc32 = upload(c0);
+      gemm.run_f32_out(dt(), s, da.get(), db.get(), dc32.as<float>(), 1.0f, 1.0f);
+      EXPECT_LT(rel_error(download(dc32, m, n), Mat(ref + c0)), 1e-4f) << "f32 out, trans_a=" << ta << " trans_b=" << tb;
     }
 }
 
@@ -194,6 +204,119 @@ TEST_P(CudaKernels, CausalAttentionWithRopeAndGqa) {
   gemm.run(dt(), back_kv, dv.get(), d_wv.get(), d_du.get(), 1.0f, 1.0f);
   EXPECT_LT(rel_error(download(d_du, tokens, hidden, dt()), du), tol());
 }
+
+// Causal GQA attention in double on the host from the inputs the GPU sees (q [T, heads*hd], k/v
+// [T, kv_heads*hd], token t = seq * L + i): o, and dq, dk, dv for the upstream gradient d_o, by the
+// textbook formulas (P = softmax of the scaled, masked scores; dS = P (dP - rowsum(P dP)) / sqrt(hd)).
+// Independent of both GPU paths, which are compared with it and with each other below.
+struct AttentionRef {
+  Mat o, dq, dk, dv;
+};
+AttentionRef host_attention(const cu::AttentionDims& d, const Mat& q, const Mat& k, const Mat& v, const Mat& d_o) {
+  const int L = d.seq_len, hd = d.head_dim, group = d.heads / d.kv_heads;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  AttentionRef r{Mat::Zero(q.rows(), q.cols()), Mat::Zero(q.rows(), q.cols()), Mat::Zero(k.rows(), k.cols()), Mat::Zero(v.rows(), v.cols())};
+  std::vector<double> p(static_cast<std::size_t>(L)), dp(static_cast<std::size_t>(L));
+  for (int seq = 0; seq < d.tokens / L; ++seq)
+    for (int h = 0; h < d.heads; ++h) {
+      const int g = h / group;
+      for (int i = 0; i < L; ++i) {
+        const int ti = seq * L + i;
+        double mx = -1e300;
+        for (int j = 0; j <= i; ++j) {
+          double s = 0;
+          for (int e = 0; e < hd; ++e) s += static_cast<double>(q(ti, h * hd + e)) * k(seq * L + j, g * hd + e);
+          p[static_cast<std::size_t>(j)] = s * scale;
+          mx = std::max(mx, s * scale);
+        }
+        double sum = 0;
+        for (int j = 0; j <= i; ++j) sum += p[static_cast<std::size_t>(j)] = std::exp(p[static_cast<std::size_t>(j)] - mx);
+        double rowdot = 0;
+        for (int j = 0; j <= i; ++j) {
+          const auto jj = static_cast<std::size_t>(j);
+          p[jj] /= sum;
+          double x = 0;
+          for (int e = 0; e < hd; ++e) x += static_cast<double>(d_o(ti, h * hd + e)) * v(seq * L + j, g * hd + e);
+          dp[jj] = x;
+          rowdot += p[jj] * x;
+        }
+        for (int j = 0; j <= i; ++j) {
+          const auto jj = static_cast<std::size_t>(j);
+          const int tj = seq * L + j;
+          const double ds = p[jj] * (dp[jj] - rowdot) * scale;
+          for (int e = 0; e < hd; ++e) {
+            r.o(ti, h * hd + e) += static_cast<float>(p[jj] * v(tj, g * hd + e));
+            r.dq(ti, h * hd + e) += static_cast<float>(ds * k(tj, g * hd + e));
+            r.dk(tj, g * hd + e) += static_cast<float>(ds * q(ti, h * hd + e));
+            r.dv(tj, g * hd + e) += static_cast<float>(p[jj] * d_o(ti, h * hd + e));
+          }
+        }
+      }
+    }
+  return r;
+}
+
+struct AttentionCase {
+  int sequences, seq_len, heads, kv_heads, head_dim;
+};
+
+// The bf16 fast path (flash_attention.cu) and the explicit-probabilities reference kernels against the
+// host, and against each other, at shapes that exercise both head sizes, GQA groups of 1 to 4, several
+// sequences per batch, sequences shorter than one 64-row tile and tails that are not a multiple of it
+// (100 = 64 + 36, 130 = 2 * 64 + 2). Bound: the file's bf16 bound 3e-2 of the largest magnitude; both
+// paths see the same bf16 inputs, the fast path also rounds P and dS to bf16 (2^-9 relative) before
+// its tensor-core products, an error of the same order as the stored outputs' own rounding.
+class CudaFlashAttention : public ::testing::TestWithParam<AttentionCase> {};
+
+TEST_P(CudaFlashAttention, FastAndReferencePathsMatchTheHost) {
+  const AttentionCase c = GetParam();
+  const cu::DType bf = cu::DType::BF16;
+  const cu::AttentionDims d{c.sequences * c.seq_len, c.seq_len, c.heads, c.kv_heads, c.head_dim};
+  ASSERT_TRUE(cu::flash_attention_supported(bf, d));
+  ASSERT_FALSE(cu::flash_attention_supported(cu::DType::F32, d));
+  const int T = d.tokens, qd = c.heads * c.head_dim, kd = c.kv_heads * c.head_dim;
+  auto round = [&](const Mat& m) { return download(upload(m, bf), m.rows(), m.cols(), bf); };
+  const Mat q = round(random_mat(T, qd, 31)), k = round(random_mat(T, kd, 32)), v = round(random_mat(T, kd, 33)),
+            d_o = round(random_mat(T, qd, 34));
+  const AttentionRef ref = host_attention(d, q, k, v, d_o);
+
+  auto dq_ = upload(q, bf), dk_ = upload(k, bf), dv_ = upload(v, bf), ddo = upload(d_o, bf);
+  const std::size_t rows = static_cast<std::size_t>(c.sequences * c.heads * c.seq_len);
+  const std::size_t qbytes = static_cast<std::size_t>(T * qd) * 2, kbytes = static_cast<std::size_t>(T * kd) * 2;
+  // Fast path.
+  cu::DeviceBuffer o(qbytes), lse(rows * 4), delta(rows * 4), gq(qbytes), gk(kbytes), gv(kbytes);
+  cu::flash_attention_forward(d, dq_.get(), dk_.get(), dv_.get(), lse.as<float>(), o.get(), nullptr);
+  cu::flash_attention_backward(d, dq_.get(), dk_.get(), dv_.get(), o.get(), lse.as<float>(), ddo.get(), delta.as<float>(), gq.get(), gk.get(),
+                               gv.get(), nullptr);
+  // Reference path.
+  cu::DeviceBuffer ro(qbytes), probs(rows * static_cast<std::size_t>(c.seq_len) * 4), ds(probs.bytes()), rq(qbytes), rk(kbytes), rv(kbytes);
+  cu::attention_core_forward(bf, d, dq_.get(), dk_.get(), dv_.get(), probs.as<float>(), ro.get(), nullptr);
+  cu::attention_core_backward(bf, d, dq_.get(), dk_.get(), dv_.get(), probs.as<float>(), ddo.get(), ds.as<float>(), rq.get(), rk.get(), rv.get(),
+                              nullptr);
+  cu::check(cudaDeviceSynchronize(), "attention kernels");
+
+  const Mat fo = download(o, T, qd, bf), fq = download(gq, T, qd, bf), fk = download(gk, T, kd, bf), fv = download(gv, T, kd, bf);
+  const Mat eo = download(ro, T, qd, bf), eq = download(rq, T, qd, bf), ek = download(rk, T, kd, bf), ev = download(rv, T, kd, bf);
+  const float errs[3][4] = {{rel_error(fo, ref.o), rel_error(fq, ref.dq), rel_error(fk, ref.dk), rel_error(fv, ref.dv)},
+                            {rel_error(eo, ref.o), rel_error(eq, ref.dq), rel_error(ek, ref.dk), rel_error(ev, ref.dv)},
+                            {rel_error(fo, eo), rel_error(fq, eq), rel_error(fk, ek), rel_error(fv, ev)}};
+  const char* what[3] = {"fast vs host", "reference vs host", "fast vs reference"};
+  const char* field[4] = {"o", "dq", "dk", "dv"};
+  std::printf("attention %d x L=%d heads %d/%d hd %d, max |error| / max |value| (o dq dk dv):\n", c.sequences, c.seq_len, c.heads, c.kv_heads,
+              c.head_dim);
+  for (int w = 0; w < 3; ++w) {
+    std::printf("  %-18s %.2e %.2e %.2e %.2e\n", what[w], errs[w][0], errs[w][1], errs[w][2], errs[w][3]);
+    for (int f = 0; f < 4; ++f) EXPECT_LT(errs[w][f], kBf16Tol) << what[w] << " " << field[f];
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaFlashAttention,
+                         ::testing::Values(AttentionCase{2, 100, 4, 2, 64}, AttentionCase{1, 130, 2, 1, 128}, AttentionCase{3, 17, 2, 2, 128},
+                                           AttentionCase{1, 64, 4, 1, 64}, AttentionCase{1, 200, 4, 4, 64}),
+                         [](const auto& info) {
+                           const AttentionCase& c = info.param;
+                           return fmt::format("L{}_hd{}_h{}kv{}_x{}", c.seq_len, c.head_dim, c.heads, c.kv_heads, c.sequences);
+                         });
 
 TEST_P(CudaKernels, CrossEntropyWithLmHead) {
   const int tokens = 20, hidden = 32, vocab = 301;

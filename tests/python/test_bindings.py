@@ -167,6 +167,22 @@ class Sweep(unittest.TestCase):
         self.assertEqual(first["ran"], 4)
         self.assertEqual((again["resumed"], again["ran"], again["rows"]), (4, 0, []))
 
+    def test_comm_sms_axis(self):
+        # One device, no communication: an sm_partition of 33 of the H200's 132 SMs runs every compute
+        # op at 99/132 of its speed, so the step takes 132/99 as long (docs/sm-partition.md); the sweep
+        # row equals piper.simulate of the scenario with strategy.comm_sms.
+        spec = {"model": "qwen3-9m", "cluster": "dgx-h200", "engine": "analytic", "pp": 1, "dp": 1,
+                "microbatches": 2, "comm_sms": [0, 33]}
+        out = piper.sweep(spec)
+        step = {r["comm_sms"]: r["step_time_s"] for r in out["rows"]}
+        self.assertEqual(sorted(step), [0, 33])
+        self.assertAlmostEqual(step[33] / step[0], 132 / 99, places=9)
+        scenario = {"model": "qwen3-9m", "strategy": {"pp": 1, "dp": 1, "microbatches": 2, "comm_sms": 33}}
+        report = piper.simulate(scenario, cluster="dgx-h200", engine="analytic")
+        self.assertEqual(report["step_time_s"], step[33])
+        with self.assertRaisesRegex(piper.Error, r"^sweep spec: field 'comm_sms': 132 SMs for communication leave none"):
+            piper.sweep(dict(spec, comm_sms=[24, 132]))
+
 
 class Errors(unittest.TestCase):
     def test_bad_directive_has_the_cli_message(self):

@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include "piper/sim/cluster.hpp"
 #include "piper/sim/simulate.hpp"
 #include "piper/sim/sweep.hpp"
 
@@ -175,4 +176,44 @@ TEST(Sweep, TwoJobsGiveTheRowsOfOne) {
   EXPECT_EQ(column_by_key(one, "peak_memory_bytes"), column_by_key(two, "peak_memory_bytes"));
   fs::remove(one);
   fs::remove(two);
+}
+
+// comm_sms is a sweep axis honoured by the simulator (docs/sm-partition.md): with a partition of s of
+// a GPU's N SMs, compute runs at (N - s) / N of its speed for the whole step. On one device (no
+// communication at all) the step is its compute ops back to back, so it takes exactly N / (N - s)
+// times as long: H200's 132 SMs (datasheet) with 33 for communication give 132/99 = 4/3, with 66 give 2.
+TEST(Sweep, CommSmsScalesComputeByTheSmShare) {
+  const SweepSpec spec = SweepSpec::from_json(
+      json::parse(R"({"model": "qwen3-9m", "cluster": "dgx-h200", "pp": 1, "dp": 1, "microbatches": 4, "comm_sms": [0, 33, 66]})"),
+      "spec.json");
+  ASSERT_EQ(load_cluster("dgx-h200").nodes.front().gpu.sm_count, 132);
+  const auto points = expand(spec);
+  ASSERT_EQ(points.size(), 3u);
+  std::map<int, SweepRow> rows;
+  for (const auto& p : points) rows[p.comm_sms] = run_point(p);
+  for (const auto& [sms, row] : rows) ASSERT_EQ(row.status, "ok") << sms << ": " << row.reason;
+  const double t0 = rows.at(0).step_time_s;
+  EXPECT_NEAR(rows.at(33).step_time_s, t0 * 132.0 / 99.0, 1e-9 * t0);
+  EXPECT_NEAR(rows.at(66).step_time_s, t0 * 2.0, 1e-9 * t0);
+  // The knob is in the key (only when set, so older keys are unchanged) and in its own column.
+  EXPECT_EQ(rows.at(0).point.key().find("/sms"), std::string::npos);
+  EXPECT_NE(rows.at(33).point.key().find("/sms33"), std::string::npos);
+  EXPECT_EQ(field(to_csv(rows.at(33)), "comm_sms"), "33");
+  EXPECT_EQ(to_json(rows.at(66)).at("comm_sms"), 66);
+}
+
+TEST(Sweep, CommSmsErrorsNameTheField) {
+  auto message = [](const char* spec) {
+    try {
+      SweepSpec::from_json(json::parse(spec), "bad.json");
+    } catch (const SweepError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message(R"({"cluster": "dgx-h200", "comm_sms": [24, 132]})"),
+            "bad.json: field 'comm_sms': 132 SMs for communication leave none for compute on 'H200-SXM-141GB' (132 SMs)");
+  EXPECT_NE(message(R"({"comm_sms": -8})").find("bad.json: field 'comm_sms': -8 is negative"), std::string::npos);
+  EXPECT_NE(message(R"({"comm_sms": "24"})").find("bad.json: field 'comm_sms'"), std::string::npos);
+  EXPECT_EQ(message(R"({"cluster": "dgx-h200", "comm_sms": [0, 20, 131]})"), "no error");  // as `simulate --comm-sms` takes them
 }

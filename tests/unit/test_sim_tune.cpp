@@ -501,3 +501,58 @@ TEST(Tune, RankOrderMattersOnlyWhereDeviceGroupsDiffer) {
   fs::remove(b);
   fs::remove(cluster);
 }
+
+// --comm-sms is a search axis: every candidate once per value, the partition reaching the simulator.
+// On one device (no communication) a partition of s of the H200's 132 SMs makes the whole step
+// 132 / (132 - s) times longer (docs/sm-partition.md), so with 33 SMs each strategy is exactly 4/3
+// slower and the search ranks the unpartitioned plans first; rows carry the value through the CSV.
+TEST(Tune, CommSmsIsASearchAxis) {
+  TuneSpec spec = small_spec();
+  spec.devices = 1;
+  spec.global_batch = 4;
+  spec.micro_batch_sizes = {2};
+  spec.zero_levels = {0};
+  spec.max_virtual = 1;
+  spec.schedules = {"1f1b", "gpipe"};
+  const auto shared = enumerate_candidates(spec);
+  ASSERT_FALSE(shared.empty());
+  spec.comm_sms = {33, 0, 33};  // order and duplicates do not matter
+  const auto both = enumerate_candidates(spec);
+  ASSERT_EQ(both.size(), 2 * shared.size());
+  std::map<std::string, double> step_of;
+  for (const auto& c : both) {
+    const TuneRow row = evaluate_candidate(spec, c, "analytic");
+    ASSERT_EQ(row.status, "ok") << c.key() << ": " << row.reason;
+    step_of[c.key()] = row.step_time_s;
+    if (c.comm_sms == 33) {
+      EXPECT_NE(c.key().find("/sms33"), std::string::npos);
+      EXPECT_NE(c.describe().find("communication on 33 SMs"), std::string::npos) << c.describe();
+    }
+  }
+  for (const auto& c : shared) {
+    TuneCandidate p = c;
+    p.comm_sms = 33;
+    ASSERT_TRUE(step_of.count(p.key())) << p.key();
+    EXPECT_NEAR(step_of.at(p.key()), step_of.at(c.key()) * 132.0 / 99.0, 1e-9 * step_of.at(c.key())) << c.key();
+  }
+
+  const fs::path csv = temp_csv("comm_sms");
+  const TuneSummary s = run_tune(spec, csv.string());
+  ASSERT_FALSE(s.ranked.empty());
+  EXPECT_EQ(s.ranked.front().candidate.comm_sms, 0);
+  std::set<int> seen;
+  for (const auto& r : read_tune_results(csv.string())) seen.insert(r.candidate.comm_sms);
+  EXPECT_EQ(seen, (std::set<int>{0, 33}));
+  fs::remove(csv);
+
+  // Refused up front, one line naming the flag: more SMs than the GPU has, or a negative count.
+  spec.comm_sms = {132};
+  try {
+    enumerate_candidates(spec);
+    FAIL() << "expected TuneError";
+  } catch (const TuneError& e) {
+    EXPECT_STREQ(e.what(), "--comm-sms 132: 132 SMs for communication leave none for compute on 'H200-SXM-141GB' (132 SMs)");
+  }
+  spec.comm_sms = {-8};
+  EXPECT_THROW(enumerate_candidates(spec), TuneError);
+}

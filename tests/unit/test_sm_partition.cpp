@@ -1,6 +1,12 @@
 // The sm_partition directive: parsing with one-line errors naming directive index and field, its
 // place in the Program (and Program JSON), the strategy flag --comm-sms, the simulator's compute
 // rates derived by hand, and the CLI's refusal of a partition that does not fit the cluster's GPU.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
 #include <gtest/gtest.h>
 
 #include "piper/core/directives.hpp"
@@ -119,4 +125,29 @@ TEST(SmPartition, SimulateRefusesAPartitionLargerThanTheGpu) {
   EXPECT_NE(bad.output.find("sm_partition: field 'sms': 132 SMs"), std::string::npos) << bad.output;
   const auto good = sh(common + " --comm-sms 24");
   EXPECT_EQ(good.code, 0) << good.output;
+}
+
+// The knob where the strategy flags are searched: `piper tune --comm-sms` and a sweep spec's
+// comm_sms refuse, in one line and with exit status 2, a count that leaves no SM for compute or is
+// not a non-negative integer, before writing anything.
+TEST(SmPartition, TuneAndSweepRefuseBadCommSmsInOneLine) {
+  using piper::test::sh;
+  const std::string out = (std::filesystem::temp_directory_path() / ("piper_test_sms_" + std::to_string(::getpid()))).string();
+  const std::string tune = std::string(PIPER_CLI) + " tune --model qwen3-1b --devices 4 --cluster dgx-h100 -o " + out + ".csv";
+  const auto too_many = sh(tune + " --comm-sms 24,132");
+  EXPECT_EQ(too_many.code, 2) << too_many.output;
+  EXPECT_EQ(too_many.output, "piper: error: --comm-sms 132: 132 SMs for communication leave none for compute on 'H100-SXM5-80GB' (132 SMs)\n");
+  const auto negative = sh(tune + " --comm-sms -8");
+  EXPECT_EQ(negative.code, 2) << negative.output;
+  EXPECT_NE(negative.output.find("--comm-sms: must be a non-negative integer, got '-8'"), std::string::npos) << negative.output;
+  EXPECT_FALSE(std::filesystem::exists(out + ".csv"));
+  {
+    std::ofstream spec(out + ".json");
+    spec << R"({"cluster": "dgx-h100", "comm_sms": [0, 132]})";
+  }
+  const auto sweep = sh(std::string(PIPER_CLI) + " sweep " + out + ".json -o " + out + ".csv");
+  EXPECT_EQ(sweep.code, 2) << sweep.output;
+  EXPECT_NE(sweep.output.find("field 'comm_sms': 132 SMs for communication leave none for compute"), std::string::npos) << sweep.output;
+  EXPECT_FALSE(std::filesystem::exists(out + ".csv"));
+  std::filesystem::remove(out + ".json");
 }

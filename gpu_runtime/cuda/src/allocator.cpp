@@ -82,21 +82,21 @@ void Allocator::release(void* ptr, std::size_t bytes) {
 }
 
 void Allocator::reclaim() {
+  // Retired blocks are in release order, and each has one event on every stream, recorded after the
+  // previous block's on that stream: a block's events complete no later than the next block's. So
+  // the first block still pending ends the scan (one query per stream per call, not one per retired
+  // block: the step frees hundreds of blocks and allocates after each op).
   auto done = [](const Retired& r) {
     return std::all_of(r.events.begin(), r.events.end(), [](cudaEvent_t e) { return cudaEventQuery(e) == cudaSuccess; });
   };
-  std::vector<Retired> still;
-  for (auto& r : retired_) {
-    if (done(r)) {
-      free_.emplace(r.bytes, r.ptr);
-      cached_ += r.bytes;
-      spare_events_.insert(spare_events_.end(), r.events.begin(), r.events.end());
-    } else {
-      still.push_back(std::move(r));
-    }
+  while (!retired_.empty() && done(retired_.front())) {
+    Retired& r = retired_.front();
+    free_.emplace(r.bytes, r.ptr);
+    cached_ += r.bytes;
+    spare_events_.insert(spare_events_.end(), r.events.begin(), r.events.end());
+    retired_.pop_front();
   }
   cudaGetLastError();  // cudaEventQuery's cudaErrorNotReady is not an error
-  retired_ = std::move(still);
   if (cache_limit_ > 0 && cached_ > cache_limit_) trim(cache_limit_);
 }
 

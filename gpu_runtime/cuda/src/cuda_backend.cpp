@@ -127,6 +127,10 @@ void CudaBackend::begin_step(int step) {
   loss_sum_ = 0;
   if (step_start_) cudaEventDestroy(step_start_);
   step_start_ = timed_event(util_);
+  // Completed before any op's events are read against it: cudaEventElapsedTime fails (NotReady) if
+  // either event is pending, and an op on another stream can finish before the idle util stream
+  // has processed this record.
+  check(cudaEventSynchronize(step_start_), "cudaEventSynchronize (step start)");
   timeline_ = core::DeviceTimeline{};
   timeline_.spans.assign(static_cast<std::size_t>(plan_.op_count()), core::OpSpan{});
 }

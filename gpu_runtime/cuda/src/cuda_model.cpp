@@ -55,16 +55,12 @@ void matmul_acc(const Exec& e, DType dt, M a, bool ta, M b, bool tb, Tensor& c) 
   if (s.m > 0 && s.n > 0 && s.k > 0) gemm_of(e).run(dt, s, a.p, b.p, c.data(), 1.0f, 1.0f);
 }
 
-// g (fp32) += op(A) op(B): weight gradients accumulate in fp32 whatever the storage type.
+// g (fp32) += op(A) op(B): weight gradients accumulate in fp32 whatever the storage type (a bf16
+// product is never rounded to bf16 before it is added).
 void weight_grad(const Exec& e, DType dt, M a, bool ta, M b, bool tb, float* g) {
   const GemmShape s = shape_of(a, ta, b, tb);
   if (s.m == 0 || s.n == 0 || s.k == 0) return;
-  if (dt == DType::F32) {
-    gemm_of(e).run(dt, s, a.p, b.p, g, 1.0f, 1.0f);
-    return;
-  }
-  Tensor t = matmul(e, dt, a, ta, b, tb);
-  accumulate_f32(dt, g, t.data(), t.size(), e.stream);
+  gemm_of(e).run_f32_out(dt, s, a.p, b.p, g, 1.0f, 1.0f);
 }
 
 Tensor plus(const Exec& e, DType dt, const Tensor& a, const Tensor& b) {
@@ -423,9 +419,17 @@ void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data
         rope(dt_, k.q.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, 1.0f, e.stream);
         rope(dt_, k.k.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, 1.0f, e.stream);
         const std::int64_t seqs = T / a.seq_len;
-        k.probs = new_tensor(e, seqs * a.heads * a.seq_len, a.seq_len, 4);
         k.o = new_tensor(e, T, static_cast<std::int64_t>(a.heads) * a.head_dim, es);
-        attention_core_forward(dt_, dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), e.stream);
+        // The fast path keeps one log-sum-exp per row, the reference the [L, L] probabilities; the
+        // backward takes the path the forward took.
+        k.flash = use_flash_attention(dt_, dims_of(a, T));
+        if (k.flash) {
+          k.probs = new_tensor(e, seqs * a.heads, a.seq_len, 4);
+          flash_attention_forward(dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), e.stream);
+        } else {
+          k.probs = new_tensor(e, seqs * a.heads * a.seq_len, a.seq_len, 4);
+          attention_core_forward(dt_, dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), e.stream);
+        }
         Tensor out = matmul(e, dt_, of(k.o), false, w.mat(3), false);
         s.x = plus(e, dt_, s.x, out);
         break;
@@ -519,9 +523,14 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
         Tensor d_o = matmul(e, dt_, of(g.dx), false, w.mat(3), true);
         Tensor dq = new_tensor(e, k.q.rows, k.q.cols, es), dk = new_tensor(e, k.k.rows, k.k.cols, es);
         k.dv = new_tensor(e, k.v.rows, k.v.cols, es);
+        // Reference: ds is scratch of the probabilities' size; fast path: delta, one value per row.
         Tensor ds = new_tensor(e, k.probs.rows, k.probs.cols, 4);
-        attention_core_backward(dt_, dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), d_o.data(), ds.as<float>(), dq.data(),
-                                dk.data(), k.dv.data(), e.stream);
+        if (k.flash)
+          flash_attention_backward(dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.o.data(), k.probs.as<float>(), d_o.data(), ds.as<float>(),
+                                   dq.data(), dk.data(), k.dv.data(), e.stream);
+        else
+          attention_core_backward(dt_, dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), d_o.data(), ds.as<float>(), dq.data(),
+                                  dk.data(), k.dv.data(), e.stream);
         rope(dt_, dq.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
         rope(dt_, dk.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
         if (a.qk_norm) {

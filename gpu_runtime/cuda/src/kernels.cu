@@ -2,6 +2,7 @@
 // gpu_runtime/src/kernels.cpp, which the GPU tests compare against). fp32 accumulation everywhere.
 #include "piper/runtime/cuda/kernels.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -43,7 +44,8 @@ __device__ float block_reduce(float v) {
   return r;
 }
 
-unsigned blocks_for(std::int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
+// At least one block: a zero-block grid is a launch error, and every elementwise kernel bounds-checks.
+unsigned blocks_for(std::int64_t n) { return static_cast<unsigned>(std::max<std::int64_t>(1, (n + kThreads - 1) / kThreads)); }
 
 void launched(const char* what) { check(cudaGetLastError(), what); }
 
@@ -87,17 +89,29 @@ __global__ void rmsnorm_backward_input_k(const T* x, const float* rstd, const T*
   for (int c = threadIdx.x; c < cols; c += blockDim.x)
     store(dx, row + c, r * load(g, c) * load(dy, row + c) - load(x, row + c) * coef);
 }
-// One thread per column, summing over rows (coalesced across the threads of a warp).
+// A block of 32 columns x 8 row lanes (kThreads = 256): lane y sums rows y, y + 8, ... of its column
+// (a warp reads 32 adjacent columns of one row: coalesced), then the 8 partial sums are added in lane
+// order. Deterministic, and cols / 32 blocks keep a GPU busy where one thread per column (cols / 256
+// blocks, each thread walking every row) left most SMs idle on a 2048-wide model.
+constexpr int kNormWeightCols = 32, kNormWeightLanes = kThreads / kNormWeightCols;
 template <typename T>
 __global__ void rmsnorm_backward_weight_k(const T* x, const float* rstd, const T* dy, int rows, int cols, float* dg) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
+  __shared__ float partial[kNormWeightLanes][kNormWeightCols];
+  const int cx = static_cast<int>(threadIdx.x) % kNormWeightCols, lane = static_cast<int>(threadIdx.x) / kNormWeightCols;
+  const int c = static_cast<int>(blockIdx.x) * kNormWeightCols + cx;
   float acc = 0;
-  for (int r = 0; r < rows; ++r) {
-    const std::int64_t i = static_cast<std::int64_t>(r) * cols + c;
-    acc += load(dy, i) * load(x, i) * rstd[r];
+  if (c < cols)
+    for (int r = lane; r < rows; r += kNormWeightLanes) {
+      const std::int64_t i = static_cast<std::int64_t>(r) * cols + c;
+      acc += load(dy, i) * load(x, i) * rstd[r];
+    }
+  partial[lane][cx] = acc;
+  __syncthreads();
+  if (lane == 0 && c < cols) {
+    float sum = 0;
+    for (int y = 0; y < kNormWeightLanes; ++y) sum += partial[y][cx];
+    dg[c] += sum;
   }
-  dg[c] += acc;
 }
 
 // ---- RoPE, rotate-half: one thread per (token, head, pair) ----
@@ -427,6 +441,7 @@ void embedding_backward_weight(DType dt, const int* tokens, const void* dx, int 
 
 void rmsnorm_forward(DType dt, const void* x, const void* g, int rows, int cols, float eps, void* y, float* rstd,
                      cudaStream_t stream) {
+  if (rows == 0) return;
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     rmsnorm_forward_k<T><<<rows, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(g), cols, eps,
@@ -437,6 +452,7 @@ void rmsnorm_forward(DType dt, const void* x, const void* g, int rows, int cols,
 
 void rmsnorm_backward_input(DType dt, const void* x, const float* rstd, const void* g, const void* dy, int rows,
                             int cols, void* dx, cudaStream_t stream) {
+  if (rows == 0) return;
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     rmsnorm_backward_input_k<T><<<rows, kThreads, 0, stream>>>(static_cast<const T*>(x), rstd, static_cast<const T*>(g),
@@ -449,7 +465,7 @@ void rmsnorm_backward_weight(DType dt, const void* x, const float* rstd, const v
                              float* dg, cudaStream_t stream) {
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    rmsnorm_backward_weight_k<T><<<blocks_for(cols), kThreads, 0, stream>>>(
+    rmsnorm_backward_weight_k<T><<<static_cast<unsigned>((cols + kNormWeightCols - 1) / kNormWeightCols), kThreads, 0, stream>>>(
         static_cast<const T*>(x), rstd, static_cast<const T*>(dy), rows, cols, dg);
   });
   launched("rmsnorm_backward_weight");
@@ -514,6 +530,7 @@ void swiglu_backward(DType dt, const void* a, const void* b, const void* dh, std
 
 void cross_entropy(DType dt, void* logits, const int* targets, int n_tok, int vocab, float loss_scale, float* loss,
                    cudaStream_t stream) {
+  if (n_tok == 0) return;
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     cross_entropy_k<T><<<n_tok, kThreads, 0, stream>>>(static_cast<T*>(logits), targets, vocab, loss_scale, loss);

@@ -99,7 +99,7 @@ class NcclTransport : public Transport {
   }
 
   ~NcclTransport() override {
-    for (auto& [t, e] : events_) cudaEventDestroy(e);
+    for (auto& [t, e] : events_) cudaEventDestroy(e.first);
     for (auto& [ch, c] : p2p_) ncclCommDestroy(c);
     for (auto c : family_)
       if (c) ncclCommDestroy(c);
@@ -107,30 +107,34 @@ class NcclTransport : public Transport {
   }
 
   int post(const CommRequest& r) override {
+    ncclComm_t c = nullptr;
     switch (r.kind) {
       case CommKind::Send: {
         // The channel communicator has two ranks: the sender is 0, the receiver 1.
-        ncclComm_t c = channel(Channel{device_, r.peer, r.boundary, r.backward});
+        c = channel(Channel{device_, r.peer, r.boundary, r.backward});
         check_nccl(ncclSend(r.send, r.count, ncclUint8, 1, c, r.stream), "ncclSend");
         break;
       }
       case CommKind::Recv: {
-        ncclComm_t c = channel(Channel{r.peer, device_, r.boundary, r.backward});
+        c = channel(Channel{r.peer, device_, r.boundary, r.backward});
         check_nccl(ncclRecv(r.recv, r.count, ncclUint8, 0, c, r.stream), "ncclRecv");
         break;
       }
       case CommKind::AllReduce:
-        check_nccl(ncclAllReduce(r.recv, r.recv, r.count, ncclFloat32, ncclSum, family(r), r.stream), "ncclAllReduce");
+        c = family(r);
+        check_nccl(ncclAllReduce(r.recv, r.recv, r.count, ncclFloat32, ncclSum, c, r.stream), "ncclAllReduce");
         break;
       case CommKind::ReduceScatter:
-        check_nccl(ncclReduceScatter(r.send, r.recv, r.count, ncclFloat32, ncclSum, family(r), r.stream), "ncclReduceScatter");
+        c = family(r);
+        check_nccl(ncclReduceScatter(r.send, r.recv, r.count, ncclFloat32, ncclSum, c, r.stream), "ncclReduceScatter");
         break;
       case CommKind::AllGather:
-        check_nccl(ncclAllGather(r.send, r.recv, r.count, ncclUint8, family(r), r.stream), "ncclAllGather");
+        c = family(r);
+        check_nccl(ncclAllGather(r.send, r.recv, r.count, ncclUint8, c, r.stream), "ncclAllGather");
         break;
       case CommKind::AllToAll: {
         // All-to-all as grouped point-to-point: block r of send goes to rank r.
-        ncclComm_t c = family(r);
+        c = family(r);
         const int n = static_cast<int>(r.group.size());
         check_nccl(ncclGroupStart(), "ncclGroupStart");
         for (int peer = 0; peer < n; ++peer) {
@@ -146,23 +150,24 @@ class NcclTransport : public Transport {
     check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     check(cudaEventRecord(e, r.stream), "cudaEventRecord");
     const int t = next_++;
-    events_[t] = e;
+    events_[t] = {e, c};
     return t;
   }
 
   bool test(int ticket) override {
     auto it = events_.find(ticket);
     if (it == events_.end()) throw CudaError("nccl: unknown ticket");
-    const cudaError_t q = cudaEventQuery(it->second);
+    const cudaError_t q = cudaEventQuery(it->second.first);
     if (q == cudaErrorNotReady) {
-      // A peer that failed leaves this op waiting forever: surface NCCL's asynchronous errors.
+      // A peer that failed leaves this op waiting forever: surface NCCL's asynchronous errors of the
+      // communicator the op runs on (each split communicator reports its own).
       ncclResult_t async = ncclSuccess;
-      ncclCommGetAsyncError(world_, &async);
+      ncclCommGetAsyncError(it->second.second, &async);
       check_nccl(async, "NCCL (asynchronous error)");
       return false;
     }
     check(q, "cudaEventQuery (nccl)");
-    cudaEventDestroy(it->second);
+    cudaEventDestroy(it->second.first);
     events_.erase(it);
     return true;
   }
@@ -186,7 +191,7 @@ class NcclTransport : public Transport {
   ncclComm_t world_ = nullptr;
   std::vector<ncclComm_t> family_;
   std::map<Channel, ncclComm_t> p2p_;
-  std::map<int, cudaEvent_t> events_;
+  std::map<int, std::pair<cudaEvent_t, ncclComm_t>> events_;  // ticket -> completion event, its communicator
   int next_ = 0;
 };
 

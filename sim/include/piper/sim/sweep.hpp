@@ -36,6 +36,7 @@ struct SweepSpec {
   std::vector<int> tp{1}, global_batch{0};          // global_batch 0: use microbatches
   std::vector<bool> sequence_parallel{false};
   std::vector<std::string> recompute{"none"};
+  std::vector<int> comm_sms{0};                     // SMs of each GPU for communication (sm_partition); 0: shared
 
   // Reads a spec's JSON; `where` names it in errors. Each knob is a value or a list of values.
   // Relative model/cluster/calibration file paths resolve against `base_dir`.
@@ -53,13 +54,14 @@ struct SweepPoint {
   int tp = 1, global_batch = 0;
   bool sequence_parallel = false;
   std::string recompute = "none";
+  int comm_sms = 0;
   // Stable identity of the combination (no commas): the resume key.
   std::string key() const;
 };
 
 // The cartesian product, in spec order (engine outermost, then pp, dp, ep, zero, schedule,
 // microbatches, virtual, bucket_mb, seq_len, micro_batch_size, tp, sequence_parallel, recompute,
-// global_batch).
+// global_batch, comm_sms).
 std::vector<SweepPoint> expand(const SweepSpec& spec);
 
 // One row of the results: the knobs plus the report's headline fields.

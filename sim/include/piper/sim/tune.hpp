@@ -36,6 +36,9 @@ struct TuneSpec {
   std::vector<int> tp_degrees;
   std::vector<bool> sequence_parallel{false, true};  // tried for TP degrees > 1 (TP 1 has none)
   std::vector<std::string> recompute_modes{"none", "selective", "full"};
+  // SMs of each GPU given to communication (the sm_partition directive, --comm-sms) to try; 0 is
+  // "shared" (no partition). Empty: shared only.
+  std::vector<int> comm_sms;
   std::vector<std::string> schedules;     // families to try; empty: every registered family
   int max_virtual = 4;                    // largest regions-per-rank count tried (families that take it)
   double memory_cap_bytes = 0;            // 0: the smallest HBM of the cluster's GPUs
@@ -57,6 +60,7 @@ struct TuneCandidate {
   int tp = 1;                             // tensor-parallel degree: pp x tp x dp = devices
   bool sequence_parallel = false;         // with tp > 1
   std::string recompute = "none";         // none | selective | full, every region
+  int comm_sms = 0;                       // SMs of each GPU for communication (sm_partition); 0: shared
   std::string schedule;
   int virtual_stages = 1;                 // PP regions per pipeline rank
   int microbatches = 1;                   // per data-parallel replica and step
@@ -90,7 +94,7 @@ struct EnumerationStats {
 };
 
 // Every legal candidate, in a stable order: tp, pp, then ep, micro batch size, family, regions,
-// sequence parallelism, recompute mode, ZeRO.
+// sequence parallelism, recompute mode, ZeRO, communication SMs.
 std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, EnumerationStats* stats = nullptr);
 
 // A lower bound of the simulator's peak memory (bytes, max over devices) for `c`, in closed form from

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <vector>
@@ -65,7 +66,7 @@ class Allocator {
   std::size_t cache_limit_;
   std::vector<cudaStream_t> streams_;
   std::multimap<std::size_t, void*> free_;  // rounded size -> block
-  std::vector<Retired> retired_;
+  std::deque<Retired> retired_;             // in release order (see reclaim)
   std::vector<cudaEvent_t> spare_events_;
   std::size_t allocated_ = 0, cached_ = 0;
 };

@@ -106,7 +106,9 @@ struct NormCache {
   Tensor x, rstd;
 };
 struct AttentionCache {
-  Tensor u, q_lin, k_lin, v, q_rstd, k_rstd, q, k, probs, o;
+  Tensor u, q_lin, k_lin, v, q_rstd, k_rstd, q, k, o;
+  Tensor probs;        // reference path: [seqs*heads*L, L] probabilities; fast path: [seqs*heads, L] lse
+  bool flash = false;  // which attention path the forward took
   Tensor dout, dq_lin, dk_lin, dv, dq_norm, dk_norm;
 };
 struct MlpCache {

@@ -3,6 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <tuple>
 
 #include <cuda_runtime_api.h>
 
@@ -32,12 +35,23 @@ class Gemm {
   // fp32 mode computes in strict fp32 (no TF32) so results match the host reference to rounding.
   void run(DType dt, const GemmShape& s, const void* a, const void* b, void* c, float alpha = 1.0f, float beta = 0.0f,
            Epilogue epilogue = Epilogue::None, const void* bias = nullptr);
+  // A and B stored as `dt`, C in fp32 (fp32 accumulation, no rounding of the product to `dt`):
+  // weight gradients accumulate into their fp32 buffers directly with beta = 1.
+  void run_f32_out(DType dt, const GemmShape& s, const void* a, const void* b, float* c, float alpha = 1.0f, float beta = 0.0f);
 
  private:
+  struct Plan;
+  // (input type, output type, m, n, k, trans_a, trans_b, lda, ldb, ldc, epilogue, operand alignments)
+  using PlanKey = std::tuple<int, int, int, int, int, bool, bool, std::int64_t, std::int64_t, std::int64_t, int, std::uint32_t,
+                             std::uint32_t, std::uint32_t>;
+  void run_typed(DType in, DType out, const GemmShape& s, const void* a, const void* b, void* c, float alpha, float beta,
+                 Epilogue epilogue, const void* bias);
+
   cudaStream_t stream_;
   int sm_count_target_;
   cublasLtContext* handle_ = nullptr;
   DeviceBuffer workspace_;
+  std::map<PlanKey, std::unique_ptr<Plan>> plans_;
 };
 
 }  // namespace piper::runtime::cuda

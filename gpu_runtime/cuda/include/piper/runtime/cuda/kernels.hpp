@@ -34,7 +34,8 @@ void rmsnorm_backward_weight(DType dt, const void* x, const float* rstd, const v
 void rope(DType dt, void* m, int tokens, int heads, int head_dim, int seq_len, float theta, float sign,
           cudaStream_t stream);
 
-// ---- Causal attention core with grouped KV heads (correctness path: explicit probabilities) ----
+// ---- Causal attention core with grouped KV heads (the reference path: explicit probabilities; fp32 and
+// shapes the fast path below does not take) ----
 // q [T, heads*hd], k/v [T, kv_heads*hd], T = sequences * seq_len. probs [sequences*heads, L, L] (fp32,
 // kept for the backward), o [T, heads*hd]. Scores are scaled by 1/sqrt(hd).
 struct AttentionDims {
@@ -47,6 +48,24 @@ void attention_core_forward(DType dt, const AttentionDims& d, const void* q, con
 void attention_core_backward(DType dt, const AttentionDims& d, const void* q, const void* k, const void* v,
                              const float* probs, const void* d_o, float* ds, void* dq, void* dk, void* dv,
                              cudaStream_t stream);
+
+// ---- Causal attention, fast path (flash_attention.cu): bf16 only, head_dim 64 or 128; tensor-core
+// tiles with an online softmax, so no [L, L] probabilities exist. The forward writes o and lse
+// [sequences*heads, L] (fp32, base-2 log-sum-exp of the scaled scores; read only by the backward).
+// The backward needs o and lse from the forward and `delta` as fp32 scratch of lse's size; dq, dk, dv
+// are overwritten. Operands must be 16-byte aligned (fresh tensors are). ----
+// True when the fast path can run this shape in this storage type.
+bool flash_attention_supported(DType dt, const AttentionDims& d);
+// True when PIPER_ATTENTION=reference is set: every attention then takes the reference kernels.
+bool attention_reference_forced();
+// The backend's choice: the fast path where supported and the current GPU offers the shared memory
+// it needs per block, unless the reference is forced.
+bool use_flash_attention(DType dt, const AttentionDims& d);
+void flash_attention_forward(const AttentionDims& d, const void* q, const void* k, const void* v, float* lse, void* o,
+                             cudaStream_t stream);
+void flash_attention_backward(const AttentionDims& d, const void* q, const void* k, const void* v, const void* o,
+                              const float* lse, const void* d_o, float* delta, void* dq, void* dk, void* dv,
+                              cudaStream_t stream);
 
 // ---- SwiGLU gate: h = silu(a) * b, elementwise over n; backward gives da, db ----
 void swiglu_forward(DType dt, const void* a, const void* b, std::int64_t n, void* h, cudaStream_t stream);
