@@ -139,6 +139,36 @@ __device__ void store_block(FragC (&acc)[D / kFrag], float scale, float* scratch
   __syncwarp();  // the scratch may be reused right after
 }
 
+// The two 16 x 64 tile products both backward kernels start from: out1 = A1 B1^T and out2 = A2 B2^T,
+// where A1, A2 are the warp's 16 rows of a [64, D] shared tile (already offset to them) and B1, B2
+// whole [64, D] shared tiles (B^T as a col_major matrix_b is B's row-major storage). The dK/dV kernel
+// passes (K, Q, V, dO) for S^T and dP^T, the dQ kernel (Q, K, dO, V) for S and dP. Both outputs are
+// fp32 with row stride kScoreLd; the trailing __syncwarp makes them visible to the whole warp.
+template <int D>
+__device__ void row_products(const bf16* a1, const bf16* b1, const bf16* a2, const bf16* b2, float* out1, float* out2) {
+  constexpr int kLd = Plan<D>::kLd;
+#pragma unroll
+  for (int c = 0; c < kTile / kFrag; ++c) {
+    FragC p1, p2;
+    wmma::fill_fragment(p1, 0.0f);
+    wmma::fill_fragment(p2, 0.0f);
+#pragma unroll
+    for (int dd = 0; dd < D / kFrag; ++dd) {
+      FragA a;
+      FragBCol b;
+      wmma::load_matrix_sync(a, a1 + dd * kFrag, kLd);
+      wmma::load_matrix_sync(b, b1 + c * kFrag * kLd + dd * kFrag, kLd);
+      wmma::mma_sync(p1, a, b, p1);
+      wmma::load_matrix_sync(a, a2 + dd * kFrag, kLd);
+      wmma::load_matrix_sync(b, b2 + c * kFrag * kLd + dd * kFrag, kLd);
+      wmma::mma_sync(p2, a, b, p2);
+    }
+    wmma::store_matrix_sync(out1 + c * kFrag, p1, kScoreLd, wmma::mem_row_major);
+    wmma::store_matrix_sync(out2 + c * kFrag, p2, kScoreLd, wmma::mem_row_major);
+  }
+  __syncwarp();
+}
+
 // ---- forward: grid (query tiles, heads, sequences) ----
 template <int D>
 __global__ void __launch_bounds__(kThreadsPerBlock)
@@ -334,26 +364,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
       load_rows(delta_s, delta + stats, L, q0, 0.0f);
       __syncthreads();
 
-#pragma unroll
-      for (int c = 0; c < kTile / kFrag; ++c) {
-        FragC s, dp;
-        wmma::fill_fragment(s, 0.0f);
-        wmma::fill_fragment(dp, 0.0f);
-#pragma unroll
-        for (int dd = 0; dd < D / kFrag; ++dd) {
-          FragA a;
-          FragBCol b;
-          wmma::load_matrix_sync(a, ks + warp * kFrag * kLd + dd * kFrag, kLd);
-          wmma::load_matrix_sync(b, qs + c * kFrag * kLd + dd * kFrag, kLd);
-          wmma::mma_sync(s, a, b, s);
-          wmma::load_matrix_sync(a, vs + warp * kFrag * kLd + dd * kFrag, kLd);
-          wmma::load_matrix_sync(b, dos + c * kFrag * kLd + dd * kFrag, kLd);
-          wmma::mma_sync(dp, a, b, dp);
-        }
-        wmma::store_matrix_sync(st + c * kFrag, s, kScoreLd, wmma::mem_row_major);
-        wmma::store_matrix_sync(dpt + c * kFrag, dp, kScoreLd, wmma::mem_row_major);
-      }
-      __syncwarp();
+      row_products<D>(ks + warp * kFrag * kLd, qs, vs + warp * kFrag * kLd, dos, st, dpt);
       for (int e = lane; e < kFrag * kTile; e += 32) {
         const int r = e / kTile, c = e % kTile;  // key k0 + 16 warp + r, query q0 + c
         float p = 0.0f, ds = 0.0f;
@@ -434,26 +445,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     load_tile<D>(vs, v, seq, L, k0, kstride, g * D);
     __syncthreads();
 
-#pragma unroll
-    for (int c = 0; c < kTile / kFrag; ++c) {
-      FragC s, dp;
-      wmma::fill_fragment(s, 0.0f);
-      wmma::fill_fragment(dp, 0.0f);
-#pragma unroll
-      for (int dd = 0; dd < D / kFrag; ++dd) {
-        FragA a;
-        FragBCol b;
-        wmma::load_matrix_sync(a, qs + warp * kFrag * kLd + dd * kFrag, kLd);
-        wmma::load_matrix_sync(b, ks + c * kFrag * kLd + dd * kFrag, kLd);
-        wmma::mma_sync(s, a, b, s);
-        wmma::load_matrix_sync(a, dos + warp * kFrag * kLd + dd * kFrag, kLd);
-        wmma::load_matrix_sync(b, vs + c * kFrag * kLd + dd * kFrag, kLd);
-        wmma::mma_sync(dp, a, b, dp);
-      }
-      wmma::store_matrix_sync(ss + c * kFrag, s, kScoreLd, wmma::mem_row_major);
-      wmma::store_matrix_sync(dps + c * kFrag, dp, kScoreLd, wmma::mem_row_major);
-    }
-    __syncwarp();
+    row_products<D>(qs + warp * kFrag * kLd, ks, dos + warp * kFrag * kLd, vs, ss, dps);
     for (int e = lane; e < kFrag * kTile; e += 32) {
       const int r = e / kTile, c = e % kTile;  // query q0 + 16 warp + r, key k0 + c
       float ds = 0.0f;
