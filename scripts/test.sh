@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Sets up, builds every target (library, CLI, tests, benchmarks) and runs, in order: the test suite
 # under ASan + UBSan (preset "sanitize", clang, build-sanitize/: its own build, which also holds the
-# libFuzzer harnesses, then CTest; SKIP_SANITIZE=1 leaves both out), a short fuzz run of every
-# harness (FUZZ_SECONDS each, default 5; SKIP_FUZZ=1 leaves it out), and last the normal test suite
-# through CTest. README command 2; .ci/run runs exactly this. Costs on 2 cores are in docs/reliability.md.
+# libFuzzer harnesses, then CTest; SKIP_SANITIZE=1 leaves both out, though the fuzz stage still
+# builds the harnesses), a short fuzz run of every harness (FUZZ_SECONDS each, default 5; SKIP_FUZZ=1
+# leaves it out), and last the normal test suite through CTest. README command 2; .ci/run runs
+# exactly this. Costs on 2 cores are in docs/reliability.md.
 # Every stage runs even if an earlier one failed (except that nothing runs without the normal build);
 # the summary prints one line per stage with its time, and the script exits non-zero if any failed.
 set -uo pipefail
