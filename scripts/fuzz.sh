@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer harnesses (preset "fuzz", build-fuzz/) and runs each for SECONDS seconds,
-# then prints executions and findings (crashes, leaks, timeouts, out-of-memory) per harness.
+# Builds the libFuzzer harnesses (in the sanitize preset's tree, build-sanitize/, which also holds the
+# ASan + UBSan test suite) and runs each for SECONDS seconds, then prints executions and findings
+# (crashes, leaks, timeouts, out-of-memory) per harness.
 # Usage: bash scripts/fuzz.sh SECONDS [HARNESS...]   (default: every harness; exit 1 on any finding)
-# Corpora grow in build-fuzz/corpus/<harness>/ across runs; each run's findings land in build-fuzz/findings/.
+# Corpora grow in build-sanitize/fuzz/corpus/<harness>/ across runs; each run's findings land in
+# build-sanitize/fuzz/findings/.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -11,12 +13,14 @@ shift
 all=(fuzz_directives fuzz_model fuzz_cluster fuzz_calibration fuzz_sweep fuzz_pytorch_csv fuzz_plan)
 if [ $# -gt 0 ]; then harnesses=("$@"); else harnesses=("${all[@]}"); fi
 
-cmake --preset fuzz >/dev/null
-cmake --build --preset fuzz -j"$(nproc)" --target "${harnesses[@]}"
+cmake --preset sanitize >/dev/null
+cmake --build --preset sanitize -j"$(nproc)" --target "${harnesses[@]}"
+bin=build-sanitize/bin
+work=build-sanitize/fuzz
 
 # Seeds: the vendored fixtures, the examples and the test inputs, per input surface. Plans and
 # extra programs come from the normal build's piper when it exists (scripts/test.sh builds it first).
-seeds=build-fuzz/seeds
+seeds=$work/seeds
 rm -rf "$seeds"
 mkdir -p "$seeds"/{fuzz_directives,fuzz_model,fuzz_cluster,fuzz_calibration,fuzz_sweep,fuzz_pytorch_csv,fuzz_plan}
 cp tests/fixtures/piper-directives/*.json "$seeds/fuzz_directives/"
@@ -41,24 +45,24 @@ else
 fi
 
 # Findings are per run (fix them before the next): crash-*, leak-*, timeout-*, oom-* inputs and logs.
-rm -rf build-fuzz/findings
-mkdir -p build-fuzz/findings
+rm -rf "$work/findings"
+mkdir -p "$work/findings"
 printf '\n%-20s %12s %8s %8s %8s %8s\n' harness executions crashes leaks timeouts ooms
 total_execs=0
 total_findings=0
 for h in "${harnesses[@]}"; do
-  corpus=build-fuzz/corpus/$h
+  corpus=$work/corpus/$h
   mkdir -p "$corpus"
-  log=build-fuzz/findings/$h.log
+  log=$work/findings/$h.log
   # -timeout: one input taking 10 s is a hang; -rss_limit_mb: one using 2 GB is a runaway.
   set +e
-  "build-fuzz/bin/$h" "$corpus" "$seeds/$h" -dict=tests/fuzz/piper.dict -max_total_time="$seconds" \
+  "$bin/$h" "$corpus" "$seeds/$h" -dict=tests/fuzz/piper.dict -max_total_time="$seconds" \
     -timeout=10 -rss_limit_mb=2048 -max_len=65536 -print_final_stats=1 \
-    -artifact_prefix="build-fuzz/findings/$h-" </dev/null >"$log" 2>&1
+    -artifact_prefix="$work/findings/$h-" </dev/null >"$log" 2>&1
   set -e
   execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -1)
   execs=${execs:-0}
-  count() { ls build-fuzz/findings | grep -c "^$h-$1-" || true; }
+  count() { ls "$work/findings" | grep -c "^$h-$1-" || true; }
   crashes=$(count crash); leaks=$(count leak); timeouts=$(count timeout); ooms=$(count oom)
   new=$((crashes + leaks + timeouts + ooms))
   printf '%-20s %12s %8s %8s %8s %8s\n' "$h" "$execs" "$crashes" "$leaks" "$timeouts" "$ooms"
@@ -66,5 +70,5 @@ for h in "${harnesses[@]}"; do
   total_findings=$((total_findings + new))
   if [ "$new" -gt 0 ]; then grep -m3 -E 'ERROR|SUMMARY|uncaught|deadly' "$log" | sed 's/^/    /' || true; fi
 done
-printf '%-20s %12s   findings: %s (inputs and logs in build-fuzz/findings/)\n' total "$total_execs" "$total_findings"
+printf '%-20s %12s   findings: %s (inputs and logs in %s/findings/)\n' total "$total_execs" "$total_findings" "$work"
 [ "$total_findings" -eq 0 ]

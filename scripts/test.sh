@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Sets up, builds every target (library, CLI, tests, benchmarks) and runs, in order: with SANITIZE=1
-# the test suite under ASan + UBSan (preset "sanitize" in build-sanitize/: its own build, then CTest;
-# off by default: its cold build and its tests add ~28 minutes on 2 cores, docs/reliability.md), a short fuzz run of every libFuzzer harness (preset "fuzz",
-# FUZZ_SECONDS each, default 5; SKIP_FUZZ=1 leaves it out), and last the normal test suite through
-# CTest. README command 2; .ci/run runs exactly this. Costs on 2 cores are in docs/reliability.md.
+# Sets up, builds every target (library, CLI, tests, benchmarks) and runs, in order: the test suite
+# under ASan + UBSan (preset "sanitize", clang, build-sanitize/: its own build, which also holds the
+# libFuzzer harnesses, then CTest; SKIP_SANITIZE=1 leaves both out, though the fuzz stage still
+# builds the harnesses), a short fuzz run of every harness (FUZZ_SECONDS each, default 5; SKIP_FUZZ=1
+# leaves it out), and last the normal test suite through CTest. README command 2; .ci/run runs
+# exactly this. Costs on 2 cores are in docs/reliability.md.
 # Every stage runs even if an earlier one failed (except that nothing runs without the normal build);
 # the summary prints one line per stage with its time, and the script exits non-zero if any failed.
 set -uo pipefail
@@ -35,12 +36,13 @@ print_summary() {
 
 build_default() { cmake --preset default && cmake --build --preset default -j"$jobs"; }
 build_sanitize() { cmake --preset sanitize >/dev/null && cmake --build --preset sanitize -j"$jobs"; }
-# The environment (ASan, UBSan, LSan options and suppressions) comes with the test preset.
+# The environment (ASan, UBSan, LSan options and suppressions) comes with the test preset; the mpirun
+# tests add the slow unwinder themselves (tests/CMakeLists.txt).
 test_sanitize() { ctest --preset sanitize --output-on-failure -j2; }
 fuzz() { bash scripts/fuzz.sh "${FUZZ_SECONDS:-5}"; }
 
 stage "build (preset default)" build_default || { print_summary; exit 1; }
-if [ "${SANITIZE:-0}" = 1 ]; then
+if [ "${SKIP_SANITIZE:-0}" != 1 ]; then
   stage "build (preset sanitize)" build_sanitize && stage "test suite under ASan+UBSan" test_sanitize
 fi
 [ "${SKIP_FUZZ:-0}" = 1 ] || stage "fuzz (${FUZZ_SECONDS:-5} s per harness)" fuzz
