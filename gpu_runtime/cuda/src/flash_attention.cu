@@ -169,6 +169,24 @@ __device__ void row_products(const bf16* a1, const bf16* b1, const bf16* a2, con
   __syncwarp();
 }
 
+// acc += A B for a warp: A is its 16 x 64 bf16 block (row stride kProbLd: P^T, dS^T or dS), B a whole
+// [64, D] shared tile (dO, Q or K), acc the warp's 16 x D fp32 accumulator fragments.
+template <int D>
+__device__ void accumulate_product(const bf16* a_block, const bf16* b_tile, FragC (&acc)[D / kFrag]) {
+  constexpr int kLd = Plan<D>::kLd;
+#pragma unroll
+  for (int n = 0; n < D / kFrag; ++n) {
+#pragma unroll
+    for (int kk = 0; kk < kTile / kFrag; ++kk) {
+      FragA a;
+      FragBRow b;
+      wmma::load_matrix_sync(a, a_block + kk * kFrag, kProbLd);
+      wmma::load_matrix_sync(b, b_tile + kk * kFrag * kLd + n * kFrag, kLd);
+      wmma::mma_sync(acc[n], a, b, acc[n]);
+    }
+  }
+}
+
 // ---- forward: grid (query tiles, heads, sequences) ----
 template <int D>
 __global__ void __launch_bounds__(kThreadsPerBlock)
@@ -376,20 +394,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
         dst[r * kProbLd + c] = __float2bfloat16(ds);
       }
       __syncwarp();
-#pragma unroll
-      for (int n = 0; n < D / kFrag; ++n) {
-#pragma unroll
-        for (int kk = 0; kk < kTile / kFrag; ++kk) {
-          FragA a;
-          FragBRow b;
-          wmma::load_matrix_sync(a, pt + kk * kFrag, kProbLd);
-          wmma::load_matrix_sync(b, dos + kk * kFrag * kLd + n * kFrag, kLd);
-          wmma::mma_sync(dv_acc[n], a, b, dv_acc[n]);
-          wmma::load_matrix_sync(a, dst + kk * kFrag, kProbLd);
-          wmma::load_matrix_sync(b, qs + kk * kFrag * kLd + n * kFrag, kLd);
-          wmma::mma_sync(dk_acc[n], a, b, dk_acc[n]);
-        }
-      }
+      accumulate_product<D>(pt, dos, dv_acc);
+      accumulate_product<D>(dst, qs, dk_acc);
     }
   }
   // The scratch's last readers (the elementwise pass) are behind the last __syncwarp above.
@@ -456,17 +462,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
       dss[r * kProbLd + c] = __float2bfloat16(ds);
     }
     __syncwarp();
-#pragma unroll
-    for (int n = 0; n < D / kFrag; ++n) {
-#pragma unroll
-      for (int kk = 0; kk < kTile / kFrag; ++kk) {
-        FragA a;
-        FragBRow b;
-        wmma::load_matrix_sync(a, dss + kk * kFrag, kProbLd);
-        wmma::load_matrix_sync(b, ks + kk * kFrag * kLd + n * kFrag, kLd);
-        wmma::mma_sync(dq_acc[n], a, b, dq_acc[n]);
-      }
-    }
+    accumulate_product<D>(dss, ks, dq_acc);
   }
   store_block<D>(dq_acc, scale, scratch, dq, seq, L, q0 + warp * kFrag, qstride, h * D);
 }
