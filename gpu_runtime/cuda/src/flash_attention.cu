@@ -187,6 +187,31 @@ __device__ void accumulate_product(const bf16* a_block, const bf16* b_tile, Frag
   }
 }
 
+// Where the backward kernels' shared regions lie (Plan<D>::kBwd*): the block's Q, dO, K, V tiles and
+// 64 lse2/delta values, then the calling warp's own fp32 score and dP blocks (16 x 64, row stride
+// kScoreLd; the end of the scratch also takes the 16 x D output block) and bf16 P and dS blocks.
+struct BackwardShared {
+  bf16 *q, *d_o, *k, *v;
+  float *lse, *delta, *scores, *dp;
+  bf16 *probs, *ds;
+};
+
+template <int D>
+__device__ BackwardShared backward_shared(unsigned char* smem, int warp) {
+  using P = Plan<D>;
+  float* scratch = reinterpret_cast<float*>(smem + P::kBwdScratch) + warp * P::kBwdScratchFloats;
+  return {reinterpret_cast<bf16*>(smem + P::kBwdQ),
+          reinterpret_cast<bf16*>(smem + P::kBwdDO),
+          reinterpret_cast<bf16*>(smem + P::kBwdK),
+          reinterpret_cast<bf16*>(smem + P::kBwdV),
+          reinterpret_cast<float*>(smem + P::kBwdLse),
+          reinterpret_cast<float*>(smem + P::kBwdDelta),
+          scratch,
+          scratch + kFrag * kScoreLd,
+          reinterpret_cast<bf16*>(smem + P::kBwdProb) + warp * kFrag * kProbLd,
+          reinterpret_cast<bf16*>(smem + P::kBwdDs) + warp * kFrag * kProbLd};
+}
+
 // ---- forward: grid (query tiles, heads, sequences) ----
 template <int D>
 __global__ void __launch_bounds__(kThreadsPerBlock)
@@ -343,17 +368,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   constexpr int kLd = P::kLd;
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  bf16* qs = reinterpret_cast<bf16*>(smem + P::kBwdQ);
-  bf16* dos = reinterpret_cast<bf16*>(smem + P::kBwdDO);
-  bf16* ks = reinterpret_cast<bf16*>(smem + P::kBwdK);
-  bf16* vs = reinterpret_cast<bf16*>(smem + P::kBwdV);
-  float* lse_s = reinterpret_cast<float*>(smem + P::kBwdLse);
-  float* delta_s = reinterpret_cast<float*>(smem + P::kBwdDelta);
-  float* scratch = reinterpret_cast<float*>(smem + P::kBwdScratch) + warp * P::kBwdScratchFloats;
-  float* st = scratch;                       // S^T, 16 keys x 64 queries
-  float* dpt = scratch + kFrag * kScoreLd;   // dP^T
-  bf16* pt = reinterpret_cast<bf16*>(smem + P::kBwdProb) + warp * kFrag * kProbLd;
-  bf16* dst = reinterpret_cast<bf16*>(smem + P::kBwdDs) + warp * kFrag * kProbLd;
+  // S^T and dP^T (16 keys x 64 queries each), P^T and dS^T in bf16.
+  const auto [qs, dos, ks, vs, lse_s, delta_s, st, dpt, pt, dst] = backward_shared<D>(smem, warp);
 
   const int L = d.seq_len, g = static_cast<int>(blockIdx.y), seq = static_cast<int>(blockIdx.z);
   const int group = d.heads / d.kv_heads;
@@ -398,9 +414,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
       accumulate_product<D>(dst, qs, dk_acc);
     }
   }
-  // The scratch's last readers (the elementwise pass) are behind the last __syncwarp above.
-  store_block<D>(dk_acc, scale, scratch, dk, seq, L, k0 + warp * kFrag, kstride, g * D);
-  store_block<D>(dv_acc, 1.0f, scratch, dv, seq, L, k0 + warp * kFrag, kstride, g * D);
+  // The warp's fp32 scratch (it starts at st) has its last readers, the elementwise pass, behind the
+  // last __syncwarp above.
+  store_block<D>(dk_acc, scale, st, dk, seq, L, k0 + warp * kFrag, kstride, g * D);
+  store_block<D>(dv_acc, 1.0f, st, dv, seq, L, k0 + warp * kFrag, kstride, g * D);
 }
 
 // ---- backward, step 3: dQ. Grid (query tiles, heads, sequences); a warp owns 16 query rows:
@@ -416,16 +433,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   constexpr int kLd = P::kLd;
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  bf16* qs = reinterpret_cast<bf16*>(smem + P::kBwdQ);
-  bf16* dos = reinterpret_cast<bf16*>(smem + P::kBwdDO);
-  bf16* ks = reinterpret_cast<bf16*>(smem + P::kBwdK);
-  bf16* vs = reinterpret_cast<bf16*>(smem + P::kBwdV);
-  float* lse_s = reinterpret_cast<float*>(smem + P::kBwdLse);
-  float* delta_s = reinterpret_cast<float*>(smem + P::kBwdDelta);
-  float* scratch = reinterpret_cast<float*>(smem + P::kBwdScratch) + warp * P::kBwdScratchFloats;
-  float* ss = scratch;                      // S, 16 queries x 64 keys
-  float* dps = scratch + kFrag * kScoreLd;  // dP
-  bf16* dss = reinterpret_cast<bf16*>(smem + P::kBwdDs) + warp * kFrag * kProbLd;
+  // S and dP (16 queries x 64 keys each), dS in bf16 (this kernel needs no bf16 P).
+  const auto [qs, dos, ks, vs, lse_s, delta_s, ss, dps, unused_probs, dss] = backward_shared<D>(smem, warp);
 
   const int L = d.seq_len, h = static_cast<int>(blockIdx.y), seq = static_cast<int>(blockIdx.z);
   const int g = h / (d.heads / d.kv_heads);
@@ -464,7 +473,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     __syncwarp();
     accumulate_product<D>(dss, ks, dq_acc);
   }
-  store_block<D>(dq_acc, scale, scratch, dq, seq, L, q0 + warp * kFrag, qstride, h * D);
+  store_block<D>(dq_acc, scale, ss, dq, seq, L, q0 + warp * kFrag, qstride, h * D);
 }
 
 // ---- host side ----
