@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -52,21 +53,10 @@ double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // Mean milliseconds of `reps` runs of f after one warm-up run, timed with CUDA events.
-template <class F>
-double time_ms(int reps, F&& f) {
+// Mean time of `reps` calls on the default stream, after one untimed call.
+double time_ms(int reps, const std::function<void()>& f) {
   f();
-  cudaEvent_t a = nullptr, b = nullptr;
-  cu::check(cudaEventCreate(&a), "cudaEventCreate");
-  cu::check(cudaEventCreate(&b), "cudaEventCreate");
-  cu::check(cudaEventRecord(a, nullptr), "cudaEventRecord");
-  for (int i = 0; i < reps; ++i) f();
-  cu::check(cudaEventRecord(b, nullptr), "cudaEventRecord");
-  cu::check(cudaEventSynchronize(b), "cudaEventSynchronize");
-  float ms = 0;
-  cu::check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return ms / reps;
+  return cu::time_on_stream_ms(nullptr, reps, f);
 }
 
 void run_shape(int sequences, int L, int heads, int kv_heads, int hd) {

@@ -30,20 +30,9 @@ double gemm_tflops(int n) {
   cu::check(cudaMemsetAsync(b.get(), 0, bytes, s), "memset");
   cu::GemmShape shape{n, n, n, false, false, 0, 0, 0};
   for (int i = 0; i < 3; ++i) g.run(cu::DType::BF16, shape, a.get(), b.get(), c.get());
-  cudaEvent_t t0 = nullptr, t1 = nullptr;
-  cu::check(cudaEventCreate(&t0), "cudaEventCreate");
-  cu::check(cudaEventCreate(&t1), "cudaEventCreate");
-  constexpr int kReps = 20;
-  cu::check(cudaEventRecord(t0, s), "cudaEventRecord");
-  for (int i = 0; i < kReps; ++i) g.run(cu::DType::BF16, shape, a.get(), b.get(), c.get());
-  cu::check(cudaEventRecord(t1, s), "cudaEventRecord");
-  cu::check(cudaEventSynchronize(t1), "cudaEventSynchronize");
-  float ms = 0;
-  cu::check(cudaEventElapsedTime(&ms, t0, t1), "cudaEventElapsedTime");
-  cudaEventDestroy(t0);
-  cudaEventDestroy(t1);
+  const double ms = cu::time_on_stream_ms(s, 20, [&] { g.run(cu::DType::BF16, shape, a.get(), b.get(), c.get()); });
   cudaStreamDestroy(s);
-  return 2.0 * n * static_cast<double>(n) * n * kReps / (ms * 1e-3) / 1e12;
+  return 2.0 * n * static_cast<double>(n) * n / (ms * 1e-3) / 1e12;
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// CUDA device probe, error checks and the owning device buffer.
+// CUDA device probe, error checks, stream timing and the owning device buffer.
 #include "piper/runtime/cuda/device.hpp"
 
 #include <fmt/format.h>
@@ -41,6 +41,21 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
     bytes_ = std::exchange(o.bytes_, 0);
   }
   return *this;
+}
+
+double time_on_stream_ms(cudaStream_t stream, int reps, const std::function<void()>& launch) {
+  cudaEvent_t begin = nullptr, end = nullptr;
+  check(cudaEventCreate(&begin), "cudaEventCreate");
+  check(cudaEventCreate(&end), "cudaEventCreate");
+  check(cudaEventRecord(begin, stream), "cudaEventRecord");
+  for (int i = 0; i < reps; ++i) launch();
+  check(cudaEventRecord(end, stream), "cudaEventRecord");
+  check(cudaEventSynchronize(end), "cudaEventSynchronize");
+  float ms = 0;
+  check(cudaEventElapsedTime(&ms, begin, end), "cudaEventElapsedTime");
+  cudaEventDestroy(begin);
+  cudaEventDestroy(end);
+  return ms / reps;
 }
 
 }  // namespace piper::runtime::cuda

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -27,6 +28,10 @@ void check(cudaError_t status, const char* what);
 // accumulation in every kernel either way).
 enum class DType { F32, BF16 };
 std::size_t dtype_bytes(DType t);
+
+// Mean device time, in ms, of `reps` calls of `launch`, which enqueues work on `stream`: CUDA events
+// recorded on the stream before the first call and after the last (no warm-up: callers do their own).
+double time_on_stream_ms(cudaStream_t stream, int reps, const std::function<void()>& launch);
 
 // Owning, move-only device allocation.
 class DeviceBuffer {
