@@ -528,14 +528,22 @@ class Run {
       start_flow(src, dst, bytes, kind, owner, schedule, participant, step);
   }
 
-  void start_flow(int src, int dst, double bytes, SlotKind kind, int owner, int schedule, int participant, int step) {
+  // Flows per link, kept only for merging (merge_lone_collectives reads them, nothing else does): a
+  // flow about to start (change +1) first splits any merged schedule that holds one of its links.
+  void occupy_route(int src, int dst, int change) {
+    if (!options_.merge_lone_collectives) return;
     int links[simgrid_detail::Platform::kMaxRouteLinks];
     const int nlinks = platform_->route_links(src, dst, links);
-    for (int l = 0; l < nlinks; ++l) {
-      const int m = link_merge_[static_cast<std::size_t>(links[l])];
-      if (m >= 0) split_merge(m);
-    }
-    for (int l = 0; l < nlinks; ++l) ++link_flows_[static_cast<std::size_t>(links[l])];
+    if (change > 0)
+      for (int l = 0; l < nlinks; ++l) {
+        const int m = link_merge_[static_cast<std::size_t>(links[l])];
+        if (m >= 0) split_merge(m);
+      }
+    for (int l = 0; l < nlinks; ++l) link_flows_[static_cast<std::size_t>(links[l])] += change;
+  }
+
+  void start_flow(int src, int dst, double bytes, SlotKind kind, int owner, int schedule, int participant, int step) {
+    occupy_route(src, dst, +1);
     const int id = new_slot(kind, owner, schedule, participant, step);
     Slot& s = slots_[static_cast<std::size_t>(id)];
     s.src = src;
@@ -883,9 +891,7 @@ class Run {
   void flow_ended(int id) {
     const Slot s = slots_[static_cast<std::size_t>(id)];
     free_slots_.push_back(id);
-    int links[simgrid_detail::Platform::kMaxRouteLinks];
-    const int nlinks = platform_->route_links(s.src, s.dst, links);
-    for (int l = 0; l < nlinks; ++l) --link_flows_[static_cast<std::size_t>(links[l])];
+    occupy_route(s.src, s.dst, -1);
     --flows_in_use_;
     switch (s.kind) {
       case SlotKind::Activity:
