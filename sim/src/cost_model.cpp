@@ -39,13 +39,17 @@ double flat(OpKind kind, double n, double alpha, double bw, double bytes) {
 
 // ---- SM sharing and partitioning ----
 
+std::string sm_partition_misfit(int sms, const GpuSpec& gpu) {
+  if (gpu.sm_count <= 0) return fmt::format("the cluster's GPU '{}' has no sm_count to partition", gpu.name);
+  if (sms >= gpu.sm_count)
+    return fmt::format("{} SMs for communication leave none for compute on '{}' ({} SMs)", sms, gpu.name, gpu.sm_count);
+  return "";
+}
+
 ComputeRates compute_rates(const std::optional<core::SmPartition>& partition, const GpuSpec& gpu) {
   if (!partition) return {1.0, 1.0 - gpu.comm_sm_share};
-  if (gpu.sm_count <= 0)
-    throw ClusterError(fmt::format("sm_partition: the cluster's GPU '{}' has no sm_count to partition", gpu.name));
-  if (partition->sms >= gpu.sm_count)
-    throw ClusterError(fmt::format("sm_partition: field 'sms': {} SMs for communication leave none for compute on '{}' ({} SMs)",
-                                   partition->sms, gpu.name, gpu.sm_count));
+  if (const std::string why = sm_partition_misfit(partition->sms, gpu); !why.empty())
+    throw ClusterError(fmt::format("sm_partition: {}{}", gpu.sm_count > 0 ? "field 'sms': " : "", why));
   const double compute = static_cast<double>(gpu.sm_count - partition->sms) / gpu.sm_count;
   return {compute, compute};
 }

@@ -18,6 +18,7 @@
 #include "piper/core/scenario.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/sim/cluster.hpp"
+#include "piper/sim/cost_model.hpp"
 #include "piper/sim/results_csv.hpp"
 #include "piper/sim/simulate.hpp"
 
@@ -143,13 +144,9 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   for (int sms : s.comm_sms) {
     if (sms < 0) throw SweepError(fmt::format("{}: field 'comm_sms': {} is negative (0: SMs shared, N >= 1: an sm_partition of N SMs)", where, sms));
     if (sms == 0) continue;
-    for (const auto& node : cluster.nodes) {
-      if (node.gpu.sm_count <= 0)
-        throw SweepError(fmt::format("{}: field 'comm_sms': the cluster's GPU '{}' has no sm_count to partition", where, node.gpu.name));
-      if (sms >= node.gpu.sm_count)
-        throw SweepError(fmt::format("{}: field 'comm_sms': {} SMs for communication leave none for compute on '{}' ({} SMs)", where, sms,
-                                     node.gpu.name, node.gpu.sm_count));
-    }
+    for (const auto& node : cluster.nodes)
+      if (const std::string why = sm_partition_misfit(sms, node.gpu); !why.empty())
+        throw SweepError(fmt::format("{}: field 'comm_sms': {}", where, why));
   }
   return s;
 }

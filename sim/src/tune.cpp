@@ -391,13 +391,9 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
   for (int sms : comm_sms) {
     if (sms < 0) throw TuneError(fmt::format("--comm-sms: {} is negative (0: SMs shared, N >= 1: N SMs for communication)", sms));
     if (sms == 0) continue;
-    for (int d = 0; d < spec.devices; ++d) {
-      const GpuSpec& gpu = cluster.node(d).gpu;
-      if (gpu.sm_count <= 0) throw TuneError(fmt::format("--comm-sms {}: the cluster's GPU '{}' has no sm_count to partition", sms, gpu.name));
-      if (sms >= gpu.sm_count)
-        throw TuneError(fmt::format("--comm-sms {}: {} SMs for communication leave none for compute on '{}' ({} SMs)", sms, sms, gpu.name,
-                                    gpu.sm_count));
-    }
+    for (int d = 0; d < spec.devices; ++d)
+      if (const std::string why = sm_partition_misfit(sms, cluster.node(d).gpu); !why.empty())
+        throw TuneError(fmt::format("--comm-sms {}: {}", sms, why));
   }
   std::vector<int> tps = spec.tp_degrees;
   if (tps.empty()) tps = divisors(std::gcd(node_gpus, spec.devices));

@@ -59,8 +59,11 @@ struct ComputeRates {
   double with_comm = 1;
   friend bool operator==(const ComputeRates&, const ComputeRates&) = default;
 };
-// For one GPU model. Throws ClusterError (one line) when the partition does not fit: sms >= N (no SM
-// left for compute) or a GPU spec without sm_count.
+// Why `sms` SMs for communication do not fit `gpu`, "" when they do: a GPU spec without sm_count, or
+// sms >= N (no SM left for compute). The one rule behind compute_rates and the sweep and tune checks.
+std::string sm_partition_misfit(int sms, const GpuSpec& gpu);
+// For one GPU model. Throws ClusterError (one line, sm_partition_misfit's reason) when the partition
+// does not fit.
 ComputeRates compute_rates(const std::optional<core::SmPartition>& partition, const GpuSpec& gpu);
 // Per device of `program` (indexed by device). Throws like the above, naming the first device that fails.
 std::vector<ComputeRates> compute_rates(const core::Program& program, const Cluster& cluster);
