@@ -59,28 +59,22 @@ static std::vector<std::string> schedule_names() {
 }
 
 // CLI11's Range prints DBL_MAX for a non-number; these say what is expected in a few words.
-const CLI::Validator kPositiveInt(
-    [](std::string& value) -> std::string {
-      try {
-        std::size_t used = 0;
-        long long v = std::stoll(value, &used);
-        if (used == value.size() && v > 0 && v <= std::numeric_limits<int>::max()) return {};
-      } catch (const std::exception&) {
-      }
-      return "must be a positive integer, got '" + value + "'";
-    },
-    "POSITIVE");
-const CLI::Validator kNonNegativeInt(
-    [](std::string& value) -> std::string {
-      try {
-        std::size_t used = 0;
-        long long v = std::stoll(value, &used);
-        if (used == value.size() && v >= 0 && v <= std::numeric_limits<int>::max()) return {};
-      } catch (const std::exception&) {
-      }
-      return "must be a non-negative integer, got '" + value + "'";
-    },
-    "NONNEGATIVE");
+// An int (the whole text, within int's range) of at least `min`; `what` names the rule in the message.
+static CLI::Validator int_at_least(long long min, const std::string& what, const std::string& name) {
+  return CLI::Validator(
+      [min, what](std::string& value) -> std::string {
+        try {
+          std::size_t used = 0;
+          long long v = std::stoll(value, &used);
+          if (used == value.size() && v >= min && v <= std::numeric_limits<int>::max()) return {};
+        } catch (const std::exception&) {
+        }
+        return "must be " + what + ", got '" + value + "'";
+      },
+      name);
+}
+const CLI::Validator kPositiveInt = int_at_least(1, "a positive integer", "POSITIVE");
+const CLI::Validator kNonNegativeInt = int_at_least(0, "a non-negative integer", "NONNEGATIVE");
 const CLI::Validator kNonNegativeNumber(
     [](std::string& value) -> std::string {
       try {
