@@ -17,6 +17,7 @@ cmake --preset sanitize >/dev/null
 cmake --build --preset sanitize -j"$(nproc)" --target "${harnesses[@]}"
 bin=build-sanitize/bin
 work=build-sanitize/fuzz
+rm -f "$work/summary.txt"
 
 # Seeds: the vendored fixtures, the examples and the test inputs, per input surface. Plans and
 # extra programs come from the normal build's piper when it exists (scripts/test.sh builds it first).
@@ -45,8 +46,15 @@ else
 fi
 
 # Findings are per run (fix them before the next): crash-*, leak-*, timeout-*, oom-* inputs and logs.
+# FUZZ_SEED fixes libFuzzer's random seed (scripts/test.sh uses 1, so that a CI finding is found again
+# by the same command); unset, every run explores differently. The table and each finding's first
+# frames in Piper's code also go to $work/summary.txt, which scripts/test.sh repeats at its end.
 rm -rf "$work/findings"
 mkdir -p "$work/findings"
+seed_flag=()
+[ -n "${FUZZ_SEED:-}" ] && seed_flag=(-seed="$FUZZ_SEED")
+export UBSAN_OPTIONS=print_stacktrace=1
+exec > >(tee "$work/summary.txt.tmp")
 printf '\n%-20s %12s %8s %8s %8s %8s\n' harness executions crashes leaks timeouts ooms
 total_execs=0
 total_findings=0
@@ -56,7 +64,7 @@ for h in "${harnesses[@]}"; do
   log=$work/findings/$h.log
   # -timeout: one input taking 10 s is a hang; -rss_limit_mb: one using 2 GB is a runaway.
   set +e
-  "$bin/$h" "$corpus" "$seeds/$h" -dict=tests/fuzz/piper.dict -max_total_time="$seconds" \
+  "$bin/$h" "$corpus" "$seeds/$h" -dict=tests/fuzz/piper.dict -max_total_time="$seconds" "${seed_flag[@]}" \
     -timeout=10 -rss_limit_mb=2048 -max_len=65536 -print_final_stats=1 \
     -artifact_prefix="$work/findings/$h-" </dev/null >"$log" 2>&1
   set -e
@@ -68,7 +76,12 @@ for h in "${harnesses[@]}"; do
   printf '%-20s %12s %8s %8s %8s %8s\n' "$h" "$execs" "$crashes" "$leaks" "$timeouts" "$ooms"
   total_execs=$((total_execs + execs))
   total_findings=$((total_findings + new))
-  if [ "$new" -gt 0 ]; then grep -m3 -E 'ERROR|SUMMARY|uncaught|deadly' "$log" | sed 's/^/    /' || true; fi
+  if [ "$new" -gt 0 ]; then
+    { grep -m3 -E 'ERROR|SUMMARY|uncaught|deadly|runtime error' "$log"; grep -m4 -E '^ +#[0-9]+ .* in piper::' "$log"
+      ls "$work/findings" | grep "^$h-" | sed "s|^|input: $work/findings/|"; } | sed 's/^/    /' || true
+    echo "    reproduce: $bin/$h INPUT"
+  fi
 done
 printf '%-20s %12s   findings: %s (inputs and logs in %s/findings/)\n' total "$total_execs" "$total_findings" "$work"
+mv "$work/summary.txt.tmp" "$work/summary.txt"
 [ "$total_findings" -eq 0 ]

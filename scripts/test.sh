@@ -32,6 +32,10 @@ stage() {  # stage NAME COMMAND...: runs it, records its time and status, return
 print_summary() {
   echo "=== test: summary"
   printf '%s\n' "${summary[@]}"
+  # The fuzz table (with each finding's input and first frames) again, where CI logs keep only the end.
+  if printf '%s\n' "${summary[@]}" | grep -q '^fuzz.*FAILED' && [ -f build-sanitize/fuzz/summary.txt ]; then
+    cat build-sanitize/fuzz/summary.txt
+  fi
 }
 
 build_default() { cmake --preset default && cmake --build --preset default -j"$jobs"; }
@@ -39,7 +43,8 @@ build_sanitize() { cmake --preset sanitize >/dev/null && cmake --build --preset 
 # The environment (ASan, UBSan, LSan options and suppressions) comes with the test preset; the mpirun
 # tests add the slow unwinder themselves (tests/CMakeLists.txt).
 test_sanitize() { ctest --preset sanitize --output-on-failure -j2; }
-fuzz() { bash scripts/fuzz.sh "${FUZZ_SECONDS:-5}"; }
+# A fixed seed: a finding in CI is found again locally by this same command.
+fuzz() { FUZZ_SEED=${FUZZ_SEED:-1} bash scripts/fuzz.sh "${FUZZ_SECONDS:-5}"; }
 
 stage "build (preset default)" build_default || { print_summary; exit 1; }
 if [ "${SKIP_SANITIZE:-0}" != 1 ]; then

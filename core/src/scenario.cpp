@@ -143,13 +143,14 @@ void annotate_regions(const Scenario& s, Model& model, const json& program, int 
       for (const auto& d : program)
         if (d.is_object() && d.contains("op") && d["op"] == "place" && d.contains("filter") && d["filter"].size() == 1 &&
             d["filter"].contains("PP") && d["filter"]["PP"].is_number_integer() && d.contains("devices")) {
-          const int r = d["filter"]["PP"].get<int>();
+          const long long r = d["filter"]["PP"].get<long long>();
           // Malformed programs are left to parse_directives, which names the field at fault.
           const json& devs = d["devices"];
           if (r < 0 || r >= regions || !devs.is_array()) continue;
           std::vector<int> list;
           for (const auto& v : devs)
-            if (v.is_number_integer()) list.push_back(v.get<int>());
+            if (v.is_number_integer() && v.get<long long>() >= 0 && v.get<long long>() < limit_value(Limit::Devices))
+              list.push_back(v.get<int>());
           if (list.size() == devs.size()) devices_of_region[static_cast<std::size_t>(r)] = list;
         }
       std::map<int, int> regions_of_device;

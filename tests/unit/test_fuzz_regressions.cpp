@@ -112,4 +112,19 @@ TEST(FuzzRegressions, NonObjectDirectiveIsNamedNotTypeError) {
   EXPECT_NE(m.find("p.json: directive 0 field 'op'"), std::string::npos) << m;
 }
 
+// The per-device balancing of regions that share a device (V placements) read the raw program
+// before parse_directives: a negative device id indexed its load table at -3 (undefined behaviour),
+// and a huge one sized it to 2^31 entries (found by fuzz_directives in CI).
+TEST(FuzzRegressions, OutOfRangeDeviceInSharedPlacementIsNamedNotIndexed) {
+  core::Scenario s;
+  s.model = "qwen3-9m";
+  s.directives_source = "p.json";
+  for (const char* bad : {"-3", "2147483647", "1e3"}) {
+    s.directives = json::parse(std::string(R"([{"op": "place", "filter": {"PP": 0}, "devices": [0, 2]},
+                                                {"op": "place", "filter": {"PP": 1}, "devices": [2, )") + bad + "]}]");
+    const std::string m = error_of<core::DirectiveError>([&] { core::compile_scenario(s); });
+    EXPECT_NE(m.find("p.json: directive 1 field 'devices[1]'"), std::string::npos) << bad << ": " << m;
+  }
+}
+
 }  // namespace
