@@ -54,8 +54,9 @@ std::string Filter::to_string() const { return to_json().dump(); }
 namespace {
 
 constexpr long long kMaxTagIndex = 1 << 30;
-constexpr double kMaxBucketMb = 1e9;
-constexpr long long kMaxSms = 1 << 20;  // far above any GPU; the real bound is the device's SM count  // 1 PB: past it, the bucket size in bytes overflows int64
+constexpr double kMaxBucketMb = 1e9;     // 1 PB: past it, the bucket size in bytes overflows int64
+constexpr long long kMaxSms = 1 << 20;  // far above any GPU; the real bound is the device's SM count
+constexpr long long kMaxPrefetch = 1 << 20;  // gathers ahead; past the number of gathers it means no limit
 
 [[noreturn]] void fail(int index, const std::string& field, const std::string& message) {
   throw DirectiveError(index, field, message);
@@ -122,7 +123,7 @@ std::vector<int> parse_devices(const json& d, int index) {
     long long v = j[i].get<long long>();
     if (v < 0) fail(index, where, "device id " + std::to_string(v) + " is negative");
     // Device ids size per-device tables later; an id past the device limit is refused here.
-    if (v >= limit_value(Limit::Devices)) fail(index, where, "device id " + std::to_string(v) + ": " + limit_message(Limit::Devices, v + 1, "devices"));
+    if (v >= limit_value(Limit::Devices)) fail(index, where, "device id " + std::to_string(v) + ": " + limit_message(Limit::Devices, v == INT64_MAX ? v : v + 1, "devices"));
     if (!seen.insert(static_cast<int>(v)).second) fail(index, where, "device " + std::to_string(v) + " listed twice");
     out.push_back(static_cast<int>(v));
   }
@@ -159,7 +160,7 @@ Directive parse_one(const json& d, int index) {
   }
   if (op == "replicate") {
     check_fields(d, index, {"filter", "devices", "bucket_size", "shard_grads", "shard_params", "shard_optimizer",
-                            "reduce_stream", "gather_stream"});
+                            "reduce_stream", "gather_stream", "prefetch"});
     ReplicateDirective r;
     r.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     r.devices = parse_devices(d, index);
@@ -172,6 +173,12 @@ Directive parse_one(const json& d, int index) {
     r.shard_grads = get_bool(d, index, "shard_grads");
     r.shard_params = get_bool(d, index, "shard_params");
     if (r.shard_params && !r.shard_grads) fail(index, "shard_params", "requires shard_grads (ZeRO-3 implies ZeRO-2)");
+    if (auto it = d.find("prefetch"); it != d.end()) {
+      if (!r.shard_params) fail(index, "prefetch", "applies only with shard_params (ZeRO-3 gathers)");
+      if (!it->is_number_integer() || it->get<long long>() < 0 || it->get<long long>() > kMaxPrefetch)
+        fail(index, "prefetch", fmt::format("must be an integer in [0, {}] (gathers running ahead of their use)", kMaxPrefetch));
+      r.prefetch = it->get<int>();
+    }
     r.reduce_stream = get_string(d, index, "reduce_stream", "dp");
     r.gather_stream = get_string(d, index, "gather_stream", r.reduce_stream);
     return r;
@@ -858,6 +865,7 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
           DagNode pre = ag;
           pre.pass = key.first ? Pass::B : Pass::F;
           pre.tags = cx.node(users.front()).tags;
+          pre.prefetch = d.prefetch;
           pre.label = "ALL_GATHER" + std::string(key.first ? " B" : " F") + tags_label(pre.tags) + " s" +
                       std::to_string(bucket.front());
           Vertex va = cx.add(pre);

@@ -5,6 +5,7 @@
 #include <limits>
 #include <map>
 #include <queue>
+#include <set>
 
 #include "piper/core/error.hpp"
 #include "piper/core/program.hpp"
@@ -15,6 +16,9 @@ namespace {
 
 double op_flops(const DagNode& n);
 std::int64_t op_memory_bytes(const DagNode& n);
+
+// Ordering edges added by lowering (u, v): v starts after u completes. They are not in the DAG.
+using Edges = std::vector<std::pair<Vertex, Vertex>>;
 
 // Stream-ordering policy: one global topological order of the DAG (Kahn's algorithm), taking among
 // the ready nodes the one with the earliest estimated start, then the smallest node id. Every device
@@ -36,11 +40,18 @@ std::int64_t op_memory_bytes(const DagNode& n);
 // each device's steps, so this approximates when the op runs. The key of a communication op is the
 // smallest key of the compute it feeds (through other communication): it is issued in the order its
 // data is consumed, as a program posts its receives and all-to-alls for the step that needs them.
-std::vector<Vertex> global_order(const Graph& g) {
+// `extra` edges (the ZeRO-3 prefetch limit) order like the DAG's own edges.
+std::vector<Vertex> global_order(const Graph& g, const Edges& extra) {
   const std::size_t n = boost::num_vertices(g);
   std::vector<int> indegree(n, 0);
   for (Vertex v = 0; v < n; ++v)
     if (!g[v].removed) indegree[v] = static_cast<int>(boost::in_degree(v, g));
+  std::vector<std::vector<Vertex>> extra_out(extra.empty() ? 0 : n);
+  for (const auto& [u, v] : extra) extra_out[u].push_back(v), ++indegree[v];
+  auto extra_successors = [&](Vertex v) -> const std::vector<Vertex>& {
+    static const std::vector<Vertex> none;
+    return extra_out.empty() ? none : extra_out[v];
+  };
 
   // Pass 1: estimated start times along a topological order (any; here by id).
   constexpr double kMachineBalanceFlopsPerByte = 300;
@@ -62,11 +73,12 @@ std::vector<Vertex> global_order(const Graph& g) {
       ready.pop_back();
       topo.push_back(v);
       const double end = key[v] + work(v);
-      for (auto e : boost::make_iterator_range(boost::out_edges(v, g))) {
-        const Vertex w = boost::target(e, g);
+      auto reach = [&](Vertex w) {
         key[w] = std::max(key[w], end);
         if (--left[w] == 0) ready.push_back(w);
-      }
+      };
+      for (auto e : boost::make_iterator_range(boost::out_edges(v, g))) reach(boost::target(e, g));
+      for (Vertex w : extra_successors(v)) reach(w);
     }
   }
   // Communication takes the earliest key of what it feeds (successors first: reverse topological).
@@ -100,9 +112,102 @@ std::vector<Vertex> global_order(const Graph& g) {
         if (g[v].kind == NodeKind::Send && g[w].kind == NodeKind::Recv) now.push_back(w);
         else ready.push({key[w], w});
       }
+      for (Vertex w : extra_successors(v))
+        if (--indegree[w] == 0) ready.push({key[w], w});
     }
   }
   return order;
+}
+
+// Device classes: devices holding exactly the same device sets get the same plan. Classes are
+// numbered in the order of their first device.
+struct DeviceClasses {
+  std::map<std::vector<DeviceSetId>, int> class_of;
+  std::vector<const std::vector<DeviceSetId>*> signature;  // class -> the device sets its devices hold
+  std::vector<int> plan_of_device;
+};
+
+DeviceClasses device_classes(const GlobalDag& dag) {
+  const Graph& g = dag.graph;
+  const std::size_t num_sets = dag.device_sets.size();
+  std::vector<char> set_used(num_sets, 0);
+  for (Vertex v = 0; v < boost::num_vertices(g); ++v)
+    if (!g[v].removed && g[v].kind != NodeKind::OrderDummy && g[v].devices != kNoDevices)
+      set_used[static_cast<std::size_t>(g[v].devices)] = 1;
+  std::vector<std::vector<DeviceSetId>> membership(static_cast<std::size_t>(dag.num_devices()));
+  for (std::size_t s = 0; s < num_sets; ++s)
+    if (set_used[s])
+      for (int d : dag.device_sets.at(static_cast<DeviceSetId>(s))) membership[static_cast<std::size_t>(d)].push_back(static_cast<DeviceSetId>(s));
+  DeviceClasses c;
+  c.plan_of_device.resize(membership.size());
+  for (std::size_t d = 0; d < membership.size(); ++d) {
+    auto [it, fresh] = c.class_of.try_emplace(std::move(membership[d]), static_cast<int>(c.signature.size()));
+    if (fresh) c.signature.push_back(&it->first);
+    c.plan_of_device[d] = it->second;
+  }
+  return c;
+}
+
+// The ZeRO-3 prefetch limit (FSDP's limit_all_gathers, DeepSpeed's stage3_max_live_parameters).
+// Without it nothing holds a per-use parameter gather back: the gather stream runs ahead of the
+// compute and holds every gathered copy it has fetched (every microbatch's, for a whole stage).
+// On each device the per-use gathers form units, one per compute op that first uses them (the
+// gathers of one schedule step share the step's first op), taken in the order of that op. With a
+// prefetch of p, the gathers of unit k wait until unit k-1-p's copies are freed, that is for its
+// last use, so at most p + 1 units' copies are live (p = 1: the next unit's gathers overlap the
+// current unit's compute, as FSDP's prefetch does). Where that last use comes after unit k's own
+// first use (a backward copy kept from BI to a deferred BW), the gathers wait for unit k-1-p's
+// latest use before it instead. Every edge ends at a gather whose first use comes after the compute
+// it waits for in `order`: moving each gather to just before its first use keeps `order`
+// topological, so the edges cannot close a cycle, and every device still issues its ops in one
+// global order.
+Edges prefetch_edges(const Graph& g, const std::vector<Vertex>& order, const DeviceClasses& classes, std::size_t num_sets) {
+  std::vector<std::size_t> rank(boost::num_vertices(g), 0);
+  for (std::size_t i = 0; i < order.size(); ++i) rank[order[i]] = i;
+  struct Gather {
+    Vertex v;
+    std::vector<Vertex> uses;  // compute consumers, in `order`
+  };
+  std::vector<Gather> gathers;
+  for (auto v : order) {
+    if (g[v].kind != NodeKind::AllGather || g[v].prefetch < 0) continue;
+    Gather gt{v, {}};
+    for (auto e : boost::make_iterator_range(boost::out_edges(v, g)))
+      if (g[boost::target(e, g)].kind == NodeKind::Compute) gt.uses.push_back(boost::target(e, g));
+    std::sort(gt.uses.begin(), gt.uses.end(), [&](Vertex a, Vertex b) { return rank[a] < rank[b]; });
+    if (!gt.uses.empty()) gathers.push_back(std::move(gt));
+  }
+  if (gathers.empty()) return {};
+  std::set<std::pair<Vertex, Vertex>> edges;
+  std::vector<char> in_class(num_sets);
+  std::vector<const Gather*> seq;
+  std::vector<std::vector<const Gather*>> units;
+  for (const auto* sig : classes.signature) {
+    std::fill(in_class.begin(), in_class.end(), 0);
+    for (auto s : *sig) in_class[static_cast<std::size_t>(s)] = 1;
+    seq.clear();
+    for (const auto& gt : gathers)
+      if (in_class[static_cast<std::size_t>(g[gt.v].devices)]) seq.push_back(&gt);
+    std::stable_sort(seq.begin(), seq.end(), [&](const Gather* a, const Gather* b) { return rank[a->uses[0]] < rank[b->uses[0]]; });
+    units.clear();
+    for (const Gather* gt : seq) {
+      if (units.empty() || units.back()[0]->uses[0] != gt->uses[0]) units.emplace_back();
+      units.back().push_back(gt);
+    }
+    for (std::size_t k = 0; k < units.size(); ++k)
+      for (const Gather* gt : units[k]) {
+        const auto ahead = static_cast<std::size_t>(g[gt->v].prefetch);
+        if (k < ahead + 1) continue;
+        // The latest use of unit k-1-p before this unit's first use (its first use always is).
+        const std::size_t start = rank[gt->uses[0]];
+        Vertex done = units[k - 1 - ahead][0]->uses[0];
+        for (const Gather* earlier : units[k - 1 - ahead])
+          for (Vertex u : earlier->uses)
+            if (rank[u] < start && rank[u] > rank[done]) done = u;
+        edges.insert({done, gt->v});
+      }
+  }
+  return {edges.begin(), edges.end()};
 }
 
 double op_flops(const DagNode& n) {
@@ -167,8 +272,13 @@ OpKind op_kind(NodeKind k) {
 Program lower(const GlobalDag& dag) {
   const Graph& g = dag.graph;
   const std::size_t n = boost::num_vertices(g);
-  const auto order = global_order(g);
+  const std::size_t num_sets = dag.device_sets.size();
+  const DeviceClasses classes = device_classes(dag);
+  auto order = global_order(g, {});
   if (order.size() != dag.live_node_count()) throw Error("internal: cannot lower a DAG with a cycle");
+  const Edges prefetch = prefetch_edges(g, order, classes, num_sets);
+  if (!prefetch.empty()) order = global_order(g, prefetch);
+  if (order.size() != dag.live_node_count()) throw Error("internal: the ZeRO-3 prefetch limit closed a cycle");
   std::vector<std::size_t> rank(n, 0);
   for (std::size_t i = 0; i < order.size(); ++i) rank[order[i]] = i;
 
@@ -182,6 +292,7 @@ Program lower(const GlobalDag& dag) {
       else if (!(g[u].kind == NodeKind::Send && g[v].kind == NodeKind::Recv)) out.push_back(u);
     }
   };
+  for (const auto& [u, v] : prefetch) preds[v].push_back(u);
   std::vector<std::vector<Vertex>> succs(n);
   for (auto v : order) {
     if (g[v].kind == NodeKind::OrderDummy) continue;
@@ -202,23 +313,7 @@ Program lower(const GlobalDag& dag) {
                                 seg.shard_degree, seg.replicas, seg.zero_level, seg.tp_degree,
                                 seg.sequence_parallel, seg.recompute, seg.tp_family});
 
-  // Device classes: devices holding exactly the same device sets get the same plan.
-  const std::size_t num_sets = dag.device_sets.size();
-  std::vector<char> set_used(num_sets, 0);
-  for (auto v : order)
-    if (g[v].kind != NodeKind::OrderDummy && g[v].devices != kNoDevices) set_used[static_cast<std::size_t>(g[v].devices)] = 1;
-  std::vector<std::vector<DeviceSetId>> membership(static_cast<std::size_t>(program.num_devices));
-  for (std::size_t s = 0; s < num_sets; ++s)
-    if (set_used[s])
-      for (int d : dag.device_sets.at(static_cast<DeviceSetId>(s))) membership[static_cast<std::size_t>(d)].push_back(static_cast<DeviceSetId>(s));
-  std::map<std::vector<DeviceSetId>, int> class_of;
-  std::vector<const std::vector<DeviceSetId>*> signature;
-  program.plan_of_device.resize(static_cast<std::size_t>(program.num_devices));
-  for (int d = 0; d < program.num_devices; ++d) {
-    auto [it, fresh] = class_of.try_emplace(membership[static_cast<std::size_t>(d)], static_cast<int>(signature.size()));
-    if (fresh) signature.push_back(&it->first);
-    program.plan_of_device[static_cast<std::size_t>(d)] = it->second;
-  }
+  program.plan_of_device = classes.plan_of_device;
 
   // Segment -> device set (all copies of a segment share one set; checked by placement).
   std::vector<DeviceSetId> segment_set(dag.segments.size(), kNoDevices);
@@ -229,7 +324,7 @@ Program lower(const GlobalDag& dag) {
   const int dt = bytes_per_element(dag.training.precision);
   const std::int64_t state_bytes_per_param = dag.training.precision == Precision::FP32 ? 8 : 12;
   std::vector<OpRef> ref(n);
-  for (const auto* sig : signature) {
+  for (const auto* sig : classes.signature) {
     std::vector<char> in_plan(num_sets, 0);
     for (auto s : *sig) in_plan[static_cast<std::size_t>(s)] = 1;
     auto here = [&](Vertex v) { return g[v].devices != kNoDevices && in_plan[static_cast<std::size_t>(g[v].devices)]; };

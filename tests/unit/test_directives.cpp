@@ -80,6 +80,12 @@ TEST(Parse, ErrorsNameTheDirectiveIndexAndField) {
   EXPECT_EQ(err(json::parse(R"([{"op":"order","filters":[[{"PP":0,"PASS":"X"}]]}])")), std::make_pair(0, std::string("filters[0][0].PASS")));
   EXPECT_EQ(err(json::parse(R"([{"op":"place","filter":{"PP":0},"devices":[0],"strem":"x"}])")), std::make_pair(0, std::string("strem")));
   EXPECT_EQ(err(json::parse(R"([{"op":"replicate","filter":{},"devices":[0,1],"shard_params":true}])")), std::make_pair(0, std::string("shard_params")));
+  // ZeRO-3's prefetch limit: only with shard_params, a non-negative integer.
+  for (const char* bad : {R"("shard_grads":true,"prefetch":1)", R"("shard_grads":true,"shard_params":true,"prefetch":-1)",
+                          R"("shard_grads":true,"shard_params":true,"prefetch":1.5)", R"("shard_grads":true,"shard_params":true,"prefetch":"2")"})
+    EXPECT_EQ(err(json::parse(std::string(R"([{"op":"replicate","filter":{},"devices":[0,1],)") + bad + "}]")),
+              std::make_pair(0, std::string("prefetch")))
+        << bad;
   EXPECT_THROW(parse_directives(json::object()), Error);
 }
 

@@ -114,12 +114,13 @@ TEST(FuzzRegressions, NonObjectDirectiveIsNamedNotTypeError) {
 
 // The per-device balancing of regions that share a device (V placements) read the raw program
 // before parse_directives: a negative device id indexed its load table at -3 (undefined behaviour),
-// and a huge one sized it to 2^31 entries (found by fuzz_directives in CI).
+// and a huge one sized it to 2^31 entries (found by fuzz_directives in CI). The largest int64 id
+// then overflowed in parse_directives' message (id + 1 devices).
 TEST(FuzzRegressions, OutOfRangeDeviceInSharedPlacementIsNamedNotIndexed) {
   core::Scenario s;
   s.model = "qwen3-9m";
   s.directives_source = "p.json";
-  for (const char* bad : {"-3", "2147483647", "1e3"}) {
+  for (const char* bad : {"-3", "2147483647", "1e3", "9223372036854775807"}) {
     s.directives = json::parse(std::string(R"([{"op": "place", "filter": {"PP": 0}, "devices": [0, 2]},
                                                 {"op": "place", "filter": {"PP": 1}, "devices": [2, )") + bad + "]}]");
     const std::string m = error_of<core::DirectiveError>([&] { core::compile_scenario(s); });

@@ -79,6 +79,7 @@ struct DagNode {
   DeviceSetId peer_devices = kNoDevices;  // SEND: receiver set; RECV: sender set
   int family = -1;                  // collectives: index into GlobalDag::families
   std::vector<int> buffer_segments; // UPD / gradient / param collectives: segments whose params they carry
+  int prefetch = -1;                // ZeRO-3 per-use gathers: how many may run ahead of their use (-1: no limit)
   std::string label;                // human-readable, e.g. "F mb3 PP2 seg5"
   bool removed = false;             // tombstone left by rewrites (BGL vecS keeps indices stable)
 };
