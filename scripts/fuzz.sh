@@ -47,7 +47,7 @@ fi
 
 # Findings are per run (fix them before the next): crash-*, leak-*, timeout-*, oom-* inputs and logs.
 # FUZZ_SEED fixes libFuzzer's random seed (scripts/test.sh uses 1, so that a CI finding is found again
-# by the same command); unset, every run explores differently. The table and each finding's first
+# by the same seed, given as many seconds); unset, every run explores differently. The table and each finding's first
 # frames in Piper's code also go to $work/summary.txt, which scripts/test.sh repeats at its end.
 rm -rf "$work/findings"
 mkdir -p "$work/findings"

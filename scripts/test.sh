@@ -43,7 +43,8 @@ build_sanitize() { cmake --preset sanitize >/dev/null && cmake --build --preset 
 # The environment (ASan, UBSan, LSan options and suppressions) comes with the test preset; the mpirun
 # tests add the slow unwinder themselves (tests/CMakeLists.txt).
 test_sanitize() { ctest --preset sanitize --output-on-failure -j2; }
-# A fixed seed: a finding in CI is found again locally by this same command.
+# A fixed seed: every run tries the same inputs in the same order (as far as its time allows), so a
+# CI finding is found again locally with FUZZ_SEED=1 and at least as many seconds.
 fuzz() { FUZZ_SEED=${FUZZ_SEED:-1} bash scripts/fuzz.sh "${FUZZ_SECONDS:-5}"; }
 
 stage "build (preset default)" build_default || { print_summary; exit 1; }
