@@ -106,8 +106,9 @@ core::Timeline empty_timeline(std::shared_ptr<const core::Program> program, cons
   t.source = source;
   t.program = program;
   t.devices.resize(static_cast<std::size_t>(program->num_devices));
-  // Devices of one plan share the span layout: build it once per plan and copy.
-  std::vector<std::vector<core::OpSpan>> layout(program->plans.size());
+  // Devices of one plan share the span layout: build it once per plan (each device's engine writes
+  // take their own copy).
+  std::vector<core::SharedVector<core::OpSpan>> layout(program->plans.size());
   for (std::size_t p = 0; p < program->plans.size(); ++p) {
     const auto& plan = program->plans[p];
     for (std::size_t s = 0; s < plan.streams.size(); ++s)

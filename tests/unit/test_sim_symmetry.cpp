@@ -91,6 +91,35 @@ INSTANTIATE_TEST_SUITE_P(
                       Config{"1f1b", 4, 8, 1, 0, 8, PIPER_SOURCE_DIR "/examples/clusters/mixed-h100-a100.json"},
                       Config{"zb-v", 2, 16, 8, 1, 8, PIPER_SOURCE_DIR "/examples/clusters/mixed-h100-a100.json"}));
 
+// The reduced run's devices of one class share their representative's spans and memory samples
+// (no copy per device), and a write to one copy stays out of the others (copy on write).
+TEST(Symmetry, DevicesOfAClassShareTheirTimelineUntilWritten) {
+  const Config c{"1f1b", 4, 8, 1, 0, 8, "dgx-h200"};
+  SimulationResult r = run(c, true);
+  const core::Program& p = *r.program;
+  const Symmetry sym = find_symmetry(p, r.cluster);
+  ASSERT_TRUE(sym.reduces()) << sym.note;
+  auto& devices = r.timeline.devices;
+  int shared = 0;
+  for (int d = 0; d < p.num_devices; ++d) {
+    const int rep = sym.representative_of(d);
+    if (rep == d) continue;
+    EXPECT_TRUE(devices[static_cast<std::size_t>(d)].spans.shares_storage_with(devices[static_cast<std::size_t>(rep)].spans)) << d;
+    EXPECT_TRUE(devices[static_cast<std::size_t>(d)].memory.shares_storage_with(devices[static_cast<std::size_t>(rep)].memory)) << d;
+    ++shared;
+  }
+  EXPECT_EQ(shared, p.num_devices - sym.classes());
+
+  int other = 0;  // a device of device 0's class
+  while (other == 0 || sym.representative_of(other) != sym.representative_of(0)) ++other;
+  const double before = devices[0].spans[0].end_s;
+  devices[static_cast<std::size_t>(other)].spans[0].end_s = before + 1;  // non-const access: a private copy
+  EXPECT_FALSE(devices[static_cast<std::size_t>(other)].spans.shares_storage_with(devices[0].spans));
+  EXPECT_EQ(devices[0].spans[0].end_s, before);
+  EXPECT_EQ(devices[static_cast<std::size_t>(other)].spans[0].end_s, before + 1);
+  EXPECT_EQ(devices[static_cast<std::size_t>(other)].spans.size(), devices[0].spans.size());
+}
+
 // pp 4 x dp 8 on four 8-GPU nodes: the strategy places stage s on devices d = s (mod 4) (plan_of_device
 // cycles), so each node holds two replicas of every stage; every replica of a stage has its peers
 // on its own node and the same DP-group layout (4 nodes x 2). Hence exactly one class per stage.
