@@ -151,8 +151,9 @@ DeviceClasses device_classes(const GlobalDag& dag) {
 // The ZeRO-3 prefetch limit (FSDP's limit_all_gathers, DeepSpeed's stage3_max_live_parameters).
 // Without it nothing holds a per-use parameter gather back: the gather stream runs ahead of the
 // compute and holds every gathered copy it has fetched (every microbatch's, for a whole stage).
-// On each device the per-use gathers form units, one per compute op that first uses them (the
-// gathers of one schedule step share the step's first op), taken in the order of that op. With a
+// On each device the per-use gathers form units, one per compute op that first uses them (usually
+// one gather: its segment's compute; gathers of several segments bucketed together share one),
+// taken in the order of that op. With a
 // prefetch of p, the gathers of unit k wait until unit k-1-p's copies are freed, that is for its
 // last use, so at most p + 1 units' copies are live (p = 1: the next unit's gathers overlap the
 // current unit's compute, as FSDP's prefetch does). Where that last use comes after unit k's own
