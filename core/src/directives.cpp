@@ -160,7 +160,7 @@ Directive parse_one(const json& d, int index) {
   }
   if (op == "replicate") {
     check_fields(d, index, {"filter", "devices", "bucket_size", "shard_grads", "shard_params", "shard_optimizer",
-                            "reduce_stream", "gather_stream", "prefetch"});
+                            "reduce_stream", "gather_stream", "prefetch", "gather_unit"});
     ReplicateDirective r;
     r.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     r.devices = parse_devices(d, index);
@@ -178,6 +178,12 @@ Directive parse_one(const json& d, int index) {
       if (!it->is_number_integer() || it->get<long long>() < 0 || it->get<long long>() > kMaxPrefetch)
         fail(index, "prefetch", fmt::format("must be an integer in [0, {}] (gathers running ahead of their use)", kMaxPrefetch));
       r.prefetch = it->get<int>();
+    }
+    if (auto it = d.find("gather_unit"); it != d.end()) {
+      if (!r.shard_params) fail(index, "gather_unit", "applies only with shard_params (ZeRO-3 gathers)");
+      if (!it->is_string() || (*it != "segment" && *it != "block"))
+        fail(index, "gather_unit", "must be \"segment\" (the published format's unit) or \"block\" (one transformer block)");
+      r.gather_blocks = *it == "block";
     }
     r.reduce_stream = get_string(d, index, "reduce_stream", "dp");
     r.gather_stream = get_string(d, index, "gather_stream", r.reduce_stream);

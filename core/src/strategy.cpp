@@ -121,6 +121,7 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
       if (o.zero == 3) {
         rep["shard_params"] = true;
         rep["gather_stream"] = o.dp_stream;
+        rep["gather_unit"] = "block";  // FSDP's unit: one transformer block
       }
       out.push_back(rep);
     }

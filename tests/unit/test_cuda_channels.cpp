@@ -2,6 +2,10 @@
 // communicator by issue order, so every point-to-point channel (sender, receiver, layer boundary,
 // direction) must be sent on one stream and received on one stream in the same node order. Plans of
 // every schedule family must satisfy it; a plan with two sends swapped must be refused.
+#include <dlfcn.h>
+
+#include <cublasLt.h>
+
 #include <algorithm>
 #include <string>
 
@@ -56,4 +60,18 @@ TEST(CudaNcclChannels, SwappedSendsAreRefused) {
     }
   ASSERT_TRUE(swapped);
   EXPECT_THROW(cu::p2p_channels(p), cu::CudaError);
+}
+
+// cuBLASLt is opened on the first call into it, not at start-up (gpu_runtime/cuda/src/
+// cublaslt_loader.cpp): before the call the library is not in the process, after it the call has
+// reached the real library. No GPU is needed to ask cuBLASLt for a status string.
+TEST(CublasLtLoader, OpensTheLibraryOnTheFirstCall) {
+  const auto loaded = [] {
+    void* h = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_NOLOAD);
+    if (h) dlclose(h);
+    return h != nullptr;
+  };
+  EXPECT_FALSE(loaded()) << "linked, or opened before any GEMM";
+  EXPECT_STREQ(cublasLtGetStatusString(CUBLAS_STATUS_NOT_SUPPORTED), "the requested functionality is not supported");
+  EXPECT_TRUE(loaded());
 }

@@ -41,6 +41,7 @@ struct ReplicateDirective {
   bool shard_grads = false;      // ZeRO-2: gradients reduce-scattered
   bool shard_params = false;     // ZeRO-3: parameters all-gathered before each use
   int prefetch = 1;              // ZeRO-3: gathers that may run ahead of the compute using the current one
+  bool gather_blocks = false;    // ZeRO-3 "gather_unit": "block": one segment (and gather) per transformer block
   std::string reduce_stream = "dp";
   std::string gather_stream;     // empty: same as reduce_stream
 };
