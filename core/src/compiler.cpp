@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <optional>
 #include <string>
 
 #include "piper/core/verifier.hpp"
@@ -29,13 +30,14 @@ namespace {
 // ZeRO-3 with "gather_unit": "block" (what `--zero 3` writes): each transformer block becomes a DAG
 // segment of its own (tag BLK), so its parameters are gathered, used and freed block by block, as
 // FSDP wraps each block; otherwise a segment is the published format's unit (a run of layers with one
-// tag stack, e.g. a whole pipeline stage of a dense model).
-Model gather_unit_model(const Model& model, const DirectiveProgram& program) {
+// tag stack, e.g. a whole pipeline stage of a dense model). Returns the model with each block tagged,
+// or nothing when no directive asks for block units (then the caller's model is compiled, uncopied).
+std::optional<Model> gather_unit_model(const Model& model, const DirectiveProgram& program) {
   const bool blocks = std::any_of(program.directives.begin(), program.directives.end(), [](const Directive& d) {
     const auto* r = std::get_if<ReplicateDirective>(&d);
     return r && r->shard_params && r->gather_blocks;
   });
-  if (!blocks) return model;
+  if (!blocks) return std::nullopt;
   Model m = model;
   for (Layer& l : m.mutable_layers())
     if (l.block >= 0) l.tags["BLK"] = l.block;
@@ -47,7 +49,8 @@ Model gather_unit_model(const Model& model, const DirectiveProgram& program) {
 void compile(const Model& model, const DirectiveProgram& program, CompileResult& result, const AfterPassHook& hook) {
   if (model.layers().empty()) throw ModelError("model '" + model.name() + "': field 'layers': has no layers");
   const auto start = std::chrono::steady_clock::now();
-  result.dag = build_dag(gather_unit_model(model, program));
+  const std::optional<Model> blocks = gather_unit_model(model, program);
+  result.dag = build_dag(blocks ? *blocks : model);
   apply_directives(result.dag, program, hook);
   result.program = lower(result.dag);
   if (model.config()) {

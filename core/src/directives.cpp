@@ -975,10 +975,10 @@ void apply_order(PassContext& cx, const OrderDirective& d, int index) {
     // ZeRO-3's per-use parameter gathers do not gate the step: each member waits for its own
     // segment's parameters only, so a step's later segments gather while its first ones compute
     // (FSDP's prefetch; the replicate directive's `prefetch` bounds how far ahead).
-    auto parameter_gather = [&](Vertex p) { return dag.graph[p].kind == NodeKind::AllGather && dag.graph[p].pass != Pass::None; };
     for (auto w : groups[gi])
       for (auto e : boost::make_iterator_range(boost::in_edges(w, dag.graph)))
-        if (dag.graph[e].kind == EdgeKind::Data && !internal(boost::source(e, dag.graph)) && !parameter_gather(boost::source(e, dag.graph)))
+        if (dag.graph[e].kind == EdgeKind::Data && !internal(boost::source(e, dag.graph)) &&
+            !is_parameter_gather(dag.graph[boost::source(e, dag.graph)]))
           producers.insert(boost::source(e, dag.graph));
     for (auto v : groups[gi])
       for (auto u : producers)

@@ -171,7 +171,7 @@ Edges prefetch_edges(const Graph& g, const std::vector<Vertex>& order, const Dev
   };
   std::vector<Gather> gathers;
   for (auto v : order) {
-    if (g[v].kind != NodeKind::AllGather || g[v].prefetch < 0) continue;
+    if (!is_parameter_gather(g[v]) || g[v].prefetch < 0) continue;
     Gather gt{v, {}};
     for (auto e : boost::make_iterator_range(boost::out_edges(v, g)))
       if (g[boost::target(e, g)].kind == NodeKind::Compute) gt.uses.push_back(boost::target(e, g));
@@ -419,7 +419,7 @@ Program lower(const GlobalDag& dag) {
         for (auto e : boost::make_iterator_range(boost::out_edges(v, g)))
           if (g[e].tensor == "stash") consumers.push_back(boost::target(e, g));
       } else if (node.kind == NodeKind::Recv || node.kind == NodeKind::AllToAll ||
-                 (node.kind == NodeKind::AllGather && node.pass != Pass::None)) {
+                 is_parameter_gather(node)) {
         kind = node.kind == NodeKind::AllGather ? BufferKind::GatheredParameters : BufferKind::Received;
         bytes = node.bytes;
         consumers = succs[v];

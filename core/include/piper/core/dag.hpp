@@ -84,6 +84,10 @@ struct DagNode {
   bool removed = false;             // tombstone left by rewrites (BGL vecS keeps indices stable)
 };
 
+// A ZeRO-3 per-use parameter gather (a pass of its own, F or B), as opposed to the gather of updated
+// shards after the optimizer step of ZeRO-1/2 (no pass).
+inline bool is_parameter_gather(const DagNode& n) { return n.kind == NodeKind::AllGather && n.pass != Pass::None; }
+
 enum class EdgeKind { Data, Temporal };
 struct DagEdge {
   EdgeKind kind = EdgeKind::Data;

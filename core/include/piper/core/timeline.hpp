@@ -55,7 +55,6 @@ class SharedVector {
   const_iterator end() const { return get().end(); }
   const T& operator[](std::size_t i) const { return (*data_)[i]; }
   const T& at(std::size_t i) const { return get().at(i); }
-  const T& front() const { return get().front(); }
   const T& back() const { return get().back(); }
   bool operator==(const SharedVector& o) const { return get() == o.get(); }
   // Whether the two share storage (tests; a written copy never does).
@@ -73,7 +72,6 @@ class SharedVector {
   T& back() { return mutable_vector().back(); }
   void push_back(const T& v) { mutable_vector().push_back(v); }
   void reserve(std::size_t n) { mutable_vector().reserve(n); }
-  void resize(std::size_t n) { mutable_vector().resize(n); }
   void assign(std::size_t n, const T& v) { mutable_vector().assign(n, v); }
   void clear() { data_.reset(); }
 
