@@ -93,6 +93,9 @@ void StrategyFlags::add_to(CLI::App* app) {
     ep = app->add_option("--ep", options.ep, "expert-parallel degree (divides --dp)")->check(kPositiveInt);
     zero = app->add_option("--zero", options.zero, "ZeRO level: 0, 1 (optimizer), 2 (+grads), 3 (+params)")
                ->check(CLI::Range(0, 3));
+    dp_shard = app->add_option("--dp-shard", options.dp_shard,
+                               "HSDP: ZeRO shards over groups of N data-parallel replicas; the groups replicate each other")
+                   ->check(kPositiveInt);
     schedule = app->add_option("--schedule", options.schedule, "pipeline schedule family")
                    ->check(CLI::IsMember(schedule_names()));
     microbatches = app->add_option("--microbatches", options.microbatches, "microbatches per step")
@@ -128,7 +131,7 @@ void ScenarioFlags::add_to(CLI::App* app) {
   app->add_option("--save-scenario", save_scenario_path,
                   "also write these inputs as a scenario JSON (the file piper-studio opens)");
   strategy.add_to(app);
-  for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.bucket_mb, strategy.tp,
+  for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.bucket_mb, strategy.tp,
                          strategy.sequence_parallel, strategy.recompute, strategy.comm_sms})
     o->excludes(directives);
 }

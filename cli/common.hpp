@@ -45,7 +45,7 @@ extern const CLI::Validator kPositiveInt;
 extern const CLI::Validator kNonNegativeInt;
 extern const CLI::Validator kNonNegativeNumber;
 
-// Strategy flags (--pp --dp --ep --zero --schedule --microbatches --virtual --bucket-mb --tp
+// Strategy flags (--pp --dp --ep --zero --dp-shard --schedule --microbatches --virtual --bucket-mb --tp
 // --sequence-parallel --recompute --global-batch).
 struct StrategyFlags {
   core::StrategyOptions options;
@@ -53,6 +53,7 @@ struct StrategyFlags {
   CLI::Option* dp = nullptr;
   CLI::Option* ep = nullptr;
   CLI::Option* zero = nullptr;
+  CLI::Option* dp_shard = nullptr;
   CLI::Option* schedule = nullptr;
   CLI::Option* microbatches = nullptr;
   CLI::Option* virtual_stages = nullptr;

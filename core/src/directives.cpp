@@ -160,7 +160,7 @@ Directive parse_one(const json& d, int index) {
   }
   if (op == "replicate") {
     check_fields(d, index, {"filter", "devices", "bucket_size", "shard_grads", "shard_params", "shard_optimizer",
-                            "reduce_stream", "gather_stream", "prefetch", "gather_unit"});
+                            "reduce_stream", "gather_stream", "prefetch", "gather_unit", "shard_group"});
     ReplicateDirective r;
     r.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     r.devices = parse_devices(d, index);
@@ -184,6 +184,13 @@ Directive parse_one(const json& d, int index) {
       if (!it->is_string() || (*it != "segment" && *it != "block"))
         fail(index, "gather_unit", "must be \"segment\" (the published format's unit) or \"block\" (one transformer block)");
       r.gather_blocks = *it == "block";
+    }
+    if (auto it = d.find("shard_group"); it != d.end()) {
+      if (!r.shard_optimizer && !r.shard_grads) fail(index, "shard_group", "applies only with ZeRO (shard_optimizer, shard_grads or shard_params)");
+      // Checked before narrowing; that it divides each segment's replicas is checked when applied.
+      if (!it->is_number_integer() || it->get<long long>() < 2 || it->get<long long>() > static_cast<long long>(r.devices.size()))
+        fail(index, "shard_group", fmt::format("must be an integer in [2, {}] (replicas per ZeRO shard group)", r.devices.size()));
+      r.shard_group = it->get<int>();
     }
     r.reduce_stream = get_string(d, index, "reduce_stream", "dp");
     r.gather_stream = get_string(d, index, "gather_stream", r.reduce_stream);
@@ -789,9 +796,30 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
   const int n = static_cast<int>(d.devices.size());
   const int zero = d.shard_params ? 3 : d.shard_grads ? 2 : d.shard_optimizer ? 1 : 0;
   DeviceSetId set = dag.device_sets.intern(d.devices);
+  // HSDP: the replicas of one slot j (TP rank or expert shard) are devices[j + i * split], i < R.
+  // Shard group g holds replicas i in [g k, (g + 1) k); the replicate group of shard q holds the
+  // replicas i = q + g k. Each family lists its groups one after another in an interned order.
+  auto hsdp_families = [&](int split, int replicas, int k) {
+    const int groups = replicas / k;
+    std::vector<int> within, across;
+    auto device = [&](int j, int g, int q) { return d.devices[static_cast<std::size_t>(j + (g * k + q) * split)]; };
+    for (int j = 0; j < split; ++j)
+      for (int g = 0; g < groups; ++g)
+        for (int q = 0; q < k; ++q) within.push_back(device(j, g, q));
+    for (int j = 0; j < split; ++j)
+      for (int q = 0; q < k; ++q)
+        for (int g = 0; g < groups; ++g) across.push_back(device(j, g, q));
+    return std::pair{dag.family_index({dag.device_sets.intern(within), k, 1, "dp-shard"}),
+                     dag.family_index({dag.device_sets.intern(across), groups, 1, "dp-replicate"})};
+  };
   // Segments grouped by communicator family: fully replicated ones over all devices; partially
-  // sharded ones (shard degree < devices) over the strided groups holding the same shard.
-  std::map<int, std::vector<int>> by_family;
+  // sharded ones (shard degree < devices) over the strided groups holding the same shard. With
+  // HSDP, `across` is the family of the cross-group all-reduce (-1: none).
+  struct Families {
+    int reduce = -1, across = -1;
+    auto operator<=>(const Families&) const = default;
+  };
+  std::map<Families, std::vector<int>> by_family;
   for (int s : segments_of(cx, matched)) {
     auto& seg = dag.segments.at(static_cast<std::size_t>(s));
     if (cx.replicated.at(static_cast<std::size_t>(s))) fail(index, "filter", "segment " + std::to_string(s) + " is already replicated");
@@ -801,11 +829,22 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
     const int split = seg.tp_degree > 1 ? seg.tp_degree : seg.shard_degree;
     seg.replicas = n / split;
     seg.zero_level = zero;
+    seg.zero_shards = seg.replicas;
+    if (d.shard_group > 0 && d.shard_group < seg.replicas) {
+      if (seg.replicas % d.shard_group != 0)
+        fail(index, "shard_group", fmt::format("{} does not divide the {} replicas of segment {}", d.shard_group, seg.replicas, s));
+      seg.zero_shards = d.shard_group;
+    }
     if (seg.costs.params == 0 || seg.replicas == 1) continue;
+    if (seg.zero_shards < seg.replicas) {
+      auto [within, across] = hsdp_families(split, seg.replicas, seg.zero_shards);
+      by_family[{within, across}].push_back(s);
+      continue;
+    }
     CommFamily fam = split == 1                ? CommFamily{set, n, 1, "dp"}
                      : seg.tp_degree > 1       ? CommFamily{set, n / split, split, "dp"}
                                                : CommFamily{set, n / split, split, "dp-ep"};
-    by_family[dag.family_index(fam)].push_back(s);
+    by_family[{dag.family_index(fam), -1}].push_back(s);
   }
   // The UPD of this device set, and the backward nodes that produce each segment's gradient.
   Vertex upd = boost::graph_traits<Graph>::null_vertex();
@@ -818,7 +857,8 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
     consumers[nd.segment].push_back(v);
   }
   const std::int64_t cap = static_cast<std::int64_t>(d.bucket_size_mb * 1024.0 * 1024.0);
-  for (auto& [family, segs] : by_family) {
+  for (auto& [families, segs] : by_family) {
+    const int family = families.reduce;
     std::sort(segs.rbegin(), segs.rend());  // gradients become ready last segment first
     std::vector<std::vector<int>> buckets;
     std::int64_t filled = 0;
@@ -834,7 +874,8 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
       const std::string what = common_tags_label(dag, bucket);
       DagNode red;
       red.kind = zero == 0 ? NodeKind::AllReduce : NodeKind::ReduceScatter;
-      red.devices = set;
+      // The family's own order of the set's devices (HSDP lists its groups one after another).
+      red.devices = dag.families[static_cast<std::size_t>(family)].devices;
       red.stream = d.reduce_stream;
       red.family = family;
       red.bytes = bytes;
@@ -848,7 +889,19 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
           if (upd != boost::graph_traits<Graph>::null_vertex()) boost::remove_edge(p, upd, g);
           dag.add_edge(p, vr, {EdgeKind::Data, bytes, "grad"});
         }
-      if (upd != boost::graph_traits<Graph>::null_vertex()) dag.add_edge(vr, upd, {EdgeKind::Data, bytes, "grad"});
+      Vertex reduced = vr;
+      if (families.across >= 0) {
+        // HSDP: each shard, reduced inside its group, is summed over the groups holding the same shard.
+        DagNode across = red;
+        across.kind = NodeKind::AllReduce;
+        across.family = families.across;
+        across.devices = dag.families[static_cast<std::size_t>(families.across)].devices;
+        across.bytes = bytes / dag.segments[static_cast<std::size_t>(bucket.front())].zero_shards;
+        across.label = "ALL_REDUCE across" + what;
+        reduced = cx.add(across);
+        dag.add_edge(vr, reduced, {EdgeKind::Data, across.bytes, "grad"});
+      }
+      if (upd != boost::graph_traits<Graph>::null_vertex()) dag.add_edge(reduced, upd, {EdgeKind::Data, bytes, "grad"});
       DagNode ag = red;
       ag.kind = NodeKind::AllGather;
       ag.stream = d.gather_stream;
@@ -897,7 +950,7 @@ void cost_updates(PassContext& cx) {
     std::int64_t params = 0;
     for (int s : n.buffer_segments) {
       const auto& seg = dag.segments.at(static_cast<std::size_t>(s));
-      params += seg.local_params() / (seg.zero_level >= 1 ? seg.replicas : 1);
+      params += seg.local_params() / (seg.zero_level >= 1 ? seg.zero_shards : 1);
     }
     n.costs = Costs{};
     n.costs.params = params;

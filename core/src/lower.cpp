@@ -312,7 +312,7 @@ Program lower(const GlobalDag& dag) {
   for (const auto& seg : dag.segments)
     program.segments.push_back({seg.first_layer, seg.last_layer, seg.tags, kNoDevices, seg.costs.params,
                                 seg.shard_degree, seg.replicas, seg.zero_level, seg.tp_degree,
-                                seg.sequence_parallel, seg.recompute, seg.tp_family});
+                                seg.sequence_parallel, seg.recompute, seg.tp_family, seg.zero_shards});
 
   program.plan_of_device = classes.plan_of_device;
 
@@ -401,10 +401,10 @@ Program lower(const GlobalDag& dag) {
       if (set == kNoDevices || !in_plan[static_cast<std::size_t>(set)] || seg.costs.params == 0) continue;
       const std::int64_t params = seg.local_params();
       const std::string suffix = " s" + std::to_string(seg.index);
-      plan.buffers.push_back({"params" + suffix, BufferKind::Parameters, params * dt / (seg.zero_level >= 3 ? seg.replicas : 1), {}, {}});
-      plan.buffers.push_back({"grads" + suffix, BufferKind::Gradients, params * gradient_bytes_per_element(dag.training) / (seg.zero_level >= 2 ? seg.replicas : 1), {}, {}});
+      plan.buffers.push_back({"params" + suffix, BufferKind::Parameters, params * dt / (seg.zero_level >= 3 ? seg.zero_shards : 1), {}, {}});
+      plan.buffers.push_back({"grads" + suffix, BufferKind::Gradients, params * gradient_bytes_per_element(dag.training) / (seg.zero_level >= 2 ? seg.zero_shards : 1), {}, {}});
       plan.buffers.push_back({"optimizer" + suffix, BufferKind::OptimizerStates,
-                              params * state_bytes_per_param / (seg.zero_level >= 1 ? seg.replicas : 1), {}, {}});
+                              params * state_bytes_per_param / (seg.zero_level >= 1 ? seg.zero_shards : 1), {}, {}});
     }
     // Transient buffers: allocated by their producer, freed by their last consumer on this device.
     for (auto v : order) {

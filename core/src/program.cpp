@@ -413,6 +413,7 @@ json Program::to_json() const {
     if (sg.sequence_parallel) o["sequence_parallel"] = true;
     if (sg.recompute != Recompute::None) o["recompute"] = to_string(sg.recompute);
     if (sg.tp_family != -1) o["tp_family"] = sg.tp_family;
+    if (sg.zero_shards != sg.replicas) o["zero_shards"] = sg.zero_shards;  // HSDP only
     segs.push_back(std::move(o));
   }
   j["segments"] = std::move(segs);
@@ -488,6 +489,12 @@ Program Program::from_json(const json& j) {
       sg.replicas = as_int(require(o, sp, "replicas"), member(sp, "replicas"));
       sg.zero_level = as_int(require(o, sp, "zero_level"), member(sp, "zero_level"));
       if (sg.shard_degree < 1 || sg.replicas < 1) fail(sp, "shard_degree and replicas must be >= 1");
+      sg.zero_shards = sg.replicas;
+      if (const json* z = optional_field(o, "zero_shards")) {
+        sg.zero_shards = as_int(*z, member(sp, "zero_shards"));
+        if (sg.zero_shards < 1 || sg.replicas % sg.zero_shards != 0)
+          fail(member(sp, "zero_shards"), std::to_string(sg.zero_shards) + " does not divide the " + std::to_string(sg.replicas) + " replicas");
+      }
       if (const json* t = optional_field(o, "tp_degree")) {
         sg.tp_degree = as_int(*t, member(sp, "tp_degree"));
         if (sg.tp_degree < 1) fail(member(sp, "tp_degree"), "must be >= 1");

@@ -225,6 +225,7 @@ json Scenario::to_json() const {
   if (strategy.recompute != "none") j["strategy"]["recompute"] = strategy.recompute;
   if (strategy.global_batch > 0) j["strategy"]["global_batch"] = strategy.global_batch;
   if (strategy.comm_sms > 0) j["strategy"]["comm_sms"] = strategy.comm_sms;
+  if (strategy.dp_shard > 0) j["strategy"]["dp_shard"] = strategy.dp_shard;
   if (!cluster.empty()) j["cluster"] = cluster;
   if (!engine.empty()) j["engine"] = engine;
   return j;
@@ -302,6 +303,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     int_field(st, "tp", "strategy.tp", s.strategy.tp, 1);
     int_field(st, "global_batch", "strategy.global_batch", s.strategy.global_batch, 1);
     int_field(st, "comm_sms", "strategy.comm_sms", s.strategy.comm_sms, 1);
+    int_field(st, "dp_shard", "strategy.dp_shard", s.strategy.dp_shard, 2);
     if (st.contains("sequence_parallel")) {
       if (!st["sequence_parallel"].is_boolean()) throw fail("strategy.sequence_parallel", "must be true or false");
       s.strategy.sequence_parallel = st["sequence_parallel"].get<bool>();

@@ -64,6 +64,11 @@ void validate_strategy_options(const StrategyOptions& o) {
   check_limit(Limit::Layers, static_cast<std::int64_t>(o.pp) * o.virtual_stages, "--pp x --virtual", "PP regions");
   if (o.dp % o.ep != 0) fail("--ep " + std::to_string(o.ep) + " must divide --dp " + std::to_string(o.dp));
   if (o.zero < 0 || o.zero > 3) fail("--zero must be 0, 1, 2 or 3 (got " + std::to_string(o.zero) + ")");
+  if (o.dp_shard != 0) {
+    if (o.zero < 1) fail("--dp-shard needs --zero 1, 2 or 3 (it groups the ZeRO shards)");
+    if (o.dp_shard < 2 || o.dp % o.dp_shard != 0)
+      fail("--dp-shard " + std::to_string(o.dp_shard) + " must be at least 2 and divide --dp " + std::to_string(o.dp));
+  }
   if (!(o.bucket_mb >= 0) || !std::isfinite(o.bucket_mb) || o.bucket_mb > 1e9)  // bytes must fit in int64
     fail("--bucket-mb must be a number in [0, 1e9] (got " + num(o.bucket_mb) + ")");
 }
@@ -123,6 +128,7 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
         rep["gather_stream"] = o.dp_stream;
         rep["gather_unit"] = "block";  // FSDP's unit: one transformer block
       }
+      if (o.dp_shard > 1 && o.dp_shard < replicas / o.tp) rep["shard_group"] = o.dp_shard;
       out.push_back(rep);
     }
   }

@@ -313,9 +313,9 @@ void load_state(host::HostModel& model, const CanonicalState& state) {
 std::string layout_summary(const core::Program& program) {
   std::string s = fmt::format("{} devices, {} microbatches;", program.num_devices, program.microbatches);
   for (const auto& seg : program.segments)
-    s += fmt::format(" layers {}-{}: {} shard(s) x {} replica(s){}, ZeRO-{};", seg.first_layer, seg.last_layer - 1, seg.shard_degree,
+    s += fmt::format(" layers {}-{}: {} shard(s) x {} replica(s){}, ZeRO-{}{};", seg.first_layer, seg.last_layer - 1, seg.shard_degree,
                      seg.replicas, seg.tp_degree > 1 ? fmt::format(", TP{}{}", seg.tp_degree, seg.sequence_parallel ? "+SP" : "") : "",
-                     seg.zero_level);
+                     seg.zero_level, seg.zero_shards != seg.replicas ? fmt::format(" in groups of {}", seg.zero_shards) : "");
   s.pop_back();
   return s;
 }

@@ -35,6 +35,15 @@ auto take(Map& m, const K& key, const char* what) {
   return v;
 }
 
+// What an ALL_REDUCE sums: the whole gradient, or with ZeRO the chunk a reduce-scatter inside the
+// shard group left (HSDP: the all-reduce across the groups holding the same shard).
+std::vector<float>& reduced_grads(host::SegmentParams& sp) {
+  if (sp.zero_level < 1) return sp.grads;
+  if (!sp.grad_chunk_ready)
+    throw RuntimeError(fmt::format("runtime: plan order violated: segment {}'s gradient chunk is all-reduced before its reduce-scatter", sp.segment));
+  return sp.grad_chunk;
+}
+
 }  // namespace
 
 // The tensor parallelism of a device set: that of its TP segments. Routed experts keep expert
@@ -101,6 +110,7 @@ std::vector<host::SegmentSpec> device_segments(const core::Program& program, int
     sp.replicas = seg.replicas;
     sp.replica_index = pos / seg.shard_degree;
     sp.zero_level = seg.zero_level;
+    sp.zero_shards = seg.zero_shards;
     // TP groups are consecutive devices too (Program::group_of(tp_family)); the DP replicas of a
     // TP slice are the devices with the same TP rank.
     if (seg.tp_degree > 1) {
@@ -381,8 +391,9 @@ void HostBackend::start_comm(const core::OpRef& at, const core::Op& op) {
       p->tag = op.node;
       break;
     case core::OpKind::AllReduce: {
+      // Whole gradients; with ZeRO (HSDP's all-reduce across shard groups) the reduced chunks.
       for (int s : op.segments) {
-        auto& g = model_->segment(s).grads;
+        const auto& g = reduced_grads(model_->segment(s));
         p->send.insert(p->send.end(), g.begin(), g.end());
       }
       check_mpi(MPI_Iallreduce(MPI_IN_PLACE, p->send.data(), static_cast<int>(p->send.size()), MPI_FLOAT, MPI_SUM, comm_of(op), &p->request),
@@ -401,7 +412,8 @@ void HostBackend::start_comm(const core::OpRef& at, const core::Op& op) {
         std::int64_t at_floats = r * block;
         for (int s : op.segments) {
           auto& sp = model_->segment(s);
-          if (sp.replicas != ranks) throw RuntimeError(fmt::format("runtime: '{}' reduces over {} ranks but segment {} has {} replicas", op.label, ranks, s, sp.replicas));
+          if (sp.zero_shards != ranks)
+            throw RuntimeError(fmt::format("runtime: '{}' reduces over {} ranks but segment {} has {} ZeRO shards", op.label, ranks, s, sp.zero_shards));
           const std::int64_t n = static_cast<std::int64_t>(sp.grads.size());
           const std::int64_t b = std::min(n, r * sp.chunk_floats), e = std::min(n, b + sp.chunk_floats);
           std::copy(sp.grads.begin() + b, sp.grads.begin() + e, p->send.begin() + at_floats);
@@ -497,7 +509,7 @@ void HostBackend::finish_comm(const core::Op& op, Pending& p) {
     case core::OpKind::AllReduce: {
       std::size_t at = 0;
       for (int s : op.segments) {
-        auto& g = model_->segment(s).grads;
+        auto& g = reduced_grads(model_->segment(s));
         std::copy(p.send.begin() + static_cast<std::ptrdiff_t>(at), p.send.begin() + static_cast<std::ptrdiff_t>(at + g.size()), g.begin());
         at += g.size();
       }

@@ -238,6 +238,10 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     p.replicas = sp.replicas;
     p.replica_index = sp.replica_index;
     p.zero_level = sp.zero_level;
+    p.zero_shards = std::max(1, sp.zero_shards);
+    if (p.replicas % p.zero_shards != 0)
+      throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) + " has " + std::to_string(p.replicas) + " replicas, not a multiple of its " +
+                                  std::to_string(p.zero_shards) + " ZeRO shards");
     p.tp_degree = sp.tp_degree;
     p.tp_rank = sp.tp_rank;
     p.sequence_parallel = sp.sequence_parallel && sp.tp_degree > 1;
@@ -263,8 +267,8 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     }
     p.params.assign(static_cast<std::size_t>(n), 0.0f);
     p.grads.assign(static_cast<std::size_t>(n), 0.0f);
-    p.chunk_floats = p.zero_level >= 1 ? (n + p.replicas - 1) / p.replicas : n;
-    p.chunk_begin = p.zero_level >= 1 ? std::min<std::int64_t>(n, p.replica_index * p.chunk_floats) : 0;
+    p.chunk_floats = p.zero_level >= 1 ? (n + p.zero_shards - 1) / p.zero_shards : n;
+    p.chunk_begin = p.zero_level >= 1 ? std::min<std::int64_t>(n, (p.replica_index % p.zero_shards) * p.chunk_floats) : 0;
     p.chunk_end = p.zero_level >= 1 ? std::min<std::int64_t>(n, p.chunk_begin + p.chunk_floats) : n;
     init_params(p, seed);
     const auto chunk = static_cast<std::size_t>(p.chunk_end - p.chunk_begin);

@@ -86,6 +86,12 @@ TEST(Parse, ErrorsNameTheDirectiveIndexAndField) {
     EXPECT_EQ(err(json::parse(std::string(R"([{"op":"replicate","filter":{},"devices":[0,1],)") + bad + "}]")),
               std::make_pair(0, std::string("prefetch")))
         << bad;
+  // HSDP's shard_group: only with ZeRO, an integer from 2 to the number of devices.
+  for (const char* bad : {R"("shard_group":2)", R"("shard_optimizer":true,"shard_group":1)", R"("shard_optimizer":true,"shard_group":5)",
+                          R"("shard_optimizer":true,"shard_group":2.5)", R"("shard_optimizer":true,"shard_group":"2")"})
+    EXPECT_EQ(err(json::parse(std::string(R"([{"op":"replicate","filter":{},"devices":[0,1,2,3],)") + bad + "}]")),
+              std::make_pair(0, std::string("shard_group")))
+        << bad;
   EXPECT_THROW(parse_directives(json::object()), Error);
 }
 
@@ -272,6 +278,67 @@ TEST(Replicate, ExpertsShardedOverFewerDevicesAreReducedAcrossStridedGroups) {
   }
   EXPECT_EQ(dense, 5);
   EXPECT_EQ(experts, 4);
+}
+
+// HSDP (shard_group 2 over 4 replicas): each bucket is reduce-scattered inside the shard groups
+// {0,1} and {2,3}, its half summed across the groups holding the same half ({0,2} and {1,3}), and
+// the updated halves gathered inside the shard groups again; each device updates half the model.
+TEST(Replicate, HybridShardingReducesInsideGroupsThenAcrossThem) {
+  const Model m = qwen9m(1);
+  auto run = [&](const std::string& zero) {
+    return apply_program(m, json::parse(R"([{"op":"place","filter":{"PP":0},"devices":[0,1,2,3]},
+                                     {"op":"replicate","filter":{"PP":0},"devices":[0,1,2,3],)" + zero + "}]"));
+  };
+  const GlobalDag plain = run(R"("shard_optimizer":true)");
+  const GlobalDag hsdp = run(R"("shard_optimizer":true,"shard_group":2)");
+  auto family_devices = [](const GlobalDag& dag, int family) {
+    const auto& f = dag.families.at(static_cast<std::size_t>(family));
+    return std::make_pair(dag.device_sets.at(f.devices), f.group_size);
+  };
+  using Family = std::pair<std::vector<int>, int>;
+  const Family within{{0, 1, 2, 3}, 2}, across{{0, 2, 1, 3}, 2};
+  // Reduce-scatter bytes per segment label, from the plain ZeRO-1 DAG (the same buckets).
+  std::map<std::string, std::int64_t> rs_bytes;
+  for (auto v : plain.live_nodes())
+    if (plain.graph[v].kind == NodeKind::ReduceScatter) rs_bytes[plain.graph[v].label] = plain.graph[v].bytes;
+  ASSERT_EQ(rs_bytes.size(), 9u);  // one per segment with parameters
+  int rs = 0, ar = 0, ag = 0;
+  for (auto v : hsdp.live_nodes()) {
+    const auto& n = hsdp.graph[v];
+    if (n.kind == NodeKind::ReduceScatter) {
+      ++rs;
+      EXPECT_EQ(family_devices(hsdp, n.family), within) << n.label;
+      EXPECT_EQ(n.bytes, rs_bytes.at(n.label)) << n.label;
+    } else if (n.kind == NodeKind::AllReduce) {
+      ++ar;
+      EXPECT_EQ(family_devices(hsdp, n.family), across) << n.label;
+      EXPECT_EQ(hsdp.device_sets.at(n.devices), across.first) << n.label;
+      // Its input is the reduce-scatter of the same bucket: half the gradient bytes.
+      std::int64_t from = -1;
+      for (auto e : boost::make_iterator_range(boost::in_edges(v, hsdp.graph)))
+        if (hsdp.graph[boost::source(e, hsdp.graph)].kind == NodeKind::ReduceScatter) from = hsdp.graph[boost::source(e, hsdp.graph)].bytes;
+      EXPECT_EQ(n.bytes * 2, from) << n.label;
+    } else if (n.kind == NodeKind::AllGather) {
+      ++ag;
+      EXPECT_EQ(family_devices(hsdp, n.family), within) << n.label;
+    }
+  }
+  EXPECT_EQ(rs, 9);
+  EXPECT_EQ(ar, 9);
+  EXPECT_EQ(ag, 9);
+  for (const auto& seg : hsdp.segments)
+    if (seg.costs.params > 0) {
+      EXPECT_EQ(seg.replicas, 4);
+      EXPECT_EQ(seg.zero_shards, 2);
+    }
+  for (auto v : hsdp.live_nodes())
+    if (hsdp.graph[v].kind == NodeKind::Update) EXPECT_EQ(hsdp.graph[v].costs.params, m.parameter_count() / 2);
+  // A group size that does not divide a segment's replicas names the field.
+  const Model m6 = qwen9m(1);
+  auto e = error_of(m6, json::parse(R"([{"op":"place","filter":{"PP":0},"devices":[0,1,2,3,4,5]},
+      {"op":"replicate","filter":{"PP":0},"devices":[0,1,2,3,4,5],"shard_optimizer":true,"shard_group":4}])"));
+  EXPECT_EQ(e.field(), "shard_group");
+  EXPECT_NE(std::string(e.what()).find("does not divide the 6 replicas"), std::string::npos) << e.what();
 }
 
 TEST(Order, RejectsCyclesAndCrossingDeviceSets) {

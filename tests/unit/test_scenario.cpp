@@ -17,11 +17,60 @@ TEST(Scenario, JsonRoundTripKeepsEveryField) {
   s.strategy.dp = 2;
   s.strategy.ep = 2;
   s.strategy.zero = 1;
+  s.strategy.dp_shard = 2;
   s.strategy.microbatches = 4;
   s.cluster = "dgx-h200";
   const Scenario back = Scenario::from_json(s.to_json(), "test");
   EXPECT_EQ(back.to_json(), s.to_json());
   EXPECT_EQ(back.stage_starts, (std::vector<int>{0, 2}));
+  EXPECT_EQ(back.strategy.dp_shard, 2);
+}
+
+// HSDP through the whole compiler: each device keeps the state of one shard of its group of 2, so
+// every sharded persistent buffer is twice its plain ZeRO-3 size over 4 replicas (up to the integer
+// division of odd sizes), and the Program records the shard count and survives its JSON round trip.
+TEST(Scenario, HybridShardingSizesTheStateByTheShardGroup) {
+  auto compiled = [](int dp_shard) {
+    Scenario s;
+    s.model = "qwen3-9m";
+    s.strategy.pp = 2, s.strategy.dp = 4, s.strategy.zero = 3, s.strategy.microbatches = 4;
+    s.strategy.dp_shard = dp_shard;
+    return compile_scenario(s).result.program;
+  };
+  const Program plain = compiled(0), hsdp = compiled(2);
+  ASSERT_EQ(plain.plans.size(), hsdp.plans.size());
+  int compared = 0;
+  for (std::size_t p = 0; p < plain.plans.size(); ++p) {
+    const auto& a = plain.plans[p].buffers;
+    const auto& b = hsdp.plans[p].buffers;
+    ASSERT_EQ(a.size(), b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      if (!a[i].persistent()) continue;
+      ASSERT_EQ(a[i].name, b[i].name);
+      EXPECT_NEAR(static_cast<double>(b[i].bytes), 2.0 * static_cast<double>(a[i].bytes), 2.0) << a[i].name;
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 0);
+  int hybrid = 0;
+  for (const auto& seg : hsdp.segments)
+    if (seg.params > 0 && seg.replicas > 1) {
+      EXPECT_EQ(seg.replicas, 4);
+      EXPECT_EQ(seg.zero_shards, 2);
+      ++hybrid;
+    }
+  EXPECT_GT(hybrid, 0);
+  const Program back = Program::from_json(hsdp.to_json());
+  EXPECT_TRUE(back == hsdp);
+  json bad = hsdp.to_json();
+  for (auto& seg : bad["segments"])
+    if (seg.contains("zero_shards")) seg["zero_shards"] = 3;
+  try {
+    (void)Program::from_json(bad);
+    ADD_FAILURE() << "no error for zero_shards 3 of 4 replicas";
+  } catch (const PlanError& e) {
+    EXPECT_NE(std::string(e.what()).find("zero_shards': 3 does not divide the 4 replicas"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Scenario, ExplicitPipelineRangesReplaceBalancing) {

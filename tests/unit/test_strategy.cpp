@@ -169,6 +169,24 @@ TEST(Strategy, ZeroOneAndPartialExpertSharding) {
                                       "stream":"ep","degree":2})"));
 }
 
+TEST(Strategy, DpShardWritesTheShardGroupOnlyWhenItSplitsTheReplicas) {
+  StrategyOptions o;
+  o.pp = 1, o.dp = 4, o.zero = 3, o.dp_shard = 2;
+  json rep = only_ops(generate_program(o), {"replicate"});
+  ASSERT_EQ(rep.size(), 1u);
+  EXPECT_EQ(rep[0]["shard_group"], 2);
+  o.dp_shard = 4;  // one group of every replica: plain ZeRO
+  rep = only_ops(generate_program(o), {"replicate"});
+  ASSERT_EQ(rep.size(), 1u);
+  EXPECT_FALSE(rep[0].contains("shard_group"));
+  // TP 2 x DP 4: the shard groups count data-parallel replicas, not devices.
+  o.tp = 2, o.dp_shard = 2;
+  rep = only_ops(generate_program(o), {"replicate"});
+  ASSERT_EQ(rep.size(), 1u);
+  EXPECT_EQ(rep[0]["shard_group"], 2);
+  EXPECT_EQ(rep[0]["devices"].size(), 8u);
+}
+
 TEST(Strategy, NoDataParallelMeansNoReplicateOrShard) {
   StrategyOptions o;
   o.pp = 2;
@@ -208,6 +226,14 @@ TEST(Strategy, ErrorsAreOneLineAndNameTheFlag) {
   StrategyOptions bad_zero;
   bad_zero.zero = 4;
   EXPECT_NE(error_of([&] { generate_program(bad_zero); }).find("--zero"), std::string::npos);
+
+  StrategyOptions hsdp;
+  hsdp.dp = 4, hsdp.dp_shard = 2;
+  EXPECT_EQ(error_of([&] { generate_program(hsdp); }), "--dp-shard needs --zero 1, 2 or 3 (it groups the ZeRO shards)");
+  hsdp.zero = 1, hsdp.dp_shard = 3;
+  EXPECT_EQ(error_of([&] { generate_program(hsdp); }), "--dp-shard 3 must be at least 2 and divide --dp 4");
+  hsdp.dp_shard = 1;
+  EXPECT_EQ(error_of([&] { generate_program(hsdp); }), "--dp-shard 1 must be at least 2 and divide --dp 4");
 
   StrategyOptions no_mb;
   no_mb.microbatches = 0;

@@ -110,6 +110,7 @@ struct Segment {
   int shard_degree = 1;                 // shard: parameters split over this many devices
   int replicas = 1;                     // replicate: data-parallel copies holding (shards of) the params
   int zero_level = 0;                   // 0 none, 1 optimizer states, 2 + gradients, 3 + parameters sharded
+  int zero_shards = 1;                  // ZeRO >= 1: shards of the state (replicas, or the HSDP group size)
   // Set by the tensor_parallel / recompute passes (Megatron layout, see ARCHITECTURE.md).
   int tp_degree = 1;                    // tensor-parallel group size (consecutive devices of the set)
   bool sequence_parallel = false;       // TP all-reduces become reduce-scatter + all-gather

@@ -42,6 +42,10 @@ struct ReplicateDirective {
   bool shard_params = false;     // ZeRO-3: parameters all-gathered before each use
   int prefetch = 1;              // ZeRO-3: gathers that may run ahead of the compute using the current one
   bool gather_blocks = false;    // ZeRO-3 "gather_unit": "block": one segment (and gather) per transformer block
+  // Hybrid sharding (HSDP, FSDP's HYBRID_SHARD): ZeRO shards over groups of this many consecutive
+  // replicas, and the groups replicate each other (an all-reduce of each shard across groups).
+  // 0: one group of every replica (plain ZeRO).
+  int shard_group = 0;
   std::string reduce_stream = "dp";
   std::string gather_stream;     // empty: same as reduce_stream
 };

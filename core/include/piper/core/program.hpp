@@ -102,6 +102,9 @@ struct ProgramSegment {
   bool sequence_parallel = false;
   Recompute recompute = Recompute::None;
   int tp_family = -1;
+  // ZeRO >= 1: how many ways the state is sharded: `replicas`, or the HSDP shard group size (the
+  // replica at data rank i holds shard i % zero_shards; groups of zero_shards consecutive replicas).
+  int zero_shards = 1;
   friend bool operator==(const ProgramSegment&, const ProgramSegment&) = default;
 };
 

@@ -17,6 +17,7 @@ struct StrategyOptions {
   int tp = 1;                      // tensor-parallel degree (consecutive devices, inside a node)
   bool sequence_parallel = false;  // with tp > 1
   std::string recompute = "none";  // none | selective | full
+  int dp_shard = 0;                // > 1 with zero >= 1: HSDP, ZeRO shards over groups of dp_shard replicas
   int comm_sms = 0;                // > 0: an sm_partition directive giving communication this many SMs
   int global_batch = 0;            // sequences per step; > 0 sets microbatches (see resolve_global_batch)
   int microbatches = 1;

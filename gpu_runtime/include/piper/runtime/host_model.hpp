@@ -103,8 +103,11 @@ struct SegmentParams {
   int segment = -1;
   int first_layer = 0, last_layer = 0;
   int shard_degree = 1, shard_index = 0;    // experts: this device holds experts [shard_index*E/S, ...)
-  int replicas = 1, replica_index = 0;      // data-parallel copies and ZeRO shard owner index
+  int replicas = 1, replica_index = 0;      // data-parallel copies and this device's index among them
   int zero_level = 0;
+  // ZeRO shards: replicas (plain ZeRO) or the HSDP shard group size; this device owns chunk
+  // replica_index % zero_shards, and the groups of zero_shards consecutive replicas replicate it.
+  int zero_shards = 1;
   // Tensor parallelism (Megatron layout): this device holds TP rank tp_rank's slice of each split
   // tensor; with sequence parallelism the residual stream holds 1/tp_degree of the token rows.
   int tp_degree = 1, tp_rank = 0;
@@ -134,6 +137,7 @@ struct ParamRecord {
 struct SegmentSpec {
   int segment = -1, first_layer = 0, last_layer = 0;
   int shard_degree = 1, shard_index = 0, replicas = 1, replica_index = 0, zero_level = 0;
+  int zero_shards = 1;  // HSDP: replicas per ZeRO shard group (= replicas without HSDP)
   int tp_degree = 1, tp_rank = 0;
   bool sequence_parallel = false;
   RecomputeMode recompute = RecomputeMode::None;
