@@ -73,7 +73,7 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   static const std::set<std::string> known = {"model", "cluster", "calibration", "pp", "dp", "ep", "zero", "schedule",
                                               "microbatches", "virtual", "bucket_mb", "engine", "seq_len",
                                               "micro_batch_size", "comment", "tp", "sequence_parallel",
-                                              "recompute", "global_batch", "comm_sms"};
+                                              "recompute", "global_batch", "comm_sms", "dp_shard"};
   for (const auto& [k, v] : j.items())
     if (!known.count(k)) {
       std::string list;
@@ -105,6 +105,9 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   s.recompute = knob(j, "recompute", where, s.recompute);
   s.global_batch = knob(j, "global_batch", where, s.global_batch);
   s.comm_sms = knob(j, "comm_sms", where, s.comm_sms);
+  s.dp_shard = knob(j, "dp_shard", where, s.dp_shard);
+  for (int k : s.dp_shard)
+    if (k < 0) throw SweepError(fmt::format("{}: field 'dp_shard': {} is negative (0: plain ZeRO, N >= 2: HSDP over groups of N replicas)", where, k));
   for (const auto& r : s.recompute)
     if (r != "none" && r != "selective" && r != "full")
       throw SweepError(fmt::format("{}: field 'recompute': unknown mode '{}' (expected none, selective or full)", where, r));
@@ -113,7 +116,7 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   for (std::size_t n : {s.pp.size(), s.dp.size(), s.ep.size(), s.zero.size(), s.schedule.size(), s.microbatches.size(),
                         s.virtual_stages.size(), s.bucket_mb.size(), s.engine.size(), s.seq_len.size(),
                         s.micro_batch_size.size(), s.tp.size(), s.sequence_parallel.size(),
-                        s.recompute.size(), s.global_batch.size(), s.comm_sms.size()})
+                        s.recompute.size(), s.global_batch.size(), s.comm_sms.size(), s.dp_shard.size()})
     runs *= static_cast<double>(n);
   if (runs > static_cast<double>(core::limit_value(core::Limit::SweepRuns)))
     throw SweepError(fmt::format("{}: {}", where,
@@ -177,6 +180,7 @@ std::string SweepPoint::key() const {
   if (recompute != "none") k += "/rc-" + recompute;
   if (global_batch > 0) k += fmt::format("/gb{}", global_batch);
   if (comm_sms > 0) k += fmt::format("/sms{}", comm_sms);
+  if (dp_shard > 0) k += fmt::format("/hs{}", dp_shard);
   std::replace(k.begin(), k.end(), ',', ';');
   return k;
 }
@@ -199,15 +203,16 @@ std::vector<SweepPoint> expand(const SweepSpec& s) {
                             for (const auto& rc : s.recompute)
                               for (int gb : s.global_batch)
                                 for (int sms : s.comm_sms)
-                                  out.push_back({s.model, s.cluster, engine, schedule, pp, dp, ep, zero, mb, v, bucket,
-                                                 seq, mbs, tp, gb, sp, rc, sms});
+                                  for (int hs : s.dp_shard)
+                                    out.push_back({s.model, s.cluster, engine, schedule, pp, dp, ep, zero, mb, v, bucket,
+                                                   seq, mbs, tp, gb, sp, rc, sms, hs});
   return out;
 }
 
 const std::vector<std::string>& sweep_csv_columns() {
   static const std::vector<std::string> columns = {
       "key", "model", "cluster", "engine", "pp", "dp", "ep", "zero", "schedule", "microbatches", "virtual",
-      "bucket_mb", "seq_len", "micro_batch_size", "tp", "sequence_parallel", "recompute", "global_batch", "comm_sms", "devices", "step_time_s", "tokens_per_s", "mfu",
+      "bucket_mb", "seq_len", "micro_batch_size", "tp", "sequence_parallel", "recompute", "global_batch", "comm_sms", "dp_shard", "devices", "step_time_s", "tokens_per_s", "mfu",
       "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s", "status", "reason"};
   return columns;
 }
@@ -217,10 +222,10 @@ std::string sweep_csv_header() { return csv_header(sweep_csv_columns()); }
 std::string to_csv(const SweepRow& r) {
   const SweepPoint& p = r.point;
   // {} prints doubles in their shortest round-trip form, so rows compare exactly across runs.
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(p.key()),
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(p.key()),
                      csv_field(p.model), csv_field(p.cluster), csv_field(p.engine), p.pp, p.dp, p.ep, p.zero,
                      csv_field(p.schedule), p.microbatches, p.virtual_stages, p.bucket_mb, p.seq_len,
-                     p.micro_batch_size, p.tp, p.sequence_parallel ? 1 : 0, p.recompute, p.global_batch, p.comm_sms, r.devices, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
+                     p.micro_batch_size, p.tp, p.sequence_parallel ? 1 : 0, p.recompute, p.global_batch, p.comm_sms, p.dp_shard, r.devices, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
                      r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.status,
                      csv_field(one_line(r.reason)));
 }
@@ -246,6 +251,7 @@ nlohmann::json to_json(const SweepRow& r) {
           {"recompute", p.recompute},
           {"global_batch", p.global_batch},
           {"comm_sms", p.comm_sms},
+          {"dp_shard", p.dp_shard},
           {"devices", r.devices},
           {"step_time_s", r.step_time_s},
           {"tokens_per_s", r.tokens_per_s},
@@ -319,6 +325,7 @@ SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
   scenario.strategy.recompute = p.recompute;
   scenario.strategy.global_batch = p.global_batch;
   scenario.strategy.comm_sms = p.comm_sms;
+  scenario.strategy.dp_shard = p.dp_shard;
   const Outcome o = simulate_outcome(scenario, p.cluster, p.engine, calibration_path);
   SweepRow row;
   row.point = p;

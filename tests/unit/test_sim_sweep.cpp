@@ -217,3 +217,31 @@ TEST(Sweep, CommSmsErrorsNameTheField) {
   EXPECT_NE(message(R"({"comm_sms": "24"})").find("bad.json: field 'comm_sms'"), std::string::npos);
   EXPECT_EQ(message(R"({"cluster": "dgx-h200", "comm_sms": [0, 20, 131]})"), "no error");  // as `simulate --comm-sms` takes them
 }
+
+// dp_shard is a sweep axis (HSDP, docs/compiler.md): with ZeRO-3 over 4 replicas, groups of 2 keep
+// twice the sharded state per device, so the peak memory grows; a group size that does not divide
+// dp is an invalid row with the strategy's one-line reason, not a failed sweep.
+TEST(Sweep, DpShardIsAnAxis) {
+  const SweepSpec spec = SweepSpec::from_json(
+      json::parse(R"({"model": "qwen3-9m", "cluster": "dgx-h200", "pp": 1, "dp": 4, "zero": 3, "microbatches": 4, "dp_shard": [0, 2, 3]})"),
+      "spec.json");
+  const auto points = expand(spec);
+  ASSERT_EQ(points.size(), 3u);
+  std::map<int, SweepRow> rows;
+  for (const auto& p : points) rows[p.dp_shard] = run_point(p);
+  ASSERT_EQ(rows.at(0).status, "ok") << rows.at(0).reason;
+  ASSERT_EQ(rows.at(2).status, "ok") << rows.at(2).reason;
+  EXPECT_GT(rows.at(2).peak_memory_bytes, rows.at(0).peak_memory_bytes);
+  EXPECT_EQ(rows.at(3).status, "invalid");
+  EXPECT_EQ(rows.at(3).reason, "--dp-shard 3 must be at least 2 and divide --dp 4");
+  EXPECT_EQ(rows.at(0).point.key().find("/hs"), std::string::npos);
+  EXPECT_NE(rows.at(2).point.key().find("/hs2"), std::string::npos);
+  EXPECT_EQ(field(to_csv(rows.at(2)), "dp_shard"), "2");
+  EXPECT_EQ(to_json(rows.at(2)).at("dp_shard"), 2);
+  try {
+    SweepSpec::from_json(json::parse(R"({"dp_shard": [-2]})"), "bad.json");
+    ADD_FAILURE() << "no error for a negative dp_shard";
+  } catch (const SweepError& e) {
+    EXPECT_EQ(std::string(e.what()), "bad.json: field 'dp_shard': -2 is negative (0: plain ZeRO, N >= 2: HSDP over groups of N replicas)");
+  }
+}
