@@ -216,6 +216,10 @@ Command add_tune_command(CLI::App& app) {
                   "SMs of each GPU given to communication to try (a list; 0: shared; default: shared only; sm_partition directive)")
       ->check(kNonNegativeInt)
       ->delimiter(',');
+  cmd->add_option("--dp-shard", a->spec.dp_shards,
+                  "HSDP shard groups to try with ZeRO >= 1 (a list of replicas per group; 0: plain ZeRO; default: plain only)")
+      ->check(kNonNegativeInt)
+      ->delimiter(',');
   cmd->add_option("--schedules", a->spec.schedules, "schedule families to try (default: all; see 'piper schedule list')")
       ->delimiter(',');
   cmd->add_option("--max-virtual", a->spec.max_virtual, "most PP regions per rank tried")->check(kPositiveInt)->capture_default_str();

@@ -58,6 +58,7 @@ core::StrategyOptions strategy_of(const TuneCandidate& c) {
   o.sequence_parallel = c.sequence_parallel;
   o.recompute = c.recompute;
   o.comm_sms = c.comm_sms;
+  o.dp_shard = c.dp_shard;
   return o;
 }
 
@@ -121,6 +122,7 @@ core::Model annotated_model(const TuneSpec& spec, const TuneCandidate& c) {
   s.strategy.sequence_parallel = false;
   s.strategy.recompute = "none";
   s.strategy.comm_sms = 0;  // nor does an SM partition
+  s.strategy.dp_shard = 0;  // (no data parallelism here)
   const core::ModelConfig cfg = core::scenario_model_config(s);
   core::Model model = core::build_model(cfg);
   int regions = 0;
@@ -282,6 +284,7 @@ std::string TuneCandidate::key() const {
   if (recompute != "none") k += "/rc-" + recompute;
   if (!rank_order.empty()) k += "/o" + join(rank_order, '.');
   if (comm_sms > 0) k += fmt::format("/sms{}", comm_sms);
+  if (dp_shard > 0) k += fmt::format("/hs{}", dp_shard);
   std::replace(k.begin(), k.end(), ',', ';');
   return k;
 }
@@ -294,6 +297,7 @@ std::string TuneCandidate::describe() const {
   s += fmt::format(", {}", schedule);
   if (virtual_stages > 1) s += fmt::format(" ({} regions/rank)", virtual_stages);
   s += fmt::format(", {} microbatches of {}, ZeRO-{}", microbatches, micro_batch_size, zero);
+  if (dp_shard > 0) s += fmt::format(" (HSDP, groups of {})", dp_shard);
   if (recompute != "none") s += fmt::format(", recompute {}", recompute);
   if (comm_sms > 0) s += fmt::format(", communication on {} SMs", comm_sms);
   if (!pp_ranges.empty()) s += fmt::format(", PP starts {}", join(pp_ranges, ','));
@@ -395,6 +399,12 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
       if (const std::string why = sm_partition_misfit(sms, cluster.node(d).gpu); !why.empty())
         throw TuneError(fmt::format("--comm-sms {}: {}", sms, why));
   }
+  std::vector<int> dp_shards = spec.dp_shards;
+  std::sort(dp_shards.begin(), dp_shards.end());
+  dp_shards.erase(std::unique(dp_shards.begin(), dp_shards.end()), dp_shards.end());
+  if (dp_shards.empty()) dp_shards = {0};
+  for (int k : dp_shards)
+    if (k < 0 || k == 1) throw TuneError(fmt::format("--dp-shard: {} is not a group size (0: plain ZeRO, N >= 2: HSDP over groups of N replicas)", k));
   std::vector<int> tps = spec.tp_degrees;
   if (tps.empty()) tps = divisors(std::gcd(node_gpus, spec.devices));
   std::sort(tps.begin(), tps.end());
@@ -493,9 +503,15 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
                   c.sequence_parallel = sp;
                   c.recompute = rc;
                   c.zero = replicas == 1 ? 0 : z;
-                  for (int sms : comm_sms) {
-                    c.comm_sms = sms;
-                    out.push_back(c);
+                  for (int k : dp_shards) {
+                    // HSDP groups the ZeRO shards of dp replicas (strategy.cpp): a group must divide dp
+                    // and be smaller than the region's replicas (else it is plain ZeRO).
+                    if (k > 0 && (c.zero == 0 || dp % k != 0 || k >= replicas)) continue;
+                    c.dp_shard = k;
+                    for (int sms : comm_sms) {
+                      c.comm_sms = sms;
+                      out.push_back(c);
+                    }
                   }
                 }
           }
@@ -543,10 +559,12 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     const std::int64_t shard = expert ? c.ep : 1;
     const std::int64_t devices = region_replicas * (shape->experts[i] ? c.tp : 1);
     const std::int64_t replicas = std::max<std::int64_t>(1, devices / shard);
+    // HSDP: a segment with more replicas than the group keeps one group's shard (directives.cpp).
+    const std::int64_t shards = c.dp_shard > 1 && c.dp_shard < replicas ? c.dp_shard : replicas;
     const std::int64_t params = costs.params / shard;
-    persistent_of_region[static_cast<std::size_t>(r)] += params * dt / (c.zero >= 3 ? replicas : 1) +
-                                                         params * grad_bytes / (c.zero >= 2 ? replicas : 1) +
-                                                         params * state_bytes / (c.zero >= 1 ? replicas : 1);
+    persistent_of_region[static_cast<std::size_t>(r)] += params * dt / (c.zero >= 3 ? shards : 1) +
+                                                         params * grad_bytes / (c.zero >= 2 ? shards : 1) +
+                                                         params * state_bytes / (c.zero >= 1 ? shards : 1);
     activation_of_region[static_cast<std::size_t>(r)] += costs.activation_bytes / shard;
   }
   std::int64_t peak = 0;
@@ -860,7 +878,7 @@ TuneRow evaluate_candidate(const TuneSpec& spec, const TuneCandidate& c, const s
 const std::vector<std::string>& tune_csv_columns() {
   static const std::vector<std::string> columns = {
       "key", "model", "cluster", "devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp", "sequence_parallel",
-      "recompute", "comm_sms", "zero", "schedule", "virtual",
+      "recompute", "comm_sms", "dp_shard", "zero", "schedule", "virtual",
       "microbatches", "micro_batch_size", "placement", "pp_ranges", "rank_order", "engine", "estimated_memory_bytes", "step_time_s",
       "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s",
       "status", "reason"};
@@ -870,10 +888,10 @@ const std::vector<std::string>& tune_csv_columns() {
 std::string to_csv(const TuneSpec& spec, const TuneRow& r) {
   const TuneCandidate& c = r.candidate;
   // {} prints doubles in their shortest round-trip form, so a row read back compares exactly.
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                      csv_field(c.key()), csv_field(spec.model), csv_field(spec.cluster), spec.devices,
                      spec.effective_global_batch(), spec.seq_len, c.pp, c.dp, c.ep, c.tp, c.sequence_parallel ? 1 : 0,
-                     csv_field(c.recompute), c.comm_sms, c.zero, csv_field(c.schedule),
+                     csv_field(c.recompute), c.comm_sms, c.dp_shard, c.zero, csv_field(c.schedule),
                      c.virtual_stages, c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '), join(c.rank_order, ' '),
                      r.engine, r.estimated_memory_bytes, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
                      r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.status,
@@ -908,6 +926,7 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
   c.sequence_parallel = integer("sequence_parallel") != 0;
   c.recompute = at("recompute");
   c.comm_sms = static_cast<int>(integer("comm_sms"));
+  c.dp_shard = static_cast<int>(integer("dp_shard"));
   c.schedule = at("schedule");
   c.virtual_stages = static_cast<int>(integer("virtual"));
   c.microbatches = static_cast<int>(integer("microbatches"));
@@ -968,12 +987,14 @@ std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* sp
       std::erase_if(older, [&](const std::string& c) { return gone.count(c) > 0; });
       return csv_header(older);
     };
-    if (in && header == without({"tp", "sequence_parallel", "recompute", "rank_order", "comm_sms"}))
+    if (in && header == without({"tp", "sequence_parallel", "recompute", "rank_order", "comm_sms", "dp_shard"}))
       throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no tp, sequence_parallel, recompute, "
-                                  "rank_order and comm_sms columns); choose another -o",
+                                  "rank_order, comm_sms and dp_shard columns); choose another -o",
                                   csv_path));
-    if (in && header == without({"comm_sms"}))
-      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no comm_sms column); choose another -o", csv_path));
+    if (in && header == without({"comm_sms", "dp_shard"}))
+      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no comm_sms and dp_shard columns); choose another -o", csv_path));
+    if (in && header == without({"dp_shard"}))
+      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no dp_shard column); choose another -o", csv_path));
     throw TuneError(e.what());
   }
   std::vector<TuneRow> out;

@@ -556,3 +556,57 @@ TEST(Tune, CommSmsIsASearchAxis) {
   spec.comm_sms = {-8};
   EXPECT_THROW(enumerate_candidates(spec), TuneError);
 }
+
+// --dp-shard is a search axis for candidates with ZeRO and more data-parallel replicas than the
+// group: each such candidate once more per group size that divides dp, none for ZeRO-0 or for groups
+// that do not split the replicas. The memory bound follows the group (it stays below the simulated
+// peak), the key and description carry it, and rows keep it through the CSV.
+TEST(Tune, DpShardIsASearchAxis) {
+  TuneSpec spec = small_spec();
+  spec.devices = 4;
+  spec.global_batch = 8;
+  spec.micro_batch_sizes = {2};
+  spec.zero_levels = {0, 3};
+  spec.max_virtual = 1;
+  spec.tp_degrees = {1};
+  spec.recompute_modes = {"none"};
+  spec.schedules = {"1f1b"};
+  const auto plain = enumerate_candidates(spec);
+  spec.dp_shards = {2, 0, 3, 2};  // 3 divides no dp here; order and duplicates do not matter
+  const auto both = enumerate_candidates(spec);
+  int expected_extra = 0;
+  for (const auto& c : plain) expected_extra += c.zero >= 1 && c.dp > 2 && c.dp % 2 == 0;
+  ASSERT_GT(expected_extra, 0);
+  ASSERT_EQ(both.size(), plain.size() + static_cast<std::size_t>(expected_extra));
+  int hybrid = 0;
+  for (const auto& c : both) {
+    if (c.dp_shard == 0) continue;
+    ++hybrid;
+    EXPECT_EQ(c.dp_shard, 2);
+    EXPECT_GE(c.zero, 1);
+    EXPECT_NE(c.key().find("/hs2"), std::string::npos);
+    EXPECT_NE(c.describe().find("HSDP, groups of 2"), std::string::npos) << c.describe();
+    const TuneRow row = evaluate_candidate(spec, c, "analytic");
+    ASSERT_EQ(row.status, "ok") << c.key() << ": " << row.reason;
+    EXPECT_LE(memory_lower_bound(spec, c), row.peak_memory_bytes) << c.key();
+    TuneCandidate p = c;
+    p.dp_shard = 0;
+    EXPECT_GT(memory_lower_bound(spec, c), memory_lower_bound(spec, p)) << c.key();  // fewer shards per device
+  }
+  EXPECT_EQ(hybrid, expected_extra);
+
+  const fs::path csv = temp_csv("dp_shard");
+  (void)run_tune(spec, csv.string());
+  std::set<int> seen;
+  for (const auto& r : read_tune_results(csv.string())) seen.insert(r.candidate.dp_shard);
+  EXPECT_EQ(seen, (std::set<int>{0, 2}));
+  fs::remove(csv);
+
+  spec.dp_shards = {1};
+  try {
+    enumerate_candidates(spec);
+    FAIL() << "expected TuneError";
+  } catch (const TuneError& e) {
+    EXPECT_STREQ(e.what(), "--dp-shard: 1 is not a group size (0: plain ZeRO, N >= 2: HSDP over groups of N replicas)");
+  }
+}

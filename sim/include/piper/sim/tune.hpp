@@ -39,6 +39,10 @@ struct TuneSpec {
   // SMs of each GPU given to communication (the sm_partition directive, --comm-sms) to try; 0 is
   // "shared" (no partition). Empty: shared only.
   std::vector<int> comm_sms;
+  // HSDP shard groups (data-parallel replicas per ZeRO shard group, --dp-shard) to try with ZeRO >= 1;
+  // 0 is plain ZeRO. A size that does not split a candidate's replicas is skipped for it. Empty:
+  // plain ZeRO only.
+  std::vector<int> dp_shards;
   std::vector<std::string> schedules;     // families to try; empty: every registered family
   int max_virtual = 4;                    // largest regions-per-rank count tried (families that take it)
   double memory_cap_bytes = 0;            // 0: the smallest HBM of the cluster's GPUs
@@ -61,6 +65,7 @@ struct TuneCandidate {
   bool sequence_parallel = false;         // with tp > 1
   std::string recompute = "none";         // none | selective | full, every region
   int comm_sms = 0;                       // SMs of each GPU for communication (sm_partition); 0: shared
+  int dp_shard = 0;                       // HSDP: ZeRO shards over groups of this many replicas; 0: plain
   std::string schedule;
   int virtual_stages = 1;                 // PP regions per pipeline rank
   int microbatches = 1;                   // per data-parallel replica and step
