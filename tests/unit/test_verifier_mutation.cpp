@@ -404,10 +404,11 @@ struct Variant {
 std::vector<Variant> variants() {
   std::vector<Variant> out;
   for (const auto& family : schedule_registry()) {
-    auto add = [&](const std::string& tag, int pp, int dp, int ep, int zero, int virtual_stages) {
+    auto add = [&](const std::string& tag, int pp, int dp, int ep, int zero, int virtual_stages, int dp_shard = 0) {
       StrategyOptions o;
       o.schedule = family.name;
       o.pp = pp, o.dp = dp, o.ep = ep, o.zero = zero, o.microbatches = 4, o.virtual_stages = virtual_stages;
+      o.dp_shard = dp_shard;
       out.push_back({family.name + " " + tag, o});
     };
     // Families with chunks per rank use 2 (the V families fix it themselves).
@@ -416,6 +417,7 @@ std::vector<Variant> variants() {
     add("pp2 dp2", 2, 2, 1, 0, v);
     add("pp2 dp2 ep2 zero1", 2, 2, 2, 1, v);
     add("pp2 dp4 ep2 zero3", 2, 4, 2, 3, v);
+    add("pp2 dp4 zero2 hsdp2", 2, 4, 1, 2, v, 2);  // two collective families per bucket (HSDP)
   }
   return out;
 }
