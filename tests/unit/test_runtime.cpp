@@ -269,6 +269,9 @@ TEST(RuntimeEquivalence, Gpt_Tied_ZBH1_PP2_SelectiveRecompute) {
 }
 // V placement: device 0 holds both the embedding and the head (two segments): the sum is local.
 TEST(RuntimeEquivalence, Gpt_Tied_ZBV_PP2) { expect_equivalent("gpt-zbv", 2, strategy(2, 1, 1, 0, 4, "zb-v"), "", kGpt); }
+TEST(RuntimeEquivalence, Gpt_Tied_DualPipeV_PP2xDP2) { expect_equivalent("gpt-dualpipev", 4, strategy(2, 2, 1, 0, 4, "dualpipev"), "", kGpt); }
+// Untied, the bidirectional placement that the tied model refuses runs as any other.
+TEST(RuntimeEquivalence, Gpt_Untied_DualPipe_PP2) { expect_equivalent("gpt-untied-dualpipe", 2, strategy(2, 1, 1, 0, 4, "dualpipe"), "", kGptUntied); }
 TEST(RuntimeEquivalence, Gpt_Tied_Interleaved_PP2x2Chunks) {
   expect_equivalent("gpt-interleaved", 2, strategy(2, 1, 1, 0, 4, "interleaved-1f1b", 2), "", kGpt);
 }
