@@ -8,6 +8,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <sstream>
 #include <stdexcept>
 
 namespace piper::runtime::host {
@@ -39,6 +40,12 @@ Mat get_mat(std::span<const float> data, std::size_t& pos, Eigen::Index rows, Ei
 }
 
 Mat zeros_like_rows(Eigen::Index rows, Eigen::Index cols) { return Mat::Zero(rows, cols); }
+
+std::string fmt_probability(double p) {
+  std::ostringstream s;
+  s << p;
+  return s.str();
+}
 
 }  // namespace
 
@@ -275,6 +282,11 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     throw std::invalid_argument(who + "training.seq_len " + std::to_string(model_.training().seq_len) + " exceeds max_positions " +
                                 std::to_string(positions) + " (the learned position table)");
   for (const auto& l : model_.layers()) {
+    // Dropout would need masks drawn identically by every layout; the host backend trains without it
+    // rather than silently run another model than the spec's.
+    if (l.shape.dropout)
+      throw std::invalid_argument(who + "field 'dropout' is " + (model_.config() ? fmt_probability(model_.config()->dropout_probability) : std::string("set")) +
+                                  "; the host backend trains without dropout (set it to 0)");
     if (l.kind == core::LayerKind::Attention) {
       if (l.shape.q_lora_rank || l.shape.kv_lora_rank) throw std::invalid_argument("runtime: the host backend has no MLA attention (" + l.name + ")");
       attn_shape_ = AttentionShape{static_cast<int>(l.shape.heads), static_cast<int>(l.shape.kv_heads),
