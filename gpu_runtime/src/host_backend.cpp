@@ -141,6 +141,7 @@ std::vector<host::SegmentSpec> device_segments(const core::Program& program, int
 // Backend
 // ---------------------------------------------------------------------------------------------
 struct HostBackend::Pending {
+  bool deferred = false;       // a gradient reduction or update waiting for the tied-embedding sum
   MPI_Request request = MPI_REQUEST_NULL;
   MPI_Message message = MPI_MESSAGE_NULL;
   bool matched = false;        // RECV: the message was probed and its receive posted
@@ -265,6 +266,90 @@ HostBackend::HostBackend(const core::Program& program, int device, MPI_Comm worl
                                               seg.tp_family, device, group.size(), seg.tp_degree));
     model_->set_tp_comm(sp.segment, it->second.get());
   }
+  setup_tied(program);
+}
+
+// Tied embeddings across segments. The embedding (first segment) and the head's copy (last segment)
+// get the same initial values and must get the same updates: the device at position p of the
+// embedding segment's device set and the device at position p of the head segment's set hold the same
+// data-parallel rank and TP rank, so summing their two local gradients of the table (before the
+// data-parallel reduction, which then sums over the ranks) gives both the gradient of the tied model.
+void HostBackend::setup_tied(const core::Program& program) {
+  if (!model_->tied()) return;
+  const std::string who = fmt::format("plan: model '{}' ties its head to the embedding", model_->model().name());
+  std::vector<int> embed_segs, head_segs;
+  for (std::size_t s = 0; s < program.segments.size(); ++s) {
+    const auto& sg = program.segments[s];
+    if (sg.first_layer <= model_->embedding_layer() && model_->embedding_layer() < sg.last_layer) embed_segs.push_back(static_cast<int>(s));
+    if (sg.first_layer <= model_->head_layer() && model_->head_layer() < sg.last_layer) head_segs.push_back(static_cast<int>(s));
+  }
+  if (embed_segs.size() != 1 || head_segs.size() != 1)
+    throw std::invalid_argument(fmt::format("{}, but the plan holds {} copies of the embedding and {} of the head (copies of the model in one plan); "
+                                            "the host backend keeps exactly one embedding and one head in sync",
+                                            who, embed_segs.size(), head_segs.size()));
+  const int e = embed_segs[0], h = head_segs[0];
+  if (e == h) return;  // one segment: the head uses the embedding's table directly
+  const auto& se = program.segments[static_cast<std::size_t>(e)];
+  const auto& sh = program.segments[static_cast<std::size_t>(h)];
+  const auto& de = program.device_sets.at(static_cast<std::size_t>(se.devices));
+  const auto& dh = program.device_sets.at(static_cast<std::size_t>(sh.devices));
+  if (de.size() != dh.size() || se.tp_degree != sh.tp_degree || se.shard_degree != 1 || sh.shard_degree != 1)
+    throw std::invalid_argument(fmt::format("{}, but its embedding segment ({} devices, TP {}) and head segment ({} devices, TP {}) are not laid out alike, "
+                                            "so the tied copies cannot be paired",
+                                            who, de.size(), se.tp_degree, dh.size(), sh.tp_degree));
+  for (std::size_t p = 0; p < de.size(); ++p)  // the same verdict on every rank, before the collective split
+    if (const int q = program.position_in(sh.devices, de[p]); q >= 0 && q != static_cast<int>(p))
+      throw std::invalid_argument(fmt::format("{}, but device {} holds the embedding for one data-parallel rank and the head for another (a mirrored, "
+                                              "bidirectional placement); the host backend pairs each embedding with one head copy and does not run it",
+                                              who, de[p]));
+  const int pe = program.position_in(se.devices, device_), ph = program.position_in(sh.devices, device_);
+  int color = MPI_UNDEFINED, key = 0;
+  if (pe >= 0 || ph >= 0) {
+    tied_.embed_seg = pe >= 0 ? e : -1;
+    tied_.head_seg = ph >= 0 ? h : -1;
+    tied_.local = pe >= 0 && ph >= 0;
+    if (!tied_.local) color = pe >= 0 ? pe : ph, key = pe >= 0 ? 0 : 1;
+  }
+  // Collective over all ranks (every rank reads the same plan and reaches this point).
+  check_mpi(MPI_Comm_split(world_, color, key, &tied_.pair), "MPI_Comm_split (tied embeddings)");
+  if (tied_.pair != MPI_COMM_NULL) MPI_Comm_set_errhandler(tied_.pair, MPI_ERRORS_RETURN);
+}
+
+void HostBackend::tied_backward_done(int seg) {
+  if (seg != tied_.embed_seg && seg != tied_.head_seg) return;
+  if (++tied_.backward_done[seg] != shape_.microbatches) return;
+  if (tied_.local) {
+    if (tied_.backward_done[tied_.embed_seg] != shape_.microbatches || tied_.backward_done[tied_.head_seg] != shape_.microbatches) return;
+    auto a = model_->tied_grads(tied_.embed_seg), b = model_->tied_grads(tied_.head_seg);
+    if (a.size() != b.size()) throw RuntimeError("runtime: the tied embedding's two copies differ in size");
+    for (std::size_t i = 0; i < a.size(); ++i) a[i] = b[i] = a[i] + b[i];
+    tied_.started = tied_.finished = true;
+    return;
+  }
+  auto g = model_->tied_grads(seg);
+  tied_.buffer.assign(g.begin(), g.end());
+  if (tied_.buffer.size() > static_cast<std::size_t>(std::numeric_limits<int>::max())) throw RuntimeError("runtime: the tied embedding exceeds MPI's int count");
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, tied_.buffer.data(), static_cast<int>(tied_.buffer.size()), MPI_FLOAT, MPI_SUM, tied_.pair, &tied_.request),
+            "MPI_Iallreduce (tied embeddings)");
+  tied_.started = true;
+}
+
+bool HostBackend::tied_ready() {
+  if (tied_.finished) return true;
+  if (!tied_.started || tied_.local) return false;
+  int done = 0;
+  check_mpi(MPI_Test(&tied_.request, &done, MPI_STATUS_IGNORE), "MPI_Test (tied embeddings)");
+  if (!done) return false;
+  auto g = model_->tied_grads(tied_.embed_seg >= 0 ? tied_.embed_seg : tied_.head_seg);
+  std::copy(tied_.buffer.begin(), tied_.buffer.end(), g.begin());
+  tied_.finished = true;
+  return true;
+}
+
+bool HostBackend::touches_tied(const core::Op& op) const {
+  if (tied_.embed_seg < 0 && tied_.head_seg < 0) return false;
+  if (op.kind != core::OpKind::AllReduce && op.kind != core::OpKind::ReduceScatter && op.kind != core::OpKind::Update) return false;
+  return std::any_of(op.segments.begin(), op.segments.end(), [&](int s) { return s == tied_.embed_seg || s == tied_.head_seg; });
 }
 
 void HostBackend::match_posted_receives() {
@@ -284,6 +369,7 @@ void HostBackend::match_posted_receives() {
 
 HostBackend::~HostBackend() {
   tp_comms_.clear();
+  if (tied_.pair != MPI_COMM_NULL) MPI_Comm_free(&tied_.pair);
   for (auto& c : family_comm_)
     if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
   if (world_ != MPI_COMM_NULL) MPI_Comm_free(&world_);
@@ -319,10 +405,21 @@ void HostBackend::end_step() {
                                    device_, step_, forward_.size(), backward_.size(), stash_.size()));
   ep_source_.clear();
   a2a_seen_.clear();
+  if ((tied_.embed_seg >= 0 || tied_.head_seg >= 0) && !tied_.finished)
+    throw RuntimeError(fmt::format("runtime: device {} ended step {} before its tied-embedding gradients were summed", device_, step_));
+  tied_.backward_done.clear();
+  tied_.started = tied_.finished = false;
+  tied_.request = MPI_REQUEST_NULL;
   ++steps_done_;
 }
 
 bool HostBackend::start(const core::OpRef& at, const core::Op& op) {
+  if (touches_tied(op) && !tied_ready()) {
+    auto p = std::make_unique<Pending>();
+    p->deferred = true;
+    pending_[at] = std::move(p);
+    return false;
+  }
   switch (op.kind) {
     case core::OpKind::Compute: run_compute(op); return true;
     case core::OpKind::Update:
@@ -354,6 +451,7 @@ void HostBackend::run_compute(const core::Op& op) {
   if (op.pass == core::Pass::BW) {
     model_->backward_weight(s, stash_.at(sk));
     stash_.erase(sk);
+    tied_backward_done(s);
     return;
   }
   // B or BI
@@ -369,6 +467,7 @@ void HostBackend::run_compute(const core::Op& op) {
   if (op.pass == core::Pass::B) {
     model_->backward_weight(s, stash_.at(sk));
     stash_.erase(sk);
+    tied_backward_done(s);
   }
 }
 
@@ -484,6 +583,11 @@ bool HostBackend::poll(const core::OpRef& at, const core::Op& op) {
   auto it = pending_.find(at);
   if (it == pending_.end()) throw RuntimeError(fmt::format("runtime: polled an op that is not in flight: {}", op.label));
   Pending& p = *it->second;
+  if (p.deferred) {
+    if (!tied_ready()) return false;
+    pending_.erase(it);
+    return start(at, op);
+  }
   if (op.kind == core::OpKind::Recv && !p.matched) {
     match_posted_receives();
     if (!p.matched) return false;

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <sstream>
 #include <stdexcept>
 
 namespace piper::runtime::host {
@@ -39,6 +40,12 @@ Mat get_mat(std::span<const float> data, std::size_t& pos, Eigen::Index rows, Ei
 }
 
 Mat zeros_like_rows(Eigen::Index rows, Eigen::Index cols) { return Mat::Zero(rows, cols); }
+
+std::string fmt_probability(double p) {
+  std::ostringstream s;
+  s << p;
+  return s.str();
+}
 
 }  // namespace
 
@@ -127,15 +134,31 @@ std::vector<ExpertPacket> unpack_packets(std::span<const float> data, int peers,
 std::vector<TensorSpec> layer_tensors(const core::Layer& l) {
   const auto& s = l.shape;
   switch (l.kind) {
-    case core::LayerKind::Embedding: return {{"embed", s.vocab, s.hidden}};
-    case core::LayerKind::Norm: return {{"norm", 1, s.hidden}};
+    case core::LayerKind::Embedding: {
+      std::vector<TensorSpec> t = {{"embed", s.vocab, s.hidden}};
+      if (s.max_positions > 0) t.push_back({"pos", s.max_positions, s.hidden});  // learned absolute positions
+      return t;
+    }
+    case core::LayerKind::Norm:
+      if (s.norm == core::NormKind::LayerNorm) return {{"norm", 1, s.hidden}, {"norm_bias", 1, s.hidden}};
+      return {{"norm", 1, s.hidden}};
     case core::LayerKind::Attention: {
       std::vector<TensorSpec> t = {{"wq", s.hidden, s.heads * s.head_dim}, {"wk", s.hidden, s.kv_heads * s.head_dim},
                                    {"wv", s.hidden, s.kv_heads * s.head_dim}, {"wo", s.heads * s.head_dim, s.hidden}};
       if (s.qk_norm) t.push_back({"q_norm", 1, s.head_dim}), t.push_back({"k_norm", 1, s.head_dim});
+      if (s.bias)
+        t.push_back({"bias_q", 1, s.heads * s.head_dim}), t.push_back({"bias_k", 1, s.kv_heads * s.head_dim}),
+            t.push_back({"bias_v", 1, s.kv_heads * s.head_dim}), t.push_back({"bias_o", 1, s.hidden});
       return t;
     }
-    case core::LayerKind::Mlp: return {{"wg", s.hidden, s.ffn}, {"wu", s.hidden, s.ffn}, {"wd", s.ffn, s.hidden}};
+    case core::LayerKind::Mlp: {
+      if (s.activation == core::MlpActivation::GELU) {
+        std::vector<TensorSpec> t = {{"wu", s.hidden, s.ffn}, {"wd", s.ffn, s.hidden}};
+        if (s.bias) t.push_back({"bias_fc1", 1, s.ffn}), t.push_back({"bias_fc2", 1, s.hidden});
+        return t;
+      }
+      return {{"wg", s.hidden, s.ffn}, {"wu", s.hidden, s.ffn}, {"wd", s.ffn, s.hidden}};
+    }
     case core::LayerKind::MoeRouter: return {{"wr", s.hidden, s.experts}};
     case core::LayerKind::MoeExperts: {
       std::vector<TensorSpec> t;
@@ -143,7 +166,9 @@ std::vector<TensorSpec> layer_tensors(const core::Layer& l) {
         t.push_back({"wg", s.hidden, s.ffn}), t.push_back({"wu", s.hidden, s.ffn}), t.push_back({"wd", s.ffn, s.hidden});
       return t;
     }
-    case core::LayerKind::Head: return {{"wh", s.hidden, s.vocab}};
+    case core::LayerKind::Head:
+      if (s.tied_with_embedding) return {};  // the embedding's table serves as the head
+      return {{"wh", s.hidden, s.vocab}};
   }
   return {};
 }
@@ -173,12 +198,17 @@ std::vector<LocalTensor> local_tensors(const core::Layer& layer, int shard_degre
     if (tp_degree > 1) {
       const std::string& n = full[i].name;
       switch (layer.kind) {
-        case core::LayerKind::Embedding: t.split = TpSplit::Rows; break;                  // vocab rows
-        case core::LayerKind::Attention:
-          if (n == "wq" || n == "wk" || n == "wv") t.split = TpSplit::Columns;            // heads
+        case core::LayerKind::Embedding:                                                 // vocab rows; positions replicated
+          if (n == "embed") t.split = TpSplit::Rows;
+          break;
+        case core::LayerKind::Attention:                                                 // heads; the output bias is replicated
+          if (n == "wq" || n == "wk" || n == "wv" || n == "bias_q" || n == "bias_k" || n == "bias_v") t.split = TpSplit::Columns;
           else if (n == "wo") t.split = TpSplit::Rows;
           break;
-        case core::LayerKind::Mlp: t.split = n == "wd" ? TpSplit::Rows : TpSplit::Columns; break;
+        case core::LayerKind::Mlp:                                                       // ffn; the output bias is replicated
+          if (n == "wd") t.split = TpSplit::Rows;
+          else if (n != "bias_fc2") t.split = TpSplit::Columns;
+          break;
         case core::LayerKind::Head: t.split = TpSplit::Columns; break;                    // vocab columns
         default: break;                                                                  // norms, router, experts
       }
@@ -207,27 +237,68 @@ struct HostModel::LayerView {
   ConstMatMap cmat(std::size_t i) { return ConstMatMap(tensors[i].first, tensors[i].second.rows, tensors[i].second.cols); }
   VecMap vec(std::size_t i) { return VecMap(tensors[i].first, tensors[i].second.size()); }
   ConstVecMap cvec(std::size_t i) { return ConstVecMap(tensors[i].first, tensors[i].second.size()); }
+  std::size_t at(const char* name) const {
+    for (std::size_t i = 0; i < tensors.size(); ++i)
+      if (tensors[i].second.name == name) return i;
+    throw std::logic_error(std::string("runtime: layer '") + layer->name + "' has no tensor " + name);
+  }
+  bool has(const char* name) const {
+    for (const auto& t : tensors)
+      if (t.second.name == name) return true;
+    return false;
+  }
+  ConstVecMap cvec_or_empty(const char* name) { return has(name) ? cvec(at(name)) : ConstVecMap(nullptr, 0); }
+  AttentionWeights attention(const AttentionShape& shape) {
+    // (Eigen maps cannot be rebound after construction: the biases go in the aggregate.)
+    return {cmat(0), cmat(1), cmat(2), cmat(3), shape.qk_norm ? cvec(4) : cvec(0), shape.qk_norm ? cvec(5) : cvec(0),
+            cvec_or_empty("bias_q"), cvec_or_empty("bias_k"), cvec_or_empty("bias_v")};
+  }
+  GeluMlpWeights gelu() { return {cmat(at("wu")), cmat(at("wd")), cvec_or_empty("bias_fc1")}; }
 };
 
+// The tied table this segment's head uses: the embedding's (same segment) or the head's copy.
+ConstMatMap HostModel::tied_table(SegmentParams& sp, bool grads) {
+  LayerView v = view(sp, sp.tied_copy ? head_layer_ : embed_layer_, grads);
+  const std::size_t i = v.at("embed");
+  return v.cmat(i);
+}
+MatMap HostModel::tied_table_grad(SegmentParams& sp) {
+  LayerView v = view(sp, sp.tied_copy ? head_layer_ : embed_layer_, true);
+  return v.mat(v.at("embed"));
+}
+
 HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, std::uint64_t seed) : model_(model) {
+  for (std::size_t i = 0; i < model_.layers().size(); ++i) {
+    const auto& l = model_.layers()[i];
+    if (l.kind == core::LayerKind::Embedding) embed_layer_ = static_cast<int>(i);
+    if (l.kind == core::LayerKind::Head) head_layer_ = static_cast<int>(i), tied_ = l.shape.tied_with_embedding;
+  }
+  const std::string who = "runtime: model '" + model_.name() + "': ";
+  const std::int64_t positions = embed_layer_ >= 0 ? model_.layers()[static_cast<std::size_t>(embed_layer_)].shape.max_positions : 0;
+  // GPT-style initialisation of the token and position tables (std 0.02, Radford et al. 2019) when the
+  // table is also the head (tied) or positions are learned; std 1 otherwise (an RMSNorm follows).
+  gpt_init_ = tied_ || positions > 0;
+  if (positions > 0 && positions < model_.training().seq_len)
+    throw std::invalid_argument(who + "training.seq_len " + std::to_string(model_.training().seq_len) + " exceeds max_positions " +
+                                std::to_string(positions) + " (the learned position table)");
   for (const auto& l : model_.layers()) {
+    // Dropout would need masks drawn identically by every layout; the host backend trains without it
+    // rather than silently run another model than the spec's.
+    if (l.shape.dropout)
+      throw std::invalid_argument(who + "field 'dropout' is " + (model_.config() ? fmt_probability(model_.config()->dropout_probability) : std::string("set")) +
+                                  "; the host backend trains without dropout (set it to 0)");
     if (l.kind == core::LayerKind::Attention) {
       if (l.shape.q_lora_rank || l.shape.kv_lora_rank) throw std::invalid_argument("runtime: the host backend has no MLA attention (" + l.name + ")");
-      if (l.shape.bias) throw std::invalid_argument("runtime: the host backend has no linear biases (" + l.name + ")");
       attn_shape_ = AttentionShape{static_cast<int>(l.shape.heads), static_cast<int>(l.shape.kv_heads),
-                                   static_cast<int>(l.shape.head_dim), static_cast<int>(model_.training().seq_len), l.shape.qk_norm, 10000.0f};
+                                   static_cast<int>(l.shape.head_dim), static_cast<int>(model_.training().seq_len), l.shape.qk_norm, 10000.0f,
+                                   positions == 0, l.shape.bias};
     }
-    if (l.kind == core::LayerKind::Norm && l.shape.norm != core::NormKind::RMSNorm)
-      throw std::invalid_argument("runtime: the host backend has RMSNorm only (" + l.name + ")");
-    if (l.kind == core::LayerKind::Mlp && l.shape.activation != core::MlpActivation::SwiGLU)
-      throw std::invalid_argument("runtime: the host backend has SwiGLU MLPs only (" + l.name + ")");
-    if (l.kind == core::LayerKind::Head && l.shape.tied_with_embedding)
-      throw std::invalid_argument("runtime: the host backend does not tie the head to the embedding");
-    if (l.kind == core::LayerKind::Embedding && l.shape.max_positions > 0)
-      throw std::invalid_argument("runtime: the host backend uses RoPE, not learned positions");
+    if (l.kind == core::LayerKind::Mlp && l.shape.activation == core::MlpActivation::SwiGLU && l.shape.bias)
+      throw std::invalid_argument(who + "the host backend has no SwiGLU MLP biases (" + l.name + "; biases run with \"activation\": \"gelu\")");
     if (l.kind == core::LayerKind::MoeRouter) top_k_ = static_cast<int>(l.shape.top_k), experts_ = static_cast<int>(l.shape.experts);
     hidden_ = std::max(hidden_, l.shape.hidden);
   }
+  if (tied_ && embed_layer_ < 0) throw std::invalid_argument(who + "the head is tied to an embedding the model does not have");
   for (const auto& sp : specs) {
     SegmentParams p;
     p.segment = sp.segment;
@@ -252,6 +323,7 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     if (sp.tp_degree > 1 && (attn_shape_.heads % sp.tp_degree != 0 || attn_shape_.kv_heads % sp.tp_degree != 0))
       throw std::invalid_argument("runtime: " + std::to_string(attn_shape_.heads) + " heads / " + std::to_string(attn_shape_.kv_heads) +
                                   " KV heads do not split over " + std::to_string(sp.tp_degree) + " tensor-parallel ranks");
+    p.tied_copy = tied_ && sp.first_layer <= head_layer_ && head_layer_ < sp.last_layer && !(sp.first_layer <= embed_layer_ && embed_layer_ < sp.last_layer);
     std::int64_t n = 0;
     p.layer_offset.push_back(0);
     for (int l = sp.first_layer; l < sp.last_layer; ++l) {
@@ -262,7 +334,7 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
       if (sp.shard_degree > 1 && layer.shape.experts % sp.shard_degree != 0)
         throw std::invalid_argument("runtime: " + std::to_string(layer.shape.experts) + " experts of '" + layer.name +
                                     "' do not split over " + std::to_string(sp.shard_degree) + " devices");
-      for (const auto& t : local_tensors(layer, sp.shard_degree, sp.shard_index, sp.tp_degree, sp.tp_rank)) n += t.local.size();
+      for (const auto& t : tensors_of(p, l)) n += t.local.size();
       p.layer_offset.push_back(n);
     }
     p.params.assign(static_cast<std::size_t>(n), 0.0f);
@@ -284,6 +356,29 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
   }
 }
 
+std::vector<LocalTensor> HostModel::tensors_of(const SegmentParams& sp, int layer) const {
+  auto out = local_tensors(model_.layers().at(static_cast<std::size_t>(layer)), sp.shard_degree, sp.shard_index, sp.tp_degree, sp.tp_rank);
+  if (sp.tied_copy && layer == head_layer_) {
+    // This TP rank's vocabulary rows of the embedding table, laid out (and checkpointed) as the embedding's.
+    auto e = local_tensors(model_.layers().at(static_cast<std::size_t>(embed_layer_)), 1, 0, sp.tp_degree, sp.tp_rank);
+    e.resize(1);  // the token table only
+    e[0].canonical_layer = embed_layer_;
+    out.push_back(e[0]);
+  }
+  return out;
+}
+
+std::span<float> HostModel::tied_grads(int seg) {
+  SegmentParams& sp = segment(seg);
+  if (!tied_) return {};
+  const bool has_embed = sp.first_layer <= embed_layer_ && embed_layer_ < sp.last_layer;
+  const bool has_head = sp.first_layer <= head_layer_ && head_layer_ < sp.last_layer;
+  if (has_embed == has_head) return {};
+  LayerView v = view(sp, has_embed ? embed_layer_ : head_layer_, true);
+  const auto& t = v.tensors.at(v.at("embed"));
+  return {t.first, static_cast<std::size_t>(t.second.size())};
+}
+
 std::int64_t HostModel::layer_param_count(int layer) const {
   std::int64_t n = 0;
   for (const auto& t : layer_tensors(model_.layers().at(static_cast<std::size_t>(layer)))) n += t.size();
@@ -300,14 +395,17 @@ SegmentParams& HostModel::segment(int index) {
 // drawn from its canonical index, so every shard and slice holds exactly the reference's values.
 void HostModel::init_params(SegmentParams& sp, std::uint64_t seed) {
   for (int l = sp.first_layer; l < sp.last_layer; ++l) {
-    const auto& layer = model_.layers().at(static_cast<std::size_t>(l));
     std::int64_t at = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)];
-    for (const auto& t : local_tensors(layer, sp.shard_degree, sp.shard_index, sp.tp_degree, sp.tp_rank)) {
-      const double std = t.full.name.find("norm") != std::string::npos ? 0.0 : layer.kind == core::LayerKind::Embedding ? 1.0 : 1.0 / std::sqrt(static_cast<double>(t.full.rows));
+    for (const auto& t : tensors_of(sp, l)) {
+      // The tied head's copy is drawn as the embedding's table (its canonical layer).
+      const int owner = t.canonical_layer >= 0 ? t.canonical_layer : l;
+      const bool table = model_.layers().at(static_cast<std::size_t>(owner)).kind == core::LayerKind::Embedding;
+      const bool bias = t.full.name.find("bias") != std::string::npos, norm = !bias && t.full.name.find("norm") != std::string::npos;
+      const double std = bias || norm ? 0.0 : table ? (gpt_init_ ? 0.02 : 1.0) : 1.0 / std::sqrt(static_cast<double>(t.full.rows));
       const float a = static_cast<float>(std * std::sqrt(3.0));
       for (const auto& [local, full, len] : t.runs())
         for (std::int64_t i = 0; i < len; ++i)
-          sp.params[static_cast<std::size_t>(at + local + i)] = std == 0.0 ? 1.0f : a * uniform_pm1(seed, l, full + i);
+          sp.params[static_cast<std::size_t>(at + local + i)] = norm ? 1.0f : bias ? 0.0f : a * uniform_pm1(seed, owner, full + i);
       at += t.local.size();
     }
   }
@@ -324,7 +422,7 @@ HostModel::LayerView HostModel::view(SegmentParams& sp, int layer, bool grads) {
   LayerView v;
   v.layer = &model_.layers().at(static_cast<std::size_t>(layer));
   float* p = (grads ? sp.grads.data() : sp.params.data()) + sp.layer_offset.at(static_cast<std::size_t>(layer - sp.first_layer));
-  for (const auto& t : local_tensors(*v.layer, sp.shard_degree, sp.shard_index, sp.tp_degree, sp.tp_rank)) {
+  for (const auto& t : tensors_of(sp, layer)) {
     v.tensors.emplace_back(p, t.local);
     p += t.local.size();
   }
@@ -413,7 +511,8 @@ std::int64_t mats(const M&... m) { return (std::int64_t{0} + ... + static_cast<s
 std::int64_t SegmentStash::floats() const {
   std::int64_t n = 0;
   for (const auto& c : layers) {
-    n += mats(c.norm.x, c.norm.rstd);
+    n += mats(c.norm.x, c.norm.rstd, c.lnorm.xhat, c.lnorm.rstd);
+    n += mats(c.gmlp.u, c.gmlp.a, c.gmlp.h);
     n += mats(c.attn.u, c.attn.q_lin, c.attn.k_lin, c.attn.v, c.attn.q_rstd, c.attn.k_rstd, c.attn.q, c.attn.k, c.attn.o);
     for (const auto& p : c.attn.probs) n += mat_floats(p);
     n += mats(c.mlp.u, c.mlp.a, c.mlp.b, c.mlp.h);
@@ -456,16 +555,31 @@ void HostModel::forward_layers(SegmentParams& sp, const MicrobatchData& data, fl
       case core::LayerKind::Embedding:
         c.tokens = data.tokens;
         s.x = tp_leave(sp, embedding_forward(v.cmat(0), data.tokens, sp.tp_rank * static_cast<int>(v.tensors[0].second.rows)));
+        // Learned positions (replicated over TP) are added once, after the vocab-parallel reduction;
+        // with SP this rank holds the token rows from tp_rank * rows on.
+        if (v.has("pos")) positions_forward(s.x, v.cmat(v.at("pos")), shape.seq_len, sp.sequence_parallel ? sp.tp_rank * static_cast<int>(s.x.rows()) : 0);
         s.u.resize(0, 0);
         break;
-      case core::LayerKind::Norm: s.u = rmsnorm_forward(s.x, v.cvec(0), &c.norm); break;
+      case core::LayerKind::Norm:
+        if (v.has("norm_bias")) s.u = layernorm_forward(s.x, v.cvec(0), v.cvec(1), &c.lnorm);
+        else s.u = rmsnorm_forward(s.x, v.cvec(0), &c.norm);
+        break;
       case core::LayerKind::Attention: {
-        AttentionWeights w{v.cmat(0), v.cmat(1), v.cmat(2), v.cmat(3), shape.qk_norm ? v.cvec(4) : v.cvec(0), shape.qk_norm ? v.cvec(5) : v.cvec(0)};
-        s.x += tp_leave(sp, attention_forward(shape, w, tp_enter(sp, s.u), &c.attn));
+        Mat y = tp_leave(sp, attention_forward(shape, v.attention(shape), tp_enter(sp, s.u), &c.attn));
+        if (shape.bias) bias_add(y, v.cvec(v.at("bias_o")));  // row-parallel output bias: once, after the reduction
+        s.x += y;
         if (drop_core) attention_drop_core(c.attn);
         break;
       }
-      case core::LayerKind::Mlp: s.x += tp_leave(sp, mlp_forward({v.cmat(0), v.cmat(1), v.cmat(2)}, tp_enter(sp, s.u), &c.mlp)); break;
+      case core::LayerKind::Mlp:
+        if (v.has("wg")) {
+          s.x += tp_leave(sp, mlp_forward({v.cmat(0), v.cmat(1), v.cmat(2)}, tp_enter(sp, s.u), &c.mlp));
+        } else {
+          Mat y = tp_leave(sp, gelu_mlp_forward(v.gelu(), tp_enter(sp, s.u), &c.gmlp));
+          if (v.has("bias_fc2")) bias_add(y, v.cvec(v.at("bias_fc2")));
+          s.x += y;
+        }
+        break;
       case core::LayerKind::MoeRouter: router_forward(v.cmat(0), top_k_, s.u, &c.router, &s.topk, &s.gates); break;
       case core::LayerKind::MoeExperts: {
         if (sp.shard_degree > 1) throw std::logic_error("runtime: sharded experts run through the expert-parallel path");
@@ -477,7 +591,16 @@ void HostModel::forward_layers(SegmentParams& sp, const MicrobatchData& data, fl
       }
       case core::LayerKind::Head: {
         double ls = 0;
-        if (tp_on(sp)) {
+        if (tied_) {
+          const ConstMatMap table = tied_table(sp, false);
+          if (tp_on(sp)) {
+            const Mat wh = table.transpose();
+            ls = head_forward_vocab_parallel(sp, ConstMatMap(wh.data(), wh.rows(), wh.cols()), tp_enter(sp, s.u), data.targets, loss_scale, &c.head);
+            if (sp.tp_rank != 0) ls = 0;
+          } else {
+            ls = tied_head_forward(table, s.u, data.targets, loss_scale, &c.head);
+          }
+        } else if (tp_on(sp)) {
           ls = head_forward_vocab_parallel(sp, v.cmat(0), tp_enter(sp, s.u), data.targets, loss_scale, &c.head);
           if (sp.tp_rank != 0) ls = 0;  // every TP rank computed the same loss: count it once
         } else {
@@ -506,12 +629,13 @@ void HostModel::backward_input(int seg, BackwardState& g, SegmentStash& stash) {
     if (g.du.size() == 0 && g.dx.size() > 0) g.du = zeros_like_rows(g.dx.rows(), g.dx.cols());
     switch (v.layer->kind) {
       case core::LayerKind::Head:
-        g.du = tp_leave(sp, head_backward_input(v.cmat(0), c.head));
+        g.du = tp_leave(sp, tied_ ? tied_head_backward_input(tied_table(sp, false), c.head) : head_backward_input(v.cmat(0), c.head));
         g.dx = zeros_like_rows(g.du.rows(), g.du.cols());
         break;
       case core::LayerKind::Norm:
         c.dy_norm = g.du;
-        g.dx += rmsnorm_backward_input(c.norm, v.cvec(0), g.du);
+        if (v.has("norm_bias")) g.dx += layernorm_backward_input(c.lnorm, v.cvec(0), g.du);
+        else g.dx += rmsnorm_backward_input(c.norm, v.cvec(0), g.du);
         g.du.setZero();
         break;
       case core::LayerKind::MoeExperts: {
@@ -524,12 +648,13 @@ void HostModel::backward_input(int seg, BackwardState& g, SegmentStash& stash) {
         g.du += router_backward_input(v.cmat(0), c.router, g.dgates);
         g.dgates.resize(0, 0);
         break;
-      case core::LayerKind::Mlp: g.du += tp_leave(sp, mlp_backward_input({v.cmat(0), v.cmat(1), v.cmat(2)}, c.mlp, tp_enter(sp, g.dx))); break;
-      case core::LayerKind::Attention: {
-        AttentionWeights w{v.cmat(0), v.cmat(1), v.cmat(2), v.cmat(3), shape.qk_norm ? v.cvec(4) : v.cvec(0), shape.qk_norm ? v.cvec(5) : v.cvec(0)};
-        g.du += tp_leave(sp, attention_backward_input(shape, w, c.attn, tp_enter(sp, g.dx)));
+      case core::LayerKind::Mlp:
+        if (v.has("wg")) g.du += tp_leave(sp, mlp_backward_input({v.cmat(0), v.cmat(1), v.cmat(2)}, c.mlp, tp_enter(sp, g.dx)));
+        else g.du += tp_leave(sp, gelu_mlp_backward_input(v.gelu(), c.gmlp, tp_enter(sp, g.dx)));
         break;
-      }
+      case core::LayerKind::Attention:
+        g.du += tp_leave(sp, attention_backward_input(shape, v.attention(shape), c.attn, tp_enter(sp, g.dx)));
+        break;
       case core::LayerKind::Embedding:
         c.dx_embed = tp_enter(sp, g.dx);
         g = BackwardState{};
@@ -549,10 +674,14 @@ void HostModel::backward_weight(int seg, SegmentStash& stash) {
   std::vector<std::pair<float*, std::int64_t>> partial;
   if (tp_on(sp))
     for (int l = sp.first_layer; l < sp.last_layer; ++l) {
-      const auto& layer = model_.layers().at(static_cast<std::size_t>(l));
       float* p = sp.grads.data() + sp.layer_offset.at(static_cast<std::size_t>(l - sp.first_layer));
-      for (const auto& t : local_tensors(layer, sp.shard_degree, sp.shard_index, sp.tp_degree, sp.tp_rank)) {
-        if (t.split == TpSplit::Replicated && (sp.sequence_parallel || layer.kind == core::LayerKind::Attention)) partial.emplace_back(p, t.local.size());
+      for (const auto& t : tensors_of(sp, l)) {
+        // Learned positions and the row-parallel output biases take their gradient from the
+        // gathered (whole) rows, identical on every TP rank: complete, not partial.
+        const std::string& n = t.full.name;
+        const bool whole = n == "pos" || n == "bias_o" || n == "bias_fc2";
+        const bool per_head = n == "q_norm" || n == "k_norm";
+        if (t.split == TpSplit::Replicated && !whole && (sp.sequence_parallel || per_head)) partial.emplace_back(p, t.local.size());
         p += t.local.size();
       }
     }
@@ -567,16 +696,29 @@ void HostModel::backward_weight(int seg, SegmentStash& stash) {
     switch (gv.layer->kind) {
       case core::LayerKind::Embedding:
         embedding_backward_weight(c.tokens, c.dx_embed, gv.mat(0), sp.tp_rank * static_cast<int>(gv.tensors[0].second.rows));
+        if (gv.has("pos")) positions_backward_weight(c.dx_embed, gv.mat(gv.at("pos")), shape.seq_len);  // dx_embed: whole rows
         break;
-      case core::LayerKind::Norm: rmsnorm_backward_weight(c.norm, c.dy_norm, gv.vec(0)); break;
+      case core::LayerKind::Norm:
+        if (gv.has("norm_bias")) layernorm_backward_weight(c.lnorm, c.dy_norm, gv.vec(0), gv.vec(1));
+        else rmsnorm_backward_weight(c.norm, c.dy_norm, gv.vec(0));
+        break;
       case core::LayerKind::Attention: {
-        AttentionGrads g{gv.mat(0), gv.mat(1), gv.mat(2), gv.mat(3), shape.qk_norm ? gv.vec(4) : gv.vec(0), shape.qk_norm ? gv.vec(5) : gv.vec(0)};
+        auto bias = [&](const char* n) { return gv.has(n) ? gv.vec(gv.at(n)) : VecMap(nullptr, 0); };
+        AttentionGrads g{gv.mat(0), gv.mat(1), gv.mat(2), gv.mat(3), shape.qk_norm ? gv.vec(4) : gv.vec(0), shape.qk_norm ? gv.vec(5) : gv.vec(0),
+                         bias("bias_q"), bias("bias_k"), bias("bias_v")};
         attention_backward_weight(shape, c.attn, g);
+        if (shape.bias) bias_backward_weight(c.attn.dout, gv.vec(gv.at("bias_o")));  // dout: the whole rows
         break;
       }
       case core::LayerKind::Mlp: {
-        MlpGrads g{gv.mat(0), gv.mat(1), gv.mat(2)};
-        mlp_backward_weight(c.mlp, g);
+        if (gv.has("wg")) {
+          MlpGrads g{gv.mat(0), gv.mat(1), gv.mat(2)};
+          mlp_backward_weight(c.mlp, g);
+        } else {
+          GeluMlpGrads g{gv.mat(gv.at("wu")), gv.mat(gv.at("wd")), gv.has("bias_fc1") ? gv.vec(gv.at("bias_fc1")) : VecMap(nullptr, 0)};
+          gelu_mlp_backward_weight(c.gmlp, g);
+          if (gv.has("bias_fc2")) bias_backward_weight(c.gmlp.dout, gv.vec(gv.at("bias_fc2")));
+        }
         break;
       }
       case core::LayerKind::MoeRouter: router_backward_weight(c.router, gv.mat(0)); break;
@@ -586,7 +728,10 @@ void HostModel::backward_weight(int seg, SegmentStash& stash) {
         experts_backward_weight(c.experts, g);
         break;
       }
-      case core::LayerKind::Head: head_backward_weight(c.head, gv.mat(0)); break;
+      case core::LayerKind::Head:
+        if (tied_) tied_head_backward_weight(c.head, tied_table_grad(sp));
+        else head_backward_weight(c.head, gv.mat(0));
+        break;
     }
   }
   if (sp.token_copies > 1) {
@@ -769,9 +914,9 @@ std::vector<HostModel::CanonicalRun> HostModel::canonical_runs(const SegmentPara
   std::vector<CanonicalRun> out;
   for (int l = sp.first_layer; l < sp.last_layer; ++l) {
     std::int64_t at = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)];
-    for (const auto& t : local_tensors(model_.layers().at(static_cast<std::size_t>(l)), sp.shard_degree, sp.shard_index, sp.tp_degree, sp.tp_rank)) {
+    for (const auto& t : tensors_of(sp, l)) {
       const bool replicated = sp.tp_degree > 1 && t.split == TpSplit::Replicated;
-      for (const auto& [local, full, len] : t.runs()) out.push_back({l, at + local, full, len, replicated});
+      for (const auto& [local, full, len] : t.runs()) out.push_back({t.canonical_layer >= 0 ? t.canonical_layer : l, at + local, full, len, replicated});
       at += t.local.size();
     }
   }

@@ -51,6 +51,70 @@ void rmsnorm_backward_weight(const RmsNormCache& c, const Mat& dy, VecMap dg) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// LayerNorm (Ba et al. 2016)
+// ---------------------------------------------------------------------------------------------
+Mat layernorm_forward(const Mat& x, const ConstVecMap& g, const ConstVecMap& b, LayerNormCache* c) {
+  const float inv_h = 1.0f / static_cast<float>(x.cols());
+  Vec mean = x.rowwise().sum() * inv_h;
+  Mat xc = x.colwise() - mean;
+  Vec rstd = ((xc.array().square().rowwise().sum() * inv_h) + kLayerNormEps).rsqrt().matrix();
+  Mat xhat = xc.array().colwise() * rstd.array();
+  Mat y = (xhat.array().rowwise() * g.transpose().array()).rowwise() + b.transpose().array();
+  if (c) c->xhat = std::move(xhat), c->rstd = std::move(rstd);
+  return y;
+}
+
+// With z = g * dy (the gradient at xhat), the mean and the variance both depend on every x_k:
+// dx = r (z - mean(z) - xhat mean(z * xhat)).
+Mat layernorm_backward_input(const LayerNormCache& c, const ConstVecMap& g, const Mat& dy) {
+  const float inv_h = 1.0f / static_cast<float>(c.xhat.cols());
+  Mat z = dy.array().rowwise() * g.transpose().array();
+  Vec mz = z.rowwise().sum() * inv_h;
+  Vec mzx = (z.array() * c.xhat.array()).rowwise().sum().matrix() * inv_h;
+  Mat inner = (z.colwise() - mz).array() - c.xhat.array().colwise() * mzx.array();
+  return inner.array().colwise() * c.rstd.array();
+}
+
+void layernorm_backward_weight(const LayerNormCache& c, const Mat& dy, VecMap dg, VecMap db) {
+  dg += (dy.array() * c.xhat.array()).colwise().sum().transpose().matrix();
+  db += dy.colwise().sum().transpose();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bias, GELU, learned positions
+// ---------------------------------------------------------------------------------------------
+void bias_add(Mat& x, const ConstVecMap& b) { x.rowwise() += b.transpose(); }
+
+void bias_backward_weight(const Mat& dy, VecMap db) { db += dy.colwise().sum().transpose(); }
+
+namespace {
+constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluA = 0.044715f;
+}  // namespace
+
+// gelu(a) = a/2 (1 + tanh(c (a + k a^3)))
+Mat gelu_forward(const Mat& a) {
+  return a.unaryExpr([](float x) { return 0.5f * x * (1.0f + std::tanh(kGeluC * (x + kGeluA * x * x * x))); });
+}
+
+// gelu'(a) = (1 + t)/2 + a/2 (1 - t^2) c (1 + 3 k a^2), t = tanh(c (a + k a^3))
+Mat gelu_backward(const Mat& a, const Mat& dy) {
+  Mat d = a.unaryExpr([](float x) {
+    const float t = std::tanh(kGeluC * (x + kGeluA * x * x * x));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kGeluC * (1.0f + 3.0f * kGeluA * x * x);
+  });
+  return d.cwiseProduct(dy);
+}
+
+void positions_forward(Mat& x, const ConstMatMap& pos, int seq_len, int first_position) {
+  for (Eigen::Index t = 0; t < x.rows(); ++t) x.row(t) += pos.row((first_position + t) % seq_len);
+}
+
+void positions_backward_weight(const Mat& dx, MatMap dpos, int seq_len, int first_position) {
+  for (Eigen::Index t = 0; t < dx.rows(); ++t) dpos.row((first_position + t) % seq_len) += dx.row(t);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Attention
 // ---------------------------------------------------------------------------------------------
 namespace {
@@ -139,6 +203,7 @@ Mat attention_forward(const AttentionShape& s, const AttentionWeights& w, const 
   k.q_lin = u * w.wq;
   k.k_lin = u * w.wk;
   k.v = u * w.wv;
+  if (s.bias) bias_add(k.q_lin, w.bq), bias_add(k.k_lin, w.bk), bias_add(k.v, w.bv);
   if (s.qk_norm) {
     k.q = head_norm_forward(k.q_lin, s.heads, hd, w.q_norm, k.q_rstd);
     k.k = head_norm_forward(k.k_lin, s.kv_heads, hd, w.k_norm, k.k_rstd);
@@ -146,8 +211,10 @@ Mat attention_forward(const AttentionShape& s, const AttentionWeights& w, const 
     k.q = k.q_lin;
     k.k = k.k_lin;
   }
-  rope_inplace(k.q, s.heads, hd, L, s.rope_theta, 1.0f);
-  rope_inplace(k.k, s.kv_heads, hd, L, s.rope_theta, 1.0f);
+  if (s.rope) {
+    rope_inplace(k.q, s.heads, hd, L, s.rope_theta, 1.0f);
+    rope_inplace(k.k, s.kv_heads, hd, L, s.rope_theta, 1.0f);
+  }
   attention_core_forward(s, k);
   return k.o * w.wo;
 }
@@ -174,8 +241,10 @@ Mat attention_backward_input(const AttentionShape& s, const AttentionWeights& w,
       dq.block(b * L, h * hd, L, hd) += ds * c.k.block(b * L, g * hd, L, hd);
       dk.block(b * L, g * hd, L, hd) += ds.transpose() * c.q.block(b * L, h * hd, L, hd);
     }
-  rope_inplace(dq, s.heads, hd, L, s.rope_theta, -1.0f);
-  rope_inplace(dk, s.kv_heads, hd, L, s.rope_theta, -1.0f);
+  if (s.rope) {
+    rope_inplace(dq, s.heads, hd, L, s.rope_theta, -1.0f);
+    rope_inplace(dk, s.kv_heads, hd, L, s.rope_theta, -1.0f);
+  }
   if (s.qk_norm) {
     c.dq_lin = head_norm_backward(c.q_lin, s.heads, hd, w.q_norm, c.q_rstd, dq, c.dq_norm);
     c.dk_lin = head_norm_backward(c.k_lin, s.kv_heads, hd, w.k_norm, c.k_rstd, dk, c.dk_norm);
@@ -194,6 +263,11 @@ void attention_backward_weight(const AttentionShape& s, const AttentionCache& c,
   if (s.qk_norm) {
     g.q_norm += c.dq_norm;
     g.k_norm += c.dk_norm;
+  }
+  if (s.bias) {
+    bias_backward_weight(c.dq_lin, g.bq);
+    bias_backward_weight(c.dk_lin, g.bk);
+    bias_backward_weight(c.dv, g.bv);
   }
 }
 
@@ -229,6 +303,31 @@ void mlp_backward_weight(const MlpCache& c, MlpGrads& g) {
   g.wd += c.h.transpose() * c.dout;
   g.wg += c.u.transpose() * c.da;
   g.wu += c.u.transpose() * c.db;
+}
+
+// ---------------------------------------------------------------------------------------------
+// GELU MLP (GPT-2 / Megatron GPT)
+// ---------------------------------------------------------------------------------------------
+Mat gelu_mlp_forward(const GeluMlpWeights& w, const Mat& u, GeluMlpCache* c) {
+  GeluMlpCache local;
+  GeluMlpCache& k = c ? *c : local;
+  k.u = u;
+  k.a = u * w.w1;
+  if (w.b1.size() > 0) bias_add(k.a, w.b1);
+  k.h = gelu_forward(k.a);
+  return k.h * w.w2;
+}
+
+Mat gelu_mlp_backward_input(const GeluMlpWeights& w, GeluMlpCache& c, const Mat& dout) {
+  c.dout = dout;
+  c.da = gelu_backward(c.a, dout * w.w2.transpose());
+  return c.da * w.w1.transpose();
+}
+
+void gelu_mlp_backward_weight(const GeluMlpCache& c, GeluMlpGrads& g) {
+  g.w2 += c.h.transpose() * c.dout;
+  g.w1 += c.u.transpose() * c.da;
+  if (g.b1.size() > 0) bias_backward_weight(c.da, g.b1);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -328,6 +427,15 @@ double head_forward(const ConstMatMap& wh, const Mat& u, const std::vector<int>&
 Mat head_backward_input(const ConstMatMap& wh, const HeadCache& c) { return c.dlogits * wh.transpose(); }
 
 void head_backward_weight(const HeadCache& c, MatMap dwh) { dwh += c.u.transpose() * c.dlogits; }
+
+double tied_head_forward(const ConstMatMap& table, const Mat& u, const std::vector<int>& targets, float loss_scale, HeadCache* c) {
+  const Mat wh = table.transpose();
+  return head_forward(ConstMatMap(wh.data(), wh.rows(), wh.cols()), u, targets, loss_scale, c);
+}
+
+Mat tied_head_backward_input(const ConstMatMap& table, const HeadCache& c) { return c.dlogits * table; }
+
+void tied_head_backward_weight(const HeadCache& c, MatMap dtable) { dtable += c.dlogits.transpose() * c.u; }
 
 // ---------------------------------------------------------------------------------------------
 // AdamW

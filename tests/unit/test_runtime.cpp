@@ -30,6 +30,9 @@ namespace {
 const std::string kModel = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-moe.json";
 // Tensor parallelism runs on dense models (routed experts keep expert parallelism).
 const std::string kDense = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-dense.json";
+// GPT-style: LayerNorm, GELU, biases, learned positions; tied head (kGpt) or its own (kGptUntied).
+const std::string kGpt = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-gpt.json";
+const std::string kGptUntied = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-gpt-untied.json";
 
 // Tolerances. Losses: fp32 sums in another order (per-microbatch, per-rank partial sums, MPI
 // reductions) differ by ~1e-7 relative, so 1e-5 leaves two orders of margin. Parameters after 3
@@ -147,6 +150,77 @@ TEST(Runtime, LayoutMatchesCompilerParameterCounts) {
     EXPECT_EQ(m.layer_param_count(static_cast<int>(l)), model.layer_cost(l).params) << model.layers()[l].name;
 }
 
+// The same for GPT layers: LayerNorm gain + bias, biased attention and GELU MLP, learned positions
+// in the embedding, and a tied head that holds nothing of its own.
+TEST(Runtime, LayoutMatchesCompilerParameterCountsGpt) {
+  for (const std::string& spec : {kGpt, kGptUntied}) {
+    const core::Model model = core::build_model(core::load_model_config(spec));
+    piper::runtime::host::HostModel m(model, {}, 1);
+    std::int64_t total = 0;
+    for (std::size_t l = 0; l < model.layers().size(); ++l) {
+      EXPECT_EQ(m.layer_param_count(static_cast<int>(l)), model.layer_cost(l).params) << spec << " " << model.layers()[l].name;
+      total += m.layer_param_count(static_cast<int>(l));
+    }
+    // By hand (V 64, h 32, 4 blocks, ffn 128, 16 positions): embedding 64*32 + 16*32 = 2560; per block
+    // 2 LayerNorms 2*64, attention 4*32*32 + 3*32 + 32 = 4224, MLP 2*32*128 + 128 + 32 = 8352;
+    // final LayerNorm 64; head 64*32 = 2048 unless tied.
+    const std::int64_t blocks = 4 * (2 * 64 + 4224 + 8352);
+    EXPECT_EQ(total, 2560 + blocks + 64 + (spec == kGpt ? 0 : 2048)) << spec;
+  }
+}
+
+// What the host backend cannot run exactly as the spec says is refused in one line naming the field:
+// a sequence longer than the learned position table, dropout.
+TEST(Runtime, GptSpecsItCannotRunAreRefused) {
+  json spec = json::parse(std::ifstream(kGpt));
+  spec["max_positions"] = 8;  // training.seq_len is 16
+  const core::Model short_table = core::build_model(core::config_from_spec_json(spec, "spec"));
+  try {
+    piper::runtime::host::HostModel m(short_table, {}, 1);
+    FAIL() << "ran 16 positions with a table of 8";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "runtime: model 'runtime-tiny-gpt': training.seq_len 16 exceeds max_positions 8 (the learned position table)");
+  }
+  spec["max_positions"] = 16;
+  spec["dropout"] = 0.1;
+  const core::Model with_dropout = core::build_model(core::config_from_spec_json(spec, "spec"));
+  try {
+    piper::runtime::host::HostModel m(with_dropout, {}, 1);
+    FAIL() << "ran a dropout model without dropout";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "runtime: model 'runtime-tiny-gpt': field 'dropout' is 0.1; the host backend trains without dropout (set it to 0)");
+  }
+}
+
+// At initialisation the tied GPT model predicts the uniform distribution: the logits are
+// LN(x) . E^T with LN(x) of unit RMS (gain 1, bias 0) and E's entries of std 0.02, so each logit has
+// std 0.02 * sqrt(32) ~ 0.11, independent of the target token. For iid logits of variance s^2 the
+// expected cross-entropy is E[log sum_v e^l_v] - E[l_y] ~ ln V + s^2/2 = ln 64 + 0.006. The untied
+// head (std 1/sqrt(fan_in)) gives logits of std ~1 and ln V + 1/2 instead.
+TEST(Runtime, GptReferenceLossAtInitIsLnVocab) {
+  piper::runtime::TrainOptions o;
+  o.steps = 1;
+  o.print = false;
+  const auto tied = piper::runtime::train_reference(
+      core::Program::from_json(json::parse(std::ifstream(compile_plan(temp_dir("gpt-init"), strategy(1, 1, 1, 0, 2, "1f1b"), "", kGpt)))), o);
+  EXPECT_NEAR(tied.losses.front(), std::log(64.0), 0.05);
+  const auto untied = piper::runtime::train_reference(
+      core::Program::from_json(json::parse(std::ifstream(compile_plan(temp_dir("gpt-init-untied"), strategy(1, 1, 1, 0, 2, "1f1b"), "", kGptUntied)))), o);
+  EXPECT_NEAR(untied.losses.front(), std::log(64.0) + 0.5, 0.3);
+}
+
+// From near-uniform logits (table std 0.02) the tied model needs larger steps than the RoPE models:
+// lr 1e-2 over 30 steps (the first steps move the table, the loss falls after ~10).
+TEST(Runtime, GptReferenceLearnsTheSyntheticStream) {
+  piper::runtime::TrainOptions o;
+  o.steps = 30;
+  o.adamw.lr = 1e-2f;
+  o.print = false;
+  const auto r = piper::runtime::train_reference(
+      core::Program::from_json(json::parse(std::ifstream(compile_plan(temp_dir("gpt-learns"), strategy(1, 1, 1, 0, 2, "1f1b"), "", kGpt)))), o);
+  EXPECT_LT(r.losses.back(), r.losses.front() - 0.5);
+}
+
 TEST(Runtime, ReferenceLearnsTheSyntheticStream) {
   const fs::path dir = temp_dir("reference");
   const fs::path plan = compile_plan(dir, strategy(1, 1, 1, 0, 2, "1f1b"));
@@ -202,6 +276,42 @@ TEST(RuntimeEquivalence, HSDP_DP4_Zero1) { expect_equivalent("hsdp-zero1", 4, hs
 TEST(RuntimeEquivalence, HSDP_PP2xDP4xEP2_Zero2) { expect_equivalent("hsdp-zero2-ep", 8, hsdp(strategy(2, 4, 2, 2, 4, "1f1b"), 2)); }
 TEST(RuntimeEquivalence, HSDP_TP2xDP4_Zero3) {
   expect_equivalent("hsdp-tp2-zero3", 8, hsdp(megatron(strategy(1, 4, 1, 3, 2, "1f1b"), 2, false, "none"), 2), "", kDense);
+}
+
+// GPT-style models. Tied: the embedding (first stage) and the head's copy (last stage) sum their
+// gradients before the data-parallel reduction and the update; every layout must still match the
+// single-process reference, where the head uses the embedding's table itself.
+TEST(RuntimeEquivalence, Gpt_Tied_1F1B_PP2xDP2) { expect_equivalent("gpt-1f1b", 4, strategy(2, 2, 1, 0, 4, "1f1b"), "", kGpt); }
+TEST(RuntimeEquivalence, Gpt_Untied_1F1B_PP2xDP2) { expect_equivalent("gpt-untied-1f1b", 4, strategy(2, 2, 1, 0, 4, "1f1b"), "", kGptUntied); }
+TEST(RuntimeEquivalence, Gpt_Tied_TP2_SP_PP2) { expect_equivalent("gpt-tp2sp-pp2", 4, megatron(strategy(2, 1, 1, 0, 4, "1f1b"), 2, true, "none"), "", kGpt); }
+TEST(RuntimeEquivalence, Gpt_Tied_TP2xDP2_Zero3) { expect_equivalent("gpt-tp2-zero3", 4, megatron(strategy(1, 2, 1, 3, 2, "1f1b"), 2, false, "none"), "", kGpt); }
+// ZeRO-3 across stages: the tied sum runs on the local gradients before the reduce-scatter.
+TEST(RuntimeEquivalence, Gpt_Tied_PP2xDP2_Zero3) { expect_equivalent("gpt-pp2-zero3", 4, strategy(2, 2, 1, 3, 4, "1f1b"), "", kGpt); }
+TEST(RuntimeEquivalence, Gpt_Tied_ZBH1_PP2_SelectiveRecompute) {
+  expect_equivalent("gpt-zbh1-selective", 2, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 1, false, "selective"), "", kGpt);
+}
+// V placement: device 0 holds both the embedding and the head (two segments): the sum is local.
+TEST(RuntimeEquivalence, Gpt_Tied_ZBV_PP2) { expect_equivalent("gpt-zbv", 2, strategy(2, 1, 1, 0, 4, "zb-v"), "", kGpt); }
+TEST(RuntimeEquivalence, Gpt_Tied_DualPipeV_PP2xDP2) { expect_equivalent("gpt-dualpipev", 4, strategy(2, 2, 1, 0, 4, "dualpipev"), "", kGpt); }
+// Untied, the bidirectional placement that the tied model refuses runs as any other.
+TEST(RuntimeEquivalence, Gpt_Untied_DualPipe_PP2) { expect_equivalent("gpt-untied-dualpipe", 2, strategy(2, 1, 1, 0, 4, "dualpipe"), "", kGptUntied); }
+TEST(RuntimeEquivalence, Gpt_Tied_Interleaved_PP2x2Chunks) {
+  expect_equivalent("gpt-interleaved", 2, strategy(2, 1, 1, 0, 4, "interleaved-1f1b", 2), "", kGpt);
+}
+
+// DualPipe runs the pipeline in both directions: device 0 holds the embedding for data-parallel rank
+// 0 and the head for rank 1 (and device 1 the mirror), so each device would have to keep two tied
+// pairs with two peers. The host backend refuses it before any step, in one line, exit code 2.
+TEST(RuntimeFailure, GptTiedDualPipeIsRefusedInOneLine) {
+  const fs::path dir = temp_dir("gpt-dualpipe");
+  const fs::path plan = compile_plan(dir, strategy(2, 1, 1, 0, 4, "dualpipe"), "", kGpt);
+  Result r = sh(mpirun(2) + PIPER_CLI + " run --plan " + plan.string() + " --steps 1");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("piper: error: plan: model 'runtime-tiny-gpt' ties its head to the embedding, but device 0 holds the embedding for one data-parallel "
+                          "rank and the head for another (a mirrored, bidirectional placement)"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(count_of(r.output, "piper: error"), 1u) << r.output;
+  EXPECT_EQ(r.output.find("step "), std::string::npos) << r.output;
 }
 
 TEST(RuntimeCheckpoint, ResumeReproducesTheUninterruptedRun) {
@@ -312,6 +422,37 @@ TEST(RuntimeCheckpoint, ResumesAcrossHybridShardingLayouts) {
   const fs::path plan_b = compile_plan(temp_dir("restrategy-hsdp/b"), strategy(1, 4, 1, 3, 2, "1f1b"));
   const fs::path plan_c = compile_plan(temp_dir("restrategy-hsdp/c"), hsdp(strategy(1, 4, 1, 3, 2, "1f1b"), 2));
   const std::string flags = std::string(kOptimizer) + " --seed 11";
+  const std::string ckpt = (dir / "state.ckpt").string();
+  Result ref = sh(std::string(PIPER_CLI) + " run --reference --plan " + plan_a.string() + flags + " --steps 6 --report " + (dir / "ref.json").string() +
+                  " --dump-params " + (dir / "ref.bin").string());
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  Result a = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_a.string() + flags + " --steps 2 --save " + ckpt + " --report " + (dir / "a.json").string());
+  ASSERT_EQ(a.code, 0) << a.output;
+  Result b = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_b.string() + flags + " --steps 4 --resume " + ckpt + " --save " + ckpt + " --report " +
+                (dir / "b.json").string());
+  ASSERT_EQ(b.code, 0) << b.output;
+  Result c = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_c.string() + flags + " --steps 6 --resume " + ckpt + " --report " +
+                (dir / "c.json").string() + " --dump-params " + (dir / "c.bin").string());
+  ASSERT_EQ(c.code, 0) << c.output;
+  const auto want = losses_of(dir / "ref.json");
+  std::vector<double> got = losses_of(dir / "a.json");
+  for (const char* part : {"b.json", "c.json"})
+    for (double l : losses_of(dir / part)) got.push_back(l);
+  ASSERT_EQ(want.size(), 6u);
+  ASSERT_EQ(got.size(), 6u);
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], kLossRelTol * std::abs(want[i])) << "step " << i + 1;
+  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "c.bin").string()), kParamAbsTol);
+}
+
+// A tied GPT model across layouts: PP2 x DP2 (embedding and head on different stages, ZeRO-1) ->
+// TP2 x DP2 ZeRO-3 (one stage: the head uses the embedding itself) -> TP2+SP x PP2 (the copy again,
+// loaded from the checkpoint's one embedding table), against one uninterrupted reference run.
+TEST(RuntimeCheckpoint, GptTiedResumesAcrossLayouts) {
+  const fs::path dir = temp_dir("restrategy-gpt");
+  const fs::path plan_a = compile_plan(temp_dir("restrategy-gpt/a"), strategy(2, 2, 1, 1, 4, "1f1b"), "", kGpt);
+  const fs::path plan_b = compile_plan(temp_dir("restrategy-gpt/b"), megatron(strategy(1, 2, 1, 3, 4, "1f1b"), 2, false, "none"), "", kGpt);
+  const fs::path plan_c = compile_plan(temp_dir("restrategy-gpt/c"), megatron(strategy(2, 1, 1, 0, 8, "1f1b"), 2, true, "none"), "", kGpt);
+  const std::string flags = std::string(kOptimizer) + " --seed 13";
   const std::string ckpt = (dir / "state.ckpt").string();
   Result ref = sh(std::string(PIPER_CLI) + " run --reference --plan " + plan_a.string() + flags + " --steps 6 --report " + (dir / "ref.json").string() +
                   " --dump-params " + (dir / "ref.bin").string());

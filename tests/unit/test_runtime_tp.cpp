@@ -18,6 +18,7 @@ namespace {
 
 const std::string kDense = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-dense.json";
 const std::string kMoe = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-moe.json";
+const std::string kGpt = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-gpt.json";
 
 // Threads of one TP group: each collective deposits its buffer, meets the others at a barrier,
 // reads all buffers in rank order, and meets them again before the slots are reused.
@@ -124,6 +125,13 @@ Outcome run(const std::string& spec, int tp, bool seq_par, RecomputeMode recompu
     BackwardState g;
     for (std::size_t s = specs.size(); s-- > 0;) m->backward_input(static_cast<int>(s), g, stash[s]);
     for (std::size_t s = 0; s < specs.size(); ++s) m->backward_weight(static_cast<int>(s), stash[s]);
+    // Tied embeddings cut into two segments: sum the embedding's and the head copy's gradients (the
+    // backend does this between the two devices before the update).
+    std::vector<std::span<float>> tied;
+    for (std::size_t s = 0; s < specs.size(); ++s)
+      if (auto t = m->tied_grads(static_cast<int>(s)); !t.empty()) tied.push_back(t);
+    if (tied.size() == 2)
+      for (std::size_t i = 0; i < tied[0].size(); ++i) tied[0][i] = tied[1][i] = tied[0][i] + tied[1][i];
   };
   std::vector<std::thread> threads;
   for (int r = 0; r < tp; ++r) threads.emplace_back(body, r);
@@ -189,4 +197,17 @@ TEST(RuntimeTp, RecomputeKeepsLessAndMatches) {
   const Outcome full_tp = run(kDense, 2, true, RecomputeMode::Full, {5, 9});
   expect_same(none, full_tp, "full, TP2+SP, three segments");
   expect_same(none, run(kDense, 2, false, RecomputeMode::Selective, {5}), "selective, TP2");
+}
+
+// GPT layers under TP: column-parallel q/k/v and fc1 biases split with their weights, the
+// row-parallel output biases added once after the reduction, LayerNorms and positions replicated (SP:
+// their gradients summed over the group), and the tied head's copy of the embedding in another segment.
+TEST(RuntimeTp, GptLayersMatchTheSingleRank) {
+  const Outcome ref = run(kGpt, 1, false, RecomputeMode::None);
+  expect_same(ref, run(kGpt, 1, false, RecomputeMode::None, {5, 17}), "tied copy in the last segment");
+  expect_same(ref, run(kGpt, 2, false, RecomputeMode::None), "GPT TP2");
+  expect_same(ref, run(kGpt, 2, true, RecomputeMode::None), "GPT TP2+SP");
+  expect_same(ref, run(kGpt, 2, true, RecomputeMode::None, {5, 17}), "GPT TP2+SP, three segments, tied copy");
+  expect_same(ref, run(kGpt, 2, false, RecomputeMode::Selective, {9}), "GPT TP2, selective, tied copy");
+  expect_same(ref, run(kGpt, 2, true, RecomputeMode::Full, {5, 9}), "GPT TP2+SP, full recompute");
 }

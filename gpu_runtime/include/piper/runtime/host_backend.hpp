@@ -62,6 +62,22 @@ class HostBackend : public Backend {
  private:
   struct Pending;
   class MpiTpComm;
+  // Tied embeddings (GPT) with the embedding and the head in different segments: the two copies'
+  // gradients are summed once both are complete (after the segment's last backward of the step),
+  // before anything reads them (the data-parallel reduction, the update).
+  struct TiedSync {
+    int embed_seg = -1, head_seg = -1;   // the segments, when they differ and this device holds one
+    bool local = false;                  // this device holds both (same data and TP rank)
+    MPI_Comm pair = MPI_COMM_NULL;       // remote: this device and its partner
+    std::map<int, int> backward_done;    // segment -> B/BW ops run this step
+    MPI_Request request = MPI_REQUEST_NULL;
+    std::vector<float> buffer;
+    bool started = false, finished = false;
+  };
+  void setup_tied(const core::Program& program);
+  void tied_backward_done(int seg);
+  bool tied_ready();                      // progresses the exchange; true once the sum is in place
+  bool touches_tied(const core::Op& op) const;
   // Posts the receive of every in-flight RECV whose message has arrived (also while a compute op
   // blocks in a TP collective).
   void match_posted_receives();
@@ -104,6 +120,7 @@ class HostBackend : public Backend {
   std::map<EpKey, std::vector<host::ExpertPacket>> ep_in_, ep_out_;
   std::map<EpKey, int> a2a_seen_;
   std::map<core::OpRef, std::unique_ptr<Pending>> pending_;
+  TiedSync tied_;
 };
 
 }  // namespace piper::runtime

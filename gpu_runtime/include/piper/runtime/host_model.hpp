@@ -58,8 +58,10 @@ std::vector<ExpertPacket> unpack_packets(std::span<const float> data, int peers,
 // One layer's saved forward state (and BI's saved gradients for BW).
 struct LayerCache {
   RmsNormCache norm;
+  LayerNormCache lnorm;           // GPT: LayerNorm instead of RMSNorm
   AttentionCache attn;
   MlpCache mlp;
+  GeluMlpCache gmlp;              // GPT: GELU MLP instead of SwiGLU
   RouterCache router;
   ExpertsCache experts;
   ExpertSource source;            // experts run locally: the routing of this layer
@@ -117,6 +119,10 @@ struct SegmentParams {
   // Routed experts without TP on a TP stage without SP: the t TP ranks route the same tokens, so the
   // experts see each token t times; BW divides their weight gradients by this.
   int token_copies = 1;
+  // Tied embeddings (GPT) with the head in this segment but the embedding elsewhere: the head layer
+  // holds a copy of (this TP rank's slice of) the embedding table, kept identical to it by summing
+  // the two gradients before the update (HostModel::tied_grads; the backend pairs the devices).
+  bool tied_copy = false;
   std::vector<float> params, grads;         // this device's (expert-sharded) part, all replicas' chunks
   std::vector<std::int64_t> layer_offset;   // start of each layer in params (size = layers + 1)
   // ZeRO >= 1: the chunk [chunk_begin, chunk_end) of params this replica updates, its master copy,
@@ -143,6 +149,8 @@ struct SegmentSpec {
   RecomputeMode recompute = RecomputeMode::None;
   int token_copies = 1;
 };
+
+struct LocalTensor;
 
 class HostModel {
  public:
@@ -202,16 +210,31 @@ class HostModel {
   // The TP group of a segment this device holds with tp_degree > 1 (the backend owns it).
   void set_tp_comm(int seg, TpComm* comm);
 
+  // Tied embeddings: whether the model ties its head to the embedding, and the gradient of the tied
+  // table in a segment that holds one copy of it without the other (the embedding without the head,
+  // or the head's copy); empty when the segment holds both or neither. The two spans of a pair must
+  // be summed (same TP rank, same data rank) before the data-parallel reduction and the update.
+  bool tied() const { return tied_; }
+  int embedding_layer() const { return embed_layer_; }
+  int head_layer() const { return head_layer_; }
+  std::span<float> tied_grads(int seg);
+  // The local tensors of layer `layer` in segment `sp` (local_tensors, plus the tied copy).
+  std::vector<LocalTensor> tensors_of(const SegmentParams& sp, int layer) const;
+
  private:
   struct LayerView;
   std::vector<ParamRecord> records(const SegmentParams& sp, const std::vector<float>& src, std::int64_t begin, std::int64_t end) const;
   void forward_layers(SegmentParams& sp, const MicrobatchData& data, float loss_scale, ForwardState& s, SegmentStash& stash, double* loss);
   LayerView view(SegmentParams& sp, int layer, bool grads);
+  ConstMatMap tied_table(SegmentParams& sp, bool grads);
+  MatMap tied_table_grad(SegmentParams& sp);
   std::vector<MlpWeights> expert_weights(SegmentParams& sp, int layer);
   void init_params(SegmentParams& sp, std::uint64_t seed);
 
   core::Model model_;
   AttentionShape attn_shape_;
+  bool tied_ = false, gpt_init_ = false;
+  int embed_layer_ = -1, head_layer_ = -1;
   int top_k_ = 0, experts_ = 0;
   std::int64_t hidden_ = 0;
   std::vector<SegmentParams> segments_;
@@ -219,7 +242,10 @@ class HostModel {
 };
 
 // The canonical tensors of a layer, in storage order: (name, rows, cols); experts repeat
-// (wg, wu, wd) per expert. Norm weights are named "*norm*" and initialised to 1.
+// (wg, wu, wd) per expert. Norm weights are named "*norm*" and initialised to 1, biases "*bias*"
+// (initialised to 0). GPT layers: LayerNorm (norm, norm_bias), learned positions (embedding "pos"),
+// biased attention (bias_q, bias_k, bias_v, bias_o), GELU MLP (wu, wd, bias_fc1, bias_fc2); a tied
+// head holds nothing (it uses the embedding's table).
 struct TensorSpec {
   std::string name;
   std::int64_t rows = 0, cols = 0;
@@ -237,6 +263,7 @@ struct LocalTensor {
   TpSplit split = TpSplit::Replicated;
   int part = 0;                    // TP rank: which block of the split
   std::int64_t full_offset = 0;    // start of the full tensor in the layer's canonical vector
+  int canonical_layer = -1;        // >= 0: the tensor belongs to that layer (the tied head's copy of the embedding)
   // Contiguous runs (local offset within the tensor, canonical offset within the layer, length).
   std::vector<std::array<std::int64_t, 3>> runs() const;
 };

@@ -20,6 +20,7 @@ using VecMap = Eigen::Map<Vec>;
 using ConstVecMap = Eigen::Map<const Vec>;
 
 constexpr float kNormEps = 1e-6f;
+constexpr float kLayerNormEps = 1e-5f;  // GPT-2 / Megatron LayerNorm
 
 // ---- Embedding: x[t] = table[token[t]] ----
 // A vocab-parallel shard holds rows [first_row, first_row + table.rows()): other tokens give zero rows
@@ -36,20 +37,45 @@ Mat rmsnorm_forward(const Mat& x, const ConstVecMap& g, RmsNormCache* cache);
 Mat rmsnorm_backward_input(const RmsNormCache& c, const ConstVecMap& g, const Mat& dy);
 void rmsnorm_backward_weight(const RmsNormCache& c, const Mat& dy, VecMap dg);
 
+// ---- LayerNorm over the columns of each row: y = (x - mean) / sqrt(var + eps) * g + b (Ba et al. 2016) ----
+struct LayerNormCache {
+  Mat xhat;  // normalised input
+  Vec rstd;  // 1 / sqrt(var(x) + eps), per row
+};
+Mat layernorm_forward(const Mat& x, const ConstVecMap& g, const ConstVecMap& b, LayerNormCache* cache);
+Mat layernorm_backward_input(const LayerNormCache& c, const ConstVecMap& g, const Mat& dy);
+void layernorm_backward_weight(const LayerNormCache& c, const Mat& dy, VecMap dg, VecMap db);
+
+// ---- Bias of a linear layer, broadcast over the token rows: y = x + b; db = column sums of dy ----
+void bias_add(Mat& x, const ConstVecMap& b);
+void bias_backward_weight(const Mat& dy, VecMap db);
+
+// ---- GELU, tanh approximation (Hendrycks & Gimpel 2016), as GPT-2 and Megatron use it ----
+Mat gelu_forward(const Mat& a);
+Mat gelu_backward(const Mat& a, const Mat& dy);  // dy * gelu'(a)
+
+// ---- Learned absolute positions (GPT): x[t] += pos[(first_position + t) % seq_len] ----
+void positions_forward(Mat& x, const ConstMatMap& pos, int seq_len, int first_position = 0);
+void positions_backward_weight(const Mat& dx, MatMap dpos, int seq_len, int first_position = 0);
+
 // ---- Causal self-attention with grouped KV heads, RoPE, optional Qwen3 per-head q/k RMSNorm ----
 struct AttentionShape {
   int heads = 1, kv_heads = 1, head_dim = 1;
   int seq_len = 1;          // rows are sequences of seq_len tokens one after another
   bool qk_norm = false;
   float rope_theta = 10000.0f;
+  bool rope = true;         // false: learned absolute positions (GPT) added at the embedding instead
+  bool bias = false;        // q, k, v projection biases (GPT); the output bias is added by the caller
 };
 struct AttentionWeights {
   ConstMatMap wq, wk, wv, wo;      // [H, heads*hd], [H, kv*hd], [H, kv*hd], [heads*hd, H]
   ConstVecMap q_norm, k_norm;      // [hd] each (unused without qk_norm)
+  ConstVecMap bq{nullptr, 0}, bk{nullptr, 0}, bv{nullptr, 0};  // [heads*hd], [kv*hd], [kv*hd] with bias
 };
 struct AttentionGrads {
   MatMap wq, wk, wv, wo;
   VecMap q_norm, k_norm;
+  VecMap bq{nullptr, 0}, bk{nullptr, 0}, bv{nullptr, 0};
 };
 struct AttentionCache {
   Mat u;                          // input
@@ -86,6 +112,24 @@ Mat mlp_forward(const MlpWeights& w, const Mat& u, MlpCache* c);
 Mat mlp_backward_input(const MlpWeights& w, MlpCache& c, const Mat& dout);
 void mlp_backward_weight(const MlpCache& c, MlpGrads& g);
 
+// ---- GELU MLP (GPT): y = gelu(u w1 + b1) w2; the output bias b2 is added by the caller (after the
+// tensor-parallel reduction, so that it is added once) ----
+struct GeluMlpWeights {
+  ConstMatMap w1, w2;              // [H, F], [F, H]
+  ConstVecMap b1;                  // [F]
+};
+struct GeluMlpGrads {
+  MatMap w1, w2;
+  VecMap b1;
+};
+struct GeluMlpCache {
+  Mat u, a, h;                     // a = u w1 + b1, h = gelu(a)
+  Mat dout, da;                    // saved by backward_input
+};
+Mat gelu_mlp_forward(const GeluMlpWeights& w, const Mat& u, GeluMlpCache* c);
+Mat gelu_mlp_backward_input(const GeluMlpWeights& w, GeluMlpCache& c, const Mat& dout);
+void gelu_mlp_backward_weight(const GeluMlpCache& c, GeluMlpGrads& g);
+
 // ---- MoE router: softmax over the top-k logits of u wr (Qwen3-MoE normalises the top-k) ----
 struct RouterCache {
   Mat u;
@@ -117,6 +161,11 @@ struct HeadCache {
 double head_forward(const ConstMatMap& wh, const Mat& u, const std::vector<int>& targets, float loss_scale, HeadCache* c);
 Mat head_backward_input(const ConstMatMap& wh, const HeadCache& c);
 void head_backward_weight(const HeadCache& c, MatMap dwh);
+// Tied head (GPT): the logits use the embedding table [V, H] as l = u table^T; the weight gradient
+// dlogits^T u accumulates into the table's gradient.
+double tied_head_forward(const ConstMatMap& table, const Mat& u, const std::vector<int>& targets, float loss_scale, HeadCache* c);
+Mat tied_head_backward_input(const ConstMatMap& table, const HeadCache& c);
+void tied_head_backward_weight(const HeadCache& c, MatMap dtable);
 
 // ---- AdamW (Loshchilov & Hutter 2019), decoupled weight decay, bias-corrected; step counts from 1 ----
 struct AdamWConfig {
