@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -138,6 +139,51 @@ core::StrategyOptions megatron(core::StrategyOptions o, int tp, bool sequence_pa
 core::StrategyOptions hsdp(core::StrategyOptions o, int k) {
   o.dp_shard = k;
   return o;
+}
+
+// One layout of a resume chain: its strategy and its MPI rank count.
+struct Leg {
+  core::StrategyOptions strategy;
+  int ranks = 1;
+};
+
+// Trains steps 1-2 under legs[0] (saving a checkpoint), 3-4 under legs[1] and 5-6 under legs[2], each
+// resuming the last checkpoint, and checks the six losses and the final parameters against one
+// uninterrupted single-process reference run. `first_flags` go to the first leg only; its result is
+// returned for further checks.
+Result expect_resume_chain(const std::string& name, const std::array<Leg, 3>& legs, int seed, const std::string& model = kModel,
+                           const std::string& first_flags = "") {
+  const fs::path dir = temp_dir(name);
+  std::array<fs::path, 3> plans;
+  for (std::size_t i = 0; i < legs.size(); ++i) plans[i] = compile_plan(temp_dir(name + "/" + std::string(1, static_cast<char>('a' + i))), legs[i].strategy, "", model);
+  const std::string flags = std::string(kOptimizer) + " --seed " + std::to_string(seed);
+  const std::string ckpt = (dir / "state.ckpt").string();
+  Result ref = sh(std::string(PIPER_CLI) + " run --reference --plan " + plans[0].string() + flags + " --steps 6 --report " + (dir / "ref.json").string() +
+                  " --dump-params " + (dir / "ref.bin").string());
+  EXPECT_EQ(ref.code, 0) << ref.output;
+  Result first;
+  std::vector<double> got;
+  for (std::size_t i = 0; i < legs.size(); ++i) {
+    const fs::path report = dir / (std::string(1, static_cast<char>('a' + i)) + ".json");
+    std::string cmd = mpirun(legs[i].ranks) + PIPER_CLI + " run --plan " + plans[i].string() + flags + " --steps " + std::to_string(2 * (i + 1)) +
+                      " --report " + report.string();
+    if (i > 0) cmd += " --resume " + ckpt;
+    if (i + 1 < legs.size()) cmd += " --save " + ckpt;
+    else cmd += " --dump-params " + (dir / "last.bin").string();
+    if (i == 0) cmd += first_flags;
+    Result r = sh(cmd);
+    EXPECT_EQ(r.code, 0) << name << " leg " << i << ": " << r.output;
+    if (r.code != 0) return r;
+    if (i == 0) first = r;
+    for (double l : losses_of(report)) got.push_back(l);
+  }
+  const auto want = losses_of(dir / "ref.json");
+  EXPECT_EQ(want.size(), 6u);
+  EXPECT_EQ(got.size(), 6u);
+  for (std::size_t i = 0; i < std::min(want.size(), got.size()); ++i)
+    EXPECT_NEAR(got[i], want[i], kLossRelTol * std::abs(want[i])) << name << " step " << i + 1;
+  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "last.bin").string()), kParamAbsTol) << name;
+  return first;
 }
 
 }  // namespace
@@ -355,124 +401,38 @@ TEST(RuntimeCheckpoint, ResumeReproducesTheUninterruptedRun) {
 // (microbatches x DP x micro-batch size 2), so the token stream continues where it stopped; the
 // losses and final parameters must match one uninterrupted single-process reference run.
 TEST(RuntimeCheckpoint, ResumesUnderAnotherStrategy) {
-  const fs::path dir = temp_dir("restrategy");
-  const fs::path plan_a = compile_plan(temp_dir("restrategy/a"), strategy(2, 2, 2, 2, 4, "1f1b"));
-  const fs::path plan_b = compile_plan(temp_dir("restrategy/b"), strategy(2, 1, 1, 0, 8, "dualpipev"));
-  const fs::path plan_c = compile_plan(temp_dir("restrategy/c"), strategy(1, 4, 2, 3, 2, "1f1b"));
-  const std::string flags = std::string(kOptimizer) + " --seed 5";
-  const std::string ckpt = (dir / "state.ckpt").string();
-  Result ref = sh(std::string(PIPER_CLI) + " run --reference --plan " + plan_a.string() + flags + " --steps 6 --report " + (dir / "ref.json").string() +
-                  " --dump-params " + (dir / "ref.bin").string());
-  ASSERT_EQ(ref.code, 0) << ref.output;
-  Result a = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_a.string() + flags + " --steps 2 --save-every 1 --save " + ckpt + " --report " +
-                (dir / "a.json").string());
-  ASSERT_EQ(a.code, 0) << a.output;
+  const Result a = expect_resume_chain("restrategy", {Leg{strategy(2, 2, 2, 2, 4, "1f1b"), 4}, Leg{strategy(2, 1, 1, 0, 8, "dualpipev"), 2},
+                                                     Leg{strategy(1, 4, 2, 3, 2, "1f1b"), 4}},
+                                      5, kModel, " --save-every 1");
   EXPECT_NE(a.output.find("checkpoint after step 1 -> "), std::string::npos) << a.output;
-  EXPECT_EQ(checkpoint_header(ckpt).at("step"), 2);
-  Result b = sh(mpirun(2) + PIPER_CLI + " run --plan " + plan_b.string() + flags + " --steps 4 --resume " + ckpt + " --save " + ckpt + " --report " +
-                (dir / "b.json").string());
-  ASSERT_EQ(b.code, 0) << b.output;
-  Result c = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_c.string() + flags + " --steps 6 --resume " + ckpt + " --report " +
-                (dir / "c.json").string() + " --dump-params " + (dir / "c.bin").string());
-  ASSERT_EQ(c.code, 0) << c.output;
-  const auto want = losses_of(dir / "ref.json");
-  std::vector<double> got = losses_of(dir / "a.json");
-  for (const char* part : {"b.json", "c.json"})
-    for (double l : losses_of(dir / part)) got.push_back(l);
-  ASSERT_EQ(want.size(), 6u);
-  ASSERT_EQ(got.size(), 6u);
-  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], kLossRelTol * std::abs(want[i])) << "step " << i + 1;
-  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "c.bin").string()), kParamAbsTol);
+  EXPECT_EQ(checkpoint_header(temp_root() / "restrategy" / "state.ckpt").at("step"), 4);  // the second leg's
 }
 
 // The canonical checkpoint carries TP slices: TP2xDP2 (ZeRO-1) -> PP2 without TP -> TP2+SP x PP2.
 TEST(RuntimeCheckpoint, ResumesAcrossTensorParallelLayouts) {
-  const fs::path dir = temp_dir("restrategy-tp");
-  const fs::path plan_a = compile_plan(temp_dir("restrategy-tp/a"), megatron(strategy(1, 2, 1, 1, 4, "1f1b"), 2, false, "none"), "", kDense);
-  const fs::path plan_b = compile_plan(temp_dir("restrategy-tp/b"), strategy(2, 1, 1, 0, 8, "1f1b"), "", kDense);
-  const fs::path plan_c = compile_plan(temp_dir("restrategy-tp/c"), megatron(strategy(2, 1, 1, 0, 8, "1f1b"), 2, true, "full"), "", kDense);
-  const std::string flags = std::string(kOptimizer) + " --seed 5";
-  const std::string ckpt = (dir / "state.ckpt").string();
-  Result ref = sh(std::string(PIPER_CLI) + " run --reference --plan " + plan_a.string() + flags + " --steps 6 --report " + (dir / "ref.json").string() +
-                  " --dump-params " + (dir / "ref.bin").string());
-  ASSERT_EQ(ref.code, 0) << ref.output;
-  Result a = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_a.string() + flags + " --steps 2 --save " + ckpt + " --report " + (dir / "a.json").string());
-  ASSERT_EQ(a.code, 0) << a.output;
-  Result b = sh(mpirun(2) + PIPER_CLI + " run --plan " + plan_b.string() + flags + " --steps 4 --resume " + ckpt + " --save " + ckpt + " --report " +
-                (dir / "b.json").string());
-  ASSERT_EQ(b.code, 0) << b.output;
-  Result c = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_c.string() + flags + " --steps 6 --resume " + ckpt + " --report " +
-                (dir / "c.json").string() + " --dump-params " + (dir / "c.bin").string());
-  ASSERT_EQ(c.code, 0) << c.output;
-  const auto want = losses_of(dir / "ref.json");
-  std::vector<double> got = losses_of(dir / "a.json");
-  for (const char* part : {"b.json", "c.json"})
-    for (double l : losses_of(dir / part)) got.push_back(l);
-  ASSERT_EQ(want.size(), 6u);
-  ASSERT_EQ(got.size(), 6u);
-  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], kLossRelTol * std::abs(want[i])) << "step " << i + 1;
-  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "c.bin").string()), kParamAbsTol);
+  expect_resume_chain("restrategy-tp",
+                      {Leg{megatron(strategy(1, 2, 1, 1, 4, "1f1b"), 2, false, "none"), 4}, Leg{strategy(2, 1, 1, 0, 8, "1f1b"), 2},
+                       Leg{megatron(strategy(2, 1, 1, 0, 8, "1f1b"), 2, true, "full"), 4}},
+                      5, kDense);
 }
 
 // HSDP checkpoints hold each shard once in canonical form: HSDP ZeRO-2 over groups of 2 -> plain
 // ZeRO-3 over DP4 -> HSDP ZeRO-3 over groups of 2, against one uninterrupted reference run.
 TEST(RuntimeCheckpoint, ResumesAcrossHybridShardingLayouts) {
-  const fs::path dir = temp_dir("restrategy-hsdp");
-  const fs::path plan_a = compile_plan(temp_dir("restrategy-hsdp/a"), hsdp(strategy(1, 4, 1, 2, 2, "1f1b"), 2));
-  const fs::path plan_b = compile_plan(temp_dir("restrategy-hsdp/b"), strategy(1, 4, 1, 3, 2, "1f1b"));
-  const fs::path plan_c = compile_plan(temp_dir("restrategy-hsdp/c"), hsdp(strategy(1, 4, 1, 3, 2, "1f1b"), 2));
-  const std::string flags = std::string(kOptimizer) + " --seed 11";
-  const std::string ckpt = (dir / "state.ckpt").string();
-  Result ref = sh(std::string(PIPER_CLI) + " run --reference --plan " + plan_a.string() + flags + " --steps 6 --report " + (dir / "ref.json").string() +
-                  " --dump-params " + (dir / "ref.bin").string());
-  ASSERT_EQ(ref.code, 0) << ref.output;
-  Result a = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_a.string() + flags + " --steps 2 --save " + ckpt + " --report " + (dir / "a.json").string());
-  ASSERT_EQ(a.code, 0) << a.output;
-  Result b = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_b.string() + flags + " --steps 4 --resume " + ckpt + " --save " + ckpt + " --report " +
-                (dir / "b.json").string());
-  ASSERT_EQ(b.code, 0) << b.output;
-  Result c = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_c.string() + flags + " --steps 6 --resume " + ckpt + " --report " +
-                (dir / "c.json").string() + " --dump-params " + (dir / "c.bin").string());
-  ASSERT_EQ(c.code, 0) << c.output;
-  const auto want = losses_of(dir / "ref.json");
-  std::vector<double> got = losses_of(dir / "a.json");
-  for (const char* part : {"b.json", "c.json"})
-    for (double l : losses_of(dir / part)) got.push_back(l);
-  ASSERT_EQ(want.size(), 6u);
-  ASSERT_EQ(got.size(), 6u);
-  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], kLossRelTol * std::abs(want[i])) << "step " << i + 1;
-  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "c.bin").string()), kParamAbsTol);
+  expect_resume_chain("restrategy-hsdp",
+                      {Leg{hsdp(strategy(1, 4, 1, 2, 2, "1f1b"), 2), 4}, Leg{strategy(1, 4, 1, 3, 2, "1f1b"), 4},
+                       Leg{hsdp(strategy(1, 4, 1, 3, 2, "1f1b"), 2), 4}},
+                      11);
 }
 
 // A tied GPT model across layouts: PP2 x DP2 (embedding and head on different stages, ZeRO-1) ->
 // TP2 x DP2 ZeRO-3 (one stage: the head uses the embedding itself) -> TP2+SP x PP2 (the copy again,
 // loaded from the checkpoint's one embedding table), against one uninterrupted reference run.
 TEST(RuntimeCheckpoint, GptTiedResumesAcrossLayouts) {
-  const fs::path dir = temp_dir("restrategy-gpt");
-  const fs::path plan_a = compile_plan(temp_dir("restrategy-gpt/a"), strategy(2, 2, 1, 1, 4, "1f1b"), "", kGpt);
-  const fs::path plan_b = compile_plan(temp_dir("restrategy-gpt/b"), megatron(strategy(1, 2, 1, 3, 4, "1f1b"), 2, false, "none"), "", kGpt);
-  const fs::path plan_c = compile_plan(temp_dir("restrategy-gpt/c"), megatron(strategy(2, 1, 1, 0, 8, "1f1b"), 2, true, "none"), "", kGpt);
-  const std::string flags = std::string(kOptimizer) + " --seed 13";
-  const std::string ckpt = (dir / "state.ckpt").string();
-  Result ref = sh(std::string(PIPER_CLI) + " run --reference --plan " + plan_a.string() + flags + " --steps 6 --report " + (dir / "ref.json").string() +
-                  " --dump-params " + (dir / "ref.bin").string());
-  ASSERT_EQ(ref.code, 0) << ref.output;
-  Result a = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_a.string() + flags + " --steps 2 --save " + ckpt + " --report " + (dir / "a.json").string());
-  ASSERT_EQ(a.code, 0) << a.output;
-  Result b = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_b.string() + flags + " --steps 4 --resume " + ckpt + " --save " + ckpt + " --report " +
-                (dir / "b.json").string());
-  ASSERT_EQ(b.code, 0) << b.output;
-  Result c = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan_c.string() + flags + " --steps 6 --resume " + ckpt + " --report " +
-                (dir / "c.json").string() + " --dump-params " + (dir / "c.bin").string());
-  ASSERT_EQ(c.code, 0) << c.output;
-  const auto want = losses_of(dir / "ref.json");
-  std::vector<double> got = losses_of(dir / "a.json");
-  for (const char* part : {"b.json", "c.json"})
-    for (double l : losses_of(dir / part)) got.push_back(l);
-  ASSERT_EQ(want.size(), 6u);
-  ASSERT_EQ(got.size(), 6u);
-  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], kLossRelTol * std::abs(want[i])) << "step " << i + 1;
-  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "c.bin").string()), kParamAbsTol);
+  expect_resume_chain("restrategy-gpt",
+                      {Leg{strategy(2, 2, 1, 1, 4, "1f1b"), 4}, Leg{megatron(strategy(1, 2, 1, 3, 4, "1f1b"), 2, false, "none"), 4},
+                       Leg{megatron(strategy(2, 1, 1, 0, 8, "1f1b"), 2, true, "none"), 4}},
+                      13, kGpt);
 }
 
 // A crash between writing the new checkpoint and renaming it over the old one (the test hook exits
