@@ -268,6 +268,32 @@ OpKind op_kind(NodeKind k) {
   throw Error("internal: ORDER_DUMMY has no op");
 }
 
+// Tied embeddings across pipeline stages (Megatron's embedding group): when the head that reuses the
+// embedding table runs on other devices than the embedding, its segment keeps a copy of the table
+// (its TP rank's vocabulary rows), with gradient and optimizer state, as the runtime does. The copy's
+// gradient all-reduce with the embedding's devices is not a plan op (the runtime issues it).
+struct TiedCopy {
+  int head_segment = -1;        // the segment holding the copy; -1: none
+  std::int64_t copy_params = 0; // parameters of the copy per device
+};
+
+TiedCopy tied_copy(const GlobalDag& dag, const std::vector<DeviceSetId>& segment_set) {
+  int embed = -1, head = -1, embeds = 0, heads = 0;
+  std::int64_t table = 0;
+  for (const auto& seg : dag.segments)
+    for (int l = seg.first_layer; l < seg.last_layer; ++l) {
+      const Layer& layer = dag.layers.at(static_cast<std::size_t>(l));
+      if (layer.kind == LayerKind::Embedding) embed = seg.index, ++embeds;
+      if (layer.kind == LayerKind::Head && layer.shape.tied_with_embedding) head = seg.index, ++heads, table = layer.shape.vocab * layer.shape.hidden;
+    }
+  // One embedding and one head (a mirrored placement holding two model copies is not costed).
+  if (embeds != 1 || heads != 1 || embed == head) return {};
+  const DeviceSetId e = segment_set[static_cast<std::size_t>(embed)], h = segment_set[static_cast<std::size_t>(head)];
+  if (e == kNoDevices || h == kNoDevices || e == h) return {};
+  const auto& seg = dag.segments[static_cast<std::size_t>(head)];
+  return {head, table / std::max(1, seg.tp_degree)};
+}
+
 }  // namespace
 
 Program lower(const GlobalDag& dag) {
@@ -324,6 +350,7 @@ Program lower(const GlobalDag& dag) {
 
   const int dt = bytes_per_element(dag.training.precision);
   const std::int64_t state_bytes_per_param = dag.training.precision == Precision::FP32 ? 8 : 12;
+  const TiedCopy tied = tied_copy(dag, segment_set);
   std::vector<OpRef> ref(n);
   for (const auto* sig : classes.signature) {
     std::vector<char> in_plan(num_sets, 0);
@@ -396,15 +423,18 @@ Program lower(const GlobalDag& dag) {
     auto op_at = [&](OpRef r) -> Op& { return plan.streams[static_cast<std::size_t>(r.stream)].ops[static_cast<std::size_t>(r.index)]; };
 
     // Persistent state of each segment on this plan, sized by its sharding (ZeRO-aware).
-    for (const auto& seg : dag.segments) {
-      auto set = segment_set[static_cast<std::size_t>(seg.index)];
-      if (set == kNoDevices || !in_plan[static_cast<std::size_t>(set)] || seg.costs.params == 0) continue;
-      const std::int64_t params = seg.local_params();
-      const std::string suffix = " s" + std::to_string(seg.index);
+    auto add_state = [&](const Segment& seg, std::int64_t params, const std::string& what) {
+      const std::string suffix = what + " s" + std::to_string(seg.index);
       plan.buffers.push_back({"params" + suffix, BufferKind::Parameters, params * dt / (seg.zero_level >= 3 ? seg.zero_shards : 1), {}, {}});
       plan.buffers.push_back({"grads" + suffix, BufferKind::Gradients, params * gradient_bytes_per_element(dag.training) / (seg.zero_level >= 2 ? seg.zero_shards : 1), {}, {}});
       plan.buffers.push_back({"optimizer" + suffix, BufferKind::OptimizerStates,
                               params * state_bytes_per_param / (seg.zero_level >= 1 ? seg.zero_shards : 1), {}, {}});
+    };
+    for (const auto& seg : dag.segments) {
+      auto set = segment_set[static_cast<std::size_t>(seg.index)];
+      if (set == kNoDevices || !in_plan[static_cast<std::size_t>(set)]) continue;
+      if (seg.costs.params > 0) add_state(seg, seg.local_params(), "");
+      if (seg.index == tied.head_segment) add_state(seg, tied.copy_params, " tied embedding copy");
     }
     // Transient buffers: allocated by their producer, freed by their last consumer on this device.
     for (auto v : order) {

@@ -1,6 +1,8 @@
 // Tests of scenarios: the one JSON file that decides a Program, shared by the CLI, GUI and sweeps.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "piper/core/error.hpp"
 #include "piper/core/scenario.hpp"
 
@@ -123,4 +125,41 @@ TEST(Scenario, GeneratedProgramsSkipShardingRegionsWithoutExperts) {
   for (const auto& d : c.program_json) shards += d["op"] == "shard";
   EXPECT_EQ(shards, 3);  // regions 1, 2 and 3 hold experts
   EXPECT_EQ(c.result.program.num_devices, 4);
+}
+
+// Tied embeddings across stages: the last stage keeps its own copy of the token table (Megatron's
+// embedding group; the host runtime does the same), with its gradient and optimizer state, so its plan
+// holds V*h more parameters per TP rank: gpt-small (V 50,257, h 768, bf16 parameters and gradients
+// (its spec keeps no fp32 main grads), 12 bytes of AdamW state per parameter). One stage, or a V placement with the embedding and head on
+// the same device, shares the table.
+TEST(Scenario, TiedEmbeddingCopyIsCostedOnTheHeadsStage) {
+  auto copy_bytes = [](int pp, const std::string& schedule, int tp, int dp, int zero) {
+    Scenario s;
+    s.model = std::string(PIPER_SOURCE_DIR) + "/examples/models/gpt-small.json";
+    s.strategy.pp = pp, s.strategy.tp = tp, s.strategy.dp = dp, s.strategy.zero = zero;
+    s.strategy.schedule = schedule, s.strategy.microbatches = 2 * pp;
+    const Program p = compile_scenario(s).result.program;
+    std::map<BufferKind, std::int64_t> bytes;
+    int plans_with_copy = 0;
+    for (const auto& plan : p.plans) {
+      bool has = false;
+      for (const auto& b : plan.buffers)
+        if (b.name.find("tied embedding copy") != std::string::npos) bytes[b.kind] += b.bytes, has = true;
+      plans_with_copy += has;
+    }
+    EXPECT_LE(plans_with_copy, 1) << pp << " " << schedule;
+    return bytes;
+  };
+  const std::int64_t table = 50257LL * 768;
+  auto two = copy_bytes(2, "1f1b", 1, 1, 0);
+  EXPECT_EQ(two[BufferKind::Parameters], table * 2);
+  EXPECT_EQ(two[BufferKind::Gradients], table * 2);
+  EXPECT_EQ(two[BufferKind::OptimizerStates], table * 12);
+  auto tp2 = copy_bytes(2, "1f1b", 2, 1, 0);  // vocabulary-parallel rows: half per TP rank
+  EXPECT_EQ(tp2[BufferKind::Parameters], table / 2 * 2);
+  auto zero1 = copy_bytes(2, "1f1b", 1, 2, 1);  // ZeRO-1 over 2 replicas shards the copy's state too
+  EXPECT_EQ(zero1[BufferKind::Parameters], table * 2);
+  EXPECT_EQ(zero1[BufferKind::OptimizerStates], table * 12 / 2);
+  EXPECT_TRUE(copy_bytes(1, "1f1b", 1, 1, 0).empty());
+  EXPECT_TRUE(copy_bytes(2, "zb-v", 1, 1, 0).empty());  // rank 0 holds the first and the last region
 }
