@@ -41,7 +41,7 @@ void for_each_layer_part(const host::HostModel& model, const host::SegmentParams
 template <class T>
 void put(std::string& out, const T& v) { out.append(reinterpret_cast<const char*>(&v), sizeof(T)); }
 void put_floats(std::string& out, const std::vector<float>& v) {
-  out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+  if (!v.empty()) out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
 }
 template <class T>
 T get(const std::string& in, std::size_t& pos) {
@@ -54,7 +54,7 @@ T get(const std::string& in, std::size_t& pos) {
 void get_floats(const std::string& in, std::size_t& pos, std::vector<float>& v, std::size_t n) {
   if (n > (in.size() - pos) / sizeof(float)) throw std::runtime_error("truncated");
   v.resize(n);
-  std::memcpy(v.data(), in.data() + pos, n * sizeof(float));
+  if (n > 0) std::memcpy(v.data(), in.data() + pos, n * sizeof(float));  // a tied head holds no floats
   pos += n * sizeof(float);
 }
 
