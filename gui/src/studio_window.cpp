@@ -7,6 +7,7 @@
 
 #include <QAction>
 #include <QApplication>
+#include <QCheckBox>
 #include <QComboBox>
 #include <QDockWidget>
 #include <QCommandLineParser>
@@ -195,6 +196,13 @@ QWidget* StudioWindow::build_preset_panel() {
   dp_ = spin(1, 65536, 1);
   ep_ = spin(1, 4096, 1);
   zero_ = spin(0, 3, 0);
+  dp_shard_ = spin(0, 65536, 0);
+  dp_shard_->setSpecialValueText("off");  // 0: plain ZeRO
+  dp_shard_->setToolTip("HSDP: ZeRO shards over groups of this many data-parallel replicas (needs ZeRO >= 1)");
+  tp_ = spin(1, 1024, 1);
+  sequence_parallel_ = new QCheckBox("SP");
+  recompute_ = new QComboBox;
+  for (const char* mode : {"none", "selective", "full"}) recompute_->addItem(mode);
   form->addRow("<b>Preset</b>", new QWidget);
   form->addRow("model", model_);
   form->addRow("cluster", cluster_);
@@ -211,11 +219,20 @@ QWidget* StudioWindow::build_preset_panel() {
   auto* grid2 = new QWidget;
   auto* g2 = new QHBoxLayout(grid2);
   g2->setContentsMargins(0, 0, 0, 0);
-  for (auto [name, w] : {std::pair{"DP", dp_}, {"EP", ep_}, {"ZeRO", zero_}}) {
+  for (auto [name, w] : {std::pair{"DP", dp_}, {"EP", ep_}, {"ZeRO", zero_}, {"shard", dp_shard_}}) {
     g2->addWidget(new QLabel(name));
     g2->addWidget(w, 1);
   }
   form->addRow("data", grid2);
+  auto* grid3 = new QWidget;
+  auto* g3 = new QHBoxLayout(grid3);
+  g3->setContentsMargins(0, 0, 0, 0);
+  g3->addWidget(new QLabel("TP"));
+  g3->addWidget(tp_, 1);
+  g3->addWidget(sequence_parallel_);
+  g3->addWidget(new QLabel("recompute"));
+  g3->addWidget(recompute_, 1);
+  form->addRow("tensor", grid3);
   auto* apply = new QPushButton("Simulate preset");
   connect(apply, &QPushButton::clicked, this, [this] { load_scenario(preset_scenario()); });
   form->addRow(apply);
@@ -233,6 +250,10 @@ void StudioWindow::fill_preset_panel(const core::Scenario& s) {
   dp_->setValue(s.strategy.dp);
   ep_->setValue(s.strategy.ep);
   zero_->setValue(s.strategy.zero);
+  dp_shard_->setValue(s.strategy.dp_shard);
+  tp_->setValue(s.strategy.tp);
+  sequence_parallel_->setChecked(s.strategy.sequence_parallel);
+  recompute_->setCurrentText(QString::fromStdString(s.strategy.recompute));
 }
 
 core::Scenario StudioWindow::preset_scenario() const {
@@ -247,6 +268,10 @@ core::Scenario StudioWindow::preset_scenario() const {
   s.strategy.dp = dp_->value();
   s.strategy.ep = ep_->value();
   s.strategy.zero = zero_->value();
+  s.strategy.dp_shard = dp_shard_->value();
+  s.strategy.tp = tp_->value();
+  s.strategy.sequence_parallel = sequence_parallel_->isChecked();
+  s.strategy.recompute = recompute_->currentText().toStdString();
   return s;
 }
 

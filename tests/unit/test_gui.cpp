@@ -12,6 +12,7 @@
 
 #include <QApplication>
 #include <QImage>
+#include <QPushButton>
 #include <QSignalSpy>
 #include <QTableWidget>
 #include <QTest>
@@ -111,6 +112,35 @@ TEST(GuiStudio, LoadingAScenarioFillsOneRowPerDevice) {
   EXPECT_EQ(track.span_count, s.window.run_a()->timeline->program->total_ops());
   EXPECT_FALSE(s.window.editor()->toPlainText().isEmpty());
   EXPECT_NE(s.window.report_panel()->toPlainText().indexOf("step time"), -1);
+}
+
+// The preset panel carries every strategy knob a scenario file may set: loading one with TP, SP,
+// recomputation and an HSDP group fills the panel, and "Simulate preset" runs those same knobs.
+TEST(GuiStudio, PresetPanelCarriesTensorParallelAndHybridShardingKnobs) {
+  Studio s;
+  core::Scenario sc = small_scenario();
+  sc.strategy.pp = 1, sc.strategy.dp = 4, sc.strategy.zero = 3, sc.strategy.dp_shard = 2;
+  sc.strategy.tp = 2, sc.strategy.sequence_parallel = true, sc.strategy.recompute = "selective";
+  s.window.load_scenario(sc, /*synchronous=*/true);
+  ASSERT_TRUE(s.window.run_a()) << s.window.error_text().toStdString();
+  EXPECT_EQ(s.window.view()->device_rows(), 2 * 4);
+  QPushButton* apply = nullptr;
+  for (auto* b : s.window.findChildren<QPushButton*>())
+    if (b->text() == "Simulate preset") apply = b;
+  ASSERT_NE(apply, nullptr);
+  QSignalSpy spy(&s.window, &StudioWindow::simulation_finished);
+  apply->click();
+  ASSERT_TRUE(spy.wait(20000));
+  ASSERT_TRUE(spy.takeFirst().at(0).toBool()) << s.window.error_text().toStdString();
+  const auto& st = s.window.run_a()->scenario.strategy;
+  EXPECT_EQ(st.tp, 2);
+  EXPECT_TRUE(st.sequence_parallel);
+  EXPECT_EQ(st.recompute, "selective");
+  EXPECT_EQ(st.dp_shard, 2);
+  EXPECT_EQ(st.zero, 3);
+  int hybrid = 0;
+  for (const auto& seg : s.window.run_a()->timeline->program->segments) hybrid += seg.zero_shards == 2 && seg.replicas == 4;
+  EXPECT_GT(hybrid, 0);
 }
 
 TEST(GuiStudio, ClickSelectsTheOpUnderTheCursorAndItsCrossDeviceDependencies) {

@@ -15,6 +15,7 @@
 #include "piper/gui/timeline_view.hpp"
 #include "piper/gui/tune_browser.hpp"
 
+class QCheckBox;
 class QComboBox;
 class QSpinBox;
 class QLabel;
@@ -86,6 +87,9 @@ class StudioWindow : public QMainWindow {
   QLabel* status_label_ = nullptr;
   QComboBox *model_ = nullptr, *cluster_ = nullptr, *engine_ = nullptr, *schedule_ = nullptr;
   QSpinBox *pp_ = nullptr, *microbatches_ = nullptr, *virtual_ = nullptr, *dp_ = nullptr, *ep_ = nullptr, *zero_ = nullptr;
+  QSpinBox *dp_shard_ = nullptr, *tp_ = nullptr;
+  QCheckBox* sequence_parallel_ = nullptr;
+  QComboBox* recompute_ = nullptr;
   QAction* critical_action_ = nullptr;
   TuneBrowser* tune_browser_ = nullptr;
   QDockWidget* tune_dock_ = nullptr;
