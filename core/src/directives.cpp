@@ -799,7 +799,11 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
   // HSDP: the replicas of one slot j (TP rank or expert shard) are devices[j + i * split], i < R.
   // Shard group g holds replicas i in [g k, (g + 1) k); the replicate group of shard q holds the
   // replicas i = q + g k. Each family lists its groups one after another in an interned order.
+  // The pair depends on the split only (k is the directive's and R = n / split): built once per split,
+  // not once per segment (O(devices) each).
+  std::map<int, std::pair<int, int>> hsdp_by_split;
   auto hsdp_families = [&](int split, int replicas, int k) {
+    if (auto it = hsdp_by_split.find(split); it != hsdp_by_split.end()) return it->second;
     const int groups = replicas / k;
     std::vector<int> within, across;
     auto device = [&](int j, int g, int q) { return d.devices[static_cast<std::size_t>(j + (g * k + q) * split)]; };
@@ -809,8 +813,8 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
     for (int j = 0; j < split; ++j)
       for (int q = 0; q < k; ++q)
         for (int g = 0; g < groups; ++g) across.push_back(device(j, g, q));
-    return std::pair{dag.family_index({dag.device_sets.intern(within), k, 1, "dp-shard"}),
-                     dag.family_index({dag.device_sets.intern(across), groups, 1, "dp-replicate"})};
+    return hsdp_by_split[split] = std::pair{dag.family_index({dag.device_sets.intern(within), k, 1, "dp-shard"}),
+                                            dag.family_index({dag.device_sets.intern(across), groups, 1, "dp-replicate"})};
   };
   // Segments grouped by communicator family: fully replicated ones over all devices; partially
   // sharded ones (shard degree < devices) over the strided groups holding the same shard. With
@@ -829,12 +833,9 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
     const int split = seg.tp_degree > 1 ? seg.tp_degree : seg.shard_degree;
     seg.replicas = n / split;
     seg.zero_level = zero;
-    seg.zero_shards = seg.replicas;
-    if (d.shard_group > 0 && d.shard_group < seg.replicas) {
-      if (seg.replicas % d.shard_group != 0)
-        fail(index, "shard_group", fmt::format("{} does not divide the {} replicas of segment {}", d.shard_group, seg.replicas, s));
-      seg.zero_shards = d.shard_group;
-    }
+    seg.zero_shards = zero_shards_of(seg.replicas, d.shard_group);
+    if (seg.replicas % seg.zero_shards != 0)
+      fail(index, "shard_group", fmt::format("{} does not divide the {} replicas of segment {}", d.shard_group, seg.replicas, s));
     if (seg.costs.params == 0 || seg.replicas == 1) continue;
     if (seg.zero_shards < seg.replicas) {
       auto [within, across] = hsdp_families(split, seg.replicas, seg.zero_shards);
@@ -950,7 +951,7 @@ void cost_updates(PassContext& cx) {
     std::int64_t params = 0;
     for (int s : n.buffer_segments) {
       const auto& seg = dag.segments.at(static_cast<std::size_t>(s));
-      params += seg.local_params() / (seg.zero_level >= 1 ? seg.zero_shards : 1);
+      params += seg.local_params() / seg.zero_divisor(1);
     }
     n.costs = Costs{};
     n.costs.params = params;

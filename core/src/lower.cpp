@@ -425,10 +425,9 @@ Program lower(const GlobalDag& dag) {
     // Persistent state of each segment on this plan, sized by its sharding (ZeRO-aware).
     auto add_state = [&](const Segment& seg, std::int64_t params, const std::string& what) {
       const std::string suffix = what + " s" + std::to_string(seg.index);
-      plan.buffers.push_back({"params" + suffix, BufferKind::Parameters, params * dt / (seg.zero_level >= 3 ? seg.zero_shards : 1), {}, {}});
-      plan.buffers.push_back({"grads" + suffix, BufferKind::Gradients, params * gradient_bytes_per_element(dag.training) / (seg.zero_level >= 2 ? seg.zero_shards : 1), {}, {}});
-      plan.buffers.push_back({"optimizer" + suffix, BufferKind::OptimizerStates,
-                              params * state_bytes_per_param / (seg.zero_level >= 1 ? seg.zero_shards : 1), {}, {}});
+      plan.buffers.push_back({"params" + suffix, BufferKind::Parameters, params * dt / seg.zero_divisor(3), {}, {}});
+      plan.buffers.push_back({"grads" + suffix, BufferKind::Gradients, params * gradient_bytes_per_element(dag.training) / seg.zero_divisor(2), {}, {}});
+      plan.buffers.push_back({"optimizer" + suffix, BufferKind::OptimizerStates, params * state_bytes_per_param / seg.zero_divisor(1), {}, {}});
     };
     for (const auto& seg : dag.segments) {
       auto set = segment_set[static_cast<std::size_t>(seg.index)];

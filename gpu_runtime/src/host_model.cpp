@@ -8,8 +8,9 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
-#include <sstream>
 #include <stdexcept>
+
+#include <fmt/format.h>
 
 namespace piper::runtime::host {
 
@@ -41,11 +42,7 @@ Mat get_mat(std::span<const float> data, std::size_t& pos, Eigen::Index rows, Ei
 
 Mat zeros_like_rows(Eigen::Index rows, Eigen::Index cols) { return Mat::Zero(rows, cols); }
 
-std::string fmt_probability(double p) {
-  std::ostringstream s;
-  s << p;
-  return s.str();
-}
+bool in_range(int first_layer, int last_layer, int layer) { return first_layer <= layer && layer < last_layer; }
 
 }  // namespace
 
@@ -237,17 +234,19 @@ struct HostModel::LayerView {
   ConstMatMap cmat(std::size_t i) { return ConstMatMap(tensors[i].first, tensors[i].second.rows, tensors[i].second.cols); }
   VecMap vec(std::size_t i) { return VecMap(tensors[i].first, tensors[i].second.size()); }
   ConstVecMap cvec(std::size_t i) { return ConstVecMap(tensors[i].first, tensors[i].second.size()); }
+  std::size_t find(const char* name) const {  // tensors.size() when the layer has none of that name
+    std::size_t i = 0;
+    while (i < tensors.size() && tensors[i].second.name != name) ++i;
+    return i;
+  }
+  bool has(const char* name) const { return find(name) < tensors.size(); }
   std::size_t at(const char* name) const {
-    for (std::size_t i = 0; i < tensors.size(); ++i)
-      if (tensors[i].second.name == name) return i;
-    throw std::logic_error(std::string("runtime: layer '") + layer->name + "' has no tensor " + name);
+    if (!has(name)) throw std::logic_error(std::string("runtime: layer '") + layer->name + "' has no tensor " + name);
+    return find(name);
   }
-  bool has(const char* name) const {
-    for (const auto& t : tensors)
-      if (t.second.name == name) return true;
-    return false;
-  }
-  ConstVecMap cvec_or_empty(const char* name) { return has(name) ? cvec(at(name)) : ConstVecMap(nullptr, 0); }
+  // Optional tensors (biases): an empty map when the layer has none.
+  ConstVecMap cvec_or_empty(const char* name) { return has(name) ? cvec(find(name)) : ConstVecMap(nullptr, 0); }
+  VecMap vec_or_empty(const char* name) { return has(name) ? vec(find(name)) : VecMap(nullptr, 0); }
   AttentionWeights attention(const AttentionShape& shape) {
     // (Eigen maps cannot be rebound after construction: the biases go in the aggregate.)
     return {cmat(0), cmat(1), cmat(2), cmat(3), shape.qk_norm ? cvec(4) : cvec(0), shape.qk_norm ? cvec(5) : cvec(0),
@@ -256,11 +255,11 @@ struct HostModel::LayerView {
   GeluMlpWeights gelu() { return {cmat(at("wu")), cmat(at("wd")), cvec_or_empty("bias_fc1")}; }
 };
 
-// The tied table this segment's head uses: the embedding's (same segment) or the head's copy.
-ConstMatMap HostModel::tied_table(SegmentParams& sp, bool grads) {
-  LayerView v = view(sp, sp.tied_copy ? head_layer_ : embed_layer_, grads);
-  const std::size_t i = v.at("embed");
-  return v.cmat(i);
+// The tied table this segment's head uses, and its gradient: the embedding's (same segment) or the
+// head's copy.
+ConstMatMap HostModel::tied_table(SegmentParams& sp) {
+  LayerView v = view(sp, sp.tied_copy ? head_layer_ : embed_layer_, false);
+  return v.cmat(v.at("embed"));
 }
 MatMap HostModel::tied_table_grad(SegmentParams& sp) {
   LayerView v = view(sp, sp.tied_copy ? head_layer_ : embed_layer_, true);
@@ -285,7 +284,7 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     // Dropout would need masks drawn identically by every layout; the host backend trains without it
     // rather than silently run another model than the spec's.
     if (l.shape.dropout)
-      throw std::invalid_argument(who + "field 'dropout' is " + (model_.config() ? fmt_probability(model_.config()->dropout_probability) : std::string("set")) +
+      throw std::invalid_argument(who + "field 'dropout' is " + (model_.config() ? fmt::format("{}", model_.config()->dropout_probability) : std::string("set")) +
                                   "; the host backend trains without dropout (set it to 0)");
     if (l.kind == core::LayerKind::Attention) {
       if (l.shape.q_lora_rank || l.shape.kv_lora_rank) throw std::invalid_argument("runtime: the host backend has no MLA attention (" + l.name + ")");
@@ -323,7 +322,7 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     if (sp.tp_degree > 1 && (attn_shape_.heads % sp.tp_degree != 0 || attn_shape_.kv_heads % sp.tp_degree != 0))
       throw std::invalid_argument("runtime: " + std::to_string(attn_shape_.heads) + " heads / " + std::to_string(attn_shape_.kv_heads) +
                                   " KV heads do not split over " + std::to_string(sp.tp_degree) + " tensor-parallel ranks");
-    p.tied_copy = tied_ && sp.first_layer <= head_layer_ && head_layer_ < sp.last_layer && !(sp.first_layer <= embed_layer_ && embed_layer_ < sp.last_layer);
+    p.tied_copy = tied_ && in_range(sp.first_layer, sp.last_layer, head_layer_) && !in_range(sp.first_layer, sp.last_layer, embed_layer_);
     std::int64_t n = 0;
     p.layer_offset.push_back(0);
     for (int l = sp.first_layer; l < sp.last_layer; ++l) {
@@ -371,8 +370,7 @@ std::vector<LocalTensor> HostModel::tensors_of(const SegmentParams& sp, int laye
 std::span<float> HostModel::tied_grads(int seg) {
   SegmentParams& sp = segment(seg);
   if (!tied_) return {};
-  const bool has_embed = sp.first_layer <= embed_layer_ && embed_layer_ < sp.last_layer;
-  const bool has_head = sp.first_layer <= head_layer_ && head_layer_ < sp.last_layer;
+  const bool has_embed = in_range(sp.first_layer, sp.last_layer, embed_layer_), has_head = in_range(sp.first_layer, sp.last_layer, head_layer_);
   if (has_embed == has_head) return {};
   LayerView v = view(sp, has_embed ? embed_layer_ : head_layer_, true);
   const auto& t = v.tensors.at(v.at("embed"));
@@ -591,21 +589,17 @@ void HostModel::forward_layers(SegmentParams& sp, const MicrobatchData& data, fl
       }
       case core::LayerKind::Head: {
         double ls = 0;
-        if (tied_) {
-          const ConstMatMap table = tied_table(sp, false);
-          if (tp_on(sp)) {
-            const Mat wh = table.transpose();
-            ls = head_forward_vocab_parallel(sp, ConstMatMap(wh.data(), wh.rows(), wh.cols()), tp_enter(sp, s.u), data.targets, loss_scale, &c.head);
-            if (sp.tp_rank != 0) ls = 0;
-          } else {
-            ls = tied_head_forward(table, s.u, data.targets, loss_scale, &c.head);
-          }
-        } else if (tp_on(sp)) {
-          ls = head_forward_vocab_parallel(sp, v.cmat(0), tp_enter(sp, s.u), data.targets, loss_scale, &c.head);
-          if (sp.tp_rank != 0) ls = 0;  // every TP rank computed the same loss: count it once
-        } else {
-          ls = head_forward(v.cmat(0), s.u, data.targets, loss_scale, &c.head);
+        const bool tp = tp_on(sp);
+        if (!tied_) {
+          ls = tp ? head_forward_vocab_parallel(sp, v.cmat(0), tp_enter(sp, s.u), data.targets, loss_scale, &c.head)
+                  : head_forward(v.cmat(0), s.u, data.targets, loss_scale, &c.head);
+        } else if (!tp) {
+          ls = tied_head_forward(tied_table(sp), s.u, data.targets, loss_scale, &c.head);
+        } else {  // the vocab-parallel head takes this rank's rows of the table as [H, V/t] columns
+          const Mat wh = tied_table(sp).transpose();
+          ls = head_forward_vocab_parallel(sp, ConstMatMap(wh.data(), wh.rows(), wh.cols()), tp_enter(sp, s.u), data.targets, loss_scale, &c.head);
         }
+        if (tp && sp.tp_rank != 0) ls = 0;  // every TP rank computed the same loss: count it once
         if (loss) *loss += ls;
         break;
       }
@@ -629,7 +623,7 @@ void HostModel::backward_input(int seg, BackwardState& g, SegmentStash& stash) {
     if (g.du.size() == 0 && g.dx.size() > 0) g.du = zeros_like_rows(g.dx.rows(), g.dx.cols());
     switch (v.layer->kind) {
       case core::LayerKind::Head:
-        g.du = tp_leave(sp, tied_ ? tied_head_backward_input(tied_table(sp, false), c.head) : head_backward_input(v.cmat(0), c.head));
+        g.du = tp_leave(sp, tied_ ? tied_head_backward_input(tied_table(sp), c.head) : head_backward_input(v.cmat(0), c.head));
         g.dx = zeros_like_rows(g.du.rows(), g.du.cols());
         break;
       case core::LayerKind::Norm:
@@ -703,9 +697,8 @@ void HostModel::backward_weight(int seg, SegmentStash& stash) {
         else rmsnorm_backward_weight(c.norm, c.dy_norm, gv.vec(0));
         break;
       case core::LayerKind::Attention: {
-        auto bias = [&](const char* n) { return gv.has(n) ? gv.vec(gv.at(n)) : VecMap(nullptr, 0); };
         AttentionGrads g{gv.mat(0), gv.mat(1), gv.mat(2), gv.mat(3), shape.qk_norm ? gv.vec(4) : gv.vec(0), shape.qk_norm ? gv.vec(5) : gv.vec(0),
-                         bias("bias_q"), bias("bias_k"), bias("bias_v")};
+                         gv.vec_or_empty("bias_q"), gv.vec_or_empty("bias_k"), gv.vec_or_empty("bias_v")};
         attention_backward_weight(shape, c.attn, g);
         if (shape.bias) bias_backward_weight(c.attn.dout, gv.vec(gv.at("bias_o")));  // dout: the whole rows
         break;
@@ -715,7 +708,7 @@ void HostModel::backward_weight(int seg, SegmentStash& stash) {
           MlpGrads g{gv.mat(0), gv.mat(1), gv.mat(2)};
           mlp_backward_weight(c.mlp, g);
         } else {
-          GeluMlpGrads g{gv.mat(gv.at("wu")), gv.mat(gv.at("wd")), gv.has("bias_fc1") ? gv.vec(gv.at("bias_fc1")) : VecMap(nullptr, 0)};
+          GeluMlpGrads g{gv.mat(gv.at("wu")), gv.mat(gv.at("wd")), gv.vec_or_empty("bias_fc1")};
           gelu_mlp_backward_weight(c.gmlp, g);
           if (gv.has("bias_fc2")) bias_backward_weight(c.gmlp.dout, gv.vec(gv.at("bias_fc2")));
         }

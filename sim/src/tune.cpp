@@ -18,6 +18,7 @@
 
 #include <fmt/format.h>
 
+#include "piper/core/dag.hpp"
 #include "piper/core/model.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/sim/cluster.hpp"
@@ -30,6 +31,13 @@ namespace piper::sim {
 using nlohmann::json;
 
 namespace {
+
+// A list option's values, sorted and without repeats; `fallback` alone when none was given.
+std::vector<int> distinct_or(std::vector<int> v, std::vector<int> fallback) {
+  std::sort(v.begin(), v.end());
+  v.erase(std::unique(v.begin(), v.end()), v.end());
+  return v.empty() ? fallback : v;
+}
 
 std::vector<int> divisors(int n) {
   std::vector<int> out;
@@ -388,10 +396,7 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
   for (int d = 0; d < spec.devices; ++d) node_gpus = std::gcd(node_gpus, cluster.node(d).gpus_per_node);
   // SM partitions: the simulator's rule (at least one SM left for compute on every GPU, as `simulate
   // --comm-sms` checks) up front, in one line, rather than one invalid row per candidate.
-  std::vector<int> comm_sms = spec.comm_sms;
-  std::sort(comm_sms.begin(), comm_sms.end());
-  comm_sms.erase(std::unique(comm_sms.begin(), comm_sms.end()), comm_sms.end());
-  if (comm_sms.empty()) comm_sms = {0};
+  const std::vector<int> comm_sms = distinct_or(spec.comm_sms, {0});
   for (int sms : comm_sms) {
     if (sms < 0) throw TuneError(fmt::format("--comm-sms: {} is negative (0: SMs shared, N >= 1: N SMs for communication)", sms));
     if (sms == 0) continue;
@@ -399,16 +404,10 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
       if (const std::string why = sm_partition_misfit(sms, cluster.node(d).gpu); !why.empty())
         throw TuneError(fmt::format("--comm-sms {}: {}", sms, why));
   }
-  std::vector<int> dp_shards = spec.dp_shards;
-  std::sort(dp_shards.begin(), dp_shards.end());
-  dp_shards.erase(std::unique(dp_shards.begin(), dp_shards.end()), dp_shards.end());
-  if (dp_shards.empty()) dp_shards = {0};
+  const std::vector<int> dp_shards = distinct_or(spec.dp_shards, {0});
   for (int k : dp_shards)
     if (k < 0 || k == 1) throw TuneError(fmt::format("--dp-shard: {} is not a group size (0: plain ZeRO, N >= 2: HSDP over groups of N replicas)", k));
-  std::vector<int> tps = spec.tp_degrees;
-  if (tps.empty()) tps = divisors(std::gcd(node_gpus, spec.devices));
-  std::sort(tps.begin(), tps.end());
-  tps.erase(std::unique(tps.begin(), tps.end()), tps.end());
+  const std::vector<int> tps = distinct_or(spec.tp_degrees, divisors(std::gcd(node_gpus, spec.devices)));
   std::map<int, std::vector<bool>> sp_of_tp;  // accepted TP degree -> its sequence-parallel modes
   for (int t : tps) {
     if (t < 1) throw TuneError(fmt::format("--tp must be >= 1 (got {})", t));
@@ -559,8 +558,7 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     const std::int64_t shard = expert ? c.ep : 1;
     const std::int64_t devices = region_replicas * (shape->experts[i] ? c.tp : 1);
     const std::int64_t replicas = std::max<std::int64_t>(1, devices / shard);
-    // HSDP: a segment with more replicas than the group keeps one group's shard (directives.cpp).
-    const std::int64_t shards = c.dp_shard > 1 && c.dp_shard < replicas ? c.dp_shard : replicas;
+    const std::int64_t shards = core::zero_shards_of(static_cast<int>(replicas), c.dp_shard);  // HSDP: the group's
     const std::int64_t params = costs.params / shard;
     persistent_of_region[static_cast<std::size_t>(r)] += params * dt / (c.zero >= 3 ? shards : 1) +
                                                          params * grad_bytes / (c.zero >= 2 ? shards : 1) +
@@ -987,14 +985,19 @@ std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* sp
       std::erase_if(older, [&](const std::string& c) { return gone.count(c) > 0; });
       return csv_header(older);
     };
-    if (in && header == without({"tp", "sequence_parallel", "recompute", "rank_order", "comm_sms", "dp_shard"}))
-      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no tp, sequence_parallel, recompute, "
-                                  "rank_order, comm_sms and dp_shard columns); choose another -o",
-                                  csv_path));
-    if (in && header == without({"comm_sms", "dp_shard"}))
-      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no comm_sms and dp_shard columns); choose another -o", csv_path));
-    if (in && header == without({"dp_shard"}))
-      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no dp_shard column); choose another -o", csv_path));
+    // The columns each later version added, oldest first: a file of an older version lacks those of
+    // its successors. A new column is one more entry here.
+    static const std::vector<std::vector<std::string>> added = {
+        {"tp", "sequence_parallel", "recompute", "rank_order"}, {"comm_sms"}, {"dp_shard"}};
+    for (std::size_t since = 0; in && since < added.size(); ++since) {
+      std::vector<std::string> missing;
+      for (std::size_t k = since; k < added.size(); ++k) missing.insert(missing.end(), added[k].begin(), added[k].end());
+      if (header != without(std::set<std::string>(missing.begin(), missing.end()))) continue;
+      std::string names = missing.back();
+      if (missing.size() > 1) names = fmt::format("{} and {}", fmt::join(missing.begin(), missing.end() - 1, ", "), missing.back());
+      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no {} column{}); choose another -o", csv_path, names,
+                                  missing.size() > 1 ? "s" : ""));
+    }
     throw TuneError(e.what());
   }
   std::vector<TuneRow> out;

@@ -332,10 +332,11 @@ TEST(Replicate, HybridShardingReducesInsideGroupsThenAcrossThem) {
       EXPECT_EQ(seg.zero_shards, 2);
     }
   for (auto v : hsdp.live_nodes())
-    if (hsdp.graph[v].kind == NodeKind::Update) EXPECT_EQ(hsdp.graph[v].costs.params, m.parameter_count() / 2);
+    if (hsdp.graph[v].kind == NodeKind::Update) {
+      EXPECT_EQ(hsdp.graph[v].costs.params, m.parameter_count() / 2);
+    }
   // A group size that does not divide a segment's replicas names the field.
-  const Model m6 = qwen9m(1);
-  auto e = error_of(m6, json::parse(R"([{"op":"place","filter":{"PP":0},"devices":[0,1,2,3,4,5]},
+  auto e = error_of(m, json::parse(R"([{"op":"place","filter":{"PP":0},"devices":[0,1,2,3,4,5]},
       {"op":"replicate","filter":{"PP":0},"devices":[0,1,2,3,4,5],"shard_optimizer":true,"shard_group":4}])"));
   EXPECT_EQ(e.field(), "shard_group");
   EXPECT_NE(std::string(e.what()).find("does not divide the 6 replicas"), std::string::npos) << e.what();

@@ -99,6 +99,11 @@ using Graph = boost::adjacency_list<boost::vecS, boost::vecS, boost::bidirection
 using Vertex = Graph::vertex_descriptor;
 
 // One contiguous run of layers with the same tag stack (the unit the DAG is built from).
+// ZeRO shards of a segment with `replicas` data-parallel copies under an HSDP shard group of
+// `group` replicas (0: none): the group when it splits the replicas, else every replica (the rule
+// of replicate's shard_group; piper tune's memory bound uses it too).
+inline int zero_shards_of(int replicas, int group) { return group > 1 && group < replicas ? group : replicas; }
+
 struct Segment {
   int index = 0;
   int first_layer = 0, last_layer = 0;  // [first, last)
@@ -111,6 +116,8 @@ struct Segment {
   int replicas = 1;                     // replicate: data-parallel copies holding (shards of) the params
   int zero_level = 0;                   // 0 none, 1 optimizer states, 2 + gradients, 3 + parameters sharded
   int zero_shards = 1;                  // ZeRO >= 1: shards of the state (replicas, or the HSDP group size)
+  // What divides state that ZeRO shards from `level` on (1 optimizer states, 2 gradients, 3 parameters).
+  std::int64_t zero_divisor(int level) const { return zero_level >= level ? zero_shards : 1; }
   // Set by the tensor_parallel / recompute passes (Megatron layout, see ARCHITECTURE.md).
   int tp_degree = 1;                    // tensor-parallel group size (consecutive devices of the set)
   bool sequence_parallel = false;       // TP all-reduces become reduce-scatter + all-gather

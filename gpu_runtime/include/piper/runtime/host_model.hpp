@@ -226,7 +226,7 @@ class HostModel {
   std::vector<ParamRecord> records(const SegmentParams& sp, const std::vector<float>& src, std::int64_t begin, std::int64_t end) const;
   void forward_layers(SegmentParams& sp, const MicrobatchData& data, float loss_scale, ForwardState& s, SegmentStash& stash, double* loss);
   LayerView view(SegmentParams& sp, int layer, bool grads);
-  ConstMatMap tied_table(SegmentParams& sp, bool grads);
+  ConstMatMap tied_table(SegmentParams& sp);
   MatMap tied_table_grad(SegmentParams& sp);
   std::vector<MlpWeights> expert_weights(SegmentParams& sp, int layer);
   void init_params(SegmentParams& sp, std::uint64_t seed);
