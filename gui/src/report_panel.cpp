@@ -49,6 +49,9 @@ std::string report_html(const std::vector<NamedReport>& reports, int max_device_
   row("microbatches", [](const sim::Report& r) { return std::to_string(r.microbatches); });
   row("ops", [](const sim::Report& r) { return count(static_cast<double>(r.total_ops)); });
   row("crit. path compute", [](const sim::Report& r) { return seconds(r.critical_path.compute_s); });
+  // TP collectives run inside compute ops; their share is shown when any plan has them.
+  if (std::any_of(reports.begin(), reports.end(), [](const NamedReport& r) { return r.report.critical_path.tp_s > 0; }))
+    row("&nbsp;&nbsp;of which TP", [](const sim::Report& r) { return seconds(r.critical_path.tp_s); });
   row("crit. path comm", [](const sim::Report& r) { return seconds(r.critical_path.comm_s); });
   row("compile time", [](const sim::Report& r) { return seconds(r.compile_time_s); });
   row("simulate time", [](const sim::Report& r) { return seconds(r.simulate_time_s); });

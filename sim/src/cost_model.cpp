@@ -217,12 +217,18 @@ double CostModel::tp_seconds(const core::Program& program, int device, const cor
     return 0;
   const int family = program.segments[static_cast<std::size_t>(op.segment)].tp_family;
   if (family < 0) return 0;
-  // The TP collectives run inside the op, not overlapped with its GEMMs (Megatron-LM's default):
+  // The TP collectives run inside the op, not overlapped with its GEMMs (Megatron-LM's forward; the
+  // overlap its backward has is not modelled, docs/tensor-parallel.md):
   // each is costed as an all-gather of its share of tp_bytes over the TP group (an all-reduce
   // counts twice in tp_bytes, so it costs a reduce-scatter + all-gather, the ring all-reduce).
   const std::vector<int> group = program.group_of(family, device);
   const double per_call = static_cast<double>(op.tp_bytes) / op.tp_collectives;
   return op.tp_collectives * collective_seconds(OpKind::AllGather, group, static_cast<std::int64_t>(per_call));
+}
+
+double CostModel::tp_part_seconds(const core::Program& program, int device, const core::Op& op) const {
+  if (op.tp_collectives <= 0 || replaced(op, 1)) return 0;
+  return tp_seconds(program, device, op);
 }
 
 double CostModel::latency_s(int src, int dst) const {

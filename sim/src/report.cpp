@@ -57,13 +57,19 @@ double intersection(const Intervals& a, const Intervals& b) {
 
 std::string gib(std::int64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1024.0 * 1024 * 1024)); }
 
+// The TP collectives' share of a COMPUTE span: the cost model's figure, never more than the span.
+double tp_part(const CostModel* cost, const core::Program& program, int device, const core::Op& op, const core::OpSpan& s) {
+  if (!cost || op.kind != OpKind::Compute || op.tp_collectives <= 0) return 0;
+  return std::min(cost->tp_part_seconds(program, device, op), s.end_s - s.start_s);
+}
+
 }  // namespace
 
 CompileStats compile_stats_of(const core::Program& program) {
   return {program.stats.compile_seconds, program.stats.dag_nodes, program.stats.compiler_peak_rss_bytes};
 }
 
-CriticalPath critical_path(const core::Timeline& timeline, const Symmetry* symmetry) {
+CriticalPath critical_path(const core::Timeline& timeline, const Symmetry* symmetry, const CostModel* cost) {
   CriticalPath path;
   const core::Program& program = *timeline.program;
   std::vector<std::vector<std::int32_t>> base(program.plans.size());
@@ -90,6 +96,7 @@ CriticalPath critical_path(const core::Timeline& timeline, const Symmetry* symme
     path.ops += 1;
     if (is_compute(op.kind)) {
       path.compute_s += seconds;
+      path.tp_s += tp_part(cost, program, device, op, cur);
       path.seconds_by_device[device] += seconds;
     } else {
       path.comm_s += seconds;
@@ -123,7 +130,7 @@ CriticalPath critical_path(const core::Timeline& timeline, const Symmetry* symme
 }
 
 Report make_report(const core::Timeline& timeline, const Cluster& cluster, const CompileStats& compile,
-                   const Symmetry* symmetry) {
+                   const Symmetry* symmetry, const CostModel* cost) {
   const core::Program& program = *timeline.program;
   Report r;
   r.engine = timeline.source;
@@ -193,6 +200,7 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
     for (const auto& s : dt.spans) {
       const core::Op& op = plan.streams[ix(s.stream)].ops[ix(s.index)];
       (is_compute(op.kind) ? compute : comm).emplace_back(s.start_s, s.end_s);
+      dr.tp_comm_s += tp_part(cost, program, d, op, s);
     }
     dr.busy_s = merge(compute);
     dr.comm_s = merge(comm);
@@ -257,7 +265,7 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
     r.per_device.push_back(std::move(dr));
   }
   r.bubble_fraction = program.num_devices > 0 ? bubble_sum / program.num_devices : 0;
-  r.critical_path = critical_path(timeline, symmetry);
+  r.critical_path = critical_path(timeline, symmetry, cost);
   return r;
 }
 
@@ -270,6 +278,7 @@ json Report::to_json() const {
                        {"bubble_fraction", d.bubble_fraction},
                        {"comm_s", d.comm_s},
                        {"comm_compute_overlap", d.comm_compute_overlap},
+                       {"tp_comm_s", d.tp_comm_s},
                        {"peak_memory_bytes", d.peak_memory_bytes},
                        {"peak_memory_time_s", d.peak_memory_time_s},
                        {"peak_bytes_by_kind", d.peak_bytes_by_kind},
@@ -303,6 +312,7 @@ json Report::to_json() const {
          {"peak_memory_bytes", peak_memory_bytes},
          {"critical_path",
           {{"compute_s", critical_path.compute_s},
+           {"tp_s", critical_path.tp_s},
            {"comm_s", critical_path.comm_s},
            {"wait_s", critical_path.wait_s},
            {"ops", critical_path.ops},
@@ -347,6 +357,7 @@ Report Report::from_json(const json& j) {
     dr.bubble_fraction = d.value("bubble_fraction", 0.0);
     dr.comm_s = d.value("comm_s", 0.0);
     dr.comm_compute_overlap = d.value("comm_compute_overlap", 0.0);
+    dr.tp_comm_s = d.value("tp_comm_s", 0.0);
     dr.peak_memory_bytes = d.value("peak_memory_bytes", std::int64_t{0});
     dr.peak_memory_time_s = d.value("peak_memory_time_s", 0.0);
     dr.peak_bytes_by_kind = d.value("peak_bytes_by_kind", std::map<std::string, std::int64_t>{});
@@ -367,6 +378,7 @@ Report Report::from_json(const json& j) {
   if (j.contains("critical_path")) {
     const json& c = j.at("critical_path");
     r.critical_path.compute_s = c.value("compute_s", 0.0);
+    r.critical_path.tp_s = c.value("tp_s", 0.0);
     r.critical_path.comm_s = c.value("comm_s", 0.0);
     r.critical_path.wait_s = c.value("wait_s", 0.0);
     r.critical_path.ops = c.value("ops", std::int64_t{0});
@@ -408,20 +420,23 @@ std::string Report::to_text(int max_devices) const {
   std::string where;
   for (std::size_t i = 0; i < top.size() && i < 4; ++i)
     where += fmt::format("{}device {} {:.2f} ms", i ? ", " : "", top[i].second, top[i].first * 1e3);
-  row("critical path", fmt::format("{} ops: compute {:.3f} ms, comm {:.3f} ms, waiting {:.3f} ms", critical_path.ops,
-                                   critical_path.compute_s * 1e3, critical_path.comm_s * 1e3, critical_path.wait_s * 1e3));
+  // TP collectives run inside COMPUTE ops: shown apart only when the plan has any.
+  const bool tp = std::any_of(per_device.begin(), per_device.end(), [](const DeviceReport& d) { return d.tp_comm_s > 0; });
+  const std::string tp_on_path = tp ? fmt::format(" (TP collectives {:.3f} ms)", critical_path.tp_s * 1e3) : "";
+  row("critical path", fmt::format("{} ops: compute {:.3f} ms{}, comm {:.3f} ms, waiting {:.3f} ms", critical_path.ops,
+                                   critical_path.compute_s * 1e3, tp_on_path, critical_path.comm_s * 1e3, critical_path.wait_s * 1e3));
   if (!where.empty()) row("  compute on path", where);
-  out += fmt::format("\n{:>6} {:>10} {:>10} {:>8} {:>10} {:>8} {:>12}\n", "device", "busy ms", "idle ms", "bubble",
-                     "comm ms", "overlap", "peak memory");
+  out += fmt::format("\n{:>6} {:>10} {:>10} {:>8} {:>10} {:>8}{} {:>12}\n", "device", "busy ms", "idle ms", "bubble", "comm ms",
+                     "overlap", tp ? fmt::format(" {:>10}", "TP ms") : "", "peak memory");
   int shown = 0;
   for (const auto& d : per_device) {
     if (shown++ >= max_devices) {
       out += fmt::format("{:>6} ({} more devices)\n", "...", per_device.size() - static_cast<std::size_t>(max_devices));
       break;
     }
-    out += fmt::format("{:>6} {:>10.3f} {:>10.3f} {:>7.1f}% {:>10.3f} {:>7.1f}% {:>12}{}\n", d.device, d.busy_s * 1e3,
+    out += fmt::format("{:>6} {:>10.3f} {:>10.3f} {:>7.1f}% {:>10.3f} {:>7.1f}%{} {:>12}{}\n", d.device, d.busy_s * 1e3,
                        d.idle_s * 1e3, d.bubble_fraction * 100, d.comm_s * 1e3, d.comm_compute_overlap * 100,
-                       gib(d.peak_memory_bytes), d.oom ? "  OOM" : "");
+                       tp ? fmt::format(" {:>10.3f}", d.tp_comm_s * 1e3) : "", gib(d.peak_memory_bytes), d.oom ? "  OOM" : "");
   }
   return out;
 }

@@ -38,7 +38,7 @@ SimulationResult run(SimulationResult out, const std::string& cluster_name, cons
   }
   out.timeline = symmetry ? engine->run_reduced(out.program, out.cluster, cost, *symmetry) : engine->run(out.program, out.cluster, cost);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  out.report = make_report(out.timeline, out.cluster, compile_stats_of(*out.program), symmetry ? &*symmetry : nullptr);
+  out.report = make_report(out.timeline, out.cluster, compile_stats_of(*out.program), symmetry ? &*symmetry : nullptr, &cost);
   out.report.simulate_time_s = seconds;
   out.report.simulation = mode;
   return out;

@@ -20,6 +20,7 @@
 
 #include "piper/gui/chrome_trace.hpp"
 #include "piper/gui/directive_editor.hpp"
+#include "piper/gui/report_panel.hpp"
 #include "piper/gui/studio_window.hpp"
 #include "piper/gui/tune_browser.hpp"
 #include "piper/sim/tune.hpp"
@@ -80,6 +81,17 @@ TEST(GuiData, LaneVisibleRangeAndHitUseBinarySearchOverSortedSpans) {
   EXPECT_EQ(lane.hit(5.5, 0.01), 2);    // the first span (by start) containing t
   EXPECT_EQ(lane.hit(0.5, 0.01), 0);
   EXPECT_EQ(lane.hit(-0.5, 0.1), -1);   // nothing within the tolerance
+}
+
+// The report panel shows the critical path's TP collectives (inside compute ops) only when a report
+// has some.
+TEST(GuiReport, TpRowOnlyWhenAReportHasTpCollectives) {
+  sim::Report plain, tp;
+  plain.critical_path.compute_s = tp.critical_path.compute_s = 0.010;
+  tp.critical_path.tp_s = 0.002;
+  EXPECT_EQ(report_html({{"a", plain}}).find("of which TP"), std::string::npos);
+  const std::string both = report_html({{"a", plain}, {"b", tp}});
+  EXPECT_NE(both.find("of which TP"), std::string::npos) << both;
 }
 
 TEST(GuiEditor, DirectiveIndexAndFieldMapToTheirLine) {

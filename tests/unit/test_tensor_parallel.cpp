@@ -13,9 +13,11 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "piper/core/compiler.hpp"
@@ -504,6 +506,64 @@ TEST(TensorParallel, SimulatorCostsTheCollectivesInsideTheOp) {
   plain.tp_collectives = 0;
   plain.tp_bytes = 0;
   EXPECT_NEAR(cost.compute_seconds(p, 0, *f) - cost.compute_seconds(p, 0, plain), expected, 1e-12);
+}
+
+// The report shows the TP collectives that COMPUTE ops run inside themselves apart from the rest of
+// the compute: per device the sum of the cost model's figure over the device's COMPUTE ops, on the
+// critical path the same (PP 1: the path is one device's chain of ops); 0, and no column, without
+// TP or when an override gives the ops' times (a measured time is not split).
+TEST(TensorParallel, ReportShowsTheCollectivesInsideComputeApart) {
+  StrategyOptions o;
+  o.tp = 4;
+  o.sequence_parallel = true;
+  o.microbatches = 2;
+  const auto program = std::make_shared<const Program>(compile_scenario(tp_scenario(write_spec(small_gpt()), o)).result.program);
+  const piper::sim::CostModel cost(piper::sim::with_devices(piper::sim::load_cluster("dgx-a100-80g"), 4));
+  piper::sim::SimulateOptions so;
+  so.cluster = "dgx-a100-80g";
+  for (const std::string engine : {"analytic", "simgrid"}) {
+    SCOPED_TRACE(engine);
+    so.engine = engine;
+    const auto r = piper::sim::simulate_program(program, so);
+    ASSERT_EQ(r.report.per_device.size(), 4u);
+    for (int d = 0; d < 4; ++d) {
+      double expected = 0;
+      int ops = 0;
+      for (const auto& st : program->plan_for(d).streams)
+        for (const auto& op : st.ops)
+          if (op.kind == OpKind::Compute && op.tp_collectives > 0) expected += cost.tp_seconds(*program, d, op), ++ops;
+      EXPECT_GE(ops, 4);  // 2 microbatches x (F, B) at least
+      EXPECT_NEAR(r.report.per_device[static_cast<std::size_t>(d)].tp_comm_s, expected, 1e-12);
+      EXPECT_LT(expected, r.report.per_device[static_cast<std::size_t>(d)].busy_s);
+    }
+    EXPECT_NEAR(r.report.critical_path.tp_s, r.report.per_device[0].tp_comm_s, 1e-12);
+    const std::string text = r.report.to_text();
+    EXPECT_NE(text.find("TP ms"), std::string::npos) << text;
+    EXPECT_NE(text.find(fmt::format("(TP collectives {:.3f} ms)", r.report.critical_path.tp_s * 1e3)), std::string::npos) << text;
+    const auto back = piper::sim::Report::from_json(r.report.to_json());
+    EXPECT_EQ(back.per_device[2].tp_comm_s, r.report.per_device[2].tp_comm_s);
+    EXPECT_EQ(back.critical_path.tp_s, r.report.critical_path.tp_s);
+  }
+
+  so.engine = "analytic";
+  so.op_override = [](const Op& op) -> std::optional<double> {
+    if (op.kind == OpKind::Compute) return 1e-3;
+    return std::nullopt;
+  };
+  const auto overridden = piper::sim::simulate_program(program, so);
+  EXPECT_EQ(overridden.report.per_device[0].tp_comm_s, 0);
+  EXPECT_EQ(overridden.report.critical_path.tp_s, 0);
+  EXPECT_EQ(overridden.report.to_text().find("TP ms"), std::string::npos);
+
+  StrategyOptions plain = o;
+  plain.tp = 1;
+  plain.sequence_parallel = false;
+  plain.dp = 4;
+  so.op_override = {};
+  const auto no_tp = piper::sim::simulate_program(
+      std::make_shared<const Program>(compile_scenario(tp_scenario(write_spec(small_gpt()), plain)).result.program), so);
+  for (const auto& d : no_tp.report.per_device) EXPECT_EQ(d.tp_comm_s, 0);
+  EXPECT_EQ(no_tp.report.to_text().find("TP"), std::string::npos);
 }
 
 // Every schedule family composes with TP + SP + recompute, with ZeRO 0-3 and (MoE) EP: each

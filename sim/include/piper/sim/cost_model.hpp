@@ -100,6 +100,9 @@ class CostModel {
   double compute_seconds(const core::Program& program, int device, const core::Op& op) const;
   // The tensor-parallel collectives a COMPUTE op performs inside itself (0 for non-TP ops).
   double tp_seconds(const core::Program& program, int device, const core::Op& op) const;
+  // The part of compute_seconds() that is TP collectives: tp_seconds(), or 0 when an override or a
+  // calibration gives the op's time (a measured time is not split into GEMMs and collectives).
+  double tp_part_seconds(const core::Program& program, int device, const core::Op& op) const;
   // Roofline alone (no override or calibration); the FLOPs run as `gemm_kernels` GEMMs (< 1: one).
   double roofline_seconds(int device, double flops, std::int64_t memory_bytes, int gemm_kernels = 1) const;
 

@@ -11,6 +11,7 @@
 
 #include "piper/core/timeline.hpp"
 #include "piper/sim/cluster.hpp"
+#include "piper/sim/cost_model.hpp"
 #include "piper/sim/symmetry.hpp"
 
 namespace piper::sim {
@@ -22,6 +23,7 @@ struct DeviceReport {
   double bubble_fraction = 0;        // idle / step_time
   double comm_s = 0;                 // union of the device's communication spans
   double comm_compute_overlap = 0;   // time with both compute and communication running / comm_s (0 if no comm)
+  double tp_comm_s = 0;              // TP collectives inside COMPUTE ops (part of busy_s, not of comm_s)
   std::int64_t peak_memory_bytes = 0;
   double peak_memory_time_s = 0;
   std::map<std::string, std::int64_t> peak_bytes_by_kind;  // BufferKind name -> its own peak over time
@@ -55,6 +57,7 @@ struct CriticalPathStep {
 };
 struct CriticalPath {
   double compute_s = 0;              // time on the path in COMPUTE/UPD ops
+  double tp_s = 0;                   // of which TP collectives inside those ops
   double comm_s = 0;                 // in transfers and collectives
   double wait_s = 0;                 // gaps between a step's predecessor end and its start
   std::int64_t ops = 0;
@@ -101,11 +104,13 @@ struct Report {
 
 // Needs timeline.program, spans and memory (fill_memory). simulate_time_s is left for the caller.
 // With `symmetry` (the classes a reduced run used), each class's rows are computed once and copied.
+// With `cost` (the model the timeline was simulated with), the TP collectives that COMPUTE ops run
+// inside themselves are reported apart (tp_comm_s, critical_path.tp_s); without it they stay 0.
 Report make_report(const core::Timeline& timeline, const Cluster& cluster, const CompileStats& compile = {},
-                   const Symmetry* symmetry = nullptr);
+                   const Symmetry* symmetry = nullptr, const CostModel* cost = nullptr);
 CompileStats compile_stats_of(const core::Program& program);
 // With `symmetry`, only representatives are scanned for the last-ending op (each is the lowest device
-// of its class, so the same op is found).
-CriticalPath critical_path(const core::Timeline& timeline, const Symmetry* symmetry = nullptr);
+// of its class, so the same op is found). `cost` as for make_report.
+CriticalPath critical_path(const core::Timeline& timeline, const Symmetry* symmetry = nullptr, const CostModel* cost = nullptr);
 
 }  // namespace piper::sim
