@@ -223,6 +223,18 @@ std::vector<Segment> segment_model(const Model& model) {
     s.costs.output_bytes = c.output_bytes;  // the segment's output is its last layer's
     if (layers[i].kind == LayerKind::Head) s.has_loss = true;
   }
+  // A tied head in another segment than the embedding keeps a copy of the table (one embedding and
+  // one head; a model listing two is not costed).
+  int embed = -1, head = -1, embeds = 0, heads = 0;
+  std::int64_t table = 0;
+  for (const auto& s : segments)
+    for (int l = s.first_layer; l < s.last_layer; ++l) {
+      const Layer& layer = layers[static_cast<std::size_t>(l)];
+      if (layer.kind == LayerKind::Embedding) embed = s.index, ++embeds;
+      if (layer.kind == LayerKind::Head && layer.shape.tied_with_embedding)
+        head = s.index, ++heads, table = layer.shape.vocab * layer.shape.hidden;
+    }
+  if (embeds == 1 && heads == 1 && embed != head) segments[static_cast<std::size_t>(head)].tied_copy = table;
   return segments;
 }
 
@@ -275,7 +287,7 @@ GlobalDag build_dag(const Model& model) {
     }
     // The stash: activations kept from F for B. For the last segment this is also the loss turn.
     dag.add_edge(f[i], b[i], {EdgeKind::Data, s.costs.activation_bytes, "stash"});
-    if (s.costs.params > 0) {
+    if (s.has_state()) {
       DagNode upd;
       upd.kind = NodeKind::Update;
       upd.tags = s.tags;

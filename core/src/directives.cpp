@@ -836,7 +836,7 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
     seg.zero_shards = zero_shards_of(seg.replicas, d.shard_group);
     if (seg.replicas % seg.zero_shards != 0)
       fail(index, "shard_group", fmt::format("{} does not divide the {} replicas of segment {}", d.shard_group, seg.replicas, s));
-    if (seg.costs.params == 0 || seg.replicas == 1) continue;
+    if (!seg.has_state() || seg.replicas == 1) continue;
     if (seg.zero_shards < seg.replicas) {
       auto [within, across] = hsdp_families(split, seg.replicas, seg.zero_shards);
       by_family[{within, across}].push_back(s);
@@ -864,14 +864,14 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
     std::vector<std::vector<int>> buckets;
     std::int64_t filled = 0;
     for (int s : segs) {
-      std::int64_t bytes = dag.segments[static_cast<std::size_t>(s)].local_params() * gradient_bytes_per_element(dag.training);
+      std::int64_t bytes = dag.segments[static_cast<std::size_t>(s)].state_params() * gradient_bytes_per_element(dag.training);
       if (buckets.empty() || cap == 0 || filled + bytes > cap) buckets.emplace_back(), filled = 0;
       buckets.back().push_back(s);
       filled += bytes;
     }
     for (const auto& bucket : buckets) {
       std::int64_t bytes = 0;
-      for (int s : bucket) bytes += dag.segments[static_cast<std::size_t>(s)].local_params() * gradient_bytes_per_element(dag.training);
+      for (int s : bucket) bytes += dag.segments[static_cast<std::size_t>(s)].state_params() * gradient_bytes_per_element(dag.training);
       const std::string what = common_tags_label(dag, bucket);
       DagNode red;
       red.kind = zero == 0 ? NodeKind::AllReduce : NodeKind::ReduceScatter;
@@ -951,7 +951,7 @@ void cost_updates(PassContext& cx) {
     std::int64_t params = 0;
     for (int s : n.buffer_segments) {
       const auto& seg = dag.segments.at(static_cast<std::size_t>(s));
-      params += seg.local_params() / seg.zero_divisor(1);
+      params += seg.state_params() / seg.zero_divisor(1);
     }
     n.costs = Costs{};
     n.costs.params = params;

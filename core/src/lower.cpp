@@ -244,7 +244,7 @@ std::int64_t main_grad_accumulation_bytes(const GlobalDag& dag, const DagNode& n
   if (!dag.training.fp32_main_grads || n.kind != NodeKind::Compute || (n.pass != Pass::B && n.pass != Pass::BW) ||
       n.segment < 0)
     return 0;
-  return 2 * 4 * dag.segments.at(static_cast<std::size_t>(n.segment)).local_params();
+  return 2 * 4 * dag.segments.at(static_cast<std::size_t>(n.segment)).state_params();
 }
 
 std::int64_t op_memory_bytes(const DagNode& n) {
@@ -266,32 +266,6 @@ OpKind op_kind(NodeKind k) {
     case NodeKind::OrderDummy: break;
   }
   throw Error("internal: ORDER_DUMMY has no op");
-}
-
-// Tied embeddings across pipeline stages (Megatron's embedding group): when the head that reuses the
-// embedding table runs on other devices than the embedding, its segment keeps a copy of the table
-// (its TP rank's vocabulary rows), with gradient and optimizer state, as the runtime does. The copy's
-// gradient all-reduce with the embedding's devices is not a plan op (the runtime issues it).
-struct TiedCopy {
-  int head_segment = -1;        // the segment holding the copy; -1: none
-  std::int64_t copy_params = 0; // parameters of the copy per device
-};
-
-TiedCopy tied_copy(const GlobalDag& dag, const std::vector<DeviceSetId>& segment_set) {
-  int embed = -1, head = -1, embeds = 0, heads = 0;
-  std::int64_t table = 0;
-  for (const auto& seg : dag.segments)
-    for (int l = seg.first_layer; l < seg.last_layer; ++l) {
-      const Layer& layer = dag.layers.at(static_cast<std::size_t>(l));
-      if (layer.kind == LayerKind::Embedding) embed = seg.index, ++embeds;
-      if (layer.kind == LayerKind::Head && layer.shape.tied_with_embedding) head = seg.index, ++heads, table = layer.shape.vocab * layer.shape.hidden;
-    }
-  // One embedding and one head (a mirrored placement holding two model copies is not costed).
-  if (embeds != 1 || heads != 1 || embed == head) return {};
-  const DeviceSetId e = segment_set[static_cast<std::size_t>(embed)], h = segment_set[static_cast<std::size_t>(head)];
-  if (e == kNoDevices || h == kNoDevices || e == h) return {};
-  const auto& seg = dag.segments[static_cast<std::size_t>(head)];
-  return {head, table / std::max(1, seg.tp_degree)};
 }
 
 }  // namespace
@@ -350,7 +324,6 @@ Program lower(const GlobalDag& dag) {
 
   const int dt = bytes_per_element(dag.training.precision);
   const std::int64_t state_bytes_per_param = dag.training.precision == Precision::FP32 ? 8 : 12;
-  const TiedCopy tied = tied_copy(dag, segment_set);
   std::vector<OpRef> ref(n);
   for (const auto* sig : classes.signature) {
     std::vector<char> in_plan(num_sets, 0);
@@ -433,7 +406,7 @@ Program lower(const GlobalDag& dag) {
       auto set = segment_set[static_cast<std::size_t>(seg.index)];
       if (set == kNoDevices || !in_plan[static_cast<std::size_t>(set)]) continue;
       if (seg.costs.params > 0) add_state(seg, seg.local_params(), "");
-      if (seg.index == tied.head_segment) add_state(seg, tied.copy_params, " tied embedding copy");
+      if (seg.tied_copy > 0) add_state(seg, seg.copy_local_params(), " tied embedding copy");
     }
     // Transient buffers: allocated by their producer, freed by their last consumer on this device.
     for (auto v : order) {

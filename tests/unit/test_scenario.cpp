@@ -1,9 +1,12 @@
 // Tests of scenarios: the one JSON file that decides a Program, shared by the CLI, GUI and sweeps.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <map>
 
 #include "piper/core/error.hpp"
+#include "piper/core/limits.hpp"
+#include "piper/core/program.hpp"
 #include "piper/core/scenario.hpp"
 
 using namespace piper::core;
@@ -130,14 +133,16 @@ TEST(Scenario, GeneratedProgramsSkipShardingRegionsWithoutExperts) {
 // Tied embeddings across stages: the last stage keeps its own copy of the token table (Megatron's
 // embedding group; the host runtime does the same), with its gradient and optimizer state, so its plan
 // holds V*h more parameters per TP rank: gpt-small (V 50,257, h 768, bf16 parameters and gradients
-// (its spec keeps no fp32 main grads), 12 bytes of AdamW state per parameter). One stage, or a V placement with the embedding and head on
-// the same device, shares the table.
+// (its spec keeps no fp32 main grads), 12 bytes of AdamW state per parameter). One stage shares the
+// table; a V placement (ZB-V: rank 0 holds the first and the last region) keeps the copy, as the
+// runtime does (two segments, summed locally).
 TEST(Scenario, TiedEmbeddingCopyIsCostedOnTheHeadsStage) {
   auto copy_bytes = [](int pp, const std::string& schedule, int tp, int dp, int zero) {
     Scenario s;
     s.model = std::string(PIPER_SOURCE_DIR) + "/examples/models/gpt-small.json";
     s.strategy.pp = pp, s.strategy.tp = tp, s.strategy.dp = dp, s.strategy.zero = zero;
     s.strategy.schedule = schedule, s.strategy.microbatches = 2 * pp;
+    if (schedule == "zb-v") s.strategy.virtual_stages = 2;
     const Program p = compile_scenario(s).result.program;
     std::map<BufferKind, std::int64_t> bytes;
     int plans_with_copy = 0;
@@ -161,5 +166,47 @@ TEST(Scenario, TiedEmbeddingCopyIsCostedOnTheHeadsStage) {
   EXPECT_EQ(zero1[BufferKind::Parameters], table * 2);
   EXPECT_EQ(zero1[BufferKind::OptimizerStates], table * 12 / 2);
   EXPECT_TRUE(copy_bytes(1, "1f1b", 1, 1, 0).empty());
-  EXPECT_TRUE(copy_bytes(2, "zb-v", 1, 1, 0).empty());  // rank 0 holds the first and the last region
+  auto v = copy_bytes(2, "zb-v", 1, 1, 0);
+  EXPECT_EQ(v[BufferKind::Parameters], table * 2);
+  EXPECT_EQ(v[BufferKind::OptimizerStates], table * 12);
+}
+
+// The copy is state like the head's own weight: with the head on its own stage, a tied model's head
+// stage reduces, updates and accumulates as many gradient elements as the untied model's (whose head
+// owns a V*h matrix). Read from the plans: the head stage's data-parallel ALL_REDUCE bytes, its UPD's
+// memory traffic and FLOPs, and its backward's elementwise (fp32 main-grad) traffic.
+TEST(Scenario, TiedCopyIsReducedAndUpdatedLikeAnUntiedHead) {
+  json spec = json::parse(read_input_file(std::string(PIPER_SOURCE_DIR) + "/examples/models/gpt-small.json"));
+  spec["training"]["fp32_main_grads"] = true;
+  const std::string dir = ::testing::TempDir();
+  const std::string tied = dir + "/gpt-small-tied-" + std::to_string(::getpid()) + ".json";
+  const std::string untied = dir + "/gpt-small-untied-" + std::to_string(::getpid()) + ".json";
+  write_file_atomically(tied, spec.dump());
+  spec["tie_embeddings"] = false;
+  write_file_atomically(untied, spec.dump());
+  struct HeadStage {
+    std::int64_t reduced = 0, upd_bytes = 0, backward_elementwise = 0;
+    double upd_flops = 0;
+  };
+  auto head_stage = [](const std::string& model) {
+    Scenario s;
+    s.model = model;
+    s.strategy.pp = 2, s.strategy.dp = 2, s.strategy.microbatches = 4;
+    const Program p = compile_scenario(s).result.program;
+    HeadStage h;
+    const Plan& plan = p.plan_for(p.num_devices - 1);  // the last device holds the last stage
+    for (const auto& st : plan.streams)
+      for (const auto& op : st.ops) {
+        if (op.kind == OpKind::AllReduce) h.reduced += op.bytes;
+        if (op.kind == OpKind::Update) h.upd_bytes += op.memory_bytes, h.upd_flops += op.flops;
+        if (op.kind == OpKind::Compute && op.pass == Pass::B) h.backward_elementwise += op.elementwise_bytes;
+      }
+    return h;
+  };
+  const HeadStage a = head_stage(tied), b = head_stage(untied);
+  EXPECT_GT(a.reduced, 50257LL * 768 * 4);  // at least the copy's fp32 gradient
+  EXPECT_EQ(a.reduced, b.reduced);
+  EXPECT_EQ(a.upd_bytes, b.upd_bytes);
+  EXPECT_EQ(a.upd_flops, b.upd_flops);
+  EXPECT_EQ(a.backward_elementwise, b.backward_elementwise);
 }

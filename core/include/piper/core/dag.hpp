@@ -126,6 +126,14 @@ struct Segment {
   std::int64_t tp_local_params = 0;     // parameters one TP rank holds (norms replicated), when tp_degree > 1
   // Parameters of one shard (EP shard or TP rank), before ZeRO.
   std::int64_t local_params() const { return tp_degree > 1 ? tp_local_params : costs.params / shard_degree; }
+  // A head tied to the embedding of another segment keeps its own copy of the table (Megatron's
+  // embedding group; both runtime backends do the same, V placements included): V·h parameters,
+  // whole (vocabulary-parallel under TP), with gradient and optimizer state like the segment's own.
+  std::int64_t tied_copy = 0;
+  std::int64_t copy_local_params() const { return tied_copy / tp_degree; }
+  // Everything this segment's plan keeps state for, per shard: its parameters and the tied copy.
+  std::int64_t state_params() const { return local_params() + copy_local_params(); }
+  bool has_state() const { return costs.params > 0 || tied_copy > 0; }
   bool placed = false;
 };
 
