@@ -936,6 +936,66 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
   }
 }
 
+// Tied embeddings: when the head's segment keeps a copy of the table (Segment::tied_copy) on other
+// devices than the embedding's, the two copies' gradients are summed by an ALL_REDUCE over pairs
+// (family "tied-embedding": the device at position p of the embedding's set with the one at position
+// p of the head's, same data-parallel and TP rank), after each side's last backward of the segment
+// and before its data-parallel reduction and update (Megatron-LM's distributed optimizer sums the
+// embedding group first, then reduce-scatters; a sum of local gradients commutes with the
+// data-parallel sum). Its own stream, so that only the buckets holding the table wait for it.
+// Sets that share a device (V placements: a local sum; mirrored placements, which the runtime
+// refuses) get no op.
+void link_tied_embedding(PassContext& cx) {
+  auto& dag = cx.dag;
+  int embed = -1, head = -1;
+  for (const auto& seg : dag.segments) {
+    if (seg.tied_copy > 0) head = seg.index;
+    for (int l = seg.first_layer; l < seg.last_layer; ++l)
+      if (dag.layers.at(static_cast<std::size_t>(l)).kind == LayerKind::Embedding) embed = seg.index;
+  }
+  if (head < 0 || embed < 0) return;
+  DeviceSetId e = kNoDevices, h = kNoDevices;
+  for (auto v : dag.live_nodes()) {
+    const auto& n = cx.node(v);
+    if (n.kind != NodeKind::Compute) continue;
+    if (n.segment == embed) e = n.devices;
+    if (n.segment == head) h = n.devices;
+  }
+  if (e == kNoDevices || h == kNoDevices) return;
+  const std::vector<int>& de = dag.device_sets.at(e);
+  const std::vector<int>& dh = dag.device_sets.at(h);
+  if (de.size() != dh.size()) return;
+  const std::set<int> in_e(de.begin(), de.end());
+  if (std::any_of(dh.begin(), dh.end(), [&](int d) { return in_e.contains(d); })) return;
+  std::vector<int> pairs;
+  for (std::size_t p = 0; p < de.size(); ++p) pairs.push_back(de[p]), pairs.push_back(dh[p]);
+  const auto& hs = dag.segments.at(static_cast<std::size_t>(head));
+  DagNode sum;
+  sum.kind = NodeKind::AllReduce;
+  sum.family = dag.family_index({dag.device_sets.intern(pairs), 2, 1, "tied-embedding"});
+  sum.devices = dag.families[static_cast<std::size_t>(sum.family)].devices;
+  sum.stream = "tied";
+  sum.bytes = hs.copy_local_params() * gradient_bytes_per_element(dag.training);
+  sum.segment = head;
+  sum.buffer_segments = {embed, head};
+  sum.label = "ALL_REDUCE tied embedding s" + std::to_string(embed) + "+s" + std::to_string(head);
+  const Vertex vs = cx.add(sum);
+  for (auto v : dag.live_nodes()) {
+    if (v == vs) continue;
+    const auto& n = cx.node(v);
+    const int side = n.devices == e ? embed : n.devices == h ? head : -1;
+    const bool mine = side >= 0 && n.segment == side;
+    if (n.kind == NodeKind::Compute && mine && (n.pass == Pass::B || n.pass == Pass::BW))
+      dag.add_edge(v, vs, {EdgeKind::Data, sum.bytes, "grad"});
+    // Reductions and updates of the buffers holding the table (each on its own side's devices).
+    const bool reduces = n.kind == NodeKind::Update || n.kind == NodeKind::ReduceScatter ||
+                         (n.kind == NodeKind::AllReduce && n.family != sum.family);
+    const auto& bs = n.buffer_segments;
+    if (reduces && (std::find(bs.begin(), bs.end(), embed) != bs.end() || std::find(bs.begin(), bs.end(), head) != bs.end()))
+      dag.add_edge(vs, v, {EdgeKind::Data, sum.bytes, "grad"});
+  }
+}
+
 // UPD costs once sharding is known: AdamW reads/writes parameters, gradients and the optimizer
 // states of this device's shard (ZeRO: Rajbhandari et al. 2020, 2 + 2 + 12 bytes per parameter in
 // mixed precision), at about 10 FLOPs per parameter. The step also reads every gradient once for
@@ -1272,6 +1332,7 @@ void apply_directives_in_place(GlobalDag& dag, const DirectiveProgram& program, 
 
   each(std::type_identity<ShardDirective>{}, [&](const ShardDirective& d, int i) { apply_shard(cx, d, i), after("shard", i, true); });
   each(std::type_identity<ReplicateDirective>{}, [&](const ReplicateDirective& d, int i) { apply_replicate(cx, d, i), after("replicate", i, true); });
+  link_tied_embedding(cx);
   phase_done();
   cost_updates(cx);
   each(std::type_identity<OrderDirective>{}, [&](const OrderDirective& d, int i) { apply_order(cx, d, i), after("order", i, true); });

@@ -303,51 +303,39 @@ void HostBackend::setup_tied(const core::Program& program) {
                                               "bidirectional placement); the host backend pairs each embedding with one head copy and does not run it",
                                               who, de[p]));
   const int pe = program.position_in(se.devices, device_), ph = program.position_in(sh.devices, device_);
-  int color = MPI_UNDEFINED, key = 0;
-  if (pe >= 0 || ph >= 0) {
-    tied_.embed_seg = pe >= 0 ? e : -1;
-    tied_.head_seg = ph >= 0 ? h : -1;
-    tied_.local = pe >= 0 && ph >= 0;
-    if (!tied_.local) color = pe >= 0 ? pe : ph, key = pe >= 0 ? 0 : 1;
-  }
-  // Collective over all ranks (every rank reads the same plan and reaches this point).
-  check_mpi(MPI_Comm_split(world_, color, key, &tied_.pair), "MPI_Comm_split (tied embeddings)");
-  if (tied_.pair != MPI_COMM_NULL) MPI_Comm_set_errhandler(tied_.pair, MPI_ERRORS_RETURN);
+  if (pe < 0 && ph < 0) return;
+  tied_.embed_seg = pe >= 0 ? e : -1;
+  tied_.head_seg = ph >= 0 ? h : -1;
+  tied_.local = pe >= 0 && ph >= 0;
+  if (tied_.local) return;
+  // Across devices: this device's plan must sum the table with its partner, once per step.
+  int sums = 0;
+  for (const auto& st : program.plan_for(device_).streams)
+    sums += static_cast<int>(std::count_if(st.ops.begin(), st.ops.end(), [&](const core::Op& op) { return is_tied_sum(op); }));
+  if (sums != 1)
+    throw std::invalid_argument(fmt::format("{}, but device {}'s plan holds {} tied-embedding ALL_REDUCE ops, not 1 (a plan from an older "
+                                            "piper: compile it again)",
+                                            who, device_, sums));
 }
 
+bool HostBackend::is_tied_sum(const core::Op& op) const {
+  return op.kind == core::OpKind::AllReduce && op.family >= 0 && static_cast<std::size_t>(op.family) < program_.families.size() &&
+         program_.families[static_cast<std::size_t>(op.family)].purpose == "tied-embedding";
+}
+
+// V placements: both copies on this device; they are added once both segments' backwards are done.
 void HostBackend::tied_backward_done(int seg) {
-  if (seg != tied_.embed_seg && seg != tied_.head_seg) return;
-  if (++tied_.backward_done[seg] != shape_.microbatches) return;
-  if (tied_.local) {
-    if (tied_.backward_done[tied_.embed_seg] != shape_.microbatches || tied_.backward_done[tied_.head_seg] != shape_.microbatches) return;
-    auto a = model_->tied_grads(tied_.embed_seg), b = model_->tied_grads(tied_.head_seg);
-    if (a.size() != b.size()) throw RuntimeError("runtime: the tied embedding's two copies differ in size");
-    for (std::size_t i = 0; i < a.size(); ++i) a[i] = b[i] = a[i] + b[i];
-    tied_.started = tied_.finished = true;
-    return;
-  }
-  auto g = model_->tied_grads(seg);
-  tied_.buffer.assign(g.begin(), g.end());
-  if (tied_.buffer.size() > static_cast<std::size_t>(std::numeric_limits<int>::max())) throw RuntimeError("runtime: the tied embedding exceeds MPI's int count");
-  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, tied_.buffer.data(), static_cast<int>(tied_.buffer.size()), MPI_FLOAT, MPI_SUM, tied_.pair, &tied_.request),
-            "MPI_Iallreduce (tied embeddings)");
-  tied_.started = true;
-}
-
-bool HostBackend::tied_ready() {
-  if (tied_.finished) return true;
-  if (!tied_.started || tied_.local) return false;
-  int done = 0;
-  check_mpi(MPI_Test(&tied_.request, &done, MPI_STATUS_IGNORE), "MPI_Test (tied embeddings)");
-  if (!done) return false;
-  auto g = model_->tied_grads(tied_.embed_seg >= 0 ? tied_.embed_seg : tied_.head_seg);
-  std::copy(tied_.buffer.begin(), tied_.buffer.end(), g.begin());
+  if (!tied_.local || (seg != tied_.embed_seg && seg != tied_.head_seg)) return;
+  ++tied_.backward_done[seg];
+  if (tied_.backward_done[tied_.embed_seg] != shape_.microbatches || tied_.backward_done[tied_.head_seg] != shape_.microbatches) return;
+  auto a = model_->tied_grads(tied_.embed_seg), b = model_->tied_grads(tied_.head_seg);
+  if (a.size() != b.size()) throw RuntimeError("runtime: the tied embedding's two copies differ in size");
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = b[i] = a[i] + b[i];
   tied_.finished = true;
-  return true;
 }
 
 bool HostBackend::touches_tied(const core::Op& op) const {
-  if (tied_.embed_seg < 0 && tied_.head_seg < 0) return false;
+  if (!tied_.local || tied_.finished) return false;
   if (op.kind != core::OpKind::AllReduce && op.kind != core::OpKind::ReduceScatter && op.kind != core::OpKind::Update) return false;
   return std::any_of(op.segments.begin(), op.segments.end(), [&](int s) { return s == tied_.embed_seg || s == tied_.head_seg; });
 }
@@ -369,7 +357,6 @@ void HostBackend::match_posted_receives() {
 
 HostBackend::~HostBackend() {
   tp_comms_.clear();
-  if (tied_.pair != MPI_COMM_NULL) MPI_Comm_free(&tied_.pair);
   for (auto& c : family_comm_)
     if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
   if (world_ != MPI_COMM_NULL) MPI_Comm_free(&world_);
@@ -408,13 +395,12 @@ void HostBackend::end_step() {
   if ((tied_.embed_seg >= 0 || tied_.head_seg >= 0) && !tied_.finished)
     throw RuntimeError(fmt::format("runtime: device {} ended step {} before its tied-embedding gradients were summed", device_, step_));
   tied_.backward_done.clear();
-  tied_.started = tied_.finished = false;
-  tied_.request = MPI_REQUEST_NULL;
+  tied_.finished = false;
   ++steps_done_;
 }
 
 bool HostBackend::start(const core::OpRef& at, const core::Op& op) {
-  if (touches_tied(op) && !tied_ready()) {
+  if (touches_tied(op)) {
     auto p = std::make_unique<Pending>();
     p->deferred = true;
     pending_[at] = std::move(p);
@@ -490,10 +476,15 @@ void HostBackend::start_comm(const core::OpRef& at, const core::Op& op) {
       p->tag = op.node;
       break;
     case core::OpKind::AllReduce: {
-      // Whole gradients; with ZeRO (HSDP's all-reduce across shard groups) the reduced chunks.
-      for (int s : op.segments) {
-        const auto& g = reduced_grads(model_->segment(s));
-        p->send.insert(p->send.end(), g.begin(), g.end());
+      if (is_tied_sum(op)) {  // this device's copy of the tied table: its local gradient
+        const auto g = model_->tied_grads(tied_.embed_seg >= 0 ? tied_.embed_seg : tied_.head_seg);
+        p->send.assign(g.begin(), g.end());
+      } else {
+        // Whole gradients; with ZeRO (HSDP's all-reduce across shard groups) the reduced chunks.
+        for (int s : op.segments) {
+          const auto& g = reduced_grads(model_->segment(s));
+          p->send.insert(p->send.end(), g.begin(), g.end());
+        }
       }
       check_mpi(MPI_Iallreduce(MPI_IN_PLACE, p->send.data(), static_cast<int>(p->send.size()), MPI_FLOAT, MPI_SUM, comm_of(op), &p->request),
                 "MPI_Iallreduce");
@@ -584,7 +575,7 @@ bool HostBackend::poll(const core::OpRef& at, const core::Op& op) {
   if (it == pending_.end()) throw RuntimeError(fmt::format("runtime: polled an op that is not in flight: {}", op.label));
   Pending& p = *it->second;
   if (p.deferred) {
-    if (!tied_ready()) return false;
+    if (touches_tied(op)) return false;
     pending_.erase(it);
     return start(at, op);
   }
@@ -611,6 +602,12 @@ void HostBackend::finish_comm(const core::Op& op, Pending& p) {
       break;
     }
     case core::OpKind::AllReduce: {
+      if (is_tied_sum(op)) {
+        auto g = model_->tied_grads(tied_.embed_seg >= 0 ? tied_.embed_seg : tied_.head_seg);
+        std::copy(p.send.begin(), p.send.end(), g.begin());
+        tied_.finished = true;
+        break;
+      }
       std::size_t at = 0;
       for (int s : op.segments) {
         auto& g = reduced_grads(model_->segment(s));

@@ -2,7 +2,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <map>
+#include <vector>
 
 #include "piper/core/error.hpp"
 #include "piper/core/limits.hpp"
@@ -171,6 +173,73 @@ TEST(Scenario, TiedEmbeddingCopyIsCostedOnTheHeadsStage) {
   EXPECT_EQ(v[BufferKind::OptimizerStates], table * 12);
 }
 
+// The two copies' gradients are summed by a plan op: one ALL_REDUCE per device over the pair
+// (embedding device p, head device p), of the copy's V*h gradient elements, after the device's last
+// backward of its segment and before every reduction and update of that segment on the device. None
+// for one stage or a V placement (one device holds both: a local sum).
+TEST(Scenario, TiedCopiesAreSummedByAPairAllReduce) {
+  auto compile = [](int pp, int dp, int zero, const std::string& schedule) {
+    Scenario s;
+    s.model = std::string(PIPER_SOURCE_DIR) + "/examples/models/gpt-small.json";
+    s.strategy.pp = pp, s.strategy.dp = dp, s.strategy.zero = zero, s.strategy.schedule = schedule;
+    s.strategy.microbatches = 2 * pp;
+    if (schedule == "zb-v") s.strategy.virtual_stages = 2;
+    return compile_scenario(s).result.program;
+  };
+  auto tied_family = [](const Program& p) {
+    int found = -1;
+    for (std::size_t f = 0; f < p.families.size(); ++f)
+      if (p.families[f].purpose == "tied-embedding") found = static_cast<int>(f);
+    return found;
+  };
+  for (int zero : {0, 2}) {
+    SCOPED_TRACE(zero);
+    const Program p = compile(2, 2, zero, "1f1b");
+    const int fam = tied_family(p);
+    ASSERT_GE(fam, 0);
+    int embed = -1, head = -1;
+    for (std::size_t s = 0; s < p.segments.size(); ++s) {
+      if (p.segments[s].first_layer == 0) embed = static_cast<int>(s);
+      if (p.segments[s].last_layer == p.segments.back().last_layer) head = static_cast<int>(s);
+    }
+    ASSERT_NE(embed, head);
+    const auto& de = p.device_sets.at(static_cast<std::size_t>(p.segments[static_cast<std::size_t>(embed)].devices));
+    const auto& dh = p.device_sets.at(static_cast<std::size_t>(p.segments[static_cast<std::size_t>(head)].devices));
+    ASSERT_EQ(de.size(), 2u);
+    for (std::size_t i = 0; i < de.size(); ++i) {
+      EXPECT_EQ(p.group_of(fam, de[i]), (std::vector<int>{de[i], dh[i]}));
+      EXPECT_EQ(p.group_of(fam, dh[i]), (std::vector<int>{de[i], dh[i]}));
+    }
+    for (int d = 0; d < p.num_devices; ++d) {
+      const Plan& plan = p.plan_for(d);
+      const int mine = std::find(de.begin(), de.end(), d) != de.end() ? embed : head;
+      std::vector<OpRef> sums;
+      OpRef last_backward{-1, -1};
+      for (int st = 0; st < static_cast<int>(plan.streams.size()); ++st)
+        for (int i = 0; i < static_cast<int>(plan.streams[static_cast<std::size_t>(st)].ops.size()); ++i) {
+          const Op& op = plan.streams[static_cast<std::size_t>(st)].ops[static_cast<std::size_t>(i)];
+          if (op.family == fam) sums.push_back({st, i});
+          if (op.kind == OpKind::Compute && op.segment == mine && op.pass == Pass::B) last_backward = {st, i};
+        }
+      ASSERT_EQ(sums.size(), 1u) << "device " << d;
+      const Op& sum = plan.streams[static_cast<std::size_t>(sums[0].stream)].ops[static_cast<std::size_t>(sums[0].index)];
+      EXPECT_EQ(sum.bytes, 50257LL * 768 * 2);  // bf16 gradients (no fp32 main grads in this spec)
+      EXPECT_NE(std::find(sum.waits.begin(), sum.waits.end(), last_backward), sum.waits.end()) << "device " << d;
+      int readers = 0;
+      for (const auto& st : plan.streams)
+        for (const auto& op : st.ops) {
+          const bool reads = op.kind == OpKind::Update || op.kind == OpKind::ReduceScatter || (op.kind == OpKind::AllReduce && op.family != fam);
+          if (!reads || std::find(op.segments.begin(), op.segments.end(), mine) == op.segments.end()) continue;
+          ++readers;
+          EXPECT_NE(std::find(op.waits.begin(), op.waits.end(), sums[0]), op.waits.end()) << op.label << " on device " << d;
+        }
+      EXPECT_EQ(readers, 2) << "device " << d;  // its data-parallel reduction and its update
+    }
+  }
+  EXPECT_LT(tied_family(compile(1, 2, 0, "1f1b")), 0);
+  EXPECT_LT(tied_family(compile(2, 1, 0, "zb-v")), 0);
+}
+
 // The copy is state like the head's own weight: with the head on its own stage, a tied model's head
 // stage reduces, updates and accumulates as many gradient elements as the untied model's (whose head
 // owns a V*h matrix). Read from the plans: the head stage's data-parallel ALL_REDUCE bytes, its UPD's
@@ -197,7 +266,7 @@ TEST(Scenario, TiedCopyIsReducedAndUpdatedLikeAnUntiedHead) {
     const Plan& plan = p.plan_for(p.num_devices - 1);  // the last device holds the last stage
     for (const auto& st : plan.streams)
       for (const auto& op : st.ops) {
-        if (op.kind == OpKind::AllReduce) h.reduced += op.bytes;
+        if (op.kind == OpKind::AllReduce && p.families.at(static_cast<std::size_t>(op.family)).purpose != "tied-embedding") h.reduced += op.bytes;
         if (op.kind == OpKind::Update) h.upd_bytes += op.memory_bytes, h.upd_flops += op.flops;
         if (op.kind == OpKind::Compute && op.pass == Pass::B) h.backward_elementwise += op.elementwise_bytes;
       }

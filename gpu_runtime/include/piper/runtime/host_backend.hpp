@@ -64,20 +64,20 @@ class HostBackend : public Backend {
   class MpiTpComm;
   // Tied embeddings (GPT) with the embedding and the head in different segments: the two copies'
   // gradients are summed once both are complete (after the segment's last backward of the step),
-  // before anything reads them (the data-parallel reduction, the update).
+  // before anything reads them (the data-parallel reduction, the update). Across devices the plan's
+  // "tied-embedding" ALL_REDUCE does it (the plan orders it); on one device (V placements) the
+  // backend adds the two after the later segment's last backward, and holds the reductions and the
+  // update that read them until then.
   struct TiedSync {
     int embed_seg = -1, head_seg = -1;   // the segments, when they differ and this device holds one
     bool local = false;                  // this device holds both (same data and TP rank)
-    MPI_Comm pair = MPI_COMM_NULL;       // remote: this device and its partner
     std::map<int, int> backward_done;    // segment -> B/BW ops run this step
-    MPI_Request request = MPI_REQUEST_NULL;
-    std::vector<float> buffer;
-    bool started = false, finished = false;
+    bool finished = false;               // the sum is in place for this step
   };
   void setup_tied(const core::Program& program);
   void tied_backward_done(int seg);
-  bool tied_ready();                      // progresses the exchange; true once the sum is in place
-  bool touches_tied(const core::Op& op) const;
+  bool touches_tied(const core::Op& op) const;  // a local sum still due before this op
+  bool is_tied_sum(const core::Op& op) const;
   // Posts the receive of every in-flight RECV whose message has arrived (also while a compute op
   // blocks in a TP collective).
   void match_posted_receives();
