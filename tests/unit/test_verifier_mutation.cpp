@@ -399,6 +399,7 @@ std::vector<Mutation> mutations_of(const Program& clean, int device, int& benign
 struct Variant {
   std::string name;
   StrategyOptions o;
+  std::string model = "qwen3-9m";
 };
 
 std::vector<Variant> variants() {
@@ -418,6 +419,11 @@ std::vector<Variant> variants() {
     add("pp2 dp2 ep2 zero1", 2, 2, 2, 1, v);
     add("pp2 dp4 ep2 zero3", 2, 4, 2, 3, v);
     add("pp2 dp4 zero2 hsdp2", 2, 4, 1, 2, v, 2);  // two collective families per bucket (HSDP)
+    // A tied GPT: the first and the last stage sum the table's gradient over pairs (tied-embedding).
+    if (family.name == "1f1b" || looped) {
+      add("gpt tied pp2 dp2 zero1", 2, 2, 1, 1, v);
+      out.back().model = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-gpt.json";
+    }
   }
   return out;
 }
@@ -451,7 +457,7 @@ TEST(VerifierMutation, EveryInjectedFaultIsCaughtNamingDeviceAndOp) {
   std::vector<std::string> misses;
   for (const auto& v : variants()) {
     Scenario s;
-    s.model = "qwen3-9m";
+    s.model = v.model;
     s.strategy = v.o;
     Program clean;
     try {
