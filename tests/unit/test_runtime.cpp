@@ -357,6 +357,27 @@ TEST(RuntimeFailure, GptTiedDualPipeIsRefusedInOneLine) {
   EXPECT_EQ(r.output.find("step "), std::string::npos) << r.output;
 }
 
+// Across devices the plan sums the tied copies (a "tied-embedding" ALL_REDUCE); a plan without it
+// (from before the op existed, here one whose family was relabelled) is refused before any step.
+TEST(RuntimeFailure, GptTiedPlanWithoutItsPairSumIsRefusedInOneLine) {
+  const fs::path dir = temp_dir("gpt-no-tied-sum");
+  const fs::path plan = compile_plan(dir, strategy(2, 2, 1, 0, 4, "1f1b"), "", kGpt);
+  json p = json::parse(std::ifstream(plan));
+  int relabelled = 0;
+  for (auto& f : p["families"])
+    if (f["purpose"] == "tied-embedding") f["purpose"] = "dp", ++relabelled;
+  ASSERT_EQ(relabelled, 1);
+  const fs::path old = dir / "old.json";
+  std::ofstream(old) << p.dump();
+  Result r = sh(mpirun(4) + PIPER_CLI + " run --plan " + old.string() + " --steps 1");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("piper: error: plan: model 'runtime-tiny-gpt' ties its head to the embedding, but device 0's plan holds 0 "
+                          "tied-embedding ALL_REDUCE ops, not 1 (a plan from an older piper: compile it again)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("step "), std::string::npos) << r.output;
+}
+
 TEST(RuntimeCheckpoint, ResumeReproducesTheUninterruptedRun) {
   const fs::path dir = temp_dir("checkpoint");
   const fs::path plan = compile_plan(dir, strategy(2, 2, 2, 2, 4, "1f1b"));
