@@ -954,14 +954,17 @@ void link_tied_embedding(PassContext& cx) {
       if (dag.layers.at(static_cast<std::size_t>(l)).kind == LayerKind::Embedding) embed = seg.index;
   }
   if (head < 0 || embed < 0) return;
+  // Each segment's device set; two sets for one segment (a mirrored placement's two copies): no op.
   DeviceSetId e = kNoDevices, h = kNoDevices;
+  bool mirrored = false;
+  auto note = [&](DeviceSetId& set, DeviceSetId d) { mirrored |= set != kNoDevices && set != d, set = d; };
   for (auto v : dag.live_nodes()) {
     const auto& n = cx.node(v);
     if (n.kind != NodeKind::Compute) continue;
-    if (n.segment == embed) e = n.devices;
-    if (n.segment == head) h = n.devices;
+    if (n.segment == embed) note(e, n.devices);
+    if (n.segment == head) note(h, n.devices);
   }
-  if (e == kNoDevices || h == kNoDevices) return;
+  if (mirrored || e == kNoDevices || h == kNoDevices) return;
   const std::vector<int>& de = dag.device_sets.at(e);
   const std::vector<int>& dh = dag.device_sets.at(h);
   if (de.size() != dh.size()) return;

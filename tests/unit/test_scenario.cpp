@@ -176,7 +176,7 @@ TEST(Scenario, TiedEmbeddingCopyIsCostedOnTheHeadsStage) {
 // The two copies' gradients are summed by a plan op: one ALL_REDUCE per device over the pair
 // (embedding device p, head device p), of the copy's V*h gradient elements, after the device's last
 // backward of its segment and before every reduction and update of that segment on the device. None
-// for one stage or a V placement (one device holds both: a local sum).
+// for one stage, a V placement (one device holds both: a local sum) or a mirrored one (DualPipe).
 TEST(Scenario, TiedCopiesAreSummedByAPairAllReduce) {
   auto compile = [](int pp, int dp, int zero, const std::string& schedule) {
     Scenario s;
@@ -238,6 +238,7 @@ TEST(Scenario, TiedCopiesAreSummedByAPairAllReduce) {
   }
   EXPECT_LT(tied_family(compile(1, 2, 0, "1f1b")), 0);
   EXPECT_LT(tied_family(compile(2, 1, 0, "zb-v")), 0);
+  EXPECT_LT(tied_family(compile(2, 2, 0, "dualpipe")), 0);  // mirrored: two copies per segment
 }
 
 // The copy is state like the head's own weight: with the head on its own stage, a tied model's head
