@@ -54,8 +54,25 @@ std::string csv_header(const std::vector<std::string>& columns) {
   return h;
 }
 
+namespace {
+
+// The columns an older version's file lacks, when `header` is one; empty otherwise.
+std::vector<std::string> missing_in_older_version(const std::string& header, const std::vector<std::string>& columns,
+                                                  const std::vector<std::vector<std::string>>& added) {
+  for (std::size_t since = 0; since < added.size(); ++since) {
+    std::vector<std::string> missing;
+    for (std::size_t k = since; k < added.size(); ++k) missing.insert(missing.end(), added[k].begin(), added[k].end());
+    std::vector<std::string> older = columns;
+    std::erase_if(older, [&](const std::string& c) { return std::find(missing.begin(), missing.end(), c) != missing.end(); });
+    if (header == csv_header(older)) return missing;
+  }
+  return {};
+}
+
+}  // namespace
+
 std::vector<std::vector<std::string>> read_results(const std::string& path, const std::vector<std::string>& columns,
-                                                   const std::string& kind) {
+                                                   const std::string& kind, const std::vector<std::vector<std::string>>& added) {
   std::vector<std::vector<std::string>> rows;
   std::error_code ec;
   if (!fs::exists(path, ec)) return rows;
@@ -85,10 +102,14 @@ std::vector<std::vector<std::string>> read_results(const std::string& path, cons
     pos = end + 1;
     line_no += 1;
     if (line_no == 1) {
-      if (line != header)
-        throw ResultsFileError(
-            fmt::format("{}: line 1: not a piper {} results file (header differs); choose another -o", path, kind));
-      continue;
+      if (line == header) continue;
+      const std::vector<std::string> missing = missing_in_older_version(line, columns, added);
+      if (missing.empty())
+        throw ResultsFileError(fmt::format("{}: line 1: not a piper {} results file (header differs); choose another -o", path, kind));
+      std::string names = missing.back();
+      if (missing.size() > 1) names = fmt::format("{} and {}", fmt::join(missing.begin(), missing.end() - 1, ", "), missing.back());
+      throw ResultsFileError(fmt::format("{}: line 1: written by an older piper {} (no {} column{}); choose another -o", path, kind,
+                                         names, missing.size() > 1 ? "s" : ""));
     }
     auto fields = csv_split(line);
     if (fields.size() != columns.size())

@@ -213,7 +213,7 @@ const std::vector<std::string>& sweep_csv_columns() {
   static const std::vector<std::string> columns = {
       "key", "model", "cluster", "engine", "pp", "dp", "ep", "zero", "schedule", "microbatches", "virtual",
       "bucket_mb", "seq_len", "micro_batch_size", "tp", "sequence_parallel", "recompute", "global_batch", "comm_sms", "dp_shard", "devices", "step_time_s", "tokens_per_s", "mfu",
-      "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s", "status", "reason"};
+      "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s", "tp_comm_s", "status", "reason"};
   return columns;
 }
 
@@ -222,11 +222,11 @@ std::string sweep_csv_header() { return csv_header(sweep_csv_columns()); }
 std::string to_csv(const SweepRow& r) {
   const SweepPoint& p = r.point;
   // {} prints doubles in their shortest round-trip form, so rows compare exactly across runs.
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(p.key()),
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(p.key()),
                      csv_field(p.model), csv_field(p.cluster), csv_field(p.engine), p.pp, p.dp, p.ep, p.zero,
                      csv_field(p.schedule), p.microbatches, p.virtual_stages, p.bucket_mb, p.seq_len,
                      p.micro_batch_size, p.tp, p.sequence_parallel ? 1 : 0, p.recompute, p.global_batch, p.comm_sms, p.dp_shard, r.devices, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
-                     r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.status,
+                     r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.tp_comm_s, r.status,
                      csv_field(one_line(r.reason)));
 }
 
@@ -261,6 +261,7 @@ nlohmann::json to_json(const SweepRow& r) {
           {"oom", r.oom},
           {"compile_time_s", r.compile_time_s},
           {"simulate_time_s", r.simulate_time_s},
+          {"tp_comm_s", r.tp_comm_s},
           {"status", r.status},
           {"reason", one_line(r.reason)}};
 }
@@ -298,6 +299,7 @@ Outcome simulate_outcome(const core::Scenario& scenario, const std::string& clus
     out.oom = r.oom;
     out.compile_time_s = r.compile_time_s;
     out.simulate_time_s = r.simulate_time_s;
+    out.tp_comm_s = r.critical_path.tp_s;
     out.status = "ok";
   } catch (const std::exception& e) {
     out.status = "error";
@@ -330,13 +332,17 @@ SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
   SweepRow row;
   row.point = p;
   copy_outcome(o, row);
+  row.tp_comm_s = o.tp_comm_s;
   return row;
 }
 
 std::set<std::string> repair_results(const std::string& path) {
   std::set<std::string> keys;
   try {
-    for (const auto& fields : read_results(path, sweep_csv_columns(), "sweep")) keys.insert(fields.front());
+    // The columns each later version added, oldest first (a new column is one more entry here).
+    static const std::vector<std::vector<std::string>> added = {
+        {"tp", "sequence_parallel", "recompute", "global_batch"}, {"comm_sms"}, {"dp_shard"}, {"tp_comm_s"}};
+    for (const auto& fields : read_results(path, sweep_csv_columns(), "sweep", added)) keys.insert(fields.front());
   } catch (const ResultsFileError& e) {
     throw SweepError(e.what());
   }

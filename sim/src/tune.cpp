@@ -970,34 +970,13 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
 }
 
 std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* spec) {
+  // The columns each later version added, oldest first (a new column is one more entry here).
+  static const std::vector<std::vector<std::string>> added = {
+      {"tp", "sequence_parallel", "recompute", "rank_order"}, {"comm_sms"}, {"dp_shard"}};
   std::vector<std::vector<std::string>> rows;
   try {
-    rows = read_results(csv_path, tune_csv_columns(), "tune");
+    rows = read_results(csv_path, tune_csv_columns(), "tune", added);
   } catch (const ResultsFileError& e) {
-    // A file from before TP and recomputation were searched has the same columns less three. Its rows
-    // could be read, but new rows could not be appended under its header, so it is refused by name
-    // rather than rewritten behind the user's back.
-    std::ifstream in(csv_path);
-    std::string header;
-    std::getline(in, header);
-    auto without = [](std::set<std::string> gone) {
-      std::vector<std::string> older = tune_csv_columns();
-      std::erase_if(older, [&](const std::string& c) { return gone.count(c) > 0; });
-      return csv_header(older);
-    };
-    // The columns each later version added, oldest first: a file of an older version lacks those of
-    // its successors. A new column is one more entry here.
-    static const std::vector<std::vector<std::string>> added = {
-        {"tp", "sequence_parallel", "recompute", "rank_order"}, {"comm_sms"}, {"dp_shard"}};
-    for (std::size_t since = 0; in && since < added.size(); ++since) {
-      std::vector<std::string> missing;
-      for (std::size_t k = since; k < added.size(); ++k) missing.insert(missing.end(), added[k].begin(), added[k].end());
-      if (header != without(std::set<std::string>(missing.begin(), missing.end()))) continue;
-      std::string names = missing.back();
-      if (missing.size() > 1) names = fmt::format("{} and {}", fmt::join(missing.begin(), missing.end() - 1, ", "), missing.back());
-      throw TuneError(fmt::format("{}: line 1: written by an older piper tune (no {} column{}); choose another -o", csv_path, names,
-                                  missing.size() > 1 ? "s" : ""));
-    }
     throw TuneError(e.what());
   }
   std::vector<TuneRow> out;

@@ -245,3 +245,46 @@ TEST(Sweep, DpShardIsAnAxis) {
     EXPECT_EQ(std::string(e.what()), "bad.json: field 'dp_shard': -2 is negative (0: plain ZeRO, N >= 2: HSDP over groups of N replicas)");
   }
 }
+
+// tp_comm_s is the report's TP collective time on the critical path: 0 without TP, the direct
+// simulation's figure with it.
+TEST(Sweep, TpCommColumnIsTheCriticalPathsTpTime) {
+  const SweepSpec spec = SweepSpec::from_json(
+      json::parse(R"({"model": "qwen3-9m", "cluster": "dgx-a100-80g", "pp": 1, "dp": 1, "microbatches": 2, "tp": [1, 2]})"), "spec.json");
+  std::map<int, SweepRow> rows;
+  for (const auto& p : expand(spec)) rows[p.tp] = run_point(p);
+  ASSERT_EQ(rows.at(1).status, "ok") << rows.at(1).reason;
+  ASSERT_EQ(rows.at(2).status, "ok") << rows.at(2).reason;
+  EXPECT_EQ(rows.at(1).tp_comm_s, 0);
+  core::Scenario s;
+  s.model = "qwen3-9m";
+  s.strategy.tp = 2, s.strategy.microbatches = 2;
+  SimulateOptions options;
+  options.cluster = "dgx-a100-80g";
+  options.engine = "analytic";
+  const double direct = simulate(s, options).report.critical_path.tp_s;
+  EXPECT_GT(direct, 0);
+  EXPECT_EQ(rows.at(2).tp_comm_s, direct);
+  EXPECT_EQ(std::stod(field(to_csv(rows.at(2)), "tp_comm_s")), direct);
+  EXPECT_EQ(to_json(rows.at(2)).at("tp_comm_s"), direct);
+}
+
+// A file an older piper sweep wrote (the header less the columns added since) is refused by name and
+// left as it was.
+TEST(Sweep, RefusesAnOlderSweepFileNamingTheMissingColumns) {
+  const fs::path csv = temp_csv("older");
+  std::vector<std::string> older = sweep_csv_columns();
+  std::erase_if(older, [](const std::string& c) { return c == "dp_shard" || c == "tp_comm_s"; });
+  std::string header;
+  for (const auto& c : older) header += (header.empty() ? "" : ",") + c;
+  std::ofstream(csv) << header << "\n";
+  try {
+    run_sweep(small_spec(), csv.string());
+    ADD_FAILURE() << "an older results file was accepted";
+  } catch (const SweepError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              csv.string() + ": line 1: written by an older piper sweep (no dp_shard and tp_comm_s columns); choose another -o");
+  }
+  EXPECT_EQ(lines_of(csv), std::vector<std::string>{header});
+  fs::remove(csv);
+}

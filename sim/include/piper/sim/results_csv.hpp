@@ -32,9 +32,13 @@ std::string csv_header(const std::vector<std::string>& columns);
 // Reads a results file for resuming: cuts a trailing partial line (a run killed mid-write) off the
 // file and returns the fields of every complete data row. `kind` names the file type in errors
 // ("sweep", "tune"). Throws ResultsFileError if the header differs from `columns` or a row has the
-// wrong field count. A missing or empty file yields no rows (and is not created).
+// wrong field count. A missing or empty file yields no rows (and is not created). `added` lists the
+// columns each later version of the file added, oldest first: a header that is `columns` less those
+// of one version and all later ones is refused as an older piper's file, naming what it lacks (its
+// rows could be read, but new rows could not be appended under its header).
 std::vector<std::vector<std::string>> read_results(const std::string& csv_path, const std::vector<std::string>& columns,
-                                                   const std::string& kind);
+                                                   const std::string& kind,
+                                                   const std::vector<std::vector<std::string>>& added = {});
 
 // Appends rows to a results file, writing the header first when the file is new or empty. Each
 // append is one write + flush under a lock, so a kill can only cut the row being written.

@@ -76,6 +76,7 @@ struct SweepRow {
   std::int64_t peak_memory_bytes = 0;  // max over devices
   bool oom = false;
   double compile_time_s = 0, simulate_time_s = 0;
+  double tp_comm_s = 0;                // TP collectives (inside compute ops) on the critical path
 };
 
 // CSV columns (the first is `key`) and one row without its newline; fields are quoted when needed.
@@ -94,6 +95,7 @@ struct Outcome {
   std::int64_t peak_memory_bytes = 0;  // max over devices
   bool oom = false;
   double compile_time_s = 0, simulate_time_s = 0;
+  double tp_comm_s = 0;                // the report's critical_path.tp_s
 };
 // Copies an outcome into a results row (SweepRow, TuneRow: the same field names).
 template <typename Row>
