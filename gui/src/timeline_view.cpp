@@ -705,6 +705,9 @@ QString TimelineView::describe(const Hit& hit) const {
     if (!tags.isEmpty()) html += "<br>tags " + tags.join(", ");
     if (l.microbatch[pos] >= 0) html += QString("<br>microbatch %1").arg(l.microbatch[pos]);
     if (op->flops > 0) html += QString("<br>%1 GFLOP").arg(op->flops / 1e9, 0, 'f', 2);
+    if (op->recompute_flops > 0) html += QString(" (%1 recomputed)").arg(op->recompute_flops / 1e9, 0, 'f', 2);
+    if (op->tp_collectives > 0)
+      html += QString("<br>%1 TP collective%2 inside, %3").arg(op->tp_collectives).arg(op->tp_collectives > 1 ? "s" : "").arg(format_bytes(static_cast<double>(op->tp_bytes)));
     if (op->bytes > 0) html += "<br>" + format_bytes(static_cast<double>(op->bytes));
     if ((op->kind == core::OpKind::Send || op->kind == core::OpKind::Recv) && t.timeline)
       html += QString("<br>peer device %1").arg(t.timeline->program->peer_of(*op, r.device));

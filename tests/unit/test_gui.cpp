@@ -155,6 +155,37 @@ TEST(GuiStudio, PresetPanelCarriesTensorParallelAndHybridShardingKnobs) {
   EXPECT_GT(hybrid, 0);
 }
 
+// An op's tooltip says how many TP collectives it runs inside itself, and what it recomputes.
+TEST(GuiStudio, TooltipOfATensorParallelOpNamesItsCollectives) {
+  Studio s;
+  core::Scenario sc = small_scenario();
+  sc.strategy.pp = 1, sc.strategy.dp = 1, sc.strategy.tp = 2, sc.strategy.recompute = "selective";
+  s.window.load_scenario(sc, /*synchronous=*/true);
+  ASSERT_TRUE(s.window.run_a()) << s.window.error_text().toStdString();
+  TimelineView* view = s.window.view();
+  const core::Timeline& tl = *s.window.run_a()->timeline;
+  const core::Plan& plan = tl.program->plan_for(0);
+  OpKey backward;
+  for (int st = 0; st < static_cast<int>(plan.streams.size()) && !backward.valid(); ++st)
+    for (int i = 0; i < static_cast<int>(plan.streams[static_cast<std::size_t>(st)].ops.size()); ++i) {
+      const core::Op& op = plan.streams[static_cast<std::size_t>(st)].ops[static_cast<std::size_t>(i)];
+      if (op.kind == core::OpKind::Compute && op.pass == core::Pass::B && op.tp_collectives > 0 && op.recompute_flops > 0) {
+        backward = {0, st, i};
+        break;
+      }
+    }
+  ASSERT_TRUE(backward.valid());
+  const core::Op& op = tl.op(0, core::OpSpan{backward.stream, backward.index, 0, 0});
+  for (const auto& sp : tl.devices[0].spans)
+    if (sp.stream == backward.stream && sp.index == backward.index)
+      view->set_time_range(sp.start_s - (sp.end_s - sp.start_s), sp.end_s + (sp.end_s - sp.start_s));
+  auto centre = view->op_centre(0, backward);
+  ASSERT_TRUE(centre);
+  const QString text = view->describe(view->hit_at(*centre));
+  EXPECT_NE(text.indexOf(QString("%1 TP collective").arg(op.tp_collectives)), -1) << text.toStdString();
+  EXPECT_NE(text.indexOf("recomputed"), -1) << text.toStdString();
+}
+
 TEST(GuiStudio, ClickSelectsTheOpUnderTheCursorAndItsCrossDeviceDependencies) {
   Studio s;
   TimelineView* view = s.window.view();
