@@ -332,7 +332,6 @@ SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
   SweepRow row;
   row.point = p;
   copy_outcome(o, row);
-  row.tp_comm_s = o.tp_comm_s;
   return row;
 }
 

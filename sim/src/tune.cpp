@@ -879,20 +879,20 @@ const std::vector<std::string>& tune_csv_columns() {
       "recompute", "comm_sms", "dp_shard", "zero", "schedule", "virtual",
       "microbatches", "micro_batch_size", "placement", "pp_ranges", "rank_order", "engine", "estimated_memory_bytes", "step_time_s",
       "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s",
-      "status", "reason"};
+      "tp_comm_s", "status", "reason"};
   return columns;
 }
 
 std::string to_csv(const TuneSpec& spec, const TuneRow& r) {
   const TuneCandidate& c = r.candidate;
   // {} prints doubles in their shortest round-trip form, so a row read back compares exactly.
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                      csv_field(c.key()), csv_field(spec.model), csv_field(spec.cluster), spec.devices,
                      spec.effective_global_batch(), spec.seq_len, c.pp, c.dp, c.ep, c.tp, c.sequence_parallel ? 1 : 0,
                      csv_field(c.recompute), c.comm_sms, c.dp_shard, c.zero, csv_field(c.schedule),
                      c.virtual_stages, c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '), join(c.rank_order, ' '),
                      r.engine, r.estimated_memory_bytes, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
-                     r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.status,
+                     r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.tp_comm_s, r.status,
                      csv_field(one_line(r.reason)));
 }
 
@@ -959,6 +959,7 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
   r.oom = integer("oom") != 0;
   r.compile_time_s = number("compile_time_s");
   r.simulate_time_s = number("simulate_time_s");
+  r.tp_comm_s = number("tp_comm_s");
   if (spec) {
     spec->model = at("model");
     spec->cluster = at("cluster");
@@ -972,7 +973,7 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
 std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* spec) {
   // The columns each later version added, oldest first (a new column is one more entry here).
   static const std::vector<std::vector<std::string>> added = {
-      {"tp", "sequence_parallel", "recompute", "rank_order"}, {"comm_sms"}, {"dp_shard"}};
+      {"tp", "sequence_parallel", "recompute", "rank_order"}, {"comm_sms"}, {"dp_shard"}, {"tp_comm_s"}};
   std::vector<std::vector<std::string>> rows;
   try {
     rows = read_results(csv_path, tune_csv_columns(), "tune", added);

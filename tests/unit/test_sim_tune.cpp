@@ -610,3 +610,35 @@ TEST(Tune, DpShardIsASearchAxis) {
     EXPECT_STREQ(e.what(), "--dp-shard: 1 is not a group size (0: plain ZeRO, N >= 2: HSDP over groups of N replicas)");
   }
 }
+
+// Each row carries the TP collectives' time on its critical path, the simulation's own figure, and
+// keeps it through the CSV; 0 for candidates without TP.
+TEST(Tune, RowsCarryTheCriticalPathsTpTime) {
+  TuneSpec spec = small_spec();
+  spec.devices = 2;
+  spec.global_batch = 4;
+  spec.micro_batch_sizes = {1};
+  spec.zero_levels = {0};
+  spec.max_virtual = 1;
+  spec.schedules = {"1f1b"};
+  spec.tp_degrees = {1, 2};
+  const fs::path csv = temp_csv("tp_comm");
+  run_tune(spec, csv.string());
+  int with_tp = 0, without = 0;
+  for (const auto& r : read_tune_results(csv.string())) {
+    if (r.status != "ok") continue;
+    if (r.candidate.tp == 1) {
+      EXPECT_EQ(r.tp_comm_s, 0) << r.candidate.key();
+      ++without;
+      continue;
+    }
+    ++with_tp;
+    const TuneRow direct = evaluate_candidate(spec, r.candidate, r.engine);
+    EXPECT_GT(direct.tp_comm_s, 0) << r.candidate.key();
+    EXPECT_EQ(r.tp_comm_s, direct.tp_comm_s) << r.candidate.key();
+    EXPECT_LT(r.tp_comm_s, r.step_time_s) << r.candidate.key();
+  }
+  EXPECT_GT(with_tp, 0);
+  EXPECT_GT(without, 0);
+  fs::remove(csv);
+}

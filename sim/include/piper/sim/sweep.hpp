@@ -111,6 +111,7 @@ void copy_outcome(const Outcome& o, Row& row) {
   row.oom = o.oom;
   row.compile_time_s = o.compile_time_s;
   row.simulate_time_s = o.simulate_time_s;
+  row.tp_comm_s = o.tp_comm_s;
 }
 
 // Compiles `scenario` and simulates it on `cluster` with `engine`; never throws for a bad scenario.

@@ -145,6 +145,7 @@ struct TuneRow {
   std::int64_t peak_memory_bytes = 0;
   bool oom = false;
   double compile_time_s = 0, simulate_time_s = 0;
+  double tp_comm_s = 0;                   // TP collectives (inside compute ops) on the critical path
   bool fits(double memory_cap_bytes) const {
     return status == "ok" && !oom && static_cast<double>(peak_memory_bytes) <= memory_cap_bytes;
   }
