@@ -50,6 +50,18 @@ TuneSpec small_spec() {
   return s;
 }
 
+// small_spec narrowed to one micro-batch size, ZeRO-0 and one region per rank.
+TuneSpec narrow_spec(int devices, int global_batch, int micro_batch_size, std::vector<std::string> schedules) {
+  TuneSpec s = small_spec();
+  s.devices = devices;
+  s.global_batch = global_batch;
+  s.micro_batch_sizes = {micro_batch_size};
+  s.zero_levels = {0};
+  s.max_virtual = 1;
+  s.schedules = std::move(schedules);
+  return s;
+}
+
 // The strategy a row or a brute-force point stands for. Regions per rank, not the --virtual value:
 // families with a fixed shape accept --virtual 1 and their own count alike.
 // pp dp ep zero family regions/rank M mbs tp sp recompute
@@ -507,13 +519,7 @@ TEST(Tune, RankOrderMattersOnlyWhereDeviceGroupsDiffer) {
 // 132 / (132 - s) times longer (docs/sm-partition.md), so with 33 SMs each strategy is exactly 4/3
 // slower and the search ranks the unpartitioned plans first; rows carry the value through the CSV.
 TEST(Tune, CommSmsIsASearchAxis) {
-  TuneSpec spec = small_spec();
-  spec.devices = 1;
-  spec.global_batch = 4;
-  spec.micro_batch_sizes = {2};
-  spec.zero_levels = {0};
-  spec.max_virtual = 1;
-  spec.schedules = {"1f1b", "gpipe"};
+  TuneSpec spec = narrow_spec(1, 4, 2, {"1f1b", "gpipe"});
   const auto shared = enumerate_candidates(spec);
   ASSERT_FALSE(shared.empty());
   spec.comm_sms = {33, 0, 33};  // order and duplicates do not matter
@@ -614,13 +620,7 @@ TEST(Tune, DpShardIsASearchAxis) {
 // Each row carries the TP collectives' time on its critical path, the simulation's own figure, and
 // keeps it through the CSV; 0 for candidates without TP.
 TEST(Tune, RowsCarryTheCriticalPathsTpTime) {
-  TuneSpec spec = small_spec();
-  spec.devices = 2;
-  spec.global_batch = 4;
-  spec.micro_batch_sizes = {1};
-  spec.zero_levels = {0};
-  spec.max_virtual = 1;
-  spec.schedules = {"1f1b"};
+  TuneSpec spec = narrow_spec(2, 4, 1, {"1f1b"});
   spec.tp_degrees = {1, 2};
   const fs::path csv = temp_csv("tp_comm");
   run_tune(spec, csv.string());
