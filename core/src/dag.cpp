@@ -234,7 +234,10 @@ std::vector<Segment> segment_model(const Model& model) {
       if (layer.kind == LayerKind::Head && layer.shape.tied_with_embedding)
         head = s.index, ++heads, table = layer.shape.vocab * layer.shape.hidden;
     }
-  if (embeds == 1 && heads == 1 && embed != head) segments[static_cast<std::size_t>(head)].tied_copy = table;
+  if (embeds == 1 && heads == 1 && embed != head) {
+    segments[static_cast<std::size_t>(head)].tied_copy = table;
+    segments[static_cast<std::size_t>(head)].tied_to = embed;
+  }
   return segments;
 }
 

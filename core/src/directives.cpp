@@ -947,13 +947,9 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
 // refuses) get no op.
 void link_tied_embedding(PassContext& cx) {
   auto& dag = cx.dag;
-  int embed = -1, head = -1;
-  for (const auto& seg : dag.segments) {
-    if (seg.tied_copy > 0) head = seg.index;
-    for (int l = seg.first_layer; l < seg.last_layer; ++l)
-      if (dag.layers.at(static_cast<std::size_t>(l)).kind == LayerKind::Embedding) embed = seg.index;
-  }
-  if (head < 0 || embed < 0) return;
+  const auto tied = std::find_if(dag.segments.begin(), dag.segments.end(), [](const Segment& s) { return s.tied_copy > 0; });
+  if (tied == dag.segments.end()) return;
+  const int head = tied->index, embed = tied->tied_to;
   // Each segment's device set; two sets for one segment (a mirrored placement's two copies): no op.
   DeviceSetId e = kNoDevices, h = kNoDevices;
   bool mirrored = false;
@@ -972,13 +968,12 @@ void link_tied_embedding(PassContext& cx) {
   if (std::any_of(dh.begin(), dh.end(), [&](int d) { return in_e.contains(d); })) return;
   std::vector<int> pairs;
   for (std::size_t p = 0; p < de.size(); ++p) pairs.push_back(de[p]), pairs.push_back(dh[p]);
-  const auto& hs = dag.segments.at(static_cast<std::size_t>(head));
   DagNode sum;
   sum.kind = NodeKind::AllReduce;
   sum.family = dag.family_index({dag.device_sets.intern(pairs), 2, 1, "tied-embedding"});
   sum.devices = dag.families[static_cast<std::size_t>(sum.family)].devices;
   sum.stream = "tied";
-  sum.bytes = hs.copy_local_params() * gradient_bytes_per_element(dag.training);
+  sum.bytes = tied->copy_local_params() * gradient_bytes_per_element(dag.training);
   sum.segment = head;
   sum.buffer_segments = {embed, head};
   sum.label = "ALL_REDUCE tied embedding s" + std::to_string(embed) + "+s" + std::to_string(head);

@@ -297,7 +297,7 @@ void HostBackend::setup_tied(const core::Program& program) {
     throw std::invalid_argument(fmt::format("{}, but its embedding segment ({} devices, TP {}) and head segment ({} devices, TP {}) are not laid out alike, "
                                             "so the tied copies cannot be paired",
                                             who, de.size(), se.tp_degree, dh.size(), sh.tp_degree));
-  for (std::size_t p = 0; p < de.size(); ++p)  // the same verdict on every rank, before the collective split
+  for (std::size_t p = 0; p < de.size(); ++p)  // the same verdict on every rank
     if (const int q = program.position_in(sh.devices, de[p]); q >= 0 && q != static_cast<int>(p))
       throw std::invalid_argument(fmt::format("{}, but device {} holds the embedding for one data-parallel rank and the head for another (a mirrored, "
                                               "bidirectional placement); the host backend pairs each embedding with one head copy and does not run it",
@@ -309,6 +309,8 @@ void HostBackend::setup_tied(const core::Program& program) {
   tied_.local = pe >= 0 && ph >= 0;
   if (tied_.local) return;
   // Across devices: this device's plan must sum the table with its partner, once per step.
+  for (std::size_t f = 0; f < program.families.size(); ++f)
+    if (program.families[f].purpose == "tied-embedding") tied_.family = static_cast<int>(f);
   int sums = 0;
   for (const auto& st : program.plan_for(device_).streams)
     sums += static_cast<int>(std::count_if(st.ops.begin(), st.ops.end(), [&](const core::Op& op) { return is_tied_sum(op); }));
@@ -319,8 +321,7 @@ void HostBackend::setup_tied(const core::Program& program) {
 }
 
 bool HostBackend::is_tied_sum(const core::Op& op) const {
-  return op.kind == core::OpKind::AllReduce && op.family >= 0 && static_cast<std::size_t>(op.family) < program_.families.size() &&
-         program_.families[static_cast<std::size_t>(op.family)].purpose == "tied-embedding";
+  return tied_.family >= 0 && op.family == tied_.family && op.kind == core::OpKind::AllReduce;
 }
 
 // V placements: both copies on this device; they are added once both segments' backwards are done.
@@ -477,7 +478,7 @@ void HostBackend::start_comm(const core::OpRef& at, const core::Op& op) {
       break;
     case core::OpKind::AllReduce: {
       if (is_tied_sum(op)) {  // this device's copy of the tied table: its local gradient
-        const auto g = model_->tied_grads(tied_.embed_seg >= 0 ? tied_.embed_seg : tied_.head_seg);
+        const auto g = model_->tied_grads(tied_.held());
         p->send.assign(g.begin(), g.end());
       } else {
         // Whole gradients; with ZeRO (HSDP's all-reduce across shard groups) the reduced chunks.
@@ -603,7 +604,7 @@ void HostBackend::finish_comm(const core::Op& op, Pending& p) {
     }
     case core::OpKind::AllReduce: {
       if (is_tied_sum(op)) {
-        auto g = model_->tied_grads(tied_.embed_seg >= 0 ? tied_.embed_seg : tied_.head_seg);
+        auto g = model_->tied_grads(tied_.held());
         std::copy(p.send.begin(), p.send.end(), g.begin());
         tied_.finished = true;
         break;

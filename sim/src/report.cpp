@@ -59,7 +59,7 @@ std::string gib(std::int64_t bytes) { return fmt::format("{:.2f} GiB", static_ca
 
 // The TP collectives' share of a COMPUTE span: the cost model's figure, never more than the span.
 double tp_part(const CostModel* cost, const core::Program& program, int device, const core::Op& op, const core::OpSpan& s) {
-  if (!cost || op.kind != OpKind::Compute || op.tp_collectives <= 0) return 0;
+  if (!cost || op.kind != OpKind::Compute) return 0;
   return std::min(cost->tp_part_seconds(program, device, op), s.end_s - s.start_s);
 }
 

@@ -130,6 +130,7 @@ struct Segment {
   // embedding group; both runtime backends do the same, V placements included): V·h parameters,
   // whole (vocabulary-parallel under TP), with gradient and optimizer state like the segment's own.
   std::int64_t tied_copy = 0;
+  int tied_to = -1;                     // with tied_copy: the embedding's segment
   std::int64_t copy_local_params() const { return tied_copy / tp_degree; }
   // Everything this segment's plan keeps state for, per shard: its parameters and the tied copy.
   std::int64_t state_params() const { return local_params() + copy_local_params(); }

@@ -71,8 +71,10 @@ class HostBackend : public Backend {
   struct TiedSync {
     int embed_seg = -1, head_seg = -1;   // the segments, when they differ and this device holds one
     bool local = false;                  // this device holds both (same data and TP rank)
+    int family = -1;                     // the plan's "tied-embedding" family (-1: none)
     std::map<int, int> backward_done;    // segment -> B/BW ops run this step
     bool finished = false;               // the sum is in place for this step
+    int held() const { return embed_seg >= 0 ? embed_seg : head_seg; }  // across devices: the one here
   };
   void setup_tied(const core::Program& program);
   void tied_backward_done(int seg);
