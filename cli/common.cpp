@@ -96,6 +96,10 @@ void StrategyFlags::add_to(CLI::App* app) {
     dp_shard = app->add_option("--dp-shard", options.dp_shard,
                                "HSDP: ZeRO shards over groups of N data-parallel replicas; the groups replicate each other")
                    ->check(kPositiveInt);
+    reduce_every = app->add_option("--reduce-every", options.reduce_every,
+                                   "ZeRO-2/3 gradient reduction: after every microbatch (default; DeepSpeed ZeRO-2, FSDP2) "
+                                   "or once per step (keeps whole gradients, as FSDP's no_sync)")
+                       ->check(CLI::IsMember({"microbatch", "step"}));
     schedule = app->add_option("--schedule", options.schedule, "pipeline schedule family")
                    ->check(CLI::IsMember(schedule_names()));
     microbatches = app->add_option("--microbatches", options.microbatches, "microbatches per step")
@@ -108,6 +112,8 @@ void StrategyFlags::add_to(CLI::App* app) {
              ->check(kPositiveInt);
     sequence_parallel = app->add_flag("--sequence-parallel", options.sequence_parallel,
                                       "sequence parallelism inside each TP group (needs --tp >= 2)");
+    tp_comm_overlap = app->add_flag("--tp-comm-overlap", options.tp_comm_overlap,
+                                    "overlap the TP collectives with the GEMMs (Megatron's --tp-comm-overlap, async TP)");
     recompute = app->add_option("--recompute", options.recompute, "activation recomputation: none, selective or full")
                     ->check(CLI::IsMember({"none", "selective", "full"}));
     global_batch = app->add_option("--global-batch", options.global_batch,
@@ -131,8 +137,8 @@ void ScenarioFlags::add_to(CLI::App* app) {
   app->add_option("--save-scenario", save_scenario_path,
                   "also write these inputs as a scenario JSON (the file piper-studio opens)");
   strategy.add_to(app);
-  for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.bucket_mb, strategy.tp,
-                         strategy.sequence_parallel, strategy.recompute, strategy.comm_sms})
+  for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.reduce_every, strategy.bucket_mb, strategy.tp,
+                         strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.comm_sms})
     o->excludes(directives);
 }
 

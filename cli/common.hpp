@@ -54,6 +54,8 @@ struct StrategyFlags {
   CLI::Option* ep = nullptr;
   CLI::Option* zero = nullptr;
   CLI::Option* dp_shard = nullptr;
+  CLI::Option* reduce_every = nullptr;
+  CLI::Option* tp_comm_overlap = nullptr;
   CLI::Option* schedule = nullptr;
   CLI::Option* microbatches = nullptr;
   CLI::Option* virtual_stages = nullptr;

@@ -160,7 +160,7 @@ Directive parse_one(const json& d, int index) {
   }
   if (op == "replicate") {
     check_fields(d, index, {"filter", "devices", "bucket_size", "shard_grads", "shard_params", "shard_optimizer",
-                            "reduce_stream", "gather_stream", "prefetch", "gather_unit", "shard_group"});
+                            "reduce_stream", "gather_stream", "prefetch", "gather_unit", "shard_group", "reduce_every"});
     ReplicateDirective r;
     r.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     r.devices = parse_devices(d, index);
@@ -191,6 +191,14 @@ Directive parse_one(const json& d, int index) {
       if (!it->is_number_integer() || it->get<long long>() < 2 || it->get<long long>() > static_cast<long long>(r.devices.size()))
         fail(index, "shard_group", fmt::format("must be an integer in [2, {}] (replicas per ZeRO shard group)", r.devices.size()));
       r.shard_group = it->get<int>();
+    }
+    r.reduce_every_microbatch = r.shard_grads;
+    if (auto it = d.find("reduce_every"); it != d.end()) {
+      if (!it->is_string() || (*it != "step" && *it != "microbatch"))
+        fail(index, "reduce_every", "must be \"step\" (one reduction after the last microbatch) or \"microbatch\" (one after each)");
+      r.reduce_every_microbatch = *it == "microbatch";
+      if (r.reduce_every_microbatch && !r.shard_grads)
+        fail(index, "reduce_every", "\"microbatch\" applies only with shard_grads (ZeRO-2/3 keep only a gradient shard)");
     }
     r.reduce_stream = get_string(d, index, "reduce_stream", "dp");
     r.gather_stream = get_string(d, index, "gather_stream", r.reduce_stream);
@@ -242,7 +250,7 @@ Directive parse_one(const json& d, int index) {
     return o;
   }
   if (op == "tensor_parallel") {
-    check_fields(d, index, {"filter", "devices", "degree", "sequence_parallel"});
+    check_fields(d, index, {"filter", "devices", "degree", "sequence_parallel", "comm_overlap"});
     TensorParallelDirective t;
     t.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     if (d.contains("devices")) t.devices = parse_devices(d, index);
@@ -254,6 +262,8 @@ Directive parse_one(const json& d, int index) {
       fail(index, "degree", fmt::format("{} does not divide the {} devices", t.degree, t.devices.size()));
     t.sequence_parallel = get_bool(d, index, "sequence_parallel");
     if (t.sequence_parallel && t.degree == 1) fail(index, "sequence_parallel", "needs degree > 1");
+    t.comm_overlap = get_bool(d, index, "comm_overlap");
+    if (t.comm_overlap && t.degree == 1) fail(index, "comm_overlap", "needs degree > 1");
     return t;
   }
   if (op == "recompute") {
@@ -833,6 +843,7 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
     const int split = seg.tp_degree > 1 ? seg.tp_degree : seg.shard_degree;
     seg.replicas = n / split;
     seg.zero_level = zero;
+    seg.reduce_every_microbatch = d.reduce_every_microbatch && zero >= 2;
     seg.zero_shards = zero_shards_of(seg.replicas, d.shard_group);
     if (seg.replicas % seg.zero_shards != 0)
       fail(index, "shard_group", fmt::format("{} does not divide the {} replicas of segment {}", d.shard_group, seg.replicas, s));
@@ -884,25 +895,46 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
       red.buffer_segments = bucket;
       red.tags = dag.segments[static_cast<std::size_t>(bucket.front())].tags;
       red.label = to_string(red.kind) + what;
-      Vertex vr = cx.add(red);
+      // One reduction after the last microbatch, or (reduce_every "microbatch") one per microbatch,
+      // each after that microbatch's backward of the bucket's segments.
+      std::map<std::vector<int>, std::vector<Vertex>> rounds;
       for (int s : bucket)
         for (auto p : producers[s]) {
+          std::vector<int> key;
+          if (d.reduce_every_microbatch)
+            for (const auto& dim : cx.split_dims) key.push_back(cx.node(p).tags.contains(dim) ? cx.node(p).tags.at(dim) : -1);
+          rounds[key].push_back(p);
+        }
+      if (rounds.empty()) rounds[{}];
+      std::vector<Vertex> reduced;
+      for (auto& [key, from] : rounds) {
+        DagNode round = red;
+        if (d.reduce_every_microbatch && !from.empty()) {
+          round.tags = cx.node(from.front()).tags;
+          round.label = to_string(red.kind) + tags_label(round.tags) + " s" + std::to_string(bucket.front());
+        }
+        Vertex vr = cx.add(round);
+        for (auto p : from) {
           if (upd != boost::graph_traits<Graph>::null_vertex()) boost::remove_edge(p, upd, g);
           dag.add_edge(p, vr, {EdgeKind::Data, bytes, "grad"});
         }
-      Vertex reduced = vr;
+        reduced.push_back(vr);
+      }
       if (families.across >= 0) {
-        // HSDP: each shard, reduced inside its group, is summed over the groups holding the same shard.
+        // HSDP: each shard, reduced inside its group (over every round), is summed over the groups
+        // holding the same shard: once, after the last round.
         DagNode across = red;
         across.kind = NodeKind::AllReduce;
         across.family = families.across;
         across.devices = dag.families[static_cast<std::size_t>(families.across)].devices;
         across.bytes = bytes / dag.segments[static_cast<std::size_t>(bucket.front())].zero_shards;
         across.label = "ALL_REDUCE across" + what;
-        reduced = cx.add(across);
-        dag.add_edge(vr, reduced, {EdgeKind::Data, across.bytes, "grad"});
+        const Vertex va = cx.add(across);
+        for (Vertex vr : reduced) dag.add_edge(vr, va, {EdgeKind::Data, across.bytes, "grad"});
+        reduced = {va};
       }
-      if (upd != boost::graph_traits<Graph>::null_vertex()) dag.add_edge(reduced, upd, {EdgeKind::Data, bytes, "grad"});
+      if (upd != boost::graph_traits<Graph>::null_vertex())
+        for (Vertex vr : reduced) dag.add_edge(vr, upd, {EdgeKind::Data, bytes, "grad"});
       DagNode ag = red;
       ag.kind = NodeKind::AllGather;
       ag.stream = d.gather_stream;
@@ -1002,7 +1034,7 @@ void link_tied_embedding(PassContext& cx) {
 void cost_updates(PassContext& cx) {
   auto& dag = cx.dag;
   const int dt = bytes_per_element(dag.training.precision);
-  const int state = dag.training.precision == Precision::FP32 ? 8 : 12;
+  const int state = fp32_storage(dag.training.precision) ? 8 : 12;
   for (auto v : dag.live_nodes()) {
     auto& n = cx.node(v);
     if (n.kind != NodeKind::Update) continue;
@@ -1014,7 +1046,7 @@ void cost_updates(PassContext& cx) {
     n.costs = Costs{};
     n.costs.params = params;
     n.costs.forward_flops = 10.0 * static_cast<double>(params);
-    if (dag.training.fp32_main_grads && dag.training.precision != Precision::FP32) {
+    if (dag.training.fp32_main_grads && !fp32_storage(dag.training.precision)) {
       // Megatron-LM's Float16OptimizerWithFloat16Params (megatron/optimizer/optimizer.py): the
       // gradient norm reads the fp32 main_grad (4), Adam reads it (4) and reads and writes the fp32
       // main parameter and both moments (2 x 12), _copy_main_params_to_model_params reads the main
@@ -1167,6 +1199,7 @@ void apply_tensor_parallel(PassContext& cx, const TensorParallelDirective& d, in
            fmt::format("{} does not divide the sequence length {}", d.degree, cx.dag.training.seq_len));
     seg.tp_degree = d.degree;
     seg.sequence_parallel = d.sequence_parallel;
+    seg.tp_comm_overlap = d.comm_overlap;
   }
 }
 

@@ -312,7 +312,11 @@ Program lower(const GlobalDag& dag) {
   for (const auto& seg : dag.segments)
     program.segments.push_back({seg.first_layer, seg.last_layer, seg.tags, kNoDevices, seg.costs.params,
                                 seg.shard_degree, seg.replicas, seg.zero_level, seg.tp_degree,
-                                seg.sequence_parallel, seg.recompute, seg.tp_family, seg.zero_shards});
+                                seg.sequence_parallel, seg.recompute, seg.tp_family, seg.tp_comm_overlap,
+                                seg.zero_shards, seg.reduce_every_microbatch,
+                                segment_kernels(dag.layers, seg.first_layer, seg.last_layer, dag.training,
+                                                {seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute)},
+                                                seg.shard_degree)});
 
   program.plan_of_device = classes.plan_of_device;
 
@@ -323,7 +327,7 @@ Program lower(const GlobalDag& dag) {
   for (std::size_t s = 0; s < segment_set.size(); ++s) program.segments[s].devices = segment_set[s];
 
   const int dt = bytes_per_element(dag.training.precision);
-  const std::int64_t state_bytes_per_param = dag.training.precision == Precision::FP32 ? 8 : 12;
+  const std::int64_t state_bytes_per_param = fp32_storage(dag.training.precision) ? 8 : 12;
   std::vector<OpRef> ref(n);
   for (const auto* sig : classes.signature) {
     std::vector<char> in_plan(num_sets, 0);
@@ -398,8 +402,10 @@ Program lower(const GlobalDag& dag) {
     // Persistent state of each segment on this plan, sized by its sharding (ZeRO-aware).
     auto add_state = [&](const Segment& seg, std::int64_t params, const std::string& what) {
       const std::string suffix = what + " s" + std::to_string(seg.index);
-      plan.buffers.push_back({"params" + suffix, BufferKind::Parameters, params * dt / seg.zero_divisor(3), {}, {}});
-      plan.buffers.push_back({"grads" + suffix, BufferKind::Gradients, params * gradient_bytes_per_element(dag.training) / seg.zero_divisor(2), {}, {}});
+      plan.buffers.push_back({"params" + suffix, BufferKind::Parameters,
+                               // FP8 (Transformer Engine) also keeps an fp8 copy of each weight.
+                               params * (dt + (dag.training.precision == Precision::FP8 ? 1 : 0)) / seg.zero_divisor(3), {}, {}});
+      plan.buffers.push_back({"grads" + suffix, BufferKind::Gradients, params * gradient_bytes_per_element(dag.training) / seg.grad_divisor(), {}, {}});
       plan.buffers.push_back({"optimizer" + suffix, BufferKind::OptimizerStates, params * state_bytes_per_param / seg.zero_divisor(1), {}, {}});
     };
     for (const auto& seg : dag.segments) {

@@ -26,9 +26,13 @@ int bytes_per_element(Precision p) {
     case Precision::BF16: return 2;
     case Precision::FP16: return 2;
     case Precision::FP32: return 4;
+    case Precision::TF32: return 4;
+    case Precision::FP8: return 2;
   }
   return 2;
 }
+
+bool fp32_storage(Precision p) { return p == Precision::FP32 || p == Precision::TF32; }
 
 int gradient_bytes_per_element(const TrainingShape& t) { return t.fp32_main_grads ? 4 : bytes_per_element(t.precision); }
 
@@ -37,6 +41,8 @@ std::string to_string(Precision p) {
     case Precision::BF16: return "bf16";
     case Precision::FP16: return "fp16";
     case Precision::FP32: return "fp32";
+    case Precision::TF32: return "tf32";
+    case Precision::FP8: return "fp8";
   }
   return "?";
 }
@@ -828,7 +834,9 @@ Precision parse_precision(const FieldReader& r, const std::string& s) {
   if (s == "bf16") return Precision::BF16;
   if (s == "fp16") return Precision::FP16;
   if (s == "fp32") return Precision::FP32;
-  r.fail("precision", "unknown precision '" + s + "' (expected \"bf16\", \"fp16\" or \"fp32\")");
+  if (s == "tf32") return Precision::TF32;
+  if (s == "fp8") return Precision::FP8;
+  r.fail("precision", "unknown precision '" + s + "' (expected \"bf16\", \"fp16\", \"fp32\", \"tf32\" or \"fp8\")");
 }
 
 void require_object(const json& j, const std::string& where, const char* what) {

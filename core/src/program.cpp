@@ -32,7 +32,7 @@ std::optional<Enum> parse_enum(const char* const (&names)[N], const std::string&
 }
 
 std::optional<Precision> parse_precision(const std::string& s) {
-  for (Precision p : {Precision::BF16, Precision::FP16, Precision::FP32})
+  for (Precision p : {Precision::BF16, Precision::FP16, Precision::FP32, Precision::TF32, Precision::FP8})
     if (to_string(p) == s) return p;
   return std::nullopt;
 }
@@ -413,7 +413,11 @@ json Program::to_json() const {
     if (sg.sequence_parallel) o["sequence_parallel"] = true;
     if (sg.recompute != Recompute::None) o["recompute"] = to_string(sg.recompute);
     if (sg.tp_family != -1) o["tp_family"] = sg.tp_family;
+    if (sg.tp_comm_overlap) o["tp_comm_overlap"] = true;
     if (sg.zero_shards != sg.replicas) o["zero_shards"] = sg.zero_shards;  // HSDP only
+    if (sg.reduce_every_microbatch) o["reduce_every_microbatch"] = true;
+    if (!sg.kernels[0].empty() || !sg.kernels[1].empty() || !sg.kernels[2].empty())
+      o["kernels"] = kernels_to_json(sg.kernels);
     segs.push_back(std::move(o));
   }
   j["segments"] = std::move(segs);
@@ -512,6 +516,15 @@ Program Program::from_json(const json& j) {
         }
       }
       if (const json* t = optional_field(o, "tp_family")) sg.tp_family = as_int(*t, member(sp, "tp_family"));
+      if (const json* t = optional_field(o, "tp_comm_overlap")) {
+        if (!t->is_boolean()) fail(member(sp, "tp_comm_overlap"), "expected true or false");
+        sg.tp_comm_overlap = t->get<bool>();
+      }
+      if (const json* t = optional_field(o, "reduce_every_microbatch")) {
+        if (!t->is_boolean()) fail(member(sp, "reduce_every_microbatch"), "expected true or false");
+        sg.reduce_every_microbatch = t->get<bool>();
+      }
+      if (const json* k = optional_field(o, "kernels")) sg.kernels = kernels_from_json(*k, member(sp, "kernels"));
       p.segments.push_back(std::move(sg));
     }
   }

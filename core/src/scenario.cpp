@@ -222,10 +222,12 @@ json Scenario::to_json() const {
   // Tensor parallelism, recomputation and the global batch: written only when used.
   if (strategy.tp != 1) j["strategy"]["tp"] = strategy.tp;
   if (strategy.sequence_parallel) j["strategy"]["sequence_parallel"] = true;
+  if (strategy.tp_comm_overlap) j["strategy"]["tp_comm_overlap"] = true;
   if (strategy.recompute != "none") j["strategy"]["recompute"] = strategy.recompute;
   if (strategy.global_batch > 0) j["strategy"]["global_batch"] = strategy.global_batch;
   if (strategy.comm_sms > 0) j["strategy"]["comm_sms"] = strategy.comm_sms;
   if (strategy.dp_shard > 0) j["strategy"]["dp_shard"] = strategy.dp_shard;
+  if (!strategy.reduce_every.empty()) j["strategy"]["reduce_every"] = strategy.reduce_every;
   if (!cluster.empty()) j["cluster"] = cluster;
   if (!engine.empty()) j["engine"] = engine;
   return j;
@@ -307,6 +309,14 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     if (st.contains("sequence_parallel")) {
       if (!st["sequence_parallel"].is_boolean()) throw fail("strategy.sequence_parallel", "must be true or false");
       s.strategy.sequence_parallel = st["sequence_parallel"].get<bool>();
+    }
+    if (st.contains("tp_comm_overlap")) {
+      if (!st["tp_comm_overlap"].is_boolean()) throw fail("strategy.tp_comm_overlap", "must be true or false");
+      s.strategy.tp_comm_overlap = st["tp_comm_overlap"].get<bool>();
+    }
+    if (st.contains("reduce_every")) {
+      if (!st["reduce_every"].is_string()) throw fail("strategy.reduce_every", "must be \"step\" or \"microbatch\"");
+      s.strategy.reduce_every = st["reduce_every"].get<std::string>();
     }
     if (st.contains("recompute")) {
       if (!st["recompute"].is_string()) throw fail("strategy.recompute", "must be \"none\", \"selective\" or \"full\"");

@@ -53,6 +53,7 @@ void validate_strategy_options(const StrategyOptions& o) {
   at_least_one("--microbatches", o.microbatches);
   at_least_one("--tp", o.tp);
   if (o.sequence_parallel && o.tp < 2) fail("--sequence-parallel needs --tp >= 2");
+  if (o.tp_comm_overlap && o.tp < 2) fail("--tp-comm-overlap needs --tp >= 2");
   if (o.recompute != "none" && o.recompute != "selective" && o.recompute != "full")
     fail("--recompute must be none, selective or full (got '" + o.recompute + "')");
   if (o.comm_sms < 0) fail("--comm-sms must be >= 1 (got " + std::to_string(o.comm_sms) + ")");
@@ -69,6 +70,10 @@ void validate_strategy_options(const StrategyOptions& o) {
     if (o.dp_shard < 2 || o.dp % o.dp_shard != 0)
       fail("--dp-shard " + std::to_string(o.dp_shard) + " must be at least 2 and divide --dp " + std::to_string(o.dp));
   }
+  if (!o.reduce_every.empty() && o.reduce_every != "step" && o.reduce_every != "microbatch")
+    fail("--reduce-every must be step or microbatch (got '" + o.reduce_every + "')");
+  if (!o.reduce_every.empty() && o.zero < 2)
+    fail("--reduce-every applies to --zero 2 and 3 (ZeRO-0/1 reduce once per step)");
   if (!(o.bucket_mb >= 0) || !std::isfinite(o.bucket_mb) || o.bucket_mb > 1e9)  // bytes must fit in int64
     fail("--bucket-mb must be a number in [0, 1e9] (got " + num(o.bucket_mb) + ")");
 }
@@ -129,6 +134,7 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
         rep["gather_unit"] = "block";  // FSDP's unit: one transformer block
       }
       if (o.dp_shard > 1 && o.dp_shard < replicas / o.tp) rep["shard_group"] = o.dp_shard;
+      if (o.zero >= 2 && !o.reduce_every.empty()) rep["reduce_every"] = o.reduce_every;
       out.push_back(rep);
     }
   }
@@ -146,6 +152,7 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
     for (int i = 0; i < regions; ++i) {
       json tp{{"op", "tensor_parallel"}, {"filter", {{"PP", i}}}, {"degree", o.tp}};
       if (o.sequence_parallel) tp["sequence_parallel"] = true;
+      if (o.tp_comm_overlap) tp["comm_overlap"] = true;
       out.push_back(tp);
     }
   if (o.recompute != "none")

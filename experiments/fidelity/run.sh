@@ -44,6 +44,18 @@ if [ -f ../megatron-22b/results.csv ]; then
       row "iteration time (s)" "Korthikanti et al. 2022 (arXiv:2205.05198) table 5" "gpt-22b on 8 A100-80GB; TP 8; $name; global batch 4 x 2048; $engine" "$pub" "$pred"
     done
 fi
+# 5. One H200 (the project's own measurement, data/torch-dense1b.txt, copied from
+# shared/measurements/h200/): dense-1b, 2 microbatches of 4 x 1024 tokens, bf16, fused AdamW, in
+# PyTorch eager (123.3 ms) and torch.compile (103.0 ms). Predicted uncalibrated by the dgx-h200
+# preset's kernel table under the matching runtime profile (cluster "runtime": eager / fused).
+for profile in fused eager; do
+  echo "{\"preset\": \"dgx-h200\", \"runtime\": \"$profile\"}" > out/h200-$profile.json
+  "$PIPER" simulate --model ../../examples/models/dense-1b.json --microbatches 2 --cluster out/h200-$profile.json \
+    --engine analytic --report out/dense1b-$profile.json > /dev/null
+done
+measured() { awk -v w="$1" '$1 == "torch" && $2 == w":" { for (i = 1; i <= NF; ++i) if ($i == "step") { print $(i + 1); exit } }' data/torch-dense1b.txt; }
+row "step time (ms)" "Piper H200 measurement (data/torch-dense1b.txt): torch.compile" "dense-1b on 1 H200; 2 x 4 x 1024 tokens; bf16; runtime fused" "$(measured compile)" "$(jq -r '.step_time_s * 1000' out/dense1b-fused.json)"
+row "step time (ms)" "Piper H200 measurement (data/torch-dense1b.txt): PyTorch eager" "dense-1b on 1 H200; 2 x 4 x 1024 tokens; bf16; runtime eager" "$(measured eager)" "$(jq -r '.step_time_s * 1000' out/dense1b-eager.json)"
 mv results.csv.tmp results.csv
 { csv_to_md results.csv; echo;
   awk -F, 'NR>1 { e=$6; if (e<0) e=-e; s+=e; n++; if (e>m) { m=e; w=$3 } } END { printf "mean |error| %.2f %% over %d figures; max |error| %.2f %% (%s)\n", s/n, n, m, w }' results.csv; } > results.md

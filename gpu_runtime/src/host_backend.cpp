@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <thread>
@@ -511,6 +512,13 @@ void HostBackend::start_comm(const core::OpRef& at, const core::Op& op) {
           at_floats += sp.chunk_floats;
         }
       }
+      // Reducing after every microbatch: what was sent is out of the local buffer, which gathers the
+      // next microbatches' gradients from zero; the shard sums the rounds (see finish()).
+      for (int s : op.segments)
+        if (program_.segments.at(static_cast<std::size_t>(s)).reduce_every_microbatch) {
+          auto& g = model_->segment(s).grads;
+          std::fill(g.begin(), g.end(), 0.0f);
+        }
       p->recv.assign(static_cast<std::size_t>(block), 0.0f);
       check_mpi(MPI_Ireduce_scatter_block(p->send.data(), p->recv.data(), static_cast<int>(block), MPI_FLOAT, MPI_SUM, c, &p->request),
                 "MPI_Ireduce_scatter_block");
@@ -621,7 +629,11 @@ void HostBackend::finish_comm(const core::Op& op, Pending& p) {
       std::int64_t at = 0;
       for (int s : op.segments) {
         auto& sp = model_->segment(s);
-        std::copy(p.recv.begin() + at, p.recv.begin() + at + static_cast<std::int64_t>(sp.grad_chunk.size()), sp.grad_chunk.begin());
+        const auto from = p.recv.begin() + at, to = from + static_cast<std::int64_t>(sp.grad_chunk.size());
+        if (program_.segments.at(static_cast<std::size_t>(s)).reduce_every_microbatch)
+          std::transform(from, to, sp.grad_chunk.begin(), sp.grad_chunk.begin(), std::plus<float>());
+        else
+          std::copy(from, to, sp.grad_chunk.begin());
         sp.grad_chunk_ready = true;
         at += sp.chunk_floats;
       }

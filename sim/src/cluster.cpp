@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "piper/core/limits.hpp"
+#include "piper/sim/kernel_table.hpp"
 
 namespace piper::sim {
 
@@ -46,16 +47,22 @@ GpuSpec gpu_with_defaults(std::string name, double tflops, int sms, std::int64_t
 // NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOPS dense BF16, 2,039 GB/s HBM2e, 108 SMs; NVLink 3
 // 600 GB/s total = 300 GB/s per direction. DGX A100 (Selene's node): 8 x ConnectX-6 HDR 200 Gb/s.
 GpuSpec a100_sxm_80g() { return gpu_with_defaults("A100-SXM4-80GB", 312, 108, 80 * kGiB, 2039); }
+// Kernel efficiency tables (kernel_table.hpp, docs/cost-model.md): the H200's is measured; the H100's
+// and H800's (the same GH100 die and HBM3) derive from it. The A100 has none yet: the curve above.
+GpuSpec with_table(GpuSpec g, const char* table) {
+  g.kernel_table = table;
+  return g;
+}
 // NVIDIA H100 datasheet (SXM5): 989 TFLOPS dense BF16, 3.35 TB/s HBM3, 80 GB, 132 SMs; NVLink 4 900 GB/s
 // total = 450 GB/s per direction. DGX H100: 8 x ConnectX-7 400 Gb/s for compute traffic.
-GpuSpec h100_sxm() { return gpu_with_defaults("H100-SXM5-80GB", 989, 132, 80 * kGiB, 3350); }
+GpuSpec h100_sxm() { return with_table(gpu_with_defaults("H100-SXM5-80GB", 989, 132, 80 * kGiB, 3350), "h100-sxm"); }
 // NVIDIA H200 datasheet (SXM): 989 TFLOPS dense BF16, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
 // DGX H200: 8 x ConnectX-7 400 Gb/s.
-GpuSpec h200_sxm() { return gpu_with_defaults("H200-SXM-141GB", 989, 132, 141'000'000'000, 4800); }
+GpuSpec h200_sxm() { return with_table(gpu_with_defaults("H200-SXM-141GB", 989, 132, 141'000'000'000, 4800), "h200-sxm"); }
 // H800 SXM: the H100 compute die (989 TFLOPS dense BF16, 80 GB HBM3 3.35 TB/s) with NVLink cut to
 // 400 GB/s total (200 GB/s per direction), as DeepSeek-V3's report describes its cluster (sec. 3.1:
 // NVLink + 8 x 400 Gb/s InfiniBand per node).
-GpuSpec h800_sxm() { return gpu_with_defaults("H800-SXM-80GB", 989, 132, 80 * kGiB, 3350); }
+GpuSpec h800_sxm() { return with_table(gpu_with_defaults("H800-SXM-80GB", 989, 132, 80 * kGiB, 3350), "h100-sxm"); }
 
 // What NCCL reaches of the NVLink line rate (bus bandwidth of large messages / line rate), as NCCL's
 // maintainer states it (S. Jeaugey, NVIDIA): A100 NVLink 3: 12 links x 25 GB/s = 300 GB/s line rate,
@@ -151,7 +158,7 @@ void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec&
   }
   r.check_keys(j, path,
                {"name", "preset", "peak_tflops", "sm_count", "hbm_gib", "hbm_bandwidth_gb_per_s", "launch_overhead_us",
-                "comm_sm_share", "max_efficiency", "half_efficiency_gflops"});
+                "comm_sm_share", "max_efficiency", "half_efficiency_gflops", "kernel_table"});
   if (j.contains("preset")) apply_gpu(r, j.at("preset"), path + "preset.", g);
   if (j.contains("name")) {
     if (!j.at("name").is_string()) r.fail(path + "name", "expected a string");
@@ -174,6 +181,29 @@ void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec&
   }
   if (j.contains("half_efficiency_gflops"))
     g.half_efficiency_flops = r.number(j, "half_efficiency_gflops", path, 0, false) * 1e9;
+  if (j.contains("kernel_table")) {
+    if (!j.at("kernel_table").is_string()) r.fail(path + "kernel_table", "expected a table name or file path (or \"\")");
+    g.kernel_table = j.at("kernel_table").get<std::string>();
+    if (!g.kernel_table.empty()) {
+      const auto& names = kernel_table_names();
+      // A file path is taken relative to the cluster file's folder when it is not found as given.
+      if (std::find(names.begin(), names.end(), g.kernel_table) == names.end()) {
+        std::error_code ec;
+        const std::filesystem::path beside = std::filesystem::path(r.where).parent_path() / g.kernel_table;
+        if (!std::filesystem::exists(g.kernel_table, ec) && std::filesystem::exists(beside, ec)) g.kernel_table = beside.string();
+        if (!std::filesystem::exists(g.kernel_table, ec)) {
+          std::string list;
+          for (const auto& n : names) list += ", " + n;
+          r.fail(path + "kernel_table", "'" + g.kernel_table + "' is neither a built-in table (" + list.substr(2) + ") nor a file");
+        }
+      }
+      try {
+        load_kernel_table(g.kernel_table);
+      } catch (const ClusterError& e) {
+        r.fail(path + "kernel_table", e.what());
+      }
+    }
+  }
 }
 
 void apply_node(const Reader& r, const json& j, const std::string& path, NodeSpec& n, bool allow_selector) {
@@ -224,7 +254,8 @@ json GpuSpec::to_json() const {
           {"launch_overhead_us", launch_overhead_s * 1e6},
           {"comm_sm_share", comm_sm_share},
           {"max_efficiency", max_efficiency},
-          {"half_efficiency_gflops", half_efficiency_flops / 1e9}};
+          {"half_efficiency_gflops", half_efficiency_flops / 1e9},
+          {"kernel_table", kernel_table}};
 }
 
 json NodeSpec::to_json() const {
@@ -282,6 +313,7 @@ bool Cluster::homogeneous() const {
 json Cluster::to_json() const {
   json j{{"name", name},
          {"fixed", fixed_size},
+         {"runtime", runtime},
          {"network", {{"latency_us", network.latency_s * 1e6}, {"topology", network.topology}, {"oversubscription", network.oversubscription}}}};
   // Runs of identical nodes are written once, as {"count": n, ...}.
   json node_list = json::array();
@@ -306,7 +338,7 @@ std::vector<std::string> cluster_presets() {
 
 Cluster cluster_from_json(const json& j, const std::string& where) {
   Reader r{where};
-  r.check_keys(j, "", {"name", "preset", "nodes", "fixed", "node", "overrides", "network", "comment"});
+  r.check_keys(j, "", {"name", "preset", "nodes", "fixed", "node", "overrides", "network", "runtime", "comment"});
   NodeSpec base;
   NetworkSpec network;
   std::string name = where;
@@ -359,6 +391,12 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
   c.name = name;
   c.network = network;
   c.fixed_size = fixed;
+  if (j.contains("runtime")) {
+    const json& rt = j.at("runtime");
+    if (!rt.is_string() || (rt.get<std::string>() != "fused" && rt.get<std::string>() != "eager"))
+      r.fail("runtime", "expected \"fused\" (torch.compile, Megatron's fused kernels) or \"eager\" (PyTorch eager)");
+    c.runtime = rt.get<std::string>();
+  }
   c.nodes.assign(static_cast<std::size_t>(count), base);
   if (j.contains("overrides")) {
     const json& list = j.at("overrides");

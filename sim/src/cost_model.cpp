@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -203,13 +204,152 @@ double CostModel::roofline_seconds(int device, double flops, std::int64_t memory
 
 double CostModel::compute_seconds(const core::Program& program, int device, const core::Op& op) const {
   if (auto s = replaced(op, 1)) return *s;
-  double seconds = roofline_seconds(device, op.flops, op.memory_bytes, op.gemm_kernels);
+  return with_tp(program, device, op, base_seconds(program, device, op));
+}
+
+double CostModel::base_seconds(const core::Program& program, int device, const core::Op& op) const {
+  if (auto s = kernel_seconds(program, device, op)) return *s;
+  // The GPU's peak is dense bf16; other precisions scale it by the datasheet ratio (A100 and H100:
+  // fp32 on the CUDA cores 1/16, tf32 1/2, fp8 2x). UPD runs on the CUDA cores, memory-bound.
+  const core::Precision pr = program.training.precision;
+  const double dtype_peak = op.kind != OpKind::Compute        ? 1.0
+                            : pr == core::Precision::FP32 ? 1.0 / 16
+                            : pr == core::Precision::TF32 ? 0.5
+                            : pr == core::Precision::FP8  ? 2.0
+                                                          : 1.0;
+  double seconds = roofline_seconds(device, op.flops / dtype_peak, op.memory_bytes, op.gemm_kernels);
   // Memory-bound element-wise kernels run between the GEMMs: their time adds to the roofline.
   if (op.elementwise_bytes > 0) {
     const GpuSpec& g = cluster_.nodes[static_cast<std::size_t>(node_of_.at(static_cast<std::size_t>(device)))].gpu;
     seconds += static_cast<double>(op.elementwise_bytes) / g.hbm_bandwidth_bytes_per_s;
   }
-  return seconds + tp_seconds(program, device, op);
+  return seconds;
+}
+
+// The op's TP collectives (tp_seconds, m) with its compute (c): run between the GEMMs, c + m; with
+// comm_overlap (Megatron's --tp-comm-overlap, async TP), the GEMM and its collective are split into
+// t chunks around the TP ring and pipelined, so one chunk of the shorter of the two stays exposed:
+// max(c, m) + min(c, m) / t.
+double CostModel::with_tp(const core::Program& program, int device, const core::Op& op, double c) const {
+  const double m = tp_seconds(program, device, op);
+  if (m <= 0) return c;
+  const auto& seg = program.segments[static_cast<std::size_t>(op.segment)];
+  if (!seg.tp_comm_overlap) return c + m;
+  return std::max(c, m) + std::min(c, m) / std::max(1, seg.tp_degree);
+}
+
+// ---- per-kernel costing ----
+
+namespace {
+
+// A content hash of what a pass's time depends on: the kernels (shape, dtype, count) and the node.
+std::uint64_t mix(std::uint64_t h, std::uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  return h;
+}
+std::uint64_t bits(double x) {
+  std::uint64_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+}  // namespace
+
+const KernelTable* CostModel::table_of(int node) const {
+  const auto n = static_cast<std::size_t>(node);
+  std::call_once(tables_once_, [&] {
+    tables_.resize(cluster_.nodes.size());
+    for (std::size_t i = 0; i < cluster_.nodes.size(); ++i)
+      if (!cluster_.nodes[i].gpu.kernel_table.empty()) tables_[i] = load_kernel_table(cluster_.nodes[i].gpu.kernel_table);
+  });
+  return tables_[n].get();
+}
+
+KernelTiming CostModel::timing(int device) const {
+  const int node = node_of_.at(static_cast<std::size_t>(device));
+  const GpuSpec& g = cluster_.nodes[static_cast<std::size_t>(node)].gpu;
+  KernelTiming t;
+  t.table = table_of(node);
+  t.profile = runtime_profile_from_string(cluster_.runtime);
+  t.peak_flops = g.peak_flops;
+  t.hbm_bytes_per_s = g.hbm_bandwidth_bytes_per_s;
+  t.launch_s = g.launch_overhead_s;
+  t.fallback_efficiency = g.max_efficiency;
+  return t;
+}
+
+std::optional<double> CostModel::kernel_seconds(const core::Program& program, int device, const core::Op& op) const {
+  if (op.segment < 0 || static_cast<std::size_t>(op.segment) >= program.segments.size()) {
+    if (op.kind == OpKind::Update) return update_seconds(program, device, op);
+    return std::nullopt;
+  }
+  if (op.kind == OpKind::Update) return update_seconds(program, device, op);
+  if (op.kind != OpKind::Compute) return std::nullopt;
+  const int node = node_of_.at(static_cast<std::size_t>(device));
+  if (!table_of(node)) return std::nullopt;
+  const core::PassKernels& pk = program.segments[static_cast<std::size_t>(op.segment)].kernels;
+  std::vector<const std::vector<core::Kernel>*> lists;
+  switch (op.pass) {
+    case core::Pass::F: lists = {&pk[0]}; break;
+    case core::Pass::B: lists = {&pk[1], &pk[2]}; break;
+    case core::Pass::BI: lists = {&pk[1]}; break;
+    case core::Pass::BW: lists = {&pk[2]}; break;
+    default: return std::nullopt;
+  }
+  std::uint64_t key = mix(static_cast<std::uint64_t>(node), static_cast<std::uint64_t>(op.pass));
+  bool any = false;
+  for (const auto* l : lists)
+    for (const auto& k : *l) {
+      any = true;
+      key = mix(key, static_cast<std::uint64_t>(k.kind) << 8 | static_cast<std::uint64_t>(k.dtype));
+      for (std::int64_t v : {k.m, k.n, k.k, k.batch, k.head_dim, k.v_dim, k.elems, k.bytes})
+        key = mix(key, static_cast<std::uint64_t>(v));
+      key = mix(mix(key, bits(k.flops)), bits(k.count));
+    }
+  if (!any) return std::nullopt;
+  PassTime pt;
+  {
+    std::lock_guard<std::mutex> lock(cache_mu_);
+    auto it = pass_cache_.find(key);
+    if (it != pass_cache_.end()) pt = it->second;
+  }
+  if (pt.flops < 0) {
+    const KernelTiming t = timing(device);
+    pt = {0, 0, 0};
+    for (const auto* l : lists)
+      for (const auto& k : *l) {
+        pt.seconds += k.count * t.seconds(k);
+        pt.flops += k.count * k.flops;
+        if (k.kind == core::KernelKind::Elementwise) pt.elementwise_bytes += k.count * static_cast<double>(k.bytes);
+      }
+    std::lock_guard<std::mutex> lock(cache_mu_);
+    pass_cache_.emplace(key, pt);
+  }
+  // The op runs the listed kernels; should a directive have changed its FLOPs from the layers' (none
+  // does today: a test checks they agree), the time scales with them.
+  double seconds = pt.flops > 0 && op.flops > 0 ? pt.seconds * op.flops / pt.flops : pt.seconds;
+  // Element-wise traffic the op carries beyond its kernels' (Megatron's fp32 main-grad accumulation
+  // in the weight-gradient pass) runs at the GPU's copy bandwidth.
+  const double extra = static_cast<double>(op.elementwise_bytes) - pt.elementwise_bytes;
+  if (extra > 0) {
+    core::Kernel copy;
+    copy.kind = core::KernelKind::Elementwise;
+    copy.bytes = static_cast<std::int64_t>(extra);
+    seconds += timing(device).seconds(copy);
+  }
+  return seconds;
+}
+
+// UPD with a kernel table: a fused multi-tensor AdamW streams the op's HBM traffic at the bandwidth
+// the table's AdamW measurement reached (one launch per op: multi_tensor_apply batches the tensors).
+// fp32 training updates fp32 parameters: the fp32 measurement's bandwidth.
+std::optional<double> CostModel::update_seconds(const core::Program& program, int device, const core::Op& op) const {
+  const KernelTable* t = table_of(node_of_.at(static_cast<std::size_t>(device)));
+  if (!t || op.memory_bytes <= 0) return std::nullopt;
+  const double bw = core::fp32_storage(program.training.precision) && t->adamw_fp32_bytes_per_s > 0 ? t->adamw_fp32_bytes_per_s
+                                                                                                     : t->adamw_bytes_per_s;
+  if (bw <= 0) return std::nullopt;
+  return static_cast<double>(op.memory_bytes) / bw + t->launch_floor_s;
 }
 
 double CostModel::tp_seconds(const core::Program& program, int device, const core::Op& op) const {
@@ -228,7 +368,8 @@ double CostModel::tp_seconds(const core::Program& program, int device, const cor
 
 double CostModel::tp_part_seconds(const core::Program& program, int device, const core::Op& op) const {
   if (op.tp_collectives <= 0 || replaced(op, 1)) return 0;
-  return tp_seconds(program, device, op);
+  const double c = base_seconds(program, device, op);
+  return with_tp(program, device, op, c) - c;
 }
 
 double CostModel::latency_s(int src, int dst) const {

@@ -537,7 +537,7 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
   const core::Model& model = shape->model;
   const RegionPlacement& place = shape->place;
   const int dt = core::bytes_per_element(model.training().precision);
-  const std::int64_t state_bytes = model.training().precision == core::Precision::FP32 ? 8 : 12;
+  const std::int64_t state_bytes = core::fp32_storage(model.training().precision) ? 8 : 12;
   const int grad_bytes = core::gradient_bytes_per_element(model.training());  // fp32 main grads: 4
   // Data-parallel replicas of a region: dp per rank, twice that for a mirrored family (the two
   // copies). A TP segment's replicas are the devices with the same TP rank; routed experts (no TP)
@@ -615,6 +615,19 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     launch = std::min(launch, node.gpu.launch_overhead_s);
     hbm = std::max(hbm, node.gpu.hbm_bandwidth_bytes_per_s);
     link = std::max({link, node.nvlink_bandwidth_bytes_per_s, node.nic_bandwidth_per_gpu_bytes_per_s()});
+    if (!node.gpu.kernel_table.empty()) {
+      // The per-kernel model (kernel_table.hpp): no curve, the table's launch floor, and its fastest
+      // measured rate in Piper's FLOPs (flash attention's causal work is half of Piper's count forward
+      // and 2.5/4 of it backward).
+      const auto t = load_kernel_table(node.gpu.kernel_table);
+      half = 0;
+      launch = std::min(launch, t->launch_floor_s);
+      const core::Precision pr = model.training().precision;
+      const std::string dt = pr == core::Precision::FP16 ? "bf16" : core::to_string(pr);
+      for (const auto& g : t->gemm)
+        if (g.dtype == dt || (dt == "fp32" && g.dtype == "tf32")) flops_rate = std::max(flops_rate, g.flops_per_s);
+      for (const auto& a : t->attention) flops_rate = std::max({flops_rate, 2 * a.fwd_flops_per_s, 1.6 * a.bwd_flops_per_s});
+    }
   }
   if (flops_rate <= 0 || hbm <= 0) return 0;
   half = std::max(0.0, half);

@@ -52,10 +52,14 @@ struct CudaBackend::Pending {
 CudaBackend::CudaBackend(const core::Program& program, int device, Transport& transport, const CudaConfig& config)
     : program_(program), plan_(program.plan_for(device)), device_(device), transport_(transport), config_(config) {
   const core::Model model = program_model(program);
-  for (std::size_t s = 0; s < program.segments.size(); ++s)
+  for (std::size_t s = 0; s < program.segments.size(); ++s) {
+    if (program.segments[s].reduce_every_microbatch)
+      throw std::invalid_argument(fmt::format("plan: segment {} reduces its ZeRO-2/3 gradients after every microbatch; the CUDA backend reduces once per step (compile with --reduce-every step), the host backend runs both",
+                                              s));
     if (program.segments[s].zero_shards != program.segments[s].replicas)
       throw std::invalid_argument(fmt::format("plan: segment {} uses HSDP (ZeRO shards over groups of {} of its {} replicas); the CUDA backend does not run it yet, the host backend does",
                                               s, program.segments[s].zero_shards, program.segments[s].replicas));
+  }
   num_layers_ = static_cast<int>(model.layers().size());
   shape_ = data_shape(program);
   loss_scale_ = 1.0f / static_cast<float>(shape_.global_tokens());

@@ -116,11 +116,16 @@ struct Segment {
   int replicas = 1;                     // replicate: data-parallel copies holding (shards of) the params
   int zero_level = 0;                   // 0 none, 1 optimizer states, 2 + gradients, 3 + parameters sharded
   int zero_shards = 1;                  // ZeRO >= 1: shards of the state (replicas, or the HSDP group size)
+  // ZeRO-2/3 reducing after every microbatch (ReplicateDirective::reduce_every_microbatch): only the
+  // gradient shard persists. Otherwise (ZeRO-2/3 reducing once per step) the whole gradient does.
+  bool reduce_every_microbatch = false;
+  std::int64_t grad_divisor() const { return zero_level >= 2 && reduce_every_microbatch ? zero_shards : 1; }
   // What divides state that ZeRO shards from `level` on (1 optimizer states, 2 gradients, 3 parameters).
   std::int64_t zero_divisor(int level) const { return zero_level >= level ? zero_shards : 1; }
   // Set by the tensor_parallel / recompute passes (Megatron layout, see ARCHITECTURE.md).
   int tp_degree = 1;                    // tensor-parallel group size (consecutive devices of the set)
   bool sequence_parallel = false;       // TP all-reduces become reduce-scatter + all-gather
+  bool tp_comm_overlap = false;         // TP collectives overlap the GEMMs (TensorParallelDirective::comm_overlap)
   Recompute recompute = Recompute::None;
   int tp_family = -1;                   // GlobalDag::families index of the TP groups (purpose "tp")
   std::int64_t tp_local_params = 0;     // parameters one TP rank holds (norms replicated), when tp_degree > 1

@@ -46,6 +46,12 @@ struct ReplicateDirective {
   // replicas, and the groups replicate each other (an all-reduce of each shard across groups).
   // 0: one group of every replica (plain ZeRO).
   int shard_group = 0;
+  // When gradients are reduced (Piper extension "reduce_every"): once per step after the last
+  // microbatch's backward ("step": Megatron-LM, DeepSpeed ZeRO-1, FSDP under no_sync, which keeps
+  // the whole unsharded gradient until then), or after every microbatch's backward ("microbatch":
+  // DeepSpeed ZeRO-2 and FSDP2's default, which keep only the gradient shard between microbatches).
+  // Default: "microbatch" with shard_grads (ZeRO-2/3), "step" otherwise.
+  bool reduce_every_microbatch = false;
   std::string reduce_stream = "dp";
   std::string gather_stream;     // empty: same as reduce_stream
 };
@@ -75,6 +81,9 @@ struct TensorParallelDirective {
   std::vector<int> devices;    // optional: when given, must equal the placement
   int degree = 1;
   bool sequence_parallel = false;
+  // Piper extension "comm_overlap": the TP collectives run chunk by chunk under the GEMMs that produce
+  // or consume them (Megatron-LM's --tp-comm-overlap, TorchTitan's async TP) instead of between them.
+  bool comm_overlap = false;
 };
 
 // Piper extension: activation recomputation of the selected segments.

@@ -15,9 +15,14 @@ namespace piper::core {
 // Tag stack of a layer or DAG node: {"PP": 2, "EP": 5, "MB": 3}. Ordered map so printing is stable.
 using TagMap = std::map<std::string, int>;
 
-enum class Precision { BF16, FP16, FP32 };
-int bytes_per_element(Precision p);
-std::string to_string(Precision p);
+// Training precision. BF16/FP16: mixed precision (half-precision weights, activations and GEMMs,
+// fp32 master weights and moments). FP32: everything fp32, GEMMs on the CUDA cores. TF32: fp32
+// storage, GEMMs on the tensor cores in TF32. FP8: BF16's storage with e4m3 GEMMs (Transformer
+// Engine's recipe), which also keeps an fp8 copy of each weight (1 byte per parameter).
+enum class Precision { BF16, FP16, FP32, TF32, FP8 };
+int bytes_per_element(Precision p);   // storage: 2, 2, 4, 4, 2
+std::string to_string(Precision p);   // "bf16", "fp16", "fp32", "tf32", "fp8"
+bool fp32_storage(Precision p);       // FP32, TF32: no separate master weights
 
 // What a training step looks like: it scales every cost.
 struct TrainingShape {

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "piper/core/dag.hpp"
+#include "piper/core/kernels.hpp"
 
 namespace piper::core {
 
@@ -102,9 +103,17 @@ struct ProgramSegment {
   bool sequence_parallel = false;
   Recompute recompute = Recompute::None;
   int tp_family = -1;
+  bool tp_comm_overlap = false;          // TP collectives overlapped with the GEMMs (cost_model.hpp)
   // ZeRO >= 1: how many ways the state is sharded: `replicas`, or the HSDP shard group size (the
   // replica at data rank i holds shard i % zero_shards; groups of zero_shards consecutive replicas).
   int zero_shards = 1;
+  // ZeRO-2/3: gradients reduced after every microbatch (one REDUCE_SCATTER per microbatch and bucket,
+  // summed into the shard) instead of once per step (core::Segment::reduce_every_microbatch).
+  bool reduce_every_microbatch = false;
+  // What one device launches for one microbatch of this segment, per pass (F, BI, BW; a B runs BI then
+  // BW): the simulator's per-kernel cost model times these (core/kernels.hpp). Empty in plans written
+  // before kernels were listed, and for segments of builder models; their ops are costed by FLOPs.
+  PassKernels kernels;
   friend bool operator==(const ProgramSegment&, const ProgramSegment&) = default;
 };
 

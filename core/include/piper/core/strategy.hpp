@@ -16,8 +16,12 @@ struct StrategyOptions {
   int pp = 1, dp = 1, ep = 1, zero = 0;
   int tp = 1;                      // tensor-parallel degree (consecutive devices, inside a node)
   bool sequence_parallel = false;  // with tp > 1
+  bool tp_comm_overlap = false;    // with tp > 1: TP collectives overlapped with the GEMMs
   std::string recompute = "none";  // none | selective | full
   int dp_shard = 0;                // > 1 with zero >= 1: HSDP, ZeRO shards over groups of dp_shard replicas
+  // ZeRO-2/3 gradient reduction: "microbatch" (after every microbatch: DeepSpeed ZeRO-2, FSDP2), "step"
+  // (once, keeping whole gradients until then: FSDP no_sync), "" = the level's default ("microbatch").
+  std::string reduce_every;
   int comm_sms = 0;                // > 0: an sm_partition directive giving communication this many SMs
   int global_batch = 0;            // sequences per step; > 0 sets microbatches (see resolve_global_batch)
   int microbatches = 1;

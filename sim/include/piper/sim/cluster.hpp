@@ -35,6 +35,10 @@ struct GpuSpec {
   double comm_sm_share = 0;               // fraction of compute throughput a running comm kernel takes
   double max_efficiency = 1;              // asymptotic fraction of peak_flops reached by large ops
   double half_efficiency_flops = 0;       // op size reaching max_efficiency / 2 (0: always max)
+  // The kernel efficiency table (kernel_table.hpp) of this GPU: a built-in name ("h200-sxm",
+  // "h100-sxm") or a table file; "" for none. With a table, compute ops that list their kernels are
+  // costed kernel by kernel against it; without one, by the efficiency curve above.
+  std::string kernel_table;
   double efficiency(double flops) const {
     return half_efficiency_flops <= 0 ? max_efficiency : max_efficiency * flops / (flops + half_efficiency_flops);
   }
@@ -82,6 +86,9 @@ struct Cluster {
   std::vector<NodeSpec> nodes;        // devices are numbered node by node: node 0 holds 0..g0-1, ...
   NetworkSpec network;
   bool fixed_size = false;            // the spec fixes its node count: with_devices() will not grow it
+  // Which element-wise kernels the training runtime fuses ("runtime": "fused" | "eager";
+  // kernel_table.hpp). Only the per-kernel cost model reads it.
+  std::string runtime = "fused";
 
   int num_devices() const;
   int node_of(int device) const;      // throws ClusterError when out of range

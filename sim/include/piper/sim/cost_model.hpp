@@ -5,7 +5,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <unordered_map>
 #include <string>
 #include <vector>
 
@@ -13,6 +16,7 @@
 
 #include "piper/core/program.hpp"
 #include "piper/sim/cluster.hpp"
+#include "piper/sim/kernel_table.hpp"
 
 namespace piper::sim {
 
@@ -96,12 +100,18 @@ class CostModel {
   void set_override(OpOverride f) { override_ = std::move(f); }
   const OpOverride& op_override() const { return override_; }
 
-  // COMPUTE and UPD ops: override, then calibration, then the roofline of the device's GPU.
+  // COMPUTE and UPD ops: override, then calibration, then the per-kernel model (the op's segment lists
+  // its kernels and the device's GPU has a kernel table), else the roofline of the device's GPU.
   double compute_seconds(const core::Program& program, int device, const core::Op& op) const;
+  // The per-kernel model alone (TP collectives not included); nullopt where it does not apply.
+  std::optional<double> kernel_seconds(const core::Program& program, int device, const core::Op& op) const;
+  // How kernels are timed on `device` (its node's table, the cluster's runtime profile).
+  KernelTiming timing(int device) const;
   // The tensor-parallel collectives a COMPUTE op performs inside itself (0 for non-TP ops).
   double tp_seconds(const core::Program& program, int device, const core::Op& op) const;
-  // The part of compute_seconds() that is TP collectives: tp_seconds(), or 0 when an override or a
-  // calibration gives the op's time (a measured time is not split into GEMMs and collectives).
+  // The part of compute_seconds() that is TP collectives: tp_seconds() (with comm_overlap, what the
+  // GEMMs do not hide), or 0 when an override or a calibration gives the op's time (a measured time is
+  // not split into GEMMs and collectives).
   double tp_part_seconds(const core::Program& program, int device, const core::Op& op) const;
   // Roofline alone (no override or calibration); the FLOPs run as `gemm_kernels` GEMMs (< 1: one).
   double roofline_seconds(int device, double flops, std::int64_t memory_bytes, int gemm_kernels = 1) const;
@@ -126,6 +136,19 @@ class CostModel {
   std::optional<Calibration> calibration_;
   OpOverride override_;
   std::optional<double> replaced(const core::Op& op, int group_size) const;
+  std::optional<double> update_seconds(const core::Program& program, int device, const core::Op& op) const;
+  double base_seconds(const core::Program& program, int device, const core::Op& op) const;  // without TP
+  double with_tp(const core::Program& program, int device, const core::Op& op, double compute) const;
+  const KernelTable* table_of(int node) const;
+  // Per-node kernel tables (loaded once) and pass times by content (kernels + node): ops of the same
+  // segment and pass share one sum. Guarded for engines that cost ops from several threads.
+  mutable std::once_flag tables_once_;
+  mutable std::vector<std::shared_ptr<const KernelTable>> tables_;
+  struct PassTime {
+    double seconds = 0, flops = -1, elementwise_bytes = 0;
+  };
+  mutable std::mutex cache_mu_;
+  mutable std::unordered_map<std::uint64_t, PassTime> pass_cache_;
 };
 
 }  // namespace piper::sim

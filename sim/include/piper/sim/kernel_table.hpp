@@ -1,0 +1,89 @@
+// Kernel efficiency tables: the throughput one GPU model achieves per kernel class and shape, measured
+// (for the H200, ../shared/measurements/h200/kernels.json by kernels.py) and interpolated. The
+// per-kernel cost model (cost_model.hpp) times each core::Kernel of an op against the table of the
+// op's GPU. Format and interpolation rules: docs/cost-model.md.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "piper/core/kernels.hpp"
+
+namespace piper::sim {
+
+// Which element-wise kernels a runtime fuses (docs/cost-model.md, "Runtime profiles"): how many
+// launches and bytes each element-wise kernel kind costs. Named in the cluster ("runtime").
+//  * fused: torch.compile / Megatron-LM's fused kernels (one kernel per kind: RMSNorm, SwiGLU, RoPE,
+//    cross-entropy, the residual add) — the default;
+//  * eager: PyTorch eager mode, composite ops launched one by one (counted from the eager profile of
+//    dense-1b, ../shared/measurements/h200/torch-profile-dense1b.txt).
+enum class RuntimeProfile { Fused, Eager };
+std::string to_string(RuntimeProfile p);
+RuntimeProfile runtime_profile_from_string(const std::string& s);  // throws ClusterError
+
+class KernelTable {
+ public:
+  struct Gemm {
+    std::string dtype;  // "bf16", "fp16", "fp32", "tf32", "fp8"
+    std::int64_t m = 0, n = 0, k = 0;
+    double flops_per_s = 0;
+  };
+  // Causal attention, FLOPs in kernels.py's convention: forward 2·b·heads·s²·d (half the s x s
+  // matrix, q·k and p·v), backward 2.5x the forward's FLOPs.
+  struct Attention {
+    std::int64_t batch = 0, s = 0, heads = 0, kv_heads = 0, head_dim = 0;
+    double fwd_flops_per_s = 0, bwd_flops_per_s = 0;
+  };
+  struct Memory {
+    std::string kernel;       // "add", "rmsnorm", "silu_mul", "copy", "cross_entropy_fwd_fp32"
+    double bytes = 0;         // bytes moved by one launch (read + write)
+    double bytes_per_s = 0;
+  };
+
+  std::string name;           // "h200-sxm" or the file it was read from
+  std::vector<Gemm> gemm;
+  std::vector<Attention> attention;
+  std::vector<Memory> memory;
+  // Fused multi-tensor AdamW over half-precision (bf16) and fp32 parameters, from the table's largest
+  // measured run of each.
+  double adamw_bytes_per_s = 0, adamw_fp32_bytes_per_s = 0;
+  double launch_floor_s = 2e-6;   // added to every kernel (GPU-side gap between back-to-back kernels)
+
+  // Achieved FLOP/s of an m x n x k GEMM (batch: batched products) in `dtype`; 0 when the table has
+  // no GEMM data.
+  double gemm_rate(const std::string& dtype, std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t batch = 1) const;
+  // Achieved FLOP/s (kernels.py convention) of causal attention; 0 without attention data.
+  double attention_rate(bool backward, std::int64_t batch, std::int64_t s, std::int64_t heads, std::int64_t head_dim) const;
+  // Achieved bytes/s of a memory-bound kernel of `kernel`'s class moving `bytes`; 0 without data.
+  double memory_rate(const std::string& kernel, double bytes) const;
+
+  // Reads the format kernels.py writes ({"gemm": [...], "attention": [...], "memory_bound": [...],
+  // "adamw": [...]}), optionally with "name", "launch_floor_us", and, for a table derived from
+  // another, "base" (a built-in table's name) with "compute_scale" and "memory_scale". Throws
+  // ClusterError naming `where` and the field.
+  static KernelTable from_json(const nlohmann::json& j, const std::string& where);
+};
+
+// Built-in tables: "h200-sxm" (measured), "h100-sxm" (derived from it: docs/cost-model.md).
+std::vector<std::string> kernel_table_names();
+// A built-in name or a path to a table file; loaded once and shared (thread-safe). Throws ClusterError.
+std::shared_ptr<const KernelTable> load_kernel_table(const std::string& name_or_path);
+
+// Seconds one launch of `k` takes on a GPU with this table (nullptr: none) under a runtime profile,
+// with the GPU's peak FLOP/s and HBM bandwidth for what the table lacks: max(compute, memory) plus the
+// launch floor. `fallback_gemm` gives a GEMM's FLOP/s when the table has none.
+struct KernelTiming {
+  const KernelTable* table = nullptr;
+  RuntimeProfile profile = RuntimeProfile::Fused;
+  double peak_flops = 0;
+  double hbm_bytes_per_s = 0;
+  double launch_s = 0;          // used when there is no table
+  double fallback_efficiency = 0.75;
+  double seconds(const core::Kernel& k) const;
+};
+
+}  // namespace piper::sim

@@ -1,0 +1,379 @@
+// Kernel efficiency tables: reading, the built-in tables, interpolation, and the per-kernel timing.
+#include "piper/sim/kernel_table.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "piper/core/limits.hpp"
+#include "piper/sim/cluster.hpp"
+
+namespace piper::sim {
+
+using nlohmann::json;
+using core::Kernel;
+using core::KernelKind;
+
+extern const char* const kKernelTableH200;  // kernel_tables_data.cpp (generated from sim/data/)
+
+std::string to_string(RuntimeProfile p) { return p == RuntimeProfile::Eager ? "eager" : "fused"; }
+
+RuntimeProfile runtime_profile_from_string(const std::string& s) {
+  if (s == "fused") return RuntimeProfile::Fused;
+  if (s == "eager") return RuntimeProfile::Eager;
+  throw ClusterError("unknown runtime profile '" + s + "' (expected \"fused\" or \"eager\")");
+}
+
+namespace {
+
+double lg(double x) { return std::log2(std::max(1.0, x)); }
+
+// Piecewise linear in log2(x) through sorted (x, y) points; constant outside their range.
+double interp_log(const std::vector<std::pair<double, double>>& pts, double x) {
+  if (pts.empty()) return 0;
+  if (x <= pts.front().first) return pts.front().second;
+  if (x >= pts.back().first) return pts.back().second;
+  for (std::size_t i = 1; i < pts.size(); ++i)
+    if (x <= pts[i].first) {
+      const double a = lg(pts[i - 1].first), b = lg(pts[i].first);
+      const double t = b > a ? (lg(x) - a) / (b - a) : 0;
+      return pts[i - 1].second + t * (pts[i].second - pts[i - 1].second);
+    }
+  return pts.back().second;
+}
+
+// Inverse-distance weighting (power 2) over the `nearest` closest of `pts` in a log2 space: an exact
+// hit returns its value.
+double idw(const std::vector<std::pair<std::vector<double>, double>>& pts, const std::vector<double>& q,
+           std::size_t nearest) {
+  std::vector<std::pair<double, double>> d;  // (squared distance, value)
+  d.reserve(pts.size());
+  for (const auto& [x, v] : pts) {
+    double s = 0;
+    for (std::size_t i = 0; i < q.size(); ++i) s += (x[i] - q[i]) * (x[i] - q[i]);
+    d.emplace_back(s, v);
+  }
+  std::sort(d.begin(), d.end());
+  if (d.empty()) return 0;
+  if (d.front().first < 1e-12) return d.front().second;
+  double w = 0, sum = 0;
+  for (std::size_t i = 0; i < std::min(nearest, d.size()); ++i) {
+    w += 1 / d[i].first;
+    sum += d[i].second / d[i].first;
+  }
+  return sum / w;
+}
+
+}  // namespace
+
+// GEMMs: each measured (k, n) shape gives a curve over m (piecewise linear in log m, constant past
+// the ends); the query's (k, n) mixes the 3 nearest shapes' curves by inverse distance in
+// (log k, log n). Sizes below the table's smallest m or n leave the GPU's SMs idle: the kernel takes
+// as long as at the smallest measured size, so the rate scales down with m and n. A dtype measured at
+// fewer sizes of m than bf16 (tf32, fp32, fp8 at m = 8192 only) takes bf16's rate times the measured
+// ratio of the two at its sizes.
+double KernelTable::gemm_rate(const std::string& dtype_in, std::int64_t m, std::int64_t n, std::int64_t k,
+                              std::int64_t batch) const {
+  const std::string dtype = dtype_in == "fp16" ? "bf16" : dtype_in;
+  auto rate_of = [&](const std::string& dt, double mm, double nn, double kk) -> double {
+    std::map<std::pair<std::int64_t, std::int64_t>, std::vector<std::pair<double, double>>> curves;
+    double m_min = 0, n_min = 0;
+    for (const auto& g : gemm)
+      if (g.dtype == dt) {
+        curves[{g.k, g.n}].emplace_back(static_cast<double>(g.m), g.flops_per_s);
+        m_min = m_min == 0 ? g.m : std::min<double>(m_min, g.m);
+        n_min = n_min == 0 ? g.n : std::min<double>(n_min, g.n);
+      }
+    if (curves.empty()) return 0;
+    std::vector<std::pair<std::vector<double>, double>> pts;
+    for (auto& [kn, c] : curves) {
+      std::sort(c.begin(), c.end());
+      pts.push_back({{lg(static_cast<double>(kn.first)), lg(static_cast<double>(kn.second))}, interp_log(c, std::max(mm, m_min))});
+    }
+    double r = idw(pts, {lg(kk), lg(std::max(nn, n_min))}, 3);
+    if (mm < m_min) r *= mm / m_min;
+    if (nn < n_min) r *= nn / n_min;
+    return r;
+  };
+  // A batched GEMM fills the GPU like one with batch times the rows.
+  const double mm = static_cast<double>(m) * static_cast<double>(std::max<std::int64_t>(1, batch));
+  const double nn = static_cast<double>(n), kk = static_cast<double>(k);
+  if (dtype == "bf16") return rate_of("bf16", mm, nn, kk);
+  std::vector<double> ms;
+  for (const auto& g : gemm)
+    if (g.dtype == dtype && std::find(ms.begin(), ms.end(), static_cast<double>(g.m)) == ms.end()) ms.push_back(g.m);
+  if (ms.empty()) return 0;
+  if (ms.size() >= 2) return rate_of(dtype, mm, nn, kk);
+  const double at = ms.front(), base = rate_of("bf16", at, nn, kk);
+  return base > 0 ? rate_of("bf16", mm, nn, kk) * rate_of(dtype, at, nn, kk) / base : rate_of(dtype, mm, nn, kk);
+}
+
+// Attention: inverse distance over (log s, log batch·heads, log head_dim) among the 4 nearest
+// measurements, the query clamped into the measured box (a flash kernel's tiles fill the GPU at
+// every measured size, so nothing is extrapolated).
+double KernelTable::attention_rate(bool backward, std::int64_t batch, std::int64_t s, std::int64_t heads,
+                                   std::int64_t head_dim) const {
+  if (attention.empty()) return 0;
+  double lo[3] = {1e300, 1e300, 1e300}, hi[3] = {0, 0, 0};
+  std::vector<std::pair<std::vector<double>, double>> pts;
+  for (const auto& a : attention) {
+    const double x[3] = {lg(a.s), lg(static_cast<double>(a.batch * a.heads)), lg(a.head_dim)};
+    for (int i = 0; i < 3; ++i) lo[i] = std::min(lo[i], x[i]), hi[i] = std::max(hi[i], x[i]);
+    pts.push_back({{x[0], x[1], x[2]}, backward ? a.bwd_flops_per_s : a.fwd_flops_per_s});
+  }
+  std::vector<double> q = {lg(s), lg(static_cast<double>(batch * heads)), lg(head_dim)};
+  for (int i = 0; i < 3; ++i) q[static_cast<std::size_t>(i)] = std::clamp(q[static_cast<std::size_t>(i)], lo[i], hi[i]);
+  return idw(pts, q, 4);
+}
+
+double KernelTable::memory_rate(const std::string& kernel, double bytes) const {
+  std::vector<std::pair<double, double>> c;
+  for (const auto& m : memory)
+    if (m.kernel == kernel) c.emplace_back(m.bytes, m.bytes_per_s);
+  if (c.empty())
+    for (const auto& m : memory)
+      if (m.kernel == "add") c.emplace_back(m.bytes, m.bytes_per_s);
+  std::sort(c.begin(), c.end());
+  return interp_log(c, bytes);
+}
+
+namespace {
+
+struct TableReader {
+  std::string where;
+  [[noreturn]] void fail(const std::string& field, const std::string& m) const {
+    throw ClusterError(fmt::format("{}: field '{}': {}", where, field, m));
+  }
+  double positive(const json& o, const char* key, const std::string& at) const {
+    if (!o.is_object() || !o.contains(key) || !o.at(key).is_number()) fail(at + "." + key, "expected a number");
+    const double v = o.at(key).get<double>();
+    if (!std::isfinite(v) || v <= 0 || v > 1e18) fail(at + "." + key, fmt::format("must be in (0, 1e18], got {}", v));
+    return v;
+  }
+  const json& list(const json& j, const char* key) const {
+    static const json empty = json::array();
+    if (!j.contains(key)) return empty;
+    if (!j.at(key).is_array()) fail(key, "expected an array");
+    return j.at(key);
+  }
+};
+
+}  // namespace
+
+KernelTable KernelTable::from_json(const json& j, const std::string& where) {
+  const TableReader r{where};
+  if (!j.is_object()) r.fail("(top level)", "expected an object");
+  KernelTable t;
+  double compute_scale = 1, memory_scale = 1;
+  if (j.contains("base")) {
+    if (!j.at("base").is_string()) r.fail("base", "expected a built-in table name");
+    t = *load_kernel_table(j.at("base").get<std::string>());
+    if (j.contains("compute_scale")) compute_scale = r.positive(j, "compute_scale", "");
+    if (j.contains("memory_scale")) memory_scale = r.positive(j, "memory_scale", "");
+  }
+  t.name = j.contains("name") && j.at("name").is_string() ? j.at("name").get<std::string>() : where;
+  if (j.contains("launch_floor_us")) {
+    if (!j.at("launch_floor_us").is_number() || !(j.at("launch_floor_us").get<double>() >= 0) ||
+        j.at("launch_floor_us").get<double>() > 1e6)
+      r.fail("launch_floor_us", "expected a number in [0, 1e6]");
+    t.launch_floor_s = j.at("launch_floor_us").get<double>() * 1e-6;
+  }
+  const json& gemm = r.list(j, "gemm");
+  for (std::size_t i = 0; i < gemm.size(); ++i) {
+    const json& g = gemm[i];
+    const std::string at = fmt::format("gemm[{}]", i);
+    if (g.is_object() && g.contains("error")) continue;  // kernels.py records shapes that failed
+    Gemm e;
+    if (!g.is_object() || !g.contains("dtype") || !g.at("dtype").is_string()) r.fail(at + ".dtype", "expected a string");
+    e.dtype = g.at("dtype").get<std::string>();
+    static const char* kDtypes[] = {"bf16", "fp16", "fp32", "tf32", "fp8"};
+    if (std::find_if(std::begin(kDtypes), std::end(kDtypes), [&](const char* d) { return e.dtype == d; }) == std::end(kDtypes))
+      r.fail(at + ".dtype", "unknown dtype '" + e.dtype + "' (expected bf16, fp16, fp32, tf32 or fp8)");
+    e.m = static_cast<std::int64_t>(r.positive(g, "m", at));
+    e.n = static_cast<std::int64_t>(r.positive(g, "n", at));
+    e.k = static_cast<std::int64_t>(r.positive(g, "k", at));
+    e.flops_per_s = r.positive(g, "tflops", at) * 1e12;
+    t.gemm.push_back(e);
+  }
+  const json& att = r.list(j, "attention");
+  for (std::size_t i = 0; i < att.size(); ++i) {
+    const json& a = att[i];
+    const std::string at = fmt::format("attention[{}]", i);
+    Attention e;
+    e.batch = static_cast<std::int64_t>(r.positive(a, "b", at));
+    e.s = static_cast<std::int64_t>(r.positive(a, "s", at));
+    e.heads = static_cast<std::int64_t>(r.positive(a, "heads", at));
+    e.kv_heads = a.contains("kv_heads") ? static_cast<std::int64_t>(r.positive(a, "kv_heads", at)) : e.heads;
+    e.head_dim = static_cast<std::int64_t>(r.positive(a, "head_dim", at));
+    e.fwd_flops_per_s = r.positive(a, "fwd_tflops", at) * 1e12;
+    e.bwd_flops_per_s = r.positive(a, "bwd_tflops", at) * 1e12;
+    t.attention.push_back(e);
+  }
+  const json& mem = r.list(j, "memory_bound");
+  for (std::size_t i = 0; i < mem.size(); ++i) {
+    const json& m = mem[i];
+    const std::string at = fmt::format("memory_bound[{}]", i);
+    Memory e;
+    if (!m.is_object() || !m.contains("kernel") || !m.at("kernel").is_string()) r.fail(at + ".kernel", "expected a string");
+    e.kernel = m.at("kernel").get<std::string>();
+    e.bytes_per_s = r.positive(m, "gbps", at) * 1e9;
+    e.bytes = e.bytes_per_s * r.positive(m, "s", at);  // what the kernel moved
+    t.memory.push_back(e);
+  }
+  // Fused AdamW, bf16 parameters with fp32 moments (kernels.py): per parameter it reads the
+  // parameter, gradient and both moments and writes the parameter and moments: 2+2+4+4 + 2+4+4 = 22
+  // bytes; fp32 parameters: 28. The largest measured run of each gives its bandwidth.
+  const json& adam = r.list(j, "adamw");
+  double best = 0, best32 = 0;
+  for (std::size_t i = 0; i < adam.size(); ++i) {
+    const json& a = adam[i];
+    const std::string at = fmt::format("adamw[{}]", i);
+    const double params = r.positive(a, "params", at), s = r.positive(a, "s", at);
+    const std::string dt = a.is_object() && a.contains("param_dtype") && a.at("param_dtype").is_string()
+                               ? a.at("param_dtype").get<std::string>() : "torch.bfloat16";
+    if (dt.find("float32") != std::string::npos) {
+      if (params >= best32) best32 = params, t.adamw_fp32_bytes_per_s = params * 28 / s;
+    } else if (params >= best) {
+      best = params, t.adamw_bytes_per_s = params * 22 / s;
+    }
+  }
+  if (compute_scale != 1) {
+    for (auto& g : t.gemm) g.flops_per_s *= compute_scale;
+    for (auto& a : t.attention) a.fwd_flops_per_s *= compute_scale, a.bwd_flops_per_s *= compute_scale;
+  }
+  if (memory_scale != 1) {
+    for (auto& m : t.memory) m.bytes_per_s *= memory_scale;
+    t.adamw_bytes_per_s *= memory_scale;
+    t.adamw_fp32_bytes_per_s *= memory_scale;
+  }
+  return t;
+}
+
+std::vector<std::string> kernel_table_names() { return {"h100-sxm", "h200-sxm"}; }
+
+std::shared_ptr<const KernelTable> load_kernel_table(const std::string& name) {
+  static std::mutex mu;
+  static std::map<std::string, std::shared_ptr<const KernelTable>> cache;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = cache.find(name); it != cache.end()) return it->second;
+  }
+  KernelTable t;
+  auto parse = [&](const std::string& text, const std::string& where) {
+    json j;
+    try {
+      j = json::parse(text);
+    } catch (const json::exception& e) {
+      std::string m = e.what();
+      std::replace(m.begin(), m.end(), '\n', ' ');
+      throw ClusterError(where + ": " + m);
+    }
+    return KernelTable::from_json(j, where);
+  };
+  if (name == "h200-sxm") {
+    t = parse(kKernelTableH200, "h200-sxm");
+    t.name = name;
+  } else if (name == "h100-sxm") {
+    // The H100 SXM5 is the H200's GH100 die at the same clocks and power (989 TFLOP/s dense bf16 on
+    // both datasheets) with HBM3 at 3.35 TB/s instead of HBM3e at 4.8 TB/s: compute-bound kernels
+    // keep the H200's measured rates, memory-bound ones scale with the bandwidth (3.35 / 4.8).
+    t = parse(R"({"base": "h200-sxm", "memory_scale": 0.6979166666666666})", "h100-sxm");
+    t.name = name;
+  } else {
+    t = parse(core::read_input_file(name), name);
+  }
+  auto shared = std::make_shared<const KernelTable>(std::move(t));
+  std::lock_guard<std::mutex> lock(mu);
+  return cache.emplace(name, std::move(shared)).first->second;
+}
+
+// ---- per-kernel timing ----
+
+namespace {
+
+// Bytes per element (in units of the kernel's dtype unless noted) and launches of each element-wise
+// kind under a runtime profile, and the measured kernel class whose bandwidth it gets.
+struct ElementwiseCost {
+  double bytes_per_elem;   // in elements of the kernel's dtype
+  double fp32_bytes_per_elem;  // fp32 traffic on top (the loss's fp32 logits)
+  int launches;
+  const char* table_kernel;
+};
+
+ElementwiseCost elementwise_cost(KernelKind kind, RuntimeProfile p) {
+  const bool eager = p == RuntimeProfile::Eager;
+  switch (kind) {
+    // RMSNorm: read x, write y (fused in both: PyTorch's F.rms_norm, and its backward kernel).
+    case KernelKind::Norm: return {2, 0, 1, "rmsnorm"};
+    case KernelKind::NormBackward: return {3, 0, 1, "rmsnorm"};
+    case KernelKind::NormWeight: return {2, 0, 1, "rmsnorm"};
+    // SwiGLU: fused reads gate and up and writes one output (3 per output element); eager runs
+    // silu (read 1, write 1) then mul (read 2, write 1). Backward: fused reads gate, up and dy and
+    // writes both gradients (5); eager: mul's two gradients (read 2, write 1 each) and silu's (3).
+    case KernelKind::Activation: return eager ? ElementwiseCost{5, 0, 2, "silu_mul"} : ElementwiseCost{3, 0, 1, "silu_mul"};
+    case KernelKind::ActivationBackward: return eager ? ElementwiseCost{9, 0, 3, "silu_mul"} : ElementwiseCost{5, 0, 1, "silu_mul"};
+    case KernelKind::Residual: return {3, 0, 1, "add"};
+    // RoPE: fused reads and writes q and k once; eager's rotate_half runs x·cos, a negated half, a
+    // concatenation, ·sin and the add: 5 kernels, about 9 element passes.
+    case KernelKind::Rope: return eager ? ElementwiseCost{9, 0, 5, "add"} : ElementwiseCost{2, 0, 1, "add"};
+    // Cross-entropy over the head's fp32 logits: fused reads them and writes the fp32 softmax
+    // forward, and reads it and writes the logits' gradient backward; eager adds log_softmax's
+    // separate pass each way.
+    case KernelKind::Loss: return eager ? ElementwiseCost{0, 12, 2, "cross_entropy_fwd_fp32"} : ElementwiseCost{0, 8, 1, "cross_entropy_fwd_fp32"};
+    case KernelKind::LossBackward: return eager ? ElementwiseCost{1, 12, 3, "cross_entropy_fwd_fp32"} : ElementwiseCost{1, 4, 1, "cross_entropy_fwd_fp32"};
+    case KernelKind::Embedding: return {2, 0, 1, "copy"};
+    case KernelKind::EmbeddingBackward: return {3, 0, 1, "add"};
+    case KernelKind::Permute: return {2, 0, 1, "copy"};
+    default: return {0, 0, 1, "add"};  // Elementwise: its bytes are given
+  }
+}
+
+}  // namespace
+
+double KernelTiming::seconds(const Kernel& k) const {
+  const double launch = table ? table->launch_floor_s : launch_s;
+  const double dt = core::bytes_per_element(k.dtype);
+  // Without a table: GEMMs at the GPU's curve-free efficiency of its dense bf16 peak, scaled by the
+  // datasheet ratio of the dtype's peak on A100 and H100 (fp32 on the CUDA cores 1/16, tf32 1/2, fp8
+  // 2x); element-wise work at 60 % of HBM (the H200's measured RMSNorm/SwiGLU/add kernels reach 37-87 %).
+  const double dtype_peak = k.dtype == core::Precision::FP32 ? 1.0 / 16
+                            : k.dtype == core::Precision::TF32 ? 0.5
+                            : k.dtype == core::Precision::FP8  ? 2.0
+                                                               : 1.0;
+  const double fallback_rate = peak_flops * fallback_efficiency * dtype_peak;
+  if (k.kind == KernelKind::Gemm) {
+    const double mm = static_cast<double>(k.m), nn = static_cast<double>(k.n), kk = static_cast<double>(k.k);
+    const double b = static_cast<double>(k.batch);
+    double rate = table ? table->gemm_rate(core::to_string(k.dtype), k.m, k.n, k.k, k.batch) : 0;
+    if (rate <= 0) rate = fallback_rate;
+    const double compute = 2 * mm * nn * kk * b / rate;
+    const double memory = (mm * kk + kk * nn + mm * nn) * b * dt / hbm_bytes_per_s;
+    // A GEMM whose rounded shape differs from its exact FLOPs (k / tp not whole) is scaled to them.
+    const double exact = k.flops > 0 ? k.flops / (2 * mm * nn * kk * b) : 1;
+    return std::max(compute * exact, memory) + launch;
+  }
+  if (k.kind == KernelKind::AttentionForward || k.kind == KernelKind::AttentionBackward) {
+    const bool bwd = k.kind == KernelKind::AttentionBackward;
+    const double rate = table ? table->attention_rate(bwd, k.batch, k.m, k.n, std::max(k.head_dim, k.v_dim)) : 0;
+    if (rate <= 0) return k.flops / fallback_rate + launch;  // no table: Piper's full-matrix FLOPs at GEMM speed
+    // The causal work in kernels.py's convention: forward b·heads·s²·(qk + v), backward 2.5x.
+    const double s = static_cast<double>(k.m);
+    const double causal = static_cast<double>(k.batch) * static_cast<double>(k.n) * s * s *
+                          static_cast<double>(k.head_dim + k.v_dim) * (bwd ? 2.5 : 1.0);
+    return causal / rate + launch;
+  }
+  const ElementwiseCost c = elementwise_cost(k.kind, profile);
+  const double elems = static_cast<double>(k.elems);
+  const double bytes = k.kind == KernelKind::Elementwise ? static_cast<double>(k.bytes)
+                                                         : elems * (c.bytes_per_elem * dt + c.fp32_bytes_per_elem);
+  if (bytes <= 0) return 0;
+  double rate = table ? table->memory_rate(c.table_kernel, bytes / c.launches) : 0;
+  if (rate <= 0) rate = 0.6 * hbm_bytes_per_s;
+  return bytes / rate + c.launches * launch;
+}
+
+}  // namespace piper::sim

@@ -1,0 +1,151 @@
+// Settings the cost model answers to, checked by hand on small plans: ZeRO-2/3 gradient reduction
+// per microbatch or per step (traffic and memory), TP communication overlap, and precision (fp8's
+// weight copies and GEMM rates, fp32/tf32 on a GPU without a kernel table).
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include <gtest/gtest.h>
+
+#include "piper/core/model.hpp"
+#include "piper/core/scenario.hpp"
+#include "piper/sim/cluster.hpp"
+#include "piper/sim/cost_model.hpp"
+#include "piper/sim/simulate.hpp"
+
+using namespace piper;
+using namespace piper::sim;
+
+namespace {
+
+core::CompiledScenario compile(core::StrategyOptions o, const std::string& model = "qwen3-9m") {
+  core::Scenario sc;
+  sc.model = model;
+  sc.strategy = o;
+  return core::compile_scenario(sc);
+}
+
+std::string spec_with(core::Precision pr) {
+  core::ModelConfig cfg = *core::zoo_config("qwen3-9m");
+  cfg.training.precision = pr;
+  cfg.name = "qwen3-9m-" + core::to_string(pr);
+  const std::string path = ::testing::TempDir() + "/" + cfg.name + "-" + std::to_string(::getpid()) + ".json";
+  core::write_file_atomically(path, core::config_to_spec_json(cfg).dump());
+  return path;
+}
+
+int count_ops(const core::Program& p, int device, core::OpKind kind) {
+  int n = 0;
+  for (const auto& s : p.plan_for(device).streams)
+    for (const auto& op : s.ops) n += op.kind == kind;
+  return n;
+}
+
+std::int64_t buffer_bytes(const core::Program& p, int device, core::BufferKind kind) {
+  std::int64_t n = 0;
+  for (const auto& b : p.plan_for(device).buffers) n += b.kind == kind ? b.bytes : 0;
+  return n;
+}
+
+}  // namespace
+
+// ZeRO-2 over 2 replicas, 4 microbatches, S segments holding parameters (no buckets: one reduction
+// each): per microbatch 4·S reduce-scatters and gradient shards of P·2/2 bytes in all; per step S
+// and the whole P·2 bytes.
+TEST(CostSettings, ZeroGradientReductionPerMicrobatchOrPerStep) {
+  core::StrategyOptions o;
+  o.dp = 2;
+  o.zero = 2;
+  o.microbatches = 4;
+  const auto per_mb = compile(o);
+  o.reduce_every = "step";
+  const auto per_step = compile(o);
+  const std::int64_t P = per_mb.model.parameter_count();
+  int S = 0;
+  for (const auto& seg : per_mb.result.program.segments) S += seg.params > 0;
+  ASSERT_GT(S, 0);
+  EXPECT_EQ(count_ops(per_mb.result.program, 0, core::OpKind::ReduceScatter), 4 * S);
+  EXPECT_EQ(count_ops(per_step.result.program, 0, core::OpKind::ReduceScatter), S);
+  EXPECT_TRUE(per_mb.result.program.segments[0].reduce_every_microbatch);
+  EXPECT_FALSE(per_step.result.program.segments[0].reduce_every_microbatch);
+  EXPECT_EQ(buffer_bytes(per_mb.result.program, 0, core::BufferKind::Gradients), P * 2 / 2);
+  EXPECT_EQ(buffer_bytes(per_step.result.program, 0, core::BufferKind::Gradients), P * 2);
+  // Each round moves the whole bucket: four times the step's reduce-scatter traffic.
+  std::int64_t bytes_mb = 0, bytes_step = 0;
+  for (const auto& s : per_mb.result.program.plan_for(0).streams)
+    for (const auto& op : s.ops) bytes_mb += op.kind == core::OpKind::ReduceScatter ? op.bytes : 0;
+  for (const auto& s : per_step.result.program.plan_for(0).streams)
+    for (const auto& op : s.ops) bytes_step += op.kind == core::OpKind::ReduceScatter ? op.bytes : 0;
+  EXPECT_EQ(bytes_mb, 4 * bytes_step);
+  // ZeRO-1 keeps one reduction per step; --reduce-every is refused below ZeRO-2.
+  o.zero = 1;
+  o.reduce_every = "";
+  EXPECT_EQ(count_ops(compile(o).result.program, 0, core::OpKind::ReduceScatter), S);
+  o.reduce_every = "microbatch";
+  EXPECT_THROW(compile(o), std::exception);
+}
+
+// TP 2 with and without comm_overlap: an op's time is c + m without it and max(c, m) + min(c, m) / 2
+// with it, c its compute and m its TP collectives.
+TEST(CostSettings, TensorParallelCommunicationOverlap) {
+  core::StrategyOptions o;
+  o.tp = 2;
+  const auto plain = compile(o);
+  o.tp_comm_overlap = true;
+  const auto overlap = compile(o);
+  EXPECT_TRUE(overlap.result.program.segments[0].tp_comm_overlap);
+  const CostModel cost(load_cluster("dgx-h200"));
+  int checked = 0;
+  const auto& ops_plain = plain.result.program.plan_for(0).streams[0].ops;
+  const auto& ops_overlap = overlap.result.program.plan_for(0).streams[0].ops;
+  ASSERT_EQ(ops_plain.size(), ops_overlap.size());
+  for (std::size_t i = 0; i < ops_plain.size(); ++i) {
+    const auto& op = ops_plain[i];
+    if (op.kind != core::OpKind::Compute || op.tp_collectives == 0) continue;
+    const double m = cost.tp_seconds(plain.result.program, 0, op);
+    const double c = cost.compute_seconds(plain.result.program, 0, op) - m;
+    ASSERT_GT(m, 0);
+    EXPECT_NEAR(cost.compute_seconds(overlap.result.program, 0, ops_overlap[i]), std::max(c, m) + std::min(c, m) / 2,
+                1e-12 * (c + m));
+    EXPECT_NEAR(cost.tp_part_seconds(overlap.result.program, 0, ops_overlap[i]), std::max(c, m) + std::min(c, m) / 2 - c,
+                1e-12 * (c + m));
+    ++checked;
+  }
+  EXPECT_GT(checked, 0);
+}
+
+TEST(CostSettings, PrecisionSetsGemmDtypeMemoryAndRates) {
+  core::StrategyOptions o;
+  const auto bf16 = compile(o);
+  // FP8 keeps a 1-byte copy of each weight beside the bf16 one.
+  const std::int64_t P = bf16.model.parameter_count();
+  const CostModel h200(load_cluster("dgx-h200"));
+  const auto& op16 = bf16.result.program.plan_for(0).streams[0].ops[0];
+  for (auto pr : {core::Precision::FP8, core::Precision::TF32}) {
+    const auto c = compile(o, spec_with(pr));
+    const core::Program& p = c.result.program;
+    EXPECT_EQ(c.model.parameter_count(), P);
+    EXPECT_EQ(buffer_bytes(p, 0, core::BufferKind::Parameters), pr == core::Precision::FP8 ? P * 3 : P * 4);
+    for (const auto& k : p.segments[0].kernels[0]) {
+      if (k.kind == core::KernelKind::Gemm) {
+        EXPECT_EQ(k.dtype, pr);
+      }
+    }
+    // A forward in fp8 runs faster than in bf16 on the H200 (its fp8 GEMMs measure ~1.8x), in tf32
+    // slower (~0.5x).
+    const auto& op = p.plan_for(0).streams[0].ops[0];
+    ASSERT_EQ(op.kind, core::OpKind::Compute);
+    if (pr == core::Precision::FP8)
+      EXPECT_LT(h200.compute_seconds(p, 0, op), h200.compute_seconds(bf16.result.program, 0, op16));
+    else
+      EXPECT_GT(h200.compute_seconds(p, 0, op), h200.compute_seconds(bf16.result.program, 0, op16));
+  }
+  // On the A100 (no kernel table) fp32 GEMMs run on the CUDA cores: a 16th of the bf16 peak.
+  const auto f32 = compile(o, spec_with(core::Precision::FP32));
+  const CostModel a100(load_cluster("dgx-a100-80g"));
+  const auto& op = f32.result.program.plan_for(0).streams[0].ops[0];
+  const double expected = a100.roofline_seconds(0, op.flops * 16, op.memory_bytes, op.gemm_kernels) +
+                          static_cast<double>(op.elementwise_bytes) / a100.cluster().gpu(0).hbm_bandwidth_bytes_per_s;
+  EXPECT_NEAR(a100.compute_seconds(f32.result.program, 0, op), expected, 1e-12 * expected);
+}

@@ -1,0 +1,211 @@
+// Kernel efficiency tables and the per-kernel cost model. Expected values are derived here from the
+// table's raw measurements (read independently from sim/data/kernels-h200-sxm.json) and the
+// interpolation rules of docs/cost-model.md, not taken from the code under test.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "piper/core/error.hpp"
+#include "piper/core/kernels.hpp"
+#include "piper/core/scenario.hpp"
+#include "piper/sim/cluster.hpp"
+#include "piper/sim/cost_model.hpp"
+#include "piper/sim/kernel_table.hpp"
+
+using namespace piper;
+using namespace piper::sim;
+using nlohmann::json;
+
+namespace {
+
+// The raw measurements, read once (a reference: loops over its members must not outlive it).
+const json& raw_table() {
+  static const json t = [] {
+    std::ifstream in(std::string(PIPER_SOURCE_DIR) + "/sim/data/kernels-h200-sxm.json");
+    return json::parse(in);
+  }();
+  return t;
+}
+
+double measured_gemm(const std::string& dt, std::int64_t m, std::int64_t k, std::int64_t n) {
+  for (const auto& g : raw_table()["gemm"])
+    if (g["dtype"] == dt && g["m"] == m && g["k"] == k && g["n"] == n) return g["tflops"].get<double>() * 1e12;
+  ADD_FAILURE() << "no measurement " << dt << " " << m << " " << k << " " << n;
+  return 0;
+}
+
+void expect_rel(double actual, double expected, double tol = 1e-9) {
+  EXPECT_NEAR(actual, expected, tol * std::abs(expected)) << "expected " << expected;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const core::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(KernelTable, MeasuredShapesReturnTheirMeasurement) {
+  const auto t = load_kernel_table("h200-sxm");
+  // gemm_rate takes (m, n, k); the file lists m, k, n.
+  expect_rel(t->gemm_rate("bf16", 2048, 8192, 2048), measured_gemm("bf16", 2048, 2048, 8192));
+  expect_rel(t->gemm_rate("bf16", 8192, 4096, 14336), measured_gemm("bf16", 8192, 14336, 4096));
+  expect_rel(t->gemm_rate("fp8", 8192, 4096, 4096), measured_gemm("fp8", 8192, 4096, 4096));
+  expect_rel(t->gemm_rate("fp16", 512, 1024, 1024), measured_gemm("bf16", 512, 1024, 1024));  // fp16 runs as bf16
+  for (const auto& a : raw_table()["attention"]) {
+    expect_rel(t->attention_rate(false, a["b"], a["s"], a["heads"], a["head_dim"]), a["fwd_tflops"].get<double>() * 1e12);
+    expect_rel(t->attention_rate(true, a["b"], a["s"], a["heads"], a["head_dim"]), a["bwd_tflops"].get<double>() * 1e12);
+  }
+  for (const auto& m : raw_table()["memory_bound"]) {
+    const double bytes = m["gbps"].get<double>() * 1e9 * m["s"].get<double>();
+    expect_rel(t->memory_rate(m["kernel"], bytes), m["gbps"].get<double>() * 1e9);
+  }
+}
+
+TEST(KernelTable, InterpolatesInLogMAndScalesBelowTheSmallestSize) {
+  const auto t = load_kernel_table("h200-sxm");
+  // m = 4096 lies halfway (in log2) between 2048 and 8192 for the same (k, n) = (4096, 4096).
+  const double a = measured_gemm("bf16", 2048, 4096, 4096), b = measured_gemm("bf16", 8192, 4096, 4096);
+  expect_rel(t->gemm_rate("bf16", 4096, 4096, 4096), (a + b) / 2);
+  // m = 256, below the smallest measured 512: the same time as m = 512, so half the rate.
+  expect_rel(t->gemm_rate("bf16", 256, 4096, 4096), measured_gemm("bf16", 512, 4096, 4096) / 2);
+  // A batched GEMM fills the GPU as one with batch x the rows.
+  expect_rel(t->gemm_rate("bf16", 1024, 4096, 4096, 2), measured_gemm("bf16", 2048, 4096, 4096));
+  // tf32 is measured at m = 8192 only: bf16's curve times the ratio there.
+  const double ratio = measured_gemm("tf32", 8192, 4096, 4096) / measured_gemm("bf16", 8192, 4096, 4096);
+  expect_rel(t->gemm_rate("tf32", 2048, 4096, 4096), measured_gemm("bf16", 2048, 4096, 4096) * ratio);
+  // An unmeasured (k, n) lies within the range of its neighbours.
+  const double r = t->gemm_rate("bf16", 8192, 6000, 6000);
+  EXPECT_GT(r, 600e12);
+  EXPECT_LT(r, 770e12);
+}
+
+TEST(KernelTable, DerivedH100KeepsComputeAndScalesMemory) {
+  const auto h200 = load_kernel_table("h200-sxm"), h100 = load_kernel_table("h100-sxm");
+  expect_rel(h100->gemm_rate("bf16", 8192, 8192, 8192), h200->gemm_rate("bf16", 8192, 8192, 8192));
+  expect_rel(h100->memory_rate("add", 1e8), h200->memory_rate("add", 1e8) * 3.35 / 4.8);
+  expect_rel(h100->adamw_bytes_per_s, h200->adamw_bytes_per_s * 3.35 / 4.8);
+  // AdamW: 1e9 bf16 parameters, 22 bytes each, in the measured time.
+  double s = 0;
+  for (const auto& a : raw_table()["adamw"])
+    if (a["params"] == 1000000000 && a["param_dtype"] == "torch.bfloat16") s = a["s"];
+  expect_rel(h200->adamw_bytes_per_s, 22e9 / s);
+}
+
+TEST(KernelTable, TimesKernelsByHand) {
+  const auto t = load_kernel_table("h200-sxm");
+  KernelTiming kt;
+  kt.table = t.get();
+  kt.peak_flops = 989e12;
+  kt.hbm_bytes_per_s = 4.8e12;
+  core::Kernel g;
+  g.m = 2048;
+  g.n = 8192;
+  g.k = 2048;
+  g.flops = 2.0 * 2048 * 8192 * 2048;
+  expect_rel(kt.seconds(g), g.flops / measured_gemm("bf16", 2048, 2048, 8192) + t->launch_floor_s);
+  // Flash attention forward at a measured shape: b·heads·s²·(qk + v) causal FLOPs at its rate.
+  core::Kernel a;
+  a.kind = core::KernelKind::AttentionForward;
+  a.batch = 16;
+  a.m = 1024;
+  a.n = 32;
+  a.k = 8;
+  a.head_dim = a.v_dim = 128;
+  const double causal = 16.0 * 32 * 1024 * 1024 * 256;
+  expect_rel(kt.seconds(a), causal / t->attention_rate(false, 16, 1024, 32, 128) + t->launch_floor_s);
+  a.kind = core::KernelKind::AttentionBackward;
+  expect_rel(kt.seconds(a), 2.5 * causal / t->attention_rate(true, 16, 1024, 32, 128) + t->launch_floor_s);
+  // Fused RMSNorm over 8192 x 2048 bf16: read and write, 2·2 bytes per element, at rmsnorm's rate.
+  core::Kernel n;
+  n.kind = core::KernelKind::Norm;
+  n.elems = 8192 * 2048;
+  const double bytes = 4.0 * n.elems;
+  expect_rel(kt.seconds(n), bytes / t->memory_rate("rmsnorm", bytes) + t->launch_floor_s);
+  // Eager SwiGLU: silu then mul, 5 element passes in 2 launches.
+  core::Kernel act;
+  act.kind = core::KernelKind::Activation;
+  act.elems = 1 << 24;
+  const double fused_bytes = 3.0 * 2 * act.elems, eager_bytes = 5.0 * 2 * act.elems;
+  expect_rel(kt.seconds(act), fused_bytes / t->memory_rate("silu_mul", fused_bytes) + t->launch_floor_s);
+  kt.profile = RuntimeProfile::Eager;
+  expect_rel(kt.seconds(act), eager_bytes / t->memory_rate("silu_mul", eager_bytes / 2) + 2 * t->launch_floor_s);
+}
+
+TEST(KernelTable, CostModelSumsTheKernelsOfAnOp) {
+  core::Scenario sc;
+  sc.model = "qwen3-9m";
+  sc.strategy.pp = 2;
+  sc.strategy.microbatches = 2;
+  const auto compiled = core::compile_scenario(sc);
+  const core::Program& p = compiled.result.program;
+  const Cluster cluster = load_cluster("dgx-h200");
+  const CostModel cost(cluster);
+  const KernelTiming kt = cost.timing(0);
+  int compute = 0, updates = 0;
+  for (const auto& op : p.plan_for(0).streams[0].ops) {
+    if (op.kind == core::OpKind::Compute) {
+      const auto& pk = p.segments.at(static_cast<std::size_t>(op.segment)).kernels;
+      double by_hand = 0;
+      const std::vector<int> lists = op.pass == core::Pass::F ? std::vector<int>{0} : std::vector<int>{1, 2};
+      for (int l : lists)
+        for (const auto& k : pk[static_cast<std::size_t>(l)]) by_hand += k.count * kt.seconds(k);
+      ASSERT_GT(by_hand, 0);
+      expect_rel(cost.compute_seconds(p, 0, op), by_hand);
+      ++compute;
+    } else if (op.kind == core::OpKind::Update) {
+      expect_rel(cost.compute_seconds(p, 0, op),
+                 static_cast<double>(op.memory_bytes) / load_kernel_table("h200-sxm")->adamw_bytes_per_s +
+                     load_kernel_table("h200-sxm")->launch_floor_s);
+      ++updates;
+    }
+  }
+  EXPECT_GT(compute, 0);
+  EXPECT_GT(updates, 0);
+  // Without a table (A100 preset): the efficiency-curve roofline, as before.
+  const Cluster a100 = load_cluster("dgx-a100-80g");
+  EXPECT_TRUE(a100.gpu(0).kernel_table.empty());
+  const CostModel curve(a100);
+  for (const auto& op : p.plan_for(0).streams[0].ops)
+    if (op.kind == core::OpKind::Compute) {
+      EXPECT_FALSE(curve.kernel_seconds(p, 0, op).has_value());
+    }
+  // The eager profile launches more element-wise kernels: every compute op is slower.
+  Cluster eager = cluster;
+  eager.runtime = "eager";
+  const CostModel eager_cost(eager);
+  for (const auto& op : p.plan_for(0).streams[0].ops)
+    if (op.kind == core::OpKind::Compute) {
+      EXPECT_GT(eager_cost.compute_seconds(p, 0, op), cost.compute_seconds(p, 0, op));
+    }
+}
+
+TEST(KernelTable, ClusterFieldsAndTableFilesAreChecked) {
+  EXPECT_EQ(load_cluster("dgx-h200").gpu(0).kernel_table, "h200-sxm");
+  EXPECT_EQ(load_cluster("dgx-h100").gpu(0).kernel_table, "h100-sxm");
+  auto cl = [](const std::string& text) { return cluster_from_text(text, "c.json"); };
+  EXPECT_NE(error_of([&] { cl(R"({"preset": "dgx-h200", "runtime": "lazy"})"); }).find("field 'runtime'"), std::string::npos);
+  EXPECT_EQ(cl(R"({"preset": "dgx-h200", "runtime": "eager"})").runtime, "eager");
+  const std::string e = error_of([&] { cl(R"({"preset": "dgx-h200", "node": {"gpu": {"kernel_table": "nope.json"}}})"); });
+  EXPECT_NE(e.find("field 'node.gpu.kernel_table'"), std::string::npos) << e;
+  EXPECT_EQ(cl(R"({"preset": "dgx-h200", "node": {"gpu": {"kernel_table": ""}}})").gpu(0).kernel_table, "");
+  // A table file: a base table with scaled memory, and a broken one.
+  const std::string dir = ::testing::TempDir() + "/kt-" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/slow.json") << R"({"base": "h200-sxm", "memory_scale": 0.5, "launch_floor_us": 4})";
+  const auto slow = load_kernel_table(dir + "/slow.json");
+  expect_rel(slow->memory_rate("add", 1e8), load_kernel_table("h200-sxm")->memory_rate("add", 1e8) / 2);
+  EXPECT_DOUBLE_EQ(slow->launch_floor_s, 4e-6);
+  std::ofstream(dir + "/bad.json") << R"({"gemm": [{"dtype": "bf16", "m": 512, "k": 1024, "n": -3, "tflops": 10}]})";
+  const std::string b = error_of([&] { load_kernel_table(dir + "/bad.json"); });
+  EXPECT_NE(b.find("gemm[0].n"), std::string::npos) << b;
+  std::ofstream(dir + "/bad2.json") << R"({"gemm": [{"dtype": "int4", "m": 512, "k": 1024, "n": 3, "tflops": 10}]})";
+  EXPECT_NE(error_of([&] { load_kernel_table(dir + "/bad2.json"); }).find("unknown dtype 'int4'"), std::string::npos);
+}

@@ -1,0 +1,168 @@
+// core::layer_kernels: the kernels a layer launches per pass. Their FLOPs must add up to the layer's
+// Costs in every layout (the simulator scales kernel times by the op's FLOPs, so a mismatch would be
+// a silent error), and their shapes are the Megatron layout's, derived here by hand.
+#include <cmath>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "piper/core/error.hpp"
+#include "piper/core/kernels.hpp"
+#include "piper/core/model.hpp"
+
+using namespace piper::core;
+
+namespace {
+
+double pass_flops(const Costs& c, int p) {
+  return p == 0 ? c.forward_flops : p == 1 ? c.backward_input_flops : c.backward_weight_flops;
+}
+
+void expect_close(double a, double b, const std::string& what) {
+  EXPECT_NEAR(a, b, 1e-9 * std::max(1.0, std::abs(b))) << what;
+}
+
+}  // namespace
+
+TEST(Kernels, FlopsAddUpToCostsForEveryZooModelAndLayout) {
+  int checked = 0;
+  for (const auto& name : zoo_names()) {
+    ModelConfig cfg = *zoo_config(name);
+    cfg.training.seq_len = 512;
+    cfg.training.micro_batch_size = 2;
+    const Model m = build_model(cfg);
+    for (const auto& layer : m.layers())
+      for (int tp : {1, 2, 4})
+        for (bool sp : {false, true})
+          for (int rc : {0, 1, 2})
+            for (int shard : {1, 2}) {
+              if (sp && tp == 1) continue;
+              const ParallelLayout L{tp, sp, rc};
+              const Costs c = layer_costs(layer, m.training(), L);
+              for (int p = 0; p < 3; ++p) {
+                const auto ks = layer_kernels(layer, m.training(), L, p, shard);
+                expect_close(kernel_flops(ks), pass_flops(c, p),
+                             name + " " + layer.name + " tp " + std::to_string(tp) + " sp " + std::to_string(sp) +
+                                 " recompute " + std::to_string(rc) + " pass " + std::to_string(p));
+                ++checked;
+              }
+            }
+  }
+  EXPECT_GT(checked, 1000);
+}
+
+TEST(Kernels, StandardAttentionModelsKeepTheirElementwiseBytes) {
+  ModelConfig cfg = *zoo_config("gpt3-175b");
+  cfg.training.seq_len = 256;
+  const Model m = build_model(cfg);
+  for (const auto& layer : m.layers()) {
+    if (layer.kind != LayerKind::Attention && layer.kind != LayerKind::Mlp) continue;
+    for (int rc : {0, 1, 2}) {
+      const ParallelLayout L{2, true, rc};
+      const Costs c = layer_costs(layer, m.training(), L);
+      std::int64_t fwd = 0, bwd = 0;
+      for (const auto& k : layer_kernels(layer, m.training(), L, 0)) fwd += k.bytes;
+      for (const auto& k : layer_kernels(layer, m.training(), L, 1)) bwd += k.bytes;
+      EXPECT_EQ(fwd, c.forward_elementwise_bytes) << layer.name;
+      EXPECT_EQ(bwd, c.backward_elementwise_bytes) << layer.name << " recompute " << rc;
+    }
+    break;
+  }
+}
+
+// A small GQA layer by hand: h = 64, 4 heads of 16, 2 KV heads, SwiGLU ffn 96, T = 2 x 16 tokens.
+TEST(Kernels, ShapesOfADenseBlockByHand) {
+  TrainingShape t;
+  t.seq_len = 16;
+  t.micro_batch_size = 2;
+  Layer attn{"layers.0.attn", LayerKind::Attention, {}, {}, 0};
+  attn.shape.hidden = 64;
+  attn.shape.heads = 4;
+  attn.shape.kv_heads = 2;
+  attn.shape.head_dim = 16;
+  const auto f = layer_kernels(attn, t, {}, 0);
+  // QKV [32 x 64]·[64 x (4+2+2)·16], rope over q and k, flash core, O [32 x 64]·[64 x 64], residual.
+  ASSERT_EQ(f.size(), 5u);
+  EXPECT_EQ(f[0].kind, KernelKind::Gemm);
+  EXPECT_EQ(f[0].m, 32);
+  EXPECT_EQ(f[0].n, 128);
+  EXPECT_EQ(f[0].k, 64);
+  EXPECT_EQ(f[1].kind, KernelKind::Rope);
+  EXPECT_EQ(f[1].elems, 32 * 6 * 16);
+  EXPECT_EQ(f[2].kind, KernelKind::AttentionForward);
+  EXPECT_EQ(f[2].batch, 2);
+  EXPECT_EQ(f[2].m, 16);
+  EXPECT_EQ(f[2].n, 4);
+  EXPECT_EQ(f[2].k, 2);
+  EXPECT_DOUBLE_EQ(f[2].flops, 2.0 * 2 * 16 * 16 * 4 * 32);
+  EXPECT_EQ(f[3].m, 32);
+  EXPECT_EQ(f[3].n, 64);
+  EXPECT_EQ(f[3].k, 64);
+  EXPECT_EQ(f[4].kind, KernelKind::Residual);
+  EXPECT_EQ(f[4].elems, 32 * 64);
+  // TP 2: QKV column-parallel (n halves), O row-parallel (k halves), heads and KV heads halve.
+  const auto f2 = layer_kernels(attn, t, {2, false, 0}, 0);
+  EXPECT_EQ(f2[0].n, 64);
+  EXPECT_EQ(f2[2].n, 2);
+  EXPECT_EQ(f2[2].k, 1);
+  EXPECT_EQ(f2[3].k, 32);
+  // Backward weight gradient of O: [64 x 32 tokens]·[32 x 64].
+  const auto bw = layer_kernels(attn, t, {}, 2);
+  ASSERT_EQ(bw.size(), 2u);
+  EXPECT_EQ(bw[0].m, 64);
+  EXPECT_EQ(bw[0].n, 64);
+  EXPECT_EQ(bw[0].k, 32);
+
+  Layer mlp{"layers.0.mlp", LayerKind::Mlp, {}, {}, 0};
+  mlp.shape.hidden = 64;
+  mlp.shape.ffn = 96;
+  const auto m = layer_kernels(mlp, t, {}, 0);
+  ASSERT_EQ(m.size(), 4u);
+  EXPECT_EQ(m[0].n, 192);  // gate and up fused
+  EXPECT_EQ(m[1].kind, KernelKind::Activation);
+  EXPECT_EQ(m[1].elems, 32 * 96);
+  EXPECT_EQ(m[2].k, 96);
+}
+
+TEST(Kernels, ExpertsRunAsAGroupedGemmOverTheLocalExperts) {
+  TrainingShape t;
+  t.seq_len = 64;
+  Layer ex{"layers.0.experts", LayerKind::MoeExperts, {}, {}, 0};
+  ex.shape.hidden = 32;
+  ex.shape.ffn = 16;
+  ex.shape.experts = 8;
+  ex.shape.top_k = 2;
+  // 64 tokens x top-2 = 128 copies; EP 4: 2 local experts, each 128 / 2 = 64 tokens.
+  const auto f = layer_kernels(ex, t, {}, 0, 4);
+  const Kernel* fc1 = nullptr;
+  for (const auto& k : f)
+    if (k.kind == KernelKind::Gemm) {
+      fc1 = &k;
+      break;
+    }
+  ASSERT_NE(fc1, nullptr);
+  EXPECT_EQ(fc1->m, 64);
+  EXPECT_EQ(fc1->n, 32);
+  EXPECT_EQ(fc1->k, 32);
+  EXPECT_DOUBLE_EQ(fc1->count, 2);
+}
+
+TEST(Kernels, SegmentsMergeRepeatedBlocksAndRoundTripThroughJson) {
+  ModelConfig cfg = *zoo_config("qwen3-9m");
+  const Model m = build_model(cfg);
+  const int n = static_cast<int>(m.layers().size());
+  const PassKernels pk = segment_kernels(m.layers(), 0, n, m.training(), {}, 1);
+  double total = 0;
+  for (const auto& l : m.layers()) total += layer_costs(l, m.training()).forward_flops;
+  expect_close(kernel_flops(pk[0]), total, "whole model forward");
+  // Identical blocks merge: far fewer entries than layers x kernels.
+  EXPECT_LT(pk[0].size(), 20u);
+  const PassKernels back = kernels_from_json(kernels_to_json(pk), "t");
+  EXPECT_EQ(back, pk);
+  nlohmann::json bad = kernels_to_json(pk);
+  bad["F"][0]["count"] = -1;
+  EXPECT_THROW(kernels_from_json(bad, "t"), PlanError);
+  bad = kernels_to_json(pk);
+  bad["BI"][0]["kind"] = "warp_drive";
+  EXPECT_THROW(kernels_from_json(bad, "t"), PlanError);
+}
