@@ -44,6 +44,13 @@ if [ -f ../megatron-22b/results.csv ]; then
       row "iteration time (s)" "Korthikanti et al. 2022 (arXiv:2205.05198) table 5" "gpt-22b on 8 A100-80GB; TP 8; $name; global batch 4 x 2048; $engine" "$pub" "$pred"
     done
 fi
+# 5. Published measured step times (steptimes.json, 45 cases from 4 sources; README "Step times"): full
+# mode writes steptimes.csv/.md/.svg here; quick mode checks the file and simulates 3 cases.
+if [ "$QUICK" = 1 ]; then
+  PIPER="$PIPER" python3 "$STUDY_SRC/steptimes.py" --check > /dev/null
+else
+  PIPER="$PIPER" python3 "$STUDY_SRC/steptimes.py" --out "$PWD"
+fi
 mv results.csv.tmp results.csv
 { csv_to_md results.csv; echo;
   awk -F, 'NR>1 { e=$6; if (e<0) e=-e; s+=e; n++; if (e>m) { m=e; w=$3 } } END { printf "mean |error| %.2f %% over %d figures; max |error| %.2f %% (%s)\n", s/n, n, m, w }' results.csv; } > results.md

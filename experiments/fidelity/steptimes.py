@@ -28,7 +28,7 @@ REQUIRED = {  # field -> type
     "id": str, "source": str, "url": str, "quote": str, "model": str, "gpu": str, "cluster": str, "gpus": int,
     "flags": list, "family": str, "runtime": str, "measured": dict, "measured_step_s": (int, float), "conversion": str,
     "notes": str}
-OPTIONAL = {"repo", "commit", "path", "quote_context"}
+OPTIONAL = {"repo", "commit", "path", "quote_context", "measured_peak_gib"}
 
 
 class CaseError(Exception):
@@ -97,6 +97,9 @@ def validate(cases, path, zoo):
             errors.append(f"{where}: 'measured.unit' missing")
         if not c["measured_step_s"] > 0 or not math.isfinite(c["measured_step_s"]):
             errors.append(f"{where}: 'measured_step_s' must be a positive number")
+        peak = c.get("measured_peak_gib")
+        if peak is not None and (not isinstance(peak, (int, float)) or isinstance(peak, bool) or not peak > 0):
+            errors.append(f"{where}: 'measured_peak_gib' must be a positive number")
         flags = c["flags"]
         if not flags or not all(isinstance(f, str) for f in flags):
             errors.append(f"{where}: 'flags' must be a non-empty list of strings")
@@ -188,8 +191,9 @@ def rows_of(cases, results):
         r = results[c["id"]]
         err = 100.0 * (r["predicted_s"] - c["measured_step_s"]) / c["measured_step_s"]
         rows.append({"id": c["id"], "source": short_source(c), "gpu": c["gpu"], "family": c["family"], "runtime": c["runtime"],
+                     "recompute": flag_value(c["flags"], "--recompute", "none"),
                      "gpus": c["gpus"], "measured_s": c["measured_step_s"], "predicted_s": r["predicted_s"], "error_pct": err,
-                     "oom": r["oom"], "peak_gib": r["peak_gib"]})
+                     "oom": r["oom"], "peak_gib": r["peak_gib"], "measured_peak_gib": c.get("measured_peak_gib")})
     return rows
 
 
@@ -217,10 +221,13 @@ def group_table(rows, key, title):
 def write_csv(path, rows):
     with open(path, "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
-        w.writerow(["id", "source", "gpu", "family", "runtime", "gpus", "measured_s", "predicted_s", "error_pct", "oom", "peak_gib"])
+        w.writerow(["id", "source", "gpu", "family", "runtime", "gpus", "measured_s", "predicted_s", "error_pct", "oom", "peak_gib",
+                    "measured_peak_gib"])
         for r in rows:
+            mp = r.get("measured_peak_gib")
             w.writerow([r["id"], r["source"], r["gpu"], r["family"], r["runtime"], r["gpus"], f"{r['measured_s']:.6g}",
-                        f"{r['predicted_s']:.6g}", f"{r['error_pct']:.2f}", "yes" if r["oom"] else "no", f"{r['peak_gib']:.2f}"])
+                        f"{r['predicted_s']:.6g}", f"{r['error_pct']:.2f}", "yes" if r["oom"] else "no", f"{r['peak_gib']:.2f}",
+                        "" if mp is None else f"{mp:g}"])
 
 
 def write_md(path, rows, piper_version):
@@ -231,8 +238,16 @@ def write_md(path, rows, piper_version):
              "measured; negative = Piper too fast.", "",
              f"**All {s['n']} cases:** mean |error| {s['mean_abs']:.1f} %, max |error| {s['max_abs']:.1f} % ({s['worst']}), "
              f"signed mean {s['signed']:+.1f} %, {s['too_fast']} of {s['n']} too fast, {s['oom']} predicted out of memory.", ""]
-    for key, title in (("gpu", "GPU"), ("family", "strategy family"), ("source", "source"), ("runtime", "runtime")):
+    for key, title in (("gpu", "GPU"), ("family", "strategy family"), ("source", "source"), ("runtime", "runtime"),
+                       ("recompute", "recomputation")):
         lines += [f"## By {title}", ""] + group_table(rows, key, title) + [""]
+    mem = [r for r in rows if r.get("measured_peak_gib")]
+    if mem:
+        lines += ["## Peak memory, where published", "", "| id | published GiB | predicted GiB | error | predicted OOM |", "|---|---|---|---|---|"]
+        for r in mem:
+            e = 100.0 * (r["peak_gib"] - r["measured_peak_gib"]) / r["measured_peak_gib"]
+            lines.append(f"| {r['id']} | {r['measured_peak_gib']:g} | {r['peak_gib']:.1f} | {e:+.1f} % | {'yes' if r['oom'] else 'no'} |")
+        lines.append("")
     lines += ["## Cases", "", "| id | source | GPU | family | GPUs | measured s | predicted s | error | OOM |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['id']} | {r['source']} | {r['gpu']} | {r['family']} | {r['gpus']} | {r['measured_s']:.4g} | "
