@@ -343,6 +343,10 @@ pick_bs("NHIDDEN=14336 / NLAYERS=72", 0, 14336, 72, "h14336-l72", {(4, 12, 1), (
 pick_bs("NHIDDEN=12288 / NLAYERS=96", 0, 12288, 96, "h12288-l96", {(8, 6, 2), (8, 6, 4)})
 pick_bs("NHIDDEN=13312 / NLAYERS=84", 0, 13312, 84, "h13312-l84", {(4, 12, 4), (8, 6, 2), (8, 6, 4)})
 
+# Left out: the one-node TP-8 rows under "NHIDDEN=14336 / NLAYERS=6 / GBS=512". Their GBS column says 2048
+# while the heading says GBS=512, and the TFLOPs column (142.59 at 205.52 s for 10 layers) fits 512
+# sequences, not 2048; the two 6-layer rows pose the same setting and differ by 9 %. Too ambiguous to pose.
+
 # ---------------------------------------------------------------- MT-NLG 530B (paper section 2.4, quoted by llm-analysis)
 LA = "cli99+llm-analysis"
 la_commit = head(LA)
