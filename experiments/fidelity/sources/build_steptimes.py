@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Builds ../steptimes.json and ../models/*.json from clones of the source repositories.
 
-  python3 experiments/fidelity/sources/build_steptimes.py MIRRORS
+  python3 experiments/fidelity/sources/build_steptimes.py MIRRORS            # rebuild
+  python3 experiments/fidelity/sources/build_steptimes.py MIRRORS --verify   # every quote still verbatim
 
 MIRRORS holds one bare or normal git clone per source, at MIRRORS/<owner>+<name>/repo:
 mosaicml+llm-foundry, pytorch+torchtitan, bigscience-workshop+bigscience, cli99+llm-analysis. The
@@ -13,9 +14,29 @@ Re-running it against newer clones may change the commits (and, if a table chang
 import json, subprocess, sys, os
 
 OUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):
-    sys.exit("usage: build_steptimes.py MIRRORS (a folder of <owner>+<name>/repo git clones)")
-MIR = sys.argv[1]
+args = [a for a in sys.argv[1:] if a != "--verify"]
+if len(args) != 1 or not os.path.isdir(args[0]):
+    sys.exit("usage: build_steptimes.py MIRRORS [--verify] (MIRRORS: a folder of <owner>+<name>/repo git clones)")
+MIR = args[0]
+
+
+def verify():
+    """Every case's quote (and quote_context's first line) must occur verbatim in its file at its commit."""
+    with open(f"{OUT}/steptimes.json") as f:
+        cases = json.load(f)["cases"]
+    bad = 0
+    for c in cases:
+        repo = c["repo"].replace("/", "+")
+        text = subprocess.check_output(["git", "-C", f"{MIR}/{repo}/repo", "show", f"{c['commit']}:{c['path']}"], text=True)
+        if c["quote"] not in text:
+            print(f"build_steptimes: case '{c['id']}': quote not found in {c['repo']}@{c['commit'][:8]}:{c['path']}")
+            bad += 1
+    print(f"build_steptimes --verify: {len(cases) - bad} of {len(cases)} quotes found verbatim")
+    sys.exit(1 if bad else 0)
+
+
+if "--verify" in sys.argv[1:]:
+    verify()
 
 
 def show(repo, commit, path):
@@ -388,8 +409,9 @@ for servers, secit, tfl in [("280", "60.1", "126"), ("350", "50.2", "121"), ("42
         "conversion": f"latency per iteration {secit} s is the step time; {gpus} GPUs / (TP 8 x PP 35) = DP {dp}; 1920 / DP {dp} = {m} microbatches",
         "notes": ("TP 8, PP 35 and full recomputation from llm-analysis's run_train.sh for this example (--tp_size 8 --pp_size 35 "
                   "--activation_recomputation 2). The micro-batch size is not in the retrieved text: posed as 1. The quote says "
-                  "'8 A100-SXM 40GB GPUs'; the Microsoft/NVIDIA announcement says the DGX A100 nodes have 80GB GPUs with HDR "
-                  "InfiniBand, so the dgx-a100-80g preset is used (the GPUs' FLOP/s and NVLink are the same). DeepSpeed ZeRO-1 "
+                  "'8 A100-SXM 40GB GPUs'; the Microsoft Research announcement, as quoted at "
+                  "https://creativeg.gr/gpt3/mt-nlg-by-microsoft-and-nvidia-ai/, says 'Each DGX A100 includes eight A100s, each "
+                  "with an 80GB Tensor Core GPU' and 'HDR InfiniBand with full-fat tree extension', so the dgx-a100-80g preset is used (the GPUs' FLOP/s and NVLink are the same). DeepSpeed ZeRO-1 "
                   "data parallelism and its 1F1B pipeline schedule; fp32 main grads as Megatron-LM's default.")})
 
 ids = [c["id"] for c in cases]
