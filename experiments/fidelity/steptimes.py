@@ -377,8 +377,8 @@ def main():
         return
     results = run_all(piper, cases, zoo, args.jobs)
     rows = rows_of(cases, results)
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    version = f"piper built from commit {commit}" if commit else "piper"
+    commit = subprocess.run(["git", "-C", REPO, "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
+    version = f"repository at {commit}" if commit else "piper"
     os.makedirs(args.out, exist_ok=True)
     final = {os.path.join(args.out, n): os.path.join(args.out, f".{n}.tmp") for n in ("steptimes.csv", "steptimes.md", "steptimes.svg")}
     paths = list(final.values())
