@@ -56,6 +56,13 @@ done
 measured() { awk -v w="$1" '$1 == "torch" && $2 == w":" { for (i = 1; i <= NF; ++i) if ($i == "step") { print $(i + 1); exit } }' data/torch-dense1b.txt; }
 row "step time (ms)" "Piper H200 measurement (data/torch-dense1b.txt): torch.compile" "dense-1b on 1 H200; 2 x 4 x 1024 tokens; bf16; runtime fused" "$(measured compile)" "$(jq -r '.step_time_s * 1000' out/dense1b-fused.json)"
 row "step time (ms)" "Piper H200 measurement (data/torch-dense1b.txt): PyTorch eager" "dense-1b on 1 H200; 2 x 4 x 1024 tokens; bf16; runtime eager" "$(measured eager)" "$(jq -r '.step_time_s * 1000' out/dense1b-eager.json)"
+# 6. Published measured step times (steptimes.json, 45 cases from 4 sources; README "Step times"): full
+# mode writes steptimes.csv/.md/.svg here; quick mode checks the file and simulates 3 cases.
+if [ "$QUICK" = 1 ]; then
+  PIPER="$PIPER" python3 "$STUDY_SRC/steptimes.py" --check > /dev/null
+else
+  PIPER="$PIPER" python3 "$STUDY_SRC/steptimes.py" --out "$PWD"
+fi
 mv results.csv.tmp results.csv
 { csv_to_md results.csv; echo;
   awk -F, 'NR>1 { e=$6; if (e<0) e=-e; s+=e; n++; if (e>m) { m=e; w=$3 } } END { printf "mean |error| %.2f %% over %d figures; max |error| %.2f %% (%s)\n", s/n, n, m, w }' results.csv; } > results.md
