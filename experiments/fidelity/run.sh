@@ -50,10 +50,10 @@ fi
 # preset's kernel table under the matching runtime profile (cluster "runtime": eager / fused).
 for profile in fused eager; do
   echo "{\"preset\": \"dgx-h200\", \"runtime\": \"$profile\"}" > out/h200-$profile.json
-  "$PIPER" simulate --model ../../examples/models/dense-1b.json --microbatches 2 --cluster out/h200-$profile.json \
+  "$PIPER" simulate --model "$REPO_DIR/examples/models/dense-1b.json" --microbatches 2 --cluster out/h200-$profile.json \
     --engine analytic --report out/dense1b-$profile.json > /dev/null
 done
-measured() { awk -v w="$1" '$1 == "torch" && $2 == w":" { for (i = 1; i <= NF; ++i) if ($i == "step") { print $(i + 1); exit } }' data/torch-dense1b.txt; }
+measured() { awk -v w="$1" '$1 == "torch" && $2 == w":" { for (i = 1; i <= NF; ++i) if ($i == "step") { print $(i + 1); exit } }' "$STUDY_SRC/data/torch-dense1b.txt"; }
 row "step time (ms)" "Piper H200 measurement (data/torch-dense1b.txt): torch.compile" "dense-1b on 1 H200; 2 x 4 x 1024 tokens; bf16; runtime fused" "$(measured compile)" "$(jq -r '.step_time_s * 1000' out/dense1b-fused.json)"
 row "step time (ms)" "Piper H200 measurement (data/torch-dense1b.txt): PyTorch eager" "dense-1b on 1 H200; 2 x 4 x 1024 tokens; bf16; runtime eager" "$(measured eager)" "$(jq -r '.step_time_s * 1000' out/dense1b-eager.json)"
 # 6. Published measured step times (steptimes.json, 45 cases from 4 sources; README "Step times"): full

@@ -35,6 +35,10 @@ class CaseError(Exception):
     pass
 
 
+# The case's runtime as the cluster's runtime profile (docs/cost-model.md): PyTorch eager launches
+# its element-wise ops one by one; torch.compile and Megatron-LM fuse them.
+PROFILE_OF_RUNTIME = {"eager": "eager", "torch.compile": "fused", "megatron": "fused"}
+
 def fail(msg):
     print(f"steptimes: {msg}", file=sys.stderr)
     sys.exit(2)
@@ -121,6 +125,8 @@ def validate(cases, path, zoo):
             errors.append(f"{where}: 'model' {c['model']} is neither a zoo model nor a file under the repository")
         if c["cluster"] not in PRESET_CLUSTERS and not os.path.isfile(os.path.join(REPO, c["cluster"])):
             errors.append(f"{where}: 'cluster' {c['cluster']} is neither a preset nor a file under the repository")
+        if c["runtime"] not in PROFILE_OF_RUNTIME:
+            errors.append(f"{where}: 'runtime' {c['runtime']} is not one of {', '.join(sorted(PROFILE_OF_RUNTIME))}")
     return errors
 
 
@@ -138,9 +144,24 @@ def resolve(path_or_name, known):
     return path_or_name if path_or_name in known else os.path.join(REPO, path_or_name)
 
 
+def cluster_with_profile(case, workdir):
+    """A cluster file: the case's cluster with "runtime" set from the case's runtime label."""
+    name = case["cluster"]
+    if name in PRESET_CLUSTERS:
+        spec = {"preset": name}
+    else:
+        with open(os.path.join(REPO, name)) as f:
+            spec = json.load(f)
+    spec["runtime"] = PROFILE_OF_RUNTIME[case["runtime"]]
+    path = os.path.join(workdir, case["id"] + "-cluster.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    return path
+
+
 def simulate(piper, case, zoo, workdir):
     report = os.path.join(workdir, case["id"] + ".json")
-    cmd = [piper, "simulate", "--model", resolve(case["model"], zoo), "--cluster", resolve(case["cluster"], PRESET_CLUSTERS),
+    cmd = [piper, "simulate", "--model", resolve(case["model"], zoo), "--cluster", cluster_with_profile(case, workdir),
            "--engine", "analytic", "--report", report] + case["flags"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:

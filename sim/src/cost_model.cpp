@@ -273,8 +273,8 @@ KernelTiming CostModel::timing(int device) const {
   t.profile = runtime_profile_from_string(cluster_.runtime);
   t.peak_flops = g.peak_flops;
   t.hbm_bytes_per_s = g.hbm_bandwidth_bytes_per_s;
-  t.launch_s = g.launch_overhead_s;
   t.fallback_efficiency = g.max_efficiency;
+  t.half_efficiency_flops = g.half_efficiency_flops;
   return t;
 }
 
@@ -286,7 +286,6 @@ std::optional<double> CostModel::kernel_seconds(const core::Program& program, in
   if (op.kind == OpKind::Update) return update_seconds(program, device, op);
   if (op.kind != OpKind::Compute) return std::nullopt;
   const int node = node_of_.at(static_cast<std::size_t>(device));
-  if (!table_of(node)) return std::nullopt;
   const core::PassKernels& pk = program.segments[static_cast<std::size_t>(op.segment)].kernels;
   std::vector<const std::vector<core::Kernel>*> lists;
   switch (op.pass) {

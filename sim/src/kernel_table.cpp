@@ -335,7 +335,7 @@ ElementwiseCost elementwise_cost(KernelKind kind, RuntimeProfile p) {
 }  // namespace
 
 double KernelTiming::seconds(const Kernel& k) const {
-  const double launch = table ? table->launch_floor_s : launch_s;
+  const double launch = table ? table->launch_floor_s : KernelTable::kDefaultLaunchFloor;
   const double dt = core::bytes_per_element(k.dtype);
   // Without a table: GEMMs at the GPU's curve-free efficiency of its dense bf16 peak, scaled by the
   // datasheet ratio of the dtype's peak on A100 and H100 (fp32 on the CUDA cores 1/16, tf32 1/2, fp8
@@ -344,7 +344,9 @@ double KernelTiming::seconds(const Kernel& k) const {
                             : k.dtype == core::Precision::TF32 ? 0.5
                             : k.dtype == core::Precision::FP8  ? 2.0
                                                                : 1.0;
-  const double fallback_rate = peak_flops * fallback_efficiency * dtype_peak;
+  const double f = k.flops > 0 ? k.flops : 1;
+  const double curve = half_efficiency_flops > 0 ? f / (f + half_efficiency_flops) : 1;
+  const double fallback_rate = peak_flops * fallback_efficiency * curve * dtype_peak;
   if (k.kind == KernelKind::Gemm) {
     const double mm = static_cast<double>(k.m), nn = static_cast<double>(k.n), kk = static_cast<double>(k.k);
     const double b = static_cast<double>(k.batch);

@@ -141,11 +141,16 @@ TEST(CostSettings, PrecisionSetsGemmDtypeMemoryAndRates) {
     else
       EXPECT_GT(h200.compute_seconds(p, 0, op), h200.compute_seconds(bf16.result.program, 0, op16));
   }
-  // On the A100 (no kernel table) fp32 GEMMs run on the CUDA cores: a 16th of the bf16 peak.
-  const auto f32 = compile(o, spec_with(core::Precision::FP32));
-  const CostModel a100(load_cluster("dgx-a100-80g"));
-  const auto& op = f32.result.program.plan_for(0).streams[0].ops[0];
-  const double expected = a100.roofline_seconds(0, op.flops * 16, op.memory_bytes, op.gemm_kernels) +
-                          static_cast<double>(op.elementwise_bytes) / a100.cluster().gpu(0).hbm_bandwidth_bytes_per_s;
-  EXPECT_NEAR(a100.compute_seconds(f32.result.program, 0, op), expected, 1e-12 * expected);
+  // On the A100 (no kernel table) an fp32 GEMM runs on the CUDA cores: the curve on a 16th of the
+  // bf16 peak, 312/16 TFLOP/s x 0.75 x f / (f + 2 GFLOP), plus the 2 µs floor.
+  const KernelTiming a100 = CostModel(load_cluster("dgx-a100-80g")).timing(0);
+  core::Kernel g;
+  g.dtype = core::Precision::FP32;
+  g.m = g.n = g.k = 2048;
+  g.flops = 2.0 * 2048 * 2048 * 2048;
+  const double expected = g.flops / (312e12 / 16 * 0.75 * g.flops / (g.flops + 2e9)) + 2e-6;
+  EXPECT_NEAR(a100.seconds(g), expected, 1e-12 * expected);
+  g.dtype = core::Precision::TF32;
+  const double tf32 = g.flops / (312e12 / 2 * 0.75 * g.flops / (g.flops + 2e9)) + 2e-6;
+  EXPECT_NEAR(a100.seconds(g), tf32, 1e-12 * tf32);
 }

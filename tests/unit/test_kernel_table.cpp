@@ -169,13 +169,25 @@ TEST(KernelTable, CostModelSumsTheKernelsOfAnOp) {
   }
   EXPECT_GT(compute, 0);
   EXPECT_GT(updates, 0);
-  // Without a table (A100 preset): the efficiency-curve roofline, as before.
+  // Without a table (A100 preset) the kernels are still listed and timed, GEMMs by the GPU's curve:
+  // 312 TFLOP/s x 0.75 x f / (f + 2 GFLOP), plus the 2 µs floor; element-wise at 60 % of 2,039 GB/s.
   const Cluster a100 = load_cluster("dgx-a100-80g");
   EXPECT_TRUE(a100.gpu(0).kernel_table.empty());
-  const CostModel curve(a100);
+  const KernelTiming curve = CostModel(a100).timing(0);
+  core::Kernel g;
+  g.m = 4096;
+  g.n = 2048;
+  g.k = 1024;
+  g.flops = 2.0 * 4096 * 2048 * 1024;
+  expect_rel(curve.seconds(g), g.flops / (312e12 * 0.75 * g.flops / (g.flops + 2e9)) + 2e-6);
+  core::Kernel add;
+  add.kind = core::KernelKind::Residual;
+  add.elems = 1 << 20;
+  expect_rel(curve.seconds(add), 3.0 * 2 * add.elems / (0.6 * 2039e9) + 2e-6);
+  const CostModel a100_cost(a100);
   for (const auto& op : p.plan_for(0).streams[0].ops)
     if (op.kind == core::OpKind::Compute) {
-      EXPECT_FALSE(curve.kernel_seconds(p, 0, op).has_value());
+      EXPECT_TRUE(a100_cost.kernel_seconds(p, 0, op).has_value());
     }
   // The eager profile launches more element-wise kernels: every compute op is slower.
   Cluster eager = cluster;

@@ -101,7 +101,8 @@ class CostModel {
   const OpOverride& op_override() const { return override_; }
 
   // COMPUTE and UPD ops: override, then calibration, then the per-kernel model (the op's segment lists
-  // its kernels and the device's GPU has a kernel table), else the roofline of the device's GPU.
+  // its kernels: timed by the GPU's kernel table, or its efficiency curve without one; UPD by the
+  // table's AdamW bandwidth), else (plans without kernel lists) the roofline of the device's GPU.
   double compute_seconds(const core::Program& program, int device, const core::Op& op) const;
   // The per-kernel model alone (TP collectives not included); nullopt where it does not apply.
   std::optional<double> kernel_seconds(const core::Program& program, int device, const core::Op& op) const;

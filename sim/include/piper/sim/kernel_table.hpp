@@ -51,7 +51,10 @@ class KernelTable {
   // Fused multi-tensor AdamW over half-precision (bf16) and fp32 parameters, from the table's largest
   // measured run of each.
   double adamw_bytes_per_s = 0, adamw_fp32_bytes_per_s = 0;
-  double launch_floor_s = 2e-6;   // added to every kernel (GPU-side gap between back-to-back kernels)
+  // Added to every kernel: the GPU-side gap between back-to-back kernels (an assumption of 2 µs until
+  // kernels_extra.py measures it; GPUs without a table use the same).
+  static constexpr double kDefaultLaunchFloor = 2e-6;
+  double launch_floor_s = kDefaultLaunchFloor;
 
   // Achieved FLOP/s of an m x n x k GEMM (batch: batched products) in `dtype`; 0 when the table has
   // no GEMM data.
@@ -73,16 +76,18 @@ std::vector<std::string> kernel_table_names();
 // A built-in name or a path to a table file; loaded once and shared (thread-safe). Throws ClusterError.
 std::shared_ptr<const KernelTable> load_kernel_table(const std::string& name_or_path);
 
-// Seconds one launch of `k` takes on a GPU with this table (nullptr: none) under a runtime profile,
-// with the GPU's peak FLOP/s and HBM bandwidth for what the table lacks: max(compute, memory) plus the
-// launch floor. `fallback_gemm` gives a GEMM's FLOP/s when the table has none.
+// Seconds one launch of `k` takes on a GPU with this table under a runtime profile: max(compute,
+// memory) plus the launch floor. Without a table (nullptr) or where it lacks a class, the GPU's
+// efficiency curve (cluster.hpp: max_efficiency · f / (f + half_efficiency_flops) of the dense bf16
+// peak, scaled by the dtype's datasheet ratio) for GEMMs and attention, and 60 % of the HBM
+// bandwidth for element-wise kernels.
 struct KernelTiming {
   const KernelTable* table = nullptr;
   RuntimeProfile profile = RuntimeProfile::Fused;
   double peak_flops = 0;
   double hbm_bytes_per_s = 0;
-  double launch_s = 0;          // used when there is no table
   double fallback_efficiency = 0.75;
+  double half_efficiency_flops = 0;
   double seconds(const core::Kernel& k) const;
 };
 
