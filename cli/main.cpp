@@ -69,7 +69,8 @@ int main(int argc, char** argv) {
     print_internal_error(fmt::format("the simulator deadlocked on a verified plan: {}", e.what()));
     return kExitInternal;
   } catch (const piper::core::InternalError& e) {
-    print_internal_error(e.what());
+    const std::string what = e.what();  // "internal: ..."; the line already says so
+    print_internal_error(what.rfind("internal: ", 0) == 0 ? what.substr(10) : what);
     return kExitInternal;
   } catch (const piper::runtime::RuntimeError& e) {  // single-process runs; ranks abort with it (cmd_run.cpp)
     print_error("", e.what());

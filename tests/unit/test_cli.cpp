@@ -163,7 +163,7 @@ TEST_F(Cli, ExitCodesFollowTheErrorModel) {
   };
   const std::string report = " (please report this: it is a bug in piper, not in the input)";
   EXPECT_EQ(run("limits").exit_code, 0);  // without the hook the command succeeds
-  for (const Case& c : {Case{"internal", 3, "piper: internal error: internal: test failure" + report},
+  for (const Case& c : {Case{"internal", 3, "piper: internal error: test failure" + report},
                         Case{"deadlock", 3, "piper: internal error: the simulator deadlocked on a verified plan: test deadlock" + report},
                         Case{"logic", 3, "piper: internal error: test logic error" + report},
                         Case{"runtime", 4, "piper: error: runtime: test peer failure"}}) {

@@ -156,7 +156,8 @@ TEST(Split, LoweringNumbersMicrobatchesForAnyDimensionAndNesting) {
     return json{{"op", "split"}, {"filter", json::object()}, {"dim_name", dim}, {"num_microbatches", n}};
   };
   const json placed = prog({place(0, {0, 2}), place(1, {1, 3}),
-                            json{{"op", "replicate"}, {"filter", json::object()}}});
+                            json{{"op", "replicate"}, {"filter", json{{"PP", 0}}}, {"devices", {0, 2}}},
+                            json{{"op", "replicate"}, {"filter", json{{"PP", 1}}}, {"devices", {1, 3}}}});
   for (const auto& [splits, total] : std::vector<std::pair<json, int>>{
            {prog({dim_split("SAMPLE", 3)}), 3}, {prog({dim_split("OUTER", 2), dim_split("INNER", 3)}), 6}}) {
     json program = splits;

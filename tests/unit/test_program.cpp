@@ -160,7 +160,7 @@ TEST(Program, GroupsConsecutiveAndStrided) {
   std::vector<int> evens;
   for (int d = 0; d < 24; d += 2) evens.push_back(d);
   p.device_sets = {evens};
-  p.families = {CommFamily{0, 4, 1, "ep"}, CommFamily{0, 4, 3, "dp"}};
+  p.families = {CommFamily{0, 4, 1, FamilyPurpose::Ep}, CommFamily{0, 4, 3, FamilyPurpose::Dp}};
   // Stride 1, group size 4: consecutive chunks of positions.
   std::vector<std::vector<int>> chunks = {{0, 2, 4, 6}, {8, 10, 12, 14}, {16, 18, 20, 22}};
   EXPECT_EQ(p.groups(0), chunks);
@@ -170,7 +170,7 @@ TEST(Program, GroupsConsecutiveAndStrided) {
   EXPECT_EQ(p.groups(1), strided);
   EXPECT_EQ(p.group_of(1, 14), (std::vector<int>{2, 8, 14, 20}));
   EXPECT_TRUE(p.group_of(1, 3).empty());             // odd devices are not in the family
-  p.families.push_back(CommFamily{0, 5, 1, "bad"});  // 12 devices do not split into groups of 5
+  p.families.push_back(CommFamily{0, 5, 1, FamilyPurpose::Dp});  // 12 devices do not split into groups of 5
   EXPECT_THROW(p.groups(2), PlanError);
 }
 
@@ -377,7 +377,7 @@ TEST(Program, TensorParallelFieldsRoundTrip) {
   Program p = small_program();
   p.num_devices = 4;
   p.device_sets.push_back({0, 1, 2, 3});                 // set 3
-  p.families.push_back(CommFamily{3, 2, 1, "tp"});       // family 1: {0,1} {2,3}
+  p.families.push_back(CommFamily{3, 2, 1, FamilyPurpose::Tp});       // family 1: {0,1} {2,3}
   p.plan_of_device = {0, 1, 0, 1};
   ProgramSegment plain;
   plain.devices = 2;

@@ -372,6 +372,26 @@ TEST(RuntimeEquivalence, NestedSplits_1F1B_PP2xDP2) {
   expect_equivalent("nested-dp", 4, {}, program);
 }
 
+// A nested split over part of the model leaves ops that stand for several microbatches at once
+// (Op::microbatch -1): the plan simulates, and the runtime refuses it before any step, in one line.
+TEST(RuntimeFailure, SplitNotCoveringTheModelIsRefusedInOneLine) {
+  const fs::path dir = temp_dir("partial-split");
+  core::Scenario s;
+  s.model = kModel;
+  s.strategy = strategy(2, 2, 2, 0, 4, "1f1b");
+  json program = json::array();
+  for (const auto& d : core::scenario_program(s)) {
+    program.push_back(d);
+    if (d.value("op", "") == "split") program.push_back({{"op", "split"}, {"filter", {{"PP", 0}}}, {"dim_name", "SUB"}, {"num_microbatches", 2}});
+  }
+  std::ofstream(dir / "program.json") << program.dump();
+  const fs::path plan = compile_plan(dir, {}, (dir / "program.json").string());
+  Result r = sh(std::string(PIPER_CLI) + " run --reference --plan " + plan.string() + " --steps 1");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(r.output, "piper: error: plan: op 'F mb0 PP1 s4' works on no single microbatch (a split that does not cover the whole model); "
+                      "the runtime runs every op of a pass on one microbatch\n");
+}
+
 // Tensor and sequence parallelism, recomputation (issue 10): TP collectives run inside the compute ops
 // over MPI; every composition must still match the single-process reference.
 TEST(RuntimeEquivalence, TP2xPP2xDP2_1F1B) { expect_equivalent("tp2pp2dp2", 8, megatron(strategy(2, 2, 1, 0, 4, "1f1b"), 2, false, "none"), "", kDense); }
