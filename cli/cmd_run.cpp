@@ -2,6 +2,7 @@
 // (--backend cuda: one rank per GPU over NCCL, or --virtual-devices on one GPU), or the
 // single-process reference on the same global batch (--reference).
 #include <cstdio>
+#include <cstdlib>
 
 #include <fmt/format.h>
 #include <mpi.h>
@@ -27,6 +28,22 @@ struct RunArgs {
   runtime::TrainOptions train;
   CLI::Option* plan = nullptr;
 };
+
+// A failure mid-step leaves peers waiting on this rank: end them all now, with the reason. A
+// RuntimeError (a peer died, stalled or disagreed) exits 4; anything else is a bug in piper (3).
+[[noreturn]] void abort_ranks(int rank, const std::exception& e) {
+  if (dynamic_cast<const runtime::RuntimeError*>(&e)) {
+    fmt::print(stderr, "piper: error: rank {}: {}\n", rank, one_line(e.what()));
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, kExitPeerFailure);
+  } else {
+    fmt::print(stderr, "piper: internal error: rank {}: {} (please report this: it is a bug in piper, not in the input)\n", rank,
+               one_line(e.what()));
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, kExitInternal);
+  }
+  std::abort();  // MPI_Abort does not return
+}
 
 core::Program load_program(const RunArgs& a) {
   if (!a.plan_path.empty()) {
@@ -83,9 +100,7 @@ int run_cuda(const RunArgs& a) {
       print_error("", e.what());
       code = kExitBadInput;
     } catch (const std::exception& e) {
-      fmt::print(stderr, "piper: error: rank {}: {}\n", rank, one_line(e.what()));
-      std::fflush(stderr);
-      MPI_Abort(MPI_COMM_WORLD, kExitInternal);
+      abort_ranks(rank, e);
     }
   }
   MPI_Finalize();
@@ -124,10 +139,7 @@ int run_distributed(const RunArgs& a) {
       print_error("", e.what());
       code = kExitBadInput;
     } catch (const std::exception& e) {
-      // A failure mid-step leaves peers waiting on this rank: end them all now, with the reason.
-      fmt::print(stderr, "piper: error: rank {}: {}\n", rank, one_line(e.what()));
-      std::fflush(stderr);
-      MPI_Abort(MPI_COMM_WORLD, kExitInternal);
+      abort_ranks(rank, e);
     }
   }
   MPI_Finalize();

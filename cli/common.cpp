@@ -172,5 +172,9 @@ void print_error(const std::string& file, const std::string& message) {
     fmt::print(stderr, "piper: error: {}: {}\n", file, one_line(message));
 }
 
+void print_internal_error(const std::string& message) {
+  fmt::print(stderr, "piper: internal error: {} (please report this: it is a bug in piper, not in the input)\n", one_line(message));
+}
+
 
 }  // namespace piper::cli

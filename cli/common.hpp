@@ -19,9 +19,11 @@ namespace piper::cli {
 namespace core = piper::core;
 using nlohmann::json;
 
-constexpr int kExitBadInput = 2;      // every user error: bad file, bad directive, bad flag
+// Exit codes (docs/reliability.md "Exit codes"); main.cpp maps exceptions onto them.
 constexpr int kExitVerifyFailed = 1;  // `piper verify` found issues
-constexpr int kExitInternal = 3;      // a bug in piper, not in the input
+constexpr int kExitBadInput = 2;      // every user error: bad file, bad directive, bad flag (one line naming where)
+constexpr int kExitInternal = 3;      // a bug in piper, not in the input: the line asks for a report
+constexpr int kExitPeerFailure = 4;   // `piper run`: a rank failed mid-step (a peer died, stalled or disagreed)
 
 // A user-facing failure: printed as "piper: error: <file>: <message>" (file omitted when empty).
 class CliError : public std::runtime_error {
@@ -40,6 +42,8 @@ json read_json_file(const std::string& path);
 std::string human_count(std::int64_t n);
 double mib(std::int64_t bytes);
 void print_error(const std::string& file, const std::string& message);
+// "piper: internal error: <message> (please report this: it is a bug in piper, not in the input)".
+void print_internal_error(const std::string& message);
 
 extern const CLI::Validator kPositiveInt;
 extern const CLI::Validator kNonNegativeInt;

@@ -1,12 +1,17 @@
 // The piper command: thin subcommands over the libraries. Each command lives in cli/cmd_*.cpp.
 #include <algorithm>
+#include <cstdlib>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
 
 #include "cli/common.hpp"
+#include "piper/core/error.hpp"
 #include "piper/core/limits.hpp"
+#include "piper/runtime/executor.hpp"
+#include "piper/sim/ready_tracker.hpp"
 
 using namespace piper::cli;
 
@@ -45,11 +50,31 @@ int main(int argc, char** argv) {
   try {
     (void)piper::core::limit_value(piper::core::Limit::InputBytes);  // a malformed PIPER_LIMIT_* fails up front
     for (const auto& spec : limit_flags) piper::core::set_limit_from_flag(spec);
+    // Test hook (as checkpoint.cpp's PIPER_TEST_CRASH_BEFORE_RENAME): raise one failure of each
+    // class, so that tests/unit/test_cli.cpp can check the exit code each one maps to.
+    if (const char* fail = std::getenv("PIPER_TEST_FAIL")) {
+      const std::string what = fail;
+      if (what == "internal") throw piper::core::InternalError("test failure");
+      if (what == "deadlock") throw piper::sim::DeadlockError("test deadlock");
+      if (what == "runtime") throw piper::runtime::RuntimeError("runtime: test peer failure");
+      if (what == "logic") throw std::logic_error("test logic error");
+    }
     for (const auto& c : commands)
       if (c.app->parsed()) return c.run();
   } catch (const CliError& e) {
     print_error(e.file(), e.what());
     return kExitBadInput;
+  } catch (const piper::sim::DeadlockError& e) {
+    // Every plan is verified before it is simulated: a deadlock the verifier let through is piper's.
+    print_internal_error(fmt::format("the simulator deadlocked on a verified plan: {}", e.what()));
+    return kExitInternal;
+  } catch (const piper::core::InternalError& e) {
+    const std::string what = e.what();  // "internal: ..."; the line already says so
+    print_internal_error(what.rfind("internal: ", 0) == 0 ? what.substr(10) : what);
+    return kExitInternal;
+  } catch (const piper::runtime::RuntimeError& e) {  // single-process runs; ranks abort with it (cmd_run.cpp)
+    print_error("", e.what());
+    return kExitPeerFailure;
   } catch (const piper::core::Error& e) {
     print_error("", e.what());
     return kExitBadInput;
@@ -63,7 +88,7 @@ int main(int argc, char** argv) {
     print_error("", e.what());
     return kExitBadInput;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "piper: internal error: {}\n", one_line(e.what()));
+    print_internal_error(e.what());
     return kExitInternal;
   }
   return 0;

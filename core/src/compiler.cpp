@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "piper/core/lower.hpp"
 #include "piper/core/verifier.hpp"
 
 namespace piper::core {

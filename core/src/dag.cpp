@@ -171,7 +171,7 @@ nlohmann::json GlobalDag::to_json() const {
   nlohmann::json fams = nlohmann::json::array();
   for (const auto& f : families)
     fams.push_back({{"devices", device_sets.at(f.devices)}, {"group_size", f.group_size}, {"stride", f.stride},
-                    {"purpose", f.purpose}});
+                    {"purpose", to_string(f.purpose)}});
   return {{"model", model_name}, {"microbatches", microbatches}, {"nodes", nodes}, {"edges", edges},
           {"families", fams}};
 }

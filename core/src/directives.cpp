@@ -554,6 +554,7 @@ void apply_split(PassContext& cx, const SplitDirective& d, int index) {
   }
   for (auto v : matched) cx.remove(v);
   cx.dag.microbatches *= d.count;
+  cx.dag.splits.push_back({d.dim_name, d.count});
 }
 
 // Splits B into BI (input gradient, on the critical path) and BW (weight gradient, deferrable) for
@@ -762,7 +763,7 @@ void apply_shard(PassContext& cx, const ShardDirective& d, int index) {
   if (degree == 1) return;
   Graph& g = cx.g();
   DeviceSetId set = cx.dag.device_sets.intern(d.devices);
-  int family = cx.dag.family_index({set, degree, 1, "ep"});
+  int family = cx.dag.family_index({set, degree, 1, FamilyPurpose::Ep});
   std::vector<char> in(boost::num_vertices(g), 0);
   for (auto v : matched) in[v] = 1;
   std::vector<EdgeRec> crossing;
@@ -823,8 +824,8 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
     for (int j = 0; j < split; ++j)
       for (int q = 0; q < k; ++q)
         for (int g = 0; g < groups; ++g) across.push_back(device(j, g, q));
-    return hsdp_by_split[split] = std::pair{dag.family_index({dag.device_sets.intern(within), k, 1, "dp-shard"}),
-                                            dag.family_index({dag.device_sets.intern(across), groups, 1, "dp-replicate"})};
+    return hsdp_by_split[split] = std::pair{dag.family_index({dag.device_sets.intern(within), k, 1, FamilyPurpose::DpShard}),
+                                            dag.family_index({dag.device_sets.intern(across), groups, 1, FamilyPurpose::DpReplicate})};
   };
   // Segments grouped by communicator family: fully replicated ones over all devices; partially
   // sharded ones (shard degree < devices) over the strided groups holding the same shard. With
@@ -853,9 +854,9 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
       by_family[{within, across}].push_back(s);
       continue;
     }
-    CommFamily fam = split == 1                ? CommFamily{set, n, 1, "dp"}
-                     : seg.tp_degree > 1       ? CommFamily{set, n / split, split, "dp"}
-                                               : CommFamily{set, n / split, split, "dp-ep"};
+    CommFamily fam = split == 1                ? CommFamily{set, n, 1, FamilyPurpose::Dp}
+                     : seg.tp_degree > 1       ? CommFamily{set, n / split, split, FamilyPurpose::Dp}
+                                               : CommFamily{set, n / split, split, FamilyPurpose::DpEp};
     by_family[{dag.family_index(fam), -1}].push_back(s);
   }
   // The UPD of this device set, and the backward nodes that produce each segment's gradient.
@@ -1002,7 +1003,7 @@ void link_tied_embedding(PassContext& cx) {
   for (std::size_t p = 0; p < de.size(); ++p) pairs.push_back(de[p]), pairs.push_back(dh[p]);
   DagNode sum;
   sum.kind = NodeKind::AllReduce;
-  sum.family = dag.family_index({dag.device_sets.intern(pairs), 2, 1, "tied-embedding"});
+  sum.family = dag.family_index({dag.device_sets.intern(pairs), 2, 1, FamilyPurpose::TiedEmbedding});
   sum.devices = dag.families[static_cast<std::size_t>(sum.family)].devices;
   sum.stream = "tied";
   sum.bytes = tied->copy_local_params() * gradient_bytes_per_element(dag.training);
@@ -1288,20 +1289,20 @@ void make_tp_groups(PassContext& cx, const DirectiveProgram& program, const std:
     if (devices.size() % static_cast<std::size_t>(seg.tp_degree) != 0)
       fail(index, "degree",
            fmt::format("{} does not divide the {} devices segment {} is placed on", seg.tp_degree, devices.size(), seg.index));
-    seg.tp_family = dag.family_index({set, seg.tp_degree, 1, "tp"});
+    seg.tp_family = dag.family_index({set, seg.tp_degree, 1, FamilyPurpose::Tp});
   }
 }
 
 // Invariants checked after every pass (acyclicity: when strict; see apply_directives).
 void verify_dag(PassContext& cx, const std::string& after, bool placed) {
-  if (cx.strict && cx.dag.has_cycle()) throw Error("internal: the DAG has a cycle after " + after);
+  if (cx.strict && cx.dag.has_cycle()) throw InternalError("the DAG has a cycle after " + after);
   if (!placed) return;
   for (auto v : cx.dag.live_nodes()) {
     const auto& n = cx.node(v);
     if (n.devices == kNoDevices && n.kind != NodeKind::Update)
-      throw Error("internal: '" + n.label + "' has no devices after " + after);
+      throw InternalError("'" + n.label + "' has no devices after " + after);
     if (n.family >= 0 && cx.dag.families.at(static_cast<std::size_t>(n.family)).devices != n.devices)
-      throw Error("internal: '" + n.label + "' runs outside its communicator family after " + after);
+      throw InternalError("'" + n.label + "' runs outside its communicator family after " + after);
   }
 }
 
@@ -1402,7 +1403,7 @@ void apply_directives(GlobalDag& dag, const DirectiveProgram& program, const Aft
   } catch (...) {
     dag = backup;
     run_strictly();
-    throw Error("internal: the directive passes failed once and then succeeded");  // unreachable, see above
+    throw InternalError("the directive passes failed once and then succeeded");  // unreachable, see above
   }
 }
 

@@ -8,7 +8,7 @@
 #include <set>
 
 #include "piper/core/error.hpp"
-#include "piper/core/program.hpp"
+#include "piper/core/lower.hpp"
 
 namespace piper::core {
 
@@ -265,7 +265,22 @@ OpKind op_kind(NodeKind k) {
     case NodeKind::AllToAll: return OpKind::AllToAll;
     case NodeKind::OrderDummy: break;
   }
-  throw Error("internal: ORDER_DUMMY has no op");
+  throw InternalError("ORDER_DUMMY has no op");
+}
+
+// The microbatch a node works on: its split indices in mixed radix, the first split outermost, for
+// any dimension names. -1 for nodes outside the microbatches (no pass: UPD, gradient collectives,
+// the tied-embedding sum) and for nodes a nested split did not copy (they stand for several
+// microbatches at once; the runtime refuses them).
+int microbatch_of(const GlobalDag& dag, const DagNode& node) {
+  if (node.pass == Pass::None) return -1;
+  int index = 0;
+  for (const auto& split : dag.splits) {
+    auto it = node.tags.find(split.dim_name);
+    if (it == node.tags.end()) return -1;
+    index = index * split.count + it->second;
+  }
+  return index;
 }
 
 }  // namespace
@@ -276,10 +291,10 @@ Program lower(const GlobalDag& dag) {
   const std::size_t num_sets = dag.device_sets.size();
   const DeviceClasses classes = device_classes(dag);
   auto order = global_order(g, {});
-  if (order.size() != dag.live_node_count()) throw Error("internal: cannot lower a DAG with a cycle");
+  if (order.size() != dag.live_node_count()) throw InternalError("cannot lower a DAG with a cycle");
   const Edges prefetch = prefetch_edges(g, order, classes, num_sets);
   if (!prefetch.empty()) order = global_order(g, prefetch);
-  if (order.size() != dag.live_node_count()) throw Error("internal: the ZeRO-3 prefetch limit closed a cycle");
+  if (order.size() != dag.live_node_count()) throw InternalError("the ZeRO-3 prefetch limit closed a cycle");
   std::vector<std::size_t> rank(n, 0);
   for (std::size_t i = 0; i < order.size(); ++i) rank[order[i]] = i;
 
@@ -356,6 +371,7 @@ Program lower(const GlobalDag& dag) {
           if (g[boost::source(e, g)].kind == NodeKind::Send) op.node = static_cast<std::int32_t>(boost::source(e, g));
       op.label = node.label;
       op.tags = node.tags;
+      op.microbatch = microbatch_of(dag, node);
       op.flops = op_flops(node);
       op.memory_bytes = op_memory_bytes(node);
       if (node.kind == NodeKind::Compute) {

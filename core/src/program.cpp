@@ -3,12 +3,14 @@
 
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <stdexcept>
 
 #include "piper/core/error.hpp"
 #include "piper/core/limits.hpp"
@@ -125,6 +127,7 @@ json op_to_json(const Op& op) {
   if (op.node != -1) j["node"] = op.node;
   if (!op.label.empty()) j["label"] = op.label;
   if (!op.tags.empty()) j["tags"] = op.tags;
+  if (op.microbatch != -1) j["microbatch"] = op.microbatch;
   if (op.flops != 0) j["flops"] = op.flops;
   if (op.memory_bytes != 0) j["memory_bytes"] = op.memory_bytes;
   if (op.bytes != 0) j["bytes"] = op.bytes;
@@ -178,6 +181,7 @@ Op op_from_json(const json& j, const std::string& path) {
   if (const json* f = optional_field(j, "node")) op.node = as_int(*f, member(path, "node"));
   if (const json* f = optional_field(j, "label")) op.label = as_string(*f, member(path, "label"));
   if (const json* f = optional_field(j, "tags")) op.tags = tags_from_json(*f, member(path, "tags"));
+  if (const json* f = optional_field(j, "microbatch")) op.microbatch = as_int(*f, member(path, "microbatch"));
   if (const json* f = optional_field(j, "flops")) op.flops = as_double(*f, member(path, "flops"));
   if (const json* f = optional_field(j, "memory_bytes")) op.memory_bytes = as_int64(*f, member(path, "memory_bytes"));
   if (const json* f = optional_field(j, "bytes")) op.bytes = as_int64(*f, member(path, "bytes"));
@@ -211,7 +215,8 @@ Op op_from_json(const json& j, const std::string& path) {
   return op;
 }
 
-Plan plan_from_json(const json& j, const std::string& path, std::size_t num_sets, std::size_t num_families) {
+Plan plan_from_json(const json& j, const std::string& path, std::size_t num_sets, std::size_t num_families,
+                    int microbatches) {
   as_object(j, path);
   Plan plan;
   std::string sp = member(path, "streams");
@@ -260,6 +265,7 @@ Plan plan_from_json(const json& j, const std::string& path, std::size_t num_sets
       check_index(op.device_set, member(p, "device_set"), num_sets, "device set", true);
       check_index(op.peer_set, member(p, "peer_set"), num_sets, "device set", true);
       check_index(op.family, member(p, "family"), num_families, "family", true);
+      check_index(op.microbatch, member(p, "microbatch"), static_cast<std::size_t>(microbatches), "microbatch", true);
     }
   }
   return plan;
@@ -267,6 +273,7 @@ Plan plan_from_json(const json& j, const std::string& path, std::size_t num_sets
 
 bool same_op(const Op& a, const Op& b) {
   return a.kind == b.kind && a.pass == b.pass && a.node == b.node && a.label == b.label && a.tags == b.tags &&
+         a.microbatch == b.microbatch &&
          a.flops == b.flops && a.memory_bytes == b.memory_bytes && a.bytes == b.bytes && a.device_set == b.device_set &&
          a.peer_set == b.peer_set && a.family == b.family && a.waits == b.waits && a.uses == b.uses &&
          a.segment == b.segment && a.segments == b.segments && a.tp_bytes == b.tp_bytes &&
@@ -295,6 +302,21 @@ bool same_plan(const Plan& a, const Plan& b) {
 }  // namespace
 
 std::string to_string(OpKind k) { return kOpKindNames[static_cast<int>(k)]; }
+
+namespace {
+constexpr std::array<const char*, 7> kFamilyPurposeNames = {"dp", "dp-ep", "dp-shard", "dp-replicate", "ep", "tp",
+                                                           "tied-embedding"};
+}  // namespace
+
+std::string to_string(FamilyPurpose p) { return kFamilyPurposeNames.at(static_cast<std::size_t>(p)); }
+
+FamilyPurpose family_purpose_from_string(const std::string& s) {
+  for (std::size_t i = 0; i < kFamilyPurposeNames.size(); ++i)
+    if (s == kFamilyPurposeNames[i]) return static_cast<FamilyPurpose>(i);
+  std::string choices;
+  for (const char* name : kFamilyPurposeNames) choices += std::string(choices.empty() ? "" : ", ") + name;
+  throw std::invalid_argument("unknown family purpose '" + s + "' (expected one of " + choices + ")");
+}
 
 OpKind op_kind_from_string(const std::string& s) {
   if (auto k = parse_enum<OpKind>(kOpKindNames, s)) return *k;
@@ -395,7 +417,7 @@ std::int64_t Program::total_ops() const {
 json Program::to_json() const {
   json j;
   j["format"] = "piper-program";
-  j["version"] = 1;
+  j["version"] = kPlanVersion;
   j["model"] = model_name;
   j["training"] = {{"seq_len", training.seq_len},
                    {"micro_batch_size", training.micro_batch_size},
@@ -426,7 +448,7 @@ json Program::to_json() const {
   json fams = json::array();
   for (const auto& f : families)
     fams.push_back(
-        {{"devices", f.devices}, {"group_size", f.group_size}, {"stride", f.stride}, {"purpose", f.purpose}});
+        {{"devices", f.devices}, {"group_size", f.group_size}, {"stride", f.stride}, {"purpose", to_string(f.purpose)}});
   j["families"] = std::move(fams);
   json plan_array = json::array();
   for (const auto& plan : plans) {
@@ -457,7 +479,13 @@ Program Program::from_json(const json& j) {
     std::string format = as_string(require(j, "", "format"), "format");
     if (format != "piper-program") fail("format", "expected 'piper-program', got '" + format + "'");
     int version = as_int(require(j, "", "version"), "version");
-    if (version != 1) fail("version", "unsupported version " + std::to_string(version) + " (expected 1)");
+    // Version 1 plans predate Op::microbatch; it cannot be derived from their tags (the split
+    // dimension names are not recorded), so they are refused rather than guessed.
+    if (version == 1)
+      fail("version", "version 1 plans carry no per-op microbatch; compile the plan again with this piper (expected " +
+                          std::to_string(kPlanVersion) + ")");
+    if (version != kPlanVersion)
+      fail("version", "unsupported version " + std::to_string(version) + " (expected " + std::to_string(kPlanVersion) + ")");
   }
   p.model_name = as_string(require(j, "", "model"), "model");
   {
@@ -556,7 +584,14 @@ Program Program::from_json(const json& j) {
           as_index(require(fams[i], fp, "devices"), member(fp, "devices"), p.device_sets.size(), "device set", false);
       f.group_size = as_int(require(fams[i], fp, "group_size"), member(fp, "group_size"));
       f.stride = as_int(require(fams[i], fp, "stride"), member(fp, "stride"));
-      f.purpose = as_string(require(fams[i], fp, "purpose"), member(fp, "purpose"));
+      {
+        const std::string purpose = as_string(require(fams[i], fp, "purpose"), member(fp, "purpose"));
+        try {
+          f.purpose = family_purpose_from_string(purpose);
+        } catch (const std::exception& e) {
+          fail(member(fp, "purpose"), e.what());
+        }
+      }
       p.families.push_back(std::move(f));
     }
   }
@@ -566,7 +601,8 @@ Program Program::from_json(const json& j) {
     const json& plans = as_array(require(j, "", "plans"), "plans");
     p.plans.reserve(plans.size());
     for (std::size_t i = 0; i < plans.size(); ++i)
-      p.plans.push_back(plan_from_json(plans[i], at_index("plans", i), p.device_sets.size(), p.families.size()));
+      p.plans.push_back(plan_from_json(plans[i], at_index("plans", i), p.device_sets.size(), p.families.size(),
+                                      p.microbatches));
   }
   {
     const json& pod = as_array(require(j, "", "plan_of_device"), "plan_of_device");

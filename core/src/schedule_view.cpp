@@ -145,7 +145,7 @@ UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs) 
         const int copy = set.size() > 1 && position >= static_cast<int>(set.size()) / 2 ? 1 : 0;
         TimedOp t;
         t.stage = tag_or(op.tags, "PP", 0);
-        t.microbatch = tag_or(op.tags, "MB", 0) + copy * program.microbatches;
+        t.microbatch = std::max(op.microbatch, 0) + copy * program.microbatches;
         t.pass = op.pass;
         t.start = s.start[k][i];
         t.end = s.end[k][i];

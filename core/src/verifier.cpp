@@ -388,7 +388,7 @@ class Verifier {
             add("collective-order", "device " + std::to_string(d) + " (plan " + std::to_string(p) + ") " +
                                         op_name(static_cast<int>(p), seq[p][f].front()) +
                                         " issues a collective on family " + std::to_string(f) + " ('" +
-                                        prog_.families[f].purpose + "') but is not in its device set");
+                                        to_string(prog_.families[f].purpose) + "') but is not in its device set");
             break;
           }
       }
@@ -430,7 +430,7 @@ class Verifier {
   // Empty when the two sequences agree on (node, kind, bytes) at every position.
   std::string sequence_difference(std::size_t f, int a, int da, const std::vector<OpRef>& sa, int b, int db,
                                   const std::vector<OpRef>& sb) const {
-    std::string head = "family " + std::to_string(f) + " ('" + prog_.families[f].purpose + "'): device " +
+    std::string head = "family " + std::to_string(f) + " ('" + to_string(prog_.families[f].purpose) + "'): device " +
                        std::to_string(da) + " (plan " + std::to_string(a) + ") and device " + std::to_string(db) +
                        " (plan " + std::to_string(b) + ") of one group ";
     std::size_t n = std::min(sa.size(), sb.size());
@@ -473,7 +473,7 @@ class Verifier {
         continue;
       }
       const CommFamily& f = prog_.families[ix(sg.tp_family)];
-      if (f.purpose != "tp" || f.stride != 1 || f.group_size != sg.tp_degree || f.devices != sg.devices ||
+      if (f.purpose != FamilyPurpose::Tp || f.stride != 1 || f.group_size != sg.tp_degree || f.devices != sg.devices ||
           prog_.device_sets[ix(f.devices)].size() % ix(sg.tp_degree) != 0) {
         add("tp-group", at + " (tp_degree " + std::to_string(sg.tp_degree) + "): family " + std::to_string(sg.tp_family) +
                             " is not its device set in consecutive groups of " + std::to_string(sg.tp_degree));

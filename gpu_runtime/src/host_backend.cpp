@@ -91,6 +91,14 @@ DataShape data_shape(const core::Program& program) {
       throw std::invalid_argument(fmt::format("plan: segments run on device sets of {} and {} devices; the runtime needs one data-parallel degree", d.ranks, n));
     d.ranks = n;
   }
+  // Every op of a pass (compute, transfer, per-use gather) runs on one microbatch's data.
+  for (const auto& plan : program.plans)
+    for (const auto& stream : plan.streams)
+      for (const auto& op : stream.ops)
+        if (op.pass != core::Pass::None && op.microbatch < 0)
+          throw std::invalid_argument(fmt::format("plan: op '{}' works on no single microbatch (a split that does not cover the whole model); "
+                                                  "the runtime runs every op of a pass on one microbatch",
+                                                  op.label));
   return d;
 }
 
@@ -311,7 +319,7 @@ void HostBackend::setup_tied(const core::Program& program) {
   if (tied_.local) return;
   // Across devices: this device's plan must sum the table with its partner, once per step.
   for (std::size_t f = 0; f < program.families.size(); ++f)
-    if (program.families[f].purpose == "tied-embedding") tied_.family = static_cast<int>(f);
+    if (program.families[f].purpose == core::FamilyPurpose::TiedEmbedding) tied_.family = static_cast<int>(f);
   int sums = 0;
   for (const auto& st : program.plan_for(device_).streams)
     sums += static_cast<int>(std::count_if(st.ops.begin(), st.ops.end(), [&](const core::Op& op) { return is_tied_sum(op); }));
@@ -370,10 +378,7 @@ MPI_Comm HostBackend::comm_of(const core::Op& op) const {
   return family_comm_[static_cast<std::size_t>(op.family)];
 }
 
-int HostBackend::mb_of(const core::Op& op) const {
-  auto it = op.tags.find("MB");
-  return it == op.tags.end() ? 0 : it->second;
-}
+int HostBackend::mb_of(const core::Op& op) const { return op.microbatch; }  // -1 only outside passes (data_shape)
 
 int HostBackend::data_rank_of(const core::Op& op) const {
   const int pos = program_.position_in(op.device_set, device_);

@@ -344,16 +344,33 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
 // ---------------------------------------------------------------------------------------------
 // Parameter dumps
 // ---------------------------------------------------------------------------------------------
+// The file is untrusted (any path the user names): every field is checked before it sizes or
+// indexes anything, and a bad one is refused in one line naming the file, record and byte.
 std::map<int, std::vector<float>> read_param_dump(const std::string& path) {
   const std::string data = read_all(path);
   if (data.size() < 8 || std::memcmp(data.data(), kDumpMagic, 8) != 0) throw std::invalid_argument(path + ": not a parameter dump");
+  // Every element of a layer is in some record, so no layer ends past the floats the file holds.
+  const auto file_floats = static_cast<std::int64_t>((data.size() - 8) / sizeof(float));
   std::map<int, std::vector<float>> out;
   std::size_t pos = 8;
   std::vector<float> values;
-  while (pos < data.size()) {
+  for (int record = 0; pos < data.size(); ++record) {
+    const std::size_t start = pos;
+    auto bad = [&](const std::string& why) {
+      return std::invalid_argument(fmt::format("{}: damaged parameter dump: record {} (byte {}): {}", path, record, start, why));
+    };
+    constexpr std::size_t kHeader = sizeof(std::int32_t) + 2 * sizeof(std::int64_t);
+    if (data.size() - pos < kHeader) throw bad("truncated header");
     const auto layer = get<std::int32_t>(data, pos);
     const auto offset = get<std::int64_t>(data, pos);
     const auto count = get<std::int64_t>(data, pos);
+    if (layer < 0) throw bad(fmt::format("negative layer {}", layer));
+    if (offset < 0) throw bad(fmt::format("negative offset {}", offset));
+    if (count < 0) throw bad(fmt::format("negative count {}", count));
+    if (count > static_cast<std::int64_t>((data.size() - pos) / sizeof(float)))
+      throw bad(fmt::format("{} floats announced, {} bytes left", count, data.size() - pos));
+    if (offset > file_floats - count)
+      throw bad(fmt::format("offset {} + count {} runs past the {} floats the file holds", offset, count, file_floats));
     get_floats(data, pos, values, static_cast<std::size_t>(count));
     auto& v = out[layer];
     if (static_cast<std::int64_t>(v.size()) < offset + count) v.resize(static_cast<std::size_t>(offset + count), std::numeric_limits<float>::quiet_NaN());

@@ -120,8 +120,7 @@ std::shared_ptr<Track> make_track(std::shared_ptr<const core::Timeline> timeline
         max_end = std::max(max_end, sp.end_s);
         lane.max_end_s[k] = max_end;
         lane.kind[k] = static_cast<std::uint8_t>(span_kind(op));
-        auto mb = op.tags.find("MB");
-        lane.microbatch[k] = static_cast<std::int16_t>(mb == op.tags.end() ? -1 : mb->second);
+        lane.microbatch[k] = static_cast<std::int16_t>(op.microbatch);
         lane.op_index[k] = sp.index;
         lane.pos_of_op[static_cast<std::size_t>(sp.index)] = static_cast<std::int32_t>(k);
       }

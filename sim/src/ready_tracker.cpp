@@ -362,7 +362,7 @@ std::string ReadyTracker::stuck_report() const {
         why = fmt::format("{} waits for device {}", op.kind == OpKind::Send ? "SEND" : "RECV", st.peer_of(op, d));
       } else {
         why = fmt::format("collective waits for the other members of family {} ('{}')", op.family,
-                          st.program.families[ix(op.family)].purpose);
+                          core::to_string(st.program.families[ix(op.family)].purpose));
       }
       out += fmt::format(" device {} stream '{}' op {} '{}' {};", d, plan.streams[s].name, head, op.label, why);
       any = true;

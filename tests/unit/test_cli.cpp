@@ -152,6 +152,31 @@ TEST_F(Cli, UsageErrorsExitTwoWithOneLine) {
   expect_one_line_error(run("frobnicate"), {"frobnicate"});
 }
 
+// One error model (issue 24): bad input 2 (above), a bug in piper 3 with "please report", a runtime
+// peer failure 4 (a real one under mpirun: test_runtime.cpp RuntimeFailure.PeerStallMidStepExitsFour).
+// The failures are raised by the PIPER_TEST_FAIL hook of cli/main.cpp, one per class.
+TEST_F(Cli, ExitCodesFollowTheErrorModel) {
+  struct Case {
+    const char* fail;
+    int code;
+    std::string line;
+  };
+  const std::string report = " (please report this: it is a bug in piper, not in the input)";
+  EXPECT_EQ(run("limits").exit_code, 0);  // without the hook the command succeeds
+  for (const Case& c : {Case{"internal", 3, "piper: internal error: test failure" + report},
+                        Case{"deadlock", 3, "piper: internal error: the simulator deadlocked on a verified plan: test deadlock" + report},
+                        Case{"logic", 3, "piper: internal error: test logic error" + report},
+                        Case{"runtime", 4, "piper: error: runtime: test peer failure"}}) {
+    const std::string cmd = "env PIPER_TEST_FAIL=" + std::string(c.fail) + " " + quote(PIPER_CLI) + " limits >" +
+                            quote((dir_ / "o.txt").string()) + " 2>" + quote((dir_ / "e.txt").string());
+    const int status = std::system(cmd.c_str());
+    ASSERT_TRUE(WIFEXITED(status)) << c.fail;
+    EXPECT_EQ(WEXITSTATUS(status), c.code) << c.fail;
+    EXPECT_EQ(read_file(dir_ / "o.txt"), "") << c.fail;
+    EXPECT_EQ(read_file(dir_ / "e.txt"), c.line + "\n") << c.fail;
+  }
+}
+
 TEST_F(Cli, OutputIntoMissingFolderIsOneLineErrorAndWritesNothing) {
   fs::path plan = dir_ / "missing" / "plan.json";
   CliRun r = run("compile --model qwen3-9m --pp 2 --dp 2 --schedule 1f1b --microbatches 2 -o " + quote(plan.string()));

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
+#include <map>
 #include <set>
+#include <tuple>
 #include <fstream>
 #include <sstream>
 
@@ -146,6 +148,47 @@ TEST(Split, RejectsANonContiguousRegionAndARepeatedDimension) {
   EXPECT_EQ(e.field(), "dim_name");
 }
 
+// Op::microbatch: lowering numbers the split copies in mixed radix, the first split outermost, for
+// any dimension names; ops outside the passes (UPD, gradient reductions) are tied to none.
+TEST(Split, LoweringNumbersMicrobatchesForAnyDimensionAndNesting) {
+  const Model m = qwen9m(2);
+  auto dim_split = [](const std::string& dim, int n) {
+    return json{{"op", "split"}, {"filter", json::object()}, {"dim_name", dim}, {"num_microbatches", n}};
+  };
+  const json placed = prog({place(0, {0, 2}), place(1, {1, 3}),
+                            json{{"op", "replicate"}, {"filter", json{{"PP", 0}}}, {"devices", {0, 2}}},
+                            json{{"op", "replicate"}, {"filter", json{{"PP", 1}}}, {"devices", {1, 3}}}});
+  for (const auto& [splits, total] : std::vector<std::pair<json, int>>{
+           {prog({dim_split("SAMPLE", 3)}), 3}, {prog({dim_split("OUTER", 2), dim_split("INNER", 3)}), 6}}) {
+    json program = splits;
+    for (const auto& d : placed) program.push_back(d);
+    const CompileResult r = compile(m, parse_directives(program));
+    ASSERT_EQ(r.program.microbatches, total);
+    // Every (device, kind, pass, segment) runs each microbatch exactly once; the index matches the tags.
+    std::map<std::tuple<int, OpKind, Pass, int>, std::multiset<int>> seen;
+    int untied = 0;
+    for (int d = 0; d < r.program.num_devices; ++d)
+      for (const auto& st : r.program.plan_for(d).streams)
+        for (const auto& op : st.ops) {
+          if (op.pass == Pass::None) {
+            EXPECT_EQ(op.microbatch, -1) << op.label;
+            ++untied;
+            continue;
+          }
+          const int want = op.tags.contains("SAMPLE") ? op.tags.at("SAMPLE") : op.tags.at("OUTER") * 3 + op.tags.at("INNER");
+          EXPECT_EQ(op.microbatch, want) << op.label;
+          seen[{d, op.kind, op.pass, op.segment}].insert(op.microbatch);
+        }
+    EXPECT_GT(untied, 0);  // UPD and the data-parallel ALL_REDUCE
+    std::multiset<int> all;
+    for (int i = 0; i < total; ++i) all.insert(i);
+    EXPECT_FALSE(seen.empty());
+    for (const auto& [key, mbs] : seen) EXPECT_EQ(mbs, all) << "device " << std::get<0>(key) << " segment " << std::get<3>(key);
+    // The field survives the plan file.
+    EXPECT_TRUE(Program::from_json(r.program.to_json()) == r.program);
+  }
+}
+
 TEST(BackwardSplit, OrderNamingBIOrBWSplitsTheBackward) {
   json program = prog({split(2), place(0, {0})});
   program.push_back({{"op", "order"}, {"filters", {step(0, 0, "F"), step(0, 1, "F"), step(0, 0, "BI"), step(0, 1, "BI"),
@@ -266,11 +309,11 @@ TEST(Replicate, ExpertsShardedOverFewerDevicesAreReducedAcrossStridedGroups) {
     const auto& n = dag.graph[v];
     if (n.kind != NodeKind::AllReduce) continue;
     const auto& fam = dag.families.at(static_cast<std::size_t>(n.family));
-    if (fam.purpose == "dp") {
+    if (fam.purpose == FamilyPurpose::Dp) {
       ++dense;
       EXPECT_EQ(fam.group_size, 4);
     }
-    if (fam.purpose == "dp-ep") {
+    if (fam.purpose == FamilyPurpose::DpEp) {
       ++experts;
       EXPECT_EQ(fam.stride, 2);
       EXPECT_EQ(fam.group_size, 2);

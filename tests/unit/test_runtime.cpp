@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -119,6 +120,44 @@ void expect_equivalent(const std::string& name, int ranks, const core::StrategyO
   ASSERT_EQ(b.size(), 3u);
   for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], kLossRelTol * std::abs(a[i])) << name << " step " << i + 1;
   EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "run.bin").string()), kParamAbsTol) << name;
+}
+
+// Rewrites every tag filter of a directive program (objects with an "MB" key) with `filter`, and
+// replaces its split directive by `splits`.
+json rewrite_microbatches(const json& j, const std::function<void(json&)>& filter, const json& splits) {
+  if (j.is_array()) {
+    json out = json::array();
+    for (const auto& e : j) {
+      if (e.is_object() && e.value("op", "") == "split") {
+        for (const auto& s : splits) out.push_back(s);
+        continue;
+      }
+      out.push_back(rewrite_microbatches(e, filter, splits));
+    }
+    return out;
+  }
+  if (!j.is_object()) return j;
+  json out = json::object();
+  for (auto it = j.begin(); it != j.end(); ++it) out[it.key()] = rewrite_microbatches(it.value(), filter, splits);
+  if (out.contains("MB")) filter(out);
+  return out;
+}
+
+// The directive program the strategy generator emits for `o` on `model`, rewritten as above and
+// written to dir/program.json (the file expect_equivalent compiles).
+std::string rewritten_program(const std::string& name, const core::StrategyOptions& o, const std::function<void(json&)>& filter,
+                              const json& splits, const std::string& model = kModel) {
+  core::Scenario s;
+  s.model = model;
+  s.strategy = o;
+  const json program = rewrite_microbatches(core::scenario_program(s), filter, splits);
+  const fs::path file = temp_dir(name + "-program") / "program.json";
+  std::ofstream(file) << program.dump(1);
+  return file.string();
+}
+
+json split_directive(const std::string& dim, int count) {
+  return {{"op", "split"}, {"filter", json::object()}, {"dim_name", dim}, {"num_microbatches", count}};
 }
 
 core::StrategyOptions strategy(int pp, int dp, int ep, int zero, int microbatches, const std::string& schedule, int virtual_stages = 1,
@@ -289,6 +328,68 @@ TEST(RuntimeEquivalence, ZBV_PP2) { expect_equivalent("zbv", 2, strategy(2, 1, 1
 TEST(RuntimeEquivalence, DualPipe_PP2) { expect_equivalent("dualpipe", 2, strategy(2, 1, 1, 0, 4, "dualpipe")); }
 TEST(RuntimeEquivalence, PublishedFixtureV_PP4xDP2xEP2) {
   expect_equivalent("fixture-v", 4, {}, std::string(PIPER_FIXTURES) + "/piper-directives/pp4_dp2_ep2_v_placement.json");
+}
+
+// The microbatch of every op is Op::microbatch, whatever the split's dimension is called (issue 24:
+// the runtime read the tag "MB" and ran every microbatch of another dimension on microbatch 0's data).
+TEST(RuntimeEquivalence, CustomSplitDimension_1F1B_PP2xDP2xEP2) {
+  const auto o = strategy(2, 2, 2, 0, 4, "1f1b");
+  const std::string program = rewritten_program(
+      "custom-dim", o,
+      [](json& f) {
+        f["SAMPLE"] = f["MB"];
+        f.erase("MB");
+      },
+      json::array({split_directive("SAMPLE", 4)}));
+  expect_equivalent("custom-dim", 4, {}, program);
+}
+
+// Nested splits (2 x 2 microbatches): filter {MB: k} becomes {outer: k / 2, inner: k % 2}, and
+// the flat index outer * 2 + inner must run on microbatch k's data. Zero-bubble orders also split B
+// into BI and BW per microbatch.
+namespace {
+std::function<void(json&)> nest(const std::string& outer, const std::string& inner) {
+  return [=](json& f) {
+    const json mb = f["MB"];
+    f.erase("MB");
+    if (mb.is_number_integer()) {
+      f[outer] = mb.get<int>() / 2;
+      f[inner] = mb.get<int>() % 2;
+    } else {
+      f[outer] = mb, f[inner] = mb;
+    }
+  };
+}
+}  // namespace
+TEST(RuntimeEquivalence, NestedSplits_ZBH1_PP2) {
+  const std::string program = rewritten_program("nested", strategy(2, 1, 1, 0, 4, "zb-h1"), nest("OUTER", "INNER"),
+                                                json::array({split_directive("OUTER", 2), split_directive("INNER", 2)}));
+  expect_equivalent("nested", 2, {}, program);
+}
+TEST(RuntimeEquivalence, NestedSplits_1F1B_PP2xDP2) {
+  const std::string program = rewritten_program("nested-dp", strategy(2, 2, 1, 0, 4, "1f1b"), nest("DATA", "ACC"),
+                                                json::array({split_directive("DATA", 2), split_directive("ACC", 2)}));
+  expect_equivalent("nested-dp", 4, {}, program);
+}
+
+// A nested split over part of the model leaves ops that stand for several microbatches at once
+// (Op::microbatch -1): the plan simulates, and the runtime refuses it before any step, in one line.
+TEST(RuntimeFailure, SplitNotCoveringTheModelIsRefusedInOneLine) {
+  const fs::path dir = temp_dir("partial-split");
+  core::Scenario s;
+  s.model = kModel;
+  s.strategy = strategy(2, 2, 2, 0, 4, "1f1b");
+  json program = json::array();
+  for (const auto& d : core::scenario_program(s)) {
+    program.push_back(d);
+    if (d.value("op", "") == "split") program.push_back({{"op", "split"}, {"filter", {{"PP", 0}}}, {"dim_name", "SUB"}, {"num_microbatches", 2}});
+  }
+  std::ofstream(dir / "program.json") << program.dump();
+  const fs::path plan = compile_plan(dir, {}, (dir / "program.json").string());
+  Result r = sh(std::string(PIPER_CLI) + " run --reference --plan " + plan.string() + " --steps 1");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(r.output, "piper: error: plan: op 'F mb0 PP1 s4' works on no single microbatch (a split that does not cover the whole model); "
+                      "the runtime runs every op of a pass on one microbatch\n");
 }
 
 // Tensor and sequence parallelism, recomputation (issue 10): TP collectives run inside the compute ops
@@ -534,6 +635,71 @@ TEST(RuntimeCheckpoint, IncompatibleCheckpointsAreRefusedWithOneLine) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("cut.ckpt: damaged checkpoint"), std::string::npos) << e.what();
   }
+}
+
+// read_param_dump reads any file it is given: hostile fields are refused in one line naming the
+// file, record and byte, never written before or past the layer's vector (issue 24).
+TEST(RuntimeDump, HostileParameterDumpsAreRefused) {
+  const fs::path dir = temp_dir("hostile-dump");
+  auto record = [](std::int32_t layer, std::int64_t offset, std::int64_t count, int floats) {
+    std::string r(reinterpret_cast<const char*>(&layer), 4);
+    r.append(reinterpret_cast<const char*>(&offset), 8);
+    r.append(reinterpret_cast<const char*>(&count), 8);
+    r.append(static_cast<std::size_t>(floats) * 4, '\0');
+    return r;
+  };
+  auto dump = [&](const std::string& name, const std::string& records) {
+    const fs::path p = dir / name;
+    std::ofstream(p, std::ios::binary) << std::string("PIPERPRM") + records;
+    return p.string();
+  };
+  auto refusal = [](const std::string& path) {
+    try {
+      (void)piper::runtime::read_param_dump(path);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("(read)");
+  };
+  // A good file reads back.
+  const std::string good = dump("good.bin", record(0, 0, 2, 2) + record(0, 2, 1, 1) + record(3, 0, 1, 1));
+  const auto read = piper::runtime::read_param_dump(good);
+  ASSERT_EQ(read.size(), 2u);
+  EXPECT_EQ(read.at(0).size(), 3u);
+  const std::string neg = dump("neg.bin", record(0, 0, 2, 2) + record(0, -4, 1, 1));
+  EXPECT_EQ(refusal(neg), neg + ": damaged parameter dump: record 1 (byte 36): negative offset -4");
+  const std::string far = dump("far.bin", record(0, 1LL << 40, 1, 1));
+  EXPECT_EQ(refusal(far), far + ": damaged parameter dump: record 0 (byte 8): offset 1099511627776 + count 1 runs past the 6 floats the file holds");
+  const std::string count = dump("count.bin", record(0, 0, -1, 0));
+  EXPECT_EQ(refusal(count), count + ": damaged parameter dump: record 0 (byte 8): negative count -1");
+  const std::string huge = dump("huge.bin", record(0, 0, 1LL << 61, 1));
+  EXPECT_EQ(refusal(huge), huge + ": damaged parameter dump: record 0 (byte 8): 2305843009213693952 floats announced, 4 bytes left");
+  const std::string layer = dump("layer.bin", record(-1, 0, 1, 1));
+  EXPECT_EQ(refusal(layer), layer + ": damaged parameter dump: record 0 (byte 8): negative layer -1");
+  const std::string cut = dump("cut.bin", record(0, 0, 1, 1).substr(0, 10));
+  EXPECT_EQ(refusal(cut), cut + ": damaged parameter dump: record 0 (byte 8): truncated header");
+  const std::string magic = (dir / "magic.bin").string();
+  std::ofstream(magic, std::ios::binary) << "NOTADUMP";
+  EXPECT_EQ(refusal(magic), magic + ": not a parameter dump");
+}
+
+// A rank that fails mid-step (here: its RECV waits for a transfer its peer never sends, so both
+// stall past --stall-timeout) ends every rank with exit code 4, a runtime peer failure (issue 24).
+TEST(RuntimeFailure, PeerStallMidStepExitsFour) {
+  const fs::path dir = temp_dir("stall");
+  const fs::path plan = compile_plan(dir, strategy(2, 1, 1, 0, 2, "1f1b"));
+  json p = json::parse(std::ifstream(plan));
+  int changed = 0;
+  for (auto& stream : p["plans"][p["plan_of_device"][1].get<int>()]["streams"])
+    for (auto& op : stream["ops"])
+      if (op["kind"] == "RECV" && changed == 0) op["node"] = 99999, ++changed;
+  ASSERT_EQ(changed, 1);
+  const fs::path bad = dir / "mismatched.json";
+  std::ofstream(bad) << p.dump();
+  Result r = sh(mpirun(2) + PIPER_CLI + " run --plan " + bad.string() + " --steps 1 --stall-timeout 2");
+  EXPECT_EQ(r.code, 4) << r.output;
+  EXPECT_NE(r.output.find("piper: error: rank "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("internal error"), std::string::npos) << r.output;
 }
 
 TEST(RuntimeFailure, WrongRankCountIsOneLineBeforeAnything) {

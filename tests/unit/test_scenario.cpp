@@ -189,7 +189,7 @@ TEST(Scenario, TiedCopiesAreSummedByAPairAllReduce) {
   auto tied_family = [](const Program& p) {
     int found = -1;
     for (std::size_t f = 0; f < p.families.size(); ++f)
-      if (p.families[f].purpose == "tied-embedding") found = static_cast<int>(f);
+      if (p.families[f].purpose == FamilyPurpose::TiedEmbedding) found = static_cast<int>(f);
     return found;
   };
   for (int zero : {0, 2}) {
@@ -267,7 +267,7 @@ TEST(Scenario, TiedCopyIsReducedAndUpdatedLikeAnUntiedHead) {
     const Plan& plan = p.plan_for(p.num_devices - 1);  // the last device holds the last stage
     for (const auto& st : plan.streams)
       for (const auto& op : st.ops) {
-        if (op.kind == OpKind::AllReduce && p.families.at(static_cast<std::size_t>(op.family)).purpose != "tied-embedding") h.reduced += op.bytes;
+        if (op.kind == OpKind::AllReduce && p.families.at(static_cast<std::size_t>(op.family)).purpose != FamilyPurpose::TiedEmbedding) h.reduced += op.bytes;
         if (op.kind == OpKind::Update) h.upd_bytes += op.memory_bytes, h.upd_flops += op.flops;
         if (op.kind == OpKind::Compute && op.pass == Pass::B) h.backward_elementwise += op.elementwise_bytes;
       }

@@ -66,7 +66,7 @@ std::shared_ptr<core::Program> collective_program(OpKind kind, int devices, std:
   std::vector<int> all;
   for (const auto& g : groups) all.insert(all.end(), g.begin(), g.end());
   p->device_sets = {all};
-  p->families = {core::CommFamily{0, static_cast<int>(groups.front().size()), 1, "test"}};
+  p->families = {core::CommFamily{0, static_cast<int>(groups.front().size()), 1, core::FamilyPurpose::Dp}};
   core::Op op;
   op.kind = kind;
   op.node = 0;

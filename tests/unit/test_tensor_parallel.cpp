@@ -328,7 +328,7 @@ TEST(TensorParallel, GroupsInTheProgram) {
     ASSERT_EQ(sg.tp_degree, 2);
     EXPECT_TRUE(sg.sequence_parallel);
     ASSERT_GE(sg.tp_family, 0);
-    EXPECT_EQ(p.families[static_cast<std::size_t>(sg.tp_family)].purpose, "tp");
+    EXPECT_EQ(p.families[static_cast<std::size_t>(sg.tp_family)].purpose, FamilyPurpose::Tp);
     EXPECT_EQ(sg.replicas, 2);
   }
   // PP rank 0 holds devices {0,1} (DP 0) and {4,5} (DP 1); rank 1 holds {2,3} and {6,7}.

@@ -53,7 +53,7 @@ Program pp2(int dp) {
     odds.push_back(2 * j + 1);
   }
   p.device_sets = {evens, odds};
-  p.families = {CommFamily{0, dp, 1, "dp"}, CommFamily{1, dp, 1, "dp"}};
+  p.families = {CommFamily{0, dp, 1, FamilyPurpose::Dp}, CommFamily{1, dp, 1, FamilyPurpose::Dp}};
   for (int d = 0; d < p.num_devices; ++d) p.plan_of_device.push_back(d % 2);
 
   Plan s0;
@@ -212,7 +212,7 @@ TEST(Verifier, CollectiveRendezvousCycleIsADeadlock) {
   Program p;
   p.num_devices = 2;
   p.device_sets = {{0}, {1}, {0, 1}};
-  p.families = {CommFamily{2, 2, 1, "dp"}};
+  p.families = {CommFamily{2, 2, 1, FamilyPurpose::Dp}};
   p.plan_of_device = {0, 1};
   Plan a, b;
   a.streams = {{"main", {all_reduce("AR", 7, 0, 64, {}), transfer(OpKind::Send, "SEND x", 3, 0, 1)}}};
@@ -272,7 +272,7 @@ TEST(Verifier, ThousandDevicesSharingTwoPlansAreClean) {
   Program p = pp2(512);
   ASSERT_EQ(p.num_devices, 1024);
   // Also a strided family over stage 0: two groups of 256 (even positions / odd positions).
-  p.families.push_back(CommFamily{0, 256, 2, "zero"});
+  p.families.push_back(CommFamily{0, 256, 2, FamilyPurpose::Dp});
   p.plans[0].streams[kDp].ops.push_back(all_reduce("AR strided", 30, 2, 128, {{kCompute, 1}}));
   auto issues = verify(p);
   EXPECT_TRUE(issues.empty()) << describe(issues);

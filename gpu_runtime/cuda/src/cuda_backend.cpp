@@ -119,10 +119,7 @@ Exec CudaBackend::exec(int stream) const {
 }
 Exec CudaBackend::util() const { return Exec{util_, nullptr, alloc_.get()}; }
 
-int CudaBackend::mb_of(const core::Op& op) const {
-  auto it = op.tags.find("MB");
-  return it == op.tags.end() ? 0 : it->second;
-}
+int CudaBackend::mb_of(const core::Op& op) const { return op.microbatch; }  // -1 only outside passes (data_shape)
 
 int CudaBackend::data_rank_of(const core::Op& op) const {
   const int pos = program_.position_in(op.device_set, device_);

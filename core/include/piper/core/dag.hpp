@@ -12,37 +12,14 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "piper/core/model.hpp"
+#include "piper/core/program_types.hpp"
 
 namespace piper::core {
 
 enum class NodeKind { Compute, Update, Send, Recv, AllReduce, ReduceScatter, AllGather, AllToAll, OrderDummy };
-enum class Pass { None, F, B, BI, BW };
 std::string to_string(NodeKind k);
-std::string to_string(Pass p);
-Pass pass_from_string(const std::string& s);  // "F", "B", "BI", "BW"; throws std::invalid_argument
 bool is_collective(NodeKind k);
-
-// Activation recomputation of a segment (Korthikanti et al. 2022): None keeps every activation for
-// backward; Selective drops the attention core (QK^T, softmax, dropout, softmax·V) and recomputes it
-// in B; Full keeps only the segment input and reruns the segment's forward at the start of its B/BI.
-enum class Recompute { None, Selective, Full };
-std::string to_string(Recompute r);                 // "none", "selective", "full"
-Recompute recompute_from_string(const std::string& s);  // throws std::invalid_argument
 bool is_communication(NodeKind k);
-
-// SM partitioning (Piper's sm_partition directive): a static split of every GPU's SMs between its
-// communication streams (every stream but "compute") and its compute stream, as DeepSeek-V3 gives
-// communication 20 of 132 SMs. `stream` names the partitioned stream class; "comm" is the only one.
-struct SmPartition {
-  std::string stream = "comm";
-  int sms = 0;                          // SMs the communication streams run on; compute gets the rest
-  friend bool operator==(const SmPartition&, const SmPartition&) = default;
-};
-
-// Device sets are interned: nodes refer to them by index, so a DP-1024 region costs one int per node.
-// Order matters: the j-th device of a sender set talks to the j-th device of the receiver set.
-using DeviceSetId = std::int32_t;
-constexpr DeviceSetId kNoDevices = -1;
 
 class DeviceSetTable {
  public:
@@ -56,20 +33,10 @@ class DeviceSetTable {
   std::unordered_map<std::string, DeviceSetId> index_;
 };
 
-// Communicator family: the device set is partitioned into groups (e.g. EP groups of consecutive
-// devices, or the strided data-parallel groups of experts); one collective node is issued on every group.
-struct CommFamily {
-  DeviceSetId devices = kNoDevices;
-  int group_size = 0;    // devices per group; groups = |devices| / group_size
-  int stride = 1;        // 1: consecutive chunks; k: group j = {devices[j + i*k]} (strided)
-  std::string purpose;   // "dp", "ep", "pp", "zero3-gather", ...
-  friend bool operator==(const CommFamily&, const CommFamily&) = default;
-};
-
 struct DagNode {
   NodeKind kind = NodeKind::Compute;
   Pass pass = Pass::None;
-  TagMap tags;                      // annotation tags + split tags (MB) of the segment
+  TagMap tags;                      // annotation tags + split tags (GlobalDag::splits) of the segment
   DeviceSetId devices = kNoDevices;
   std::string stream = "compute";   // logical stream
   int segment = -1;                 // model segment index (compute, update and comm derived from one)
@@ -153,6 +120,13 @@ class GlobalDag {
   std::string model_name;
   std::vector<Layer> layers;            // the model's layers (passes that re-cost segments read them)
   int microbatches = 1;                 // product of the split counts
+  // The split directives applied, in order (outermost first): the tag each one adds to the nodes it
+  // copies and its count. Lowering numbers microbatches from them (Op::microbatch).
+  struct Split {
+    std::string dim_name;
+    int count = 1;
+  };
+  std::vector<Split> splits;
   std::optional<SmPartition> sm_partition;  // set by the sm_partition directive
 
   Vertex add_node(DagNode n) { return boost::add_vertex(std::move(n), graph); }

@@ -12,6 +12,13 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A broken invariant of piper itself (not of the input): the CLI exits 3 and asks for a report.
+// what() starts with "internal: ".
+class InternalError : public Error {
+ public:
+  explicit InternalError(const std::string& message) : Error("internal: " + message) {}
+};
+
 // Bad model input: a zoo name, spec file or HF config. Message names the file and field.
 class ModelError : public Error {
  public:

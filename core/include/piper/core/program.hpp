@@ -1,16 +1,19 @@
-// The Program: per-device plans lowered from the rewritten DAG. It is the only input of the
-// simulator and the runtime. Devices that differ only by data-parallel rank share one Plan.
+// The Program: per-device plans lowered from the rewritten DAG (core/lower.hpp). It is the only input
+// of the simulator and the runtime. Devices that differ only by data-parallel rank share one Plan.
+// This header is the contract: it does not include the DAG (dag.hpp) or Boost, and consumers read
+// typed fields, never tags by name (Op::microbatch, CommFamily::purpose; tags are labels only).
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
-#include "piper/core/dag.hpp"
 #include "piper/core/kernels.hpp"
+#include "piper/core/program_types.hpp"
 
 namespace piper::core {
 
@@ -47,7 +50,12 @@ struct Op {
   Pass pass = Pass::None;
   std::int32_t node = -1;         // DAG node it came from; SEND and RECV both carry the SEND node (the pair's key)
   std::string label;              // "F mb3 PP2"
-  TagMap tags;
+  TagMap tags;                    // the node's tags, for labels and dumps only: read typed fields instead
+  // The microbatch the op works on, 0..Program::microbatches-1: the split copies' indices in
+  // mixed radix, the first split outermost (GlobalDag::splits), whatever their dimension names.
+  // -1: not tied to one microbatch (UPD, gradient collectives, the tied-embedding sum, and ops of a
+  // region that a nested split did not cover, which the runtime refuses).
+  int microbatch = -1;
   double flops = 0;
   std::int64_t memory_bytes = 0;  // HBM traffic (roofline input)
   std::int64_t bytes = 0;         // communication payload per device
@@ -124,6 +132,10 @@ struct ProgramStats {
   std::int64_t compiler_peak_rss_bytes = 0;
 };
 
+// Plan JSON format version ("version"). 2: ops carry "microbatch" (Op::microbatch); version 1
+// plans are refused with a line saying to compile them again.
+inline constexpr int kPlanVersion = 2;
+
 struct Program {
   std::string model_name;
   nlohmann::json model_spec;            // the model config as a spec file (core::config_from_spec_json), if known
@@ -155,12 +167,6 @@ struct Program {
   static Program from_json(const nlohmann::json& j);   // throws PlanError naming the field
   friend bool operator==(const Program& a, const Program& b);
 };
-
-// Stream-ordering policy (see ARCHITECTURE.md): each device issues its ops in one deterministic
-// topological order of the DAG (ties broken by node creation order, which follows microbatch and
-// order-directive position); each op goes to its node's logical stream in that order; an op waits
-// for every predecessor op of this device that sits on another stream.
-Program lower(const GlobalDag& dag);
 
 // Write `j` to `path` atomically (temporary file in the same folder, then rename).
 void write_file_atomically(const std::string& path, const std::string& contents);

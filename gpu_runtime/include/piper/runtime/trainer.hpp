@@ -53,7 +53,9 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& op
 TrainResult train_distributed(const core::Program& program, const TrainOptions& options);
 
 // Parameter dumps: one file with records (layer, offset, values) of the canonical parameter layout.
-// Reads a dump into layer -> values (NaN where no record covered an element).
+// Reads a dump into layer -> values (NaN where no record covered an element). The file is not
+// trusted: a negative or oversized layer, offset or count, or a truncated record, throws
+// std::invalid_argument naming the file, the record and its byte.
 std::map<int, std::vector<float>> read_param_dump(const std::string& path);
 // Largest |a - b| over all parameters; throws if a layer or element is missing from either.
 double max_param_difference(const std::string& path_a, const std::string& path_b);

@@ -10,7 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "piper/core/dag.hpp"
+#include "piper/core/program_types.hpp"
 #include "piper/runtime/cuda/device.hpp"
 
 namespace piper::runtime::cuda {

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Checks of the Program contract (core/include/piper/core/program.hpp, ARCHITECTURE.md):
+#   no-tag-by-name SOURCE_DIR
+#     No consumer reads a DAG/op tag by the name "MB": they read Op::microbatch. The only files
+#     that may name "MB" are those that produce tags or directives (the split directive's default
+#     dimension, the schedule generators, the PyTorch CSV import) or print tags as labels.
+#   no-boost SOURCE_DIR CXX NLOHMANN_INCLUDE_DIR
+#     program.hpp's include closure (the compiler's -M listing of a file that includes only it)
+#     holds no Boost header.
+set -euo pipefail
+mode=${1:?mode}
+src=${2:?source dir}
+cd "$src"
+case "$mode" in
+  no-tag-by-name)
+    allowed='^(core/src/dag\.cpp|core/src/directives\.cpp|core/include/piper/core/directives\.hpp|core/src/schedules\.cpp|core/src/pytorch_csv\.cpp|core/include/piper/core/model\.hpp):'
+    hits=$(grep -rn --include='*.cpp' --include='*.hpp' --include='*.h' --include='*.cu' --include='*.py' '"MB"' \
+             core sim gpu_runtime gui cli chakra python | grep -Ev "$allowed" || true)
+    if [[ -n "$hits" ]]; then
+      echo "tags read by the name \"MB\" (use core::Op::microbatch):"
+      echo "$hits"
+      exit 1
+    fi
+    # The allowed files must still exist, or the list above is stale.
+    for f in core/src/dag.cpp core/src/directives.cpp core/include/piper/core/directives.hpp core/src/schedules.cpp core/src/pytorch_csv.cpp; do
+      [[ -f "$f" ]] || { echo "stale allowance: $f does not exist"; exit 1; }
+    done
+    echo "no consumer reads a tag by the name \"MB\""
+    ;;
+  no-boost)
+    cxx=${3:?compiler}
+    json_dir=${4:?nlohmann include dir}
+    deps=$(echo '#include "piper/core/program.hpp"' |
+           "$cxx" -std=c++20 -M -x c++ -I core/include -I "$json_dir" - )
+    # The listing must name program.hpp (the check ran) and no Boost header.
+    grep -q 'piper/core/program\.hpp' <<<"$deps" || { echo "the -M listing does not name program.hpp:"; echo "$deps"; exit 1; }
+    if grep -qi 'boost' <<<"$deps"; then
+      echo "program.hpp includes Boost:"
+      tr ' ' '\n' <<<"$deps" | grep -i boost
+      exit 1
+    fi
+    if grep -q 'piper/core/dag\.hpp' <<<"$deps"; then
+      echo "program.hpp includes dag.hpp"
+      exit 1
+    fi
+    echo "program.hpp's include closure holds no Boost header and not dag.hpp"
+    ;;
+  *)
+    echo "unknown mode '$mode' (expected no-tag-by-name or no-boost)"
+    exit 2
+    ;;
+esac
