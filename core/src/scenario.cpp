@@ -13,6 +13,7 @@
 
 #include "piper/core/error.hpp"
 #include "piper/core/limits.hpp"
+#include "piper/core/suggest.hpp"
 
 namespace piper::core {
 
@@ -236,10 +237,21 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     return Error(where + ": field '" + field + "': " + msg);
   };
   if (!j.is_object()) throw Error(where + ": a scenario must be a JSON object");
-  static const std::set<std::string> known = {"model", "seq_len", "micro_batch_size", "stages", "pp_ranges", "directives",
-                                              "append_schedule", "strategy", "cluster", "engine"};
-  for (auto it = j.begin(); it != j.end(); ++it)
-    if (!known.contains(it.key())) throw fail(it.key(), "unknown field");
+  // Every key of every section is checked: a misspelt one ("microbatchs") would otherwise be ignored.
+  auto reject_unknown = [&](const json& obj, const std::string& prefix, const std::vector<std::string>& known) {
+    for (auto it = obj.begin(); it != obj.end(); ++it)
+      if (std::find(known.begin(), known.end(), it.key()) == known.end()) {
+        std::string hint = did_you_mean(it.key(), known);
+        if (hint.empty()) {
+          hint = " (expected one of: ";
+          for (std::size_t i = 0; i < known.size(); ++i) hint += (i ? ", " : "") + known[i];
+          hint += ")";
+        }
+        throw fail(prefix + it.key(), "unknown field" + hint);
+      }
+  };
+  reject_unknown(j, "", {"model", "seq_len", "micro_batch_size", "stages", "pp_ranges", "directives", "append_schedule",
+                         "strategy", "cluster", "engine"});
   auto resolve = [&](const std::string& p) {
     if (p.empty() || base_dir.empty() || std::filesystem::path(p).is_absolute()) return p;
     std::error_code ec;
@@ -294,6 +306,8 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
   if (j.contains("strategy")) {
     const json& st = j["strategy"];
     if (!st.is_object()) throw fail("strategy", "must be an object");
+    reject_unknown(st, "strategy.", {"pp", "dp", "ep", "tp", "zero", "dp_shard", "schedule", "microbatches", "virtual",
+                                     "global_batch", "bucket_mb", "sequence_parallel", "recompute", "comm_sms"});
     int_field(st, "pp", "strategy.pp", s.strategy.pp, 1);
     int_field(st, "dp", "strategy.dp", s.strategy.dp, 1);
     int_field(st, "ep", "strategy.ep", s.strategy.ep, 1);

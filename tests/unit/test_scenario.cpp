@@ -105,7 +105,8 @@ TEST(Scenario, ErrorsNameTheFieldOrFlag) {
   };
   EXPECT_EQ(message([] { Scenario::from_json(json{{"model", "qwen3-9m"}, {"stages", 0}}, "s.json"); }),
             "s.json: field 'stages': must be an integer >= 1");
-  EXPECT_EQ(message([] { Scenario::from_json(json{{"modle", "x"}}, "s.json"); }), "s.json: field 'modle': unknown field");
+  EXPECT_EQ(message([] { Scenario::from_json(json{{"modle", "x"}}, "s.json"); }),
+            "s.json: field 'modle': unknown field (did you mean 'model'?)");
   Scenario s;
   s.model = "llama3-8b";
   s.strategy.ep = 2;
@@ -279,4 +280,24 @@ TEST(Scenario, TiedCopyIsReducedAndUpdatedLikeAnUntiedHead) {
   EXPECT_EQ(a.upd_bytes, b.upd_bytes);
   EXPECT_EQ(a.upd_flops, b.upd_flops);
   EXPECT_EQ(a.backward_elementwise, b.backward_elementwise);
+}
+
+// A misspelt key inside a section (here strategy) is an error with the nearest valid key, not ignored.
+TEST(Scenario, UnknownKeysInsideStrategyAreRejectedWithTheNearestKey) {
+  auto message = [](const json& j) {
+    try {
+      Scenario::from_json(j, "s.json");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  EXPECT_EQ(message(json{{"model", "qwen3-9m"}, {"strategy", {{"pp", 2}, {"microbatchs", 4}}}}),
+            "s.json: field 'strategy.microbatchs': unknown field (did you mean 'microbatches'?)");
+  EXPECT_EQ(message(json{{"model", "qwen3-9m"}, {"strategy", {{"global_bach", 64}}}}),
+            "s.json: field 'strategy.global_bach': unknown field (did you mean 'global_batch'?)");
+  // Nothing near: the message lists the valid keys.
+  const std::string far = message(json{{"model", "qwen3-9m"}, {"strategy", {{"learning_rate", 1}}}});
+  EXPECT_NE(far.find("field 'strategy.learning_rate': unknown field (expected one of: pp, dp,"), std::string::npos) << far;
+  EXPECT_EQ(message(json{{"model", "qwen3-9m"}, {"strategy", {{"pp", 2}, {"microbatches", 4}}}}), "(no error)");
 }
