@@ -301,3 +301,37 @@ TEST(Scenario, UnknownKeysInsideStrategyAreRejectedWithTheNearestKey) {
   EXPECT_NE(far.find("field 'strategy.learning_rate': unknown field (expected one of: pp, dp,"), std::string::npos) << far;
   EXPECT_EQ(message(json{{"model", "qwen3-9m"}, {"strategy", {{"pp", 2}, {"microbatches", 4}}}}), "(no error)");
 }
+
+// Errors in a program generated from strategy flags name the flag the user wrote, not the directive
+// and field of a program they never saw.
+TEST(Scenario, ErrorsOfAGeneratedProgramNameTheFlag) {
+  Scenario s;
+  s.model = "qwen3-9m";
+  s.strategy.tp = 3;
+  s.strategy.schedule = "1f1b";
+  std::string message = "(no error)";
+  try {
+    compile_scenario(s);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  EXPECT_EQ(message.rfind("--tp 3: 3 does not divide the", 0), 0u) << message;
+  EXPECT_EQ(message.find("directive"), std::string::npos) << message;
+}
+
+// More PP regions than the model has blocks: the error names --pp, not the balancer's internal name.
+TEST(Scenario, TooManyRegionsNameTheFlagNotTheBalancer) {
+  Scenario s;
+  s.model = "qwen3-9m";
+  s.strategy.pp = 64;
+  s.strategy.schedule = "1f1b";
+  s.strategy.microbatches = 64;
+  std::string message = "(no error)";
+  try {
+    compile_scenario(s);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  EXPECT_EQ(message.find("balance_pipeline"), std::string::npos) << message;
+  EXPECT_NE(message.find("--pp 64"), std::string::npos) << message;
+}

@@ -294,8 +294,9 @@ TEST(SimTrace, ChromeTraceSpansThatTouchDoNotOverlap) {
   core::write_chrome_trace(tl, out);
   // Integer nanoseconds of each of stream 0's first two spans on device 0.
   std::vector<std::pair<std::int64_t, std::int64_t>> seen;
-  for (const auto& e : json::parse(out.str()).at("traceEvents"))
-    if (e.at("ph") == "X" && e.at("pid") == 0 && e.at("tid") == spans[0].stream && seen.size() < 2)
+  const json trace = json::parse(out.str());
+  for (const auto& e : trace.at("traceEvents"))
+    if (e.at("ph") == "X" && e.at("pid").get<int>() == 0 && e.at("tid").get<int>() == spans[0].stream && seen.size() < 2)
       seen.push_back({std::llround(e.at("ts").get<double>() * 1000), std::llround(e.at("dur").get<double>() * 1000)});
   ASSERT_EQ(seen.size(), 2u);
   EXPECT_EQ(seen[0], std::make_pair(std::int64_t{1}, std::int64_t{1}));  // 1 ns to 2 ns
