@@ -191,6 +191,18 @@ TEST(GuiStudio, PresetPanelShowsTheMicrobatchesOfAGlobalBatch) {
   EXPECT_EQ(global_batch->value(), 0);
 }
 
+// A scenario file with a misspelt strategy key is refused with the nearest key, not run with the
+// key ignored (it would run 1 microbatch).
+TEST(GuiStudio, ScenarioFileWithAMisspeltKeyIsRefused) {
+  Studio s;
+  const auto path = std::filesystem::temp_directory_path() / ("piper_gui_typo_" + std::to_string(::getpid()) + ".json");
+  std::ofstream(path) << R"({"model": "qwen3-9m", "strategy": {"pp": 2, "microbatchs": 4}})";
+  EXPECT_FALSE(s.window.open_scenario_file(QString::fromStdString(path.string()), /*synchronous=*/true));
+  EXPECT_NE(s.window.error_text().indexOf("unknown field (did you mean 'microbatches'?)"), -1)
+      << s.window.error_text().toStdString();
+  std::filesystem::remove(path);
+}
+
 // An op's tooltip says how many TP collectives it runs inside itself, and what it recomputes.
 TEST(GuiStudio, TooltipOfATensorParallelOpNamesItsCollectives) {
   Studio s;
