@@ -459,7 +459,8 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
       if (std::string(flag) != "--ep" && spec.devices % v != 0)
         throw TuneError(fmt::format("{} {}: does not divide the {} devices", flag, v, spec.devices));
       if (std::string(flag) == "--ep" && v > 1 && (cfg.experts <= 0 || cfg.experts % v != 0))
-        throw TuneError(fmt::format("--ep {}: model '{}' has {} experts (EP must divide them)", v, cfg.name, cfg.experts));
+        throw TuneError(cfg.experts <= 0 ? fmt::format("--ep {}: model '{}' has no MoE experts (use --ep 1)", v, cfg.name)
+                                         : fmt::format("--ep {}: does not divide the {} experts of model '{}'", v, cfg.experts, cfg.name));
     }
   for (const auto& [tp, sps] : sp_of_tp)
   for (int pp : divisors(spec.devices / tp)) {
