@@ -179,6 +179,7 @@ Command add_run_command(CLI::App& app) {
                   "write measured per-op times (median over the steps after the first) as a piper-calibration FILE for piper simulate --calibration");
   cmd->add_option("--stall-timeout", args->train.stall_timeout_s, "seconds without progress before a rank gives up")->check(kNonNegativeNumber);
   return {cmd, [args]() -> int {
+            if (!args->plan_path.empty()) args->scenario.reject_beside_plan();
             if ((args->virtual_devices || args->precision != "fp32") && args->backend != "cuda")
               throw CliError("", "--virtual-devices and --precision need --backend cuda");
             if (args->reference && !args->train.calibrate_path.empty())

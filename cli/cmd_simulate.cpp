@@ -35,6 +35,7 @@ int run_simulate(const SimulateArgs& a) {
   options.symmetry = !a.no_symmetry;
   sim::SimulationResult result;
   if (!a.plan_path.empty()) {
+    a.scenario.reject_beside_plan();
     json j = read_json_file(a.plan_path);
     core::Program program;
     try {

@@ -26,6 +26,7 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 struct TuneArgs {
   sim::TuneSpec spec;
   double memory_cap_gib = 0;
+  double memory_reserve_gib = -1;  // < 0: the default (sim::kDefaultMemoryReserveFraction of the HBM)
   double budget_s = 0;
   int jobs = 1;
   int show = 10;
@@ -94,6 +95,7 @@ int run_tune(TuneArgs& a) {
 #endif
   sim::TuneSpec& spec = a.spec;
   spec.memory_cap_bytes = a.memory_cap_gib * kGiB;
+  spec.memory_reserve_bytes = a.memory_reserve_gib < 0 ? -1 : a.memory_reserve_gib * kGiB;
   spec.placement_search = !a.no_placement;
   spec.exact_top = a.show;  // the printed plans are exactly the best (branch and bound keeps them)
   spec.sequence_parallel = a.sequence_parallel == "on" ? std::vector<bool>{true}
@@ -130,6 +132,11 @@ int run_tune(TuneArgs& a) {
   const auto& e = s.enumeration;
   fmt::print("{} on {} x {}, global batch {} sequences, memory cap {:.2f} GiB\n", spec.model, spec.devices, spec.cluster,
              spec.effective_global_batch(), s.memory_cap_bytes / kGiB);
+  if (s.memory_reserve_bytes > 0 || spec.memory_cap_bytes <= 0)
+    fmt::print("reserve     {:.2f} GiB of the {:.2f} GiB HBM kept for the CUDA context, NCCL buffers and fragmentation{}\n",
+               s.memory_reserve_bytes / kGiB, s.hbm_bytes / kGiB,
+               a.memory_reserve_gib < 0 ? fmt::format(" ({:.0f} %; --memory-reserve-gib to change)", sim::kDefaultMemoryReserveFraction * 100)
+                                        : std::string());
   std::string tps;
   for (int t : e.tp_degrees) tps += (tps.empty() ? "" : ",") + std::to_string(t);
   fmt::print("TP degrees  {}{}\n", tps, e.tp_rejected.empty() ? "" : " (left out:");
@@ -138,23 +145,29 @@ int run_tune(TuneArgs& a) {
   fmt::print("enumerated  {} legal candidates with their SP, recompute and ZeRO options, from {} (TP, PP, EP, micro batch,\n"
              "            family, virtual) tuples ({} with a global batch that does not split, {} refused by the family)\n",
              s.candidates, e.considered, e.batch_indivisible, e.family_rejected);
-  fmt::print("pruned      {} by the memory lower bound; {} by the step time lower bound (above the {}th best)\n", s.pruned,
-             s.bounded, std::max(a.show, spec.top_k));
+  fmt::print("pruned      {} by the memory lower bound; {} by the step time lower bound (above the {} best)\n", s.pruned,
+             s.bounded, sim::ordinal(std::max(a.show, spec.top_k)));
   fmt::print("deferred    {} recompute variants whose twin with less recomputation fits (simulated last)\n", s.dominated);
   fmt::print("simulated   {} analytic ({} placement variants), {} SimGrid; {} fit the cap; {} rows resumed from {}\n",
              s.simulated, s.placement_variants, s.simgrid, s.fitting, s.resumed, a.output_path);
   fmt::print("wall time   {:.1f} s with -j {}\n", s.elapsed_s, a.jobs);
   if (s.budget_exhausted) fmt::print("budget      {:.0f} s exhausted in {}; rerun with the same -o to continue\n", a.budget_s, s.stopped);
+  if (s.coinciding > 0)
+    fmt::print("coinciding  {} plans left out of the ranking: at PP 1 their schedule family orders the same ops as a "
+               "ranked one's\n", s.coinciding);
   if (s.ranked.empty()) {
+    // Exit 1, as `piper verify` does when it finds issues: the search ran, and found nothing usable.
     fmt::print("no simulated plan fits {:.2f} GiB\n", s.memory_cap_bytes / kGiB);
-    return 0;
+    return 1;
   }
-  fmt::print("\nrank  engine      step ms    tokens/s     MFU  peak GiB  strategy\n");
+  fmt::print("\nrank  engine      step ms    tokens/s     MFU  peak GiB  PP  TP  DP  EP  strategy\n");
   const int shown = std::min<int>(a.show, static_cast<int>(s.ranked.size()));
   for (int i = 0; i < shown; ++i) {
     const auto& r = s.ranked[static_cast<std::size_t>(i)];
-    fmt::print("{:>4}  {:<8} {:>10.3f} {:>11.0f} {:>6.1f}% {:>9.2f}  {}\n", i + 1, r.engine, r.step_time_s * 1e3,
-               r.tokens_per_s, r.mfu * 100, static_cast<double>(r.peak_memory_bytes) / kGiB, r.candidate.describe());
+    const auto& c = r.candidate;
+    fmt::print("{:>4}  {:<8} {:>10.3f} {:>11.0f} {:>6.1f}% {:>9.2f} {:>3} {:>3} {:>3} {:>3}  {}\n", i + 1, r.engine,
+               r.step_time_s * 1e3, r.tokens_per_s, r.mfu * 100, static_cast<double>(r.peak_memory_bytes) / kGiB, c.pp,
+               c.tp, c.dp, c.ep, c.describe());
   }
   const sim::TuneRow& best = s.ranked.front();
   const std::vector<int> ranges = sim::effective_pp_ranges(spec, best.candidate);
@@ -172,7 +185,7 @@ int run_tune(TuneArgs& a) {
   if (!a.scenario_path.empty()) {
     core::Scenario scenario = sim::tune_scenario(spec, best.candidate, best.engine);
     scenario.stage_starts = ranges;
-    core::write_file_atomically(a.scenario_path, scenario.to_json().dump(2) + "\n");
+    core::write_file_atomically(a.scenario_path, scenario_file_text(scenario, a.scenario_path));
     fmt::print("scenario -> {} (open it in piper-studio)\n", a.scenario_path);
   }
   if (!a.plot_path.empty()) {
@@ -201,6 +214,15 @@ Command add_tune_command(CLI::App& app) {
       ->check(CLI::Range(0, 3))
       ->delimiter(',')
       ->capture_default_str();
+  cmd->add_option("--pp", a->spec.pp_degrees, "pipeline-parallel degrees to try (a list; default: every divisor of the devices)")
+      ->check(kPositiveInt)
+      ->delimiter(',');
+  cmd->add_option("--dp", a->spec.dp_degrees, "data-parallel degrees to try (a list; default: every divisor of the devices)")
+      ->check(kPositiveInt)
+      ->delimiter(',');
+  cmd->add_option("--ep", a->spec.ep_degrees, "expert-parallel degrees to try (a list; default: every divisor of DP that divides the experts)")
+      ->check(kPositiveInt)
+      ->delimiter(',');
   cmd->add_option("--tp", a->spec.tp_degrees,
                   "tensor-parallel degrees to try (a list; default: every divisor of the GPUs per node the model accepts)")
       ->check(kPositiveInt)
@@ -223,8 +245,12 @@ Command add_tune_command(CLI::App& app) {
   cmd->add_option("--schedules", a->spec.schedules, "schedule families to try (default: all; see 'piper schedule list')")
       ->delimiter(',');
   cmd->add_option("--max-virtual", a->spec.max_virtual, "most PP regions per rank tried")->check(kPositiveInt)->capture_default_str();
-  cmd->add_option("--memory-cap", a->memory_cap_gib, "GiB per device a plan may use (default: the GPU's HBM)")
-      ->check(kNonNegativeNumber);
+  auto* cap = cmd->add_option("--memory-cap", a->memory_cap_gib, "GiB per device a plan may use (default: the GPU's HBM less the reserve)")
+                  ->check(kNonNegativeNumber);
+  cmd->add_option("--memory-reserve-gib", a->memory_reserve_gib,
+                  "GiB of HBM kept out of the default cap for the CUDA context, NCCL buffers and fragmentation (default: 5 % of the HBM)")
+      ->check(kNonNegativeNumber)
+      ->excludes(cap);
   cmd->add_option("--budget-s", a->budget_s, "stop starting simulations after this many seconds (0: no limit)")
       ->check(kNonNegativeNumber);
   cmd->add_option("--top", a->spec.top_k, "best plans re-simulated on the SimGrid engine")->check(CLI::NonNegativeNumber)->capture_default_str();

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <limits>
 
 #include <fmt/format.h>
@@ -127,24 +128,55 @@ void StrategyFlags::add_to(CLI::App* app) {
 
 void ScenarioFlags::add_to(CLI::App* app) {
   app->add_option("--model", model, "zoo name, model spec JSON, or Hugging Face config.json")->required();
-  app->add_option("--seq-len", seq_len, "tokens per sequence (overrides the model's)")->check(kPositiveInt);
-  app->add_option("--micro-batch-size", micro_batch_size, "sequences per microbatch")->check(kPositiveInt);
-  app->add_option("--stages", stages, "balance the model over N PP regions")->check(kPositiveInt);
-  app->add_option("--pp-ranges", pp_ranges, "explicit PP regions: first block of each, e.g. 0,10,20")
-      ->delimiter(',')
-      ->check(CLI::NonNegativeNumber);
+  compile_inputs = {
+      app->add_option("--seq-len", seq_len, "tokens per sequence (overrides the model's)")->check(kPositiveInt),
+      app->add_option("--micro-batch-size", micro_batch_size, "sequences per microbatch")->check(kPositiveInt),
+      app->add_option("--stages", stages, "balance the model over N PP regions")->check(kPositiveInt),
+      app->add_option("--pp-ranges", pp_ranges, "explicit PP regions: first block of each, e.g. 0,10,20")
+          ->delimiter(',')
+          ->check(CLI::NonNegativeNumber)};
   directives = app->add_option("--directives", directives_path, "directive program (JSON)");
-  app->add_option("--save-scenario", save_scenario_path,
-                  "also write these inputs as a scenario JSON (the file piper-studio opens)");
+  compile_inputs.push_back(directives);
+  compile_inputs.push_back(app->add_option("--save-scenario", save_scenario_path,
+                                           "also write these inputs as a scenario JSON (the file piper-studio opens)"));
   strategy.add_to(app);
+  for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.reduce_every, strategy.schedule,
+                         strategy.microbatches, strategy.virtual_stages, strategy.bucket_mb, strategy.tp,
+                         strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.global_batch,
+                         strategy.comm_sms})
+    compile_inputs.push_back(o);
   for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.reduce_every, strategy.bucket_mb, strategy.tp,
                          strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.comm_sms})
     o->excludes(directives);
 }
 
+void ScenarioFlags::reject_beside_plan() const {
+  for (const CLI::Option* o : compile_inputs)
+    if (o->count() > 0)
+      throw CliError("", fmt::format("{} cannot be used with --plan: the plan already fixes the model and strategy "
+                                     "(compile a new plan, or drop --plan)",
+                                     o->get_name()));
+}
+
+std::string scenario_file_text(core::Scenario s, const std::string& path) {
+  namespace fs = std::filesystem;
+  auto relocate = [&](std::string& file) {
+    std::error_code ec;
+    if (file.empty() || fs::path(file).is_absolute() || !fs::is_regular_file(file, ec)) return;  // a zoo or preset name
+    const fs::path folder = fs::absolute(fs::path(path), ec).parent_path();
+    const fs::path target = fs::absolute(fs::path(file), ec);
+    if (ec) return;
+    const fs::path rel = target.lexically_normal().lexically_relative(folder.lexically_normal());
+    file = rel.empty() ? target.lexically_normal().string() : rel.string();
+  };
+  relocate(s.model);
+  relocate(s.cluster);
+  return s.to_json().dump(2) + "\n";
+}
+
 void ScenarioFlags::save_if_requested(const core::Scenario& s) const {
   if (save_scenario_path.empty()) return;
-  core::write_file_atomically(save_scenario_path, s.to_json().dump(2) + "\n");
+  core::write_file_atomically(save_scenario_path, scenario_file_text(s, save_scenario_path));
 }
 
 core::Scenario ScenarioFlags::scenario() const {

@@ -83,12 +83,22 @@ struct ScenarioFlags {
   std::string save_scenario_path;
   StrategyFlags strategy;
   CLI::Option* directives = nullptr;
+  // Every compile input (all of the above but --model): none of them applies to a compiled plan.
+  std::vector<CLI::Option*> compile_inputs;
   void add_to(CLI::App* app);
+  // With --plan FILE the plan fixes the strategy: a compile input given beside it would be silently
+  // ignored, so it is an error naming the flag (CliError).
+  void reject_beside_plan() const;
   // --save-scenario FILE: writes the scenario (the file piper-studio opens) atomically, if asked.
   void save_if_requested(const core::Scenario& s) const;
   // Checks flag combinations and reads the directive file; throws CliError.
   core::Scenario scenario() const;
 };
+
+// The scenario file text for `s`, to be written at `path`: a model or cluster given as a relative
+// file path is rewritten relative to the scenario's folder (where loading resolves it), so the file
+// opens from any working directory.
+std::string scenario_file_text(core::Scenario s, const std::string& path);
 
 // Registers a subcommand: `run` is called when it was parsed. Commands live in cli/cmd_*.cpp.
 struct Command {

@@ -12,12 +12,39 @@
 #include "piper/core/limits.hpp"
 #include "piper/runtime/executor.hpp"
 #include "piper/sim/ready_tracker.hpp"
+#include "piper/core/suggest.hpp"
 
 using namespace piper::cli;
+
+namespace {
+
+// CLI11 says only "The following arguments were not expected" for a misspelt flag: name the first flag
+// the subcommand does not know and the nearest one it does ("" when every --flag is known).
+std::string unknown_flag_message(const CLI::App& app, int argc, char** argv) {
+  const CLI::App* sub = nullptr;
+  for (const CLI::App* s : app.get_subcommands({}))
+    if (argc > 1 && s->get_name() == argv[1]) sub = s;
+  std::vector<std::string> known;
+  for (const CLI::App* a : {&app, sub})
+    if (a)
+      for (const CLI::Option* o : a->get_options({}))
+        for (const auto& name : o->get_lnames()) known.push_back("--" + name);
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.rfind("--", 0) != 0 || arg.size() == 2) continue;
+    const std::string flag = arg.substr(0, arg.find('='));
+    if (std::find(known.begin(), known.end(), flag) != known.end()) continue;
+    return fmt::format("unknown flag '{}'{}", flag, piper::core::did_you_mean(flag, known));
+  }
+  return {};
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"piper: a programmable distributed-training compiler, simulator and runtime", "piper"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("piper ") + PIPER_VERSION, "print the version and exit");
   // Resource limits (docs/reliability.md) may be given before or after the subcommand.
   app.fallthrough();
   std::vector<std::string> limit_flags;
@@ -33,9 +60,13 @@ int main(int argc, char** argv) {
   std::vector<std::string> names;
   for (const auto& c : commands) names.push_back(c.app->get_name());
   if (argc > 1 && argv[1][0] != '-' && std::find(names.begin(), names.end(), argv[1]) == names.end()) {
-    std::string list;
-    for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
-    print_error("", fmt::format("unknown command '{}' (expected one of: {})", argv[1], list));
+    std::string hint = piper::core::did_you_mean(argv[1], names);
+    if (hint.empty()) {
+      std::string list;
+      for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+      hint = " (expected one of: " + list + ")";
+    }
+    print_error("", fmt::format("unknown command '{}'{}", argv[1], hint));
     return kExitBadInput;
   }
   try {
@@ -43,7 +74,12 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
     std::string help = argc > 1 && argv[1][0] != '-' ? fmt::format("piper {} --help", argv[1]) : "piper --help";
-    print_error("", fmt::format("{} (see '{}')", e.what(), help));
+    std::string message = e.what();
+    if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {
+      const std::string named = unknown_flag_message(app, argc, argv);
+      if (!named.empty()) message = named;
+    }
+    print_error("", fmt::format("{} (see '{}')", message, help));
     return kExitBadInput;
   }
 

@@ -217,6 +217,7 @@ py::dict schedule_show(const std::string& name, int ranks, int microbatches, int
 PYBIND11_MODULE(piper, m) {
   m.doc() = "Piper: compile, simulate and sweep distributed-training strategies (the piper CLI as functions).";
   py::register_exception<PiperError>(m, "Error", PyExc_ValueError);
+  m.attr("__version__") = PIPER_VERSION;
 
   m.def("compile", &compile, py::arg("scenario"), py::kw_only(), py::arg("base_dir") = "",
         "Compile a scenario dict (the JSON of a scenario file) into the Program dict that `piper compile -o` writes.");

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "piper/core/limits.hpp"
+#include "piper/core/suggest.hpp"
 
 namespace piper::core {
 
@@ -71,7 +72,8 @@ void check_fields(const json& d, int index, std::initializer_list<const char*> a
     if (std::none_of(allowed.begin(), allowed.end(), [&](const char* a) { return key == a; })) {
       std::string list;
       for (const char* a : allowed) list += std::string(list.empty() ? "" : ", ") + a;
-      fail(index, key, "unknown field for '" + d["op"].get<std::string>() + "' (allowed: " + list + ")");
+      fail(index, key, "unknown field for '" + d["op"].get<std::string>() + "'" + did_you_mean(key, {allowed.begin(), allowed.end()}) +
+                           " (allowed: " + list + ")");
     }
   }
 }
@@ -293,8 +295,9 @@ Directive parse_one(const json& d, int index) {
     p.partition.sms = n.get<int>();
     return p;
   }
-  fail(index, "op", "unknown op '" + op +
-                        "' (expected place, replicate, shard, split, order, tensor_parallel, recompute or sm_partition)");
+  fail(index, "op", "unknown op '" + op + "'" +
+                        did_you_mean(op, {"place", "replicate", "shard", "split", "order", "tensor_parallel", "recompute", "sm_partition"}) +
+                        " (expected place, replicate, shard, split, order, tensor_parallel, recompute or sm_partition)");
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 
 #include "piper/core/error.hpp"
 #include "piper/core/limits.hpp"
+#include "piper/core/suggest.hpp"
 
 namespace piper::core {
 
@@ -811,7 +812,7 @@ class FieldReader {
   }
   void reject_unknown(const std::set<std::string>& known) const {
     for (auto it = j_.begin(); it != j_.end(); ++it)
-      if (!known.count(it.key())) fail(it.key(), "unknown field");
+      if (!known.count(it.key())) fail(it.key(), "unknown field" + did_you_mean(it.key(), {known.begin(), known.end()}));
   }
 
  private:

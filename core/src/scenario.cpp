@@ -13,6 +13,7 @@
 
 #include "piper/core/error.hpp"
 #include "piper/core/limits.hpp"
+#include "piper/core/suggest.hpp"
 
 namespace piper::core {
 
@@ -105,6 +106,39 @@ json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
   return from("", [&] { return generate_program(opts); });
 }
 
+// An error in a program generated from strategy flags names the flag the user wrote, not the
+// directive and field of a program they never saw ("--tp 6: 6 does not divide the 16 heads ..."
+// rather than "directive 1 field 'degree': ...").
+std::string strategy_flag_error(const json& program, const StrategyOptions& o, const DirectiveError& e) {
+  std::string message = e.what();
+  const std::string prefix =
+      "directive " + std::to_string(e.index()) + (e.field().empty() ? "" : " field '" + e.field() + "'") + ": ";
+  if (message.rfind(prefix, 0) == 0) message = message.substr(prefix.size());
+  std::string op;
+  if (program.is_array() && e.index() >= 0 && static_cast<std::size_t>(e.index()) < program.size() &&
+      program[static_cast<std::size_t>(e.index())].is_object())
+    op = program[static_cast<std::size_t>(e.index())].value("op", "");
+  const std::string& field = e.field();
+  std::string flag;
+  if (op == "tensor_parallel")
+    flag = field == "sequence_parallel" ? fmt::format("--tp {} --sequence-parallel", o.tp) : fmt::format("--tp {}", o.tp);
+  else if (op == "shard")
+    flag = fmt::format("--ep {}", o.ep);
+  else if (op == "replicate")
+    flag = field == "shard_group" ? fmt::format("--dp-shard {}", o.dp_shard)
+           : field.rfind("shard_", 0) == 0 || field == "prefetch" ? fmt::format("--zero {}", o.zero)
+                                  : fmt::format("--dp {}", o.dp);
+  else if (op == "recompute")
+    flag = "--recompute " + o.recompute;
+  else if (op == "sm_partition")
+    flag = fmt::format("--comm-sms {}", o.comm_sms);
+  else if (op == "place")
+    flag = fmt::format("--pp {}", o.pp);
+  else
+    flag = fmt::format("--schedule {} --microbatches {}", o.schedule, o.microbatches);
+  return flag + ": " + message;
+}
+
 }  // namespace
 
 int pp_regions_in_program(const json& program) {
@@ -166,8 +200,18 @@ void annotate_regions(const Scenario& s, Model& model, const json& program, int 
       annotate_pipeline_ranges(model, s.stage_starts);
     }
   } catch (const Error& e) {
-    throw ModelError((model_file_of(s.model).empty() ? "" : model_file_of(s.model) + ": ") +
-                     fmt::format("cannot annotate {} PP regions: {}", regions, e.what()));
+    // The balancer's own name means nothing to a user; say what was asked, and by which flag.
+    std::string why = e.what();
+    const std::string internal = "balance_pipeline: stages must be";
+    if (const auto at = why.find(internal); at != std::string::npos) why.replace(at, internal.size(), "PP regions must be");
+    std::string origin;
+    if (s.stages > 0)
+      origin = fmt::format("--stages {}: ", s.stages);
+    else if (!s.directives)
+      origin = s.strategy.virtual_stages > 1 ? fmt::format("--pp {} --virtual {}: ", s.strategy.pp, s.strategy.virtual_stages)
+                                             : fmt::format("--pp {}: ", s.strategy.pp);
+    throw ModelError((model_file_of(s.model).empty() ? "" : model_file_of(s.model) + ": ") + origin +
+                     fmt::format("cannot annotate {} PP regions: {}", regions, why));
   }
 }
 
@@ -200,8 +244,13 @@ CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) 
     out.program_json = std::move(kept);
   }
   const std::string source = s.directives ? s.directives_source : std::string();
-  DirectiveProgram program = from(source, [&] { return parse_directives(out.program_json); });
-  from(source, [&] { return compile(out.model, program, out.result, hook); });  // in place: see compiler.hpp
+  try {
+    DirectiveProgram program = from(source, [&] { return parse_directives(out.program_json); });
+    from(source, [&] { return compile(out.model, program, out.result, hook); });  // in place: see compiler.hpp
+  } catch (const DirectiveError& e) {
+    if (s.directives) throw;
+    throw Error(strategy_flag_error(out.program_json, s.strategy, e));
+  }
   return out;
 }
 
@@ -238,10 +287,21 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     return Error(where + ": field '" + field + "': " + msg);
   };
   if (!j.is_object()) throw Error(where + ": a scenario must be a JSON object");
-  static const std::set<std::string> known = {"model", "seq_len", "micro_batch_size", "stages", "pp_ranges", "directives",
-                                              "append_schedule", "strategy", "cluster", "engine"};
-  for (auto it = j.begin(); it != j.end(); ++it)
-    if (!known.contains(it.key())) throw fail(it.key(), "unknown field");
+  // Every key of every section is checked: a misspelt one ("microbatchs") would otherwise be ignored.
+  auto reject_unknown = [&](const json& obj, const std::string& prefix, const std::vector<std::string>& known) {
+    for (auto it = obj.begin(); it != obj.end(); ++it)
+      if (std::find(known.begin(), known.end(), it.key()) == known.end()) {
+        std::string hint = did_you_mean(it.key(), known);
+        if (hint.empty()) {
+          hint = " (expected one of: ";
+          for (std::size_t i = 0; i < known.size(); ++i) hint += (i ? ", " : "") + known[i];
+          hint += ")";
+        }
+        throw fail(prefix + it.key(), "unknown field" + hint);
+      }
+  };
+  reject_unknown(j, "", {"model", "seq_len", "micro_batch_size", "stages", "pp_ranges", "directives", "append_schedule",
+                         "strategy", "cluster", "engine"});
   auto resolve = [&](const std::string& p) {
     if (p.empty() || base_dir.empty() || std::filesystem::path(p).is_absolute()) return p;
     std::error_code ec;
@@ -296,6 +356,8 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
   if (j.contains("strategy")) {
     const json& st = j["strategy"];
     if (!st.is_object()) throw fail("strategy", "must be an object");
+    reject_unknown(st, "strategy.", {"pp", "dp", "ep", "tp", "zero", "dp_shard", "schedule", "microbatches", "virtual",
+                                     "global_batch", "bucket_mb", "sequence_parallel", "recompute", "comm_sms"});
     int_field(st, "pp", "strategy.pp", s.strategy.pp, 1);
     int_field(st, "dp", "strategy.dp", s.strategy.dp, 1);
     int_field(st, "ep", "strategy.ep", s.strategy.ep, 1);

@@ -1,6 +1,8 @@
 // Chrome trace export of a Timeline (simulated or measured): processes = devices, threads = streams.
 #include "piper/core/timeline.hpp"
 
+#include <cmath>
+#include <cstdint>
 #include <ostream>
 #include <unordered_map>
 
@@ -14,7 +16,15 @@ namespace {
 // Escapes a label for a JSON string (labels are ASCII in practice; json handles the rest).
 std::string quoted(const std::string& s) { return nlohmann::json(s).dump(); }
 
-double us(double seconds) { return seconds * 1e6; }
+// Times are rounded to whole nanoseconds and written as microseconds with three decimals. A span's
+// duration is its rounded end less its rounded start (not its rounded length), so spans that touch
+// (one ends where the next starts) never overlap by a nanosecond in the trace.
+std::int64_t ns(double seconds) { return std::llround(seconds * 1e9); }
+std::string us(std::int64_t ns) {
+  if (ns < 0) return "-" + us(-ns);
+  return fmt::format("{}.{:03}", ns / 1000, ns % 1000);
+}
+std::string us(double seconds) { return us(ns(seconds)); }
 
 }  // namespace
 
@@ -53,9 +63,9 @@ void write_chrome_trace(const Timeline& timeline, std::ostream& out) {
     for (const OpSpan& span : timeline.devices[d].spans) {
       const Op& op = timeline.op(device, span);
       const std::string name = op.label.empty() ? to_string(op.kind) : op.label;
-      emit(fmt::format(R"({{"ph":"X","pid":{},"tid":{},"name":{},"cat":"{}","ts":{:.3f},"dur":{:.3f},"args":{{"kind":"{}","node":{},"index":{}}}}})",
+      emit(fmt::format(R"({{"ph":"X","pid":{},"tid":{},"name":{},"cat":"{}","ts":{},"dur":{},"args":{{"kind":"{}","node":{},"index":{}}}}})",
                        d, span.stream, quoted(name), to_string(op.kind), us(span.start_s),
-                       us(span.end_s - span.start_s), to_string(op.kind), op.node, span.index));
+                       us(ns(span.end_s) - ns(span.start_s)), to_string(op.kind), op.node, span.index));
       // Flow arrow SEND -> RECV: both ends carry the id (sender device, SEND node).
       if (op.kind == OpKind::Send || op.kind == OpKind::Recv) {
         const int peer = peer_of(op, device);
@@ -63,15 +73,15 @@ void write_chrome_trace(const Timeline& timeline, std::ostream& out) {
         const int sender = op.kind == OpKind::Send ? device : peer;
         const std::int64_t id = static_cast<std::int64_t>(sender) * (std::int64_t{1} << 32) + op.node;
         if (op.kind == OpKind::Send)
-          emit(fmt::format(R"({{"ph":"s","pid":{},"tid":{},"name":"transfer","cat":"p2p","id":{},"ts":{:.3f}}})", d,
+          emit(fmt::format(R"({{"ph":"s","pid":{},"tid":{},"name":"transfer","cat":"p2p","id":{},"ts":{}}})", d,
                            span.stream, id, us(span.start_s)));
         else
-          emit(fmt::format(R"({{"ph":"f","bp":"e","pid":{},"tid":{},"name":"transfer","cat":"p2p","id":{},"ts":{:.3f}}})",
+          emit(fmt::format(R"({{"ph":"f","bp":"e","pid":{},"tid":{},"name":"transfer","cat":"p2p","id":{},"ts":{}}})",
                            d, span.stream, id, us(span.end_s)));
       }
     }
     for (const MemorySample& m : timeline.devices[d].memory)
-      emit(fmt::format(R"({{"ph":"C","pid":{},"name":"memory","ts":{:.3f},"args":{{"MiB":{:.3f}}}}})", d, us(m.time_s),
+      emit(fmt::format(R"({{"ph":"C","pid":{},"name":"memory","ts":{},"args":{{"MiB":{:.3f}}}}})", d, us(m.time_s),
                        static_cast<double>(m.bytes) / (1024.0 * 1024.0)));
   }
   out << "\n]}\n";

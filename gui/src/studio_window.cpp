@@ -1,6 +1,7 @@
 // piper-studio's main window and its command line (including the offscreen --screenshot mode).
 #include "piper/gui/studio_window.hpp"
 
+#include <algorithm>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -27,6 +28,7 @@
 #include <QVBoxLayout>
 #include <QtConcurrent/QtConcurrentRun>
 
+#include "piper/core/scenario.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/gui/chrome_trace.hpp"
 #include "piper/sim/cluster.hpp"
@@ -192,6 +194,14 @@ QWidget* StudioWindow::build_preset_panel() {
   }
   pp_ = spin(1, 4096, 4);
   microbatches_ = spin(1, 4096, 8);
+  microbatches_->setObjectName("microbatches");
+  // The global batch (sequences per step) decides the microbatches when set: M shows what it
+  // resolves to and is read-only meanwhile.
+  global_batch_ = spin(0, 1 << 30, 0);
+  global_batch_->setObjectName("global_batch");
+  global_batch_->setSpecialValueText("off");
+  global_batch_->setToolTip("global batch: sequences per step; microbatches = it / (micro-batch size x DP)");
+  connect(global_batch_, &QSpinBox::valueChanged, this, [this](int v) { microbatches_->setEnabled(v == 0); });
   virtual_ = spin(1, 64, 1);
   dp_ = spin(1, 65536, 1);
   ep_ = spin(1, 4096, 1);
@@ -211,7 +221,7 @@ QWidget* StudioWindow::build_preset_panel() {
   auto* grid = new QWidget;
   auto* g = new QHBoxLayout(grid);
   g->setContentsMargins(0, 0, 0, 0);
-  for (auto [name, w] : {std::pair{"P", pp_}, {"M", microbatches_}, {"V", virtual_}}) {
+  for (auto [name, w] : {std::pair{"P", pp_}, {"M", microbatches_}, {"V", virtual_}, {"GB", global_batch_}}) {
     g->addWidget(new QLabel(name));
     g->addWidget(w, 1);
   }
@@ -245,7 +255,20 @@ void StudioWindow::fill_preset_panel(const core::Scenario& s) {
   engine_->setCurrentText(QString::fromStdString(s.engine.empty() ? kStudioEngine : s.engine));
   schedule_->setCurrentText(QString::fromStdString(s.strategy.schedule));
   pp_->setValue(s.strategy.pp);
-  microbatches_->setValue(s.strategy.microbatches);
+  global_batch_->setValue(static_cast<int>(std::min<std::int64_t>(s.strategy.global_batch, global_batch_->maximum())));
+  int microbatches = s.strategy.microbatches;
+  if (s.strategy.global_batch > 0) {
+    // What the global batch resolves to (the scenario's microbatches field is then unused); a model
+    // that cannot load keeps the field, and the run reports the error.
+    try {
+      core::StrategyOptions o = s.strategy;
+      core::resolve_global_batch(o, core::scenario_model_config(s).training.micro_batch_size);
+      microbatches = o.microbatches;
+    } catch (const std::exception&) {
+    }
+  }
+  microbatches_->setValue(microbatches);
+  microbatches_->setEnabled(s.strategy.global_batch == 0);
   virtual_->setValue(s.strategy.virtual_stages);
   dp_->setValue(s.strategy.dp);
   ep_->setValue(s.strategy.ep);
@@ -264,6 +287,12 @@ core::Scenario StudioWindow::preset_scenario() const {
   s.strategy.schedule = schedule_->currentText().toStdString();
   s.strategy.pp = pp_->value();
   s.strategy.microbatches = microbatches_->value();
+  s.strategy.global_batch = global_batch_->value();
+  if (s.model == scenario_a_.model) {
+    // The panel has no training-shape fields: keep the loaded scenario's, so a global batch splits alike.
+    s.seq_len = scenario_a_.seq_len;
+    s.micro_batch_size = scenario_a_.micro_batch_size;
+  }
   s.strategy.virtual_stages = virtual_->value();
   s.strategy.dp = dp_->value();
   s.strategy.ep = ep_->value();

@@ -97,8 +97,10 @@ bool TuneBrowser::open(const QString& path, QString* error) {
     table_->setItem(i, 4, number(r.tokens_per_s, "{:.0f}"));
     table_->setItem(i, 5, number(r.mfu * 100, "{:.1f}"));
     table_->setItem(i, 6, number(static_cast<double>(r.peak_memory_bytes) / kGiB, "{:.2f}"));
-    table_->setItem(i, 7, new NumberItem(static_cast<double>(r.estimated_memory_bytes) / kGiB,
-                                         QString::number(static_cast<double>(r.estimated_memory_bytes) / kGiB, 'f', 2)));
+    // An unknown bound (blank in the CSV, read as 0) stays blank rather than reading "0.00".
+    const bool bound = r.estimated_memory_bytes > 0;
+    table_->setItem(i, 7, new NumberItem(bound ? static_cast<double>(r.estimated_memory_bytes) / kGiB : 1e300,
+                                         bound ? QString::number(static_cast<double>(r.estimated_memory_bytes) / kGiB, 'f', 2) : QString()));
     auto* what = new QTableWidgetItem(QString::fromStdString(r.candidate.describe()));
     what->setToolTip(QString::fromStdString(r.reason.empty() ? r.candidate.key() : r.reason));
     table_->setItem(i, 8, what);

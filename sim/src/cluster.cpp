@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "piper/core/limits.hpp"
+#include "piper/core/suggest.hpp"
 #include "piper/sim/kernel_table.hpp"
 
 namespace piper::sim {
@@ -139,7 +140,7 @@ struct Reader {
         ok = ok || it.key() == k;
         list += (list.empty() ? "" : ", ") + std::string(k);
       }
-      if (!ok) fail(path + it.key(), "unknown field (expected one of: " + list + ")");
+      if (!ok) fail(path + it.key(), "unknown field" + core::did_you_mean(it.key(), {known.begin(), known.end()}) + " (expected one of: " + list + ")");
     }
   }
 };

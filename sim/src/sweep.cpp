@@ -17,6 +17,7 @@
 #include "piper/core/limits.hpp"
 #include "piper/core/scenario.hpp"
 #include "piper/core/strategy.hpp"
+#include "piper/core/suggest.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/cost_model.hpp"
 #include "piper/sim/results_csv.hpp"
@@ -76,6 +77,8 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
                                               "recompute", "global_batch", "comm_sms", "dp_shard"};
   for (const auto& [k, v] : j.items())
     if (!known.count(k)) {
+      const std::string near = core::nearest(k, std::vector<std::string>(known.begin(), known.end()));
+      if (!near.empty()) throw SweepError(fmt::format("{}: unknown field '{}' (did you mean '{}'?)", where, k, near));
       std::string list;
       for (const auto& n : known) list += (list.empty() ? "" : ", ") + n;
       throw SweepError(fmt::format("{}: unknown field '{}' (expected one of: {})", where, k, list));
@@ -221,17 +224,26 @@ std::string sweep_csv_header() { return csv_header(sweep_csv_columns()); }
 
 std::string to_csv(const SweepRow& r) {
   const SweepPoint& p = r.point;
-  // {} prints doubles in their shortest round-trip form, so rows compare exactly across runs.
+  // Figures exist only for simulated rows: an invalid or failed row leaves them blank (a 0 would read
+  // as a measured zero: `piper plot` would draw it). {} prints doubles in their shortest round-trip
+  // form, so rows compare exactly across runs.
+  const bool ok = r.status == "ok";
+  auto figure = [&](auto v) { return ok ? fmt::format("{}", v) : std::string(); };
   return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(p.key()),
                      csv_field(p.model), csv_field(p.cluster), csv_field(p.engine), p.pp, p.dp, p.ep, p.zero,
                      csv_field(p.schedule), p.microbatches, p.virtual_stages, p.bucket_mb, p.seq_len,
-                     p.micro_batch_size, p.tp, p.sequence_parallel ? 1 : 0, p.recompute, p.global_batch, p.comm_sms, p.dp_shard, r.devices, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
-                     r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.tp_comm_s, r.status,
-                     csv_field(one_line(r.reason)));
+                     p.micro_batch_size, p.tp, p.sequence_parallel ? 1 : 0, p.recompute, p.global_batch, p.comm_sms, p.dp_shard,
+                     r.devices > 0 ? fmt::format("{}", r.devices) : std::string(), figure(r.step_time_s),
+                     figure(r.tokens_per_s), figure(r.mfu), figure(r.bubble_fraction), figure(r.peak_memory_bytes),
+                     figure(r.oom ? 1 : 0), figure(r.compile_time_s), figure(r.simulate_time_s), figure(r.tp_comm_s),
+                     r.status, csv_field(one_line(r.reason)));
 }
 
 nlohmann::json to_json(const SweepRow& r) {
   const SweepPoint& p = r.point;
+  // As in the CSV, figures of a row that was not simulated are null, not 0.
+  const bool ok = r.status == "ok";
+  auto figure = [&](auto v) { return ok ? nlohmann::json(v) : nlohmann::json(nullptr); };
   return {{"key", p.key()},
           {"model", p.model},
           {"cluster", p.cluster},
@@ -252,16 +264,16 @@ nlohmann::json to_json(const SweepRow& r) {
           {"global_batch", p.global_batch},
           {"comm_sms", p.comm_sms},
           {"dp_shard", p.dp_shard},
-          {"devices", r.devices},
-          {"step_time_s", r.step_time_s},
-          {"tokens_per_s", r.tokens_per_s},
-          {"mfu", r.mfu},
-          {"bubble_fraction", r.bubble_fraction},
-          {"peak_memory_bytes", r.peak_memory_bytes},
-          {"oom", r.oom},
-          {"compile_time_s", r.compile_time_s},
-          {"simulate_time_s", r.simulate_time_s},
-          {"tp_comm_s", r.tp_comm_s},
+          {"devices", r.devices > 0 ? nlohmann::json(r.devices) : nlohmann::json(nullptr)},
+          {"step_time_s", figure(r.step_time_s)},
+          {"tokens_per_s", figure(r.tokens_per_s)},
+          {"mfu", figure(r.mfu)},
+          {"bubble_fraction", figure(r.bubble_fraction)},
+          {"peak_memory_bytes", figure(r.peak_memory_bytes)},
+          {"oom", figure(r.oom)},
+          {"compile_time_s", figure(r.compile_time_s)},
+          {"simulate_time_s", figure(r.simulate_time_s)},
+          {"tp_comm_s", figure(r.tp_comm_s)},
           {"status", r.status},
           {"reason", one_line(r.reason)}};
 }

@@ -14,6 +14,8 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <string>
+#include <tuple>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -297,6 +299,12 @@ std::string TuneCandidate::key() const {
   return k;
 }
 
+std::string ordinal(long long n) {
+  const long long last_two = (n % 100 + 100) % 100, last = last_two % 10;
+  const char* suffix = last_two >= 11 && last_two <= 13 ? "th" : last == 1 ? "st" : last == 2 ? "nd" : last == 3 ? "rd" : "th";
+  return fmt::format("{}{}", n, suffix);
+}
+
 std::string TuneCandidate::describe() const {
   std::string s = fmt::format("PP {}", pp);
   if (tp > 1) s += fmt::format(" x TP {}{}", tp, sequence_parallel ? " (SP)" : "");
@@ -442,11 +450,25 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
     }
     if (sp_of_tp.count(t)) stats.tp_degrees.push_back(t);
   }
+  // Pins (--pp, --dp, --ep): a degree that can never apply is an error, not an empty search.
+  auto pinned = [](const std::vector<int>& pins, int v) { return pins.empty() || std::find(pins.begin(), pins.end(), v) != pins.end(); };
+  for (const auto& [flag, pins] : {std::pair<const char*, const std::vector<int>*>{"--pp", &spec.pp_degrees}, {"--dp", &spec.dp_degrees},
+                                   {"--ep", &spec.ep_degrees}})
+    for (int v : *pins) {
+      if (v < 1) throw TuneError(fmt::format("{} must be >= 1 (got {})", flag, v));
+      if (std::string(flag) != "--ep" && spec.devices % v != 0)
+        throw TuneError(fmt::format("{} {}: does not divide the {} devices", flag, v, spec.devices));
+      if (std::string(flag) == "--ep" && v > 1 && (cfg.experts <= 0 || cfg.experts % v != 0))
+        throw TuneError(cfg.experts <= 0 ? fmt::format("--ep {}: model '{}' has no MoE experts (use --ep 1)", v, cfg.name)
+                                         : fmt::format("--ep {}: does not divide the {} experts of model '{}'", v, cfg.experts, cfg.name));
+    }
   for (const auto& [tp, sps] : sp_of_tp)
   for (int pp : divisors(spec.devices / tp)) {
-    if (pp > units) continue;
+    if (pp > units || !pinned(spec.pp_degrees, pp)) continue;
     const int dp = spec.devices / tp / pp;
+    if (!pinned(spec.dp_degrees, dp)) continue;
     for (int ep : divisors(dp)) {
+      if (!pinned(spec.ep_degrees, ep)) continue;
       // Expert parallelism shards experts over consecutive groups of ep data-parallel replicas.
       if (ep > 1 && (cfg.experts <= 0 || cfg.experts % ep != 0)) continue;
       for (auto mbs : spec.micro_batch_sizes) {
@@ -898,15 +920,20 @@ const std::vector<std::string>& tune_csv_columns() {
 
 std::string to_csv(const TuneSpec& spec, const TuneRow& r) {
   const TuneCandidate& c = r.candidate;
+  // Figures exist only for simulated rows: pruned, bounded, invalid and failed rows leave them blank
+  // (a 0 would read as a measured zero), and an unknown memory estimate is blank too.
   // {} prints doubles in their shortest round-trip form, so a row read back compares exactly.
+  const bool ok = r.status == "ok";
+  auto figure = [&](auto v) { return ok ? fmt::format("{}", v) : std::string(); };
   return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                      csv_field(c.key()), csv_field(spec.model), csv_field(spec.cluster), spec.devices,
                      spec.effective_global_batch(), spec.seq_len, c.pp, c.dp, c.ep, c.tp, c.sequence_parallel ? 1 : 0,
                      csv_field(c.recompute), c.comm_sms, c.dp_shard, c.zero, csv_field(c.schedule),
                      c.virtual_stages, c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '), join(c.rank_order, ' '),
-                     r.engine, r.estimated_memory_bytes, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction,
-                     r.peak_memory_bytes, r.oom ? 1 : 0, r.compile_time_s, r.simulate_time_s, r.tp_comm_s, r.status,
-                     csv_field(one_line(r.reason)));
+                     r.engine, r.estimated_memory_bytes > 0 ? fmt::format("{}", r.estimated_memory_bytes) : std::string(),
+                     figure(r.step_time_s), figure(r.tokens_per_s), figure(r.mfu), figure(r.bubble_fraction),
+                     figure(r.peak_memory_bytes), figure(r.oom ? 1 : 0), figure(r.compile_time_s), figure(r.simulate_time_s),
+                     figure(r.tp_comm_s), r.status, csv_field(one_line(r.reason)));
 }
 
 TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, const std::string& where) {
@@ -927,6 +954,10 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
     }
   };
   auto integer = [&](const char* name) { return static_cast<std::int64_t>(std::llround(number(name))); };
+  // A figure left blank (the row was not simulated, or its estimate is unknown) reads as 0; the status
+  // says the row has no figures, and readers look at it first.
+  auto figure = [&](const char* name) { return at(name).empty() ? 0.0 : number(name); };
+  auto figure_integer = [&](const char* name) { return static_cast<std::int64_t>(std::llround(figure(name))); };
   TuneRow r;
   TuneCandidate& c = r.candidate;
   c.pp = static_cast<int>(integer("pp"));
@@ -962,17 +993,17 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
   r.engine = at("engine");
   r.status = at("status");
   r.reason = at("reason");
-  r.estimated_memory_bytes = integer("estimated_memory_bytes");
+  r.estimated_memory_bytes = figure_integer("estimated_memory_bytes");
   r.devices = static_cast<int>(integer("devices"));
-  r.step_time_s = number("step_time_s");
-  r.tokens_per_s = number("tokens_per_s");
-  r.mfu = number("mfu");
-  r.bubble_fraction = number("bubble_fraction");
-  r.peak_memory_bytes = integer("peak_memory_bytes");
-  r.oom = integer("oom") != 0;
-  r.compile_time_s = number("compile_time_s");
-  r.simulate_time_s = number("simulate_time_s");
-  r.tp_comm_s = number("tp_comm_s");
+  r.step_time_s = figure("step_time_s");
+  r.tokens_per_s = figure("tokens_per_s");
+  r.mfu = figure("mfu");
+  r.bubble_fraction = figure("bubble_fraction");
+  r.peak_memory_bytes = figure_integer("peak_memory_bytes");
+  r.oom = figure_integer("oom") != 0;
+  r.compile_time_s = figure("compile_time_s");
+  r.simulate_time_s = figure("simulate_time_s");
+  r.tp_comm_s = figure("tp_comm_s");
   if (spec) {
     spec->model = at("model");
     spec->cluster = at("cluster");
@@ -1005,6 +1036,36 @@ std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* sp
 
 namespace {
 
+// The plan each analytic row's candidate stands for: at PP 1 with one region per rank, schedule
+// families that differ only in name order the same ops, so candidates equal but for the family whose
+// analytic rows have the same step time and peak memory are one plan, named by the first of them
+// (by key). Other candidates stand for themselves.
+template <class Rows>
+std::map<std::string, std::string> plans_of(const Rows& done) {
+  std::map<std::tuple<std::string, double, std::int64_t>, std::string> first;
+  std::map<std::string, std::string> plan;
+  for (const auto& [id, row] : done) {
+    if (id.second != "analytic" || row.status != "ok" || row.candidate.pp != 1 || row.candidate.virtual_stages != 1) continue;
+    TuneCandidate unnamed = row.candidate;
+    unnamed.schedule.clear();
+    plan[id.first] = first.try_emplace({unnamed.key(), row.step_time_s, row.peak_memory_bytes}, id.first).first->second;
+  }
+  return plan;
+}
+
+// `rows` (best first) less the rows whose plan an earlier row already stands for.
+std::vector<TuneRow> distinct_plans(std::vector<TuneRow> rows, const std::map<std::string, std::string>& plan_of) {
+  std::set<std::string> seen;
+  std::vector<TuneRow> out;
+  for (auto& row : rows) {
+    const std::string key = row.candidate.key();
+    const auto plan = plan_of.find(key);
+    if (!seen.insert(plan == plan_of.end() ? key : plan->second).second) continue;
+    out.push_back(std::move(row));
+  }
+  return out;
+}
+
 // Faster first; ties (equal step times) go to the smaller memory peak, then the key, so the order is
 // stable across runs and thread counts.
 bool better(const TuneRow& a, const TuneRow& b) {
@@ -1026,11 +1087,18 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
   } catch (const core::Error& e) {
     throw TuneError(e.what());
   }
+  summary.hbm_bytes = std::numeric_limits<double>::infinity();
+  for (int d = 0; d < spec.devices; ++d)
+    summary.hbm_bytes = std::min(summary.hbm_bytes, static_cast<double>(cluster.gpu(d).hbm_bytes));
   summary.memory_cap_bytes = spec.memory_cap_bytes;
   if (summary.memory_cap_bytes <= 0) {
-    summary.memory_cap_bytes = std::numeric_limits<double>::infinity();
-    for (int d = 0; d < spec.devices; ++d)
-      summary.memory_cap_bytes = std::min(summary.memory_cap_bytes, static_cast<double>(cluster.gpu(d).hbm_bytes));
+    // The default cap: the HBM less a reserve for what the simulator does not model (see tune.hpp).
+    summary.memory_reserve_bytes =
+        spec.memory_reserve_bytes >= 0 ? spec.memory_reserve_bytes : kDefaultMemoryReserveFraction * summary.hbm_bytes;
+    if (summary.memory_reserve_bytes >= summary.hbm_bytes)
+      throw TuneError(fmt::format("--memory-reserve-gib {:.2f}: leaves nothing of the {:.2f} GiB of HBM",
+                                  summary.memory_reserve_bytes / 1073741824.0, summary.hbm_bytes / 1073741824.0));
+    summary.memory_cap_bytes = summary.hbm_bytes - summary.memory_reserve_bytes;
   }
   const double cap = summary.memory_cap_bytes;
   const std::vector<TuneCandidate> candidates = enumerate_candidates(spec, &summary.enumeration);
@@ -1156,8 +1224,8 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
                 TuneRow row;
                 row.candidate = c;
                 row.status = "bounded";
-                row.reason = fmt::format("step time lower bound {:.3f} ms > the {}th best {:.3f} ms", lb->second * 1e3,
-                                         exact_top, limit * 1e3);
+                row.reason = fmt::format("step time lower bound {:.3f} ms > the {} best {:.3f} ms", lb->second * 1e3,
+                                         ordinal(exact_top), limit * 1e3);
                 row.estimated_memory_bytes = estimate.count(c.key()) ? estimate.at(c.key()) : 0;
                 record(row);
               }
@@ -1177,12 +1245,13 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
       summary.stopped = fmt::format("{}: {} of {} simulated", phase, list.size() - todo.size() + started_items, list.size());
     }
   };
-  auto fitting_analytic = [&] {
+  // Best first, one row per distinct plan (so the leaders and the SimGrid top K are distinct plans).
+  auto fitting_analytic = [&](bool distinct = true) {
     std::vector<TuneRow> rows;
     for (const auto& [id, row] : done)
       if (id.second == "analytic" && row.fits(cap)) rows.push_back(row);
     std::sort(rows.begin(), rows.end(), better);
-    return rows;
+    return distinct ? distinct_plans(std::move(rows), plans_of(done)) : rows;
   };
 
   // Phase 2 in waves by recompute mode, lightest first. Recomputation adds work (the same ops with
@@ -1299,9 +1368,11 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
       if (row.fits(cap)) simgrid_rows.push_back(row);
     }
   std::sort(simgrid_rows.begin(), simgrid_rows.end(), better);
-  summary.ranked = simgrid_rows;
-  for (const auto& row : fitting_analytic())
-    if (!resimulated.count(row.candidate.key())) summary.ranked.push_back(row);
+  std::vector<TuneRow> ranked = simgrid_rows;
+  for (const auto& row : fitting_analytic(false))
+    if (!resimulated.count(row.candidate.key())) ranked.push_back(row);
+  summary.ranked = distinct_plans(ranked, plans_of(done));
+  summary.coinciding = ranked.size() - summary.ranked.size();
   summary.elapsed_s = elapsed();
   return summary;
 }

@@ -156,8 +156,14 @@ class Sweep(unittest.TestCase):
         for r in out["rows"]:
             cli = cli_rows[r["key"]]
             self.assertEqual(r["status"], cli["status"])
-            self.assertEqual(r["step_time_s"], float(cli["step_time_s"]))
-            self.assertEqual(r["peak_memory_bytes"], int(cli["peak_memory_bytes"]))
+            if r["status"] == "ok":
+                self.assertEqual(r["step_time_s"], float(cli["step_time_s"]))
+                self.assertEqual(r["peak_memory_bytes"], int(cli["peak_memory_bytes"]))
+            else:
+                # Not simulated: no figures (None here, blank in the CSV), never a 0.
+                self.assertIsNone(r["step_time_s"])
+                self.assertIsNone(r["peak_memory_bytes"])
+                self.assertEqual((cli["step_time_s"], cli["peak_memory_bytes"]), ("", ""))
 
     def test_resume_with_output(self):
         with tempfile.TemporaryDirectory() as tmp:
@@ -204,10 +210,21 @@ class Errors(unittest.TestCase):
         with self.assertRaisesRegex(piper.Error, r"^scenario: field 'strategy.pp': must be an integer >= 1$"):
             piper.compile({"model": "qwen3-9m", "strategy": {"pp": 0}})
 
+    def test_misspelt_strategy_key_is_an_error(self):
+        with self.assertRaisesRegex(piper.Error, r"^scenario: field 'strategy.microbatchs': unknown field "
+                                                 r"\(did you mean 'microbatches'\?\)$"):
+            piper.simulate({"model": "qwen3-9m", "strategy": {"pp": 2, "microbatchs": 4}})
+
     def test_error_is_a_value_error(self):
         self.assertTrue(issubclass(piper.Error, ValueError))
         with self.assertRaises(piper.Error):
             piper.simulate()
+
+
+class Version(unittest.TestCase):
+    def test_version_is_the_clis(self):
+        self.assertRegex(piper.__version__, r"^\d+\.\d+\.\d+$")
+        self.assertEqual(run_cli("--version").stdout, "piper " + piper.__version__ + "\n")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "piper/core/scenario.hpp"
+
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -175,6 +177,65 @@ TEST_F(Cli, ExitCodesFollowTheErrorModel) {
     EXPECT_EQ(read_file(dir_ / "o.txt"), "") << c.fail;
     EXPECT_EQ(read_file(dir_ / "e.txt"), c.line + "\n") << c.fail;
   }
+}
+
+// A misspelt flag or command names the nearest one the subcommand has; a far one names only itself.
+TEST_F(Cli, MisspeltFlagsAndCommandsSuggestTheNearest) {
+  CliRun r = run("simulate --model qwen3-9m --pp 2 --microbatchs 4");
+  expect_one_line_error(r, {});
+  EXPECT_EQ(r.err, "piper: error: unknown flag '--microbatchs' (did you mean '--microbatches'?) (see 'piper simulate --help')\n");
+  r = run("compile --model qwen3-9m --shedule=1f1b");
+  EXPECT_EQ(r.err, "piper: error: unknown flag '--shedule' (did you mean '--schedule'?) (see 'piper compile --help')\n");
+  // Flags of another subcommand are not suggested: --plan belongs to simulate, not compile.
+  r = run("compile --model qwen3-9m --plann x");
+  EXPECT_EQ(r.err.find("--plan'"), std::string::npos) << r.err;
+  r = run("simulate --model qwen3-9m --frobnicate-everything");
+  EXPECT_EQ(r.err, "piper: error: unknown flag '--frobnicate-everything' (see 'piper simulate --help')\n");
+  r = run("simulat --model qwen3-9m");
+  expect_one_line_error(r, {});
+  EXPECT_EQ(r.err, "piper: error: unknown command 'simulat' (did you mean 'simulate'?)\n");
+}
+
+// A compiled plan fixes the model and strategy: a strategy or compile flag beside --plan would be
+// silently ignored, so it is an error naming the flag (simulate and run).
+TEST_F(Cli, CompileFlagsBesidePlanAreErrorsNamingTheFlag) {
+  const fs::path plan = dir_ / "plan.json";
+  ASSERT_EQ(run("compile --model qwen3-9m --pp 2 --schedule 1f1b --microbatches 2 -o " + quote(plan.string())).exit_code, 0);
+  for (const std::string flag : {"--pp 4", "--microbatches 8", "--schedule gpipe", "--seq-len 64", "--tp 2", "--sequence-parallel"}) {
+    const std::string name = flag.substr(0, flag.find(' '));
+    for (const std::string cmd : {"simulate", "run --reference"}) {
+      CliRun r = run(cmd + " --plan " + quote(plan.string()) + " " + flag);
+      expect_one_line_error(r, {name + " cannot be used with --plan"});
+    }
+  }
+  EXPECT_EQ(run("simulate --engine analytic --plan " + quote(plan.string())).exit_code, 0);
+}
+
+// --save-scenario writes a model file path relative to the scenario's folder, so the scenario opens
+// from any working directory (piper-studio and Scenario::from_json resolve it there).
+TEST_F(Cli, SavedScenarioFindsItsModelFileFromAnywhere) {
+  const fs::path saved = dir_ / "sub" / "s.json";
+  fs::create_directories(saved.parent_path());
+  const std::string cmd = "cd " + quote(PIPER_SOURCE_DIR) + " && " + quote(PIPER_CLI) +
+                          " compile --model examples/models/gpt-small.json --pp 2 --save-scenario " + quote(saved.string()) +
+                          " > /dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  const json j = json::parse(read_file(saved));
+  const fs::path model = j.at("model").get<std::string>();
+  EXPECT_TRUE(model.is_relative()) << model;
+  EXPECT_TRUE(fs::equivalent(saved.parent_path() / model, fs::path(PIPER_SOURCE_DIR) / "examples/models/gpt-small.json"));
+  // Loaded from another folder (the scratch folder) as piper-studio loads it, it still compiles.
+  const fs::path cwd = fs::current_path();
+  fs::current_path(dir_);
+  const auto scenario = piper::core::Scenario::from_json(j, saved.string(), saved.parent_path().string());
+  EXPECT_NO_THROW(piper::core::compile_scenario(scenario));
+  fs::current_path(cwd);
+}
+
+TEST_F(Cli, VersionIsTheProjectVersion) {
+  CliRun r = run("--version");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_TRUE(std::regex_match(r.out, std::regex("piper [0-9]+\\.[0-9]+\\.[0-9]+\n"))) << r.out;
 }
 
 TEST_F(Cli, OutputIntoMissingFolderIsOneLineErrorAndWritesNothing) {

@@ -445,3 +445,21 @@ TEST(Layering, CompilerSimulatorAndRuntimeNeverNameASchedule) {
       EXPECT_EQ(text.find(name), std::string::npos) << file << " mentions " << name;
   }
 }
+
+// A misspelt op or field names the nearest valid one.
+TEST(Parse, MisspeltOpsAndFieldsSuggestTheNearest) {
+  auto message = [](const char* text) {
+    try {
+      parse_directives(json::parse(text));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  EXPECT_EQ(message(R"([{"op": "replicat", "filter": {}, "devices": [0, 1]}])").rfind(
+                "directive 0 field 'op': unknown op 'replicat' (did you mean 'replicate'?) (expected place,", 0),
+            0u);
+  EXPECT_EQ(message(R"([{"op": "replicate", "filter": {}, "devices": [0, 1], "shard_optimiser": true}])")
+                .rfind("directive 0 field 'shard_optimiser': unknown field for 'replicate' (did you mean 'shard_optimizer'?) (allowed: ", 0),
+            0u);
+}

@@ -14,6 +14,7 @@
 #include <QImage>
 #include <QPushButton>
 #include <QSignalSpy>
+#include <QSpinBox>
 #include <QTableWidget>
 #include <QTest>
 #include <QWheelEvent>
@@ -153,6 +154,53 @@ TEST(GuiStudio, PresetPanelCarriesTensorParallelAndHybridShardingKnobs) {
   int hybrid = 0;
   for (const auto& seg : s.window.run_a()->timeline->program->segments) hybrid += seg.zero_shards == 2 && seg.replicas == 4;
   EXPECT_GT(hybrid, 0);
+}
+
+// A scenario with a global batch shows the microbatches it resolves to (512 sequences / (1 x DP 2) =
+// 256), not the unused microbatches field, and "Simulate preset" keeps the global batch.
+TEST(GuiStudio, PresetPanelShowsTheMicrobatchesOfAGlobalBatch) {
+  Studio s;
+  core::Scenario sc = small_scenario();
+  sc.strategy.microbatches = 1;
+  sc.strategy.global_batch = 512;
+  sc.micro_batch_size = 1;
+  s.window.load_scenario(sc, /*synchronous=*/true);
+  ASSERT_TRUE(s.window.run_a()) << s.window.error_text().toStdString();
+  auto* microbatches = s.window.findChild<QSpinBox*>("microbatches");
+  auto* global_batch = s.window.findChild<QSpinBox*>("global_batch");
+  ASSERT_NE(microbatches, nullptr);
+  ASSERT_NE(global_batch, nullptr);
+  EXPECT_EQ(microbatches->value(), 256);
+  EXPECT_FALSE(microbatches->isEnabled());
+  EXPECT_EQ(global_batch->value(), 512);
+  EXPECT_EQ(s.window.run_a()->report.microbatches, 256);
+  QPushButton* apply = nullptr;
+  for (auto* b : s.window.findChildren<QPushButton*>())
+    if (b->text() == "Simulate preset") apply = b;
+  ASSERT_NE(apply, nullptr);
+  QSignalSpy spy(&s.window, &StudioWindow::simulation_finished);
+  apply->click();
+  ASSERT_TRUE(spy.wait(20000));
+  ASSERT_TRUE(spy.takeFirst().at(0).toBool()) << s.window.error_text().toStdString();
+  EXPECT_EQ(s.window.run_a()->scenario.strategy.global_batch, 512);
+  EXPECT_EQ(s.window.run_a()->report.microbatches, 256);
+  // Without a global batch, M is the scenario's own and editable again.
+  s.window.load_scenario(small_scenario(), /*synchronous=*/true);
+  EXPECT_EQ(microbatches->value(), 4);
+  EXPECT_TRUE(microbatches->isEnabled());
+  EXPECT_EQ(global_batch->value(), 0);
+}
+
+// A scenario file with a misspelt strategy key is refused with the nearest key, not run with the
+// key ignored (it would run 1 microbatch).
+TEST(GuiStudio, ScenarioFileWithAMisspeltKeyIsRefused) {
+  Studio s;
+  const auto path = std::filesystem::temp_directory_path() / ("piper_gui_typo_" + std::to_string(::getpid()) + ".json");
+  std::ofstream(path) << R"({"model": "qwen3-9m", "strategy": {"pp": 2, "microbatchs": 4}})";
+  EXPECT_FALSE(s.window.open_scenario_file(QString::fromStdString(path.string()), /*synchronous=*/true));
+  EXPECT_NE(s.window.error_text().indexOf("unknown field (did you mean 'microbatches'?)"), -1)
+      << s.window.error_text().toStdString();
+  std::filesystem::remove(path);
 }
 
 // An op's tooltip says how many TP collectives it runs inside itself, and what it recomputes.

@@ -433,3 +433,11 @@ TEST(Pipeline, RebalanceForSharedDevicesLowersTheBusiestDevice) {
     previous = l.tags.at("PP");
   }
 }
+
+// A misspelt model field names the nearest valid one.
+TEST(ModelSpec, MisspeltFieldSuggestsTheNearest) {
+  const std::string msg = model_error([] {
+    config_from_text(R"({"name": "m", "vocab": 1000, "hidden": 64, "layers": 2, "heads": 4, "fnn": 128})", "m.json");
+  });
+  EXPECT_NE(msg.find("'fnn': unknown field (did you mean 'ffn'?)"), std::string::npos) << msg;
+}

@@ -105,7 +105,8 @@ TEST(Scenario, ErrorsNameTheFieldOrFlag) {
   };
   EXPECT_EQ(message([] { Scenario::from_json(json{{"model", "qwen3-9m"}, {"stages", 0}}, "s.json"); }),
             "s.json: field 'stages': must be an integer >= 1");
-  EXPECT_EQ(message([] { Scenario::from_json(json{{"modle", "x"}}, "s.json"); }), "s.json: field 'modle': unknown field");
+  EXPECT_EQ(message([] { Scenario::from_json(json{{"modle", "x"}}, "s.json"); }),
+            "s.json: field 'modle': unknown field (did you mean 'model'?)");
   Scenario s;
   s.model = "llama3-8b";
   s.strategy.ep = 2;
@@ -279,4 +280,58 @@ TEST(Scenario, TiedCopyIsReducedAndUpdatedLikeAnUntiedHead) {
   EXPECT_EQ(a.upd_bytes, b.upd_bytes);
   EXPECT_EQ(a.upd_flops, b.upd_flops);
   EXPECT_EQ(a.backward_elementwise, b.backward_elementwise);
+}
+
+// A misspelt key inside a section (here strategy) is an error with the nearest valid key, not ignored.
+TEST(Scenario, UnknownKeysInsideStrategyAreRejectedWithTheNearestKey) {
+  auto message = [](const json& j) {
+    try {
+      Scenario::from_json(j, "s.json");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  EXPECT_EQ(message(json{{"model", "qwen3-9m"}, {"strategy", {{"pp", 2}, {"microbatchs", 4}}}}),
+            "s.json: field 'strategy.microbatchs': unknown field (did you mean 'microbatches'?)");
+  EXPECT_EQ(message(json{{"model", "qwen3-9m"}, {"strategy", {{"global_bach", 64}}}}),
+            "s.json: field 'strategy.global_bach': unknown field (did you mean 'global_batch'?)");
+  // Nothing near: the message lists the valid keys.
+  const std::string far = message(json{{"model", "qwen3-9m"}, {"strategy", {{"learning_rate", 1}}}});
+  EXPECT_NE(far.find("field 'strategy.learning_rate': unknown field (expected one of: pp, dp,"), std::string::npos) << far;
+  EXPECT_EQ(message(json{{"model", "qwen3-9m"}, {"strategy", {{"pp", 2}, {"microbatches", 4}}}}), "(no error)");
+}
+
+// Errors in a program generated from strategy flags name the flag the user wrote, not the directive
+// and field of a program they never saw.
+TEST(Scenario, ErrorsOfAGeneratedProgramNameTheFlag) {
+  Scenario s;
+  s.model = "qwen3-9m";
+  s.strategy.tp = 3;
+  s.strategy.schedule = "1f1b";
+  std::string message = "(no error)";
+  try {
+    compile_scenario(s);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  EXPECT_EQ(message.rfind("--tp 3: 3 does not divide the", 0), 0u) << message;
+  EXPECT_EQ(message.find("directive"), std::string::npos) << message;
+}
+
+// More PP regions than the model has blocks: the error names --pp, not the balancer's internal name.
+TEST(Scenario, TooManyRegionsNameTheFlagNotTheBalancer) {
+  Scenario s;
+  s.model = "qwen3-9m";
+  s.strategy.pp = 64;
+  s.strategy.schedule = "1f1b";
+  s.strategy.microbatches = 64;
+  std::string message = "(no error)";
+  try {
+    compile_scenario(s);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  EXPECT_EQ(message.find("balance_pipeline"), std::string::npos) << message;
+  EXPECT_NE(message.find("--pp 64"), std::string::npos) << message;
 }

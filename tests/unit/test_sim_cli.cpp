@@ -3,6 +3,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <regex>
 #include <fstream>
 #include <sstream>
 
@@ -183,3 +184,33 @@ TEST_F(SimCli, TunePlotWithoutQtIsRefusedBeforeTheSearch) {
   EXPECT_FALSE(fs::exists(png));
 }
 #endif
+
+// The printed search: the default reserve is stated, ordinals are English, the table has PP TP DP EP
+// columns; and a search where nothing fits exits 1 (not 0).
+TEST_F(SimCli, TuneStatesItsReserveAndExitsOneWhenNothingFits) {
+  const fs::path csv = dir_ / "tune.csv";
+  const std::string args = "tune --model qwen3-9m --devices 2 --global-batch 4 --micro-batch-size 1 --zero 0 "
+                           "--schedules 1f1b --max-virtual 1 --ep 1 --tp 1,2 --recompute none --top 0 --show 5 --no-placement-search -j 1 -o ";
+  Result r = run(args + csv.string(), dir_);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("reserve     6.57 GiB of the 131.32 GiB HBM kept for the CUDA context, NCCL buffers and "
+                       "fragmentation (5 %; --memory-reserve-gib to change)"),
+            std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("memory cap 124.75 GiB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("(above the 5th best)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("peak GiB  PP  TP  DP  EP  strategy"), std::string::npos) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(\d\.\d\d   1   2   1   1  PP 1 x TP 2 x DP 1)"))) << r.out;
+  r = run(args + (dir_ / "tune2.csv").string() + " --memory-reserve-gib 1", dir_);
+  EXPECT_NE(r.out.find("memory cap 130.32 GiB"), std::string::npos) << r.out;
+  // A 1 MiB cap: nothing fits.
+  r = run(args + (dir_ / "tune3.csv").string() + " --memory-cap 0.001", dir_);
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_NE(r.out.find("no simulated plan fits 0.00 GiB"), std::string::npos) << r.out;
+  // Pins.
+  r = run(args + (dir_ / "tune4.csv").string() + " --pp 2", dir_);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("best: PP 2 x DP 1"), std::string::npos) << r.out;
+  r = run(args + (dir_ / "tune5.csv").string() + " --pp 3", dir_);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "piper: error: --pp 3: does not divide the 2 devices\n");
+}

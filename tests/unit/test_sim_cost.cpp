@@ -224,3 +224,13 @@ TEST(SimCluster, ExampleSpecsLoad) {
   }
   EXPECT_GE(loaded, 3);
 }
+
+// A misspelt cluster field names the nearest valid one.
+TEST(ClusterSpec, MisspeltFieldSuggestsTheNearest) {
+  try {
+    cluster_from_text(R"({"preset": "dgx-h100", "netwrok": {}})", "c.json");
+    FAIL() << "expected an error";
+  } catch (const core::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown field (did you mean 'network'?)"), std::string::npos) << e.what();
+  }
+}

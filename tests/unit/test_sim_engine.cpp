@@ -277,6 +277,33 @@ TEST(SimAnalytic, DeadlockIsReportedOnOneLine) {
   EXPECT_EQ(message.find('\n'), std::string::npos);
 }
 
+// Spans that touch must not overlap in the trace: a span from 0.6 ns to 2.4 ns followed by one from
+// 2.4 ns, with start and length rounded separately, ended at 1 + 2 = 3 ns, after the next began (2 ns).
+TEST(SimTrace, ChromeTraceSpansThatTouchDoNotOverlap) {
+  auto program = compile("1f1b", 4, 4, 2);
+  SimRun r = simulate_unit(program, {}, load_cluster("dgx-h200"), false);
+  core::Timeline tl = r.timeline;
+  auto& spans = tl.devices[0].spans;
+  std::vector<std::size_t> same_stream;
+  for (std::size_t i = 0; i < spans.size() && same_stream.size() < 2; ++i)
+    if (spans[i].stream == spans[0].stream) same_stream.push_back(i);
+  ASSERT_EQ(same_stream.size(), 2u);
+  spans[same_stream[0]].start_s = 0.6e-9, spans[same_stream[0]].end_s = 2.4e-9;
+  spans[same_stream[1]].start_s = 2.4e-9, spans[same_stream[1]].end_s = 5e-9;
+  std::ostringstream out;
+  core::write_chrome_trace(tl, out);
+  // Integer nanoseconds of each of stream 0's first two spans on device 0.
+  std::vector<std::pair<std::int64_t, std::int64_t>> seen;
+  const json trace = json::parse(out.str());
+  for (const auto& e : trace.at("traceEvents"))
+    if (e.at("ph") == "X" && e.at("pid").get<int>() == 0 && e.at("tid").get<int>() == spans[0].stream && seen.size() < 2)
+      seen.push_back({std::llround(e.at("ts").get<double>() * 1000), std::llround(e.at("dur").get<double>() * 1000)});
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[0], std::make_pair(std::int64_t{1}, std::int64_t{1}));  // 1 ns to 2 ns
+  EXPECT_EQ(seen[1].first, 2);
+  EXPECT_LE(seen[0].first + seen[0].second, seen[1].first);
+}
+
 TEST(SimTrace, ChromeTraceIsValidJsonWithOneEventPerOp) {
   auto program = compile("1f1b", 4, 4, 2);
   SimRun r = simulate_unit(program, {}, load_cluster("dgx-h200"), false);

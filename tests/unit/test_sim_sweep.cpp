@@ -9,6 +9,7 @@
 #include <set>
 #include <sstream>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "piper/sim/cluster.hpp"
@@ -84,6 +85,12 @@ TEST(Sweep, SpecErrorsNameTheField) {
     EXPECT_NE(std::string(e.what()).find("bad.json: field 'pp'"), std::string::npos) << e.what();
   }
   EXPECT_THROW(SweepSpec::from_json(json::parse(R"({"dp_size": 2})"), "bad.json"), SweepError);
+  try {
+    SweepSpec::from_json(json::parse(R"({"microbatchs": [4]})"), "bad.json");
+    FAIL() << "expected SweepError";
+  } catch (const SweepError& e) {
+    EXPECT_STREQ(e.what(), "bad.json: unknown field 'microbatchs' (did you mean 'microbatches'?)");
+  }
   EXPECT_THROW(SweepSpec::from_json(json::parse(R"({"engine": "fast"})"), "bad.json"), SweepError);
 }
 
@@ -94,6 +101,13 @@ TEST(Sweep, InvalidCombinationsCarryTheReason) {
   EXPECT_EQ(row.status, "invalid");
   EXPECT_NE(row.reason.find("--ep 3 must divide --dp 4"), std::string::npos) << row.reason;
   EXPECT_EQ(to_csv(row).find('\n'), std::string::npos);
+  // Not simulated, so no figures: blank in the CSV and null in JSON, never a 0 that plots as a point.
+  for (const char* column : {"devices", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom",
+                             "compile_time_s", "simulate_time_s", "tp_comm_s"}) {
+    EXPECT_EQ(field(to_csv(row), column), "") << column;
+    EXPECT_TRUE(to_json(row).at(column).is_null()) << column;
+  }
+  EXPECT_EQ(field(to_csv(row), "status"), "invalid");
 }
 
 TEST(Sweep, RowMatchesADirectSimulation) {
@@ -111,6 +125,8 @@ TEST(Sweep, RowMatchesADirectSimulation) {
   EXPECT_EQ(row.devices, 4);
   EXPECT_EQ(row.step_time_s, direct.report.step_time_s);  // same program, same deterministic engine
   EXPECT_EQ(row.peak_memory_bytes, direct.report.peak_memory_bytes);
+  EXPECT_EQ(field(to_csv(row), "step_time_s"), fmt::format("{}", direct.report.step_time_s));
+  EXPECT_EQ(to_json(row).at("step_time_s").get<double>(), direct.report.step_time_s);
 }
 
 TEST(Sweep, ResumesAfterAKillWithoutLosingOrDuplicatingRows) {

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "piper/core/strategy.hpp"
+#include "piper/sim/cluster.hpp"
 #include "piper/sim/results_csv.hpp"
 #include "piper/sim/simulate.hpp"
 #include "piper/sim/sweep.hpp"
@@ -640,5 +641,92 @@ TEST(Tune, RowsCarryTheCriticalPathsTpTime) {
   }
   EXPECT_GT(with_tp, 0);
   EXPECT_GT(without, 0);
+  fs::remove(csv);
+}
+
+TEST(Tune, OrdinalsAreEnglish) {
+  EXPECT_EQ(ordinal(1), "1st");
+  EXPECT_EQ(ordinal(2), "2nd");
+  EXPECT_EQ(ordinal(3), "3rd");
+  EXPECT_EQ(ordinal(4), "4th");
+  EXPECT_EQ(ordinal(10), "10th");
+  EXPECT_EQ(ordinal(11), "11th");
+  EXPECT_EQ(ordinal(12), "12th");
+  EXPECT_EQ(ordinal(13), "13th");
+  EXPECT_EQ(ordinal(21), "21st");
+  EXPECT_EQ(ordinal(22), "22nd");
+  EXPECT_EQ(ordinal(103), "103rd");
+  EXPECT_EQ(ordinal(111), "111th");
+}
+
+// The default cap keeps 5 % of the HBM for the CUDA context, NCCL buffers and fragmentation; an
+// explicit reserve replaces it, and an explicit cap is the whole budget.
+TEST(Tune, DefaultCapKeepsAReserve) {
+  TuneSpec spec = narrow_spec(1, 4, 2, {"1f1b"});
+  const double hbm = static_cast<double>(load_cluster("dgx-h200").gpu(0).hbm_bytes);
+  const fs::path csv = temp_csv("reserve");
+  TuneSummary s = run_tune(spec, csv.string());
+  EXPECT_DOUBLE_EQ(s.hbm_bytes, hbm);
+  EXPECT_DOUBLE_EQ(s.memory_reserve_bytes, 0.05 * hbm);
+  EXPECT_DOUBLE_EQ(s.memory_cap_bytes, 0.95 * hbm);
+  spec.memory_reserve_bytes = 2.0 * (1 << 30);
+  s = run_tune(spec, csv.string());
+  EXPECT_DOUBLE_EQ(s.memory_cap_bytes, hbm - 2.0 * (1 << 30));
+  spec.memory_cap_bytes = 10.0 * (1 << 30);
+  s = run_tune(spec, csv.string());
+  EXPECT_DOUBLE_EQ(s.memory_cap_bytes, 10.0 * (1 << 30));
+  EXPECT_EQ(s.memory_reserve_bytes, 0);
+  spec.memory_cap_bytes = 0;
+  spec.memory_reserve_bytes = hbm;
+  EXPECT_THROW(run_tune(spec, csv.string()), TuneError);
+  fs::remove(csv);
+}
+
+// --pp, --dp and --ep restrict the search to the listed degrees; a degree that cannot divide the
+// devices (or the experts) is refused up front.
+TEST(Tune, PinsRestrictTheDegrees) {
+  TuneSpec spec = small_spec();
+  const auto all = enumerate_candidates(spec);
+  spec.pp_degrees = {2};
+  const auto pp2 = enumerate_candidates(spec);
+  ASSERT_FALSE(pp2.empty());
+  EXPECT_LT(pp2.size(), all.size());
+  for (const auto& c : pp2) EXPECT_EQ(c.pp, 2);
+  spec.pp_degrees = {};
+  spec.dp_degrees = {4};
+  spec.ep_degrees = {2};
+  const auto dp4 = enumerate_candidates(spec);
+  ASSERT_FALSE(dp4.empty());
+  for (const auto& c : dp4) EXPECT_TRUE(c.dp == 4 && c.ep == 2) << c.key();
+  spec.ep_degrees = {};
+  spec.pp_degrees = {3};
+  spec.dp_degrees = {};
+  try {
+    enumerate_candidates(spec);
+    FAIL() << "expected TuneError";
+  } catch (const TuneError& e) {
+    EXPECT_STREQ(e.what(), "--pp 3: does not divide the 8 devices");
+  }
+}
+
+// At PP 1 with one region per rank, 1f1b and interleaved-1f1b (and zb-h1 and zb-h2) order the same
+// ops: the ranking lists each plan once and counts the others as coinciding. (gpipe does not
+// coincide: it runs every forward before the first backward, so it holds more activations.)
+TEST(Tune, RankingListsDistinctPlans) {
+  TuneSpec spec = narrow_spec(2, 8, 1, {"1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "gpipe"});
+  const fs::path csv = temp_csv("distinct");
+  const TuneSummary s = run_tune(spec, csv.string());
+  ASSERT_FALSE(s.ranked.empty());
+  EXPECT_GE(s.coinciding, 2u);
+  bool gpipe = false;
+  for (const auto& r : s.ranked) gpipe |= r.candidate.pp == 1 && r.candidate.schedule == "gpipe";
+  EXPECT_TRUE(gpipe) << "a plan that only shares the shape is not collapsed";
+  std::set<std::tuple<std::string, double, std::int64_t>> plans;
+  for (const auto& r : s.ranked) {
+    TuneCandidate unnamed = r.candidate;
+    unnamed.schedule.clear();
+    EXPECT_TRUE(plans.insert({unnamed.key(), r.step_time_s, r.peak_memory_bytes}).second)
+        << "listed twice: " << r.candidate.describe();
+  }
   fs::remove(csv);
 }

@@ -87,7 +87,7 @@ class StudioWindow : public QMainWindow {
   QLabel* status_label_ = nullptr;
   QComboBox *model_ = nullptr, *cluster_ = nullptr, *engine_ = nullptr, *schedule_ = nullptr;
   QSpinBox *pp_ = nullptr, *microbatches_ = nullptr, *virtual_ = nullptr, *dp_ = nullptr, *ep_ = nullptr, *zero_ = nullptr;
-  QSpinBox *dp_shard_ = nullptr, *tp_ = nullptr;
+  QSpinBox *dp_shard_ = nullptr, *tp_ = nullptr, *global_batch_ = nullptr;
   QCheckBox* sequence_parallel_ = nullptr;
   QComboBox* recompute_ = nullptr;
   QAction* critical_action_ = nullptr;

@@ -23,6 +23,14 @@ class TuneError : public core::Error {
   using core::Error::Error;
 };
 
+// The default memory reserve: 5 % of a GPU's HBM (4 GiB of an 80 GiB H100, 7 GiB of a 141 GB H200),
+// about what a CUDA context (0.5-1 GiB), NCCL's buffers (1-2 GiB at scale) and the caching
+// allocator's fragmentation take beside the tensors a plan holds.
+constexpr double kDefaultMemoryReserveFraction = 0.05;
+
+// "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", ...
+std::string ordinal(long long n);
+
 struct TuneSpec {
   std::string model = "qwen3-9m";         // zoo name, model spec or HF config
   std::string cluster = "dgx-h200";       // preset or file; grown to `devices` when not fixed
@@ -34,6 +42,9 @@ struct TuneSpec {
   // Tensor-parallel degrees to try; empty: every degree dividing the devices and the GPUs of every
   // node (TP groups stay inside a node) that the compiler accepts for the model (heads, ffn, ...).
   std::vector<int> tp_degrees;
+  // Pins: the pipeline-parallel, data-parallel and expert-parallel degrees to try; empty: every legal
+  // one. A pinned PP or DP degree must divide the devices.
+  std::vector<int> pp_degrees, dp_degrees, ep_degrees;
   std::vector<bool> sequence_parallel{false, true};  // tried for TP degrees > 1 (TP 1 has none)
   std::vector<std::string> recompute_modes{"none", "selective", "full"};
   // SMs of each GPU given to communication (the sm_partition directive, --comm-sms) to try; 0 is
@@ -45,7 +56,11 @@ struct TuneSpec {
   std::vector<int> dp_shards;
   std::vector<std::string> schedules;     // families to try; empty: every registered family
   int max_virtual = 4;                    // largest regions-per-rank count tried (families that take it)
-  double memory_cap_bytes = 0;            // 0: the smallest HBM of the cluster's GPUs
+  double memory_cap_bytes = 0;            // 0: the smallest HBM of the cluster's GPUs less the reserve
+  // Bytes of HBM kept out of the default cap for what the simulator does not model: the CUDA context,
+  // NCCL buffers and allocator fragmentation. < 0: kDefaultMemoryReserveFraction of the HBM. Not
+  // applied to an explicit memory_cap_bytes (that is the whole budget).
+  double memory_reserve_bytes = -1;
   int top_k = 3;                          // re-simulated on the SimGrid engine (0: none)
   bool placement_search = true;           // try cost-model-balanced PP boundaries for the leaders
   int placement_leaders = 0;              // strategies whose placement is searched; 0: max(top_k, 4)
@@ -191,6 +206,12 @@ struct TuneSummary {
   std::size_t ran = 0;                    // simulations run by this call
   std::size_t fitting = 0;                // ok rows within the memory cap (analytic)
   double memory_cap_bytes = 0;
+  double hbm_bytes = 0;                   // the smallest HBM of the devices
+  double memory_reserve_bytes = 0;        // HBM left out of the default cap (0 with an explicit cap)
+  // Plans left out of `ranked` because another ranked plan is the same: at PP 1 with one region per
+  // rank every schedule family orders the same ops, so families that differ only in name give the
+  // same step time and memory; the best-named one (first by key) stands for all of them.
+  std::size_t coinciding = 0;
   double elapsed_s = 0;
   bool budget_exhausted = false;
   std::string stopped;                    // where the budget stopped the search ("" when it did not)
