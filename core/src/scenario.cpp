@@ -121,11 +121,14 @@ std::string strategy_flag_error(const json& program, const StrategyOptions& o, c
   const std::string& field = e.field();
   std::string flag;
   if (op == "tensor_parallel")
-    flag = field == "sequence_parallel" ? fmt::format("--tp {} --sequence-parallel", o.tp) : fmt::format("--tp {}", o.tp);
+    flag = field == "sequence_parallel" ? fmt::format("--tp {} --sequence-parallel", o.tp)
+           : field == "comm_overlap"    ? fmt::format("--tp {} --tp-comm-overlap", o.tp)
+                                        : fmt::format("--tp {}", o.tp);
   else if (op == "shard")
     flag = fmt::format("--ep {}", o.ep);
   else if (op == "replicate")
-    flag = field == "shard_group" ? fmt::format("--dp-shard {}", o.dp_shard)
+    flag = field == "shard_group"    ? fmt::format("--dp-shard {}", o.dp_shard)
+           : field == "reduce_every" ? "--reduce-every " + o.reduce_every
            : field.rfind("shard_", 0) == 0 || field == "prefetch" ? fmt::format("--zero {}", o.zero)
                                   : fmt::format("--dp {}", o.dp);
   else if (op == "recompute")
@@ -357,7 +360,8 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     const json& st = j["strategy"];
     if (!st.is_object()) throw fail("strategy", "must be an object");
     reject_unknown(st, "strategy.", {"pp", "dp", "ep", "tp", "zero", "dp_shard", "schedule", "microbatches", "virtual",
-                                     "global_batch", "bucket_mb", "sequence_parallel", "recompute", "comm_sms"});
+                                     "global_batch", "bucket_mb", "sequence_parallel", "tp_comm_overlap", "recompute",
+                                     "comm_sms", "reduce_every"});
     int_field(st, "pp", "strategy.pp", s.strategy.pp, 1);
     int_field(st, "dp", "strategy.dp", s.strategy.dp, 1);
     int_field(st, "ep", "strategy.ep", s.strategy.ep, 1);
