@@ -165,10 +165,14 @@ Command add_run_command(CLI::App& app) {
   cmd->add_option("--dump-params", args->train.dump_params_path, "write the final parameters (canonical layout) to FILE");
   cmd->add_option("--calibrate", args->train.calibrate_path,
                   "write measured per-op times (median over the steps after the first) as a piper-calibration FILE for piper simulate --calibration");
-  cmd->add_option("--stall-timeout", args->train.stall_timeout_s, "seconds without progress before a rank gives up")->check(kNonNegativeNumber);
+  cmd->add_option("--stall-timeout", args->train.stall_timeout_s, "seconds without progress before a rank gives up")->check(kPositiveNumber);
   return {cmd, [args]() -> int {
             if ((args->virtual_devices || args->precision != "fp32") && args->backend != "cuda")
               throw CliError("", "--virtual-devices and --precision need --backend cuda");
+            // --reference runs on the host CPU: a GPU backend would be quietly ignored.
+            if (args->reference && args->backend != "host")
+              throw CliError("", "--reference runs in one process on the CPU; it takes no --backend " + args->backend +
+                                     " (drop --reference to train on the GPUs)");
             if (args->reference && !args->train.calibrate_path.empty())
               throw CliError("", "--calibrate measures the plan's ops: it needs a distributed run, not --reference");
             if (args->backend == "cuda" && !args->reference) return run_cuda(*args);

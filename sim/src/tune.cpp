@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 
 #include "piper/core/dag.hpp"
+#include "piper/core/limits.hpp"
 #include "piper/core/model.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/sim/cluster.hpp"
@@ -346,6 +347,8 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
   EnumerationStats stats;
   std::vector<TuneCandidate> out;
   if (spec.devices < 1) throw TuneError(fmt::format("--devices must be >= 1 (got {})", spec.devices));
+  // Before any work: 10^6 devices used to enumerate for minutes before a compile hit the limit.
+  core::check_limit(core::Limit::Devices, spec.devices, "--devices", "devices");
   const std::int64_t batch = spec.effective_global_batch();
   std::vector<const core::ScheduleFamily*> families;
   for (const auto& f : core::schedule_registry())
