@@ -30,8 +30,9 @@ struct RunArgs {
 
 core::Program load_program(const RunArgs& a) {
   if (!a.plan_path.empty()) {
+    const json j = read_json_file(a.plan_path);  // its errors name the file already
     try {
-      return core::Program::from_json(read_json_file(a.plan_path));
+      return core::Program::from_json(j);
     } catch (const core::Error& e) {
       throw CliError(a.plan_path, e.what());
     }

@@ -347,7 +347,7 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
   EnumerationStats stats;
   std::vector<TuneCandidate> out;
   if (spec.devices < 1) throw TuneError(fmt::format("--devices must be >= 1 (got {})", spec.devices));
-  // Before any work: 10^6 devices used to enumerate for minutes before a compile hit the limit.
+  // Before any work (also for callers other than run_tune).
   core::check_limit(core::Limit::Devices, spec.devices, "--devices", "devices");
   const std::int64_t batch = spec.effective_global_batch();
   std::vector<const core::ScheduleFamily*> families;
@@ -1010,6 +1010,8 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
   const auto started = Clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - started).count(); };
   TuneSummary summary;
+  // Before any work: 10^6 devices spun 307 s in the per-device memory cap loop below.
+  core::check_limit(core::Limit::Devices, spec.devices, "--devices", "devices");
   Cluster cluster;
   try {
     cluster = with_devices(load_cluster(spec.cluster), spec.devices);

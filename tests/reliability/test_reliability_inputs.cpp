@@ -167,15 +167,16 @@ TEST_F(HostileInput, PlanTrainingShapeCheckedOnLoad) {
   }
 }
 
-// seq_len 10^7 is within tokens-per-microbatch, but the runtime cannot hold its activations: one
-// line, not std::bad_alloc.
-TEST_F(HostileInput, PlanWithHugeSequenceIsRefusedByTheRuntime) {
+// seq_len 10^7 with 2 sequences per microbatch is past tokens-per-microbatch; with 1 it is within,
+// but no machine holds its attention scores: one line each, not std::bad_alloc.
+TEST_F(HostileInput, PlanWithHugeSequenceIsRefusedNotBadAlloc) {
   json plan = tiny_plan();
   plan["training"]["seq_len"] = 10000000;
-  plan["model_spec"]["training"]["seq_len"] = 10000000;
   input("seq-1e7.json", plan.dump());
-  const CliResult r = run("run --reference --steps 1 --plan seq-1e7.json");
-  expect_one_line(r, {});
+  expect_one_line(run("run --reference --steps 1 --plan seq-1e7.json"), {"seq-1e7.json", "tokens-per-microbatch"});
+  plan["training"]["micro_batch_size"] = 1;
+  input("seq-1e7-mbs1.json", plan.dump());
+  expect_one_line(run("run --reference --steps 1 --plan seq-1e7-mbs1.json"), {"10000000 tokens", "attention scores", "memory"});
 }
 
 TEST_F(HostileInput, CompileRefusesLearnedPositionsShorterThanTheSequence) {
@@ -252,7 +253,7 @@ TEST_F(HostileInput, TwoNodeClusterWithoutNicsRefused) {
 }
 
 TEST_F(HostileInput, OutOfRangeClusterFieldRefused) {
-  input("fast.json", R"({"preset": "dgx-h200", "node": {"gpu": {"preset": "h200", "half_efficiency_gflops": 1e308}}})");
+  input("fast.json", R"({"preset": "dgx-h200", "node": {"gpu": {"preset": "h200-sxm", "half_efficiency_gflops": 1e308}}})");
   expect_one_line(run("simulate --model qwen3-9m --cluster fast.json"), {"fast.json", "half_efficiency_gflops"});
 }
 
