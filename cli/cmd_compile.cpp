@@ -69,8 +69,11 @@ std::int64_t estimated_plan_bytes(const core::Scenario& s, std::int64_t* microba
     core::annotate_regions(s, model, program, regions);
     std::int64_t m = 1;
     for (const auto& d : program)
-      if (d.is_object() && d.value("op", "") == "split" && d.contains("num_microbatches") && d["num_microbatches"].is_number_integer())
-        m *= std::max<std::int64_t>(1, d["num_microbatches"].get<std::int64_t>());
+      if (d.is_object() && d.value("op", "") == "split" && d.contains("num_microbatches") && d["num_microbatches"].is_number_integer()) {
+        const double product = static_cast<double>(m) * static_cast<double>(std::max<std::int64_t>(1, d["num_microbatches"].get<std::int64_t>()));
+        if (product > static_cast<double>(core::limit_value(core::Limit::Microbatches))) return 0;  // the compile names that limit
+        m = static_cast<std::int64_t>(product);
+      }
     const std::vector<core::Segment> segments = core::segment_model(model);
     std::int64_t per_microbatch = 2 * static_cast<std::int64_t>(segments.size());
     for (std::size_t i = 1; i < segments.size(); ++i) {

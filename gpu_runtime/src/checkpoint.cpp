@@ -243,7 +243,11 @@ Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
   const auto nl = bytes.find('\n');
   json h;
   try {
-    h = json::parse(bytes.substr(0, nl == std::string::npos ? bytes.size() : nl));
+    const std::string header = bytes.substr(0, nl == std::string::npos ? bytes.size() : nl);
+    core::check_json_depth(header, path);
+    h = json::parse(header);
+  } catch (const core::LimitError& e) {
+    throw std::invalid_argument(e.what());
   } catch (const json::exception&) {
     throw std::invalid_argument(path + ": not a piper checkpoint");
   }

@@ -407,7 +407,8 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
     for (std::size_t i = 0; i < c.nodes.size(); ++i)
       if (c.nodes[i].nics < 1)
         r.fail(j.contains("overrides") ? "overrides" : "node.nics",
-               fmt::format("node {} has no NICs; nodes of a multi-node cluster need nics >= 1", i));
+               fmt::format("node {} has no NICs; nodes of a multi-node cluster need nics >= 1 (a single node without "
+                           "a network is \"nodes\": 1)", i));
   std::int64_t devices = 0;
   for (const auto& node : c.nodes) devices += node.gpus_per_node;
   if (devices > core::limit_value(core::Limit::Devices))

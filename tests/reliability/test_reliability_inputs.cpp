@@ -220,6 +220,12 @@ TEST_F(HostileInput, ResumeFromDevZeroStopsAtTheModelsCheckpointSize) {
   expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --resume /dev/zero"), {"/dev/zero", "checkpoint"});
 }
 
+// A checkpoint's header line is JSON too: 100,000 levels fit the tiny model's size bound.
+TEST_F(HostileInput, DeepCheckpointHeaderRefused) {
+  input("deep.ckpt", nested(100000) + "\n");
+  expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --resume deep.ckpt"), {"deep.ckpt", "json-depth"});
+}
+
 TEST_F(HostileInput, ResultsFileOnDevZeroIsNotReadWhole) {
   // Either refused in one line or written through; never read whole into memory (bad_alloc).
   const CliResult r = run("sweep '" + kSource + "/examples/sweeps/qwen3-9m-quick.json' -o /dev/zero");
