@@ -17,6 +17,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "piper/core/limits.hpp"
+
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -292,6 +294,50 @@ TEST_F(HostileInput, StallTimeoutZeroRefusedAtParse) {
 
 TEST_F(HostileInput, ReferenceRunRefusesTheCudaBackend) {
   expect_one_line(run("run --reference --backend cuda --model '" + kTiny + "' --steps 1"), {"--reference", "--backend cuda"});
+}
+
+// ---- The helpers themselves ------------------------------------------------------------------
+
+// Depth of {"a": "<s>", "b": [[1]]} as check_json_depth sees it: the smallest limit it accepts.
+int depth_seen(const std::string& inside_string) {
+  const std::string text = "{\"a\": \"" + inside_string + "\", \"b\": [[1]]}";
+  for (int limit = 1; limit < 64; ++limit) {
+    piper::core::set_limit("json-depth", limit);
+    try {
+      piper::core::check_json_depth(text, "t.json");
+      piper::core::reset_limits_to_defaults();
+      return limit;
+    } catch (const piper::core::LimitError&) {
+    }
+  }
+  piper::core::reset_limits_to_defaults();
+  return -1;
+}
+
+TEST(JsonDepth, StringsWithEscapesAreSkipped) {
+  EXPECT_EQ(depth_seen("plain"), 3);
+  EXPECT_EQ(depth_seen("[[[[{{{{"), 3);                 // brackets inside a string
+  EXPECT_EQ(depth_seen("x\\\"[[[[\\\"]"), 3);          // \" does not end the string
+  EXPECT_EQ(depth_seen("\\\\"), 3);                    // an escaped backslash, then the closing quote
+}
+
+TEST(JsonDepth, RefusalNamesTheFileAndTheLimit) {
+  try {
+    piper::core::check_json_depth(nested(300), "deep.json");
+    FAIL() << "accepted 300 levels";
+  } catch (const piper::core::LimitError& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("deep.json: 257 levels", 0), 0u) << m;
+    EXPECT_NE(m.find("limit 'json-depth'"), std::string::npos) << m;
+  }
+  EXPECT_NO_THROW(piper::core::check_json_depth(nested(256), "ok.json"));
+}
+
+TEST(Printable, EscapesControlAndNonUtf8BytesKeepsUtf8AndCuts) {
+  EXPECT_EQ(piper::core::printable("a\x01" "b\x7f"), "a\\x01b\\x7f");
+  EXPECT_EQ(piper::core::printable("mod\xc3\xa8" "le.json"), "mod\xc3\xa8" "le.json");  // UTF-8 kept
+  EXPECT_EQ(piper::core::printable("\xff\xc3"), "\\xff\\xc3");                  // not UTF-8
+  EXPECT_EQ(piper::core::printable(std::string(100, 'x'), 10), std::string(10, 'x') + "... (100 bytes in all)");
 }
 
 }  // namespace
