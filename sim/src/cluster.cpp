@@ -403,12 +403,18 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
   }
   // Nodes talk over their NICs: with none, every inter-node byte took infinite time and the
   // simulator printed inf. A cluster that may grow past one node (not "fixed") needs them too.
+  // Without a NIC bandwidth the analytic engine predicted 3.5e9 s per step.
   if (c.nodes.size() > 1 || !c.fixed_size)
-    for (std::size_t i = 0; i < c.nodes.size(); ++i)
+    for (std::size_t i = 0; i < c.nodes.size(); ++i) {
       if (c.nodes[i].nics < 1)
         r.fail(j.contains("overrides") ? "overrides" : "node.nics",
                fmt::format("node {} has no NICs; nodes of a multi-node cluster need nics >= 1 (a single node without "
                            "a network is \"nodes\": 1)", i));
+      if (c.nodes[i].nic_bandwidth_bytes_per_s <= 0)
+        r.fail(j.contains("overrides") ? "overrides" : "node.nic_bandwidth_gbit_per_s",
+               fmt::format("node {} has no NIC bandwidth; nodes of a multi-node cluster need it (a single node without "
+                           "a network is \"nodes\": 1)", i));
+    }
   std::int64_t devices = 0;
   for (const auto& node : c.nodes) devices += node.gpus_per_node;
   if (devices > core::limit_value(core::Limit::Devices))

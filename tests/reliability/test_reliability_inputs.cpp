@@ -260,6 +260,14 @@ TEST_F(HostileInput, TwoNodeClusterWithoutNicsRefused) {
   expect_one_line(run("simulate --model qwen3-9m --pp 2 --dp 8 --cluster no-nics.json"), {"no-nics.json", "nics"});
 }
 
+// A cluster described from scratch without a NIC bandwidth: 3.5e9 s per step, exit 0.
+TEST_F(HostileInput, MultiNodeClusterWithoutNicBandwidthRefused) {
+  json c = json::parse(read_file(kSource + "/examples/clusters/custom-gpu.json"));
+  c["node"].erase("nic_bandwidth_gbit_per_s");
+  input("no-nic-bw.json", c.dump());
+  expect_one_line(run("simulate --model qwen3-9m --pp 2 --dp 4 --cluster no-nic-bw.json"), {"no-nic-bw.json", "nic_bandwidth_gbit_per_s"});
+}
+
 TEST_F(HostileInput, OutOfRangeClusterFieldRefused) {
   input("fast.json", R"({"preset": "dgx-h200", "node": {"gpu": {"preset": "h200-sxm", "half_efficiency_gflops": 1e308}}})");
   expect_one_line(run("simulate --model qwen3-9m --cluster fast.json"), {"fast.json", "half_efficiency_gflops"});
