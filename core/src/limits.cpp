@@ -2,6 +2,7 @@
 // size-checked file reader every input path goes through.
 #include "piper/core/limits.hpp"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cctype>
@@ -155,8 +156,20 @@ std::string read_input_file(const std::string& path, Limit bytes_limit, std::int
   if (!in) throw Error(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
   std::string text;
   char buffer[1 << 16];
+  // Grown by doubling but never past the bound and one buffer: /dev/zero stops at about the bound in
+  // memory, not twice it.
+  std::int64_t bound = limit_value(bytes_limit);
+  if (max_bytes >= 0) bound = std::min(bound, max_bytes);
+  const auto cap = static_cast<std::size_t>(std::min<std::int64_t>(bound, std::int64_t{1} << 60)) + sizeof buffer;
   while (in.read(buffer, sizeof buffer) || in.gcount() > 0) {
-    text.append(buffer, static_cast<std::size_t>(in.gcount()));
+    const auto n = static_cast<std::size_t>(in.gcount());
+    if (text.size() + n > text.capacity()) {
+      // Straight to the cap once doubling would pass half of it (libstdc++ doubles any smaller request).
+      std::size_t want = std::max(2 * text.capacity(), text.size() + n);
+      if (want > cap / 2) want = cap;
+      text.reserve(want);
+    }
+    text.append(buffer, n);
     check(static_cast<std::int64_t>(text.size()), "bytes (or more)");
   }
   if (in.bad()) throw Error(fmt::format("{}: read failed", path));
