@@ -303,7 +303,9 @@ void check_training_shape(const Program& p) {
   if (p.microbatches < 1) fail("microbatches", "must be >= 1, got " + std::to_string(p.microbatches));
   check_limit(Limit::TokensPerMicrobatch, t.seq_len, "plan: field 'training.seq_len'", "tokens");
   check_limit(Limit::TokensPerMicrobatch, t.micro_batch_size, "plan: field 'training.micro_batch_size'", "sequences");
-  check_limit(Limit::TokensPerMicrobatch, t.seq_len * t.micro_batch_size, "plan: field 'training'", "tokens per microbatch");
+  // Saturated: both factors are within the limit, which an override may set near INT64_MAX.
+  const std::int64_t tokens = t.seq_len > INT64_MAX / t.micro_batch_size ? INT64_MAX : t.seq_len * t.micro_batch_size;
+  check_limit(Limit::TokensPerMicrobatch, tokens, "plan: field 'training'", "tokens per microbatch");
 }
 
 // The plan's model, as a compile would build it from the spec with the plan's training shape: every
