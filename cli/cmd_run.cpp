@@ -47,8 +47,9 @@ struct RunArgs {
 
 core::Program load_program(const RunArgs& a) {
   if (!a.plan_path.empty()) {
+    const json j = read_json_file(a.plan_path);  // its errors name the file already
     try {
-      return core::Program::from_json(read_json_file(a.plan_path));
+      return core::Program::from_json(j);
     } catch (const core::Error& e) {
       throw CliError(a.plan_path, e.what());
     }
@@ -177,11 +178,15 @@ Command add_run_command(CLI::App& app) {
   cmd->add_option("--dump-params", args->train.dump_params_path, "write the final parameters (canonical layout) to FILE");
   cmd->add_option("--calibrate", args->train.calibrate_path,
                   "write measured per-op times (median over the steps after the first) as a piper-calibration FILE for piper simulate --calibration");
-  cmd->add_option("--stall-timeout", args->train.stall_timeout_s, "seconds without progress before a rank gives up")->check(kNonNegativeNumber);
+  cmd->add_option("--stall-timeout", args->train.stall_timeout_s, "seconds without progress before a rank gives up")->check(kPositiveNumber);
   return {cmd, [args]() -> int {
             if (!args->plan_path.empty()) args->scenario.reject_beside_plan();
             if ((args->virtual_devices || args->precision != "fp32") && args->backend != "cuda")
               throw CliError("", "--virtual-devices and --precision need --backend cuda");
+            // --reference runs on the host CPU: a GPU backend would be quietly ignored.
+            if (args->reference && args->backend != "host")
+              throw CliError("", "--reference runs in one process on the CPU; it takes no --backend " + args->backend +
+                                     " (drop --reference to train on the GPUs)");
             if (args->reference && !args->train.calibrate_path.empty())
               throw CliError("", "--calibrate measures the plan's ops: it needs a distributed run, not --reference");
             if (args->backend == "cuda" && !args->reference) return run_cuda(*args);

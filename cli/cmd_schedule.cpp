@@ -102,11 +102,12 @@ Command add_schedule_command(CLI::App& app) {
     if (imp->parsed()) {
       core::CsvSpelling spelling = core::CsvSpelling::Either;
       const core::ScheduleTable table = core::schedule_from_pytorch_csv(read_text_file(a.csv_path), a.csv_path, &spelling);
-      // Said on stderr so that the program on stdout stays pipeable.
-      fmt::print(stderr, "{}: read as {}\n", a.csv_path, core::describe(spelling));
       core::StrategyOptions o;
       o.dp = a.dp;
       write_or_print(a.out_path, core::program_from_schedule_table(table, o).dump(1) + "\n");
+      // Said on stderr so that the program on stdout stays pipeable; only once it succeeded (a note
+      // before an error would make two lines of one failure).
+      fmt::print(stderr, "{}: read as {}\n", a.csv_path, core::describe(spelling));
       return 0;
     }
     return 0;

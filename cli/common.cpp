@@ -37,6 +37,7 @@ std::string read_text_file(const std::string& path) { return core::read_input_fi
 
 json read_json_file(const std::string& path) {
   std::string text = read_text_file(path);
+  core::check_json_depth(text, path);
   try {
     return json::parse(text);
   } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
@@ -87,6 +88,17 @@ const CLI::Validator kNonNegativeNumber(
       return "must be a non-negative number, got '" + value + "'";
     },
     "NONNEGATIVE");
+const CLI::Validator kPositiveNumber(
+    [](std::string& value) -> std::string {
+      try {
+        std::size_t used = 0;
+        double v = std::stod(value, &used);
+        if (used == value.size() && v > 0 && std::isfinite(v)) return {};
+      } catch (const std::exception&) {
+      }
+      return "must be a positive number, got '" + value + "'";
+    },
+    "POSITIVE");
 
 void StrategyFlags::add_to(CLI::App* app) {
   pp = app->add_option("--pp", options.pp, "pipeline-parallel ranks")->check(kPositiveInt);
@@ -199,9 +211,9 @@ core::Scenario ScenarioFlags::scenario() const {
 
 void print_error(const std::string& file, const std::string& message) {
   if (file.empty())
-    fmt::print(stderr, "piper: error: {}\n", one_line(message));
+    fmt::print(stderr, "piper: error: {}\n", core::printable(one_line(message)));
   else
-    fmt::print(stderr, "piper: error: {}: {}\n", file, one_line(message));
+    fmt::print(stderr, "piper: error: {}: {}\n", core::printable(file), core::printable(one_line(message)));
 }
 
 void print_internal_error(const std::string& message) {

@@ -48,6 +48,7 @@ void print_internal_error(const std::string& message);
 extern const CLI::Validator kPositiveInt;
 extern const CLI::Validator kNonNegativeInt;
 extern const CLI::Validator kNonNegativeNumber;
+extern const CLI::Validator kPositiveNumber;
 
 // Strategy flags (--pp --dp --ep --zero --dp-shard --schedule --microbatches --virtual --bucket-mb --tp
 // --sequence-parallel --recompute --global-batch).

@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 
 #include "cli/common.hpp"
+#include "piper/core/limits.hpp"
 #include "piper/sim/sweep.hpp"
 
 namespace piper::cli {
@@ -93,13 +94,11 @@ int run_sweep_mpi(const std::string& spec_path, const std::string& output_path, 
   std::set<std::string> done;
   if (rank == 0) {
     try {
-      spec = sim::SweepSpec::load(spec_path);
-      std::ifstream in(spec_path);
-      std::stringstream buffer;
-      buffer << in.rdbuf();
-      text = buffer.str();
+      // One bounded read (Limit::InputBytes), parsed here and broadcast as is.
+      text = core::read_input_file(spec_path);
+      spec = sim::SweepSpec::parse(text, spec_path, fs::path(spec_path).parent_path().string());
       done = sim::repair_results(output_path);
-    } catch (const sim::SweepError& e) {
+    } catch (const std::exception& e) {  // SweepError, or a limit/read error: every rank must hear it
       error = e.what();
     }
   }
@@ -111,7 +110,7 @@ int run_sweep_mpi(const std::string& spec_path, const std::string& output_path, 
   broadcast_string(text, 0);
   if (rank != 0) {
     try {
-      spec = sim::SweepSpec::from_json(nlohmann::json::parse(text), spec_path, fs::path(spec_path).parent_path().string());
+      spec = sim::SweepSpec::parse(text, spec_path, fs::path(spec_path).parent_path().string());
     } catch (const std::exception& e) {
       fmt::print(stderr, "rank {}: {}\n", rank, e.what());
       MPI_Abort(MPI_COMM_WORLD, kExitBadInput);

@@ -14,6 +14,7 @@
 #include <pybind11/stl.h>
 
 #include "piper/core/error.hpp"
+#include "piper/core/limits.hpp"
 #include "piper/core/program.hpp"
 #include "piper/core/scenario.hpp"
 #include "piper/core/schedule_view.hpp"
@@ -77,6 +78,7 @@ json to_cpp(const py::handle& obj, const char* what) {
   } catch (py::error_already_set& e) {
     throw PiperError(std::string(what) + ": not JSON-serialisable: " + one_line(e.what()));
   }
+  guarded([&] { core::check_json_depth(text, what); });
   return json::parse(text);
 }
 

@@ -63,6 +63,8 @@ for h in "${harnesses[@]}"; do
   mkdir -p "$corpus"
   log=$work/findings/$h.log
   # -timeout: one input taking 10 s is a hang; -rss_limit_mb: one using 2 GB is a runaway.
+  # -max_len: 64 KiB holds JSON nested far past the json-depth limit (256 levels: 514 bytes), which the
+  # dictionary's runs of brackets reach.
   set +e
   "$bin/$h" "$corpus" "$seeds/$h" -dict=tests/fuzz/piper.dict -max_total_time="$seconds" "${seed_flag[@]}" \
     -timeout=10 -rss_limit_mb=2048 -max_len=65536 -print_final_stats=1 \

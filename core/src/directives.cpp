@@ -339,6 +339,7 @@ json DirectiveProgram::to_json() const { return json(source); }
 
 DirectiveProgram load_directives_file(const std::string& path) {
   const std::string text = read_input_file(path);
+  check_json_depth(text, path);
   json j;
   try {
     j = json::parse(text);

@@ -2,6 +2,7 @@
 // size-checked file reader every input path goes through.
 #include "piper/core/limits.hpp"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cctype>
@@ -32,9 +33,14 @@ const std::vector<LimitInfo> kTable = {
     {Limit::DagNodes, "dag-nodes", 4'000'000, "nodes of the global training DAG while compiling"},
     {Limit::SimulatedOps, "simulated-ops", 250'000'000, "op instances one simulation runs (all devices)"},
     {Limit::SweepRuns, "sweep-runs", 100'000, "combinations in one sweep"},
+    // Piper's own files nest at most ~8 deep (a plan's model_spec); 10^5 levels overflowed the stack.
+    {Limit::JsonDepth, "json-depth", 256, "nesting depth of arrays and objects in any JSON input"},
+    {Limit::DataBytes, "data-bytes", 1LL << 30, "size of a --data token file in bytes"},
+    {Limit::CheckpointBytes, "checkpoint-bytes", 64LL << 30,
+     "size of a checkpoint file in bytes (also at most what a checkpoint of the plan's model holds)"},
 };
 
-constexpr std::size_t kCount = 10;
+constexpr std::size_t kCount = 13;
 
 std::string env_name(const char* name) {
   std::string s = "PIPER_LIMIT_";
@@ -88,7 +94,7 @@ std::size_t index_of(Limit l) { return static_cast<std::size_t>(l); }
 }  // namespace
 
 const std::vector<LimitInfo>& limit_table() {
-  static_assert(static_cast<std::size_t>(Limit::SweepRuns) + 1 == kCount);
+  static_assert(static_cast<std::size_t>(Limit::CheckpointBytes) + 1 == kCount);
   return kTable;
 }
 
@@ -126,28 +132,100 @@ void check_limit(Limit l, std::int64_t value, const std::string& where, const st
   throw LimitError(where.empty() ? limit_message(l, value, unit) : where + ": " + limit_message(l, value, unit));
 }
 
-std::string read_input_file(const std::string& path) {
+std::string read_input_file(const std::string& path) { return read_input_file(path, Limit::InputBytes); }
+
+std::string read_input_file(const std::string& path, Limit bytes_limit, std::int64_t max_bytes, const std::string& what) {
   namespace fs = std::filesystem;
+  // The tighter of the limit and max_bytes; over max_bytes is named by `what`, not by a limit.
+  const auto check = [&](std::int64_t size, const char* unit) {
+    if (max_bytes >= 0 && max_bytes < limit_value(bytes_limit) && size > max_bytes)
+      throw LimitError(fmt::format("{}: {} {} is more than {} ({} bytes at most)", path, size, unit, what, max_bytes));
+    check_limit(bytes_limit, size, path, unit);
+  };
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
   if (ec || !fs::exists(st)) throw Error(fmt::format("{}: cannot open: no such file", path));
   if (fs::is_directory(st)) throw Error(fmt::format("{}: is a directory, expected a file", path));
-  // Regular files are sized before reading; pipes and devices (/dev/stdin) are read in chunks and
-  // stopped as soon as they pass the limit.
+  // Regular files are sized before reading; pipes and devices (/dev/stdin, /dev/zero) are read in
+  // chunks and stopped as soon as they pass the bound.
   if (fs::is_regular_file(st)) {
     const auto size = fs::file_size(path, ec);
-    if (!ec) check_limit(Limit::InputBytes, static_cast<std::int64_t>(size), path, "bytes");
+    if (!ec) check(static_cast<std::int64_t>(size), "bytes");
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
   std::string text;
   char buffer[1 << 16];
+  // Grown by doubling but never past the bound and one buffer: /dev/zero stops at about the bound in
+  // memory, not twice it.
+  std::int64_t bound = limit_value(bytes_limit);
+  if (max_bytes >= 0) bound = std::min(bound, max_bytes);
+  const auto cap = static_cast<std::size_t>(std::min<std::int64_t>(bound, std::int64_t{1} << 60)) + sizeof buffer;
   while (in.read(buffer, sizeof buffer) || in.gcount() > 0) {
-    text.append(buffer, static_cast<std::size_t>(in.gcount()));
-    check_limit(Limit::InputBytes, static_cast<std::int64_t>(text.size()), path, "bytes (or more)");
+    const auto n = static_cast<std::size_t>(in.gcount());
+    if (text.size() + n > text.capacity()) {
+      // Straight to the cap once doubling would pass half of it (libstdc++ doubles any smaller request).
+      std::size_t want = std::max(2 * text.capacity(), text.size() + n);
+      if (want > cap / 2) want = cap;
+      text.reserve(want);
+    }
+    text.append(buffer, n);
+    check(static_cast<std::int64_t>(text.size()), "bytes (or more)");
   }
   if (in.bad()) throw Error(fmt::format("{}: read failed", path));
   return text;
+}
+
+std::string printable(std::string_view s, std::size_t max_bytes) {
+  std::string out;
+  std::size_t i = 0;
+  while (i < s.size()) {
+    if (max_bytes > 0 && i >= max_bytes) {
+      out += fmt::format("... ({} bytes in all)", s.size());
+      break;
+    }
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      out += static_cast<char>(c);
+      ++i;
+      continue;
+    }
+    // A whole UTF-8 sequence (a file name like modèle.json) is kept as is.
+    const std::size_t n = c >= 0xf5 ? 0 : c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc2 ? 2 : 0;
+    bool utf8 = n > 0 && i + n <= s.size();
+    for (std::size_t k = 1; utf8 && k < n; ++k) utf8 = (static_cast<unsigned char>(s[i + k]) & 0xc0) == 0x80;
+    if (utf8) {
+      out.append(s.substr(i, n));
+      i += n;
+      continue;
+    }
+    out += fmt::format("\\x{:02x}", c);
+    ++i;
+  }
+  return out;
+}
+
+void check_json_depth(std::string_view text, const std::string& where) {
+  const std::int64_t limit = limit_value(Limit::JsonDepth);
+  std::int64_t depth = 0;
+  bool in_string = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\')
+        ++i;  // skip the escaped character (\" does not end the string)
+      else if (c == '"')
+        in_string = false;
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) check_limit(Limit::JsonDepth, depth, where, "levels of JSON nesting (or more)");
+    } else if (c == ']' || c == '}') {
+      if (depth > 0) --depth;
+    }
+  }
 }
 
 }  // namespace piper::core

@@ -578,6 +578,10 @@ void validate_config(const ModelConfig& c, const std::string& where) {
   within(Limit::TokensPerMicrobatch, c.training.micro_batch_size, "training.micro_batch_size", "sequences");
   within(Limit::TokensPerMicrobatch, c.training.seq_len * c.training.micro_batch_size, "training",
          "tokens per microbatch");
+  // Learned absolute positions (GPT) have one row per position: a longer sequence has none to read.
+  if (c.max_positions > 0 && c.training.seq_len > c.max_positions)
+    field_error(where, "training.seq_len", std::to_string(c.training.seq_len) + " exceeds max_positions " +
+                                               std::to_string(c.max_positions) + " (the model's learned positions)");
 }
 
 }  // namespace
@@ -1067,6 +1071,7 @@ ModelConfig load_model_config(const std::string& name_or_path) {
 
 ModelConfig config_from_text(const std::string& text, const std::string& where) {
   json j;
+  check_json_depth(text, where);
   try {
     j = json::parse(text);
   } catch (const json::exception& e) {  // also number overflow (out_of_range.406)

@@ -14,6 +14,7 @@
 
 #include "piper/core/error.hpp"
 #include "piper/core/limits.hpp"
+#include "piper/core/model.hpp"
 
 namespace piper::core {
 
@@ -299,6 +300,30 @@ bool same_plan(const Plan& a, const Plan& b) {
   return true;
 }
 
+// A plan's training shape, with the rules a compile applies (model validation and limits.hpp), checked
+// before anything is sized by it: seq_len 0 divided by zero in the runtime, 0 microbatches trained to
+// NaN, a negative micro-batch size trained with loss -0 and a 10^7-token sequence ended in bad_alloc.
+void check_training_shape(const Program& p) {
+  const auto& t = p.training;
+  if (t.seq_len < 1) fail("training.seq_len", "must be >= 1, got " + std::to_string(t.seq_len));
+  if (t.micro_batch_size < 1) fail("training.micro_batch_size", "must be >= 1, got " + std::to_string(t.micro_batch_size));
+  if (p.microbatches < 1) fail("microbatches", "must be >= 1, got " + std::to_string(p.microbatches));
+  check_limit(Limit::TokensPerMicrobatch, t.seq_len, "plan: field 'training.seq_len'", "tokens");
+  check_limit(Limit::TokensPerMicrobatch, t.micro_batch_size, "plan: field 'training.micro_batch_size'", "sequences");
+  // Saturated: both factors are within the limit, which an override may set near INT64_MAX.
+  const std::int64_t tokens = t.seq_len > INT64_MAX / t.micro_batch_size ? INT64_MAX : t.seq_len * t.micro_batch_size;
+  check_limit(Limit::TokensPerMicrobatch, tokens, "plan: field 'training'", "tokens per microbatch");
+}
+
+// The plan's model, as a compile would build it from the spec with the plan's training shape: every
+// field valid and within the limits, and learned positions (max_positions > 0) covering seq_len.
+void check_model_spec(const Program& p) {
+  ModelConfig c = config_from_spec_json(p.model_spec, "plan: field 'model_spec'");
+  c.training.seq_len = p.training.seq_len;
+  c.training.micro_batch_size = p.training.micro_batch_size;
+  (void)build_model(c);
+}
+
 }  // namespace
 
 std::string to_string(OpKind k) { return kOpKindNames[static_cast<int>(k)]; }
@@ -503,7 +528,11 @@ Program Program::from_json(const json& j) {
   }
   p.microbatches = as_int(require(j, "", "microbatches"), "microbatches");
   check_limit(Limit::Microbatches, p.microbatches, "plan: field 'microbatches'", "microbatches");
-  if (const json* f = optional_field(j, "model_spec")) p.model_spec = as_object(*f, "model_spec");
+  check_training_shape(p);
+  if (const json* f = optional_field(j, "model_spec")) {
+    p.model_spec = as_object(*f, "model_spec");
+    check_model_spec(p);
+  }
   if (const json* f = optional_field(j, "segments")) {
     as_array(*f, "segments");
     for (std::size_t i = 0; i < f->size(); ++i) {

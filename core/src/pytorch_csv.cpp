@@ -111,7 +111,7 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::stri
         const std::string inner = m[1];
         const auto semi = inner.find(';');
         if (semi == std::string::npos || inner.find(';', semi + 1) != std::string::npos)
-          throw at(r, c, "'" + cell + "': an OVERLAP_F_B step holds exactly two actions (F;B)");
+          throw at(r, c, "'" + printable(cell, 40) + "': an OVERLAP_F_B step holds exactly two actions (F;B)");
         parts = {inner.substr(0, semi), inner.substr(semi + 1)};
       } else {
         parts = {cell};
@@ -119,12 +119,12 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::stri
       for (const auto& part : parts) {
         std::smatch a;
         if (!std::regex_match(part, a, single))
-          throw at(r, c, "'" + cell + "' is not a compute action like 2F0, 3B1, 3I1, 7W4 or (0F7;7B3)OVERLAP_F_B");
+          throw at(r, c, "'" + printable(cell, 40) + "' is not a compute action like 2F0, 3B1, 3I1, 7W4 or (0F7;7B3)OVERLAP_F_B");
         // Stage and microbatch numbers size tables: bound them (limits.hpp) before converting.
         auto bounded = [&](const std::string& digits, Limit l, const char* unit) {
           const std::int64_t v = digits.size() > 15 ? INT64_MAX : std::stoll(digits);
           if (v == INT64_MAX || v + 1 > limit_value(l))
-            throw at(r, c, "'" + cell + "': " + limit_message(l, v == INT64_MAX ? v : v + 1, unit));
+            throw at(r, c, "'" + printable(cell, 40) + "': " + limit_message(l, v == INT64_MAX ? v : v + 1, unit));
           return static_cast<int>(v);
         };
         ScheduleAction act{bounded(a[1], Limit::Layers, "stages"), kind_from_char(a[2].str()[0]),
@@ -179,7 +179,7 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::stri
     ScheduleStep& step = cellv.step;
     {
       if (step.size() == 2 && !(step[0].kind == ActionKind::F && step[1].kind != ActionKind::F))
-        throw at(r, c, "'" + cell + "': an overlapped step is a forward then a backward");
+        throw at(r, c, "'" + printable(cell, 40) + "': an overlapped step is a forward then a backward");
       for (const auto& act : step) {
         auto [home, fresh] = stage_home.try_emplace(act.stage, std::make_pair(r, c));
         if (!fresh && home->second.first != r)

@@ -337,6 +337,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
       std::string text;
       try {
         text = read_input_file(s.directives_source);
+        check_json_depth(text, s.directives_source);
       } catch (const Error& e) {
         throw fail("directives", e.what());
       }

@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "piper/core/limits.hpp"
 #include "piper/runtime/host_backend.hpp"
 #include "piper/runtime/trainer.hpp"
 
@@ -216,20 +217,37 @@ void write_checkpoint(const std::string& path, const CheckpointInfo& info, const
   }
 }
 
-std::string read_checkpoint_bytes(const std::string& path) {
+std::int64_t checkpoint_bytes_bound(const core::Program& program) {
+  const core::Model model = program_model(program);
+  std::int64_t floats = 0;
+  for (const auto& layer : model.layers())
+    for (const auto& t : host::layer_tensors(layer)) floats += t.size();
+  // Three floats per parameter (value, Adam m and v) plus the header line: 1 MiB and 4 KiB per layer
+  // is far more than its JSON (a few dozen bytes per layer) ever takes.
+  return 3 * static_cast<std::int64_t>(sizeof(float)) * floats + (1 << 20) + 4096 * static_cast<std::int64_t>(model.layers().size());
+}
+
+std::string read_checkpoint_bytes(const std::string& path, const core::Program& program) {
   if (fs::is_directory(path)) throw std::invalid_argument(path + ": is a folder, not a checkpoint file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::invalid_argument(path + ": cannot read the checkpoint");
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
+  // Bounded before allocating (a 10 GB sparse file or /dev/zero is refused, not read whole): by the
+  // checkpoint-bytes limit and by what a checkpoint of this plan's model can hold.
+  try {
+    return core::read_input_file(path, core::Limit::CheckpointBytes, checkpoint_bytes_bound(program),
+                                 fmt::format("a checkpoint of model '{}' holds", program.model_name));
+  } catch (const core::Error& e) {
+    throw std::invalid_argument(e.what());
+  }
 }
 
 Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
   const auto nl = bytes.find('\n');
   json h;
   try {
-    h = json::parse(bytes.substr(0, nl == std::string::npos ? bytes.size() : nl));
+    const std::string header = bytes.substr(0, nl == std::string::npos ? bytes.size() : nl);
+    core::check_json_depth(header, path);
+    h = json::parse(header);
+  } catch (const core::LimitError& e) {
+    throw std::invalid_argument(e.what());
   } catch (const json::exception&) {
     throw std::invalid_argument(path + ": not a piper checkpoint");
   }

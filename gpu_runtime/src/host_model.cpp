@@ -2,6 +2,8 @@
 // stream, expert-parallel routing helpers, AdamW with ZeRO chunks, and the deterministic token stream.
 #include "piper/runtime/host_model.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -11,6 +13,8 @@
 #include <stdexcept>
 
 #include <fmt/format.h>
+
+#include "piper/core/limits.hpp"
 
 namespace piper::runtime::host {
 
@@ -266,6 +270,27 @@ MatMap HostModel::tied_table_grad(SegmentParams& sp) {
   return v.mat(v.at("embed"));
 }
 
+// A lower bound of what one microbatch holds for its backward pass on the host (each layer's output,
+// tokens x hidden floats, and each attention layer's probabilities, micro_batch_size x heads x seq^2
+// floats), against the machine's memory: a 10^7-token sequence is refused in one line instead of
+// ending in std::bad_alloc.
+void HostModel::check_fits_in_memory(const std::string& who) const {
+  const double s = static_cast<double>(model_.training().seq_len), b = static_cast<double>(model_.training().micro_batch_size);
+  double bytes = 0;
+  for (const auto& l : model_.layers()) {
+    bytes += 4.0 * b * s * static_cast<double>(std::max<std::int64_t>(l.shape.hidden, 1));
+    if (l.kind == core::LayerKind::Attention) bytes += 4.0 * b * static_cast<double>(l.shape.heads) * s * s;
+  }
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return;
+  const double have = static_cast<double>(pages) * static_cast<double>(page);
+  if (bytes > have)
+    throw std::invalid_argument(fmt::format(
+        "{}one microbatch of {} x {} tokens needs at least {:.3g} GiB for its activations and attention scores, more than this "
+        "machine's {:.3g} GiB of memory (lower training.seq_len or micro_batch_size)",
+        who, model_.training().micro_batch_size, model_.training().seq_len, bytes / 1073741824.0, have / 1073741824.0));
+}
+
 HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, std::uint64_t seed) : model_(model) {
   for (std::size_t i = 0; i < model_.layers().size(); ++i) {
     const auto& l = model_.layers()[i];
@@ -298,6 +323,7 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     hidden_ = std::max(hidden_, l.shape.hidden);
   }
   if (tied_ && embed_layer_ < 0) throw std::invalid_argument(who + "the head is tied to an embedding the model does not have");
+  check_fits_in_memory(who);
   for (const auto& sp : specs) {
     SegmentParams p;
     p.segment = sp.segment;
@@ -939,9 +965,14 @@ std::vector<ParamRecord> HostModel::records(const SegmentParams& sp, const std::
 TokenStream::TokenStream(std::int64_t vocab, std::int64_t seq_len, std::uint64_t seed, const std::string& data_path)
     : vocab_(vocab), seq_len_(seq_len), seed_(seed) {
   if (!data_path.empty()) {
-    std::ifstream in(data_path, std::ios::binary);
-    if (!in) throw std::invalid_argument(data_path + ": cannot read the --data file");
-    bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    // Bounded by Limit::DataBytes before allocating: /dev/zero or a 10 GB file is refused, not read whole.
+    std::string text;
+    try {
+      text = core::read_input_file(data_path, core::Limit::DataBytes);
+    } catch (const core::Error& e) {
+      throw std::invalid_argument(std::string("--data ") + e.what());
+    }
+    bytes_.assign(text.begin(), text.end());
     if (static_cast<std::int64_t>(bytes_.size()) < seq_len + 2)
       throw std::invalid_argument(data_path + ": --data holds " + std::to_string(bytes_.size()) + " bytes, fewer than one sequence (" +
                                   std::to_string(seq_len + 1) + ")");

@@ -14,6 +14,7 @@
 #include <mpi.h>
 #include <nlohmann/json.hpp>
 
+#include "piper/core/limits.hpp"
 #include "piper/core/timeline.hpp"
 #include "piper/runtime/calibrate.hpp"
 #include "piper/runtime/checkpoint.hpp"
@@ -47,12 +48,13 @@ void get_floats(const std::string& in, std::size_t& pos, std::vector<float>& v, 
   pos += n * sizeof(float);
 }
 
+// Parameter dumps hold at most one checkpoint's worth of floats: bounded by Limit::CheckpointBytes.
 std::string read_all(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::invalid_argument(path + ": cannot read");
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
+  try {
+    return core::read_input_file(path, core::Limit::CheckpointBytes);
+  } catch (const core::Error& e) {
+    throw std::invalid_argument(e.what());
+  }
 }
 
 std::string serialize_records(const std::vector<host::ParamRecord>& records) {
@@ -126,12 +128,12 @@ Checkpoint read_compatible_checkpoint(const std::string& path, const std::string
   return ckpt;
 }
 
-std::string broadcast_checkpoint_bytes(const std::string& path, int rank, std::string& error) {
+std::string broadcast_checkpoint_bytes(const std::string& path, const core::Program& program, int rank, std::string& error) {
   std::string bytes;
   long long length = -1;
   if (rank == 0) {
     try {
-      bytes = read_checkpoint_bytes(path);
+      bytes = read_checkpoint_bytes(path, program);
       length = static_cast<long long>(bytes.size());
     } catch (const std::exception& e) {
       error = e.what();
@@ -189,7 +191,7 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
   const float scale = 1.0f / static_cast<float>(shape.global_tokens());
   TrainResult r;
   check_save_path(o.save_path);
-  if (!o.resume_path.empty()) r.first_step = resume_from(o.resume_path, read_checkpoint_bytes(o.resume_path), program, m);
+  if (!o.resume_path.empty()) r.first_step = resume_from(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program, m);
   double total_s = 0;
   for (int step = r.first_step; step < o.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -244,7 +246,7 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   TrainResult r;
   // Rank 0 reads the checkpoint and sends it to every rank (ranks need not share a file system).
   std::string checkpoint;
-  if (!o.resume_path.empty()) checkpoint = broadcast_checkpoint_bytes(o.resume_path, rank, error);
+  if (!o.resume_path.empty()) checkpoint = broadcast_checkpoint_bytes(o.resume_path, program, rank, error);
   try {
     check_save_path(o.save_path);
     check_calibrate_path(o.calibrate_path);

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "piper/core/error.hpp"
+#include "piper/core/limits.hpp"
 
 namespace piper::gui {
 
@@ -35,6 +36,7 @@ SpanKind kind_of(const std::string& name, const std::string& cat) {
 
 std::shared_ptr<Track> parse_chrome_trace(const std::string& text, const std::string& where, const std::string& title) {
   json j;
+  core::check_json_depth(text, where);
   try {
     j = json::parse(text);
   } catch (const json::parse_error& e) {
@@ -130,11 +132,7 @@ std::shared_ptr<Track> parse_chrome_trace(const std::string& text, const std::st
 }
 
 std::shared_ptr<Track> read_chrome_trace(const std::string& path, const std::string& title) {
-  std::ifstream in(path);
-  if (!in) throw core::Error(path + ": cannot open the Chrome trace");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return parse_chrome_trace(ss.str(), path, title);
+  return parse_chrome_trace(core::read_input_file(path), path, title);
 }
 
 void overlay_measured(Track& predicted, const Track& measured) {

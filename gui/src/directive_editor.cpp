@@ -8,6 +8,8 @@
 #include <QPainter>
 #include <QTextBlock>
 
+#include "piper/core/limits.hpp"
+
 namespace piper::gui {
 
 std::string format_program(const nlohmann::json& program) {
@@ -68,6 +70,14 @@ int directive_line(const std::string& text, int index, const std::string& field)
 
 JsonCheck check_json(const std::string& text) {
   JsonCheck c;
+  try {
+    core::check_json_depth(text, "");
+  } catch (const core::LimitError& e) {
+    c.ok = false;
+    c.line = 0;
+    c.message = e.what();
+    return c;
+  }
   try {
     c.value = nlohmann::json::parse(text);
   } catch (const nlohmann::json::parse_error& e) {

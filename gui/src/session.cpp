@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "piper/core/error.hpp"
+#include "piper/core/limits.hpp"
 #include "piper/sim/simulate.hpp"
 
 namespace piper::gui {
@@ -41,11 +42,16 @@ ScenarioRun run_scenario(const core::Scenario& scenario) {
 }
 
 core::Scenario load_scenario_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw RunError{path + ": cannot open the scenario file", -1, ""};
+  std::string text;
+  try {
+    text = core::read_input_file(path);
+    core::check_json_depth(text, path);
+  } catch (const std::exception& e) {
+    throw RunError{e.what(), -1, ""};
+  }
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(in);
+    j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::parse_error& e) {
     throw RunError{fmt::format("{}: not JSON (byte {}): {}", path, e.byte, e.what()), -1, ""};
   }

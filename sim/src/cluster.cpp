@@ -114,14 +114,19 @@ struct Reader {
   [[noreturn]] void fail(const std::string& field, const std::string& msg) const {
     throw ClusterError(fmt::format("{}: field '{}': {}", where, field, msg));
   }
-  double number(const json& j, const std::string& key, const std::string& path, double min, bool positive) const {
+  // At most `max`: every field has a physical bound far past any real machine, so that no value
+  // (1e308 GFLOP/s, a 1e308 us latency) turns a prediction into inf.
+  double number(const json& j, const std::string& key, const std::string& path, double min, bool positive,
+                double max = kMaxField) const {
     const json& v = j.at(key);
     if (!v.is_number()) fail(path + key, "expected a number, got " + std::string(v.type_name()));
     double x = v.get<double>();
     if (!std::isfinite(x) || x < min || (positive && x <= 0))
       fail(path + key, fmt::format("must be {} {}, got {}", positive ? ">" : ">=", min, x));
+    if (x > max) fail(path + key, fmt::format("must be <= {:g}, got {:g}", max, x));
     return x;
   }
+  static constexpr double kMaxField = 1e9;
   // A whole number in [min, limit]: counts of nodes and GPUs, which size tables (limits.hpp).
   int count(const json& j, const std::string& key, const std::string& path, double min, core::Limit limit,
             const char* unit) const {
@@ -166,12 +171,12 @@ void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec&
     g.name = j.at("name").get<std::string>();
   }
   if (j.contains("peak_tflops")) g.peak_flops = r.number(j, "peak_tflops", path, 0, true) * kTera;
-  if (j.contains("sm_count")) g.sm_count = static_cast<int>(r.number(j, "sm_count", path, 1, false));
+  if (j.contains("sm_count")) g.sm_count = static_cast<int>(r.number(j, "sm_count", path, 1, false, 1e6));
   if (j.contains("hbm_gib"))
     g.hbm_bytes = static_cast<std::int64_t>(r.number(j, "hbm_gib", path, 0, true) * static_cast<double>(kGiB));
   if (j.contains("hbm_bandwidth_gb_per_s"))
     g.hbm_bandwidth_bytes_per_s = r.number(j, "hbm_bandwidth_gb_per_s", path, 0, true) * kGB;
-  if (j.contains("launch_overhead_us")) g.launch_overhead_s = r.number(j, "launch_overhead_us", path, 0, false) * 1e-6;
+  if (j.contains("launch_overhead_us")) g.launch_overhead_s = r.number(j, "launch_overhead_us", path, 0, false, 1e6) * 1e-6;
   if (j.contains("comm_sm_share")) {
     g.comm_sm_share = r.number(j, "comm_sm_share", path, 0, false);
     if (g.comm_sm_share >= 1) r.fail(path + "comm_sm_share", "must be < 1");
@@ -223,8 +228,11 @@ void apply_node(const Reader& r, const json& j, const std::string& path, NodeSpe
     n.nvlink_efficiency = r.number(j, "nvlink_efficiency", path, 0, true);
     if (n.nvlink_efficiency > 1) r.fail(path + "nvlink_efficiency", "must be <= 1");
   }
-  if (j.contains("nvlink_latency_us")) n.nvlink_latency_s = r.number(j, "nvlink_latency_us", path, 0, false) * 1e-6;
-  if (j.contains("nics")) n.nics = static_cast<int>(r.number(j, "nics", path, 0, false));
+  if (j.contains("nvlink_latency_us")) n.nvlink_latency_s = r.number(j, "nvlink_latency_us", path, 0, false, 1e6) * 1e-6;
+  if (j.contains("nics")) {
+    n.nics = static_cast<int>(r.number(j, "nics", path, 0, false, 1024));
+    if (j.at("nics").get<double>() != n.nics) r.fail(path + "nics", fmt::format("expected a whole number, got {}", j.at("nics").get<double>()));
+  }
   if (j.contains("nic_bandwidth_gbit_per_s"))
     n.nic_bandwidth_bytes_per_s = r.number(j, "nic_bandwidth_gbit_per_s", path, 0, true) * kGbit;
 }
@@ -365,7 +373,7 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
   if (j.contains("network")) {
     const json& n = j.at("network");
     r.check_keys(n, "network.", {"latency_us", "topology", "oversubscription"});
-    if (n.contains("latency_us")) network.latency_s = r.number(n, "latency_us", "network.", 0, false) * 1e-6;
+    if (n.contains("latency_us")) network.latency_s = r.number(n, "latency_us", "network.", 0, false, 1e6) * 1e-6;
     if (n.contains("topology")) {
       const json& t = n.at("topology");
       if (!t.is_string() || (t.get<std::string>() != "rail-optimized" && t.get<std::string>() != "fat-tree"))
@@ -432,6 +440,20 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
       }
     }
   }
+  // Nodes talk over their NICs: with none, every inter-node byte took infinite time and the
+  // simulator printed inf. A cluster that may grow past one node (not "fixed") needs them too.
+  // Without a NIC bandwidth the analytic engine predicted 3.5e9 s per step.
+  if (c.nodes.size() > 1 || !c.fixed_size)
+    for (std::size_t i = 0; i < c.nodes.size(); ++i) {
+      if (c.nodes[i].nics < 1)
+        r.fail(j.contains("overrides") ? "overrides" : "node.nics",
+               fmt::format("node {} has no NICs; nodes of a multi-node cluster need nics >= 1 (a single node without "
+                           "a network is \"nodes\": 1)", i));
+      if (c.nodes[i].nic_bandwidth_bytes_per_s <= 0)
+        r.fail(j.contains("overrides") ? "overrides" : "node.nic_bandwidth_gbit_per_s",
+               fmt::format("node {} has no NIC bandwidth; nodes of a multi-node cluster need it (a single node without "
+                           "a network is \"nodes\": 1)", i));
+    }
   std::int64_t devices = 0;
   for (const auto& node : c.nodes) devices += node.gpus_per_node;
   if (devices > core::limit_value(core::Limit::Devices))
@@ -454,6 +476,7 @@ Cluster load_cluster(const std::string& preset_or_path) {
 Cluster cluster_from_text(const std::string& text, const std::string& where) {
   const std::string& preset_or_path = where;
   json j;
+  core::check_json_depth(text, where);
   try {
     j = json::parse(text);
   } catch (const json::exception& e) {  // also number overflow (out_of_range.406)

@@ -116,6 +116,9 @@ json Calibration::to_json() const {
   return {{"format", "piper-calibration"}, {"version", 1}, {"gpu", gpu}, {"entries", std::move(list)}};
 }
 
+// The longest op time a calibration may record: 10^6 s (11 days) is far past any real op.
+constexpr double kMaxCalibrationSeconds = 1e6;
+
 Calibration Calibration::from_json(const json& j, const std::string& where) {
   auto fail = [&](const std::string& field, const std::string& m) {
     throw ClusterError(fmt::format("{}: field '{}': {}", where, field, m));
@@ -143,8 +146,10 @@ Calibration Calibration::from_json(const json& j, const std::string& where) {
         fail(at + "pass", "expected F, B, BI, BW or \"\"");
       }
     }
-    if (!e.contains("seconds") || !e.at("seconds").is_number() || e.at("seconds").get<double>() < 0)
-      fail(at + "seconds", "expected a number >= 0");
+    // A measured op time: finite and below a day-scale bound (1e308 s made every prediction inf).
+    if (!e.contains("seconds") || !e.at("seconds").is_number() || !(e.at("seconds").get<double>() >= 0) ||
+        !(e.at("seconds").get<double>() <= kMaxCalibrationSeconds))
+      fail(at + "seconds", fmt::format("expected a number in [0, {:g}]", kMaxCalibrationSeconds));
     c_e.seconds = e.at("seconds").get<double>();
     // Whole-number fields must be JSON integers: converting 1e300 to an integer is undefined.
     auto integer = [&](const char* field, std::int64_t max) {
@@ -174,6 +179,7 @@ Calibration Calibration::load(const std::string& path) { return parse(core::read
 
 Calibration Calibration::parse(const std::string& text, const std::string& where) {
   const std::string& path = where;
+  core::check_json_depth(text, path);
   try {
     return from_json(json::parse(text), path);
   } catch (const json::exception& e) {

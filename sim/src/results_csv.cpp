@@ -11,6 +11,8 @@
 
 #include <fmt/format.h>
 
+#include "piper/core/limits.hpp"
+
 namespace piper::sim {
 
 namespace fs = std::filesystem;
@@ -77,12 +79,11 @@ std::vector<std::vector<std::string>> read_results(const std::string& path, cons
   std::error_code ec;
   if (!fs::exists(path, ec)) return rows;
   std::string text;
-  {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw ResultsFileError(path + ": cannot open for reading");
-    std::ostringstream s;
-    s << in.rdbuf();
-    text = s.str();
+  try {
+    // Bounded (Limit::InputBytes, sized before reading): `-o /dev/zero` is refused, not read whole.
+    text = core::read_input_file(path);
+  } catch (const core::Error& e) {
+    throw ResultsFileError(e.what());
   }
   // Rows are written whole and newline-terminated, so everything after the last newline is a row cut
   // by a kill: drop it (its item simply reruns).

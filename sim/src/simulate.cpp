@@ -2,6 +2,7 @@
 #include "piper/sim/simulate.hpp"
 
 #include <chrono>
+#include <cmath>
 
 #include <fmt/format.h>
 #include "piper/core/limits.hpp"
@@ -39,6 +40,13 @@ SimulationResult run(SimulationResult out, const std::string& cluster_name, cons
   out.timeline = symmetry ? engine->run_reduced(out.program, out.cluster, cost, *symmetry) : engine->run(out.program, out.cluster, cost);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   out.report = make_report(out.timeline, out.cluster, compile_stats_of(*out.program), symmetry ? &*symmetry : nullptr, &cost);
+  // A result is a number of seconds or nothing: inf (no NICs between nodes, a 1e308 calibration
+  // entry) used to print and exit 0.
+  if (!std::isfinite(out.report.step_time_s) || out.report.step_time_s < 0)
+    throw core::Error(fmt::format("simulation: predicted step time is {} seconds, not a finite time; an input (cluster '{}'{}) "
+                                  "holds an out-of-range value",
+                                  out.report.step_time_s, out.cluster.name,
+                                  options.calibration_path.empty() ? "" : ", calibration " + options.calibration_path));
   out.report.simulate_time_s = seconds;
   out.report.simulation = mode;
   return out;

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <mutex>
@@ -46,6 +47,16 @@ std::vector<T> knob(const json& j, const char* field, const std::string& where, 
       throw SweepError(fmt::format("{}: field '{}': expected {} or a list of them, got {}", where, field,
                                    std::is_same_v<T, std::string> ? "a string" : std::is_same_v<T, bool> ? "true/false" : std::is_floating_point_v<T> ? "a number" : "an integer",
                                    x.dump()));
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      // get<int> of 2^31 wraps to -2^31: refuse what the field's type cannot hold.
+      const bool fits = x.is_number_unsigned()
+                            ? x.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<T>::max())
+                            : x.get<std::int64_t>() >= static_cast<std::int64_t>(std::numeric_limits<T>::min()) &&
+                                  x.get<std::int64_t>() <= static_cast<std::int64_t>(std::numeric_limits<T>::max());
+      if (!fits)
+        throw SweepError(fmt::format("{}: field '{}': {} is out of range (at most {})", where, field, x.dump(),
+                                     std::numeric_limits<T>::max()));
+    }
     out.push_back(x.get<T>());
   };
   if (v.is_array()) {
@@ -163,6 +174,7 @@ SweepSpec SweepSpec::load(const std::string& path) {
 
 SweepSpec SweepSpec::parse(const std::string& text, const std::string& where, const std::string& base_dir) {
   json j;
+  core::check_json_depth(text, where);
   try {
     j = json::parse(text);
   } catch (const json::exception& e) {

@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 
 #include "piper/core/dag.hpp"
+#include "piper/core/limits.hpp"
 #include "piper/core/model.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/sim/cluster.hpp"
@@ -354,6 +355,8 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
   EnumerationStats stats;
   std::vector<TuneCandidate> out;
   if (spec.devices < 1) throw TuneError(fmt::format("--devices must be >= 1 (got {})", spec.devices));
+  // Before any work (also for callers other than run_tune).
+  core::check_limit(core::Limit::Devices, spec.devices, "--devices", "devices");
   const std::int64_t batch = spec.effective_global_batch();
   std::vector<const core::ScheduleFamily*> families;
   for (const auto& f : core::schedule_registry())
@@ -1081,6 +1084,8 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
   const auto started = Clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - started).count(); };
   TuneSummary summary;
+  // Before any work: 10^6 devices spun 307 s in the per-device memory cap loop below.
+  core::check_limit(core::Limit::Devices, spec.devices, "--devices", "devices");
   Cluster cluster;
   try {
     cluster = with_devices(load_cluster(spec.cluster), spec.devices);

@@ -13,9 +13,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::string text = piper::fuzz::text_of(data, size);
   nlohmann::json program;
   try {
+    piper::core::check_json_depth(text, "fuzz.json");  // as the CLI's reader does, before parsing
     program = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception&) {
     return 0;  // the CLI reports "not valid JSON" before any library code runs
+  } catch (const piper::core::LimitError& e) {
+    piper::fuzz::require_one_line(e.what());
+    return 0;
   }
   piper::fuzz::rejects_cleanly([&] {
     piper::core::Scenario s;

@@ -13,9 +13,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   piper::fuzz::small_limits();
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(piper::fuzz::text_of(data, size));
+    const std::string text = piper::fuzz::text_of(data, size);
+    piper::core::check_json_depth(text, "fuzz.json");  // as the CLI's reader does, before parsing
+    j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception&) {
     return 0;  // the CLI reports "not valid JSON" before any library code runs
+  } catch (const piper::core::LimitError& e) {
+    piper::fuzz::require_one_line(e.what());
+    return 0;
   }
   piper::fuzz::rejects_cleanly([&] {
     piper::core::Program program = piper::core::Program::from_json(j);

@@ -106,7 +106,7 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
   const DataShape shape = data_shape(program);
   TrainResult r;
   if (!o.resume_path.empty()) {
-    const Checkpoint ckpt = read_compatible_checkpoint(o.resume_path, read_checkpoint_bytes(o.resume_path), program);
+    const Checkpoint ckpt = read_compatible_checkpoint(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program);
     for (auto& b : backends) b->restore(ckpt.state), b->set_steps_done(ckpt.info.step);
     r.first_step = ckpt.info.step;
   }
@@ -225,7 +225,7 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
   std::unique_ptr<CudaBackend> backend;
   std::shared_ptr<const SmPartitioner> sm;
   std::optional<Checkpoint> ckpt;
-  const std::string checkpoint_bytes = o.resume_path.empty() ? std::string() : broadcast_checkpoint_bytes(o.resume_path, rank, error);
+  const std::string checkpoint_bytes = o.resume_path.empty() ? std::string() : broadcast_checkpoint_bytes(o.resume_path, program, rank, error);
   try {
     if (error.empty()) {
       check_save_path(o.save_path);

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "piper/core/error.hpp"
@@ -23,6 +24,9 @@ enum class Limit {
   DagNodes,             // nodes of the global training DAG while compiling
   SimulatedOps,         // op instances a simulation runs (sum over devices of their plan's ops)
   SweepRuns,            // combinations in one sweep
+  JsonDepth,            // nesting depth of arrays/objects in any JSON input (deeper would overflow the stack)
+  DataBytes,            // size of a --data token file
+  CheckpointBytes,      // size of a checkpoint file read by --resume
 };
 
 struct LimitInfo {
@@ -63,5 +67,24 @@ void check_limit(Limit l, std::int64_t value, const std::string& where, const st
 // Reads a whole input file after checking its size against Limit::InputBytes (before reading a
 // byte). Throws Error "<path>: ..." for a missing, unreadable or oversized file or a directory.
 std::string read_input_file(const std::string& path);
+
+// The same, bounded by `bytes_limit` (Limit::DataBytes for --data, Limit::CheckpointBytes for a
+// checkpoint) and, when max_bytes >= 0, also by max_bytes (what the input can hold at most, e.g. a
+// checkpoint of a known model; `what` names it in the error). Regular files are sized before a byte
+// is read; pipes and devices (/dev/zero) are read in chunks and stopped once they pass the bound.
+std::string read_input_file(const std::string& path, Limit bytes_limit, std::int64_t max_bytes = -1,
+                            const std::string& what = "");
+
+// Throws LimitError "<where>: JSON nested N deep (or more) exceeds the limit of ... 'json-depth' ..."
+// when arrays/objects in `text` nest deeper than Limit::JsonDepth. A linear scan that skips strings
+// (with their escapes) and stops at the first level past the limit; call it before json::parse, whose
+// recursive destructor and conversions would overflow the stack on 10^5 levels. Malformed text is left
+// for the parser to report.
+void check_json_depth(std::string_view text, const std::string& where);
+
+// Input echoed into an error line, made safe to print: control bytes and bytes that are not UTF-8
+// become \xNN, and past max_bytes (0: no cap) the rest is replaced by "... (N bytes in all)". A CSV
+// cell of 355 binary bytes used to be written raw into the error line.
+std::string printable(std::string_view text, std::size_t max_bytes = 0);
 
 }  // namespace piper::core

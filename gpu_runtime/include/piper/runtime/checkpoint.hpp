@@ -61,7 +61,11 @@ struct Checkpoint {
   CanonicalState state;
 };
 Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes);
-std::string read_checkpoint_bytes(const std::string& path);   // throws std::invalid_argument
+// Reads a checkpoint file, bounded by Limit::CheckpointBytes and by checkpoint_bytes_bound(program)
+// (sized before a byte is read); throws std::invalid_argument.
+std::string read_checkpoint_bytes(const std::string& path, const core::Program& program);
+// The most bytes a checkpoint of `program`'s model can take (parameters and Adam state, and its header).
+std::int64_t checkpoint_bytes_bound(const core::Program& program);
 
 // Checks that `ckpt` fits `program` (same model, sequence length and global batch); throws
 // std::invalid_argument with one line naming `path` and what differs.

@@ -230,6 +230,7 @@ class HostModel {
   MatMap tied_table_grad(SegmentParams& sp);
   std::vector<MlpWeights> expert_weights(SegmentParams& sp, int layer);
   void init_params(SegmentParams& sp, std::uint64_t seed);
+  void check_fits_in_memory(const std::string& who) const;
 
   core::Model model_;
   AttentionShape attn_shape_;

@@ -74,7 +74,7 @@ bool saves_after(const TrainOptions& o, int done);
 Checkpoint read_compatible_checkpoint(const std::string& path, const std::string& bytes, const core::Program& program);
 // Rank 0 of MPI_COMM_WORLD reads the file and broadcasts it (ranks need not share a file system).
 // Collective. On failure `error` is set (rank 0: the reason; others: "reported by rank 0").
-std::string broadcast_checkpoint_bytes(const std::string& path, int rank, std::string& error);
+std::string broadcast_checkpoint_bytes(const std::string& path, const core::Program& program, int rank, std::string& error);
 // Every rank sends its records of the canonical state to rank 0, which assembles and writes the file
 // atomically. Collective. A failed write stops every rank: std::invalid_argument on rank 0,
 // ReportedByAnotherRank elsewhere.

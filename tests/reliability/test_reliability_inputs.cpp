@@ -1,0 +1,351 @@
+// Reliability, input side (issue #28): each hostile input the probe found crashing, spinning, eating
+// memory or succeeding wrongly is now one clean line and a non-zero exit. Each case runs the real
+// `piper` binary in a scratch folder; before the fixes each one crashed (exit 139), ended in
+// `internal error: std::bad_alloc`, ran for minutes, printed `inf` with exit 0, or echoed raw bytes.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "piper/core/limits.hpp"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void write_file(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
+
+std::string nested(std::size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); }
+
+struct CliResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+const std::string kSource = PIPER_SOURCE_DIR;
+const std::string kTiny = kSource + "/tests/data/runtime-tiny-dense.json";
+
+class HostileInput : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() / ("piper_hostile_" + std::to_string(::getpid()) + "_" + info->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Runs piper in the scratch folder; `timeout` turns a hang into exit 124 instead of a stuck test.
+  CliResult run(const std::string& args, int timeout_s = 120) const {
+    const fs::path out = dir_ / "stdout.txt", err = dir_ / "stderr.txt";
+    const std::string cmd = "cd '" + dir_.string() + "' && timeout " + std::to_string(timeout_s) + " '" + PIPER_CLI + "' " +
+                            args + " >'" + out.string() + "' 2>'" + err.string() + "'";
+    const int status = std::system(cmd.c_str());
+    CliResult r;
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.out = read_file(out);
+    r.err = read_file(err);
+    fs::remove(out);
+    fs::remove(err);
+    return r;
+  }
+
+  fs::path input(const std::string& name, const std::string& text) {
+    write_file(dir_ / name, text);
+    return dir_ / name;
+  }
+
+  // The contract for a refused input: exit 2, one "piper: error: " line on stderr holding every
+  // fragment, and only printable characters in it.
+  static void expect_one_line(const CliResult& r, const std::vector<std::string>& fragments) {
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    ASSERT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_EQ(r.err.rfind("piper: error: ", 0), 0u) << r.err;
+    EXPECT_EQ(r.err.find("internal error"), std::string::npos) << r.err;
+    for (const auto& f : fragments) EXPECT_NE(r.err.find(f), std::string::npos) << "missing '" << f << "' in " << r.err;
+    for (char c : r.err) EXPECT_TRUE(c == '\n' || (c >= 0x20 && c < 0x7f)) << "unprintable byte in " << r.err;
+  }
+
+  // A plan compiled from the tiny runtime model, as JSON to edit.
+  json tiny_plan() {
+    const CliResult r = run("compile --model '" + kTiny + "' --pp 2 --dp 2 --microbatches 4 --schedule 1f1b -o a.json");
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return json::parse(read_file(dir_ / "a.json"));
+  }
+
+  fs::path dir_;
+};
+
+// ---- 1. JSON nesting depth -------------------------------------------------------------------
+
+TEST_F(HostileInput, DeepDirectiveFilterRefusedNotStackOverflow) {
+  input("deep.json", "[{\"op\":\"place\",\"filter\":{\"PP\":" + nested(100000) + "},\"devices\":[0]}]");
+  expect_one_line(run("compile --model qwen3-9m --directives deep.json -o plan.json"), {"deep.json", "limit 'json-depth'"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+}
+
+TEST_F(HostileInput, DeepModelSpecInsideAPlanRefusedByVerifyAndSimulate) {
+  json plan = tiny_plan();
+  plan["model_spec"]["description"] = "@@DEEP@@";
+  std::string text = plan.dump();
+  text.replace(text.find("\"@@DEEP@@\""), 10, nested(200000));
+  input("deep-plan.json", text);
+  expect_one_line(run("verify deep-plan.json"), {"deep-plan.json", "limit 'json-depth'"});
+  expect_one_line(run("simulate --plan deep-plan.json"), {"deep-plan.json", "limit 'json-depth'"});
+}
+
+TEST_F(HostileInput, DeepJsonRefusedInEveryInputKind) {
+  const std::string deep = "{\"a\": " + nested(100000) + "}";
+  input("deep.json", deep);
+  input("deep-array.json", nested(100000));
+  expect_one_line(run("compile --model deep.json -o plan.json"), {"deep.json", "json-depth"});
+  expect_one_line(run("simulate --model qwen3-9m --cluster deep.json"), {"deep.json", "json-depth"});
+  expect_one_line(run("simulate --model qwen3-9m --calibration deep.json"), {"deep.json", "json-depth"});
+  expect_one_line(run("sweep deep.json -o out.csv"), {"deep.json", "json-depth"});
+  expect_one_line(run("schedule export-csv --directives deep-array.json"), {"deep-array.json", "json-depth"});
+  expect_one_line(run("run --reference --plan deep.json --steps 1"), {"deep.json", "json-depth"});
+}
+
+// Brackets inside strings are not nesting; a lowered limit moves the line both ways.
+TEST_F(HostileInput, JsonDepthCountsStructureNotStringsAndIsOverridable) {
+  json spec = json::parse(read_file(kTiny));
+  spec["description"] = std::string(5000, '[') + "\\\"" + std::string(5000, '{');
+  input("brackets.json", spec.dump());
+  const CliResult ok = run("compile --model brackets.json -o plan.json");
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+  // The spec nests 2 deep (training); a limit of 1 refuses it, 2 takes it.
+  expect_one_line(run("--limit json-depth=1 compile --model brackets.json -o plan2.json"), {"brackets.json", "json-depth"});
+  EXPECT_EQ(run("--limit json-depth=2 compile --model brackets.json -o plan3.json").exit_code, 0);
+  const CliResult limits = run("limits");
+  EXPECT_EQ(limits.exit_code, 0);
+  for (const char* name : {"json-depth", "data-bytes", "checkpoint-bytes"}) EXPECT_NE(limits.out.find(name), std::string::npos) << name;
+}
+
+// ---- 2. A plan's training shape is checked on load ---------------------------------------------
+
+TEST_F(HostileInput, PlanTrainingShapeCheckedOnLoad) {
+  const json plan = tiny_plan();
+  struct Case {
+    const char* name;
+    const char* field;
+    json value;
+    const char* fragment;
+  };
+  const std::vector<Case> cases = {
+      {"seq0.json", "seq_len", 0, "training.seq_len"},
+      {"mbs-1.json", "micro_batch_size", -1, "training.micro_batch_size"},
+      {"seq-huge.json", "seq_len", 100000000, "tokens-per-microbatch"},
+      {"mb0.json", "microbatches", 0, "microbatches"},
+  };
+  for (const auto& c : cases) {
+    json p = plan;
+    if (std::string(c.field) == "microbatches")
+      p["microbatches"] = c.value;
+    else
+      p["training"][c.field] = c.value;
+    input(c.name, p.dump());
+    SCOPED_TRACE(c.name);
+    expect_one_line(run(std::string("verify ") + c.name), {c.fragment});
+    expect_one_line(run(std::string("simulate --plan ") + c.name), {c.fragment});
+    expect_one_line(run(std::string("run --reference --steps 1 --plan ") + c.name), {c.fragment});
+  }
+}
+
+// seq_len 10^7 with 2 sequences per microbatch is past tokens-per-microbatch; with 1 it is within,
+// but no machine holds its attention scores: one line each, not std::bad_alloc.
+TEST_F(HostileInput, PlanWithHugeSequenceIsRefusedNotBadAlloc) {
+  json plan = tiny_plan();
+  plan["training"]["seq_len"] = 10000000;
+  input("seq-1e7.json", plan.dump());
+  expect_one_line(run("run --reference --steps 1 --plan seq-1e7.json"), {"seq-1e7.json", "tokens-per-microbatch"});
+  plan["training"]["micro_batch_size"] = 1;
+  input("seq-1e7-mbs1.json", plan.dump());
+  expect_one_line(run("run --reference --steps 1 --plan seq-1e7-mbs1.json"), {"10000000 tokens", "attention scores", "memory"});
+}
+
+TEST_F(HostileInput, CompileRefusesLearnedPositionsShorterThanTheSequence) {
+  json spec = json::parse(read_file(kTiny));
+  spec["max_positions"] = 8;  // seq_len is 16
+  input("short-positions.json", spec.dump());
+  expect_one_line(run("compile --model short-positions.json -o plan.json"), {"max_positions", "training.seq_len"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+  // A plan edited the same way is refused on load too.
+  json plan = tiny_plan();
+  plan["model_spec"]["max_positions"] = 8;
+  input("plan-short.json", plan.dump());
+  expect_one_line(run("verify plan-short.json"), {"max_positions"});
+}
+
+// ---- 3. Limits before work ------------------------------------------------------------------
+
+TEST_F(HostileInput, TuneChecksTheDeviceLimitBeforeSearching) {
+  // Used to enumerate for 307 s first; the timeout would turn that into exit 124.
+  expect_one_line(run("tune --model qwen3-9m --devices 1000000 -o t.csv", 60), {"--devices", "limit 'devices'"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.csv"));
+}
+
+// ---- 8. Bounded reads -----------------------------------------------------------------------
+
+TEST_F(HostileInput, DataFromDevZeroStopsAtTheLimit) {
+  expect_one_line(run("--limit data-bytes=100000 run --reference --model '" + kTiny + "' --steps 1 --data /dev/zero"),
+                  {"/dev/zero", "limit 'data-bytes'"});
+}
+
+TEST_F(HostileInput, SparseTenGigabyteDataAndCheckpointRefusedUnread) {
+  const fs::path big = dir_ / "big.bin";
+  std::ofstream(big).close();
+  fs::resize_file(big, 10'000'000'000ULL);
+  expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --data big.bin"), {"big.bin", "limit 'data-bytes'"});
+  // A checkpoint of the tiny model holds about a megabyte: 10 GB is refused from its size.
+  expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --resume big.bin"), {"big.bin", "checkpoint"});
+}
+
+TEST_F(HostileInput, ResumeFromDevZeroStopsAtTheModelsCheckpointSize) {
+  expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --resume /dev/zero"), {"/dev/zero", "checkpoint"});
+}
+
+// A checkpoint's header line is JSON too: 100,000 levels fit the tiny model's size bound.
+TEST_F(HostileInput, DeepCheckpointHeaderRefused) {
+  input("deep.ckpt", nested(100000) + "\n");
+  expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --resume deep.ckpt"), {"deep.ckpt", "json-depth"});
+}
+
+TEST_F(HostileInput, ResultsFileOnDevZeroIsNotReadWhole) {
+  // Either refused in one line or written through; never read whole into memory (bad_alloc).
+  const CliResult r = run("sweep '" + kSource + "/examples/sweeps/qwen3-9m-quick.json' -o /dev/zero");
+  EXPECT_EQ(r.err.find("internal error"), std::string::npos) << r.err;
+  EXPECT_TRUE(r.exit_code == 0 || r.exit_code == 2) << r.exit_code << " " << r.err;
+  if (r.exit_code != 0) expect_one_line(r, {"/dev/zero"});
+}
+
+// ---- 9. Compile output estimated before compiling ------------------------------------------
+
+TEST_F(HostileInput, CompileRefusesAPlanLargerThanPiperWouldReadBack) {
+  // With the input limit at 1 MB, a 1024-microbatch plan of qwen3-9m (5.6 MB) is refused before the
+  // compile, naming the limit and suggesting fewer microbatches; before, it was written (and then
+  // unreadable by verify under the same limit).
+  const std::string compile = "compile --model qwen3-9m --pp 2 --microbatches 1024 --schedule 1f1b";
+  expect_one_line(run("--limit input-bytes=1000000 " + compile + " -o big.json"), {"big.json", "limit 'input-bytes'", "fewer microbatches"});
+  EXPECT_FALSE(fs::exists(dir_ / "big.json"));
+  // Under the default limit it is written, and reads back; 64 microbatches fit the lowered limit.
+  EXPECT_EQ(run(compile + " -o ok.json").exit_code, 0);
+  EXPECT_EQ(run("verify ok.json").exit_code, 0);
+  const CliResult small = run("--limit input-bytes=1000000 compile --model qwen3-9m --pp 2 --microbatches 64 --schedule 1f1b -o small.json");
+  EXPECT_EQ(small.exit_code, 0) << small.err;
+  EXPECT_EQ(run("--limit input-bytes=1000000 verify small.json").exit_code, 0);
+}
+
+// ---- 11. Simulator inputs and results -------------------------------------------------------
+
+TEST_F(HostileInput, TwoNodeClusterWithoutNicsRefused) {
+  input("no-nics.json", R"({"preset": "dgx-h200", "nodes": 2, "node": {"nics": 0}})");
+  expect_one_line(run("simulate --model qwen3-9m --pp 2 --dp 8 --cluster no-nics.json"), {"no-nics.json", "nics"});
+}
+
+// A cluster described from scratch without a NIC bandwidth: 3.5e9 s per step, exit 0.
+TEST_F(HostileInput, MultiNodeClusterWithoutNicBandwidthRefused) {
+  json c = json::parse(read_file(kSource + "/examples/clusters/custom-gpu.json"));
+  c["node"].erase("nic_bandwidth_gbit_per_s");
+  input("no-nic-bw.json", c.dump());
+  expect_one_line(run("simulate --model qwen3-9m --pp 2 --dp 4 --cluster no-nic-bw.json"), {"no-nic-bw.json", "nic_bandwidth_gbit_per_s"});
+}
+
+TEST_F(HostileInput, OutOfRangeClusterFieldRefused) {
+  input("fast.json", R"({"preset": "dgx-h200", "node": {"gpu": {"preset": "h200-sxm", "half_efficiency_gflops": 1e308}}})");
+  expect_one_line(run("simulate --model qwen3-9m --cluster fast.json"), {"fast.json", "half_efficiency_gflops"});
+}
+
+TEST_F(HostileInput, CalibrationEntryOfAnAgeRefused) {
+  input("cal.json", R"({"format": "piper-calibration", "gpu": "h200", "entries": [{"kind": "COMPUTE", "pass": "F", "seconds": 1e308}]})");
+  expect_one_line(run("simulate --model qwen3-9m --calibration cal.json"), {"cal.json", "seconds"});
+}
+
+// ---- 12. Smaller ones -----------------------------------------------------------------------
+
+TEST_F(HostileInput, SweepValueBeyondIntRefused) {
+  input("sweep.json", R"({"model": "qwen3-9m", "cluster": "dgx-h200", "microbatches": [4, 2147483648]})");
+  expect_one_line(run("sweep sweep.json -o out.csv"), {"sweep.json", "microbatches", "2147483648"});
+  EXPECT_FALSE(fs::exists(dir_ / "out.csv"));
+}
+
+TEST_F(HostileInput, ImportCsvOfBinaryBytesIsOneShortPrintableLine) {
+  std::string bytes;
+  for (int i = 0; i < 355; ++i) bytes += static_cast<char>((i * 37 + 11) % 256 == '\n' ? 1 : (i * 37 + 11) % 256);
+  input("junk.csv", bytes);
+  const CliResult r = run("schedule import-csv junk.csv -o plan.json");
+  expect_one_line(r, {"junk.csv"});
+  EXPECT_LT(r.err.size(), 400u) << r.err;
+  EXPECT_EQ(r.err.find("read as"), std::string::npos) << r.err;
+}
+
+TEST_F(HostileInput, StallTimeoutZeroRefusedAtParse) {
+  expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --stall-timeout 0"), {"--stall-timeout"});
+}
+
+TEST_F(HostileInput, ReferenceRunRefusesTheCudaBackend) {
+  expect_one_line(run("run --reference --backend cuda --model '" + kTiny + "' --steps 1"), {"--reference", "--backend cuda"});
+}
+
+// ---- The helpers themselves ------------------------------------------------------------------
+
+// Depth of {"a": "<s>", "b": [[1]]} as check_json_depth sees it: the smallest limit it accepts.
+int depth_seen(const std::string& inside_string) {
+  const std::string text = "{\"a\": \"" + inside_string + "\", \"b\": [[1]]}";
+  for (int limit = 1; limit < 64; ++limit) {
+    piper::core::set_limit("json-depth", limit);
+    try {
+      piper::core::check_json_depth(text, "t.json");
+      piper::core::reset_limits_to_defaults();
+      return limit;
+    } catch (const piper::core::LimitError&) {
+    }
+  }
+  piper::core::reset_limits_to_defaults();
+  return -1;
+}
+
+TEST(JsonDepth, StringsWithEscapesAreSkipped) {
+  EXPECT_EQ(depth_seen("plain"), 3);
+  EXPECT_EQ(depth_seen("[[[[{{{{"), 3);                 // brackets inside a string
+  EXPECT_EQ(depth_seen("x\\\"[[[[\\\"]"), 3);          // \" does not end the string
+  EXPECT_EQ(depth_seen("\\\\"), 3);                    // an escaped backslash, then the closing quote
+}
+
+TEST(JsonDepth, RefusalNamesTheFileAndTheLimit) {
+  try {
+    piper::core::check_json_depth(nested(300), "deep.json");
+    FAIL() << "accepted 300 levels";
+  } catch (const piper::core::LimitError& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("deep.json: 257 levels", 0), 0u) << m;
+    EXPECT_NE(m.find("limit 'json-depth'"), std::string::npos) << m;
+  }
+  EXPECT_NO_THROW(piper::core::check_json_depth(nested(256), "ok.json"));
+}
+
+TEST(Printable, EscapesControlAndNonUtf8BytesKeepsUtf8AndCuts) {
+  EXPECT_EQ(piper::core::printable("a\x01" "b\x7f"), "a\\x01b\\x7f");
+  EXPECT_EQ(piper::core::printable("mod\xc3\xa8" "le.json"), "mod\xc3\xa8" "le.json");  // UTF-8 kept
+  EXPECT_EQ(piper::core::printable("\xff\xc3"), "\\xff\\xc3");                  // not UTF-8
+  EXPECT_EQ(piper::core::printable(std::string(100, 'x'), 10), std::string(10, 'x') + "... (100 bytes in all)");
+}
+
+}  // namespace
