@@ -265,6 +265,7 @@ std::shared_ptr<const KernelTable> load_kernel_table(const std::string& name) {
   KernelTable t;
   auto parse = [&](const std::string& text, const std::string& where) {
     json j;
+    core::check_json_depth(text, where);
     try {
       j = json::parse(text);
     } catch (const json::exception& e) {
