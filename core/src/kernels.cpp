@@ -256,6 +256,16 @@ std::vector<Kernel> layer_kernels(const Layer& layer, const TrainingShape& shape
       break;
     case LayerKind::Norm: {
       const std::int64_t n = T * h / seq;
+      if (sh.attention_kernel == AttentionKernel::Standard && p < 2) {
+        // Standard-attention models count their norms' traffic as element-wise bytes (Costs): the
+        // same kernel, given by those bytes (the input gradient's includes the gain's).
+        if (p == 1 && full) kb.elementwise(KernelKind::Elementwise, 0, c.forward_flops, c.forward_elementwise_bytes);
+        const std::int64_t bytes = p == 0 ? c.forward_elementwise_bytes
+                                          : c.backward_elementwise_bytes - (full ? c.forward_elementwise_bytes : 0);
+        const double flops = p == 0 ? c.forward_flops : c.backward_input_flops - (full ? c.forward_flops : 0);
+        kb.elementwise(KernelKind::Elementwise, 0, flops, bytes);
+        break;
+      }
       if (p == 1 && full) kb.elementwise(KernelKind::Norm, n, c.forward_flops);
       if (p == 0) kb.elementwise(KernelKind::Norm, n, c.forward_flops);
       if (p == 1) kb.elementwise(KernelKind::NormBackward, n, c.backward_input_flops - (full ? c.forward_flops : 0));

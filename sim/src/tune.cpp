@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 
 #include "piper/core/dag.hpp"
+#include "piper/core/kernels.hpp"
 #include "piper/core/limits.hpp"
 #include "piper/core/model.hpp"
 #include "piper/core/strategy.hpp"
@@ -633,62 +634,74 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
   const Cluster& cluster = costs->cluster();
   // The fastest GPU and link of the cluster, so that the bound holds on every device.
   double flops_rate = 0, hbm = 0, link = 0;
-  double half = std::numeric_limits<double>::infinity(), launch = half;
+  double launch = std::numeric_limits<double>::infinity();
+  const core::Precision pr = model.training().precision;
   for (const auto& node : cluster.nodes) {
-    flops_rate = std::max(flops_rate, node.gpu.peak_flops * node.gpu.max_efficiency);
-    half = std::min(half, node.gpu.half_efficiency_flops);
+    // Without a table: the curve's asymptote (fp8 at twice the bf16 peak); with one, its fastest
+    // GEMM measurement in the training dtype (fp32 may run as tf32).
+    flops_rate = std::max(flops_rate, node.gpu.peak_flops * node.gpu.max_efficiency * (pr == core::Precision::FP8 ? 2 : 1));
     launch = std::min(launch, node.gpu.launch_overhead_s);
     hbm = std::max(hbm, node.gpu.hbm_bandwidth_bytes_per_s);
     link = std::max({link, node.nvlink_bandwidth_bytes_per_s, node.nic_bandwidth_per_gpu_bytes_per_s()});
     if (!node.gpu.kernel_table.empty()) {
-      // The per-kernel model (kernel_table.hpp): no curve, the table's launch floor, and its fastest
-      // measured rate in Piper's FLOPs (flash attention's causal work is half of Piper's count forward
-      // and 2.5/4 of it backward).
       const auto t = load_kernel_table(node.gpu.kernel_table);
-      half = 0;
       launch = std::min(launch, t->launch_floor_s);
-      const core::Precision pr = model.training().precision;
       const std::string dt = pr == core::Precision::FP16 ? "bf16" : core::to_string(pr);
       for (const auto& g : t->gemm)
         if (g.dtype == dt || (dt == "fp32" && g.dtype == "tf32")) flops_rate = std::max(flops_rate, g.flops_per_s);
-      for (const auto& a : t->attention) flops_rate = std::max({flops_rate, 2 * a.fwd_flops_per_s, 1.6 * a.bwd_flops_per_s});
     }
   }
   if (flops_rate <= 0 || hbm <= 0) return 0;
-  half = std::max(0.0, half);
   launch = std::max(0.0, launch);
-  // Per region and microbatch: the FLOPs, HBM traffic, element-wise traffic and TP bytes of its F and
-  // of its B (BI + BW when split), per device under c's layout (recomputed work is in B).
-  struct Pass {
-    double flops = 0, memory = 0, elementwise = 0, tp = 0, kernels = 0;
-    // An op of f FLOPs in k GEMM kernels takes max((f + k * half) / (peak * max_eff), memory / hbm)
-    // + launch (the efficiency curve per kernel, cluster.hpp; an op counts at least one kernel); plus
-    // its element-wise kernels and its TP collectives (an all-gather moves (t-1)/t of its bytes
-    // through each device's link). A pass of a region is at least one op whose kernels add up to the
-    // layers' kernels, and over its ops the max of the sums is below the sum of the maxes.
-    double seconds(int t) const {
-      return std::max((flops + std::max(1.0, kernels) * half_) / flops_rate_, memory / hbm_) + launch_ + elementwise / hbm_ +
-             (t > 1 && link_ > 0 ? tp * (t - 1.0) / t / link_ : 0.0);
+  // Per region and microbatch: a lower bound of its F and of its B (BI + BW when split) per device
+  // under c's layout, from the kernels its layers launch (core::layer_kernels, what lowering lists):
+  // each kernel takes at least the launch floor plus its FLOPs at the fastest rate above (GEMMs), its
+  // causal FLOPs at the fastest measured attention rate, or its fewest bytes (the fused profile's)
+  // at the HBM peak; plus the TP collectives (an all-gather moves (t-1)/t of its bytes through each
+  // device's link). Ops of one pass of a region run one after another, so their kernels add up.
+  double att_fwd = 0, att_bwd = 0;
+  for (const auto& node : cluster.nodes)
+    if (!node.gpu.kernel_table.empty())
+      for (const auto& a : load_kernel_table(node.gpu.kernel_table)->attention)
+        att_fwd = std::max(att_fwd, a.fwd_flops_per_s), att_bwd = std::max(att_bwd, a.bwd_flops_per_s);
+  const double floor = std::min(launch, KernelTable::kDefaultLaunchFloor);
+  auto kernel_bound = [&](const core::Kernel& k) {
+    double t = floor;
+    const double dt = core::bytes_per_element(k.dtype);
+    if (k.kind == core::KernelKind::Gemm) {
+      t += k.flops / flops_rate;  // the exact FLOPs (a rounded shape's time is scaled to them)
+    } else if (k.kind == core::KernelKind::AttentionForward || k.kind == core::KernelKind::AttentionBackward) {
+      const bool bwd = k.kind == core::KernelKind::AttentionBackward;
+      const double causal = static_cast<double>(k.batch) * static_cast<double>(k.n) * static_cast<double>(k.m) *
+                            static_cast<double>(k.m) * static_cast<double>(k.head_dim + k.v_dim) * (bwd ? 2.5 : 1.0);
+      const double rate = bwd ? att_bwd : att_fwd;
+      // Without a table attention runs at most at the GEMM rate on Piper's (full-matrix) FLOPs.
+      t += rate > 0 ? causal / rate : k.flops / flops_rate;
+    } else {
+      const double bytes = k.kind == core::KernelKind::Elementwise ? static_cast<double>(k.bytes)
+                           : k.kind == core::KernelKind::Loss || k.kind == core::KernelKind::LossBackward
+                               ? static_cast<double>(k.elems) * 4
+                               : static_cast<double>(k.elems) * dt * 2;
+      t += bytes / hbm;
     }
-    double flops_rate_ = 0, hbm_ = 0, link_ = 0, half_ = 0, launch_ = 0;
+    return t * k.count;
   };
-  std::vector<Pass> f(static_cast<std::size_t>(place.regions), Pass{0, 0, 0, 0, 0, flops_rate, hbm, link, half, launch}), b = f;
+  struct PassBound {
+    double seconds = 0, tp = 0;
+    double total(int t, double link_bw) const { return seconds + (t > 1 && link_bw > 0 ? tp * (t - 1.0) / t / link_bw : 0.0); }
+  };
+  std::vector<PassBound> f(static_cast<std::size_t>(place.regions)), b = f;
   const std::shared_ptr<const std::vector<core::Costs>> layer_costs = shape->costs(c);
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
     const auto r = static_cast<std::size_t>(shape->region_of_layer[i]);
+    const core::Layer& layer = model.layers()[i];
     const core::Costs& k = (*layer_costs)[i];
-    // Expert parallelism divides the experts' weight traffic (each device computes every token
-    // routed to its experts, so not their FLOPs); dividing by EP is never larger than lowering's.
-    const double shard = shape->ep_tagged[i] ? c.ep : 1;
-    f[r].flops += k.forward_flops;
-    f[r].memory += static_cast<double>(k.forward_memory_bytes) / shard;
-    f[r].elementwise += static_cast<double>(k.forward_elementwise_bytes);
+    const int shard = shape->ep_tagged[i] ? c.ep : 1;
+    const core::ParallelLayout L = layout_of(c, layer);
+    for (int p = 0; p < 3; ++p)
+      for (const auto& kern : core::layer_kernels(layer, model.training(), L, p, shard))
+        (p == 0 ? f[r] : b[r]).seconds += kernel_bound(kern);
     f[r].tp += static_cast<double>(k.forward_tp_bytes);
-    f[r].kernels += k.forward_gemm_kernels;
-    b[r].kernels += k.backward_input_gemm_kernels + k.backward_weight_gemm_kernels;
-    b[r].flops += k.backward_flops();
-    b[r].memory += static_cast<double>(k.backward_memory_bytes) / shard;
-    b[r].elementwise += static_cast<double>(k.backward_elementwise_bytes);
     b[r].tp += static_cast<double>(k.backward_tp_bytes);
   }
   // A device's compute ops run one at a time on its compute stream. Rank r runs every microbatch's F
@@ -702,9 +715,9 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
       const int home = place.rank_of_region[static_cast<std::size_t>(r)];
       const int copies = (home == rank ? 1 : 0) + (place.mirrored && c.pp - 1 - home == rank ? 1 : 0);
       if (copies == 0) continue;
-      busy += copies * per_copy * (f[static_cast<std::size_t>(r)].seconds(c.tp) + b[static_cast<std::size_t>(r)].seconds(c.tp));
+      busy += copies * per_copy * (f[static_cast<std::size_t>(r)].total(c.tp, link) + b[static_cast<std::size_t>(r)].total(c.tp, link));
       double before = 0;
-      for (int s = 0; s < r; ++s) before += f[static_cast<std::size_t>(s)].seconds(c.tp);
+      for (int s = 0; s < r; ++s) before += f[static_cast<std::size_t>(s)].total(c.tp, link);
       fill = std::min(fill, before);
     }
     if (std::isfinite(fill)) worst = std::max(worst, fill + busy);

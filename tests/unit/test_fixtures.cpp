@@ -126,15 +126,16 @@ TEST(Fixtures, Pp2Dp2Ep2CommunicationMatchesHandCount) {
       }
 }
 
-// ZeRO-3: gradients are reduce-scattered once per segment (5); parameters are all-gathered before
-// each use: 5 segments x M microbatches x 2 (forward, backward); no all-gather after the update.
+// ZeRO-3: gradients are reduce-scattered once per segment and microbatch (5 x M, the default of
+// shard_grads: DeepSpeed ZeRO-2/3, FSDP2); parameters are all-gathered before each use: 5 segments x
+// M microbatches x 2 (forward, backward); no all-gather after the update.
 TEST(Fixtures, Pp2Dp2Ep2Zero3CommunicationMatchesHandCount) {
   const int M = 4;
   const auto r = compile_json(qwen9m_even(2), with_1f1b(load("pp2_dp2_ep2_zero3.json"), M));
   EXPECT_EQ(count(r, "SEND"), 2 * M);
   EXPECT_EQ(count(r, "ALL_TO_ALL"), 16 * M);
   EXPECT_EQ(count(r, "ALL_REDUCE"), 0);
-  EXPECT_EQ(count(r, "REDUCE_SCATTER"), 5);
+  EXPECT_EQ(count(r, "REDUCE_SCATTER"), 5 * M);
   EXPECT_EQ(count(r, "ALL_GATHER"), 5 * M * 2);
   // Parameters of a replicated segment are stored 1/2 per device; gathered copies are transient.
   const auto& plan = r.program.plan_for(0);
@@ -156,13 +157,20 @@ TEST(Fixtures, Pp2Dp2Ep2Zero3CommunicationMatchesHandCount) {
     }
 }
 
-// ZeRO-2 with the same placement: reduce-scatter per segment, then an all-gather of the updated
-// parameter shards per segment after the update.
+// ZeRO-2 with the same placement: reduce-scatter per segment and microbatch (per segment once with
+// "reduce_every": "step"), then an all-gather of the updated parameter shards per segment after the
+// update.
 TEST(Fixtures, Zero2GathersUpdatedParametersOncePerSegment) {
   const auto r = compile_json(qwen9m_even(2), with_1f1b(load("pp2_dp2_ep2_zero2.json"), 4));
-  EXPECT_EQ(count(r, "REDUCE_SCATTER"), 5);
+  EXPECT_EQ(count(r, "REDUCE_SCATTER"), 5 * 4);
   EXPECT_EQ(count(r, "ALL_GATHER"), 5);
   EXPECT_EQ(count(r, "ALL_REDUCE"), 0);
+  nlohmann::json step = load("pp2_dp2_ep2_zero2.json");
+  for (auto& d : step)
+    if (d.value("op", "") == "replicate") d["reduce_every"] = "step";
+  const auto once = compile_json(qwen9m_even(2), with_1f1b(step, 4));
+  EXPECT_EQ(count(once, "REDUCE_SCATTER"), 5);
+  EXPECT_EQ(count(once, "ALL_GATHER"), 5);
 }
 
 // bucket_size 100 MB: every replicated segment of a stage fits in one bucket (qwen3-9m is ~10 MB).

@@ -507,9 +507,8 @@ TEST(Tune, RankOrderMattersOnlyWhereDeviceGroupsDiffer) {
   ASSERT_FALSE(with.ranked.empty());
   ASSERT_FALSE(without.ranked.empty());
   EXPECT_LE(with.ranked.front().step_time_s, without.ranked.front().step_time_s);
-  bool tried = false;
-  for (const auto& row : read_tune_results(a.string())) tried |= !row.candidate.rank_order.empty();
-  EXPECT_TRUE(tried);
+  // (Whether a rank-order variant is simulated depends on the step-time bound: the per-kernel bound
+  // skips variants that cannot beat the best step found, so only the outcome above is asserted.)
   fs::remove(a);
   fs::remove(b);
   fs::remove(cluster);

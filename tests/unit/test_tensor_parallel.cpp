@@ -276,10 +276,11 @@ TEST(TensorParallel, Fp32MainGradsByHand) {
   };
   EXPECT_EQ(grads(bf16), 2 * P);
   EXPECT_EQ(grads(fp32), 4 * P);
-  // The simulator adds the accumulation's traffic at the GPU's HBM bandwidth to the backward.
+  // The simulator adds the accumulation to the backward as one more element-wise kernel: its traffic
+  // at the GPU's HBM bandwidth (the A100 has no kernel table) plus the 2 µs launch floor.
   const piper::sim::Cluster cluster = piper::sim::with_devices(piper::sim::load_cluster("dgx-a100-80g"), 4);
   const piper::sim::CostModel cost(cluster);
-  EXPECT_NEAR(cost.compute_seconds(fp32, 0, *b32) - cost.compute_seconds(bf16, 0, *b16), 8 * P / 2039e9, 1e-12);
+  EXPECT_NEAR(cost.compute_seconds(fp32, 0, *b32) - cost.compute_seconds(bf16, 0, *b16), 8 * P / 2039e9 + 2e-6, 1e-12);
   // With the backward split (zero-bubble schedules) the accumulation belongs to BW: 8 bytes per
   // parameter of the stage (its UPD moves 42), nothing in BI.
   StrategyOptions zb = o;

@@ -79,8 +79,8 @@ std::shared_ptr<const KernelTable> load_kernel_table(const std::string& name_or_
 // Seconds one launch of `k` takes on a GPU with this table under a runtime profile: max(compute,
 // memory) plus the launch floor. Without a table (nullptr) or where it lacks a class, the GPU's
 // efficiency curve (cluster.hpp: max_efficiency · f / (f + half_efficiency_flops) of the dense bf16
-// peak, scaled by the dtype's datasheet ratio) for GEMMs and attention, and 60 % of the HBM
-// bandwidth for element-wise kernels.
+// peak, scaled by the dtype's datasheet ratio) for GEMMs and attention, and the HBM peak bandwidth
+// for element-wise kernels.
 struct KernelTiming {
   const KernelTable* table = nullptr;
   RuntimeProfile profile = RuntimeProfile::Fused;
