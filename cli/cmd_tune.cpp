@@ -242,6 +242,10 @@ Command add_tune_command(CLI::App& app) {
                   "HSDP shard groups to try with ZeRO >= 1 (a list of replicas per group; 0: plain ZeRO; default: plain only)")
       ->check(kNonNegativeInt)
       ->delimiter(',');
+  cmd->add_option("--reduce-every", a->spec.reduce_every,
+                  "ZeRO-2/3 gradient reductions to try (microbatch, step; default: both)")
+      ->check(CLI::IsMember({"microbatch", "step"}))
+      ->delimiter(',');
   cmd->add_option("--schedules", a->spec.schedules, "schedule families to try (default: all; see 'piper schedule list')")
       ->delimiter(',');
   cmd->add_option("--max-virtual", a->spec.max_virtual, "most PP regions per rank tried")->check(kPositiveInt)->capture_default_str();

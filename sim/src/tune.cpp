@@ -37,7 +37,8 @@ using nlohmann::json;
 namespace {
 
 // A list option's values, sorted and without repeats; `fallback` alone when none was given.
-std::vector<int> distinct_or(std::vector<int> v, std::vector<int> fallback) {
+template <typename T>
+std::vector<T> distinct_or(std::vector<T> v, std::vector<T> fallback) {
   std::sort(v.begin(), v.end());
   v.erase(std::unique(v.begin(), v.end()), v.end());
   return v.empty() ? fallback : v;
@@ -71,6 +72,7 @@ core::StrategyOptions strategy_of(const TuneCandidate& c) {
   o.recompute = c.recompute;
   o.comm_sms = c.comm_sms;
   o.dp_shard = c.dp_shard;
+  if (c.zero >= 2) o.reduce_every = c.reduce_every;
   return o;
 }
 
@@ -297,6 +299,7 @@ std::string TuneCandidate::key() const {
   if (!rank_order.empty()) k += "/o" + join(rank_order, '.');
   if (comm_sms > 0) k += fmt::format("/sms{}", comm_sms);
   if (dp_shard > 0) k += fmt::format("/hs{}", dp_shard);
+  if (reduce_every == "step") k += "/rs-step";
   std::replace(k.begin(), k.end(), ',', ';');
   return k;
 }
@@ -316,6 +319,7 @@ std::string TuneCandidate::describe() const {
   if (virtual_stages > 1) s += fmt::format(" ({} regions/rank)", virtual_stages);
   s += fmt::format(", {} microbatches of {}, ZeRO-{}", microbatches, micro_batch_size, zero);
   if (dp_shard > 0) s += fmt::format(" (HSDP, groups of {})", dp_shard);
+  if (zero >= 2) s += reduce_every == "step" ? ", gradients reduced once per step" : ", gradients reduced per microbatch";
   if (recompute != "none") s += fmt::format(", recompute {}", recompute);
   if (comm_sms > 0) s += fmt::format(", communication on {} SMs", comm_sms);
   if (!pp_ranges.empty()) s += fmt::format(", PP starts {}", join(pp_ranges, ','));
@@ -417,6 +421,10 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
         throw TuneError(fmt::format("--comm-sms {}: {}", sms, why));
   }
   const std::vector<int> dp_shards = distinct_or(spec.dp_shards, {0});
+  const std::vector<std::string> reduce_modes = distinct_or(spec.reduce_every, {std::string("microbatch"), std::string("step")});
+  for (const auto& re : reduce_modes)
+    if (re != "microbatch" && re != "step")
+      throw TuneError(fmt::format("--reduce-every: '{}' is not microbatch or step", re));
   for (int k : dp_shards)
     if (k < 0 || k == 1) throw TuneError(fmt::format("--dp-shard: {} is not a group size (0: plain ZeRO, N >= 2: HSDP over groups of N replicas)", k));
   const std::vector<int> tps = distinct_or(spec.tp_degrees, divisors(std::gcd(node_gpus, spec.devices)));
@@ -533,9 +541,14 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
                     // and be smaller than the region's replicas (else it is plain ZeRO).
                     if (k > 0 && (c.zero == 0 || dp % k != 0 || k >= replicas)) continue;
                     c.dp_shard = k;
-                    for (int sms : comm_sms) {
-                      c.comm_sms = sms;
-                      out.push_back(c);
+                    for (const auto& re : reduce_modes) {
+                      // The gradient reduction is a choice of ZeRO-2/3 only.
+                      if (c.zero < 2 && re != reduce_modes.front()) continue;
+                      c.reduce_every = c.zero >= 2 && re == "step" ? "step" : "";
+                      for (int sms : comm_sms) {
+                        c.comm_sms = sms;
+                        out.push_back(c);
+                      }
                     }
                   }
                 }
@@ -587,7 +600,7 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     const std::int64_t shards = core::zero_shards_of(static_cast<int>(replicas), c.dp_shard);  // HSDP: the group's
     const std::int64_t params = costs.params / shard;
     persistent_of_region[static_cast<std::size_t>(r)] += params * dt / (c.zero >= 3 ? shards : 1) +
-                                                         params * grad_bytes / (c.zero >= 2 ? shards : 1) +
+                                                         params * grad_bytes / (c.zero >= 2 && c.reduce_every != "step" ? shards : 1) +
                                                          params * state_bytes / (c.zero >= 1 ? shards : 1);
     activation_of_region[static_cast<std::size_t>(r)] += costs.activation_bytes / shard;
   }
@@ -927,7 +940,7 @@ TuneRow evaluate_candidate(const TuneSpec& spec, const TuneCandidate& c, const s
 const std::vector<std::string>& tune_csv_columns() {
   static const std::vector<std::string> columns = {
       "key", "model", "cluster", "devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp", "sequence_parallel",
-      "recompute", "comm_sms", "dp_shard", "zero", "schedule", "virtual",
+      "recompute", "comm_sms", "dp_shard", "reduce_every", "zero", "schedule", "virtual",
       "microbatches", "micro_batch_size", "placement", "pp_ranges", "rank_order", "engine", "estimated_memory_bytes", "step_time_s",
       "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s",
       "tp_comm_s", "status", "reason"};
@@ -941,10 +954,10 @@ std::string to_csv(const TuneSpec& spec, const TuneRow& r) {
   // {} prints doubles in their shortest round-trip form, so a row read back compares exactly.
   const bool ok = r.status == "ok";
   auto figure = [&](auto v) { return ok ? fmt::format("{}", v) : std::string(); };
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                      csv_field(c.key()), csv_field(spec.model), csv_field(spec.cluster), spec.devices,
                      spec.effective_global_batch(), spec.seq_len, c.pp, c.dp, c.ep, c.tp, c.sequence_parallel ? 1 : 0,
-                     csv_field(c.recompute), c.comm_sms, c.dp_shard, c.zero, csv_field(c.schedule),
+                     csv_field(c.recompute), c.comm_sms, c.dp_shard, c.zero >= 2 ? (c.reduce_every == "step" ? "step" : "microbatch") : "", c.zero, csv_field(c.schedule),
                      c.virtual_stages, c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '), join(c.rank_order, ' '),
                      r.engine, r.estimated_memory_bytes > 0 ? fmt::format("{}", r.estimated_memory_bytes) : std::string(),
                      figure(r.step_time_s), figure(r.tokens_per_s), figure(r.mfu), figure(r.bubble_fraction),
@@ -985,6 +998,9 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
   c.recompute = at("recompute");
   c.comm_sms = static_cast<int>(integer("comm_sms"));
   c.dp_shard = static_cast<int>(integer("dp_shard"));
+  if (at("reduce_every") != "" && at("reduce_every") != "step" && at("reduce_every") != "microbatch")
+    throw TuneError(fmt::format("{}: column 'reduce_every': '{}' is not microbatch, step or blank", where, at("reduce_every")));
+  c.reduce_every = at("reduce_every") == "step" ? "step" : "";
   c.schedule = at("schedule");
   c.virtual_stages = static_cast<int>(integer("virtual"));
   c.microbatches = static_cast<int>(integer("microbatches"));
@@ -1033,7 +1049,7 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
 std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* spec) {
   // The columns each later version added, oldest first (a new column is one more entry here).
   static const std::vector<std::vector<std::string>> added = {
-      {"tp", "sequence_parallel", "recompute", "rank_order"}, {"comm_sms"}, {"dp_shard"}, {"tp_comm_s"}};
+      {"tp", "sequence_parallel", "recompute", "rank_order"}, {"comm_sms"}, {"dp_shard"}, {"tp_comm_s"}, {"reduce_every"}};
   std::vector<std::vector<std::string>> rows;
   try {
     rows = read_results(csv_path, tune_csv_columns(), "tune", added);

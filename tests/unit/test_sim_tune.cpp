@@ -46,6 +46,7 @@ TuneSpec small_spec() {
   s.max_virtual = 3;
   s.tp_degrees = {1};
   s.recompute_modes = {"none"};
+  s.reduce_every = {"microbatch"};  // the ZeRO-2/3 reduction axis has its own test
   s.top_k = 0;
   s.placement_search = false;
   return s;
@@ -728,4 +729,37 @@ TEST(Tune, RankingListsDistinctPlans) {
         << "listed twice: " << r.candidate.describe();
   }
   fs::remove(csv);
+}
+
+// The ZeRO-2/3 gradient reduction is a search axis: both modes for ZeRO-2/3, one plan for ZeRO-0/1.
+// Per step keeps the whole gradient (memory bound grows by (1 - 1/shards) of the gradient bytes),
+// per microbatch moves the gradient once per microbatch (the simulated step is never faster).
+TEST(Tune, SearchesTheZeroGradientReduction) {
+  TuneSpec spec = narrow_spec(8, 16, 1, {"1f1b"});
+  spec.zero_levels = {1, 2};
+  spec.reduce_every = {};
+  int z1 = 0, z2_step = 0, z2_mb = 0;
+  for (const auto& c : enumerate_candidates(spec)) {
+    if (c.zero == 1) {
+      ++z1;
+      EXPECT_EQ(c.reduce_every, "") << c.key();
+    } else if (c.zero == 2) {
+      (c.reduce_every == "step" ? z2_step : z2_mb) += 1;
+      if (c.reduce_every != "step" || c.dp < 2 || c.microbatches < 2) continue;
+      TuneCandidate mb = c;
+      mb.reduce_every = "";
+      EXPECT_NE(c.key(), mb.key());
+      EXPECT_GT(memory_lower_bound(spec, c), memory_lower_bound(spec, mb)) << c.key();
+      const TuneRow a = evaluate_candidate(spec, c, "analytic"), b = evaluate_candidate(spec, mb, "analytic");
+      ASSERT_EQ(a.status, "ok") << a.reason;
+      ASSERT_EQ(b.status, "ok") << b.reason;
+      EXPECT_LE(a.step_time_s, b.step_time_s) << c.key();
+      EXPECT_GT(a.peak_memory_bytes, b.peak_memory_bytes) << c.key();
+    }
+  }
+  EXPECT_GT(z1, 0);
+  EXPECT_EQ(z2_step, z2_mb);
+  EXPECT_GT(z2_step, 0);
+  spec.reduce_every = {"sometimes"};
+  EXPECT_THROW(enumerate_candidates(spec), TuneError);
 }

@@ -54,6 +54,9 @@ struct TuneSpec {
   // 0 is plain ZeRO. A size that does not split a candidate's replicas is skipped for it. Empty:
   // plain ZeRO only.
   std::vector<int> dp_shards;
+  // ZeRO-2/3 gradient reductions to try (--reduce-every): "microbatch" (DeepSpeed, FSDP2) and/or
+  // "step" (whole gradients kept, FSDP no_sync). Empty: both.
+  std::vector<std::string> reduce_every;
   std::vector<std::string> schedules;     // families to try; empty: every registered family
   int max_virtual = 4;                    // largest regions-per-rank count tried (families that take it)
   double memory_cap_bytes = 0;            // 0: the smallest HBM of the cluster's GPUs less the reserve
@@ -81,6 +84,7 @@ struct TuneCandidate {
   std::string recompute = "none";         // none | selective | full, every region
   int comm_sms = 0;                       // SMs of each GPU for communication (sm_partition); 0: shared
   int dp_shard = 0;                       // HSDP: ZeRO shards over groups of this many replicas; 0: plain
+  std::string reduce_every;               // ZeRO-2/3: "step" (once per step); "" the default, per microbatch
   std::string schedule;
   int virtual_stages = 1;                 // PP regions per pipeline rank
   int microbatches = 1;                   // per data-parallel replica and step
