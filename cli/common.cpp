@@ -87,6 +87,10 @@ const CLI::Validator kNonNegativeNumber(
     },
     "NONNEGATIVE");
 
+const CLI::Validator kOutputPath(
+    [](std::string& value) -> std::string { return value.empty() ? "must name a file, got an empty path" : std::string(); },
+    "FILE");
+
 void StrategyFlags::add_to(CLI::App* app) {
   pp = app->add_option("--pp", options.pp, "pipeline-parallel ranks")->check(kPositiveInt);
     dp = app->add_option("--dp", options.dp, "data-parallel replicas")->check(kPositiveInt);
@@ -129,7 +133,8 @@ void ScenarioFlags::add_to(CLI::App* app) {
       ->check(CLI::NonNegativeNumber);
   directives = app->add_option("--directives", directives_path, "directive program (JSON)");
   app->add_option("--save-scenario", save_scenario_path,
-                  "also write these inputs as a scenario JSON (the file piper-studio opens)");
+                  "also write these inputs as a scenario JSON (the file piper-studio opens)")
+      ->check(kOutputPath);
   strategy.add_to(app);
   for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.bucket_mb, strategy.tp,
                          strategy.sequence_parallel, strategy.recompute, strategy.comm_sms})

@@ -1,5 +1,9 @@
 // The piper command: thin subcommands over the libraries. Each command lives in cli/cmd_*.cpp.
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -10,7 +14,9 @@
 
 using namespace piper::cli;
 
-int main(int argc, char** argv) {
+namespace {
+
+int run_command(int argc, char** argv) {
   CLI::App app{"piper: a programmable distributed-training compiler, simulator and runtime", "piper"};
   app.require_subcommand(1);
   // Resource limits (docs/reliability.md) may be given before or after the subcommand.
@@ -68,3 +74,21 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+// Output lost to a full disk or a closed pipe must not pass for success: stdout (std::cout shares its
+// buffer, as sync_with_stdio is on) is flushed and checked once every command is done; the first
+// failure is one line on stderr and exit status 1 (a command that already failed keeps its status).
+int finish_standard_output(int code) {
+  std::cout.flush();
+  errno = 0;
+  const bool flush_failed = std::fflush(stdout) != 0;
+  const int err = errno;
+  if (!flush_failed && !std::ferror(stdout) && std::cout.good()) return code;
+  if (code == 0)
+    fmt::print(stderr, "piper: error writing standard output: {}\n", err != 0 ? std::strerror(err) : "write error");
+  return code == 0 ? 1 : code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return finish_standard_output(run_command(argc, argv)); }
