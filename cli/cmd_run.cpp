@@ -24,6 +24,7 @@ struct RunArgs {
   std::string backend = "host";
   bool virtual_devices = false;
   std::string precision = "fp32";
+  std::string on_nonfinite = "stop";
   runtime::TrainOptions train;
   CLI::Option* plan = nullptr;
 };
@@ -79,6 +80,9 @@ int run_cuda(const RunArgs& a) {
       runtime::cuda::train_cuda(program, o, c);
     } catch (const runtime::ReportedByAnotherRank&) {
       code = kExitBadInput;
+    } catch (const runtime::TrainingDiverged& e) {
+      print_error("", e.what());
+      code = kExitBadInput;
     } catch (const std::invalid_argument& e) {
       print_error("", e.what());
       code = kExitBadInput;
@@ -119,6 +123,9 @@ int run_distributed(const RunArgs& a) {
       o.print = rank == 0;
       runtime::train_distributed(program, o);
     } catch (const runtime::ReportedByAnotherRank&) {
+      code = kExitBadInput;
+    } catch (const runtime::TrainingDiverged& e) {  // every rank stopped at the same step; rank 0 says why
+      print_error("", e.what());
       code = kExitBadInput;
     } catch (const std::invalid_argument& e) {  // setup errors: train_distributed throws them on one rank only
       print_error("", e.what());
@@ -167,8 +174,13 @@ Command add_run_command(CLI::App& app) {
   cmd->add_option("--calibrate", args->train.calibrate_path,
                   "write measured per-op times (median over the steps after the first) as a piper-calibration FILE for piper simulate --calibration")
       ->check(kOutputPath);
+  cmd->add_option("--on-nonfinite", args->on_nonfinite,
+                  "a NaN/Inf loss, gradient norm or update: stop (exit 2, nothing saved after it) or skip the step (its update is dropped, as Megatron does)")
+      ->check(CLI::IsMember({"stop", "skip"}))
+      ->capture_default_str();
   cmd->add_option("--stall-timeout", args->train.stall_timeout_s, "seconds without progress before a rank gives up")->check(kNonNegativeNumber);
   return {cmd, [args]() -> int {
+            args->train.skip_nonfinite = args->on_nonfinite == "skip";
             if ((args->virtual_devices || args->precision != "fp32") && args->backend != "cuda")
               throw CliError("", "--virtual-devices and --precision need --backend cuda");
             if (args->reference && !args->train.calibrate_path.empty())
