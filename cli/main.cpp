@@ -79,10 +79,11 @@ int run_command(int argc, char** argv) {
 // buffer, as sync_with_stdio is on) is flushed and checked once every command is done; the first
 // failure is one line on stderr and exit status 1 (a command that already failed keeps its status).
 int finish_standard_output(int code) {
-  std::cout.flush();
+  // fflush first: std::cout.flush() would flush stdout itself and the reason (errno) would be lost.
   errno = 0;
   const bool flush_failed = std::fflush(stdout) != 0;
-  const int err = errno;
+  const int err = flush_failed ? errno : 0;
+  std::cout.flush();
   if (!flush_failed && !std::ferror(stdout) && std::cout.good()) return code;
   if (code == 0)
     fmt::print(stderr, "piper: error writing standard output: {}\n", err != 0 ? std::strerror(err) : "write error");

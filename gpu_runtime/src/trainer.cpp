@@ -318,11 +318,21 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   // Rank 0 reads the checkpoint and sends it to every rank (ranks need not share a file system).
   std::string checkpoint;
   std::optional<SaveLock> lock;  // rank 0 writes the checkpoint, so rank 0 holds the lock
-  if (!o.resume_path.empty()) checkpoint = broadcast_checkpoint_bytes(o.resume_path, rank, error);
+  if (rank == 0 && !o.save_path.empty()) {
+    try {
+      lock.emplace(o.save_path);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  // Every rank learns of it before the backend's collective setup (communicator splits).
+  int locked_out = error.empty() ? 0 : 1;
+  MPI_Bcast(&locked_out, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  if (locked_out && rank != 0) error = "reported by rank 0";
+  if (!o.resume_path.empty() && !locked_out) checkpoint = broadcast_checkpoint_bytes(o.resume_path, rank, error);
   try {
     check_save_path(o.save_path);
     check_calibrate_path(o.calibrate_path);
-    if (error.empty() && rank == 0 && !o.save_path.empty()) lock.emplace(o.save_path);
     HostConfig cfg{o.seed, o.data_path, o.adamw, o.stall_timeout_s};
     if (error.empty()) backend = std::make_unique<HostBackend>(program, rank, MPI_COMM_WORLD, cfg);
     if (error.empty() && !o.resume_path.empty()) {
