@@ -146,6 +146,8 @@ void check_steps_after_resume(const TrainOptions& o, int checkpoint_step) {
                                             o.steps, o.resume_path, checkpoint_step, checkpoint_step));
 }
 
+std::string nonfinite_value(double v) { return std::isnan(v) ? "nan" : v > 0 ? "inf" : "-inf"; }
+
 std::string nonfinite_message(int step, const std::string& what) {
   return fmt::format("step {}: {} (training diverged); stopped before saving (--on-nonfinite skip skips such steps instead)", step, what);
 }
@@ -263,8 +265,8 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
       for (float g : sp.grads) grad_sq += static_cast<double>(g) * g;
     const double mean_loss = loss / static_cast<double>(shape.global_tokens());
     std::string bad;
-    if (!std::isfinite(mean_loss)) bad = fmt::format("loss {}", mean_loss);
-    else if (!std::isfinite(grad_sq)) bad = fmt::format("gradient norm {}", std::sqrt(grad_sq));
+    if (!std::isfinite(mean_loss)) bad = "loss " + nonfinite_value(mean_loss);
+    else if (!std::isfinite(grad_sq)) bad = "gradient norm " + nonfinite_value(grad_sq);
     if (bad.empty()) {
       if (o.skip_nonfinite) before.take(m);
       m.update(0, o.adamw, step + 1);
@@ -376,7 +378,7 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
     MPI_Allreduce(MPI_IN_PLACE, &step_s, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     const double mean_loss = sums[0] / static_cast<double>(shape.global_tokens());
     std::string bad;
-    if (!std::isfinite(mean_loss)) bad = fmt::format("loss {}", mean_loss);
+    if (!std::isfinite(mean_loss)) bad = "loss " + nonfinite_value(mean_loss);
     else if (sums[1] != 0) bad = "the update made parameters or AdamW moments non-finite";
     if (!bad.empty()) {
       if (!o.skip_nonfinite) {

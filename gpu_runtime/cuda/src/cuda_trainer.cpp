@@ -144,7 +144,7 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
     ++step_now;
     // --on-nonfinite stop (the only mode here): a non-finite loss ends the run before any save.
     if (!std::isfinite(r.losses.back())) {
-      diverged = nonfinite_message(step_now, fmt::format("loss {}", r.losses.back()));
+      diverged = nonfinite_message(step_now, "loss " + nonfinite_value(r.losses.back()));
       stop = true;
       return;
     }
@@ -296,7 +296,7 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
     // The summed loss is the same on every rank, so every rank stops at this step.
     if (!std::isfinite(r.losses.back())) {
       if (rank != 0) throw ReportedByAnotherRank();
-      throw TrainingDiverged(nonfinite_message(step + 1, fmt::format("loss {}", r.losses.back())));
+      throw TrainingDiverged(nonfinite_message(step + 1, "loss " + nonfinite_value(r.losses.back())));
     }
     if (saves_after(o, step + 1)) save_distributed(o, program, backend->checkpoint_records(), backend->model(), step + 1, rank);
   }

@@ -81,6 +81,8 @@ void check_steps_after_resume(const TrainOptions& o, int checkpoint_step);
 // The one-line message of a non-finite step (`what`: "loss nan", "gradient norm inf", ...), for
 // TrainingDiverged.
 std::string nonfinite_message(int step, const std::string& what);
+// "nan", "inf" or "-inf" (fmt would print a NaN's sign bit: "-nan").
+std::string nonfinite_value(double v);
 // Whether every value this model updates is finite (ZeRO-3: the master chunk; parameters are
 // poisoned outside gathers by design) and every second moment non-negative.
 bool state_is_finite(host::HostModel& model);
