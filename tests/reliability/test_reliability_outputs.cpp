@@ -269,12 +269,12 @@ TEST_F(Outputs, FifoIsWrittenIntoNotReplaced) {
   const std::string fifo = path("plan.fifo");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
   const std::string got = path("got.json");
-  Result r = sh("cat " + fifo + " > " + got + " & " + kCli + " compile --model qwen3-9m --pp 2 -o " + fifo + " > /dev/null; c=$?; wait; exit $c");
+  Result r = sh("timeout 20 cat " + fifo + " > " + got + " & " + kCli + " compile --model qwen3-9m --pp 2 -o " + fifo + " > /dev/null; c=$?; wait; exit $c");
   EXPECT_EQ(r.code, 0) << r.output;
   struct stat st {};
   ASSERT_EQ(::stat(fifo.c_str(), &st), 0);
   EXPECT_TRUE(S_ISFIFO(st.st_mode));
-  EXPECT_NO_THROW((void)json::parse(read_file(got)));
+  EXPECT_TRUE(json::parse(read_file(got)).is_object());
 }
 
 // A symbolic link to a file stays a link; its target gets the new contents.
@@ -284,7 +284,7 @@ TEST_F(Outputs, SymlinkStaysALink) {
   Result r = sh(quiet(kCli + " compile --model qwen3-9m --pp 2 -o " + path("link.json")));
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(fs::is_symlink(path("link.json")));
-  EXPECT_NO_THROW((void)json::parse(read_file(path("target.json"))));
+  EXPECT_TRUE(json::parse(read_file(path("target.json"))).is_object());
 }
 
 TEST_F(Outputs, EmptyOutputPathIsAnError) {
