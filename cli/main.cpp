@@ -5,6 +5,7 @@
 #include <cstring>
 #include <iostream>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include <fmt/format.h>
@@ -64,6 +65,14 @@ int run_command(int argc, char** argv) {
     return kExitBadInput;
   } catch (const nlohmann::json::exception& e) {
     print_error("", json_message(e));
+    return kExitBadInput;
+  } catch (const std::system_error& e) {
+    // fmt::print checks its writes: output longer than stdout's buffer fails here, not at exit.
+    if (std::ferror(stdout)) {
+      fmt::print(stderr, "piper: error writing standard output: {}\n", e.code().message());
+      return 1;
+    }
+    print_error("", e.what());
     return kExitBadInput;
   } catch (const std::runtime_error& e) {  // file system errors (write_file_atomically, ...)
     print_error("", e.what());
