@@ -191,13 +191,13 @@ Command add_compile_command(CLI::App& app) {
   auto args = std::make_shared<CompileArgs>();
   CLI::App* cmd = app.add_subcommand("compile", "compile a model and a directive program into per-device plans");
   args->scenario.add_to(cmd);
-  cmd->add_option("-o,--output", args->out_path, "write the Program (JSON) here");
+  cmd->add_option("-o,--output", args->out_path, "write the Program (JSON) here")->check(kOutputPath);
   cmd->add_flag("--stats", args->stats, "print a statistics table");
   cmd->add_option("--dump-after", args->dump_after,
                   "after these passes write the DAG to DIR/after-<directive index>-<pass>.json and .dot")
       ->delimiter(',')
       ->check(CLI::IsMember(std::vector<std::string>{"split", "backward-split", "tensor-parallel", "place", "shard", "replicate", "order", "all"}));
-  cmd->add_option("--dump-dir", args->dump_dir, "folder for --dump-after files")->capture_default_str();
+  cmd->add_option("--dump-dir", args->dump_dir, "folder for --dump-after files")->capture_default_str()->check(kOutputPath);
   return {cmd, [args] { return run_compile(*args); }};
 }
 

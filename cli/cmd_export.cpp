@@ -38,7 +38,7 @@ Command add_export_chakra_command(CLI::App& app) {
   auto args = std::make_shared<ExportArgs>();
   CLI::App* cmd = app.add_subcommand("export-chakra", "write a plan as Chakra execution traces (one .et file per device) for ASTRA-sim");
   cmd->add_option("plan", args->plan_path, "plan JSON written by `piper compile -o`")->required();
-  cmd->add_option("-o,--output", args->out_dir, "folder for <prefix>.<device>.et (created if missing)")->required();
+  cmd->add_option("-o,--output", args->out_dir, "folder for <prefix>.<device>.et (created if missing)")->required()->check(kOutputPath);
   cmd->add_option("--prefix", args->prefix, "file name prefix")->capture_default_str();
   return {cmd, [args] { return run_export_chakra(*args); }};
 }

@@ -128,7 +128,7 @@ Command add_plot_command(CLI::App& app) {
   cmd->add_option("--title", a->title, "chart title");
   cmd->add_option("--x-label", a->x_label, "x axis label with its unit (default: the column name)");
   cmd->add_option("--y-label", a->y_label, "y axis label with its unit (default: the column name)");
-  cmd->add_option("-o,--output", a->output_path, "PNG file to write")->required();
+  cmd->add_option("-o,--output", a->output_path, "PNG file to write")->required()->check(kOutputPath);
   return {cmd, [a] { return run_plot(*a); }};
 }
 

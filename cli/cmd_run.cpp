@@ -25,6 +25,7 @@ struct RunArgs {
   std::string backend = "host";
   bool virtual_devices = false;
   std::string precision = "fp32";
+  std::string on_nonfinite = "stop";
   runtime::TrainOptions train;
   CLI::Option* plan = nullptr;
 };
@@ -97,6 +98,9 @@ int run_cuda(const RunArgs& a) {
       runtime::cuda::train_cuda(program, o, c);
     } catch (const runtime::ReportedByAnotherRank&) {
       code = kExitBadInput;
+    } catch (const runtime::TrainingDiverged& e) {
+      print_error("", e.what());
+      code = kExitBadInput;
     } catch (const std::invalid_argument& e) {
       print_error("", e.what());
       code = kExitBadInput;
@@ -136,6 +140,9 @@ int run_distributed(const RunArgs& a) {
       runtime::train_distributed(program, o);
     } catch (const runtime::ReportedByAnotherRank&) {
       code = kExitBadInput;
+    } catch (const runtime::TrainingDiverged& e) {  // every rank stopped at the same step; rank 0 says why
+      print_error("", e.what());
+      code = kExitBadInput;
     } catch (const std::invalid_argument& e) {  // setup errors: train_distributed throws them on one rank only
       print_error("", e.what());
       code = kExitBadInput;
@@ -167,20 +174,27 @@ Command add_run_command(CLI::App& app) {
   cmd->add_option("--lr", args->train.adamw.lr, "AdamW learning rate")->check(kNonNegativeNumber);
   cmd->add_option("--adam-eps", args->train.adamw.eps, "AdamW epsilon (the equivalence tests raise it so that rounding-level gradients stay rounding-level updates)")
       ->check(kNonNegativeNumber);
-  cmd->add_option("--report", args->train.report_path, "write run.json: losses, tokens_per_s, step_time_s");
-  cmd->add_option("--trace", args->train.trace_path, "write the last step's measured timeline as a Chrome trace");
+  cmd->add_option("--report", args->train.report_path, "write run.json: losses, tokens_per_s, step_time_s")->check(kOutputPath);
+  cmd->add_option("--trace", args->train.trace_path, "write the last step's measured timeline as a Chrome trace")->check(kOutputPath);
   auto* save = cmd->add_option("--save", args->train.save_path,
-                               "after the last step, write a checkpoint FILE (canonical layout: resumable under any strategy of the same model)");
+                               "after the last step, write a checkpoint FILE (canonical layout: resumable under any strategy of the same model)")
+                   ->check(kOutputPath);
   cmd->add_option("--save-every", args->train.save_every, "also write the --save checkpoint every N steps (atomically: the last good one survives a crash)")
       ->check(kPositiveInt)
       ->needs(save);
   cmd->add_option("--resume", args->train.resume_path, "continue from a checkpoint FILE, saved under this or another strategy of the same model");
-  cmd->add_option("--dump-params", args->train.dump_params_path, "write the final parameters (canonical layout) to FILE");
+  cmd->add_option("--dump-params", args->train.dump_params_path, "write the final parameters (canonical layout) to FILE")->check(kOutputPath);
   cmd->add_option("--calibrate", args->train.calibrate_path,
-                  "write measured per-op times (median over the steps after the first) as a piper-calibration FILE for piper simulate --calibration");
+                  "write measured per-op times (median over the steps after the first) as a piper-calibration FILE for piper simulate --calibration")
+      ->check(kOutputPath);
+  cmd->add_option("--on-nonfinite", args->on_nonfinite,
+                  "a NaN/Inf loss, gradient norm or update: stop (exit 2, nothing saved after it) or skip the step (its update is dropped, as Megatron does)")
+      ->check(CLI::IsMember({"stop", "skip"}))
+      ->capture_default_str();
   cmd->add_option("--stall-timeout", args->train.stall_timeout_s, "seconds without progress before a rank gives up")->check(kPositiveNumber);
   return {cmd, [args]() -> int {
             if (!args->plan_path.empty()) args->scenario.reject_beside_plan();
+            args->train.skip_nonfinite = args->on_nonfinite == "skip";
             if ((args->virtual_devices || args->precision != "fp32") && args->backend != "cuda")
               throw CliError("", "--virtual-devices and --precision need --backend cuda");
             // --reference runs on the host CPU: a GPU backend would be quietly ignored.

@@ -63,11 +63,11 @@ Command add_schedule_command(CLI::App& app) {
   exp->add_option("name", args->name, "schedule family")->check(CLI::IsMember(family_names()));
   add_shape(exp, *args);
   exp->add_option("--directives", args->directives_path, "read the schedule from a directive program instead");
-  exp->add_option("-o,--out", args->out_path, "output file (default: stdout)");
+  exp->add_option("-o,--out", args->out_path, "output file (default: stdout)")->check(kOutputPath);
   CLI::App* imp = cmd->add_subcommand("import-csv", "turn a PyTorch compute-only CSV into a directive program");
   imp->add_option("file", args->csv_path, "CSV file, one row per rank")->required();
   imp->add_option("--dp", args->dp, "data-parallel replicas of each pipeline rank")->check(kPositiveInt);
-  imp->add_option("-o,--out", args->out_path, "output file (default: stdout)");
+  imp->add_option("-o,--out", args->out_path, "output file (default: stdout)")->check(kOutputPath);
 
   auto run = [args, list, show, exp, imp]() -> int {
     const ScheduleArgs& a = *args;

@@ -81,8 +81,8 @@ Command add_simulate_command(CLI::App& app) {
   cmd->add_option("--engine", args->engine, "simulation engine: simgrid (flow-level network) or analytic (fast, no contention)")
       ->capture_default_str();
   cmd->add_option("--calibration", args->calibration_path, "measured op times (piper-calibration JSON) overriding the cost model");
-  cmd->add_option("--report", args->report_path, "write the report as JSON here");
-  cmd->add_option("--trace", args->trace_path, "write a Chrome trace (Perfetto) here");
+  cmd->add_option("--report", args->report_path, "write the report as JSON here")->check(kOutputPath);
+  cmd->add_option("--trace", args->trace_path, "write a Chrome trace (Perfetto) here")->check(kOutputPath);
   cmd->add_flag("--no-symmetry", args->no_symmetry,
                 "simulate every device, even where symmetric devices could be simulated once (same result, slower)");
   cmd->add_option("--show-devices", args->max_devices, "devices listed in the printed table")->capture_default_str();

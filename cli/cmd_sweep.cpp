@@ -61,7 +61,7 @@ Command add_sweep_command(CLI::App& app) {
   auto args = std::make_shared<SweepArgs>();
   CLI::App* cmd = app.add_subcommand("sweep", "simulate every combination of a spec's strategy knobs into a CSV (resumable; under mpirun -np N the combinations are spread over the ranks)");
   cmd->add_option("spec", args->spec_path, "sweep spec JSON: model, cluster and a list of values per knob")->required();
-  cmd->add_option("-o,--output", args->output_path, "results CSV; rerunning with the same file resumes")->required();
+  cmd->add_option("-o,--output", args->output_path, "results CSV; rerunning with the same file resumes")->required()->check(kOutputPath);
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   args->jobs = static_cast<int>(cores);
   cmd->add_option("-j,--jobs", args->jobs, "worker threads (simgrid combinations run one at a time)")

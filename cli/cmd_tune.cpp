@@ -263,10 +263,10 @@ Command add_tune_command(CLI::App& app) {
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   a->jobs = static_cast<int>(cores);
   cmd->add_option("-j,--jobs", a->jobs, "worker threads for analytic simulations")->check(kPositiveInt)->capture_default_str();
-  cmd->add_option("-o,--output", a->output_path, "results CSV; rerunning with the same file resumes")->required();
-  cmd->add_option("--emit-directives", a->directives_path, "write the best plan's directive program (JSON)");
-  cmd->add_option("--emit-scenario", a->scenario_path, "write the best plan's scenario (JSON, opens in piper-studio)");
-  cmd->add_option("--plot", a->plot_path, "write a Pareto plot (throughput vs peak memory) as PNG");
+  cmd->add_option("-o,--output", a->output_path, "results CSV; rerunning with the same file resumes")->required()->check(kOutputPath);
+  cmd->add_option("--emit-directives", a->directives_path, "write the best plan's directive program (JSON)")->check(kOutputPath);
+  cmd->add_option("--emit-scenario", a->scenario_path, "write the best plan's scenario (JSON, opens in piper-studio)")->check(kOutputPath);
+  cmd->add_option("--plot", a->plot_path, "write a Pareto plot (throughput vs peak memory) as PNG")->check(kOutputPath);
   return {cmd, [a] { return run_tune(*a); }};
 }
 

@@ -100,6 +100,10 @@ const CLI::Validator kPositiveNumber(
     },
     "POSITIVE");
 
+const CLI::Validator kOutputPath(
+    [](std::string& value) -> std::string { return value.empty() ? "must name a file, got an empty path" : std::string(); },
+    "FILE");
+
 void StrategyFlags::add_to(CLI::App* app) {
   pp = app->add_option("--pp", options.pp, "pipeline-parallel ranks")->check(kPositiveInt);
     dp = app->add_option("--dp", options.dp, "data-parallel replicas")->check(kPositiveInt);
@@ -150,7 +154,8 @@ void ScenarioFlags::add_to(CLI::App* app) {
   directives = app->add_option("--directives", directives_path, "directive program (JSON)");
   compile_inputs.push_back(directives);
   compile_inputs.push_back(app->add_option("--save-scenario", save_scenario_path,
-                                           "also write these inputs as a scenario JSON (the file piper-studio opens)"));
+                                           "also write these inputs as a scenario JSON (the file piper-studio opens)")
+                               ->check(kOutputPath));
   strategy.add_to(app);
   for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.reduce_every, strategy.schedule,
                          strategy.microbatches, strategy.virtual_stages, strategy.bucket_mb, strategy.tp,

@@ -49,6 +49,8 @@ extern const CLI::Validator kPositiveInt;
 extern const CLI::Validator kNonNegativeInt;
 extern const CLI::Validator kNonNegativeNumber;
 extern const CLI::Validator kPositiveNumber;
+// An output file name: an empty one (`-o ""`) is refused instead of writing nothing.
+extern const CLI::Validator kOutputPath;
 
 // Strategy flags (--pp --dp --ep --zero --dp-shard --schedule --microbatches --virtual --bucket-mb --tp
 // --sequence-parallel --recompute --global-batch).

@@ -2,7 +2,12 @@
 #include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include <fmt/format.h>
@@ -39,9 +44,7 @@ std::string unknown_flag_message(const CLI::App& app, int argc, char** argv) {
   return {};
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run_command(int argc, char** argv) {
   CLI::App app{"piper: a programmable distributed-training compiler, simulator and runtime", "piper"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("piper ") + PIPER_VERSION, "print the version and exit");
@@ -120,6 +123,14 @@ int main(int argc, char** argv) {
   } catch (const nlohmann::json::exception& e) {
     print_error("", json_message(e));
     return kExitBadInput;
+  } catch (const std::system_error& e) {
+    // fmt::print checks its writes: output longer than stdout's buffer fails here, not at exit.
+    if (std::ferror(stdout)) {
+      fmt::print(stderr, "piper: error writing standard output: {}\n", e.code().message());
+      return 1;
+    }
+    print_error("", e.what());
+    return kExitBadInput;
   } catch (const std::runtime_error& e) {  // file system errors (write_file_atomically, ...)
     print_error("", e.what());
     return kExitBadInput;
@@ -129,3 +140,22 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+// Output lost to a full disk or a closed pipe must not pass for success: stdout (std::cout shares its
+// buffer, as sync_with_stdio is on) is flushed and checked once every command is done; the first
+// failure is one line on stderr and exit status 1 (a command that already failed keeps its status).
+int finish_standard_output(int code) {
+  // fflush first: std::cout.flush() would flush stdout itself and the reason (errno) would be lost.
+  errno = 0;
+  const bool flush_failed = std::fflush(stdout) != 0;
+  const int err = flush_failed ? errno : 0;
+  std::cout.flush();
+  if (!flush_failed && !std::ferror(stdout) && std::cout.good()) return code;
+  if (code == 0)
+    fmt::print(stderr, "piper: error writing standard output: {}\n", err != 0 ? std::strerror(err) : "write error");
+  return code == 0 ? 1 : code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return finish_standard_output(run_command(argc, argv)); }

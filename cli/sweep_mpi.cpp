@@ -13,6 +13,7 @@
 #include <fstream>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -21,6 +22,7 @@
 
 #include "cli/common.hpp"
 #include "piper/core/limits.hpp"
+#include "piper/sim/results_csv.hpp"
 #include "piper/sim/sweep.hpp"
 
 namespace piper::cli {
@@ -168,26 +170,41 @@ int run_sweep_mpi(const std::string& spec_path, const std::string& output_path, 
     return 0;
   }
 
-  // Rank 0: append rows (its own and received ones), one fputs + fflush each, as run_sweep does.
-  std::error_code ec;
-  const bool fresh = !fs::exists(output_path, ec) || fs::file_size(output_path, ec) == 0;
-  std::FILE* out = std::fopen(output_path.c_str(), "ab");
-  if (!out) {
+  // Rank 0: append rows (its own and received ones) through the appender run_sweep uses (one write +
+  // fdatasync each; a failed write is cut off and stops the run).
+  std::optional<sim::ResultsAppender> out;
+  try {
+    out.emplace(output_path, sim::sweep_csv_columns());
+  } catch (const sim::ResultsFileError& e) {
+    print_error("", e.what());
+    std::fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, kExitBadInput);
     return kExitBadInput;
   }
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> guard(out, &std::fclose);
-  if (fresh) std::fputs((sim::sweep_csv_header() + "\n").c_str(), out), std::fflush(out);
   std::mutex mutex;
+  std::string write_error;
   auto record = [&](char status, const std::string& line) {
     std::lock_guard lock(mutex);
-    std::fputs(line.c_str(), out);
-    std::fflush(out);
+    if (!write_error.empty()) return;
+    try {
+      out->append(line);
+    } catch (const sim::ResultsFileError& e) {
+      write_error = e.what();
+      return;
+    }
     summary.ran += 1;
     (status == 'o' ? summary.ok : status == 'i' ? summary.invalid : summary.failed) += 1;
   };
+  // Only the main thread may call MPI (MPI_THREAD_FUNNELED): it stops the job on a failed write.
+  auto stop_on_write_error = [&] {
+    std::lock_guard lock(mutex);
+    if (write_error.empty()) return;
+    print_error("", write_error);
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, kExitBadInput);
+  };
   std::thread compute([&] {
-    run_share(mine, spec.calibration_path, jobs, [&](const sim::SweepRow& row) { record(status_letter(row), sim::to_csv(row) + "\n"); });
+    run_share(mine, spec.calibration_path, jobs, [&](const sim::SweepRow& row) { record(status_letter(row), sim::to_csv(row)); });
   });
   for (int remaining = size - 1; remaining > 0;) {
     MPI_Status st;
@@ -200,9 +217,12 @@ int run_sweep_mpi(const std::string& spec_path, const std::string& output_path, 
       remaining -= 1;
       continue;
     }
+    if (!msg.empty() && msg.back() == '\n') msg.pop_back();
     if (!msg.empty()) record(msg[0], msg.substr(1));
+    stop_on_write_error();
   }
   compute.join();
+  stop_on_write_error();
   fmt::print("{} combinations: {} already in {}, {} run ({} ok, {} invalid, {} failed) on {} MPI ranks\n", summary.combinations,
              summary.resumed, output_path, summary.ran, summary.ok, summary.invalid, summary.failed, size);
   return 0;

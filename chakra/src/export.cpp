@@ -162,14 +162,32 @@ std::vector<std::string> export_traces(const core::Program& program, const std::
   // Every file is encoded before any is written, so a bad plan leaves nothing behind.
   std::vector<std::string> bytes;
   for (int d = 0; d < program.num_devices; ++d) bytes.push_back(encode_device_trace(program, d));
+  namespace fs = std::filesystem;
+  if (out_dir.empty()) throw core::Error("cannot write Chakra traces: the output folder name is empty");
+  // What this call creates (the outermost missing folder, new files) is removed again if a write
+  // fails (a full disk), so a failed export leaves nothing behind.
   std::error_code ec;
-  std::filesystem::create_directories(out_dir, ec);
+  fs::path created_root;
+  for (fs::path p = fs::absolute(out_dir, ec); !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
+    created_root = p;
+    if (p == p.parent_path()) break;
+  }
+  fs::create_directories(out_dir, ec);
   if (ec) throw core::Error(out_dir + ": cannot create folder: " + ec.message());
-  std::vector<std::string> paths;
-  for (int d = 0; d < program.num_devices; ++d) {
-    const std::string path = (std::filesystem::path(out_dir) / trace_file_name(prefix, d)).string();
-    core::write_file_atomically(path, bytes[static_cast<std::size_t>(d)]);
-    paths.push_back(path);
+  std::vector<std::string> paths, created_files;
+  try {
+    for (int d = 0; d < program.num_devices; ++d) {
+      const std::string path = (fs::path(out_dir) / trace_file_name(prefix, d)).string();
+      const bool existed = fs::exists(path, ec);
+      core::write_file_atomically(path, bytes[static_cast<std::size_t>(d)]);
+      if (!existed) created_files.push_back(path);
+      paths.push_back(path);
+    }
+  } catch (...) {
+    std::error_code ignored;
+    for (const auto& f : created_files) fs::remove(f, ignored);
+    if (!created_root.empty()) fs::remove_all(created_root, ignored);
+    throw;
   }
   return paths;
 }

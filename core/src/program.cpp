@@ -1,6 +1,8 @@
 // Program queries (peers, communicator groups), its exact JSON round trip, and atomic file writes.
 #include "piper/core/program.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
@@ -681,25 +683,69 @@ bool operator==(const Program& a, const Program& b) {
   return true;
 }
 
-void write_file_atomically(const std::string& path, const std::string& contents) {
-  // The temporary sits in the same folder so the rename stays within one file system (atomic).
-  std::string temp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-    if (!out) throw Error("cannot write " + path + ": " + std::strerror(errno));
-    out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
-    out.close();
-    if (!out) {
-      std::error_code ignored;
-      std::filesystem::remove(temp, ignored);
-      throw Error("cannot write " + path + ": write to temporary file failed");
+namespace {
+
+// write(2) until everything is written; the system's reason on failure.
+bool write_whole(int fd, const std::string& contents, int& err) {
+  std::size_t done = 0;
+  while (done < contents.size()) {
+    const ssize_t n = ::write(fd, contents.data() + done, contents.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = n < 0 ? errno : ENOSPC;
+      return false;
     }
+    done += static_cast<std::size_t>(n);
   }
+  return true;
+}
+
+}  // namespace
+
+void write_file_atomically(const std::string& path, const std::string& contents) {
+  namespace fs = std::filesystem;
+  if (path.empty()) throw Error("cannot write an output file with an empty name");
   std::error_code ec;
-  std::filesystem::rename(temp, path, ec);
+  const fs::file_status st = fs::status(path, ec);  // follows symbolic links
+  if (!ec && fs::exists(st) && !fs::is_regular_file(st)) {
+    // A device, a FIFO or a socket is written into, never replaced: a rename would put a regular
+    // file in its place (/dev/null would become a file).
+    if (fs::is_directory(st)) throw Error("cannot write " + path + ": is a folder");
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) throw Error("cannot write " + path + ": " + std::strerror(errno));
+    int err = 0;
+    const bool ok = write_whole(fd, contents, err);
+    if (::close(fd) != 0 && ok) err = errno;
+    if (!ok || err != 0) throw Error("cannot write " + path + ": " + std::strerror(err));
+    return;
+  }
+  // A symbolic link to a regular file stays a link: its target is the file replaced.
+  std::string target = path;
+  if (fs::is_symlink(fs::symlink_status(path, ec))) {
+    const fs::path resolved = fs::canonical(path, ec);
+    if (!ec) target = resolved.string();
+  }
+  // The temporary sits in the same folder so the rename stays within one file system (atomic).
+  const std::string temp = target + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) throw Error("cannot write " + path + ": " + std::strerror(errno));
+  // An existing file keeps its permissions.
+  struct stat old {};
+  if (::stat(target.c_str(), &old) == 0 && S_ISREG(old.st_mode)) (void)::fchmod(fd, old.st_mode & 07777);
+  int err = 0;
+  bool ok = write_whole(fd, contents, err);
+  // On disk before the rename makes it the file, or a power cut could leave a renamed empty file.
+  if (ok && ::fsync(fd) != 0) ok = false, err = errno;
+  if (::close(fd) != 0 && ok) ok = false, err = errno;
+  if (!ok) {
+    std::error_code ignored;
+    fs::remove(temp, ignored);
+    throw Error("cannot write " + path + ": " + std::strerror(err));
+  }
+  fs::rename(temp, target, ec);
   if (ec) {
     std::error_code ignored;
-    std::filesystem::remove(temp, ignored);
+    fs::remove(temp, ignored);
     throw Error("cannot write " + path + ": " + ec.message());
   }
 }

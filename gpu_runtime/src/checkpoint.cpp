@@ -3,7 +3,12 @@
 #include "piper/runtime/checkpoint.hpp"
 
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <unistd.h>
+
+#include <array>
+#include <cmath>
 
 #include <cerrno>
 #include <cstdlib>
@@ -73,7 +78,90 @@ void write_all(int fd, const std::string& data, const std::string& temp) {
   }
 }
 
+// The CRC-32 table of the reflected IEEE 802.3 polynomial 0xEDB88320, built at compile time.
+constexpr std::array<std::uint32_t, 256> kCrcTable = [] {
+  std::array<std::uint32_t, 256> t{};
+  for (std::uint32_t i = 0; i < 256; ++i) {
+    std::uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1u) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+    t[i] = c;
+  }
+  return t;
+}();
+
+std::uint32_t crc_of_floats(const std::vector<float>& v) { return crc32(v.data(), v.size() * sizeof(float)); }
+
+// The header's checksum covers its JSON without the checksum field (nlohmann dumps keys sorted, so
+// the text is canonical for what the writer put there).
+std::uint32_t header_crc(json header) {
+  header.erase("header_crc32");
+  const std::string text = header.dump();
+  return crc32(text.data(), text.size());
+}
+
+// Writes `data` into an existing non-regular file (a device, a FIFO): never replaced by a rename.
+void write_through(const std::string& path, const std::string& data) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error("cannot write " + path + ": " + std::strerror(errno));
+  try {
+    write_all(fd, data, path);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  if (::close(fd) != 0) throw std::runtime_error("cannot write " + path + ": " + std::strerror(errno));
+}
+
+// Temporary files `<name>.tmp.<pid>` of this checkpoint whose writer is gone (a save killed mid-write):
+// removed before the next save. A live pid (even a reused one) keeps its file.
+void remove_stale_temporaries(const fs::path& folder, const std::string& name) {
+  std::error_code ec;
+  const std::string prefix = name + ".tmp.";
+  for (fs::directory_iterator it(folder, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string f = it->path().filename().string();
+    if (f.size() <= prefix.size() || f.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string digits = f.substr(prefix.size());
+    if (digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(digits));
+    if (pid == ::getpid() || pid <= 0) continue;
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    std::error_code ignored;
+    fs::remove(it->path(), ignored);
+  }
+}
+
 }  // namespace
+
+std::uint32_t crc32(const void* data, std::size_t size, std::uint32_t crc) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  crc = ~crc;
+  for (std::size_t i = 0; i < size; ++i) crc = kCrcTable[(crc ^ p[i]) & 0xFFu] ^ (crc >> 8);
+  return ~crc;
+}
+
+SaveLock::SaveLock(const std::string& checkpoint_path) {
+  std::error_code ec;
+  if (const fs::file_status st = fs::status(checkpoint_path, ec); !ec && fs::exists(st) && !fs::is_regular_file(st)) return;
+  const fs::path target(checkpoint_path);
+  const fs::path folder = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  fs::create_directories(folder, ec);
+  if (ec) throw std::invalid_argument("cannot create the checkpoint folder " + folder.string() + ": " + ec.message());
+  const std::string lock = checkpoint_path + ".lock";
+  fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw std::invalid_argument(fmt::format("{}: cannot open the lock file {}: {}", checkpoint_path, lock, std::strerror(errno)));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    fd_ = -1;
+    if (err == EWOULDBLOCK)
+      throw std::invalid_argument(fmt::format("{}: another run is saving to this checkpoint ({} is locked); choose another --save", checkpoint_path, lock));
+    throw std::invalid_argument(fmt::format("{}: cannot lock {}: {}", checkpoint_path, lock, std::strerror(err)));
+  }
+}
+
+SaveLock::~SaveLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock; the file stays (removing it would race a waiting writer)
+}
 
 std::vector<StateRecord> state_records(host::HostModel& model) {
   std::vector<StateRecord> out;
@@ -163,11 +251,13 @@ void write_checkpoint(const std::string& path, const CheckpointInfo& info, const
   json layers = json::array();
   std::string body;
   for (const auto& [l, kinds] : state.layers) {
-    layers.push_back({{"layer", l}, {"floats", kinds[0].size()}});
+    layers.push_back({{"layer", l},
+                      {"floats", kinds[0].size()},
+                      {"crc32", {crc_of_floats(kinds[0]), crc_of_floats(kinds[1]), crc_of_floats(kinds[2])}}});
     for (const auto& v : kinds) put_floats(body, v);
   }
-  const json header = {{"format", "piper-checkpoint"},
-                       {"version", 2},
+  json header = {{"format", "piper-checkpoint"},
+                       {"version", 3},
                        {"layout", "canonical"},
                        {"model", info.model_name},
                        {"fingerprint", info.fingerprint},
@@ -177,12 +267,18 @@ void write_checkpoint(const std::string& path, const CheckpointInfo& info, const
                        {"seq_len", info.seq_len},
                        {"saved_layout", info.saved_layout},
                        {"layers", layers}};
+  header["header_crc32"] = header_crc(header);
+  std::error_code ec;
+  if (const fs::file_status st = fs::status(path, ec); !ec && fs::exists(st) && !fs::is_regular_file(st) && !fs::is_directory(st)) {
+    write_through(path, header.dump() + "\n" + body);  // a device or FIFO is written into, not replaced
+    return;
+  }
   const fs::path target(path);
   const fs::path folder = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  std::error_code ec;
   fs::create_directories(folder, ec);
   if (ec) throw std::runtime_error("cannot create the checkpoint folder " + folder.string() + ": " + ec.message());
   if (fs::is_directory(target)) throw std::runtime_error(path + ": is a folder; --save takes a checkpoint file name");
+  remove_stale_temporaries(folder, target.filename().string());
   // Same folder as the target, so rename() stays on one file system and replaces it atomically.
   const std::string temp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -249,11 +345,23 @@ Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
   } catch (const core::LimitError& e) {
     throw std::invalid_argument(e.what());
   } catch (const json::exception&) {
-    throw std::invalid_argument(path + ": not a piper checkpoint");
+    throw std::invalid_argument(path + ": not a piper checkpoint (or its header line is damaged)");
   }
   if (!h.is_object() || h.value("format", "") != "piper-checkpoint") throw std::invalid_argument(path + ": not a piper checkpoint");
-  if (h.value("version", 0) != 2)
-    throw std::invalid_argument(fmt::format("{}: checkpoint version {} is not supported (this piper reads version 2)", path, h.value("version", 0)));
+  const json version = h.value("version", json(0));
+  if (!version.is_number_integer() || (version != 2 && version != 3))
+    throw std::invalid_argument(fmt::format("{}: checkpoint version {} is not supported (this piper reads versions 2 and 3)", path, version.dump()));
+  // Version 3 carries CRC-32 checksums (header and each tensor); version 2, written by earlier
+  // pipers, has none and is read with the value checks only. A version-2 header that holds checksum
+  // fields is a damaged version 3 (its version digit changed), so it is not let through unchecked.
+  const bool checked = version == 3;
+  if (checked) {
+    const auto it = h.find("header_crc32");
+    if (it == h.end() || !it->is_number_unsigned() || it->get<std::uint64_t>() != header_crc(h))
+      throw std::invalid_argument(path + ": damaged checkpoint (the header's checksum does not match: it was edited or corrupted)");
+  } else if (h.contains("header_crc32")) {
+    throw std::invalid_argument(path + ": damaged checkpoint (a version-2 header with version-3 checksums)");
+  }
   Checkpoint c;
   try {
     c.info.model_name = h.at("model").get<std::string>();
@@ -263,17 +371,37 @@ Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
     c.info.sequences_per_step = h.at("sequences_per_step").get<std::int64_t>();
     c.info.seq_len = h.at("seq_len").get<std::int64_t>();
     c.info.saved_layout = h.value("saved_layout", "");
+    if (c.info.step < 0) throw std::invalid_argument(fmt::format("{}: checkpoint step {} is negative", path, c.info.step));
+    if (c.info.sequences_per_step <= 0 || c.info.seq_len <= 0)
+      throw std::invalid_argument(fmt::format("{}: checkpoint sequences per step {} and sequence length {} must be positive", path,
+                                              c.info.sequences_per_step, c.info.seq_len));
+    if (c.info.data_position != static_cast<std::int64_t>(c.info.step) * c.info.sequences_per_step)
+      throw std::invalid_argument(fmt::format("{}: checkpoint data position {} is not step {} x {} sequences", path, c.info.data_position,
+                                              c.info.step, c.info.sequences_per_step));
     std::size_t pos = nl + 1;
     for (const auto& l : h.at("layers")) {
       const int layer = l.at("layer").get<int>();
       const auto floats = l.at("floats").get<std::int64_t>();
       if (floats < 0) throw std::runtime_error("negative size");
       auto& kinds = c.state.layers[layer];
-      for (auto& v : kinds) get_floats(bytes, pos, v, ix(floats));
+      for (std::size_t k = 0; k < kinds.size(); ++k) {
+        auto& v = kinds[k];
+        get_floats(bytes, pos, v, ix(floats));
+        if (checked && crc_of_floats(v) != l.at("crc32").at(k).get<std::uint32_t>())
+          throw std::runtime_error(fmt::format("layer {} {}: checksum mismatch", layer, kind_name(static_cast<int>(k))));
+        // A checksum proves the bytes are the ones written; values must also be usable: finite, and
+        // second moments never negative.
+        for (std::size_t i = 0; i < v.size(); ++i)
+          if (!std::isfinite(v[i]) || (k == 2 && v[i] < 0))
+            throw std::invalid_argument(fmt::format("{}: checkpoint layer {} {} element {} is {}", path, layer, kind_name(static_cast<int>(k)), i,
+                                                    std::isfinite(v[i]) ? fmt::format("negative ({})", v[i]) : fmt::format("{}", v[i])));
+      }
     }
     if (pos != bytes.size()) throw std::runtime_error("trailing bytes");
   } catch (const json::exception& e) {
     throw std::invalid_argument(path + ": malformed checkpoint header: " + e.what());
+  } catch (const std::invalid_argument&) {
+    throw;
   } catch (const std::runtime_error& e) {
     throw std::invalid_argument(path + ": damaged checkpoint (" + e.what() + ")");
   }

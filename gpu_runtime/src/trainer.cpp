@@ -2,12 +2,15 @@
 // single-process reference, checkpoints (canonical layout, see checkpoint.cpp) and parameter dumps.
 #include "piper/runtime/trainer.hpp"
 
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -77,10 +80,32 @@ void write_dump(const std::string& path, const std::string& records) {
 void write_report(const std::string& path, const TrainResult& r, const std::string& mode, int devices) {
   json j = {{"mode", mode}, {"devices", devices}, {"first_step", r.first_step}, {"losses", r.losses},
             {"tokens_per_s", r.tokens_per_s}, {"step_time_s", r.step_time_s}, {"step_times_s", r.step_times_s}};
+  if (!r.skipped_steps.empty()) j["skipped_steps"] = r.skipped_steps;  // --on-nonfinite skip
   if (mode == "distributed")
     j["executor"] = {{"ops", r.ops}, {"backend_s", r.backend_s}, {"idle_s", r.idle_s}, {"overhead_s", r.overhead_s}, {"total_s", r.total_s}};
   core::write_file_atomically(path, j.dump(1) + "\n");
 }
+
+// What an update changes (--on-nonfinite skip): restored when a step turns out non-finite.
+struct StateSnapshot {
+  std::vector<std::array<std::vector<float>, 4>> segments;  // params, master, adam_m, adam_v
+  void take(host::HostModel& m) {
+    segments.resize(m.segments().size());
+    for (std::size_t i = 0; i < segments.size(); ++i) {
+      const auto& sp = m.segments()[i];
+      segments[i] = {sp.params, sp.master, sp.adam_m, sp.adam_v};
+    }
+  }
+  void restore(host::HostModel& m) const {
+    for (std::size_t i = 0; i < segments.size(); ++i) {
+      auto& sp = m.segments()[i];
+      sp.params = segments[i][0], sp.master = segments[i][1], sp.adam_m = segments[i][2], sp.adam_v = segments[i][3];
+      std::fill(sp.grads.begin(), sp.grads.end(), 0.0f);
+      std::fill(sp.grad_chunk.begin(), sp.grad_chunk.end(), 0.0f);
+      sp.grad_chunk_ready = false;
+    }
+  }
+};
 
 std::uint64_t fnv1a(const std::string& s) {
   std::uint64_t h = 1469598103934665603ULL;
@@ -115,6 +140,29 @@ CheckpointInfo checkpoint_info(const core::Program& program, int step) {
 
 void check_save_path(const std::string& path) {
   if (!path.empty() && fs::is_directory(path)) throw std::invalid_argument(path + ": is a folder; --save takes a checkpoint file name");
+}
+
+void check_steps_after_resume(const TrainOptions& o, int checkpoint_step) {
+  if (o.steps < checkpoint_step)
+    throw std::invalid_argument(fmt::format("--steps {} is below the step of the checkpoint {} ({}): nothing would run; give --steps {} or more",
+                                            o.steps, o.resume_path, checkpoint_step, checkpoint_step));
+}
+
+std::string nonfinite_value(double v) { return std::isnan(v) ? "nan" : v > 0 ? "inf" : "-inf"; }
+
+std::string nonfinite_message(int step, const std::string& what) {
+  return fmt::format("step {}: {} (training diverged); stopped before saving (--on-nonfinite skip skips such steps instead)", step, what);
+}
+
+bool state_is_finite(host::HostModel& model) {
+  auto finite = [](const std::vector<float>& v) {
+    return std::all_of(v.begin(), v.end(), [](float x) { return std::isfinite(x); });
+  };
+  for (const auto& sp : model.segments()) {
+    if (!finite(sp.zero_level >= 3 ? sp.master : sp.params) || !finite(sp.adam_m) || !finite(sp.adam_v)) return false;
+    if (std::any_of(sp.adam_v.begin(), sp.adam_v.end(), [](float x) { return x < 0; })) return false;
+  }
+  return true;
 }
 
 bool saves_after(const TrainOptions& o, int done) {
@@ -191,8 +239,14 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
   const float scale = 1.0f / static_cast<float>(shape.global_tokens());
   TrainResult r;
   check_save_path(o.save_path);
-  if (!o.resume_path.empty()) r.first_step = resume_from(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program, m);
+  std::optional<SaveLock> lock;
+  if (!o.save_path.empty()) lock.emplace(o.save_path);
+  if (!o.resume_path.empty()) {
+    r.first_step = resume_from(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program, m);
+    check_steps_after_resume(o, r.first_step);
+  }
   double total_s = 0;
+  StateSnapshot before;
   for (int step = r.first_step; step < o.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     double loss = 0;
@@ -206,12 +260,33 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
         m.backward_input(0, g, stash);
         m.backward_weight(0, stash);
       }
-    m.update(0, o.adamw, step + 1);
+    // Non-finite loss or gradient norm: checked before the update (which would spread it into the
+    // state); a finite gradient can still give a non-finite update (a zero --adam-eps: 0/0).
+    double grad_sq = 0;
+    for (const auto& sp : m.segments())
+      for (float g : sp.grads) grad_sq += static_cast<double>(g) * g;
+    const double mean_loss = loss / static_cast<double>(shape.global_tokens());
+    std::string bad;
+    if (!std::isfinite(mean_loss)) bad = "loss " + nonfinite_value(mean_loss);
+    else if (!std::isfinite(grad_sq)) bad = "gradient norm " + nonfinite_value(grad_sq);
+    if (bad.empty()) {
+      if (o.skip_nonfinite) before.take(m);
+      m.update(0, o.adamw, step + 1);
+      if (!state_is_finite(m)) bad = "the update made parameters or AdamW moments non-finite";
+    }
+    if (!bad.empty()) {
+      if (!o.skip_nonfinite) throw TrainingDiverged(nonfinite_message(step + 1, bad));
+      if (before.segments.empty()) before.take(m);  // nothing was updated: the current state is the one to keep
+      before.restore(m);
+    }
+    before.segments.clear();
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     total_s += dt;
     r.step_times_s.push_back(dt);
-    r.losses.push_back(loss / static_cast<double>(shape.global_tokens()));
-    if (o.print) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), dt * 1e3);
+    r.losses.push_back(mean_loss);
+    if (!bad.empty()) r.skipped_steps.push_back(step + 1);
+    if (o.print)
+      fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms){}\n", step + 1, r.losses.back(), dt * 1e3, bad.empty() ? "" : "  skipped: " + bad);
     if (saves_after(o, step + 1)) {
       write_checkpoint(o.save_path, checkpoint_info(program, step + 1), assemble_state(m.model(), state_records(m)));
       if (o.print) fmt::print("checkpoint after step {} -> {}\n", step + 1, o.save_path);
@@ -246,13 +321,28 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   TrainResult r;
   // Rank 0 reads the checkpoint and sends it to every rank (ranks need not share a file system).
   std::string checkpoint;
-  if (!o.resume_path.empty()) checkpoint = broadcast_checkpoint_bytes(o.resume_path, program, rank, error);
+  std::optional<SaveLock> lock;  // rank 0 writes the checkpoint, so rank 0 holds the lock
+  if (rank == 0 && !o.save_path.empty()) {
+    try {
+      lock.emplace(o.save_path);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  // Every rank learns of it before the backend's collective setup (communicator splits).
+  int locked_out = error.empty() ? 0 : 1;
+  MPI_Bcast(&locked_out, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  if (locked_out && rank != 0) error = "reported by rank 0";
+  if (!o.resume_path.empty() && !locked_out) checkpoint = broadcast_checkpoint_bytes(o.resume_path, program, rank, error);
   try {
     check_save_path(o.save_path);
     check_calibrate_path(o.calibrate_path);
     HostConfig cfg{o.seed, o.data_path, o.adamw, o.stall_timeout_s};
     if (error.empty()) backend = std::make_unique<HostBackend>(program, rank, MPI_COMM_WORLD, cfg);
-    if (error.empty() && !o.resume_path.empty()) r.first_step = resume_from(o.resume_path, checkpoint, program, backend->model());
+    if (error.empty() && !o.resume_path.empty()) {
+      r.first_step = resume_from(o.resume_path, checkpoint, program, backend->model());
+      check_steps_after_resume(o, r.first_step);
+    }
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -275,16 +365,32 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   StepMeasurement last;
   std::vector<core::DeviceTimeline> calibration_steps;  // --calibrate: this rank's kept steps
   double total_step_s = 0;
+  StateSnapshot before;  // --on-nonfinite skip: the state before the step, restored if it diverged
   for (int step = r.first_step; step < o.steps; ++step) {
+    if (o.skip_nonfinite) before.take(backend->model());
     MPI_Barrier(MPI_COMM_WORLD);  // align step starts so the timeline's devices share a time origin
     last = executor.run_step(step);
     if (!o.calibrate_path.empty() && calibration_uses_step(step - r.first_step, o.steps - r.first_step))
       calibration_steps.push_back(last.timeline);
-    double sums[1] = {backend->loss_sum()};
+    // The update ran inside the step, so divergence shows as a non-finite loss or a non-finite
+    // updated state (a non-finite gradient makes its AdamW update NaN) on some rank: all ranks agree.
+    double sums[2] = {backend->loss_sum(), state_is_finite(backend->model()) ? 0.0 : 1.0};
     double step_s = last.step_seconds;
-    MPI_Allreduce(MPI_IN_PLACE, sums, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, sums, 2, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, &step_s, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    r.losses.push_back(sums[0] / static_cast<double>(shape.global_tokens()));
+    const double mean_loss = sums[0] / static_cast<double>(shape.global_tokens());
+    std::string bad;
+    if (!std::isfinite(mean_loss)) bad = "loss " + nonfinite_value(mean_loss);
+    else if (sums[1] != 0) bad = "the update made parameters or AdamW moments non-finite";
+    if (!bad.empty()) {
+      if (!o.skip_nonfinite) {
+        if (rank != 0) throw ReportedByAnotherRank();
+        throw TrainingDiverged(nonfinite_message(step + 1, bad));
+      }
+      before.restore(backend->model());
+      r.skipped_steps.push_back(step + 1);
+    }
+    r.losses.push_back(mean_loss);
     r.step_times_s.push_back(step_s);
     total_step_s += step_s;
     r.backend_s += last.backend_seconds;
@@ -292,7 +398,8 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
     r.overhead_s += last.overhead_seconds;
     r.total_s += last.step_seconds;
     r.ops += last.ops;
-    if (o.print && rank == 0) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), step_s * 1e3);
+    if (o.print && rank == 0)
+      fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms){}\n", step + 1, r.losses.back(), step_s * 1e3, bad.empty() ? "" : "  skipped: " + bad);
     if (saves_after(o, step + 1)) save_distributed(o, program, state_records(backend->model()), backend->model().model(), step + 1, rank);
   }
   const int ran = o.steps - r.first_step;

@@ -282,14 +282,21 @@ QImage render(const Chart& c) {
 }
 
 void write_png(const Chart& chart, const std::string& path) {
+  if (path.empty()) throw PlotError("cannot write a PNG with an empty file name");
   const QImage image = render(chart);
-  const std::string tmp = path + ".tmp";
+  std::error_code ec;
+  const auto st = std::filesystem::status(path, ec);
+  if (!ec && std::filesystem::exists(st) && !std::filesystem::is_regular_file(st)) {
+    // A device or FIFO is written into, never replaced by a renamed regular file.
+    if (std::filesystem::is_directory(st) || !image.save(QString::fromStdString(path), "PNG"))
+      throw PlotError(path + ": cannot write the PNG");
+    return;
+  }
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   if (!image.save(QString::fromStdString(tmp), "PNG")) {
-    std::error_code ec;
     std::filesystem::remove(tmp, ec);
     throw PlotError(path + ": cannot write the PNG");
   }
-  std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   if (ec) {
     std::filesystem::remove(tmp, ec);

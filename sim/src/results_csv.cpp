@@ -1,7 +1,13 @@
 // Resumable CSV results files and the worker pool shared by sweeps and the tuner.
 #include "piper/sim/results_csv.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <atomic>
 #include <exception>
 #include <filesystem>
@@ -77,41 +83,72 @@ std::vector<std::vector<std::string>> read_results(const std::string& path, cons
                                                    const std::string& kind, const std::vector<std::vector<std::string>>& added) {
   std::vector<std::vector<std::string>> rows;
   std::error_code ec;
-  if (!fs::exists(path, ec)) return rows;
-  std::string text;
-  try {
-    // Bounded (Limit::InputBytes, sized before reading): `-o /dev/zero` is refused, not read whole.
-    text = core::read_input_file(path);
-  } catch (const core::Error& e) {
-    throw ResultsFileError(e.what());
+  const fs::file_status st = fs::status(path, ec);
+  if (ec || !fs::exists(st)) return rows;
+  // Only a regular file can be resumed and appended to; anything else is refused untouched.
+  if (!fs::is_regular_file(st))
+    throw ResultsFileError(fmt::format("{}: not a regular file, so not a piper {} results file; choose another -o", path, kind));
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ResultsFileError(path + ": cannot open for reading: " + std::strerror(errno));
+  const std::string header = csv_header(columns);
+  // The header is checked before anything else is read or repaired: a file that is not a results
+  // file is refused as it is (never cut, never appended to). Line 1 is at most one header long.
+  std::string text(header.size() + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  text.resize(static_cast<std::size_t>(in.gcount()));
+  const std::size_t first_nl = text.find('\n');
+  const bool whole_file = text.size() <= header.size();
+  auto not_results = [&] {
+    return ResultsFileError(fmt::format("{}: line 1: not a piper {} results file (header differs); choose another -o", path, kind));
+  };
+  if (first_nl == std::string::npos) {
+    // No complete line: a header cut by a kill (a prefix of it) starts the file over; anything else
+    // is someone else's file.
+    if (!whole_file || header.compare(0, text.size(), text) != 0) throw not_results();
+    if (!text.empty()) {
+      fs::resize_file(path, 0, ec);
+      if (ec) throw ResultsFileError(path + ": cannot cut the partial header: " + ec.message());
+    }
+    return rows;
+  }
+  const std::string first = text.substr(0, first_nl);
+  if (first != header) {
+    const std::vector<std::string> missing = missing_in_older_version(first, columns, added);
+    if (missing.empty()) throw not_results();
+    std::string names = missing.back();
+    if (missing.size() > 1) names = fmt::format("{} and {}", fmt::join(missing.begin(), missing.end() - 1, ", "), missing.back());
+    throw ResultsFileError(fmt::format("{}: line 1: written by an older piper {} (no {} column{}); choose another -o", path, kind,
+                                       names, missing.size() > 1 ? "s" : ""));
+  }
+  {
+    // Bounded (Limit::InputBytes, sized before reading): a huge file is refused, not read whole.
+    const auto size = fs::file_size(path, ec);
+    if (!ec) {
+      try {
+        core::check_limit(core::Limit::InputBytes, static_cast<std::int64_t>(size), path, "bytes");
+      } catch (const core::Error& e) {
+        throw ResultsFileError(e.what());
+      }
+    }
+    std::ostringstream rest;
+    rest << in.rdbuf();
+    text += rest.str();
   }
   // Rows are written whole and newline-terminated, so everything after the last newline is a row cut
-  // by a kill: drop it (its item simply reruns).
-  const std::size_t complete = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
+  // by a kill: drop it (its item simply reruns). The header is known good by now.
+  const std::size_t complete = text.rfind('\n') + 1;
   if (complete < text.size()) {
     fs::resize_file(path, complete, ec);
     if (ec) throw ResultsFileError(path + ": cannot cut the partial last line: " + ec.message());
     text.resize(complete);
   }
-  if (text.empty()) return rows;
-  const std::string header = csv_header(columns);
-  std::size_t pos = 0;
-  int line_no = 0;
+  std::size_t pos = first_nl + 1;
+  int line_no = 1;
   while (pos < text.size()) {
     const std::size_t end = text.find('\n', pos);
     const std::string line = text.substr(pos, end - pos);
     pos = end + 1;
     line_no += 1;
-    if (line_no == 1) {
-      if (line == header) continue;
-      const std::vector<std::string> missing = missing_in_older_version(line, columns, added);
-      if (missing.empty())
-        throw ResultsFileError(fmt::format("{}: line 1: not a piper {} results file (header differs); choose another -o", path, kind));
-      std::string names = missing.back();
-      if (missing.size() > 1) names = fmt::format("{} and {}", fmt::join(missing.begin(), missing.end() - 1, ", "), missing.back());
-      throw ResultsFileError(fmt::format("{}: line 1: written by an older piper {} (no {} column{}); choose another -o", path, kind,
-                                         names, missing.size() > 1 ? "s" : ""));
-    }
     auto fields = csv_split(line);
     if (fields.size() != columns.size())
       throw ResultsFileError(fmt::format("{}: line {}: {} fields, expected {}", path, line_no, fields.size(), columns.size()));
@@ -120,21 +157,85 @@ std::vector<std::vector<std::string>> read_results(const std::string& path, cons
   return rows;
 }
 
-ResultsAppender::ResultsAppender(const std::string& csv_path, const std::vector<std::string>& columns)
-    : path_(csv_path), file_(nullptr, &std::fclose) {
+ResultsAppender::ResultsAppender(const std::string& csv_path, const std::vector<std::string>& columns) : path_(csv_path) {
   std::error_code ec;
-  const bool fresh = !fs::exists(csv_path, ec) || fs::file_size(csv_path, ec) == 0;
-  file_.reset(std::fopen(csv_path.c_str(), "ab"));
-  if (!file_) throw ResultsFileError(csv_path + ": cannot open for appending");
-  if (fresh) append(csv_header(columns));
+  const fs::file_status st = fs::status(csv_path, ec);
+  if (!ec && fs::exists(st) && !fs::is_regular_file(st))
+    throw ResultsFileError(csv_path + ": not a regular file; choose another -o");
+  // O_EXCL first: whether this run created the file decides whether a failure removes it.
+  fd_ = ::open(csv_path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  created_ = fd_ >= 0;
+  if (fd_ < 0 && errno == EEXIST) fd_ = ::open(csv_path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+  if (fd_ < 0) throw ResultsFileError(fmt::format("{}: cannot open for appending: {}", csv_path, std::strerror(errno)));
+  struct stat sb {};
+  if (::fstat(fd_, &sb) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    throw ResultsFileError(fmt::format("{}: cannot open for appending: {}", csv_path, std::strerror(err)));
+  }
+  size_ = static_cast<std::int64_t>(sb.st_size);
+  if (size_ == 0) {
+    try {
+      write_line(csv_header(columns) + "\n");
+    } catch (...) {
+      abandon();
+      throw;
+    }
+  }
+}
+
+ResultsAppender::~ResultsAppender() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void ResultsAppender::write_line(const std::string& line) {
+  std::size_t done = 0;
+  while (done < line.size()) {
+    const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : ENOSPC;
+      cut_partial_row();
+      throw ResultsFileError(fmt::format("{}: write failed: {}", path_, std::strerror(err)));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  // On disk before the next row is computed: a power cut loses at most the row being written.
+  if (::fdatasync(fd_) != 0) {
+    const int err = errno;
+    cut_partial_row();
+    throw ResultsFileError(fmt::format("{}: write failed: {}", path_, std::strerror(err)));
+  }
+  size_ += static_cast<std::int64_t>(line.size());
+}
+
+void ResultsAppender::cut_partial_row() {
+  // Best effort: if even this fails, read_results drops the partial row on the next run.
+  if (::ftruncate(fd_, static_cast<off_t>(size_)) != 0) return;
+}
+
+void ResultsAppender::abandon() {
+  // A file this run created and that holds no row (a header at most) is removed; an existing file
+  // keeps its whole rows.
+  if (created_ && rows_ == 0) {
+    std::error_code ignored;
+    fs::remove(path_, ignored);
+  }
 }
 
 void ResultsAppender::append(const std::string& row) {
-  // One fputs + fflush per row: a kill can only cut the row being written, which read_results drops.
-  const std::string line = row + "\n";
+  // One write + fdatasync per row under the lock: a kill can only cut the row being written, which
+  // read_results drops; a failed write is cut off here.
   std::lock_guard lock(mutex_);
-  if (std::fputs(line.c_str(), file_.get()) < 0 || std::fflush(file_.get()) != 0)
-    throw ResultsFileError(path_ + ": write failed");
+  if (failed_) throw ResultsFileError(path_ + ": an earlier write failed");
+  try {
+    write_line(row + "\n");
+  } catch (...) {
+    failed_ = true;
+    abandon();
+    throw;
+  }
+  rows_ += 1;
 }
 
 std::size_t run_pool(std::size_t count, int jobs, const std::function<void(std::size_t)>& work,

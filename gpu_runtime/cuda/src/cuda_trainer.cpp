@@ -4,6 +4,7 @@
 #include "piper/runtime/cuda/cuda_trainer.hpp"
 
 #include <barrier>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -92,6 +93,8 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
   check(cudaSetDevice(0), "cudaSetDevice");
   check_save_path(o.save_path);
   check_calibrate_path(o.calibrate_path);
+  std::optional<SaveLock> lock;
+  if (!o.save_path.empty()) lock.emplace(o.save_path);
   // One partition for the GPU that every virtual device shares.
   const auto sm = SmPartitioner::create(program.sm_partition);
   if (o.print && program.sm_partition) fmt::print("sm_partition: {}\n", sm->describe());
@@ -107,6 +110,7 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
   TrainResult r;
   if (!o.resume_path.empty()) {
     const Checkpoint ckpt = read_compatible_checkpoint(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program);
+    check_steps_after_resume(o, ckpt.info.step);
     for (auto& b : backends) b->restore(ckpt.state), b->set_steps_done(ckpt.info.step);
     r.first_step = ckpt.info.step;
   }
@@ -122,7 +126,7 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
   };
   const int ran = o.steps - r.first_step;
   std::vector<std::vector<core::DeviceTimeline>> calibration(static_cast<std::size_t>(n));  // per device, kept steps
-  std::string save_error;
+  std::string save_error, diverged;
   bool stop = false;
   std::vector<double> loss(static_cast<std::size_t>(n)), step_s(static_cast<std::size_t>(n));
   std::vector<StepMeasurement> last(static_cast<std::size_t>(n));
@@ -138,6 +142,12 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
     r.total_s += slowest;
     if (o.print) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step_now + 1, r.losses.back(), slowest * 1e3);
     ++step_now;
+    // --on-nonfinite stop (the only mode here): a non-finite loss ends the run before any save.
+    if (!std::isfinite(r.losses.back())) {
+      diverged = nonfinite_message(step_now, "loss " + nonfinite_value(r.losses.back()));
+      stop = true;
+      return;
+    }
     // Every device finished the step (its ops completed on the GPU): the state is final.
     if (saves_after(o, step_now)) {
       try {
@@ -176,6 +186,7 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
     });
   for (auto& t : threads) t.join();
   if (!error.empty()) throw RuntimeError(error);
+  if (!diverged.empty()) throw TrainingDiverged(diverged);
   if (!save_error.empty()) throw std::invalid_argument(save_error);
   if (!o.save_path.empty() && ran <= 0) save(r.first_step);
   if (!o.calibrate_path.empty() && ran > 0) {
@@ -225,6 +236,7 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
   std::unique_ptr<CudaBackend> backend;
   std::shared_ptr<const SmPartitioner> sm;
   std::optional<Checkpoint> ckpt;
+  std::optional<SaveLock> lock;  // rank 0 writes the checkpoint
   const std::string checkpoint_bytes = o.resume_path.empty() ? std::string() : broadcast_checkpoint_bytes(o.resume_path, program, rank, error);
   try {
     if (error.empty()) {
@@ -234,7 +246,11 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
       check(cudaSetDevice(local % gpus), "cudaSetDevice");
       p2p_channels(program);  // a plan NCCL cannot run: one line from one rank, before NCCL starts
       sm = SmPartitioner::create(program.sm_partition);  // a partition this GPU cannot realise, likewise
-      if (!o.resume_path.empty()) ckpt = read_compatible_checkpoint(o.resume_path, checkpoint_bytes, program);
+      if (rank == 0 && !o.save_path.empty()) lock.emplace(o.save_path);
+      if (!o.resume_path.empty()) {
+        ckpt = read_compatible_checkpoint(o.resume_path, checkpoint_bytes, program);
+        check_steps_after_resume(o, ckpt->info.step);
+      }
     }
   } catch (const std::exception& e) {
     error = e.what();
@@ -277,6 +293,11 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
     r.total_s += last.step_seconds;
     r.ops += last.ops;
     if (o.print && rank == 0) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), step_s * 1e3);
+    // The summed loss is the same on every rank, so every rank stops at this step.
+    if (!std::isfinite(r.losses.back())) {
+      if (rank != 0) throw ReportedByAnotherRank();
+      throw TrainingDiverged(nonfinite_message(step + 1, "loss " + nonfinite_value(r.losses.back())));
+    }
     if (saves_after(o, step + 1)) save_distributed(o, program, backend->checkpoint_records(), backend->model(), step + 1, rank);
   }
   if (!o.save_path.empty() && ran <= 0) save_distributed(o, program, backend->checkpoint_records(), backend->model(), r.first_step, rank);
@@ -332,7 +353,10 @@ static std::string unsupported_model(const core::Program& program) {
 }
 
 TrainResult train_cuda(const core::Program& program, const TrainOptions& options, const CudaRunOptions& cuda) {
-  if (const std::string why = unsupported_model(program); !why.empty()) {
+  std::string why = unsupported_model(program);
+  if (why.empty() && options.skip_nonfinite)
+    why = "--on-nonfinite skip: the CUDA backend stops on a non-finite loss; skipping steps is implemented on the host backend only";
+  if (!why.empty()) {
     if (!cuda.virtual_devices) {
       int rank = 0;
       MPI_Comm_rank(MPI_COMM_WORLD, &rank);

@@ -15,7 +15,8 @@ namespace piper::chakra {
 std::string encode_device_trace(const core::Program& program, int device);
 
 // Writes <out_dir>/<prefix>.<device>.et for every device (each file atomically; the folder is
-// created if missing) and returns their paths. The program must verify (core::verify_or_throw).
+// created if missing) and returns their paths. The program must verify (core::verify_or_throw). A
+// failed write removes what the call created (new files, folders), so nothing half-written remains.
 std::vector<std::string> export_traces(const core::Program& program, const std::string& out_dir,
                                        const std::string& prefix = "piper");
 

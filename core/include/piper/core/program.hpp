@@ -168,7 +168,10 @@ struct Program {
   friend bool operator==(const Program& a, const Program& b);
 };
 
-// Write `j` to `path` atomically (temporary file in the same folder, then rename).
+// Writes `contents` to `path`. A regular file (or a new path) is replaced atomically: a temporary
+// file in the same folder, fsync, then rename (through a symbolic link, its target is replaced). A
+// device, FIFO or socket is written into, never replaced. An empty path, a folder or any failed
+// write throws Error("cannot write PATH: <reason>").
 void write_file_atomically(const std::string& path, const std::string& contents);
 
 }  // namespace piper::core

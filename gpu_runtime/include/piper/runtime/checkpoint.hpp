@@ -50,12 +50,19 @@ std::vector<StateRecord> parse_state_records(const std::string& bytes);
 CanonicalState assemble_state(const core::Model& model, const std::vector<StateRecord>& records);
 
 // Writes header + state durably and atomically: a temporary file in the same folder, fsync, rename,
-// fsync of the folder. A crash at any point leaves the previous checkpoint at `path` intact.
+// fsync of the folder. A crash at any point leaves the previous checkpoint at `path` intact. First,
+// temporary files of this checkpoint left by dead writers (`path.tmp.<pid>`, pid not alive) are
+// removed. An existing device or FIFO at `path` is written into, never replaced.
+// Format version 3: the JSON header carries `header_crc32` (CRC-32 of the header's JSON without that
+// field) and per layer `crc32`: [parameters, first moment, second moment].
 // Test hook: with PIPER_TEST_CRASH_BEFORE_RENAME=<step> in the environment the process exits
 // (status 86) after the temporary file of that step is written and synced, before the rename.
 void write_checkpoint(const std::string& path, const CheckpointInfo& info, const CanonicalState& state);
 
 // Parses a checkpoint file's bytes; `path` names it in the one-line errors (std::invalid_argument).
+// Refuses (version 3) a header or tensor whose CRC-32 differs, and (any version) a negative step, a
+// data position other than step x sequences per step, and non-finite values or negative second
+// moments. Version 2 (no checksums, earlier pipers) is still read.
 struct Checkpoint {
   CheckpointInfo info;
   CanonicalState state;
@@ -66,6 +73,24 @@ Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes);
 std::string read_checkpoint_bytes(const std::string& path, const core::Program& program);
 // The most bytes a checkpoint of `program`'s model can take (parameters and Adam state, and its header).
 std::int64_t checkpoint_bytes_bound(const core::Program& program);
+
+// CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320: the checksum of zlib, gzip and PNG;
+// crc32("123456789") = 0xCBF43926), continuing from `crc` (0 to start).
+std::uint32_t crc32(const void* data, std::size_t size, std::uint32_t crc = 0);
+
+// Held for a whole run that saves: an exclusive flock on `path.lock`, so that a second run saving to
+// the same checkpoint is refused (std::invalid_argument, one line) instead of racing the first. The
+// lock file stays after the run. Nothing is locked for an existing device or FIFO.
+class SaveLock {
+ public:
+  explicit SaveLock(const std::string& checkpoint_path);
+  ~SaveLock();
+  SaveLock(const SaveLock&) = delete;
+  SaveLock& operator=(const SaveLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
 
 // Checks that `ckpt` fits `program` (same model, sequence length and global batch); throws
 // std::invalid_argument with one line naming `path` and what differs.

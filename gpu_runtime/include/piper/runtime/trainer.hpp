@@ -20,6 +20,12 @@ struct ReportedByAnotherRank : std::runtime_error {
   ReportedByAnotherRank() : std::runtime_error("reported by another rank") {}
 };
 
+// A step whose loss, gradient norm or updated state is NaN or infinite, with --on-nonfinite stop
+// (the default): one line naming the step and what was non-finite; the run stops before saving.
+struct TrainingDiverged : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 struct TrainOptions {
   int steps = 3;                  // total steps of the run (a resumed run continues up to this step)
   std::uint64_t seed = 1;
@@ -33,12 +39,16 @@ struct TrainOptions {
   std::string dump_params_path;   // final parameters in canonical layout (for equivalence tests)
   std::string calibrate_path;     // measured per-op times as a piper-calibration file (calibrate.hpp)
   double stall_timeout_s = 20;
+  // A non-finite loss, gradient norm or updated state: stop with TrainingDiverged (false), or skip
+  // the step (true: the state before it is kept, as Megatron skips an overflowed step) and go on.
+  bool skip_nonfinite = false;
   bool print = true;
 };
 
 struct TrainResult {
   int first_step = 0;
   std::vector<double> losses;     // one per step run
+  std::vector<int> skipped_steps;  // --on-nonfinite skip: the steps (1-based) whose update was dropped
   std::vector<double> step_times_s;  // one per step run (slowest rank)
   double step_time_s = 0;         // mean over steps (slowest rank)
   double tokens_per_s = 0;
@@ -68,6 +78,16 @@ std::string model_fingerprint(const core::Program& program);
 CheckpointInfo checkpoint_info(const core::Program& program, int step);
 // Refuses a --save path that can never be written, before any step runs (std::invalid_argument).
 void check_save_path(const std::string& path);
+// Refuses --steps below a resumed checkpoint's step (nothing could run; std::invalid_argument).
+void check_steps_after_resume(const TrainOptions& o, int checkpoint_step);
+// The one-line message of a non-finite step (`what`: "loss nan", "gradient norm inf", ...), for
+// TrainingDiverged.
+std::string nonfinite_message(int step, const std::string& what);
+// "nan", "inf" or "-inf" (fmt would print a NaN's sign bit: "-nan").
+std::string nonfinite_value(double v);
+// Whether every value this model updates is finite (ZeRO-3: the master chunk; parameters are
+// poisoned outside gathers by design) and every second moment non-negative.
+bool state_is_finite(host::HostModel& model);
 // Whether the run saves after `done` steps: every --save-every steps, and after the last one.
 bool saves_after(const TrainOptions& o, int done);
 // Parses a checkpoint and checks that it fits `program`; std::invalid_argument naming `path` otherwise.

@@ -3,6 +3,7 @@
 // a worker pool that stops starting new work when asked (a time budget).
 #pragma once
 
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -29,8 +30,9 @@ std::string one_line(std::string s);
 // The header line for `columns` (no newline).
 std::string csv_header(const std::vector<std::string>& columns);
 
-// Reads a results file for resuming: cuts a trailing partial line (a run killed mid-write) off the
-// file and returns the fields of every complete data row. `kind` names the file type in errors
+// Reads a results file for resuming: checks line 1 first (a file whose first line is not the header,
+// or a non-regular file, is refused untouched), then cuts a trailing partial line (a run killed
+// mid-write) off the file and returns the fields of every complete data row. `kind` names the file type in errors
 // ("sweep", "tune"). Throws ResultsFileError if the header differs from `columns` or a row has the
 // wrong field count. A missing or empty file yields no rows (and is not created). `added` lists the
 // columns each later version of the file added, oldest first: a header that is `columns` less those
@@ -40,17 +42,27 @@ std::vector<std::vector<std::string>> read_results(const std::string& csv_path, 
                                                    const std::string& kind,
                                                    const std::vector<std::vector<std::string>>& added = {});
 
-// Appends rows to a results file, writing the header first when the file is new or empty. Each
-// append is one write + flush under a lock, so a kill can only cut the row being written.
+// Appends rows to a results file (O_APPEND, one write + fdatasync per row), writing the header first
+// when the file is new or empty; refuses a path that is not a regular file. A failed write (a full
+// disk) is cut off the file, so only whole rows remain, and throws ResultsFileError naming the
+// system's reason; a file this appender created and that got no row is then removed.
 class ResultsAppender {
  public:
   ResultsAppender(const std::string& csv_path, const std::vector<std::string>& columns);
+  ~ResultsAppender();
+  ResultsAppender(const ResultsAppender&) = delete;
+  ResultsAppender& operator=(const ResultsAppender&) = delete;
   void append(const std::string& row);  // without its newline; thread-safe
   const std::string& path() const { return path_; }
 
  private:
+  void write_line(const std::string& line);
+  void cut_partial_row();
+  void abandon();
   std::string path_;
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file_;
+  int fd_ = -1;
+  bool created_ = false, failed_ = false;
+  std::int64_t size_ = 0, rows_ = 0;
   std::mutex mutex_;
 };
 
