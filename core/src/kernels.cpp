@@ -200,29 +200,34 @@ void expert_kernels(KernelBuilder& kb, const LayerShape& sh, const TrainingShape
   const std::int64_t T = shape.tokens_per_microbatch(), h = sh.hidden, f = sh.ffn;
   const std::int64_t E = std::max<std::int64_t>(1, sh.experts), k = std::max<std::int64_t>(1, sh.top_k);
   // Balanced routing: this device's E/shard local experts receive the T·k routed copies of every
-  // device of the shard group, T·k in all; each expert runs T·k·shard/E tokens through fc1 (gate and
-  // up fused, 2f wide) and fc2, as a grouped GEMM of E/shard problems.
+  // device of the shard group, T·k in all; each expert runs T·k·shard/E of them through fc1 (gate and
+  // up fused, 2f wide) and fc2. A grouped GEMM (Megatron-LM's, TorchTitan's) runs all local experts'
+  // problems in one launch whose tiles fill the GPU as one GEMM of the T·k routed rows would: the
+  // forward and input-gradient GEMMs are [T·k x K]·[K x N]; the weight gradients are one [K x N]
+  // product per local expert over its T·k·shard/E rows (a batch of E/shard).
   const double local = static_cast<double>(E) / std::max(1, shard);
   const double routed = static_cast<double>(T * k);
+  const std::int64_t rows = T * k;
   const std::int64_t m = std::max<std::int64_t>(1, std::llround(routed / local));
-  const double f1 = 2.0 * routed * static_cast<double>(h) * 2.0 * static_cast<double>(f) / local;
-  const double f2 = 2.0 * routed * static_cast<double>(f) * static_cast<double>(h) / local;
+  const auto batch = std::max<std::int64_t>(1, std::llround(local));
+  const double f1 = 2.0 * routed * static_cast<double>(h) * 2.0 * static_cast<double>(f);
+  const double f2 = 2.0 * routed * static_cast<double>(f) * static_cast<double>(h);
   const std::int64_t copies = T * k * h;
   if (p == 0) {
     kb.elementwise(KernelKind::Permute, copies);
-    kb.gemm(m, 2 * f, h, f1, local);
+    kb.gemm(rows, 2 * f, h, f1);
     kb.elementwise(KernelKind::Activation, T * k * f);
-    kb.gemm(m, h, f, f2, local);
+    kb.gemm(rows, h, f, f2);
     kb.elementwise(KernelKind::Permute, copies);
   } else if (p == 1) {
     kb.elementwise(KernelKind::Permute, copies);
-    kb.gemm(m, f, h, f2, local);
+    kb.gemm(rows, f, h, f2);
     kb.elementwise(KernelKind::ActivationBackward, T * k * f);
-    kb.gemm(m, h, 2 * f, f1, local);
+    kb.gemm(rows, h, 2 * f, f1);
     kb.elementwise(KernelKind::Permute, copies);
   } else {
-    kb.gemm(f, h, m, f2, local);
-    kb.gemm(h, 2 * f, m, f1, local);
+    kb.gemm(f, h, m, f2, 1, batch);
+    kb.gemm(h, 2 * f, m, f1, 1, batch);
   }
 }
 

@@ -132,19 +132,23 @@ TEST(Kernels, ExpertsRunAsAGroupedGemmOverTheLocalExperts) {
   ex.shape.ffn = 16;
   ex.shape.experts = 8;
   ex.shape.top_k = 2;
-  // 64 tokens x top-2 = 128 copies; EP 4: 2 local experts, each 128 / 2 = 64 tokens.
+  // 64 tokens x top-2 = 128 routed rows; fc1 is one grouped launch over them: [128 x 32]·[32 x 2·16].
   const auto f = layer_kernels(ex, t, {}, 0, 4);
-  const Kernel* fc1 = nullptr;
+  std::vector<Kernel> gemms;
   for (const auto& k : f)
-    if (k.kind == KernelKind::Gemm) {
-      fc1 = &k;
-      break;
-    }
-  ASSERT_NE(fc1, nullptr);
-  EXPECT_EQ(fc1->m, 64);
-  EXPECT_EQ(fc1->n, 32);
-  EXPECT_EQ(fc1->k, 32);
-  EXPECT_DOUBLE_EQ(fc1->count, 2);
+    if (k.kind == KernelKind::Gemm) gemms.push_back(k);
+  ASSERT_EQ(gemms.size(), 2u);
+  EXPECT_EQ(gemms[0].m, 128);
+  EXPECT_EQ(gemms[0].n, 32);
+  EXPECT_EQ(gemms[0].k, 32);
+  EXPECT_DOUBLE_EQ(gemms[0].count, 1);
+  // Weight gradients: one [32 x 32] product per local expert (EP 4: 2 experts) over its 128 / 2 = 64 rows.
+  const auto w = layer_kernels(ex, t, {}, 2, 4);
+  ASSERT_EQ(w.size(), 2u);
+  EXPECT_EQ(w[1].m, 32);
+  EXPECT_EQ(w[1].n, 32);
+  EXPECT_EQ(w[1].k, 64);
+  EXPECT_EQ(w[1].batch, 2);
 }
 
 TEST(Kernels, SegmentsMergeRepeatedBlocksAndRoundTripThroughJson) {
