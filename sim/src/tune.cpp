@@ -137,6 +137,8 @@ core::Model annotated_model(const TuneSpec& spec, const TuneCandidate& c) {
   s.strategy.recompute = "none";
   s.strategy.comm_sms = 0;  // nor does an SM partition
   s.strategy.dp_shard = 0;  // (no data parallelism here)
+  s.strategy.reduce_every.clear();
+  s.strategy.tp_comm_overlap = false;
   const core::ModelConfig cfg = core::scenario_model_config(s);
   core::Model model = core::build_model(cfg);
   int regions = 0;
