@@ -18,20 +18,14 @@
 #include <nlohmann/json.hpp>
 
 #include "piper/core/limits.hpp"
+#include "../unit/shell.hpp"
 
 namespace fs = std::filesystem;
+using piper::test::read_file;
+using piper::test::write_file;
 using nlohmann::json;
 
 namespace {
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-void write_file(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
 
 std::string nested(std::size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); }
 

@@ -29,6 +29,8 @@
 #include "piper/runtime/checkpoint.hpp"
 
 namespace fs = std::filesystem;
+using piper::test::read_file;
+using piper::test::write_file;
 using nlohmann::json;
 using piper::test::mpirun;
 using piper::test::Result;
@@ -40,15 +42,6 @@ const std::string kCli = PIPER_CLI;
 const std::string kSource = PIPER_SOURCE_DIR;
 const std::string kDense = kSource + "/tests/data/runtime-tiny-dense.json";
 const std::string kQuickSweep = kSource + "/examples/sweeps/qwen3-9m-quick.json";
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-void write_file(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
 
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> lines;

@@ -1,10 +1,13 @@
-// Test helper: run a shell command and capture its exit code and combined output (and, for the tests
-// that define PIPER_MPIEXEC, the mpirun prefix they start ranks with).
+// Test helpers: run a shell command and capture its exit code and combined output (and, for the tests
+// that define PIPER_MPIEXEC, the mpirun prefix they start ranks with); read and write a whole file.
 #pragma once
 
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 namespace piper::test {
@@ -24,6 +27,15 @@ inline Result sh(const std::string& cmd) {
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
 }
+
+inline std::string read_file(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+inline void write_file(const std::filesystem::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
 
 #ifdef PIPER_MPIEXEC
 // As root mpirun refuses to start without --allow-run-as-root; --oversubscribe lets ranks share 2 cores.

@@ -19,21 +19,16 @@
 #include <nlohmann/json.hpp>
 
 #include "piper/core/scenario.hpp"
+#include "shell.hpp"
 
 namespace fs = std::filesystem;
+using piper::test::read_file;
 using nlohmann::json;
 
 namespace {
 
 const std::string kFixtures = std::string(PIPER_FIXTURES) + "/piper-directives/";
 const std::string kBad = std::string(PIPER_SOURCE_DIR) + "/tests/data/bad/";
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> lines;

@@ -16,19 +16,13 @@
 #include <gtest/gtest.h>
 
 #include "piper/core/limits.hpp"
+#include "shell.hpp"
 
 namespace fs = std::filesystem;
+using piper::test::read_file;
+using piper::test::write_file;
 
 namespace {
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-void write_file(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
 
 struct CliResult {
   int exit_code = -1;
