@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <thread>
 
@@ -34,13 +35,20 @@ int run_sweep(const SweepArgs& a) {
   const bool tty = isatty(fileno(stderr)) != 0;
   sim::SweepOptions options;
   options.jobs = a.jobs;
-  // The bar redraws one line in place, so only on a terminal; logs and pipes get nothing.
-  options.on_row = [tty](const sim::SweepRow& row, std::size_t done, std::size_t total) {
+  // Rows simulated in this run (the callback runs on one thread at a time), for the best-rows lines.
+  std::vector<sim::SweepRow> ran;
+  const auto start = std::chrono::steady_clock::now();
+  // The bar redraws one line in place, so only on a terminal; logs and pipes get nothing. Its ETA is
+  // the mean time per finished combination of this run times the ones left.
+  options.on_row = [tty, &ran, start](const sim::SweepRow& row, std::size_t done, std::size_t total) {
+    ran.push_back(row);
     if (!tty) return;
     constexpr int kWidth = 30;
     const int filled = total ? static_cast<int>(kWidth * done / total) : kWidth;
-    fmt::print(stderr, "\r[{}{}] {}/{} {:<60.60}", std::string(static_cast<std::size_t>(filled), '#'),
-               std::string(static_cast<std::size_t>(kWidth - filled), ' '), done, total, row.point.key());
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double eta = done > 0 && total >= done ? elapsed / static_cast<double>(ran.size()) * static_cast<double>(total - done) : 0;
+    fmt::print(stderr, "\r[{}{}] {}/{} ETA {:.0f} s {:<50.50}", std::string(static_cast<std::size_t>(filled), '#'),
+               std::string(static_cast<std::size_t>(kWidth - filled), ' '), done, total, eta, row.point.key());
     if (done == total) fmt::print(stderr, "\n");
     std::fflush(stderr);
   };
@@ -52,6 +60,16 @@ int run_sweep(const SweepArgs& a) {
   }
   fmt::print("{} combinations: {} already in {}, {} run ({} ok, {} invalid, {} failed)\n", s.combinations, s.resumed,
              a.output_path, s.ran, s.ok, s.invalid, s.failed);
+  // The fastest plans that fit, of those simulated in this run (resumed rows are in the CSV).
+  std::vector<const sim::SweepRow*> fits;
+  for (const auto& r : ran)
+    if (r.status == "ok" && !r.oom) fits.push_back(&r);
+  std::sort(fits.begin(), fits.end(), [](const sim::SweepRow* x, const sim::SweepRow* y) {
+    return x->step_time_s != y->step_time_s ? x->step_time_s < y->step_time_s : x->point.key() < y->point.key();
+  });
+  for (std::size_t i = 0; i < std::min<std::size_t>(3, fits.size()); ++i)
+    fmt::print("best {}: {}  step {:.3f} ms  MFU {:.1f} %  peak {:.2f} GiB\n", i + 1, fits[i]->point.key(),
+               fits[i]->step_time_s * 1e3, fits[i]->mfu * 100, static_cast<double>(fits[i]->peak_memory_bytes) / (1 << 30));
   return 0;
 }
 

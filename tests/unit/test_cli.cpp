@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -432,4 +433,39 @@ TEST_F(Cli, SaveEveryNeedsSaveAndSaveNeedsAFile) {
   expect_one_line_error(run("run --reference --model qwen3-9m --save-every 2"), {"--save-every", "--save"});
   // A folder is refused before any step runs.
   expect_one_line_error(run("run --reference --model qwen3-9m --save " + quote(dir_.string())), {"is a folder", "--save"});
+}
+
+// `piper sweep` ends with the fastest plans that fit, of the rows it simulated: the first is the
+// smallest step time among the CSV's ok rows that are not out of memory (read back here).
+TEST_F(Cli, SweepPrintsItsBestRows) {
+  const fs::path csv = dir_ / "sweep.csv";
+  CliRun r = run("sweep " + quote(std::string(PIPER_SOURCE_DIR) + "/examples/sweeps/qwen3-9m-quick.json") + " -j 1 -o " + quote(csv.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::istringstream in(read_file(csv));
+  std::string line;
+  std::getline(in, line);
+  std::vector<std::string> cols;
+  for (std::size_t a = 0, b; a <= line.size(); a = b + 1) {
+    b = std::min(line.find(',', a), line.size());
+    cols.push_back(line.substr(a, b - a));
+  }
+  auto col = [&](const std::string& name) { return static_cast<std::size_t>(std::find(cols.begin(), cols.end(), name) - cols.begin()); };
+  const std::size_t key = col("key"), status = col("status"), oom = col("oom"), step = col("step_time_s");
+  ASSERT_LT(step, cols.size());
+  double best = 1e300;
+  std::string best_key;
+  while (std::getline(in, line)) {
+    std::vector<std::string> f;
+    for (std::size_t a = 0, b; a <= line.size(); a = b + 1) {
+      b = std::min(line.find(',', a), line.size());
+      f.push_back(line.substr(a, b - a));
+    }
+    if (f.size() != cols.size() || f[status] != "ok" || f[oom] == "1") continue;
+    const double s = std::stod(f[step]);
+    if (s < best || (s == best && f[key] < best_key)) best = s, best_key = f[key];
+  }
+  ASSERT_FALSE(best_key.empty());
+  EXPECT_NE(r.out.find(fmt::format("best 1: {}  step {:.3f} ms", best_key, best * 1e3)), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("best 3: "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("best 4: "), std::string::npos) << r.out;
 }
