@@ -214,6 +214,23 @@ py::dict schedule_show(const std::string& name, int ranks, int microbatches, int
   return out;
 }
 
+// The built-in model zoo, as `piper models` lists it, with exact parameter counts.
+py::list models() {
+  py::list out;
+  for (const std::string& name : core::zoo_names()) {
+    const core::ModelConfig cfg = *core::zoo_config(name);
+    py::dict d;
+    d["name"] = name;
+    d["params"] = core::build_model(cfg).parameter_count();
+    d["layers"] = cfg.layers;
+    d["hidden"] = cfg.hidden;
+    d["experts"] = cfg.experts;
+    d["top_k"] = cfg.top_k;
+    out.append(d);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(piper, m) {
@@ -234,6 +251,7 @@ PYBIND11_MODULE(piper, m) {
         py::arg("base_dir") = "",
         "Run a sweep spec dict; rows are appended to output (a CSV, resumable) if given. Returns the summary and "
         "the rows run now.");
+  m.def("models", &models, "The built-in model zoo: [{name, params, layers, hidden, experts, top_k}], as `piper models` lists it.");
   m.def("schedule_show", &schedule_show, py::arg("name"), py::kw_only(), py::arg("ranks") = 4,
         py::arg("microbatches") = 8, py::arg("virtual") = 1, py::arg("costs") = std::vector<int>{1, 2, 1},
         "Unit-time view of a schedule family: the text `piper schedule show` prints, step_time and per-rank ops.");

@@ -222,6 +222,19 @@ class Errors(unittest.TestCase):
 
 
 class Version(unittest.TestCase):
+    def test_models_are_the_clis(self):
+        rows = piper.models()
+        lines = run_cli("models").stdout.splitlines()
+        self.assertEqual([r["name"] for r in rows], [l.split()[0] for l in lines])
+        for r, line in zip(rows, lines):
+            # The CLI prints the count in billions or millions with two decimals ("1.07 B").
+            value, unit = line.split()[1:3]
+            scale = {"B": 1e9, "M": 1e6, "K": 1e3}[unit]
+            self.assertAlmostEqual(r["params"] / scale, float(value), delta=0.005, msg=r["name"])
+            self.assertIn(f"{r['layers']} layers, hidden {r['hidden']}", line)
+            if r["experts"]:
+                self.assertIn(f"MoE {r['experts']} experts top-{r['top_k']}", line)
+
     def test_version_is_the_clis(self):
         self.assertRegex(piper.__version__, r"^\d+\.\d+\.\d+$")
         self.assertEqual(run_cli("--version").stdout, "piper " + piper.__version__ + "\n")
