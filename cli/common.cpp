@@ -37,9 +37,8 @@ std::string read_text_file(const std::string& path) { return core::read_input_fi
 
 json read_json_file(const std::string& path) {
   std::string text = read_text_file(path);
-  core::check_json_depth(text, path);
   try {
-    return json::parse(text);
+    return core::parse_json(text, path);
   } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
     throw CliError(path, "not valid JSON: " + json_message(e));
   }

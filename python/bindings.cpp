@@ -78,8 +78,7 @@ json to_cpp(const py::handle& obj, const char* what) {
   } catch (py::error_already_set& e) {
     throw PiperError(std::string(what) + ": not JSON-serialisable: " + one_line(e.what()));
   }
-  guarded([&] { core::check_json_depth(text, what); });
-  return json::parse(text);
+  return guarded([&] { return core::parse_json(text, what); });
 }
 
 py::object to_py(const json& j) { return py::module_::import("json").attr("loads")(j.dump()); }

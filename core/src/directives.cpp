@@ -339,10 +339,9 @@ json DirectiveProgram::to_json() const { return json(source); }
 
 DirectiveProgram load_directives_file(const std::string& path) {
   const std::string text = read_input_file(path);
-  check_json_depth(text, path);
   json j;
   try {
-    j = json::parse(text);
+    j = parse_json(text, path);
   } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
     std::string what = e.what();
     if (auto p = what.find("parse error"); p != std::string::npos) what = what.substr(p);

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 namespace piper::core {
 
@@ -226,6 +227,11 @@ void check_json_depth(std::string_view text, const std::string& where) {
       if (depth > 0) --depth;
     }
   }
+}
+
+nlohmann::json parse_json(std::string_view text, const std::string& where) {
+  check_json_depth(text, where);
+  return nlohmann::json::parse(text);
 }
 
 }  // namespace piper::core

@@ -1071,9 +1071,8 @@ ModelConfig load_model_config(const std::string& name_or_path) {
 
 ModelConfig config_from_text(const std::string& text, const std::string& where) {
   json j;
-  check_json_depth(text, where);
   try {
-    j = json::parse(text);
+    j = parse_json(text, where);
   } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
     std::string reason = e.what();
     // Drop nlohmann's "[json.exception.parse_error.101] " prefix; the rest is one readable line.

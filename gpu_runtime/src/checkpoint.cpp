@@ -340,8 +340,7 @@ Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
   json h;
   try {
     const std::string header = bytes.substr(0, nl == std::string::npos ? bytes.size() : nl);
-    core::check_json_depth(header, path);
-    h = json::parse(header);
+    h = core::parse_json(header, path);
   } catch (const core::LimitError& e) {
     throw std::invalid_argument(e.what());
   } catch (const json::exception&) {

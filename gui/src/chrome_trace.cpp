@@ -36,9 +36,8 @@ SpanKind kind_of(const std::string& name, const std::string& cat) {
 
 std::shared_ptr<Track> parse_chrome_trace(const std::string& text, const std::string& where, const std::string& title) {
   json j;
-  core::check_json_depth(text, where);
   try {
-    j = json::parse(text);
+    j = core::parse_json(text, where);
   } catch (const json::parse_error& e) {
     throw core::Error(where + ": not a Chrome trace (JSON error at byte " + std::to_string(e.byte) + ")");
   }

@@ -476,9 +476,8 @@ Cluster load_cluster(const std::string& preset_or_path) {
 Cluster cluster_from_text(const std::string& text, const std::string& where) {
   const std::string& preset_or_path = where;
   json j;
-  core::check_json_depth(text, where);
   try {
-    j = json::parse(text);
+    j = core::parse_json(text, where);
   } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
     std::string m = e.what();
     std::replace(m.begin(), m.end(), '\n', ' ');

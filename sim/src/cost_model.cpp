@@ -179,9 +179,8 @@ Calibration Calibration::load(const std::string& path) { return parse(core::read
 
 Calibration Calibration::parse(const std::string& text, const std::string& where) {
   const std::string& path = where;
-  core::check_json_depth(text, path);
   try {
-    return from_json(json::parse(text), path);
+    return from_json(core::parse_json(text, path), path);
   } catch (const json::exception& e) {
     std::string m = e.what();
     std::replace(m.begin(), m.end(), '\n', ' ');
@@ -215,14 +214,9 @@ double CostModel::compute_seconds(const core::Program& program, int device, cons
 
 double CostModel::base_seconds(const core::Program& program, int device, const core::Op& op) const {
   if (auto s = kernel_seconds(program, device, op)) return *s;
-  // The GPU's peak is dense bf16; other precisions scale it by the datasheet ratio (A100 and H100:
-  // fp32 on the CUDA cores 1/16, tf32 1/2, fp8 2x). UPD runs on the CUDA cores, memory-bound.
-  const core::Precision pr = program.training.precision;
-  const double dtype_peak = op.kind != OpKind::Compute        ? 1.0
-                            : pr == core::Precision::FP32 ? 1.0 / 16
-                            : pr == core::Precision::TF32 ? 0.5
-                            : pr == core::Precision::FP8  ? 2.0
-                                                          : 1.0;
+  // The GPU's peak is dense bf16; other precisions scale it by the datasheet ratio. UPD runs on the
+  // CUDA cores, memory-bound.
+  const double dtype_peak = op.kind == OpKind::Compute ? dtype_peak_ratio(program.training.precision) : 1.0;
   double seconds = roofline_seconds(device, op.flops / dtype_peak, op.memory_bytes, op.gemm_kernels);
   // Memory-bound element-wise kernels run between the GEMMs: their time adds to the roofline.
   if (op.elementwise_bytes > 0) {
@@ -261,50 +255,37 @@ std::uint64_t bits(double x) {
 
 }  // namespace
 
-const KernelTable* CostModel::table_of(int node) const {
-  const auto n = static_cast<std::size_t>(node);
-  std::call_once(tables_once_, [&] {
+// Each node's table and kernel timing, built once (the cluster's runtime profile is the same for all).
+const KernelTiming& CostModel::node_timing(int node) const {
+  std::call_once(timings_once_, [&] {
+    const RuntimeProfile profile = runtime_profile_from_string(cluster_.runtime);
     tables_.resize(cluster_.nodes.size());
-    for (std::size_t i = 0; i < cluster_.nodes.size(); ++i)
-      if (!cluster_.nodes[i].gpu.kernel_table.empty()) tables_[i] = load_kernel_table(cluster_.nodes[i].gpu.kernel_table);
+    timings_.resize(cluster_.nodes.size());
+    for (std::size_t i = 0; i < cluster_.nodes.size(); ++i) {
+      const GpuSpec& g = cluster_.nodes[i].gpu;
+      if (!g.kernel_table.empty()) tables_[i] = load_kernel_table(g.kernel_table);
+      timings_[i] = {tables_[i].get(), profile, g.peak_flops, g.hbm_bandwidth_bytes_per_s, g.max_efficiency, g.half_efficiency_flops};
+    }
   });
-  return tables_[n].get();
+  return timings_[static_cast<std::size_t>(node)];
 }
 
-KernelTiming CostModel::timing(int device) const {
-  const int node = node_of_.at(static_cast<std::size_t>(device));
-  const GpuSpec& g = cluster_.nodes[static_cast<std::size_t>(node)].gpu;
-  KernelTiming t;
-  t.table = table_of(node);
-  t.profile = runtime_profile_from_string(cluster_.runtime);
-  t.peak_flops = g.peak_flops;
-  t.hbm_bytes_per_s = g.hbm_bandwidth_bytes_per_s;
-  t.fallback_efficiency = g.max_efficiency;
-  t.half_efficiency_flops = g.half_efficiency_flops;
-  return t;
-}
+KernelTiming CostModel::timing(int device) const { return node_timing(node_of_.at(static_cast<std::size_t>(device))); }
 
 std::optional<double> CostModel::kernel_seconds(const core::Program& program, int device, const core::Op& op) const {
-  if (op.segment < 0 || static_cast<std::size_t>(op.segment) >= program.segments.size()) {
-    if (op.kind == OpKind::Update) return update_seconds(program, device, op);
-    return std::nullopt;
-  }
   if (op.kind == OpKind::Update) return update_seconds(program, device, op);
-  if (op.kind != OpKind::Compute) return std::nullopt;
+  if (op.kind != OpKind::Compute || op.segment < 0 || static_cast<std::size_t>(op.segment) >= program.segments.size())
+    return std::nullopt;
+  if (op.pass == core::Pass::None) return std::nullopt;
   const int node = node_of_.at(static_cast<std::size_t>(device));
   const core::PassKernels& pk = program.segments[static_cast<std::size_t>(op.segment)].kernels;
-  std::vector<const std::vector<core::Kernel>*> lists;
-  switch (op.pass) {
-    case core::Pass::F: lists = {&pk[0]}; break;
-    case core::Pass::B: lists = {&pk[1], &pk[2]}; break;
-    case core::Pass::BI: lists = {&pk[1]}; break;
-    case core::Pass::BW: lists = {&pk[2]}; break;
-    default: return std::nullopt;
-  }
+  // The kernel lists the pass runs: F; BI; BW; a fused B is BI then BW.
+  const std::size_t first = op.pass == core::Pass::F ? 0 : op.pass == core::Pass::BW ? 2 : 1;
+  const std::size_t last = op.pass == core::Pass::B ? 2 : first;
   std::uint64_t key = mix(static_cast<std::uint64_t>(node), static_cast<std::uint64_t>(op.pass));
   bool any = false;
-  for (const auto* l : lists)
-    for (const auto& k : *l) {
+  for (std::size_t l = first; l <= last; ++l)
+    for (const auto& k : pk[l]) {
       any = true;
       key = mix(key, static_cast<std::uint64_t>(k.kind) << 8 | static_cast<std::uint64_t>(k.dtype));
       for (std::int64_t v : {k.m, k.n, k.k, k.batch, k.head_dim, k.v_dim, k.elems, k.bytes})
@@ -312,6 +293,7 @@ std::optional<double> CostModel::kernel_seconds(const core::Program& program, in
       key = mix(mix(key, bits(k.flops)), bits(k.count));
     }
   if (!any) return std::nullopt;
+  const KernelTiming& t = node_timing(node);
   PassTime pt;
   {
     std::lock_guard<std::mutex> lock(cache_mu_);
@@ -319,10 +301,9 @@ std::optional<double> CostModel::kernel_seconds(const core::Program& program, in
     if (it != pass_cache_.end()) pt = it->second;
   }
   if (pt.flops < 0) {
-    const KernelTiming t = timing(device);
     pt = {0, 0, 0};
-    for (const auto* l : lists)
-      for (const auto& k : *l) {
+    for (std::size_t l = first; l <= last; ++l)
+      for (const auto& k : pk[l]) {
         pt.seconds += k.count * t.seconds(k);
         pt.flops += k.count * k.flops;
         if (k.kind == core::KernelKind::Elementwise) pt.elementwise_bytes += k.count * static_cast<double>(k.bytes);
@@ -340,7 +321,7 @@ std::optional<double> CostModel::kernel_seconds(const core::Program& program, in
     core::Kernel copy;
     copy.kind = core::KernelKind::Elementwise;
     copy.bytes = static_cast<std::int64_t>(extra);
-    seconds += timing(device).seconds(copy);
+    seconds += t.seconds(copy);
   }
   return seconds;
 }
@@ -349,7 +330,7 @@ std::optional<double> CostModel::kernel_seconds(const core::Program& program, in
 // the table's AdamW measurement reached (one launch per op: multi_tensor_apply batches the tensors).
 // fp32 training updates fp32 parameters: the fp32 measurement's bandwidth.
 std::optional<double> CostModel::update_seconds(const core::Program& program, int device, const core::Op& op) const {
-  const KernelTable* t = table_of(node_of_.at(static_cast<std::size_t>(device)));
+  const KernelTable* t = node_timing(node_of_.at(static_cast<std::size_t>(device))).table;
   if (!t || op.memory_bytes <= 0) return std::nullopt;
   const double bw = core::fp32_storage(program.training.precision) && t->adamw_fp32_bytes_per_s > 0 ? t->adamw_fp32_bytes_per_s
                                                                                                      : t->adamw_bytes_per_s;

@@ -265,9 +265,8 @@ std::shared_ptr<const KernelTable> load_kernel_table(const std::string& name) {
   KernelTable t;
   auto parse = [&](const std::string& text, const std::string& where) {
     json j;
-    core::check_json_depth(text, where);
     try {
-      j = json::parse(text);
+      j = core::parse_json(text, where);
     } catch (const json::exception& e) {
       std::string m = e.what();
       std::replace(m.begin(), m.end(), '\n', ' ');
@@ -335,19 +334,30 @@ ElementwiseCost elementwise_cost(KernelKind kind, RuntimeProfile p) {
 
 }  // namespace
 
+double dtype_peak_ratio(core::Precision p) {
+  switch (p) {
+    case core::Precision::FP32: return 1.0 / 16;
+    case core::Precision::TF32: return 0.5;
+    case core::Precision::FP8: return 2.0;
+    default: return 1.0;
+  }
+}
+
+double causal_attention_flops(const Kernel& k) {
+  const double s = static_cast<double>(k.m);
+  return static_cast<double>(k.batch) * static_cast<double>(k.n) * s * s * static_cast<double>(k.head_dim + k.v_dim) *
+         (k.kind == KernelKind::AttentionBackward ? 2.5 : 1.0);
+}
+
 double KernelTiming::seconds(const Kernel& k) const {
   const double launch = table ? table->launch_floor_s : KernelTable::kDefaultLaunchFloor;
   const double dt = core::bytes_per_element(k.dtype);
   // Without a table: GEMMs at the GPU's curve-free efficiency of its dense bf16 peak, scaled by the
   // datasheet ratio of the dtype's peak on A100 and H100 (fp32 on the CUDA cores 1/16, tf32 1/2, fp8
   // 2x); element-wise work at the HBM peak (what the FLOP roofline assumed; no measurement says more).
-  const double dtype_peak = k.dtype == core::Precision::FP32 ? 1.0 / 16
-                            : k.dtype == core::Precision::TF32 ? 0.5
-                            : k.dtype == core::Precision::FP8  ? 2.0
-                                                               : 1.0;
   const double f = k.flops > 0 ? k.flops : 1;
   const double curve = half_efficiency_flops > 0 ? f / (f + half_efficiency_flops) : 1;
-  const double fallback_rate = peak_flops * fallback_efficiency * curve * dtype_peak;
+  const double fallback_rate = peak_flops * fallback_efficiency * curve * dtype_peak_ratio(k.dtype);
   if (k.kind == KernelKind::Gemm) {
     const double mm = static_cast<double>(k.m), nn = static_cast<double>(k.n), kk = static_cast<double>(k.k);
     const double b = static_cast<double>(k.batch);
@@ -363,11 +373,7 @@ double KernelTiming::seconds(const Kernel& k) const {
     const bool bwd = k.kind == KernelKind::AttentionBackward;
     const double rate = table ? table->attention_rate(bwd, k.batch, k.m, k.n, std::max(k.head_dim, k.v_dim)) : 0;
     if (rate <= 0) return k.flops / fallback_rate + launch;  // no table: Piper's full-matrix FLOPs at GEMM speed
-    // The causal work in kernels.py's convention: forward b·heads·s²·(qk + v), backward 2.5x.
-    const double s = static_cast<double>(k.m);
-    const double causal = static_cast<double>(k.batch) * static_cast<double>(k.n) * s * s *
-                          static_cast<double>(k.head_dim + k.v_dim) * (bwd ? 2.5 : 1.0);
-    return causal / rate + launch;
+    return causal_attention_flops(k) / rate + launch;
   }
   const ElementwiseCost c = elementwise_cost(k.kind, profile);
   const double elems = static_cast<double>(k.elems);

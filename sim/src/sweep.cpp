@@ -174,9 +174,8 @@ SweepSpec SweepSpec::load(const std::string& path) {
 
 SweepSpec SweepSpec::parse(const std::string& text, const std::string& where, const std::string& base_dir) {
   json j;
-  core::check_json_depth(text, where);
   try {
-    j = json::parse(text);
+    j = core::parse_json(text, where);
   } catch (const json::exception& e) {
     throw SweepError(where + ": not valid JSON: " + one_line(e.what()));
   }

@@ -654,7 +654,7 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
   for (const auto& node : cluster.nodes) {
     // Without a table: the curve's asymptote (fp8 at twice the bf16 peak); with one, its fastest
     // GEMM measurement in the training dtype (fp32 may run as tf32).
-    flops_rate = std::max(flops_rate, node.gpu.peak_flops * node.gpu.max_efficiency * (pr == core::Precision::FP8 ? 2 : 1));
+    flops_rate = std::max(flops_rate, node.gpu.peak_flops * node.gpu.max_efficiency * std::max(1.0, dtype_peak_ratio(pr)));
     launch = std::min(launch, node.gpu.launch_overhead_s);
     hbm = std::max(hbm, node.gpu.hbm_bandwidth_bytes_per_s);
     link = std::max({link, node.nvlink_bandwidth_bytes_per_s, node.nic_bandwidth_per_gpu_bytes_per_s()});
@@ -686,12 +686,9 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     if (k.kind == core::KernelKind::Gemm) {
       t += k.flops / flops_rate;  // the exact FLOPs (a rounded shape's time is scaled to them)
     } else if (k.kind == core::KernelKind::AttentionForward || k.kind == core::KernelKind::AttentionBackward) {
-      const bool bwd = k.kind == core::KernelKind::AttentionBackward;
-      const double causal = static_cast<double>(k.batch) * static_cast<double>(k.n) * static_cast<double>(k.m) *
-                            static_cast<double>(k.m) * static_cast<double>(k.head_dim + k.v_dim) * (bwd ? 2.5 : 1.0);
-      const double rate = bwd ? att_bwd : att_fwd;
+      const double rate = k.kind == core::KernelKind::AttentionBackward ? att_bwd : att_fwd;
       // Without a table attention runs at most at the GEMM rate on Piper's (full-matrix) FLOPs.
-      t += rate > 0 ? causal / rate : k.flops / flops_rate;
+      t += rate > 0 ? causal_attention_flops(k) / rate : k.flops / flops_rate;
     } else {
       const double bytes = k.kind == core::KernelKind::Elementwise ? static_cast<double>(k.bytes)
                            : k.kind == core::KernelKind::Loss || k.kind == core::KernelKind::LossBackward

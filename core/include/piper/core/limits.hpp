@@ -9,6 +9,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "piper/core/error.hpp"
 
 namespace piper::core {
@@ -81,6 +83,9 @@ std::string read_input_file(const std::string& path, Limit bytes_limit, std::int
 // recursive destructor and conversions would overflow the stack on 10^5 levels. Malformed text is left
 // for the parser to report.
 void check_json_depth(std::string_view text, const std::string& where);
+// check_json_depth, then nlohmann::json::parse: every input parser's entry point. Syntax errors stay
+// nlohmann's json::exception for the caller to word; the depth limit is a LimitError.
+nlohmann::json parse_json(std::string_view text, const std::string& where);
 
 // Input echoed into an error line, made safe to print: control bytes and bytes that are not UTF-8
 // become \xNN, and past max_bytes (0: no cap) the rest is replaced by "... (N bytes in all)". A CSV

@@ -140,11 +140,12 @@ class CostModel {
   std::optional<double> update_seconds(const core::Program& program, int device, const core::Op& op) const;
   double base_seconds(const core::Program& program, int device, const core::Op& op) const;  // without TP
   double with_tp(const core::Program& program, int device, const core::Op& op, double compute) const;
-  const KernelTable* table_of(int node) const;
-  // Per-node kernel tables (loaded once) and pass times by content (kernels + node): ops of the same
-  // segment and pass share one sum. Guarded for engines that cost ops from several threads.
-  mutable std::once_flag tables_once_;
+  const KernelTiming& node_timing(int node) const;
+  // Per-node kernel tables and timings (built once) and pass times by content (kernels + node): ops of
+  // the same segment and pass share one sum. Guarded for engines that cost ops from several threads.
+  mutable std::once_flag timings_once_;
   mutable std::vector<std::shared_ptr<const KernelTable>> tables_;
+  mutable std::vector<KernelTiming> timings_;
   struct PassTime {
     double seconds = 0, flops = -1, elementwise_bytes = 0;
   };

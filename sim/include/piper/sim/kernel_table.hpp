@@ -71,6 +71,14 @@ class KernelTable {
   static KernelTable from_json(const nlohmann::json& j, const std::string& where);
 };
 
+// Datasheet ratio of a dtype's dense tensor-core peak to bf16's on A100 and H100 (fp32 runs on the CUDA
+// cores: 1/16; tf32 1/2; fp8 2; bf16 and fp16 1): what scales a GPU's bf16 peak where no table says.
+double dtype_peak_ratio(core::Precision p);
+// Causal attention work in kernels.py's convention (what a table's attention rates are measured in):
+// forward b·heads·s²·(qk + v), backward 2.5 times that. Piper's own count (Kernel::flops) is the full
+// s x s matrix, twice the forward.
+double causal_attention_flops(const core::Kernel& k);
+
 // Built-in tables: "h200-sxm" (measured), "h100-sxm" (derived from it: docs/cost-model.md).
 std::vector<std::string> kernel_table_names();
 // A built-in name or a path to a table file; loaded once and shared (thread-safe). Throws ClusterError.
