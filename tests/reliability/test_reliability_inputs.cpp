@@ -21,18 +21,15 @@
 #include "../unit/shell.hpp"
 
 namespace fs = std::filesystem;
+using piper::test::CliResult;
 using piper::test::read_file;
+using piper::test::run_cli_in;
 using piper::test::write_file;
 using nlohmann::json;
 
 namespace {
 
 std::string nested(std::size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); }
-
-struct CliResult {
-  int exit_code = -1;
-  std::string out, err;
-};
 
 const std::string kSource = PIPER_SOURCE_DIR;
 const std::string kTiny = kSource + "/tests/data/runtime-tiny-dense.json";
@@ -49,17 +46,7 @@ class HostileInput : public ::testing::Test {
 
   // Runs piper in the scratch folder; `timeout` turns a hang into exit 124 instead of a stuck test.
   CliResult run(const std::string& args, int timeout_s = 120) const {
-    const fs::path out = dir_ / "stdout.txt", err = dir_ / "stderr.txt";
-    const std::string cmd = "cd '" + dir_.string() + "' && timeout " + std::to_string(timeout_s) + " '" + PIPER_CLI + "' " +
-                            args + " >'" + out.string() + "' 2>'" + err.string() + "'";
-    const int status = std::system(cmd.c_str());
-    CliResult r;
-    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    r.out = read_file(out);
-    r.err = read_file(err);
-    fs::remove(out);
-    fs::remove(err);
-    return r;
+    return run_cli_in(dir_, PIPER_CLI, args, "timeout " + std::to_string(timeout_s));
   }
 
   fs::path input(const std::string& name, const std::string& text) {

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -36,6 +37,29 @@ inline std::string read_file(const std::filesystem::path& p) {
 }
 
 inline void write_file(const std::filesystem::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
+
+// A CLI run's exit code and its stdout and stderr apart.
+struct CliResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+// Runs `prefix 'cli' args` in folder `dir` (prefix: environment assignments, `timeout N`, ...),
+// capturing stdout and stderr in files there that are removed afterwards.
+inline CliResult run_cli_in(const std::filesystem::path& dir, const std::string& cli, const std::string& args,
+                            const std::string& prefix = "") {
+  const std::filesystem::path out = dir / "stdout.txt", err = dir / "stderr.txt";
+  const std::string cmd = "cd '" + dir.string() + "' && " + prefix + " '" + cli + "' " + args + " >'" + out.string() +
+                          "' 2>'" + err.string() + "'";
+  const int status = std::system(cmd.c_str());
+  CliResult r;
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = read_file(out);
+  r.err = read_file(err);
+  std::filesystem::remove(out);
+  std::filesystem::remove(err);
+  return r;
+}
 
 #ifdef PIPER_MPIEXEC
 // As root mpirun refuses to start without --allow-run-as-root; --oversubscribe lets ranks share 2 cores.

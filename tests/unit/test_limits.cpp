@@ -19,15 +19,12 @@
 #include "shell.hpp"
 
 namespace fs = std::filesystem;
+using piper::test::CliResult;
 using piper::test::read_file;
+using piper::test::run_cli_in;
 using piper::test::write_file;
 
 namespace {
-
-struct CliResult {
-  int exit_code = -1;
-  std::string out, err;
-};
 
 class Limits : public ::testing::Test {
  protected:
@@ -40,19 +37,7 @@ class Limits : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
 
   // Runs piper in the scratch folder (so relative outputs land there), with optional environment.
-  CliResult run(const std::string& args, const std::string& env = "") const {
-    const fs::path out = dir_ / "stdout.txt", err = dir_ / "stderr.txt";
-    const std::string cmd = "cd '" + dir_.string() + "' && " + env + " '" + PIPER_CLI + "' " + args + " >'" +
-                            out.string() + "' 2>'" + err.string() + "'";
-    const int status = std::system(cmd.c_str());
-    CliResult r;
-    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    r.out = read_file(out);
-    r.err = read_file(err);
-    fs::remove(out);
-    fs::remove(err);
-    return r;
-  }
+  CliResult run(const std::string& args, const std::string& env = "") const { return run_cli_in(dir_, PIPER_CLI, args, env); }
 
   // The limit contract: exit 2, no stdout, one stderr line naming the limit and both ways to raise
   // it, and no file written besides the inputs the test created.
