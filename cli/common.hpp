@@ -119,6 +119,7 @@ Command add_sweep_command(CLI::App& app);
 Command add_export_chakra_command(CLI::App& app);
 Command add_tune_command(CLI::App& app);
 Command add_plot_command(CLI::App& app);
+Command add_calibrate_command(CLI::App& app);
 Command add_limits_command(CLI::App& app);
 
 }  // namespace piper::cli

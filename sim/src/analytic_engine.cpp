@@ -43,6 +43,7 @@ class AnalyticEngine : public Engine {
     const std::vector<ComputeRates> rates = compute_rates(program, cluster);
     std::vector<std::int32_t> comm_active(ix(n), 0);
     std::vector<std::vector<std::int32_t>> computes(ix(n));  // running compute activities per device
+    GpuSharing sharing(cost.gpu_of_devices(), n);
 
     struct Running {
       Activity activity;
@@ -70,14 +71,12 @@ class AnalyticEngine : public Engine {
     auto op_of = [&](int device, core::OpRef r) -> const core::Op& {
       return program.plan_for(device).streams[ix(r.stream)].ops[ix(r.index)];
     };
-    // Comm started or ended on `device`: running compute there changes speed.
-    auto set_comm = [&](int device, int delta, double now) {
-      const int before = comm_active[ix(device)];
-      comm_active[ix(device)] += delta;
-      const int after = comm_active[ix(device)];
-      const ComputeRates& rr = rates[ix(device)];
-      if ((before > 0) == (after > 0) || rr.idle == rr.with_comm) return;
-      const double rate = after > 0 ? rr.with_comm : rr.idle;
+    auto rate_of = [&](int device) {
+      return (comm_active[ix(device)] > 0 ? rates[ix(device)].with_comm : rates[ix(device)].idle) / sharing.divisor(device);
+    };
+    // Running compute on `device` continues at its current rate from `now`.
+    auto reschedule = [&](int device, double now) {
+      const double rate = rate_of(device);
       for (std::int32_t slot : computes[ix(device)]) {
         Running& r = running[ix(slot)];
         r.remaining = std::max(0.0, r.remaining - (now - r.since) * r.rate);
@@ -86,6 +85,18 @@ class AnalyticEngine : public Engine {
         r.version += 1;
         events[now + r.remaining / rate].push_back({slot, r.version});
       }
+    };
+    // Comm started or ended on `device`: running compute there changes speed.
+    auto set_comm = [&](int device, int delta, double now) {
+      const int before = comm_active[ix(device)];
+      comm_active[ix(device)] += delta;
+      const int after = comm_active[ix(device)];
+      const ComputeRates& rr = rates[ix(device)];
+      if ((before > 0) != (after > 0) && rr.idle != rr.with_comm) reschedule(device, now);
+    };
+    // `device` began or stopped computing: the devices sharing its GPU change speed.
+    auto share_changed = [&](const std::vector<int>& devices, double now) {
+      for (int d : devices) reschedule(d, now);
     };
 
     std::vector<Activity> ready;
@@ -111,7 +122,8 @@ class AnalyticEngine : public Engine {
         if (r.activity.kind == Activity::Kind::Compute) {
           const auto [d, ref] = r.activity.members.front();
           r.remaining = cost.compute_seconds(program, d, op_of(d, ref));
-          r.rate = comm_active[ix(d)] > 0 ? rates[ix(d)].with_comm : rates[ix(d)].idle;
+          if (sharing.enabled() && computes[ix(d)].empty()) share_changed(sharing.busy(d), now);
+          r.rate = rate_of(d);
           end = now + r.remaining / r.rate;
           computes[ix(d)].push_back(slot);
         } else if (r.activity.kind == Activity::Kind::Transfer) {
@@ -144,8 +156,10 @@ class AnalyticEngine : public Engine {
         r.version += 1;
         for (const auto& [d, ref] : r.activity.members) span(d, ref).end_s = now;
         if (r.activity.kind == Activity::Kind::Compute) {
-          auto& list = computes[ix(r.activity.members.front().first)];
+          const int d = r.activity.members.front().first;
+          auto& list = computes[ix(d)];
           list.erase(std::find(list.begin(), list.end(), e.slot));
+          if (sharing.enabled() && list.empty()) share_changed(sharing.idle(d), now);
         } else {
           for (const auto& m : r.activity.members) set_comm(m.first, -1, now);
         }

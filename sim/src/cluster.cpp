@@ -216,10 +216,10 @@ void apply_node(const Reader& r, const json& j, const std::string& path, NodeSpe
   if (allow_selector)
     r.check_keys(j, path,
                  {"nodes", "first", "count", "gpus_per_node", "gpu", "nvlink_bandwidth_gb_per_s", "nvlink_efficiency", "nvlink_latency_us",
-                  "nics", "nic_bandwidth_gbit_per_s"});
+                  "nics", "nic_bandwidth_gbit_per_s", "devices_per_gpu"});
   else
     r.check_keys(j, path, {"gpus_per_node", "gpu", "nvlink_bandwidth_gb_per_s", "nvlink_efficiency", "nvlink_latency_us", "nics",
-                           "nic_bandwidth_gbit_per_s"});
+                           "nic_bandwidth_gbit_per_s", "devices_per_gpu"});
   if (j.contains("gpus_per_node")) n.gpus_per_node = r.count(j, "gpus_per_node", path, 1, core::Limit::Devices, "GPUs per node");
   if (j.contains("gpu")) apply_gpu(r, j.at("gpu"), path + "gpu.", n.gpu);
   if (j.contains("nvlink_bandwidth_gb_per_s"))
@@ -235,6 +235,10 @@ void apply_node(const Reader& r, const json& j, const std::string& path, NodeSpe
   }
   if (j.contains("nic_bandwidth_gbit_per_s"))
     n.nic_bandwidth_bytes_per_s = r.number(j, "nic_bandwidth_gbit_per_s", path, 0, true) * kGbit;
+  if (j.contains("devices_per_gpu")) n.devices_per_gpu = r.count(j, "devices_per_gpu", path, 1, core::Limit::Devices, "devices per GPU");
+  if (n.gpus_per_node % n.devices_per_gpu != 0)
+    r.fail(path + "devices_per_gpu",
+           fmt::format("{} does not divide gpus_per_node {} (a node holds whole GPUs)", n.devices_per_gpu, n.gpus_per_node));
 }
 
 void check_node_complete(const Reader& r, const NodeSpec& n, const std::string& path) {
@@ -274,7 +278,8 @@ json NodeSpec::to_json() const {
           {"nvlink_efficiency", nvlink_efficiency},
           {"nvlink_latency_us", nvlink_latency_s * 1e6},
           {"nics", nics},
-          {"nic_bandwidth_gbit_per_s", nic_bandwidth_bytes_per_s / kGbit}};
+          {"nic_bandwidth_gbit_per_s", nic_bandwidth_bytes_per_s / kGbit},
+          {"devices_per_gpu", devices_per_gpu}};
 }
 
 int Cluster::num_devices() const {
@@ -313,6 +318,28 @@ std::vector<int> Cluster::node_of_devices() const {
   out.reserve(static_cast<std::size_t>(num_devices()));
   for (std::size_t i = 0; i < nodes.size(); ++i) out.insert(out.end(), static_cast<std::size_t>(nodes[i].gpus_per_node), static_cast<int>(i));
   return out;
+}
+
+std::vector<int> Cluster::gpu_of_devices() const {
+  std::vector<int> out;
+  out.reserve(static_cast<std::size_t>(num_devices()));
+  int first = 0;  // the node's first GPU
+  for (const auto& node : nodes) {
+    for (int i = 0; i < node.gpus_per_node; ++i) out.push_back(first + i / node.devices_per_gpu);
+    first += node.gpus_per_node / node.devices_per_gpu;
+  }
+  return out;
+}
+
+int Cluster::devices_on_gpu(int device, int devices) const {
+  const NodeSpec& n = node(device);
+  if (n.devices_per_gpu == 1) return 1;
+  const int first = device - local_index(device) % n.devices_per_gpu;  // the GPU's first device
+  return std::max(1, std::min(devices, first + n.devices_per_gpu) - first);
+}
+
+bool Cluster::shares_gpus() const {
+  return std::any_of(nodes.begin(), nodes.end(), [](const NodeSpec& n) { return n.devices_per_gpu > 1; });
 }
 
 bool Cluster::homogeneous() const {

@@ -191,7 +191,13 @@ Calibration Calibration::parse(const std::string& text, const std::string& where
 // ---- cost model ----
 
 CostModel::CostModel(const Cluster& cluster, std::optional<Calibration> calibration)
-    : cluster_(cluster), node_of_(cluster.node_of_devices()), calibration_(std::move(calibration)) {}
+    : cluster_(cluster), node_of_(cluster.node_of_devices()), gpu_of_(cluster.gpu_of_devices()), calibration_(std::move(calibration)) {}
+
+bool CostModel::on_one_gpu(const std::vector<int>& ranks) const {
+  if (ranks.size() < 2) return false;
+  const int g = gpu_of_.at(static_cast<std::size_t>(ranks.front()));
+  return std::all_of(ranks.begin(), ranks.end(), [&](int r) { return gpu_of_.at(static_cast<std::size_t>(r)) == g; });
+}
 
 std::optional<double> CostModel::replaced(const core::Op& op, int group_size) const {
   if (override_)
@@ -366,6 +372,7 @@ double CostModel::latency_s(int src, int dst) const {
 double CostModel::bandwidth_bytes_per_s(int src, int dst) const {
   const int a = node_of_.at(static_cast<std::size_t>(src)), b = node_of_.at(static_cast<std::size_t>(dst));
   const NodeSpec& na = cluster_.nodes[static_cast<std::size_t>(a)];
+  if (same_gpu(src, dst)) return na.gpu.hbm_bandwidth_bytes_per_s / 2;
   if (a == b) return na.nvlink_effective_bandwidth_bytes_per_s();
   const NodeSpec& nb = cluster_.nodes[static_cast<std::size_t>(b)];
   return std::min(na.nic_bandwidth_per_gpu_bytes_per_s(), nb.nic_bandwidth_per_gpu_bytes_per_s());
@@ -399,6 +406,7 @@ double CostModel::collective_seconds(OpKind kind, const std::vector<int>& ranks,
     i = j;
   }
   const double alpha_e = cluster_.network.latency_s;
+  if (k == 1 && on_one_gpu(ranks)) return flat(kind, n, alpha_i, bandwidth_bytes_per_s(ranks[0], ranks[1]), S);
   if (k == 1) return flat(kind, n, alpha_i, bw_i, S);
   if (m == 1) return flat(kind, n, alpha_e, bw_e, S);
   switch (kind) {

@@ -85,6 +85,23 @@ std::vector<std::int32_t> stream_span_base(const core::Plan& plan) {
   return base;
 }
 
+GpuSharing::GpuSharing(const std::vector<int>& gpu_of_devices, int devices)
+    : gpu_of_(gpu_of_devices.begin(), gpu_of_devices.begin() + std::min<std::ptrdiff_t>(devices, std::ssize(gpu_of_devices))) {
+  for (std::size_t d = 0; d < gpu_of_.size(); ++d) {
+    const auto g = static_cast<std::size_t>(gpu_of_[d]);
+    if (devices_.size() <= g) devices_.resize(g + 1);
+    devices_[g].push_back(static_cast<int>(d));
+    enabled_ = enabled_ || devices_[g].size() > 1;
+  }
+  busy_.assign(devices_.size(), 0);
+}
+
+const std::vector<int>& GpuSharing::change(int d, int delta) {
+  const auto g = static_cast<std::size_t>(gpu_of_.at(static_cast<std::size_t>(d)));
+  busy_[g] += delta;
+  return devices_[g];
+}
+
 core::Timeline empty_timeline(std::shared_ptr<const core::Program> program, const std::string& source,
                               const Symmetry& symmetry) {
   core::Timeline t;

@@ -168,12 +168,16 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {
   const TableReader r{where};
   if (!j.is_object()) r.fail("(top level)", "expected an object");
   KernelTable t;
-  double compute_scale = 1, memory_scale = 1;
+  double compute_scale = 1, memory_scale = 1, gemm_scale = 1, attention_scale = 1, adamw_scale = 1;  // rate multipliers
   if (j.contains("base")) {
     if (!j.at("base").is_string()) r.fail("base", "expected a built-in table name");
     t = *load_kernel_table(j.at("base").get<std::string>());
     if (j.contains("compute_scale")) compute_scale = r.positive(j, "compute_scale", "");
     if (j.contains("memory_scale")) memory_scale = r.positive(j, "memory_scale", "");
+    // Per-class scales (`piper calibrate` writes them): GEMM, attention and AdamW rates apart.
+    if (j.contains("gemm_scale")) gemm_scale = r.positive(j, "gemm_scale", "");
+    if (j.contains("attention_scale")) attention_scale = r.positive(j, "attention_scale", "");
+    if (j.contains("adamw_scale")) adamw_scale = r.positive(j, "adamw_scale", "");
   }
   t.name = j.contains("name") && j.at("name").is_string() ? j.at("name").get<std::string>() : where;
   if (j.contains("launch_floor_us")) {
@@ -241,15 +245,13 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {
       best = params, t.adamw_bytes_per_s = params * 22 / s;
     }
   }
-  if (compute_scale != 1) {
-    for (auto& g : t.gemm) g.flops_per_s *= compute_scale;
-    for (auto& a : t.attention) a.fwd_flops_per_s *= compute_scale, a.bwd_flops_per_s *= compute_scale;
-  }
-  if (memory_scale != 1) {
-    for (auto& m : t.memory) m.bytes_per_s *= memory_scale;
-    t.adamw_bytes_per_s *= memory_scale;
-    t.adamw_fp32_bytes_per_s *= memory_scale;
-  }
+  for (auto& g : t.gemm) g.flops_per_s *= compute_scale * gemm_scale;
+  for (auto& a : t.attention) a.fwd_flops_per_s *= compute_scale * attention_scale, a.bwd_flops_per_s *= compute_scale * attention_scale;
+  for (auto& m : t.memory) m.bytes_per_s *= memory_scale;
+  // AdamW is memory-bound: memory_scale applies to it unless adamw_scale is given.
+  const double adamw = j.contains("adamw_scale") ? adamw_scale : memory_scale;
+  t.adamw_bytes_per_s *= adamw;
+  t.adamw_fp32_bytes_per_s *= adamw;
   return t;
 }
 

@@ -163,7 +163,9 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
   const std::vector<int> node_of = cluster.node_of_devices();
   auto gpu_of = [&](int d) -> const GpuSpec& { return cluster.nodes[ix(node_of[ix(d)])].gpu; };
   double peak_flops = 0;
-  for (int d = 0; d < program.num_devices; ++d) peak_flops += gpu_of(d).peak_flops;
+  // MFU against the physical GPUs: devices sharing one count for a share of its peak each.
+  for (int d = 0; d < program.num_devices; ++d)
+    peak_flops += gpu_of(d).peak_flops / cluster.devices_on_gpu(d, program.num_devices);
   if (r.step_time_s > 0) {
     r.tokens_per_s = r.tokens_per_step / r.step_time_s;
     r.mfu = peak_flops > 0 ? r.model_flops / (r.step_time_s * peak_flops) : 0;
@@ -210,7 +212,7 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
     bubble_sum += dr.bubble_fraction;
     dr.peak_memory_bytes = dt.peak_memory_bytes;
     dr.peak_memory_time_s = dt.peak_memory_time_s;
-    dr.hbm_bytes = gpu_of(d).hbm_bytes;
+    dr.hbm_bytes = cluster.device_hbm_bytes(d, program.num_devices);
     dr.oom = dr.peak_memory_bytes > dr.hbm_bytes;
     // Peak of each buffer kind on its own (frees before allocations at equal times).
     const auto& b = base[ix(program.plan_of_device[ix(d)])];

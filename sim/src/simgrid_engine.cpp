@@ -70,6 +70,7 @@ class Run {
       throw ClusterError("cluster '" + cluster.name + "' has " + std::to_string(node_of_.size()) + " GPUs, the program needs " + std::to_string(n));
     platform_ = std::make_unique<simgrid_detail::Platform>(cluster, n, route_pairs());
     rates_ = compute_rates(program, cluster);
+    sharing_ = GpuSharing(cost.gpu_of_devices(), n);
     times_.assign(static_cast<std::size_t>(2 * tracker_.total_ops()), 0.0);
     comm_active_.assign(static_cast<std::size_t>(n), 0);
     computing_.resize(static_cast<std::size_t>(n));
@@ -220,7 +221,8 @@ class Run {
   std::unique_ptr<simgrid_detail::Platform> platform_;
   std::vector<double> times_;
   std::vector<int> comm_active_;
-  std::vector<ComputeRates> rates_;  // per device: compute speed idle / while communicating (cost_model.hpp)
+  std::vector<ComputeRates> rates_;
+  GpuSharing sharing_;  // devices sharing a GPU split its compute (engine.hpp)  // per device: compute speed idle / while communicating (cost_model.hpp)
   std::vector<Slot> slots_;
   std::vector<int> free_slots_;
   std::vector<Live> live_;
@@ -469,7 +471,7 @@ class Run {
 
   double compute_rate(int d) const {
     const ComputeRates& r = rates_[static_cast<std::size_t>(d)];
-    return comm_active_[static_cast<std::size_t>(d)] > 0 ? r.with_comm : r.idle;
+    return (comm_active_[static_cast<std::size_t>(d)] > 0 ? r.with_comm : r.idle) / sharing_.divisor(d);
   }
 
   void start_compute(int live, int d, double seconds) {
@@ -478,8 +480,10 @@ class Run {
     k.live = live;
     k.device = d;
     k.remaining = seconds;
-    k.rate = compute_rate(d);
     k.since = now();
+    if (sharing_.enabled() && computing_[static_cast<std::size_t>(d)].empty())
+      for (int e : sharing_.busy(d)) compute_rate_changed(e);
+    k.rate = compute_rate(d);
     computing_[static_cast<std::size_t>(d)].push_back(c);
     arm(c);
   }
@@ -494,6 +498,8 @@ class Run {
     auto& running = computing_[static_cast<std::size_t>(k.device)];
     running.erase(std::find(running.begin(), running.end(), c));
     k.timer = nullptr;  // SimGrid deletes a timer after running it
+    if (sharing_.enabled() && running.empty())
+      for (int e : sharing_.idle(k.device)) compute_rate_changed(e);
     finished_now_.push_back(k.live);
     free_computes_.push_back(c);
     pump();
@@ -619,7 +625,8 @@ class Run {
         const int src = d0, dst = L.activity.members.back().first;
         const double formula = cost_.p2p_seconds(src, dst, op.bytes);
         const double seconds = cost_.transfer_seconds(op, src, dst);
-        if (seconds != formula)  // calibrated or overridden: a delay on no link
+        // Calibrated or overridden, or a device copy inside one shared GPU: a delay on no link.
+        if (seconds != formula || cost_.same_gpu(src, dst))
           seconds > 0 ? start_delay(live, seconds) : finished_now_.push_back(live);
         else if (src == dst)
           finished_now_.push_back(live);
@@ -633,7 +640,7 @@ class Run {
         for (const auto& m : L.activity.members) ranks.push_back(m.first);
         const double formula = cost_.collective_seconds(op.kind, ranks, op.bytes);
         const double seconds = cost_.collective_op_seconds(op, ranks);
-        if (seconds != formula) {
+        if (seconds != formula || cost_.on_one_gpu(ranks)) {
           seconds > 0 ? start_delay(live, seconds) : finished_now_.push_back(live);
           break;
         }

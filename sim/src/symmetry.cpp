@@ -46,11 +46,13 @@ struct PlanRelations {
 Symmetry find_symmetry(const core::Program& program, const Cluster& cluster) {
   const int n = program.num_devices;
   Symmetry sym;
-  if (cluster.num_devices() < n) {
+  // Devices sharing a GPU slow each other down (engine.hpp): no device runs as its class does.
+  const bool too_small = cluster.num_devices() < n;
+  if (too_small || cluster.shares_gpus()) {
     sym.class_of_device.resize(ix(n));
     for (int d = 0; d < n; ++d) sym.class_of_device[ix(d)] = d, sym.representative.push_back(d);
     sym.usable = false;
-    sym.note = "cluster smaller than the program";
+    sym.note = too_small ? "cluster smaller than the program" : "devices share GPUs";
     return sym;
   }
   // Node types: nodes with equal specs are interchangeable for every cost.

@@ -1122,7 +1122,7 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
   }
   summary.hbm_bytes = std::numeric_limits<double>::infinity();
   for (int d = 0; d < spec.devices; ++d)
-    summary.hbm_bytes = std::min(summary.hbm_bytes, static_cast<double>(cluster.gpu(d).hbm_bytes));
+    summary.hbm_bytes = std::min(summary.hbm_bytes, static_cast<double>(cluster.device_hbm_bytes(d, spec.devices)));
   summary.memory_cap_bytes = spec.memory_cap_bytes;
   if (summary.memory_cap_bytes <= 0) {
     // The default cap: the HBM less a reserve for what the simulator does not model (see tune.hpp).

@@ -63,6 +63,12 @@ struct NodeSpec {
   double nvlink_latency_s = 0;
   int nics = 8;
   double nic_bandwidth_bytes_per_s = 0;     // each NIC, per direction
+  // Devices (ranks) that share one physical GPU: consecutive runs of this many devices of the node
+  // run on one GPU, as `piper run --virtual-devices` places them (1: a GPU per device; it divides
+  // gpus_per_node, which then counts devices). Sharing devices split the GPU's compute among the ones
+  // computing (processor sharing), its HBM evenly, and move data between each other as device copies
+  // (docs/simulator.md, "Devices sharing a GPU").
+  int devices_per_gpu = 1;
   // Inter-node bandwidth one GPU can use when all GPUs of the node talk off-node (rail-optimized:
   // GPU i uses NIC i): nics * nic_bandwidth / gpus_per_node.
   double nic_bandwidth_per_gpu_bytes_per_s() const {
@@ -97,6 +103,16 @@ struct Cluster {
   const GpuSpec& gpu(int device) const { return node(device).gpu; }
   // node_of for every device at once (O(devices)); engines use it instead of per-call lookups.
   std::vector<int> node_of_devices() const;
+  // The physical GPU of every device (numbered across the cluster); equal to the device's own index
+  // unless a node's devices_per_gpu > 1.
+  std::vector<int> gpu_of_devices() const;
+  // True when some node puts more than one device on a GPU.
+  bool shares_gpus() const;
+  // How many of the first `devices` devices (a program's) run on `device`'s GPU, itself included:
+  // they split its HBM evenly and its peak for MFU (1 without sharing).
+  int devices_on_gpu(int device, int devices) const;
+  // HBM one of `devices` devices may use: its GPU's, split evenly among the devices sharing it.
+  std::int64_t device_hbm_bytes(int device, int devices) const { return gpu(device).hbm_bytes / devices_on_gpu(device, devices); }
   bool homogeneous() const;
 
   nlohmann::json to_json() const;

@@ -91,6 +91,9 @@ using OpOverride = std::function<std::optional<double>(const core::Op&)>;
 //   reduce-scatter  = RS_intra(m, S) + RS_inter(k, S/m)
 //   all-gather      = AG_inter(k, S/m) + AG_intra(m, S)
 //   all-to-all      = (m-1)(alpha_i + S/(n B_i)) + (n-m)(alpha_e + S/(n B_e))   (intra peers over NVLink)
+// Devices sharing one physical GPU (NodeSpec::devices_per_gpu > 1) exchange data as device copies:
+// alpha = the node's NVLink latency, B = half the HBM bandwidth (a copy reads and writes every byte);
+// a collective whose ranks all share one GPU takes the flat form with those figures.
 // Links are uncontended here (alpha-beta); contention is the SimGrid engine's business.
 class CostModel {
  public:
@@ -123,17 +126,26 @@ class CostModel {
   double transfer_seconds(const core::Op& send, int src, int dst) const;
   double collective_op_seconds(const core::Op& op, const std::vector<int>& ranks) const;
 
-  // Latency and per-direction bandwidth between two devices (intra: NVLink; inter: network + NIC/GPU).
+  // Latency and per-direction bandwidth between two devices (intra: NVLink; inter: network + NIC/GPU;
+  // on one shared GPU: a device copy).
   double latency_s(int src, int dst) const;
   double bandwidth_bytes_per_s(int src, int dst) const;
 
   // Fraction of compute throughput lost on `device` while >= 1 communication op runs there, when the
   // program does not partition the SMs (compute_rates() covers both cases).
   double comm_sm_share(int device) const { return cluster_.gpu(device).comm_sm_share; }
+  // The physical GPU of each device (Cluster::gpu_of_devices), and whether two devices share one.
+  const std::vector<int>& gpu_of_devices() const { return gpu_of_; }
+  bool same_gpu(int a, int b) const {
+    return a != b && gpu_of_.at(static_cast<std::size_t>(a)) == gpu_of_.at(static_cast<std::size_t>(b));
+  }
+  // True when every rank of `ranks` (two or more) runs on one shared GPU.
+  bool on_one_gpu(const std::vector<int>& ranks) const;
 
  private:
   Cluster cluster_;
   std::vector<int> node_of_;   // device -> node (cached)
+  std::vector<int> gpu_of_;    // device -> physical GPU (cached)
   std::optional<Calibration> calibration_;
   OpOverride override_;
   std::optional<double> replaced(const core::Op& op, int group_size) const;

@@ -19,11 +19,15 @@
 //    are shared); otherwise at rate compute_rates(d).idle (1 when shared). With the program's
 //    sm_partition both are (N - s) / N (cost_model.hpp). Only running comm ops count: one waiting
 //    at a rendezvous takes no SMs.
+//  * Devices sharing one GPU (NodeSpec::devices_per_gpu > 1): the GPU's compute is split evenly among
+//    its devices that are computing (processor sharing, as time-sliced contexts or streams of one
+//    process run): each running compute's rate above is divided by that count (GpuSharing).
 //  * Memory: persistent buffers are allocated at t = 0; a transient buffer is allocated when its
 //    alloc op starts and freed when its free op ends. At equal times frees apply before allocations.
 //  * Step time: the end of the last op on any device (every device starts at t = 0).
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
@@ -81,5 +85,28 @@ core::Timeline empty_timeline(std::shared_ptr<const core::Program> program, cons
                               const Symmetry& symmetry);
 // Index of an op's span in DeviceTimeline::spans (spans are sorted by stream, then index).
 std::vector<std::int32_t> stream_span_base(const core::Plan& plan);
+
+// Processor sharing among devices of one GPU (the contract above): how many devices of each GPU are
+// computing. An engine calls busy() when a device's first running compute starts and idle() when its
+// last ends; both return the devices whose compute speed just changed (those of the same GPU).
+class GpuSharing {
+ public:
+  GpuSharing() = default;
+  // Over the first `devices` devices (the program's; the cluster may hold more).
+  GpuSharing(const std::vector<int>& gpu_of_devices, int devices);
+  bool enabled() const { return enabled_; }
+  // What divides device d's compute rate now.
+  double divisor(int d) const {
+    return enabled_ ? std::max(1, busy_[static_cast<std::size_t>(gpu_of_[static_cast<std::size_t>(d)])]) : 1.0;
+  }
+  const std::vector<int>& busy(int d) { return change(d, +1); }
+  const std::vector<int>& idle(int d) { return change(d, -1); }
+
+ private:
+  const std::vector<int>& change(int d, int delta);
+  bool enabled_ = false;
+  std::vector<int> gpu_of_, busy_;
+  std::vector<std::vector<int>> devices_;  // per GPU
+};
 
 }  // namespace piper::sim

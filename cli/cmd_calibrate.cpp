@@ -1,0 +1,147 @@
+// `piper calibrate`: turns measured times of a run (a piper-calibration file from `piper run
+// --calibrate`, or a Chrome trace of GPU kernels) into a calibrated kernel table for the cost model;
+// the logic is piper::sim's table_calibration.hpp.
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "cli/common.hpp"
+#include "piper/core/verifier.hpp"
+#include "piper/sim/cluster.hpp"
+#include "piper/sim/simulate.hpp"
+#include "piper/sim/table_calibration.hpp"
+
+namespace piper::cli {
+
+namespace {
+
+struct CalibrateArgs {
+  ScenarioFlags scenario;
+  std::string plan_path;
+  std::string cluster = piper::sim::kDefaultCluster;
+  std::string calibration_path;
+  std::string trace_path;
+  int trace_steps = 1;
+  int device = 0;
+  std::string output;
+  std::string cluster_output;
+  std::string name;
+  CLI::Option* model = nullptr;
+};
+
+std::shared_ptr<const core::Program> measured_program(const CalibrateArgs& a) {
+  if (!a.plan_path.empty()) {
+    a.scenario.reject_beside_plan();
+    json j = read_json_file(a.plan_path);
+    core::Program program;
+    try {
+      program = core::Program::from_json(j);
+      core::verify_or_throw(program);
+    } catch (const core::Error& e) {
+      throw CliError(a.plan_path, e.what());
+    }
+    return std::make_shared<const core::Program>(std::move(program));
+  }
+  if (a.model->count() == 0) throw CliError("", "--model is required (or give --plan): the plan the measurements come from");
+  core::CompiledScenario compiled = core::compile_scenario(a.scenario.scenario());
+  return std::make_shared<const core::Program>(std::move(compiled.result.program));
+}
+
+// The measured cluster's spec with the calibrated table on its GPUs: the preset, or the spec file's
+// JSON with "kernel_table" set on the node and on every override that names a GPU.
+json calibrated_cluster(const std::string& cluster, const std::string& table) {
+  const std::vector<std::string> presets = sim::cluster_presets();
+  json spec = std::find(presets.begin(), presets.end(), cluster) != presets.end() ? json{{"preset", cluster}} : read_json_file(cluster);
+  auto set_table = [&](json& node) {
+    json& gpu = node["gpu"];
+    if (gpu.is_string()) gpu = json{{"preset", gpu.get<std::string>()}};
+    gpu["kernel_table"] = table;
+  };
+  spec["name"] = spec.value("name", cluster) + "-calibrated";
+  set_table(spec["node"]);
+  if (spec.contains("overrides") && spec.at("overrides").is_array())
+    for (json& o : spec.at("overrides"))
+      if (o.is_object() && o.contains("gpu")) set_table(o);
+  return spec;
+}
+
+int run_calibrate(const CalibrateArgs& a) {
+  if (a.calibration_path.empty() == a.trace_path.empty())
+    throw CliError("", "give exactly one of --calibration (op times from `piper run --calibrate`) and --trace (a kernel trace)");
+  const auto program = measured_program(a);
+  const sim::Cluster cluster = sim::with_devices(sim::load_cluster(a.cluster), program->num_devices);
+  const int device = a.device;
+  if (device < 0 || device >= program->num_devices)
+    throw CliError("", fmt::format("--device {}: the plan has devices 0..{}", device, program->num_devices - 1));
+  const std::string base = cluster.gpu(device).kernel_table;
+  if (base.empty())
+    throw CliError("", fmt::format("--cluster '{}': GPU '{}' has no kernel table to calibrate (give one: \"gpu\": {{\"kernel_table\": …}})",
+                                   a.cluster, cluster.gpu(device).name));
+  sim::CostModel cost(cluster);
+  sim::TableCalibration c;
+  std::string source;
+  if (!a.calibration_path.empty()) {
+    sim::Calibration measured;
+    try {
+      measured = sim::Calibration::load(a.calibration_path);
+    } catch (const core::Error& e) {
+      throw CliError(a.calibration_path, e.what());
+    }
+    c = sim::calibrate_from_ops(*program, cost, measured);
+    source = "op times " + a.calibration_path;
+  } else {
+    c = sim::calibrate_from_trace(*program, cost, read_json_file(a.trace_path), a.trace_steps, device, a.trace_path);
+    source = fmt::format("kernel trace {} ({} steps)", a.trace_path, a.trace_steps);
+  }
+  c.base = base;
+  const std::string name = a.name.empty() ? base + "-calibrated" : a.name;
+  core::write_file_atomically(a.output, c.table_json(name, source).dump(1) + "\n");
+  fmt::print("calibrated {} against {} ({} observations)\n", base, source, c.observations.size());
+  fmt::print("{:<10} {:>10}   (measured time / {} time)\n", "class", "multiplier", base);
+  for (int k = 0; k < sim::kKernelClasses; ++k) {
+    const auto i = static_cast<std::size_t>(k);
+    fmt::print("{:<10} {:>10}{}\n", sim::to_string(static_cast<sim::KernelClass>(k)),
+               c.observed[i] ? fmt::format("{:.3f}", c.multiplier[i]) : std::string("(not seen)"),
+               c.at_bound[i] ? "   at the lower bound: these times do not separate it from the other classes (a kernel trace does)" : "");
+  }
+  fmt::print("{:<44} {:>11} {:>11} {:>11}\n", "observation", "measured ms", "base ms", "fitted ms");
+  for (const auto& o : c.observations) {
+    double base_s = 0, fitted = 0;
+    for (int k = 0; k < sim::kKernelClasses; ++k) {
+      base_s += o.predicted[static_cast<std::size_t>(k)];
+      fitted += o.predicted[static_cast<std::size_t>(k)] * c.multiplier[static_cast<std::size_t>(k)];
+    }
+    fmt::print("{:<44} {:>11.3f} {:>11.3f} {:>11.3f}\n", o.what.substr(0, 44), o.measured_s * 1e3, base_s * 1e3, fitted * 1e3);
+  }
+  fmt::print("table written to {}\n", a.output);
+  if (!a.cluster_output.empty()) {
+    core::write_file_atomically(a.cluster_output, calibrated_cluster(a.cluster, a.output).dump(1) + "\n");
+    fmt::print("cluster written to {}\n", a.cluster_output);
+  }
+  return 0;
+}
+
+}  // namespace
+
+Command add_calibrate_command(CLI::App& app) {
+  auto args = std::make_shared<CalibrateArgs>();
+  CLI::App* cmd = app.add_subcommand("calibrate", "fit a kernel efficiency table to measured times (op times or a kernel trace)");
+  args->scenario.add_to(cmd);
+  args->model = cmd->get_option("--model");
+  args->model->required(false);
+  cmd->add_option("--plan", args->plan_path, "the plan that was measured (from `piper compile -o`) instead of compiling")
+      ->excludes(args->model);
+  cmd->add_option("--cluster", args->cluster, "cluster preset or spec JSON of the measured GPU (its kernel table is the base)")
+      ->capture_default_str();
+  cmd->add_option("--calibration", args->calibration_path, "op times measured by `piper run --calibrate`");
+  cmd->add_option("--trace", args->trace_path, "Chrome trace of GPU kernels (the PyTorch profiler's export)");
+  cmd->add_option("--trace-steps", args->trace_steps, "training steps the trace covers")->check(kPositiveInt)->capture_default_str();
+  cmd->add_option("--device", args->device, "the plan's device the trace or times were measured on")->check(kNonNegativeInt)
+      ->capture_default_str();
+  cmd->add_option("-o,--output", args->output, "write the calibrated kernel table here")->required()->check(kOutputPath);
+  cmd->add_option("--cluster-output", args->cluster_output, "also write a cluster spec that uses the table")->check(kOutputPath);
+  cmd->add_option("--name", args->name, "the table's name (default: <base>-calibrated)");
+  return {cmd, [args] { return run_calibrate(*args); }};
+}
+
+}  // namespace piper::cli

@@ -1,0 +1,306 @@
+// Calibrated kernel tables: see table_calibration.hpp and docs/cost-model.md.
+#include "piper/sim/table_calibration.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <map>
+#include <optional>
+#include <tuple>
+
+#include <fmt/format.h>
+
+#include "piper/core/error.hpp"
+#include "piper/core/kernels.hpp"
+
+namespace piper::sim {
+
+using core::KernelKind;
+using core::OpKind;
+using nlohmann::json;
+
+namespace {
+
+constexpr std::size_t ix(int i) { return static_cast<std::size_t>(i); }
+constexpr double kMinMultiplier = TableCalibration::kMinMultiplier;
+
+KernelClass class_of(KernelKind k) {
+  if (k == KernelKind::Gemm) return KernelClass::Gemm;
+  if (k == KernelKind::AttentionForward || k == KernelKind::AttentionBackward) return KernelClass::Attention;
+  return KernelClass::Memory;
+}
+
+double total(const ClassSeconds& s) { return s[0] + s[1] + s[2] + s[3]; }
+
+// Solves A x = b (n x n, n <= kKernelClasses) by Gaussian elimination with partial pivoting; false
+// when A is singular.
+bool solve(std::vector<std::vector<double>> a, std::vector<double> b, std::vector<double>& x) {
+  const std::size_t n = b.size();
+  for (std::size_t c = 0; c < n; ++c) {
+    std::size_t p = c;
+    for (std::size_t r = c + 1; r < n; ++r)
+      if (std::abs(a[r][c]) > std::abs(a[p][c])) p = r;
+    if (std::abs(a[p][c]) < 1e-300) return false;
+    std::swap(a[p], a[c]);
+    std::swap(b[p], b[c]);
+    for (std::size_t r = c + 1; r < n; ++r) {
+      const double f = a[r][c] / a[c][c];
+      for (std::size_t k = c; k < n; ++k) a[r][k] -= f * a[c][k];
+      b[r] -= f * b[c];
+    }
+  }
+  x.assign(n, 0);
+  for (std::size_t c = n; c-- > 0;) {
+    double s = b[c];
+    for (std::size_t k = c + 1; k < n; ++k) s -= a[c][k] * x[k];
+    x[c] = s / a[c][c];
+  }
+  return true;
+}
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+}  // namespace
+
+std::string to_string(KernelClass c) {
+  switch (c) {
+    case KernelClass::Gemm: return "gemm";
+    case KernelClass::Attention: return "attention";
+    case KernelClass::Memory: return "memory";
+    case KernelClass::Adamw: return "adamw";
+  }
+  return "?";
+}
+
+ClassSeconds class_seconds(const core::Program& program, const CostModel& cost, int device, const core::Op& op) {
+  ClassSeconds out{};
+  const std::optional<double> modelled = cost.kernel_seconds(program, device, op);
+  if (!modelled) return out;
+  if (op.kind == OpKind::Update) {
+    out[ix(static_cast<int>(KernelClass::Adamw))] = *modelled;
+    return out;
+  }
+  const KernelTiming t = cost.timing(device);
+  const core::PassKernels& pk = program.segments[static_cast<std::size_t>(op.segment)].kernels;
+  const std::size_t first = op.pass == core::Pass::F ? 0 : op.pass == core::Pass::BW ? 2 : 1;
+  const std::size_t last = op.pass == core::Pass::B ? 2 : first;
+  for (std::size_t l = first; l <= last; ++l)
+    for (const auto& k : pk[l]) out[ix(static_cast<int>(class_of(k.kind)))] += k.count * t.seconds(k);
+  // What kernel_seconds adds beyond the listed kernels (element-wise traffic of the op) is memory-bound.
+  const double rest = *modelled - total(out);
+  if (rest > 0) out[ix(static_cast<int>(KernelClass::Memory))] += rest;
+  return out;
+}
+
+namespace {
+
+// The objective of fit_multipliers and its minimiser with the classes in `pinned` held at the lower
+// bound: the normal equations of the free classes. nullopt when they are singular or a free
+// multiplier falls below the bound.
+struct Fit {
+  std::vector<double> x;  // per observed class
+  double objective = 0;
+};
+
+std::optional<Fit> fit_with_pinned(const TableCalibration& c, const std::vector<int>& cls, unsigned pinned, double lambda) {
+  const std::size_t n = cls.size();
+  std::vector<std::size_t> free;
+  for (std::size_t r = 0; r < n; ++r)
+    if (!(pinned >> r & 1u)) free.push_back(r);
+  Fit f;
+  f.x.assign(n, kMinMultiplier);
+  if (!free.empty()) {
+    // Gradient of sum_i w_i (a_i . x - m_i)^2 + lambda sum_{r < q} (x_r - x_q)^2 in the free x.
+    const std::size_t k = free.size();
+    std::vector<std::vector<double>> a(k, std::vector<double>(k, 0));
+    std::vector<double> b(k, 0);
+    for (const auto& o : c.observations) {
+      if (o.measured_s <= 0) continue;
+      const double w = 1 / (o.measured_s * o.measured_s);
+      double fixed = 0;  // the pinned classes' share of the prediction
+      for (std::size_t r = 0; r < n; ++r)
+        if (pinned >> r & 1u) fixed += o.predicted[ix(cls[r])] * kMinMultiplier;
+      for (std::size_t r = 0; r < k; ++r) {
+        for (std::size_t q = 0; q < k; ++q) a[r][q] += w * o.predicted[ix(cls[free[r]])] * o.predicted[ix(cls[free[q]])];
+        b[r] += w * o.predicted[ix(cls[free[r]])] * (o.measured_s - fixed);
+      }
+    }
+    for (std::size_t r = 0; r < k; ++r) {
+      a[r][r] += lambda * static_cast<double>(n - 1);
+      for (std::size_t q = 0; q < k; ++q)
+        if (q != r) a[r][q] -= lambda;
+      b[r] += lambda * kMinMultiplier * static_cast<double>(n - k);  // ties to the pinned classes
+    }
+    std::vector<double> x;
+    if (!solve(a, b, x)) return std::nullopt;
+    for (std::size_t r = 0; r < k; ++r) {
+      if (!std::isfinite(x[r]) || x[r] < kMinMultiplier) return std::nullopt;
+      f.x[free[r]] = x[r];
+    }
+  }
+  for (const auto& o : c.observations) {
+    if (o.measured_s <= 0) continue;
+    double p = 0;
+    for (std::size_t r = 0; r < n; ++r) p += o.predicted[ix(cls[r])] * f.x[r];
+    f.objective += (p - o.measured_s) * (p - o.measured_s) / (o.measured_s * o.measured_s);
+  }
+  for (std::size_t r = 0; r < n; ++r)
+    for (std::size_t q = r + 1; q < n; ++q) f.objective += lambda * (f.x[r] - f.x[q]) * (f.x[r] - f.x[q]);
+  return f;
+}
+
+}  // namespace
+
+void fit_multipliers(TableCalibration& c) {
+  std::vector<int> cls;  // observed classes: the unknowns
+  for (int k = 0; k < kKernelClasses; ++k) {
+    c.observed[ix(k)] = std::any_of(c.observations.begin(), c.observations.end(),
+                                    [&](const CalibrationObservation& o) { return o.predicted[ix(k)] > 0 && o.measured_s > 0; });
+    if (c.observed[ix(k)]) cls.push_back(k);
+  }
+  if (cls.empty()) throw core::Error("calibrate: no measured time matches work the per-kernel model costs (nothing to fit)");
+  const std::size_t n = cls.size();
+  // The pull towards a common multiplier is weak (1e-6 of the data's mean curvature), so it decides
+  // only what the observations leave open.
+  double curvature = 0;
+  for (const auto& o : c.observations)
+    if (o.measured_s > 0)
+      for (int k : cls) curvature += o.predicted[ix(k)] * o.predicted[ix(k)] / (o.measured_s * o.measured_s);
+  const double lambda = 1e-6 * curvature / static_cast<double>(n);
+  // Bounded least squares by its active sets: every choice of classes held at the bound (at most
+  // 2^4), the feasible minimiser with the least objective.
+  std::optional<Fit> best;
+  unsigned best_pinned = 0;
+  for (unsigned pinned = 0; pinned < (1u << n); ++pinned) {
+    const std::optional<Fit> f = fit_with_pinned(c, cls, pinned, lambda);
+    if (f && (!best || f->objective < best->objective - 1e-15)) best = f, best_pinned = pinned;
+  }
+  if (!best) throw core::Error("calibrate: the observations do not determine the multipliers (singular fit)");
+  c.at_bound = {};
+  for (std::size_t r = 0; r < n; ++r) {
+    c.multiplier[ix(cls[r])] = best->x[r];
+    c.at_bound[ix(cls[r])] = (best_pinned >> r & 1u) != 0;
+  }
+}
+
+json TableCalibration::table_json(const std::string& name, const std::string& source) const {
+  json obs = json::array();
+  for (const auto& o : observations) {
+    double fitted = 0;
+    json split = json::object();
+    for (int k = 0; k < kKernelClasses; ++k) {
+      fitted += o.predicted[ix(k)] * multiplier[ix(k)];
+      if (o.predicted[ix(k)] > 0) split[to_string(static_cast<KernelClass>(k))] = o.predicted[ix(k)];
+    }
+    obs.push_back({{"what", o.what}, {"measured_s", o.measured_s}, {"base_predicted_s", split}, {"fitted_s", fitted}});
+  }
+  json mult = json::object(), bound = json::array();
+  for (int k = 0; k < kKernelClasses; ++k) {
+    mult[to_string(static_cast<KernelClass>(k))] = observed[ix(k)] ? json(multiplier[ix(k)]) : json(nullptr);
+    if (at_bound[ix(k)]) bound.push_back(to_string(static_cast<KernelClass>(k)));
+  }
+  return {{"name", name},
+          {"base", base},
+          {"gemm_scale", 1 / multiplier[0]},
+          {"attention_scale", 1 / multiplier[1]},
+          {"memory_scale", 1 / multiplier[2]},
+          {"adamw_scale", 1 / multiplier[3]},
+          {"calibration",
+           {{"source", source},
+            {"note", "scale = 1 / multiplier; multiplier = measured / base-table time per kernel class (null: not "
+                     "observed, base table kept)"},
+            {"multipliers", mult},
+            {"at_lower_bound", bound},
+            {"observations", obs}}}};
+}
+
+TableCalibration calibrate_from_ops(const core::Program& program, const CostModel& cost, const Calibration& measured) {
+  TableCalibration c;
+  std::map<std::tuple<int, int, double, std::int64_t>, bool> seen;  // one observation per distinct op class
+  for (int d = 0; d < program.num_devices; ++d) {
+    const core::Plan& plan = program.plan_for(d);
+    for (const auto& stream : plan.streams)
+      for (const auto& op : stream.ops) {
+        if (op.kind != OpKind::Compute && op.kind != OpKind::Update) continue;
+        const std::optional<double> m = measured.lookup(op, 1);
+        if (!m) continue;
+        if (!seen.emplace(std::tuple{static_cast<int>(op.kind), static_cast<int>(op.pass), op.flops, op.memory_bytes}, true).second)
+          continue;
+        CalibrationObservation o;
+        o.what = fmt::format("{} {} (flops {:.4g}, memory bytes {})", core::to_string(op.kind), core::to_string(op.pass),
+                             op.flops, op.memory_bytes);
+        o.predicted = class_seconds(program, cost, d, op);
+        o.measured_s = *m;
+        if (total(o.predicted) > 0) c.observations.push_back(std::move(o));
+      }
+  }
+  fit_multipliers(c);
+  return c;
+}
+
+bool classify_kernel(const std::string& name, KernelClass& out) {
+  const std::string s = lower(name);
+  auto has = [&](const char* w) { return s.find(w) != std::string::npos; };
+  if (has("nccl")) return false;
+  if (has("sdpa") || has("flash") || has("fmha") || has("attention") || has("attn")) out = KernelClass::Attention;
+  else if (has("gemm") || has("nvjet") || has("cutlass") || has("xmma") || has("cublas") || has("s16816") || has("wgmma"))
+    out = KernelClass::Gemm;
+  else if (has("multi_tensor_apply") || has("adam")) out = KernelClass::Adamw;
+  else out = KernelClass::Memory;
+  return true;
+}
+
+TableCalibration calibrate_from_trace(const core::Program& program, const CostModel& cost, const json& trace, int steps,
+                                      int device, const std::string& where) {
+  if (steps < 1) throw core::Error(fmt::format("{}: --trace-steps must be >= 1, got {}", where, steps));
+  if (device < 0 || device >= program.num_devices)
+    throw core::Error(fmt::format("{}: --device {} is not a device of the plan (0..{})", where, device, program.num_devices - 1));
+  const json* events = &trace;
+  if (trace.is_object()) {
+    if (!trace.contains("traceEvents") || !trace.at("traceEvents").is_array())
+      throw core::Error(where + ": expected a Chrome trace (an object with a \"traceEvents\" array, or an array of events)");
+    events = &trace.at("traceEvents");
+  } else if (!trace.is_array()) {
+    throw core::Error(where + ": expected a Chrome trace (an object with a \"traceEvents\" array, or an array of events)");
+  }
+  ClassSeconds measured{};
+  std::size_t kernels = 0;
+  for (std::size_t i = 0; i < events->size(); ++i) {
+    const json& e = (*events)[i];
+    if (!e.is_object() || e.value("ph", "") != "X" || lower(e.value("cat", "")) != "kernel") continue;
+    if (!e.contains("name") || !e.at("name").is_string() || !e.contains("dur") || !e.at("dur").is_number())
+      throw core::Error(fmt::format("{}: traceEvents[{}]: a kernel event needs a string \"name\" and a number \"dur\"", where, i));
+    const double dur = e.at("dur").get<double>();
+    if (!std::isfinite(dur) || dur < 0)
+      throw core::Error(fmt::format("{}: traceEvents[{}].dur: expected a duration >= 0 in µs, got {}", where, i, dur));
+    KernelClass k;
+    if (!classify_kernel(e.at("name").get<std::string>(), k)) continue;
+    measured[ix(static_cast<int>(k))] += dur * 1e-6 / steps;
+    ++kernels;
+  }
+  if (kernels == 0) throw core::Error(where + ": no GPU kernel events (\"ph\": \"X\", \"cat\": \"kernel\") in the trace");
+  ClassSeconds predicted{};
+  const core::Plan& plan = program.plan_for(device);
+  for (const auto& stream : plan.streams)
+    for (const auto& op : stream.ops) {
+      if (op.kind != OpKind::Compute && op.kind != OpKind::Update) continue;
+      const ClassSeconds s = class_seconds(program, cost, device, op);
+      for (int k = 0; k < kKernelClasses; ++k) predicted[ix(k)] += s[ix(k)];
+    }
+  TableCalibration c;
+  for (int k = 0; k < kKernelClasses; ++k) {
+    if (measured[ix(k)] <= 0 || predicted[ix(k)] <= 0) continue;
+    CalibrationObservation o;
+    o.what = to_string(static_cast<KernelClass>(k)) + " kernels of one step";
+    o.predicted[ix(k)] = predicted[ix(k)];
+    o.measured_s = measured[ix(k)];
+    c.observations.push_back(std::move(o));
+  }
+  fit_multipliers(c);
+  return c;
+}
+
+}  // namespace piper::sim

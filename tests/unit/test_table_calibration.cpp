@@ -1,0 +1,188 @@
+// `piper calibrate` (table_calibration.hpp): multipliers recovered from measurements made with known
+// ones, the derived table's rates checked by hand, the lower bound, and the one-line refusals.
+#include <cmath>
+#include <filesystem>
+
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include "piper/core/scenario.hpp"
+#include "piper/sim/table_calibration.hpp"
+#include "shell.hpp"
+
+using namespace piper;
+using namespace piper::sim;
+using nlohmann::json;
+
+namespace {
+
+std::shared_ptr<const core::Program> compile(const std::string& model, int pp, int microbatches) {
+  core::Scenario s;
+  s.model = model;
+  s.strategy.pp = pp;
+  s.strategy.microbatches = microbatches;
+  return std::make_shared<const core::Program>(core::compile_scenario(s).result.program);
+}
+
+Cluster h200() { return with_devices(load_cluster("dgx-h200"), 8); }
+
+std::string scratch(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() / ("piper_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+ClassSeconds step_by_class(const core::Program& p, const CostModel& cost, int device) {
+  ClassSeconds out{};
+  for (const auto& stream : p.plan_for(device).streams)
+    for (const auto& op : stream.ops) {
+      const ClassSeconds s = class_seconds(p, cost, device, op);
+      for (int k = 0; k < kKernelClasses; ++k) out[static_cast<std::size_t>(k)] += s[static_cast<std::size_t>(k)];
+    }
+  return out;
+}
+
+}  // namespace
+
+// A kernel trace whose class totals are the h200 table's times times known multipliers (two steps,
+// each class in several kernels with real kernel names) gives those multipliers back.
+TEST(TableCalibration, TraceRecoversEachClassMultiplier) {
+  auto p = compile("qwen3-9m", 1, 2);
+  CostModel cost(h200());
+  const ClassSeconds base = step_by_class(*p, cost, 0);
+  for (double s : base) ASSERT_GT(s, 0);
+  const ClassSeconds truth{1.3, 2.0, 0.8, 1.1};
+  const char* names[4][2] = {{"nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "sm90_xmma_gemm_bf16bf16_bf16f32"},
+                             {"cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "flash_bwd_kernel"},
+                             {"void at::native::vectorized_elementwise_kernel<4>", "RMSNormKernel"},
+                             {"void at::native::(anonymous namespace)::multi_tensor_apply_kernel<a", "fused_adam"}};
+  json events = json::array();
+  const int steps = 2;
+  for (int k = 0; k < 4; ++k) {
+    const double us = base[static_cast<std::size_t>(k)] * truth[static_cast<std::size_t>(k)] * 1e6 * steps;
+    events.push_back({{"ph", "X"}, {"cat", "kernel"}, {"name", names[k][0]}, {"dur", 0.25 * us}});
+    events.push_back({{"ph", "X"}, {"cat", "kernel"}, {"name", names[k][1]}, {"dur", 0.75 * us}});
+  }
+  // Communication kernels and CPU events do not count.
+  events.push_back({{"ph", "X"}, {"cat", "kernel"}, {"name", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"}, {"dur", 1e9}});
+  events.push_back({{"ph", "X"}, {"cat", "cpu_op"}, {"name", "aten::mm"}, {"dur", 1e9}});
+  const TableCalibration c = calibrate_from_trace(*p, cost, json{{"traceEvents", events}}, steps, 0, "t.json");
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_TRUE(c.observed[static_cast<std::size_t>(k)]);
+    // Exact but for the fit's weak pull towards a common multiplier.
+    EXPECT_NEAR(c.multiplier[static_cast<std::size_t>(k)], truth[static_cast<std::size_t>(k)], 1e-4) << k;
+  }
+}
+
+// The derived table the calibration writes: a compute-bound GEMM (8192 x 8192 x 8192, bf16) takes the
+// base time less the launch floor, times the GEMM multiplier, plus the floor; AdamW's bandwidth is
+// the base's over its multiplier.
+TEST(TableCalibration, DerivedTableScalesTheBaseRatesByHand) {
+  TableCalibration c;
+  c.base = "h200-sxm";
+  c.multiplier = {1.25, 3.0, 0.9, 1.5};
+  c.observed = {true, true, true, true};
+  const json j = c.table_json("calibrated", "test");
+  const KernelTable derived = KernelTable::from_json(j, "calibrated.json");
+  const auto base = load_kernel_table("h200-sxm");
+  core::Kernel g;
+  g.kind = core::KernelKind::Gemm;
+  g.m = g.n = g.k = 8192;
+  g.batch = 1;
+  g.flops = 2.0 * 8192 * 8192 * 8192;
+  KernelTiming tb{base.get(), RuntimeProfile::Fused, 989.4e12, 4.8e12};
+  KernelTiming td{&derived, RuntimeProfile::Fused, 989.4e12, 4.8e12};
+  const double floor = base->launch_floor_s;
+  EXPECT_NEAR(td.seconds(g) - floor, 1.25 * (tb.seconds(g) - floor), 1e-12);
+  EXPECT_NEAR(derived.adamw_bytes_per_s, base->adamw_bytes_per_s / 1.5, 1e-3);
+  EXPECT_NEAR(derived.memory.front().bytes_per_s, base->memory.front().bytes_per_s / 0.9, 1e-3);
+  EXPECT_EQ(j.at("calibration").at("multipliers").at("attention").get<double>(), 3.0);
+}
+
+// Op times measured with every compute class 1.7x the table and AdamW 1.2x (F, B and UPD rows: the
+// compute classes are not separable, and equal multipliers explain the rows exactly) are fitted as
+// such; the calibrated table then predicts another model's plan at PP 2 with the same multipliers.
+TEST(TableCalibration, OpTimesFitAndPredictAnotherPlan) {
+  auto p = compile("qwen3-9m", 1, 2);
+  CostModel cost(h200());
+  Calibration measured;
+  for (const auto& stream : p->plan_for(0).streams)
+    for (const auto& op : stream.ops) {
+      if (op.kind != core::OpKind::Compute && op.kind != core::OpKind::Update) continue;
+      const ClassSeconds s = class_seconds(*p, cost, 0, op);
+      CalibrationEntry e;
+      e.kind = op.kind;
+      e.pass = op.pass;
+      e.flops = op.flops;
+      e.memory_bytes = op.memory_bytes;
+      e.seconds = 1.7 * (s[0] + s[1] + s[2]) + 1.2 * s[3];
+      measured.entries.push_back(e);
+    }
+  TableCalibration c = calibrate_from_ops(*p, cost, measured);
+  ASSERT_GE(c.observations.size(), 3u);
+  for (int k = 0; k < 3; ++k) EXPECT_NEAR(c.multiplier[static_cast<std::size_t>(k)], 1.7, 1e-3) << k;
+  EXPECT_NEAR(c.multiplier[3], 1.2, 1e-4);
+  c.base = "h200-sxm";
+  const std::string dir = scratch("table_calibration");
+  core::write_file_atomically(dir + "/t.json", c.table_json("t", "test").dump());
+  Cluster cal = h200();
+  for (auto& n : cal.nodes) n.gpu.kernel_table = dir + "/t.json";
+  CostModel calibrated(cal);
+  auto q = compile("qwen3-1b", 2, 4);
+  for (int d = 0; d < 2; ++d) {
+    const ClassSeconds b = step_by_class(*q, cost, d), after = step_by_class(*q, calibrated, d);
+    // Launch floors are not rates: compare without them, within a small tolerance for the
+    // roofline's max(compute, memory) of small kernels.
+    const double before = 1.7 * (b[0] + b[1] + b[2]) + 1.2 * b[3], got = after[0] + after[1] + after[2] + after[3];
+    EXPECT_NEAR(got / before, 1.0, 0.02) << d;
+  }
+}
+
+// Observations only explained by a negative multiplier: the class is held at the lower bound and flagged.
+TEST(TableCalibration, ImpossibleSplitHoldsAClassAtTheBound) {
+  TableCalibration c;
+  // Row 1: 1 s of GEMM and 1 s of memory measured at 3 s; row 2: 1 s GEMM, 3 s memory measured at
+  // 2.5 s. The exact fit is m = -0.25, g = 3.25; with m at 0.5 the least squares in g,
+  // ((g - 2.5) / 3)^2 + ((g - 1) / 2.5)^2, is least at g = (2.5 / 9 + 1 / 6.25) / (1 / 9 + 1 / 6.25).
+  c.observations.push_back({"a", {1, 0, 1, 0}, 3.0});
+  c.observations.push_back({"b", {1, 0, 3, 0}, 2.5});
+  fit_multipliers(c);
+  EXPECT_TRUE(c.at_bound[2]);
+  EXPECT_DOUBLE_EQ(c.multiplier[2], TableCalibration::kMinMultiplier);
+  EXPECT_NEAR(c.multiplier[0], (2.5 / 9 + 1 / 6.25) / (1.0 / 9 + 1 / 6.25), 1e-4);
+  EXPECT_FALSE(c.observed[1]);
+  EXPECT_DOUBLE_EQ(c.multiplier[1], 1.0);
+}
+
+TEST(TableCalibration, KernelNamesAreClassified) {
+  KernelClass k;
+  EXPECT_FALSE(classify_kernel("ncclDevKernel_ReduceScatter", k));
+  ASSERT_TRUE(classify_kernel("ampere_bf16_s16816gemm_bf16_128x256_ldg8", k));
+  EXPECT_EQ(k, KernelClass::Gemm);
+  ASSERT_TRUE(classify_kernel("fmha_cutlassF_bf16_aligned_64x64", k));
+  EXPECT_EQ(k, KernelClass::Attention);
+  ASSERT_TRUE(classify_kernel("void at::native::reduce_kernel<512, 1>", k));
+  EXPECT_EQ(k, KernelClass::Memory);
+}
+
+TEST(TableCalibration, CliRefusesBadInputsInOneLine) {
+  const std::string dir = scratch("table_calibration_cli");
+  core::write_file_atomically(dir + "/empty.json", R"({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x", "dur": 1}]})");
+  const std::string flags = " --model qwen3-9m --pp 1 --microbatches 2 -o " + dir + "/out.json";
+  auto run = [&](const std::string& args) {
+    const auto r = piper::test::run_cli_in(dir, PIPER_CLI, args);
+    return piper::test::Result{r.exit_code, r.err};
+  };
+  auto r = run("calibrate" + flags);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("give exactly one of --calibration"), std::string::npos) << r.output;
+  r = run("calibrate" + flags + " --trace " + dir + "/empty.json");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("no GPU kernel events"), std::string::npos) << r.output;
+  core::write_file_atomically(dir + "/notable.json", R"({"preset": "dgx-h200", "node": {"gpu": {"kernel_table": ""}}})");
+  r = run("calibrate" + flags + " --trace " + dir + "/empty.json --cluster " + dir + "/notable.json");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("has no kernel table to calibrate"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/out.json"));
+}
