@@ -134,6 +134,38 @@ print(f"{sched:10s} predicted {p*1e3:8.3f} ms  measured {m*1e3:8.3f} ms  error {
 PY
 done
 
+echo "== (4b) a table calibrated on dense-1b at PP 1 predicts PP 2 and PP 4 on virtual devices sharing the GPU (target within 5 %) =="
+# piper calibrate fits the H200 table to the PP 1 run's op times (one device: uncontended); the
+# simulator predicts the PP 2 and PP 4 runs with the calibrated table and a cluster that puts all
+# devices on the one GPU (devices_per_gpu 8). Written before a GPU ran it (issue 23): its first run
+# is its test.
+d1b="--model examples/models/dense-1b.json"
+if timeout 300 build-gpu/bin/piper run --backend cuda --virtual-devices --precision bf16 $d1b --pp 1 --microbatches 2 --steps 4 \
+      --calibrate "$out/d1b-cal.json" > "$out/d1b.log" 2>&1 \
+   && build-gpu/bin/piper calibrate $d1b --pp 1 --microbatches 2 --cluster "$out/one-gpu.json" --calibration "$out/d1b-cal.json" \
+      -o "$out/d1b-table.json" --cluster-output "$out/d1b-cluster.json" >> "$out/d1b.log" 2>&1; then
+  python3 - "$out/d1b-cluster.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); c["node"]["devices_per_gpu"] = 8; json.dump(c, open(sys.argv[1], "w"))
+PY
+  for run in "1 2 1f1b" "2 4 1f1b" "2 4 zb-h1" "4 8 1f1b"; do
+    read -r pp mb sched <<< "$run"
+    flags="$d1b --pp $pp --microbatches $mb --schedule $sched"
+    timeout 300 build-gpu/bin/piper run --backend cuda --virtual-devices --precision bf16 $flags --steps 4 --report "$out/d1b-meas-$pp-$sched.json" >> "$out/d1b.log" 2>&1 \
+      && build-gpu/bin/piper simulate $flags --cluster "$out/d1b-cluster.json" --engine analytic --report "$out/d1b-pred-$pp-$sched.json" >> "$out/d1b.log" 2>&1 \
+      || { echo "dense-1b PP $pp $sched: failed (see $out/d1b.log)"; status=1; continue; }
+    python3 - "PP $pp $sched" "$out/d1b-pred-$pp-$sched.json" "$out/d1b-meas-$pp-$sched.json" <<'PY'
+import json, sys
+name, pred, meas = sys.argv[1], json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))
+p, steps = pred["step_time_s"], meas["step_times_s"][1:]
+m = sum(steps) / len(steps)
+print(f"dense-1b {name:12s} predicted {p*1e3:8.3f} ms  measured {m*1e3:8.3f} ms  error {100*(p-m)/m:+6.1f} %")
+PY
+  done
+else
+  echo "dense-1b calibration run failed (see $out/d1b.log)"; status=1
+fi
+
 # Not checked here (issue 9): multi-GPU NCCL runs (this machine has one GPU).
 echo "not checked here: multi-GPU NCCL runs (mpirun -np N, one GPU per rank)"
 echo "gpu-check: $(( $(date +%s) - start )) s, status $status"

@@ -63,6 +63,14 @@ if [ "$QUICK" = 1 ]; then
 else
   PIPER="$PIPER" python3 "$STUDY_SRC/steptimes.py" --out "$PWD"
 fi
+# 7. A kernel table calibrated on Piper's CUDA backend at PP 1 (one H200) predicting its PP 2 runs on
+# virtual devices sharing the GPU (calibrated.sh writes calibrated.md).
+bash "$STUDY_SRC/calibrated.sh" "$@"
+while IFS=, read -r name m s; do
+  [ "$name" = pp1 ] && continue  # the run it was fitted to
+  row "step time (ms)" "Piper CUDA backend on one H200 (data/h200-piper-cuda; table calibrated at PP 1)" "dense-1b $name on 2 virtual devices sharing the GPU" \
+    "$(awk -v x="$m" 'BEGIN { printf "%.1f", x * 1000 }')" "$(awk -v x="$s" 'BEGIN { printf "%.1f", x * 1000 }')"
+done < out/calibrated.csv
 mv results.csv.tmp results.csv
 { csv_to_md results.csv; echo;
   awk -F, 'NR>1 { e=$6; if (e<0) e=-e; s+=e; n++; if (e>m) { m=e; w=$3 } } END { printf "mean |error| %.2f %% over %d figures; max |error| %.2f %% (%s)\n", s/n, n, m, w }' results.csv; } > results.md
