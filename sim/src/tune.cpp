@@ -749,27 +749,26 @@ std::vector<int> effective_pp_ranges(const TuneSpec& spec, const TuneCandidate& 
 
 namespace {
 
-// Compute seconds of each pipeline unit (block) under the cost model's roofline: F + B of every layer
-// in the unit, experts divided by their shard degree. This is what FLOP balancing misses: the
-// memory-bound embedding and loss, and the efficiency curve of small GEMMs.
+// Compute seconds of each pipeline unit (block), timed as the simulator times them: every kernel its
+// layers launch (core::layer_kernels) under c's TP layout and recompute mode, against device 0's
+// kernel table and runtime profile (its efficiency curve without a table), experts sharded over EP.
+// This is what FLOP balancing misses: the memory-bound embedding and loss, attention's own rates and
+// the efficiency of small GEMMs.
 std::vector<double> unit_seconds(const TuneSpec& spec, const TuneCandidate& c) {
   const core::ModelConfig cfg = model_config(spec, c.micro_batch_size);
   const core::Model model = core::build_model(cfg);
   const std::shared_ptr<const CostModel> costs = cost_model_of(spec);
-  const CostModel& cost = *costs;
+  const KernelTiming timing = costs->timing(0);
   std::vector<double> out(static_cast<std::size_t>(cfg.layers), 0.0);
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
     const core::Layer& l = model.layers()[i];
     const std::size_t unit = l.block < 0 ? (i == 0 ? 0 : out.size() - 1) : static_cast<std::size_t>(l.block);
-    // Per device under c's TP layout and recompute mode (recomputed work is in the backward).
-    const core::Costs k = core::layer_costs(l, model.training(), layout_of(c, l));
-    // As the shard pass costs experts: EP divides their weights (and weight traffic), not the
-    // per-device FLOPs, since each device computes every token routed to its experts.
-    const double shard = l.tags.contains("EP") ? c.ep : 1;
-    out[unit] += cost.roofline_seconds(0, k.forward_flops, static_cast<std::int64_t>(k.forward_memory_bytes / shard),
-                                       k.forward_gemm_kernels) +
-                 cost.roofline_seconds(0, k.backward_flops(), static_cast<std::int64_t>(k.backward_memory_bytes / shard),
-                                       k.backward_input_gemm_kernels + k.backward_weight_gemm_kernels);
+    // As the shard pass does: EP divides the experts (each device runs E / ep of them on the tokens
+    // routed there).
+    const int shard = l.tags.contains("EP") ? c.ep : 1;
+    const core::ParallelLayout layout = layout_of(c, l);
+    for (int pass = 0; pass < 3; ++pass)
+      for (const auto& k : core::layer_kernels(l, model.training(), layout, pass, shard)) out[unit] += k.count * timing.seconds(k);
   }
   return out;
 }
