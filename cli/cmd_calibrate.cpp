@@ -2,6 +2,7 @@
 // --calibrate`, or a Chrome trace of GPU kernels) into a calibrated kernel table for the cost model;
 // the logic is piper::sim's table_calibration.hpp.
 #include <algorithm>
+#include <filesystem>
 
 #include <fmt/format.h>
 
@@ -57,7 +58,7 @@ json calibrated_cluster(const std::string& cluster, const std::string& table) {
     if (gpu.is_string()) gpu = json{{"preset", gpu.get<std::string>()}};
     gpu["kernel_table"] = table;
   };
-  spec["name"] = spec.value("name", cluster) + "-calibrated";
+  spec["name"] = spec.value("name", std::filesystem::path(cluster).stem().string()) + "-calibrated";
   set_table(spec["node"]);
   if (spec.contains("overrides") && spec.at("overrides").is_array())
     for (json& o : spec.at("overrides"))
