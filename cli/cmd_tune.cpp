@@ -230,8 +230,8 @@ Command add_tune_command(CLI::App& app) {
   cmd->add_option("--sequence-parallel", a->sequence_parallel, "sequence parallelism with TP > 1: on, off or both")
       ->check(CLI::IsMember({"on", "off", "both"}))
       ->capture_default_str();
-  cmd->add_option("--recompute", a->spec.recompute_modes, "recompute modes to try (a list of none, selective, full)")
-      ->check(CLI::IsMember({"none", "selective", "full"}))
+  cmd->add_option("--recompute", a->spec.recompute_modes, "recompute modes to try (a list of none, selective, full, op)")
+      ->check(CLI::IsMember({"none", "selective", "full", "op"}))
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--comm-sms", a->spec.comm_sms,

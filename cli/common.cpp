@@ -130,8 +130,8 @@ void StrategyFlags::add_to(CLI::App* app) {
                                       "sequence parallelism inside each TP group (needs --tp >= 2)");
     tp_comm_overlap = app->add_flag("--tp-comm-overlap", options.tp_comm_overlap,
                                     "overlap the TP collectives with the GEMMs (Megatron's --tp-comm-overlap, async TP)");
-    recompute = app->add_option("--recompute", options.recompute, "activation recomputation: none, selective or full")
-                    ->check(CLI::IsMember({"none", "selective", "full"}));
+    recompute = app->add_option("--recompute", options.recompute, "activation recomputation: none, selective (the attention core), full (whole blocks) or op (TorchTitan's op-level policy)")
+                    ->check(CLI::IsMember({"none", "selective", "full", "op"}));
     global_batch = app->add_option("--global-batch", options.global_batch,
                                    "sequences per step; microbatches = N / (micro-batch size x dp)")
                        ->check(kPositiveInt);

@@ -51,6 +51,7 @@ std::string to_string(Recompute r) {
     case Recompute::None: return "none";
     case Recompute::Selective: return "selective";
     case Recompute::Full: return "full";
+    case Recompute::Op: return "op";
   }
   return "?";
 }
@@ -59,7 +60,8 @@ Recompute recompute_from_string(const std::string& s) {
   if (s == "none") return Recompute::None;
   if (s == "selective") return Recompute::Selective;
   if (s == "full") return Recompute::Full;
-  throw std::invalid_argument("unknown recompute mode '" + s + "' (expected none, selective or full)");
+  if (s == "op") return Recompute::Op;
+  throw std::invalid_argument("unknown recompute mode '" + s + "' (expected none, selective, full or op)");
 }
 
 bool is_collective(NodeKind k) {

@@ -100,6 +100,18 @@ void attention_core(KernelBuilder& kb, const LayerShape& sh, const TrainingShape
   kb.out.push_back(a);
 }
 
+// Op-level recomputation's rerun matmuls of a layer (model.cpp, op_recompute_matmuls), forward shapes
+// under TP: a layer's output projection (N = hidden) is row-parallel, the others column-parallel.
+void recompute_matmuls(KernelBuilder& kb, const Layer& layer, std::int64_t T, int t) {
+  for (const auto& [k, n] : op_recompute_matmuls(layer, false)) {
+    const double K = static_cast<double>(k), N = static_cast<double>(n);
+    if (n == layer.shape.hidden)
+      kb.linear(0, static_cast<double>(T), K / t, N);
+    else
+      kb.linear(0, static_cast<double>(T), K, N / t);
+  }
+}
+
 void attention_kernels(KernelBuilder& kb, const Layer& layer, const TrainingShape& shape, const ParallelLayout& L,
                        int p, const Costs& c) {
   const LayerShape& sh = layer.shape;
@@ -148,6 +160,9 @@ void attention_kernels(KernelBuilder& kb, const Layer& layer, const TrainingShap
       kb.out.insert(kb.out.end(), fwd.begin(), fwd.end());
     } else if (L.recompute == 1) {  // selective: the attention core's forward
       attention_core(kb, sh, shape, t, false, 0);
+    } else if (L.recompute == 3 && layer.block >= 0) {  // op: the matmuls it did not keep, and RoPE
+      recompute_matmuls(kb, layer, T, t);
+      kb.elementwise(KernelKind::Rope, rope_elems / t);
     }
     if (!standard) kb.elementwise(KernelKind::Residual, T * h / seq);
     project(proj.size() - 1);
@@ -181,6 +196,9 @@ void mlp_kernels(KernelBuilder& kb, const Layer& layer, const TrainingShape& sha
     if (full) {
       std::vector<Kernel> fwd = layer_kernels(layer, shape, L, 0, 1);
       kb.out.insert(kb.out.end(), fwd.begin(), fwd.end());
+    } else if (L.recompute == 3 && layer.block >= 0) {  // op: the matmuls it did not keep, the activation
+      recompute_matmuls(kb, layer, T, t);
+      if (!standard) kb.elementwise(KernelKind::Activation, T * f / t);
     }
     if (!standard) kb.elementwise(KernelKind::Residual, T * h / seq);
     kb.linear(1, Td, fd, hd);
@@ -254,6 +272,8 @@ std::vector<Kernel> layer_kernels(const Layer& layer, const TrainingShape& shape
   // The layout's element-wise bytes (standard-attention models) and norm FLOPs, as layer_costs has them.
   const Costs c = layer_costs(layer, shape, L);
   const bool full = L.recompute == 2 && layer.block >= 0;
+  // Norms rerun their forward in the backward under full and op-level recomputation alike.
+  const bool rerun_norm = (L.recompute == 2 || L.recompute == 3) && layer.block >= 0;
   switch (layer.kind) {
     case LayerKind::Embedding:
       if (p == 0) kb.elementwise(KernelKind::Embedding, T * h / seq);
@@ -264,16 +284,16 @@ std::vector<Kernel> layer_kernels(const Layer& layer, const TrainingShape& shape
       if (sh.attention_kernel == AttentionKernel::Standard && p < 2) {
         // Standard-attention models count their norms' traffic as element-wise bytes (Costs): the
         // same kernel, given by those bytes (the input gradient's includes the gain's).
-        if (p == 1 && full) kb.elementwise(KernelKind::Elementwise, 0, c.forward_flops, c.forward_elementwise_bytes);
+        if (p == 1 && rerun_norm) kb.elementwise(KernelKind::Elementwise, 0, c.forward_flops, c.forward_elementwise_bytes);
         const std::int64_t bytes = p == 0 ? c.forward_elementwise_bytes
-                                          : c.backward_elementwise_bytes - (full ? c.forward_elementwise_bytes : 0);
-        const double flops = p == 0 ? c.forward_flops : c.backward_input_flops - (full ? c.forward_flops : 0);
+                                          : c.backward_elementwise_bytes - (rerun_norm ? c.forward_elementwise_bytes : 0);
+        const double flops = p == 0 ? c.forward_flops : c.backward_input_flops - (rerun_norm ? c.forward_flops : 0);
         kb.elementwise(KernelKind::Elementwise, 0, flops, bytes);
         break;
       }
-      if (p == 1 && full) kb.elementwise(KernelKind::Norm, n, c.forward_flops);
+      if (p == 1 && rerun_norm) kb.elementwise(KernelKind::Norm, n, c.forward_flops);
       if (p == 0) kb.elementwise(KernelKind::Norm, n, c.forward_flops);
-      if (p == 1) kb.elementwise(KernelKind::NormBackward, n, c.backward_input_flops - (full ? c.forward_flops : 0));
+      if (p == 1) kb.elementwise(KernelKind::NormBackward, n, c.backward_input_flops - (rerun_norm ? c.forward_flops : 0));
       if (p == 2) kb.elementwise(KernelKind::NormWeight, n, c.backward_weight_flops);
       break;
     }

@@ -387,7 +387,76 @@ void attention_core_forward(const Layer& layer, const TrainingShape& shape, doub
   }
 }
 
+// TorchTitan's op-level selective checkpointing (Recompute::Op) of one layer of a block: the block
+// keeps its input (the attention norm's) and the outputs of the attention core and of every other
+// matmul, counted in the block's order (1st, 3rd, 5th, ...: for a Llama block with separate wq, wk,
+// wv, wo, w1, w3, w2 that is wq, wv, w1 and w2 kept, wk, wo and w3 recomputed); the rest reruns at
+// the start of the backward: those matmuls and every element-wise op. Routed experts and the router
+// keep their activations (as with selective). t: TP degree, seq: the sequence-parallel divisor.
+std::vector<std::pair<std::int64_t, std::int64_t>> op_matmuls(const Layer& layer, bool saved) {
+  // (K, N) of the matmuls of the layer, in the block's order, whose output is `saved` (or not).
+  const LayerShape& sh = layer.shape;
+  std::vector<std::pair<std::int64_t, std::int64_t>> mms;
+  int index = 0;  // 1-based position in the block: attention's 4 (MLA: its projections), then the MLP's
+  if (layer.kind == LayerKind::Attention) {
+    if (sh.kv_lora_rank == 0) {
+      mms = {{sh.hidden, sh.heads * sh.head_dim}, {sh.hidden, sh.kv_heads * sh.head_dim},
+             {sh.hidden, sh.kv_heads * sh.head_dim}, {sh.heads * sh.head_dim, sh.hidden}};
+    } else {
+      const std::int64_t qk = sh.head_dim + sh.qk_rope_head_dim;
+      if (sh.q_lora_rank > 0) mms = {{sh.hidden, sh.q_lora_rank}, {sh.q_lora_rank, sh.heads * qk}};
+      else mms = {{sh.hidden, sh.heads * qk}};
+      mms.push_back({sh.hidden, sh.kv_lora_rank + sh.qk_rope_head_dim});
+      mms.push_back({sh.kv_lora_rank, sh.heads * (sh.head_dim + sh.v_head_dim)});
+      mms.push_back({sh.heads * sh.v_head_dim, sh.hidden});
+    }
+  } else if (layer.kind == LayerKind::Mlp) {
+    index = 4;  // after a (non-MLA) attention's four
+    if (sh.activation == MlpActivation::SwiGLU) mms = {{sh.hidden, sh.ffn}, {sh.hidden, sh.ffn}, {sh.ffn, sh.hidden}};
+    else mms = {{sh.hidden, sh.ffn}, {sh.ffn, sh.hidden}};
+  }
+  std::vector<std::pair<std::int64_t, std::int64_t>> out;
+  for (const auto& mm : mms)
+    if (((++index % 2) == 1) == saved) out.push_back(mm);
+  return out;
+}
+
+void apply_op_recompute(const Layer& layer, const TrainingShape& shape, int t, int seq, Costs& c) {
+  const std::int64_t T = shape.tokens_per_microbatch(), dt = bytes_per_element(shape.precision);
+  const LayerShape& sh = layer.shape;
+  switch (layer.kind) {
+    case LayerKind::Norm:
+      // The block's input is the checkpoint's; the norms rerun their forward (as with full).
+      c.activation_bytes = layer.name.ends_with("attn_norm") ? T * sh.hidden * dt / seq : 0;
+      c.backward_input_flops += c.forward_flops;
+      c.recompute_flops += c.forward_flops;
+      c.backward_elementwise_bytes += c.forward_elementwise_bytes;
+      break;
+    case LayerKind::Attention:
+    case LayerKind::Mlp: {
+      std::int64_t kept = 0;
+      for (const auto& [k, n] : op_matmuls(layer, true))
+        kept += T * (n == sh.hidden ? n / seq : n / t) * dt;  // a row-parallel output is whole (SP: sliced)
+      if (layer.kind == LayerKind::Attention)  // the core's output and its log-sum-exp (fp32 per head)
+        kept += T * (sh.heads * (sh.kv_lora_rank > 0 ? sh.v_head_dim : sh.head_dim) * dt + sh.heads * 4) / t;
+      c.activation_bytes = kept;
+      double flops = 0;
+      for (const auto& [k, n] : op_matmuls(layer, false)) flops += 2.0 * static_cast<double>(T) * k * n / t;
+      c.backward_input_flops += flops;
+      c.recompute_flops += flops;
+      c.backward_input_gemm_kernels += static_cast<int>(op_matmuls(layer, false).size());
+      break;
+    }
+    default:
+      break;
+  }
+}
+
 }  // namespace
+
+std::vector<std::pair<std::int64_t, std::int64_t>> op_recompute_matmuls(const Layer& layer, bool kept) {
+  return op_matmuls(layer, kept);
+}
 
 Costs layer_costs(const Layer& layer, const TrainingShape& shape, const ParallelLayout& L) {
   const Costs base = layer_costs(layer, shape);
@@ -460,10 +529,11 @@ Costs layer_costs(const Layer& layer, const TrainingShape& shape, const Parallel
   }
   c.param_bytes = c.params * dt;
   // Stored activations.
-  const bool selective = L.recompute == 1, full = L.recompute == 2 && block;
+  const bool selective = L.recompute == 1, full = L.recompute == 2 && block, op = L.recompute == 3 && block;
   c.activation_bytes = parts.replicated / seq + parts.split / t + (selective ? 0 : parts.core / t);
   if (layer.kind == LayerKind::MoeExperts) c.activation_bytes = base.activation_bytes;
   if (full) c.activation_bytes = layer.name.ends_with("attn_norm") ? N / seq : 0;
+  if (op) apply_op_recompute(layer, shape, t, seq, c);
   // Recomputed forward work runs at the start of the backward (input-gradient) pass.
   if (selective && layer.kind == LayerKind::Attention) {
     double flops = 0;

@@ -54,8 +54,8 @@ void validate_strategy_options(const StrategyOptions& o) {
   at_least_one("--tp", o.tp);
   if (o.sequence_parallel && o.tp < 2) fail("--sequence-parallel needs --tp >= 2");
   if (o.tp_comm_overlap && o.tp < 2) fail("--tp-comm-overlap needs --tp >= 2");
-  if (o.recompute != "none" && o.recompute != "selective" && o.recompute != "full")
-    fail("--recompute must be none, selective or full (got '" + o.recompute + "')");
+  if (o.recompute != "none" && o.recompute != "selective" && o.recompute != "full" && o.recompute != "op")
+    fail("--recompute must be none, selective, full or op (got '" + o.recompute + "')");
   if (o.comm_sms < 0) fail("--comm-sms must be >= 1 (got " + std::to_string(o.comm_sms) + ")");
   if (o.global_batch < 0) fail("--global-batch must be >= 1 (got " + std::to_string(o.global_batch) + ")");
   at_least_one("--virtual-stages", o.virtual_stages);

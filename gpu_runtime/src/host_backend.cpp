@@ -138,6 +138,8 @@ std::vector<host::SegmentSpec> device_segments(const core::Program& program, int
                                                   s, t.degree, model.layers().at(static_cast<std::size_t>(l)).name));
       sp.token_copies = t.sequence_parallel ? 1 : t.degree;
     }
+    // Op-level recomputation (TorchTitan's policy) changes memory and time, not values: the host
+    // backend keeps those segments' activations, as without recomputation.
     sp.recompute = seg.recompute == core::Recompute::Full        ? host::RecomputeMode::Full
                    : seg.recompute == core::Recompute::Selective ? host::RecomputeMode::Selective
                                                                  : host::RecomputeMode::None;

@@ -212,7 +212,7 @@ QWidget* StudioWindow::build_preset_panel() {
   tp_ = spin(1, 1024, 1);
   sequence_parallel_ = new QCheckBox("SP");
   recompute_ = new QComboBox;
-  for (const char* mode : {"none", "selective", "full"}) recompute_->addItem(mode);
+  for (const char* mode : {"none", "selective", "full", "op"}) recompute_->addItem(mode);
   form->addRow("<b>Preset</b>", new QWidget);
   form->addRow("model", model_);
   form->addRow("cluster", cluster_);

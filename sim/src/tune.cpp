@@ -78,7 +78,7 @@ core::StrategyOptions strategy_of(const TuneCandidate& c) {
 
 // Recompute modes by the work they add (none < selective < full); -1 for an unknown mode.
 int recompute_level(const std::string& mode) {
-  return mode == "none" ? 0 : mode == "selective" ? 1 : mode == "full" ? 2 : -1;
+  return mode == "none" ? 0 : mode == "selective" ? 1 : mode == "full" ? 2 : mode == "op" ? 3 : -1;
 }
 
 // The layout lowering gives a layer of candidate c: routed experts keep expert parallelism and never
@@ -389,7 +389,7 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
   const int units = pipeline_units(cfg);
   std::vector<std::string> recompute_modes = spec.recompute_modes;
   for (const auto& m : recompute_modes)
-    if (recompute_level(m) < 0) throw TuneError(fmt::format("--recompute: unknown mode '{}' (expected none, selective or full)", m));
+    if (recompute_level(m) < 0) throw TuneError(fmt::format("--recompute: unknown mode '{}' (expected none, selective, full or op)", m));
   std::sort(recompute_modes.begin(), recompute_modes.end(),
             [](const std::string& a, const std::string& b) { return recompute_level(a) < recompute_level(b); });
   recompute_modes.erase(std::unique(recompute_modes.begin(), recompute_modes.end()), recompute_modes.end());
@@ -1297,7 +1297,10 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
   std::vector<std::string> modes;
   for (const auto& c : candidates)
     if (std::find(modes.begin(), modes.end(), c.recompute) == modes.end()) modes.push_back(c.recompute);
-  std::sort(modes.begin(), modes.end(), [](const std::string& a, const std::string& b) { return recompute_level(a) < recompute_level(b); });
+  // Lightest first: none, selective (the attention core), op (half the matmuls and the element-wise
+  // work), full (the whole block).
+  auto weight = [](const std::string& m) { return m == "op" ? 1.5 : static_cast<double>(recompute_level(m)); };
+  std::sort(modes.begin(), modes.end(), [&](const std::string& a, const std::string& b) { return weight(a) < weight(b); });
   std::set<std::string> deferred_keys;
   std::vector<TuneCandidate> deferred;
   for (std::size_t mi = 0; mi < modes.size() && !summary.budget_exhausted; ++mi) {

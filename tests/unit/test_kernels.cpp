@@ -34,7 +34,7 @@ TEST(Kernels, FlopsAddUpToCostsForEveryZooModelAndLayout) {
     for (const auto& layer : m.layers())
       for (int tp : {1, 2, 4})
         for (bool sp : {false, true})
-          for (int rc : {0, 1, 2})
+          for (int rc : {0, 1, 2, 3})
             for (int shard : {1, 2}) {
               if (sp && tp == 1) continue;
               const ParallelLayout L{tp, sp, rc};
@@ -57,7 +57,7 @@ TEST(Kernels, StandardAttentionModelsKeepTheirElementwiseBytes) {
   const Model m = build_model(cfg);
   for (const auto& layer : m.layers()) {
     if (layer.kind != LayerKind::Attention && layer.kind != LayerKind::Mlp) continue;
-    for (int rc : {0, 1, 2}) {
+    for (int rc : {0, 1, 2, 3}) {
       const ParallelLayout L{2, true, rc};
       const Costs c = layer_costs(layer, m.training(), L);
       std::int64_t fwd = 0, bwd = 0;
@@ -169,4 +169,38 @@ TEST(Kernels, SegmentsMergeRepeatedBlocksAndRoundTripThroughJson) {
   bad = kernels_to_json(pk);
   bad["BI"][0]["kind"] = "warp_drive";
   EXPECT_THROW(kernels_from_json(bad, "t"), PlanError);
+}
+
+// TorchTitan's op-level selective checkpointing (Recompute::Op), derived by hand for llama3-8b
+// (h 4096, 32 heads of 128, 8 KV heads, ffn 14336, bf16), T = 2 x 512 tokens, no TP: of the block's
+// matmuls wq, wk, wv, wo, w1, w3, w2 the 1st, 3rd, 5th and 7th outputs are kept (wq: h, wv: 1024,
+// w1: ffn, w2: h), wk, wo and w3 are recomputed at the start of the backward; the block keeps its
+// input (h) and the attention output (h) with its log-sum-exp (fp32 per head).
+TEST(Kernels, OpLevelRecomputationKeepsEveryOtherMatmulByHand) {
+  ModelConfig cfg = *zoo_config("llama3-8b");
+  cfg.training.seq_len = 512;
+  cfg.training.micro_batch_size = 2;
+  const Model m = build_model(cfg);
+  const double T = 1024, h = 4096, kv = 1024, f = 14336, dt = 2;
+  const ParallelLayout op{1, false, 3}, none{1, false, 0};
+  int seen = 0;
+  for (const auto& layer : m.layers()) {
+    if (layer.block != 0) continue;
+    const Costs a = layer_costs(layer, m.training(), op), b = layer_costs(layer, m.training(), none);
+    if (layer.kind == LayerKind::Attention) {
+      EXPECT_EQ(a.activation_bytes, static_cast<std::int64_t>(T * (h + kv) * dt + T * (h * dt + 32 * 4)));
+      EXPECT_DOUBLE_EQ(a.recompute_flops, 2 * T * h * kv + 2 * T * h * h);  // wk, wo
+      ++seen;
+    } else if (layer.kind == LayerKind::Mlp) {
+      EXPECT_EQ(a.activation_bytes, static_cast<std::int64_t>(T * (f + h) * dt));
+      EXPECT_DOUBLE_EQ(a.recompute_flops, 2 * T * h * f);  // w3
+      ++seen;
+    } else if (layer.kind == LayerKind::Norm) {
+      EXPECT_EQ(a.activation_bytes, layer.name.ends_with("attn_norm") ? static_cast<std::int64_t>(T * h * dt) : 0) << layer.name;
+      EXPECT_DOUBLE_EQ(a.recompute_flops, b.forward_flops) << layer.name;
+      ++seen;
+    }
+    EXPECT_DOUBLE_EQ(a.backward_input_flops - a.recompute_flops, b.backward_input_flops) << layer.name;
+  }
+  EXPECT_EQ(seen, 4);
 }

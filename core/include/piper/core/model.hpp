@@ -115,13 +115,17 @@ Costs layer_costs(const Layer& layer, const TrainingShape& shape);
 struct ParallelLayout {
   int tp = 1;                          // tensor-parallel degree
   bool sequence_parallel = false;
-  int recompute = 0;                   // 0 none, 1 selective, 2 full (core::Recompute's order)
+  int recompute = 0;                   // 0 none, 1 selective, 2 full, 3 op (core::Recompute's order)
 };
 // Per-device costs of one layer under a layout: FLOPs, parameters and traffic of the split GEMMs
 // divided by tp, TP collectives counted, activation bytes as Korthikanti et al. 2022 Table 2, and
 // the recomputed forward work added to the backward (input-gradient) pass. layout {1,false,0} gives
 // exactly layer_costs(layer, shape).
 Costs layer_costs(const Layer& layer, const TrainingShape& shape, const ParallelLayout& layout);
+// Op-level recomputation (Recompute::Op): the (K, N) of the layer's matmuls, in the block's order,
+// whose outputs are kept (`kept`) or recomputed in the backward (every other one: the 1st, 3rd, ...
+// kept; model.cpp).
+std::vector<std::pair<std::int64_t, std::int64_t>> op_recompute_matmuls(const Layer& layer, bool kept);
 
 // Architecture hyper-parameters, as in a model spec file.
 struct ModelConfig {

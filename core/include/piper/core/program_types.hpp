@@ -17,9 +17,11 @@ Pass pass_from_string(const std::string& s);  // "F", "B", "BI", "BW"; throws st
 
 // Activation recomputation of a segment (Korthikanti et al. 2022): None keeps every activation for
 // backward; Selective drops the attention core (QK^T, softmax, dropout, softmax·V) and recomputes it
-// in B; Full keeps only the segment input and reruns the segment's forward at the start of its B/BI.
-enum class Recompute { None, Selective, Full };
-std::string to_string(Recompute r);                 // "none", "selective", "full"
+// in B; Full keeps only the segment input and reruns the segment's forward at the start of its B/BI;
+// Op is TorchTitan's op-level selective checkpointing: a block keeps its input and the outputs of
+// attention and of every other matmul (the 1st, 3rd, ... of the block) and recomputes the rest.
+enum class Recompute { None, Selective, Full, Op };
+std::string to_string(Recompute r);                 // "none", "selective", "full", "op"
 Recompute recompute_from_string(const std::string& s);  // throws std::invalid_argument
 
 // SM partitioning (Piper's sm_partition directive): a static split of every GPU's SMs between its
