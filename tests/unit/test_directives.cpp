@@ -411,7 +411,8 @@ TEST(Apply, AFailedProgramLeavesTheDagUntouched) {
 }
 
 TEST(Apply, HookSeesEveryPassInTheFixedOrder) {
-  // Written out of order on purpose: the passes still run split -> place -> replicate -> order.
+  // Written out of order on purpose: the passes still run split -> place -> replicate -> order, and the
+  // internal passes that changed the DAG (index -1) are seen too, each in its place.
   json program = json::parse(R"([
     {"op":"order","filters":[[{"PP":0,"MB":0,"PASS":"F"}],[{"PP":0,"MB":1,"PASS":"F"}]]},
     {"op":"replicate","filter":{"PP":0},"devices":[0,1]},
@@ -421,7 +422,7 @@ TEST(Apply, HookSeesEveryPassInTheFixedOrder) {
   GlobalDag dag = build_dag(qwen9m(1));
   apply_directives(dag, parse_directives(program),
                    [&](const std::string& op, int index, const GlobalDag&) { seen.push_back(op + std::to_string(index)); });
-  EXPECT_EQ(seen, (std::vector<std::string>{"split3", "place2", "replicate1", "order0"}));
+  EXPECT_EQ(seen, (std::vector<std::string>{"split3", "place2", "finish-placement-1", "replicate1", "update-costs-1", "order0"}));
 }
 
 // Schedules are directive generators: the compiler, simulator and runtime must not know their names.
@@ -430,6 +431,7 @@ TEST(Layering, CompilerSimulatorAndRuntimeNeverNameASchedule) {
   std::vector<fs::path> files;
   for (const char* file : {"dag.cpp", "directives.cpp", "lower.cpp", "program.cpp", "verifier.cpp", "compiler.cpp"})
     files.push_back(fs::path(PIPER_SOURCE_DIR) / "core/src" / file);
+  for (const auto& e : fs::directory_iterator(fs::path(PIPER_SOURCE_DIR) / "core/src/passes")) files.push_back(e.path());
   for (const char* dir : {"sim/src", "sim/include", "gpu_runtime/src", "gpu_runtime/include"})
     for (const auto& e : fs::recursive_directory_iterator(fs::path(PIPER_SOURCE_DIR) / dir))
       if (e.is_regular_file()) files.push_back(e.path());
