@@ -13,7 +13,9 @@ namespace piper::core::passes {
 
 namespace {
 
-void apply_order(PassContext& cx, const OrderDirective& d, int index) {
+// The nodes each group selects; every node on one device set (or sets holding the same devices) and
+// in one group only. Returns the groups and the device set of the first node selected.
+std::pair<std::vector<std::vector<Vertex>>, DeviceSetId> select_groups(PassContext& cx, const OrderDirective& d, int index) {
   auto& dag = cx.dag;
   std::vector<std::vector<Vertex>> groups;
   std::map<Vertex, std::size_t> group_of;
@@ -53,6 +55,14 @@ void apply_order(PassContext& cx, const OrderDirective& d, int index) {
     }
     groups.push_back(std::move(members));
   }
+  return {std::move(groups), set};
+}
+
+void apply_order(PassContext& cx, const OrderDirective& d, int index) {
+  auto& dag = cx.dag;
+  const auto selected = select_groups(cx, d, index);  // not a structured binding: clang 14 cannot capture one
+  const std::vector<std::vector<Vertex>>& groups = selected.first;
+  const DeviceSetId set = selected.second;
   // The members of one group form one step (e.g. an overlapped F&B pair): the step starts when the
   // inputs of all its members are ready, so each member also waits for the others' producers.
   std::vector<std::vector<std::pair<Vertex, Vertex>>> costart(groups.size());
