@@ -1,13 +1,10 @@
 // The order pass: one order directive sequences its groups of steps on one device set.
 #include "pass.hpp"
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <set>
-
-#include <fmt/format.h>
-
-#include "piper/core/limits.hpp"
 
 namespace piper::core::passes {
 

@@ -4,10 +4,6 @@
 #include <algorithm>
 #include <map>
 
-#include <fmt/format.h>
-
-#include "piper/core/limits.hpp"
-
 namespace piper::core::passes {
 
 namespace {

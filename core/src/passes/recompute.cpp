@@ -3,10 +3,6 @@
 
 #include <vector>
 
-#include <fmt/format.h>
-
-#include "piper/core/limits.hpp"
-
 namespace piper::core::passes {
 
 namespace {

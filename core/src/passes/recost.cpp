@@ -1,11 +1,8 @@
 // The recost pass (internal): per-device costs of the tensor-parallel and recomputed segments.
 #include "pass.hpp"
 
+#include <algorithm>
 #include <vector>
-
-#include <fmt/format.h>
-
-#include "piper/core/limits.hpp"
 
 namespace piper::core::passes {
 

@@ -4,8 +4,6 @@
 #include <algorithm>
 #include <deque>
 
-#include <fmt/format.h>
-
 #include "piper/core/limits.hpp"
 
 namespace piper::core::passes {

@@ -1,11 +1,10 @@
 // The tensor_parallel pass (marks segments; their costs are rewritten by recost.cpp) and the tp-groups pass (internal, after placement: the TP communicator families).
 #include "pass.hpp"
 
+#include <algorithm>
 #include <vector>
 
 #include <fmt/format.h>
-
-#include "piper/core/limits.hpp"
 
 namespace piper::core::passes {
 

@@ -5,8 +5,6 @@
 
 #include <fmt/format.h>
 
-#include "piper/core/limits.hpp"
-
 namespace piper::core::passes {
 
 namespace {
