@@ -196,7 +196,11 @@ Command add_compile_command(CLI::App& app) {
   cmd->add_option("--dump-after", args->dump_after,
                   "after these passes write the DAG to DIR/after-<directive index>-<pass>.json and .dot")
       ->delimiter(',')
-      ->check(CLI::IsMember(std::vector<std::string>{"split", "backward-split", "tensor-parallel", "place", "shard", "replicate", "order", "all"}));
+      ->check(CLI::IsMember([] {
+        auto names = core::pass_names();  // the pass manager's table, internal passes included
+        names.push_back("all");
+        return names;
+      }()));
   cmd->add_option("--dump-dir", args->dump_dir, "folder for --dump-after files")->capture_default_str()->check(kOutputPath);
   return {cmd, [args] { return run_compile(*args); }};
 }

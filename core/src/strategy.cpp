@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "piper/core/limits.hpp"
+#include "piper/core/program_builder.hpp"
 
 namespace piper::core {
 namespace {
@@ -26,8 +27,8 @@ std::string num(double v) {
 
 // Devices of pipeline rank r: k + tp * (r + d * pp) for d = 0..dp-1, k = 0..tp-1 (each TP group
 // consecutive, pipeline ranks adjacent; tp = 1 gives r + d * pp).
-json devices_of_rank(const StrategyOptions& o, int rank) {
-  json devices = json::array();
+std::vector<int> devices_of_rank(const StrategyOptions& o, int rank) {
+  std::vector<int> devices;
   for (int d = 0; d < o.dp; ++d)
     for (int k = 0; k < o.tp; ++k) devices.push_back(k + o.tp * (rank + d * o.pp));
   return devices;
@@ -102,64 +103,44 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
   const int regions = static_cast<int>(rank_of_region.size());
   auto devices_of_region = [&](int i) {
     const int rank = rank_of_region[static_cast<size_t>(i)];
-    json devices = devices_of_rank(o, rank);
+    std::vector<int> devices = devices_of_rank(o, rank);
     // The mirrored copy: a data-parallel replica of the region on the opposite pipeline rank.
     if (mirrored)
-      for (const auto& d : devices_of_rank(o, o.pp - 1 - rank)) devices.push_back(d);
+      for (int d : devices_of_rank(o, o.pp - 1 - rank)) devices.push_back(d);
     return devices;
   };
   const int replicas = o.dp * o.tp * (mirrored ? 2 : 1);  // devices per region
-  json out = json::array();
+  ProgramBuilder out;
   // Directive order follows the published programs: all place, then all replicate, then all shard.
-  for (int i = 0; i < regions; ++i) {
-    json place{{"op", "place"}, {"filter", {{"PP", i}}}, {"devices", devices_of_region(i)}};
-    // With one pipeline rank there are no point-to-point transfers, so no stream (as in dp2.json).
-    if (o.pp > 1) place["stream"] = o.pp_stream;
-    out.push_back(place);
-  }
+  // With one pipeline rank there are no point-to-point transfers, so no stream (as in dp2.json).
+  for (int i = 0; i < regions; ++i)
+    out.place(region_filter(i), devices_of_region(i), o.pp > 1 ? std::optional(o.pp_stream) : std::nullopt);
   if (replicas / o.tp > 1) {
-    for (int i = 0; i < regions; ++i) {
-      json rep{{"op", "replicate"}, {"filter", {{"PP", i}}}, {"devices", devices_of_region(i)},
-               {"reduce_stream", o.dp_stream}};
-      if (o.bucket_mb > 0) {
-        // Whole megabytes are written as integers, as the published format does.
-        if (o.bucket_mb == std::floor(o.bucket_mb)) rep["bucket_size"] = static_cast<long long>(o.bucket_mb);
-        else rep["bucket_size"] = o.bucket_mb;
-      }
-      if (o.zero == 1) rep["shard_optimizer"] = true;
-      if (o.zero >= 2) rep["shard_grads"] = true;
-      if (o.zero == 3) {
-        rep["shard_params"] = true;
-        rep["gather_stream"] = o.dp_stream;
-        rep["gather_unit"] = "block";  // FSDP's unit: one transformer block
-      }
-      if (o.dp_shard > 1 && o.dp_shard < replicas / o.tp) rep["shard_group"] = o.dp_shard;
-      if (o.zero >= 2 && !o.reduce_every.empty()) rep["reduce_every"] = o.reduce_every;
-      out.push_back(rep);
+    ReplicateArgs rep;
+    rep.reduce_stream = o.dp_stream;
+    if (o.bucket_mb > 0) rep.bucket_size_mb = o.bucket_mb;
+    rep.shard_optimizer = o.zero == 1;
+    rep.shard_grads = o.zero >= 2;
+    if (o.zero == 3) {
+      rep.shard_params = true;
+      rep.gather_stream = o.dp_stream;
+      rep.gather_unit = "block";  // FSDP's unit: one transformer block
     }
+    if (o.dp_shard > 1 && o.dp_shard < replicas / o.tp) rep.shard_group = o.dp_shard;
+    if (o.zero >= 2 && !o.reduce_every.empty()) rep.reduce_every = o.reduce_every;
+    for (int i = 0; i < regions; ++i) out.replicate(region_filter(i), devices_of_region(i), rep);
   }
-  if (o.ep > 1) {
-    for (int i = 0; i < regions; ++i) {
-      json shard{{"op", "shard"}, {"filter", {{"PP", i}, {"EP", "*"}}}, {"devices", devices_of_region(i)},
-                 {"stream", o.ep_stream}};
-      // Experts sharded over consecutive groups of ep of the replicas (Piper extension).
-      if (o.ep < replicas) shard["degree"] = o.ep;
-      out.push_back(shard);
-    }
-  }
+  // Experts sharded over consecutive groups of ep of the replicas (Piper extension).
+  if (o.ep > 1)
+    for (int i = 0; i < regions; ++i)
+      out.shard(region_filter(i, "EP"), devices_of_region(i), o.ep_stream, o.ep < replicas ? std::optional(o.ep) : std::nullopt);
   // Piper extensions: tensor (and sequence) parallelism and recomputation of every region.
   if (o.tp > 1)
-    for (int i = 0; i < regions; ++i) {
-      json tp{{"op", "tensor_parallel"}, {"filter", {{"PP", i}}}, {"degree", o.tp}};
-      if (o.sequence_parallel) tp["sequence_parallel"] = true;
-      if (o.tp_comm_overlap) tp["comm_overlap"] = true;
-      out.push_back(tp);
-    }
+    for (int i = 0; i < regions; ++i) out.tensor_parallel(region_filter(i), o.tp, o.sequence_parallel, o.tp_comm_overlap);
   if (o.recompute != "none")
-    for (int i = 0; i < regions; ++i)
-      out.push_back({{"op", "recompute"}, {"filter", {{"PP", i}}}, {"mode", o.recompute}});
-  if (o.comm_sms > 0) out.push_back({{"op", "sm_partition"}, {"stream", "comm"}, {"sms", o.comm_sms}});
-  return out;
+    for (int i = 0; i < regions; ++i) out.recompute(region_filter(i), o.recompute);
+  if (o.comm_sms > 0) out.sm_partition(o.comm_sms);
+  return out.take();
 }
 
 json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region) {

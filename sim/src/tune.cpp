@@ -24,6 +24,7 @@
 #include "piper/core/kernels.hpp"
 #include "piper/core/limits.hpp"
 #include "piper/core/model.hpp"
+#include "piper/core/program_builder.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/cost_model.hpp"
@@ -345,15 +346,13 @@ core::Scenario tune_scenario(const TuneSpec& spec, const TuneCandidate& c, const
     // k + t (order[r] + d pp)), given to the compiler as an explicit program.
     TuneCandidate plain = c;
     plain.rank_order.clear();
-    json program = core::compile_scenario(tune_scenario(spec, plain)).program_json;
+    core::ProgramBuilder program(core::compile_scenario(tune_scenario(spec, plain)).program_json);
     const int t = c.tp, pp = c.pp;
-    for (auto& d : program)
-      if (d.contains("devices"))
-        for (auto& dev : d["devices"]) {
-          const int x = dev.get<int>(), q = x / t;
-          dev = x % t + t * (c.rank_order.at(static_cast<std::size_t>(q % pp)) + (q / pp) * pp);
-        }
-    s.directives = std::move(program);
+    program.relabel_devices([&](int x) {
+      const int q = x / t;
+      return x % t + t * (c.rank_order.at(static_cast<std::size_t>(q % pp)) + (q / pp) * pp);
+    });
+    s.directives = program.take();
   }
   return s;
 }

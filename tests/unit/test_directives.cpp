@@ -13,6 +13,7 @@
 
 #include "piper/core/compiler.hpp"
 #include "piper/core/directives.hpp"
+#include "piper/core/program_builder.hpp"
 #include "piper/core/verifier.hpp"
 
 using namespace piper::core;
@@ -411,7 +412,8 @@ TEST(Apply, AFailedProgramLeavesTheDagUntouched) {
 }
 
 TEST(Apply, HookSeesEveryPassInTheFixedOrder) {
-  // Written out of order on purpose: the passes still run split -> place -> replicate -> order.
+  // Written out of order on purpose: the passes still run split -> place -> replicate -> order, and the
+  // internal passes that changed the DAG (index -1) are seen too, each in its place.
   json program = json::parse(R"([
     {"op":"order","filters":[[{"PP":0,"MB":0,"PASS":"F"}],[{"PP":0,"MB":1,"PASS":"F"}]]},
     {"op":"replicate","filter":{"PP":0},"devices":[0,1]},
@@ -421,7 +423,7 @@ TEST(Apply, HookSeesEveryPassInTheFixedOrder) {
   GlobalDag dag = build_dag(qwen9m(1));
   apply_directives(dag, parse_directives(program),
                    [&](const std::string& op, int index, const GlobalDag&) { seen.push_back(op + std::to_string(index)); });
-  EXPECT_EQ(seen, (std::vector<std::string>{"split3", "place2", "replicate1", "order0"}));
+  EXPECT_EQ(seen, (std::vector<std::string>{"split3", "place2", "finish-placement-1", "replicate1", "update-costs-1", "order0"}));
 }
 
 // Schedules are directive generators: the compiler, simulator and runtime must not know their names.
@@ -430,6 +432,7 @@ TEST(Layering, CompilerSimulatorAndRuntimeNeverNameASchedule) {
   std::vector<fs::path> files;
   for (const char* file : {"dag.cpp", "directives.cpp", "lower.cpp", "program.cpp", "verifier.cpp", "compiler.cpp"})
     files.push_back(fs::path(PIPER_SOURCE_DIR) / "core/src" / file);
+  for (const auto& e : fs::directory_iterator(fs::path(PIPER_SOURCE_DIR) / "core/src/passes")) files.push_back(e.path());
   for (const char* dir : {"sim/src", "sim/include", "gpu_runtime/src", "gpu_runtime/include"})
     for (const auto& e : fs::recursive_directory_iterator(fs::path(PIPER_SOURCE_DIR) / dir))
       if (e.is_regular_file()) files.push_back(e.path());
@@ -462,4 +465,66 @@ TEST(Parse, MisspeltOpsAndFieldsSuggestTheNearest) {
   EXPECT_EQ(message(R"([{"op": "replicate", "filter": {}, "devices": [0, 1], "shard_optimiser": true}])")
                 .rfind("directive 0 field 'shard_optimiser': unknown field for 'replicate' (did you mean 'shard_optimizer'?) (allowed: ", 0),
             0u);
+}
+
+// Front ends write programs through the typed builder: optional fields only when given, whole
+// megabytes as integers, the published format exactly as written by hand; build() parses it.
+TEST(ProgramBuilder, WritesThePublishedFormatAndBuildsTheTypedProgram) {
+  ReplicateArgs zero3;
+  zero3.bucket_size_mb = 25;
+  zero3.shard_grads = zero3.shard_params = true;
+  zero3.gather_unit = "block";
+  zero3.shard_group = 2;
+  ReplicateArgs plain;
+  plain.bucket_size_mb = 2.5;
+  ProgramBuilder b;
+  b.split(Filter{}, 2)
+      .place(region_filter(0), {0, 2, 4, 6}, "pp")
+      .place(region_filter(1), {1, 3, 5, 7})
+      .replicate(region_filter(0), {0, 2, 4, 6}, zero3)
+      .replicate(region_filter(1), {1, 3, 5, 7}, plain)
+      .shard(region_filter(0, "EP"), {0, 2, 4, 6}, "ep", 2)
+      .tensor_parallel(region_filter(1), 2, true)
+      .recompute(region_filter(1), "full")
+      .sm_partition(16)
+      .order({{Filter{{{"PP", 0}, {"MB", 0}}, {}, Pass::F}}, {Filter{{{"PP", 0}, {"MB", 1}}, {}, Pass::F}}});
+  EXPECT_EQ(b.program(), json::parse(R"([
+    {"op": "split", "filter": {}, "num_microbatches": 2},
+    {"op": "place", "filter": {"PP": 0}, "devices": [0, 2, 4, 6], "stream": "pp"},
+    {"op": "place", "filter": {"PP": 1}, "devices": [1, 3, 5, 7]},
+    {"op": "replicate", "filter": {"PP": 0}, "devices": [0, 2, 4, 6], "bucket_size": 25, "shard_grads": true,
+     "shard_params": true, "gather_unit": "block", "shard_group": 2},
+    {"op": "replicate", "filter": {"PP": 1}, "devices": [1, 3, 5, 7], "bucket_size": 2.5},
+    {"op": "shard", "filter": {"PP": 0, "EP": "*"}, "devices": [0, 2, 4, 6], "stream": "ep", "degree": 2},
+    {"op": "tensor_parallel", "filter": {"PP": 1}, "degree": 2, "sequence_parallel": true},
+    {"op": "recompute", "filter": {"PP": 1}, "mode": "full"},
+    {"op": "sm_partition", "stream": "comm", "sms": 16},
+    {"op": "order", "filters": [[{"PP": 0, "MB": 0, "PASS": "F"}], [{"PP": 0, "MB": 1, "PASS": "F"}]]}])"));
+  EXPECT_TRUE(b.program().at(3).at("bucket_size").is_number_integer());
+  const DirectiveProgram p = b.build();
+  ASSERT_EQ(p.directives.size(), 10u);
+  const auto& r = std::get<ReplicateDirective>(p.directives[3]);
+  EXPECT_EQ(r.bucket_size_mb, 25);
+  EXPECT_TRUE(r.shard_params && r.gather_blocks && r.reduce_every_microbatch);
+  EXPECT_EQ(r.shard_group, 2);
+  EXPECT_EQ(std::get<PlaceDirective>(p.directives[2]).stream, "pp");  // the format's default
+  EXPECT_EQ(std::get<ShardDirective>(p.directives[5]).degree, 2);
+  EXPECT_EQ(std::get<SmPartitionDirective>(p.directives[8]).partition.sms, 16);
+}
+
+TEST(ProgramBuilder, RelabelsDevicesAndKeepsTheParsersErrors) {
+  ProgramBuilder b(json::parse(R"([{"op": "place", "filter": {"PP": 0}, "devices": [0, 1]}, {"op": "split", "filter": {}, "num_microbatches": 2}])"));
+  b.relabel_devices([](int d) { return 3 - d; });
+  EXPECT_EQ(b.program().at(0).at("devices"), json::parse("[3, 2]"));
+  EXPECT_EQ(b.program().at(1), json::parse(R"({"op": "split", "filter": {}, "num_microbatches": 2})"));
+  ProgramBuilder bad;
+  bad.tensor_parallel(region_filter(0), 1, true);
+  try {
+    bad.build();
+    ADD_FAILURE() << "no error";
+  } catch (const DirectiveError& e) {
+    EXPECT_EQ(e.index(), 0);
+    EXPECT_EQ(e.field(), "sequence_parallel");
+  }
+  EXPECT_THROW(ProgramBuilder(json::object()), Error);
 }

@@ -447,14 +447,21 @@ TEST(RuntimeEquivalence, Gpt_Tied_Interleaved_PP2x2Chunks) {
 
 // DualPipe runs the pipeline in both directions: device 0 holds the embedding for data-parallel rank
 // 0 and the head for rank 1 (and device 1 the mirror), so each device would have to keep two tied
-// pairs with two peers. The host backend refuses it before any step, in one line, exit code 2.
+// pairs with two peers. The compiler refuses the layout (Scenario.TiedCopiesAreSummedByAPairAllReduce);
+// a plan that has it anyway (here the untied model's plan, its spec marked tied) is refused by the
+// host backend before any step, in one line, exit code 2.
 TEST(RuntimeFailure, GptTiedDualPipeIsRefusedInOneLine) {
   const fs::path dir = temp_dir("gpt-dualpipe");
-  const fs::path plan = compile_plan(dir, strategy(2, 1, 1, 0, 4, "dualpipe"), "", kGpt);
+  EXPECT_THROW(compile_plan(dir, strategy(2, 1, 1, 0, 4, "dualpipe"), "", kGpt), core::Error);
+  json p = json::parse(std::ifstream(compile_plan(dir, strategy(2, 1, 1, 0, 4, "dualpipe"), "", kGptUntied)));
+  p["model_spec"]["tie_embeddings"] = true;
+  const fs::path plan = dir / "tied.json";
+  std::ofstream(plan) << p.dump();
   Result r = sh(mpirun(2) + PIPER_CLI + " run --plan " + plan.string() + " --steps 1");
   EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_NE(r.output.find("piper: error: plan: model 'runtime-tiny-gpt' ties its head to the embedding, but device 0 holds the embedding for one data-parallel "
-                          "rank and the head for another (a mirrored, bidirectional placement)"), std::string::npos)
+  EXPECT_NE(r.output.find("piper: error: plan: model 'runtime-tiny-gpt-untied' ties its head to the embedding, but device 0 holds the embedding for "
+                          "one data-parallel rank and the head for another (a mirrored, bidirectional placement)"),
+            std::string::npos)
       << r.output;
   EXPECT_EQ(count_of(r.output, "piper: error"), 1u) << r.output;
   EXPECT_EQ(r.output.find("step "), std::string::npos) << r.output;

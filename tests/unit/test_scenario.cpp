@@ -177,7 +177,9 @@ TEST(Scenario, TiedEmbeddingCopyIsCostedOnTheHeadsStage) {
 // The two copies' gradients are summed by a plan op: one ALL_REDUCE per device over the pair
 // (embedding device p, head device p), of the copy's V*h gradient elements, after the device's last
 // backward of its segment and before every reduction and update of that segment on the device. None
-// for one stage, a V placement (one device holds both: a local sum) or a mirrored one (DualPipe).
+// for one stage or a V placement (one device holds both: a local sum). A mirrored placement (DualPipe:
+// a device holds the embedding of one replica and the head of another) cannot be paired: the
+// compiler refuses it in one line naming the layout, rather than emit a plan without the sum.
 TEST(Scenario, TiedCopiesAreSummedByAPairAllReduce) {
   auto compile = [](int pp, int dp, int zero, const std::string& schedule) {
     Scenario s;
@@ -240,7 +242,37 @@ TEST(Scenario, TiedCopiesAreSummedByAPairAllReduce) {
   }
   EXPECT_LT(tied_family(compile(1, 2, 0, "1f1b")), 0);
   EXPECT_LT(tied_family(compile(2, 1, 0, "zb-v")), 0);
-  EXPECT_LT(tied_family(compile(2, 2, 0, "dualpipe")), 0);  // mirrored: two copies per segment
+  try {
+    compile(2, 2, 0, "dualpipe");
+    ADD_FAILURE() << "a mirrored tied placement compiled";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "directives: the tied embedding (segment 0, on [0,2,1,3]) and the head's copy (segment 1, on [1,3,0,2]) are placed "
+                           "mirrored (device 1 holds the embedding at position 2 and the head at 0): the two copies cannot be paired for their "
+                           "gradient sum (untie the embeddings, or place the head's segment at the embedding's positions)");
+  }
+}
+
+// Layouts the pair all-reduce cannot serve are refused, not compiled without the sum: sets sharing
+// only some devices (here the head's stage on [2,1], the embedding's on [0,1]).
+TEST(Scenario, TiedCopiesOnSetsSharingSomeDevicesAreRefused) {
+  Scenario s;
+  s.model = std::string(PIPER_SOURCE_DIR) + "/examples/models/gpt-small.json";
+  s.stages = 2;
+  s.directives = json::parse(R"([
+    {"op": "split", "filter": {}, "num_microbatches": 2},
+    {"op": "place", "filter": {"PP": 0}, "devices": [0, 1]},
+    {"op": "place", "filter": {"PP": 1}, "devices": [2, 1]},
+    {"op": "replicate", "filter": {"PP": 0}, "devices": [0, 1]},
+    {"op": "replicate", "filter": {"PP": 1}, "devices": [2, 1]}])");
+  try {
+    compile_scenario(s);
+    ADD_FAILURE() << "tied copies on [0,1] and [2,1] compiled";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).find("directives: the tied embedding (segment 0, on [0,1]) and the head's copy (segment 1, on [2,1]) share "
+                                         "some devices but not all: the two copies cannot be paired for their gradient sum"),
+              0u)
+        << e.what();
+  }
 }
 
 // The copy is state like the head's own weight: with the head on its own stage, a tied model's head

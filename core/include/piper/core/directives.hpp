@@ -1,6 +1,8 @@
 // Piper directives: parsing of the JSON program (published format plus Piper's extensions) and the
-// rewrite passes, applied in one fixed order: split -> backward split -> tensor_parallel/recompute ->
-// place -> shard -> replicate -> order (sm_partition touches no node: it is recorded for lowering).
+// rewrite passes (one file each under core/src/passes/), applied in the order of the pass manager's
+// table (pass_names(); core/src/passes/pass_manager.cpp): split -> backward-split -> tensor-parallel
+// -> recompute -> recost -> place -> finish-placement -> tp-groups -> shard -> replicate ->
+// tied-embedding -> update-costs -> order -> sm-partition (which only records the SM split).
 #pragma once
 
 #include <functional>
@@ -114,8 +116,12 @@ DirectiveProgram parse_directives(const nlohmann::json& program);
 DirectiveProgram load_directives_file(const std::string& path);  // errors prefixed with the path
 std::string op_name(const Directive& d);  // "place", "replicate", ...
 
-// Called after each directive with its op name and index, so --dump-after can write the DAG.
+// Called after every pass that changed the DAG, with the pass's name (pass_names()) and its
+// directive's index (-1 for an internal pass), so --dump-after can write the DAG.
 using AfterPassHook = std::function<void(const std::string& op, int index, const GlobalDag& dag)>;
+
+// The passes' names in the order they run (internal ones included).
+std::vector<std::string> pass_names();
 
 // Apply a program to a freshly built DAG. Validates each directive against the DAG; verifies the
 // DAG after each pass; throws DirectiveError without touching `dag` when anything is wrong

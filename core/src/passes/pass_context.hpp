@@ -1,0 +1,130 @@
+// The working state the directive passes share (internal to piper_core; see pass.hpp for the
+// pass interface): the DAG being rewritten with its per-vertex bookkeeping, an index of the compute
+// nodes by tag, and the small helpers several passes use.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "piper/core/dag.hpp"
+#include "piper/core/directives.hpp"
+#include "piper/core/error.hpp"
+#include "piper/core/limits.hpp"
+
+namespace piper::core::passes {
+
+// Every error of a pass names its directive and field.
+[[noreturn]] inline void fail(int index, const std::string& field, const std::string& message) {
+  throw DirectiveError(index, field, message);
+}
+
+// "[0,1,2]", cut after 8 devices.
+std::string set_str(const std::vector<int>& s);
+
+// The live compute nodes by tag value. Filters select compute nodes only; once the (backward) splits
+// are done no pass adds, removes or retags one, yet every directive runs a filter and each order
+// directive one per step (8 stages, 40 microbatches, an F and a B each: 8 directives x 80 steps), and
+// scanning the whole DAG for each filter dominated compile time. candidates() holds every node the
+// filter can select (those carrying its rarest exact tag value), ascending, so match() returns exactly
+// what a scan of all vertices in index order returns.
+class TagIndex {
+ public:
+  explicit TagIndex(const Graph& g) : g_(g) {
+    for (auto v : boost::make_iterator_range(boost::vertices(g))) {
+      const DagNode& n = g[v];
+      if (n.kind != NodeKind::Compute || n.removed) continue;
+      compute_.push_back(v);
+      for (const auto& [tag, value] : n.tags) by_tag_[tag][value].push_back(v);
+    }
+  }
+
+  const std::vector<Vertex>& candidates(const Filter& f) const {
+    static const std::vector<Vertex> none;
+    const std::vector<Vertex>* out = &compute_;
+    for (const auto& [tag, value] : f.exact) {
+      const std::vector<Vertex>* list = find(tag, value);
+      if (!list) return none;
+      if (list->size() < out->size()) out = list;
+    }
+    return *out;
+  }
+
+  std::vector<Vertex> match(const Filter& f) const {
+    std::vector<Vertex> out;
+    for (auto v : candidates(f))
+      if (f.matches(g_[v])) out.push_back(v);
+    return out;
+  }
+
+ private:
+  const std::vector<Vertex>* find(const std::string& tag, int value) const {
+    auto t = by_tag_.find(tag);
+    if (t == by_tag_.end()) return nullptr;
+    auto v = t->second.find(value);
+    return v == t->second.end() ? nullptr : &v->second;
+  }
+
+  const Graph& g_;
+  std::vector<Vertex> compute_;  // ascending, like every list below
+  std::map<std::string, std::map<int, std::vector<Vertex>>> by_tag_;
+};
+
+// Working state of one apply_directives call.
+struct PassContext {
+  GlobalDag& dag;
+  std::vector<std::string> p2p_stream;   // per vertex: stream of its region's point-to-point transfers
+  std::vector<std::string> split_dims;   // dims created by split, outermost first
+  std::vector<bool> replicated;          // per segment
+  // Strict: the DAG is checked for cycles after every pass. Otherwise once per phase (see
+  // apply_directives): a cycle found then is reported by rerunning the passes strictly.
+  bool strict = true;
+
+  Graph& g() { return dag.graph; }
+  DagNode& node(Vertex v) { return dag.graph[v]; }
+
+  // The live compute nodes by tag, kept until a compute node is added or removed (add, remove).
+  std::optional<TagIndex> index;
+  const TagIndex& tag_index() {
+    if (!index) index.emplace(dag.graph);
+    return *index;
+  }
+  // The nodes a filter selects, ascending.
+  std::vector<Vertex> match(const Filter& f) { return tag_index().match(f); }
+
+  Vertex add(DagNode n) {
+    // Backstop for passes other than split (which checks up front, naming its directive).
+    const auto nodes = static_cast<std::int64_t>(boost::num_vertices(dag.graph)) + 1;
+    if (nodes > limit_value(Limit::DagNodes)) check_limit(Limit::DagNodes, nodes, "global training DAG", "nodes");
+    if (n.label.empty()) n.label = node_label(n);
+    if (n.kind == NodeKind::Compute) index.reset();
+    Vertex v = dag.add_node(std::move(n));
+    if (p2p_stream.size() <= v) p2p_stream.resize(v + 1);
+    return v;
+  }
+
+  void remove(Vertex v) {
+    if (dag.graph[v].kind == NodeKind::Compute) index.reset();
+    boost::clear_vertex(v, dag.graph);
+    dag.graph[v].removed = true;
+  }
+};
+
+struct EdgeRec {
+  Vertex u, v;
+  DagEdge e;
+};
+
+std::vector<EdgeRec> out_edges_of(const Graph& g, Vertex u);
+std::vector<EdgeRec> in_edges_of(const Graph& g, Vertex v);
+
+inline bool is_backward(Pass p) { return p == Pass::B || p == Pass::BI || p == Pass::BW; }
+
+// Matched nodes must sit on exactly the directive's devices (in order).
+void check_devices(PassContext& cx, const std::vector<Vertex>& matched, const std::vector<int>& devices, int index);
+// The segments of these nodes, ascending.
+std::vector<int> segments_of(PassContext& cx, const std::vector<Vertex>& nodes);
+// " PP0 s2-5": the tags the segments share and their range, for labels.
+std::string common_tags_label(const GlobalDag& dag, const std::vector<int>& segments);
+
+}  // namespace piper::core::passes

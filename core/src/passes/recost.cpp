@@ -1,0 +1,77 @@
+// The recost pass (internal): per-device costs of the tensor-parallel and recomputed segments.
+#include "pass.hpp"
+
+#include <algorithm>
+#include <vector>
+
+namespace piper::core::passes {
+
+namespace {
+
+// Rewrites the per-device costs of every TP or recomputed segment from its layers (core::layer_costs
+// with a ParallelLayout): its compute nodes (F, B, BI, BW as the backward split shares them), its
+// stash, and, between two sequence-parallel segments of the same degree, the activations and
+// gradients they pass (sliced along the sequence).
+void recost_segments(PassContext& cx) {
+  auto& dag = cx.dag;
+  std::vector<char> changed(dag.segments.size(), 0);
+  std::vector<Costs> costs(dag.segments.size());
+  for (auto& seg : dag.segments) {
+    if (seg.tp_degree == 1 && seg.recompute == Recompute::None) continue;
+    const ParallelLayout layout{seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute)};
+    Costs c;
+    for (int l = seg.first_layer; l < seg.last_layer; ++l)
+      c += layer_costs(dag.layers.at(static_cast<std::size_t>(l)), dag.training, layout);
+    seg.tp_local_params = c.params;
+    costs[static_cast<std::size_t>(seg.index)] = c;
+    changed[static_cast<std::size_t>(seg.index)] = 1;
+  }
+  Graph& g = cx.g();
+  for (auto v : dag.live_nodes()) {
+    auto& n = cx.node(v);
+    if (n.kind != NodeKind::Compute || !changed[static_cast<std::size_t>(n.segment)]) continue;
+    Costs c = costs[static_cast<std::size_t>(n.segment)];
+    if (n.pass == Pass::BI) {  // as apply_backward_split divides a B
+      c.backward_weight_flops = 0;
+      c.backward_weight_gemm_kernels = 0;
+      c.backward_memory_bytes /= 2;
+    } else if (n.pass == Pass::BW) {
+      c.backward_input_flops = 0;
+      c.backward_input_gemm_kernels = 0;
+      c.backward_memory_bytes -= c.backward_memory_bytes / 2;
+      c.backward_elementwise_bytes = 0;
+      c.backward_tp_bytes = 0;
+      c.backward_tp_collectives = 0;
+      c.recompute_flops = 0;
+    }
+    n.costs = c;
+  }
+  auto sp_degree = [&](int segment) {
+    const auto& sg = dag.segments.at(static_cast<std::size_t>(segment));
+    return sg.sequence_parallel ? sg.tp_degree : 1;
+  };
+  for (auto e : boost::make_iterator_range(boost::edges(g))) {
+    Vertex u = boost::source(e, g), v = boost::target(e, g);
+    if (g[u].kind != NodeKind::Compute || g[e].kind != EdgeKind::Data) continue;
+    if (g[e].tensor == "stash" && changed[static_cast<std::size_t>(g[u].segment)]) {
+      g[e].bytes = g[u].costs.activation_bytes;
+    } else if ((g[e].tensor == "act" || g[e].tensor == "grad") && g[v].kind == NodeKind::Compute) {
+      const int t = sp_degree(g[u].segment);
+      if (t > 1 && t == sp_degree(g[v].segment)) g[e].bytes /= t;
+    }
+  }
+}
+
+}  // namespace
+
+bool run_recost(PassRun& run) {
+  const auto& ds = run.program.directives;
+  if (std::none_of(ds.begin(), ds.end(), [](const Directive& d) {
+        return std::holds_alternative<TensorParallelDirective>(d) || std::holds_alternative<RecomputeDirective>(d);
+      }))
+    return false;
+  recost_segments(run.cx);
+  return true;
+}
+
+}  // namespace piper::core::passes
