@@ -1,12 +1,14 @@
 // Chakra execution-trace export of a Program (see piper/chakra/export.hpp for the file layout).
 #include "piper/chakra/export.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <limits>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -130,7 +132,17 @@ std::string encode_device_trace(const core::Program& program, int device, const 
   std::map<core::OpRef, std::vector<core::OpRef>> deps;
   std::map<core::OpRef, std::vector<core::OpRef>> dependents;
   std::map<core::OpRef, int> missing;
-  std::set<core::OpRef> ready;  // ordered by (stream, index): a deterministic topological order
+  // Ready ops by (collective?, stream, index): a deterministic topological order in which, among ops
+  // ready together, compute and point-to-point transfers come before collectives. ASTRA-sim issues
+  // ready nodes in id order and runs one communication at a time per NPU, so this lets a pipeline
+  // transfer take the communication slot ahead of a queue of data-parallel collectives.
+  auto collective_first = [&](const core::OpRef& r) {
+    return is_collective(plan.streams[static_cast<std::size_t>(r.stream)].ops[static_cast<std::size_t>(r.index)].kind);
+  };
+  auto before = [&](const core::OpRef& a, const core::OpRef& b) {
+    return std::make_tuple(collective_first(a), a.stream, a.index) < std::make_tuple(collective_first(b), b.stream, b.index);
+  };
+  std::set<core::OpRef, decltype(before)> ready(before);
   for (int s = 0; s < static_cast<int>(plan.streams.size()); ++s) {
     const auto& ops = plan.streams[static_cast<std::size_t>(s)].ops;
     for (int i = 0; i < static_cast<int>(ops.size()); ++i) {
@@ -203,14 +215,20 @@ std::string encode_device_trace(const core::Program& program, int device, const 
       default: {
         node.set_type(pb::COMM_COLL_NODE);
         add_attr(node, "comm_type", [&](auto& a) { a.set_int64_val(comm_type_of(op.kind)); });
-        add_attr(node, "comm_size", [&](auto& a) { a.set_int64_val(op.bytes); });
+        // ASTRA-sim's sizes: an all-gather's comm_size is what each rank contributes (its ring sends
+        // comm_size per step and ends with comm_size x n), the others' the full buffer, as Piper's bytes.
+        const std::vector<int> group = program.group_of(op.family, device);
+        const std::int64_t n = std::max<std::int64_t>(1, static_cast<std::int64_t>(group.size()));
+        const std::int64_t comm_size = op.kind == core::OpKind::AllGather ? (op.bytes + n - 1) / n : op.bytes;
+        add_attr(node, "comm_size", [&](auto& a) { a.set_int64_val(comm_size); });
         // One network dimension: ASTRA-sim spreads the collective over the dimensions marked true.
         add_attr(node, "involved_dim", [](auto& a) { a.mutable_bool_list()->add_values(true); });
         // ASTRA-sim's communicator group (the --comm-group-configuration file written beside the traces).
         add_attr(node, "pg_name", [&](auto& a) { a.set_string_val(groups.pg_name(op.family, device)); });
         add_attr(node, "piper_group", [&](auto& a) {
-          for (int r : program.group_of(op.family, device)) a.mutable_int64_list()->add_values(r);
+          for (int r : group) a.mutable_int64_list()->add_values(r);
         });
+        add_attr(node, "piper_bytes", [&](auto& a) { a.set_int64_val(op.bytes); });
         break;
       }
     }

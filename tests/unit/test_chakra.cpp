@@ -174,7 +174,11 @@ class Chakra : public ::testing::Test {
                 {core::OpKind::AllToAll, {pb::ALL_TO_ALL, "ALL_TO_ALL"}}};
             const auto& [type, name] = expected_type.at(op.kind);
             EXPECT_EQ(attr(n, "comm_type")->int64_val(), type);
-            EXPECT_EQ(attr(n, "comm_size")->int64_val(), op.bytes);
+            // ASTRA-sim's all-gather size is each rank's part (ceil(bytes / n)); the others' the full buffer.
+            const std::int64_t ranks = static_cast<std::int64_t>(p.group_of(op.family, d).size());
+            EXPECT_EQ(attr(n, "comm_size")->int64_val(),
+                      op.kind == core::OpKind::AllGather ? (op.bytes + ranks - 1) / ranks : op.bytes) << n.name();
+            EXPECT_EQ(attr(n, "piper_bytes")->int64_val(), op.bytes);
             // pg_name: a group of the file holding exactly this op's group in the plan.
             const pb::AttributeProto* pg = attr(n, "pg_name");
             EXPECT_TRUE(pg != nullptr && pg->value_case() == pb::AttributeProto::kStringVal) << n.name();
