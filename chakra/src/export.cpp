@@ -136,11 +136,11 @@ std::string encode_device_trace(const core::Program& program, int device, const 
   // ready together, compute and point-to-point transfers come before collectives. ASTRA-sim issues
   // ready nodes in id order and runs one communication at a time per NPU, so this lets a pipeline
   // transfer take the communication slot ahead of a queue of data-parallel collectives.
-  auto collective_first = [&](const core::OpRef& r) {
+  auto collective_at = [&](const core::OpRef& r) {
     return is_collective(plan.streams[static_cast<std::size_t>(r.stream)].ops[static_cast<std::size_t>(r.index)].kind);
   };
   auto before = [&](const core::OpRef& a, const core::OpRef& b) {
-    return std::make_tuple(collective_first(a), a.stream, a.index) < std::make_tuple(collective_first(b), b.stream, b.index);
+    return std::make_tuple(collective_at(a), a.stream, a.index) < std::make_tuple(collective_at(b), b.stream, b.index);
   };
   std::set<core::OpRef, decltype(before)> ready(before);
   for (int s = 0; s < static_cast<int>(plan.streams.size()); ++s) {

@@ -41,7 +41,8 @@ CommGroups comm_groups(const core::Program& program);
 inline constexpr int kMaxCommGroups = 2147;
 
 // The bytes of device `device`'s trace. Node ids are 0..ops-1 in a topological order of the device's
-// ops (a dependency always has a smaller id). Every dependency is a data_dep (see docs/simulator.md).
+// ops (a dependency always has a smaller id; among ops ready together, compute and transfers before
+// collectives, then by stream and index). Every dependency is a data_dep (see docs/simulator.md).
 // Collectives carry pg_name, their group's number in `groups` (comm_groups(program)).
 std::string encode_device_trace(const core::Program& program, int device, const CommGroups& groups,
                                 const ExportOptions& options = {});
