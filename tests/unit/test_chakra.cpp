@@ -263,6 +263,32 @@ TEST_F(Chakra, ExpertAllToAllInItsGroup) {
   }
 }
 
+// Id order: ASTRA-sim issues ready nodes by id, one communication at a time per NPU, so a collective
+// never takes an id while a compute op or a transfer is ready: every non-collective node numbered
+// after a collective c depends on c or on a node numbered after it.
+TEST_F(Chakra, CollectivesYieldToReadyComputeAndTransfers) {
+  for (const core::Program& p : {compile(2, 4, 1, 3, "1f1b", 4), compile(2, 4, 2, 1, "dualpipev", 4)}) {
+    piper::chakra::export_traces(p, dir_.string(), "o");
+    for (int d = 0; d < p.num_devices; ++d) {
+      const Trace t = read_trace(dir_ / ("o." + std::to_string(d) + ".et"));
+      int checked = 0;
+      for (const pb::Node& c : t.nodes) {
+        if (c.type() != pb::COMM_COLL_NODE) continue;
+        for (std::size_t x = c.id() + 1; x < t.nodes.size(); ++x) {
+          const pb::Node& n = t.nodes[x];
+          if (n.type() == pb::COMM_COLL_NODE) continue;
+          std::uint64_t latest = 0;
+          for (std::uint64_t dep : n.data_deps()) latest = std::max(latest, dep);
+          EXPECT_TRUE(n.data_deps_size() > 0 && latest >= c.id())
+              << "device " << d << ": " << n.name() << " was ready before collective " << c.name();
+          ++checked;
+        }
+      }
+      EXPECT_GT(checked, 0) << "device " << d;
+    }
+  }
+}
+
 // Without collectives the group file is an empty object (ASTRA-sim reads it all the same).
 TEST_F(Chakra, PipelineOnlyEmptyGroupFile) {
   const core::Program p = compile(2, 1, 1, 0, "1f1b", 2);
