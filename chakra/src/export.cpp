@@ -1,13 +1,17 @@
 // Chakra execution-trace export of a Program (see piper/chakra/export.hpp for the file layout).
 #include "piper/chakra/export.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <limits>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
@@ -40,6 +44,19 @@ pb::CollectiveCommType comm_type_of(core::OpKind kind) {
   }
 }
 
+bool is_collective(core::OpKind kind) {
+  return kind == core::OpKind::AllReduce || kind == core::OpKind::ReduceScatter || kind == core::OpKind::AllGather ||
+         kind == core::OpKind::AllToAll;
+}
+
+// duration_micros: whole microseconds (Chakra's unit), from the caller's seconds.
+std::uint64_t micros(double seconds, int device, const core::Op& op) {
+  if (!std::isfinite(seconds) || seconds < 0 || seconds > 1e9)
+    throw core::Error(fmt::format("chakra export: device {}: op '{}' has compute time {} s, not a duration", device,
+                                  op.label.empty() ? core::to_string(op.kind) : op.label, seconds));
+  return static_cast<std::uint64_t>(std::llround(seconds * 1e6));
+}
+
 // ASTRA-sim's feeder reads comm_src/comm_dst/comm_tag as int32 attributes.
 std::int32_t as_int32(std::int64_t v, const char* what) {
   if (v < 0 || v > std::numeric_limits<std::int32_t>::max())
@@ -58,15 +75,74 @@ void append_delimited(const google::protobuf::MessageLite& m, std::string& out) 
 }  // namespace
 
 std::string trace_file_name(const std::string& prefix, int device) { return fmt::format("{}.{}.et", prefix, device); }
+std::string comm_groups_file_name(const std::string& prefix) { return prefix + ".comm_groups.json"; }
+
+CommGroups comm_groups(const core::Program& program) {
+  std::vector<bool> used(program.families.size(), false);
+  for (const core::Plan& plan : program.plans)
+    for (const core::Stream& stream : plan.streams)
+      for (const core::Op& op : stream.ops)
+        if (is_collective(op.kind)) {
+          if (op.family < 0 || static_cast<std::size_t>(op.family) >= program.families.size())
+            throw core::Error(fmt::format("chakra export: collective '{}' has no communicator family", op.label));
+          used[static_cast<std::size_t>(op.family)] = true;
+        }
+  CommGroups out;
+  out.id_of.resize(program.families.size());
+  for (std::size_t f = 0; f < used.size(); ++f) {
+    if (!used[f]) continue;
+    out.id_of[f].assign(static_cast<std::size_t>(program.num_devices), 0);
+    for (std::vector<int>& group : program.groups(static_cast<int>(f))) {
+      out.members.push_back(std::move(group));
+      const int id = static_cast<int>(out.members.size());
+      if (id > kMaxCommGroups)
+        throw core::Error(fmt::format("chakra export: the plan's collectives use more than {} communicator groups, the most "
+                                      "ASTRA-sim numbers (it counts a group's collectives from id x 1,000,000 in an int)",
+                                      kMaxCommGroups));
+      for (int d : out.members.back()) out.id_of[f].at(static_cast<std::size_t>(d)) = id;
+    }
+  }
+  return out;
+}
+
+std::string CommGroups::pg_name(int family, int device) const {
+  const int id = family >= 0 && static_cast<std::size_t>(family) < id_of.size() &&
+                         static_cast<std::size_t>(device) < id_of[static_cast<std::size_t>(family)].size()
+                     ? id_of[static_cast<std::size_t>(family)][static_cast<std::size_t>(device)]
+                     : 0;
+  if (id <= 0) throw core::Error(fmt::format("chakra export: device {} is in no group of communicator family {}", device, family));
+  return std::to_string(id);
+}
+
+std::string CommGroups::to_json() const {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (std::size_t i = 0; i < members.size(); ++i) j[std::to_string(i + 1)] = members[i];
+  return j.dump() + "\n";
+}
 
 std::string encode_device_trace(const core::Program& program, int device) {
+  return encode_device_trace(program, device, comm_groups(program));
+}
+
+std::string encode_device_trace(const core::Program& program, int device, const CommGroups& groups,
+                                const ExportOptions& options) {
   const core::Plan& plan = program.plan_for(device);
 
   // Dependencies of each op: its stream predecessor and its cross-stream waits.
   std::map<core::OpRef, std::vector<core::OpRef>> deps;
   std::map<core::OpRef, std::vector<core::OpRef>> dependents;
   std::map<core::OpRef, int> missing;
-  std::set<core::OpRef> ready;  // ordered by (stream, index): a deterministic topological order
+  // Ready ops by (collective?, stream, index): a deterministic topological order in which, among ops
+  // ready together, compute and point-to-point transfers come before collectives. ASTRA-sim issues
+  // ready nodes in id order and runs one communication at a time per NPU, so this lets a pipeline
+  // transfer take the communication slot ahead of a queue of data-parallel collectives.
+  auto collective_at = [&](const core::OpRef& r) {
+    return is_collective(plan.streams[static_cast<std::size_t>(r.stream)].ops[static_cast<std::size_t>(r.index)].kind);
+  };
+  auto before = [&](const core::OpRef& a, const core::OpRef& b) {
+    return std::make_tuple(collective_at(a), a.stream, a.index) < std::make_tuple(collective_at(b), b.stream, b.index);
+  };
+  std::set<core::OpRef, decltype(before)> ready(before);
   for (int s = 0; s < static_cast<int>(plan.streams.size()); ++s) {
     const auto& ops = plan.streams[static_cast<std::size_t>(s)].ops;
     for (int i = 0; i < static_cast<int>(ops.size()); ++i) {
@@ -122,6 +198,7 @@ std::string encode_device_trace(const core::Program& program, int device) {
         node.set_type(pb::COMP_NODE);
         add_attr(node, "num_ops", [&](auto& a) { a.set_int64_val(static_cast<std::int64_t>(op.flops)); });
         add_attr(node, "tensor_size", [&](auto& a) { a.set_uint64_val(static_cast<std::uint64_t>(op.memory_bytes)); });
+        if (options.compute_seconds) node.set_duration_micros(micros(options.compute_seconds(device, op), device, op));
         break;
       case core::OpKind::Send:
       case core::OpKind::Recv: {
@@ -138,12 +215,20 @@ std::string encode_device_trace(const core::Program& program, int device) {
       default: {
         node.set_type(pb::COMM_COLL_NODE);
         add_attr(node, "comm_type", [&](auto& a) { a.set_int64_val(comm_type_of(op.kind)); });
-        add_attr(node, "comm_size", [&](auto& a) { a.set_int64_val(op.bytes); });
+        // ASTRA-sim's sizes: an all-gather's comm_size is what each rank contributes (its ring sends
+        // comm_size per step and ends with comm_size x n), the others' the full buffer, as Piper's bytes.
+        const std::vector<int> group = program.group_of(op.family, device);
+        const std::int64_t n = std::max<std::int64_t>(1, static_cast<std::int64_t>(group.size()));
+        const std::int64_t comm_size = op.kind == core::OpKind::AllGather ? (op.bytes + n - 1) / n : op.bytes;
+        add_attr(node, "comm_size", [&](auto& a) { a.set_int64_val(comm_size); });
         // One network dimension: ASTRA-sim spreads the collective over the dimensions marked true.
         add_attr(node, "involved_dim", [](auto& a) { a.mutable_bool_list()->add_values(true); });
+        // ASTRA-sim's communicator group (the --comm-group-configuration file written beside the traces).
+        add_attr(node, "pg_name", [&](auto& a) { a.set_string_val(groups.pg_name(op.family, device)); });
         add_attr(node, "piper_group", [&](auto& a) {
-          for (int r : program.group_of(op.family, device)) a.mutable_int64_list()->add_values(r);
+          for (int r : group) a.mutable_int64_list()->add_values(r);
         });
+        add_attr(node, "piper_bytes", [&](auto& a) { a.set_int64_val(op.bytes); });
         break;
       }
     }
@@ -158,10 +243,18 @@ std::string encode_device_trace(const core::Program& program, int device) {
 }
 
 std::vector<std::string> export_traces(const core::Program& program, const std::string& out_dir, const std::string& prefix) {
+  ExportOptions options;
+  options.prefix = prefix;
+  return export_traces(program, out_dir, options);
+}
+
+std::vector<std::string> export_traces(const core::Program& program, const std::string& out_dir, const ExportOptions& options) {
   core::verify_or_throw(program);
+  const std::string& prefix = options.prefix;
   // Every file is encoded before any is written, so a bad plan leaves nothing behind.
+  const CommGroups groups = comm_groups(program);
   std::vector<std::string> bytes;
-  for (int d = 0; d < program.num_devices; ++d) bytes.push_back(encode_device_trace(program, d));
+  for (int d = 0; d < program.num_devices; ++d) bytes.push_back(encode_device_trace(program, d, groups, options));
   namespace fs = std::filesystem;
   if (out_dir.empty()) throw core::Error("cannot write Chakra traces: the output folder name is empty");
   // What this call creates (the outermost missing folder, new files) is removed again if a write
@@ -183,6 +276,10 @@ std::vector<std::string> export_traces(const core::Program& program, const std::
       if (!existed) created_files.push_back(path);
       paths.push_back(path);
     }
+    const std::string groups_path = (fs::path(out_dir) / comm_groups_file_name(prefix)).string();
+    const bool existed = fs::exists(groups_path, ec);
+    core::write_file_atomically(groups_path, groups.to_json());
+    if (!existed) created_files.push_back(groups_path);
   } catch (...) {
     std::error_code ignored;
     for (const auto& f : created_files) fs::remove(f, ignored);

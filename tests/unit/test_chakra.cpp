@@ -1,7 +1,11 @@
 // Chakra export round trip: the .et files, read back with the generated protobuf code, hold one node
-// per op of each device's plan, the plan's dependencies, matching send/recv pairs and collective types.
+// per op of each device's plan, the plan's dependencies, matching send/recv pairs and collective types;
+// each collective names its ASTRA-sim communicator group (pg_name), and the group file beside the
+// traces lists exactly the plan's groups.
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -12,10 +16,13 @@
 
 #include <google/protobuf/io/coded_stream.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "et_def.pb.h"
 #include "piper/chakra/export.hpp"
 #include "piper/core/scenario.hpp"
+#include "piper/sim/cost_model.hpp"
+#include "piper/sim/simulate.hpp"
 
 namespace fs = std::filesystem;
 namespace core = piper::core;
@@ -60,6 +67,12 @@ const pb::AttributeProto* attr(const pb::Node& n, const std::string& name) {
   return nullptr;
 }
 
+nlohmann::json read_json(const fs::path& path) {
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << path;
+  return nlohmann::json::parse(in);
+}
+
 core::Program compile(int pp, int dp, int ep, int zero, const std::string& schedule, int microbatches) {
   core::Scenario s;
   s.model = "qwen3-9m";
@@ -89,6 +102,15 @@ class Chakra : public ::testing::Test {
     std::map<std::string, int> kinds;
     // Transfers by (src, dst, tag): the sending and the receiving side must each appear once.
     std::map<std::tuple<int, int, int>, std::pair<int, int>> transfers;
+    // ASTRA-sim's --comm-group-configuration file: {"<id>": [npu, ...]}, ids 1..N ("0" means all NPUs).
+    const nlohmann::json groups = read_json(dir_ / "t.comm_groups.json");
+    EXPECT_TRUE(groups.is_object());
+    std::set<int> ids, expected_ids;
+    for (const auto& [name, members] : groups.items()) ids.insert(std::stoi(name));
+    for (int i = 1; i <= static_cast<int>(groups.size()); ++i) expected_ids.insert(i);
+    EXPECT_EQ(ids, expected_ids) << "group ids are 1..N";
+    // Which family each group id was named for: one family per id.
+    std::map<std::string, int> family_of_group;
     for (int d = 0; d < p.num_devices; ++d) {
       const fs::path path = dir_ / ("t." + std::to_string(d) + ".et");
       EXPECT_EQ(paths[static_cast<std::size_t>(d)], path.string());
@@ -152,13 +174,37 @@ class Chakra : public ::testing::Test {
                 {core::OpKind::AllToAll, {pb::ALL_TO_ALL, "ALL_TO_ALL"}}};
             const auto& [type, name] = expected_type.at(op.kind);
             EXPECT_EQ(attr(n, "comm_type")->int64_val(), type);
-            EXPECT_EQ(attr(n, "comm_size")->int64_val(), op.bytes);
+            // ASTRA-sim's all-gather size is each rank's part (ceil(bytes / n)); the others' the full buffer.
+            const std::int64_t ranks = static_cast<std::int64_t>(p.group_of(op.family, d).size());
+            EXPECT_EQ(attr(n, "comm_size")->int64_val(),
+                      op.kind == core::OpKind::AllGather ? (op.bytes + ranks - 1) / ranks : op.bytes) << n.name();
+            EXPECT_EQ(attr(n, "piper_bytes")->int64_val(), op.bytes);
+            // pg_name: a group of the file holding exactly this op's group in the plan.
+            const pb::AttributeProto* pg = attr(n, "pg_name");
+            EXPECT_TRUE(pg != nullptr && pg->value_case() == pb::AttributeProto::kStringVal) << n.name();
+            if (pg != nullptr) {
+              EXPECT_TRUE(groups.contains(pg->string_val())) << pg->string_val();
+              if (groups.contains(pg->string_val())) {
+                EXPECT_EQ(groups.at(pg->string_val()).get<std::vector<int>>(), p.group_of(op.family, d)) << n.name();
+              }
+              const auto [it, inserted] = family_of_group.emplace(pg->string_val(), op.family);
+              EXPECT_EQ(it->second, op.family) << "group " << pg->string_val() << " serves one family";
+            }
             kinds[name] += 1;
           }
         }
       }
     }
     for (const auto& [key, sides] : transfers) EXPECT_EQ(sides, std::make_pair(1, 1)) << "unmatched transfer";
+    // The file holds the groups of the families the collectives use, each once: every group of such a
+    // family (Program::groups) and nothing else.
+    std::set<int> families;
+    for (const auto& [name, f] : family_of_group) families.insert(f);
+    std::multiset<std::vector<int>> expected_groups, file_groups;
+    for (int f : families)
+      for (const auto& g : p.groups(f)) expected_groups.insert(g);
+    for (const auto& [name, members] : groups.items()) file_groups.insert(members.get<std::vector<int>>());
+    EXPECT_EQ(file_groups, expected_groups);
     return kinds;
   }
   fs::path dir_;
@@ -179,6 +225,116 @@ TEST_F(Chakra, PipelineExpertZeroPlan) {
   std::int64_t nodes = 0;
   for (const auto& [k, n] : kinds) nodes += n;
   EXPECT_EQ(nodes, p.total_ops());
+}
+
+// ZeRO-3 on 8 devices (PP 2 x DP 4): parameter all-gathers and gradient reduce-scatters run in the
+// 4-device DP group of each stage; the two stages' groups are distinct and disjoint.
+TEST_F(Chakra, Zero3GroupsPerStage) {
+  const core::Program p = compile(2, 4, 1, 3, "1f1b", 4);
+  const auto kinds = round_trip(p);
+  EXPECT_GT(kinds.at("REDUCE_SCATTER"), 0);
+  EXPECT_GT(kinds.at("ALL_GATHER"), 0);
+  const nlohmann::json groups = read_json(dir_ / "t.comm_groups.json");
+  std::set<std::vector<int>> distinct;
+  for (const auto& [name, members] : groups.items()) {
+    const auto m = members.get<std::vector<int>>();
+    EXPECT_EQ(m.size(), 4u) << name;
+    distinct.insert(m);
+  }
+  EXPECT_EQ(distinct.size(), 2u) << "one DP group per stage";
+  std::set<int> all;
+  for (const auto& g : distinct) all.insert(g.begin(), g.end());
+  EXPECT_EQ(all.size(), 8u) << "the stages' groups are disjoint and cover the devices";
+}
+
+// EP 2 inside DP 2 with PP 2: the all-to-alls run in 2-device expert groups, never over all 8 NPUs
+// (what made ASTRA-sim deadlock before pg_name was written).
+TEST_F(Chakra, ExpertAllToAllInItsGroup) {
+  const core::Program p = compile(2, 4, 2, 0, "dualpipev", 4);
+  round_trip(p);
+  for (int d = 0; d < p.num_devices; ++d) {
+    const Trace t = read_trace(dir_ / ("t." + std::to_string(d) + ".et"));
+    for (const pb::Node& n : t.nodes)
+      if (n.type() == pb::COMM_COLL_NODE && attr(n, "comm_type")->int64_val() == pb::ALL_TO_ALL) {
+        const auto members = read_json(dir_ / "t.comm_groups.json").at(attr(n, "pg_name")->string_val()).get<std::vector<int>>();
+        EXPECT_EQ(members.size(), 2u) << n.name();
+        EXPECT_NE(std::find(members.begin(), members.end(), d), members.end()) << "device " << d << " is in its group";
+      }
+  }
+}
+
+// Id order: ASTRA-sim issues ready nodes by id, one communication at a time per NPU, so a collective
+// never takes an id while a compute op or a transfer is ready: every non-collective node numbered
+// after a collective c depends on c or on a node numbered after it.
+TEST_F(Chakra, CollectivesYieldToReadyComputeAndTransfers) {
+  for (const core::Program& p : {compile(2, 4, 1, 3, "1f1b", 4), compile(2, 4, 2, 1, "dualpipev", 4)}) {
+    piper::chakra::export_traces(p, dir_.string(), "o");
+    for (int d = 0; d < p.num_devices; ++d) {
+      const Trace t = read_trace(dir_ / ("o." + std::to_string(d) + ".et"));
+      int checked = 0;
+      for (const pb::Node& c : t.nodes) {
+        if (c.type() != pb::COMM_COLL_NODE) continue;
+        for (std::size_t x = c.id() + 1; x < t.nodes.size(); ++x) {
+          const pb::Node& n = t.nodes[x];
+          if (n.type() == pb::COMM_COLL_NODE) continue;
+          std::uint64_t latest = 0;
+          for (std::uint64_t dep : n.data_deps()) latest = std::max(latest, dep);
+          EXPECT_TRUE(n.data_deps_size() > 0 && latest >= c.id())
+              << "device " << d << ": " << n.name() << " was ready before collective " << c.name();
+          ++checked;
+        }
+      }
+      EXPECT_GT(checked, 0) << "device " << d;
+    }
+  }
+}
+
+// Without collectives the group file is an empty object (ASTRA-sim reads it all the same).
+TEST_F(Chakra, PipelineOnlyEmptyGroupFile) {
+  const core::Program p = compile(2, 1, 1, 0, "1f1b", 2);
+  piper::chakra::export_traces(p, dir_.string(), "t");
+  EXPECT_EQ(read_json(dir_ / "t.comm_groups.json"), nlohmann::json::object());
+}
+
+// duration_micros: 0 without compute times; with them, the caller's seconds in whole microseconds on
+// COMPUTE and UPD nodes only.
+TEST_F(Chakra, ComputeTimesOnComputeNodes) {
+  const core::Program p = compile(2, 2, 1, 1, "1f1b", 2);
+  piper::chakra::export_traces(p, dir_.string(), "plain");
+  for (const pb::Node& n : read_trace(dir_ / "plain.0.et").nodes) EXPECT_EQ(n.duration_micros(), 0u) << n.name();
+  piper::chakra::ExportOptions options;
+  options.prefix = "timed";
+  // 1 us per 10^6 FLOPs plus 2.4 us, so the rounding (2.4 -> 2) is visible.
+  options.compute_seconds = [](int, const core::Op& op) { return op.flops * 1e-12 + 2.4e-6; };
+  piper::chakra::export_traces(p, dir_.string(), options);
+  int timed = 0;
+  for (const pb::Node& n : read_trace(dir_ / "timed.1.et").nodes) {
+    const std::string kind = attr(n, "piper_kind")->string_val();
+    if (n.type() == pb::COMP_NODE) {
+      const double flops = static_cast<double>(attr(n, "num_ops")->int64_val());
+      EXPECT_EQ(n.duration_micros(), static_cast<std::uint64_t>(std::llround(flops * 1e-6 + 2.4))) << n.name();
+      ++timed;
+    } else {
+      EXPECT_EQ(n.duration_micros(), 0u) << n.name();
+    }
+  }
+  EXPECT_GT(timed, 0);
+}
+
+// A compute time that is not a duration (NaN, negative) is an error naming the op; nothing is written.
+TEST_F(Chakra, BadComputeTimeWritesNothing) {
+  const core::Program p = compile(2, 1, 1, 0, "1f1b", 2);
+  for (const double bad : {-1.0, std::nan("")}) {
+    piper::chakra::ExportOptions options;
+    options.compute_seconds = [bad](int, const core::Op&) { return bad; };
+    try {
+      piper::chakra::export_traces(p, (dir_ / "out").string(), options);
+      ADD_FAILURE() << "accepted compute time " << bad;
+    } catch (const core::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("compute time"), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(fs::exists(dir_ / "out"));
+  }
 }
 
 TEST_F(Chakra, DataParallelAllReduce) {
@@ -225,4 +381,55 @@ TEST_F(Chakra, CliWritesOneFilePerDevice) {
   ASSERT_EQ(std::system(cmd.c_str()), 0);
   for (int d = 0; d < 4; ++d) EXPECT_TRUE(fs::exists(out / ("piper." + std::to_string(d) + ".et"))) << d;
   EXPECT_FALSE(fs::exists(out / "piper.4.et"));
+  EXPECT_TRUE(fs::exists(out / "piper.comm_groups.json"));
+}
+
+// `piper export-chakra --compute-times`: every compute node carries the simulator's cost-model time
+// (CostModel::compute_seconds on the default cluster, the per-kernel model) in whole microseconds,
+// and the group file is written beside the traces.
+TEST_F(Chakra, CliComputeTimesFromCostModel) {
+  fs::create_directories(dir_);
+  const fs::path plan = dir_ / "plan.json", out = dir_ / "traces";
+  const std::string compile = std::string(PIPER_CLI) + " compile --model qwen3-9m --pp 2 --dp 2 --zero 1 --microbatches 2 -o " +
+                              plan.string() + " >/dev/null";
+  ASSERT_EQ(std::system(compile.c_str()), 0);
+  const std::string cmd =
+      std::string(PIPER_CLI) + " export-chakra " + plan.string() + " -o " + out.string() + " --compute-times >/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  EXPECT_TRUE(fs::exists(out / "piper.comm_groups.json"));
+  std::ifstream in(plan);
+  const core::Program p = core::Program::from_json(nlohmann::json::parse(in));
+  const piper::sim::CostModel cost(piper::sim::with_devices(piper::sim::load_cluster(piper::sim::kDefaultCluster), p.num_devices));
+  for (int d = 0; d < p.num_devices; ++d) {
+    const core::Plan& plan_d = p.plan_for(d);
+    std::map<std::string, int> stream_index;
+    for (int s = 0; s < static_cast<int>(plan_d.streams.size()); ++s) stream_index[plan_d.streams[static_cast<std::size_t>(s)].name] = s;
+    int compute = 0;
+    for (const pb::Node& n : read_trace(out / ("piper." + std::to_string(d) + ".et")).nodes) {
+      if (n.type() != pb::COMP_NODE) continue;
+      const core::Op& op = plan_d.streams[static_cast<std::size_t>(stream_index.at(attr(n, "piper_stream")->string_val()))]
+                               .ops[static_cast<std::size_t>(attr(n, "piper_index")->int64_val())];
+      const double seconds = cost.compute_seconds(p, d, op);
+      EXPECT_GT(seconds, 0) << n.name();
+      EXPECT_EQ(n.duration_micros(), static_cast<std::uint64_t>(std::llround(seconds * 1e6))) << n.name();
+      ++compute;
+    }
+    EXPECT_GT(compute, 0) << "device " << d;
+  }
+}
+
+// --cluster and --calibration only cost compute times: without --compute-times they are an error.
+TEST_F(Chakra, CliClusterNeedsComputeTimes) {
+  fs::create_directories(dir_);
+  const fs::path plan = dir_ / "plan.json", out = dir_ / "traces";
+  const std::string compile = std::string(PIPER_CLI) + " compile --model qwen3-9m --pp 2 --microbatches 2 -o " + plan.string() + " >/dev/null";
+  ASSERT_EQ(std::system(compile.c_str()), 0);
+  const std::string cmd = std::string(PIPER_CLI) + " export-chakra " + plan.string() + " -o " + out.string() +
+                          " --cluster dgx-h100 >/dev/null 2>" + (dir_ / "err.txt").string();
+  EXPECT_EQ(WEXITSTATUS(std::system(cmd.c_str())), 2);
+  std::ifstream err(dir_ / "err.txt");
+  std::string line;
+  std::getline(err, line);
+  EXPECT_NE(line.find("--compute-times"), std::string::npos) << line;
+  EXPECT_FALSE(fs::exists(out));
 }
