@@ -5,17 +5,16 @@
 
 #include <fmt/format.h>
 
+#include "piper/gui/scale.hpp"
+
 namespace piper::gui {
 
 namespace {
 
-std::string seconds(double s) {
-  if (s >= 1) return fmt::format("{:.3f} s", s);
-  if (s >= 1e-3) return fmt::format("{:.2f} ms", s * 1e3);
-  return fmt::format("{:.1f} µs", s * 1e6);
-}
-std::string gib(std::int64_t b) { return fmt::format("{:.2f} GiB", static_cast<double>(b) / (1024.0 * 1024 * 1024)); }
-std::string percent(double f) { return fmt::format("{:.1f} %", f * 100); }
+// Units scale with the value (scale.hpp): a 9M-parameter model reads "MFU 0.0213 %" and "peak 212 MiB".
+std::string seconds(double s) { return format_seconds(s); }
+std::string bytes(std::int64_t b) { return format_bytes(static_cast<double>(b)); }
+std::string percent(double f) { return format_percent(f); }
 std::string count(double v) {
   if (v >= 1e6) return fmt::format("{:.2f} M", v / 1e6);
   if (v >= 1e3) return fmt::format("{:.1f} k", v / 1e3);
@@ -41,7 +40,7 @@ std::string report_html(const std::vector<NamedReport>& reports, int max_device_
   row("tokens/s", [](const sim::Report& r) { return count(r.tokens_per_s); });
   row("MFU", [](const sim::Report& r) { return percent(r.mfu); });
   row("bubble (mean)", [](const sim::Report& r) { return percent(r.bubble_fraction); });
-  row("peak memory", [](const sim::Report& r) { return gib(r.peak_memory_bytes); }, any_oom);
+  row("peak memory", [](const sim::Report& r) { return bytes(r.peak_memory_bytes); }, any_oom);
   row("out of memory", [](const sim::Report& r) {
     return r.oom ? fmt::format("YES: dev {} at {}", r.oom_details.device, seconds(r.oom_details.time_s)) : std::string("no");
   }, any_oom);
@@ -58,7 +57,7 @@ std::string report_html(const std::vector<NamedReport>& reports, int max_device_
   row("engine", [](const sim::Report& r) { return r.engine; });
   h += "</table><p style='margin-top:8px'><b>Per device</b> <span class='n'>(bubble = idle / step)</span></p>";
   h += "<table cellspacing='0' width='100%'><tr><th>dev</th>";
-  for (const auto& r : reports) h += "<th style='text-align:right'>bubble" + (r.name.empty() ? "" : " " + r.name) + "</th><th style='text-align:right'>peak GiB" + (r.name.empty() ? "" : " " + r.name) + "</th>";
+  for (const auto& r : reports) h += "<th style='text-align:right'>bubble" + (r.name.empty() ? "" : " " + r.name) + "</th><th style='text-align:right'>peak" + (r.name.empty() ? "" : " " + r.name) + "</th>";
   h += "</tr>";
   std::size_t devices = 0;
   for (const auto& r : reports) devices = std::max(devices, r.report.per_device.size());
@@ -70,7 +69,7 @@ std::string report_html(const std::vector<NamedReport>& reports, int max_device_
       if (d < r.report.per_device.size()) {
         const sim::DeviceReport& dr = r.report.per_device[d];
         oom = oom || dr.oom;
-        cells += "<td class='v'>" + percent(dr.bubble_fraction) + "</td><td class='v'>" + fmt::format("{:.2f}", static_cast<double>(dr.peak_memory_bytes) / (1024.0 * 1024 * 1024)) + "</td>";
+        cells += "<td class='v'>" + percent(dr.bubble_fraction) + "</td><td class='v'>" + bytes(dr.peak_memory_bytes) + "</td>";
       } else {
         cells += "<td></td><td></td>";
       }
