@@ -12,9 +12,15 @@ namespace piper::gui {
 namespace {
 
 // Units scale with the value (scale.hpp): a 9M-parameter model reads "MFU 0.0213 %" and "peak 212 MiB".
-std::string seconds(double s) { return format_seconds(s); }
-std::string bytes(std::int64_t b) { return format_bytes(static_cast<double>(b)); }
-std::string percent(double f) { return format_percent(f); }
+// Non-breaking spaces: a narrow panel never wraps "10.5 GiB" into two lines.
+std::string nb(std::string s) {
+  std::string out;
+  for (char c : s) out += c == ' ' ? std::string("&nbsp;") : std::string(1, c);
+  return out;
+}
+std::string seconds(double s) { return nb(format_seconds(s)); }
+std::string bytes(std::int64_t b) { return nb(format_bytes(static_cast<double>(b))); }
+std::string percent(double f) { return nb(format_percent(f)); }
 std::string count(double v) {
   if (v >= 1e6) return fmt::format("{:.2f} M", v / 1e6);
   if (v >= 1e3) return fmt::format("{:.1f} k", v / 1e3);

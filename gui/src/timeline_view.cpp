@@ -252,7 +252,10 @@ QString TimelineView::lane_text(int track, int row, int lane) const {
   const RowLayout& r = layouts_.at(static_cast<std::size_t>(track)).rows.at(static_cast<std::size_t>(row));
   const Lane& l = tracks_[static_cast<std::size_t>(track)]->rows[static_cast<std::size_t>(r.track_row)].lanes.at(static_cast<std::size_t>(lane));
   std::string name = l.name;
-  if (l.measured && l.error.matched > 0) name += " " + format_signed_percent(l.error.total_error());
+  if (l.measured && l.error.matched > 0) {
+    name += ' ';
+    name += format_signed_percent(l.error.total_error());
+  }
   QFont f = font();
   f.setPointSizeF(8);
   const QFontMetrics fm(f);
@@ -739,7 +742,18 @@ void TimelineView::paint_memory(QPainter& p, int w, int h) {
     if (hbm > 0 && !hbm_on_scale)   // the HBM note sits on the legend's line
       limit -= fm.horizontalAdvance(QString("HBM limit %1 (above scale)  — OUT OF MEMORY").arg(qbytes(static_cast<double>(hbm)))) + 8;
     std::size_t shown = 0;
-    for (const MemoryCurve& c : curves) {
+    std::vector<MemoryCurve> entries = curves;
+    if (tracks_.size() > 1) {
+      // Comparing: one hue per scenario, so one entry per scenario.
+      entries.clear();
+      for (const MemoryCurve& c : curves)
+        if (entries.empty() || entries.back().track != c.track) {
+          MemoryCurve e = c;
+          e.label = QString(c.track == 0 ? "A" : "B");
+          entries.push_back(e);
+        }
+    }
+    for (const MemoryCurve& c : entries) {
       const QString text = c.label;
       const int need = 18 + fm.horizontalAdvance(text) + 12;
       if (x + need > limit) break;
@@ -749,9 +763,9 @@ void TimelineView::paint_memory(QPainter& p, int w, int h) {
       x += need;
       ++shown;
     }
-    if (shown < curves.size()) {
+    if (shown < entries.size()) {
       p.setPen(QColor(0x77, 0x77, 0x77));
-      p.drawText(QPointF(x, top + 13), QString("+%1 more").arg(curves.size() - shown));
+      p.drawText(QPointF(x, top + 13), QString("+%1 more").arg(entries.size() - shown));
     }
   }
   // Y ticks in the unit of the scale (B, KiB, MiB, GiB, TiB), so small models read in MiB.
