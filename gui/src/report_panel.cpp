@@ -2,6 +2,7 @@
 #include "piper/gui/report_panel.hpp"
 
 #include <algorithm>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -31,7 +32,7 @@ std::string count(double v) {
 
 std::string report_html(const std::vector<NamedReport>& reports, int max_device_rows) {
   if (reports.empty()) return "<p style='color:#888'>No simulation yet.</p>";
-  std::string h = "<style>td,th{padding:1px 6px;} th{text-align:left;color:#333;} td.v{text-align:right;} "
+  std::string h = "<style>td,th{padding:1px 4px;} th{text-align:left;color:#333;white-space:nowrap;} td.v{text-align:right;white-space:nowrap;} "
                   "tr.oom td{color:#c00;font-weight:bold;} .n{color:#777;}</style>";
   h += "<table cellspacing='0' width='100%'><tr><th></th>";
   for (const auto& r : reports) h += "<th style='text-align:right'>" + r.name + "</th>";
@@ -67,8 +68,27 @@ std::string report_html(const std::vector<NamedReport>& reports, int max_device_
   h += "</tr>";
   std::size_t devices = 0;
   for (const auto& r : reports) devices = std::max(devices, r.report.per_device.size());
-  const std::size_t shown = std::min<std::size_t>(devices, static_cast<std::size_t>(max_device_rows));
-  for (std::size_t d = 0; d < shown; ++d) {
+  // Devices whose figures are equal in every report (DP replicas of one stage) share a row once there
+  // are more devices than rows: "0,8,16,…,248 ×32".
+  std::vector<std::vector<std::size_t>> rows;
+  if (devices > static_cast<std::size_t>(max_device_rows)) {
+    std::map<std::vector<std::pair<double, std::int64_t>>, std::size_t> by_figures;
+    for (std::size_t d = 0; d < devices; ++d) {
+      std::vector<std::pair<double, std::int64_t>> key;
+      for (const auto& r : reports)
+        key.emplace_back(d < r.report.per_device.size() ? r.report.per_device[d].bubble_fraction : -1.0,
+                         d < r.report.per_device.size() ? r.report.per_device[d].peak_memory_bytes : -1);
+      auto [it, added] = by_figures.try_emplace(std::move(key), rows.size());
+      if (added) rows.emplace_back();
+      rows[it->second].push_back(d);
+    }
+  } else {
+    for (std::size_t d = 0; d < devices; ++d) rows.push_back({d});
+  }
+  const std::size_t shown = std::min<std::size_t>(rows.size(), static_cast<std::size_t>(max_device_rows));
+  std::size_t listed = 0;
+  for (std::size_t k = 0; k < shown; ++k) {
+    const std::size_t d = rows[k].front();
     bool oom = false;
     std::string cells;
     for (const auto& r : reports) {
@@ -80,10 +100,20 @@ std::string report_html(const std::vector<NamedReport>& reports, int max_device_
         cells += "<td></td><td></td>";
       }
     }
-    h += std::string(oom ? "<tr class='oom'>" : "<tr>") + "<td>" + std::to_string(d) + "</td>" + cells + "</tr>";
+    std::string name;
+    for (std::size_t i = 0; i < rows[k].size(); ++i) {
+      if (rows[k].size() > 4 && i == 2) {
+        name += ",…," + std::to_string(rows[k].back());
+        break;
+      }
+      name += (i ? "," : "") + std::to_string(rows[k][i]);
+    }
+    if (rows[k].size() > 1) name += "&nbsp;×" + std::to_string(rows[k].size());
+    listed += rows[k].size();
+    h += std::string(oom ? "<tr class='oom'>" : "<tr>") + "<td>" + name + "</td>" + cells + "</tr>";
   }
   h += "</table>";
-  if (shown < devices) h += fmt::format("<p class='n'>{} more devices not listed.</p>", devices - shown);
+  if (listed < devices) h += fmt::format("<p class='n'>{} more devices not listed.</p>", devices - listed);
   return h;
 }
 

@@ -746,3 +746,19 @@ TEST(GuiStudio, MeasuredOverlayShowsTheErrorPerOpAndPerLane) {
   EXPECT_EQ(copy.rows[0].lanes[static_cast<std::size_t>(lane)].error.matched, 0);
   EXPECT_EQ(copy.rows[0].lanes[static_cast<std::size_t>(lane)].predicted_lane, -1);
 }
+
+// The report's per-device table at 256 devices: one row per set of devices with equal figures (the
+// DP replicas of a stage), every device accounted for, none "not listed".
+TEST(GuiReport, PerDeviceTableFoldsEqualDevicesAt256) {
+  app();
+  const ScenarioRun run = run_scenario(scale_scenario(32));
+  const std::string html = report_html({{"", run.report}});
+  EXPECT_EQ(html.find("not listed"), std::string::npos);
+  for (int s = 0; s < 8; ++s)
+    EXPECT_NE(html.find("<td>" + std::to_string(s) + "," + std::to_string(s + 8) + ",…," + std::to_string(s + 248) + "&nbsp;×32</td>"),
+              std::string::npos) << s;
+  // Up to max_device_rows devices: one row each, as before.
+  const std::string small = report_html({{"", run_scenario(small_scenario()).report}});
+  EXPECT_NE(small.find("<td>7</td>"), std::string::npos);
+  EXPECT_EQ(small.find("×"), std::string::npos);
+}
