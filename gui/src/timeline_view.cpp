@@ -176,7 +176,8 @@ void TimelineView::relayout() {
     auto row_of = [&](int device) {
       return device < static_cast<int>(l.row_of_device.size()) ? l.row_of_device[static_cast<std::size_t>(device)] : -1;
     };
-    const auto& groups = t < groups_.size() ? groups_[t] : std::vector<DeviceGroup>{};
+    static const std::vector<DeviceGroup> kNoGroups;
+    const std::vector<DeviceGroup>& groups = t < groups_.size() ? groups_[t] : kNoGroups;
     for (std::size_t g = 0; g < groups.size(); ++g) {
       const DeviceGroup& group = groups[g];
       if (group.size() == 1 || expanded_[t][g]) {
