@@ -762,3 +762,20 @@ TEST(GuiReport, PerDeviceTableFoldsEqualDevicesAt256) {
   EXPECT_NE(small.find("<td>7</td>"), std::string::npos);
   EXPECT_EQ(small.find("×"), std::string::npos);
 }
+
+// --fold picks the rows of a --screenshot; an unknown mode is one line and a non-zero exit.
+TEST(GuiStudio, FoldOptionOfTheCommandLine) {
+  const auto dir = screenshot_dir();
+  const auto scenario = (dir / "pp8-dp32.json").string();
+  std::ofstream(scenario) << scale_scenario(32).to_json().dump();
+  const auto png = (dir / "studio-256-fold-stage.png").string();
+  std::filesystem::remove(png);
+  const std::string base = std::string("QT_QPA_PLATFORM=offscreen '") + PIPER_STUDIO + "' --screenshot '" + png + "' '" + scenario + "'";
+  ASSERT_EQ(std::system((base + " --fold stage > /dev/null 2>&1").c_str()), 0);
+  EXPECT_FALSE(QImage(png.c_str()).isNull());
+  const auto err = (dir / "fold-error.txt").string();
+  EXPECT_NE(std::system((base + " --fold stages > /dev/null 2> '" + err + "'").c_str()), 0);
+  std::ifstream in(err);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(text.find("--fold 'stages': expected off, class or stage"), std::string::npos) << text;
+}
