@@ -736,13 +736,9 @@ void TimelineView::paint_memory(QPainter& p, int w, int h) {
   p.drawText(QRect(6, top + 2, plot_left() - 10, 16), Qt::AlignLeft | Qt::AlignVCenter,
              tracks_.size() > 1 ? "memory (A, B)" : "memory per row (hover: by kind)");
   const std::vector<MemoryCurve> curves = memory_curves();
-  // Legend: which curve is which row (device or folded group), as many as fit left of the HBM note.
+  // Legend: which curve is which row (device or folded group): a column in the gutter, left of the
+  // axis labels, then the header line up to the HBM note; what does not fit is counted.
   {
-    int x = plot_left() + 6;
-    int limit = plot_right() - 8;
-    if (hbm > 0 && !hbm_on_scale)   // the HBM note sits on the legend's line
-      limit -= fm.horizontalAdvance(QString("HBM limit %1 (above scale)  — OUT OF MEMORY").arg(qbytes(static_cast<double>(hbm)))) + 8;
-    std::size_t shown = 0;
     std::vector<MemoryCurve> entries = curves;
     if (tracks_.size() > 1) {
       // Comparing: one hue per scenario, so one entry per scenario.
@@ -754,15 +750,26 @@ void TimelineView::paint_memory(QPainter& p, int w, int h) {
           entries.push_back(e);
         }
     }
-    for (const MemoryCurve& c : entries) {
-      const QString text = c.label;
-      const int need = 18 + fm.horizontalAdvance(text) + 12;
-      if (x + need > limit) break;
+    std::size_t shown = 0;
+    const int column_width = plot_left() - 64 - 24;   // the axis labels take the gutter's right 60 px
+    for (int y = top + 20; shown < entries.size() && y + 12 <= h - 2; y += 12, ++shown) {
+      const MemoryCurve& c = entries[shown];
+      p.fillRect(6, y + 5, 14, 3, c.colour);
+      p.setPen(QColor(0x22, 0x22, 0x22));
+      p.drawText(QPointF(24, y + 10), fm.elidedText(c.label, Qt::ElideMiddle, column_width));
+    }
+    int x = plot_left() + 6;
+    int limit = plot_right() - 8;
+    if (hbm > 0 && !hbm_on_scale)   // the HBM note sits on the header line
+      limit -= fm.horizontalAdvance(QString("HBM limit %1 (above scale)  — OUT OF MEMORY").arg(qbytes(static_cast<double>(hbm)))) + 8;
+    for (; shown < entries.size(); ++shown) {
+      const MemoryCurve& c = entries[shown];
+      const int need = 18 + fm.horizontalAdvance(c.label) + 12;
+      if (x + need > limit - 60) break;
       p.fillRect(x, top + 8, 14, 3, c.colour);
       p.setPen(QColor(0x22, 0x22, 0x22));
-      p.drawText(QPointF(x + 18, top + 13), text);
+      p.drawText(QPointF(x + 18, top + 13), c.label);
       x += need;
-      ++shown;
     }
     if (shown < entries.size()) {
       p.setPen(QColor(0x77, 0x77, 0x77));

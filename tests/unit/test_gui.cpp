@@ -662,6 +662,12 @@ void check_folded_view(int dp) {
     EXPECT_EQ(c.label, view->row_label(0, c.row));
   }
   EXPECT_EQ(curve_colours.size(), 8u);
+  // The legend shows all 8 in the screenshot: each curve's colour appears in the gutter column of
+  // swatches under the memory pane's header.
+  std::set<QRgb> swatches;
+  const int memory_top = view->height() - std::min(150, view->height() / 4);
+  for (int y = memory_top; y < view->height(); ++y) swatches.insert(shot.pixel(12, y) & 0xFFFFFF);
+  for (QRgb c : curve_colours) EXPECT_TRUE(swatches.count(c & 0xFFFFFF)) << std::hex << c;
   const QString tip = view->describe_memory(QPointF((view->plot_left() + view->plot_right()) / 2.0, view->height() - 40));
   for (const char* word : {"peak by kind:", "weights", "gradients", "optimizer state", "activations", "curve of device"})
     EXPECT_TRUE(tip.contains(word)) << word << " in " << tip.toStdString();
