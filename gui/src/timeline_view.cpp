@@ -1040,6 +1040,17 @@ QString TimelineView::describe(const Hit& hit) const {
       html += QString("<br>peer device %1").arg(t.timeline->program->peer_of(*op, r.device));
   }
   html += QString("<br>start %1 · duration %2").arg(format_duration(start)).arg(format_duration(dur));
+  if (!l.measured) {
+    // With a measured overlay: the measured span this op was matched with, and the error.
+    for (const Lane& m : r.lanes) {
+      if (!m.measured || m.predicted_lane != hit.lane) continue;
+      auto it = std::find(m.predicted_pos.begin(), m.predicted_pos.end(), static_cast<std::int32_t>(pos));
+      if (it == m.predicted_pos.end()) continue;
+      const auto k = static_cast<std::size_t>(it - m.predicted_pos.begin());
+      const double md = m.end_s[k] - m.start_s[k];
+      html += QString("<br>measured %1 · error %2").arg(format_duration(md), dur > 0 ? QString::fromStdString(format_signed_percent(md / dur - 1)) : QString("n/a"));
+    }
+  }
   return html;
 }
 

@@ -740,6 +740,12 @@ TEST(GuiStudio, MeasuredOverlayShowsTheErrorPerOpAndPerLane) {
   const QString tip = view->describe(TimelineView::Hit{0, 0, lane, 0});
   EXPECT_TRUE(tip.contains("error +10.0 %")) << tip.toStdString();
   EXPECT_TRUE(tip.contains("predicted")) << tip.toStdString();
+  // The predicted op's tooltip gives its measured twin too.
+  ASSERT_GE(m.predicted_lane, 0);
+  EXPECT_EQ(row.lanes[static_cast<std::size_t>(m.predicted_lane)].name, "compute");
+  const QString predicted_tip = view->describe(TimelineView::Hit{0, 0, m.predicted_lane, m.predicted_pos[0]});
+  EXPECT_TRUE(predicted_tip.contains("measured ")) << predicted_tip.toStdString();
+  EXPECT_TRUE(predicted_tip.contains("error +10.0 %")) << predicted_tip.toStdString();
   // The lane's label in the gutter: its tooltip sums the lane up.
   QString gutter;
   for (int y = view->row_top(0, 0); y < view->row_top(0, 1) && !gutter.contains("measured compute"); ++y) gutter = view->describe_gutter(QPointF(60, y));
