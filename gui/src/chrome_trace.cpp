@@ -2,6 +2,7 @@
 #include "piper/gui/chrome_trace.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <numeric>
@@ -134,6 +135,44 @@ std::shared_ptr<Track> read_chrome_trace(const std::string& path, const std::str
   return parse_chrome_trace(core::read_input_file(path), path, title);
 }
 
+void match_measured_lane(Track& track, int row, int lane_index, const std::string& stream) {
+  DeviceRow& r = track.rows.at(static_cast<std::size_t>(row));
+  Lane& m = r.lanes.at(static_cast<std::size_t>(lane_index));
+  m.predicted_lane = -1;
+  m.predicted_pos.assign(m.size(), -1);
+  m.error = LaneError{};
+  for (std::size_t l = 0; l < r.lanes.size(); ++l)
+    if (!r.lanes[l].measured && r.lanes[l].name == stream) m.predicted_lane = static_cast<int>(l);
+  if (m.predicted_lane < 0 || !track.timeline) {
+    m.error.unmatched = static_cast<int>(m.size());
+    return;
+  }
+  // The k-th measured span named L is the k-th predicted op labelled L (both in start order).
+  const Lane& p = r.lanes[static_cast<std::size_t>(m.predicted_lane)];
+  std::map<std::string, std::vector<std::int32_t>> by_label;
+  for (std::size_t i = 0; i < p.size(); ++i) by_label[track.op(row, m.predicted_lane, i)->label].push_back(static_cast<std::int32_t>(i));
+  std::map<std::string, std::size_t> next;
+  double abs_error_sum = 0;
+  for (std::size_t i = 0; i < m.size(); ++i) {
+    const std::string& name = track.measured.at(static_cast<std::size_t>(m.op_index[i])).name;
+    auto found = by_label.find(name);
+    std::size_t& k = next[name];
+    if (found == by_label.end() || k >= found->second.size()) {
+      ++m.error.unmatched;
+      continue;
+    }
+    const std::int32_t pos = found->second[k++];
+    m.predicted_pos[i] = pos;
+    const double measured = m.end_s[i] - m.start_s[i];
+    const double predicted = p.end_s[static_cast<std::size_t>(pos)] - p.start_s[static_cast<std::size_t>(pos)];
+    ++m.error.matched;
+    m.error.measured_s += measured;
+    m.error.predicted_s += predicted;
+    if (predicted > 0) abs_error_sum += std::abs(measured - predicted) / predicted;
+  }
+  if (m.error.matched > 0) m.error.mean_abs_error = abs_error_sum / m.error.matched;
+}
+
 void overlay_measured(Track& predicted, const Track& measured) {
   // Measured lanes keep op_index into their own event list: copy the events and shift the indices.
   const auto offset = static_cast<std::int32_t>(predicted.measured.size());
@@ -145,9 +184,12 @@ void overlay_measured(Track& predicted, const Track& measured) {
       it = predicted.rows.end() - 1;
     }
     for (Lane lane : mrow.lanes) {
+      const std::string stream = lane.name;
       lane.name = "measured " + lane.name;
       for (auto& i : lane.op_index) i += offset;
+      const auto row = static_cast<int>(it - predicted.rows.begin());
       it->lanes.push_back(std::move(lane));
+      match_measured_lane(predicted, row, static_cast<int>(it->lanes.size()) - 1, stream);
     }
   }
   predicted.span_count += measured.span_count;

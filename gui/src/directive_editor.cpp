@@ -12,10 +12,40 @@
 
 namespace piper::gui {
 
+std::string format_directive(const nlohmann::json& value) {
+  // nlohmann's dump() is either minified or one key per line: write the readable middle ground.
+  if (value.is_object()) {
+    if (value.empty()) return "{}";
+    std::string out = "{";
+    bool first = true;
+    if (value.contains("op")) {   // a directive reads from its op
+      out += "\"op\": " + format_directive(value["op"]);
+      first = false;
+    }
+    for (auto it = value.begin(); it != value.end(); ++it) {
+      if (it.key() == "op") continue;
+      if (!first) out += ", ";
+      first = false;
+      out += nlohmann::json(it.key()).dump() + ": " + format_directive(it.value());
+    }
+    return out + "}";
+  }
+  if (value.is_array()) {
+    if (value.empty()) return "[]";
+    std::string out = "[";
+    for (std::size_t i = 0; i < value.size(); ++i) {
+      if (i) out += ", ";
+      out += format_directive(value[i]);
+    }
+    return out + "]";
+  }
+  return value.dump();
+}
+
 std::string format_program(const nlohmann::json& program) {
   if (!program.is_array()) return program.dump(2) + "\n";
   std::string out = "[\n";
-  for (std::size_t i = 0; i < program.size(); ++i) out += "  " + program[i].dump() + (i + 1 < program.size() ? ",\n" : "\n");
+  for (std::size_t i = 0; i < program.size(); ++i) out += "  " + format_directive(program[i]) + (i + 1 < program.size() ? ",\n" : "\n");
   return out + "]\n";
 }
 
@@ -115,7 +145,9 @@ DirectiveEditor::DirectiveEditor(QWidget* parent) : QPlainTextEdit(parent) {
   mono.setStyleHint(QFont::TypeWriter);
   mono.setPointSizeF(9);
   setFont(mono);
-  setLineWrapMode(QPlainTextEdit::NoWrap);
+  // Long directives wrap at the pane's edge (never cut off); the gutter numbers directives' lines.
+  setLineWrapMode(QPlainTextEdit::WidgetWidth);
+  setWordWrapMode(QTextOption::WrapAtWordBoundaryOrAnywhere);
   numbers_ = new LineNumbers(this);
   connect(this, &QPlainTextEdit::blockCountChanged, this, [this] { setViewportMargins(line_number_width(), 0, 0, 0); });
   connect(this, &QPlainTextEdit::updateRequest, this, [this](const QRect& r, int dy) {

@@ -32,7 +32,12 @@ ScenarioRun run_scenario(const core::Scenario& scenario) {
     run.title = scenario_title(scenario, run.report);
     const std::int64_t hbm = result.cluster.num_devices() > 0 ? result.cluster.gpu(0).hbm_bytes : 0;
     run.timeline = timeline;
-    run.track = make_track(timeline, run.title, hbm);
+    auto track = make_track(timeline, run.title, hbm);
+    track->peak_bytes_by_kind.resize(timeline->devices.size());
+    for (const sim::DeviceReport& d : run.report.per_device)
+      if (d.device >= 0 && d.device < static_cast<int>(track->peak_bytes_by_kind.size()))
+        track->peak_bytes_by_kind[static_cast<std::size_t>(d.device)] = d.peak_bytes_by_kind;
+    run.track = track;
   } catch (const core::DirectiveError& e) {
     throw RunError{e.what(), e.index(), e.field()};
   } catch (const std::exception& e) {

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include <QAction>
+#include <QActionGroup>
 #include <QApplication>
 #include <QCheckBox>
 #include <QComboBox>
@@ -98,7 +99,7 @@ StudioWindow::StudioWindow(QWidget* parent) : QMainWindow(parent) {
   split->setStretchFactor(0, 0);
   split->setStretchFactor(1, 1);
   split->setStretchFactor(2, 0);
-  split->setSizes({330, 1000, 300});
+  split->setSizes({380, 1000, 300});
   setCentralWidget(split);
 
   status_label_ = new QLabel;
@@ -169,6 +170,18 @@ void StudioWindow::build_menus() {
   view->addAction("&Fit to window", QKeySequence(Qt::Key_F), this, [this] { view_->fit_to_window(); });
   critical_action_ = view->addAction("&Critical path", QKeySequence(Qt::Key_C), this, [this](bool on) { view_->set_show_critical_path(on); });
   critical_action_->setCheckable(true);
+  // Folding: one row per symmetry class or pipeline stage (default above 16 devices), or per device.
+  QMenu* fold = view->addMenu("Fold &devices");
+  auto* fold_group = new QActionGroup(this);
+  for (auto [title, mode] : {std::pair{"&Off (one row per device)", FoldMode::Off}, {"By symmetry &class", FoldMode::Class}, {"By pipeline &stage", FoldMode::Stage}}) {
+    QAction* a = fold->addAction(title, this, [this, mode] { view_->set_fold_mode(mode); });
+    a->setCheckable(true);
+    a->setData(static_cast<int>(mode));
+    fold_group->addAction(a);
+  }
+  connect(fold, &QMenu::aboutToShow, this, [this, fold_group] {
+    for (QAction* a : fold_group->actions()) a->setChecked(a->data().toInt() == static_cast<int>(view_->fold_mode()));
+  });
   view->addAction("Taller lanes", QKeySequence(Qt::CTRL | Qt::Key_Plus), this, [this] { view_->set_lane_height(20); });
   view->addAction("Shorter lanes", QKeySequence(Qt::CTRL | Qt::Key_Minus), this, [this] { view_->set_lane_height(8); });
 }
@@ -514,13 +527,15 @@ int studio_main(int argc, char** argv) {
     screenshot = screenshot || a == "--screenshot";
     if (a == "--help" || a == "-h") {   // before QApplication: works without a display
       std::cout << "usage: piper-studio [scenario.json] [--compare other.json] [--overlay trace.json]\n"
-                   "                    [--screenshot out.png [--size 1600x1000]] [--critical-path]\n"
+                   "                    [--screenshot out.png [--size 1600x1000]] [--critical-path] [--fold MODE]\n"
                    "  scenario.json      a scenario (model, cluster, strategy or directive program); default: a preset\n"
                    "  --compare FILE     stack a second scenario under the first, reports side by side\n"
                    "  --overlay FILE     overlay a Chrome trace (e.g. measured) on the first scenario\n"
                    "  --screenshot FILE  render the window offscreen to a PNG and exit\n"
                    "  --size WxH         window size for --screenshot\n"
-                   "  --critical-path    highlight the critical path\n";
+                   "  --critical-path    highlight the critical path\n"
+                   "  --fold MODE        rows: off (one per device), class (per symmetry class), stage (per\n"
+                   "                     pipeline stage); default: class above 16 devices\n";
       return 0;
     }
   }
@@ -536,10 +551,21 @@ int studio_main(int argc, char** argv) {
   QCommandLineOption overlay("overlay", "overlay a Chrome trace (measured) on the first scenario", "trace");
   QCommandLineOption size("size", "window size for --screenshot (default 1600x1000)", "WxH", "1600x1000");
   QCommandLineOption critical("critical-path", "highlight the critical path");
-  parser.addOptions({shot, compare, overlay, size, critical});
+  QCommandLineOption fold("fold", "rows: off, class or stage (default: class above 16 devices)", "mode");
+  parser.addOptions({shot, compare, overlay, size, critical, fold});
   parser.process(app);
 
   StudioWindow window;
+  if (parser.isSet(fold)) {
+    const QString m = parser.value(fold);
+    if (m == "off") window.view()->set_fold_mode(FoldMode::Off);
+    else if (m == "class") window.view()->set_fold_mode(FoldMode::Class);
+    else if (m == "stage") window.view()->set_fold_mode(FoldMode::Stage);
+    else {
+      std::cerr << "piper-studio: error: --fold '" << m.toStdString() << "': expected off, class or stage\n";
+      return 2;
+    }
+  }
   const QStringList dims = parser.value(size).split('x');
   if (dims.size() != 2 || dims[0].toInt() < 320 || dims[1].toInt() < 240) {
     std::cerr << "piper-studio: error: --size: expected WxH, e.g. 1600x1000\n";

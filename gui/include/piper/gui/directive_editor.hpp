@@ -12,8 +12,10 @@
 
 namespace piper::gui {
 
-// One directive per line ("[\n  {...},\n  {...}\n]"), so directive i is on line i + 2.
+// One directive per line ("[\n  {...},\n  {...}\n]"), so directive i is on line i + 2; each written
+// as JSON with a space after every ':' and ',' ({"op": "place", "devices": [0, 1]}).
 std::string format_program(const nlohmann::json& program);
+std::string format_directive(const nlohmann::json& directive);
 // [begin, end) byte offsets of the top-level array elements of `text` (strings and nesting respected).
 std::vector<std::pair<std::size_t, std::size_t>> top_level_elements(const std::string& text);
 int line_of_offset(const std::string& text, std::size_t offset);   // 0-based

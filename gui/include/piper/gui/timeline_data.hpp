@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,6 +20,15 @@ const char* span_kind_name(SpanKind k);        // "F", "B", "BI", "BW", "UPD", "
 const char* span_kind_short(SpanKind k);       // label prefix: "F", "B", "BI", "BW", "U", "S", "R", "AR", ...
 SpanKind span_kind_from_name(const std::string& first_word);  // inverse of span_kind_name (Other if unknown)
 
+// Measured lane vs the predicted lane of the same stream: ops matched by label, in order.
+struct LaneError {
+  int matched = 0, unmatched = 0;      // measured spans with / without a predicted op of that label
+  double measured_s = 0;               // summed durations of the matched measured spans
+  double predicted_s = 0;              // and of their predicted ops
+  double mean_abs_error = 0;           // mean over matched ops of |measured - predicted| / predicted
+  double total_error() const { return predicted_s > 0 ? measured_s / predicted_s - 1 : 0; }
+};
+
 struct Lane {
   std::string name;                // stream name; measured lanes are prefixed "measured "
   int stream = -1;                 // stream index in the device's plan; -1 for measured lanes
@@ -29,6 +39,11 @@ struct Lane {
   std::vector<std::int16_t> microbatch;   // MB tag or -1 (labels "F3")
   std::vector<std::int32_t> op_index;     // predicted: index into plan.streams[stream].ops; measured: into Track::measured
   std::vector<std::int32_t> pos_of_op;    // predicted: op index -> position in this lane
+  // Measured lanes overlaid on a predicted row: the predicted lane of the same stream (-1: none) and,
+  // per span, the position of the predicted op it matched (-1: none); see overlay_measured.
+  int predicted_lane = -1;
+  std::vector<std::int32_t> predicted_pos;
+  LaneError error;
   std::size_t size() const { return start_s.size(); }
   // Positions [first, last) of spans that intersect [t0_s, t1_s).
   std::pair<std::size_t, std::size_t> visible(double t0_s, double t1_s) const;
@@ -59,6 +74,8 @@ struct Track {
   std::int64_t hbm_bytes = 0;                      // HBM per device (0: unknown)
   std::int64_t span_count = 0;
   std::vector<MeasuredEvent> measured;
+  // Per device (indexed by device id): each BufferKind's own peak, as the report gives it (empty: unknown).
+  std::vector<std::map<std::string, std::int64_t>> peak_bytes_by_kind;
   const core::Op* op(int row, int lane, std::size_t pos) const;
 };
 
