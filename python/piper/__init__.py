@@ -400,8 +400,9 @@ def tune(model: str, *, devices: int, cluster: str = "dgx-h200", global_batch: i
     defaults to the CPU count.
 
     Returns a :class:`TuneResult`: the summary (``memory_cap_bytes``, ``memory_reserve_bytes``,
-    ``candidates``, ``pruned``, ``simulated``, ``fitting``, ...) and ``ranked``, one dict per plan
-    that fits with the tune CSV's columns, ``rank`` and ``strategy``; empty when nothing fits.
+    ``candidates``, ``pruned``, ``simulated``, ``fitting``, ...) and ``ranked``: the best `show`
+    plans that fit (the table ``piper tune`` prints), one dict each with the tune CSV's columns,
+    ``rank`` and ``strategy``; empty when nothing fits.
     """
     if not isinstance(model, str) or not model:
         _bad("model", model, "must be a zoo name or a model file")
@@ -456,7 +457,8 @@ def tune(model: str, *, devices: int, cluster: str = "dgx-h200", global_batch: i
         out = _native(_piper.tune, args, flags=flags)
     columns = list(_piper.tune_columns())
     ranked, fields = [], []
-    for i, r in enumerate(out.pop("ranked")):
+    # The first `show` are exact (branch and bound keeps them); below them plans were left unsimulated.
+    for i, r in enumerate(out.pop("ranked")[:show]):
         rec = {"rank": i + 1}
         rec.update({c: _typed(c, f) for c, f in zip(columns, r["fields"])})
         rec["strategy"] = r["strategy"]
@@ -536,8 +538,17 @@ _RUN_FLAGS = {"steps": "steps", "seed": "seed", "data": "data", "lr": "lr", "ada
               "model": "scenario['model']"}
 
 
-def _cli_error(stderr, flags):
-    """The one line after "piper: error: " (with keyword names for the flags), else stderr's last line."""
+def _cli_error(stderr, flags, files=None):
+    """The one line after "piper: error: " (with keyword names for the flags, and `files`' keyword
+    before a message that starts with its file name), else stderr's last line."""
+    message = _cli_line(stderr, flags)
+    for kw, path in (files or {}).items():
+        if path and message.startswith(f"{path}: "):
+            return f"{kw}={path!r}: " + message[len(path) + 2:]
+    return message
+
+
+def _cli_line(stderr, flags):
     lines = [l for l in stderr.splitlines() if l.strip()]
     for l in lines:
         for prefix in ("piper: error: ", "piper: internal error: "):
@@ -611,7 +622,9 @@ def run(scenario=None, *, plan=None, steps: int = 3, seed: int = 1, reference: b
         except _subprocess.TimeoutExpired:
             raise TimeoutError(f"run: not finished after timeout={timeout} seconds") from None
         if p.returncode != 0:
-            msg = _cli_error(p.stderr, _RUN_FLAGS)
+            msg = _cli_error(p.stderr, _RUN_FLAGS, {"resume": resume, "data": data, "save": save,
+                                                    "dump_params": dump_params, "calibrate": calibrate,
+                                                    "trace": trace})
             if p.returncode == 2:
                 raise InputError(msg)
             if p.returncode == 3:
