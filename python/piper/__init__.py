@@ -9,7 +9,6 @@ dicts with stable column names, ``None`` where there is no value) and ``to_dataf
 Bad input raises :class:`InputError` (a ``ValueError``) with one line naming the keyword or field
 that was wrong; an unknown keyword raises ``TypeError`` with the nearest valid one.
 """
-from __future__ import annotations
 
 import csv as _csv
 import difflib as _difflib
