@@ -78,15 +78,22 @@ def _keywords(fn):
     return wrapper
 
 
-# Native messages name the CLI's flags ("--engine 'analytc': ..."); in Python they name the keyword.
-_FLAG = _re.compile(r"^--([a-z][a-z0-9-]*) '([^']*)'")
+# Native messages name the CLI's flags ("--engine 'analytc': ...", "--pp 3: ...", "--recompute: ...");
+# in Python they name the keyword ("engine='analytc': ...", "pp=3: ...", "recompute: ...").
+_FLAG = _re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*)(?: '([^']*)'| ([^\s:,;()']+)(?=[:,;)]))?")
 
 
 def _speak(message, flags):
-    m = _FLAG.match(message)
-    if m and m.group(1) in flags:
-        message = f"{flags[m.group(1)]}={m.group(2)!r}" + message[m.end():]
-    return message
+    def keyword(m):
+        if m.group(1) not in flags:
+            return m.group(0)
+        kw = flags[m.group(1)]
+        if m.group(2) is not None:
+            return f"{kw}={m.group(2)!r}"
+        if m.group(3) is not None:
+            return f"{kw}={m.group(3)}"
+        return kw
+    return _FLAG.sub(keyword, message)
 
 
 def _native(fn, *args, flags=None, files=None):
@@ -98,8 +105,12 @@ def _native(fn, *args, flags=None, files=None):
     except _piper.NativeInputError as e:
         message = _speak(str(e), flags or {})
         for kw, path in (files or {}).items():
-            if path and message.startswith(f"{path}: "):
-                message = f"{kw}={path!r}: " + message[len(path) + 2:]
+            if path and isinstance(path, str) and message.startswith(f"{path}: "):
+                rest = message[len(path) + 2:]
+                # "neither a zoo model (a, b, ...) nor a readable file": suggest the nearest name.
+                names = _re.search(r"\(([\w.-]+(?:, [\w.-]+)+)\)", rest)
+                hint = _did_you_mean(path, names.group(1).split(", ")) if names else ""
+                message = f"{kw}={path!r}: " + rest + hint
                 break
         raise InputError(message) from None
     except _piper.NativeInternalError as e:
@@ -185,6 +196,10 @@ def _load(obj, what, base_dir):
         if not base_dir:
             base_dir = _os.path.dirname(_os.path.abspath(path))
     return obj, base_dir
+
+
+def _model_of(scenario):
+    return {"scenario['model']": scenario.get("model")} if isinstance(scenario, dict) else {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,14 +313,14 @@ def compile(scenario, *, base_dir: str = "") -> dict:
     folder, or the current directory for a dict).
     """
     scenario, base_dir = _load(scenario, "scenario", base_dir)
-    return _native(_piper.compile, scenario, base_dir)
+    return _native(_piper.compile, scenario, base_dir, files=_model_of(scenario))
 
 
 @_keywords
 def directives(scenario, *, base_dir: str = "") -> list:
     """The directive program (a list) a scenario compiles; without ``model``, the one ``piper directives`` prints."""
     scenario, base_dir = _load(scenario, "scenario", base_dir)
-    return _native(_piper.directives, scenario, base_dir)
+    return _native(_piper.directives, scenario, base_dir, files=_model_of(scenario))
 
 
 @_keywords
@@ -333,8 +348,11 @@ def simulate(scenario=None, *, plan=None, cluster: str = "", engine: str = "", c
             flags["engine"] = "scenario['engine']"
         if not cluster and scenario.get("cluster"):
             flags["cluster"] = "scenario['cluster']"
+    files = {"calibration": calibration}
+    if isinstance(scenario, dict):
+        files["scenario['model']"] = scenario.get("model")
     return Report(_native(_piper.simulate, scenario, plan, cluster, engine, calibration, base_dir, flags=flags,
-                          files={"calibration": calibration}))
+                          files=files))
 
 
 @_keywords
@@ -448,12 +466,15 @@ def tune(model: str, *, devices: int, cluster: str = "dgx-h200", global_batch: i
         "budget_s": budget_s or 0.0, "calibration": "",
     }
     flags = {"model": "model", "cluster": "cluster", "devices": "devices", "pp": "pp", "dp": "dp", "ep": "ep",
-             "tp": "tp", "schedules": "schedules", "memory-cap": "memory_cap_gib",
+             "tp": "tp", "zero": "zero", "schedules": "schedules", "memory-cap": "memory_cap_gib",
              "memory-reserve-gib": "memory_reserve_gib", "global-batch": "global_batch", "seq-len": "seq_len",
-             "micro-batch-size": "micro_batch_size", "comm-sms": "comm_sms", "dp-shard": "dp_shard"}
+             "micro-batch-size": "micro_batch_size", "comm-sms": "comm_sms", "dp-shard": "dp_shard",
+             "recompute": "recompute", "reduce-every": "reduce_every", "max-virtual": "max_virtual",
+             "sequence-parallel": "sequence_parallel", "top": "top", "show": "show", "budget-s": "budget_s",
+             "no-placement-search": "placement_search=False", "output": "output", "jobs": "jobs"}
     with _tempfile.TemporaryDirectory(prefix="piper-tune-") as tmp:
         args["output"] = _os.fspath(output) if output is not None else _os.path.join(tmp, "tune.csv")
-        out = _native(_piper.tune, args, flags=flags)
+        out = _native(_piper.tune, args, flags=flags, files={"model": model})
     columns = list(_piper.tune_columns())
     ranked, fields = [], []
     # The first `show` are exact (branch and bound keeps them); below them plans were left unsimulated.
