@@ -12,15 +12,19 @@ LEFT, RIGHT, TOP, BOTTOM = 90, 30, 50, 70
 
 
 def nice_ticks(lo, hi, log, target=6):
-    """Multiples of 1, 2 or 5 x 10^k over [lo, hi] (linear), or the powers of ten (log)."""
+    """Multiples of 1, 2 or 5 x 10^k over [lo, hi] (linear); on a log axis the powers of ten, with
+    2 and 5 (then every digit) between them when there are few decades, else linear ticks."""
     if log:
         a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
-        return [10.0 ** k for k in range(a, b + 1) if lo <= 10.0 ** k * (1 + 1e-12) and 10.0 ** k <= hi * (1 + 1e-12)] \
-            or [lo, hi]
+        for mults in ((1,), (1, 2, 5), tuple(range(1, 10))):
+            ticks = [m * 10.0 ** k for k in range(a, b + 1) for m in mults if lo <= m * 10.0 ** k <= hi]
+            if len(ticks) >= 3:
+                return ticks
+        return [t for t in nice_ticks(lo, hi, False, target) if t > 0]
     span = hi - lo
     raw = span / max(1, target)
     mag = 10.0 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    step = min((m * mag for m in (1, 2, 5, 10)), key=lambda st: abs(span / st - target))
     first = math.ceil(lo / step - 1e-9) * step
     out, v = [], first
     while v <= hi + step * 1e-9:
@@ -30,11 +34,12 @@ def nice_ticks(lo, hi, log, target=6):
 
 
 def tick_label(v):
+    """Compact, with k/M/G/T suffixes for large magnitudes ("1.5k", "20M", "0.25")."""
     a = abs(v)
     for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if a >= scale:
-            return f"{v / scale:g}{suffix}"
-    return f"{v:.6g}"
+            return f"{v / scale:.4g}{suffix}"
+    return f"{v:.4g}"
 
 
 def _range(values, log):
@@ -64,7 +69,10 @@ def write(path, series, title, x_label, y_label, line=False, log_x=False, log_y=
     all_y = [p[1] for _, pts in kept for p in pts]
     x0, x1 = _range(all_x, log_x)
     y0, y1 = _range(all_y, log_y)
-    pw, ph = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+    names = [name for name, _ in kept if name]
+    # The legend sits right of the plot area (never over the points): about 7 px a character.
+    legend_w = 40 + 7 * max(len(n) for n in names) if names else 0
+    pw, ph = WIDTH - LEFT - RIGHT - legend_w, HEIGHT - TOP - BOTTOM
 
     def sx(v):
         f = (math.log10(v) - math.log10(x0)) / (math.log10(x1) - math.log10(x0)) if log_x else (v - x0) / (x1 - x0)
@@ -108,8 +116,9 @@ def write(path, series, title, x_label, y_label, line=False, log_x=False, log_y=
         out.append('<g class="legend">')
         for i, (name, color) in enumerate(legend):
             ly = TOP + 16 + 20 * i
-            out.append(f'<circle cx="{LEFT + 16}" cy="{ly - 4}" r="5" fill="{color}"/>'
-                       f'<text x="{LEFT + 28}" y="{ly}">{escape(name)}</text>')
+            lx = LEFT + pw + 20
+            out.append(f'<circle cx="{lx}" cy="{ly - 4}" r="5" fill="{color}"/>'
+                       f'<text x="{lx + 12}" y="{ly}">{escape(name)}</text>')
         out.append('</g>')
     out.append('</svg>\n')
     folder = os.path.dirname(os.path.abspath(path))

@@ -185,6 +185,13 @@ class Errors(unittest.TestCase):
             with self.assertRaisesRegex(piper.InputError, pattern):
                 fn()
 
+    def test_internal_errors_say_so(self):
+        def bug():
+            raise piper._piper.NativeInternalError("vector::_M_range_check")
+        with self.assertRaisesRegex(piper.InternalError, r"^vector::_M_range_check \(please report this: it is a bug "
+                                                         r"in piper, not in the input\)$"):
+            piper._native(bug)
+
     def test_library_errors_pass_through_as_input_errors(self):
         with self.assertRaisesRegex(piper.InputError, r"^scenario: field 'strategy.microbatchs': unknown field "
                                                       r"\(did you mean 'microbatches'\?\)$"):
@@ -404,6 +411,14 @@ class Plot(unittest.TestCase):
         self.assertEqual(png_out["points"], out["points"])
         with open(os.path.join(self.tmp.name, "a.png"), "rb") as f:
             self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+    def test_ticks(self):
+        from piper import _svg
+        self.assertEqual(_svg.nice_ticks(0, 130, False), [0, 20, 40, 60, 80, 100, 120])
+        self.assertEqual(_svg.nice_ticks(1, 1e6, True), [1, 10, 100, 1e3, 1e4, 1e5, 1e6])
+        # Less than a decade: 1, 2 and 5 per decade are too few, so every digit.
+        self.assertEqual(_svg.nice_ticks(3e7, 9e7, True), [3e7, 4e7, 5e7, 6e7, 7e7, 8e7, 9e7])
+        self.assertEqual([_svg.tick_label(v) for v in (0.25, 1500, 2e7, 3e9)], ["0.25", "1.5k", "20M", "3G"])
 
     def test_where_and_errors(self):
         out = piper.plot(self.csv, x="pp", y="peak_memory_bytes", where={"ep": 1}, log_y=True,
