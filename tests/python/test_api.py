@@ -198,6 +198,28 @@ class Errors(unittest.TestCase):
             piper.simulate({"model": "qwen3-9m", "strategy": {"microbatchs": 4}})
 
 
+class Files(unittest.TestCase):
+    def test_scenario_and_plan_files(self):
+        # A scenario file whose model is a file beside it: relative names resolve against its folder.
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(TINY) as f, open(os.path.join(tmp, "tiny.json"), "w") as g:
+                g.write(f.read())
+            scenario = {"model": "tiny.json", "strategy": {"pp": 2, "microbatches": 2}}
+            path = os.path.join(tmp, "scenario.json")
+            with open(path, "w") as f:
+                json.dump(scenario, f)
+            by_file = piper.simulate(path, engine="analytic")
+            by_dict = piper.simulate(scenario, engine="analytic", base_dir=tmp)
+            self.assertEqual(by_file["step_time_s"], by_dict["step_time_s"])
+            plan_path = os.path.join(tmp, "plan.json")
+            with open(plan_path, "w") as f:
+                json.dump(piper.compile(path), f)
+            self.assertEqual(piper.verify(plan_path), [])
+            self.assertEqual(piper.simulate(plan=plan_path, engine="analytic")["step_time_s"], by_file["step_time_s"])
+        with self.assertRaisesRegex(piper.InputError, r"^scenario='/no/such.json': cannot open"):
+            piper.simulate("/no/such.json")
+
+
 class Records(unittest.TestCase):
     def test_simulate_records_one_row_per_device(self):
         report = piper.simulate({"model": "qwen3-9m", "strategy": {"pp": 2, "dp": 2, "microbatches": 4}},
