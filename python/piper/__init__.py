@@ -91,7 +91,8 @@ def _speak(message, flags):
         if m.group(2) is not None:
             return f"{kw}={m.group(2)!r}"
         if m.group(3) is not None:
-            return f"{kw}={m.group(3)}"
+            v = m.group(3)
+            return f"{kw}={v}" if _re.fullmatch(r"-?[\d.]+(?:e-?\d+)?", v) else f"{kw}={v!r}"
         return kw
     return _FLAG.sub(keyword, message)
 
@@ -569,14 +570,12 @@ def _cli_error(stderr, flags, files=None):
 
 
 def _cli_line(stderr, flags):
+    """The message of the CLI's "piper: error: " line, its flags named as keywords."""
     lines = [l for l in stderr.splitlines() if l.strip()]
     for l in lines:
         for prefix in ("piper: error: ", "piper: internal error: "):
             if l.startswith(prefix):
-                msg = l[len(prefix):]
-                for flag, kw in flags.items():
-                    msg = _re.sub(r"(?<![\w-])--" + _re.escape(flag) + r"\b", kw + "=", msg)
-                return msg.replace("= '", "='").replace("=  ", "= ")
+                return _speak(l[len(prefix):], flags)
     return lines[-1] if lines else "no message"
 
 

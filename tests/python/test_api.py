@@ -390,6 +390,9 @@ class Run(unittest.TestCase):
     def test_errors_name_the_keyword(self):
         with self.assertRaisesRegex(piper.InputError, r"^resume='/no/such.ckpt': cannot open"):
             piper.run(self.SCENARIO, steps=1, resume="/no/such.ckpt", timeout=120)
+        # The CLI says "--data /no/such.bin: ..."; here the keyword.
+        with self.assertRaisesRegex(piper.InputError, r"^data='/no/such.bin': cannot open"):
+            piper.run(self.SCENARIO, steps=1, data="/no/such.bin", reference=True, timeout=120)
 
 
 class Plot(unittest.TestCase):
