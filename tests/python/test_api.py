@@ -274,6 +274,11 @@ class Records(unittest.TestCase):
         df = out.to_dataframe()
         self.assertEqual(list(df.columns), out.columns())
         self.assertEqual(len(df), 2)
+        self.assertEqual(sorted(df["step_time_s"]), sorted(r["step_time_s"] for r in out["rows"]))
+        report = piper.simulate({"model": "qwen3-9m", "strategy": {"pp": 2}}, engine="analytic")
+        frame = report.to_dataframe()
+        self.assertEqual(list(frame.columns), report.columns())
+        self.assertEqual(list(frame["peak_memory_bytes"]), [d["peak_memory_bytes"] for d in report["per_device"]])
 
 
 class Tune(unittest.TestCase):

@@ -2,8 +2,9 @@
 
 Each block runs in a fresh interpreter from the repository root (PYTHONPATH names the built package).
 A ```text block that directly follows a ```python block (blank lines between allowed) is its
-expected standard output; a line that is exactly `...` stands for any number of lines. Every public
-function of the package appears in some example.
+expected standard output; a line that is exactly `...` stands for any number of lines. A block
+right after a line `<!-- python: needs pandas -->` is skipped where pandas is not installed. Every
+public function of the package appears in some example.
 """
 import os
 import re
@@ -13,11 +14,12 @@ import unittest
 
 SOURCE_DIR = os.environ["PIPER_SOURCE_DIR"]
 DOC = os.path.join(SOURCE_DIR, "docs", "python.md")
+NEEDS_PANDAS = re.compile(r"^\s*<!--\s*python:\s*needs pandas\s*-->\s*$")
 FUNCTIONS = ["compile", "directives", "simulate", "verify", "sweep", "tune", "run", "plot", "models", "schedule_show"]
 
 
 def blocks(text):
-    """[(line number, code, expected output or None)] of the ```python blocks."""
+    """[(line number, code, expected output or None, needs pandas)] of the ```python blocks."""
     lines = text.split("\n")
     fences = []  # (kind, first line index, body lines)
     i = 0
@@ -40,7 +42,8 @@ def blocks(text):
             between = lines[end + 1:fences[k + 1][1]]
             if all(not l.strip() for l in between):
                 expected = fences[k + 1][3]
-        out.append((start + 1, "\n".join(body) + "\n", expected))
+        pandas = start > 0 and NEEDS_PANDAS.match(lines[start - 1]) is not None
+        out.append((start + 1, "\n".join(body) + "\n", expected, pandas))
     return out
 
 
@@ -61,18 +64,26 @@ class DocsExamples(unittest.TestCase):
         self.assertTrue(matches(["a", "c"], ["a", "...", "c"]))
         self.assertFalse(matches(["a", "b"], ["a", "c"]))
         self.assertFalse(matches(["a", "b", "x"], ["a", "...", "c"]))
-        parsed = blocks("x\n```python\nprint(1)\n```\n\n```text\n1\n```\n```python\npass\n```\n")
-        self.assertEqual(parsed, [(2, "print(1)\n", ["1"]), (9, "pass\n", None)])
+        parsed = blocks("x\n```python\nprint(1)\n```\n\n```text\n1\n```\n<!-- python: needs pandas -->\n"
+                        "```python\npass\n```\n")
+        self.assertEqual(parsed, [(2, "print(1)\n", ["1"], False), (10, "pass\n", None, True)])
 
     def test_every_function_has_an_example(self):
-        code = "".join(c for _, c, _ in self.blocks)
+        code = "".join(b[1] for b in self.blocks)
         for name in FUNCTIONS:
             self.assertIn(f"piper.{name}(", code, name)
 
     def test_examples_run_and_print_what_the_doc_shows(self):
         self.assertGreater(len(self.blocks), 0)
-        for line, code, expected in self.blocks:
+        try:
+            import pandas  # noqa: F401
+            have_pandas = True
+        except ImportError:
+            have_pandas = False
+        for line, code, expected, needs_pandas in self.blocks:
             with self.subTest(line=line):
+                if needs_pandas and not have_pandas:
+                    continue  # the block's own text says it needs pandas
                 p = subprocess.run([sys.executable, "-c", code], cwd=SOURCE_DIR, capture_output=True, text=True,
                                    timeout=300)
                 self.assertEqual(p.returncode, 0, f"docs/python.md:{line}: exit {p.returncode}\n{p.stderr}")
