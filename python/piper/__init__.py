@@ -27,8 +27,8 @@ __version__: str = _piper.__version__
 
 __all__ = [
     "PiperError", "InputError", "InternalError", "RunError", "Error",
-    "Report", "SweepResult", "TuneResult", "RunResult",
-    "compile", "directives", "simulate", "verify", "sweep", "tune", "run", "plot", "models",
+    "Report", "SweepResult", "TuneResult", "RunResult", "Results",
+    "compile", "directives", "simulate", "verify", "sweep", "tune", "run", "plot", "read_results", "models",
     "schedule_show", "__version__",
 ]
 
@@ -259,7 +259,9 @@ class SweepResult(_Table, dict):
 
     def to_records(self):
         cols = self.columns()
-        return [{c: row.get(c) for c in cols} for row in self.get("rows", [])]
+        # An empty reason is no reason: None, as read_results() reads the CSV's blank.
+        return [{c: (None if c == "reason" and row.get(c) == "" else row.get(c)) for c in cols}
+                for row in self.get("rows", [])]
 
 
 class TuneResult(_Table, dict):
@@ -381,13 +383,18 @@ def sweep(spec, *, output: str | None = None, jobs: int = 1, base_dir: str = "")
 
 _INT_COLUMNS = {"devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp", "comm_sms", "dp_shard", "zero",
                 "virtual", "microbatches", "micro_batch_size", "estimated_memory_bytes", "peak_memory_bytes"}
-_FLOAT_COLUMNS = {"step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "compile_time_s", "simulate_time_s",
+_FLOAT_COLUMNS = {"bucket_mb", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "compile_time_s", "simulate_time_s",
                   "tp_comm_s"}
 _BOOL_COLUMNS = {"sequence_parallel", "oom"}
 
 
+_STR_COLUMNS = {"key", "model", "cluster", "engine", "schedule", "recompute", "reduce_every", "placement",
+                "pp_ranges", "rank_order", "status", "reason"}
+
+
 def _typed(column, text):
-    """A field of a results CSV as Python reads it: blank is None (no value), never 0."""
+    """A field of a results CSV as Python reads it: blank is None (no value), never 0. The columns of
+    sweep and tune files have their types; other columns are int, float or str, whichever parses."""
     if text == "":
         return None
     if column in _INT_COLUMNS:
@@ -396,7 +403,58 @@ def _typed(column, text):
         return float(text)
     if column in _BOOL_COLUMNS:
         return text == "1"
+    if column in _STR_COLUMNS:
+        return text
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
     return text
+
+
+class Results(_Table, list):
+    """A results CSV read by read_results(): a list of records (dicts keyed by the header's columns)."""
+
+    def __init__(self, records=(), columns=()):
+        super().__init__(records)
+        self._columns = list(columns)
+
+    def columns(self):
+        return list(self._columns)
+
+    def to_records(self):
+        return [dict(r) for r in self]
+
+
+@_keywords
+def read_results(csv: str) -> Results:
+    """Read a results CSV (``piper sweep -o``, ``piper tune -o``, or any CSV with a header) by column name.
+
+    Returns :class:`Results`, a list with one dict per row keyed by the header's columns: numbers as
+    int or float, 0/1 flags of sweep and tune files as bools, blanks as ``None`` (a row that was not
+    simulated has no figures, never 0). to_dataframe() makes it a pandas DataFrame.
+    """
+    path = _os.fspath(csv)
+    try:
+        with open(path, newline="") as f:
+            rows = list(_csv.reader(f))
+    except OSError as e:
+        raise InputError(f"csv={path!r}: cannot open: {(e.strerror or str(e)).lower()}") from None
+    if not rows:
+        raise InputError(f"{path}: empty file (expected a header line)")
+    header = rows[0]
+    out = []
+    for n, fields in enumerate(rows[1:], start=2):
+        if not fields:
+            continue
+        if len(fields) != len(header):
+            raise InputError(f"{path}: line {n}: {len(fields)} fields, the header has {len(header)}")
+        try:
+            out.append({c: _typed(c, f) for c, f in zip(header, fields)})
+        except ValueError as e:
+            raise InputError(f"{path}: line {n}: {e}") from None
+    return Results(out, header)
 
 
 @_keywords

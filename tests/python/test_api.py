@@ -21,7 +21,7 @@ CLI = os.environ["PIPER_CLI"]
 MPIEXEC = os.environ.get("PIPER_MPIEXEC", "mpirun")
 TINY = os.path.join(SOURCE_DIR, "tests", "data", "runtime-tiny-gpt.json")
 PACKAGE_DIR = os.path.dirname(piper.__file__)
-FUNCTIONS = ["compile", "directives", "simulate", "verify", "sweep", "tune", "run", "plot", "models", "schedule_show"]
+FUNCTIONS = ["compile", "directives", "simulate", "verify", "sweep", "tune", "run", "plot", "read_results", "models", "schedule_show"]
 # Wall-clock fields of a results row: two processes never measure the same.
 TIMES = ("compile_time_s", "simulate_time_s")
 
@@ -263,6 +263,25 @@ class Records(unittest.TestCase):
         self.assertEqual(len(invalid), 2)
         self.assertTrue(all(r["step_time_s"] is None and r["mfu"] is None for r in invalid))
 
+    def test_read_results_reads_what_sweep_returned(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "rows.csv")
+            out = piper.sweep({"model": "qwen3-9m", "engine": "analytic", "pp": [1, 2], "ep": [1, 3]}, output=path)
+            rows = piper.read_results(path)
+            header, _ = read_csv(path)
+            # A file that is not piper's: columns typed by what parses; blank is None.
+            other = os.path.join(tmp, "other.csv")
+            with open(other, "w") as f:
+                f.write("name,n,x\na,1,0.5\nb,,2e3\n")
+            generic = piper.read_results(other)
+            with open(other, "w") as f:
+                f.write("name,n\na,1,2\n")
+            with self.assertRaisesRegex(piper.InputError, r"other.csv: line 2: 3 fields, the header has 2$"):
+                piper.read_results(other)
+        self.assertEqual(rows.columns(), header)
+        self.assertEqual(rows.to_records(), out.to_records())
+        self.assertEqual(generic, [{"name": "a", "n": 1, "x": 0.5}, {"name": "b", "n": None, "x": 2000.0}])
+
     def test_dataframe(self):
         out = piper.sweep({"model": "qwen3-9m", "engine": "analytic", "pp": [1, 2]})
         try:
@@ -344,6 +363,15 @@ class Tune(unittest.TestCase):
         self.assertIsInstance(self.result.directives(), list)
         with self.assertRaisesRegex(piper.InputError, r"^rank=0: must be from 1 to"):
             self.result.directives(0)
+
+    def test_read_results_of_the_tune_csv(self):
+        rows = piper.read_results(self.py_csv)
+        by_key = {(r["key"], r["engine"]): r for r in rows}
+        for rec in self.result.to_records():
+            row = by_key[(rec["key"], rec["engine"])]
+            self.assertEqual({k: v for k, v in rec.items() if k not in ("rank", "strategy")}, row)
+        self.assertEqual(len(rows), self.result["simulated"] + self.result["simgrid"] + self.result["pruned"]
+                         + self.result["bounded"])
 
     def test_resumes_from_output(self):
         again = piper.tune("qwen3-9m", output=self.py_csv, **self.KWARGS)

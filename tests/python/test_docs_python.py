@@ -15,7 +15,7 @@ import unittest
 SOURCE_DIR = os.environ["PIPER_SOURCE_DIR"]
 DOC = os.path.join(SOURCE_DIR, "docs", "python.md")
 NEEDS_PANDAS = re.compile(r"^\s*<!--\s*python:\s*needs pandas\s*-->\s*$")
-FUNCTIONS = ["compile", "directives", "simulate", "verify", "sweep", "tune", "run", "plot", "models", "schedule_show"]
+FUNCTIONS = ["compile", "directives", "simulate", "verify", "sweep", "tune", "run", "plot", "read_results", "models", "schedule_show"]
 
 
 def blocks(text):
