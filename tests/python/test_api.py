@@ -101,8 +101,18 @@ class Stubs(unittest.TestCase):
                 self.assertIn(n, classes)
 
     def test_stub_signatures_match_the_runtime(self):
-        for name, node in self.stubs.items():
-            runtime = list(inspect.signature(getattr(piper, name)).parameters.values())
+        functions = [(name, node, getattr(piper, name)) for name, node in self.stubs.items()]
+        # Methods too (TuneResult.directives, Results.__init__, ...), without self.
+        for cls in (n for n in self.tree.body if isinstance(n, ast.ClassDef) and hasattr(piper, n.name)):
+            for node in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
+                runtime_cls = getattr(piper, cls.name)
+                self.assertIn(node.name, vars(runtime_cls) if node.name == "__init__" else dir(runtime_cls),
+                              f"{cls.name}.{node.name}")
+                node.args.args = node.args.args[1:]
+                functions.append((f"{cls.name}.{node.name}", node, getattr(runtime_cls, node.name)))
+        self.assertIn("TuneResult.directives", [f[0] for f in functions])
+        for name, node, fn in functions:
+            runtime = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
             a = node.args
             stub = [(x.arg, inspect.Parameter.POSITIONAL_OR_KEYWORD) for x in a.args] + \
                    [(x.arg, inspect.Parameter.KEYWORD_ONLY) for x in a.kwonlyargs]
