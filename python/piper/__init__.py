@@ -342,6 +342,8 @@ def simulate(scenario=None, *, plan=None, cluster: str = "", engine: str = "", c
         scenario, base_dir = _load(scenario, "scenario", base_dir)
         if not engine and isinstance(scenario, dict):
             _check_engine(scenario.get("engine"), "scenario['engine']")
+        if not cluster and isinstance(scenario, dict):
+            _check_cluster(scenario.get("cluster"), base_dir, "scenario['cluster']")
     else:
         plan, _ = _load(plan, "plan", base_dir)
     _check_cluster(cluster, base_dir)

@@ -156,6 +156,9 @@ class Errors(unittest.TestCase):
         with self.assertRaisesRegex(piper.InputError, r"^cluster='dgx-h20': neither a preset nor a file "
                                                       r"\(did you mean 'dgx-h200'\?\)"):
             piper.simulate(self.SCENARIO, cluster="dgx-h20")
+        with self.assertRaisesRegex(piper.InputError, r"^scenario\['cluster'\]='dgx-h20': neither a preset nor a file "
+                                                      r"\(did you mean 'dgx-h200'\?\)"):
+            piper.simulate(dict(self.SCENARIO, cluster="dgx-h20"))
         with self.assertRaisesRegex(piper.InputError, r"^cluster='dgx-h10': .*did you mean 'dgx-h100'"):
             piper.tune("qwen3-9m", devices=2, cluster="dgx-h10")
 
