@@ -1,5 +1,7 @@
-// The `piper` Python module: compile, simulate, sweep, schedule_show, directives and verify over the
-// same library functions the CLI calls, taking and returning the CLI's JSON shapes as dicts/lists.
+// `piper._piper`, the native half of the `piper` Python package: compile, simulate, sweep, tune,
+// schedule_show, directives and verify over the same library functions the CLI calls, taking and
+// returning the CLI's JSON shapes as dicts/lists. The pure-Python half (python/piper/__init__.py)
+// gives them keyword signatures, docstrings, Python exception classes and table forms.
 #include <unistd.h>
 
 #include <cstdlib>
@@ -19,8 +21,12 @@
 #include "piper/core/scenario.hpp"
 #include "piper/core/schedule_view.hpp"
 #include "piper/core/verifier.hpp"
+#include "piper/sim/cluster.hpp"
+#include "piper/sim/engine.hpp"
+#include "piper/sim/results_csv.hpp"
 #include "piper/sim/simulate.hpp"
 #include "piper/sim/sweep.hpp"
+#include "piper/sim/tune.hpp"
 
 namespace py = pybind11;
 namespace core = piper::core;
@@ -29,8 +35,12 @@ using nlohmann::json;
 
 namespace {
 
-// piper.Error: every bad input, with the one-line message the CLI prints after "piper: error: ".
+// _piper.NativeInputError: every bad input, with the one-line message the CLI prints after
+// "piper: error: " (piper.InputError in Python). _piper.NativeInternalError: anything else, a bug.
 struct PiperError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct InternalError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
@@ -66,6 +76,10 @@ auto guarded(F&& fn) -> decltype(fn()) {
     throw PiperError(one_line(json_message(e)));
   } catch (const std::runtime_error& e) {
     throw PiperError(one_line(e.what()));
+  } catch (const std::bad_alloc&) {
+    throw;  // pybind11 turns it into MemoryError
+  } catch (const std::exception& e) {
+    throw InternalError(one_line(e.what()));
   }
 }
 
@@ -230,28 +244,138 @@ py::list models() {
   return out;
 }
 
+// `piper tune`: the search written to `output` (a CSV, resumable), the summary and the ranked rows
+// as CSV fields (the Python half types them by column, as the CLI's file reads).
+py::dict tune(const py::dict& a) {
+  sim::TuneSpec spec;
+  auto str = [&](const char* k) { return a[k].cast<std::string>(); };
+  spec.model = str("model");
+  spec.cluster = str("cluster");
+  spec.devices = a["devices"].cast<int>();
+  spec.global_batch = a["global_batch"].cast<std::int64_t>();
+  spec.seq_len = a["seq_len"].cast<std::int64_t>();
+  spec.micro_batch_sizes = a["micro_batch_size"].cast<std::vector<std::int64_t>>();
+  spec.zero_levels = a["zero"].cast<std::vector<int>>();
+  spec.pp_degrees = a["pp"].cast<std::vector<int>>();
+  spec.dp_degrees = a["dp"].cast<std::vector<int>>();
+  spec.ep_degrees = a["ep"].cast<std::vector<int>>();
+  spec.tp_degrees = a["tp"].cast<std::vector<int>>();
+  spec.sequence_parallel = a["sequence_parallel"].cast<std::vector<bool>>();
+  spec.recompute_modes = a["recompute"].cast<std::vector<std::string>>();
+  spec.comm_sms = a["comm_sms"].cast<std::vector<int>>();
+  spec.dp_shards = a["dp_shard"].cast<std::vector<int>>();
+  spec.reduce_every = a["reduce_every"].cast<std::vector<std::string>>();
+  spec.schedules = a["schedules"].cast<std::vector<std::string>>();
+  spec.max_virtual = a["max_virtual"].cast<int>();
+  spec.memory_cap_bytes = a["memory_cap_bytes"].cast<double>();
+  spec.memory_reserve_bytes = a["memory_reserve_bytes"].cast<double>();
+  spec.top_k = a["top"].cast<int>();
+  spec.placement_search = a["placement_search"].cast<bool>();
+  spec.exact_top = a["show"].cast<int>();
+  spec.calibration_path = str("calibration");
+  const std::string path = str("output");
+  sim::TuneOptions options;
+  options.jobs = a["jobs"].cast<int>();
+  options.budget_s = a["budget_s"].cast<double>();
+  const sim::TuneSummary s = guarded([&] { return sim::run_tune(spec, path, options); });
+  const auto& e = s.enumeration;
+  py::dict out;
+  out["model"] = spec.model;
+  out["cluster"] = spec.cluster;
+  out["devices"] = spec.devices;
+  out["global_batch"] = spec.effective_global_batch();
+  out["memory_cap_bytes"] = s.memory_cap_bytes;
+  out["memory_reserve_bytes"] = s.memory_reserve_bytes;
+  out["hbm_bytes"] = s.hbm_bytes;
+  out["tp_degrees"] = e.tp_degrees;
+  out["tp_rejected"] = e.tp_rejected;
+  out["considered"] = e.considered;
+  out["candidates"] = s.candidates;
+  out["pruned"] = s.pruned;
+  out["bounded"] = s.bounded;
+  out["dominated"] = s.dominated;
+  out["simulated"] = s.simulated;
+  out["placement_variants"] = s.placement_variants;
+  out["simgrid"] = s.simgrid;
+  out["resumed"] = s.resumed;
+  out["ran"] = s.ran;
+  out["fitting"] = s.fitting;
+  out["coinciding"] = s.coinciding;
+  out["elapsed_s"] = s.elapsed_s;
+  out["budget_exhausted"] = s.budget_exhausted;
+  py::list ranked;
+  for (const auto& r : s.ranked) {
+    py::dict d;
+    d["fields"] = sim::csv_split(sim::to_csv(spec, r));
+    d["strategy"] = r.candidate.describe();
+    d["pp_ranges"] = sim::effective_pp_ranges(spec, r.candidate);
+    ranked.append(d);
+  }
+  out["ranked"] = ranked;
+  return out;
+}
+
+// The best candidate's directive program and scenario (as `piper tune --emit-directives/--emit-scenario`
+// write them), from a ranked row's CSV fields.
+py::dict tune_outputs(const std::vector<std::string>& fields) {
+  sim::TuneSpec spec;
+  const sim::TuneRow row = guarded([&] { return sim::tune_row_from_csv(fields, &spec, "tune row"); });
+  const auto [directives, scenario] = guarded([&] {
+    core::Scenario sc = sim::tune_scenario(spec, row.candidate, row.engine);
+    sc.stage_starts = sim::effective_pp_ranges(spec, row.candidate);
+    return std::make_pair(sim::tune_directives(spec, row.candidate), sc.to_json());
+  });
+  py::dict d;
+  d["directives"] = to_py(directives);
+  d["scenario"] = to_py(scenario);
+  return d;
+}
+
+std::vector<std::string> buffer_kinds() {
+  std::vector<std::string> out;
+  for (int k = 0; k <= static_cast<int>(core::BufferKind::GatheredParameters); ++k)
+    out.push_back(core::to_string(static_cast<core::BufferKind>(k)));
+  return out;
+}
+
+std::vector<std::string> schedule_names() {
+  std::vector<std::string> out;
+  for (const auto& f : core::schedule_registry()) out.push_back(f.name);
+  return out;
+}
+
 }  // namespace
 
-PYBIND11_MODULE(piper, m) {
-  m.doc() = "Piper: compile, simulate and sweep distributed-training strategies (the piper CLI as functions).";
-  py::register_exception<PiperError>(m, "Error", PyExc_ValueError);
+PYBIND11_MODULE(_piper, m) {
+  m.doc() = "The native half of the piper package: use `import piper`, whose functions have Python signatures.";
+  py::register_exception<PiperError>(m, "NativeInputError", PyExc_ValueError);
+  py::register_exception<InternalError>(m, "NativeInternalError", PyExc_RuntimeError);
   m.attr("__version__") = PIPER_VERSION;
 
-  m.def("compile", &compile, py::arg("scenario"), py::kw_only(), py::arg("base_dir") = "",
+  m.def("compile", &compile, py::arg("scenario"), py::arg("base_dir") = "",
         "Compile a scenario dict (the JSON of a scenario file) into the Program dict that `piper compile -o` writes.");
-  m.def("directives", &directives, py::arg("scenario"), py::kw_only(), py::arg("base_dir") = "",
+  m.def("directives", &directives, py::arg("scenario"), py::arg("base_dir") = "",
         "The directive program (list) a scenario compiles; without 'model', the one `piper directives` prints.");
-  m.def("simulate", &simulate, py::arg("scenario") = py::none(), py::kw_only(), py::arg("plan") = py::none(),
+  m.def("simulate", &simulate, py::arg("scenario") = py::none(), py::arg("plan") = py::none(),
         py::arg("cluster") = "", py::arg("engine") = "", py::arg("calibration") = "", py::arg("base_dir") = "",
         "Simulate a scenario dict (or plan=, a Program dict); returns the report dict `piper simulate --report` writes.");
   m.def("verify", &verify, py::arg("plan"),
         "Verify a Program dict; returns the issues as [{check, message}] (empty: ok).");
-  m.def("sweep", &sweep, py::arg("spec"), py::kw_only(), py::arg("output") = py::none(), py::arg("jobs") = 1,
+  m.def("sweep", &sweep, py::arg("spec"), py::arg("output") = py::none(), py::arg("jobs") = 1,
         py::arg("base_dir") = "",
         "Run a sweep spec dict; rows are appended to output (a CSV, resumable) if given. Returns the summary and "
         "the rows run now.");
   m.def("models", &models, "The built-in model zoo: [{name, params, layers, hidden, experts, top_k}], as `piper models` lists it.");
-  m.def("schedule_show", &schedule_show, py::arg("name"), py::kw_only(), py::arg("ranks") = 4,
+  m.def("schedule_show", &schedule_show, py::arg("name"), py::arg("ranks") = 4,
         py::arg("microbatches") = 8, py::arg("virtual") = 1, py::arg("costs") = std::vector<int>{1, 2, 1},
         "Unit-time view of a schedule family: the text `piper schedule show` prints, step_time and per-rank ops.");
+  m.def("tune", &tune, py::arg("args"), "`piper tune` with the arguments of piper.tune as a dict.");
+  m.def("tune_outputs", &tune_outputs, py::arg("fields"), "The directives and scenario of a ranked tune row.");
+  m.def("sweep_columns", &sim::sweep_csv_columns, "The columns of a sweep CSV, in order.");
+  m.def("tune_columns", &sim::tune_csv_columns, "The columns of a tune CSV, in order.");
+  m.def("engine_names", &sim::engine_names, "The simulation engines.");
+  m.def("cluster_presets", &sim::cluster_presets, "The cluster preset names.");
+  m.def("schedule_names", &schedule_names, "The registered schedule families.");
+  m.def("buffer_kinds", &buffer_kinds, "The memory kinds of a report's peak_bytes_by_kind, in order.");
+  m.attr("default_memory_reserve_fraction") = sim::kDefaultMemoryReserveFraction;
 }

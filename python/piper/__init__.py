@@ -1,0 +1,805 @@
+"""Piper from Python: compile, simulate, sweep and tune distributed-training strategies, train a plan
+on the host backend, and plot results, as the ``piper`` command does.
+
+Every function takes keyword arguments named after the CLI's flags (``engine=``, ``cluster=``,
+``devices=``, ...) and returns the JSON shapes of the CLI's files as Python dicts and lists. The
+results of simulate, sweep, tune and run also have a table form: ``to_records()`` (a list of flat
+dicts with stable column names, ``None`` where there is no value) and ``to_dataframe()`` (pandas).
+
+Bad input raises :class:`InputError` (a ``ValueError``) with one line naming the keyword or field
+that was wrong; an unknown keyword raises ``TypeError`` with the nearest valid one.
+"""
+
+import csv as _csv
+import difflib as _difflib
+import functools as _functools
+import inspect as _inspect
+import json as _json
+import os as _os
+import re as _re
+import shutil as _shutil
+import subprocess as _subprocess
+import tempfile as _tempfile
+
+from . import _piper
+
+__version__: str = _piper.__version__
+
+__all__ = [
+    "PiperError", "InputError", "InternalError", "RunError", "Error",
+    "Report", "SweepResult", "TuneResult", "RunResult", "Results",
+    "compile", "directives", "simulate", "verify", "sweep", "tune", "run", "plot", "read_results", "models",
+    "schedule_show", "__version__",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Exceptions
+
+
+class PiperError(Exception):
+    """Base class of every error piper raises."""
+
+
+class InputError(PiperError, ValueError):
+    """Bad input: one line naming the keyword, field or file that was wrong (the CLI's exit 2)."""
+
+
+class InternalError(PiperError, RuntimeError):
+    """A bug in piper, not in the input (the CLI's exit 3). Please report it."""
+
+
+class RunError(PiperError, RuntimeError):
+    """``run``: training started but did not finish (a rank failed or stalled; the CLI's exit 4)."""
+
+
+#: The name of :class:`InputError` before the exception hierarchy existed.
+Error = InputError
+
+
+def _did_you_mean(value, choices):
+    close = _difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _keywords(fn):
+    """Gives `fn` a TypeError with a suggestion for an unknown keyword; keeps its signature."""
+    sig = _inspect.signature(fn)
+    names = [n for n, p in sig.parameters.items() if p.kind is not _inspect.Parameter.POSITIONAL_ONLY]
+
+    @_functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for k in kwargs:
+            if k not in names:
+                raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {k!r}"
+                                f"{_did_you_mean(k, names)}") from None
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+# Native messages name the CLI's flags ("--engine 'analytc': ...", "--pp 3: ...", "--recompute: ...");
+# in Python they name the keyword ("engine='analytc': ...", "pp=3: ...", "recompute: ...").
+_FLAG = _re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*)(?: '([^']*)'| ([^\s:,;()']+)(?=[:,;)]))?")
+
+
+def _speak(message, flags):
+    def keyword(m):
+        if m.group(1) not in flags:
+            return m.group(0)
+        kw = flags[m.group(1)]
+        if m.group(2) is not None:
+            return f"{kw}={m.group(2)!r}"
+        if m.group(3) is not None:
+            v = m.group(3)
+            return f"{kw}={v}" if _re.fullmatch(r"-?[\d.]+(?:e-?\d+)?", v) else f"{kw}={v!r}"
+        return kw
+    return _FLAG.sub(keyword, message)
+
+
+def _native(fn, *args, flags=None, files=None):
+    """Calls the native function; its errors become InputError / InternalError naming the keywords
+    (`flags`: CLI flag -> keyword; `files`: keyword -> the file name it gave, which the native
+    message starts with)."""
+    try:
+        return fn(*args)
+    except _piper.NativeInputError as e:
+        message = _speak(str(e), flags or {})
+        for kw, path in (files or {}).items():
+            if path and isinstance(path, str) and message.startswith(f"{path}: "):
+                rest = message[len(path) + 2:]
+                # "neither a zoo model (a, b, ...) nor a readable file": suggest the nearest name.
+                names = _re.search(r"\(([\w.-]+(?:, [\w.-]+)+)\)", rest)
+                hint = _did_you_mean(path, names.group(1).split(", ")) if names else ""
+                message = f"{kw}={path!r}: " + rest + hint
+                break
+        raise InputError(message) from None
+    except _piper.NativeInternalError as e:
+        raise InternalError(f"{e} (please report this: it is a bug in piper, not in the input)") from None
+
+
+def _bad(keyword, value, why):
+    raise InputError(f"{keyword}={value!r}: {why}")
+
+
+def _check_choice(keyword, value, choices, what):
+    if value not in choices:
+        _bad(keyword, value, f"unknown {what}{_did_you_mean(value, choices)}; expected one of: {', '.join(choices)}")
+
+
+def _check_int(keyword, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _bad(keyword, value, "must be an integer >= %d" % minimum)
+
+
+def _check_number(keyword, value, minimum=0.0):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
+        _bad(keyword, value, "must be a number >= %g" % minimum)
+
+
+def _int_list(keyword, value, minimum=1, maximum=None):
+    """An int or a list of ints (a pin or the values to try); None is empty (every legal one)."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        items = list(items)
+    except TypeError:
+        _bad(keyword, value, "must be an integer or a list of integers")
+    if not items:
+        _bad(keyword, value, "must not be empty (leave it out for every legal value)")
+    for v in items:
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum or (maximum is not None and v > maximum):
+            bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+            _bad(keyword, value, f"every value must be an integer {bounds} ({v!r} is not)")
+    return items
+
+
+def _str_list(keyword, value, choices, what):
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else list(value)
+    if not items:
+        _bad(keyword, value, "must not be empty (leave it out for every value)")
+    for v in items:
+        if v not in choices:
+            _bad(keyword, value, f"unknown {what} {v!r}{_did_you_mean(v, choices)}; expected: {', '.join(choices)}")
+    return items
+
+
+def _check_engine(engine, keyword="engine"):
+    if engine:
+        _check_choice(keyword, engine, _piper.engine_names(), "engine")
+
+
+def _check_cluster(cluster, base_dir, keyword="cluster"):
+    if not cluster or not isinstance(cluster, str):
+        return
+    presets = _piper.cluster_presets()
+    path = cluster if _os.path.isabs(cluster) or not base_dir else _os.path.join(base_dir, cluster)
+    if cluster not in presets and not _os.path.exists(path):
+        _bad(keyword, cluster, f"neither a preset nor a file{_did_you_mean(cluster, presets)}; presets: {', '.join(presets)}")
+
+
+def _load(obj, what, base_dir):
+    """A dict as given, or a JSON file's content (relative names in it then resolve against its folder)."""
+    if isinstance(obj, (str, _os.PathLike)):
+        path = _os.fspath(obj)
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            raise InputError(f"{what}={path!r}: cannot open: {e.strerror.lower() if e.strerror else e}") from None
+        try:
+            obj = _json.loads(text)
+        except ValueError as e:
+            raise InputError(f"{path}: not JSON: {e}") from None
+        if not base_dir:
+            base_dir = _os.path.dirname(_os.path.abspath(path))
+    return obj, base_dir
+
+
+def _model_of(scenario):
+    return {"scenario['model']": scenario.get("model")} if isinstance(scenario, dict) else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Table forms
+
+
+def _dataframe(records, columns):
+    try:
+        import pandas
+    except ImportError:
+        raise ImportError("to_dataframe() needs pandas (pip install pandas); to_records() gives the same rows "
+                          "as a list of dicts") from None
+    return pandas.DataFrame.from_records(records, columns=columns)
+
+
+class _Table:
+    """to_records() and to_dataframe() over a result's rows."""
+
+    def columns(self) -> list:
+        """The column names of to_records(), in order."""
+        raise NotImplementedError
+
+    def to_records(self) -> list:
+        raise NotImplementedError
+
+    def to_dataframe(self):
+        """The records as a pandas DataFrame (columns in order); needs pandas."""
+        return _dataframe(self.to_records(), self.columns())
+
+
+class Report(_Table, dict):
+    """A simulation report (the dict ``piper simulate --report`` writes); to_records() has one row per device."""
+
+    def columns(self):
+        base = ["device", "busy_s", "idle_s", "bubble_fraction", "comm_s", "comm_compute_overlap", "tp_comm_s",
+                "peak_memory_bytes", "peak_memory_time_s", "hbm_bytes", "oom"]
+        return base + [f"peak_{k}_bytes" for k in _piper.buffer_kinds()]
+
+    def to_records(self):
+        kinds = _piper.buffer_kinds()
+        out = []
+        for d in self.get("per_device", []):
+            r = {c: d.get(c) for c in self.columns()[:11]}
+            by_kind = d.get("peak_bytes_by_kind") or {}
+            for k in kinds:
+                r[f"peak_{k}_bytes"] = by_kind.get(k)
+            out.append(r)
+        return out
+
+
+class SweepResult(_Table, dict):
+    """``sweep``'s summary; ``rows`` (and to_records()) are the rows run now, keyed by the CSV's columns."""
+
+    def columns(self):
+        return list(_piper.sweep_columns())
+
+    def to_records(self):
+        cols = self.columns()
+        # An empty reason is no reason: None, as read_results() reads the CSV's blank.
+        return [{c: (None if c == "reason" and row.get(c) == "" else row.get(c)) for c in cols}
+                for row in self.get("rows", [])]
+
+
+class TuneResult(_Table, dict):
+    """``tune``'s summary; ``ranked`` (and to_records()) are the plans that fit, best first."""
+
+    _fields: list = []
+
+    def columns(self):
+        return ["rank"] + list(_piper.tune_columns()) + ["strategy"]
+
+    def to_records(self):
+        return [dict(r) for r in self.get("ranked", [])]
+
+    def directives(self, rank: int = 1) -> list:
+        """The directive program of the plan at `rank` (1: the best), as ``piper tune --emit-directives``."""
+        return self._outputs(rank)["directives"]
+
+    def scenario(self, rank: int = 1) -> dict:
+        """The scenario of the plan at `rank` (1: the best), as ``piper tune --emit-scenario``; simulate() takes it."""
+        return self._outputs(rank)["scenario"]
+
+    def _outputs(self, rank):
+        ranked = self.get("ranked", [])
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= len(ranked):
+            _bad("rank", rank, f"must be from 1 to {len(ranked)} (the ranked plans)")
+        fields = self._fields[rank - 1]
+        return _native(_piper.tune_outputs, fields)
+
+
+class RunResult(_Table, dict):
+    """``run``'s report (the run.json ``piper run --report`` writes); to_records() has one row per step."""
+
+    def columns(self):
+        return ["step", "loss", "step_time_s"]
+
+    def to_records(self):
+        first = self.get("first_step", 0)
+        times = self.get("step_times_s") or []
+        return [{"step": first + i + 1, "loss": loss, "step_time_s": times[i] if i < len(times) else None}
+                for i, loss in enumerate(self.get("losses", []))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiler and simulator
+
+
+@_keywords
+def compile(scenario, *, base_dir: str = "") -> dict:
+    """Compile a scenario (a dict, or a scenario file's path) into the Program dict ``piper compile -o`` writes.
+
+    Relative file names in the scenario resolve against `base_dir` (default: the scenario file's
+    folder, or the current directory for a dict).
+    """
+    scenario, base_dir = _load(scenario, "scenario", base_dir)
+    return _native(_piper.compile, scenario, base_dir, files=_model_of(scenario))
+
+
+@_keywords
+def directives(scenario, *, base_dir: str = "") -> list:
+    """The directive program (a list) a scenario compiles; without ``model``, the one ``piper directives`` prints."""
+    scenario, base_dir = _load(scenario, "scenario", base_dir)
+    return _native(_piper.directives, scenario, base_dir, files=_model_of(scenario))
+
+
+@_keywords
+def simulate(scenario=None, *, plan=None, cluster: str = "", engine: str = "", calibration: str = "",
+             base_dir: str = "") -> Report:
+    """Simulate a scenario (dict or file) or ``plan=`` (a Program dict or file): the report ``piper simulate --report`` writes.
+
+    `cluster` (a preset or a cluster file) and `engine` (``"analytic"`` or ``"simgrid"``) override the
+    scenario's; `calibration` is a measured-times file (``piper run --calibrate``). The result is a
+    :class:`Report` (a dict) whose to_records() has one row per device.
+    """
+    if (scenario is None) == (plan is None):
+        raise InputError("simulate: give a scenario or plan=, not both or neither")
+    _check_engine(engine)
+    if scenario is not None:
+        scenario, base_dir = _load(scenario, "scenario", base_dir)
+        if not engine and isinstance(scenario, dict):
+            _check_engine(scenario.get("engine"), "scenario['engine']")
+        if not cluster and isinstance(scenario, dict):
+            _check_cluster(scenario.get("cluster"), base_dir, "scenario['cluster']")
+    else:
+        plan, _ = _load(plan, "plan", base_dir)
+    _check_cluster(cluster, base_dir)
+    flags = {"engine": "engine", "cluster": "cluster"}
+    if scenario is not None and isinstance(scenario, dict):
+        if not engine and scenario.get("engine"):
+            flags["engine"] = "scenario['engine']"
+        if not cluster and scenario.get("cluster"):
+            flags["cluster"] = "scenario['cluster']"
+    files = {"calibration": calibration}
+    if isinstance(scenario, dict):
+        files["scenario['model']"] = scenario.get("model")
+    return Report(_native(_piper.simulate, scenario, plan, cluster, engine, calibration, base_dir, flags=flags,
+                          files=files))
+
+
+@_keywords
+def verify(plan) -> list:
+    """Verify a Program (dict or file); returns the issues as ``[{"check", "message"}]`` (empty: it verifies)."""
+    plan, _ = _load(plan, "plan", "")
+    return _native(_piper.verify, plan)
+
+
+@_keywords
+def sweep(spec, *, output: str | None = None, jobs: int = 1, base_dir: str = "") -> SweepResult:
+    """Run a sweep spec (dict or file), as ``piper sweep spec.json -o output``.
+
+    With `output` the rows are appended to that CSV and a rerun resumes from it; without it they go to
+    a temporary file that is removed. Returns a :class:`SweepResult`: ``combinations``, ``resumed``,
+    ``ran``, ``ok``, ``invalid``, ``failed`` and ``rows`` (the rows run now, keyed by the CSV's
+    columns, ``None`` where the CSV is blank).
+    """
+    _check_int("jobs", jobs)
+    spec, base_dir = _load(spec, "spec", base_dir)
+    if output is not None:
+        output = _os.fspath(output)
+    return SweepResult(_native(_piper.sweep, spec, output, jobs, base_dir))
+
+
+_INT_COLUMNS = {"devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp", "comm_sms", "dp_shard", "zero",
+                "virtual", "microbatches", "micro_batch_size", "estimated_memory_bytes", "peak_memory_bytes"}
+_FLOAT_COLUMNS = {"bucket_mb", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "compile_time_s", "simulate_time_s",
+                  "tp_comm_s"}
+_BOOL_COLUMNS = {"sequence_parallel", "oom"}
+
+
+_STR_COLUMNS = {"key", "model", "cluster", "engine", "schedule", "recompute", "reduce_every", "placement",
+                "pp_ranges", "rank_order", "status", "reason"}
+
+
+def _typed(column, text):
+    """A field of a results CSV as Python reads it: blank is None (no value), never 0. The columns of
+    sweep and tune files have their types; other columns are int, float or str, whichever parses."""
+    if text == "":
+        return None
+    if column in _INT_COLUMNS:
+        return int(text)
+    if column in _FLOAT_COLUMNS:
+        return float(text)
+    if column in _BOOL_COLUMNS:
+        return text == "1"
+    if column in _STR_COLUMNS:
+        return text
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+class Results(_Table, list):
+    """A results CSV read by read_results(): a list of records (dicts keyed by the header's columns)."""
+
+    def __init__(self, records=(), columns=()):
+        super().__init__(records)
+        self._columns = list(columns)
+
+    def columns(self):
+        return list(self._columns)
+
+    def to_records(self):
+        return [dict(r) for r in self]
+
+
+@_keywords
+def read_results(csv: str) -> Results:
+    """Read a results CSV (``piper sweep -o``, ``piper tune -o``, or any CSV with a header) by column name.
+
+    Returns :class:`Results`, a list with one dict per row keyed by the header's columns: numbers as
+    int or float, 0/1 flags of sweep and tune files as bools, blanks as ``None`` (a row that was not
+    simulated has no figures, never 0). to_dataframe() makes it a pandas DataFrame.
+    """
+    path = _os.fspath(csv)
+    try:
+        with open(path, newline="") as f:
+            rows = list(_csv.reader(f))
+    except OSError as e:
+        raise InputError(f"csv={path!r}: cannot open: {(e.strerror or str(e)).lower()}") from None
+    if not rows:
+        raise InputError(f"{path}: empty file (expected a header line)")
+    header = rows[0]
+    out = []
+    for n, fields in enumerate(rows[1:], start=2):
+        if not fields:
+            continue
+        if len(fields) != len(header):
+            raise InputError(f"{path}: line {n}: {len(fields)} fields, the header has {len(header)}")
+        try:
+            out.append({c: _typed(c, f) for c, f in zip(header, fields)})
+        except ValueError as e:
+            raise InputError(f"{path}: line {n}: {e}") from None
+    return Results(out, header)
+
+
+@_keywords
+def tune(model: str, *, devices: int, cluster: str = "dgx-h200", global_batch: int | None = None,
+         seq_len: int | None = None, micro_batch_size=(1, 2), zero=(0, 1, 2, 3), pp=None, dp=None, ep=None,
+         tp=None, sequence_parallel: str = "both", recompute=("none", "selective", "full"), comm_sms=None,
+         dp_shard=None, reduce_every=None, schedules=None, max_virtual: int = 4,
+         memory_cap_gib: float | None = None, memory_reserve_gib: float | None = None,
+         budget_s: float | None = None, top: int = 3, placement_search: bool = True, show: int = 10,
+         jobs: int | None = None, output: str | None = None) -> TuneResult:
+    """Search the strategy space with the simulator, as ``piper tune``; the plans that fit, best first.
+
+    `pp`, `dp`, `ep`, `tp`, `zero`, `micro_batch_size`, `comm_sms` and `dp_shard` take one value (a
+    pin) or a list of values to try; left out, every legal value is tried (as the CLI's defaults).
+    `sequence_parallel` is ``"on"``, ``"off"`` or ``"both"`` (or a bool). The memory cap is the GPU's
+    HBM less `memory_reserve_gib` (default 5 % of the HBM), or `memory_cap_gib`. `show` plans are
+    exact (branch and bound keeps them); `top` are re-simulated on SimGrid. With `output` the rows go
+    to that CSV and a rerun resumes; without it, to a temporary file that is removed. `jobs`
+    defaults to the CPU count.
+
+    Returns a :class:`TuneResult`: the summary (``memory_cap_bytes``, ``memory_reserve_bytes``,
+    ``candidates``, ``pruned``, ``simulated``, ``fitting``, ...) and ``ranked``: the best `show`
+    plans that fit (the table ``piper tune`` prints), one dict each with the tune CSV's columns,
+    ``rank`` and ``strategy``; empty when nothing fits.
+    """
+    if not isinstance(model, str) or not model:
+        _bad("model", model, "must be a zoo name or a model file")
+    _check_int("devices", devices)
+    _check_cluster(cluster, "")
+    if global_batch is not None:
+        _check_int("global_batch", global_batch)
+    if seq_len is not None:
+        _check_int("seq_len", seq_len)
+    if sequence_parallel is True or sequence_parallel is False:
+        sequence_parallel = "on" if sequence_parallel else "off"
+    _check_choice("sequence_parallel", sequence_parallel, ["on", "off", "both"], "value")
+    _check_int("max_virtual", max_virtual)
+    if memory_cap_gib is not None and memory_reserve_gib is not None:
+        raise InputError("memory_cap_gib and memory_reserve_gib: give one (the cap is the whole budget; the reserve "
+                         "is taken off the HBM)")
+    if memory_cap_gib is not None:
+        _check_number("memory_cap_gib", memory_cap_gib)
+    if memory_reserve_gib is not None:
+        _check_number("memory_reserve_gib", memory_reserve_gib)
+    if budget_s is not None:
+        _check_number("budget_s", budget_s)
+    _check_int("top", top, 0)
+    _check_int("show", show)
+    if jobs is None:
+        jobs = _os.cpu_count() or 1
+    _check_int("jobs", jobs)
+    gib = 1024.0 ** 3
+    args = {
+        "model": model, "cluster": cluster, "devices": devices, "global_batch": global_batch or 0,
+        "seq_len": seq_len or 0,
+        "micro_batch_size": _int_list("micro_batch_size", micro_batch_size),
+        "zero": _int_list("zero", zero, 0, 3),
+        "pp": _int_list("pp", pp), "dp": _int_list("dp", dp), "ep": _int_list("ep", ep), "tp": _int_list("tp", tp),
+        "sequence_parallel": {"on": [True], "off": [False], "both": [False, True]}[sequence_parallel],
+        "recompute": _str_list("recompute", recompute, ["none", "selective", "full"], "recompute mode"),
+        "comm_sms": _int_list("comm_sms", comm_sms, 0), "dp_shard": _int_list("dp_shard", dp_shard, 0),
+        "reduce_every": _str_list("reduce_every", reduce_every, ["microbatch", "step"], "reduction"),
+        "schedules": _str_list("schedules", schedules, _piper.schedule_names(), "schedule family"),
+        "max_virtual": max_virtual,
+        "memory_cap_bytes": (memory_cap_gib or 0) * gib,
+        "memory_reserve_bytes": -1.0 if memory_reserve_gib is None else memory_reserve_gib * gib,
+        "top": top, "placement_search": bool(placement_search), "show": show, "jobs": jobs,
+        "budget_s": budget_s or 0.0, "calibration": "",
+    }
+    flags = {"model": "model", "cluster": "cluster", "devices": "devices", "pp": "pp", "dp": "dp", "ep": "ep",
+             "tp": "tp", "zero": "zero", "schedules": "schedules", "memory-cap": "memory_cap_gib",
+             "memory-reserve-gib": "memory_reserve_gib", "global-batch": "global_batch", "seq-len": "seq_len",
+             "micro-batch-size": "micro_batch_size", "comm-sms": "comm_sms", "dp-shard": "dp_shard",
+             "recompute": "recompute", "reduce-every": "reduce_every", "max-virtual": "max_virtual",
+             "sequence-parallel": "sequence_parallel", "top": "top", "show": "show", "budget-s": "budget_s",
+             "no-placement-search": "placement_search=False", "output": "output", "jobs": "jobs"}
+    with _tempfile.TemporaryDirectory(prefix="piper-tune-") as tmp:
+        args["output"] = _os.fspath(output) if output is not None else _os.path.join(tmp, "tune.csv")
+        out = _native(_piper.tune, args, flags=flags, files={"model": model})
+    columns = list(_piper.tune_columns())
+    ranked, fields = [], []
+    # The first `show` are exact (branch and bound keeps them); below them plans were left unsimulated.
+    for i, r in enumerate(out.pop("ranked")[:show]):
+        rec = {"rank": i + 1}
+        rec.update({c: _typed(c, f) for c, f in zip(columns, r["fields"])})
+        rec["strategy"] = r["strategy"]
+        ranked.append(rec)
+        fields.append(r["fields"])
+    result = TuneResult(out)
+    result["ranked"] = ranked
+    result._fields = fields
+    return result
+
+
+@_keywords
+def models() -> list:
+    """The built-in model zoo, as ``piper models`` lists it: ``[{name, params, layers, hidden, experts, top_k}]``."""
+    return _native(_piper.models)
+
+
+@_keywords
+def schedule_show(name: str, *, ranks: int = 4, microbatches: int = 8, virtual: int = 1,
+                  costs=(1, 2, 1)) -> dict:
+    """Unit-time view of a schedule family: the text ``piper schedule show`` prints, ``step_time`` and per-rank ops."""
+    names = _piper.schedule_names()
+    if name not in names:
+        _check_choice("name", name, names, "schedule family")
+    _check_int("ranks", ranks)
+    _check_int("microbatches", microbatches)
+    _check_int("virtual", virtual)
+    costs = _int_list("costs", costs)
+    if len(costs) != 3:
+        _bad("costs", costs, "must be three positive integers F, B, W")
+    return _native(_piper.schedule_show, name, ranks, microbatches, virtual, costs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The piper command: run (host backend, one MPI rank per device) and PNG plots
+
+
+def _cli():
+    """The piper command of this build ($PIPER_CLI, else the build's, else on PATH)."""
+    env = _os.environ.get("PIPER_CLI")
+    if env:
+        return env
+    try:
+        from . import _build
+        if _os.access(_build.PIPER_CLI, _os.X_OK):
+            return _build.PIPER_CLI
+    except ImportError:
+        pass
+    here = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "..", "..", "bin", "piper")
+    if _os.access(here, _os.X_OK):
+        return _os.path.normpath(here)
+    found = _shutil.which("piper")
+    if not found:
+        raise PiperError("cannot find the piper command: set PIPER_CLI to its path (build/bin/piper)")
+    return found
+
+
+def _mpiexec():
+    env = _os.environ.get("PIPER_MPIEXEC")
+    if env:
+        return env
+    try:
+        from . import _build
+        if _build.MPIEXEC and _os.access(_build.MPIEXEC, _os.X_OK):
+            return _build.MPIEXEC
+    except ImportError:
+        pass
+    found = _shutil.which("mpirun") or _shutil.which("mpiexec")
+    if not found:
+        raise PiperError("run: cannot find mpirun (install OpenMPI, or set PIPER_MPIEXEC)")
+    return found
+
+
+_RUN_FLAGS = {"steps": "steps", "seed": "seed", "data": "data", "lr": "lr", "adam-eps": "adam_eps",
+              "save": "save", "save-every": "save_every", "resume": "resume", "dump-params": "dump_params",
+              "calibrate": "calibrate", "stall-timeout": "stall_timeout", "trace": "trace", "plan": "plan",
+              "model": "scenario['model']"}
+
+
+def _cli_error(stderr, flags, files=None):
+    """The one line after "piper: error: " (with keyword names for the flags, and `files`' keyword
+    before a message that starts with its file name), else stderr's last line."""
+    message = _cli_line(stderr, flags)
+    for kw, path in (files or {}).items():
+        if path and message.startswith(f"{path}: "):
+            return f"{kw}={path!r}: " + message[len(path) + 2:]
+    return message
+
+
+def _cli_line(stderr, flags):
+    """The message of the CLI's "piper: error: " line, its flags named as keywords."""
+    lines = [l for l in stderr.splitlines() if l.strip()]
+    for l in lines:
+        for prefix in ("piper: error: ", "piper: internal error: "):
+            if l.startswith(prefix):
+                return _speak(l[len(prefix):], flags)
+    return lines[-1] if lines else "no message"
+
+
+@_keywords
+def run(scenario=None, *, plan=None, steps: int = 3, seed: int = 1, reference: bool = False, lr: float | None = None,
+        adam_eps: float | None = None, data: str | None = None, save: str | None = None, save_every: int | None = None,
+        resume: str | None = None, dump_params: str | None = None, calibrate: str | None = None,
+        trace: str | None = None, on_nonfinite: str = "stop", stall_timeout: float | None = None,
+        base_dir: str = "", timeout: float | None = None) -> RunResult:
+    """Train a scenario (dict or file) or ``plan=`` (a Program dict or file) on the host backend, as ``piper run``.
+
+    One MPI rank per device of the plan (``mpirun -np N piper run --plan ...``), or, with
+    `reference`, the single-process reference on the same global batch. Returns a :class:`RunResult`
+    (run.json: ``losses``, ``step_times_s``, ``step_time_s``, ``tokens_per_s``, ...) whose
+    to_records() has one row per step. Raises :class:`InputError` for a bad input, :class:`RunError`
+    when a rank failed or stalled, ``TimeoutError`` after `timeout` seconds.
+    """
+    if (scenario is None) == (plan is None):
+        raise InputError("run: give a scenario or plan=, not both or neither")
+    _check_int("steps", steps)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        _bad("seed", seed, "must be an integer >= 0")
+    _check_choice("on_nonfinite", on_nonfinite, ["stop", "skip"], "value")
+    if save_every is not None:
+        _check_int("save_every", save_every)
+        if save is None:
+            raise InputError("save_every needs save= (the checkpoint file to write)")
+    if reference and calibrate is not None:
+        raise InputError("calibrate= measures the plan's ops: it needs a distributed run, not reference=True")
+    for kw, v in (("lr", lr), ("adam_eps", adam_eps)):
+        if v is not None:
+            _check_number(kw, v)
+    if stall_timeout is not None:
+        _check_number("stall_timeout", stall_timeout, 1e-9)
+    if scenario is not None:
+        program = compile(scenario, base_dir=base_dir)
+    else:
+        program, _ = _load(plan, "plan", base_dir)
+        if not isinstance(program, dict) or not isinstance(program.get("plan_of_device"), list):
+            _bad("plan", "...", "not a Program (no 'plan_of_device'; compile one with piper.compile)")
+    devices = len(program["plan_of_device"])
+    with _tempfile.TemporaryDirectory(prefix="piper-run-") as tmp:
+        plan_path = _os.path.join(tmp, "plan.json")
+        report_path = _os.path.join(tmp, "run.json")
+        with open(plan_path, "w") as f:
+            _json.dump(program, f)
+        cmd = [_cli(), "run", "--plan", plan_path, "--report", report_path, "--steps", str(steps), "--seed", str(seed),
+               "--on-nonfinite", on_nonfinite]
+        for flag, v in (("--lr", lr), ("--adam-eps", adam_eps), ("--data", data), ("--save", save),
+                        ("--save-every", save_every), ("--resume", resume), ("--dump-params", dump_params),
+                        ("--calibrate", calibrate), ("--trace", trace), ("--stall-timeout", stall_timeout)):
+            if v is not None:
+                cmd += [flag, str(_os.fspath(v)) if isinstance(v, _os.PathLike) else str(v)]
+        if reference:
+            cmd.append("--reference")
+        else:
+            mpi = [_mpiexec()]
+            if hasattr(_os, "geteuid") and _os.geteuid() == 0:
+                mpi.append("--allow-run-as-root")  # OpenMPI refuses root without it
+            cmd = mpi + ["--oversubscribe", "-np", str(devices)] + cmd
+        try:
+            p = _subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except _subprocess.TimeoutExpired:
+            raise TimeoutError(f"run: not finished after timeout={timeout} seconds") from None
+        if p.returncode != 0:
+            msg = _cli_error(p.stderr, _RUN_FLAGS, {"resume": resume, "data": data, "save": save,
+                                                    "dump_params": dump_params, "calibrate": calibrate,
+                                                    "trace": trace})
+            if p.returncode == 2:
+                raise InputError(msg)
+            if p.returncode == 3:
+                raise InternalError(msg)
+            raise RunError(f"{msg} (exit status {p.returncode})")
+        with open(report_path) as f:
+            return RunResult(_json.load(f))
+
+
+@_keywords
+def plot(csv: str, *, x: str, y: str, output: str, series: str | None = None, where: dict | None = None,
+         line: bool = False, log_x: bool = False, log_y: bool = False, title: str = "", x_label: str = "",
+         y_label: str = "") -> dict:
+    """Draw two columns of a results CSV (a sweep's or tune's, or any CSV with a header), as ``piper plot``.
+
+    Columns are named (`x`, `y`, `series` splits the rows into one series per value, `where` keeps
+    rows whose columns equal the given values, e.g. ``{"status": "ok"}``). Rows without numbers in
+    both columns (blank figures of invalid rows) are skipped, never drawn as 0. `output` ending in
+    ``.svg`` is written by this module (no Qt needed); ``.png`` by ``piper plot``. Returns
+    ``{"points", "series", "skipped", "output"}``.
+    """
+    from . import _svg
+
+    csv_path = _os.fspath(csv)
+    output = _os.fspath(output)
+    ext = _os.path.splitext(output)[1].lower()
+    if ext not in (".svg", ".png"):
+        _bad("output", output, "expected a .svg or .png file name")
+    if where is not None and not isinstance(where, dict):
+        _bad("where", where, "must be a dict {column: value}")
+    try:
+        with open(csv_path, newline="") as f:
+            rows = list(_csv.reader(f))
+    except OSError as e:
+        raise InputError(f"csv={csv_path!r}: cannot open: {(e.strerror or str(e)).lower()}") from None
+    if not rows:
+        raise InputError(f"{csv_path}: empty file (expected a header line)")
+    header = rows[0]
+
+    def column(keyword, name):
+        if name not in header:
+            raise InputError(f"{keyword}={name!r}: no such column in {csv_path}{_did_you_mean(name, header)}; "
+                             f"columns: {', '.join(header)}")
+        return header.index(name)
+
+    xi, yi = column("x", x), column("y", y)
+    si = column("series", series) if series is not None else None
+    wanted = [(column("where", k), str(v).lower() if isinstance(v, bool) else str(v)) for k, v in (where or {}).items()]
+    groups, skipped = {}, 0
+    for n, fields in enumerate(rows[1:], start=2):
+        if not fields:
+            continue
+        if len(fields) != len(header):
+            raise InputError(f"{csv_path}: line {n}: {len(fields)} fields, the header has {len(header)}")
+        if any(fields[i] != v for i, v in wanted):
+            continue
+        try:
+            px, py = float(fields[xi]), float(fields[yi])
+        except ValueError:
+            skipped += 1
+            continue
+        if px != px or py != py or px in (float("inf"), float("-inf")) or py in (float("inf"), float("-inf")):
+            skipped += 1
+            continue
+        name = fields[si] if si is not None else ""
+        groups.setdefault(name, ([], []))
+        groups[name][0].append(px)
+        groups[name][1].append(py)
+    points = sum(len(v[0]) for v in groups.values())
+    if points == 0:
+        raise InputError(f"{csv_path}: no row has numbers in both {x!r} and {y!r}")
+    if ext == ".png":
+        cmd = [_cli(), "plot", csv_path, "--x", x, "--y", y, "-o", output]
+        if series is not None:
+            cmd += ["--series", series]
+        if len(wanted) > 1:
+            raise InputError("where: piper plot's PNG takes one column=value; give one, or write .svg")
+        for k, v in (where or {}).items():
+            cmd += ["--where", f"{k}={v}"]
+        for flag, v in (("--line", line), ("--log-x", log_x), ("--log-y", log_y)):
+            if v:
+                cmd.append(flag)
+        for flag, v in (("--title", title), ("--x-label", x_label), ("--y-label", y_label)):
+            if v:
+                cmd += [flag, v]
+        p = _subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise InputError(_cli_error(p.stderr, {"x": "x", "y": "y", "series": "series", "where": "where",
+                                                   "output": "output"}))
+    else:
+        chart = [(f"{series} = {name}" if series is not None else "", xs, ys) for name, (xs, ys) in groups.items()]
+        try:
+            _svg.write(output, chart, title=title, x_label=x_label or x, y_label=y_label or y, line=line,
+                       log_x=log_x, log_y=log_y)
+        except ValueError as e:
+            raise InputError(f"log_x={log_x}, log_y={log_y}: {e}") from None
+        except OSError as e:
+            raise InputError(f"output={output!r}: cannot write: {(e.strerror or str(e)).lower()}") from None
+    return {"points": points, "series": len(groups), "skipped": skipped, "output": output}
