@@ -47,13 +47,14 @@ GpuSpec gpu_with_defaults(std::string name, double tflops, int sms, std::int64_t
 
 // NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOPS dense BF16, 2,039 GB/s HBM2e, 108 SMs; NVLink 3
 // 600 GB/s total = 300 GB/s per direction. DGX A100 (Selene's node): 8 x ConnectX-6 HDR 200 Gb/s.
-GpuSpec a100_sxm_80g() { return gpu_with_defaults("A100-SXM4-80GB", 312, 108, 80 * kGiB, 2039); }
-// Kernel efficiency tables (kernel_table.hpp, docs/cost-model.md): the H200's is measured; the H100's
-// and H800's (the same GH100 die and HBM3) derive from it. The A100 has none yet: the curve above.
+// Kernel efficiency tables (kernel_table.hpp, docs/cost-model.md): the H200's is measured; the A100's,
+// H100's and H800's (the H100's compute die and HBM3) are published microbenchmarks, cited, with the
+// H200's measurements under stated rules where none is published (sim/data/README.md).
 GpuSpec with_table(GpuSpec g, const char* table) {
   g.kernel_table = table;
   return g;
 }
+GpuSpec a100_sxm_80g() { return with_table(gpu_with_defaults("A100-SXM4-80GB", 312, 108, 80 * kGiB, 2039), "a100-80gb-sxm"); }
 // NVIDIA H100 datasheet (SXM5): 989 TFLOPS dense BF16, 3.35 TB/s HBM3, 80 GB, 132 SMs; NVLink 4 900 GB/s
 // total = 450 GB/s per direction. DGX H100: 8 x ConnectX-7 400 Gb/s for compute traffic.
 GpuSpec h100_sxm() { return with_table(gpu_with_defaults("H100-SXM5-80GB", 989, 132, 80 * kGiB, 3350), "h100-sxm"); }

@@ -18,7 +18,11 @@ using nlohmann::json;
 using core::Kernel;
 using core::KernelKind;
 
-extern const char* const kKernelTableH200;  // kernel_tables_data.cpp (generated from sim/data/)
+// kernel_tables_data.cpp (generated from sim/data/)
+extern const char* const kKernelTableH200;
+extern const char* const kKernelTableH100;
+extern const char* const kKernelTableA100_40;
+extern const char* const kKernelTableA100_80;
 
 std::string to_string(RuntimeProfile p) { return p == RuntimeProfile::Eager ? "eager" : "fused"; }
 
@@ -154,6 +158,51 @@ struct TableReader {
     if (!std::isfinite(v) || v <= 0 || v > 1e18) fail(at + "." + key, fmt::format("must be in (0, 1e18], got {}", v));
     return v;
   }
+  // Where a number came from (docs/cost-model.md, "Citations"): "source" {"url" or "ref" (a key of the
+  // table's "sources"), "quote"} for a published figure, "derived" (a key of the table's "rules") for one
+  // computed from another table by a stated rule. A table with "cited": true needs one on every entry.
+  void provenance(const json& e, const std::string& at, const json& top, bool cited) const {
+    if (!e.is_object()) return;
+    const bool has_source = e.contains("source"), has_derived = e.contains("derived");
+    if (has_source && has_derived) fail(at, "has both 'source' and 'derived' (a number is either cited or derived)");
+    if (has_source) {
+      const json& s = e.at("source");
+      if (!s.is_object()) fail(at + ".source", "expected an object with \"url\" or \"ref\", and \"quote\"");
+      if (!s.contains("quote") || !s.at("quote").is_string() || s.at("quote").get<std::string>().empty())
+        fail(at + ".source.quote", "expected the quoted text the number is read from");
+      if (s.contains("ref")) {
+        if (!s.at("ref").is_string()) fail(at + ".source.ref", "expected a key of \"sources\"");
+        const std::string ref = s.at("ref").get<std::string>();
+        if (!top.contains("sources") || !top.at("sources").contains(ref))
+          fail(at + ".source.ref", "'" + ref + "' is not a key of the table's \"sources\"");
+      } else if (!s.contains("url") || !s.at("url").is_string() || s.at("url").get<std::string>().empty()) {
+        fail(at + ".source", "expected \"url\" or \"ref\"");
+      }
+    } else if (has_derived) {
+      if (!e.at("derived").is_string()) fail(at + ".derived", "expected the name of a rule in \"rules\"");
+      const std::string rule = e.at("derived").get<std::string>();
+      if (!top.contains("rules") || !top.at("rules").contains(rule))
+        fail(at + ".derived", "'" + rule + "' is not a key of the table's \"rules\"");
+    } else if (cited) {
+      fail(at, "the table is \"cited\": every entry needs a \"source\" (url and quote) or \"derived\" (a rule)");
+    }
+  }
+  // The table's "sources" ({key: {"url": ..., ...}}), "rules" ({key: "text"}) and "cited" (bool).
+  bool provenance_lists(const json& j) const {
+    if (j.contains("sources")) {
+      if (!j.at("sources").is_object()) fail("sources", "expected an object of {\"url\": ...} by key");
+      for (const auto& [key, s] : j.at("sources").items())
+        if (!s.is_object() || !s.contains("url") || !s.at("url").is_string() || s.at("url").get<std::string>().empty())
+          fail("sources." + key + ".url", "expected a non-empty string");
+    }
+    if (j.contains("rules")) {
+      if (!j.at("rules").is_object()) fail("rules", "expected an object of rule texts by key");
+      for (const auto& [key, t] : j.at("rules").items())
+        if (!t.is_string() || t.get<std::string>().empty()) fail("rules." + key, "expected the rule's text");
+    }
+    if (j.contains("cited") && !j.at("cited").is_boolean()) fail("cited", "expected true or false");
+    return j.contains("cited") && j.at("cited").get<bool>();
+  }
   const json& list(const json& j, const char* key) const {
     static const json empty = json::array();
     if (!j.contains(key)) return empty;
@@ -186,11 +235,13 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {
       r.fail("launch_floor_us", "expected a number in [0, 1e6]");
     t.launch_floor_s = j.at("launch_floor_us").get<double>() * 1e-6;
   }
+  const bool cited = r.provenance_lists(j);
   const json& gemm = r.list(j, "gemm");
   for (std::size_t i = 0; i < gemm.size(); ++i) {
     const json& g = gemm[i];
     const std::string at = fmt::format("gemm[{}]", i);
     if (g.is_object() && g.contains("error")) continue;  // kernels.py records shapes that failed
+    r.provenance(g, at, j, cited);
     Gemm e;
     if (!g.is_object() || !g.contains("dtype") || !g.at("dtype").is_string()) r.fail(at + ".dtype", "expected a string");
     e.dtype = g.at("dtype").get<std::string>();
@@ -207,6 +258,7 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {
   for (std::size_t i = 0; i < att.size(); ++i) {
     const json& a = att[i];
     const std::string at = fmt::format("attention[{}]", i);
+    r.provenance(a, at, j, cited);
     Attention e;
     e.batch = static_cast<std::int64_t>(r.positive(a, "b", at));
     e.s = static_cast<std::int64_t>(r.positive(a, "s", at));
@@ -223,9 +275,12 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {
     const std::string at = fmt::format("memory_bound[{}]", i);
     Memory e;
     if (!m.is_object() || !m.contains("kernel") || !m.at("kernel").is_string()) r.fail(at + ".kernel", "expected a string");
+    r.provenance(m, at, j, cited);
     e.kernel = m.at("kernel").get<std::string>();
     e.bytes_per_s = r.positive(m, "gbps", at) * 1e9;
-    e.bytes = e.bytes_per_s * r.positive(m, "s", at);  // what the kernel moved
+    // What one launch moved: given ("bytes"), or the measured time ("s", as kernels.py writes) at that rate.
+    if (m.contains("bytes") == m.contains("s")) r.fail(at, "expected one of \"bytes\" (moved per launch) and \"s\"");
+    e.bytes = m.contains("bytes") ? r.positive(m, "bytes", at) : e.bytes_per_s * r.positive(m, "s", at);
     t.memory.push_back(e);
   }
   // Fused AdamW, bf16 parameters with fp32 moments (kernels.py): per parameter it reads the
@@ -236,6 +291,7 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {
   for (std::size_t i = 0; i < adam.size(); ++i) {
     const json& a = adam[i];
     const std::string at = fmt::format("adamw[{}]", i);
+    r.provenance(a, at, j, cited);
     const double params = r.positive(a, "params", at), s = r.positive(a, "s", at);
     const std::string dt = a.is_object() && a.contains("param_dtype") && a.at("param_dtype").is_string()
                                ? a.at("param_dtype").get<std::string>() : "torch.bfloat16";
@@ -255,7 +311,7 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {
   return t;
 }
 
-std::vector<std::string> kernel_table_names() { return {"h100-sxm", "h200-sxm"}; }
+std::vector<std::string> kernel_table_names() { return {"a100-40gb-sxm", "a100-80gb-sxm", "h100-sxm", "h200-sxm"}; }
 
 std::shared_ptr<const KernelTable> load_kernel_table(const std::string& name) {
   static std::mutex mu;
@@ -276,14 +332,15 @@ std::shared_ptr<const KernelTable> load_kernel_table(const std::string& name) {
     }
     return KernelTable::from_json(j, where);
   };
-  if (name == "h200-sxm") {
-    t = parse(kKernelTableH200, "h200-sxm");
-    t.name = name;
-  } else if (name == "h100-sxm") {
-    // The H100 SXM5 is the H200's GH100 die at the same clocks and power (989 TFLOP/s dense bf16 on
-    // both datasheets) with HBM3 at 3.35 TB/s instead of HBM3e at 4.8 TB/s: compute-bound kernels
-    // keep the H200's measured rates, memory-bound ones scale with the bandwidth (3.35 / 4.8).
-    t = parse(R"({"base": "h200-sxm", "memory_scale": 0.6979166666666666})", "h100-sxm");
+  // Built in (sim/data/, compiled in): the H200's measured table, and the published-microbenchmark tables
+  // of the A100 SXM4 40/80 GB and the H100 SXM5 written by sim/data/published_tables.py (every entry cited
+  // or derived from the H200's by a stated rule; sim/data/README.md).
+  static const std::map<std::string, const char*> kBuiltIn = {{"h200-sxm", kKernelTableH200},
+                                                               {"h100-sxm", kKernelTableH100},
+                                                               {"a100-40gb-sxm", kKernelTableA100_40},
+                                                               {"a100-80gb-sxm", kKernelTableA100_80}};
+  if (const auto it = kBuiltIn.find(name); it != kBuiltIn.end()) {
+    t = parse(it->second, name);
     t.name = name;
   } else {
     t = parse(core::read_input_file(name), name);

@@ -141,9 +141,10 @@ TEST(CostSettings, PrecisionSetsGemmDtypeMemoryAndRates) {
     else
       EXPECT_GT(h200.compute_seconds(p, 0, op), h200.compute_seconds(bf16.result.program, 0, op16));
   }
-  // On the A100 (no kernel table) an fp32 GEMM runs on the CUDA cores: the curve on a 16th of the
-  // bf16 peak, 312/16 TFLOP/s x 0.75 x f / (f + 2 GFLOP), plus the 2 µs floor.
-  const KernelTiming a100 = CostModel(load_cluster("dgx-a100-80g")).timing(0);
+  // On the A100 without a kernel table ("kernel_table": "") an fp32 GEMM runs on the CUDA cores: the
+  // curve on a 16th of the bf16 peak, 312/16 TFLOP/s x 0.75 x f / (f + 2 GFLOP), plus the 2 µs floor.
+  const KernelTiming a100 =
+      CostModel(cluster_from_text(R"({"preset": "dgx-a100-80g", "node": {"gpu": {"kernel_table": ""}}})", "c.json")).timing(0);
   core::Kernel g;
   g.dtype = core::Precision::FP32;
   g.m = g.n = g.k = 2048;

@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Writes the kernel-efficiency tables of GPUs Piper has not measured itself (A100-SXM4-40GB,
+A100-SXM4-80GB, H100-SXM5-80GB) from published microbenchmarks, each number cited in the file.
+
+Every entry carries either
+  * "source": {"ref": <key of the table's "sources">, "quote": <the text the number is read from>}
+    (a published figure at that shape, copied as printed), or
+  * "derived": <key of the table's "rules"> (no published figure: the H200 measurement of
+    kernels-h200-sxm.json at the same shape, scaled by the rule's stated factor).
+
+The factors are fixed by the rules below from datasheets and the cited sources, before and
+independently of any comparison with training-step times; nothing here is fitted to a step time.
+Python 3 standard library only:
+
+    python3 sim/data/published_tables.py     # rewrites sim/data/kernels-{a100-40gb,a100-80gb,h100}-sxm.json
+"""
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# ---- sources (read 2026-12-04; commits pin the text quoted) ----
+MAMF = {
+    "url": "https://github.com/stas00/ml-engineering/blob/744d01e18b79512572f64a6bbd8b5f4a725203a7/compute/accelerator/README.md#maximum-achievable-matmul-flops-comparison-table",
+    "title": "Stas Bekman, Machine Learning Engineering Open Book: Maximum Achievable Matmul FLOPS comparison table",
+    "location": "section 'Maximum Achievable Matmul FLOPS comparison table', BF16 and FP8 tables (columns: Accelerator | MAMF | Theory | Efficiency | Best Shape MxNxK | torch version | Notes)",
+    "method": "mamf-finder.py: torch.mm of an [M x K] by a [K x N] random matrix, 'a mean of 100 iterations after 50 warmup iterations for each shape', best shape of a search",
+    "licence": "CC BY-SA 4.0 (numbers and short quotes, attributed)",
+}
+RRZE_A100_40 = {
+    "url": "https://github.com/RRZE-HPC/gpu-benches/blob/1038c5d0d0f48cfe9912930d34eb2d8a31b72b9b/gpu-stream/a100_40.txt",
+    "title": "RRZE-HPC gpu-benches, gpu-stream results for the A100 40 GB",
+    "location": "last row (full occupancy); columns: init read scale triad 3pt 5pt, in GB/s",
+    "method": "gpu-stream/main.cu: fp64 streaming kernels, scale A[i] = B[i] * c (1 load, 1 store stream), triad A[i] = B[i] * D[i] + C[i] (3 load, 1 store streams); this file has the output format of main.cu before commit 2952d3f, whose arrays are 128 Mi + 2 doubles (1 GiB) each",
+    "licence": "GPL-3.0 repository (numbers only, attributed)",
+}
+RRZE_A100_80 = dict(RRZE_A100_40)
+RRZE_A100_80.update({
+    "url": "https://github.com/RRZE-HPC/gpu-benches/blob/1038c5d0d0f48cfe9912930d34eb2d8a31b72b9b/gpu-stream/a100_80.txt",
+    "title": "RRZE-HPC gpu-benches, gpu-stream results for the A100 80 GB",
+    "method": "gpu-stream/main.cu at the same commit: fp64 streaming kernels over arrays of 256 Mi + 2 doubles (2 GiB) each; scale A[i] = B[i] * c (1 load, 1 store stream), triad A[i] = B[i] * D[i] + C[i] (3 load, 1 store streams). The file names the GPU 'a100_80' without its form factor; its write-only rate (init, 1894 GB/s) is 93 % of the SXM4's 2039 GB/s and 98 % of the PCIe card's 1935 GB/s",
+})
+ZZC_H100 = {
+    "url": "https://github.com/zzc0721/torch-performance-test-data/issues/79",
+    "title": "torch-performance-test-data issue #79, 'NVIDIA H100 80GB HBM3' (the device name of the H100 SXM5 80 GB; the PCIe card reports 'NVIDIA H100 PCIe')",
+    "location": "issue description, section '详细性能数据' (detailed performance data), PyTorch 2.7.0+cu128",
+    "method": "test.py of github.com/zzc0721/torch-performance-test-data (commit 9d82827): square torch.mm of randn matrices, 10 warm-ups, then 30 back-to-back calls between two CUDA events",
+    "licence": "figures posted publicly in a GitHub issue; numbers only, attributed",
+}
+
+# ---- datasheet figures the rules use ----
+A100_BF16_MAMF, H100_BF16_MAMF = 271.2, 794.5   # MAMF table above; its H100 row notes "H200 is the same"
+A100_FP32, H100_FP32 = 19.5, 67.0               # NVIDIA A100 / H100 SXM datasheets, FP32 (CUDA cores) TFLOPS
+H200_COPY_LARGEST = None                        # filled from kernels-h200-sxm.json (copy, 32768 x 8192 bf16)
+
+
+def load_h200():
+    with open(os.path.join(HERE, "kernels-h200-sxm.json")) as f:
+        return json.load(f)
+
+
+def r(x, digits=12):
+    return float(f"{x:.{digits}g}")
+
+
+def gemm_entry(dtype, m, k, n, tflops, **prov):
+    e = {"dtype": dtype, "m": m, "k": k, "n": n, "tflops": r(tflops)}
+    e.update(prov)
+    return e
+
+
+def derive(h200, compute_rule, compute_factor, fp32_rule, fp32_factor, memory_rule, memory_factor, with_fp8):
+    """The H200's entries scaled by the rules' factors, each marked with its rule."""
+    gemm = []
+    for g in h200["gemm"]:
+        if "error" in g:
+            continue
+        if g["dtype"] == "fp8" and not with_fp8:
+            continue  # the A100 has no fp8 tensor cores: no rate to derive
+        rule, f = (fp32_rule, fp32_factor) if g["dtype"] == "fp32" else (compute_rule, compute_factor)
+        gemm.append(gemm_entry(g["dtype"], g["m"], g["k"], g["n"], g["tflops"] * f, derived=rule))
+    att = []
+    for a in h200["attention"]:
+        e = {k: a[k] for k in ("b", "s", "heads", "kv_heads", "head_dim")}
+        e["fwd_tflops"] = r(a["fwd_tflops"] * compute_factor)
+        e["bwd_tflops"] = r(a["bwd_tflops"] * compute_factor)
+        e["derived"] = compute_rule
+        att.append(e)
+    mem = []
+    for m in h200["memory_bound"]:
+        bytes_moved = m["gbps"] * 1e9 * m["s"]
+        mem.append({"kernel": m["kernel"], "gbps": r(m["gbps"] * memory_factor), "bytes": r(bytes_moved, 10),
+                    "derived": memory_rule})
+    adam = []
+    for a in h200["adamw"]:
+        adam.append({"params": a["params"], "param_dtype": a["param_dtype"], "s": r(a["s"] / memory_factor),
+                     "derived": memory_rule})
+    return gemm, att, mem, adam
+
+
+def replace_cited(derived, cited):
+    """Cited GEMM entries replace a derived entry of the same dtype and shape."""
+    keys = {(c["dtype"], c["m"], c["k"], c["n"]) for c in cited}
+    return [d for d in derived if (d["dtype"], d["m"], d["k"], d["n"]) not in keys] + cited
+
+
+def a100_table(h200, gb, stream_src, stream_row, scale_gbps, triad_gbps, array_bytes, device):
+    copy_h200 = max((m for m in h200["memory_bound"] if m["kernel"] == "copy"), key=lambda m: m["gbps"] * m["s"])
+    mem_factor = scale_gbps / copy_h200["gbps"]
+    compute_factor = A100_BF16_MAMF / H100_BF16_MAMF
+    rules = {
+        "a100-compute": (
+            f"H200 measured rate at the same shape (kernels-h200-sxm.json) x {r(compute_factor)} = {A100_BF16_MAMF} / "
+            f"{H100_BF16_MAMF}: the ratio of the maximum achievable bf16 matmul TFLOP/s of the A100 SXM and the "
+            f"H100 SXM ('H200 is the same') measured by one tool (source 'mamf'). Used for bf16/fp16 and tf32 GEMMs "
+            f"(tf32 is half the bf16 tensor-core peak on both datasheets) and for causal attention."),
+        "a100-fp32": (
+            f"H200 measured fp32 GEMM rate x {r(A100_FP32 / H100_FP32)} = {A100_FP32} / {H100_FP32} TFLOP/s, the FP32 "
+            f"(CUDA-core) peaks of the A100 and H100 SXM datasheets."),
+        "a100-memory": (
+            f"H200 measured rate of the same kernel class and size x {r(mem_factor)} = {scale_gbps} GB/s (A100 "
+            f"stream 'scale', source '{stream_src}') / {r(copy_h200['gbps'], 7)} GB/s (H200 'copy' of "
+            f"{copy_h200['tokens']} x {copy_h200['hidden']} bf16, its largest). Also used for fused AdamW."),
+    }
+    gemm, att, mem, adam = derive(h200, "a100-compute", compute_factor, "a100-fp32", A100_FP32 / H100_FP32,
+                                  "a100-memory", mem_factor, with_fp8=False)
+    cited_gemm = [gemm_entry("bf16", 1024, 5120, 10240, A100_BF16_MAMF, source={
+        "ref": "mamf",
+        "quote": "| NVIDIA A100 SXM  |  271.2 |    312 |      86.9% |  1024x10240x5120 | 2.6.0+cu126",
+        "note": "MxNxK = 1024 x 10240 x 5120; the row does not say 40 or 80 GB (the two share the SXM4 compute: 108 SMs, 1410 MHz boost, 312 TFLOP/s)"})]
+    mem += [
+        {"kernel": "copy", "gbps": scale_gbps, "bytes": 2 * array_bytes,
+         "source": {"ref": stream_src, "quote": stream_row,
+                    "note": "'scale' (one load and one store stream of fp64 arrays) as the copy class"}},
+        {"kernel": "add", "gbps": triad_gbps, "bytes": 4 * array_bytes,
+         "source": {"ref": stream_src, "quote": stream_row,
+                    "note": "'triad' (three load streams and one store) as the add class (two loads and one store)"}},
+    ]
+    return {
+        "name": f"a100-{gb}gb-sxm",
+        "device": device,
+        "cited": True,
+        "comment": ("Published microbenchmarks where they exist ('source'), otherwise the H200 measurement scaled by a "
+                    "stated rule ('derived'). Written by sim/data/published_tables.py; see sim/data/README.md."),
+        "sources": {"mamf": MAMF, stream_src: RRZE_A100_40 if gb == 40 else RRZE_A100_80},
+        "rules": rules,
+        "gemm": replace_cited(gemm, cited_gemm),
+        "attention": att,
+        "memory_bound": mem,
+        "adamw": adam,
+    }
+
+
+def h100_table(h200):
+    mem_factor = 3.35 / 4.8
+    rules = {
+        "h100-same-die": (
+            "H200 measured rate at the same shape, unchanged: the H100 SXM5 is the H200's GH100 die at the same "
+            "clocks and 700 W (989 TFLOP/s dense bf16 on both datasheets; source 'mamf' notes of its H100 SXM row "
+            "'H200 is the same'). Used for GEMMs and causal attention without a published H100 figure."),
+        "h100-hbm": (
+            "H200 measured rate of the same kernel class and size x 3.35 / 4.8 = 0.697917, the HBM3 / HBM3e peak "
+            "bandwidths of the H100 SXM and H200 datasheets (no published H100 SXM stream measurement was found). "
+            "Also used for fused AdamW."),
+    }
+    gemm, att, mem, adam = derive(h200, "h100-same-die", 1.0, "h100-same-die", 1.0, "h100-hbm", mem_factor,
+                                  with_fp8=True)
+    squares = {
+        "bf16": [176.62, 676.59, 788.72, 797.51, 719.72],
+        "tf32": [119.60, 334.99, 402.15, 372.05, 376.66],
+        "fp32": [37.39, 49.58, 51.88, 51.81, 49.61],
+    }
+    label = {"bf16": "BF16", "tf32": "TF32", "fp32": "FP32"}
+    cited = []
+    for dt, vals in squares.items():
+        for size, v in zip([1024, 2048, 4096, 8192, 10240], vals):
+            cited.append(gemm_entry(dt, size, size, size, v, source={
+                "ref": "zzc-h100", "quote": f"{size}x{size}: {v:.2f} TFLOPS",
+                "note": f"in the '{label[dt]}:' block; M = K = N = {size}"}))
+    cited.append(gemm_entry("bf16", 2048, 13312, 2048, H100_BF16_MAMF, source={
+        "ref": "mamf",
+        "quote": "| NVIDIA H100 SXM  |  794.5 |    989 |      80.3% |  2048x2048x13312 | 2.7.0+cu126                    | H200 is the same",
+        "note": "MxNxK = 2048 x 2048 x 13312"}))
+    cited.append(gemm_entry("fp8", 1024, 14336, 9216, 1402.6, source={
+        "ref": "mamf",
+        "quote": "| NVIDIA H100 SXM  | 1402.6 |   1979 |      70.9% |  1024x9216x14336 | 2.7.0+cu126",
+        "note": "FP8 (float8_e4m3fn) table; MxNxK = 1024 x 9216 x 14336"}))
+    return {
+        "name": "h100-sxm",
+        "device": "NVIDIA H100 SXM5 80GB",
+        "cited": True,
+        "comment": ("Published microbenchmarks where they exist ('source'), otherwise the H200 measurement under a "
+                    "stated rule ('derived'). Written by sim/data/published_tables.py; see sim/data/README.md."),
+        "sources": {"mamf": MAMF, "zzc-h100": ZZC_H100},
+        "rules": rules,
+        "gemm": replace_cited(gemm, cited),
+        "attention": att,
+        "memory_bound": mem,
+        "adamw": adam,
+    }
+
+
+def main():
+    h200 = load_h200()
+    row40 = "2048      221184  100.0 %  |  GB/s:        1539       1500       1382       1358       1371       1368"
+    row80 = "1024    221184       2  100.0%     |  GB/s:        1894       1776       1737       1794       1702       1686"
+    tables = {
+        "kernels-a100-40gb-sxm.json": a100_table(h200, 40, "rrze-stream-a100-40", row40, 1382, 1358,
+                                                 (128 * 1024 * 1024 + 2) * 8, "NVIDIA A100-SXM4-40GB"),
+        "kernels-a100-80gb-sxm.json": a100_table(h200, 80, "rrze-stream-a100-80", row80, 1737, 1794,
+                                                 (256 * 1024 * 1024 + 2) * 8, "NVIDIA A100-SXM4-80GB"),
+        "kernels-h100-sxm.json": h100_table(h200),
+    }
+    for name, t in tables.items():
+        with open(os.path.join(HERE, name), "w") as f:
+            json.dump(t, f, indent=1, ensure_ascii=False)
+            f.write("\n")
+        n_src = sum(1 for k in ("gemm", "attention", "memory_bound", "adamw") for e in t[k] if "source" in e)
+        n_der = sum(1 for k in ("gemm", "attention", "memory_bound", "adamw") for e in t[k] if "derived" in e)
+        print(f"{name}: {n_src} cited, {n_der} derived")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+// The built-in kernel-efficiency tables of the A100 SXM4 40/80 GB and the H100 SXM5, written from
+// published microbenchmarks (sim/data/published_tables.py, sim/data/README.md). Expected values are read
+// from the cited entries of the JSON files themselves and derived here by hand (FLOPs / rate + launch
+// floor), not taken from the code under test.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <regex>
+
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "piper/core/error.hpp"
+#include "piper/core/kernels.hpp"
+#include "piper/sim/cluster.hpp"
+#include "piper/sim/cost_model.hpp"
+#include "piper/sim/kernel_table.hpp"
+
+using namespace piper;
+using namespace piper::sim;
+using nlohmann::json;
+
+namespace {
+
+const char* const kPublished[] = {"kernels-a100-40gb-sxm.json", "kernels-a100-80gb-sxm.json", "kernels-h100-sxm.json"};
+const char* const kSections[] = {"gemm", "attention", "memory_bound", "adamw"};
+
+json raw(const std::string& file) {
+  std::ifstream in(std::string(PIPER_SOURCE_DIR) + "/sim/data/" + file);
+  EXPECT_TRUE(in.good()) << file;
+  return json::parse(in);
+}
+
+// The one cited entry of `section` whose source is `ref` (the test fails if there is not exactly one).
+json cited_entry(const json& t, const std::string& section, const std::string& ref, const std::string& kernel = "") {
+  json found;
+  int n = 0;
+  for (const auto& e : t[section])
+    if (e.contains("source") && e["source"]["ref"] == ref && (kernel.empty() || e["kernel"] == kernel)) found = e, ++n;
+  EXPECT_EQ(n, 1) << section << " " << ref << " " << kernel;
+  return found;
+}
+
+// Every number printed in `text`.
+std::vector<double> numbers_in(const std::string& text) {
+  std::vector<double> v;
+  static const std::regex num(R"([0-9]+(\.[0-9]+)?)");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), num); it != std::sregex_iterator(); ++it)
+    v.push_back(std::stod(it->str()));
+  return v;
+}
+
+void expect_rel(double actual, double expected, double tol = 1e-9) {
+  EXPECT_NEAR(actual, expected, tol * std::abs(expected)) << "expected " << expected;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const core::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(KernelTablePresets, EveryBuiltInTableLoads) {
+  const auto names = kernel_table_names();
+  for (const char* n : {"a100-40gb-sxm", "a100-80gb-sxm", "h100-sxm", "h200-sxm"}) {
+    EXPECT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
+    const auto t = load_kernel_table(n);
+    EXPECT_EQ(t->name, n);
+    EXPECT_FALSE(t->gemm.empty()) << n;
+    EXPECT_FALSE(t->attention.empty()) << n;
+    EXPECT_FALSE(t->memory.empty()) << n;
+    EXPECT_GT(t->adamw_bytes_per_s, 0) << n;
+    EXPECT_GT(t->adamw_fp32_bytes_per_s, 0) << n;
+  }
+  // The GPU presets name them.
+  EXPECT_EQ(load_cluster("dgx-a100-80g").gpu(0).kernel_table, "a100-80gb-sxm");
+  EXPECT_EQ(load_cluster("dgx-h100").gpu(0).kernel_table, "h100-sxm");
+  EXPECT_EQ(load_cluster("hgx-h800").gpu(0).kernel_table, "h100-sxm");
+}
+
+TEST(KernelTablePresets, EveryEntryIsCitedWithItsNumberOrDerivedByANamedRule) {
+  for (const char* file : kPublished) {
+    const json t = raw(file);
+    EXPECT_EQ(t.value("cited", false), true) << file;
+    int cited = 0, derived = 0;
+    for (const char* section : kSections)
+      for (const auto& e : t[section]) {
+        ASSERT_NE(e.contains("source"), e.contains("derived")) << file << " " << section << " " << e.dump();
+        if (e.contains("derived")) {
+          EXPECT_TRUE(t["rules"].contains(e["derived"].get<std::string>())) << e.dump();
+          ++derived;
+          continue;
+        }
+        ++cited;
+        const json& s = e["source"];
+        const std::string quote = s["quote"];
+        EXPECT_FALSE(quote.empty()) << e.dump();
+        const json& src = t["sources"][s["ref"].get<std::string>()];
+        EXPECT_EQ(src["url"].get<std::string>().rfind("https://", 0), 0u) << e.dump();
+        // The entry's number is printed in its quote.
+        const double value = e.contains("tflops") ? e["tflops"].get<double>() : e["gbps"].get<double>();
+        const auto nums = numbers_in(quote);
+        EXPECT_TRUE(std::any_of(nums.begin(), nums.end(), [&](double x) { return std::abs(x - value) < 1e-9; }))
+            << file << ": " << value << " not in '" << quote << "'";
+      }
+    EXPECT_GT(cited, 0) << file;
+    EXPECT_GT(derived, 0) << file;
+  }
+}
+
+TEST(KernelTablePresets, A100GemmAtTheCitedShapeTakesTheCitedRate) {
+  // The published A100 SXM figure (Maximum Achievable Matmul FLOPS table): M x N x K at its TFLOP/s.
+  const json e = cited_entry(raw("kernels-a100-80gb-sxm.json"), "gemm", "mamf");
+  const std::int64_t m = e["m"], k = e["k"], n = e["n"];
+  const double rate = e["tflops"].get<double>() * 1e12;
+  const KernelTiming kt = CostModel(load_cluster("dgx-a100-80g")).timing(0);
+  core::Kernel g;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  // Compute-bound: its three bf16 matrices cross HBM (2,039 GB/s) in far less than the compute takes.
+  const double memory = 2.0 * static_cast<double>(m * k + k * n + m * n) / 2039e9;
+  ASSERT_LT(memory, g.flops / rate);
+  expect_rel(kt.seconds(g), g.flops / rate + 2e-6);
+}
+
+TEST(KernelTablePresets, A100CopyAtTheCitedSizeTakesTheCitedBandwidth) {
+  // The A100 40 GB stream 'scale' bandwidth, cited as the copy class at the bytes one launch moved.
+  const json e = cited_entry(raw("kernels-a100-40gb-sxm.json"), "memory_bound", "rrze-stream-a100-40", "copy");
+  const double bytes = e["bytes"], rate = e["gbps"].get<double>() * 1e9;
+  const Cluster c = cluster_from_text(R"({"preset": "dgx-a100-80g", "node": {"gpu": {"kernel_table": "a100-40gb-sxm"}}})", "c.json");
+  const KernelTiming kt = CostModel(c).timing(0);
+  // A permute reads and writes its bf16 tensor once: 4 bytes per element, one launch (copy class).
+  core::Kernel p;
+  p.kind = core::KernelKind::Permute;
+  p.elems = static_cast<std::int64_t>(bytes / 4);
+  ASSERT_EQ(static_cast<double>(p.elems) * 4, bytes);
+  expect_rel(kt.seconds(p), bytes / rate + 2e-6);
+}
+
+TEST(KernelTablePresets, DerivedEntriesFollowTheirRule) {
+  // a100-compute: the H200 measurement x the ratio of the two cited MAMF figures (A100 SXM / H100 SXM).
+  const json a100 = raw("kernels-a100-80gb-sxm.json"), h100 = raw("kernels-h100-sxm.json"), h200 = raw("kernels-h200-sxm.json");
+  const double ratio = cited_entry(a100, "gemm", "mamf")["tflops"].get<double>() /
+                       [&] {
+                         for (const auto& e : h100["gemm"])
+                           if (e.contains("source") && e["source"]["ref"] == "mamf" && e["dtype"] == "bf16") return e["tflops"].get<double>();
+                         return 0.0;
+                       }();
+  const auto h200t = load_kernel_table("h200-sxm"), a100t = load_kernel_table("a100-80gb-sxm");
+  double h200_rate = 0;
+  for (const auto& g : h200["gemm"])
+    if (g["dtype"] == "bf16" && g["m"] == 8192 && g["k"] == 4096 && g["n"] == 14336) h200_rate = g["tflops"].get<double>() * 1e12;
+  ASSERT_GT(h200_rate, 0);
+  expect_rel(a100t->gemm_rate("bf16", 8192, 14336, 4096), h200_rate * ratio, 1e-9);
+  expect_rel(h200t->gemm_rate("bf16", 8192, 14336, 4096), h200_rate);
+}
+
+TEST(KernelTablePresets, CitationsAreCheckedOnLoad) {
+  const std::string dir = ::testing::TempDir() + "/ktp-" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  auto error_for = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir + "/" + name) << text;
+    return error_of([&] { load_kernel_table(dir + "/" + name); });
+  };
+  const std::string head = R"("cited": true, "sources": {"s": {"url": "https://example.org"}}, "rules": {"r": "x 0.5"})";
+  const std::string entry = R"("dtype": "bf16", "m": 512, "k": 1024, "n": 1024, "tflops": 10)";
+  // Sound: one cited and one derived entry.
+  std::ofstream(dir + "/ok.json") << "{" << head << R"(, "gemm": [{)" << entry << R"(, "source": {"ref": "s", "quote": "10"}}, {)"
+                                  << entry << R"(, "derived": "r"}]})";
+  EXPECT_EQ(load_kernel_table(dir + "/ok.json")->gemm.size(), 2u);
+  std::string e = error_for("none.json", "{" + head + R"(, "gemm": [{)" + entry + "}]}");
+  EXPECT_NE(e.find("gemm[0]"), std::string::npos) << e;
+  EXPECT_NE(e.find("\"source\""), std::string::npos) << e;
+  e = error_for("noquote.json", "{" + head + R"(, "gemm": [{)" + entry + R"(, "source": {"ref": "s"}}]})");
+  EXPECT_NE(e.find("gemm[0].source.quote"), std::string::npos) << e;
+  e = error_for("badref.json", "{" + head + R"(, "gemm": [{)" + entry + R"(, "source": {"ref": "t", "quote": "10"}}]})");
+  EXPECT_NE(e.find("gemm[0].source.ref"), std::string::npos) << e;
+  e = error_for("badrule.json", "{" + head + R"(, "gemm": [{)" + entry + R"(, "derived": "q"}]})");
+  EXPECT_NE(e.find("gemm[0].derived"), std::string::npos) << e;
+  e = error_for("both.json", "{" + head + R"(, "gemm": [{)" + entry + R"(, "derived": "r", "source": {"url": "https://x", "quote": "10"}}]})");
+  EXPECT_NE(e.find("both"), std::string::npos) << e;
+  e = error_for("nourl.json", R"({"sources": {"s": {"title": "t"}}})");
+  EXPECT_NE(e.find("sources.s.url"), std::string::npos) << e;
+  e = error_for("mem.json", R"({"memory_bound": [{"kernel": "add", "gbps": 100, "bytes": 1e6, "s": 1e-5}]})");
+  EXPECT_NE(e.find("memory_bound[0]"), std::string::npos) << e;
+  // Without "cited", entries need no provenance (kernels.py's measured files have none).
+  EXPECT_EQ(error_for("plain.json", R"({"gemm": [{)" + entry + "}]}"), "");
+}
