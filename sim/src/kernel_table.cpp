@@ -99,8 +99,11 @@ double KernelTable::gemm_rate(const std::string& dtype_in, std::int64_t m, std::
       pts.push_back({{lg(static_cast<double>(kn.first)), lg(static_cast<double>(kn.second))}, interp_log(c, std::max(mm, m_min))});
     }
     double r = idw(pts, {lg(kk), lg(std::max(nn, n_min))}, 3);
-    if (mm < m_min) r *= mm / m_min;
-    if (nn < n_min) r *= nn / n_min;
+    // Below the table: a GEMM whose output is smaller than the smallest measured one (m_min x n_min)
+    // leaves SMs idle, its rate scaled by the output's size; a thin one with a large output (a
+    // batched P·V with N = head_dim) still fills the GPU, at the clamped shape's rate.
+    const double out = mm * nn, out_min = m_min * n_min;
+    if (out < out_min) r *= out / out_min;
     return r;
   };
   // A batched GEMM fills the GPU like one with batch times the rows.

@@ -241,7 +241,7 @@ for table, tech, gpus, lbs, runtime in [
         "model": "llama3-8b", "gpu": "H100-96GB-500W", "cluster": "experiments/fidelity/clusters/grand-teton-h100.json",
         "gpus": gpus,
         "flags": ["--pp", "1", "--dp", str(gpus), "--zero", "3", "--microbatches", "1", "--micro-batch-size", str(lbs),
-                  "--seq-len", "8192", "--recompute", "selective"],
+                  "--seq-len", "8192", "--recompute", "op"],
         "family": "fsdp/zero3", "runtime": runtime,
         "measured": {"value": tps, "unit": "tokens/s per GPU"},
         "measured_step_s": step,
@@ -250,11 +250,11 @@ for table, tech, gpus, lbs, runtime in [
         "notes": (TT_NOTE_HW + " Sequence length 8192 from train_configs/llama3_8b.toml at the benchmark's torchtitan commit "
                   f"{cfg_commit[:7]} (seq_len = 8192). FSDP2 = ZeRO-3, no gradient accumulation (one microbatch of the local "
                   "batch). TorchTitan's selective activation checkpointing (per-op policy) is posed as Piper's --recompute "
-                  "selective, the nearest setting; they are not the same ops. bf16 (no Float8 row is used). Memory(GiB) is the source's peak, the maximum over GPUs.")})
+                  "op, that policy (every other matmul's output and attention's kept). bf16 (no Float8 row is used). Memory(GiB) is the source's peak, the maximum over GPUs.")})
 
 for caption_prefix, quant_row, name, gpus, tp, lbs, ac, model in [
         ("#### Llama3 70b on 256 H100s", "| None (bfloat16)", "llama3-70b-fsdp32-tp8", 256, 8, 16, "full", "llama3-70b"),
-        ("#### Llama3 8b on 64 H100s", "| None (bfloat16)", "llama3-8b-fsdp8-tp8", 64, 8, 12, "selective", "llama3-8b")]:
+        ("#### Llama3 8b on 64 H100s", "| None (bfloat16)", "llama3-8b-fsdp8-tp8", 64, 8, 12, "op", "llama3-8b")]:
     caption = find(tt2, caption_prefix)
     row = after(tt2, caption_prefix, quant_row)
     tps = float(row.split("|")[2].strip())
@@ -280,7 +280,7 @@ for caption_prefix, quant_row, name, gpus, tp, lbs, ac, model in [
                   "and the float8 70B row here, 809.8, matches Table 4's 829 TPS/GPU of the 2024-12 file), so it is read per GPU. "
                   "Sequence length 8192 from the llama3 train configs. Vanilla TP (no async TP) bf16 column. TorchTitan's TP plan shards the norms over the "
                   "sequence (SequenceParallel() on attention_norm, ffn_norm and norm in torchtitan/models/llama3/parallelize_llama.py "
-                  "at the benchmark's commit 820504e), i.e. Megatron-style sequence parallelism: posed with --sequence-parallel. " + ("Full AC = --recompute full." if ac == "full" else "Per-op SAC posed as --recompute selective."))})
+                  "at the benchmark's commit 820504e), i.e. Megatron-style sequence parallelism: posed with --sequence-parallel. " + ("Full AC = --recompute full." if ac == "full" else "Per-op SAC posed as --recompute op."))})
 
 # ---------------------------------------------------------------- BigScience BLOOM (tr11) 3D-topology benchmarks
 BS = "bigscience-workshop+bigscience"
