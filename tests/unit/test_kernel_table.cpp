@@ -1,9 +1,12 @@
 // Kernel efficiency tables and the per-kernel cost model. Expected values are derived here from the
 // table's raw measurements (read independently from sim/data/kernels-h200-sxm.json) and the
 // interpolation rules of docs/cost-model.md, not taken from the code under test.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <tuple>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -30,9 +33,36 @@ const json& raw_table() {
   return t;
 }
 
+// The dispatch latency in kernels.py's single-launch GEMM timings, by docs/cost-model.md's rule: the
+// median over (dtype, K, N) curves of the time at M = 0 on the line through the two smallest M.
+double dispatch_latency() {
+  std::map<std::tuple<std::string, std::int64_t, std::int64_t>, std::map<std::int64_t, double>> curves;
+  for (const auto& g : raw_table()["gemm"]) {
+    if (!g.contains("tflops")) continue;
+    const std::int64_t m = g["m"], k = g["k"], n = g["n"];
+    curves[{g["dtype"], k, n}][m] = 2.0 * m * k * n / (g["tflops"].get<double>() * 1e12);
+  }
+  std::vector<double> at_zero;
+  for (const auto& [key, c] : curves) {
+    if (c.size() < 2) continue;
+    auto it = c.begin();
+    const auto [m1, t1] = *it++;
+    const auto [m2, t2] = *it;
+    at_zero.push_back(t1 - (t2 - t1) / static_cast<double>(m2 - m1) * static_cast<double>(m1));
+  }
+  std::sort(at_zero.begin(), at_zero.end());
+  const std::size_t n = at_zero.size();
+  return n % 2 ? at_zero[n / 2] : (at_zero[n / 2 - 1] + at_zero[n / 2]) / 2;
+}
+
+// A GEMM measurement as the table uses it: its time less the dispatch latency (at least a quarter of it).
 double measured_gemm(const std::string& dt, std::int64_t m, std::int64_t k, std::int64_t n) {
+  static const double latency = dispatch_latency();
   for (const auto& g : raw_table()["gemm"])
-    if (g["dtype"] == dt && g["m"] == m && g["k"] == k && g["n"] == n) return g["tflops"].get<double>() * 1e12;
+    if (g["dtype"] == dt && g["m"] == m && g["k"] == k && g["n"] == n) {
+      const double work = 2.0 * m * k * n, s = work / (g["tflops"].get<double>() * 1e12);
+      return work / std::max(s - latency, s / 4);
+    }
   ADD_FAILURE() << "no measurement " << dt << " " << m << " " << k << " " << n;
   return 0;
 }
@@ -51,6 +81,33 @@ std::string error_of(const std::function<void()>& f) {
 }
 
 }  // namespace
+
+// kernels.py timed each GEMM as one launch between two events on an idle GPU: the H200 table takes
+// the dispatch latency that carries off every GEMM (not off attention or memory-bound kernels).
+TEST(KernelTable, RemovesTheDispatchLatencyOfSingleLaunchGemmTimings) {
+  const auto t = load_kernel_table("h200-sxm");
+  expect_rel(t->gemm_dispatch_latency_s, dispatch_latency());
+  // About 27 µs here: 512 x 1024 x 1024 measured 32 µs, 2048 x 1024 x 1024 38 µs.
+  EXPECT_GT(t->gemm_dispatch_latency_s, 10e-6);
+  EXPECT_LT(t->gemm_dispatch_latency_s, 40e-6);
+  // A large GEMM changes little, a small one a lot.
+  const double big = 2.0 * 32768 * 8192 * 8192, small = 2.0 * 512 * 1024 * 1024;
+  double big_raw = 0, small_raw = 0;
+  for (const auto& g : raw_table()["gemm"]) {
+    if (g["dtype"] == "bf16" && g["m"] == 32768 && g["k"] == 8192 && g["n"] == 8192) big_raw = g["tflops"].get<double>() * 1e12;
+    if (g["dtype"] == "bf16" && g["m"] == 512 && g["k"] == 1024 && g["n"] == 1024) small_raw = g["tflops"].get<double>() * 1e12;
+  }
+  expect_rel(t->gemm_rate("bf16", 32768, 8192, 8192), big / (big / big_raw - t->gemm_dispatch_latency_s));
+  expect_rel(t->gemm_rate("bf16", 512, 1024, 1024), small / std::max(small / small_raw - t->gemm_dispatch_latency_s, small / small_raw / 4));
+  // A table without the key keeps its GEMMs as given.
+  const json plain = {{"gemm", {{{"dtype", "bf16"}, {"m", 512}, {"k", 1024}, {"n", 1024}, {"tflops", 10}}}},
+                      {"attention", json::array()}, {"memory_bound", json::array()}, {"adamw", json::array()}};
+  EXPECT_EQ(KernelTable::from_json(plain, "plain.json").gemm_dispatch_latency_s, 0);
+  EXPECT_EQ(KernelTable::from_json(plain, "plain.json").gemm.front().flops_per_s, 10e12);
+  json bad = plain;
+  bad["gemm_dispatch_latency"] = "guess";
+  EXPECT_NE(error_of([&] { KernelTable::from_json(bad, "bad.json"); }).find("gemm_dispatch_latency"), std::string::npos);
+}
 
 TEST(KernelTable, MeasuredShapesReturnTheirMeasurement) {
   const auto t = load_kernel_table("h200-sxm");
@@ -74,8 +131,15 @@ TEST(KernelTable, InterpolatesInLogMAndScalesBelowTheSmallestSize) {
   // m = 4096 lies halfway (in log2) between 2048 and 8192 for the same (k, n) = (4096, 4096).
   const double a = measured_gemm("bf16", 2048, 4096, 4096), b = measured_gemm("bf16", 8192, 4096, 4096);
   expect_rel(t->gemm_rate("bf16", 4096, 4096, 4096), (a + b) / 2);
-  // m = 256, below the smallest measured 512: the same time as m = 512, so half the rate.
-  expect_rel(t->gemm_rate("bf16", 256, 4096, 4096), measured_gemm("bf16", 512, 4096, 4096) / 2);
+  // m = 256 x n = 1024: an output half the smallest measured one (512 x 1024): the same time as
+  // m = 512, so half the rate.
+  expect_rel(t->gemm_rate("bf16", 256, 1024, 1024), measured_gemm("bf16", 512, 1024, 1024) / 2);
+  // m = 256 x n = 4096: below the smallest M, but its output is larger than the smallest measured
+  // one: it fills the GPU as well, at the clamped shape's (m = 512) rate.
+  expect_rel(t->gemm_rate("bf16", 256, 4096, 4096), measured_gemm("bf16", 512, 4096, 4096));
+  // A thin batched GEMM (P·V: n = head_dim 64 below the smallest measured N, 1024) with a large
+  // output keeps the clamped N's rate instead of 64 / 1024 of it.
+  expect_rel(t->gemm_rate("bf16", 2048, 64, 2048, 64), t->gemm_rate("bf16", 2048, 1024, 2048, 64));
   // A batched GEMM fills the GPU as one with batch x the rows.
   expect_rel(t->gemm_rate("bf16", 1024, 4096, 4096, 2), measured_gemm("bf16", 2048, 4096, 4096));
   // tf32 is measured at m = 8192 only: bf16's curve times the ratio there.

@@ -31,6 +31,7 @@ class KernelTable {
     std::string dtype;  // "bf16", "fp16", "fp32", "tf32", "fp8"
     std::int64_t m = 0, n = 0, k = 0;
     double flops_per_s = 0;
+    bool cited = false;  // a published figure ("source"), not a kernels.py measurement or derived from one
   };
   // Causal attention, FLOPs in kernels.py's convention: forward 2·b·heads·s²·d (half the s x s
   // matrix, q·k and p·v), backward 2.5x the forward's FLOPs.
@@ -55,6 +56,13 @@ class KernelTable {
   // kernels_extra.py measures it; GPUs without a table use the same).
   static constexpr double kDefaultLaunchFloor = 2e-6;
   double launch_floor_s = kDefaultLaunchFloor;
+  // kernels.py times one GEMM launch between two CUDA events on an idle GPU, so each measured time
+  // includes the CPU's dispatch of the matmul (the GPU waits for it after the first event); in
+  // training the CPU runs ahead and it is hidden. "gemm_dispatch_latency": "estimate" (or a number
+  // of µs) removes it from every GEMM entry that is not cited: the estimate is the median, over the
+  // table's (dtype, K, N) curves, of the time at M = 0 of the line through the two smallest M. A
+  // corrected time keeps at least a quarter of the measured one. 0 when the table has no such key.
+  double gemm_dispatch_latency_s = 0;
 
   // Achieved FLOP/s of an m x n x k GEMM (batch: batched products) in `dtype`; 0 when the table has
   // no GEMM data.
