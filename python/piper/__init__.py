@@ -516,7 +516,7 @@ def tune(model: str, *, devices: int, cluster: str = "dgx-h200", global_batch: i
         "zero": _int_list("zero", zero, 0, 3),
         "pp": _int_list("pp", pp), "dp": _int_list("dp", dp), "ep": _int_list("ep", ep), "tp": _int_list("tp", tp),
         "sequence_parallel": {"on": [True], "off": [False], "both": [False, True]}[sequence_parallel],
-        "recompute": _str_list("recompute", recompute, ["none", "selective", "full"], "recompute mode"),
+        "recompute": _str_list("recompute", recompute, ["none", "selective", "full", "op"], "recompute mode"),
         "comm_sms": _int_list("comm_sms", comm_sms, 0), "dp_shard": _int_list("dp_shard", dp_shard, 0),
         "reduce_every": _str_list("reduce_every", reduce_every, ["microbatch", "step"], "reduction"),
         "schedules": _str_list("schedules", schedules, _piper.schedule_names(), "schedule family"),
