@@ -14,6 +14,8 @@ import unittest
 
 SOURCE_DIR = os.environ["PIPER_SOURCE_DIR"]
 DOC = os.path.join(SOURCE_DIR, "docs", "python.md")
+# Other pages whose Python blocks run the same way (docs/first-hour.md: the walkthrough).
+MORE_DOCS = [os.path.join(SOURCE_DIR, "docs", "first-hour.md")]
 NEEDS_PANDAS = re.compile(r"^\s*<!--\s*python:\s*needs pandas\s*-->\s*$")
 FUNCTIONS = ["compile", "directives", "simulate", "verify", "sweep", "tune", "run", "plot", "read_results", "models", "schedule_show"]
 
@@ -58,6 +60,10 @@ class DocsExamples(unittest.TestCase):
     def setUpClass(cls):
         with open(DOC) as f:
             cls.blocks = blocks(f.read())
+        cls.more = []
+        for doc in MORE_DOCS:
+            with open(doc) as f:
+                cls.more += [(os.path.basename(doc), *b) for b in blocks(f.read())]
 
     def test_the_matcher(self):
         self.assertTrue(matches(["a", "b", "c"], ["a", "...", "c"]))
@@ -80,17 +86,17 @@ class DocsExamples(unittest.TestCase):
             have_pandas = True
         except ImportError:
             have_pandas = False
-        for line, code, expected, needs_pandas in self.blocks:
-            with self.subTest(line=line):
+        for doc, line, code, expected, needs_pandas in [("python.md", *b) for b in self.blocks] + self.more:
+            with self.subTest(doc=doc, line=line):
                 if needs_pandas and not have_pandas:
                     continue  # the block's own text says it needs pandas
                 p = subprocess.run([sys.executable, "-c", code], cwd=SOURCE_DIR, capture_output=True, text=True,
                                    timeout=300)
-                self.assertEqual(p.returncode, 0, f"docs/python.md:{line}: exit {p.returncode}\n{p.stderr}")
+                self.assertEqual(p.returncode, 0, f"docs/{doc}:{line}: exit {p.returncode}\n{p.stderr}")
                 if expected is not None:
                     actual = p.stdout.rstrip("\n").split("\n") if p.stdout else []
                     self.assertTrue(matches(actual, expected),
-                                    f"docs/python.md:{line}: printed\n{p.stdout}\nthe doc shows\n" + "\n".join(expected))
+                                    f"docs/{doc}:{line}: printed\n{p.stdout}\nthe doc shows\n" + "\n".join(expected))
 
 
 if __name__ == "__main__":
