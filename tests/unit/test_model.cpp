@@ -703,3 +703,23 @@ TEST(HuggingFaceImport, RefusalsNameTheFieldAndWhy) {
   drop["resid_pdrop"] = 1.5;
   EXPECT_NE(refusal(drop).find("field 'resid_pdrop': must be a probability"), std::string::npos);
 }
+
+TEST(HuggingFaceImport, KernelWindowSurvivesPlanJson) {
+  ModelConfig c = hf_quiet("mistral-7b-v0.1.json");
+  c.training.seq_len = 8192;
+  const Model m = build_model(c);
+  const PassKernels k = segment_kernels(m.layers(), 2, 3, m.training(), ParallelLayout{}, 1);  // layers.0.attn
+  const PassKernels back = kernels_from_json(kernels_to_json(k), "kernels");
+  EXPECT_EQ(back, k);
+  bool seen = false;
+  for (const auto& kern : back[1])
+    if (kern.kind == KernelKind::AttentionBackward) {
+      seen = true;
+      EXPECT_EQ(kern.window, 4096);
+    }
+  EXPECT_TRUE(seen);
+  json j = kernels_to_json(k);
+  for (auto& e : j["F"])
+    if (e.contains("window")) e["window"] = -1;
+  EXPECT_THROW(kernels_from_json(j, "kernels"), PlanError);
+}
