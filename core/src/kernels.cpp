@@ -69,8 +69,11 @@ void attention_core(KernelBuilder& kb, const LayerShape& sh, const TrainingShape
   const std::int64_t v = mla ? sh.v_head_dim : sh.head_dim;
   const std::int64_t nh = split(sh.heads, t), nkv = mla ? nh : split(sh.kv_heads, t);
   const double b = static_cast<double>(shape.micro_batch_size), s = static_cast<double>(shape.seq_len);
-  // Costs' convention: the full s x s matrix, forward 2·b·s²·heads·(qk + v), backward twice that.
-  const double core = 2.0 * b * s * s * static_cast<double>(sh.heads) * static_cast<double>(qk + v) / t;
+  // Costs' convention: the full s x s matrix, forward 2·b·s²·heads·(qk + v), backward twice that;
+  // a sliding-window flash kernel s·min(s, window) instead of s².
+  const bool windowed = sh.window > 0 && sh.attention_kernel == AttentionKernel::Flash;
+  const double keys = windowed ? std::min(s, static_cast<double>(sh.window)) : s;
+  const double core = 2.0 * b * s * keys * static_cast<double>(sh.heads) * static_cast<double>(qk + v) / t;
   if (sh.attention_kernel == AttentionKernel::Standard) {
     const std::int64_t batch = shape.micro_batch_size * nh, S = shape.seq_len;
     const double unit = 2.0 * static_cast<double>(batch) * static_cast<double>(S) * static_cast<double>(S);
@@ -96,6 +99,7 @@ void attention_core(KernelBuilder& kb, const LayerShape& sh, const TrainingShape
   a.batch = shape.micro_batch_size;
   a.head_dim = qk;
   a.v_dim = v;
+  if (windowed && sh.window < shape.seq_len) a.window = sh.window;
   a.flops = backward ? 2 * core : core;
   kb.out.push_back(a);
 }
@@ -372,6 +376,7 @@ json kernels_to_json(const PassKernels& pk) {
       put("batch", k.batch, 1);
       put("head_dim", k.head_dim, 0);
       put("v_dim", k.v_dim, 0);
+      put("window", k.window, 0);
       put("elems", k.elems, 0);
       put("bytes", k.bytes, 0);
       list.push_back(std::move(j));
@@ -412,6 +417,7 @@ PassKernels kernels_from_json(const json& j, const std::string& where) {
         k.batch = e.value("batch", std::int64_t{1});
         k.head_dim = e.value("head_dim", std::int64_t{0});
         k.v_dim = e.value("v_dim", std::int64_t{0});
+        k.window = e.value("window", std::int64_t{0});
         k.elems = e.value("elems", std::int64_t{0});
         k.bytes = e.value("bytes", std::int64_t{0});
       } catch (const PlanError&) {
@@ -420,7 +426,7 @@ PassKernels kernels_from_json(const json& j, const std::string& where) {
         fail(at, std::string("bad kernel: ") + ex.what());
       }
       if (!std::isfinite(k.flops) || k.flops < 0 || !std::isfinite(k.count) || k.count < 0 || k.m < 0 || k.n < 0 ||
-          k.k < 0 || k.batch < 1 || k.elems < 0 || k.bytes < 0 || k.head_dim < 0 || k.v_dim < 0)
+          k.k < 0 || k.batch < 1 || k.elems < 0 || k.bytes < 0 || k.head_dim < 0 || k.v_dim < 0 || k.window < 0)
         fail(at, "sizes, flops and count must be finite and >= 0 (batch >= 1)");
       out[static_cast<std::size_t>(p)].push_back(k);
     }

@@ -311,6 +311,13 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     if (l.shape.dropout)
       throw std::invalid_argument(who + "field 'dropout' is " + (model_.config() ? fmt::format("{}", model_.config()->dropout_probability) : std::string("set")) +
                                   "; the host backend trains without dropout (set it to 0)");
+    // Imported architectures the host kernels do not implement (Hugging Face import): refused
+    // rather than trained as another model.
+    if (l.shape.qkv_bias)
+      throw std::invalid_argument(who + "field 'qkv_bias' is set; the host backend has biases on every linear layer or none");
+    if (l.shape.window > 0 && l.shape.window < model_.training().seq_len)
+      throw std::invalid_argument(who + "field 'sliding_window' is " + std::to_string(l.shape.window) +
+                                  "; the host backend runs full causal attention (use a seq_len <= the window)");
     if (l.kind == core::LayerKind::Attention) {
       if (l.shape.q_lora_rank || l.shape.kv_lora_rank) throw std::invalid_argument("runtime: the host backend has no MLA attention (" + l.name + ")");
       attn_shape_ = AttentionShape{static_cast<int>(l.shape.heads), static_cast<int>(l.shape.kv_heads),

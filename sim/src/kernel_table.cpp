@@ -449,8 +449,10 @@ double dtype_peak_ratio(core::Precision p) {
 }
 
 double causal_attention_flops(const Kernel& k) {
-  const double s = static_cast<double>(k.m);
-  return static_cast<double>(k.batch) * static_cast<double>(k.n) * s * s * static_cast<double>(k.head_dim + k.v_dim) *
+  const double s = static_cast<double>(k.m), w = static_cast<double>(k.window);
+  // Query-key pairs under the causal mask, times 2: s² in all, 2·s·w - w² within a sliding window.
+  const double pairs2 = k.window > 0 && w < s ? 2 * s * w - w * w : s * s;
+  return static_cast<double>(k.batch) * static_cast<double>(k.n) * pairs2 * static_cast<double>(k.head_dim + k.v_dim) *
          (k.kind == KernelKind::AttentionBackward ? 2.5 : 1.0);
 }
 

@@ -287,3 +287,21 @@ TEST(KernelTable, ClusterFieldsAndTableFilesAreChecked) {
   std::ofstream(dir + "/bad2.json") << R"({"gemm": [{"dtype": "int4", "m": 512, "k": 1024, "n": 3, "tflops": 10}]})";
   EXPECT_NE(error_of([&] { load_kernel_table(dir + "/bad2.json"); }).find("unknown dtype 'int4'"), std::string::npos);
 }
+
+TEST(KernelTable, SlidingWindowAttentionCountsTheCausalBand) {
+  // s = 8192, window 4096: causal query-key pairs s·w - w²/2 = 25,165,824 against s²/2 = 33,554,432
+  // for full causal attention, i.e. 3/4 of the work; a window >= s changes nothing.
+  core::Kernel k;
+  k.kind = core::KernelKind::AttentionForward;
+  k.m = 8192, k.n = 32, k.k = 8, k.batch = 1, k.head_dim = 128, k.v_dim = 128;
+  const double full = causal_attention_flops(k);
+  EXPECT_DOUBLE_EQ(full, 32.0 * 8192 * 8192 * 256);
+  k.window = 4096;
+  EXPECT_DOUBLE_EQ(causal_attention_flops(k), 32.0 * 2 * 25'165'824 * 256);
+  EXPECT_DOUBLE_EQ(causal_attention_flops(k) / full, 0.75);
+  k.window = 8192;
+  EXPECT_DOUBLE_EQ(causal_attention_flops(k), full);
+  k.kind = core::KernelKind::AttentionBackward;
+  k.window = 4096;
+  EXPECT_DOUBLE_EQ(causal_attention_flops(k), 2.5 * 32.0 * 2 * 25'165'824 * 256);
+}

@@ -274,6 +274,16 @@ TEST(Runtime, GptSpecsItCannotRunAreRefused) {
   spec["max_positions"] = 16;
   spec["dropout"] = 0.1;
   EXPECT_EQ(refusal(spec), "runtime: model 'runtime-tiny-gpt': field 'dropout' is 0.1; the host backend trains without dropout (set it to 0)");
+  spec.erase("dropout");
+  spec["bias"] = false;
+  spec["qkv_bias"] = true;  // Qwen2's q/k/v-only biases
+  EXPECT_EQ(refusal(spec), "runtime: model 'runtime-tiny-gpt': field 'qkv_bias' is set; the host backend has biases on every linear layer or none");
+  spec["bias"] = true;
+  spec.erase("qkv_bias");
+  spec["sliding_window"] = {{"window", 8}};  // shorter than seq_len 16
+  EXPECT_EQ(refusal(spec), "runtime: model 'runtime-tiny-gpt': field 'sliding_window' is 8; the host backend runs full causal attention (use a seq_len <= the window)");
+  spec["sliding_window"] = {{"window", 16}};  // covers the whole sequence: full attention
+  EXPECT_EQ(refusal(spec), "(accepted)");
 }
 
 // At initialisation the tied GPT model predicts the uniform distribution: the logits are

@@ -44,6 +44,7 @@ struct Kernel {
   std::int64_t m = 0, n = 0, k = 0;  // GEMM shape; attention: m = s, n = heads, k = KV heads
   std::int64_t batch = 1;            // GEMM: batched products; attention: sequences
   std::int64_t head_dim = 0, v_dim = 0;  // attention: q/k and v head dimensions
+  std::int64_t window = 0;           // attention: sliding window (keys per query), 0 = full
   std::int64_t elems = 0;            // element-wise kinds: elements of the kernel's tensor
   std::int64_t bytes = 0;            // Elementwise: its HBM traffic
   double flops = 0;                  // FLOPs of one launch, in core::Costs' convention

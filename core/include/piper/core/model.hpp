@@ -90,6 +90,10 @@ struct LayerShape {
   std::int64_t q_lora_rank = 0, kv_lora_rank = 0, qk_rope_head_dim = 0, v_head_dim = 0;
   bool qk_norm = false;         // Qwen3's per-head RMSNorm on q and k
   bool bias = false;            // GPT-3 style biases on linear layers
+  bool qkv_bias = false;        // Qwen2 style: biases on the q, k and v projections only
+  // Sliding-window attention (Mistral, Gemma's local layers): each query attends to at most this
+  // many keys, so the flash kernel's work scales with min(s, window) per query. 0 = full attention.
+  std::int64_t window = 0;
   std::int64_t ffn = 0;         // dense MLP / expert / shared-expert hidden size
   MlpActivation activation = MlpActivation::SwiGLU;
   NormKind norm = NormKind::RMSNorm;
@@ -136,7 +140,15 @@ struct ModelConfig {
   MlpActivation activation = MlpActivation::SwiGLU;
   NormKind norm = NormKind::RMSNorm;
   bool qk_norm = false, bias = false, tie_embeddings = false;
+  bool qkv_bias = false;  // biases on q, k, v only (Qwen2); `bias` covers every linear layer
   std::int64_t max_positions = 0;
+  // Sliding-window attention (spec "sliding_window": {"window": W, "global_every": p}): block i
+  // attends within W keys unless p > 0 and (i + 1) % p == 0 (a full-attention block: Gemma 2 has
+  // p = 2, Gemma 3 p = 6). window 0 = full attention everywhere.
+  std::int64_t sliding_window = 0, global_every = 0;
+  bool block_uses_window(std::int64_t block) const {
+    return sliding_window > 0 && !(global_every > 0 && (block + 1) % global_every == 0);
+  }
   AttentionKernel attention_kernel = AttentionKernel::Flash;  // spec "attention": "flash" | "standard"
   bool dropout = false;                                       // spec "dropout": probability > 0
   double dropout_probability = 0;
@@ -185,8 +197,14 @@ std::optional<ModelConfig> zoo_config(const std::string& name);
 
 // Parse our model spec JSON ({"name":..., "hidden":..., ...}); `where` prefixes errors (file name).
 ModelConfig config_from_spec_json(const nlohmann::json& j, const std::string& where);
-// Parse a Hugging Face config.json (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3 families).
-ModelConfig config_from_hf_json(const nlohmann::json& j, const std::string& where);
+// Parse a Hugging Face config.json: Llama 1-3.x, Mistral, Mixtral, Qwen2/2.5, Qwen3, Qwen3-MoE,
+// DeepSeek-V2/V3, Gemma 1/2/3 (text), Phi-3, GPT-2, GPT-NeoX. What cannot be modelled is refused
+// with a one-line ModelError naming the field. Fields that matter to cost but are not modelled are
+// listed in `unmodelled` when given; otherwise one line goes to stderr
+// ("piper: warning: <where>: fields not modelled: a, b"). Fields irrelevant to cost (token ids,
+// dtype, norm epsilons, RoPE bases, ...) are accepted silently.
+ModelConfig config_from_hf_json(const nlohmann::json& j, const std::string& where,
+                                std::vector<std::string>* unmodelled = nullptr);
 nlohmann::json config_to_spec_json(const ModelConfig& c);
 
 // Resolve --model: zoo name, path to a spec JSON, or path to an HF config.json (detected by its

@@ -84,7 +84,8 @@ class KernelTable {
 double dtype_peak_ratio(core::Precision p);
 // Causal attention work in kernels.py's convention (what a table's attention rates are measured in):
 // forward b·heads·s²·(qk + v), backward 2.5 times that. Piper's own count (Kernel::flops) is the full
-// s x s matrix, twice the forward.
+// s x s matrix, twice the forward. A sliding-window kernel (Kernel::window = w < s) counts the causal
+// band instead: s² becomes 2·s·w - w².
 double causal_attention_flops(const core::Kernel& k);
 
 // Built-in tables: "h200-sxm" (measured), "h100-sxm" (derived from it: docs/cost-model.md).
