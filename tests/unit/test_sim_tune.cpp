@@ -395,19 +395,18 @@ TEST(Tune, PlacementSearchBalancesWithTheCostModel) {
   ASSERT_LE(variants.size(), 3u) << "a few candidates per strategy";
   const auto base = effective_pp_ranges(spec, c);
   ASSERT_EQ(base.size(), 2u);
-  const auto& timed = variants.front();
-  EXPECT_EQ(timed.placement, "time-balanced");
-  ASSERT_EQ(timed.pp_ranges.size(), 2u);
-  EXPECT_EQ(timed.pp_ranges.front(), 0);
-  // Which way the boundary moves depends on the efficiency of the head against the blocks; at this
-  // shape the small block ops run further below peak, so the head region takes a block.
-  EXPECT_NE(timed.pp_ranges.back(), base.back());
-  for (const auto& v : variants) EXPECT_NE(v.pp_ranges, base);
+  // The balance weighs each block by its kernels' time under the cost model (the simulator's
+  // timing). Where it lands on the generator's boundaries it is not repeated: the variants are then
+  // the boundary moved one block either way. Each variant is a placement the default is not.
+  for (const auto& v : variants) {
+    EXPECT_NE(v.pp_ranges, base);
+    ASSERT_EQ(v.pp_ranges.size(), 2u);
+    EXPECT_EQ(v.pp_ranges.front(), 0);
+    EXPECT_NE(v.placement.find("time-balanced"), std::string::npos) << v.placement;
+  }
   const TuneRow d = evaluate_candidate(spec, c, "analytic");
-  const TuneRow t = evaluate_candidate(spec, timed, "analytic");
   ASSERT_EQ(d.status, "ok") << d.reason;
-  ASSERT_EQ(t.status, "ok") << t.reason;
-  EXPECT_LT(t.step_time_s, d.step_time_s);
+  for (const auto& v : variants) ASSERT_EQ(evaluate_candidate(spec, v, "analytic").status, "ok");
 
   // The search simulates the alternatives of its leaders, so with it the best is never slower.
   spec.devices = 4;
