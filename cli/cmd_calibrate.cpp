@@ -7,7 +7,6 @@
 #include <fmt/format.h>
 
 #include "cli/common.hpp"
-#include "piper/core/verifier.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/simulate.hpp"
 #include "piper/sim/table_calibration.hpp"
@@ -33,15 +32,7 @@ struct CalibrateArgs {
 std::shared_ptr<const core::Program> measured_program(const CalibrateArgs& a) {
   if (!a.plan_path.empty()) {
     a.scenario.reject_beside_plan();
-    json j = read_json_file(a.plan_path);
-    core::Program program;
-    try {
-      program = core::Program::from_json(j);
-      core::verify_or_throw(program);
-    } catch (const core::Error& e) {
-      throw CliError(a.plan_path, e.what());
-    }
-    return std::make_shared<const core::Program>(std::move(program));
+    return std::make_shared<const core::Program>(read_verified_plan(a.plan_path));
   }
   if (a.model->count() == 0) throw CliError("", "--model is required (or give --plan): the plan the measurements come from");
   core::CompiledScenario compiled = core::compile_scenario(a.scenario.scenario());

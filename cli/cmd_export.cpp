@@ -7,7 +7,6 @@
 #include "cli/common.hpp"
 #include "piper/chakra/export.hpp"
 #include "piper/core/program.hpp"
-#include "piper/core/verifier.hpp"
 #include "piper/sim/cost_model.hpp"
 #include "piper/sim/simulate.hpp"
 
@@ -25,14 +24,7 @@ struct ExportArgs {
 };
 
 int run_export_chakra(const ExportArgs& a) {
-  json j = read_json_file(a.plan_path);
-  core::Program program;
-  try {
-    program = core::Program::from_json(j);
-    core::verify_or_throw(program);
-  } catch (const core::Error& e) {
-    throw CliError(a.plan_path, e.what());
-  }
+  const core::Program program = read_verified_plan(a.plan_path);
   chakra::ExportOptions options;
   options.prefix = a.prefix;
   std::optional<sim::CostModel> cost;

@@ -6,7 +6,6 @@
 #include <fmt/format.h>
 
 #include "cli/common.hpp"
-#include "piper/core/verifier.hpp"
 #include "piper/sim/simulate.hpp"
 
 namespace piper::cli {
@@ -36,15 +35,7 @@ int run_simulate(const SimulateArgs& a) {
   sim::SimulationResult result;
   if (!a.plan_path.empty()) {
     a.scenario.reject_beside_plan();
-    json j = read_json_file(a.plan_path);
-    core::Program program;
-    try {
-      program = core::Program::from_json(j);
-      core::verify_or_throw(program);
-    } catch (const core::Error& e) {
-      throw CliError(a.plan_path, e.what());
-    }
-    result = sim::simulate_program(std::make_shared<const core::Program>(std::move(program)), options);
+    result = sim::simulate_program(std::make_shared<const core::Program>(read_verified_plan(a.plan_path)), options);
   } else {
     if (a.model->count() == 0) throw CliError("", "--model is required (or give --plan)");
     core::Scenario scenario = a.scenario.scenario();

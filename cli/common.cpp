@@ -11,6 +11,7 @@
 #include "piper/core/limits.hpp"
 #include "piper/core/program.hpp"
 #include "piper/core/strategy.hpp"
+#include "piper/core/verifier.hpp"
 
 namespace piper::cli {
 
@@ -41,6 +42,17 @@ json read_json_file(const std::string& path) {
     return core::parse_json(text, path);
   } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
     throw CliError(path, "not valid JSON: " + json_message(e));
+  }
+}
+
+core::Program read_verified_plan(const std::string& path) {
+  json j = read_json_file(path);
+  try {
+    core::Program program = core::Program::from_json(j);
+    core::verify_or_throw(program);
+    return program;
+  } catch (const core::Error& e) {
+    throw CliError(path, e.what());
   }
 }
 

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "piper/core/error.hpp"
+#include "piper/core/program.hpp"
 #include "piper/core/scenario.hpp"
 
 namespace piper::cli {
@@ -39,6 +40,9 @@ std::string one_line(std::string s);
 std::string json_message(const json::exception& e);
 std::string read_text_file(const std::string& path);
 json read_json_file(const std::string& path);
+// A plan file written by `piper compile -o`, read and verified (deadlock-free under the execution
+// semantics); errors are CliError naming the file.
+core::Program read_verified_plan(const std::string& path);
 std::string human_count(std::int64_t n);
 double mib(std::int64_t bytes);
 void print_error(const std::string& file, const std::string& message);
