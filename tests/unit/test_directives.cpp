@@ -526,5 +526,5 @@ TEST(ProgramBuilder, RelabelsDevicesAndKeepsTheParsersErrors) {
     EXPECT_EQ(e.index(), 0);
     EXPECT_EQ(e.field(), "sequence_parallel");
   }
-  EXPECT_THROW(ProgramBuilder(json::object()), Error);
+  EXPECT_THROW(ProgramBuilder{json::object()}, Error);
 }
