@@ -17,6 +17,7 @@ packages=(
   qt6-svg-dev             # gui: export the timeline view as SVG (QSvgGenerator)
   libprotobuf-dev protobuf-compiler  # chakra: Chakra execution traces (protoc compiles et_def.proto)
   pybind11-dev python3-dev  # python: the `piper` Python module (tests and gen-docs.py use python3's stdlib)
+  python3-pandas          # python: to_dataframe() (optional at run time), so the docs' DataFrame examples run in CI
   jq bc time              # experiments/: the study scripts read JSON reports, time themselves, measure peak RSS
   clang libclang-rt-14-dev  # tests/fuzz: libFuzzer harnesses (clang 14 and its fuzzer/sanitizer runtimes)
 )
