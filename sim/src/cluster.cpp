@@ -430,8 +430,10 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
   c.fixed_size = fixed;
   if (j.contains("runtime")) {
     const json& rt = j.at("runtime");
-    if (!rt.is_string() || (rt.get<std::string>() != "fused" && rt.get<std::string>() != "eager"))
-      r.fail("runtime", "expected \"fused\" (torch.compile, Megatron's fused kernels) or \"eager\" (PyTorch eager)");
+    const std::string s = rt.is_string() ? rt.get<std::string>() : "";
+    if (s != "fused" && s != "eager" && s != "eager-fused-loss")
+      r.fail("runtime", "expected \"fused\" (torch.compile, Megatron's fused kernels), \"eager\" (PyTorch eager) or "
+                        "\"eager-fused-loss\" (eager with a fused cross-entropy)");
     c.runtime = rt.get<std::string>();
   }
   c.nodes.assign(static_cast<std::size_t>(count), base);

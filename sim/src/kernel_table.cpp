@@ -24,12 +24,15 @@ extern const char* const kKernelTableH100;
 extern const char* const kKernelTableA100_40;
 extern const char* const kKernelTableA100_80;
 
-std::string to_string(RuntimeProfile p) { return p == RuntimeProfile::Eager ? "eager" : "fused"; }
+std::string to_string(RuntimeProfile p) {
+  return p == RuntimeProfile::Eager ? "eager" : p == RuntimeProfile::EagerFusedLoss ? "eager-fused-loss" : "fused";
+}
 
 RuntimeProfile runtime_profile_from_string(const std::string& s) {
   if (s == "fused") return RuntimeProfile::Fused;
   if (s == "eager") return RuntimeProfile::Eager;
-  throw ClusterError("unknown runtime profile '" + s + "' (expected \"fused\" or \"eager\")");
+  if (s == "eager-fused-loss") return RuntimeProfile::EagerFusedLoss;
+  throw ClusterError("unknown runtime profile '" + s + "' (expected \"fused\", \"eager\" or \"eager-fused-loss\")");
 }
 
 namespace {
@@ -410,7 +413,8 @@ struct ElementwiseCost {
 };
 
 ElementwiseCost elementwise_cost(KernelKind kind, RuntimeProfile p) {
-  const bool eager = p == RuntimeProfile::Eager;
+  const bool loss = kind == KernelKind::Loss || kind == KernelKind::LossBackward;
+  const bool eager = p == RuntimeProfile::Eager || (p == RuntimeProfile::EagerFusedLoss && !loss);
   switch (kind) {
     // RMSNorm: read x, write y (fused in both: PyTorch's F.rms_norm, and its backward kernel).
     case KernelKind::Norm: return {2, 0, 1, "rmsnorm"};

@@ -202,6 +202,18 @@ TEST(KernelTable, TimesKernelsByHand) {
   expect_rel(kt.seconds(act), fused_bytes / t->memory_rate("silu_mul", fused_bytes) + t->launch_floor_s);
   kt.profile = RuntimeProfile::Eager;
   expect_rel(kt.seconds(act), eager_bytes / t->memory_rate("silu_mul", eager_bytes / 2) + 2 * t->launch_floor_s);
+  // eager-fused-loss: the loss as one fused kernel (fp32 logits: 8 bytes a logit forward, one
+  // launch), everything else as eager.
+  core::Kernel loss;
+  loss.kind = core::KernelKind::Loss;
+  loss.elems = 4096L * 50368;
+  const double fused_loss = 8.0 * loss.elems, eager_loss = 12.0 * loss.elems;
+  kt.profile = RuntimeProfile::EagerFusedLoss;
+  expect_rel(kt.seconds(loss), fused_loss / t->memory_rate("cross_entropy_fwd_fp32", fused_loss) + t->launch_floor_s);
+  expect_rel(kt.seconds(act), eager_bytes / t->memory_rate("silu_mul", eager_bytes / 2) + 2 * t->launch_floor_s);
+  kt.profile = RuntimeProfile::Eager;
+  expect_rel(kt.seconds(loss), eager_loss / t->memory_rate("cross_entropy_fwd_fp32", eager_loss / 2) + 2 * t->launch_floor_s);
+  EXPECT_EQ(runtime_profile_from_string(to_string(RuntimeProfile::EagerFusedLoss)), RuntimeProfile::EagerFusedLoss);
 }
 
 TEST(KernelTable, CostModelSumsTheKernelsOfAnOp) {
@@ -271,6 +283,7 @@ TEST(KernelTable, ClusterFieldsAndTableFilesAreChecked) {
   auto cl = [](const std::string& text) { return cluster_from_text(text, "c.json"); };
   EXPECT_NE(error_of([&] { cl(R"({"preset": "dgx-h200", "runtime": "lazy"})"); }).find("field 'runtime'"), std::string::npos);
   EXPECT_EQ(cl(R"({"preset": "dgx-h200", "runtime": "eager"})").runtime, "eager");
+  EXPECT_EQ(cl(R"({"preset": "dgx-h200", "runtime": "eager-fused-loss"})").runtime, "eager-fused-loss");
   const std::string e = error_of([&] { cl(R"({"preset": "dgx-h200", "node": {"gpu": {"kernel_table": "nope.json"}}})"); });
   EXPECT_NE(e.find("field 'node.gpu.kernel_table'"), std::string::npos) << e;
   EXPECT_EQ(cl(R"({"preset": "dgx-h200", "node": {"gpu": {"kernel_table": ""}}})").gpu(0).kernel_table, "");

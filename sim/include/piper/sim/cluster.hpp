@@ -92,7 +92,7 @@ struct Cluster {
   std::vector<NodeSpec> nodes;        // devices are numbered node by node: node 0 holds 0..g0-1, ...
   NetworkSpec network;
   bool fixed_size = false;            // the spec fixes its node count: with_devices() will not grow it
-  // Which element-wise kernels the training runtime fuses ("runtime": "fused" | "eager";
+  // Which element-wise kernels the training runtime fuses ("runtime": "fused" | "eager" | "eager-fused-loss";
   // kernel_table.hpp). Only the per-kernel cost model reads it.
   std::string runtime = "fused";
 

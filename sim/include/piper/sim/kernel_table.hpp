@@ -20,8 +20,10 @@ namespace piper::sim {
 //  * fused: torch.compile / Megatron-LM's fused kernels (one kernel per kind: RMSNorm, SwiGLU, RoPE,
 //    cross-entropy, the residual add) — the default;
 //  * eager: PyTorch eager mode, composite ops launched one by one (counted from the eager profile of
-//    dense-1b, ../shared/measurements/h200/torch-profile-dense1b.txt).
-enum class RuntimeProfile { Fused, Eager };
+//    dense-1b, ../shared/measurements/h200/torch-profile-dense1b.txt);
+//  * eager-fused-loss: eager with one fused cross-entropy kernel (flash-attn's CrossEntropyLoss, the
+//    default loss of MosaicML llm-foundry's MPT models): the loss as fused, the rest as eager.
+enum class RuntimeProfile { Fused, Eager, EagerFusedLoss };
 std::string to_string(RuntimeProfile p);
 RuntimeProfile runtime_profile_from_string(const std::string& s);  // throws ClusterError
 
