@@ -128,6 +128,8 @@ void StrategyFlags::add_to(CLI::App* app) {
                                    "ZeRO-2/3 gradient reduction: after every microbatch (default; DeepSpeed ZeRO-2, FSDP2) "
                                    "or once per step (keeps whole gradients, as FSDP's no_sync)")
                        ->check(CLI::IsMember({"microbatch", "step"}));
+    fp8_all_gather = app->add_flag("--fp8-all-gather", options.fp8_all_gather,
+                                   "ZeRO-3 with fp8 training: gather the parameters in fp8, one byte each (TorchTitan's Float8)");
     schedule = app->add_option("--schedule", options.schedule, "pipeline schedule family")
                    ->check(CLI::IsMember(schedule_names()));
     microbatches = app->add_option("--microbatches", options.microbatches, "microbatches per step")
@@ -168,12 +170,14 @@ void ScenarioFlags::add_to(CLI::App* app) {
                                            "also write these inputs as a scenario JSON (the file piper-studio opens)")
                                ->check(kOutputPath));
   strategy.add_to(app);
-  for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.reduce_every, strategy.schedule,
+  for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.reduce_every,
+                         strategy.fp8_all_gather, strategy.schedule,
                          strategy.microbatches, strategy.virtual_stages, strategy.bucket_mb, strategy.tp,
                          strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.global_batch,
                          strategy.comm_sms})
     compile_inputs.push_back(o);
-  for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.reduce_every, strategy.bucket_mb, strategy.tp,
+  for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.reduce_every,
+                         strategy.fp8_all_gather, strategy.bucket_mb, strategy.tp,
                          strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.comm_sms})
     o->excludes(directives);
 }

@@ -66,6 +66,7 @@ struct StrategyFlags {
   CLI::Option* zero = nullptr;
   CLI::Option* dp_shard = nullptr;
   CLI::Option* reduce_every = nullptr;
+  CLI::Option* fp8_all_gather = nullptr;
   CLI::Option* tp_comm_overlap = nullptr;
   CLI::Option* schedule = nullptr;
   CLI::Option* microbatches = nullptr;

@@ -158,7 +158,8 @@ Directive parse_one(const json& d, int index) {
   }
   if (op == "replicate") {
     check_fields(d, index, {"filter", "devices", "bucket_size", "shard_grads", "shard_params", "shard_optimizer",
-                            "reduce_stream", "gather_stream", "prefetch", "gather_unit", "shard_group", "reduce_every"});
+                            "reduce_stream", "gather_stream", "prefetch", "gather_unit", "gather_dtype", "shard_group",
+                            "reduce_every"});
     ReplicateDirective r;
     r.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     r.devices = parse_devices(d, index);
@@ -182,6 +183,12 @@ Directive parse_one(const json& d, int index) {
       if (!it->is_string() || (*it != "segment" && *it != "block"))
         fail(index, "gather_unit", "must be \"segment\" (the published format's unit) or \"block\" (one transformer block)");
       r.gather_blocks = *it == "block";
+    }
+    if (auto it = d.find("gather_dtype"); it != d.end()) {
+      if (!r.shard_params) fail(index, "gather_dtype", "applies only with shard_params (ZeRO-3 gathers)");
+      if (!it->is_string() || (*it != "fp8" && *it != "param"))
+        fail(index, "gather_dtype", "must be \"fp8\" (one byte a parameter) or \"param\" (the parameters' own dtype)");
+      r.gather_fp8 = *it == "fp8";
     }
     if (auto it = d.find("shard_group"); it != d.end()) {
       if (!r.shard_optimizer && !r.shard_grads) fail(index, "shard_group", "applies only with ZeRO (shard_optimizer, shard_grads or shard_params)");

@@ -41,6 +41,7 @@ ProgramBuilder& ProgramBuilder::replicate(const Filter& filter, const std::vecto
   if (a.reduce_stream) d["reduce_stream"] = *a.reduce_stream;
   if (a.gather_stream) d["gather_stream"] = *a.gather_stream;
   if (a.gather_unit) d["gather_unit"] = *a.gather_unit;
+  if (a.gather_dtype) d["gather_dtype"] = *a.gather_dtype;
   if (a.reduce_every) d["reduce_every"] = *a.reduce_every;
   if (a.shard_group) d["shard_group"] = *a.shard_group;
   if (a.prefetch) d["prefetch"] = *a.prefetch;

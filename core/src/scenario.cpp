@@ -129,6 +129,7 @@ std::string strategy_flag_error(const json& program, const StrategyOptions& o, c
   else if (op == "replicate")
     flag = field == "shard_group"    ? fmt::format("--dp-shard {}", o.dp_shard)
            : field == "reduce_every" ? "--reduce-every " + o.reduce_every
+           : field == "gather_dtype" ? std::string("--fp8-all-gather")
            : field.rfind("shard_", 0) == 0 || field == "prefetch" ? fmt::format("--zero {}", o.zero)
                                   : fmt::format("--dp {}", o.dp);
   else if (op == "recompute")
@@ -280,6 +281,7 @@ json Scenario::to_json() const {
   if (strategy.comm_sms > 0) j["strategy"]["comm_sms"] = strategy.comm_sms;
   if (strategy.dp_shard > 0) j["strategy"]["dp_shard"] = strategy.dp_shard;
   if (!strategy.reduce_every.empty()) j["strategy"]["reduce_every"] = strategy.reduce_every;
+  if (strategy.fp8_all_gather) j["strategy"]["fp8_all_gather"] = true;
   if (!cluster.empty()) j["cluster"] = cluster;
   if (!engine.empty()) j["engine"] = engine;
   return j;
@@ -362,7 +364,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     if (!st.is_object()) throw fail("strategy", "must be an object");
     reject_unknown(st, "strategy.", {"pp", "dp", "ep", "tp", "zero", "dp_shard", "schedule", "microbatches", "virtual",
                                      "global_batch", "bucket_mb", "sequence_parallel", "tp_comm_overlap", "recompute",
-                                     "comm_sms", "reduce_every"});
+                                     "comm_sms", "reduce_every", "fp8_all_gather"});
     int_field(st, "pp", "strategy.pp", s.strategy.pp, 1);
     int_field(st, "dp", "strategy.dp", s.strategy.dp, 1);
     int_field(st, "ep", "strategy.ep", s.strategy.ep, 1);
@@ -380,6 +382,10 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     if (st.contains("tp_comm_overlap")) {
       if (!st["tp_comm_overlap"].is_boolean()) throw fail("strategy.tp_comm_overlap", "must be true or false");
       s.strategy.tp_comm_overlap = st["tp_comm_overlap"].get<bool>();
+    }
+    if (st.contains("fp8_all_gather")) {
+      if (!st["fp8_all_gather"].is_boolean()) throw fail("strategy.fp8_all_gather", "must be true or false");
+      s.strategy.fp8_all_gather = st["fp8_all_gather"].get<bool>();
     }
     if (st.contains("reduce_every")) {
       if (!st["reduce_every"].is_string()) throw fail("strategy.reduce_every", "must be \"step\" or \"microbatch\"");

@@ -155,3 +155,44 @@ TEST(CostSettings, PrecisionSetsGemmDtypeMemoryAndRates) {
   const double tf32 = g.flops / (312e12 / 2 * 0.75 * g.flops / (g.flops + 2e9)) + 2e-6;
   EXPECT_NEAR(a100.seconds(g), tf32, 1e-12 * tf32);
 }
+
+// ZeRO-3 with fp8 training (bf16 storage, 2 bytes a parameter) over 2 replicas: each per-use parameter
+// ALL_GATHER moves its bucket's parameters at 2 bytes each; with --fp8-all-gather at 1 byte each (half),
+// and the gathered-parameter buffers halve with them. Refused without fp8 training or without ZeRO-3.
+TEST(CostSettings, Fp8ParameterGathersMoveOneByteAParameter) {
+  core::StrategyOptions o;
+  o.dp = 2;
+  o.zero = 3;
+  o.microbatches = 2;
+  const std::string fp8 = spec_with(core::Precision::FP8);
+  const auto plain = compile(o, fp8);
+  o.fp8_all_gather = true;
+  const auto small = compile(o, fp8);
+  auto gathers = [](const core::Program& p) {
+    std::vector<std::int64_t> bytes;
+    for (const auto& s : p.plan_for(0).streams)
+      for (const auto& op : s.ops)
+        if (op.kind == core::OpKind::AllGather) bytes.push_back(op.bytes);
+    return bytes;
+  };
+  const auto a = gathers(plain.result.program), b = gathers(small.result.program);
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_GT(a.size(), 0u);
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_EQ(b[i] * 2, a[i]) << i;
+  EXPECT_EQ(buffer_bytes(small.result.program, 0, core::BufferKind::GatheredParameters) * 2,
+            buffer_bytes(plain.result.program, 0, core::BufferKind::GatheredParameters));
+  // Without fp8 training, and without ZeRO-3: one line naming the setting.
+  try {
+    compile(o);
+    FAIL() << "fp8 gathers of bf16 training were accepted";
+  } catch (const core::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp8-all-gather"), std::string::npos) << e.what();
+  }
+  o.zero = 2;
+  try {
+    compile(o, fp8);
+    FAIL() << "fp8 gathers without ZeRO-3 were accepted";
+  } catch (const core::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--fp8-all-gather applies only with --zero 3"), std::string::npos) << e.what();
+  }
+}

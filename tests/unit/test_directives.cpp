@@ -95,6 +95,12 @@ TEST(Parse, ErrorsNameTheDirectiveIndexAndField) {
     EXPECT_EQ(err(json::parse(std::string(R"([{"op":"replicate","filter":{},"devices":[0,1,2,3],)") + bad + "}]")),
               std::make_pair(0, std::string("shard_group")))
         << bad;
+  // gather_dtype: only with shard_params, "fp8" or "param".
+  for (const char* bad : {R"("shard_grads":true,"gather_dtype":"fp8")", R"("shard_grads":true,"shard_params":true,"gather_dtype":"fp4")",
+                          R"("shard_grads":true,"shard_params":true,"gather_dtype":8)"})
+    EXPECT_EQ(err(json::parse(std::string(R"([{"op":"replicate","filter":{},"devices":[0,1],)") + bad + "}]")),
+              std::make_pair(0, std::string("gather_dtype")))
+        << bad;
   EXPECT_THROW(parse_directives(json::object()), Error);
 }
 

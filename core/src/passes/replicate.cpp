@@ -152,15 +152,18 @@ void emit_gathers(BucketContext& b, const DagNode& red, const std::vector<int>& 
         for (const auto& dim : cx.split_dims) key.push_back(cx.node(c).tags.contains(dim) ? cx.node(c).tags.at(dim) : -1);
         uses[{is_backward(cx.node(c).pass), key}].push_back(c);
       }
+    // fp8 gathers (Float8 training): one byte a parameter instead of the parameters' dtype.
+    const std::int64_t gathered = b.d.gather_fp8 ? bytes / gradient_bytes_per_element(dag.training) : bytes;
     for (auto& [key, users] : uses) {
       DagNode pre = ag;
+      pre.bytes = gathered;
       pre.pass = key.first ? Pass::B : Pass::F;
       pre.tags = cx.node(users.front()).tags;
       pre.prefetch = b.d.prefetch;
       pre.label = "ALL_GATHER" + std::string(key.first ? " B" : " F") + tags_label(pre.tags) + " s" +
                   std::to_string(bucket.front());
       Vertex va = cx.add(pre);
-      for (auto c : users) dag.add_edge(va, c, {EdgeKind::Data, bytes, "param"});
+      for (auto c : users) dag.add_edge(va, c, {EdgeKind::Data, gathered, "param"});
     }
   }
 }
@@ -194,6 +197,9 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
   if (matched.empty()) fail(index, "filter", "matches no node (" + d.filter.to_string() + ")");
   check_devices(cx, matched, d.devices, index);
   auto& dag = cx.dag;
+  if (d.gather_fp8 && dag.training.precision != Precision::FP8)
+    fail(index, "gather_dtype", "\"fp8\" needs fp8 training (Float8 weights to gather); the model trains in " +
+                                    to_string(dag.training.precision));
   BucketContext b{cx, d, d.shard_params ? 3 : d.shard_grads ? 2 : d.shard_optimizer ? 1 : 0, boost::graph_traits<Graph>::null_vertex(), {}, {}};
   auto by_family = reduction_families(cx, d, index, matched, b.zero);
   const DeviceSetId set = dag.device_sets.intern(d.devices);  // interned above: the same id

@@ -44,6 +44,9 @@ struct ReplicateDirective {
   bool shard_params = false;     // ZeRO-3: parameters all-gathered before each use
   int prefetch = 1;              // ZeRO-3: gathers that may run ahead of the compute using the current one
   bool gather_blocks = false;    // ZeRO-3 "gather_unit": "block": one segment (and gather) per transformer block
+  // ZeRO-3 "gather_dtype": "fp8" (Piper extension): the per-use parameter gathers move fp8 weights, one
+  // byte a parameter (TorchTitan's Float8 with enable_fsdp_float8_all_gather); fp8 training only.
+  bool gather_fp8 = false;
   // Hybrid sharding (HSDP, FSDP's HYBRID_SHARD): ZeRO shards over groups of this many consecutive
   // replicas, and the groups replicate each other (an all-reduce of each shard across groups).
   // 0: one group of every replica (plain ZeRO).

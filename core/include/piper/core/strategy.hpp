@@ -22,6 +22,7 @@ struct StrategyOptions {
   // ZeRO-2/3 gradient reduction: "microbatch" (after every microbatch: DeepSpeed ZeRO-2, FSDP2), "step"
   // (once, keeping whole gradients until then: FSDP no_sync), "" = the level's default ("microbatch").
   std::string reduce_every;
+  bool fp8_all_gather = false;     // ZeRO-3 with fp8 training: parameter gathers in fp8 (TorchTitan's Float8)
   int comm_sms = 0;                // > 0: an sm_partition directive giving communication this many SMs
   int global_batch = 0;            // sequences per step; > 0 sets microbatches (see resolve_global_batch)
   int microbatches = 1;
