@@ -286,8 +286,7 @@ std::optional<double> CostModel::kernel_seconds(const core::Program& program, in
   const int node = node_of_.at(static_cast<std::size_t>(device));
   const core::PassKernels& pk = program.segments[static_cast<std::size_t>(op.segment)].kernels;
   // The kernel lists the pass runs: F; BI; BW; a fused B is BI then BW.
-  const std::size_t first = op.pass == core::Pass::F ? 0 : op.pass == core::Pass::BW ? 2 : 1;
-  const std::size_t last = op.pass == core::Pass::B ? 2 : first;
+  const auto [first, last] = core::pass_kernel_lists(op.pass);
   std::uint64_t key = mix(static_cast<std::uint64_t>(node), static_cast<std::uint64_t>(op.pass));
   bool any = false;
   for (std::size_t l = first; l <= last; ++l)

@@ -85,8 +85,7 @@ ClassSeconds class_seconds(const core::Program& program, const CostModel& cost, 
   }
   const KernelTiming t = cost.timing(device);
   const core::PassKernels& pk = program.segments[static_cast<std::size_t>(op.segment)].kernels;
-  const std::size_t first = op.pass == core::Pass::F ? 0 : op.pass == core::Pass::BW ? 2 : 1;
-  const std::size_t last = op.pass == core::Pass::B ? 2 : first;
+  const auto [first, last] = core::pass_kernel_lists(op.pass);
   for (std::size_t l = first; l <= last; ++l)
     for (const auto& k : pk[l]) out[ix(static_cast<int>(class_of(k.kind)))] += k.count * t.seconds(k);
   // What kernel_seconds adds beyond the listed kernels (element-wise traffic of the op) is memory-bound.

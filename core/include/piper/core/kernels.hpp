@@ -8,11 +8,13 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
 #include "piper/core/model.hpp"
+#include "piper/core/program_types.hpp"
 
 namespace piper::core {
 
@@ -54,6 +56,12 @@ struct Kernel {
 
 // Kernel lists of a segment per pass, indexed F = 0, BI = 1, BW = 2 (a fused B runs BI then BW).
 using PassKernels = std::array<std::vector<Kernel>, 3>;
+// The PassKernels lists an op of pass `p` runs, as [first, last]: F {0, 0}, BI {1, 1}, BW {2, 2}, a
+// fused B {1, 2}.
+inline std::pair<std::size_t, std::size_t> pass_kernel_lists(Pass p) {
+  const std::size_t first = p == Pass::F ? 0 : p == Pass::BW ? 2 : 1;
+  return {first, p == Pass::B ? 2 : first};
+}
 
 // The kernels of one layer in one pass (0 = F, 1 = BI, 2 = BW) under a layout, on one device of a segment
 // sharded `shard_degree` ways (routed experts: E / shard_degree local experts). Their FLOPs add up to
