@@ -17,10 +17,14 @@
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/cost_model.hpp"
 #include "piper/sim/kernel_table.hpp"
+#include "expect.hpp"
 
 using namespace piper;
 using namespace piper::sim;
 using nlohmann::json;
+
+using piper::test::error_of;
+using piper::test::expect_rel;
 
 namespace {
 
@@ -65,19 +69,6 @@ double measured_gemm(const std::string& dt, std::int64_t m, std::int64_t k, std:
     }
   ADD_FAILURE() << "no measurement " << dt << " " << m << " " << k << " " << n;
   return 0;
-}
-
-void expect_rel(double actual, double expected, double tol = 1e-9) {
-  EXPECT_NEAR(actual, expected, tol * std::abs(expected)) << "expected " << expected;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const core::Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace

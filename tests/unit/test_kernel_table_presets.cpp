@@ -18,10 +18,14 @@
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/cost_model.hpp"
 #include "piper/sim/kernel_table.hpp"
+#include "expect.hpp"
 
 using namespace piper;
 using namespace piper::sim;
 using nlohmann::json;
+
+using piper::test::error_of;
+using piper::test::expect_rel;
 
 namespace {
 
@@ -51,19 +55,6 @@ std::vector<double> numbers_in(const std::string& text) {
   for (auto it = std::sregex_iterator(text.begin(), text.end(), num); it != std::sregex_iterator(); ++it)
     v.push_back(std::stod(it->str()));
   return v;
-}
-
-void expect_rel(double actual, double expected, double tol = 1e-9) {
-  EXPECT_NEAR(actual, expected, tol * std::abs(expected)) << "expected " << expected;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const core::Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace

@@ -9,10 +9,12 @@
 #include "piper/core/scenario.hpp"
 #include "piper/sim/engine.hpp"
 #include "piper/sim/report.hpp"
+#include "unit_costs.hpp"
 
 using namespace piper;
 using namespace piper::sim;
 using nlohmann::json;
+using piper::test::unit_costs;
 
 namespace {
 
@@ -24,20 +26,6 @@ std::shared_ptr<const core::Program> compile(int pp, int dp, int microbatches, c
   s.strategy.dp = dp;
   s.strategy.microbatches = microbatches;
   return std::make_shared<const core::Program>(core::compile_scenario(s).result.program);
-}
-
-// Every compute op of a stage: F = 1 s, B = 2 s, spread over the stage's segments; communication and
-// updates free.
-OpOverride unit_costs(const core::Program& program) {
-  std::map<int, int> per_stage;
-  for (const auto& seg : program.segments) per_stage[seg.tags.count("PP") ? seg.tags.at("PP") : 0] += 1;
-  std::vector<double> share;
-  for (const auto& seg : program.segments) share.push_back(1.0 / per_stage[seg.tags.count("PP") ? seg.tags.at("PP") : 0]);
-  return [share](const core::Op& op) -> std::optional<double> {
-    if (op.kind != core::OpKind::Compute || op.segment < 0) return 0.0;
-    const double s = share.at(static_cast<std::size_t>(op.segment));
-    return op.pass == core::Pass::F ? 1.0 * s : op.pass == core::Pass::B ? 2.0 * s : 0.0;
-  };
 }
 
 Cluster h200(int devices_per_gpu) {

@@ -8,24 +8,18 @@
 
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/cost_model.hpp"
+#include "expect.hpp"
 
 using namespace piper;
 using namespace piper::sim;
 using nlohmann::json;
 
+using piper::test::error_of;
+
 namespace {
 
 void expect_rel(double actual, double expected, double tol = 1e-12) {
   EXPECT_NEAR(actual, expected, tol * std::abs(expected)) << "expected " << expected;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const core::Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 std::vector<int> one_per_node(int n, int gpus_per_node) {

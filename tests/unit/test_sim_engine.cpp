@@ -13,6 +13,7 @@
 #include "piper/sim/ready_tracker.hpp"
 #include "piper/sim/report.hpp"
 #include "piper/sim/simulate.hpp"
+#include "unit_costs.hpp"
 
 using namespace piper;
 using namespace piper::sim;
@@ -20,30 +21,10 @@ using nlohmann::json;
 
 namespace {
 
-// Unit-time view: each pipeline stage's F = 1 s and B = 2 s per microbatch (BI = BW = 1 s when
-// split), everything else free. A stage may hold several model segments (embedding, blocks, head):
-// each segment's op gets the stage's time divided by the stage's segment count.
+// Unit-time view (unit_costs.hpp): each pipeline stage's F = 1 s and B = 2 s per microbatch
+// (BI = BW = 1 s when split), everything else free.
 constexpr double kF = 1, kB = 2, kW = 1;
-OpOverride unit_costs(const core::Program& program) {
-  std::map<int, int> segments_of_stage;
-  for (const auto& seg : program.segments) segments_of_stage[seg.tags.count("PP") ? seg.tags.at("PP") : 0] += 1;
-  std::vector<double> share(program.segments.size(), 1.0);
-  for (std::size_t i = 0; i < program.segments.size(); ++i) {
-    const auto& tags = program.segments[i].tags;
-    share[i] = 1.0 / segments_of_stage[tags.count("PP") ? tags.at("PP") : 0];
-  }
-  return [share](const core::Op& op) -> std::optional<double> {
-    if (op.kind != core::OpKind::Compute || op.segment < 0) return 0.0;
-    const double s = share.at(static_cast<std::size_t>(op.segment));
-    switch (op.pass) {
-      case core::Pass::F: return kF * s;
-      case core::Pass::B: return kB * s;
-      case core::Pass::BI: return (kB - kW) * s;
-      case core::Pass::BW: return kW * s;
-      default: return 0.0;
-    }
-  };
-}
+OpOverride unit_costs(const core::Program& program) { return piper::test::unit_costs(program, kF, kB, kW); }
 
 std::shared_ptr<const core::Program> compile(const std::string& schedule, int pp, int microbatches, int dp = 1) {
   core::Scenario s;
