@@ -48,6 +48,20 @@ ZZC_H100 = {
     "licence": "figures posted publicly in a GitHub issue; numbers only, attributed",
 }
 
+FA_PR1791 = {
+    "url": "https://github.com/Dao-AILab/flash-attention/pull/1791",
+    "title": "Dao-AILab/flash-attention pull request #1791 'ABI stable fa3' (2025-07-31), 'Results of python benchmark_attn.py', `main` block",
+    "location": "PR description, the `main` results before 'this branch'",
+    "method": "hopper/benchmark_attn.py of FlashAttention: FlashAttention-2 and FlashAttention-3 on one Hopper GPU (FA3 runs only on sm90), bf16",
+    "licence": "figures posted publicly in a GitHub pull request; numbers only, attributed",
+}
+# FlashAttention-2 against a Hopper-native kernel at one shape (causal, head_dim 128, seq 8192), the source's
+# four figures; the table's own attention (cuDNN on the H200, 615 / 511 TFLOP/s at that shape with 32 heads)
+# is within 3 % / 4 % of FlashAttention-3's 630.0 / 531.6, so FA2 is costed at these ratios of it.
+FA2_FWD, FA2_BWD, FA3_FWD, FA3_BWD = 284.1, 287.1, 630.0, 531.6
+FA2_QUOTE = ("### headdim = 128, causal = True, seqlen = 8192 ### Fav2 fwd: 1.935ms, 284.1 TFLOPS "
+             "Fav2 bwd: 4.788ms, 287.1 TFLOPS Fav3 fwd: 0.873ms, 630.0 TFLOPS Fav3 bwd: 2.585ms, 531.6 TFLOPS")
+
 # ---- datasheet figures the rules use ----
 A100_BF16_MAMF, H100_BF16_MAMF = 271.2, 794.5   # MAMF table above; its H100 row notes "H200 is the same"
 A100_FP32, H100_FP32 = 19.5, 67.0               # NVIDIA A100 / H100 SXM datasheets, FP32 (CUDA cores) TFLOPS
@@ -121,6 +135,10 @@ def a100_table(h200, gb, stream_src, stream_row, scale_gbps, triad_gbps, array_b
             f"H200 measured rate of the same kernel class and size x {r(mem_factor)} = {scale_gbps} GB/s (A100 "
             f"stream 'scale', source '{stream_src}') / {r(copy_h200['gbps'], 7)} GB/s (H200 'copy' of "
             f"{copy_h200['tokens']} x {copy_h200['hidden']} bf16, its largest). Also used for fused AdamW."),
+        "a100-attention-fa2": (
+            "The attention implementation 'fa2' (FlashAttention-2, PyTorch's flash SDPA backend) at the table's own "
+            "attention rates: they are the H200's cuDNN rates x the A100/H100 matmul ratio (a100-compute), which "
+            "stands for Ampere's best attention kernel; no separate FlashAttention-2 measurement on the A100 is used."),
     }
     gemm, att, mem, adam = derive(h200, "a100-compute", compute_factor, "a100-fp32", A100_FP32 / H100_FP32,
                                   "a100-memory", mem_factor, with_fp8=False)
@@ -149,6 +167,9 @@ def a100_table(h200, gb, stream_src, stream_row, scale_gbps, triad_gbps, array_b
         "rules": rules,
         "gemm": replace_cited(gemm, cited_gemm),
         "attention": att,
+        # The attention above is the H200's cuDNN scaled by the matmul ratio; no FlashAttention-2 figure on
+        # the A100 is used, so "fa2" is the table's own rates (rule a100-attention-fa2).
+        "attention_kernels": {"fa2": {"fwd_scale": 1.0, "bwd_scale": 1.0, "derived": "a100-attention-fa2"}},
         "memory_bound": mem,
         "adamw": adam,
     }
@@ -195,10 +216,15 @@ def h100_table(h200):
         "gemm_dispatch_latency": "estimate",
         "comment": ("Published microbenchmarks where they exist ('source'), otherwise the H200 measurement under a "
                     "stated rule ('derived'). Written by sim/data/published_tables.py; see sim/data/README.md."),
-        "sources": {"mamf": MAMF, "zzc-h100": ZZC_H100},
+        "sources": {"mamf": MAMF, "zzc-h100": ZZC_H100, "fa-pr1791": FA_PR1791},
         "rules": rules,
         "gemm": replace_cited(gemm, cited),
         "attention": att,
+        "attention_kernels": {"fa2": {"fwd_scale": r(FA2_FWD / FA3_FWD, 6), "bwd_scale": r(FA2_BWD / FA3_BWD, 6),
+                                      "source": {"ref": "fa-pr1791", "quote": FA2_QUOTE,
+                                                 "note": "fwd_scale = 284.1 / 630.0, bwd_scale = 287.1 / 531.6: "
+                                                         "FlashAttention-2 over FlashAttention-3, which the table's "
+                                                         "cuDNN rates match within 4 % at this shape"}}},
         "memory_bound": mem,
         "adamw": adam,
     }

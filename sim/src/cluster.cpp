@@ -352,6 +352,7 @@ json Cluster::to_json() const {
          {"fixed", fixed_size},
          {"runtime", runtime},
          {"network", {{"latency_us", network.latency_s * 1e6}, {"topology", network.topology}, {"oversubscription", network.oversubscription}}}};
+  if (!attention_kernel.empty()) j["attention_kernel"] = attention_kernel;
   // Runs of identical nodes are written once, as {"count": n, ...}.
   json node_list = json::array();
   for (std::size_t i = 0; i < nodes.size();) {
@@ -375,7 +376,7 @@ std::vector<std::string> cluster_presets() {
 
 Cluster cluster_from_json(const json& j, const std::string& where) {
   Reader r{where};
-  r.check_keys(j, "", {"name", "preset", "nodes", "fixed", "node", "overrides", "network", "runtime", "comment"});
+  r.check_keys(j, "", {"name", "preset", "nodes", "fixed", "node", "overrides", "network", "runtime", "attention_kernel", "comment"});
   NodeSpec base;
   NetworkSpec network;
   std::string name = where;
@@ -435,6 +436,11 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
       r.fail("runtime", "expected \"fused\" (torch.compile, Megatron's fused kernels), \"eager\" (PyTorch eager) or "
                         "\"eager-fused-loss\" (eager with a fused cross-entropy)");
     c.runtime = rt.get<std::string>();
+  }
+  if (j.contains("attention_kernel")) {
+    const json& ak = j.at("attention_kernel");
+    if (!ak.is_string()) r.fail("attention_kernel", "expected the name of an attention implementation (e.g. \"fa2\")");
+    c.attention_kernel = ak.get<std::string>();
   }
   c.nodes.assign(static_cast<std::size_t>(count), base);
   if (j.contains("overrides")) {

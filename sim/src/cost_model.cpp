@@ -261,6 +261,19 @@ std::uint64_t bits(double x) {
 
 }  // namespace
 
+namespace {
+
+// The table's multipliers for attention implementation `name`; ClusterError naming the ones it has.
+KernelTable::AttentionKernel attention_kernel_of(const KernelTable& t, const std::string& name) {
+  if (const auto it = t.attention_kernels.find(name); it != t.attention_kernels.end()) return it->second;
+  std::string known;
+  for (const auto& [k, v] : t.attention_kernels) known += (known.empty() ? "" : ", ") + k;
+  throw ClusterError("cluster: field 'attention_kernel': kernel table '" + t.name + "' has no attention kernel '" + name +
+                     "' (it has: " + (known.empty() ? "none" : known) + ")");
+}
+
+}  // namespace
+
 // Each node's table and kernel timing, built once (the cluster's runtime profile is the same for all).
 const KernelTiming& CostModel::node_timing(int node) const {
   std::call_once(timings_once_, [&] {
@@ -270,7 +283,8 @@ const KernelTiming& CostModel::node_timing(int node) const {
     for (std::size_t i = 0; i < cluster_.nodes.size(); ++i) {
       const GpuSpec& g = cluster_.nodes[i].gpu;
       if (!g.kernel_table.empty()) tables_[i] = load_kernel_table(g.kernel_table);
-      timings_[i] = {tables_[i].get(), profile, g.peak_flops, g.hbm_bandwidth_bytes_per_s, g.max_efficiency, g.half_efficiency_flops};
+      timings_[i] = {tables_[i].get(), profile, g.peak_flops, g.hbm_bandwidth_bytes_per_s, g.max_efficiency, g.half_efficiency_flops, {}};
+      if (!cluster_.attention_kernel.empty() && tables_[i]) timings_[i].attention_kernel = attention_kernel_of(*tables_[i], cluster_.attention_kernel);
     }
   });
   return timings_[static_cast<std::size_t>(node)];

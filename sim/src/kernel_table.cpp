@@ -314,6 +314,15 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {
     e.bwd_flops_per_s = r.positive(a, "bwd_tflops", at) * 1e12;
     t.attention.push_back(e);
   }
+  if (j.contains("attention_kernels")) {
+    const json& ak = j.at("attention_kernels");
+    if (!ak.is_object()) r.fail("attention_kernels", "expected an object of {\"fwd_scale\", \"bwd_scale\"} by implementation name");
+    for (const auto& [name, v] : ak.items()) {
+      const std::string at = "attention_kernels." + name;
+      r.provenance(v, at, j, cited);
+      t.attention_kernels[name] = {r.positive(v, "fwd_scale", at), r.positive(v, "bwd_scale", at)};
+    }
+  }
   const json& mem = r.list(j, "memory_bound");
   for (std::size_t i = 0; i < mem.size(); ++i) {
     const json& m = mem[i];
@@ -391,6 +400,8 @@ std::shared_ptr<const KernelTable> load_kernel_table(const std::string& name) {
     if (name == "h200-sxm") text.insert(text.find('{') + 1, R"("gemm_dispatch_latency": "estimate",)");
     t = parse(text, name);
     t.name = name;
+    // Other attention implementations: the H100's (published_tables.py, cited), the same GH100 die.
+    if (name == "h200-sxm") t.attention_kernels = load_kernel_table("h100-sxm")->attention_kernels;
   } else {
     t = parse(core::read_input_file(name), name);
   }
@@ -484,7 +495,7 @@ double KernelTiming::seconds(const Kernel& k) const {
     const bool bwd = k.kind == KernelKind::AttentionBackward;
     const double rate = table ? table->attention_rate(bwd, k.batch, k.m, k.n, std::max(k.head_dim, k.v_dim)) : 0;
     if (rate <= 0) return k.flops / fallback_rate + launch;  // no table: Piper's full-matrix FLOPs at GEMM speed
-    return causal_attention_flops(k) / rate + launch;
+    return causal_attention_flops(k) / (rate * (bwd ? attention_kernel.bwd_scale : attention_kernel.fwd_scale)) + launch;
   }
   const ElementwiseCost c = elementwise_cost(k.kind, profile);
   const double elems = static_cast<double>(k.elems);

@@ -309,3 +309,55 @@ TEST(KernelTable, SlidingWindowAttentionCountsTheCausalBand) {
   k.window = 4096;
   EXPECT_DOUBLE_EQ(causal_attention_flops(k), 2.5 * 32.0 * 2 * 25'165'824 * 256);
 }
+
+// "attention_kernel": "fa2" costs attention at the table's rates times the FlashAttention-2 multipliers,
+// which the H100 table cites as the ratio of FA2 to FA3 figures at one shape; the H200 takes the H100's.
+TEST(KernelTable, AttentionKernelsScaleTheTablesAttention) {
+  std::ifstream in(std::string(PIPER_SOURCE_DIR) + "/sim/data/kernels-h100-sxm.json");
+  const json h100 = json::parse(in);
+  const std::string quote = h100["attention_kernels"]["fa2"]["source"]["quote"];
+  // The four figures of the quote, in its order: FA2 fwd, FA2 bwd, FA3 fwd, FA3 bwd (TFLOPS).
+  std::vector<double> tflops;
+  for (std::size_t at = quote.find("ms, "); at != std::string::npos; at = quote.find("ms, ", at + 1))
+    tflops.push_back(std::stod(quote.substr(at + 4)));
+  ASSERT_EQ(tflops.size(), 4u) << quote;
+  const auto h = load_kernel_table("h100-sxm");
+  ASSERT_EQ(h->attention_kernels.count("fa2"), 1u);
+  expect_rel(h->attention_kernels.at("fa2").fwd_scale, tflops[0] / tflops[2], 1e-5);
+  expect_rel(h->attention_kernels.at("fa2").bwd_scale, tflops[1] / tflops[3], 1e-5);
+  EXPECT_DOUBLE_EQ(load_kernel_table("h200-sxm")->attention_kernels.at("fa2").fwd_scale, h->attention_kernels.at("fa2").fwd_scale);
+  EXPECT_DOUBLE_EQ(load_kernel_table("a100-80gb-sxm")->attention_kernels.at("fa2").bwd_scale, 1.0);
+
+  // Timing: the same kernel under cuDNN (the table) and FA2.
+  const auto t = load_kernel_table("h200-sxm");
+  KernelTiming kt;
+  kt.table = t.get();
+  kt.peak_flops = 989e12;
+  kt.hbm_bytes_per_s = 4.8e12;
+  core::Kernel a;
+  a.kind = core::KernelKind::AttentionBackward;
+  a.batch = 2;
+  a.m = 8192;
+  a.n = 32;
+  a.k = 8;
+  a.head_dim = a.v_dim = 128;
+  const double causal_bwd = 2.5 * 2.0 * 32 * 8192 * 8192 * 256;
+  expect_rel(kt.seconds(a), causal_bwd / t->attention_rate(true, 2, 8192, 32, 128) + t->launch_floor_s);
+  kt.attention_kernel = t->attention_kernels.at("fa2");
+  expect_rel(kt.seconds(a), causal_bwd / (t->attention_rate(true, 2, 8192, 32, 128) * tflops[1] / tflops[3]) + t->launch_floor_s, 1e-5);
+
+  // The cluster names it; a table without it is refused in one line naming the field and what exists.
+  auto cl = [](const std::string& text) { return cluster_from_text(text, "c.json"); };
+  EXPECT_EQ(cl(R"({"preset": "dgx-h100", "attention_kernel": "fa2"})").attention_kernel, "fa2");
+  EXPECT_NE(error_of([&] { cl(R"({"preset": "dgx-h100", "attention_kernel": 2})"); }).find("field 'attention_kernel'"), std::string::npos);
+  const Cluster fa2 = cl(R"({"preset": "dgx-h100", "attention_kernel": "fa2"})");
+  EXPECT_DOUBLE_EQ(CostModel(fa2).timing(0).attention_kernel.fwd_scale, h->attention_kernels.at("fa2").fwd_scale);
+  const Cluster fa9 = cl(R"({"preset": "dgx-h100", "attention_kernel": "fa9"})");
+  const std::string e = error_of([&] { CostModel(fa9).timing(0); });
+  EXPECT_NE(e.find("field 'attention_kernel': kernel table 'h100-sxm' has no attention kernel 'fa9' (it has: fa2)"), std::string::npos) << e;
+  // A table file's variants are checked like its entries.
+  const std::string dir = ::testing::TempDir() + "/ak-" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/ak.json") << R"({"base": "h200-sxm", "attention_kernels": {"mine": {"fwd_scale": 0.5}}})";
+  EXPECT_NE(error_of([&] { load_kernel_table(dir + "/ak.json"); }).find("attention_kernels.mine.bwd_scale"), std::string::npos);
+}

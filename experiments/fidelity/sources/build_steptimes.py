@@ -205,6 +205,35 @@ cfg_commit = "9dec370ad26b5f8e9a7333a0e36165018262644b"  # torchtitan commit the
 cfg8 = show(TT, cfg_commit, "train_configs/llama3_8b.toml")
 cfg70 = show(TT, cfg_commit, "train_configs/llama3_70b.toml")
 assert "seq_len = 8192" in cfg8 and "seq_len = 8192" in cfg70
+# What both TorchTitan benchmarks ran, read from the code at the commits they name: FSDP2 reduces gradients
+# in fp32 (the only choice), and attention is PyTorch's SDPA with the flash (FlashAttention-2) backend first
+# on an H100 (cuDNN only on B200 at 820504e; at 9dec370 the default order, cuDNN being opt-in since
+# pytorch/pytorch#138522).
+tt2_commit = "820504e20d1149fbf0b98c567af24c4b0433b22d"  # torchtitan commit the 2025-06 benchmark names
+cm1 = show(TT, cfg_commit, "torchtitan/config_manager.py")
+assert '"--training.mixed_precision_reduce",' in cm1 and 'default="float32",\n            choices=["float32"],' in cm1
+assert 'mixed_precision_reduce: Literal["float32"] = "float32"' in show(TT, tt2_commit, "torchtitan/config_manager.py")
+assert "F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)" in show(TT, cfg_commit, "torchtitan/models/llama/model.py")
+att2 = show(TT, tt2_commit, "torchtitan/models/attention.py")
+assert "SDPBackend.FLASH_ATTENTION,\n            SDPBackend.EFFICIENT_ATTENTION," in att2 and "if has_cuda_capability(10, 0):" in att2
+TT_NOTE_RUNTIME = (" FSDP2 reduces gradients in fp32 (training.mixed_precision_reduce = \"float32\", its only choice, at "
+                   f"{cfg_commit[:7]} and {tt2_commit[:7]}): the model file sets fp32_main_grads. Attention is SDPA's "
+                   "flash backend (FlashAttention-2): the cluster's attention_kernel \"fa2\".")
+
+
+def titan_model(size, hidden, layers, heads, ffn):
+    """The zoo's llama3-<size> shape with fp32 gradient reduction (FSDP2 mixed_precision_reduce)."""
+    return write_model(f"llama3.1-{size}-torchtitan", {
+        "name": f"llama3.1-{size}-torchtitan",
+        "description": (f"Llama 3.1 {size.upper()} as TorchTitan trains it (the zoo's llama3-{size} shape) with FSDP2's fp32 "
+                        "gradient reduction (training.mixed_precision_reduce = \"float32\"), posed as fp32 gradient buffers "
+                        "and reductions."),
+        "vocab": 128256, "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": 8, "head_dim": 128, "ffn": ffn,
+        "activation": "swiglu", "norm": "rmsnorm", "tie_embeddings": False,
+        "training": {"seq_len": 8192, "micro_batch_size": 1, "precision": "bf16", "fp32_main_grads": True}})
+
+
+TITAN_MODEL = {"llama3-8b": titan_model("8b", 4096, 32, 32, 14336), "llama3-70b": titan_model("70b", 8192, 80, 64, 28672)}
 
 
 def find(lines, prefix):
@@ -240,7 +269,7 @@ for table, tech, gpus, lbs, runtime in [
         "url": f"https://github.com/pytorch/torchtitan/blob/{tt_commit}/{tt1_path}",
         "repo": "pytorch/torchtitan", "commit": tt_commit, "path": tt1_path,
         "quote": row, "quote_context": caption,
-        "model": "llama3-8b", "gpu": "H100-96GB-500W", "cluster": "experiments/fidelity/clusters/grand-teton-h100.json",
+        "model": TITAN_MODEL["llama3-8b"], "gpu": "H100-96GB-500W", "cluster": "experiments/fidelity/clusters/grand-teton-h100.json",
         "gpus": gpus,
         "flags": ["--pp", "1", "--dp", str(gpus), "--zero", "3", "--microbatches", "1", "--micro-batch-size", str(lbs),
                   "--seq-len", "8192", "--recompute", "op"],
@@ -252,7 +281,7 @@ for table, tech, gpus, lbs, runtime in [
         "notes": (TT_NOTE_HW + " Sequence length 8192 from train_configs/llama3_8b.toml at the benchmark's torchtitan commit "
                   f"{cfg_commit[:7]} (seq_len = 8192). FSDP2 = ZeRO-3, no gradient accumulation (one microbatch of the local "
                   "batch). TorchTitan's selective activation checkpointing (per-op policy) is posed as Piper's --recompute "
-                  "op, that policy (every other matmul's output and attention's kept). bf16 (no Float8 row is used). Memory(GiB) is the source's peak, the maximum over GPUs.")})
+                  "op, that policy (every other matmul's output and attention's kept). bf16 (no Float8 row is used). Memory(GiB) is the source's peak, the maximum over GPUs." + TT_NOTE_RUNTIME)})
 
 for caption_prefix, quant_row, name, gpus, tp, lbs, ac, model in [
         ("#### Llama3 70b on 256 H100s", "| None (bfloat16)", "llama3-70b-fsdp32-tp8", 256, 8, 16, "full", "llama3-70b"),
@@ -269,7 +298,7 @@ for caption_prefix, quant_row, name, gpus, tp, lbs, ac, model in [
         "url": f"https://github.com/pytorch/torchtitan/blob/{tt_commit}/{tt2_path}",
         "repo": "pytorch/torchtitan", "commit": tt_commit, "path": tt2_path,
         "quote": row, "quote_context": caption,
-        "model": model, "gpu": "H100-96GB-500W", "cluster": "experiments/fidelity/clusters/grand-teton-h100.json",
+        "model": TITAN_MODEL[model], "gpu": "H100-96GB-500W", "cluster": "experiments/fidelity/clusters/grand-teton-h100.json",
         "gpus": gpus,
         "flags": ["--pp", "1", "--tp", str(tp), "--sequence-parallel", "--dp", str(dp), "--zero", "3", "--microbatches", "1",
                   "--micro-batch-size", str(lbs), "--seq-len", "8192", "--recompute", ac],
@@ -282,7 +311,7 @@ for caption_prefix, quant_row, name, gpus, tp, lbs, ac, model in [
                   "and the float8 70B row here, 809.8, matches Table 4's 829 TPS/GPU of the 2024-12 file), so it is read per GPU. "
                   "Sequence length 8192 from the llama3 train configs. Vanilla TP (no async TP) bf16 column. TorchTitan's TP plan shards the norms over the "
                   "sequence (SequenceParallel() on attention_norm, ffn_norm and norm in torchtitan/models/llama3/parallelize_llama.py "
-                  "at the benchmark's commit 820504e), i.e. Megatron-style sequence parallelism: posed with --sequence-parallel. " + ("Full AC = --recompute full." if ac == "full" else "Per-op SAC posed as --recompute op."))})
+                  "at the benchmark's commit 820504e), i.e. Megatron-style sequence parallelism: posed with --sequence-parallel. " + ("Full AC = --recompute full." if ac == "full" else "Per-op SAC posed as --recompute op.") + TT_NOTE_RUNTIME)})
 
 # ---------------------------------------------------------------- BigScience BLOOM (tr11) 3D-topology benchmarks
 BS = "bigscience-workshop+bigscience"

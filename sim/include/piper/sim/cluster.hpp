@@ -95,6 +95,10 @@ struct Cluster {
   // Which element-wise kernels the training runtime fuses ("runtime": "fused" | "eager" | "eager-fused-loss";
   // kernel_table.hpp). Only the per-kernel cost model reads it.
   std::string runtime = "fused";
+  // Which attention kernel the runtime uses ("attention_kernel"): "" = the kernel tables' own (cuDNN on
+  // Hopper), else an implementation every table names in "attention_kernels" ("fa2": FlashAttention-2,
+  // PyTorch's flash SDPA backend). Only the per-kernel cost model reads it.
+  std::string attention_kernel;
 
   int num_devices() const;
   int node_of(int device) const;      // throws ClusterError when out of range

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,6 +51,13 @@ class KernelTable {
   std::string name;           // "h200-sxm" or the file it was read from
   std::vector<Gemm> gemm;
   std::vector<Attention> attention;
+  // Other attention implementations than the one `attention` measures, as multipliers of its rates
+  // ("attention_kernels": {"fa2": {"fwd_scale": f, "bwd_scale": b, "source" | "derived"}}): a cluster's
+  // "attention_kernel" picks one (docs/cost-model.md, "Attention implementations").
+  struct AttentionKernel {
+    double fwd_scale = 1, bwd_scale = 1;
+  };
+  std::map<std::string, AttentionKernel> attention_kernels;
   std::vector<Memory> memory;
   // Fused multi-tensor AdamW over half-precision (bf16) and fp32 parameters, from the table's largest
   // measured run of each.
@@ -107,6 +115,7 @@ struct KernelTiming {
   double hbm_bytes_per_s = 0;
   double fallback_efficiency = 0.75;
   double half_efficiency_flops = 0;
+  KernelTable::AttentionKernel attention_kernel{};  // the cluster's attention implementation (1, 1: the table's own)
   double seconds(const core::Kernel& k) const;
 };
 
