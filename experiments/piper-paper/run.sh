@@ -20,7 +20,7 @@ mbss=(1 2 4)
 engines=(analytic simgrid)
 if [ "$QUICK" = 1 ]; then configs=("${configs[@]:0:2}"); mbss=(1); engines=(analytic); fi
 
-echo "config,model,pp,dp,ep,micro_batch,engine,schedule,step_ms,tokens_per_s,bubble_pct,peak_gib,cp_compute_ms,cp_all_to_all_ms,cp_dp_sync_ms,cp_pp_p2p_ms,busiest_device,busiest_busy_ms,busiest_bound_tokens_per_s" > results.csv
+echo "config,model,pp,dp,ep,micro_batch,engine,schedule,step_ms,tokens_per_s,bubble_pct,peak_gib,cp_compute_ms,cp_comm_ms,cp_dp_sync_ms,cp_all_to_all_and_p2p_ms,busiest_device,busiest_busy_ms,busiest_bound_tokens_per_s" > results.csv
 for cfg in "${configs[@]}"; do
   IFS='|' read -r name model pp cluster _ <<< "$cfg"
   for mbs in "${mbss[@]}"; do
@@ -31,16 +31,22 @@ for cfg in "${configs[@]}"; do
         "$PIPER" simulate --model "$model" --seq-len 512 --micro-batch-size "$mbs" --pp "$pp" --dp 4 --ep 4 --zero 1 \
           --recompute none --microbatches $((2 * pp)) --schedule "$sched" --virtual "$virtual" --cluster "$cluster" \
           --engine "$engine" --report "$r" > /dev/null
-        # The critical path's time by kind of op (compute; expert all-to-all; data-parallel
-        # reduce-scatter/all-gather/all-reduce; pipeline send/recv), the busiest device, and the
-        # throughput if the step took only that device's busy time (no bubble, nothing exposed).
+        # The critical path's time in compute and in communication, the data-parallel collectives
+        # (reduce-scatter/all-gather/all-reduce) among the latter, and the rest (expert all-to-all
+        # and pipeline send/recv); the busiest device; and the throughput if the step took only
+        # that device's busy time (no bubble, nothing exposed). The report lists the path's last
+        # 256 steps; the DP collectives run after each region's last backward, at the step's tail,
+        # and the script stops if the listed steps begin inside that tail (with a DP collective or
+        # an update), where some of them could be cut off.
         jq -r --arg c "$name" --arg m "$model" --arg pp "$pp" --arg b "$mbs" --arg e "$engine" --arg s "$sched" '
           def ms(f): ([.critical_path.steps[] | select(f) | .end_s - .start_s] | add // 0) * 1000;
           (.per_device | max_by(.busy_s)) as $busy
+          | ms(.label | test("^(REDUCE_SCATTER|ALL_GATHER|ALL_REDUCE)")) as $dp
+          | if (.critical_path.steps | length) == (.critical_path.ops) or (.critical_path.steps[0].label
+              | test("^(REDUCE_SCATTER|ALL_GATHER|ALL_REDUCE|UPD)") | not) then . else error("\($c) \($s): the listed critical-path steps may miss DP collectives") end
           | [$c, $m, $pp, 4, 4, $b, $e, $s, .step_time_s * 1000, .tokens_per_s, .bubble_fraction * 100,
-             .peak_memory_bytes / 1073741824, .critical_path.compute_s * 1000,
-             ms(.label | startswith("ALL_TO_ALL")), ms(.label | test("^(REDUCE_SCATTER|ALL_GATHER|ALL_REDUCE)")),
-             ms(.label | test("^(SEND|RECV)")), $busy.device, $busy.busy_s * 1000, .tokens_per_step / $busy.busy_s]
+             .peak_memory_bytes / 1073741824, .critical_path.compute_s * 1000, .critical_path.comm_s * 1000,
+             $dp, .critical_path.comm_s * 1000 - $dp, $busy.device, $busy.busy_s * 1000, .tokens_per_step / $busy.busy_s]
           | map(if type == "number" then (. * 100 | round / 100) else . end) | @csv' "$r" | tr -d '"' >> results.csv
       done
     done
