@@ -28,7 +28,10 @@ REQUIRED = {  # field -> type
     "id": str, "source": str, "url": str, "quote": str, "model": str, "gpu": str, "cluster": str, "gpus": int,
     "flags": list, "family": str, "runtime": str, "measured": dict, "measured_step_s": (int, float), "conversion": str,
     "notes": str}
-OPTIONAL = {"repo", "commit", "path", "quote_context", "measured_peak_gib"}
+OPTIONAL = {"repo", "commit", "path", "quote_context", "measured_peak_gib", "measured_peak_kind"}
+# What a published peak counts: "allocated" (live tensors, what Piper predicts) or "reserved" (the caching
+# allocator's reserved peak, torch.cuda's reserved_bytes.all.peak: allocated plus cached, fragmented blocks).
+PEAK_KINDS = {"allocated", "reserved"}
 
 
 class CaseError(Exception):
@@ -104,6 +107,8 @@ def validate(cases, path, zoo):
         peak = c.get("measured_peak_gib")
         if peak is not None and (not isinstance(peak, (int, float)) or isinstance(peak, bool) or not peak > 0):
             errors.append(f"{where}: 'measured_peak_gib' must be a positive number")
+        if peak is not None and c.get("measured_peak_kind") not in PEAK_KINDS:
+            errors.append(f"{where}: 'measured_peak_kind' must be one of {sorted(PEAK_KINDS)} where 'measured_peak_gib' is given")
         flags = c["flags"]
         if not flags or not all(isinstance(f, str) for f in flags):
             errors.append(f"{where}: 'flags' must be a non-empty list of strings")
@@ -214,7 +219,8 @@ def rows_of(cases, results):
         rows.append({"id": c["id"], "source": short_source(c), "gpu": c["gpu"], "family": c["family"], "runtime": c["runtime"],
                      "recompute": flag_value(c["flags"], "--recompute", "none"),
                      "gpus": c["gpus"], "measured_s": c["measured_step_s"], "predicted_s": r["predicted_s"], "error_pct": err,
-                     "oom": r["oom"], "peak_gib": r["peak_gib"], "measured_peak_gib": c.get("measured_peak_gib")})
+                     "oom": r["oom"], "peak_gib": r["peak_gib"], "measured_peak_gib": c.get("measured_peak_gib"),
+                     "measured_peak_kind": c.get("measured_peak_kind", "")})
     return rows
 
 
@@ -264,10 +270,15 @@ def write_md(path, rows, piper_version):
         lines += [f"## By {title}", ""] + group_table(rows, key, title) + [""]
     mem = [r for r in rows if r.get("measured_peak_gib")]
     if mem:
-        lines += ["## Peak memory, where published", "", "| id | published GiB | predicted GiB | error | predicted OOM |", "|---|---|---|---|---|"]
+        lines += ["## Peak memory, where published", "",
+                  "Piper predicts the peak of live (allocated) bytes; a `reserved` figure is the caching allocator's reserved "
+                  "peak, which adds cached and fragmented blocks, so a prediction below it is expected by that margin.", "",
+                  "| id | published GiB | published kind | predicted GiB (allocated) | error | predicted OOM |",
+                  "|---|---|---|---|---|---|"]
         for r in mem:
             e = 100.0 * (r["peak_gib"] - r["measured_peak_gib"]) / r["measured_peak_gib"]
-            lines.append(f"| {r['id']} | {r['measured_peak_gib']:g} | {r['peak_gib']:.1f} | {e:+.1f} % | {'yes' if r['oom'] else 'no'} |")
+            lines.append(f"| {r['id']} | {r['measured_peak_gib']:g} | {r['measured_peak_kind']} | {r['peak_gib']:.1f} | {e:+.1f} % | "
+                         f"{'yes' if r['oom'] else 'no'} |")
         lines.append("")
     lines += ["## Cases", "", "| id | source | GPU | family | GPUs | measured s | predicted s | error | OOM |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -213,6 +213,9 @@ tt2_commit = "820504e20d1149fbf0b98c567af24c4b0433b22d"  # torchtitan commit the
 cm1 = show(TT, cfg_commit, "torchtitan/config_manager.py")
 assert '"--training.mixed_precision_reduce",' in cm1 and 'default="float32",\n            choices=["float32"],' in cm1
 assert 'mixed_precision_reduce: Literal["float32"] = "float32"' in show(TT, tt2_commit, "torchtitan/config_manager.py")
+# The memory TorchTitan logs ("memory: ...GiB") is the caching allocator's reserved peak.
+assert 'f"{color.yellow}memory: {device_mem_stats.max_reserved_gib:5.2f}GiB"' in show(TT, cfg_commit, "train.py")
+assert 'max_reserved = device_info["reserved_bytes.all.peak"]' in show(TT, cfg_commit, "torchtitan/metrics.py")
 assert "F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)" in show(TT, cfg_commit, "torchtitan/models/llama/model.py")
 att2 = show(TT, tt2_commit, "torchtitan/models/attention.py")
 assert "SDPBackend.FLASH_ATTENTION,\n            SDPBackend.EFFICIENT_ATTENTION," in att2 and "if has_cuda_capability(10, 0):" in att2
@@ -277,11 +280,12 @@ for table, tech, gpus, lbs, runtime in [
         "measured": {"value": tps, "unit": "tokens/s per GPU"},
         "measured_step_s": step,
         "measured_peak_gib": mem,
+        "measured_peak_kind": "reserved",
         "conversion": f"local batch {lbs} x seq 8192 = {lbs * 8192} tokens per GPU per step / {tps} TPS/GPU = {step:.4f} s",
         "notes": (TT_NOTE_HW + " Sequence length 8192 from train_configs/llama3_8b.toml at the benchmark's torchtitan commit "
                   f"{cfg_commit[:7]} (seq_len = 8192). FSDP2 = ZeRO-3, no gradient accumulation (one microbatch of the local "
                   "batch). TorchTitan's selective activation checkpointing (per-op policy) is posed as Piper's --recompute "
-                  "op, that policy (every other matmul's output and attention's kept). bf16 (no Float8 row is used). Memory(GiB) is the source's peak, the maximum over GPUs." + TT_NOTE_RUNTIME)})
+                  "op, that policy (every other matmul's output and attention's kept). bf16 (no Float8 row is used). Memory(GiB) is the source's peak, the maximum over GPUs, as TorchTitan logs it: the caching allocator's reserved peak (train.py prints max_reserved_gib; metrics.py reads reserved_bytes.all.peak), not the allocated peak Piper predicts." + TT_NOTE_RUNTIME)})
 
 for caption_prefix, quant_row, name, gpus, tp, lbs, ac, model in [
         ("#### Llama3 70b on 256 H100s", "| None (bfloat16)", "llama3-70b-fsdp32-tp8", 256, 8, 16, "full", "llama3-70b"),
