@@ -149,11 +149,12 @@ Directive parse_one(const json& d, int index) {
   if (!op_it->is_string()) fail(index, "op", "must be a string");
   const std::string op = op_it->get<std::string>();
   if (op == "place") {
-    check_fields(d, index, {"filter", "devices", "stream"});
+    check_fields(d, index, {"filter", "devices", "stream", "blocking"});
     PlaceDirective p;
     p.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     p.devices = parse_devices(d, index);
     p.stream = get_string(d, index, "stream", "pp");
+    p.blocking = get_bool(d, index, "blocking");
     return p;
   }
   if (op == "replicate") {

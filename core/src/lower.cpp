@@ -283,6 +283,46 @@ int microbatch_of(const GlobalDag& dag, const DagNode& node) {
   return index;
 }
 
+// Transfers of a "blocking" place directive (DeepSpeed's pipeline engine: a synchronous send/recv on
+// the compute stream): the compute op after a SEND's producer waits for the SEND to end, and a RECV
+// waits for the compute op before its first consumer, so it is posted no earlier than the compute
+// stream reaches it. Added as waits (one per stream, the latest), which every engine, the verifier
+// and the runtime already honour.
+void make_transfers_blocking(const Graph& g, const std::vector<Vertex>& order, const std::vector<OpRef>& ref,
+                             const std::function<bool(Vertex)>& here, Plan& plan) {
+  auto add_wait = [](Op& op, OpRef on) {
+    for (auto& w : op.waits)
+      if (w.stream == on.stream) {
+        w.index = std::max(w.index, on.index);
+        return;
+      }
+    op.waits.push_back(on);
+    std::sort(op.waits.begin(), op.waits.end(), [](const OpRef& a, const OpRef& b) { return a.stream < b.stream; });
+  };
+  auto& compute = plan.streams.front().ops;  // stream 0 is "compute"
+  for (auto v : order) {
+    const auto& node = g[v];
+    if (!node.blocking || !here(v) || ref[v].stream < 0) continue;
+    if (node.kind == NodeKind::Send) {
+      int producer = -1;
+      for (auto e : boost::make_iterator_range(boost::in_edges(v, g)))
+        if (const Vertex u = boost::source(e, g); g[u].kind == NodeKind::Compute && ref[u].stream == 0)
+          producer = std::max(producer, ref[u].index);
+      if (producer >= 0 && producer + 1 < static_cast<int>(compute.size()))
+        add_wait(compute[static_cast<std::size_t>(producer + 1)], ref[v]);
+    } else if (node.kind == NodeKind::Recv) {
+      int consumer = std::numeric_limits<int>::max();
+      for (auto e : boost::make_iterator_range(boost::out_edges(v, g)))
+        if (const Vertex u = boost::target(e, g); g[u].kind == NodeKind::Compute && ref[u].stream == 0)
+          consumer = std::min(consumer, ref[u].index);
+      if (consumer != std::numeric_limits<int>::max() && consumer > 0)
+        add_wait(plan.streams[static_cast<std::size_t>(ref[v].stream)].ops[static_cast<std::size_t>(ref[v].index)],
+                 OpRef{0, consumer - 1});
+    }
+  }
+}
+
+
 }  // namespace
 
 Program lower(const GlobalDag& dag) {
@@ -414,6 +454,7 @@ Program lower(const GlobalDag& dag) {
       plan.streams[static_cast<std::size_t>(s)].ops.push_back(std::move(op));
     }
     auto op_at = [&](OpRef r) -> Op& { return plan.streams[static_cast<std::size_t>(r.stream)].ops[static_cast<std::size_t>(r.index)]; };
+    make_transfers_blocking(g, order, ref, here, plan);
 
     // Persistent state of each segment on this plan, sized by its sharding (ZeRO-aware).
     auto add_state = [&](const Segment& seg, std::int64_t params, const std::string& what) {

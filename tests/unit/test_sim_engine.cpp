@@ -13,6 +13,7 @@
 #include "piper/sim/ready_tracker.hpp"
 #include "piper/sim/report.hpp"
 #include "piper/sim/simulate.hpp"
+#include "expect.hpp"
 #include "unit_costs.hpp"
 
 using namespace piper;
@@ -309,4 +310,52 @@ TEST(SimTrace, ChromeTraceIsValidJsonWithOneEventPerOp) {
   EXPECT_EQ(back.step_time_s, r.report.step_time_s);
   EXPECT_EQ(back.per_device.size(), r.report.per_device.size());
   EXPECT_EQ(back.critical_path.ops, r.report.critical_path.ops);
+}
+
+// A "blocking" place directive (DeepSpeed's synchronous send/recv): the compute op after a SEND's
+// producer waits for the transfer, and a RECV is posted only once the compute op before its consumer
+// has ended. GPipe on 2 ranks, 2 microbatches, F = 1, B = 2, each transfer 0.5 s, by hand:
+//  * non-blocking: rank 0 F0 [0,1] F1 [1,2]; sends [1,1.5] [2,2.5]; rank 1 F0 [1.5,2.5] F1 [2.5,3.5]
+//    B0 [3.5,5.5] B1 [5.5,7.5]; gradients [5.5,6] [7.5,8]; rank 0 B0 [6,8] B1 [8,10]: 10 s.
+//  * blocking: rank 0 F1 waits for the first send: [1.5,2.5]; the second send waits for rank 1's F0
+//    to end (2.5): [2.5,3]; rank 1 F1 [3,4] B0 [4,6]; its B1 waits for the gradient send [6,6.5]:
+//    [6.5,8.5]; rank 0 B0 [6.5,8.5]; the last gradient [8.5,9]; rank 0 B1 [9,11]: 11 s.
+TEST(SimEngine, BlockingTransfersSerializeWithTheComputeStream) {
+  auto with_blocking = [](bool blocking) {
+    core::Scenario s;
+    s.model = "qwen3-1b";
+    s.strategy.schedule = "gpipe";
+    s.strategy.pp = 2;
+    s.strategy.microbatches = 2;
+    json program = core::strategy_directives(s.strategy, "qwen3-1b");
+    for (auto& d : program)
+      if (d["op"] == "place") d["blocking"] = blocking;
+    s.directives = program;
+    s.strategy = {};
+    return std::make_shared<const core::Program>(core::compile_scenario(s).result.program);
+  };
+  const OpOverride half_second_transfers = [](const core::Op& op) -> std::optional<double> {
+    if (op.kind == core::OpKind::Send || op.kind == core::OpKind::Recv) return 0.5;
+    return std::nullopt;
+  };
+  for (const bool blocking : {false, true}) {
+    const auto program = with_blocking(blocking);
+    const OpOverride unit = unit_costs(*program);
+    const OpOverride costs = [&](const core::Op& op) {
+      const auto t = half_second_transfers(op);
+      return t ? t : unit(op);
+    };
+    // Compute at full speed beside transfers (comm_sm_share 0), as the hand timeline assumes.
+    const Cluster no_sm_share = cluster_from_text(R"({"preset": "dgx-h200", "node": {"gpu": {"comm_sm_share": 0}}})", "c.json");
+    EXPECT_DOUBLE_EQ(simulate_unit(program, costs, no_sm_share).report.step_time_s, blocking ? 11.0 : 10.0) << "blocking " << blocking;
+    // Rank 0's compute ops wait on its SENDs exactly when blocking.
+    const auto& plan0 = program->plan_for(0);
+    int waits_on_send = 0;
+    for (const auto& op : plan0.streams[0].ops)
+      for (const auto& w : op.waits)
+        waits_on_send += plan0.streams[static_cast<std::size_t>(w.stream)].ops[static_cast<std::size_t>(w.index)].kind == core::OpKind::Send;
+    EXPECT_EQ(waits_on_send > 0, blocking) << waits_on_send;
+  }
+  EXPECT_NE(piper::test::error_of([] { core::parse_directives(json::parse(R"([{"op": "place", "filter": {"PP": 0}, "devices": [0], "blocking": 1}])")); })
+                .find("blocking"), std::string::npos);
 }

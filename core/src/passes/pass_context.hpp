@@ -74,6 +74,7 @@ class TagIndex {
 struct PassContext {
   GlobalDag& dag;
   std::vector<std::string> p2p_stream;   // per vertex: stream of its region's point-to-point transfers
+  std::vector<char> p2p_blocking;        // per vertex: its region's transfers are blocking (place "blocking")
   std::vector<std::string> split_dims;   // dims created by split, outermost first
   std::vector<bool> replicated;          // per segment
   // Strict: the DAG is checked for cycles after every pass. Otherwise once per phase (see
@@ -100,6 +101,7 @@ struct PassContext {
     if (n.kind == NodeKind::Compute) index.reset();
     Vertex v = dag.add_node(std::move(n));
     if (p2p_stream.size() <= v) p2p_stream.resize(v + 1);
+    if (p2p_blocking.size() <= v) p2p_blocking.resize(v + 1, 0);
     return v;
   }
 

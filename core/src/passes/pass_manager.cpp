@@ -48,7 +48,8 @@ void verify_dag(PassContext& cx, const std::string& after, bool placed) {
 struct CycleInPhase {};
 
 void apply_directives_in_place(GlobalDag& dag, const DirectiveProgram& program, const AfterPassHook& hook, bool strict) {
-  PassRun run{PassContext{dag, std::vector<std::string>(boost::num_vertices(dag.graph)), {},
+  PassRun run{PassContext{dag, std::vector<std::string>(boost::num_vertices(dag.graph)),
+                          std::vector<char>(boost::num_vertices(dag.graph), 0), {},
                           std::vector<bool>(dag.segments.size(), false), strict, {}},
               program, std::vector<int>(dag.segments.size(), -1), std::vector<int>(dag.segments.size(), -1), {}};
   auto after = [&](const PassDef& pass, int index) {

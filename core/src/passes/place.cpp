@@ -22,6 +22,8 @@ void apply_place(PassContext& cx, const PlaceDirective& d, int index, std::vecto
                std::to_string(placed_by[v]));
     n.devices = set;
     cx.p2p_stream[v] = d.stream;
+    if (cx.p2p_blocking.size() < cx.p2p_stream.size()) cx.p2p_blocking.resize(cx.p2p_stream.size(), 0);
+    cx.p2p_blocking[v] = d.blocking;
     placed_by[v] = index;
   }
 }
@@ -98,6 +100,7 @@ void finish_placement(PassContext& cx, bool any_place) {
     // sets ([0,1] -> [1,0]) sends and receives at once, as an NCCL send/recv group does.
     send.stream = cx.p2p_stream[r.u] + ">" + set_str(sv);
     send.bytes = r.e.bytes;
+    send.blocking = r.u < cx.p2p_blocking.size() && cx.p2p_blocking[r.u];
     send.label = "SEND " + cx.node(r.u).label + " -> s" + std::to_string(cx.node(r.v).segment);
     DagNode recv = send;
     recv.kind = NodeKind::Recv;
@@ -107,6 +110,7 @@ void finish_placement(PassContext& cx, bool any_place) {
     recv.devices = cx.node(r.v).devices;
     recv.peer_devices = cx.node(r.u).devices;
     recv.stream = cx.p2p_stream[r.v] + "<" + set_str(su);
+    recv.blocking = r.v < cx.p2p_blocking.size() && cx.p2p_blocking[r.v];
     recv.label = "RECV " + cx.node(r.v).label + " <- s" + std::to_string(cx.node(r.u).segment);
     Vertex vs = cx.add(std::move(send));
     Vertex vr = cx.add(std::move(recv));

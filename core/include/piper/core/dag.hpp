@@ -47,6 +47,7 @@ struct DagNode {
   int family = -1;                  // collectives: index into GlobalDag::families
   std::vector<int> buffer_segments; // UPD / gradient / param collectives: segments whose params they carry
   int prefetch = -1;                // ZeRO-3 per-use gathers: how many may run ahead of their use (-1: no limit)
+  bool blocking = false;            // SEND/RECV of a "blocking" place directive (synchronous on the compute stream)
   std::string label;                // human-readable, e.g. "F mb3 PP2 seg5"
   bool removed = false;             // tombstone left by rewrites (BGL vecS keeps indices stable)
 };

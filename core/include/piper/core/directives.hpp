@@ -33,6 +33,10 @@ struct PlaceDirective {
   Filter filter;
   std::vector<int> devices;
   std::string stream = "pp";   // stream for this region's point-to-point transfers
+  // Synchronous transfers, as DeepSpeed's pipeline engine issues them (a blocking send/recv on the
+  // compute stream): a SEND's next compute op waits for the transfer to end, and a RECV is posted
+  // only when the compute op before its consumer has ended.
+  bool blocking = false;
 };
 
 struct ReplicateDirective {
