@@ -10,6 +10,7 @@
 
 #include "piper/core/limits.hpp"
 #include "piper/core/program_builder.hpp"
+#include "piper/core/settings.hpp"
 
 namespace piper::core {
 namespace {
@@ -78,6 +79,10 @@ void validate_strategy_options(const StrategyOptions& o) {
     fail("--reduce-every applies to --zero 2 and 3 (ZeRO-0/1 reduce once per step)");
   if (!(o.bucket_mb >= 0) || !std::isfinite(o.bucket_mb) || o.bucket_mb > 1e9)  // bytes must fit in int64
     fail("--bucket-mb must be a number in [0, 1e9] (got " + num(o.bucket_mb) + ")");
+  // Every setting's own type and range, from the table (settings.hpp); the rules above say more.
+  for (const auto& s : strategy_settings())
+    if (s.name == "schedule") continue;  // schedule_family names the valid ones
+    else if (const std::string why = setting_problem(s, setting_value(s, o)); !why.empty()) fail(setting_flag(s) + ": " + why);
 }
 
 void resolve_global_batch(StrategyOptions& o, std::int64_t micro_batch_size) {

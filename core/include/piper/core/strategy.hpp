@@ -34,6 +34,7 @@ struct StrategyOptions {
   std::string pp_stream = "pp";    // place: point-to-point transfers between pipeline ranks
   std::string dp_stream = "dp";    // replicate: gradient reduction and (ZeRO-3) parameter gathers
   std::string ep_stream = "ep";    // shard: expert all-to-all
+  friend bool operator==(const StrategyOptions&, const StrategyOptions&) = default;
 };
 
 // Checks the knobs (pp, dp, ep >= 1, dp % ep == 0, zero in 0..3, microbatches >= 1,
