@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include <fmt/format.h>
 
@@ -16,93 +17,48 @@ using nlohmann::json;
 
 namespace {
 
-constexpr double kIntMax = std::numeric_limits<int>::max();
+constexpr double kSettingNoMax = std::numeric_limits<int>::max();
+constexpr int kEssential = 1, kWithDirectives = 2;
 
-Setting int_setting(std::string name, int StrategyOptions::*m, double min, double max, std::string tag, std::string help) {
-  Setting s;
-  s.name = std::move(name);
-  s.type = SettingType::Int;
-  s.member = m;
-  s.min = min;
-  s.max = max;
-  s.key_tag = std::move(tag);
-  s.help = std::move(help);
-  return s;
+std::vector<std::string> split_choices(const std::string& text) {
+  std::vector<std::string> out;
+  std::size_t pos = 0;
+  while (!text.empty() && pos <= text.size()) {
+    const std::size_t bar = std::min(text.find('|', pos), text.size());
+    out.push_back(text.substr(pos, bar - pos));
+    pos = bar + 1;
+  }
+  return out;
 }
 
-Setting bool_setting(std::string name, bool StrategyOptions::*m, std::string tag, std::string help) {
-  Setting s;
-  s.name = std::move(name);
-  s.type = SettingType::Bool;
-  s.member = m;
-  s.key_tag = std::move(tag);
-  s.help = std::move(help);
-  return s;
-}
-
-Setting string_setting(std::string name, std::string StrategyOptions::*m, std::vector<std::string> choices, std::string tag,
-                       std::string help) {
-  Setting s;
-  s.name = std::move(name);
-  s.type = SettingType::String;
-  s.member = m;
-  s.choices = std::move(choices);
-  s.key_tag = std::move(tag);
-  s.help = std::move(help);
-  return s;
-}
-
-Setting essential(Setting s) {
-  s.essential = true;
-  return s;
-}
-
-Setting also_with_directives(Setting s) {
-  s.generator_only = false;
-  return s;
+template <class T>
+constexpr SettingType type_of() {
+  if constexpr (std::is_same_v<T, bool>) return SettingType::Bool;
+  else if constexpr (std::is_same_v<T, int>) return SettingType::Int;
+  else if constexpr (std::is_same_v<T, double>) return SettingType::Double;
+  else return SettingType::String;
 }
 
 std::vector<Setting> make_table() {
-  using O = StrategyOptions;
-  Setting bucket;
-  bucket.name = "bucket_mb";
-  bucket.type = SettingType::Double;
-  bucket.member = &O::bucket_mb;
-  bucket.min = 0;
-  bucket.max = 1e9;  // bytes must fit in int64
-  bucket.key_tag = "b";
-  bucket.help = "gradient bucket size in MB (0: one per segment)";
-  // Order: the essential settings first, then the others as they were added. It is the order of
-  // CSV columns and of the parts of sweep keys, so a new setting goes at the end.
-  return {
-      essential(int_setting("pp", &O::pp, 1, kIntMax, "pp", "pipeline-parallel ranks")),
-      essential(int_setting("dp", &O::dp, 1, kIntMax, "dp", "data-parallel replicas")),
-      essential(int_setting("ep", &O::ep, 1, kIntMax, "ep", "expert-parallel degree (divides --dp)")),
-      essential(int_setting("zero", &O::zero, 0, 3, "z", "ZeRO level: 0, 1 (optimizer), 2 (+grads), 3 (+params)")),
-      essential(also_with_directives(string_setting("schedule", &O::schedule, {}, "", "pipeline schedule family"))),
-      essential(also_with_directives(int_setting("microbatches", &O::microbatches, 1, kIntMax, "mb", "microbatches per step"))),
-      essential(also_with_directives(
-          int_setting("virtual", &O::virtual_stages, 1, kIntMax, "v", "model chunks per pipeline rank"))),
-      essential(bucket),
-      int_setting("tp", &O::tp, 1, kIntMax, "tp", "tensor-parallel degree (consecutive devices, inside a node)"),
-      bool_setting("sequence_parallel", &O::sequence_parallel, "sp", "sequence parallelism inside each TP group (needs --tp >= 2)"),
-      string_setting("recompute", &O::recompute, {"selective", "full", "op"}, "rc-",
-                     "activation recomputation: none, selective (the attention core), full (whole blocks) or op "
-                     "(TorchTitan's op-level policy)"),
-      also_with_directives(int_setting("global_batch", &O::global_batch, 1, kIntMax, "gb",
-                                       "sequences per step; microbatches = N / (micro-batch size x dp)")),
-      int_setting("comm_sms", &O::comm_sms, 1, kIntMax, "sms",
-                  "give the communication streams N SMs of each GPU, compute the rest (sm_partition directive)"),
-      int_setting("dp_shard", &O::dp_shard, 2, kIntMax, "hs",
-                  "HSDP: ZeRO shards over groups of N data-parallel replicas; the groups replicate each other"),
-      bool_setting("tp_comm_overlap", &O::tp_comm_overlap, "tpo",
-                   "overlap the TP collectives with the GEMMs (Megatron's --tp-comm-overlap, async TP)"),
-      string_setting("reduce_every", &O::reduce_every, {"microbatch", "step"}, "rs-",
-                     "ZeRO-2/3 gradient reduction: after every microbatch (default; DeepSpeed ZeRO-2, FSDP2) or once per "
-                     "step (keeps whole gradients, as FSDP's no_sync)"),
-      bool_setting("fp8_all_gather", &O::fp8_all_gather, "fp8ag",
-                   "ZeRO-3 with fp8 training: gather the parameters in fp8, one byte each (TorchTitan's Float8)"),
-  };
+  std::vector<Setting> table;
+#define PIPER_STRATEGY_SETTING(T_, M_, name_, default_value, min_, max_, choices_, key_tag_, traits, help_) \
+  {                                                                                                             \
+    Setting s;                                                                                                  \
+    s.name = name_;                                                                                             \
+    s.type = type_of<T_>();                                                                                   \
+    s.help = help_;                                                                                             \
+    s.member = &StrategyOptions::M_;                                                                             \
+    s.min = min_;                                                                                               \
+    s.max = max_;                                                                                               \
+    s.choices = split_choices(choices_);                                                                        \
+    s.key_tag = key_tag_;                                                                                       \
+    s.essential = ((traits) & kEssential) != 0;                                                                 \
+    s.generator_only = ((traits) & kWithDirectives) == 0;                                                       \
+    table.push_back(std::move(s));                                                                              \
+  }
+#include "piper/core/strategy_settings.def"
+#undef PIPER_STRATEGY_SETTING
+  return table;
 }
 
 std::string number_text(double v) { return fmt::format("{}", v); }
@@ -174,7 +130,7 @@ std::string setting_problem(const Setting& s, const json& v) {
     case SettingType::Double: {
       const bool is_int = s.type == SettingType::Int;
       auto range = [&] {
-        const std::string lo = number_text(s.min), hi = s.max >= kIntMax ? std::string() : number_text(s.max);
+        const std::string lo = number_text(s.min), hi = s.max >= kSettingNoMax ? std::string() : number_text(s.max);
         std::string r = hi.empty() ? ">= " + lo : "in " + lo + ".." + hi;
         if (!(def.get<double>() >= s.min && def.get<double>() <= s.max)) r += fmt::format(" (or {}: off)", def.dump());
         return r;
@@ -287,7 +243,7 @@ json settings_table_json() {
               {"default", setting_default(s)}, {"help", s.help}};
     if (s.type == SettingType::Int || s.type == SettingType::Double) {
       e["min"] = s.min;
-      if (s.max < kIntMax || s.type == SettingType::Double) e["max"] = s.max;
+      if (s.max < kSettingNoMax || s.type == SettingType::Double) e["max"] = s.max;
     }
     if (const auto choices = setting_choices(s); !choices.empty()) e["choices"] = choices;
     out.push_back(std::move(e));

@@ -21,7 +21,8 @@ CLI = os.environ["PIPER_CLI"]
 MPIEXEC = os.environ.get("PIPER_MPIEXEC", "mpirun")
 TINY = os.path.join(SOURCE_DIR, "tests", "data", "runtime-tiny-gpt.json")
 PACKAGE_DIR = os.path.dirname(piper.__file__)
-FUNCTIONS = ["compile", "directives", "simulate", "verify", "sweep", "tune", "run", "plot", "read_results", "models", "schedule_show"]
+FUNCTIONS = ["compile", "directives", "simulate", "verify", "sweep", "tune", "run", "plot", "read_results", "models", "schedule_show",
+             "strategy", "strategy_settings"]
 # Wall-clock fields of a results row: two processes never measure the same.
 TIMES = ("compile_time_s", "simulate_time_s")
 
@@ -113,6 +114,14 @@ class Stubs(unittest.TestCase):
         self.assertIn("TuneResult.directives", [f[0] for f in functions])
         for name, node, fn in functions:
             runtime = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+            if name == "strategy":
+                # One keyword per setting of the table, so the stub takes **settings and the runtime
+                # signature is the table's: names, keyword-only, defaults.
+                self.assertEqual((node.args.args, node.args.kwonlyargs, node.args.kwarg.arg), ([], [], "settings"))
+                table = piper.strategy_settings()
+                self.assertEqual([(p.name, p.kind, p.default) for p in runtime],
+                                 [(s["name"], inspect.Parameter.KEYWORD_ONLY, s["default"]) for s in table])
+                continue
             a = node.args
             stub = [(x.arg, inspect.Parameter.POSITIONAL_OR_KEYWORD) for x in a.args] + \
                    [(x.arg, inspect.Parameter.KEYWORD_ONLY) for x in a.kwonlyargs]
