@@ -351,8 +351,7 @@ py::object strategy(const py::handle& settings) {
   const json j = to_cpp(settings, "strategy");
   return to_py(guarded([&] {
     core::StrategyOptions o;
-    core::read_strategy_json(j, o, "strategy", "");
-    core::validate_strategy_options(o);
+    core::read_strategy_json(j, o, "strategy", "");  // each key's type and range, as a scenario file's
     return core::strategy_to_json(o, true);
   }));
 }

@@ -235,18 +235,34 @@ std::vector<SweepPoint> expand(const SweepSpec& s) {
   }
 }
 
+namespace {
+
+// The settings whose columns sit before the figures, where they were before the settings table: a
+// frozen list, so column numbers of existing files (and the `cut -f` of docs and scripts) stay put.
+// Every later setting's column goes after `reason`, in table order.
+bool column_before_figures(const core::Setting& s) {
+  static const std::set<std::string> names = {"pp", "dp", "ep", "zero", "schedule", "microbatches", "virtual",
+                                              "bucket_mb", "tp", "sequence_parallel", "recompute", "global_batch",
+                                              "comm_sms", "dp_shard"};
+  return names.count(s.name) > 0;
+}
+
+}  // namespace
+
 const std::vector<std::string>& sweep_csv_columns() {
   static const std::vector<std::string> columns = [] {
     std::vector<std::string> c = {"key", "model", "cluster", "engine"};
     for (const auto& s : core::strategy_settings())
-      if (s.essential) c.push_back(s.name);
+      if (s.essential && column_before_figures(s)) c.push_back(s.name);
     c.push_back("seq_len");
     c.push_back("micro_batch_size");
     for (const auto& s : core::strategy_settings())
-      if (!s.essential) c.push_back(s.name);
+      if (!s.essential && column_before_figures(s)) c.push_back(s.name);
     for (const char* figure : {"devices", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom",
                                "compile_time_s", "simulate_time_s", "tp_comm_s", "status", "reason"})
       c.push_back(figure);
+    for (const auto& s : core::strategy_settings())
+      if (!column_before_figures(s)) c.push_back(s.name);
     return c;
   }();
   return columns;
@@ -256,16 +272,16 @@ std::string sweep_csv_header() { return csv_header(sweep_csv_columns()); }
 
 namespace {
 
-// The knob columns of a sweep row (key ... dp_shard and the later settings), in column order.
+// The knob columns of a sweep row before its figures (key ... dp_shard), in column order.
 std::vector<std::pair<std::string, json>> knob_fields(const SweepPoint& p) {
   std::vector<std::pair<std::string, json>> out = {
       {"key", p.key()}, {"model", p.model}, {"cluster", p.cluster}, {"engine", p.engine}};
   for (const auto& s : core::strategy_settings())
-    if (s.essential) out.emplace_back(s.name, core::setting_value(s, p));
+    if (s.essential && column_before_figures(s)) out.emplace_back(s.name, core::setting_value(s, p));
   out.emplace_back("seq_len", p.seq_len);
   out.emplace_back("micro_batch_size", p.micro_batch_size);
   for (const auto& s : core::strategy_settings())
-    if (!s.essential) out.emplace_back(s.name, core::setting_value(s, p));
+    if (!s.essential && column_before_figures(s)) out.emplace_back(s.name, core::setting_value(s, p));
   return out;
 }
 
@@ -288,6 +304,8 @@ std::string to_csv(const SweepRow& r) {
                         figure(r.oom ? 1 : 0), figure(r.compile_time_s), figure(r.simulate_time_s), figure(r.tp_comm_s),
                         r.status, csv_field(one_line(r.reason))})
     fields.push_back(std::move(f));
+  for (const auto& s : core::strategy_settings())
+    if (!column_before_figures(s)) fields.push_back(csv_field(core::setting_text(s, p)));
   return fmt::format("{}", fmt::join(fields, ","));
 }
 
@@ -309,6 +327,8 @@ nlohmann::json to_json(const SweepRow& r) {
   j["tp_comm_s"] = figure(r.tp_comm_s);
   j["status"] = r.status;
   j["reason"] = one_line(r.reason);
+  for (const auto& s : core::strategy_settings())
+    if (!column_before_figures(s)) j[s.name] = core::setting_value(s, r.point);
   return j;
 }
 

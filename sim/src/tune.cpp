@@ -68,8 +68,8 @@ core::StrategyOptions strategy_of(const TuneCandidate& c) {
 }
 
 // The settings the tune CSV and key name by hand (their columns and key parts predate the settings
-// table); every other setting of the table gets a column after micro_batch_size and a key part when
-// not at its default. global_batch is the spec's (sequences per step), never a candidate's.
+// table); every other setting of the table gets a column after `reason` and a key part when not at
+// its default. global_batch is the spec's (sequences per step), never a candidate's.
 bool named_by_hand(const std::string& setting) {
   static const std::set<std::string> names = {"pp", "dp", "ep", "zero", "schedule", "microbatches", "virtual", "tp",
                                               "sequence_parallel", "recompute", "comm_sms", "dp_shard", "reduce_every",
@@ -942,12 +942,13 @@ const std::vector<std::string>& tune_csv_columns() {
     std::vector<std::string> c = {"key", "model", "cluster", "devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp",
                                   "sequence_parallel", "recompute", "comm_sms", "dp_shard", "reduce_every", "zero", "schedule",
                                   "virtual", "microbatches", "micro_batch_size"};
-    for (const auto& s : core::strategy_settings())
-      if (!named_by_hand(s.name)) c.push_back(s.name);
     for (const char* more : {"placement", "pp_ranges", "rank_order", "engine", "estimated_memory_bytes", "step_time_s",
                              "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s",
                              "simulate_time_s", "tp_comm_s", "status", "reason"})
       c.push_back(more);
+    // After `reason`, so the column numbers of existing files and scripts stay put.
+    for (const auto& s : core::strategy_settings())
+      if (!named_by_hand(s.name)) c.push_back(s.name);
     return c;
   }();
   return columns;
@@ -960,19 +961,18 @@ std::string to_csv(const TuneSpec& spec, const TuneRow& r) {
   // {} prints doubles in their shortest round-trip form, so a row read back compares exactly.
   const bool ok = r.status == "ok";
   auto figure = [&](auto v) { return ok ? fmt::format("{}", v) : std::string(); };
-  std::string row = fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(c.key()),
-                                csv_field(spec.model), csv_field(spec.cluster), spec.devices, spec.effective_global_batch(),
-                                spec.seq_len, c.pp, c.dp, c.ep, c.tp, c.sequence_parallel ? 1 : 0, csv_field(c.recompute),
-                                c.comm_sms, c.dp_shard, c.zero >= 2 ? (c.reduce_every == "step" ? "step" : "microbatch") : "",
-                                c.zero, csv_field(c.schedule), c.virtual_stages, c.microbatches, c.micro_batch_size);
+  std::string row = fmt::format(
+      "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+      csv_field(c.key()), csv_field(spec.model), csv_field(spec.cluster), spec.devices, spec.effective_global_batch(),
+      spec.seq_len, c.pp, c.dp, c.ep, c.tp, c.sequence_parallel ? 1 : 0, csv_field(c.recompute), c.comm_sms, c.dp_shard,
+      c.zero >= 2 ? (c.reduce_every == "step" ? "step" : "microbatch") : "", c.zero, csv_field(c.schedule), c.virtual_stages,
+      c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '), join(c.rank_order, ' '), r.engine,
+      r.estimated_memory_bytes > 0 ? fmt::format("{}", r.estimated_memory_bytes) : std::string(), figure(r.step_time_s),
+      figure(r.tokens_per_s), figure(r.mfu), figure(r.bubble_fraction), figure(r.peak_memory_bytes), figure(r.oom ? 1 : 0),
+      figure(r.compile_time_s), figure(r.simulate_time_s), figure(r.tp_comm_s), r.status, csv_field(one_line(r.reason)));
   for (const auto& s : core::strategy_settings())
     if (!named_by_hand(s.name)) row += "," + csv_field(core::setting_text(s, c));
-  return row + fmt::format(",{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(c.placement), join(c.pp_ranges, ' '),
-                           join(c.rank_order, ' '), r.engine,
-                           r.estimated_memory_bytes > 0 ? fmt::format("{}", r.estimated_memory_bytes) : std::string(),
-                           figure(r.step_time_s), figure(r.tokens_per_s), figure(r.mfu), figure(r.bubble_fraction),
-                           figure(r.peak_memory_bytes), figure(r.oom ? 1 : 0), figure(r.compile_time_s),
-                           figure(r.simulate_time_s), figure(r.tp_comm_s), r.status, csv_field(one_line(r.reason)));
+  return row;
 }
 
 TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, const std::string& where) {
