@@ -15,6 +15,7 @@
 #include "piper/core/scenario.hpp"
 #include "piper/core/settings.hpp"
 #include "piper/sim/results_csv.hpp"
+#include "piper/sim/simulate.hpp"
 #include "piper/sim/sweep.hpp"
 #include "piper/sim/tune.hpp"
 
@@ -177,4 +178,39 @@ TEST(Settings, BadEnumValueNamesTheKeyAndTheChoices) {
   flags.add_to(&app);
   const std::string cli = error_of([&] { app.parse(std::vector<std::string>{"ful", "--recompute"}); });
   EXPECT_NE(cli.find("--recompute"), std::string::npos) << cli;
+}
+
+// gather_prefetch (added as one line of the table): the replicate directive's ZeRO-3 `prefetch`.
+// With 0 no gather runs ahead of its unit, so no more gathered copies are live than with the default
+// 1, and with no limit (2^20) at least as many; the generated program carries the field only when set.
+TEST(Settings, GatherPrefetchBoundsTheZero3Gathers) {
+  auto scenario = [](int prefetch) {
+    core::Scenario s;
+    s.model = "qwen3-9m";
+    s.strategy.pp = 2, s.strategy.dp = 2, s.strategy.zero = 3, s.strategy.microbatches = 4;
+    s.strategy.gather_prefetch = prefetch;
+    return s;
+  };
+  auto prefetch_of = [&](int prefetch) {
+    std::vector<json> out;
+    for (const auto& d : core::scenario_program(scenario(prefetch)))
+      if (d.at("op") == "replicate") out.push_back(d.contains("prefetch") ? d.at("prefetch") : json(nullptr));
+    return out;
+  };
+  EXPECT_EQ(prefetch_of(1), (std::vector<json>{nullptr, nullptr}));
+  EXPECT_EQ(prefetch_of(0), (std::vector<json>{0, 0}));
+  auto peak = [&](int prefetch) {
+    sim::SimulateOptions options;
+    options.cluster = "dgx-h200";
+    options.engine = "analytic";
+    return sim::simulate(scenario(prefetch), options).report.peak_memory_bytes;
+  };
+  const auto none = peak(0), one = peak(1), unbounded = peak(1 << 20);
+  EXPECT_LE(none, one);
+  EXPECT_LE(one, unbounded);
+  EXPECT_LT(none, unbounded);
+  core::Scenario zero2 = scenario(0);
+  zero2.strategy.zero = 2;
+  EXPECT_EQ(error_of([&] { core::compile_scenario(zero2); }),
+            "--gather-prefetch applies only with --zero 3 (its per-use parameter gathers)");
 }
