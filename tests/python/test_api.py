@@ -135,6 +135,49 @@ class Stubs(unittest.TestCase):
                     self.assertEqual(ast.literal_eval(d), p.default, f"{name}({p.name})")
 
 
+class Strategy(unittest.TestCase):
+    """piper.strategy(**settings): the keywords are the settings table's, checked as a scenario's keys."""
+
+    @staticmethod
+    def other_value(setting):
+        d = setting["default"]
+        if setting["type"] == "bool":
+            return not d
+        if setting["type"] == "int":
+            return setting["min"] if d != setting["min"] else setting["min"] + 1
+        if setting["type"] == "double":
+            return 25.5
+        return setting["choices"][-1]
+
+    def test_every_setting_round_trips_by_keyword_and_csv_type(self):
+        table = piper.strategy_settings()
+        defaults = piper.strategy()
+        self.assertEqual(list(defaults), sorted(s["name"] for s in table))
+        for s in table:
+            v = self.other_value(s)
+            got = piper.strategy(**{s["name"]: v})
+            self.assertEqual(got, {**defaults, s["name"]: v}, s["name"])
+            # A results CSV column of that name reads back as the same value.
+            text = ("1" if v else "0") if isinstance(v, bool) else str(v)
+            self.assertEqual(piper._typed(s["name"], text), v, s["name"])
+            self.assertIs(type(piper._typed(s["name"], text)), type(v), s["name"])
+
+    def test_unknown_keyword_is_an_input_error_with_a_suggestion(self):
+        with self.assertRaises(piper.InputError) as e:
+            piper.strategy(microbatchs=4)
+        self.assertIn("'microbatchs'", str(e.exception))
+        self.assertIn("did you mean 'microbatches'?", str(e.exception))
+
+    def test_bad_enum_value_names_the_keyword(self):
+        with self.assertRaises(piper.InputError) as e:
+            piper.strategy(recompute="ful")
+        self.assertIn("'recompute'", str(e.exception))
+        self.assertIn("did you mean 'full'?", str(e.exception))
+        with self.assertRaises(piper.InputError) as e:
+            piper.strategy(zero=4)
+        self.assertIn("'zero'", str(e.exception))
+
+
 class Errors(unittest.TestCase):
     SCENARIO = {"model": "qwen3-9m", "strategy": {"pp": 2, "microbatches": 2}}
 
