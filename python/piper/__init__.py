@@ -390,7 +390,6 @@ _FLOAT_COLUMNS = {"bucket_mb", "step_time_s", "tokens_per_s", "mfu", "bubble_fra
 _BOOL_COLUMNS = {"sequence_parallel", "oom"}
 
 
-_SETTING_TYPES = _setting_types()
 _STR_COLUMNS = {"key", "model", "cluster", "engine", "schedule", "recompute", "reduce_every", "placement",
                 "pp_ranges", "rank_order", "status", "reason"}
 
@@ -399,6 +398,9 @@ def _setting_types():
     """Column -> Python type of every strategy setting (the settings table; its names are CSV columns)."""
     kinds = {"int": int, "double": float, "bool": bool, "string": str}
     return {s["name"]: kinds[s["type"]] for s in _piper.strategy_settings()}
+
+
+_SETTING_TYPES = _setting_types()
 
 
 def _typed(column, text):
