@@ -41,13 +41,13 @@ constexpr SettingType type_of() {
 
 std::vector<Setting> make_table() {
   std::vector<Setting> table;
-#define PIPER_STRATEGY_SETTING(T_, M_, name_, default_value, min_, max_, choices_, key_tag_, traits, help_) \
+#define PIPER_STRATEGY_SETTING(T_, M_, name_, default_value, min_, max_, choices_, key_tag_, traits, help_)     \
   {                                                                                                             \
     Setting s;                                                                                                  \
     s.name = name_;                                                                                             \
-    s.type = type_of<T_>();                                                                                   \
+    s.type = type_of<T_>();                                                                                     \
     s.help = help_;                                                                                             \
-    s.member = &StrategyOptions::M_;                                                                             \
+    s.member = &StrategyOptions::M_;                                                                            \
     s.min = min_;                                                                                               \
     s.max = max_;                                                                                               \
     s.choices = split_choices(choices_);                                                                        \
@@ -242,8 +242,9 @@ json settings_table_json() {
     json e = {{"name", s.name},       {"flag", setting_flag(s)},      {"type", setting_type_name(s)},
               {"default", setting_default(s)}, {"help", s.help}};
     if (s.type == SettingType::Int || s.type == SettingType::Double) {
-      e["min"] = s.min;
-      if (s.max < kSettingNoMax || s.type == SettingType::Double) e["max"] = s.max;
+      auto number = [&](double v) { return s.type == SettingType::Int ? json(static_cast<long long>(v)) : json(v); };
+      e["min"] = number(s.min);
+      if (s.max < kSettingNoMax || s.type == SettingType::Double) e["max"] = number(s.max);
     }
     if (const auto choices = setting_choices(s); !choices.empty()) e["choices"] = choices;
     out.push_back(std::move(e));

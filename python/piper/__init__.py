@@ -406,6 +406,8 @@ _SETTING_TYPES = _setting_types()
 def _typed(column, text):
     """A field of a results CSV as Python reads it: blank is None (no value), never 0. The columns of
     sweep and tune files have their types; other columns are int, float or str, whichever parses."""
+    if _SETTING_TYPES.get(column) is str:
+        return text  # a string setting's blank is its value ("": reduce_every's default), not a missing figure
     if text == "":
         return None
     if column in _INT_COLUMNS:

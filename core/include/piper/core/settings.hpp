@@ -3,8 +3,8 @@
 // --kebab-case), type, allowed values, one-line help and where it lives in StrategyOptions. The CLI
 // flags, the scenario and sweep readers (strict: an unknown key is an error with a did-you-mean),
 // the results CSV columns and their readers, the Python bindings and the studio's fields all come
-// from it. Adding a setting is one entry in strategy_settings() (settings.cpp) plus the code that
-// uses it.
+// from it. The entries are the lines of strategy_settings.def, which also declares StrategyOptions'
+// members: adding a setting is one line there plus the code that uses it.
 #pragma once
 
 #include <string>
