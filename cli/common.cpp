@@ -117,21 +117,15 @@ static CLI::Validator setting_validator(const core::Setting& setting) {
   const core::Setting* s = &setting;  // the table is static
   return CLI::Validator(
       [s](std::string& value) -> std::string {
-        json v;
-        if (s->type == core::SettingType::String) {
-          v = value;
-        } else {
-          try {
-            std::size_t used = 0;
-            if (s->type == core::SettingType::Int) v = std::stoll(value, &used);
-            else v = std::stod(value, &used);
-            if (used != value.size()) return "must be a number, got '" + value + "'";
-          } catch (const std::exception&) {
-            return std::string("must be ") + (s->type == core::SettingType::Int ? "an integer" : "a number") + ", got '" +
-                   value + "'";
-          }
+        if (s->type == core::SettingType::String) return core::setting_problem(*s, value);
+        const bool integer = s->type == core::SettingType::Int;
+        try {
+          std::size_t used = 0;
+          const json v = integer ? json(std::stoll(value, &used)) : json(std::stod(value, &used));
+          if (used == value.size()) return core::setting_problem(*s, v);
+        } catch (const std::exception&) {
         }
-        return core::setting_problem(*s, v);
+        return std::string("must be ") + (integer ? "an integer" : "a number") + ", got '" + value + "'";
       },
       "");
 }

@@ -178,6 +178,15 @@ TEST(Settings, BadEnumValueNamesTheKeyAndTheChoices) {
   flags.add_to(&app);
   const std::string cli = error_of([&] { app.parse(std::vector<std::string>{"ful", "--recompute"}); });
   EXPECT_NE(cli.find("--recompute"), std::string::npos) << cli;
+  CLI::App app2;
+  cli::StrategyFlags flags2;
+  flags2.add_to(&app2);
+  EXPECT_EQ(error_of([&] { app2.parse(std::vector<std::string>{"7", "--zero"}); }),
+            "--zero: must be an integer in 0..3 (got 7)");
+  CLI::App app3;
+  cli::StrategyFlags flags3;
+  flags3.add_to(&app3);
+  EXPECT_EQ(error_of([&] { app3.parse(std::vector<std::string>{"2x", "--pp"}); }), "--pp: must be an integer, got '2x'");
 }
 
 // gather_prefetch (added as one line of the table): the replicate directive's ZeRO-3 `prefetch`.
