@@ -145,8 +145,8 @@ std::string setting_problem(const Setting& s, const json& v) {
       if (!v.is_string()) return fmt::format("must be a string (got {})", v.dump());
       const std::vector<std::string> choices = setting_choices(s);
       const std::string x = v.get<std::string>();
-      if (choices.empty() || x == def.get<std::string>() || std::find(choices.begin(), choices.end(), x) != choices.end())
-        return {};
+      const bool listed = std::find(choices.begin(), choices.end(), x) != choices.end();
+      if (choices.empty() || x == def.get<std::string>() || listed) return {};
       std::string list;
       for (std::size_t i = 0; i < choices.size(); ++i)
         list += (i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ") + choices[i];
@@ -197,7 +197,8 @@ json setting_from_text(const Setting& s, const std::string& text, const std::str
         }
         if (used != text.size() || text.empty()) throw std::invalid_argument(text);
       } catch (const std::exception&) {
-        throw Error(fmt::format("{}: '{}' is not {}", where, text, s.type == SettingType::Int ? "an integer" : "a number"));
+        const char* what = s.type == SettingType::Int ? "an integer" : "a number";
+        throw Error(fmt::format("{}: '{}' is not {}", where, text, what));
       }
       break;
   }
@@ -212,7 +213,10 @@ std::string setting_key_part(const Setting& s, const StrategyOptions& o) {
 }
 
 void read_strategy_json(const json& obj, StrategyOptions& o, const std::string& where, const std::string& prefix) {
-  if (!obj.is_object()) throw Error(fmt::format("{}: field '{}': must be an object", where, prefix.empty() ? "strategy" : prefix.substr(0, prefix.size() - 1)));
+  if (!obj.is_object()) {
+    const std::string field = prefix.empty() ? "strategy" : prefix.substr(0, prefix.size() - 1);
+    throw Error(fmt::format("{}: field '{}': must be an object", where, field));
+  }
   const std::vector<std::string> names = setting_names();
   for (auto it = obj.begin(); it != obj.end(); ++it) {
     const Setting* s = find_setting(it.key());

@@ -29,7 +29,10 @@ json other_value(const core::Setting& s) {
   const json def = core::setting_default(s);
   switch (s.type) {
     case core::SettingType::Bool: return !def.get<bool>();
-    case core::SettingType::Int: return def.get<int>() != static_cast<int>(s.min) ? static_cast<int>(s.min) : static_cast<int>(s.min) + 1;
+    case core::SettingType::Int: {
+      const int min = static_cast<int>(s.min);
+      return def.get<int>() != min ? min : min + 1;
+    }
     case core::SettingType::Double: return def.get<double>() != 25.5 ? 25.5 : 12.25;
     case core::SettingType::String: {
       const auto choices = core::setting_choices(s);
@@ -77,8 +80,8 @@ TEST(Settings, NamesAreUniqueSnakeCaseWithHelpAndAValidDefault) {
   std::sort(sorted.begin(), sorted.end());
   EXPECT_EQ(std::adjacent_find(sorted.begin(), sorted.end()), sorted.end());
   for (const auto& s : core::strategy_settings()) {
-    EXPECT_TRUE(std::all_of(s.name.begin(), s.name.end(), [](char c) { return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_'; }))
-        << s.name;
+    auto snake = [](char c) { return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_'; };
+    EXPECT_TRUE(std::all_of(s.name.begin(), s.name.end(), snake)) << s.name;
     EXPECT_FALSE(s.help.empty()) << s.name;
     EXPECT_EQ(s.help.find('\n'), std::string::npos) << s.name;
     EXPECT_EQ(core::setting_problem(s, core::setting_default(s)), "") << s.name;

@@ -23,7 +23,8 @@ struct Setting {
   std::string name;      // snake_case; the CLI flag is --kebab-case of it
   SettingType type = SettingType::Int;
   std::string help;      // one line, for --help, the studio's tool tips and piper.strategy_settings()
-  std::variant<int StrategyOptions::*, double StrategyOptions::*, bool StrategyOptions::*, std::string StrategyOptions::*>
+  std::variant<int StrategyOptions::*, double StrategyOptions::*, bool StrategyOptions::*,
+               std::string StrategyOptions::*>
       member;
   // Int/Double: a value other than the default must lie in [min, max] (the default, often 0 for
   // "off", is always accepted).
