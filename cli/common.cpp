@@ -5,11 +5,14 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <type_traits>
+#include <variant>
 
 #include <fmt/format.h>
 
 #include "piper/core/limits.hpp"
 #include "piper/core/program.hpp"
+#include "piper/core/settings.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/core/verifier.hpp"
 
@@ -65,12 +68,6 @@ std::string human_count(std::int64_t n) {
 
 double mib(std::int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
-static std::vector<std::string> schedule_names() {
-  std::vector<std::string> names;
-  for (const auto& f : core::schedule_registry()) names.push_back(f.name);
-  return names;
-}
-
 // CLI11's Range prints DBL_MAX for a non-number; these say what is expected in a few words.
 // An int (the whole text, within int's range) of at least `min`; `what` names the rule in the message.
 static CLI::Validator int_at_least(long long min, const std::string& what, const std::string& name) {
@@ -115,45 +112,49 @@ const CLI::Validator kOutputPath(
     [](std::string& value) -> std::string { return value.empty() ? "must name a file, got an empty path" : std::string(); },
     "FILE");
 
+// A setting's value as the flag gives it: its type and range from the table.
+static CLI::Validator setting_validator(const core::Setting& setting) {
+  const core::Setting* s = &setting;  // the table is static
+  return CLI::Validator(
+      [s](std::string& value) -> std::string {
+        if (s->type == core::SettingType::String) return core::setting_problem(*s, value);
+        const bool integer = s->type == core::SettingType::Int;
+        try {
+          std::size_t used = 0;
+          const json v = integer ? json(std::stoll(value, &used)) : json(std::stod(value, &used));
+          if (used == value.size()) return core::setting_problem(*s, v);
+        } catch (const std::exception&) {
+        }
+        return std::string("must be ") + (integer ? "an integer" : "a number") + ", got '" + value + "'";
+      },
+      "");
+}
+
+CLI::Option* StrategyFlags::option(const std::string& setting) const {
+  for (const auto& [name, o] : flags)
+    if (name == setting) return o;
+  throw std::logic_error("internal: no strategy flag for setting '" + setting + "'");
+}
+
 void StrategyFlags::add_to(CLI::App* app) {
-  pp = app->add_option("--pp", options.pp, "pipeline-parallel ranks")->check(kPositiveInt);
-    dp = app->add_option("--dp", options.dp, "data-parallel replicas")->check(kPositiveInt);
-    ep = app->add_option("--ep", options.ep, "expert-parallel degree (divides --dp)")->check(kPositiveInt);
-    zero = app->add_option("--zero", options.zero, "ZeRO level: 0, 1 (optimizer), 2 (+grads), 3 (+params)")
-               ->check(CLI::Range(0, 3));
-    dp_shard = app->add_option("--dp-shard", options.dp_shard,
-                               "HSDP: ZeRO shards over groups of N data-parallel replicas; the groups replicate each other")
-                   ->check(kPositiveInt);
-    reduce_every = app->add_option("--reduce-every", options.reduce_every,
-                                   "ZeRO-2/3 gradient reduction: after every microbatch (default; DeepSpeed ZeRO-2, FSDP2) "
-                                   "or once per step (keeps whole gradients, as FSDP's no_sync)")
-                       ->check(CLI::IsMember({"microbatch", "step"}));
-    fp8_all_gather = app->add_flag("--fp8-all-gather", options.fp8_all_gather,
-                                   "ZeRO-3 with fp8 training: gather the parameters in fp8, one byte each (TorchTitan's Float8)");
-    schedule = app->add_option("--schedule", options.schedule, "pipeline schedule family")
-                   ->check(CLI::IsMember(schedule_names()));
-    microbatches = app->add_option("--microbatches", options.microbatches, "microbatches per step")
-                       ->check(kPositiveInt);
-    virtual_stages = app->add_option("--virtual", options.virtual_stages, "model chunks per pipeline rank")
-                         ->check(kPositiveInt);
-    bucket_mb = app->add_option("--bucket-mb", options.bucket_mb, "gradient bucket size in MB (0: one per segment)")
-                    ->check(kNonNegativeNumber);
-    tp = app->add_option("--tp", options.tp, "tensor-parallel degree (consecutive devices, inside a node)")
-             ->check(kPositiveInt);
-    sequence_parallel = app->add_flag("--sequence-parallel", options.sequence_parallel,
-                                      "sequence parallelism inside each TP group (needs --tp >= 2)");
-    tp_comm_overlap = app->add_flag("--tp-comm-overlap", options.tp_comm_overlap,
-                                    "overlap the TP collectives with the GEMMs (Megatron's --tp-comm-overlap, async TP)");
-    recompute = app->add_option("--recompute", options.recompute, "activation recomputation: none, selective (the attention core), full (whole blocks) or op (TorchTitan's op-level policy)")
-                    ->check(CLI::IsMember({"none", "selective", "full", "op"}));
-    global_batch = app->add_option("--global-batch", options.global_batch,
-                                   "sequences per step; microbatches = N / (micro-batch size x dp)")
-                       ->check(kPositiveInt);
-    global_batch->excludes(microbatches);
-    comm_sms = app->add_option("--comm-sms", options.comm_sms,
-                               "give the communication streams N SMs of each GPU, compute the rest (sm_partition directive)")
-                   ->check(kPositiveInt);
+  for (const core::Setting& s : core::strategy_settings()) {
+    CLI::Option* o = std::visit(
+        [&](auto m) -> CLI::Option* {
+          auto& field = options.*m;
+          if constexpr (std::is_same_v<std::decay_t<decltype(field)>, bool>)
+            return app->add_flag(core::setting_flag(s), field, s.help);
+          else
+            return app->add_option(core::setting_flag(s), field, s.help);
+        },
+        s.member);
+    if (s.type != core::SettingType::Bool) {
+      const std::vector<std::string> choices = core::setting_choices(s);
+      o->check(choices.empty() ? setting_validator(s) : CLI::IsMember(choices));
+    }
+    flags.emplace_back(s.name, o);
   }
+  option("global_batch")->excludes(option("microbatches"));
+}
 
 void ScenarioFlags::add_to(CLI::App* app) {
   app->add_option("--model", model, "zoo name, model spec JSON, or Hugging Face config.json")->required();
@@ -170,16 +171,13 @@ void ScenarioFlags::add_to(CLI::App* app) {
                                            "also write these inputs as a scenario JSON (the file piper-studio opens)")
                                ->check(kOutputPath));
   strategy.add_to(app);
-  for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.reduce_every,
-                         strategy.fp8_all_gather, strategy.schedule,
-                         strategy.microbatches, strategy.virtual_stages, strategy.bucket_mb, strategy.tp,
-                         strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.global_batch,
-                         strategy.comm_sms})
+  for (const core::Setting& setting : core::strategy_settings()) {
+    CLI::Option* o = strategy.option(setting.name);
     compile_inputs.push_back(o);
-  for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.reduce_every,
-                         strategy.fp8_all_gather, strategy.bucket_mb, strategy.tp,
-                         strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.comm_sms})
-    o->excludes(directives);
+    // A directive program fixes the placement, parallelism and sharding; only the schedule and its
+    // microbatches can be appended to it.
+    if (setting.generator_only) o->excludes(directives);
+  }
 }
 
 void ScenarioFlags::reject_beside_plan() const {
@@ -212,7 +210,7 @@ void ScenarioFlags::save_if_requested(const core::Scenario& s) const {
 }
 
 core::Scenario ScenarioFlags::scenario() const {
-  if (strategy.microbatches->count() > 0 && directives->count() > 0 && strategy.schedule->count() == 0)
+  if (strategy.option("microbatches")->count() > 0 && directives->count() > 0 && strategy.option("schedule")->count() == 0)
     throw CliError("", "--microbatches with --directives needs --schedule (the schedule to append)");
   core::Scenario s;
   s.model = model;
@@ -224,7 +222,7 @@ core::Scenario ScenarioFlags::scenario() const {
   if (!directives_path.empty()) {
     s.directives = read_json_file(directives_path);
     s.directives_source = directives_path;
-    s.append_schedule = strategy.schedule->count() > 0;
+    s.append_schedule = strategy.option("schedule")->count() > 0;
   }
   return s;
 }

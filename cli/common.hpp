@@ -56,27 +56,12 @@ extern const CLI::Validator kPositiveNumber;
 // An output file name: an empty one (`-o ""`) is refused instead of writing nothing.
 extern const CLI::Validator kOutputPath;
 
-// Strategy flags (--pp --dp --ep --zero --dp-shard --schedule --microbatches --virtual --bucket-mb --tp
-// --sequence-parallel --recompute --global-batch).
+// Strategy flags: one per setting of the table (core/settings.hpp), named --kebab-case of the
+// setting, with its help, type and range checks.
 struct StrategyFlags {
   core::StrategyOptions options;
-  CLI::Option* pp = nullptr;
-  CLI::Option* dp = nullptr;
-  CLI::Option* ep = nullptr;
-  CLI::Option* zero = nullptr;
-  CLI::Option* dp_shard = nullptr;
-  CLI::Option* reduce_every = nullptr;
-  CLI::Option* fp8_all_gather = nullptr;
-  CLI::Option* tp_comm_overlap = nullptr;
-  CLI::Option* schedule = nullptr;
-  CLI::Option* microbatches = nullptr;
-  CLI::Option* virtual_stages = nullptr;
-  CLI::Option* bucket_mb = nullptr;
-  CLI::Option* tp = nullptr;
-  CLI::Option* sequence_parallel = nullptr;
-  CLI::Option* recompute = nullptr;
-  CLI::Option* global_batch = nullptr;
-  CLI::Option* comm_sms = nullptr;
+  std::vector<std::pair<std::string, CLI::Option*>> flags;  // setting name -> its flag, in table order
+  CLI::Option* option(const std::string& setting) const;     // the flag of a setting of the table
   void add_to(CLI::App* app);
 };
 

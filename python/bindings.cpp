@@ -20,6 +20,7 @@
 #include "piper/core/program.hpp"
 #include "piper/core/scenario.hpp"
 #include "piper/core/schedule_view.hpp"
+#include "piper/core/settings.hpp"
 #include "piper/core/verifier.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/engine.hpp"
@@ -344,6 +345,17 @@ std::vector<std::string> schedule_names() {
   return out;
 }
 
+// piper.strategy(**settings): the keywords checked against the settings table (strict: an unknown
+// one is an error with a did-you-mean), every setting returned.
+py::object strategy(const py::handle& settings) {
+  const json j = to_cpp(settings, "strategy");
+  return to_py(guarded([&] {
+    core::StrategyOptions o;
+    core::read_strategy_json(j, o, "strategy", "");  // each key's type and range, as a scenario file's
+    return core::strategy_to_json(o, true);
+  }));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_piper, m) {
@@ -373,6 +385,10 @@ PYBIND11_MODULE(_piper, m) {
   m.def("tune_outputs", &tune_outputs, py::arg("fields"), "The directives and scenario of a ranked tune row.");
   m.def("sweep_columns", &sim::sweep_csv_columns, "The columns of a sweep CSV, in order.");
   m.def("tune_columns", &sim::tune_csv_columns, "The columns of a tune CSV, in order.");
+  m.def("strategy", &strategy, py::arg("settings"),
+        "A strategy dict (every setting) from settings keyed by the table's names; unknown or bad ones are errors.");
+  m.def("strategy_settings", [] { return to_py(core::settings_table_json()); },
+        "The strategy settings table: [{name, flag, type, default, help, choices?, min?, max?}].");
   m.def("engine_names", &sim::engine_names, "The simulation engines.");
   m.def("cluster_presets", &sim::cluster_presets, "The cluster preset names.");
   m.def("schedule_names", &schedule_names, "The registered schedule families.");

@@ -13,6 +13,7 @@
 
 #include "piper/core/error.hpp"
 #include "piper/core/limits.hpp"
+#include "piper/core/settings.hpp"
 #include "piper/core/suggest.hpp"
 
 namespace piper::core {
@@ -268,20 +269,8 @@ json Scenario::to_json() const {
     j["directives"] = *directives;
     if (append_schedule) j["append_schedule"] = true;
   }
-  j["strategy"] = {{"pp", strategy.pp},         {"dp", strategy.dp},
-                   {"ep", strategy.ep},         {"zero", strategy.zero},
-                   {"schedule", strategy.schedule}, {"microbatches", strategy.microbatches},
-                   {"virtual", strategy.virtual_stages}, {"bucket_mb", strategy.bucket_mb}};
-  // Tensor parallelism, recomputation and the global batch: written only when used.
-  if (strategy.tp != 1) j["strategy"]["tp"] = strategy.tp;
-  if (strategy.sequence_parallel) j["strategy"]["sequence_parallel"] = true;
-  if (strategy.tp_comm_overlap) j["strategy"]["tp_comm_overlap"] = true;
-  if (strategy.recompute != "none") j["strategy"]["recompute"] = strategy.recompute;
-  if (strategy.global_batch > 0) j["strategy"]["global_batch"] = strategy.global_batch;
-  if (strategy.comm_sms > 0) j["strategy"]["comm_sms"] = strategy.comm_sms;
-  if (strategy.dp_shard > 0) j["strategy"]["dp_shard"] = strategy.dp_shard;
-  if (!strategy.reduce_every.empty()) j["strategy"]["reduce_every"] = strategy.reduce_every;
-  if (strategy.fp8_all_gather) j["strategy"]["fp8_all_gather"] = true;
+  // Essential settings always, the others only when not at their default (settings.hpp).
+  j["strategy"] = strategy_to_json(strategy);
   if (!cluster.empty()) j["cluster"] = cluster;
   if (!engine.empty()) j["engine"] = engine;
   return j;
@@ -359,52 +348,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     if (!j["append_schedule"].is_boolean()) throw fail("append_schedule", "must be true or false");
     s.append_schedule = j["append_schedule"].get<bool>();
   }
-  if (j.contains("strategy")) {
-    const json& st = j["strategy"];
-    if (!st.is_object()) throw fail("strategy", "must be an object");
-    reject_unknown(st, "strategy.", {"pp", "dp", "ep", "tp", "zero", "dp_shard", "schedule", "microbatches", "virtual",
-                                     "global_batch", "bucket_mb", "sequence_parallel", "tp_comm_overlap", "recompute",
-                                     "comm_sms", "reduce_every", "fp8_all_gather"});
-    int_field(st, "pp", "strategy.pp", s.strategy.pp, 1);
-    int_field(st, "dp", "strategy.dp", s.strategy.dp, 1);
-    int_field(st, "ep", "strategy.ep", s.strategy.ep, 1);
-    int_field(st, "zero", "strategy.zero", s.strategy.zero, 0);
-    int_field(st, "microbatches", "strategy.microbatches", s.strategy.microbatches, 1);
-    int_field(st, "virtual", "strategy.virtual", s.strategy.virtual_stages, 1);
-    int_field(st, "tp", "strategy.tp", s.strategy.tp, 1);
-    int_field(st, "global_batch", "strategy.global_batch", s.strategy.global_batch, 1);
-    int_field(st, "comm_sms", "strategy.comm_sms", s.strategy.comm_sms, 1);
-    int_field(st, "dp_shard", "strategy.dp_shard", s.strategy.dp_shard, 2);
-    if (st.contains("sequence_parallel")) {
-      if (!st["sequence_parallel"].is_boolean()) throw fail("strategy.sequence_parallel", "must be true or false");
-      s.strategy.sequence_parallel = st["sequence_parallel"].get<bool>();
-    }
-    if (st.contains("tp_comm_overlap")) {
-      if (!st["tp_comm_overlap"].is_boolean()) throw fail("strategy.tp_comm_overlap", "must be true or false");
-      s.strategy.tp_comm_overlap = st["tp_comm_overlap"].get<bool>();
-    }
-    if (st.contains("fp8_all_gather")) {
-      if (!st["fp8_all_gather"].is_boolean()) throw fail("strategy.fp8_all_gather", "must be true or false");
-      s.strategy.fp8_all_gather = st["fp8_all_gather"].get<bool>();
-    }
-    if (st.contains("reduce_every")) {
-      if (!st["reduce_every"].is_string()) throw fail("strategy.reduce_every", "must be \"step\" or \"microbatch\"");
-      s.strategy.reduce_every = st["reduce_every"].get<std::string>();
-    }
-    if (st.contains("recompute")) {
-      if (!st["recompute"].is_string()) throw fail("strategy.recompute", "must be \"none\", \"selective\" or \"full\"");
-      s.strategy.recompute = st["recompute"].get<std::string>();
-    }
-    if (st.contains("schedule")) {
-      if (!st["schedule"].is_string()) throw fail("strategy.schedule", "must be a string");
-      s.strategy.schedule = st["schedule"].get<std::string>();
-    }
-    if (st.contains("bucket_mb")) {
-      if (!st["bucket_mb"].is_number() || st["bucket_mb"].get<double>() < 0)
-        throw fail("strategy.bucket_mb", "must be a non-negative number");
-      s.strategy.bucket_mb = st["bucket_mb"].get<double>();
-    }
-  }
+  if (j.contains("strategy")) read_strategy_json(j["strategy"], s.strategy, where);
   for (const char* key : {"cluster", "engine"})
     if (j.contains(key) && !j[key].is_string()) throw fail(key, "must be a string");
   if (j.contains("cluster")) s.cluster = resolve(j["cluster"].get<std::string>());

@@ -10,6 +10,7 @@
 
 #include "piper/core/limits.hpp"
 #include "piper/core/program_builder.hpp"
+#include "piper/core/settings.hpp"
 
 namespace piper::core {
 namespace {
@@ -74,10 +75,16 @@ void validate_strategy_options(const StrategyOptions& o) {
   if (!o.reduce_every.empty() && o.reduce_every != "step" && o.reduce_every != "microbatch")
     fail("--reduce-every must be step or microbatch (got '" + o.reduce_every + "')");
   if (o.fp8_all_gather && o.zero != 3) fail("--fp8-all-gather applies only with --zero 3 (its per-use parameter gathers)");
+  if (o.gather_prefetch != 1 && o.zero != 3)
+    fail("--gather-prefetch applies only with --zero 3 (its per-use parameter gathers)");
   if (!o.reduce_every.empty() && o.zero < 2)
     fail("--reduce-every applies to --zero 2 and 3 (ZeRO-0/1 reduce once per step)");
   if (!(o.bucket_mb >= 0) || !std::isfinite(o.bucket_mb) || o.bucket_mb > 1e9)  // bytes must fit in int64
     fail("--bucket-mb must be a number in [0, 1e9] (got " + num(o.bucket_mb) + ")");
+  // Every setting's own type and range, from the table (settings.hpp); the rules above say more.
+  for (const auto& s : strategy_settings())
+    if (s.name == "schedule") continue;  // schedule_family names the valid ones
+    else if (const std::string why = setting_problem(s, setting_value(s, o)); !why.empty()) fail(setting_flag(s) + ": " + why);
 }
 
 void resolve_global_batch(StrategyOptions& o, std::int64_t micro_batch_size) {
@@ -127,6 +134,7 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
       rep.gather_stream = o.dp_stream;
       rep.gather_unit = "block";  // FSDP's unit: one transformer block
       if (o.fp8_all_gather) rep.gather_dtype = "fp8";
+      if (o.gather_prefetch != 1) rep.prefetch = o.gather_prefetch;
     }
     if (o.dp_shard > 1 && o.dp_shard < replicas / o.tp) rep.shard_group = o.dp_shard;
     if (o.zero >= 2 && !o.reduce_every.empty()) rep.reduce_every = o.reduce_every;

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <fstream>
 #include <iostream>
+#include <limits>
+#include <map>
 #include <sstream>
 
 #include <QAction>
@@ -13,6 +15,7 @@
 #include <QComboBox>
 #include <QDockWidget>
 #include <QCommandLineParser>
+#include <QDoubleSpinBox>
 #include <QFileDialog>
 #include <QFormLayout>
 #include <QLabel>
@@ -30,6 +33,7 @@
 #include <QtConcurrent/QtConcurrentRun>
 
 #include "piper/core/scenario.hpp"
+#include "piper/core/settings.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/gui/chrome_trace.hpp"
 #include "piper/sim/cluster.hpp"
@@ -58,6 +62,69 @@ QSpinBox* spin(int lo, int hi, int value) {
   s->setRange(lo, hi);
   s->setValue(value);
   return s;
+}
+
+// A field for a setting of the table: a check box, a list of its values, or a number box whose
+// lowest value is the default when that is "off" (dp_shard 0, comm_sms 0).
+QWidget* setting_field(const core::Setting& s) {
+  const nlohmann::json def = core::setting_default(s);
+  switch (s.type) {
+    case core::SettingType::Bool: return new QCheckBox;
+    case core::SettingType::String: {
+      auto* box = new QComboBox;
+      std::vector<std::string> values = core::setting_choices(s);
+      if (std::find(values.begin(), values.end(), def.get<std::string>()) == values.end())
+        values.insert(values.begin(), def.get<std::string>());
+      for (const auto& v : values) box->addItem(QString::fromStdString(v.empty() ? "default" : v), QString::fromStdString(v));
+      if (core::setting_choices(s).empty()) box->setEditable(true);
+      return box;
+    }
+    case core::SettingType::Int: {
+      const int hi = static_cast<int>(std::min<double>(s.max, std::numeric_limits<int>::max()));
+      const bool off = def.get<int>() < s.min;
+      QSpinBox* box = spin(off ? def.get<int>() : static_cast<int>(s.min), hi, def.get<int>());
+      if (off) box->setSpecialValueText("off");
+      return box;
+    }
+    case core::SettingType::Double: {
+      auto* box = new QDoubleSpinBox;
+      box->setRange(std::min(s.min, def.get<double>()), s.max);
+      box->setDecimals(2);
+      box->setValue(def.get<double>());
+      return box;
+    }
+  }
+  return new QWidget;
+}
+
+void set_field(QWidget* w, const core::Setting& s, const nlohmann::json& v) {
+  switch (s.type) {
+    case core::SettingType::Bool: static_cast<QCheckBox*>(w)->setChecked(v.get<bool>()); break;
+    case core::SettingType::Int: static_cast<QSpinBox*>(w)->setValue(v.get<int>()); break;
+    case core::SettingType::Double: static_cast<QDoubleSpinBox*>(w)->setValue(v.get<double>()); break;
+    case core::SettingType::String: {
+      auto* box = static_cast<QComboBox*>(w);
+      const int at = box->findData(QString::fromStdString(v.get<std::string>()));
+      if (at >= 0) box->setCurrentIndex(at);
+      else box->setCurrentText(QString::fromStdString(v.get<std::string>()));
+      break;
+    }
+  }
+}
+
+nlohmann::json field_value(const QWidget* w, const core::Setting& s) {
+  switch (s.type) {
+    case core::SettingType::Bool: return static_cast<const QCheckBox*>(w)->isChecked();
+    case core::SettingType::Int: return static_cast<const QSpinBox*>(w)->value();
+    case core::SettingType::Double: return static_cast<const QDoubleSpinBox*>(w)->value();
+    case core::SettingType::String: {
+      const auto* box = static_cast<const QComboBox*>(w);
+      const QVariant data = box->currentData();
+      return (data.isValid() && box->currentText() == box->itemText(box->currentIndex()) ? data.toString() : box->currentText())
+          .toStdString();
+    }
+  }
+  return nullptr;
 }
 
 core::Scenario default_scenario() {
@@ -256,6 +323,24 @@ QWidget* StudioWindow::build_preset_panel() {
   g3->addWidget(new QLabel("recompute"));
   g3->addWidget(recompute_, 1);
   form->addRow("tensor", grid3);
+  // The settings table (core/settings.hpp): its help as each field's tool tip, and a generated field
+  // for every setting the rows above do not lay out, so a new setting appears here by itself.
+  const std::map<std::string, QWidget*> laid_out = {
+      {"schedule", schedule_}, {"pp", pp_},     {"microbatches", microbatches_}, {"virtual", virtual_},
+      {"global_batch", global_batch_}, {"dp", dp_}, {"ep", ep_}, {"zero", zero_}, {"dp_shard", dp_shard_},
+      {"tp", tp_},             {"sequence_parallel", sequence_parallel_},        {"recompute", recompute_}};
+  for (const core::Setting& setting : core::strategy_settings()) {
+    const QString tip = QString::fromStdString(core::setting_flag(setting) + ": " + setting.help);
+    if (const auto it = laid_out.find(setting.name); it != laid_out.end()) {
+      if (it->second->toolTip().isEmpty()) it->second->setToolTip(tip);
+      continue;
+    }
+    QWidget* field = setting_field(setting);
+    field->setObjectName(QString::fromStdString(setting.name));
+    field->setToolTip(tip);
+    form->addRow(QString::fromStdString(setting.name), field);
+    setting_fields_.emplace_back(setting.name, field);
+  }
   auto* apply = new QPushButton("Simulate preset");
   connect(apply, &QPushButton::clicked, this, [this] { load_scenario(preset_scenario()); });
   form->addRow(apply);
@@ -290,6 +375,10 @@ void StudioWindow::fill_preset_panel(const core::Scenario& s) {
   tp_->setValue(s.strategy.tp);
   sequence_parallel_->setChecked(s.strategy.sequence_parallel);
   recompute_->setCurrentText(QString::fromStdString(s.strategy.recompute));
+  for (const auto& [name, field] : setting_fields_) {
+    const core::Setting& setting = *core::find_setting(name);
+    set_field(field, setting, core::setting_value(setting, s.strategy));
+  }
 }
 
 core::Scenario StudioWindow::preset_scenario() const {
@@ -314,6 +403,14 @@ core::Scenario StudioWindow::preset_scenario() const {
   s.strategy.tp = tp_->value();
   s.strategy.sequence_parallel = sequence_parallel_->isChecked();
   s.strategy.recompute = recompute_->currentText().toStdString();
+  for (const auto& [name, field] : setting_fields_) {
+    const core::Setting& setting = *core::find_setting(name);
+    // A value the field cannot hold (an edited string) is left for the compiler to name.
+    try {
+      core::set_setting(setting, s.strategy, field_value(field, setting), name);
+    } catch (const core::Error&) {
+    }
+  }
   return s;
 }
 

@@ -29,7 +29,7 @@ __all__ = [
     "PiperError", "InputError", "InternalError", "RunError", "Error",
     "Report", "SweepResult", "TuneResult", "RunResult", "Results",
     "compile", "directives", "simulate", "verify", "sweep", "tune", "run", "plot", "read_results", "models",
-    "schedule_show", "__version__",
+    "schedule_show", "strategy", "strategy_settings", "__version__",
 ]
 
 
@@ -394,9 +394,20 @@ _STR_COLUMNS = {"key", "model", "cluster", "engine", "schedule", "recompute", "r
                 "pp_ranges", "rank_order", "status", "reason"}
 
 
+def _setting_types():
+    """Column -> Python type of every strategy setting (the settings table; its names are CSV columns)."""
+    kinds = {"int": int, "double": float, "bool": bool, "string": str}
+    return {s["name"]: kinds[s["type"]] for s in _piper.strategy_settings()}
+
+
+_SETTING_TYPES = _setting_types()
+
+
 def _typed(column, text):
     """A field of a results CSV as Python reads it: blank is None (no value), never 0. The columns of
     sweep and tune files have their types; other columns are int, float or str, whichever parses."""
+    if _SETTING_TYPES.get(column) is str:
+        return text  # a string setting's blank is its value ("": reduce_every's default), not a missing figure
     if text == "":
         return None
     if column in _INT_COLUMNS:
@@ -407,6 +418,11 @@ def _typed(column, text):
         return text == "1"
     if column in _STR_COLUMNS:
         return text
+    kind = _SETTING_TYPES.get(column)
+    if kind is bool:
+        return text == "1"
+    if kind is not None:
+        return kind(text)
     for kind in (int, float):
         try:
             return kind(text)
@@ -427,6 +443,28 @@ class Results(_Table, list):
 
     def to_records(self):
         return [dict(r) for r in self]
+
+
+def strategy_settings() -> list:
+    """The strategy settings table (the one ``piper compile --help``, scenario files and results CSVs
+    use): ``[{name, flag, type, default, help, choices?, min?, max?}]``, in table order."""
+    return _piper.strategy_settings()
+
+
+def strategy(**settings) -> dict:
+    """A scenario's ``"strategy"`` dict from keyword arguments named as the settings table names them
+    (``pp``, ``zero``, ``dp_shard``, ...; see :func:`strategy_settings`): every setting, the ones not
+    given at their defaults. An unknown keyword or a bad value raises InputError naming it (with a
+    suggestion for a misspelt one)."""
+    flags = {s["flag"][2:]: s["name"] for s in _piper.strategy_settings()}
+    return _native(_piper.strategy, settings, flags=flags)
+
+
+# The keywords of strategy() are the table's settings, keyword-only with the table's defaults, so
+# help() and inspect show them; the table, not this file, lists them.
+strategy.__signature__ = _inspect.Signature(
+    [_inspect.Parameter(s["name"], _inspect.Parameter.KEYWORD_ONLY, default=s["default"])
+     for s in _piper.strategy_settings()], return_annotation=dict)
 
 
 @_keywords

@@ -64,23 +64,24 @@ std::string csv_header(const std::vector<std::string>& columns) {
 
 namespace {
 
-// The columns an older version's file lacks, when `header` is one; empty otherwise.
-std::vector<std::string> missing_in_older_version(const std::string& header, const std::vector<std::string>& columns,
-                                                  const std::vector<std::vector<std::string>>& added) {
-  for (std::size_t since = 0; since < added.size(); ++since) {
-    std::vector<std::string> missing;
-    for (std::size_t k = since; k < added.size(); ++k) missing.insert(missing.end(), added[k].begin(), added[k].end());
-    std::vector<std::string> older = columns;
-    std::erase_if(older, [&](const std::string& c) { return std::find(missing.begin(), missing.end(), c) != missing.end(); });
-    if (header == csv_header(older)) return missing;
+// The columns an older version's file lacks, when `header` is `columns` less some of them (in order);
+// empty otherwise.
+std::vector<std::string> missing_in_older_version(const std::string& header, const std::vector<std::string>& columns) {
+  const std::vector<std::string> given = csv_split(header);
+  std::vector<std::string> missing;
+  std::size_t k = 0;
+  for (const auto& c : columns) {
+    if (k < given.size() && given[k] == c) ++k;
+    else missing.push_back(c);
   }
-  return {};
+  if (k != given.size() || given.size() < 2 || given.front() != columns.front()) return {};
+  return missing;
 }
 
 }  // namespace
 
 std::vector<std::vector<std::string>> read_results(const std::string& path, const std::vector<std::string>& columns,
-                                                   const std::string& kind, const std::vector<std::vector<std::string>>& added) {
+                                                   const std::string& kind) {
   std::vector<std::vector<std::string>> rows;
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
@@ -113,7 +114,7 @@ std::vector<std::vector<std::string>> read_results(const std::string& path, cons
   }
   const std::string first = text.substr(0, first_nl);
   if (first != header) {
-    const std::vector<std::string> missing = missing_in_older_version(first, columns, added);
+    const std::vector<std::string> missing = missing_in_older_version(first, columns);
     if (missing.empty()) throw not_results();
     std::string names = missing.back();
     if (missing.size() > 1) names = fmt::format("{} and {}", fmt::join(missing.begin(), missing.end() - 1, ", "), missing.back());

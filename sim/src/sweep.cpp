@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
+#include <utility>
 #include <fstream>
 #include <limits>
 #include <memory>
@@ -17,6 +19,7 @@
 
 #include "piper/core/limits.hpp"
 #include "piper/core/scenario.hpp"
+#include "piper/core/settings.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/core/suggest.hpp"
 #include "piper/sim/cluster.hpp"
@@ -80,19 +83,32 @@ bool is_simgrid(const SweepPoint& p) { return p.engine == "simgrid"; }
 
 }  // namespace
 
+SweepSpec::SweepSpec() {
+  for (const auto& setting : core::strategy_settings()) settings.push_back({core::setting_default(setting)});
+}
+
+const std::vector<json>& SweepSpec::values(const std::string& name) const {
+  const auto& table = core::strategy_settings();
+  for (std::size_t i = 0; i < table.size(); ++i)
+    if (table[i].name == name) return settings.at(i);
+  throw std::logic_error("internal: no strategy setting '" + name + "'");
+}
+
+std::vector<json>& SweepSpec::values(const std::string& name) {
+  return const_cast<std::vector<json>&>(std::as_const(*this).values(name));
+}
+
 SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const std::string& base_dir) {
   if (!j.is_object()) throw SweepError(where + ": expected a JSON object with model, cluster and knob lists");
-  static const std::set<std::string> known = {"model", "cluster", "calibration", "pp", "dp", "ep", "zero", "schedule",
-                                              "microbatches", "virtual", "bucket_mb", "engine", "seq_len",
-                                              "micro_batch_size", "comment", "tp", "sequence_parallel",
-                                              "recompute", "global_batch", "comm_sms", "dp_shard"};
+  std::vector<std::string> known = {"model", "cluster", "calibration", "engine", "seq_len", "micro_batch_size", "comment"};
+  for (const auto& name : core::setting_names()) known.push_back(name);
   for (const auto& [k, v] : j.items())
-    if (!known.count(k)) {
-      const std::string near = core::nearest(k, std::vector<std::string>(known.begin(), known.end()));
+    if (std::find(known.begin(), known.end(), k) == known.end()) {
+      const std::string near = core::nearest(k, known);
       if (!near.empty()) throw SweepError(fmt::format("{}: unknown field '{}' (did you mean '{}'?)", where, k, near));
-      std::string list;
-      for (const auto& n : known) list += (list.empty() ? "" : ", ") + n;
-      throw SweepError(fmt::format("{}: unknown field '{}' (expected one of: {})", where, k, list));
+      std::vector<std::string> sorted = known;
+      std::sort(sorted.begin(), sorted.end());
+      throw SweepError(fmt::format("{}: unknown field '{}' (expected one of: {})", where, k, fmt::join(sorted, ", ")));
     }
   SweepSpec s;
   auto text = [&](const char* field, std::string fallback) {
@@ -103,34 +119,27 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   s.model = resolve(text("model", s.model), base_dir);
   s.cluster = resolve(text("cluster", s.cluster), base_dir);
   s.calibration_path = resolve(text("calibration", ""), base_dir);
-  s.pp = knob(j, "pp", where, s.pp);
-  s.dp = knob(j, "dp", where, s.dp);
-  s.ep = knob(j, "ep", where, s.ep);
-  s.zero = knob(j, "zero", where, s.zero);
-  s.schedule = knob(j, "schedule", where, s.schedule);
-  s.microbatches = knob(j, "microbatches", where, s.microbatches);
-  s.virtual_stages = knob(j, "virtual", where, s.virtual_stages);
-  s.bucket_mb = knob(j, "bucket_mb", where, s.bucket_mb);
   s.engine = knob(j, "engine", where, s.engine);
   s.seq_len = knob(j, "seq_len", where, s.seq_len);
   s.micro_batch_size = knob(j, "micro_batch_size", where, s.micro_batch_size);
-  s.tp = knob(j, "tp", where, s.tp);
-  s.sequence_parallel = knob(j, "sequence_parallel", where, s.sequence_parallel);
-  s.recompute = knob(j, "recompute", where, s.recompute);
-  s.global_batch = knob(j, "global_batch", where, s.global_batch);
-  s.comm_sms = knob(j, "comm_sms", where, s.comm_sms);
-  s.dp_shard = knob(j, "dp_shard", where, s.dp_shard);
-  for (int k : s.dp_shard)
-    if (k < 0) throw SweepError(fmt::format("{}: field 'dp_shard': {} is negative (0: plain ZeRO, N >= 2: HSDP over groups of N replicas)", where, k));
-  for (const auto& r : s.recompute)
-    if (r != "none" && r != "selective" && r != "full")
-      throw SweepError(fmt::format("{}: field 'recompute': unknown mode '{}' (expected none, selective or full)", where, r));
+  // Every strategy setting: a value or a list of values, each of the setting's type and range.
+  const auto& table = core::strategy_settings();
+  for (std::size_t i = 0; i < table.size(); ++i) {
+    const core::Setting& setting = table[i];
+    if (!j.contains(setting.name)) continue;
+    const json& v = j.at(setting.name);
+    if (v.is_array() && v.empty()) throw SweepError(fmt::format("{}: field '{}': empty list", where, setting.name));
+    std::vector<json> list = v.is_array() ? v.get<std::vector<json>>() : std::vector<json>{v};
+    for (const json& x : list)
+      if (const std::string why = core::setting_problem(setting, x); !why.empty())
+        throw SweepError(fmt::format("{}: field '{}': {}", where, setting.name, why));
+    s.settings[i] = std::move(list);
+  }
   // The combinations multiply: refuse an absurd sweep before expanding it (limits.hpp).
   double runs = 1;  // a double cannot overflow here: at most ~10^8 values per list in an input file
-  for (std::size_t n : {s.pp.size(), s.dp.size(), s.ep.size(), s.zero.size(), s.schedule.size(), s.microbatches.size(),
-                        s.virtual_stages.size(), s.bucket_mb.size(), s.engine.size(), s.seq_len.size(),
-                        s.micro_batch_size.size(), s.tp.size(), s.sequence_parallel.size(),
-                        s.recompute.size(), s.global_batch.size(), s.comm_sms.size(), s.dp_shard.size()})
+  std::vector<std::size_t> sizes = {s.engine.size(), s.seq_len.size(), s.micro_batch_size.size()};
+  for (const auto& list : s.settings) sizes.push_back(list.size());
+  for (std::size_t n : sizes)
     runs *= static_cast<double>(n);
   if (runs > static_cast<double>(core::limit_value(core::Limit::SweepRuns)))
     throw SweepError(fmt::format("{}: {}", where,
@@ -141,13 +150,6 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   for (const auto& e : s.engine)
     if (std::find(engines.begin(), engines.end(), e) == engines.end())
       throw SweepError(fmt::format("{}: field 'engine': unknown engine '{}'", where, e));
-  for (const auto& name : s.schedule) {
-    try {
-      core::schedule_family(name);
-    } catch (const std::invalid_argument& e) {
-      throw SweepError(fmt::format("{}: field 'schedule': {}", where, one_line(e.what())));
-    }
-  }
   Cluster cluster;
   try {
     cluster = load_cluster(s.cluster);
@@ -158,8 +160,8 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   // at least one SM left for compute) for every GPU of the cluster, once, rather than one invalid row
   // per combination. Like `simulate`, any count is accepted below that: green contexts' granularity
   // (Hopper: multiples of 8) is the CUDA backend's constraint, and DeepSeek-V3's 20 SMs are not one.
-  for (int sms : s.comm_sms) {
-    if (sms < 0) throw SweepError(fmt::format("{}: field 'comm_sms': {} is negative (0: SMs shared, N >= 1: an sm_partition of N SMs)", where, sms));
+  for (const json& value : s.values("comm_sms")) {
+    const int sms = value.get<int>();
     if (sms == 0) continue;
     for (const auto& node : cluster.nodes)
       if (const std::string why = sm_partition_misfit(sms, node.gpu); !why.empty())
@@ -183,55 +185,107 @@ SweepSpec SweepSpec::parse(const std::string& text, const std::string& where, co
 }
 
 std::string SweepPoint::key() const {
-  // '/' separates fields (commas would need CSV quoting); bucket_mb uses the shortest exact form.
-  std::string k = fmt::format("{}/{}/{}/pp{}/dp{}/ep{}/z{}/{}/mb{}/v{}/b{}", model, cluster, engine, pp, dp, ep, zero,
-                              schedule, microbatches, virtual_stages, bucket_mb);
+  // '/' separates fields (commas would need CSV quoting); numbers use the shortest exact form.
+  std::string k = fmt::format("{}/{}/{}", model, cluster, engine);
+  for (const auto& s : core::strategy_settings())
+    if (s.essential) k += core::setting_key_part(s, *this);
   if (seq_len > 0) k += fmt::format("/s{}", seq_len);
   if (micro_batch_size > 0) k += fmt::format("/m{}", micro_batch_size);
-  // Written only when set, so keys of sweeps without them (and their resume files) are unchanged.
-  if (tp != 1) k += fmt::format("/tp{}", tp);
-  if (sequence_parallel) k += "/sp";
-  if (recompute != "none") k += "/rc-" + recompute;
-  if (global_batch > 0) k += fmt::format("/gb{}", global_batch);
-  if (comm_sms > 0) k += fmt::format("/sms{}", comm_sms);
-  if (dp_shard > 0) k += fmt::format("/hs{}", dp_shard);
+  // The other settings only when set, so keys of sweeps without them (and their resume files) are unchanged.
+  for (const auto& s : core::strategy_settings())
+    if (!s.essential) k += core::setting_key_part(s, *this);
   std::replace(k.begin(), k.end(), ',', ';');
   return k;
 }
 
 std::vector<SweepPoint> expand(const SweepSpec& s) {
+  const auto& table = core::strategy_settings();
+  // The dimensions, outermost first: engine, essential settings, seq_len, micro_batch_size, the rest.
+  std::vector<std::size_t> essential, other;
+  for (std::size_t i = 0; i < table.size(); ++i) (table[i].essential ? essential : other).push_back(i);
+  struct Dim {
+    std::size_t size;
+    std::function<void(SweepPoint&, std::size_t)> set;
+  };
+  std::vector<Dim> dims;
+  dims.push_back({s.engine.size(), [&](SweepPoint& p, std::size_t k) { p.engine = s.engine[k]; }});
+  auto setting_dim = [&](std::size_t i) {
+    return Dim{s.settings.at(i).size(), [&s, &table, i](SweepPoint& p, std::size_t k) {
+                 core::set_setting(table[i], p, s.settings[i][k], table[i].name);
+               }};
+  };
+  for (std::size_t i : essential) dims.push_back(setting_dim(i));
+  dims.push_back({s.seq_len.size(), [&](SweepPoint& p, std::size_t k) { p.seq_len = s.seq_len[k]; }});
+  dims.push_back({s.micro_batch_size.size(), [&](SweepPoint& p, std::size_t k) { p.micro_batch_size = s.micro_batch_size[k]; }});
+  for (std::size_t i : other) dims.push_back(setting_dim(i));
   std::vector<SweepPoint> out;
-  for (const auto& engine : s.engine)
-    for (int pp : s.pp)
-      for (int dp : s.dp)
-        for (int ep : s.ep)
-          for (int zero : s.zero)
-            for (const auto& schedule : s.schedule)
-              for (int mb : s.microbatches)
-                for (int v : s.virtual_stages)
-                  for (double bucket : s.bucket_mb)
-                    for (auto seq : s.seq_len)
-                      for (auto mbs : s.micro_batch_size)
-                        for (int tp : s.tp)
-                          for (bool sp : s.sequence_parallel)
-                            for (const auto& rc : s.recompute)
-                              for (int gb : s.global_batch)
-                                for (int sms : s.comm_sms)
-                                  for (int hs : s.dp_shard)
-                                    out.push_back({s.model, s.cluster, engine, schedule, pp, dp, ep, zero, mb, v, bucket,
-                                                   seq, mbs, tp, gb, sp, rc, sms, hs});
-  return out;
+  for (const auto& d : dims)
+    if (d.size == 0) return out;
+  std::vector<std::size_t> at(dims.size(), 0);
+  while (true) {
+    SweepPoint p;
+    p.model = s.model;
+    p.cluster = s.cluster;
+    for (std::size_t d = 0; d < dims.size(); ++d) dims[d].set(p, at[d]);
+    out.push_back(std::move(p));
+    // The last dimension varies fastest.
+    std::size_t d = dims.size();
+    while (d > 0 && ++at[d - 1] == dims[d - 1].size) at[--d] = 0;
+    if (d == 0) return out;
+  }
 }
 
+namespace {
+
+// The settings whose columns sit before the figures, where they were before the settings table: a
+// frozen list, so column numbers of existing files (and the `cut -f` of docs and scripts) stay put.
+// Every later setting's column goes after `reason`, in table order.
+bool column_before_figures(const core::Setting& s) {
+  static const std::set<std::string> names = {"pp", "dp", "ep", "zero", "schedule", "microbatches", "virtual",
+                                              "bucket_mb", "tp", "sequence_parallel", "recompute", "global_batch",
+                                              "comm_sms", "dp_shard"};
+  return names.count(s.name) > 0;
+}
+
+}  // namespace
+
 const std::vector<std::string>& sweep_csv_columns() {
-  static const std::vector<std::string> columns = {
-      "key", "model", "cluster", "engine", "pp", "dp", "ep", "zero", "schedule", "microbatches", "virtual",
-      "bucket_mb", "seq_len", "micro_batch_size", "tp", "sequence_parallel", "recompute", "global_batch", "comm_sms", "dp_shard", "devices", "step_time_s", "tokens_per_s", "mfu",
-      "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s", "tp_comm_s", "status", "reason"};
+  static const std::vector<std::string> columns = [] {
+    std::vector<std::string> c = {"key", "model", "cluster", "engine"};
+    for (const auto& s : core::strategy_settings())
+      if (s.essential && column_before_figures(s)) c.push_back(s.name);
+    c.push_back("seq_len");
+    c.push_back("micro_batch_size");
+    for (const auto& s : core::strategy_settings())
+      if (!s.essential && column_before_figures(s)) c.push_back(s.name);
+    for (const char* figure : {"devices", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom",
+                               "compile_time_s", "simulate_time_s", "tp_comm_s", "status", "reason"})
+      c.push_back(figure);
+    for (const auto& s : core::strategy_settings())
+      if (!column_before_figures(s)) c.push_back(s.name);
+    return c;
+  }();
   return columns;
 }
 
 std::string sweep_csv_header() { return csv_header(sweep_csv_columns()); }
+
+namespace {
+
+// The knob columns of a sweep row before its figures (key ... dp_shard), in column order.
+std::vector<std::pair<std::string, json>> knob_fields(const SweepPoint& p) {
+  std::vector<std::pair<std::string, json>> out = {
+      {"key", p.key()}, {"model", p.model}, {"cluster", p.cluster}, {"engine", p.engine}};
+  for (const auto& s : core::strategy_settings())
+    if (s.essential && column_before_figures(s)) out.emplace_back(s.name, core::setting_value(s, p));
+  out.emplace_back("seq_len", p.seq_len);
+  out.emplace_back("micro_batch_size", p.micro_batch_size);
+  for (const auto& s : core::strategy_settings())
+    if (!s.essential && column_before_figures(s)) out.emplace_back(s.name, core::setting_value(s, p));
+  return out;
+}
+
+}  // namespace
 
 std::string to_csv(const SweepRow& r) {
   const SweepPoint& p = r.point;
@@ -240,53 +294,42 @@ std::string to_csv(const SweepRow& r) {
   // form, so rows compare exactly across runs.
   const bool ok = r.status == "ok";
   auto figure = [&](auto v) { return ok ? fmt::format("{}", v) : std::string(); };
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(p.key()),
-                     csv_field(p.model), csv_field(p.cluster), csv_field(p.engine), p.pp, p.dp, p.ep, p.zero,
-                     csv_field(p.schedule), p.microbatches, p.virtual_stages, p.bucket_mb, p.seq_len,
-                     p.micro_batch_size, p.tp, p.sequence_parallel ? 1 : 0, p.recompute, p.global_batch, p.comm_sms, p.dp_shard,
-                     r.devices > 0 ? fmt::format("{}", r.devices) : std::string(), figure(r.step_time_s),
-                     figure(r.tokens_per_s), figure(r.mfu), figure(r.bubble_fraction), figure(r.peak_memory_bytes),
-                     figure(r.oom ? 1 : 0), figure(r.compile_time_s), figure(r.simulate_time_s), figure(r.tp_comm_s),
-                     r.status, csv_field(one_line(r.reason)));
+  std::vector<std::string> fields;
+  for (const auto& [name, value] : knob_fields(p)) {
+    const core::Setting* s = core::find_setting(name);
+    fields.push_back(csv_field(s ? core::setting_text(*s, p) : value.is_string() ? value.get<std::string>() : value.dump()));
+  }
+  for (std::string f : {r.devices > 0 ? fmt::format("{}", r.devices) : std::string(), figure(r.step_time_s),
+                        figure(r.tokens_per_s), figure(r.mfu), figure(r.bubble_fraction), figure(r.peak_memory_bytes),
+                        figure(r.oom ? 1 : 0), figure(r.compile_time_s), figure(r.simulate_time_s), figure(r.tp_comm_s),
+                        r.status, csv_field(one_line(r.reason))})
+    fields.push_back(std::move(f));
+  for (const auto& s : core::strategy_settings())
+    if (!column_before_figures(s)) fields.push_back(csv_field(core::setting_text(s, p)));
+  return fmt::format("{}", fmt::join(fields, ","));
 }
 
 nlohmann::json to_json(const SweepRow& r) {
-  const SweepPoint& p = r.point;
   // As in the CSV, figures of a row that was not simulated are null, not 0.
   const bool ok = r.status == "ok";
   auto figure = [&](auto v) { return ok ? nlohmann::json(v) : nlohmann::json(nullptr); };
-  return {{"key", p.key()},
-          {"model", p.model},
-          {"cluster", p.cluster},
-          {"engine", p.engine},
-          {"pp", p.pp},
-          {"dp", p.dp},
-          {"ep", p.ep},
-          {"zero", p.zero},
-          {"schedule", p.schedule},
-          {"microbatches", p.microbatches},
-          {"virtual", p.virtual_stages},
-          {"bucket_mb", p.bucket_mb},
-          {"seq_len", p.seq_len},
-          {"micro_batch_size", p.micro_batch_size},
-          {"tp", p.tp},
-          {"sequence_parallel", p.sequence_parallel},
-          {"recompute", p.recompute},
-          {"global_batch", p.global_batch},
-          {"comm_sms", p.comm_sms},
-          {"dp_shard", p.dp_shard},
-          {"devices", r.devices > 0 ? nlohmann::json(r.devices) : nlohmann::json(nullptr)},
-          {"step_time_s", figure(r.step_time_s)},
-          {"tokens_per_s", figure(r.tokens_per_s)},
-          {"mfu", figure(r.mfu)},
-          {"bubble_fraction", figure(r.bubble_fraction)},
-          {"peak_memory_bytes", figure(r.peak_memory_bytes)},
-          {"oom", figure(r.oom)},
-          {"compile_time_s", figure(r.compile_time_s)},
-          {"simulate_time_s", figure(r.simulate_time_s)},
-          {"tp_comm_s", figure(r.tp_comm_s)},
-          {"status", r.status},
-          {"reason", one_line(r.reason)}};
+  nlohmann::json j = nlohmann::json::object();
+  for (auto& [name, value] : knob_fields(r.point)) j[name] = std::move(value);
+  j["devices"] = r.devices > 0 ? nlohmann::json(r.devices) : nlohmann::json(nullptr);
+  j["step_time_s"] = figure(r.step_time_s);
+  j["tokens_per_s"] = figure(r.tokens_per_s);
+  j["mfu"] = figure(r.mfu);
+  j["bubble_fraction"] = figure(r.bubble_fraction);
+  j["peak_memory_bytes"] = figure(r.peak_memory_bytes);
+  j["oom"] = figure(r.oom);
+  j["compile_time_s"] = figure(r.compile_time_s);
+  j["simulate_time_s"] = figure(r.simulate_time_s);
+  j["tp_comm_s"] = figure(r.tp_comm_s);
+  j["status"] = r.status;
+  j["reason"] = one_line(r.reason);
+  for (const auto& s : core::strategy_settings())
+    if (!column_before_figures(s)) j[s.name] = core::setting_value(s, r.point);
+  return j;
 }
 
 Outcome simulate_outcome(const core::Scenario& scenario, const std::string& cluster, const std::string& engine,
@@ -337,20 +380,7 @@ SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
   scenario.model = p.model;
   scenario.seq_len = p.seq_len;
   scenario.micro_batch_size = p.micro_batch_size;
-  scenario.strategy.pp = p.pp;
-  scenario.strategy.dp = p.dp;
-  scenario.strategy.ep = p.ep;
-  scenario.strategy.zero = p.zero;
-  scenario.strategy.schedule = p.schedule;
-  scenario.strategy.microbatches = p.microbatches;
-  scenario.strategy.virtual_stages = p.virtual_stages;
-  scenario.strategy.bucket_mb = p.bucket_mb;
-  scenario.strategy.tp = p.tp;
-  scenario.strategy.sequence_parallel = p.sequence_parallel;
-  scenario.strategy.recompute = p.recompute;
-  scenario.strategy.global_batch = p.global_batch;
-  scenario.strategy.comm_sms = p.comm_sms;
-  scenario.strategy.dp_shard = p.dp_shard;
+  scenario.strategy = p.strategy();
   const Outcome o = simulate_outcome(scenario, p.cluster, p.engine, calibration_path);
   SweepRow row;
   row.point = p;
@@ -361,10 +391,7 @@ SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
 std::set<std::string> repair_results(const std::string& path) {
   std::set<std::string> keys;
   try {
-    // The columns each later version added, oldest first (a new column is one more entry here).
-    static const std::vector<std::vector<std::string>> added = {
-        {"tp", "sequence_parallel", "recompute", "global_batch"}, {"comm_sms"}, {"dp_shard"}, {"tp_comm_s"}};
-    for (const auto& fields : read_results(path, sweep_csv_columns(), "sweep", added)) keys.insert(fields.front());
+    for (const auto& fields : read_results(path, sweep_csv_columns(), "sweep")) keys.insert(fields.front());
   } catch (const ResultsFileError& e) {
     throw SweepError(e.what());
   }

@@ -25,6 +25,7 @@
 #include "piper/core/limits.hpp"
 #include "piper/core/model.hpp"
 #include "piper/core/program_builder.hpp"
+#include "piper/core/settings.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/cost_model.hpp"
@@ -60,21 +61,20 @@ std::string join(const std::vector<int>& v, char sep) {
 
 // The strategy knobs of a candidate (what the generator and the schedule family read).
 core::StrategyOptions strategy_of(const TuneCandidate& c) {
-  core::StrategyOptions o;
-  o.pp = c.pp;
-  o.dp = c.dp;
-  o.ep = c.ep;
-  o.zero = c.zero;
-  o.schedule = c.schedule;
-  o.microbatches = c.microbatches;
-  o.virtual_stages = c.virtual_stages;
-  o.tp = c.tp;
-  o.sequence_parallel = c.sequence_parallel;
-  o.recompute = c.recompute;
-  o.comm_sms = c.comm_sms;
-  o.dp_shard = c.dp_shard;
-  if (c.zero >= 2) o.reduce_every = c.reduce_every;
+  core::StrategyOptions o = c;
+  o.global_batch = 0;  // a candidate's microbatches are its own
+  if (c.zero < 2) o.reduce_every.clear();
   return o;
+}
+
+// The settings the tune CSV and key name by hand (their columns and key parts predate the settings
+// table); every other setting of the table gets a column after `reason` and a key part when not at
+// its default. global_batch is the spec's (sequences per step), never a candidate's.
+bool named_by_hand(const std::string& setting) {
+  static const std::set<std::string> names = {"pp", "dp", "ep", "zero", "schedule", "microbatches", "virtual", "tp",
+                                              "sequence_parallel", "recompute", "comm_sms", "dp_shard", "reduce_every",
+                                              "global_batch"};
+  return names.count(setting) > 0;
 }
 
 // Recompute modes by the work they add (none < selective < full); -1 for an unknown mode.
@@ -303,6 +303,8 @@ std::string TuneCandidate::key() const {
   if (comm_sms > 0) k += fmt::format("/sms{}", comm_sms);
   if (dp_shard > 0) k += fmt::format("/hs{}", dp_shard);
   if (reduce_every == "step") k += "/rs-step";
+  for (const auto& s : core::strategy_settings())
+    if (!named_by_hand(s.name) && !core::at_default(s, *this)) k += core::setting_key_part(s, *this);
   std::replace(k.begin(), k.end(), ',', ';');
   return k;
 }
@@ -495,6 +497,7 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
               continue;
             }
             TuneCandidate c;
+            static_cast<core::StrategyOptions&>(c) = spec.fixed;
             c.tp = tp;
             c.pp = pp;
             c.dp = dp;
@@ -935,12 +938,19 @@ TuneRow evaluate_candidate(const TuneSpec& spec, const TuneCandidate& c, const s
 }
 
 const std::vector<std::string>& tune_csv_columns() {
-  static const std::vector<std::string> columns = {
-      "key", "model", "cluster", "devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp", "sequence_parallel",
-      "recompute", "comm_sms", "dp_shard", "reduce_every", "zero", "schedule", "virtual",
-      "microbatches", "micro_batch_size", "placement", "pp_ranges", "rank_order", "engine", "estimated_memory_bytes", "step_time_s",
-      "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s",
-      "tp_comm_s", "status", "reason"};
+  static const std::vector<std::string> columns = [] {
+    std::vector<std::string> c = {"key", "model", "cluster", "devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp",
+                                  "sequence_parallel", "recompute", "comm_sms", "dp_shard", "reduce_every", "zero", "schedule",
+                                  "virtual", "microbatches", "micro_batch_size"};
+    for (const char* more : {"placement", "pp_ranges", "rank_order", "engine", "estimated_memory_bytes", "step_time_s",
+                             "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s",
+                             "simulate_time_s", "tp_comm_s", "status", "reason"})
+      c.push_back(more);
+    // After `reason`, so the column numbers of existing files and scripts stay put.
+    for (const auto& s : core::strategy_settings())
+      if (!named_by_hand(s.name)) c.push_back(s.name);
+    return c;
+  }();
   return columns;
 }
 
@@ -951,15 +961,18 @@ std::string to_csv(const TuneSpec& spec, const TuneRow& r) {
   // {} prints doubles in their shortest round-trip form, so a row read back compares exactly.
   const bool ok = r.status == "ok";
   auto figure = [&](auto v) { return ok ? fmt::format("{}", v) : std::string(); };
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
-                     csv_field(c.key()), csv_field(spec.model), csv_field(spec.cluster), spec.devices,
-                     spec.effective_global_batch(), spec.seq_len, c.pp, c.dp, c.ep, c.tp, c.sequence_parallel ? 1 : 0,
-                     csv_field(c.recompute), c.comm_sms, c.dp_shard, c.zero >= 2 ? (c.reduce_every == "step" ? "step" : "microbatch") : "", c.zero, csv_field(c.schedule),
-                     c.virtual_stages, c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '), join(c.rank_order, ' '),
-                     r.engine, r.estimated_memory_bytes > 0 ? fmt::format("{}", r.estimated_memory_bytes) : std::string(),
-                     figure(r.step_time_s), figure(r.tokens_per_s), figure(r.mfu), figure(r.bubble_fraction),
-                     figure(r.peak_memory_bytes), figure(r.oom ? 1 : 0), figure(r.compile_time_s), figure(r.simulate_time_s),
-                     figure(r.tp_comm_s), r.status, csv_field(one_line(r.reason)));
+  std::string row = fmt::format(
+      "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+      csv_field(c.key()), csv_field(spec.model), csv_field(spec.cluster), spec.devices, spec.effective_global_batch(),
+      spec.seq_len, c.pp, c.dp, c.ep, c.tp, c.sequence_parallel ? 1 : 0, csv_field(c.recompute), c.comm_sms, c.dp_shard,
+      c.zero >= 2 ? (c.reduce_every == "step" ? "step" : "microbatch") : "", c.zero, csv_field(c.schedule), c.virtual_stages,
+      c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '), join(c.rank_order, ' '), r.engine,
+      r.estimated_memory_bytes > 0 ? fmt::format("{}", r.estimated_memory_bytes) : std::string(), figure(r.step_time_s),
+      figure(r.tokens_per_s), figure(r.mfu), figure(r.bubble_fraction), figure(r.peak_memory_bytes), figure(r.oom ? 1 : 0),
+      figure(r.compile_time_s), figure(r.simulate_time_s), figure(r.tp_comm_s), r.status, csv_field(one_line(r.reason)));
+  for (const auto& s : core::strategy_settings())
+    if (!named_by_hand(s.name)) row += "," + csv_field(core::setting_text(s, c));
+  return row;
 }
 
 TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, const std::string& where) {
@@ -1002,6 +1015,13 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
   c.virtual_stages = static_cast<int>(integer("virtual"));
   c.microbatches = static_cast<int>(integer("microbatches"));
   c.micro_batch_size = integer("micro_batch_size");
+  for (const auto& s : core::strategy_settings())
+    if (!named_by_hand(s.name))
+      try {
+        core::set_setting(s, c, core::setting_from_text(s, at(s.name.c_str()), "v"), "v");
+      } catch (const core::Error& e) {
+        throw TuneError(fmt::format("{}: column '{}': {}", where, s.name, std::string(e.what()).substr(3)));
+      }
   c.placement = at("placement");
   auto int_list = [&](const char* name, std::vector<int>& into) {
     std::size_t pos = 0;
@@ -1044,12 +1064,9 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
 }
 
 std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* spec) {
-  // The columns each later version added, oldest first (a new column is one more entry here).
-  static const std::vector<std::vector<std::string>> added = {
-      {"tp", "sequence_parallel", "recompute", "rank_order"}, {"comm_sms"}, {"dp_shard"}, {"tp_comm_s"}, {"reduce_every"}};
   std::vector<std::vector<std::string>> rows;
   try {
-    rows = read_results(csv_path, tune_csv_columns(), "tune", added);
+    rows = read_results(csv_path, tune_csv_columns(), "tune");
   } catch (const ResultsFileError& e) {
     throw TuneError(e.what());
   }

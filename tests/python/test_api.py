@@ -21,7 +21,8 @@ CLI = os.environ["PIPER_CLI"]
 MPIEXEC = os.environ.get("PIPER_MPIEXEC", "mpirun")
 TINY = os.path.join(SOURCE_DIR, "tests", "data", "runtime-tiny-gpt.json")
 PACKAGE_DIR = os.path.dirname(piper.__file__)
-FUNCTIONS = ["compile", "directives", "simulate", "verify", "sweep", "tune", "run", "plot", "read_results", "models", "schedule_show"]
+FUNCTIONS = ["compile", "directives", "simulate", "verify", "sweep", "tune", "run", "plot", "read_results", "models", "schedule_show",
+             "strategy", "strategy_settings"]
 # Wall-clock fields of a results row: two processes never measure the same.
 TIMES = ("compile_time_s", "simulate_time_s")
 
@@ -113,6 +114,14 @@ class Stubs(unittest.TestCase):
         self.assertIn("TuneResult.directives", [f[0] for f in functions])
         for name, node, fn in functions:
             runtime = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+            if name == "strategy":
+                # One keyword per setting of the table, so the stub takes **settings and the runtime
+                # signature is the table's: names, keyword-only, defaults.
+                self.assertEqual((node.args.args, node.args.kwonlyargs, node.args.kwarg.arg), ([], [], "settings"))
+                table = piper.strategy_settings()
+                self.assertEqual([(p.name, p.kind, p.default) for p in runtime],
+                                 [(s["name"], inspect.Parameter.KEYWORD_ONLY, s["default"]) for s in table])
+                continue
             a = node.args
             stub = [(x.arg, inspect.Parameter.POSITIONAL_OR_KEYWORD) for x in a.args] + \
                    [(x.arg, inspect.Parameter.KEYWORD_ONLY) for x in a.kwonlyargs]
@@ -124,6 +133,49 @@ class Stubs(unittest.TestCase):
                 else:
                     self.assertIsNotNone(d, f"{name}({p.name}) needs a default in the stub")
                     self.assertEqual(ast.literal_eval(d), p.default, f"{name}({p.name})")
+
+
+class Strategy(unittest.TestCase):
+    """piper.strategy(**settings): the keywords are the settings table's, checked as a scenario's keys."""
+
+    @staticmethod
+    def other_value(setting):
+        d = setting["default"]
+        if setting["type"] == "bool":
+            return not d
+        if setting["type"] == "int":
+            return setting["min"] if d != setting["min"] else setting["min"] + 1
+        if setting["type"] == "double":
+            return 25.5
+        return setting["choices"][-1]
+
+    def test_every_setting_round_trips_by_keyword_and_csv_type(self):
+        table = piper.strategy_settings()
+        defaults = piper.strategy()
+        self.assertEqual(list(defaults), sorted(s["name"] for s in table))
+        for s in table:
+            v = self.other_value(s)
+            got = piper.strategy(**{s["name"]: v})
+            self.assertEqual(got, {**defaults, s["name"]: v}, s["name"])
+            # A results CSV column of that name reads back as the same value.
+            text = ("1" if v else "0") if isinstance(v, bool) else str(v)
+            self.assertEqual(piper._typed(s["name"], text), v, s["name"])
+            self.assertIs(type(piper._typed(s["name"], text)), type(v), s["name"])
+
+    def test_unknown_keyword_is_an_input_error_with_a_suggestion(self):
+        with self.assertRaises(piper.InputError) as e:
+            piper.strategy(microbatchs=4)
+        self.assertIn("'microbatchs'", str(e.exception))
+        self.assertIn("did you mean 'microbatches'?", str(e.exception))
+
+    def test_bad_enum_value_names_the_keyword(self):
+        with self.assertRaises(piper.InputError) as e:
+            piper.strategy(recompute="ful")
+        self.assertIn("'recompute'", str(e.exception))
+        self.assertIn("did you mean 'full'?", str(e.exception))
+        with self.assertRaises(piper.InputError) as e:
+            piper.strategy(zero=4)
+        self.assertIn("'zero'", str(e.exception))
 
 
 class Errors(unittest.TestCase):

@@ -207,7 +207,7 @@ class Errors(unittest.TestCase):
         self.assertIn("directive 7 field 'filters[1]'", str(ctx.exception))
 
     def test_bad_scenario_field(self):
-        with self.assertRaisesRegex(piper.Error, r"^scenario: field 'strategy.pp': must be an integer >= 1$"):
+        with self.assertRaisesRegex(piper.Error, r"^scenario: field 'strategy.pp': must be an integer >= 1 \(got 0\)$"):
             piper.compile({"model": "qwen3-9m", "strategy": {"pp": 0}})
 
     def test_misspelt_strategy_key_is_an_error(self):

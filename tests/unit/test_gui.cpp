@@ -162,6 +162,35 @@ TEST(GuiStudio, PresetPanelCarriesTensorParallelAndHybridShardingKnobs) {
   EXPECT_GT(hybrid, 0);
 }
 
+// Settings without a hand-laid field get one generated from the settings table (named after the
+// setting, its help as tool tip), and "Simulate preset" keeps their values.
+TEST(GuiStudio, PresetPanelHasAFieldForEverySetting) {
+  Studio s;
+  core::Scenario sc = small_scenario();
+  sc.strategy.pp = 1, sc.strategy.dp = 2, sc.strategy.zero = 3;
+  sc.strategy.reduce_every = "step", sc.strategy.gather_prefetch = 0, sc.strategy.bucket_mb = 25;
+  s.window.load_scenario(sc, /*synchronous=*/true);
+  for (const char* name : {"bucket_mb", "fp8_all_gather", "reduce_every", "gather_prefetch", "tp_comm_overlap", "comm_sms"}) {
+    QWidget* field = s.window.findChild<QWidget*>(name);
+    ASSERT_NE(field, nullptr) << name;
+    EXPECT_TRUE(field->toolTip().startsWith("--")) << name;
+  }
+  QPushButton* apply = nullptr;
+  for (auto* b : s.window.findChildren<QPushButton*>())
+    if (b->text() == "Simulate preset") apply = b;
+  ASSERT_NE(apply, nullptr);
+  QSignalSpy spy(&s.window, &StudioWindow::simulation_finished);
+  apply->click();
+  ASSERT_TRUE(spy.wait(20000));
+  ASSERT_TRUE(spy.takeFirst().at(0).toBool()) << s.window.error_text().toStdString();
+  const auto& st = s.window.run_a()->scenario.strategy;
+  EXPECT_FALSE(st.fp8_all_gather);
+  EXPECT_EQ(st.reduce_every, "step");
+  EXPECT_EQ(st.gather_prefetch, 0);
+  EXPECT_EQ(st.bucket_mb, 25);
+  EXPECT_FALSE(st.tp_comm_overlap);
+}
+
 // A scenario with a global batch shows the microbatches it resolves to (512 sequences / (1 x DP 2) =
 // 256), not the unused microbatches field, and "Simulate preset" keeps the global batch.
 TEST(GuiStudio, PresetPanelShowsTheMicrobatchesOfAGlobalBatch) {

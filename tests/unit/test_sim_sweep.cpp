@@ -73,8 +73,8 @@ TEST(Sweep, ExpandsTheCartesianProduct) {
   for (const auto& p : points) keys.insert(p.key());
   EXPECT_EQ(keys.size(), 12u) << "keys must identify combinations";
   // Unlisted knobs keep one default value; a scalar is a one-element list.
-  EXPECT_EQ(spec.zero, std::vector<int>{0});
-  EXPECT_EQ(spec.microbatches, std::vector<int>{4});
+  EXPECT_EQ(spec.values("zero"), std::vector<json>{0});
+  EXPECT_EQ(spec.values("microbatches"), std::vector<json>{4});
 }
 
 TEST(Sweep, SpecErrorsNameTheField) {
@@ -229,7 +229,7 @@ TEST(Sweep, CommSmsErrorsNameTheField) {
   };
   EXPECT_EQ(message(R"({"cluster": "dgx-h200", "comm_sms": [24, 132]})"),
             "bad.json: field 'comm_sms': 132 SMs for communication leave none for compute on 'H200-SXM-141GB' (132 SMs)");
-  EXPECT_NE(message(R"({"comm_sms": -8})").find("bad.json: field 'comm_sms': -8 is negative"), std::string::npos);
+  EXPECT_NE(message(R"({"comm_sms": -8})").find("bad.json: field 'comm_sms': must be an integer >= 1 (or 0: off) (got -8)"), std::string::npos);
   EXPECT_NE(message(R"({"comm_sms": "24"})").find("bad.json: field 'comm_sms'"), std::string::npos);
   EXPECT_EQ(message(R"({"cluster": "dgx-h200", "comm_sms": [0, 20, 131]})"), "no error");  // as `simulate --comm-sms` takes them
 }
@@ -258,7 +258,7 @@ TEST(Sweep, DpShardIsAnAxis) {
     SweepSpec::from_json(json::parse(R"({"dp_shard": [-2]})"), "bad.json");
     ADD_FAILURE() << "no error for a negative dp_shard";
   } catch (const SweepError& e) {
-    EXPECT_EQ(std::string(e.what()), "bad.json: field 'dp_shard': -2 is negative (0: plain ZeRO, N >= 2: HSDP over groups of N replicas)");
+    EXPECT_EQ(std::string(e.what()), "bad.json: field 'dp_shard': must be an integer >= 2 (or 0: off) (got -2)");
   }
 }
 

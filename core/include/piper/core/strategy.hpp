@@ -12,28 +12,18 @@
 
 namespace piper::core {
 
+// The strategy settings: one member per line of strategy_settings.def (the settings table, whose
+// names, help, ranges and defaults every front end uses; see settings.hpp).
 struct StrategyOptions {
-  int pp = 1, dp = 1, ep = 1, zero = 0;
-  int tp = 1;                      // tensor-parallel degree (consecutive devices, inside a node)
-  bool sequence_parallel = false;  // with tp > 1
-  bool tp_comm_overlap = false;    // with tp > 1: TP collectives overlapped with the GEMMs
-  std::string recompute = "none";  // none | selective | full
-  int dp_shard = 0;                // > 1 with zero >= 1: HSDP, ZeRO shards over groups of dp_shard replicas
-  // ZeRO-2/3 gradient reduction: "microbatch" (after every microbatch: DeepSpeed ZeRO-2, FSDP2), "step"
-  // (once, keeping whole gradients until then: FSDP no_sync), "" = the level's default ("microbatch").
-  std::string reduce_every;
-  bool fp8_all_gather = false;     // ZeRO-3 with fp8 training: parameter gathers in fp8 (TorchTitan's Float8)
-  int comm_sms = 0;                // > 0: an sm_partition directive giving communication this many SMs
-  int global_batch = 0;            // sequences per step; > 0 sets microbatches (see resolve_global_batch)
-  int microbatches = 1;
-  int virtual_stages = 1;          // model chunks per rank (schedules that use them)
-  double bucket_mb = 0;            // 0 = one gradient collective per segment
-  std::string schedule = "1f1b";
+#define PIPER_STRATEGY_SETTING(type, member, name, default_value, ...) type member = default_value;
+#include "piper/core/strategy_settings.def"
+#undef PIPER_STRATEGY_SETTING
   // Logical stream names written into the directives. Parameters (not constants) so that programs
   // can match other tools' naming, e.g. the published fixtures' "pp_stream"/"dp_stream".
   std::string pp_stream = "pp";    // place: point-to-point transfers between pipeline ranks
   std::string dp_stream = "dp";    // replicate: gradient reduction and (ZeRO-3) parameter gathers
   std::string ep_stream = "ep";    // shard: expert all-to-all
+  friend bool operator==(const StrategyOptions&, const StrategyOptions&) = default;
 };
 
 // Checks the knobs (pp, dp, ep >= 1, dp % ep == 0, zero in 0..3, microbatches >= 1,

@@ -4,6 +4,9 @@
 
 #include <memory>
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <QFutureWatcher>
 #include <QMainWindow>
@@ -90,6 +93,8 @@ class StudioWindow : public QMainWindow {
   QSpinBox *dp_shard_ = nullptr, *tp_ = nullptr, *global_batch_ = nullptr;
   QCheckBox* sequence_parallel_ = nullptr;
   QComboBox* recompute_ = nullptr;
+  // Fields generated from the settings table (core/settings.hpp) for the settings without one above.
+  std::vector<std::pair<std::string, QWidget*>> setting_fields_;
   QAction* critical_action_ = nullptr;
   TuneBrowser* tune_browser_ = nullptr;
   QDockWidget* tune_dock_ = nullptr;

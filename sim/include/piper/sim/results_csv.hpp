@@ -34,13 +34,12 @@ std::string csv_header(const std::vector<std::string>& columns);
 // or a non-regular file, is refused untouched), then cuts a trailing partial line (a run killed
 // mid-write) off the file and returns the fields of every complete data row. `kind` names the file type in errors
 // ("sweep", "tune"). Throws ResultsFileError if the header differs from `columns` or a row has the
-// wrong field count. A missing or empty file yields no rows (and is not created). `added` lists the
-// columns each later version of the file added, oldest first: a header that is `columns` less those
-// of one version and all later ones is refused as an older piper's file, naming what it lacks (its
-// rows could be read, but new rows could not be appended under its header).
+// wrong field count. A missing or empty file yields no rows (and is not created). A header that is
+// `columns` less some of them, in the same order, is refused as an older piper's file, naming what it
+// lacks (its rows could be read, but new rows could not be appended under its header): columns come
+// from the settings table, so a new setting adds one without a list of versions to keep.
 std::vector<std::vector<std::string>> read_results(const std::string& csv_path, const std::vector<std::string>& columns,
-                                                   const std::string& kind,
-                                                   const std::vector<std::vector<std::string>>& added = {});
+                                                   const std::string& kind);
 
 // Appends rows to a results file (O_APPEND, one write + fdatasync per row), writing the header first
 // when the file is new or empty; refuses a path that is not a regular file. A failed write (a full

@@ -23,21 +23,21 @@ class SweepError : public core::Error {
   using core::Error::Error;
 };
 
-// Lists of values per knob; every knob not given in the spec holds one default value.
+// Lists of values per knob; every knob not given in the spec holds one default value. The strategy
+// knobs are the settings of core/settings.hpp, by name.
 struct SweepSpec {
   std::string model = "qwen3-9m";
   std::string cluster = "dgx-h200";
   std::string calibration_path;
-  std::vector<int> pp{1}, dp{1}, ep{1}, zero{0}, microbatches{1}, virtual_stages{1};
-  std::vector<std::string> schedule{core::StrategyOptions{}.schedule};  // the strategy generator's default
-  std::vector<double> bucket_mb{0};
   std::vector<std::string> engine{"analytic"};
   std::vector<std::int64_t> seq_len{0}, micro_batch_size{0};  // 0: the model's default
-  std::vector<int> tp{1}, global_batch{0};          // global_batch 0: use microbatches
-  std::vector<bool> sequence_parallel{false};
-  std::vector<std::string> recompute{"none"};
-  std::vector<int> comm_sms{0};                     // SMs of each GPU for communication (sm_partition); 0: shared
-  std::vector<int> dp_shard{0};                     // HSDP shard group (replicas); 0: plain ZeRO
+  // The values of each strategy setting, indexed like core::strategy_settings() (default: its default).
+  std::vector<std::vector<nlohmann::json>> settings;
+
+  SweepSpec();
+  // The values listed for the setting `name` (a setting of the table).
+  const std::vector<nlohmann::json>& values(const std::string& name) const;
+  std::vector<nlohmann::json>& values(const std::string& name);
 
   // Reads a spec's JSON; `where` names it in errors. Each knob is a value or a list of values.
   // Relative model/cluster/calibration file paths resolve against `base_dir`.
@@ -46,24 +46,19 @@ struct SweepSpec {
   static SweepSpec parse(const std::string& text, const std::string& where, const std::string& base_dir = "");
 };
 
-// One combination of knob values.
-struct SweepPoint {
-  std::string model, cluster, engine, schedule;
-  int pp = 1, dp = 1, ep = 1, zero = 0, microbatches = 1, virtual_stages = 1;
-  double bucket_mb = 0;
+// One combination of knob values: the strategy settings plus where and how it is simulated.
+struct SweepPoint : core::StrategyOptions {
+  std::string model, cluster, engine;
   std::int64_t seq_len = 0, micro_batch_size = 0;
-  int tp = 1, global_batch = 0;
-  bool sequence_parallel = false;
-  std::string recompute = "none";
-  int comm_sms = 0;
-  int dp_shard = 0;
-  // Stable identity of the combination (no commas): the resume key.
+  const core::StrategyOptions& strategy() const { return *this; }
+  // Stable identity of the combination (no commas): the resume key. The essential settings, then
+  // seq_len and micro_batch_size when set, then every other setting not at its default.
   std::string key() const;
 };
 
-// The cartesian product, in spec order (engine outermost, then pp, dp, ep, zero, schedule,
-// microbatches, virtual, bucket_mb, seq_len, micro_batch_size, tp, sequence_parallel, recompute,
-// global_batch, comm_sms, dp_shard).
+// The cartesian product, in spec order: engine outermost, then the essential settings (pp, dp, ep,
+// zero, schedule, microbatches, virtual, bucket_mb), seq_len, micro_batch_size, and the other
+// settings in table order.
 std::vector<SweepPoint> expand(const SweepSpec& spec);
 
 // One row of the results: the knobs plus the report's headline fields.

@@ -71,23 +71,18 @@ struct TuneSpec {
   // exact_top-th best fitting step time found so far is not simulated (branch and bound).
   int exact_top = 10;
   std::string calibration_path;
+  // The settings the search does not vary (bucket_mb, tp_comm_overlap, fp8_all_gather, ...): every
+  // candidate starts from these; the searched ones are overwritten.
+  core::StrategyOptions fixed;
 
   std::int64_t effective_global_batch() const { return global_batch > 0 ? global_batch : 4LL * devices; }
 };
 
-// One point of the search space. Each strategy dimension is one field and one loop in
-// enumerate_candidates.
-struct TuneCandidate {
-  int pp = 1, dp = 1, ep = 1, zero = 0;
-  int tp = 1;                             // tensor-parallel degree: pp x tp x dp = devices
-  bool sequence_parallel = false;         // with tp > 1
-  std::string recompute = "none";         // none | selective | full, every region
-  int comm_sms = 0;                       // SMs of each GPU for communication (sm_partition); 0: shared
-  int dp_shard = 0;                       // HSDP: ZeRO shards over groups of this many replicas; 0: plain
-  std::string reduce_every;               // ZeRO-2/3: "step" (once per step); "" the default, per microbatch
-  std::string schedule;
-  int virtual_stages = 1;                 // PP regions per pipeline rank
-  int microbatches = 1;                   // per data-parallel replica and step
+// One point of the search space: the strategy settings (core/settings.hpp; the search varies pp, dp,
+// ep, zero, tp, sequence_parallel, recompute, comm_sms, dp_shard, reduce_every, schedule,
+// virtual_stages and microbatches, each one loop in enumerate_candidates; the others come from
+// TuneSpec::fixed) plus the batch split and the PP placement.
+struct TuneCandidate : core::StrategyOptions {
   std::int64_t micro_batch_size = 1;      // sequences per microbatch
   std::string placement = "default";      // how the PP boundaries were chosen (a label)
   std::vector<int> pp_ranges;             // first block of each PP region; empty: the generator's balance
