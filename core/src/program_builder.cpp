@@ -20,10 +20,12 @@ ProgramBuilder::ProgramBuilder(json program) : program_(std::move(program)) {
   if (!program_.is_array()) throw Error(std::string("a directive program must be a JSON array, got ") + program_.type_name());
 }
 
-ProgramBuilder& ProgramBuilder::place(const Filter& filter, const std::vector<int>& devices, const std::optional<std::string>& stream) {
+ProgramBuilder& ProgramBuilder::place(const Filter& filter, const std::vector<int>& devices, const std::optional<std::string>& stream,
+                                      bool blocking) {
   json d = directive("place", filter);
   d["devices"] = devices;
   if (stream) d["stream"] = *stream;
+  if (blocking) d["blocking"] = true;
   program_.push_back(std::move(d));
   return *this;
 }

@@ -77,6 +77,7 @@ void validate_strategy_options(const StrategyOptions& o) {
   if (o.fp8_all_gather && o.zero != 3) fail("--fp8-all-gather applies only with --zero 3 (its per-use parameter gathers)");
   if (o.gather_prefetch != 1 && o.zero != 3)
     fail("--gather-prefetch applies only with --zero 3 (its per-use parameter gathers)");
+  if (o.p2p_blocking && o.pp < 2) fail("--p2p-blocking applies only with --pp 2 or more (its pipeline transfers)");
   if (!o.reduce_every.empty() && o.zero < 2)
     fail("--reduce-every applies to --zero 2 and 3 (ZeRO-0/1 reduce once per step)");
   if (!(o.bucket_mb >= 0) || !std::isfinite(o.bucket_mb) || o.bucket_mb > 1e9)  // bytes must fit in int64
@@ -122,7 +123,7 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
   // Directive order follows the published programs: all place, then all replicate, then all shard.
   // With one pipeline rank there are no point-to-point transfers, so no stream (as in dp2.json).
   for (int i = 0; i < regions; ++i)
-    out.place(region_filter(i), devices_of_region(i), o.pp > 1 ? std::optional(o.pp_stream) : std::nullopt);
+    out.place(region_filter(i), devices_of_region(i), o.pp > 1 ? std::optional(o.pp_stream) : std::nullopt, o.p2p_blocking);
   if (replicas / o.tp > 1) {
     ReplicateArgs rep;
     rep.reduce_stream = o.dp_stream;

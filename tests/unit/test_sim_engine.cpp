@@ -327,11 +327,7 @@ TEST(SimEngine, BlockingTransfersSerializeWithTheComputeStream) {
     s.strategy.schedule = "gpipe";
     s.strategy.pp = 2;
     s.strategy.microbatches = 2;
-    json program = core::strategy_directives(s.strategy, "qwen3-1b");
-    for (auto& d : program)
-      if (d["op"] == "place") d["blocking"] = blocking;
-    s.directives = program;
-    s.strategy = {};
+    s.strategy.p2p_blocking = blocking;  // the place directives' "blocking"
     return std::make_shared<const core::Program>(core::compile_scenario(s).result.program);
   };
   const OpOverride half_second_transfers = [](const core::Op& op) -> std::optional<double> {
@@ -356,6 +352,11 @@ TEST(SimEngine, BlockingTransfersSerializeWithTheComputeStream) {
         waits_on_send += plan0.streams[static_cast<std::size_t>(w.stream)].ops[static_cast<std::size_t>(w.index)].kind == core::OpKind::Send;
     EXPECT_EQ(waits_on_send > 0, blocking) << waits_on_send;
   }
+  core::Scenario one_stage;
+  one_stage.model = "qwen3-1b";
+  one_stage.strategy.p2p_blocking = true;
+  EXPECT_EQ(piper::test::error_of([&] { core::compile_scenario(one_stage); }),
+            "--p2p-blocking applies only with --pp 2 or more (its pipeline transfers)");
   EXPECT_NE(piper::test::error_of([] { core::parse_directives(json::parse(R"([{"op": "place", "filter": {"PP": 0}, "devices": [0], "blocking": 1}])")); })
                 .find("blocking"), std::string::npos);
 }

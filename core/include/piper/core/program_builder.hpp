@@ -32,7 +32,8 @@ class ProgramBuilder {
   // Continues an existing program (a file's, or another generator's).
   explicit ProgramBuilder(nlohmann::json program);
 
-  ProgramBuilder& place(const Filter& filter, const std::vector<int>& devices, const std::optional<std::string>& stream = {});
+  ProgramBuilder& place(const Filter& filter, const std::vector<int>& devices, const std::optional<std::string>& stream = {},
+                        bool blocking = false);
   ProgramBuilder& replicate(const Filter& filter, const std::vector<int>& devices, const ReplicateArgs& args = {});
   ProgramBuilder& shard(const Filter& filter, const std::vector<int>& devices, const std::optional<std::string>& stream = {},
                         std::optional<int> degree = {});
