@@ -144,6 +144,12 @@ void StrategyFlags::add_to(CLI::App* app) {
                                       "sequence parallelism inside each TP group (needs --tp >= 2)");
     tp_comm_overlap = app->add_flag("--tp-comm-overlap", options.tp_comm_overlap,
                                     "overlap the TP collectives with the GEMMs (Megatron's --tp-comm-overlap, async TP)");
+    cp = app->add_option("--cp", options.cp,
+                         "context-parallel degree: each sequence split over N devices (load-balanced causal chunks), "
+                         "ring attention (context_parallel directive)")
+             ->check(kPositiveInt);
+    cp_all_gather = app->add_flag("--cp-all-gather", options.cp_all_gather,
+                                  "context parallelism by all-gathering K/V (reduce-scatter of dK/dV) instead of the ring");
     recompute = app->add_option("--recompute", options.recompute, "activation recomputation: none, selective (the attention core), full (whole blocks) or op (TorchTitan's op-level policy)")
                     ->check(CLI::IsMember({"none", "selective", "full", "op"}));
     global_batch = app->add_option("--global-batch", options.global_batch,
@@ -174,11 +180,12 @@ void ScenarioFlags::add_to(CLI::App* app) {
                          strategy.fp8_all_gather, strategy.schedule,
                          strategy.microbatches, strategy.virtual_stages, strategy.bucket_mb, strategy.tp,
                          strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.global_batch,
-                         strategy.comm_sms})
+                         strategy.comm_sms, strategy.cp, strategy.cp_all_gather})
     compile_inputs.push_back(o);
   for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.reduce_every,
                          strategy.fp8_all_gather, strategy.bucket_mb, strategy.tp,
-                         strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.comm_sms})
+                         strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.comm_sms,
+                         strategy.cp, strategy.cp_all_gather})
     o->excludes(directives);
 }
 

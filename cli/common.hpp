@@ -68,6 +68,8 @@ struct StrategyFlags {
   CLI::Option* reduce_every = nullptr;
   CLI::Option* fp8_all_gather = nullptr;
   CLI::Option* tp_comm_overlap = nullptr;
+  CLI::Option* cp = nullptr;
+  CLI::Option* cp_all_gather = nullptr;
   CLI::Option* schedule = nullptr;
   CLI::Option* microbatches = nullptr;
   CLI::Option* virtual_stages = nullptr;

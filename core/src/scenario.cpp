@@ -134,6 +134,8 @@ std::string strategy_flag_error(const json& program, const StrategyOptions& o, c
                                   : fmt::format("--dp {}", o.dp);
   else if (op == "recompute")
     flag = "--recompute " + o.recompute;
+  else if (op == "context_parallel")
+    flag = o.cp_all_gather ? fmt::format("--cp {} --cp-all-gather", o.cp) : fmt::format("--cp {}", o.cp);
   else if (op == "sm_partition")
     flag = fmt::format("--comm-sms {}", o.comm_sms);
   else if (op == "place")
@@ -282,6 +284,8 @@ json Scenario::to_json() const {
   if (strategy.dp_shard > 0) j["strategy"]["dp_shard"] = strategy.dp_shard;
   if (!strategy.reduce_every.empty()) j["strategy"]["reduce_every"] = strategy.reduce_every;
   if (strategy.fp8_all_gather) j["strategy"]["fp8_all_gather"] = true;
+  if (strategy.cp != 1) j["strategy"]["cp"] = strategy.cp;
+  if (strategy.cp_all_gather) j["strategy"]["cp_all_gather"] = true;
   if (!cluster.empty()) j["cluster"] = cluster;
   if (!engine.empty()) j["engine"] = engine;
   return j;
@@ -364,7 +368,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     if (!st.is_object()) throw fail("strategy", "must be an object");
     reject_unknown(st, "strategy.", {"pp", "dp", "ep", "tp", "zero", "dp_shard", "schedule", "microbatches", "virtual",
                                      "global_batch", "bucket_mb", "sequence_parallel", "tp_comm_overlap", "recompute",
-                                     "comm_sms", "reduce_every", "fp8_all_gather"});
+                                     "comm_sms", "reduce_every", "fp8_all_gather", "cp", "cp_all_gather"});
     int_field(st, "pp", "strategy.pp", s.strategy.pp, 1);
     int_field(st, "dp", "strategy.dp", s.strategy.dp, 1);
     int_field(st, "ep", "strategy.ep", s.strategy.ep, 1);
@@ -372,6 +376,11 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     int_field(st, "microbatches", "strategy.microbatches", s.strategy.microbatches, 1);
     int_field(st, "virtual", "strategy.virtual", s.strategy.virtual_stages, 1);
     int_field(st, "tp", "strategy.tp", s.strategy.tp, 1);
+    int_field(st, "cp", "strategy.cp", s.strategy.cp, 1);
+    if (st.contains("cp_all_gather")) {
+      if (!st["cp_all_gather"].is_boolean()) throw fail("strategy.cp_all_gather", "must be true or false");
+      s.strategy.cp_all_gather = st["cp_all_gather"].get<bool>();
+    }
     int_field(st, "global_batch", "strategy.global_batch", s.strategy.global_batch, 1);
     int_field(st, "comm_sms", "strategy.comm_sms", s.strategy.comm_sms, 1);
     int_field(st, "dp_shard", "strategy.dp_shard", s.strategy.dp_shard, 2);

@@ -17,6 +17,8 @@ struct StrategyOptions {
   int tp = 1;                      // tensor-parallel degree (consecutive devices, inside a node)
   bool sequence_parallel = false;  // with tp > 1
   bool tp_comm_overlap = false;    // with tp > 1: TP collectives overlapped with the GEMMs
+  int cp = 1;                      // context-parallel degree (a context_parallel directive when > 1)
+  bool cp_all_gather = false;      // with cp > 1: all-gather K/V instead of the ring
   std::string recompute = "none";  // none | selective | full
   int dp_shard = 0;                // > 1 with zero >= 1: HSDP, ZeRO shards over groups of dp_shard replicas
   // ZeRO-2/3 gradient reduction: "microbatch" (after every microbatch: DeepSpeed ZeRO-2, FSDP2), "step"
@@ -94,8 +96,9 @@ struct ScheduleFamily {
 const std::vector<ScheduleFamily>& schedule_registry();
 const ScheduleFamily& schedule_family(const std::string& name);   // throws std::invalid_argument
 
-// Devices: pipeline rank r, data-parallel rank d, tensor-parallel rank k -> device
-// k + tp * (r + d * pp): TP groups are consecutive devices (inside a node), pipeline ranks adjacent.
+// Devices: pipeline rank r, data-parallel rank d, context-parallel rank c, tensor-parallel rank k ->
+// device k + tp * (c + cp * (r + d * pp)): TP groups are consecutive devices (inside a node), CP next
+// (Megatron's tp-cp order), then pipeline ranks, data-parallel ranks outermost.
 // Placement, replicate and shard directives for `regions` PP regions.
 // With `mirrored`, region i is placed on the devices of rank_of_region[i] followed by those of rank
 // pp-1-rank_of_region[i] (a data-parallel pair; see ScheduleFamily::mirrored).
