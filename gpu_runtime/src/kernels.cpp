@@ -165,10 +165,6 @@ Mat head_norm_backward(const Mat& lin, int heads, int hd, const ConstVecMap& w, 
   return dx;
 }
 
-}  // namespace
-
-namespace {
-
 // The position in its sequence of each of `rows` local rows (context parallelism: AttentionCp's chunks).
 std::vector<int> row_positions(const AttentionShape& s, Eigen::Index rows) {
   std::vector<int> out(static_cast<std::size_t>(rows));
@@ -255,7 +251,6 @@ void attention_drop_core(AttentionCache& c) {
 
 Mat attention_forward(const AttentionShape& s, const AttentionWeights& w, const Mat& u, AttentionCache* c) {
   const int hd = s.head_dim;
-  const int L = s.seq_len;
   AttentionCache local;
   AttentionCache& k = c ? *c : local;
   k.u = u;
@@ -275,7 +270,6 @@ Mat attention_forward(const AttentionShape& s, const AttentionWeights& w, const 
     rope_inplace(k.q, s.heads, hd, pos, s.rope_theta, 1.0f);
     rope_inplace(k.k, s.kv_heads, hd, pos, s.rope_theta, 1.0f);
   }
-  (void)L;
   if (s.context_parallel()) {  // K and V of the whole sequence (ring attention's blocks, all at once)
     k.k_all = s.cp->gather(k.k);
     k.v_all = s.cp->gather(k.v);

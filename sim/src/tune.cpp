@@ -954,10 +954,10 @@ TuneRow evaluate_candidate(const TuneSpec& spec, const TuneCandidate& c, const s
 const std::vector<std::string>& tune_csv_columns() {
   static const std::vector<std::string> columns = {
       "key", "model", "cluster", "devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp", "sequence_parallel",
-      "recompute", "comm_sms", "dp_shard", "reduce_every", "cp", "zero", "schedule", "virtual",
+      "recompute", "comm_sms", "dp_shard", "reduce_every", "zero", "schedule", "virtual",
       "microbatches", "micro_batch_size", "placement", "pp_ranges", "rank_order", "engine", "estimated_memory_bytes", "step_time_s",
       "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s",
-      "tp_comm_s", "status", "reason"};
+      "tp_comm_s", "status", "reason", "cp"};
   return columns;
 }
 
@@ -971,12 +971,12 @@ std::string to_csv(const TuneSpec& spec, const TuneRow& r) {
   return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                      csv_field(c.key()), csv_field(spec.model), csv_field(spec.cluster), spec.devices,
                      spec.effective_global_batch(), spec.seq_len, c.pp, c.dp, c.ep, c.tp, c.sequence_parallel ? 1 : 0,
-                     csv_field(c.recompute), c.comm_sms, c.dp_shard, c.zero >= 2 ? (c.reduce_every == "step" ? "step" : "microbatch") : "", c.cp, c.zero, csv_field(c.schedule),
+                     csv_field(c.recompute), c.comm_sms, c.dp_shard, c.zero >= 2 ? (c.reduce_every == "step" ? "step" : "microbatch") : "", c.zero, csv_field(c.schedule),
                      c.virtual_stages, c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '), join(c.rank_order, ' '),
                      r.engine, r.estimated_memory_bytes > 0 ? fmt::format("{}", r.estimated_memory_bytes) : std::string(),
                      figure(r.step_time_s), figure(r.tokens_per_s), figure(r.mfu), figure(r.bubble_fraction),
                      figure(r.peak_memory_bytes), figure(r.oom ? 1 : 0), figure(r.compile_time_s), figure(r.simulate_time_s),
-                     figure(r.tp_comm_s), r.status, csv_field(one_line(r.reason)));
+                     figure(r.tp_comm_s), r.status, csv_field(one_line(r.reason)), c.cp);
 }
 
 TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, const std::string& where) {

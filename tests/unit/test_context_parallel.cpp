@@ -158,12 +158,21 @@ TEST(ContextParallel, KernelsMatchCosts) {
   const Model m = build_model(small_llama());
   ParallelLayout cp2;
   cp2.cp = 2;
-  for (const auto& layer : m.layers()) {
-    const Costs c = layer_costs(layer, m.training(), cp2);
-    EXPECT_DOUBLE_EQ(kernel_flops(layer_kernels(layer, m.training(), cp2, 0)), c.forward_flops) << layer.name;
-    EXPECT_DOUBLE_EQ(kernel_flops(layer_kernels(layer, m.training(), cp2, 1)), c.backward_input_flops) << layer.name;
-    EXPECT_DOUBLE_EQ(kernel_flops(layer_kernels(layer, m.training(), cp2, 2)), c.backward_weight_flops) << layer.name;
-  }
+  for (int tp : {1, 2})
+    for (int recompute = 0; recompute < 4; ++recompute)
+      for (bool all_gather : {false, true}) {
+        ParallelLayout l = cp2;
+        l.tp = tp;
+        l.recompute = recompute;
+        l.cp_all_gather = all_gather;
+        for (const auto& layer : m.layers()) {
+          const Costs c = layer_costs(layer, m.training(), l);
+          const std::string at = layer.name + " tp " + std::to_string(tp) + " recompute " + std::to_string(recompute);
+          EXPECT_DOUBLE_EQ(kernel_flops(layer_kernels(layer, m.training(), l, 0)), c.forward_flops) << at;
+          EXPECT_DOUBLE_EQ(kernel_flops(layer_kernels(layer, m.training(), l, 1)), c.backward_input_flops) << at;
+          EXPECT_DOUBLE_EQ(kernel_flops(layer_kernels(layer, m.training(), l, 2)), c.backward_weight_flops) << at;
+        }
+      }
   for (const auto& k : layer_kernels(first_of(m, LayerKind::Attention), m.training(), cp2, 0))
     if (k.kind == KernelKind::AttentionForward) {
       EXPECT_EQ(k.m, 4);
