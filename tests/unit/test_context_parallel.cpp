@@ -424,3 +424,29 @@ TEST(ContextParallel, TuneSearchesCp) {
   }
   EXPECT_GT(checked, 4);
 }
+
+// Scenario files carry the strategy's CP knobs (written only when used) and check them.
+TEST(ContextParallel, ScenarioKeys) {
+  Scenario sc;
+  sc.model = "qwen3-9m";
+  sc.strategy.cp = 2;
+  sc.strategy.cp_all_gather = true;
+  const json j = sc.to_json();
+  EXPECT_EQ(j["strategy"]["cp"], 2);
+  EXPECT_EQ(j["strategy"]["cp_all_gather"], true);
+  const Scenario back = Scenario::from_json(j, "s.json");
+  EXPECT_EQ(back.strategy.cp, 2);
+  EXPECT_TRUE(back.strategy.cp_all_gather);
+  EXPECT_FALSE(Scenario{}.to_json()["strategy"].contains("cp"));
+  json bad = j;
+  bad["strategy"]["cp"] = 0;
+  try {
+    (void)Scenario::from_json(bad, "s.json");
+    ADD_FAILURE() << "cp 0 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("strategy.cp"), std::string::npos) << e.what();
+  }
+  bad = j;
+  bad["strategy"]["cp_all_gather"] = "yes";
+  EXPECT_THROW((void)Scenario::from_json(bad, "s.json"), Error);
+}
