@@ -20,6 +20,7 @@
 #include "piper/core/verifier.hpp"
 #include "piper/sim/cost_model.hpp"
 #include "piper/sim/simulate.hpp"
+#include "piper/sim/sweep.hpp"
 #include "piper/sim/tune.hpp"
 
 using namespace piper::core;
@@ -449,4 +450,26 @@ TEST(ContextParallel, ScenarioKeys) {
   bad = j;
   bad["strategy"]["cp_all_gather"] = "yes";
   EXPECT_THROW((void)Scenario::from_json(bad, "s.json"), Error);
+}
+
+// Sweep specs take a `cp` knob: each degree is one combination, its key and CSV row say which, and a
+// CP 2 point holds the same tokens per step as CP 1 on twice the devices.
+TEST(ContextParallel, SweepKnob) {
+  using namespace piper::sim;
+  const SweepSpec spec = SweepSpec::parse(R"({"model": "qwen3-9m", "cluster": "dgx-h200", "seq_len": 64, "cp": [1, 2]})", "s.json");
+  const auto points = expand(spec);
+  ASSERT_EQ(points.size(), 2u);
+  EXPECT_EQ(points[0].cp, 1);
+  EXPECT_EQ(points[1].cp, 2);
+  EXPECT_EQ(points[0].key().find("/cp"), std::string::npos);
+  EXPECT_NE(points[1].key().find("/cp2"), std::string::npos);
+  const SweepRow one = run_point(points[0]), two = run_point(points[1]);
+  ASSERT_EQ(one.status, "ok") << one.reason;
+  ASSERT_EQ(two.status, "ok") << two.reason;
+  EXPECT_EQ(two.devices, 2);
+  EXPECT_DOUBLE_EQ(two.tokens_per_s * two.step_time_s, one.tokens_per_s * one.step_time_s);
+  EXPECT_EQ(to_json(two).at("cp"), 2);
+  const std::string line = to_csv(two);
+  EXPECT_EQ(line.substr(line.rfind(',') + 1), "2");
+  EXPECT_THROW(SweepSpec::parse(R"({"model": "qwen3-9m", "cp": ["two"]})", "s.json"), SweepError);
 }
