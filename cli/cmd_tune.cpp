@@ -142,6 +142,13 @@ int run_tune(TuneArgs& a) {
   fmt::print("TP degrees  {}{}\n", tps, e.tp_rejected.empty() ? "" : " (left out:");
   for (const auto& why : e.tp_rejected) fmt::print("              {}\n", why);
   if (!e.tp_rejected.empty()) fmt::print("            )\n");
+  if (!spec.cp_degrees.empty()) {  // only when asked for: CP 1 alone is the default
+    std::string cps;
+    for (int c : e.cp_degrees) cps += (cps.empty() ? "" : ",") + std::to_string(c);
+    fmt::print("CP degrees  {}{}\n", cps, e.cp_rejected.empty() ? "" : " (left out:");
+    for (const auto& why : e.cp_rejected) fmt::print("              {}\n", why);
+    if (!e.cp_rejected.empty()) fmt::print("            )\n");
+  }
   fmt::print("enumerated  {} legal candidates with their SP, recompute and ZeRO options, from {} (TP, PP, EP, micro batch,\n"
              "            family, virtual) tuples ({} with a global batch that does not split, {} refused by the family)\n",
              s.candidates, e.considered, e.batch_indivisible, e.family_rejected);
@@ -225,6 +232,10 @@ Command add_tune_command(CLI::App& app) {
       ->delimiter(',');
   cmd->add_option("--tp", a->spec.tp_degrees,
                   "tensor-parallel degrees to try (a list; default: every divisor of the GPUs per node the model accepts)")
+      ->check(kPositiveInt)
+      ->delimiter(',');
+  cmd->add_option("--cp", a->spec.cp_degrees,
+                  "context-parallel degrees to try (a list; default: 1 only; a degree whose 2 x cp chunks do not cut the sequence is left out)")
       ->check(kPositiveInt)
       ->delimiter(',');
   cmd->add_option("--sequence-parallel", a->sequence_parallel, "sequence parallelism with TP > 1: on, off or both")

@@ -299,9 +299,24 @@ Directive parse_one(const json& d, int index) {
     p.partition.sms = n.get<int>();
     return p;
   }
+  if (op == "context_parallel") {
+    check_fields(d, index, {"degree", "comm"});
+    ContextParallelDirective c;
+    const json& n = require(d, index, "degree");
+    if (!n.is_number_integer() || n.get<long long>() < 1 || n.get<long long>() > 1'000'000)
+      fail(index, "degree", "must be a positive integer");
+    c.degree = n.get<int>();
+    const std::string comm = get_string(d, index, "comm", "ring");
+    if (comm != "ring" && comm != "all_gather")
+      fail(index, "comm", "must be \"ring\" or \"all_gather\", got \"" + comm + "\"");
+    c.all_gather = comm == "all_gather";
+    return c;
+  }
   fail(index, "op", "unknown op '" + op + "'" +
-                        did_you_mean(op, {"place", "replicate", "shard", "split", "order", "tensor_parallel", "recompute", "sm_partition"}) +
-                        " (expected place, replicate, shard, split, order, tensor_parallel, recompute or sm_partition)");
+                        did_you_mean(op, {"place", "replicate", "shard", "split", "order", "tensor_parallel", "recompute",
+                                          "sm_partition", "context_parallel"}) +
+                        " (expected place, replicate, shard, split, order, tensor_parallel, recompute, sm_partition or "
+                        "context_parallel)");
 }
 
 }  // namespace
@@ -317,6 +332,7 @@ std::string op_name(const Directive& d) {
         if constexpr (std::is_same_v<T, TensorParallelDirective>) return "tensor_parallel";
         if constexpr (std::is_same_v<T, RecomputeDirective>) return "recompute";
         if constexpr (std::is_same_v<T, SmPartitionDirective>) return "sm_partition";
+        if constexpr (std::is_same_v<T, ContextParallelDirective>) return "context_parallel";
         return "order";
       },
       d);
@@ -326,10 +342,16 @@ DirectiveProgram parse_directives(const json& program) {
   if (!program.is_array())
     throw Error(std::string("a directive program must be a JSON array, got ") + program.type_name());
   DirectiveProgram out;
-  int sm_partition_at = -1;
+  int sm_partition_at = -1, context_parallel_at = -1;
   for (std::size_t i = 0; i < program.size(); ++i) {
     out.directives.push_back(parse_one(program[i], static_cast<int>(i)));
     out.source.push_back(program[i]);
+    if (std::holds_alternative<ContextParallelDirective>(out.directives.back())) {
+      if (context_parallel_at >= 0)
+        fail(static_cast<int>(i), "op",
+             fmt::format("a second context_parallel (directive {} already sets the CP degree)", context_parallel_at));
+      context_parallel_at = static_cast<int>(i);
+    }
     if (std::holds_alternative<SmPartitionDirective>(out.directives.back())) {
       if (sm_partition_at >= 0)
         fail(static_cast<int>(i), "op", fmt::format("a second sm_partition (directive {} already partitions the SMs)", sm_partition_at));

@@ -269,6 +269,18 @@ bool is_elementwise(KernelKind k) {
 
 std::vector<Kernel> layer_kernels(const Layer& layer, const TrainingShape& shape, const ParallelLayout& L, int p,
                                   int shard_degree) {
+  if (L.cp > 1) {
+    // Context parallelism: the kernels of the seq_len / cp local tokens; the attention core runs once
+    // per ring step (or over the gathered K/V), cp blocks of the local queries against s/cp keys each
+    // (layer_costs' causal load balance: 1/cp of the sequence's core work).
+    ParallelLayout inner = L;
+    inner.cp = 1;
+    inner.cp_all_gather = false;
+    std::vector<Kernel> out = layer_kernels(layer, context_parallel_local_shape(shape, L.cp), inner, p, shard_degree);
+    for (Kernel& k : out)
+      if (k.kind == KernelKind::AttentionForward || k.kind == KernelKind::AttentionBackward) k.count *= L.cp;
+    return out;
+  }
   KernelBuilder kb{shape, {}};
   const LayerShape& sh = layer.shape;
   const int t = std::max(1, L.tp), seq = L.sequence_parallel ? t : 1;

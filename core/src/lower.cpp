@@ -370,8 +370,10 @@ Program lower(const GlobalDag& dag) {
                                 seg.sequence_parallel, seg.recompute, seg.tp_family, seg.tp_comm_overlap,
                                 seg.zero_shards, seg.reduce_every_microbatch,
                                 segment_kernels(dag.layers, seg.first_layer, seg.last_layer, dag.training,
-                                                {seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute)},
-                                                seg.shard_degree)});
+                                                {seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute),
+                                                 seg.cp_degree, seg.cp_all_gather},
+                                                seg.shard_degree),
+                                seg.cp_degree, seg.cp_all_gather, seg.cp_family});
 
   program.plan_of_device = classes.plan_of_device;
 
@@ -419,6 +421,8 @@ Program lower(const GlobalDag& dag) {
         op.elementwise_bytes = fwd ? node.costs.forward_elementwise_bytes : node.costs.backward_elementwise_bytes;
         op.tp_bytes = fwd ? node.costs.forward_tp_bytes : node.costs.backward_tp_bytes;
         op.tp_collectives = fwd ? node.costs.forward_tp_collectives : node.costs.backward_tp_collectives;
+        op.cp_bytes = fwd ? node.costs.forward_cp_bytes : node.costs.backward_cp_bytes;
+        op.cp_steps = fwd ? node.costs.forward_cp_steps : node.costs.backward_cp_steps;
         if (node.pass == Pass::B || node.pass == Pass::BI) op.recompute_flops = node.costs.recompute_flops;
         op.gemm_kernels = op_gemm_kernels(node);
         op.elementwise_bytes += main_grad_accumulation_bytes(dag, node);

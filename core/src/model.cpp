@@ -78,6 +78,10 @@ Costs& Costs::operator+=(const Costs& o) {
   backward_tp_bytes += o.backward_tp_bytes;
   forward_tp_collectives += o.forward_tp_collectives;
   backward_tp_collectives += o.backward_tp_collectives;
+  forward_cp_bytes += o.forward_cp_bytes;
+  backward_cp_bytes += o.backward_cp_bytes;
+  forward_cp_steps += o.forward_cp_steps;
+  backward_cp_steps += o.backward_cp_steps;
   recompute_flops += o.recompute_flops;
   forward_gemm_kernels += o.forward_gemm_kernels;
   backward_input_gemm_kernels += o.backward_input_gemm_kernels;
@@ -470,7 +474,80 @@ std::vector<std::pair<std::int64_t, std::int64_t>> op_recompute_matmuls(const La
   return op_matmuls(layer, kept);
 }
 
+namespace {
+
+// Context parallelism (Megatron-LM / TransformerEngine), cp > 1: the sequence is cut into 2·cp chunks
+// and device i holds chunks i and 2·cp-1-i, so every per-token quantity is that of seq_len / cp local
+// tokens (`local`, costed by the caller) and the causal attention work is the same on every device:
+// a ring step pairs the local queries with one device's K/V block, and with this chunking each of the
+// cp blocks is half of a (s/cp) x (s/cp) score block once the causal mask is applied (the diagonal
+// block by its own mask; a block from an earlier device: every local query against its first chunk;
+// from a later one: the second local chunk against both of its chunks). In Costs' full-matrix
+// convention (model.cpp: 2·b·s²·heads·(qk + v)), a device's core work is therefore
+// cp · 2·b·(s/cp)²·heads·(qk + v) = 1/cp of the sequence's: the local shape's core, cp times.
+// Communication (B = one K/V block: b·(s/cp) tokens of K and V over the device's KV heads):
+//   ring: F sends its block on cp-1 times (cp-1 steps); B passes K/V around again with the dK/dV
+//     accumulators (cp-1 steps of 2B) and returns each accumulator to its owner (one step of B):
+//     (2·cp-1)·B in cp steps;
+//   all-gather: F all-gathers K/V (cp·B, all-gather units); B gathers them again and reduce-scatters
+//     dK/dV (2·cp·B, two calls).
+// Recomputation that reruns the attention core (selective, full) reruns its K/V exchange as well.
+void context_parallel_costs(const Layer& layer, const TrainingShape& local, const ParallelLayout& L, Costs& c) {
+  if (layer.kind != LayerKind::Attention) return;
+  const LayerShape& sh = layer.shape;
+  const int t = std::max(1, L.tp), cp = L.cp;
+  const bool mla = sh.kv_lora_rank > 0;
+  const std::int64_t qk = mla ? sh.head_dim + sh.qk_rope_head_dim : sh.head_dim;
+  const std::int64_t v = mla ? sh.v_head_dim : sh.head_dim;
+  const double b = static_cast<double>(local.micro_batch_size), s = static_cast<double>(local.seq_len);
+  const double core = 2.0 * b * s * s * static_cast<double>(sh.heads) * static_cast<double>(qk + v) / t;
+  const double extra = (cp - 1) * core;
+  c.forward_flops += extra;
+  c.backward_input_flops += 2 * extra;
+  const bool reruns_core = L.recompute == 1 || (L.recompute == 2 && layer.block >= 0);
+  if (reruns_core) {
+    c.backward_input_flops += extra;
+    c.recompute_flops += extra;
+  }
+  // K and V per token on this device: its share of the KV heads (MLA: every head's k and v).
+  const std::int64_t kv_per_token =
+      mla ? sh.heads * (qk + v) / t : 2 * std::max<std::int64_t>(1, sh.kv_heads / t) * sh.head_dim;
+  const std::int64_t block = local.tokens_per_microbatch() * kv_per_token * bytes_per_element(local.precision);
+  if (L.cp_all_gather) {
+    c.forward_cp_bytes = cp * block;
+    c.forward_cp_steps = 1;
+    c.backward_cp_bytes = 2 * cp * block;
+    c.backward_cp_steps = 2;
+  } else {
+    c.forward_cp_bytes = (cp - 1) * block;
+    c.forward_cp_steps = cp - 1;
+    c.backward_cp_bytes = (2 * cp - 1) * block;
+    c.backward_cp_steps = cp;
+  }
+  if (reruns_core) {
+    c.backward_cp_bytes += c.forward_cp_bytes;
+    c.backward_cp_steps += c.forward_cp_steps;
+  }
+}
+
+}  // namespace
+
+TrainingShape context_parallel_local_shape(const TrainingShape& shape, int cp) {
+  TrainingShape local = shape;
+  local.seq_len = shape.seq_len / std::max(1, cp);
+  return local;
+}
+
 Costs layer_costs(const Layer& layer, const TrainingShape& shape, const ParallelLayout& L) {
+  if (L.cp > 1) {
+    ParallelLayout inner = L;
+    inner.cp = 1;
+    inner.cp_all_gather = false;
+    const TrainingShape local = context_parallel_local_shape(shape, L.cp);
+    Costs c = layer_costs(layer, local, inner);
+    context_parallel_costs(layer, local, L, c);
+    return c;
+  }
   const Costs base = layer_costs(layer, shape);
   const int t = std::max(1, L.tp);
   if (t == 1 && L.recompute == 0) return base;

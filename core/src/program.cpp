@@ -147,6 +147,8 @@ json op_to_json(const Op& op) {
   if (!op.segments.empty()) j["segments"] = op.segments;
   if (op.tp_bytes != 0) j["tp_bytes"] = op.tp_bytes;
   if (op.tp_collectives != 0) j["tp_collectives"] = op.tp_collectives;
+  if (op.cp_bytes != 0) j["cp_bytes"] = op.cp_bytes;
+  if (op.cp_steps != 0) j["cp_steps"] = op.cp_steps;
   if (op.elementwise_bytes != 0) j["elementwise_bytes"] = op.elementwise_bytes;
   if (op.recompute_flops != 0) j["recompute_flops"] = op.recompute_flops;
   if (op.gemm_kernels != 0) j["gemm_kernels"] = op.gemm_kernels;
@@ -209,6 +211,8 @@ Op op_from_json(const json& j, const std::string& path) {
   }
   if (const json* f = optional_field(j, "tp_bytes")) op.tp_bytes = as_int64(*f, member(path, "tp_bytes"));
   if (const json* f = optional_field(j, "tp_collectives")) op.tp_collectives = as_int(*f, member(path, "tp_collectives"));
+  if (const json* f = optional_field(j, "cp_bytes")) op.cp_bytes = as_int64(*f, member(path, "cp_bytes"));
+  if (const json* f = optional_field(j, "cp_steps")) op.cp_steps = as_int(*f, member(path, "cp_steps"));
   if (const json* f = optional_field(j, "elementwise_bytes")) op.elementwise_bytes = as_int64(*f, member(path, "elementwise_bytes"));
   if (const json* f = optional_field(j, "recompute_flops")) op.recompute_flops = as_double(*f, member(path, "recompute_flops"));
   if (const json* f = optional_field(j, "gemm_kernels")) {
@@ -280,7 +284,8 @@ bool same_op(const Op& a, const Op& b) {
          a.flops == b.flops && a.memory_bytes == b.memory_bytes && a.bytes == b.bytes && a.device_set == b.device_set &&
          a.peer_set == b.peer_set && a.family == b.family && a.waits == b.waits && a.uses == b.uses &&
          a.segment == b.segment && a.segments == b.segments && a.tp_bytes == b.tp_bytes &&
-         a.tp_collectives == b.tp_collectives && a.elementwise_bytes == b.elementwise_bytes &&
+         a.tp_collectives == b.tp_collectives && a.cp_bytes == b.cp_bytes && a.cp_steps == b.cp_steps &&
+         a.elementwise_bytes == b.elementwise_bytes &&
          a.recompute_flops == b.recompute_flops && a.gemm_kernels == b.gemm_kernels;
 }
 
@@ -331,8 +336,8 @@ void check_model_spec(const Program& p) {
 std::string to_string(OpKind k) { return kOpKindNames[static_cast<int>(k)]; }
 
 namespace {
-constexpr std::array<const char*, 7> kFamilyPurposeNames = {"dp", "dp-ep", "dp-shard", "dp-replicate", "ep", "tp",
-                                                           "tied-embedding"};
+constexpr std::array<const char*, 8> kFamilyPurposeNames = {"dp", "dp-ep", "dp-shard", "dp-replicate", "ep", "tp",
+                                                           "tied-embedding", "cp"};
 }  // namespace
 
 std::string to_string(FamilyPurpose p) { return kFamilyPurposeNames.at(static_cast<std::size_t>(p)); }
@@ -463,6 +468,9 @@ json Program::to_json() const {
     if (sg.recompute != Recompute::None) o["recompute"] = to_string(sg.recompute);
     if (sg.tp_family != -1) o["tp_family"] = sg.tp_family;
     if (sg.tp_comm_overlap) o["tp_comm_overlap"] = true;
+    if (sg.cp_degree != 1) o["cp_degree"] = sg.cp_degree;
+    if (sg.cp_all_gather) o["cp_comm"] = "all_gather";
+    if (sg.cp_family != -1) o["cp_family"] = sg.cp_family;
     if (sg.zero_shards != sg.replicas) o["zero_shards"] = sg.zero_shards;  // HSDP only
     if (sg.reduce_every_microbatch) o["reduce_every_microbatch"] = true;
     if (!sg.kernels[0].empty() || !sg.kernels[1].empty() || !sg.kernels[2].empty())
@@ -579,6 +587,16 @@ Program Program::from_json(const json& j) {
         if (!t->is_boolean()) fail(member(sp, "tp_comm_overlap"), "expected true or false");
         sg.tp_comm_overlap = t->get<bool>();
       }
+      if (const json* t = optional_field(o, "cp_degree")) {
+        sg.cp_degree = as_int(*t, member(sp, "cp_degree"));
+        if (sg.cp_degree < 1) fail(member(sp, "cp_degree"), "must be >= 1");
+      }
+      if (const json* t = optional_field(o, "cp_comm")) {
+        const std::string comm = as_string(*t, member(sp, "cp_comm"));
+        if (comm != "ring" && comm != "all_gather") fail(member(sp, "cp_comm"), "expected \"ring\" or \"all_gather\", got '" + comm + "'");
+        sg.cp_all_gather = comm == "all_gather";
+      }
+      if (const json* t = optional_field(o, "cp_family")) sg.cp_family = as_int(*t, member(sp, "cp_family"));
       if (const json* t = optional_field(o, "reduce_every_microbatch")) {
         if (!t->is_boolean()) fail(member(sp, "reduce_every_microbatch"), "expected true or false");
         sg.reduce_every_microbatch = t->get<bool>();
@@ -626,8 +644,10 @@ Program Program::from_json(const json& j) {
       p.families.push_back(std::move(f));
     }
   }
-  for (std::size_t i = 0; i < p.segments.size(); ++i)
+  for (std::size_t i = 0; i < p.segments.size(); ++i) {
     check_index(p.segments[i].tp_family, member(at_index("segments", i), "tp_family"), p.families.size(), "family", true);
+    check_index(p.segments[i].cp_family, member(at_index("segments", i), "cp_family"), p.families.size(), "family", true);
+  }
   {
     const json& plans = as_array(require(j, "", "plans"), "plans");
     p.plans.reserve(plans.size());

@@ -96,6 +96,13 @@ ProgramBuilder& ProgramBuilder::recompute(const Filter& filter, const std::strin
   return *this;
 }
 
+ProgramBuilder& ProgramBuilder::context_parallel(int degree, bool all_gather) {
+  json d{{"op", "context_parallel"}, {"degree", degree}};
+  if (all_gather) d["comm"] = "all_gather";
+  program_.push_back(std::move(d));
+  return *this;
+}
+
 ProgramBuilder& ProgramBuilder::sm_partition(int sms) {
   program_.push_back(json{{"op", "sm_partition"}, {"stream", "comm"}, {"sms", sms}});
   return *this;

@@ -135,6 +135,8 @@ std::string strategy_flag_error(const json& program, const StrategyOptions& o, c
                                   : fmt::format("--dp {}", o.dp);
   else if (op == "recompute")
     flag = "--recompute " + o.recompute;
+  else if (op == "context_parallel")
+    flag = o.cp_all_gather ? fmt::format("--cp {} --cp-all-gather", o.cp) : fmt::format("--cp {}", o.cp);
   else if (op == "sm_partition")
     flag = fmt::format("--comm-sms {}", o.comm_sms);
   else if (op == "place")

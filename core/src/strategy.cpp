@@ -26,12 +26,14 @@ std::string num(double v) {
   return s;
 }
 
-// Devices of pipeline rank r: k + tp * (r + d * pp) for d = 0..dp-1, k = 0..tp-1 (each TP group
-// consecutive, pipeline ranks adjacent; tp = 1 gives r + d * pp).
+// Devices of pipeline rank r: k + tp * (c + cp * (r + d * pp)) for d = 0..dp-1, c = 0..cp-1,
+// k = 0..tp-1 (each TP group consecutive, then the CP ranks, pipeline ranks adjacent; tp = cp = 1 gives
+// r + d * pp).
 std::vector<int> devices_of_rank(const StrategyOptions& o, int rank) {
   std::vector<int> devices;
   for (int d = 0; d < o.dp; ++d)
-    for (int k = 0; k < o.tp; ++k) devices.push_back(k + o.tp * (rank + d * o.pp));
+    for (int c = 0; c < o.cp; ++c)
+      for (int k = 0; k < o.tp; ++k) devices.push_back(k + o.tp * (c + o.cp * (rank + d * o.pp)));
   return devices;
 }
 
@@ -54,6 +56,8 @@ void validate_strategy_options(const StrategyOptions& o) {
   at_least_one("--ep", o.ep);
   at_least_one("--microbatches", o.microbatches);
   at_least_one("--tp", o.tp);
+  at_least_one("--cp", o.cp);
+  if (o.cp_all_gather && o.cp < 2) fail("--cp-all-gather needs --cp >= 2");
   if (o.sequence_parallel && o.tp < 2) fail("--sequence-parallel needs --tp >= 2");
   if (o.tp_comm_overlap && o.tp < 2) fail("--tp-comm-overlap needs --tp >= 2");
   if (o.recompute != "none" && o.recompute != "selective" && o.recompute != "full" && o.recompute != "op")
@@ -63,7 +67,7 @@ void validate_strategy_options(const StrategyOptions& o) {
   at_least_one("--virtual-stages", o.virtual_stages);
   // Resource limits (limits.hpp), before any generator loops over ranks, regions or microbatches.
   check_limit(Limit::Microbatches, o.microbatches, "--microbatches", "microbatches");
-  check_limit(Limit::Devices, static_cast<std::int64_t>(o.pp) * o.dp, "--pp x --dp", "devices");
+  check_limit(Limit::Devices, static_cast<std::int64_t>(o.pp) * o.dp * o.cp, "--pp x --dp x --cp", "devices");
   check_limit(Limit::Layers, static_cast<std::int64_t>(o.pp) * o.virtual_stages, "--pp x --virtual", "PP regions");
   if (o.dp % o.ep != 0) fail("--ep " + std::to_string(o.ep) + " must divide --dp " + std::to_string(o.dp));
   if (o.zero < 0 || o.zero > 3) fail("--zero must be 0, 1, 2 or 3 (got " + std::to_string(o.zero) + ")");
@@ -118,7 +122,7 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
       for (int d : devices_of_rank(o, o.pp - 1 - rank)) devices.push_back(d);
     return devices;
   };
-  const int replicas = o.dp * o.tp * (mirrored ? 2 : 1);  // devices per region
+  const int replicas = o.dp * o.cp * o.tp * (mirrored ? 2 : 1);  // devices per region
   ProgramBuilder out;
   // Directive order follows the published programs: all place, then all replicate, then all shard.
   // With one pipeline rank there are no point-to-point transfers, so no stream (as in dp2.json).
@@ -150,6 +154,7 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
     for (int i = 0; i < regions; ++i) out.tensor_parallel(region_filter(i), o.tp, o.sequence_parallel, o.tp_comm_overlap);
   if (o.recompute != "none")
     for (int i = 0; i < regions; ++i) out.recompute(region_filter(i), o.recompute);
+  if (o.cp > 1) out.context_parallel(o.cp, o.cp_all_gather);
   if (o.comm_sms > 0) out.sm_partition(o.comm_sms);
   return out.take();
 }

@@ -79,6 +79,7 @@ class Verifier {
     check_send_recv();
     check_collectives();
     check_tensor_parallel();
+    check_context_parallel();
     for (std::size_t p = 0; p < prog_.plans.size(); ++p) check_buffers(static_cast<int>(p));
     check_deadlock();
     return issues_;
@@ -513,6 +514,91 @@ class Verifier {
                                 std::to_string(group.front()) + " (plan " + std::to_string(first) +
                                 ") are in one TP group (family " + std::to_string(family) +
                                 ") but issue different TP compute ops");
+        }
+      }
+    }
+  }
+
+  // ---- context parallelism: model-wide (one degree and K/V exchange on every segment), a sequence
+  // that cuts into 2·cp equal chunks, each CP segment's family its set's CP groups (blocks of tp·cp
+  // devices, TP innermost, each group listed in CP-rank order), and the members of every CP group
+  // issuing the same CP compute ops in the same order (their K/V exchange happens inside those ops) ----
+
+  void check_context_parallel() {
+    std::set<int> cp_families;
+    for (std::size_t s = 0; s < prog_.segments.size(); ++s) {
+      const ProgramSegment& sg = prog_.segments[s];
+      const ProgramSegment& first = prog_.segments.front();
+      const std::string at = "segment " + std::to_string(s);
+      if (sg.cp_degree != first.cp_degree || sg.cp_all_gather != first.cp_all_gather) {
+        add("cp-group", at + " has cp_degree " + std::to_string(sg.cp_degree) + " but segment 0 has " +
+                            std::to_string(first.cp_degree) + ": context parallelism is model-wide, one degree and K/V exchange");
+        return;
+      }
+      if (sg.cp_degree <= 1) {
+        if (sg.cp_family != -1) add("cp-group", at + " has cp_family " + std::to_string(sg.cp_family) + " but cp_degree 1");
+        continue;
+      }
+      const std::int64_t chunks = 2 * static_cast<std::int64_t>(sg.cp_degree);
+      if (prog_.training.seq_len % chunks != 0) {
+        add("cp-group", at + " (cp_degree " + std::to_string(sg.cp_degree) + "): the sequence length " +
+                            std::to_string(prog_.training.seq_len) + " does not cut into " + std::to_string(chunks) +
+                            " equal chunks");
+        continue;
+      }
+      if (sg.cp_family < 0 || ix(sg.cp_family) >= prog_.families.size() || sg.devices < 0 ||
+          ix(sg.devices) >= prog_.device_sets.size()) {
+        add("cp-group", at + " has cp_degree " + std::to_string(sg.cp_degree) + " but no CP family");
+        continue;
+      }
+      const CommFamily& f = prog_.families[ix(sg.cp_family)];
+      const std::vector<int>& devices = prog_.device_sets[ix(sg.devices)];
+      const std::size_t tp = ix(std::max(1, sg.tp_degree)), cp = ix(sg.cp_degree);
+      std::vector<int> grouped;
+      if (devices.size() % (tp * cp) == 0)
+        for (std::size_t block = 0; block < devices.size(); block += tp * cp)
+          for (std::size_t k = 0; k < tp; ++k)
+            for (std::size_t c = 0; c < cp; ++c) grouped.push_back(devices[block + c * tp + k]);
+      if (f.purpose != FamilyPurpose::Cp || f.stride != 1 || f.group_size != sg.cp_degree || grouped.empty() ||
+          prog_.device_sets[ix(f.devices)] != grouped) {
+        add("cp-group", at + " (cp_degree " + std::to_string(sg.cp_degree) + ", tp_degree " + std::to_string(tp) +
+                            "): family " + std::to_string(sg.cp_family) +
+                            " is not its device set's CP groups (blocks of tp x cp devices, TP innermost)");
+        continue;
+      }
+      cp_families.insert(sg.cp_family);
+    }
+    for (const auto& p : prog_.plans)
+      for (const auto& stream : p.streams)
+        for (const auto& op : stream.ops)
+          if (op.cp_steps > 0 && (op.segment < 0 || ix(op.segment) >= prog_.segments.size() ||
+                                  prog_.segments[ix(op.segment)].cp_degree <= 1)) {
+            add("cp-group", "op '" + op.label + "' exchanges K/V over a CP group but its segment is not context-parallel");
+            return;
+          }
+    auto sequence = [&](int plan, int family) {
+      std::vector<std::tuple<int, int, std::int64_t, int>> seq;
+      for (const auto& stream : prog_.plans[ix(plan)].streams)
+        for (const auto& op : stream.ops) {
+          if (op.kind != OpKind::Compute || op.segment < 0 || ix(op.segment) >= prog_.segments.size()) continue;
+          if (prog_.segments[ix(op.segment)].cp_family != family) continue;
+          seq.emplace_back(op.node, static_cast<int>(op.pass), op.cp_bytes, op.cp_steps);
+        }
+      return seq;
+    };
+    for (int family : cp_families) {
+      std::map<std::pair<int, int>, bool> compared;
+      for (const auto& group : prog_.groups(family)) {
+        const int first = prog_.plan_of_device[ix(group.front())];
+        for (int d : group) {
+          const int plan = prog_.plan_of_device[ix(d)];
+          if (plan == first || compared.contains({first, plan})) continue;
+          compared[{first, plan}] = true;
+          if (sequence(first, family) != sequence(plan, family))
+            add("cp-group", "device " + std::to_string(d) + " (plan " + std::to_string(plan) + ") and device " +
+                                std::to_string(group.front()) + " (plan " + std::to_string(first) +
+                                ") are in one CP group (family " + std::to_string(family) +
+                                ") but issue different CP compute ops");
         }
       }
     }

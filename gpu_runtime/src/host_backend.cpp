@@ -53,11 +53,14 @@ std::vector<float>& reduced_grads(host::SegmentParams& sp) {
 struct StageTp {
   int degree = 1;
   bool sequence_parallel = false;
+  int cp = 1;  // context parallelism (model-wide): blocks of degree·cp devices share a data-parallel rank
 };
 StageTp stage_tp(const core::Program& program, core::DeviceSetId set) {
   StageTp t;
   for (const auto& seg : program.segments)
-    if (seg.devices == set && seg.tp_degree > t.degree) t = {seg.tp_degree, seg.sequence_parallel};
+    if (seg.devices == set && seg.tp_degree > t.degree) t = {seg.tp_degree, seg.sequence_parallel, t.cp};
+  for (const auto& seg : program.segments)
+    if (seg.devices == set) t.cp = std::max(t.cp, seg.cp_degree);
   return t;
 }
 
@@ -85,8 +88,10 @@ DataShape data_shape(const core::Program& program) {
   d.ranks = 0;
   for (const auto& seg : program.segments) {
     if (seg.devices == core::kNoDevices) throw std::invalid_argument("plan: a segment is not placed on any device");
-    // The TP ranks of a group work on the same data: data-parallel ranks are the TP groups.
-    const int n = static_cast<int>(program.device_sets.at(static_cast<std::size_t>(seg.devices)).size()) / stage_tp(program, seg.devices).degree;
+    // The TP ranks of a group work on the same data, the CP ranks of a group on one sequence's chunks:
+    // data-parallel ranks are the blocks of tp x cp devices.
+    const StageTp t = stage_tp(program, seg.devices);
+    const int n = static_cast<int>(program.device_sets.at(static_cast<std::size_t>(seg.devices)).size()) / (t.degree * t.cp);
     if (d.ranks != 0 && n != d.ranks)
       throw std::invalid_argument(fmt::format("plan: segments run on device sets of {} and {} devices; the runtime needs one data-parallel degree", d.ranks, n));
     d.ranks = n;
@@ -120,6 +125,9 @@ std::vector<host::SegmentSpec> device_segments(const core::Program& program, int
     sp.replica_index = pos / seg.shard_degree;
     sp.zero_level = seg.zero_level;
     sp.zero_shards = seg.zero_shards;
+    // CP rank: blocks of tp x cp devices, TP innermost (the cp-groups pass's layout).
+    sp.cp_degree = seg.cp_degree;
+    sp.cp_rank = seg.cp_degree > 1 ? pos / std::max(1, seg.tp_degree) % seg.cp_degree : 0;
     // TP groups are consecutive devices too (Program::group_of(tp_family)); the DP replicas of a
     // TP slice are the devices with the same TP rank.
     if (seg.tp_degree > 1) {
@@ -232,7 +240,11 @@ HostBackend::HostBackend(const core::Program& program, int device, MPI_Comm worl
   const core::Model model = program_model(program);
   num_layers_ = static_cast<int>(model.layers().size());
   shape_ = data_shape(program);
-  for (std::size_t set = 0; set < program.device_sets.size(); ++set) set_tp_.push_back(stage_tp(program, static_cast<core::DeviceSetId>(set)).degree);
+  for (std::size_t set = 0; set < program.device_sets.size(); ++set) {
+    const StageTp t = stage_tp(program, static_cast<core::DeviceSetId>(set));
+    set_tp_.push_back(t.degree);
+    set_cp_.push_back(t.cp);
+  }
   loss_scale_ = 1.0f / static_cast<float>(shape_.global_tokens());
   model_ = std::make_unique<host::HostModel>(model, device_segments(program, device), config.seed);
   stream_ = std::make_unique<host::TokenStream>(model.config() ? model.config()->vocab : 0, shape_.seq_len, config.seed, config.data_path);
@@ -266,6 +278,31 @@ HostBackend::HostBackend(const core::Program& program, int device, MPI_Comm worl
     check_mpi(MPI_Comm_dup(family_comm_[f], &c), "MPI_Comm_dup (TP)");
     MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
     tp_comms_[static_cast<int>(f)] = std::make_unique<MpiTpComm>(*this, c);
+  }
+  // CP groups: the same, per CP family (members in CP-rank order, so the communicator's rank is the CP rank).
+  for (const auto& seg : program.segments) {
+    if (seg.cp_degree <= 1 || program.position_in(seg.devices, device) < 0) continue;
+    if (seg.cp_family < 0 || seg.cp_family >= static_cast<int>(program.families.size()))
+      throw std::invalid_argument(fmt::format("plan: a segment with cp_degree {} has no valid cp_family ({})", seg.cp_degree, seg.cp_family));
+  }
+  std::vector<bool> cp_family(program.families.size(), false);
+  for (const auto& seg : program.segments)
+    if (seg.cp_degree > 1) cp_family[static_cast<std::size_t>(seg.cp_family)] = true;
+  for (std::size_t f = 0; f < cp_family.size(); ++f) {
+    if (!cp_family[f] || family_comm_[f] == MPI_COMM_NULL) continue;
+    MPI_Comm c = MPI_COMM_NULL;
+    check_mpi(MPI_Comm_dup(family_comm_[f], &c), "MPI_Comm_dup (CP)");
+    MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    cp_comms_[static_cast<int>(f)] = std::make_unique<MpiTpComm>(*this, c);
+  }
+  for (auto& sp : model_->segments()) {
+    if (sp.cp_degree <= 1) continue;
+    const auto& seg = program.segments.at(static_cast<std::size_t>(sp.segment));
+    auto it = cp_comms_.find(seg.cp_family);
+    if (it == cp_comms_.end() || static_cast<int>(program.group_of(seg.cp_family, device).size()) != seg.cp_degree)
+      throw std::invalid_argument(fmt::format("plan: segment {}'s CP family {} gives device {} no group of cp_degree {}", sp.segment,
+                                              seg.cp_family, device, seg.cp_degree));
+    model_->set_cp_comm(sp.segment, it->second.get());
   }
   for (auto& sp : model_->segments()) {
     if (sp.tp_degree <= 1) continue;
@@ -385,8 +422,26 @@ int HostBackend::mb_of(const core::Op& op) const { return op.microbatch; }  // -
 int HostBackend::data_rank_of(const core::Op& op) const {
   const int pos = program_.position_in(op.device_set, device_);
   if (pos < 0) throw RuntimeError(fmt::format("runtime: device {} is not in the device set of '{}'", device_, op.label));
-  // The TP ranks of a group share their data-parallel rank (TP groups are consecutive devices).
-  return pos / set_tp_.at(static_cast<std::size_t>(op.device_set));
+  // The TP ranks of a group share their data-parallel rank (TP groups are consecutive devices), and so
+  // do the CP ranks of a block of tp x cp devices.
+  return pos / (set_tp_.at(static_cast<std::size_t>(op.device_set)) * set_cp_.at(static_cast<std::size_t>(op.device_set)));
+}
+
+host::MicrobatchData HostBackend::local_tokens(host::MicrobatchData d, const core::Op& op) const {
+  const int cp = set_cp_.at(static_cast<std::size_t>(op.device_set));
+  if (cp <= 1) return d;
+  const int pos = program_.position_in(op.device_set, device_);
+  const int rank = pos / set_tp_.at(static_cast<std::size_t>(op.device_set)) % cp;
+  // Chunks rank and 2·cp-1-rank of each sequence (AttentionCp's load-balanced layout).
+  const std::size_t S = static_cast<std::size_t>(shape_.seq_len), C = S / (2 * static_cast<std::size_t>(cp));
+  host::MicrobatchData out;
+  for (std::size_t b = 0; b < d.tokens.size() / S; ++b)
+    for (std::size_t chunk : {static_cast<std::size_t>(rank), static_cast<std::size_t>(2 * cp - 1 - rank)}) {
+      const std::size_t first = b * S + chunk * C;
+      out.tokens.insert(out.tokens.end(), d.tokens.begin() + static_cast<std::ptrdiff_t>(first), d.tokens.begin() + static_cast<std::ptrdiff_t>(first + C));
+      out.targets.insert(out.targets.end(), d.targets.begin() + static_cast<std::ptrdiff_t>(first), d.targets.begin() + static_cast<std::ptrdiff_t>(first + C));
+    }
+  return out;
 }
 
 void HostBackend::begin_step(int step) {
@@ -438,7 +493,7 @@ void HostBackend::run_compute(const core::Op& op) {
     }
     host::ForwardState state;
     if (sg.first_layer > 0) state = take(forward_, Key{mb, data_rank_of(op), sg.first_layer}, "the activation entering the segment");
-    const auto data = stream_->microbatch(step_, mb, data_rank_of(op), shape_.microbatches, shape_.ranks, shape_.micro_batch_size);
+    const auto data = local_tokens(stream_->microbatch(step_, mb, data_rank_of(op), shape_.microbatches, shape_.ranks, shape_.micro_batch_size), op);
     loss_sum_ += model_->forward(s, data, loss_scale_, state, stash_[sk]);
     if (!has_head) forward_[Key{mb, data_rank_of(op), sg.last_layer}] = std::move(state);
     return;

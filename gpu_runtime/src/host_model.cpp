@@ -350,6 +350,14 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     p.sequence_parallel = sp.sequence_parallel && sp.tp_degree > 1;
     p.recompute = sp.recompute;
     p.token_copies = sp.token_copies;
+    p.cp_degree = sp.cp_degree;
+    p.cp_rank = sp.cp_rank;
+    if (sp.cp_degree > 1 && !attn_shape_.rope)
+      throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) +
+                                  " is context-parallel but the model has learned positions; the host backend runs CP with RoPE only");
+    if (sp.cp_degree > 1 && sp.shard_degree > 1)
+      throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) +
+                                  " is context-parallel and expert-sharded; the host backend does not combine them");
     if (sp.tp_degree > 1 && sp.shard_degree > 1)
       throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) + " is both expert-sharded and tensor-parallel; the host backend keeps experts expert-parallel only");
     if (sp.tp_degree > 1 && (attn_shape_.heads % sp.tp_degree != 0 || attn_shape_.kv_heads % sp.tp_degree != 0))
@@ -447,6 +455,25 @@ void HostModel::set_tp_comm(int seg, TpComm* comm) {
   if (comm == nullptr || comm->size() != sp.tp_degree || comm->rank() != sp.tp_rank)
     throw std::logic_error("runtime: segment " + std::to_string(seg) + " got a tensor-parallel group that does not match its degree and rank");
   sp.tp = comm;
+}
+
+void HostModel::set_cp_comm(int seg, TpComm* comm) {
+  auto& sp = segment(seg);
+  if (comm == nullptr || comm->size() != sp.cp_degree || comm->rank() != sp.cp_rank)
+    throw std::logic_error("runtime: segment " + std::to_string(seg) + " got a context-parallel group that does not match its degree and rank");
+  sp.cp = comm;
+  sp.cp_attention.cp = sp.cp_degree;
+  sp.cp_attention.rank = sp.cp_rank;
+  sp.cp_attention.gather = [comm](const Mat& local) {
+    Mat all(local.rows() * comm->size(), local.cols());
+    comm->allgather(local.data(), local.size(), all.data());
+    return all;
+  };
+  sp.cp_attention.scatter_sum = [comm](const Mat& partial) {
+    Mat local(partial.rows() / comm->size(), partial.cols());
+    comm->reduce_scatter(partial.data(), local.size(), local.data());
+    return local;
+  };
 }
 
 HostModel::LayerView HostModel::view(SegmentParams& sp, int layer, bool grads) {
@@ -578,6 +605,10 @@ void HostModel::forward_layers(SegmentParams& sp, const MicrobatchData& data, fl
   AttentionShape shape = attn_shape_;
   shape.heads /= sp.tp_degree;
   shape.kv_heads /= sp.tp_degree;
+  if (sp.cp_degree > 1) {
+    shape.seq_len /= sp.cp_degree;
+    shape.cp = &sp.cp_attention;
+  }
   stash.layers.assign(static_cast<std::size_t>(sp.last_layer - sp.first_layer), LayerCache{});
   for (int l = sp.first_layer; l < sp.last_layer; ++l) {
     LayerCache& c = stash.layers[static_cast<std::size_t>(l - sp.first_layer)];
@@ -650,6 +681,10 @@ void HostModel::backward_input(int seg, BackwardState& g, SegmentStash& stash) {
   AttentionShape shape = attn_shape_;
   shape.heads /= sp.tp_degree;
   shape.kv_heads /= sp.tp_degree;
+  if (sp.cp_degree > 1) {
+    shape.seq_len /= sp.cp_degree;
+    shape.cp = &sp.cp_attention;
+  }
   for (int l = sp.last_layer - 1; l >= sp.first_layer; --l) {
     LayerCache& c = stash.layers.at(static_cast<std::size_t>(l - sp.first_layer));
     LayerView v = view(sp, l, false);
@@ -695,6 +730,10 @@ void HostModel::backward_weight(int seg, SegmentStash& stash) {
   AttentionShape shape = attn_shape_;
   shape.heads /= sp.tp_degree;
   shape.kv_heads /= sp.tp_degree;
+  if (sp.cp_degree > 1) {
+    shape.seq_len /= sp.cp_degree;
+    shape.cp = &sp.cp_attention;
+  }
   // Replicated weights of a TP segment whose per-rank gradients are partial: the per-head q/k norms
   // (each rank sees its heads), and under SP every replicated weight (each rank sees its tokens).
   // Their contribution of this microbatch is summed over the TP group here, in BW.

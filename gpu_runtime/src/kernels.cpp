@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 namespace piper::runtime::host {
@@ -121,10 +122,10 @@ namespace {
 
 // RoPE (Su et al. 2021), rotate-half layout as in Hugging Face Llama/Qwen: pairs (i, i + hd/2) of
 // each head rotate by pos * theta^(-2i/hd). `sign` = -1 applies the inverse rotation (backward).
-void rope_inplace(Mat& m, int heads, int head_dim, int seq_len, float theta, float sign) {
+void rope_inplace(Mat& m, int heads, int head_dim, const std::vector<int>& positions, float theta, float sign) {
   const int half = head_dim / 2;
   for (Eigen::Index t = 0; t < m.rows(); ++t) {
-    const float pos = static_cast<float>(t % seq_len);
+    const float pos = static_cast<float>(positions[static_cast<std::size_t>(t)]);
     for (int i = 0; i < half; ++i) {
       const float angle = pos * std::pow(theta, -2.0f * static_cast<float>(i) / static_cast<float>(head_dim));
       const float cs = std::cos(angle), sn = sign * std::sin(angle);
@@ -164,9 +165,63 @@ Mat head_norm_backward(const Mat& lin, int heads, int hd, const ConstVecMap& w, 
   return dx;
 }
 
+// The position in its sequence of each of `rows` local rows (context parallelism: AttentionCp's chunks).
+std::vector<int> row_positions(const AttentionShape& s, Eigen::Index rows) {
+  std::vector<int> out(static_cast<std::size_t>(rows));
+  for (Eigen::Index t = 0; t < rows; ++t) {
+    const int i = static_cast<int>(t % s.seq_len);
+    out[static_cast<std::size_t>(t)] = s.context_parallel() ? s.cp->position(s.cp->rank, i, s.seq_len) : i;
+  }
+  return out;
+}
+
+// Context parallelism: this rank's L local queries of each sequence against the cp·L keys of every
+// rank (k_all, v_all: rank r's rows r·T ..), masked by global position (key position <= query
+// position). probs[b·heads + h] is [L, cp·L].
+void cp_keys(const AttentionShape& s, const Mat& all, Eigen::Index T, Eigen::Index b, int col, Mat& out) {
+  const int L = s.seq_len, hd = s.head_dim;
+  out.resize(static_cast<Eigen::Index>(s.cp->cp) * L, hd);
+  for (int r = 0; r < s.cp->cp; ++r) out.middleRows(static_cast<Eigen::Index>(r) * L, L) = all.block(r * T + b * L, col, L, hd);
+}
+
+void cp_core_forward(const AttentionShape& s, AttentionCache& k) {
+  const int hd = s.head_dim, group = s.heads / s.kv_heads, L = s.seq_len, cp = s.cp->cp;
+  const Eigen::Index T = k.q.rows(), seqs = T / L;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  std::vector<int> qpos(static_cast<std::size_t>(L)), kpos(static_cast<std::size_t>(cp) * L);
+  for (int i = 0; i < L; ++i) qpos[static_cast<std::size_t>(i)] = s.cp->position(s.cp->rank, i, L);
+  for (int r = 0; r < cp; ++r)
+    for (int i = 0; i < L; ++i) kpos[static_cast<std::size_t>(r * L + i)] = s.cp->position(r, i, L);
+  k.o.setZero(T, static_cast<Eigen::Index>(s.heads) * hd);
+  k.probs.assign(static_cast<std::size_t>(seqs * s.heads), Mat());
+  Mat kb, vb;
+  for (Eigen::Index b = 0; b < seqs; ++b)
+    for (int h = 0; h < s.heads; ++h) {
+      const int g = h / group;
+      cp_keys(s, k.k_all, T, b, g * hd, kb);
+      cp_keys(s, k.v_all, T, b, g * hd, vb);
+      Mat scores = (k.q.block(b * L, h * hd, L, hd) * kb.transpose()) * scale;
+      for (int i = 0; i < L; ++i) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int j = 0; j < cp * L; ++j)
+          if (kpos[static_cast<std::size_t>(j)] <= qpos[static_cast<std::size_t>(i)]) mx = std::max(mx, scores(i, j));
+        float sum = 0;
+        for (int j = 0; j < cp * L; ++j) {
+          const bool seen = kpos[static_cast<std::size_t>(j)] <= qpos[static_cast<std::size_t>(i)];
+          scores(i, j) = seen ? std::exp(scores(i, j) - mx) : 0.0f;
+          sum += scores(i, j);
+        }
+        scores.row(i) /= sum;
+      }
+      k.o.block(b * L, h * hd, L, hd) = scores * vb;
+      k.probs[static_cast<std::size_t>(b * s.heads + h)] = std::move(scores);
+    }
+}
+
 }  // namespace
 
 void attention_core_forward(const AttentionShape& s, AttentionCache& k) {
+  if (s.context_parallel()) return cp_core_forward(s, k);
   const int hd = s.head_dim, group = s.heads / s.kv_heads, L = s.seq_len;
   const Eigen::Index T = k.q.rows();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -196,7 +251,6 @@ void attention_drop_core(AttentionCache& c) {
 
 Mat attention_forward(const AttentionShape& s, const AttentionWeights& w, const Mat& u, AttentionCache* c) {
   const int hd = s.head_dim;
-  const int L = s.seq_len;
   AttentionCache local;
   AttentionCache& k = c ? *c : local;
   k.u = u;
@@ -212,8 +266,13 @@ Mat attention_forward(const AttentionShape& s, const AttentionWeights& w, const 
     k.k = k.k_lin;
   }
   if (s.rope) {
-    rope_inplace(k.q, s.heads, hd, L, s.rope_theta, 1.0f);
-    rope_inplace(k.k, s.kv_heads, hd, L, s.rope_theta, 1.0f);
+    const std::vector<int> pos = row_positions(s, u.rows());
+    rope_inplace(k.q, s.heads, hd, pos, s.rope_theta, 1.0f);
+    rope_inplace(k.k, s.kv_heads, hd, pos, s.rope_theta, 1.0f);
+  }
+  if (s.context_parallel()) {  // K and V of the whole sequence (ring attention's blocks, all at once)
+    k.k_all = s.cp->gather(k.k);
+    k.v_all = s.cp->gather(k.v);
   }
   attention_core_forward(s, k);
   return k.o * w.wo;
@@ -228,7 +287,33 @@ Mat attention_backward_input(const AttentionShape& s, const AttentionWeights& w,
   Mat d_o = dout * w.wo.transpose();
   Mat dq = Mat::Zero(T, c.q.cols()), dk = Mat::Zero(T, c.k.cols());
   c.dv = Mat::Zero(T, c.v.cols());
-  for (Eigen::Index b = 0; b < seqs; ++b)
+  if (s.context_parallel()) {
+    // dK and dV of every rank's keys, summed back to their owners (ring attention's returning dK/dV).
+    const int cp = s.cp->cp;
+    Mat dk_all = Mat::Zero(cp * T, c.k.cols()), dv_all = Mat::Zero(cp * T, c.v.cols());
+    Mat kb, vb;
+    for (Eigen::Index b = 0; b < seqs; ++b)
+      for (int h = 0; h < s.heads; ++h) {
+        const int g = h / group;
+        cp_keys(s, c.k_all, T, b, g * hd, kb);
+        cp_keys(s, c.v_all, T, b, g * hd, vb);
+        const Mat& p = c.probs[static_cast<std::size_t>(b * s.heads + h)];
+        Mat doh = d_o.block(b * L, h * hd, L, hd);
+        Mat dp = doh * vb.transpose();
+        Mat dvb = p.transpose() * doh;
+        Vec rowdot = (dp.array() * p.array()).rowwise().sum().matrix();
+        Mat ds = (p.array() * (dp.array().colwise() - rowdot.array())).matrix() * scale;
+        dq.block(b * L, h * hd, L, hd) += ds * kb;
+        Mat dkb = ds.transpose() * c.q.block(b * L, h * hd, L, hd);
+        for (int r = 0; r < cp; ++r) {
+          dk_all.block(r * T + b * L, g * hd, L, hd) += dkb.middleRows(static_cast<Eigen::Index>(r) * L, L);
+          dv_all.block(r * T + b * L, g * hd, L, hd) += dvb.middleRows(static_cast<Eigen::Index>(r) * L, L);
+        }
+      }
+    dk = s.cp->scatter_sum(dk_all);
+    c.dv = s.cp->scatter_sum(dv_all);
+  }
+  for (Eigen::Index b = 0; b < seqs && !s.context_parallel(); ++b)
     for (int h = 0; h < s.heads; ++h) {
       const int g = h / group;
       const Mat& p = c.probs[static_cast<std::size_t>(b * s.heads + h)];
@@ -242,8 +327,9 @@ Mat attention_backward_input(const AttentionShape& s, const AttentionWeights& w,
       dk.block(b * L, g * hd, L, hd) += ds.transpose() * c.q.block(b * L, h * hd, L, hd);
     }
   if (s.rope) {
-    rope_inplace(dq, s.heads, hd, L, s.rope_theta, -1.0f);
-    rope_inplace(dk, s.kv_heads, hd, L, s.rope_theta, -1.0f);
+    const std::vector<int> pos = row_positions(s, T);
+    rope_inplace(dq, s.heads, hd, pos, s.rope_theta, -1.0f);
+    rope_inplace(dk, s.kv_heads, hd, pos, s.rope_theta, -1.0f);
   }
   if (s.qk_norm) {
     c.dq_lin = head_norm_backward(c.q_lin, s.heads, hd, w.q_norm, c.q_rstd, dq, c.dq_norm);

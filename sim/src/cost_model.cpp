@@ -215,7 +215,7 @@ double CostModel::roofline_seconds(int device, double flops, std::int64_t memory
 
 double CostModel::compute_seconds(const core::Program& program, int device, const core::Op& op) const {
   if (auto s = replaced(op, 1)) return *s;
-  return with_tp(program, device, op, base_seconds(program, device, op));
+  return with_tp(program, device, op, base_seconds(program, device, op)) + cp_seconds(program, device, op);
 }
 
 double CostModel::base_seconds(const core::Program& program, int device, const core::Op& op) const {
@@ -369,6 +369,30 @@ double CostModel::tp_seconds(const core::Program& program, int device, const cor
   const std::vector<int> group = program.group_of(family, device);
   const double per_call = static_cast<double>(op.tp_bytes) / op.tp_collectives;
   return op.tp_collectives * collective_seconds(OpKind::AllGather, group, static_cast<std::int64_t>(per_call));
+}
+
+double CostModel::cp_seconds(const core::Program& program, int device, const core::Op& op) const {
+  if (op.cp_steps <= 0 || op.segment < 0 || static_cast<std::size_t>(op.segment) >= program.segments.size()) return 0;
+  const core::ProgramSegment& seg = program.segments[static_cast<std::size_t>(op.segment)];
+  if (seg.cp_family < 0 || seg.cp_degree <= 1) return 0;
+  const std::vector<int> group = program.group_of(seg.cp_family, device);
+  if (group.size() < 2) return 0;
+  const auto per_step = static_cast<std::int64_t>(static_cast<double>(op.cp_bytes) / op.cp_steps);
+  if (seg.cp_all_gather) return op.cp_steps * collective_seconds(OpKind::AllGather, group, per_step);
+  const auto me = std::find(group.begin(), group.end(), device);
+  const int next = group[static_cast<std::size_t>((me - group.begin() + 1) % static_cast<std::ptrdiff_t>(group.size()))];
+  const double transfer = p2p_seconds(device, next, per_step);
+  // The attention core's time in this pass: its kernels, as the per-kernel model times them.
+  double attention = 0;
+  const int node = node_of_.at(static_cast<std::size_t>(device));
+  const auto [first, last] = core::pass_kernel_lists(op.pass);
+  if (op.pass != core::Pass::None)
+    for (std::size_t l = first; l <= last; ++l)
+      for (const auto& k : seg.kernels[l])
+        if (k.kind == core::KernelKind::AttentionForward || k.kind == core::KernelKind::AttentionBackward)
+          attention += k.count * node_timing(node).seconds(k);
+  const double hidden_per_step = attention * (seg.cp_degree - 1) / (static_cast<double>(seg.cp_degree) * op.cp_steps);
+  return op.cp_steps * std::max(0.0, transfer - hidden_per_step);
 }
 
 double CostModel::tp_part_seconds(const core::Program& program, int device, const core::Op& op) const {

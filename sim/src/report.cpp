@@ -153,11 +153,13 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
         if (op.kind != OpKind::Compute) continue;
         // Recomputed forward work is hardware work, not model work (MFU excludes it).
         if (op.pass != core::Pass::None) r.model_flops += (op.flops - op.recompute_flops) * devices_of_plan[p];
-        // Each forward of the segment holding layer 0 consumes one microbatch (sharded copies count once).
+        // Each forward of the segment holding layer 0 consumes one microbatch (sharded copies count once;
+        // a TP group shares it, and a CP group holds 1/cp of its tokens on each device).
         if (op.pass == core::Pass::F && op.segment >= 0 && ix(op.segment) < program.segments.size() &&
             program.segments[ix(op.segment)].first_layer == 0)
           r.tokens_per_step += tokens_per_mb * devices_of_plan[p] / std::max(1, program.segments[ix(op.segment)].shard_degree) /
-                               std::max(1, program.segments[ix(op.segment)].tp_degree);
+                               std::max(1, program.segments[ix(op.segment)].tp_degree) /
+                               std::max(1, program.segments[ix(op.segment)].cp_degree);
       }
   // node_of_devices() once: per-device Cluster lookups are not constant-time on big clusters.
   const std::vector<int> node_of = cluster.node_of_devices();

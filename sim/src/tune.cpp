@@ -86,7 +86,7 @@ int recompute_level(const std::string& mode) {
 // take TP (the compiler skips their segments in tensor_parallel), everything else takes c's TP.
 core::ParallelLayout layout_of(const TuneCandidate& c, const core::Layer& layer) {
   const bool experts = layer.kind == core::LayerKind::MoeExperts;
-  return {experts ? 1 : c.tp, experts ? false : c.sequence_parallel, recompute_level(c.recompute)};
+  return {experts ? 1 : c.tp, experts ? false : c.sequence_parallel, recompute_level(c.recompute), c.cp};
 }
 
 core::ModelConfig model_config(const TuneSpec& spec, std::int64_t micro_batch_size) {
@@ -181,7 +181,7 @@ struct Shape {
 
   // Per-device layer costs under a (tp, sp, recompute) layout, computed once per layout.
   std::shared_ptr<const std::vector<core::Costs>> costs(const TuneCandidate& c) const {
-    const std::tuple<int, bool, std::string> key{c.tp, c.sequence_parallel, c.recompute};
+    const std::tuple<int, bool, std::string, int> key{c.tp, c.sequence_parallel, c.recompute, c.cp};
     std::lock_guard lock(mutex);
     auto& slot = by_layout[key];
     if (!slot) {
@@ -194,7 +194,7 @@ struct Shape {
 
  private:
   mutable std::mutex mutex;
-  mutable std::map<std::tuple<int, bool, std::string>, std::shared_ptr<const std::vector<core::Costs>>> by_layout;
+  mutable std::map<std::tuple<int, bool, std::string, int>, std::shared_ptr<const std::vector<core::Costs>>> by_layout;
 };
 
 // The activations a rank provably holds when each of its forwards starts, from its step order. Steps
@@ -318,6 +318,7 @@ std::string ordinal(long long n) {
 std::string TuneCandidate::describe() const {
   std::string s = fmt::format("PP {}", pp);
   if (tp > 1) s += fmt::format(" x TP {}{}", tp, sequence_parallel ? " (SP)" : "");
+  if (cp > 1) s += fmt::format(" x CP {}", cp);
   s += fmt::format(" x DP {}", dp);
   if (ep > 1) s += fmt::format(" (EP {})", ep);
   s += fmt::format(", {}", schedule);
@@ -349,7 +350,7 @@ core::Scenario tune_scenario(const TuneSpec& spec, const TuneCandidate& c, const
     TuneCandidate plain = c;
     plain.rank_order.clear();
     core::ProgramBuilder program(core::compile_scenario(tune_scenario(spec, plain)).program_json);
-    const int t = c.tp, pp = c.pp;
+    const int t = c.tp * c.cp, pp = c.pp;  // a block of tp x cp devices moves as one
     program.relabel_devices([&](int x) {
       const int q = x / t;
       return x % t + t * (c.rank_order.at(static_cast<std::size_t>(q % pp)) + (q / pp) * pp);
@@ -477,10 +478,22 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
         throw TuneError(cfg.experts <= 0 ? fmt::format("--ep {}: model '{}' has no MoE experts (use --ep 1)", v, cfg.name)
                                          : fmt::format("--ep {}: does not divide the {} experts of model '{}'", v, cfg.experts, cfg.name));
     }
+  // Context parallelism: the sequence must cut into 2·cp chunks (load-balanced causal CP).
+  std::vector<int> cps;
+  for (int cp : distinct_or(spec.cp_degrees, {1})) {
+    if (cp < 1) throw TuneError(fmt::format("--cp must be >= 1 (got {})", cp));
+    if (spec.devices % cp != 0)
+      stats.cp_rejected.push_back(fmt::format("CP {}: does not divide the {} devices", cp, spec.devices));
+    else if (cp > 1 && cfg.training.seq_len % (2 * cp) != 0)
+      stats.cp_rejected.push_back(fmt::format("CP {}: the sequence length {} does not cut into {} equal chunks", cp, cfg.training.seq_len, 2 * cp));
+    else
+      cps.push_back(cp), stats.cp_degrees.push_back(cp);
+  }
   for (const auto& [tp, sps] : sp_of_tp)
-  for (int pp : divisors(spec.devices / tp)) {
+  for (int cp : cps)
+  for (int pp : spec.devices % (tp * cp) == 0 ? divisors(spec.devices / tp / cp) : std::vector<int>{}) {
     if (pp > units || !pinned(spec.pp_degrees, pp)) continue;
-    const int dp = spec.devices / tp / pp;
+    const int dp = spec.devices / tp / cp / pp;
     if (!pinned(spec.dp_degrees, dp)) continue;
     for (int ep : divisors(dp)) {
       if (!pinned(spec.ep_degrees, ep)) continue;
@@ -499,6 +512,7 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
             TuneCandidate c;
             static_cast<core::StrategyOptions&>(c) = spec.fixed;
             c.tp = tp;
+            c.cp = cp;
             c.pp = pp;
             c.dp = dp;
             c.ep = ep;
@@ -530,8 +544,9 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
               stats.family_rejected += 1;
               continue;
             }
-            // ZeRO levels differ only when a region has more than one data-parallel replica.
-            const int replicas = dp * (family->mirrored ? 2 : 1);
+            // ZeRO levels differ only when a region has more than one data-parallel replica (CP ranks
+            // are replicas of the parameters too).
+            const int replicas = dp * cp * (family->mirrored ? 2 : 1);
             for (bool sp : sps)
               for (const auto& rc : recompute_modes)
                 for (int z : spec.zero_levels) {
@@ -585,7 +600,7 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
   // Data-parallel replicas of a region: dp per rank, twice that for a mirrored family (the two
   // copies). A TP segment's replicas are the devices with the same TP rank; routed experts (no TP)
   // are sharded over all the region's devices, tp of them per replica.
-  const std::int64_t region_replicas = static_cast<std::int64_t>(c.dp) * (place.mirrored ? 2 : 1);
+  const std::int64_t region_replicas = static_cast<std::int64_t>(c.dp) * c.cp * (place.mirrored ? 2 : 1);
   std::vector<std::int64_t> persistent_of_region(static_cast<std::size_t>(place.regions), 0);
   std::vector<std::int64_t> activation_of_region(static_cast<std::size_t>(place.regions), 0);
   // The per-device costs lowering uses (the compiler's own layer_costs under the TP layout and
@@ -873,8 +888,8 @@ std::vector<TuneCandidate> rank_order_variants(const TuneSpec& spec, const TuneC
   std::vector<double> speed(static_cast<std::size_t>(c.pp), std::numeric_limits<double>::infinity());
   for (int g = 0; g < c.pp; ++g)
     for (int d = 0; d < c.dp; ++d)
-      for (int k = 0; k < c.tp; ++k) {
-        const GpuSpec& gpu = cluster.gpu(k + c.tp * (g + d * c.pp));
+      for (int k = 0; k < c.tp * c.cp; ++k) {  // a block of tp x cp devices (TP innermost, then CP)
+        const GpuSpec& gpu = cluster.gpu(k + c.tp * c.cp * (g + d * c.pp));
         speed[static_cast<std::size_t>(g)] = std::min(speed[static_cast<std::size_t>(g)], gpu.peak_flops * gpu.max_efficiency);
       }
   if (std::all_of(speed.begin(), speed.end(), [&](double v) { return v == speed.front(); })) return out;
@@ -1004,6 +1019,7 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
   c.ep = static_cast<int>(integer("ep"));
   c.zero = static_cast<int>(integer("zero"));
   c.tp = static_cast<int>(integer("tp"));
+  c.cp = static_cast<int>(integer("cp"));
   c.sequence_parallel = integer("sequence_parallel") != 0;
   c.recompute = at("recompute");
   c.comm_sms = static_cast<int>(integer("comm_sms"));

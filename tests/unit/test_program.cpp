@@ -310,7 +310,7 @@ TEST(Program, FromJsonNamesTheField) {
     j["families"][0]["purpose"] = "pp";
     EXPECT_EQ(error_of(j),
               "plan: field 'families[0].purpose': unknown family purpose 'pp' (expected one of dp, dp-ep, dp-shard, dp-replicate, ep, tp, "
-              "tied-embedding)");
+              "tied-embedding, cp)");
   }
   {
     // Version 1 plans have no per-op microbatch, and it cannot be derived from tags whose split
@@ -328,7 +328,7 @@ TEST(Program, FamilyPurposeNamesRoundTrip) {
   const std::vector<std::pair<FamilyPurpose, std::string>> names = {
       {FamilyPurpose::Dp, "dp"}, {FamilyPurpose::DpEp, "dp-ep"}, {FamilyPurpose::DpShard, "dp-shard"},
       {FamilyPurpose::DpReplicate, "dp-replicate"}, {FamilyPurpose::Ep, "ep"}, {FamilyPurpose::Tp, "tp"},
-      {FamilyPurpose::TiedEmbedding, "tied-embedding"}};
+      {FamilyPurpose::TiedEmbedding, "tied-embedding"}, {FamilyPurpose::Cp, "cp"}};
   for (const auto& [purpose, name] : names) {
     EXPECT_EQ(to_string(purpose), name);
     EXPECT_EQ(family_purpose_from_string(name), purpose);

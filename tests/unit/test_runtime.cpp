@@ -174,6 +174,12 @@ core::StrategyOptions megatron(core::StrategyOptions o, int tp, bool sequence_pa
   return o;
 }
 
+// Context parallelism on top of a strategy (all-gather variant or the ring).
+core::StrategyOptions context_parallel(core::StrategyOptions o, int cp, bool all_gather = false) {
+  o.cp = cp, o.cp_all_gather = all_gather;
+  return o;
+}
+
 // HSDP on top of a strategy: ZeRO shards over groups of k data-parallel replicas.
 core::StrategyOptions hsdp(core::StrategyOptions o, int k) {
   o.dp_shard = k;
@@ -416,6 +422,18 @@ TEST(RuntimeEquivalence, TP2xDP2_Zero3) { expect_equivalent("tp2-zero3", 4, mega
 TEST(RuntimeEquivalence, TP2_PP2_ZBH1_SelectiveRecompute) {
   expect_equivalent("tp2-zbh1-selective", 4, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 2, false, "selective"), "", kDense);
 }
+// Context parallelism (issue 26): each CP rank holds two load-balanced causal chunks of every sequence,
+// attention gathers K/V over the CP group with the causal mask by global position and returns dK/dV
+// to their owners, and the gradients are reduced over DP x CP; the loss and parameters must match the
+// single-process reference. (The ring and the all-gather variant compute the same sums.)
+TEST(RuntimeEquivalence, CP2_Ring) { expect_equivalent("cp2", 2, context_parallel(strategy(1, 1, 1, 0, 2, "1f1b"), 2), "", kDense); }
+TEST(RuntimeEquivalence, CP4_AllGather_SelectiveRecompute) {
+  expect_equivalent("cp4-ag", 4, megatron(context_parallel(strategy(1, 1, 1, 0, 2, "1f1b"), 4, true), 1, false, "selective"), "", kDense);
+}
+TEST(RuntimeEquivalence, CP2xPP2_1F1B) { expect_equivalent("cp2pp2", 4, context_parallel(strategy(2, 1, 1, 0, 4, "1f1b"), 2), "", kDense); }
+TEST(RuntimeEquivalence, CP2xDP2_Zero1) { expect_equivalent("cp2dp2-zero1", 4, context_parallel(strategy(1, 2, 1, 1, 2, "1f1b"), 2), "", kDense); }
+TEST(RuntimeEquivalence, TP2xCP2_SP) { expect_equivalent("tp2cp2", 4, megatron(context_parallel(strategy(1, 1, 1, 0, 2, "1f1b"), 2), 2, true, "none"), "", kDense); }
+
 // MoE: routed experts keep EP beside the TP segments. Without SP both TP ranks route the same tokens
 // (the experts' gradients are divided by the copies); with SP each routes its sequence slice.
 TEST(RuntimeEquivalence, TP2xDP2xEP2_MoE) { expect_equivalent("tp2-ep2", 4, megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, false, "none")); }

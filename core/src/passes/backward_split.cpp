@@ -33,6 +33,8 @@ void apply_backward_split(PassContext& cx, const std::vector<Filter>& filters) {
     bw.costs.backward_elementwise_bytes = 0;
     bw.costs.backward_tp_bytes = 0;
     bw.costs.backward_tp_collectives = 0;
+    bw.costs.backward_cp_bytes = 0;
+    bw.costs.backward_cp_steps = 0;
     bi.label.clear();
     bw.label.clear();
     auto ins = in_edges_of(g, b), outs = out_edges_of(g, b);

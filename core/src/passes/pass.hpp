@@ -52,6 +52,8 @@ void run_split(PassRun& run, const SplitDirective& d, int index);               
 bool run_backward_split(PassRun& run);                                                   // backward_split.cpp
 void run_tensor_parallel(PassRun& run, const TensorParallelDirective& d, int index);    // tensor_parallel.cpp
 bool run_tp_groups(PassRun& run);                                                        // tensor_parallel.cpp
+void run_context_parallel(PassRun& run, const ContextParallelDirective& d, int index);  // context_parallel.cpp
+bool run_cp_groups(PassRun& run);                                                        // context_parallel.cpp
 void run_recompute(PassRun& run, const RecomputeDirective& d, int index);               // recompute.cpp
 bool run_recost(PassRun& run);                                                           // recost.cpp
 void run_place(PassRun& run, const PlaceDirective& d, int index);                        // place.cpp

@@ -9,8 +9,8 @@ namespace piper::core::passes {
 
 namespace {
 
-// The order: split -> backward-split -> tensor_parallel/recompute -> recost -> place ->
-// finish-placement -> tp-groups -> shard -> replicate -> tied-embedding -> update-costs -> order ->
+// The order: split -> backward-split -> tensor_parallel/context_parallel/recompute -> recost -> place ->
+// finish-placement -> tp-groups -> cp-groups -> shard -> replicate -> tied-embedding -> update-costs -> order ->
 // sm_partition. ARCHITECTURE.md lists it (checked by the architecture_doc test).
 // Tensor parallelism and recomputation change per-device costs before placement creates the
 // transfers (whose sizes they change); their groups are formed once the placement is known.
@@ -18,11 +18,13 @@ constexpr std::array kPasses = {
     directive_pass<SplitDirective, run_split>("split", false),
     internal_pass("backward-split", run_backward_split, false),
     directive_pass<TensorParallelDirective, run_tensor_parallel>("tensor-parallel", false),
+    directive_pass<ContextParallelDirective, run_context_parallel>("context-parallel", false),
     directive_pass<RecomputeDirective, run_recompute>("recompute", false),
     internal_pass("recost", run_recost, false, true),
     directive_pass<PlaceDirective, run_place>("place", false),
     internal_pass("finish-placement", run_finish_placement, true),
     internal_pass("tp-groups", run_tp_groups, true, true),
+    internal_pass("cp-groups", run_cp_groups, true),
     directive_pass<ShardDirective, run_shard>("shard", true),
     directive_pass<ReplicateDirective, run_replicate>("replicate", true),
     internal_pass("tied-embedding", run_tied_embedding, true, true),

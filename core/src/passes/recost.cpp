@@ -17,8 +17,9 @@ void recost_segments(PassContext& cx) {
   std::vector<char> changed(dag.segments.size(), 0);
   std::vector<Costs> costs(dag.segments.size());
   for (auto& seg : dag.segments) {
-    if (seg.tp_degree == 1 && seg.recompute == Recompute::None) continue;
-    const ParallelLayout layout{seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute)};
+    if (seg.tp_degree == 1 && seg.recompute == Recompute::None && seg.cp_degree == 1) continue;
+    const ParallelLayout layout{seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute), seg.cp_degree,
+                                seg.cp_all_gather};
     Costs c;
     for (int l = seg.first_layer; l < seg.last_layer; ++l)
       c += layer_costs(dag.layers.at(static_cast<std::size_t>(l)), dag.training, layout);
@@ -42,6 +43,8 @@ void recost_segments(PassContext& cx) {
       c.backward_elementwise_bytes = 0;
       c.backward_tp_bytes = 0;
       c.backward_tp_collectives = 0;
+      c.backward_cp_bytes = 0;
+      c.backward_cp_steps = 0;
       c.recompute_flops = 0;
     }
     n.costs = c;
@@ -50,6 +53,7 @@ void recost_segments(PassContext& cx) {
     const auto& sg = dag.segments.at(static_cast<std::size_t>(segment));
     return sg.sequence_parallel ? sg.tp_degree : 1;
   };
+  auto cp_degree = [&](int segment) { return dag.segments.at(static_cast<std::size_t>(segment)).cp_degree; };
   for (auto e : boost::make_iterator_range(boost::edges(g))) {
     Vertex u = boost::source(e, g), v = boost::target(e, g);
     if (g[u].kind != NodeKind::Compute || g[e].kind != EdgeKind::Data) continue;
@@ -58,6 +62,9 @@ void recost_segments(PassContext& cx) {
     } else if ((g[e].tensor == "act" || g[e].tensor == "grad") && g[v].kind == NodeKind::Compute) {
       const int t = sp_degree(g[u].segment);
       if (t > 1 && t == sp_degree(g[v].segment)) g[e].bytes /= t;
+      // Context parallelism: each device passes on its seq_len / cp local tokens.
+      const int c = cp_degree(g[u].segment);
+      if (c > 1 && c == cp_degree(g[v].segment)) g[e].bytes /= c;
     }
   }
 }
@@ -67,7 +74,8 @@ void recost_segments(PassContext& cx) {
 bool run_recost(PassRun& run) {
   const auto& ds = run.program.directives;
   if (std::none_of(ds.begin(), ds.end(), [](const Directive& d) {
-        return std::holds_alternative<TensorParallelDirective>(d) || std::holds_alternative<RecomputeDirective>(d);
+        return std::holds_alternative<TensorParallelDirective>(d) || std::holds_alternative<RecomputeDirective>(d) ||
+               std::holds_alternative<ContextParallelDirective>(d);
       }))
     return false;
   recost_segments(run.cx);

@@ -60,6 +60,10 @@ CudaBackend::CudaBackend(const core::Program& program, int device, Transport& tr
       throw std::invalid_argument(fmt::format("plan: segment {} uses HSDP (ZeRO shards over groups of {} of its {} replicas); the CUDA backend does not run it yet, the host backend does",
                                               s, program.segments[s].zero_shards, program.segments[s].replicas));
   }
+  for (std::size_t s = 0; s < program.segments.size(); ++s)
+    if (program.segments[s].cp_degree > 1)
+      throw std::invalid_argument(fmt::format("plan: segment {} is context-parallel (cp_degree {}); the CUDA backend does not run context parallelism yet, the host backend does",
+                                              s, program.segments[s].cp_degree));
   num_layers_ = static_cast<int>(model.layers().size());
   shape_ = data_shape(program);
   loss_scale_ = 1.0f / static_cast<float>(shape_.global_tokens());

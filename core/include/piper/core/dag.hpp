@@ -96,6 +96,10 @@ struct Segment {
   bool tp_comm_overlap = false;         // TP collectives overlap the GEMMs (TensorParallelDirective::comm_overlap)
   Recompute recompute = Recompute::None;
   int tp_family = -1;                   // GlobalDag::families index of the TP groups (purpose "tp")
+  // Set by the context_parallel pass (ContextParallelDirective): CP degree, K/V exchange, CP groups.
+  int cp_degree = 1;
+  bool cp_all_gather = false;
+  int cp_family = -1;                   // GlobalDag::families index of the CP groups (purpose "cp")
   std::int64_t tp_local_params = 0;     // parameters one TP rank holds (norms replicated), when tp_degree > 1
   // Parameters of one shard (EP shard or TP rank), before ZeRO.
   std::int64_t local_params() const { return tp_degree > 1 ? tp_local_params : costs.params / shard_degree; }

@@ -108,8 +108,19 @@ struct SmPartitionDirective {
   SmPartition partition;
 };
 
+// Piper extension: context parallelism of the whole model (Megatron-LM's --context-parallel-size). Each
+// region's placement is cut into CP groups of `degree` devices (TP innermost, then CP: with TP degree
+// t, CP rank c of a group is device set[b·t·degree + c·t + k]); every device holds seq_len / degree
+// tokens of each sequence (the load-balanced causal chunks i and 2·degree-1-i), and attention
+// exchanges K/V over the group: around a ring (`comm` "ring", default) or by an all-gather
+// ("all_gather", with a reduce-scatter of dK/dV in the backward). At most one per program.
+struct ContextParallelDirective {
+  int degree = 1;
+  bool all_gather = false;
+};
+
 using Directive = std::variant<PlaceDirective, ReplicateDirective, ShardDirective, SplitDirective, OrderDirective,
-                               TensorParallelDirective, RecomputeDirective, SmPartitionDirective>;
+                               TensorParallelDirective, RecomputeDirective, SmPartitionDirective, ContextParallelDirective>;
 
 
 struct DirectiveProgram {

@@ -71,6 +71,11 @@ struct Costs {
   // core::Op::tp_bytes): forward, and backward (all in the input-gradient half).
   std::int64_t forward_tp_bytes = 0, backward_tp_bytes = 0;
   int forward_tp_collectives = 0, backward_tp_collectives = 0;
+  // Context-parallel communication inside the layer (ParallelLayout::cp > 1, see core::Op::cp_bytes):
+  // bytes one device sends (ring) or the collectives' full-tensor bytes (all-gather variant), and the
+  // ring steps or collective calls. Backward: all in the input-gradient half.
+  std::int64_t forward_cp_bytes = 0, backward_cp_bytes = 0;
+  int forward_cp_steps = 0, backward_cp_steps = 0;
   double recompute_flops = 0;              // forward FLOPs redone in the backward (inside backward_input_flops)
   // Matrix-multiply kernels launched per pass (Megatron layout: fused QKV, output projection, fc1
   // with SwiGLU's gate and up fused, fc2, the attention core's batched GEMMs or one fused flash
@@ -120,12 +125,21 @@ struct ParallelLayout {
   int tp = 1;                          // tensor-parallel degree
   bool sequence_parallel = false;
   int recompute = 0;                   // 0 none, 1 selective, 2 full, 3 op (core::Recompute's order)
+  // Context parallelism (Megatron): each device holds seq_len / cp tokens of every sequence (2 of the
+  // 2·cp load-balanced causal chunks); attention exchanges K/V over the CP group, by a ring
+  // (cp_all_gather false) or an all-gather + reduce-scatter of dK/dV.
+  int cp = 1;
+  bool cp_all_gather = false;
 };
 // Per-device costs of one layer under a layout: FLOPs, parameters and traffic of the split GEMMs
 // divided by tp, TP collectives counted, activation bytes as Korthikanti et al. 2022 Table 2, and
 // the recomputed forward work added to the backward (input-gradient) pass. layout {1,false,0} gives
-// exactly layer_costs(layer, shape).
+// exactly layer_costs(layer, shape). With cp > 1 every per-token quantity is that of the seq_len / cp
+// local tokens, and the attention core does 1/cp of the whole sequence's work (the causal load balance;
+// context_parallel_costs in model.cpp).
 Costs layer_costs(const Layer& layer, const TrainingShape& shape, const ParallelLayout& layout);
+// The shape one device of a context-parallel group of `cp` sees: seq_len / cp tokens per sequence.
+TrainingShape context_parallel_local_shape(const TrainingShape& shape, int cp);
 // Op-level recomputation (Recompute::Op): the (K, N) of the layer's matmuls, in the block's order,
 // whose outputs are kept (`kept`) or recomputed in the backward (every other one: the 1st, 3rd, ...
 // kept; model.cpp).

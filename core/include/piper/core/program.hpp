@@ -74,6 +74,12 @@ struct Op {
   // (ring). tp_collectives is the number of collective calls (latency term).
   std::int64_t tp_bytes = 0;
   int tp_collectives = 0;
+  // COMPUTE ops of a context-parallel segment: the K/V exchange inside the op over the segment's CP
+  // group (ProgramSegment::cp_family). Ring: cp_bytes is what this device sends to the next CP rank,
+  // in cp_steps equal steps, each overlapping one block of the attention core. All-gather variant:
+  // cp_bytes sums the collectives' full-tensor bytes in all-gather units (as tp_bytes), in cp_steps calls.
+  std::int64_t cp_bytes = 0;
+  int cp_steps = 0;
   // COMPUTE: HBM traffic of memory-bound element-wise kernels that run between the op's GEMMs
   // (models with standard attention); the simulator adds their time to the roofline.
   std::int64_t elementwise_bytes = 0;
@@ -122,6 +128,13 @@ struct ProgramSegment {
   // BW): the simulator's per-kernel cost model times these (core/kernels.hpp). Empty in plans written
   // before kernels were listed, and for segments of builder models; their ops are costed by FLOPs.
   PassKernels kernels;
+  // Context parallelism (ContextParallelDirective): each device holds seq_len / cp_degree tokens of a
+  // sequence (load-balanced causal chunks c and 2·cp_degree-1-c for CP rank c); the CP group of device
+  // d is group_of(cp_family, d) (purpose "cp"), its members in CP-rank order; attention exchanges K/V
+  // around that ring, or by all-gather (cp_all_gather). The DP replicas (gradient reduction) span DP x CP.
+  int cp_degree = 1;
+  bool cp_all_gather = false;
+  int cp_family = -1;
   friend bool operator==(const ProgramSegment&, const ProgramSegment&) = default;
 };
 

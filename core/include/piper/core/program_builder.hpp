@@ -42,6 +42,7 @@ class ProgramBuilder {
   ProgramBuilder& tensor_parallel(const Filter& filter, int degree, bool sequence_parallel = false, bool comm_overlap = false);
   ProgramBuilder& recompute(const Filter& filter, const std::string& mode);  // "none", "selective" or "full"
   ProgramBuilder& sm_partition(int sms);                                      // the communication streams' SMs
+  ProgramBuilder& context_parallel(int degree, bool all_gather = false);      // the whole model's CP degree
   ProgramBuilder& append(const nlohmann::json& directives);                   // another program's directives, in order
 
   // Every device id d of every directive becomes map(d) (the same program on other devices).

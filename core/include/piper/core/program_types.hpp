@@ -48,6 +48,7 @@ enum class FamilyPurpose {
   Ep,             // "ep": expert-parallel all-to-all
   Tp,             // "tp": the tensor-parallel groups of a segment (ProgramSegment::tp_family)
   TiedEmbedding,  // "tied-embedding": pairs of devices summing the tied embedding/head gradients
+  Cp,             // "cp": the context-parallel groups of a segment (ProgramSegment::cp_family)
 };
 std::string to_string(FamilyPurpose p);
 FamilyPurpose family_purpose_from_string(const std::string& s);  // throws std::invalid_argument naming the choices

@@ -84,8 +84,9 @@ struct ScheduleFamily {
 const std::vector<ScheduleFamily>& schedule_registry();
 const ScheduleFamily& schedule_family(const std::string& name);   // throws std::invalid_argument
 
-// Devices: pipeline rank r, data-parallel rank d, tensor-parallel rank k -> device
-// k + tp * (r + d * pp): TP groups are consecutive devices (inside a node), pipeline ranks adjacent.
+// Devices: pipeline rank r, data-parallel rank d, context-parallel rank c, tensor-parallel rank k ->
+// device k + tp * (c + cp * (r + d * pp)): TP groups are consecutive devices (inside a node), CP next
+// (Megatron's tp-cp order), then pipeline ranks, data-parallel ranks outermost.
 // Placement, replicate and shard directives for `regions` PP regions.
 // With `mirrored`, region i is placed on the devices of rank_of_region[i] followed by those of rank
 // pp-1-rank_of_region[i] (a data-parallel pair; see ScheduleFamily::mirrored).

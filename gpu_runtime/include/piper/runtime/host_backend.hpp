@@ -89,6 +89,7 @@ class HostBackend : public Backend {
   MPI_Comm comm_of(const core::Op& op) const;
   int mb_of(const core::Op& op) const;
   int data_rank_of(const core::Op& op) const;
+  host::MicrobatchData local_tokens(host::MicrobatchData d, const core::Op& op) const;  // CP: this rank's chunks
   const core::ProgramSegment& seg(int s) const { return program_.segments.at(static_cast<std::size_t>(s)); }
 
   const core::Program& program_;
@@ -97,7 +98,9 @@ class HostBackend : public Backend {
   MPI_Comm world_ = MPI_COMM_NULL;
   std::vector<MPI_Comm> family_comm_;   // this device's group communicator per family (or null)
   std::map<int, std::unique_ptr<MpiTpComm>> tp_comms_;   // TP family -> this device's TP group
+  std::map<int, std::unique_ptr<MpiTpComm>> cp_comms_;   // CP family -> this device's CP group
   std::vector<int> set_tp_;                              // device set -> TP degree of its stage
+  std::vector<int> set_cp_;                              // device set -> CP degree of its segments
   HostConfig config_;
   DataShape shape_;
   float loss_scale_ = 1;

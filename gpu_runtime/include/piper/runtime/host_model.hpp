@@ -116,6 +116,11 @@ struct SegmentParams {
   bool sequence_parallel = false;
   RecomputeMode recompute = RecomputeMode::None;
   TpComm* tp = nullptr;                     // set by the backend when tp_degree > 1
+  // Context parallelism: each sequence's seq_len / cp_degree local rows are CP rank cp_rank's two
+  // load-balanced chunks (AttentionCp); attention exchanges K/V over `cp` (set by the backend).
+  int cp_degree = 1, cp_rank = 0;
+  TpComm* cp = nullptr;
+  AttentionCp cp_attention;
   // Routed experts without TP on a TP stage without SP: the t TP ranks route the same tokens, so the
   // experts see each token t times; BW divides their weight gradients by this.
   int token_copies = 1;
@@ -148,6 +153,7 @@ struct SegmentSpec {
   bool sequence_parallel = false;
   RecomputeMode recompute = RecomputeMode::None;
   int token_copies = 1;
+  int cp_degree = 1, cp_rank = 0;  // context parallelism: this device holds CP rank cp_rank's chunks
 };
 
 struct LocalTensor;
@@ -209,6 +215,7 @@ class HostModel {
   std::vector<CanonicalRun> canonical_runs(const SegmentParams& sp) const;
   // The TP group of a segment this device holds with tp_degree > 1 (the backend owns it).
   void set_tp_comm(int seg, TpComm* comm);
+  void set_cp_comm(int seg, TpComm* comm);  // the CP group's communicator (cp_degree > 1)
 
   // Tied embeddings: whether the model ties its head to the embedding, and the gradient of the tied
   // table in a segment that holds one copy of it without the other (the embedding without the head,

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -59,6 +60,23 @@ void positions_forward(Mat& x, const ConstMatMap& pos, int seq_len, int first_po
 void positions_backward_weight(const Mat& dx, MatMap dpos, int seq_len, int first_position = 0);
 
 // ---- Causal self-attention with grouped KV heads, RoPE, optional Qwen3 per-head q/k RMSNorm ----
+// Context parallelism (Megatron's load-balanced causal chunks): each sequence of S tokens is cut into
+// 2·cp chunks of C = S / (2·cp) and CP rank r holds chunks r and 2·cp-1-r, so its seq_len = S / cp
+// local rows per sequence are positions [r·C, (r+1)·C) then [(2·cp-1-r)·C, (2·cp-r)·C). The host
+// kernels compute ring attention's result exactly by its all-gather form: K and V of every rank
+// gathered (`gather`: [rows] -> [cp·rows], rank order), the causal mask from global positions, and
+// dK/dV summed back to their owners (`scatter_sum`: [cp·rows] partials -> this rank's [rows] sum).
+struct AttentionCp {
+  int cp = 1, rank = 0;
+  std::function<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>(
+      const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>&)>
+      gather, scatter_sum;
+  // The position in its sequence of CP rank r's local row i (0 <= i < local_len = S / cp).
+  int position(int r, int i, int local_len) const {
+    const int chunk = local_len / 2;
+    return i < chunk ? r * chunk + i : (2 * cp - 1 - r) * chunk + (i - chunk);
+  }
+};
 struct AttentionShape {
   int heads = 1, kv_heads = 1, head_dim = 1;
   int seq_len = 1;          // rows are sequences of seq_len tokens one after another
@@ -66,6 +84,8 @@ struct AttentionShape {
   float rope_theta = 10000.0f;
   bool rope = true;         // false: learned absolute positions (GPT) added at the embedding instead
   bool bias = false;        // q, k, v projection biases (GPT); the output bias is added by the caller
+  const AttentionCp* cp = nullptr;  // context parallelism (seq_len is then the local rows per sequence)
+  bool context_parallel() const { return cp != nullptr && cp->cp > 1; }
 };
 struct AttentionWeights {
   ConstMatMap wq, wk, wv, wo;      // [H, heads*hd], [H, kv*hd], [H, kv*hd], [heads*hd, H]
@@ -82,6 +102,7 @@ struct AttentionCache {
   Mat q_lin, k_lin, v;            // projections (before qk-norm and RoPE)
   Mat q_rstd, k_rstd;             // [T, heads], [T, kv] per-head RMSNorm factors
   Mat q, k;                       // after qk-norm and RoPE
+  Mat k_all, v_all;               // context parallelism: every CP rank's k and v (AttentionCp::gather)
   std::vector<Mat> probs;         // per (sequence, head): [seq, seq] softmax
   Mat o;                          // [T, heads*hd] attention output before wo
   // Saved by backward_input for backward_weight:

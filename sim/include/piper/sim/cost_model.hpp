@@ -117,6 +117,12 @@ class CostModel {
   // GEMMs do not hide), or 0 when an override or a calibration gives the op's time (a measured time is
   // not split into GEMMs and collectives).
   double tp_part_seconds(const core::Program& program, int device, const core::Op& op) const;
+  // The exposed time of the context-parallel K/V exchange a COMPUTE op performs inside itself (0 for
+  // ops without one). Ring: cp_steps transfers of cp_bytes / cp_steps to the next CP rank, each under
+  // one block of the attention core (the op's attention kernels, a; the cp blocks of a layer hide cp-1
+  // transfers): cp_steps · max(0, transfer − a·(cp-1)/(cp·cp_steps)). All-gather variant: cp_steps
+  // all-gathers of cp_bytes / cp_steps over the CP group, not overlapped.
+  double cp_seconds(const core::Program& program, int device, const core::Op& op) const;
   // Roofline alone (no override or calibration); the FLOPs run as `gemm_kernels` GEMMs (< 1: one).
   double roofline_seconds(int device, double flops, std::int64_t memory_bytes, int gemm_kernels = 1) const;
 

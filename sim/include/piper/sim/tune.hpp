@@ -42,6 +42,9 @@ struct TuneSpec {
   // Tensor-parallel degrees to try; empty: every degree dividing the devices and the GPUs of every
   // node (TP groups stay inside a node) that the compiler accepts for the model (heads, ffn, ...).
   std::vector<int> tp_degrees;
+  // Context-parallel degrees to try (--cp); empty: CP 1 only. A degree whose 2·cp chunks do not cut
+  // the sequence, or whose tp·cp does not divide the devices, is left out (EnumerationStats::cp_rejected).
+  std::vector<int> cp_degrees;
   // Pins: the pipeline-parallel, data-parallel and expert-parallel degrees to try; empty: every legal
   // one. A pinned PP or DP degree must divide the devices.
   std::vector<int> pp_degrees, dp_degrees, ep_degrees;
@@ -87,7 +90,7 @@ struct TuneCandidate : core::StrategyOptions {
   std::string placement = "default";      // how the PP boundaries were chosen (a label)
   std::vector<int> pp_ranges;             // first block of each PP region; empty: the generator's balance
   // Device group of each pipeline rank (a permutation of 0..pp-1; empty: rank r on group r). Group g
-  // is the devices k + tp * (g + d * pp) that the generator gives rank g.
+  // is the devices k + tp * (c + cp * (g + d * pp)) that the generator gives rank g.
   std::vector<int> rank_order;
 
   // Stable identity (no commas): the resume key.
@@ -107,6 +110,8 @@ struct EnumerationStats {
   std::size_t considered = 0;             // (tp, pp, dp, ep, micro batch size, family, virtual) tuples
   std::vector<int> tp_degrees;            // the TP degrees tried
   std::vector<std::string> tp_rejected;   // "TP 3: <why>" for each degree left out
+  std::vector<int> cp_degrees;            // the CP degrees tried
+  std::vector<std::string> cp_rejected;   // "CP 3: <why>" for each degree left out
   std::size_t batch_indivisible = 0;      // global batch not a multiple of dp x micro batch size
   std::size_t family_rejected = 0;        // the schedule family's constraints (e.g. microbatch count)
   std::size_t legal = 0;                  // candidates (with ZeRO levels)
