@@ -118,7 +118,7 @@ const CLI::Validator kOutputPath(
 void StrategyFlags::add_to(CLI::App* app) {
   pp = app->add_option("--pp", options.pp, "pipeline-parallel ranks")->check(kPositiveInt);
     dp = app->add_option("--dp", options.dp, "data-parallel replicas")->check(kPositiveInt);
-    ep = app->add_option("--ep", options.ep, "expert-parallel degree (divides --dp)")->check(kPositiveInt);
+    ep = app->add_option("--ep", options.ep, "expert-parallel degree (--ep x --etp divides --dp x --tp)")->check(kPositiveInt);
     zero = app->add_option("--zero", options.zero, "ZeRO level: 0, 1 (optimizer), 2 (+grads), 3 (+params)")
                ->check(CLI::Range(0, 3));
     dp_shard = app->add_option("--dp-shard", options.dp_shard,
@@ -140,6 +140,10 @@ void StrategyFlags::add_to(CLI::App* app) {
                     ->check(kNonNegativeNumber);
     tp = app->add_option("--tp", options.tp, "tensor-parallel degree (consecutive devices, inside a node)")
              ->check(kPositiveInt);
+    etp = app->add_option("--etp", options.etp,
+                          "expert tensor-parallel degree: each routed expert's FFN split over N devices (default 1: whole "
+                          "experts; Megatron's --expert-tensor-parallel-size defaults to --tp)")
+              ->check(kPositiveInt);
     sequence_parallel = app->add_flag("--sequence-parallel", options.sequence_parallel,
                                       "sequence parallelism inside each TP group (needs --tp >= 2)");
     tp_comm_overlap = app->add_flag("--tp-comm-overlap", options.tp_comm_overlap,
@@ -172,12 +176,12 @@ void ScenarioFlags::add_to(CLI::App* app) {
   strategy.add_to(app);
   for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.reduce_every,
                          strategy.fp8_all_gather, strategy.schedule,
-                         strategy.microbatches, strategy.virtual_stages, strategy.bucket_mb, strategy.tp,
+                         strategy.microbatches, strategy.virtual_stages, strategy.bucket_mb, strategy.tp, strategy.etp,
                          strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.global_batch,
                          strategy.comm_sms})
     compile_inputs.push_back(o);
   for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.reduce_every,
-                         strategy.fp8_all_gather, strategy.bucket_mb, strategy.tp,
+                         strategy.fp8_all_gather, strategy.bucket_mb, strategy.tp, strategy.etp,
                          strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.comm_sms})
     o->excludes(directives);
 }

@@ -73,6 +73,7 @@ struct StrategyFlags {
   CLI::Option* virtual_stages = nullptr;
   CLI::Option* bucket_mb = nullptr;
   CLI::Option* tp = nullptr;
+  CLI::Option* etp = nullptr;
   CLI::Option* sequence_parallel = nullptr;
   CLI::Option* recompute = nullptr;
   CLI::Option* global_batch = nullptr;

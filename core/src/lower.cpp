@@ -330,7 +330,7 @@ Program lower(const GlobalDag& dag) {
                                 seg.sequence_parallel, seg.recompute, seg.tp_family, seg.tp_comm_overlap,
                                 seg.zero_shards, seg.reduce_every_microbatch,
                                 segment_kernels(dag.layers, seg.first_layer, seg.last_layer, dag.training,
-                                                {seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute)},
+                                                {seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute), seg.token_split},
                                                 seg.shard_degree)});
 
   program.plan_of_device = classes.plan_of_device;

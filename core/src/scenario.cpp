@@ -123,6 +123,7 @@ std::string strategy_flag_error(const json& program, const StrategyOptions& o, c
   if (op == "tensor_parallel")
     flag = field == "sequence_parallel" ? fmt::format("--tp {} --sequence-parallel", o.tp)
            : field == "comm_overlap"    ? fmt::format("--tp {} --tp-comm-overlap", o.tp)
+           : field == "expert_degree"   ? fmt::format("--etp {}", o.etp)
                                         : fmt::format("--tp {}", o.tp);
   else if (op == "shard")
     flag = fmt::format("--ep {}", o.ep);
@@ -274,6 +275,7 @@ json Scenario::to_json() const {
                    {"virtual", strategy.virtual_stages}, {"bucket_mb", strategy.bucket_mb}};
   // Tensor parallelism, recomputation and the global batch: written only when used.
   if (strategy.tp != 1) j["strategy"]["tp"] = strategy.tp;
+  if (strategy.etp != 1) j["strategy"]["etp"] = strategy.etp;
   if (strategy.sequence_parallel) j["strategy"]["sequence_parallel"] = true;
   if (strategy.tp_comm_overlap) j["strategy"]["tp_comm_overlap"] = true;
   if (strategy.recompute != "none") j["strategy"]["recompute"] = strategy.recompute;
@@ -362,7 +364,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
   if (j.contains("strategy")) {
     const json& st = j["strategy"];
     if (!st.is_object()) throw fail("strategy", "must be an object");
-    reject_unknown(st, "strategy.", {"pp", "dp", "ep", "tp", "zero", "dp_shard", "schedule", "microbatches", "virtual",
+    reject_unknown(st, "strategy.", {"pp", "dp", "ep", "tp", "etp", "zero", "dp_shard", "schedule", "microbatches", "virtual",
                                      "global_batch", "bucket_mb", "sequence_parallel", "tp_comm_overlap", "recompute",
                                      "comm_sms", "reduce_every", "fp8_all_gather"});
     int_field(st, "pp", "strategy.pp", s.strategy.pp, 1);
@@ -372,6 +374,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     int_field(st, "microbatches", "strategy.microbatches", s.strategy.microbatches, 1);
     int_field(st, "virtual", "strategy.virtual", s.strategy.virtual_stages, 1);
     int_field(st, "tp", "strategy.tp", s.strategy.tp, 1);
+    int_field(st, "etp", "strategy.etp", s.strategy.etp, 1);
     int_field(st, "global_batch", "strategy.global_batch", s.strategy.global_batch, 1);
     int_field(st, "comm_sms", "strategy.comm_sms", s.strategy.comm_sms, 1);
     int_field(st, "dp_shard", "strategy.dp_shard", s.strategy.dp_shard, 2);

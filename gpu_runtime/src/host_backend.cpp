@@ -123,6 +123,11 @@ std::vector<host::SegmentSpec> device_segments(const core::Program& program, int
     // TP groups are consecutive devices too (Program::group_of(tp_family)); the DP replicas of a
     // TP slice are the devices with the same TP rank.
     if (seg.tp_degree > 1) {
+      for (int l = seg.first_layer; l < seg.last_layer; ++l)
+        if (model.layers().at(static_cast<std::size_t>(l)).kind == core::LayerKind::MoeExperts)
+          throw std::invalid_argument(fmt::format("plan: segment {} splits its routed experts over {} expert-tensor-parallel ranks; "
+                                                  "the host backend does not run expert TP (compile with --etp 1)",
+                                                  s, seg.tp_degree));
       if (seg.shard_degree > 1)
         throw std::invalid_argument(fmt::format("plan: segment {} is both sharded ({}) and tensor-parallel ({}); the host backend does not combine them",
                                                 s, seg.shard_degree, seg.tp_degree));

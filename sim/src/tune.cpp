@@ -82,11 +82,12 @@ int recompute_level(const std::string& mode) {
   return mode == "none" ? 0 : mode == "selective" ? 1 : mode == "full" ? 2 : mode == "op" ? 3 : -1;
 }
 
-// The layout lowering gives a layer of candidate c: routed experts keep expert parallelism and never
-// take TP (the compiler skips their segments in tensor_parallel), everything else takes c's TP.
+// The layout lowering gives a layer of candidate c: routed experts keep expert parallelism and take
+// no expert TP (candidates have --etp 1), on the 1/tp sequence slice with SP; everything else takes c's TP.
 core::ParallelLayout layout_of(const TuneCandidate& c, const core::Layer& layer) {
   const bool experts = layer.kind == core::LayerKind::MoeExperts;
-  return {experts ? 1 : c.tp, experts ? false : c.sequence_parallel, recompute_level(c.recompute)};
+  return {experts ? 1 : c.tp, experts ? false : c.sequence_parallel, recompute_level(c.recompute),
+          experts && c.sequence_parallel ? c.tp : 1};
 }
 
 core::ModelConfig model_config(const TuneSpec& spec, std::int64_t micro_batch_size) {

@@ -15,6 +15,11 @@ namespace piper::core {
 struct StrategyOptions {
   int pp = 1, dp = 1, ep = 1, zero = 0;
   int tp = 1;                      // tensor-parallel degree (consecutive devices, inside a node)
+  // Expert tensor-parallel degree (Megatron-core's --expert-tensor-parallel-size, whose default is
+  // --tp): each routed expert's FFN split over ETP consecutive devices. Piper's default 1 keeps
+  // experts whole. Per pipeline stage the dp x tp devices hold experts as etp x ep x edp (ETP rank
+  // fastest), so ep x etp must divide dp x tp; expert-data-parallel size edp = dp x tp / (ep x etp).
+  int etp = 1;
   bool sequence_parallel = false;  // with tp > 1
   bool tp_comm_overlap = false;    // with tp > 1: TP collectives overlapped with the GEMMs
   std::string recompute = "none";  // none | selective | full
@@ -36,7 +41,7 @@ struct StrategyOptions {
   std::string ep_stream = "ep";    // shard: expert all-to-all
 };
 
-// Checks the knobs (pp, dp, ep >= 1, dp % ep == 0, zero in 0..3, microbatches >= 1,
+// Checks the knobs (pp, dp, ep, etp >= 1, (dp x tp) % (ep x etp) == 0, zero in 0..3, microbatches >= 1,
 // virtual_stages >= 1, bucket_mb >= 0). Throws std::invalid_argument with one line naming the flag.
 void validate_strategy_options(const StrategyOptions& o);
 
