@@ -383,7 +383,7 @@ def sweep(spec, *, output: str | None = None, jobs: int = 1, base_dir: str = "")
     return SweepResult(_native(_piper.sweep, spec, output, jobs, base_dir))
 
 
-_INT_COLUMNS = {"devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp", "comm_sms", "dp_shard", "zero",
+_INT_COLUMNS = {"devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp", "etp", "comm_sms", "dp_shard", "zero",
                 "virtual", "microbatches", "micro_batch_size", "estimated_memory_bytes", "peak_memory_bytes"}
 _FLOAT_COLUMNS = {"bucket_mb", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "compile_time_s", "simulate_time_s",
                   "tp_comm_s"}

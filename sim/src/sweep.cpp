@@ -85,7 +85,7 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   static const std::set<std::string> known = {"model", "cluster", "calibration", "pp", "dp", "ep", "zero", "schedule",
                                               "microbatches", "virtual", "bucket_mb", "engine", "seq_len",
                                               "micro_batch_size", "comment", "tp", "sequence_parallel",
-                                              "recompute", "global_batch", "comm_sms", "dp_shard"};
+                                              "recompute", "global_batch", "comm_sms", "dp_shard", "etp"};
   for (const auto& [k, v] : j.items())
     if (!known.count(k)) {
       const std::string near = core::nearest(k, std::vector<std::string>(known.begin(), known.end()));
@@ -120,6 +120,7 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   s.global_batch = knob(j, "global_batch", where, s.global_batch);
   s.comm_sms = knob(j, "comm_sms", where, s.comm_sms);
   s.dp_shard = knob(j, "dp_shard", where, s.dp_shard);
+  s.etp = knob(j, "etp", where, s.etp);
   for (int k : s.dp_shard)
     if (k < 0) throw SweepError(fmt::format("{}: field 'dp_shard': {} is negative (0: plain ZeRO, N >= 2: HSDP over groups of N replicas)", where, k));
   for (const auto& r : s.recompute)
@@ -130,7 +131,7 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   for (std::size_t n : {s.pp.size(), s.dp.size(), s.ep.size(), s.zero.size(), s.schedule.size(), s.microbatches.size(),
                         s.virtual_stages.size(), s.bucket_mb.size(), s.engine.size(), s.seq_len.size(),
                         s.micro_batch_size.size(), s.tp.size(), s.sequence_parallel.size(),
-                        s.recompute.size(), s.global_batch.size(), s.comm_sms.size(), s.dp_shard.size()})
+                        s.recompute.size(), s.global_batch.size(), s.comm_sms.size(), s.dp_shard.size(), s.etp.size()})
     runs *= static_cast<double>(n);
   if (runs > static_cast<double>(core::limit_value(core::Limit::SweepRuns)))
     throw SweepError(fmt::format("{}: {}", where,
@@ -195,6 +196,7 @@ std::string SweepPoint::key() const {
   if (global_batch > 0) k += fmt::format("/gb{}", global_batch);
   if (comm_sms > 0) k += fmt::format("/sms{}", comm_sms);
   if (dp_shard > 0) k += fmt::format("/hs{}", dp_shard);
+  if (etp != 1) k += fmt::format("/etp{}", etp);
   std::replace(k.begin(), k.end(), ',', ';');
   return k;
 }
@@ -218,15 +220,16 @@ std::vector<SweepPoint> expand(const SweepSpec& s) {
                               for (int gb : s.global_batch)
                                 for (int sms : s.comm_sms)
                                   for (int hs : s.dp_shard)
-                                    out.push_back({s.model, s.cluster, engine, schedule, pp, dp, ep, zero, mb, v, bucket,
-                                                   seq, mbs, tp, gb, sp, rc, sms, hs});
+                                    for (int etp : s.etp)
+                                      out.push_back({s.model, s.cluster, engine, schedule, pp, dp, ep, zero, mb, v, bucket,
+                                                     seq, mbs, tp, gb, sp, rc, sms, hs, etp});
   return out;
 }
 
 const std::vector<std::string>& sweep_csv_columns() {
   static const std::vector<std::string> columns = {
       "key", "model", "cluster", "engine", "pp", "dp", "ep", "zero", "schedule", "microbatches", "virtual",
-      "bucket_mb", "seq_len", "micro_batch_size", "tp", "sequence_parallel", "recompute", "global_batch", "comm_sms", "dp_shard", "devices", "step_time_s", "tokens_per_s", "mfu",
+      "bucket_mb", "seq_len", "micro_batch_size", "tp", "sequence_parallel", "recompute", "global_batch", "comm_sms", "dp_shard", "etp", "devices", "step_time_s", "tokens_per_s", "mfu",
       "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s", "simulate_time_s", "tp_comm_s", "status", "reason"};
   return columns;
 }
@@ -240,10 +243,10 @@ std::string to_csv(const SweepRow& r) {
   // form, so rows compare exactly across runs.
   const bool ok = r.status == "ok";
   auto figure = [&](auto v) { return ok ? fmt::format("{}", v) : std::string(); };
-  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(p.key()),
+  return fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", csv_field(p.key()),
                      csv_field(p.model), csv_field(p.cluster), csv_field(p.engine), p.pp, p.dp, p.ep, p.zero,
                      csv_field(p.schedule), p.microbatches, p.virtual_stages, p.bucket_mb, p.seq_len,
-                     p.micro_batch_size, p.tp, p.sequence_parallel ? 1 : 0, p.recompute, p.global_batch, p.comm_sms, p.dp_shard,
+                     p.micro_batch_size, p.tp, p.sequence_parallel ? 1 : 0, p.recompute, p.global_batch, p.comm_sms, p.dp_shard, p.etp,
                      r.devices > 0 ? fmt::format("{}", r.devices) : std::string(), figure(r.step_time_s),
                      figure(r.tokens_per_s), figure(r.mfu), figure(r.bubble_fraction), figure(r.peak_memory_bytes),
                      figure(r.oom ? 1 : 0), figure(r.compile_time_s), figure(r.simulate_time_s), figure(r.tp_comm_s),
@@ -275,6 +278,7 @@ nlohmann::json to_json(const SweepRow& r) {
           {"global_batch", p.global_batch},
           {"comm_sms", p.comm_sms},
           {"dp_shard", p.dp_shard},
+          {"etp", p.etp},
           {"devices", r.devices > 0 ? nlohmann::json(r.devices) : nlohmann::json(nullptr)},
           {"step_time_s", figure(r.step_time_s)},
           {"tokens_per_s", figure(r.tokens_per_s)},
@@ -351,6 +355,7 @@ SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
   scenario.strategy.global_batch = p.global_batch;
   scenario.strategy.comm_sms = p.comm_sms;
   scenario.strategy.dp_shard = p.dp_shard;
+  scenario.strategy.etp = p.etp;
   const Outcome o = simulate_outcome(scenario, p.cluster, p.engine, calibration_path);
   SweepRow row;
   row.point = p;
@@ -363,7 +368,7 @@ std::set<std::string> repair_results(const std::string& path) {
   try {
     // The columns each later version added, oldest first (a new column is one more entry here).
     static const std::vector<std::vector<std::string>> added = {
-        {"tp", "sequence_parallel", "recompute", "global_batch"}, {"comm_sms"}, {"dp_shard"}, {"tp_comm_s"}};
+        {"tp", "sequence_parallel", "recompute", "global_batch"}, {"comm_sms"}, {"dp_shard"}, {"tp_comm_s"}, {"etp"}};
     for (const auto& fields : read_results(path, sweep_csv_columns(), "sweep", added)) keys.insert(fields.front());
   } catch (const ResultsFileError& e) {
     throw SweepError(e.what());

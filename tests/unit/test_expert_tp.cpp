@@ -19,7 +19,10 @@
 #include "piper/core/scenario.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/core/verifier.hpp"
+#include "piper/sim/results_csv.hpp"
 #include "piper/sim/simulate.hpp"
+#include "piper/sim/sweep.hpp"
+#include "piper/sim/tune.hpp"
 
 using namespace piper::core;
 using nlohmann::json;
@@ -335,4 +338,51 @@ TEST(ExpertTensorParallel, VerifierAndBothEnginesRunEtpPlans) {
     for (int d = 0; d < 4; ++d)
       EXPECT_GT(r2.report.per_device[static_cast<std::size_t>(d)].tp_comm_s, r1.report.per_device[static_cast<std::size_t>(d)].tp_comm_s);
   }
+}
+
+// piper tune --etp: candidates with expert TP (dividing their TP degree) are enumerated, keyed and
+// costed; the pruning bounds stay below the simulated peak and step (branch and bound relies on it).
+TEST(ExpertTensorParallel, TuneSearchesEtpWithBoundsBelowTheSimulation) {
+  using namespace piper::sim;
+  TuneSpec spec;
+  spec.model = write_spec(small_moe());
+  spec.devices = 4;
+  spec.tp_degrees = {2, 4};
+  spec.etp_degrees = {1, 2};
+  spec.zero_levels = {0, 1};
+  spec.micro_batch_sizes = {2};
+  spec.schedules = {"1f1b"};
+  spec.recompute_modes = {"none"};
+  int with_etp = 0;
+  for (const auto& c : enumerate_candidates(spec)) {
+    EXPECT_EQ(c.tp % c.etp, 0) << c.key();
+    if (c.etp == 1) continue;
+    with_etp += 1;
+    EXPECT_NE(c.key().find("/etp2"), std::string::npos) << c.key();
+    const TuneRow row = evaluate_candidate(spec, c, "analytic");
+    ASSERT_EQ(row.status, "ok") << c.key() << ": " << row.reason;
+    EXPECT_LE(memory_lower_bound(spec, c), row.peak_memory_bytes) << c.key();
+    EXPECT_LE(step_time_lower_bound(spec, c), row.step_time_s) << c.key();
+    const auto back = tune_row_from_csv(csv_split(to_csv(spec, row)), nullptr, "row");
+    EXPECT_EQ(back.candidate.etp, 2);
+  }
+  EXPECT_GT(with_etp, 0);
+}
+
+// Sweep spec key "etp": one row per value, keyed apart, the column written.
+TEST(ExpertTensorParallel, SweepTakesTheEtpKnob) {
+  using namespace piper::sim;
+  const SweepSpec spec = SweepSpec::from_json(
+      {{"model", write_spec(small_moe())}, {"tp", 2}, {"sequence_parallel", true}, {"etp", json::array({1, 2})}, {"microbatches", 2}}, "spec.json");
+  const auto points = expand(spec);
+  ASSERT_EQ(points.size(), 2u);
+  EXPECT_EQ(points[0].key().find("/etp2"), std::string::npos);  // (the model file is named etp-moe-*)
+  EXPECT_NE(points[1].key().find("/etp2"), std::string::npos);
+  const auto& cols = sweep_csv_columns();
+  EXPECT_NE(std::find(cols.begin(), cols.end(), "etp"), cols.end());
+  EXPECT_EQ(to_json(SweepRow{points[1]})["etp"], 2);
+  // The point compiles with expert TP and simulates.
+  const SweepRow row = run_point(points[1]);
+  EXPECT_EQ(row.status, "ok") << row.reason;
+  EXPECT_GT(row.tp_comm_s, 0);
 }

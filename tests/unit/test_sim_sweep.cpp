@@ -290,7 +290,7 @@ TEST(Sweep, TpCommColumnIsTheCriticalPathsTpTime) {
 TEST(Sweep, RefusesAnOlderSweepFileNamingTheMissingColumns) {
   const fs::path csv = temp_csv("older");
   std::vector<std::string> older = sweep_csv_columns();
-  std::erase_if(older, [](const std::string& c) { return c == "dp_shard" || c == "tp_comm_s"; });
+  std::erase_if(older, [](const std::string& c) { return c == "dp_shard" || c == "tp_comm_s" || c == "etp"; });
   std::string header;
   for (const auto& c : older) header += (header.empty() ? "" : ",") + c;
   std::ofstream(csv) << header << "\n";
@@ -299,7 +299,7 @@ TEST(Sweep, RefusesAnOlderSweepFileNamingTheMissingColumns) {
     ADD_FAILURE() << "an older results file was accepted";
   } catch (const SweepError& e) {
     EXPECT_EQ(std::string(e.what()),
-              csv.string() + ": line 1: written by an older piper sweep (no dp_shard and tp_comm_s columns); choose another -o");
+              csv.string() + ": line 1: written by an older piper sweep (no dp_shard, tp_comm_s and etp columns); choose another -o");
   }
   EXPECT_EQ(lines_of(csv), std::vector<std::string>{header});
   fs::remove(csv);

@@ -38,6 +38,7 @@ struct SweepSpec {
   std::vector<std::string> recompute{"none"};
   std::vector<int> comm_sms{0};                     // SMs of each GPU for communication (sm_partition); 0: shared
   std::vector<int> dp_shard{0};                     // HSDP shard group (replicas); 0: plain ZeRO
+  std::vector<int> etp{1};                          // expert tensor-parallel degree (--etp)
 
   // Reads a spec's JSON; `where` names it in errors. Each knob is a value or a list of values.
   // Relative model/cluster/calibration file paths resolve against `base_dir`.
@@ -57,13 +58,14 @@ struct SweepPoint {
   std::string recompute = "none";
   int comm_sms = 0;
   int dp_shard = 0;
+  int etp = 1;
   // Stable identity of the combination (no commas): the resume key.
   std::string key() const;
 };
 
 // The cartesian product, in spec order (engine outermost, then pp, dp, ep, zero, schedule,
 // microbatches, virtual, bucket_mb, seq_len, micro_batch_size, tp, sequence_parallel, recompute,
-// global_batch, comm_sms, dp_shard).
+// global_batch, comm_sms, dp_shard, etp).
 std::vector<SweepPoint> expand(const SweepSpec& spec);
 
 // One row of the results: the knobs plus the report's headline fields.
