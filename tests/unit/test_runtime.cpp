@@ -420,6 +420,27 @@ TEST(RuntimeEquivalence, TP2_PP2_ZBH1_SelectiveRecompute) {
 // (the experts' gradients are divided by the copies); with SP each routes its sequence slice.
 TEST(RuntimeEquivalence, TP2xDP2xEP2_MoE) { expect_equivalent("tp2-ep2", 4, megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, false, "none")); }
 TEST(RuntimeEquivalence, TP2_SP_DP2xEP2_MoE) { expect_equivalent("tp2sp-ep2", 4, megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, true, "none")); }
+// EP groups formed over DP x TP (Megatron-core's rule, issue 26): EP 2 over the two TP ranks of one
+// replica, and whole experts on both TP ranks, their gradients reduced over the pair (with SP the
+// ranks route different tokens; without it the same ones, divided by the copies).
+TEST(RuntimeEquivalence, TP2_SP_EP2_MoE_EpOverTheTpGroup) { expect_equivalent("tp2sp-ep2-dp1", 2, megatron(strategy(1, 1, 2, 0, 2, "1f1b"), 2, true, "none")); }
+TEST(RuntimeEquivalence, TP2_SP_MoE_ExpertsOnBothTpRanks) { expect_equivalent("tp2sp-ep1", 2, megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, true, "none")); }
+TEST(RuntimeEquivalence, TP2_MoE_ExpertsOnBothTpRanks) { expect_equivalent("tp2-ep1", 2, megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, false, "none")); }
+// Expert tensor parallelism simulates but the host backend does not run it: refused before any step.
+TEST(RuntimeFailure, ExpertTensorParallelIsRefusedInOneLine) {
+  const fs::path dir = temp_dir("etp");
+  core::StrategyOptions o = megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, true, "none");
+  o.etp = 2;
+  const fs::path plan = compile_plan(dir, o);
+  Result r = sh(mpirun(2) + PIPER_CLI + " run --plan " + plan.string() + " --steps 1");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("piper: error: plan: segment 1 splits its routed experts over 2 expert-tensor-parallel ranks; "
+                          "the host backend does not run expert TP (compile with --etp 1)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(count_of(r.output, "piper: error"), 1u) << r.output;
+  EXPECT_EQ(r.output.find("step "), std::string::npos) << r.output;
+}
 TEST(RuntimeEquivalence, FullRecompute_ZBH1_PP2) { expect_equivalent("full-zbh1", 2, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 1, false, "full")); }
 TEST(RuntimeEquivalence, SelectiveRecompute_PP2xDP2xEP2) {
   expect_equivalent("selective-ep", 4, megatron(strategy(2, 2, 2, 0, 4, "1f1b"), 1, false, "selective"));
