@@ -426,20 +426,29 @@ TEST(RuntimeEquivalence, TP2_SP_DP2xEP2_MoE) { expect_equivalent("tp2sp-ep2", 4,
 TEST(RuntimeEquivalence, TP2_SP_EP2_MoE_EpOverTheTpGroup) { expect_equivalent("tp2sp-ep2-dp1", 2, megatron(strategy(1, 1, 2, 0, 2, "1f1b"), 2, true, "none")); }
 TEST(RuntimeEquivalence, TP2_SP_MoE_ExpertsOnBothTpRanks) { expect_equivalent("tp2sp-ep1", 2, megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, true, "none")); }
 TEST(RuntimeEquivalence, TP2_MoE_ExpertsOnBothTpRanks) { expect_equivalent("tp2-ep1", 2, megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, false, "none")); }
-// Expert tensor parallelism simulates but the host backend does not run it: refused before any step.
-TEST(RuntimeFailure, ExpertTensorParallelIsRefusedInOneLine) {
-  const fs::path dir = temp_dir("etp");
+// Expert tensor parallelism (issue 26): each expert's FFN split over the ETP group (fc1 columns, fc2
+// rows), the routed rows all-gathered before fc1 and the partial sums reduce-scattered after fc2; EP
+// groups take one device of each ETP group, expert gradients reduced over the expert-DP group.
+TEST(RuntimeEquivalence, TP2_SP_ETP2_MoE) {
   core::StrategyOptions o = megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, true, "none");
   o.etp = 2;
-  const fs::path plan = compile_plan(dir, o);
-  Result r = sh(mpirun(2) + PIPER_CLI + " run --plan " + plan.string() + " --steps 1");
-  EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_NE(r.output.find("piper: error: plan: segment 1 splits its routed experts over 2 expert-tensor-parallel ranks; "
-                          "the host backend does not run expert TP (compile with --etp 1)"),
-            std::string::npos)
-      << r.output;
-  EXPECT_EQ(count_of(r.output, "piper: error"), 1u) << r.output;
-  EXPECT_EQ(r.output.find("step "), std::string::npos) << r.output;
+  expect_equivalent("tp2sp-etp2", 2, o);
+}
+TEST(RuntimeEquivalence, TP2_ETP2_MoE_WithoutSp) {
+  core::StrategyOptions o = megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, false, "none");
+  o.etp = 2;
+  expect_equivalent("tp2-etp2", 2, o);
+}
+TEST(RuntimeEquivalence, TP2_SP_DP2xEP2xETP2_MoE) {
+  core::StrategyOptions o = megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, true, "none");
+  o.etp = 2;
+  expect_equivalent("tp2sp-ep2-etp2", 4, o);
+}
+// ETP across data-parallel replicas (no dense TP): the pair gathers each other's tokens.
+TEST(RuntimeEquivalence, DP2xETP2_MoE_Zero1) {
+  core::StrategyOptions o = strategy(1, 2, 1, 1, 2, "1f1b");
+  o.etp = 2;
+  expect_equivalent("dp2-etp2", 2, o);
 }
 TEST(RuntimeEquivalence, FullRecompute_ZBH1_PP2) { expect_equivalent("full-zbh1", 2, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 1, false, "full")); }
 TEST(RuntimeEquivalence, SelectiveRecompute_PP2xDP2xEP2) {
