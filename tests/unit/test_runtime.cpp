@@ -174,6 +174,12 @@ core::StrategyOptions megatron(core::StrategyOptions o, int tp, bool sequence_pa
   return o;
 }
 
+// Expert tensor parallelism on top of a strategy.
+core::StrategyOptions with_etp(core::StrategyOptions o, int etp) {
+  o.etp = etp;
+  return o;
+}
+
 // HSDP on top of a strategy: ZeRO shards over groups of k data-parallel replicas.
 core::StrategyOptions hsdp(core::StrategyOptions o, int k) {
   o.dp_shard = k;
@@ -587,6 +593,15 @@ TEST(RuntimeCheckpoint, ResumesAcrossTensorParallelLayouts) {
                       {Leg{megatron(strategy(1, 2, 1, 1, 4, "1f1b"), 2, false, "none"), 4}, Leg{strategy(2, 1, 1, 0, 8, "1f1b"), 2},
                        Leg{megatron(strategy(2, 1, 1, 0, 8, "1f1b"), 2, true, "full"), 4}},
                       5, kDense);
+}
+
+// Expert-TP slices are checkpointed in the canonical layout: TP2+SP x DP2 x EP2 x ETP2 (ZeRO-1) -> PP2
+// -> DP2 x ETP2, against one uninterrupted reference run.
+TEST(RuntimeCheckpoint, ResumesAcrossExpertTensorParallelLayouts) {
+  expect_resume_chain("restrategy-etp",
+                      {Leg{with_etp(megatron(strategy(1, 2, 2, 1, 4, "1f1b"), 2, true, "none"), 2), 4}, Leg{strategy(2, 1, 1, 0, 8, "1f1b"), 2},
+                       Leg{with_etp(strategy(1, 2, 1, 0, 4, "1f1b"), 2), 2}},
+                      5);
 }
 
 // HSDP checkpoints hold each shard once in canonical form: HSDP ZeRO-2 over groups of 2 -> plain
