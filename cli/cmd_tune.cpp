@@ -238,6 +238,10 @@ Command add_tune_command(CLI::App& app) {
                   "context-parallel degrees to try (a list; default: 1 only; a degree whose 2 x cp chunks do not cut the sequence is left out)")
       ->check(kPositiveInt)
       ->delimiter(',');
+  cmd->add_option("--etp", a->spec.etp_degrees,
+                  "expert tensor-parallel degrees to try (a list; each divides the TP degree; default: 1, whole experts)")
+      ->check(kPositiveInt)
+      ->delimiter(',');
   cmd->add_option("--sequence-parallel", a->sequence_parallel, "sequence parallelism with TP > 1: on, off or both")
       ->check(CLI::IsMember({"on", "off", "both"}))
       ->capture_default_str();

@@ -261,6 +261,7 @@ py::dict tune(const py::dict& a) {
   spec.dp_degrees = a["dp"].cast<std::vector<int>>();
   spec.ep_degrees = a["ep"].cast<std::vector<int>>();
   spec.tp_degrees = a["tp"].cast<std::vector<int>>();
+  spec.etp_degrees = a["etp"].cast<std::vector<int>>();
   spec.sequence_parallel = a["sequence_parallel"].cast<std::vector<bool>>();
   spec.recompute_modes = a["recompute"].cast<std::vector<std::string>>();
   spec.comm_sms = a["comm_sms"].cast<std::vector<int>>();

@@ -256,7 +256,7 @@ Directive parse_one(const json& d, int index) {
     return o;
   }
   if (op == "tensor_parallel") {
-    check_fields(d, index, {"filter", "devices", "degree", "sequence_parallel", "comm_overlap"});
+    check_fields(d, index, {"filter", "devices", "degree", "sequence_parallel", "comm_overlap", "expert_degree"});
     TensorParallelDirective t;
     t.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     if (d.contains("devices")) t.devices = parse_devices(d, index);
@@ -270,6 +270,13 @@ Directive parse_one(const json& d, int index) {
     if (t.sequence_parallel && t.degree == 1) fail(index, "sequence_parallel", "needs degree > 1");
     t.comm_overlap = get_bool(d, index, "comm_overlap");
     if (t.comm_overlap && t.degree == 1) fail(index, "comm_overlap", "needs degree > 1");
+    if (const auto it = d.find("expert_degree"); it != d.end()) {
+      if (!it->is_number_integer() || it->get<long long>() < 1 || it->get<long long>() > 1'000'000)
+        fail(index, "expert_degree", "must be a positive integer");
+      t.expert_degree = it->get<int>();
+      if (!t.devices.empty() && t.devices.size() % static_cast<std::size_t>(t.expert_degree) != 0)
+        fail(index, "expert_degree", fmt::format("{} does not divide the {} devices", t.expert_degree, t.devices.size()));
+    }
     return t;
   }
   if (op == "recompute") {

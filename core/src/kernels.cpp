@@ -218,8 +218,13 @@ void mlp_kernels(KernelBuilder& kb, const Layer& layer, const TrainingShape& sha
   }
 }
 
-void expert_kernels(KernelBuilder& kb, const LayerShape& sh, const TrainingShape& shape, int p, int shard) {
-  const std::int64_t T = shape.tokens_per_microbatch(), h = sh.hidden, f = sh.ffn;
+void expert_kernels(KernelBuilder& kb, const LayerShape& sh, const TrainingShape& shape, const ParallelLayout& L, int p,
+                    int shard) {
+  // Expert TP (L.tp = e) and the stage's SP slice (L.token_split = s): T/s tokens arrive per device,
+  // the ETP group gathers e times as many rows, and each device's GEMMs are f/e wide. Below, T is the
+  // gathered tokens and f the local width; the FLOPs are those of T·k/s rows through the whole FFN.
+  const int e = std::max(1, L.tp), s = std::max(1, L.token_split);
+  const std::int64_t T = shape.tokens_per_microbatch() / s * e, h = sh.hidden, f = sh.ffn / e;
   const std::int64_t E = std::max<std::int64_t>(1, sh.experts), k = std::max<std::int64_t>(1, sh.top_k);
   // Balanced routing: this device's E/shard local experts receive the T·k routed copies of every
   // device of the shard group, T·k in all; each expert runs T·k·shard/E of them through fc1 (gate and
@@ -322,8 +327,8 @@ std::vector<Kernel> layer_kernels(const Layer& layer, const TrainingShape& shape
       break;
     }
     case LayerKind::MoeExperts:
-      if (p == 1 && full) expert_kernels(kb, sh, shape, 0, shard_degree);
-      expert_kernels(kb, sh, shape, p, shard_degree);
+      if (p == 1 && full) expert_kernels(kb, sh, shape, L, 0, shard_degree);
+      expert_kernels(kb, sh, shape, L, p, shard_degree);
       break;
     case LayerKind::Head: {
       const double V = static_cast<double>(sh.vocab) / t, Td = static_cast<double>(T), hd = static_cast<double>(h);

@@ -371,7 +371,7 @@ Program lower(const GlobalDag& dag) {
                                 seg.zero_shards, seg.reduce_every_microbatch,
                                 segment_kernels(dag.layers, seg.first_layer, seg.last_layer, dag.training,
                                                 {seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute),
-                                                 seg.cp_degree, seg.cp_all_gather},
+                                                 seg.cp_degree, seg.cp_all_gather, seg.token_split},
                                                 seg.shard_degree),
                                 seg.cp_degree, seg.cp_all_gather, seg.cp_family});
 

@@ -550,7 +550,7 @@ Costs layer_costs(const Layer& layer, const TrainingShape& shape, const Parallel
   }
   const Costs base = layer_costs(layer, shape);
   const int t = std::max(1, L.tp);
-  if (t == 1 && L.recompute == 0) return base;
+  if (t == 1 && L.recompute == 0 && L.token_split <= 1) return base;
   const std::int64_t T = shape.tokens_per_microbatch(), dt = bytes_per_element(shape.precision);
   const std::int64_t h = layer.shape.hidden;
   const std::int64_t N = T * h * dt;           // one full hidden-state tensor of the microbatch
@@ -612,15 +612,35 @@ Costs layer_costs(const Layer& layer, const TrainingShape& shape, const Parallel
         c.backward_tp_collectives = L.sequence_parallel ? 1 : 0;
       }
       break;
+    case LayerKind::MoeExperts: {
+      // Expert tensor parallelism (ETP degree t) over tokens sliced s ways by the stage's SP: a device
+      // receives T·k/s routed rows from its EP group, its ETP group all-gathers them (t·T·k/s rows),
+      // and it runs 1/t of each local expert's FFN on them (fc1 column-, fc2 row-parallel, then a
+      // reduce-scatter back to its own rows): the FLOPs of T·k/s rows, whatever t.
+      const int s = std::max(1, L.token_split);
+      div_all(c, s);
+      const std::int64_t f = layer.shape.ffn, k = layer.shape.top_k, rows = T * k / s;
+      const std::int64_t touched = std::min(layer.shape.experts, T * k);
+      c.params = base.params / t;
+      c.forward_memory_bytes = touched * 3 * h * f * dt / t + 2 * t * rows * h * dt;
+      c.backward_memory_bytes = 2 * c.forward_memory_bytes;
+      if (t > 1) {
+        // F: all-gather of the routed rows before fc1, reduce-scatter after fc2; B: the mirror.
+        c.forward_tp_bytes = c.backward_tp_bytes = 2 * t * rows * h * dt;
+        c.forward_tp_collectives = c.backward_tp_collectives = 2;
+      }
+      break;
+    }
     default:
-      // Norms and the router: replicated weights; their work is sliced by SP only. Experts keep EP.
-      if (layer.kind != LayerKind::MoeExperts) div_all(c, seq);
+      // Norms and the router: replicated weights; their work is sliced by SP only.
+      div_all(c, seq);
   }
   c.param_bytes = c.params * dt;
   // Stored activations.
   const bool selective = L.recompute == 1, full = L.recompute == 2 && block, op = L.recompute == 3 && block;
   c.activation_bytes = parts.replicated / seq + parts.split / t + (selective ? 0 : parts.core / t);
-  if (layer.kind == LayerKind::MoeExperts) c.activation_bytes = base.activation_bytes;
+  if (layer.kind == LayerKind::MoeExperts)  // the gathered routed rows and the local 1/t of the FFN's
+    c.activation_bytes = T * layer.shape.top_k / std::max(1, L.token_split) * (t * h + 3 * layer.shape.ffn) * dt;
   if (full) c.activation_bytes = layer.name.ends_with("attn_norm") ? N / seq : 0;
   if (op) apply_op_recompute(layer, shape, t, seq, c);
   // Recomputed forward work runs at the start of the backward (input-gradient) pass.

@@ -80,11 +80,13 @@ ProgramBuilder& ProgramBuilder::order(const std::vector<std::vector<Filter>>& gr
   return *this;
 }
 
-ProgramBuilder& ProgramBuilder::tensor_parallel(const Filter& filter, int degree, bool sequence_parallel, bool comm_overlap) {
+ProgramBuilder& ProgramBuilder::tensor_parallel(const Filter& filter, int degree, bool sequence_parallel, bool comm_overlap,
+                                                int expert_degree) {
   json d = directive("tensor_parallel", filter);
   d["degree"] = degree;
   if (sequence_parallel) d["sequence_parallel"] = true;
   if (comm_overlap) d["comm_overlap"] = true;
+  if (expert_degree > 1) d["expert_degree"] = expert_degree;
   program_.push_back(std::move(d));
   return *this;
 }

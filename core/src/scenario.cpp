@@ -124,6 +124,7 @@ std::string strategy_flag_error(const json& program, const StrategyOptions& o, c
   if (op == "tensor_parallel")
     flag = field == "sequence_parallel" ? fmt::format("--tp {} --sequence-parallel", o.tp)
            : field == "comm_overlap"    ? fmt::format("--tp {} --tp-comm-overlap", o.tp)
+           : field == "expert_degree"   ? fmt::format("--etp {}", o.etp)
                                         : fmt::format("--tp {}", o.tp);
   else if (op == "shard")
     flag = fmt::format("--ep {}", o.ep);

@@ -58,6 +58,9 @@ void validate_strategy_options(const StrategyOptions& o) {
   at_least_one("--tp", o.tp);
   at_least_one("--cp", o.cp);
   if (o.cp_all_gather && o.cp < 2) fail("--cp-all-gather needs --cp >= 2");
+  if (o.cp > 1 && (o.ep > 1 || o.etp > 1))
+    fail("--cp with --ep or --etp is not supported yet (experts over DP x CP groups are not laid out)");
+  at_least_one("--etp", o.etp);
   if (o.sequence_parallel && o.tp < 2) fail("--sequence-parallel needs --tp >= 2");
   if (o.tp_comm_overlap && o.tp < 2) fail("--tp-comm-overlap needs --tp >= 2");
   if (o.recompute != "none" && o.recompute != "selective" && o.recompute != "full" && o.recompute != "op")
@@ -69,7 +72,12 @@ void validate_strategy_options(const StrategyOptions& o) {
   check_limit(Limit::Microbatches, o.microbatches, "--microbatches", "microbatches");
   check_limit(Limit::Devices, static_cast<std::int64_t>(o.pp) * o.dp * o.cp, "--pp x --dp x --cp", "devices");
   check_limit(Limit::Layers, static_cast<std::int64_t>(o.pp) * o.virtual_stages, "--pp x --virtual", "PP regions");
-  if (o.dp % o.ep != 0) fail("--ep " + std::to_string(o.ep) + " must divide --dp " + std::to_string(o.dp));
+  // Megatron-core's rule: a stage's dp x tp devices hold the experts as ETP x EP x expert-DP groups.
+  if ((static_cast<std::int64_t>(o.dp) * o.tp) % (static_cast<std::int64_t>(o.ep) * o.etp) != 0) {
+    if (o.tp == 1 && o.etp == 1) fail("--ep " + std::to_string(o.ep) + " must divide --dp " + std::to_string(o.dp));
+    fail("--ep " + std::to_string(o.ep) + " x --etp " + std::to_string(o.etp) + " must divide --dp " + std::to_string(o.dp) +
+         " x --tp " + std::to_string(o.tp) + " (a stage's devices hold the experts as ETP x EP x expert-data-parallel groups)");
+  }
   if (o.zero < 0 || o.zero > 3) fail("--zero must be 0, 1, 2 or 3 (got " + std::to_string(o.zero) + ")");
   if (o.dp_shard != 0) {
     if (o.zero < 1) fail("--dp-shard needs --zero 1, 2 or 3 (it groups the ZeRO shards)");
@@ -128,7 +136,8 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
   // With one pipeline rank there are no point-to-point transfers, so no stream (as in dp2.json).
   for (int i = 0; i < regions; ++i)
     out.place(region_filter(i), devices_of_region(i), o.pp > 1 ? std::optional(o.pp_stream) : std::nullopt, o.p2p_blocking);
-  if (replicas / o.tp > 1) {
+  // Dense layers have replicas / tp data-parallel copies; routed experts replicas / (ep x etp).
+  if (replicas / o.tp > 1 || replicas / (o.ep * o.etp) > 1) {
     ReplicateArgs rep;
     rep.reduce_stream = o.dp_stream;
     if (o.bucket_mb > 0) rep.bucket_size_mb = o.bucket_mb;
@@ -150,8 +159,8 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
     for (int i = 0; i < regions; ++i)
       out.shard(region_filter(i, "EP"), devices_of_region(i), o.ep_stream, o.ep < replicas ? std::optional(o.ep) : std::nullopt);
   // Piper extensions: tensor (and sequence) parallelism and recomputation of every region.
-  if (o.tp > 1)
-    for (int i = 0; i < regions; ++i) out.tensor_parallel(region_filter(i), o.tp, o.sequence_parallel, o.tp_comm_overlap);
+  if (o.tp > 1 || o.etp > 1)
+    for (int i = 0; i < regions; ++i) out.tensor_parallel(region_filter(i), o.tp, o.sequence_parallel, o.tp_comm_overlap, o.etp);
   if (o.recompute != "none")
     for (int i = 0; i < regions; ++i) out.recompute(region_filter(i), o.recompute);
   if (o.cp > 1) out.context_parallel(o.cp, o.cp_all_gather);

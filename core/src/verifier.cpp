@@ -80,6 +80,7 @@ class Verifier {
     check_collectives();
     check_tensor_parallel();
     check_context_parallel();
+    check_expert_groups();
     for (std::size_t p = 0; p < prog_.plans.size(); ++p) check_buffers(static_cast<int>(p));
     check_deadlock();
     return issues_;
@@ -455,6 +456,44 @@ class Verifier {
   }
 
   // ---- buffers: vector clocks over stream order and waits within one plan ----
+
+  // ---- expert groups: the all-to-alls of a segment sharded S ways run over groups of S devices, and
+  // with expert TP each such group takes one device of each ETP group it meets (the devices of an
+  // EP group hold different experts' same slice; two members of one ETP group hold the same experts) ----
+
+  void check_expert_groups() {
+    std::set<std::pair<int, int>> seen;  // (segment, family)
+    for (std::size_t p = 0; p < prog_.plans.size(); ++p) {
+      if (members_[p].empty()) continue;
+      for (std::size_t st = 0; st < prog_.plans[p].streams.size(); ++st)
+        for (std::size_t i = 0; i < prog_.plans[p].streams[st].ops.size(); ++i) {
+          const Op& op = prog_.plans[p].streams[st].ops[i];
+          if (op.kind != OpKind::AllToAll || op.segment < 0 || ix(op.segment) >= prog_.segments.size() || op.family < 0) continue;
+          if (!seen.insert({op.segment, op.family}).second) continue;
+          const ProgramSegment& sg = prog_.segments[ix(op.segment)];
+          const OpRef r{static_cast<int>(st), static_cast<int>(i)};
+          const int d = members_[p].front();
+          const std::string at = device_op(d, static_cast<int>(p), r);
+          for (int member : prog_.device_sets[ix(prog_.families[ix(op.family)].devices)]) {
+            const std::vector<int> ep = prog_.group_of(op.family, member);
+            if (static_cast<int>(ep.size()) != sg.shard_degree) {
+              add("ep-group", at + " exchanges over " + std::to_string(ep.size()) + " devices on device " + std::to_string(member) +
+                                  " but segment " + std::to_string(op.segment) + " is sharded " + std::to_string(sg.shard_degree) + " ways");
+              break;
+            }
+            if (sg.tp_degree <= 1 || sg.tp_family < 0) continue;
+            const std::vector<int> etp = prog_.group_of(sg.tp_family, member);
+            const auto shared = std::count_if(etp.begin(), etp.end(), [&](int x) { return std::find(ep.begin(), ep.end(), x) != ep.end(); });
+            if (shared != 1) {
+              add("ep-group", at + ": the EP group of device " + std::to_string(member) + " holds " + std::to_string(shared) +
+                                  " devices of its expert-TP group (segment " + std::to_string(op.segment) +
+                                  "); an EP group takes one device of each ETP group");
+              break;
+            }
+          }
+        }
+    }
+  }
 
   // ---- tensor parallelism: each TP segment's family is its set cut into consecutive groups of its
   // degree, and the members of every TP group issue the same TP compute ops in the same order

@@ -58,7 +58,8 @@ struct StageTp {
 StageTp stage_tp(const core::Program& program, core::DeviceSetId set) {
   StageTp t;
   for (const auto& seg : program.segments)
-    if (seg.devices == set && seg.tp_degree > t.degree) t = {seg.tp_degree, seg.sequence_parallel, t.cp};
+    if (seg.devices == set && !seg.tags.contains("EP") && seg.tp_degree > t.degree)  // routed experts' ETP aside
+      t = {seg.tp_degree, seg.sequence_parallel, t.cp};
   for (const auto& seg : program.segments)
     if (seg.devices == set) t.cp = std::max(t.cp, seg.cp_degree);
   return t;
@@ -130,7 +131,18 @@ std::vector<host::SegmentSpec> device_segments(const core::Program& program, int
     sp.cp_rank = seg.cp_degree > 1 ? pos / std::max(1, seg.tp_degree) % seg.cp_degree : 0;
     // TP groups are consecutive devices too (Program::group_of(tp_family)); the DP replicas of a
     // TP slice are the devices with the same TP rank.
-    if (seg.tp_degree > 1) {
+    bool experts = false;
+    for (int l = seg.first_layer; l < seg.last_layer; ++l)
+      experts = experts || model.layers().at(static_cast<std::size_t>(l)).kind == core::LayerKind::MoeExperts;
+    if (seg.tp_degree > 1 && experts) {
+      // Expert TP (Megatron-core's tp-ep-dp order): position = ETP rank + e (EP rank + ep (expert-DP rank)).
+      const int e = seg.tp_degree;
+      sp.tp_degree = e;
+      sp.tp_rank = pos % e;
+      sp.shard_index = pos / e % seg.shard_degree;
+      sp.replica_index = pos / (e * seg.shard_degree);
+      if (const StageTp t = stage_tp(program, seg.devices); t.degree > 1) sp.token_copies = t.sequence_parallel ? 1 : t.degree;
+    } else if (seg.tp_degree > 1) {
       if (seg.shard_degree > 1)
         throw std::invalid_argument(fmt::format("plan: segment {} is both sharded ({}) and tensor-parallel ({}); the host backend does not combine them",
                                                 s, seg.shard_degree, seg.tp_degree));
@@ -420,11 +432,17 @@ MPI_Comm HostBackend::comm_of(const core::Op& op) const {
 int HostBackend::mb_of(const core::Op& op) const { return op.microbatch; }  // -1 only outside passes (data_shape)
 
 int HostBackend::data_rank_of(const core::Op& op) const {
-  const int pos = program_.position_in(op.device_set, device_);
+  // An all-to-all of experts with expert TP runs on its segment's set listed EP group by EP group:
+  // the data rank is the device's in the segment's own set.
+  const core::DeviceSetId set = op.kind == core::OpKind::AllToAll && op.segment >= 0 &&
+                                        static_cast<std::size_t>(op.segment) < program_.segments.size()
+                                    ? program_.segments[static_cast<std::size_t>(op.segment)].devices
+                                    : op.device_set;
+  const int pos = program_.position_in(set, device_);
   if (pos < 0) throw RuntimeError(fmt::format("runtime: device {} is not in the device set of '{}'", device_, op.label));
   // The TP ranks of a group share their data-parallel rank (TP groups are consecutive devices), and so
   // do the CP ranks of a block of tp x cp devices.
-  return pos / (set_tp_.at(static_cast<std::size_t>(op.device_set)) * set_cp_.at(static_cast<std::size_t>(op.device_set)));
+  return pos / (set_tp_.at(static_cast<std::size_t>(set)) * set_cp_.at(static_cast<std::size_t>(set)));
 }
 
 host::MicrobatchData HostBackend::local_tokens(host::MicrobatchData d, const core::Op& op) const {

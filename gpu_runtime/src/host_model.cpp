@@ -211,7 +211,10 @@ std::vector<LocalTensor> local_tensors(const core::Layer& layer, int shard_degre
           else if (n != "bias_fc2") t.split = TpSplit::Columns;
           break;
         case core::LayerKind::Head: t.split = TpSplit::Columns; break;                    // vocab columns
-        default: break;                                                                  // norms, router, experts
+        case core::LayerKind::MoeExperts:                                                // expert TP: ffn of each expert
+          t.split = n == "wd" ? TpSplit::Rows : TpSplit::Columns;
+          break;
+        default: break;                                                                  // norms, router
       }
       if (t.split == TpSplit::Columns) {
         if (t.full.cols % tp_degree != 0)
@@ -358,8 +361,8 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     if (sp.cp_degree > 1 && sp.shard_degree > 1)
       throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) +
                                   " is context-parallel and expert-sharded; the host backend does not combine them");
-    if (sp.tp_degree > 1 && sp.shard_degree > 1)
-      throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) + " is both expert-sharded and tensor-parallel; the host backend keeps experts expert-parallel only");
+    p.expert_tp = sp.tp_degree > 1 && sp.last_layer == sp.first_layer + 1 &&
+                  model_.layers().at(static_cast<std::size_t>(sp.first_layer)).kind == core::LayerKind::MoeExperts;
     if (sp.tp_degree > 1 && (attn_shape_.heads % sp.tp_degree != 0 || attn_shape_.kv_heads % sp.tp_degree != 0))
       throw std::invalid_argument("runtime: " + std::to_string(attn_shape_.heads) + " heads / " + std::to_string(attn_shape_.kv_heads) +
                                   " KV heads do not split over " + std::to_string(sp.tp_degree) + " tensor-parallel ranks");
@@ -397,7 +400,9 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
 }
 
 std::vector<LocalTensor> HostModel::tensors_of(const SegmentParams& sp, int layer) const {
-  auto out = local_tensors(model_.layers().at(static_cast<std::size_t>(layer)), sp.shard_degree, sp.shard_index, sp.tp_degree, sp.tp_rank);
+  const auto& l = model_.layers().at(static_cast<std::size_t>(layer));
+  const bool whole = l.kind == core::LayerKind::MoeExperts && !sp.expert_tp;  // experts inside a TP segment: replicated
+  auto out = local_tensors(l, sp.shard_degree, sp.shard_index, whole ? 1 : sp.tp_degree, whole ? 0 : sp.tp_rank);
   if (sp.tied_copy && layer == head_layer_) {
     // This TP rank's vocabulary rows of the embedding table, laid out (and checkpointed) as the embedding's.
     auto e = local_tensors(model_.layers().at(static_cast<std::size_t>(embed_layer_)), 1, 0, sp.tp_degree, sp.tp_rank);
@@ -531,6 +536,65 @@ Mat tp_leave(const SegmentParams& sp, Mat partial) {
   return partial;
 }
 
+// Expert TP (Megatron-core's ETP): each rank of the group holds 1/e of every local expert's FFN
+// (fc1 columns, fc2 rows). Before fc1 the group gathers its routed rows and their experts (counts
+// differ: padded to the largest); after fc2 (and after the input gradient's GEMMs) the partial sums
+// are reduce-scattered back to the rows' owners.
+struct EtpRows {
+  Mat rows;
+  std::vector<int> expert, counts;
+};
+EtpRows etp_gather(const SegmentParams& sp, const Mat& rows, const std::vector<int>* expert, const std::vector<int>* counts_known) {
+  const int e = sp.tp_degree;
+  EtpRows out;
+  if (counts_known) {
+    out.counts = *counts_known;
+  } else {
+    float n = static_cast<float>(rows.rows());
+    std::vector<float> all(static_cast<std::size_t>(e));
+    sp.tp->allgather(&n, 1, all.data());
+    for (float v : all) out.counts.push_back(static_cast<int>(v));
+  }
+  const Eigen::Index pad = std::max<Eigen::Index>(1, *std::max_element(out.counts.begin(), out.counts.end()));
+  const Eigen::Index h = rows.cols();
+  Mat mine = Mat::Zero(pad, h);
+  if (rows.rows()) mine.topRows(rows.rows()) = rows;
+  Mat all(pad * e, h);
+  sp.tp->allgather(mine.data(), mine.size(), all.data());
+  Eigen::Index total = 0;
+  for (int c : out.counts) total += c;
+  out.rows.resize(total, h);
+  Eigen::Index at = 0;
+  for (int r = 0; r < e; ++r) {
+    const int c = out.counts[static_cast<std::size_t>(r)];
+    if (c) out.rows.middleRows(at, c) = all.middleRows(r * pad, c);
+    at += c;
+  }
+  if (expert) {
+    std::vector<float> ids(static_cast<std::size_t>(pad), -1.0f), all_ids(static_cast<std::size_t>(pad * e));
+    for (std::size_t i = 0; i < expert->size(); ++i) ids[i] = static_cast<float>((*expert)[i]);
+    sp.tp->allgather(ids.data(), pad, all_ids.data());
+    for (int r = 0; r < e; ++r)
+      for (int i = 0; i < out.counts[static_cast<std::size_t>(r)]; ++i) out.expert.push_back(static_cast<int>(all_ids[static_cast<std::size_t>(r * pad + i)]));
+  }
+  return out;
+}
+Mat etp_scatter(const SegmentParams& sp, const Mat& partial, const std::vector<int>& counts) {
+  const int e = sp.tp_degree;
+  const Eigen::Index pad = std::max<Eigen::Index>(1, *std::max_element(counts.begin(), counts.end()));
+  const Eigen::Index h = partial.cols();
+  Mat padded = Mat::Zero(pad * e, h);
+  Eigen::Index at = 0;
+  for (int r = 0; r < e; ++r) {
+    const int c = counts[static_cast<std::size_t>(r)];
+    if (c) padded.middleRows(r * pad, c) = partial.middleRows(at, c);
+    at += c;
+  }
+  Mat mine(pad, h);
+  sp.tp->reduce_scatter(padded.data(), mine.size(), mine.data());
+  return mine.topRows(counts[static_cast<std::size_t>(sp.tp_rank)]);
+}
+
 // Vocab-parallel LM head with the parallel cross-entropy: logits stay split by vocabulary; the row
 // max and the softmax denominator are all-reduced, the target logit comes from the rank owning it.
 double head_forward_vocab_parallel(const SegmentParams& sp, const ConstMatMap& wh, const Mat& u, const std::vector<int>& targets,
@@ -647,7 +711,14 @@ void HostModel::forward_layers(SegmentParams& sp, const MicrobatchData& data, fl
         if (sp.shard_degree > 1) throw std::logic_error("runtime: sharded experts run through the expert-parallel path");
         c.source = route(s, 1);
         auto packets = dispatch_forward(s, c.source);
-        Mat y = experts_forward(expert_weights(sp, l), 0, packets[0].expert, packets[0].rows, &c.experts);
+        Mat y;
+        if (sp.expert_tp) {
+          EtpRows g = etp_gather(sp, packets[0].rows, &packets[0].expert, nullptr);
+          c.etp_counts = g.counts;
+          y = etp_scatter(sp, experts_forward(expert_weights(sp, l), 0, g.expert, g.rows, &c.experts), c.etp_counts);
+        } else {
+          y = experts_forward(expert_weights(sp, l), 0, packets[0].expert, packets[0].rows, &c.experts);
+        }
         combine_forward(s, c.source, {ExpertPacket{{}, std::move(y)}});
         break;
       }
@@ -702,7 +773,10 @@ void HostModel::backward_input(int seg, BackwardState& g, SegmentStash& stash) {
         break;
       case core::LayerKind::MoeExperts: {
         auto packets = dispatch_backward(g, c.source);
-        Mat du = experts_backward_input(expert_weights(sp, l), c.experts, packets[0].rows);
+        Mat du = sp.expert_tp ? etp_scatter(sp, experts_backward_input(expert_weights(sp, l), c.experts,
+                                                                     etp_gather(sp, packets[0].rows, nullptr, &c.etp_counts).rows),
+                                         c.etp_counts)
+                           : experts_backward_input(expert_weights(sp, l), c.experts, packets[0].rows);
         combine_backward(g, c.source, {ExpertPacket{{}, std::move(du)}});
         break;
       }
@@ -878,7 +952,14 @@ Mat HostModel::experts_forward_entries(int seg, const std::vector<ExpertPacket>&
   std::vector<int> experts;
   Mat rows = concat_rows(from, hidden_, &experts, &c.source_counts);
   const int first = sp.shard_index * experts_ / sp.shard_degree;
-  Mat y = experts_forward(expert_weights(sp, sp.first_layer), first, experts, rows, &c.experts);
+  Mat y;
+  if (sp.expert_tp) {
+    EtpRows g = etp_gather(sp, rows, &experts, nullptr);
+    c.etp_counts = g.counts;
+    y = etp_scatter(sp, experts_forward(expert_weights(sp, sp.first_layer), first, g.expert, g.rows, &c.experts), c.etp_counts);
+  } else {
+    y = experts_forward(expert_weights(sp, sp.first_layer), first, experts, rows, &c.experts);
+  }
   *to_sources = split_rows(y, c.source_counts);
   return y;
 }
@@ -919,7 +1000,10 @@ void HostModel::experts_backward_entries(int seg, const std::vector<ExpertPacket
   SegmentParams& sp = segment(seg);
   LayerCache& c = stash.layers.at(0);
   Mat dy = concat_rows(from, hidden_, nullptr, nullptr);
-  Mat du = experts_backward_input(expert_weights(sp, sp.first_layer), c.experts, dy);
+  Mat du = sp.expert_tp ? etp_scatter(sp, experts_backward_input(expert_weights(sp, sp.first_layer), c.experts,
+                                                               etp_gather(sp, dy, nullptr, &c.etp_counts).rows),
+                                   c.etp_counts)
+                     : experts_backward_input(expert_weights(sp, sp.first_layer), c.experts, dy);
   *to_sources = split_rows(du, c.source_counts);
 }
 

@@ -383,7 +383,7 @@ def sweep(spec, *, output: str | None = None, jobs: int = 1, base_dir: str = "")
     return SweepResult(_native(_piper.sweep, spec, output, jobs, base_dir))
 
 
-_INT_COLUMNS = {"devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp", "cp", "comm_sms", "dp_shard", "zero",
+_INT_COLUMNS = {"devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp", "cp", "etp", "comm_sms", "dp_shard", "zero",
                 "virtual", "microbatches", "micro_batch_size", "estimated_memory_bytes", "peak_memory_bytes"}
 _FLOAT_COLUMNS = {"bucket_mb", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "compile_time_s", "simulate_time_s",
                   "tp_comm_s"}
@@ -500,14 +500,14 @@ def read_results(csv: str) -> Results:
 @_keywords
 def tune(model: str, *, devices: int, cluster: str = "dgx-h200", global_batch: int | None = None,
          seq_len: int | None = None, micro_batch_size=(1, 2), zero=(0, 1, 2, 3), pp=None, dp=None, ep=None,
-         tp=None, sequence_parallel: str = "both", recompute=("none", "selective", "full"), comm_sms=None,
+         tp=None, etp=None, sequence_parallel: str = "both", recompute=("none", "selective", "full"), comm_sms=None,
          dp_shard=None, reduce_every=None, schedules=None, max_virtual: int = 4,
          memory_cap_gib: float | None = None, memory_reserve_gib: float | None = None,
          budget_s: float | None = None, top: int = 3, placement_search: bool = True, show: int = 10,
          jobs: int | None = None, output: str | None = None) -> TuneResult:
     """Search the strategy space with the simulator, as ``piper tune``; the plans that fit, best first.
 
-    `pp`, `dp`, `ep`, `tp`, `zero`, `micro_batch_size`, `comm_sms` and `dp_shard` take one value (a
+    `pp`, `dp`, `ep`, `tp`, `etp`, `zero`, `micro_batch_size`, `comm_sms` and `dp_shard` take one value (a
     pin) or a list of values to try; left out, every legal value is tried (as the CLI's defaults).
     `sequence_parallel` is ``"on"``, ``"off"`` or ``"both"`` (or a bool). The memory cap is the GPU's
     HBM less `memory_reserve_gib` (default 5 % of the HBM), or `memory_cap_gib`. `show` plans are
@@ -553,6 +553,7 @@ def tune(model: str, *, devices: int, cluster: str = "dgx-h200", global_batch: i
         "micro_batch_size": _int_list("micro_batch_size", micro_batch_size),
         "zero": _int_list("zero", zero, 0, 3),
         "pp": _int_list("pp", pp), "dp": _int_list("dp", dp), "ep": _int_list("ep", ep), "tp": _int_list("tp", tp),
+        "etp": _int_list("etp", etp),
         "sequence_parallel": {"on": [True], "off": [False], "both": [False, True]}[sequence_parallel],
         "recompute": _str_list("recompute", recompute, ["none", "selective", "full", "op"], "recompute mode"),
         "comm_sms": _int_list("comm_sms", comm_sms, 0), "dp_shard": _int_list("dp_shard", dp_shard, 0),
@@ -565,7 +566,7 @@ def tune(model: str, *, devices: int, cluster: str = "dgx-h200", global_batch: i
         "budget_s": budget_s or 0.0, "calibration": "",
     }
     flags = {"model": "model", "cluster": "cluster", "devices": "devices", "pp": "pp", "dp": "dp", "ep": "ep",
-             "tp": "tp", "zero": "zero", "schedules": "schedules", "memory-cap": "memory_cap_gib",
+             "tp": "tp", "etp": "etp", "zero": "zero", "schedules": "schedules", "memory-cap": "memory_cap_gib",
              "memory-reserve-gib": "memory_reserve_gib", "global-batch": "global_batch", "seq-len": "seq_len",
              "micro-batch-size": "micro_batch_size", "comm-sms": "comm_sms", "dp-shard": "dp_shard",
              "recompute": "recompute", "reduce-every": "reduce_every", "max-virtual": "max_virtual",

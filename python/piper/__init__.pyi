@@ -66,6 +66,7 @@ def tune(
     dp: IntOrInts | None = None,
     ep: IntOrInts | None = None,
     tp: IntOrInts | None = None,
+    etp: IntOrInts | None = None,
     sequence_parallel: str | bool = "both",
     recompute: StrOrStrs = ("none", "selective", "full"),
     comm_sms: IntOrInts | None = None,

@@ -82,11 +82,12 @@ int recompute_level(const std::string& mode) {
   return mode == "none" ? 0 : mode == "selective" ? 1 : mode == "full" ? 2 : mode == "op" ? 3 : -1;
 }
 
-// The layout lowering gives a layer of candidate c: routed experts keep expert parallelism and never
-// take TP (the compiler skips their segments in tensor_parallel), everything else takes c's TP.
+// The layout lowering gives a layer of candidate c: routed experts keep expert parallelism and take
+// c's expert TP, on the 1/tp sequence slice with SP; everything else takes c's TP.
 core::ParallelLayout layout_of(const TuneCandidate& c, const core::Layer& layer) {
   const bool experts = layer.kind == core::LayerKind::MoeExperts;
-  return {experts ? 1 : c.tp, experts ? false : c.sequence_parallel, recompute_level(c.recompute), c.cp};
+  return {experts ? c.etp : c.tp, experts ? false : c.sequence_parallel, recompute_level(c.recompute), c.cp, c.cp_all_gather,
+          experts && c.sequence_parallel ? c.tp : 1};
 }
 
 core::ModelConfig model_config(const TuneSpec& spec, std::int64_t micro_batch_size) {
@@ -134,6 +135,7 @@ core::Model annotated_model(const TuneSpec& spec, const TuneCandidate& c) {
   s.strategy.ep = 1;
   s.strategy.zero = 0;
   s.strategy.tp = 1;  // TP, SP and recomputation do not move region boundaries
+  s.strategy.etp = 1;
   s.strategy.sequence_parallel = false;
   s.strategy.recompute = "none";
   s.strategy.comm_sms = 0;  // nor does an SM partition
@@ -179,9 +181,9 @@ struct Shape {
   // (region, count) lists (see held_patterns); the bound weighs them with each candidate's sizes.
   std::vector<std::vector<std::vector<std::pair<int, int>>>> held;
 
-  // Per-device layer costs under a (tp, sp, recompute) layout, computed once per layout.
+  // Per-device layer costs under a (tp, sp, recompute, cp, etp) layout, computed once per layout.
   std::shared_ptr<const std::vector<core::Costs>> costs(const TuneCandidate& c) const {
-    const std::tuple<int, bool, std::string, int> key{c.tp, c.sequence_parallel, c.recompute, c.cp};
+    const std::tuple<int, bool, std::string, int, bool, int> key{c.tp, c.sequence_parallel, c.recompute, c.cp, c.cp_all_gather, c.etp};
     std::lock_guard lock(mutex);
     auto& slot = by_layout[key];
     if (!slot) {
@@ -194,7 +196,7 @@ struct Shape {
 
  private:
   mutable std::mutex mutex;
-  mutable std::map<std::tuple<int, bool, std::string, int>, std::shared_ptr<const std::vector<core::Costs>>> by_layout;
+  mutable std::map<std::tuple<int, bool, std::string, int, bool, int>, std::shared_ptr<const std::vector<core::Costs>>> by_layout;
 };
 
 // The activations a rank provably holds when each of its forwards starts, from its step order. Steps
@@ -320,7 +322,7 @@ std::string TuneCandidate::describe() const {
   if (tp > 1) s += fmt::format(" x TP {}{}", tp, sequence_parallel ? " (SP)" : "");
   if (cp > 1) s += fmt::format(" x CP {}", cp);
   s += fmt::format(" x DP {}", dp);
-  if (ep > 1) s += fmt::format(" (EP {})", ep);
+  if (ep > 1 || etp > 1) s += etp > 1 ? fmt::format(" (EP {}, ETP {})", ep, etp) : fmt::format(" (EP {})", ep);
   s += fmt::format(", {}", schedule);
   if (virtual_stages > 1) s += fmt::format(" ({} regions/rank)", virtual_stages);
   s += fmt::format(", {} microbatches of {}, ZeRO-{}", microbatches, micro_batch_size, zero);
@@ -425,6 +427,9 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
         throw TuneError(fmt::format("--comm-sms {}: {}", sms, why));
   }
   const std::vector<int> dp_shards = distinct_or(spec.dp_shards, {0});
+  const std::vector<int> etps = distinct_or(spec.etp_degrees, {1});
+  for (int e : etps)
+    if (e < 1) throw TuneError(fmt::format("--etp must be >= 1 (got {})", e));
   const std::vector<std::string> reduce_modes = distinct_or(spec.reduce_every, {std::string("microbatch"), std::string("step")});
   for (const auto& re : reduce_modes)
     if (re != "microbatch" && re != "step")
@@ -495,10 +500,13 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
     if (pp > units || !pinned(spec.pp_degrees, pp)) continue;
     const int dp = spec.devices / tp / cp / pp;
     if (!pinned(spec.dp_degrees, dp)) continue;
-    for (int ep : divisors(dp)) {
+    for (int ep : divisors(dp))
+    for (int etp : etps) {
       if (!pinned(spec.ep_degrees, ep)) continue;
       // Expert parallelism shards experts over consecutive groups of ep data-parallel replicas.
       if (ep > 1 && (cfg.experts <= 0 || cfg.experts % ep != 0)) continue;
+      // Expert TP inside the TP groups, on a split of the experts' FFN.
+      if (etp > 1 && (cfg.experts <= 0 || tp % etp != 0 || cfg.expert_ffn % etp != 0)) continue;
       for (auto mbs : spec.micro_batch_sizes) {
         const std::int64_t per_replica = static_cast<std::int64_t>(dp) * mbs;
         for (const auto* family : families) {
@@ -516,6 +524,7 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
             c.pp = pp;
             c.dp = dp;
             c.ep = ep;
+            c.etp = etp;
             c.schedule = family->name;
             c.micro_batch_size = mbs;
             c.microbatches = static_cast<int>(batch / per_replica);
@@ -612,10 +621,11 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     const core::Costs& costs = (*layer_costs)[i];
     // Lowering sizes each segment's state as params/shard * bytes / (replicas if sharded by ZeRO),
     // with integer division; summing it per layer rounds down at least as much, so it stays a bound.
-    const bool expert = shape->ep_tagged[i] && c.ep > 1;
-    const std::int64_t shard = expert ? c.ep : 1;
+    // Routed experts: E / ep experts per device (their costs are already those of a 1/etp slice); the
+    // region's dp x tp devices hold ep x etp distinct slices.
+    const std::int64_t shard = shape->ep_tagged[i] ? c.ep : 1;
     const std::int64_t devices = region_replicas * (shape->experts[i] ? c.tp : 1);
-    const std::int64_t replicas = std::max<std::int64_t>(1, devices / shard);
+    const std::int64_t replicas = std::max<std::int64_t>(1, devices / (shard * (shape->experts[i] ? c.etp : 1)));
     const std::int64_t shards = core::zero_shards_of(static_cast<int>(replicas), c.dp_shard);  // HSDP: the group's
     const std::int64_t params = costs.params / shard;
     persistent_of_region[static_cast<std::size_t>(r)] += params * dt / (c.zero >= 3 ? shards : 1) +
@@ -716,8 +726,12 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     return t * k.count;
   };
   struct PassBound {
-    double seconds = 0, tp = 0;
-    double total(int t, double link_bw) const { return seconds + (t > 1 && link_bw > 0 ? tp * (t - 1.0) / t / link_bw : 0.0); }
+    double seconds = 0, tp = 0, etp = 0;  // etp: the routed experts' collectives over their ETP groups
+    int e = 1;
+    double total(int t, double link_bw) const {
+      return seconds + (t > 1 && link_bw > 0 ? tp * (t - 1.0) / t / link_bw : 0.0) +
+             (e > 1 && link_bw > 0 ? etp * (e - 1.0) / e / link_bw : 0.0);
+    }
   };
   std::vector<PassBound> f(static_cast<std::size_t>(place.regions)), b = f;
   const std::shared_ptr<const std::vector<core::Costs>> layer_costs = shape->costs(c);
@@ -730,8 +744,10 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     for (int p = 0; p < 3; ++p)
       for (const auto& kern : core::layer_kernels(layer, model.training(), L, p, shard))
         (p == 0 ? f[r] : b[r]).seconds += kernel_bound(kern);
-    f[r].tp += static_cast<double>(k.forward_tp_bytes);
-    b[r].tp += static_cast<double>(k.backward_tp_bytes);
+    const bool experts = layer.kind == core::LayerKind::MoeExperts;
+    (experts ? f[r].etp : f[r].tp) += static_cast<double>(k.forward_tp_bytes);
+    (experts ? b[r].etp : b[r].tp) += static_cast<double>(k.backward_tp_bytes);
+    f[r].e = b[r].e = c.etp;
   }
   // A device's compute ops run one at a time on its compute stream. Rank r runs every microbatch's F
   // and B of each region it holds, and cannot start before the first microbatch has gone through
@@ -1024,6 +1040,7 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
   c.recompute = at("recompute");
   c.comm_sms = static_cast<int>(integer("comm_sms"));
   c.dp_shard = static_cast<int>(integer("dp_shard"));
+  c.etp = static_cast<int>(integer("etp"));
   if (at("reduce_every") != "" && at("reduce_every") != "step" && at("reduce_every") != "microbatch")
     throw TuneError(fmt::format("{}: column 'reduce_every': '{}' is not microbatch, step or blank", where, at("reduce_every")));
   c.reduce_every = at("reduce_every") == "step" ? "step" : "";

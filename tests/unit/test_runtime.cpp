@@ -180,6 +180,12 @@ core::StrategyOptions context_parallel(core::StrategyOptions o, int cp, bool all
   return o;
 }
 
+// Expert tensor parallelism on top of a strategy.
+core::StrategyOptions with_etp(core::StrategyOptions o, int etp) {
+  o.etp = etp;
+  return o;
+}
+
 // HSDP on top of a strategy: ZeRO shards over groups of k data-parallel replicas.
 core::StrategyOptions hsdp(core::StrategyOptions o, int k) {
   o.dp_shard = k;
@@ -438,6 +444,36 @@ TEST(RuntimeEquivalence, TP2xCP2_SP) { expect_equivalent("tp2cp2", 4, megatron(c
 // (the experts' gradients are divided by the copies); with SP each routes its sequence slice.
 TEST(RuntimeEquivalence, TP2xDP2xEP2_MoE) { expect_equivalent("tp2-ep2", 4, megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, false, "none")); }
 TEST(RuntimeEquivalence, TP2_SP_DP2xEP2_MoE) { expect_equivalent("tp2sp-ep2", 4, megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, true, "none")); }
+// EP groups formed over DP x TP (Megatron-core's rule, issue 26): EP 2 over the two TP ranks of one
+// replica, and whole experts on both TP ranks, their gradients reduced over the pair (with SP the
+// ranks route different tokens; without it the same ones, divided by the copies).
+TEST(RuntimeEquivalence, TP2_SP_EP2_MoE_EpOverTheTpGroup) { expect_equivalent("tp2sp-ep2-dp1", 2, megatron(strategy(1, 1, 2, 0, 2, "1f1b"), 2, true, "none")); }
+TEST(RuntimeEquivalence, TP2_SP_MoE_ExpertsOnBothTpRanks) { expect_equivalent("tp2sp-ep1", 2, megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, true, "none")); }
+TEST(RuntimeEquivalence, TP2_MoE_ExpertsOnBothTpRanks) { expect_equivalent("tp2-ep1", 2, megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, false, "none")); }
+// Expert tensor parallelism (issue 26): each expert's FFN split over the ETP group (fc1 columns, fc2
+// rows), the routed rows all-gathered before fc1 and the partial sums reduce-scattered after fc2; EP
+// groups take one device of each ETP group, expert gradients reduced over the expert-DP group.
+TEST(RuntimeEquivalence, TP2_SP_ETP2_MoE) {
+  core::StrategyOptions o = megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, true, "none");
+  o.etp = 2;
+  expect_equivalent("tp2sp-etp2", 2, o);
+}
+TEST(RuntimeEquivalence, TP2_ETP2_MoE_WithoutSp) {
+  core::StrategyOptions o = megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, false, "none");
+  o.etp = 2;
+  expect_equivalent("tp2-etp2", 2, o);
+}
+TEST(RuntimeEquivalence, TP2_SP_DP2xEP2xETP2_MoE) {
+  core::StrategyOptions o = megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, true, "none");
+  o.etp = 2;
+  expect_equivalent("tp2sp-ep2-etp2", 4, o);
+}
+// ETP across data-parallel replicas (no dense TP): the pair gathers each other's tokens.
+TEST(RuntimeEquivalence, DP2xETP2_MoE_Zero1) {
+  core::StrategyOptions o = strategy(1, 2, 1, 1, 2, "1f1b");
+  o.etp = 2;
+  expect_equivalent("dp2-etp2", 2, o);
+}
 TEST(RuntimeEquivalence, FullRecompute_ZBH1_PP2) { expect_equivalent("full-zbh1", 2, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 1, false, "full")); }
 TEST(RuntimeEquivalence, SelectiveRecompute_PP2xDP2xEP2) {
   expect_equivalent("selective-ep", 4, megatron(strategy(2, 2, 2, 0, 4, "1f1b"), 1, false, "selective"));
@@ -575,6 +611,15 @@ TEST(RuntimeCheckpoint, ResumesAcrossTensorParallelLayouts) {
                       {Leg{megatron(strategy(1, 2, 1, 1, 4, "1f1b"), 2, false, "none"), 4}, Leg{strategy(2, 1, 1, 0, 8, "1f1b"), 2},
                        Leg{megatron(strategy(2, 1, 1, 0, 8, "1f1b"), 2, true, "full"), 4}},
                       5, kDense);
+}
+
+// Expert-TP slices are checkpointed in the canonical layout: TP2+SP x DP2 x EP2 x ETP2 (ZeRO-1) -> PP2
+// -> DP2 x ETP2, against one uninterrupted reference run.
+TEST(RuntimeCheckpoint, ResumesAcrossExpertTensorParallelLayouts) {
+  expect_resume_chain("restrategy-etp",
+                      {Leg{with_etp(megatron(strategy(1, 2, 2, 1, 4, "1f1b"), 2, true, "none"), 2), 4}, Leg{strategy(2, 1, 1, 0, 8, "1f1b"), 2},
+                       Leg{with_etp(strategy(1, 2, 1, 0, 4, "1f1b"), 2), 2}},
+                      5);
 }
 
 // HSDP checkpoints hold each shard once in canonical form: HSDP ZeRO-2 over groups of 2 -> plain

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <vector>
 
+#include <fmt/format.h>
+
 namespace piper::core::passes {
 
 namespace {
@@ -12,14 +14,14 @@ namespace {
 // with a ParallelLayout): its compute nodes (F, B, BI, BW as the backward split shares them), its
 // stash, and, between two sequence-parallel segments of the same degree, the activations and
 // gradients they pass (sliced along the sequence).
-void recost_segments(PassContext& cx) {
+void recost_segments(PassContext& cx, const std::vector<int>& tp_by) {
   auto& dag = cx.dag;
   std::vector<char> changed(dag.segments.size(), 0);
   std::vector<Costs> costs(dag.segments.size());
   for (auto& seg : dag.segments) {
-    if (seg.tp_degree == 1 && seg.recompute == Recompute::None && seg.cp_degree == 1) continue;
-    const ParallelLayout layout{seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute), seg.cp_degree,
-                                seg.cp_all_gather};
+    if (seg.tp_degree == 1 && seg.recompute == Recompute::None && seg.cp_degree == 1 && seg.token_split == 1) continue;
+    const ParallelLayout layout{seg.tp_degree,   seg.sequence_parallel, static_cast<int>(seg.recompute),
+                                seg.cp_degree,   seg.cp_all_gather,     seg.token_split};
     Costs c;
     for (int l = seg.first_layer; l < seg.last_layer; ++l)
       c += layer_costs(dag.layers.at(static_cast<std::size_t>(l)), dag.training, layout);
@@ -54,14 +56,30 @@ void recost_segments(PassContext& cx) {
     return sg.sequence_parallel ? sg.tp_degree : 1;
   };
   auto cp_degree = [&](int segment) { return dag.segments.at(static_cast<std::size_t>(segment)).cp_degree; };
+  // Routed experts on sequence-sliced tokens exchange the slice with their SP neighbours.
+  auto slice_of = [&](int segment) {
+    const auto& sg = dag.segments.at(static_cast<std::size_t>(segment));
+    return sg.token_split > 1 ? sg.token_split : sp_degree(segment);
+  };
   for (auto e : boost::make_iterator_range(boost::edges(g))) {
     Vertex u = boost::source(e, g), v = boost::target(e, g);
     if (g[u].kind != NodeKind::Compute || g[e].kind != EdgeKind::Data) continue;
     if (g[e].tensor == "stash" && changed[static_cast<std::size_t>(g[u].segment)]) {
       g[e].bytes = g[u].costs.activation_bytes;
     } else if ((g[e].tensor == "act" || g[e].tensor == "grad") && g[v].kind == NodeKind::Compute) {
-      const int t = sp_degree(g[u].segment);
-      if (t > 1 && t == sp_degree(g[v].segment)) g[e].bytes /= t;
+      const int t = slice_of(g[u].segment);
+      if (t > 1 && t == slice_of(g[v].segment)) {
+        g[e].bytes /= t;
+      } else if (dag.segments.at(static_cast<std::size_t>(g[u].segment)).token_split > 1 ||
+                 dag.segments.at(static_cast<std::size_t>(g[v].segment)).token_split > 1) {
+        const int s = g[dag.segments.at(static_cast<std::size_t>(g[u].segment)).token_split > 1 ? u : v].segment;
+        const int other = s == g[u].segment ? g[v].segment : g[u].segment, o = slice_of(other);
+        fail(tp_by.at(static_cast<std::size_t>(s)), "sequence_parallel",
+                             fmt::format("routed experts of segment {} receive a 1/{} sequence slice but "
+                                         "segment {} passes them {} (give both the same sequence-parallel degree)",
+                                         s, dag.segments.at(static_cast<std::size_t>(s)).token_split,
+                                         other, o > 1 ? fmt::format("1/{} slices", o) : "whole sequences"));
+      }
       // Context parallelism: each device passes on its seq_len / cp local tokens.
       const int c = cp_degree(g[u].segment);
       if (c > 1 && c == cp_degree(g[v].segment)) g[e].bytes /= c;
@@ -78,7 +96,7 @@ bool run_recost(PassRun& run) {
                std::holds_alternative<ContextParallelDirective>(d);
       }))
     return false;
-  recost_segments(run.cx);
+  recost_segments(run.cx, run.tp_by);
   return true;
 }
 

@@ -50,9 +50,10 @@ std::map<Families, std::vector<int>> reduction_families(PassContext& cx, const R
     auto& seg = dag.segments.at(static_cast<std::size_t>(s));
     if (cx.replicated.at(static_cast<std::size_t>(s))) fail(index, "filter", "segment " + std::to_string(s) + " is already replicated");
     cx.replicated[static_cast<std::size_t>(s)] = true;
-    if (seg.shard_degree >= n) continue;  // fully sharded: nothing to reduce
-    // A TP segment's replicas are the strided groups of devices with the same TP rank.
-    const int split = seg.tp_degree > 1 ? seg.tp_degree : seg.shard_degree;
+    if (seg.shard_degree >= n || (seg.shard_degree > 1 && seg.shard_degree * seg.tp_degree >= n)) continue;  // fully sharded: nothing to reduce
+    // A TP segment's replicas are the strided groups of devices with the same TP rank; routed experts'
+    // (expert-data-parallel) those with the same ETP rank and EP shard: positions equal mod tp x shard.
+    const int split = seg.tp_degree * seg.shard_degree;
     seg.replicas = n / split;
     seg.zero_level = zero;
     seg.reduce_every_microbatch = d.reduce_every_microbatch && zero >= 2;
@@ -66,7 +67,7 @@ std::map<Families, std::vector<int>> reduction_families(PassContext& cx, const R
       continue;
     }
     CommFamily fam = split == 1                ? CommFamily{set, n, 1, FamilyPurpose::Dp}
-                     : seg.tp_degree > 1       ? CommFamily{set, n / split, split, FamilyPurpose::Dp}
+                     : seg.shard_degree == 1   ? CommFamily{set, n / split, split, FamilyPurpose::Dp}
                                                : CommFamily{set, n / split, split, FamilyPurpose::DpEp};
     by_family[{dag.family_index(fam), -1}].push_back(s);
   }

@@ -3,6 +3,8 @@
 
 #include <vector>
 
+#include <fmt/format.h>
+
 namespace piper::core::passes {
 
 namespace {
@@ -26,14 +28,31 @@ void apply_shard(PassContext& cx, const ShardDirective& d, int index) {
   if (matched.empty()) fail(index, "filter", "matches no node (" + d.filter.to_string() + ")");
   check_devices(cx, matched, d.devices, index);
   const int degree = d.degree > 0 ? d.degree : static_cast<int>(d.devices.size());
+  // Routed experts split by expert TP (tp_degree e, consecutive ETP groups): a device's position i in
+  // the set is ETP rank i mod e, EP rank (i / e) mod degree, expert-data-parallel rank i / (e degree),
+  // as Megatron-core orders expert ranks (tp-ep-dp). The EP groups (same ETP rank, consecutive
+  // EP ranks) are then strided by e inside blocks of e·degree devices.
+  int etp = 0;
   for (int s : segments_of(cx, matched)) {
     auto& seg = cx.dag.segments.at(static_cast<std::size_t>(s));
     if (seg.shard_degree != 1) fail(index, "filter", "segment " + std::to_string(s) + " is already sharded");
+    if (etp != 0 && seg.tp_degree != etp)
+      fail(index, "filter", "selects segments of different expert tensor-parallel degrees (" + std::to_string(etp) + " and " +
+                                std::to_string(seg.tp_degree) + ")");
+    etp = seg.tp_degree;
     seg.shard_degree = degree;
   }
+  if (d.devices.size() % (static_cast<std::size_t>(etp) * static_cast<std::size_t>(degree)) != 0)
+    fail(index, "degree",
+         fmt::format("{} x expert_degree {} does not divide the {} devices", degree, etp, d.devices.size()));
   if (degree == 1) return;
   Graph& g = cx.g();
-  DeviceSetId set = cx.dag.device_sets.intern(d.devices);
+  std::vector<int> ep_order;  // the set listed EP group by EP group
+  const auto block = static_cast<std::size_t>(etp) * static_cast<std::size_t>(degree);
+  for (std::size_t b = 0; b < d.devices.size(); b += block)
+    for (int r = 0; r < etp; ++r)
+      for (int j = 0; j < degree; ++j) ep_order.push_back(d.devices[b + static_cast<std::size_t>(j * etp + r)]);
+  DeviceSetId set = cx.dag.device_sets.intern(ep_order);
   int family = cx.dag.family_index({set, degree, 1, FamilyPurpose::Ep});
   std::vector<char> in(boost::num_vertices(g), 0);
   for (auto v : matched) in[v] = 1;

@@ -89,7 +89,14 @@ CudaBackend::CudaBackend(const core::Program& program, int device, Transport& tr
   }
   check(cudaStreamCreateWithFlags(&util_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   alloc_->add_stream(util_);
-  model_ = std::make_unique<CudaModel>(model, device_segments(program, device), config.seed, config.dtype, *alloc_, util_);
+  std::vector<host::SegmentSpec> specs = device_segments(program, device);
+  for (const auto& sp : specs)  // expert TP runs on the host backend only
+    for (int l = sp.first_layer; sp.tp_degree > 1 && l < sp.last_layer; ++l)
+      if (model.layers().at(static_cast<std::size_t>(l)).kind == core::LayerKind::MoeExperts)
+        throw std::invalid_argument(fmt::format("plan: segment {} splits its routed experts over {} expert-tensor-parallel ranks; "
+                                                "the CUDA backend does not run expert TP (compile with --etp 1)",
+                                                sp.segment, sp.tp_degree));
+  model_ = std::make_unique<CudaModel>(model, std::move(specs), config.seed, config.dtype, *alloc_, util_);
   stream_ = std::make_unique<host::TokenStream>(model.config() ? model.config()->vocab : 0, shape_.seq_len, config.seed, config.data_path);
   msg_ = MessageShape{shape_.micro_batch_size * shape_.seq_len, model_->hidden(), model_->top_k(), config.dtype};
   std::size_t base = 0;

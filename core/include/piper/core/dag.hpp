@@ -101,8 +101,11 @@ struct Segment {
   bool cp_all_gather = false;
   int cp_family = -1;                   // GlobalDag::families index of the CP groups (purpose "cp")
   std::int64_t tp_local_params = 0;     // parameters one TP rank holds (norms replicated), when tp_degree > 1
-  // Parameters of one shard (EP shard or TP rank), before ZeRO.
-  std::int64_t local_params() const { return tp_degree > 1 ? tp_local_params : costs.params / shard_degree; }
+  // Routed experts under a tensor_parallel directive: tp_degree is its expert_degree (ETP) and the
+  // experts' input is the 1/token_split sequence slice of the stage (its SP degree, else 1).
+  int token_split = 1;
+  // Parameters of one shard (EP shard, TP rank, or both: an ETP slice of E/ep experts), before ZeRO.
+  std::int64_t local_params() const { return (tp_degree > 1 ? tp_local_params : costs.params) / shard_degree; }
   // A head tied to the embedding of another segment keeps its own copy of the table (Megatron's
   // embedding group; both runtime backends do the same, V placements included): V·h parameters,
   // whole (vocabulary-parallel under TP), with gradient and optimizer state like the segment's own.

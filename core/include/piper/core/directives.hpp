@@ -93,6 +93,10 @@ struct TensorParallelDirective {
   // Piper extension "comm_overlap": the TP collectives run chunk by chunk under the GEMMs that produce
   // or consume them (Megatron-LM's --tp-comm-overlap, TorchTitan's async TP) instead of between them.
   bool comm_overlap = false;
+  // Piper extension "expert_degree" (Megatron-core's --expert-tensor-parallel-size): the selected
+  // routed-expert segments split each expert's FFN over consecutive groups of this many devices
+  // (fc1 column-, fc2 row-parallel). 1 (default): experts stay whole and keep only EP.
+  int expert_degree = 1;
 };
 
 // Piper extension: activation recomputation of the selected segments.

@@ -130,6 +130,10 @@ struct ParallelLayout {
   // (cp_all_gather false) or an all-gather + reduce-scatter of dK/dV.
   int cp = 1;
   bool cp_all_gather = false;
+  // Routed experts only: their input is the 1/token_split sequence slice of the stage's TP group (its
+  // sequence parallelism), and `tp` is the expert-tensor-parallel degree (ETP: fc1 column-, fc2
+  // row-parallel; the ETP group all-gathers the routed rows before fc1 and reduce-scatters after fc2).
+  int token_split = 1;
 };
 // Per-device costs of one layer under a layout: FLOPs, parameters and traffic of the split GEMMs
 // divided by tp, TP collectives counted, activation bytes as Korthikanti et al. 2022 Table 2, and

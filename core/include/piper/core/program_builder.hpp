@@ -39,7 +39,8 @@ class ProgramBuilder {
                         std::optional<int> degree = {});
   ProgramBuilder& split(const Filter& filter, int num_microbatches, const std::optional<std::string>& dim_name = {});
   ProgramBuilder& order(const std::vector<std::vector<Filter>>& groups);
-  ProgramBuilder& tensor_parallel(const Filter& filter, int degree, bool sequence_parallel = false, bool comm_overlap = false);
+  ProgramBuilder& tensor_parallel(const Filter& filter, int degree, bool sequence_parallel = false, bool comm_overlap = false,
+                                  int expert_degree = 1);
   ProgramBuilder& recompute(const Filter& filter, const std::string& mode);  // "none", "selective" or "full"
   ProgramBuilder& sm_partition(int sms);                                      // the communication streams' SMs
   ProgramBuilder& context_parallel(int degree, bool all_gather = false);      // the whole model's CP degree

@@ -26,7 +26,7 @@ struct StrategyOptions {
   friend bool operator==(const StrategyOptions&, const StrategyOptions&) = default;
 };
 
-// Checks the knobs (pp, dp, ep >= 1, dp % ep == 0, zero in 0..3, microbatches >= 1,
+// Checks the knobs (pp, dp, ep, etp >= 1, (dp x tp) % (ep x etp) == 0, zero in 0..3, microbatches >= 1,
 // virtual_stages >= 1, bucket_mb >= 0). Throws std::invalid_argument with one line naming the flag.
 void validate_strategy_options(const StrategyOptions& o);
 

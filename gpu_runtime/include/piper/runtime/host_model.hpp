@@ -66,6 +66,7 @@ struct LayerCache {
   ExpertsCache experts;
   ExpertSource source;            // experts run locally: the routing of this layer
   std::vector<int> source_counts; // experts sharded: entries received from each source rank
+  std::vector<int> etp_counts;    // expert TP: entries of each rank of the ETP group (gathered in F)
   HeadCache head;
   std::vector<int> tokens;        // embedding
   Mat dx_embed;                   // embedding: saved by BI for BW
@@ -124,6 +125,8 @@ struct SegmentParams {
   // Routed experts without TP on a TP stage without SP: the t TP ranks route the same tokens, so the
   // experts see each token t times; BW divides their weight gradients by this.
   int token_copies = 1;
+  bool expert_tp = false;          // routed experts alone in their segment, split by TP (expert TP); experts inside a
+                                  // TP segment of other layers stay whole (replicated)
   // Tied embeddings (GPT) with the head in this segment but the embedding elsewhere: the head layer
   // holds a copy of (this TP rank's slice of) the embedding table, kept identical to it by summing
   // the two gradients before the update (HostModel::tied_grads; the backend pairs the devices).

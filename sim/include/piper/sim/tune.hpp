@@ -48,6 +48,9 @@ struct TuneSpec {
   // Pins: the pipeline-parallel, data-parallel and expert-parallel degrees to try; empty: every legal
   // one. A pinned PP or DP degree must divide the devices.
   std::vector<int> pp_degrees, dp_degrees, ep_degrees;
+  // Expert tensor-parallel degrees to try (--etp); each must divide the candidate's TP degree (the
+  // ETP groups then sit inside the TP groups) and the experts' FFN. Empty: 1 (whole experts).
+  std::vector<int> etp_degrees;
   std::vector<bool> sequence_parallel{false, true};  // tried for TP degrees > 1 (TP 1 has none)
   std::vector<std::string> recompute_modes{"none", "selective", "full"};
   // SMs of each GPU given to communication (the sm_partition directive, --comm-sms) to try; 0 is
