@@ -144,8 +144,15 @@ void StrategyFlags::add_to(CLI::App* app) {
                                       "sequence parallelism inside each TP group (needs --tp >= 2)");
     tp_comm_overlap = app->add_flag("--tp-comm-overlap", options.tp_comm_overlap,
                                     "overlap the TP collectives with the GEMMs (Megatron's --tp-comm-overlap, async TP)");
-    recompute = app->add_option("--recompute", options.recompute, "activation recomputation: none, selective (the attention core), full (whole blocks) or op (TorchTitan's op-level policy)")
-                    ->check(CLI::IsMember({"none", "selective", "full", "op"}));
+    recompute = app->add_option("--recompute", options.recompute, "activation recomputation: none, selective (the attention core), full (whole blocks), op (TorchTitan's op-level policy) or auto (piper simulate: the fastest that fits --memory-budget)")
+                    ->check(CLI::IsMember({"none", "selective", "full", "op", "auto"}));
+    recompute_every = app->add_option("--recompute-every", options.recompute_every,
+                                      "recompute only every K-th block (blocks K-1, 2K-1, ...: TorchTitan's ac_freq)")
+                          ->check(kPositiveInt);
+    recompute_first = app->add_option("--recompute-first", options.recompute_first,
+                                      "recompute only the first N blocks of each PP region (Megatron's --recompute-method block)")
+                          ->check(kPositiveInt);
+    recompute_first->excludes(recompute_every);
     global_batch = app->add_option("--global-batch", options.global_batch,
                                    "sequences per step; microbatches = N / (micro-batch size x dp)")
                        ->check(kPositiveInt);
@@ -174,11 +181,12 @@ void ScenarioFlags::add_to(CLI::App* app) {
                          strategy.fp8_all_gather, strategy.schedule,
                          strategy.microbatches, strategy.virtual_stages, strategy.bucket_mb, strategy.tp,
                          strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.global_batch,
-                         strategy.comm_sms})
+                         strategy.comm_sms, strategy.recompute_every, strategy.recompute_first})
     compile_inputs.push_back(o);
   for (CLI::Option* o : {strategy.pp, strategy.dp, strategy.ep, strategy.zero, strategy.dp_shard, strategy.reduce_every,
                          strategy.fp8_all_gather, strategy.bucket_mb, strategy.tp,
-                         strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.comm_sms})
+                         strategy.sequence_parallel, strategy.tp_comm_overlap, strategy.recompute, strategy.comm_sms,
+                         strategy.recompute_every, strategy.recompute_first})
     o->excludes(directives);
 }
 

@@ -75,6 +75,8 @@ struct StrategyFlags {
   CLI::Option* tp = nullptr;
   CLI::Option* sequence_parallel = nullptr;
   CLI::Option* recompute = nullptr;
+  CLI::Option* recompute_every = nullptr;
+  CLI::Option* recompute_first = nullptr;
   CLI::Option* global_batch = nullptr;
   CLI::Option* comm_sms = nullptr;
   void add_to(CLI::App* app);

@@ -133,7 +133,9 @@ std::string strategy_flag_error(const json& program, const StrategyOptions& o, c
            : field.rfind("shard_", 0) == 0 || field == "prefetch" ? fmt::format("--zero {}", o.zero)
                                   : fmt::format("--dp {}", o.dp);
   else if (op == "recompute")
-    flag = "--recompute " + o.recompute;
+    flag = field == "every"   ? fmt::format("--recompute {} --recompute-every {}", o.recompute, o.recompute_every)
+           : field == "first" ? fmt::format("--recompute {} --recompute-first {}", o.recompute, o.recompute_first)
+                              : "--recompute " + o.recompute;
   else if (op == "sm_partition")
     flag = fmt::format("--comm-sms {}", o.comm_sms);
   else if (op == "place")
@@ -277,6 +279,8 @@ json Scenario::to_json() const {
   if (strategy.sequence_parallel) j["strategy"]["sequence_parallel"] = true;
   if (strategy.tp_comm_overlap) j["strategy"]["tp_comm_overlap"] = true;
   if (strategy.recompute != "none") j["strategy"]["recompute"] = strategy.recompute;
+  if (strategy.recompute_every > 0) j["strategy"]["recompute_every"] = strategy.recompute_every;
+  if (strategy.recompute_first > 0) j["strategy"]["recompute_first"] = strategy.recompute_first;
   if (strategy.global_batch > 0) j["strategy"]["global_batch"] = strategy.global_batch;
   if (strategy.comm_sms > 0) j["strategy"]["comm_sms"] = strategy.comm_sms;
   if (strategy.dp_shard > 0) j["strategy"]["dp_shard"] = strategy.dp_shard;
@@ -364,7 +368,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     if (!st.is_object()) throw fail("strategy", "must be an object");
     reject_unknown(st, "strategy.", {"pp", "dp", "ep", "tp", "zero", "dp_shard", "schedule", "microbatches", "virtual",
                                      "global_batch", "bucket_mb", "sequence_parallel", "tp_comm_overlap", "recompute",
-                                     "comm_sms", "reduce_every", "fp8_all_gather"});
+                                     "comm_sms", "reduce_every", "fp8_all_gather", "recompute_every", "recompute_first"});
     int_field(st, "pp", "strategy.pp", s.strategy.pp, 1);
     int_field(st, "dp", "strategy.dp", s.strategy.dp, 1);
     int_field(st, "ep", "strategy.ep", s.strategy.ep, 1);
@@ -375,6 +379,8 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     int_field(st, "global_batch", "strategy.global_batch", s.strategy.global_batch, 1);
     int_field(st, "comm_sms", "strategy.comm_sms", s.strategy.comm_sms, 1);
     int_field(st, "dp_shard", "strategy.dp_shard", s.strategy.dp_shard, 2);
+    int_field(st, "recompute_every", "strategy.recompute_every", s.strategy.recompute_every, 1);
+    int_field(st, "recompute_first", "strategy.recompute_first", s.strategy.recompute_first, 1);
     if (st.contains("sequence_parallel")) {
       if (!st["sequence_parallel"].is_boolean()) throw fail("strategy.sequence_parallel", "must be true or false");
       s.strategy.sequence_parallel = st["sequence_parallel"].get<bool>();
@@ -392,7 +398,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
       s.strategy.reduce_every = st["reduce_every"].get<std::string>();
     }
     if (st.contains("recompute")) {
-      if (!st["recompute"].is_string()) throw fail("strategy.recompute", "must be \"none\", \"selective\" or \"full\"");
+      if (!st["recompute"].is_string()) throw fail("strategy.recompute", "must be \"none\", \"selective\", \"full\" or \"op\"");
       s.strategy.recompute = st["recompute"].get<std::string>();
     }
     if (st.contains("schedule")) {

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -421,6 +422,20 @@ TEST(RuntimeEquivalence, TP2_PP2_ZBH1_SelectiveRecompute) {
 TEST(RuntimeEquivalence, TP2xDP2xEP2_MoE) { expect_equivalent("tp2-ep2", 4, megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, false, "none")); }
 TEST(RuntimeEquivalence, TP2_SP_DP2xEP2_MoE) { expect_equivalent("tp2sp-ep2", 4, megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, true, "none")); }
 TEST(RuntimeEquivalence, FullRecompute_ZBH1_PP2) { expect_equivalent("full-zbh1", 2, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 1, false, "full")); }
+// Every 2nd block (TorchTitan's ac_freq 2): the plan recomputes blocks 1 and 3 and nothing else, and
+// the host backend runs exactly those segments with full recomputation (one segment per block).
+TEST(RuntimeEquivalence, FullRecomputeEverySecondBlock_1F1B_PP2) {
+  core::StrategyOptions o = megatron(strategy(2, 1, 1, 0, 4, "1f1b"), 1, false, "full");
+  o.recompute_every = 2;
+  const fs::path plan = compile_plan(temp_dir("every2-plan"), o, "", kDense);
+  std::ifstream in(plan);
+  const core::Program p = core::Program::from_json(json::parse(in));
+  std::set<int> recomputed;
+  for (const auto& seg : p.segments)
+    if (seg.recompute == core::Recompute::Full) recomputed.insert(seg.tags.at("BLK"));
+  EXPECT_EQ(recomputed, (std::set<int>{1, 3}));
+  expect_equivalent("every2-1f1b", 2, o, "", kDense);
+}
 TEST(RuntimeEquivalence, SelectiveRecompute_PP2xDP2xEP2) {
   expect_equivalent("selective-ep", 4, megatron(strategy(2, 2, 2, 0, 4, "1f1b"), 1, false, "selective"));
 }

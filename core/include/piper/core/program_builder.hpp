@@ -39,7 +39,8 @@ class ProgramBuilder {
   ProgramBuilder& split(const Filter& filter, int num_microbatches, const std::optional<std::string>& dim_name = {});
   ProgramBuilder& order(const std::vector<std::vector<Filter>>& groups);
   ProgramBuilder& tensor_parallel(const Filter& filter, int degree, bool sequence_parallel = false, bool comm_overlap = false);
-  ProgramBuilder& recompute(const Filter& filter, const std::string& mode);  // "none", "selective" or "full"
+  // "none", "selective", "full" or "op"; every / first > 0: only those blocks (RecomputeDirective)
+  ProgramBuilder& recompute(const Filter& filter, const std::string& mode, int every = 0, int first = 0);
   ProgramBuilder& sm_partition(int sms);                                      // the communication streams' SMs
   ProgramBuilder& append(const nlohmann::json& directives);                   // another program's directives, in order
 

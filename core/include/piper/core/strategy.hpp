@@ -17,7 +17,9 @@ struct StrategyOptions {
   int tp = 1;                      // tensor-parallel degree (consecutive devices, inside a node)
   bool sequence_parallel = false;  // with tp > 1
   bool tp_comm_overlap = false;    // with tp > 1: TP collectives overlapped with the GEMMs
-  std::string recompute = "none";  // none | selective | full
+  std::string recompute = "none";  // none | selective | full | op (| auto: resolved by the simulator, sim/recompute_policy.hpp)
+  int recompute_every = 0;         // > 0: only every K-th block (TorchTitan's ac_freq; blocks K-1, 2K-1, ...)
+  int recompute_first = 0;         // > 0: only the first N blocks of each PP region (Megatron's --recompute-method block)
   int dp_shard = 0;                // > 1 with zero >= 1: HSDP, ZeRO shards over groups of dp_shard replicas
   // ZeRO-2/3 gradient reduction: "microbatch" (after every microbatch: DeepSpeed ZeRO-2, FSDP2), "step"
   // (once, keeping whole gradients until then: FSDP no_sync), "" = the level's default ("microbatch").
