@@ -246,11 +246,13 @@ ScheduleTable depth_first_table(const ScheduleContext& ctx, bool zero_bubble) {
 // v_r = ceil((regions - r) / p) stages r, r+p, ... The published rule's fixed warmup counts assume
 // equal v and deadlock here, so the per-rank orders come from running the rule: a list schedule in
 // unit time (F = 1, B = 2, or I = 1 and W = 1 with zero_bubble) where each rank takes its forwards and
-// backwards in the depth-first order above, a backward (I) whenever one is ready no later than its
-// next forward, and at most warmup + 1 forwards in flight (warmup as published, counting the stages
-// downstream of the rank's last local stage); when every rank is blocked by that cap, the earliest
-// forward runs anyway. Orders taken from an execution cannot deadlock. Deferred W run when nothing
-// else is ready, and after the last backward.
+// backwards in the depth-first order above, the next forward when it can start no later than the
+// next backward and fewer than warmup + 1 forwards are in flight (warmup as published, counting the
+// stages downstream of the rank's last local stage), else the next backward (I). When every rank is
+// blocked by that cap, the earliest forward runs anyway. Orders taken from an execution cannot
+// deadlock. Deferred W fill the time a rank would wait, and follow its last backward. On even
+// pipelines the same rule gives the published rule's step time (Llama-style 1B, PP 4 x 2 chunks:
+// 122.635 ms both; 64 one-block chunks on 32 ranks: 712.0 against 712.1 ms, analytic engine).
 ScheduleTable depth_first_uneven_table(const ScheduleContext& ctx, bool zero_bubble) {
   const int p = ctx.ranks, m = ctx.microbatches, regions = ctx.regions;
   const int rounds = std::max(1, m / p), per_round = m / rounds;
@@ -304,7 +306,7 @@ ScheduleTable depth_first_uneven_table(const ScheduleContext& ctx, bool zero_bub
         const int in_flight = static_cast<int>(k.next_f) - static_cast<int>(k.next_b);
         if (k.next_f < k.forwards.size() && (pass == 1 || in_flight < k.cap)) {
           const double ready = f_ready(k.forwards[k.next_f]);
-          if (ready >= 0 && (start < 0 || std::max(k.free_at, ready) < start)) start = std::max(k.free_at, ready), kind = 1;
+          if (ready >= 0 && (start < 0 || std::max(k.free_at, ready) <= start)) start = std::max(k.free_at, ready), kind = 1;
         } else if (k.next_f < k.forwards.size()) {
           capped = true;
         }

@@ -139,7 +139,8 @@ TEST(UnevenPipeline, EveryUnevenShapeVerifies) {
 
 // Step time by hand, unit costs (F = 1, B = 2 per region; transfers free): p = 2, 3 regions, m = 2.
 // Rank 0 holds regions 0 and 2 (at most 3 forwards in flight: a warmup of one round of region 0, 2,
-// plus 1), rank 1 region 1 (one stage downstream: warmup 2, so 3). Each takes a ready backward first:
+// plus 1), rank 1 region 1 (one stage downstream: warmup 2, so 3). Each runs its next forward when
+// it can start no later than its next backward and the cap allows, else its next backward:
 //   rank 0: F0.0 [0,1] F0.1 [1,2] F2.0 [2,3] B2.0 [3,5] F2.1 [5,6] B2.1 [6,8] B0.0 [8,10] B0.1 [10,12]
 //   rank 1:            F1.0 [1,2] F1.1 [2,3]            B1.0 [5,7]           B1.1 [8,10]
 // (F2.1 waits at 3: three forwards in flight on rank 0.) Step 12; rank 0 is busy 12 of 12, rank 1 6.
