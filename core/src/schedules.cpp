@@ -581,7 +581,7 @@ const std::vector<ScheduleFamily>& schedule_registry() {
                        "1f1b", ctx, [&](int k) { return one_f_one_b_stage(k, ctx.regions, ctx.microbatches); });
                  }});
     r.push_back({"interleaved-1f1b",
-                 "--virtual V chunks per rank (region k on rank k mod pp); with V > 1, --microbatches a multiple of --pp",
+                 "--virtual V chunks per rank (region k on rank k mod pp; --stages N not a multiple of pp: unequal chunks); with V > 1, --microbatches a multiple of --pp",
                  regions_pp_times_virtual, looped_placement, table_directives<interleaved_table>, interleaved_table});
     r.push_back({"looped-bfs", "--virtual V chunks per rank (region k on rank k mod pp); all microbatches per chunk",
                  regions_pp_times_virtual, looped_placement, table_directives<looped_bfs_table>, looped_bfs_table});
