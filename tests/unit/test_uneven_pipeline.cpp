@@ -158,3 +158,22 @@ TEST(UnevenPipeline, AnalyticStepTimeByHand) {
   EXPECT_DOUBLE_EQ(r.report.per_device[0].busy_s, 12);
   EXPECT_DOUBLE_EQ(r.report.per_device[1].busy_s, 6);
 }
+
+// The shape: a 62-block model on 32 ranks, one block per chunk. Ranks 0..29 hold two chunks
+// (k and k + 32), ranks 30 and 31 one; the program verifies (compile_scenario runs the verifier).
+TEST(UnevenPipeline, SixtyTwoBlocksOnThirtyTwoRanks) {
+  ModelConfig c = load_model_config("qwen3-9m");
+  c.layers = 62;
+  c.name = "qwen3-9m-62";
+  const std::string file = ::testing::TempDir() + "/uneven62-" + std::to_string(::getpid()) + ".json";
+  write_file_atomically(file, config_to_spec_json(c).dump());
+  Scenario sc = scenario(32, 64, "interleaved-1f1b", 62);
+  sc.model = file;
+  const CompiledScenario compiled = compile_scenario(sc);
+  std::map<int, std::set<int>> chunks;
+  for (const auto& seg : compiled.result.program.segments)
+    chunks[compiled.result.program.device_sets.at(static_cast<std::size_t>(seg.devices)).at(0)].insert(seg.tags.at("PP"));
+  ASSERT_EQ(chunks.size(), 32u);
+  for (int r = 0; r < 32; ++r)
+    EXPECT_EQ(chunks[r], r < 30 ? (std::set<int>{r, r + 32}) : (std::set<int>{r})) << "rank " << r;
+}
