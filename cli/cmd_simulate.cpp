@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "cli/common.hpp"
+#include "piper/sim/recompute_policy.hpp"
 #include "piper/sim/simulate.hpp"
 
 namespace piper::cli {
@@ -20,10 +21,12 @@ struct SimulateArgs {
   std::string calibration_path;
   std::string report_path;
   std::string trace_path;
+  double memory_budget_gib = 0;  // --recompute auto: the budget the chosen policy's peak fits
   int max_devices = 16;
   bool no_symmetry = false;
   CLI::Option* model = nullptr;
   CLI::Option* plan = nullptr;
+  CLI::Option* memory_budget = nullptr;
 };
 
 int run_simulate(const SimulateArgs& a) {
@@ -35,10 +38,23 @@ int run_simulate(const SimulateArgs& a) {
   sim::SimulationResult result;
   if (!a.plan_path.empty()) {
     a.scenario.reject_beside_plan();
+    if (a.memory_budget->count() > 0) throw CliError("", "--memory-budget cannot be used with --plan: the plan already fixes its recomputation");
     result = sim::simulate_program(std::make_shared<const core::Program>(read_verified_plan(a.plan_path)), options);
   } else {
     if (a.model->count() == 0) throw CliError("", "--model is required (or give --plan)");
     core::Scenario scenario = a.scenario.scenario();
+    const bool automatic = scenario.strategy.recompute == "auto";
+    if (automatic != (a.memory_budget->count() > 0))
+      throw CliError("", automatic ? "--recompute auto needs --memory-budget GiB (the peak memory per device the policy must fit)"
+                                   : "--memory-budget applies only with --recompute auto");
+    if (automatic) {
+      if (scenario.strategy.recompute_every > 0 || scenario.strategy.recompute_first > 0)
+        throw CliError("", "--recompute auto chooses the blocks itself: drop --recompute-every/--recompute-first");
+      const sim::RecomputeChoice choice = sim::choose_recompute(scenario, a.memory_budget_gib, options);
+      fmt::print("{}\n", choice.summary());
+      scenario.strategy.recompute = choice.chosen.policy.recompute;
+      scenario.strategy.recompute_every = choice.chosen.policy.every;
+    }
     result = sim::simulate(scenario, options);
     scenario.cluster = a.cluster;
     scenario.engine = a.engine;
@@ -71,6 +87,9 @@ Command add_simulate_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--engine", args->engine, "simulation engine: simgrid (flow-level network) or analytic (fast, no contention)")
       ->capture_default_str();
+  args->memory_budget = cmd->add_option("--memory-budget", args->memory_budget_gib,
+                                        "with --recompute auto: peak memory per device (GiB) the chosen policy must fit")
+                            ->check(kPositiveNumber);
   cmd->add_option("--calibration", args->calibration_path, "measured op times (piper-calibration JSON) overriding the cost model");
   cmd->add_option("--report", args->report_path, "write the report as JSON here")->check(kOutputPath);
   cmd->add_option("--trace", args->trace_path, "write a Chrome trace (Perfetto) here")->check(kOutputPath);

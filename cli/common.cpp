@@ -164,7 +164,13 @@ void ScenarioFlags::add_to(CLI::App* app) {
       app->add_option("--stages", stages, "balance the model over N PP regions")->check(kPositiveInt),
       app->add_option("--pp-ranges", pp_ranges, "explicit PP regions: first block of each, e.g. 0,10,20")
           ->delimiter(',')
-          ->check(CLI::NonNegativeNumber)};
+          ->check(CLI::NonNegativeNumber),
+      app->add_option("--first-stage-layers", first_stage_layers,
+                      "blocks of the first PP region; the regions between share the rest evenly (Megatron's --decoder-first-pipeline-num-layers)")
+          ->check(kPositiveInt),
+      app->add_option("--last-stage-layers", last_stage_layers,
+                      "blocks of the last PP region (Megatron's --decoder-last-pipeline-num-layers)")
+          ->check(kPositiveInt)};
   directives = app->add_option("--directives", directives_path, "directive program (JSON)");
   compile_inputs.push_back(directives);
   compile_inputs.push_back(app->add_option("--save-scenario", save_scenario_path,
@@ -218,6 +224,8 @@ core::Scenario ScenarioFlags::scenario() const {
   s.micro_batch_size = micro_batch_size;
   s.stages = stages;
   s.stage_starts = pp_ranges;
+  s.first_stage_layers = first_stage_layers;
+  s.last_stage_layers = last_stage_layers;
   s.strategy = strategy.options;
   if (!directives_path.empty()) {
     s.directives = read_json_file(directives_path);

@@ -72,6 +72,7 @@ struct ScenarioFlags {
   std::int64_t seq_len = 0, micro_batch_size = 0;
   int stages = 0;
   std::vector<int> pp_ranges;
+  int first_stage_layers = 0, last_stage_layers = 0;
   std::string directives_path;
   std::string save_scenario_path;
   StrategyFlags strategy;

@@ -30,11 +30,14 @@ namespace {
 
 // ZeRO-3 with "gather_unit": "block" (what `--zero 3` writes): each transformer block becomes a DAG
 // segment of its own (tag BLK), so its parameters are gathered, used and freed block by block, as
-// FSDP wraps each block; otherwise a segment is the published format's unit (a run of layers with one
-// tag stack, e.g. a whole pipeline stage of a dense model). Returns the model with each block tagged,
-// or nothing when no directive asks for block units (then the caller's model is compiled, uncopied).
+// FSDP wraps each block; a recompute directive that selects blocks ("every", "first", or a BLK
+// filter) needs the same cut, so that a block is recomputed or not as a whole. Otherwise a segment is
+// the published format's unit (a run of layers with one tag stack, e.g. a whole pipeline stage of a
+// dense model). Returns the model with each block tagged, or nothing when no directive asks for block
+// units (then the caller's model is compiled, uncopied).
 std::optional<Model> gather_unit_model(const Model& model, const DirectiveProgram& program) {
   const bool blocks = std::any_of(program.directives.begin(), program.directives.end(), [](const Directive& d) {
+    if (const auto* rc = std::get_if<RecomputeDirective>(&d)) return rc->selects_blocks();
     const auto* r = std::get_if<ReplicateDirective>(&d);
     return r && r->shard_params && r->gather_blocks;
   });

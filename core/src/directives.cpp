@@ -280,8 +280,16 @@ Directive parse_one(const json& d, int index) {
     return t;
   }
   if (op == "recompute") {
-    check_fields(d, index, {"filter", "mode"});
+    check_fields(d, index, {"filter", "mode", "every", "first"});
     RecomputeDirective r;
+    for (const char* field : {"every", "first"}) {
+      auto it = d.find(field);
+      if (it == d.end()) continue;
+      if (!it->is_number_integer() || it->get<long long>() < 1 || it->get<long long>() > kMaxTagIndex)
+        fail(index, field, fmt::format("must be a positive integer number of blocks, got {}", it->dump()));
+      (std::string(field) == "every" ? r.every : r.first) = it->get<int>();
+    }
+    if (r.every > 0 && r.first > 0) fail(index, "first", "cannot be combined with \"every\" (choose one block selection)");
     r.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     const json& m = require(d, index, "mode");
     if (!m.is_string()) fail(index, "mode", "must be \"none\", \"selective\" or \"full\"");

@@ -91,9 +91,11 @@ ProgramBuilder& ProgramBuilder::tensor_parallel(const Filter& filter, int degree
   return *this;
 }
 
-ProgramBuilder& ProgramBuilder::recompute(const Filter& filter, const std::string& mode) {
+ProgramBuilder& ProgramBuilder::recompute(const Filter& filter, const std::string& mode, int every, int first) {
   json d = directive("recompute", filter);
   d["mode"] = mode;
+  if (every > 0) d["every"] = every;
+  if (first > 0) d["first"] = first;
   program_.push_back(std::move(d));
   return *this;
 }

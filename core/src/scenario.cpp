@@ -135,7 +135,9 @@ std::string strategy_flag_error(const json& program, const StrategyOptions& o, c
            : field.rfind("shard_", 0) == 0 || field == "prefetch" ? fmt::format("--zero {}", o.zero)
                                   : fmt::format("--dp {}", o.dp);
   else if (op == "recompute")
-    flag = "--recompute " + o.recompute;
+    flag = field == "every"   ? fmt::format("--recompute {} --recompute-every {}", o.recompute, o.recompute_every)
+           : field == "first" ? fmt::format("--recompute {} --recompute-first {}", o.recompute, o.recompute_first)
+                              : "--recompute " + o.recompute;
   else if (op == "context_parallel")
     flag = o.cp_all_gather ? fmt::format("--cp {} --cp-all-gather", o.cp) : fmt::format("--cp {}", o.cp);
   else if (op == "sm_partition")
@@ -176,7 +178,36 @@ json strategy_directives(const StrategyOptions& o, const std::string& model) {
   return generate_program(o);
 }
 
+std::vector<int> first_last_stage_starts(int blocks, int regions, int first, int last) {
+  std::string flags;
+  if (first > 0) flags += fmt::format("--first-stage-layers {}", first);
+  if (last > 0) flags += fmt::format("{}--last-stage-layers {}", flags.empty() ? "" : " ", last);
+  const int fixed = (first > 0) + (last > 0);
+  if (regions < fixed + 1)
+    throw Error(fmt::format("{}: needs at least {} PP regions (there are {})", flags, fixed + 1, regions));
+  const int middle = regions - fixed, rest = blocks - first - last;
+  if (rest < middle)
+    throw Error(fmt::format("{}: leaves {} blocks of {} for the other {} PP regions (at least one each)", flags, rest, blocks, middle));
+  if (rest % middle != 0)
+    throw Error(fmt::format("{}: the other {} blocks do not divide evenly over the other {} PP regions", flags, rest, middle));
+  std::vector<int> starts;
+  int at = 0;
+  for (int r = 0; r < regions; ++r) {
+    starts.push_back(at);
+    at += r == 0 && first > 0 ? first : r == regions - 1 && last > 0 ? last : rest / middle;
+  }
+  return starts;
+}
+
 void annotate_regions(const Scenario& s, Model& model, const json& program, int regions) {
+  if ((s.first_stage_layers > 0 || s.last_stage_layers > 0) && !s.stage_starts.empty())
+    throw Error("--first-stage-layers/--last-stage-layers cannot be combined with --pp-ranges (which fixes every region)");
+  if (s.first_stage_layers > 0 || s.last_stage_layers > 0) {
+    int blocks = 0;
+    for (const auto& l : model.layers()) blocks = std::max(blocks, l.block + 1);
+    annotate_pipeline_ranges(model, first_last_stage_starts(blocks, regions, s.first_stage_layers, s.last_stage_layers));
+    return;
+  }
   try {
     if (s.stage_starts.empty()) {
       balance_pipeline(model, regions);
@@ -268,6 +299,8 @@ json Scenario::to_json() const {
   if (micro_batch_size) j["micro_batch_size"] = micro_batch_size;
   if (stages) j["stages"] = stages;
   if (!stage_starts.empty()) j["pp_ranges"] = stage_starts;
+  if (first_stage_layers > 0) j["first_stage_layers"] = first_stage_layers;
+  if (last_stage_layers > 0) j["last_stage_layers"] = last_stage_layers;
   if (directives) {
     j["directives"] = *directives;
     if (append_schedule) j["append_schedule"] = true;
@@ -297,7 +330,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
         throw fail(prefix + it.key(), "unknown field" + hint);
       }
   };
-  reject_unknown(j, "", {"model", "seq_len", "micro_batch_size", "stages", "pp_ranges", "directives", "append_schedule",
+  reject_unknown(j, "", {"model", "seq_len", "micro_batch_size", "stages", "pp_ranges", "first_stage_layers", "last_stage_layers", "directives", "append_schedule",
                          "strategy", "cluster", "engine"});
   auto resolve = [&](const std::string& p) {
     if (p.empty() || base_dir.empty() || std::filesystem::path(p).is_absolute()) return p;
@@ -317,6 +350,8 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
   int_field(j, "seq_len", "seq_len", s.seq_len, 1);
   int_field(j, "micro_batch_size", "micro_batch_size", s.micro_batch_size, 1);
   int_field(j, "stages", "stages", s.stages, 1);
+  int_field(j, "first_stage_layers", "first_stage_layers", s.first_stage_layers, 1);
+  int_field(j, "last_stage_layers", "last_stage_layers", s.last_stage_layers, 1);
   if (j.contains("pp_ranges")) {
     if (!j["pp_ranges"].is_array()) throw fail("pp_ranges", "must be an array of first blocks, e.g. [0, 8, 16]");
     for (const auto& v : j["pp_ranges"]) {

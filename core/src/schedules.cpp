@@ -242,8 +242,107 @@ ScheduleTable depth_first_table(const ScheduleContext& ctx, bool zero_bubble) {
   return t;
 }
 
+// Uneven pipelines (regions not a multiple of p, e.g. 62 one-block chunks on 32 ranks): rank r holds
+// v_r = ceil((regions - r) / p) stages r, r+p, ... The published rule's fixed warmup counts assume
+// equal v and deadlock here, so the per-rank orders come from running the rule: a list schedule in
+// unit time (F = 1, B = 2, or I = 1 and W = 1 with zero_bubble) where each rank takes its forwards and
+// backwards in the depth-first order above, the next forward when it can start no later than the
+// next backward and fewer than warmup + 1 forwards are in flight (warmup as published, counting the
+// stages downstream of the rank's last local stage), else the next backward (I). When every rank is
+// blocked by that cap, the earliest forward runs anyway. Orders taken from an execution cannot
+// deadlock. Deferred W fill the time a rank would wait, and follow its last backward. On even
+// pipelines the same rule gives the published rule's step time (Llama-style 1B, PP 4 x 2 chunks:
+// 122.635 ms both; 64 one-block chunks on 32 ranks: 712.0 against 712.1 ms, analytic engine).
+ScheduleTable depth_first_uneven_table(const ScheduleContext& ctx, bool zero_bubble) {
+  const int p = ctx.ranks, m = ctx.microbatches, regions = ctx.regions;
+  const int rounds = std::max(1, m / p), per_round = m / rounds;
+  ScheduleTable t{regions, m, std::vector<std::vector<ScheduleStep>>(static_cast<size_t>(p))};
+  struct Rank {
+    std::vector<std::pair<int, int>> forwards, backwards;  // (stage, microbatch) in depth-first order
+    std::size_t next_f = 0, next_b = 0;
+    std::deque<std::pair<int, int>> weights;
+    double free_at = 0;
+    int cap = 0;
+  };
+  std::vector<Rank> ranks(static_cast<size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    Rank& k = ranks[static_cast<size_t>(r)];
+    const int v = (regions - r + p - 1) / p;
+    for (int i = 0; i < m * v; ++i) {
+      const int chunk = (i / per_round) % v, mb = (i / (per_round * v)) * per_round + i % per_round;
+      k.forwards.push_back({chunk * p + r, mb});
+      k.backwards.push_back({(v - 1 - chunk) * p + r, mb});
+    }
+    const int downstream = regions - 1 - ((v - 1) * p + r);
+    k.cap = std::min((v - 1) * per_round + (zero_bubble ? 1 : 2) * downstream, m * v) + 1;
+  }
+  // Completion times of F and of B (I) per (stage, microbatch); -1: not run yet.
+  std::vector<std::vector<double>> f_done(static_cast<size_t>(regions), std::vector<double>(static_cast<size_t>(m), -1));
+  auto b_done = f_done;
+  const double f_time = 1, b_time = zero_bubble ? 1 : 2, w_time = 1;
+  auto f_ready = [&](std::pair<int, int> a) { return a.first == 0 ? 0.0 : f_done[static_cast<size_t>(a.first - 1)][static_cast<size_t>(a.second)]; };
+  auto b_ready = [&](std::pair<int, int> a) {
+    const double own = f_done[static_cast<size_t>(a.first)][static_cast<size_t>(a.second)];
+    if (own < 0 || a.first == regions - 1) return own;
+    const double next = b_done[static_cast<size_t>(a.first + 1)][static_cast<size_t>(a.second)];
+    return next < 0 ? -1.0 : std::max(own, next);
+  };
+  std::size_t remaining = 0;
+  for (const auto& k : ranks) remaining += k.forwards.size() + k.backwards.size();
+  while (remaining > 0) {
+    // Each rank's candidate: (start, kind 0 = B, 1 = F), the earliest start over ranks wins.
+    int best = -1, best_kind = 0;
+    double best_start = 0;
+    bool capped = false;
+    for (int pass = 0; pass < 2 && best < 0; ++pass) {
+      for (int r = 0; r < p; ++r) {
+        Rank& k = ranks[static_cast<size_t>(r)];
+        double start = -1;
+        int kind = 0;
+        if (k.next_b < k.backwards.size()) {
+          const double ready = b_ready(k.backwards[k.next_b]);
+          if (ready >= 0) start = std::max(k.free_at, ready);
+        }
+        const int in_flight = static_cast<int>(k.next_f) - static_cast<int>(k.next_b);
+        if (k.next_f < k.forwards.size() && (pass == 1 || in_flight < k.cap)) {
+          const double ready = f_ready(k.forwards[k.next_f]);
+          if (ready >= 0 && (start < 0 || std::max(k.free_at, ready) <= start)) start = std::max(k.free_at, ready), kind = 1;
+        } else if (k.next_f < k.forwards.size()) {
+          capped = true;
+        }
+        if (start >= 0 && (best < 0 || start < best_start)) best = r, best_start = start, best_kind = kind;
+      }
+      if (best < 0 && !capped) throw std::logic_error("uneven depth-first schedule: no rank can proceed");
+    }
+    Rank& k = ranks[static_cast<size_t>(best)];
+    // Deferred weight gradients fill the time this rank would otherwise wait.
+    while (zero_bubble && !k.weights.empty() && k.free_at + w_time <= best_start) {
+      t.ranks[static_cast<size_t>(best)].push_back({{k.weights.front().first, ActionKind::W, k.weights.front().second}});
+      k.weights.pop_front();
+      k.free_at += w_time;
+    }
+    if (best_kind == 1) {
+      const auto a = k.forwards[k.next_f++];
+      t.ranks[static_cast<size_t>(best)].push_back({{a.first, ActionKind::F, a.second}});
+      f_done[static_cast<size_t>(a.first)][static_cast<size_t>(a.second)] = best_start + f_time;
+      k.free_at = best_start + f_time;
+    } else {
+      const auto a = k.backwards[k.next_b++];
+      t.ranks[static_cast<size_t>(best)].push_back({{a.first, zero_bubble ? ActionKind::I : ActionKind::B, a.second}});
+      b_done[static_cast<size_t>(a.first)][static_cast<size_t>(a.second)] = best_start + b_time;
+      k.free_at = best_start + b_time;
+      if (zero_bubble) k.weights.push_back(a);
+    }
+    --remaining;
+  }
+  for (int r = 0; r < p; ++r)
+    for (const auto& a : ranks[static_cast<size_t>(r)].weights)
+      t.ranks[static_cast<size_t>(r)].push_back({{a.first, ActionKind::W, a.second}});
+  return t;
+}
+
 void check_virtual_rounds(const std::string& family, const ScheduleContext& ctx) {
-  const int v = ctx.regions / ctx.ranks;
+  const int v = (ctx.regions + ctx.ranks - 1) / ctx.ranks;
   if (v > 1 && ctx.microbatches % ctx.ranks != 0)
     fail(family, "--microbatches " + std::to_string(ctx.microbatches) + " must be a multiple of --pp " +
                      std::to_string(ctx.ranks) + " with --virtual " + std::to_string(v) +
@@ -253,19 +352,17 @@ void check_virtual_rounds(const std::string& family, const ScheduleContext& ctx)
 ScheduleTable interleaved_table(const ScheduleContext& ctx) {
   const std::string family = "interleaved-1f1b";
   check_context(family, ctx);
-  if (ctx.regions % ctx.ranks != 0) fail(family, "PP regions must be a multiple of --pp");
   expect_placement(family, ctx, ctx.regions, "region k on rank k mod pp", looped_rank);
   check_virtual_rounds(family, ctx);
-  return depth_first_table(ctx, false);
+  return ctx.regions % ctx.ranks == 0 ? depth_first_table(ctx, false) : depth_first_uneven_table(ctx, false);
 }
 
 ScheduleTable zb_h1_table(const ScheduleContext& ctx) {
   const std::string family = "zb-h1";
   check_context(family, ctx);
-  if (ctx.regions % ctx.ranks != 0) fail(family, "PP regions must be a multiple of --pp");
   expect_placement(family, ctx, ctx.regions, "region k on rank k mod pp", looped_rank);
   check_virtual_rounds(family, ctx);
-  return depth_first_table(ctx, true);
+  return ctx.regions % ctx.ranks == 0 ? depth_first_table(ctx, true) : depth_first_uneven_table(ctx, true);
 }
 
 // Looped BFS (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism"): each rank runs all
@@ -484,7 +581,7 @@ const std::vector<ScheduleFamily>& schedule_registry() {
                        "1f1b", ctx, [&](int k) { return one_f_one_b_stage(k, ctx.regions, ctx.microbatches); });
                  }});
     r.push_back({"interleaved-1f1b",
-                 "--virtual V chunks per rank (region k on rank k mod pp); with V > 1, --microbatches a multiple of --pp",
+                 "--virtual V chunks per rank (region k on rank k mod pp; --stages N not a multiple of pp: unequal chunks); with V > 1, --microbatches a multiple of --pp",
                  regions_pp_times_virtual, looped_placement, table_directives<interleaved_table>, interleaved_table});
     r.push_back({"looped-bfs", "--virtual V chunks per rank (region k on rank k mod pp); all microbatches per chunk",
                  regions_pp_times_virtual, looped_placement, table_directives<looped_bfs_table>, looped_bfs_table});

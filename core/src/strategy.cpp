@@ -63,8 +63,15 @@ void validate_strategy_options(const StrategyOptions& o) {
   at_least_one("--etp", o.etp);
   if (o.sequence_parallel && o.tp < 2) fail("--sequence-parallel needs --tp >= 2");
   if (o.tp_comm_overlap && o.tp < 2) fail("--tp-comm-overlap needs --tp >= 2");
+  if (o.recompute == "auto")
+    fail("--recompute auto is chosen by the simulator's memory model: use it with piper simulate and --memory-budget GiB");
   if (o.recompute != "none" && o.recompute != "selective" && o.recompute != "full" && o.recompute != "op")
     fail("--recompute must be none, selective, full or op (got '" + o.recompute + "')");
+  if (o.recompute_every < 0) fail("--recompute-every must be >= 1 (got " + std::to_string(o.recompute_every) + ")");
+  if (o.recompute_first < 0) fail("--recompute-first must be >= 1 (got " + std::to_string(o.recompute_first) + ")");
+  if (o.recompute_every > 0 && o.recompute_first > 0) fail("--recompute-every and --recompute-first cannot be combined (choose one block selection)");
+  if ((o.recompute_every > 0 || o.recompute_first > 0) && o.recompute == "none")
+    fail(std::string(o.recompute_every > 0 ? "--recompute-every" : "--recompute-first") + " needs --recompute selective, full or op (the mode of the chosen blocks)");
   if (o.comm_sms < 0) fail("--comm-sms must be >= 1 (got " + std::to_string(o.comm_sms) + ")");
   if (o.global_batch < 0) fail("--global-batch must be >= 1 (got " + std::to_string(o.global_batch) + ")");
   at_least_one("--virtual-stages", o.virtual_stages);
@@ -162,7 +169,7 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
   if (o.tp > 1 || o.etp > 1)
     for (int i = 0; i < regions; ++i) out.tensor_parallel(region_filter(i), o.tp, o.sequence_parallel, o.tp_comm_overlap, o.etp);
   if (o.recompute != "none")
-    for (int i = 0; i < regions; ++i) out.recompute(region_filter(i), o.recompute);
+    for (int i = 0; i < regions; ++i) out.recompute(region_filter(i), o.recompute, o.recompute_every, o.recompute_first);
   if (o.cp > 1) out.context_parallel(o.cp, o.cp_all_gather);
   if (o.comm_sms > 0) out.sm_partition(o.comm_sms);
   return out.take();

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -71,10 +72,11 @@ fs::path temp_dir(const std::string& name) {
 
 // Compiles the tiny model with strategy knobs (or a published directive program) and writes the plan.
 fs::path compile_plan(const fs::path& dir, const core::StrategyOptions& strategy, const std::string& directives_file = "",
-                      const std::string& model = kModel) {
+                      const std::string& model = kModel, const std::function<void(core::Scenario&)>& edit = {}) {
   core::Scenario s;
   s.model = model;
   s.strategy = strategy;
+  if (edit) edit(s);
   if (!directives_file.empty()) {
     std::ifstream in(directives_file);
     s.directives = json::parse(in);
@@ -107,9 +109,9 @@ std::vector<double> losses_of(const fs::path& report) {
 
 // Runs the plan distributed and as the reference for `steps`, and checks losses and parameters.
 void expect_equivalent(const std::string& name, int ranks, const core::StrategyOptions& strategy, const std::string& directives = "",
-                       const std::string& model = kModel) {
+                       const std::string& model = kModel, const std::function<void(core::Scenario&)>& edit = {}) {
   const fs::path dir = temp_dir(name);
-  const fs::path plan = compile_plan(dir, strategy, directives, model);
+  const fs::path plan = compile_plan(dir, strategy, directives, model, edit);
   const std::string common = " run --plan " + plan.string() + " --steps 3" + kOptimizer + " --seed 7";
   Result ref = sh(std::string(PIPER_CLI) + common + " --reference --report " + (dir / "ref.json").string() + " --dump-params " + (dir / "ref.bin").string());
   ASSERT_EQ(ref.code, 0) << ref.output;
@@ -475,6 +477,28 @@ TEST(RuntimeEquivalence, DP2xETP2_MoE_Zero1) {
   expect_equivalent("dp2-etp2", 2, o);
 }
 TEST(RuntimeEquivalence, FullRecompute_ZBH1_PP2) { expect_equivalent("full-zbh1", 2, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 1, false, "full")); }
+// Every 2nd block (TorchTitan's ac_freq 2): the plan recomputes blocks 1 and 3 and nothing else, and
+// the host backend runs exactly those segments with full recomputation (one segment per block).
+TEST(RuntimeEquivalence, FullRecomputeEverySecondBlock_1F1B_PP2) {
+  core::StrategyOptions o = megatron(strategy(2, 1, 1, 0, 4, "1f1b"), 1, false, "full");
+  o.recompute_every = 2;
+  const fs::path plan = compile_plan(temp_dir("every2-plan"), o, "", kDense);
+  std::ifstream in(plan);
+  const core::Program p = core::Program::from_json(json::parse(in));
+  std::set<int> recomputed;
+  for (const auto& seg : p.segments)
+    if (seg.recompute == core::Recompute::Full) recomputed.insert(seg.tags.at("BLK"));
+  EXPECT_EQ(recomputed, (std::set<int>{1, 3}));
+  expect_equivalent("every2-1f1b", 2, o, "", kDense);
+}
+// Uneven pipelines: 4 blocks in 3 interleaved chunks on 2 ranks (rank 0 holds chunks 0 and 2, rank
+// 1 chunk 1), and 1F1B with a one-block first stage (Megatron's --decoder-first-pipeline-num-layers).
+TEST(RuntimeEquivalence, Uneven_Interleaved_3ChunksOn2Ranks) {
+  expect_equivalent("uneven-interleaved", 2, strategy(2, 1, 1, 0, 4, "interleaved-1f1b"), "", kDense, [](core::Scenario& s) { s.stages = 3; });
+}
+TEST(RuntimeEquivalence, Uneven_1F1B_FirstStageOneBlock_PP2xDP2) {
+  expect_equivalent("uneven-first", 4, strategy(2, 2, 1, 0, 4, "1f1b"), "", kDense, [](core::Scenario& s) { s.first_stage_layers = 1; });
+}
 TEST(RuntimeEquivalence, SelectiveRecompute_PP2xDP2xEP2) {
   expect_equivalent("selective-ep", 4, megatron(strategy(2, 2, 2, 0, 4, "1f1b"), 1, false, "selective"));
 }

@@ -164,7 +164,7 @@ TEST(Settings, BadEnumValueNamesTheKeyAndTheChoices) {
   EXPECT_EQ(error_of([] {
               core::Scenario::from_json(json::parse(R"({"model": "qwen3-9m", "strategy": {"recompute": "ful"}})"), "s.json");
             }),
-            "s.json: field 'strategy.recompute': unknown value 'ful' (did you mean 'full'?); expected none, selective, full or op");
+            "s.json: field 'strategy.recompute': unknown value 'ful' (did you mean 'full'?); expected none, selective, full, op or auto");
   EXPECT_EQ(error_of([] {
               core::Scenario::from_json(json::parse(R"({"model": "qwen3-9m", "strategy": {"reduce_every": 1}})"), "s.json");
             }),

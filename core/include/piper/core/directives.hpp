@@ -5,6 +5,7 @@
 // tied-embedding -> update-costs -> order -> sm-partition (which only records the SM split).
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <optional>
 #include <string>
@@ -100,9 +101,18 @@ struct TensorParallelDirective {
 };
 
 // Piper extension: activation recomputation of the selected segments.
+// Block selection (the compiler then makes each transformer block a segment of its own, tag BLK, as
+// ZeRO-3's block gather unit does): "every": K keeps only the blocks b of the selection with
+// (b + 1) % K == 0 (TorchTitan's ac_freq: every K-th block, the first at K - 1); "first": N keeps the
+// first N blocks of the selection (Megatron's --recompute-method block --recompute-num-layers N, with
+// one directive per pipeline stage). Embedding, final norm and head belong to no block: never selected.
 struct RecomputeDirective {
   Filter filter;
   Recompute mode = Recompute::None;
+  int every = 0;  // 0: every selected segment
+  int first = 0;  // 0: every selected segment
+  bool selects_blocks() const { return every > 0 || first > 0 || filter.exact.contains("BLK") ||
+                                       std::find(filter.any.begin(), filter.any.end(), "BLK") != filter.any.end(); }
 };
 
 // Piper extension: a static split of every GPU's SMs, `sms` for the communication streams and the rest

@@ -41,7 +41,8 @@ class ProgramBuilder {
   ProgramBuilder& order(const std::vector<std::vector<Filter>>& groups);
   ProgramBuilder& tensor_parallel(const Filter& filter, int degree, bool sequence_parallel = false, bool comm_overlap = false,
                                   int expert_degree = 1);
-  ProgramBuilder& recompute(const Filter& filter, const std::string& mode);  // "none", "selective" or "full"
+  // "none", "selective", "full" or "op"; every / first > 0: only those blocks (RecomputeDirective)
+  ProgramBuilder& recompute(const Filter& filter, const std::string& mode, int every = 0, int first = 0);
   ProgramBuilder& sm_partition(int sms);                                      // the communication streams' SMs
   ProgramBuilder& context_parallel(int degree, bool all_gather = false);      // the whole model's CP degree
   ProgramBuilder& append(const nlohmann::json& directives);                   // another program's directives, in order

@@ -21,6 +21,10 @@ struct Scenario {
   std::int64_t micro_batch_size = 0;       // 0: the model's default
   int stages = 0;                          // PP regions; 0: from the program or the schedule family
   std::vector<int> stage_starts;           // explicit PP regions: first block of each (overrides balancing)
+  // Uneven pipelines (Megatron's --decoder-first/last-pipeline-num-layers): blocks of the first and of
+  // the last PP region; the other regions share the rest evenly (first_last_stage_starts). 0: balanced.
+  int first_stage_layers = 0;
+  int last_stage_layers = 0;
   std::optional<nlohmann::json> directives;  // a directive program; empty: generated from `strategy`
   std::string directives_source;           // file the program came from (for error messages)
   StrategyOptions strategy;
@@ -43,6 +47,11 @@ struct CompiledScenario {
 // Loads the model, balances its PP regions, builds the directive program and compiles it. Errors are
 // core::Error subclasses whose one-line message names the file or flag at fault.
 CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook = {});
+
+// The first block of each of `regions` PP regions over `blocks` transformer blocks when the first
+// region has `first` blocks and the last `last` (0: not fixed); the regions between share the rest
+// evenly, as Megatron-LM requires. Throws Error naming the flags when they cannot.
+std::vector<int> first_last_stage_starts(int blocks, int regions, int first, int last);
 
 // The model's architecture with the scenario's training shape (seq_len, micro_batch_size) applied.
 ModelConfig scenario_model_config(const Scenario& s);
