@@ -5,7 +5,8 @@
   python3 experiments/fidelity/sources/build_steptimes.py MIRRORS --verify   # every quote still verbatim
 
 MIRRORS holds one bare or normal git clone per source, at MIRRORS/<owner>+<name>/repo:
-mosaicml+llm-foundry, pytorch+torchtitan, bigscience-workshop+bigscience, cli99+llm-analysis. The
+mosaicml+llm-foundry, pytorch+torchtitan, bigscience-workshop+bigscience, cli99+llm-analysis,
+deepspeedai+DeepSpeed (read for its pipeline engine's point-to-point semantics). The
 script reads each source file at the clone's HEAD with `git show`, picks table rows by their key
 columns, and copies each row's text verbatim into the case's quote; every number in a case is parsed
 from that text (or asserted to appear in it), never typed in. The commit read is recorded per case.
@@ -317,6 +318,18 @@ for caption_prefix, quant_row, name, gpus, tp, lbs, ac, model in [
                   "sequence (SequenceParallel() on attention_norm, ffn_norm and norm in torchtitan/models/llama3/parallelize_llama.py "
                   "at the benchmark's commit 820504e), i.e. Megatron-style sequence parallelism: posed with --sequence-parallel. " + ("Full AC = --recompute full." if ac == "full" else "Per-op SAC posed as --recompute op.") + TT_NOTE_RUNTIME)})
 
+# ---------------------------------------------------------------- DeepSpeed's pipeline engine (BLOOM, MT-NLG)
+# Its point-to-point transfers are synchronous: p2p.send refuses async_op and calls dist.send, which the
+# compute stream waits on; posed with --p2p-blocking (the place directives' "blocking", docs/compiler.md).
+DS = "deepspeedai+DeepSpeed"
+ds_commit = head(DS)
+ds_p2p = show(DS, ds_commit, "deepspeed/runtime/pipe/p2p.py")
+assert 'def send(tensor, dest_stage, async_op=False):' in ds_p2p
+assert 'assert async_op == False, "Doesn\'t support async_op true"' in ds_p2p and "return dist.send(tensor, dest_rank)" in ds_p2p
+DS_P2P_NOTE = (" DeepSpeed's pipeline engine sends and receives synchronously (deepspeed/runtime/pipe/p2p.py at "
+               f"{ds_commit[:7]}: send(tensor, dest_stage, async_op=False) asserts \"Doesn't support async_op true\" and "
+               "calls dist.send): --p2p-blocking.")
+
 # ---------------------------------------------------------------- BigScience BLOOM (tr11) 3D-topology benchmarks
 BS = "bigscience-workshop+bigscience"
 bs_commit = head(BS)
@@ -380,7 +393,7 @@ def pick_bs(marker, occurrence, hidden, layers, label, want):
             "model": bs_model(hidden, layers), "gpu": "A100-80GB", "cluster": "experiments/fidelity/clusters/jean-zay-a100.json",
             "gpus": gpus,
             "flags": ["--tp", tp, "--pp", pp, "--dp", dp, "--zero", "1", "--schedule", "1f1b", "--microbatches", str(m),
-                      "--micro-batch-size", mbs, "--seq-len", "2048", "--recompute", "full"],
+                      "--micro-batch-size", mbs, "--seq-len", "2048", "--recompute", "full", "--p2p-blocking"],
             "family": "tp+pp+dp",
             "runtime": "megatron",
             "measured": {"value": float(secit), "unit": "s/iteration (iteration 2)"},
@@ -392,7 +405,7 @@ def pick_bs(marker, occurrence, hidden, layers, label, want):
                       "--zero 1; activation checkpointing (README: 'Since we use activation check-pointing') = --recompute full; "
                       "DeepSpeed's pipeline schedule posed as 1F1B; the source partitions embeddings as pipeline layers "
                       "('type:transformer|embedding'), Piper balances its own way. Measured at iteration 2 (the source warns the "
-                      "snapshot 'can fluctuate a bit'). The table's model size column is the source's.")})
+                      "snapshot 'can fluctuate a bit'). The table's model size column is the source's." + DS_P2P_NOTE)})
 
 
 pick_bs("NHIDDEN=14336 / NLAYERS=72", 0, 14336, 72, "h14336-l72", {(4, 12, 1), (4, 12, 2), (4, 12, 4), (4, 12, 8), (8, 6, 1), (8, 6, 2), (8, 6, 4)})
@@ -437,7 +450,7 @@ for servers, secit, tfl in [("280", "60.1", "126"), ("350", "50.2", "121"), ("42
         "model": mt_model, "gpu": "A100-80GB", "cluster": "dgx-a100-80g",
         "gpus": gpus,
         "flags": ["--tp", "8", "--pp", "35", "--dp", str(dp), "--zero", "1", "--schedule", "1f1b", "--microbatches", str(m),
-                  "--micro-batch-size", "1", "--seq-len", "2048", "--recompute", "full"],
+                  "--micro-batch-size", "1", "--seq-len", "2048", "--recompute", "full", "--p2p-blocking"],
         "family": "tp+pp+dp", "runtime": "megatron",
         "measured": {"value": float(secit), "unit": "s/iteration"},
         "measured_step_s": float(secit),
@@ -447,7 +460,7 @@ for servers, secit, tfl in [("280", "60.1", "126"), ("350", "50.2", "121"), ("42
                   "'8 A100-SXM 40GB GPUs'; the Microsoft Research announcement, as quoted at "
                   "https://creativeg.gr/gpt3/mt-nlg-by-microsoft-and-nvidia-ai/, says 'Each DGX A100 includes eight A100s, each "
                   "with an 80GB Tensor Core GPU' and 'HDR InfiniBand with full-fat tree extension', so the dgx-a100-80g preset is used (the GPUs' FLOP/s and NVLink are the same). DeepSpeed ZeRO-1 "
-                  "data parallelism and its 1F1B pipeline schedule; fp32 main grads as Megatron-LM's default.")})
+                  "data parallelism and its 1F1B pipeline schedule; fp32 main grads as Megatron-LM's default." + DS_P2P_NOTE)})
 
 ids = [c["id"] for c in cases]
 assert len(ids) == len(set(ids)), "duplicate ids"
