@@ -113,6 +113,28 @@ class Verifier {
 
   void add(const char* check, std::string message) { issues_.push_back({check, std::move(message)}); }
 
+  // The devices of one group of each family must issue the same compute ops (as `sequence(plan,
+  // family)` lists them); each pair of plans is compared once.
+  template <class Sequence>
+  void check_groups_issue_alike(const std::set<int>& families, const Sequence& sequence, const char* check,
+                                const std::string& what) {
+    for (int family : families) {
+      std::map<std::pair<int, int>, bool> compared;
+      for (const auto& group : prog_.groups(family)) {
+        const int first = prog_.plan_of_device[ix(group.front())];
+        for (int d : group) {
+          const int plan = prog_.plan_of_device[ix(d)];
+          if (plan == first || compared.contains({first, plan})) continue;
+          compared[{first, plan}] = true;
+          if (sequence(first, family) != sequence(plan, family))
+            add(check, "device " + std::to_string(d) + " (plan " + std::to_string(plan) + ") and device " +
+                           std::to_string(group.front()) + " (plan " + std::to_string(first) + ") are in one " + what +
+                           " group (family " + std::to_string(family) + ") but issue different " + what + " compute ops");
+        }
+      }
+    }
+  }
+
   const Op& op_at(int plan, OpRef r) const { return prog_.plans[ix(plan)].streams[ix(r.stream)].ops[ix(r.index)]; }
   std::size_t vertex(int plan, OpRef r) const { return ix(stream_base_[ix(plan)][ix(r.stream)] + r.index); }
 
@@ -540,22 +562,7 @@ class Verifier {
             add("tp-group", "op '" + op.label + "' performs TP collectives but its segment is not tensor-parallel");
             return;
           }
-    for (int family : tp_families) {
-      std::map<std::pair<int, int>, bool> compared;
-      for (const auto& group : prog_.groups(family)) {
-        const int first = prog_.plan_of_device[ix(group.front())];
-        for (int d : group) {
-          const int plan = prog_.plan_of_device[ix(d)];
-          if (plan == first || compared.contains({first, plan})) continue;
-          compared[{first, plan}] = true;
-          if (sequence(first, family) != sequence(plan, family))
-            add("tp-group", "device " + std::to_string(d) + " (plan " + std::to_string(plan) + ") and device " +
-                                std::to_string(group.front()) + " (plan " + std::to_string(first) +
-                                ") are in one TP group (family " + std::to_string(family) +
-                                ") but issue different TP compute ops");
-        }
-      }
-    }
+    check_groups_issue_alike(tp_families, sequence, "tp-group", "TP");
   }
 
   // ---- context parallelism: model-wide (one degree and K/V exchange on every segment), a sequence
@@ -625,22 +632,7 @@ class Verifier {
         }
       return seq;
     };
-    for (int family : cp_families) {
-      std::map<std::pair<int, int>, bool> compared;
-      for (const auto& group : prog_.groups(family)) {
-        const int first = prog_.plan_of_device[ix(group.front())];
-        for (int d : group) {
-          const int plan = prog_.plan_of_device[ix(d)];
-          if (plan == first || compared.contains({first, plan})) continue;
-          compared[{first, plan}] = true;
-          if (sequence(first, family) != sequence(plan, family))
-            add("cp-group", "device " + std::to_string(d) + " (plan " + std::to_string(plan) + ") and device " +
-                                std::to_string(group.front()) + " (plan " + std::to_string(first) +
-                                ") are in one CP group (family " + std::to_string(family) +
-                                ") but issue different CP compute ops");
-        }
-      }
-    }
+    check_groups_issue_alike(cp_families, sequence, "cp-group", "CP");
   }
 
   void check_buffers(int p) {
