@@ -190,8 +190,28 @@ Calibration Calibration::parse(const std::string& text, const std::string& where
 
 // ---- cost model ----
 
+namespace {
+
+// The table's multipliers for attention implementation `name`; ClusterError naming the ones it has.
+KernelTable::AttentionKernel attention_kernel_of(const KernelTable& t, const std::string& name) {
+  if (const auto it = t.attention_kernels.find(name); it != t.attention_kernels.end()) return it->second;
+  std::string known;
+  for (const auto& [k, v] : t.attention_kernels) known += (known.empty() ? "" : ", ") + k;
+  throw ClusterError("cluster: field 'attention_kernel': kernel table '" + t.name + "' has no attention kernel '" + name +
+                     "' (it has: " + (known.empty() ? "none" : known) + ")");
+}
+
+}  // namespace
+
 CostModel::CostModel(const Cluster& cluster, std::optional<Calibration> calibration)
-    : cluster_(cluster), node_of_(cluster.node_of_devices()), gpu_of_(cluster.gpu_of_devices()), calibration_(std::move(calibration)) {}
+    : cluster_(cluster), node_of_(cluster.node_of_devices()), gpu_of_(cluster.gpu_of_devices()), calibration_(std::move(calibration)) {
+  // An attention implementation a table does not name is refused here, in one line, rather than at
+  // the first kernel timed.
+  if (!cluster_.attention_kernel.empty())
+    for (const auto& node : cluster_.nodes)
+      if (!node.gpu.kernel_table.empty())
+        attention_kernel_of(*load_kernel_table(node.gpu.kernel_table), cluster_.attention_kernel);
+}
 
 bool CostModel::on_one_gpu(const std::vector<int>& ranks) const {
   if (ranks.size() < 2) return false;
@@ -261,18 +281,6 @@ std::uint64_t bits(double x) {
 
 }  // namespace
 
-namespace {
-
-// The table's multipliers for attention implementation `name`; ClusterError naming the ones it has.
-KernelTable::AttentionKernel attention_kernel_of(const KernelTable& t, const std::string& name) {
-  if (const auto it = t.attention_kernels.find(name); it != t.attention_kernels.end()) return it->second;
-  std::string known;
-  for (const auto& [k, v] : t.attention_kernels) known += (known.empty() ? "" : ", ") + k;
-  throw ClusterError("cluster: field 'attention_kernel': kernel table '" + t.name + "' has no attention kernel '" + name +
-                     "' (it has: " + (known.empty() ? "none" : known) + ")");
-}
-
-}  // namespace
 
 // Each node's table and kernel timing, built once (the cluster's runtime profile is the same for all).
 const KernelTiming& CostModel::node_timing(int node) const {
