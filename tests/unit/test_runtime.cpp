@@ -343,6 +343,12 @@ TEST(Runtime, ReferenceLearnsTheSyntheticStream) {
 
 TEST(RuntimeEquivalence, OneFOneB_PP2xDP2) { expect_equivalent("1f1b", 4, strategy(2, 2, 1, 0, 4, "1f1b")); }
 TEST(RuntimeEquivalence, GPipe_PP4) { expect_equivalent("gpipe", 4, strategy(4, 1, 1, 0, 4, "gpipe")); }
+// Synchronous pipeline transfers (place "blocking", DeepSpeed's engine) change when ops run, not what they compute.
+TEST(RuntimeEquivalence, OneFOneB_PP2xDP2_BlockingTransfers) {
+  core::StrategyOptions o = strategy(2, 2, 1, 0, 4, "1f1b");
+  o.p2p_blocking = true;
+  expect_equivalent("blocking", 4, o);
+}
 TEST(RuntimeEquivalence, OneFOneB_PP2xDP2xEP2_Zero2) { expect_equivalent("zero2", 4, strategy(2, 2, 2, 2, 4, "1f1b")); }
 TEST(RuntimeEquivalence, OneFOneB_PP2xDP2xEP2_Zero3) { expect_equivalent("zero3", 4, strategy(2, 2, 2, 3, 4, "1f1b")); }
 TEST(RuntimeEquivalence, BucketedDP2) { expect_equivalent("bucket", 2, strategy(1, 2, 1, 0, 2, "1f1b", 1, 0.05)); }
