@@ -34,7 +34,8 @@ std::shared_ptr<const core::Program> measured_program(const CalibrateArgs& a) {
     a.scenario.reject_beside_plan();
     return std::make_shared<const core::Program>(read_verified_plan(a.plan_path));
   }
-  if (a.model->count() == 0) throw CliError("", "--model is required (or give --plan): the plan the measurements come from");
+  if (a.model->count() == 0)
+    throw CliError("", "--model is required (or give --plan): the plan the measurements come from");
   core::CompiledScenario compiled = core::compile_scenario(a.scenario.scenario());
   return std::make_shared<const core::Program>(std::move(compiled.result.program));
 }
@@ -43,7 +44,8 @@ std::shared_ptr<const core::Program> measured_program(const CalibrateArgs& a) {
 // JSON with "kernel_table" set on the node and on every override that names a GPU.
 json calibrated_cluster(const std::string& cluster, const std::string& table) {
   const std::vector<std::string> presets = sim::cluster_presets();
-  json spec = std::find(presets.begin(), presets.end(), cluster) != presets.end() ? json{{"preset", cluster}} : read_json_file(cluster);
+  json spec = std::find(presets.begin(), presets.end(), cluster) != presets.end() ? json{{"preset", cluster}}
+                                                                                  : read_json_file(cluster);
   auto set_table = [&](json& node) {
     json& gpu = node["gpu"];
     if (gpu.is_string()) gpu = json{{"preset", gpu.get<std::string>()}};
@@ -59,7 +61,8 @@ json calibrated_cluster(const std::string& cluster, const std::string& table) {
 
 int run_calibrate(const CalibrateArgs& a) {
   if (a.calibration_path.empty() == a.trace_path.empty())
-    throw CliError("", "give exactly one of --calibration (op times from `piper run --calibrate`) and --trace (a kernel trace)");
+    throw CliError(
+        "", "give exactly one of --calibration (op times from `piper run --calibrate`) and --trace (a kernel trace)");
   const auto program = measured_program(a);
   const sim::Cluster cluster = sim::with_devices(sim::load_cluster(a.cluster), program->num_devices);
   const int device = a.device;
@@ -67,8 +70,11 @@ int run_calibrate(const CalibrateArgs& a) {
     throw CliError("", fmt::format("--device {}: the plan has devices 0..{}", device, program->num_devices - 1));
   const std::string base = cluster.gpu(device).kernel_table;
   if (base.empty())
-    throw CliError("", fmt::format("--cluster '{}': GPU '{}' has no kernel table to calibrate (give one: \"gpu\": {{\"kernel_table\": …}})",
-                                   a.cluster, cluster.gpu(device).name));
+    throw CliError(
+        "",
+        fmt::format(
+            "--cluster '{}': GPU '{}' has no kernel table to calibrate (give one: \"gpu\": {{\"kernel_table\": …}})",
+            a.cluster, cluster.gpu(device).name));
   sim::CostModel cost(cluster);
   sim::TableCalibration c;
   std::string source;
@@ -92,9 +98,12 @@ int run_calibrate(const CalibrateArgs& a) {
   fmt::print("{:<10} {:>10}   (measured time / {} time)\n", "class", "multiplier", base);
   for (int k = 0; k < sim::kKernelClasses; ++k) {
     const auto i = static_cast<std::size_t>(k);
-    fmt::print("{:<10} {:>10}{}\n", sim::to_string(static_cast<sim::KernelClass>(k)),
-               c.observed[i] ? fmt::format("{:.3f}", c.multiplier[i]) : std::string("(not seen)"),
-               c.at_bound[i] ? "   at the lower bound: these times do not separate it from the other classes (a kernel trace does)" : "");
+    fmt::print(
+        "{:<10} {:>10}{}\n", sim::to_string(static_cast<sim::KernelClass>(k)),
+        c.observed[i] ? fmt::format("{:.3f}", c.multiplier[i]) : std::string("(not seen)"),
+        c.at_bound[i]
+            ? "   at the lower bound: these times do not separate it from the other classes (a kernel trace does)"
+            : "");
   }
   fmt::print("{:<44} {:>11} {:>11} {:>11}\n", "observation", "measured ms", "base ms", "fitted ms");
   for (const auto& o : c.observations) {
@@ -103,7 +112,8 @@ int run_calibrate(const CalibrateArgs& a) {
       base_s += o.predicted[static_cast<std::size_t>(k)];
       fitted += o.predicted[static_cast<std::size_t>(k)] * c.multiplier[static_cast<std::size_t>(k)];
     }
-    fmt::print("{:<44} {:>11.3f} {:>11.3f} {:>11.3f}\n", o.what.substr(0, 44), o.measured_s * 1e3, base_s * 1e3, fitted * 1e3);
+    fmt::print("{:<44} {:>11.3f} {:>11.3f} {:>11.3f}\n", o.what.substr(0, 44), o.measured_s * 1e3, base_s * 1e3,
+               fitted * 1e3);
   }
   fmt::print("table written to {}\n", a.output);
   if (!a.cluster_output.empty()) {
@@ -117,21 +127,30 @@ int run_calibrate(const CalibrateArgs& a) {
 
 Command add_calibrate_command(CLI::App& app) {
   auto args = std::make_shared<CalibrateArgs>();
-  CLI::App* cmd = app.add_subcommand("calibrate", "fit a kernel efficiency table to measured times (op times or a kernel trace)");
+  CLI::App* cmd =
+      app.add_subcommand("calibrate", "fit a kernel efficiency table to measured times (op times or a kernel trace)");
   args->scenario.add_to(cmd);
   args->model = cmd->get_option("--model");
   args->model->required(false);
-  cmd->add_option("--plan", args->plan_path, "the plan that was measured (from `piper compile -o`) instead of compiling")
+  cmd->add_option("--plan", args->plan_path,
+                  "the plan that was measured (from `piper compile -o`) instead of compiling")
       ->excludes(args->model);
-  cmd->add_option("--cluster", args->cluster, "cluster preset or spec JSON of the measured GPU (its kernel table is the base)")
+  cmd->add_option("--cluster", args->cluster,
+                  "cluster preset or spec JSON of the measured GPU (its kernel table is the base)")
       ->capture_default_str();
   cmd->add_option("--calibration", args->calibration_path, "op times measured by `piper run --calibrate`");
   cmd->add_option("--trace", args->trace_path, "Chrome trace of GPU kernels (the PyTorch profiler's export)");
-  cmd->add_option("--trace-steps", args->trace_steps, "training steps the trace covers")->check(kPositiveInt)->capture_default_str();
-  cmd->add_option("--device", args->device, "the plan's device the trace or times were measured on")->check(kNonNegativeInt)
+  cmd->add_option("--trace-steps", args->trace_steps, "training steps the trace covers")
+      ->check(kPositiveInt)
       ->capture_default_str();
-  cmd->add_option("-o,--output", args->output, "write the calibrated kernel table here")->required()->check(kOutputPath);
-  cmd->add_option("--cluster-output", args->cluster_output, "also write a cluster spec that uses the table")->check(kOutputPath);
+  cmd->add_option("--device", args->device, "the plan's device the trace or times were measured on")
+      ->check(kNonNegativeInt)
+      ->capture_default_str();
+  cmd->add_option("-o,--output", args->output, "write the calibrated kernel table here")
+      ->required()
+      ->check(kOutputPath);
+  cmd->add_option("--cluster-output", args->cluster_output, "also write a cluster spec that uses the table")
+      ->check(kOutputPath);
   cmd->add_option("--name", args->name, "the table's name (default: <base>-calibrated)");
   return {cmd, [args] { return run_calibrate(*args); }};
 }

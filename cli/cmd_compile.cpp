@@ -37,9 +37,9 @@ void print_stats_table(const core::Model& model, const core::Program& program, c
   }
   const core::TrainingShape& t = program.training;
   auto row = [](const std::string& key, const std::string& value) { fmt::print("{:<24}{}\n", key, value); };
-  row("model", fmt::format("{} ({} params; seq {} x {} seqs/microbatch, {})", model.name(),
-                           human_count(model.parameter_count()), t.seq_len, t.micro_batch_size,
-                           core::to_string(t.precision)));
+  row("model",
+      fmt::format("{} ({} params; seq {} x {} seqs/microbatch, {})", model.name(), human_count(model.parameter_count()),
+                  t.seq_len, t.micro_batch_size, core::to_string(t.precision)));
   row("microbatches", std::to_string(program.microbatches));
   row("devices", std::to_string(program.num_devices));
   row("distinct plans", std::to_string(program.plans.size()));
@@ -69,9 +69,12 @@ std::int64_t estimated_plan_bytes(const core::Scenario& s, std::int64_t* microba
     core::annotate_regions(s, model, program, regions);
     std::int64_t m = 1;
     for (const auto& d : program)
-      if (d.is_object() && d.value("op", "") == "split" && d.contains("num_microbatches") && d["num_microbatches"].is_number_integer()) {
-        const double product = static_cast<double>(m) * static_cast<double>(std::max<std::int64_t>(1, d["num_microbatches"].get<std::int64_t>()));
-        if (product > static_cast<double>(core::limit_value(core::Limit::Microbatches))) return 0;  // the compile names that limit
+      if (d.is_object() && d.value("op", "") == "split" && d.contains("num_microbatches") &&
+          d["num_microbatches"].is_number_integer()) {
+        const double product = static_cast<double>(m) * static_cast<double>(std::max<std::int64_t>(
+                                                            1, d["num_microbatches"].get<std::int64_t>()));
+        if (product > static_cast<double>(core::limit_value(core::Limit::Microbatches)))
+          return 0;  // the compile names that limit
         m = static_cast<std::int64_t>(product);
       }
     const std::vector<core::Segment> segments = core::segment_model(model);
@@ -95,8 +98,9 @@ int run_compile(const CompileArgs& a) {
     std::int64_t microbatches = 0;
     const std::int64_t bytes = estimated_plan_bytes(scenario, &microbatches);
     if (bytes > core::limit_value(core::Limit::InputBytes))
-      throw CliError(a.out_path, fmt::format("a plan of {} microbatches would not read back (use fewer microbatches): about {}",
-                                             microbatches, core::limit_message(core::Limit::InputBytes, bytes, "bytes")));
+      throw CliError(a.out_path,
+                     fmt::format("a plan of {} microbatches would not read back (use fewer microbatches): about {}",
+                                 microbatches, core::limit_message(core::Limit::InputBytes, bytes, "bytes")));
   }
   // Dumps are kept in memory and written only once the whole compile succeeded: nothing on error.
   const bool dump_all = std::find(a.dump_after.begin(), a.dump_after.end(), "all") != a.dump_after.end();
@@ -128,8 +132,8 @@ int run_compile(const CompileArgs& a) {
   if (a.stats) {
     print_stats_table(compiled.model, plan, a.out_path);
   } else {
-    fmt::print("{}: {} devices, {} distinct plans, {} DAG nodes, {} ops, compiled in {:.1f} ms{}\n", compiled.model.name(),
-               plan.num_devices, plan.plans.size(), plan.stats.dag_nodes, plan.total_ops(),
+    fmt::print("{}: {} devices, {} distinct plans, {} DAG nodes, {} ops, compiled in {:.1f} ms{}\n",
+               compiled.model.name(), plan.num_devices, plan.plans.size(), plan.stats.dag_nodes, plan.total_ops(),
                plan.stats.compile_seconds * 1e3, a.out_path.empty() ? "" : " -> " + a.out_path);
   }
   return 0;
@@ -201,7 +205,9 @@ Command add_compile_command(CLI::App& app) {
         names.push_back("all");
         return names;
       }()));
-  cmd->add_option("--dump-dir", args->dump_dir, "folder for --dump-after files")->capture_default_str()->check(kOutputPath);
+  cmd->add_option("--dump-dir", args->dump_dir, "folder for --dump-after files")
+      ->capture_default_str()
+      ->check(kOutputPath);
   return {cmd, [args] { return run_compile(*args); }};
 }
 
@@ -215,7 +221,8 @@ Command add_directives_command(CLI::App& app) {
 
 Command add_verify_command(CLI::App& app) {
   auto path = std::make_shared<std::string>();
-  CLI::App* cmd = app.add_subcommand("verify", "check a plan file: send/recv pairs, collective order, deadlock, buffers");
+  CLI::App* cmd =
+      app.add_subcommand("verify", "check a plan file: send/recv pairs, collective order, deadlock, buffers");
   cmd->add_option("plan", *path, "plan JSON written by `piper compile -o`")->required();
   return {cmd, [path] { return run_verify(*path); }};
 }

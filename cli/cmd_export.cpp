@@ -34,7 +34,9 @@ int run_export_chakra(const ExportArgs& a) {
     std::optional<sim::Calibration> calibration;
     if (!a.calibration_path.empty()) calibration = sim::Calibration::load(a.calibration_path);
     cost.emplace(sim::with_devices(sim::load_cluster(a.cluster), program.num_devices), calibration);
-    options.compute_seconds = [&](int device, const core::Op& op) { return cost->compute_seconds(program, device, op); };
+    options.compute_seconds = [&](int device, const core::Op& op) {
+      return cost->compute_seconds(program, device, op);
+    };
   }
   const std::vector<std::string> paths = chakra::export_traces(program, a.out_dir, options);
   fmt::print("{} Chakra traces ({} nodes) written to {}: {} .. {}, communicator groups in {}\n", paths.size(),
@@ -48,14 +50,19 @@ int run_export_chakra(const ExportArgs& a) {
 
 Command add_export_chakra_command(CLI::App& app) {
   auto args = std::make_shared<ExportArgs>();
-  CLI::App* cmd = app.add_subcommand("export-chakra", "write a plan as Chakra execution traces (one .et file per device) for ASTRA-sim");
+  CLI::App* cmd = app.add_subcommand("export-chakra",
+                                     "write a plan as Chakra execution traces (one .et file per device) for ASTRA-sim");
   cmd->add_option("plan", args->plan_path, "plan JSON written by `piper compile -o`")->required();
-  cmd->add_option("-o,--output", args->out_dir, "folder for <prefix>.<device>.et (created if missing)")->required()->check(kOutputPath);
+  cmd->add_option("-o,--output", args->out_dir, "folder for <prefix>.<device>.et (created if missing)")
+      ->required()
+      ->check(kOutputPath);
   cmd->add_option("--prefix", args->prefix, "file name prefix")->capture_default_str();
-  CLI::Option* times = cmd->add_flag("--compute-times", args->compute_times,
-                                     "put the cost model's time of each compute op on its node (duration_micros), for replays "
-                                     "that take compute times from the trace");
-  cmd->add_option("--cluster", args->cluster, "with --compute-times: the cluster preset or spec JSON to cost compute ops on")
+  CLI::Option* times =
+      cmd->add_flag("--compute-times", args->compute_times,
+                    "put the cost model's time of each compute op on its node (duration_micros), for replays "
+                    "that take compute times from the trace");
+  cmd->add_option("--cluster", args->cluster,
+                  "with --compute-times: the cluster preset or spec JSON to cost compute ops on")
       ->capture_default_str()
       ->needs(times);
   cmd->add_option("--calibration", args->calibration_path,

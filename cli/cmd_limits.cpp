@@ -13,7 +13,8 @@ Command add_limits_command(CLI::App& app) {
               const std::int64_t value = core::limit_value(info.limit);
               fmt::print("{:<24}{:>14}{}  {}\n", info.name, value, value == info.default_value ? " " : "*", info.what);
             }
-            fmt::print("(* overridden; change one with --limit NAME=N or PIPER_LIMIT_NAME=N, e.g. PIPER_LIMIT_DAG_NODES)\n");
+            fmt::print(
+                "(* overridden; change one with --limit NAME=N or PIPER_LIMIT_NAME=N, e.g. PIPER_LIMIT_DAG_NODES)\n");
             return 0;
           }};
 }

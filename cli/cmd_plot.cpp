@@ -63,7 +63,8 @@ int run_plot(const PlotArgs& a) {
     if (line.empty()) continue;
     const auto f = sim::csv_split(line);
     if (f.size() != columns.size())
-      throw CliError(a.csv_path, fmt::format("line {}: {} fields, the header has {}", line_no, f.size(), columns.size()));
+      throw CliError(a.csv_path,
+                     fmt::format("line {}: {} fields, the header has {}", line_no, f.size(), columns.size()));
     if (wi >= 0 && f[static_cast<std::size_t>(wi)] != wanted) continue;
     double x = 0, y = 0;
     if (!number(f[static_cast<std::size_t>(xi)], &x) || !number(f[static_cast<std::size_t>(yi)], &y)) {
@@ -99,8 +100,10 @@ int run_plot(const PlotArgs& a) {
   }
   if (points == 0) throw CliError(a.csv_path, fmt::format("no row has numbers in both '{}' and '{}'", a.x, a.y));
   try {
-    if (a.line) plot::write_line_png(chart, a.output_path);
-    else plot::write_scatter_png(chart, a.output_path);
+    if (a.line)
+      plot::write_line_png(chart, a.output_path);
+    else
+      plot::write_scatter_png(chart, a.output_path);
   } catch (const plot::PlotError& e) {
     throw CliError("", e.what());
   }

@@ -38,8 +38,9 @@ struct RunArgs {
     std::fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, kExitPeerFailure);
   } else {
-    fmt::print(stderr, "piper: internal error: rank {}: {} (please report this: it is a bug in piper, not in the input)\n", rank,
-               one_line(e.what()));
+    fmt::print(stderr,
+               "piper: internal error: rank {}: {} (please report this: it is a bug in piper, not in the input)\n",
+               rank, one_line(e.what()));
     std::fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, kExitInternal);
   }
@@ -158,40 +159,62 @@ int run_distributed(const RunArgs& a) {
 
 Command add_run_command(CLI::App& app) {
   auto args = std::make_shared<RunArgs>();
-  CLI::App* cmd = app.add_subcommand("run", "train a plan for real: one MPI rank per device (mpirun -np N piper run ...), or --reference");
+  CLI::App* cmd = app.add_subcommand(
+      "run", "train a plan for real: one MPI rank per device (mpirun -np N piper run ...), or --reference");
   args->scenario.add_to(cmd);
   cmd->get_option("--model")->required(false);
-  args->plan = cmd->add_option("--plan", args->plan_path, "a compiled Program (piper compile -o); else the compile inputs")->excludes("--model");
-  cmd->add_flag("--reference", args->reference, "run the same model on the same global batch in one process, without parallelism");
-  cmd->add_option("--backend", args->backend, "host: Eigen kernels, one MPI rank per device; cuda: GPUs (one MPI rank per GPU over NCCL, or --virtual-devices)")
+  args->plan =
+      cmd->add_option("--plan", args->plan_path, "a compiled Program (piper compile -o); else the compile inputs")
+          ->excludes("--model");
+  cmd->add_flag("--reference", args->reference,
+                "run the same model on the same global batch in one process, without parallelism");
+  cmd->add_option("--backend", args->backend,
+                  "host: Eigen kernels, one MPI rank per device; cuda: GPUs (one MPI rank per GPU over NCCL, or "
+                  "--virtual-devices)")
       ->check(CLI::IsMember({"host", "cuda"}));
-  cmd->add_flag("--virtual-devices", args->virtual_devices, "--backend cuda: run every device of the plan in this process on one GPU (loopback transport)");
-  cmd->add_option("--precision", args->precision, "--backend cuda: storage type of parameters and activations (fp32 accumulation either way)")
+  cmd->add_flag("--virtual-devices", args->virtual_devices,
+                "--backend cuda: run every device of the plan in this process on one GPU (loopback transport)");
+  cmd->add_option("--precision", args->precision,
+                  "--backend cuda: storage type of parameters and activations (fp32 accumulation either way)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
-  cmd->add_option("--steps", args->train.steps, "training steps (a resumed run continues up to this step)")->check(kPositiveInt);
+  cmd->add_option("--steps", args->train.steps, "training steps (a resumed run continues up to this step)")
+      ->check(kPositiveInt);
   cmd->add_option("--seed", args->train.seed, "seed of the parameter initialisation and the synthetic token stream");
-  cmd->add_option("--data", args->train.data_path, "train on this file's bytes (mod vocab) instead of synthetic tokens");
+  cmd->add_option("--data", args->train.data_path,
+                  "train on this file's bytes (mod vocab) instead of synthetic tokens");
   cmd->add_option("--lr", args->train.adamw.lr, "AdamW learning rate")->check(kNonNegativeNumber);
-  cmd->add_option("--adam-eps", args->train.adamw.eps, "AdamW epsilon (the equivalence tests raise it so that rounding-level gradients stay rounding-level updates)")
+  cmd->add_option(
+         "--adam-eps", args->train.adamw.eps,
+         "AdamW epsilon (the equivalence tests raise it so that rounding-level gradients stay rounding-level updates)")
       ->check(kNonNegativeNumber);
-  cmd->add_option("--report", args->train.report_path, "write run.json: losses, tokens_per_s, step_time_s")->check(kOutputPath);
-  cmd->add_option("--trace", args->train.trace_path, "write the last step's measured timeline as a Chrome trace")->check(kOutputPath);
+  cmd->add_option("--report", args->train.report_path, "write run.json: losses, tokens_per_s, step_time_s")
+      ->check(kOutputPath);
+  cmd->add_option("--trace", args->train.trace_path, "write the last step's measured timeline as a Chrome trace")
+      ->check(kOutputPath);
   auto* save = cmd->add_option("--save", args->train.save_path,
-                               "after the last step, write a checkpoint FILE (canonical layout: resumable under any strategy of the same model)")
+                               "after the last step, write a checkpoint FILE (canonical layout: resumable under any "
+                               "strategy of the same model)")
                    ->check(kOutputPath);
-  cmd->add_option("--save-every", args->train.save_every, "also write the --save checkpoint every N steps (atomically: the last good one survives a crash)")
+  cmd->add_option("--save-every", args->train.save_every,
+                  "also write the --save checkpoint every N steps (atomically: the last good one survives a crash)")
       ->check(kPositiveInt)
       ->needs(save);
-  cmd->add_option("--resume", args->train.resume_path, "continue from a checkpoint FILE, saved under this or another strategy of the same model");
-  cmd->add_option("--dump-params", args->train.dump_params_path, "write the final parameters (canonical layout) to FILE")->check(kOutputPath);
+  cmd->add_option("--resume", args->train.resume_path,
+                  "continue from a checkpoint FILE, saved under this or another strategy of the same model");
+  cmd->add_option("--dump-params", args->train.dump_params_path,
+                  "write the final parameters (canonical layout) to FILE")
+      ->check(kOutputPath);
   cmd->add_option("--calibrate", args->train.calibrate_path,
-                  "write measured per-op times (median over the steps after the first) as a piper-calibration FILE for piper simulate --calibration")
+                  "write measured per-op times (median over the steps after the first) as a piper-calibration FILE for "
+                  "piper simulate --calibration")
       ->check(kOutputPath);
   cmd->add_option("--on-nonfinite", args->on_nonfinite,
-                  "a NaN/Inf loss, gradient norm or update: stop (exit 2, nothing saved after it) or skip the step (its update is dropped, as Megatron does)")
+                  "a NaN/Inf loss, gradient norm or update: stop (exit 2, nothing saved after it) or skip the step "
+                  "(its update is dropped, as Megatron does)")
       ->check(CLI::IsMember({"stop", "skip"}))
       ->capture_default_str();
-  cmd->add_option("--stall-timeout", args->train.stall_timeout_s, "seconds without progress before a rank gives up")->check(kPositiveNumber);
+  cmd->add_option("--stall-timeout", args->train.stall_timeout_s, "seconds without progress before a rank gives up")
+      ->check(kPositiveNumber);
   return {cmd, [args]() -> int {
             if (!args->plan_path.empty()) args->scenario.reject_beside_plan();
             args->train.skip_nonfinite = args->on_nonfinite == "skip";

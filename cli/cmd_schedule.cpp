@@ -28,8 +28,10 @@ core::StrategyOptions options_of(const ScheduleArgs& a) {
 }
 
 void write_or_print(const std::string& path, const std::string& text) {
-  if (path.empty() || path == "-") fmt::print("{}", text);
-  else core::write_file_atomically(path, text);
+  if (path.empty() || path == "-")
+    fmt::print("{}", text);
+  else
+    core::write_file_atomically(path, text);
 }
 
 void add_shape(CLI::App* app, ScheduleArgs& a) {
@@ -52,7 +54,8 @@ Command add_schedule_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("schedule", "pipeline schedule families: list, show, PyTorch CSV export/import");
   cmd->require_subcommand(1);
   CLI::App* list = cmd->add_subcommand("list", "list the schedule families and their constraints");
-  CLI::App* show = cmd->add_subcommand("show", "rank x time grid of a schedule with unit costs, bubbles, peak activations");
+  CLI::App* show =
+      cmd->add_subcommand("show", "rank x time grid of a schedule with unit costs, bubbles, peak activations");
   show->add_option("name", args->name, "schedule family")->required()->check(CLI::IsMember(family_names()));
   add_shape(show, *args);
   show->add_option("--costs", args->costs, "unit costs F,B,W (BI = B-W, BW = W); default 1,2,1")
@@ -101,7 +104,8 @@ Command add_schedule_command(CLI::App& app) {
     }
     if (imp->parsed()) {
       core::CsvSpelling spelling = core::CsvSpelling::Either;
-      const core::ScheduleTable table = core::schedule_from_pytorch_csv(read_text_file(a.csv_path), a.csv_path, &spelling);
+      const core::ScheduleTable table =
+          core::schedule_from_pytorch_csv(read_text_file(a.csv_path), a.csv_path, &spelling);
       core::StrategyOptions o;
       o.dp = a.dp;
       write_or_print(a.out_path, core::program_from_schedule_table(table, o).dump(1) + "\n");

@@ -38,15 +38,17 @@ int run_simulate(const SimulateArgs& a) {
   sim::SimulationResult result;
   if (!a.plan_path.empty()) {
     a.scenario.reject_beside_plan();
-    if (a.memory_budget->count() > 0) throw CliError("", "--memory-budget cannot be used with --plan: the plan already fixes its recomputation");
+    if (a.memory_budget->count() > 0)
+      throw CliError("", "--memory-budget cannot be used with --plan: the plan already fixes its recomputation");
     result = sim::simulate_program(std::make_shared<const core::Program>(read_verified_plan(a.plan_path)), options);
   } else {
     if (a.model->count() == 0) throw CliError("", "--model is required (or give --plan)");
     core::Scenario scenario = a.scenario.scenario();
     const bool automatic = scenario.strategy.recompute == "auto";
     if (automatic != (a.memory_budget->count() > 0))
-      throw CliError("", automatic ? "--recompute auto needs --memory-budget GiB (the peak memory per device the policy must fit)"
-                                   : "--memory-budget applies only with --recompute auto");
+      throw CliError(
+          "", automatic ? "--recompute auto needs --memory-budget GiB (the peak memory per device the policy must fit)"
+                        : "--memory-budget applies only with --recompute auto");
     if (automatic) {
       if (scenario.strategy.recompute_every > 0 || scenario.strategy.recompute_first > 0)
         throw CliError("", "--recompute auto chooses the blocks itself: drop --recompute-every/--recompute-first");
@@ -77,20 +79,27 @@ int run_simulate(const SimulateArgs& a) {
 
 Command add_simulate_command(CLI::App& app) {
   auto args = std::make_shared<SimulateArgs>();
-  CLI::App* cmd = app.add_subcommand("simulate", "simulate one training step: step time, bubbles, memory, critical path");
+  CLI::App* cmd =
+      app.add_subcommand("simulate", "simulate one training step: step time, bubbles, memory, critical path");
   args->scenario.add_to(cmd);
   args->model = cmd->get_option("--model");
   args->model->required(false);
-  args->plan = cmd->add_option("--plan", args->plan_path, "simulate this plan (from `piper compile -o`) instead of compiling");
+  args->plan =
+      cmd->add_option("--plan", args->plan_path, "simulate this plan (from `piper compile -o`) instead of compiling");
   args->plan->excludes(args->model);
-  cmd->add_option("--cluster", args->cluster, "cluster preset (dgx-a100-80g, dgx-h100, dgx-h200, hgx-h800) or spec JSON; nodes are added to fit the program")
+  cmd->add_option(
+         "--cluster", args->cluster,
+         "cluster preset (dgx-a100-80g, dgx-h100, dgx-h200, hgx-h800) or spec JSON; nodes are added to fit the program")
       ->capture_default_str();
-  cmd->add_option("--engine", args->engine, "simulation engine: simgrid (flow-level network) or analytic (fast, no contention)")
+  cmd->add_option("--engine", args->engine,
+                  "simulation engine: simgrid (flow-level network) or analytic (fast, no contention)")
       ->capture_default_str();
-  args->memory_budget = cmd->add_option("--memory-budget", args->memory_budget_gib,
-                                        "with --recompute auto: peak memory per device (GiB) the chosen policy must fit")
-                            ->check(kPositiveNumber);
-  cmd->add_option("--calibration", args->calibration_path, "measured op times (piper-calibration JSON) overriding the cost model");
+  args->memory_budget =
+      cmd->add_option("--memory-budget", args->memory_budget_gib,
+                      "with --recompute auto: peak memory per device (GiB) the chosen policy must fit")
+          ->check(kPositiveNumber);
+  cmd->add_option("--calibration", args->calibration_path,
+                  "measured op times (piper-calibration JSON) overriding the cost model");
   cmd->add_option("--report", args->report_path, "write the report as JSON here")->check(kOutputPath);
   cmd->add_option("--trace", args->trace_path, "write a Chrome trace (Perfetto) here")->check(kOutputPath);
   cmd->add_flag("--no-symmetry", args->no_symmetry,

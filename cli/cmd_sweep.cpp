@@ -46,7 +46,8 @@ int run_sweep(const SweepArgs& a) {
     constexpr int kWidth = 30;
     const int filled = total ? static_cast<int>(kWidth * done / total) : kWidth;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const double eta = done > 0 && total >= done ? elapsed / static_cast<double>(ran.size()) * static_cast<double>(total - done) : 0;
+    const double eta =
+        done > 0 && total >= done ? elapsed / static_cast<double>(ran.size()) * static_cast<double>(total - done) : 0;
     fmt::print(stderr, "\r[{}{}] {}/{} ETA {:.0f} s {:<50.50}", std::string(static_cast<std::size_t>(filled), '#'),
                std::string(static_cast<std::size_t>(kWidth - filled), ' '), done, total, eta, row.point.key());
     if (done == total) fmt::print(stderr, "\n");
@@ -69,7 +70,8 @@ int run_sweep(const SweepArgs& a) {
   });
   for (std::size_t i = 0; i < std::min<std::size_t>(3, fits.size()); ++i)
     fmt::print("best {}: {}  step {:.3f} ms  MFU {:.1f} %  peak {:.2f} GiB\n", i + 1, fits[i]->point.key(),
-               fits[i]->step_time_s * 1e3, fits[i]->mfu * 100, static_cast<double>(fits[i]->peak_memory_bytes) / (1 << 30));
+               fits[i]->step_time_s * 1e3, fits[i]->mfu * 100,
+               static_cast<double>(fits[i]->peak_memory_bytes) / (1 << 30));
   return 0;
 }
 
@@ -77,9 +79,13 @@ int run_sweep(const SweepArgs& a) {
 
 Command add_sweep_command(CLI::App& app) {
   auto args = std::make_shared<SweepArgs>();
-  CLI::App* cmd = app.add_subcommand("sweep", "simulate every combination of a spec's strategy knobs into a CSV (resumable; under mpirun -np N the combinations are spread over the ranks)");
+  CLI::App* cmd = app.add_subcommand("sweep",
+                                     "simulate every combination of a spec's strategy knobs into a CSV (resumable; "
+                                     "under mpirun -np N the combinations are spread over the ranks)");
   cmd->add_option("spec", args->spec_path, "sweep spec JSON: model, cluster and a list of values per knob")->required();
-  cmd->add_option("-o,--output", args->output_path, "results CSV; rerunning with the same file resumes")->required()->check(kOutputPath);
+  cmd->add_option("-o,--output", args->output_path, "results CSV; rerunning with the same file resumes")
+      ->required()
+      ->check(kOutputPath);
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   args->jobs = static_cast<int>(cores);
   cmd->add_option("-j,--jobs", args->jobs, "worker threads (simgrid combinations run one at a time)")

@@ -68,11 +68,16 @@ void plot_pareto(const sim::TuneSpec& spec, const sim::TuneSummary& s, const std
   chart.series = {over, fits, front};
   if (!s.ranked.empty()) {
     const auto& b = s.ranked.front();
-    chart.series.push_back({fmt::format("best ({})", b.engine), {static_cast<double>(b.peak_memory_bytes) / kGiB},
-                            {b.tokens_per_s}, plot::Style::Points, "#D55E00", 8});
+    chart.series.push_back({fmt::format("best ({})", b.engine),
+                            {static_cast<double>(b.peak_memory_bytes) / kGiB},
+                            {b.tokens_per_s},
+                            plot::Style::Points,
+                            "#D55E00",
+                            8});
   }
   if (std::isfinite(s.memory_cap_bytes))
-    chart.references.push_back({true, s.memory_cap_bytes / kGiB, fmt::format("cap {:.0f} GiB", s.memory_cap_bytes / kGiB)});
+    chart.references.push_back(
+        {true, s.memory_cap_bytes / kGiB, fmt::format("cap {:.0f} GiB", s.memory_cap_bytes / kGiB)});
   chart.x.min = 0;
   chart.y.min = 0;
   try {
@@ -90,15 +95,15 @@ int run_tune(TuneArgs& a) {
   // Refused before the search, not after it: a search takes minutes and writes the CSV, and the
   // house rule for bad input is one line and nothing written.
   if (!a.plot_path.empty())
-    throw CliError("", fmt::format("--plot '{}': this piper was built without Qt 6 Gui, so it cannot draw plots",
-                                   a.plot_path));
+    throw CliError(
+        "", fmt::format("--plot '{}': this piper was built without Qt 6 Gui, so it cannot draw plots", a.plot_path));
 #endif
   sim::TuneSpec& spec = a.spec;
   spec.memory_cap_bytes = a.memory_cap_gib * kGiB;
   spec.memory_reserve_bytes = a.memory_reserve_gib < 0 ? -1 : a.memory_reserve_gib * kGiB;
   spec.placement_search = !a.no_placement;
   spec.exact_top = a.show;  // the printed plans are exactly the best (branch and bound keeps them)
-  spec.sequence_parallel = a.sequence_parallel == "on" ? std::vector<bool>{true}
+  spec.sequence_parallel = a.sequence_parallel == "on"    ? std::vector<bool>{true}
                            : a.sequence_parallel == "off" ? std::vector<bool>{false}
                                                           : std::vector<bool>{false, true};
   const bool tty = isatty(fileno(stderr)) != 0;
@@ -117,7 +122,8 @@ int run_tune(TuneArgs& a) {
     // ETA from this phase's own rate (resumed rows excluded).
     const double rate = p.done > phase_first ? (p.elapsed_s - phase_start) / static_cast<double>(p.done - phase_first)
                                              : std::numeric_limits<double>::quiet_NaN();
-    fmt::print(stderr, "\r{:<9} [{}{}] {}/{}  elapsed {}  eta {}   ", p.phase, std::string(static_cast<std::size_t>(filled), '#'),
+    fmt::print(stderr, "\r{:<9} [{}{}] {}/{}  elapsed {}  eta {}   ", p.phase,
+               std::string(static_cast<std::size_t>(filled), '#'),
                std::string(static_cast<std::size_t>(kWidth - filled), ' '), p.done, p.total, duration(p.elapsed_s),
                duration(rate * static_cast<double>(p.total - p.done)));
     if (p.done == p.total) fmt::print(stderr, "\n");
@@ -130,13 +136,15 @@ int run_tune(TuneArgs& a) {
     throw CliError("", e.what());
   }
   const auto& e = s.enumeration;
-  fmt::print("{} on {} x {}, global batch {} sequences, memory cap {:.2f} GiB\n", spec.model, spec.devices, spec.cluster,
-             spec.effective_global_batch(), s.memory_cap_bytes / kGiB);
+  fmt::print("{} on {} x {}, global batch {} sequences, memory cap {:.2f} GiB\n", spec.model, spec.devices,
+             spec.cluster, spec.effective_global_batch(), s.memory_cap_bytes / kGiB);
   if (s.memory_reserve_bytes > 0 || spec.memory_cap_bytes <= 0)
-    fmt::print("reserve     {:.2f} GiB of the {:.2f} GiB HBM kept for the CUDA context, NCCL buffers and fragmentation{}\n",
-               s.memory_reserve_bytes / kGiB, s.hbm_bytes / kGiB,
-               a.memory_reserve_gib < 0 ? fmt::format(" ({:.0f} %; --memory-reserve-gib to change)", sim::kDefaultMemoryReserveFraction * 100)
-                                        : std::string());
+    fmt::print(
+        "reserve     {:.2f} GiB of the {:.2f} GiB HBM kept for the CUDA context, NCCL buffers and fragmentation{}\n",
+        s.memory_reserve_bytes / kGiB, s.hbm_bytes / kGiB,
+        a.memory_reserve_gib < 0
+            ? fmt::format(" ({:.0f} %; --memory-reserve-gib to change)", sim::kDefaultMemoryReserveFraction * 100)
+            : std::string());
   std::string tps;
   for (int t : e.tp_degrees) tps += (tps.empty() ? "" : ",") + std::to_string(t);
   fmt::print("TP degrees  {}{}\n", tps, e.tp_rejected.empty() ? "" : " (left out:");
@@ -149,19 +157,24 @@ int run_tune(TuneArgs& a) {
     for (const auto& why : e.cp_rejected) fmt::print("              {}\n", why);
     if (!e.cp_rejected.empty()) fmt::print("            )\n");
   }
-  fmt::print("enumerated  {} legal candidates with their SP, recompute and ZeRO options, from {} (TP, PP, EP, micro batch,\n"
-             "            family, virtual) tuples ({} with a global batch that does not split, {} refused by the family)\n",
-             s.candidates, e.considered, e.batch_indivisible, e.family_rejected);
-  fmt::print("pruned      {} by the memory lower bound; {} by the step time lower bound (above the {} best)\n", s.pruned,
-             s.bounded, sim::ordinal(std::max(a.show, spec.top_k)));
-  fmt::print("deferred    {} recompute variants whose twin with less recomputation fits (simulated last)\n", s.dominated);
+  fmt::print(
+      "enumerated  {} legal candidates with their SP, recompute and ZeRO options, from {} (TP, PP, EP, micro batch,\n"
+      "            family, virtual) tuples ({} with a global batch that does not split, {} refused by the family)\n",
+      s.candidates, e.considered, e.batch_indivisible, e.family_rejected);
+  fmt::print("pruned      {} by the memory lower bound; {} by the step time lower bound (above the {} best)\n",
+             s.pruned, s.bounded, sim::ordinal(std::max(a.show, spec.top_k)));
+  fmt::print("deferred    {} recompute variants whose twin with less recomputation fits (simulated last)\n",
+             s.dominated);
   fmt::print("simulated   {} analytic ({} placement variants), {} SimGrid; {} fit the cap; {} rows resumed from {}\n",
              s.simulated, s.placement_variants, s.simgrid, s.fitting, s.resumed, a.output_path);
   fmt::print("wall time   {:.1f} s with -j {}\n", s.elapsed_s, a.jobs);
-  if (s.budget_exhausted) fmt::print("budget      {:.0f} s exhausted in {}; rerun with the same -o to continue\n", a.budget_s, s.stopped);
+  if (s.budget_exhausted)
+    fmt::print("budget      {:.0f} s exhausted in {}; rerun with the same -o to continue\n", a.budget_s, s.stopped);
   if (s.coinciding > 0)
-    fmt::print("coinciding  {} plans left out of the ranking: at PP 1 their schedule family orders the same ops as a "
-               "ranked one's\n", s.coinciding);
+    fmt::print(
+        "coinciding  {} plans left out of the ranking: at PP 1 their schedule family orders the same ops as a "
+        "ranked one's\n",
+        s.coinciding);
   if (s.ranked.empty()) {
     // Exit 1, as `piper verify` does when it finds issues: the search ran, and found nothing usable.
     fmt::print("no simulated plan fits {:.2f} GiB\n", s.memory_cap_bytes / kGiB);
@@ -180,8 +193,8 @@ int run_tune(TuneArgs& a) {
   const std::vector<int> ranges = sim::effective_pp_ranges(spec, best.candidate);
   std::string ranges_text;
   for (int r : ranges) ranges_text += (ranges_text.empty() ? "" : ",") + std::to_string(r);
-  fmt::print("\nbest: {} ({}): {:.3f} ms/step, {:.0f} tokens/s, MFU {:.1f} %, peak {:.2f} GiB\n", best.candidate.describe(),
-             best.engine, best.step_time_s * 1e3, best.tokens_per_s, best.mfu * 100,
+  fmt::print("\nbest: {} ({}): {:.3f} ms/step, {:.0f} tokens/s, MFU {:.1f} %, peak {:.2f} GiB\n",
+             best.candidate.describe(), best.engine, best.step_time_s * 1e3, best.tokens_per_s, best.mfu * 100,
              static_cast<double>(best.peak_memory_bytes) / kGiB);
   if (!a.directives_path.empty()) {
     core::write_file_atomically(a.directives_path, sim::tune_directives(spec, best.candidate).dump(2) + "\n");
@@ -206,12 +219,14 @@ int run_tune(TuneArgs& a) {
 
 Command add_tune_command(CLI::App& app) {
   auto a = std::make_shared<TuneArgs>();
-  CLI::App* cmd = app.add_subcommand(
-      "tune", "search PP x TP x DP x EP, SP, recompute, schedules, microbatching and ZeRO with the simulator; print the best plans that fit");
+  CLI::App* cmd = app.add_subcommand("tune",
+                                     "search PP x TP x DP x EP, SP, recompute, schedules, microbatching and ZeRO with "
+                                     "the simulator; print the best plans that fit");
   cmd->add_option("--model", a->spec.model, "zoo name, model spec JSON or HF config.json")->required();
   cmd->add_option("--cluster", a->spec.cluster, "cluster preset or spec file")->capture_default_str();
   cmd->add_option("--devices", a->spec.devices, "GPUs to use")->required()->check(kPositiveInt);
-  cmd->add_option("--global-batch", a->spec.global_batch, "sequences per step (default: 4 per device)")->check(kPositiveInt);
+  cmd->add_option("--global-batch", a->spec.global_batch, "sequences per step (default: 4 per device)")
+      ->check(kPositiveInt);
   cmd->add_option("--seq-len", a->spec.seq_len, "tokens per sequence (default: the model's)")->check(kPositiveInt);
   cmd->add_option("--micro-batch-size", a->spec.micro_batch_sizes, "sequences per microbatch to try (a list)")
       ->check(kPositiveInt)
@@ -221,66 +236,88 @@ Command add_tune_command(CLI::App& app) {
       ->check(CLI::Range(0, 3))
       ->delimiter(',')
       ->capture_default_str();
-  cmd->add_option("--pp", a->spec.pp_degrees, "pipeline-parallel degrees to try (a list; default: every divisor of the devices)")
+  cmd->add_option("--pp", a->spec.pp_degrees,
+                  "pipeline-parallel degrees to try (a list; default: every divisor of the devices)")
       ->check(kPositiveInt)
       ->delimiter(',');
-  cmd->add_option("--dp", a->spec.dp_degrees, "data-parallel degrees to try (a list; default: every divisor of the devices)")
+  cmd->add_option("--dp", a->spec.dp_degrees,
+                  "data-parallel degrees to try (a list; default: every divisor of the devices)")
       ->check(kPositiveInt)
       ->delimiter(',');
-  cmd->add_option("--ep", a->spec.ep_degrees, "expert-parallel degrees to try (a list; default: every divisor of DP that divides the experts)")
+  cmd->add_option("--ep", a->spec.ep_degrees,
+                  "expert-parallel degrees to try (a list; default: every divisor of DP that divides the experts)")
       ->check(kPositiveInt)
       ->delimiter(',');
-  cmd->add_option("--tp", a->spec.tp_degrees,
-                  "tensor-parallel degrees to try (a list; default: every divisor of the GPUs per node the model accepts)")
+  cmd->add_option(
+         "--tp", a->spec.tp_degrees,
+         "tensor-parallel degrees to try (a list; default: every divisor of the GPUs per node the model accepts)")
       ->check(kPositiveInt)
       ->delimiter(',');
   cmd->add_option("--cp", a->spec.cp_degrees,
-                  "context-parallel degrees to try (a list; default: 1 only; a degree whose 2 x cp chunks do not cut the sequence is left out)")
+                  "context-parallel degrees to try (a list; default: 1 only; a degree whose 2 x cp chunks do not cut "
+                  "the sequence is left out)")
       ->check(kPositiveInt)
       ->delimiter(',');
-  cmd->add_option("--etp", a->spec.etp_degrees,
-                  "expert tensor-parallel degrees to try (a list; each divides the TP degree; default: 1, whole experts)")
+  cmd->add_option(
+         "--etp", a->spec.etp_degrees,
+         "expert tensor-parallel degrees to try (a list; each divides the TP degree; default: 1, whole experts)")
       ->check(kPositiveInt)
       ->delimiter(',');
   cmd->add_option("--sequence-parallel", a->sequence_parallel, "sequence parallelism with TP > 1: on, off or both")
       ->check(CLI::IsMember({"on", "off", "both"}))
       ->capture_default_str();
-  cmd->add_option("--recompute", a->spec.recompute_modes, "recompute modes to try (a list of none, selective, full, op)")
+  cmd->add_option("--recompute", a->spec.recompute_modes,
+                  "recompute modes to try (a list of none, selective, full, op)")
       ->check(CLI::IsMember({"none", "selective", "full", "op"}))
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--comm-sms", a->spec.comm_sms,
-                  "SMs of each GPU given to communication to try (a list; 0: shared; default: shared only; sm_partition directive)")
+                  "SMs of each GPU given to communication to try (a list; 0: shared; default: shared only; "
+                  "sm_partition directive)")
       ->check(kNonNegativeInt)
       ->delimiter(',');
-  cmd->add_option("--dp-shard", a->spec.dp_shards,
-                  "HSDP shard groups to try with ZeRO >= 1 (a list of replicas per group; 0: plain ZeRO; default: plain only)")
+  cmd->add_option(
+         "--dp-shard", a->spec.dp_shards,
+         "HSDP shard groups to try with ZeRO >= 1 (a list of replicas per group; 0: plain ZeRO; default: plain only)")
       ->check(kNonNegativeInt)
       ->delimiter(',');
   cmd->add_option("--reduce-every", a->spec.reduce_every,
                   "ZeRO-2/3 gradient reductions to try (microbatch, step; default: both)")
       ->check(CLI::IsMember({"microbatch", "step"}))
       ->delimiter(',');
-  cmd->add_option("--schedules", a->spec.schedules, "schedule families to try (default: all; see 'piper schedule list')")
+  cmd->add_option("--schedules", a->spec.schedules,
+                  "schedule families to try (default: all; see 'piper schedule list')")
       ->delimiter(',');
-  cmd->add_option("--max-virtual", a->spec.max_virtual, "most PP regions per rank tried")->check(kPositiveInt)->capture_default_str();
-  auto* cap = cmd->add_option("--memory-cap", a->memory_cap_gib, "GiB per device a plan may use (default: the GPU's HBM less the reserve)")
+  cmd->add_option("--max-virtual", a->spec.max_virtual, "most PP regions per rank tried")
+      ->check(kPositiveInt)
+      ->capture_default_str();
+  auto* cap = cmd->add_option("--memory-cap", a->memory_cap_gib,
+                              "GiB per device a plan may use (default: the GPU's HBM less the reserve)")
                   ->check(kNonNegativeNumber);
   cmd->add_option("--memory-reserve-gib", a->memory_reserve_gib,
-                  "GiB of HBM kept out of the default cap for the CUDA context, NCCL buffers and fragmentation (default: 5 % of the HBM)")
+                  "GiB of HBM kept out of the default cap for the CUDA context, NCCL buffers and fragmentation "
+                  "(default: 5 % of the HBM)")
       ->check(kNonNegativeNumber)
       ->excludes(cap);
   cmd->add_option("--budget-s", a->budget_s, "stop starting simulations after this many seconds (0: no limit)")
       ->check(kNonNegativeNumber);
-  cmd->add_option("--top", a->spec.top_k, "best plans re-simulated on the SimGrid engine")->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--top", a->spec.top_k, "best plans re-simulated on the SimGrid engine")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   cmd->add_flag("--no-placement-search", a->no_placement, "keep the generator's PP boundaries");
   cmd->add_option("--show", a->show, "plans printed")->check(kPositiveInt)->capture_default_str();
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   a->jobs = static_cast<int>(cores);
-  cmd->add_option("-j,--jobs", a->jobs, "worker threads for analytic simulations")->check(kPositiveInt)->capture_default_str();
-  cmd->add_option("-o,--output", a->output_path, "results CSV; rerunning with the same file resumes")->required()->check(kOutputPath);
-  cmd->add_option("--emit-directives", a->directives_path, "write the best plan's directive program (JSON)")->check(kOutputPath);
-  cmd->add_option("--emit-scenario", a->scenario_path, "write the best plan's scenario (JSON, opens in piper-studio)")->check(kOutputPath);
+  cmd->add_option("-j,--jobs", a->jobs, "worker threads for analytic simulations")
+      ->check(kPositiveInt)
+      ->capture_default_str();
+  cmd->add_option("-o,--output", a->output_path, "results CSV; rerunning with the same file resumes")
+      ->required()
+      ->check(kOutputPath);
+  cmd->add_option("--emit-directives", a->directives_path, "write the best plan's directive program (JSON)")
+      ->check(kOutputPath);
+  cmd->add_option("--emit-scenario", a->scenario_path, "write the best plan's scenario (JSON, opens in piper-studio)")
+      ->check(kOutputPath);
   cmd->add_option("--plot", a->plot_path, "write a Pareto plot (throughput vs peak memory) as PNG")->check(kOutputPath);
   return {cmd, [a] { return run_tune(*a); }};
 }

@@ -109,7 +109,9 @@ const CLI::Validator kPositiveNumber(
     "POSITIVE");
 
 const CLI::Validator kOutputPath(
-    [](std::string& value) -> std::string { return value.empty() ? "must name a file, got an empty path" : std::string(); },
+    [](std::string& value) -> std::string {
+      return value.empty() ? "must name a file, got an empty path" : std::string();
+    },
     "FILE");
 
 // A setting's value as the flag gives it: its type and range from the table.
@@ -166,7 +168,8 @@ void ScenarioFlags::add_to(CLI::App* app) {
           ->delimiter(',')
           ->check(CLI::NonNegativeNumber),
       app->add_option("--first-stage-layers", first_stage_layers,
-                      "blocks of the first PP region; the regions between share the rest evenly (Megatron's --decoder-first-pipeline-num-layers)")
+                      "blocks of the first PP region; the regions between share the rest evenly (Megatron's "
+                      "--decoder-first-pipeline-num-layers)")
           ->check(kPositiveInt),
       app->add_option("--last-stage-layers", last_stage_layers,
                       "blocks of the last PP region (Megatron's --decoder-last-pipeline-num-layers)")
@@ -216,7 +219,8 @@ void ScenarioFlags::save_if_requested(const core::Scenario& s) const {
 }
 
 core::Scenario ScenarioFlags::scenario() const {
-  if (strategy.option("microbatches")->count() > 0 && directives->count() > 0 && strategy.option("schedule")->count() == 0)
+  if (strategy.option("microbatches")->count() > 0 && directives->count() > 0 &&
+      strategy.option("schedule")->count() == 0)
     throw CliError("", "--microbatches with --directives needs --schedule (the schedule to append)");
   core::Scenario s;
   s.model = model;
@@ -243,8 +247,8 @@ void print_error(const std::string& file, const std::string& message) {
 }
 
 void print_internal_error(const std::string& message) {
-  fmt::print(stderr, "piper: internal error: {} (please report this: it is a bug in piper, not in the input)\n", one_line(message));
+  fmt::print(stderr, "piper: internal error: {} (please report this: it is a bug in piper, not in the input)\n",
+             one_line(message));
 }
-
 
 }  // namespace piper::cli

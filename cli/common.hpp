@@ -61,7 +61,7 @@ extern const CLI::Validator kOutputPath;
 struct StrategyFlags {
   core::StrategyOptions options;
   std::vector<std::pair<std::string, CLI::Option*>> flags;  // setting name -> its flag, in table order
-  CLI::Option* option(const std::string& setting) const;     // the flag of a setting of the table
+  CLI::Option* option(const std::string& setting) const;    // the flag of a setting of the table
   void add_to(CLI::App* app);
 };
 

@@ -53,11 +53,12 @@ int run_command(int argc, char** argv) {
   std::vector<std::string> limit_flags;
   app.add_option("--limit", limit_flags, "override a resource limit, NAME=N (repeatable; see `piper limits`)")
       ->expected(1);
-  std::vector<Command> commands = {add_compile_command(app), add_directives_command(app), add_verify_command(app),
-                                   add_models_command(app), add_run_command(app),
-                                   add_simulate_command(app), add_schedule_command(app),
-                                   add_sweep_command(app), add_export_chakra_command(app), add_tune_command(app),
-                                   add_plot_command(app), add_calibrate_command(app), add_limits_command(app)};
+  std::vector<Command> commands = {
+      add_compile_command(app),  add_directives_command(app), add_verify_command(app),
+      add_models_command(app),   add_run_command(app),        add_simulate_command(app),
+      add_schedule_command(app), add_sweep_command(app),      add_export_chakra_command(app),
+      add_tune_command(app),     add_plot_command(app),       add_calibrate_command(app),
+      add_limits_command(app)};
 
   // CLI11 would only say "A subcommand is required" for a misspelt one; name it instead.
   std::vector<std::string> names;

@@ -137,7 +137,8 @@ int run_sweep_mpi(const std::string& spec_path, const std::string& output_path, 
   pending.resize(static_cast<std::size_t>(count));
   if (count > 0) MPI_Bcast(pending.data(), count, MPI_INT, 0, MPI_COMM_WORLD);
   std::vector<sim::SweepPoint> mine;
-  for (int k = rank; k < count; k += size) mine.push_back(all[static_cast<std::size_t>(pending[static_cast<std::size_t>(k)])]);
+  for (int k = rank; k < count; k += size)
+    mine.push_back(all[static_cast<std::size_t>(pending[static_cast<std::size_t>(k)])]);
   summary.combinations = all.size();
 
   if (rank != 0) {
@@ -204,7 +205,8 @@ int run_sweep_mpi(const std::string& spec_path, const std::string& output_path, 
     MPI_Abort(MPI_COMM_WORLD, kExitBadInput);
   };
   std::thread compute([&] {
-    run_share(mine, spec.calibration_path, jobs, [&](const sim::SweepRow& row) { record(status_letter(row), sim::to_csv(row)); });
+    run_share(mine, spec.calibration_path, jobs,
+              [&](const sim::SweepRow& row) { record(status_letter(row), sim::to_csv(row)); });
   });
   for (int remaining = size - 1; remaining > 0;) {
     MPI_Status st;
@@ -223,8 +225,9 @@ int run_sweep_mpi(const std::string& spec_path, const std::string& output_path, 
   }
   compute.join();
   stop_on_write_error();
-  fmt::print("{} combinations: {} already in {}, {} run ({} ok, {} invalid, {} failed) on {} MPI ranks\n", summary.combinations,
-             summary.resumed, output_path, summary.ran, summary.ok, summary.invalid, summary.failed, size);
+  fmt::print("{} combinations: {} already in {}, {} run ({} ok, {} invalid, {} failed) on {} MPI ranks\n",
+             summary.combinations, summary.resumed, output_path, summary.ran, summary.ok, summary.invalid,
+             summary.failed, size);
   return 0;
 }
 

@@ -115,9 +115,7 @@ py::object directives(const py::handle& scenario, const std::string& base_dir) {
   const bool has_model = j.is_object() && j.contains("model");
   if (j.is_object() && !has_model) j["model"] = "";
   const core::Scenario s = guarded([&] { return core::Scenario::from_json(j, "scenario", base_dir); });
-  return to_py(guarded([&] {
-    return has_model ? core::scenario_program(s) : core::strategy_directives(s.strategy);
-  }));
+  return to_py(guarded([&] { return has_model ? core::scenario_program(s) : core::strategy_directives(s.strategy); }));
 }
 
 sim::SimulateOptions simulate_options(const std::string& cluster, const std::string& engine,
@@ -369,18 +367,19 @@ PYBIND11_MODULE(_piper, m) {
         "Compile a scenario dict (the JSON of a scenario file) into the Program dict that `piper compile -o` writes.");
   m.def("directives", &directives, py::arg("scenario"), py::arg("base_dir") = "",
         "The directive program (list) a scenario compiles; without 'model', the one `piper directives` prints.");
-  m.def("simulate", &simulate, py::arg("scenario") = py::none(), py::arg("plan") = py::none(),
-        py::arg("cluster") = "", py::arg("engine") = "", py::arg("calibration") = "", py::arg("base_dir") = "",
-        "Simulate a scenario dict (or plan=, a Program dict); returns the report dict `piper simulate --report` writes.");
+  m.def(
+      "simulate", &simulate, py::arg("scenario") = py::none(), py::arg("plan") = py::none(), py::arg("cluster") = "",
+      py::arg("engine") = "", py::arg("calibration") = "", py::arg("base_dir") = "",
+      "Simulate a scenario dict (or plan=, a Program dict); returns the report dict `piper simulate --report` writes.");
   m.def("verify", &verify, py::arg("plan"),
         "Verify a Program dict; returns the issues as [{check, message}] (empty: ok).");
-  m.def("sweep", &sweep, py::arg("spec"), py::arg("output") = py::none(), py::arg("jobs") = 1,
-        py::arg("base_dir") = "",
+  m.def("sweep", &sweep, py::arg("spec"), py::arg("output") = py::none(), py::arg("jobs") = 1, py::arg("base_dir") = "",
         "Run a sweep spec dict; rows are appended to output (a CSV, resumable) if given. Returns the summary and "
         "the rows run now.");
-  m.def("models", &models, "The built-in model zoo: [{name, params, layers, hidden, experts, top_k}], as `piper models` lists it.");
-  m.def("schedule_show", &schedule_show, py::arg("name"), py::arg("ranks") = 4,
-        py::arg("microbatches") = 8, py::arg("virtual") = 1, py::arg("costs") = std::vector<int>{1, 2, 1},
+  m.def("models", &models,
+        "The built-in model zoo: [{name, params, layers, hidden, experts, top_k}], as `piper models` lists it.");
+  m.def("schedule_show", &schedule_show, py::arg("name"), py::arg("ranks") = 4, py::arg("microbatches") = 8,
+        py::arg("virtual") = 1, py::arg("costs") = std::vector<int>{1, 2, 1},
         "Unit-time view of a schedule family: the text `piper schedule show` prints, step_time and per-rank ops.");
   m.def("tune", &tune, py::arg("args"), "`piper tune` with the arguments of piper.tune as a dict.");
   m.def("tune_outputs", &tune_outputs, py::arg("fields"), "The directives and scenario of a ranked tune row.");
@@ -388,8 +387,9 @@ PYBIND11_MODULE(_piper, m) {
   m.def("tune_columns", &sim::tune_csv_columns, "The columns of a tune CSV, in order.");
   m.def("strategy", &strategy, py::arg("settings"),
         "A strategy dict (every setting) from settings keyed by the table's names; unknown or bad ones are errors.");
-  m.def("strategy_settings", [] { return to_py(core::settings_table_json()); },
-        "The strategy settings table: [{name, flag, type, default, help, choices?, min?, max?}].");
+  m.def(
+      "strategy_settings", [] { return to_py(core::settings_table_json()); },
+      "The strategy settings table: [{name, flag, type, default, help, choices?, min?, max?}].");
   m.def("engine_names", &sim::engine_names, "The simulation engines.");
   m.def("cluster_presets", &sim::cluster_presets, "The cluster preset names.");
   m.def("schedule_names", &schedule_names, "The registered schedule families.");

@@ -20,6 +20,7 @@ packages=(
   python3-pandas          # python: to_dataframe() (optional at run time), so the docs' DataFrame examples run in CI
   jq bc time              # experiments/: the study scripts read JSON reports, time themselves, measure peak RSS
   clang libclang-rt-14-dev  # tests/fuzz: libFuzzer harnesses (clang 14 and its fuzzer/sanitizer runtimes)
+  clang-format clang-tidy   # house style: scripts/check-format.sh (.clang-format) and scripts/tidy.sh (.clang-tidy)
 )
 
 if [ "$(id -u)" -ne 0 ]; then

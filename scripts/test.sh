@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up, builds every target (library, CLI, tests, benchmarks) and runs, in order: the test suite
+# Sets up, checks the house format (scripts/check-format.sh), builds every target (library, CLI, tests, benchmarks) and runs, in order: the test suite
 # under ASan + UBSan (preset "sanitize", clang, build-sanitize/: its own build, which also holds the
 # libFuzzer harnesses, then CTest; SKIP_SANITIZE=1 leaves both out, though the fuzz stage still
 # builds the harnesses), a short fuzz run of every harness (FUZZ_SECONDS each, default 5; SKIP_FUZZ=1
@@ -56,6 +56,7 @@ test_sanitize() {
 # CI finding is found again locally with FUZZ_SEED=1 and at least as many seconds.
 fuzz() { FUZZ_SEED=${FUZZ_SEED:-1} bash scripts/fuzz.sh "${FUZZ_SECONDS:-5}"; }
 
+stage "format (.clang-format)" bash scripts/check-format.sh
 stage "build (preset default)" build_default || { print_summary; exit 1; }
 if [ "${SKIP_SANITIZE:-0}" != 1 ]; then
   stage "build (preset sanitize)" build_sanitize && stage "test suite under ASan+UBSan" test_sanitize

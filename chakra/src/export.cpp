@@ -36,11 +36,16 @@ void add_attr(pb::Node& node, const std::string& name, auto setter) {
 
 pb::CollectiveCommType comm_type_of(core::OpKind kind) {
   switch (kind) {
-    case core::OpKind::AllReduce: return pb::ALL_REDUCE;
-    case core::OpKind::ReduceScatter: return pb::REDUCE_SCATTER;
-    case core::OpKind::AllGather: return pb::ALL_GATHER;
-    case core::OpKind::AllToAll: return pb::ALL_TO_ALL;
-    default: throw core::Error("chakra export: " + core::to_string(kind) + " is not a collective");
+    case core::OpKind::AllReduce:
+      return pb::ALL_REDUCE;
+    case core::OpKind::ReduceScatter:
+      return pb::REDUCE_SCATTER;
+    case core::OpKind::AllGather:
+      return pb::ALL_GATHER;
+    case core::OpKind::AllToAll:
+      return pb::ALL_TO_ALL;
+    default:
+      throw core::Error("chakra export: " + core::to_string(kind) + " is not a collective");
   }
 }
 
@@ -96,9 +101,10 @@ CommGroups comm_groups(const core::Program& program) {
       out.members.push_back(std::move(group));
       const int id = static_cast<int>(out.members.size());
       if (id > kMaxCommGroups)
-        throw core::Error(fmt::format("chakra export: the plan's collectives use more than {} communicator groups, the most "
-                                      "ASTRA-sim numbers (it counts a group's collectives from id x 1,000,000 in an int)",
-                                      kMaxCommGroups));
+        throw core::Error(
+            fmt::format("chakra export: the plan's collectives use more than {} communicator groups, the most "
+                        "ASTRA-sim numbers (it counts a group's collectives from id x 1,000,000 in an int)",
+                        kMaxCommGroups));
       for (int d : out.members.back()) out.id_of[f].at(static_cast<std::size_t>(d)) = id;
     }
   }
@@ -110,7 +116,8 @@ std::string CommGroups::pg_name(int family, int device) const {
                          static_cast<std::size_t>(device) < id_of[static_cast<std::size_t>(family)].size()
                      ? id_of[static_cast<std::size_t>(family)][static_cast<std::size_t>(device)]
                      : 0;
-  if (id <= 0) throw core::Error(fmt::format("chakra export: device {} is in no group of communicator family {}", device, family));
+  if (id <= 0)
+    throw core::Error(fmt::format("chakra export: device {} is in no group of communicator family {}", device, family));
   return std::to_string(id);
 }
 
@@ -236,19 +243,22 @@ std::string encode_device_trace(const core::Program& program, int device, const 
     add_attr(node, "piper_stream", [&](auto& a) { a.set_string_val(stream.name); });
     add_attr(node, "piper_index", [&](auto& a) { a.set_int64_val(ref.index); });
     add_attr(node, "piper_kind", [&](auto& a) { a.set_string_val(core::to_string(op.kind)); });
-    if (op.pass != core::Pass::None) add_attr(node, "piper_pass", [&](auto& a) { a.set_string_val(core::to_string(op.pass)); });
+    if (op.pass != core::Pass::None)
+      add_attr(node, "piper_pass", [&](auto& a) { a.set_string_val(core::to_string(op.pass)); });
     append_delimited(node, out);
   }
   return out;
 }
 
-std::vector<std::string> export_traces(const core::Program& program, const std::string& out_dir, const std::string& prefix) {
+std::vector<std::string> export_traces(const core::Program& program, const std::string& out_dir,
+                                       const std::string& prefix) {
   ExportOptions options;
   options.prefix = prefix;
   return export_traces(program, out_dir, options);
 }
 
-std::vector<std::string> export_traces(const core::Program& program, const std::string& out_dir, const ExportOptions& options) {
+std::vector<std::string> export_traces(const core::Program& program, const std::string& out_dir,
+                                       const ExportOptions& options) {
   core::verify_or_throw(program);
   const std::string& prefix = options.prefix;
   // Every file is encoded before any is written, so a bad plan leaves nothing behind.

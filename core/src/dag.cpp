@@ -13,26 +13,40 @@ namespace piper::core {
 
 std::string to_string(NodeKind k) {
   switch (k) {
-    case NodeKind::Compute: return "COMPUTE";
-    case NodeKind::Update: return "UPD";
-    case NodeKind::Send: return "SEND";
-    case NodeKind::Recv: return "RECV";
-    case NodeKind::AllReduce: return "ALL_REDUCE";
-    case NodeKind::ReduceScatter: return "REDUCE_SCATTER";
-    case NodeKind::AllGather: return "ALL_GATHER";
-    case NodeKind::AllToAll: return "ALL_TO_ALL";
-    case NodeKind::OrderDummy: return "ORDER_DUMMY";
+    case NodeKind::Compute:
+      return "COMPUTE";
+    case NodeKind::Update:
+      return "UPD";
+    case NodeKind::Send:
+      return "SEND";
+    case NodeKind::Recv:
+      return "RECV";
+    case NodeKind::AllReduce:
+      return "ALL_REDUCE";
+    case NodeKind::ReduceScatter:
+      return "REDUCE_SCATTER";
+    case NodeKind::AllGather:
+      return "ALL_GATHER";
+    case NodeKind::AllToAll:
+      return "ALL_TO_ALL";
+    case NodeKind::OrderDummy:
+      return "ORDER_DUMMY";
   }
   return "?";
 }
 
 std::string to_string(Pass p) {
   switch (p) {
-    case Pass::None: return "";
-    case Pass::F: return "F";
-    case Pass::B: return "B";
-    case Pass::BI: return "BI";
-    case Pass::BW: return "BW";
+    case Pass::None:
+      return "";
+    case Pass::F:
+      return "F";
+    case Pass::B:
+      return "B";
+    case Pass::BI:
+      return "BI";
+    case Pass::BW:
+      return "BW";
   }
   return "?";
 }
@@ -48,10 +62,14 @@ Pass pass_from_string(const std::string& s) {
 
 std::string to_string(Recompute r) {
   switch (r) {
-    case Recompute::None: return "none";
-    case Recompute::Selective: return "selective";
-    case Recompute::Full: return "full";
-    case Recompute::Op: return "op";
+    case Recompute::None:
+      return "none";
+    case Recompute::Selective:
+      return "selective";
+    case Recompute::Full:
+      return "full";
+    case Recompute::Op:
+      return "op";
   }
   return "?";
 }
@@ -122,7 +140,9 @@ namespace {
 struct CycleFound {};
 struct BackEdgeVisitor : boost::default_dfs_visitor {
   template <class E, class G>
-  void back_edge(E, const G&) const { throw CycleFound{}; }
+  void back_edge(E, const G&) const {
+    throw CycleFound{};
+  }
 };
 }  // namespace
 
@@ -146,8 +166,12 @@ nlohmann::json GlobalDag::to_json() const {
   nlohmann::json nodes = nlohmann::json::array();
   for (auto v : live_nodes()) {
     const auto& n = graph[v];
-    nlohmann::json jn = {{"id", v}, {"kind", node_kind_name(n)}, {"label", n.label}, {"tags", tags_json(n.tags)},
-                         {"stream", n.stream}, {"segment", n.segment}};
+    nlohmann::json jn = {{"id", v},
+                         {"kind", node_kind_name(n)},
+                         {"label", n.label},
+                         {"tags", tags_json(n.tags)},
+                         {"stream", n.stream},
+                         {"segment", n.segment}};
     if (n.devices != kNoDevices) jn["devices"] = device_sets.at(n.devices);
     if (n.peer_devices != kNoDevices) jn["peer_devices"] = device_sets.at(n.peer_devices);
     if (n.kind == NodeKind::Compute) {
@@ -172,10 +196,12 @@ nlohmann::json GlobalDag::to_json() const {
   }
   nlohmann::json fams = nlohmann::json::array();
   for (const auto& f : families)
-    fams.push_back({{"devices", device_sets.at(f.devices)}, {"group_size", f.group_size}, {"stride", f.stride},
+    fams.push_back({{"devices", device_sets.at(f.devices)},
+                    {"group_size", f.group_size},
+                    {"stride", f.stride},
                     {"purpose", to_string(f.purpose)}});
-  return {{"model", model_name}, {"microbatches", microbatches}, {"nodes", nodes}, {"edges", edges},
-          {"families", fams}};
+  return {
+      {"model", model_name}, {"microbatches", microbatches}, {"nodes", nodes}, {"edges", edges}, {"families", fams}};
 }
 
 std::string GlobalDag::to_dot() const {
@@ -183,8 +209,8 @@ std::string GlobalDag::to_dot() const {
   os << "digraph piper {\n  rankdir=LR;\n  node [shape=box, fontname=\"monospace\"];\n";
   for (auto v : live_nodes()) {
     const auto& n = graph[v];
-    const char* color = n.kind == NodeKind::Compute ? (n.pass == Pass::F ? "lightblue" : "lightsalmon")
-                        : n.kind == NodeKind::Update ? "palegreen"
+    const char* color = n.kind == NodeKind::Compute      ? (n.pass == Pass::F ? "lightblue" : "lightsalmon")
+                        : n.kind == NodeKind::Update     ? "palegreen"
                         : n.kind == NodeKind::OrderDummy ? "white"
                                                          : "khaki";
     os << "  n" << v << " [label=\"" << n.label;
@@ -216,7 +242,8 @@ std::vector<Segment> segment_model(const Model& model) {
       s.index = static_cast<int>(segments.size());
       s.first_layer = static_cast<int>(i);
       s.tags = layers[i].tags;
-      if (layers[i].kind == LayerKind::MoeExperts) s.fanout = static_cast<int>(std::max<std::int64_t>(1, layers[i].shape.top_k));
+      if (layers[i].kind == LayerKind::MoeExperts)
+        s.fanout = static_cast<int>(std::max<std::int64_t>(1, layers[i].shape.top_k));
       segments.push_back(std::move(s));
     }
     auto& s = segments.back();

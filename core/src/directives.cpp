@@ -51,8 +51,8 @@ std::string Filter::to_string() const { return to_json().dump(); }
 namespace {
 
 constexpr long long kMaxTagIndex = 1 << 30;
-constexpr double kMaxBucketMb = 1e9;     // 1 PB: past it, the bucket size in bytes overflows int64
-constexpr long long kMaxSms = 1 << 20;  // far above any GPU; the real bound is the device's SM count
+constexpr double kMaxBucketMb = 1e9;         // 1 PB: past it, the bucket size in bytes overflows int64
+constexpr long long kMaxSms = 1 << 20;       // far above any GPU; the real bound is the device's SM count
 constexpr long long kMaxPrefetch = 1 << 20;  // gathers ahead; past the number of gathers it means no limit
 
 [[noreturn]] void fail(int index, const std::string& field, const std::string& message) {
@@ -68,8 +68,9 @@ void check_fields(const json& d, int index, std::initializer_list<const char*> a
     if (std::none_of(allowed.begin(), allowed.end(), [&](const char* a) { return key == a; })) {
       std::string list;
       for (const char* a : allowed) list += std::string(list.empty() ? "" : ", ") + a;
-      fail(index, key, "unknown field for '" + d["op"].get<std::string>() + "'" + did_you_mean(key, {allowed.begin(), allowed.end()}) +
-                           " (allowed: " + list + ")");
+      fail(index, key,
+           "unknown field for '" + d["op"].get<std::string>() + "'" +
+               did_you_mean(key, {allowed.begin(), allowed.end()}) + " (allowed: " + list + ")");
     }
   }
 }
@@ -101,7 +102,8 @@ Filter parse_filter(const json& j, int index, const std::string& field, bool all
       if (value.get<long long>() < 0) fail(index, where, "tag index must be >= 0");
       // Larger indices would wrap when narrowed to int and silently select another region.
       if (value.get<long long>() > kMaxTagIndex)
-        fail(index, where, "tag index " + std::to_string(value.get<long long>()) + " is larger than " + std::to_string(kMaxTagIndex));
+        fail(index, where,
+             "tag index " + std::to_string(value.get<long long>()) + " is larger than " + std::to_string(kMaxTagIndex));
       f.exact[tag] = static_cast<int>(value.get<long long>());
     } else {
       fail(index, where, "must be a non-negative integer or \"*\", got " + type_name(value));
@@ -121,7 +123,10 @@ std::vector<int> parse_devices(const json& d, int index) {
     long long v = j[i].get<long long>();
     if (v < 0) fail(index, where, "device id " + std::to_string(v) + " is negative");
     // Device ids size per-device tables later; an id past the device limit is refused here.
-    if (v >= limit_value(Limit::Devices)) fail(index, where, "device id " + std::to_string(v) + ": " + limit_message(Limit::Devices, v == INT64_MAX ? v : v + 1, "devices"));
+    if (v >= limit_value(Limit::Devices))
+      fail(index, where,
+           "device id " + std::to_string(v) + ": " +
+               limit_message(Limit::Devices, v == INT64_MAX ? v : v + 1, "devices"));
     if (!seen.insert(static_cast<int>(v)).second) fail(index, where, "device " + std::to_string(v) + " listed twice");
     out.push_back(static_cast<int>(v));
   }
@@ -158,9 +163,9 @@ Directive parse_one(const json& d, int index) {
     return p;
   }
   if (op == "replicate") {
-    check_fields(d, index, {"filter", "devices", "bucket_size", "shard_grads", "shard_params", "shard_optimizer",
-                            "reduce_stream", "gather_stream", "prefetch", "gather_unit", "gather_dtype", "shard_group",
-                            "reduce_every"});
+    check_fields(d, index,
+                 {"filter", "devices", "bucket_size", "shard_grads", "shard_params", "shard_optimizer", "reduce_stream",
+                  "gather_stream", "prefetch", "gather_unit", "gather_dtype", "shard_group", "reduce_every"});
     ReplicateDirective r;
     r.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     r.devices = parse_devices(d, index);
@@ -176,13 +181,15 @@ Directive parse_one(const json& d, int index) {
     if (auto it = d.find("prefetch"); it != d.end()) {
       if (!r.shard_params) fail(index, "prefetch", "applies only with shard_params (ZeRO-3 gathers)");
       if (!it->is_number_integer() || it->get<long long>() < 0 || it->get<long long>() > kMaxPrefetch)
-        fail(index, "prefetch", fmt::format("must be an integer in [0, {}] (gathers running ahead of their use)", kMaxPrefetch));
+        fail(index, "prefetch",
+             fmt::format("must be an integer in [0, {}] (gathers running ahead of their use)", kMaxPrefetch));
       r.prefetch = it->get<int>();
     }
     if (auto it = d.find("gather_unit"); it != d.end()) {
       if (!r.shard_params) fail(index, "gather_unit", "applies only with shard_params (ZeRO-3 gathers)");
       if (!it->is_string() || (*it != "segment" && *it != "block"))
-        fail(index, "gather_unit", "must be \"segment\" (the published format's unit) or \"block\" (one transformer block)");
+        fail(index, "gather_unit",
+             "must be \"segment\" (the published format's unit) or \"block\" (one transformer block)");
       r.gather_blocks = *it == "block";
     }
     if (auto it = d.find("gather_dtype"); it != d.end()) {
@@ -192,19 +199,24 @@ Directive parse_one(const json& d, int index) {
       r.gather_fp8 = *it == "fp8";
     }
     if (auto it = d.find("shard_group"); it != d.end()) {
-      if (!r.shard_optimizer && !r.shard_grads) fail(index, "shard_group", "applies only with ZeRO (shard_optimizer, shard_grads or shard_params)");
+      if (!r.shard_optimizer && !r.shard_grads)
+        fail(index, "shard_group", "applies only with ZeRO (shard_optimizer, shard_grads or shard_params)");
       // Checked before narrowing; that it divides each segment's replicas is checked when applied.
-      if (!it->is_number_integer() || it->get<long long>() < 2 || it->get<long long>() > static_cast<long long>(r.devices.size()))
-        fail(index, "shard_group", fmt::format("must be an integer in [2, {}] (replicas per ZeRO shard group)", r.devices.size()));
+      if (!it->is_number_integer() || it->get<long long>() < 2 ||
+          it->get<long long>() > static_cast<long long>(r.devices.size()))
+        fail(index, "shard_group",
+             fmt::format("must be an integer in [2, {}] (replicas per ZeRO shard group)", r.devices.size()));
       r.shard_group = it->get<int>();
     }
     r.reduce_every_microbatch = r.shard_grads;
     if (auto it = d.find("reduce_every"); it != d.end()) {
       if (!it->is_string() || (*it != "step" && *it != "microbatch"))
-        fail(index, "reduce_every", "must be \"step\" (one reduction after the last microbatch) or \"microbatch\" (one after each)");
+        fail(index, "reduce_every",
+             "must be \"step\" (one reduction after the last microbatch) or \"microbatch\" (one after each)");
       r.reduce_every_microbatch = *it == "microbatch";
       if (r.reduce_every_microbatch && !r.shard_grads)
-        fail(index, "reduce_every", "\"microbatch\" applies only with shard_grads (ZeRO-2/3 keep only a gradient shard)");
+        fail(index, "reduce_every",
+             "\"microbatch\" applies only with shard_grads (ZeRO-2/3 keep only a gradient shard)");
     }
     r.reduce_stream = get_string(d, index, "reduce_stream", "dp");
     r.gather_stream = get_string(d, index, "gather_stream", r.reduce_stream);
@@ -275,7 +287,8 @@ Directive parse_one(const json& d, int index) {
         fail(index, "expert_degree", "must be a positive integer");
       t.expert_degree = it->get<int>();
       if (!t.devices.empty() && t.devices.size() % static_cast<std::size_t>(t.expert_degree) != 0)
-        fail(index, "expert_degree", fmt::format("{} does not divide the {} devices", t.expert_degree, t.devices.size()));
+        fail(index, "expert_degree",
+             fmt::format("{} does not divide the {} devices", t.expert_degree, t.devices.size()));
     }
     return t;
   }
@@ -289,7 +302,8 @@ Directive parse_one(const json& d, int index) {
         fail(index, field, fmt::format("must be a positive integer number of blocks, got {}", it->dump()));
       (std::string(field) == "every" ? r.every : r.first) = it->get<int>();
     }
-    if (r.every > 0 && r.first > 0) fail(index, "first", "cannot be combined with \"every\" (choose one block selection)");
+    if (r.every > 0 && r.first > 0)
+      fail(index, "first", "cannot be combined with \"every\" (choose one block selection)");
     r.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     const json& m = require(d, index, "mode");
     if (!m.is_string()) fail(index, "mode", "must be \"none\", \"selective\" or \"full\"");
@@ -307,7 +321,8 @@ Directive parse_one(const json& d, int index) {
     // Only the communication streams as one class: per-stream partitions would need one SM group per
     // stream, and NCCL's and the simulator's SM use is per device, not per stream.
     if (p.partition.stream != "comm")
-      fail(index, "stream", "must be \"comm\" (every communication stream of a device), got \"" + p.partition.stream + "\"");
+      fail(index, "stream",
+           "must be \"comm\" (every communication stream of a device), got \"" + p.partition.stream + "\"");
     const json& n = require(d, index, "sms");
     if (!n.is_number_integer() || n.get<long long>() < 1 || n.get<long long>() > kMaxSms)
       fail(index, "sms", fmt::format("must be an integer number of SMs in [1, {}]", kMaxSms));
@@ -327,11 +342,12 @@ Directive parse_one(const json& d, int index) {
     c.all_gather = comm == "all_gather";
     return c;
   }
-  fail(index, "op", "unknown op '" + op + "'" +
-                        did_you_mean(op, {"place", "replicate", "shard", "split", "order", "tensor_parallel", "recompute",
-                                          "sm_partition", "context_parallel"}) +
-                        " (expected place, replicate, shard, split, order, tensor_parallel, recompute, sm_partition or "
-                        "context_parallel)");
+  fail(index, "op",
+       "unknown op '" + op + "'" +
+           did_you_mean(op, {"place", "replicate", "shard", "split", "order", "tensor_parallel", "recompute",
+                             "sm_partition", "context_parallel"}) +
+           " (expected place, replicate, shard, split, order, tensor_parallel, recompute, sm_partition or "
+           "context_parallel)");
 }
 
 }  // namespace
@@ -369,7 +385,8 @@ DirectiveProgram parse_directives(const json& program) {
     }
     if (std::holds_alternative<SmPartitionDirective>(out.directives.back())) {
       if (sm_partition_at >= 0)
-        fail(static_cast<int>(i), "op", fmt::format("a second sm_partition (directive {} already partitions the SMs)", sm_partition_at));
+        fail(static_cast<int>(i), "op",
+             fmt::format("a second sm_partition (directive {} already partitions the SMs)", sm_partition_at));
       sm_partition_at = static_cast<int>(i);
     }
   }

@@ -32,14 +32,20 @@ std::string hf_model_name(const json& j, const std::string& where, const std::st
 
 // The families the importer reads, by model_type, and the architectures that name them.
 const std::vector<std::pair<std::string, std::string>>& hf_families() {
-  static const std::vector<std::pair<std::string, std::string>> f = {
-      {"llama", "LlamaForCausalLM"},         {"mistral", "MistralForCausalLM"},
-      {"mixtral", "MixtralForCausalLM"},     {"qwen2", "Qwen2ForCausalLM"},
-      {"qwen3", "Qwen3ForCausalLM"},         {"qwen3_moe", "Qwen3MoeForCausalLM"},
-      {"deepseek_v2", "DeepseekV2ForCausalLM"}, {"deepseek_v3", "DeepseekV3ForCausalLM"},
-      {"gemma", "GemmaForCausalLM"},         {"gemma2", "Gemma2ForCausalLM"},
-      {"gemma3_text", "Gemma3ForCausalLM"},  {"phi3", "Phi3ForCausalLM"},
-      {"gpt2", "GPT2LMHeadModel"},           {"gpt_neox", "GPTNeoXForCausalLM"}};
+  static const std::vector<std::pair<std::string, std::string>> f = {{"llama", "LlamaForCausalLM"},
+                                                                     {"mistral", "MistralForCausalLM"},
+                                                                     {"mixtral", "MixtralForCausalLM"},
+                                                                     {"qwen2", "Qwen2ForCausalLM"},
+                                                                     {"qwen3", "Qwen3ForCausalLM"},
+                                                                     {"qwen3_moe", "Qwen3MoeForCausalLM"},
+                                                                     {"deepseek_v2", "DeepseekV2ForCausalLM"},
+                                                                     {"deepseek_v3", "DeepseekV3ForCausalLM"},
+                                                                     {"gemma", "GemmaForCausalLM"},
+                                                                     {"gemma2", "Gemma2ForCausalLM"},
+                                                                     {"gemma3_text", "Gemma3ForCausalLM"},
+                                                                     {"phi3", "Phi3ForCausalLM"},
+                                                                     {"gpt2", "GPT2LMHeadModel"},
+                                                                     {"gpt_neox", "GPTNeoXForCausalLM"}};
   return f;
 }
 
@@ -54,20 +60,72 @@ std::string hf_supported_list(bool architectures) {
 // does not depend on them), logit scales and soft-caps, routing-loss coefficients and score
 // functions (balanced routing is assumed), inference-only settings. Accepted silently.
 const std::set<std::string>& hf_cost_irrelevant_fields() {
-  static const std::set<std::string> s = {
-      "_name_or_path", "architectures", "model_type", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id",
-      "sep_token_id", "decoder_start_token_id", "torch_dtype", "dtype", "transformers_version", "use_cache",
-      "initializer_range", "initializer_factor", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon",
-      "rope_theta", "rope_scaling", "rope_local_base_freq", "rotary_emb_base", "rotary_pct", "partial_rotary_factor",
-      "original_max_position_embeddings", "max_sequence_length", "pretraining_tp", "router_aux_loss_coef",
-      "output_router_logits", "router_jitter_noise", "norm_topk_prob", "scoring_func", "routed_scaling_factor",
-      "aux_loss_alpha", "seq_aux", "topk_method", "ep_size", "query_pre_attn_scalar", "attn_logit_softcapping",
-      "final_logit_softcapping", "cache_implementation", "use_parallel_residual", "classifier_dropout",
-      "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
-      "task_specific_params", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
-      "n_ctx", "use_mrope", "id2label", "label2id", "tokenizer_class", "return_dict", "output_hidden_states",
-      "output_attentions", "torchscript", "use_bfloat16", "problem_type", "is_decoder", "is_encoder_decoder",
-      "tie_encoder_decoder"};
+  static const std::set<std::string> s = {"_name_or_path",
+                                          "architectures",
+                                          "model_type",
+                                          "auto_map",
+                                          "bos_token_id",
+                                          "eos_token_id",
+                                          "pad_token_id",
+                                          "sep_token_id",
+                                          "decoder_start_token_id",
+                                          "torch_dtype",
+                                          "dtype",
+                                          "transformers_version",
+                                          "use_cache",
+                                          "initializer_range",
+                                          "initializer_factor",
+                                          "rms_norm_eps",
+                                          "layer_norm_eps",
+                                          "layer_norm_epsilon",
+                                          "rope_theta",
+                                          "rope_scaling",
+                                          "rope_local_base_freq",
+                                          "rotary_emb_base",
+                                          "rotary_pct",
+                                          "partial_rotary_factor",
+                                          "original_max_position_embeddings",
+                                          "max_sequence_length",
+                                          "pretraining_tp",
+                                          "router_aux_loss_coef",
+                                          "output_router_logits",
+                                          "router_jitter_noise",
+                                          "norm_topk_prob",
+                                          "scoring_func",
+                                          "routed_scaling_factor",
+                                          "aux_loss_alpha",
+                                          "seq_aux",
+                                          "topk_method",
+                                          "ep_size",
+                                          "query_pre_attn_scalar",
+                                          "attn_logit_softcapping",
+                                          "final_logit_softcapping",
+                                          "cache_implementation",
+                                          "use_parallel_residual",
+                                          "classifier_dropout",
+                                          "summary_type",
+                                          "summary_use_proj",
+                                          "summary_activation",
+                                          "summary_proj_to_labels",
+                                          "summary_first_dropout",
+                                          "task_specific_params",
+                                          "scale_attn_weights",
+                                          "scale_attn_by_inverse_layer_idx",
+                                          "reorder_and_upcast_attn",
+                                          "n_ctx",
+                                          "use_mrope",
+                                          "id2label",
+                                          "label2id",
+                                          "tokenizer_class",
+                                          "return_dict",
+                                          "output_hidden_states",
+                                          "output_attentions",
+                                          "torchscript",
+                                          "use_bfloat16",
+                                          "problem_type",
+                                          "is_decoder",
+                                          "is_encoder_decoder",
+                                          "tie_encoder_decoder"};
   return s;
 }
 
@@ -98,11 +156,13 @@ ModelConfig config_from_hf_json(const json& j, const std::string& where, std::ve
   FieldReader r(j, where);
   const std::string type = hf_model_type(j, r);
   if (type == "gemma3")
-    r.fail("model_type", "'gemma3' is the vision-language model and its SigLIP vision tower is not modelled "
-                         "(import its text_config, model_type gemma3_text)");
+    r.fail("model_type",
+           "'gemma3' is the vision-language model and its SigLIP vision tower is not modelled "
+           "(import its text_config, model_type gemma3_text)");
   bool known = false;
   for (const auto& f : hf_families()) known = known || f.first == type;
-  if (!known) r.fail("model_type", "unsupported model_type '" + type + "' (supported: " + hf_supported_list(false) + ")");
+  if (!known)
+    r.fail("model_type", "unsupported model_type '" + type + "' (supported: " + hf_supported_list(false) + ")");
   const bool gpt2 = type == "gpt2", neox = type == "gpt_neox";
   const bool gemma = type == "gemma" || type == "gemma2" || type == "gemma3_text";
   const bool deepseek = type == "deepseek_v2" || type == "deepseek_v3";
@@ -127,10 +187,12 @@ ModelConfig config_from_hf_json(const json& j, const std::string& where, std::ve
   // (gate, up, down), whose activation (SiLU: SwiGLU; GELU: Gemma's GeGLU) does not change the
   // three GEMMs or the stored tensors, so all are costed as Piper's gated "swiglu" MLP.
   {
-    const std::string act_key = gpt2 ? "activation_function" : (gemma && r.has("hidden_activation") ? "hidden_activation" : "hidden_act");
+    const std::string act_key =
+        gpt2 ? "activation_function" : (gemma && r.has("hidden_activation") ? "hidden_activation" : "hidden_act");
     if (gemma) r.has("hidden_act");  // Gemma configs carry both; hidden_activation wins
     const std::string act = r.opt_string(act_key).value_or(gpt2 ? "gelu_new" : (neox || gemma) ? "gelu" : "silu");
-    static const std::set<std::string> gelu = {"gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "quick_gelu", "relu"};
+    static const std::set<std::string> gelu = {"gelu",       "gelu_new", "gelu_fast", "gelu_pytorch_tanh",
+                                               "quick_gelu", "relu"};
     if (gpt2 || neox) {
       if (!gelu.count(act)) r.fail(act_key, "unsupported activation '" + act + "' (GELU/ReLU MLPs are modelled)");
       c.activation = MlpActivation::GELU;
@@ -159,7 +221,7 @@ ModelConfig config_from_hf_json(const json& j, const std::string& where, std::ve
     c.bias = attn_bias;
     c.qkv_bias = type == "qwen2" && !c.bias;
   }
-  c.tie_embeddings = r.bool_or("tie_word_embeddings", gpt2 || gemma);  // transformers' defaults
+  c.tie_embeddings = r.bool_or("tie_word_embeddings", gpt2 || gemma);           // transformers' defaults
   c.qk_norm = type == "qwen3" || type == "qwen3_moe" || type == "gemma3_text";  // q_norm / k_norm
 
   // Positions: GPT-2 learns n_positions rows; the others are rotary. The training sequence defaults
@@ -217,7 +279,8 @@ ModelConfig config_from_hf_json(const json& j, const std::string& where, std::ve
     c.shared_experts = r.non_negative_or("n_shared_experts", 0);
     c.shared_expert_ffn = c.shared_experts > 0 ? c.expert_ffn : 0;
     c.first_dense_layers = r.non_negative_or("first_k_dense_replace", 0);
-    if (r.positive_or("moe_layer_freq", 1) != 1) r.fail("moe_layer_freq", "only 1 (every block after the dense prefix MoE) is supported");
+    if (r.positive_or("moe_layer_freq", 1) != 1)
+      r.fail("moe_layer_freq", "only 1 (every block after the dense prefix MoE) is supported");
     c.q_lora_rank = r.non_negative_or("q_lora_rank", 0);  // null in V2-Lite: uncompressed q
     c.kv_lora_rank = r.req_positive("kv_lora_rank");
     c.qk_rope_head_dim = r.req_positive("qk_rope_head_dim");
@@ -239,7 +302,7 @@ ModelConfig config_from_hf_json(const json& j, const std::string& where, std::ve
       r.fail("use_sliding_window", "true: Qwen's windowed layers (from max_window_layers on) are not modelled");
   } else if (type == "mistral" || type == "mixtral" || type == "phi3" || type == "gemma2" || type == "gemma3_text") {
     c.sliding_window = r.non_negative_or("sliding_window", type == "gemma2" ? 4096 : type == "gemma3_text" ? 4096 : 0);
-    r.has("sliding_window_size");  // an old Gemma 2 alias of sliding_window
+    r.has("sliding_window_size");              // an old Gemma 2 alias of sliding_window
     if (type == "gemma2") c.global_every = 2;  // Gemma 2: even layers local, odd layers global
     if (type == "gemma3_text") c.global_every = r.positive_or("sliding_window_pattern", 6);
   }
@@ -257,7 +320,8 @@ ModelConfig config_from_hf_json(const json& j, const std::string& where, std::ve
     if (std::find(sliding.begin(), sliding.end(), true) == sliding.end()) {
       c.sliding_window = 0, c.global_every = 0;
     } else {
-      if (c.sliding_window <= 0) r.fail("sliding_window", "must be a positive integer (layer_types has sliding layers)");
+      if (c.sliding_window <= 0)
+        r.fail("sliding_window", "must be a positive integer (layer_types has sliding layers)");
       c.global_every = first_full == sliding.end() ? 0 : (first_full - sliding.begin()) + 1;
       for (std::int64_t i = 0; i < c.layers; ++i)
         if (sliding[static_cast<std::size_t>(i)] != c.block_uses_window(i))

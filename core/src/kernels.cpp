@@ -16,10 +16,10 @@ using nlohmann::json;
 
 namespace {
 
-constexpr const char* kKindNames[] = {"gemm",          "attention_fwd", "attention_bwd",  "norm",
-                                      "norm_bwd",      "norm_weight",   "activation",     "activation_bwd",
-                                      "residual",      "rope",          "loss",           "loss_bwd",
-                                      "embedding",     "embedding_bwd", "permute",        "elementwise"};
+constexpr const char* kKindNames[] = {"gemm",      "attention_fwd", "attention_bwd", "norm",
+                                      "norm_bwd",  "norm_weight",   "activation",    "activation_bwd",
+                                      "residual",  "rope",          "loss",          "loss_bwd",
+                                      "embedding", "embedding_bwd", "permute",       "elementwise"};
 
 struct KernelBuilder {
   const TrainingShape& shape;
@@ -184,7 +184,8 @@ void mlp_kernels(KernelBuilder& kb, const Layer& layer, const TrainingShape& sha
   const LayerShape& sh = layer.shape;
   const int t = std::max(1, L.tp), seq = L.sequence_parallel ? t : 1;
   const std::int64_t T = shape.tokens_per_microbatch(), h = sh.hidden, f = sh.ffn;
-  const bool swiglu = sh.activation == MlpActivation::SwiGLU, standard = sh.attention_kernel == AttentionKernel::Standard;
+  const bool swiglu = sh.activation == MlpActivation::SwiGLU,
+             standard = sh.attention_kernel == AttentionKernel::Standard;
   const double Td = static_cast<double>(T), hd = static_cast<double>(h), fd = static_cast<double>(f) / t;
   const double fc1 = (swiglu ? 2 : 1) * fd;
   const bool full = L.recompute == 2 && layer.block >= 0;
@@ -305,21 +306,28 @@ std::vector<Kernel> layer_kernels(const Layer& layer, const TrainingShape& shape
       if (sh.attention_kernel == AttentionKernel::Standard && p < 2) {
         // Standard-attention models count their norms' traffic as element-wise bytes (Costs): the
         // same kernel, given by those bytes (the input gradient's includes the gain's).
-        if (p == 1 && rerun_norm) kb.elementwise(KernelKind::Elementwise, 0, c.forward_flops, c.forward_elementwise_bytes);
-        const std::int64_t bytes = p == 0 ? c.forward_elementwise_bytes
-                                          : c.backward_elementwise_bytes - (rerun_norm ? c.forward_elementwise_bytes : 0);
+        if (p == 1 && rerun_norm)
+          kb.elementwise(KernelKind::Elementwise, 0, c.forward_flops, c.forward_elementwise_bytes);
+        const std::int64_t bytes = p == 0
+                                       ? c.forward_elementwise_bytes
+                                       : c.backward_elementwise_bytes - (rerun_norm ? c.forward_elementwise_bytes : 0);
         const double flops = p == 0 ? c.forward_flops : c.backward_input_flops - (rerun_norm ? c.forward_flops : 0);
         kb.elementwise(KernelKind::Elementwise, 0, flops, bytes);
         break;
       }
       if (p == 1 && rerun_norm) kb.elementwise(KernelKind::Norm, n, c.forward_flops);
       if (p == 0) kb.elementwise(KernelKind::Norm, n, c.forward_flops);
-      if (p == 1) kb.elementwise(KernelKind::NormBackward, n, c.backward_input_flops - (rerun_norm ? c.forward_flops : 0));
+      if (p == 1)
+        kb.elementwise(KernelKind::NormBackward, n, c.backward_input_flops - (rerun_norm ? c.forward_flops : 0));
       if (p == 2) kb.elementwise(KernelKind::NormWeight, n, c.backward_weight_flops);
       break;
     }
-    case LayerKind::Attention: attention_kernels(kb, layer, shape, L, p, c); break;
-    case LayerKind::Mlp: mlp_kernels(kb, layer, shape, L, p, c); break;
+    case LayerKind::Attention:
+      attention_kernels(kb, layer, shape, L, p, c);
+      break;
+    case LayerKind::Mlp:
+      mlp_kernels(kb, layer, shape, L, p, c);
+      break;
     case LayerKind::MoeRouter: {
       const double Ts = static_cast<double>(T) / seq, hd = static_cast<double>(h), E = static_cast<double>(sh.experts);
       if (p == 1 && full) kb.linear(0, Ts, hd, E);

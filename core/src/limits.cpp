@@ -45,7 +45,8 @@ constexpr std::size_t kCount = 13;
 
 std::string env_name(const char* name) {
   std::string s = "PIPER_LIMIT_";
-  for (const char* p = name; *p; ++p) s += *p == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(*p)));
+  for (const char* p = name; *p; ++p)
+    s += *p == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(*p)));
   return s;
 }
 
@@ -135,7 +136,8 @@ void check_limit(Limit l, std::int64_t value, const std::string& where, const st
 
 std::string read_input_file(const std::string& path) { return read_input_file(path, Limit::InputBytes); }
 
-std::string read_input_file(const std::string& path, Limit bytes_limit, std::int64_t max_bytes, const std::string& what) {
+std::string read_input_file(const std::string& path, Limit bytes_limit, std::int64_t max_bytes,
+                            const std::string& what) {
   namespace fs = std::filesystem;
   // The tighter of the limit and max_bytes; over max_bytes is named by `what`, not by a limit.
   const auto check = [&](std::int64_t size, const char* unit) {

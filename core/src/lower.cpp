@@ -109,8 +109,10 @@ std::vector<Vertex> global_order(const Graph& g, const Edges& extra) {
       for (auto e : boost::make_iterator_range(boost::out_edges(v, g))) {
         Vertex w = boost::target(e, g);
         if (--indegree[w] > 0) continue;
-        if (g[v].kind == NodeKind::Send && g[w].kind == NodeKind::Recv) now.push_back(w);
-        else ready.push({key[w], w});
+        if (g[v].kind == NodeKind::Send && g[w].kind == NodeKind::Recv)
+          now.push_back(w);
+        else
+          ready.push({key[w], w});
       }
       for (Vertex w : extra_successors(v))
         if (--indegree[w] == 0) ready.push({key[w], w});
@@ -137,7 +139,8 @@ DeviceClasses device_classes(const GlobalDag& dag) {
   std::vector<std::vector<DeviceSetId>> membership(static_cast<std::size_t>(dag.num_devices()));
   for (std::size_t s = 0; s < num_sets; ++s)
     if (set_used[s])
-      for (int d : dag.device_sets.at(static_cast<DeviceSetId>(s))) membership[static_cast<std::size_t>(d)].push_back(static_cast<DeviceSetId>(s));
+      for (int d : dag.device_sets.at(static_cast<DeviceSetId>(s)))
+        membership[static_cast<std::size_t>(d)].push_back(static_cast<DeviceSetId>(s));
   DeviceClasses c;
   c.plan_of_device.resize(membership.size());
   for (std::size_t d = 0; d < membership.size(); ++d) {
@@ -162,7 +165,8 @@ DeviceClasses device_classes(const GlobalDag& dag) {
 // it waits for in `order`: moving each gather to just before its first use keeps `order`
 // topological, so the edges cannot close a cycle, and every device still issues its ops in one
 // global order.
-Edges prefetch_edges(const Graph& g, const std::vector<Vertex>& order, const DeviceClasses& classes, std::size_t num_sets) {
+Edges prefetch_edges(const Graph& g, const std::vector<Vertex>& order, const DeviceClasses& classes,
+                     std::size_t num_sets) {
   std::vector<std::size_t> rank(boost::num_vertices(g), 0);
   for (std::size_t i = 0; i < order.size(); ++i) rank[order[i]] = i;
   struct Gather {
@@ -189,7 +193,8 @@ Edges prefetch_edges(const Graph& g, const std::vector<Vertex>& order, const Dev
     seq.clear();
     for (const auto& gt : gathers)
       if (in_class[static_cast<std::size_t>(g[gt.v].devices)]) seq.push_back(&gt);
-    std::stable_sort(seq.begin(), seq.end(), [&](const Gather* a, const Gather* b) { return rank[a->uses[0]] < rank[b->uses[0]]; });
+    std::stable_sort(seq.begin(), seq.end(),
+                     [&](const Gather* a, const Gather* b) { return rank[a->uses[0]] < rank[b->uses[0]]; });
     units.clear();
     for (const Gather* gt : seq) {
       if (units.empty() || units.back()[0]->uses[0] != gt->uses[0]) units.emplace_back();
@@ -215,11 +220,16 @@ double op_flops(const DagNode& n) {
   if (n.kind == NodeKind::Update) return n.costs.forward_flops;
   if (n.kind != NodeKind::Compute) return 0;
   switch (n.pass) {
-    case Pass::F: return n.costs.forward_flops;
-    case Pass::B: return n.costs.backward_flops();
-    case Pass::BI: return n.costs.backward_input_flops;
-    case Pass::BW: return n.costs.backward_weight_flops;
-    case Pass::None: return 0;
+    case Pass::F:
+      return n.costs.forward_flops;
+    case Pass::B:
+      return n.costs.backward_flops();
+    case Pass::BI:
+      return n.costs.backward_input_flops;
+    case Pass::BW:
+      return n.costs.backward_weight_flops;
+    case Pass::None:
+      return 0;
   }
   return 0;
 }
@@ -227,11 +237,16 @@ double op_flops(const DagNode& n) {
 int op_gemm_kernels(const DagNode& n) {
   if (n.kind != NodeKind::Compute) return 0;
   switch (n.pass) {
-    case Pass::F: return n.costs.forward_gemm_kernels;
-    case Pass::B: return n.costs.backward_input_gemm_kernels + n.costs.backward_weight_gemm_kernels;
-    case Pass::BI: return n.costs.backward_input_gemm_kernels;
-    case Pass::BW: return n.costs.backward_weight_gemm_kernels;
-    case Pass::None: return 0;
+    case Pass::F:
+      return n.costs.forward_gemm_kernels;
+    case Pass::B:
+      return n.costs.backward_input_gemm_kernels + n.costs.backward_weight_gemm_kernels;
+    case Pass::BI:
+      return n.costs.backward_input_gemm_kernels;
+    case Pass::BW:
+      return n.costs.backward_weight_gemm_kernels;
+    case Pass::None:
+      return 0;
   }
   return 0;
 }
@@ -255,15 +270,24 @@ std::int64_t op_memory_bytes(const DagNode& n) {
 
 OpKind op_kind(NodeKind k) {
   switch (k) {
-    case NodeKind::Compute: return OpKind::Compute;
-    case NodeKind::Update: return OpKind::Update;
-    case NodeKind::Send: return OpKind::Send;
-    case NodeKind::Recv: return OpKind::Recv;
-    case NodeKind::AllReduce: return OpKind::AllReduce;
-    case NodeKind::ReduceScatter: return OpKind::ReduceScatter;
-    case NodeKind::AllGather: return OpKind::AllGather;
-    case NodeKind::AllToAll: return OpKind::AllToAll;
-    case NodeKind::OrderDummy: break;
+    case NodeKind::Compute:
+      return OpKind::Compute;
+    case NodeKind::Update:
+      return OpKind::Update;
+    case NodeKind::Send:
+      return OpKind::Send;
+    case NodeKind::Recv:
+      return OpKind::Recv;
+    case NodeKind::AllReduce:
+      return OpKind::AllReduce;
+    case NodeKind::ReduceScatter:
+      return OpKind::ReduceScatter;
+    case NodeKind::AllGather:
+      return OpKind::AllGather;
+    case NodeKind::AllToAll:
+      return OpKind::AllToAll;
+    case NodeKind::OrderDummy:
+      break;
   }
   throw InternalError("ORDER_DUMMY has no op");
 }
@@ -322,7 +346,6 @@ void make_transfers_blocking(const Graph& g, const std::vector<Vertex>& order, c
   }
 }
 
-
 }  // namespace
 
 Program lower(const GlobalDag& dag) {
@@ -344,8 +367,10 @@ Program lower(const GlobalDag& dag) {
   std::function<void(Vertex, std::vector<Vertex>&)> collect = [&](Vertex v, std::vector<Vertex>& out) {
     for (auto e : boost::make_iterator_range(boost::in_edges(v, g))) {
       Vertex u = boost::source(e, g);
-      if (g[u].kind == NodeKind::OrderDummy) collect(u, out);
-      else if (!(g[u].kind == NodeKind::Send && g[v].kind == NodeKind::Recv)) out.push_back(u);
+      if (g[u].kind == NodeKind::OrderDummy)
+        collect(u, out);
+      else if (!(g[u].kind == NodeKind::Send && g[v].kind == NodeKind::Recv))
+        out.push_back(u);
     }
   };
   for (const auto& [u, v] : prefetch) preds[v].push_back(u);
@@ -366,9 +391,9 @@ Program lower(const GlobalDag& dag) {
   program.sm_partition = dag.sm_partition;
   for (const auto& seg : dag.segments)
     program.segments.push_back({seg.first_layer, seg.last_layer, seg.tags, kNoDevices, seg.costs.params,
-                                seg.shard_degree, seg.replicas, seg.zero_level, seg.tp_degree,
-                                seg.sequence_parallel, seg.recompute, seg.tp_family, seg.tp_comm_overlap,
-                                seg.zero_shards, seg.reduce_every_microbatch,
+                                seg.shard_degree, seg.replicas, seg.zero_level, seg.tp_degree, seg.sequence_parallel,
+                                seg.recompute, seg.tp_family, seg.tp_comm_overlap, seg.zero_shards,
+                                seg.reduce_every_microbatch,
                                 segment_kernels(dag.layers, seg.first_layer, seg.last_layer, dag.training,
                                                 {seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute),
                                                  seg.cp_degree, seg.cp_all_gather, seg.token_split},
@@ -437,7 +462,8 @@ Program lower(const GlobalDag& dag) {
           node.kind == NodeKind::AllToAll)
         op.segment = node.segment;
       op.segments = node.buffer_segments;
-      const int s = stream_of(node.kind == NodeKind::Compute || node.kind == NodeKind::Update ? "compute" : node.stream);
+      const int s =
+          stream_of(node.kind == NodeKind::Compute || node.kind == NodeKind::Update ? "compute" : node.stream);
       // Wait on the latest predecessor of each other stream; earlier ones are implied by stream order.
       // Waits are listed by stream index. (One table reused over all ops: a map per op was a tenth of
       // lowering's time.)
@@ -457,17 +483,30 @@ Program lower(const GlobalDag& dag) {
       ref[v] = OpRef{s, static_cast<int>(plan.streams[static_cast<std::size_t>(s)].ops.size())};
       plan.streams[static_cast<std::size_t>(s)].ops.push_back(std::move(op));
     }
-    auto op_at = [&](OpRef r) -> Op& { return plan.streams[static_cast<std::size_t>(r.stream)].ops[static_cast<std::size_t>(r.index)]; };
+    auto op_at = [&](OpRef r) -> Op& {
+      return plan.streams[static_cast<std::size_t>(r.stream)].ops[static_cast<std::size_t>(r.index)];
+    };
     make_transfers_blocking(g, order, ref, here, plan);
 
     // Persistent state of each segment on this plan, sized by its sharding (ZeRO-aware).
     auto add_state = [&](const Segment& seg, std::int64_t params, const std::string& what) {
       const std::string suffix = what + " s" + std::to_string(seg.index);
-      plan.buffers.push_back({"params" + suffix, BufferKind::Parameters,
-                               // FP8 (Transformer Engine) also keeps an fp8 copy of each weight.
-                               params * (dt + (dag.training.precision == Precision::FP8 ? 1 : 0)) / seg.zero_divisor(3), {}, {}});
-      plan.buffers.push_back({"grads" + suffix, BufferKind::Gradients, params * gradient_bytes_per_element(dag.training) / seg.grad_divisor(), {}, {}});
-      plan.buffers.push_back({"optimizer" + suffix, BufferKind::OptimizerStates, params * state_bytes_per_param / seg.zero_divisor(1), {}, {}});
+      plan.buffers.push_back({"params" + suffix,
+                              BufferKind::Parameters,
+                              // FP8 (Transformer Engine) also keeps an fp8 copy of each weight.
+                              params * (dt + (dag.training.precision == Precision::FP8 ? 1 : 0)) / seg.zero_divisor(3),
+                              {},
+                              {}});
+      plan.buffers.push_back({"grads" + suffix,
+                              BufferKind::Gradients,
+                              params * gradient_bytes_per_element(dag.training) / seg.grad_divisor(),
+                              {},
+                              {}});
+      plan.buffers.push_back({"optimizer" + suffix,
+                              BufferKind::OptimizerStates,
+                              params * state_bytes_per_param / seg.zero_divisor(1),
+                              {},
+                              {}});
     };
     for (const auto& seg : dag.segments) {
       auto set = segment_set[static_cast<std::size_t>(seg.index)];
@@ -487,8 +526,7 @@ Program lower(const GlobalDag& dag) {
         bytes = node.costs.activation_bytes;
         for (auto e : boost::make_iterator_range(boost::out_edges(v, g)))
           if (g[e].tensor == "stash") consumers.push_back(boost::target(e, g));
-      } else if (node.kind == NodeKind::Recv || node.kind == NodeKind::AllToAll ||
-                 is_parameter_gather(node)) {
+      } else if (node.kind == NodeKind::Recv || node.kind == NodeKind::AllToAll || is_parameter_gather(node)) {
         kind = node.kind == NodeKind::AllGather ? BufferKind::GatheredParameters : BufferKind::Received;
         bytes = node.bytes;
         consumers = succs[v];
@@ -501,7 +539,10 @@ Program lower(const GlobalDag& dag) {
       for (auto c : consumers)
         if (rank[c] > rank[last]) last = c;
       const int id = static_cast<int>(plan.buffers.size());
-      plan.buffers.push_back({std::string(kind == BufferKind::Activations ? "act " : kind == BufferKind::Received ? "recv " : "gathered ") + node.label,
+      plan.buffers.push_back({std::string(kind == BufferKind::Activations ? "act "
+                                          : kind == BufferKind::Received  ? "recv "
+                                                                          : "gathered ") +
+                                  node.label,
                               kind, bytes, ref[v], ref[last]});
       op_at(ref[v]).uses.push_back(id);
       for (auto c : consumers) op_at(ref[c]).uses.push_back(id);

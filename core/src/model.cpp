@@ -19,9 +19,9 @@
 namespace piper::core {
 
 using nlohmann::json;
+using spec::field_error;
 using spec::FieldReader;
 using spec::require_object;
-using spec::field_error;
 using spec::validate_config;
 
 // ---------------------------------------------------------------------------------------------
@@ -30,39 +30,58 @@ using spec::validate_config;
 
 int bytes_per_element(Precision p) {
   switch (p) {
-    case Precision::BF16: return 2;
-    case Precision::FP16: return 2;
-    case Precision::FP32: return 4;
-    case Precision::TF32: return 4;
-    case Precision::FP8: return 2;
+    case Precision::BF16:
+      return 2;
+    case Precision::FP16:
+      return 2;
+    case Precision::FP32:
+      return 4;
+    case Precision::TF32:
+      return 4;
+    case Precision::FP8:
+      return 2;
   }
   return 2;
 }
 
 bool fp32_storage(Precision p) { return p == Precision::FP32 || p == Precision::TF32; }
 
-int gradient_bytes_per_element(const TrainingShape& t) { return t.fp32_main_grads ? 4 : bytes_per_element(t.precision); }
+int gradient_bytes_per_element(const TrainingShape& t) {
+  return t.fp32_main_grads ? 4 : bytes_per_element(t.precision);
+}
 
 std::string to_string(Precision p) {
   switch (p) {
-    case Precision::BF16: return "bf16";
-    case Precision::FP16: return "fp16";
-    case Precision::FP32: return "fp32";
-    case Precision::TF32: return "tf32";
-    case Precision::FP8: return "fp8";
+    case Precision::BF16:
+      return "bf16";
+    case Precision::FP16:
+      return "fp16";
+    case Precision::FP32:
+      return "fp32";
+    case Precision::TF32:
+      return "tf32";
+    case Precision::FP8:
+      return "fp8";
   }
   return "?";
 }
 
 std::string to_string(LayerKind k) {
   switch (k) {
-    case LayerKind::Embedding: return "embedding";
-    case LayerKind::Norm: return "norm";
-    case LayerKind::Attention: return "attention";
-    case LayerKind::Mlp: return "mlp";
-    case LayerKind::MoeRouter: return "moe_router";
-    case LayerKind::MoeExperts: return "moe_experts";
-    case LayerKind::Head: return "head";
+    case LayerKind::Embedding:
+      return "embedding";
+    case LayerKind::Norm:
+      return "norm";
+    case LayerKind::Attention:
+      return "attention";
+    case LayerKind::Mlp:
+      return "mlp";
+    case LayerKind::MoeRouter:
+      return "moe_router";
+    case LayerKind::MoeExperts:
+      return "moe_experts";
+    case LayerKind::Head:
+      return "head";
   }
   return "?";
 }
@@ -124,7 +143,8 @@ std::int64_t attention_score_epilogue_bytes(std::int64_t scores, std::int64_t dt
 // windowed flash kernel skips the key blocks outside the band). Standard attention materialises
 // the whole s x s score matrix whatever the mask, so it is not credited.
 double attention_keys(const LayerShape& sh, double s) {
-  if (sh.window > 0 && sh.attention_kernel == AttentionKernel::Flash) return std::min(s, static_cast<double>(sh.window));
+  if (sh.window > 0 && sh.attention_kernel == AttentionKernel::Flash)
+    return std::min(s, static_cast<double>(sh.window));
   return s;
 }
 
@@ -187,9 +207,11 @@ Costs attention_costs(const LayerShape& sh, const Dims& d) {
   if (!mla) {
     const std::int64_t nkv = sh.kv_heads;
     matmul_elems = h * (nh * hd) + 2 * h * (nkv * hd) + (nh * hd) * h;  // q, k, v, o
-    if (sh.qk_norm) other_params += 2 * hd;                              // Qwen3 per-head q/k RMSNorm
-    if (sh.bias) other_params += nh * hd + 2 * nkv * hd + h;             // GPT-3: qkv and output biases
-    else if (sh.qkv_bias) other_params += nh * hd + 2 * nkv * hd;        // Qwen2: q, k, v biases only
+    if (sh.qk_norm) other_params += 2 * hd;                             // Qwen3 per-head q/k RMSNorm
+    if (sh.bias)
+      other_params += nh * hd + 2 * nkv * hd + h;  // GPT-3: qkv and output biases
+    else if (sh.qkv_bias)
+      other_params += nh * hd + 2 * nkv * hd;  // Qwen2: q, k, v biases only
     // Stash: input (for dW_qkv), q, k, v (FlashAttention backward), attention output (for dW_o).
     stash_elems = h + nh * hd + 2 * nkv * hd + nh * hd;
   } else {
@@ -231,8 +253,8 @@ Costs attention_costs(const LayerShape& sh, const Dims& d) {
   } else {
     // Standard attention (Korthikanti et al. 2022, sec. 4.1): the softmax output (2 bytes per score)
     // and, with dropout, its 1-byte mask and the dropout output are stored: 5·a·s²·b bytes in bf16.
-    const std::int64_t scores = static_cast<std::int64_t>(d.b) * nh * static_cast<std::int64_t>(d.s) *
-                                static_cast<std::int64_t>(d.s);
+    const std::int64_t scores =
+        static_cast<std::int64_t>(d.b) * nh * static_cast<std::int64_t>(d.s) * static_cast<std::int64_t>(d.s);
     c.activation_bytes = d.tokens * stash_elems * d.dt + scores * (sh.dropout ? 2 * d.dt + 1 : d.dt);
     // Element-wise kernels: fused scale-mask-softmax (read scores, write probabilities), attention
     // dropout (read, write, mask), and the fused bias-dropout-add after the output projection (read
@@ -270,8 +292,10 @@ Costs mlp_costs(const LayerShape& sh, const Dims& d) {
   if (sh.attention_kernel == AttentionKernel::Standard) {
     // Element-wise kernels: bias + activation (GELU: read, write; SwiGLU: read two, write one) and the
     // fused bias-dropout-add; backward reads the stored input and the gradient and writes the gradient.
-    c.forward_elementwise_bytes = d.tokens * f * (swiglu ? 3 : 2) * d.dt + d.tokens * h * (3 * d.dt + (sh.dropout ? 1 : 0));
-    c.backward_elementwise_bytes = d.tokens * f * (swiglu ? 5 : 3) * d.dt + d.tokens * h * (2 * d.dt + (sh.dropout ? 1 : 0));
+    c.forward_elementwise_bytes =
+        d.tokens * f * (swiglu ? 3 : 2) * d.dt + d.tokens * h * (3 * d.dt + (sh.dropout ? 1 : 0));
+    c.backward_elementwise_bytes =
+        d.tokens * f * (swiglu ? 5 : 3) * d.dt + d.tokens * h * (2 * d.dt + (sh.dropout ? 1 : 0));
   }
   return c;
 }
@@ -281,7 +305,7 @@ Costs router_costs(const LayerShape& sh, const Dims& d) {
   const std::int64_t h = sh.hidden, e = sh.experts;
   // A linear gate h x E (DeepSeek-V3's E-element score-correction bias is ignored: < 1e-4 of it).
   c.params = h * e;
-  matmul_costs(c, d, h * e, h, e * 4, 1);  // writes fp32 router probabilities
+  matmul_costs(c, d, h * e, h, e * 4, 1);                       // writes fp32 router probabilities
   c.activation_bytes = d.tokens * h * d.dt + d.tokens * e * 4;  // input + fp32 probabilities
   c.output_bytes = d.tokens * h * d.dt;
   return c;
@@ -333,13 +357,27 @@ Costs layer_costs(const Layer& layer, const TrainingShape& shape) {
                bytes_per_element(shape.precision)};
   Costs c;
   switch (layer.kind) {
-    case LayerKind::Embedding: c = embedding_costs(layer.shape, d); break;
-    case LayerKind::Norm: c = norm_costs(layer.shape, d); break;
-    case LayerKind::Attention: c = attention_costs(layer.shape, d); break;
-    case LayerKind::Mlp: c = mlp_costs(layer.shape, d); break;
-    case LayerKind::MoeRouter: c = router_costs(layer.shape, d); break;
-    case LayerKind::MoeExperts: c = experts_costs(layer.shape, d); break;
-    case LayerKind::Head: c = head_costs(layer.shape, d); break;
+    case LayerKind::Embedding:
+      c = embedding_costs(layer.shape, d);
+      break;
+    case LayerKind::Norm:
+      c = norm_costs(layer.shape, d);
+      break;
+    case LayerKind::Attention:
+      c = attention_costs(layer.shape, d);
+      break;
+    case LayerKind::Mlp:
+      c = mlp_costs(layer.shape, d);
+      break;
+    case LayerKind::MoeRouter:
+      c = router_costs(layer.shape, d);
+      break;
+    case LayerKind::MoeExperts:
+      c = experts_costs(layer.shape, d);
+      break;
+    case LayerKind::Head:
+      c = head_costs(layer.shape, d);
+      break;
   }
   c.param_bytes = c.params * d.dt;
   return c;
@@ -421,20 +459,26 @@ std::vector<std::pair<std::int64_t, std::int64_t>> op_matmuls(const Layer& layer
   int index = 0;  // 1-based position in the block: attention's 4 (MLA: its projections), then the MLP's
   if (layer.kind == LayerKind::Attention) {
     if (sh.kv_lora_rank == 0) {
-      mms = {{sh.hidden, sh.heads * sh.head_dim}, {sh.hidden, sh.kv_heads * sh.head_dim},
-             {sh.hidden, sh.kv_heads * sh.head_dim}, {sh.heads * sh.head_dim, sh.hidden}};
+      mms = {{sh.hidden, sh.heads * sh.head_dim},
+             {sh.hidden, sh.kv_heads * sh.head_dim},
+             {sh.hidden, sh.kv_heads * sh.head_dim},
+             {sh.heads * sh.head_dim, sh.hidden}};
     } else {
       const std::int64_t qk = sh.head_dim + sh.qk_rope_head_dim;
-      if (sh.q_lora_rank > 0) mms = {{sh.hidden, sh.q_lora_rank}, {sh.q_lora_rank, sh.heads * qk}};
-      else mms = {{sh.hidden, sh.heads * qk}};
+      if (sh.q_lora_rank > 0)
+        mms = {{sh.hidden, sh.q_lora_rank}, {sh.q_lora_rank, sh.heads * qk}};
+      else
+        mms = {{sh.hidden, sh.heads * qk}};
       mms.push_back({sh.hidden, sh.kv_lora_rank + sh.qk_rope_head_dim});
       mms.push_back({sh.kv_lora_rank, sh.heads * (sh.head_dim + sh.v_head_dim)});
       mms.push_back({sh.heads * sh.v_head_dim, sh.hidden});
     }
   } else if (layer.kind == LayerKind::Mlp) {
     index = 4;  // after a (non-MLA) attention's four
-    if (sh.activation == MlpActivation::SwiGLU) mms = {{sh.hidden, sh.ffn}, {sh.hidden, sh.ffn}, {sh.ffn, sh.hidden}};
-    else mms = {{sh.hidden, sh.ffn}, {sh.ffn, sh.hidden}};
+    if (sh.activation == MlpActivation::SwiGLU)
+      mms = {{sh.hidden, sh.ffn}, {sh.hidden, sh.ffn}, {sh.ffn, sh.hidden}};
+    else
+      mms = {{sh.hidden, sh.ffn}, {sh.ffn, sh.hidden}};
   }
   std::vector<std::pair<std::int64_t, std::int64_t>> out;
   for (const auto& mm : mms)
@@ -458,7 +502,7 @@ void apply_op_recompute(const Layer& layer, const TrainingShape& shape, int t, i
       std::int64_t kept = 0;
       for (const auto& [k, n] : op_matmuls(layer, true))
         kept += T * (n == sh.hidden ? n / seq : n / t) * dt;  // a row-parallel output is whole (SP: sliced)
-      if (layer.kind == LayerKind::Attention)  // the core's output and its log-sum-exp (fp32 per head)
+      if (layer.kind == LayerKind::Attention)                 // the core's output and its log-sum-exp (fp32 per head)
         kept += T * (sh.heads * (sh.kv_lora_rank > 0 ? sh.v_head_dim : sh.head_dim) * dt + sh.heads * 4) / t;
       c.activation_bytes = kept;
       double flops = 0;
@@ -558,7 +602,7 @@ Costs layer_costs(const Layer& layer, const TrainingShape& shape, const Parallel
   if (t == 1 && L.recompute == 0 && L.token_split <= 1) return base;
   const std::int64_t T = shape.tokens_per_microbatch(), dt = bytes_per_element(shape.precision);
   const std::int64_t h = layer.shape.hidden;
-  const std::int64_t N = T * h * dt;           // one full hidden-state tensor of the microbatch
+  const std::int64_t N = T * h * dt;            // one full hidden-state tensor of the microbatch
   const int seq = L.sequence_parallel ? t : 1;  // divisor of sequence-sliced work
   const bool block = layer.block >= 0;
   Costs c = base;
@@ -710,13 +754,13 @@ void validate_config(const ModelConfig& c, const std::string& where) {
   positive(c.heads, "heads");
   positive(c.kv_heads, "kv_heads");
   positive(c.head_dim, "head_dim");
-  if (c.heads % c.kv_heads != 0)
-    field_error(where, "kv_heads", "must divide heads (" + std::to_string(c.heads) + ")");
+  if (c.heads % c.kv_heads != 0) field_error(where, "kv_heads", "must divide heads (" + std::to_string(c.heads) + ")");
   non_negative(c.ffn, "ffn");
   non_negative(c.max_positions, "max_positions");
   non_negative(c.experts, "moe.experts");
   const bool has_dense_block = c.experts == 0 || c.first_dense_layers > 0;
-  if (has_dense_block && c.ffn <= 0) field_error(where, "ffn", "must be a positive integer (the model has dense blocks)");
+  if (has_dense_block && c.ffn <= 0)
+    field_error(where, "ffn", "must be a positive integer (the model has dense blocks)");
   if (c.experts > 0) {
     positive(c.top_k, "moe.top_k");
     if (c.top_k > c.experts)
@@ -748,12 +792,19 @@ void validate_config(const ModelConfig& c, const std::string& where) {
     check_limit(l, v, where + ": field '" + field + "'", unit);
   };
   within(Limit::Layers, c.layers, "layers", "layers");
-  const std::pair<std::int64_t, const char*> widths[] = {
-      {c.vocab, "vocab"}, {c.hidden, "hidden"}, {c.ffn, "ffn"}, {c.heads, "heads"}, {c.kv_heads, "kv_heads"},
-      {c.head_dim, "head_dim"}, {c.max_positions, "max_positions"}, {c.expert_ffn, "moe.expert_ffn"},
-      {c.shared_expert_ffn, "moe.shared_expert_ffn"}, {c.q_lora_rank, "mla.q_lora_rank"},
-      {c.kv_lora_rank, "mla.kv_lora_rank"}, {c.qk_rope_head_dim, "mla.qk_rope_head_dim"},
-      {c.v_head_dim, "mla.v_head_dim"}};
+  const std::pair<std::int64_t, const char*> widths[] = {{c.vocab, "vocab"},
+                                                         {c.hidden, "hidden"},
+                                                         {c.ffn, "ffn"},
+                                                         {c.heads, "heads"},
+                                                         {c.kv_heads, "kv_heads"},
+                                                         {c.head_dim, "head_dim"},
+                                                         {c.max_positions, "max_positions"},
+                                                         {c.expert_ffn, "moe.expert_ffn"},
+                                                         {c.shared_expert_ffn, "moe.shared_expert_ffn"},
+                                                         {c.q_lora_rank, "mla.q_lora_rank"},
+                                                         {c.kv_lora_rank, "mla.kv_lora_rank"},
+                                                         {c.qk_rope_head_dim, "mla.qk_rope_head_dim"},
+                                                         {c.v_head_dim, "mla.v_head_dim"}};
   for (const auto& [value, field] : widths) within(Limit::ModelWidth, value, field, "");
   within(Limit::Experts, c.experts, "moe.experts", "experts");
   within(Limit::Experts, c.shared_experts, "moe.shared_experts", "shared experts");
@@ -763,8 +814,9 @@ void validate_config(const ModelConfig& c, const std::string& where) {
          "tokens per microbatch");
   // Learned absolute positions (GPT) have one row per position: a longer sequence has none to read.
   if (c.max_positions > 0 && c.training.seq_len > c.max_positions)
-    field_error(where, "training.seq_len", std::to_string(c.training.seq_len) + " exceeds max_positions " +
-                                               std::to_string(c.max_positions) + " (the model's learned positions)");
+    field_error(where, "training.seq_len",
+                std::to_string(c.training.seq_len) + " exceeds max_positions " + std::to_string(c.max_positions) +
+                    " (the model's learned positions)");
 }
 
 }  // namespace spec
@@ -831,7 +883,8 @@ Model build_model(const ModelConfig& c) {
       add(p + "mlp", LayerKind::Mlp, mlp_shape(c.ffn), i);
     } else {
       // Shared experts see every token, so they are one dense MLP of the summed width.
-      if (c.shared_experts > 0) add(p + "shared_mlp", LayerKind::Mlp, mlp_shape(c.shared_experts * c.shared_expert_ffn), i);
+      if (c.shared_experts > 0)
+        add(p + "shared_mlp", LayerKind::Mlp, mlp_shape(c.shared_experts * c.shared_expert_ffn), i);
       add(p + "router", LayerKind::MoeRouter, moe, i);
       add(p + "experts", LayerKind::MoeExperts, experts, i, TagMap{{"EP", moe_block++}});
     }
@@ -976,9 +1029,10 @@ Precision parse_precision(const FieldReader& r, const std::string& s) {
 ModelConfig config_from_spec_json(const json& j, const std::string& where) {
   require_object(j, where, "model spec");
   FieldReader r(j, where);
-  r.reject_unknown({"name", "description", "vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn",
-                    "activation", "norm", "qk_norm", "bias", "tie_embeddings", "max_positions", "moe", "mla",
-                    "training", "attention", "dropout", "qkv_bias", "sliding_window"});
+  r.reject_unknown({"name",      "description",    "vocab",         "hidden",        "layers", "heads",
+                    "kv_heads",  "head_dim",       "ffn",           "activation",    "norm",   "qk_norm",
+                    "bias",      "tie_embeddings", "max_positions", "moe",           "mla",    "training",
+                    "attention", "dropout",        "qkv_bias",      "sliding_window"});
   ModelConfig c;
   auto name = r.opt_string("name");
   if (!name || name->empty()) r.fail("name", "missing required field (a non-empty string)");
@@ -1001,9 +1055,12 @@ ModelConfig config_from_spec_json(const json& j, const std::string& where) {
   c.max_positions = r.non_negative_or("max_positions", 0);
   {
     const std::string kernel = r.opt_string("attention").value_or("flash");
-    if (kernel == "flash") c.attention_kernel = AttentionKernel::Flash;
-    else if (kernel == "standard") c.attention_kernel = AttentionKernel::Standard;
-    else r.fail("attention", "must be \"flash\" or \"standard\", got \"" + kernel + "\"");
+    if (kernel == "flash")
+      c.attention_kernel = AttentionKernel::Flash;
+    else if (kernel == "standard")
+      c.attention_kernel = AttentionKernel::Standard;
+    else
+      r.fail("attention", "must be \"flash\" or \"standard\", got \"" + kernel + "\"");
   }
   if (r.has("dropout")) {
     const json& p = j.at("dropout");
@@ -1235,7 +1292,8 @@ void rebalance_for_devices(Model& model, const std::vector<std::vector<int>>& de
     std::vector<double> load(static_cast<std::size_t>(top_device) + 1, 0.0);
     for (int r = 0; r < regions; ++r) {
       double c = 0;
-      for (int u = st[static_cast<std::size_t>(r)]; u < st[static_cast<std::size_t>(r) + 1]; ++u) c += units[static_cast<std::size_t>(u)].flops;
+      for (int u = st[static_cast<std::size_t>(r)]; u < st[static_cast<std::size_t>(r) + 1]; ++u)
+        c += units[static_cast<std::size_t>(u)].flops;
       for (int d : devices_of_region[static_cast<std::size_t>(r)]) load[static_cast<std::size_t>(d)] += c;
     }
     std::sort(load.rbegin(), load.rend());
@@ -1260,7 +1318,8 @@ void rebalance_for_devices(Model& model, const std::vector<std::vector<int>>& de
   }
   for (int r = 0; r < regions; ++r)
     for (int u = start[static_cast<std::size_t>(r)]; u < start[static_cast<std::size_t>(r) + 1]; ++u)
-      for (std::size_t l = units[static_cast<std::size_t>(u)].first; l < units[static_cast<std::size_t>(u)].last; ++l) layers[l].tags["PP"] = r;
+      for (std::size_t l = units[static_cast<std::size_t>(u)].first; l < units[static_cast<std::size_t>(u)].last; ++l)
+        layers[l].tags["PP"] = r;
 }
 
 void annotate_pipeline_ranges(Model& model, const std::vector<int>& block_starts) {
@@ -1281,8 +1340,9 @@ void annotate_pipeline_ranges(Model& model, const std::vector<int>& block_starts
   int region = 0;  // layers outside blocks follow the previous layer: embedding -> 0, head -> last
   for (auto& l : model.mutable_layers()) {
     if (l.block >= 0)
-      region = static_cast<int>(std::upper_bound(block_starts.begin(), block_starts.end(), l.block) -
-                                block_starts.begin()) - 1;
+      region =
+          static_cast<int>(std::upper_bound(block_starts.begin(), block_starts.end(), l.block) - block_starts.begin()) -
+          1;
     l.tags["PP"] = region;
   }
 }

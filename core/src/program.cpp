@@ -210,11 +210,14 @@ Op op_from_json(const json& j, const std::string& path) {
     for (std::size_t i = 0; i < f->size(); ++i) op.segments.push_back(as_int((*f)[i], at_index(p, i)));
   }
   if (const json* f = optional_field(j, "tp_bytes")) op.tp_bytes = as_int64(*f, member(path, "tp_bytes"));
-  if (const json* f = optional_field(j, "tp_collectives")) op.tp_collectives = as_int(*f, member(path, "tp_collectives"));
+  if (const json* f = optional_field(j, "tp_collectives"))
+    op.tp_collectives = as_int(*f, member(path, "tp_collectives"));
   if (const json* f = optional_field(j, "cp_bytes")) op.cp_bytes = as_int64(*f, member(path, "cp_bytes"));
   if (const json* f = optional_field(j, "cp_steps")) op.cp_steps = as_int(*f, member(path, "cp_steps"));
-  if (const json* f = optional_field(j, "elementwise_bytes")) op.elementwise_bytes = as_int64(*f, member(path, "elementwise_bytes"));
-  if (const json* f = optional_field(j, "recompute_flops")) op.recompute_flops = as_double(*f, member(path, "recompute_flops"));
+  if (const json* f = optional_field(j, "elementwise_bytes"))
+    op.elementwise_bytes = as_int64(*f, member(path, "elementwise_bytes"));
+  if (const json* f = optional_field(j, "recompute_flops"))
+    op.recompute_flops = as_double(*f, member(path, "recompute_flops"));
   if (const json* f = optional_field(j, "gemm_kernels")) {
     op.gemm_kernels = as_int(*f, member(path, "gemm_kernels"));
     if (op.gemm_kernels < 0) fail(member(path, "gemm_kernels"), "must be >= 0");
@@ -280,13 +283,12 @@ Plan plan_from_json(const json& j, const std::string& path, std::size_t num_sets
 
 bool same_op(const Op& a, const Op& b) {
   return a.kind == b.kind && a.pass == b.pass && a.node == b.node && a.label == b.label && a.tags == b.tags &&
-         a.microbatch == b.microbatch &&
-         a.flops == b.flops && a.memory_bytes == b.memory_bytes && a.bytes == b.bytes && a.device_set == b.device_set &&
-         a.peer_set == b.peer_set && a.family == b.family && a.waits == b.waits && a.uses == b.uses &&
-         a.segment == b.segment && a.segments == b.segments && a.tp_bytes == b.tp_bytes &&
+         a.microbatch == b.microbatch && a.flops == b.flops && a.memory_bytes == b.memory_bytes && a.bytes == b.bytes &&
+         a.device_set == b.device_set && a.peer_set == b.peer_set && a.family == b.family && a.waits == b.waits &&
+         a.uses == b.uses && a.segment == b.segment && a.segments == b.segments && a.tp_bytes == b.tp_bytes &&
          a.tp_collectives == b.tp_collectives && a.cp_bytes == b.cp_bytes && a.cp_steps == b.cp_steps &&
-         a.elementwise_bytes == b.elementwise_bytes &&
-         a.recompute_flops == b.recompute_flops && a.gemm_kernels == b.gemm_kernels;
+         a.elementwise_bytes == b.elementwise_bytes && a.recompute_flops == b.recompute_flops &&
+         a.gemm_kernels == b.gemm_kernels;
 }
 
 bool same_plan(const Plan& a, const Plan& b) {
@@ -313,7 +315,8 @@ bool same_plan(const Plan& a, const Plan& b) {
 void check_training_shape(const Program& p) {
   const auto& t = p.training;
   if (t.seq_len < 1) fail("training.seq_len", "must be >= 1, got " + std::to_string(t.seq_len));
-  if (t.micro_batch_size < 1) fail("training.micro_batch_size", "must be >= 1, got " + std::to_string(t.micro_batch_size));
+  if (t.micro_batch_size < 1)
+    fail("training.micro_batch_size", "must be >= 1, got " + std::to_string(t.micro_batch_size));
   if (p.microbatches < 1) fail("microbatches", "must be >= 1, got " + std::to_string(p.microbatches));
   check_limit(Limit::TokensPerMicrobatch, t.seq_len, "plan: field 'training.seq_len'", "tokens");
   check_limit(Limit::TokensPerMicrobatch, t.micro_batch_size, "plan: field 'training.micro_batch_size'", "sequences");
@@ -336,8 +339,8 @@ void check_model_spec(const Program& p) {
 std::string to_string(OpKind k) { return kOpKindNames[static_cast<int>(k)]; }
 
 namespace {
-constexpr std::array<const char*, 8> kFamilyPurposeNames = {"dp", "dp-ep", "dp-shard", "dp-replicate", "ep", "tp",
-                                                           "tied-embedding", "cp"};
+constexpr std::array<const char*, 8> kFamilyPurposeNames = {"dp", "dp-ep", "dp-shard",       "dp-replicate",
+                                                            "ep", "tp",    "tied-embedding", "cp"};
 }  // namespace
 
 std::string to_string(FamilyPurpose p) { return kFamilyPurposeNames.at(static_cast<std::size_t>(p)); }
@@ -459,8 +462,12 @@ json Program::to_json() const {
   if (!model_spec.is_null()) j["model_spec"] = model_spec;
   json segs = json::array();
   for (const auto& sg : segments) {
-    json o{{"layers", {sg.first_layer, sg.last_layer}}, {"tags", sg.tags}, {"devices", sg.devices},
-           {"params", sg.params}, {"shard_degree", sg.shard_degree}, {"replicas", sg.replicas},
+    json o{{"layers", {sg.first_layer, sg.last_layer}},
+           {"tags", sg.tags},
+           {"devices", sg.devices},
+           {"params", sg.params},
+           {"shard_degree", sg.shard_degree},
+           {"replicas", sg.replicas},
            {"zero_level", sg.zero_level}};
     // Tensor-parallel fields are omitted at their defaults, so programs without TP are unchanged.
     if (sg.tp_degree != 1) o["tp_degree"] = sg.tp_degree;
@@ -482,8 +489,10 @@ json Program::to_json() const {
   j["device_sets"] = device_sets;
   json fams = json::array();
   for (const auto& f : families)
-    fams.push_back(
-        {{"devices", f.devices}, {"group_size", f.group_size}, {"stride", f.stride}, {"purpose", to_string(f.purpose)}});
+    fams.push_back({{"devices", f.devices},
+                    {"group_size", f.group_size},
+                    {"stride", f.stride},
+                    {"purpose", to_string(f.purpose)}});
   j["families"] = std::move(fams);
   json plan_array = json::array();
   for (const auto& plan : plans) {
@@ -520,7 +529,8 @@ Program Program::from_json(const json& j) {
       fail("version", "version 1 plans carry no per-op microbatch; compile the plan again with this piper (expected " +
                           std::to_string(kPlanVersion) + ")");
     if (version != kPlanVersion)
-      fail("version", "unsupported version " + std::to_string(version) + " (expected " + std::to_string(kPlanVersion) + ")");
+      fail("version",
+           "unsupported version " + std::to_string(version) + " (expected " + std::to_string(kPlanVersion) + ")");
   }
   p.model_name = as_string(require(j, "", "model"), "model");
   {
@@ -564,7 +574,8 @@ Program Program::from_json(const json& j) {
       if (const json* z = optional_field(o, "zero_shards")) {
         sg.zero_shards = as_int(*z, member(sp, "zero_shards"));
         if (sg.zero_shards < 1 || sg.replicas % sg.zero_shards != 0)
-          fail(member(sp, "zero_shards"), std::to_string(sg.zero_shards) + " does not divide the " + std::to_string(sg.replicas) + " replicas");
+          fail(member(sp, "zero_shards"),
+               std::to_string(sg.zero_shards) + " does not divide the " + std::to_string(sg.replicas) + " replicas");
       }
       if (const json* t = optional_field(o, "tp_degree")) {
         sg.tp_degree = as_int(*t, member(sp, "tp_degree"));
@@ -593,7 +604,8 @@ Program Program::from_json(const json& j) {
       }
       if (const json* t = optional_field(o, "cp_comm")) {
         const std::string comm = as_string(*t, member(sp, "cp_comm"));
-        if (comm != "ring" && comm != "all_gather") fail(member(sp, "cp_comm"), "expected \"ring\" or \"all_gather\", got '" + comm + "'");
+        if (comm != "ring" && comm != "all_gather")
+          fail(member(sp, "cp_comm"), "expected \"ring\" or \"all_gather\", got '" + comm + "'");
         sg.cp_all_gather = comm == "all_gather";
       }
       if (const json* t = optional_field(o, "cp_family")) sg.cp_family = as_int(*t, member(sp, "cp_family"));
@@ -645,15 +657,17 @@ Program Program::from_json(const json& j) {
     }
   }
   for (std::size_t i = 0; i < p.segments.size(); ++i) {
-    check_index(p.segments[i].tp_family, member(at_index("segments", i), "tp_family"), p.families.size(), "family", true);
-    check_index(p.segments[i].cp_family, member(at_index("segments", i), "cp_family"), p.families.size(), "family", true);
+    check_index(p.segments[i].tp_family, member(at_index("segments", i), "tp_family"), p.families.size(), "family",
+                true);
+    check_index(p.segments[i].cp_family, member(at_index("segments", i), "cp_family"), p.families.size(), "family",
+                true);
   }
   {
     const json& plans = as_array(require(j, "", "plans"), "plans");
     p.plans.reserve(plans.size());
     for (std::size_t i = 0; i < plans.size(); ++i)
-      p.plans.push_back(plan_from_json(plans[i], at_index("plans", i), p.device_sets.size(), p.families.size(),
-                                      p.microbatches));
+      p.plans.push_back(
+          plan_from_json(plans[i], at_index("plans", i), p.device_sets.size(), p.families.size(), p.microbatches));
   }
   {
     const json& pod = as_array(require(j, "", "plan_of_device"), "plan_of_device");
@@ -691,9 +705,8 @@ Program Program::from_json(const json& j) {
 
 bool operator==(const Program& a, const Program& b) {
   if (a.model_name != b.model_name || a.model_spec != b.model_spec || a.segments != b.segments ||
-      a.training.seq_len != b.training.seq_len ||
-      a.training.micro_batch_size != b.training.micro_batch_size || a.training.precision != b.training.precision ||
-      a.training.fp32_main_grads != b.training.fp32_main_grads ||
+      a.training.seq_len != b.training.seq_len || a.training.micro_batch_size != b.training.micro_batch_size ||
+      a.training.precision != b.training.precision || a.training.fp32_main_grads != b.training.fp32_main_grads ||
       a.microbatches != b.microbatches || a.num_devices != b.num_devices || a.device_sets != b.device_sets ||
       a.families != b.families || a.plan_of_device != b.plan_of_device || a.sm_partition != b.sm_partition ||
       a.plans.size() != b.plans.size())

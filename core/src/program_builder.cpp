@@ -17,11 +17,12 @@ Filter region_filter(int pp) { return Filter{{{"PP", pp}}, {}, {}}; }
 Filter region_filter(int pp, const std::string& any_tag) { return Filter{{{"PP", pp}}, {any_tag}, {}}; }
 
 ProgramBuilder::ProgramBuilder(json program) : program_(std::move(program)) {
-  if (!program_.is_array()) throw Error(std::string("a directive program must be a JSON array, got ") + program_.type_name());
+  if (!program_.is_array())
+    throw Error(std::string("a directive program must be a JSON array, got ") + program_.type_name());
 }
 
-ProgramBuilder& ProgramBuilder::place(const Filter& filter, const std::vector<int>& devices, const std::optional<std::string>& stream,
-                                      bool blocking) {
+ProgramBuilder& ProgramBuilder::place(const Filter& filter, const std::vector<int>& devices,
+                                      const std::optional<std::string>& stream, bool blocking) {
   json d = directive("place", filter);
   d["devices"] = devices;
   if (stream) d["stream"] = *stream;
@@ -30,12 +31,15 @@ ProgramBuilder& ProgramBuilder::place(const Filter& filter, const std::vector<in
   return *this;
 }
 
-ProgramBuilder& ProgramBuilder::replicate(const Filter& filter, const std::vector<int>& devices, const ReplicateArgs& a) {
+ProgramBuilder& ProgramBuilder::replicate(const Filter& filter, const std::vector<int>& devices,
+                                          const ReplicateArgs& a) {
   json d = directive("replicate", filter);
   d["devices"] = devices;
   if (a.bucket_size_mb) {
-    if (*a.bucket_size_mb == std::floor(*a.bucket_size_mb)) d["bucket_size"] = static_cast<long long>(*a.bucket_size_mb);
-    else d["bucket_size"] = *a.bucket_size_mb;
+    if (*a.bucket_size_mb == std::floor(*a.bucket_size_mb))
+      d["bucket_size"] = static_cast<long long>(*a.bucket_size_mb);
+    else
+      d["bucket_size"] = *a.bucket_size_mb;
   }
   if (a.shard_optimizer) d["shard_optimizer"] = true;
   if (a.shard_grads) d["shard_grads"] = true;
@@ -51,8 +55,8 @@ ProgramBuilder& ProgramBuilder::replicate(const Filter& filter, const std::vecto
   return *this;
 }
 
-ProgramBuilder& ProgramBuilder::shard(const Filter& filter, const std::vector<int>& devices, const std::optional<std::string>& stream,
-                                      std::optional<int> degree) {
+ProgramBuilder& ProgramBuilder::shard(const Filter& filter, const std::vector<int>& devices,
+                                      const std::optional<std::string>& stream, std::optional<int> degree) {
   json d = directive("shard", filter);
   d["devices"] = devices;
   if (stream) d["stream"] = *stream;
@@ -61,7 +65,8 @@ ProgramBuilder& ProgramBuilder::shard(const Filter& filter, const std::vector<in
   return *this;
 }
 
-ProgramBuilder& ProgramBuilder::split(const Filter& filter, int num_microbatches, const std::optional<std::string>& dim_name) {
+ProgramBuilder& ProgramBuilder::split(const Filter& filter, int num_microbatches,
+                                      const std::optional<std::string>& dim_name) {
   json d = directive("split", filter);
   d["num_microbatches"] = num_microbatches;
   if (dim_name) d["dim_name"] = *dim_name;
@@ -80,8 +85,8 @@ ProgramBuilder& ProgramBuilder::order(const std::vector<std::vector<Filter>>& gr
   return *this;
 }
 
-ProgramBuilder& ProgramBuilder::tensor_parallel(const Filter& filter, int degree, bool sequence_parallel, bool comm_overlap,
-                                                int expert_degree) {
+ProgramBuilder& ProgramBuilder::tensor_parallel(const Filter& filter, int degree, bool sequence_parallel,
+                                                bool comm_overlap, int expert_degree) {
   json d = directive("tensor_parallel", filter);
   d["degree"] = degree;
   if (sequence_parallel) d["sequence_parallel"] = true;
@@ -113,7 +118,8 @@ ProgramBuilder& ProgramBuilder::sm_partition(int sms) {
 }
 
 ProgramBuilder& ProgramBuilder::append(const json& directives) {
-  if (!directives.is_array()) throw Error(std::string("a directive program must be a JSON array, got ") + directives.type_name());
+  if (!directives.is_array())
+    throw Error(std::string("a directive program must be a JSON array, got ") + directives.type_name());
   for (const auto& d : directives) program_.push_back(d);
   return *this;
 }

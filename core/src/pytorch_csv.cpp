@@ -17,14 +17,20 @@ using nlohmann::json;
 
 namespace {
 
-std::string action_text(const ScheduleAction& a) { return fmt::format("{}{}{}", a.stage, to_char(a.kind), a.microbatch); }
+std::string action_text(const ScheduleAction& a) {
+  return fmt::format("{}{}{}", a.stage, to_char(a.kind), a.microbatch);
+}
 
 ActionKind kind_from_char(char c) {
   switch (c) {
-    case 'F': return ActionKind::F;
-    case 'B': return ActionKind::B;
-    case 'I': return ActionKind::I;
-    default: return ActionKind::W;
+    case 'F':
+      return ActionKind::F;
+    case 'B':
+      return ActionKind::B;
+    case 'I':
+      return ActionKind::I;
+    default:
+      return ActionKind::W;
   }
 }
 
@@ -32,10 +38,13 @@ ActionKind kind_from_char(char c) {
 
 std::string describe(CsvSpelling s) {
   switch (s) {
-    case CsvSpelling::Modern: return "PyTorch >= 2.5 spelling (I = input gradient, W = weight gradient, B = full backward)";
+    case CsvSpelling::Modern:
+      return "PyTorch >= 2.5 spelling (I = input gradient, W = weight gradient, B = full backward)";
     case CsvSpelling::Legacy:
-      return "PyTorch < 2.5 spelling (B with a W for the same stage and microbatch = input gradient, W = weight gradient)";
-    case CsvSpelling::Either: break;
+      return "PyTorch < 2.5 spelling (B with a W for the same stage and microbatch = input gradient, W = weight "
+             "gradient)";
+    case CsvSpelling::Either:
+      break;
   }
   return "no split backward (B = full backward in every PyTorch spelling)";
 }
@@ -91,7 +100,8 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::stri
   while (!rows.empty() && rows.back().size() == 1 && rows.back().front().empty()) rows.pop_back();
   if (rows.empty()) throw std::invalid_argument(where + ": no rows (expected one row of actions per rank)");
   if (rows.size() > static_cast<std::size_t>(limit_value(Limit::Devices)))
-    throw std::invalid_argument(where + ": " + limit_message(Limit::Devices, static_cast<std::int64_t>(rows.size()), "ranks (rows)"));
+    throw std::invalid_argument(where + ": " +
+                                limit_message(Limit::Devices, static_cast<std::int64_t>(rows.size()), "ranks (rows)"));
 
   // Pass 1: every cell's actions, as written.
   struct Cell {
@@ -119,7 +129,9 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::stri
       for (const auto& part : parts) {
         std::smatch a;
         if (!std::regex_match(part, a, single))
-          throw at(r, c, "'" + printable(cell, 40) + "' is not a compute action like 2F0, 3B1, 3I1, 7W4 or (0F7;7B3)OVERLAP_F_B");
+          throw at(
+              r, c,
+              "'" + printable(cell, 40) + "' is not a compute action like 2F0, 3B1, 3I1, 7W4 or (0F7;7B3)OVERLAP_F_B");
         // Stage and microbatch numbers size tables: bound them (limits.hpp) before converting.
         auto bounded = [&](const std::string& digits, Limit l, const char* unit) {
           const std::int64_t v = digits.size() > 15 ? INT64_MAX : std::stoll(digits);
@@ -146,21 +158,26 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::stri
       if (act.kind == ActionKind::W) has_weight.insert({act.stage, act.microbatch});
       if (act.kind == ActionKind::I && !first_input) first_input = &cell;
     }
-  const CsvSpelling found = first_input ? CsvSpelling::Modern : has_weight.empty() ? CsvSpelling::Either : CsvSpelling::Legacy;
+  const CsvSpelling found = first_input          ? CsvSpelling::Modern
+                            : has_weight.empty() ? CsvSpelling::Either
+                                                 : CsvSpelling::Legacy;
   for (auto& cell : cells)
     for (auto& act : cell.step) {
       if (act.kind != ActionKind::B || !has_weight.contains({act.stage, act.microbatch})) continue;
       if (found == CsvSpelling::Modern)
-        throw at(cell.row, cell.col,
-                 fmt::format("mixed spellings: {}B{} has a weight gradient {}W{}, so it is an input gradient in the PyTorch < 2.5 "
-                             "spelling, but row {} column {} writes input gradients as I (PyTorch >= 2.5); use one spelling",
-                             act.stage, act.microbatch, act.stage, act.microbatch, first_input->row + 1, first_input->col + 1));
+        throw at(
+            cell.row, cell.col,
+            fmt::format(
+                "mixed spellings: {}B{} has a weight gradient {}W{}, so it is an input gradient in the PyTorch < 2.5 "
+                "spelling, but row {} column {} writes input gradients as I (PyTorch >= 2.5); use one spelling",
+                act.stage, act.microbatch, act.stage, act.microbatch, first_input->row + 1, first_input->col + 1));
       act.kind = ActionKind::I;
     }
   if (spelling) *spelling = found;
   // Messages show actions as the file wrote them.
   auto shown = [&](const ScheduleAction& a) {
-    return found == CsvSpelling::Legacy && a.kind == ActionKind::I ? fmt::format("{}B{}", a.stage, a.microbatch) : action_text(a);
+    return found == CsvSpelling::Legacy && a.kind == ActionKind::I ? fmt::format("{}B{}", a.stage, a.microbatch)
+                                                                   : action_text(a);
   };
   const char input_letter = found == CsvSpelling::Legacy ? 'B' : 'I';
 
@@ -183,21 +200,27 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::stri
       for (const auto& act : step) {
         auto [home, fresh] = stage_home.try_emplace(act.stage, std::make_pair(r, c));
         if (!fresh && home->second.first != r)
-          throw at(r, c, fmt::format("stage {} is already on rank {} (row {}, column {}); a stage lives on one rank",
-                                     act.stage, home->second.first, home->second.first + 1, home->second.second + 1));
+          throw at(r, c,
+                   fmt::format("stage {} is already on rank {} (row {}, column {}); a stage lives on one rank",
+                               act.stage, home->second.first, home->second.first + 1, home->second.second + 1));
         auto [it, first] = seen.try_emplace({act.stage, act.kind, act.microbatch}, Seen{r, c});
         if (!first)
-          throw at(r, c, fmt::format("{} is already at row {}, column {}", shown(act), it->second.row + 1,
-                                     it->second.col + 1));
+          throw at(
+              r, c,
+              fmt::format("{} is already at row {}, column {}", shown(act), it->second.row + 1, it->second.col + 1));
         if (act.kind == ActionKind::W && !seen.contains({act.stage, ActionKind::I, act.microbatch}))
-          throw at(r, c, fmt::format("{} comes before its input gradient {}{}{}", shown(act), act.stage, input_letter,
-                                     act.microbatch));
-        if ((act.kind == ActionKind::I || act.kind == ActionKind::W) && seen.contains({act.stage, ActionKind::B, act.microbatch}))
-          throw at(r, c, fmt::format("{}: stage {} microbatch {} already has a full backward B", shown(act),
-                                     act.stage, act.microbatch));
+          throw at(r, c,
+                   fmt::format("{} comes before its input gradient {}{}{}", shown(act), act.stage, input_letter,
+                               act.microbatch));
+        if ((act.kind == ActionKind::I || act.kind == ActionKind::W) &&
+            seen.contains({act.stage, ActionKind::B, act.microbatch}))
+          throw at(r, c,
+                   fmt::format("{}: stage {} microbatch {} already has a full backward B", shown(act), act.stage,
+                               act.microbatch));
         if (act.kind == ActionKind::B && seen.contains({act.stage, ActionKind::I, act.microbatch}))
-          throw at(r, c, fmt::format("{}: stage {} microbatch {} already has a split backward {}", shown(act),
-                                     act.stage, act.microbatch, input_letter));
+          throw at(r, c,
+                   fmt::format("{}: stage {} microbatch {} already has a split backward {}", shown(act), act.stage,
+                               act.microbatch, input_letter));
         max_stage = std::max(max_stage, act.stage);
         max_mb = std::max(max_mb, act.microbatch);
       }
@@ -210,16 +233,19 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::stri
   for (int s = 0; s < t.stages; ++s) {
     auto home = stage_home.find(s);
     if (home == stage_home.end())
-      throw std::invalid_argument(fmt::format("{}: stage {} appears on no row (stages must be 0..{})", where, s, t.stages - 1));
+      throw std::invalid_argument(
+          fmt::format("{}: stage {} appears on no row (stages must be 0..{})", where, s, t.stages - 1));
     const std::size_t r = home->second.first, end_col = rows[r].size();
     for (int mb = 0; mb < t.microbatches; ++mb) {
       if (!seen.contains({s, ActionKind::F, mb}))
         throw at(r, end_col, fmt::format("missing microbatch: stage {} has no forward {}F{}", s, s, mb));
       const bool full = seen.contains({s, ActionKind::B, mb}), input = seen.contains({s, ActionKind::I, mb});
       if (!full && !input)
-        throw at(r, end_col, fmt::format("missing microbatch: stage {} has no backward {}B{} (or {}I{})", s, s, mb, s, mb));
+        throw at(r, end_col,
+                 fmt::format("missing microbatch: stage {} has no backward {}B{} (or {}I{})", s, s, mb, s, mb));
       if (input && !seen.contains({s, ActionKind::W, mb}))
-        throw at(r, end_col, fmt::format("missing microbatch: stage {} has {}{}{} but no {}W{}", s, s, input_letter, mb, s, mb));
+        throw at(r, end_col,
+                 fmt::format("missing microbatch: stage {} has {}{}{} but no {}W{}", s, s, input_letter, mb, s, mb));
     }
   }
   return t;
@@ -255,9 +281,12 @@ ScheduleTable schedule_table_from_program(const json& program) {
   std::vector<const json*> orders;
   for (const auto& d : program) {
     const std::string op = d.is_object() ? d.value("op", "") : "";
-    if (op == "order") orders.push_back(&d);
-    else if (op == "split") microbatches = d.value("num_microbatches", 0);
-    else placement.push_back(d);
+    if (op == "order")
+      orders.push_back(&d);
+    else if (op == "split")
+      microbatches = d.value("num_microbatches", 0);
+    else
+      placement.push_back(d);
   }
   int ranks = 0;
   const std::vector<int> rank_of = rank_of_region_from_program(placement, &ranks);
@@ -273,11 +302,16 @@ ScheduleTable schedule_table_from_program(const json& program) {
       ScheduleStep step;
       for (const auto& f : group) {
         if (!f.contains("PP") || !f.contains("MB") || !f.contains("PASS"))
-          throw std::invalid_argument(fmt::format("order {}: every filter needs PP, MB and PASS to be a PyTorch action", k));
+          throw std::invalid_argument(
+              fmt::format("order {}: every filter needs PP, MB and PASS to be a PyTorch action", k));
         const std::string pass = f["PASS"].get<std::string>();
-        const ActionKind kind = pass == "F" ? ActionKind::F : pass == "B" ? ActionKind::B : pass == "BI" ? ActionKind::I : ActionKind::W;
+        const ActionKind kind = pass == "F"    ? ActionKind::F
+                                : pass == "B"  ? ActionKind::B
+                                : pass == "BI" ? ActionKind::I
+                                               : ActionKind::W;
         const int stage = f["PP"].get<int>();
-        if (stage < 0 || stage >= t.stages) throw std::invalid_argument(fmt::format("order {}: PP {} is not placed", k, stage));
+        if (stage < 0 || stage >= t.stages)
+          throw std::invalid_argument(fmt::format("order {}: PP {} is not placed", k, stage));
         rank = rank_of[static_cast<std::size_t>(stage)];
         step.push_back({stage, kind, f["MB"].get<int>()});
       }

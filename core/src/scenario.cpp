@@ -68,7 +68,8 @@ json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
   StrategyOptions opts = s.strategy;
   from("", [&] { return resolve_global_batch(opts, cfg.training.micro_batch_size), 0; });
   if (!s.stage_starts.empty() && s.stages > 0 && s.stages != static_cast<int>(s.stage_starts.size()))
-    throw Error(fmt::format("--stages {} disagrees with the {} regions of --pp-ranges", s.stages, s.stage_starts.size()));
+    throw Error(
+        fmt::format("--stages {} disagrees with the {} regions of --pp-ranges", s.stages, s.stage_starts.size()));
   int regions = s.stage_starts.empty() ? s.stages : static_cast<int>(s.stage_starts.size());
   if (s.directives) {
     if (regions == 0) regions = pp_regions_in_program(*s.directives);
@@ -129,11 +130,11 @@ std::string strategy_flag_error(const json& program, const StrategyOptions& o, c
   else if (op == "shard")
     flag = fmt::format("--ep {}", o.ep);
   else if (op == "replicate")
-    flag = field == "shard_group"    ? fmt::format("--dp-shard {}", o.dp_shard)
-           : field == "reduce_every" ? "--reduce-every " + o.reduce_every
-           : field == "gather_dtype" ? std::string("--fp8-all-gather")
+    flag = field == "shard_group"                                 ? fmt::format("--dp-shard {}", o.dp_shard)
+           : field == "reduce_every"                              ? "--reduce-every " + o.reduce_every
+           : field == "gather_dtype"                              ? std::string("--fp8-all-gather")
            : field.rfind("shard_", 0) == 0 || field == "prefetch" ? fmt::format("--zero {}", o.zero)
-                                  : fmt::format("--dp {}", o.dp);
+                                                                  : fmt::format("--dp {}", o.dp);
   else if (op == "recompute")
     flag = field == "every"   ? fmt::format("--recompute {} --recompute-every {}", o.recompute, o.recompute_every)
            : field == "first" ? fmt::format("--recompute {} --recompute-first {}", o.recompute, o.recompute_first)
@@ -187,9 +188,11 @@ std::vector<int> first_last_stage_starts(int blocks, int regions, int first, int
     throw Error(fmt::format("{}: needs at least {} PP regions (there are {})", flags, fixed + 1, regions));
   const int middle = regions - fixed, rest = blocks - first - last;
   if (rest < middle)
-    throw Error(fmt::format("{}: leaves {} blocks of {} for the other {} PP regions (at least one each)", flags, rest, blocks, middle));
+    throw Error(fmt::format("{}: leaves {} blocks of {} for the other {} PP regions (at least one each)", flags, rest,
+                            blocks, middle));
   if (rest % middle != 0)
-    throw Error(fmt::format("{}: the other {} blocks do not divide evenly over the other {} PP regions", flags, rest, middle));
+    throw Error(
+        fmt::format("{}: the other {} blocks do not divide evenly over the other {} PP regions", flags, rest, middle));
   std::vector<int> starts;
   int at = 0;
   for (int r = 0; r < regions; ++r) {
@@ -201,11 +204,13 @@ std::vector<int> first_last_stage_starts(int blocks, int regions, int first, int
 
 void annotate_regions(const Scenario& s, Model& model, const json& program, int regions) {
   if ((s.first_stage_layers > 0 || s.last_stage_layers > 0) && !s.stage_starts.empty())
-    throw Error("--first-stage-layers/--last-stage-layers cannot be combined with --pp-ranges (which fixes every region)");
+    throw Error(
+        "--first-stage-layers/--last-stage-layers cannot be combined with --pp-ranges (which fixes every region)");
   if (s.first_stage_layers > 0 || s.last_stage_layers > 0) {
     int blocks = 0;
     for (const auto& l : model.layers()) blocks = std::max(blocks, l.block + 1);
-    annotate_pipeline_ranges(model, first_last_stage_starts(blocks, regions, s.first_stage_layers, s.last_stage_layers));
+    annotate_pipeline_ranges(model,
+                             first_last_stage_starts(blocks, regions, s.first_stage_layers, s.last_stage_layers));
     return;
   }
   try {
@@ -214,8 +219,9 @@ void annotate_regions(const Scenario& s, Model& model, const json& program, int 
       // Regions sharing a device (V placements, mirrored pairs) are balanced per device as well.
       std::vector<std::vector<int>> devices_of_region(static_cast<std::size_t>(regions));
       for (const auto& d : program)
-        if (d.is_object() && d.contains("op") && d["op"] == "place" && d.contains("filter") && d["filter"].size() == 1 &&
-            d["filter"].contains("PP") && d["filter"]["PP"].is_number_integer() && d.contains("devices")) {
+        if (d.is_object() && d.contains("op") && d["op"] == "place" && d.contains("filter") &&
+            d["filter"].size() == 1 && d["filter"].contains("PP") && d["filter"]["PP"].is_number_integer() &&
+            d.contains("devices")) {
           const long long r = d["filter"]["PP"].get<long long>();
           // Malformed programs are left to parse_directives, which names the field at fault.
           const json& devs = d["devices"];
@@ -232,8 +238,8 @@ void annotate_regions(const Scenario& s, Model& model, const json& program, int 
         complete &= !ds.empty();
         for (int dev : ds) ++regions_of_device[dev];
       }
-      const bool shared = std::any_of(regions_of_device.begin(), regions_of_device.end(),
-                                      [](const auto& kv) { return kv.second > 1; });
+      const bool shared =
+          std::any_of(regions_of_device.begin(), regions_of_device.end(), [](const auto& kv) { return kv.second > 1; });
       if (complete && shared) rebalance_for_devices(model, devices_of_region);
     } else {
       annotate_pipeline_ranges(model, s.stage_starts);
@@ -242,13 +248,15 @@ void annotate_regions(const Scenario& s, Model& model, const json& program, int 
     // The balancer's own name means nothing to a user; say what was asked, and by which flag.
     std::string why = e.what();
     const std::string internal = "balance_pipeline: stages must be";
-    if (const auto at = why.find(internal); at != std::string::npos) why.replace(at, internal.size(), "PP regions must be");
+    if (const auto at = why.find(internal); at != std::string::npos)
+      why.replace(at, internal.size(), "PP regions must be");
     std::string origin;
     if (s.stages > 0)
       origin = fmt::format("--stages {}: ", s.stages);
     else if (!s.directives)
-      origin = s.strategy.virtual_stages > 1 ? fmt::format("--pp {} --virtual {}: ", s.strategy.pp, s.strategy.virtual_stages)
-                                             : fmt::format("--pp {}: ", s.strategy.pp);
+      origin = s.strategy.virtual_stages > 1
+                   ? fmt::format("--pp {} --virtual {}: ", s.strategy.pp, s.strategy.virtual_stages)
+                   : fmt::format("--pp {}: ", s.strategy.pp);
     throw ModelError((model_file_of(s.model).empty() ? "" : model_file_of(s.model) + ": ") + origin +
                      fmt::format("cannot annotate {} PP regions: {}", regions, why));
   }
@@ -330,8 +338,9 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
         throw fail(prefix + it.key(), "unknown field" + hint);
       }
   };
-  reject_unknown(j, "", {"model", "seq_len", "micro_batch_size", "stages", "pp_ranges", "first_stage_layers", "last_stage_layers", "directives", "append_schedule",
-                         "strategy", "cluster", "engine"});
+  reject_unknown(j, "",
+                 {"model", "seq_len", "micro_batch_size", "stages", "pp_ranges", "first_stage_layers",
+                  "last_stage_layers", "directives", "append_schedule", "strategy", "cluster", "engine"});
   auto resolve = [&](const std::string& p) {
     if (p.empty() || base_dir.empty() || std::filesystem::path(p).is_absolute()) return p;
     std::error_code ec;

@@ -19,11 +19,16 @@ namespace {
 int op_cost(const Op& op, const UnitCosts& c) {
   if (op.kind != OpKind::Compute) return 0;
   switch (op.pass) {
-    case Pass::F: return c.forward;
-    case Pass::B: return c.backward;
-    case Pass::BI: return c.backward - c.weight;
-    case Pass::BW: return c.weight;
-    case Pass::None: return 0;
+    case Pass::F:
+      return c.forward;
+    case Pass::B:
+      return c.backward;
+    case Pass::BI:
+      return c.backward - c.weight;
+    case Pass::BW:
+      return c.weight;
+    case Pass::None:
+      return 0;
   }
   return 0;
 }
@@ -108,7 +113,8 @@ UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs) 
     if (static_cast<int>(m.arrived.size()) == m.needed) {
       const Rendezvous met = m;
       meeting.erase({op.node, group_key});
-      for (auto [pd, pk, pi] : met.arrived) finish(pd, static_cast<std::size_t>(pk), pi, met.ready_time, met.ready_time);
+      for (auto [pd, pk, pi] : met.arrived)
+        finish(pd, static_cast<std::size_t>(pk), pi, met.ready_time, met.ready_time);
     }
     return true;
   };
@@ -159,7 +165,8 @@ UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs) 
     std::vector<std::pair<int, int>> events;
     for (const auto& b : s.plan->buffers) {
       if (b.kind != BufferKind::Activations || b.persistent()) continue;
-      events.emplace_back(s.start[static_cast<std::size_t>(b.alloc.stream)][static_cast<std::size_t>(b.alloc.index)], +1);
+      events.emplace_back(s.start[static_cast<std::size_t>(b.alloc.stream)][static_cast<std::size_t>(b.alloc.index)],
+                          +1);
       events.emplace_back(s.end[static_cast<std::size_t>(b.free.stream)][static_cast<std::size_t>(b.free.index)], -1);
     }
     std::sort(events.begin(), events.end());
@@ -193,11 +200,16 @@ UnitSchedule unit_time_schedule(const StrategyOptions& options, const UnitCosts&
 std::string render_unit_schedule(const UnitSchedule& s, const ScheduleTable* table) {
   auto kind_char = [](Pass p) {
     switch (p) {
-      case Pass::F: return 'F';
-      case Pass::B: return 'B';
-      case Pass::BI: return 'I';
-      case Pass::BW: return 'W';
-      case Pass::None: break;
+      case Pass::F:
+        return 'F';
+      case Pass::B:
+        return 'B';
+      case Pass::BI:
+        return 'I';
+      case Pass::BW:
+        return 'W';
+      case Pass::None:
+        break;
     }
     return '?';
   };
@@ -223,7 +235,8 @@ std::string render_unit_schedule(const UnitSchedule& s, const ScheduleTable* tab
   std::string out;
   // Time ruler: a mark every 5 units.
   out += fmt::format("{:<8}", "time");
-  for (int t = 0; t < s.step_time; t += 5) out += fmt::format("{:<{}}", t, cell * static_cast<std::size_t>(std::min(5, s.step_time - t)));
+  for (int t = 0; t < s.step_time; t += 5)
+    out += fmt::format("{:<{}}", t, cell * static_cast<std::size_t>(std::min(5, s.step_time - t)));
   out += "\n";
   for (std::size_t r = 0; r < s.ranks.size(); ++r) {
     std::string row(cell * static_cast<std::size_t>(s.step_time), ' ');
@@ -259,10 +272,10 @@ std::string schedule_show_text(const StrategyOptions& o, const UnitCosts& costs)
     table = schedule_table(o);
   } catch (const std::invalid_argument&) {  // ordered per region: no per-rank marks
   }
-  std::string text = fmt::format("{} on {} ranks, {} microbatches{}; costs F={} B={} W={} (comm 0)\n", o.schedule, o.pp,
-                                 o.microbatches,
-                                 o.virtual_stages > 1 ? fmt::format(", {} virtual stages", o.virtual_stages) : "",
-                                 costs.forward, costs.backward, costs.weight);
+  std::string text =
+      fmt::format("{} on {} ranks, {} microbatches{}; costs F={} B={} W={} (comm 0)\n", o.schedule, o.pp,
+                  o.microbatches, o.virtual_stages > 1 ? fmt::format(", {} virtual stages", o.virtual_stages) : "",
+                  costs.forward, costs.backward, costs.weight);
   return text + render_unit_schedule(s, table ? &*table : nullptr);
 }
 
@@ -271,8 +284,11 @@ nlohmann::json to_json(const UnitSchedule& s) {
   for (const RankTimeline& r : s.ranks) {
     nlohmann::json ops = nlohmann::json::array();
     for (const TimedOp& op : r.ops)
-      ops.push_back({{"stage", op.stage}, {"microbatch", op.microbatch}, {"pass", to_string(op.pass)},
-                     {"start", op.start}, {"end", op.end}});
+      ops.push_back({{"stage", op.stage},
+                     {"microbatch", op.microbatch},
+                     {"pass", to_string(op.pass)},
+                     {"start", op.start},
+                     {"end", op.end}});
     ranks.push_back({{"busy", r.busy}, {"bubble", r.bubble}, {"peak_activations", r.peak_activations}, {"ops", ops}});
   }
   return {{"step_time", s.step_time}, {"ranks", ranks}};

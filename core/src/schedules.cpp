@@ -27,8 +27,8 @@ int regions_pp_times_virtual(const StrategyOptions& o) { return o.pp * o.virtual
 // Contiguous blocks: region i -> rank i * pp / regions (identity when regions == pp).
 std::vector<int> contiguous_placement(const StrategyOptions& o, int regions) {
   std::vector<int> rank_of_region(static_cast<size_t>(regions));
-  for (int i = 0; i < regions; ++i) rank_of_region[static_cast<size_t>(i)] = static_cast<int>(
-      static_cast<long long>(i) * o.pp / regions);
+  for (int i = 0; i < regions; ++i)
+    rank_of_region[static_cast<size_t>(i)] = static_cast<int>(static_cast<long long>(i) * o.pp / regions);
   return rank_of_region;
 }
 
@@ -126,10 +126,14 @@ std::vector<ScheduleAction> one_f_one_b_stage(int k, int n, int m_count) {
 
 const char* pass_name(ActionKind k) {
   switch (k) {
-    case ActionKind::F: return "F";
-    case ActionKind::B: return "B";
-    case ActionKind::I: return "BI";
-    case ActionKind::W: return "BW";
+    case ActionKind::F:
+      return "F";
+    case ActionKind::B:
+      return "B";
+    case ActionKind::I:
+      return "BI";
+    case ActionKind::W:
+      return "BW";
   }
   return "F";
 }
@@ -138,7 +142,8 @@ json gpipe_directives(const ScheduleContext& ctx) {
   check_context("gpipe", ctx);
   return split_and_orders(ctx, [&](int k) {
     json groups = json::array();
-    for (const auto& a : gpipe_stage(k, ctx.microbatches)) groups.push_back(step(a.stage, a.microbatch, pass_name(a.kind)));
+    for (const auto& a : gpipe_stage(k, ctx.microbatches))
+      groups.push_back(step(a.stage, a.microbatch, pass_name(a.kind)));
     return groups;
   });
 }
@@ -157,17 +162,20 @@ json one_f_one_b_directives(const ScheduleContext& ctx) {
 template <class PerStage>
 ScheduleTable one_region_per_rank_table(const std::string& family, const ScheduleContext& ctx, PerStage per_stage) {
   check_context(family, ctx);
-  ScheduleTable t{ctx.regions, ctx.microbatches, std::vector<std::vector<ScheduleStep>>(static_cast<size_t>(ctx.ranks))};
+  ScheduleTable t{ctx.regions, ctx.microbatches,
+                  std::vector<std::vector<ScheduleStep>>(static_cast<size_t>(ctx.ranks))};
   std::vector<int> region_of_rank(static_cast<size_t>(ctx.ranks), -1);
   for (int k = 0; k < ctx.regions; ++k) {
     int& slot = region_of_rank[static_cast<size_t>(ctx.rank_of_region[static_cast<size_t>(k)])];
     if (slot >= 0)
-      fail(family, "rank " + std::to_string(ctx.rank_of_region[static_cast<size_t>(k)]) +
-                       " holds several regions; its steps are ordered per region, so there is no single per-rank order");
+      fail(family,
+           "rank " + std::to_string(ctx.rank_of_region[static_cast<size_t>(k)]) +
+               " holds several regions; its steps are ordered per region, so there is no single per-rank order");
     slot = k;
   }
   for (int r = 0; r < ctx.ranks; ++r)
-    for (const auto& a : per_stage(region_of_rank[static_cast<size_t>(r)])) t.ranks[static_cast<size_t>(r)].push_back({a});
+    for (const auto& a : per_stage(region_of_rank[static_cast<size_t>(r)]))
+      t.ranks[static_cast<size_t>(r)].push_back({a});
   return t;
 }
 
@@ -277,10 +285,13 @@ ScheduleTable depth_first_uneven_table(const ScheduleContext& ctx, bool zero_bub
     k.cap = std::min((v - 1) * per_round + (zero_bubble ? 1 : 2) * downstream, m * v) + 1;
   }
   // Completion times of F and of B (I) per (stage, microbatch); -1: not run yet.
-  std::vector<std::vector<double>> f_done(static_cast<size_t>(regions), std::vector<double>(static_cast<size_t>(m), -1));
+  std::vector<std::vector<double>> f_done(static_cast<size_t>(regions),
+                                          std::vector<double>(static_cast<size_t>(m), -1));
   auto b_done = f_done;
   const double f_time = 1, b_time = zero_bubble ? 1 : 2, w_time = 1;
-  auto f_ready = [&](std::pair<int, int> a) { return a.first == 0 ? 0.0 : f_done[static_cast<size_t>(a.first - 1)][static_cast<size_t>(a.second)]; };
+  auto f_ready = [&](std::pair<int, int> a) {
+    return a.first == 0 ? 0.0 : f_done[static_cast<size_t>(a.first - 1)][static_cast<size_t>(a.second)];
+  };
   auto b_ready = [&](std::pair<int, int> a) {
     const double own = f_done[static_cast<size_t>(a.first)][static_cast<size_t>(a.second)];
     if (own < 0 || a.first == regions - 1) return own;
@@ -306,7 +317,8 @@ ScheduleTable depth_first_uneven_table(const ScheduleContext& ctx, bool zero_bub
         const int in_flight = static_cast<int>(k.next_f) - static_cast<int>(k.next_b);
         if (k.next_f < k.forwards.size() && (pass == 1 || in_flight < k.cap)) {
           const double ready = f_ready(k.forwards[k.next_f]);
-          if (ready >= 0 && (start < 0 || std::max(k.free_at, ready) <= start)) start = std::max(k.free_at, ready), kind = 1;
+          if (ready >= 0 && (start < 0 || std::max(k.free_at, ready) <= start))
+            start = std::max(k.free_at, ready), kind = 1;
         } else if (k.next_f < k.forwards.size()) {
           capped = true;
         }
@@ -317,7 +329,8 @@ ScheduleTable depth_first_uneven_table(const ScheduleContext& ctx, bool zero_bub
     Rank& k = ranks[static_cast<size_t>(best)];
     // Deferred weight gradients fill the time this rank would otherwise wait.
     while (zero_bubble && !k.weights.empty() && k.free_at + w_time <= best_start) {
-      t.ranks[static_cast<size_t>(best)].push_back({{k.weights.front().first, ActionKind::W, k.weights.front().second}});
+      t.ranks[static_cast<size_t>(best)].push_back(
+          {{k.weights.front().first, ActionKind::W, k.weights.front().second}});
       k.weights.pop_front();
       k.free_at += w_time;
     }
@@ -423,7 +436,8 @@ ScheduleTable zb_v_table(const ScheduleContext& ctx) {
     auto add = [&](int s, ActionKind k, int mb) { all.push_back({{s, k, mb}}); };
     for (int i = 0; i < 2 * (p - r) - 1; ++i) add(s0, ActionKind::F, f0++);
     for (int i = 0; i < r; ++i) add(s1, ActionKind::F, f1++), add(s0, ActionKind::F, f0++);
-    for (int i = 0; i < p - r; ++i) add(s1, ActionKind::F, f1++), add(s1, ActionKind::I, b1), add(s1, ActionKind::W, b1++);
+    for (int i = 0; i < p - r; ++i)
+      add(s1, ActionKind::F, f1++), add(s1, ActionKind::I, b1), add(s1, ActionKind::W, b1++);
     while (f1 < f0 || f0 < n) {
       if (f0 < n) add(s0, ActionKind::F, f0++);
       add(s0, ActionKind::I, b0), add(s0, ActionKind::W, b0++);
@@ -454,8 +468,10 @@ void dualpipe_phases(RankWriter& w, int h, int half, int chunks, int c0, int c1,
   for (int i = 0; i < half - h - 1; ++i) w.add(c1, ActionKind::I), w.weight(), w.add(c1, ActionKind::F);
   // 4: the main phase, overlapped F0&B1 and F1&B0; the middle rank does not overlap its first pair.
   for (int i = 0; i < chunks - 2 * half + h + 1; ++i) {
-    if (i == 0 && h == half - 1) w.add(c0, ActionKind::F), w.add(c1, ActionKind::B);
-    else w.overlap(c0, c1);
+    if (i == 0 && h == half - 1)
+      w.add(c0, ActionKind::F), w.add(c1, ActionKind::B);
+    else
+      w.overlap(c0, c1);
     w.overlap(c1, c0);
   }
   // 5: B1, F1&B0.
@@ -526,10 +542,14 @@ int virtual_must_be(const std::string& family, const StrategyOptions& o, int all
 
 char to_char(ActionKind k) {
   switch (k) {
-    case ActionKind::F: return 'F';
-    case ActionKind::B: return 'B';
-    case ActionKind::I: return 'I';
-    case ActionKind::W: return 'W';
+    case ActionKind::F:
+      return 'F';
+    case ActionKind::B:
+      return 'B';
+    case ActionKind::I:
+      return 'I';
+    case ActionKind::W:
+      return 'W';
   }
   return '?';
 }
@@ -569,23 +589,25 @@ json directives_from_table(const ScheduleTable& table, const std::vector<int>& r
 const std::vector<ScheduleFamily>& schedule_registry() {
   static const std::vector<ScheduleFamily> registry = [] {
     std::vector<ScheduleFamily> r;
-    r.push_back({"gpipe", "any --pp, --microbatches >= 1; all forwards then all backwards (activations of M microbatches)",
-                 regions_pp_times_virtual, contiguous_placement, gpipe_directives,
-                 [](const ScheduleContext& ctx) {
-                   return one_region_per_rank_table("gpipe", ctx, [&](int k) { return gpipe_stage(k, ctx.microbatches); });
-                 }});
-    r.push_back({"1f1b", "any --pp, --microbatches >= 1 (>= pp to fill the pipeline); at most p-r microbatches in flight",
-                 regions_pp_times_virtual, contiguous_placement, one_f_one_b_directives,
-                 [](const ScheduleContext& ctx) {
-                   return one_region_per_rank_table(
-                       "1f1b", ctx, [&](int k) { return one_f_one_b_stage(k, ctx.regions, ctx.microbatches); });
-                 }});
+    r.push_back(
+        {"gpipe", "any --pp, --microbatches >= 1; all forwards then all backwards (activations of M microbatches)",
+         regions_pp_times_virtual, contiguous_placement, gpipe_directives, [](const ScheduleContext& ctx) {
+           return one_region_per_rank_table("gpipe", ctx, [&](int k) { return gpipe_stage(k, ctx.microbatches); });
+         }});
+    r.push_back(
+        {"1f1b", "any --pp, --microbatches >= 1 (>= pp to fill the pipeline); at most p-r microbatches in flight",
+         regions_pp_times_virtual, contiguous_placement, one_f_one_b_directives, [](const ScheduleContext& ctx) {
+           return one_region_per_rank_table("1f1b", ctx,
+                                            [&](int k) { return one_f_one_b_stage(k, ctx.regions, ctx.microbatches); });
+         }});
     r.push_back({"interleaved-1f1b",
-                 "--virtual V chunks per rank (region k on rank k mod pp; --stages N not a multiple of pp: unequal chunks); with V > 1, --microbatches a multiple of --pp",
+                 "--virtual V chunks per rank (region k on rank k mod pp; --stages N not a multiple of pp: unequal "
+                 "chunks); with V > 1, --microbatches a multiple of --pp",
                  regions_pp_times_virtual, looped_placement, table_directives<interleaved_table>, interleaved_table});
     r.push_back({"looped-bfs", "--virtual V chunks per rank (region k on rank k mod pp); all microbatches per chunk",
                  regions_pp_times_virtual, looped_placement, table_directives<looped_bfs_table>, looped_bfs_table});
-    r.push_back({"zb-h1", "B split into BI/BW; any --microbatches (with --virtual V > 1 a multiple of --pp); 1F1B memory",
+    r.push_back({"zb-h1",
+                 "B split into BI/BW; any --microbatches (with --virtual V > 1 a multiple of --pp); 1F1B memory",
                  regions_pp_times_virtual, looped_placement, table_directives<zb_h1_table>, zb_h1_table});
     r.push_back({"zb-h2", "B split into BI/BW; one region per rank (no --virtual); about 2x 1F1B activation memory",
                  [](const StrategyOptions& o) { return virtual_must_be("zb-h2", o, 1) * o.pp; }, contiguous_placement,
@@ -598,8 +620,8 @@ const std::vector<ScheduleFamily>& schedule_registry() {
                  table_directives<dualpipev_table>, dualpipev_table});
     r.push_back({"dualpipe",
                  "even --pp; even --microbatches >= 2 x --pp; two mirrored model copies, half the microbatches each",
-                 [](const StrategyOptions& o) { return virtual_must_be("dualpipe", o, 1) * o.pp; }, contiguous_placement,
-                 table_directives<dualpipe_table>, dualpipe_table, true});
+                 [](const StrategyOptions& o) { return virtual_must_be("dualpipe", o, 1) * o.pp; },
+                 contiguous_placement, table_directives<dualpipe_table>, dualpipe_table, true});
     return r;
   }();
   return registry;

@@ -33,28 +33,32 @@ std::vector<std::string> split_choices(const std::string& text) {
 
 template <class T>
 constexpr SettingType type_of() {
-  if constexpr (std::is_same_v<T, bool>) return SettingType::Bool;
-  else if constexpr (std::is_same_v<T, int>) return SettingType::Int;
-  else if constexpr (std::is_same_v<T, double>) return SettingType::Double;
-  else return SettingType::String;
+  if constexpr (std::is_same_v<T, bool>)
+    return SettingType::Bool;
+  else if constexpr (std::is_same_v<T, int>)
+    return SettingType::Int;
+  else if constexpr (std::is_same_v<T, double>)
+    return SettingType::Double;
+  else
+    return SettingType::String;
 }
 
 std::vector<Setting> make_table() {
   std::vector<Setting> table;
-#define PIPER_STRATEGY_SETTING(T_, M_, name_, default_value, min_, max_, choices_, key_tag_, traits, help_)     \
-  {                                                                                                             \
-    Setting s;                                                                                                  \
-    s.name = name_;                                                                                             \
-    s.type = type_of<T_>();                                                                                     \
-    s.help = help_;                                                                                             \
-    s.member = &StrategyOptions::M_;                                                                            \
-    s.min = min_;                                                                                               \
-    s.max = max_;                                                                                               \
-    s.choices = split_choices(choices_);                                                                        \
-    s.key_tag = key_tag_;                                                                                       \
-    s.essential = ((traits) & kEssential) != 0;                                                                 \
-    s.generator_only = ((traits) & kWithDirectives) == 0;                                                       \
-    table.push_back(std::move(s));                                                                              \
+#define PIPER_STRATEGY_SETTING(T_, M_, name_, default_value, min_, max_, choices_, key_tag_, traits, help_) \
+  {                                                                                                         \
+    Setting s;                                                                                              \
+    s.name = name_;                                                                                         \
+    s.type = type_of<T_>();                                                                                 \
+    s.help = help_;                                                                                         \
+    s.member = &StrategyOptions::M_;                                                                        \
+    s.min = min_;                                                                                           \
+    s.max = max_;                                                                                           \
+    s.choices = split_choices(choices_);                                                                    \
+    s.key_tag = key_tag_;                                                                                   \
+    s.essential = ((traits)&kEssential) != 0;                                                               \
+    s.generator_only = ((traits)&kWithDirectives) == 0;                                                     \
+    table.push_back(std::move(s));                                                                          \
   }
 #include "piper/core/strategy_settings.def"
 #undef PIPER_STRATEGY_SETTING
@@ -90,10 +94,14 @@ std::string setting_flag(const Setting& s) {
 
 std::string setting_type_name(const Setting& s) {
   switch (s.type) {
-    case SettingType::Int: return "int";
-    case SettingType::Double: return "double";
-    case SettingType::Bool: return "bool";
-    case SettingType::String: return "string";
+    case SettingType::Int:
+      return "int";
+    case SettingType::Double:
+      return "double";
+    case SettingType::Bool:
+      return "bool";
+    case SettingType::String:
+      return "string";
   }
   return "?";
 }
@@ -169,10 +177,14 @@ void set_setting(const Setting& s, StrategyOptions& o, const json& v, const std:
 std::string setting_text(const Setting& s, const StrategyOptions& o) {
   const json v = setting_value(s, o);
   switch (s.type) {
-    case SettingType::Bool: return v.get<bool>() ? "1" : "0";
-    case SettingType::Int: return std::to_string(v.get<int>());
-    case SettingType::Double: return number_text(v.get<double>());
-    case SettingType::String: return v.get<std::string>();
+    case SettingType::Bool:
+      return v.get<bool>() ? "1" : "0";
+    case SettingType::Int:
+      return std::to_string(v.get<int>());
+    case SettingType::Double:
+      return number_text(v.get<double>());
+    case SettingType::String:
+      return v.get<std::string>();
   }
   return {};
 }
@@ -180,7 +192,9 @@ std::string setting_text(const Setting& s, const StrategyOptions& o) {
 json setting_from_text(const Setting& s, const std::string& text, const std::string& where) {
   json v;
   switch (s.type) {
-    case SettingType::String: v = text; break;
+    case SettingType::String:
+      v = text;
+      break;
     case SettingType::Bool:
       if (text != "0" && text != "1") throw Error(fmt::format("{}: '{}' is not 0 or 1", where, text));
       v = text == "1";
@@ -243,8 +257,11 @@ json strategy_to_json(const StrategyOptions& o, bool all) {
 json settings_table_json() {
   json out = json::array();
   for (const auto& s : strategy_settings()) {
-    json e = {{"name", s.name},       {"flag", setting_flag(s)},      {"type", setting_type_name(s)},
-              {"default", setting_default(s)}, {"help", s.help}};
+    json e = {{"name", s.name},
+              {"flag", setting_flag(s)},
+              {"type", setting_type_name(s)},
+              {"default", setting_default(s)},
+              {"help", s.help}};
     if (s.type == SettingType::Int || s.type == SettingType::Double) {
       auto number = [&](double v) { return s.type == SettingType::Int ? json(static_cast<long long>(v)) : json(v); };
       e["min"] = number(s.min);

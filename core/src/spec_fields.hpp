@@ -78,7 +78,8 @@ class FieldReader {
   }
   void reject_unknown(const std::set<std::string>& known) const {
     for (auto it = j_.begin(); it != j_.end(); ++it)
-      if (!known.count(it.key())) fail(it.key(), "unknown field" + did_you_mean(it.key(), {known.begin(), known.end()}));
+      if (!known.count(it.key()))
+        fail(it.key(), "unknown field" + did_you_mean(it.key(), {known.begin(), known.end()}));
   }
 
  private:

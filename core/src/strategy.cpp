@@ -64,14 +64,18 @@ void validate_strategy_options(const StrategyOptions& o) {
   if (o.sequence_parallel && o.tp < 2) fail("--sequence-parallel needs --tp >= 2");
   if (o.tp_comm_overlap && o.tp < 2) fail("--tp-comm-overlap needs --tp >= 2");
   if (o.recompute == "auto")
-    fail("--recompute auto is chosen by the simulator's memory model: use it with piper simulate and --memory-budget GiB");
+    fail(
+        "--recompute auto is chosen by the simulator's memory model: use it with piper simulate and --memory-budget "
+        "GiB");
   if (o.recompute != "none" && o.recompute != "selective" && o.recompute != "full" && o.recompute != "op")
     fail("--recompute must be none, selective, full or op (got '" + o.recompute + "')");
   if (o.recompute_every < 0) fail("--recompute-every must be >= 1 (got " + std::to_string(o.recompute_every) + ")");
   if (o.recompute_first < 0) fail("--recompute-first must be >= 1 (got " + std::to_string(o.recompute_first) + ")");
-  if (o.recompute_every > 0 && o.recompute_first > 0) fail("--recompute-every and --recompute-first cannot be combined (choose one block selection)");
+  if (o.recompute_every > 0 && o.recompute_first > 0)
+    fail("--recompute-every and --recompute-first cannot be combined (choose one block selection)");
   if ((o.recompute_every > 0 || o.recompute_first > 0) && o.recompute == "none")
-    fail(std::string(o.recompute_every > 0 ? "--recompute-every" : "--recompute-first") + " needs --recompute selective, full or op (the mode of the chosen blocks)");
+    fail(std::string(o.recompute_every > 0 ? "--recompute-every" : "--recompute-first") +
+         " needs --recompute selective, full or op (the mode of the chosen blocks)");
   if (o.comm_sms < 0) fail("--comm-sms must be >= 1 (got " + std::to_string(o.comm_sms) + ")");
   if (o.global_batch < 0) fail("--global-batch must be >= 1 (got " + std::to_string(o.global_batch) + ")");
   at_least_one("--virtual-stages", o.virtual_stages);
@@ -82,8 +86,9 @@ void validate_strategy_options(const StrategyOptions& o) {
   // Megatron-core's rule: a stage's dp x tp devices hold the experts as ETP x EP x expert-DP groups.
   if ((static_cast<std::int64_t>(o.dp) * o.tp) % (static_cast<std::int64_t>(o.ep) * o.etp) != 0) {
     if (o.tp == 1 && o.etp == 1) fail("--ep " + std::to_string(o.ep) + " must divide --dp " + std::to_string(o.dp));
-    fail("--ep " + std::to_string(o.ep) + " x --etp " + std::to_string(o.etp) + " must divide --dp " + std::to_string(o.dp) +
-         " x --tp " + std::to_string(o.tp) + " (a stage's devices hold the experts as ETP x EP x expert-data-parallel groups)");
+    fail("--ep " + std::to_string(o.ep) + " x --etp " + std::to_string(o.etp) + " must divide --dp " +
+         std::to_string(o.dp) + " x --tp " + std::to_string(o.tp) +
+         " (a stage's devices hold the experts as ETP x EP x expert-data-parallel groups)");
   }
   if (o.zero < 0 || o.zero > 3) fail("--zero must be 0, 1, 2 or 3 (got " + std::to_string(o.zero) + ")");
   if (o.dp_shard != 0) {
@@ -93,7 +98,8 @@ void validate_strategy_options(const StrategyOptions& o) {
   }
   if (!o.reduce_every.empty() && o.reduce_every != "step" && o.reduce_every != "microbatch")
     fail("--reduce-every must be step or microbatch (got '" + o.reduce_every + "')");
-  if (o.fp8_all_gather && o.zero != 3) fail("--fp8-all-gather applies only with --zero 3 (its per-use parameter gathers)");
+  if (o.fp8_all_gather && o.zero != 3)
+    fail("--fp8-all-gather applies only with --zero 3 (its per-use parameter gathers)");
   if (o.gather_prefetch != 1 && o.zero != 3)
     fail("--gather-prefetch applies only with --zero 3 (its per-use parameter gathers)");
   if (o.p2p_blocking && o.pp < 2) fail("--p2p-blocking applies only with --pp 2 or more (its pipeline transfers)");
@@ -103,8 +109,10 @@ void validate_strategy_options(const StrategyOptions& o) {
     fail("--bucket-mb must be a number in [0, 1e9] (got " + num(o.bucket_mb) + ")");
   // Every setting's own type and range, from the table (settings.hpp); the rules above say more.
   for (const auto& s : strategy_settings())
-    if (s.name == "schedule") continue;  // schedule_family names the valid ones
-    else if (const std::string why = setting_problem(s, setting_value(s, o)); !why.empty()) fail(setting_flag(s) + ": " + why);
+    if (s.name == "schedule")
+      continue;  // schedule_family names the valid ones
+    else if (const std::string why = setting_problem(s, setting_value(s, o)); !why.empty())
+      fail(setting_flag(s) + ": " + why);
 }
 
 void resolve_global_batch(StrategyOptions& o, std::int64_t micro_batch_size) {
@@ -142,7 +150,8 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
   // Directive order follows the published programs: all place, then all replicate, then all shard.
   // With one pipeline rank there are no point-to-point transfers, so no stream (as in dp2.json).
   for (int i = 0; i < regions; ++i)
-    out.place(region_filter(i), devices_of_region(i), o.pp > 1 ? std::optional(o.pp_stream) : std::nullopt, o.p2p_blocking);
+    out.place(region_filter(i), devices_of_region(i), o.pp > 1 ? std::optional(o.pp_stream) : std::nullopt,
+              o.p2p_blocking);
   // Dense layers have replicas / tp data-parallel copies; routed experts replicas / (ep x etp).
   if (replicas / o.tp > 1 || replicas / (o.ep * o.etp) > 1) {
     ReplicateArgs rep;
@@ -164,12 +173,15 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
   // Experts sharded over consecutive groups of ep of the replicas (Piper extension).
   if (o.ep > 1)
     for (int i = 0; i < regions; ++i)
-      out.shard(region_filter(i, "EP"), devices_of_region(i), o.ep_stream, o.ep < replicas ? std::optional(o.ep) : std::nullopt);
+      out.shard(region_filter(i, "EP"), devices_of_region(i), o.ep_stream,
+                o.ep < replicas ? std::optional(o.ep) : std::nullopt);
   // Piper extensions: tensor (and sequence) parallelism and recomputation of every region.
   if (o.tp > 1 || o.etp > 1)
-    for (int i = 0; i < regions; ++i) out.tensor_parallel(region_filter(i), o.tp, o.sequence_parallel, o.tp_comm_overlap, o.etp);
+    for (int i = 0; i < regions; ++i)
+      out.tensor_parallel(region_filter(i), o.tp, o.sequence_parallel, o.tp_comm_overlap, o.etp);
   if (o.recompute != "none")
-    for (int i = 0; i < regions; ++i) out.recompute(region_filter(i), o.recompute, o.recompute_every, o.recompute_first);
+    for (int i = 0; i < regions; ++i)
+      out.recompute(region_filter(i), o.recompute, o.recompute_every, o.recompute_first);
   if (o.cp > 1) out.context_parallel(o.cp, o.cp_all_gather);
   if (o.comm_sms > 0) out.sm_partition(o.comm_sms);
   return out.take();
@@ -224,17 +236,20 @@ std::vector<int> rank_of_region_from_program(const json& program, int* pipeline_
     if (!filter.is_object() || filter.size() != 1 || !filter.contains("PP") || !filter["PP"].is_number_integer())
       continue;  // places of sub-regions (e.g. {PP:i, EP:j}) do not define a pipeline rank
     const int region = filter["PP"].get<int>();
-    if (region < 0) fail("directive " + std::to_string(k) + " field 'filter': PP " + std::to_string(region) + " is negative");
+    if (region < 0)
+      fail("directive " + std::to_string(k) + " field 'filter': PP " + std::to_string(region) + " is negative");
     if (!d.contains("devices") || !d["devices"].is_array() || d["devices"].empty())
       fail("directive " + std::to_string(k) + " field 'devices': must be a non-empty array");
     if (!devices_of_region.emplace(region, d["devices"]).second)
-      fail("directive " + std::to_string(k) + " field 'filter': region PP " + std::to_string(region) + " is placed twice");
+      fail("directive " + std::to_string(k) + " field 'filter': region PP " + std::to_string(region) +
+           " is placed twice");
   }
   if (devices_of_region.empty()) fail("program has no place directives with filter {PP: i}; nothing to schedule");
   const int regions = static_cast<int>(devices_of_region.size());
   if (devices_of_region.rbegin()->first != regions - 1) {
     for (int i = 0; i < regions; ++i)
-      if (!devices_of_region.count(i)) fail("program places no region PP " + std::to_string(i) + "; PP regions must be 0..n-1");
+      if (!devices_of_region.count(i))
+        fail("program places no region PP " + std::to_string(i) + "; PP regions must be 0..n-1");
   }
   // Ranks numbered by first appearance in region order, so region 0 sits on rank 0.
   std::vector<json> rank_devices;

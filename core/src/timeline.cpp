@@ -63,9 +63,10 @@ void write_chrome_trace(const Timeline& timeline, std::ostream& out) {
     for (const OpSpan& span : timeline.devices[d].spans) {
       const Op& op = timeline.op(device, span);
       const std::string name = op.label.empty() ? to_string(op.kind) : op.label;
-      emit(fmt::format(R"({{"ph":"X","pid":{},"tid":{},"name":{},"cat":"{}","ts":{},"dur":{},"args":{{"kind":"{}","node":{},"index":{}}}}})",
-                       d, span.stream, quoted(name), to_string(op.kind), us(span.start_s),
-                       us(ns(span.end_s) - ns(span.start_s)), to_string(op.kind), op.node, span.index));
+      emit(fmt::format(
+          R"({{"ph":"X","pid":{},"tid":{},"name":{},"cat":"{}","ts":{},"dur":{},"args":{{"kind":"{}","node":{},"index":{}}}}})",
+          d, span.stream, quoted(name), to_string(op.kind), us(span.start_s), us(ns(span.end_s) - ns(span.start_s)),
+          to_string(op.kind), op.node, span.index));
       // Flow arrow SEND -> RECV: both ends carry the id (sender device, SEND node).
       if (op.kind == OpKind::Send || op.kind == OpKind::Recv) {
         const int peer = peer_of(op, device);

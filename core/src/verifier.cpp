@@ -129,7 +129,8 @@ class Verifier {
           if (sequence(first, family) != sequence(plan, family))
             add(check, "device " + std::to_string(d) + " (plan " + std::to_string(plan) + ") and device " +
                            std::to_string(group.front()) + " (plan " + std::to_string(first) + ") are in one " + what +
-                           " group (family " + std::to_string(family) + ") but issue different " + what + " compute ops");
+                           " group (family " + std::to_string(family) + ") but issue different " + what +
+                           " compute ops");
         }
       }
     }
@@ -197,7 +198,8 @@ class Verifier {
             add("structure", at() + to_string(op.kind) + " needs a device set and a peer set");
           if (op.family != -1 && !in_range(op.family, prog_.families.size()))
             add("structure", at() + "family " + std::to_string(op.family) + " does not exist");
-          if (is_collective_op(op.kind) && op.family < 0) add("structure", at() + to_string(op.kind) + " has no family");
+          if (is_collective_op(op.kind) && op.family < 0)
+            add("structure", at() + to_string(op.kind) + " has no family");
           for (const OpRef& w : op.waits)
             if (!valid_ref(w))
               add("structure", at() + "waits on stream " + std::to_string(w.stream) + " op " + std::to_string(w.index) +
@@ -490,7 +492,8 @@ class Verifier {
       for (std::size_t st = 0; st < prog_.plans[p].streams.size(); ++st)
         for (std::size_t i = 0; i < prog_.plans[p].streams[st].ops.size(); ++i) {
           const Op& op = prog_.plans[p].streams[st].ops[i];
-          if (op.kind != OpKind::AllToAll || op.segment < 0 || ix(op.segment) >= prog_.segments.size() || op.family < 0) continue;
+          if (op.kind != OpKind::AllToAll || op.segment < 0 || ix(op.segment) >= prog_.segments.size() || op.family < 0)
+            continue;
           if (!seen.insert({op.segment, op.family}).second) continue;
           const ProgramSegment& sg = prog_.segments[ix(op.segment)];
           const OpRef r{static_cast<int>(st), static_cast<int>(i)};
@@ -499,17 +502,19 @@ class Verifier {
           for (int member : prog_.device_sets[ix(prog_.families[ix(op.family)].devices)]) {
             const std::vector<int> ep = prog_.group_of(op.family, member);
             if (static_cast<int>(ep.size()) != sg.shard_degree) {
-              add("ep-group", at + " exchanges over " + std::to_string(ep.size()) + " devices on device " + std::to_string(member) +
-                                  " but segment " + std::to_string(op.segment) + " is sharded " + std::to_string(sg.shard_degree) + " ways");
+              add("ep-group", at + " exchanges over " + std::to_string(ep.size()) + " devices on device " +
+                                  std::to_string(member) + " but segment " + std::to_string(op.segment) +
+                                  " is sharded " + std::to_string(sg.shard_degree) + " ways");
               break;
             }
             if (sg.tp_degree <= 1 || sg.tp_family < 0) continue;
             const std::vector<int> etp = prog_.group_of(sg.tp_family, member);
-            const auto shared = std::count_if(etp.begin(), etp.end(), [&](int x) { return std::find(ep.begin(), ep.end(), x) != ep.end(); });
+            const auto shared = std::count_if(etp.begin(), etp.end(),
+                                              [&](int x) { return std::find(ep.begin(), ep.end(), x) != ep.end(); });
             if (shared != 1) {
-              add("ep-group", at + ": the EP group of device " + std::to_string(member) + " holds " + std::to_string(shared) +
-                                  " devices of its expert-TP group (segment " + std::to_string(op.segment) +
-                                  "); an EP group takes one device of each ETP group");
+              add("ep-group", at + ": the EP group of device " + std::to_string(member) + " holds " +
+                                  std::to_string(shared) + " devices of its expert-TP group (segment " +
+                                  std::to_string(op.segment) + "); an EP group takes one device of each ETP group");
               break;
             }
           }
@@ -527,7 +532,8 @@ class Verifier {
       const ProgramSegment& sg = prog_.segments[s];
       const std::string at = "segment " + std::to_string(s);
       if (sg.tp_degree <= 1) {
-        if (sg.tp_family != -1) add("tp-group", at + " has tp_family " + std::to_string(sg.tp_family) + " but tp_degree 1");
+        if (sg.tp_family != -1)
+          add("tp-group", at + " has tp_family " + std::to_string(sg.tp_family) + " but tp_degree 1");
         continue;
       }
       if (sg.tp_family < 0 || ix(sg.tp_family) >= prog_.families.size()) {
@@ -537,8 +543,9 @@ class Verifier {
       const CommFamily& f = prog_.families[ix(sg.tp_family)];
       if (f.purpose != FamilyPurpose::Tp || f.stride != 1 || f.group_size != sg.tp_degree || f.devices != sg.devices ||
           prog_.device_sets[ix(f.devices)].size() % ix(sg.tp_degree) != 0) {
-        add("tp-group", at + " (tp_degree " + std::to_string(sg.tp_degree) + "): family " + std::to_string(sg.tp_family) +
-                            " is not its device set in consecutive groups of " + std::to_string(sg.tp_degree));
+        add("tp-group", at + " (tp_degree " + std::to_string(sg.tp_degree) + "): family " +
+                            std::to_string(sg.tp_family) + " is not its device set in consecutive groups of " +
+                            std::to_string(sg.tp_degree));
         continue;
       }
       tp_families.insert(sg.tp_family);
@@ -578,11 +585,13 @@ class Verifier {
       const std::string at = "segment " + std::to_string(s);
       if (sg.cp_degree != first.cp_degree || sg.cp_all_gather != first.cp_all_gather) {
         add("cp-group", at + " has cp_degree " + std::to_string(sg.cp_degree) + " but segment 0 has " +
-                            std::to_string(first.cp_degree) + ": context parallelism is model-wide, one degree and K/V exchange");
+                            std::to_string(first.cp_degree) +
+                            ": context parallelism is model-wide, one degree and K/V exchange");
         return;
       }
       if (sg.cp_degree <= 1) {
-        if (sg.cp_family != -1) add("cp-group", at + " has cp_family " + std::to_string(sg.cp_family) + " but cp_degree 1");
+        if (sg.cp_family != -1)
+          add("cp-group", at + " has cp_family " + std::to_string(sg.cp_family) + " but cp_degree 1");
         continue;
       }
       const std::int64_t chunks = 2 * static_cast<std::int64_t>(sg.cp_degree);
@@ -619,7 +628,8 @@ class Verifier {
         for (const auto& op : stream.ops)
           if (op.cp_steps > 0 && (op.segment < 0 || ix(op.segment) >= prog_.segments.size() ||
                                   prog_.segments[ix(op.segment)].cp_degree <= 1)) {
-            add("cp-group", "op '" + op.label + "' exchanges K/V over a CP group but its segment is not context-parallel");
+            add("cp-group",
+                "op '" + op.label + "' exchanges K/V over a CP group but its segment is not context-parallel");
             return;
           }
     auto sequence = [&](int plan, int family) {
@@ -723,7 +733,8 @@ class Verifier {
     std::vector<std::vector<std::size_t>> completion(num_ops);
     for (std::size_t j = 0; j < rendezvous.size(); ++j)
       for (std::size_t m : rendezvous[j])
-        if (std::find(completion[m].begin(), completion[m].end(), num_ops + j) == completion[m].end()) completion[m].push_back(num_ops + j);
+        if (std::find(completion[m].begin(), completion[m].end(), num_ops + j) == completion[m].end())
+          completion[m].push_back(num_ops + j);
     DiGraph g(num_ops + rendezvous.size());
     auto after = [&](std::size_t u, std::size_t v) {  // v starts after u completes
       if (completion[u].empty()) boost::add_edge(u, v, g);
@@ -790,8 +801,9 @@ class Verifier {
         }
         if (!message.empty()) message += " waits on ";
         message += name(cycle[k]);
-        if (end > k) message += " after its stream predecessors back to op " + std::to_string(loc_[cycle[end]].index) + " '" +
-                                op_at(loc_[cycle[end]].plan, {loc_[cycle[end]].stream, loc_[cycle[end]].index}).label + "'";
+        if (end > k)
+          message += " after its stream predecessors back to op " + std::to_string(loc_[cycle[end]].index) + " '" +
+                     op_at(loc_[cycle[end]].plan, {loc_[cycle[end]].stream, loc_[cycle[end]].index}).label + "'";
         k = end + 1;
         ++shown;
       }

@@ -32,7 +32,8 @@ double median(std::vector<double> v) {
 
 void CalibrationRecorder::add_step(const std::vector<core::DeviceTimeline>& devices) {
   if (static_cast<int>(devices.size()) != program_.num_devices)
-    throw std::invalid_argument(fmt::format("calibration: {} measured devices for a program of {}", devices.size(), program_.num_devices));
+    throw std::invalid_argument(
+        fmt::format("calibration: {} measured devices for a program of {}", devices.size(), program_.num_devices));
   struct Pair {
     double send = -1, recv = -1;
     const core::Op* op = nullptr;
@@ -42,13 +43,14 @@ void CalibrationRecorder::add_step(const std::vector<core::DeviceTimeline>& devi
     int members = 0, size = 0;
     const core::Op* op = nullptr;
   };
-  std::map<std::tuple<int, int, int>, Pair> pairs;                  // (SEND node, sender, receiver)
-  std::map<std::tuple<int, int, int, int>, Instance> instances;     // (node, family, first member, occurrence)
+  std::map<std::tuple<int, int, int>, Pair> pairs;               // (SEND node, sender, receiver)
+  std::map<std::tuple<int, int, int, int>, Instance> instances;  // (node, family, first member, occurrence)
   for (int d = 0; d < program_.num_devices; ++d) {
     const core::Plan& plan = program_.plan_for(d);
     const auto& spans = devices[static_cast<std::size_t>(d)].spans;
     if (static_cast<std::int64_t>(spans.size()) != plan.op_count())
-      throw std::invalid_argument(fmt::format("calibration: device {} measured {} ops, its plan has {}", d, spans.size(), plan.op_count()));
+      throw std::invalid_argument(
+          fmt::format("calibration: device {} measured {} ops, its plan has {}", d, spans.size(), plan.op_count()));
     std::map<std::pair<int, int>, int> occurrence;  // (node, family) -> collectives seen on this device
     std::size_t flat = 0;
     for (const auto& stream : plan.streams)
@@ -100,7 +102,11 @@ json CalibrationRecorder::to_json(const std::string& gpu, const json& measured) 
   json m = measured;
   m["steps"] = steps_;
   m["statistic"] = "median";
-  return {{"format", "piper-calibration"}, {"version", 1}, {"gpu", gpu}, {"measured", std::move(m)}, {"entries", std::move(entries)}};
+  return {{"format", "piper-calibration"},
+          {"version", 1},
+          {"gpu", gpu},
+          {"measured", std::move(m)},
+          {"entries", std::move(entries)}};
 }
 
 bool calibration_uses_step(int step_index, int steps) { return steps < 2 || step_index > 0; }
@@ -110,8 +116,9 @@ void check_calibrate_path(const std::string& path) {
     throw std::invalid_argument(path + ": is a folder; --calibrate takes a file name");
 }
 
-void write_calibration_distributed(const std::string& path, const core::Program& program, const std::vector<core::DeviceTimeline>& mine,
-                                   const std::string& gpu, const json& measured) {
+void write_calibration_distributed(const std::string& path, const core::Program& program,
+                                   const std::vector<core::DeviceTimeline>& mine, const std::string& gpu,
+                                   const json& measured) {
   int rank = 0, size = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -125,7 +132,8 @@ void write_calibration_distributed(const std::string& path, const core::Program&
   if (rank != 0) return;
   CalibrationRecorder recorder(program);
   std::vector<std::size_t> at(static_cast<std::size_t>(size));
-  for (int d = 0; d < size; ++d) at[static_cast<std::size_t>(d)] = static_cast<std::size_t>(offsets[static_cast<std::size_t>(d)]);
+  for (int d = 0; d < size; ++d)
+    at[static_cast<std::size_t>(d)] = static_cast<std::size_t>(offsets[static_cast<std::size_t>(d)]);
   for (std::size_t step = 0; step < mine.size(); ++step) {
     std::vector<core::DeviceTimeline> devices(static_cast<std::size_t>(size));
     for (int d = 0; d < size; ++d) {

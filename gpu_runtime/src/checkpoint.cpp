@@ -36,7 +36,8 @@ constexpr std::size_t ix(std::int64_t i) { return static_cast<std::size_t>(i); }
 // Calls fn(layer, local_begin, local_end, canonical_offset) for every contiguous run of `sp`'s local
 // vector (HostModel::canonical_runs: expert shards, TP slices) that meets [begin, end).
 template <class Fn>
-void for_each_layer_part(const host::HostModel& model, const host::SegmentParams& sp, std::int64_t begin, std::int64_t end, Fn&& fn) {
+void for_each_layer_part(const host::HostModel& model, const host::SegmentParams& sp, std::int64_t begin,
+                         std::int64_t end, Fn&& fn) {
   for (const auto& r : model.canonical_runs(sp)) {
     const std::int64_t a = std::max(r.local, begin), b = std::min(r.local + r.length, end);
     if (a >= b) continue;
@@ -45,7 +46,9 @@ void for_each_layer_part(const host::HostModel& model, const host::SegmentParams
 }
 
 template <class T>
-void put(std::string& out, const T& v) { out.append(reinterpret_cast<const char*>(&v), sizeof(T)); }
+void put(std::string& out, const T& v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
 void put_floats(std::string& out, const std::vector<float>& v) {
   if (!v.empty()) out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
 }
@@ -141,20 +144,24 @@ std::uint32_t crc32(const void* data, std::size_t size, std::uint32_t crc) {
 
 SaveLock::SaveLock(const std::string& checkpoint_path) {
   std::error_code ec;
-  if (const fs::file_status st = fs::status(checkpoint_path, ec); !ec && fs::exists(st) && !fs::is_regular_file(st)) return;
+  if (const fs::file_status st = fs::status(checkpoint_path, ec); !ec && fs::exists(st) && !fs::is_regular_file(st))
+    return;
   const fs::path target(checkpoint_path);
   const fs::path folder = target.has_parent_path() ? target.parent_path() : fs::path(".");
   fs::create_directories(folder, ec);
   if (ec) throw std::invalid_argument("cannot create the checkpoint folder " + folder.string() + ": " + ec.message());
   const std::string lock = checkpoint_path + ".lock";
   fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd_ < 0) throw std::invalid_argument(fmt::format("{}: cannot open the lock file {}: {}", checkpoint_path, lock, std::strerror(errno)));
+  if (fd_ < 0)
+    throw std::invalid_argument(
+        fmt::format("{}: cannot open the lock file {}: {}", checkpoint_path, lock, std::strerror(errno)));
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     ::close(fd_);
     fd_ = -1;
     if (err == EWOULDBLOCK)
-      throw std::invalid_argument(fmt::format("{}: another run is saving to this checkpoint ({} is locked); choose another --save", checkpoint_path, lock));
+      throw std::invalid_argument(fmt::format(
+          "{}: another run is saving to this checkpoint ({} is locked); choose another --save", checkpoint_path, lock));
     throw std::invalid_argument(fmt::format("{}: cannot lock {}: {}", checkpoint_path, lock, std::strerror(err)));
   }
 }
@@ -178,11 +185,14 @@ std::vector<StateRecord> state_records(host::HostModel& model) {
       out.push_back({l, StateKind::Params, at, std::vector<float>(src.begin() + (a - base), src.begin() + (b - base))});
     });
     // Moments cover the chunk this device updates (ZeRO 0: the whole local vector).
-    for_each_layer_part(model, sp, sp.chunk_begin, sp.chunk_end, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
-      const auto off = a - sp.chunk_begin, len = b - a;
-      out.push_back({l, StateKind::AdamM, at, std::vector<float>(sp.adam_m.begin() + off, sp.adam_m.begin() + off + len)});
-      out.push_back({l, StateKind::AdamV, at, std::vector<float>(sp.adam_v.begin() + off, sp.adam_v.begin() + off + len)});
-    });
+    for_each_layer_part(
+        model, sp, sp.chunk_begin, sp.chunk_end, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
+          const auto off = a - sp.chunk_begin, len = b - a;
+          out.push_back(
+              {l, StateKind::AdamM, at, std::vector<float>(sp.adam_m.begin() + off, sp.adam_m.begin() + off + len)});
+          out.push_back(
+              {l, StateKind::AdamV, at, std::vector<float>(sp.adam_v.begin() + off, sp.adam_v.begin() + off + len)});
+        });
   }
   return out;
 }
@@ -232,7 +242,8 @@ CanonicalState assemble_state(const core::Model& model, const std::vector<StateR
     auto it = s.layers.find(r.layer);
     if (it == s.layers.end() || k < 0 || k > 2 || r.offset < 0 ||
         r.offset + static_cast<std::int64_t>(r.values.size()) > static_cast<std::int64_t>(it->second[ix(k)].size()))
-      throw std::runtime_error(fmt::format("checkpoint record out of range (layer {}, kind {}, offset {})", r.layer, k, r.offset));
+      throw std::runtime_error(
+          fmt::format("checkpoint record out of range (layer {}, kind {}, offset {})", r.layer, k, r.offset));
     std::copy(r.values.begin(), r.values.end(), it->second[ix(k)].begin() + r.offset);
     std::fill_n(covered[r.layer][ix(k)].begin() + r.offset, r.values.size(), char{1});
   }
@@ -241,8 +252,8 @@ CanonicalState assemble_state(const core::Model& model, const std::vector<StateR
       const auto& c = kinds[ix(k)];
       const auto gap = std::find(c.begin(), c.end(), char{0});
       if (gap != c.end())
-        throw std::runtime_error(fmt::format("checkpoint: no device holds element {} of layer {} ('{}') {}", gap - c.begin(), l,
-                                             model.layers()[ix(l)].name, kind_name(k)));
+        throw std::runtime_error(fmt::format("checkpoint: no device holds element {} of layer {} ('{}') {}",
+                                             gap - c.begin(), l, model.layers()[ix(l)].name, kind_name(k)));
     }
   return s;
 }
@@ -257,19 +268,20 @@ void write_checkpoint(const std::string& path, const CheckpointInfo& info, const
     for (const auto& v : kinds) put_floats(body, v);
   }
   json header = {{"format", "piper-checkpoint"},
-                       {"version", 3},
-                       {"layout", "canonical"},
-                       {"model", info.model_name},
-                       {"fingerprint", info.fingerprint},
-                       {"step", info.step},
-                       {"data_position", info.data_position},
-                       {"sequences_per_step", info.sequences_per_step},
-                       {"seq_len", info.seq_len},
-                       {"saved_layout", info.saved_layout},
-                       {"layers", layers}};
+                 {"version", 3},
+                 {"layout", "canonical"},
+                 {"model", info.model_name},
+                 {"fingerprint", info.fingerprint},
+                 {"step", info.step},
+                 {"data_position", info.data_position},
+                 {"sequences_per_step", info.sequences_per_step},
+                 {"seq_len", info.seq_len},
+                 {"saved_layout", info.saved_layout},
+                 {"layers", layers}};
   header["header_crc32"] = header_crc(header);
   std::error_code ec;
-  if (const fs::file_status st = fs::status(path, ec); !ec && fs::exists(st) && !fs::is_regular_file(st) && !fs::is_directory(st)) {
+  if (const fs::file_status st = fs::status(path, ec);
+      !ec && fs::exists(st) && !fs::is_regular_file(st) && !fs::is_directory(st)) {
     write_through(path, header.dump() + "\n" + body);  // a device or FIFO is written into, not replaced
     return;
   }
@@ -320,7 +332,8 @@ std::int64_t checkpoint_bytes_bound(const core::Program& program) {
     for (const auto& t : host::layer_tensors(layer)) floats += t.size();
   // Three floats per parameter (value, Adam m and v) plus the header line: 1 MiB and 4 KiB per layer
   // is far more than its JSON (a few dozen bytes per layer) ever takes.
-  return 3 * static_cast<std::int64_t>(sizeof(float)) * floats + (1 << 20) + 4096 * static_cast<std::int64_t>(model.layers().size());
+  return 3 * static_cast<std::int64_t>(sizeof(float)) * floats + (1 << 20) +
+         4096 * static_cast<std::int64_t>(model.layers().size());
 }
 
 std::string read_checkpoint_bytes(const std::string& path, const core::Program& program) {
@@ -346,10 +359,12 @@ Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
   } catch (const json::exception&) {
     throw std::invalid_argument(path + ": not a piper checkpoint (or its header line is damaged)");
   }
-  if (!h.is_object() || h.value("format", "") != "piper-checkpoint") throw std::invalid_argument(path + ": not a piper checkpoint");
+  if (!h.is_object() || h.value("format", "") != "piper-checkpoint")
+    throw std::invalid_argument(path + ": not a piper checkpoint");
   const json version = h.value("version", json(0));
   if (!version.is_number_integer() || (version != 2 && version != 3))
-    throw std::invalid_argument(fmt::format("{}: checkpoint version {} is not supported (this piper reads versions 2 and 3)", path, version.dump()));
+    throw std::invalid_argument(fmt::format(
+        "{}: checkpoint version {} is not supported (this piper reads versions 2 and 3)", path, version.dump()));
   // Version 3 carries CRC-32 checksums (header and each tensor); version 2, written by earlier
   // pipers, has none and is read with the value checks only. A version-2 header that holds checksum
   // fields is a damaged version 3 (its version digit changed), so it is not let through unchecked.
@@ -357,7 +372,8 @@ Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
   if (checked) {
     const auto it = h.find("header_crc32");
     if (it == h.end() || !it->is_number_unsigned() || it->get<std::uint64_t>() != header_crc(h))
-      throw std::invalid_argument(path + ": damaged checkpoint (the header's checksum does not match: it was edited or corrupted)");
+      throw std::invalid_argument(
+          path + ": damaged checkpoint (the header's checksum does not match: it was edited or corrupted)");
   } else if (h.contains("header_crc32")) {
     throw std::invalid_argument(path + ": damaged checkpoint (a version-2 header with version-3 checksums)");
   }
@@ -370,13 +386,15 @@ Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
     c.info.sequences_per_step = h.at("sequences_per_step").get<std::int64_t>();
     c.info.seq_len = h.at("seq_len").get<std::int64_t>();
     c.info.saved_layout = h.value("saved_layout", "");
-    if (c.info.step < 0) throw std::invalid_argument(fmt::format("{}: checkpoint step {} is negative", path, c.info.step));
+    if (c.info.step < 0)
+      throw std::invalid_argument(fmt::format("{}: checkpoint step {} is negative", path, c.info.step));
     if (c.info.sequences_per_step <= 0 || c.info.seq_len <= 0)
-      throw std::invalid_argument(fmt::format("{}: checkpoint sequences per step {} and sequence length {} must be positive", path,
-                                              c.info.sequences_per_step, c.info.seq_len));
+      throw std::invalid_argument(
+          fmt::format("{}: checkpoint sequences per step {} and sequence length {} must be positive", path,
+                      c.info.sequences_per_step, c.info.seq_len));
     if (c.info.data_position != static_cast<std::int64_t>(c.info.step) * c.info.sequences_per_step)
-      throw std::invalid_argument(fmt::format("{}: checkpoint data position {} is not step {} x {} sequences", path, c.info.data_position,
-                                              c.info.step, c.info.sequences_per_step));
+      throw std::invalid_argument(fmt::format("{}: checkpoint data position {} is not step {} x {} sequences", path,
+                                              c.info.data_position, c.info.step, c.info.sequences_per_step));
     std::size_t pos = nl + 1;
     for (const auto& l : h.at("layers")) {
       const int layer = l.at("layer").get<int>();
@@ -387,13 +405,15 @@ Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
         auto& v = kinds[k];
         get_floats(bytes, pos, v, ix(floats));
         if (checked && crc_of_floats(v) != l.at("crc32").at(k).get<std::uint32_t>())
-          throw std::runtime_error(fmt::format("layer {} {}: checksum mismatch", layer, kind_name(static_cast<int>(k))));
+          throw std::runtime_error(
+              fmt::format("layer {} {}: checksum mismatch", layer, kind_name(static_cast<int>(k))));
         // A checksum proves the bytes are the ones written; values must also be usable: finite, and
         // second moments never negative.
         for (std::size_t i = 0; i < v.size(); ++i)
           if (!std::isfinite(v[i]) || (k == 2 && v[i] < 0))
-            throw std::invalid_argument(fmt::format("{}: checkpoint layer {} {} element {} is {}", path, layer, kind_name(static_cast<int>(k)), i,
-                                                    std::isfinite(v[i]) ? fmt::format("negative ({})", v[i]) : fmt::format("{}", v[i])));
+            throw std::invalid_argument(
+                fmt::format("{}: checkpoint layer {} {} element {} is {}", path, layer, kind_name(static_cast<int>(k)),
+                            i, std::isfinite(v[i]) ? fmt::format("negative ({})", v[i]) : fmt::format("{}", v[i])));
       }
     }
     if (pos != bytes.size()) throw std::runtime_error("trailing bytes");
@@ -410,27 +430,33 @@ Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
 void check_compatible(const std::string& path, const Checkpoint& ckpt, const core::Program& program) {
   const auto& i = ckpt.info;
   if (i.fingerprint != model_fingerprint(program))
-    throw std::invalid_argument(fmt::format("{}: checkpoint of model '{}' ({}) does not match the plan's model '{}' ({}): their specs differ", path,
-                                            i.model_name, i.fingerprint, program.model_name, model_fingerprint(program)));
+    throw std::invalid_argument(
+        fmt::format("{}: checkpoint of model '{}' ({}) does not match the plan's model '{}' ({}): their specs differ",
+                    path, i.model_name, i.fingerprint, program.model_name, model_fingerprint(program)));
   const DataShape shape = data_shape(program);
   if (i.seq_len != shape.seq_len)
-    throw std::invalid_argument(fmt::format("{}: checkpoint trained on sequences of {} tokens, the plan uses {}", path, i.seq_len, shape.seq_len));
+    throw std::invalid_argument(fmt::format("{}: checkpoint trained on sequences of {} tokens, the plan uses {}", path,
+                                            i.seq_len, shape.seq_len));
   const std::int64_t per_step = static_cast<std::int64_t>(shape.microbatches) * shape.ranks * shape.micro_batch_size;
   if (i.sequences_per_step != per_step)
-    throw std::invalid_argument(fmt::format(
-        "{}: checkpoint took {} sequences per step, the plan takes {} (microbatches x data-parallel ranks x micro-batch size must match to continue the same run)",
-        path, i.sequences_per_step, per_step));
+    throw std::invalid_argument(
+        fmt::format("{}: checkpoint took {} sequences per step, the plan takes {} (microbatches x data-parallel ranks "
+                    "x micro-batch size must match to continue the same run)",
+                    path, i.sequences_per_step, per_step));
   if (i.data_position != static_cast<std::int64_t>(i.step) * per_step)
-    throw std::invalid_argument(fmt::format("{}: checkpoint data position {} is not step {} x {} sequences", path, i.data_position, i.step, per_step));
+    throw std::invalid_argument(fmt::format("{}: checkpoint data position {} is not step {} x {} sequences", path,
+                                            i.data_position, i.step, per_step));
   const core::Model model = program_model(program);
   if (ckpt.state.layers.size() != model.layers().size())
-    throw std::invalid_argument(fmt::format("{}: checkpoint holds {} layers, the model has {}", path, ckpt.state.layers.size(), model.layers().size()));
+    throw std::invalid_argument(fmt::format("{}: checkpoint holds {} layers, the model has {}", path,
+                                            ckpt.state.layers.size(), model.layers().size()));
   for (std::size_t l = 0; l < model.layers().size(); ++l) {
     std::int64_t n = 0;
     for (const auto& t : host::layer_tensors(model.layers()[l])) n += t.size();
     auto it = ckpt.state.layers.find(static_cast<int>(l));
     if (it == ckpt.state.layers.end() || static_cast<std::int64_t>(it->second[0].size()) != n)
-      throw std::invalid_argument(fmt::format("{}: checkpoint layer {} ('{}') does not hold {} parameters", path, l, model.layers()[l].name, n));
+      throw std::invalid_argument(fmt::format("{}: checkpoint layer {} ('{}') does not hold {} parameters", path, l,
+                                              model.layers()[l].name, n));
   }
 }
 
@@ -442,12 +468,13 @@ void load_state(host::HostModel& model, const CanonicalState& state) {
       std::copy(src.begin() + at, src.begin() + at + (b - a), sp.params.begin() + a);
     });
     if (sp.zero_level >= 1) sp.master.assign(sp.params.begin() + sp.chunk_begin, sp.params.begin() + sp.chunk_end);
-    for_each_layer_part(model, sp, sp.chunk_begin, sp.chunk_end, [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
-      const auto& m = state.layers.at(l)[1];
-      const auto& v = state.layers.at(l)[2];
-      std::copy(m.begin() + at, m.begin() + at + (b - a), sp.adam_m.begin() + (a - sp.chunk_begin));
-      std::copy(v.begin() + at, v.begin() + at + (b - a), sp.adam_v.begin() + (a - sp.chunk_begin));
-    });
+    for_each_layer_part(model, sp, sp.chunk_begin, sp.chunk_end,
+                        [&](int l, std::int64_t a, std::int64_t b, std::int64_t at) {
+                          const auto& m = state.layers.at(l)[1];
+                          const auto& v = state.layers.at(l)[2];
+                          std::copy(m.begin() + at, m.begin() + at + (b - a), sp.adam_m.begin() + (a - sp.chunk_begin));
+                          std::copy(v.begin() + at, v.begin() + at + (b - a), sp.adam_v.begin() + (a - sp.chunk_begin));
+                        });
     std::fill(sp.grads.begin(), sp.grads.end(), 0.0f);
     std::fill(sp.grad_chunk.begin(), sp.grad_chunk.end(), 0.0f);
     sp.grad_chunk_ready = false;
@@ -458,9 +485,11 @@ void load_state(host::HostModel& model, const CanonicalState& state) {
 std::string layout_summary(const core::Program& program) {
   std::string s = fmt::format("{} devices, {} microbatches;", program.num_devices, program.microbatches);
   for (const auto& seg : program.segments)
-    s += fmt::format(" layers {}-{}: {} shard(s) x {} replica(s){}, ZeRO-{}{};", seg.first_layer, seg.last_layer - 1, seg.shard_degree,
-                     seg.replicas, seg.tp_degree > 1 ? fmt::format(", TP{}{}", seg.tp_degree, seg.sequence_parallel ? "+SP" : "") : "",
-                     seg.zero_level, seg.zero_shards != seg.replicas ? fmt::format(" in groups of {}", seg.zero_shards) : "");
+    s += fmt::format(
+        " layers {}-{}: {} shard(s) x {} replica(s){}, ZeRO-{}{};", seg.first_layer, seg.last_layer - 1,
+        seg.shard_degree, seg.replicas,
+        seg.tp_degree > 1 ? fmt::format(", TP{}{}", seg.tp_degree, seg.sequence_parallel ? "+SP" : "") : "",
+        seg.zero_level, seg.zero_shards != seg.replicas ? fmt::format(" in groups of {}", seg.zero_shards) : "");
   s.pop_back();
   return s;
 }

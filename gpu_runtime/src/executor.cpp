@@ -12,7 +12,9 @@ namespace piper::runtime {
 
 namespace {
 using Clock = std::chrono::steady_clock;
-double seconds_between(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
 }  // namespace
 
 Executor::Executor(const core::Plan& plan, Backend& backend, ExecutorOptions options)
@@ -27,8 +29,10 @@ Executor::Executor(const core::Plan& plan, Backend& backend, ExecutorOptions opt
       persistent_bytes_ += buf.bytes;
       continue;
     }
-    allocs_.at(stream_base_.at(static_cast<std::size_t>(buf.alloc.stream)) + static_cast<std::size_t>(buf.alloc.index)).push_back(static_cast<int>(b));
-    frees_.at(stream_base_.at(static_cast<std::size_t>(buf.free.stream)) + static_cast<std::size_t>(buf.free.index)).push_back(static_cast<int>(b));
+    allocs_.at(stream_base_.at(static_cast<std::size_t>(buf.alloc.stream)) + static_cast<std::size_t>(buf.alloc.index))
+        .push_back(static_cast<int>(b));
+    frees_.at(stream_base_.at(static_cast<std::size_t>(buf.free.stream)) + static_cast<std::size_t>(buf.free.index))
+        .push_back(static_cast<int>(b));
   }
 }
 
@@ -82,14 +86,16 @@ StepMeasurement Executor::run_step(int step) {
         progressed = true;
       }
       // Start as many ops of this stream as are ready (synchronous ones complete at once).
-      while (!in_flight[s] && cursor[s] < static_cast<int>(ops.size()) && waits_done(ops[static_cast<std::size_t>(cursor[s])])) {
+      while (!in_flight[s] && cursor[s] < static_cast<int>(ops.size()) &&
+             waits_done(ops[static_cast<std::size_t>(cursor[s])])) {
         const int index = cursor[s]++;
         const std::size_t flat = stream_base_[s] + static_cast<std::size_t>(index);
         spans[flat] = core::OpSpan{static_cast<std::int32_t>(s), index, now_s(), 0.0};
         for (int b : allocs_[flat]) {
           memory += plan_.buffers[static_cast<std::size_t>(b)].bytes;
           m.timeline.memory.push_back({spans[flat].start_s, memory});
-          if (memory > m.timeline.peak_memory_bytes) m.timeline.peak_memory_bytes = memory, m.timeline.peak_memory_time_s = spans[flat].start_s;
+          if (memory > m.timeline.peak_memory_bytes)
+            m.timeline.peak_memory_bytes = memory, m.timeline.peak_memory_time_s = spans[flat].start_s;
         }
         in_flight[s] = true;
         const auto b0 = Clock::now();
@@ -114,11 +120,11 @@ StepMeasurement Executor::run_step(int step) {
         for (std::size_t s = 0; s < streams; ++s)
           if (cursor[s] < static_cast<int>(plan_.streams[s].ops.size()) || in_flight[s]) {
             const auto& op = plan_.streams[s].ops[static_cast<std::size_t>(in_flight[s] ? completed[s] : cursor[s])];
-            stuck += fmt::format("{}{}: {}{}", stuck.empty() ? "" : "; ", plan_.streams[s].name, in_flight[s] ? "" : "not started ",
-                                 backend_.describe_wait(op));
+            stuck += fmt::format("{}{}: {}{}", stuck.empty() ? "" : "; ", plan_.streams[s].name,
+                                 in_flight[s] ? "" : "not started ", backend_.describe_wait(op));
           }
-        throw RuntimeError(fmt::format("step {}: no progress for {:.0f} s (a peer rank died or the plan deadlocks): {}", step,
-                                       options_.stall_timeout_s, stuck));
+        throw RuntimeError(fmt::format("step {}: no progress for {:.0f} s (a peer rank died or the plan deadlocks): {}",
+                                       step, options_.stall_timeout_s, stuck));
       }
       // Nothing to do until a peer or the network moves: give the core away (ranks often outnumber
       // cores in tests), after a short spin so that fast transfers keep a low latency.

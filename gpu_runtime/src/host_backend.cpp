@@ -41,7 +41,9 @@ auto take(Map& m, const K& key, const char* what) {
 std::vector<float>& reduced_grads(host::SegmentParams& sp) {
   if (sp.zero_level < 1) return sp.grads;
   if (!sp.grad_chunk_ready)
-    throw RuntimeError(fmt::format("runtime: plan order violated: segment {}'s gradient chunk is all-reduced before its reduce-scatter", sp.segment));
+    throw RuntimeError(fmt::format(
+        "runtime: plan order violated: segment {}'s gradient chunk is all-reduced before its reduce-scatter",
+        sp.segment));
   return sp.grad_chunk;
 }
 
@@ -70,7 +72,9 @@ StageTp stage_tp(const core::Program& program, core::DeviceSetId set) {
 // ---------------------------------------------------------------------------------------------
 core::Model program_model(const core::Program& program) {
   if (program.model_spec.is_null() || program.model_spec.empty())
-    throw std::invalid_argument("plan: field 'model_spec' is empty; the runtime needs the model to train (compile from a model spec or zoo name)");
+    throw std::invalid_argument(
+        "plan: field 'model_spec' is empty; the runtime needs the model to train (compile from a model spec or zoo "
+        "name)");
   core::Model model = core::build_model(core::config_from_spec_json(program.model_spec, "plan model_spec"));
   model.set_training(program.training);
   const int layers = static_cast<int>(model.layers().size());
@@ -92,9 +96,12 @@ DataShape data_shape(const core::Program& program) {
     // The TP ranks of a group work on the same data, the CP ranks of a group on one sequence's chunks:
     // data-parallel ranks are the blocks of tp x cp devices.
     const StageTp t = stage_tp(program, seg.devices);
-    const int n = static_cast<int>(program.device_sets.at(static_cast<std::size_t>(seg.devices)).size()) / (t.degree * t.cp);
+    const int n =
+        static_cast<int>(program.device_sets.at(static_cast<std::size_t>(seg.devices)).size()) / (t.degree * t.cp);
     if (d.ranks != 0 && n != d.ranks)
-      throw std::invalid_argument(fmt::format("plan: segments run on device sets of {} and {} devices; the runtime needs one data-parallel degree", d.ranks, n));
+      throw std::invalid_argument(fmt::format(
+          "plan: segments run on device sets of {} and {} devices; the runtime needs one data-parallel degree", d.ranks,
+          n));
     d.ranks = n;
   }
   // Every op of a pass (compute, transfer, per-use gather) runs on one microbatch's data.
@@ -102,9 +109,10 @@ DataShape data_shape(const core::Program& program) {
     for (const auto& stream : plan.streams)
       for (const auto& op : stream.ops)
         if (op.pass != core::Pass::None && op.microbatch < 0)
-          throw std::invalid_argument(fmt::format("plan: op '{}' works on no single microbatch (a split that does not cover the whole model); "
-                                                  "the runtime runs every op of a pass on one microbatch",
-                                                  op.label));
+          throw std::invalid_argument(
+              fmt::format("plan: op '{}' works on no single microbatch (a split that does not cover the whole model); "
+                          "the runtime runs every op of a pass on one microbatch",
+                          op.label));
   return d;
 }
 
@@ -141,11 +149,13 @@ std::vector<host::SegmentSpec> device_segments(const core::Program& program, int
       sp.tp_rank = pos % e;
       sp.shard_index = pos / e % seg.shard_degree;
       sp.replica_index = pos / (e * seg.shard_degree);
-      if (const StageTp t = stage_tp(program, seg.devices); t.degree > 1) sp.token_copies = t.sequence_parallel ? 1 : t.degree;
+      if (const StageTp t = stage_tp(program, seg.devices); t.degree > 1)
+        sp.token_copies = t.sequence_parallel ? 1 : t.degree;
     } else if (seg.tp_degree > 1) {
       if (seg.shard_degree > 1)
-        throw std::invalid_argument(fmt::format("plan: segment {} is both sharded ({}) and tensor-parallel ({}); the host backend does not combine them",
-                                                s, seg.shard_degree, seg.tp_degree));
+        throw std::invalid_argument(fmt::format(
+            "plan: segment {} is both sharded ({}) and tensor-parallel ({}); the host backend does not combine them", s,
+            seg.shard_degree, seg.tp_degree));
       sp.tp_degree = seg.tp_degree;
       sp.tp_rank = pos % seg.tp_degree;
       sp.replica_index = pos / seg.tp_degree;
@@ -154,8 +164,10 @@ std::vector<host::SegmentSpec> device_segments(const core::Program& program, int
       // Only routed experts work on whatever rows they are given; attention needs whole sequences.
       for (int l = seg.first_layer; l < seg.last_layer; ++l)
         if (model.layers().at(static_cast<std::size_t>(l)).kind != core::LayerKind::MoeExperts)
-          throw std::invalid_argument(fmt::format("plan: segment {} runs without TP on the devices of a TP {} stage but holds layer '{}' (only routed experts may)",
-                                                  s, t.degree, model.layers().at(static_cast<std::size_t>(l)).name));
+          throw std::invalid_argument(
+              fmt::format("plan: segment {} runs without TP on the devices of a TP {} stage but holds layer '{}' (only "
+                          "routed experts may)",
+                          s, t.degree, model.layers().at(static_cast<std::size_t>(l)).name));
       sp.token_copies = t.sequence_parallel ? 1 : t.degree;
     }
     // Op-level recomputation (TorchTitan's policy) changes memory and time, not values: the host
@@ -172,14 +184,14 @@ std::vector<host::SegmentSpec> device_segments(const core::Program& program, int
 // Backend
 // ---------------------------------------------------------------------------------------------
 struct HostBackend::Pending {
-  bool deferred = false;       // a gradient reduction or update waiting for the tied-embedding sum
+  bool deferred = false;  // a gradient reduction or update waiting for the tied-embedding sum
   MPI_Request request = MPI_REQUEST_NULL;
   MPI_Message message = MPI_MESSAGE_NULL;
-  bool matched = false;        // RECV: the message was probed and its receive posted
-  bool receive = false;        // RECV (tag = the pair's node)
+  bool matched = false;  // RECV: the message was probed and its receive posted
+  bool receive = false;  // RECV (tag = the pair's node)
   int tag = -1;
   int peer = -1;
-  bool dispatch = false;       // ALL_TO_ALL: the first of its segment/pass/microbatch
+  bool dispatch = false;  // ALL_TO_ALL: the first of its segment/pass/microbatch
   std::int64_t block = 0;
   std::vector<float> send, recv;
 };
@@ -216,7 +228,8 @@ class HostBackend::MpiTpComm : public host::TpComm {
   }
   void reduce_scatter(const float* in, std::int64_t n, float* out) override {
     MPI_Request r;
-    check_mpi(MPI_Ireduce_scatter_block(in, out, count(n), MPI_FLOAT, MPI_SUM, comm_, &r), "MPI_Ireduce_scatter_block (TP)");
+    check_mpi(MPI_Ireduce_scatter_block(in, out, count(n), MPI_FLOAT, MPI_SUM, comm_, &r),
+              "MPI_Ireduce_scatter_block (TP)");
     wait(r);
   }
 
@@ -234,8 +247,10 @@ class HostBackend::MpiTpComm : public host::TpComm {
       owner_.match_posted_receives();
       if (spins > 1000) {
         if (std::chrono::steady_clock::now() - t0 > std::chrono::duration<double>(owner_.config_.stall_timeout_s))
-          throw RuntimeError(fmt::format("runtime: a tensor-parallel collective of device {} waited {:.0f} s for its group (a peer died or the plan deadlocks)",
-                                         owner_.device_, owner_.config_.stall_timeout_s));
+          throw RuntimeError(
+              fmt::format("runtime: a tensor-parallel collective of device {} waited {:.0f} s for its group (a peer "
+                          "died or the plan deadlocks)",
+                          owner_.device_, owner_.config_.stall_timeout_s));
         std::this_thread::sleep_for(std::chrono::microseconds(50));  // ranks often outnumber cores in tests
       }
     }
@@ -259,7 +274,8 @@ HostBackend::HostBackend(const core::Program& program, int device, MPI_Comm worl
   }
   loss_scale_ = 1.0f / static_cast<float>(shape_.global_tokens());
   model_ = std::make_unique<host::HostModel>(model, device_segments(program, device), config.seed);
-  stream_ = std::make_unique<host::TokenStream>(model.config() ? model.config()->vocab : 0, shape_.seq_len, config.seed, config.data_path);
+  stream_ = std::make_unique<host::TokenStream>(model.config() ? model.config()->vocab : 0, shape_.seq_len, config.seed,
+                                                config.data_path);
   // One communicator per group of every family, created collectively by all ranks in family order.
   for (std::size_t f = 0; f < program.families.size(); ++f) {
     const auto group = program.group_of(static_cast<int>(f), device);
@@ -281,7 +297,8 @@ HostBackend::HostBackend(const core::Program& program, int device, MPI_Comm worl
   for (const auto& seg : program.segments)
     if (seg.tp_degree > 1) {
       if (seg.tp_family < 0 || seg.tp_family >= static_cast<int>(program.families.size()))
-        throw std::invalid_argument(fmt::format("plan: a segment with tp_degree {} has no valid tp_family ({})", seg.tp_degree, seg.tp_family));
+        throw std::invalid_argument(
+            fmt::format("plan: a segment with tp_degree {} has no valid tp_family ({})", seg.tp_degree, seg.tp_family));
       tp_family[static_cast<std::size_t>(seg.tp_family)] = true;
     }
   for (std::size_t f = 0; f < tp_family.size(); ++f) {
@@ -295,7 +312,8 @@ HostBackend::HostBackend(const core::Program& program, int device, MPI_Comm worl
   for (const auto& seg : program.segments) {
     if (seg.cp_degree <= 1 || program.position_in(seg.devices, device) < 0) continue;
     if (seg.cp_family < 0 || seg.cp_family >= static_cast<int>(program.families.size()))
-      throw std::invalid_argument(fmt::format("plan: a segment with cp_degree {} has no valid cp_family ({})", seg.cp_degree, seg.cp_family));
+      throw std::invalid_argument(
+          fmt::format("plan: a segment with cp_degree {} has no valid cp_family ({})", seg.cp_degree, seg.cp_family));
   }
   std::vector<bool> cp_family(program.families.size(), false);
   for (const auto& seg : program.segments)
@@ -312,8 +330,9 @@ HostBackend::HostBackend(const core::Program& program, int device, MPI_Comm worl
     const auto& seg = program.segments.at(static_cast<std::size_t>(sp.segment));
     auto it = cp_comms_.find(seg.cp_family);
     if (it == cp_comms_.end() || static_cast<int>(program.group_of(seg.cp_family, device).size()) != seg.cp_degree)
-      throw std::invalid_argument(fmt::format("plan: segment {}'s CP family {} gives device {} no group of cp_degree {}", sp.segment,
-                                              seg.cp_family, device, seg.cp_degree));
+      throw std::invalid_argument(
+          fmt::format("plan: segment {}'s CP family {} gives device {} no group of cp_degree {}", sp.segment,
+                      seg.cp_family, device, seg.cp_degree));
     model_->set_cp_comm(sp.segment, it->second.get());
   }
   for (auto& sp : model_->segments()) {
@@ -322,8 +341,9 @@ HostBackend::HostBackend(const core::Program& program, int device, MPI_Comm worl
     auto it = tp_comms_.find(seg.tp_family);
     const auto group = program.group_of(seg.tp_family, device);
     if (it == tp_comms_.end() || static_cast<int>(group.size()) != seg.tp_degree)
-      throw std::invalid_argument(fmt::format("plan: segment {}'s TP family {} gives device {} a group of {} devices, not tp_degree {}", sp.segment,
-                                              seg.tp_family, device, group.size(), seg.tp_degree));
+      throw std::invalid_argument(
+          fmt::format("plan: segment {}'s TP family {} gives device {} a group of {} devices, not tp_degree {}",
+                      sp.segment, seg.tp_family, device, group.size(), seg.tp_degree));
     model_->set_tp_comm(sp.segment, it->second.get());
   }
   setup_tied(program);
@@ -340,13 +360,16 @@ void HostBackend::setup_tied(const core::Program& program) {
   std::vector<int> embed_segs, head_segs;
   for (std::size_t s = 0; s < program.segments.size(); ++s) {
     const auto& sg = program.segments[s];
-    if (sg.first_layer <= model_->embedding_layer() && model_->embedding_layer() < sg.last_layer) embed_segs.push_back(static_cast<int>(s));
-    if (sg.first_layer <= model_->head_layer() && model_->head_layer() < sg.last_layer) head_segs.push_back(static_cast<int>(s));
+    if (sg.first_layer <= model_->embedding_layer() && model_->embedding_layer() < sg.last_layer)
+      embed_segs.push_back(static_cast<int>(s));
+    if (sg.first_layer <= model_->head_layer() && model_->head_layer() < sg.last_layer)
+      head_segs.push_back(static_cast<int>(s));
   }
   if (embed_segs.size() != 1 || head_segs.size() != 1)
-    throw std::invalid_argument(fmt::format("{}, but the plan holds {} copies of the embedding and {} of the head (copies of the model in one plan); "
-                                            "the host backend keeps exactly one embedding and one head in sync",
-                                            who, embed_segs.size(), head_segs.size()));
+    throw std::invalid_argument(fmt::format(
+        "{}, but the plan holds {} copies of the embedding and {} of the head (copies of the model in one plan); "
+        "the host backend keeps exactly one embedding and one head in sync",
+        who, embed_segs.size(), head_segs.size()));
   const int e = embed_segs[0], h = head_segs[0];
   if (e == h) return;  // one segment: the head uses the embedding's table directly
   const auto& se = program.segments[static_cast<std::size_t>(e)];
@@ -354,14 +377,17 @@ void HostBackend::setup_tied(const core::Program& program) {
   const auto& de = program.device_sets.at(static_cast<std::size_t>(se.devices));
   const auto& dh = program.device_sets.at(static_cast<std::size_t>(sh.devices));
   if (de.size() != dh.size() || se.tp_degree != sh.tp_degree || se.shard_degree != 1 || sh.shard_degree != 1)
-    throw std::invalid_argument(fmt::format("{}, but its embedding segment ({} devices, TP {}) and head segment ({} devices, TP {}) are not laid out alike, "
-                                            "so the tied copies cannot be paired",
-                                            who, de.size(), se.tp_degree, dh.size(), sh.tp_degree));
+    throw std::invalid_argument(
+        fmt::format("{}, but its embedding segment ({} devices, TP {}) and head segment ({} devices, TP {}) are not "
+                    "laid out alike, "
+                    "so the tied copies cannot be paired",
+                    who, de.size(), se.tp_degree, dh.size(), sh.tp_degree));
   for (std::size_t p = 0; p < de.size(); ++p)  // the same verdict on every rank
     if (const int q = program.position_in(sh.devices, de[p]); q >= 0 && q != static_cast<int>(p))
-      throw std::invalid_argument(fmt::format("{}, but device {} holds the embedding for one data-parallel rank and the head for another (a mirrored, "
-                                              "bidirectional placement); the host backend pairs each embedding with one head copy and does not run it",
-                                              who, de[p]));
+      throw std::invalid_argument(fmt::format(
+          "{}, but device {} holds the embedding for one data-parallel rank and the head for another (a mirrored, "
+          "bidirectional placement); the host backend pairs each embedding with one head copy and does not run it",
+          who, de[p]));
   const int pe = program.position_in(se.devices, device_), ph = program.position_in(sh.devices, device_);
   if (pe < 0 && ph < 0) return;
   tied_.embed_seg = pe >= 0 ? e : -1;
@@ -373,11 +399,13 @@ void HostBackend::setup_tied(const core::Program& program) {
     if (program.families[f].purpose == core::FamilyPurpose::TiedEmbedding) tied_.family = static_cast<int>(f);
   int sums = 0;
   for (const auto& st : program.plan_for(device_).streams)
-    sums += static_cast<int>(std::count_if(st.ops.begin(), st.ops.end(), [&](const core::Op& op) { return is_tied_sum(op); }));
+    sums += static_cast<int>(
+        std::count_if(st.ops.begin(), st.ops.end(), [&](const core::Op& op) { return is_tied_sum(op); }));
   if (sums != 1)
-    throw std::invalid_argument(fmt::format("{}, but device {}'s plan holds {} tied-embedding ALL_REDUCE ops, not 1 (a plan from an older "
-                                            "piper: compile it again)",
-                                            who, device_, sums));
+    throw std::invalid_argument(
+        fmt::format("{}, but device {}'s plan holds {} tied-embedding ALL_REDUCE ops, not 1 (a plan from an older "
+                    "piper: compile it again)",
+                    who, device_, sums));
 }
 
 bool HostBackend::is_tied_sum(const core::Op& op) const {
@@ -388,7 +416,9 @@ bool HostBackend::is_tied_sum(const core::Op& op) const {
 void HostBackend::tied_backward_done(int seg) {
   if (!tied_.local || (seg != tied_.embed_seg && seg != tied_.head_seg)) return;
   ++tied_.backward_done[seg];
-  if (tied_.backward_done[tied_.embed_seg] != shape_.microbatches || tied_.backward_done[tied_.head_seg] != shape_.microbatches) return;
+  if (tied_.backward_done[tied_.embed_seg] != shape_.microbatches ||
+      tied_.backward_done[tied_.head_seg] != shape_.microbatches)
+    return;
   auto a = model_->tied_grads(tied_.embed_seg), b = model_->tied_grads(tied_.head_seg);
   if (a.size() != b.size()) throw RuntimeError("runtime: the tied embedding's two copies differ in size");
   for (std::size_t i = 0; i < a.size(); ++i) a[i] = b[i] = a[i] + b[i];
@@ -397,8 +427,10 @@ void HostBackend::tied_backward_done(int seg) {
 
 bool HostBackend::touches_tied(const core::Op& op) const {
   if (!tied_.local || tied_.finished) return false;
-  if (op.kind != core::OpKind::AllReduce && op.kind != core::OpKind::ReduceScatter && op.kind != core::OpKind::Update) return false;
-  return std::any_of(op.segments.begin(), op.segments.end(), [&](int s) { return s == tied_.embed_seg || s == tied_.head_seg; });
+  if (op.kind != core::OpKind::AllReduce && op.kind != core::OpKind::ReduceScatter && op.kind != core::OpKind::Update)
+    return false;
+  return std::any_of(op.segments.begin(), op.segments.end(),
+                     [&](int s) { return s == tied_.embed_seg || s == tied_.head_seg; });
 }
 
 void HostBackend::match_posted_receives() {
@@ -424,8 +456,10 @@ HostBackend::~HostBackend() {
 }
 
 MPI_Comm HostBackend::comm_of(const core::Op& op) const {
-  if (op.family < 0 || op.family >= static_cast<int>(family_comm_.size()) || family_comm_[static_cast<std::size_t>(op.family)] == MPI_COMM_NULL)
-    throw RuntimeError(fmt::format("runtime: device {} holds no group of family {} for '{}'", device_, op.family, op.label));
+  if (op.family < 0 || op.family >= static_cast<int>(family_comm_.size()) ||
+      family_comm_[static_cast<std::size_t>(op.family)] == MPI_COMM_NULL)
+    throw RuntimeError(
+        fmt::format("runtime: device {} holds no group of family {} for '{}'", device_, op.family, op.label));
   return family_comm_[static_cast<std::size_t>(op.family)];
 }
 
@@ -439,7 +473,8 @@ int HostBackend::data_rank_of(const core::Op& op) const {
                                     ? program_.segments[static_cast<std::size_t>(op.segment)].devices
                                     : op.device_set;
   const int pos = program_.position_in(set, device_);
-  if (pos < 0) throw RuntimeError(fmt::format("runtime: device {} is not in the device set of '{}'", device_, op.label));
+  if (pos < 0)
+    throw RuntimeError(fmt::format("runtime: device {} is not in the device set of '{}'", device_, op.label));
   // The TP ranks of a group share their data-parallel rank (TP groups are consecutive devices), and so
   // do the CP ranks of a block of tp x cp devices.
   return pos / (set_tp_.at(static_cast<std::size_t>(set)) * set_cp_.at(static_cast<std::size_t>(set)));
@@ -456,8 +491,10 @@ host::MicrobatchData HostBackend::local_tokens(host::MicrobatchData d, const cor
   for (std::size_t b = 0; b < d.tokens.size() / S; ++b)
     for (std::size_t chunk : {static_cast<std::size_t>(rank), static_cast<std::size_t>(2 * cp - 1 - rank)}) {
       const std::size_t first = b * S + chunk * C;
-      out.tokens.insert(out.tokens.end(), d.tokens.begin() + static_cast<std::ptrdiff_t>(first), d.tokens.begin() + static_cast<std::ptrdiff_t>(first + C));
-      out.targets.insert(out.targets.end(), d.targets.begin() + static_cast<std::ptrdiff_t>(first), d.targets.begin() + static_cast<std::ptrdiff_t>(first + C));
+      out.tokens.insert(out.tokens.end(), d.tokens.begin() + static_cast<std::ptrdiff_t>(first),
+                        d.tokens.begin() + static_cast<std::ptrdiff_t>(first + C));
+      out.targets.insert(out.targets.end(), d.targets.begin() + static_cast<std::ptrdiff_t>(first),
+                         d.targets.begin() + static_cast<std::ptrdiff_t>(first + C));
     }
   return out;
 }
@@ -469,13 +506,16 @@ void HostBackend::begin_step(int step) {
 
 void HostBackend::end_step() {
   // Every tensor the plan produced must have been consumed: leftovers mean a plan the runtime misread.
-  if (!forward_.empty() || !backward_.empty() || !stash_.empty() || !ep_in_.empty() || !ep_out_.empty() || !ep_grad_.empty() || !pending_.empty())
-    throw RuntimeError(fmt::format("runtime: device {} ended step {} with unconsumed data ({} activations, {} gradients, {} stashes)",
-                                   device_, step_, forward_.size(), backward_.size(), stash_.size()));
+  if (!forward_.empty() || !backward_.empty() || !stash_.empty() || !ep_in_.empty() || !ep_out_.empty() ||
+      !ep_grad_.empty() || !pending_.empty())
+    throw RuntimeError(
+        fmt::format("runtime: device {} ended step {} with unconsumed data ({} activations, {} gradients, {} stashes)",
+                    device_, step_, forward_.size(), backward_.size(), stash_.size()));
   ep_source_.clear();
   a2a_seen_.clear();
   if ((tied_.embed_seg >= 0 || tied_.head_seg >= 0) && !tied_.finished)
-    throw RuntimeError(fmt::format("runtime: device {} ended step {} before its tied-embedding gradients were summed", device_, step_));
+    throw RuntimeError(fmt::format("runtime: device {} ended step {} before its tied-embedding gradients were summed",
+                                   device_, step_));
   tied_.backward_done.clear();
   tied_.finished = false;
   ++steps_done_;
@@ -489,11 +529,15 @@ bool HostBackend::start(const core::OpRef& at, const core::Op& op) {
     return false;
   }
   switch (op.kind) {
-    case core::OpKind::Compute: run_compute(op); return true;
+    case core::OpKind::Compute:
+      run_compute(op);
+      return true;
     case core::OpKind::Update:
       for (int s : op.segments) model_->update(s, config_.adamw, steps_done_ + 1);
       return true;
-    default: start_comm(at, op); return poll(at, op);
+    default:
+      start_comm(at, op);
+      return poll(at, op);
   }
 }
 
@@ -510,8 +554,11 @@ void HostBackend::run_compute(const core::Op& op) {
       return;
     }
     host::ForwardState state;
-    if (sg.first_layer > 0) state = take(forward_, Key{mb, data_rank_of(op), sg.first_layer}, "the activation entering the segment");
-    const auto data = local_tokens(stream_->microbatch(step_, mb, data_rank_of(op), shape_.microbatches, shape_.ranks, shape_.micro_batch_size), op);
+    if (sg.first_layer > 0)
+      state = take(forward_, Key{mb, data_rank_of(op), sg.first_layer}, "the activation entering the segment");
+    const auto data = local_tokens(
+        stream_->microbatch(step_, mb, data_rank_of(op), shape_.microbatches, shape_.ranks, shape_.micro_batch_size),
+        op);
     loss_sum_ += model_->forward(s, data, loss_scale_, state, stash_[sk]);
     if (!has_head) forward_[Key{mb, data_rank_of(op), sg.last_layer}] = std::move(state);
     return;
@@ -546,10 +593,14 @@ void HostBackend::start_comm(const core::OpRef& at, const core::Op& op) {
     case core::OpKind::Send: {
       const auto& sg = seg(op.segment);
       p->peer = program_.peer_of(op, device_);
-      if (is_backward(op.pass)) p->send = take(backward_, Key{mb, data_rank_of(op), sg.first_layer}, "the gradient to send").serialize();
-      else p->send = take(forward_, Key{mb, data_rank_of(op), sg.last_layer}, "the activation to send").serialize();
+      if (is_backward(op.pass))
+        p->send = take(backward_, Key{mb, data_rank_of(op), sg.first_layer}, "the gradient to send").serialize();
+      else
+        p->send = take(forward_, Key{mb, data_rank_of(op), sg.last_layer}, "the activation to send").serialize();
       // Synchronous send: completes when the receiver matched it, the rendezvous the simulator models.
-      check_mpi(MPI_Issend(p->send.data(), static_cast<int>(p->send.size()), MPI_FLOAT, p->peer, op.node, world_, &p->request), "MPI_Issend");
+      check_mpi(MPI_Issend(p->send.data(), static_cast<int>(p->send.size()), MPI_FLOAT, p->peer, op.node, world_,
+                           &p->request),
+                "MPI_Issend");
       break;
     }
     case core::OpKind::Recv:  // probed in poll()
@@ -568,7 +619,8 @@ void HostBackend::start_comm(const core::OpRef& at, const core::Op& op) {
           p->send.insert(p->send.end(), g.begin(), g.end());
         }
       }
-      check_mpi(MPI_Iallreduce(MPI_IN_PLACE, p->send.data(), static_cast<int>(p->send.size()), MPI_FLOAT, MPI_SUM, comm_of(op), &p->request),
+      check_mpi(MPI_Iallreduce(MPI_IN_PLACE, p->send.data(), static_cast<int>(p->send.size()), MPI_FLOAT, MPI_SUM,
+                               comm_of(op), &p->request),
                 "MPI_Iallreduce");
       break;
     }
@@ -585,7 +637,8 @@ void HostBackend::start_comm(const core::OpRef& at, const core::Op& op) {
         for (int s : op.segments) {
           auto& sp = model_->segment(s);
           if (sp.zero_shards != ranks)
-            throw RuntimeError(fmt::format("runtime: '{}' reduces over {} ranks but segment {} has {} ZeRO shards", op.label, ranks, s, sp.zero_shards));
+            throw RuntimeError(fmt::format("runtime: '{}' reduces over {} ranks but segment {} has {} ZeRO shards",
+                                           op.label, ranks, s, sp.zero_shards));
           const std::int64_t n = static_cast<std::int64_t>(sp.grads.size());
           const std::int64_t b = std::min(n, r * sp.chunk_floats), e = std::min(n, b + sp.chunk_floats);
           std::copy(sp.grads.begin() + b, sp.grads.begin() + e, p->send.begin() + at_floats);
@@ -600,7 +653,8 @@ void HostBackend::start_comm(const core::OpRef& at, const core::Op& op) {
           std::fill(g.begin(), g.end(), 0.0f);
         }
       p->recv.assign(static_cast<std::size_t>(block), 0.0f);
-      check_mpi(MPI_Ireduce_scatter_block(p->send.data(), p->recv.data(), static_cast<int>(block), MPI_FLOAT, MPI_SUM, c, &p->request),
+      check_mpi(MPI_Ireduce_scatter_block(p->send.data(), p->recv.data(), static_cast<int>(block), MPI_FLOAT, MPI_SUM,
+                                          c, &p->request),
                 "MPI_Ireduce_scatter_block");
       break;
     }
@@ -616,7 +670,8 @@ void HostBackend::start_comm(const core::OpRef& at, const core::Op& op) {
       }
       p->block = static_cast<std::int64_t>(p->send.size());
       p->recv.assign(static_cast<std::size_t>(p->block * ranks), 0.0f);
-      check_mpi(MPI_Iallgather(p->send.data(), static_cast<int>(p->block), MPI_FLOAT, p->recv.data(), static_cast<int>(p->block), MPI_FLOAT, c, &p->request),
+      check_mpi(MPI_Iallgather(p->send.data(), static_cast<int>(p->block), MPI_FLOAT, p->recv.data(),
+                               static_cast<int>(p->block), MPI_FLOAT, c, &p->request),
                 "MPI_Iallgather");
       break;
     }
@@ -626,7 +681,8 @@ void HostBackend::start_comm(const core::OpRef& at, const core::Op& op) {
       MPI_Comm_size(c, &ranks);
       const int s = op.segment;
       if (s < 0 || seg(s).shard_degree != ranks)
-        throw RuntimeError(fmt::format("runtime: '{}' exchanges over {} ranks but its segment is sharded {} ways", op.label, ranks, s < 0 ? 0 : seg(s).shard_degree));
+        throw RuntimeError(fmt::format("runtime: '{}' exchanges over {} ranks but its segment is sharded {} ways",
+                                       op.label, ranks, s < 0 ? 0 : seg(s).shard_degree));
       const bool backward = is_backward(op.pass);
       const EpKey key{s, backward, mb};
       // The first all-to-all of a (segment, pass, microbatch) carries tokens into the sharded
@@ -650,18 +706,21 @@ void HostBackend::start_comm(const core::OpRef& at, const core::Op& op) {
       }
       p->send = host::pack_packets(out, p->block, model_->hidden());
       p->recv.assign(p->send.size(), 0.0f);
-      check_mpi(MPI_Ialltoall(p->send.data(), static_cast<int>(p->block), MPI_FLOAT, p->recv.data(), static_cast<int>(p->block), MPI_FLOAT, c, &p->request),
+      check_mpi(MPI_Ialltoall(p->send.data(), static_cast<int>(p->block), MPI_FLOAT, p->recv.data(),
+                              static_cast<int>(p->block), MPI_FLOAT, c, &p->request),
                 "MPI_Ialltoall");
       break;
     }
-    default: throw RuntimeError(fmt::format("runtime: unexpected op kind for communication: {}", op.label));
+    default:
+      throw RuntimeError(fmt::format("runtime: unexpected op kind for communication: {}", op.label));
   }
   pending_[at] = std::move(p);
 }
 
 bool HostBackend::poll(const core::OpRef& at, const core::Op& op) {
   auto it = pending_.find(at);
-  if (it == pending_.end()) throw RuntimeError(fmt::format("runtime: polled an op that is not in flight: {}", op.label));
+  if (it == pending_.end())
+    throw RuntimeError(fmt::format("runtime: polled an op that is not in flight: {}", op.label));
   Pending& p = *it->second;
   if (p.deferred) {
     if (touches_tied(op)) return false;
@@ -683,11 +742,14 @@ bool HostBackend::poll(const core::OpRef& at, const core::Op& op) {
 void HostBackend::finish_comm(const core::Op& op, Pending& p) {
   const int mb = mb_of(op);
   switch (op.kind) {
-    case core::OpKind::Send: break;
+    case core::OpKind::Send:
+      break;
     case core::OpKind::Recv: {
       const auto& sg = seg(op.segment);
-      if (is_backward(op.pass)) backward_[Key{mb, data_rank_of(op), sg.last_layer}] = host::BackwardState::deserialize(p.recv);
-      else forward_[Key{mb, data_rank_of(op), sg.first_layer}] = host::ForwardState::deserialize(p.recv);
+      if (is_backward(op.pass))
+        backward_[Key{mb, data_rank_of(op), sg.last_layer}] = host::BackwardState::deserialize(p.recv);
+      else
+        forward_[Key{mb, data_rank_of(op), sg.first_layer}] = host::ForwardState::deserialize(p.recv);
       break;
     }
     case core::OpKind::AllReduce: {
@@ -700,7 +762,8 @@ void HostBackend::finish_comm(const core::Op& op, Pending& p) {
       std::size_t at = 0;
       for (int s : op.segments) {
         auto& g = reduced_grads(model_->segment(s));
-        std::copy(p.send.begin() + static_cast<std::ptrdiff_t>(at), p.send.begin() + static_cast<std::ptrdiff_t>(at + g.size()), g.begin());
+        std::copy(p.send.begin() + static_cast<std::ptrdiff_t>(at),
+                  p.send.begin() + static_cast<std::ptrdiff_t>(at + g.size()), g.begin());
         at += g.size();
       }
       break;
@@ -727,7 +790,8 @@ void HostBackend::finish_comm(const core::Op& op, Pending& p) {
         const std::int64_t n = static_cast<std::int64_t>(sp.params.size());
         for (std::int64_t r = 0; r < ranks; ++r) {
           const std::int64_t b = std::min(n, r * sp.chunk_floats), e = std::min(n, b + sp.chunk_floats);
-          std::copy(p.recv.begin() + r * p.block + at, p.recv.begin() + r * p.block + at + (e - b), sp.params.begin() + b);
+          std::copy(p.recv.begin() + r * p.block + at, p.recv.begin() + r * p.block + at + (e - b),
+                    sp.params.begin() + b);
         }
         at += sp.chunk_floats;
         if (op.pass != core::Pass::None) ++sp.gathered;  // ZeRO-3 gather before a use; released with its buffer
@@ -754,14 +818,16 @@ void HostBackend::finish_comm(const core::Op& op, Pending& p) {
       }
       break;
     }
-    default: break;
+    default:
+      break;
   }
 }
 
 void HostBackend::buffer_freed(int buffer) {
   const auto& b = plan_.buffers.at(static_cast<std::size_t>(buffer));
   if (b.kind != core::BufferKind::GatheredParameters) return;
-  const auto& op = plan_.streams.at(static_cast<std::size_t>(b.alloc.stream)).ops.at(static_cast<std::size_t>(b.alloc.index));
+  const auto& op =
+      plan_.streams.at(static_cast<std::size_t>(b.alloc.stream)).ops.at(static_cast<std::size_t>(b.alloc.index));
   for (int s : op.segments) {
     auto& sp = model_->segment(s);
     if (--sp.gathered <= 0) {

@@ -38,7 +38,8 @@ float uniform_pm1(std::uint64_t seed, int layer, std::int64_t element) {
 void put_mat(std::vector<float>& out, const Mat& m) { out.insert(out.end(), m.data(), m.data() + m.size()); }
 
 Mat get_mat(std::span<const float> data, std::size_t& pos, Eigen::Index rows, Eigen::Index cols) {
-  if (pos + static_cast<std::size_t>(rows * cols) > data.size()) throw std::runtime_error("runtime: truncated tensor message");
+  if (pos + static_cast<std::size_t>(rows * cols) > data.size())
+    throw std::runtime_error("runtime: truncated tensor message");
   Mat m = ConstMatMap(data.data() + pos, rows, cols);
   pos += static_cast<std::size_t>(rows * cols);
   return m;
@@ -56,7 +57,8 @@ bool in_range(int first_layer, int last_layer, int layer) { return first_layer <
 std::vector<float> ForwardState::serialize() const {
   const bool has_u = u.size() > 0, has_routing = topk.size() > 0;
   std::vector<float> out = {static_cast<float>(x.rows()), static_cast<float>(x.cols()),
-                            static_cast<float>(has_routing ? topk.cols() : 0), has_u ? 1.0f : 0.0f, has_routing ? 1.0f : 0.0f};
+                            static_cast<float>(has_routing ? topk.cols() : 0), has_u ? 1.0f : 0.0f,
+                            has_routing ? 1.0f : 0.0f};
   put_mat(out, x);
   if (has_u) put_mat(out, u);
   if (has_routing) {
@@ -69,7 +71,8 @@ std::vector<float> ForwardState::serialize() const {
 
 ForwardState ForwardState::deserialize(std::span<const float> data) {
   if (data.size() < 5) throw std::runtime_error("runtime: truncated activation message");
-  const auto T = static_cast<Eigen::Index>(data[0]), H = static_cast<Eigen::Index>(data[1]), k = static_cast<Eigen::Index>(data[2]);
+  const auto T = static_cast<Eigen::Index>(data[0]), H = static_cast<Eigen::Index>(data[1]),
+             k = static_cast<Eigen::Index>(data[2]);
   std::size_t pos = 5;
   ForwardState s;
   s.x = get_mat(data, pos, T, H);
@@ -94,7 +97,8 @@ std::vector<float> BackwardState::serialize() const {
 
 BackwardState BackwardState::deserialize(std::span<const float> data) {
   if (data.size() < 5) throw std::runtime_error("runtime: truncated gradient message");
-  const auto T = static_cast<Eigen::Index>(data[0]), H = static_cast<Eigen::Index>(data[1]), k = static_cast<Eigen::Index>(data[2]);
+  const auto T = static_cast<Eigen::Index>(data[0]), H = static_cast<Eigen::Index>(data[1]),
+             k = static_cast<Eigen::Index>(data[2]);
   std::size_t pos = 5;
   BackwardState s;
   s.dx = get_mat(data, pos, T, H);
@@ -104,20 +108,23 @@ BackwardState BackwardState::deserialize(std::span<const float> data) {
 }
 
 // Per peer a block of block_floats: [n, n expert ids, n rows of `hidden`], zero padded.
-std::vector<float> pack_packets(const std::vector<ExpertPacket>& packets, std::int64_t block_floats, std::int64_t hidden) {
+std::vector<float> pack_packets(const std::vector<ExpertPacket>& packets, std::int64_t block_floats,
+                                std::int64_t hidden) {
   std::vector<float> out(static_cast<std::size_t>(block_floats) * packets.size(), 0.0f);
   for (std::size_t p = 0; p < packets.size(); ++p) {
     float* b = out.data() + p * static_cast<std::size_t>(block_floats);
     const auto n = packets[p].rows.rows();
     if (1 + n * (1 + hidden) > block_floats) throw std::runtime_error("runtime: expert packet exceeds its block");
     b[0] = static_cast<float>(n);
-    for (Eigen::Index i = 0; i < n; ++i) b[1 + i] = packets[p].expert.empty() ? -1.0f : static_cast<float>(packets[p].expert[static_cast<std::size_t>(i)]);
+    for (Eigen::Index i = 0; i < n; ++i)
+      b[1 + i] = packets[p].expert.empty() ? -1.0f : static_cast<float>(packets[p].expert[static_cast<std::size_t>(i)]);
     if (n > 0) std::memcpy(b + 1 + n, packets[p].rows.data(), sizeof(float) * static_cast<std::size_t>(n * hidden));
   }
   return out;
 }
 
-std::vector<ExpertPacket> unpack_packets(std::span<const float> data, int peers, std::int64_t block_floats, std::int64_t hidden) {
+std::vector<ExpertPacket> unpack_packets(std::span<const float> data, int peers, std::int64_t block_floats,
+                                         std::int64_t hidden) {
   std::vector<ExpertPacket> out(static_cast<std::size_t>(peers));
   for (int p = 0; p < peers; ++p) {
     const float* b = data.data() + static_cast<std::size_t>(p) * static_cast<std::size_t>(block_floats);
@@ -144,8 +151,10 @@ std::vector<TensorSpec> layer_tensors(const core::Layer& l) {
       if (s.norm == core::NormKind::LayerNorm) return {{"norm", 1, s.hidden}, {"norm_bias", 1, s.hidden}};
       return {{"norm", 1, s.hidden}};
     case core::LayerKind::Attention: {
-      std::vector<TensorSpec> t = {{"wq", s.hidden, s.heads * s.head_dim}, {"wk", s.hidden, s.kv_heads * s.head_dim},
-                                   {"wv", s.hidden, s.kv_heads * s.head_dim}, {"wo", s.heads * s.head_dim, s.hidden}};
+      std::vector<TensorSpec> t = {{"wq", s.hidden, s.heads * s.head_dim},
+                                   {"wk", s.hidden, s.kv_heads * s.head_dim},
+                                   {"wv", s.hidden, s.kv_heads * s.head_dim},
+                                   {"wo", s.heads * s.head_dim, s.hidden}};
       if (s.qk_norm) t.push_back({"q_norm", 1, s.head_dim}), t.push_back({"k_norm", 1, s.head_dim});
       if (s.bias)
         t.push_back({"bias_q", 1, s.heads * s.head_dim}), t.push_back({"bias_k", 1, s.kv_heads * s.head_dim}),
@@ -160,11 +169,13 @@ std::vector<TensorSpec> layer_tensors(const core::Layer& l) {
       }
       return {{"wg", s.hidden, s.ffn}, {"wu", s.hidden, s.ffn}, {"wd", s.ffn, s.hidden}};
     }
-    case core::LayerKind::MoeRouter: return {{"wr", s.hidden, s.experts}};
+    case core::LayerKind::MoeRouter:
+      return {{"wr", s.hidden, s.experts}};
     case core::LayerKind::MoeExperts: {
       std::vector<TensorSpec> t;
       for (std::int64_t e = 0; e < s.experts; ++e)
-        t.push_back({"wg", s.hidden, s.ffn}), t.push_back({"wu", s.hidden, s.ffn}), t.push_back({"wd", s.ffn, s.hidden});
+        t.push_back({"wg", s.hidden, s.ffn}), t.push_back({"wu", s.hidden, s.ffn}),
+            t.push_back({"wd", s.ffn, s.hidden});
       return t;
     }
     case core::LayerKind::Head:
@@ -178,13 +189,15 @@ std::vector<std::array<std::int64_t, 3>> LocalTensor::runs() const {
   if (split == TpSplit::Columns) {
     std::vector<std::array<std::int64_t, 3>> out;
     out.reserve(static_cast<std::size_t>(local.rows));
-    for (std::int64_t i = 0; i < local.rows; ++i) out.push_back({i * local.cols, full_offset + i * full.cols + part * local.cols, local.cols});
+    for (std::int64_t i = 0; i < local.rows; ++i)
+      out.push_back({i * local.cols, full_offset + i * full.cols + part * local.cols, local.cols});
     return out;
   }
   return {{0, full_offset + (split == TpSplit::Rows ? part * local.size() : 0), local.size()}};
 }
 
-std::vector<LocalTensor> local_tensors(const core::Layer& layer, int shard_degree, int shard_index, int tp_degree, int tp_rank) {
+std::vector<LocalTensor> local_tensors(const core::Layer& layer, int shard_degree, int shard_index, int tp_degree,
+                                       int tp_rank) {
   const auto full = layer_tensors(layer);
   std::size_t first = 0, last = full.size();
   if (layer.kind == core::LayerKind::MoeExperts && shard_degree > 1) {
@@ -199,32 +212,39 @@ std::vector<LocalTensor> local_tensors(const core::Layer& layer, int shard_degre
     if (tp_degree > 1) {
       const std::string& n = full[i].name;
       switch (layer.kind) {
-        case core::LayerKind::Embedding:                                                 // vocab rows; positions replicated
+        case core::LayerKind::Embedding:  // vocab rows; positions replicated
           if (n == "embed") t.split = TpSplit::Rows;
           break;
-        case core::LayerKind::Attention:                                                 // heads; the output bias is replicated
-          if (n == "wq" || n == "wk" || n == "wv" || n == "bias_q" || n == "bias_k" || n == "bias_v") t.split = TpSplit::Columns;
-          else if (n == "wo") t.split = TpSplit::Rows;
+        case core::LayerKind::Attention:  // heads; the output bias is replicated
+          if (n == "wq" || n == "wk" || n == "wv" || n == "bias_q" || n == "bias_k" || n == "bias_v")
+            t.split = TpSplit::Columns;
+          else if (n == "wo")
+            t.split = TpSplit::Rows;
           break;
-        case core::LayerKind::Mlp:                                                       // ffn; the output bias is replicated
-          if (n == "wd") t.split = TpSplit::Rows;
-          else if (n != "bias_fc2") t.split = TpSplit::Columns;
+        case core::LayerKind::Mlp:  // ffn; the output bias is replicated
+          if (n == "wd")
+            t.split = TpSplit::Rows;
+          else if (n != "bias_fc2")
+            t.split = TpSplit::Columns;
           break;
-        case core::LayerKind::Head: t.split = TpSplit::Columns; break;                    // vocab columns
-        case core::LayerKind::MoeExperts:                                                // expert TP: ffn of each expert
+        case core::LayerKind::Head:
+          t.split = TpSplit::Columns;
+          break;                           // vocab columns
+        case core::LayerKind::MoeExperts:  // expert TP: ffn of each expert
           t.split = n == "wd" ? TpSplit::Rows : TpSplit::Columns;
           break;
-        default: break;                                                                  // norms, router
+        default:
+          break;  // norms, router
       }
       if (t.split == TpSplit::Columns) {
         if (t.full.cols % tp_degree != 0)
-          throw std::invalid_argument("runtime: " + std::to_string(t.full.cols) + " columns of " + layer.name + "." + n + " do not split over " +
-                                      std::to_string(tp_degree) + " tensor-parallel ranks");
+          throw std::invalid_argument("runtime: " + std::to_string(t.full.cols) + " columns of " + layer.name + "." +
+                                      n + " do not split over " + std::to_string(tp_degree) + " tensor-parallel ranks");
         t.local.cols /= tp_degree;
       } else if (t.split == TpSplit::Rows) {
         if (t.full.rows % tp_degree != 0)
-          throw std::invalid_argument("runtime: " + std::to_string(t.full.rows) + " rows of " + layer.name + "." + n + " do not split over " +
-                                      std::to_string(tp_degree) + " tensor-parallel ranks");
+          throw std::invalid_argument("runtime: " + std::to_string(t.full.rows) + " rows of " + layer.name + "." + n +
+                                      " do not split over " + std::to_string(tp_degree) + " tensor-parallel ranks");
         t.local.rows /= tp_degree;
       }
     }
@@ -238,7 +258,9 @@ struct HostModel::LayerView {
   float* base = nullptr;
   std::vector<std::pair<float*, TensorSpec>> tensors;
   MatMap mat(std::size_t i) { return MatMap(tensors[i].first, tensors[i].second.rows, tensors[i].second.cols); }
-  ConstMatMap cmat(std::size_t i) { return ConstMatMap(tensors[i].first, tensors[i].second.rows, tensors[i].second.cols); }
+  ConstMatMap cmat(std::size_t i) {
+    return ConstMatMap(tensors[i].first, tensors[i].second.rows, tensors[i].second.cols);
+  }
   VecMap vec(std::size_t i) { return VecMap(tensors[i].first, tensors[i].second.size()); }
   ConstVecMap cvec(std::size_t i) { return ConstVecMap(tensors[i].first, tensors[i].second.size()); }
   std::size_t find(const char* name) const {  // tensors.size() when the layer has none of that name
@@ -256,8 +278,15 @@ struct HostModel::LayerView {
   VecMap vec_or_empty(const char* name) { return has(name) ? vec(find(name)) : VecMap(nullptr, 0); }
   AttentionWeights attention(const AttentionShape& shape) {
     // (Eigen maps cannot be rebound after construction: the biases go in the aggregate.)
-    return {cmat(0), cmat(1), cmat(2), cmat(3), shape.qk_norm ? cvec(4) : cvec(0), shape.qk_norm ? cvec(5) : cvec(0),
-            cvec_or_empty("bias_q"), cvec_or_empty("bias_k"), cvec_or_empty("bias_v")};
+    return {cmat(0),
+            cmat(1),
+            cmat(2),
+            cmat(3),
+            shape.qk_norm ? cvec(4) : cvec(0),
+            shape.qk_norm ? cvec(5) : cvec(0),
+            cvec_or_empty("bias_q"),
+            cvec_or_empty("bias_k"),
+            cvec_or_empty("bias_v")};
   }
   GeluMlpWeights gelu() { return {cmat(at("wu")), cmat(at("wd")), cvec_or_empty("bias_fc1")}; }
 };
@@ -278,7 +307,8 @@ MatMap HostModel::tied_table_grad(SegmentParams& sp) {
 // floats), against the machine's memory: a 10^7-token sequence is refused in one line instead of
 // ending in std::bad_alloc.
 void HostModel::check_fits_in_memory(const std::string& who) const {
-  const double s = static_cast<double>(model_.training().seq_len), b = static_cast<double>(model_.training().micro_batch_size);
+  const double s = static_cast<double>(model_.training().seq_len),
+               b = static_cast<double>(model_.training().micro_batch_size);
   double bytes = 0;
   for (const auto& l : model_.layers()) {
     bytes += 4.0 * b * s * static_cast<double>(std::max<std::int64_t>(l.shape.hidden, 1));
@@ -289,7 +319,8 @@ void HostModel::check_fits_in_memory(const std::string& who) const {
   const double have = static_cast<double>(pages) * static_cast<double>(page);
   if (bytes > have)
     throw std::invalid_argument(fmt::format(
-        "{}one microbatch of {} x {} tokens needs at least {:.3g} GiB for its activations and attention scores, more than this "
+        "{}one microbatch of {} x {} tokens needs at least {:.3g} GiB for its activations and attention scores, more "
+        "than this "
         "machine's {:.3g} GiB of memory (lower training.seq_len or micro_batch_size)",
         who, model_.training().micro_batch_size, model_.training().seq_len, bytes / 1073741824.0, have / 1073741824.0));
 }
@@ -301,38 +332,52 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     if (l.kind == core::LayerKind::Head) head_layer_ = static_cast<int>(i), tied_ = l.shape.tied_with_embedding;
   }
   const std::string who = "runtime: model '" + model_.name() + "': ";
-  const std::int64_t positions = embed_layer_ >= 0 ? model_.layers()[static_cast<std::size_t>(embed_layer_)].shape.max_positions : 0;
+  const std::int64_t positions =
+      embed_layer_ >= 0 ? model_.layers()[static_cast<std::size_t>(embed_layer_)].shape.max_positions : 0;
   // GPT-style initialisation of the token and position tables (std 0.02, Radford et al. 2019) when the
   // table is also the head (tied) or positions are learned; std 1 otherwise (an RMSNorm follows).
   gpt_init_ = tied_ || positions > 0;
   if (positions > 0 && positions < model_.training().seq_len)
-    throw std::invalid_argument(who + "training.seq_len " + std::to_string(model_.training().seq_len) + " exceeds max_positions " +
-                                std::to_string(positions) + " (the learned position table)");
+    throw std::invalid_argument(who + "training.seq_len " + std::to_string(model_.training().seq_len) +
+                                " exceeds max_positions " + std::to_string(positions) +
+                                " (the learned position table)");
   for (const auto& l : model_.layers()) {
     // Dropout would need masks drawn identically by every layout; the host backend trains without it
     // rather than silently run another model than the spec's.
     if (l.shape.dropout)
-      throw std::invalid_argument(who + "field 'dropout' is " + (model_.config() ? fmt::format("{}", model_.config()->dropout_probability) : std::string("set")) +
-                                  "; the host backend trains without dropout (set it to 0)");
+      throw std::invalid_argument(
+          who + "field 'dropout' is " +
+          (model_.config() ? fmt::format("{}", model_.config()->dropout_probability) : std::string("set")) +
+          "; the host backend trains without dropout (set it to 0)");
     // Imported architectures the host kernels do not implement (Hugging Face import): refused
     // rather than trained as another model.
     if (l.shape.qkv_bias)
-      throw std::invalid_argument(who + "field 'qkv_bias' is set; the host backend has biases on every linear layer or none");
+      throw std::invalid_argument(who +
+                                  "field 'qkv_bias' is set; the host backend has biases on every linear layer or none");
     if (l.shape.window > 0 && l.shape.window < model_.training().seq_len)
       throw std::invalid_argument(who + "field 'sliding_window' is " + std::to_string(l.shape.window) +
                                   "; the host backend runs full causal attention (use a seq_len <= the window)");
     if (l.kind == core::LayerKind::Attention) {
-      if (l.shape.q_lora_rank || l.shape.kv_lora_rank) throw std::invalid_argument("runtime: the host backend has no MLA attention (" + l.name + ")");
-      attn_shape_ = AttentionShape{static_cast<int>(l.shape.heads), static_cast<int>(l.shape.kv_heads),
-                                   static_cast<int>(l.shape.head_dim), static_cast<int>(model_.training().seq_len), l.shape.qk_norm, 10000.0f,
-                                   positions == 0, l.shape.bias};
+      if (l.shape.q_lora_rank || l.shape.kv_lora_rank)
+        throw std::invalid_argument("runtime: the host backend has no MLA attention (" + l.name + ")");
+      attn_shape_ = AttentionShape{static_cast<int>(l.shape.heads),
+                                   static_cast<int>(l.shape.kv_heads),
+                                   static_cast<int>(l.shape.head_dim),
+                                   static_cast<int>(model_.training().seq_len),
+                                   l.shape.qk_norm,
+                                   10000.0f,
+                                   positions == 0,
+                                   l.shape.bias};
     }
     if (l.kind == core::LayerKind::Mlp && l.shape.activation == core::MlpActivation::SwiGLU && l.shape.bias)
-      throw std::invalid_argument(who + "the host backend has no SwiGLU MLP biases (" + l.name + "; biases run with \"activation\": \"gelu\")");
-    if (l.kind == core::LayerKind::MoeRouter) top_k_ = static_cast<int>(l.shape.top_k), experts_ = static_cast<int>(l.shape.experts);
+      throw std::invalid_argument(who + "the host backend has no SwiGLU MLP biases (" + l.name +
+                                  "; biases run with \"activation\": \"gelu\")");
+    if (l.kind == core::LayerKind::MoeRouter)
+      top_k_ = static_cast<int>(l.shape.top_k), experts_ = static_cast<int>(l.shape.experts);
     hidden_ = std::max(hidden_, l.shape.hidden);
   }
-  if (tied_ && embed_layer_ < 0) throw std::invalid_argument(who + "the head is tied to an embedding the model does not have");
+  if (tied_ && embed_layer_ < 0)
+    throw std::invalid_argument(who + "the head is tied to an embedding the model does not have");
   check_fits_in_memory(who);
   for (const auto& sp : specs) {
     SegmentParams p;
@@ -346,7 +391,8 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     p.zero_level = sp.zero_level;
     p.zero_shards = std::max(1, sp.zero_shards);
     if (p.replicas % p.zero_shards != 0)
-      throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) + " has " + std::to_string(p.replicas) + " replicas, not a multiple of its " +
+      throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) + " has " +
+                                  std::to_string(p.replicas) + " replicas, not a multiple of its " +
                                   std::to_string(p.zero_shards) + " ZeRO shards");
     p.tp_degree = sp.tp_degree;
     p.tp_rank = sp.tp_rank;
@@ -356,24 +402,27 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     p.cp_degree = sp.cp_degree;
     p.cp_rank = sp.cp_rank;
     if (sp.cp_degree > 1 && !attn_shape_.rope)
-      throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) +
-                                  " is context-parallel but the model has learned positions; the host backend runs CP with RoPE only");
+      throw std::invalid_argument(
+          "runtime: segment " + std::to_string(sp.segment) +
+          " is context-parallel but the model has learned positions; the host backend runs CP with RoPE only");
     if (sp.cp_degree > 1 && sp.shard_degree > 1)
       throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) +
                                   " is context-parallel and expert-sharded; the host backend does not combine them");
     p.expert_tp = sp.tp_degree > 1 && sp.last_layer == sp.first_layer + 1 &&
                   model_.layers().at(static_cast<std::size_t>(sp.first_layer)).kind == core::LayerKind::MoeExperts;
     if (sp.tp_degree > 1 && (attn_shape_.heads % sp.tp_degree != 0 || attn_shape_.kv_heads % sp.tp_degree != 0))
-      throw std::invalid_argument("runtime: " + std::to_string(attn_shape_.heads) + " heads / " + std::to_string(attn_shape_.kv_heads) +
-                                  " KV heads do not split over " + std::to_string(sp.tp_degree) + " tensor-parallel ranks");
-    p.tied_copy = tied_ && in_range(sp.first_layer, sp.last_layer, head_layer_) && !in_range(sp.first_layer, sp.last_layer, embed_layer_);
+      throw std::invalid_argument("runtime: " + std::to_string(attn_shape_.heads) + " heads / " +
+                                  std::to_string(attn_shape_.kv_heads) + " KV heads do not split over " +
+                                  std::to_string(sp.tp_degree) + " tensor-parallel ranks");
+    p.tied_copy = tied_ && in_range(sp.first_layer, sp.last_layer, head_layer_) &&
+                  !in_range(sp.first_layer, sp.last_layer, embed_layer_);
     std::int64_t n = 0;
     p.layer_offset.push_back(0);
     for (int l = sp.first_layer; l < sp.last_layer; ++l) {
       const auto& layer = model_.layers().at(static_cast<std::size_t>(l));
       if (sp.shard_degree > 1 && layer.kind != core::LayerKind::MoeExperts)
-        throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) + " is sharded but layer '" + layer.name +
-                                    "' is not routed experts (the host backend shards experts only)");
+        throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) + " is sharded but layer '" +
+                                    layer.name + "' is not routed experts (the host backend shards experts only)");
       if (sp.shard_degree > 1 && layer.shape.experts % sp.shard_degree != 0)
         throw std::invalid_argument("runtime: " + std::to_string(layer.shape.experts) + " experts of '" + layer.name +
                                     "' do not split over " + std::to_string(sp.shard_degree) + " devices");
@@ -383,7 +432,8 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
     p.params.assign(static_cast<std::size_t>(n), 0.0f);
     p.grads.assign(static_cast<std::size_t>(n), 0.0f);
     p.chunk_floats = p.zero_level >= 1 ? (n + p.zero_shards - 1) / p.zero_shards : n;
-    p.chunk_begin = p.zero_level >= 1 ? std::min<std::int64_t>(n, (p.replica_index % p.zero_shards) * p.chunk_floats) : 0;
+    p.chunk_begin =
+        p.zero_level >= 1 ? std::min<std::int64_t>(n, (p.replica_index % p.zero_shards) * p.chunk_floats) : 0;
     p.chunk_end = p.zero_level >= 1 ? std::min<std::int64_t>(n, p.chunk_begin + p.chunk_floats) : n;
     init_params(p, seed);
     const auto chunk = static_cast<std::size_t>(p.chunk_end - p.chunk_begin);
@@ -416,7 +466,8 @@ std::vector<LocalTensor> HostModel::tensors_of(const SegmentParams& sp, int laye
 std::span<float> HostModel::tied_grads(int seg) {
   SegmentParams& sp = segment(seg);
   if (!tied_) return {};
-  const bool has_embed = in_range(sp.first_layer, sp.last_layer, embed_layer_), has_head = in_range(sp.first_layer, sp.last_layer, head_layer_);
+  const bool has_embed = in_range(sp.first_layer, sp.last_layer, embed_layer_),
+             has_head = in_range(sp.first_layer, sp.last_layer, head_layer_);
   if (has_embed == has_head) return {};
   LayerView v = view(sp, has_embed ? embed_layer_ : head_layer_, true);
   const auto& t = v.tensors.at(v.at("embed"));
@@ -431,7 +482,8 @@ std::int64_t HostModel::layer_param_count(int layer) const {
 
 SegmentParams& HostModel::segment(int index) {
   auto it = by_index_.find(index);
-  if (it == by_index_.end()) throw std::logic_error("runtime: this device holds no parameters of segment " + std::to_string(index));
+  if (it == by_index_.end())
+    throw std::logic_error("runtime: this device holds no parameters of segment " + std::to_string(index));
   return segments_[it->second];
 }
 
@@ -444,12 +496,17 @@ void HostModel::init_params(SegmentParams& sp, std::uint64_t seed) {
       // The tied head's copy is drawn as the embedding's table (its canonical layer).
       const int owner = t.canonical_layer >= 0 ? t.canonical_layer : l;
       const bool table = model_.layers().at(static_cast<std::size_t>(owner)).kind == core::LayerKind::Embedding;
-      const bool bias = t.full.name.find("bias") != std::string::npos, norm = !bias && t.full.name.find("norm") != std::string::npos;
-      const double std = bias || norm ? 0.0 : table ? (gpt_init_ ? 0.02 : 1.0) : 1.0 / std::sqrt(static_cast<double>(t.full.rows));
+      const bool bias = t.full.name.find("bias") != std::string::npos,
+                 norm = !bias && t.full.name.find("norm") != std::string::npos;
+      const double std = bias || norm ? 0.0
+                         : table      ? (gpt_init_ ? 0.02 : 1.0)
+                                      : 1.0 / std::sqrt(static_cast<double>(t.full.rows));
       const float a = static_cast<float>(std * std::sqrt(3.0));
       for (const auto& [local, full, len] : t.runs())
         for (std::int64_t i = 0; i < len; ++i)
-          sp.params[static_cast<std::size_t>(at + local + i)] = norm ? 1.0f : bias ? 0.0f : a * uniform_pm1(seed, owner, full + i);
+          sp.params[static_cast<std::size_t>(at + local + i)] = norm   ? 1.0f
+                                                                : bias ? 0.0f
+                                                                       : a * uniform_pm1(seed, owner, full + i);
       at += t.local.size();
     }
   }
@@ -458,14 +515,16 @@ void HostModel::init_params(SegmentParams& sp, std::uint64_t seed) {
 void HostModel::set_tp_comm(int seg, TpComm* comm) {
   auto& sp = segment(seg);
   if (comm == nullptr || comm->size() != sp.tp_degree || comm->rank() != sp.tp_rank)
-    throw std::logic_error("runtime: segment " + std::to_string(seg) + " got a tensor-parallel group that does not match its degree and rank");
+    throw std::logic_error("runtime: segment " + std::to_string(seg) +
+                           " got a tensor-parallel group that does not match its degree and rank");
   sp.tp = comm;
 }
 
 void HostModel::set_cp_comm(int seg, TpComm* comm) {
   auto& sp = segment(seg);
   if (comm == nullptr || comm->size() != sp.cp_degree || comm->rank() != sp.cp_rank)
-    throw std::logic_error("runtime: segment " + std::to_string(seg) + " got a context-parallel group that does not match its degree and rank");
+    throw std::logic_error("runtime: segment " + std::to_string(seg) +
+                           " got a context-parallel group that does not match its degree and rank");
   sp.cp = comm;
   sp.cp_attention.cp = sp.cp_degree;
   sp.cp_attention.rank = sp.cp_rank;
@@ -484,7 +543,8 @@ void HostModel::set_cp_comm(int seg, TpComm* comm) {
 HostModel::LayerView HostModel::view(SegmentParams& sp, int layer, bool grads) {
   LayerView v;
   v.layer = &model_.layers().at(static_cast<std::size_t>(layer));
-  float* p = (grads ? sp.grads.data() : sp.params.data()) + sp.layer_offset.at(static_cast<std::size_t>(layer - sp.first_layer));
+  float* p = (grads ? sp.grads.data() : sp.params.data()) +
+             sp.layer_offset.at(static_cast<std::size_t>(layer - sp.first_layer));
   for (const auto& t : tensors_of(sp, layer)) {
     v.tensors.emplace_back(p, t.local);
     p += t.local.size();
@@ -517,8 +577,8 @@ Mat tp_gather_rows(const SegmentParams& sp, const Mat& local) {
 
 Mat tp_scatter_sum_rows(const SegmentParams& sp, const Mat& partial) {
   if (partial.rows() % sp.tp_degree != 0)
-    throw std::invalid_argument("runtime: " + std::to_string(partial.rows()) + " token rows do not split over " + std::to_string(sp.tp_degree) +
-                                " sequence-parallel ranks");
+    throw std::invalid_argument("runtime: " + std::to_string(partial.rows()) + " token rows do not split over " +
+                                std::to_string(sp.tp_degree) + " sequence-parallel ranks");
   Mat local(partial.rows() / sp.tp_degree, partial.cols());
   sp.tp->reduce_scatter(partial.data(), local.size(), local.data());
   return local;
@@ -544,7 +604,8 @@ struct EtpRows {
   Mat rows;
   std::vector<int> expert, counts;
 };
-EtpRows etp_gather(const SegmentParams& sp, const Mat& rows, const std::vector<int>* expert, const std::vector<int>* counts_known) {
+EtpRows etp_gather(const SegmentParams& sp, const Mat& rows, const std::vector<int>* expert,
+                   const std::vector<int>* counts_known) {
   const int e = sp.tp_degree;
   EtpRows out;
   if (counts_known) {
@@ -575,7 +636,8 @@ EtpRows etp_gather(const SegmentParams& sp, const Mat& rows, const std::vector<i
     for (std::size_t i = 0; i < expert->size(); ++i) ids[i] = static_cast<float>((*expert)[i]);
     sp.tp->allgather(ids.data(), pad, all_ids.data());
     for (int r = 0; r < e; ++r)
-      for (int i = 0; i < out.counts[static_cast<std::size_t>(r)]; ++i) out.expert.push_back(static_cast<int>(all_ids[static_cast<std::size_t>(r * pad + i)]));
+      for (int i = 0; i < out.counts[static_cast<std::size_t>(r)]; ++i)
+        out.expert.push_back(static_cast<int>(all_ids[static_cast<std::size_t>(r * pad + i)]));
   }
   return out;
 }
@@ -597,8 +659,8 @@ Mat etp_scatter(const SegmentParams& sp, const Mat& partial, const std::vector<i
 
 // Vocab-parallel LM head with the parallel cross-entropy: logits stay split by vocabulary; the row
 // max and the softmax denominator are all-reduced, the target logit comes from the rank owning it.
-double head_forward_vocab_parallel(const SegmentParams& sp, const ConstMatMap& wh, const Mat& u, const std::vector<int>& targets,
-                                   float loss_scale, HeadCache* c) {
+double head_forward_vocab_parallel(const SegmentParams& sp, const ConstMatMap& wh, const Mat& u,
+                                   const std::vector<int>& targets, float loss_scale, HeadCache* c) {
   const Eigen::Index T = u.rows(), V = wh.cols();
   const int first = sp.tp_rank * static_cast<int>(V);
   Mat logits = u * wh;
@@ -626,7 +688,9 @@ double head_forward_vocab_parallel(const SegmentParams& sp, const ConstMatMap& w
 
 std::int64_t mat_floats(const Mat& m) { return m.size(); }
 template <class... M>
-std::int64_t mats(const M&... m) { return (std::int64_t{0} + ... + static_cast<std::int64_t>(m.size())); }
+std::int64_t mats(const M&... m) {
+  return (std::int64_t{0} + ... + static_cast<std::int64_t>(m.size()));
+}
 
 }  // namespace
 
@@ -635,7 +699,8 @@ std::int64_t SegmentStash::floats() const {
   for (const auto& c : layers) {
     n += mats(c.norm.x, c.norm.rstd, c.lnorm.xhat, c.lnorm.rstd);
     n += mats(c.gmlp.u, c.gmlp.a, c.gmlp.h);
-    n += mats(c.attn.u, c.attn.q_lin, c.attn.k_lin, c.attn.v, c.attn.q_rstd, c.attn.k_rstd, c.attn.q, c.attn.k, c.attn.o);
+    n += mats(c.attn.u, c.attn.q_lin, c.attn.k_lin, c.attn.v, c.attn.q_rstd, c.attn.k_rstd, c.attn.q, c.attn.k,
+              c.attn.o);
     for (const auto& p : c.attn.probs) n += mat_floats(p);
     n += mats(c.mlp.u, c.mlp.a, c.mlp.b, c.mlp.h);
     n += mats(c.router.u, c.router.gates) + c.router.topk.size();
@@ -643,7 +708,9 @@ std::int64_t SegmentStash::floats() const {
     n += mats(c.source.y, c.source.gates) + c.source.topk.size();
     n += mats(c.head.u, c.head.dlogits) + static_cast<std::int64_t>(c.tokens.size());
   }
-  if (input) n += mats(input->x, input->u, input->gates) + input->topk.size() + static_cast<std::int64_t>(data.tokens.size() + data.targets.size());
+  if (input)
+    n += mats(input->x, input->u, input->gates) + input->topk.size() +
+         static_cast<std::int64_t>(data.tokens.size() + data.targets.size());
   return n;
 }
 
@@ -652,7 +719,8 @@ std::int64_t SegmentStash::floats() const {
 // ---------------------------------------------------------------------------------------------
 double HostModel::forward(int seg, const MicrobatchData& data, float loss_scale, ForwardState& s, SegmentStash& stash) {
   SegmentParams& sp = segment(seg);
-  if (tp_on(sp) && sp.tp == nullptr) throw std::logic_error("runtime: tensor-parallel segment " + std::to_string(seg) + " has no TP group");
+  if (tp_on(sp) && sp.tp == nullptr)
+    throw std::logic_error("runtime: tensor-parallel segment " + std::to_string(seg) + " has no TP group");
   const bool full = sp.recompute == RecomputeMode::Full;
   stash = SegmentStash{};
   if (full) stash.input = s, stash.data = data, stash.loss_scale = loss_scale;
@@ -663,7 +731,8 @@ double HostModel::forward(int seg, const MicrobatchData& data, float loss_scale,
   return loss;
 }
 
-void HostModel::forward_layers(SegmentParams& sp, const MicrobatchData& data, float loss_scale, ForwardState& s, SegmentStash& stash, double* loss) {
+void HostModel::forward_layers(SegmentParams& sp, const MicrobatchData& data, float loss_scale, ForwardState& s,
+                               SegmentStash& stash, double* loss) {
   // A rerun for full recomputation keeps the attention core: the backward is about to use it.
   const bool drop_core = sp.recompute == RecomputeMode::Selective && loss != nullptr;
   AttentionShape shape = attn_shape_;
@@ -680,15 +749,20 @@ void HostModel::forward_layers(SegmentParams& sp, const MicrobatchData& data, fl
     switch (v.layer->kind) {
       case core::LayerKind::Embedding:
         c.tokens = data.tokens;
-        s.x = tp_leave(sp, embedding_forward(v.cmat(0), data.tokens, sp.tp_rank * static_cast<int>(v.tensors[0].second.rows)));
+        s.x = tp_leave(
+            sp, embedding_forward(v.cmat(0), data.tokens, sp.tp_rank * static_cast<int>(v.tensors[0].second.rows)));
         // Learned positions (replicated over TP) are added once, after the vocab-parallel reduction;
         // with SP this rank holds the token rows from tp_rank * rows on.
-        if (v.has("pos")) positions_forward(s.x, v.cmat(v.at("pos")), shape.seq_len, sp.sequence_parallel ? sp.tp_rank * static_cast<int>(s.x.rows()) : 0);
+        if (v.has("pos"))
+          positions_forward(s.x, v.cmat(v.at("pos")), shape.seq_len,
+                            sp.sequence_parallel ? sp.tp_rank * static_cast<int>(s.x.rows()) : 0);
         s.u.resize(0, 0);
         break;
       case core::LayerKind::Norm:
-        if (v.has("norm_bias")) s.u = layernorm_forward(s.x, v.cvec(0), v.cvec(1), &c.lnorm);
-        else s.u = rmsnorm_forward(s.x, v.cvec(0), &c.norm);
+        if (v.has("norm_bias"))
+          s.u = layernorm_forward(s.x, v.cvec(0), v.cvec(1), &c.lnorm);
+        else
+          s.u = rmsnorm_forward(s.x, v.cvec(0), &c.norm);
         break;
       case core::LayerKind::Attention: {
         Mat y = tp_leave(sp, attention_forward(shape, v.attention(shape), tp_enter(sp, s.u), &c.attn));
@@ -706,9 +780,12 @@ void HostModel::forward_layers(SegmentParams& sp, const MicrobatchData& data, fl
           s.x += y;
         }
         break;
-      case core::LayerKind::MoeRouter: router_forward(v.cmat(0), top_k_, s.u, &c.router, &s.topk, &s.gates); break;
+      case core::LayerKind::MoeRouter:
+        router_forward(v.cmat(0), top_k_, s.u, &c.router, &s.topk, &s.gates);
+        break;
       case core::LayerKind::MoeExperts: {
-        if (sp.shard_degree > 1) throw std::logic_error("runtime: sharded experts run through the expert-parallel path");
+        if (sp.shard_degree > 1)
+          throw std::logic_error("runtime: sharded experts run through the expert-parallel path");
         c.source = route(s, 1);
         auto packets = dispatch_forward(s, c.source);
         Mat y;
@@ -732,7 +809,8 @@ void HostModel::forward_layers(SegmentParams& sp, const MicrobatchData& data, fl
           ls = tied_head_forward(tied_table(sp), s.u, data.targets, loss_scale, &c.head);
         } else {  // the vocab-parallel head takes this rank's rows of the table as [H, V/t] columns
           const Mat wh = tied_table(sp).transpose();
-          ls = head_forward_vocab_parallel(sp, ConstMatMap(wh.data(), wh.rows(), wh.cols()), tp_enter(sp, s.u), data.targets, loss_scale, &c.head);
+          ls = head_forward_vocab_parallel(sp, ConstMatMap(wh.data(), wh.rows(), wh.cols()), tp_enter(sp, s.u),
+                                           data.targets, loss_scale, &c.head);
         }
         if (tp && sp.tp_rank != 0) ls = 0;  // every TP rank computed the same loss: count it once
         if (loss) *loss += ls;
@@ -762,21 +840,26 @@ void HostModel::backward_input(int seg, BackwardState& g, SegmentStash& stash) {
     if (g.du.size() == 0 && g.dx.size() > 0) g.du = zeros_like_rows(g.dx.rows(), g.dx.cols());
     switch (v.layer->kind) {
       case core::LayerKind::Head:
-        g.du = tp_leave(sp, tied_ ? tied_head_backward_input(tied_table(sp), c.head) : head_backward_input(v.cmat(0), c.head));
+        g.du = tp_leave(
+            sp, tied_ ? tied_head_backward_input(tied_table(sp), c.head) : head_backward_input(v.cmat(0), c.head));
         g.dx = zeros_like_rows(g.du.rows(), g.du.cols());
         break;
       case core::LayerKind::Norm:
         c.dy_norm = g.du;
-        if (v.has("norm_bias")) g.dx += layernorm_backward_input(c.lnorm, v.cvec(0), g.du);
-        else g.dx += rmsnorm_backward_input(c.norm, v.cvec(0), g.du);
+        if (v.has("norm_bias"))
+          g.dx += layernorm_backward_input(c.lnorm, v.cvec(0), g.du);
+        else
+          g.dx += rmsnorm_backward_input(c.norm, v.cvec(0), g.du);
         g.du.setZero();
         break;
       case core::LayerKind::MoeExperts: {
         auto packets = dispatch_backward(g, c.source);
-        Mat du = sp.expert_tp ? etp_scatter(sp, experts_backward_input(expert_weights(sp, l), c.experts,
-                                                                     etp_gather(sp, packets[0].rows, nullptr, &c.etp_counts).rows),
-                                         c.etp_counts)
-                           : experts_backward_input(expert_weights(sp, l), c.experts, packets[0].rows);
+        Mat du = sp.expert_tp
+                     ? etp_scatter(sp,
+                                   experts_backward_input(expert_weights(sp, l), c.experts,
+                                                          etp_gather(sp, packets[0].rows, nullptr, &c.etp_counts).rows),
+                                   c.etp_counts)
+                     : experts_backward_input(expert_weights(sp, l), c.experts, packets[0].rows);
         combine_backward(g, c.source, {ExpertPacket{{}, std::move(du)}});
         break;
       }
@@ -785,8 +868,10 @@ void HostModel::backward_input(int seg, BackwardState& g, SegmentStash& stash) {
         g.dgates.resize(0, 0);
         break;
       case core::LayerKind::Mlp:
-        if (v.has("wg")) g.du += tp_leave(sp, mlp_backward_input({v.cmat(0), v.cmat(1), v.cmat(2)}, c.mlp, tp_enter(sp, g.dx)));
-        else g.du += tp_leave(sp, gelu_mlp_backward_input(v.gelu(), c.gmlp, tp_enter(sp, g.dx)));
+        if (v.has("wg"))
+          g.du += tp_leave(sp, mlp_backward_input({v.cmat(0), v.cmat(1), v.cmat(2)}, c.mlp, tp_enter(sp, g.dx)));
+        else
+          g.du += tp_leave(sp, gelu_mlp_backward_input(v.gelu(), c.gmlp, tp_enter(sp, g.dx)));
         break;
       case core::LayerKind::Attention:
         g.du += tp_leave(sp, attention_backward_input(shape, v.attention(shape), c.attn, tp_enter(sp, g.dx)));
@@ -821,7 +906,8 @@ void HostModel::backward_weight(int seg, SegmentStash& stash) {
         const std::string& n = t.full.name;
         const bool whole = n == "pos" || n == "bias_o" || n == "bias_fc2";
         const bool per_head = n == "q_norm" || n == "k_norm";
-        if (t.split == TpSplit::Replicated && !whole && (sp.sequence_parallel || per_head)) partial.emplace_back(p, t.local.size());
+        if (t.split == TpSplit::Replicated && !whole && (sp.sequence_parallel || per_head))
+          partial.emplace_back(p, t.local.size());
         p += t.local.size();
       }
     }
@@ -835,16 +921,27 @@ void HostModel::backward_weight(int seg, SegmentStash& stash) {
     LayerView gv = view(sp, l, true);
     switch (gv.layer->kind) {
       case core::LayerKind::Embedding:
-        embedding_backward_weight(c.tokens, c.dx_embed, gv.mat(0), sp.tp_rank * static_cast<int>(gv.tensors[0].second.rows));
-        if (gv.has("pos")) positions_backward_weight(c.dx_embed, gv.mat(gv.at("pos")), shape.seq_len);  // dx_embed: whole rows
+        embedding_backward_weight(c.tokens, c.dx_embed, gv.mat(0),
+                                  sp.tp_rank * static_cast<int>(gv.tensors[0].second.rows));
+        if (gv.has("pos"))
+          positions_backward_weight(c.dx_embed, gv.mat(gv.at("pos")), shape.seq_len);  // dx_embed: whole rows
         break;
       case core::LayerKind::Norm:
-        if (gv.has("norm_bias")) layernorm_backward_weight(c.lnorm, c.dy_norm, gv.vec(0), gv.vec(1));
-        else rmsnorm_backward_weight(c.norm, c.dy_norm, gv.vec(0));
+        if (gv.has("norm_bias"))
+          layernorm_backward_weight(c.lnorm, c.dy_norm, gv.vec(0), gv.vec(1));
+        else
+          rmsnorm_backward_weight(c.norm, c.dy_norm, gv.vec(0));
         break;
       case core::LayerKind::Attention: {
-        AttentionGrads g{gv.mat(0), gv.mat(1), gv.mat(2), gv.mat(3), shape.qk_norm ? gv.vec(4) : gv.vec(0), shape.qk_norm ? gv.vec(5) : gv.vec(0),
-                         gv.vec_or_empty("bias_q"), gv.vec_or_empty("bias_k"), gv.vec_or_empty("bias_v")};
+        AttentionGrads g{gv.mat(0),
+                         gv.mat(1),
+                         gv.mat(2),
+                         gv.mat(3),
+                         shape.qk_norm ? gv.vec(4) : gv.vec(0),
+                         shape.qk_norm ? gv.vec(5) : gv.vec(0),
+                         gv.vec_or_empty("bias_q"),
+                         gv.vec_or_empty("bias_k"),
+                         gv.vec_or_empty("bias_v")};
         attention_backward_weight(shape, c.attn, g);
         if (shape.bias) bias_backward_weight(c.attn.dout, gv.vec(gv.at("bias_o")));  // dout: the whole rows
         break;
@@ -860,16 +957,21 @@ void HostModel::backward_weight(int seg, SegmentStash& stash) {
         }
         break;
       }
-      case core::LayerKind::MoeRouter: router_backward_weight(c.router, gv.mat(0)); break;
+      case core::LayerKind::MoeRouter:
+        router_backward_weight(c.router, gv.mat(0));
+        break;
       case core::LayerKind::MoeExperts: {
         std::vector<MlpGrads> g;
-        for (std::size_t i = 0; i + 2 < gv.tensors.size(); i += 3) g.push_back({gv.mat(i), gv.mat(i + 1), gv.mat(i + 2)});
+        for (std::size_t i = 0; i + 2 < gv.tensors.size(); i += 3)
+          g.push_back({gv.mat(i), gv.mat(i + 1), gv.mat(i + 2)});
         experts_backward_weight(c.experts, g);
         break;
       }
       case core::LayerKind::Head:
-        if (tied_) tied_head_backward_weight(c.head, tied_table_grad(sp));
-        else head_backward_weight(c.head, gv.mat(0));
+        if (tied_)
+          tied_head_backward_weight(c.head, tied_table_grad(sp));
+        else
+          head_backward_weight(c.head, gv.mat(0));
         break;
     }
   }
@@ -899,7 +1001,8 @@ ExpertSource HostModel::route(const ForwardState& s, int group_size) const {
   const int per_rank = experts_ / group_size;
   for (Eigen::Index t = 0; t < s.topk.rows(); ++t)
     for (Eigen::Index j = 0; j < s.topk.cols(); ++j)
-      src.slots_to[static_cast<std::size_t>(s.topk(t, j) / per_rank)].push_back(static_cast<int>(t * s.topk.cols() + j));
+      src.slots_to[static_cast<std::size_t>(s.topk(t, j) / per_rank)].push_back(
+          static_cast<int>(t * s.topk.cols() + j));
   src.y = Mat::Zero(s.topk.rows() * s.topk.cols(), s.x.cols());
   return src;
 }
@@ -919,7 +1022,8 @@ std::vector<ExpertPacket> HostModel::dispatch_forward(const ForwardState& s, con
 }
 
 namespace {
-Mat concat_rows(const std::vector<ExpertPacket>& from, std::int64_t hidden, std::vector<int>* experts, std::vector<int>* counts) {
+Mat concat_rows(const std::vector<ExpertPacket>& from, std::int64_t hidden, std::vector<int>* experts,
+                std::vector<int>* counts) {
   Eigen::Index n = 0;
   for (const auto& p : from) n += p.rows.rows();
   Mat rows(n, hidden);
@@ -956,7 +1060,8 @@ Mat HostModel::experts_forward_entries(int seg, const std::vector<ExpertPacket>&
   if (sp.expert_tp) {
     EtpRows g = etp_gather(sp, rows, &experts, nullptr);
     c.etp_counts = g.counts;
-    y = etp_scatter(sp, experts_forward(expert_weights(sp, sp.first_layer), first, g.expert, g.rows, &c.experts), c.etp_counts);
+    y = etp_scatter(sp, experts_forward(expert_weights(sp, sp.first_layer), first, g.expert, g.rows, &c.experts),
+                    c.etp_counts);
   } else {
     y = experts_forward(expert_weights(sp, sp.first_layer), first, experts, rows, &c.experts);
   }
@@ -964,13 +1069,15 @@ Mat HostModel::experts_forward_entries(int seg, const std::vector<ExpertPacket>&
   return y;
 }
 
-void HostModel::combine_forward(ForwardState& s, ExpertSource& src, const std::vector<ExpertPacket>& from_owners) const {
+void HostModel::combine_forward(ForwardState& s, ExpertSource& src,
+                                const std::vector<ExpertPacket>& from_owners) const {
   for (std::size_t p = 0; p < from_owners.size(); ++p) {
     const auto& slots = src.slots_to[p];
     if (static_cast<Eigen::Index>(slots.size()) != from_owners[p].rows.rows())
-      throw std::runtime_error("runtime: expert combine got " + std::to_string(from_owners[p].rows.rows()) + " rows from rank " +
-                               std::to_string(p) + ", expected " + std::to_string(slots.size()));
-    for (std::size_t i = 0; i < slots.size(); ++i) src.y.row(slots[i]) = from_owners[p].rows.row(static_cast<Eigen::Index>(i));
+      throw std::runtime_error("runtime: expert combine got " + std::to_string(from_owners[p].rows.rows()) +
+                               " rows from rank " + std::to_string(p) + ", expected " + std::to_string(slots.size()));
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      src.y.row(slots[i]) = from_owners[p].rows.row(static_cast<Eigen::Index>(i));
   }
   const auto k = src.topk.cols();
   for (Eigen::Index t = 0; t < src.topk.rows(); ++t)
@@ -1000,21 +1107,24 @@ void HostModel::experts_backward_entries(int seg, const std::vector<ExpertPacket
   SegmentParams& sp = segment(seg);
   LayerCache& c = stash.layers.at(0);
   Mat dy = concat_rows(from, hidden_, nullptr, nullptr);
-  Mat du = sp.expert_tp ? etp_scatter(sp, experts_backward_input(expert_weights(sp, sp.first_layer), c.experts,
-                                                               etp_gather(sp, dy, nullptr, &c.etp_counts).rows),
-                                   c.etp_counts)
-                     : experts_backward_input(expert_weights(sp, sp.first_layer), c.experts, dy);
+  Mat du = sp.expert_tp ? etp_scatter(sp,
+                                      experts_backward_input(expert_weights(sp, sp.first_layer), c.experts,
+                                                             etp_gather(sp, dy, nullptr, &c.etp_counts).rows),
+                                      c.etp_counts)
+                        : experts_backward_input(expert_weights(sp, sp.first_layer), c.experts, dy);
   *to_sources = split_rows(du, c.source_counts);
 }
 
-void HostModel::combine_backward(BackwardState& g, const ExpertSource& src, const std::vector<ExpertPacket>& from_owners) const {
+void HostModel::combine_backward(BackwardState& g, const ExpertSource& src,
+                                 const std::vector<ExpertPacket>& from_owners) const {
   const auto k = static_cast<int>(src.topk.cols());
   if (g.du.size() == 0) g.du = Mat::Zero(g.dx.rows(), g.dx.cols());
   for (std::size_t p = 0; p < from_owners.size(); ++p) {
     const auto& slots = src.slots_to[p];
     if (static_cast<Eigen::Index>(slots.size()) != from_owners[p].rows.rows())
       throw std::runtime_error("runtime: expert backward combine got a wrong row count from rank " + std::to_string(p));
-    for (std::size_t i = 0; i < slots.size(); ++i) g.du.row(slots[i] / k) += from_owners[p].rows.row(static_cast<Eigen::Index>(i));
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      g.du.row(slots[i] / k) += from_owners[p].rows.row(static_cast<Eigen::Index>(i));
   }
 }
 
@@ -1044,7 +1154,8 @@ void HostModel::poison_params(int seg) {
 std::vector<ParamRecord> HostModel::param_records() const {
   std::vector<ParamRecord> out;
   for (const auto& sp : segments_) {
-    auto r = sp.zero_level >= 3 ? records(sp, sp.master, sp.chunk_begin, sp.chunk_end) : records(sp, sp.params, 0, static_cast<std::int64_t>(sp.params.size()));
+    auto r = sp.zero_level >= 3 ? records(sp, sp.master, sp.chunk_begin, sp.chunk_end)
+                                : records(sp, sp.params, 0, static_cast<std::int64_t>(sp.params.size()));
     std::move(r.begin(), r.end(), std::back_inserter(out));
   }
   return out;
@@ -1065,7 +1176,8 @@ std::vector<HostModel::CanonicalRun> HostModel::canonical_runs(const SegmentPara
     std::int64_t at = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)];
     for (const auto& t : tensors_of(sp, l)) {
       const bool replicated = sp.tp_degree > 1 && t.split == TpSplit::Replicated;
-      for (const auto& [local, full, len] : t.runs()) out.push_back({t.canonical_layer >= 0 ? t.canonical_layer : l, at + local, full, len, replicated});
+      for (const auto& [local, full, len] : t.runs())
+        out.push_back({t.canonical_layer >= 0 ? t.canonical_layer : l, at + local, full, len, replicated});
       at += t.local.size();
     }
   }
@@ -1074,7 +1186,8 @@ std::vector<HostModel::CanonicalRun> HostModel::canonical_runs(const SegmentPara
 
 // `src` holds the segment's local elements [begin, end): each local run that overlaps it becomes one
 // record at its canonical offset. Replicated tensors of a TP group are reported by TP rank 0.
-std::vector<ParamRecord> HostModel::records(const SegmentParams& sp, const std::vector<float>& src, std::int64_t begin, std::int64_t end) const {
+std::vector<ParamRecord> HostModel::records(const SegmentParams& sp, const std::vector<float>& src, std::int64_t begin,
+                                            std::int64_t end) const {
   std::vector<ParamRecord> out;
   for (const auto& run : canonical_runs(sp)) {
     if (run.replicated && sp.tp_rank != 0) continue;
@@ -1104,8 +1217,8 @@ TokenStream::TokenStream(std::int64_t vocab, std::int64_t seq_len, std::uint64_t
     }
     bytes_.assign(text.begin(), text.end());
     if (static_cast<std::int64_t>(bytes_.size()) < seq_len + 2)
-      throw std::invalid_argument(data_path + ": --data holds " + std::to_string(bytes_.size()) + " bytes, fewer than one sequence (" +
-                                  std::to_string(seq_len + 1) + ")");
+      throw std::invalid_argument(data_path + ": --data holds " + std::to_string(bytes_.size()) +
+                                  " bytes, fewer than one sequence (" + std::to_string(seq_len + 1) + ")");
   }
 }
 
@@ -1116,17 +1229,20 @@ std::vector<int> TokenStream::sequence(std::int64_t index) const {
   if (!bytes_.empty()) {
     const auto span = static_cast<std::int64_t>(bytes_.size()) - seq_len_ - 1;
     const std::int64_t start = (index * seq_len_) % span;
-    for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<int>(bytes_[static_cast<std::size_t>(start) + i] % vocab_);
+    for (std::size_t i = 0; i < out.size(); ++i)
+      out[i] = static_cast<int>(bytes_[static_cast<std::size_t>(start) + i] % vocab_);
     return out;
   }
   const std::uint64_t h = splitmix64(seed_ * 0x2545f4914f6cdd1dULL + static_cast<std::uint64_t>(index));
   const auto start = static_cast<std::int64_t>(h % static_cast<std::uint64_t>(vocab_));
   const auto stride = static_cast<std::int64_t>(1 + (h >> 32) % 4);
-  for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<int>((start + static_cast<std::int64_t>(i) * stride) % vocab_);
+  for (std::size_t i = 0; i < out.size(); ++i)
+    out[i] = static_cast<int>((start + static_cast<std::int64_t>(i) * stride) % vocab_);
   return out;
 }
 
-MicrobatchData TokenStream::microbatch(int step, int mb, int rank, int microbatches, int ranks, std::int64_t micro_batch_size) const {
+MicrobatchData TokenStream::microbatch(int step, int mb, int rank, int microbatches, int ranks,
+                                       std::int64_t micro_batch_size) const {
   MicrobatchData d;
   const std::int64_t first = ((static_cast<std::int64_t>(step) * microbatches + mb) * ranks + rank) * micro_batch_size;
   for (std::int64_t b = 0; b < micro_batch_size; ++b) {

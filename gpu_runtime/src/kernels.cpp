@@ -153,7 +153,8 @@ Mat head_norm_forward(const Mat& lin, int heads, int hd, const ConstVecMap& w, M
   return out;
 }
 
-Mat head_norm_backward(const Mat& lin, int heads, int hd, const ConstVecMap& w, const Mat& rstd, const Mat& dy, Vec& dw) {
+Mat head_norm_backward(const Mat& lin, int heads, int hd, const ConstVecMap& w, const Mat& rstd, const Mat& dy,
+                       Vec& dw) {
   Mat dx(lin.rows(), lin.cols());
   dw = Vec::Zero(hd);
   for (int h = 0; h < heads; ++h) {
@@ -181,7 +182,8 @@ std::vector<int> row_positions(const AttentionShape& s, Eigen::Index rows) {
 void cp_keys(const AttentionShape& s, const Mat& all, Eigen::Index T, Eigen::Index b, int col, Mat& out) {
   const int L = s.seq_len, hd = s.head_dim;
   out.resize(static_cast<Eigen::Index>(s.cp->cp) * L, hd);
-  for (int r = 0; r < s.cp->cp; ++r) out.middleRows(static_cast<Eigen::Index>(r) * L, L) = all.block(r * T + b * L, col, L, hd);
+  for (int r = 0; r < s.cp->cp; ++r)
+    out.middleRows(static_cast<Eigen::Index>(r) * L, L) = all.block(r * T + b * L, col, L, hd);
 }
 
 void cp_core_forward(const AttentionShape& s, AttentionCache& k) {
@@ -378,7 +380,10 @@ Mat mlp_backward_input(const MlpWeights& w, MlpCache& c, const Mat& dout) {
   c.dout = dout;
   Mat dh = dout * w.wd.transpose();
   // silu'(a) = s(a) (1 + a (1 - s(a)))
-  Mat dsilu = c.a.unaryExpr([](float a) { float s = sigmoid(a); return s * (1.0f + a * (1.0f - s)); });
+  Mat dsilu = c.a.unaryExpr([](float a) {
+    float s = sigmoid(a);
+    return s * (1.0f + a * (1.0f - s));
+  });
   Mat silu = c.a.unaryExpr([](float a) { return a * sigmoid(a); });
   c.da = dh.cwiseProduct(c.b).cwiseProduct(dsilu);
   c.db = dh.cwiseProduct(silu);
@@ -428,8 +433,9 @@ void router_forward(const ConstMatMap& wr, int top_k, const Mat& u, RouterCache*
   for (Eigen::Index t = 0; t < T; ++t) {
     std::iota(order.begin(), order.end(), 0);
     // Ties go to the lower expert id, so every rank and the reference pick the same experts.
-    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
-                      [&](int a, int b) { return logits(t, a) > logits(t, b) || (logits(t, a) == logits(t, b) && a < b); });
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int a, int b) {
+      return logits(t, a) > logits(t, b) || (logits(t, a) == logits(t, b) && a < b);
+    });
     float mx = logits(t, order[0]), sum = 0;
     for (int j = 0; j < top_k; ++j) sum += std::exp(logits(t, order[static_cast<std::size_t>(j)]) - mx);
     for (int j = 0; j < top_k; ++j) {
@@ -459,7 +465,8 @@ Mat experts_forward(const std::vector<MlpWeights>& experts, int first_expert, co
   ExpertsCache& k = c ? *c : local;
   k.expert = expert;
   k.rows_of.assign(experts.size(), {});
-  for (std::size_t i = 0; i < expert.size(); ++i) k.rows_of.at(static_cast<std::size_t>(expert[i] - first_expert)).push_back(static_cast<int>(i));
+  for (std::size_t i = 0; i < expert.size(); ++i)
+    k.rows_of.at(static_cast<std::size_t>(expert[i] - first_expert)).push_back(static_cast<int>(i));
   k.per_expert.assign(experts.size(), MlpCache{});
   Mat y(rows.rows(), rows.cols());
   for (std::size_t e = 0; e < experts.size(); ++e) {
@@ -494,7 +501,8 @@ void experts_backward_weight(ExpertsCache& c, std::vector<MlpGrads>& g) {
 // ---------------------------------------------------------------------------------------------
 // LM head + cross-entropy
 // ---------------------------------------------------------------------------------------------
-double head_forward(const ConstMatMap& wh, const Mat& u, const std::vector<int>& targets, float loss_scale, HeadCache* c) {
+double head_forward(const ConstMatMap& wh, const Mat& u, const std::vector<int>& targets, float loss_scale,
+                    HeadCache* c) {
   Mat logits = u * wh;
   double loss_sum = 0;
   for (Eigen::Index t = 0; t < logits.rows(); ++t) {
@@ -514,7 +522,8 @@ Mat head_backward_input(const ConstMatMap& wh, const HeadCache& c) { return c.dl
 
 void head_backward_weight(const HeadCache& c, MatMap dwh) { dwh += c.u.transpose() * c.dlogits; }
 
-double tied_head_forward(const ConstMatMap& table, const Mat& u, const std::vector<int>& targets, float loss_scale, HeadCache* c) {
+double tied_head_forward(const ConstMatMap& table, const Mat& u, const std::vector<int>& targets, float loss_scale,
+                         HeadCache* c) {
   const Mat wh = table.transpose();
   return head_forward(ConstMatMap(wh.data(), wh.rows(), wh.cols()), u, targets, loss_scale, c);
 }

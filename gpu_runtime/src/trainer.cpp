@@ -34,8 +34,12 @@ namespace {
 
 // ---- byte buffers ----
 template <class T>
-void put(std::string& out, const T& v) { out.append(reinterpret_cast<const char*>(&v), sizeof(T)); }
-void put_floats(std::string& out, const std::vector<float>& v) { out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float)); }
+void put(std::string& out, const T& v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+void put_floats(std::string& out, const std::vector<float>& v) {
+  out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+}
 template <class T>
 T get(const std::string& in, std::size_t& pos) {
   if (pos + sizeof(T) > in.size()) throw std::runtime_error("truncated");
@@ -78,11 +82,20 @@ void write_dump(const std::string& path, const std::string& records) {
 }
 
 void write_report(const std::string& path, const TrainResult& r, const std::string& mode, int devices) {
-  json j = {{"mode", mode}, {"devices", devices}, {"first_step", r.first_step}, {"losses", r.losses},
-            {"tokens_per_s", r.tokens_per_s}, {"step_time_s", r.step_time_s}, {"step_times_s", r.step_times_s}};
+  json j = {{"mode", mode},
+            {"devices", devices},
+            {"first_step", r.first_step},
+            {"losses", r.losses},
+            {"tokens_per_s", r.tokens_per_s},
+            {"step_time_s", r.step_time_s},
+            {"step_times_s", r.step_times_s}};
   if (!r.skipped_steps.empty()) j["skipped_steps"] = r.skipped_steps;  // --on-nonfinite skip
   if (mode == "distributed")
-    j["executor"] = {{"ops", r.ops}, {"backend_s", r.backend_s}, {"idle_s", r.idle_s}, {"overhead_s", r.overhead_s}, {"total_s", r.total_s}};
+    j["executor"] = {{"ops", r.ops},
+                     {"backend_s", r.backend_s},
+                     {"idle_s", r.idle_s},
+                     {"overhead_s", r.overhead_s},
+                     {"total_s", r.total_s}};
   core::write_file_atomically(path, j.dump(1) + "\n");
 }
 
@@ -139,19 +152,23 @@ CheckpointInfo checkpoint_info(const core::Program& program, int step) {
 }
 
 void check_save_path(const std::string& path) {
-  if (!path.empty() && fs::is_directory(path)) throw std::invalid_argument(path + ": is a folder; --save takes a checkpoint file name");
+  if (!path.empty() && fs::is_directory(path))
+    throw std::invalid_argument(path + ": is a folder; --save takes a checkpoint file name");
 }
 
 void check_steps_after_resume(const TrainOptions& o, int checkpoint_step) {
   if (o.steps < checkpoint_step)
-    throw std::invalid_argument(fmt::format("--steps {} is below the step of the checkpoint {} ({}): nothing would run; give --steps {} or more",
-                                            o.steps, o.resume_path, checkpoint_step, checkpoint_step));
+    throw std::invalid_argument(fmt::format(
+        "--steps {} is below the step of the checkpoint {} ({}): nothing would run; give --steps {} or more", o.steps,
+        o.resume_path, checkpoint_step, checkpoint_step));
 }
 
 std::string nonfinite_value(double v) { return std::isnan(v) ? "nan" : v > 0 ? "inf" : "-inf"; }
 
 std::string nonfinite_message(int step, const std::string& what) {
-  return fmt::format("step {}: {} (training diverged); stopped before saving (--on-nonfinite skip skips such steps instead)", step, what);
+  return fmt::format(
+      "step {}: {} (training diverged); stopped before saving (--on-nonfinite skip skips such steps instead)", step,
+      what);
 }
 
 bool state_is_finite(host::HostModel& model) {
@@ -176,7 +193,8 @@ Checkpoint read_compatible_checkpoint(const std::string& path, const std::string
   return ckpt;
 }
 
-std::string broadcast_checkpoint_bytes(const std::string& path, const core::Program& program, int rank, std::string& error) {
+std::string broadcast_checkpoint_bytes(const std::string& path, const core::Program& program, int rank,
+                                       std::string& error) {
   std::string bytes;
   long long length = -1;
   if (rank == 0) {
@@ -197,8 +215,8 @@ std::string broadcast_checkpoint_bytes(const std::string& path, const core::Prog
   return bytes;
 }
 
-void save_distributed(const TrainOptions& o, const core::Program& program, const std::vector<StateRecord>& records, const core::Model& model,
-                      int step, int rank) {
+void save_distributed(const TrainOptions& o, const core::Program& program, const std::vector<StateRecord>& records,
+                      const core::Model& model, int step, int rank) {
   const std::string all = gather_on_root(serialize_state_records(records)).all;
   std::string error;
   if (rank == 0) {
@@ -218,7 +236,8 @@ void save_distributed(const TrainOptions& o, const core::Program& program, const
 }
 
 // Loads a checkpoint into `model` (all checks first); returns the step to continue from.
-static int resume_from(const std::string& path, const std::string& bytes, const core::Program& program, host::HostModel& model) {
+static int resume_from(const std::string& path, const std::string& bytes, const core::Program& program,
+                       host::HostModel& model) {
   const Checkpoint ckpt = read_compatible_checkpoint(path, bytes, program);
   load_state(model, ckpt.state);
   return ckpt.info.step;
@@ -267,8 +286,10 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
       for (float g : sp.grads) grad_sq += static_cast<double>(g) * g;
     const double mean_loss = loss / static_cast<double>(shape.global_tokens());
     std::string bad;
-    if (!std::isfinite(mean_loss)) bad = "loss " + nonfinite_value(mean_loss);
-    else if (!std::isfinite(grad_sq)) bad = "gradient norm " + nonfinite_value(grad_sq);
+    if (!std::isfinite(mean_loss))
+      bad = "loss " + nonfinite_value(mean_loss);
+    else if (!std::isfinite(grad_sq))
+      bad = "gradient norm " + nonfinite_value(grad_sq);
     if (bad.empty()) {
       if (o.skip_nonfinite) before.take(m);
       m.update(0, o.adamw, step + 1);
@@ -286,7 +307,8 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
     r.losses.push_back(mean_loss);
     if (!bad.empty()) r.skipped_steps.push_back(step + 1);
     if (o.print)
-      fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms){}\n", step + 1, r.losses.back(), dt * 1e3, bad.empty() ? "" : "  skipped: " + bad);
+      fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms){}\n", step + 1, r.losses.back(), dt * 1e3,
+                 bad.empty() ? "" : "  skipped: " + bad);
     if (saves_after(o, step + 1)) {
       write_checkpoint(o.save_path, checkpoint_info(program, step + 1), assemble_state(m.model(), state_records(m)));
       if (o.print) fmt::print("checkpoint after step {} -> {}\n", step + 1, o.save_path);
@@ -295,7 +317,8 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
   const int ran = o.steps - r.first_step;
   r.step_time_s = ran > 0 ? total_s / ran : 0;
   r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
-  if (!o.save_path.empty() && ran <= 0) write_checkpoint(o.save_path, checkpoint_info(program, r.first_step), assemble_state(m.model(), state_records(m)));
+  if (!o.save_path.empty() && ran <= 0)
+    write_checkpoint(o.save_path, checkpoint_info(program, r.first_step), assemble_state(m.model(), state_records(m)));
   if (!o.dump_params_path.empty()) write_dump(o.dump_params_path, serialize_records(m.param_records()));
   if (!o.report_path.empty()) write_report(o.report_path, r, "reference", 1);
   return r;
@@ -311,8 +334,8 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   if (size != program.num_devices) {
     if (rank != 0) throw ReportedByAnotherRank();
-    throw std::invalid_argument(fmt::format("the plan has {} devices but {} MPI ranks were started (mpirun -np {})", program.num_devices, size,
-                                            program.num_devices));
+    throw std::invalid_argument(fmt::format("the plan has {} devices but {} MPI ranks were started (mpirun -np {})",
+                                            program.num_devices, size, program.num_devices));
   }
   // Setup errors (model, data, checkpoint) are the same on every rank or local to one: the lowest
   // failing rank reports, every rank stops before the first step.
@@ -333,7 +356,8 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   int locked_out = error.empty() ? 0 : 1;
   MPI_Bcast(&locked_out, 1, MPI_INT, 0, MPI_COMM_WORLD);
   if (locked_out && rank != 0) error = "reported by rank 0";
-  if (!o.resume_path.empty() && !locked_out) checkpoint = broadcast_checkpoint_bytes(o.resume_path, program, rank, error);
+  if (!o.resume_path.empty() && !locked_out)
+    checkpoint = broadcast_checkpoint_bytes(o.resume_path, program, rank, error);
   try {
     check_save_path(o.save_path);
     check_calibrate_path(o.calibrate_path);
@@ -380,8 +404,10 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
     MPI_Allreduce(MPI_IN_PLACE, &step_s, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     const double mean_loss = sums[0] / static_cast<double>(shape.global_tokens());
     std::string bad;
-    if (!std::isfinite(mean_loss)) bad = "loss " + nonfinite_value(mean_loss);
-    else if (sums[1] != 0) bad = "the update made parameters or AdamW moments non-finite";
+    if (!std::isfinite(mean_loss))
+      bad = "loss " + nonfinite_value(mean_loss);
+    else if (sums[1] != 0)
+      bad = "the update made parameters or AdamW moments non-finite";
     if (!bad.empty()) {
       if (!o.skip_nonfinite) {
         if (rank != 0) throw ReportedByAnotherRank();
@@ -399,14 +425,17 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
     r.total_s += last.step_seconds;
     r.ops += last.ops;
     if (o.print && rank == 0)
-      fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms){}\n", step + 1, r.losses.back(), step_s * 1e3, bad.empty() ? "" : "  skipped: " + bad);
-    if (saves_after(o, step + 1)) save_distributed(o, program, state_records(backend->model()), backend->model().model(), step + 1, rank);
+      fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms){}\n", step + 1, r.losses.back(), step_s * 1e3,
+                 bad.empty() ? "" : "  skipped: " + bad);
+    if (saves_after(o, step + 1))
+      save_distributed(o, program, state_records(backend->model()), backend->model().model(), step + 1, rank);
   }
   const int ran = o.steps - r.first_step;
   r.step_time_s = ran > 0 ? total_step_s / ran : 0;
   r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
 
-  if (!o.save_path.empty() && ran <= 0) save_distributed(o, program, state_records(backend->model()), backend->model().model(), r.first_step, rank);
+  if (!o.save_path.empty() && ran <= 0)
+    save_distributed(o, program, state_records(backend->model()), backend->model().model(), r.first_step, rank);
   if (!o.dump_params_path.empty()) {
     const std::string mine = serialize_records(backend->model().param_records());
     if (const auto g = gather_on_root(mine); rank == 0) write_dump(o.dump_params_path, g.all);
@@ -415,7 +444,8 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
     // The last step's measured timeline of every device, gathered on rank 0.
     std::vector<double> mine;
     mine.push_back(static_cast<double>(last.timeline.spans.size()));
-    for (const auto& s : last.timeline.spans) mine.insert(mine.end(), {static_cast<double>(s.stream), static_cast<double>(s.index), s.start_s, s.end_s});
+    for (const auto& s : last.timeline.spans)
+      mine.insert(mine.end(), {static_cast<double>(s.stream), static_cast<double>(s.index), s.start_s, s.end_s});
     for (const auto& m : last.timeline.memory) mine.insert(mine.end(), {m.time_s, static_cast<double>(m.bytes)});
     const auto [all, offsets, sizes] = gather_on_root(mine);
     if (rank == 0) {
@@ -428,10 +458,12 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
         core::DeviceTimeline dt;
         const auto spans = static_cast<std::size_t>(all[at++]);
         for (std::size_t i = 0; i < spans; ++i, at += 4)
-          dt.spans.push_back({static_cast<std::int32_t>(all[at]), static_cast<std::int32_t>(all[at + 1]), all[at + 2], all[at + 3]});
+          dt.spans.push_back(
+              {static_cast<std::int32_t>(all[at]), static_cast<std::int32_t>(all[at + 1]), all[at + 2], all[at + 3]});
         for (; at + 1 < end; at += 2) {
           dt.memory.push_back({all[at], static_cast<std::int64_t>(all[at + 1])});
-          if (dt.memory.back().bytes > dt.peak_memory_bytes) dt.peak_memory_bytes = dt.memory.back().bytes, dt.peak_memory_time_s = all[at];
+          if (dt.memory.back().bytes > dt.peak_memory_bytes)
+            dt.peak_memory_bytes = dt.memory.back().bytes, dt.peak_memory_time_s = all[at];
         }
         for (const auto& s : dt.spans) t.step_time_s = std::max(t.step_time_s, s.end_s);
         t.devices.push_back(std::move(dt));
@@ -442,8 +474,9 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
     }
   }
   if (!o.calibrate_path.empty() && ran > 0) {
-    write_calibration_distributed(o.calibrate_path, program, calibration_steps, "host-cpu",
-                                  {{"backend", "host"}, {"clock", "executor (host steady clock, op start to completion)"}});
+    write_calibration_distributed(
+        o.calibrate_path, program, calibration_steps, "host-cpu",
+        {{"backend", "host"}, {"clock", "executor (host steady clock, op start to completion)"}});
     if (o.print && rank == 0) fmt::print("calibration ({} steps) -> {}\n", calibration_steps.size(), o.calibrate_path);
   }
   if (rank == 0 && !o.report_path.empty()) write_report(o.report_path, r, "distributed", size);
@@ -457,7 +490,8 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
 // indexes anything, and a bad one is refused in one line naming the file, record and byte.
 std::map<int, std::vector<float>> read_param_dump(const std::string& path) {
   const std::string data = read_all(path);
-  if (data.size() < 8 || std::memcmp(data.data(), kDumpMagic, 8) != 0) throw std::invalid_argument(path + ": not a parameter dump");
+  if (data.size() < 8 || std::memcmp(data.data(), kDumpMagic, 8) != 0)
+    throw std::invalid_argument(path + ": not a parameter dump");
   // Every element of a layer is in some record, so no layer ends past the floats the file holds.
   const auto file_floats = static_cast<std::int64_t>((data.size() - 8) / sizeof(float));
   std::map<int, std::vector<float>> out;
@@ -466,7 +500,8 @@ std::map<int, std::vector<float>> read_param_dump(const std::string& path) {
   for (int record = 0; pos < data.size(); ++record) {
     const std::size_t start = pos;
     auto bad = [&](const std::string& why) {
-      return std::invalid_argument(fmt::format("{}: damaged parameter dump: record {} (byte {}): {}", path, record, start, why));
+      return std::invalid_argument(
+          fmt::format("{}: damaged parameter dump: record {} (byte {}): {}", path, record, start, why));
     };
     constexpr std::size_t kHeader = sizeof(std::int32_t) + 2 * sizeof(std::int64_t);
     if (data.size() - pos < kHeader) throw bad("truncated header");
@@ -482,7 +517,8 @@ std::map<int, std::vector<float>> read_param_dump(const std::string& path) {
       throw bad(fmt::format("offset {} + count {} runs past the {} floats the file holds", offset, count, file_floats));
     get_floats(data, pos, values, static_cast<std::size_t>(count));
     auto& v = out[layer];
-    if (static_cast<std::int64_t>(v.size()) < offset + count) v.resize(static_cast<std::size_t>(offset + count), std::numeric_limits<float>::quiet_NaN());
+    if (static_cast<std::int64_t>(v.size()) < offset + count)
+      v.resize(static_cast<std::size_t>(offset + count), std::numeric_limits<float>::quiet_NaN());
     std::copy(values.begin(), values.end(), v.begin() + offset);
   }
   return out;
@@ -494,9 +530,11 @@ double max_param_difference(const std::string& path_a, const std::string& path_b
   double worst = 0;
   for (const auto& [layer, va] : a) {
     auto it = b.find(layer);
-    if (it == b.end() || it->second.size() != va.size()) throw std::runtime_error(fmt::format("layer {} differs in size between the dumps", layer));
+    if (it == b.end() || it->second.size() != va.size())
+      throw std::runtime_error(fmt::format("layer {} differs in size between the dumps", layer));
     for (std::size_t i = 0; i < va.size(); ++i) {
-      if (std::isnan(va[i]) || std::isnan(it->second[i])) throw std::runtime_error(fmt::format("layer {} element {} is missing or NaN", layer, i));
+      if (std::isnan(va[i]) || std::isnan(it->second[i]))
+        throw std::runtime_error(fmt::format("layer {} element {} is missing or NaN", layer, i));
       worst = std::max(worst, static_cast<double>(std::abs(va[i] - it->second[i])));
     }
   }

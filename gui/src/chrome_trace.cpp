@@ -43,8 +43,10 @@ std::shared_ptr<Track> parse_chrome_trace(const std::string& text, const std::st
     throw core::Error(where + ": not a Chrome trace (JSON error at byte " + std::to_string(e.byte) + ")");
   }
   const json* events = nullptr;
-  if (j.is_array()) events = &j;
-  else if (j.is_object() && j.contains("traceEvents") && j["traceEvents"].is_array()) events = &j["traceEvents"];
+  if (j.is_array())
+    events = &j;
+  else if (j.is_object() && j.contains("traceEvents") && j["traceEvents"].is_array())
+    events = &j["traceEvents"];
   if (!events) throw core::Error(where + ": not a Chrome trace (no 'traceEvents' array)");
 
   auto track = std::make_shared<Track>();
@@ -70,7 +72,8 @@ std::shared_ptr<Track> parse_chrome_trace(const std::string& text, const std::st
     auto it = device_of_pid.find(pid);
     return it != device_of_pid.end() ? it->second : static_cast<int>(pid);
   };
-  auto add = [&](long long pid, long long tid, const std::string& name, const std::string& cat, double ts_us, double dur_us) {
+  auto add = [&](long long pid, long long tid, const std::string& name, const std::string& cat, double ts_us,
+                 double dur_us) {
     MeasuredEvent ev;
     ev.name = name;
     ev.start_s = ts_us * 1e-6;
@@ -98,7 +101,8 @@ std::shared_ptr<Track> parse_chrome_trace(const std::string& text, const std::st
       if (stack.empty()) continue;
       const json b = stack.back();
       stack.pop_back();
-      add(pid, tid, b.value("name", ""), b.value("cat", ""), b["ts"].get<double>(), e["ts"].get<double>() - b["ts"].get<double>());
+      add(pid, tid, b.value("name", ""), b.value("cat", ""), b["ts"].get<double>(),
+          e["ts"].get<double>() - b["ts"].get<double>());
     }
   }
   if (track->measured.empty()) throw core::Error(where + ": the Chrome trace has no complete ('X') events");
@@ -108,7 +112,8 @@ std::shared_ptr<Track> parse_chrome_trace(const std::string& text, const std::st
     DeviceRow& row = rows[key.first];
     row.device = key.first;
     std::sort(indices.begin(), indices.end(), [&](std::int32_t a, std::int32_t b) {
-      return track->measured[static_cast<std::size_t>(a)].start_s < track->measured[static_cast<std::size_t>(b)].start_s;
+      return track->measured[static_cast<std::size_t>(a)].start_s <
+             track->measured[static_cast<std::size_t>(b)].start_s;
     });
     Lane& lane = row.lanes.emplace_back();
     lane.measured = true;
@@ -150,7 +155,8 @@ void match_measured_lane(Track& track, int row, int lane_index, const std::strin
   // The k-th measured span named L is the k-th predicted op labelled L (both in start order).
   const Lane& p = r.lanes[static_cast<std::size_t>(m.predicted_lane)];
   std::map<std::string, std::vector<std::int32_t>> by_label;
-  for (std::size_t i = 0; i < p.size(); ++i) by_label[track.op(row, m.predicted_lane, i)->label].push_back(static_cast<std::int32_t>(i));
+  for (std::size_t i = 0; i < p.size(); ++i)
+    by_label[track.op(row, m.predicted_lane, i)->label].push_back(static_cast<std::int32_t>(i));
   std::map<std::string, std::size_t> next;
   double abs_error_sum = 0;
   for (std::size_t i = 0; i < m.size(); ++i) {
@@ -178,7 +184,8 @@ void overlay_measured(Track& predicted, const Track& measured) {
   const auto offset = static_cast<std::int32_t>(predicted.measured.size());
   predicted.measured.insert(predicted.measured.end(), measured.measured.begin(), measured.measured.end());
   for (const DeviceRow& mrow : measured.rows) {
-    auto it = std::find_if(predicted.rows.begin(), predicted.rows.end(), [&](const DeviceRow& r) { return r.device == mrow.device; });
+    auto it = std::find_if(predicted.rows.begin(), predicted.rows.end(),
+                           [&](const DeviceRow& r) { return r.device == mrow.device; });
     if (it == predicted.rows.end()) {
       predicted.rows.push_back(DeviceRow{mrow.device, {}, {}});
       it = predicted.rows.end() - 1;

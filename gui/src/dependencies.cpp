@@ -88,14 +88,20 @@ Dependencies DependencyIndex::of(const OpKey& key) const {
   const PlanIndex& idx = plan_index(key.device);
   if (key.index > 0) deps.incoming.push_back({key.device, key.stream, key.index - 1});
   for (const core::OpRef& w : me.waits) deps.incoming.push_back({key.device, w.stream, w.index});
-  const auto& stream_ops = timeline_->program->plan_for(key.device).streams.at(static_cast<std::size_t>(key.stream)).ops;
-  if (static_cast<std::size_t>(key.index) + 1 < stream_ops.size()) deps.outgoing.push_back({key.device, key.stream, key.index + 1});
-  for (const core::OpRef& w : idx.waiters.at(static_cast<std::size_t>(key.stream)).at(static_cast<std::size_t>(key.index)))
+  const auto& stream_ops =
+      timeline_->program->plan_for(key.device).streams.at(static_cast<std::size_t>(key.stream)).ops;
+  if (static_cast<std::size_t>(key.index) + 1 < stream_ops.size())
+    deps.outgoing.push_back({key.device, key.stream, key.index + 1});
+  for (const core::OpRef& w :
+       idx.waiters.at(static_cast<std::size_t>(key.stream)).at(static_cast<std::size_t>(key.index)))
     deps.outgoing.push_back({key.device, w.stream, w.index});
   for (const OpKey& p : partners_of(key)) {
-    if (me.kind == OpKind::Recv) deps.incoming.push_back(p);
-    else if (me.kind == OpKind::Send) deps.outgoing.push_back(p);
-    else deps.partners.push_back(p);
+    if (me.kind == OpKind::Recv)
+      deps.incoming.push_back(p);
+    else if (me.kind == OpKind::Send)
+      deps.outgoing.push_back(p);
+    else
+      deps.partners.push_back(p);
   }
   return deps;
 }

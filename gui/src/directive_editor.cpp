@@ -18,7 +18,7 @@ std::string format_directive(const nlohmann::json& value) {
     if (value.empty()) return "{}";
     std::string out = "{";
     bool first = true;
-    if (value.contains("op")) {   // a directive reads from its op
+    if (value.contains("op")) {  // a directive reads from its op
       out += "\"op\": " + format_directive(value["op"]);
       first = false;
     }
@@ -45,7 +45,8 @@ std::string format_directive(const nlohmann::json& value) {
 std::string format_program(const nlohmann::json& program) {
   if (!program.is_array()) return program.dump(2) + "\n";
   std::string out = "[\n";
-  for (std::size_t i = 0; i < program.size(); ++i) out += "  " + format_directive(program[i]) + (i + 1 < program.size() ? ",\n" : "\n");
+  for (std::size_t i = 0; i < program.size(); ++i)
+    out += "  " + format_directive(program[i]) + (i + 1 < program.size() ? ",\n" : "\n");
   return out + "]\n";
 }
 
@@ -57,17 +58,24 @@ std::vector<std::pair<std::size_t, std::size_t>> top_level_elements(const std::s
   for (std::size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
     if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
       continue;
     }
-    if (depth == 1 && begin == std::string::npos && c != ',' && c != ']' && !std::isspace(static_cast<unsigned char>(c))) begin = i;
-    if (c == '"') in_string = true;
-    else if (c == '[' || c == '{') ++depth;
+    if (depth == 1 && begin == std::string::npos && c != ',' && c != ']' &&
+        !std::isspace(static_cast<unsigned char>(c)))
+      begin = i;
+    if (c == '"')
+      in_string = true;
+    else if (c == '[' || c == '{')
+      ++depth;
     else if (c == ']' || c == '}') {
       --depth;
-      if (depth == 0 && begin != std::string::npos) {   // the closing bracket of the program
+      if (depth == 0 && begin != std::string::npos) {  // the closing bracket of the program
         out.emplace_back(begin, i);
         begin = std::string::npos;
       }
@@ -151,8 +159,10 @@ DirectiveEditor::DirectiveEditor(QWidget* parent) : QPlainTextEdit(parent) {
   numbers_ = new LineNumbers(this);
   connect(this, &QPlainTextEdit::blockCountChanged, this, [this] { setViewportMargins(line_number_width(), 0, 0, 0); });
   connect(this, &QPlainTextEdit::updateRequest, this, [this](const QRect& r, int dy) {
-    if (dy) numbers_->scroll(0, dy);
-    else numbers_->update(0, r.y(), numbers_->width(), r.height());
+    if (dy)
+      numbers_->scroll(0, dy);
+    else
+      numbers_->update(0, r.y(), numbers_->width(), r.height());
   });
   setViewportMargins(line_number_width(), 0, 0, 0);
 }
@@ -211,6 +221,9 @@ void DirectiveEditor::set_error(int line, const QString& message) {
   numbers_->update();
 }
 
-void DirectiveEditor::clear_error() { set_error(-1, {}); error_message_.clear(); }
+void DirectiveEditor::clear_error() {
+  set_error(-1, {});
+  error_message_.clear();
+}
 
 }  // namespace piper::gui

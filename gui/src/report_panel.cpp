@@ -32,8 +32,10 @@ std::string count(double v) {
 
 std::string report_html(const std::vector<NamedReport>& reports, int max_device_rows) {
   if (reports.empty()) return "<p style='color:#888'>No simulation yet.</p>";
-  std::string h = "<style>td,th{padding:1px 4px;} th{text-align:left;color:#333;white-space:nowrap;} td.v{text-align:right;white-space:nowrap;} "
-                  "tr.oom td{color:#c00;font-weight:bold;} .n{color:#777;}</style>";
+  std::string h =
+      "<style>td,th{padding:1px 4px;} th{text-align:left;color:#333;white-space:nowrap;} "
+      "td.v{text-align:right;white-space:nowrap;} "
+      "tr.oom td{color:#c00;font-weight:bold;} .n{color:#777;}</style>";
   h += "<table cellspacing='0' width='100%'><tr><th></th>";
   for (const auto& r : reports) h += "<th style='text-align:right'>" + r.name + "</th>";
   h += "</tr>";
@@ -47,10 +49,15 @@ std::string report_html(const std::vector<NamedReport>& reports, int max_device_
   row("tokens/s", [](const sim::Report& r) { return count(r.tokens_per_s); });
   row("MFU", [](const sim::Report& r) { return percent(r.mfu); });
   row("bubble (mean)", [](const sim::Report& r) { return percent(r.bubble_fraction); });
-  row("peak memory", [](const sim::Report& r) { return bytes(r.peak_memory_bytes); }, any_oom);
-  row("out of memory", [](const sim::Report& r) {
-    return r.oom ? fmt::format("YES: dev {} at {}", r.oom_details.device, seconds(r.oom_details.time_s)) : std::string("no");
-  }, any_oom);
+  row(
+      "peak memory", [](const sim::Report& r) { return bytes(r.peak_memory_bytes); }, any_oom);
+  row(
+      "out of memory",
+      [](const sim::Report& r) {
+        return r.oom ? fmt::format("YES: dev {} at {}", r.oom_details.device, seconds(r.oom_details.time_s))
+                     : std::string("no");
+      },
+      any_oom);
   row("devices", [](const sim::Report& r) { return std::to_string(r.devices); });
   row("microbatches", [](const sim::Report& r) { return std::to_string(r.microbatches); });
   row("ops", [](const sim::Report& r) { return count(static_cast<double>(r.total_ops)); });
@@ -64,7 +71,9 @@ std::string report_html(const std::vector<NamedReport>& reports, int max_device_
   row("engine", [](const sim::Report& r) { return r.engine; });
   h += "</table><p style='margin-top:8px'><b>Per device</b> <span class='n'>(bubble = idle / step)</span></p>";
   h += "<table cellspacing='0' width='100%'><tr><th>dev</th>";
-  for (const auto& r : reports) h += "<th style='text-align:right'>bubble" + (r.name.empty() ? "" : " " + r.name) + "</th><th style='text-align:right'>peak" + (r.name.empty() ? "" : " " + r.name) + "</th>";
+  for (const auto& r : reports)
+    h += "<th style='text-align:right'>bubble" + (r.name.empty() ? "" : " " + r.name) +
+         "</th><th style='text-align:right'>peak" + (r.name.empty() ? "" : " " + r.name) + "</th>";
   h += "</tr>";
   std::size_t devices = 0;
   for (const auto& r : reports) devices = std::max(devices, r.report.per_device.size());
@@ -95,7 +104,8 @@ std::string report_html(const std::vector<NamedReport>& reports, int max_device_
       if (d < r.report.per_device.size()) {
         const sim::DeviceReport& dr = r.report.per_device[d];
         oom = oom || dr.oom;
-        cells += "<td class='v'>" + percent(dr.bubble_fraction) + "</td><td class='v'>" + bytes(dr.peak_memory_bytes) + "</td>";
+        cells += "<td class='v'>" + percent(dr.bubble_fraction) + "</td><td class='v'>" + bytes(dr.peak_memory_bytes) +
+                 "</td>";
       } else {
         cells += "<td></td><td></td>";
       }
@@ -124,6 +134,8 @@ ReportPanel::ReportPanel(QWidget* parent) : QTextBrowser(parent) {
   setHtml(QString::fromStdString(report_html({})));
 }
 
-void ReportPanel::set_reports(const std::vector<NamedReport>& reports) { setHtml(QString::fromStdString(report_html(reports))); }
+void ReportPanel::set_reports(const std::vector<NamedReport>& reports) {
+  setHtml(QString::fromStdString(report_html(reports)));
+}
 
 }  // namespace piper::gui

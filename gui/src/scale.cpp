@@ -14,9 +14,12 @@ namespace piper::gui {
 
 const char* fold_mode_name(FoldMode m) {
   switch (m) {
-    case FoldMode::Off: return "off";
-    case FoldMode::Class: return "class";
-    case FoldMode::Stage: return "stage";
+    case FoldMode::Off:
+      return "off";
+    case FoldMode::Class:
+      return "class";
+    case FoldMode::Stage:
+      return "stage";
   }
   return "off";
 }
@@ -53,7 +56,9 @@ double spread_between(const core::Timeline& t, int a, int b) {
   const auto& sa = t.devices[static_cast<std::size_t>(a)].spans;
   const auto& sb = t.devices[static_cast<std::size_t>(b)].spans;
   if (sa.shares_storage_with(sb)) return 0;
-  if (t.program->plan_of_device[static_cast<std::size_t>(a)] != t.program->plan_of_device[static_cast<std::size_t>(b)] || sa.size() != sb.size())
+  if (t.program->plan_of_device[static_cast<std::size_t>(a)] !=
+          t.program->plan_of_device[static_cast<std::size_t>(b)] ||
+      sa.size() != sb.size())
     return -1;
   double spread = 0;
   for (std::size_t i = 0; i < sa.size(); ++i) spread = std::max(spread, std::abs(sa[i].start_s - sb[i].start_s));
@@ -81,8 +86,10 @@ std::vector<DeviceGroup> fold_devices(const core::Timeline& timeline, FoldMode m
   for (int d = 0; d < n; ++d) {
     const int plan = program.plan_of_device.at(static_cast<std::size_t>(d));
     std::size_t g = groups.size();
-    if (mode == FoldMode::Class) g = by_plan.try_emplace(plan, groups.size()).first->second;
-    else if (mode == FoldMode::Stage) g = by_stages.try_emplace(stages(d), groups.size()).first->second;
+    if (mode == FoldMode::Class)
+      g = by_plan.try_emplace(plan, groups.size()).first->second;
+    else if (mode == FoldMode::Stage)
+      g = by_stages.try_emplace(stages(d), groups.size()).first->second;
     if (g == groups.size()) {
       DeviceGroup group;
       group.stages = stages(d);
@@ -92,12 +99,14 @@ std::vector<DeviceGroup> fold_devices(const core::Timeline& timeline, FoldMode m
     DeviceGroup& group = groups[g];
     if (!group.devices.empty()) {
       const double s = spread_between(timeline, group.representative(), d);
-      if (s < 0) group.plan = -1;
-      else group.spread_s = std::max(group.spread_s, s);
+      if (s < 0)
+        group.plan = -1;
+      else
+        group.spread_s = std::max(group.spread_s, s);
     }
     group.devices.push_back(d);
   }
-  std::map<std::vector<int>, int> classes_of_stages;   // Class mode: name the class only when stages do not
+  std::map<std::vector<int>, int> classes_of_stages;  // Class mode: name the class only when stages do not
   for (const DeviceGroup& group : groups) ++classes_of_stages[group.stages];
   for (DeviceGroup& group : groups) {
     std::set<int> plans;
@@ -136,7 +145,8 @@ std::vector<std::size_t> code_point_starts(std::string_view s) {
 int utf8_length(std::string_view s) { return static_cast<int>(code_point_starts(s).size()); }
 
 std::string elide_middle(const std::string& text, int max_width, const std::function<int(std::string_view)>& width_fn) {
-  const std::function<int(std::string_view)> width = width_fn ? width_fn : [](std::string_view s) { return utf8_length(s); };
+  const std::function<int(std::string_view)> width =
+      width_fn ? width_fn : [](std::string_view s) { return utf8_length(s); };
   if (width(text) <= max_width) return text;
   const std::vector<std::size_t> starts = code_point_starts(text);
   const int n = static_cast<int>(starts.size());
@@ -147,7 +157,8 @@ std::string elide_middle(const std::string& text, int max_width, const std::func
     // An ellipsis already at the cut is not doubled ("…[25,33,…" -> one "…").
     std::string head_part = text.substr(0, head_end), tail_part = text.substr(tail_begin);
     const std::string dots = "…";
-    if (head_part.size() >= dots.size() && head_part.compare(head_part.size() - dots.size(), dots.size(), dots) == 0) head_part.resize(head_part.size() - dots.size());
+    if (head_part.size() >= dots.size() && head_part.compare(head_part.size() - dots.size(), dots.size(), dots) == 0)
+      head_part.resize(head_part.size() - dots.size());
     if (tail_part.rfind(dots, 0) == 0) tail_part.erase(0, dots.size());
     return head_part + dots + tail_part;
   };
@@ -156,8 +167,10 @@ std::string elide_middle(const std::string& text, int max_width, const std::func
   if (width(candidate(0)) > max_width) return "…";
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (width(candidate(mid)) <= max_width) lo = mid;
-    else hi = mid - 1;
+    if (width(candidate(mid)) <= max_width)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return candidate(lo);
 }
@@ -177,7 +190,7 @@ std::string format_bytes(double bytes) {
   static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   int u = 0;
   double v = bytes;
-  while (std::abs(v) >= 1023.995 && u < 5) {   // 1023.999 KiB would print as "1024 KiB"
+  while (std::abs(v) >= 1023.995 && u < 5) {  // 1023.999 KiB would print as "1024 KiB"
     v /= 1024;
     ++u;
   }
@@ -190,9 +203,12 @@ std::string format_percent(double fraction) {
   const double a = std::abs(p);
   if (a == 0 || !std::isfinite(p)) return a == 0 ? "0 %" : fmt::format("{} %", p);
   int decimals;
-  if (a >= 9.995) decimals = 1;
-  else if (a >= 0.9995) decimals = 2;
-  else decimals = std::min(9, 2 - static_cast<int>(std::floor(std::log10(a))));
+  if (a >= 9.995)
+    decimals = 1;
+  else if (a >= 0.9995)
+    decimals = 2;
+  else
+    decimals = std::min(9, 2 - static_cast<int>(std::floor(std::log10(a))));
   return fmt::format("{:.{}f} %", p, decimals);
 }
 
@@ -226,12 +242,8 @@ std::string format_flops(double flops) {
 
 namespace {
 const std::pair<const char*, const char*> kKindTitles[] = {
-    {"parameters", "weights"},
-    {"gradients", "gradients"},
-    {"optimizer_states", "optimizer state"},
-    {"activations", "activations"},
-    {"received", "received activations"},
-    {"gathered_parameters", "gathered weights"},
+    {"parameters", "weights"},      {"gradients", "gradients"},           {"optimizer_states", "optimizer state"},
+    {"activations", "activations"}, {"received", "received activations"}, {"gathered_parameters", "gathered weights"},
 };
 }  // namespace
 

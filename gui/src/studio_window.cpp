@@ -69,13 +69,15 @@ QSpinBox* spin(int lo, int hi, int value) {
 QWidget* setting_field(const core::Setting& s) {
   const nlohmann::json def = core::setting_default(s);
   switch (s.type) {
-    case core::SettingType::Bool: return new QCheckBox;
+    case core::SettingType::Bool:
+      return new QCheckBox;
     case core::SettingType::String: {
       auto* box = new QComboBox;
       std::vector<std::string> values = core::setting_choices(s);
       if (std::find(values.begin(), values.end(), def.get<std::string>()) == values.end())
         values.insert(values.begin(), def.get<std::string>());
-      for (const auto& v : values) box->addItem(QString::fromStdString(v.empty() ? "default" : v), QString::fromStdString(v));
+      for (const auto& v : values)
+        box->addItem(QString::fromStdString(v.empty() ? "default" : v), QString::fromStdString(v));
       if (core::setting_choices(s).empty()) box->setEditable(true);
       return box;
     }
@@ -99,14 +101,22 @@ QWidget* setting_field(const core::Setting& s) {
 
 void set_field(QWidget* w, const core::Setting& s, const nlohmann::json& v) {
   switch (s.type) {
-    case core::SettingType::Bool: static_cast<QCheckBox*>(w)->setChecked(v.get<bool>()); break;
-    case core::SettingType::Int: static_cast<QSpinBox*>(w)->setValue(v.get<int>()); break;
-    case core::SettingType::Double: static_cast<QDoubleSpinBox*>(w)->setValue(v.get<double>()); break;
+    case core::SettingType::Bool:
+      static_cast<QCheckBox*>(w)->setChecked(v.get<bool>());
+      break;
+    case core::SettingType::Int:
+      static_cast<QSpinBox*>(w)->setValue(v.get<int>());
+      break;
+    case core::SettingType::Double:
+      static_cast<QDoubleSpinBox*>(w)->setValue(v.get<double>());
+      break;
     case core::SettingType::String: {
       auto* box = static_cast<QComboBox*>(w);
       const int at = box->findData(QString::fromStdString(v.get<std::string>()));
-      if (at >= 0) box->setCurrentIndex(at);
-      else box->setCurrentText(QString::fromStdString(v.get<std::string>()));
+      if (at >= 0)
+        box->setCurrentIndex(at);
+      else
+        box->setCurrentText(QString::fromStdString(v.get<std::string>()));
       break;
     }
   }
@@ -114,13 +124,17 @@ void set_field(QWidget* w, const core::Setting& s, const nlohmann::json& v) {
 
 nlohmann::json field_value(const QWidget* w, const core::Setting& s) {
   switch (s.type) {
-    case core::SettingType::Bool: return static_cast<const QCheckBox*>(w)->isChecked();
-    case core::SettingType::Int: return static_cast<const QSpinBox*>(w)->value();
-    case core::SettingType::Double: return static_cast<const QDoubleSpinBox*>(w)->value();
+    case core::SettingType::Bool:
+      return static_cast<const QCheckBox*>(w)->isChecked();
+    case core::SettingType::Int:
+      return static_cast<const QSpinBox*>(w)->value();
+    case core::SettingType::Double:
+      return static_cast<const QDoubleSpinBox*>(w)->value();
     case core::SettingType::String: {
       const auto* box = static_cast<const QComboBox*>(w);
       const QVariant data = box->currentData();
-      return (data.isValid() && box->currentText() == box->itemText(box->currentIndex()) ? data.toString() : box->currentText())
+      return (data.isValid() && box->currentText() == box->itemText(box->currentIndex()) ? data.toString()
+                                                                                         : box->currentText())
           .toStdString();
     }
   }
@@ -235,12 +249,15 @@ void StudioWindow::build_menus() {
   file->addAction("&Quit", QKeySequence::Quit, this, &QWidget::close);
   QMenu* view = menuBar()->addMenu("&View");
   view->addAction("&Fit to window", QKeySequence(Qt::Key_F), this, [this] { view_->fit_to_window(); });
-  critical_action_ = view->addAction("&Critical path", QKeySequence(Qt::Key_C), this, [this](bool on) { view_->set_show_critical_path(on); });
+  critical_action_ = view->addAction("&Critical path", QKeySequence(Qt::Key_C), this,
+                                     [this](bool on) { view_->set_show_critical_path(on); });
   critical_action_->setCheckable(true);
   // Folding: one row per symmetry class or pipeline stage (default above 16 devices), or per device.
   QMenu* fold = view->addMenu("Fold &devices");
   auto* fold_group = new QActionGroup(this);
-  for (auto [title, mode] : {std::pair{"&Off (one row per device)", FoldMode::Off}, {"By symmetry &class", FoldMode::Class}, {"By pipeline &stage", FoldMode::Stage}}) {
+  for (auto [title, mode] : {std::pair{"&Off (one row per device)", FoldMode::Off},
+                             {"By symmetry &class", FoldMode::Class},
+                             {"By pipeline &stage", FoldMode::Stage}}) {
     QAction* a = fold->addAction(title, this, [this, mode] { view_->set_fold_mode(mode); });
     a->setCheckable(true);
     a->setData(static_cast<int>(mode));
@@ -259,7 +276,7 @@ QWidget* StudioWindow::build_preset_panel() {
   form->setContentsMargins(0, 0, 0, 0);
   form->setVerticalSpacing(2);
   model_ = new QComboBox;
-  model_->setEditable(true);   // zoo name, or a model spec / HF config path
+  model_->setEditable(true);  // zoo name, or a model spec / HF config path
   for (const auto& n : core::zoo_names()) model_->addItem(QString::fromStdString(n));
   cluster_ = new QComboBox;
   for (const auto& n : sim::cluster_presets()) cluster_->addItem(QString::fromStdString(n));
@@ -325,10 +342,18 @@ QWidget* StudioWindow::build_preset_panel() {
   form->addRow("tensor", grid3);
   // The settings table (core/settings.hpp): its help as each field's tool tip, and a generated field
   // for every setting the rows above do not lay out, so a new setting appears here by itself.
-  const std::map<std::string, QWidget*> laid_out = {
-      {"schedule", schedule_}, {"pp", pp_},     {"microbatches", microbatches_}, {"virtual", virtual_},
-      {"global_batch", global_batch_}, {"dp", dp_}, {"ep", ep_}, {"zero", zero_}, {"dp_shard", dp_shard_},
-      {"tp", tp_},             {"sequence_parallel", sequence_parallel_},        {"recompute", recompute_}};
+  const std::map<std::string, QWidget*> laid_out = {{"schedule", schedule_},
+                                                    {"pp", pp_},
+                                                    {"microbatches", microbatches_},
+                                                    {"virtual", virtual_},
+                                                    {"global_batch", global_batch_},
+                                                    {"dp", dp_},
+                                                    {"ep", ep_},
+                                                    {"zero", zero_},
+                                                    {"dp_shard", dp_shard_},
+                                                    {"tp", tp_},
+                                                    {"sequence_parallel", sequence_parallel_},
+                                                    {"recompute", recompute_}};
   for (const core::Setting& setting : core::strategy_settings()) {
     const QString tip = QString::fromStdString(core::setting_flag(setting) + ": " + setting.help);
     if (const auto it = laid_out.find(setting.name); it != laid_out.end()) {
@@ -440,7 +465,9 @@ bool StudioWindow::open_scenario_file(const QString& path, bool synchronous) {
   }
 }
 
-void StudioWindow::compare_with(const core::Scenario& scenario, bool synchronous) { start(scenario, 1, synchronous, ""); }
+void StudioWindow::compare_with(const core::Scenario& scenario, bool synchronous) {
+  start(scenario, 1, synchronous, "");
+}
 
 bool StudioWindow::compare_with_file(const QString& path, bool synchronous) {
   try {
@@ -503,7 +530,7 @@ void StudioWindow::start(const core::Scenario& scenario, int slot, bool synchron
     --running_;
     const RunOutcome outcome = watcher->result();
     watcher->deleteLater();
-    if (generation != generation_[slot]) return;   // superseded by a later edit
+    if (generation != generation_[slot]) return;  // superseded by a later edit
     finish(outcome, slot, from_editor);
   });
   watcher->setFuture(QtConcurrent::run(run_guarded, scenario, editor_text));
@@ -520,8 +547,10 @@ void StudioWindow::finish(const RunOutcome& outcome, int slot, bool from_editor)
   error_label_->clear();
   if (slot == 0) {
     run_a_ = outcome.run;
-    if (from_editor) scenario_a_ = outcome.run->scenario;
-    else set_editor_program(outcome.run->program_json);
+    if (from_editor)
+      scenario_a_ = outcome.run->scenario;
+    else
+      set_editor_program(outcome.run->program_json);
   } else {
     run_b_ = outcome.run;
   }
@@ -622,17 +651,18 @@ int studio_main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     screenshot = screenshot || a == "--screenshot";
-    if (a == "--help" || a == "-h") {   // before QApplication: works without a display
-      std::cout << "usage: piper-studio [scenario.json] [--compare other.json] [--overlay trace.json]\n"
-                   "                    [--screenshot out.png [--size 1600x1000]] [--critical-path] [--fold MODE]\n"
-                   "  scenario.json      a scenario (model, cluster, strategy or directive program); default: a preset\n"
-                   "  --compare FILE     stack a second scenario under the first, reports side by side\n"
-                   "  --overlay FILE     overlay a Chrome trace (e.g. measured) on the first scenario\n"
-                   "  --screenshot FILE  render the window offscreen to a PNG and exit\n"
-                   "  --size WxH         window size for --screenshot\n"
-                   "  --critical-path    highlight the critical path\n"
-                   "  --fold MODE        rows: off (one per device), class (per symmetry class), stage (per\n"
-                   "                     pipeline stage); default: class above 16 devices\n";
+    if (a == "--help" || a == "-h") {  // before QApplication: works without a display
+      std::cout
+          << "usage: piper-studio [scenario.json] [--compare other.json] [--overlay trace.json]\n"
+             "                    [--screenshot out.png [--size 1600x1000]] [--critical-path] [--fold MODE]\n"
+             "  scenario.json      a scenario (model, cluster, strategy or directive program); default: a preset\n"
+             "  --compare FILE     stack a second scenario under the first, reports side by side\n"
+             "  --overlay FILE     overlay a Chrome trace (e.g. measured) on the first scenario\n"
+             "  --screenshot FILE  render the window offscreen to a PNG and exit\n"
+             "  --size WxH         window size for --screenshot\n"
+             "  --critical-path    highlight the critical path\n"
+             "  --fold MODE        rows: off (one per device), class (per symmetry class), stage (per\n"
+             "                     pipeline stage); default: class above 16 devices\n";
       return 0;
     }
   }
@@ -655,9 +685,12 @@ int studio_main(int argc, char** argv) {
   StudioWindow window;
   if (parser.isSet(fold)) {
     const QString m = parser.value(fold);
-    if (m == "off") window.view()->set_fold_mode(FoldMode::Off);
-    else if (m == "class") window.view()->set_fold_mode(FoldMode::Class);
-    else if (m == "stage") window.view()->set_fold_mode(FoldMode::Stage);
+    if (m == "off")
+      window.view()->set_fold_mode(FoldMode::Off);
+    else if (m == "class")
+      window.view()->set_fold_mode(FoldMode::Class);
+    else if (m == "stage")
+      window.view()->set_fold_mode(FoldMode::Stage);
     else {
       std::cerr << "piper-studio: error: --fold '" << m.toStdString() << "': expected off, class or stage\n";
       return 2;
@@ -686,7 +719,8 @@ int studio_main(int argc, char** argv) {
     window.load_scenario(default_scenario(), sync);
   }
   if (sync && (!ok || !window.run_a())) return fail(window.error_text());
-  if (parser.isSet(compare) && !window.compare_with_file(parser.value(compare), sync) && sync) return fail(window.error_text());
+  if (parser.isSet(compare) && !window.compare_with_file(parser.value(compare), sync) && sync)
+    return fail(window.error_text());
   if (sync && parser.isSet(compare) && !window.run_b()) return fail(window.error_text());
   if (parser.isSet(overlay) && !window.overlay_trace(parser.value(overlay)) && sync) return fail(window.error_text());
   if (parser.isSet(critical)) window.view()->set_show_critical_path(true);

@@ -7,8 +7,8 @@
 namespace piper::gui {
 
 namespace {
-constexpr const char* kNames[kSpanKindCount] = {"F",    "B",    "BI",         "BW",             "UPD",        "SEND",
-                                                "RECV", "ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL", "OTHER"};
+constexpr const char* kNames[kSpanKindCount] = {
+    "F", "B", "BI", "BW", "UPD", "SEND", "RECV", "ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL", "OTHER"};
 constexpr const char* kShort[kSpanKindCount] = {"F", "B", "BI", "BW", "U", "S", "R", "AR", "RS", "AG", "A2A", ""};
 }  // namespace
 
@@ -17,19 +17,31 @@ SpanKind span_kind(const core::Op& op) {
   switch (op.kind) {
     case OpKind::Compute:
       switch (op.pass) {
-        case core::Pass::F: return SpanKind::F;
-        case core::Pass::B: return SpanKind::B;
-        case core::Pass::BI: return SpanKind::BI;
-        case core::Pass::BW: return SpanKind::BW;
-        default: return SpanKind::Other;
+        case core::Pass::F:
+          return SpanKind::F;
+        case core::Pass::B:
+          return SpanKind::B;
+        case core::Pass::BI:
+          return SpanKind::BI;
+        case core::Pass::BW:
+          return SpanKind::BW;
+        default:
+          return SpanKind::Other;
       }
-    case OpKind::Update: return SpanKind::Update;
-    case OpKind::Send: return SpanKind::Send;
-    case OpKind::Recv: return SpanKind::Recv;
-    case OpKind::AllReduce: return SpanKind::AllReduce;
-    case OpKind::ReduceScatter: return SpanKind::ReduceScatter;
-    case OpKind::AllGather: return SpanKind::AllGather;
-    case OpKind::AllToAll: return SpanKind::AllToAll;
+    case OpKind::Update:
+      return SpanKind::Update;
+    case OpKind::Send:
+      return SpanKind::Send;
+    case OpKind::Recv:
+      return SpanKind::Recv;
+    case OpKind::AllReduce:
+      return SpanKind::AllReduce;
+    case OpKind::ReduceScatter:
+      return SpanKind::ReduceScatter;
+    case OpKind::AllGather:
+      return SpanKind::AllGather;
+    case OpKind::AllToAll:
+      return SpanKind::AllToAll;
   }
   return SpanKind::Other;
 }
@@ -79,7 +91,8 @@ const core::Op* Track::op(int row, int lane, std::size_t pos) const {
   return &plan.streams.at(static_cast<std::size_t>(l.stream)).ops.at(static_cast<std::size_t>(l.op_index[pos]));
 }
 
-std::shared_ptr<Track> make_track(std::shared_ptr<const core::Timeline> timeline, std::string title, std::int64_t hbm_bytes) {
+std::shared_ptr<Track> make_track(std::shared_ptr<const core::Timeline> timeline, std::string title,
+                                  std::int64_t hbm_bytes) {
   auto track = std::make_shared<Track>();
   track->title = std::move(title);
   track->timeline = timeline;
@@ -106,10 +119,15 @@ std::shared_ptr<Track> make_track(std::shared_ptr<const core::Timeline> timeline
       lane.stream = static_cast<int>(s);
       std::vector<std::size_t> order(e - b);
       std::iota(order.begin(), order.end(), b);
-      std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return spans[x].start_s < spans[y].start_s; });
+      std::stable_sort(order.begin(), order.end(),
+                       [&](std::size_t x, std::size_t y) { return spans[x].start_s < spans[y].start_s; });
       const std::size_t n = order.size();
-      lane.start_s.resize(n); lane.end_s.resize(n); lane.max_end_s.resize(n);
-      lane.kind.resize(n); lane.microbatch.resize(n); lane.op_index.resize(n);
+      lane.start_s.resize(n);
+      lane.end_s.resize(n);
+      lane.max_end_s.resize(n);
+      lane.kind.resize(n);
+      lane.microbatch.resize(n);
+      lane.op_index.resize(n);
       lane.pos_of_op.assign(plan.streams[s].ops.size(), -1);
       double max_end = -1e300;
       for (std::size_t k = 0; k < n; ++k) {

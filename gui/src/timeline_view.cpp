@@ -39,17 +39,25 @@ bool dark(const QColor& c) { return 0.299 * c.red() + 0.587 * c.green() + 0.114 
 
 // Time formatting with units: picks s, ms, us or ns so the number stays readable.
 QString format_time(double t_s, double resolution_s) {
-  struct Unit { double s; const char* name; };
+  struct Unit {
+    double s;
+    const char* name;
+  };
   static const Unit units[] = {{1, "s"}, {1e-3, "ms"}, {1e-6, "µs"}, {1e-9, "ns"}};
   const Unit* u = &units[3];
   for (const Unit& cand : units)
-    if (resolution_s >= cand.s * 0.999 || std::abs(t_s) >= cand.s * 10 * 0.999) { u = &cand; break; }
+    if (resolution_s >= cand.s * 0.999 || std::abs(t_s) >= cand.s * 10 * 0.999) {
+      u = &cand;
+      break;
+    }
   const double step = resolution_s / u->s;
   const int decimals = step >= 1 ? 0 : std::min(6, static_cast<int>(std::ceil(-std::log10(step) - 1e-9)));
   return QString::number(t_s / u->s, 'f', decimals) + " " + QString::fromUtf8(u->name);
 }
 
-QString format_duration(double s) { return format_time(s, s > 0 ? std::pow(10.0, std::floor(std::log10(s)) - 2) : 1e-9); }
+QString format_duration(double s) {
+  return format_time(s, s > 0 ? std::pow(10.0, std::floor(std::log10(s)) - 2) : 1e-9);
+}
 
 QString qbytes(double b) { return QString::fromStdString(gui::format_bytes(b)); }
 
@@ -108,7 +116,9 @@ int TimelineView::memory_height() const {
 }
 
 int TimelineView::device_rows(int track) const {
-  return track < static_cast<int>(tracks_.size()) ? static_cast<int>(tracks_[static_cast<std::size_t>(track)]->rows.size()) : 0;
+  return track < static_cast<int>(tracks_.size())
+             ? static_cast<int>(tracks_[static_cast<std::size_t>(track)]->rows.size())
+             : 0;
 }
 
 double TimelineView::total_time_s() const {
@@ -129,7 +139,8 @@ void TimelineView::set_tracks(std::vector<std::shared_ptr<const Track>> tracks, 
     fold_mode_ = !tracks_.empty() && tracks_[0]->timeline ? default_fold_mode(*tracks_[0]->timeline) : FoldMode::Off;
   std::vector<std::vector<DeviceGroup>> groups;
   for (const auto& t : tracks_)
-    groups.push_back(t->timeline && fold_mode_ != FoldMode::Off ? fold_devices(*t->timeline, fold_mode_) : std::vector<DeviceGroup>{});
+    groups.push_back(t->timeline && fold_mode_ != FoldMode::Off ? fold_devices(*t->timeline, fold_mode_)
+                                                                : std::vector<DeviceGroup>{});
   std::vector<std::vector<bool>> expanded;
   for (std::size_t t = 0; t < groups.size(); ++t) {
     const bool keep = same_shape && groups_[t].size() == groups[t].size() && expanded_[t].size() == groups[t].size();
@@ -138,7 +149,8 @@ void TimelineView::set_tracks(std::vector<std::shared_ptr<const Track>> tracks, 
   groups_ = std::move(groups);
   expanded_ = std::move(expanded);
   deps_index_.clear();
-  for (const auto& t : tracks_) deps_index_.push_back(t->timeline ? std::make_unique<DependencyIndex>(t->timeline) : nullptr);
+  for (const auto& t : tracks_)
+    deps_index_.push_back(t->timeline ? std::make_unique<DependencyIndex>(t->timeline) : nullptr);
   selection_ = Hit{};
   selected_deps_ = Dependencies{};
   critical_.clear();
@@ -162,7 +174,8 @@ void TimelineView::relayout() {
     const Track& track = *tracks_[t];
     for (std::size_t r = 0; r < track.rows.size(); ++r) {
       const int device = track.rows[r].device;
-      if (device >= static_cast<int>(l.row_of_device.size())) l.row_of_device.resize(static_cast<std::size_t>(device) + 1, -1);
+      if (device >= static_cast<int>(l.row_of_device.size()))
+        l.row_of_device.resize(static_cast<std::size_t>(device) + 1, -1);
       l.row_of_device[static_cast<std::size_t>(device)] = static_cast<int>(r);
     }
     l.display_of_row.assign(track.rows.size(), -1);
@@ -221,14 +234,17 @@ bool TimelineView::group_expanded(int track, int group) const {
 }
 
 int TimelineView::visible_rows(int track) const {
-  return track < static_cast<int>(layouts_.size()) ? static_cast<int>(layouts_[static_cast<std::size_t>(track)].rows.size()) : 0;
+  return track < static_cast<int>(layouts_.size())
+             ? static_cast<int>(layouts_[static_cast<std::size_t>(track)].rows.size())
+             : 0;
 }
 
 int TimelineView::visible_lanes(int track) const {
   int lanes = 0;
   if (track >= static_cast<int>(layouts_.size())) return 0;
   for (const RowLayout& r : layouts_[static_cast<std::size_t>(track)].rows)
-    lanes += static_cast<int>(tracks_[static_cast<std::size_t>(track)]->rows[static_cast<std::size_t>(r.track_row)].lanes.size());
+    lanes += static_cast<int>(
+        tracks_[static_cast<std::size_t>(track)]->rows[static_cast<std::size_t>(r.track_row)].lanes.size());
   return lanes;
 }
 
@@ -243,7 +259,8 @@ int TimelineView::row_group(int track, int row) const {
 
 QString TimelineView::row_label(int track, int row) const {
   const RowLayout& r = layouts_.at(static_cast<std::size_t>(track)).rows.at(static_cast<std::size_t>(row));
-  if (r.folded) return QString::fromStdString(groups_[static_cast<std::size_t>(track)][static_cast<std::size_t>(r.group)].label);
+  if (r.folded)
+    return QString::fromStdString(groups_[static_cast<std::size_t>(track)][static_cast<std::size_t>(r.group)].label);
   return QString("dev %1").arg(row_device(track, row));
 }
 
@@ -251,7 +268,8 @@ int TimelineView::lane_text_width() const { return plot_left() - kRowLabelX - 20
 
 QString TimelineView::lane_text(int track, int row, int lane) const {
   const RowLayout& r = layouts_.at(static_cast<std::size_t>(track)).rows.at(static_cast<std::size_t>(row));
-  const Lane& l = tracks_[static_cast<std::size_t>(track)]->rows[static_cast<std::size_t>(r.track_row)].lanes.at(static_cast<std::size_t>(lane));
+  const Lane& l = tracks_[static_cast<std::size_t>(track)]->rows[static_cast<std::size_t>(r.track_row)].lanes.at(
+      static_cast<std::size_t>(lane));
   std::string name = l.name;
   if (l.measured && l.error.matched > 0) {
     name += ' ';
@@ -303,9 +321,7 @@ void TimelineView::update_scrollbar() {
   scrollbar_->setValue(scroll_y_);
 }
 
-void TimelineView::resizeEvent(QResizeEvent*) {
-  update_scrollbar();
-}
+void TimelineView::resizeEvent(QResizeEvent*) { update_scrollbar(); }
 
 void TimelineView::set_time_range(double t0_s, double t1_s) {
   if (!(t1_s > t0_s)) return;
@@ -324,7 +340,8 @@ void TimelineView::fit_to_window() {
     for (const RowLayout& r : layouts_[t].rows)
       lanes += std::max<int>(1, static_cast<int>(tracks_[t]->rows[static_cast<std::size_t>(r.track_row)].lanes.size()));
   }
-  const int spare = body_bottom() - body_top() - static_cast<int>(tracks_.size()) * (kHeaderPx + 6) - rows * kDeviceGapPx;
+  const int spare =
+      body_bottom() - body_top() - static_cast<int>(tracks_.size()) * (kHeaderPx + 6) - rows * kDeviceGapPx;
   // 12 px by default; down to 9 px (lane names still drawn) when that fits every row without scrolling.
   const int fitting = lanes > 0 ? spare / lanes - 1 : 16;
   const int lane_height = lanes > 0 ? (fitting >= 9 ? std::min(fitting, 26) : 12) : 16;
@@ -412,7 +429,7 @@ void TimelineView::paint_legend(QPainter& p, int w) {
     x += fm.horizontalAdvance(name) + 12;
   }
   const QString hint = "wheel: zoom · drag: pan · shift+drag: box zoom · double-click: fit · click: dependencies";
-  if (fm.horizontalAdvance(hint) < w - x - 16) {   // only when it does not crowd the legend
+  if (fm.horizontalAdvance(hint) < w - x - 16) {  // only when it does not crowd the legend
     p.setPen(QColor(0x88, 0x88, 0x88));
     p.drawText(QRect(x, 0, w - x - 8, kLegendPx), Qt::AlignRight | Qt::AlignVCenter, hint);
   }
@@ -461,14 +478,16 @@ void TimelineView::paint_lanes(QPainter& p, const Track& track, const TrackLayou
   }
   // Visible rows: binary search on the (sorted) row offsets.
   const int y0 = body_top() - top, y1 = body_bottom() - top;
-  auto first = std::upper_bound(layout.rows.begin(), layout.rows.end(), y0, [](int y, const RowLayout& r) { return y < r.y + r.height; });
+  auto first = std::upper_bound(layout.rows.begin(), layout.rows.end(), y0,
+                                [](int y, const RowLayout& r) { return y < r.y + r.height; });
   const int ti = static_cast<int>(&layout - layouts_.data());
   for (auto it = first; it != layout.rows.end() && it->y < y1; ++it) {
     const std::size_t r = static_cast<std::size_t>(it - layout.rows.begin());
     const DeviceRow& row = track.rows[static_cast<std::size_t>(it->track_row)];
     const int ry = top + it->y;
     const int lanes_h = it->height - kDeviceGapPx;
-    p.fillRect(0, ry, w, lanes_h, it->folded ? QColor(0xF1, 0xF5, 0xFB) : ((r % 2) ? QColor(0xF7, 0xF8, 0xFA) : QColor(0xFF, 0xFF, 0xFF)));
+    p.fillRect(0, ry, w, lanes_h,
+               it->folded ? QColor(0xF1, 0xF5, 0xFB) : ((r % 2) ? QColor(0xF7, 0xF8, 0xFA) : QColor(0xFF, 0xFF, 0xFF)));
     // Row label: a folded group ("▸ stage 3 ×32", click to expand) or a device ("▾ dev 8" when it
     // belongs to an expanded group, click to fold).
     QFont row_font = gutter_font;
@@ -476,8 +495,8 @@ void TimelineView::paint_lanes(QPainter& p, const Track& track, const TrackLayou
     p.setFont(row_font);
     p.setPen(it->folded ? QColor(0x1F, 0x3A, 0x5F) : QColor(0x22, 0x22, 0x22));
     const QString marker = it->folded ? QStringLiteral("▸ ") : (it->expanded_member ? QStringLiteral("▾ ") : QString());
-    p.drawText(QRect(kRowLabelX, ry, plot_left() - kRowLabelX - 4, std::max(lane_step(), 12)), Qt::AlignLeft | Qt::AlignVCenter,
-               marker + row_label(ti, static_cast<int>(r)));
+    p.drawText(QRect(kRowLabelX, ry, plot_left() - kRowLabelX - 4, std::max(lane_step(), 12)),
+               Qt::AlignLeft | Qt::AlignVCenter, marker + row_label(ti, static_cast<int>(r)));
     for (std::size_t l = 0; l < row.lanes.size(); ++l) {
       const Lane& lane = row.lanes[l];
       const int ly = ry + static_cast<int>(l) * lane_step();
@@ -515,12 +534,19 @@ void TimelineView::paint_lane(QPainter& p, const Lane& lane, int y, int h, int r
     if (fx1 - fx0 < 2.0) {
       // Sub-pixel (or nearly): merge into the current run; jump past every span starting in this pixel.
       x1 = std::max(x0 + 1, x1 + 1);
-      if (run_x1 >= x0 && run_x1 >= 0) run_x1 = std::max(run_x1, x1);
-      else { flush(); run_x0 = x0; run_x1 = x1; run_kind = lane.kind[i]; }
+      if (run_x1 >= x0 && run_x1 >= 0)
+        run_x1 = std::max(run_x1, x1);
+      else {
+        flush();
+        run_x0 = x0;
+        run_x1 = x1;
+        run_kind = lane.kind[i];
+      }
       const double next_t = t0 + (x0 + 1 - left) / pixels_per_s_;
-      std::size_t j = static_cast<std::size_t>(std::lower_bound(lane.start_s.begin() + static_cast<std::ptrdiff_t>(i) + 1,
-                                                                lane.start_s.begin() + static_cast<std::ptrdiff_t>(last), next_t) -
-                                               lane.start_s.begin());
+      std::size_t j =
+          static_cast<std::size_t>(std::lower_bound(lane.start_s.begin() + static_cast<std::ptrdiff_t>(i) + 1,
+                                                    lane.start_s.begin() + static_cast<std::ptrdiff_t>(last), next_t) -
+                                   lane.start_s.begin());
       if (j > i + 1) run_x1 = std::max(run_x1, static_cast<int>(std::floor(px(lane.max_end_s[j - 1]))) + 1);
       i = std::max(j, i + 1);
       continue;
@@ -534,9 +560,12 @@ void TimelineView::paint_lane(QPainter& p, const Lane& lane, int y, int h, int r
     } else {
       p.fillRect(x0, y, wpx, h, c);
     }
-    if (wpx >= 5) p.fillRect(x1 - 1, y, 1, h, c.darker(135));   // separates back-to-back ops
+    if (wpx >= 5) p.fillRect(x1 - 1, y, 1, h, c.darker(135));  // separates back-to-back ops
     if (wpx >= 14 && h >= 9) {
-      if (!font_set) { p.setFont(label_font); font_set = true; }
+      if (!font_set) {
+        p.setFont(label_font);
+        font_set = true;
+      }
       const CachedLabel& text = label(lane.kind[i], lane.microbatch[i], label_font);
       if (text.width + 4 <= wpx) {
         p.setPen(dark(c) ? Qt::white : QColor(0x1A, 0x1A, 0x1A));
@@ -571,7 +600,9 @@ const TimelineView::CachedLabel& TimelineView::label(std::uint8_t kind, int micr
 
 std::optional<QRectF> TimelineView::span_rect(int track, int row, int lane, std::size_t pos) const {
   const TrackLayout& layout = layouts_.at(static_cast<std::size_t>(track));
-  const Lane& l = tracks_[static_cast<std::size_t>(track)]->rows.at(static_cast<std::size_t>(row)).lanes.at(static_cast<std::size_t>(lane));
+  const Lane& l = tracks_[static_cast<std::size_t>(track)]
+                      ->rows.at(static_cast<std::size_t>(row))
+                      .lanes.at(static_cast<std::size_t>(lane));
   const int display = layout.display_of_row.at(static_cast<std::size_t>(row));
   if (display < 0) return std::nullopt;
   const int y = body_top() - scroll_y_ + layout.rows.at(static_cast<std::size_t>(display)).y + lane * lane_step();
@@ -622,7 +653,11 @@ void TimelineView::paint_highlights(QPainter& p) {
     };
     for (const OpKey& k : critical_) {
       auto r = op_rect(0, k);
-      if (!r) { flush(); prev.reset(); continue; }
+      if (!r) {
+        flush();
+        prev.reset();
+        continue;
+      }
       if (prev && std::abs(prev->center().y() - r->center().y()) > 1) {
         flush();
         p.setPen(QPen(QColor(kCritical.red(), kCritical.green(), kCritical.blue(), 190), 1.3));
@@ -680,7 +715,10 @@ TimelineView::MemoryScale TimelineView::memory_scale() const {
 
 std::vector<TimelineView::MemoryCurve> TimelineView::memory_curves() const {
   std::vector<MemoryCurve> curves;
-  const int selected_device = selection_.valid() ? tracks_[static_cast<std::size_t>(selection_.track)]->rows[static_cast<std::size_t>(selection_.row)].device : -1;
+  const int selected_device =
+      selection_.valid()
+          ? tracks_[static_cast<std::size_t>(selection_.track)]->rows[static_cast<std::size_t>(selection_.row)].device
+          : -1;
   for (std::size_t ti = 0; ti < tracks_.size(); ++ti) {
     const Track& track = *tracks_[ti];
     if (!track.timeline) continue;
@@ -698,13 +736,16 @@ std::vector<TimelineView::MemoryCurve> TimelineView::memory_curves() const {
       c.track = static_cast<int>(ti);
       c.row = rows[k];
       c.device = row_device(c.track, c.row);
-      if (c.device >= static_cast<int>(track.timeline->devices.size()) || track.timeline->devices[static_cast<std::size_t>(c.device)].memory.empty()) continue;
+      if (c.device >= static_cast<int>(track.timeline->devices.size()) ||
+          track.timeline->devices[static_cast<std::size_t>(c.device)].memory.empty())
+        continue;
       // One colour per row with a single scenario; one hue per scenario when comparing.
-      c.colour = tracks_.size() == 1 ? kCurveColours[k % std::size(kCurveColours)] : kTrackHue[std::min<std::size_t>(ti, 2)];
+      c.colour =
+          tracks_.size() == 1 ? kCurveColours[k % std::size(kCurveColours)] : kTrackHue[std::min<std::size_t>(ti, 2)];
       c.label = (tracks_.size() > 1 ? QString(ti == 0 ? "A " : "B ") : QString()) + row_label(c.track, c.row);
       mine.push_back(c);
     }
-    if (selected_device >= 0 && static_cast<int>(ti) == selection_.track) {   // drawn last, on top
+    if (selected_device >= 0 && static_cast<int>(ti) == selection_.track) {  // drawn last, on top
       auto it = std::find_if(mine.begin(), mine.end(), [&](const MemoryCurve& c) {
         return layout.rows[static_cast<std::size_t>(c.row)].track_row == selection_.row;
       });
@@ -751,7 +792,7 @@ void TimelineView::paint_memory(QPainter& p, int w, int h) {
         }
     }
     std::size_t shown = 0;
-    const int column_width = plot_left() - 64 - 24;   // the axis labels take the gutter's right 60 px
+    const int column_width = plot_left() - 64 - 24;  // the axis labels take the gutter's right 60 px
     for (int y = top + 20; shown < entries.size() && y + 12 <= h - 2; y += 12, ++shown) {
       const MemoryCurve& c = entries[shown];
       p.fillRect(6, y + 5, 14, 3, c.colour);
@@ -760,8 +801,10 @@ void TimelineView::paint_memory(QPainter& p, int w, int h) {
     }
     int x = plot_left() + 6;
     int limit = plot_right() - 8;
-    if (hbm > 0 && !hbm_on_scale)   // the HBM note sits on the header line
-      limit -= fm.horizontalAdvance(QString("HBM limit %1 (above scale)  — OUT OF MEMORY").arg(qbytes(static_cast<double>(hbm)))) + 8;
+    if (hbm > 0 && !hbm_on_scale)  // the HBM note sits on the header line
+      limit -= fm.horizontalAdvance(
+                   QString("HBM limit %1 (above scale)  — OUT OF MEMORY").arg(qbytes(static_cast<double>(hbm)))) +
+               8;
     for (; shown < entries.size(); ++shown) {
       const MemoryCurve& c = entries[shown];
       const int need = 18 + fm.horizontalAdvance(c.label) + 12;
@@ -796,7 +839,10 @@ void TimelineView::paint_memory(QPainter& p, int w, int h) {
   p.save();
   p.setClipRect(QRect(plot_left(), plot_top - 6, plot_right() - plot_left(), h - plot_top + 6));
   const double t0 = view_start_s_;
-  const int selected_device = selection_.valid() ? tracks_[static_cast<std::size_t>(selection_.track)]->rows[static_cast<std::size_t>(selection_.row)].device : -1;
+  const int selected_device =
+      selection_.valid()
+          ? tracks_[static_cast<std::size_t>(selection_.track)]->rows[static_cast<std::size_t>(selection_.row)].device
+          : -1;
   std::int64_t peak_marker_bytes = -1;
   QPointF peak_marker;
   QString peak_marker_label;
@@ -811,7 +857,8 @@ void TimelineView::paint_memory(QPainter& p, int w, int h) {
     if (!highlighted && selected_device >= 0) c.setAlpha(90);
     p.setPen(QPen(c, highlighted ? 2.0 : 1.2));
     // Step function decimated per pixel column: entry value, column min/max, exit value.
-    auto it = std::upper_bound(mem.begin(), mem.end(), t0, [](double t, const core::MemorySample& s) { return t < s.time_s; });
+    auto it = std::upper_bound(mem.begin(), mem.end(), t0,
+                               [](double t, const core::MemorySample& s) { return t < s.time_s; });
     if (it != mem.begin()) --it;
     QPolygon line;
     double value = static_cast<double>(it->bytes);
@@ -825,7 +872,7 @@ void TimelineView::paint_memory(QPainter& p, int w, int h) {
       const int y_before = yi(value);
       value = static_cast<double>(it->bytes);
       const int y_after = yi(value);
-      if (y_after == y_before) continue;   // changes below a pixel draw nothing
+      if (y_after == y_before) continue;  // changes below a pixel draw nothing
       if (c2 != column) {
         line << QPoint(c2, y_before);
         column = c2;
@@ -857,7 +904,8 @@ void TimelineView::paint_memory(QPainter& p, int w, int h) {
     if (hbm_on_scale) {
       p.drawLine(QPointF(plot_left(), y), QPointF(plot_right(), y));
       if (peak > static_cast<double>(hbm))
-        p.fillRect(QRectF(plot_left(), plot_top - 10, plot_right() - plot_left(), y - plot_top + 10), QColor(0xD0, 0x20, 0x20, 28));
+        p.fillRect(QRectF(plot_left(), plot_top - 10, plot_right() - plot_left(), y - plot_top + 10),
+                   QColor(0xD0, 0x20, 0x20, 28));
     }
   }
   p.restore();
@@ -880,8 +928,10 @@ QString TimelineView::describe_memory(QPointF pos) const {
   std::int64_t best_bytes = 0;
   const std::vector<MemoryCurve> curves = memory_curves();
   for (const MemoryCurve& c : curves) {
-    const auto& mem = tracks_[static_cast<std::size_t>(c.track)]->timeline->devices[static_cast<std::size_t>(c.device)].memory.get();
-    auto it = std::upper_bound(mem.begin(), mem.end(), t, [](double v, const core::MemorySample& s) { return v < s.time_s; });
+    const auto& mem =
+        tracks_[static_cast<std::size_t>(c.track)]->timeline->devices[static_cast<std::size_t>(c.device)].memory.get();
+    auto it =
+        std::upper_bound(mem.begin(), mem.end(), t, [](double v, const core::MemorySample& s) { return v < s.time_s; });
     const std::int64_t bytes = it == mem.begin() ? 0 : std::prev(it)->bytes;
     const double d = std::abs(memory_y(m, static_cast<double>(bytes)) - pos.y());
     if (d < best_distance) {
@@ -900,12 +950,17 @@ QString TimelineView::describe_memory(QPointF pos) const {
     html += QString("<br>curve of device %1, for %2").arg(best->device).arg(members_text(g.devices));
   }
   html += QString("<br>in use at %1: %2").arg(format_duration(t), qbytes(static_cast<double>(best_bytes)));
-  html += QString("<br>peak %1 at %2").arg(qbytes(static_cast<double>(dt.peak_memory_bytes)), format_duration(dt.peak_memory_time_s));
+  html += QString("<br>peak %1 at %2")
+              .arg(qbytes(static_cast<double>(dt.peak_memory_bytes)), format_duration(dt.peak_memory_time_s));
   if (static_cast<std::size_t>(best->device) < track.peak_bytes_by_kind.size()) {
     const std::string breakdown = memory_breakdown(track.peak_bytes_by_kind[static_cast<std::size_t>(best->device)]);
     if (!breakdown.empty()) html += "<br>peak by kind: " + QString::fromStdString(breakdown).toHtmlEscaped();
   }
-  if (track.hbm_bytes > 0) html += QString("<br>HBM %1 (%2 used at peak)").arg(qbytes(static_cast<double>(track.hbm_bytes)), QString::fromStdString(format_percent(static_cast<double>(dt.peak_memory_bytes) / static_cast<double>(track.hbm_bytes))));
+  if (track.hbm_bytes > 0)
+    html += QString("<br>HBM %1 (%2 used at peak)")
+                .arg(qbytes(static_cast<double>(track.hbm_bytes)),
+                     QString::fromStdString(format_percent(static_cast<double>(dt.peak_memory_bytes) /
+                                                           static_cast<double>(track.hbm_bytes))));
   return html;
 }
 
@@ -922,9 +977,14 @@ QString TimelineView::describe_gutter(QPointF pos) const {
       if (g.size() > 1) {
         html += "<br>" + members_text(g.devices);
         if (!g.stages.empty()) html += " · " + QString::fromStdString(stages_label(g.stages));
-        html += QString("<br>%1 plan%2").arg(g.classes).arg(g.classes > 1 ? "s (symmetry classes)" : " (one symmetry class)");
-        if (g.plan >= 0) html += g.spread_s > 0 ? QString(", start times differ by up to %1").arg(format_duration(g.spread_s)) : QString(", identical timings");
-        html += r.folded ? QString("<br>drawn: device %1 · click to expand").arg(g.representative()) : QString("<br>click to fold");
+        html += QString("<br>%1 plan%2")
+                    .arg(g.classes)
+                    .arg(g.classes > 1 ? "s (symmetry classes)" : " (one symmetry class)");
+        if (g.plan >= 0)
+          html += g.spread_s > 0 ? QString(", start times differ by up to %1").arg(format_duration(g.spread_s))
+                                 : QString(", identical timings");
+        html += r.folded ? QString("<br>drawn: device %1 · click to expand").arg(g.representative())
+                         : QString("<br>click to fold");
       }
     }
     const int lane = (static_cast<int>(pos.y()) - row_top(static_cast<int>(t), *row)) / lane_step();
@@ -934,10 +994,13 @@ QString TimelineView::describe_gutter(QPointF pos) const {
       if (l.measured) {
         const LaneError& e = l.error;
         if (e.matched > 0)
-          html += QString("<br>vs predicted: %1 of %2 ops matched; busy %3 measured vs %4 predicted (%5); mean |error| per op %6")
+          html += QString(
+                      "<br>vs predicted: %1 of %2 ops matched; busy %3 measured vs %4 predicted (%5); mean |error| per "
+                      "op %6")
                       .arg(e.matched)
                       .arg(e.matched + e.unmatched)
-                      .arg(format_duration(e.measured_s), format_duration(e.predicted_s), QString::fromStdString(format_signed_percent(e.total_error())),
+                      .arg(format_duration(e.measured_s), format_duration(e.predicted_s),
+                           QString::fromStdString(format_signed_percent(e.total_error())),
                            QString::fromStdString(format_percent(e.mean_abs_error)));
         else
           html += "<br>no op matched a predicted one (no predicted lane of that stream, or other op names)";
@@ -985,7 +1048,8 @@ void TimelineView::select(const Hit& hit) {
   selection_ = hit;
   selected_deps_ = Dependencies{};
   const OpKey key = selected_op();
-  if (key.valid() && deps_index_[static_cast<std::size_t>(hit.track)]) selected_deps_ = deps_index_[static_cast<std::size_t>(hit.track)]->of(key);
+  if (key.valid() && deps_index_[static_cast<std::size_t>(hit.track)])
+    selected_deps_ = deps_index_[static_cast<std::size_t>(hit.track)]->of(key);
   update();
   emit selection_changed(hit.valid() ? describe(hit) : QString());
 }
@@ -1007,34 +1071,48 @@ QString TimelineView::describe(const Hit& hit) const {
   QString html;
   if (l.measured) {
     const MeasuredEvent& ev = t.measured.at(static_cast<std::size_t>(l.op_index[pos]));
-    html = QString("<b>%1</b> (measured)<br>device %2 · %3").arg(QString::fromStdString(ev.name).toHtmlEscaped()).arg(r.device).arg(QString::fromStdString(ev.thread).toHtmlEscaped());
+    html = QString("<b>%1</b> (measured)<br>device %2 · %3")
+               .arg(QString::fromStdString(ev.name).toHtmlEscaped())
+               .arg(r.device)
+               .arg(QString::fromStdString(ev.thread).toHtmlEscaped());
     // Error against the predicted op it matched (same stream, same label, same occurrence).
     const std::int32_t ppos = pos < l.predicted_pos.size() ? l.predicted_pos[pos] : -1;
     if (ppos >= 0 && l.predicted_lane >= 0) {
       const Lane& pl = r.lanes[static_cast<std::size_t>(l.predicted_lane)];
       const double pd = pl.end_s[static_cast<std::size_t>(ppos)] - pl.start_s[static_cast<std::size_t>(ppos)];
-      html += QString("<br>predicted %1 · measured %2 · error %3").arg(format_duration(pd), format_duration(dur),
-                                                                       pd > 0 ? QString::fromStdString(format_signed_percent(dur / pd - 1)) : QString("n/a"));
-      html += QString("<br>start: predicted %1, measured %2").arg(format_duration(pl.start_s[static_cast<std::size_t>(ppos)]), format_duration(start));
+      html += QString("<br>predicted %1 · measured %2 · error %3")
+                  .arg(format_duration(pd), format_duration(dur),
+                       pd > 0 ? QString::fromStdString(format_signed_percent(dur / pd - 1)) : QString("n/a"));
+      html += QString("<br>start: predicted %1, measured %2")
+                  .arg(format_duration(pl.start_s[static_cast<std::size_t>(ppos)]), format_duration(start));
     } else {
       html += "<br>no predicted op of this name on this stream";
     }
     if (l.error.matched > 0)
       html += QString("<br>lane: busy %1 (%2 vs predicted), mean |error| per op %3")
-                  .arg(format_duration(l.error.measured_s), QString::fromStdString(format_signed_percent(l.error.total_error())),
+                  .arg(format_duration(l.error.measured_s),
+                       QString::fromStdString(format_signed_percent(l.error.total_error())),
                        QString::fromStdString(format_percent(l.error.mean_abs_error)));
   } else {
     const core::Op* op = t.op(hit.row, hit.lane, pos);
-    html = QString("<b>%1</b><br>device %2 · stream %3 · op %4").arg(QString::fromStdString(op->label).toHtmlEscaped()).arg(r.device).arg(QString::fromStdString(l.name).toHtmlEscaped()).arg(l.op_index[pos]);
+    html = QString("<b>%1</b><br>device %2 · stream %3 · op %4")
+               .arg(QString::fromStdString(op->label).toHtmlEscaped())
+               .arg(r.device)
+               .arg(QString::fromStdString(l.name).toHtmlEscaped())
+               .arg(l.op_index[pos]);
     html += QString("<br>DAG node %1 (%2)").arg(op->node).arg(span_kind_name(static_cast<SpanKind>(l.kind[pos])));
     QStringList tags;
     for (const auto& [k, v] : op->tags) tags << QString("%1=%2").arg(QString::fromStdString(k)).arg(v);
     if (!tags.isEmpty()) html += "<br>tags " + tags.join(", ");
     if (l.microbatch[pos] >= 0) html += QString("<br>microbatch %1").arg(l.microbatch[pos]);
     if (op->flops > 0) html += "<br>" + QString::fromStdString(format_flops(op->flops));
-    if (op->recompute_flops > 0) html += QString(" (%1 recomputed)").arg(QString::fromStdString(format_flops(op->recompute_flops)));
+    if (op->recompute_flops > 0)
+      html += QString(" (%1 recomputed)").arg(QString::fromStdString(format_flops(op->recompute_flops)));
     if (op->tp_collectives > 0)
-      html += QString("<br>%1 TP collective%2 inside, %3").arg(op->tp_collectives).arg(op->tp_collectives > 1 ? "s" : "").arg(qbytes(static_cast<double>(op->tp_bytes)));
+      html += QString("<br>%1 TP collective%2 inside, %3")
+                  .arg(op->tp_collectives)
+                  .arg(op->tp_collectives > 1 ? "s" : "")
+                  .arg(qbytes(static_cast<double>(op->tp_bytes)));
     if (op->bytes > 0) html += "<br>" + qbytes(static_cast<double>(op->bytes));
     if ((op->kind == core::OpKind::Send || op->kind == core::OpKind::Recv) && t.timeline)
       html += QString("<br>peer device %1").arg(t.timeline->program->peer_of(*op, r.device));
@@ -1048,7 +1126,9 @@ QString TimelineView::describe(const Hit& hit) const {
       if (it == m.predicted_pos.end()) continue;
       const auto k = static_cast<std::size_t>(it - m.predicted_pos.begin());
       const double md = m.end_s[k] - m.start_s[k];
-      html += QString("<br>measured %1 · error %2").arg(format_duration(md), dur > 0 ? QString::fromStdString(format_signed_percent(md / dur - 1)) : QString("n/a"));
+      html += QString("<br>measured %1 · error %2")
+                  .arg(format_duration(md),
+                       dur > 0 ? QString::fromStdString(format_signed_percent(md / dur - 1)) : QString("n/a"));
     }
   }
   return html;
@@ -1069,8 +1149,10 @@ void TimelineView::wheelEvent(QWheelEvent* e) {
 void TimelineView::mousePressEvent(QMouseEvent* e) {
   press_pos_ = last_pos_ = e->position();
   drag_travel_px_ = 0;
-  if (e->button() == Qt::RightButton || (e->button() == Qt::LeftButton && (e->modifiers() & Qt::ShiftModifier))) drag_ = Drag::Box;
-  else if (e->button() == Qt::LeftButton) drag_ = Drag::Pan;
+  if (e->button() == Qt::RightButton || (e->button() == Qt::LeftButton && (e->modifiers() & Qt::ShiftModifier)))
+    drag_ = Drag::Box;
+  else if (e->button() == Qt::LeftButton)
+    drag_ = Drag::Pan;
 }
 
 void TimelineView::mouseMoveEvent(QMouseEvent* e) {
@@ -1091,7 +1173,8 @@ void TimelineView::mouseReleaseEvent(QMouseEvent* e) {
   const Drag was = drag_;
   drag_ = Drag::None;
   if (was == Drag::Box && std::abs(e->position().x() - press_pos_.x()) > 4) {
-    const double a = time_at(std::min(press_pos_.x(), e->position().x())), b = time_at(std::max(press_pos_.x(), e->position().x()));
+    const double a = time_at(std::min(press_pos_.x(), e->position().x())),
+                 b = time_at(std::max(press_pos_.x(), e->position().x()));
     set_time_range(a, b);
   } else if (was == Drag::Pan && drag_travel_px_ <= 3 && e->position().x() < plot_left()) {
     // A click on a row label expands a folded group, or folds the group of an expanded member.
@@ -1113,12 +1196,24 @@ void TimelineView::mouseDoubleClickEvent(QMouseEvent*) { fit_to_window(); }
 void TimelineView::keyPressEvent(QKeyEvent* e) {
   const double cx = (plot_left() + plot_right()) / 2.0;
   switch (e->key()) {
-    case Qt::Key_F: fit_to_window(); break;
-    case Qt::Key_Plus: case Qt::Key_Equal: zoom_at(cx, 1.5); break;
-    case Qt::Key_Minus: zoom_at(cx, 1 / 1.5); break;
-    case Qt::Key_C: set_show_critical_path(!show_critical_); break;
-    case Qt::Key_Escape: select(Hit{}); break;
-    default: QWidget::keyPressEvent(e);
+    case Qt::Key_F:
+      fit_to_window();
+      break;
+    case Qt::Key_Plus:
+    case Qt::Key_Equal:
+      zoom_at(cx, 1.5);
+      break;
+    case Qt::Key_Minus:
+      zoom_at(cx, 1 / 1.5);
+      break;
+    case Qt::Key_C:
+      set_show_critical_path(!show_critical_);
+      break;
+    case Qt::Key_Escape:
+      select(Hit{});
+      break;
+    default:
+      QWidget::keyPressEvent(e);
   }
 }
 
@@ -1128,8 +1223,10 @@ bool TimelineView::event(QEvent* e) {
     QString text = describe_memory(help->pos());
     if (text.isEmpty()) text = describe_gutter(help->pos());
     if (text.isEmpty()) text = describe(hit_at(help->pos()));
-    if (!text.isEmpty()) QToolTip::showText(help->globalPos(), text, this);
-    else QToolTip::hideText();
+    if (!text.isEmpty())
+      QToolTip::showText(help->globalPos(), text, this);
+    else
+      QToolTip::hideText();
     return true;
   }
   return QWidget::event(e);

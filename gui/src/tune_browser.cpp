@@ -37,7 +37,8 @@ TuneBrowser::TuneBrowser(QWidget* parent) : QWidget(parent) {
   summary_ = new QLabel("<b>Tune results</b>: none open (File ▸ Open tune results…)");
   summary_->setWordWrap(true);
   table_ = new QTableWidget(0, 9);
-  table_->setHorizontalHeaderLabels({"#", "engine", "status", "step ms", "tokens/s", "MFU %", "peak GiB", "bound GiB", "strategy"});
+  table_->setHorizontalHeaderLabels(
+      {"#", "engine", "status", "step ms", "tokens/s", "MFU %", "peak GiB", "bound GiB", "strategy"});
   table_->setSelectionBehavior(QAbstractItemView::SelectRows);
   table_->setSelectionMode(QAbstractItemView::SingleSelection);
   table_->setEditTriggers(QAbstractItemView::NoEditTriggers);
@@ -71,7 +72,12 @@ bool TuneBrowser::open(const QString& path, QString* error) {
     if (!fresh && r.engine == "simgrid") it->second = r;
   }
   // Fitting plans (within the search's HBM: OOM is the simulator's verdict) by step time, then the rest.
-  auto rank = [](const sim::TuneRow& r) { return r.status == "ok" && !r.oom ? 0 : r.status == "ok" ? 1 : r.status == "pruned" || r.status == "bounded" ? 3 : 2; };
+  auto rank = [](const sim::TuneRow& r) {
+    return r.status == "ok" && !r.oom                      ? 0
+           : r.status == "ok"                              ? 1
+           : r.status == "pruned" || r.status == "bounded" ? 3
+                                                           : 2;
+  };
   rows_.clear();
   for (auto& [k, r] : by_key) rows_.push_back(r);
   std::stable_sort(rows_.begin(), rows_.end(), [&](const sim::TuneRow& a, const sim::TuneRow& b) {
@@ -86,7 +92,8 @@ bool TuneBrowser::open(const QString& path, QString* error) {
     const sim::TuneRow& r = rows_[static_cast<std::size_t>(i)];
     const bool ok = r.status == "ok";
     auto number = [&](double v, const char* format) {
-      return new NumberItem(ok ? v : 1e300, ok ? QString::fromStdString(fmt::format(fmt::runtime(format), v)) : QString());
+      return new NumberItem(ok ? v : 1e300,
+                            ok ? QString::fromStdString(fmt::format(fmt::runtime(format), v)) : QString());
     };
     table_->setItem(i, 0, new NumberItem(i + 1, QString::number(i + 1)));
     table_->setItem(i, 1, new QTableWidgetItem(QString::fromStdString(r.engine)));
@@ -99,8 +106,10 @@ bool TuneBrowser::open(const QString& path, QString* error) {
     table_->setItem(i, 6, number(static_cast<double>(r.peak_memory_bytes) / kGiB, "{:.2f}"));
     // An unknown bound (blank in the CSV, read as 0) stays blank rather than reading "0.00".
     const bool bound = r.estimated_memory_bytes > 0;
-    table_->setItem(i, 7, new NumberItem(bound ? static_cast<double>(r.estimated_memory_bytes) / kGiB : 1e300,
-                                         bound ? QString::number(static_cast<double>(r.estimated_memory_bytes) / kGiB, 'f', 2) : QString()));
+    table_->setItem(i, 7,
+                    new NumberItem(bound ? static_cast<double>(r.estimated_memory_bytes) / kGiB : 1e300,
+                                   bound ? QString::number(static_cast<double>(r.estimated_memory_bytes) / kGiB, 'f', 2)
+                                         : QString()));
     auto* what = new QTableWidgetItem(QString::fromStdString(r.candidate.describe()));
     what->setToolTip(QString::fromStdString(r.reason.empty() ? r.candidate.key() : r.reason));
     table_->setItem(i, 8, what);
@@ -108,10 +117,10 @@ bool TuneBrowser::open(const QString& path, QString* error) {
   table_->setSortingEnabled(true);
   table_->sortByColumn(0, Qt::AscendingOrder);  // best first until the user sorts otherwise
   table_->resizeColumnsToContents();
-  summary_->setText(QString::fromStdString(fmt::format("<b>Tune results</b>: {} on {} x {}, global batch {}; {} candidates "
-                                                       "(double-click one to simulate it)",
-                                                       spec.model, spec.devices, spec.cluster, spec.global_batch,
-                                                       rows_.size())));
+  summary_->setText(
+      QString::fromStdString(fmt::format("<b>Tune results</b>: {} on {} x {}, global batch {}; {} candidates "
+                                         "(double-click one to simulate it)",
+                                         spec.model, spec.devices, spec.cluster, spec.global_batch, rows_.size())));
   return true;
 }
 

@@ -157,10 +157,12 @@ QImage render(const Chart& c) {
   const int bottom = 30 + 2 * fm.height();
   const QRectF plot(left, top, c.width - left - right, c.height - top - bottom);
   auto px = [&](double v) {
-    return plot.left() + (forward(v, c.x.log) - forward(xr.lo, c.x.log)) / (forward(xr.hi, c.x.log) - forward(xr.lo, c.x.log)) * plot.width();
+    return plot.left() + (forward(v, c.x.log) - forward(xr.lo, c.x.log)) /
+                             (forward(xr.hi, c.x.log) - forward(xr.lo, c.x.log)) * plot.width();
   };
   auto py = [&](double v) {
-    return plot.bottom() - (forward(v, c.y.log) - forward(yr.lo, c.y.log)) / (forward(yr.hi, c.y.log) - forward(yr.lo, c.y.log)) * plot.height();
+    return plot.bottom() - (forward(v, c.y.log) - forward(yr.lo, c.y.log)) /
+                               (forward(yr.hi, c.y.log) - forward(yr.lo, c.y.log)) * plot.height();
   };
   auto visible = [&](double x, double y) {
     return std::isfinite(x) && std::isfinite(y) && (!c.x.log || x > 0) && (!c.y.log || y > 0);
@@ -196,7 +198,8 @@ QImage render(const Chart& c) {
   p.save();
   p.translate(12, plot.center().y());
   p.rotate(-90);
-  p.drawText(QRectF(-plot.height() / 2, 0, plot.height(), fm.height()), Qt::AlignHCenter, QString::fromStdString(c.y.label));
+  p.drawText(QRectF(-plot.height() / 2, 0, plot.height(), fm.height()), Qt::AlignHCenter,
+             QString::fromStdString(c.y.label));
   p.restore();
 
   // Data, clipped to the plot area.
@@ -206,16 +209,18 @@ QImage render(const Chart& c) {
     if (c.x.log && r.vertical && r.value <= 0) continue;
     if (c.y.log && !r.vertical && r.value <= 0) continue;
     p.setPen(QPen(color_of(r.color, 0), 1.5, Qt::DashLine));
-    if (r.vertical) p.drawLine(QPointF(px(r.value), plot.top()), QPointF(px(r.value), plot.bottom()));
-    else p.drawLine(QPointF(plot.left(), py(r.value)), QPointF(plot.right(), py(r.value)));
+    if (r.vertical)
+      p.drawLine(QPointF(px(r.value), plot.top()), QPointF(px(r.value), plot.bottom()));
+    else
+      p.drawLine(QPointF(plot.left(), py(r.value)), QPointF(plot.right(), py(r.value)));
     const QString s = QString::fromStdString(r.label);
     // Labels sit at the bottom (the legend owns the top right), on the side with room.
     if (r.vertical) {
       const double w = fm.horizontalAdvance(s);
       const double x = px(r.value) + 4 + w > plot.right() ? px(r.value) - 4 - w : px(r.value) + 4;
       p.drawText(QPointF(x, plot.bottom() - 6), s);
-    }
-    else p.drawText(QPointF(plot.right() - fm.horizontalAdvance(s) - 4, py(r.value) - 4), s);
+    } else
+      p.drawText(QPointF(plot.right() - fm.horizontalAdvance(s) - 4, py(r.value) - 4), s);
   }
   for (std::size_t i = 0; i < c.series.size(); ++i) {
     const Series& s = c.series[i];
@@ -229,8 +234,10 @@ QImage render(const Chart& c) {
           continue;
         }
         const QPointF pt(px(s.x[k]), py(s.y[k]));
-        if (open) path.lineTo(pt);
-        else path.moveTo(pt), open = true;
+        if (open)
+          path.lineTo(pt);
+        else
+          path.moveTo(pt), open = true;
       }
       p.setPen(QPen(col, 2));
       p.setBrush(Qt::NoBrush);

@@ -33,8 +33,11 @@ class AnalyticEngine : public Engine {
                           const CostModel& cost, const Symmetry* symmetry) {
     const core::Program& program = *program_ptr;
     const int n = program.num_devices;
-    if (cluster.num_devices() < n) throw ClusterError("cluster '" + cluster.name + "' has " + std::to_string(cluster.num_devices()) + " devices but the program needs " + std::to_string(n));
-    core::Timeline timeline = symmetry ? empty_timeline(program_ptr, "analytic", *symmetry) : empty_timeline(program_ptr, "analytic");
+    if (cluster.num_devices() < n)
+      throw ClusterError("cluster '" + cluster.name + "' has " + std::to_string(cluster.num_devices()) +
+                         " devices but the program needs " + std::to_string(n));
+    core::Timeline timeline =
+        symmetry ? empty_timeline(program_ptr, "analytic", *symmetry) : empty_timeline(program_ptr, "analytic");
     std::vector<std::vector<std::int32_t>> span_base(program.plans.size());
     for (std::size_t p = 0; p < program.plans.size(); ++p) span_base[p] = stream_span_base(program.plans[p]);
 
@@ -47,7 +50,7 @@ class AnalyticEngine : public Engine {
 
     struct Running {
       Activity activity;
-      double remaining = 0;    // compute: work left at full speed (seconds), as of `since`
+      double remaining = 0;  // compute: work left at full speed (seconds), as of `since`
       double rate = 1;
       double since = 0;
       std::uint32_t version = 0;
@@ -72,7 +75,8 @@ class AnalyticEngine : public Engine {
       return program.plan_for(device).streams[ix(r.stream)].ops[ix(r.index)];
     };
     auto rate_of = [&](int device) {
-      return (comm_active[ix(device)] > 0 ? rates[ix(device)].with_comm : rates[ix(device)].idle) / sharing.divisor(device);
+      return (comm_active[ix(device)] > 0 ? rates[ix(device)].with_comm : rates[ix(device)].idle) /
+             sharing.divisor(device);
     };
     // Running compute on `device` continues at its current rate from `now`.
     auto reschedule = [&](int device, double now) {

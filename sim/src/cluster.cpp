@@ -21,8 +21,8 @@ using nlohmann::json;
 
 namespace {
 
-constexpr double kGB = 1e9;           // vendor bandwidths are decimal: 1 GB/s = 1e9 bytes/s
-constexpr double kGbit = 1e9 / 8;     // NIC line rates: 400 Gb/s = 50e9 bytes/s
+constexpr double kGB = 1e9;        // vendor bandwidths are decimal: 1 GB/s = 1e9 bytes/s
+constexpr double kGbit = 1e9 / 8;  // NIC line rates: 400 Gb/s = 50e9 bytes/s
 constexpr double kTera = 1e12;
 constexpr std::int64_t kGiB = std::int64_t{1} << 30;
 
@@ -54,13 +54,17 @@ GpuSpec with_table(GpuSpec g, const char* table) {
   g.kernel_table = table;
   return g;
 }
-GpuSpec a100_sxm_80g() { return with_table(gpu_with_defaults("A100-SXM4-80GB", 312, 108, 80 * kGiB, 2039), "a100-80gb-sxm"); }
+GpuSpec a100_sxm_80g() {
+  return with_table(gpu_with_defaults("A100-SXM4-80GB", 312, 108, 80 * kGiB, 2039), "a100-80gb-sxm");
+}
 // NVIDIA H100 datasheet (SXM5): 989 TFLOPS dense BF16, 3.35 TB/s HBM3, 80 GB, 132 SMs; NVLink 4 900 GB/s
 // total = 450 GB/s per direction. DGX H100: 8 x ConnectX-7 400 Gb/s for compute traffic.
 GpuSpec h100_sxm() { return with_table(gpu_with_defaults("H100-SXM5-80GB", 989, 132, 80 * kGiB, 3350), "h100-sxm"); }
 // NVIDIA H200 datasheet (SXM): 989 TFLOPS dense BF16, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
 // DGX H200: 8 x ConnectX-7 400 Gb/s.
-GpuSpec h200_sxm() { return with_table(gpu_with_defaults("H200-SXM-141GB", 989, 132, 141'000'000'000, 4800), "h200-sxm"); }
+GpuSpec h200_sxm() {
+  return with_table(gpu_with_defaults("H200-SXM-141GB", 989, 132, 141'000'000'000, 4800), "h200-sxm");
+}
 // H800 SXM: the H100 compute die (989 TFLOPS dense BF16, 80 GB HBM3 3.35 TB/s) with NVLink cut to
 // 400 GB/s total (200 GB/s per direction), as DeepSeek-V3's report describes its cluster (sec. 3.1:
 // NVLink + 8 x 400 Gb/s InfiniBand per node).
@@ -75,7 +79,8 @@ GpuSpec h800_sxm() { return with_table(gpu_with_defaults("H800-SXM-80GB", 989, 1
 constexpr double kNvlink3Efficiency = 230.0 / 300.0;
 constexpr double kNvlink4Efficiency = 370.0 / 450.0;
 
-NodeSpec node_of(GpuSpec gpu, double nvlink_gb_per_s_per_direction, double nvlink_efficiency, int nics, double nic_gbit) {
+NodeSpec node_of(GpuSpec gpu, double nvlink_gb_per_s_per_direction, double nvlink_efficiency, int nics,
+                 double nic_gbit) {
   NodeSpec n;
   n.gpus_per_node = 8;
   n.gpu = std::move(gpu);
@@ -134,7 +139,8 @@ struct Reader {
     const double x = number(j, key, path, min, false);
     if (x != std::floor(x)) fail(path + key, fmt::format("expected a whole number, got {}", x));
     const double max = static_cast<double>(core::limit_value(limit));
-    if (x > max) fail(path + key, core::limit_message(limit, x > 9e18 ? INT64_MAX : static_cast<std::int64_t>(x), unit));
+    if (x > max)
+      fail(path + key, core::limit_message(limit, x > 9e18 ? INT64_MAX : static_cast<std::int64_t>(x), unit));
     return static_cast<int>(x);
   }
   void check_keys(const json& j, const std::string& path, std::initializer_list<const char*> known) const {
@@ -146,7 +152,9 @@ struct Reader {
         ok = ok || it.key() == k;
         list += (list.empty() ? "" : ", ") + std::string(k);
       }
-      if (!ok) fail(path + it.key(), "unknown field" + core::did_you_mean(it.key(), {known.begin(), known.end()}) + " (expected one of: " + list + ")");
+      if (!ok)
+        fail(path + it.key(), "unknown field" + core::did_you_mean(it.key(), {known.begin(), known.end()}) +
+                                  " (expected one of: " + list + ")");
     }
   }
 };
@@ -177,7 +185,8 @@ void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec&
     g.hbm_bytes = static_cast<std::int64_t>(r.number(j, "hbm_gib", path, 0, true) * static_cast<double>(kGiB));
   if (j.contains("hbm_bandwidth_gb_per_s"))
     g.hbm_bandwidth_bytes_per_s = r.number(j, "hbm_bandwidth_gb_per_s", path, 0, true) * kGB;
-  if (j.contains("launch_overhead_us")) g.launch_overhead_s = r.number(j, "launch_overhead_us", path, 0, false, 1e6) * 1e-6;
+  if (j.contains("launch_overhead_us"))
+    g.launch_overhead_s = r.number(j, "launch_overhead_us", path, 0, false, 1e6) * 1e-6;
   if (j.contains("comm_sm_share")) {
     g.comm_sm_share = r.number(j, "comm_sm_share", path, 0, false);
     if (g.comm_sm_share >= 1) r.fail(path + "comm_sm_share", "must be < 1");
@@ -189,7 +198,8 @@ void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec&
   if (j.contains("half_efficiency_gflops"))
     g.half_efficiency_flops = r.number(j, "half_efficiency_gflops", path, 0, false) * 1e9;
   if (j.contains("kernel_table")) {
-    if (!j.at("kernel_table").is_string()) r.fail(path + "kernel_table", "expected a table name or file path (or \"\")");
+    if (!j.at("kernel_table").is_string())
+      r.fail(path + "kernel_table", "expected a table name or file path (or \"\")");
     g.kernel_table = j.at("kernel_table").get<std::string>();
     if (!g.kernel_table.empty()) {
       const auto& names = kernel_table_names();
@@ -197,11 +207,13 @@ void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec&
       if (std::find(names.begin(), names.end(), g.kernel_table) == names.end()) {
         std::error_code ec;
         const std::filesystem::path beside = std::filesystem::path(r.where).parent_path() / g.kernel_table;
-        if (!std::filesystem::exists(g.kernel_table, ec) && std::filesystem::exists(beside, ec)) g.kernel_table = beside.string();
+        if (!std::filesystem::exists(g.kernel_table, ec) && std::filesystem::exists(beside, ec))
+          g.kernel_table = beside.string();
         if (!std::filesystem::exists(g.kernel_table, ec)) {
           std::string list;
           for (const auto& n : names) list += ", " + n;
-          r.fail(path + "kernel_table", "'" + g.kernel_table + "' is neither a built-in table (" + list.substr(2) + ") nor a file");
+          r.fail(path + "kernel_table",
+                 "'" + g.kernel_table + "' is neither a built-in table (" + list.substr(2) + ") nor a file");
         }
       }
       try {
@@ -216,12 +228,14 @@ void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec&
 void apply_node(const Reader& r, const json& j, const std::string& path, NodeSpec& n, bool allow_selector) {
   if (allow_selector)
     r.check_keys(j, path,
-                 {"nodes", "first", "count", "gpus_per_node", "gpu", "nvlink_bandwidth_gb_per_s", "nvlink_efficiency", "nvlink_latency_us",
-                  "nics", "nic_bandwidth_gbit_per_s", "devices_per_gpu"});
+                 {"nodes", "first", "count", "gpus_per_node", "gpu", "nvlink_bandwidth_gb_per_s", "nvlink_efficiency",
+                  "nvlink_latency_us", "nics", "nic_bandwidth_gbit_per_s", "devices_per_gpu"});
   else
-    r.check_keys(j, path, {"gpus_per_node", "gpu", "nvlink_bandwidth_gb_per_s", "nvlink_efficiency", "nvlink_latency_us", "nics",
-                           "nic_bandwidth_gbit_per_s", "devices_per_gpu"});
-  if (j.contains("gpus_per_node")) n.gpus_per_node = r.count(j, "gpus_per_node", path, 1, core::Limit::Devices, "GPUs per node");
+    r.check_keys(j, path,
+                 {"gpus_per_node", "gpu", "nvlink_bandwidth_gb_per_s", "nvlink_efficiency", "nvlink_latency_us", "nics",
+                  "nic_bandwidth_gbit_per_s", "devices_per_gpu"});
+  if (j.contains("gpus_per_node"))
+    n.gpus_per_node = r.count(j, "gpus_per_node", path, 1, core::Limit::Devices, "GPUs per node");
   if (j.contains("gpu")) apply_gpu(r, j.at("gpu"), path + "gpu.", n.gpu);
   if (j.contains("nvlink_bandwidth_gb_per_s"))
     n.nvlink_bandwidth_bytes_per_s = r.number(j, "nvlink_bandwidth_gb_per_s", path, 0, true) * kGB;
@@ -229,17 +243,20 @@ void apply_node(const Reader& r, const json& j, const std::string& path, NodeSpe
     n.nvlink_efficiency = r.number(j, "nvlink_efficiency", path, 0, true);
     if (n.nvlink_efficiency > 1) r.fail(path + "nvlink_efficiency", "must be <= 1");
   }
-  if (j.contains("nvlink_latency_us")) n.nvlink_latency_s = r.number(j, "nvlink_latency_us", path, 0, false, 1e6) * 1e-6;
+  if (j.contains("nvlink_latency_us"))
+    n.nvlink_latency_s = r.number(j, "nvlink_latency_us", path, 0, false, 1e6) * 1e-6;
   if (j.contains("nics")) {
     n.nics = static_cast<int>(r.number(j, "nics", path, 0, false, 1024));
-    if (j.at("nics").get<double>() != n.nics) r.fail(path + "nics", fmt::format("expected a whole number, got {}", j.at("nics").get<double>()));
+    if (j.at("nics").get<double>() != n.nics)
+      r.fail(path + "nics", fmt::format("expected a whole number, got {}", j.at("nics").get<double>()));
   }
   if (j.contains("nic_bandwidth_gbit_per_s"))
     n.nic_bandwidth_bytes_per_s = r.number(j, "nic_bandwidth_gbit_per_s", path, 0, true) * kGbit;
-  if (j.contains("devices_per_gpu")) n.devices_per_gpu = r.count(j, "devices_per_gpu", path, 1, core::Limit::Devices, "devices per GPU");
+  if (j.contains("devices_per_gpu"))
+    n.devices_per_gpu = r.count(j, "devices_per_gpu", path, 1, core::Limit::Devices, "devices per GPU");
   if (n.gpus_per_node % n.devices_per_gpu != 0)
-    r.fail(path + "devices_per_gpu",
-           fmt::format("{} does not divide gpus_per_node {} (a node holds whole GPUs)", n.devices_per_gpu, n.gpus_per_node));
+    r.fail(path + "devices_per_gpu", fmt::format("{} does not divide gpus_per_node {} (a node holds whole GPUs)",
+                                                 n.devices_per_gpu, n.gpus_per_node));
 }
 
 void check_node_complete(const Reader& r, const NodeSpec& n, const std::string& path) {
@@ -293,9 +310,11 @@ int Cluster::node_of(int device) const {
   if (device >= 0) {
     // Homogeneous fast path, then a walk over heterogeneous nodes.
     const int g = nodes.empty() ? 0 : nodes.front().gpus_per_node;
-    if (g > 0 && device / g < static_cast<int>(nodes.size()) && nodes[static_cast<std::size_t>(device / g)].gpus_per_node == g) {
+    if (g > 0 && device / g < static_cast<int>(nodes.size()) &&
+        nodes[static_cast<std::size_t>(device / g)].gpus_per_node == g) {
       bool uniform_prefix = true;
-      for (int i = 0; i < device / g && uniform_prefix; ++i) uniform_prefix = nodes[static_cast<std::size_t>(i)].gpus_per_node == g;
+      for (int i = 0; i < device / g && uniform_prefix; ++i)
+        uniform_prefix = nodes[static_cast<std::size_t>(i)].gpus_per_node == g;
       if (uniform_prefix) return device / g;
     }
     int first = 0;
@@ -317,7 +336,8 @@ int Cluster::local_index(int device) const {
 std::vector<int> Cluster::node_of_devices() const {
   std::vector<int> out;
   out.reserve(static_cast<std::size_t>(num_devices()));
-  for (std::size_t i = 0; i < nodes.size(); ++i) out.insert(out.end(), static_cast<std::size_t>(nodes[i].gpus_per_node), static_cast<int>(i));
+  for (std::size_t i = 0; i < nodes.size(); ++i)
+    out.insert(out.end(), static_cast<std::size_t>(nodes[i].gpus_per_node), static_cast<int>(i));
   return out;
 }
 
@@ -351,7 +371,10 @@ json Cluster::to_json() const {
   json j{{"name", name},
          {"fixed", fixed_size},
          {"runtime", runtime},
-         {"network", {{"latency_us", network.latency_s * 1e6}, {"topology", network.topology}, {"oversubscription", network.oversubscription}}}};
+         {"network",
+          {{"latency_us", network.latency_s * 1e6},
+           {"topology", network.topology},
+           {"oversubscription", network.oversubscription}}}};
   if (!attention_kernel.empty()) j["attention_kernel"] = attention_kernel;
   // Runs of identical nodes are written once, as {"count": n, ...}.
   json node_list = json::array();
@@ -376,7 +399,9 @@ std::vector<std::string> cluster_presets() {
 
 Cluster cluster_from_json(const json& j, const std::string& where) {
   Reader r{where};
-  r.check_keys(j, "", {"name", "preset", "nodes", "fixed", "node", "overrides", "network", "runtime", "attention_kernel", "comment"});
+  r.check_keys(
+      j, "",
+      {"name", "preset", "nodes", "fixed", "node", "overrides", "network", "runtime", "attention_kernel", "comment"});
   NodeSpec base;
   NetworkSpec network;
   std::string name = where;
@@ -409,7 +434,8 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
         r.fail("network.topology", "expected \"rail-optimized\" or \"fat-tree\"");
       network.topology = t.get<std::string>();
     }
-    if (n.contains("oversubscription")) network.oversubscription = r.number(n, "oversubscription", "network.", 1, false);
+    if (n.contains("oversubscription"))
+      network.oversubscription = r.number(n, "oversubscription", "network.", 1, false);
   }
   int count = 1;
   bool fixed = false;
@@ -433,8 +459,9 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
     const json& rt = j.at("runtime");
     const std::string s = rt.is_string() ? rt.get<std::string>() : "";
     if (s != "fused" && s != "eager" && s != "eager-fused-loss")
-      r.fail("runtime", "expected \"fused\" (torch.compile, Megatron's fused kernels), \"eager\" (PyTorch eager) or "
-                        "\"eager-fused-loss\" (eager with a fused cross-entropy)");
+      r.fail("runtime",
+             "expected \"fused\" (torch.compile, Megatron's fused kernels), \"eager\" (PyTorch eager) or "
+             "\"eager-fused-loss\" (eager with a fused cross-entropy)");
     c.runtime = rt.get<std::string>();
   }
   if (j.contains("attention_kernel")) {
@@ -456,7 +483,8 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
         for (const json& x : o.at("nodes")) {
           if (!x.is_number_integer()) r.fail(path + "nodes", "expected integer node indices");
           if (x.get<long long>() < 0 || x.get<long long>() >= count)
-            r.fail(path + "nodes", fmt::format("node {} out of range (the cluster has {} nodes)", x.get<long long>(), count));
+            r.fail(path + "nodes",
+                   fmt::format("node {} out of range (the cluster has {} nodes)", x.get<long long>(), count));
           which.push_back(x.get<int>());
         }
       } else if (o.contains("first")) {
@@ -470,7 +498,8 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
         r.fail(path + "nodes", "missing (give \"nodes\": [indices] or \"first\" and \"count\")");
       }
       for (int w : which) {
-        if (w < 0 || w >= count) r.fail(path + "nodes", fmt::format("node {} out of range (the cluster has {} nodes)", w, count));
+        if (w < 0 || w >= count)
+          r.fail(path + "nodes", fmt::format("node {} out of range (the cluster has {} nodes)", w, count));
         apply_node(r, o, path, c.nodes[static_cast<std::size_t>(w)], true);
         check_node_complete(r, c.nodes[static_cast<std::size_t>(w)], path);
       }
@@ -484,16 +513,19 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
       if (c.nodes[i].nics < 1)
         r.fail(j.contains("overrides") ? "overrides" : "node.nics",
                fmt::format("node {} has no NICs; nodes of a multi-node cluster need nics >= 1 (a single node without "
-                           "a network is \"nodes\": 1)", i));
+                           "a network is \"nodes\": 1)",
+                           i));
       if (c.nodes[i].nic_bandwidth_bytes_per_s <= 0)
         r.fail(j.contains("overrides") ? "overrides" : "node.nic_bandwidth_gbit_per_s",
                fmt::format("node {} has no NIC bandwidth; nodes of a multi-node cluster need it (a single node without "
-                           "a network is \"nodes\": 1)", i));
+                           "a network is \"nodes\": 1)",
+                           i));
     }
   std::int64_t devices = 0;
   for (const auto& node : c.nodes) devices += node.gpus_per_node;
   if (devices > core::limit_value(core::Limit::Devices))
-    r.fail(j.contains("nodes") ? "nodes" : "node.gpus_per_node", core::limit_message(core::Limit::Devices, devices, "GPUs"));
+    r.fail(j.contains("nodes") ? "nodes" : "node.gpus_per_node",
+           core::limit_message(core::Limit::Devices, devices, "GPUs"));
   return c;
 }
 

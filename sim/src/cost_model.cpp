@@ -15,8 +15,8 @@
 
 namespace piper::sim {
 
-using nlohmann::json;
 using core::OpKind;
+using nlohmann::json;
 
 namespace {
 
@@ -28,11 +28,15 @@ bool is_collective(OpKind k) {
 double flat(OpKind kind, double n, double alpha, double bw, double bytes) {
   if (n <= 1) return 0;
   switch (kind) {
-    case OpKind::AllReduce: return 2 * (n - 1) * alpha + 2 * (n - 1) / n * bytes / bw;
+    case OpKind::AllReduce:
+      return 2 * (n - 1) * alpha + 2 * (n - 1) / n * bytes / bw;
     case OpKind::ReduceScatter:
-    case OpKind::AllGather: return (n - 1) * alpha + (n - 1) / n * bytes / bw;
-    case OpKind::AllToAll: return (n - 1) * (alpha + bytes / (n * bw));
-    default: return 0;
+    case OpKind::AllGather:
+      return (n - 1) * alpha + (n - 1) / n * bytes / bw;
+    case OpKind::AllToAll:
+      return (n - 1) * (alpha + bytes / (n * bw));
+    default:
+      return 0;
   }
 }
 
@@ -58,7 +62,8 @@ ComputeRates compute_rates(const std::optional<core::SmPartition>& partition, co
 std::vector<ComputeRates> compute_rates(const core::Program& program, const Cluster& cluster) {
   const std::vector<int> node_of = cluster.node_of_devices();
   if (static_cast<int>(node_of.size()) < program.num_devices)
-    throw ClusterError(fmt::format("cluster '{}' has {} devices but the program needs {}", cluster.name, node_of.size(), program.num_devices));
+    throw ClusterError(fmt::format("cluster '{}' has {} devices but the program needs {}", cluster.name, node_of.size(),
+                                   program.num_devices));
   // Per node, not per device: 10^5 devices share a few GPU specs.
   std::vector<ComputeRates> per_node;
   per_node.reserve(cluster.nodes.size());
@@ -105,7 +110,9 @@ std::optional<double> Calibration::lookup(const core::Op& op, int group_size) co
 json Calibration::to_json() const {
   json list = json::array();
   for (const auto& e : entries) {
-    json j{{"kind", core::to_string(e.kind)}, {"pass", e.pass == core::Pass::None ? "" : core::to_string(e.pass)}, {"seconds", e.seconds}};
+    json j{{"kind", core::to_string(e.kind)},
+           {"pass", e.pass == core::Pass::None ? "" : core::to_string(e.pass)},
+           {"seconds", e.seconds}};
     if (e.flops) j["flops"] = *e.flops;
     if (e.memory_bytes) j["memory_bytes"] = *e.memory_bytes;
     if (e.bytes) j["bytes"] = *e.bytes;
@@ -123,8 +130,7 @@ Calibration Calibration::from_json(const json& j, const std::string& where) {
   auto fail = [&](const std::string& field, const std::string& m) {
     throw ClusterError(fmt::format("{}: field '{}': {}", where, field, m));
   };
-  if (!j.is_object() || j.value("format", "") != "piper-calibration")
-    fail("format", "expected \"piper-calibration\"");
+  if (!j.is_object() || j.value("format", "") != "piper-calibration") fail("format", "expected \"piper-calibration\"");
   Calibration c;
   c.gpu = j.value("gpu", "");
   if (!j.contains("entries") || !j.at("entries").is_array()) fail("entries", "expected an array");
@@ -197,14 +203,17 @@ KernelTable::AttentionKernel attention_kernel_of(const KernelTable& t, const std
   if (const auto it = t.attention_kernels.find(name); it != t.attention_kernels.end()) return it->second;
   std::string known;
   for (const auto& [k, v] : t.attention_kernels) known += (known.empty() ? "" : ", ") + k;
-  throw ClusterError("cluster: field 'attention_kernel': kernel table '" + t.name + "' has no attention kernel '" + name +
-                     "' (it has: " + (known.empty() ? "none" : known) + ")");
+  throw ClusterError("cluster: field 'attention_kernel': kernel table '" + t.name + "' has no attention kernel '" +
+                     name + "' (it has: " + (known.empty() ? "none" : known) + ")");
 }
 
 }  // namespace
 
 CostModel::CostModel(const Cluster& cluster, std::optional<Calibration> calibration)
-    : cluster_(cluster), node_of_(cluster.node_of_devices()), gpu_of_(cluster.gpu_of_devices()), calibration_(std::move(calibration)) {
+    : cluster_(cluster),
+      node_of_(cluster.node_of_devices()),
+      gpu_of_(cluster.gpu_of_devices()),
+      calibration_(std::move(calibration)) {
   // An attention implementation a table does not name is refused here, in one line, rather than at
   // the first kernel timed.
   if (!cluster_.attention_kernel.empty())
@@ -281,7 +290,6 @@ std::uint64_t bits(double x) {
 
 }  // namespace
 
-
 // Each node's table and kernel timing, built once (the cluster's runtime profile is the same for all).
 const KernelTiming& CostModel::node_timing(int node) const {
   std::call_once(timings_once_, [&] {
@@ -291,8 +299,10 @@ const KernelTiming& CostModel::node_timing(int node) const {
     for (std::size_t i = 0; i < cluster_.nodes.size(); ++i) {
       const GpuSpec& g = cluster_.nodes[i].gpu;
       if (!g.kernel_table.empty()) tables_[i] = load_kernel_table(g.kernel_table);
-      timings_[i] = {tables_[i].get(), profile, g.peak_flops, g.hbm_bandwidth_bytes_per_s, g.max_efficiency, g.half_efficiency_flops, {}};
-      if (!cluster_.attention_kernel.empty() && tables_[i]) timings_[i].attention_kernel = attention_kernel_of(*tables_[i], cluster_.attention_kernel);
+      timings_[i] = {tables_[i].get(),        profile, g.peak_flops, g.hbm_bandwidth_bytes_per_s, g.max_efficiency,
+                     g.half_efficiency_flops, {}};
+      if (!cluster_.attention_kernel.empty() && tables_[i])
+        timings_[i].attention_kernel = attention_kernel_of(*tables_[i], cluster_.attention_kernel);
     }
   });
   return timings_[static_cast<std::size_t>(node)];
@@ -359,8 +369,9 @@ std::optional<double> CostModel::kernel_seconds(const core::Program& program, in
 std::optional<double> CostModel::update_seconds(const core::Program& program, int device, const core::Op& op) const {
   const KernelTable* t = node_timing(node_of_.at(static_cast<std::size_t>(device))).table;
   if (!t || op.memory_bytes <= 0) return std::nullopt;
-  const double bw = core::fp32_storage(program.training.precision) && t->adamw_fp32_bytes_per_s > 0 ? t->adamw_fp32_bytes_per_s
-                                                                                                     : t->adamw_bytes_per_s;
+  const double bw = core::fp32_storage(program.training.precision) && t->adamw_fp32_bytes_per_s > 0
+                        ? t->adamw_fp32_bytes_per_s
+                        : t->adamw_bytes_per_s;
   if (bw <= 0) return std::nullopt;
   return static_cast<double>(op.memory_bytes) / bw + t->launch_floor_s;
 }
@@ -388,7 +399,8 @@ double CostModel::cp_seconds(const core::Program& program, int device, const cor
   const auto per_step = static_cast<std::int64_t>(static_cast<double>(op.cp_bytes) / op.cp_steps);
   if (seg.cp_all_gather) return op.cp_steps * collective_seconds(OpKind::AllGather, group, per_step);
   const auto me = std::find(group.begin(), group.end(), device);
-  const int next = group[static_cast<std::size_t>((me - group.begin() + 1) % static_cast<std::ptrdiff_t>(group.size()))];
+  const int next =
+      group[static_cast<std::size_t>((me - group.begin() + 1) % static_cast<std::ptrdiff_t>(group.size()))];
   const double transfer = p2p_seconds(device, next, per_step);
   // The attention core's time in this pass: its kernels, as the per-kernel model times them.
   double attention = 0;
@@ -464,7 +476,8 @@ double CostModel::collective_seconds(OpKind kind, const std::vector<int>& ranks,
       return flat(OpKind::AllGather, k, alpha_e, bw_e, S / m) + flat(OpKind::AllGather, m, alpha_i, bw_i, S);
     case OpKind::AllToAll:
       return (m - 1) * (alpha_i + S / (n * bw_i)) + (n - m) * (alpha_e + S / (n * bw_e));
-    default: return 0;
+    default:
+      return 0;
   }
 }
 

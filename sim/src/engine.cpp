@@ -86,7 +86,8 @@ std::vector<std::int32_t> stream_span_base(const core::Plan& plan) {
 }
 
 GpuSharing::GpuSharing(const std::vector<int>& gpu_of_devices, int devices)
-    : gpu_of_(gpu_of_devices.begin(), gpu_of_devices.begin() + std::min<std::ptrdiff_t>(devices, std::ssize(gpu_of_devices))) {
+    : gpu_of_(gpu_of_devices.begin(),
+              gpu_of_devices.begin() + std::min<std::ptrdiff_t>(devices, std::ssize(gpu_of_devices))) {
   for (std::size_t d = 0; d < gpu_of_.size(); ++d) {
     const auto g = static_cast<std::size_t>(gpu_of_[d]);
     if (devices_.size() <= g) devices_.resize(g + 1);
@@ -133,7 +134,8 @@ core::Timeline empty_timeline(std::shared_ptr<const core::Program> program, cons
         layout[p].push_back({static_cast<std::int32_t>(s), static_cast<std::int32_t>(i), 0, 0});
   }
   for (int d = 0; d < program->num_devices; ++d)
-    t.devices[static_cast<std::size_t>(d)].spans = layout[static_cast<std::size_t>(program->plan_of_device[static_cast<std::size_t>(d)])];
+    t.devices[static_cast<std::size_t>(d)].spans =
+        layout[static_cast<std::size_t>(program->plan_of_device[static_cast<std::size_t>(d)])];
   return t;
 }
 

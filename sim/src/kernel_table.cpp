@@ -14,9 +14,9 @@
 
 namespace piper::sim {
 
-using nlohmann::json;
 using core::Kernel;
 using core::KernelKind;
+using nlohmann::json;
 
 // kernel_tables_data.cpp (generated from sim/data/)
 extern const char* const kKernelTableH200;
@@ -101,7 +101,8 @@ double KernelTable::gemm_rate(const std::string& dtype_in, std::int64_t m, std::
     std::vector<std::pair<std::vector<double>, double>> pts;
     for (auto& [kn, c] : curves) {
       std::sort(c.begin(), c.end());
-      pts.push_back({{lg(static_cast<double>(kn.first)), lg(static_cast<double>(kn.second))}, interp_log(c, std::max(mm, m_min))});
+      pts.push_back({{lg(static_cast<double>(kn.first)), lg(static_cast<double>(kn.second))},
+                     interp_log(c, std::max(mm, m_min))});
     }
     double r = idw(pts, {lg(kk), lg(std::max(nn, n_min))}, 3);
     // Below the table: a GEMM whose output is smaller than the smallest measured one (m_min x n_min)
@@ -228,9 +229,11 @@ void remove_dispatch_latency(const TableReader& r, const json& v, KernelTable& t
   double latency = 0;
   if (v.is_number()) {
     latency = v.get<double>() * 1e-6;
-    if (!std::isfinite(latency) || latency < 0 || latency > 1) r.fail("gemm_dispatch_latency", "expected \"estimate\" or µs in [0, 1e6]");
+    if (!std::isfinite(latency) || latency < 0 || latency > 1)
+      r.fail("gemm_dispatch_latency", "expected \"estimate\" or µs in [0, 1e6]");
   } else if (v == "estimate") {
-    std::map<std::tuple<std::string, std::int64_t, std::int64_t>, std::vector<std::pair<double, double>>> curves;  // M, seconds
+    std::map<std::tuple<std::string, std::int64_t, std::int64_t>, std::vector<std::pair<double, double>>>
+        curves;  // M, seconds
     for (const auto& g : t.gemm)
       if (!g.cited) curves[{g.dtype, g.k, g.n}].emplace_back(g.m, 2.0 * g.m * g.n * g.k / g.flops_per_s);
     std::vector<double> at_zero;
@@ -241,7 +244,8 @@ void remove_dispatch_latency(const TableReader& r, const json& v, KernelTable& t
       const auto [m2, t2] = c[1];
       at_zero.push_back(t1 - (t2 - t1) / (m2 - m1) * m1);
     }
-    if (at_zero.size() < 3) r.fail("gemm_dispatch_latency", "\"estimate\" needs 3 or more GEMM curves measured at 2 or more M");
+    if (at_zero.size() < 3)
+      r.fail("gemm_dispatch_latency", "\"estimate\" needs 3 or more GEMM curves measured at 2 or more M");
     std::sort(at_zero.begin(), at_zero.end());
     const std::size_t n = at_zero.size();
     latency = std::max(0.0, n % 2 ? at_zero[n / 2] : (at_zero[n / 2 - 1] + at_zero[n / 2]) / 2);
@@ -286,10 +290,12 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {
     if (g.is_object() && g.contains("error")) continue;  // kernels.py records shapes that failed
     r.provenance(g, at, j, cited);
     Gemm e;
-    if (!g.is_object() || !g.contains("dtype") || !g.at("dtype").is_string()) r.fail(at + ".dtype", "expected a string");
+    if (!g.is_object() || !g.contains("dtype") || !g.at("dtype").is_string())
+      r.fail(at + ".dtype", "expected a string");
     e.dtype = g.at("dtype").get<std::string>();
     static const char* kDtypes[] = {"bf16", "fp16", "fp32", "tf32", "fp8"};
-    if (std::find_if(std::begin(kDtypes), std::end(kDtypes), [&](const char* d) { return e.dtype == d; }) == std::end(kDtypes))
+    if (std::find_if(std::begin(kDtypes), std::end(kDtypes), [&](const char* d) { return e.dtype == d; }) ==
+        std::end(kDtypes))
       r.fail(at + ".dtype", "unknown dtype '" + e.dtype + "' (expected bf16, fp16, fp32, tf32 or fp8)");
     e.m = static_cast<std::int64_t>(r.positive(g, "m", at));
     e.n = static_cast<std::int64_t>(r.positive(g, "n", at));
@@ -316,7 +322,8 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {
   }
   if (j.contains("attention_kernels")) {
     const json& ak = j.at("attention_kernels");
-    if (!ak.is_object()) r.fail("attention_kernels", "expected an object of {\"fwd_scale\", \"bwd_scale\"} by implementation name");
+    if (!ak.is_object())
+      r.fail("attention_kernels", "expected an object of {\"fwd_scale\", \"bwd_scale\"} by implementation name");
     for (const auto& [name, v] : ak.items()) {
       const std::string at = "attention_kernels." + name;
       r.provenance(v, at, j, cited);
@@ -328,7 +335,8 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {
     const json& m = mem[i];
     const std::string at = fmt::format("memory_bound[{}]", i);
     Memory e;
-    if (!m.is_object() || !m.contains("kernel") || !m.at("kernel").is_string()) r.fail(at + ".kernel", "expected a string");
+    if (!m.is_object() || !m.contains("kernel") || !m.at("kernel").is_string())
+      r.fail(at + ".kernel", "expected a string");
     r.provenance(m, at, j, cited);
     e.kernel = m.at("kernel").get<std::string>();
     e.bytes_per_s = r.positive(m, "gbps", at) * 1e9;
@@ -348,7 +356,8 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {
     r.provenance(a, at, j, cited);
     const double params = r.positive(a, "params", at), s = r.positive(a, "s", at);
     const std::string dt = a.is_object() && a.contains("param_dtype") && a.at("param_dtype").is_string()
-                               ? a.at("param_dtype").get<std::string>() : "torch.bfloat16";
+                               ? a.at("param_dtype").get<std::string>()
+                               : "torch.bfloat16";
     if (dt.find("float32") != std::string::npos) {
       if (params >= best32) best32 = params, t.adamw_fp32_bytes_per_s = params * 28 / s;
     } else if (params >= best) {
@@ -356,7 +365,8 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {
     }
   }
   for (auto& g : t.gemm) g.flops_per_s *= compute_scale * gemm_scale;
-  for (auto& a : t.attention) a.fwd_flops_per_s *= compute_scale * attention_scale, a.bwd_flops_per_s *= compute_scale * attention_scale;
+  for (auto& a : t.attention)
+    a.fwd_flops_per_s *= compute_scale * attention_scale, a.bwd_flops_per_s *= compute_scale * attention_scale;
   for (auto& m : t.memory) m.bytes_per_s *= memory_scale;
   // AdamW is memory-bound: memory_scale applies to it unless adamw_scale is given.
   const double adamw = j.contains("adamw_scale") ? adamw_scale : memory_scale;
@@ -390,9 +400,9 @@ std::shared_ptr<const KernelTable> load_kernel_table(const std::string& name) {
   // of the A100 SXM4 40/80 GB and the H100 SXM5 written by sim/data/published_tables.py (every entry cited
   // or derived from the H200's by a stated rule; sim/data/README.md).
   static const std::map<std::string, const char*> kBuiltIn = {{"h200-sxm", kKernelTableH200},
-                                                               {"h100-sxm", kKernelTableH100},
-                                                               {"a100-40gb-sxm", kKernelTableA100_40},
-                                                               {"a100-80gb-sxm", kKernelTableA100_80}};
+                                                              {"h100-sxm", kKernelTableH100},
+                                                              {"a100-40gb-sxm", kKernelTableA100_40},
+                                                              {"a100-80gb-sxm", kKernelTableA100_80}};
   if (const auto it = kBuiltIn.find(name); it != kBuiltIn.end()) {
     std::string text = it->second;
     // The H200 file is kernels.py's output as measured, its GEMMs timed one launch at a time
@@ -417,7 +427,7 @@ namespace {
 // Bytes per element (in units of the kernel's dtype unless noted) and launches of each element-wise
 // kind under a runtime profile, and the measured kernel class whose bandwidth it gets.
 struct ElementwiseCost {
-  double bytes_per_elem;   // in elements of the kernel's dtype
+  double bytes_per_elem;       // in elements of the kernel's dtype
   double fp32_bytes_per_elem;  // fp32 traffic on top (the loss's fp32 logits)
   int launches;
   const char* table_kernel;
@@ -428,27 +438,42 @@ ElementwiseCost elementwise_cost(KernelKind kind, RuntimeProfile p) {
   const bool eager = p == RuntimeProfile::Eager || (p == RuntimeProfile::EagerFusedLoss && !loss);
   switch (kind) {
     // RMSNorm: read x, write y (fused in both: PyTorch's F.rms_norm, and its backward kernel).
-    case KernelKind::Norm: return {2, 0, 1, "rmsnorm"};
-    case KernelKind::NormBackward: return {3, 0, 1, "rmsnorm"};
-    case KernelKind::NormWeight: return {2, 0, 1, "rmsnorm"};
+    case KernelKind::Norm:
+      return {2, 0, 1, "rmsnorm"};
+    case KernelKind::NormBackward:
+      return {3, 0, 1, "rmsnorm"};
+    case KernelKind::NormWeight:
+      return {2, 0, 1, "rmsnorm"};
     // SwiGLU: fused reads gate and up and writes one output (3 per output element); eager runs
     // silu (read 1, write 1) then mul (read 2, write 1). Backward: fused reads gate, up and dy and
     // writes both gradients (5); eager: mul's two gradients (read 2, write 1 each) and silu's (3).
-    case KernelKind::Activation: return eager ? ElementwiseCost{5, 0, 2, "silu_mul"} : ElementwiseCost{3, 0, 1, "silu_mul"};
-    case KernelKind::ActivationBackward: return eager ? ElementwiseCost{9, 0, 3, "silu_mul"} : ElementwiseCost{5, 0, 1, "silu_mul"};
-    case KernelKind::Residual: return {3, 0, 1, "add"};
+    case KernelKind::Activation:
+      return eager ? ElementwiseCost{5, 0, 2, "silu_mul"} : ElementwiseCost{3, 0, 1, "silu_mul"};
+    case KernelKind::ActivationBackward:
+      return eager ? ElementwiseCost{9, 0, 3, "silu_mul"} : ElementwiseCost{5, 0, 1, "silu_mul"};
+    case KernelKind::Residual:
+      return {3, 0, 1, "add"};
     // RoPE: fused reads and writes q and k once; eager's rotate_half runs x·cos, a negated half, a
     // concatenation, ·sin and the add: 5 kernels, about 9 element passes.
-    case KernelKind::Rope: return eager ? ElementwiseCost{9, 0, 5, "add"} : ElementwiseCost{2, 0, 1, "add"};
+    case KernelKind::Rope:
+      return eager ? ElementwiseCost{9, 0, 5, "add"} : ElementwiseCost{2, 0, 1, "add"};
     // Cross-entropy over the head's fp32 logits: fused reads them and writes the fp32 softmax
     // forward, and reads it and writes the logits' gradient backward; eager adds log_softmax's
     // separate pass each way.
-    case KernelKind::Loss: return eager ? ElementwiseCost{0, 12, 2, "cross_entropy_fwd_fp32"} : ElementwiseCost{0, 8, 1, "cross_entropy_fwd_fp32"};
-    case KernelKind::LossBackward: return eager ? ElementwiseCost{1, 12, 3, "cross_entropy_fwd_fp32"} : ElementwiseCost{1, 4, 1, "cross_entropy_fwd_fp32"};
-    case KernelKind::Embedding: return {2, 0, 1, "copy"};
-    case KernelKind::EmbeddingBackward: return {3, 0, 1, "add"};
-    case KernelKind::Permute: return {2, 0, 1, "copy"};
-    default: return {0, 0, 1, "add"};  // Elementwise: its bytes are given
+    case KernelKind::Loss:
+      return eager ? ElementwiseCost{0, 12, 2, "cross_entropy_fwd_fp32"}
+                   : ElementwiseCost{0, 8, 1, "cross_entropy_fwd_fp32"};
+    case KernelKind::LossBackward:
+      return eager ? ElementwiseCost{1, 12, 3, "cross_entropy_fwd_fp32"}
+                   : ElementwiseCost{1, 4, 1, "cross_entropy_fwd_fp32"};
+    case KernelKind::Embedding:
+      return {2, 0, 1, "copy"};
+    case KernelKind::EmbeddingBackward:
+      return {3, 0, 1, "add"};
+    case KernelKind::Permute:
+      return {2, 0, 1, "copy"};
+    default:
+      return {0, 0, 1, "add"};  // Elementwise: its bytes are given
   }
 }
 
@@ -456,10 +481,14 @@ ElementwiseCost elementwise_cost(KernelKind kind, RuntimeProfile p) {
 
 double dtype_peak_ratio(core::Precision p) {
   switch (p) {
-    case core::Precision::FP32: return 1.0 / 16;
-    case core::Precision::TF32: return 0.5;
-    case core::Precision::FP8: return 2.0;
-    default: return 1.0;
+    case core::Precision::FP32:
+      return 1.0 / 16;
+    case core::Precision::TF32:
+      return 0.5;
+    case core::Precision::FP8:
+      return 2.0;
+    default:
+      return 1.0;
   }
 }
 
@@ -495,7 +524,8 @@ double KernelTiming::seconds(const Kernel& k) const {
     const bool bwd = k.kind == KernelKind::AttentionBackward;
     const double rate = table ? table->attention_rate(bwd, k.batch, k.m, k.n, std::max(k.head_dim, k.v_dim)) : 0;
     if (rate <= 0) return k.flops / fallback_rate + launch;  // no table: Piper's full-matrix FLOPs at GEMM speed
-    return causal_attention_flops(k) / (rate * (bwd ? attention_kernel.bwd_scale : attention_kernel.fwd_scale)) + launch;
+    return causal_attention_flops(k) / (rate * (bwd ? attention_kernel.bwd_scale : attention_kernel.fwd_scale)) +
+           launch;
   }
   const ElementwiseCost c = elementwise_cost(k.kind, profile);
   const double elems = static_cast<double>(k.elems);

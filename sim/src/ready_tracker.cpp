@@ -54,16 +54,16 @@ struct ReadyTracker::State {
   const core::Program& program;
   const Symmetry* sym = nullptr;  // reduced mode when set
   std::vector<int> plan_of;
-  std::vector<int> ranks;          // collective_ranks() buffer (full mode)
+  std::vector<int> ranks;                                       // collective_ranks() buffer (full mode)
   std::map<std::pair<int, int>, std::vector<int>> real_groups;  // (family, device) -> group (reduced)
   std::vector<PlanIndex> plans;
   std::vector<std::int64_t> device_base;
   std::vector<std::int64_t> stream_state_base;  // device -> first entry of done/issued
   std::vector<std::int32_t> done;
   std::vector<std::uint8_t> issued;
-  std::vector<std::uint8_t> transfer_state;     // per SEND instance: bit 0 SEND arrived, bit 1 RECV arrived
+  std::vector<std::uint8_t> transfer_state;  // per SEND instance: bit 0 SEND arrived, bit 1 RECV arrived
   std::vector<FamilyIndex> families;
-  std::vector<std::vector<int>> positions;      // device set -> device -> position
+  std::vector<std::vector<int>> positions;  // device set -> device -> position
   std::vector<Activity> ready;
   std::vector<int> dirty_list;
   std::vector<std::uint8_t> dirty;
@@ -184,7 +184,8 @@ struct ReadyTracker::State {
 
 ReadyTracker::ReadyTracker(const core::Program& program) : ReadyTracker(program, nullptr) {}
 
-ReadyTracker::ReadyTracker(const core::Program& program, const Symmetry* symmetry) : s_(std::make_unique<State>(program)) {
+ReadyTracker::ReadyTracker(const core::Program& program, const Symmetry* symmetry)
+    : s_(std::make_unique<State>(program)) {
   State& st = *s_;
   st.sym = symmetry;
   // Reduced mode: non-representatives hold no op instances and are never scanned.
@@ -428,7 +429,8 @@ std::vector<std::pair<int, OpRef>> PartnerFinder::operator()(int device, OpRef r
       for (std::size_t s = 0; s < plan.streams.size(); ++s)
         for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
           const core::Op& o = plan.streams[s].ops[i];
-          if (is_collective(o.kind) && o.family == op.family) it->second.push_back({static_cast<int>(s), static_cast<int>(i)});
+          if (is_collective(o.kind) && o.family == op.family)
+            it->second.push_back({static_cast<int>(s), static_cast<int>(i)});
         }
     }
     return it->second;

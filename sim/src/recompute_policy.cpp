@@ -7,18 +7,23 @@
 
 #include <fmt/format.h>
 
-
 namespace piper::sim {
 
 namespace {
 
 std::string ordinal(int k) {
   const int tens = k % 100;
-  const char* suffix = (tens >= 11 && tens <= 13) ? "th" : k % 10 == 1 ? "st" : k % 10 == 2 ? "nd" : k % 10 == 3 ? "rd" : "th";
+  const char* suffix = (tens >= 11 && tens <= 13) ? "th"
+                       : k % 10 == 1              ? "st"
+                       : k % 10 == 2              ? "nd"
+                       : k % 10 == 3              ? "rd"
+                                                  : "th";
   return std::to_string(k) + suffix;
 }
 
-std::string gib(std::int64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0)); }
+std::string gib(std::int64_t bytes) {
+  return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
+}
 
 }  // namespace
 
@@ -35,16 +40,18 @@ std::vector<RecomputePolicy> recompute_candidates(int blocks) {
 }
 
 std::string RecomputeChoice::summary() const {
-  return fmt::format("recompute auto: {} (peak {} within the {} budget; step {:.4g} s; fastest of {} policies that fit, {} simulated)",
-                     chosen.policy.name(), gib(chosen.peak_memory_bytes), gib(budget_bytes), chosen.step_time_s,
-                     std::count_if(trials.begin(), trials.end(), [](const RecomputeTrial& t) { return t.fits; }), trials.size());
+  return fmt::format(
+      "recompute auto: {} (peak {} within the {} budget; step {:.4g} s; fastest of {} policies that fit, {} simulated)",
+      chosen.policy.name(), gib(chosen.peak_memory_bytes), gib(budget_bytes), chosen.step_time_s,
+      std::count_if(trials.begin(), trials.end(), [](const RecomputeTrial& t) { return t.fits; }), trials.size());
 }
 
 RecomputeChoice choose_recompute(const core::Scenario& scenario, double budget_gib, const SimulateOptions& options) {
   if (!(budget_gib > 0) || !std::isfinite(budget_gib) || budget_gib > 1e9)
     throw std::invalid_argument(fmt::format("--memory-budget must be a positive number of GiB (got {})", budget_gib));
   if (scenario.directives)
-    throw std::invalid_argument("--recompute auto chooses the strategy's recompute directives: it cannot be used with --directives");
+    throw std::invalid_argument(
+        "--recompute auto chooses the strategy's recompute directives: it cannot be used with --directives");
   RecomputeChoice choice;
   choice.budget_bytes = static_cast<std::int64_t>(budget_gib * 1024.0 * 1024.0 * 1024.0);
   const int blocks = static_cast<int>(core::scenario_model_config(scenario).layers);
@@ -70,11 +77,12 @@ RecomputeChoice choose_recompute(const core::Scenario& scenario, double budget_g
                    (t.step_time_s == best->step_time_s && t.recompute_flops < best->recompute_flops)))
       best = &t;
   if (!best) {
-    const auto least = std::min_element(choice.trials.begin(), choice.trials.end(), [](const RecomputeTrial& a, const RecomputeTrial& b) {
-      return a.peak_memory_bytes < b.peak_memory_bytes;
-    });
-    throw std::invalid_argument(fmt::format("--memory-budget {}: no recompute policy fits; the least memory is {} with {} at peak",
-                                            budget_gib, least->policy.name(), gib(least->peak_memory_bytes)));
+    const auto least = std::min_element(
+        choice.trials.begin(), choice.trials.end(),
+        [](const RecomputeTrial& a, const RecomputeTrial& b) { return a.peak_memory_bytes < b.peak_memory_bytes; });
+    throw std::invalid_argument(
+        fmt::format("--memory-budget {}: no recompute policy fits; the least memory is {} with {} at peak", budget_gib,
+                    least->policy.name(), gib(least->peak_memory_bytes)));
   }
   choice.chosen = *best;
   return choice;

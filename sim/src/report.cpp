@@ -12,16 +12,16 @@
 
 namespace piper::sim {
 
-using nlohmann::json;
 using core::OpKind;
+using nlohmann::json;
 
 namespace {
 
 constexpr std::size_t ix(std::int64_t i) { return static_cast<std::size_t>(i); }
 constexpr int kKinds = 6;  // BufferKind values
-const std::array<core::BufferKind, kKinds> kAllKinds = {core::BufferKind::Parameters, core::BufferKind::Gradients,
-                                                        core::BufferKind::OptimizerStates, core::BufferKind::Activations,
-                                                        core::BufferKind::Received, core::BufferKind::GatheredParameters};
+const std::array<core::BufferKind, kKinds> kAllKinds = {
+    core::BufferKind::Parameters,  core::BufferKind::Gradients, core::BufferKind::OptimizerStates,
+    core::BufferKind::Activations, core::BufferKind::Received,  core::BufferKind::GatheredParameters};
 
 bool is_compute(OpKind k) { return k == OpKind::Compute || k == OpKind::Update; }
 
@@ -55,10 +55,13 @@ double intersection(const Intervals& a, const Intervals& b) {
   return total;
 }
 
-std::string gib(std::int64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1024.0 * 1024 * 1024)); }
+std::string gib(std::int64_t bytes) {
+  return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1024.0 * 1024 * 1024));
+}
 
 // The TP collectives' share of a COMPUTE span: the cost model's figure, never more than the span.
-double tp_part(const CostModel* cost, const core::Program& program, int device, const core::Op& op, const core::OpSpan& s) {
+double tp_part(const CostModel* cost, const core::Program& program, int device, const core::Op& op,
+               const core::OpSpan& s) {
   if (!cost || op.kind != OpKind::Compute) return 0;
   return std::min(cost->tp_part_seconds(program, device, op), s.end_s - s.start_s);
 }
@@ -102,7 +105,8 @@ CriticalPath critical_path(const core::Timeline& timeline, const Symmetry* symme
       path.comm_s += seconds;
     }
     if (reversed.size() < CriticalPath::kMaxSteps)
-      reversed.push_back({device, program.plan_for(device).streams[ix(ref.stream)].name, op.label, cur.start_s, cur.end_s});
+      reversed.push_back(
+          {device, program.plan_for(device).streams[ix(ref.stream)].name, op.label, cur.start_s, cur.end_s});
     // The dependency (of any member of this op's activity) that ended last released it.
     std::vector<std::pair<int, core::OpRef>> members =
         is_compute(op.kind) ? std::vector<std::pair<int, core::OpRef>>{{device, ref}} : partners(device, ref);
@@ -157,7 +161,8 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
         // a TP group shares it, and a CP group holds 1/cp of its tokens on each device).
         if (op.pass == core::Pass::F && op.segment >= 0 && ix(op.segment) < program.segments.size() &&
             program.segments[ix(op.segment)].first_layer == 0)
-          r.tokens_per_step += tokens_per_mb * devices_of_plan[p] / std::max(1, program.segments[ix(op.segment)].shard_degree) /
+          r.tokens_per_step += tokens_per_mb * devices_of_plan[p] /
+                               std::max(1, program.segments[ix(op.segment)].shard_degree) /
                                std::max(1, program.segments[ix(op.segment)].tp_degree) /
                                std::max(1, program.segments[ix(op.segment)].cp_degree);
       }
@@ -256,8 +261,8 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
           }
         std::array<std::int64_t, kKinds> held{};
         for (const auto& buf : plan.buffers) {
-          const bool live = buf.persistent() ||
-                            (span(buf.alloc).start_s <= o.time_s && (buf.free.stream < 0 || span(buf.free).end_s > o.time_s));
+          const bool live = buf.persistent() || (span(buf.alloc).start_s <= o.time_s &&
+                                                 (buf.free.stream < 0 || span(buf.free).end_s > o.time_s));
           if (live) held[ix(static_cast<int>(buf.kind))] += buf.bytes;
         }
         for (int k = 0; k < kKinds; ++k)
@@ -277,22 +282,23 @@ json Report::to_json() const {
   json device_rows = json::array();
   for (const auto& d : per_device)
     device_rows.push_back({{"device", d.device},
-                       {"busy_s", d.busy_s},
-                       {"idle_s", d.idle_s},
-                       {"bubble_fraction", d.bubble_fraction},
-                       {"comm_s", d.comm_s},
-                       {"comm_compute_overlap", d.comm_compute_overlap},
-                       {"tp_comm_s", d.tp_comm_s},
-                       {"peak_memory_bytes", d.peak_memory_bytes},
-                       {"peak_memory_time_s", d.peak_memory_time_s},
-                       {"peak_bytes_by_kind", d.peak_bytes_by_kind},
-                       {"hbm_bytes", d.hbm_bytes},
-                       {"oom", d.oom}});
+                           {"busy_s", d.busy_s},
+                           {"idle_s", d.idle_s},
+                           {"bubble_fraction", d.bubble_fraction},
+                           {"comm_s", d.comm_s},
+                           {"comm_compute_overlap", d.comm_compute_overlap},
+                           {"tp_comm_s", d.tp_comm_s},
+                           {"peak_memory_bytes", d.peak_memory_bytes},
+                           {"peak_memory_time_s", d.peak_memory_time_s},
+                           {"peak_bytes_by_kind", d.peak_bytes_by_kind},
+                           {"hbm_bytes", d.hbm_bytes},
+                           {"oom", d.oom}});
   json holders = json::array();
   for (const auto& h : oom_details.largest_holders) holders.push_back({{"kind", h.kind}, {"bytes", h.bytes}});
   json steps = json::array();
   for (const auto& s : critical_path.steps)
-    steps.push_back({{"device", s.device}, {"stream", s.stream}, {"label", s.label}, {"start_s", s.start_s}, {"end_s", s.end_s}});
+    steps.push_back(
+        {{"device", s.device}, {"stream", s.stream}, {"label", s.label}, {"start_s", s.start_s}, {"end_s", s.end_s}});
   json by_device = json::array();
   for (const auto& [d, sec] : critical_path.seconds_by_device) by_device.push_back({{"device", d}, {"compute_s", sec}});
   json j{{"format", "piper-report"},
@@ -389,8 +395,8 @@ Report Report::from_json(const json& j) {
     for (const auto& b : c.value("by_device", json::array()))
       r.critical_path.seconds_by_device[b.value("device", 0)] = b.value("compute_s", 0.0);
     for (const auto& s : c.value("steps", json::array()))
-      r.critical_path.steps.push_back(
-          {s.value("device", 0), s.value("stream", ""), s.value("label", ""), s.value("start_s", 0.0), s.value("end_s", 0.0)});
+      r.critical_path.steps.push_back({s.value("device", 0), s.value("stream", ""), s.value("label", ""),
+                                       s.value("start_s", 0.0), s.value("end_s", 0.0)});
   }
   return r;
 }
@@ -407,10 +413,12 @@ std::string Report::to_text(int max_devices) const {
   row("peak memory", fmt::format("{} (max over devices)", gib(peak_memory_bytes)));
   if (oom) {
     std::string holders;
-    for (const auto& h : oom_details.largest_holders) holders += fmt::format("{}{} {}", holders.empty() ? "" : ", ", h.kind, gib(h.bytes));
-    row("OUT OF MEMORY", fmt::format("device {} at {:.3f} ms: {} > HBM {} ({} device{} over); held: {}", oom_details.device,
-                                     oom_details.time_s * 1e3, gib(oom_details.bytes), gib(oom_details.hbm_bytes),
-                                     oom_details.devices_over, oom_details.devices_over == 1 ? "" : "s", holders));
+    for (const auto& h : oom_details.largest_holders)
+      holders += fmt::format("{}{} {}", holders.empty() ? "" : ", ", h.kind, gib(h.bytes));
+    row("OUT OF MEMORY",
+        fmt::format("device {} at {:.3f} ms: {} > HBM {} ({} device{} over); held: {}", oom_details.device,
+                    oom_details.time_s * 1e3, gib(oom_details.bytes), gib(oom_details.hbm_bytes),
+                    oom_details.devices_over, oom_details.devices_over == 1 ? "" : "s", holders));
   } else {
     row("out of memory", "no");
   }
@@ -425,13 +433,15 @@ std::string Report::to_text(int max_devices) const {
   for (std::size_t i = 0; i < top.size() && i < 4; ++i)
     where += fmt::format("{}device {} {:.2f} ms", i ? ", " : "", top[i].second, top[i].first * 1e3);
   // TP collectives run inside COMPUTE ops: shown apart only when the plan has any.
-  const bool tp = std::any_of(per_device.begin(), per_device.end(), [](const DeviceReport& d) { return d.tp_comm_s > 0; });
+  const bool tp =
+      std::any_of(per_device.begin(), per_device.end(), [](const DeviceReport& d) { return d.tp_comm_s > 0; });
   const std::string tp_on_path = tp ? fmt::format(" (TP collectives {:.3f} ms)", critical_path.tp_s * 1e3) : "";
-  row("critical path", fmt::format("{} ops: compute {:.3f} ms{}, comm {:.3f} ms, waiting {:.3f} ms", critical_path.ops,
-                                   critical_path.compute_s * 1e3, tp_on_path, critical_path.comm_s * 1e3, critical_path.wait_s * 1e3));
+  row("critical path",
+      fmt::format("{} ops: compute {:.3f} ms{}, comm {:.3f} ms, waiting {:.3f} ms", critical_path.ops,
+                  critical_path.compute_s * 1e3, tp_on_path, critical_path.comm_s * 1e3, critical_path.wait_s * 1e3));
   if (!where.empty()) row("  compute on path", where);
-  out += fmt::format("\n{:>6} {:>10} {:>10} {:>8} {:>10} {:>8}{} {:>12}\n", "device", "busy ms", "idle ms", "bubble", "comm ms",
-                     "overlap", tp ? fmt::format(" {:>10}", "TP ms") : "", "peak memory");
+  out += fmt::format("\n{:>6} {:>10} {:>10} {:>8} {:>10} {:>8}{} {:>12}\n", "device", "busy ms", "idle ms", "bubble",
+                     "comm ms", "overlap", tp ? fmt::format(" {:>10}", "TP ms") : "", "peak memory");
   int shown = 0;
   for (const auto& d : per_device) {
     if (shown++ >= max_devices) {
@@ -440,7 +450,8 @@ std::string Report::to_text(int max_devices) const {
     }
     out += fmt::format("{:>6} {:>10.3f} {:>10.3f} {:>7.1f}% {:>10.3f} {:>7.1f}%{} {:>12}{}\n", d.device, d.busy_s * 1e3,
                        d.idle_s * 1e3, d.bubble_fraction * 100, d.comm_s * 1e3, d.comm_compute_overlap * 100,
-                       tp ? fmt::format(" {:>10.3f}", d.tp_comm_s * 1e3) : "", gib(d.peak_memory_bytes), d.oom ? "  OOM" : "");
+                       tp ? fmt::format(" {:>10.3f}", d.tp_comm_s * 1e3) : "", gib(d.peak_memory_bytes),
+                       d.oom ? "  OOM" : "");
   }
   return out;
 }

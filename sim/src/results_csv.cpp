@@ -36,9 +36,12 @@ std::vector<std::string> csv_split(const std::string& line) {
   for (std::size_t i = 0; i < line.size(); ++i) {
     const char c = line[i];
     if (quoted) {
-      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') out.back() += '"', ++i;
-      else if (c == '"') quoted = false;
-      else out.back() += c;
+      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"')
+        out.back() += '"', ++i;
+      else if (c == '"')
+        quoted = false;
+      else
+        out.back() += c;
     } else if (c == '"') {
       quoted = true;
     } else if (c == ',') {
@@ -71,8 +74,10 @@ std::vector<std::string> missing_in_older_version(const std::string& header, con
   std::vector<std::string> missing;
   std::size_t k = 0;
   for (const auto& c : columns) {
-    if (k < given.size() && given[k] == c) ++k;
-    else missing.push_back(c);
+    if (k < given.size() && given[k] == c)
+      ++k;
+    else
+      missing.push_back(c);
   }
   if (k != given.size() || given.size() < 2 || given.front() != columns.front()) return {};
   return missing;
@@ -88,7 +93,8 @@ std::vector<std::vector<std::string>> read_results(const std::string& path, cons
   if (ec || !fs::exists(st)) return rows;
   // Only a regular file can be resumed and appended to; anything else is refused untouched.
   if (!fs::is_regular_file(st))
-    throw ResultsFileError(fmt::format("{}: not a regular file, so not a piper {} results file; choose another -o", path, kind));
+    throw ResultsFileError(
+        fmt::format("{}: not a regular file, so not a piper {} results file; choose another -o", path, kind));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ResultsFileError(path + ": cannot open for reading: " + std::strerror(errno));
   const std::string header = csv_header(columns);
@@ -100,7 +106,8 @@ std::vector<std::vector<std::string>> read_results(const std::string& path, cons
   const std::size_t first_nl = text.find('\n');
   const bool whole_file = text.size() <= header.size();
   auto not_results = [&] {
-    return ResultsFileError(fmt::format("{}: line 1: not a piper {} results file (header differs); choose another -o", path, kind));
+    return ResultsFileError(
+        fmt::format("{}: line 1: not a piper {} results file (header differs); choose another -o", path, kind));
   };
   if (first_nl == std::string::npos) {
     // No complete line: a header cut by a kill (a prefix of it) starts the file over; anything else
@@ -117,9 +124,10 @@ std::vector<std::vector<std::string>> read_results(const std::string& path, cons
     const std::vector<std::string> missing = missing_in_older_version(first, columns);
     if (missing.empty()) throw not_results();
     std::string names = missing.back();
-    if (missing.size() > 1) names = fmt::format("{} and {}", fmt::join(missing.begin(), missing.end() - 1, ", "), missing.back());
-    throw ResultsFileError(fmt::format("{}: line 1: written by an older piper {} (no {} column{}); choose another -o", path, kind,
-                                       names, missing.size() > 1 ? "s" : ""));
+    if (missing.size() > 1)
+      names = fmt::format("{} and {}", fmt::join(missing.begin(), missing.end() - 1, ", "), missing.back());
+    throw ResultsFileError(fmt::format("{}: line 1: written by an older piper {} (no {} column{}); choose another -o",
+                                       path, kind, names, missing.size() > 1 ? "s" : ""));
   }
   {
     // Bounded (Limit::InputBytes, sized before reading): a huge file is refused, not read whole.
@@ -152,13 +160,15 @@ std::vector<std::vector<std::string>> read_results(const std::string& path, cons
     line_no += 1;
     auto fields = csv_split(line);
     if (fields.size() != columns.size())
-      throw ResultsFileError(fmt::format("{}: line {}: {} fields, expected {}", path, line_no, fields.size(), columns.size()));
+      throw ResultsFileError(
+          fmt::format("{}: line {}: {} fields, expected {}", path, line_no, fields.size(), columns.size()));
     rows.push_back(std::move(fields));
   }
   return rows;
 }
 
-ResultsAppender::ResultsAppender(const std::string& csv_path, const std::vector<std::string>& columns) : path_(csv_path) {
+ResultsAppender::ResultsAppender(const std::string& csv_path, const std::vector<std::string>& columns)
+    : path_(csv_path) {
   std::error_code ec;
   const fs::file_status st = fs::status(csv_path, ec);
   if (!ec && fs::exists(st) && !fs::is_regular_file(st))

@@ -144,7 +144,8 @@ void for_each_pair(const std::vector<Phase>& phases, const std::function<void(in
       const int n = s.size();
       const int distinct_rounds = s.pattern == RoundSchedule::Pattern::Ring ? 1 : s.rounds;
       for (int j = 0; j < distinct_rounds; ++j)
-        for (int i = 0; i < n; ++i) fn(s.devices[static_cast<std::size_t>(i)], s.devices[static_cast<std::size_t>(s.target(j, i))]);
+        for (int i = 0; i < n; ++i)
+          fn(s.devices[static_cast<std::size_t>(i)], s.devices[static_cast<std::size_t>(s.target(j, i))]);
     }
 }
 

@@ -24,8 +24,8 @@ struct RoundSchedule {
   Pattern pattern = Pattern::Ring;
   std::vector<int> devices;  // participants, in ring / rank order
   int rounds = 0;
-  double chunk_bytes = 0;    // per participant per round
-  int ranks_per_node = 1;    // NodePairwise: m
+  double chunk_bytes = 0;  // per participant per round
+  int ranks_per_node = 1;  // NodePairwise: m
 
   int size() const { return static_cast<int>(devices.size()); }
   int target(int round, int i) const;  // participant index

@@ -67,7 +67,8 @@ class Run {
     const int n = program.num_devices;
     node_of_ = cluster.node_of_devices();
     if (static_cast<int>(node_of_.size()) < n)
-      throw ClusterError("cluster '" + cluster.name + "' has " + std::to_string(node_of_.size()) + " GPUs, the program needs " + std::to_string(n));
+      throw ClusterError("cluster '" + cluster.name + "' has " + std::to_string(node_of_.size()) +
+                         " GPUs, the program needs " + std::to_string(n));
     platform_ = std::make_unique<simgrid_detail::Platform>(cluster, n, route_pairs());
     rates_ = compute_rates(program, cluster);
     sharing_ = GpuSharing(cost.gpu_of_devices(), n);
@@ -100,7 +101,9 @@ class Run {
         graveyard_old_.swap(graveyard_);
       });
       sg::Link::on_communication_state_change_cb(
-          [this](simgrid::kernel::resource::NetworkAction& a, simgrid::kernel::resource::Action::State) { pool_flow_ended(a); });
+          [this](simgrid::kernel::resource::NetworkAction& a, simgrid::kernel::resource::Action::State) {
+            pool_flow_ended(a);
+          });
     } else if (!use_workers_) {
       sg::Engine::on_time_advance_cb([this](double) { graveyard_.clear(); });
       sg::Activity::on_completion_cb([this](const sg::Activity& a) { comm_completed(a); });
@@ -129,10 +132,10 @@ class Run {
   enum class SlotKind { Activity, Flow };
   struct Slot {
     SlotKind kind = SlotKind::Activity;
-    int owner = -1;   // Activity: index into live_; Flow: index into collectives_
+    int owner = -1;  // Activity: index into live_; Flow: index into collectives_
     int schedule = 0, participant = 0, step = 0;
     int src = 0, dst = 0;
-    double units = 0;  // payload in kUnitsPerByte units
+    double units = 0;      // payload in kUnitsPerByte units
     sg::ActivityPtr comm;  // the running Comm (FlowStarter::Maestro)
   };
   // FlowStarter::Maestro: a flow is a Comm::sendto started by the bookkeeping itself, and its end
@@ -177,7 +180,7 @@ class Run {
   };
   struct Live {
     Activity activity;
-    int collective = -1;   // index into collectives_ when it is a decomposed collective
+    int collective = -1;  // index into collectives_ when it is a decomposed collective
     bool counts_as_comm = false;
   };
   struct ScheduleState {
@@ -185,7 +188,7 @@ class Run {
     int rounds_per_step = 1, steps = 0;
     int merge = -1;  // index into merges_ while the ring runs merged
     std::vector<int> sends_done;
-    std::vector<char> inflight, received;   // received[step * n + i]
+    std::vector<char> inflight, received;  // received[step * n + i]
   };
   // A schedule whose rounds run merged (SimgridOptions::merge_lone_collectives): when a schedule (a ring,
   // or a pairwise all-to-all) starts with its links free (no flow on them), no two flows of a round
@@ -200,8 +203,8 @@ class Run {
   struct Merge {
     int collective = -1, schedule = -1;
     double start = 0, units = 0;
-    std::vector<double> offset;            // round j starts at start + offset[j]; offset[rounds]: the end
-    std::vector<double> latency, rate;     // per round (rate in units per second)
+    std::vector<double> offset;         // round j starts at start + offset[j]; offset[rounds]: the end
+    std::vector<double> latency, rate;  // per round (rate in units per second)
     simgrid::kernel::timer::Timer* timer = nullptr;
     std::vector<int> links;
   };
@@ -222,30 +225,31 @@ class Run {
   std::vector<double> times_;
   std::vector<int> comm_active_;
   std::vector<ComputeRates> rates_;
-  GpuSharing sharing_;  // devices sharing a GPU split its compute (engine.hpp)  // per device: compute speed idle / while communicating (cost_model.hpp)
+  GpuSharing sharing_;  // devices sharing a GPU split its compute (engine.hpp)  // per device: compute speed idle /
+                        // while communicating (cost_model.hpp)
   std::vector<Slot> slots_;
   std::vector<int> free_slots_;
   std::vector<Live> live_;
   std::vector<int> free_live_;
   std::vector<CollectiveRun> collectives_;
   std::vector<int> free_collectives_;
-  std::vector<int> finished_now_;       // live activities that end at the current time without SimGrid
+  std::vector<int> finished_now_;  // live activities that end at the current time without SimGrid
   std::vector<Activity> ready_;
-  std::deque<Worker> workers_;   // a deque: a worker's entry stays put while the pool grows
+  std::deque<Worker> workers_;  // a deque: a worker's entry stays put while the pool grows
   std::vector<int> idle_workers_;
-  std::vector<int> pending_;     // flows released by the bookkeeping, not yet given to workers
-  int flows_in_use_ = 0;         // pending or running flows
-  std::exception_ptr error_;     // what the bookkeeping threw; the run drains, then it is rethrown
+  std::vector<int> pending_;  // flows released by the bookkeeping, not yet given to workers
+  int flows_in_use_ = 0;      // pending or running flows
+  std::exception_ptr error_;  // what the bookkeeping threw; the run drains, then it is rethrown
   bool use_workers_ = false;
   bool use_pool_ = false;
   std::vector<PoolActor> pool_;
   std::vector<sg::ExecPtr> stock_;  // Execs created by pool actors, not started yet
   int next_pool_ = 0;
   bool refill_asked_ = false, pool_retired_ = false;
-  std::vector<sg::ActivityPtr> graveyard_;  // ended Comms, released once time advances (Maestro)
-  std::vector<sg::ActivityPtr> graveyard_old_;  // Pool: ended Execs, released at the second time advance
+  std::vector<sg::ActivityPtr> graveyard_;             // ended Comms, released once time advances (Maestro)
+  std::vector<sg::ActivityPtr> graveyard_old_;         // Pool: ended Execs, released at the second time advance
   std::unordered_map<const void*, int> flow_of_impl_;  // Pool: running Exec (its ActivityImpl) -> slot
-  std::vector<int> ended_;                              // Pool: flows ended now, bookkeeping pending
+  std::vector<int> ended_;                             // Pool: flows ended now, bookkeeping pending
   std::vector<Compute> computes_;
   std::vector<int> free_computes_;
   std::vector<std::vector<int>> computing_;  // per device: its running computes
@@ -524,8 +528,8 @@ class Run {
   // link, so waiting on a timer first is the same model, and the Comm exists only while it moves
   // bytes: SimGrid 3.32 keeps every live host-to-host Comm in one std::list (maestro's) and scans
   // it linearly when one ends, so fewer live Comms make every completion cheaper.
-  void start_comm(int src, int dst, double bytes, double latency, SlotKind kind, int owner, int schedule = 0, int participant = 0,
-                  int step = 0) {
+  void start_comm(int src, int dst, double bytes, double latency, SlotKind kind, int owner, int schedule = 0,
+                  int participant = 0, int step = 0) {
     if (latency > 0)
       after(latency, [this, src, dst, bytes, kind, owner, schedule, participant, step] {
         start_flow(src, dst, bytes, kind, owner, schedule, participant, step);
@@ -590,7 +594,8 @@ class Run {
       int& c = comm_active_[static_cast<std::size_t>(d)];
       const int before = c;
       c += delta;
-      if ((before == 0) != (c == 0) && rates_[static_cast<std::size_t>(d)].with_comm != rates_[static_cast<std::size_t>(d)].idle)
+      if ((before == 0) != (c == 0) &&
+          rates_[static_cast<std::size_t>(d)].with_comm != rates_[static_cast<std::size_t>(d)].idle)
         compute_rate_changed(d);
     }
   }
@@ -631,7 +636,8 @@ class Run {
         else if (src == dst)
           finished_now_.push_back(live);
         else
-          start_comm(src, dst, static_cast<double>(op.bytes), platform_->route_latency_s(src, dst), SlotKind::Activity, live);
+          start_comm(src, dst, static_cast<double>(op.bytes), platform_->route_latency_s(src, dst), SlotKind::Activity,
+                     live);
         break;
       }
       case Activity::Kind::Collective: {
@@ -644,7 +650,8 @@ class Run {
           seconds > 0 ? start_delay(live, seconds) : finished_now_.push_back(live);
           break;
         }
-        auto phases = simgrid_detail::decompose_collective(op.kind, ranks, static_cast<double>(std::max<std::int64_t>(0, op.bytes)), node_of_);
+        auto phases = simgrid_detail::decompose_collective(
+            op.kind, ranks, static_cast<double>(std::max<std::int64_t>(0, op.bytes)), node_of_);
         if (phases.empty()) {
           finished_now_.push_back(live);
           break;
@@ -679,7 +686,8 @@ class Run {
       ScheduleState& st = run.states[k];
       st.s = &s;
       const int q = options_.max_ring_steps;
-      st.rounds_per_step = (s.pattern == RoundSchedule::Pattern::Ring && q > 0 && s.rounds > q) ? (s.rounds + q - 1) / q : 1;
+      st.rounds_per_step =
+          (s.pattern == RoundSchedule::Pattern::Ring && q > 0 && s.rounds > q) ? (s.rounds + q - 1) / q : 1;
       st.steps = (s.rounds + st.rounds_per_step - 1) / st.rounds_per_step;
       const auto n = static_cast<std::size_t>(s.size());
       st.sends_done.assign(n, 0);
@@ -714,7 +722,8 @@ class Run {
       const double lat = platform_->route_latency_s(first, second), r = platform_->route_rate_units(first, second);
       round_links.clear();
       for (int i = 0; i < n; ++i) {
-        const int src = s.devices[static_cast<std::size_t>(i)], dst = s.devices[static_cast<std::size_t>(s.target(j, i))];
+        const int src = s.devices[static_cast<std::size_t>(i)],
+                  dst = s.devices[static_cast<std::size_t>(s.target(j, i))];
         if (platform_->route_latency_s(src, dst) != lat || platform_->route_rate_units(src, dst) != r) return false;
         const int count = platform_->route_links(src, dst, route);
         for (int l = 0; l < count; ++l) {
@@ -818,7 +827,8 @@ class Run {
     for (int i = 0; i < n; ++i) {
       st.sends_done[static_cast<std::size_t>(i)] = j;
       st.inflight[static_cast<std::size_t>(i)] = 1;
-      for (int done = 0; done < j; ++done) st.received[static_cast<std::size_t>(done) * static_cast<std::size_t>(n) + static_cast<std::size_t>(i)] = 1;
+      for (int done = 0; done < j; ++done)
+        st.received[static_cast<std::size_t>(done) * static_cast<std::size_t>(n) + static_cast<std::size_t>(i)] = 1;
     }
     const double latency_left = M.latency[static_cast<std::size_t>(j)] - into, chunk = s.chunk_bytes;
     for (int i = 0; i < n; ++i) {
@@ -836,13 +846,15 @@ class Run {
     const auto iu = static_cast<std::size_t>(i);
     const int step = st.sends_done[iu];
     if (st.merge >= 0 || st.inflight[iu] || step >= st.steps) return;
-    if (step > 0 && !st.received[static_cast<std::size_t>(step - 1) * static_cast<std::size_t>(st.s->size()) + iu]) return;
+    if (step > 0 && !st.received[static_cast<std::size_t>(step - 1) * static_cast<std::size_t>(st.s->size()) + iu])
+      return;
     st.inflight[iu] = 1;
     const int first_round = step * st.rounds_per_step;
     const int rounds = std::min(st.rounds_per_step, st.s->rounds - first_round);
     const int src = st.s->devices[iu], dst = st.s->devices[static_cast<std::size_t>(st.s->target(first_round, i))];
     // A step of c merged rounds pays the c route latencies of its rounds, then moves c chunks.
-    start_comm(src, dst, rounds * st.s->chunk_bytes, rounds * platform_->route_latency_s(src, dst), SlotKind::Flow, c, k, i, step);
+    start_comm(src, dst, rounds * st.s->chunk_bytes, rounds * platform_->route_latency_s(src, dst), SlotKind::Flow, c,
+               k, i, step);
   }
 
   void flow_done(int c, int k, int i, int step) {
@@ -963,8 +975,10 @@ std::string run_in_child(const std::function<std::string()>& body) {
   }
   if (data.empty()) {
     if (WIFSIGNALED(status))
-      throw core::Error("simgrid engine: the SimGrid process died with signal " + std::to_string(WTERMSIG(status)) + " (its messages are above)");
-    throw core::Error("simgrid engine: the SimGrid process ended without a result (exit status " + std::to_string(WEXITSTATUS(status)) + ")");
+      throw core::Error("simgrid engine: the SimGrid process died with signal " + std::to_string(WTERMSIG(status)) +
+                        " (its messages are above)");
+    throw core::Error("simgrid engine: the SimGrid process ended without a result (exit status " +
+                      std::to_string(WEXITSTATUS(status)) + ")");
   }
   if (data[0] == '\1') throw DeadlockError(data.substr(1));
   if (data[0] == '\2') throw core::Error(data.substr(1));
@@ -976,7 +990,8 @@ class SimgridEngine : public Engine {
   explicit SimgridEngine(SimgridOptions options) : options_(options) {}
   std::string name() const override { return "simgrid"; }
 
-  core::Timeline run(std::shared_ptr<const core::Program> program, const Cluster& cluster, const CostModel& cost) override {
+  core::Timeline run(std::shared_ptr<const core::Program> program, const Cluster& cluster,
+                     const CostModel& cost) override {
     compute_rates(*program, cluster);  // a partition that does not fit fails here, in one line, not in the child
     const std::string bytes = run_in_child([&]() -> std::string {
       int argc = 1;
@@ -1012,7 +1027,9 @@ class SimgridEngine : public Engine {
 
 }  // namespace
 
-std::unique_ptr<Engine> make_simgrid_engine(const SimgridOptions& options) { return std::make_unique<SimgridEngine>(options); }
+std::unique_ptr<Engine> make_simgrid_engine(const SimgridOptions& options) {
+  return std::make_unique<SimgridEngine>(options);
+}
 std::unique_ptr<Engine> make_simgrid_engine() { return make_simgrid_engine(SimgridOptions{}); }
 
 }  // namespace piper::sim

@@ -37,16 +37,19 @@ SimulationResult run(SimulationResult out, const std::string& cluster_name, cons
     mode = (symmetry->reduces() ? "reduced: " : "full: ") + symmetry->note;
     if (!symmetry->reduces()) symmetry.reset();
   }
-  out.timeline = symmetry ? engine->run_reduced(out.program, out.cluster, cost, *symmetry) : engine->run(out.program, out.cluster, cost);
+  out.timeline = symmetry ? engine->run_reduced(out.program, out.cluster, cost, *symmetry)
+                          : engine->run(out.program, out.cluster, cost);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  out.report = make_report(out.timeline, out.cluster, compile_stats_of(*out.program), symmetry ? &*symmetry : nullptr, &cost);
+  out.report =
+      make_report(out.timeline, out.cluster, compile_stats_of(*out.program), symmetry ? &*symmetry : nullptr, &cost);
   // A result is a number of seconds or nothing: inf (no NICs between nodes, a 1e308 calibration
   // entry) used to print and exit 0.
   if (!std::isfinite(out.report.step_time_s) || out.report.step_time_s < 0)
-    throw core::Error(fmt::format("simulation: predicted step time is {} seconds, not a finite time; an input (cluster '{}'{}) "
-                                  "holds an out-of-range value",
-                                  out.report.step_time_s, out.cluster.name,
-                                  options.calibration_path.empty() ? "" : ", calibration " + options.calibration_path));
+    throw core::Error(
+        fmt::format("simulation: predicted step time is {} seconds, not a finite time; an input (cluster '{}'{}) "
+                    "holds an out-of-range value",
+                    out.report.step_time_s, out.cluster.name,
+                    options.calibration_path.empty() ? "" : ", calibration " + options.calibration_path));
   out.report.simulate_time_s = seconds;
   out.report.simulation = mode;
   return out;
@@ -58,8 +61,12 @@ SimulationResult simulate(const core::Scenario& scenario, const SimulateOptions&
   SimulationResult out;
   out.compiled = core::compile_scenario(scenario);
   out.program = std::make_shared<const core::Program>(std::move(out.compiled->result.program));
-  const std::string cluster = !options.cluster.empty() ? options.cluster : !scenario.cluster.empty() ? scenario.cluster : kDefaultCluster;
-  const std::string engine = !options.engine.empty() ? options.engine : !scenario.engine.empty() ? scenario.engine : kDefaultEngine;
+  const std::string cluster = !options.cluster.empty()    ? options.cluster
+                              : !scenario.cluster.empty() ? scenario.cluster
+                                                          : kDefaultCluster;
+  const std::string engine = !options.engine.empty()    ? options.engine
+                             : !scenario.engine.empty() ? scenario.engine
+                                                        : kDefaultEngine;
   return run(std::move(out), cluster, engine, options);
 }
 

@@ -42,13 +42,20 @@ std::vector<T> knob(const json& j, const char* field, const std::string& where, 
   std::vector<T> out;
   auto one = [&](const json& x) {
     bool ok;
-    if constexpr (std::is_same_v<T, std::string>) ok = x.is_string();
-    else if constexpr (std::is_same_v<T, bool>) ok = x.is_boolean();
-    else if constexpr (std::is_floating_point_v<T>) ok = x.is_number();
-    else ok = x.is_number_integer();
+    if constexpr (std::is_same_v<T, std::string>)
+      ok = x.is_string();
+    else if constexpr (std::is_same_v<T, bool>)
+      ok = x.is_boolean();
+    else if constexpr (std::is_floating_point_v<T>)
+      ok = x.is_number();
+    else
+      ok = x.is_number_integer();
     if (!ok)
       throw SweepError(fmt::format("{}: field '{}': expected {} or a list of them, got {}", where, field,
-                                   std::is_same_v<T, std::string> ? "a string" : std::is_same_v<T, bool> ? "true/false" : std::is_floating_point_v<T> ? "a number" : "an integer",
+                                   std::is_same_v<T, std::string> ? "a string"
+                                   : std::is_same_v<T, bool>      ? "true/false"
+                                   : std::is_floating_point_v<T>  ? "a number"
+                                                                  : "an integer",
                                    x.dump()));
     if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
       // get<int> of 2^31 wraps to -2^31: refuse what the field's type cannot hold.
@@ -100,7 +107,8 @@ std::vector<json>& SweepSpec::values(const std::string& name) {
 
 SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const std::string& base_dir) {
   if (!j.is_object()) throw SweepError(where + ": expected a JSON object with model, cluster and knob lists");
-  std::vector<std::string> known = {"model", "cluster", "calibration", "engine", "seq_len", "micro_batch_size", "comment"};
+  std::vector<std::string> known = {"model",   "cluster",          "calibration", "engine",
+                                    "seq_len", "micro_batch_size", "comment"};
   for (const auto& name : core::setting_names()) known.push_back(name);
   for (const auto& [k, v] : j.items())
     if (std::find(known.begin(), known.end(), k) == known.end()) {
@@ -139,12 +147,11 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   double runs = 1;  // a double cannot overflow here: at most ~10^8 values per list in an input file
   std::vector<std::size_t> sizes = {s.engine.size(), s.seq_len.size(), s.micro_batch_size.size()};
   for (const auto& list : s.settings) sizes.push_back(list.size());
-  for (std::size_t n : sizes)
-    runs *= static_cast<double>(n);
+  for (std::size_t n : sizes) runs *= static_cast<double>(n);
   if (runs > static_cast<double>(core::limit_value(core::Limit::SweepRuns)))
-    throw SweepError(fmt::format("{}: {}", where,
-                                 core::limit_message(core::Limit::SweepRuns, static_cast<std::int64_t>(std::min(runs, 9e18)),
-                                                     "combinations")));
+    throw SweepError(fmt::format(
+        "{}: {}", where,
+        core::limit_message(core::Limit::SweepRuns, static_cast<std::int64_t>(std::min(runs, 9e18)), "combinations")));
   // Names that no combination could use are errors in the spec, not rows: say so once, up front.
   const auto engines = engine_names();
   for (const auto& e : s.engine)
@@ -216,7 +223,8 @@ std::vector<SweepPoint> expand(const SweepSpec& s) {
   };
   for (std::size_t i : essential) dims.push_back(setting_dim(i));
   dims.push_back({s.seq_len.size(), [&](SweepPoint& p, std::size_t k) { p.seq_len = s.seq_len[k]; }});
-  dims.push_back({s.micro_batch_size.size(), [&](SweepPoint& p, std::size_t k) { p.micro_batch_size = s.micro_batch_size[k]; }});
+  dims.push_back(
+      {s.micro_batch_size.size(), [&](SweepPoint& p, std::size_t k) { p.micro_batch_size = s.micro_batch_size[k]; }});
   for (std::size_t i : other) dims.push_back(setting_dim(i));
   std::vector<SweepPoint> out;
   for (const auto& d : dims)
@@ -241,9 +249,10 @@ namespace {
 // frozen list, so column numbers of existing files (and the `cut -f` of docs and scripts) stay put.
 // Every later setting's column goes after `reason`, in table order.
 bool column_before_figures(const core::Setting& s) {
-  static const std::set<std::string> names = {"pp", "dp", "ep", "zero", "schedule", "microbatches", "virtual",
-                                              "bucket_mb", "tp", "sequence_parallel", "recompute", "global_batch",
-                                              "comm_sms", "dp_shard"};
+  static const std::set<std::string> names = {
+      "pp",           "dp",           "ep",        "zero",    "schedule",
+      "microbatches", "virtual",      "bucket_mb", "tp",      "sequence_parallel",
+      "recompute",    "global_batch", "comm_sms",  "dp_shard"};
   return names.count(s.name) > 0;
 }
 
@@ -258,8 +267,8 @@ const std::vector<std::string>& sweep_csv_columns() {
     c.push_back("micro_batch_size");
     for (const auto& s : core::strategy_settings())
       if (!s.essential && column_before_figures(s)) c.push_back(s.name);
-    for (const char* figure : {"devices", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom",
-                               "compile_time_s", "simulate_time_s", "tp_comm_s", "status", "reason"})
+    for (const char* figure : {"devices", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes",
+                               "oom", "compile_time_s", "simulate_time_s", "tp_comm_s", "status", "reason"})
       c.push_back(figure);
     for (const auto& s : core::strategy_settings())
       if (!column_before_figures(s)) c.push_back(s.name);
@@ -297,7 +306,9 @@ std::string to_csv(const SweepRow& r) {
   std::vector<std::string> fields;
   for (const auto& [name, value] : knob_fields(p)) {
     const core::Setting* s = core::find_setting(name);
-    fields.push_back(csv_field(s ? core::setting_text(*s, p) : value.is_string() ? value.get<std::string>() : value.dump()));
+    fields.push_back(csv_field(s                   ? core::setting_text(*s, p)
+                               : value.is_string() ? value.get<std::string>()
+                                                   : value.dump()));
   }
   for (std::string f : {r.devices > 0 ? fmt::format("{}", r.devices) : std::string(), figure(r.step_time_s),
                         figure(r.tokens_per_s), figure(r.mfu), figure(r.bubble_fraction), figure(r.peak_memory_bytes),
@@ -436,7 +447,8 @@ SweepSummary run_sweep(const SweepSpec& spec, const std::string& csv_path, const
     finished += 1;
     if (options.on_row) options.on_row(row, finished, total);
   };
-  run_pool(parallel.size(), options.jobs, [&](std::size_t i) { record(run_point(parallel[i], spec.calibration_path)); });
+  run_pool(parallel.size(), options.jobs,
+           [&](std::size_t i) { record(run_point(parallel[i], spec.calibration_path)); });
   // The simgrid engine forks a child per run; forking while other threads may hold locks (allocator
   // arenas aside, e.g. stdio or a registry mutex) could deadlock the child, so these run alone.
   for (const auto& p : serial) record(run_point(p, spec.calibration_path));

@@ -179,15 +179,18 @@ Symmetry find_symmetry(const core::Program& program, const Cluster& cluster) {
       std::sort(peer_colors.begin(), peer_colors.end());
       if (std::adjacent_find(peer_colors.begin(), peer_colors.end()) != peer_colors.end()) {
         sym.usable = false;
-        sym.note = fmt::format("device {}: two transfers of one DAG node have peers in one class, so they cannot be told apart", d);
+        sym.note = fmt::format(
+            "device {}: two transfers of one DAG node have peers in one class, so they cannot be told apart", d);
         break;
       }
     }
   }
   if (!sym.usable) return sym;
   std::string why;
-  if (typed_classes > plan_classes) why += fmt::format("; node types split {} plans into {} classes", plan_classes, typed_classes);
-  if (colors > typed_classes) why += fmt::format("; peers' placement and collective layouts split them into {}", colors);
+  if (typed_classes > plan_classes)
+    why += fmt::format("; node types split {} plans into {} classes", plan_classes, typed_classes);
+  if (colors > typed_classes)
+    why += fmt::format("; peers' placement and collective layouts split them into {}", colors);
   if (colors == n)
     sym.note = fmt::format("no symmetry: all {} devices differ ({} plans{})", n, plan_classes, why);
   else

@@ -67,10 +67,14 @@ std::string lower(std::string s) {
 
 std::string to_string(KernelClass c) {
   switch (c) {
-    case KernelClass::Gemm: return "gemm";
-    case KernelClass::Attention: return "attention";
-    case KernelClass::Memory: return "memory";
-    case KernelClass::Adamw: return "adamw";
+    case KernelClass::Gemm:
+      return "gemm";
+    case KernelClass::Attention:
+      return "attention";
+    case KernelClass::Memory:
+      return "memory";
+    case KernelClass::Adamw:
+      return "adamw";
   }
   return "?";
 }
@@ -104,7 +108,8 @@ struct Fit {
   double objective = 0;
 };
 
-std::optional<Fit> fit_with_pinned(const TableCalibration& c, const std::vector<int>& cls, unsigned pinned, double lambda) {
+std::optional<Fit> fit_with_pinned(const TableCalibration& c, const std::vector<int>& cls, unsigned pinned,
+                                   double lambda) {
   const std::size_t n = cls.size();
   std::vector<std::size_t> free;
   for (std::size_t r = 0; r < n; ++r)
@@ -123,7 +128,8 @@ std::optional<Fit> fit_with_pinned(const TableCalibration& c, const std::vector<
       for (std::size_t r = 0; r < n; ++r)
         if (pinned >> r & 1u) fixed += o.predicted[ix(cls[r])] * kMinMultiplier;
       for (std::size_t r = 0; r < k; ++r) {
-        for (std::size_t q = 0; q < k; ++q) a[r][q] += w * o.predicted[ix(cls[free[r]])] * o.predicted[ix(cls[free[q]])];
+        for (std::size_t q = 0; q < k; ++q)
+          a[r][q] += w * o.predicted[ix(cls[free[r]])] * o.predicted[ix(cls[free[q]])];
         b[r] += w * o.predicted[ix(cls[free[r]])] * (o.measured_s - fixed);
       }
     }
@@ -156,11 +162,13 @@ std::optional<Fit> fit_with_pinned(const TableCalibration& c, const std::vector<
 void fit_multipliers(TableCalibration& c) {
   std::vector<int> cls;  // observed classes: the unknowns
   for (int k = 0; k < kKernelClasses; ++k) {
-    c.observed[ix(k)] = std::any_of(c.observations.begin(), c.observations.end(),
-                                    [&](const CalibrationObservation& o) { return o.predicted[ix(k)] > 0 && o.measured_s > 0; });
+    c.observed[ix(k)] = std::any_of(c.observations.begin(), c.observations.end(), [&](const CalibrationObservation& o) {
+      return o.predicted[ix(k)] > 0 && o.measured_s > 0;
+    });
     if (c.observed[ix(k)]) cls.push_back(k);
   }
-  if (cls.empty()) throw core::Error("calibrate: no measured time matches work the per-kernel model costs (nothing to fit)");
+  if (cls.empty())
+    throw core::Error("calibrate: no measured time matches work the per-kernel model costs (nothing to fit)");
   const std::size_t n = cls.size();
   // The pull towards a common multiplier is weak (1e-6 of the data's mean curvature), so it decides
   // only what the observations leave open.
@@ -209,8 +217,9 @@ json TableCalibration::table_json(const std::string& name, const std::string& so
           {"adamw_scale", 1 / multiplier[3]},
           {"calibration",
            {{"source", source},
-            {"note", "scale = 1 / multiplier; multiplier = measured / base-table time per kernel class (null: not "
-                     "observed, base table kept)"},
+            {"note",
+             "scale = 1 / multiplier; multiplier = measured / base-table time per kernel class (null: not "
+             "observed, base table kept)"},
             {"multipliers", mult},
             {"at_lower_bound", bound},
             {"observations", obs}}}};
@@ -226,11 +235,13 @@ TableCalibration calibrate_from_ops(const core::Program& program, const CostMode
         if (op.kind != OpKind::Compute && op.kind != OpKind::Update) continue;
         const std::optional<double> m = measured.lookup(op, 1);
         if (!m) continue;
-        if (!seen.emplace(std::tuple{static_cast<int>(op.kind), static_cast<int>(op.pass), op.flops, op.memory_bytes}, true).second)
+        if (!seen.emplace(std::tuple{static_cast<int>(op.kind), static_cast<int>(op.pass), op.flops, op.memory_bytes},
+                          true)
+                 .second)
           continue;
         CalibrationObservation o;
-        o.what = fmt::format("{} {} (flops {:.4g}, memory bytes {})", core::to_string(op.kind), core::to_string(op.pass),
-                             op.flops, op.memory_bytes);
+        o.what = fmt::format("{} {} (flops {:.4g}, memory bytes {})", core::to_string(op.kind),
+                             core::to_string(op.pass), op.flops, op.memory_bytes);
         o.predicted = class_seconds(program, cost, d, op);
         o.measured_s = *m;
         if (total(o.predicted) > 0) c.observations.push_back(std::move(o));
@@ -244,11 +255,15 @@ bool classify_kernel(const std::string& name, KernelClass& out) {
   const std::string s = lower(name);
   auto has = [&](const char* w) { return s.find(w) != std::string::npos; };
   if (has("nccl")) return false;
-  if (has("sdpa") || has("flash") || has("fmha") || has("attention") || has("attn")) out = KernelClass::Attention;
-  else if (has("gemm") || has("nvjet") || has("cutlass") || has("xmma") || has("cublas") || has("s16816") || has("wgmma"))
+  if (has("sdpa") || has("flash") || has("fmha") || has("attention") || has("attn"))
+    out = KernelClass::Attention;
+  else if (has("gemm") || has("nvjet") || has("cutlass") || has("xmma") || has("cublas") || has("s16816") ||
+           has("wgmma"))
     out = KernelClass::Gemm;
-  else if (has("multi_tensor_apply") || has("adam")) out = KernelClass::Adamw;
-  else out = KernelClass::Memory;
+  else if (has("multi_tensor_apply") || has("adam"))
+    out = KernelClass::Adamw;
+  else
+    out = KernelClass::Memory;
   return true;
 }
 
@@ -256,14 +271,17 @@ TableCalibration calibrate_from_trace(const core::Program& program, const CostMo
                                       int device, const std::string& where) {
   if (steps < 1) throw core::Error(fmt::format("{}: --trace-steps must be >= 1, got {}", where, steps));
   if (device < 0 || device >= program.num_devices)
-    throw core::Error(fmt::format("{}: --device {} is not a device of the plan (0..{})", where, device, program.num_devices - 1));
+    throw core::Error(
+        fmt::format("{}: --device {} is not a device of the plan (0..{})", where, device, program.num_devices - 1));
   const json* events = &trace;
   if (trace.is_object()) {
     if (!trace.contains("traceEvents") || !trace.at("traceEvents").is_array())
-      throw core::Error(where + ": expected a Chrome trace (an object with a \"traceEvents\" array, or an array of events)");
+      throw core::Error(where +
+                        ": expected a Chrome trace (an object with a \"traceEvents\" array, or an array of events)");
     events = &trace.at("traceEvents");
   } else if (!trace.is_array()) {
-    throw core::Error(where + ": expected a Chrome trace (an object with a \"traceEvents\" array, or an array of events)");
+    throw core::Error(where +
+                      ": expected a Chrome trace (an object with a \"traceEvents\" array, or an array of events)");
   }
   ClassSeconds measured{};
   std::size_t kernels = 0;
@@ -271,7 +289,8 @@ TableCalibration calibrate_from_trace(const core::Program& program, const CostMo
     const json& e = (*events)[i];
     if (!e.is_object() || e.value("ph", "") != "X" || lower(e.value("cat", "")) != "kernel") continue;
     if (!e.contains("name") || !e.at("name").is_string() || !e.contains("dur") || !e.at("dur").is_number())
-      throw core::Error(fmt::format("{}: traceEvents[{}]: a kernel event needs a string \"name\" and a number \"dur\"", where, i));
+      throw core::Error(
+          fmt::format("{}: traceEvents[{}]: a kernel event needs a string \"name\" and a number \"dur\"", where, i));
     const double dur = e.at("dur").get<double>();
     if (!std::isfinite(dur) || dur < 0)
       throw core::Error(fmt::format("{}: traceEvents[{}].dur: expected a duration >= 0 in µs, got {}", where, i, dur));
@@ -280,7 +299,8 @@ TableCalibration calibrate_from_trace(const core::Program& program, const CostMo
     measured[ix(static_cast<int>(k))] += dur * 1e-6 / steps;
     ++kernels;
   }
-  if (kernels == 0) throw core::Error(where + ": no GPU kernel events (\"ph\": \"X\", \"cat\": \"kernel\") in the trace");
+  if (kernels == 0)
+    throw core::Error(where + ": no GPU kernel events (\"ph\": \"X\", \"cat\": \"kernel\") in the trace");
   ClassSeconds predicted{};
   const core::Plan& plan = program.plan_for(device);
   for (const auto& stream : plan.streams)

@@ -71,9 +71,11 @@ core::StrategyOptions strategy_of(const TuneCandidate& c) {
 // table); every other setting of the table gets a column after `reason` and a key part when not at
 // its default. global_batch is the spec's (sequences per step), never a candidate's.
 bool named_by_hand(const std::string& setting) {
-  static const std::set<std::string> names = {"pp", "dp", "ep", "zero", "schedule", "microbatches", "virtual", "tp",
-                                              "sequence_parallel", "recompute", "comm_sms", "dp_shard", "reduce_every",
-                                              "global_batch"};
+  static const std::set<std::string> names = {"pp",           "dp",          "ep",
+                                              "zero",         "schedule",    "microbatches",
+                                              "virtual",      "tp",          "sequence_parallel",
+                                              "recompute",    "comm_sms",    "dp_shard",
+                                              "reduce_every", "global_batch"};
   return names.count(setting) > 0;
 }
 
@@ -86,8 +88,8 @@ int recompute_level(const std::string& mode) {
 // c's expert TP, on the 1/tp sequence slice with SP; everything else takes c's TP.
 core::ParallelLayout layout_of(const TuneCandidate& c, const core::Layer& layer) {
   const bool experts = layer.kind == core::LayerKind::MoeExperts;
-  return {experts ? c.etp : c.tp, experts ? false : c.sequence_parallel, recompute_level(c.recompute), c.cp, c.cp_all_gather,
-          experts && c.sequence_parallel ? c.tp : 1};
+  return {experts ? c.etp : c.tp, experts ? false : c.sequence_parallel,    recompute_level(c.recompute), c.cp,
+          c.cp_all_gather,        experts && c.sequence_parallel ? c.tp : 1};
 }
 
 core::ModelConfig model_config(const TuneSpec& spec, std::int64_t micro_batch_size) {
@@ -183,12 +185,14 @@ struct Shape {
 
   // Per-device layer costs under a (tp, sp, recompute, cp, etp) layout, computed once per layout.
   std::shared_ptr<const std::vector<core::Costs>> costs(const TuneCandidate& c) const {
-    const std::tuple<int, bool, std::string, int, bool, int> key{c.tp, c.sequence_parallel, c.recompute, c.cp, c.cp_all_gather, c.etp};
+    const std::tuple<int, bool, std::string, int, bool, int> key{c.tp, c.sequence_parallel, c.recompute,
+                                                                 c.cp, c.cp_all_gather,     c.etp};
     std::lock_guard lock(mutex);
     auto& slot = by_layout[key];
     if (!slot) {
       auto v = std::make_shared<std::vector<core::Costs>>();
-      for (const auto& layer : model.layers()) v->push_back(core::layer_costs(layer, model.training(), layout_of(c, layer)));
+      for (const auto& layer : model.layers())
+        v->push_back(core::layer_costs(layer, model.training(), layout_of(c, layer)));
       slot = std::move(v);
     }
     return slot;
@@ -196,7 +200,8 @@ struct Shape {
 
  private:
   mutable std::mutex mutex;
-  mutable std::map<std::tuple<int, bool, std::string, int, bool, int>, std::shared_ptr<const std::vector<core::Costs>>> by_layout;
+  mutable std::map<std::tuple<int, bool, std::string, int, bool, int>, std::shared_ptr<const std::vector<core::Costs>>>
+      by_layout;
 };
 
 // The activations a rank provably holds when each of its forwards starts, from its step order. Steps
@@ -210,7 +215,8 @@ std::vector<std::vector<std::pair<int, int>>> held_patterns(const std::vector<co
   std::map<std::pair<int, int>, std::size_t> first_backward;  // (stage, microbatch) -> step
   for (std::size_t i = 0; i < steps.size(); ++i)
     for (const auto& a : steps[i])
-      if (a.kind == core::ActionKind::B || a.kind == core::ActionKind::I) first_backward.try_emplace({a.stage, a.microbatch}, i);
+      if (a.kind == core::ActionKind::B || a.kind == core::ActionKind::I)
+        first_backward.try_emplace({a.stage, a.microbatch}, i);
   std::set<std::vector<std::pair<int, int>>> patterns;
   std::vector<std::pair<std::pair<int, int>, std::size_t>> started;  // forwards of earlier steps
   for (std::size_t i = 0; i < steps.size(); ++i) {
@@ -239,8 +245,8 @@ std::vector<std::vector<std::pair<int, int>>> held_patterns(const std::vector<co
 std::shared_ptr<const Shape> shape_of(const TuneSpec& spec, const TuneCandidate& c) {
   static std::mutex mutex;
   static std::map<std::string, std::shared_ptr<const Shape>> cache;
-  const std::string key = fmt::format("{}|{}|{}|{}|{}|{}|{}|{}", spec.model, spec.seq_len, c.schedule, c.pp, c.virtual_stages,
-                                      c.microbatches, c.micro_batch_size, join(c.pp_ranges, '.'));
+  const std::string key = fmt::format("{}|{}|{}|{}|{}|{}|{}|{}", spec.model, spec.seq_len, c.schedule, c.pp,
+                                      c.virtual_stages, c.microbatches, c.micro_batch_size, join(c.pp_ranges, '.'));
   {
     std::lock_guard lock(mutex);
     auto it = cache.find(key);
@@ -294,8 +300,9 @@ std::shared_ptr<const CostModel> cost_model_of(const TuneSpec& spec) {
 // ---------------------------------------------------------------------------------------------
 
 std::string TuneCandidate::key() const {
-  std::string k = fmt::format("pp{}/dp{}/ep{}/z{}/{}/v{}/mb{}/m{}/{}", pp, dp, ep, zero, schedule, virtual_stages,
-                              microbatches, micro_batch_size, pp_ranges.empty() ? "default" : "r" + join(pp_ranges, '.'));
+  std::string k =
+      fmt::format("pp{}/dp{}/ep{}/z{}/{}/v{}/mb{}/m{}/{}", pp, dp, ep, zero, schedule, virtual_stages, microbatches,
+                  micro_batch_size, pp_ranges.empty() ? "default" : "r" + join(pp_ranges, '.'));
   // Knobs added later are appended only when not at their default, so the keys of rows written
   // before they existed still name the same plans.
   if (tp != 1) k += fmt::format("/tp{}", tp);
@@ -313,7 +320,11 @@ std::string TuneCandidate::key() const {
 
 std::string ordinal(long long n) {
   const long long last_two = (n % 100 + 100) % 100, last = last_two % 10;
-  const char* suffix = last_two >= 11 && last_two <= 13 ? "th" : last == 1 ? "st" : last == 2 ? "nd" : last == 3 ? "rd" : "th";
+  const char* suffix = last_two >= 11 && last_two <= 13 ? "th"
+                       : last == 1                      ? "st"
+                       : last == 2                      ? "nd"
+                       : last == 3                      ? "rd"
+                                                        : "th";
   return fmt::format("{}{}", n, suffix);
 }
 
@@ -327,7 +338,8 @@ std::string TuneCandidate::describe() const {
   if (virtual_stages > 1) s += fmt::format(" ({} regions/rank)", virtual_stages);
   s += fmt::format(", {} microbatches of {}, ZeRO-{}", microbatches, micro_batch_size, zero);
   if (dp_shard > 0) s += fmt::format(" (HSDP, groups of {})", dp_shard);
-  if (zero >= 2) s += reduce_every == "step" ? ", gradients reduced once per step" : ", gradients reduced per microbatch";
+  if (zero >= 2)
+    s += reduce_every == "step" ? ", gradients reduced once per step" : ", gradients reduced per microbatch";
   if (recompute != "none") s += fmt::format(", recompute {}", recompute);
   if (comm_sms > 0) s += fmt::format(", communication on {} SMs", comm_sms);
   if (!pp_ranges.empty()) s += fmt::format(", PP starts {}", join(pp_ranges, ','));
@@ -371,7 +383,8 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
   const std::int64_t batch = spec.effective_global_batch();
   std::vector<const core::ScheduleFamily*> families;
   for (const auto& f : core::schedule_registry())
-    if (spec.schedules.empty() || std::find(spec.schedules.begin(), spec.schedules.end(), f.name) != spec.schedules.end())
+    if (spec.schedules.empty() ||
+        std::find(spec.schedules.begin(), spec.schedules.end(), f.name) != spec.schedules.end())
       families.push_back(&f);
   for (const auto& name : spec.schedules) {
     try {
@@ -393,7 +406,8 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
   const int units = pipeline_units(cfg);
   std::vector<std::string> recompute_modes = spec.recompute_modes;
   for (const auto& m : recompute_modes)
-    if (recompute_level(m) < 0) throw TuneError(fmt::format("--recompute: unknown mode '{}' (expected none, selective, full or op)", m));
+    if (recompute_level(m) < 0)
+      throw TuneError(fmt::format("--recompute: unknown mode '{}' (expected none, selective, full or op)", m));
   std::sort(recompute_modes.begin(), recompute_modes.end(),
             [](const std::string& a, const std::string& b) { return recompute_level(a) < recompute_level(b); });
   recompute_modes.erase(std::unique(recompute_modes.begin(), recompute_modes.end()), recompute_modes.end());
@@ -420,7 +434,8 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
   // --comm-sms` checks) up front, in one line, rather than one invalid row per candidate.
   const std::vector<int> comm_sms = distinct_or(spec.comm_sms, {0});
   for (int sms : comm_sms) {
-    if (sms < 0) throw TuneError(fmt::format("--comm-sms: {} is negative (0: SMs shared, N >= 1: N SMs for communication)", sms));
+    if (sms < 0)
+      throw TuneError(fmt::format("--comm-sms: {} is negative (0: SMs shared, N >= 1: N SMs for communication)", sms));
     if (sms == 0) continue;
     for (int d = 0; d < spec.devices; ++d)
       if (const std::string why = sm_partition_misfit(sms, cluster.node(d).gpu); !why.empty())
@@ -430,12 +445,15 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
   const std::vector<int> etps = distinct_or(spec.etp_degrees, {1});
   for (int e : etps)
     if (e < 1) throw TuneError(fmt::format("--etp must be >= 1 (got {})", e));
-  const std::vector<std::string> reduce_modes = distinct_or(spec.reduce_every, {std::string("microbatch"), std::string("step")});
+  const std::vector<std::string> reduce_modes =
+      distinct_or(spec.reduce_every, {std::string("microbatch"), std::string("step")});
   for (const auto& re : reduce_modes)
     if (re != "microbatch" && re != "step")
       throw TuneError(fmt::format("--reduce-every: '{}' is not microbatch or step", re));
   for (int k : dp_shards)
-    if (k < 0 || k == 1) throw TuneError(fmt::format("--dp-shard: {} is not a group size (0: plain ZeRO, N >= 2: HSDP over groups of N replicas)", k));
+    if (k < 0 || k == 1)
+      throw TuneError(
+          fmt::format("--dp-shard: {} is not a group size (0: plain ZeRO, N >= 2: HSDP over groups of N replicas)", k));
   const std::vector<int> tps = distinct_or(spec.tp_degrees, divisors(std::gcd(node_gpus, spec.devices)));
   std::map<int, std::vector<bool>> sp_of_tp;  // accepted TP degree -> its sequence-parallel modes
   for (int t : tps) {
@@ -445,7 +463,8 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
       continue;
     }
     if (node_gpus % t != 0) {
-      stats.tp_rejected.push_back(fmt::format("TP {}: TP groups stay inside a node, and a node has {} GPUs", t, node_gpus));
+      stats.tp_rejected.push_back(
+          fmt::format("TP {}: TP groups stay inside a node, and a node has {} GPUs", t, node_gpus));
       continue;
     }
     if (t > 1 && cfg.kv_heads > 0 && cfg.kv_heads % t != 0) {
@@ -472,16 +491,21 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
     if (sp_of_tp.count(t)) stats.tp_degrees.push_back(t);
   }
   // Pins (--pp, --dp, --ep): a degree that can never apply is an error, not an empty search.
-  auto pinned = [](const std::vector<int>& pins, int v) { return pins.empty() || std::find(pins.begin(), pins.end(), v) != pins.end(); };
-  for (const auto& [flag, pins] : {std::pair<const char*, const std::vector<int>*>{"--pp", &spec.pp_degrees}, {"--dp", &spec.dp_degrees},
+  auto pinned = [](const std::vector<int>& pins, int v) {
+    return pins.empty() || std::find(pins.begin(), pins.end(), v) != pins.end();
+  };
+  for (const auto& [flag, pins] : {std::pair<const char*, const std::vector<int>*>{"--pp", &spec.pp_degrees},
+                                   {"--dp", &spec.dp_degrees},
                                    {"--ep", &spec.ep_degrees}})
     for (int v : *pins) {
       if (v < 1) throw TuneError(fmt::format("{} must be >= 1 (got {})", flag, v));
       if (std::string(flag) != "--ep" && spec.devices % v != 0)
         throw TuneError(fmt::format("{} {}: does not divide the {} devices", flag, v, spec.devices));
       if (std::string(flag) == "--ep" && v > 1 && (cfg.experts <= 0 || cfg.experts % v != 0))
-        throw TuneError(cfg.experts <= 0 ? fmt::format("--ep {}: model '{}' has no MoE experts (use --ep 1)", v, cfg.name)
-                                         : fmt::format("--ep {}: does not divide the {} experts of model '{}'", v, cfg.experts, cfg.name));
+        throw TuneError(
+            cfg.experts <= 0
+                ? fmt::format("--ep {}: model '{}' has no MoE experts (use --ep 1)", v, cfg.name)
+                : fmt::format("--ep {}: does not divide the {} experts of model '{}'", v, cfg.experts, cfg.name));
     }
   // Context parallelism: the sequence must cut into 2·cp chunks (load-balanced causal CP).
   std::vector<int> cps;
@@ -490,101 +514,102 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
     if (spec.devices % cp != 0)
       stats.cp_rejected.push_back(fmt::format("CP {}: does not divide the {} devices", cp, spec.devices));
     else if (cp > 1 && cfg.training.seq_len % (2 * cp) != 0)
-      stats.cp_rejected.push_back(fmt::format("CP {}: the sequence length {} does not cut into {} equal chunks", cp, cfg.training.seq_len, 2 * cp));
+      stats.cp_rejected.push_back(fmt::format("CP {}: the sequence length {} does not cut into {} equal chunks", cp,
+                                              cfg.training.seq_len, 2 * cp));
     else
       cps.push_back(cp), stats.cp_degrees.push_back(cp);
   }
   for (const auto& [tp, sps] : sp_of_tp)
-  for (int cp : cps)
-  for (int pp : spec.devices % (tp * cp) == 0 ? divisors(spec.devices / tp / cp) : std::vector<int>{}) {
-    if (pp > units || !pinned(spec.pp_degrees, pp)) continue;
-    const int dp = spec.devices / tp / cp / pp;
-    if (!pinned(spec.dp_degrees, dp)) continue;
-    for (int ep : divisors(dp))
-    for (int etp : etps) {
-      if (!pinned(spec.ep_degrees, ep)) continue;
-      // Expert parallelism shards experts over consecutive groups of ep data-parallel replicas.
-      if (ep > 1 && (cfg.experts <= 0 || cfg.experts % ep != 0)) continue;
-      // Expert TP inside the TP groups, on a split of the experts' FFN.
-      if (etp > 1 && (cfg.experts <= 0 || tp % etp != 0 || cfg.expert_ffn % etp != 0)) continue;
-      for (auto mbs : spec.micro_batch_sizes) {
-        const std::int64_t per_replica = static_cast<std::int64_t>(dp) * mbs;
-        for (const auto* family : families) {
-          std::set<int> regions_seen;
-          for (int v = 1; v <= std::max(1, spec.max_virtual); ++v) {
-            stats.considered += 1;
-            if (batch % per_replica != 0) {
-              stats.batch_indivisible += 1;
-              continue;
-            }
-            TuneCandidate c;
-            static_cast<core::StrategyOptions&>(c) = spec.fixed;
-            c.tp = tp;
-            c.cp = cp;
-            c.pp = pp;
-            c.dp = dp;
-            c.ep = ep;
-            c.etp = etp;
-            c.schedule = family->name;
-            c.micro_batch_size = mbs;
-            c.microbatches = static_cast<int>(batch / per_replica);
-            c.virtual_stages = v;
-            // The family says what it accepts: its region count for v (families with a fixed shape
-            // refuse other values or return the same count), then its schedule for these knobs.
-            int regions = 0;
-            try {
-              regions = family->regions(strategy_of(c));
-            } catch (const std::invalid_argument&) {
-              stats.family_rejected += 1;
-              continue;
-            }
-            if (regions_seen.count(regions)) continue;  // the same shape as a smaller v: not a new candidate
-            regions_seen.insert(regions);
-            if (regions > units || regions % pp != 0) {
-              stats.family_rejected += 1;
-              continue;
-            }
-            c.virtual_stages = regions / pp;
-            try {
-              const core::StrategyOptions o = strategy_of(c);
-              if (family->regions(o) != regions) throw std::invalid_argument("region count changed");
-              core::schedule_directives(o, family->placement(o, regions));
-            } catch (const std::invalid_argument&) {
-              stats.family_rejected += 1;
-              continue;
-            }
-            // ZeRO levels differ only when a region has more than one data-parallel replica (CP ranks
-            // are replicas of the parameters too).
-            const int replicas = dp * cp * (family->mirrored ? 2 : 1);
-            for (bool sp : sps)
-              for (const auto& rc : recompute_modes)
-                for (int z : spec.zero_levels) {
-                  if (z < 0 || z > 3) throw TuneError(fmt::format("ZeRO level {} is not 0..3", z));
-                  if (replicas == 1 && z != spec.zero_levels.front()) continue;
-                  c.sequence_parallel = sp;
-                  c.recompute = rc;
-                  c.zero = replicas == 1 ? 0 : z;
-                  for (int k : dp_shards) {
-                    // HSDP groups the ZeRO shards of dp replicas (strategy.cpp): a group must divide dp
-                    // and be smaller than the region's replicas (else it is plain ZeRO).
-                    if (k > 0 && (c.zero == 0 || dp % k != 0 || k >= replicas)) continue;
-                    c.dp_shard = k;
-                    for (const auto& re : reduce_modes) {
-                      // The gradient reduction is a choice of ZeRO-2/3 only.
-                      if (c.zero < 2 && re != reduce_modes.front()) continue;
-                      c.reduce_every = c.zero >= 2 && re == "step" ? "step" : "";
-                      for (int sms : comm_sms) {
-                        c.comm_sms = sms;
-                        out.push_back(c);
-                      }
-                    }
+    for (int cp : cps)
+      for (int pp : spec.devices % (tp * cp) == 0 ? divisors(spec.devices / tp / cp) : std::vector<int>{}) {
+        if (pp > units || !pinned(spec.pp_degrees, pp)) continue;
+        const int dp = spec.devices / tp / cp / pp;
+        if (!pinned(spec.dp_degrees, dp)) continue;
+        for (int ep : divisors(dp))
+          for (int etp : etps) {
+            if (!pinned(spec.ep_degrees, ep)) continue;
+            // Expert parallelism shards experts over consecutive groups of ep data-parallel replicas.
+            if (ep > 1 && (cfg.experts <= 0 || cfg.experts % ep != 0)) continue;
+            // Expert TP inside the TP groups, on a split of the experts' FFN.
+            if (etp > 1 && (cfg.experts <= 0 || tp % etp != 0 || cfg.expert_ffn % etp != 0)) continue;
+            for (auto mbs : spec.micro_batch_sizes) {
+              const std::int64_t per_replica = static_cast<std::int64_t>(dp) * mbs;
+              for (const auto* family : families) {
+                std::set<int> regions_seen;
+                for (int v = 1; v <= std::max(1, spec.max_virtual); ++v) {
+                  stats.considered += 1;
+                  if (batch % per_replica != 0) {
+                    stats.batch_indivisible += 1;
+                    continue;
                   }
+                  TuneCandidate c;
+                  static_cast<core::StrategyOptions&>(c) = spec.fixed;
+                  c.tp = tp;
+                  c.cp = cp;
+                  c.pp = pp;
+                  c.dp = dp;
+                  c.ep = ep;
+                  c.etp = etp;
+                  c.schedule = family->name;
+                  c.micro_batch_size = mbs;
+                  c.microbatches = static_cast<int>(batch / per_replica);
+                  c.virtual_stages = v;
+                  // The family says what it accepts: its region count for v (families with a fixed shape
+                  // refuse other values or return the same count), then its schedule for these knobs.
+                  int regions = 0;
+                  try {
+                    regions = family->regions(strategy_of(c));
+                  } catch (const std::invalid_argument&) {
+                    stats.family_rejected += 1;
+                    continue;
+                  }
+                  if (regions_seen.count(regions)) continue;  // the same shape as a smaller v: not a new candidate
+                  regions_seen.insert(regions);
+                  if (regions > units || regions % pp != 0) {
+                    stats.family_rejected += 1;
+                    continue;
+                  }
+                  c.virtual_stages = regions / pp;
+                  try {
+                    const core::StrategyOptions o = strategy_of(c);
+                    if (family->regions(o) != regions) throw std::invalid_argument("region count changed");
+                    core::schedule_directives(o, family->placement(o, regions));
+                  } catch (const std::invalid_argument&) {
+                    stats.family_rejected += 1;
+                    continue;
+                  }
+                  // ZeRO levels differ only when a region has more than one data-parallel replica (CP ranks
+                  // are replicas of the parameters too).
+                  const int replicas = dp * cp * (family->mirrored ? 2 : 1);
+                  for (bool sp : sps)
+                    for (const auto& rc : recompute_modes)
+                      for (int z : spec.zero_levels) {
+                        if (z < 0 || z > 3) throw TuneError(fmt::format("ZeRO level {} is not 0..3", z));
+                        if (replicas == 1 && z != spec.zero_levels.front()) continue;
+                        c.sequence_parallel = sp;
+                        c.recompute = rc;
+                        c.zero = replicas == 1 ? 0 : z;
+                        for (int k : dp_shards) {
+                          // HSDP groups the ZeRO shards of dp replicas (strategy.cpp): a group must divide dp
+                          // and be smaller than the region's replicas (else it is plain ZeRO).
+                          if (k > 0 && (c.zero == 0 || dp % k != 0 || k >= replicas)) continue;
+                          c.dp_shard = k;
+                          for (const auto& re : reduce_modes) {
+                            // The gradient reduction is a choice of ZeRO-2/3 only.
+                            if (c.zero < 2 && re != reduce_modes.front()) continue;
+                            c.reduce_every = c.zero >= 2 && re == "step" ? "step" : "";
+                            for (int sms : comm_sms) {
+                              c.comm_sms = sms;
+                              out.push_back(c);
+                            }
+                          }
+                        }
+                      }
                 }
+              }
+            }
           }
-        }
       }
-    }
-  }
   stats.legal = out.size();
   if (stats_out) *stats_out = stats;
   return out;
@@ -594,10 +619,7 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
 // Memory lower bound
 // ---------------------------------------------------------------------------------------------
 
-namespace {
-
-
-}  // namespace
+namespace {}  // namespace
 
 std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
   const std::shared_ptr<const Shape> shape = shape_of(spec, c);
@@ -628,9 +650,10 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     const std::int64_t replicas = std::max<std::int64_t>(1, devices / (shard * (shape->experts[i] ? c.etp : 1)));
     const std::int64_t shards = core::zero_shards_of(static_cast<int>(replicas), c.dp_shard);  // HSDP: the group's
     const std::int64_t params = costs.params / shard;
-    persistent_of_region[static_cast<std::size_t>(r)] += params * dt / (c.zero >= 3 ? shards : 1) +
-                                                         params * grad_bytes / (c.zero >= 2 && c.reduce_every != "step" ? shards : 1) +
-                                                         params * state_bytes / (c.zero >= 1 ? shards : 1);
+    persistent_of_region[static_cast<std::size_t>(r)] +=
+        params * dt / (c.zero >= 3 ? shards : 1) +
+        params * grad_bytes / (c.zero >= 2 && c.reduce_every != "step" ? shards : 1) +
+        params * state_bytes / (c.zero >= 1 ? shards : 1);
     activation_of_region[static_cast<std::size_t>(r)] += costs.activation_bytes / shard;
   }
   std::int64_t peak = 0;
@@ -655,7 +678,8 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
       for (const auto& pattern : shape->held[static_cast<std::size_t>(rank)]) {
         std::int64_t held = 0;
         for (const auto& [region, count] : pattern)
-          if (region >= 0 && region < place.regions) held += count * activation_of_region[static_cast<std::size_t>(region)];
+          if (region >= 0 && region < place.regions)
+            held += count * activation_of_region[static_cast<std::size_t>(region)];
         transient = std::max(transient, held);
       }
     peak = std::max(peak, persistent + transient);
@@ -681,7 +705,8 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
   for (const auto& node : cluster.nodes) {
     // Without a table: the curve's asymptote (fp8 at twice the bf16 peak); with one, its fastest
     // GEMM measurement in the training dtype (fp32 may run as tf32).
-    flops_rate = std::max(flops_rate, node.gpu.peak_flops * node.gpu.max_efficiency * std::max(1.0, dtype_peak_ratio(pr)));
+    flops_rate =
+        std::max(flops_rate, node.gpu.peak_flops * node.gpu.max_efficiency * std::max(1.0, dtype_peak_ratio(pr)));
     launch = std::min(launch, node.gpu.launch_overhead_s);
     hbm = std::max(hbm, node.gpu.hbm_bandwidth_bytes_per_s);
     link = std::max({link, node.nvlink_bandwidth_bytes_per_s, node.nic_bandwidth_per_gpu_bytes_per_s()});
@@ -760,7 +785,8 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
       const int home = place.rank_of_region[static_cast<std::size_t>(r)];
       const int copies = (home == rank ? 1 : 0) + (place.mirrored && c.pp - 1 - home == rank ? 1 : 0);
       if (copies == 0) continue;
-      busy += copies * per_copy * (f[static_cast<std::size_t>(r)].total(c.tp, link) + b[static_cast<std::size_t>(r)].total(c.tp, link));
+      busy += copies * per_copy *
+              (f[static_cast<std::size_t>(r)].total(c.tp, link) + b[static_cast<std::size_t>(r)].total(c.tp, link));
       double before = 0;
       for (int s = 0; s < r; ++s) before += f[static_cast<std::size_t>(s)].total(c.tp, link);
       fill = std::min(fill, before);
@@ -801,7 +827,8 @@ std::vector<double> unit_seconds(const TuneSpec& spec, const TuneCandidate& c) {
     const int shard = l.tags.contains("EP") ? c.ep : 1;
     const core::ParallelLayout layout = layout_of(c, l);
     for (int pass = 0; pass < 3; ++pass)
-      for (const auto& k : core::layer_kernels(l, model.training(), layout, pass, shard)) out[unit] += k.count * timing.seconds(k);
+      for (const auto& k : core::layer_kernels(l, model.training(), layout, pass, shard))
+        out[unit] += k.count * timing.seconds(k);
   }
   return out;
 }
@@ -823,14 +850,18 @@ std::vector<double> rank_loads(const std::vector<int>& st, const std::vector<dou
 
 // Contiguous regions minimising the largest region cost (exact DP), then single-block boundary moves
 // that lower the sorted device loads (busiest first) when regions share devices.
-std::vector<int> balance_by_time(const std::vector<double>& w, const std::vector<std::vector<int>>& ranks_of_region, int pp) {
+std::vector<int> balance_by_time(const std::vector<double>& w, const std::vector<std::vector<int>>& ranks_of_region,
+                                 int pp) {
   const int n = static_cast<int>(w.size());
   const int k = static_cast<int>(ranks_of_region.size());
   std::vector<double> prefix(static_cast<std::size_t>(n) + 1, 0.0);
-  for (int i = 0; i < n; ++i) prefix[static_cast<std::size_t>(i) + 1] = prefix[static_cast<std::size_t>(i)] + w[static_cast<std::size_t>(i)];
+  for (int i = 0; i < n; ++i)
+    prefix[static_cast<std::size_t>(i) + 1] = prefix[static_cast<std::size_t>(i)] + w[static_cast<std::size_t>(i)];
   const double inf = std::numeric_limits<double>::infinity();
-  std::vector<std::vector<double>> best(static_cast<std::size_t>(k) + 1, std::vector<double>(static_cast<std::size_t>(n) + 1, inf));
-  std::vector<std::vector<int>> from(static_cast<std::size_t>(k) + 1, std::vector<int>(static_cast<std::size_t>(n) + 1, -1));
+  std::vector<std::vector<double>> best(static_cast<std::size_t>(k) + 1,
+                                        std::vector<double>(static_cast<std::size_t>(n) + 1, inf));
+  std::vector<std::vector<int>> from(static_cast<std::size_t>(k) + 1,
+                                     std::vector<int>(static_cast<std::size_t>(n) + 1, -1));
   best[0][0] = 0;
   for (int a = 1; a <= k; ++a)
     for (int j = a; j <= n; ++j)
@@ -838,7 +869,8 @@ std::vector<int> balance_by_time(const std::vector<double>& w, const std::vector
         const double v = std::max(best[static_cast<std::size_t>(a) - 1][static_cast<std::size_t>(i)],
                                   prefix[static_cast<std::size_t>(j)] - prefix[static_cast<std::size_t>(i)]);
         if (v < best[static_cast<std::size_t>(a)][static_cast<std::size_t>(j)])
-          best[static_cast<std::size_t>(a)][static_cast<std::size_t>(j)] = v, from[static_cast<std::size_t>(a)][static_cast<std::size_t>(j)] = i;
+          best[static_cast<std::size_t>(a)][static_cast<std::size_t>(j)] = v,
+          from[static_cast<std::size_t>(a)][static_cast<std::size_t>(j)] = i;
       }
   std::vector<int> st(static_cast<std::size_t>(k), 0);
   for (int a = k, j = n; a >= 1; --a) {
@@ -855,7 +887,9 @@ std::vector<int> balance_by_time(const std::vector<double>& w, const std::vector
         std::vector<int> trial = st;
         trial[static_cast<std::size_t>(r)] += step;
         const int next = r + 1 < k ? trial[static_cast<std::size_t>(r) + 1] : n;
-        if (trial[static_cast<std::size_t>(r)] <= trial[static_cast<std::size_t>(r) - 1] || trial[static_cast<std::size_t>(r)] >= next) continue;
+        if (trial[static_cast<std::size_t>(r)] <= trial[static_cast<std::size_t>(r) - 1] ||
+            trial[static_cast<std::size_t>(r)] >= next)
+          continue;
         auto l = rank_loads(trial, w, ranks_of_region, pp);
         if (l < current) current = l, best_st = trial, improved = true;
       }
@@ -906,7 +940,8 @@ std::vector<TuneCandidate> rank_order_variants(const TuneSpec& spec, const TuneC
     for (int d = 0; d < c.dp; ++d)
       for (int k = 0; k < c.tp * c.cp; ++k) {  // a block of tp x cp devices (TP innermost, then CP)
         const GpuSpec& gpu = cluster.gpu(k + c.tp * c.cp * (g + d * c.pp));
-        speed[static_cast<std::size_t>(g)] = std::min(speed[static_cast<std::size_t>(g)], gpu.peak_flops * gpu.max_efficiency);
+        speed[static_cast<std::size_t>(g)] =
+            std::min(speed[static_cast<std::size_t>(g)], gpu.peak_flops * gpu.max_efficiency);
       }
   if (std::all_of(speed.begin(), speed.end(), [&](double v) { return v == speed.front(); })) return out;
   // Per-rank compute time of the regions each holds, with c's boundaries.
@@ -924,8 +959,11 @@ std::vector<TuneCandidate> rank_order_variants(const TuneSpec& spec, const TuneC
   std::vector<int> by_load(static_cast<std::size_t>(c.pp)), by_speed(static_cast<std::size_t>(c.pp));
   std::iota(by_load.begin(), by_load.end(), 0);
   std::iota(by_speed.begin(), by_speed.end(), 0);
-  std::stable_sort(by_load.begin(), by_load.end(), [&](int a, int b) { return load[static_cast<std::size_t>(a)] > load[static_cast<std::size_t>(b)]; });
-  std::stable_sort(by_speed.begin(), by_speed.end(), [&](int a, int b) { return speed[static_cast<std::size_t>(a)] > speed[static_cast<std::size_t>(b)]; });
+  std::stable_sort(by_load.begin(), by_load.end(),
+                   [&](int a, int b) { return load[static_cast<std::size_t>(a)] > load[static_cast<std::size_t>(b)]; });
+  std::stable_sort(by_speed.begin(), by_speed.end(), [&](int a, int b) {
+    return speed[static_cast<std::size_t>(a)] > speed[static_cast<std::size_t>(b)];
+  });
   std::vector<int> busiest_fastest(static_cast<std::size_t>(c.pp));
   for (std::size_t i = 0; i < by_load.size(); ++i) busiest_fastest[static_cast<std::size_t>(by_load[i])] = by_speed[i];
   std::vector<int> reversed(static_cast<std::size_t>(c.pp)), identity(static_cast<std::size_t>(c.pp));
@@ -933,7 +971,8 @@ std::vector<TuneCandidate> rank_order_variants(const TuneSpec& spec, const TuneC
   for (int r = 0; r < c.pp; ++r) reversed[static_cast<std::size_t>(r)] = c.pp - 1 - r;
   std::set<std::vector<int>> seen{identity};
   const std::string base = c.pp_ranges.empty() ? std::string() : c.placement + "; ";
-  for (const auto& [order, label] : {std::pair{busiest_fastest, "busiest ranks on the fastest GPUs"}, std::pair{reversed, "ranks reversed"}}) {
+  for (const auto& [order, label] :
+       {std::pair{busiest_fastest, "busiest ranks on the fastest GPUs"}, std::pair{reversed, "ranks reversed"}}) {
     if (!seen.insert(order).second) continue;
     TuneCandidate v = c;
     v.rank_order = order;
@@ -970,9 +1009,10 @@ TuneRow evaluate_candidate(const TuneSpec& spec, const TuneCandidate& c, const s
 
 const std::vector<std::string>& tune_csv_columns() {
   static const std::vector<std::string> columns = [] {
-    std::vector<std::string> c = {"key", "model", "cluster", "devices", "global_batch", "seq_len", "pp", "dp", "ep", "tp",
-                                  "sequence_parallel", "recompute", "comm_sms", "dp_shard", "reduce_every", "zero", "schedule",
-                                  "virtual", "microbatches", "micro_batch_size"};
+    std::vector<std::string> c = {
+        "key",          "model", "cluster",  "devices",           "global_batch", "seq_len",         "pp",
+        "dp",           "ep",    "tp",       "sequence_parallel", "recompute",    "comm_sms",        "dp_shard",
+        "reduce_every", "zero",  "schedule", "virtual",           "microbatches", "micro_batch_size"};
     for (const char* more : {"placement", "pp_ranges", "rank_order", "engine", "estimated_memory_bytes", "step_time_s",
                              "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom", "compile_time_s",
                              "simulate_time_s", "tp_comm_s", "status", "reason"})
@@ -996,11 +1036,13 @@ std::string to_csv(const TuneSpec& spec, const TuneRow& r) {
       "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
       csv_field(c.key()), csv_field(spec.model), csv_field(spec.cluster), spec.devices, spec.effective_global_batch(),
       spec.seq_len, c.pp, c.dp, c.ep, c.tp, c.sequence_parallel ? 1 : 0, csv_field(c.recompute), c.comm_sms, c.dp_shard,
-      c.zero >= 2 ? (c.reduce_every == "step" ? "step" : "microbatch") : "", c.zero, csv_field(c.schedule), c.virtual_stages,
-      c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '), join(c.rank_order, ' '), r.engine,
+      c.zero >= 2 ? (c.reduce_every == "step" ? "step" : "microbatch") : "", c.zero, csv_field(c.schedule),
+      c.virtual_stages, c.microbatches, c.micro_batch_size, csv_field(c.placement), join(c.pp_ranges, ' '),
+      join(c.rank_order, ' '), r.engine,
       r.estimated_memory_bytes > 0 ? fmt::format("{}", r.estimated_memory_bytes) : std::string(), figure(r.step_time_s),
-      figure(r.tokens_per_s), figure(r.mfu), figure(r.bubble_fraction), figure(r.peak_memory_bytes), figure(r.oom ? 1 : 0),
-      figure(r.compile_time_s), figure(r.simulate_time_s), figure(r.tp_comm_s), r.status, csv_field(one_line(r.reason)));
+      figure(r.tokens_per_s), figure(r.mfu), figure(r.bubble_fraction), figure(r.peak_memory_bytes),
+      figure(r.oom ? 1 : 0), figure(r.compile_time_s), figure(r.simulate_time_s), figure(r.tp_comm_s), r.status,
+      csv_field(one_line(r.reason)));
   for (const auto& s : core::strategy_settings())
     if (!named_by_hand(s.name)) row += "," + csv_field(core::setting_text(s, c));
   return row;
@@ -1042,15 +1084,15 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
   c.dp_shard = static_cast<int>(integer("dp_shard"));
   c.etp = static_cast<int>(integer("etp"));
   if (at("reduce_every") != "" && at("reduce_every") != "step" && at("reduce_every") != "microbatch")
-    throw TuneError(fmt::format("{}: column 'reduce_every': '{}' is not microbatch, step or blank", where, at("reduce_every")));
+    throw TuneError(
+        fmt::format("{}: column 'reduce_every': '{}' is not microbatch, step or blank", where, at("reduce_every")));
   c.reduce_every = at("reduce_every") == "step" ? "step" : "";
   c.schedule = at("schedule");
   c.virtual_stages = static_cast<int>(integer("virtual"));
   c.microbatches = static_cast<int>(integer("microbatches"));
   c.micro_batch_size = integer("micro_batch_size");
   for (const auto& s : core::strategy_settings())
-    if (!named_by_hand(s.name))
-      try {
+    if (!named_by_hand(s.name)) try {
         core::set_setting(s, c, core::setting_from_text(s, at(s.name.c_str()), "v"), "v");
       } catch (const core::Error& e) {
         throw TuneError(fmt::format("{}: column '{}': {}", where, s.name, std::string(e.what()).substr(3)));
@@ -1071,7 +1113,8 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
   };
   int_list("pp_ranges", c.pp_ranges);
   int_list("rank_order", c.rank_order);
-  if (c.key() != at("key")) throw TuneError(fmt::format("{}: column 'key': '{}' does not match the row's knobs", where, at("key")));
+  if (c.key() != at("key"))
+    throw TuneError(fmt::format("{}: column 'key': '{}' does not match the row's knobs", where, at("key")));
   r.engine = at("engine");
   r.status = at("status");
   r.reason = at("reason");
@@ -1124,7 +1167,8 @@ std::map<std::string, std::string> plans_of(const Rows& done) {
   std::map<std::tuple<std::string, double, std::int64_t>, std::string> first;
   std::map<std::string, std::string> plan;
   for (const auto& [id, row] : done) {
-    if (id.second != "analytic" || row.status != "ok" || row.candidate.pp != 1 || row.candidate.virtual_stages != 1) continue;
+    if (id.second != "analytic" || row.status != "ok" || row.candidate.pp != 1 || row.candidate.virtual_stages != 1)
+      continue;
     TuneCandidate unnamed = row.candidate;
     unnamed.schedule.clear();
     plan[id.first] = first.try_emplace({unnamed.key(), row.step_time_s, row.peak_memory_bytes}, id.first).first->second;
@@ -1189,9 +1233,9 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
   std::map<std::pair<std::string, std::string>, TuneRow> done;
   TuneSpec file_spec;
   for (auto& row : read_tune_results(csv_path, &file_spec)) {
-    if (done.empty() && (file_spec.model != spec.model || file_spec.cluster != spec.cluster ||
-                         file_spec.devices != spec.devices || file_spec.global_batch != spec.effective_global_batch() ||
-                         file_spec.seq_len != spec.seq_len))
+    if (done.empty() &&
+        (file_spec.model != spec.model || file_spec.cluster != spec.cluster || file_spec.devices != spec.devices ||
+         file_spec.global_batch != spec.effective_global_batch() || file_spec.seq_len != spec.seq_len))
       throw TuneError(fmt::format("{}: holds a tune of {} on {} x {} (global batch {}, seq_len {}); choose another -o",
                                   csv_path, file_spec.model, file_spec.devices, file_spec.cluster,
                                   file_spec.global_batch, file_spec.seq_len));
@@ -1253,7 +1297,8 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
         TuneRow row;
         row.candidate = c;
         row.status = "pruned";
-        row.reason = fmt::format("memory lower bound {:.2f} GiB > cap {:.2f} GiB", bound / 1073741824.0, cap / 1073741824.0);
+        row.reason =
+            fmt::format("memory lower bound {:.2f} GiB > cap {:.2f} GiB", bound / 1073741824.0, cap / 1073741824.0);
         row.estimated_memory_bytes = bound;
         record(row);
       }
@@ -1314,7 +1359,8 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
               return;
             }
           }
-          const TuneRow row = evaluate_candidate(spec, c, "analytic", estimate.count(c.key()) ? estimate.at(c.key()) : 0);
+          const TuneRow row =
+              evaluate_candidate(spec, c, "analytic", estimate.count(c.key()) ? estimate.at(c.key()) : 0);
           std::lock_guard lock(mutex);
           record(row);
           summary.ran += 1;
@@ -1323,7 +1369,8 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
         over_budget);
     if (started_items < todo.size() && summary.stopped.empty()) {
       summary.budget_exhausted = true;
-      summary.stopped = fmt::format("{}: {} of {} simulated", phase, list.size() - todo.size() + started_items, list.size());
+      summary.stopped =
+          fmt::format("{}: {} of {} simulated", phase, list.size() - todo.size() + started_items, list.size());
     }
   };
   // Best first, one row per distinct plan (so the leaders and the SimGrid top K are distinct plans).
@@ -1349,7 +1396,8 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
   // Lightest first: none, selective (the attention core), op (half the matmuls and the element-wise
   // work), full (the whole block).
   auto weight = [](const std::string& m) { return m == "op" ? 1.5 : static_cast<double>(recompute_level(m)); };
-  std::sort(modes.begin(), modes.end(), [&](const std::string& a, const std::string& b) { return weight(a) < weight(b); });
+  std::sort(modes.begin(), modes.end(),
+            [&](const std::string& a, const std::string& b) { return weight(a) < weight(b); });
   std::set<std::string> deferred_keys;
   std::vector<TuneCandidate> deferred;
   for (std::size_t mi = 0; mi < modes.size() && !summary.budget_exhausted; ++mi) {
@@ -1424,7 +1472,8 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
       }
       if (over_budget()) {
         summary.budget_exhausted = true;
-        if (summary.stopped.empty()) summary.stopped = fmt::format("simgrid: {} of {} re-simulated", finished, leaders.size());
+        if (summary.stopped.empty())
+          summary.stopped = fmt::format("simgrid: {} of {} re-simulated", finished, leaders.size());
         break;
       }
       record(evaluate_candidate(spec, c, "simgrid", estimate.count(c.key()) ? estimate.at(c.key()) : 0));

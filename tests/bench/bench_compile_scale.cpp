@@ -58,8 +58,8 @@ int main(int argc, char** argv) {
     char line[512];
     Figures f;
     while (fgets(line, sizeof line, pipe))
-      if (std::sscanf(line, "RESULT %d %lf %lf %lf %d", &f.devices, &f.compile_seconds, &f.peak_rss_bytes, &f.plan_bytes,
-                      &f.distinct_plans) == 5)
+      if (std::sscanf(line, "RESULT %d %lf %lf %lf %d", &f.devices, &f.compile_seconds, &f.peak_rss_bytes,
+                      &f.plan_bytes, &f.distinct_plans) == 5)
         rows.push_back(f);
     if (pclose(pipe) != 0 || rows.empty() || rows.back().devices != devices) {
       fmt::print(stderr, "bench_compile_scale: the run with {} devices failed\n", devices);

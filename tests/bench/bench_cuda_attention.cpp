@@ -48,7 +48,9 @@ std::vector<float> to_host(const cu::DeviceBuffer& b) {
 // max |a - b| / max |b|
 double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double diff = 0, scale = 1e-30;
-  for (std::size_t i = 0; i < a.size(); ++i) diff = std::max(diff, static_cast<double>(std::abs(a[i] - b[i]))), scale = std::max(scale, static_cast<double>(std::abs(b[i])));
+  for (std::size_t i = 0; i < a.size(); ++i)
+    diff = std::max(diff, static_cast<double>(std::abs(a[i] - b[i]))),
+    scale = std::max(scale, static_cast<double>(std::abs(b[i])));
   return diff / scale;
 }
 
@@ -68,25 +70,29 @@ void run_shape(int sequences, int L, int heads, int kv_heads, int hd) {
   cu::DeviceBuffer ro(qn * 2), probs(rows * L * 4), ds(rows * L * 4), rq(qn * 2), rk(kn * 2), rv(kn * 2);
   const auto bf = cu::DType::BF16;
 
-  const double fast_f = time_ms(10, [&] { cu::flash_attention_forward(d, q.get(), k.get(), v.get(), lse.as<float>(), o.get(), nullptr); });
+  const double fast_f = time_ms(
+      10, [&] { cu::flash_attention_forward(d, q.get(), k.get(), v.get(), lse.as<float>(), o.get(), nullptr); });
   const double fast_b = time_ms(10, [&] {
-    cu::flash_attention_backward(d, q.get(), k.get(), v.get(), o.get(), lse.as<float>(), d_o.get(), delta.as<float>(), dq.get(), dk.get(), dv.get(),
-                                 nullptr);
+    cu::flash_attention_backward(d, q.get(), k.get(), v.get(), o.get(), lse.as<float>(), d_o.get(), delta.as<float>(),
+                                 dq.get(), dk.get(), dv.get(), nullptr);
   });
-  const double ref_f = time_ms(2, [&] { cu::attention_core_forward(bf, d, q.get(), k.get(), v.get(), probs.as<float>(), ro.get(), nullptr); });
+  const double ref_f = time_ms(
+      2, [&] { cu::attention_core_forward(bf, d, q.get(), k.get(), v.get(), probs.as<float>(), ro.get(), nullptr); });
   const double ref_b = time_ms(2, [&] {
-    cu::attention_core_backward(bf, d, q.get(), k.get(), v.get(), probs.as<float>(), d_o.get(), ds.as<float>(), rq.get(), rk.get(), rv.get(), nullptr);
+    cu::attention_core_backward(bf, d, q.get(), k.get(), v.get(), probs.as<float>(), d_o.get(), ds.as<float>(),
+                                rq.get(), rk.get(), rv.get(), nullptr);
   });
   cu::check(cudaDeviceSynchronize(), "attention");
 
   const double fwd_flops = 2.0 * L * static_cast<double>(L) * hd * heads * sequences, bwd_flops = 2.5 * fwd_flops;
   std::printf("attention %d x %d tokens, %d heads (%d KV), head_dim %d:\n", sequences, L, heads, kv_heads, hd);
-  std::printf("  forward   fast %8.3f ms (%6.1f TFLOP/s, %4.1f %% of peak)  reference %9.3f ms  speedup %6.1fx\n", fast_f,
-              fwd_flops / fast_f / 1e9, 100 * fwd_flops / fast_f / 1e9 / kPeakTflops, ref_f, ref_f / fast_f);
-  std::printf("  backward  fast %8.3f ms (%6.1f TFLOP/s, %4.1f %% of peak)  reference %9.3f ms  speedup %6.1fx\n", fast_b,
-              bwd_flops / fast_b / 1e9, 100 * bwd_flops / fast_b / 1e9 / kPeakTflops, ref_b, ref_b / fast_b);
-  std::printf("  fast vs reference, max |diff| / max |value|: o %.2e  dq %.2e  dk %.2e  dv %.2e\n", rel_diff(to_host(o), to_host(ro)),
-              rel_diff(to_host(dq), to_host(rq)), rel_diff(to_host(dk), to_host(rk)), rel_diff(to_host(dv), to_host(rv)));
+  std::printf("  forward   fast %8.3f ms (%6.1f TFLOP/s, %4.1f %% of peak)  reference %9.3f ms  speedup %6.1fx\n",
+              fast_f, fwd_flops / fast_f / 1e9, 100 * fwd_flops / fast_f / 1e9 / kPeakTflops, ref_f, ref_f / fast_f);
+  std::printf("  backward  fast %8.3f ms (%6.1f TFLOP/s, %4.1f %% of peak)  reference %9.3f ms  speedup %6.1fx\n",
+              fast_b, bwd_flops / fast_b / 1e9, 100 * bwd_flops / fast_b / 1e9 / kPeakTflops, ref_b, ref_b / fast_b);
+  std::printf("  fast vs reference, max |diff| / max |value|: o %.2e  dq %.2e  dk %.2e  dv %.2e\n",
+              rel_diff(to_host(o), to_host(ro)), rel_diff(to_host(dq), to_host(rq)), rel_diff(to_host(dk), to_host(rk)),
+              rel_diff(to_host(dv), to_host(rv)));
 }
 
 }  // namespace

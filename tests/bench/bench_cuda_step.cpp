@@ -78,11 +78,14 @@ int main(int argc, char** argv) {
   std::printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
   std::printf("dense-1b bf16, 1 GPU, %d steps; attention: %s\n", steps,
               cu::attention_reference_forced() ? "reference kernels (PIPER_ATTENTION=reference)" : "fast path (flash)");
-  std::printf("first step %.1f ms; steady step %.1f ms (mean of steps 2..%d), %.0f tokens/s, model %.2f TFLOP/step, %.1f TFLOP/s\n",
-              r.step_times_s.empty() ? 0.0 : r.step_times_s.front() * 1e3, steady * 1e3, steps, r.tokens_per_s * r.step_time_s / steady,
-              flops / 1e12, tflops);
+  std::printf(
+      "first step %.1f ms; steady step %.1f ms (mean of steps 2..%d), %.0f tokens/s, model %.2f TFLOP/step, %.1f "
+      "TFLOP/s\n",
+      r.step_times_s.empty() ? 0.0 : r.step_times_s.front() * 1e3, steady * 1e3, steps,
+      r.tokens_per_s * r.step_time_s / steady, flops / 1e12, tflops);
   std::printf("MFU %.1f %% of %.1f TFLOP/s (target >= 50 %%)\n", 100 * tflops / kPeakTflops, kPeakTflops);
-  std::printf("executor overhead %.2f %% of the step, all steps (target <= 2 %%)\n", r.total_s > 0 ? 100 * r.overhead_s / r.total_s : 0.0);
+  std::printf("executor overhead %.2f %% of the step, all steps (target <= 2 %%)\n",
+              r.total_s > 0 ? 100 * r.overhead_s / r.total_s : 0.0);
   std::printf("cuBLASLt bf16 GEMM 8192^3: %.1f TFLOP/s = %.1f %% of peak\n", gemm, 100 * gemm / kPeakTflops);
   return 0;
 }

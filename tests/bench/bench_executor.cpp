@@ -35,17 +35,17 @@ int main(int argc, char** argv) {
   std::vector<double> all(static_cast<std::size_t>(5 * size));
   MPI_Gather(mine, 5, MPI_DOUBLE, all.data(), 5, MPI_DOUBLE, 0, MPI_COMM_WORLD);
   if (rank == 0) {
-    fmt::print("executor overhead: {} ({} devices, 1F1B, 8 microbatches), {} steps, step time {:.2f} ms\n", program.model_name, size,
-               steps, r.step_time_s * 1e3);
-    fmt::print("{:>6} {:>8} {:>12} {:>12} {:>12} {:>14} {:>10}\n", "device", "ops", "backend ms", "idle ms", "overhead ms",
-               "overhead/op us", "share");
+    fmt::print("executor overhead: {} ({} devices, 1F1B, 8 microbatches), {} steps, step time {:.2f} ms\n",
+               program.model_name, size, steps, r.step_time_s * 1e3);
+    fmt::print("{:>6} {:>8} {:>12} {:>12} {:>12} {:>14} {:>10}\n", "device", "ops", "backend ms", "idle ms",
+               "overhead ms", "overhead/op us", "share");
     double worst = 0;
     for (int d = 0; d < size; ++d) {
       const double* v = &all[static_cast<std::size_t>(5 * d)];
       const double share = v[1] > 0 ? v[4] / v[1] : 0;
       worst = std::max(worst, share);
-      fmt::print("{:>6} {:>8.0f} {:>12.2f} {:>12.2f} {:>12.3f} {:>14.2f} {:>9.2f}%\n", d, v[0], v[2] * 1e3, v[3] * 1e3, v[4] * 1e3,
-                 v[4] / v[0] * 1e6, 100 * share);
+      fmt::print("{:>6} {:>8.0f} {:>12.2f} {:>12.2f} {:>12.3f} {:>14.2f} {:>9.2f}%\n", d, v[0], v[2] * 1e3, v[3] * 1e3,
+                 v[4] * 1e3, v[4] / v[0] * 1e6, 100 * share);
     }
     fmt::print("largest executor share of step time: {:.2f}%\n", 100 * worst);
   }

@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
 
   gui::TimelineView view;
   view.resize(1920, 1080);
-  view.set_fold_mode(gui::FoldMode::Off);   // one row per device: the worst case (1,024 rows), not 8 folded ones
+  view.set_fold_mode(gui::FoldMode::Off);  // one row per device: the worst case (1,024 rows), not 8 folded ones
   view.set_tracks({track});
   view.fit_to_window();
   measure("fit-to-window, lanes 16 px (default)", view, 30);

@@ -28,7 +28,8 @@ static double since(Clock::time_point t) { return std::chrono::duration<double>(
 static double children_cpu_s() {
   rusage u{};
   getrusage(RUSAGE_CHILDREN, &u);
-  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + 1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
 int main(int argc, char** argv) {
@@ -39,23 +40,32 @@ int main(int argc, char** argv) {
   bool merge_lone = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--dp" && i + 1 < argc) dp = std::atoi(argv[++i]);
-    else if (a == "--microbatches" && i + 1 < argc) microbatches = std::atoi(argv[++i]);
-    else if (a == "--model" && i + 1 < argc) model = argv[++i];
-    else if (a == "--max-ring-steps" && i + 1 < argc) merges.push_back(std::atoi(argv[++i]));
-    else if (a == "--no-merge") merge_lone = false;
+    if (a == "--dp" && i + 1 < argc)
+      dp = std::atoi(argv[++i]);
+    else if (a == "--microbatches" && i + 1 < argc)
+      microbatches = std::atoi(argv[++i]);
+    else if (a == "--model" && i + 1 < argc)
+      model = argv[++i];
+    else if (a == "--max-ring-steps" && i + 1 < argc)
+      merges.push_back(std::atoi(argv[++i]));
+    else if (a == "--no-merge")
+      merge_lone = false;
     else if (a == "--flow-starter" && i + 1 < argc) {
       const std::string v = argv[++i];
-      if (v == "auto") starter = sim::SimgridOptions::FlowStarter::Auto;
-      else if (v == "maestro") starter = sim::SimgridOptions::FlowStarter::Maestro;
-      else if (v == "workers") starter = sim::SimgridOptions::FlowStarter::Workers;
-      else if (v == "pool") starter = sim::SimgridOptions::FlowStarter::Pool;
+      if (v == "auto")
+        starter = sim::SimgridOptions::FlowStarter::Auto;
+      else if (v == "maestro")
+        starter = sim::SimgridOptions::FlowStarter::Maestro;
+      else if (v == "workers")
+        starter = sim::SimgridOptions::FlowStarter::Workers;
+      else if (v == "pool")
+        starter = sim::SimgridOptions::FlowStarter::Pool;
       else {
-        std::fprintf(stderr, "bench_simgrid: --flow-starter must be auto, maestro, workers or pool, not '%s'\n", v.c_str());
+        std::fprintf(stderr, "bench_simgrid: --flow-starter must be auto, maestro, workers or pool, not '%s'\n",
+                     v.c_str());
         return 2;
       }
-    }
-    else {
+    } else {
       std::fprintf(stderr, "bench_simgrid: unknown argument '%s'\n", a.c_str());
       return 2;
     }
@@ -74,8 +84,8 @@ int main(int argc, char** argv) {
   auto program = std::make_shared<const core::Program>(std::move(compiled.result.program));
   const sim::Cluster cluster = sim::with_devices(sim::load_cluster("dgx-h200"), program->num_devices);
   const sim::CostModel cost(cluster);
-  std::printf("%s 1F1B PP8 x DP%d, %d microbatches: %d GPUs, %lld op instances, compiled in %.2f s\n", model.c_str(), dp,
-              microbatches, program->num_devices, static_cast<long long>(program->total_ops()), compile_s);
+  std::printf("%s 1F1B PP8 x DP%d, %d microbatches: %d GPUs, %lld op instances, compiled in %.2f s\n", model.c_str(),
+              dp, microbatches, program->num_devices, static_cast<long long>(program->total_ops()), compile_s);
   std::printf("%-36s %12s %12s %14s %16s\n", "engine", "wall s", "CPU s", "step ms", "vs analytic");
 
   auto t1 = Clock::now();
@@ -90,10 +100,11 @@ int main(int argc, char** argv) {
     options.flow_starter = starter;
     options.merge_lone_collectives = merge_lone;
     const core::Timeline t = sim::make_simgrid_engine(options)->run(program, cluster, cost);
-    const std::string name = (q == 0 ? std::string("simgrid (exact)") : "simgrid (max_ring_steps " + std::to_string(q) + ")") +
-                             (merge_lone ? "" : " no merge");
-    std::printf("%-36s %12.3f %12.3f %14.6f %+15.2e\n", name.c_str(), since(t2), children_cpu_s() - cpu0, t.step_time_s * 1e3,
-                t.step_time_s / analytic.step_time_s - 1);
+    const std::string name =
+        (q == 0 ? std::string("simgrid (exact)") : "simgrid (max_ring_steps " + std::to_string(q) + ")") +
+        (merge_lone ? "" : " no merge");
+    std::printf("%-36s %12.3f %12.3f %14.6f %+15.2e\n", name.c_str(), since(t2), children_cpu_s() - cpu0,
+                t.step_time_s * 1e3, t.step_time_s / analytic.step_time_s - 1);
     std::fflush(stdout);
   }
   return 0;

@@ -23,7 +23,8 @@ using Clock = std::chrono::steady_clock;
 static double cpu_seconds() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + 1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
 static double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -35,17 +36,24 @@ int main(int argc, char** argv) {
   bool symmetry = true;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--engine" && i + 1 < argc) engine = argv[++i];
-    else if (a == "--microbatches" && i + 1 < argc) microbatches = std::atoi(argv[++i]);
-    else if (a == "--model" && i + 1 < argc) model = argv[++i];
-    else if (a == "--schedule" && i + 1 < argc) schedule = argv[++i];
-    else if (a == "--pp" && i + 1 < argc) pp = std::atoi(argv[++i]);
-    else if (a == "--no-symmetry") symmetry = false;
-    else dps.push_back(std::atoi(a.c_str()));
+    if (a == "--engine" && i + 1 < argc)
+      engine = argv[++i];
+    else if (a == "--microbatches" && i + 1 < argc)
+      microbatches = std::atoi(argv[++i]);
+    else if (a == "--model" && i + 1 < argc)
+      model = argv[++i];
+    else if (a == "--schedule" && i + 1 < argc)
+      schedule = argv[++i];
+    else if (a == "--pp" && i + 1 < argc)
+      pp = std::atoi(argv[++i]);
+    else if (a == "--no-symmetry")
+      symmetry = false;
+    else
+      dps.push_back(std::atoi(a.c_str()));
   }
   if (dps.empty()) dps = {128, 2048};
-  std::printf("%-8s %-6s %-10s %8s %12s %10s %8s %10s %12s %10s %12s %14s\n", "devices", "dp", "schedule", "engine", "op instances",
-              "compile s", "classes", "simulate s", "sim CPU s", "report s", "step ms", "peak RSS MiB");
+  std::printf("%-8s %-6s %-10s %8s %12s %10s %8s %10s %12s %10s %12s %14s\n", "devices", "dp", "schedule", "engine",
+              "op instances", "compile s", "classes", "simulate s", "sim CPU s", "report s", "step ms", "peak RSS MiB");
   for (int dp : dps) {
     core::Scenario s;
     s.model = model;
@@ -78,8 +86,9 @@ int main(int argc, char** argv) {
     auto t2 = Clock::now();
     sim::Report report = sim::make_report(timeline, cluster, sim::compile_stats_of(*program), sym ? &*sym : nullptr);
     const double report_s = since(t2);
-    std::printf("%-8d %-6d %-10s %8s %12lld %10.2f %8d %10.3f %12.3f %10.3f %12.3f %14.0f\n", program->num_devices, dp, schedule.c_str(),
-                engine.c_str(), static_cast<long long>(program->total_ops()), compile_s, classes, simulate_s, simulate_cpu_s, report_s, report.step_time_s * 1e3,
+    std::printf("%-8d %-6d %-10s %8s %12lld %10.2f %8d %10.3f %12.3f %10.3f %12.3f %14.0f\n", program->num_devices, dp,
+                schedule.c_str(), engine.c_str(), static_cast<long long>(program->total_ops()), compile_s, classes,
+                simulate_s, simulate_cpu_s, report_s, report.step_time_s * 1e3,
                 static_cast<double>(core::peak_rss_bytes()) / (1024.0 * 1024.0));
     std::fflush(stdout);
   }

@@ -6,7 +6,8 @@
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   piper::fuzz::small_limits();
   piper::fuzz::rejects_cleanly([&] {
-    const piper::core::ModelConfig config = piper::core::config_from_text(piper::fuzz::text_of(data, size), "fuzz.json");
+    const piper::core::ModelConfig config =
+        piper::core::config_from_text(piper::fuzz::text_of(data, size), "fuzz.json");
     piper::core::Model model = piper::core::build_model(config);
     (void)model.parameter_count();
     piper::core::balance_pipeline(model, 2);

@@ -47,7 +47,8 @@ fs::path temp_dir(const std::string& name) {
 // head_dim 64 and 100-token sequences: bf16 runs take the fast attention path (flash_attention.cu).
 const std::string kHd64Model = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-small-hd64.json";
 
-core::Program compile(int pp, int dp, int ep, int zero, int microbatches, const std::string& schedule, const std::string& model = kModel) {
+core::Program compile(int pp, int dp, int ep, int zero, int microbatches, const std::string& schedule,
+                      const std::string& model = kModel) {
   core::Scenario s;
   s.model = model;
   s.strategy.pp = pp, s.strategy.dp = dp, s.strategy.ep = ep, s.strategy.zero = zero;
@@ -77,23 +78,29 @@ void expect_equivalent(const std::string& name, const core::Program& program, cu
   ASSERT_EQ(ref.losses.size(), 3u);
   ASSERT_EQ(run.losses.size(), 3u);
   for (std::size_t i = 0; i < 3; ++i)
-    EXPECT_NEAR(run.losses[i], ref.losses[i], (f32 ? kLossRelTol : kBf16LossRelTol) * std::abs(ref.losses[i])) << name << " step " << i + 1;
+    EXPECT_NEAR(run.losses[i], ref.losses[i], (f32 ? kLossRelTol : kBf16LossRelTol) * std::abs(ref.losses[i]))
+        << name << " step " << i + 1;
   const double diff = rt::max_param_difference((dir / "ref.bin").string(), (dir / "cuda.bin").string());
   if (f32) {
     EXPECT_LT(diff, kParamAbsTol) << name;
   }
-  std::printf("[%s] %s: losses %.7f %.7f %.7f (reference %.7f %.7f %.7f), max |param diff| %.3g\n", name.c_str(), f32 ? "fp32" : "bf16",
-              run.losses[0], run.losses[1], run.losses[2], ref.losses[0], ref.losses[1], ref.losses[2], diff);
+  std::printf("[%s] %s: losses %.7f %.7f %.7f (reference %.7f %.7f %.7f), max |param diff| %.3g\n", name.c_str(),
+              f32 ? "fp32" : "bf16", run.losses[0], run.losses[1], run.losses[2], ref.losses[0], ref.losses[1],
+              ref.losses[2], diff);
 }
 
 }  // namespace
 
 TEST(CudaBackendEquivalence, OneFOneB_PP2xDP2) { expect_equivalent("1f1b", compile(2, 2, 1, 0, 4, "1f1b")); }
 TEST(CudaBackendEquivalence, ZBH1_PP2) { expect_equivalent("zbh1", compile(2, 1, 1, 0, 4, "zb-h1")); }
-TEST(CudaBackendEquivalence, DualPipeV_PP2xDP2xEP2) { expect_equivalent("dualpipev", compile(2, 2, 2, 0, 4, "dualpipev")); }
+TEST(CudaBackendEquivalence, DualPipeV_PP2xDP2xEP2) {
+  expect_equivalent("dualpipev", compile(2, 2, 2, 0, 4, "dualpipev"));
+}
 TEST(CudaBackendEquivalence, Zero3_PP2xDP2xEP2) { expect_equivalent("zero3", compile(2, 2, 2, 3, 4, "1f1b")); }
 TEST(CudaBackendEquivalence, EP2_Zero2_PP2xDP2) { expect_equivalent("ep-zero2", compile(2, 2, 2, 2, 4, "1f1b")); }
-TEST(CudaBackendEquivalence, Bf16_OneFOneB_PP2xDP2) { expect_equivalent("bf16-1f1b", compile(2, 2, 1, 0, 4, "1f1b"), cu::DType::BF16); }
+TEST(CudaBackendEquivalence, Bf16_OneFOneB_PP2xDP2) {
+  expect_equivalent("bf16-1f1b", compile(2, 2, 1, 0, 4, "1f1b"), cu::DType::BF16);
+}
 // The fast attention path end to end (forward, BI with its lse and delta, then BW) in bf16, against the
 // host reference with the bf16 loss bound. PIPER_ATTENTION=reference runs the same plan on the
 // reference kernels (scripts/gpu-check.sh compares the two runs' losses).

@@ -71,7 +71,9 @@ class CudaKernels : public ::testing::TestWithParam<cu::DType> {
   cu::DType dt() const { return GetParam(); }
   float tol() const { return dt() == cu::DType::F32 ? kFp32Tol : kBf16Tol; }
   // The host reference sees the inputs the GPU sees: rounded to bf16 in bf16 mode.
-  Mat rounded(const Mat& m) const { return dt() == cu::DType::F32 ? m : download(upload(m, dt()), m.rows(), m.cols(), dt()); }
+  Mat rounded(const Mat& m) const {
+    return dt() == cu::DType::F32 ? m : download(upload(m, dt()), m.rows(), m.cols(), dt());
+  }
 };
 
 TEST_P(CudaKernels, GemmAllTransposes) {
@@ -94,13 +96,15 @@ TEST_P(CudaKernels, GemmAllTransposes) {
       Mat c0 = random_mat(m, n, 3);
       auto dc32 = upload(c0);
       gemm.run_f32_out(dt(), s, da.get(), db.get(), dc32.as<float>(), 1.0f, 1.0f);
-      EXPECT_LT(rel_error(download(dc32, m, n), Mat(ref + c0)), 1e-4f) << "f32 out, trans_a=" << ta << " trans_b=" << tb;
+      EXPECT_LT(rel_error(download(dc32, m, n), Mat(ref + c0)), 1e-4f)
+          << "f32 out, trans_a=" << ta << " trans_b=" << tb;
     }
 }
 
 TEST_P(CudaKernels, RmsNormForwardAndBackward) {
   const int rows = 19, cols = 96;
-  Mat x = rounded(random_mat(rows, cols, 3)), g = rounded(random_mat(1, cols, 4)), dy = rounded(random_mat(rows, cols, 5));
+  Mat x = rounded(random_mat(rows, cols, 3)), g = rounded(random_mat(1, cols, 4)),
+      dy = rounded(random_mat(rows, cols, 5));
   host::Vec gv = g.row(0).transpose();
   host::RmsNormCache cache;
   Mat y = host::rmsnorm_forward(x, host::ConstVecMap(gv.data(), cols), &cache);
@@ -164,8 +168,8 @@ TEST_P(CudaKernels, CausalAttentionWithRopeAndGqa) {
       wv = rounded(random_mat(hidden, kd, 13, 0.2f)), wo = rounded(random_mat(qd, hidden, 14, 0.2f)),
       u = rounded(random_mat(tokens, hidden, 15)), dout = rounded(random_mat(tokens, hidden, 16));
   host::Vec unit = host::Vec::Ones(s.head_dim);
-  host::AttentionWeights w{host::ConstMatMap(wq.data(), hidden, qd), host::ConstMatMap(wk.data(), hidden, kd),
-                           host::ConstMatMap(wv.data(), hidden, kd), host::ConstMatMap(wo.data(), qd, hidden),
+  host::AttentionWeights w{host::ConstMatMap(wq.data(), hidden, qd),   host::ConstMatMap(wk.data(), hidden, kd),
+                           host::ConstMatMap(wv.data(), hidden, kd),   host::ConstMatMap(wo.data(), qd, hidden),
                            host::ConstVecMap(unit.data(), s.head_dim), host::ConstVecMap(unit.data(), s.head_dim)};
   host::AttentionCache cache;
   Mat y = host::attention_forward(s, w, u, &cache);
@@ -215,7 +219,8 @@ struct AttentionRef {
 AttentionRef host_attention(const cu::AttentionDims& d, const Mat& q, const Mat& k, const Mat& v, const Mat& d_o) {
   const int L = d.seq_len, hd = d.head_dim, group = d.heads / d.kv_heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
-  AttentionRef r{Mat::Zero(q.rows(), q.cols()), Mat::Zero(q.rows(), q.cols()), Mat::Zero(k.rows(), k.cols()), Mat::Zero(v.rows(), v.cols())};
+  AttentionRef r{Mat::Zero(q.rows(), q.cols()), Mat::Zero(q.rows(), q.cols()), Mat::Zero(k.rows(), k.cols()),
+                 Mat::Zero(v.rows(), v.cols())};
   std::vector<double> p(static_cast<std::size_t>(L)), dp(static_cast<std::size_t>(L));
   for (int seq = 0; seq < d.tokens / L; ++seq)
     for (int h = 0; h < d.heads; ++h) {
@@ -230,7 +235,8 @@ AttentionRef host_attention(const cu::AttentionDims& d, const Mat& q, const Mat&
           mx = std::max(mx, s * scale);
         }
         double sum = 0;
-        for (int j = 0; j <= i; ++j) sum += p[static_cast<std::size_t>(j)] = std::exp(p[static_cast<std::size_t>(j)] - mx);
+        for (int j = 0; j <= i; ++j)
+          sum += p[static_cast<std::size_t>(j)] = std::exp(p[static_cast<std::size_t>(j)] - mx);
         double rowdot = 0;
         for (int j = 0; j <= i; ++j) {
           const auto jj = static_cast<std::size_t>(j);
@@ -286,24 +292,27 @@ TEST_P(CudaFlashAttention, FastAndReferencePathsMatchTheHost) {
   // Fast path.
   cu::DeviceBuffer o(qbytes), lse(rows * 4), delta(rows * 4), gq(qbytes), gk(kbytes), gv(kbytes);
   cu::flash_attention_forward(d, dq_.get(), dk_.get(), dv_.get(), lse.as<float>(), o.get(), nullptr);
-  cu::flash_attention_backward(d, dq_.get(), dk_.get(), dv_.get(), o.get(), lse.as<float>(), ddo.get(), delta.as<float>(), gq.get(), gk.get(),
-                               gv.get(), nullptr);
+  cu::flash_attention_backward(d, dq_.get(), dk_.get(), dv_.get(), o.get(), lse.as<float>(), ddo.get(),
+                               delta.as<float>(), gq.get(), gk.get(), gv.get(), nullptr);
   // Reference path.
-  cu::DeviceBuffer ro(qbytes), probs(rows * static_cast<std::size_t>(c.seq_len) * 4), ds(probs.bytes()), rq(qbytes), rk(kbytes), rv(kbytes);
+  cu::DeviceBuffer ro(qbytes), probs(rows * static_cast<std::size_t>(c.seq_len) * 4), ds(probs.bytes()), rq(qbytes),
+      rk(kbytes), rv(kbytes);
   cu::attention_core_forward(bf, d, dq_.get(), dk_.get(), dv_.get(), probs.as<float>(), ro.get(), nullptr);
-  cu::attention_core_backward(bf, d, dq_.get(), dk_.get(), dv_.get(), probs.as<float>(), ddo.get(), ds.as<float>(), rq.get(), rk.get(), rv.get(),
-                              nullptr);
+  cu::attention_core_backward(bf, d, dq_.get(), dk_.get(), dv_.get(), probs.as<float>(), ddo.get(), ds.as<float>(),
+                              rq.get(), rk.get(), rv.get(), nullptr);
   cu::check(cudaDeviceSynchronize(), "attention kernels");
 
-  const Mat fo = download(o, T, qd, bf), fq = download(gq, T, qd, bf), fk = download(gk, T, kd, bf), fv = download(gv, T, kd, bf);
-  const Mat eo = download(ro, T, qd, bf), eq = download(rq, T, qd, bf), ek = download(rk, T, kd, bf), ev = download(rv, T, kd, bf);
+  const Mat fo = download(o, T, qd, bf), fq = download(gq, T, qd, bf), fk = download(gk, T, kd, bf),
+            fv = download(gv, T, kd, bf);
+  const Mat eo = download(ro, T, qd, bf), eq = download(rq, T, qd, bf), ek = download(rk, T, kd, bf),
+            ev = download(rv, T, kd, bf);
   const float errs[3][4] = {{rel_error(fo, ref.o), rel_error(fq, ref.dq), rel_error(fk, ref.dk), rel_error(fv, ref.dv)},
                             {rel_error(eo, ref.o), rel_error(eq, ref.dq), rel_error(ek, ref.dk), rel_error(ev, ref.dv)},
                             {rel_error(fo, eo), rel_error(fq, eq), rel_error(fk, ek), rel_error(fv, ev)}};
   const char* what[3] = {"fast vs host", "reference vs host", "fast vs reference"};
   const char* field[4] = {"o", "dq", "dk", "dv"};
-  std::printf("attention %d x L=%d heads %d/%d hd %d, max |error| / max |value| (o dq dk dv):\n", c.sequences, c.seq_len, c.heads, c.kv_heads,
-              c.head_dim);
+  std::printf("attention %d x L=%d heads %d/%d hd %d, max |error| / max |value| (o dq dk dv):\n", c.sequences,
+              c.seq_len, c.heads, c.kv_heads, c.head_dim);
   for (int w = 0; w < 3; ++w) {
     std::printf("  %-18s %.2e %.2e %.2e %.2e\n", what[w], errs[w][0], errs[w][1], errs[w][2], errs[w][3]);
     for (int f = 0; f < 4; ++f) EXPECT_LT(errs[w][f], kBf16Tol) << what[w] << " " << field[f];
@@ -311,11 +320,13 @@ TEST_P(CudaFlashAttention, FastAndReferencePathsMatchTheHost) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaFlashAttention,
-                         ::testing::Values(AttentionCase{2, 100, 4, 2, 64}, AttentionCase{1, 130, 2, 1, 128}, AttentionCase{3, 17, 2, 2, 128},
-                                           AttentionCase{1, 64, 4, 1, 64}, AttentionCase{1, 200, 4, 4, 64}),
+                         ::testing::Values(AttentionCase{2, 100, 4, 2, 64}, AttentionCase{1, 130, 2, 1, 128},
+                                           AttentionCase{3, 17, 2, 2, 128}, AttentionCase{1, 64, 4, 1, 64},
+                                           AttentionCase{1, 200, 4, 4, 64}),
                          [](const auto& info) {
                            const AttentionCase& c = info.param;
-                           return fmt::format("L{}_hd{}_h{}kv{}_x{}", c.seq_len, c.head_dim, c.heads, c.kv_heads, c.sequences);
+                           return fmt::format("L{}_hd{}_h{}kv{}_x{}", c.seq_len, c.head_dim, c.heads, c.kv_heads,
+                                              c.sequences);
                          });
 
 TEST_P(CudaKernels, CrossEntropyWithLmHead) {

@@ -21,11 +21,11 @@
 #include "../unit/shell.hpp"
 
 namespace fs = std::filesystem;
+using nlohmann::json;
 using piper::test::CliResult;
 using piper::test::read_file;
 using piper::test::run_cli_in;
 using piper::test::write_file;
-using nlohmann::json;
 
 namespace {
 
@@ -79,7 +79,8 @@ class HostileInput : public ::testing::Test {
 
 TEST_F(HostileInput, DeepDirectiveFilterRefusedNotStackOverflow) {
   input("deep.json", "[{\"op\":\"place\",\"filter\":{\"PP\":" + nested(100000) + "},\"devices\":[0]}]");
-  expect_one_line(run("compile --model qwen3-9m --directives deep.json -o plan.json"), {"deep.json", "limit 'json-depth'"});
+  expect_one_line(run("compile --model qwen3-9m --directives deep.json -o plan.json"),
+                  {"deep.json", "limit 'json-depth'"});
   EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
 }
 
@@ -113,11 +114,13 @@ TEST_F(HostileInput, JsonDepthCountsStructureNotStringsAndIsOverridable) {
   const CliResult ok = run("compile --model brackets.json -o plan.json");
   EXPECT_EQ(ok.exit_code, 0) << ok.err;
   // The spec nests 2 deep (training); a limit of 1 refuses it, 2 takes it.
-  expect_one_line(run("--limit json-depth=1 compile --model brackets.json -o plan2.json"), {"brackets.json", "json-depth"});
+  expect_one_line(run("--limit json-depth=1 compile --model brackets.json -o plan2.json"),
+                  {"brackets.json", "json-depth"});
   EXPECT_EQ(run("--limit json-depth=2 compile --model brackets.json -o plan3.json").exit_code, 0);
   const CliResult limits = run("limits");
   EXPECT_EQ(limits.exit_code, 0);
-  for (const char* name : {"json-depth", "data-bytes", "checkpoint-bytes"}) EXPECT_NE(limits.out.find(name), std::string::npos) << name;
+  for (const char* name : {"json-depth", "data-bytes", "checkpoint-bytes"})
+    EXPECT_NE(limits.out.find(name), std::string::npos) << name;
 }
 
 // ---- 2. A plan's training shape is checked on load ---------------------------------------------
@@ -159,7 +162,8 @@ TEST_F(HostileInput, PlanWithHugeSequenceIsRefusedNotBadAlloc) {
   expect_one_line(run("run --reference --steps 1 --plan seq-1e7.json"), {"seq-1e7.json", "tokens-per-microbatch"});
   plan["training"]["micro_batch_size"] = 1;
   input("seq-1e7-mbs1.json", plan.dump());
-  expect_one_line(run("run --reference --steps 1 --plan seq-1e7-mbs1.json"), {"10000000 tokens", "attention scores", "memory"});
+  expect_one_line(run("run --reference --steps 1 --plan seq-1e7-mbs1.json"),
+                  {"10000000 tokens", "attention scores", "memory"});
 }
 
 TEST_F(HostileInput, CompileRefusesLearnedPositionsShorterThanTheSequence) {
@@ -194,19 +198,22 @@ TEST_F(HostileInput, SparseTenGigabyteDataAndCheckpointRefusedUnread) {
   const fs::path big = dir_ / "big.bin";
   std::ofstream(big).close();
   fs::resize_file(big, 10'000'000'000ULL);
-  expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --data big.bin"), {"big.bin", "limit 'data-bytes'"});
+  expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --data big.bin"),
+                  {"big.bin", "limit 'data-bytes'"});
   // A checkpoint of the tiny model holds about a megabyte: 10 GB is refused from its size.
   expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --resume big.bin"), {"big.bin", "checkpoint"});
 }
 
 TEST_F(HostileInput, ResumeFromDevZeroStopsAtTheModelsCheckpointSize) {
-  expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --resume /dev/zero"), {"/dev/zero", "checkpoint"});
+  expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --resume /dev/zero"),
+                  {"/dev/zero", "checkpoint"});
 }
 
 // A checkpoint's header line is JSON too: 100,000 levels fit the tiny model's size bound.
 TEST_F(HostileInput, DeepCheckpointHeaderRefused) {
   input("deep.ckpt", nested(100000) + "\n");
-  expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --resume deep.ckpt"), {"deep.ckpt", "json-depth"});
+  expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --resume deep.ckpt"),
+                  {"deep.ckpt", "json-depth"});
 }
 
 TEST_F(HostileInput, ResultsFileOnDevZeroIsNotReadWhole) {
@@ -224,12 +231,14 @@ TEST_F(HostileInput, CompileRefusesAPlanLargerThanPiperWouldReadBack) {
   // compile, naming the limit and suggesting fewer microbatches; before, it was written (and then
   // unreadable by verify under the same limit).
   const std::string compile = "compile --model qwen3-9m --pp 2 --microbatches 1024 --schedule 1f1b";
-  expect_one_line(run("--limit input-bytes=1000000 " + compile + " -o big.json"), {"big.json", "limit 'input-bytes'", "fewer microbatches"});
+  expect_one_line(run("--limit input-bytes=1000000 " + compile + " -o big.json"),
+                  {"big.json", "limit 'input-bytes'", "fewer microbatches"});
   EXPECT_FALSE(fs::exists(dir_ / "big.json"));
   // Under the default limit it is written, and reads back; 64 microbatches fit the lowered limit.
   EXPECT_EQ(run(compile + " -o ok.json").exit_code, 0);
   EXPECT_EQ(run("verify ok.json").exit_code, 0);
-  const CliResult small = run("--limit input-bytes=1000000 compile --model qwen3-9m --pp 2 --microbatches 64 --schedule 1f1b -o small.json");
+  const CliResult small = run(
+      "--limit input-bytes=1000000 compile --model qwen3-9m --pp 2 --microbatches 64 --schedule 1f1b -o small.json");
   EXPECT_EQ(small.exit_code, 0) << small.err;
   EXPECT_EQ(run("--limit input-bytes=1000000 verify small.json").exit_code, 0);
 }
@@ -246,16 +255,20 @@ TEST_F(HostileInput, MultiNodeClusterWithoutNicBandwidthRefused) {
   json c = json::parse(read_file(kSource + "/examples/clusters/custom-gpu.json"));
   c["node"].erase("nic_bandwidth_gbit_per_s");
   input("no-nic-bw.json", c.dump());
-  expect_one_line(run("simulate --model qwen3-9m --pp 2 --dp 4 --cluster no-nic-bw.json"), {"no-nic-bw.json", "nic_bandwidth_gbit_per_s"});
+  expect_one_line(run("simulate --model qwen3-9m --pp 2 --dp 4 --cluster no-nic-bw.json"),
+                  {"no-nic-bw.json", "nic_bandwidth_gbit_per_s"});
 }
 
 TEST_F(HostileInput, OutOfRangeClusterFieldRefused) {
-  input("fast.json", R"({"preset": "dgx-h200", "node": {"gpu": {"preset": "h200-sxm", "half_efficiency_gflops": 1e308}}})");
+  input("fast.json",
+        R"({"preset": "dgx-h200", "node": {"gpu": {"preset": "h200-sxm", "half_efficiency_gflops": 1e308}}})");
   expect_one_line(run("simulate --model qwen3-9m --cluster fast.json"), {"fast.json", "half_efficiency_gflops"});
 }
 
 TEST_F(HostileInput, CalibrationEntryOfAnAgeRefused) {
-  input("cal.json", R"({"format": "piper-calibration", "gpu": "h200", "entries": [{"kind": "COMPUTE", "pass": "F", "seconds": 1e308}]})");
+  input(
+      "cal.json",
+      R"({"format": "piper-calibration", "gpu": "h200", "entries": [{"kind": "COMPUTE", "pass": "F", "seconds": 1e308}]})");
   expect_one_line(run("simulate --model qwen3-9m --calibration cal.json"), {"cal.json", "seconds"});
 }
 
@@ -282,7 +295,8 @@ TEST_F(HostileInput, StallTimeoutZeroRefusedAtParse) {
 }
 
 TEST_F(HostileInput, ReferenceRunRefusesTheCudaBackend) {
-  expect_one_line(run("run --reference --backend cuda --model '" + kTiny + "' --steps 1"), {"--reference", "--backend cuda"});
+  expect_one_line(run("run --reference --backend cuda --model '" + kTiny + "' --steps 1"),
+                  {"--reference", "--backend cuda"});
 }
 
 // ---- The helpers themselves ------------------------------------------------------------------
@@ -305,9 +319,9 @@ int depth_seen(const std::string& inside_string) {
 
 TEST(JsonDepth, StringsWithEscapesAreSkipped) {
   EXPECT_EQ(depth_seen("plain"), 3);
-  EXPECT_EQ(depth_seen("[[[[{{{{"), 3);                 // brackets inside a string
-  EXPECT_EQ(depth_seen("x\\\"[[[[\\\"]"), 3);          // \" does not end the string
-  EXPECT_EQ(depth_seen("\\\\"), 3);                    // an escaped backslash, then the closing quote
+  EXPECT_EQ(depth_seen("[[[[{{{{"), 3);        // brackets inside a string
+  EXPECT_EQ(depth_seen("x\\\"[[[[\\\"]"), 3);  // \" does not end the string
+  EXPECT_EQ(depth_seen("\\\\"), 3);            // an escaped backslash, then the closing quote
 }
 
 TEST(JsonDepth, RefusalNamesTheFileAndTheLimit) {
@@ -323,9 +337,14 @@ TEST(JsonDepth, RefusalNamesTheFileAndTheLimit) {
 }
 
 TEST(Printable, EscapesControlAndNonUtf8BytesKeepsUtf8AndCuts) {
-  EXPECT_EQ(piper::core::printable("a\x01" "b\x7f"), "a\\x01b\\x7f");
-  EXPECT_EQ(piper::core::printable("mod\xc3\xa8" "le.json"), "mod\xc3\xa8" "le.json");  // UTF-8 kept
-  EXPECT_EQ(piper::core::printable("\xff\xc3"), "\\xff\\xc3");                  // not UTF-8
+  EXPECT_EQ(piper::core::printable("a\x01"
+                                   "b\x7f"),
+            "a\\x01b\\x7f");
+  EXPECT_EQ(piper::core::printable("mod\xc3\xa8"
+                                   "le.json"),
+            "mod\xc3\xa8"
+            "le.json");                                         // UTF-8 kept
+  EXPECT_EQ(piper::core::printable("\xff\xc3"), "\\xff\\xc3");  // not UTF-8
   EXPECT_EQ(piper::core::printable(std::string(100, 'x'), 10), std::string(10, 'x') + "... (100 bytes in all)");
 }
 

@@ -29,12 +29,12 @@
 #include "piper/runtime/checkpoint.hpp"
 
 namespace fs = std::filesystem;
-using piper::test::read_file;
-using piper::test::write_file;
 using nlohmann::json;
 using piper::test::mpirun;
+using piper::test::read_file;
 using piper::test::Result;
 using piper::test::sh;
+using piper::test::write_file;
 
 namespace {
 
@@ -251,7 +251,8 @@ TEST_F(Outputs, DeviceNodesStayDeviceNodes) {
   struct stat st {};
   ASSERT_EQ(::stat(node.c_str(), &st), 0);
   EXPECT_TRUE(S_ISCHR(st.st_mode));
-  for (const auto& e : fs::directory_iterator(dir_)) EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
+  for (const auto& e : fs::directory_iterator(dir_))
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
 }
 
 // A FIFO (no root needed) is written into: its reader receives the plan, and it stays a FIFO.
@@ -259,7 +260,8 @@ TEST_F(Outputs, FifoIsWrittenIntoNotReplaced) {
   const std::string fifo = path("plan.fifo");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
   const std::string got = path("got.json");
-  Result r = sh("timeout 20 cat " + fifo + " > " + got + " & " + kCli + " compile --model qwen3-9m --pp 2 -o " + fifo + " > /dev/null; c=$?; wait; exit $c");
+  Result r = sh("timeout 20 cat " + fifo + " > " + got + " & " + kCli + " compile --model qwen3-9m --pp 2 -o " + fifo +
+                " > /dev/null; c=$?; wait; exit $c");
   EXPECT_EQ(r.code, 0) << r.output;
   struct stat st {};
   ASSERT_EQ(::stat(fifo.c_str(), &st), 0);
@@ -301,7 +303,8 @@ TEST_F(Outputs, EmptyOutputPathIsAnError) {
 TEST(CheckpointCrc, IsTheStandardCrc32) {
   const std::string check = "123456789";
   EXPECT_EQ(piper::runtime::crc32(check.data(), check.size()), 0xCBF43926u);
-  EXPECT_EQ(piper::runtime::crc32(check.data() + 4, 5, piper::runtime::crc32(check.data(), 4)), 0xCBF43926u);  // continues
+  EXPECT_EQ(piper::runtime::crc32(check.data() + 4, 5, piper::runtime::crc32(check.data(), 4)),
+            0xCBF43926u);  // continues
   EXPECT_EQ(piper::runtime::crc32(nullptr, 0), 0u);
 }
 
@@ -310,7 +313,8 @@ class Checkpoints : public Outputs {
   // A 3-step reference run of the tiny dense model saved to ck; returns the plan.
   std::string saved(int steps = 3) {
     const std::string a = plan();
-    Result r = sh(quiet(kCli + " run --reference --plan " + a + " --steps " + std::to_string(steps) + " --save " + path("ck")));
+    Result r = sh(
+        quiet(kCli + " run --reference --plan " + a + " --steps " + std::to_string(steps) + " --save " + path("ck")));
     EXPECT_EQ(r.code, 0) << r.output;
     return a;
   }
@@ -446,7 +450,8 @@ TEST_F(Checkpoints, StaleTemporaryFilesOfDeadWritersAreRemovedOnSave) {
 
 TEST_F(Outputs, ReferenceRunStopsOnNonFiniteSteps) {
   for (const std::string flags : {" --adam-eps 0", " --lr 1e30"}) {
-    Result r = sh(quiet(kCli + " run --reference --model " + kDense + " --steps 3" + flags + " --save-every 1 --save " + path("ck")));
+    Result r = sh(quiet(kCli + " run --reference --model " + kDense + " --steps 3" + flags + " --save-every 1 --save " +
+                        path("ck")));
     EXPECT_EQ(r.code, 2) << flags << "\n" << r.output;
     ASSERT_EQ(error_lines(r).size(), 1u) << r.output;
     EXPECT_NE(r.output.find("(training diverged)"), std::string::npos) << r.output;
@@ -460,8 +465,8 @@ TEST_F(Outputs, ReferenceRunStopsOnNonFiniteSteps) {
 
 TEST_F(Outputs, ReferenceRunCanSkipNonFiniteSteps) {
   const std::string report = path("run.json");
-  Result r = sh(kCli + " run --reference --model " + kDense + " --steps 3 --adam-eps 0 --on-nonfinite skip --report " + report + " --save " +
-                path("ck"));
+  Result r = sh(kCli + " run --reference --model " + kDense + " --steps 3 --adam-eps 0 --on-nonfinite skip --report " +
+                report + " --save " + path("ck"));
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("skipped: "), std::string::npos) << r.output;
   const json j = json::parse(read_file(report));

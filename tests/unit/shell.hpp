@@ -36,7 +36,9 @@ inline std::string read_file(const std::filesystem::path& p) {
   return s.str();
 }
 
-inline void write_file(const std::filesystem::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
+inline void write_file(const std::filesystem::path& p, const std::string& text) {
+  std::ofstream(p, std::ios::binary) << text;
+}
 
 // A CLI run's exit code and its stdout and stderr apart.
 struct CliResult {
@@ -64,7 +66,8 @@ inline CliResult run_cli_in(const std::filesystem::path& dir, const std::string&
 #ifdef PIPER_MPIEXEC
 // As root mpirun refuses to start without --allow-run-as-root; --oversubscribe lets ranks share 2 cores.
 inline std::string mpirun(int ranks) {
-  return std::string("timeout 120 ") + PIPER_MPIEXEC + " --allow-run-as-root --oversubscribe -np " + std::to_string(ranks) + " ";
+  return std::string("timeout 120 ") + PIPER_MPIEXEC + " --allow-run-as-root --oversubscribe -np " +
+         std::to_string(ranks) + " ";
 }
 #endif
 

@@ -56,7 +56,8 @@ TEST(ArchitectureDoc, PassOrderIsThePassManagersTable) {
 
 TEST(ArchitectureDoc, EveryFilePathItNamesExists) {
   const std::string text = architecture();
-  const std::regex path(R"((?:^|[\s(`\[])((?:[A-Za-z0-9_.-]+/)+[A-Za-z0-9_.-]+\.(?:cpp|hpp|h|cu|md|json|py|sh|txt|csv|cmake)))");
+  const std::regex path(
+      R"((?:^|[\s(`\[])((?:[A-Za-z0-9_.-]+/)+[A-Za-z0-9_.-]+\.(?:cpp|hpp|h|cu|md|json|py|sh|txt|csv|cmake)))");
   int checked = 0;
   for (std::sregex_iterator it(text.begin(), text.end(), path), stop; it != stop; ++it, ++checked)
     EXPECT_TRUE(exists_in_repo((*it)[1])) << "ARCHITECTURE.md names " << (*it)[1] << ", which does not exist";

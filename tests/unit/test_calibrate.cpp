@@ -46,7 +46,8 @@ core::Program compile_plan(const fs::path& plan) {
 }
 
 bool is_collective(core::OpKind k) {
-  return k == core::OpKind::AllReduce || k == core::OpKind::ReduceScatter || k == core::OpKind::AllGather || k == core::OpKind::AllToAll;
+  return k == core::OpKind::AllReduce || k == core::OpKind::ReduceScatter || k == core::OpKind::AllGather ||
+         k == core::OpKind::AllToAll;
 }
 
 }  // namespace
@@ -55,8 +56,8 @@ TEST(Calibrate, HostRunWritesWhatTheSimulatorReads) {
   const fs::path dir = scratch();
   const fs::path plan = dir / "plan.json", calib = dir / "calib.json", report = dir / "run.json";
   const core::Program program = compile_plan(plan);
-  const auto run = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan.string() + " --steps 4 --seed 3 --calibrate " + calib.string() +
-                      " --report " + report.string());
+  const auto run = sh(mpirun(4) + PIPER_CLI + " run --plan " + plan.string() + " --steps 4 --seed 3 --calibrate " +
+                      calib.string() + " --report " + report.string());
   ASSERT_EQ(run.code, 0) << run.output;
 
   // The simulator's own loader reads it.
@@ -74,7 +75,9 @@ TEST(Calibrate, HostRunWritesWhatTheSimulatorReads) {
     for (const auto& stream : program.plan_for(d).streams)
       for (const auto& op : stream.ops) {
         if (op.kind == core::OpKind::Recv) continue;  // a transfer is costed by its SEND
-        const int group = op.kind == core::OpKind::Send ? 2 : is_collective(op.kind) ? static_cast<int>(program.group_of(op.family, d).size()) : 1;
+        const int group = op.kind == core::OpKind::Send ? 2
+                          : is_collective(op.kind)      ? static_cast<int>(program.group_of(op.family, d).size())
+                                                        : 1;
         const auto seconds = c.lookup(op, group);
         ASSERT_TRUE(seconds.has_value()) << "no entry for '" << op.label << "' on device " << d;
         EXPECT_GE(*seconds, 0);
@@ -83,7 +86,8 @@ TEST(Calibrate, HostRunWritesWhatTheSimulatorReads) {
       }
   EXPECT_GT(looked_up, 0);
   // The plan of PP2 x DP2 x EP2 has compute, updates, transfers, gradient all-reduces and all-to-alls.
-  for (auto k : {core::OpKind::Compute, core::OpKind::Update, core::OpKind::Send, core::OpKind::AllReduce, core::OpKind::AllToAll})
+  for (auto k : {core::OpKind::Compute, core::OpKind::Update, core::OpKind::Send, core::OpKind::AllReduce,
+                 core::OpKind::AllToAll})
     EXPECT_TRUE(kinds.contains(k)) << core::to_string(k);
 
   // Closed loop: simulate the plan with the calibration on a cluster whose communication takes no
@@ -102,8 +106,8 @@ TEST(Calibrate, HostRunWritesWhatTheSimulatorReads) {
   ASSERT_EQ(steps.size(), 4u);
   const double mean = (steps[1] + steps[2] + steps[3]) / 3;
   EXPECT_GT(predicted, 0);
-  fmt::print("calibrated prediction {:.3f} ms, measured mean of steps 2-4 {:.3f} ms: error {:+.1f} %\n", predicted * 1e3, mean * 1e3,
-             100 * (predicted - mean) / mean);
+  fmt::print("calibrated prediction {:.3f} ms, measured mean of steps 2-4 {:.3f} ms: error {:+.1f} %\n",
+             predicted * 1e3, mean * 1e3, 100 * (predicted - mean) / mean);
   std::error_code ec;
   fs::remove_all(dir, ec);
 }
@@ -112,7 +116,7 @@ TEST(Calibrate, RefusesAFolderAndTheReference) {
   const fs::path dir = scratch();
   const std::string common = std::string(PIPER_CLI) + " run --model " + kModel + " --pp 2 --microbatches 2 --steps 1";
   const auto folder = sh(mpirun(2) + common + " --calibrate " + dir.string());
-  EXPECT_NE(folder.code, 0) << folder.output;  // mpirun's status: a rank's exit 2
+  EXPECT_NE(folder.code, 0) << folder.output;                                  // mpirun's status: a rank's exit 2
   EXPECT_EQ(folder.output.find("step "), std::string::npos) << folder.output;  // refused before the first step
   EXPECT_NE(folder.output.find("--calibrate takes a file name"), std::string::npos) << folder.output;
   const auto reference = sh(common + " --reference --calibrate " + (dir / "c.json").string());
@@ -153,10 +157,10 @@ TEST(Calibrate, RecorderTakesTheShorterSideAndTheMedian) {
   runtime::CalibrationRecorder rec(p);
   core::DeviceTimeline d0, d1;
   d0.spans = {{0, 0, 0.0, 1.0}, {0, 1, 1.0, 4.0}, {0, 2, 4.0, 6.0}, {1, 0, 0.0, 5.0}};  // F: 1, 3, 2 s; SEND 5 s
-  d1.spans = {{0, 0, 3.0, 5.0}};                                                         // RECV came late: 2 s
+  d1.spans = {{0, 0, 3.0, 5.0}};                                                        // RECV came late: 2 s
   rec.add_step({d0, d1});
   const sim::Calibration c = sim::Calibration::from_json(rec.to_json("test", json::object()), "rec");
-  EXPECT_DOUBLE_EQ(*c.lookup(f, 1), 2.0);      // median of 1, 3, 2
-  EXPECT_DOUBLE_EQ(*c.lookup(send, 2), 2.0);   // min(5, 2)
+  EXPECT_DOUBLE_EQ(*c.lookup(f, 1), 2.0);     // median of 1, 3, 2
+  EXPECT_DOUBLE_EQ(*c.lookup(send, 2), 2.0);  // min(5, 2)
   EXPECT_EQ(c.entries.size(), 2u);
 }

@@ -88,9 +88,8 @@ core::Program compile(int pp, int dp, int ep, int zero, const std::string& sched
 class Chakra : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("piper_chakra_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() / ("piper_chakra_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -121,7 +120,8 @@ class Chakra : public ::testing::Test {
 
       // Map each node back to its op through the piper_stream / piper_index attributes.
       std::map<std::string, int> stream_index;
-      for (int s = 0; s < static_cast<int>(plan.streams.size()); ++s) stream_index[plan.streams[static_cast<std::size_t>(s)].name] = s;
+      for (int s = 0; s < static_cast<int>(plan.streams.size()); ++s)
+        stream_index[plan.streams[static_cast<std::size_t>(s)].name] = s;
       std::map<std::uint64_t, core::OpRef> op_of;
       std::set<core::OpRef> seen;
       for (std::size_t i = 0; i < t.nodes.size(); ++i) {
@@ -134,7 +134,8 @@ class Chakra : public ::testing::Test {
       }
       for (const pb::Node& n : t.nodes) {
         const core::OpRef ref = op_of.at(n.id());
-        const core::Op& op = plan.streams[static_cast<std::size_t>(ref.stream)].ops[static_cast<std::size_t>(ref.index)];
+        const core::Op& op =
+            plan.streams[static_cast<std::size_t>(ref.stream)].ops[static_cast<std::size_t>(ref.index)];
         // Dependencies: exactly the stream predecessor and the waits, all as data_deps, all earlier.
         std::set<core::OpRef> expected(op.waits.begin(), op.waits.end());
         if (ref.index > 0) expected.insert({ref.stream, ref.index - 1});
@@ -177,7 +178,8 @@ class Chakra : public ::testing::Test {
             // ASTRA-sim's all-gather size is each rank's part (ceil(bytes / n)); the others' the full buffer.
             const std::int64_t ranks = static_cast<std::int64_t>(p.group_of(op.family, d).size());
             EXPECT_EQ(attr(n, "comm_size")->int64_val(),
-                      op.kind == core::OpKind::AllGather ? (op.bytes + ranks - 1) / ranks : op.bytes) << n.name();
+                      op.kind == core::OpKind::AllGather ? (op.bytes + ranks - 1) / ranks : op.bytes)
+                << n.name();
             EXPECT_EQ(attr(n, "piper_bytes")->int64_val(), op.bytes);
             // pg_name: a group of the file holding exactly this op's group in the plan.
             const pb::AttributeProto* pg = attr(n, "pg_name");
@@ -256,7 +258,8 @@ TEST_F(Chakra, ExpertAllToAllInItsGroup) {
     const Trace t = read_trace(dir_ / ("t." + std::to_string(d) + ".et"));
     for (const pb::Node& n : t.nodes)
       if (n.type() == pb::COMM_COLL_NODE && attr(n, "comm_type")->int64_val() == pb::ALL_TO_ALL) {
-        const auto members = read_json(dir_ / "t.comm_groups.json").at(attr(n, "pg_name")->string_val()).get<std::vector<int>>();
+        const auto members =
+            read_json(dir_ / "t.comm_groups.json").at(attr(n, "pg_name")->string_val()).get<std::vector<int>>();
         EXPECT_EQ(members.size(), 2u) << n.name();
         EXPECT_NE(std::find(members.begin(), members.end(), d), members.end()) << "device " << d << " is in its group";
       }
@@ -377,7 +380,8 @@ TEST_F(Chakra, CliWritesOneFilePerDevice) {
   const std::string compile = std::string(PIPER_CLI) + " compile --model qwen3-9m --pp 2 --dp 2 --microbatches 2 -o " +
                               plan.string() + " >/dev/null";
   ASSERT_EQ(std::system(compile.c_str()), 0);
-  const std::string cmd = std::string(PIPER_CLI) + " export-chakra " + plan.string() + " -o " + out.string() + " >/dev/null";
+  const std::string cmd =
+      std::string(PIPER_CLI) + " export-chakra " + plan.string() + " -o " + out.string() + " >/dev/null";
   ASSERT_EQ(std::system(cmd.c_str()), 0);
   for (int d = 0; d < 4; ++d) EXPECT_TRUE(fs::exists(out / ("piper." + std::to_string(d) + ".et"))) << d;
   EXPECT_FALSE(fs::exists(out / "piper.4.et"));
@@ -390,25 +394,29 @@ TEST_F(Chakra, CliWritesOneFilePerDevice) {
 TEST_F(Chakra, CliComputeTimesFromCostModel) {
   fs::create_directories(dir_);
   const fs::path plan = dir_ / "plan.json", out = dir_ / "traces";
-  const std::string compile = std::string(PIPER_CLI) + " compile --model qwen3-9m --pp 2 --dp 2 --zero 1 --microbatches 2 -o " +
-                              plan.string() + " >/dev/null";
+  const std::string compile = std::string(PIPER_CLI) +
+                              " compile --model qwen3-9m --pp 2 --dp 2 --zero 1 --microbatches 2 -o " + plan.string() +
+                              " >/dev/null";
   ASSERT_EQ(std::system(compile.c_str()), 0);
-  const std::string cmd =
-      std::string(PIPER_CLI) + " export-chakra " + plan.string() + " -o " + out.string() + " --compute-times >/dev/null";
+  const std::string cmd = std::string(PIPER_CLI) + " export-chakra " + plan.string() + " -o " + out.string() +
+                          " --compute-times >/dev/null";
   ASSERT_EQ(std::system(cmd.c_str()), 0);
   EXPECT_TRUE(fs::exists(out / "piper.comm_groups.json"));
   std::ifstream in(plan);
   const core::Program p = core::Program::from_json(nlohmann::json::parse(in));
-  const piper::sim::CostModel cost(piper::sim::with_devices(piper::sim::load_cluster(piper::sim::kDefaultCluster), p.num_devices));
+  const piper::sim::CostModel cost(
+      piper::sim::with_devices(piper::sim::load_cluster(piper::sim::kDefaultCluster), p.num_devices));
   for (int d = 0; d < p.num_devices; ++d) {
     const core::Plan& plan_d = p.plan_for(d);
     std::map<std::string, int> stream_index;
-    for (int s = 0; s < static_cast<int>(plan_d.streams.size()); ++s) stream_index[plan_d.streams[static_cast<std::size_t>(s)].name] = s;
+    for (int s = 0; s < static_cast<int>(plan_d.streams.size()); ++s)
+      stream_index[plan_d.streams[static_cast<std::size_t>(s)].name] = s;
     int compute = 0;
     for (const pb::Node& n : read_trace(out / ("piper." + std::to_string(d) + ".et")).nodes) {
       if (n.type() != pb::COMP_NODE) continue;
-      const core::Op& op = plan_d.streams[static_cast<std::size_t>(stream_index.at(attr(n, "piper_stream")->string_val()))]
-                               .ops[static_cast<std::size_t>(attr(n, "piper_index")->int64_val())];
+      const core::Op& op =
+          plan_d.streams[static_cast<std::size_t>(stream_index.at(attr(n, "piper_stream")->string_val()))]
+              .ops[static_cast<std::size_t>(attr(n, "piper_index")->int64_val())];
       const double seconds = cost.compute_seconds(p, d, op);
       EXPECT_GT(seconds, 0) << n.name();
       EXPECT_EQ(n.duration_micros(), static_cast<std::uint64_t>(std::llround(seconds * 1e6))) << n.name();
@@ -422,7 +430,8 @@ TEST_F(Chakra, CliComputeTimesFromCostModel) {
 TEST_F(Chakra, CliClusterNeedsComputeTimes) {
   fs::create_directories(dir_);
   const fs::path plan = dir_ / "plan.json", out = dir_ / "traces";
-  const std::string compile = std::string(PIPER_CLI) + " compile --model qwen3-9m --pp 2 --microbatches 2 -o " + plan.string() + " >/dev/null";
+  const std::string compile =
+      std::string(PIPER_CLI) + " compile --model qwen3-9m --pp 2 --microbatches 2 -o " + plan.string() + " >/dev/null";
   ASSERT_EQ(std::system(compile.c_str()), 0);
   const std::string cmd = std::string(PIPER_CLI) + " export-chakra " + plan.string() + " -o " + out.string() +
                           " --cluster dgx-h100 >/dev/null 2>" + (dir_ / "err.txt").string();

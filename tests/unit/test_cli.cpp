@@ -23,8 +23,8 @@
 #include "shell.hpp"
 
 namespace fs = std::filesystem;
-using piper::test::read_file;
 using nlohmann::json;
+using piper::test::read_file;
 
 namespace {
 
@@ -80,7 +80,8 @@ class Cli : public ::testing::Test {
     auto lines = r.err_lines();
     ASSERT_EQ(lines.size(), 1u) << r.err;
     EXPECT_EQ(lines[0].rfind("piper: error: ", 0), 0u) << lines[0];
-    for (const auto& f : fragments) EXPECT_NE(lines[0].find(f), std::string::npos) << "missing '" << f << "' in: " << lines[0];
+    for (const auto& f : fragments)
+      EXPECT_NE(lines[0].find(f), std::string::npos) << "missing '" << f << "' in: " << lines[0];
   }
 
   fs::path dir_;
@@ -90,9 +91,9 @@ class Cli : public ::testing::Test {
 
 struct BadCase {
   std::string name;
-  std::string file;                     // under tests/data/bad/
-  bool is_model = false;                // the file is a model spec, not a directive program
-  std::vector<std::string> fragments;   // must appear in the error line (besides the file path)
+  std::string file;                    // under tests/data/bad/
+  bool is_model = false;               // the file is a model spec, not a directive program
+  std::vector<std::string> fragments;  // must appear in the error line (besides the file path)
 };
 
 // Keeps CTest's test names readable (GoogleTest would print the struct's bytes).
@@ -140,13 +141,13 @@ TEST_F(Cli, UnknownModelNameIsOneLineError) {
 }
 
 TEST_F(Cli, UsageErrorsExitTwoWithOneLine) {
-  expect_one_line_error(run("compile --pp 2"), {"--model"});                       // required option
-  expect_one_line_error(run("compile --model qwen3-9m --pp two"), {"--pp"});       // ill-typed value
-  expect_one_line_error(run("compile --model qwen3-9m --zero 4"), {"--zero"});     // out of range
-  expect_one_line_error(run("compile --model qwen3-9m --bogus"), {"--bogus"});     // unknown flag
+  expect_one_line_error(run("compile --pp 2"), {"--model"});                    // required option
+  expect_one_line_error(run("compile --model qwen3-9m --pp two"), {"--pp"});    // ill-typed value
+  expect_one_line_error(run("compile --model qwen3-9m --zero 4"), {"--zero"});  // out of range
+  expect_one_line_error(run("compile --model qwen3-9m --bogus"), {"--bogus"});  // unknown flag
   expect_one_line_error(run("compile --model qwen3-9m --schedule nosuch"), {"nosuch"});
   expect_one_line_error(run("compile --model qwen3-9m --directives " + quote(kFixtures + "dp2.json") + " --pp 2"),
-                        {"--pp"});                                                 // --pp excludes --directives
+                        {"--pp"});  // --pp excludes --directives
   expect_one_line_error(run("frobnicate"), {"frobnicate"});
 }
 
@@ -161,10 +162,12 @@ TEST_F(Cli, ExitCodesFollowTheErrorModel) {
   };
   const std::string report = " (please report this: it is a bug in piper, not in the input)";
   EXPECT_EQ(run("limits").exit_code, 0);  // without the hook the command succeeds
-  for (const Case& c : {Case{"internal", 3, "piper: internal error: test failure" + report},
-                        Case{"deadlock", 3, "piper: internal error: the simulator deadlocked on a verified plan: test deadlock" + report},
-                        Case{"logic", 3, "piper: internal error: test logic error" + report},
-                        Case{"runtime", 4, "piper: error: runtime: test peer failure"}}) {
+  for (const Case& c :
+       {Case{"internal", 3, "piper: internal error: test failure" + report},
+        Case{"deadlock", 3,
+             "piper: internal error: the simulator deadlocked on a verified plan: test deadlock" + report},
+        Case{"logic", 3, "piper: internal error: test logic error" + report},
+        Case{"runtime", 4, "piper: error: runtime: test peer failure"}}) {
     const std::string cmd = "env PIPER_TEST_FAIL=" + std::string(c.fail) + " " + quote(PIPER_CLI) + " limits >" +
                             quote((dir_ / "o.txt").string()) + " 2>" + quote((dir_ / "e.txt").string());
     const int status = std::system(cmd.c_str());
@@ -179,9 +182,12 @@ TEST_F(Cli, ExitCodesFollowTheErrorModel) {
 TEST_F(Cli, MisspeltFlagsAndCommandsSuggestTheNearest) {
   CliRun r = run("simulate --model qwen3-9m --pp 2 --microbatchs 4");
   expect_one_line_error(r, {});
-  EXPECT_EQ(r.err, "piper: error: unknown flag '--microbatchs' (did you mean '--microbatches'?) (see 'piper simulate --help')\n");
+  EXPECT_EQ(
+      r.err,
+      "piper: error: unknown flag '--microbatchs' (did you mean '--microbatches'?) (see 'piper simulate --help')\n");
   r = run("compile --model qwen3-9m --shedule=1f1b");
-  EXPECT_EQ(r.err, "piper: error: unknown flag '--shedule' (did you mean '--schedule'?) (see 'piper compile --help')\n");
+  EXPECT_EQ(r.err,
+            "piper: error: unknown flag '--shedule' (did you mean '--schedule'?) (see 'piper compile --help')\n");
   // Flags of another subcommand are not suggested: --plan belongs to simulate, not compile.
   r = run("compile --model qwen3-9m --plann x");
   EXPECT_EQ(r.err.find("--plan'"), std::string::npos) << r.err;
@@ -196,8 +202,10 @@ TEST_F(Cli, MisspeltFlagsAndCommandsSuggestTheNearest) {
 // silently ignored, so it is an error naming the flag (simulate and run).
 TEST_F(Cli, CompileFlagsBesidePlanAreErrorsNamingTheFlag) {
   const fs::path plan = dir_ / "plan.json";
-  ASSERT_EQ(run("compile --model qwen3-9m --pp 2 --schedule 1f1b --microbatches 2 -o " + quote(plan.string())).exit_code, 0);
-  for (const std::string flag : {"--pp 4", "--microbatches 8", "--schedule gpipe", "--seq-len 64", "--tp 2", "--sequence-parallel"}) {
+  ASSERT_EQ(
+      run("compile --model qwen3-9m --pp 2 --schedule 1f1b --microbatches 2 -o " + quote(plan.string())).exit_code, 0);
+  for (const std::string flag :
+       {"--pp 4", "--microbatches 8", "--schedule gpipe", "--seq-len 64", "--tp 2", "--sequence-parallel"}) {
     const std::string name = flag.substr(0, flag.find(' '));
     for (const std::string cmd : {"simulate", "run --reference"}) {
       CliRun r = run(cmd + " --plan " + quote(plan.string()) + " " + flag);
@@ -213,13 +221,14 @@ TEST_F(Cli, SavedScenarioFindsItsModelFileFromAnywhere) {
   const fs::path saved = dir_ / "sub" / "s.json";
   fs::create_directories(saved.parent_path());
   const std::string cmd = "cd " + quote(PIPER_SOURCE_DIR) + " && " + quote(PIPER_CLI) +
-                          " compile --model examples/models/gpt-small.json --pp 2 --save-scenario " + quote(saved.string()) +
-                          " > /dev/null";
+                          " compile --model examples/models/gpt-small.json --pp 2 --save-scenario " +
+                          quote(saved.string()) + " > /dev/null";
   ASSERT_EQ(std::system(cmd.c_str()), 0);
   const json j = json::parse(read_file(saved));
   const fs::path model = j.at("model").get<std::string>();
   EXPECT_TRUE(model.is_relative()) << model;
-  EXPECT_TRUE(fs::equivalent(saved.parent_path() / model, fs::path(PIPER_SOURCE_DIR) / "examples/models/gpt-small.json"));
+  EXPECT_TRUE(
+      fs::equivalent(saved.parent_path() / model, fs::path(PIPER_SOURCE_DIR) / "examples/models/gpt-small.json"));
   // Loaded from another folder (the scratch folder) as piper-studio loads it, it still compiles.
   const fs::path cwd = fs::current_path();
   fs::current_path(dir_);
@@ -250,9 +259,9 @@ TEST_F(Cli, HelpOnEverySubcommand) {
   }
   // The compile help lists the strategy flags the issue asks for.
   CliRun r = run("compile --help");
-  for (std::string flag : {"--model", "--seq-len", "--micro-batch-size", "--stages", "--directives", "--pp", "--dp",
-                           "--ep", "--zero", "--schedule", "--microbatches", "--virtual", "--bucket-mb", "--stats",
-                           "--dump-after", "--dump-dir"})
+  for (std::string flag :
+       {"--model", "--seq-len", "--micro-batch-size", "--stages", "--directives", "--pp", "--dp", "--ep", "--zero",
+        "--schedule", "--microbatches", "--virtual", "--bucket-mb", "--stats", "--dump-after", "--dump-dir"})
     EXPECT_NE(r.out.find(flag), std::string::npos) << flag;
 }
 
@@ -329,8 +338,10 @@ TEST_F(Cli, StatsTableOfTheDefaultJob) {
 TEST_F(Cli, SeqLenAndMicroBatchOverridesReachThePlan) {
   // The overrides reach the Program's training shape (which the simulator scales costs by).
   fs::path plan = dir_ / "plan.json";
-  CliRun r = run("compile --model qwen3-9m --pp 2 --dp 2 --schedule 1f1b --microbatches 2 --seq-len 512 "
-                 "--micro-batch-size 3 -o " + quote(plan.string()));
+  CliRun r =
+      run("compile --model qwen3-9m --pp 2 --dp 2 --schedule 1f1b --microbatches 2 --seq-len 512 "
+          "--micro-batch-size 3 -o " +
+          quote(plan.string()));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   json j = json::parse(read_file(plan));
   EXPECT_EQ(j.at("training").at("seq_len"), 512);
@@ -426,20 +437,23 @@ TEST_F(Cli, ImportCsvSaysWhichPyTorchSpellingItAssumed) {
   EXPECT_NE(new_run.err.find("new.csv: read as PyTorch >= 2.5 spelling"), std::string::npos) << new_run.err;
   EXPECT_EQ(old_run.out, new_run.out);
   EXPECT_FALSE(old_run.out.empty());
-  expect_one_line_error(run("schedule import-csv " + quote((dir_ / "mixed.csv").string())), {"mixed.csv", "column 5", "mixed spellings"});
+  expect_one_line_error(run("schedule import-csv " + quote((dir_ / "mixed.csv").string())),
+                        {"mixed.csv", "column 5", "mixed spellings"});
 }
 
 TEST_F(Cli, SaveEveryNeedsSaveAndSaveNeedsAFile) {
   expect_one_line_error(run("run --reference --model qwen3-9m --save-every 2"), {"--save-every", "--save"});
   // A folder is refused before any step runs.
-  expect_one_line_error(run("run --reference --model qwen3-9m --save " + quote(dir_.string())), {"is a folder", "--save"});
+  expect_one_line_error(run("run --reference --model qwen3-9m --save " + quote(dir_.string())),
+                        {"is a folder", "--save"});
 }
 
 // `piper sweep` ends with the fastest plans that fit, of the rows it simulated: the first is the
 // smallest step time among the CSV's ok rows that are not out of memory (read back here).
 TEST_F(Cli, SweepPrintsItsBestRows) {
   const fs::path csv = dir_ / "sweep.csv";
-  CliRun r = run("sweep " + quote(std::string(PIPER_SOURCE_DIR) + "/examples/sweeps/qwen3-9m-quick.json") + " -j 1 -o " + quote(csv.string()));
+  CliRun r = run("sweep " + quote(std::string(PIPER_SOURCE_DIR) + "/examples/sweeps/qwen3-9m-quick.json") +
+                 " -j 1 -o " + quote(csv.string()));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::istringstream in(read_file(csv));
   std::string line;
@@ -449,7 +463,9 @@ TEST_F(Cli, SweepPrintsItsBestRows) {
     b = std::min(line.find(',', a), line.size());
     cols.push_back(line.substr(a, b - a));
   }
-  auto col = [&](const std::string& name) { return static_cast<std::size_t>(std::find(cols.begin(), cols.end(), name) - cols.begin()); };
+  auto col = [&](const std::string& name) {
+    return static_cast<std::size_t>(std::find(cols.begin(), cols.end(), name) - cols.begin());
+  };
   const std::size_t key = col("key"), status = col("status"), oom = col("oom"), step = col("step_time_s");
   ASSERT_LT(step, cols.size());
   double best = 1e300;

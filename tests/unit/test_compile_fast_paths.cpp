@@ -52,9 +52,9 @@ Model qwen9m_one_region() {
 // phase. The DAG and the Program must not depend on it.
 TEST(FastPaths, CheckingCyclesPerPhaseCompilesTheSameProgram) {
   const std::vector<core::Scenario> cases = {
-      scenario("1f1b", 2, 4, 2, 3, 8, 1),            // ZeRO-3 gathers, small buckets
-      scenario("zb-h1", 2, 2, 2, 1, 4),              // backward split into BI and BW
-      scenario("dualpipev", 2, 2, 2, 2, 8),          // V placement, overlapped F&B steps
+      scenario("1f1b", 2, 4, 2, 3, 8, 1),    // ZeRO-3 gathers, small buckets
+      scenario("zb-h1", 2, 2, 2, 1, 4),      // backward split into BI and BW
+      scenario("dualpipev", 2, 2, 2, 2, 8),  // V placement, overlapped F&B steps
       scenario("interleaved-1f1b", 2, 2, 1, 0, 4, 0, 2),
   };
   for (const auto& s : cases) {
@@ -72,7 +72,9 @@ TEST(FastPaths, CheckingCyclesPerPhaseCompilesTheSameProgram) {
 TEST(FastPaths, AnErrorAfterAnUncheckedCycleReportsTheCycle) {
   Model m = build_model(*zoo_config("qwen3-9m"));
   annotate_pipeline_ranges(m, {0, 2});
-  auto step = [](int pp, int mb, const char* pass) { return json::array({json{{"PP", pp}, {"MB", mb}, {"PASS", pass}}}); };
+  auto step = [](int pp, int mb, const char* pass) {
+    return json::array({json{{"PP", pp}, {"MB", mb}, {"PASS", pass}}});
+  };
   json program = json::parse(R"([
     {"op":"split","filter":{},"dim_name":"MB","num_microbatches":2},
     {"op":"place","filter":{"PP":0},"devices":[0]},
@@ -105,7 +107,7 @@ TEST(FastPaths, OrderGroupsSelectWhatAScanOfEveryVertexSelects) {
     {"op":"place","filter":{},"devices":[0]}])");
   const std::vector<json> filters = {
       json{{"MB", 0}, {"PASS", "F"}}, json{{"MB", 1}, {"PASS", "F"}, {"PP", "*"}}, json{{"MB", 2}, {"PASS", "F"}},
-      json{{"MB", 2}, {"PASS", "B"}}, json{{"MB", 1}, {"PASS", "B"}, {"PP", 0}}, json{{"PASS", "B"}}};
+      json{{"MB", 2}, {"PASS", "B"}}, json{{"MB", 1}, {"PASS", "B"}, {"PP", 0}},   json{{"PASS", "B"}}};
   json program = placed;
   json groups = json::array();
   for (const auto& f : filters) groups.push_back(json::array({f}));
@@ -116,7 +118,11 @@ TEST(FastPaths, OrderGroupsSelectWhatAScanOfEveryVertexSelects) {
   apply_directives(before, parse_directives(placed));
   std::vector<std::set<Vertex>> expected;
   for (const auto& f : filters) {
-    const Filter filter = std::get<OrderDirective>(parse_directives(json::array({json{{"op", "order"}, {"filters", json::array({json::array({f})})}}})).directives[0]).groups[0][0];
+    const Filter filter =
+        std::get<OrderDirective>(
+            parse_directives(json::array({json{{"op", "order"}, {"filters", json::array({json::array({f})})}}}))
+                .directives[0])
+            .groups[0][0];
     std::set<Vertex> s;
     for (Vertex v = 0; v < boost::num_vertices(before.graph); ++v)
       if (filter.matches(before.graph[v])) s.insert(v);
@@ -158,7 +164,8 @@ TEST(FastPaths, PartnerFinderAgreesWithAScanOfThePlans) {
   const CompiledScenario c = compile_scenario(scenario("1f1b", 2, 4, 2, 3, 4, 1));
   const Program& p = c.result.program;
   auto reference = [&](int device, OpRef r) {
-    const Op& op = p.plan_for(device).streams[static_cast<std::size_t>(r.stream)].ops[static_cast<std::size_t>(r.index)];
+    const Op& op =
+        p.plan_for(device).streams[static_cast<std::size_t>(r.stream)].ops[static_cast<std::size_t>(r.index)];
     std::vector<std::pair<int, OpRef>> out;
     auto each_op = [&](int d, auto&& fn) {
       const Plan& plan = p.plan_for(d);

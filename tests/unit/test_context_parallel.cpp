@@ -249,9 +249,11 @@ TEST(ContextParallel, DirectiveAndFlagErrors) {
     }
     return "";
   };
-  EXPECT_NE(parse_error(json::parse(R"([{"op": "context_parallel", "degree": 2, "comm": "ring2"}])")).find("field 'comm'"),
+  EXPECT_NE(
+      parse_error(json::parse(R"([{"op": "context_parallel", "degree": 2, "comm": "ring2"}])")).find("field 'comm'"),
+      std::string::npos);
+  EXPECT_NE(parse_error(json::parse(R"([{"op": "context_parallel", "degree": 0}])")).find("field 'degree'"),
             std::string::npos);
-  EXPECT_NE(parse_error(json::parse(R"([{"op": "context_parallel", "degree": 0}])")).find("field 'degree'"), std::string::npos);
   const std::string twice =
       parse_error(json::parse(R"([{"op": "context_parallel", "degree": 2}, {"op": "context_parallel", "degree": 2}])"));
   EXPECT_NE(twice.find("directive 1"), std::string::npos) << twice;
@@ -327,13 +329,14 @@ TEST(ContextParallel, SimulatorCostsTheExchange) {
   Op plain = *f;
   plain.cp_steps = 0;
   plain.cp_bytes = 0;
-  EXPECT_NEAR(cost.compute_seconds(ring, 0, *f) - cost.compute_seconds(ring, 0, plain), cost.cp_seconds(ring, 0, *f), 1e-15);
+  EXPECT_NEAR(cost.compute_seconds(ring, 0, *f) - cost.compute_seconds(ring, 0, plain), cost.cp_seconds(ring, 0, *f),
+              1e-15);
   const Op* g = first_op(gather, 0, OpKind::Compute, Pass::F);
   ASSERT_NE(g, nullptr);
   EXPECT_EQ(g->cp_bytes, 1024);
   // Two ranks on NVLink: an all-gather of 512 bytes is one latency and half of it over the link.
-  EXPECT_NEAR(cost.cp_seconds(gather, 0, *g), 2 * (node.nvlink_latency_s + 256.0 / node.nvlink_effective_bandwidth_bytes_per_s()),
-              1e-15);
+  EXPECT_NEAR(cost.cp_seconds(gather, 0, *g),
+              2 * (node.nvlink_latency_s + 256.0 / node.nvlink_effective_bandwidth_bytes_per_s()), 1e-15);
 }
 
 // Step time on both engines: a compute-bound model (s = 4096, h = 1024) at cp 2 does half the work
@@ -419,8 +422,10 @@ TEST(ContextParallel, TuneSearchesCp) {
     std::vector<std::string> fields;
     std::string field;
     for (char ch : line) {
-      if (ch == ',') fields.push_back(field), field.clear();
-      else field += ch;
+      if (ch == ',')
+        fields.push_back(field), field.clear();
+      else
+        field += ch;
     }
     fields.push_back(field);
     EXPECT_EQ(tune_row_from_csv(fields, nullptr, "row").candidate, c) << line;
@@ -459,7 +464,8 @@ TEST(ContextParallel, ScenarioKeys) {
 // CP 2 point holds the same tokens per step as CP 1 on twice the devices.
 TEST(ContextParallel, SweepKnob) {
   using namespace piper::sim;
-  const SweepSpec spec = SweepSpec::parse(R"({"model": "qwen3-9m", "cluster": "dgx-h200", "seq_len": 64, "cp": [1, 2]})", "s.json");
+  const SweepSpec spec =
+      SweepSpec::parse(R"({"model": "qwen3-9m", "cluster": "dgx-h200", "seq_len": 64, "cp": [1, 2]})", "s.json");
   const auto points = expand(spec);
   ASSERT_EQ(points.size(), 2u);
   EXPECT_EQ(points[0].cp, 1);

@@ -108,8 +108,8 @@ TEST(CostSettings, TensorParallelCommunicationOverlap) {
     ASSERT_GT(m, 0);
     EXPECT_NEAR(cost.compute_seconds(overlap.result.program, 0, ops_overlap[i]), std::max(c, m) + std::min(c, m) / 2,
                 1e-12 * (c + m));
-    EXPECT_NEAR(cost.tp_part_seconds(overlap.result.program, 0, ops_overlap[i]), std::max(c, m) + std::min(c, m) / 2 - c,
-                1e-12 * (c + m));
+    EXPECT_NEAR(cost.tp_part_seconds(overlap.result.program, 0, ops_overlap[i]),
+                std::max(c, m) + std::min(c, m) / 2 - c, 1e-12 * (c + m));
     ++checked;
   }
   EXPECT_GT(checked, 0);
@@ -144,7 +144,8 @@ TEST(CostSettings, PrecisionSetsGemmDtypeMemoryAndRates) {
   // On the A100 without a kernel table ("kernel_table": "") an fp32 GEMM runs on the CUDA cores: the
   // curve on a 16th of the bf16 peak, 312/16 TFLOP/s x 0.75 x f / (f + 2 GFLOP), plus the 2 µs floor.
   const KernelTiming a100 =
-      CostModel(cluster_from_text(R"({"preset": "dgx-a100-80g", "node": {"gpu": {"kernel_table": ""}}})", "c.json")).timing(0);
+      CostModel(cluster_from_text(R"({"preset": "dgx-a100-80g", "node": {"gpu": {"kernel_table": ""}}})", "c.json"))
+          .timing(0);
   core::Kernel g;
   g.dtype = core::Precision::FP32;
   g.m = g.n = g.k = 2048;

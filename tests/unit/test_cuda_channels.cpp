@@ -35,8 +35,9 @@ TEST(CudaNcclChannels, EveryScheduleFamilyIsMatchableByIssueOrder) {
     const char* schedule;
     int pp, dp, ep, virtual_stages;
   };
-  for (const Case& c : {Case{"1f1b", 2, 2, 1, 1}, Case{"gpipe", 4, 1, 1, 1}, Case{"interleaved-1f1b", 2, 1, 1, 2}, Case{"zb-h1", 2, 1, 1, 1},
-                        Case{"zb-v", 2, 1, 1, 1}, Case{"dualpipe", 2, 1, 1, 1}, Case{"dualpipev", 2, 2, 2, 1}}) {
+  for (const Case& c : {Case{"1f1b", 2, 2, 1, 1}, Case{"gpipe", 4, 1, 1, 1}, Case{"interleaved-1f1b", 2, 1, 1, 2},
+                        Case{"zb-h1", 2, 1, 1, 1}, Case{"zb-v", 2, 1, 1, 1}, Case{"dualpipe", 2, 1, 1, 1},
+                        Case{"dualpipev", 2, 2, 2, 1}}) {
     const core::Program p = compile(c.pp, c.dp, c.ep, 4, c.schedule, c.virtual_stages);
     std::vector<cu::P2PChannel> channels;
     EXPECT_NO_THROW(channels = cu::p2p_channels(p)) << c.schedule;

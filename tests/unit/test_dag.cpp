@@ -30,7 +30,8 @@ TEST(Segments, ContiguousLayersWithEqualTagsFormOneSegment) {
   // Segment costs are the sums of their layers'.
   const Model m = qwen9m_two_regions();
   double flops = 0;
-  for (int l = segments[0].first_layer; l < segments[0].last_layer; ++l) flops += m.layer_cost(static_cast<std::size_t>(l)).forward_flops;
+  for (int l = segments[0].first_layer; l < segments[0].last_layer; ++l)
+    flops += m.layer_cost(static_cast<std::size_t>(l)).forward_flops;
   EXPECT_DOUBLE_EQ(segments[0].costs.forward_flops, flops);
 }
 

@@ -75,29 +75,40 @@ TEST(Parse, ErrorsNameTheDirectiveIndexAndField) {
     }
     return std::make_pair(-1, std::string("(none)"));
   };
-  EXPECT_EQ(err(json::parse(R"([{"op":"place","filter":{},"devices":[0]},{"op":"frobnicate"}])")), std::make_pair(1, std::string("op")));
+  EXPECT_EQ(err(json::parse(R"([{"op":"place","filter":{},"devices":[0]},{"op":"frobnicate"}])")),
+            std::make_pair(1, std::string("op")));
   EXPECT_EQ(err(json::parse(R"([{"op":"place","filter":{}}])")), std::make_pair(0, std::string("devices")));
-  EXPECT_EQ(err(json::parse(R"([{"op":"place","filter":{},"devices":[0,-1]}])")), std::make_pair(0, std::string("devices[1]")));
-  EXPECT_EQ(err(json::parse(R"([{"op":"place","filter":{},"devices":"0"}])")), std::make_pair(0, std::string("devices")));
-  EXPECT_EQ(err(json::parse(R"([{"op":"split","filter":{},"num_microbatches":"4"}])")), std::make_pair(0, std::string("num_microbatches")));
-  EXPECT_EQ(err(json::parse(R"([{"op":"order","filters":[[{"PP":0,"PASS":"X"}]]}])")), std::make_pair(0, std::string("filters[0][0].PASS")));
-  EXPECT_EQ(err(json::parse(R"([{"op":"place","filter":{"PP":0},"devices":[0],"strem":"x"}])")), std::make_pair(0, std::string("strem")));
-  EXPECT_EQ(err(json::parse(R"([{"op":"replicate","filter":{},"devices":[0,1],"shard_params":true}])")), std::make_pair(0, std::string("shard_params")));
+  EXPECT_EQ(err(json::parse(R"([{"op":"place","filter":{},"devices":[0,-1]}])")),
+            std::make_pair(0, std::string("devices[1]")));
+  EXPECT_EQ(err(json::parse(R"([{"op":"place","filter":{},"devices":"0"}])")),
+            std::make_pair(0, std::string("devices")));
+  EXPECT_EQ(err(json::parse(R"([{"op":"split","filter":{},"num_microbatches":"4"}])")),
+            std::make_pair(0, std::string("num_microbatches")));
+  EXPECT_EQ(err(json::parse(R"([{"op":"order","filters":[[{"PP":0,"PASS":"X"}]]}])")),
+            std::make_pair(0, std::string("filters[0][0].PASS")));
+  EXPECT_EQ(err(json::parse(R"([{"op":"place","filter":{"PP":0},"devices":[0],"strem":"x"}])")),
+            std::make_pair(0, std::string("strem")));
+  EXPECT_EQ(err(json::parse(R"([{"op":"replicate","filter":{},"devices":[0,1],"shard_params":true}])")),
+            std::make_pair(0, std::string("shard_params")));
   // ZeRO-3's prefetch limit: only with shard_params, a non-negative integer.
-  for (const char* bad : {R"("shard_grads":true,"prefetch":1)", R"("shard_grads":true,"shard_params":true,"prefetch":-1)",
-                          R"("shard_grads":true,"shard_params":true,"prefetch":1.5)", R"("shard_grads":true,"shard_params":true,"prefetch":"2")"})
+  for (const char* bad :
+       {R"("shard_grads":true,"prefetch":1)", R"("shard_grads":true,"shard_params":true,"prefetch":-1)",
+        R"("shard_grads":true,"shard_params":true,"prefetch":1.5)",
+        R"("shard_grads":true,"shard_params":true,"prefetch":"2")"})
     EXPECT_EQ(err(json::parse(std::string(R"([{"op":"replicate","filter":{},"devices":[0,1],)") + bad + "}]")),
               std::make_pair(0, std::string("prefetch")))
         << bad;
   // HSDP's shard_group: only with ZeRO, an integer from 2 to the number of devices.
-  for (const char* bad : {R"("shard_group":2)", R"("shard_optimizer":true,"shard_group":1)", R"("shard_optimizer":true,"shard_group":5)",
-                          R"("shard_optimizer":true,"shard_group":2.5)", R"("shard_optimizer":true,"shard_group":"2")"})
+  for (const char* bad :
+       {R"("shard_group":2)", R"("shard_optimizer":true,"shard_group":1)", R"("shard_optimizer":true,"shard_group":5)",
+        R"("shard_optimizer":true,"shard_group":2.5)", R"("shard_optimizer":true,"shard_group":"2")"})
     EXPECT_EQ(err(json::parse(std::string(R"([{"op":"replicate","filter":{},"devices":[0,1,2,3],)") + bad + "}]")),
               std::make_pair(0, std::string("shard_group")))
         << bad;
   // gather_dtype: only with shard_params, "fp8" or "param".
-  for (const char* bad : {R"("shard_grads":true,"gather_dtype":"fp8")", R"("shard_grads":true,"shard_params":true,"gather_dtype":"fp4")",
-                          R"("shard_grads":true,"shard_params":true,"gather_dtype":8)"})
+  for (const char* bad :
+       {R"("shard_grads":true,"gather_dtype":"fp8")", R"("shard_grads":true,"shard_params":true,"gather_dtype":"fp4")",
+        R"("shard_grads":true,"shard_params":true,"gather_dtype":8)"})
     EXPECT_EQ(err(json::parse(std::string(R"([{"op":"replicate","filter":{},"devices":[0,1],)") + bad + "}]")),
               std::make_pair(0, std::string("gather_dtype")))
         << bad;
@@ -182,7 +193,8 @@ TEST(Split, LoweringNumbersMicrobatchesForAnyDimensionAndNesting) {
             ++untied;
             continue;
           }
-          const int want = op.tags.contains("SAMPLE") ? op.tags.at("SAMPLE") : op.tags.at("OUTER") * 3 + op.tags.at("INNER");
+          const int want =
+              op.tags.contains("SAMPLE") ? op.tags.at("SAMPLE") : op.tags.at("OUTER") * 3 + op.tags.at("INNER");
           EXPECT_EQ(op.microbatch, want) << op.label;
           seen[{d, op.kind, op.pass, op.segment}].insert(op.microbatch);
         }
@@ -190,7 +202,8 @@ TEST(Split, LoweringNumbersMicrobatchesForAnyDimensionAndNesting) {
     std::multiset<int> all;
     for (int i = 0; i < total; ++i) all.insert(i);
     EXPECT_FALSE(seen.empty());
-    for (const auto& [key, mbs] : seen) EXPECT_EQ(mbs, all) << "device " << std::get<0>(key) << " segment " << std::get<3>(key);
+    for (const auto& [key, mbs] : seen)
+      EXPECT_EQ(mbs, all) << "device " << std::get<0>(key) << " segment " << std::get<3>(key);
     // The field survives the plan file.
     EXPECT_TRUE(Program::from_json(r.program.to_json()) == r.program);
   }
@@ -198,8 +211,10 @@ TEST(Split, LoweringNumbersMicrobatchesForAnyDimensionAndNesting) {
 
 TEST(BackwardSplit, OrderNamingBIOrBWSplitsTheBackward) {
   json program = prog({split(2), place(0, {0})});
-  program.push_back({{"op", "order"}, {"filters", {step(0, 0, "F"), step(0, 1, "F"), step(0, 0, "BI"), step(0, 1, "BI"),
-                                                   step(0, 0, "BW"), step(0, 1, "BW")}}});
+  program.push_back(
+      {{"op", "order"},
+       {"filters",
+        {step(0, 0, "F"), step(0, 1, "F"), step(0, 0, "BI"), step(0, 1, "BI"), step(0, 0, "BW"), step(0, 1, "BW")}}});
   const GlobalDag dag = apply_program(qwen9m(1), program);
   EXPECT_EQ(count(dag, "B"), 0);
   EXPECT_EQ(count(dag, "BI"), 9 * 2);
@@ -227,7 +242,7 @@ TEST(Place, InsertsSendRecvBetweenDeviceSetsAndRejectsConflicts) {
   const GlobalDag dag = apply_program(m, prog({place(0, {0}), place(1, {1})}));
   EXPECT_EQ(count(dag, "SEND"), 2);  // activation forward, gradient backward
   EXPECT_EQ(count(dag, "RECV"), 2);
-  EXPECT_EQ(count(dag, "UPD"), 2);   // one per device set
+  EXPECT_EQ(count(dag, "UPD"), 2);  // one per device set
   auto e = error_of(m, prog({place(0, {0}), {{"op", "place"}, {"filter", {{"EP", 0}}}, {"devices", {1}}}}));
   EXPECT_EQ(e.index(), 1);
   EXPECT_NE(std::string(e.what()).find("already placed"), std::string::npos);
@@ -274,7 +289,8 @@ TEST(Replicate, ZeroLevelsChooseTheCollectives) {
   const Model m = qwen9m(1);
   auto run = [&](const std::string& extra) {
     return apply_program(m, json::parse(R"([{"op":"place","filter":{"PP":0},"devices":[0,1]},
-                                     {"op":"replicate","filter":{"PP":0},"devices":[0,1])" + extra + "}]"));
+                                     {"op":"replicate","filter":{"PP":0},"devices":[0,1])" +
+                                        extra + "}]"));
   };
   // 9 segments in one region, all with parameters; no sharding: one collective per segment.
   const auto z0 = run("");
@@ -337,7 +353,8 @@ TEST(Replicate, HybridShardingReducesInsideGroupsThenAcrossThem) {
   const Model m = qwen9m(1);
   auto run = [&](const std::string& zero) {
     return apply_program(m, json::parse(R"([{"op":"place","filter":{"PP":0},"devices":[0,1,2,3]},
-                                     {"op":"replicate","filter":{"PP":0},"devices":[0,1,2,3],)" + zero + "}]"));
+                                     {"op":"replicate","filter":{"PP":0},"devices":[0,1,2,3],)" +
+                                        zero + "}]"));
   };
   const GlobalDag plain = run(R"("shard_optimizer":true)");
   const GlobalDag hsdp = run(R"("shard_optimizer":true,"shard_group":2)");
@@ -366,7 +383,8 @@ TEST(Replicate, HybridShardingReducesInsideGroupsThenAcrossThem) {
       // Its input is the reduce-scatter of the same bucket: half the gradient bytes.
       std::int64_t from = -1;
       for (auto e : boost::make_iterator_range(boost::in_edges(v, hsdp.graph)))
-        if (hsdp.graph[boost::source(e, hsdp.graph)].kind == NodeKind::ReduceScatter) from = hsdp.graph[boost::source(e, hsdp.graph)].bytes;
+        if (hsdp.graph[boost::source(e, hsdp.graph)].kind == NodeKind::ReduceScatter)
+          from = hsdp.graph[boost::source(e, hsdp.graph)].bytes;
       EXPECT_EQ(n.bytes * 2, from) << n.label;
     } else if (n.kind == NodeKind::AllGather) {
       ++ag;
@@ -427,9 +445,11 @@ TEST(Apply, HookSeesEveryPassInTheFixedOrder) {
     {"op":"split","filter":{},"num_microbatches":2}])");
   std::vector<std::string> seen;
   GlobalDag dag = build_dag(qwen9m(1));
-  apply_directives(dag, parse_directives(program),
-                   [&](const std::string& op, int index, const GlobalDag&) { seen.push_back(op + std::to_string(index)); });
-  EXPECT_EQ(seen, (std::vector<std::string>{"split3", "place2", "finish-placement-1", "replicate1", "update-costs-1", "order0"}));
+  apply_directives(dag, parse_directives(program), [&](const std::string& op, int index, const GlobalDag&) {
+    seen.push_back(op + std::to_string(index));
+  });
+  EXPECT_EQ(seen, (std::vector<std::string>{"split3", "place2", "finish-placement-1", "replicate1", "update-costs-1",
+                                            "order0"}));
 }
 
 // Schedules are directive generators: the compiler, simulator and runtime must not know their names.
@@ -438,7 +458,8 @@ TEST(Layering, CompilerSimulatorAndRuntimeNeverNameASchedule) {
   std::vector<fs::path> files;
   for (const char* file : {"dag.cpp", "directives.cpp", "lower.cpp", "program.cpp", "verifier.cpp", "compiler.cpp"})
     files.push_back(fs::path(PIPER_SOURCE_DIR) / "core/src" / file);
-  for (const auto& e : fs::directory_iterator(fs::path(PIPER_SOURCE_DIR) / "core/src/passes")) files.push_back(e.path());
+  for (const auto& e : fs::directory_iterator(fs::path(PIPER_SOURCE_DIR) / "core/src/passes"))
+    files.push_back(e.path());
   for (const char* dir : {"sim/src", "sim/include", "gpu_runtime/src", "gpu_runtime/include"})
     for (const auto& e : fs::recursive_directory_iterator(fs::path(PIPER_SOURCE_DIR) / dir))
       if (e.is_regular_file()) files.push_back(e.path());
@@ -450,7 +471,8 @@ TEST(Layering, CompilerSimulatorAndRuntimeNeverNameASchedule) {
     ss << in.rdbuf();
     std::string text = ss.str();
     std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
-    for (const char* name : {"gpipe", "1f1b", "dualpipe", "zb-h1", "zb-h2", "zb-v", "zero bubble", "interleaved", "looped"})
+    for (const char* name :
+         {"gpipe", "1f1b", "dualpipe", "zb-h1", "zb-h2", "zb-v", "zero bubble", "interleaved", "looped"})
       EXPECT_EQ(text.find(name), std::string::npos) << file << " mentions " << name;
   }
 }
@@ -465,11 +487,13 @@ TEST(Parse, MisspeltOpsAndFieldsSuggestTheNearest) {
     }
     return std::string("(no error)");
   };
-  EXPECT_EQ(message(R"([{"op": "replicat", "filter": {}, "devices": [0, 1]}])").rfind(
-                "directive 0 field 'op': unknown op 'replicat' (did you mean 'replicate'?) (expected place,", 0),
+  EXPECT_EQ(message(R"([{"op": "replicat", "filter": {}, "devices": [0, 1]}])")
+                .rfind("directive 0 field 'op': unknown op 'replicat' (did you mean 'replicate'?) (expected place,", 0),
             0u);
   EXPECT_EQ(message(R"([{"op": "replicate", "filter": {}, "devices": [0, 1], "shard_optimiser": true}])")
-                .rfind("directive 0 field 'shard_optimiser': unknown field for 'replicate' (did you mean 'shard_optimizer'?) (allowed: ", 0),
+                .rfind("directive 0 field 'shard_optimiser': unknown field for 'replicate' (did you mean "
+                       "'shard_optimizer'?) (allowed: ",
+                       0),
             0u);
 }
 
@@ -519,7 +543,8 @@ TEST(ProgramBuilder, WritesThePublishedFormatAndBuildsTheTypedProgram) {
 }
 
 TEST(ProgramBuilder, RelabelsDevicesAndKeepsTheParsersErrors) {
-  ProgramBuilder b(json::parse(R"([{"op": "place", "filter": {"PP": 0}, "devices": [0, 1]}, {"op": "split", "filter": {}, "num_microbatches": 2}])"));
+  ProgramBuilder b(json::parse(
+      R"([{"op": "place", "filter": {"PP": 0}, "devices": [0, 1]}, {"op": "split", "filter": {}, "num_microbatches": 2}])"));
   b.relabel_devices([](int d) { return 3 - d; });
   EXPECT_EQ(b.program().at(0).at("devices"), json::parse("[3, 2]"));
   EXPECT_EQ(b.program().at(1), json::parse(R"({"op": "split", "filter": {}, "num_microbatches": 2})"));

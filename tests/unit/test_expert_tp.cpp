@@ -204,7 +204,8 @@ TEST(ExpertTensorParallel, FlopsAllToAllAndEtpCollectivesByHand) {
   };
   for (const Case c : {Case{2, 1, 2, 1, true}, Case{2, 1, 1, 2, true}, Case{2, 2, 2, 2, true}, Case{4, 1, 2, 2, true},
                        Case{2, 2, 2, 2, false}}) {
-    SCOPED_TRACE(::testing::Message() << "tp " << c.tp << " dp " << c.dp << " ep " << c.ep << " etp " << c.etp << " sp " << c.sp);
+    SCOPED_TRACE(::testing::Message() << "tp " << c.tp << " dp " << c.dp << " ep " << c.ep << " etp " << c.etp << " sp "
+                                      << c.sp);
     const Program p = compile_moe(opts(c.tp, c.dp, c.ep, c.etp, c.sp));
     const int s = expert_segment(p);
     const std::int64_t slice = c.sp ? c.tp : 1, rows = kT * kK / slice;
@@ -253,8 +254,9 @@ TEST(ExpertTensorParallel, InvalidLayoutsAreRefusedInOneLine) {
   auto one_line = [](const std::string& m) { return m.find('\n') == std::string::npos; };
   StrategyOptions o = opts(2, 1, 4, 1);
   std::string m = error_of(o);
-  EXPECT_EQ(m, "--ep 4 x --etp 1 must divide --dp 1 x --tp 2 (a stage's devices hold the experts as ETP x EP x "
-               "expert-data-parallel groups)");
+  EXPECT_EQ(m,
+            "--ep 4 x --etp 1 must divide --dp 1 x --tp 2 (a stage's devices hold the experts as ETP x EP x "
+            "expert-data-parallel groups)");
   o = opts(4, 1, 1, 3);
   EXPECT_NE(error_of(o).find("--ep 1 x --etp 3 must divide --dp 1 x --tp 4"), std::string::npos);
   o = opts(2, 1, 1, 0);
@@ -277,11 +279,16 @@ TEST(ExpertTensorParallel, InvalidLayoutsAreRefusedInOneLine) {
     return std::string("(accepted)");
   };
   auto program = [](json tp) {
-    return json::array({{{"op", "place"}, {"filter", {{"PP", 0}}}, {"devices", {0, 1, 2, 3}}},
-                        {{"op", "shard"}, {"filter", {{"PP", 0}, {"EP", "*"}}}, {"devices", {0, 1, 2, 3}}, {"degree", 2}},
-                        tp});
+    return json::array(
+        {{{"op", "place"}, {"filter", {{"PP", 0}}}, {"devices", {0, 1, 2, 3}}},
+         {{"op", "shard"}, {"filter", {{"PP", 0}, {"EP", "*"}}}, {"devices", {0, 1, 2, 3}}, {"degree", 2}},
+         tp});
   };
-  json tp = {{"op", "tensor_parallel"}, {"filter", {{"PP", 0}}}, {"degree", 2}, {"sequence_parallel", true}, {"expert_degree", 2}};
+  json tp = {{"op", "tensor_parallel"},
+             {"filter", {{"PP", 0}}},
+             {"degree", 2},
+             {"sequence_parallel", true},
+             {"expert_degree", 2}};
   EXPECT_EQ(directive_error(program(tp)), "(accepted)");
   tp["expert_degree"] = 0;
   m = directive_error(program(tp));
@@ -294,17 +301,19 @@ TEST(ExpertTensorParallel, InvalidLayoutsAreRefusedInOneLine) {
   EXPECT_EQ(m, "directive 1 field 'degree': 2 x expert_degree 4 does not divide the 4 devices");
   EXPECT_TRUE(one_line(m));
   // Experts on a 1/2 sequence slice beside segments that pass whole sequences.
-  json experts_only = {{"op", "tensor_parallel"}, {"filter", {{"PP", 0}, {"EP", "*"}}}, {"degree", 2}, {"sequence_parallel", true}};
+  json experts_only = {
+      {"op", "tensor_parallel"}, {"filter", {{"PP", 0}, {"EP", "*"}}}, {"degree", 2}, {"sequence_parallel", true}};
   m = directive_error(program(experts_only));
-  EXPECT_NE(m.find("directive 2 field 'sequence_parallel': routed experts of segment 1 receive a 1/2 sequence slice but segment 0 passes them whole sequences"),
+  EXPECT_NE(m.find("directive 2 field 'sequence_parallel': routed experts of segment 1 receive a 1/2 sequence slice "
+                   "but segment 0 passes them whole sequences"),
             std::string::npos)
       << m;
   EXPECT_TRUE(one_line(m));
 }
 
 // The verifier accepts every layout above and refuses a plan whose experts' ETP family is not their
-// set in consecutive groups of the degree, or whose EP groups take two devices of one ETP group; both engines simulate ETP plans, the ETP collectives
-// showing in the TP time of the devices.
+// set in consecutive groups of the degree, or whose EP groups take two devices of one ETP group; both engines simulate
+// ETP plans, the ETP collectives showing in the TP time of the devices.
 TEST(ExpertTensorParallel, VerifierAndBothEnginesRunEtpPlans) {
   const auto program = std::make_shared<const Program>(compile_moe(opts(2, 2, 2, 2)));
   EXPECT_TRUE(verify(*program).empty());
@@ -318,11 +327,15 @@ TEST(ExpertTensorParallel, VerifierAndBothEnginesRunEtpPlans) {
   Program same = *program;
   const auto a2a = ops_of(same, 0, OpKind::AllToAll, s);
   ASSERT_FALSE(a2a.empty());
-  same.families[static_cast<std::size_t>(a2a.front().family)].devices = same.segments[static_cast<std::size_t>(s)].devices;
+  same.families[static_cast<std::size_t>(a2a.front().family)].devices =
+      same.segments[static_cast<std::size_t>(s)].devices;
   const auto ep_issues = verify(same);
-  const auto it = std::find_if(ep_issues.begin(), ep_issues.end(), [](const VerifyIssue& i) { return i.check == "ep-group"; });
+  const auto it =
+      std::find_if(ep_issues.begin(), ep_issues.end(), [](const VerifyIssue& i) { return i.check == "ep-group"; });
   ASSERT_NE(it, ep_issues.end());
-  EXPECT_NE(it->message.find("the EP group of device 0 holds 2 devices of its expert-TP group (segment 1)"), std::string::npos) << it->message;
+  EXPECT_NE(it->message.find("the EP group of device 0 holds 2 devices of its expert-TP group (segment 1)"),
+            std::string::npos)
+      << it->message;
   EXPECT_EQ(it->message.find('\n'), std::string::npos);
 
   piper::sim::SimulateOptions so;
@@ -336,7 +349,8 @@ TEST(ExpertTensorParallel, VerifierAndBothEnginesRunEtpPlans) {
     EXPECT_GT(r2.report.step_time_s, 0);
     // Same dense TP collectives; ETP 2 adds the experts' all-gathers and reduce-scatters.
     for (int d = 0; d < 4; ++d)
-      EXPECT_GT(r2.report.per_device[static_cast<std::size_t>(d)].tp_comm_s, r1.report.per_device[static_cast<std::size_t>(d)].tp_comm_s);
+      EXPECT_GT(r2.report.per_device[static_cast<std::size_t>(d)].tp_comm_s,
+                r1.report.per_device[static_cast<std::size_t>(d)].tp_comm_s);
   }
 }
 
@@ -372,8 +386,12 @@ TEST(ExpertTensorParallel, TuneSearchesEtpWithBoundsBelowTheSimulation) {
 // Sweep spec key "etp": one row per value, keyed apart, the column written.
 TEST(ExpertTensorParallel, SweepTakesTheEtpKnob) {
   using namespace piper::sim;
-  const SweepSpec spec = SweepSpec::from_json(
-      {{"model", write_spec(small_moe())}, {"tp", 2}, {"sequence_parallel", true}, {"etp", json::array({1, 2})}, {"microbatches", 2}}, "spec.json");
+  const SweepSpec spec = SweepSpec::from_json({{"model", write_spec(small_moe())},
+                                               {"tp", 2},
+                                               {"sequence_parallel", true},
+                                               {"etp", json::array({1, 2})},
+                                               {"microbatches", 2}},
+                                              "spec.json");
   const auto points = expand(spec);
   ASSERT_EQ(points.size(), 2u);
   EXPECT_EQ(points[0].key().find("/etp2"), std::string::npos);  // (the model file is named etp-moe-*)

@@ -65,8 +65,9 @@ std::map<std::string, int> ops_of(const Program& p, int device) {
 }  // namespace
 
 TEST(Fixtures, EveryProgramCompilesAndVerifies) {
-  for (const char* name : {"dp2.json", "pp2_dp2_ep2.json", "pp2_dp2_ep2_bucket100.json", "pp2_dp2_ep2_custom_order.json",
-                           "pp2_dp2_ep2_zero2.json", "pp2_dp2_ep2_zero3.json", "pp4_dp2_ep2_v_placement.json"}) {
+  for (const char* name :
+       {"dp2.json", "pp2_dp2_ep2.json", "pp2_dp2_ep2_bucket100.json", "pp2_dp2_ep2_custom_order.json",
+        "pp2_dp2_ep2_zero2.json", "pp2_dp2_ep2_zero3.json", "pp4_dp2_ep2_v_placement.json"}) {
     SCOPED_TRACE(name);
     json program = load(name);
     bool has_order = false;

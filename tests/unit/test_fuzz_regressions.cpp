@@ -37,7 +37,8 @@ std::string error_of(F&& fn) {
 
 // A shard degree of 2^32 was narrowed to int 0 and then divided the device count: SIGFPE.
 TEST(FuzzRegressions, HugeShardDegreeIsRejectedNotDividedBy) {
-  const json program = json::parse(R"([{"op": "shard", "filter": {"EP": "*"}, "devices": [0, 1], "degree": 4294967296}])");
+  const json program =
+      json::parse(R"([{"op": "shard", "filter": {"EP": "*"}, "devices": [0, 1], "degree": 4294967296}])");
   const std::string m = error_of<core::DirectiveError>([&] { core::parse_directives(program); });
   EXPECT_NE(m.find("directive 0 field 'degree'"), std::string::npos) << m;
 }
@@ -60,8 +61,11 @@ TEST(FuzzRegressions, HugeBucketSizeIsRejected) {
 // key or flops escaped as nlohmann::json::type_error without naming the field.
 TEST(FuzzRegressions, CalibrationNumbersAreTypeChecked) {
   const std::string head = R"({"format": "piper-calibration", "entries": [{"kind": "ALL_REDUCE", "seconds": 1, )";
-  for (const auto& [field, value] : {std::pair{"group_size", "1e300"}, {"bytes", "-5"}, {"memory_bytes", "\"x\""},
-                                     {"key", "3"}, {"flops", "\"many\""}}) {
+  for (const auto& [field, value] : {std::pair{"group_size", "1e300"},
+                                     {"bytes", "-5"},
+                                     {"memory_bytes", "\"x\""},
+                                     {"key", "3"},
+                                     {"flops", "\"many\""}}) {
     const std::string text = head + "\"" + field + "\": " + value + "}]}";
     const std::string m = error_of<sim::ClusterError>([&] { sim::Calibration::parse(text, "cal.json"); });
     EXPECT_NE(m.find(std::string("cal.json: field 'entries[0].") + field + "'"), std::string::npos) << m;
@@ -71,7 +75,8 @@ TEST(FuzzRegressions, CalibrationNumbersAreTypeChecked) {
 // Cluster overrides with "first"/"count" of 1e12 were converted to int (undefined behaviour) and
 // looped over 10^12 node indices.
 TEST(FuzzRegressions, ClusterOverrideRangesAreBounded) {
-  for (const char* range : {R"("first": 1e12)", R"("first": 0, "count": 1e12)", R"("first": 0.5)", R"("first": 1, "count": 4)"}) {
+  for (const char* range :
+       {R"("first": 1e12)", R"("first": 0, "count": 1e12)", R"("first": 0.5)", R"("first": 1, "count": 4)"}) {
     const std::string text =
         std::string(R"({"preset": "dgx-h200", "nodes": 2, "overrides": [{)") + range + R"(, "gpus_per_node": 4}]})";
     const std::string m = error_of<sim::ClusterError>([&] { sim::cluster_from_text(text, "c.json"); });
@@ -122,7 +127,8 @@ TEST(FuzzRegressions, OutOfRangeDeviceInSharedPlacementIsNamedNotIndexed) {
   s.directives_source = "p.json";
   for (const char* bad : {"-3", "2147483647", "1e3", "9223372036854775807"}) {
     s.directives = json::parse(std::string(R"([{"op": "place", "filter": {"PP": 0}, "devices": [0, 2]},
-                                                {"op": "place", "filter": {"PP": 1}, "devices": [2, )") + bad + "]}]");
+                                                {"op": "place", "filter": {"PP": 1}, "devices": [2, )") +
+                               bad + "]}]");
     const std::string m = error_of<core::DirectiveError>([&] { core::compile_scenario(s); });
     EXPECT_NE(m.find("p.json: directive 1 field 'devices[1]'"), std::string::npos) << bad << ": " << m;
   }

@@ -58,7 +58,7 @@ core::Scenario small_scenario() {
 }
 
 struct AppFirst {
-  AppFirst() { app(); }   // the QApplication must exist before any widget
+  AppFirst() { app(); }  // the QApplication must exist before any widget
 };
 
 struct Studio : AppFirst {
@@ -79,13 +79,13 @@ TEST(GuiData, LaneVisibleRangeAndHitUseBinarySearchOverSortedSpans) {
   lane.start_s = {0, 1, 1.5, 5};
   lane.end_s = {1, 2, 10, 6};
   lane.max_end_s = {1, 2, 10, 10};
-  auto [first, last] = lane.visible(2.5, 4.0);   // only the long span intersects
+  auto [first, last] = lane.visible(2.5, 4.0);  // only the long span intersects
   EXPECT_EQ(first, 2u);
   EXPECT_EQ(last, 3u);
   EXPECT_EQ(lane.visible(0.5, 1.2), (std::pair<std::size_t, std::size_t>{0, 2}));
-  EXPECT_EQ(lane.hit(5.5, 0.01), 2);    // the first span (by start) containing t
+  EXPECT_EQ(lane.hit(5.5, 0.01), 2);  // the first span (by start) containing t
   EXPECT_EQ(lane.hit(0.5, 0.01), 0);
-  EXPECT_EQ(lane.hit(-0.5, 0.1), -1);   // nothing within the tolerance
+  EXPECT_EQ(lane.hit(-0.5, 0.1), -1);  // nothing within the tolerance
 }
 
 // The report panel shows the critical path's TP collectives (inside compute ops) only when a report
@@ -158,7 +158,8 @@ TEST(GuiStudio, PresetPanelCarriesTensorParallelAndHybridShardingKnobs) {
   EXPECT_EQ(st.dp_shard, 2);
   EXPECT_EQ(st.zero, 3);
   int hybrid = 0;
-  for (const auto& seg : s.window.run_a()->timeline->program->segments) hybrid += seg.zero_shards == 2 && seg.replicas == 4;
+  for (const auto& seg : s.window.run_a()->timeline->program->segments)
+    hybrid += seg.zero_shards == 2 && seg.replicas == 4;
   EXPECT_GT(hybrid, 0);
 }
 
@@ -170,7 +171,8 @@ TEST(GuiStudio, PresetPanelHasAFieldForEverySetting) {
   sc.strategy.pp = 1, sc.strategy.dp = 2, sc.strategy.zero = 3;
   sc.strategy.reduce_every = "step", sc.strategy.gather_prefetch = 0, sc.strategy.bucket_mb = 25;
   s.window.load_scenario(sc, /*synchronous=*/true);
-  for (const char* name : {"bucket_mb", "fp8_all_gather", "reduce_every", "gather_prefetch", "tp_comm_overlap", "comm_sms"}) {
+  for (const char* name :
+       {"bucket_mb", "fp8_all_gather", "reduce_every", "gather_prefetch", "tp_comm_overlap", "comm_sms"}) {
     QWidget* field = s.window.findChild<QWidget*>(name);
     ASSERT_NE(field, nullptr) << name;
     EXPECT_TRUE(field->toolTip().startsWith("--")) << name;
@@ -252,7 +254,8 @@ TEST(GuiStudio, TooltipOfATensorParallelOpNamesItsCollectives) {
   for (int st = 0; st < static_cast<int>(plan.streams.size()) && !backward.valid(); ++st)
     for (int i = 0; i < static_cast<int>(plan.streams[static_cast<std::size_t>(st)].ops.size()); ++i) {
       const core::Op& op = plan.streams[static_cast<std::size_t>(st)].ops[static_cast<std::size_t>(i)];
-      if (op.kind == core::OpKind::Compute && op.pass == core::Pass::B && op.tp_collectives > 0 && op.recompute_flops > 0) {
+      if (op.kind == core::OpKind::Compute && op.pass == core::Pass::B && op.tp_collectives > 0 &&
+          op.recompute_flops > 0) {
         backward = {0, st, i};
         break;
       }
@@ -312,7 +315,8 @@ TEST(GuiStudio, WheelZoomKeepsTheTimeUnderTheCursorFixed) {
   const QPointF at(view->plot_left() + 377.0, 200.0);
   const double t_before = view->time_at(at.x());
   const double scale_before = view->pixels_per_s();
-  QWheelEvent wheel(at, view->mapToGlobal(at), QPoint(), QPoint(0, 240), Qt::NoButton, Qt::NoModifier, Qt::NoScrollPhase, false);
+  QWheelEvent wheel(at, view->mapToGlobal(at), QPoint(), QPoint(0, 240), Qt::NoButton, Qt::NoModifier,
+                    Qt::NoScrollPhase, false);
   QApplication::sendEvent(view, &wheel);
   // Two notches: 1.25^2 zoom; the time under the cursor moves by less than 1e-9 of the view width.
   EXPECT_NEAR(view->pixels_per_s() / scale_before, 1.5625, 1e-12);
@@ -332,11 +336,13 @@ TEST(GuiStudio, InvalidDirectiveEditShowsTheErrorAtItsLineAndKeepsTheLastTimelin
   ASSERT_GE(place, 0);
   program[static_cast<std::size_t>(place)]["devices"] = "not a list";
   QSignalSpy spy(&s.window, &StudioWindow::simulation_finished);
-  s.window.editor()->setPlainText(QString::fromStdString(format_program(program)));   // a user edit: debounced, background
+  s.window.editor()->setPlainText(
+      QString::fromStdString(format_program(program)));  // a user edit: debounced, background
   ASSERT_TRUE(spy.wait(20000));
   EXPECT_FALSE(spy.takeFirst().at(0).toBool());
-  EXPECT_NE(s.window.error_text().indexOf("directive " + QString::number(place)), -1) << s.window.error_text().toStdString();
-  EXPECT_EQ(s.window.editor()->error_line(), place + 1);   // line 0 is "["
+  EXPECT_NE(s.window.error_text().indexOf("directive " + QString::number(place)), -1)
+      << s.window.error_text().toStdString();
+  EXPECT_EQ(s.window.editor()->error_line(), place + 1);  // line 0 is "["
   EXPECT_EQ(s.window.view()->tracks().at(0), before);
 
   // A JSON syntax error is marked at its line without simulating.
@@ -418,7 +424,7 @@ TEST(GuiStudio, ScreenshotModeWritesANonBlankImageOfTheRequestedSize) {
       colours.insert(c);
       non_white += c != qRgb(255, 255, 255);
     }
-  EXPECT_GT(colours.size(), 30u);   // the op colours, text, axes: not a flat fill
+  EXPECT_GT(colours.size(), 30u);  // the op colours, text, axes: not a flat fill
   EXPECT_GT(non_white, static_cast<std::int64_t>(image.width() * image.height() / 4 / 5));
   // A bad scenario file fails with one line and a non-zero status.
   std::ofstream(dir / "bad.json") << "{\"model\": 3}";
@@ -443,7 +449,8 @@ TEST(GuiStudio, TuneResultsListCandidatesAndOpenTheirTimelines) {
   spec.top_k = 0;
   spec.placement_search = false;
   const std::string csv =
-      (std::filesystem::temp_directory_path() / ("piper_test_gui_tune_" + std::to_string(::getpid()) + ".csv")).string();
+      (std::filesystem::temp_directory_path() / ("piper_test_gui_tune_" + std::to_string(::getpid()) + ".csv"))
+          .string();
   std::filesystem::remove(csv);
   const sim::TuneSummary summary = sim::run_tune(spec, csv);
   ASSERT_FALSE(summary.ranked.empty());
@@ -527,11 +534,11 @@ TEST(GuiScale, LabelsAreElidedInTheMiddleKeepingBothEnds) {
   EXPECT_LE(utf8_length(e), 20);
   EXPECT_EQ(e.rfind("pp>[8,", 0), 0u) << e;
   EXPECT_EQ(e.substr(e.size() - std::string("devices]").size()), "devices]") << e;
-  EXPECT_EQ(std::count(e.begin(), e.end(), '\xA6'), 1) << e;   // one ellipsis (U+2026 ends in 0xA6), not two
+  EXPECT_EQ(std::count(e.begin(), e.end(), '\xA6'), 1) << e;  // one ellipsis (U+2026 ends in 0xA6), not two
   const std::string m = elide_middle("measured compute", 12);
-  EXPECT_EQ(m, "measur…mpute");   // the head gets the odd character
+  EXPECT_EQ(m, "measur…mpute");  // the head gets the odd character
   EXPECT_NE(m, "ed compute");
-  EXPECT_EQ(elide_middle("compute", 7), "compute");   // fits: unchanged
+  EXPECT_EQ(elide_middle("compute", 7), "compute");  // fits: unchanged
   EXPECT_EQ(elide_middle("compute", 0), "…");
   // Never splits a code point; a measuring function (pixels) is honoured.
   EXPECT_EQ(utf8_length(elide_middle("ééééééééé", 5)), 5);
@@ -545,10 +552,10 @@ TEST(GuiScale, UnitsScaleWithTheValue) {
   EXPECT_EQ(format_bytes(212.0 * 1024 * 1024), "212 MiB");
   EXPECT_EQ(format_bytes(62.5 * 1024 * 1024), "62.5 MiB");
   EXPECT_EQ(format_bytes(7.49 * 1024 * 1024 * 1024), "7.49 GiB");
-  EXPECT_EQ(format_bytes(1023.999 * 1024), "1.00 MiB");   // never "1024 KiB"
+  EXPECT_EQ(format_bytes(1023.999 * 1024), "1.00 MiB");  // never "1024 KiB"
   EXPECT_EQ(format_percent(0.106), "10.6 %");
   EXPECT_EQ(format_percent(0.0421), "4.21 %");
-  EXPECT_EQ(format_percent(0.000213), "0.0213 %");   // a tiny model's MFU is not "0.0 %"
+  EXPECT_EQ(format_percent(0.000213), "0.0213 %");  // a tiny model's MFU is not "0.0 %"
   EXPECT_EQ(format_percent(0), "0 %");
   EXPECT_EQ(format_signed_percent(0.1), "+10.0 %");
   EXPECT_EQ(format_signed_percent(-0.0042), "-0.420 %");
@@ -655,7 +662,8 @@ void check_folded_view(int dp) {
   EXPECT_GT(pp_lanes, 8);
   // Screenshot: not blank, op colours present, and exactly 8 folded-row bands in the gutter.
   const QImage shot = view->grab().toImage();
-  ASSERT_TRUE(shot.save(QString::fromStdString((screenshot_dir() / ("studio-" + std::to_string(8 * dp) + "-folded.png")).string())));
+  ASSERT_TRUE(shot.save(
+      QString::fromStdString((screenshot_dir() / ("studio-" + std::to_string(8 * dp) + "-folded.png")).string())));
   std::set<QRgb> colours;
   for (int y = 0; y < shot.height(); y += 3)
     for (int x = 0; x < shot.width(); x += 3) colours.insert(shot.pixel(x, y) & 0xFFFFFF);
@@ -673,7 +681,8 @@ void check_folded_view(int dp) {
   EXPECT_TRUE(view->group_expanded(0, 3));
   EXPECT_EQ(view->row_label(0, 4), "dev 11");
   const QImage expanded = view->grab().toImage();
-  EXPECT_EQ(colour_runs(expanded, 2, body_top, view->height() - 160, folded_band), 3);   // stages 0-2 (the rest scrolled below)
+  EXPECT_EQ(colour_runs(expanded, 2, body_top, view->height() - 160, folded_band),
+            3);  // stages 0-2 (the rest scrolled below)
   QTest::mouseClick(view, Qt::LeftButton, Qt::NoModifier, QPoint(20, view->row_top(0, 5) + 5));
   EXPECT_EQ(view->visible_rows(), 8);
   view->set_fold_mode(FoldMode::Off);
@@ -697,10 +706,12 @@ void check_folded_view(int dp) {
   const int memory_top = view->height() - std::min(150, view->height() / 4);
   for (int y = memory_top; y < view->height(); ++y) swatches.insert(shot.pixel(12, y) & 0xFFFFFF);
   for (QRgb c : curve_colours) EXPECT_TRUE(swatches.count(c & 0xFFFFFF)) << std::hex << c;
-  const QString tip = view->describe_memory(QPointF((view->plot_left() + view->plot_right()) / 2.0, view->height() - 40));
-  for (const char* word : {"peak by kind:", "weights", "gradients", "optimizer state", "activations", "curve of device"})
+  const QString tip =
+      view->describe_memory(QPointF((view->plot_left() + view->plot_right()) / 2.0, view->height() - 40));
+  for (const char* word :
+       {"peak by kind:", "weights", "gradients", "optimizer state", "activations", "curve of device"})
     EXPECT_TRUE(tip.contains(word)) << word << " in " << tip.toStdString();
-  EXPECT_TRUE(view->describe_memory(QPointF(300, 100)).isEmpty());   // not in the memory pane
+  EXPECT_TRUE(view->describe_memory(QPointF(300, 100)).isEmpty());  // not in the memory pane
 }
 
 }  // namespace
@@ -777,8 +788,11 @@ TEST(GuiStudio, MeasuredOverlayShowsTheErrorPerOpAndPerLane) {
   EXPECT_TRUE(predicted_tip.contains("error +10.0 %")) << predicted_tip.toStdString();
   // The lane's label in the gutter: its tooltip sums the lane up.
   QString gutter;
-  for (int y = view->row_top(0, 0); y < view->row_top(0, 1) && !gutter.contains("measured compute"); ++y) gutter = view->describe_gutter(QPointF(60, y));
-  EXPECT_TRUE(gutter.contains("vs predicted: " + QString::number(m.size()) + " of " + QString::number(m.size()) + " ops matched")) << gutter.toStdString();
+  for (int y = view->row_top(0, 0); y < view->row_top(0, 1) && !gutter.contains("measured compute"); ++y)
+    gutter = view->describe_gutter(QPointF(60, y));
+  EXPECT_TRUE(gutter.contains("vs predicted: " + QString::number(m.size()) + " of " + QString::number(m.size()) +
+                              " ops matched"))
+      << gutter.toStdString();
   EXPECT_TRUE(gutter.contains("(+10.0 %)")) << gutter.toStdString();
   // A lane not of the same stream has no error to give.
   Track copy = *view->tracks().at(0);
@@ -796,8 +810,10 @@ TEST(GuiReport, PerDeviceTableFoldsEqualDevicesAt256) {
   const std::string html = report_html({{"", run.report}});
   EXPECT_EQ(html.find("not listed"), std::string::npos);
   for (int s = 0; s < 8; ++s)
-    EXPECT_NE(html.find("<td>" + std::to_string(s) + "," + std::to_string(s + 8) + ",…," + std::to_string(s + 248) + "&nbsp;×32</td>"),
-              std::string::npos) << s;
+    EXPECT_NE(html.find("<td>" + std::to_string(s) + "," + std::to_string(s + 8) + ",…," + std::to_string(s + 248) +
+                        "&nbsp;×32</td>"),
+              std::string::npos)
+        << s;
   // Up to max_device_rows devices: one row each, as before.
   const std::string small = report_html({{"", run_scenario(small_scenario()).report}});
   EXPECT_NE(small.find("<td>7</td>"), std::string::npos);
@@ -811,7 +827,8 @@ TEST(GuiStudio, FoldOptionOfTheCommandLine) {
   std::ofstream(scenario) << scale_scenario(32).to_json().dump();
   const auto png = (dir / "studio-256-fold-stage.png").string();
   std::filesystem::remove(png);
-  const std::string base = std::string("QT_QPA_PLATFORM=offscreen '") + PIPER_STUDIO + "' --screenshot '" + png + "' '" + scenario + "'";
+  const std::string base =
+      std::string("QT_QPA_PLATFORM=offscreen '") + PIPER_STUDIO + "' --screenshot '" + png + "' '" + scenario + "'";
   ASSERT_EQ(std::system((base + " --fold stage > /dev/null 2>&1").c_str()), 0);
   EXPECT_FALSE(QImage(png.c_str()).isNull());
   const auto err = (dir / "fold-error.txt").string();

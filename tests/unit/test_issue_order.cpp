@@ -43,8 +43,9 @@ std::string first_inversion(const core::Program& program) {
           if (static_cast<std::size_t>(w.stream) != s) continue;
           if (w.index < latest)
             return "plan " + std::to_string(p) + " stream '" + plan.streams[s].name + "': '" + op.label +
-                   "' waits for op " + std::to_string(w.index) + " (" + plan.streams[s].ops[static_cast<std::size_t>(w.index)].label +
-                   "), issued before op " + std::to_string(latest) + " that the earlier '" + latest_label + "' waits for";
+                   "' waits for op " + std::to_string(w.index) + " (" +
+                   plan.streams[s].ops[static_cast<std::size_t>(w.index)].label + "), issued before op " +
+                   std::to_string(latest) + " that the earlier '" + latest_label + "' waits for";
           latest = w.index;
           latest_label = op.label;
         }

@@ -85,19 +85,25 @@ TEST(KernelTable, RemovesTheDispatchLatencyOfSingleLaunchGemmTimings) {
   const double big = 2.0 * 32768 * 8192 * 8192, small = 2.0 * 512 * 1024 * 1024;
   double big_raw = 0, small_raw = 0;
   for (const auto& g : raw_table()["gemm"]) {
-    if (g["dtype"] == "bf16" && g["m"] == 32768 && g["k"] == 8192 && g["n"] == 8192) big_raw = g["tflops"].get<double>() * 1e12;
-    if (g["dtype"] == "bf16" && g["m"] == 512 && g["k"] == 1024 && g["n"] == 1024) small_raw = g["tflops"].get<double>() * 1e12;
+    if (g["dtype"] == "bf16" && g["m"] == 32768 && g["k"] == 8192 && g["n"] == 8192)
+      big_raw = g["tflops"].get<double>() * 1e12;
+    if (g["dtype"] == "bf16" && g["m"] == 512 && g["k"] == 1024 && g["n"] == 1024)
+      small_raw = g["tflops"].get<double>() * 1e12;
   }
   expect_rel(t->gemm_rate("bf16", 32768, 8192, 8192), big / (big / big_raw - t->gemm_dispatch_latency_s));
-  expect_rel(t->gemm_rate("bf16", 512, 1024, 1024), small / std::max(small / small_raw - t->gemm_dispatch_latency_s, small / small_raw / 4));
+  expect_rel(t->gemm_rate("bf16", 512, 1024, 1024),
+             small / std::max(small / small_raw - t->gemm_dispatch_latency_s, small / small_raw / 4));
   // A table without the key keeps its GEMMs as given.
   const json plain = {{"gemm", {{{"dtype", "bf16"}, {"m", 512}, {"k", 1024}, {"n", 1024}, {"tflops", 10}}}},
-                      {"attention", json::array()}, {"memory_bound", json::array()}, {"adamw", json::array()}};
+                      {"attention", json::array()},
+                      {"memory_bound", json::array()},
+                      {"adamw", json::array()}};
   EXPECT_EQ(KernelTable::from_json(plain, "plain.json").gemm_dispatch_latency_s, 0);
   EXPECT_EQ(KernelTable::from_json(plain, "plain.json").gemm.front().flops_per_s, 10e12);
   json bad = plain;
   bad["gemm_dispatch_latency"] = "guess";
-  EXPECT_NE(error_of([&] { KernelTable::from_json(bad, "bad.json"); }).find("gemm_dispatch_latency"), std::string::npos);
+  EXPECT_NE(error_of([&] { KernelTable::from_json(bad, "bad.json"); }).find("gemm_dispatch_latency"),
+            std::string::npos);
 }
 
 TEST(KernelTable, MeasuredShapesReturnTheirMeasurement) {
@@ -108,8 +114,10 @@ TEST(KernelTable, MeasuredShapesReturnTheirMeasurement) {
   expect_rel(t->gemm_rate("fp8", 8192, 4096, 4096), measured_gemm("fp8", 8192, 4096, 4096));
   expect_rel(t->gemm_rate("fp16", 512, 1024, 1024), measured_gemm("bf16", 512, 1024, 1024));  // fp16 runs as bf16
   for (const auto& a : raw_table()["attention"]) {
-    expect_rel(t->attention_rate(false, a["b"], a["s"], a["heads"], a["head_dim"]), a["fwd_tflops"].get<double>() * 1e12);
-    expect_rel(t->attention_rate(true, a["b"], a["s"], a["heads"], a["head_dim"]), a["bwd_tflops"].get<double>() * 1e12);
+    expect_rel(t->attention_rate(false, a["b"], a["s"], a["heads"], a["head_dim"]),
+               a["fwd_tflops"].get<double>() * 1e12);
+    expect_rel(t->attention_rate(true, a["b"], a["s"], a["heads"], a["head_dim"]),
+               a["bwd_tflops"].get<double>() * 1e12);
   }
   for (const auto& m : raw_table()["memory_bound"]) {
     const double bytes = m["gbps"].get<double>() * 1e9 * m["s"].get<double>();
@@ -203,7 +211,8 @@ TEST(KernelTable, TimesKernelsByHand) {
   expect_rel(kt.seconds(loss), fused_loss / t->memory_rate("cross_entropy_fwd_fp32", fused_loss) + t->launch_floor_s);
   expect_rel(kt.seconds(act), eager_bytes / t->memory_rate("silu_mul", eager_bytes / 2) + 2 * t->launch_floor_s);
   kt.profile = RuntimeProfile::Eager;
-  expect_rel(kt.seconds(loss), eager_loss / t->memory_rate("cross_entropy_fwd_fp32", eager_loss / 2) + 2 * t->launch_floor_s);
+  expect_rel(kt.seconds(loss),
+             eager_loss / t->memory_rate("cross_entropy_fwd_fp32", eager_loss / 2) + 2 * t->launch_floor_s);
   EXPECT_EQ(runtime_profile_from_string(to_string(RuntimeProfile::EagerFusedLoss)), RuntimeProfile::EagerFusedLoss);
 }
 
@@ -240,7 +249,8 @@ TEST(KernelTable, CostModelSumsTheKernelsOfAnOp) {
   // Without a table (the A100 preset with "kernel_table": "") the kernels are still listed and timed,
   // GEMMs by the GPU's curve: 312 TFLOP/s x 0.75 x f / (f + 2 GFLOP), plus the 2 µs floor; element-wise
   // at 2,039 GB/s.
-  const Cluster a100 = cluster_from_text(R"({"preset": "dgx-a100-80g", "node": {"gpu": {"kernel_table": ""}}})", "c.json");
+  const Cluster a100 =
+      cluster_from_text(R"({"preset": "dgx-a100-80g", "node": {"gpu": {"kernel_table": ""}}})", "c.json");
   EXPECT_TRUE(a100.gpu(0).kernel_table.empty());
   const KernelTiming curve = CostModel(a100).timing(0);
   core::Kernel g;
@@ -272,10 +282,12 @@ TEST(KernelTable, ClusterFieldsAndTableFilesAreChecked) {
   EXPECT_EQ(load_cluster("dgx-h200").gpu(0).kernel_table, "h200-sxm");
   EXPECT_EQ(load_cluster("dgx-h100").gpu(0).kernel_table, "h100-sxm");
   auto cl = [](const std::string& text) { return cluster_from_text(text, "c.json"); };
-  EXPECT_NE(error_of([&] { cl(R"({"preset": "dgx-h200", "runtime": "lazy"})"); }).find("field 'runtime'"), std::string::npos);
+  EXPECT_NE(error_of([&] { cl(R"({"preset": "dgx-h200", "runtime": "lazy"})"); }).find("field 'runtime'"),
+            std::string::npos);
   EXPECT_EQ(cl(R"({"preset": "dgx-h200", "runtime": "eager"})").runtime, "eager");
   EXPECT_EQ(cl(R"({"preset": "dgx-h200", "runtime": "eager-fused-loss"})").runtime, "eager-fused-loss");
-  const std::string e = error_of([&] { cl(R"({"preset": "dgx-h200", "node": {"gpu": {"kernel_table": "nope.json"}}})"); });
+  const std::string e =
+      error_of([&] { cl(R"({"preset": "dgx-h200", "node": {"gpu": {"kernel_table": "nope.json"}}})"); });
   EXPECT_NE(e.find("field 'node.gpu.kernel_table'"), std::string::npos) << e;
   EXPECT_EQ(cl(R"({"preset": "dgx-h200", "node": {"gpu": {"kernel_table": ""}}})").gpu(0).kernel_table, "");
   // A table file: a base table with scaled memory, and a broken one.
@@ -325,7 +337,8 @@ TEST(KernelTable, AttentionKernelsScaleTheTablesAttention) {
   ASSERT_EQ(h->attention_kernels.count("fa2"), 1u);
   expect_rel(h->attention_kernels.at("fa2").fwd_scale, tflops[0] / tflops[2], 1e-5);
   expect_rel(h->attention_kernels.at("fa2").bwd_scale, tflops[1] / tflops[3], 1e-5);
-  EXPECT_DOUBLE_EQ(load_kernel_table("h200-sxm")->attention_kernels.at("fa2").fwd_scale, h->attention_kernels.at("fa2").fwd_scale);
+  EXPECT_DOUBLE_EQ(load_kernel_table("h200-sxm")->attention_kernels.at("fa2").fwd_scale,
+                   h->attention_kernels.at("fa2").fwd_scale);
   EXPECT_DOUBLE_EQ(load_kernel_table("a100-80gb-sxm")->attention_kernels.at("fa2").bwd_scale, 1.0);
 
   // Timing: the same kernel under cuDNN (the table) and FA2.
@@ -344,20 +357,26 @@ TEST(KernelTable, AttentionKernelsScaleTheTablesAttention) {
   const double causal_bwd = 2.5 * 2.0 * 32 * 8192 * 8192 * 256;
   expect_rel(kt.seconds(a), causal_bwd / t->attention_rate(true, 2, 8192, 32, 128) + t->launch_floor_s);
   kt.attention_kernel = t->attention_kernels.at("fa2");
-  expect_rel(kt.seconds(a), causal_bwd / (t->attention_rate(true, 2, 8192, 32, 128) * tflops[1] / tflops[3]) + t->launch_floor_s, 1e-5);
+  expect_rel(kt.seconds(a),
+             causal_bwd / (t->attention_rate(true, 2, 8192, 32, 128) * tflops[1] / tflops[3]) + t->launch_floor_s,
+             1e-5);
 
   // The cluster names it; a table without it is refused in one line naming the field and what exists.
   auto cl = [](const std::string& text) { return cluster_from_text(text, "c.json"); };
   EXPECT_EQ(cl(R"({"preset": "dgx-h100", "attention_kernel": "fa2"})").attention_kernel, "fa2");
-  EXPECT_NE(error_of([&] { cl(R"({"preset": "dgx-h100", "attention_kernel": 2})"); }).find("field 'attention_kernel'"), std::string::npos);
+  EXPECT_NE(error_of([&] { cl(R"({"preset": "dgx-h100", "attention_kernel": 2})"); }).find("field 'attention_kernel'"),
+            std::string::npos);
   const Cluster fa2 = cl(R"({"preset": "dgx-h100", "attention_kernel": "fa2"})");
   EXPECT_DOUBLE_EQ(CostModel(fa2).timing(0).attention_kernel.fwd_scale, h->attention_kernels.at("fa2").fwd_scale);
   const Cluster fa9 = cl(R"({"preset": "dgx-h100", "attention_kernel": "fa9"})");
   const std::string e = error_of([&] { CostModel{fa9}; });
-  EXPECT_NE(e.find("field 'attention_kernel': kernel table 'h100-sxm' has no attention kernel 'fa9' (it has: fa2)"), std::string::npos) << e;
+  EXPECT_NE(e.find("field 'attention_kernel': kernel table 'h100-sxm' has no attention kernel 'fa9' (it has: fa2)"),
+            std::string::npos)
+      << e;
   // A table file's variants are checked like its entries.
   const std::string dir = ::testing::TempDir() + "/ak-" + std::to_string(::getpid());
   std::filesystem::create_directories(dir);
   std::ofstream(dir + "/ak.json") << R"({"base": "h200-sxm", "attention_kernels": {"mine": {"fwd_scale": 0.5}}})";
-  EXPECT_NE(error_of([&] { load_kernel_table(dir + "/ak.json"); }).find("attention_kernels.mine.bwd_scale"), std::string::npos);
+  EXPECT_NE(error_of([&] { load_kernel_table(dir + "/ak.json"); }).find("attention_kernels.mine.bwd_scale"),
+            std::string::npos);
 }

@@ -128,7 +128,8 @@ TEST(KernelTablePresets, A100CopyAtTheCitedSizeTakesTheCitedBandwidth) {
   // The A100 40 GB stream 'scale' bandwidth, cited as the copy class at the bytes one launch moved.
   const json e = cited_entry(raw("kernels-a100-40gb-sxm.json"), "memory_bound", "rrze-stream-a100-40", "copy");
   const double bytes = e["bytes"], rate = e["gbps"].get<double>() * 1e9;
-  const Cluster c = cluster_from_text(R"({"preset": "dgx-a100-80g", "node": {"gpu": {"kernel_table": "a100-40gb-sxm"}}})", "c.json");
+  const Cluster c =
+      cluster_from_text(R"({"preset": "dgx-a100-80g", "node": {"gpu": {"kernel_table": "a100-40gb-sxm"}}})", "c.json");
   const KernelTiming kt = CostModel(c).timing(0);
   // A permute reads and writes its bf16 tensor once: 4 bytes per element, one launch (copy class).
   core::Kernel p;
@@ -140,19 +141,22 @@ TEST(KernelTablePresets, A100CopyAtTheCitedSizeTakesTheCitedBandwidth) {
 
 TEST(KernelTablePresets, DerivedEntriesFollowTheirRule) {
   // a100-compute: the H200 measurement x the ratio of the two cited MAMF figures (A100 SXM / H100 SXM).
-  const json a100 = raw("kernels-a100-80gb-sxm.json"), h100 = raw("kernels-h100-sxm.json"), h200 = raw("kernels-h200-sxm.json");
-  const double ratio = cited_entry(a100, "gemm", "mamf")["tflops"].get<double>() /
-                       [&] {
-                         for (const auto& e : h100["gemm"])
-                           if (e.contains("source") && e["source"]["ref"] == "mamf" && e["dtype"] == "bf16") return e["tflops"].get<double>();
-                         return 0.0;
-                       }();
+  const json a100 = raw("kernels-a100-80gb-sxm.json"), h100 = raw("kernels-h100-sxm.json"),
+             h200 = raw("kernels-h200-sxm.json");
+  const double ratio = cited_entry(a100, "gemm", "mamf")["tflops"].get<double>() / [&] {
+    for (const auto& e : h100["gemm"])
+      if (e.contains("source") && e["source"]["ref"] == "mamf" && e["dtype"] == "bf16")
+        return e["tflops"].get<double>();
+    return 0.0;
+  }();
   const auto h200t = load_kernel_table("h200-sxm"), a100t = load_kernel_table("a100-80gb-sxm");
   double h200_rate = 0, a100_rate = 0;
   for (const auto& g : h200["gemm"])
-    if (g["dtype"] == "bf16" && g["m"] == 8192 && g["k"] == 4096 && g["n"] == 14336) h200_rate = g["tflops"].get<double>() * 1e12;
+    if (g["dtype"] == "bf16" && g["m"] == 8192 && g["k"] == 4096 && g["n"] == 14336)
+      h200_rate = g["tflops"].get<double>() * 1e12;
   for (const auto& g : a100["gemm"])
-    if (g["dtype"] == "bf16" && g["m"] == 8192 && g["k"] == 4096 && g["n"] == 14336) a100_rate = g["tflops"].get<double>() * 1e12;
+    if (g["dtype"] == "bf16" && g["m"] == 8192 && g["k"] == 4096 && g["n"] == 14336)
+      a100_rate = g["tflops"].get<double>() * 1e12;
   ASSERT_GT(h200_rate, 0);
   // The file's derived entry is the H200's measurement times the ratio; both tables then take off the
   // dispatch latency their single-launch timings carry (the A100's, its curves' own estimate: the
@@ -169,22 +173,26 @@ TEST(KernelTablePresets, CitationsAreCheckedOnLoad) {
     std::ofstream(dir + "/" + name) << text;
     return error_of([&] { load_kernel_table(dir + "/" + name); });
   };
-  const std::string head = R"("cited": true, "sources": {"s": {"url": "https://example.org"}}, "rules": {"r": "x 0.5"})";
+  const std::string head =
+      R"("cited": true, "sources": {"s": {"url": "https://example.org"}}, "rules": {"r": "x 0.5"})";
   const std::string entry = R"("dtype": "bf16", "m": 512, "k": 1024, "n": 1024, "tflops": 10)";
   // Sound: one cited and one derived entry.
-  std::ofstream(dir + "/ok.json") << "{" << head << R"(, "gemm": [{)" << entry << R"(, "source": {"ref": "s", "quote": "10"}}, {)"
-                                  << entry << R"(, "derived": "r"}]})";
+  std::ofstream(dir + "/ok.json") << "{" << head << R"(, "gemm": [{)" << entry
+                                  << R"(, "source": {"ref": "s", "quote": "10"}}, {)" << entry
+                                  << R"(, "derived": "r"}]})";
   EXPECT_EQ(load_kernel_table(dir + "/ok.json")->gemm.size(), 2u);
   std::string e = error_for("none.json", "{" + head + R"(, "gemm": [{)" + entry + "}]}");
   EXPECT_NE(e.find("gemm[0]"), std::string::npos) << e;
   EXPECT_NE(e.find("\"source\""), std::string::npos) << e;
   e = error_for("noquote.json", "{" + head + R"(, "gemm": [{)" + entry + R"(, "source": {"ref": "s"}}]})");
   EXPECT_NE(e.find("gemm[0].source.quote"), std::string::npos) << e;
-  e = error_for("badref.json", "{" + head + R"(, "gemm": [{)" + entry + R"(, "source": {"ref": "t", "quote": "10"}}]})");
+  e = error_for("badref.json",
+                "{" + head + R"(, "gemm": [{)" + entry + R"(, "source": {"ref": "t", "quote": "10"}}]})");
   EXPECT_NE(e.find("gemm[0].source.ref"), std::string::npos) << e;
   e = error_for("badrule.json", "{" + head + R"(, "gemm": [{)" + entry + R"(, "derived": "q"}]})");
   EXPECT_NE(e.find("gemm[0].derived"), std::string::npos) << e;
-  e = error_for("both.json", "{" + head + R"(, "gemm": [{)" + entry + R"(, "derived": "r", "source": {"url": "https://x", "quote": "10"}}]})");
+  e = error_for("both.json", "{" + head + R"(, "gemm": [{)" + entry +
+                                 R"(, "derived": "r", "source": {"url": "https://x", "quote": "10"}}]})");
   EXPECT_NE(e.find("both"), std::string::npos) << e;
   e = error_for("nourl.json", R"({"sources": {"s": {"title": "t"}}})");
   EXPECT_NE(e.find("sources.s.url"), std::string::npos) << e;

@@ -196,7 +196,8 @@ TEST(Kernels, OpLevelRecomputationKeepsEveryOtherMatmulByHand) {
       EXPECT_DOUBLE_EQ(a.recompute_flops, 2 * T * h * f);  // w3
       ++seen;
     } else if (layer.kind == LayerKind::Norm) {
-      EXPECT_EQ(a.activation_bytes, layer.name.ends_with("attn_norm") ? static_cast<std::int64_t>(T * h * dt) : 0) << layer.name;
+      EXPECT_EQ(a.activation_bytes, layer.name.ends_with("attn_norm") ? static_cast<std::int64_t>(T * h * dt) : 0)
+          << layer.name;
       EXPECT_DOUBLE_EQ(a.recompute_flops, b.forward_flops) << layer.name;
       ++seen;
     }

@@ -37,7 +37,9 @@ class Limits : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
 
   // Runs piper in the scratch folder (so relative outputs land there), with optional environment.
-  CliResult run(const std::string& args, const std::string& env = "") const { return run_cli_in(dir_, PIPER_CLI, args, env); }
+  CliResult run(const std::string& args, const std::string& env = "") const {
+    return run_cli_in(dir_, PIPER_CLI, args, env);
+  }
 
   // The limit contract: exit 2, no stdout, one stderr line naming the limit and both ways to raise
   // it, and no file written besides the inputs the test created.
@@ -49,7 +51,8 @@ class Limits : public ::testing::Test {
     EXPECT_NE(r.err.find("limit '" + limit + "'"), std::string::npos) << r.err;
     EXPECT_NE(r.err.find("--limit " + limit + "=N"), std::string::npos) << r.err;
     std::string env = "PIPER_LIMIT_" + limit;
-    std::transform(env.begin(), env.end(), env.begin(), [](char c) { return c == '-' ? '_' : static_cast<char>(std::toupper(c)); });
+    std::transform(env.begin(), env.end(), env.begin(),
+                   [](char c) { return c == '-' ? '_' : static_cast<char>(std::toupper(c)); });
     EXPECT_NE(r.err.find(env + "=N"), std::string::npos) << r.err;
     for (const auto& f : fragments) EXPECT_NE(r.err.find(f), std::string::npos) << "missing '" << f << "' in " << r.err;
     for (const auto& entry : fs::directory_iterator(dir_))
@@ -96,8 +99,9 @@ TEST_F(Limits, MillionMicrobatchesRefused) {
 }
 
 TEST_F(Limits, MillionMicrobatchesInASplitDirectiveRefused) {
-  input("split.json",
-        R"([{"op": "split", "filter": {}, "num_microbatches": 1000000}, {"op": "place", "filter": {}, "devices": [0]}])");
+  input(
+      "split.json",
+      R"([{"op": "split", "filter": {}, "num_microbatches": 1000000}, {"op": "place", "filter": {}, "devices": [0]}])");
   expect_refused(run("compile --model qwen3-9m --directives split.json -o plan.json"), "microbatches",
                  {"split.json", "directive 0", "num_microbatches"});
 }
@@ -164,18 +168,19 @@ TEST_F(Limits, SweepWithTooManyCombinationsRefused) {
   std::string list = "[1";
   for (int i = 2; i <= 400; ++i) list.append(",").append(std::to_string(i));
   list += "]";
-  input("sweep.json", R"({"model": "qwen3-9m", "engine": "analytic", "pp": )" + list + R"(, "microbatches": )" + list + "}");
+  input("sweep.json",
+        R"({"model": "qwen3-9m", "engine": "analytic", "pp": )" + list + R"(, "microbatches": )" + list + "}");
   expect_refused(run("sweep sweep.json -o rows.csv"), "sweep-runs", {"sweep.json", "160000 combinations"});
 }
 
 TEST_F(Limits, DagNodesLimitStopsTheCompile) {
-  expect_refused(run("--limit dag-nodes=100 compile --model qwen3-9m --pp 2 --microbatches 4 -o plan.json"), "dag-nodes",
-                 {"DAG", "nodes exceeds the limit of 100"});
+  expect_refused(run("--limit dag-nodes=100 compile --model qwen3-9m --pp 2 --microbatches 4 -o plan.json"),
+                 "dag-nodes", {"DAG", "nodes exceeds the limit of 100"});
   // A split that would pass the limit is refused before copying, naming its directive.
   input("split.json",
         R"([{"op": "split", "filter": {}, "num_microbatches": 64}, {"op": "place", "filter": {}, "devices": [0]}])");
-  expect_refused(run("--limit dag-nodes=1000 compile --model qwen3-9m --directives split.json -o plan.json"), "dag-nodes",
-                 {"split.json", "directive 0", "num_microbatches"});
+  expect_refused(run("--limit dag-nodes=1000 compile --model qwen3-9m --directives split.json -o plan.json"),
+                 "dag-nodes", {"split.json", "directive 0", "num_microbatches"});
 }
 
 TEST_F(Limits, SimulatedOpsLimitStopsTheSimulation) {

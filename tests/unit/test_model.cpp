@@ -63,10 +63,10 @@ double max_region_flops(const Model& m) {
 
 // Published totals (model cards / papers); 1% covers rounding in the published figure.
 TEST(ModelParams, PublishedTotalsWithinOnePercent) {
-  EXPECT_LT(rel(zoo_model("llama3-8b").parameter_count(), 8.03e9), 0.01);    // Meta Llama 3 model card
-  EXPECT_LT(rel(zoo_model("llama3-70b").parameter_count(), 70.6e9), 0.01);   // Meta Llama 3 model card
-  EXPECT_LT(rel(zoo_model("gpt3-175b").parameter_count(), 175e9), 0.01);     // Brown et al. 2020
-  EXPECT_LT(rel(zoo_model("deepseek-v3").parameter_count(), 671e9), 0.01);   // DeepSeek-V3 report, no MTP
+  EXPECT_LT(rel(zoo_model("llama3-8b").parameter_count(), 8.03e9), 0.01);      // Meta Llama 3 model card
+  EXPECT_LT(rel(zoo_model("llama3-70b").parameter_count(), 70.6e9), 0.01);     // Meta Llama 3 model card
+  EXPECT_LT(rel(zoo_model("gpt3-175b").parameter_count(), 175e9), 0.01);       // Brown et al. 2020
+  EXPECT_LT(rel(zoo_model("deepseek-v3").parameter_count(), 671e9), 0.01);     // DeepSeek-V3 report, no MTP
   EXPECT_LT(rel(zoo_model("qwen3-30b-a3b").parameter_count(), 30.5e9), 0.01);  // Qwen3 report
 }
 
@@ -199,7 +199,7 @@ TEST(ModelStructure, SharedExpertPrecedesRouter) {
   for (const Layer& l : m.layers())
     if (l.block == 3) block3.push_back(l.name);
   EXPECT_EQ(block3, (std::vector<std::string>{"layers.3.attn_norm", "layers.3.attn", "layers.3.mlp_norm",
-                                               "layers.3.shared_mlp", "layers.3.router", "layers.3.experts"}));
+                                              "layers.3.shared_mlp", "layers.3.router", "layers.3.experts"}));
 }
 
 TEST(ModelBuilderTest, ScopesNumberAndNest) {
@@ -363,8 +363,12 @@ TEST(ModelJson, HuggingFaceImports) {
 }
 
 TEST(ModelJson, HuggingFaceByArchitecturesAndDefaults) {
-  json j = {{"architectures", {"LlamaForCausalLM"}}, {"vocab_size", 1000}, {"hidden_size", 64},
-            {"num_hidden_layers", 2},   {"num_attention_heads", 4},  {"intermediate_size", 128}};
+  json j = {{"architectures", {"LlamaForCausalLM"}},
+            {"vocab_size", 1000},
+            {"hidden_size", 64},
+            {"num_hidden_layers", 2},
+            {"num_attention_heads", 4},
+            {"intermediate_size", 128}};
   const ModelConfig c = config_from_hf_json(j, "mini.json");
   EXPECT_EQ(c.kv_heads, 4);   // defaults to num_attention_heads
   EXPECT_EQ(c.head_dim, 16);  // defaults to hidden/heads
@@ -637,10 +641,10 @@ TEST(HuggingFaceImport, UnmodelledFieldsGetOneWarningLine) {
   hf_quiet("deepseek-v3.json", &unmodelled);
   EXPECT_EQ(unmodelled, (std::vector<std::string>{"n_group", "topk_group", "num_nextn_predict_layers"}));
   // Every other test config is fully read or known to be irrelevant to cost.
-  for (const char* file : {"llama-3.1-8b.json", "llama3-8b.json", "mistral-7b-v0.1.json", "mixtral-8x7b-v0.1.json",
-                           "qwen2.5-7b.json", "qwen3-8b.json", "qwen3-30b-a3b.json", "deepseek-v2-lite.json",
-                           "gemma-2-9b.json", "gemma-3-1b.json", "phi-3-mini-4k-instruct.json", "gpt2.json",
-                           "gpt-neox-20b.json"}) {
+  for (const char* file :
+       {"llama-3.1-8b.json", "llama3-8b.json", "mistral-7b-v0.1.json", "mixtral-8x7b-v0.1.json", "qwen2.5-7b.json",
+        "qwen3-8b.json", "qwen3-30b-a3b.json", "deepseek-v2-lite.json", "gemma-2-9b.json", "gemma-3-1b.json",
+        "phi-3-mini-4k-instruct.json", "gpt2.json", "gpt-neox-20b.json"}) {
     hf_quiet(file, &unmodelled);
     EXPECT_TRUE(unmodelled.empty()) << file << ": " << (unmodelled.empty() ? "" : unmodelled[0]);
   }

@@ -29,7 +29,9 @@ int pixels_like(const QImage& image, QColor c) {
   for (int y = 0; y < image.height(); ++y)
     for (int x = 0; x < image.width(); ++x) {
       const QColor p = image.pixelColor(x, y);
-      if (std::abs(p.red() - c.red()) < 12 && std::abs(p.green() - c.green()) < 12 && std::abs(p.blue() - c.blue()) < 12) ++n;
+      if (std::abs(p.red() - c.red()) < 12 && std::abs(p.green() - c.green()) < 12 &&
+          std::abs(p.blue() - c.blue()) < 12)
+        ++n;
     }
   return n;
 }
@@ -102,7 +104,11 @@ TEST(PlotCli, PlotsColumnsOfACsvBySeries) {
   const fs::path csv = temp("data.csv"), png = temp("cli.png");
   {
     std::ofstream out(csv);
-    out << "name,x,y,status\n" << "a,1,2,ok\n" << "a,2,4,ok\n" << "b,1,3,ok\n" << "b,2,,invalid\n";
+    out << "name,x,y,status\n"
+        << "a,1,2,ok\n"
+        << "a,2,4,ok\n"
+        << "b,1,3,ok\n"
+        << "b,2,,invalid\n";
   }
   CliRun r = run("plot " + csv.string() + " --x x --y y --series name --line -o " + png.string());
   EXPECT_EQ(r.status, 0) << r.output;

@@ -169,7 +169,7 @@ TEST(Program, GroupsConsecutiveAndStrided) {
   std::vector<std::vector<int>> strided = {{0, 6, 12, 18}, {2, 8, 14, 20}, {4, 10, 16, 22}};
   EXPECT_EQ(p.groups(1), strided);
   EXPECT_EQ(p.group_of(1, 14), (std::vector<int>{2, 8, 14, 20}));
-  EXPECT_TRUE(p.group_of(1, 3).empty());             // odd devices are not in the family
+  EXPECT_TRUE(p.group_of(1, 3).empty());                         // odd devices are not in the family
   p.families.push_back(CommFamily{0, 5, 1, FamilyPurpose::Dp});  // 12 devices do not split into groups of 5
   EXPECT_THROW(p.groups(2), PlanError);
 }
@@ -309,7 +309,8 @@ TEST(Program, FromJsonNamesTheField) {
     json j = good;
     j["families"][0]["purpose"] = "pp";
     EXPECT_EQ(error_of(j),
-              "plan: field 'families[0].purpose': unknown family purpose 'pp' (expected one of dp, dp-ep, dp-shard, dp-replicate, ep, tp, "
+              "plan: field 'families[0].purpose': unknown family purpose 'pp' (expected one of dp, dp-ep, dp-shard, "
+              "dp-replicate, ep, tp, "
               "tied-embedding, cp)");
   }
   {
@@ -317,7 +318,9 @@ TEST(Program, FromJsonNamesTheField) {
     // dimension names the plan does not record: refused in one line.
     json j = good;
     j["version"] = 1;
-    EXPECT_EQ(error_of(j), "plan: field 'version': version 1 plans carry no per-op microbatch; compile the plan again with this piper (expected 2)");
+    EXPECT_EQ(error_of(j),
+              "plan: field 'version': version 1 plans carry no per-op microbatch; compile the plan again with this "
+              "piper (expected 2)");
     j["version"] = 3;
     EXPECT_EQ(error_of(j), "plan: field 'version': unsupported version 3 (expected 2)");
   }
@@ -325,10 +328,14 @@ TEST(Program, FromJsonNamesTheField) {
 
 // Family purposes are an enum in memory and the same strings as before in plan files.
 TEST(Program, FamilyPurposeNamesRoundTrip) {
-  const std::vector<std::pair<FamilyPurpose, std::string>> names = {
-      {FamilyPurpose::Dp, "dp"}, {FamilyPurpose::DpEp, "dp-ep"}, {FamilyPurpose::DpShard, "dp-shard"},
-      {FamilyPurpose::DpReplicate, "dp-replicate"}, {FamilyPurpose::Ep, "ep"}, {FamilyPurpose::Tp, "tp"},
-      {FamilyPurpose::TiedEmbedding, "tied-embedding"}, {FamilyPurpose::Cp, "cp"}};
+  const std::vector<std::pair<FamilyPurpose, std::string>> names = {{FamilyPurpose::Dp, "dp"},
+                                                                    {FamilyPurpose::DpEp, "dp-ep"},
+                                                                    {FamilyPurpose::DpShard, "dp-shard"},
+                                                                    {FamilyPurpose::DpReplicate, "dp-replicate"},
+                                                                    {FamilyPurpose::Ep, "ep"},
+                                                                    {FamilyPurpose::Tp, "tp"},
+                                                                    {FamilyPurpose::TiedEmbedding, "tied-embedding"},
+                                                                    {FamilyPurpose::Cp, "cp"}};
   for (const auto& [purpose, name] : names) {
     EXPECT_EQ(to_string(purpose), name);
     EXPECT_EQ(family_purpose_from_string(name), purpose);
@@ -376,8 +383,8 @@ TEST(Program, TensorParallelFieldsRoundTrip) {
 
   Program p = small_program();
   p.num_devices = 4;
-  p.device_sets.push_back({0, 1, 2, 3});                 // set 3
-  p.families.push_back(CommFamily{3, 2, 1, FamilyPurpose::Tp});       // family 1: {0,1} {2,3}
+  p.device_sets.push_back({0, 1, 2, 3});                         // set 3
+  p.families.push_back(CommFamily{3, 2, 1, FamilyPurpose::Tp});  // family 1: {0,1} {2,3}
   p.plan_of_device = {0, 1, 0, 1};
   ProgramSegment plain;
   plain.devices = 2;

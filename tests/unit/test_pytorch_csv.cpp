@@ -64,8 +64,9 @@ TEST(PytorchCsv, ImportedScheduleCompilesAndVerifies) {
 }
 
 TEST(PytorchCsv, InvalidCsvsNameRowAndColumn) {
-  EXPECT_EQ(import_error("0F0,1F0\n1B0,0B0\n"),
-            "x.csv: row 2 (rank 1), column 1: stage 1 is already on rank 0 (row 1, column 2); a stage lives on one rank");
+  EXPECT_EQ(
+      import_error("0F0,1F0\n1B0,0B0\n"),
+      "x.csv: row 2 (rank 1), column 1: stage 1 is already on rank 0 (row 1, column 2); a stage lives on one rank");
   EXPECT_EQ(import_error("0F0,0W0,0I0\n"), "x.csv: row 1 (rank 0), column 2: 0W0 comes before its input gradient 0I0");
   EXPECT_EQ(import_error("0F0,0F1,0B0\n"),
             "x.csv: row 1 (rank 0), column 4: missing microbatch: stage 0 has no backward 0B1 (or 0I1)");
@@ -134,9 +135,11 @@ TEST(PytorchCsv, GoldenDualPipeVInTheOldSpellingReadsAsTheGolden) {
 
 TEST(PytorchCsv, BothSpellingsInOneFileAreAnError) {
   // 0I0 is the new spelling; 0B1 with 0W1 is the old spelling of an input gradient.
-  EXPECT_EQ(import_error("0F0,0F1,0I0,0W0,0B1,0W1\n"),
-            "x.csv: row 1 (rank 0), column 5: mixed spellings: 0B1 has a weight gradient 0W1, so it is an input gradient in the "
-            "PyTorch < 2.5 spelling, but row 1 column 3 writes input gradients as I (PyTorch >= 2.5); use one spelling");
+  EXPECT_EQ(
+      import_error("0F0,0F1,0I0,0W0,0B1,0W1\n"),
+      "x.csv: row 1 (rank 0), column 5: mixed spellings: 0B1 has a weight gradient 0W1, so it is an input gradient in "
+      "the "
+      "PyTorch < 2.5 spelling, but row 1 column 3 writes input gradients as I (PyTorch >= 2.5); use one spelling");
   // Old-spelling errors show the actions as written.
   EXPECT_EQ(import_error("0F0,0W0,0B0\n"), "x.csv: row 1 (rank 0), column 2: 0W0 comes before its input gradient 0B0");
   EXPECT_EQ(import_error("0F0,0B0,0W0,0B0\n"), "x.csv: row 1 (rank 0), column 4: 0B0 is already at row 1, column 2");

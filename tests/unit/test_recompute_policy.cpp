@@ -55,7 +55,8 @@ ModelConfig small_gpt() {
 constexpr double s = 64, b = 2, h = 64, a = 4;
 
 std::string write_spec(const ModelConfig& c) {
-  const std::string path = (std::filesystem::temp_directory_path() / ("piper-rc-" + std::to_string(getpid()) + ".json")).string();
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("piper-rc-" + std::to_string(getpid()) + ".json")).string();
   write_file_atomically(path, config_to_spec_json(c).dump());
   return path;
 }
@@ -87,7 +88,8 @@ std::map<int, BlockView> blocks_of(const Program& p) {
   for (const auto& plan : p.plans) {
     for (const auto& buffer : plan.buffers) {
       if (buffer.kind != BufferKind::Activations || buffer.persistent()) continue;
-      const Op& alloc = plan.streams.at(static_cast<std::size_t>(buffer.alloc.stream)).ops.at(static_cast<std::size_t>(buffer.alloc.index));
+      const Op& alloc = plan.streams.at(static_cast<std::size_t>(buffer.alloc.stream))
+                            .ops.at(static_cast<std::size_t>(buffer.alloc.index));
       if (alloc.kind != OpKind::Compute || alloc.pass != Pass::F) continue;
       const auto& tags = p.segments.at(static_cast<std::size_t>(alloc.segment)).tags;
       if (auto it = tags.find("BLK"); it != tags.end()) out[it->second].stash_bytes += buffer.bytes;
@@ -136,7 +138,8 @@ TEST(RecomputePolicy, FirstBlocksOfEachStage) {
   o.pp = 2, o.microbatches = 2, o.recompute = "full", o.recompute_first = 1;
   const auto blocks = blocks_of(compile_scenario(scenario(o)).result.program);
   ASSERT_EQ(blocks.size(), 4u);
-  for (const auto& [block, v] : blocks) EXPECT_EQ(v.mode, block % 2 == 0 ? Recompute::Full : Recompute::None) << "block " << block;
+  for (const auto& [block, v] : blocks)
+    EXPECT_EQ(v.mode, block % 2 == 0 ? Recompute::Full : Recompute::None) << "block " << block;
 }
 
 // A block selection in a directive program: BLK filters, "every", "first", and their errors.
@@ -151,10 +154,13 @@ TEST(RecomputePolicy, DirectiveFieldsAndErrors) {
   };
   // An explicit block: only block 2, as selective.
   const auto one = blocks_of(compile_with({{"op", "recompute"}, {"filter", {{"BLK", 2}}}, {"mode", "selective"}}));
-  for (const auto& [block, v] : one) EXPECT_EQ(v.mode, block == 2 ? Recompute::Selective : Recompute::None) << "block " << block;
+  for (const auto& [block, v] : one)
+    EXPECT_EQ(v.mode, block == 2 ? Recompute::Selective : Recompute::None) << "block " << block;
   // Every 3rd: block 2 only (blocks 2, 5, ... of 0..3).
-  const auto third = blocks_of(compile_with({{"op", "recompute"}, {"filter", {{"PP", 0}}}, {"mode", "full"}, {"every", 3}}));
-  for (const auto& [block, v] : third) EXPECT_EQ(v.mode, block == 2 ? Recompute::Full : Recompute::None) << "block " << block;
+  const auto third =
+      blocks_of(compile_with({{"op", "recompute"}, {"filter", {{"PP", 0}}}, {"mode", "full"}, {"every", 3}}));
+  for (const auto& [block, v] : third)
+    EXPECT_EQ(v.mode, block == 2 ? Recompute::Full : Recompute::None) << "block " << block;
   auto error_of = [&](const json& recompute) -> std::string {
     try {
       compile_with(recompute);
@@ -186,7 +192,9 @@ TEST(RecomputePolicy, StrategyFlagErrors) {
   o.recompute = "full", o.recompute_first = 1;
   EXPECT_EQ(error_of(o), "--recompute-every and --recompute-first cannot be combined (choose one block selection)");
   o.recompute_every = 0, o.recompute_first = 0, o.recompute = "auto";
-  EXPECT_EQ(error_of(o), "--recompute auto is chosen by the simulator's memory model: use it with piper simulate and --memory-budget GiB");
+  EXPECT_EQ(
+      error_of(o),
+      "--recompute auto is chosen by the simulator's memory model: use it with piper simulate and --memory-budget GiB");
 }
 
 // --recompute auto: with the budget at a candidate's own simulated peak, the choice fits it and is
@@ -211,7 +219,8 @@ TEST(RecomputePolicy, AutoPicksTheFastestPolicyThatFits) {
     EXPECT_LE(full.peak_memory_bytes, t.peak_memory_bytes) << t.policy.name();
     EXPECT_LE(t.peak_memory_bytes, trials.front().peak_memory_bytes) << t.policy.name();
   }
-  EXPECT_LT(trials[5].peak_memory_bytes, trials.front().peak_memory_bytes) << trials[5].policy.name();  // every 2nd: block 1 on stage 0
+  EXPECT_LT(trials[5].peak_memory_bytes, trials.front().peak_memory_bytes)
+      << trials[5].policy.name();  // every 2nd: block 1 on stage 0
   const double gib = 1024.0 * 1024.0 * 1024.0;
   for (const auto& budget_trial : trials) {
     const auto c = piper::sim::choose_recompute(sc, static_cast<double>(budget_trial.peak_memory_bytes) / gib, sim);
@@ -225,6 +234,7 @@ TEST(RecomputePolicy, AutoPicksTheFastestPolicyThatFits) {
     piper::sim::choose_recompute(sc, static_cast<double>(full.peak_memory_bytes - 1024) / gib, sim);
     ADD_FAILURE() << "no error below the least peak";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("no recompute policy fits; the least memory is full with"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("no recompute policy fits; the least memory is full with"), std::string::npos)
+        << e.what();
   }
 }

@@ -48,10 +48,9 @@ constexpr double kLossRelTol = 1e-5;
 constexpr double kParamAbsTol = 1e-4;
 constexpr const char* kOptimizer = " --lr 3e-3 --adam-eps 1e-6";
 
+using piper::test::mpirun;
 using piper::test::Result;
 using piper::test::sh;
-using piper::test::mpirun;
-
 
 fs::path temp_root() { return fs::temp_directory_path() / ("piper-runtime-test-" + std::to_string(getpid())); }
 
@@ -71,8 +70,9 @@ fs::path temp_dir(const std::string& name) {
 }
 
 // Compiles the tiny model with strategy knobs (or a published directive program) and writes the plan.
-fs::path compile_plan(const fs::path& dir, const core::StrategyOptions& strategy, const std::string& directives_file = "",
-                      const std::string& model = kModel, const std::function<void(core::Scenario&)>& edit = {}) {
+fs::path compile_plan(const fs::path& dir, const core::StrategyOptions& strategy,
+                      const std::string& directives_file = "", const std::string& model = kModel,
+                      const std::function<void(core::Scenario&)>& edit = {}) {
   core::Scenario s;
   s.model = model;
   s.strategy = strategy;
@@ -108,20 +108,25 @@ std::vector<double> losses_of(const fs::path& report) {
 }
 
 // Runs the plan distributed and as the reference for `steps`, and checks losses and parameters.
-void expect_equivalent(const std::string& name, int ranks, const core::StrategyOptions& strategy, const std::string& directives = "",
-                       const std::string& model = kModel, const std::function<void(core::Scenario&)>& edit = {}) {
+void expect_equivalent(const std::string& name, int ranks, const core::StrategyOptions& strategy,
+                       const std::string& directives = "", const std::string& model = kModel,
+                       const std::function<void(core::Scenario&)>& edit = {}) {
   const fs::path dir = temp_dir(name);
   const fs::path plan = compile_plan(dir, strategy, directives, model, edit);
   const std::string common = " run --plan " + plan.string() + " --steps 3" + kOptimizer + " --seed 7";
-  Result ref = sh(std::string(PIPER_CLI) + common + " --reference --report " + (dir / "ref.json").string() + " --dump-params " + (dir / "ref.bin").string());
+  Result ref = sh(std::string(PIPER_CLI) + common + " --reference --report " + (dir / "ref.json").string() +
+                  " --dump-params " + (dir / "ref.bin").string());
   ASSERT_EQ(ref.code, 0) << ref.output;
-  Result run = sh(mpirun(ranks) + PIPER_CLI + common + " --report " + (dir / "run.json").string() + " --dump-params " + (dir / "run.bin").string());
+  Result run = sh(mpirun(ranks) + PIPER_CLI + common + " --report " + (dir / "run.json").string() + " --dump-params " +
+                  (dir / "run.bin").string());
   ASSERT_EQ(run.code, 0) << run.output;
   const auto a = losses_of(dir / "ref.json"), b = losses_of(dir / "run.json");
   ASSERT_EQ(a.size(), 3u);
   ASSERT_EQ(b.size(), 3u);
-  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], kLossRelTol * std::abs(a[i])) << name << " step " << i + 1;
-  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "run.bin").string()), kParamAbsTol) << name;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    EXPECT_NEAR(b[i], a[i], kLossRelTol * std::abs(a[i])) << name << " step " << i + 1;
+  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "run.bin").string()), kParamAbsTol)
+      << name;
 }
 
 // Rewrites every tag filter of a directive program (objects with an "MB" key) with `filter`, and
@@ -147,8 +152,9 @@ json rewrite_microbatches(const json& j, const std::function<void(json&)>& filte
 
 // The directive program the strategy generator emits for `o` on `model`, rewritten as above and
 // written to dir/program.json (the file expect_equivalent compiles).
-std::string rewritten_program(const std::string& name, const core::StrategyOptions& o, const std::function<void(json&)>& filter,
-                              const json& splits, const std::string& model = kModel) {
+std::string rewritten_program(const std::string& name, const core::StrategyOptions& o,
+                              const std::function<void(json&)>& filter, const json& splits,
+                              const std::string& model = kModel) {
   core::Scenario s;
   s.model = model;
   s.strategy = o;
@@ -162,8 +168,8 @@ json split_directive(const std::string& dim, int count) {
   return {{"op", "split"}, {"filter", json::object()}, {"dim_name", dim}, {"num_microbatches", count}};
 }
 
-core::StrategyOptions strategy(int pp, int dp, int ep, int zero, int microbatches, const std::string& schedule, int virtual_stages = 1,
-                               double bucket_mb = 0) {
+core::StrategyOptions strategy(int pp, int dp, int ep, int zero, int microbatches, const std::string& schedule,
+                               int virtual_stages = 1, double bucket_mb = 0) {
   core::StrategyOptions o;
   o.pp = pp, o.dp = dp, o.ep = ep, o.zero = zero, o.microbatches = microbatches, o.schedule = schedule;
   o.virtual_stages = virtual_stages, o.bucket_mb = bucket_mb;
@@ -204,25 +210,30 @@ struct Leg {
 // resuming the last checkpoint, and checks the six losses and the final parameters against one
 // uninterrupted single-process reference run. `first_flags` go to the first leg only; its result is
 // returned for further checks.
-Result expect_resume_chain(const std::string& name, const std::array<Leg, 3>& legs, int seed, const std::string& model = kModel,
-                           const std::string& first_flags = "") {
+Result expect_resume_chain(const std::string& name, const std::array<Leg, 3>& legs, int seed,
+                           const std::string& model = kModel, const std::string& first_flags = "") {
   const fs::path dir = temp_dir(name);
   std::array<fs::path, 3> plans;
-  for (std::size_t i = 0; i < legs.size(); ++i) plans[i] = compile_plan(temp_dir(name + "/" + std::string(1, static_cast<char>('a' + i))), legs[i].strategy, "", model);
+  for (std::size_t i = 0; i < legs.size(); ++i)
+    plans[i] =
+        compile_plan(temp_dir(name + "/" + std::string(1, static_cast<char>('a' + i))), legs[i].strategy, "", model);
   const std::string flags = std::string(kOptimizer) + " --seed " + std::to_string(seed);
   const std::string ckpt = (dir / "state.ckpt").string();
-  Result ref = sh(std::string(PIPER_CLI) + " run --reference --plan " + plans[0].string() + flags + " --steps 6 --report " + (dir / "ref.json").string() +
-                  " --dump-params " + (dir / "ref.bin").string());
+  Result ref =
+      sh(std::string(PIPER_CLI) + " run --reference --plan " + plans[0].string() + flags + " --steps 6 --report " +
+         (dir / "ref.json").string() + " --dump-params " + (dir / "ref.bin").string());
   EXPECT_EQ(ref.code, 0) << ref.output;
   Result first;
   std::vector<double> got;
   for (std::size_t i = 0; i < legs.size(); ++i) {
     const fs::path report = dir / (std::string(1, static_cast<char>('a' + i)) + ".json");
-    std::string cmd = mpirun(legs[i].ranks) + PIPER_CLI + " run --plan " + plans[i].string() + flags + " --steps " + std::to_string(2 * (i + 1)) +
-                      " --report " + report.string();
+    std::string cmd = mpirun(legs[i].ranks) + PIPER_CLI + " run --plan " + plans[i].string() + flags + " --steps " +
+                      std::to_string(2 * (i + 1)) + " --report " + report.string();
     if (i > 0) cmd += " --resume " + ckpt;
-    if (i + 1 < legs.size()) cmd += " --save " + ckpt;
-    else cmd += " --dump-params " + (dir / "last.bin").string();
+    if (i + 1 < legs.size())
+      cmd += " --save " + ckpt;
+    else
+      cmd += " --dump-params " + (dir / "last.bin").string();
     if (i == 0) cmd += first_flags;
     Result r = sh(cmd);
     EXPECT_EQ(r.code, 0) << name << " leg " << i << ": " << r.output;
@@ -235,7 +246,8 @@ Result expect_resume_chain(const std::string& name, const std::array<Leg, 3>& le
   EXPECT_EQ(got.size(), 6u);
   for (std::size_t i = 0; i < std::min(want.size(), got.size()); ++i)
     EXPECT_NEAR(got[i], want[i], kLossRelTol * std::abs(want[i])) << name << " step " << i + 1;
-  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "last.bin").string()), kParamAbsTol) << name;
+  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "last.bin").string()), kParamAbsTol)
+      << name;
   return first;
 }
 
@@ -257,7 +269,8 @@ TEST(Runtime, LayoutMatchesCompilerParameterCountsGpt) {
     piper::runtime::host::HostModel m(model, {}, 1);
     std::int64_t total = 0;
     for (std::size_t l = 0; l < model.layers().size(); ++l) {
-      EXPECT_EQ(m.layer_param_count(static_cast<int>(l)), model.layer_cost(l).params) << spec << " " << model.layers()[l].name;
+      EXPECT_EQ(m.layer_param_count(static_cast<int>(l)), model.layer_cost(l).params)
+          << spec << " " << model.layers()[l].name;
       total += m.layer_param_count(static_cast<int>(l));
     }
     // By hand (V 64, h 32, 4 blocks, ffn 128, 16 positions): embedding 64*32 + 16*32 = 2560; per block
@@ -284,18 +297,25 @@ TEST(Runtime, GptSpecsItCannotRunAreRefused) {
   };
   json spec = json::parse(std::ifstream(kGpt));
   spec["max_positions"] = 8;  // training.seq_len is 16
-  EXPECT_EQ(refusal(spec), "spec: field 'training.seq_len': 16 exceeds max_positions 8 (the model's learned positions)");
+  EXPECT_EQ(refusal(spec),
+            "spec: field 'training.seq_len': 16 exceeds max_positions 8 (the model's learned positions)");
   spec["max_positions"] = 16;
   spec["dropout"] = 0.1;
-  EXPECT_EQ(refusal(spec), "runtime: model 'runtime-tiny-gpt': field 'dropout' is 0.1; the host backend trains without dropout (set it to 0)");
+  EXPECT_EQ(refusal(spec),
+            "runtime: model 'runtime-tiny-gpt': field 'dropout' is 0.1; the host backend trains without dropout (set "
+            "it to 0)");
   spec.erase("dropout");
   spec["bias"] = false;
   spec["qkv_bias"] = true;  // Qwen2's q/k/v-only biases
-  EXPECT_EQ(refusal(spec), "runtime: model 'runtime-tiny-gpt': field 'qkv_bias' is set; the host backend has biases on every linear layer or none");
+  EXPECT_EQ(refusal(spec),
+            "runtime: model 'runtime-tiny-gpt': field 'qkv_bias' is set; the host backend has biases on every linear "
+            "layer or none");
   spec["bias"] = true;
   spec.erase("qkv_bias");
   spec["sliding_window"] = {{"window", 8}};  // shorter than seq_len 16
-  EXPECT_EQ(refusal(spec), "runtime: model 'runtime-tiny-gpt': field 'sliding_window' is 8; the host backend runs full causal attention (use a seq_len <= the window)");
+  EXPECT_EQ(refusal(spec),
+            "runtime: model 'runtime-tiny-gpt': field 'sliding_window' is 8; the host backend runs full causal "
+            "attention (use a seq_len <= the window)");
   spec["sliding_window"] = {{"window", 16}};  // covers the whole sequence: full attention
   EXPECT_EQ(refusal(spec), "(accepted)");
 }
@@ -310,10 +330,14 @@ TEST(Runtime, GptReferenceLossAtInitIsLnVocab) {
   o.steps = 1;
   o.print = false;
   const auto tied = piper::runtime::train_reference(
-      core::Program::from_json(json::parse(std::ifstream(compile_plan(temp_dir("gpt-init"), strategy(1, 1, 1, 0, 2, "1f1b"), "", kGpt)))), o);
+      core::Program::from_json(
+          json::parse(std::ifstream(compile_plan(temp_dir("gpt-init"), strategy(1, 1, 1, 0, 2, "1f1b"), "", kGpt)))),
+      o);
   EXPECT_NEAR(tied.losses.front(), std::log(64.0), 0.05);
   const auto untied = piper::runtime::train_reference(
-      core::Program::from_json(json::parse(std::ifstream(compile_plan(temp_dir("gpt-init-untied"), strategy(1, 1, 1, 0, 2, "1f1b"), "", kGptUntied)))), o);
+      core::Program::from_json(json::parse(
+          std::ifstream(compile_plan(temp_dir("gpt-init-untied"), strategy(1, 1, 1, 0, 2, "1f1b"), "", kGptUntied)))),
+      o);
   EXPECT_NEAR(untied.losses.front(), std::log(64.0) + 0.5, 0.3);
 }
 
@@ -325,7 +349,9 @@ TEST(Runtime, GptReferenceLearnsTheSyntheticStream) {
   o.adamw.lr = 1e-2f;
   o.print = false;
   const auto r = piper::runtime::train_reference(
-      core::Program::from_json(json::parse(std::ifstream(compile_plan(temp_dir("gpt-learns"), strategy(1, 1, 1, 0, 2, "1f1b"), "", kGpt)))), o);
+      core::Program::from_json(
+          json::parse(std::ifstream(compile_plan(temp_dir("gpt-learns"), strategy(1, 1, 1, 0, 2, "1f1b"), "", kGpt)))),
+      o);
   EXPECT_LT(r.losses.back(), r.losses.front() - 0.5);
 }
 
@@ -352,9 +378,13 @@ TEST(RuntimeEquivalence, OneFOneB_PP2xDP2_BlockingTransfers) {
 TEST(RuntimeEquivalence, OneFOneB_PP2xDP2xEP2_Zero2) { expect_equivalent("zero2", 4, strategy(2, 2, 2, 2, 4, "1f1b")); }
 TEST(RuntimeEquivalence, OneFOneB_PP2xDP2xEP2_Zero3) { expect_equivalent("zero3", 4, strategy(2, 2, 2, 3, 4, "1f1b")); }
 TEST(RuntimeEquivalence, BucketedDP2) { expect_equivalent("bucket", 2, strategy(1, 2, 1, 0, 2, "1f1b", 1, 0.05)); }
-TEST(RuntimeEquivalence, Interleaved1F1B_PP2x2Chunks) { expect_equivalent("interleaved", 2, strategy(2, 1, 1, 0, 4, "interleaved-1f1b", 2)); }
+TEST(RuntimeEquivalence, Interleaved1F1B_PP2x2Chunks) {
+  expect_equivalent("interleaved", 2, strategy(2, 1, 1, 0, 4, "interleaved-1f1b", 2));
+}
 TEST(RuntimeEquivalence, ZBH1_PP2) { expect_equivalent("zbh1", 2, strategy(2, 1, 1, 0, 4, "zb-h1")); }
-TEST(RuntimeEquivalence, DualPipeV_PP2xDP2xEP2) { expect_equivalent("dualpipev", 4, strategy(2, 2, 2, 0, 4, "dualpipev")); }
+TEST(RuntimeEquivalence, DualPipeV_PP2xDP2xEP2) {
+  expect_equivalent("dualpipev", 4, strategy(2, 2, 2, 0, 4, "dualpipev"));
+}
 TEST(RuntimeEquivalence, ZBV_PP2) { expect_equivalent("zbv", 2, strategy(2, 1, 1, 0, 4, "zb-v")); }
 // Two mirrored model copies: each device runs different data-parallel ranks in different segments.
 TEST(RuntimeEquivalence, DualPipe_PP2) { expect_equivalent("dualpipe", 2, strategy(2, 1, 1, 0, 4, "dualpipe")); }
@@ -394,8 +424,9 @@ std::function<void(json&)> nest(const std::string& outer, const std::string& inn
 }
 }  // namespace
 TEST(RuntimeEquivalence, NestedSplits_ZBH1_PP2) {
-  const std::string program = rewritten_program("nested", strategy(2, 1, 1, 0, 4, "zb-h1"), nest("OUTER", "INNER"),
-                                                json::array({split_directive("OUTER", 2), split_directive("INNER", 2)}));
+  const std::string program =
+      rewritten_program("nested", strategy(2, 1, 1, 0, 4, "zb-h1"), nest("OUTER", "INNER"),
+                        json::array({split_directive("OUTER", 2), split_directive("INNER", 2)}));
   expect_equivalent("nested", 2, {}, program);
 }
 TEST(RuntimeEquivalence, NestedSplits_1F1B_PP2xDP2) {
@@ -414,50 +445,82 @@ TEST(RuntimeFailure, SplitNotCoveringTheModelIsRefusedInOneLine) {
   json program = json::array();
   for (const auto& d : core::scenario_program(s)) {
     program.push_back(d);
-    if (d.value("op", "") == "split") program.push_back({{"op", "split"}, {"filter", {{"PP", 0}}}, {"dim_name", "SUB"}, {"num_microbatches", 2}});
+    if (d.value("op", "") == "split")
+      program.push_back({{"op", "split"}, {"filter", {{"PP", 0}}}, {"dim_name", "SUB"}, {"num_microbatches", 2}});
   }
   std::ofstream(dir / "program.json") << program.dump();
   const fs::path plan = compile_plan(dir, {}, (dir / "program.json").string());
   Result r = sh(std::string(PIPER_CLI) + " run --reference --plan " + plan.string() + " --steps 1");
   EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_EQ(r.output, "piper: error: plan: op 'F mb0 PP1 s4' works on no single microbatch (a split that does not cover the whole model); "
-                      "the runtime runs every op of a pass on one microbatch\n");
+  EXPECT_EQ(r.output,
+            "piper: error: plan: op 'F mb0 PP1 s4' works on no single microbatch (a split that does not cover the "
+            "whole model); "
+            "the runtime runs every op of a pass on one microbatch\n");
 }
 
 // Tensor and sequence parallelism, recomputation (issue 10): TP collectives run inside the compute ops
 // over MPI; every composition must still match the single-process reference.
-TEST(RuntimeEquivalence, TP2xPP2xDP2_1F1B) { expect_equivalent("tp2pp2dp2", 8, megatron(strategy(2, 2, 1, 0, 4, "1f1b"), 2, false, "none"), "", kDense); }
-TEST(RuntimeEquivalence, TP2_SP_PP2_1F1B) { expect_equivalent("tp2sp-1f1b", 4, megatron(strategy(2, 1, 1, 0, 4, "1f1b"), 2, true, "none"), "", kDense); }
-TEST(RuntimeEquivalence, TP2_SP_PP2_Interleaved_FullRecompute) {
-  expect_equivalent("tp2sp-interleaved", 4, megatron(strategy(2, 1, 1, 0, 4, "interleaved-1f1b", 2), 2, true, "full"), "", kDense);
+TEST(RuntimeEquivalence, TP2xPP2xDP2_1F1B) {
+  expect_equivalent("tp2pp2dp2", 8, megatron(strategy(2, 2, 1, 0, 4, "1f1b"), 2, false, "none"), "", kDense);
 }
-TEST(RuntimeEquivalence, TP2xDP2_Zero3) { expect_equivalent("tp2-zero3", 4, megatron(strategy(1, 2, 1, 3, 2, "1f1b"), 2, false, "none"), "", kDense); }
+TEST(RuntimeEquivalence, TP2_SP_PP2_1F1B) {
+  expect_equivalent("tp2sp-1f1b", 4, megatron(strategy(2, 1, 1, 0, 4, "1f1b"), 2, true, "none"), "", kDense);
+}
+TEST(RuntimeEquivalence, TP2_SP_PP2_Interleaved_FullRecompute) {
+  expect_equivalent("tp2sp-interleaved", 4, megatron(strategy(2, 1, 1, 0, 4, "interleaved-1f1b", 2), 2, true, "full"),
+                    "", kDense);
+}
+TEST(RuntimeEquivalence, TP2xDP2_Zero3) {
+  expect_equivalent("tp2-zero3", 4, megatron(strategy(1, 2, 1, 3, 2, "1f1b"), 2, false, "none"), "", kDense);
+}
 // BI/BW split: the recomputation runs at the start of BI, BW uses what it rebuilt.
 TEST(RuntimeEquivalence, TP2_PP2_ZBH1_SelectiveRecompute) {
-  expect_equivalent("tp2-zbh1-selective", 4, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 2, false, "selective"), "", kDense);
+  expect_equivalent("tp2-zbh1-selective", 4, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 2, false, "selective"), "",
+                    kDense);
 }
 // Context parallelism (issue 26): each CP rank holds two load-balanced causal chunks of every sequence,
 // attention gathers K/V over the CP group with the causal mask by global position and returns dK/dV
 // to their owners, and the gradients are reduced over DP x CP; the loss and parameters must match the
 // single-process reference. (The ring and the all-gather variant compute the same sums.)
-TEST(RuntimeEquivalence, CP2_Ring) { expect_equivalent("cp2", 2, context_parallel(strategy(1, 1, 1, 0, 2, "1f1b"), 2), "", kDense); }
-TEST(RuntimeEquivalence, CP4_AllGather_SelectiveRecompute) {
-  expect_equivalent("cp4-ag", 4, megatron(context_parallel(strategy(1, 1, 1, 0, 2, "1f1b"), 4, true), 1, false, "selective"), "", kDense);
+TEST(RuntimeEquivalence, CP2_Ring) {
+  expect_equivalent("cp2", 2, context_parallel(strategy(1, 1, 1, 0, 2, "1f1b"), 2), "", kDense);
 }
-TEST(RuntimeEquivalence, CP2xPP2_1F1B) { expect_equivalent("cp2pp2", 4, context_parallel(strategy(2, 1, 1, 0, 4, "1f1b"), 2), "", kDense); }
-TEST(RuntimeEquivalence, CP2xDP2_Zero1) { expect_equivalent("cp2dp2-zero1", 4, context_parallel(strategy(1, 2, 1, 1, 2, "1f1b"), 2), "", kDense); }
-TEST(RuntimeEquivalence, TP2xCP2_SP) { expect_equivalent("tp2cp2", 4, megatron(context_parallel(strategy(1, 1, 1, 0, 2, "1f1b"), 2), 2, true, "none"), "", kDense); }
+TEST(RuntimeEquivalence, CP4_AllGather_SelectiveRecompute) {
+  expect_equivalent("cp4-ag", 4,
+                    megatron(context_parallel(strategy(1, 1, 1, 0, 2, "1f1b"), 4, true), 1, false, "selective"), "",
+                    kDense);
+}
+TEST(RuntimeEquivalence, CP2xPP2_1F1B) {
+  expect_equivalent("cp2pp2", 4, context_parallel(strategy(2, 1, 1, 0, 4, "1f1b"), 2), "", kDense);
+}
+TEST(RuntimeEquivalence, CP2xDP2_Zero1) {
+  expect_equivalent("cp2dp2-zero1", 4, context_parallel(strategy(1, 2, 1, 1, 2, "1f1b"), 2), "", kDense);
+}
+TEST(RuntimeEquivalence, TP2xCP2_SP) {
+  expect_equivalent("tp2cp2", 4, megatron(context_parallel(strategy(1, 1, 1, 0, 2, "1f1b"), 2), 2, true, "none"), "",
+                    kDense);
+}
 
 // MoE: routed experts keep EP beside the TP segments. Without SP both TP ranks route the same tokens
 // (the experts' gradients are divided by the copies); with SP each routes its sequence slice.
-TEST(RuntimeEquivalence, TP2xDP2xEP2_MoE) { expect_equivalent("tp2-ep2", 4, megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, false, "none")); }
-TEST(RuntimeEquivalence, TP2_SP_DP2xEP2_MoE) { expect_equivalent("tp2sp-ep2", 4, megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, true, "none")); }
+TEST(RuntimeEquivalence, TP2xDP2xEP2_MoE) {
+  expect_equivalent("tp2-ep2", 4, megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, false, "none"));
+}
+TEST(RuntimeEquivalence, TP2_SP_DP2xEP2_MoE) {
+  expect_equivalent("tp2sp-ep2", 4, megatron(strategy(1, 2, 2, 0, 2, "1f1b"), 2, true, "none"));
+}
 // EP groups formed over DP x TP (Megatron-core's rule, issue 26): EP 2 over the two TP ranks of one
 // replica, and whole experts on both TP ranks, their gradients reduced over the pair (with SP the
 // ranks route different tokens; without it the same ones, divided by the copies).
-TEST(RuntimeEquivalence, TP2_SP_EP2_MoE_EpOverTheTpGroup) { expect_equivalent("tp2sp-ep2-dp1", 2, megatron(strategy(1, 1, 2, 0, 2, "1f1b"), 2, true, "none")); }
-TEST(RuntimeEquivalence, TP2_SP_MoE_ExpertsOnBothTpRanks) { expect_equivalent("tp2sp-ep1", 2, megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, true, "none")); }
-TEST(RuntimeEquivalence, TP2_MoE_ExpertsOnBothTpRanks) { expect_equivalent("tp2-ep1", 2, megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, false, "none")); }
+TEST(RuntimeEquivalence, TP2_SP_EP2_MoE_EpOverTheTpGroup) {
+  expect_equivalent("tp2sp-ep2-dp1", 2, megatron(strategy(1, 1, 2, 0, 2, "1f1b"), 2, true, "none"));
+}
+TEST(RuntimeEquivalence, TP2_SP_MoE_ExpertsOnBothTpRanks) {
+  expect_equivalent("tp2sp-ep1", 2, megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, true, "none"));
+}
+TEST(RuntimeEquivalence, TP2_MoE_ExpertsOnBothTpRanks) {
+  expect_equivalent("tp2-ep1", 2, megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, false, "none"));
+}
 // Expert tensor parallelism (issue 26): each expert's FFN split over the ETP group (fc1 columns, fc2
 // rows), the routed rows all-gathered before fc1 and the partial sums reduce-scattered after fc2; EP
 // groups take one device of each ETP group, expert gradients reduced over the expert-DP group.
@@ -482,7 +545,9 @@ TEST(RuntimeEquivalence, DP2xETP2_MoE_Zero1) {
   o.etp = 2;
   expect_equivalent("dp2-etp2", 2, o);
 }
-TEST(RuntimeEquivalence, FullRecompute_ZBH1_PP2) { expect_equivalent("full-zbh1", 2, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 1, false, "full")); }
+TEST(RuntimeEquivalence, FullRecompute_ZBH1_PP2) {
+  expect_equivalent("full-zbh1", 2, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 1, false, "full"));
+}
 // Every 2nd block (TorchTitan's ac_freq 2): the plan recomputes blocks 1 and 3 and nothing else, and
 // the host backend runs exactly those segments with full recomputation (one segment per block).
 TEST(RuntimeEquivalence, FullRecomputeEverySecondBlock_1F1B_PP2) {
@@ -500,10 +565,12 @@ TEST(RuntimeEquivalence, FullRecomputeEverySecondBlock_1F1B_PP2) {
 // Uneven pipelines: 4 blocks in 3 interleaved chunks on 2 ranks (rank 0 holds chunks 0 and 2, rank
 // 1 chunk 1), and 1F1B with a one-block first stage (Megatron's --decoder-first-pipeline-num-layers).
 TEST(RuntimeEquivalence, Uneven_Interleaved_3ChunksOn2Ranks) {
-  expect_equivalent("uneven-interleaved", 2, strategy(2, 1, 1, 0, 4, "interleaved-1f1b"), "", kDense, [](core::Scenario& s) { s.stages = 3; });
+  expect_equivalent("uneven-interleaved", 2, strategy(2, 1, 1, 0, 4, "interleaved-1f1b"), "", kDense,
+                    [](core::Scenario& s) { s.stages = 3; });
 }
 TEST(RuntimeEquivalence, Uneven_1F1B_FirstStageOneBlock_PP2xDP2) {
-  expect_equivalent("uneven-first", 4, strategy(2, 2, 1, 0, 4, "1f1b"), "", kDense, [](core::Scenario& s) { s.first_stage_layers = 1; });
+  expect_equivalent("uneven-first", 4, strategy(2, 2, 1, 0, 4, "1f1b"), "", kDense,
+                    [](core::Scenario& s) { s.first_stage_layers = 1; });
 }
 TEST(RuntimeEquivalence, SelectiveRecompute_PP2xDP2xEP2) {
   expect_equivalent("selective-ep", 4, megatron(strategy(2, 2, 2, 0, 4, "1f1b"), 1, false, "selective"));
@@ -512,29 +579,51 @@ TEST(RuntimeEquivalence, SelectiveRecompute_PP2xDP2xEP2) {
 // HSDP: the gradient is reduce-scattered inside each shard group, each shard all-reduced across the
 // groups, and (ZeRO-1/2) the updated shards gathered inside the group, or (ZeRO-3) gathered there
 // before each use. With EP2 over DP4 the experts' 2 replicas are one group (plain ZeRO).
-TEST(RuntimeEquivalence, HSDP_DP4_Zero1) { expect_equivalent("hsdp-zero1", 4, hsdp(strategy(1, 4, 1, 1, 2, "1f1b"), 2)); }
-TEST(RuntimeEquivalence, HSDP_PP2xDP4xEP2_Zero2) { expect_equivalent("hsdp-zero2-ep", 8, hsdp(strategy(2, 4, 2, 2, 4, "1f1b"), 2)); }
+TEST(RuntimeEquivalence, HSDP_DP4_Zero1) {
+  expect_equivalent("hsdp-zero1", 4, hsdp(strategy(1, 4, 1, 1, 2, "1f1b"), 2));
+}
+TEST(RuntimeEquivalence, HSDP_PP2xDP4xEP2_Zero2) {
+  expect_equivalent("hsdp-zero2-ep", 8, hsdp(strategy(2, 4, 2, 2, 4, "1f1b"), 2));
+}
 TEST(RuntimeEquivalence, HSDP_TP2xDP4_Zero3) {
-  expect_equivalent("hsdp-tp2-zero3", 8, hsdp(megatron(strategy(1, 4, 1, 3, 2, "1f1b"), 2, false, "none"), 2), "", kDense);
+  expect_equivalent("hsdp-tp2-zero3", 8, hsdp(megatron(strategy(1, 4, 1, 3, 2, "1f1b"), 2, false, "none"), 2), "",
+                    kDense);
 }
 
 // GPT-style models. Tied: the embedding (first stage) and the head's copy (last stage) sum their
 // gradients before the data-parallel reduction and the update; every layout must still match the
 // single-process reference, where the head uses the embedding's table itself.
-TEST(RuntimeEquivalence, Gpt_Tied_1F1B_PP2xDP2) { expect_equivalent("gpt-1f1b", 4, strategy(2, 2, 1, 0, 4, "1f1b"), "", kGpt); }
-TEST(RuntimeEquivalence, Gpt_Untied_1F1B_PP2xDP2) { expect_equivalent("gpt-untied-1f1b", 4, strategy(2, 2, 1, 0, 4, "1f1b"), "", kGptUntied); }
-TEST(RuntimeEquivalence, Gpt_Tied_TP2_SP_PP2) { expect_equivalent("gpt-tp2sp-pp2", 4, megatron(strategy(2, 1, 1, 0, 4, "1f1b"), 2, true, "none"), "", kGpt); }
-TEST(RuntimeEquivalence, Gpt_Tied_TP2xDP2_Zero3) { expect_equivalent("gpt-tp2-zero3", 4, megatron(strategy(1, 2, 1, 3, 2, "1f1b"), 2, false, "none"), "", kGpt); }
+TEST(RuntimeEquivalence, Gpt_Tied_1F1B_PP2xDP2) {
+  expect_equivalent("gpt-1f1b", 4, strategy(2, 2, 1, 0, 4, "1f1b"), "", kGpt);
+}
+TEST(RuntimeEquivalence, Gpt_Untied_1F1B_PP2xDP2) {
+  expect_equivalent("gpt-untied-1f1b", 4, strategy(2, 2, 1, 0, 4, "1f1b"), "", kGptUntied);
+}
+TEST(RuntimeEquivalence, Gpt_Tied_TP2_SP_PP2) {
+  expect_equivalent("gpt-tp2sp-pp2", 4, megatron(strategy(2, 1, 1, 0, 4, "1f1b"), 2, true, "none"), "", kGpt);
+}
+TEST(RuntimeEquivalence, Gpt_Tied_TP2xDP2_Zero3) {
+  expect_equivalent("gpt-tp2-zero3", 4, megatron(strategy(1, 2, 1, 3, 2, "1f1b"), 2, false, "none"), "", kGpt);
+}
 // ZeRO-3 across stages: the tied sum runs on the local gradients before the reduce-scatter.
-TEST(RuntimeEquivalence, Gpt_Tied_PP2xDP2_Zero3) { expect_equivalent("gpt-pp2-zero3", 4, strategy(2, 2, 1, 3, 4, "1f1b"), "", kGpt); }
+TEST(RuntimeEquivalence, Gpt_Tied_PP2xDP2_Zero3) {
+  expect_equivalent("gpt-pp2-zero3", 4, strategy(2, 2, 1, 3, 4, "1f1b"), "", kGpt);
+}
 TEST(RuntimeEquivalence, Gpt_Tied_ZBH1_PP2_SelectiveRecompute) {
-  expect_equivalent("gpt-zbh1-selective", 2, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 1, false, "selective"), "", kGpt);
+  expect_equivalent("gpt-zbh1-selective", 2, megatron(strategy(2, 1, 1, 0, 4, "zb-h1"), 1, false, "selective"), "",
+                    kGpt);
 }
 // V placement: device 0 holds both the embedding and the head (two segments): the sum is local.
-TEST(RuntimeEquivalence, Gpt_Tied_ZBV_PP2) { expect_equivalent("gpt-zbv", 2, strategy(2, 1, 1, 0, 4, "zb-v"), "", kGpt); }
-TEST(RuntimeEquivalence, Gpt_Tied_DualPipeV_PP2xDP2) { expect_equivalent("gpt-dualpipev", 4, strategy(2, 2, 1, 0, 4, "dualpipev"), "", kGpt); }
+TEST(RuntimeEquivalence, Gpt_Tied_ZBV_PP2) {
+  expect_equivalent("gpt-zbv", 2, strategy(2, 1, 1, 0, 4, "zb-v"), "", kGpt);
+}
+TEST(RuntimeEquivalence, Gpt_Tied_DualPipeV_PP2xDP2) {
+  expect_equivalent("gpt-dualpipev", 4, strategy(2, 2, 1, 0, 4, "dualpipev"), "", kGpt);
+}
 // Untied, the bidirectional placement that the tied model refuses runs as any other.
-TEST(RuntimeEquivalence, Gpt_Untied_DualPipe_PP2) { expect_equivalent("gpt-untied-dualpipe", 2, strategy(2, 1, 1, 0, 4, "dualpipe"), "", kGptUntied); }
+TEST(RuntimeEquivalence, Gpt_Untied_DualPipe_PP2) {
+  expect_equivalent("gpt-untied-dualpipe", 2, strategy(2, 1, 1, 0, 4, "dualpipe"), "", kGptUntied);
+}
 TEST(RuntimeEquivalence, Gpt_Tied_Interleaved_PP2x2Chunks) {
   expect_equivalent("gpt-interleaved", 2, strategy(2, 1, 1, 0, 4, "interleaved-1f1b", 2), "", kGpt);
 }
@@ -553,7 +642,8 @@ TEST(RuntimeFailure, GptTiedDualPipeIsRefusedInOneLine) {
   std::ofstream(plan) << p.dump();
   Result r = sh(mpirun(2) + PIPER_CLI + " run --plan " + plan.string() + " --steps 1");
   EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_NE(r.output.find("piper: error: plan: model 'runtime-tiny-gpt-untied' ties its head to the embedding, but device 0 holds the embedding for "
+  EXPECT_NE(r.output.find("piper: error: plan: model 'runtime-tiny-gpt-untied' ties its head to the embedding, but "
+                          "device 0 holds the embedding for "
                           "one data-parallel rank and the head for another (a mirrored, bidirectional placement)"),
             std::string::npos)
       << r.output;
@@ -575,9 +665,11 @@ TEST(RuntimeFailure, GptTiedPlanWithoutItsPairSumIsRefusedInOneLine) {
   std::ofstream(old) << p.dump();
   Result r = sh(mpirun(4) + PIPER_CLI + " run --plan " + old.string() + " --steps 1");
   EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_NE(r.output.find("piper: error: plan: model 'runtime-tiny-gpt' ties its head to the embedding, but device 0's plan holds 0 "
-                          "tied-embedding ALL_REDUCE ops, not 1 (a plan from an older piper: compile it again)"),
-            std::string::npos)
+  EXPECT_NE(
+      r.output.find(
+          "piper: error: plan: model 'runtime-tiny-gpt' ties its head to the embedding, but device 0's plan holds 0 "
+          "tied-embedding ALL_REDUCE ops, not 1 (a plan from an older piper: compile it again)"),
+      std::string::npos)
       << r.output;
   EXPECT_EQ(r.output.find("step "), std::string::npos) << r.output;
 }
@@ -591,13 +683,14 @@ TEST(RuntimeCheckpoint, ResumeReproducesTheUninterruptedRun) {
   o.reduce_every = "step";
   const fs::path plan = compile_plan(dir, o);
   const std::string run = mpirun(4) + PIPER_CLI + " run --plan " + plan.string() + " --seed 3";
-  Result full = sh(run + " --steps 4 --report " + (dir / "full.json").string() + " --dump-params " + (dir / "full.bin").string());
+  Result full =
+      sh(run + " --steps 4 --report " + (dir / "full.json").string() + " --dump-params " + (dir / "full.bin").string());
   ASSERT_EQ(full.code, 0) << full.output;
   Result first = sh(run + " --steps 2 --save " + (dir / "ckpt").string());
   ASSERT_EQ(first.code, 0) << first.output;
   EXPECT_EQ(checkpoint_header(dir / "ckpt").at("step"), 2);
-  Result rest = sh(run + " --steps 4 --resume " + (dir / "ckpt").string() + " --report " + (dir / "rest.json").string() + " --dump-params " +
-                   (dir / "rest.bin").string());
+  Result rest = sh(run + " --steps 4 --resume " + (dir / "ckpt").string() + " --report " +
+                   (dir / "rest.json").string() + " --dump-params " + (dir / "rest.bin").string());
   ASSERT_EQ(rest.code, 0) << rest.output;
   const auto a = losses_of(dir / "full.json"), b = losses_of(dir / "rest.json");
   ASSERT_EQ(a.size(), 4u);
@@ -615,7 +708,8 @@ TEST(RuntimeCheckpoint, ResumeReproducesTheUninterruptedRun) {
   other.model = (dir / "other.json").string();
   other.strategy = strategy(2, 2, 2, 2, 4, "1f1b");
   std::ofstream(dir / "other-plan.json") << core::compile_scenario(other).result.program.to_json().dump();
-  Result bad = sh(mpirun(4) + PIPER_CLI + " run --plan " + (dir / "other-plan.json").string() + " --steps 3 --resume " + (dir / "ckpt").string());
+  Result bad = sh(mpirun(4) + PIPER_CLI + " run --plan " + (dir / "other-plan.json").string() + " --steps 3 --resume " +
+                  (dir / "ckpt").string());
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.output.find("does not match the plan's model"), std::string::npos) << bad.output;
   EXPECT_EQ(bad.output.find("step "), std::string::npos) << bad.output;
@@ -628,27 +722,30 @@ TEST(RuntimeCheckpoint, ResumeReproducesTheUninterruptedRun) {
 // (microbatches x DP x micro-batch size 2), so the token stream continues where it stopped; the
 // losses and final parameters must match one uninterrupted single-process reference run.
 TEST(RuntimeCheckpoint, ResumesUnderAnotherStrategy) {
-  const Result a = expect_resume_chain("restrategy", {Leg{strategy(2, 2, 2, 2, 4, "1f1b"), 4}, Leg{strategy(2, 1, 1, 0, 8, "dualpipev"), 2},
-                                                     Leg{strategy(1, 4, 2, 3, 2, "1f1b"), 4}},
-                                      5, kModel, " --save-every 1");
+  const Result a =
+      expect_resume_chain("restrategy",
+                          {Leg{strategy(2, 2, 2, 2, 4, "1f1b"), 4}, Leg{strategy(2, 1, 1, 0, 8, "dualpipev"), 2},
+                           Leg{strategy(1, 4, 2, 3, 2, "1f1b"), 4}},
+                          5, kModel, " --save-every 1");
   EXPECT_NE(a.output.find("checkpoint after step 1 -> "), std::string::npos) << a.output;
   EXPECT_EQ(checkpoint_header(temp_root() / "restrategy" / "state.ckpt").at("step"), 4);  // the second leg's
 }
 
 // The canonical checkpoint carries TP slices: TP2xDP2 (ZeRO-1) -> PP2 without TP -> TP2+SP x PP2.
 TEST(RuntimeCheckpoint, ResumesAcrossTensorParallelLayouts) {
-  expect_resume_chain("restrategy-tp",
-                      {Leg{megatron(strategy(1, 2, 1, 1, 4, "1f1b"), 2, false, "none"), 4}, Leg{strategy(2, 1, 1, 0, 8, "1f1b"), 2},
-                       Leg{megatron(strategy(2, 1, 1, 0, 8, "1f1b"), 2, true, "full"), 4}},
-                      5, kDense);
+  expect_resume_chain(
+      "restrategy-tp",
+      {Leg{megatron(strategy(1, 2, 1, 1, 4, "1f1b"), 2, false, "none"), 4}, Leg{strategy(2, 1, 1, 0, 8, "1f1b"), 2},
+       Leg{megatron(strategy(2, 1, 1, 0, 8, "1f1b"), 2, true, "full"), 4}},
+      5, kDense);
 }
 
 // Expert-TP slices are checkpointed in the canonical layout: TP2+SP x DP2 x EP2 x ETP2 (ZeRO-1) -> PP2
 // -> DP2 x ETP2, against one uninterrupted reference run.
 TEST(RuntimeCheckpoint, ResumesAcrossExpertTensorParallelLayouts) {
   expect_resume_chain("restrategy-etp",
-                      {Leg{with_etp(megatron(strategy(1, 2, 2, 1, 4, "1f1b"), 2, true, "none"), 2), 4}, Leg{strategy(2, 1, 1, 0, 8, "1f1b"), 2},
-                       Leg{with_etp(strategy(1, 2, 1, 0, 4, "1f1b"), 2), 2}},
+                      {Leg{with_etp(megatron(strategy(1, 2, 2, 1, 4, "1f1b"), 2, true, "none"), 2), 4},
+                       Leg{strategy(2, 1, 1, 0, 8, "1f1b"), 2}, Leg{with_etp(strategy(1, 2, 1, 0, 4, "1f1b"), 2), 2}},
                       5);
 }
 
@@ -665,10 +762,11 @@ TEST(RuntimeCheckpoint, ResumesAcrossHybridShardingLayouts) {
 // TP2 x DP2 ZeRO-3 (one stage: the head uses the embedding itself) -> TP2+SP x PP2 (the copy again,
 // loaded from the checkpoint's one embedding table), against one uninterrupted reference run.
 TEST(RuntimeCheckpoint, GptTiedResumesAcrossLayouts) {
-  expect_resume_chain("restrategy-gpt",
-                      {Leg{strategy(2, 2, 1, 1, 4, "1f1b"), 4}, Leg{megatron(strategy(1, 2, 1, 3, 4, "1f1b"), 2, false, "none"), 4},
-                       Leg{megatron(strategy(2, 1, 1, 0, 8, "1f1b"), 2, true, "none"), 4}},
-                      13, kGpt);
+  expect_resume_chain(
+      "restrategy-gpt",
+      {Leg{strategy(2, 2, 1, 1, 4, "1f1b"), 4}, Leg{megatron(strategy(1, 2, 1, 3, 4, "1f1b"), 2, false, "none"), 4},
+       Leg{megatron(strategy(2, 1, 1, 0, 8, "1f1b"), 2, true, "none"), 4}},
+      13, kGpt);
 }
 
 // A crash between writing the new checkpoint and renaming it over the old one (the test hook exits
@@ -680,28 +778,33 @@ TEST(RuntimeCheckpoint, CrashBeforeRenameKeepsTheLastGoodCheckpoint) {
   const std::string flags = " run --plan " + plan.string() + std::string(kOptimizer) + " --seed 11";
   Result ref = sh(std::string(PIPER_CLI) + flags + " --reference --steps 4 --report " + (dir / "ref.json").string());
   ASSERT_EQ(ref.code, 0) << ref.output;
-  Result crashed = sh("PIPER_TEST_CRASH_BEFORE_RENAME=3 " + mpirun(2) + PIPER_CLI + flags + " --steps 4 --save-every 1 --save " + ckpt);
+  Result crashed = sh("PIPER_TEST_CRASH_BEFORE_RENAME=3 " + mpirun(2) + PIPER_CLI + flags +
+                      " --steps 4 --save-every 1 --save " + ckpt);
   EXPECT_NE(crashed.code, 0) << crashed.output;
   EXPECT_NE(crashed.output.find("test hook: exiting after writing"), std::string::npos) << crashed.output;
   EXPECT_EQ(crashed.output.find("step    4"), std::string::npos) << crashed.output;
   // The step-3 file was written and synced but never renamed: it lies beside the good one.
   bool temp_left = false;
-  for (const auto& e : fs::directory_iterator(dir)) temp_left |= e.path().filename().string().rfind("state.ckpt.tmp.", 0) == 0;
+  for (const auto& e : fs::directory_iterator(dir))
+    temp_left |= e.path().filename().string().rfind("state.ckpt.tmp.", 0) == 0;
   EXPECT_TRUE(temp_left);
   EXPECT_EQ(checkpoint_header(ckpt).at("step"), 2);
-  Result resumed = sh(mpirun(2) + PIPER_CLI + flags + " --steps 4 --resume " + ckpt + " --report " + (dir / "resumed.json").string());
+  Result resumed = sh(mpirun(2) + PIPER_CLI + flags + " --steps 4 --resume " + ckpt + " --report " +
+                      (dir / "resumed.json").string());
   ASSERT_EQ(resumed.code, 0) << resumed.output;
   const auto want = losses_of(dir / "ref.json"), got = losses_of(dir / "resumed.json");
   ASSERT_EQ(want.size(), 4u);
   ASSERT_EQ(got.size(), 2u);
-  for (std::size_t i = 0; i < 2; ++i) EXPECT_NEAR(got[i], want[i + 2], kLossRelTol * std::abs(want[i + 2])) << "step " << i + 3;
+  for (std::size_t i = 0; i < 2; ++i)
+    EXPECT_NEAR(got[i], want[i + 2], kLossRelTol * std::abs(want[i + 2])) << "step " << i + 3;
 }
 
 // The single-process reference saves and resumes through the same canonical file: 1 + 2 steps give
 // bit-identical losses to 3 uninterrupted steps (same arithmetic, same order).
 TEST(RuntimeCheckpoint, ReferenceResumesBitIdentically) {
   const fs::path dir = temp_dir("reference-resume");
-  const core::Program program = core::Program::from_json(json::parse(std::ifstream(compile_plan(dir, strategy(2, 2, 1, 1, 2, "1f1b")))));
+  const core::Program program =
+      core::Program::from_json(json::parse(std::ifstream(compile_plan(dir, strategy(2, 2, 1, 1, 2, "1f1b")))));
   piper::runtime::TrainOptions o;
   o.steps = 3;
   o.print = false;
@@ -725,13 +828,15 @@ TEST(RuntimeCheckpoint, ReferenceResumesBitIdentically) {
 // Resuming needs the same model and the same sequences per step; anything else is one line.
 TEST(RuntimeCheckpoint, IncompatibleCheckpointsAreRefusedWithOneLine) {
   const fs::path dir = temp_dir("incompatible");
-  const core::Program program = core::Program::from_json(json::parse(std::ifstream(compile_plan(temp_dir("incompatible/a"), strategy(1, 1, 1, 0, 2, "1f1b")))));
+  const core::Program program = core::Program::from_json(
+      json::parse(std::ifstream(compile_plan(temp_dir("incompatible/a"), strategy(1, 1, 1, 0, 2, "1f1b")))));
   piper::runtime::TrainOptions o;
   o.steps = 1;
   o.print = false;
   o.save_path = (dir / "state.ckpt").string();
   piper::runtime::train_reference(program, o);
-  const core::Program more = core::Program::from_json(json::parse(std::ifstream(compile_plan(temp_dir("incompatible/b"), strategy(1, 1, 1, 0, 3, "1f1b")))));
+  const core::Program more = core::Program::from_json(
+      json::parse(std::ifstream(compile_plan(temp_dir("incompatible/b"), strategy(1, 1, 1, 0, 3, "1f1b")))));
   piper::runtime::TrainOptions r;
   r.steps = 2;
   r.print = false;
@@ -740,10 +845,14 @@ TEST(RuntimeCheckpoint, IncompatibleCheckpointsAreRefusedWithOneLine) {
     piper::runtime::train_reference(more, r);
     FAIL() << "resumed with another global batch";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("checkpoint took 4 sequences per step, the plan takes 6"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("checkpoint took 4 sequences per step, the plan takes 6"), std::string::npos)
+        << e.what();
   }
   // A truncated file (as a crash without the atomic rename would leave) is named as damaged.
-  const std::string bytes = [&] { std::ifstream in(o.save_path, std::ios::binary); return std::string(std::istreambuf_iterator<char>(in), {}); }();
+  const std::string bytes = [&] {
+    std::ifstream in(o.save_path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }();
   std::ofstream(dir / "cut.ckpt", std::ios::binary) << bytes.substr(0, bytes.size() / 2);
   r.resume_path = (dir / "cut.ckpt").string();
   try {
@@ -786,11 +895,14 @@ TEST(RuntimeDump, HostileParameterDumpsAreRefused) {
   const std::string neg = dump("neg.bin", record(0, 0, 2, 2) + record(0, -4, 1, 1));
   EXPECT_EQ(refusal(neg), neg + ": damaged parameter dump: record 1 (byte 36): negative offset -4");
   const std::string far = dump("far.bin", record(0, 1LL << 40, 1, 1));
-  EXPECT_EQ(refusal(far), far + ": damaged parameter dump: record 0 (byte 8): offset 1099511627776 + count 1 runs past the 6 floats the file holds");
+  EXPECT_EQ(refusal(far), far +
+                              ": damaged parameter dump: record 0 (byte 8): offset 1099511627776 + count 1 runs past "
+                              "the 6 floats the file holds");
   const std::string count = dump("count.bin", record(0, 0, -1, 0));
   EXPECT_EQ(refusal(count), count + ": damaged parameter dump: record 0 (byte 8): negative count -1");
   const std::string huge = dump("huge.bin", record(0, 0, 1LL << 61, 1));
-  EXPECT_EQ(refusal(huge), huge + ": damaged parameter dump: record 0 (byte 8): 2305843009213693952 floats announced, 4 bytes left");
+  EXPECT_EQ(refusal(huge),
+            huge + ": damaged parameter dump: record 0 (byte 8): 2305843009213693952 floats announced, 4 bytes left");
   const std::string layer = dump("layer.bin", record(-1, 0, 1, 1));
   EXPECT_EQ(refusal(layer), layer + ": damaged parameter dump: record 0 (byte 8): negative layer -1");
   const std::string cut = dump("cut.bin", record(0, 0, 1, 1).substr(0, 10));
@@ -824,9 +936,12 @@ TEST(RuntimeFailure, WrongRankCountIsOneLineBeforeAnything) {
   const fs::path plan = compile_plan(dir, strategy(2, 2, 1, 0, 2, "1f1b"));
   Result r = sh(mpirun(3) + PIPER_CLI + " run --plan " + plan.string() + " --steps 2");
   EXPECT_NE(r.code, 0);
-  EXPECT_NE(r.output.find("piper: error: the plan has 4 devices but 3 MPI ranks were started"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("piper: error: the plan has 4 devices but 3 MPI ranks were started"), std::string::npos)
+      << r.output;
   std::size_t count = 0;
-  for (std::size_t at = r.output.find("piper: error"); at != std::string::npos; at = r.output.find("piper: error", at + 1)) ++count;
+  for (std::size_t at = r.output.find("piper: error"); at != std::string::npos;
+       at = r.output.find("piper: error", at + 1))
+    ++count;
   EXPECT_EQ(count, 1u) << r.output;
 }
 
@@ -834,7 +949,8 @@ TEST(RuntimeFailure, KilledRankEndsEveryRankWithin30s) {
   const fs::path dir = temp_dir("kill");
   const fs::path plan = compile_plan(dir, strategy(2, 2, 1, 0, 4, "1f1b"));
   const fs::path log = dir / "log.txt";
-  const std::string cmd = mpirun(4) + PIPER_CLI + " run --plan " + plan.string() + " --steps 1000000 > " + log.string() + " 2>&1";
+  const std::string cmd =
+      mpirun(4) + PIPER_CLI + " run --plan " + plan.string() + " --steps 1000000 > " + log.string() + " 2>&1";
   const pid_t launcher = fork();
   ASSERT_GE(launcher, 0);
   if (launcher == 0) {
@@ -882,7 +998,8 @@ TEST(RuntimeFailure, KilledRankEndsEveryRankWithin30s) {
   const auto killed_at = since();
   int status = 0;
   pid_t done = 0;
-  while ((done = waitpid(launcher, &status, WNOHANG)) == 0 && since() - killed_at < 30) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  while ((done = waitpid(launcher, &status, WNOHANG)) == 0 && since() - killed_at < 30)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
   if (done == 0) kill(-launcher, SIGKILL), waitpid(launcher, &status, 0);
   EXPECT_NE(done, 0) << "mpirun still running 30 s after a rank was killed";
   EXPECT_TRUE(ranks().empty());

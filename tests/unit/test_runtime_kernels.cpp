@@ -22,7 +22,8 @@ Mat random_mat(Eigen::Index r, Eigen::Index c, std::mt19937& rng, float scale = 
 // Compares analytic[i] with (L(x+e) - L(x-e)) / 2e for every element of `x`. fp32 forward, e = 1e-2:
 // truncation error O(e^2) ~ 1e-4 and rounding ~ 1e-7 |L| / e ~ 1e-5 |L|, so we allow
 // |diff| <= 3e-3 + 2e-2 |analytic| (a wrong gradient is off by O(1)).
-void expect_gradient(float* x, Eigen::Index n, const float* analytic, const std::function<double()>& loss, const char* what) {
+void expect_gradient(float* x, Eigen::Index n, const float* analytic, const std::function<double()>& loss,
+                     const char* what) {
   const float e = 1e-2f;
   int checked = 0;
   for (Eigen::Index i = 0; i < n; ++i) {
@@ -47,7 +48,10 @@ TEST(RuntimeKernels, RmsNormInputAndWeight) {
   std::mt19937 rng(1);
   Mat x = random_mat(3, 8, rng), r = random_mat(3, 8, rng);
   Vec g = Vec::Random(8).array() + 1.5f;
-  auto loss = [&] { RmsNormCache c; return weighted_sum(rmsnorm_forward(x, ConstVecMap(g.data(), 8), &c), r); };
+  auto loss = [&] {
+    RmsNormCache c;
+    return weighted_sum(rmsnorm_forward(x, ConstVecMap(g.data(), 8), &c), r);
+  };
   RmsNormCache c;
   rmsnorm_forward(x, ConstVecMap(g.data(), 8), &c);
   Mat dx = rmsnorm_backward_input(c, ConstVecMap(g.data(), 8), r);
@@ -62,18 +66,21 @@ TEST(RuntimeKernels, AttentionGqaRopeQkNormInputAndWeights) {
   AttentionShape s{4, 2, 4, 5, true, 10000.0f};
   const int H = 8, T = 10;  // two sequences of 5
   Mat u = random_mat(T, H, rng), r = random_mat(T, H, rng);
-  Mat wq = random_mat(H, 16, rng, 0.4f), wk = random_mat(H, 8, rng, 0.4f), wv = random_mat(H, 8, rng, 0.4f), wo = random_mat(16, H, rng, 0.4f);
+  Mat wq = random_mat(H, 16, rng, 0.4f), wk = random_mat(H, 8, rng, 0.4f), wv = random_mat(H, 8, rng, 0.4f),
+      wo = random_mat(16, H, rng, 0.4f);
   Vec qn = Vec::Random(4).array() + 1.5f, kn = Vec::Random(4).array() + 1.5f;
-  auto weights = [&] { return AttentionWeights{ConstMatMap(wq.data(), H, 16), ConstMatMap(wk.data(), H, 8), ConstMatMap(wv.data(), H, 8),
-                                               ConstMatMap(wo.data(), 16, H), ConstVecMap(qn.data(), 4), ConstVecMap(kn.data(), 4)}; };
+  auto weights = [&] {
+    return AttentionWeights{ConstMatMap(wq.data(), H, 16), ConstMatMap(wk.data(), H, 8), ConstMatMap(wv.data(), H, 8),
+                            ConstMatMap(wo.data(), 16, H), ConstVecMap(qn.data(), 4),    ConstVecMap(kn.data(), 4)};
+  };
   auto loss = [&] { return weighted_sum(attention_forward(s, weights(), u, nullptr), r); };
   AttentionCache c;
   attention_forward(s, weights(), u, &c);
   Mat du = attention_backward_input(s, weights(), c, r);
   Mat gq = Mat::Zero(H, 16), gk = Mat::Zero(H, 8), gv = Mat::Zero(H, 8), go = Mat::Zero(16, H);
   Vec gqn = Vec::Zero(4), gkn = Vec::Zero(4);
-  AttentionGrads g{MatMap(gq.data(), H, 16), MatMap(gk.data(), H, 8), MatMap(gv.data(), H, 8), MatMap(go.data(), 16, H),
-                   VecMap(gqn.data(), 4), VecMap(gkn.data(), 4)};
+  AttentionGrads g{MatMap(gq.data(), H, 16), MatMap(gk.data(), H, 8), MatMap(gv.data(), H, 8),
+                   MatMap(go.data(), 16, H), VecMap(gqn.data(), 4),   VecMap(gkn.data(), 4)};
   attention_backward_weight(s, c, g);
   expect_gradient(u.data(), u.size(), du.data(), loss, "du");
   expect_gradient(wq.data(), wq.size(), gq.data(), loss, "dwq");
@@ -88,10 +95,11 @@ TEST(RuntimeKernels, AttentionIsCausal) {
   // Changing the last token of a sequence must not change any earlier output row.
   std::mt19937 rng(3);
   AttentionShape s{2, 1, 4, 4, false, 10000.0f};
-  Mat u = random_mat(4, 8, rng), wq = random_mat(8, 8, rng), wk = random_mat(8, 4, rng), wv = random_mat(8, 4, rng), wo = random_mat(8, 8, rng);
+  Mat u = random_mat(4, 8, rng), wq = random_mat(8, 8, rng), wk = random_mat(8, 4, rng), wv = random_mat(8, 4, rng),
+      wo = random_mat(8, 8, rng);
   Vec one = Vec::Ones(4);
-  AttentionWeights w{ConstMatMap(wq.data(), 8, 8), ConstMatMap(wk.data(), 8, 4), ConstMatMap(wv.data(), 8, 4), ConstMatMap(wo.data(), 8, 8),
-                     ConstVecMap(one.data(), 4), ConstVecMap(one.data(), 4)};
+  AttentionWeights w{ConstMatMap(wq.data(), 8, 8), ConstMatMap(wk.data(), 8, 4), ConstMatMap(wv.data(), 8, 4),
+                     ConstMatMap(wo.data(), 8, 8), ConstVecMap(one.data(), 4),   ConstVecMap(one.data(), 4)};
   Mat a = attention_forward(s, w, u, nullptr);
   u.row(3).setRandom();
   Mat b = attention_forward(s, w, u, nullptr);
@@ -103,7 +111,9 @@ TEST(RuntimeKernels, SwigluMlpInputAndWeights) {
   std::mt19937 rng(4);
   Mat u = random_mat(4, 6, rng), r = random_mat(4, 6, rng);
   Mat wg = random_mat(6, 5, rng, 0.5f), wu = random_mat(6, 5, rng, 0.5f), wd = random_mat(5, 6, rng, 0.5f);
-  auto w = [&] { return MlpWeights{ConstMatMap(wg.data(), 6, 5), ConstMatMap(wu.data(), 6, 5), ConstMatMap(wd.data(), 5, 6)}; };
+  auto w = [&] {
+    return MlpWeights{ConstMatMap(wg.data(), 6, 5), ConstMatMap(wu.data(), 6, 5), ConstMatMap(wd.data(), 5, 6)};
+  };
   auto loss = [&] { return weighted_sum(mlp_forward(w(), u, nullptr), r); };
   MlpCache c;
   mlp_forward(w(), u, &c);
@@ -150,7 +160,8 @@ TEST(RuntimeKernels, ExpertsOnEntriesInputAndWeights) {
   auto weights = [&] {
     std::vector<MlpWeights> ws;
     for (int e = 0; e < 2; ++e)
-      ws.push_back({ConstMatMap(w[3 * e].data(), H, F), ConstMatMap(w[3 * e + 1].data(), H, F), ConstMatMap(w[3 * e + 2].data(), F, H)});
+      ws.push_back({ConstMatMap(w[3 * e].data(), H, F), ConstMatMap(w[3 * e + 1].data(), H, F),
+                    ConstMatMap(w[3 * e + 2].data(), F, H)});
     return ws;
   };
   auto loss = [&] { return weighted_sum(experts_forward(weights(), 2, expert, rows, nullptr), r); };
@@ -161,7 +172,8 @@ TEST(RuntimeKernels, ExpertsOnEntriesInputAndWeights) {
   for (const auto& m : w) gw.push_back(Mat::Zero(m.rows(), m.cols()));
   std::vector<MlpGrads> g;
   for (int e = 0; e < 2; ++e)
-    g.push_back({MatMap(gw[3 * e].data(), H, F), MatMap(gw[3 * e + 1].data(), H, F), MatMap(gw[3 * e + 2].data(), F, H)});
+    g.push_back(
+        {MatMap(gw[3 * e].data(), H, F), MatMap(gw[3 * e + 1].data(), H, F), MatMap(gw[3 * e + 2].data(), F, H)});
   experts_backward_weight(c, g);
   expect_gradient(rows.data(), rows.size(), drows.data(), loss, "drows");
   for (std::size_t i = 0; i < w.size(); ++i) expect_gradient(w[i].data(), w[i].size(), gw[i].data(), loss, "dw expert");
@@ -214,7 +226,9 @@ TEST(RuntimeKernels, LayerNormInputAndWeights) {
   std::mt19937 rng(9);
   Mat x = random_mat(3, 8, rng), r = random_mat(3, 8, rng);
   Vec g = Vec::Random(8).array() + 1.5f, b = Vec::Random(8);
-  auto loss = [&] { return weighted_sum(layernorm_forward(x, ConstVecMap(g.data(), 8), ConstVecMap(b.data(), 8), nullptr), r); };
+  auto loss = [&] {
+    return weighted_sum(layernorm_forward(x, ConstVecMap(g.data(), 8), ConstVecMap(b.data(), 8), nullptr), r);
+  };
   LayerNormCache c;
   Mat y = layernorm_forward(x, ConstVecMap(g.data(), 8), ConstVecMap(b.data(), 8), &c);
   // Closed form: with g = 1 and b = 0 every row has mean 0 and variance var/(var + eps) ~ 1.
@@ -253,7 +267,11 @@ TEST(RuntimeKernels, BiasAddGradient) {
   std::mt19937 rng(11);
   Mat x = random_mat(4, 3, rng), r = random_mat(4, 3, rng);
   Vec b = Vec::Random(3);
-  auto loss = [&] { Mat y = x; bias_add(y, ConstVecMap(b.data(), 3)); return weighted_sum(y, r); };
+  auto loss = [&] {
+    Mat y = x;
+    bias_add(y, ConstVecMap(b.data(), 3));
+    return weighted_sum(y, r);
+  };
   Vec db = Vec::Zero(3);
   bias_backward_weight(r, VecMap(db.data(), 3));
   expect_gradient(b.data(), b.size(), db.data(), loss, "db");
@@ -264,7 +282,9 @@ TEST(RuntimeKernels, GeluMlpInputAndWeights) {
   Mat u = random_mat(4, 6, rng), r = random_mat(4, 6, rng);
   Mat w1 = random_mat(6, 8, rng, 0.5f), w2 = random_mat(8, 6, rng, 0.5f);
   Vec b1 = Vec::Random(8) * 0.5f;
-  auto w = [&] { return GeluMlpWeights{ConstMatMap(w1.data(), 6, 8), ConstMatMap(w2.data(), 8, 6), ConstVecMap(b1.data(), 8)}; };
+  auto w = [&] {
+    return GeluMlpWeights{ConstMatMap(w1.data(), 6, 8), ConstMatMap(w2.data(), 8, 6), ConstVecMap(b1.data(), 8)};
+  };
   auto loss = [&] { return weighted_sum(gelu_mlp_forward(w(), u, nullptr), r); };
   GeluMlpCache c;
   gelu_mlp_forward(w(), u, &c);
@@ -285,12 +305,13 @@ TEST(RuntimeKernels, AttentionWithBiasesWithoutRope) {
   AttentionShape s{2, 2, 4, 5, false, 10000.0f, false, true};
   const int H = 8, T = 10;
   Mat u = random_mat(T, H, rng), r = random_mat(T, H, rng);
-  Mat wq = random_mat(H, 8, rng, 0.4f), wk = random_mat(H, 8, rng, 0.4f), wv = random_mat(H, 8, rng, 0.4f), wo = random_mat(8, H, rng, 0.4f);
+  Mat wq = random_mat(H, 8, rng, 0.4f), wk = random_mat(H, 8, rng, 0.4f), wv = random_mat(H, 8, rng, 0.4f),
+      wo = random_mat(8, H, rng, 0.4f);
   Vec bq = Vec::Random(8), bk = Vec::Random(8), bv = Vec::Random(8), unused = Vec::Ones(4);
   auto weights = [&] {
-    return AttentionWeights{ConstMatMap(wq.data(), H, 8), ConstMatMap(wk.data(), H, 8), ConstMatMap(wv.data(), H, 8), ConstMatMap(wo.data(), 8, H),
-                            ConstVecMap(unused.data(), 4), ConstVecMap(unused.data(), 4),
-                            ConstVecMap(bq.data(), 8), ConstVecMap(bk.data(), 8), ConstVecMap(bv.data(), 8)};
+    return AttentionWeights{ConstMatMap(wq.data(), H, 8), ConstMatMap(wk.data(), H, 8),  ConstMatMap(wv.data(), H, 8),
+                            ConstMatMap(wo.data(), 8, H), ConstVecMap(unused.data(), 4), ConstVecMap(unused.data(), 4),
+                            ConstVecMap(bq.data(), 8),    ConstVecMap(bk.data(), 8),     ConstVecMap(bv.data(), 8)};
   };
   auto loss = [&] { return weighted_sum(attention_forward(s, weights(), u, nullptr), r); };
   AttentionCache c;
@@ -298,8 +319,9 @@ TEST(RuntimeKernels, AttentionWithBiasesWithoutRope) {
   Mat du = attention_backward_input(s, weights(), c, r);
   Mat gq = Mat::Zero(H, 8), gk = Mat::Zero(H, 8), gv = Mat::Zero(H, 8), go = Mat::Zero(8, H);
   Vec gbq = Vec::Zero(8), gbk = Vec::Zero(8), gbv = Vec::Zero(8), gn = Vec::Zero(4);
-  AttentionGrads g{MatMap(gq.data(), H, 8), MatMap(gk.data(), H, 8), MatMap(gv.data(), H, 8), MatMap(go.data(), 8, H), VecMap(gn.data(), 4), VecMap(gn.data(), 4),
-                   VecMap(gbq.data(), 8), VecMap(gbk.data(), 8), VecMap(gbv.data(), 8)};
+  AttentionGrads g{MatMap(gq.data(), H, 8), MatMap(gk.data(), H, 8), MatMap(gv.data(), H, 8),
+                   MatMap(go.data(), 8, H), VecMap(gn.data(), 4),    VecMap(gn.data(), 4),
+                   VecMap(gbq.data(), 8),   VecMap(gbk.data(), 8),   VecMap(gbv.data(), 8)};
   attention_backward_weight(s, c, g);
   expect_gradient(u.data(), u.size(), du.data(), loss, "du");
   expect_gradient(wq.data(), wq.size(), gq.data(), loss, "dwq");
@@ -322,7 +344,11 @@ TEST(RuntimeKernels, LearnedPositionsWeightGradient) {
   std::mt19937 rng(14);
   // Rows 3.. of two 4-token sequences (a sequence-parallel slice starting at row 3): positions 3, 0, 1, 2, 3.
   Mat pos = random_mat(6, 3, rng), x0 = random_mat(5, 3, rng), r = random_mat(5, 3, rng);
-  auto loss = [&] { Mat x = x0; positions_forward(x, ConstMatMap(pos.data(), 6, 3), 4, 3); return weighted_sum(x, r); };
+  auto loss = [&] {
+    Mat x = x0;
+    positions_forward(x, ConstMatMap(pos.data(), 6, 3), 4, 3);
+    return weighted_sum(x, r);
+  };
   Mat x = x0;
   positions_forward(x, ConstMatMap(pos.data(), 6, 3), 4, 3);
   EXPECT_LT((x.row(1) - x0.row(1) - pos.row(0)).cwiseAbs().maxCoeff(), 1e-6f);  // row 4 = position 0
@@ -351,11 +377,13 @@ TEST(RuntimeKernels, TiedHeadGradientAddsToTheEmbedding) {
   forward(&hc, &lc);
   // Same loss as the untied head holding the table's transpose.
   Mat wh = table.transpose();
-  Mat u = layernorm_forward(embedding_forward(ConstMatMap(table.data(), V, H), tokens), ConstVecMap(g.data(), H), ConstVecMap(b.data(), H), nullptr);
+  Mat u = layernorm_forward(embedding_forward(ConstMatMap(table.data(), V, H), tokens), ConstVecMap(g.data(), H),
+                            ConstVecMap(b.data(), H), nullptr);
   EXPECT_NEAR(head_forward(ConstMatMap(wh.data(), H, V), u, targets, 1.0f, nullptr), loss(), 1e-5);
   Mat dtable = Mat::Zero(V, H);
   tied_head_backward_weight(hc, MatMap(dtable.data(), V, H));
   Mat du = tied_head_backward_input(ConstMatMap(table.data(), V, H), hc);
-  embedding_backward_weight(tokens, layernorm_backward_input(lc, ConstVecMap(g.data(), H), du), MatMap(dtable.data(), V, H));
+  embedding_backward_weight(tokens, layernorm_backward_input(lc, ConstVecMap(g.data(), H), du),
+                            MatMap(dtable.data(), V, H));
   expect_gradient(table.data(), table.size(), dtable.data(), loss, "dtable (lookup + head)");
 }

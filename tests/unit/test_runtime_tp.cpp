@@ -51,7 +51,9 @@ class ThreadComm : public TpComm {
   void allgather(const float* in, std::int64_t n, float* out) override {
     g_.slots[static_cast<std::size_t>(rank_)].assign(in, in + n);
     g_.barrier.arrive_and_wait();
-    for (int r = 0; r < g_.size; ++r) std::copy(g_.slots[static_cast<std::size_t>(r)].begin(), g_.slots[static_cast<std::size_t>(r)].end(), out + r * n);
+    for (int r = 0; r < g_.size; ++r)
+      std::copy(g_.slots[static_cast<std::size_t>(r)].begin(), g_.slots[static_cast<std::size_t>(r)].end(),
+                out + r * n);
     g_.barrier.arrive_and_wait();
   }
   void reduce_scatter(const float* in, std::int64_t n, float* out) override {
@@ -79,11 +81,12 @@ class ThreadComm : public TpComm {
 
 struct Outcome {
   double loss = 0;
-  std::map<int, std::vector<float>> grads;   // canonical layout per layer
-  std::int64_t stash_floats = 0;             // kept between F and B (summed over segments)
+  std::map<int, std::vector<float>> grads;  // canonical layout per layer
+  std::int64_t stash_floats = 0;            // kept between F and B (summed over segments)
 };
 
-void merge(std::map<int, std::vector<float>>& into, const std::vector<ParamRecord>& records, const core::Model& m, const HostModel& hm) {
+void merge(std::map<int, std::vector<float>>& into, const std::vector<ParamRecord>& records, const core::Model& m,
+           const HostModel& hm) {
   for (const auto& r : records) {
     auto& v = into[r.layer];
     v.resize(static_cast<std::size_t>(hm.layer_param_count(r.layer)), std::nanf(""));
@@ -120,7 +123,8 @@ Outcome run(const std::string& spec, int tp, bool seq_par, RecomputeMode recompu
     Outcome& o = per_rank[static_cast<std::size_t>(rank)];
     std::vector<SegmentStash> stash(specs.size());
     ForwardState state;
-    for (std::size_t s = 0; s < specs.size(); ++s) o.loss += m->forward(static_cast<int>(s), data, scale, state, stash[s]);
+    for (std::size_t s = 0; s < specs.size(); ++s)
+      o.loss += m->forward(static_cast<int>(s), data, scale, state, stash[s]);
     for (const auto& st : stash) o.stash_floats += st.floats();
     BackwardState g;
     for (std::size_t s = specs.size(); s-- > 0;) m->backward_input(static_cast<int>(s), g, stash[s]);

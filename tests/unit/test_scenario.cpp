@@ -76,7 +76,8 @@ TEST(Scenario, HybridShardingSizesTheStateByTheShardGroup) {
     (void)Program::from_json(bad);
     ADD_FAILURE() << "no error for zero_shards 3 of 4 replicas";
   } catch (const PlanError& e) {
-    EXPECT_NE(std::string(e.what()).find("zero_shards': 3 does not divide the 4 replicas"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("zero_shards': 3 does not divide the 4 replicas"), std::string::npos)
+        << e.what();
   }
 }
 
@@ -103,9 +104,13 @@ TEST(Scenario, ErrorsNameTheFieldOrFlag) {
     }
     return std::string("(no error)");
   };
-  EXPECT_EQ(message([] { Scenario::from_json(json{{"model", "qwen3-9m"}, {"stages", 0}}, "s.json"); }),
+  EXPECT_EQ(message([] {
+              Scenario::from_json(json{{"model", "qwen3-9m"}, {"stages", 0}}, "s.json");
+            }),
             "s.json: field 'stages': must be an integer >= 1");
-  EXPECT_EQ(message([] { Scenario::from_json(json{{"modle", "x"}}, "s.json"); }),
+  EXPECT_EQ(message([] {
+              Scenario::from_json(json{{"modle", "x"}}, "s.json");
+            }),
             "s.json: field 'modle': unknown field (did you mean 'model'?)");
   Scenario s;
   s.model = "llama3-8b";
@@ -225,16 +230,19 @@ TEST(Scenario, TiedCopiesAreSummedByAPairAllReduce) {
           if (op.kind == OpKind::Compute && op.segment == mine && op.pass == Pass::B) last_backward = {st, i};
         }
       ASSERT_EQ(sums.size(), 1u) << "device " << d;
-      const Op& sum = plan.streams[static_cast<std::size_t>(sums[0].stream)].ops[static_cast<std::size_t>(sums[0].index)];
+      const Op& sum =
+          plan.streams[static_cast<std::size_t>(sums[0].stream)].ops[static_cast<std::size_t>(sums[0].index)];
       EXPECT_EQ(sum.bytes, 50257LL * 768 * 2);  // bf16 gradients (no fp32 main grads in this spec)
       EXPECT_NE(std::find(sum.waits.begin(), sum.waits.end(), last_backward), sum.waits.end()) << "device " << d;
       int readers = 0;
       for (const auto& st : plan.streams)
         for (const auto& op : st.ops) {
-          const bool reads = op.kind == OpKind::Update || op.kind == OpKind::ReduceScatter || (op.kind == OpKind::AllReduce && op.family != fam);
+          const bool reads = op.kind == OpKind::Update || op.kind == OpKind::ReduceScatter ||
+                             (op.kind == OpKind::AllReduce && op.family != fam);
           if (!reads || std::find(op.segments.begin(), op.segments.end(), mine) == op.segments.end()) continue;
           ++readers;
-          EXPECT_NE(std::find(op.waits.begin(), op.waits.end(), sums[0]), op.waits.end()) << op.label << " on device " << d;
+          EXPECT_NE(std::find(op.waits.begin(), op.waits.end(), sums[0]), op.waits.end())
+              << op.label << " on device " << d;
         }
       // Its data-parallel reduction (ZeRO-2: one per microbatch, 2·pp = 4 here) and its update.
       EXPECT_EQ(readers, (zero >= 2 ? 4 : 1) + 1) << "device " << d;
@@ -246,9 +254,12 @@ TEST(Scenario, TiedCopiesAreSummedByAPairAllReduce) {
     compile(2, 2, 0, "dualpipe");
     ADD_FAILURE() << "a mirrored tied placement compiled";
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "directives: the tied embedding (segment 0, on [0,2,1,3]) and the head's copy (segment 1, on [1,3,0,2]) are placed "
-                           "mirrored (device 1 holds the embedding at position 2 and the head at 0): the two copies cannot be paired for their "
-                           "gradient sum (untie the embeddings, or place the head's segment at the embedding's positions)");
+    EXPECT_STREQ(e.what(),
+                 "directives: the tied embedding (segment 0, on [0,2,1,3]) and the head's copy (segment 1, on "
+                 "[1,3,0,2]) are placed "
+                 "mirrored (device 1 holds the embedding at position 2 and the head at 0): the two copies cannot be "
+                 "paired for their "
+                 "gradient sum (untie the embeddings, or place the head's segment at the embedding's positions)");
   }
 }
 
@@ -268,9 +279,11 @@ TEST(Scenario, TiedCopiesOnSetsSharingSomeDevicesAreRefused) {
     compile_scenario(s);
     ADD_FAILURE() << "tied copies on [0,1] and [2,1] compiled";
   } catch (const Error& e) {
-    EXPECT_EQ(std::string(e.what()).find("directives: the tied embedding (segment 0, on [0,1]) and the head's copy (segment 1, on [2,1]) share "
-                                         "some devices but not all: the two copies cannot be paired for their gradient sum"),
-              0u)
+    EXPECT_EQ(
+        std::string(e.what()).find(
+            "directives: the tied embedding (segment 0, on [0,1]) and the head's copy (segment 1, on [2,1]) share "
+            "some devices but not all: the two copies cannot be paired for their gradient sum"),
+        0u)
         << e.what();
   }
 }
@@ -301,7 +314,9 @@ TEST(Scenario, TiedCopyIsReducedAndUpdatedLikeAnUntiedHead) {
     const Plan& plan = p.plan_for(p.num_devices - 1);  // the last device holds the last stage
     for (const auto& st : plan.streams)
       for (const auto& op : st.ops) {
-        if (op.kind == OpKind::AllReduce && p.families.at(static_cast<std::size_t>(op.family)).purpose != FamilyPurpose::TiedEmbedding) h.reduced += op.bytes;
+        if (op.kind == OpKind::AllReduce &&
+            p.families.at(static_cast<std::size_t>(op.family)).purpose != FamilyPurpose::TiedEmbedding)
+          h.reduced += op.bytes;
         if (op.kind == OpKind::Update) h.upd_bytes += op.memory_bytes, h.upd_flops += op.flops;
         if (op.kind == OpKind::Compute && op.pass == Pass::B) h.backward_elementwise += op.elementwise_bytes;
       }
@@ -331,7 +346,8 @@ TEST(Scenario, UnknownKeysInsideStrategyAreRejectedWithTheNearestKey) {
             "s.json: field 'strategy.global_bach': unknown field (did you mean 'global_batch'?)");
   // Nothing near: the message lists the valid keys.
   const std::string far = message(json{{"model", "qwen3-9m"}, {"strategy", {{"learning_rate", 1}}}});
-  EXPECT_NE(far.find("field 'strategy.learning_rate': unknown field (expected one of: pp, dp,"), std::string::npos) << far;
+  EXPECT_NE(far.find("field 'strategy.learning_rate': unknown field (expected one of: pp, dp,"), std::string::npos)
+      << far;
   EXPECT_EQ(message(json{{"model", "qwen3-9m"}, {"strategy", {{"pp", 2}, {"microbatches", 4}}}}), "(no error)");
 }
 

@@ -33,8 +33,8 @@ constexpr int F = 1, B = 2, W = 1, FB = F + B;
 TEST(Schedules, RegistryHasEveryPublishedFamily) {
   std::vector<std::string> names;
   for (const auto& f : core::schedule_registry()) names.push_back(f.name);
-  EXPECT_EQ(names, (std::vector<std::string>{"gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2", "zb-v",
-                                             "dualpipev", "dualpipe"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2",
+                                             "zb-v", "dualpipev", "dualpipe"}));
 }
 
 // compile() lowers and verifies (send/recv matching, collective order, no wait cycle), so a
@@ -51,7 +51,7 @@ TEST(Schedules, EveryFamilyCompilesAndVerifiesForSeveralShapes) {
   for (const std::string f : {"interleaved-1f1b", "looped-bfs", "zb-h1"})
     for (auto [p, m, v] : {std::tuple{2, 4, 2}, std::tuple{4, 8, 2}, std::tuple{4, 4, 3}, std::tuple{4, 12, 1}})
       cases.push_back({f, p, m, v});
-  cases.push_back({"zb-v", 4, 3, 1});   // fewer microbatches than the V's depth
+  cases.push_back({"zb-v", 4, 3, 1});  // fewer microbatches than the V's depth
   cases.push_back({"zb-h1", 4, 2, 1});
   for (const auto& c : cases) {
     SCOPED_TRACE(c.family + " p" + std::to_string(c.p) + " m" + std::to_string(c.m) + " v" + std::to_string(c.v));
@@ -70,8 +70,9 @@ TEST(Schedules, EveryFamilyComposesWithExpertParallelismAndZero3AtEightRanks) {
     core::Scenario s;
     s.model = "qwen3-1b";  // 16 blocks: enough for 2 x 8 regions; 4 experts
     s.seq_len = 256;
-    s.strategy = shape(family.name, 8, 32, family.name == "interleaved-1f1b" || family.name == "looped-bfs" ||
-                                                   family.name == "zb-h1" ? 2 : 1);
+    s.strategy =
+        shape(family.name, 8, 32,
+              family.name == "interleaved-1f1b" || family.name == "looped-bfs" || family.name == "zb-h1" ? 2 : 1);
     s.strategy.dp = 4, s.strategy.ep = 4, s.strategy.zero = 3;
     core::CompiledScenario c;
     ASSERT_NO_THROW(c = core::compile_scenario(s));
@@ -128,14 +129,16 @@ TEST(ScheduleFormulas, DualPipeAndDualPipeV) {
       const int stages = 2 * p;
       const auto s = core::unit_time_schedule(shape("dualpipev", p, m), kCosts);
       for (int r = 0; r < p; ++r)
-        EXPECT_EQ(s.ranks[r].bubble, (stages / 2 - 1) * (FB + B - 3 * W)) << "dualpipev p" << p << " m" << m << " rank " << r;
+        EXPECT_EQ(s.ranks[r].bubble, (stages / 2 - 1) * (FB + B - 3 * W))
+            << "dualpipev p" << p << " m" << m << " rank " << r;
     }
     for (int m : {2 * p, 4 * p}) {
       const int stages = p;
       const auto s = core::unit_time_schedule(shape("dualpipe", p, m), kCosts);
       int peak = 0;
       for (int r = 0; r < p; ++r) {
-        EXPECT_EQ(s.ranks[r].bubble, (stages / 2 - 1) * (FB + B - 3 * W)) << "dualpipe p" << p << " m" << m << " rank " << r;
+        EXPECT_EQ(s.ranks[r].bubble, (stages / 2 - 1) * (FB + B - 3 * W))
+            << "dualpipe p" << p << " m" << m << " rank " << r;
         peak = std::max(peak, s.ranks[r].peak_activations);
       }
       EXPECT_EQ(peak, stages + 1) << "dualpipe p" << p << " m" << m;
@@ -188,7 +191,8 @@ TEST(Schedules, ConstraintsFailWithOneLine) {
   EXPECT_EQ(message(shape("interleaved-1f1b", 4, 6, 2)),
             "interleaved-1f1b: --microbatches 6 must be a multiple of --pp 4 with --virtual 2 (microbatches go through "
             "the virtual stages in groups of pp)");
-  EXPECT_EQ(message(shape("zb-v", 4, 8, 3)), "zb-v: --virtual 3 is not supported (its shape fixes 2 region(s) per rank)");
+  EXPECT_EQ(message(shape("zb-v", 4, 8, 3)),
+            "zb-v: --virtual 3 is not supported (its shape fixes 2 region(s) per rank)");
   for (const auto& o : {shape("dualpipev", 4, 6), shape("interleaved-1f1b", 4, 6, 2)})
     EXPECT_EQ(message(o).find('\n'), std::string::npos);
 }

@@ -28,12 +28,14 @@ namespace {
 json other_value(const core::Setting& s) {
   const json def = core::setting_default(s);
   switch (s.type) {
-    case core::SettingType::Bool: return !def.get<bool>();
+    case core::SettingType::Bool:
+      return !def.get<bool>();
     case core::SettingType::Int: {
       const int min = static_cast<int>(s.min);
       return def.get<int>() != min ? min : min + 1;
     }
-    case core::SettingType::Double: return def.get<double>() != 25.5 ? 25.5 : 12.25;
+    case core::SettingType::Double:
+      return def.get<double>() != 25.5 ? 25.5 : 12.25;
     case core::SettingType::String: {
       const auto choices = core::setting_choices(s);
       return choices.empty() ? json("x") : json(choices.back());
@@ -151,9 +153,12 @@ TEST(Settings, UnknownScenarioKeyIsOneLineNamingFileAndKey) {
   });
   EXPECT_EQ(near, "s.json: field 'strategy.microbatchs': unknown field (did you mean 'microbatches'?)");
   const std::string far = error_of([] {
-    core::Scenario::from_json(json::parse(R"({"model": "qwen3-9m", "strategy": {"context_length_factor": 4}})"), "s.json");
+    core::Scenario::from_json(json::parse(R"({"model": "qwen3-9m", "strategy": {"context_length_factor": 4}})"),
+                              "s.json");
   });
-  EXPECT_EQ(far.rfind("s.json: field 'strategy.context_length_factor': unknown field (expected one of: pp, dp, ", 0), 0u) << far;
+  EXPECT_EQ(far.rfind("s.json: field 'strategy.context_length_factor': unknown field (expected one of: pp, dp, ", 0),
+            0u)
+      << far;
   EXPECT_EQ(far.find('\n'), std::string::npos);
   // The same rule in a sweep spec.
   EXPECT_EQ(error_of([] { sim::SweepSpec::from_json(json::parse(R"({"dp_shards": [2]})"), "sw.json"); }),
@@ -162,15 +167,19 @@ TEST(Settings, UnknownScenarioKeyIsOneLineNamingFileAndKey) {
 
 TEST(Settings, BadEnumValueNamesTheKeyAndTheChoices) {
   EXPECT_EQ(error_of([] {
-              core::Scenario::from_json(json::parse(R"({"model": "qwen3-9m", "strategy": {"recompute": "ful"}})"), "s.json");
+              core::Scenario::from_json(json::parse(R"({"model": "qwen3-9m", "strategy": {"recompute": "ful"}})"),
+                                        "s.json");
             }),
-            "s.json: field 'strategy.recompute': unknown value 'ful' (did you mean 'full'?); expected none, selective, full, op or auto");
+            "s.json: field 'strategy.recompute': unknown value 'ful' (did you mean 'full'?); expected none, selective, "
+            "full, op or auto");
   EXPECT_EQ(error_of([] {
-              core::Scenario::from_json(json::parse(R"({"model": "qwen3-9m", "strategy": {"reduce_every": 1}})"), "s.json");
+              core::Scenario::from_json(json::parse(R"({"model": "qwen3-9m", "strategy": {"reduce_every": 1}})"),
+                                        "s.json");
             }),
             "s.json: field 'strategy.reduce_every': must be a string (got 1)");
-  EXPECT_EQ(error_of([] { sim::SweepSpec::from_json(json::parse(R"({"reduce_every": ["step", "steps"]})"), "sw.json"); }),
-            "sw.json: field 'reduce_every': unknown value 'steps' (did you mean 'step'?); expected microbatch or step");
+  EXPECT_EQ(
+      error_of([] { sim::SweepSpec::from_json(json::parse(R"({"reduce_every": ["step", "steps"]})"), "sw.json"); }),
+      "sw.json: field 'reduce_every': unknown value 'steps' (did you mean 'step'?); expected microbatch or step");
   EXPECT_EQ(error_of([] {
               core::Scenario::from_json(json::parse(R"({"model": "qwen3-9m", "strategy": {"zero": 4}})"), "s.json");
             }),
@@ -184,12 +193,17 @@ TEST(Settings, BadEnumValueNamesTheKeyAndTheChoices) {
   CLI::App app2;
   cli::StrategyFlags flags2;
   flags2.add_to(&app2);
-  EXPECT_EQ(error_of([&] { app2.parse(std::vector<std::string>{"7", "--zero"}); }),
+  EXPECT_EQ(error_of([&] {
+              app2.parse(std::vector<std::string>{"7", "--zero"});
+            }),
             "--zero: must be an integer in 0..3 (got 7)");
   CLI::App app3;
   cli::StrategyFlags flags3;
   flags3.add_to(&app3);
-  EXPECT_EQ(error_of([&] { app3.parse(std::vector<std::string>{"2x", "--pp"}); }), "--pp: must be an integer, got '2x'");
+  EXPECT_EQ(error_of([&] {
+              app3.parse(std::vector<std::string>{"2x", "--pp"});
+            }),
+            "--pp: must be an integer, got '2x'");
 }
 
 // gather_prefetch (added as one line of the table): the replicate directive's ZeRO-3 `prefetch`.

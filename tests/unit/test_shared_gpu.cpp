@@ -29,7 +29,8 @@ std::shared_ptr<const core::Program> compile(int pp, int dp, int microbatches, c
 }
 
 Cluster h200(int devices_per_gpu) {
-  return cluster_from_json(json{{"preset", "dgx-h200"}, {"nodes", 1}, {"node", {{"devices_per_gpu", devices_per_gpu}}}}, "c.json");
+  return cluster_from_json(json{{"preset", "dgx-h200"}, {"nodes", 1}, {"node", {{"devices_per_gpu", devices_per_gpu}}}},
+                           "c.json");
 }
 
 double step(const std::string& engine, std::shared_ptr<const core::Program> program, const Cluster& c) {
@@ -79,9 +80,11 @@ TEST(SharedGpu, CopiesInsideOneGpuRunAtHalfTheHbmBandwidth) {
   EXPECT_TRUE(cost.same_gpu(0, 1));
   EXPECT_FALSE(cost.same_gpu(1, 2));
   EXPECT_NEAR(cost.p2p_seconds(0, 1, bytes), n.nvlink_latency_s + bytes / bw, 1e-15);
-  EXPECT_NEAR(cost.p2p_seconds(1, 2, bytes), n.nvlink_latency_s + bytes / n.nvlink_effective_bandwidth_bytes_per_s(), 1e-15);
+  EXPECT_NEAR(cost.p2p_seconds(1, 2, bytes), n.nvlink_latency_s + bytes / n.nvlink_effective_bandwidth_bytes_per_s(),
+              1e-15);
   // Ring all-gather of 2 ranks: (n - 1) alpha + (n - 1)/n S / B.
-  EXPECT_NEAR(cost.collective_seconds(core::OpKind::AllGather, {0, 1}, bytes), n.nvlink_latency_s + 0.5 * bytes / bw, 1e-15);
+  EXPECT_NEAR(cost.collective_seconds(core::OpKind::AllGather, {0, 1}, bytes), n.nvlink_latency_s + 0.5 * bytes / bw,
+              1e-15);
 }
 
 // The report splits each GPU's HBM and peak among the program's devices on it.
@@ -111,6 +114,8 @@ TEST(SharedGpu, SpecErrorsNameTheField) {
   } catch (const ClusterError& e) {
     EXPECT_NE(std::string(e.what()).find("node.devices_per_gpu"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(cluster_from_json(json{{"preset", "dgx-h200"}, {"node", {{"devices_per_gpu", 0}}}}, "c.json"), ClusterError);
-  EXPECT_THROW(cluster_from_json(json{{"preset", "dgx-h200"}, {"node", {{"device_per_gpu", 2}}}}, "c.json"), ClusterError);
+  EXPECT_THROW(cluster_from_json(json{{"preset", "dgx-h200"}, {"node", {{"devices_per_gpu", 0}}}}, "c.json"),
+               ClusterError);
+  EXPECT_THROW(cluster_from_json(json{{"preset", "dgx-h200"}, {"node", {{"device_per_gpu", 2}}}}, "c.json"),
+               ClusterError);
 }

@@ -49,15 +49,16 @@ class SimCli : public ::testing::Test {
 
 TEST_F(SimCli, WritesReportAndTrace) {
   const fs::path report = dir_ / "report.json", trace = dir_ / "trace.json";
-  Result r = run("simulate --model qwen3-9m --pp 2 --dp 2 --microbatches 4 --engine analytic --cluster dgx-h100 --report " +
-                     report.string() + " --trace " + trace.string(),
-                 dir_);
+  Result r =
+      run("simulate --model qwen3-9m --pp 2 --dp 2 --microbatches 4 --engine analytic --cluster dgx-h100 --report " +
+              report.string() + " --trace " + trace.string(),
+          dir_);
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("step time"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("critical path"), std::string::npos) << r.out;
   json j = json::parse(std::ifstream(report));
-  for (const char* key : {"step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "compile_time_s", "simulate_time_s", "oom",
-                          "per_device", "critical_path"})
+  for (const char* key : {"step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "compile_time_s", "simulate_time_s",
+                          "oom", "per_device", "critical_path"})
     EXPECT_TRUE(j.contains(key)) << key;
   EXPECT_EQ(j.at("devices"), 4);
   EXPECT_EQ(j.at("engine"), "analytic");
@@ -99,16 +100,18 @@ TEST_F(SimCli, BadClusterIsOneLineAndWritesNothing) {
 TEST_F(SimCli, TuneWritesTheWinnersProgramAndResumes) {
   const fs::path csv = dir_ / "tune.csv", best = dir_ / "best.json", scenario = dir_ / "best-scenario.json",
                  png = dir_ / "pareto.png";
-  const std::string args = "tune --model qwen3-9m --devices 4 --global-batch 8 --micro-batch-size 1 --zero 0,1 "
-                           "--schedules 1f1b,zb-h1 --tp 1,2 --recompute none,full --top 1 -j 2 -o " + csv.string();
+  const std::string args =
+      "tune --model qwen3-9m --devices 4 --global-batch 8 --micro-batch-size 1 --zero 0,1 "
+      "--schedules 1f1b,zb-h1 --tp 1,2 --recompute none,full --top 1 -j 2 -o " +
+      csv.string();
   // The Pareto plot needs Qt 6 Gui (piper_plot); builds without it (the sanitize preset) test the rest.
 #ifdef PIPER_HAVE_PLOT
   const std::string plot_args = " --plot " + png.string();
 #else
   const std::string plot_args;
 #endif
-  Result r = run(args + " --emit-directives " + best.string() + " --emit-scenario " + scenario.string() + plot_args,
-                 dir_);
+  Result r =
+      run(args + " --emit-directives " + best.string() + " --emit-scenario " + scenario.string() + plot_args, dir_);
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("best: PP "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("  simgrid "), std::string::npos) << "the top plan is re-simulated on SimGrid: " << r.out;
@@ -142,7 +145,8 @@ TEST_F(SimCli, TuneWritesTheWinnersProgramAndResumes) {
   const json program = json::parse(program_in);
   int tp_directives = 0, recompute_directives = 0;
   for (const auto& d : program) {
-    tp_directives += d.value("op", "") == "tensor_parallel" && d.value("degree", 0) == tp && d.value("sequence_parallel", false) == sp;
+    tp_directives += d.value("op", "") == "tensor_parallel" && d.value("degree", 0) == tp &&
+                     d.value("sequence_parallel", false) == sp;
     recompute_directives += d.value("op", "") == "recompute" && d.value("mode", "") == recompute;
   }
   EXPECT_EQ(tp_directives > 0, tp > 1) << program.dump();
@@ -189,13 +193,16 @@ TEST_F(SimCli, TunePlotWithoutQtIsRefusedBeforeTheSearch) {
 // columns; and a search where nothing fits exits 1 (not 0).
 TEST_F(SimCli, TuneStatesItsReserveAndExitsOneWhenNothingFits) {
   const fs::path csv = dir_ / "tune.csv";
-  const std::string args = "tune --model qwen3-9m --devices 2 --global-batch 4 --micro-batch-size 1 --zero 0 "
-                           "--schedules 1f1b --max-virtual 1 --ep 1 --tp 1,2 --recompute none --top 0 --show 5 --no-placement-search -j 1 -o ";
+  const std::string args =
+      "tune --model qwen3-9m --devices 2 --global-batch 4 --micro-batch-size 1 --zero 0 "
+      "--schedules 1f1b --max-virtual 1 --ep 1 --tp 1,2 --recompute none --top 0 --show 5 --no-placement-search -j 1 "
+      "-o ";
   Result r = run(args + csv.string(), dir_);
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("reserve     6.57 GiB of the 131.32 GiB HBM kept for the CUDA context, NCCL buffers and "
                        "fragmentation (5 %; --memory-reserve-gib to change)"),
-            std::string::npos) << r.out;
+            std::string::npos)
+      << r.out;
   EXPECT_NE(r.out.find("memory cap 124.75 GiB"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("(above the 5th best)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("peak GiB  PP  TP  DP  EP  strategy"), std::string::npos) << r.out;

@@ -37,8 +37,8 @@ TEST(SimCluster, PresetsCarryTheDatasheetFigures) {
   EXPECT_EQ(h200.gpu(0).peak_flops, 989e12);
   EXPECT_EQ(h200.gpu(7).hbm_bytes, 141'000'000'000);
   EXPECT_EQ(h200.gpu(0).hbm_bandwidth_bytes_per_s, 4.8e12);
-  EXPECT_EQ(h200.nodes[0].nvlink_bandwidth_bytes_per_s, 450e9);   // 900 GB/s bidirectional
-  EXPECT_EQ(h200.nodes[0].nic_bandwidth_per_gpu_bytes_per_s(), 50e9);  // 8 x 400 Gb/s over 8 GPUs
+  EXPECT_EQ(h200.nodes[0].nvlink_bandwidth_bytes_per_s, 450e9);                      // 900 GB/s bidirectional
+  EXPECT_EQ(h200.nodes[0].nic_bandwidth_per_gpu_bytes_per_s(), 50e9);                // 8 x 400 Gb/s over 8 GPUs
   EXPECT_EQ(load_cluster("hgx-h800").nodes[0].nvlink_bandwidth_bytes_per_s, 200e9);  // 400 GB/s bidirectional
   EXPECT_EQ(load_cluster("dgx-a100-80g").gpu(0).peak_flops, 312e12);
   // NCCL's effective NVLink bandwidth as its maintainer gives it: ~230 GB/s of A100's 300 GB/s line
@@ -79,13 +79,23 @@ TEST(SimCluster, HeterogeneousOverridesAndOneLineErrors) {
     EXPECT_NE(e.find(field), std::string::npos) << e;
   };
   one_line_naming(error_of([] { cluster_from_json(json{{"preset", "dgx-h9"}}, "a.json"); }), "a.json", "preset");
-  one_line_naming(error_of([] { cluster_from_json(json{{"preset", "dgx-h100"}, {"node", {{"nics", -1}}}}, "b.json"); }),
+  one_line_naming(error_of([] {
+                    cluster_from_json(json{{"preset", "dgx-h100"}, {"node", {{"nics", -1}}}}, "b.json");
+                  }),
                   "b.json", "node.nics");
-  one_line_naming(error_of([] { cluster_from_json(json{{"preset", "dgx-h100"}, {"node", {{"gpu", {{"hbm_gb", 3}}}}}}, "c.json"); }),
+  one_line_naming(error_of([] {
+                    cluster_from_json(json{{"preset", "dgx-h100"}, {"node", {{"gpu", {{"hbm_gb", 3}}}}}}, "c.json");
+                  }),
                   "c.json", "node.gpu.hbm_gb");
-  one_line_naming(error_of([] { cluster_from_json(json{{"node", {{"gpus_per_node", 2}}}}, "d.json"); }), "d.json", "peak_tflops");
-  one_line_naming(error_of([] { cluster_from_json(json{{"preset", "dgx-h100"}, {"nodes", 2}, {"overrides", {{{"nodes", {5}}}}}}, "e.json"); }),
-                  "e.json", "overrides[0].nodes");
+  one_line_naming(error_of([] {
+                    cluster_from_json(json{{"node", {{"gpus_per_node", 2}}}}, "d.json");
+                  }),
+                  "d.json", "peak_tflops");
+  one_line_naming(
+      error_of([] {
+        cluster_from_json(json{{"preset", "dgx-h100"}, {"nodes", 2}, {"overrides", {{{"nodes", {5}}}}}}, "e.json");
+      }),
+      "e.json", "overrides[0].nodes");
   one_line_naming(error_of([] { load_cluster("no-such-cluster"); }), "no-such-cluster", "preset");
   const auto path = std::filesystem::temp_directory_path() / "piper_sim_bad_cluster.json";
   std::ofstream(path) << "{\"preset\": \"dgx-h100\",\n \"nodes\": }";
@@ -114,9 +124,12 @@ TEST(SimCost, RingAllReduceMatchesClosedForm) {
     const double nn = n;
     expect_rel(cost.collective_seconds(core::OpKind::AllReduce, one_per_node(n, 8), bytes),
                2 * (nn - 1) * a + 2 * (nn - 1) / nn * S / b);
-    expect_rel(cost.collective_seconds(core::OpKind::ReduceScatter, one_per_node(n, 8), bytes), (nn - 1) * a + (nn - 1) / nn * S / b);
-    expect_rel(cost.collective_seconds(core::OpKind::AllGather, one_per_node(n, 8), bytes), (nn - 1) * a + (nn - 1) / nn * S / b);
-    expect_rel(cost.collective_seconds(core::OpKind::AllToAll, one_per_node(n, 8), bytes), (nn - 1) * (a + S / (nn * b)));
+    expect_rel(cost.collective_seconds(core::OpKind::ReduceScatter, one_per_node(n, 8), bytes),
+               (nn - 1) * a + (nn - 1) / nn * S / b);
+    expect_rel(cost.collective_seconds(core::OpKind::AllGather, one_per_node(n, 8), bytes),
+               (nn - 1) * a + (nn - 1) / nn * S / b);
+    expect_rel(cost.collective_seconds(core::OpKind::AllToAll, one_per_node(n, 8), bytes),
+               (nn - 1) * (a + S / (nn * b)));
   }
 }
 
@@ -125,13 +138,14 @@ TEST(SimCost, HierarchicalWhenAGroupSpansNodes) {
   CostModel cost(c);
   const double S = 256e6;
   const double ai = c.nodes[0].nvlink_latency_s, bi = 370e9;  // NCCL's effective NVLink 4 bandwidth
-  const double ae = c.network.latency_s, be = 50e9;  // 8 x 400 Gb/s over 8 GPUs
+  const double ae = c.network.latency_s, be = 50e9;           // 8 x 400 Gb/s over 8 GPUs
   std::vector<int> all(16);
   for (int i = 0; i < 16; ++i) all[static_cast<std::size_t>(i)] = i;
   const double m = 8, k = 2;
   const double rs_intra = (m - 1) * ai + (m - 1) / m * S / bi;
   const double ar_inter = 2 * (k - 1) * ae + 2 * (k - 1) / k * (S / m) / be;
-  expect_rel(cost.collective_seconds(core::OpKind::AllReduce, all, static_cast<std::int64_t>(S)), rs_intra + ar_inter + rs_intra);
+  expect_rel(cost.collective_seconds(core::OpKind::AllReduce, all, static_cast<std::int64_t>(S)),
+             rs_intra + ar_inter + rs_intra);
   expect_rel(cost.collective_seconds(core::OpKind::AllToAll, all, static_cast<std::int64_t>(S)),
              (m - 1) * (ai + S / (16 * bi)) + (16 - m) * (ae + S / (16 * be)));
 }
@@ -171,12 +185,13 @@ TEST(SimCost, EfficiencyCurveAppliesPerGemmKernel) {
 
 TEST(SimCost, CalibrationAndOverrideReplaceTheModel) {
   Cluster c = load_cluster("dgx-h200");
-  Calibration cal = Calibration::from_json(
-      json{{"format", "piper-calibration"},
-           {"entries", {{{"kind", "COMPUTE"}, {"pass", "F"}, {"seconds", 0.5}},
-                        {{"kind", "COMPUTE"}, {"pass", "F"}, {"flops", 1e12}, {"seconds", 0.25}},
-                        {{"kind", "ALL_REDUCE"}, {"group_size", 8}, {"seconds", 0.125}}}}},
-      "cal.json");
+  Calibration cal =
+      Calibration::from_json(json{{"format", "piper-calibration"},
+                                  {"entries",
+                                   {{{"kind", "COMPUTE"}, {"pass", "F"}, {"seconds", 0.5}},
+                                    {{"kind", "COMPUTE"}, {"pass", "F"}, {"flops", 1e12}, {"seconds", 0.25}},
+                                    {{"kind", "ALL_REDUCE"}, {"group_size", 8}, {"seconds", 0.125}}}}},
+                             "cal.json");
   // Round trip through JSON keeps every field.
   cal = Calibration::from_json(cal.to_json(), "cal.json");
   CostModel cost(c, cal);
@@ -200,7 +215,8 @@ TEST(SimCost, CalibrationAndOverrideReplaceTheModel) {
   EXPECT_EQ(cost.compute_seconds(program, 0, f), 0.5);
   std::string e;
   try {
-    Calibration::from_json(json{{"format", "piper-calibration"}, {"entries", {{{"kind", "NOPE"}, {"seconds", 1}}}}}, "x.json");
+    Calibration::from_json(json{{"format", "piper-calibration"}, {"entries", {{{"kind", "NOPE"}, {"seconds", 1}}}}},
+                           "x.json");
   } catch (const core::Error& err) {
     e = err.what();
   }

@@ -44,11 +44,13 @@ struct SimRun {
 
 // Simulates with the unit-time view (`unit` true) or the given override (none: the cost model).
 SimRun simulate_unit(std::shared_ptr<const core::Program> program, const OpOverride& costs = {},
-                  const Cluster& base = load_cluster("dgx-h200"), bool unit = true) {
+                     const Cluster& base = load_cluster("dgx-h200"), bool unit = true) {
   Cluster cluster = with_devices(base, program->num_devices);
   CostModel cost(cluster);
-  if (costs) cost.set_override(costs);
-  else if (unit) cost.set_override(unit_costs(*program));
+  if (costs)
+    cost.set_override(costs);
+  else if (unit)
+    cost.set_override(unit_costs(*program));
   SimRun r;
   r.timeline = make_analytic_engine()->run(program, cluster, cost);
   r.report = make_report(r.timeline, cluster);
@@ -66,14 +68,21 @@ struct Family {
 constexpr double kFB = kF + kB;  // an overlapped F&B pair (DualPipe's F&B = F + B)
 const Family kFamilies[] = {
     {"1f1b", [](double, double m) { return m * (kF + kB); }, [](double p, double) { return (p - 1) * (kF + kB); },
-     [](int) { return std::vector<int>{1, 4, 8, 13}; }},
+     [](int) {
+       return std::vector<int>{1, 4, 8, 13};
+     }},
     // ZB-H1: (p-1)(F+B-2W), for M >= p.
-    {"zb-h1", [](double, double m) { return m * (kF + kB); }, [](double p, double) { return (p - 1) * (kF + kB - 2 * kW); },
-     [](int p) { return std::vector<int>{p, 2 * p + 1}; }},
+    {"zb-h1", [](double, double m) { return m * (kF + kB); },
+     [](double p, double) { return (p - 1) * (kF + kB - 2 * kW); },
+     [](int p) {
+       return std::vector<int>{p, 2 * p + 1};
+     }},
     // DualPipeV: 2p stages (PP) on p ranks, two per rank; (PP/2-1)(F&B+B-3W), for M >= 2p.
     {"dualpipev", [](double, double m) { return 2 * m * (kF + kB); },
      [](double p, double) { return (2 * p / 2 - 1) * (kFB + kB - 3 * kW); },
-     [](int p) { return std::vector<int>{2 * p, 2 * p + 2}; }},
+     [](int p) {
+       return std::vector<int>{2 * p, 2 * p + 2};
+     }},
 };
 
 }  // namespace
@@ -109,7 +118,8 @@ TEST(SimAnalytic, OneFOneBHoldsPMinusRActivationsOnRankR) {
     const std::int64_t per_microbatch = total / m;
     ASSERT_EQ(per_microbatch * m, total);
     ASSERT_GT(per_microbatch, 0);
-    EXPECT_EQ(r.report.per_device[static_cast<std::size_t>(rank)].peak_bytes_by_kind.at(activations), (p - rank) * per_microbatch)
+    EXPECT_EQ(r.report.per_device[static_cast<std::size_t>(rank)].peak_bytes_by_kind.at(activations),
+              (p - rank) * per_microbatch)
         << "rank " << rank;
   }
 }
@@ -119,7 +129,8 @@ TEST(SimAnalytic, DeviceOverItsHbmReportsOom) {
   SimRun fits = simulate_unit(program);
   EXPECT_FALSE(fits.report.oom);
   // 1 MiB of HBM: the persistent state alone does not fit.
-  Cluster tiny = cluster_from_json(json{{"preset", "dgx-h200"}, {"node", {{"gpu", {{"hbm_gib", 1.0 / 1024}}}}}}, "tiny.json");
+  Cluster tiny =
+      cluster_from_json(json{{"preset", "dgx-h200"}, {"node", {{"gpu", {{"hbm_gib", 1.0 / 1024}}}}}}, "tiny.json");
   SimRun over = simulate_unit(program, {}, tiny);
   EXPECT_TRUE(over.report.oom);
   EXPECT_EQ(over.report.oom_details.device, 0);
@@ -131,16 +142,18 @@ TEST(SimAnalytic, DeviceOverItsHbmReportsOom) {
   std::int64_t sum = 0;
   for (const auto& h : over.report.oom_details.largest_holders) sum += h.bytes;
   EXPECT_EQ(sum, over.report.oom_details.bytes);
-  EXPECT_GE(over.report.oom_details.largest_holders.front().bytes, over.report.oom_details.largest_holders.back().bytes);
+  EXPECT_GE(over.report.oom_details.largest_holders.front().bytes,
+            over.report.oom_details.largest_holders.back().bytes);
 }
 
 TEST(SimAnalytic, SlowNodeSetsTheCriticalPath) {
   // Two 4-GPU nodes; node 1's GPUs have a quarter of the FLOP/s and HBM bandwidth. PP8: stages 4-7
   // run there, so the steady state of the pipeline is paced by them.
-  json spec = {{"preset", "dgx-h100"},
-               {"nodes", 2},
-               {"node", {{"gpus_per_node", 4}}},
-               {"overrides", {{{"nodes", {1}}, {"gpu", {{"peak_tflops", 989.0 / 4}, {"hbm_bandwidth_gb_per_s", 3350.0 / 4}}}}}}};
+  json spec = {
+      {"preset", "dgx-h100"},
+      {"nodes", 2},
+      {"node", {{"gpus_per_node", 4}}},
+      {"overrides", {{{"nodes", {1}}, {"gpu", {{"peak_tflops", 989.0 / 4}, {"hbm_bandwidth_gb_per_s", 3350.0 / 4}}}}}}};
   Cluster mixed = cluster_from_json(spec, "mixed.json");
   auto program = compile("1f1b", 8, 8);
   SimRun r = simulate_unit(program, {}, mixed, false);
@@ -151,7 +164,9 @@ TEST(SimAnalytic, SlowNodeSetsTheCriticalPath) {
   const auto& cp = r.report.critical_path;
   EXPECT_NEAR(cp.compute_s + cp.comm_s + cp.wait_s, r.report.step_time_s, 1e-9 * r.report.step_time_s);
   EXPECT_NEAR(cp.steps.back().end_s, r.report.step_time_s, 1e-12);
-  SimRun homogeneous = simulate_unit(program, {}, cluster_from_json(json{{"preset", "dgx-h100"}, {"nodes", 2}, {"node", {{"gpus_per_node", 4}}}}, "h.json"), false);
+  SimRun homogeneous = simulate_unit(
+      program, {},
+      cluster_from_json(json{{"preset", "dgx-h100"}, {"nodes", 2}, {"node", {{"gpus_per_node", 4}}}}, "h.json"), false);
   EXPECT_GT(r.report.step_time_s, homogeneous.report.step_time_s);
 }
 
@@ -194,7 +209,9 @@ core::Program overlap_program() {
 TEST(SimAnalytic, CommunicationStealsComputeShare) {
   auto program = std::make_shared<const core::Program>(overlap_program());
   Cluster c = cluster_from_json(json{{"preset", "dgx-h100"}, {"node", {{"gpu", {{"comm_sm_share", 0.25}}}}}}, "c.json");
-  auto costs = [](const core::Op& op) -> std::optional<double> { return op.kind == core::OpKind::Compute ? 10.0 : 4.0; };
+  auto costs = [](const core::Op& op) -> std::optional<double> {
+    return op.kind == core::OpKind::Compute ? 10.0 : 4.0;
+  };
   SimRun r = simulate_unit(program, costs, c);
   const auto& spans0 = r.timeline.devices[0].spans;  // sorted by (stream, index): compute F, then SEND
   EXPECT_NEAR(spans0[0].end_s, 11.0, 1e-12);
@@ -210,7 +227,9 @@ TEST(SimAnalytic, CommunicationStealsComputeShare) {
 // communication 33 SMs runs F at 0.75 from start to end, 10 / 0.75 s, where shared SMs gave 11 s.
 TEST(SimAnalytic, SmPartitionSetsComputeSpeedByHand) {
   Cluster c = cluster_from_json(json{{"preset", "dgx-h100"}, {"node", {{"gpu", {{"comm_sm_share", 0.25}}}}}}, "c.json");
-  auto costs = [](const core::Op& op) -> std::optional<double> { return op.kind == core::OpKind::Compute ? 10.0 : 4.0; };
+  auto costs = [](const core::Op& op) -> std::optional<double> {
+    return op.kind == core::OpKind::Compute ? 10.0 : 4.0;
+  };
   for (int sms : {33, 66}) {
     core::Program p = overlap_program();
     p.sm_partition = core::SmPartition{"comm", sms};
@@ -278,7 +297,8 @@ TEST(SimTrace, ChromeTraceSpansThatTouchDoNotOverlap) {
   std::vector<std::pair<std::int64_t, std::int64_t>> seen;
   const json trace = json::parse(out.str());
   for (const auto& e : trace.at("traceEvents"))
-    if (e.at("ph") == "X" && e.at("pid").get<int>() == 0 && e.at("tid").get<int>() == spans[0].stream && seen.size() < 2)
+    if (e.at("ph") == "X" && e.at("pid").get<int>() == 0 && e.at("tid").get<int>() == spans[0].stream &&
+        seen.size() < 2)
       seen.push_back({std::llround(e.at("ts").get<double>() * 1000), std::llround(e.at("dur").get<double>() * 1000)});
   ASSERT_EQ(seen.size(), 2u);
   EXPECT_EQ(seen[0], std::make_pair(std::int64_t{1}, std::int64_t{1}));  // 1 ns to 2 ns
@@ -342,14 +362,18 @@ TEST(SimEngine, BlockingTransfersSerializeWithTheComputeStream) {
       return t ? t : unit(op);
     };
     // Compute at full speed beside transfers (comm_sm_share 0), as the hand timeline assumes.
-    const Cluster no_sm_share = cluster_from_text(R"({"preset": "dgx-h200", "node": {"gpu": {"comm_sm_share": 0}}})", "c.json");
-    EXPECT_DOUBLE_EQ(simulate_unit(program, costs, no_sm_share).report.step_time_s, blocking ? 11.0 : 10.0) << "blocking " << blocking;
+    const Cluster no_sm_share =
+        cluster_from_text(R"({"preset": "dgx-h200", "node": {"gpu": {"comm_sm_share": 0}}})", "c.json");
+    EXPECT_DOUBLE_EQ(simulate_unit(program, costs, no_sm_share).report.step_time_s, blocking ? 11.0 : 10.0)
+        << "blocking " << blocking;
     // Rank 0's compute ops wait on its SENDs exactly when blocking.
     const auto& plan0 = program->plan_for(0);
     int waits_on_send = 0;
     for (const auto& op : plan0.streams[0].ops)
       for (const auto& w : op.waits)
-        waits_on_send += plan0.streams[static_cast<std::size_t>(w.stream)].ops[static_cast<std::size_t>(w.index)].kind == core::OpKind::Send;
+        waits_on_send +=
+            plan0.streams[static_cast<std::size_t>(w.stream)].ops[static_cast<std::size_t>(w.index)].kind ==
+            core::OpKind::Send;
     EXPECT_EQ(waits_on_send > 0, blocking) << waits_on_send;
   }
   core::Scenario one_stage;
@@ -357,6 +381,9 @@ TEST(SimEngine, BlockingTransfersSerializeWithTheComputeStream) {
   one_stage.strategy.p2p_blocking = true;
   EXPECT_EQ(piper::test::error_of([&] { core::compile_scenario(one_stage); }),
             "--p2p-blocking applies only with --pp 2 or more (its pipeline transfers)");
-  EXPECT_NE(piper::test::error_of([] { core::parse_directives(json::parse(R"([{"op": "place", "filter": {"PP": 0}, "devices": [0], "blocking": 1}])")); })
-                .find("blocking"), std::string::npos);
+  EXPECT_NE(
+      piper::test::error_of([] {
+        core::parse_directives(json::parse(R"([{"op": "place", "filter": {"PP": 0}, "devices": [0], "blocking": 1}])"));
+      }).find("blocking"),
+      std::string::npos);
 }

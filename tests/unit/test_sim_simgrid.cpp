@@ -59,7 +59,7 @@ sim::Cluster make_cluster(int nodes, int gpus, int nics = 8, const std::string& 
 
 // A program whose devices each run one collective of `kind` (S bytes) in the groups of `family`.
 std::shared_ptr<core::Program> collective_program(OpKind kind, int devices, std::int64_t bytes,
-                                                  std::vector<std::vector<int>> groups) {
+                                                  std::vector<std::vector<int> > groups) {
   auto p = std::make_shared<core::Program>();
   p->model_name = "hand-made";
   p->num_devices = devices;
@@ -167,7 +167,8 @@ TEST_P(SimgridEngine, RingAllReduceMatchesClosedForm) {
   for (int n : {8, 64}) {
     const sim::Cluster c = make_cluster(1, n);
     const double want = 2 * (n - 1) * 2e-6 + 2.0 * (n - 1) / n * S / (450 * kGB);
-    const double got = simgrid_step(collective_program(OpKind::AllReduce, n, static_cast<std::int64_t>(S), {iota(n)}), c);
+    const double got =
+        simgrid_step(collective_program(OpKind::AllReduce, n, static_cast<std::int64_t>(S), {iota(n)}), c);
     EXPECT_LE(rel(got, want), 1e-3) << n << " ranks: " << got << " s vs " << want << " s";
     EXPECT_LE(rel(got, want), 1e-9) << n << " ranks";
   }
@@ -175,7 +176,8 @@ TEST_P(SimgridEngine, RingAllReduceMatchesClosedForm) {
     const int n = 256;
     const sim::Cluster c = make_cluster(n, 1, 1);  // one 50 GB/s NIC per single-GPU node
     const double want = 2 * (n - 1) * 5e-6 + 2.0 * (n - 1) / n * S / (50 * kGB);
-    const double got = simgrid_step(collective_program(OpKind::AllReduce, n, static_cast<std::int64_t>(S), {iota(n)}), c);
+    const double got =
+        simgrid_step(collective_program(OpKind::AllReduce, n, static_cast<std::int64_t>(S), {iota(n)}), c);
     EXPECT_LE(rel(got, want), 1e-3) << n << " ranks: " << got << " s vs " << want << " s";
   }
 }
@@ -189,9 +191,11 @@ TEST_P(SimgridEngine, RingAllReduceOn1024RanksWithMergedRounds) {
   const double S = 4e9;
   const sim::Cluster c = make_cluster(1, n);
   const double want = 2 * (n - 1) * 2e-6 + 2.0 * (n - 1) / n * S / (450 * kGB);
-  const double got = simgrid_step(collective_program(OpKind::AllReduce, n, static_cast<std::int64_t>(S), {iota(n)}), c, 64);
+  const double got =
+      simgrid_step(collective_program(OpKind::AllReduce, n, static_cast<std::int64_t>(S), {iota(n)}), c, 64);
   EXPECT_LE(rel(got, want), 1e-3) << got << " s vs " << want << " s";
-  const double exact = simgrid_step(collective_program(OpKind::AllReduce, n, static_cast<std::int64_t>(S), {iota(n)}), c, 0);
+  const double exact =
+      simgrid_step(collective_program(OpKind::AllReduce, n, static_cast<std::int64_t>(S), {iota(n)}), c, 0);
   EXPECT_LE(rel(exact, want), 1e-9) << exact << " s vs " << want << " s";
 }
 
@@ -204,13 +208,15 @@ TEST_P(SimgridEngine, ReduceScatterAllGatherAllToAllMatchClosedForms) {
     int n;
     double alpha, bandwidth;
   };
-  const std::vector<Case> cases = {{make_cluster(1, 8), 8, 2e-6, 450 * kGB}, {make_cluster(16, 1, 1), 16, 5e-6, 50 * kGB}};
+  const std::vector<Case> cases = {{make_cluster(1, 8), 8, 2e-6, 450 * kGB},
+                                   {make_cluster(16, 1, 1), 16, 5e-6, 50 * kGB}};
   for (const auto& k : cases) {
     const double n = k.n;
     const double ring = (n - 1) * k.alpha + (n - 1) / n * S / k.bandwidth;
     const double a2a = (n - 1) * (k.alpha + S / (n * k.bandwidth));
     const auto bytes = static_cast<std::int64_t>(S);
-    EXPECT_LE(rel(simgrid_step(collective_program(OpKind::ReduceScatter, k.n, bytes, {iota(k.n)}), k.cluster), ring), 1e-9);
+    EXPECT_LE(rel(simgrid_step(collective_program(OpKind::ReduceScatter, k.n, bytes, {iota(k.n)}), k.cluster), ring),
+              1e-9);
     EXPECT_LE(rel(simgrid_step(collective_program(OpKind::AllGather, k.n, bytes, {iota(k.n)}), k.cluster), ring), 1e-9);
     EXPECT_LE(rel(simgrid_step(collective_program(OpKind::AllToAll, k.n, bytes, {iota(k.n)}), k.cluster), a2a), 1e-9);
   }
@@ -256,7 +262,8 @@ TEST_P(SimgridEngine, ComputeSlowsWhileItsDeviceCommunicates) {
     auto engine = simgrid_engine();
     const core::Timeline t = run_engine(*engine, p, c);
     ASSERT_EQ(t.devices[0].spans.size(), 2u);
-    EXPECT_LE(rel(t.devices[0].spans[0].end_s, want), 1e-9) << S << " bytes: " << t.devices[0].spans[0].end_s << " s vs " << want << " s";
+    EXPECT_LE(rel(t.devices[0].spans[0].end_s, want), 1e-9)
+        << S << " bytes: " << t.devices[0].spans[0].end_s << " s vs " << want << " s";
     EXPECT_LE(rel(t.devices[0].spans[1].end_s, T), 1e-9) << S << " bytes";
   }
 }
@@ -327,8 +334,9 @@ TEST_P(SimgridEngine, AgreesWithAnalyticOnContentionFreePrograms) {
     std::string schedule;
     int microbatches;
   };
-  const std::vector<Case> cases = {{2, 1, 0, "1f1b", 4}, {4, 1, 0, "1f1b", 8}, {4, 1, 0, "gpipe", 4}, {1, 4, 3, "1f1b", 2},
-                                   {1, 8, 0, "1f1b", 2}, {2, 2, 0, "1f1b", 4}, {2, 4, 0, "zb-h1", 4}};
+  const std::vector<Case> cases = {{2, 1, 0, "1f1b", 4}, {4, 1, 0, "1f1b", 8}, {4, 1, 0, "gpipe", 4},
+                                   {1, 4, 3, "1f1b", 2}, {1, 8, 0, "1f1b", 2}, {2, 2, 0, "1f1b", 4},
+                                   {2, 4, 0, "zb-h1", 4}};
   for (const auto& k : cases) {
     auto compiled = compile(k.pp, k.dp, k.zero, k.schedule, k.microbatches);
     auto program = std::make_shared<const core::Program>(std::move(compiled.result.program));
@@ -337,7 +345,8 @@ TEST_P(SimgridEngine, AgreesWithAnalyticOnContentionFreePrograms) {
     auto simgrid = simgrid_engine();
     const core::Timeline a = run_engine(*analytic, program, c);
     const core::Timeline s = run_engine(*simgrid, program, c);
-    const std::string what = k.schedule + " PP" + std::to_string(k.pp) + " DP" + std::to_string(k.dp) + " ZeRO-" + std::to_string(k.zero);
+    const std::string what =
+        k.schedule + " PP" + std::to_string(k.pp) + " DP" + std::to_string(k.dp) + " ZeRO-" + std::to_string(k.zero);
     EXPECT_GT(a.step_time_s, 0) << what;
     EXPECT_LE(rel(s.step_time_s, a.step_time_s), 1e-6) << what << ": " << s.step_time_s << " vs " << a.step_time_s;
     EXPECT_LE(max_span_difference(s, a), 1e-6) << what;
@@ -363,7 +372,9 @@ TEST_P(SimgridEngine, SendSharingAnNvlinkPortWithReduceScatterIsSlowerOnSimgrid)
     return op.kind == OpKind::AllReduce || op.kind == OpKind::ReduceScatter || op.kind == OpKind::AllGather ||
            op.kind == OpKind::AllToAll;
   };
-  auto is_pair = [&](const core::Op& x, const core::Op& y) { return (is_send(x) && is_coll(y)) || (is_coll(x) && is_send(y)); };
+  auto is_pair = [&](const core::Op& x, const core::Op& y) {
+    return (is_send(x) && is_coll(y)) || (is_coll(x) && is_send(y));
+  };
   double first_overlap = INFINITY;
   for (int d = 0; d < program->num_devices; ++d) {
     const auto& spans = a.devices[static_cast<std::size_t>(d)].spans;
@@ -415,8 +426,10 @@ TEST(SimgridFlowStarters, GiveTheSameTimelineOpByOp) {
     return std::make_shared<const core::Program>(std::move(compiled.result.program));
   };
   cases.push_back({"1F1B PP4 DP2 ZeRO-1, one node", compiled_program(4, 2, 1, "1f1b", 8), make_cluster(1, 8)});
-  cases.push_back({"1F1B PP4 DP2 ZeRO-1, thin fat-tree", compiled_program(4, 2, 1, "1f1b", 8), make_cluster(4, 2, 2, "fat-tree", 2)});
-  cases.push_back({"ZB-H1 PP2 DP4 ZeRO-3, thin fat-tree", compiled_program(2, 4, 3, "zb-h1", 4), make_cluster(4, 2, 2, "fat-tree", 2)});
+  cases.push_back({"1F1B PP4 DP2 ZeRO-1, thin fat-tree", compiled_program(4, 2, 1, "1f1b", 8),
+                   make_cluster(4, 2, 2, "fat-tree", 2)});
+  cases.push_back({"ZB-H1 PP2 DP4 ZeRO-3, thin fat-tree", compiled_program(2, 4, 3, "zb-h1", 4),
+                   make_cluster(4, 2, 2, "fat-tree", 2)});
   {
     auto p = collective_program(OpKind::AllReduce, 4, 1'000'000'000, {{0, 2}, {1, 3}});
     p->families[0].stride = 1;
@@ -458,10 +471,13 @@ TEST(SimgridMergedRings, EqualUnmergedOpByOp) {
     return std::make_shared<const core::Program>(std::move(compiled.result.program));
   };
   std::vector<Case> cases;
-  cases.push_back({"ZB-H1 PP2 DP4 ZeRO-3, thin fat-tree", compiled_program(2, 4, 3, "zb-h1", 4), make_cluster(4, 2, 2, "fat-tree", 2)});
-  cases.push_back({"1F1B PP2 DP4 ZeRO-1, thin fat-tree", compiled_program(2, 4, 1, "1f1b", 8), make_cluster(4, 2, 2, "fat-tree", 2)});
+  cases.push_back({"ZB-H1 PP2 DP4 ZeRO-3, thin fat-tree", compiled_program(2, 4, 3, "zb-h1", 4),
+                   make_cluster(4, 2, 2, "fat-tree", 2)});
+  cases.push_back({"1F1B PP2 DP4 ZeRO-1, thin fat-tree", compiled_program(2, 4, 1, "1f1b", 8),
+                   make_cluster(4, 2, 2, "fat-tree", 2)});
   cases.push_back({"1F1B PP2 DP4, one node", compiled_program(2, 4, 0, "1f1b", 8), make_cluster(1, 8)});
-  cases.push_back({"ZB-H1 PP2 DP4 ZeRO-3, 8 single-GPU nodes", compiled_program(2, 4, 3, "zb-h1", 4), make_cluster(8, 1, 1)});
+  cases.push_back(
+      {"ZB-H1 PP2 DP4 ZeRO-3, 8 single-GPU nodes", compiled_program(2, 4, 3, "zb-h1", 4), make_cluster(8, 1, 1)});
   {
     auto p = collective_program(OpKind::AllReduce, 8, 1'000'000'000, {{0, 2, 4, 6}, {1, 3, 5, 7}});
     p->families[0].stride = 1;
@@ -508,22 +524,27 @@ TEST(SimgridMergedRings, EqualUnmergedOnCompiledPrograms) {
     unmerged.merge_lone_collectives = false;
     const core::Timeline a = run_engine(*sim::make_simgrid_engine(merged), program, cluster);
     const core::Timeline b = run_engine(*sim::make_simgrid_engine(unmerged), program, cluster);
-    const std::string what = c.schedule + " PP" + std::to_string(c.pp) + " DP" + std::to_string(c.dp) + " EP" + std::to_string(c.ep) +
-                             " ZeRO-" + std::to_string(c.zero) + " on " + c.cluster;
+    const std::string what = c.schedule + " PP" + std::to_string(c.pp) + " DP" + std::to_string(c.dp) + " EP" +
+                             std::to_string(c.ep) + " ZeRO-" + std::to_string(c.zero) + " on " + c.cluster;
     EXPECT_GT(b.step_time_s, 0) << what;
     EXPECT_LE(max_span_difference(a, b), 1e-12) << what;
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(FlowStarters, SimgridEngine,
-                         ::testing::Values(sim::SimgridOptions::FlowStarter::Maestro, sim::SimgridOptions::FlowStarter::Workers,
+                         ::testing::Values(sim::SimgridOptions::FlowStarter::Maestro,
+                                           sim::SimgridOptions::FlowStarter::Workers,
                                            sim::SimgridOptions::FlowStarter::Pool),
                          [](const ::testing::TestParamInfo<sim::SimgridOptions::FlowStarter>& info) {
                            switch (info.param) {
-                             case sim::SimgridOptions::FlowStarter::Maestro: return std::string("Maestro");
-                             case sim::SimgridOptions::FlowStarter::Workers: return std::string("Workers");
-                             case sim::SimgridOptions::FlowStarter::Pool: return std::string("Pool");
-                             case sim::SimgridOptions::FlowStarter::Auto: break;
+                             case sim::SimgridOptions::FlowStarter::Maestro:
+                               return std::string("Maestro");
+                             case sim::SimgridOptions::FlowStarter::Workers:
+                               return std::string("Workers");
+                             case sim::SimgridOptions::FlowStarter::Pool:
+                               return std::string("Pool");
+                             case sim::SimgridOptions::FlowStarter::Auto:
+                               break;
                            }
                            return std::string("Auto");
                          });

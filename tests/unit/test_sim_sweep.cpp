@@ -31,7 +31,8 @@ SweepSpec small_spec() {
 }
 
 fs::path temp_csv(const std::string& name) {
-  const fs::path p = fs::temp_directory_path() / ("piper_test_sweep_" + std::to_string(::getpid()) + "_" + name + ".csv");
+  const fs::path p =
+      fs::temp_directory_path() / ("piper_test_sweep_" + std::to_string(::getpid()) + "_" + name + ".csv");
   fs::remove(p);
   return p;
 }
@@ -102,8 +103,8 @@ TEST(Sweep, InvalidCombinationsCarryTheReason) {
   EXPECT_NE(row.reason.find("--ep 3 must divide --dp 4"), std::string::npos) << row.reason;
   EXPECT_EQ(to_csv(row).find('\n'), std::string::npos);
   // Not simulated, so no figures: blank in the CSV and null in JSON, never a 0 that plots as a point.
-  for (const char* column : {"devices", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom",
-                             "compile_time_s", "simulate_time_s", "tp_comm_s"}) {
+  for (const char* column : {"devices", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes",
+                             "oom", "compile_time_s", "simulate_time_s", "tp_comm_s"}) {
     EXPECT_EQ(field(to_csv(row), column), "") << column;
     EXPECT_TRUE(to_json(row).at(column).is_null()) << column;
   }
@@ -200,7 +201,8 @@ TEST(Sweep, TwoJobsGiveTheRowsOfOne) {
 // times as long: H200's 132 SMs (datasheet) with 33 for communication give 132/99 = 4/3, with 66 give 2.
 TEST(Sweep, CommSmsScalesComputeByTheSmShare) {
   const SweepSpec spec = SweepSpec::from_json(
-      json::parse(R"({"model": "qwen3-9m", "cluster": "dgx-h200", "pp": 1, "dp": 1, "microbatches": 4, "comm_sms": [0, 33, 66]})"),
+      json::parse(
+          R"({"model": "qwen3-9m", "cluster": "dgx-h200", "pp": 1, "dp": 1, "microbatches": 4, "comm_sms": [0, 33, 66]})"),
       "spec.json");
   ASSERT_EQ(load_cluster("dgx-h200").nodes.front().gpu.sm_count, 132);
   const auto points = expand(spec);
@@ -227,11 +229,15 @@ TEST(Sweep, CommSmsErrorsNameTheField) {
     }
     return std::string("no error");
   };
-  EXPECT_EQ(message(R"({"cluster": "dgx-h200", "comm_sms": [24, 132]})"),
-            "bad.json: field 'comm_sms': 132 SMs for communication leave none for compute on 'H200-SXM-141GB' (132 SMs)");
-  EXPECT_NE(message(R"({"comm_sms": -8})").find("bad.json: field 'comm_sms': must be an integer >= 1 (or 0: off) (got -8)"), std::string::npos);
+  EXPECT_EQ(
+      message(R"({"cluster": "dgx-h200", "comm_sms": [24, 132]})"),
+      "bad.json: field 'comm_sms': 132 SMs for communication leave none for compute on 'H200-SXM-141GB' (132 SMs)");
+  EXPECT_NE(
+      message(R"({"comm_sms": -8})").find("bad.json: field 'comm_sms': must be an integer >= 1 (or 0: off) (got -8)"),
+      std::string::npos);
   EXPECT_NE(message(R"({"comm_sms": "24"})").find("bad.json: field 'comm_sms'"), std::string::npos);
-  EXPECT_EQ(message(R"({"cluster": "dgx-h200", "comm_sms": [0, 20, 131]})"), "no error");  // as `simulate --comm-sms` takes them
+  EXPECT_EQ(message(R"({"cluster": "dgx-h200", "comm_sms": [0, 20, 131]})"),
+            "no error");  // as `simulate --comm-sms` takes them
 }
 
 // dp_shard is a sweep axis (HSDP, docs/compiler.md): with ZeRO-3 over 4 replicas, groups of 2 keep
@@ -239,7 +245,8 @@ TEST(Sweep, CommSmsErrorsNameTheField) {
 // dp is an invalid row with the strategy's one-line reason, not a failed sweep.
 TEST(Sweep, DpShardIsAnAxis) {
   const SweepSpec spec = SweepSpec::from_json(
-      json::parse(R"({"model": "qwen3-9m", "cluster": "dgx-h200", "pp": 1, "dp": 4, "zero": 3, "microbatches": 4, "dp_shard": [0, 2, 3]})"),
+      json::parse(
+          R"({"model": "qwen3-9m", "cluster": "dgx-h200", "pp": 1, "dp": 4, "zero": 3, "microbatches": 4, "dp_shard": [0, 2, 3]})"),
       "spec.json");
   const auto points = expand(spec);
   ASSERT_EQ(points.size(), 3u);
@@ -266,7 +273,9 @@ TEST(Sweep, DpShardIsAnAxis) {
 // simulation's figure with it.
 TEST(Sweep, TpCommColumnIsTheCriticalPathsTpTime) {
   const SweepSpec spec = SweepSpec::from_json(
-      json::parse(R"({"model": "qwen3-9m", "cluster": "dgx-a100-80g", "pp": 1, "dp": 1, "microbatches": 2, "tp": [1, 2]})"), "spec.json");
+      json::parse(
+          R"({"model": "qwen3-9m", "cluster": "dgx-a100-80g", "pp": 1, "dp": 1, "microbatches": 2, "tp": [1, 2]})"),
+      "spec.json");
   std::map<int, SweepRow> rows;
   for (const auto& p : expand(spec)) rows[p.tp] = run_point(p);
   ASSERT_EQ(rows.at(1).status, "ok") << rows.at(1).reason;
@@ -298,8 +307,10 @@ TEST(Sweep, RefusesAnOlderSweepFileNamingTheMissingColumns) {
     run_sweep(small_spec(), csv.string());
     ADD_FAILURE() << "an older results file was accepted";
   } catch (const SweepError& e) {
-    EXPECT_EQ(std::string(e.what()),
-              csv.string() + ": line 1: written by an older piper sweep (no dp_shard, tp_comm_s and cp columns); choose another -o");
+    EXPECT_EQ(
+        std::string(e.what()),
+        csv.string() +
+            ": line 1: written by an older piper sweep (no dp_shard, tp_comm_s and cp columns); choose another -o");
   }
   EXPECT_EQ(lines_of(csv), std::vector<std::string>{header});
   fs::remove(csv);

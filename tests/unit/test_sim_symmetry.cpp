@@ -104,8 +104,12 @@ TEST(Symmetry, DevicesOfAClassShareTheirTimelineUntilWritten) {
   for (int d = 0; d < p.num_devices; ++d) {
     const int rep = sym.representative_of(d);
     if (rep == d) continue;
-    EXPECT_TRUE(devices[static_cast<std::size_t>(d)].spans.shares_storage_with(devices[static_cast<std::size_t>(rep)].spans)) << d;
-    EXPECT_TRUE(devices[static_cast<std::size_t>(d)].memory.shares_storage_with(devices[static_cast<std::size_t>(rep)].memory)) << d;
+    EXPECT_TRUE(
+        devices[static_cast<std::size_t>(d)].spans.shares_storage_with(devices[static_cast<std::size_t>(rep)].spans))
+        << d;
+    EXPECT_TRUE(
+        devices[static_cast<std::size_t>(d)].memory.shares_storage_with(devices[static_cast<std::size_t>(rep)].memory))
+        << d;
     ++shared;
   }
   EXPECT_EQ(shared, p.num_devices - sym.classes());

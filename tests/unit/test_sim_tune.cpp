@@ -29,7 +29,8 @@ namespace fs = std::filesystem;
 namespace {
 
 fs::path temp_csv(const std::string& name) {
-  const fs::path p = fs::temp_directory_path() / ("piper_test_tune_" + std::to_string(::getpid()) + "_" + name + ".csv");
+  const fs::path p =
+      fs::temp_directory_path() / ("piper_test_tune_" + std::to_string(::getpid()) + "_" + name + ".csv");
   fs::remove(p);
   return p;
 }
@@ -70,7 +71,7 @@ TuneSpec narrow_spec(int devices, int global_batch, int micro_batch_size, std::v
 using Strategy = std::tuple<int, int, int, int, std::string, int, int, std::int64_t, int, bool, std::string>;
 
 struct BruteForce {
-  std::map<Strategy, Outcome> ok;     // every combination that compiles and simulates
+  std::map<Strategy, Outcome> ok;  // every combination that compiles and simulates
 };
 
 // Every combination of a superset of the knobs (degrees 1..8, every microbatch count, every family,
@@ -81,43 +82,48 @@ BruteForce brute_force(const TuneSpec& spec) {
   BruteForce out;
   const core::ModelConfig cfg = core::load_model_config(spec.model);
   for (int tp : spec.tp_degrees)
-  for (bool sp : {false, true})
-  for (const auto& rc : spec.recompute_modes)
-  for (int pp = 1; pp <= spec.devices; ++pp)
-    for (int dp = 1; dp <= spec.devices; ++dp) {
-      if (pp * dp * tp != spec.devices) continue;
-      for (int ep = 1; ep <= dp; ++ep)
-        for (auto mbs : spec.micro_batch_sizes)
-          for (int m = 1; m <= spec.global_batch; ++m) {
-            if (static_cast<std::int64_t>(m) * dp * mbs != spec.global_batch) continue;
-            for (const auto& family : core::schedule_registry())
-              for (int v = 1; v <= spec.max_virtual; ++v)
-                for (int zero : spec.zero_levels) {
-                  core::Scenario s;
-                  s.model = spec.model;
-                  s.micro_batch_size = mbs;
-                  s.strategy.pp = pp, s.strategy.dp = dp, s.strategy.ep = ep, s.strategy.zero = zero;
-                  s.strategy.schedule = family.name;
-                  s.strategy.microbatches = m;
-                  s.strategy.virtual_stages = v;
-                  s.strategy.tp = tp, s.strategy.sequence_parallel = sp, s.strategy.recompute = rc;
-                  const Outcome o = simulate_outcome(s, spec.cluster, "analytic");
-                  if (o.status != "ok") continue;
-                  EXPECT_EQ(o.devices, spec.devices);
-                  EXPECT_DOUBLE_EQ(o.tokens_per_step, static_cast<double>(spec.global_batch * cfg.training.seq_len))
-                      << family.name << " pp" << pp << " dp" << dp << " m" << m;
-                  int regions = 0;
-                  core::scenario_program(s, &regions);
-                  out.ok[{pp, dp, ep, zero, family.name, regions / pp, m, mbs, tp, sp, rc}] = o;
+    for (bool sp : {false, true})
+      for (const auto& rc : spec.recompute_modes)
+        for (int pp = 1; pp <= spec.devices; ++pp)
+          for (int dp = 1; dp <= spec.devices; ++dp) {
+            if (pp * dp * tp != spec.devices) continue;
+            for (int ep = 1; ep <= dp; ++ep)
+              for (auto mbs : spec.micro_batch_sizes)
+                for (int m = 1; m <= spec.global_batch; ++m) {
+                  if (static_cast<std::int64_t>(m) * dp * mbs != spec.global_batch) continue;
+                  for (const auto& family : core::schedule_registry())
+                    for (int v = 1; v <= spec.max_virtual; ++v)
+                      for (int zero : spec.zero_levels) {
+                        core::Scenario s;
+                        s.model = spec.model;
+                        s.micro_batch_size = mbs;
+                        s.strategy.pp = pp, s.strategy.dp = dp, s.strategy.ep = ep, s.strategy.zero = zero;
+                        s.strategy.schedule = family.name;
+                        s.strategy.microbatches = m;
+                        s.strategy.virtual_stages = v;
+                        s.strategy.tp = tp, s.strategy.sequence_parallel = sp, s.strategy.recompute = rc;
+                        const Outcome o = simulate_outcome(s, spec.cluster, "analytic");
+                        if (o.status != "ok") continue;
+                        EXPECT_EQ(o.devices, spec.devices);
+                        EXPECT_DOUBLE_EQ(o.tokens_per_step,
+                                         static_cast<double>(spec.global_batch * cfg.training.seq_len))
+                            << family.name << " pp" << pp << " dp" << dp << " m" << m;
+                        int regions = 0;
+                        core::scenario_program(s, &regions);
+                        out.ok[{pp, dp, ep, zero, family.name, regions / pp, m, mbs, tp, sp, rc}] = o;
+                      }
                 }
           }
-    }
   return out;
 }
 
 Strategy strategy_of(const TuneCandidate& c) {
-  return {c.pp, c.dp, c.ep, c.zero, c.schedule, c.virtual_stages, c.microbatches, c.micro_batch_size,
-          c.tp, c.sequence_parallel, c.recompute};
+  return {c.pp,           c.dp,
+          c.ep,           c.zero,
+          c.schedule,     c.virtual_stages,
+          c.microbatches, c.micro_batch_size,
+          c.tp,           c.sequence_parallel,
+          c.recompute};
 }
 
 }  // namespace
@@ -139,7 +145,9 @@ TEST(Tune, EnumerationRules) {
   }
   // PP 8 needs 8 regions but the model has 4 blocks; ZeRO only varies with more than one replica.
   EXPECT_EQ(std::count_if(candidates.begin(), candidates.end(), [](const TuneCandidate& c) { return c.pp == 8; }), 0);
-  EXPECT_EQ(std::count_if(candidates.begin(), candidates.end(), [](const TuneCandidate& c) { return c.dp == 1 && c.zero != 0; }), 0);
+  EXPECT_EQ(std::count_if(candidates.begin(), candidates.end(),
+                          [](const TuneCandidate& c) { return c.dp == 1 && c.zero != 0; }),
+            0);
   // Experts: every divisor of dp that divides the 8 experts may shard them.
   std::set<int> eps;
   for (const auto& c : candidates) eps.insert(c.ep);
@@ -232,8 +240,9 @@ TEST(Tune, BestEqualsBruteForce) {
     // ZeRO levels coincide with one replica; the tuner keeps ZeRO 0 there.
     Strategy canon = k;
     if (std::get<1>(k) == 1) std::get<3>(canon) = 0;
-    EXPECT_TRUE(enumerated.count(canon)) << "missing: pp" << std::get<0>(k) << " dp" << std::get<1>(k) << " z" << std::get<3>(k)
-                                         << " " << std::get<4>(k) << " v" << std::get<5>(k) << " m" << std::get<6>(k);
+    EXPECT_TRUE(enumerated.count(canon)) << "missing: pp" << std::get<0>(k) << " dp" << std::get<1>(k) << " z"
+                                         << std::get<3>(k) << " " << std::get<4>(k) << " v" << std::get<5>(k) << " m"
+                                         << std::get<6>(k);
   }
   for (const auto& st : enumerated) EXPECT_TRUE(bf.ok.count(st)) << "illegal candidate " << std::get<4>(st);
 
@@ -242,7 +251,8 @@ TEST(Tune, BestEqualsBruteForce) {
   // all-reduce starts). Count both; the search must equal the brute force either way.
   int pairs = 0, faster = 0;
   for (const auto& [k, o] : bf.ok) {
-    for (const auto& [lighter, heavier] : {std::pair<std::string, std::string>{"none", "selective"}, {"selective", "full"}}) {
+    for (const auto& [lighter, heavier] :
+         {std::pair<std::string, std::string>{"none", "selective"}, {"selective", "full"}}) {
       if (std::get<10>(k) != heavier) continue;
       Strategy twin = k;
       std::get<10>(twin) = lighter;
@@ -279,7 +289,8 @@ TEST(Tune, BestEqualsBruteForce) {
 // degree the model takes with and without SP, every recompute mode (ZeRO 0 and 3 only with TP or
 // recomputation, to keep the test short).
 TEST(Tune, MemoryBoundNeverExceedsTheSimulatedPeak) {
-  for (const std::string& model : {std::string("qwen3-9m"), std::string(PIPER_SOURCE_DIR) + "/examples/models/tiny-moe.json"}) {
+  for (const std::string& model :
+       {std::string("qwen3-9m"), std::string(PIPER_SOURCE_DIR) + "/examples/models/tiny-moe.json"}) {
     TuneSpec spec = small_spec();
     spec.model = model;
     spec.zero_levels = {0, 1, 2, 3};
@@ -311,7 +322,8 @@ TEST(Tune, MemoryBoundNeverExceedsTheSimulatedPeak) {
     EXPECT_GT(tightest, 0.9) << model;
     // Tiny models are mostly launch and link latency, which the bound leaves out; it must still bite.
     EXPECT_GT(tightest_time, 0.25) << model << ": the time bound must also bite somewhere";
-    std::cout << model << ": memory bound up to " << tightest << ", time bound up to " << tightest_time << " of the simulation\n";
+    std::cout << model << ": memory bound up to " << tightest << ", time bound up to " << tightest_time
+              << " of the simulation\n";
   }
 }
 
@@ -344,10 +356,13 @@ TEST(Tune, ResumesAfterAKillWithoutLosingOrDuplicatingRows) {
   EXPECT_EQ(after.size(), lines.size());
   std::set<std::string> before_keys, after_keys;
   const auto& columns = tune_csv_columns();
-  const std::size_t engine = static_cast<std::size_t>(std::find(columns.begin(), columns.end(), "engine") - columns.begin());
-  for (std::size_t i = 1; i < lines.size(); ++i) before_keys.insert(csv_split(lines[i]).front() + "|" + csv_split(lines[i])[engine]);
+  const std::size_t engine =
+      static_cast<std::size_t>(std::find(columns.begin(), columns.end(), "engine") - columns.begin());
+  for (std::size_t i = 1; i < lines.size(); ++i)
+    before_keys.insert(csv_split(lines[i]).front() + "|" + csv_split(lines[i])[engine]);
   for (std::size_t i = 1; i < after.size(); ++i)
-    EXPECT_TRUE(after_keys.insert(csv_split(after[i]).front() + "|" + csv_split(after[i])[engine]).second) << "duplicate " << after[i];
+    EXPECT_TRUE(after_keys.insert(csv_split(after[i]).front() + "|" + csv_split(after[i])[engine]).second)
+        << "duplicate " << after[i];
   EXPECT_EQ(before_keys, after_keys);
   for (int i = 0; i < 6; ++i) EXPECT_EQ(after[static_cast<std::size_t>(i)], lines[static_cast<std::size_t>(i)]);
   ASSERT_FALSE(second.ranked.empty());
@@ -471,12 +486,14 @@ TEST(Tune, RankOrderMattersOnlyWhereDeviceGroupsDiffer) {
   const auto program = tune_directives(spec, reversed);
   bool moved = false;
   for (const auto& dir : program)
-    if (dir.value("op", "") == "place" && dir["filter"].value("PP", -1) == 0) moved = dir["devices"].front().get<int>() == 8;
+    if (dir.value("op", "") == "place" && dir["filter"].value("PP", -1) == 0)
+      moved = dir["devices"].front().get<int>() == 8;
   EXPECT_TRUE(moved) << program.dump();
 
   // Node 0 with H200s, node 1 with A100s: the groups differ. The generator's boundaries leave rank 1
   // (the middle regions) the busier one, so the busiest-on-fastest order puts it on the H200s.
-  const fs::path cluster = fs::temp_directory_path() / ("piper_test_tune_" + std::to_string(::getpid()) + "_mixed.json");
+  const fs::path cluster =
+      fs::temp_directory_path() / ("piper_test_tune_" + std::to_string(::getpid()) + "_mixed.json");
   {
     std::ofstream out(cluster);
     out << R"({"name": "mixed", "preset": "dgx-h200", "nodes": 2, "fixed": true, "overrides": [{"nodes": [1], "gpu": "a100-sxm-80g"}]})";
@@ -557,7 +574,8 @@ TEST(Tune, CommSmsIsASearchAxis) {
     enumerate_candidates(spec);
     FAIL() << "expected TuneError";
   } catch (const TuneError& e) {
-    EXPECT_STREQ(e.what(), "--comm-sms 132: 132 SMs for communication leave none for compute on 'H200-SXM-141GB' (132 SMs)");
+    EXPECT_STREQ(e.what(),
+                 "--comm-sms 132: 132 SMs for communication leave none for compute on 'H200-SXM-141GB' (132 SMs)");
   }
   spec.comm_sms = {-8};
   EXPECT_THROW(enumerate_candidates(spec), TuneError);

@@ -59,13 +59,15 @@ TEST(SmPartition, BadDirectivesNameIndexAndField) {
     EXPECT_NE(error.find(where), std::string::npos) << error;
     EXPECT_EQ(error.find('\n'), std::string::npos) << error;
   };
-  expect(error_of(json::parse("[" + place + R"(, {"op": "sm_partition", "stream": "pp", "sms": 8}])")), "directive 1 field 'stream'");
+  expect(error_of(json::parse("[" + place + R"(, {"op": "sm_partition", "stream": "pp", "sms": 8}])")),
+         "directive 1 field 'stream'");
   expect(error_of(json::parse(R"([{"op": "sm_partition", "sms": 0}])")), "directive 0 field 'sms'");
   expect(error_of(json::parse(R"([{"op": "sm_partition", "sms": 2.5}])")), "directive 0 field 'sms'");
   expect(error_of(json::parse(R"([{"op": "sm_partition", "sms": "20"}])")), "directive 0 field 'sms'");
   expect(error_of(json::parse(R"([{"op": "sm_partition"}])")), "directive 0 field 'sms'");
   expect(error_of(json::parse(R"([{"op": "sm_partition", "sms": 8, "share": 0.1}])")), "directive 0 field 'share'");
-  expect(error_of(json::parse(R"([{"op": "sm_partition", "sms": 8}, {"op": "sm_partition", "sms": 16}])")), "directive 1 field 'op'");
+  expect(error_of(json::parse(R"([{"op": "sm_partition", "sms": 8}, {"op": "sm_partition", "sms": 16}])")),
+         "directive 1 field 'op'");
 }
 
 TEST(SmPartition, ReachesTheProgramAndItsJson) {
@@ -119,7 +121,8 @@ TEST(SmPartition, ComputeRatesByHand) {
 
 TEST(SmPartition, SimulateRefusesAPartitionLargerThanTheGpu) {
   using piper::test::sh;
-  const std::string common = std::string(PIPER_CLI) + " simulate --model qwen3-1b --pp 2 --microbatches 2 --engine analytic --cluster dgx-h100";
+  const std::string common = std::string(PIPER_CLI) +
+                             " simulate --model qwen3-1b --pp 2 --microbatches 2 --engine analytic --cluster dgx-h100";
   const auto bad = sh(common + " --comm-sms 132");
   EXPECT_EQ(bad.code, 2) << bad.output;
   EXPECT_NE(bad.output.find("sm_partition: field 'sms': 132 SMs"), std::string::npos) << bad.output;
@@ -132,14 +135,19 @@ TEST(SmPartition, SimulateRefusesAPartitionLargerThanTheGpu) {
 // not a non-negative integer, before writing anything.
 TEST(SmPartition, TuneAndSweepRefuseBadCommSmsInOneLine) {
   using piper::test::sh;
-  const std::string out = (std::filesystem::temp_directory_path() / ("piper_test_sms_" + std::to_string(::getpid()))).string();
-  const std::string tune = std::string(PIPER_CLI) + " tune --model qwen3-1b --devices 4 --cluster dgx-h100 -o " + out + ".csv";
+  const std::string out =
+      (std::filesystem::temp_directory_path() / ("piper_test_sms_" + std::to_string(::getpid()))).string();
+  const std::string tune =
+      std::string(PIPER_CLI) + " tune --model qwen3-1b --devices 4 --cluster dgx-h100 -o " + out + ".csv";
   const auto too_many = sh(tune + " --comm-sms 24,132");
   EXPECT_EQ(too_many.code, 2) << too_many.output;
-  EXPECT_EQ(too_many.output, "piper: error: --comm-sms 132: 132 SMs for communication leave none for compute on 'H100-SXM5-80GB' (132 SMs)\n");
+  EXPECT_EQ(
+      too_many.output,
+      "piper: error: --comm-sms 132: 132 SMs for communication leave none for compute on 'H100-SXM5-80GB' (132 SMs)\n");
   const auto negative = sh(tune + " --comm-sms -8");
   EXPECT_EQ(negative.code, 2) << negative.output;
-  EXPECT_NE(negative.output.find("--comm-sms: must be a non-negative integer, got '-8'"), std::string::npos) << negative.output;
+  EXPECT_NE(negative.output.find("--comm-sms: must be a non-negative integer, got '-8'"), std::string::npos)
+      << negative.output;
   EXPECT_FALSE(std::filesystem::exists(out + ".csv"));
   {
     std::ofstream spec(out + ".json");
@@ -147,7 +155,8 @@ TEST(SmPartition, TuneAndSweepRefuseBadCommSmsInOneLine) {
   }
   const auto sweep = sh(std::string(PIPER_CLI) + " sweep " + out + ".json -o " + out + ".csv");
   EXPECT_EQ(sweep.code, 2) << sweep.output;
-  EXPECT_NE(sweep.output.find("field 'comm_sms': 132 SMs for communication leave none for compute"), std::string::npos) << sweep.output;
+  EXPECT_NE(sweep.output.find("field 'comm_sms': 132 SMs for communication leave none for compute"), std::string::npos)
+      << sweep.output;
   EXPECT_FALSE(std::filesystem::exists(out + ".csv"));
   std::filesystem::remove(out + ".json");
 }

@@ -208,9 +208,9 @@ TEST(Strategy, RankOfRegionFromVPlacement) {
   auto orders = only_ops(sched, {"order"});
   ASSERT_EQ(orders.size(), 4u);
   std::vector<std::vector<std::string>> expected = {
-      {"F0", "F1", "F2", "B0", "B1", "B2"},  // region 0: warmup min(3, 3)
-      {"F0", "F1", "F2", "B0", "B1", "B2"},  // region 1: warmup 2, one steady pair, then cooldown
-      {"F0", "F1", "B0", "F2", "B1", "B2"},  // region 2: warmup 1
+      {"F0", "F1", "F2", "B0", "B1", "B2"},   // region 0: warmup min(3, 3)
+      {"F0", "F1", "F2", "B0", "B1", "B2"},   // region 1: warmup 2, one steady pair, then cooldown
+      {"F0", "F1", "B0", "F2", "B1", "B2"},   // region 2: warmup 1
       {"F0", "B0", "F1", "B1", "F2", "B2"}};  // region 3: no warmup
   for (int k = 0; k < 4; ++k) {
     EXPECT_EQ(total_order(orders[static_cast<size_t>(k)]), expected[static_cast<size_t>(k)]) << "region " << k;
@@ -242,7 +242,8 @@ TEST(Strategy, ErrorsAreOneLineAndNameTheFlag) {
   ScheduleContext ctx;
   ctx.microbatches = 0;
   ctx.rank_of_region = {0};
-  EXPECT_EQ(error_of([&] { schedule_family("1f1b").directives(ctx); }).rfind("1f1b: --microbatches must be >= 1", 0), 0u);
+  EXPECT_EQ(error_of([&] { schedule_family("1f1b").directives(ctx); }).rfind("1f1b: --microbatches must be >= 1", 0),
+            0u);
 
   std::string unknown = error_of([&] { schedule_family("nope"); });
   EXPECT_NE(unknown.find("'nope'"), std::string::npos) << unknown;

@@ -18,10 +18,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using piper::test::mpirun;
 using piper::test::Result;
 using piper::test::sh;
-using piper::test::mpirun;
-
 
 const std::string kSpec = std::string(PIPER_SOURCE_DIR) + "/examples/sweeps/qwen3-9m-quick.json";
 
@@ -110,10 +109,9 @@ TEST(SweepMpi, ResumesAKilledRun) {
 
 TEST(SweepMpi, BadSpecEndsEveryRankWithOneLine) {
   const fs::path dir = fresh_dir("bad");
-  {
-    std::ofstream(dir / "bad.json") << R"({"model": "qwen3-9m", "pp": "four"})";
-  }
-  const Result r = sh(mpirun(2) + PIPER_CLI + " sweep " + (dir / "bad.json").string() + " -o " + (dir / "out.csv").string());
+  { std::ofstream(dir / "bad.json") << R"({"model": "qwen3-9m", "pp": "four"})"; }
+  const Result r =
+      sh(mpirun(2) + PIPER_CLI + " sweep " + (dir / "bad.json").string() + " -o " + (dir / "out.csv").string());
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("pp"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(dir / "out.csv"));

@@ -65,7 +65,8 @@ TEST(TableCalibration, TraceRecoversEachClassMultiplier) {
     events.push_back({{"ph", "X"}, {"cat", "kernel"}, {"name", names[k][1]}, {"dur", 0.75 * us}});
   }
   // Communication kernels and CPU events do not count.
-  events.push_back({{"ph", "X"}, {"cat", "kernel"}, {"name", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"}, {"dur", 1e9}});
+  events.push_back(
+      {{"ph", "X"}, {"cat", "kernel"}, {"name", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"}, {"dur", 1e9}});
   events.push_back({{"ph", "X"}, {"cat", "cpu_op"}, {"name", "aten::mm"}, {"dur", 1e9}});
   const TableCalibration c = calibrate_from_trace(*p, cost, json{{"traceEvents", events}}, steps, 0, "t.json");
   for (int k = 0; k < 4; ++k) {
@@ -168,7 +169,8 @@ TEST(TableCalibration, KernelNamesAreClassified) {
 
 TEST(TableCalibration, CliRefusesBadInputsInOneLine) {
   const std::string dir = scratch("table_calibration_cli");
-  core::write_file_atomically(dir + "/empty.json", R"({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x", "dur": 1}]})");
+  core::write_file_atomically(dir + "/empty.json",
+                              R"({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x", "dur": 1}]})");
   const std::string flags = " --model qwen3-9m --pp 1 --microbatches 2 -o " + dir + "/out.json";
   auto run = [&](const std::string& args) {
     const auto r = piper::test::run_cli_in(dir, PIPER_CLI, args);
@@ -180,7 +182,8 @@ TEST(TableCalibration, CliRefusesBadInputsInOneLine) {
   r = run("calibrate" + flags + " --trace " + dir + "/empty.json");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.output.find("no GPU kernel events"), std::string::npos) << r.output;
-  core::write_file_atomically(dir + "/notable.json", R"({"preset": "dgx-h200", "node": {"gpu": {"kernel_table": ""}}})");
+  core::write_file_atomically(dir + "/notable.json",
+                              R"({"preset": "dgx-h200", "node": {"gpu": {"kernel_table": ""}}})");
   r = run("calibrate" + flags + " --trace " + dir + "/empty.json --cluster " + dir + "/notable.json");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.output.find("has no kernel table to calibrate"), std::string::npos) << r.output;

@@ -101,11 +101,11 @@ TEST(TensorParallel, FlopsAndParametersSplit) {
     EXPECT_NEAR(sp.forward_flops * 4, base.forward_flops, 1e-9 * base.forward_flops);
     EXPECT_NEAR(sp.backward_flops() * 4, base.backward_flops(), 1e-9 * base.backward_flops());
     if (layer.kind == LayerKind::Norm) {
-      EXPECT_EQ(tp.params, base.params);                 // replicated weights
-      EXPECT_EQ(tp.forward_flops, base.forward_flops);   // every rank normalises the whole sequence
+      EXPECT_EQ(tp.params, base.params);                // replicated weights
+      EXPECT_EQ(tp.forward_flops, base.forward_flops);  // every rank normalises the whole sequence
     } else if (layer.kind == LayerKind::Embedding) {
-      EXPECT_EQ(tp.params, 256 * 64 / 4 + 64 * 64);      // vocabulary rows split, positions replicated
-    } else if (layer.kind != LayerKind::Head) {          // the head is tied: no parameters
+      EXPECT_EQ(tp.params, 256 * 64 / 4 + 64 * 64);  // vocabulary rows split, positions replicated
+    } else if (layer.kind != LayerKind::Head) {      // the head is tied: no parameters
       EXPECT_EQ(tp.params * 4, base.params);
     }
   }
@@ -160,10 +160,17 @@ TEST(TensorParallel, GemmKernelsPerPass) {
     SCOPED_TRACE(layer.name);
     int f = 0, bi = 0, bw = 0;  // expected, layout {2, SP, none}
     switch (layer.kind) {
-      case LayerKind::Attention: f = 2 + 2, bi = 2 + 4, bw = 2; break;
-      case LayerKind::Mlp: f = 2, bi = 2, bw = 2; break;
-      case LayerKind::Head: f = 1, bi = 1, bw = 1; break;
-      default: break;  // embedding gather, norms: no GEMM
+      case LayerKind::Attention:
+        f = 2 + 2, bi = 2 + 4, bw = 2;
+        break;
+      case LayerKind::Mlp:
+        f = 2, bi = 2, bw = 2;
+        break;
+      case LayerKind::Head:
+        f = 1, bi = 1, bw = 1;
+        break;
+      default:
+        break;  // embedding gather, norms: no GEMM
     }
     const Costs none = layer_costs(layer, m.training(), {2, true, 0});
     EXPECT_EQ(none.forward_gemm_kernels, f);
@@ -239,8 +246,8 @@ TEST(TensorParallel, StandardAttentionElementwiseBytesByHand) {
 // data-parallel all-reduce hold 4P bytes instead of 2P, and the optimizer step moves 42 bytes per
 // parameter instead of 32 (norm 4 + Adam 4 + 2·12 + copy to bf16 4 + 2 + zeroing 4).
 TEST(TensorParallel, Fp32MainGradsByHand) {
-  const double P =
-      256 / 2 * 64 + 64 * 64 + 2 * (2 * 2 * h + (4 * h * h + 4 * h) / 2 + (2 * h * 256 + 256 + h) / 2) + 2 * h + 256 / 2 * h;
+  const double P = 256 / 2 * 64 + 64 * 64 + 2 * (2 * 2 * h + (4 * h * h + 4 * h) / 2 + (2 * h * 256 + 256 + h) / 2) +
+                   2 * h + 256 / 2 * h;
   ModelConfig c = small_gpt();
   StrategyOptions o;
   o.tp = 2;
@@ -279,7 +286,8 @@ TEST(TensorParallel, Fp32MainGradsByHand) {
   // The simulator adds the accumulation to the backward as one more element-wise kernel: its traffic
   // at the GPU's HBM bandwidth (the A100 without its kernel table) plus the 2 µs launch floor.
   const piper::sim::Cluster cluster = piper::sim::with_devices(
-      piper::sim::cluster_from_text(R"({"preset": "dgx-a100-80g", "node": {"gpu": {"kernel_table": ""}}})", "c.json"), 4);
+      piper::sim::cluster_from_text(R"({"preset": "dgx-a100-80g", "node": {"gpu": {"kernel_table": ""}}})", "c.json"),
+      4);
   const piper::sim::CostModel cost(cluster);
   EXPECT_NEAR(cost.compute_seconds(fp32, 0, *b32) - cost.compute_seconds(bf16, 0, *b16), 8 * P / 2039e9 + 2e-6, 1e-12);
   // With the backward split (zero-bubble schedules) the accumulation belongs to BW: 8 bytes per
@@ -416,9 +424,11 @@ TEST(TensorParallel, DirectiveValidation) {
   EXPECT_NE(error_of(json::parse(R"([{"op":"tensor_parallel","filter":{},"degree":1,"sequence_parallel":true}])"))
                 .find("sequence_parallel"),
             std::string::npos);
-  EXPECT_NE(error_of(json::parse(R"([{"op":"tensor_parallel","filter":{},"degree":2,"overlap":true}])")).find("overlap"),
-            std::string::npos);
-  EXPECT_NE(error_of(json::parse(R"([{"op":"place","filter":{},"devices":[0]},{"op":"recompute","filter":{},"mode":"some"}])"))
+  EXPECT_NE(
+      error_of(json::parse(R"([{"op":"tensor_parallel","filter":{},"degree":2,"overlap":true}])")).find("overlap"),
+      std::string::npos);
+  EXPECT_NE(error_of(json::parse(
+                         R"([{"op":"place","filter":{},"devices":[0]},{"op":"recompute","filter":{},"mode":"some"}])"))
                 .find("directive 1"),
             std::string::npos);
   EXPECT_NE(error_of(json::parse(R"([{"op":"recompute","filter":{}}])")).find("mode"), std::string::npos);
@@ -434,15 +444,15 @@ TEST(TensorParallel, DirectiveValidation) {
     }
     return "(no error)";
   };
-  const std::string heads = apply_error(json::parse(
-      R"([{"op":"place","filter":{},"devices":[0,1,2]},{"op":"tensor_parallel","filter":{},"degree":3}])"));
+  const std::string heads = apply_error(
+      json::parse(R"([{"op":"place","filter":{},"devices":[0,1,2]},{"op":"tensor_parallel","filter":{},"degree":3}])"));
   EXPECT_NE(heads.find("directive 1"), std::string::npos) << heads;
   EXPECT_NE(heads.find("heads"), std::string::npos) << heads;
   const std::string twice = apply_error(json::parse(
       R"([{"op":"place","filter":{},"devices":[0,1]},{"op":"tensor_parallel","filter":{},"degree":2},{"op":"tensor_parallel","filter":{},"degree":2}])"));
   EXPECT_NE(twice.find("directive 2"), std::string::npos) << twice;
-  const std::string devices = apply_error(json::parse(
-      R"([{"op":"place","filter":{},"devices":[0,1,2]},{"op":"tensor_parallel","filter":{},"degree":2}])"));
+  const std::string devices = apply_error(
+      json::parse(R"([{"op":"place","filter":{},"devices":[0,1,2]},{"op":"tensor_parallel","filter":{},"degree":2}])"));
   EXPECT_NE(devices.find("does not divide the 3 devices"), std::string::npos) << devices;
 }
 
@@ -519,7 +529,8 @@ TEST(TensorParallel, ReportShowsTheCollectivesInsideComputeApart) {
   o.tp = 4;
   o.sequence_parallel = true;
   o.microbatches = 2;
-  const auto program = std::make_shared<const Program>(compile_scenario(tp_scenario(write_spec(small_gpt()), o)).result.program);
+  const auto program =
+      std::make_shared<const Program>(compile_scenario(tp_scenario(write_spec(small_gpt()), o)).result.program);
   const piper::sim::CostModel cost(piper::sim::with_devices(piper::sim::load_cluster("dgx-a100-80g"), 4));
   piper::sim::SimulateOptions so;
   so.cluster = "dgx-a100-80g";
@@ -541,7 +552,9 @@ TEST(TensorParallel, ReportShowsTheCollectivesInsideComputeApart) {
     EXPECT_NEAR(r.report.critical_path.tp_s, r.report.per_device[0].tp_comm_s, 1e-12);
     const std::string text = r.report.to_text();
     EXPECT_NE(text.find("TP ms"), std::string::npos) << text;
-    EXPECT_NE(text.find(fmt::format("(TP collectives {:.3f} ms)", r.report.critical_path.tp_s * 1e3)), std::string::npos) << text;
+    EXPECT_NE(text.find(fmt::format("(TP collectives {:.3f} ms)", r.report.critical_path.tp_s * 1e3)),
+              std::string::npos)
+        << text;
     const auto back = piper::sim::Report::from_json(r.report.to_json());
     EXPECT_EQ(back.per_device[2].tp_comm_s, r.report.per_device[2].tp_comm_s);
     EXPECT_EQ(back.critical_path.tp_s, r.report.critical_path.tp_s);
@@ -563,7 +576,8 @@ TEST(TensorParallel, ReportShowsTheCollectivesInsideComputeApart) {
   plain.dp = 4;
   so.op_override = {};
   const auto no_tp = piper::sim::simulate_program(
-      std::make_shared<const Program>(compile_scenario(tp_scenario(write_spec(small_gpt()), plain)).result.program), so);
+      std::make_shared<const Program>(compile_scenario(tp_scenario(write_spec(small_gpt()), plain)).result.program),
+      so);
   for (const auto& d : no_tp.report.per_device) EXPECT_EQ(d.tp_comm_s, 0);
   EXPECT_EQ(no_tp.report.to_text().find("TP"), std::string::npos);
 }
@@ -712,8 +726,12 @@ TEST(TensorParallel, Korthikanti175BWithinDocumentedError) {
 // Sweep spec keys tp / sequence_parallel / recompute / global_batch expand like every knob and run.
 TEST(TensorParallel, SweepKeys) {
   const std::string model = write_spec(small_gpt());
-  const json spec = {{"model", model}, {"cluster", "dgx-a100-80g"}, {"dp", 2}, {"tp", json::array({1, 2})},
-                     {"sequence_parallel", json::array({false, true})}, {"recompute", "selective"},
+  const json spec = {{"model", model},
+                     {"cluster", "dgx-a100-80g"},
+                     {"dp", 2},
+                     {"tp", json::array({1, 2})},
+                     {"sequence_parallel", json::array({false, true})},
+                     {"recompute", "selective"},
                      {"global_batch", 8}};
   const auto points = piper::sim::expand(piper::sim::SweepSpec::from_json(spec, "s.json"));
   ASSERT_EQ(points.size(), 4u);

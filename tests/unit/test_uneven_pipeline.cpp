@@ -33,7 +33,8 @@ std::map<int, int> rank_of_block(const Scenario& sc) {
   std::map<int, int> out;
   for (const auto& seg : p.segments)
     for (int l = seg.first_layer; l < seg.last_layer; ++l)
-      if (int b = c.model.layers().at(static_cast<std::size_t>(l)).block; b >= 0) out[b] = p.device_sets.at(static_cast<std::size_t>(seg.devices)).at(0);
+      if (int b = c.model.layers().at(static_cast<std::size_t>(l)).block; b >= 0)
+        out[b] = p.device_sets.at(static_cast<std::size_t>(seg.devices)).at(0);
   return out;
 }
 
@@ -77,10 +78,13 @@ TEST(UnevenPipeline, FirstAndLastStageStarts) {
   // Only the last: 7 blocks, 3 regions, last 1: 3 + 3 + 1.
   EXPECT_EQ(first_last_stage_starts(7, 3, 0, 1), (std::vector<int>{0, 3, 6}));
   EXPECT_EQ(error_of([] { first_last_stage_starts(8, 4, 1, 2); }),
-            "--first-stage-layers 1 --last-stage-layers 2: the other 5 blocks do not divide evenly over the other 2 PP regions");
+            "--first-stage-layers 1 --last-stage-layers 2: the other 5 blocks do not divide evenly over the other 2 PP "
+            "regions");
   EXPECT_EQ(error_of([] { first_last_stage_starts(4, 3, 2, 2); }),
-            "--first-stage-layers 2 --last-stage-layers 2: leaves 0 blocks of 4 for the other 1 PP regions (at least one each)");
-  EXPECT_EQ(error_of([] { first_last_stage_starts(4, 1, 2, 0); }), "--first-stage-layers 2: needs at least 2 PP regions (there are 1)");
+            "--first-stage-layers 2 --last-stage-layers 2: leaves 0 blocks of 4 for the other 1 PP regions (at least "
+            "one each)");
+  EXPECT_EQ(error_of([] { first_last_stage_starts(4, 1, 2, 0); }),
+            "--first-stage-layers 2: needs at least 2 PP regions (there are 1)");
 }
 
 // 1F1B on 4 ranks over 14 blocks: the first rank takes 1 block, the last 1, the two middle ranks 6
@@ -130,7 +134,8 @@ TEST(UnevenPipeline, EveryUnevenShapeVerifies) {
       for (int regions = p + 1; regions < 3 * p; ++regions) {
         if (regions % p == 0) continue;
         for (int m : {p, 2 * p}) {
-          SCOPED_TRACE(schedule + " p " + std::to_string(p) + " regions " + std::to_string(regions) + " m " + std::to_string(m));
+          SCOPED_TRACE(schedule + " p " + std::to_string(p) + " regions " + std::to_string(regions) + " m " +
+                       std::to_string(m));
           Scenario sc = scenario(p, m, schedule, regions);
           EXPECT_NO_THROW(compile_scenario(sc));
         }
@@ -172,7 +177,8 @@ TEST(UnevenPipeline, SixtyTwoBlocksOnThirtyTwoRanks) {
   const CompiledScenario compiled = compile_scenario(sc);
   std::map<int, std::set<int>> chunks;
   for (const auto& seg : compiled.result.program.segments)
-    chunks[compiled.result.program.device_sets.at(static_cast<std::size_t>(seg.devices)).at(0)].insert(seg.tags.at("PP"));
+    chunks[compiled.result.program.device_sets.at(static_cast<std::size_t>(seg.devices)).at(0)].insert(
+        seg.tags.at("PP"));
   ASSERT_EQ(chunks.size(), 32u);
   for (int r = 0; r < 32; ++r)
     EXPECT_EQ(chunks[r], r < 30 ? (std::set<int>{r, r + 32}) : (std::set<int>{r})) << "rank " << r;

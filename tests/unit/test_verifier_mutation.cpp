@@ -1,7 +1,7 @@
 // Mutation testing of the verifier: compiled Programs of every schedule family (plain, EP and ZeRO
 // variants) get one fault injected at a time (a dropped SEND, RECV or collective, two transfers or
-// two collectives swapped on one device, an intra- or cross-device wait cycle, a buffer freed before its last use, a collective moved
-// to another family or resized), and the verifier must report every one, naming the device and the op.
+// two collectives swapped on one device, an intra- or cross-device wait cycle, a buffer freed before its last use, a
+// collective moved to another family or resized), and the verifier must report every one, naming the device and the op.
 //
 // Plans are shared by classes of devices (data-parallel replicas run one plan). A fault written into
 // a shared plan would hit every replica alike, and some faults (a swapped pair of collectives, a
@@ -45,8 +45,8 @@ std::size_t ix(int i) { return static_cast<std::size_t>(i); }
 // True when the program runs to completion under the execution semantics.
 bool runs_to_completion(const Program& p) {
   const int n = p.num_devices;
-  std::vector<std::vector<int>> next(ix(n));                  // device, stream -> next op index
-  std::vector<std::vector<std::vector<char>>> done(ix(n));    // device, stream, op
+  std::vector<std::vector<int>> next(ix(n));                // device, stream -> next op index
+  std::vector<std::vector<std::vector<char>>> done(ix(n));  // device, stream, op
   std::size_t remaining = 0;
   for (int d = 0; d < n; ++d) {
     const Plan& plan = p.plan_for(d);
@@ -88,7 +88,8 @@ bool runs_to_completion(const Program& p) {
             if (e < 0) return false;
             const OpKind other = op->kind == OpKind::Send ? OpKind::Recv : OpKind::Send;
             const int node = op->node;
-            const int t = find_head(e, [&](const Op& h) { return h.kind == other && h.node == node && p.peer_of(h, e) == d; });
+            const int t =
+                find_head(e, [&](const Op& h) { return h.kind == other && h.node == node && p.peer_of(h, e) == d; });
             if (t < 0) break;
             finish(d, static_cast<int>(s));
             finish(e, t);
@@ -139,8 +140,10 @@ void erase_op(Plan& plan, OpRef r) {
   const int last = static_cast<int>(ops.size()) - 1;
   for_each_ref(plan, [&](OpRef& x) {
     if (x.stream != r.stream) return;
-    if (x.index == r.index) x.index = r.index > 0 ? r.index - 1 : (last > 0 ? 0 : -1);
-    else if (x.index > r.index) --x.index;
+    if (x.index == r.index)
+      x.index = r.index > 0 ? r.index - 1 : (last > 0 ? 0 : -1);
+    else if (x.index > r.index)
+      --x.index;
   });
   for (auto& s : plan.streams)
     for (auto& op : s.ops) std::erase_if(op.waits, [](const OpRef& w) { return w.index < 0; });
@@ -153,8 +156,10 @@ void swap_ops(Plan& plan, int stream, int a, int b) {
   std::swap(ops[ix(a)], ops[ix(b)]);
   for_each_ref(plan, [&](OpRef& x) {
     if (x.stream != stream) return;
-    if (x.index == a) x.index = b;
-    else if (x.index == b) x.index = a;
+    if (x.index == a)
+      x.index = b;
+    else if (x.index == b)
+      x.index = a;
   });
   // An op never waits on its own stream: drop waits that now point at the swapped partner's stream.
   for (int i : {a, b}) std::erase_if(ops[ix(i)].waits, [&](const OpRef& w) { return w.stream == stream; });
@@ -195,17 +200,19 @@ struct Order {
           if (reach[ix(x)][ix(u)]) reach[ix(x)][ix(v)] = 1;
     }
   }
-  bool before(OpRef a, OpRef b) const { return reach[ix(base[ix(a.stream)][ix(a.index)])][ix(base[ix(b.stream)][ix(b.index)])]; }
+  bool before(OpRef a, OpRef b) const {
+    return reach[ix(base[ix(a.stream)][ix(a.index)])][ix(base[ix(b.stream)][ix(b.index)])];
+  }
 };
 
 // ---- one mutation ----
 
 struct Mutation {
-  std::string kind;        // fault kind
-  std::string what;        // for failure messages
+  std::string kind;  // fault kind
+  std::string what;  // for failure messages
   Program program;
-  int device = -1;         // the faulty device (its own plan)
-  std::set<std::string> ops;  // labels one of which the message must name
+  int device = -1;               // the faulty device (its own plan)
+  std::set<std::string> ops;     // labels one of which the message must name
   std::set<std::string> checks;  // acceptable verifier checks
   bool needs_oracle = false;
 };
@@ -243,7 +250,8 @@ std::vector<Mutation> mutations_of(const Program& clean, int device, int& benign
       if (op.kind == OpKind::Recv) recvs.push_back(r);
       if (is_collective(op.kind) && base.group_of(op.family, device).size() > 1) colls.push_back(r);
     }
-  auto make = [&](const std::string& kind, const std::string& what, std::set<std::string> ops, std::set<std::string> checks) {
+  auto make = [&](const std::string& kind, const std::string& what, std::set<std::string> ops,
+                  std::set<std::string> checks) {
     Mutation m{kind, what, base, device, std::move(ops), std::move(checks), false};
     return m;
   };
@@ -252,7 +260,8 @@ std::vector<Mutation> mutations_of(const Program& clean, int device, int& benign
     const int e = base.peer_of(op, device);
     for (const auto& s : base.plan_for(e).streams)
       for (const auto& o : s.ops)
-        if (o.node == op.node && (o.kind == OpKind::Send || o.kind == OpKind::Recv) && o.kind != op.kind) return o.label;
+        if (o.node == op.node && (o.kind == OpKind::Send || o.kind == OpKind::Recv) && o.kind != op.kind)
+          return o.label;
     return std::string();
   };
 
@@ -260,7 +269,8 @@ std::vector<Mutation> mutations_of(const Program& clean, int device, int& benign
   for (const auto* list : {&sends, &recvs})
     for (std::size_t k : spread(list->size(), kPositions)) {
       const OpRef r = (*list)[k];
-      Mutation m = make(list == &sends ? "drop-send" : "drop-recv", "drop " + label(r), {label(r), counterpart_label(r)}, {"send-recv"});
+      Mutation m = make(list == &sends ? "drop-send" : "drop-recv", "drop " + label(r),
+                        {label(r), counterpart_label(r)}, {"send-recv"});
       erase_op(m.program.plans[ix(plan_index)], r);
       out.push_back(std::move(m));
     }
@@ -295,15 +305,18 @@ std::vector<Mutation> mutations_of(const Program& clean, int device, int& benign
     for (std::size_t b = a + 1; b < colls.size(); ++b) {
       if (colls[a].stream != colls[b].stream) continue;
       const Op &x = op_at(colls[a]), &y = op_at(colls[b]);
-      if (x.family == y.family && (x.node != y.node || x.kind != y.kind || x.bytes != y.bytes)) same.push_back({colls[a], colls[b]});
+      if (x.family == y.family && (x.node != y.node || x.kind != y.kind || x.bytes != y.bytes))
+        same.push_back({colls[a], colls[b]});
       if (x.family != y.family) different.push_back({colls[a], colls[b]});
     }
   for (const auto* list : {&same, &different})
     for (std::size_t k : spread(list->size(), kPositions)) {
       const auto [a, b] = (*list)[k];
       const bool diff = list == &different;
-      Mutation m = make(diff ? "swap-collectives-2-families" : "swap-collectives", "swap " + label(a) + " and " + label(b), {label(a), label(b)},
-                        diff ? std::set<std::string>{"deadlock", "collective-order"} : std::set<std::string>{"collective-order"});
+      Mutation m = make(
+          diff ? "swap-collectives-2-families" : "swap-collectives", "swap " + label(a) + " and " + label(b),
+          {label(a), label(b)},
+          diff ? std::set<std::string>{"deadlock", "collective-order"} : std::set<std::string>{"collective-order"});
       m.needs_oracle = diff;
       swap_ops(m.program.plans[ix(plan_index)], a.stream, a.index, b.index);
       out.push_back(std::move(m));
@@ -338,14 +351,16 @@ std::vector<Mutation> mutations_of(const Program& clean, int device, int& benign
   }
   for (std::size_t k = 0, taken = 0; k < cross.size() && taken < kPositions; ++k) {
     const auto [a, b] = cross[k];
-    Mutation m = make("cross-device-wait-cycle", label(a) + " waits on " + label(b), {label(a), label(b)}, {"deadlock"});
+    Mutation m =
+        make("cross-device-wait-cycle", label(a) + " waits on " + label(b), {label(a), label(b)}, {"deadlock"});
     m.program.plans[ix(plan_index)].streams[ix(a.stream)].ops[ix(a.index)].waits.push_back(b);
     m.needs_oracle = true;
     if (runs_to_completion(m.program)) {  // no cycle through other devices: not a fault
       ++benign;
       if (auto v = verify(m.program); !v.empty()) {
         ++false_alarms;
-        if (std::getenv("PIPER_MUTATION_VERBOSE")) std::printf("false alarm: %s: %s: %s\n", m.what.c_str(), v[0].check.c_str(), v[0].message.c_str());
+        if (std::getenv("PIPER_MUTATION_VERBOSE"))
+          std::printf("false alarm: %s: %s: %s\n", m.what.c_str(), v[0].check.c_str(), v[0].message.c_str());
       }
       continue;
     }
@@ -368,11 +383,13 @@ std::vector<Mutation> mutations_of(const Program& clean, int device, int& benign
       if (u != buf.alloc && (last.stream < 0 || order.before(last, u))) last = u;
     if (last.stream < 0) continue;
     early.push_back({static_cast<int>(bi), buf.alloc, last});
-    if (last.index > 0 && OpRef{last.stream, last.index - 1} != buf.alloc) early.push_back({static_cast<int>(bi), {last.stream, last.index - 1}, last});
+    if (last.index > 0 && OpRef{last.stream, last.index - 1} != buf.alloc)
+      early.push_back({static_cast<int>(bi), {last.stream, last.index - 1}, last});
   }
   for (std::size_t k : spread(early.size(), 2 * kPositions)) {
     const auto [bi, at, user] = early[k];
-    Mutation m = make("free-before-last-use", "free '" + plan.buffers[ix(bi)].name + "' at " + label(at), {label(user), label(at)}, {"buffer"});
+    Mutation m = make("free-before-last-use", "free '" + plan.buffers[ix(bi)].name + "' at " + label(at),
+                      {label(user), label(at)}, {"buffer"});
     m.program.plans[ix(plan_index)].buffers[ix(bi)].free = at;
     out.push_back(std::move(m));
   }
@@ -385,7 +402,8 @@ std::vector<Mutation> mutations_of(const Program& clean, int device, int& benign
     for (int f = 0; f < static_cast<int>(base.families.size()); ++f)
       if (f != op.family && (other < 0 || !base.group_of(f, device).empty())) other = f;
     if (other >= 0) {
-      Mutation m = make("group-family-mismatch", label(r) + " in family " + std::to_string(other), {label(r)}, {"collective-order"});
+      Mutation m = make("group-family-mismatch", label(r) + " in family " + std::to_string(other), {label(r)},
+                        {"collective-order"});
       m.program.plans[ix(plan_index)].streams[ix(r.stream)].ops[ix(r.index)].family = other;
       out.push_back(std::move(m));
     }
@@ -439,7 +457,8 @@ TEST(VerifierMutation, OracleFindsTheCrossedSendsDeadlock) {
   p.plan_of_device = {0, 1};
   auto transfer = [](OpKind kind, int node, DeviceSetId me, DeviceSetId peer) {
     Op o;
-    o.kind = kind, o.node = node, o.device_set = me, o.peer_set = peer, o.label = to_string(kind) + std::to_string(node);
+    o.kind = kind, o.node = node, o.device_set = me, o.peer_set = peer,
+    o.label = to_string(kind) + std::to_string(node);
     return o;
   };
   Plan a, b;
@@ -476,7 +495,8 @@ TEST(VerifierMutation, EveryInjectedFaultIsCaughtNamingDeviceAndOp) {
       for (auto& m : mutations_of(clean, device, benign, false_alarms)) {
         if (m.needs_oracle && runs_to_completion(m.program)) {
           ++benign;
-          if (!verify(m.program).empty()) ++false_alarms;  // e.g. two collectives whose groups do not interleave them: no deadlock, no fault
+          if (!verify(m.program).empty())
+            ++false_alarms;  // e.g. two collectives whose groups do not interleave them: no deadlock, no fault
           continue;
         }
         ++injected;
@@ -485,26 +505,33 @@ TEST(VerifierMutation, EveryInjectedFaultIsCaughtNamingDeviceAndOp) {
         const auto issues = verify(m.program);
         const bool ok = std::any_of(issues.begin(), issues.end(), [&](const VerifyIssue& i) {
           return m.checks.count(i.check) && names_device(i.message, m.device) &&
-                 std::any_of(m.ops.begin(), m.ops.end(), [&](const std::string& l) { return !l.empty() && i.message.find("'" + l + "'") != std::string::npos; });
+                 std::any_of(m.ops.begin(), m.ops.end(), [&](const std::string& l) {
+                   return !l.empty() && i.message.find("'" + l + "'") != std::string::npos;
+                 });
         });
         if (ok) {
           ++caught, ++k.first;
         } else {
           std::string got;
           for (const auto& i : issues) got += "\n    " + i.check + ": " + i.message;
-          misses.push_back(v.name + " device " + std::to_string(device) + " " + m.kind + " (" + m.what + "):" + (got.empty() ? " (clean)" : got));
+          misses.push_back(v.name + " device " + std::to_string(device) + " " + m.kind + " (" + m.what +
+                           "):" + (got.empty() ? " (clean)" : got));
         }
       }
     }
   }
-  for (const auto& [kind, counts] : per_kind) std::printf("  %-28s %4d/%d caught\n", kind.c_str(), counts.first, counts.second);
-  std::printf("mutation: %d/%d caught (%d programs of %zu schedule families; %d benign swaps/waits run to completion in the oracle and are not "
-              "counted; the verifier flags %d of them)\n",
-              caught, injected, programs, schedule_registry().size(), benign, false_alarms);
+  for (const auto& [kind, counts] : per_kind)
+    std::printf("  %-28s %4d/%d caught\n", kind.c_str(), counts.first, counts.second);
+  std::printf(
+      "mutation: %d/%d caught (%d programs of %zu schedule families; %d benign swaps/waits run to completion in the "
+      "oracle and are not "
+      "counted; the verifier flags %d of them)\n",
+      caught, injected, programs, schedule_registry().size(), benign, false_alarms);
   EXPECT_EQ(caught, injected);
   for (std::size_t i = 0; i < std::min<std::size_t>(misses.size(), 15); ++i) ADD_FAILURE() << misses[i];
   // Every kind was injected somewhere.
-  for (const char* kind : {"drop-send", "drop-recv", "drop-collective", "swap-transfers", "swap-collectives", "swap-collectives-2-families", "wait-cycle", "cross-device-wait-cycle",
+  for (const char* kind : {"drop-send", "drop-recv", "drop-collective", "swap-transfers", "swap-collectives",
+                           "swap-collectives-2-families", "wait-cycle", "cross-device-wait-cycle",
                            "free-before-last-use", "group-family-mismatch", "group-bytes-mismatch"})
     EXPECT_GT(per_kind[kind].second, 0) << kind;
 }

@@ -55,10 +55,10 @@ CompileResult compile_zero3(int prefetch) {
 
 // A unit: the gathers whose copies the same compute op uses first.
 struct Unit {
-  int first_use = -1;           // index of that compute op on the compute stream
-  int last_use = -1;            // index of the last compute op using one of its copies
-  std::vector<OpRef> gathers;   // the ALL_GATHERs filling the copies
-  std::int64_t bytes = 0;       // their gathered bytes
+  int first_use = -1;          // index of that compute op on the compute stream
+  int last_use = -1;           // index of the last compute op using one of its copies
+  std::vector<OpRef> gathers;  // the ALL_GATHERs filling the copies
+  std::int64_t bytes = 0;      // their gathered bytes
 };
 
 // The plan's per-use gather units in the order of their first use, read from its buffers.
@@ -208,7 +208,8 @@ TEST(Zero3Prefetch, BlockUnitsGatherEachTransformerBlock) {
 }
 
 TEST(Zero3Prefetch, GatherUnitIsCheckedWhenParsed) {
-  for (const char* bad : {R"("shard_grads":true,"gather_unit":"block")", R"("shard_grads":true,"shard_params":true,"gather_unit":"layer")",
+  for (const char* bad : {R"("shard_grads":true,"gather_unit":"block")",
+                          R"("shard_grads":true,"shard_params":true,"gather_unit":"layer")",
                           R"("shard_grads":true,"shard_params":true,"gather_unit":1)"}) {
     try {
       parse_directives(json::parse(std::string(R"([{"op":"replicate","filter":{},"devices":[0,1],)") + bad + "}]"));

@@ -22,11 +22,16 @@ inline sim::OpOverride unit_costs(const core::Program& program, double f = 1, do
     if (op.kind != core::OpKind::Compute || op.segment < 0) return 0.0;
     const double s = share.at(static_cast<std::size_t>(op.segment));
     switch (op.pass) {
-      case core::Pass::F: return f * s;
-      case core::Pass::B: return b * s;
-      case core::Pass::BI: return (b - w) * s;
-      case core::Pass::BW: return w * s;
-      default: return 0.0;
+      case core::Pass::F:
+        return f * s;
+      case core::Pass::B:
+        return b * s;
+      case core::Pass::BI:
+        return (b - w) * s;
+      case core::Pass::BW:
+        return w * s;
+      default:
+        return 0.0;
     }
   };
 }

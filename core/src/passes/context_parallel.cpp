@@ -23,16 +23,20 @@ void apply_context_parallel(PassContext& cx, const ContextParallelDirective& d, 
   for (const Layer& layer : dag.layers) {
     if (layer.kind != LayerKind::Attention || d.degree == 1) continue;
     if (layer.shape.attention_kernel != AttentionKernel::Flash)
-      fail(index, "degree", "layer '" + layer.name + "' uses standard attention; context parallelism needs the flash kernel");
+      fail(index, "degree",
+           "layer '" + layer.name + "' uses standard attention; context parallelism needs the flash kernel");
     if (layer.shape.window > 0 && layer.shape.window < seq)
-      fail(index, "degree", "layer '" + layer.name + "' has a sliding window; context parallelism needs full causal attention");
+      fail(index, "degree",
+           "layer '" + layer.name + "' has a sliding window; context parallelism needs full causal attention");
   }
   for (auto& seg : dag.segments) {
     // Sequence parallelism slices each device's local tokens further over its TP group.
     if (seg.sequence_parallel && (seq / d.degree) % seg.tp_degree != 0)
-      fail(index, "degree",
-           fmt::format("segment {}: the {} local tokens (sequence {} / {}) do not split over its sequence-parallel TP degree {}",
-                       seg.index, seq / d.degree, seq, d.degree, seg.tp_degree));
+      fail(
+          index, "degree",
+          fmt::format(
+              "segment {}: the {} local tokens (sequence {} / {}) do not split over its sequence-parallel TP degree {}",
+              seg.index, seq / d.degree, seq, d.degree, seg.tp_degree));
     seg.cp_degree = d.degree;
     seg.cp_all_gather = d.all_gather;
   }
@@ -50,10 +54,12 @@ void make_cp_groups(PassContext& cx, int index) {
     if (seg.cp_degree <= 1) continue;
     const DeviceSetId set = set_of[static_cast<std::size_t>(seg.index)];
     const std::vector<int> devices = dag.device_sets.at(set);
-    const std::size_t tp = static_cast<std::size_t>(std::max(1, seg.tp_degree)), cp = static_cast<std::size_t>(seg.cp_degree);
+    const std::size_t tp = static_cast<std::size_t>(std::max(1, seg.tp_degree)),
+                      cp = static_cast<std::size_t>(seg.cp_degree);
     if (devices.size() % (tp * cp) != 0)
       fail(index, "degree",
-           fmt::format("{} x TP {} does not divide the {} devices segment {} is placed on", cp, tp, devices.size(), seg.index));
+           fmt::format("{} x TP {} does not divide the {} devices segment {} is placed on", cp, tp, devices.size(),
+                       seg.index));
     std::vector<int> grouped;
     grouped.reserve(devices.size());
     for (std::size_t block = 0; block < devices.size(); block += tp * cp)
@@ -77,7 +83,8 @@ void run_context_parallel(PassRun& run, const ContextParallelDirective& d, int i
 
 bool run_cp_groups(PassRun& run) {
   const int index = context_parallel_index(run.program);
-  if (index < 0 || std::get<ContextParallelDirective>(run.program.directives[static_cast<std::size_t>(index)]).degree <= 1)
+  if (index < 0 ||
+      std::get<ContextParallelDirective>(run.program.directives[static_cast<std::size_t>(index)]).degree <= 1)
     return false;
   make_cp_groups(run.cx, index);
   return true;

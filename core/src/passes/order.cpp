@@ -12,7 +12,8 @@ namespace {
 
 // The nodes each group selects; every node on one device set (or sets holding the same devices) and
 // in one group only. Returns the groups and the device set of the first node selected.
-std::pair<std::vector<std::vector<Vertex>>, DeviceSetId> select_groups(PassContext& cx, const OrderDirective& d, int index) {
+std::pair<std::vector<std::vector<Vertex>>, DeviceSetId> select_groups(PassContext& cx, const OrderDirective& d,
+                                                                       int index) {
   auto& dag = cx.dag;
   std::vector<std::vector<Vertex>> groups;
   std::map<Vertex, std::size_t> group_of;
@@ -122,8 +123,8 @@ void apply_order(PassContext& cx, const OrderDirective& d, int index) {
     for (auto w : groups[gi]) dag.add_edge(dummies[gi - 1], w, {EdgeKind::Temporal, 0, ""});
     if (dag.has_cycle())
       fail(index, "filters[" + std::to_string(gi) + "]",
-           "order would create a cycle: group " + std::to_string(gi) + " must run after group " + std::to_string(gi - 1) +
-               ", but a node of group " + std::to_string(gi - 1) + " depends on it");
+           "order would create a cycle: group " + std::to_string(gi) + " must run after group " +
+               std::to_string(gi - 1) + ", but a node of group " + std::to_string(gi - 1) + " depends on it");
   }
   fail(index, "filters", "order would create a cycle");
 }

@@ -40,29 +40,34 @@ std::span<const PassDef> pass_table();
 // Builds a directive pass's entry from a function of its directive type.
 template <class D, void (*Run)(PassRun&, const D&, int)>
 constexpr PassDef directive_pass(std::string_view name, bool placed, bool ends_phase = false) {
-  return {name, false, placed, ends_phase, [](const Directive& d) { return std::holds_alternative<D>(d); },
-          [](PassRun& run, const Directive& d, int index) { Run(run, std::get<D>(d), index); }, nullptr};
+  return {name,
+          false,
+          placed,
+          ends_phase,
+          [](const Directive& d) { return std::holds_alternative<D>(d); },
+          [](PassRun& run, const Directive& d, int index) { Run(run, std::get<D>(d), index); },
+          nullptr};
 }
 constexpr PassDef internal_pass(std::string_view name, bool (*run)(PassRun&), bool placed, bool ends_phase = false) {
   return {name, true, placed, ends_phase, nullptr, nullptr, run};
 }
 
 // One file per pass under core/src/passes/.
-void run_split(PassRun& run, const SplitDirective& d, int index);                        // split.cpp
-bool run_backward_split(PassRun& run);                                                   // backward_split.cpp
+void run_split(PassRun& run, const SplitDirective& d, int index);                       // split.cpp
+bool run_backward_split(PassRun& run);                                                  // backward_split.cpp
 void run_tensor_parallel(PassRun& run, const TensorParallelDirective& d, int index);    // tensor_parallel.cpp
-bool run_tp_groups(PassRun& run);                                                        // tensor_parallel.cpp
+bool run_tp_groups(PassRun& run);                                                       // tensor_parallel.cpp
 void run_context_parallel(PassRun& run, const ContextParallelDirective& d, int index);  // context_parallel.cpp
-bool run_cp_groups(PassRun& run);                                                        // context_parallel.cpp
+bool run_cp_groups(PassRun& run);                                                       // context_parallel.cpp
 void run_recompute(PassRun& run, const RecomputeDirective& d, int index);               // recompute.cpp
-bool run_recost(PassRun& run);                                                           // recost.cpp
-void run_place(PassRun& run, const PlaceDirective& d, int index);                        // place.cpp
-bool run_finish_placement(PassRun& run);                                                 // place.cpp
-void run_shard(PassRun& run, const ShardDirective& d, int index);                        // shard.cpp
-void run_replicate(PassRun& run, const ReplicateDirective& d, int index);                // replicate.cpp
-bool run_tied_embedding(PassRun& run);                                                   // tied_embedding.cpp
-bool run_update_costs(PassRun& run);                                                     // update_costs.cpp
-void run_order(PassRun& run, const OrderDirective& d, int index);                        // order.cpp
-void run_sm_partition(PassRun& run, const SmPartitionDirective& d, int index);           // sm_partition.cpp
+bool run_recost(PassRun& run);                                                          // recost.cpp
+void run_place(PassRun& run, const PlaceDirective& d, int index);                       // place.cpp
+bool run_finish_placement(PassRun& run);                                                // place.cpp
+void run_shard(PassRun& run, const ShardDirective& d, int index);                       // shard.cpp
+void run_replicate(PassRun& run, const ReplicateDirective& d, int index);               // replicate.cpp
+bool run_tied_embedding(PassRun& run);                                                  // tied_embedding.cpp
+bool run_update_costs(PassRun& run);                                                    // update_costs.cpp
+void run_order(PassRun& run, const OrderDirective& d, int index);                       // order.cpp
+void run_sm_partition(PassRun& run, const SmPartitionDirective& d, int index);          // sm_partition.cpp
 
 }  // namespace piper::core::passes

@@ -50,13 +50,16 @@ std::string common_tags_label(const GlobalDag& dag, const std::vector<int>& segm
   TagMap common = dag.segments.at(static_cast<std::size_t>(segments.front())).tags;
   for (int s : segments) {
     const auto& t = dag.segments.at(static_cast<std::size_t>(s)).tags;
-    for (auto it = common.begin(); it != common.end();) it = (t.contains(it->first) && t.at(it->first) == it->second) ? std::next(it) : common.erase(it);
+    for (auto it = common.begin(); it != common.end();)
+      it = (t.contains(it->first) && t.at(it->first) == it->second) ? std::next(it) : common.erase(it);
   }
   std::string out;
   for (const auto& [k, v] : common) out += " " + k + std::to_string(v);
-  if (segments.size() == 1) out += " s" + std::to_string(segments.front());
-  else out += " s" + std::to_string(*std::min_element(segments.begin(), segments.end())) + "-" +
-              std::to_string(*std::max_element(segments.begin(), segments.end()));
+  if (segments.size() == 1)
+    out += " s" + std::to_string(segments.front());
+  else
+    out += " s" + std::to_string(*std::min_element(segments.begin(), segments.end())) + "-" +
+           std::to_string(*std::max_element(segments.begin(), segments.end()));
   return out;
 }
 

@@ -73,10 +73,10 @@ class TagIndex {
 // Working state of one apply_directives call.
 struct PassContext {
   GlobalDag& dag;
-  std::vector<std::string> p2p_stream;   // per vertex: stream of its region's point-to-point transfers
-  std::vector<char> p2p_blocking;        // per vertex: its region's transfers are blocking (place "blocking")
-  std::vector<std::string> split_dims;   // dims created by split, outermost first
-  std::vector<bool> replicated;          // per segment
+  std::vector<std::string> p2p_stream;  // per vertex: stream of its region's point-to-point transfers
+  std::vector<char> p2p_blocking;       // per vertex: its region's transfers are blocking (place "blocking")
+  std::vector<std::string> split_dims;  // dims created by split, outermost first
+  std::vector<bool> replicated;         // per segment
   // Strict: the DAG is checked for cycles after every pass. Otherwise once per phase (see
   // apply_directives): a cycle found then is reported by rerunning the passes strictly.
   bool strict = true;

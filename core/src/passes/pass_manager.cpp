@@ -49,13 +49,22 @@ void verify_dag(PassContext& cx, const std::string& after, bool placed) {
 // Thrown by an unchecked run that finds a cycle at the end of a phase (apply_directives reruns strictly).
 struct CycleInPhase {};
 
-void apply_directives_in_place(GlobalDag& dag, const DirectiveProgram& program, const AfterPassHook& hook, bool strict) {
-  PassRun run{PassContext{dag, std::vector<std::string>(boost::num_vertices(dag.graph)),
-                          std::vector<char>(boost::num_vertices(dag.graph), 0), {},
-                          std::vector<bool>(dag.segments.size(), false), strict, {}},
-              program, std::vector<int>(dag.segments.size(), -1), std::vector<int>(dag.segments.size(), -1), {}};
+void apply_directives_in_place(GlobalDag& dag, const DirectiveProgram& program, const AfterPassHook& hook,
+                               bool strict) {
+  PassRun run{PassContext{dag,
+                          std::vector<std::string>(boost::num_vertices(dag.graph)),
+                          std::vector<char>(boost::num_vertices(dag.graph), 0),
+                          {},
+                          std::vector<bool>(dag.segments.size(), false),
+                          strict,
+                          {}},
+              program,
+              std::vector<int>(dag.segments.size(), -1),
+              std::vector<int>(dag.segments.size(), -1),
+              {}};
   auto after = [&](const PassDef& pass, int index) {
-    verify_dag(run.cx, std::string(pass.name) + (index >= 0 ? " (directive " + std::to_string(index) + ")" : ""), pass.placed);
+    verify_dag(run.cx, std::string(pass.name) + (index >= 0 ? " (directive " + std::to_string(index) + ")" : ""),
+               pass.placed);
     if (hook) hook(std::string(pass.name), index, dag);
   };
   for (const PassDef& pass : kPasses) {

@@ -1,4 +1,5 @@
-// The place pass (one place directive) and the finish-placement pass (internal: unplaced nodes, one UPD per device set, SEND/RECV between device sets).
+// The place pass (one place directive) and the finish-placement pass (internal: unplaced nodes, one UPD per device set,
+// SEND/RECV between device sets).
 #include "pass.hpp"
 
 #include <algorithm>
@@ -126,7 +127,8 @@ void run_place(PassRun& run, const PlaceDirective& d, int index) { apply_place(r
 
 bool run_finish_placement(PassRun& run) {
   const auto& ds = run.program.directives;
-  finish_placement(run.cx, std::any_of(ds.begin(), ds.end(), [](const Directive& d) { return std::holds_alternative<PlaceDirective>(d); }));
+  finish_placement(run.cx, std::any_of(ds.begin(), ds.end(),
+                                       [](const Directive& d) { return std::holds_alternative<PlaceDirective>(d); }));
   return true;
 }
 

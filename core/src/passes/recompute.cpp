@@ -32,7 +32,9 @@ void apply_recompute(PassContext& cx, const RecomputeDirective& d, int index, st
       ++rank;
     }
     if (d.first > static_cast<int>(blocks.size()))
-      fail(index, "first", "asks for " + std::to_string(d.first) + " blocks but the filter selects only " + std::to_string(blocks.size()) + " blocks");
+      fail(index, "first",
+           "asks for " + std::to_string(d.first) + " blocks but the filter selects only " +
+               std::to_string(blocks.size()) + " blocks");
     std::vector<int> kept;
     for (int s : segments)
       if (chosen.contains(block_of(cx.dag.segments.at(static_cast<std::size_t>(s))))) kept.push_back(s);
@@ -50,6 +52,8 @@ void apply_recompute(PassContext& cx, const RecomputeDirective& d, int index, st
 
 }  // namespace
 
-void run_recompute(PassRun& run, const RecomputeDirective& d, int index) { apply_recompute(run.cx, d, index, run.rc_by); }
+void run_recompute(PassRun& run, const RecomputeDirective& d, int index) {
+  apply_recompute(run.cx, d, index, run.rc_by);
+}
 
 }  // namespace piper::core::passes

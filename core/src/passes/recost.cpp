@@ -20,8 +20,8 @@ void recost_segments(PassContext& cx, const std::vector<int>& tp_by) {
   std::vector<Costs> costs(dag.segments.size());
   for (auto& seg : dag.segments) {
     if (seg.tp_degree == 1 && seg.recompute == Recompute::None && seg.cp_degree == 1 && seg.token_split == 1) continue;
-    const ParallelLayout layout{seg.tp_degree,   seg.sequence_parallel, static_cast<int>(seg.recompute),
-                                seg.cp_degree,   seg.cp_all_gather,     seg.token_split};
+    const ParallelLayout layout{seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute),
+                                seg.cp_degree, seg.cp_all_gather,     seg.token_split};
     Costs c;
     for (int l = seg.first_layer; l < seg.last_layer; ++l)
       c += layer_costs(dag.layers.at(static_cast<std::size_t>(l)), dag.training, layout);
@@ -75,10 +75,10 @@ void recost_segments(PassContext& cx, const std::vector<int>& tp_by) {
         const int s = g[dag.segments.at(static_cast<std::size_t>(g[u].segment)).token_split > 1 ? u : v].segment;
         const int other = s == g[u].segment ? g[v].segment : g[u].segment, o = slice_of(other);
         fail(tp_by.at(static_cast<std::size_t>(s)), "sequence_parallel",
-                             fmt::format("routed experts of segment {} receive a 1/{} sequence slice but "
-                                         "segment {} passes them {} (give both the same sequence-parallel degree)",
-                                         s, dag.segments.at(static_cast<std::size_t>(s)).token_split,
-                                         other, o > 1 ? fmt::format("1/{} slices", o) : "whole sequences"));
+             fmt::format("routed experts of segment {} receive a 1/{} sequence slice but "
+                         "segment {} passes them {} (give both the same sequence-parallel degree)",
+                         s, dag.segments.at(static_cast<std::size_t>(s)).token_split, other,
+                         o > 1 ? fmt::format("1/{} slices", o) : "whole sequences"));
       }
       // Context parallelism: each device passes on its seq_len / cp local tokens.
       const int c = cp_degree(g[u].segment);

@@ -42,15 +42,18 @@ std::map<Families, std::vector<int>> reduction_families(PassContext& cx, const R
     for (int j = 0; j < split; ++j)
       for (int q = 0; q < k; ++q)
         for (int g = 0; g < groups; ++g) across.push_back(device(j, g, q));
-    return hsdp_by_split[split] = std::pair{dag.family_index({dag.device_sets.intern(within), k, 1, FamilyPurpose::DpShard}),
-                                            dag.family_index({dag.device_sets.intern(across), groups, 1, FamilyPurpose::DpReplicate})};
+    return hsdp_by_split[split] =
+               std::pair{dag.family_index({dag.device_sets.intern(within), k, 1, FamilyPurpose::DpShard}),
+                         dag.family_index({dag.device_sets.intern(across), groups, 1, FamilyPurpose::DpReplicate})};
   };
   std::map<Families, std::vector<int>> by_family;
   for (int s : segments_of(cx, matched)) {
     auto& seg = dag.segments.at(static_cast<std::size_t>(s));
-    if (cx.replicated.at(static_cast<std::size_t>(s))) fail(index, "filter", "segment " + std::to_string(s) + " is already replicated");
+    if (cx.replicated.at(static_cast<std::size_t>(s)))
+      fail(index, "filter", "segment " + std::to_string(s) + " is already replicated");
     cx.replicated[static_cast<std::size_t>(s)] = true;
-    if (seg.shard_degree >= n || (seg.shard_degree > 1 && seg.shard_degree * seg.tp_degree >= n)) continue;  // fully sharded: nothing to reduce
+    if (seg.shard_degree >= n || (seg.shard_degree > 1 && seg.shard_degree * seg.tp_degree >= n))
+      continue;  // fully sharded: nothing to reduce
     // A TP segment's replicas are the strided groups of devices with the same TP rank; routed experts'
     // (expert-data-parallel) those with the same ETP rank and EP shard: positions equal mod tp x shard.
     const int split = seg.tp_degree * seg.shard_degree;
@@ -59,16 +62,17 @@ std::map<Families, std::vector<int>> reduction_families(PassContext& cx, const R
     seg.reduce_every_microbatch = d.reduce_every_microbatch && zero >= 2;
     seg.zero_shards = zero_shards_of(seg.replicas, d.shard_group);
     if (seg.replicas % seg.zero_shards != 0)
-      fail(index, "shard_group", fmt::format("{} does not divide the {} replicas of segment {}", d.shard_group, seg.replicas, s));
+      fail(index, "shard_group",
+           fmt::format("{} does not divide the {} replicas of segment {}", d.shard_group, seg.replicas, s));
     if (!seg.has_state() || seg.replicas == 1) continue;
     if (seg.zero_shards < seg.replicas) {
       auto [within, across] = hsdp_families(split, seg.replicas, seg.zero_shards);
       by_family[{within, across}].push_back(s);
       continue;
     }
-    CommFamily fam = split == 1                ? CommFamily{set, n, 1, FamilyPurpose::Dp}
-                     : seg.shard_degree == 1   ? CommFamily{set, n / split, split, FamilyPurpose::Dp}
-                                               : CommFamily{set, n / split, split, FamilyPurpose::DpEp};
+    CommFamily fam = split == 1              ? CommFamily{set, n, 1, FamilyPurpose::Dp}
+                     : seg.shard_degree == 1 ? CommFamily{set, n / split, split, FamilyPurpose::Dp}
+                                             : CommFamily{set, n / split, split, FamilyPurpose::DpEp};
     by_family[{dag.family_index(fam), -1}].push_back(s);
   }
   return by_family;
@@ -86,8 +90,8 @@ struct BucketContext {
 };
 
 // The bucket's gradient reduction(s), and HSDP's cross-group all-reduce; returns the nodes the UPD waits for.
-std::vector<Vertex> emit_reductions(BucketContext& b, const DagNode& red, const Families& families, const std::vector<int>& bucket,
-                                    std::int64_t bytes, const std::string& what) {
+std::vector<Vertex> emit_reductions(BucketContext& b, const DagNode& red, const Families& families,
+                                    const std::vector<int>& bucket, std::int64_t bytes, const std::string& what) {
   PassContext& cx = b.cx;
   auto& dag = cx.dag;
   // One reduction after the last microbatch, or (reduce_every "microbatch") one per microbatch,
@@ -97,7 +101,8 @@ std::vector<Vertex> emit_reductions(BucketContext& b, const DagNode& red, const 
     for (auto p : b.producers[s]) {
       std::vector<int> key;
       if (b.d.reduce_every_microbatch)
-        for (const auto& dim : cx.split_dims) key.push_back(cx.node(p).tags.contains(dim) ? cx.node(p).tags.at(dim) : -1);
+        for (const auto& dim : cx.split_dims)
+          key.push_back(cx.node(p).tags.contains(dim) ? cx.node(p).tags.at(dim) : -1);
       rounds[key].push_back(p);
     }
   if (rounds.empty()) rounds[{}];
@@ -132,7 +137,8 @@ std::vector<Vertex> emit_reductions(BucketContext& b, const DagNode& red, const 
 }
 
 // ZeRO-1/2: one gather of the updated shards after the UPD; ZeRO-3: one before each use.
-void emit_gathers(BucketContext& b, const DagNode& red, const std::vector<int>& bucket, std::int64_t bytes, const std::string& what) {
+void emit_gathers(BucketContext& b, const DagNode& red, const std::vector<int>& bucket, std::int64_t bytes,
+                  const std::string& what) {
   PassContext& cx = b.cx;
   auto& dag = cx.dag;
   DagNode ag = red;
@@ -150,7 +156,8 @@ void emit_gathers(BucketContext& b, const DagNode& red, const std::vector<int>& 
     for (int s : bucket)
       for (auto c : b.consumers[s]) {
         std::vector<int> key;
-        for (const auto& dim : cx.split_dims) key.push_back(cx.node(c).tags.contains(dim) ? cx.node(c).tags.at(dim) : -1);
+        for (const auto& dim : cx.split_dims)
+          key.push_back(cx.node(c).tags.contains(dim) ? cx.node(c).tags.at(dim) : -1);
         uses[{is_backward(cx.node(c).pass), key}].push_back(c);
       }
     // fp8 gathers (Float8 training): one byte a parameter instead of the parameters' dtype.
@@ -174,7 +181,8 @@ void emit_bucket(BucketContext& b, const Families& families, const std::vector<i
   auto& dag = cx.dag;
   const int family = families.reduce;
   std::int64_t bytes = 0;
-  for (int s : bucket) bytes += dag.segments[static_cast<std::size_t>(s)].state_params() * gradient_bytes_per_element(dag.training);
+  for (int s : bucket)
+    bytes += dag.segments[static_cast<std::size_t>(s)].state_params() * gradient_bytes_per_element(dag.training);
   const std::string what = common_tags_label(dag, bucket);
   DagNode red;
   red.kind = b.zero == 0 ? NodeKind::AllReduce : NodeKind::ReduceScatter;
@@ -199,9 +207,15 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
   check_devices(cx, matched, d.devices, index);
   auto& dag = cx.dag;
   if (d.gather_fp8 && dag.training.precision != Precision::FP8)
-    fail(index, "gather_dtype", "\"fp8\" needs fp8 training (Float8 weights to gather); the model trains in " +
-                                    to_string(dag.training.precision));
-  BucketContext b{cx, d, d.shard_params ? 3 : d.shard_grads ? 2 : d.shard_optimizer ? 1 : 0, boost::graph_traits<Graph>::null_vertex(), {}, {}};
+    fail(index, "gather_dtype",
+         "\"fp8\" needs fp8 training (Float8 weights to gather); the model trains in " +
+             to_string(dag.training.precision));
+  BucketContext b{cx,
+                  d,
+                  d.shard_params ? 3 : d.shard_grads ? 2 : d.shard_optimizer ? 1 : 0,
+                  boost::graph_traits<Graph>::null_vertex(),
+                  {},
+                  {}};
   auto by_family = reduction_families(cx, d, index, matched, b.zero);
   const DeviceSetId set = dag.device_sets.intern(d.devices);  // interned above: the same id
   for (auto v : dag.live_nodes()) {
@@ -217,7 +231,8 @@ void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
     std::vector<std::vector<int>> buckets;
     std::int64_t filled = 0;
     for (int s : segs) {
-      std::int64_t bytes = dag.segments[static_cast<std::size_t>(s)].state_params() * gradient_bytes_per_element(dag.training);
+      std::int64_t bytes =
+          dag.segments[static_cast<std::size_t>(s)].state_params() * gradient_bytes_per_element(dag.training);
       if (buckets.empty() || cap == 0 || filled + bytes > cap) buckets.emplace_back(), filled = 0;
       buckets.back().push_back(s);
       filled += bytes;

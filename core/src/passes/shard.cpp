@@ -37,8 +37,9 @@ void apply_shard(PassContext& cx, const ShardDirective& d, int index) {
     auto& seg = cx.dag.segments.at(static_cast<std::size_t>(s));
     if (seg.shard_degree != 1) fail(index, "filter", "segment " + std::to_string(s) + " is already sharded");
     if (etp != 0 && seg.tp_degree != etp)
-      fail(index, "filter", "selects segments of different expert tensor-parallel degrees (" + std::to_string(etp) + " and " +
-                                std::to_string(seg.tp_degree) + ")");
+      fail(index, "filter",
+           "selects segments of different expert tensor-parallel degrees (" + std::to_string(etp) + " and " +
+               std::to_string(seg.tp_degree) + ")");
     etp = seg.tp_degree;
     seg.shard_degree = degree;
   }

@@ -52,9 +52,10 @@ void apply_split(PassContext& cx, const SplitDirective& d, int index) {
   // Nested splits multiply: refuse before copying anything.
   const std::int64_t microbatches = static_cast<std::int64_t>(cx.dag.microbatches) * d.count;
   if (microbatches > limit_value(Limit::Microbatches))
-    fail(index, "num_microbatches", "with the splits before it, " + limit_message(Limit::Microbatches, microbatches, "microbatches"));
-  const std::int64_t nodes = static_cast<std::int64_t>(boost::num_vertices(cx.g())) +
-                             static_cast<std::int64_t>(matched.size()) * d.count;
+    fail(index, "num_microbatches",
+         "with the splits before it, " + limit_message(Limit::Microbatches, microbatches, "microbatches"));
+  const std::int64_t nodes =
+      static_cast<std::int64_t>(boost::num_vertices(cx.g())) + static_cast<std::int64_t>(matched.size()) * d.count;
   if (nodes > limit_value(Limit::DagNodes))
     fail(index, "num_microbatches", "the global DAG would reach " + limit_message(Limit::DagNodes, nodes, "nodes"));
   cx.split_dims.push_back(d.dim_name);
@@ -81,8 +82,7 @@ void apply_split(PassContext& cx, const SplitDirective& d, int index) {
     }
   }
   for (int k = 0; k < d.count; ++k) {
-    for (const auto& r : inside_or_out)
-      cx.dag.add_edge(copy[k][pos[r.u]], in[r.v] ? copy[k][pos[r.v]] : r.v, r.e);
+    for (const auto& r : inside_or_out) cx.dag.add_edge(copy[k][pos[r.u]], in[r.v] ? copy[k][pos[r.v]] : r.v, r.e);
     for (const auto& r : from_outside) cx.dag.add_edge(r.u, copy[k][pos[r.v]], r.e);
   }
   for (auto v : matched) cx.remove(v);

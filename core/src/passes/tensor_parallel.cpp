@@ -1,4 +1,5 @@
-// The tensor_parallel pass (marks segments, routed experts with their expert-TP degree; their costs are rewritten by recost.cpp) and the tp-groups pass (internal, after placement: the TP communicator families).
+// The tensor_parallel pass (marks segments, routed experts with their expert-TP degree; their costs are rewritten by
+// recost.cpp) and the tp-groups pass (internal, after placement: the TP communicator families).
 #include "pass.hpp"
 
 #include <algorithm>
@@ -21,7 +22,8 @@ void apply_tensor_parallel(PassContext& cx, const TensorParallelDirective& d, in
     auto& seg = cx.dag.segments.at(static_cast<std::size_t>(s));
     const Layer* experts = nullptr;
     for (int l = seg.first_layer; l < seg.last_layer; ++l)
-      if (cx.dag.layers.at(static_cast<std::size_t>(l)).kind == LayerKind::MoeExperts) experts = &cx.dag.layers.at(static_cast<std::size_t>(l));
+      if (cx.dag.layers.at(static_cast<std::size_t>(l)).kind == LayerKind::MoeExperts)
+        experts = &cx.dag.layers.at(static_cast<std::size_t>(l));
     if (experts && d.expert_degree == 1 && !d.sequence_parallel) continue;  // whole experts on whole tokens
     if (tp_by[static_cast<std::size_t>(s)] >= 0)
       fail(index, "filter",
@@ -31,7 +33,8 @@ void apply_tensor_parallel(PassContext& cx, const TensorParallelDirective& d, in
     if (experts) {
       if (experts->shape.ffn % d.expert_degree != 0)
         fail(index, "expert_degree",
-             fmt::format("{} does not divide the {} ffn columns of layer '{}'", d.expert_degree, experts->shape.ffn, experts->name));
+             fmt::format("{} does not divide the {} ffn columns of layer '{}'", d.expert_degree, experts->shape.ffn,
+                         experts->name));
       seg.tp_degree = d.expert_degree;
       seg.token_split = d.sequence_parallel ? d.degree : 1;
       if (d.sequence_parallel && cx.dag.training.seq_len % d.degree != 0)
@@ -75,18 +78,22 @@ void make_tp_groups(PassContext& cx, const DirectiveProgram& program, const std:
     const DeviceSetId set = set_of[static_cast<std::size_t>(seg.index)];
     const auto& devices = dag.device_sets.at(set);
     if (!d.devices.empty() && d.devices != devices)
-      fail(index, "devices", set_str(d.devices) + " differ from the placement " + set_str(devices) + " of segment " +
-                                 std::to_string(seg.index));
+      fail(index, "devices",
+           set_str(d.devices) + " differ from the placement " + set_str(devices) + " of segment " +
+               std::to_string(seg.index));
     if (devices.size() % static_cast<std::size_t>(seg.tp_degree) != 0)
       fail(index, seg.tags.contains("EP") ? "expert_degree" : "degree",
-           fmt::format("{} does not divide the {} devices segment {} is placed on", seg.tp_degree, devices.size(), seg.index));
+           fmt::format("{} does not divide the {} devices segment {} is placed on", seg.tp_degree, devices.size(),
+                       seg.index));
     seg.tp_family = dag.family_index({set, seg.tp_degree, 1, FamilyPurpose::Tp});
   }
 }
 
 }  // namespace
 
-void run_tensor_parallel(PassRun& run, const TensorParallelDirective& d, int index) { apply_tensor_parallel(run.cx, d, index, run.tp_by); }
+void run_tensor_parallel(PassRun& run, const TensorParallelDirective& d, int index) {
+  apply_tensor_parallel(run.cx, d, index, run.tp_by);
+}
 
 bool run_tp_groups(PassRun& run) {
   if (std::none_of(run.tp_by.begin(), run.tp_by.end(), [](int i) { return i >= 0; })) return false;

@@ -14,27 +14,31 @@ namespace {
 // keep the copies equal: a one-line error naming the layout, rather than a plan without the sum
 // (which would simulate, and which the runtime refuses).
 void check_tied_layout(const GlobalDag& dag, int embed, DeviceSetId e, int head, DeviceSetId h, bool mirrored) {
-  const std::string sides = fmt::format("the tied embedding (segment {}, on {}) and the head's copy (segment {}, on {})", embed,
-                                        set_str(dag.device_sets.at(e)), head, set_str(dag.device_sets.at(h)));
+  const std::string sides =
+      fmt::format("the tied embedding (segment {}, on {}) and the head's copy (segment {}, on {})", embed,
+                  set_str(dag.device_sets.at(e)), head, set_str(dag.device_sets.at(h)));
   const std::string what = ": the two copies cannot be paired for their gradient sum";
-  if (mirrored)
-    throw Error(fmt::format("directives: a segment of {} is placed on two device sets{}", sides, what));
+  if (mirrored) throw Error(fmt::format("directives: a segment of {} is placed on two device sets{}", sides, what));
   const std::vector<int>& de = dag.device_sets.at(e);
   const std::vector<int>& dh = dag.device_sets.at(h);
   if (de.size() != dh.size())
-    throw Error(fmt::format("directives: {} run on different numbers of devices{} (place both on as many devices)", sides, what));
+    throw Error(fmt::format("directives: {} run on different numbers of devices{} (place both on as many devices)",
+                            sides, what));
   std::size_t shared = 0;
   for (std::size_t p = 0; p < dh.size(); ++p) {
     const auto q = static_cast<std::size_t>(std::find(de.begin(), de.end(), dh[p]) - de.begin());
     if (q == de.size()) continue;
     if (q != p)
-      throw Error(fmt::format("directives: {} are placed mirrored (device {} holds the embedding at position {} and the head at {}){} "
-                              "(untie the embeddings, or place the head's segment at the embedding's positions)",
-                              sides, dh[p], q, p, what));
+      throw Error(fmt::format(
+          "directives: {} are placed mirrored (device {} holds the embedding at position {} and the head at {}){} "
+          "(untie the embeddings, or place the head's segment at the embedding's positions)",
+          sides, dh[p], q, p, what));
     ++shared;
   }
   if (shared > 0 && shared < de.size())
-    throw Error(fmt::format("directives: {} share some devices but not all{} (place both on the same devices or on disjoint ones)", sides, what));
+    throw Error(fmt::format(
+        "directives: {} share some devices but not all{} (place both on the same devices or on disjoint ones)", sides,
+        what));
 }
 
 // Tied embeddings: when the head's segment keeps a copy of the table (Segment::tied_copy) on other
@@ -48,7 +52,8 @@ void check_tied_layout(const GlobalDag& dag, int embed, DeviceSetId e, int head,
 // op. Any other layout is an error (check_tied_layout).
 bool link_tied_embedding(PassContext& cx) {
   auto& dag = cx.dag;
-  const auto tied = std::find_if(dag.segments.begin(), dag.segments.end(), [](const Segment& s) { return s.tied_copy > 0; });
+  const auto tied =
+      std::find_if(dag.segments.begin(), dag.segments.end(), [](const Segment& s) { return s.tied_copy > 0; });
   if (tied == dag.segments.end()) return false;
   const int head = tied->index, embed = tied->tied_to;
   // Each segment's device set; two sets for one segment: mirrored.
@@ -89,7 +94,8 @@ bool link_tied_embedding(PassContext& cx) {
     const bool reduces = n.kind == NodeKind::Update || n.kind == NodeKind::ReduceScatter ||
                          (n.kind == NodeKind::AllReduce && n.family != sum.family);
     const auto& bs = n.buffer_segments;
-    if (reduces && (std::find(bs.begin(), bs.end(), embed) != bs.end() || std::find(bs.begin(), bs.end(), head) != bs.end()))
+    if (reduces &&
+        (std::find(bs.begin(), bs.end(), embed) != bs.end() || std::find(bs.begin(), bs.end(), head) != bs.end()))
       dag.add_edge(vs, v, {EdgeKind::Data, sum.bytes, "grad"});
   }
   return true;

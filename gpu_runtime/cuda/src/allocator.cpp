@@ -87,7 +87,8 @@ void Allocator::reclaim() {
   // the first block still pending ends the scan (one query per stream per call, not one per retired
   // block: the step frees hundreds of blocks and allocates after each op).
   auto done = [](const Retired& r) {
-    return std::all_of(r.events.begin(), r.events.end(), [](cudaEvent_t e) { return cudaEventQuery(e) == cudaSuccess; });
+    return std::all_of(r.events.begin(), r.events.end(),
+                       [](cudaEvent_t e) { return cudaEventQuery(e) == cudaSuccess; });
   };
   while (!retired_.empty() && done(retired_.front())) {
     Retired& r = retired_.front();

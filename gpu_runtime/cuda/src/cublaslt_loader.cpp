@@ -36,10 +36,10 @@ F cublaslt_entry(const char* name) {
 }  // namespace
 
 // Defines NAME(PARAMS) forwarding ARGS to the library's NAME, resolved once.
-#define PIPER_CUBLASLT_FORWARD(ret, name, params, args)                    \
-  ret CUBLASWINAPI name params {                                           \
-    static const auto real = cublaslt_entry<ret(*) params>(#name);         \
-    return real args;                                                      \
+#define PIPER_CUBLASLT_FORWARD(ret, name, params, args)            \
+  ret CUBLASWINAPI name params {                                   \
+    static const auto real = cublaslt_entry<ret(*) params>(#name); \
+    return real args;                                              \
   }
 
 extern "C" {
@@ -52,8 +52,8 @@ PIPER_CUBLASLT_FORWARD(cublasStatus_t, cublasLtMatmul,
                         cublasLtMatrixLayout_t Adesc, const void* B, cublasLtMatrixLayout_t Bdesc, const void* beta,
                         const void* C, cublasLtMatrixLayout_t Cdesc, void* D, cublasLtMatrixLayout_t Ddesc,
                         const cublasLtMatmulAlgo_t* algo, void* workspace, size_t workspace_bytes, cudaStream_t stream),
-                       (handle, desc, alpha, A, Adesc, B, Bdesc, beta, C, Cdesc, D, Ddesc, algo, workspace, workspace_bytes,
-                        stream))
+                       (handle, desc, alpha, A, Adesc, B, Bdesc, beta, C, Cdesc, D, Ddesc, algo, workspace,
+                        workspace_bytes, stream))
 PIPER_CUBLASLT_FORWARD(cublasStatus_t, cublasLtMatmulAlgoGetHeuristic,
                        (cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t Adesc,
                         cublasLtMatrixLayout_t Bdesc, cublasLtMatrixLayout_t Cdesc, cublasLtMatrixLayout_t Ddesc,

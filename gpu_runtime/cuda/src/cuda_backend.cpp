@@ -38,11 +38,11 @@ void d2d(void* dst, const void* src, std::size_t bytes, cudaStream_t s) {
 }  // namespace
 
 struct CudaBackend::Pending {
-  cudaEvent_t begin = nullptr;   // recorded before the op's work
-  cudaEvent_t end = nullptr;     // recorded after all of it (for communication: after the finishing work)
-  int ticket = -1;               // transport request in flight
+  cudaEvent_t begin = nullptr;  // recorded before the op's work
+  cudaEvent_t end = nullptr;    // recorded after all of it (for communication: after the finishing work)
+  int ticket = -1;              // transport request in flight
   int peer = -1;
-  bool dispatch = false;         // ALL_TO_ALL: the first of its segment/pass/microbatch
+  bool dispatch = false;  // ALL_TO_ALL: the first of its segment/pass/microbatch
   std::vector<int> group;
   PacketShape packets;
   std::int64_t block = 0;
@@ -54,16 +54,22 @@ CudaBackend::CudaBackend(const core::Program& program, int device, Transport& tr
   const core::Model model = program_model(program);
   for (std::size_t s = 0; s < program.segments.size(); ++s) {
     if (program.segments[s].reduce_every_microbatch)
-      throw std::invalid_argument(fmt::format("plan: segment {} reduces its ZeRO-2/3 gradients after every microbatch; the CUDA backend reduces once per step (compile with --reduce-every step), the host backend runs both",
-                                              s));
+      throw std::invalid_argument(
+          fmt::format("plan: segment {} reduces its ZeRO-2/3 gradients after every microbatch; the CUDA backend "
+                      "reduces once per step (compile with --reduce-every step), the host backend runs both",
+                      s));
     if (program.segments[s].zero_shards != program.segments[s].replicas)
-      throw std::invalid_argument(fmt::format("plan: segment {} uses HSDP (ZeRO shards over groups of {} of its {} replicas); the CUDA backend does not run it yet, the host backend does",
-                                              s, program.segments[s].zero_shards, program.segments[s].replicas));
+      throw std::invalid_argument(
+          fmt::format("plan: segment {} uses HSDP (ZeRO shards over groups of {} of its {} replicas); the CUDA backend "
+                      "does not run it yet, the host backend does",
+                      s, program.segments[s].zero_shards, program.segments[s].replicas));
   }
   for (std::size_t s = 0; s < program.segments.size(); ++s)
     if (program.segments[s].cp_degree > 1)
-      throw std::invalid_argument(fmt::format("plan: segment {} is context-parallel (cp_degree {}); the CUDA backend does not run context parallelism yet, the host backend does",
-                                              s, program.segments[s].cp_degree));
+      throw std::invalid_argument(
+          fmt::format("plan: segment {} is context-parallel (cp_degree {}); the CUDA backend does not run context "
+                      "parallelism yet, the host backend does",
+                      s, program.segments[s].cp_degree));
   num_layers_ = static_cast<int>(model.layers().size());
   shape_ = data_shape(program);
   loss_scale_ = 1.0f / static_cast<float>(shape_.global_tokens());
@@ -72,7 +78,8 @@ CudaBackend::CudaBackend(const core::Program& program, int device, Transport& tr
   std::int64_t transient = 0;
   for (const auto& b : plan_.buffers)
     if (!b.persistent()) transient += b.bytes;
-  alloc_ = std::make_unique<Allocator>(std::max<std::size_t>(std::size_t{256} << 20, static_cast<std::size_t>(2 * transient)));
+  alloc_ = std::make_unique<Allocator>(
+      std::max<std::size_t>(std::size_t{256} << 20, static_cast<std::size_t>(2 * transient)));
   if (!config_.sm) config_.sm = SmPartitioner::create(std::nullopt);
   for (std::size_t s = 0; s < plan_.streams.size(); ++s) {
     // A stream that runs compute or update ops belongs to the compute partition, any other to the
@@ -93,11 +100,13 @@ CudaBackend::CudaBackend(const core::Program& program, int device, Transport& tr
   for (const auto& sp : specs)  // expert TP runs on the host backend only
     for (int l = sp.first_layer; sp.tp_degree > 1 && l < sp.last_layer; ++l)
       if (model.layers().at(static_cast<std::size_t>(l)).kind == core::LayerKind::MoeExperts)
-        throw std::invalid_argument(fmt::format("plan: segment {} splits its routed experts over {} expert-tensor-parallel ranks; "
-                                                "the CUDA backend does not run expert TP (compile with --etp 1)",
-                                                sp.segment, sp.tp_degree));
+        throw std::invalid_argument(
+            fmt::format("plan: segment {} splits its routed experts over {} expert-tensor-parallel ranks; "
+                        "the CUDA backend does not run expert TP (compile with --etp 1)",
+                        sp.segment, sp.tp_degree));
   model_ = std::make_unique<CudaModel>(model, std::move(specs), config.seed, config.dtype, *alloc_, util_);
-  stream_ = std::make_unique<host::TokenStream>(model.config() ? model.config()->vocab : 0, shape_.seq_len, config.seed, config.data_path);
+  stream_ = std::make_unique<host::TokenStream>(model.config() ? model.config()->vocab : 0, shape_.seq_len, config.seed,
+                                                config.data_path);
   msg_ = MessageShape{shape_.micro_batch_size * shape_.seq_len, model_->hidden(), model_->top_k(), config.dtype};
   std::size_t base = 0;
   for (const auto& s : plan_.streams) stream_base_.push_back(base), base += s.ops.size();
@@ -126,7 +135,8 @@ CudaBackend::~CudaBackend() {
 }
 
 Exec CudaBackend::exec(int stream) const {
-  return Exec{streams_.at(static_cast<std::size_t>(stream)), gemms_.at(static_cast<std::size_t>(stream)).get(), alloc_.get()};
+  return Exec{streams_.at(static_cast<std::size_t>(stream)), gemms_.at(static_cast<std::size_t>(stream)).get(),
+              alloc_.get()};
 }
 Exec CudaBackend::util() const { return Exec{util_, nullptr, alloc_.get()}; }
 
@@ -134,7 +144,8 @@ int CudaBackend::mb_of(const core::Op& op) const { return op.microbatch; }  // -
 
 int CudaBackend::data_rank_of(const core::Op& op) const {
   const int pos = program_.position_in(op.device_set, device_);
-  if (pos < 0) throw RuntimeError(fmt::format("runtime: device {} is not in the device set of '{}'", device_, op.label));
+  if (pos < 0)
+    throw RuntimeError(fmt::format("runtime: device {} is not in the device set of '{}'", device_, op.label));
   return pos;
 }
 
@@ -152,14 +163,17 @@ void CudaBackend::begin_step(int step) {
 }
 
 void CudaBackend::end_step() {
-  if (!forward_.empty() || !backward_.empty() || !stash_.empty() || !ep_in_.empty() || !ep_out_.empty() || !ep_grad_.empty() || !pending_.empty())
-    throw RuntimeError(fmt::format("runtime: device {} ended step {} with unconsumed data ({} activations, {} gradients, {} stashes)", device_,
-                                   step_, forward_.size(), backward_.size(), stash_.size()));
+  if (!forward_.empty() || !backward_.empty() || !stash_.empty() || !ep_in_.empty() || !ep_out_.empty() ||
+      !ep_grad_.empty() || !pending_.empty())
+    throw RuntimeError(
+        fmt::format("runtime: device {} ended step {} with unconsumed data ({} activations, {} gradients, {} stashes)",
+                    device_, step_, forward_.size(), backward_.size(), stash_.size()));
   ep_source_.clear();
   a2a_seen_.clear();
   // Every op completed: the loss accumulator is final. Read it and clear it for the next step.
   float loss = 0;
-  check(cudaMemcpyAsync(&loss, model_->loss_accumulator(), sizeof(float), cudaMemcpyDeviceToHost, util_), "cudaMemcpyAsync loss");
+  check(cudaMemcpyAsync(&loss, model_->loss_accumulator(), sizeof(float), cudaMemcpyDeviceToHost, util_),
+        "cudaMemcpyAsync loss");
   check(cudaMemsetAsync(model_->loss_accumulator(), 0, sizeof(float), util_), "cudaMemsetAsync");
   check(cudaStreamSynchronize(util_), "cudaStreamSynchronize");
   loss_sum_ = loss;
@@ -176,12 +190,15 @@ bool CudaBackend::start(const core::OpRef& at, const core::Op& op) {
       p->end = timed_event(e.stream);
       break;
     case core::OpKind::Update: {
-      const AdamW cfg{config_.adamw.lr, config_.adamw.beta1, config_.adamw.beta2, config_.adamw.eps, config_.adamw.weight_decay};
+      const AdamW cfg{config_.adamw.lr, config_.adamw.beta1, config_.adamw.beta2, config_.adamw.eps,
+                      config_.adamw.weight_decay};
       for (int s : op.segments) model_->update(e, s, cfg, steps_done_ + 1);
       p->end = timed_event(e.stream);
       break;
     }
-    default: start_comm(e, op, *p); break;
+    default:
+      start_comm(e, op, *p);
+      break;
   }
   pending_[at] = std::move(p);
   return poll(at, op);
@@ -189,7 +206,8 @@ bool CudaBackend::start(const core::OpRef& at, const core::Op& op) {
 
 bool CudaBackend::poll(const core::OpRef& at, const core::Op& op) {
   auto it = pending_.find(at);
-  if (it == pending_.end()) throw RuntimeError(fmt::format("runtime: polled an op that is not in flight: {}", op.label));
+  if (it == pending_.end())
+    throw RuntimeError(fmt::format("runtime: polled an op that is not in flight: {}", op.label));
   Pending& p = *it->second;
   const Exec e = exec(at.stream);
   if (p.ticket >= 0) {
@@ -225,8 +243,10 @@ void CudaBackend::run_compute(const Exec& e, const core::Op& op) {
       return;
     }
     ForwardState state;
-    if (sg.first_layer > 0) state = take(forward_, Key{mb, data_rank_of(op), sg.first_layer}, "the activation entering the segment");
-    const auto data = stream_->microbatch(step_, mb, data_rank_of(op), shape_.microbatches, shape_.ranks, shape_.micro_batch_size);
+    if (sg.first_layer > 0)
+      state = take(forward_, Key{mb, data_rank_of(op), sg.first_layer}, "the activation entering the segment");
+    const auto data =
+        stream_->microbatch(step_, mb, data_rank_of(op), shape_.microbatches, shape_.ranks, shape_.micro_batch_size);
     model_->forward(e, s, data, loss_scale_, state, stash_[sk]);
     if (!has_head) forward_[Key{mb, data_rank_of(op), sg.last_layer}] = std::move(state);
     return;
@@ -258,7 +278,9 @@ void CudaBackend::start_comm(const Exec& e, const core::Op& op, Pending& p) {
   r.node = op.node;
   if (op.family >= 0 && op.kind != core::OpKind::Send && op.kind != core::OpKind::Recv) {
     p.group = program_.group_of(op.family, device_);
-    if (p.group.empty()) throw RuntimeError(fmt::format("runtime: device {} holds no group of family {} for '{}'", device_, op.family, op.label));
+    if (p.group.empty())
+      throw RuntimeError(
+          fmt::format("runtime: device {} holds no group of family {} for '{}'", device_, op.family, op.label));
     r.family = op.family;
     r.group = p.group;
   }
@@ -271,8 +293,12 @@ void CudaBackend::start_comm(const Exec& e, const core::Op& op, Pending& p) {
       r.peer = p.peer;
       r.backward = is_backward(op.pass);
       r.boundary = r.backward ? sg.first_layer : sg.last_layer;
-      if (r.backward) p.send = pack_backward(e, msg_, take(backward_, Key{mb, data_rank_of(op), sg.first_layer}, "the gradient to send"));
-      else p.send = pack_forward(e, msg_, take(forward_, Key{mb, data_rank_of(op), sg.last_layer}, "the activation to send"));
+      if (r.backward)
+        p.send =
+            pack_backward(e, msg_, take(backward_, Key{mb, data_rank_of(op), sg.first_layer}, "the gradient to send"));
+      else
+        p.send =
+            pack_forward(e, msg_, take(forward_, Key{mb, data_rank_of(op), sg.last_layer}, "the activation to send"));
       r.send = p.send.data();
       r.count = p.send.bytes();
       break;
@@ -316,10 +342,12 @@ void CudaBackend::start_comm(const Exec& e, const core::Op& op, Pending& p) {
         for (int s : op.segments) {
           auto& sp = model_->layout(s);
           if (sp.replicas != ranks)
-            throw RuntimeError(fmt::format("runtime: '{}' reduces over {} ranks but segment {} has {} replicas", op.label, ranks, s, sp.replicas));
+            throw RuntimeError(fmt::format("runtime: '{}' reduces over {} ranks but segment {} has {} replicas",
+                                           op.label, ranks, s, sp.replicas));
           const std::int64_t n = static_cast<std::int64_t>(sp.params.size());
           const std::int64_t b = std::min(n, rk * sp.chunk_floats), en = std::min(n, b + sp.chunk_floats);
-          d2d(p.send.as<float>() + at, model_->device(s).grads.as<float>() + b, static_cast<std::size_t>(en - b) * 4, e.stream);
+          d2d(p.send.as<float>() + at, model_->device(s).grads.as<float>() + b, static_cast<std::size_t>(en - b) * 4,
+              e.stream);
           at += sp.chunk_floats;
         }
       }
@@ -352,14 +380,15 @@ void CudaBackend::start_comm(const Exec& e, const core::Op& op, Pending& p) {
     case core::OpKind::AllToAll: {
       const int s = op.segment;
       if (s < 0 || seg(s).shard_degree != ranks)
-        throw RuntimeError(fmt::format("runtime: '{}' exchanges over {} ranks but its segment is sharded {} ways", op.label, ranks,
-                                       s < 0 ? 0 : seg(s).shard_degree));
+        throw RuntimeError(fmt::format("runtime: '{}' exchanges over {} ranks but its segment is sharded {} ways",
+                                       op.label, ranks, s < 0 ? 0 : seg(s).shard_degree));
       const bool backward = is_backward(op.pass);
       const EpKey key{s, backward, mb};
       // The first all-to-all of a (segment, pass, microbatch) carries tokens into the sharded
       // experts, the second carries their results back: dataflow order, not a schedule property.
       p.dispatch = a2a_seen_[key]++ == 0;
-      p.packets = PacketShape{shape_.micro_batch_size * shape_.seq_len * model_->top_k(), model_->hidden(), config_.dtype};
+      p.packets =
+          PacketShape{shape_.micro_batch_size * shape_.seq_len * model_->top_k(), model_->hidden(), config_.dtype};
       std::vector<ExpertPacket> out;
       const SegKey sk{s, mb};
       const int first = seg(s).first_layer;
@@ -382,7 +411,8 @@ void CudaBackend::start_comm(const Exec& e, const core::Op& op, Pending& p) {
       r.count = p.packets.block_bytes();
       break;
     }
-    default: throw RuntimeError(fmt::format("runtime: unexpected op kind for communication: {}", op.label));
+    default:
+      throw RuntimeError(fmt::format("runtime: unexpected op kind for communication: {}", op.label));
   }
   p.ticket = transport_.post(r);
 }
@@ -390,11 +420,14 @@ void CudaBackend::start_comm(const Exec& e, const core::Op& op, Pending& p) {
 void CudaBackend::finish_comm(const Exec& e, const core::Op& op, Pending& p) {
   const int mb = mb_of(op);
   switch (op.kind) {
-    case core::OpKind::Send: break;
+    case core::OpKind::Send:
+      break;
     case core::OpKind::Recv: {
       const auto& sg = seg(op.segment);
-      if (is_backward(op.pass)) backward_[Key{mb, data_rank_of(op), sg.last_layer}] = unpack_backward(e, msg_, p.recv);
-      else forward_[Key{mb, data_rank_of(op), sg.first_layer}] = unpack_forward(e, msg_, p.recv);
+      if (is_backward(op.pass))
+        backward_[Key{mb, data_rank_of(op), sg.last_layer}] = unpack_backward(e, msg_, p.recv);
+      else
+        forward_[Key{mb, data_rank_of(op), sg.first_layer}] = unpack_forward(e, msg_, p.recv);
       break;
     }
     case core::OpKind::AllReduce: {
@@ -427,7 +460,8 @@ void CudaBackend::finish_comm(const Exec& e, const core::Op& op, Pending& p) {
           const std::int64_t b = std::min(n, r * sp.chunk_floats), en = std::min(n, b + sp.chunk_floats);
           if (en > b)
             convert(DType::F32, p.recv.as<float>() + r * p.block + at, config_.dtype,
-                    static_cast<char*>(d.params.data()) + static_cast<std::size_t>(b) * model_->elem(), en - b, e.stream);
+                    static_cast<char*>(d.params.data()) + static_cast<std::size_t>(b) * model_->elem(), en - b,
+                    e.stream);
         }
         at += sp.chunk_floats;
         if (op.pass != core::Pass::None) ++d.gathered;  // ZeRO-3 gather before a use; released with its buffer
@@ -453,14 +487,16 @@ void CudaBackend::finish_comm(const Exec& e, const core::Op& op, Pending& p) {
       }
       break;
     }
-    default: break;
+    default:
+      break;
   }
 }
 
 void CudaBackend::buffer_freed(int buffer) {
   const auto& b = plan_.buffers.at(static_cast<std::size_t>(buffer));
   if (b.kind != core::BufferKind::GatheredParameters) return;
-  const auto& op = plan_.streams.at(static_cast<std::size_t>(b.alloc.stream)).ops.at(static_cast<std::size_t>(b.alloc.index));
+  const auto& op =
+      plan_.streams.at(static_cast<std::size_t>(b.alloc.stream)).ops.at(static_cast<std::size_t>(b.alloc.index));
   for (int s : op.segments) {
     auto& d = model_->device(s);
     if (--d.gathered <= 0) {

@@ -43,8 +43,10 @@ Tensor matmul(const Exec& e, DType dt, M a, bool ta, M b, bool tb) {
   const GemmShape s = shape_of(a, ta, b, tb);
   Tensor c = new_tensor(e, s.m, s.n, dtype_bytes(dt));
   if (s.m > 0 && s.n > 0) {
-    if (s.k == 0) check(cudaMemsetAsync(c.data(), 0, c.bytes(), e.stream), "cudaMemsetAsync");
-    else gemm_of(e).run(dt, s, a.p, b.p, c.data());
+    if (s.k == 0)
+      check(cudaMemsetAsync(c.data(), 0, c.bytes(), e.stream), "cudaMemsetAsync");
+    else
+      gemm_of(e).run(dt, s, a.p, b.p, c.data());
   }
   return c;
 }
@@ -71,12 +73,15 @@ Tensor plus(const Exec& e, DType dt, const Tensor& a, const Tensor& b) {
 
 Tensor copy_of(const Exec& e, const Tensor& t) {
   Tensor out = new_tensor(e, t.rows, t.cols, t.elem);
-  if (t.bytes()) check(cudaMemcpyAsync(out.data(), t.data(), t.bytes(), cudaMemcpyDeviceToDevice, e.stream), "cudaMemcpyAsync");
+  if (t.bytes())
+    check(cudaMemcpyAsync(out.data(), t.data(), t.bytes(), cudaMemcpyDeviceToDevice, e.stream), "cudaMemcpyAsync");
   return out;
 }
 
 void put(const Exec& e, const Tensor& msg, std::size_t at, const Tensor& t) {
-  if (t.bytes()) check(cudaMemcpyAsync(static_cast<char*>(msg.data()) + at, t.data(), t.bytes(), cudaMemcpyDeviceToDevice, e.stream), "cudaMemcpyAsync");
+  if (t.bytes())
+    check(cudaMemcpyAsync(static_cast<char*>(msg.data()) + at, t.data(), t.bytes(), cudaMemcpyDeviceToDevice, e.stream),
+          "cudaMemcpyAsync");
 }
 
 void put_header(const Exec& e, const Tensor& msg, const std::int64_t (&h)[8]) {
@@ -110,20 +115,23 @@ Tensor zeros(const Exec& e, std::int64_t rows, std::int64_t cols, std::size_t el
 
 Tensor upload_ints(const Exec& e, const std::vector<int>& v) {
   Tensor t = new_tensor(e, static_cast<std::int64_t>(v.size()), 1, sizeof(int));
-  if (t.bytes()) check(cudaMemcpyAsync(t.data(), v.data(), t.bytes(), cudaMemcpyHostToDevice, e.stream), "cudaMemcpyAsync");
+  if (t.bytes())
+    check(cudaMemcpyAsync(t.data(), v.data(), t.bytes(), cudaMemcpyHostToDevice, e.stream), "cudaMemcpyAsync");
   return t;
 }
 
 std::vector<int> download_ints(const Exec& e, const Tensor& t) {
   std::vector<int> out(static_cast<std::size_t>(t.size()));
-  if (t.bytes()) check(cudaMemcpyAsync(out.data(), t.data(), t.bytes(), cudaMemcpyDeviceToHost, e.stream), "cudaMemcpyAsync");
+  if (t.bytes())
+    check(cudaMemcpyAsync(out.data(), t.data(), t.bytes(), cudaMemcpyDeviceToHost, e.stream), "cudaMemcpyAsync");
   check(cudaStreamSynchronize(e.stream), "cudaStreamSynchronize");
   return out;
 }
 
 std::vector<float> download_floats(const Exec& e, const Tensor& t) {
   std::vector<float> out(static_cast<std::size_t>(t.size()));
-  if (t.bytes()) check(cudaMemcpyAsync(out.data(), t.data(), t.bytes(), cudaMemcpyDeviceToHost, e.stream), "cudaMemcpyAsync");
+  if (t.bytes())
+    check(cudaMemcpyAsync(out.data(), t.data(), t.bytes(), cudaMemcpyDeviceToHost, e.stream), "cudaMemcpyAsync");
   check(cudaStreamSynchronize(e.stream), "cudaStreamSynchronize");
   return out;
 }
@@ -164,7 +172,8 @@ Tensor pack_forward(const Exec& e, const MessageShape& m, const ForwardState& s)
 Tensor pack_backward(const Exec& e, const MessageShape& m, const BackwardState& s) {
   Tensor msg = new_tensor(e, 1, static_cast<std::int64_t>(m.bytes()), 1);
   const Offsets o = offsets(m);
-  const std::int64_t h[8] = {s.dx.rows, s.dx.cols, s.dgates.cols, s.du.empty() ? 0 : 1, s.dgates.empty() ? 0 : 1, 0, 0, 0};
+  const std::int64_t h[8] = {s.dx.rows, s.dx.cols, s.dgates.cols, s.du.empty() ? 0 : 1, s.dgates.empty() ? 0 : 1, 0,
+                             0,         0};
   if (s.dx.rows > m.tokens || s.dgates.cols > m.top_k) throw std::logic_error("runtime: gradient exceeds its message");
   put_header(e, msg, h);
   put(e, msg, o.a, s.dx);
@@ -210,8 +219,10 @@ Tensor pack_packets(const Exec& e, const PacketShape& s, const std::vector<Exper
     if (n > s.capacity) throw std::logic_error("runtime: expert packet exceeds its block");
     std::vector<int> head(static_cast<std::size_t>(1 + n), -1);
     head[0] = static_cast<int>(n);
-    for (std::int64_t i = 0; i < n && !packets[p].expert.empty(); ++i) head[static_cast<std::size_t>(1 + i)] = packets[p].expert[static_cast<std::size_t>(i)];
-    check(cudaMemcpyAsync(static_cast<char*>(out.data()) + p * block, head.data(), head.size() * 4, cudaMemcpyHostToDevice, e.stream),
+    for (std::int64_t i = 0; i < n && !packets[p].expert.empty(); ++i)
+      head[static_cast<std::size_t>(1 + i)] = packets[p].expert[static_cast<std::size_t>(i)];
+    check(cudaMemcpyAsync(static_cast<char*>(out.data()) + p * block, head.data(), head.size() * 4,
+                          cudaMemcpyHostToDevice, e.stream),
           "cudaMemcpyAsync packet header");
     put(e, out, p * block + s.ids_bytes(), packets[p].rows);
   }
@@ -223,8 +234,8 @@ std::vector<ExpertPacket> unpack_packets(const Exec& e, const PacketShape& s, co
   std::vector<int> heads(static_cast<std::size_t>(peers) * static_cast<std::size_t>(1 + s.capacity));
   for (int p = 0; p < peers; ++p)
     check(cudaMemcpyAsync(heads.data() + static_cast<std::size_t>(p) * static_cast<std::size_t>(1 + s.capacity),
-                          static_cast<const char*>(data.data()) + static_cast<std::size_t>(p) * block, static_cast<std::size_t>(1 + s.capacity) * 4,
-                          cudaMemcpyDeviceToHost, e.stream),
+                          static_cast<const char*>(data.data()) + static_cast<std::size_t>(p) * block,
+                          static_cast<std::size_t>(1 + s.capacity) * 4, cudaMemcpyDeviceToHost, e.stream),
           "cudaMemcpyAsync packet header");
   check(cudaStreamSynchronize(e.stream), "cudaStreamSynchronize");
   std::vector<ExpertPacket> out(static_cast<std::size_t>(peers));
@@ -232,7 +243,8 @@ std::vector<ExpertPacket> unpack_packets(const Exec& e, const PacketShape& s, co
     const int* h = heads.data() + static_cast<std::size_t>(p) * static_cast<std::size_t>(1 + s.capacity);
     const int n = h[0];
     for (int i = 0; i < n; ++i) out[static_cast<std::size_t>(p)].expert.push_back(h[1 + i]);
-    out[static_cast<std::size_t>(p)].rows = view(data, static_cast<std::size_t>(p) * block + s.ids_bytes(), n, s.hidden, dtype_bytes(s.dt));
+    out[static_cast<std::size_t>(p)].rows =
+        view(data, static_cast<std::size_t>(p) * block + s.ids_bytes(), n, s.hidden, dtype_bytes(s.dt));
   }
   return out;
 }
@@ -253,8 +265,12 @@ CudaModel::CudaModel(const core::Model& model, std::vector<host::SegmentSpec> se
     : layout_(model, std::move(segments), seed), dt_(dt), alloc_(alloc) {
   for (const auto& l : layout_.model().layers())
     if (l.kind == core::LayerKind::Attention)
-      attn_shape_ = host::AttentionShape{static_cast<int>(l.shape.heads), static_cast<int>(l.shape.kv_heads), static_cast<int>(l.shape.head_dim),
-                                         static_cast<int>(layout_.model().training().seq_len), l.shape.qk_norm, 10000.0f};
+      attn_shape_ = host::AttentionShape{static_cast<int>(l.shape.heads),
+                                         static_cast<int>(l.shape.kv_heads),
+                                         static_cast<int>(l.shape.head_dim),
+                                         static_cast<int>(layout_.model().training().seq_len),
+                                         l.shape.qk_norm,
+                                         10000.0f};
   const Exec e{init_stream, nullptr, &alloc_};
   for (auto& sp : layout_.segments()) {
     SegmentDevice d;
@@ -275,8 +291,10 @@ CudaModel::CudaModel(const core::Model& model, std::vector<host::SegmentSpec> se
 
 void CudaModel::upload_segment(const Exec& e, const host::SegmentParams& sp, SegmentDevice& d) {
   auto up = [&](Tensor& t, const std::vector<float>& v) {
-    if (static_cast<std::size_t>(t.size()) != v.size()) throw std::logic_error("runtime: host and device state sizes differ");
-    if (t.bytes()) check(cudaMemcpyAsync(t.data(), v.data(), t.bytes(), cudaMemcpyHostToDevice, e.stream), "cudaMemcpyAsync");
+    if (static_cast<std::size_t>(t.size()) != v.size())
+      throw std::logic_error("runtime: host and device state sizes differ");
+    if (t.bytes())
+      check(cudaMemcpyAsync(t.data(), v.data(), t.bytes(), cudaMemcpyHostToDevice, e.stream), "cudaMemcpyAsync");
   };
   up(d.master, sp.zero_level >= 1 ? sp.master : sp.params);
   // Params in the storage type: converted from the host values (NaN-poisoned for ZeRO-3, as the host).
@@ -310,7 +328,8 @@ void CudaModel::state_from_host(const Exec& e) {
 
 SegmentDevice& CudaModel::device(int seg) {
   auto it = device_.find(seg);
-  if (it == device_.end()) throw std::logic_error("runtime: this device holds no parameters of segment " + std::to_string(seg));
+  if (it == device_.end())
+    throw std::logic_error("runtime: this device holds no parameters of segment " + std::to_string(seg));
   return it->second;
 }
 
@@ -324,7 +343,8 @@ CudaModel::Weights CudaModel::weights(int seg, int layer, bool grads) {
   char* p = static_cast<char*>(grads ? d.grads.data() : d.params.data()) +
             static_cast<std::size_t>(sp.layer_offset.at(static_cast<std::size_t>(layer - sp.first_layer))) * es;
   auto tensors = host::layer_tensors(*w.layer);
-  if (w.layer->kind == core::LayerKind::MoeExperts) tensors.resize(tensors.size() / static_cast<std::size_t>(sp.shard_degree));
+  if (w.layer->kind == core::LayerKind::MoeExperts)
+    tensors.resize(tensors.size() / static_cast<std::size_t>(sp.shard_degree));
   for (const auto& t : tensors) {
     w.tensors.emplace_back(p, t);
     p += static_cast<std::size_t>(t.size()) * es;
@@ -385,7 +405,8 @@ void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data
         c.tokens = upload_ints(e, data.tokens);
         const auto T = static_cast<std::int64_t>(data.tokens.size());
         s.x = new_tensor(e, T, hidden(), es);
-        embedding_forward(dt_, w.ptr(0), c.tokens.as<int>(), static_cast<int>(T), static_cast<int>(hidden()), s.x.data(), e.stream);
+        embedding_forward(dt_, w.ptr(0), c.tokens.as<int>(), static_cast<int>(T), static_cast<int>(hidden()),
+                          s.x.data(), e.stream);
         s.u = Tensor{};
         break;
       }
@@ -393,8 +414,8 @@ void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data
         c.norm.x = s.x;
         c.norm.rstd = new_tensor(e, s.x.rows, 1, 4);
         s.u = new_tensor(e, s.x.rows, s.x.cols, es);
-        rmsnorm_forward(dt_, s.x.data(), w.ptr(0), static_cast<int>(s.x.rows), static_cast<int>(s.x.cols), host::kNormEps, s.u.data(),
-                        c.norm.rstd.as<float>(), e.stream);
+        rmsnorm_forward(dt_, s.x.data(), w.ptr(0), static_cast<int>(s.x.rows), static_cast<int>(s.x.cols),
+                        host::kNormEps, s.u.data(), c.norm.rstd.as<float>(), e.stream);
         break;
       case core::LayerKind::Attention: {
         const auto& a = attn_shape_;
@@ -410,8 +431,10 @@ void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data
           k.q = new_tensor(e, k.q_lin.rows, k.q_lin.cols, es);
           k.k = new_tensor(e, k.k_lin.rows, k.k_lin.cols, es);
           // Per-head RMSNorm: [T, heads*hd] row-major is [T*heads, hd].
-          rmsnorm_forward(dt_, k.q_lin.data(), w.ptr(4), static_cast<int>(T * a.heads), a.head_dim, host::kNormEps, k.q.data(), k.q_rstd.as<float>(), e.stream);
-          rmsnorm_forward(dt_, k.k_lin.data(), w.ptr(5), static_cast<int>(T * a.kv_heads), a.head_dim, host::kNormEps, k.k.data(), k.k_rstd.as<float>(), e.stream);
+          rmsnorm_forward(dt_, k.q_lin.data(), w.ptr(4), static_cast<int>(T * a.heads), a.head_dim, host::kNormEps,
+                          k.q.data(), k.q_rstd.as<float>(), e.stream);
+          rmsnorm_forward(dt_, k.k_lin.data(), w.ptr(5), static_cast<int>(T * a.kv_heads), a.head_dim, host::kNormEps,
+                          k.k.data(), k.k_rstd.as<float>(), e.stream);
         } else {
           k.q = copy_of(e, k.q_lin);
           k.k = copy_of(e, k.k_lin);
@@ -425,10 +448,12 @@ void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data
         k.flash = use_flash_attention(dt_, dims_of(a, T));
         if (k.flash) {
           k.probs = new_tensor(e, seqs * a.heads, a.seq_len, 4);
-          flash_attention_forward(dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), e.stream);
+          flash_attention_forward(dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(),
+                                  e.stream);
         } else {
           k.probs = new_tensor(e, seqs * a.heads * a.seq_len, a.seq_len, 4);
-          attention_core_forward(dt_, dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), e.stream);
+          attention_core_forward(dt_, dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(),
+                                 k.o.data(), e.stream);
         }
         Tensor out = matmul(e, dt_, of(k.o), false, w.mat(3), false);
         s.x = plus(e, dt_, s.x, out);
@@ -445,13 +470,15 @@ void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data
         Tensor logits = matmul(e, dt_, of(s.u), false, w.mat(0), false);
         s.topk = new_tensor(e, T, top_k(), 4);
         s.gates = new_tensor(e, T, top_k(), 4);
-        router_topk(dt_, logits.data(), static_cast<int>(T), experts(), top_k(), s.topk.as<int>(), s.gates.as<float>(), e.stream);
+        router_topk(dt_, logits.data(), static_cast<int>(T), experts(), top_k(), s.topk.as<int>(), s.gates.as<float>(),
+                    e.stream);
         c.router.topk = s.topk;
         c.router.gates = s.gates;
         break;
       }
       case core::LayerKind::MoeExperts: {
-        if (sp.shard_degree > 1) throw std::logic_error("runtime: sharded experts run through the expert-parallel path");
+        if (sp.shard_degree > 1)
+          throw std::logic_error("runtime: sharded experts run through the expert-parallel path");
         c.source = route(e, s, 1);
         auto packets = dispatch_forward(e, s, c.source);
         Tensor y = experts_forward(e, seg, l, 0, packets[0].expert, packets[0].rows, c.experts);
@@ -461,11 +488,12 @@ void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data
       case core::LayerKind::Head: {
         const std::int64_t T = s.u.rows;
         c.head.u = s.u;
-        c.head.dlogits = matmul(e, dt_, of(s.u), false, w.mat(0), false);  // logits, then in place (softmax - onehot) * scale
+        c.head.dlogits =
+            matmul(e, dt_, of(s.u), false, w.mat(0), false);  // logits, then in place (softmax - onehot) * scale
         Tensor targets = upload_ints(e, data.targets);
         Tensor loss = new_tensor(e, T, 1, 4);
-        cross_entropy(dt_, c.head.dlogits.data(), targets.as<int>(), static_cast<int>(T), static_cast<int>(c.head.dlogits.cols), loss_scale,
-                      loss.as<float>(), e.stream);
+        cross_entropy(dt_, c.head.dlogits.data(), targets.as<int>(), static_cast<int>(T),
+                      static_cast<int>(c.head.dlogits.cols), loss_scale, loss.as<float>(), e.stream);
         sum_into(loss.as<float>(), static_cast<int>(T), loss_.as<float>(), e.stream);
         break;
       }
@@ -488,8 +516,8 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
       case core::LayerKind::Norm: {
         c.dy_norm = g.du;
         Tensor dx = new_tensor(e, g.du.rows, g.du.cols, es);
-        rmsnorm_backward_input(dt_, c.norm.x.data(), c.norm.rstd.as<float>(), w.ptr(0), g.du.data(), static_cast<int>(g.du.rows),
-                               static_cast<int>(g.du.cols), dx.data(), e.stream);
+        rmsnorm_backward_input(dt_, c.norm.x.data(), c.norm.rstd.as<float>(), w.ptr(0), g.du.data(),
+                               static_cast<int>(g.du.rows), static_cast<int>(g.du.cols), dx.data(), e.stream);
         g.dx = plus(e, dt_, g.dx, dx);
         g.du = zeros(e, g.dx.rows, g.dx.cols, es);
         break;
@@ -503,8 +531,8 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
       case core::LayerKind::MoeRouter: {
         const std::int64_t T = c.router.u.rows;
         c.router.dlogits = new_tensor(e, T, experts(), es);
-        router_backward(dt_, c.router.topk.as<int>(), c.router.gates.as<float>(), g.dgates.as<float>(), static_cast<int>(T), experts(), top_k(),
-                        c.router.dlogits.data(), e.stream);
+        router_backward(dt_, c.router.topk.as<int>(), c.router.gates.as<float>(), g.dgates.as<float>(),
+                        static_cast<int>(T), experts(), top_k(), c.router.dlogits.data(), e.stream);
         Tensor du = matmul(e, dt_, of(c.router.dlogits), false, w.mat(0), true);
         g.du = plus(e, dt_, g.du, du);
         g.dgates = Tensor{};
@@ -526,27 +554,27 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
         // Reference: ds is scratch of the probabilities' size; fast path: delta, one value per row.
         Tensor ds = new_tensor(e, k.probs.rows, k.probs.cols, 4);
         if (k.flash)
-          flash_attention_backward(dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.o.data(), k.probs.as<float>(), d_o.data(), ds.as<float>(),
-                                   dq.data(), dk.data(), k.dv.data(), e.stream);
+          flash_attention_backward(dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.o.data(), k.probs.as<float>(),
+                                   d_o.data(), ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
         else
-          attention_core_backward(dt_, dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), d_o.data(), ds.as<float>(), dq.data(),
-                                  dk.data(), k.dv.data(), e.stream);
+          attention_core_backward(dt_, dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(),
+                                  d_o.data(), ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
         rope(dt_, dq.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
         rope(dt_, dk.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
         if (a.qk_norm) {
           k.dq_lin = new_tensor(e, dq.rows, dq.cols, es);
           k.dk_lin = new_tensor(e, dk.rows, dk.cols, es);
-          rmsnorm_backward_input(dt_, k.q_lin.data(), k.q_rstd.as<float>(), w.ptr(4), dq.data(), static_cast<int>(T * a.heads), a.head_dim,
-                                 k.dq_lin.data(), e.stream);
-          rmsnorm_backward_input(dt_, k.k_lin.data(), k.k_rstd.as<float>(), w.ptr(5), dk.data(), static_cast<int>(T * a.kv_heads), a.head_dim,
-                                 k.dk_lin.data(), e.stream);
+          rmsnorm_backward_input(dt_, k.q_lin.data(), k.q_rstd.as<float>(), w.ptr(4), dq.data(),
+                                 static_cast<int>(T * a.heads), a.head_dim, k.dq_lin.data(), e.stream);
+          rmsnorm_backward_input(dt_, k.k_lin.data(), k.k_rstd.as<float>(), w.ptr(5), dk.data(),
+                                 static_cast<int>(T * a.kv_heads), a.head_dim, k.dk_lin.data(), e.stream);
           // The host computes the q/k norm weight gradients in BI and adds them in BW: same here.
           k.dq_norm = zeros(e, a.head_dim, 1, 4);
           k.dk_norm = zeros(e, a.head_dim, 1, 4);
-          rmsnorm_backward_weight(dt_, k.q_lin.data(), k.q_rstd.as<float>(), dq.data(), static_cast<int>(T * a.heads), a.head_dim, k.dq_norm.as<float>(),
-                                  e.stream);
-          rmsnorm_backward_weight(dt_, k.k_lin.data(), k.k_rstd.as<float>(), dk.data(), static_cast<int>(T * a.kv_heads), a.head_dim,
-                                  k.dk_norm.as<float>(), e.stream);
+          rmsnorm_backward_weight(dt_, k.q_lin.data(), k.q_rstd.as<float>(), dq.data(), static_cast<int>(T * a.heads),
+                                  a.head_dim, k.dq_norm.as<float>(), e.stream);
+          rmsnorm_backward_weight(dt_, k.k_lin.data(), k.k_rstd.as<float>(), dk.data(),
+                                  static_cast<int>(T * a.kv_heads), a.head_dim, k.dk_norm.as<float>(), e.stream);
         } else {
           k.dq_lin = dq;
           k.dk_lin = dk;
@@ -572,12 +600,13 @@ void CudaModel::backward_weight(const Exec& e, int seg, SegmentStash& stash) {
     Weights gw = weights(seg, l, true);
     switch (gw.layer->kind) {
       case core::LayerKind::Embedding:
-        embedding_backward_weight(dt_, c.tokens.as<int>(), c.dx_embed.data(), static_cast<int>(c.dx_embed.rows), static_cast<int>(c.dx_embed.cols),
-                                  gw.grad(0), e.stream);
+        embedding_backward_weight(dt_, c.tokens.as<int>(), c.dx_embed.data(), static_cast<int>(c.dx_embed.rows),
+                                  static_cast<int>(c.dx_embed.cols), gw.grad(0), e.stream);
         break;
       case core::LayerKind::Norm:
-        rmsnorm_backward_weight(dt_, c.norm.x.data(), c.norm.rstd.as<float>(), c.dy_norm.data(), static_cast<int>(c.dy_norm.rows),
-                                static_cast<int>(c.dy_norm.cols), gw.grad(0), e.stream);
+        rmsnorm_backward_weight(dt_, c.norm.x.data(), c.norm.rstd.as<float>(), c.dy_norm.data(),
+                                static_cast<int>(c.dy_norm.rows), static_cast<int>(c.dy_norm.cols), gw.grad(0),
+                                e.stream);
         break;
       case core::LayerKind::Attention: {
         const AttentionCache& k = c.attn;
@@ -591,10 +620,18 @@ void CudaModel::backward_weight(const Exec& e, int seg, SegmentStash& stash) {
         }
         break;
       }
-      case core::LayerKind::Mlp: mlp_backward_weight(e, dt_, c.mlp, gw.grad(0), gw.grad(1), gw.grad(2)); break;
-      case core::LayerKind::MoeRouter: weight_grad(e, dt_, of(c.router.u), true, of(c.router.dlogits), false, gw.grad(0)); break;
-      case core::LayerKind::MoeExperts: experts_backward_weight(e, seg, l, c.experts); break;
-      case core::LayerKind::Head: weight_grad(e, dt_, of(c.head.u), true, of(c.head.dlogits), false, gw.grad(0)); break;
+      case core::LayerKind::Mlp:
+        mlp_backward_weight(e, dt_, c.mlp, gw.grad(0), gw.grad(1), gw.grad(2));
+        break;
+      case core::LayerKind::MoeRouter:
+        weight_grad(e, dt_, of(c.router.u), true, of(c.router.dlogits), false, gw.grad(0));
+        break;
+      case core::LayerKind::MoeExperts:
+        experts_backward_weight(e, seg, l, c.experts);
+        break;
+      case core::LayerKind::Head:
+        weight_grad(e, dt_, of(c.head.u), true, of(c.head.dlogits), false, gw.grad(0));
+        break;
     }
   }
 }
@@ -607,7 +644,8 @@ Tensor CudaModel::experts_forward(const Exec& e, int seg, int layer, int first_e
   Weights w = weights(seg, layer, false);
   const std::size_t local = w.tensors.size() / 3;
   std::vector<std::vector<int>> rows_of(local);
-  for (std::size_t i = 0; i < expert.size(); ++i) rows_of.at(static_cast<std::size_t>(expert[i] - first_expert)).push_back(static_cast<int>(i));
+  for (std::size_t i = 0; i < expert.size(); ++i)
+    rows_of.at(static_cast<std::size_t>(expert[i] - first_expert)).push_back(static_cast<int>(i));
   c.groups.clear();
   c.entries = rows.rows;
   Tensor y = new_tensor(e, rows.rows, hidden(), elem());
@@ -668,20 +706,22 @@ ExpertSource CudaModel::route(const Exec& e, const ForwardState& s, int group_si
   return src;
 }
 
-std::vector<ExpertPacket> CudaModel::dispatch_forward(const Exec& e, const ForwardState& s, const ExpertSource& src) const {
+std::vector<ExpertPacket> CudaModel::dispatch_forward(const Exec& e, const ForwardState& s,
+                                                      const ExpertSource& src) const {
   std::vector<ExpertPacket> out(src.slots_to.size());
   for (std::size_t p = 0; p < out.size(); ++p) {
     const auto& slots = src.slots_to[p];
     const int n = static_cast<int>(slots.size());
     for (int slot : slots) out[p].expert.push_back(src.topk_host[static_cast<std::size_t>(slot)]);
     out[p].rows = new_tensor(e, n, s.u.cols, elem());
-    gather_slots(dt_, s.u.data(), src.slot_index[p].as<int>(), src.k, nullptr, n, static_cast<int>(s.u.cols), out[p].rows.data(), e.stream);
+    gather_slots(dt_, s.u.data(), src.slot_index[p].as<int>(), src.k, nullptr, n, static_cast<int>(s.u.cols),
+                 out[p].rows.data(), e.stream);
   }
   return out;
 }
 
-void CudaModel::experts_forward_entries(const Exec& e, int seg, const std::vector<ExpertPacket>& from, SegmentStash& stash,
-                                        std::vector<ExpertPacket>* to_sources) {
+void CudaModel::experts_forward_entries(const Exec& e, int seg, const std::vector<ExpertPacket>& from,
+                                        SegmentStash& stash, std::vector<ExpertPacket>* to_sources) {
   host::SegmentParams& sp = layout_.segment(seg);
   stash.layers.assign(1, LayerCache{});
   LayerCache& c = stash.layers[0];
@@ -692,8 +732,8 @@ void CudaModel::experts_forward_entries(const Exec& e, int seg, const std::vecto
   std::int64_t at = 0;
   for (const auto& p : from) {
     if (p.rows.bytes())
-      check(cudaMemcpyAsync(static_cast<char*>(rows.data()) + static_cast<std::size_t>(at * hidden()) * elem(), p.rows.data(), p.rows.bytes(),
-                            cudaMemcpyDeviceToDevice, e.stream),
+      check(cudaMemcpyAsync(static_cast<char*>(rows.data()) + static_cast<std::size_t>(at * hidden()) * elem(),
+                            p.rows.data(), p.rows.bytes(), cudaMemcpyDeviceToDevice, e.stream),
             "cudaMemcpyAsync");
     at += p.rows.rows;
     experts_of.insert(experts_of.end(), p.expert.begin(), p.expert.end());
@@ -709,16 +749,19 @@ void CudaModel::experts_forward_entries(const Exec& e, int seg, const std::vecto
   }
 }
 
-void CudaModel::combine_forward(const Exec& e, ForwardState& s, ExpertSource& src, const std::vector<ExpertPacket>& from_owners) const {
+void CudaModel::combine_forward(const Exec& e, ForwardState& s, ExpertSource& src,
+                                const std::vector<ExpertPacket>& from_owners) const {
   for (std::size_t p = 0; p < from_owners.size(); ++p) {
     const auto& slots = src.slots_to[p];
     if (static_cast<std::int64_t>(slots.size()) != from_owners[p].rows.rows)
-      throw std::runtime_error(fmt::format("runtime: expert combine got {} rows from rank {}, expected {}", from_owners[p].rows.rows, p, slots.size()));
-    scatter_rows(dt_, from_owners[p].rows.data(), src.slot_index[p].as<int>(), static_cast<int>(slots.size()), static_cast<int>(hidden()), src.y.data(),
-                 e.stream);
+      throw std::runtime_error(fmt::format("runtime: expert combine got {} rows from rank {}, expected {}",
+                                           from_owners[p].rows.rows, p, slots.size()));
+    scatter_rows(dt_, from_owners[p].rows.data(), src.slot_index[p].as<int>(), static_cast<int>(slots.size()),
+                 static_cast<int>(hidden()), src.y.data(), e.stream);
   }
   Tensor x = new_tensor(e, s.x.rows, s.x.cols, elem());
-  moe_combine(dt_, s.x.data(), src.y.data(), src.gates.as<float>(), static_cast<int>(src.tokens), src.k, static_cast<int>(hidden()), x.data(), e.stream);
+  moe_combine(dt_, s.x.data(), src.y.data(), src.gates.as<float>(), static_cast<int>(src.tokens), src.k,
+              static_cast<int>(hidden()), x.data(), e.stream);
   s.x = x;
   s.topk = Tensor{};
   s.gates = Tensor{};
@@ -727,18 +770,20 @@ void CudaModel::combine_forward(const Exec& e, ForwardState& s, ExpertSource& sr
 // x += sum_j g_j y_j:  dy_j = g_j dx,  dg_j = dx . y_j.
 std::vector<ExpertPacket> CudaModel::dispatch_backward(const Exec& e, BackwardState& g, const ExpertSource& src) const {
   g.dgates = new_tensor(e, src.tokens, src.k, 4);
-  moe_gate_grad(dt_, g.dx.data(), src.y.data(), static_cast<int>(src.tokens), src.k, static_cast<int>(hidden()), g.dgates.as<float>(), e.stream);
+  moe_gate_grad(dt_, g.dx.data(), src.y.data(), static_cast<int>(src.tokens), src.k, static_cast<int>(hidden()),
+                g.dgates.as<float>(), e.stream);
   std::vector<ExpertPacket> out(src.slots_to.size());
   for (std::size_t p = 0; p < out.size(); ++p) {
     const int n = static_cast<int>(src.slots_to[p].size());
     out[p].rows = new_tensor(e, n, hidden(), elem());
-    gather_slots(dt_, g.dx.data(), src.slot_index[p].as<int>(), src.k, src.gates.as<float>(), n, static_cast<int>(hidden()), out[p].rows.data(), e.stream);
+    gather_slots(dt_, g.dx.data(), src.slot_index[p].as<int>(), src.k, src.gates.as<float>(), n,
+                 static_cast<int>(hidden()), out[p].rows.data(), e.stream);
   }
   return out;
 }
 
-void CudaModel::experts_backward_entries(const Exec& e, int seg, const std::vector<ExpertPacket>& from, SegmentStash& stash,
-                                         std::vector<ExpertPacket>* to_sources) {
+void CudaModel::experts_backward_entries(const Exec& e, int seg, const std::vector<ExpertPacket>& from,
+                                         SegmentStash& stash, std::vector<ExpertPacket>* to_sources) {
   host::SegmentParams& sp = layout_.segment(seg);
   LayerCache& c = stash.layers.at(0);
   std::int64_t n = 0;
@@ -747,8 +792,8 @@ void CudaModel::experts_backward_entries(const Exec& e, int seg, const std::vect
   std::int64_t at = 0;
   for (const auto& p : from) {
     if (p.rows.bytes())
-      check(cudaMemcpyAsync(static_cast<char*>(dy.data()) + static_cast<std::size_t>(at * hidden()) * elem(), p.rows.data(), p.rows.bytes(),
-                            cudaMemcpyDeviceToDevice, e.stream),
+      check(cudaMemcpyAsync(static_cast<char*>(dy.data()) + static_cast<std::size_t>(at * hidden()) * elem(),
+                            p.rows.data(), p.rows.bytes(), cudaMemcpyDeviceToDevice, e.stream),
             "cudaMemcpyAsync");
     at += p.rows.rows;
   }
@@ -761,18 +806,20 @@ void CudaModel::experts_backward_entries(const Exec& e, int seg, const std::vect
   }
 }
 
-void CudaModel::combine_backward(const Exec& e, BackwardState& g, const ExpertSource& src, const std::vector<ExpertPacket>& from_owners) const {
+void CudaModel::combine_backward(const Exec& e, BackwardState& g, const ExpertSource& src,
+                                 const std::vector<ExpertPacket>& from_owners) const {
   if (g.du.empty()) g.du = zeros(e, g.dx.rows, g.dx.cols, elem());
   Tensor slots = zeros(e, src.tokens * src.k, hidden(), elem());
   for (std::size_t p = 0; p < from_owners.size(); ++p) {
     const auto& sl = src.slots_to[p];
     if (static_cast<std::int64_t>(sl.size()) != from_owners[p].rows.rows)
       throw std::runtime_error("runtime: expert backward combine got a wrong row count from rank " + std::to_string(p));
-    scatter_rows(dt_, from_owners[p].rows.data(), src.slot_index[p].as<int>(), static_cast<int>(sl.size()), static_cast<int>(hidden()), slots.data(),
-                 e.stream);
+    scatter_rows(dt_, from_owners[p].rows.data(), src.slot_index[p].as<int>(), static_cast<int>(sl.size()),
+                 static_cast<int>(hidden()), slots.data(), e.stream);
   }
   Tensor du = new_tensor(e, g.du.rows, g.du.cols, elem());
-  moe_sum_slots(dt_, g.du.data(), slots.data(), static_cast<int>(src.tokens), src.k, static_cast<int>(hidden()), du.data(), e.stream);
+  moe_sum_slots(dt_, g.du.data(), slots.data(), static_cast<int>(src.tokens), src.k, static_cast<int>(hidden()),
+                du.data(), e.stream);
   g.du = du;
 }
 
@@ -785,18 +832,23 @@ void CudaModel::update(const Exec& e, int seg, const AdamW& cfg, int step) {
   const std::int64_t chunk = sp.chunk_end - sp.chunk_begin;
   if (sp.zero_level >= 1) {
     if (!d.grad_chunk_ready && chunk > 0)  // one replica: no reduce-scatter ran, the chunk is the whole gradient
-      check(cudaMemcpyAsync(d.grad_chunk.data(), d.grads.as<float>() + sp.chunk_begin, static_cast<std::size_t>(chunk) * 4, cudaMemcpyDeviceToDevice,
-                            e.stream),
+      check(cudaMemcpyAsync(d.grad_chunk.data(), d.grads.as<float>() + sp.chunk_begin,
+                            static_cast<std::size_t>(chunk) * 4, cudaMemcpyDeviceToDevice, e.stream),
             "cudaMemcpyAsync");
-    if (chunk > 0) adamw(cfg, step, d.master.as<float>(), d.grad_chunk.as<float>(), d.adam_m.as<float>(), d.adam_v.as<float>(), chunk, e.stream);
+    if (chunk > 0)
+      adamw(cfg, step, d.master.as<float>(), d.grad_chunk.as<float>(), d.adam_m.as<float>(), d.adam_v.as<float>(),
+            chunk, e.stream);
     if (sp.zero_level < 3 && chunk > 0)
-      convert(DType::F32, d.master.data(), dt_, static_cast<char*>(d.params.data()) + static_cast<std::size_t>(sp.chunk_begin) * elem(), chunk, e.stream);
+      convert(DType::F32, d.master.data(), dt_,
+              static_cast<char*>(d.params.data()) + static_cast<std::size_t>(sp.chunk_begin) * elem(), chunk, e.stream);
   } else if (d.master.size() > 0) {
-    adamw(cfg, step, d.master.as<float>(), d.grads.as<float>(), d.adam_m.as<float>(), d.adam_v.as<float>(), d.master.size(), e.stream);
+    adamw(cfg, step, d.master.as<float>(), d.grads.as<float>(), d.adam_m.as<float>(), d.adam_v.as<float>(),
+          d.master.size(), e.stream);
     convert(DType::F32, d.master.data(), dt_, d.params.data(), d.master.size(), e.stream);
   }
   if (d.grads.bytes()) check(cudaMemsetAsync(d.grads.data(), 0, d.grads.bytes(), e.stream), "cudaMemsetAsync");
-  if (d.grad_chunk.bytes()) check(cudaMemsetAsync(d.grad_chunk.data(), 0, d.grad_chunk.bytes(), e.stream), "cudaMemsetAsync");
+  if (d.grad_chunk.bytes())
+    check(cudaMemsetAsync(d.grad_chunk.data(), 0, d.grad_chunk.bytes(), e.stream), "cudaMemsetAsync");
   d.grad_chunk_ready = false;
 }
 

@@ -42,12 +42,26 @@ std::string serialize_records(const std::vector<host::ParamRecord>& records) {
   return out;
 }
 
-void write_dump(const std::string& path, const std::string& records) { core::write_file_atomically(path, std::string("PIPERPRM") + records); }
+void write_dump(const std::string& path, const std::string& records) {
+  core::write_file_atomically(path, std::string("PIPERPRM") + records);
+}
 
-void write_report(const std::string& path, const TrainResult& r, const std::string& mode, int devices, const std::string& precision) {
-  nlohmann::json j = {{"mode", mode}, {"backend", "cuda"}, {"precision", precision}, {"devices", devices}, {"first_step", r.first_step},
-                      {"losses", r.losses}, {"tokens_per_s", r.tokens_per_s}, {"step_time_s", r.step_time_s}, {"step_times_s", r.step_times_s}};
-  j["executor"] = {{"ops", r.ops}, {"backend_s", r.backend_s}, {"idle_s", r.idle_s}, {"overhead_s", r.overhead_s}, {"total_s", r.total_s}};
+void write_report(const std::string& path, const TrainResult& r, const std::string& mode, int devices,
+                  const std::string& precision) {
+  nlohmann::json j = {{"mode", mode},
+                      {"backend", "cuda"},
+                      {"precision", precision},
+                      {"devices", devices},
+                      {"first_step", r.first_step},
+                      {"losses", r.losses},
+                      {"tokens_per_s", r.tokens_per_s},
+                      {"step_time_s", r.step_time_s},
+                      {"step_times_s", r.step_times_s}};
+  j["executor"] = {{"ops", r.ops},
+                   {"backend_s", r.backend_s},
+                   {"idle_s", r.idle_s},
+                   {"overhead_s", r.overhead_s},
+                   {"total_s", r.total_s}};
   core::write_file_atomically(path, j.dump(1) + "\n");
 }
 
@@ -85,7 +99,9 @@ std::string gpu_name() {
 }
 
 nlohmann::json calibration_source(const std::string& mode) {
-  return {{"backend", "cuda"}, {"mode", mode}, {"clock", "CUDA events around each op's work (communication: until its data is unpacked)"}};
+  return {{"backend", "cuda"},
+          {"mode", mode},
+          {"clock", "CUDA events around each op's work (communication: until its data is unpacked)"}};
 }
 
 TrainResult train_virtual(const core::Program& program, const TrainOptions& o, const CudaRunOptions& c) {
@@ -109,7 +125,8 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
   const DataShape shape = data_shape(program);
   TrainResult r;
   if (!o.resume_path.empty()) {
-    const Checkpoint ckpt = read_compatible_checkpoint(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program);
+    const Checkpoint ckpt =
+        read_compatible_checkpoint(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program);
     check_steps_after_resume(o, ckpt.info.step);
     for (auto& b : backends) b->restore(ckpt.state), b->set_steps_done(ckpt.info.step);
     r.first_step = ckpt.info.step;
@@ -134,11 +151,13 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
   int step_now = r.first_step;
   auto on_step = [&]() noexcept {
     double sum = 0, slowest = 0;
-    for (int d = 0; d < n; ++d) sum += loss[static_cast<std::size_t>(d)], slowest = std::max(slowest, step_s[static_cast<std::size_t>(d)]);
+    for (int d = 0; d < n; ++d)
+      sum += loss[static_cast<std::size_t>(d)], slowest = std::max(slowest, step_s[static_cast<std::size_t>(d)]);
     r.losses.push_back(sum / static_cast<double>(shape.global_tokens()));
     r.step_times_s.push_back(slowest);
     total_step_s += slowest;
-    for (const auto& m : last) r.backend_s += m.backend_seconds, r.idle_s += m.idle_seconds, r.overhead_s += m.overhead_seconds, r.ops += m.ops;
+    for (const auto& m : last)
+      r.backend_s += m.backend_seconds, r.idle_s += m.idle_seconds, r.overhead_s += m.overhead_seconds, r.ops += m.ops;
     r.total_s += slowest;
     if (o.print) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step_now + 1, r.losses.back(), slowest * 1e3);
     ++step_now;
@@ -172,7 +191,8 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
           last[i] = executor.run_step(step);
           loss[i] = backends[i]->loss_sum();
           step_s[i] = last[i].step_seconds;
-          if (!o.calibrate_path.empty() && calibration_uses_step(step - r.first_step, ran)) calibration[i].push_back(backends[i]->gpu_timeline());
+          if (!o.calibrate_path.empty() && calibration_uses_step(step - r.first_step, ran))
+            calibration[i].push_back(backends[i]->gpu_timeline());
           sync.arrive_and_wait();
           if (stop) break;  // set by the completion step when a checkpoint could not be written
         }
@@ -196,7 +216,8 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
       for (auto& per_device : calibration) devices.push_back(per_device.at(k));
       recorder.add_step(devices);
     }
-    core::write_file_atomically(o.calibrate_path, recorder.to_json(gpu_name(), calibration_source("virtual devices")).dump(1) + "\n");
+    core::write_file_atomically(o.calibrate_path,
+                                recorder.to_json(gpu_name(), calibration_source("virtual devices")).dump(1) + "\n");
     if (o.print) fmt::print("calibration ({} steps) -> {}\n", recorder.steps(), o.calibrate_path);
   }
   r.step_time_s = ran > 0 ? total_step_s / ran : 0;
@@ -208,10 +229,12 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
   }
   if (!o.trace_path.empty() && ran > 0) {
     std::vector<core::DeviceTimeline> devices;
-    for (int d = 0; d < n; ++d) devices.push_back(merged(*backends[static_cast<std::size_t>(d)], last[static_cast<std::size_t>(d)]));
+    for (int d = 0; d < n; ++d)
+      devices.push_back(merged(*backends[static_cast<std::size_t>(d)], last[static_cast<std::size_t>(d)]));
     write_trace(o.trace_path, program, std::move(devices));
   }
-  if (!o.report_path.empty()) write_report(o.report_path, r, "cuda-virtual", n, c.dtype == DType::F32 ? "fp32" : "bf16");
+  if (!o.report_path.empty())
+    write_report(o.report_path, r, "cuda-virtual", n, c.dtype == DType::F32 ? "fp32" : "bf16");
   return r;
 }
 
@@ -222,8 +245,10 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   if (size != program.num_devices) {
     if (rank != 0) throw ReportedByAnotherRank();
-    throw std::invalid_argument(fmt::format("the plan has {} devices but {} MPI ranks were started (mpirun -np {}, one rank per GPU; or --virtual-devices on one GPU)",
-                                            program.num_devices, size, program.num_devices));
+    throw std::invalid_argument(
+        fmt::format("the plan has {} devices but {} MPI ranks were started (mpirun -np {}, one rank per GPU; or "
+                    "--virtual-devices on one GPU)",
+                    program.num_devices, size, program.num_devices));
   }
   // One GPU per rank of a node: the local rank picks it.
   MPI_Comm node = MPI_COMM_NULL;
@@ -237,7 +262,8 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
   std::shared_ptr<const SmPartitioner> sm;
   std::optional<Checkpoint> ckpt;
   std::optional<SaveLock> lock;  // rank 0 writes the checkpoint
-  const std::string checkpoint_bytes = o.resume_path.empty() ? std::string() : broadcast_checkpoint_bytes(o.resume_path, program, rank, error);
+  const std::string checkpoint_bytes =
+      o.resume_path.empty() ? std::string() : broadcast_checkpoint_bytes(o.resume_path, program, rank, error);
   try {
     if (error.empty()) {
       check_save_path(o.save_path);
@@ -280,7 +306,8 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
   for (int step = r.first_step; step < o.steps; ++step) {
     MPI_Barrier(MPI_COMM_WORLD);
     last = executor.run_step(step);
-    if (!o.calibrate_path.empty() && calibration_uses_step(step - r.first_step, ran)) calibration.push_back(backend->gpu_timeline());
+    if (!o.calibrate_path.empty() && calibration_uses_step(step - r.first_step, ran))
+      calibration.push_back(backend->gpu_timeline());
     double sum = backend->loss_sum(), step_s = last.step_seconds;
     MPI_Allreduce(MPI_IN_PLACE, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, &step_s, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
@@ -292,15 +319,18 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
     r.overhead_s += last.overhead_seconds;
     r.total_s += last.step_seconds;
     r.ops += last.ops;
-    if (o.print && rank == 0) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), step_s * 1e3);
+    if (o.print && rank == 0)
+      fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), step_s * 1e3);
     // The summed loss is the same on every rank, so every rank stops at this step.
     if (!std::isfinite(r.losses.back())) {
       if (rank != 0) throw ReportedByAnotherRank();
       throw TrainingDiverged(nonfinite_message(step + 1, "loss " + nonfinite_value(r.losses.back())));
     }
-    if (saves_after(o, step + 1)) save_distributed(o, program, backend->checkpoint_records(), backend->model(), step + 1, rank);
+    if (saves_after(o, step + 1))
+      save_distributed(o, program, backend->checkpoint_records(), backend->model(), step + 1, rank);
   }
-  if (!o.save_path.empty() && ran <= 0) save_distributed(o, program, backend->checkpoint_records(), backend->model(), r.first_step, rank);
+  if (!o.save_path.empty() && ran <= 0)
+    save_distributed(o, program, backend->checkpoint_records(), backend->model(), r.first_step, rank);
   if (!o.calibrate_path.empty() && ran > 0) {
     write_calibration_distributed(o.calibrate_path, program, calibration, gpu_name(), calibration_source("nccl"));
     if (o.print && rank == 0) fmt::print("calibration ({} steps) -> {}\n", calibration.size(), o.calibrate_path);
@@ -315,12 +345,14 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
     // Spans as (stream, index, start, end) doubles, gathered on rank 0.
     const core::DeviceTimeline mine = merged(*backend, last);
     std::vector<double> flat;
-    for (const auto& s : mine.spans) flat.insert(flat.end(), {static_cast<double>(s.stream), static_cast<double>(s.index), s.start_s, s.end_s});
+    for (const auto& s : mine.spans)
+      flat.insert(flat.end(), {static_cast<double>(s.stream), static_cast<double>(s.index), s.start_s, s.end_s});
     const auto [all, offsets, sizes] = gather_on_root(flat);
     if (rank == 0) {
       std::vector<core::DeviceTimeline> devices(static_cast<std::size_t>(size));
       for (int d = 0; d < size; ++d)
-        for (int i = offsets[static_cast<std::size_t>(d)]; i + 3 < offsets[static_cast<std::size_t>(d)] + sizes[static_cast<std::size_t>(d)]; i += 4) {
+        for (int i = offsets[static_cast<std::size_t>(d)];
+             i + 3 < offsets[static_cast<std::size_t>(d)] + sizes[static_cast<std::size_t>(d)]; i += 4) {
           const auto at = static_cast<std::size_t>(i);
           devices[static_cast<std::size_t>(d)].spans.push_back(
               {static_cast<std::int32_t>(all[at]), static_cast<std::int32_t>(all[at + 1]), all[at + 2], all[at + 3]});
@@ -328,7 +360,8 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
       write_trace(o.trace_path, program, std::move(devices));
     }
   }
-  if (rank == 0 && !o.report_path.empty()) write_report(o.report_path, r, "cuda-nccl", size, c.dtype == DType::F32 ? "fp32" : "bf16");
+  if (rank == 0 && !o.report_path.empty())
+    write_report(o.report_path, r, "cuda-nccl", size, c.dtype == DType::F32 ? "fp32" : "bf16");
   return r;
 }
 
@@ -340,14 +373,21 @@ static std::string unsupported_model(const core::Program& program) {
   const core::Model model = program_model(program);
   for (const auto& l : model.layers()) {
     std::string what;
-    if (l.kind == core::LayerKind::Norm && l.shape.norm == core::NormKind::LayerNorm) what = "LayerNorm";
-    else if (l.kind == core::LayerKind::Mlp && l.shape.activation == core::MlpActivation::GELU) what = "a GELU MLP";
-    else if ((l.kind == core::LayerKind::Attention || l.kind == core::LayerKind::Mlp) && l.shape.bias) what = "linear biases";
-    else if (l.kind == core::LayerKind::Head && l.shape.tied_with_embedding) what = "a head tied to the embedding";
-    else if (l.kind == core::LayerKind::Embedding && l.shape.max_positions > 0) what = "learned positions";
+    if (l.kind == core::LayerKind::Norm && l.shape.norm == core::NormKind::LayerNorm)
+      what = "LayerNorm";
+    else if (l.kind == core::LayerKind::Mlp && l.shape.activation == core::MlpActivation::GELU)
+      what = "a GELU MLP";
+    else if ((l.kind == core::LayerKind::Attention || l.kind == core::LayerKind::Mlp) && l.shape.bias)
+      what = "linear biases";
+    else if (l.kind == core::LayerKind::Head && l.shape.tied_with_embedding)
+      what = "a head tied to the embedding";
+    else if (l.kind == core::LayerKind::Embedding && l.shape.max_positions > 0)
+      what = "learned positions";
     if (!what.empty())
-      return fmt::format("plan: model '{}' has {} (layer '{}'); the CUDA backend runs RMSNorm/SwiGLU/RoPE models only, the host backend (--backend host) runs it",
-                         model.name(), what, l.name);
+      return fmt::format(
+          "plan: model '{}' has {} (layer '{}'); the CUDA backend runs RMSNorm/SwiGLU/RoPE models only, the host "
+          "backend (--backend host) runs it",
+          model.name(), what, l.name);
   }
   return "";
 }
@@ -355,7 +395,9 @@ static std::string unsupported_model(const core::Program& program) {
 TrainResult train_cuda(const core::Program& program, const TrainOptions& options, const CudaRunOptions& cuda) {
   std::string why = unsupported_model(program);
   if (why.empty() && options.skip_nonfinite)
-    why = "--on-nonfinite skip: the CUDA backend stops on a non-finite loss; skipping steps is implemented on the host backend only";
+    why =
+        "--on-nonfinite skip: the CUDA backend stops on a non-finite loss; skipping steps is implemented on the host "
+        "backend only";
   if (!why.empty()) {
     if (!cuda.virtual_devices) {
       int rank = 0;

@@ -34,12 +34,12 @@ namespace {
 using namespace nvcuda;
 using bf16 = __nv_bfloat16;
 
-constexpr int kTile = 64;                 // query rows per block, keys per tile
-constexpr int kWarps = 4;                 // 4 warps x 16 rows = one tile
+constexpr int kTile = 64;  // query rows per block, keys per tile
+constexpr int kWarps = 4;  // 4 warps x 16 rows = one tile
 constexpr int kThreadsPerBlock = kWarps * 32;
-constexpr int kFrag = 16;                 // wmma m = n = k = 16 for bf16
-constexpr int kScoreLd = kTile + 4;       // fp32 rows of 64 scores (wmma float ld: multiple of 4)
-constexpr int kProbLd = kTile + 8;        // bf16 rows of 64 probabilities (wmma bf16 ld: multiple of 8)
+constexpr int kFrag = 16;            // wmma m = n = k = 16 for bf16
+constexpr int kScoreLd = kTile + 4;  // fp32 rows of 64 scores (wmma float ld: multiple of 4)
+constexpr int kProbLd = kTile + 8;   // bf16 rows of 64 probabilities (wmma bf16 ld: multiple of 8)
 constexpr float kLog2e = 1.4426950408889634f;
 
 using FragA = wmma::fragment<wmma::matrix_a, kFrag, kFrag, kFrag, bf16, wmma::row_major>;
@@ -53,8 +53,8 @@ using FragC = wmma::fragment<wmma::accumulator, kFrag, kFrag, kFrag, float>;
 // 68 * 4 or (D + 4) * 4 bytes, 16 of them again a multiple of 32 (checked below).
 template <int D>
 struct Plan {
-  static constexpr int kLd = D + 8;       // bf16 tile row stride (padding spreads rows over banks)
-  static constexpr int kOutLd = D + 4;    // fp32 [16, D] output block row stride
+  static constexpr int kLd = D + 8;     // bf16 tile row stride (padding spreads rows over banks)
+  static constexpr int kOutLd = D + 4;  // fp32 [16, D] output block row stride
   static constexpr std::size_t kTileBytes = static_cast<std::size_t>(kTile) * kLd * 2;
   static constexpr std::size_t kProbBytes = static_cast<std::size_t>(kFrag) * kProbLd * 2;  // per warp
 
@@ -72,7 +72,7 @@ struct Plan {
   // Backward (both kernels): Q, dO, K, V tiles; the tile's 64 lse2 and delta values; per warp an
   // fp32 scratch of two 16 x 64 blocks (scores and dP), reused for the 16 x D output block at the
   // end; two bf16 16 x 64 blocks (P and dS, the dQ kernel uses only dS).
-  static constexpr int kBwdScratchFloats = 2 * kFrag * kScoreLd > kFrag * kOutLd ? 2 * kFrag * kScoreLd : kFrag * kOutLd;
+  static constexpr int kBwdScratchFloats = 2 * kFrag * kScoreLd > kFrag* kOutLd ? 2 * kFrag* kScoreLd : kFrag* kOutLd;
   static constexpr std::size_t kBwdQ = 0;
   static constexpr std::size_t kBwdDO = kBwdQ + kTileBytes;
   static constexpr std::size_t kBwdK = kBwdDO + kTileBytes;
@@ -88,13 +88,16 @@ struct Plan {
   static_assert(kTileBytes % 32 == 0 && (kFrag * kLd * 2) % 32 == 0, "bf16 tiles must keep 32-byte alignment");
   static_assert((kFwdScratchFloats * 4) % 32 == 0 && (kBwdScratchFloats * 4) % 32 == 0 && kProbBytes % 32 == 0,
                 "per-warp regions must keep 32-byte alignment");
-  static_assert((kFrag * kScoreLd * 4) % 32 == 0 && (kFrag * kOutLd * 4) % 32 == 0, "fp32 blocks must keep 32-byte alignment");
-  static_assert(kFwdScratch % 32 == 0 && kFwdProb % 32 == 0 && kFwdRow % 32 == 0, "forward regions must be 32-byte aligned");
+  static_assert((kFrag * kScoreLd * 4) % 32 == 0 && (kFrag * kOutLd * 4) % 32 == 0,
+                "fp32 blocks must keep 32-byte alignment");
+  static_assert(kFwdScratch % 32 == 0 && kFwdProb % 32 == 0 && kFwdRow % 32 == 0,
+                "forward regions must be 32-byte aligned");
   static_assert(kBwdLse % 32 == 0 && kBwdScratch % 32 == 0 && kBwdProb % 32 == 0 && kBwdDs % 32 == 0,
                 "backward regions must be 32-byte aligned");
   // Hopper's opt-in limit is 227 KiB per block; these are 53-120 KiB (above the 48 KiB default, so
   // the launchers raise cudaFuncAttributeMaxDynamicSharedMemorySize).
-  static_assert(kFwdBytes <= 227 * 1024 && kBwdBytes <= 227 * 1024, "shared memory plan exceeds Hopper's per-block limit");
+  static_assert(kFwdBytes <= 227 * 1024 && kBwdBytes <= 227 * 1024,
+                "shared memory plan exceeds Hopper's per-block limit");
 };
 
 // Copies rows [row0, row0 + 64) of sequence `seq` (columns [col0, col0 + D) of a [T, stride] bf16
@@ -108,7 +111,8 @@ __device__ void load_tile(bf16* tile, const bf16* src, int seq, int L, int row0,
     const int r = c / kChunks, part = c % kChunks;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (row0 + r < L)
-      v = *reinterpret_cast<const uint4*>(src + (static_cast<std::int64_t>(seq) * L + row0 + r) * stride + col0 + part * 8);
+      v = *reinterpret_cast<const uint4*>(src + (static_cast<std::int64_t>(seq) * L + row0 + r) * stride + col0 +
+                                          part * 8);
     *reinterpret_cast<uint4*>(tile + r * Plan<D>::kLd + part * 8) = v;
   }
 }
@@ -134,7 +138,8 @@ __device__ void store_block(FragC (&acc)[D / kFrag], float scale, float* scratch
   __syncwarp();
   for (int e = lane; e < kFrag * D; e += 32) {
     const int r = e / D, c = e % D;
-    if (row0 + r < L) dst[(static_cast<std::int64_t>(seq) * L + row0 + r) * stride + col0 + c] = __float2bfloat16(scratch[r * kLd + c]);
+    if (row0 + r < L)
+      dst[(static_cast<std::int64_t>(seq) * L + row0 + r) * stride + col0 + c] = __float2bfloat16(scratch[r * kLd + c]);
   }
   __syncwarp();  // the scratch may be reused right after
 }
@@ -234,7 +239,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   const int tiles = (L + kTile - 1) / kTile;
   const int qb = tiles - 1 - static_cast<int>(blockIdx.x);  // the longest rows (most key tiles) start first
   const int q0 = qb * kTile;
-  const std::int64_t qstride = static_cast<std::int64_t>(d.heads) * D, kstride = static_cast<std::int64_t>(d.kv_heads) * D;
+  const std::int64_t qstride = static_cast<std::int64_t>(d.heads) * D,
+                     kstride = static_cast<std::int64_t>(d.kv_heads) * D;
   const float scale2 = rsqrtf(static_cast<float>(D)) * kLog2e;
 
   load_tile<D>(qs, q, seq, L, q0, qstride, h * D);
@@ -247,7 +253,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   const int my_row = lane / 2, half = lane % 2;
   const int qi = q0 + warp * kFrag + my_row;
   float m_run = -INFINITY, l_run = 0.0f;  // running max (base 2) and sum of the row, equal in both lanes
-  float acc[kPerLane];                     // element e = lane + 32 j of the warp's 16 x D output block
+  float acc[kPerLane];                    // element e = lane + 32 j of the warp's 16 x D output block
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) acc[j] = 0.0f;
 
@@ -285,7 +291,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     const float m_new = fmaxf(m_run, mx);
     const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // never -inf here (see the header); no NaN if it were
-    const float alpha = exp2f(m_run - m_use);                // 0 on the first tile (m_run = -inf)
+    const float alpha = exp2f(m_run - m_use);               // 0 on the first tile (m_run = -inf)
     float sum = 0.0f;
 #pragma unroll
     for (int c = 0; c < kTile / 2; ++c) {
@@ -332,13 +338,15 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   for (int j = 0; j < kPerLane; ++j) {
     const int e = lane + 32 * j, r = e / D, col = e % D;
     const int row = q0 + warp * kFrag + r;
-    if (row < L) o[(static_cast<std::int64_t>(seq) * L + row) * qstride + h * D + col] = __float2bfloat16(acc[j] / row_factor[r]);
+    if (row < L)
+      o[(static_cast<std::int64_t>(seq) * L + row) * qstride + h * D + col] = __float2bfloat16(acc[j] / row_factor[r]);
   }
 }
 
 // ---- backward, step 1: delta_i = dO_i . O_i per (token, head), one warp each ----
 // (= sum_j P_ij dP_ij, the row term of dS = P (dP - delta)).
-__global__ void flash_delta_k(AttentionDims d, const bf16* __restrict__ o, const bf16* __restrict__ d_o, float* __restrict__ delta) {
+__global__ void flash_delta_k(AttentionDims d, const bf16* __restrict__ o, const bf16* __restrict__ d_o,
+                              float* __restrict__ delta) {
   const std::int64_t w = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   if (w >= static_cast<std::int64_t>(d.tokens) * d.heads) return;  // uniform per warp
@@ -361,9 +369,9 @@ __global__ void flash_delta_k(AttentionDims d, const bf16* __restrict__ o, const
 //   dV += P^T dO, dK += dS^T Q, and dK *= 1/sqrt(D) at the end. ----
 template <int D>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    flash_backward_kv_k(AttentionDims d, const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                        const bf16* __restrict__ d_o, const float* __restrict__ lse, const float* __restrict__ delta,
-                        bf16* __restrict__ dk, bf16* __restrict__ dv) {
+    flash_backward_kv_k(AttentionDims d, const bf16* __restrict__ q, const bf16* __restrict__ k,
+                        const bf16* __restrict__ v, const bf16* __restrict__ d_o, const float* __restrict__ lse,
+                        const float* __restrict__ delta, bf16* __restrict__ dk, bf16* __restrict__ dv) {
   using P = Plan<D>;
   constexpr int kLd = P::kLd;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -376,7 +384,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   const int tiles = (L + kTile - 1) / kTile;
   const int kb = static_cast<int>(blockIdx.x);  // the first key tiles have the most query tiles: start first
   const int k0 = kb * kTile;
-  const std::int64_t qstride = static_cast<std::int64_t>(d.heads) * D, kstride = static_cast<std::int64_t>(d.kv_heads) * D;
+  const std::int64_t qstride = static_cast<std::int64_t>(d.heads) * D,
+                     kstride = static_cast<std::int64_t>(d.kv_heads) * D;
   const float scale = rsqrtf(static_cast<float>(D)), scale2 = scale * kLog2e;
 
   load_tile<D>(ks, k, seq, L, k0, kstride, g * D);
@@ -426,9 +435,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 // products but keeps dQ deterministic and free of an fp32 accumulation buffer.) ----
 template <int D>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    flash_backward_q_k(AttentionDims d, const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                       const bf16* __restrict__ d_o, const float* __restrict__ lse, const float* __restrict__ delta,
-                       bf16* __restrict__ dq) {
+    flash_backward_q_k(AttentionDims d, const bf16* __restrict__ q, const bf16* __restrict__ k,
+                       const bf16* __restrict__ v, const bf16* __restrict__ d_o, const float* __restrict__ lse,
+                       const float* __restrict__ delta, bf16* __restrict__ dq) {
   using P = Plan<D>;
   constexpr int kLd = P::kLd;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -441,7 +450,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   const int tiles = (L + kTile - 1) / kTile;
   const int qb = tiles - 1 - static_cast<int>(blockIdx.x);
   const int q0 = qb * kTile;
-  const std::int64_t qstride = static_cast<std::int64_t>(d.heads) * D, kstride = static_cast<std::int64_t>(d.kv_heads) * D;
+  const std::int64_t qstride = static_cast<std::int64_t>(d.heads) * D,
+                     kstride = static_cast<std::int64_t>(d.kv_heads) * D;
   const float scale = rsqrtf(static_cast<float>(D)), scale2 = scale * kLog2e;
   const std::int64_t stats = (static_cast<std::int64_t>(seq) * d.heads + h) * L;
 
@@ -484,7 +494,8 @@ void check_aligned(const void* p, const char* what) {
 }
 
 void check_dims(const AttentionDims& d) {
-  if (d.head_dim != 64 && d.head_dim != 128) throw CudaError(fmt::format("flash attention: head_dim {} is not 64 or 128", d.head_dim));
+  if (d.head_dim != 64 && d.head_dim != 128)
+    throw CudaError(fmt::format("flash attention: head_dim {} is not 64 or 128", d.head_dim));
   if (d.seq_len < 1 || d.tokens % d.seq_len != 0 || d.kv_heads < 1 || d.heads % d.kv_heads != 0)
     throw CudaError("flash attention: tokens must be whole sequences and heads a multiple of kv_heads");
 }
@@ -497,34 +508,39 @@ void allow_smem(Kernel kernel, std::size_t bytes) {
 }
 
 template <int D>
-void forward_d(const AttentionDims& d, const void* q, const void* k, const void* v, float* lse, void* o, cudaStream_t stream) {
+void forward_d(const AttentionDims& d, const void* q, const void* k, const void* v, float* lse, void* o,
+               cudaStream_t stream) {
   const int tiles = (d.seq_len + kTile - 1) / kTile;
-  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(d.heads), static_cast<unsigned>(d.tokens / d.seq_len));
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(d.heads),
+                  static_cast<unsigned>(d.tokens / d.seq_len));
   allow_smem(flash_forward_k<D>, Plan<D>::kFwdBytes);
-  flash_forward_k<D><<<grid, kThreadsPerBlock, Plan<D>::kFwdBytes, stream>>>(d, static_cast<const bf16*>(q), static_cast<const bf16*>(k),
-                                                                            static_cast<const bf16*>(v), lse, static_cast<bf16*>(o));
+  flash_forward_k<D><<<grid, kThreadsPerBlock, Plan<D>::kFwdBytes, stream>>>(
+      d, static_cast<const bf16*>(q), static_cast<const bf16*>(k), static_cast<const bf16*>(v), lse,
+      static_cast<bf16*>(o));
   check(cudaGetLastError(), "flash_attention_forward");
 }
 
 template <int D>
-void backward_d(const AttentionDims& d, const void* q, const void* k, const void* v, const void* o, const float* lse, const void* d_o,
-                float* delta, void* dq, void* dk, void* dv, cudaStream_t stream) {
+void backward_d(const AttentionDims& d, const void* q, const void* k, const void* v, const void* o, const float* lse,
+                const void* d_o, float* delta, void* dq, void* dk, void* dv, cudaStream_t stream) {
   const auto* qb = static_cast<const bf16*>(q);
   const auto* kb = static_cast<const bf16*>(k);
   const auto* vb = static_cast<const bf16*>(v);
   const auto* dob = static_cast<const bf16*>(d_o);
   const std::int64_t warps = static_cast<std::int64_t>(d.tokens) * d.heads;
-  flash_delta_k<<<static_cast<unsigned>((warps * 32 + 255) / 256), 256, 0, stream>>>(d, static_cast<const bf16*>(o), dob, delta);
+  flash_delta_k<<<static_cast<unsigned>((warps * 32 + 255) / 256), 256, 0, stream>>>(d, static_cast<const bf16*>(o),
+                                                                                     dob, delta);
   check(cudaGetLastError(), "flash_attention_backward (delta)");
   const int tiles = (d.seq_len + kTile - 1) / kTile;
   const unsigned seqs = static_cast<unsigned>(d.tokens / d.seq_len);
   allow_smem(flash_backward_kv_k<D>, Plan<D>::kBwdBytes);
-  flash_backward_kv_k<D><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(d.kv_heads), seqs), kThreadsPerBlock, Plan<D>::kBwdBytes,
-                           stream>>>(d, qb, kb, vb, dob, lse, delta, static_cast<bf16*>(dk), static_cast<bf16*>(dv));
+  flash_backward_kv_k<D>
+      <<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(d.kv_heads), seqs), kThreadsPerBlock,
+         Plan<D>::kBwdBytes, stream>>>(d, qb, kb, vb, dob, lse, delta, static_cast<bf16*>(dk), static_cast<bf16*>(dv));
   check(cudaGetLastError(), "flash_attention_backward (dK, dV)");
   allow_smem(flash_backward_q_k<D>, Plan<D>::kBwdBytes);
-  flash_backward_q_k<D><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(d.heads), seqs), kThreadsPerBlock, Plan<D>::kBwdBytes,
-                          stream>>>(d, qb, kb, vb, dob, lse, delta, static_cast<bf16*>(dq));
+  flash_backward_q_k<D><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(d.heads), seqs), kThreadsPerBlock,
+                          Plan<D>::kBwdBytes, stream>>>(d, qb, kb, vb, dob, lse, delta, static_cast<bf16*>(dq));
   check(cudaGetLastError(), "flash_attention_backward (dQ)");
 }
 
@@ -540,8 +556,8 @@ bool attention_reference_forced() {
 }
 
 bool flash_attention_supported(DType dt, const AttentionDims& d) {
-  return dt == DType::BF16 && (d.head_dim == 64 || d.head_dim == 128) && d.seq_len >= 1 && d.tokens % d.seq_len == 0 && d.kv_heads >= 1 &&
-         d.heads % d.kv_heads == 0;
+  return dt == DType::BF16 && (d.head_dim == 64 || d.head_dim == 128) && d.seq_len >= 1 && d.tokens % d.seq_len == 0 &&
+         d.kv_heads >= 1 && d.heads % d.kv_heads == 0;
 }
 
 bool use_flash_attention(DType dt, const AttentionDims& d) {
@@ -549,31 +565,45 @@ bool use_flash_attention(DType dt, const AttentionDims& d) {
   // A GPU whose opt-in shared memory per block is smaller than the plan (not Hopper's 227 KiB; e.g.
   // consumer Ampere's 99 KiB for head_dim 128) takes the reference kernels instead of failing to launch.
   int device = 0, optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
-  const std::size_t need = d.head_dim == 64 ? std::max(Plan<64>::kFwdBytes, Plan<64>::kBwdBytes) : std::max(Plan<128>::kFwdBytes, Plan<128>::kBwdBytes);
+  const std::size_t need = d.head_dim == 64 ? std::max(Plan<64>::kFwdBytes, Plan<64>::kBwdBytes)
+                                            : std::max(Plan<128>::kFwdBytes, Plan<128>::kBwdBytes);
   return static_cast<std::size_t>(optin) >= need;
 }
 
-void flash_attention_forward(const AttentionDims& d, const void* q, const void* k, const void* v, float* lse, void* o, cudaStream_t stream) {
+void flash_attention_forward(const AttentionDims& d, const void* q, const void* k, const void* v, float* lse, void* o,
+                             cudaStream_t stream) {
   check_dims(d);
   if (d.tokens == 0) return;
-  for (const auto& [p, name] : {std::pair{q, "q"}, {k, "k"}, {v, "v"}, {static_cast<const void*>(o), "o"}}) check_aligned(p, name);
-  if (d.head_dim == 64) forward_d<64>(d, q, k, v, lse, o, stream);
-  else forward_d<128>(d, q, k, v, lse, o, stream);
+  for (const auto& [p, name] : {std::pair{q, "q"}, {k, "k"}, {v, "v"}, {static_cast<const void*>(o), "o"}})
+    check_aligned(p, name);
+  if (d.head_dim == 64)
+    forward_d<64>(d, q, k, v, lse, o, stream);
+  else
+    forward_d<128>(d, q, k, v, lse, o, stream);
 }
 
-void flash_attention_backward(const AttentionDims& d, const void* q, const void* k, const void* v, const void* o, const float* lse,
-                              const void* d_o, float* delta, void* dq, void* dk, void* dv, cudaStream_t stream) {
+void flash_attention_backward(const AttentionDims& d, const void* q, const void* k, const void* v, const void* o,
+                              const float* lse, const void* d_o, float* delta, void* dq, void* dk, void* dv,
+                              cudaStream_t stream) {
   check_dims(d);
   if (d.tokens == 0) return;
-  for (const auto& [p, name] : {std::pair{q, "q"}, {k, "k"}, {v, "v"}, {d_o, "d_o"}, {static_cast<const void*>(dq), "dq"},
-                                {static_cast<const void*>(dk), "dk"}, {static_cast<const void*>(dv), "dv"}})
+  for (const auto& [p, name] : {std::pair{q, "q"},
+                                {k, "k"},
+                                {v, "v"},
+                                {d_o, "d_o"},
+                                {static_cast<const void*>(dq), "dq"},
+                                {static_cast<const void*>(dk), "dk"},
+                                {static_cast<const void*>(dv), "dv"}})
     check_aligned(p, name);
-  if (d.head_dim == 64) backward_d<64>(d, q, k, v, o, lse, d_o, delta, dq, dk, dv, stream);
-  else backward_d<128>(d, q, k, v, o, lse, d_o, delta, dq, dk, dv, stream);
+  if (d.head_dim == 64)
+    backward_d<64>(d, q, k, v, o, lse, d_o, delta, dq, dk, dv, stream);
+  else
+    backward_d<128>(d, q, k, v, o, lse, d_o, delta, dq, dk, dv, stream);
 }
 
 }  // namespace piper::runtime::cuda

@@ -19,7 +19,8 @@ constexpr std::size_t kWorkspaceBytes = 32u << 20;  // cuBLASLt's recommendation
 
 void check_lt(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS)
-    throw CudaError(fmt::format("{}: cuBLASLt status {} ({})", what, static_cast<int>(status), cublasLtGetStatusString(status)));
+    throw CudaError(
+        fmt::format("{}: cuBLASLt status {} ({})", what, static_cast<int>(status), cublasLtGetStatusString(status)));
 }
 
 // The largest power of two (at most 256, cuBLASLt's default assumption) dividing the address. The
@@ -69,8 +70,8 @@ void Gemm::run_f32_out(DType dt, const GemmShape& s, const void* a, const void* 
   run_typed(dt, DType::F32, s, a, b, c, alpha, beta, Epilogue::None, nullptr);
 }
 
-void Gemm::run_typed(DType in, DType out_type, const GemmShape& s, const void* a, const void* b, void* c, float alpha, float beta,
-                     Epilogue epilogue, const void* bias) {
+void Gemm::run_typed(DType in, DType out_type, const GemmShape& s, const void* a, const void* b, void* c, float alpha,
+                     float beta, Epilogue epilogue, const void* bias) {
   const cudaDataType_t type = in == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
   const cudaDataType_t out_dt = out_type == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
   // Stored row-major shapes: A is [m,k] (or [k,m] when transposed), B is [k,n] (or [n,k]).
@@ -79,8 +80,20 @@ void Gemm::run_typed(DType in, DType out_type, const GemmShape& s, const void* a
   const std::int64_t lda = s.lda ? s.lda : a_cols, ldb = s.ldb ? s.ldb : b_cols, ldc = s.ldc ? s.ldc : s.n;
   // cuBLASLt's A is our B, its B our A, C = D ours.
   const std::uint32_t align_first = alignment_of(b), align_second = alignment_of(a), align_out = alignment_of(c);
-  const PlanKey key{static_cast<int>(in), static_cast<int>(out_type), s.m, s.n, s.k, s.trans_a, s.trans_b, lda, ldb, ldc,
-                    static_cast<int>(epilogue), align_first, align_second, align_out};
+  const PlanKey key{static_cast<int>(in),
+                    static_cast<int>(out_type),
+                    s.m,
+                    s.n,
+                    s.k,
+                    s.trans_a,
+                    s.trans_b,
+                    lda,
+                    ldb,
+                    ldc,
+                    static_cast<int>(epilogue),
+                    align_first,
+                    align_second,
+                    align_out};
 
   auto it = plans_.find(key);
   if (it == plans_.end()) {
@@ -90,54 +103,70 @@ void Gemm::run_typed(DType in, DType out_type, const GemmShape& s, const void* a
     // First operand is B's storage seen column-major ([b_cols, b_rows]); transposing it gives op(B)^T.
     const cublasOperation_t op_first = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t op_second = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-    check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)), "TRANSA");
-    check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)), "TRANSB");
+    check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)),
+             "TRANSA");
+    check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)),
+             "TRANSB");
     if (epilogue != Epilogue::None) {
       // The bias runs along C^T's rows, i.e. one value per output column of the row-major C.
       const cublasLtEpilogue_t e = epilogue == Epilogue::Bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_GELU_BIAS;
       check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)), "EPILOGUE");
-      check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &out_dt, sizeof(out_dt)), "BIAS_DATA_TYPE");
+      check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &out_dt, sizeof(out_dt)),
+               "BIAS_DATA_TYPE");
       // The heuristic needs a bias pointer set; the real one is set before every call below.
-      check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)), "BIAS_POINTER");
+      check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
+               "BIAS_POINTER");
     }
     if (sm_count_target_ > 0)
-      check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sm_count_target_, sizeof(sm_count_target_)),
+      check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sm_count_target_,
+                                              sizeof(sm_count_target_)),
                "SM_COUNT_TARGET");
-    check_lt(cublasLtMatrixLayoutCreate(&plan->first, type, static_cast<std::uint64_t>(b_cols), static_cast<std::uint64_t>(b_rows), ldb),
+    check_lt(cublasLtMatrixLayoutCreate(&plan->first, type, static_cast<std::uint64_t>(b_cols),
+                                        static_cast<std::uint64_t>(b_rows), ldb),
              "layout B");
-    check_lt(cublasLtMatrixLayoutCreate(&plan->second, type, static_cast<std::uint64_t>(a_cols), static_cast<std::uint64_t>(a_rows), lda),
+    check_lt(cublasLtMatrixLayoutCreate(&plan->second, type, static_cast<std::uint64_t>(a_cols),
+                                        static_cast<std::uint64_t>(a_rows), lda),
              "layout A");
-    check_lt(cublasLtMatrixLayoutCreate(&plan->out, out_dt, static_cast<std::uint64_t>(s.n), static_cast<std::uint64_t>(s.m), ldc), "layout C");
+    check_lt(cublasLtMatrixLayoutCreate(&plan->out, out_dt, static_cast<std::uint64_t>(s.n),
+                                        static_cast<std::uint64_t>(s.m), ldc),
+             "layout C");
 
     cublasLtMatmulPreference_t pref = nullptr;
     check_lt(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
     const std::uint64_t ws = workspace_.bytes();
-    cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+    cublasStatus_t st =
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
     if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_first, sizeof(align_first));
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_first,
+                                                sizeof(align_first));
     if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_second, sizeof(align_second));
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_second,
+                                                sizeof(align_second));
     if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_out, sizeof(align_out));
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_out,
+                                                sizeof(align_out));
     if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_out, sizeof(align_out));
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_out,
+                                                sizeof(align_out));
     cublasLtMatmulHeuristicResult_t heuristic{};
     int found = 0;
     if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->first, plan->second, plan->out, plan->out, pref, 1, &heuristic, &found);
+      st = cublasLtMatmulAlgoGetHeuristic(handle_, plan->desc, plan->first, plan->second, plan->out, plan->out, pref, 1,
+                                          &heuristic, &found);
     cublasLtMatmulPreferenceDestroy(pref);
     check_lt(st, "cublasLtMatmulAlgoGetHeuristic");
     if (found == 0)
-      throw CudaError(fmt::format("cuBLASLt has no algorithm for a {}x{}x{} GEMM (operand alignments {}, {}, {} bytes)", s.m, s.n, s.k,
-                                  align_second, align_first, align_out));
+      throw CudaError(fmt::format("cuBLASLt has no algorithm for a {}x{}x{} GEMM (operand alignments {}, {}, {} bytes)",
+                                  s.m, s.n, s.k, align_second, align_first, align_out));
     plan->algo = heuristic.algo;
     it = plans_.emplace(key, std::move(plan)).first;
   }
   Plan& plan = *it->second;
   if (epilogue != Epilogue::None)
-    check_lt(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)), "BIAS_POINTER");
-  check_lt(cublasLtMatmul(handle_, plan.desc, &alpha, b, plan.first, a, plan.second, &beta, c, plan.out, c, plan.out, &plan.algo,
-                          workspace_.get(), workspace_.bytes(), stream_),
+    check_lt(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
+             "BIAS_POINTER");
+  check_lt(cublasLtMatmul(handle_, plan.desc, &alpha, b, plan.first, a, plan.second, &beta, c, plan.out, c, plan.out,
+                          &plan.algo, workspace_.get(), workspace_.bytes(), stream_),
            "cublasLtMatmul");
 }
 

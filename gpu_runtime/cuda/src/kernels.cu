@@ -45,7 +45,9 @@ __device__ float block_reduce(float v) {
 }
 
 // At least one block: a zero-block grid is a launch error, and every elementwise kernel bounds-checks.
-unsigned blocks_for(std::int64_t n) { return static_cast<unsigned>(std::max<std::int64_t>(1, (n + kThreads - 1) / kThreads)); }
+unsigned blocks_for(std::int64_t n) {
+  return static_cast<unsigned>(std::max<std::int64_t>(1, (n + kThreads - 1) / kThreads));
+}
 
 void launched(const char* what) { check(cudaGetLastError(), what); }
 
@@ -97,7 +99,8 @@ constexpr int kNormWeightCols = 32, kNormWeightLanes = kThreads / kNormWeightCol
 template <typename T>
 __global__ void rmsnorm_backward_weight_k(const T* x, const float* rstd, const T* dy, int rows, int cols, float* dg) {
   __shared__ float partial[kNormWeightLanes][kNormWeightCols];
-  const int cx = static_cast<int>(threadIdx.x) % kNormWeightCols, lane = static_cast<int>(threadIdx.x) / kNormWeightCols;
+  const int cx = static_cast<int>(threadIdx.x) % kNormWeightCols,
+            lane = static_cast<int>(threadIdx.x) / kNormWeightCols;
   const int c = static_cast<int>(blockIdx.x) * kNormWeightCols + cx;
   float acc = 0;
   if (c < cols)
@@ -203,14 +206,15 @@ __global__ void attention_backward_q_k(AttentionDims d, const T* k, const T* v, 
   for (int e = threadIdx.x; e < hd; e += blockDim.x) {
     float acc = 0;
     for (int j = 0; j <= i; ++j)
-      acc += ds[prow + j] * load(k, (static_cast<std::int64_t>(seq) * L + j) * ks + static_cast<std::int64_t>(g) * hd + e);
+      acc +=
+          ds[prow + j] * load(k, (static_cast<std::int64_t>(seq) * L + j) * ks + static_cast<std::int64_t>(g) * hd + e);
     store(dq, t * qs + static_cast<std::int64_t>(h) * hd + e, acc);
   }
 }
 // One block per (key token, kv head): dk_j = sum_{h in group} sum_{i>=j} dS_ij q_i, dv_j = ... P_ij dO_i.
 template <typename T>
-__global__ void attention_backward_kv_k(AttentionDims d, const T* q, const float* probs, const T* d_o,
-                                        const float* ds, T* dk, T* dv) {
+__global__ void attention_backward_kv_k(AttentionDims d, const T* q, const float* probs, const T* d_o, const float* ds,
+                                        T* dk, T* dv) {
   const int t = blockIdx.x, g = blockIdx.y;
   const int L = d.seq_len, hd = d.head_dim, group = d.heads / d.kv_heads;
   const int seq = t / L, j = t % L;
@@ -309,7 +313,6 @@ __global__ void convert_k(const From* src, To* dst, std::int64_t n) {
   if (i < n) store(dst, i, load(src, i));
 }
 
-
 // ---- MoE routing: one thread per token (k and E are small) ----
 template <typename T>
 __global__ void router_topk_k(const T* logits, int n_tok, int experts, int top_k, int* topk, float* gates) {
@@ -375,7 +378,8 @@ __global__ void moe_sum_slots_k(const T* du, const T* slots, int n_tok, int top_
   store(out, i, acc);
 }
 template <typename T>
-__global__ void gather_slots_k(const T* in, const int* index, int div, const float* weight, int rows, int cols, T* out) {
+__global__ void gather_slots_k(const T* in, const int* index, int div, const float* weight, int rows, int cols,
+                               T* out) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= static_cast<std::int64_t>(rows) * cols) return;
   const std::int64_t r = i / cols, c = i % cols;
@@ -461,12 +465,13 @@ void rmsnorm_backward_input(DType dt, const void* x, const float* rstd, const vo
   launched("rmsnorm_backward_input");
 }
 
-void rmsnorm_backward_weight(DType dt, const void* x, const float* rstd, const void* dy, int rows, int cols,
-                             float* dg, cudaStream_t stream) {
+void rmsnorm_backward_weight(DType dt, const void* x, const float* rstd, const void* dy, int rows, int cols, float* dg,
+                             cudaStream_t stream) {
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    rmsnorm_backward_weight_k<T><<<static_cast<unsigned>((cols + kNormWeightCols - 1) / kNormWeightCols), kThreads, 0, stream>>>(
-        static_cast<const T*>(x), rstd, static_cast<const T*>(dy), rows, cols, dg);
+    rmsnorm_backward_weight_k<T>
+        <<<static_cast<unsigned>((cols + kNormWeightCols - 1) / kNormWeightCols), kThreads, 0, stream>>>(
+            static_cast<const T*>(x), rstd, static_cast<const T*>(dy), rows, cols, dg);
   });
   launched("rmsnorm_backward_weight");
 }
@@ -481,8 +486,8 @@ void rope(DType dt, void* m, int n_tok, int heads, int head_dim, int seq_len, fl
   launched("rope");
 }
 
-void attention_core_forward(DType dt, const AttentionDims& d, const void* q, const void* k, const void* v,
-                            float* probs, void* o, cudaStream_t stream) {
+void attention_core_forward(DType dt, const AttentionDims& d, const void* q, const void* k, const void* v, float* probs,
+                            void* o, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(d.tokens), static_cast<unsigned>(d.heads));
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -500,10 +505,10 @@ void attention_core_backward(DType dt, const AttentionDims& d, const void* q, co
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     attention_backward_q_k<T><<<grid_q, kThreads, 0, stream>>>(d, static_cast<const T*>(k), static_cast<const T*>(v),
-                                                               probs, static_cast<const T*>(d_o), ds, static_cast<T*>(dq));
-    attention_backward_kv_k<T><<<grid_kv, kThreads, 0, stream>>>(d, static_cast<const T*>(q), probs,
-                                                                 static_cast<const T*>(d_o), ds, static_cast<T*>(dk),
-                                                                 static_cast<T*>(dv));
+                                                               probs, static_cast<const T*>(d_o), ds,
+                                                               static_cast<T*>(dq));
+    attention_backward_kv_k<T><<<grid_kv, kThreads, 0, stream>>>(
+        d, static_cast<const T*>(q), probs, static_cast<const T*>(d_o), ds, static_cast<T*>(dk), static_cast<T*>(dv));
   });
   launched("attention_core_backward");
 }
@@ -585,31 +590,31 @@ void convert(DType from, const void* src, DType to, void* dst, std::int64_t n, c
   launched("convert");
 }
 
-
-#define PIPER_TYPED(dt, body)                                 \
-  dispatch(dt, [&](auto* tag) {                               \
-    using T = std::remove_pointer_t<decltype(tag)>;           \
-    body;                                                     \
+#define PIPER_TYPED(dt, body)                       \
+  dispatch(dt, [&](auto* tag) {                     \
+    using T = std::remove_pointer_t<decltype(tag)>; \
+    body;                                           \
   })
 
 void router_topk(DType dt, const void* logits, int n_tok, int experts, int top_k, int* topk, float* gates,
                  cudaStream_t stream) {
   PIPER_TYPED(dt, (router_topk_k<T><<<blocks_for(n_tok), kThreads, 0, stream>>>(static_cast<const T*>(logits), n_tok,
-                                                                                 experts, top_k, topk, gates)));
+                                                                                experts, top_k, topk, gates)));
   launched("router_topk");
 }
 
 void router_backward(DType dt, const int* topk, const float* gates, const float* dgates, int n_tok, int experts,
                      int top_k, void* dlogits, cudaStream_t stream) {
   PIPER_TYPED(dt, (router_backward_k<T><<<blocks_for(n_tok), kThreads, 0, stream>>>(topk, gates, dgates, n_tok, experts,
-                                                                                     top_k, static_cast<T*>(dlogits))));
+                                                                                    top_k, static_cast<T*>(dlogits))));
   launched("router_backward");
 }
 
 void moe_combine(DType dt, const void* x, const void* y, const float* gates, int n_tok, int top_k, int hidden,
                  void* out, cudaStream_t stream) {
-  PIPER_TYPED(dt, (moe_combine_k<T><<<blocks_for(static_cast<std::int64_t>(n_tok) * hidden), kThreads, 0, stream>>>(
-                      static_cast<const T*>(x), static_cast<const T*>(y), gates, n_tok, top_k, hidden, static_cast<T*>(out))));
+  PIPER_TYPED(
+      dt, (moe_combine_k<T><<<blocks_for(static_cast<std::int64_t>(n_tok) * hidden), kThreads, 0, stream>>>(
+              static_cast<const T*>(x), static_cast<const T*>(y), gates, n_tok, top_k, hidden, static_cast<T*>(out))));
   launched("moe_combine");
 }
 
@@ -623,8 +628,9 @@ void moe_gate_grad(DType dt, const void* dx, const void* y, int n_tok, int top_k
 
 void moe_sum_slots(DType dt, const void* du, const void* slots, int n_tok, int top_k, int hidden, void* out,
                    cudaStream_t stream) {
-  PIPER_TYPED(dt, (moe_sum_slots_k<T><<<blocks_for(static_cast<std::int64_t>(n_tok) * hidden), kThreads, 0, stream>>>(
-                      static_cast<const T*>(du), static_cast<const T*>(slots), n_tok, top_k, hidden, static_cast<T*>(out))));
+  PIPER_TYPED(
+      dt, (moe_sum_slots_k<T><<<blocks_for(static_cast<std::int64_t>(n_tok) * hidden), kThreads, 0, stream>>>(
+              static_cast<const T*>(du), static_cast<const T*>(slots), n_tok, top_k, hidden, static_cast<T*>(out))));
   launched("moe_sum_slots");
 }
 
@@ -651,8 +657,8 @@ void accumulate_f32(DType dt, float* dst, const void* src, std::int64_t n, cudaS
 
 void add(DType dt, const void* a, const void* b, std::int64_t n, void* out, cudaStream_t stream) {
   if (n == 0) return;
-  PIPER_TYPED(dt, (add_k<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b), n,
-                                                                     static_cast<T*>(out))));
+  PIPER_TYPED(dt, (add_k<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b),
+                                                                    n, static_cast<T*>(out))));
   launched("add");
 }
 

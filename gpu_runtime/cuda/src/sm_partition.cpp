@@ -22,16 +22,20 @@ SmGranularity green_context_granularity(int cc_major) {
 SmPlan plan_sm_partition(const core::SmPartition& partition, int device_sms, bool green_contexts, SmGranularity g) {
   const int sms = partition.sms;
   if (sms < 1 || sms >= device_sms)
-    throw CudaError(fmt::format("sm_partition: field 'sms': {} SMs for communication must leave compute at least one of this GPU's {} SMs",
-                                sms, device_sms));
+    throw CudaError(fmt::format(
+        "sm_partition: field 'sms': {} SMs for communication must leave compute at least one of this GPU's {} SMs", sms,
+        device_sms));
   if (!green_contexts) return {SmMechanism::CtaLimits, sms, device_sms - sms};
   if (sms < g.min_sms || sms % g.multiple != 0) {
     // The valid counts around the request, so that the message says what to write instead.
     const int below = std::max(g.min_sms, sms / g.multiple * g.multiple);
     const int above = std::max(g.min_sms, (sms + g.multiple - 1) / g.multiple * g.multiple);
-    const std::string choice = below == above || below >= device_sms ? fmt::format("{}", above) : fmt::format("{} or {}", below, above);
-    throw CudaError(fmt::format("sm_partition: field 'sms': {} SMs is not a green-context partition of this GPU (at least {}, a multiple of {}): use {}",
-                                sms, g.min_sms, g.multiple, choice));
+    const std::string choice =
+        below == above || below >= device_sms ? fmt::format("{}", above) : fmt::format("{} or {}", below, above);
+    throw CudaError(
+        fmt::format("sm_partition: field 'sms': {} SMs is not a green-context partition of this GPU (at least {}, a "
+                    "multiple of {}): use {}",
+                    sms, g.min_sms, g.multiple, choice));
   }
   return {SmMechanism::GreenContexts, sms, device_sms - sms};
 }
@@ -55,7 +59,8 @@ template <class Fn>
 Fn entry(const char* name) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(name, &fn, 12050, cudaEnableDefault, &found) != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12050, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
     cudaGetLastError();
     return nullptr;
   }
@@ -102,16 +107,19 @@ std::shared_ptr<const SmPartitioner> SmPartitioner::create(const std::optional<c
   out->green_->stream_create = stream_create;
   CUdevResource comm{}, rest{};
   unsigned int groups = 1;
-  check_cu(split(&comm, &groups, &all, &rest, 0, static_cast<unsigned int>(partition->sms)), "cuDevSmResourceSplitByCount");
+  check_cu(split(&comm, &groups, &all, &rest, 0, static_cast<unsigned int>(partition->sms)),
+           "cuDevSmResourceSplitByCount");
   if (groups != 1 || static_cast<int>(comm.sm.smCount) != partition->sms)
-    throw CudaError(fmt::format("sm_partition: field 'sms': the driver made {} group(s) of {} SMs for a request of {}", groups, comm.sm.smCount,
-                                partition->sms));
+    throw CudaError(fmt::format("sm_partition: field 'sms': the driver made {} group(s) of {} SMs for a request of {}",
+                                groups, comm.sm.smCount, partition->sms));
   out->plan_->compute_sms = static_cast<int>(rest.sm.smCount);
   CUdevResourceDesc comm_desc = nullptr, rest_desc = nullptr;
   check_cu(generate(&comm_desc, &comm, 1), "cuDevResourceGenerateDesc");
   check_cu(generate(&rest_desc, &rest, 1), "cuDevResourceGenerateDesc");
-  check_cu(create_ctx(&out->green_->comm, comm_desc, dev, CU_GREEN_CTX_DEFAULT_STREAM), "cuGreenCtxCreate (communication)");
-  check_cu(create_ctx(&out->green_->compute, rest_desc, dev, CU_GREEN_CTX_DEFAULT_STREAM), "cuGreenCtxCreate (compute)");
+  check_cu(create_ctx(&out->green_->comm, comm_desc, dev, CU_GREEN_CTX_DEFAULT_STREAM),
+           "cuGreenCtxCreate (communication)");
+  check_cu(create_ctx(&out->green_->compute, rest_desc, dev, CU_GREEN_CTX_DEFAULT_STREAM),
+           "cuGreenCtxCreate (compute)");
   return out;
 }
 
@@ -121,7 +129,8 @@ cudaStream_t SmPartitioner::create_stream(bool communication) const {
   cudaStream_t s = nullptr;
   if (green_) {
     CUstream cs = nullptr;
-    check_cu(green_->stream_create(&cs, communication ? green_->comm : green_->compute, CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate");
+    check_cu(green_->stream_create(&cs, communication ? green_->comm : green_->compute, CU_STREAM_NON_BLOCKING, 0),
+             "cuGreenCtxStreamCreate");
     return static_cast<cudaStream_t>(cs);
   }
   // Non-blocking: no implicit synchronisation with the legacy default stream (NCCL kernels of one
@@ -130,7 +139,9 @@ cudaStream_t SmPartitioner::create_stream(bool communication) const {
   return s;
 }
 
-int SmPartitioner::gemm_sm_target() const { return plan_ && plan_->mechanism == SmMechanism::CtaLimits ? plan_->compute_sms : 0; }
+int SmPartitioner::gemm_sm_target() const {
+  return plan_ && plan_->mechanism == SmMechanism::CtaLimits ? plan_->compute_sms : 0;
+}
 
 int SmPartitioner::nccl_max_ctas() const { return plan_ ? plan_->comm_sms : 0; }
 
@@ -138,7 +149,8 @@ std::string SmPartitioner::describe() const {
   if (!plan_) return "SMs shared by communication and compute";
   if (plan_->mechanism == SmMechanism::GreenContexts)
     return fmt::format("green contexts: communication on {} SMs, compute on {}", plan_->comm_sms, plan_->compute_sms);
-  return fmt::format("no green contexts in this driver: NCCL on at most {} CTAs, GEMMs targeting {} SMs", plan_->comm_sms, plan_->compute_sms);
+  return fmt::format("no green contexts in this driver: NCCL on at most {} CTAs, GEMMs targeting {} SMs",
+                     plan_->comm_sms, plan_->compute_sms);
 }
 
 }  // namespace piper::runtime::cuda

@@ -43,7 +43,8 @@ int LoopbackTransport::post(const CommRequest& r) {
     rank = -1;
     for (std::size_t i = 0; i < r.group.size(); ++i)
       if (r.group[i] == device_) rank = static_cast<int>(i);
-    if (rank < 0) throw CudaError(fmt::format("loopback: device {} posted a collective of a group it is not in", device_));
+    if (rank < 0)
+      throw CudaError(fmt::format("loopback: device {} posted a collective of a group it is not in", device_));
   }
   const int kind = r.kind == CommKind::Recv ? static_cast<int>(CommKind::Send) : static_cast<int>(r.kind);
   const auto seq = sequence_[{kind, a, b, c}]++;
@@ -56,7 +57,8 @@ int LoopbackTransport::post(const CommRequest& r) {
     std::lock_guard<std::mutex> lock(hub_.mutex_);
     auto& rv = hub_.open_[key];
     rv.expected = expected;
-    if (rv.members.count(rank)) throw CudaError(fmt::format("loopback: device {} posted the same exchange twice", device_));
+    if (rv.members.count(rank))
+      throw CudaError(fmt::format("loopback: device {} posted the same exchange twice", device_));
     rv.members.emplace(rank, std::move(m));
     if (static_cast<int>(rv.members.size()) == rv.expected) launch(rv, r.stream);
   }
@@ -76,14 +78,16 @@ void LoopbackTransport::launch(LoopbackHub::Rendezvous& rv, cudaStream_t stream)
     case CommKind::Recv: {
       const CommRequest& s = req(0);
       const CommRequest& d = req(1);
-      if (s.count != d.count) throw CudaError(fmt::format("loopback: a {}-byte message received into {} bytes", s.count, d.count));
+      if (s.count != d.count)
+        throw CudaError(fmt::format("loopback: a {}-byte message received into {} bytes", s.count, d.count));
       copy(d.recv, s.send, s.count, stream);
       break;
     }
     case CommKind::AllReduce: {
       // Sum in rank order into rank 0's buffer, then broadcast it: deterministic.
       float* acc = static_cast<float*>(req(0).recv);
-      for (int r = 1; r < n; ++r) accumulate(DType::F32, acc, req(r).recv, static_cast<std::int64_t>(first.count), stream);
+      for (int r = 1; r < n; ++r)
+        accumulate(DType::F32, acc, req(r).recv, static_cast<std::int64_t>(first.count), stream);
       for (int r = 1; r < n; ++r) copy(req(r).recv, acc, first.count * 4, stream);
       break;
     }
@@ -93,13 +97,16 @@ void LoopbackTransport::launch(LoopbackHub::Rendezvous& rv, cudaStream_t stream)
         float* out = static_cast<float*>(req(r).recv);
         copy(out, static_cast<const float*>(req(0).send) + static_cast<std::size_t>(r) * block, block * 4, stream);
         for (int m = 1; m < n; ++m)
-          accumulate(DType::F32, out, static_cast<const float*>(req(m).send) + static_cast<std::size_t>(r) * block, static_cast<std::int64_t>(block), stream);
+          accumulate(DType::F32, out, static_cast<const float*>(req(m).send) + static_cast<std::size_t>(r) * block,
+                     static_cast<std::int64_t>(block), stream);
       }
       break;
     }
     case CommKind::AllGather:
       for (int m = 0; m < n; ++m)
-        for (int r = 0; r < n; ++r) copy(static_cast<char*>(req(m).recv) + static_cast<std::size_t>(r) * first.count, req(r).send, first.count, stream);
+        for (int r = 0; r < n; ++r)
+          copy(static_cast<char*>(req(m).recv) + static_cast<std::size_t>(r) * first.count, req(r).send, first.count,
+               stream);
       break;
     case CommKind::AllToAll:
       for (int m = 0; m < n; ++m)

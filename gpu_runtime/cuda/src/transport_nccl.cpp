@@ -23,7 +23,7 @@ bool is_backward_pass(core::Pass p) { return p == core::Pass::B || p == core::Pa
 std::vector<P2PChannel> p2p_channels(const core::Program& program) {
   // NCCL matches a channel's sends and receives by issue order, so each channel's SENDs must be on
   // one stream of the sender, its RECVs on one stream of the receiver, in the same node order.
-  std::map<P2PChannel, std::pair<std::vector<int>, std::vector<int>>> order;   // send nodes, recv nodes
+  std::map<P2PChannel, std::pair<std::vector<int>, std::vector<int>>> order;  // send nodes, recv nodes
   std::map<P2PChannel, std::pair<std::set<int>, std::set<int>>> streams_of;
   for (int d = 0; d < program.num_devices; ++d) {
     const auto& plan = program.plan_for(d);
@@ -44,9 +44,10 @@ std::vector<P2PChannel> p2p_channels(const core::Program& program) {
   std::vector<P2PChannel> out;
   for (const auto& [ch, nodes] : order) {
     if (nodes.first != nodes.second || streams_of[ch].first.size() != 1 || streams_of[ch].second.size() != 1)
-      throw CudaError(fmt::format("nccl: transfers {} -> {} at layer {} ({}) are not sent and received in one order on one stream each, "
-                                  "which NCCL's issue-order matching needs (use --virtual-devices, or the host backend)",
-                                  ch.src, ch.dst, ch.boundary, ch.backward ? "gradients" : "activations"));
+      throw CudaError(fmt::format(
+          "nccl: transfers {} -> {} at layer {} ({}) are not sent and received in one order on one stream each, "
+          "which NCCL's issue-order matching needs (use --virtual-devices, or the host backend)",
+          ch.src, ch.dst, ch.boundary, ch.backward ? "gradients" : "activations"));
     out.push_back(ch);
   }
   return out;
@@ -93,7 +94,8 @@ class NcclTransport : public Transport {
       const bool member = ch.src == device || ch.dst == device;
       ncclComm_t c = nullptr;
       ncclConfig_t split_config = config;
-      check_nccl(ncclCommSplit(world_, member ? 0 : NCCL_SPLIT_NOCOLOR, ch.src == device ? 0 : 1, &c, &split_config), "ncclCommSplit (channel)");
+      check_nccl(ncclCommSplit(world_, member ? 0 : NCCL_SPLIT_NOCOLOR, ch.src == device ? 0 : 1, &c, &split_config),
+                 "ncclCommSplit (channel)");
       if (member) p2p_[ch] = c;
     }
   }
@@ -138,9 +140,12 @@ class NcclTransport : public Transport {
         const int n = static_cast<int>(r.group.size());
         check_nccl(ncclGroupStart(), "ncclGroupStart");
         for (int peer = 0; peer < n; ++peer) {
-          check_nccl(ncclSend(static_cast<const char*>(r.send) + static_cast<std::size_t>(peer) * r.count, r.count, ncclUint8, peer, c, r.stream),
+          check_nccl(ncclSend(static_cast<const char*>(r.send) + static_cast<std::size_t>(peer) * r.count, r.count,
+                              ncclUint8, peer, c, r.stream),
                      "ncclSend");
-          check_nccl(ncclRecv(static_cast<char*>(r.recv) + static_cast<std::size_t>(peer) * r.count, r.count, ncclUint8, peer, c, r.stream), "ncclRecv");
+          check_nccl(ncclRecv(static_cast<char*>(r.recv) + static_cast<std::size_t>(peer) * r.count, r.count, ncclUint8,
+                              peer, c, r.stream),
+                     "ncclRecv");
         }
         check_nccl(ncclGroupEnd(), "ncclGroupEnd");
         break;
@@ -178,7 +183,8 @@ class NcclTransport : public Transport {
   using Channel = P2PChannel;
   ncclComm_t channel(const Channel& ch) const {
     auto it = p2p_.find(ch);
-    if (it == p2p_.end()) throw CudaError(fmt::format("nccl: no channel {}->{} at layer {}", ch.src, ch.dst, ch.boundary));
+    if (it == p2p_.end())
+      throw CudaError(fmt::format("nccl: no channel {}->{} at layer {}", ch.src, ch.dst, ch.boundary));
     return it->second;
   }
   ncclComm_t family(const CommRequest& r) const {

@@ -19,7 +19,8 @@ CompileResult compile(const Model& model, const DirectiveProgram& program, const
 // The same, filling `result` in place: with Boost 1.74 a GlobalDag cannot be moved (adjacency_list has
 // no move constructor, so a "move" copies the whole graph), and callers that keep the result in a
 // larger object (CompiledScenario) use this to avoid that copy.
-void compile(const Model& model, const DirectiveProgram& program, CompileResult& result, const AfterPassHook& hook = {});
+void compile(const Model& model, const DirectiveProgram& program, CompileResult& result,
+             const AfterPassHook& hook = {});
 
 // Peak resident set size of this process so far, in bytes (from /proc/self/status VmHWM).
 std::int64_t peak_rss_bytes();

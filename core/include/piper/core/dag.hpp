@@ -36,20 +36,20 @@ class DeviceSetTable {
 struct DagNode {
   NodeKind kind = NodeKind::Compute;
   Pass pass = Pass::None;
-  TagMap tags;                      // annotation tags + split tags (GlobalDag::splits) of the segment
+  TagMap tags;  // annotation tags + split tags (GlobalDag::splits) of the segment
   DeviceSetId devices = kNoDevices;
-  std::string stream = "compute";   // logical stream
-  int segment = -1;                 // model segment index (compute, update and comm derived from one)
+  std::string stream = "compute";         // logical stream
+  int segment = -1;                       // model segment index (compute, update and comm derived from one)
   int first_layer = -1, last_layer = -1;  // [first, last) model layers of a compute node
-  Costs costs;                      // per device: already divided by any shard degree
-  std::int64_t bytes = 0;           // communication payload per device (send/recv/collectives)
+  Costs costs;                            // per device: already divided by any shard degree
+  std::int64_t bytes = 0;                 // communication payload per device (send/recv/collectives)
   DeviceSetId peer_devices = kNoDevices;  // SEND: receiver set; RECV: sender set
-  int family = -1;                  // collectives: index into GlobalDag::families
-  std::vector<int> buffer_segments; // UPD / gradient / param collectives: segments whose params they carry
-  int prefetch = -1;                // ZeRO-3 per-use gathers: how many may run ahead of their use (-1: no limit)
-  bool blocking = false;            // SEND/RECV of a "blocking" place directive (synchronous on the compute stream)
-  std::string label;                // human-readable, e.g. "F mb3 PP2 seg5"
-  bool removed = false;             // tombstone left by rewrites (BGL vecS keeps indices stable)
+  int family = -1;                        // collectives: index into GlobalDag::families
+  std::vector<int> buffer_segments;       // UPD / gradient / param collectives: segments whose params they carry
+  int prefetch = -1;                      // ZeRO-3 per-use gathers: how many may run ahead of their use (-1: no limit)
+  bool blocking = false;  // SEND/RECV of a "blocking" place directive (synchronous on the compute stream)
+  std::string label;      // human-readable, e.g. "F mb3 PP2 seg5"
+  bool removed = false;   // tombstone left by rewrites (BGL vecS keeps indices stable)
 };
 
 // A ZeRO-3 per-use parameter gather (a pass of its own, F or B), as opposed to the gather of updated
@@ -76,14 +76,14 @@ struct Segment {
   int index = 0;
   int first_layer = 0, last_layer = 0;  // [first, last)
   TagMap tags;
-  Costs costs;                          // sum of the layers' costs, whole (unsharded)
-  bool has_loss = false;                // holds the LM head + loss (the turn of the DAG)
-  int fanout = 1;                       // tokens fan out by top-k when the segment starts with routed experts
+  Costs costs;            // sum of the layers' costs, whole (unsharded)
+  bool has_loss = false;  // holds the LM head + loss (the turn of the DAG)
+  int fanout = 1;         // tokens fan out by top-k when the segment starts with routed experts
   // Set by the replicate/shard passes; lowering sizes the per-device state buffers from them.
-  int shard_degree = 1;                 // shard: parameters split over this many devices
-  int replicas = 1;                     // replicate: data-parallel copies holding (shards of) the params
-  int zero_level = 0;                   // 0 none, 1 optimizer states, 2 + gradients, 3 + parameters sharded
-  int zero_shards = 1;                  // ZeRO >= 1: shards of the state (replicas, or the HSDP group size)
+  int shard_degree = 1;  // shard: parameters split over this many devices
+  int replicas = 1;      // replicate: data-parallel copies holding (shards of) the params
+  int zero_level = 0;    // 0 none, 1 optimizer states, 2 + gradients, 3 + parameters sharded
+  int zero_shards = 1;   // ZeRO >= 1: shards of the state (replicas, or the HSDP group size)
   // ZeRO-2/3 reducing after every microbatch (ReplicateDirective::reduce_every_microbatch): only the
   // gradient shard persists. Otherwise (ZeRO-2/3 reducing once per step) the whole gradient does.
   bool reduce_every_microbatch = false;
@@ -91,16 +91,16 @@ struct Segment {
   // What divides state that ZeRO shards from `level` on (1 optimizer states, 2 gradients, 3 parameters).
   std::int64_t zero_divisor(int level) const { return zero_level >= level ? zero_shards : 1; }
   // Set by the tensor_parallel / recompute passes (Megatron layout, see ARCHITECTURE.md).
-  int tp_degree = 1;                    // tensor-parallel group size (consecutive devices of the set)
-  bool sequence_parallel = false;       // TP all-reduces become reduce-scatter + all-gather
-  bool tp_comm_overlap = false;         // TP collectives overlap the GEMMs (TensorParallelDirective::comm_overlap)
+  int tp_degree = 1;               // tensor-parallel group size (consecutive devices of the set)
+  bool sequence_parallel = false;  // TP all-reduces become reduce-scatter + all-gather
+  bool tp_comm_overlap = false;    // TP collectives overlap the GEMMs (TensorParallelDirective::comm_overlap)
   Recompute recompute = Recompute::None;
-  int tp_family = -1;                   // GlobalDag::families index of the TP groups (purpose "tp")
+  int tp_family = -1;  // GlobalDag::families index of the TP groups (purpose "tp")
   // Set by the context_parallel pass (ContextParallelDirective): CP degree, K/V exchange, CP groups.
   int cp_degree = 1;
   bool cp_all_gather = false;
-  int cp_family = -1;                   // GlobalDag::families index of the CP groups (purpose "cp")
-  std::int64_t tp_local_params = 0;     // parameters one TP rank holds (norms replicated), when tp_degree > 1
+  int cp_family = -1;                // GlobalDag::families index of the CP groups (purpose "cp")
+  std::int64_t tp_local_params = 0;  // parameters one TP rank holds (norms replicated), when tp_degree > 1
   // Routed experts under a tensor_parallel directive: tp_degree is its expert_degree (ETP) and the
   // experts' input is the 1/token_split sequence slice of the stage (its SP degree, else 1).
   int token_split = 1;
@@ -110,7 +110,7 @@ struct Segment {
   // embedding group; both runtime backends do the same, V placements included): V·h parameters,
   // whole (vocabulary-parallel under TP), with gradient and optimizer state like the segment's own.
   std::int64_t tied_copy = 0;
-  int tied_to = -1;                     // with tied_copy: the embedding's segment
+  int tied_to = -1;  // with tied_copy: the embedding's segment
   std::int64_t copy_local_params() const { return tied_copy / tp_degree; }
   // Everything this segment's plan keeps state for, per shard: its parameters and the tied copy.
   std::int64_t state_params() const { return local_params() + copy_local_params(); }
@@ -126,8 +126,8 @@ class GlobalDag {
   std::vector<Segment> segments;
   TrainingShape training;
   std::string model_name;
-  std::vector<Layer> layers;            // the model's layers (passes that re-cost segments read them)
-  int microbatches = 1;                 // product of the split counts
+  std::vector<Layer> layers;  // the model's layers (passes that re-cost segments read them)
+  int microbatches = 1;       // product of the split counts
   // The split directives applied, in order (outermost first): the tag each one adds to the nodes it
   // copies and its count. Lowering numbers microbatches from them (Op::microbatch).
   struct Split {
@@ -142,10 +142,10 @@ class GlobalDag {
   int family_index(const CommFamily& f);   // interns a family
   std::vector<Vertex> live_nodes() const;  // not removed, in index order
   std::size_t live_node_count() const;
-  int num_devices() const;                 // 1 + the largest device id in any set
+  int num_devices() const;  // 1 + the largest device id in any set
   // Counts of live nodes by kind name ("F", "B", "SEND", "ALL_REDUCE", ...).
   std::map<std::string, std::int64_t> counts_by_kind() const;
-  bool has_cycle() const;                  // BGL depth-first search over live nodes
+  bool has_cycle() const;  // BGL depth-first search over live nodes
   nlohmann::json to_json() const;
   std::string to_dot() const;
 };

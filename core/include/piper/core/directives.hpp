@@ -21,11 +21,11 @@ namespace piper::core {
 
 // Conjunctive filter {tag: index | "*"}; the empty filter matches everything. PASS is a pseudo-tag.
 struct Filter {
-  std::map<std::string, int> exact;      // tag -> required index
-  std::vector<std::string> any;          // tag must be present, any index
-  std::optional<Pass> pass;              // PASS: F | B | BI | BW
-  bool matches_tags(const TagMap& tags) const;          // ignores PASS
-  bool matches(const DagNode& n) const;                  // compute nodes only; checks PASS too
+  std::map<std::string, int> exact;             // tag -> required index
+  std::vector<std::string> any;                 // tag must be present, any index
+  std::optional<Pass> pass;                     // PASS: F | B | BI | BW
+  bool matches_tags(const TagMap& tags) const;  // ignores PASS
+  bool matches(const DagNode& n) const;         // compute nodes only; checks PASS too
   nlohmann::json to_json() const;
   std::string to_string() const;
 };
@@ -33,7 +33,7 @@ struct Filter {
 struct PlaceDirective {
   Filter filter;
   std::vector<int> devices;
-  std::string stream = "pp";   // stream for this region's point-to-point transfers
+  std::string stream = "pp";  // stream for this region's point-to-point transfers
   // Synchronous transfers, as DeepSpeed's pipeline engine issues them (a blocking send/recv on the
   // compute stream): a SEND's next compute op waits for the transfer to end, and a RECV is posted
   // only when the compute op before its consumer has ended.
@@ -43,7 +43,7 @@ struct PlaceDirective {
 struct ReplicateDirective {
   Filter filter;
   std::vector<int> devices;
-  double bucket_size_mb = 0;   // 0: one gradient collective per segment
+  double bucket_size_mb = 0;     // 0: one gradient collective per segment
   bool shard_optimizer = false;  // Piper extension (ZeRO-1): reduce-scatter + all-gather, full grads kept
   bool shard_grads = false;      // ZeRO-2: gradients reduce-scattered
   bool shard_params = false;     // ZeRO-3: parameters all-gathered before each use
@@ -63,20 +63,20 @@ struct ReplicateDirective {
   // Default: "microbatch" with shard_grads (ZeRO-2/3), "step" otherwise.
   bool reduce_every_microbatch = false;
   std::string reduce_stream = "dp";
-  std::string gather_stream;     // empty: same as reduce_stream
+  std::string gather_stream;  // empty: same as reduce_stream
 };
 
 struct ShardDirective {
   Filter filter;
   std::vector<int> devices;
-  int degree = 0;              // Piper extension: shard over consecutive groups of `degree` devices (0 = all)
+  int degree = 0;  // Piper extension: shard over consecutive groups of `degree` devices (0 = all)
   std::string stream = "ep";
 };
 
 struct SplitDirective {
   Filter filter;
   std::string dim_name = "MB";
-  int count = 1;               // "num_microbatches" in the published format
+  int count = 1;  // "num_microbatches" in the published format
 };
 
 struct OrderDirective {
@@ -88,7 +88,7 @@ struct OrderDirective {
 // keep expert parallelism and are left alone.
 struct TensorParallelDirective {
   Filter filter;
-  std::vector<int> devices;    // optional: when given, must equal the placement
+  std::vector<int> devices;  // optional: when given, must equal the placement
   int degree = 1;
   bool sequence_parallel = false;
   // Piper extension "comm_overlap": the TP collectives run chunk by chunk under the GEMMs that produce
@@ -111,8 +111,10 @@ struct RecomputeDirective {
   Recompute mode = Recompute::None;
   int every = 0;  // 0: every selected segment
   int first = 0;  // 0: every selected segment
-  bool selects_blocks() const { return every > 0 || first > 0 || filter.exact.contains("BLK") ||
-                                       std::find(filter.any.begin(), filter.any.end(), "BLK") != filter.any.end(); }
+  bool selects_blocks() const {
+    return every > 0 || first > 0 || filter.exact.contains("BLK") ||
+           std::find(filter.any.begin(), filter.any.end(), "BLK") != filter.any.end();
+  }
 };
 
 // Piper extension: a static split of every GPU's SMs, `sms` for the communication streams and the rest
@@ -133,20 +135,20 @@ struct ContextParallelDirective {
   bool all_gather = false;
 };
 
-using Directive = std::variant<PlaceDirective, ReplicateDirective, ShardDirective, SplitDirective, OrderDirective,
-                               TensorParallelDirective, RecomputeDirective, SmPartitionDirective, ContextParallelDirective>;
-
+using Directive =
+    std::variant<PlaceDirective, ReplicateDirective, ShardDirective, SplitDirective, OrderDirective,
+                 TensorParallelDirective, RecomputeDirective, SmPartitionDirective, ContextParallelDirective>;
 
 struct DirectiveProgram {
   std::vector<Directive> directives;
-  std::vector<nlohmann::json> source;   // original JSON of each directive, for dumps and errors
+  std::vector<nlohmann::json> source;  // original JSON of each directive, for dumps and errors
   nlohmann::json to_json() const;
 };
 
 // Parse a directive program. Errors name the directive index and field (DirectiveError).
 DirectiveProgram parse_directives(const nlohmann::json& program);
 DirectiveProgram load_directives_file(const std::string& path);  // errors prefixed with the path
-std::string op_name(const Directive& d);  // "place", "replicate", ...
+std::string op_name(const Directive& d);                         // "place", "replicate", ...
 
 // Called after every pass that changed the DAG, with the pass's name (pass_names()) and its
 // directive's index (-1 for an internal pass), so --dump-after can write the DAG.

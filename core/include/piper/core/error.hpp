@@ -31,7 +31,9 @@ class DirectiveError : public Error {
   DirectiveError(int index, const std::string& field, const std::string& message, const std::string& file = "")
       : Error((file.empty() ? "" : file + ": ") + "directive " + std::to_string(index) +
               (field.empty() ? "" : " field '" + field + "'") + ": " + message),
-        index_(index), field_(field), message_(message) {}
+        index_(index),
+        field_(field),
+        message_(message) {}
   // The same error, located in `file`.
   DirectiveError in_file(const std::string& file) const { return DirectiveError(index_, field_, message_, file); }
   int index() const { return index_; }

@@ -19,38 +19,38 @@
 namespace piper::core {
 
 enum class KernelKind : std::uint8_t {
-  Gemm,               // C[m x n] = A[m x k] B[k x n], `batch` independent products
-  AttentionForward,   // fused (flash) causal attention: batch sequences of m = s tokens, n heads, k KV heads
+  Gemm,              // C[m x n] = A[m x k] B[k x n], `batch` independent products
+  AttentionForward,  // fused (flash) causal attention: batch sequences of m = s tokens, n heads, k KV heads
   AttentionBackward,
-  Norm,               // RMSNorm / LayerNorm forward over `elems` elements
-  NormBackward,       // input gradient (reads x, dy; writes dx)
-  NormWeight,         // gain (and bias) gradient: column sums of x̂·dy
-  Activation,         // SwiGLU (silu(gate)·up; elems = outputs) or GELU
+  Norm,          // RMSNorm / LayerNorm forward over `elems` elements
+  NormBackward,  // input gradient (reads x, dy; writes dx)
+  NormWeight,    // gain (and bias) gradient: column sums of x̂·dy
+  Activation,    // SwiGLU (silu(gate)·up; elems = outputs) or GELU
   ActivationBackward,
-  Residual,           // residual add (forward) / the residual branch's gradient add (backward)
-  Rope,               // rotary embedding of q and k (elems = q and k elements); the backward is the same
-  Loss,               // softmax cross-entropy over fp32 logits (elems = tokens x vocabulary)
+  Residual,  // residual add (forward) / the residual branch's gradient add (backward)
+  Rope,      // rotary embedding of q and k (elems = q and k elements); the backward is the same
+  Loss,      // softmax cross-entropy over fp32 logits (elems = tokens x vocabulary)
   LossBackward,
   Embedding,          // row gather (elems = tokens x hidden)
   EmbeddingBackward,  // scatter-add of the output gradient into the table
   Permute,            // MoE token permutation for dispatch and combine (elems = routed copies x hidden)
   Elementwise,        // other memory-bound work given by its HBM traffic `bytes` (standard-attention models)
 };
-std::string to_string(KernelKind k);   // "gemm", "attention_fwd", ...
+std::string to_string(KernelKind k);                       // "gemm", "attention_fwd", ...
 KernelKind kernel_kind_from_string(const std::string& s);  // throws Error
-bool is_elementwise(KernelKind k);     // every kind but Gemm and the attention core
+bool is_elementwise(KernelKind k);                         // every kind but Gemm and the attention core
 
 struct Kernel {
   KernelKind kind = KernelKind::Gemm;
   Precision dtype = Precision::BF16;
-  std::int64_t m = 0, n = 0, k = 0;  // GEMM shape; attention: m = s, n = heads, k = KV heads
-  std::int64_t batch = 1;            // GEMM: batched products; attention: sequences
+  std::int64_t m = 0, n = 0, k = 0;      // GEMM shape; attention: m = s, n = heads, k = KV heads
+  std::int64_t batch = 1;                // GEMM: batched products; attention: sequences
   std::int64_t head_dim = 0, v_dim = 0;  // attention: q/k and v head dimensions
-  std::int64_t window = 0;           // attention: sliding window (keys per query), 0 = full
-  std::int64_t elems = 0;            // element-wise kinds: elements of the kernel's tensor
-  std::int64_t bytes = 0;            // Elementwise: its HBM traffic
-  double flops = 0;                  // FLOPs of one launch, in core::Costs' convention
-  double count = 1;                  // launches in the pass (layers of a segment, local experts)
+  std::int64_t window = 0;               // attention: sliding window (keys per query), 0 = full
+  std::int64_t elems = 0;                // element-wise kinds: elements of the kernel's tensor
+  std::int64_t bytes = 0;                // Elementwise: its HBM traffic
+  double flops = 0;                      // FLOPs of one launch, in core::Costs' convention
+  double count = 1;                      // launches in the pass (layers of a segment, local experts)
   friend bool operator==(const Kernel&, const Kernel&) = default;
 };
 

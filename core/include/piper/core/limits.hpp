@@ -33,9 +33,9 @@ enum class Limit {
 
 struct LimitInfo {
   Limit limit;
-  const char* name;            // as given to --limit, e.g. "microbatches"
+  const char* name;  // as given to --limit, e.g. "microbatches"
   std::int64_t default_value;
-  const char* what;            // one line for docs and errors
+  const char* what;  // one line for docs and errors
 };
 
 // Every limit with its default, in declaration order.

@@ -20,9 +20,9 @@ using TagMap = std::map<std::string, int>;
 // storage, GEMMs on the tensor cores in TF32. FP8: BF16's storage with e4m3 GEMMs (Transformer
 // Engine's recipe), which also keeps an fp8 copy of each weight (1 byte per parameter).
 enum class Precision { BF16, FP16, FP32, TF32, FP8 };
-int bytes_per_element(Precision p);   // storage: 2, 2, 4, 4, 2
-std::string to_string(Precision p);   // "bf16", "fp16", "fp32", "tf32", "fp8"
-bool fp32_storage(Precision p);       // FP32, TF32: no separate master weights
+int bytes_per_element(Precision p);  // storage: 2, 2, 4, 4, 2
+std::string to_string(Precision p);  // "bf16", "fp16", "fp32", "tf32", "fp8"
+bool fp32_storage(Precision p);      // FP32, TF32: no separate master weights
 
 // What a training step looks like: it scales every cost.
 struct TrainingShape {
@@ -76,7 +76,7 @@ struct Costs {
   // ring steps or collective calls. Backward: all in the input-gradient half.
   std::int64_t forward_cp_bytes = 0, backward_cp_bytes = 0;
   int forward_cp_steps = 0, backward_cp_steps = 0;
-  double recompute_flops = 0;              // forward FLOPs redone in the backward (inside backward_input_flops)
+  double recompute_flops = 0;  // forward FLOPs redone in the backward (inside backward_input_flops)
   // Matrix-multiply kernels launched per pass (Megatron layout: fused QKV, output projection, fc1
   // with SwiGLU's gate and up fused, fc2, the attention core's batched GEMMs or one fused flash
   // kernel, router, head; a backward GEMM is one input-gradient and one weight-gradient kernel).
@@ -93,28 +93,28 @@ struct LayerShape {
   std::int64_t heads = 0, kv_heads = 0, head_dim = 0;
   // Multi-head latent attention (DeepSeek-V3); zero when the attention is plain MHA/GQA.
   std::int64_t q_lora_rank = 0, kv_lora_rank = 0, qk_rope_head_dim = 0, v_head_dim = 0;
-  bool qk_norm = false;         // Qwen3's per-head RMSNorm on q and k
-  bool bias = false;            // GPT-3 style biases on linear layers
-  bool qkv_bias = false;        // Qwen2 style: biases on the q, k and v projections only
+  bool qk_norm = false;   // Qwen3's per-head RMSNorm on q and k
+  bool bias = false;      // GPT-3 style biases on linear layers
+  bool qkv_bias = false;  // Qwen2 style: biases on the q, k and v projections only
   // Sliding-window attention (Mistral, Gemma's local layers): each query attends to at most this
   // many keys, so the flash kernel's work scales with min(s, window) per query. 0 = full attention.
   std::int64_t window = 0;
-  std::int64_t ffn = 0;         // dense MLP / expert / shared-expert hidden size
+  std::int64_t ffn = 0;  // dense MLP / expert / shared-expert hidden size
   MlpActivation activation = MlpActivation::SwiGLU;
   NormKind norm = NormKind::RMSNorm;
-  std::int64_t experts = 0, top_k = 0;    // MoE router / routed experts
-  std::int64_t max_positions = 0;         // learned position embedding rows (GPT-3); 0 = RoPE
-  bool tied_with_embedding = false;       // head shares the embedding matrix (no own params)
+  std::int64_t experts = 0, top_k = 0;  // MoE router / routed experts
+  std::int64_t max_positions = 0;       // learned position embedding rows (GPT-3); 0 = RoPE
+  bool tied_with_embedding = false;     // head shares the embedding matrix (no own params)
   AttentionKernel attention_kernel = AttentionKernel::Flash;
-  bool dropout = false;                   // dropout layers present (their 1-byte masks are kept)
+  bool dropout = false;  // dropout layers present (their 1-byte masks are kept)
 };
 
 struct Layer {
-  std::string name;      // "layers.3.attn"
+  std::string name;  // "layers.3.attn"
   LayerKind kind;
   LayerShape shape;
-  TagMap tags;           // annotation tags, e.g. {PP:1} or {PP:1, EP:3}
-  int block = -1;        // transformer block index, -1 for embedding / final norm / head
+  TagMap tags;     // annotation tags, e.g. {PP:1} or {PP:1, EP:3}
+  int block = -1;  // transformer block index, -1 for embedding / final norm / head
 };
 
 // Costs of one layer for a training shape. The formulas live in model.cpp with their sources.
@@ -122,9 +122,9 @@ Costs layer_costs(const Layer& layer, const TrainingShape& shape);
 
 // How a layer is parallelised and recomputed inside one device (Megatron layout, see ARCHITECTURE.md).
 struct ParallelLayout {
-  int tp = 1;                          // tensor-parallel degree
+  int tp = 1;  // tensor-parallel degree
   bool sequence_parallel = false;
-  int recompute = 0;                   // 0 none, 1 selective, 2 full, 3 op (core::Recompute's order)
+  int recompute = 0;  // 0 none, 1 selective, 2 full, 3 op (core::Recompute's order)
   // Context parallelism (Megatron): each device holds seq_len / cp tokens of every sequence (2 of the
   // 2·cp load-balanced causal chunks); attention exchanges K/V over the CP group, by a ring
   // (cp_all_gather false) or an all-gather + reduce-scatter of dK/dV.

@@ -18,7 +18,7 @@
 namespace piper::core {
 
 enum class OpKind { Compute, Update, Send, Recv, AllReduce, ReduceScatter, AllGather, AllToAll };
-std::string to_string(OpKind k);   // "COMPUTE", "UPD", "SEND", ...
+std::string to_string(OpKind k);  // "COMPUTE", "UPD", "SEND", ...
 OpKind op_kind_from_string(const std::string& s);
 
 // A position in a plan: stream index and op index within that stream.
@@ -40,33 +40,33 @@ struct Buffer {
   std::string name;
   BufferKind kind = BufferKind::Activations;
   std::int64_t bytes = 0;
-  OpRef alloc;   // {-1,-1}: persistent
-  OpRef free;    // {-1,-1}: persistent
+  OpRef alloc;  // {-1,-1}: persistent
+  OpRef free;   // {-1,-1}: persistent
   bool persistent() const { return alloc.stream < 0; }
 };
 
 struct Op {
   OpKind kind = OpKind::Compute;
   Pass pass = Pass::None;
-  std::int32_t node = -1;         // DAG node it came from; SEND and RECV both carry the SEND node (the pair's key)
-  std::string label;              // "F mb3 PP2"
-  TagMap tags;                    // the node's tags, for labels and dumps only: read typed fields instead
+  std::int32_t node = -1;  // DAG node it came from; SEND and RECV both carry the SEND node (the pair's key)
+  std::string label;       // "F mb3 PP2"
+  TagMap tags;             // the node's tags, for labels and dumps only: read typed fields instead
   // The microbatch the op works on, 0..Program::microbatches-1: the split copies' indices in
   // mixed radix, the first split outermost (GlobalDag::splits), whatever their dimension names.
   // -1: not tied to one microbatch (UPD, gradient collectives, the tied-embedding sum, and ops of a
   // region that a nested split did not cover, which the runtime refuses).
   int microbatch = -1;
   double flops = 0;
-  std::int64_t memory_bytes = 0;  // HBM traffic (roofline input)
-  std::int64_t bytes = 0;         // communication payload per device
+  std::int64_t memory_bytes = 0;        // HBM traffic (roofline input)
+  std::int64_t bytes = 0;               // communication payload per device
   DeviceSetId device_set = kNoDevices;  // the set this op's node runs on (resolves peers)
   DeviceSetId peer_set = kNoDevices;    // SEND/RECV: the other side; peer = peer_set[pos(me, device_set)]
-  int family = -1;                // collectives: Program::families index; group = the one holding me
-  std::vector<OpRef> waits;       // ops of other streams of this device that must finish first
-  std::vector<int> uses;          // transient buffers read or written (persistent state is per segment)
-  int segment = -1;               // Program::segments index: which model layers a COMPUTE op runs; SEND: the
-                                  // producer's segment, RECV: the consumer's, ALL_TO_ALL: the sharded one
-  std::vector<int> segments;      // UPD and gradient/parameter collectives: the segments whose state they touch
+  int family = -1;                      // collectives: Program::families index; group = the one holding me
+  std::vector<OpRef> waits;             // ops of other streams of this device that must finish first
+  std::vector<int> uses;                // transient buffers read or written (persistent state is per segment)
+  int segment = -1;                     // Program::segments index: which model layers a COMPUTE op runs; SEND: the
+                                        // producer's segment, RECV: the consumer's, ALL_TO_ALL: the sharded one
+  std::vector<int> segments;            // UPD and gradient/parameter collectives: the segments whose state they touch
   // COMPUTE ops of a tensor-parallel segment: the TP collectives performed inside the op over the
   // segment's TP group (ProgramSegment::tp_family). tp_bytes sums the full (unsharded) tensor bytes
   // of each collective counted in all-gather units: an all-gather or reduce-scatter of an N-byte
@@ -83,7 +83,7 @@ struct Op {
   // COMPUTE: HBM traffic of memory-bound element-wise kernels that run between the op's GEMMs
   // (models with standard attention); the simulator adds their time to the roofline.
   std::int64_t elementwise_bytes = 0;
-  double recompute_flops = 0;     // part of `flops` that recomputes forward work (not model FLOPs)
+  double recompute_flops = 0;  // part of `flops` that recomputes forward work (not model FLOPs)
   // COMPUTE: GEMM kernels the op launches (core::Costs::*_gemm_kernels); the simulator applies its
   // efficiency curve per kernel. 0: unknown, costed as one kernel.
   int gemm_kernels = 0;
@@ -91,7 +91,7 @@ struct Op {
 
 struct Stream {
   std::string name;
-  std::vector<Op> ops;   // issue order
+  std::vector<Op> ops;  // issue order
 };
 
 struct Plan {
@@ -103,10 +103,10 @@ struct Plan {
 // One model segment as the simulator and runtime need it: which layers, and how its parameters are
 // distributed (shard degree = expert/tensor sharding; replicas = data-parallel copies; ZeRO level).
 struct ProgramSegment {
-  int first_layer = 0, last_layer = 0;   // [first, last) layers of the model
+  int first_layer = 0, last_layer = 0;  // [first, last) layers of the model
   TagMap tags;
   DeviceSetId devices = kNoDevices;
-  std::int64_t params = 0;               // whole segment, before sharding
+  std::int64_t params = 0;  // whole segment, before sharding
   int shard_degree = 1;
   int replicas = 1;
   int zero_level = 0;
@@ -117,7 +117,7 @@ struct ProgramSegment {
   bool sequence_parallel = false;
   Recompute recompute = Recompute::None;
   int tp_family = -1;
-  bool tp_comm_overlap = false;          // TP collectives overlapped with the GEMMs (cost_model.hpp)
+  bool tp_comm_overlap = false;  // TP collectives overlapped with the GEMMs (cost_model.hpp)
   // ZeRO >= 1: how many ways the state is sharded: `replicas`, or the HSDP shard group size (the
   // replica at data rank i holds shard i % zero_shards; groups of zero_shards consecutive replicas).
   int zero_shards = 1;
@@ -151,21 +151,23 @@ inline constexpr int kPlanVersion = 2;
 
 struct Program {
   std::string model_name;
-  nlohmann::json model_spec;            // the model config as a spec file (core::config_from_spec_json), if known
+  nlohmann::json model_spec;  // the model config as a spec file (core::config_from_spec_json), if known
   std::vector<ProgramSegment> segments;
   TrainingShape training;
-  int microbatches = 1;                 // number of microbatch copies per step (product of split counts)
+  int microbatches = 1;  // number of microbatch copies per step (product of split counts)
   int num_devices = 0;
-  std::vector<std::vector<int>> device_sets;   // interned sets, as in the DAG
-  std::vector<CommFamily> families;            // communicator families (explicit groups derivable)
-  std::vector<Plan> plans;                     // distinct plans
-  std::vector<int> plan_of_device;             // device -> index into plans
+  std::vector<std::vector<int>> device_sets;  // interned sets, as in the DAG
+  std::vector<CommFamily> families;           // communicator families (explicit groups derivable)
+  std::vector<Plan> plans;                    // distinct plans
+  std::vector<int> plan_of_device;            // device -> index into plans
   // The sm_partition directive's split of each GPU's SMs (none: communication and compute share the
   // SMs dynamically, the cluster's comm_sm_share). In JSON: "sm_partition": {"stream", "sms"}, omitted when none.
   std::optional<SmPartition> sm_partition;
-  ProgramStats stats;                          // not part of equality; informational
+  ProgramStats stats;  // not part of equality; informational
 
-  const Plan& plan_for(int device) const { return plans.at(static_cast<std::size_t>(plan_of_device.at(static_cast<std::size_t>(device)))); }
+  const Plan& plan_for(int device) const {
+    return plans.at(static_cast<std::size_t>(plan_of_device.at(static_cast<std::size_t>(device))));
+  }
   // Position of `device` in device set `set`, or -1.
   int position_in(DeviceSetId set, int device) const;
   // SEND/RECV: the device on the other side for `device`.
@@ -174,10 +176,10 @@ struct Program {
   std::vector<int> group_of(int family, int device) const;
   // All groups of a family, each a list of device ids.
   std::vector<std::vector<int>> groups(int family) const;
-  std::int64_t total_ops() const;   // summed over devices (not plans)
+  std::int64_t total_ops() const;  // summed over devices (not plans)
 
   nlohmann::json to_json() const;
-  static Program from_json(const nlohmann::json& j);   // throws PlanError naming the field
+  static Program from_json(const nlohmann::json& j);  // throws PlanError naming the field
   friend bool operator==(const Program& a, const Program& b);
 };
 

@@ -32,20 +32,20 @@ class ProgramBuilder {
   // Continues an existing program (a file's, or another generator's).
   explicit ProgramBuilder(nlohmann::json program);
 
-  ProgramBuilder& place(const Filter& filter, const std::vector<int>& devices, const std::optional<std::string>& stream = {},
-                        bool blocking = false);
+  ProgramBuilder& place(const Filter& filter, const std::vector<int>& devices,
+                        const std::optional<std::string>& stream = {}, bool blocking = false);
   ProgramBuilder& replicate(const Filter& filter, const std::vector<int>& devices, const ReplicateArgs& args = {});
-  ProgramBuilder& shard(const Filter& filter, const std::vector<int>& devices, const std::optional<std::string>& stream = {},
-                        std::optional<int> degree = {});
+  ProgramBuilder& shard(const Filter& filter, const std::vector<int>& devices,
+                        const std::optional<std::string>& stream = {}, std::optional<int> degree = {});
   ProgramBuilder& split(const Filter& filter, int num_microbatches, const std::optional<std::string>& dim_name = {});
   ProgramBuilder& order(const std::vector<std::vector<Filter>>& groups);
-  ProgramBuilder& tensor_parallel(const Filter& filter, int degree, bool sequence_parallel = false, bool comm_overlap = false,
-                                  int expert_degree = 1);
+  ProgramBuilder& tensor_parallel(const Filter& filter, int degree, bool sequence_parallel = false,
+                                  bool comm_overlap = false, int expert_degree = 1);
   // "none", "selective", "full" or "op"; every / first > 0: only those blocks (RecomputeDirective)
   ProgramBuilder& recompute(const Filter& filter, const std::string& mode, int every = 0, int first = 0);
-  ProgramBuilder& sm_partition(int sms);                                      // the communication streams' SMs
-  ProgramBuilder& context_parallel(int degree, bool all_gather = false);      // the whole model's CP degree
-  ProgramBuilder& append(const nlohmann::json& directives);                   // another program's directives, in order
+  ProgramBuilder& sm_partition(int sms);                                  // the communication streams' SMs
+  ProgramBuilder& context_parallel(int degree, bool all_gather = false);  // the whole model's CP degree
+  ProgramBuilder& append(const nlohmann::json& directives);               // another program's directives, in order
 
   // Every device id d of every directive becomes map(d) (the same program on other devices).
   ProgramBuilder& relabel_devices(const std::function<int(int)>& map);

@@ -21,7 +21,7 @@ Pass pass_from_string(const std::string& s);  // "F", "B", "BI", "BW"; throws st
 // Op is TorchTitan's op-level selective checkpointing: a block keeps its input and the outputs of
 // attention and of every other matmul (the 1st, 3rd, ... of the block) and recomputes the rest.
 enum class Recompute { None, Selective, Full, Op };
-std::string to_string(Recompute r);                 // "none", "selective", "full", "op"
+std::string to_string(Recompute r);                     // "none", "selective", "full", "op"
 Recompute recompute_from_string(const std::string& s);  // throws std::invalid_argument
 
 // SM partitioning (Piper's sm_partition directive): a static split of every GPU's SMs between its
@@ -29,7 +29,7 @@ Recompute recompute_from_string(const std::string& s);  // throws std::invalid_a
 // communication 20 of 132 SMs. `stream` names the partitioned stream class; "comm" is the only one.
 struct SmPartition {
   std::string stream = "comm";
-  int sms = 0;                          // SMs the communication streams run on; compute gets the rest
+  int sms = 0;  // SMs the communication streams run on; compute gets the rest
   friend bool operator==(const SmPartition&, const SmPartition&) = default;
 };
 
@@ -57,8 +57,8 @@ FamilyPurpose family_purpose_from_string(const std::string& s);  // throws std::
 // devices, or the strided data-parallel groups of experts); one collective node is issued on every group.
 struct CommFamily {
   DeviceSetId devices = kNoDevices;
-  int group_size = 0;    // devices per group; groups = |devices| / group_size
-  int stride = 1;        // 1: consecutive chunks; k: group j = {devices[j + i*k]} (strided)
+  int group_size = 0;  // devices per group; groups = |devices| / group_size
+  int stride = 1;      // 1: consecutive chunks; k: group j = {devices[j + i*k]} (strided)
   FamilyPurpose purpose = FamilyPurpose::Dp;
   friend bool operator==(const CommFamily&, const CommFamily&) = default;
 };

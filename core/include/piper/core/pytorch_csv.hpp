@@ -18,13 +18,14 @@ std::string schedule_to_pytorch_csv(const ScheduleTable& table);
 // B = full backward. PyTorch < 2.5 had no I: a B whose stage and microbatch also have a W was the
 // input gradient. Either: no W at all, so B is the full backward in both.
 enum class CsvSpelling { Either, Modern, Legacy };
-std::string describe(CsvSpelling s);   // one phrase for the CLI's note
+std::string describe(CsvSpelling s);  // one phrase for the CLI's note
 
-// Parses and validates a compute-only CSV in either spelling (detected; stored in *spelling). Empty cells are idle slots. Errors are one line,
-// "WHERE: row R (rank R-1), column C: ...": a malformed action, a stage on two ranks, an action
-// given twice, W before its I, B mixed with I/W, both spellings in one file, or a missing stage,
-// forward or backward.
-ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::string& where, CsvSpelling* spelling = nullptr);
+// Parses and validates a compute-only CSV in either spelling (detected; stored in *spelling). Empty cells are idle
+// slots. Errors are one line, "WHERE: row R (rank R-1), column C: ...": a malformed action, a stage on two ranks, an
+// action given twice, W before its I, B mixed with I/W, both spellings in one file, or a missing stage, forward or
+// backward.
+ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::string& where,
+                                        CsvSpelling* spelling = nullptr);
 
 // Stage -> rank of a valid table (each stage on one rank).
 std::vector<int> stage_ranks(const ScheduleTable& table);

@@ -16,21 +16,21 @@
 namespace piper::core {
 
 struct Scenario {
-  std::string model = "qwen3-9m";          // zoo name, model spec JSON or HF config.json path
-  std::int64_t seq_len = 0;                // 0: the model's default
-  std::int64_t micro_batch_size = 0;       // 0: the model's default
-  int stages = 0;                          // PP regions; 0: from the program or the schedule family
-  std::vector<int> stage_starts;           // explicit PP regions: first block of each (overrides balancing)
+  std::string model = "qwen3-9m";     // zoo name, model spec JSON or HF config.json path
+  std::int64_t seq_len = 0;           // 0: the model's default
+  std::int64_t micro_batch_size = 0;  // 0: the model's default
+  int stages = 0;                     // PP regions; 0: from the program or the schedule family
+  std::vector<int> stage_starts;      // explicit PP regions: first block of each (overrides balancing)
   // Uneven pipelines (Megatron's --decoder-first/last-pipeline-num-layers): blocks of the first and of
   // the last PP region; the other regions share the rest evenly (first_last_stage_starts). 0: balanced.
   int first_stage_layers = 0;
   int last_stage_layers = 0;
   std::optional<nlohmann::json> directives;  // a directive program; empty: generated from `strategy`
-  std::string directives_source;           // file the program came from (for error messages)
+  std::string directives_source;             // file the program came from (for error messages)
   StrategyOptions strategy;
-  bool append_schedule = false;            // directives is placement-only: append strategy.schedule
-  std::string cluster;                     // cluster preset or file (used by the simulator)
-  std::string engine;                      // simulator engine (empty: default)
+  bool append_schedule = false;  // directives is placement-only: append strategy.schedule
+  std::string cluster;           // cluster preset or file (used by the simulator)
+  std::string engine;            // simulator engine (empty: default)
 
   nlohmann::json to_json() const;
   // Reads a scenario file's JSON; `where` names it in errors. Relative paths resolve against `base_dir`.
@@ -39,7 +39,7 @@ struct Scenario {
 
 struct CompiledScenario {
   ModelConfig config;
-  Model model;          // with PP annotations
+  Model model;                  // with PP annotations
   nlohmann::json program_json;  // the directive program that was compiled
   CompileResult result;
 };

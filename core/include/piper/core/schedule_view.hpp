@@ -19,21 +19,21 @@ struct UnitCosts {
 };
 
 struct TimedOp {
-  int stage = -1;           // PP region (the op's PP tag)
-  int microbatch = -1;      // DAG microbatch; the second copy of a mirrored pair adds Program::microbatches
+  int stage = -1;       // PP region (the op's PP tag)
+  int microbatch = -1;  // DAG microbatch; the second copy of a mirrored pair adds Program::microbatches
   Pass pass = Pass::None;
-  int start = 0, end = 0;   // time units
+  int start = 0, end = 0;  // time units
 };
 
 struct RankTimeline {
-  std::vector<TimedOp> ops;   // compute ops (F, B, BI, BW) in start order
-  int busy = 0;               // summed cost of the rank's compute ops
-  int bubble = 0;             // step time - busy: the rank's idle time within the step
-  int peak_activations = 0;   // most activation buffers alive at once (alloc at F start, free at last use end)
+  std::vector<TimedOp> ops;  // compute ops (F, B, BI, BW) in start order
+  int busy = 0;              // summed cost of the rank's compute ops
+  int bubble = 0;            // step time - busy: the rank's idle time within the step
+  int peak_activations = 0;  // most activation buffers alive at once (alloc at F start, free at last use end)
 };
 
 struct UnitSchedule {
-  int step_time = 0;              // end of the last compute op on any rank (the step starts at 0)
+  int step_time = 0;                // end of the last compute op on any rank (the step starts at 0)
   std::vector<RankTimeline> ranks;  // one per device of the program
 };
 

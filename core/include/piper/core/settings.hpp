@@ -20,9 +20,9 @@ namespace piper::core {
 enum class SettingType { Int, Double, Bool, String };
 
 struct Setting {
-  std::string name;      // snake_case; the CLI flag is --kebab-case of it
+  std::string name;  // snake_case; the CLI flag is --kebab-case of it
   SettingType type = SettingType::Int;
-  std::string help;      // one line, for --help, the studio's tool tips and piper.strategy_settings()
+  std::string help;  // one line, for --help, the studio's tool tips and piper.strategy_settings()
   std::variant<int StrategyOptions::*, double StrategyOptions::*, bool StrategyOptions::*,
                std::string StrategyOptions::*>
       member;
@@ -46,8 +46,8 @@ const std::vector<Setting>& strategy_settings();
 const Setting* find_setting(const std::string& name);
 std::vector<std::string> setting_names();
 
-std::string setting_flag(const Setting& s);             // "--dp-shard"
-std::string setting_type_name(const Setting& s);        // "int", "double", "bool", "string"
+std::string setting_flag(const Setting& s);       // "--dp-shard"
+std::string setting_type_name(const Setting& s);  // "int", "double", "bool", "string"
 // The allowed values of a String setting (`schedule`: the registered families); empty: any.
 std::vector<std::string> setting_choices(const Setting& s);
 

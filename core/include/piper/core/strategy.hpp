@@ -20,9 +20,9 @@ struct StrategyOptions {
 #undef PIPER_STRATEGY_SETTING
   // Logical stream names written into the directives. Parameters (not constants) so that programs
   // can match other tools' naming, e.g. the published fixtures' "pp_stream"/"dp_stream".
-  std::string pp_stream = "pp";    // place: point-to-point transfers between pipeline ranks
-  std::string dp_stream = "dp";    // replicate: gradient reduction and (ZeRO-3) parameter gathers
-  std::string ep_stream = "ep";    // shard: expert all-to-all
+  std::string pp_stream = "pp";  // place: point-to-point transfers between pipeline ranks
+  std::string dp_stream = "dp";  // replicate: gradient reduction and (ZeRO-3) parameter gathers
+  std::string ep_stream = "ep";  // shard: expert all-to-all
   friend bool operator==(const StrategyOptions&, const StrategyOptions&) = default;
 };
 
@@ -36,12 +36,12 @@ void resolve_global_batch(StrategyOptions& o, std::int64_t micro_batch_size);
 
 // What a schedule generator needs to know: how PP regions map to ranks and the microbatch count.
 struct ScheduleContext {
-  int ranks = 1;                           // pipeline ranks (pp)
-  int regions = 1;                         // PP regions of the model
+  int ranks = 1;    // pipeline ranks (pp)
+  int regions = 1;  // PP regions of the model
   int microbatches = 1;
   int virtual_stages = 1;
-  std::vector<int> rank_of_region;         // region -> pipeline rank
-  bool mirrored = false;                   // each region also lives on rank ranks-1-r (see ScheduleFamily)
+  std::vector<int> rank_of_region;  // region -> pipeline rank
+  bool mirrored = false;            // each region also lives on rank ranks-1-r (see ScheduleFamily)
 };
 
 // One compute action of a schedule, named as PyTorch's torch.distributed.pipelining names them:
@@ -59,15 +59,15 @@ using ScheduleStep = std::vector<ScheduleAction>;
 // A schedule in its published form: per pipeline rank, the total order of its compute steps
 // (PyTorch's compute-only `pipeline_order`). Directives and the PyTorch CSV are both derived from it.
 struct ScheduleTable {
-  int stages = 0;         // PP regions
-  int microbatches = 0;   // microbatch copies in the DAG (a mirrored family runs each on both copies)
+  int stages = 0;        // PP regions
+  int microbatches = 0;  // microbatch copies in the DAG (a mirrored family runs each on both copies)
   std::vector<std::vector<ScheduleStep>> ranks;
 };
 
 struct ScheduleFamily {
   std::string name;
-  std::string constraints;                                   // one line, for `schedule list`
-  std::function<int(const StrategyOptions&)> regions;        // PP regions it needs for pp ranks
+  std::string constraints;                                                         // one line, for `schedule list`
+  std::function<int(const StrategyOptions&)> regions;                              // PP regions it needs for pp ranks
   std::function<std::vector<int>(const StrategyOptions&, int regions)> placement;  // region -> rank
   // Emits the split + order directives (JSON, published format). Throws std::invalid_argument on
   // unmet constraints with a one-line reason.
@@ -82,7 +82,7 @@ struct ScheduleFamily {
 };
 
 const std::vector<ScheduleFamily>& schedule_registry();
-const ScheduleFamily& schedule_family(const std::string& name);   // throws std::invalid_argument
+const ScheduleFamily& schedule_family(const std::string& name);  // throws std::invalid_argument
 
 // Devices: pipeline rank r, data-parallel rank d, context-parallel rank c, tensor-parallel rank k ->
 // device k + tp * (c + cp * (r + d * pp)): TP groups are consecutive devices (inside a node), CP next

@@ -17,13 +17,15 @@ inline std::size_t edit_distance(const std::string& a, const std::string& b) {
     for (std::size_t j = 1; j <= m; ++j) {
       const std::size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
       d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost});
-      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
     }
   return d[n][m];
 }
 
 // The candidate nearest to `word`, if it is near enough to be a typo of it (at most a third of the
-// word's letters wrong, and at least one allowed); else "" (also for words over 64 characters). Ties go to the first candidate.
+// word's letters wrong, and at least one allowed); else "" (also for words over 64 characters). Ties go to the first
+// candidate.
 inline std::string nearest(const std::string& word, const std::vector<std::string>& candidates) {
   if (word.size() > 64) return {};  // no typo of a short name; and the distance table stays small
   const std::size_t allowed = std::max<std::size_t>(1, word.size() / 3);

@@ -41,7 +41,8 @@ class SharedVector {
   using iterator = typename std::vector<T>::iterator;
 
   SharedVector() = default;
-  SharedVector(std::vector<T> v) : data_(std::make_shared<std::vector<T>>(std::move(v))) {}  // NOLINT: implicit by design
+  SharedVector(std::vector<T> v)
+      : data_(std::make_shared<std::vector<T>>(std::move(v))) {}  // NOLINT: implicit by design
   SharedVector(std::initializer_list<T> v) : SharedVector(std::vector<T>(v)) {}
 
   const std::vector<T>& get() const {
@@ -62,8 +63,10 @@ class SharedVector {
 
   // Writes: on a private copy.
   std::vector<T>& mutable_vector() {
-    if (!data_) data_ = std::make_shared<std::vector<T>>();
-    else if (data_.use_count() > 1) data_ = std::make_shared<std::vector<T>>(*data_);
+    if (!data_)
+      data_ = std::make_shared<std::vector<T>>();
+    else if (data_.use_count() > 1)
+      data_ = std::make_shared<std::vector<T>>(*data_);
     return *data_;
   }
   iterator begin() { return mutable_vector().begin(); }
@@ -80,20 +83,22 @@ class SharedVector {
 };
 
 struct DeviceTimeline {
-  SharedVector<OpSpan> spans;           // every op of the device's plan once; sorted by (stream, index)
-  SharedVector<MemorySample> memory;    // step function, sorted by time
+  SharedVector<OpSpan> spans;         // every op of the device's plan once; sorted by (stream, index)
+  SharedVector<MemorySample> memory;  // step function, sorted by time
   std::int64_t peak_memory_bytes = 0;
   double peak_memory_time_s = 0;
 };
 
 struct Timeline {
-  std::string source;                   // "simgrid", "analytic", "measured"
+  std::string source;  // "simgrid", "analytic", "measured"
   std::shared_ptr<const Program> program;
   double step_time_s = 0;               // end of the last op on any device
   std::vector<DeviceTimeline> devices;  // indexed by device id
 
   const Op& op(int device, const OpSpan& s) const {
-    return program->plan_for(device).streams.at(static_cast<std::size_t>(s.stream)).ops.at(static_cast<std::size_t>(s.index));
+    return program->plan_for(device)
+        .streams.at(static_cast<std::size_t>(s.stream))
+        .ops.at(static_cast<std::size_t>(s.index));
   }
 };
 

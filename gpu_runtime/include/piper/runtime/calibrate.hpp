@@ -58,7 +58,8 @@ void check_calibrate_path(const std::string& path);
 // Rank 0 of MPI_COMM_WORLD gathers every rank's kept steps (`mine`: this rank's spans, one
 // DeviceTimeline per kept step; rank r is device r) and writes the calibration atomically. Collective.
 // A failed write throws std::invalid_argument on rank 0 only.
-void write_calibration_distributed(const std::string& path, const core::Program& program, const std::vector<core::DeviceTimeline>& mine,
-                                   const std::string& gpu, const nlohmann::json& measured);
+void write_calibration_distributed(const std::string& path, const core::Program& program,
+                                   const std::vector<core::DeviceTimeline>& mine, const std::string& gpu,
+                                   const nlohmann::json& measured);
 
 }  // namespace piper::runtime

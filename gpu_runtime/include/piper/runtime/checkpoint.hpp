@@ -27,11 +27,11 @@ struct StateRecord {
 // What a checkpoint says about the run that wrote it (the JSON header line of the file).
 struct CheckpointInfo {
   std::string model_name;
-  std::string fingerprint;          // model_fingerprint(): spec only, never the layout
-  int step = 0;                     // optimizer steps done (AdamW bias correction continues from it)
-  std::int64_t data_position = 0;   // sequences of the token stream consumed (step * sequences_per_step)
+  std::string fingerprint;         // model_fingerprint(): spec only, never the layout
+  int step = 0;                    // optimizer steps done (AdamW bias correction continues from it)
+  std::int64_t data_position = 0;  // sequences of the token stream consumed (step * sequences_per_step)
   std::int64_t sequences_per_step = 0, seq_len = 0;
-  std::string saved_layout;         // informational: how the saving run was laid out
+  std::string saved_layout;  // informational: how the saving run was laid out
 };
 
 // The full state of every layer: kind -> values, NaN-free when complete.

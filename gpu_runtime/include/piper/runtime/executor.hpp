@@ -17,16 +17,16 @@ class RuntimeError : public std::runtime_error {
 };
 
 struct ExecutorOptions {
-  double stall_timeout_s = 20;   // no op progressed for this long: the step fails (a peer died or hangs)
+  double stall_timeout_s = 20;  // no op progressed for this long: the step fails (a peer died or hangs)
 };
 
 // What one step measured on this device.
 struct StepMeasurement {
-  core::DeviceTimeline timeline;   // spans relative to the step start
+  core::DeviceTimeline timeline;  // spans relative to the step start
   double step_seconds = 0;
-  double backend_seconds = 0;      // inside Backend::start/poll of ops that progressed (kernels, comm issue/finish)
-  double idle_seconds = 0;         // sweeps where nothing progressed (waiting on peers and communication)
-  double overhead_seconds = 0;     // the rest: the executor's own bookkeeping
+  double backend_seconds = 0;   // inside Backend::start/poll of ops that progressed (kernels, comm issue/finish)
+  double idle_seconds = 0;      // sweeps where nothing progressed (waiting on peers and communication)
+  double overhead_seconds = 0;  // the rest: the executor's own bookkeeping
   std::int64_t ops = 0;
 };
 

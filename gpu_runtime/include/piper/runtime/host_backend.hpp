@@ -22,15 +22,17 @@ struct HostConfig {
   std::uint64_t seed = 1;
   std::string data_path;
   host::AdamWConfig adamw;
-  double stall_timeout_s = 20;   // a TP collective inside a compute op waits at most this long for its group
+  double stall_timeout_s = 20;  // a TP collective inside a compute op waits at most this long for its group
 };
 
 // The data-parallel shape of a program, as the data and the loss need it.
 struct DataShape {
-  int microbatches = 1;       // Program::microbatches
-  int ranks = 1;              // data-parallel ranks: devices of a compute op's device set
+  int microbatches = 1;  // Program::microbatches
+  int ranks = 1;         // data-parallel ranks: devices of a compute op's device set
   std::int64_t micro_batch_size = 1, seq_len = 1;
-  std::int64_t global_tokens() const { return static_cast<std::int64_t>(microbatches) * ranks * micro_batch_size * seq_len; }
+  std::int64_t global_tokens() const {
+    return static_cast<std::int64_t>(microbatches) * ranks * micro_batch_size * seq_len;
+  }
 };
 DataShape data_shape(const core::Program& program);
 
@@ -54,7 +56,7 @@ class HostBackend : public Backend {
   void end_step() override;
   std::string describe_wait(const core::Op& op) const override;
 
-  double loss_sum() const { return loss_sum_; }   // this device's summed token losses of the step
+  double loss_sum() const { return loss_sum_; }  // this device's summed token losses of the step
   host::HostModel& model() { return *model_; }
   int steps_done() const { return steps_done_; }
   void set_steps_done(int steps) { steps_done_ = steps; }
@@ -69,11 +71,11 @@ class HostBackend : public Backend {
   // backend adds the two after the later segment's last backward, and holds the reductions and the
   // update that read them until then.
   struct TiedSync {
-    int embed_seg = -1, head_seg = -1;   // the segments, when they differ and this device holds one
-    bool local = false;                  // this device holds both (same data and TP rank)
-    int family = -1;                     // the plan's "tied-embedding" family (-1: none)
-    std::map<int, int> backward_done;    // segment -> B/BW ops run this step
-    bool finished = false;               // the sum is in place for this step
+    int embed_seg = -1, head_seg = -1;  // the segments, when they differ and this device holds one
+    bool local = false;                 // this device holds both (same data and TP rank)
+    int family = -1;                    // the plan's "tied-embedding" family (-1: none)
+    std::map<int, int> backward_done;   // segment -> B/BW ops run this step
+    bool finished = false;              // the sum is in place for this step
     int held() const { return embed_seg >= 0 ? embed_seg : head_seg; }  // across devices: the one here
   };
   void setup_tied(const core::Program& program);
@@ -96,11 +98,11 @@ class HostBackend : public Backend {
   const core::Plan& plan_;
   int device_;
   MPI_Comm world_ = MPI_COMM_NULL;
-  std::vector<MPI_Comm> family_comm_;   // this device's group communicator per family (or null)
-  std::map<int, std::unique_ptr<MpiTpComm>> tp_comms_;   // TP family -> this device's TP group
-  std::map<int, std::unique_ptr<MpiTpComm>> cp_comms_;   // CP family -> this device's CP group
-  std::vector<int> set_tp_;                              // device set -> TP degree of its stage
-  std::vector<int> set_cp_;                              // device set -> CP degree of its segments
+  std::vector<MPI_Comm> family_comm_;                   // this device's group communicator per family (or null)
+  std::map<int, std::unique_ptr<MpiTpComm>> tp_comms_;  // TP family -> this device's TP group
+  std::map<int, std::unique_ptr<MpiTpComm>> cp_comms_;  // CP family -> this device's CP group
+  std::vector<int> set_tp_;                             // device set -> TP degree of its stage
+  std::vector<int> set_cp_;                             // device set -> CP degree of its segments
   HostConfig config_;
   DataShape shape_;
   float loss_scale_ = 1;
@@ -114,9 +116,9 @@ class HostBackend : public Backend {
   // that layer in the forward direction, or leaving it in the backward direction).
   // The data-parallel rank is part of the key: with mirrored placements one device runs different
   // ranks' data in different segments (its position differs between their device sets).
-  using Key = std::tuple<int, int, int>;         // (microbatch, data-parallel rank, layer)
-  using SegKey = std::pair<int, int>;            // (segment, microbatch)
-  using EpKey = std::tuple<int, bool, int>;      // (segment, backward, microbatch)
+  using Key = std::tuple<int, int, int>;     // (microbatch, data-parallel rank, layer)
+  using SegKey = std::pair<int, int>;        // (segment, microbatch)
+  using EpKey = std::tuple<int, bool, int>;  // (segment, backward, microbatch)
   std::map<Key, host::ForwardState> forward_;
   std::map<Key, host::BackwardState> backward_;
   std::map<SegKey, host::SegmentStash> stash_;

@@ -52,25 +52,27 @@ struct ExpertPacket {
   std::vector<int> expert;
   Mat rows;
 };
-std::vector<float> pack_packets(const std::vector<ExpertPacket>& packets, std::int64_t block_floats, std::int64_t hidden);
-std::vector<ExpertPacket> unpack_packets(std::span<const float> data, int peers, std::int64_t block_floats, std::int64_t hidden);
+std::vector<float> pack_packets(const std::vector<ExpertPacket>& packets, std::int64_t block_floats,
+                                std::int64_t hidden);
+std::vector<ExpertPacket> unpack_packets(std::span<const float> data, int peers, std::int64_t block_floats,
+                                         std::int64_t hidden);
 
 // One layer's saved forward state (and BI's saved gradients for BW).
 struct LayerCache {
   RmsNormCache norm;
-  LayerNormCache lnorm;           // GPT: LayerNorm instead of RMSNorm
+  LayerNormCache lnorm;  // GPT: LayerNorm instead of RMSNorm
   AttentionCache attn;
   MlpCache mlp;
-  GeluMlpCache gmlp;              // GPT: GELU MLP instead of SwiGLU
+  GeluMlpCache gmlp;  // GPT: GELU MLP instead of SwiGLU
   RouterCache router;
   ExpertsCache experts;
-  ExpertSource source;            // experts run locally: the routing of this layer
-  std::vector<int> source_counts; // experts sharded: entries received from each source rank
-  std::vector<int> etp_counts;    // expert TP: entries of each rank of the ETP group (gathered in F)
+  ExpertSource source;             // experts run locally: the routing of this layer
+  std::vector<int> source_counts;  // experts sharded: entries received from each source rank
+  std::vector<int> etp_counts;     // expert TP: entries of each rank of the ETP group (gathered in F)
   HeadCache head;
-  std::vector<int> tokens;        // embedding
-  Mat dx_embed;                   // embedding: saved by BI for BW
-  Mat dy_norm;                    // norm: saved by BI for BW
+  std::vector<int> tokens;  // embedding
+  Mat dx_embed;             // embedding: saved by BI for BW
+  Mat dy_norm;              // norm: saved by BI for BW
 };
 struct SegmentStash {
   std::vector<LayerCache> layers;
@@ -105,8 +107,8 @@ class TpComm {
 struct SegmentParams {
   int segment = -1;
   int first_layer = 0, last_layer = 0;
-  int shard_degree = 1, shard_index = 0;    // experts: this device holds experts [shard_index*E/S, ...)
-  int replicas = 1, replica_index = 0;      // data-parallel copies and this device's index among them
+  int shard_degree = 1, shard_index = 0;  // experts: this device holds experts [shard_index*E/S, ...)
+  int replicas = 1, replica_index = 0;    // data-parallel copies and this device's index among them
   int zero_level = 0;
   // ZeRO shards: replicas (plain ZeRO) or the HSDP shard group size; this device owns chunk
   // replica_index % zero_shards, and the groups of zero_shards consecutive replicas replicate it.
@@ -116,7 +118,7 @@ struct SegmentParams {
   int tp_degree = 1, tp_rank = 0;
   bool sequence_parallel = false;
   RecomputeMode recompute = RecomputeMode::None;
-  TpComm* tp = nullptr;                     // set by the backend when tp_degree > 1
+  TpComm* tp = nullptr;  // set by the backend when tp_degree > 1
   // Context parallelism: each sequence's seq_len / cp_degree local rows are CP rank cp_rank's two
   // load-balanced chunks (AttentionCp); attention exchanges K/V over `cp` (set by the backend).
   int cp_degree = 1, cp_rank = 0;
@@ -125,20 +127,20 @@ struct SegmentParams {
   // Routed experts without TP on a TP stage without SP: the t TP ranks route the same tokens, so the
   // experts see each token t times; BW divides their weight gradients by this.
   int token_copies = 1;
-  bool expert_tp = false;          // routed experts alone in their segment, split by TP (expert TP); experts inside a
-                                  // TP segment of other layers stay whole (replicated)
+  bool expert_tp = false;  // routed experts alone in their segment, split by TP (expert TP); experts inside a
+                           // TP segment of other layers stay whole (replicated)
   // Tied embeddings (GPT) with the head in this segment but the embedding elsewhere: the head layer
   // holds a copy of (this TP rank's slice of) the embedding table, kept identical to it by summing
   // the two gradients before the update (HostModel::tied_grads; the backend pairs the devices).
   bool tied_copy = false;
-  std::vector<float> params, grads;         // this device's (expert-sharded) part, all replicas' chunks
-  std::vector<std::int64_t> layer_offset;   // start of each layer in params (size = layers + 1)
+  std::vector<float> params, grads;        // this device's (expert-sharded) part, all replicas' chunks
+  std::vector<std::int64_t> layer_offset;  // start of each layer in params (size = layers + 1)
   // ZeRO >= 1: the chunk [chunk_begin, chunk_end) of params this replica updates, its master copy,
   // reduced gradient and AdamW moments; ZeRO 0: moments of the whole vector.
   std::int64_t chunk_begin = 0, chunk_end = 0, chunk_floats = 0;
   std::vector<float> master, grad_chunk, adam_m, adam_v;
   bool grad_chunk_ready = false;
-  int gathered = 0;                         // ZeRO-3: live gathered copies (params valid while > 0)
+  int gathered = 0;  // ZeRO-3: live gathered copies (params valid while > 0)
 };
 
 // One contiguous part of a layer's canonical full parameter vector: for comparing and checkpointing.
@@ -194,7 +196,8 @@ class HostModel {
   std::vector<ExpertPacket> dispatch_backward(BackwardState& grad, const ExpertSource& src) const;
   void experts_backward_entries(int seg, const std::vector<ExpertPacket>& from, SegmentStash& stash,
                                 std::vector<ExpertPacket>* to_sources);
-  void combine_backward(BackwardState& grad, const ExpertSource& src, const std::vector<ExpertPacket>& from_owners) const;
+  void combine_backward(BackwardState& grad, const ExpertSource& src,
+                        const std::vector<ExpertPacket>& from_owners) const;
 
   // Optimizer step of one segment with its reduced gradients (ZeRO >= 1: the chunk), then zero grads.
   void update(int seg, const AdamWConfig& cfg, int step);
@@ -233,8 +236,10 @@ class HostModel {
 
  private:
   struct LayerView;
-  std::vector<ParamRecord> records(const SegmentParams& sp, const std::vector<float>& src, std::int64_t begin, std::int64_t end) const;
-  void forward_layers(SegmentParams& sp, const MicrobatchData& data, float loss_scale, ForwardState& s, SegmentStash& stash, double* loss);
+  std::vector<ParamRecord> records(const SegmentParams& sp, const std::vector<float>& src, std::int64_t begin,
+                                   std::int64_t end) const;
+  void forward_layers(SegmentParams& sp, const MicrobatchData& data, float loss_scale, ForwardState& s,
+                      SegmentStash& stash, double* loss);
   LayerView view(SegmentParams& sp, int layer, bool grads);
   ConstMatMap tied_table(SegmentParams& sp);
   MatMap tied_table_grad(SegmentParams& sp);
@@ -272,13 +277,14 @@ enum class TpSplit { Replicated, Columns, Rows };
 struct LocalTensor {
   TensorSpec local, full;
   TpSplit split = TpSplit::Replicated;
-  int part = 0;                    // TP rank: which block of the split
-  std::int64_t full_offset = 0;    // start of the full tensor in the layer's canonical vector
-  int canonical_layer = -1;        // >= 0: the tensor belongs to that layer (the tied head's copy of the embedding)
+  int part = 0;                  // TP rank: which block of the split
+  std::int64_t full_offset = 0;  // start of the full tensor in the layer's canonical vector
+  int canonical_layer = -1;      // >= 0: the tensor belongs to that layer (the tied head's copy of the embedding)
   // Contiguous runs (local offset within the tensor, canonical offset within the layer, length).
   std::vector<std::array<std::int64_t, 3>> runs() const;
 };
-std::vector<LocalTensor> local_tensors(const core::Layer& layer, int shard_degree, int shard_index, int tp_degree, int tp_rank);
+std::vector<LocalTensor> local_tensors(const core::Layer& layer, int shard_degree, int shard_index, int tp_degree,
+                                       int tp_rank);
 
 // Deterministic token stream: synthetic (arithmetic sequences mod vocab) or a file's bytes mod vocab.
 class TokenStream {
@@ -287,7 +293,8 @@ class TokenStream {
   // Sequence `index` of the whole run (seq_len + 1 tokens: inputs and shifted targets).
   std::vector<int> sequence(std::int64_t index) const;
   // Microbatch `mb` of data rank `rank` at `step`: sequences in the order the reference uses.
-  MicrobatchData microbatch(int step, int mb, int rank, int microbatches, int ranks, std::int64_t micro_batch_size) const;
+  MicrobatchData microbatch(int step, int mb, int rank, int microbatches, int ranks,
+                            std::int64_t micro_batch_size) const;
 
  private:
   std::int64_t vocab_, seq_len_;

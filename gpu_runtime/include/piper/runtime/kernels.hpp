@@ -79,17 +79,17 @@ struct AttentionCp {
 };
 struct AttentionShape {
   int heads = 1, kv_heads = 1, head_dim = 1;
-  int seq_len = 1;          // rows are sequences of seq_len tokens one after another
+  int seq_len = 1;  // rows are sequences of seq_len tokens one after another
   bool qk_norm = false;
   float rope_theta = 10000.0f;
-  bool rope = true;         // false: learned absolute positions (GPT) added at the embedding instead
-  bool bias = false;        // q, k, v projection biases (GPT); the output bias is added by the caller
+  bool rope = true;                 // false: learned absolute positions (GPT) added at the embedding instead
+  bool bias = false;                // q, k, v projection biases (GPT); the output bias is added by the caller
   const AttentionCp* cp = nullptr;  // context parallelism (seq_len is then the local rows per sequence)
   bool context_parallel() const { return cp != nullptr && cp->cp > 1; }
 };
 struct AttentionWeights {
-  ConstMatMap wq, wk, wv, wo;      // [H, heads*hd], [H, kv*hd], [H, kv*hd], [heads*hd, H]
-  ConstVecMap q_norm, k_norm;      // [hd] each (unused without qk_norm)
+  ConstMatMap wq, wk, wv, wo;                                  // [H, heads*hd], [H, kv*hd], [H, kv*hd], [heads*hd, H]
+  ConstVecMap q_norm, k_norm;                                  // [hd] each (unused without qk_norm)
   ConstVecMap bq{nullptr, 0}, bk{nullptr, 0}, bv{nullptr, 0};  // [heads*hd], [kv*hd], [kv*hd] with bias
 };
 struct AttentionGrads {
@@ -98,13 +98,13 @@ struct AttentionGrads {
   VecMap bq{nullptr, 0}, bk{nullptr, 0}, bv{nullptr, 0};
 };
 struct AttentionCache {
-  Mat u;                          // input
-  Mat q_lin, k_lin, v;            // projections (before qk-norm and RoPE)
-  Mat q_rstd, k_rstd;             // [T, heads], [T, kv] per-head RMSNorm factors
-  Mat q, k;                       // after qk-norm and RoPE
-  Mat k_all, v_all;               // context parallelism: every CP rank's k and v (AttentionCp::gather)
-  std::vector<Mat> probs;         // per (sequence, head): [seq, seq] softmax
-  Mat o;                          // [T, heads*hd] attention output before wo
+  Mat u;                   // input
+  Mat q_lin, k_lin, v;     // projections (before qk-norm and RoPE)
+  Mat q_rstd, k_rstd;      // [T, heads], [T, kv] per-head RMSNorm factors
+  Mat q, k;                // after qk-norm and RoPE
+  Mat k_all, v_all;        // context parallelism: every CP rank's k and v (AttentionCp::gather)
+  std::vector<Mat> probs;  // per (sequence, head): [seq, seq] softmax
+  Mat o;                   // [T, heads*hd] attention output before wo
   // Saved by backward_input for backward_weight:
   Mat dout, dq_lin, dk_lin, dv;
   Vec dq_norm, dk_norm;
@@ -120,14 +120,14 @@ void attention_backward_weight(const AttentionShape& s, const AttentionCache& c,
 
 // ---- SwiGLU MLP: y = (silu(u wg) * (u wu)) wd ----
 struct MlpWeights {
-  ConstMatMap wg, wu, wd;          // [H, F], [H, F], [F, H]
+  ConstMatMap wg, wu, wd;  // [H, F], [H, F], [F, H]
 };
 struct MlpGrads {
   MatMap wg, wu, wd;
 };
 struct MlpCache {
-  Mat u, a, b, h;                 // h = silu(a) * b
-  Mat dout, da, db;               // saved by backward_input
+  Mat u, a, b, h;    // h = silu(a) * b
+  Mat dout, da, db;  // saved by backward_input
 };
 Mat mlp_forward(const MlpWeights& w, const Mat& u, MlpCache* c);
 Mat mlp_backward_input(const MlpWeights& w, MlpCache& c, const Mat& dout);
@@ -136,16 +136,16 @@ void mlp_backward_weight(const MlpCache& c, MlpGrads& g);
 // ---- GELU MLP (GPT): y = gelu(u w1 + b1) w2; the output bias b2 is added by the caller (after the
 // tensor-parallel reduction, so that it is added once) ----
 struct GeluMlpWeights {
-  ConstMatMap w1, w2;              // [H, F], [F, H]
-  ConstVecMap b1;                  // [F]
+  ConstMatMap w1, w2;  // [H, F], [F, H]
+  ConstVecMap b1;      // [F]
 };
 struct GeluMlpGrads {
   MatMap w1, w2;
   VecMap b1;
 };
 struct GeluMlpCache {
-  Mat u, a, h;                     // a = u w1 + b1, h = gelu(a)
-  Mat dout, da;                    // saved by backward_input
+  Mat u, a, h;   // a = u w1 + b1, h = gelu(a)
+  Mat dout, da;  // saved by backward_input
 };
 Mat gelu_mlp_forward(const GeluMlpWeights& w, const Mat& u, GeluMlpCache* c);
 Mat gelu_mlp_backward_input(const GeluMlpWeights& w, GeluMlpCache& c, const Mat& dout);
@@ -154,9 +154,9 @@ void gelu_mlp_backward_weight(const GeluMlpCache& c, GeluMlpGrads& g);
 // ---- MoE router: softmax over the top-k logits of u wr (Qwen3-MoE normalises the top-k) ----
 struct RouterCache {
   Mat u;
-  Eigen::MatrixXi topk;           // [T, k] expert ids, best first
-  Mat gates;                      // [T, k]
-  Mat dlogits;                    // [T, E] saved by backward_input
+  Eigen::MatrixXi topk;  // [T, k] expert ids, best first
+  Mat gates;             // [T, k]
+  Mat dlogits;           // [T, E] saved by backward_input
 };
 void router_forward(const ConstMatMap& wr, int top_k, const Mat& u, RouterCache* c, Eigen::MatrixXi* topk, Mat* gates);
 Mat router_backward_input(const ConstMatMap& wr, RouterCache& c, const Mat& dgates);
@@ -165,7 +165,7 @@ void router_backward_weight(const RouterCache& c, MatMap dwr);
 // ---- Routed experts on a list of (row, expert) entries: y_i = mlp_{expert_i}(rows_i) ----
 // Expert e's weights are at index e - first_expert of `experts` (a device holds a contiguous range).
 struct ExpertsCache {
-  std::vector<int> expert;        // per entry
+  std::vector<int> expert;  // per entry
   std::vector<MlpCache> per_expert;
   std::vector<std::vector<int>> rows_of;  // local expert -> entry indices
 };
@@ -177,14 +177,16 @@ void experts_backward_weight(ExpertsCache& c, std::vector<MlpGrads>& g);
 // ---- LM head + cross-entropy: loss_sum = sum_t (logsumexp(l_t) - l_t[target_t]), l = u wh ----
 struct HeadCache {
   Mat u;
-  Mat dlogits;                    // (softmax - onehot) * loss_scale, computed in the forward
+  Mat dlogits;  // (softmax - onehot) * loss_scale, computed in the forward
 };
-double head_forward(const ConstMatMap& wh, const Mat& u, const std::vector<int>& targets, float loss_scale, HeadCache* c);
+double head_forward(const ConstMatMap& wh, const Mat& u, const std::vector<int>& targets, float loss_scale,
+                    HeadCache* c);
 Mat head_backward_input(const ConstMatMap& wh, const HeadCache& c);
 void head_backward_weight(const HeadCache& c, MatMap dwh);
 // Tied head (GPT): the logits use the embedding table [V, H] as l = u table^T; the weight gradient
 // dlogits^T u accumulates into the table's gradient.
-double tied_head_forward(const ConstMatMap& table, const Mat& u, const std::vector<int>& targets, float loss_scale, HeadCache* c);
+double tied_head_forward(const ConstMatMap& table, const Mat& u, const std::vector<int>& targets, float loss_scale,
+                         HeadCache* c);
 Mat tied_head_backward_input(const ConstMatMap& table, const HeadCache& c);
 void tied_head_backward_weight(const HeadCache& c, MatMap dtable);
 

@@ -27,17 +27,17 @@ struct TrainingDiverged : std::runtime_error {
 };
 
 struct TrainOptions {
-  int steps = 3;                  // total steps of the run (a resumed run continues up to this step)
+  int steps = 3;  // total steps of the run (a resumed run continues up to this step)
   std::uint64_t seed = 1;
-  std::string data_path;          // empty: synthetic token stream
+  std::string data_path;  // empty: synthetic token stream
   host::AdamWConfig adamw;
-  std::string report_path;        // run.json: losses, tokens_per_s, step_time_s
-  std::string trace_path;         // Chrome trace of the last step (measured timeline)
-  std::string save_path;           // checkpoint file written after the last step (and every save_every steps)
-  int save_every = 0;              // 0: only after the last step
-  std::string resume_path;         // checkpoint to continue from (any layout of the same model)
-  std::string dump_params_path;   // final parameters in canonical layout (for equivalence tests)
-  std::string calibrate_path;     // measured per-op times as a piper-calibration file (calibrate.hpp)
+  std::string report_path;       // run.json: losses, tokens_per_s, step_time_s
+  std::string trace_path;        // Chrome trace of the last step (measured timeline)
+  std::string save_path;         // checkpoint file written after the last step (and every save_every steps)
+  int save_every = 0;            // 0: only after the last step
+  std::string resume_path;       // checkpoint to continue from (any layout of the same model)
+  std::string dump_params_path;  // final parameters in canonical layout (for equivalence tests)
+  std::string calibrate_path;    // measured per-op times as a piper-calibration file (calibrate.hpp)
   double stall_timeout_s = 20;
   // A non-finite loss, gradient norm or updated state: stop with TrainingDiverged (false), or skip
   // the step (true: the state before it is kept, as Megatron skips an overflowed step) and go on.
@@ -47,10 +47,10 @@ struct TrainOptions {
 
 struct TrainResult {
   int first_step = 0;
-  std::vector<double> losses;     // one per step run
-  std::vector<int> skipped_steps;  // --on-nonfinite skip: the steps (1-based) whose update was dropped
+  std::vector<double> losses;        // one per step run
+  std::vector<int> skipped_steps;    // --on-nonfinite skip: the steps (1-based) whose update was dropped
   std::vector<double> step_times_s;  // one per step run (slowest rank)
-  double step_time_s = 0;         // mean over steps (slowest rank)
+  double step_time_s = 0;            // mean over steps (slowest rank)
   double tokens_per_s = 0;
   // Executor accounting summed over steps on this rank (distributed runs only).
   double backend_s = 0, idle_s = 0, overhead_s = 0, total_s = 0;
@@ -94,11 +94,12 @@ bool saves_after(const TrainOptions& o, int done);
 Checkpoint read_compatible_checkpoint(const std::string& path, const std::string& bytes, const core::Program& program);
 // Rank 0 of MPI_COMM_WORLD reads the file and broadcasts it (ranks need not share a file system).
 // Collective. On failure `error` is set (rank 0: the reason; others: "reported by rank 0").
-std::string broadcast_checkpoint_bytes(const std::string& path, const core::Program& program, int rank, std::string& error);
+std::string broadcast_checkpoint_bytes(const std::string& path, const core::Program& program, int rank,
+                                       std::string& error);
 // Every rank sends its records of the canonical state to rank 0, which assembles and writes the file
 // atomically. Collective. A failed write stops every rank: std::invalid_argument on rank 0,
 // ReportedByAnotherRank elsewhere.
-void save_distributed(const TrainOptions& o, const core::Program& program, const std::vector<StateRecord>& records, const core::Model& model,
-                      int step, int rank);
+void save_distributed(const TrainOptions& o, const core::Program& program, const std::vector<StateRecord>& records,
+                      const core::Model& model, int step, int rank);
 
 }  // namespace piper::runtime

@@ -13,7 +13,8 @@ namespace piper::gui {
 // the pid), one lane per thread, spans from "X" events (and matched "B"/"E" pairs). Throws core::Error
 // with one line naming the file.
 std::shared_ptr<Track> read_chrome_trace(const std::string& path, const std::string& title = "");
-std::shared_ptr<Track> parse_chrome_trace(const std::string& json_text, const std::string& where, const std::string& title = "");
+std::shared_ptr<Track> parse_chrome_trace(const std::string& json_text, const std::string& where,
+                                          const std::string& title = "");
 
 // Matches measured lane `lane` of `track.rows[row]` with the predicted lane of stream `stream` on the
 // same row: the k-th measured span named L is the k-th predicted op labelled L. Fills the lane's

@@ -17,9 +17,9 @@ struct OpKey {
 };
 
 struct Dependencies {
-  std::vector<OpKey> incoming;   // must end before the op starts: stream predecessor, waits, the SEND of a RECV
-  std::vector<OpKey> outgoing;   // wait for the op: stream successor, waiters, the RECV of a SEND
-  std::vector<OpKey> partners;   // run together with the op: the other side of a transfer, collective group members
+  std::vector<OpKey> incoming;  // must end before the op starts: stream predecessor, waits, the SEND of a RECV
+  std::vector<OpKey> outgoing;  // wait for the op: stream successor, waiters, the RECV of a SEND
+  std::vector<OpKey> partners;  // run together with the op: the other side of a transfer, collective group members
 };
 
 // Lazily built lookup tables over one timeline's program (node -> ops per plan, reverse waits).
@@ -36,8 +36,8 @@ class DependencyIndex {
  private:
   struct PlanIndex {
     std::unordered_map<int, std::vector<core::OpRef>> ops_of_node;
-    std::vector<std::vector<std::vector<core::OpRef>>> waiters;   // [stream][index] -> ops waiting on it
-    std::vector<std::size_t> span_base;                            // stream -> first span index
+    std::vector<std::vector<std::vector<core::OpRef>>> waiters;  // [stream][index] -> ops waiting on it
+    std::vector<std::size_t> span_base;                          // stream -> first span index
   };
   const PlanIndex& plan_index(int device) const;
   std::vector<OpKey> partners_of(const OpKey& key) const;

@@ -18,13 +18,13 @@ std::string format_program(const nlohmann::json& program);
 std::string format_directive(const nlohmann::json& directive);
 // [begin, end) byte offsets of the top-level array elements of `text` (strings and nesting respected).
 std::vector<std::pair<std::size_t, std::size_t>> top_level_elements(const std::string& text);
-int line_of_offset(const std::string& text, std::size_t offset);   // 0-based
+int line_of_offset(const std::string& text, std::size_t offset);  // 0-based
 // Line (0-based) of directive `index`, or of its `field` key inside it when found; -1 if unknown.
 int directive_line(const std::string& text, int index, const std::string& field);
 
 struct JsonCheck {
   bool ok = true;
-  int line = -1;              // 0-based line of a syntax error
+  int line = -1;  // 0-based line of a syntax error
   std::string message;
   nlohmann::json value;
 };

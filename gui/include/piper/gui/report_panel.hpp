@@ -12,7 +12,7 @@
 namespace piper::gui {
 
 struct NamedReport {
-  std::string name;    // "A", "B", or a title
+  std::string name;  // "A", "B", or a title
   sim::Report report;
 };
 

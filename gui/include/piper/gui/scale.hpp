@@ -20,14 +20,14 @@ namespace piper::gui {
 // same op sequence up to renaming of peers: DP replicas, TP ranks). Stage: one row per pipeline stage
 // (the set of PP tags a device's compute ops carry; DualPipeV devices hold two).
 enum class FoldMode { Off, Class, Stage };
-const char* fold_mode_name(FoldMode m);   // "off", "class", "stage"
+const char* fold_mode_name(FoldMode m);  // "off", "class", "stage"
 
 struct DeviceGroup {
-  std::vector<int> devices;   // ascending; devices.front() is the representative drawn for the group
-  std::vector<int> stages;    // PP tags of the representative's compute ops (ascending; empty: none)
-  int plan = -1;              // Program::plans index (Class mode; -1 in Stage mode when plans differ)
-  int classes = 1;            // distinct plans among the members
-  double spread_s = 0;        // max |start difference| of any op between a member and the representative
+  std::vector<int> devices;  // ascending; devices.front() is the representative drawn for the group
+  std::vector<int> stages;   // PP tags of the representative's compute ops (ascending; empty: none)
+  int plan = -1;             // Program::plans index (Class mode; -1 in Stage mode when plans differ)
+  int classes = 1;           // distinct plans among the members
+  double spread_s = 0;       // max |start difference| of any op between a member and the representative
   // "stage 3 ×32", "stages 0,15 ×16", "dev 5"; in Class mode "class 2 · stage 3 ×32" when several
   // classes share a stage (TP ranks with different plans, EP), else the stage alone.
   std::string label;
@@ -51,15 +51,18 @@ FoldMode default_fold_mode(const core::Timeline& timeline, int max_unfolded = 16
 // `text` shortened to at most `max_width` by replacing its middle with "…", keeping as much of both
 // ends as fits (the head gets the extra character); `width` measures a UTF-8 string (pixels, or code
 // points by default). Code points are never split. Returns `text` when it fits, "…" when nothing does.
-std::string elide_middle(const std::string& text, int max_width, const std::function<int(std::string_view)>& width = {});
-int utf8_length(std::string_view s);   // code points
+std::string elide_middle(const std::string& text, int max_width,
+                         const std::function<int(std::string_view)>& width = {});
+int utf8_length(std::string_view s);  // code points
 
 // ---- units -------------------------------------------------------------------------------------
 
-std::string format_bytes(double bytes);       // "512 B", "3.40 KiB", "12.5 MiB", "7.49 GiB", "1.20 TiB" (3 significant digits)
-std::string format_percent(double fraction);  // "37.5 %", "4.21 %", "0.0123 %", "0 %": 3 significant digits, at most 1 decimal above 10 %
-std::string format_seconds(double s);         // "1.234 s", "12.35 ms", "4.20 µs", "310 ns"
-std::string format_flops(double flops);       // "12.3 GFLOP", "45.6 MFLOP", "1.20 TFLOP"
+std::string format_bytes(
+    double bytes);  // "512 B", "3.40 KiB", "12.5 MiB", "7.49 GiB", "1.20 TiB" (3 significant digits)
+std::string format_percent(
+    double fraction);  // "37.5 %", "4.21 %", "0.0123 %", "0 %": 3 significant digits, at most 1 decimal above 10 %
+std::string format_seconds(double s);                // "1.234 s", "12.35 ms", "4.20 µs", "310 ns"
+std::string format_flops(double flops);              // "12.3 GFLOP", "45.6 MFLOP", "1.20 TFLOP"
 std::string format_signed_percent(double fraction);  // "+9.6 %", "-0.42 %"
 
 // ---- memory breakdown ----------------------------------------------------------------------------

@@ -15,8 +15,8 @@ namespace piper::gui {
 
 struct ScenarioRun {
   core::Scenario scenario;
-  std::string title;                              // "qwen3-1b · 1f1b · PP4 DP1 M8 · dgx-h200 (analytic)"
-  nlohmann::json program_json;                    // the directive program that was compiled
+  std::string title;            // "qwen3-1b · 1f1b · PP4 DP1 M8 · dgx-h200 (analytic)"
+  nlohmann::json program_json;  // the directive program that was compiled
   std::shared_ptr<const core::Timeline> timeline;
   std::shared_ptr<const Track> track;
   sim::Report report;
@@ -24,9 +24,9 @@ struct ScenarioRun {
 
 // A failed compile or simulation, located in the directive program where possible.
 struct RunError {
-  std::string message;        // one line
-  int directive_index = -1;   // DirectiveError::index()
-  std::string field;          // DirectiveError::field()
+  std::string message;       // one line
+  int directive_index = -1;  // DirectiveError::index()
+  std::string field;         // DirectiveError::field()
 };
 
 // The GUI's default engine is the analytic one (interactive re-simulation); a scenario's own engine

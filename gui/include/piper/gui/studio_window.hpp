@@ -31,7 +31,7 @@ namespace piper::gui {
 struct RunOutcome {
   std::optional<ScenarioRun> run;
   RunError error;
-  std::string editor_text;   // the editor text the run was started from (error location)
+  std::string editor_text;  // the editor text the run was started from (error location)
 };
 
 class StudioWindow : public QMainWindow {
@@ -89,7 +89,8 @@ class StudioWindow : public QMainWindow {
   QLabel* error_label_ = nullptr;
   QLabel* status_label_ = nullptr;
   QComboBox *model_ = nullptr, *cluster_ = nullptr, *engine_ = nullptr, *schedule_ = nullptr;
-  QSpinBox *pp_ = nullptr, *microbatches_ = nullptr, *virtual_ = nullptr, *dp_ = nullptr, *ep_ = nullptr, *zero_ = nullptr;
+  QSpinBox *pp_ = nullptr, *microbatches_ = nullptr, *virtual_ = nullptr, *dp_ = nullptr, *ep_ = nullptr,
+           *zero_ = nullptr;
   QSpinBox *dp_shard_ = nullptr, *tp_ = nullptr, *global_batch_ = nullptr;
   QCheckBox* sequence_parallel_ = nullptr;
   QComboBox* recompute_ = nullptr;
@@ -104,7 +105,7 @@ class StudioWindow : public QMainWindow {
   std::shared_ptr<const Track> measured_;
   QTimer debounce_;
   int generation_[2] = {0, 0};
-  int running_ = 0;   // background runs in flight
+  int running_ = 0;  // background runs in flight
   bool updating_editor_ = false;
   bool view_fitted_ = false;
 };

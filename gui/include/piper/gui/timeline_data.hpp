@@ -13,32 +13,45 @@
 namespace piper::gui {
 
 // Colour classes of ops: compute passes, the update, and each communication kind.
-enum class SpanKind : std::uint8_t { F, B, BI, BW, Update, Send, Recv, AllReduce, ReduceScatter, AllGather, AllToAll, Other };
+enum class SpanKind : std::uint8_t {
+  F,
+  B,
+  BI,
+  BW,
+  Update,
+  Send,
+  Recv,
+  AllReduce,
+  ReduceScatter,
+  AllGather,
+  AllToAll,
+  Other
+};
 constexpr int kSpanKindCount = 12;
 SpanKind span_kind(const core::Op& op);
-const char* span_kind_name(SpanKind k);        // "F", "B", "BI", "BW", "UPD", "SEND", ...
-const char* span_kind_short(SpanKind k);       // label prefix: "F", "B", "BI", "BW", "U", "S", "R", "AR", ...
+const char* span_kind_name(SpanKind k);   // "F", "B", "BI", "BW", "UPD", "SEND", ...
+const char* span_kind_short(SpanKind k);  // label prefix: "F", "B", "BI", "BW", "U", "S", "R", "AR", ...
 SpanKind span_kind_from_name(const std::string& first_word);  // inverse of span_kind_name (Other if unknown)
 
 // Measured lane vs the predicted lane of the same stream: ops matched by label, in order.
 struct LaneError {
-  int matched = 0, unmatched = 0;      // measured spans with / without a predicted op of that label
-  double measured_s = 0;               // summed durations of the matched measured spans
-  double predicted_s = 0;              // and of their predicted ops
-  double mean_abs_error = 0;           // mean over matched ops of |measured - predicted| / predicted
+  int matched = 0, unmatched = 0;  // measured spans with / without a predicted op of that label
+  double measured_s = 0;           // summed durations of the matched measured spans
+  double predicted_s = 0;          // and of their predicted ops
+  double mean_abs_error = 0;       // mean over matched ops of |measured - predicted| / predicted
   double total_error() const { return predicted_s > 0 ? measured_s / predicted_s - 1 : 0; }
 };
 
 struct Lane {
-  std::string name;                // stream name; measured lanes are prefixed "measured "
-  int stream = -1;                 // stream index in the device's plan; -1 for measured lanes
+  std::string name;  // stream name; measured lanes are prefixed "measured "
+  int stream = -1;   // stream index in the device's plan; -1 for measured lanes
   bool measured = false;
   std::vector<double> start_s, end_s;
-  std::vector<double> max_end_s;   // max_end_s[i] = max(end_s[0..i]): binary search for the first visible span
-  std::vector<std::uint8_t> kind;  // SpanKind
-  std::vector<std::int16_t> microbatch;   // MB tag or -1 (labels "F3")
-  std::vector<std::int32_t> op_index;     // predicted: index into plan.streams[stream].ops; measured: into Track::measured
-  std::vector<std::int32_t> pos_of_op;    // predicted: op index -> position in this lane
+  std::vector<double> max_end_s;         // max_end_s[i] = max(end_s[0..i]): binary search for the first visible span
+  std::vector<std::uint8_t> kind;        // SpanKind
+  std::vector<std::int16_t> microbatch;  // MB tag or -1 (labels "F3")
+  std::vector<std::int32_t> op_index;  // predicted: index into plan.streams[stream].ops; measured: into Track::measured
+  std::vector<std::int32_t> pos_of_op;  // predicted: op index -> position in this lane
   // Measured lanes overlaid on a predicted row: the predicted lane of the same stream (-1: none) and,
   // per span, the position of the predicted op it matched (-1: none); see overlay_measured.
   int predicted_lane = -1;
@@ -71,7 +84,7 @@ struct Track {
   std::shared_ptr<const core::Timeline> timeline;  // null for a measured-only track
   std::vector<DeviceRow> rows;                     // rows[i].device == i for predicted tracks
   double step_time_s = 0;
-  std::int64_t hbm_bytes = 0;                      // HBM per device (0: unknown)
+  std::int64_t hbm_bytes = 0;  // HBM per device (0: unknown)
   std::int64_t span_count = 0;
   std::vector<MeasuredEvent> measured;
   // Per device (indexed by device id): each BufferKind's own peak, as the report gives it (empty: unknown).
@@ -80,7 +93,8 @@ struct Track {
 };
 
 // Builds the track of a timeline (O(ops log ops)); safe to call off the GUI thread.
-std::shared_ptr<Track> make_track(std::shared_ptr<const core::Timeline> timeline, std::string title, std::int64_t hbm_bytes);
+std::shared_ptr<Track> make_track(std::shared_ptr<const core::Timeline> timeline, std::string title,
+                                  std::int64_t hbm_bytes);
 
 // Label drawn on a span when wide enough: kind short name + microbatch ("F3", "BW7", "AR").
 std::string span_label(SpanKind kind, int microbatch);

@@ -20,11 +20,11 @@ class PlotError : public std::runtime_error {
 enum class Style { Points, Line, LinePoints };
 
 struct Series {
-  std::string name;                  // legend entry (empty: not in the legend)
-  std::vector<double> x, y;          // equal lengths; lines join points in the given order
+  std::string name;          // legend entry (empty: not in the legend)
+  std::vector<double> x, y;  // equal lengths; lines join points in the given order
   Style style = Style::Points;
-  std::string color;                 // "#rrggbb" or an SVG colour name; empty: the palette's next colour
-  double marker_px = 5;              // marker radius
+  std::string color;     // "#rrggbb" or an SVG colour name; empty: the palette's next colour
+  double marker_px = 5;  // marker radius
 };
 
 // A vertical or horizontal reference line (e.g. a memory cap), dashed, with a label.
@@ -36,9 +36,9 @@ struct ReferenceLine {
 };
 
 struct Axis {
-  std::string label;                 // with its unit, e.g. "peak memory (GiB)"
-  bool log = false;                  // base 10; non-positive values are left out
-  std::optional<double> min, max;    // fixed range; default: the data's, padded
+  std::string label;               // with its unit, e.g. "peak memory (GiB)"
+  bool log = false;                // base 10; non-positive values are left out
+  std::optional<double> min, max;  // fixed range; default: the data's, padded
 };
 
 struct Chart {
@@ -46,7 +46,7 @@ struct Chart {
   Axis x, y;
   std::vector<Series> series;
   std::vector<ReferenceLine> references;
-  int width = 1100, height = 720;    // pixels
+  int width = 1100, height = 720;  // pixels
 };
 
 // Renders the chart; every series keeps its own style.

@@ -27,14 +27,14 @@ class ClusterError : public core::Error {
 // count: sum_i f_i / (peak * efficiency(f_i)) = (flops + k * half_efficiency_flops) / (peak * max_efficiency).
 struct GpuSpec {
   std::string name;
-  double peak_flops = 0;                  // dense bf16/fp16 tensor-core FLOP/s (no sparsity)
+  double peak_flops = 0;  // dense bf16/fp16 tensor-core FLOP/s (no sparsity)
   int sm_count = 0;
   std::int64_t hbm_bytes = 0;
   double hbm_bandwidth_bytes_per_s = 0;
-  double launch_overhead_s = 0;           // per kernel-sized op
-  double comm_sm_share = 0;               // fraction of compute throughput a running comm kernel takes
-  double max_efficiency = 1;              // asymptotic fraction of peak_flops reached by large ops
-  double half_efficiency_flops = 0;       // op size reaching max_efficiency / 2 (0: always max)
+  double launch_overhead_s = 0;      // per kernel-sized op
+  double comm_sm_share = 0;          // fraction of compute throughput a running comm kernel takes
+  double max_efficiency = 1;         // asymptotic fraction of peak_flops reached by large ops
+  double half_efficiency_flops = 0;  // op size reaching max_efficiency / 2 (0: always max)
   // The kernel efficiency table (kernel_table.hpp) of this GPU: a built-in name ("h200-sxm",
   // "h100-sxm") or a table file; "" for none. With a table, compute ops that list their kernels are
   // costed kernel by kernel against it; without one, by the efficiency curve above.
@@ -62,7 +62,7 @@ struct NodeSpec {
   double nvlink_efficiency = 1;
   double nvlink_latency_s = 0;
   int nics = 8;
-  double nic_bandwidth_bytes_per_s = 0;     // each NIC, per direction
+  double nic_bandwidth_bytes_per_s = 0;  // each NIC, per direction
   // Devices (ranks) that share one physical GPU: consecutive runs of this many devices of the node
   // run on one GPU, as `piper run --virtual-devices` places them (1: a GPU per device; it divides
   // gpus_per_node, which then counts devices). Sharing devices split the GPU's compute among the ones
@@ -81,17 +81,17 @@ struct NodeSpec {
 };
 
 struct NetworkSpec {
-  double latency_s = 0;               // end-to-end NIC-to-NIC latency across the switches
+  double latency_s = 0;                     // end-to-end NIC-to-NIC latency across the switches
   std::string topology = "rail-optimized";  // "rail-optimized" | "fat-tree"
-  double oversubscription = 1;        // fat-tree: downlink/uplink ratio at the leaf (1 = full bisection)
+  double oversubscription = 1;              // fat-tree: downlink/uplink ratio at the leaf (1 = full bisection)
   friend bool operator==(const NetworkSpec&, const NetworkSpec&) = default;
 };
 
 struct Cluster {
   std::string name;
-  std::vector<NodeSpec> nodes;        // devices are numbered node by node: node 0 holds 0..g0-1, ...
+  std::vector<NodeSpec> nodes;  // devices are numbered node by node: node 0 holds 0..g0-1, ...
   NetworkSpec network;
-  bool fixed_size = false;            // the spec fixes its node count: with_devices() will not grow it
+  bool fixed_size = false;  // the spec fixes its node count: with_devices() will not grow it
   // Which element-wise kernels the training runtime fuses ("runtime": "fused" | "eager" | "eager-fused-loss";
   // kernel_table.hpp). Only the per-kernel cost model reads it.
   std::string runtime = "fused";
@@ -116,7 +116,9 @@ struct Cluster {
   // they split its HBM evenly and its peak for MFU (1 without sharing).
   int devices_on_gpu(int device, int devices) const;
   // HBM one of `devices` devices may use: its GPU's, split evenly among the devices sharing it.
-  std::int64_t device_hbm_bytes(int device, int devices) const { return gpu(device).hbm_bytes / devices_on_gpu(device, devices); }
+  std::int64_t device_hbm_bytes(int device, int devices) const {
+    return gpu(device).hbm_bytes / devices_on_gpu(device, devices);
+  }
   bool homogeneous() const;
 
   nlohmann::json to_json() const;
@@ -129,9 +131,9 @@ std::vector<std::string> cluster_presets();
 Cluster load_cluster(const std::string& preset_or_path);
 // Parses a cluster spec; `where` (a file name) prefixes errors.
 //   {"name": "...", "preset": "dgx-h200"?, "nodes": N, "fixed": bool?,
-//    "node": {"gpus_per_node", "gpu": {...}|"h100-sxm", "nvlink_bandwidth_gbps"...}?,   (overrides of the preset's node)
-//    "overrides": [{"nodes": [i, j] | "first": i, "count": n, ...node fields...}],
-//    "network": {"latency_us", "topology", "oversubscription"}}
+//    "node": {"gpus_per_node", "gpu": {...}|"h100-sxm", "nvlink_bandwidth_gbps"...}?,   (overrides of the preset's
+//    node) "overrides": [{"nodes": [i, j] | "first": i, "count": n, ...node fields...}], "network": {"latency_us",
+//    "topology", "oversubscription"}}
 Cluster cluster_from_json(const nlohmann::json& j, const std::string& where);
 // A cluster file's text (what load_cluster reads): JSON parse errors become ClusterError too.
 Cluster cluster_from_text(const std::string& text, const std::string& where);

@@ -45,7 +45,7 @@ struct Calibration {
   std::optional<double> lookup(const core::Op& op, int group_size) const;
   nlohmann::json to_json() const;
   static Calibration from_json(const nlohmann::json& j, const std::string& where);  // throws ClusterError
-  static Calibration load(const std::string& path);  // size-checked read, then parse
+  static Calibration load(const std::string& path);                                 // size-checked read, then parse
   // A calibration file's text; JSON errors (syntax or a field's type) become ClusterError.
   static Calibration parse(const std::string& text, const std::string& where);
 };
@@ -150,8 +150,8 @@ class CostModel {
 
  private:
   Cluster cluster_;
-  std::vector<int> node_of_;   // device -> node (cached)
-  std::vector<int> gpu_of_;    // device -> physical GPU (cached)
+  std::vector<int> node_of_;  // device -> node (cached)
+  std::vector<int> gpu_of_;   // device -> physical GPU (cached)
   std::optional<Calibration> calibration_;
   OpOverride override_;
   std::optional<double> replaced(const core::Op& op, int group_size) const;

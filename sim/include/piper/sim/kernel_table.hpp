@@ -43,12 +43,12 @@ class KernelTable {
     double fwd_flops_per_s = 0, bwd_flops_per_s = 0;
   };
   struct Memory {
-    std::string kernel;       // "add", "rmsnorm", "silu_mul", "copy", "cross_entropy_fwd_fp32"
-    double bytes = 0;         // bytes moved by one launch (read + write)
+    std::string kernel;  // "add", "rmsnorm", "silu_mul", "copy", "cross_entropy_fwd_fp32"
+    double bytes = 0;    // bytes moved by one launch (read + write)
     double bytes_per_s = 0;
   };
 
-  std::string name;           // "h200-sxm" or the file it was read from
+  std::string name;  // "h200-sxm" or the file it was read from
   std::vector<Gemm> gemm;
   std::vector<Attention> attention;
   // Other attention implementations than the one `attention` measures, as multipliers of its rates
@@ -76,9 +76,11 @@ class KernelTable {
 
   // Achieved FLOP/s of an m x n x k GEMM (batch: batched products) in `dtype`; 0 when the table has
   // no GEMM data.
-  double gemm_rate(const std::string& dtype, std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t batch = 1) const;
+  double gemm_rate(const std::string& dtype, std::int64_t m, std::int64_t n, std::int64_t k,
+                   std::int64_t batch = 1) const;
   // Achieved FLOP/s (kernels.py convention) of causal attention; 0 without attention data.
-  double attention_rate(bool backward, std::int64_t batch, std::int64_t s, std::int64_t heads, std::int64_t head_dim) const;
+  double attention_rate(bool backward, std::int64_t batch, std::int64_t s, std::int64_t heads,
+                        std::int64_t head_dim) const;
   // Achieved bytes/s of a memory-bound kernel of `kernel`'s class moving `bytes`; 0 without data.
   double memory_rate(const std::string& kernel, double bytes) const;
 

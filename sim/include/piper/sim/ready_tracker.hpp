@@ -133,7 +133,7 @@ class ReadyTracker {
   void finished(const Activity& a, double now);
 
   bool done() const;
-  std::int64_t total_ops() const;      // op instances over all devices
+  std::int64_t total_ops() const;  // op instances over all devices
   std::int64_t finished_ops() const;
   // One line describing what is stuck: for the first few devices with unfinished ops, the head op of
   // each stream and what it waits for (previous op, a wait, a transfer peer, collective members).

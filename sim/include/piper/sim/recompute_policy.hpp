@@ -22,7 +22,7 @@ struct RecomputeTrial {
   RecomputePolicy policy;
   std::int64_t peak_memory_bytes = 0;  // simulated, max over devices
   double step_time_s = 0;
-  double recompute_flops = 0;          // per step, summed over devices
+  double recompute_flops = 0;  // per step, summed over devices
   bool fits = false;
 };
 
@@ -30,7 +30,7 @@ struct RecomputeChoice {
   RecomputeTrial chosen;
   std::vector<RecomputeTrial> trials;  // every candidate, in candidate order
   std::int64_t budget_bytes = 0;
-  std::string summary() const;         // one line: the policy chosen and why
+  std::string summary() const;  // one line: the policy chosen and why
 };
 
 // The candidates for a model of `blocks` transformer blocks, from least to most recomputation:
@@ -40,6 +40,7 @@ std::vector<RecomputePolicy> recompute_candidates(int blocks);
 // Simulates `scenario` (its strategy's recompute fields are replaced) under each candidate and picks
 // the fastest that fits (ties: less recomputation). Throws std::invalid_argument naming the budget
 // when none fits or the budget is not positive.
-RecomputeChoice choose_recompute(const core::Scenario& scenario, double budget_gib, const SimulateOptions& options = {});
+RecomputeChoice choose_recompute(const core::Scenario& scenario, double budget_gib,
+                                 const SimulateOptions& options = {});
 
 }  // namespace piper::sim

@@ -16,10 +16,10 @@
 namespace piper::sim {
 
 struct SimulateOptions {
-  std::string cluster;               // preset or file; empty: the scenario's, else "dgx-h200"
-  std::string engine;                // "analytic" | "simgrid"; empty: the scenario's, else kDefaultEngine
-  std::string calibration_path;      // optional calibration JSON
-  OpOverride op_override;            // optional per-op durations (tests, unit-time views)
+  std::string cluster;           // preset or file; empty: the scenario's, else "dgx-h200"
+  std::string engine;            // "analytic" | "simgrid"; empty: the scenario's, else kDefaultEngine
+  std::string calibration_path;  // optional calibration JSON
+  OpOverride op_override;        // optional per-op durations (tests, unit-time views)
   // Simulate one device per symmetry class when the engine and program allow it (symmetry.hpp); the
   // result equals the full simulation. false: always simulate every device (--no-symmetry).
   bool symmetry = true;
@@ -31,7 +31,7 @@ struct SimulationResult {
   // Set by simulate(Scenario): the compiled scenario; its result.program was moved into `program`.
   std::optional<core::CompiledScenario> compiled;
   std::shared_ptr<const core::Program> program;
-  Cluster cluster;                   // grown to the program's device count (with_devices)
+  Cluster cluster;  // grown to the program's device count (with_devices)
   core::Timeline timeline;
   Report report;
 };

@@ -64,14 +64,14 @@ std::vector<SweepPoint> expand(const SweepSpec& spec);
 // One row of the results: the knobs plus the report's headline fields.
 struct SweepRow {
   SweepPoint point;
-  std::string status;                // "ok" | "invalid" (rejected before simulating) | "error" (simulation failed)
-  std::string reason;                // one line; empty when ok
+  std::string status;  // "ok" | "invalid" (rejected before simulating) | "error" (simulation failed)
+  std::string reason;  // one line; empty when ok
   int devices = 0;
   double step_time_s = 0, tokens_per_s = 0, mfu = 0, bubble_fraction = 0;
   std::int64_t peak_memory_bytes = 0;  // max over devices
   bool oom = false;
   double compile_time_s = 0, simulate_time_s = 0;
-  double tp_comm_s = 0;                // TP collectives (inside compute ops) on the critical path
+  double tp_comm_s = 0;  // TP collectives (inside compute ops) on the critical path
 };
 
 // CSV columns (the first is `key`) and one row without its newline; fields are quoted when needed.
@@ -83,14 +83,14 @@ nlohmann::json to_json(const SweepRow& row);
 
 // The headline figures of one compiled and simulated scenario, or why it could not be simulated.
 struct Outcome {
-  std::string status;                // "ok" | "invalid" (rejected before simulating) | "error" (simulation failed)
-  std::string reason;                // one line; empty when ok
+  std::string status;  // "ok" | "invalid" (rejected before simulating) | "error" (simulation failed)
+  std::string reason;  // one line; empty when ok
   int devices = 0;
   double step_time_s = 0, tokens_per_step = 0, tokens_per_s = 0, mfu = 0, bubble_fraction = 0;
   std::int64_t peak_memory_bytes = 0;  // max over devices
   bool oom = false;
   double compile_time_s = 0, simulate_time_s = 0;
-  double tp_comm_s = 0;                // the report's critical_path.tp_s
+  double tp_comm_s = 0;  // the report's critical_path.tp_s
 };
 // Copies an outcome into a results row (SweepRow, TuneRow: the same field names).
 template <typename Row>
@@ -122,14 +122,14 @@ SweepRow run_point(const SweepPoint& point, const std::string& calibration_path 
 std::set<std::string> repair_results(const std::string& csv_path);
 
 struct SweepOptions {
-  int jobs = 1;                      // worker threads
+  int jobs = 1;  // worker threads
   // Called after each row is written (from a worker thread, one call at a time).
   std::function<void(const SweepRow& row, std::size_t done, std::size_t total)> on_row;
 };
 
 struct SweepSummary {
-  std::size_t combinations = 0;      // in the spec
-  std::size_t resumed = 0;           // already in the CSV, not rerun
+  std::size_t combinations = 0;  // in the spec
+  std::size_t resumed = 0;       // already in the CSV, not rerun
   std::size_t ran = 0, ok = 0, invalid = 0, failed = 0;
 };
 

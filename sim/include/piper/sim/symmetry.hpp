@@ -31,7 +31,7 @@ struct Symmetry {
   int devices() const { return static_cast<int>(class_of_device.size()); }
   // Worth simulating reduced: fewer classes than devices, and no ambiguity was found.
   bool reduces() const { return usable && classes() < devices(); }
-  bool usable = true;                // false: an ambiguity forces the full simulation (see note)
+  bool usable = true;  // false: an ambiguity forces the full simulation (see note)
   bool is_representative(int device) const {
     return representative[static_cast<std::size_t>(class_of_device[static_cast<std::size_t>(device)])] == device;
   }

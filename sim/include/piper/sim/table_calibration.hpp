@@ -24,14 +24,14 @@ using ClassSeconds = std::array<double, kKernelClasses>;
 
 // One measured time and the model's prediction of the same work, split by class.
 struct CalibrationObservation {
-  std::string what;           // "COMPUTE F (flops 9.06e12)", "GEMM kernels"
-  ClassSeconds predicted{};   // by the base table
+  std::string what;          // "COMPUTE F (flops 9.06e12)", "GEMM kernels"
+  ClassSeconds predicted{};  // by the base table
   double measured_s = 0;
 };
 
 struct TableCalibration {
-  std::string base;                        // the base table (a built-in name or file)
-  ClassSeconds multiplier{1, 1, 1, 1};      // measured over predicted time, per class
+  std::string base;                             // the base table (a built-in name or file)
+  ClassSeconds multiplier{1, 1, 1, 1};          // measured over predicted time, per class
   std::array<bool, kKernelClasses> observed{};  // false: no observation had time in the class (multiplier 1)
   // A run may be slower than its GPU's measured kernels, but not by much faster: a multiplier is at
   // least kMinMultiplier. A class the fit holds there is one the observations could not separate

@@ -32,11 +32,11 @@ constexpr double kDefaultMemoryReserveFraction = 0.05;
 std::string ordinal(long long n);
 
 struct TuneSpec {
-  std::string model = "qwen3-9m";         // zoo name, model spec or HF config
-  std::string cluster = "dgx-h200";       // preset or file; grown to `devices` when not fixed
+  std::string model = "qwen3-9m";    // zoo name, model spec or HF config
+  std::string cluster = "dgx-h200";  // preset or file; grown to `devices` when not fixed
   int devices = 8;
-  std::int64_t global_batch = 0;          // sequences per step; 0: 4 per device
-  std::int64_t seq_len = 0;               // 0: the model's
+  std::int64_t global_batch = 0;                      // sequences per step; 0: 4 per device
+  std::int64_t seq_len = 0;                           // 0: the model's
   std::vector<std::int64_t> micro_batch_sizes{1, 2};  // sequences per microbatch to try
   std::vector<int> zero_levels{0, 1, 2, 3};
   // Tensor-parallel degrees to try; empty: every degree dividing the devices and the GPUs of every
@@ -63,16 +63,16 @@ struct TuneSpec {
   // ZeRO-2/3 gradient reductions to try (--reduce-every): "microbatch" (DeepSpeed, FSDP2) and/or
   // "step" (whole gradients kept, FSDP no_sync). Empty: both.
   std::vector<std::string> reduce_every;
-  std::vector<std::string> schedules;     // families to try; empty: every registered family
-  int max_virtual = 4;                    // largest regions-per-rank count tried (families that take it)
-  double memory_cap_bytes = 0;            // 0: the smallest HBM of the cluster's GPUs less the reserve
+  std::vector<std::string> schedules;  // families to try; empty: every registered family
+  int max_virtual = 4;                 // largest regions-per-rank count tried (families that take it)
+  double memory_cap_bytes = 0;         // 0: the smallest HBM of the cluster's GPUs less the reserve
   // Bytes of HBM kept out of the default cap for what the simulator does not model: the CUDA context,
   // NCCL buffers and allocator fragmentation. < 0: kDefaultMemoryReserveFraction of the HBM. Not
   // applied to an explicit memory_cap_bytes (that is the whole budget).
   double memory_reserve_bytes = -1;
-  int top_k = 3;                          // re-simulated on the SimGrid engine (0: none)
-  bool placement_search = true;           // try cost-model-balanced PP boundaries for the leaders
-  int placement_leaders = 0;              // strategies whose placement is searched; 0: max(top_k, 4)
+  int top_k = 3;                 // re-simulated on the SimGrid engine (0: none)
+  bool placement_search = true;  // try cost-model-balanced PP boundaries for the leaders
+  int placement_leaders = 0;     // strategies whose placement is searched; 0: max(top_k, 4)
   // The best this many plans are exact: a candidate whose step time lower bound exceeds the
   // exact_top-th best fitting step time found so far is not simulated (branch and bound).
   int exact_top = 10;
@@ -89,9 +89,9 @@ struct TuneSpec {
 // virtual_stages and microbatches, each one loop in enumerate_candidates; the others come from
 // TuneSpec::fixed) plus the batch split and the PP placement.
 struct TuneCandidate : core::StrategyOptions {
-  std::int64_t micro_batch_size = 1;      // sequences per microbatch
-  std::string placement = "default";      // how the PP boundaries were chosen (a label)
-  std::vector<int> pp_ranges;             // first block of each PP region; empty: the generator's balance
+  std::int64_t micro_batch_size = 1;  // sequences per microbatch
+  std::string placement = "default";  // how the PP boundaries were chosen (a label)
+  std::vector<int> pp_ranges;         // first block of each PP region; empty: the generator's balance
   // Device group of each pipeline rank (a permutation of 0..pp-1; empty: rank r on group r). Group g
   // is the devices k + tp * (c + cp * (g + d * pp)) that the generator gives rank g.
   std::vector<int> rank_order;
@@ -110,14 +110,14 @@ core::Scenario tune_scenario(const TuneSpec& spec, const TuneCandidate& c, const
 // How enumeration went: every combination of degrees, batch split and family considered, and why
 // the illegal ones were dropped.
 struct EnumerationStats {
-  std::size_t considered = 0;             // (tp, pp, dp, ep, micro batch size, family, virtual) tuples
-  std::vector<int> tp_degrees;            // the TP degrees tried
-  std::vector<std::string> tp_rejected;   // "TP 3: <why>" for each degree left out
-  std::vector<int> cp_degrees;            // the CP degrees tried
-  std::vector<std::string> cp_rejected;   // "CP 3: <why>" for each degree left out
-  std::size_t batch_indivisible = 0;      // global batch not a multiple of dp x micro batch size
-  std::size_t family_rejected = 0;        // the schedule family's constraints (e.g. microbatch count)
-  std::size_t legal = 0;                  // candidates (with ZeRO levels)
+  std::size_t considered = 0;            // (tp, pp, dp, ep, micro batch size, family, virtual) tuples
+  std::vector<int> tp_degrees;           // the TP degrees tried
+  std::vector<std::string> tp_rejected;  // "TP 3: <why>" for each degree left out
+  std::vector<int> cp_degrees;           // the CP degrees tried
+  std::vector<std::string> cp_rejected;  // "CP 3: <why>" for each degree left out
+  std::size_t batch_indivisible = 0;     // global batch not a multiple of dp x micro batch size
+  std::size_t family_rejected = 0;       // the schedule family's constraints (e.g. microbatch count)
+  std::size_t legal = 0;                 // candidates (with ZeRO levels)
 };
 
 // Every legal candidate, in a stable order: tp, pp, then ep, micro batch size, family, regions,
@@ -158,8 +158,8 @@ std::vector<int> effective_pp_ranges(const TuneSpec& spec, const TuneCandidate& 
 
 struct TuneRow {
   TuneCandidate candidate;
-  std::string engine;                     // "analytic" | "simgrid" | "" (pruned: not simulated)
-  std::string status;                     // "ok" | "pruned" | "invalid" | "error"
+  std::string engine;  // "analytic" | "simgrid" | "" (pruned: not simulated)
+  std::string status;  // "ok" | "pruned" | "invalid" | "error"
   std::string reason;
   std::int64_t estimated_memory_bytes = 0;
   int devices = 0;
@@ -167,7 +167,7 @@ struct TuneRow {
   std::int64_t peak_memory_bytes = 0;
   bool oom = false;
   double compile_time_s = 0, simulate_time_s = 0;
-  double tp_comm_s = 0;                   // TP collectives (inside compute ops) on the critical path
+  double tp_comm_s = 0;  // TP collectives (inside compute ops) on the critical path
   bool fits(double memory_cap_bytes) const {
     return status == "ok" && !oom && static_cast<double>(peak_memory_bytes) <= memory_cap_bytes;
   }
@@ -186,42 +186,42 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& fields, TuneSpec* spec
 std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* spec = nullptr);
 
 struct TuneProgress {
-  std::string phase;                      // "estimate" | "analytic" | "placement" | "simgrid"
-  std::size_t done = 0, total = 0;        // in this phase (resumed rows included)
-  double elapsed_s = 0;                   // since run_tune started
+  std::string phase;                // "estimate" | "analytic" | "placement" | "simgrid"
+  std::size_t done = 0, total = 0;  // in this phase (resumed rows included)
+  double elapsed_s = 0;             // since run_tune started
 };
 
 struct TuneOptions {
-  int jobs = 1;                           // worker threads for analytic simulations
-  double budget_s = 0;                    // 0: none; else no new simulation starts after this
+  int jobs = 1;         // worker threads for analytic simulations
+  double budget_s = 0;  // 0: none; else no new simulation starts after this
   // Called after every row (from a worker thread, one call at a time).
   std::function<void(const TuneProgress&)> on_progress;
 };
 
 struct TuneSummary {
   EnumerationStats enumeration;
-  std::size_t candidates = 0;             // legal strategies (default placement)
-  std::size_t pruned = 0;                 // by the memory lower bound
+  std::size_t candidates = 0;  // legal strategies (default placement)
+  std::size_t pruned = 0;      // by the memory lower bound
   // Recompute variants deferred to the last wave (a budget cuts them first): the same strategy with
   // less recomputation fits the cap, so they are normally slower (see run_tune).
   std::size_t dominated = 0;
-  std::size_t bounded = 0;                // not simulated: step time lower bound above the exact_top-th best
-  std::size_t simulated = 0;              // analytic rows (this run and resumed), placement variants included
-  std::size_t placement_variants = 0;     // of which placement alternatives
-  std::size_t simgrid = 0;                // SimGrid rows
-  std::size_t resumed = 0;                // rows read back from the CSV
-  std::size_t ran = 0;                    // simulations run by this call
-  std::size_t fitting = 0;                // ok rows within the memory cap (analytic)
+  std::size_t bounded = 0;             // not simulated: step time lower bound above the exact_top-th best
+  std::size_t simulated = 0;           // analytic rows (this run and resumed), placement variants included
+  std::size_t placement_variants = 0;  // of which placement alternatives
+  std::size_t simgrid = 0;             // SimGrid rows
+  std::size_t resumed = 0;             // rows read back from the CSV
+  std::size_t ran = 0;                 // simulations run by this call
+  std::size_t fitting = 0;             // ok rows within the memory cap (analytic)
   double memory_cap_bytes = 0;
-  double hbm_bytes = 0;                   // the smallest HBM of the devices
-  double memory_reserve_bytes = 0;        // HBM left out of the default cap (0 with an explicit cap)
+  double hbm_bytes = 0;             // the smallest HBM of the devices
+  double memory_reserve_bytes = 0;  // HBM left out of the default cap (0 with an explicit cap)
   // Plans left out of `ranked` because another ranked plan is the same: at PP 1 with one region per
   // rank every schedule family orders the same ops, so families that differ only in name give the
   // same step time and memory; the best-named one (first by key) stands for all of them.
   std::size_t coinciding = 0;
   double elapsed_s = 0;
   bool budget_exhausted = false;
-  std::string stopped;                    // where the budget stopped the search ("" when it did not)
+  std::string stopped;  // where the budget stopped the search ("" when it did not)
   // Best first: candidates re-simulated on SimGrid by their SimGrid step time, then the others by
   // their analytic step time; only rows that fit the cap. `ranked[i].engine` says which engine.
   std::vector<TuneRow> ranked;

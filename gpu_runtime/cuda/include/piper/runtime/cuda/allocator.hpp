@@ -59,8 +59,8 @@ class Allocator {
     std::vector<cudaEvent_t> events;  // one per stream: the block is free once all completed
   };
   void release(void* ptr, std::size_t bytes);
-  void reclaim();                      // moves retired blocks whose events completed to the free lists
-  void trim(std::size_t keep);         // cudaFree cached blocks beyond `keep` bytes
+  void reclaim();               // moves retired blocks whose events completed to the free lists
+  void trim(std::size_t keep);  // cudaFree cached blocks beyond `keep` bytes
   cudaEvent_t event();
 
   std::size_t cache_limit_;

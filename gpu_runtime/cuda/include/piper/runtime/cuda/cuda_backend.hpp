@@ -81,7 +81,7 @@ class CudaBackend : public Backend {
   float loss_scale_ = 1;
   int num_layers_ = 0;
   std::vector<cudaStream_t> streams_;
-  cudaStream_t util_ = nullptr;           // private stream for host<->device copies outside ops
+  cudaStream_t util_ = nullptr;  // private stream for host<->device copies outside ops
   std::vector<std::unique_ptr<Gemm>> gemms_;
   std::unique_ptr<Allocator> alloc_;
   std::unique_ptr<CudaModel> model_;

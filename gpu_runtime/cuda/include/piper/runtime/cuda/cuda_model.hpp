@@ -30,7 +30,9 @@ struct Tensor {
   std::size_t elem = 0;
   void* data() const { return mem && mem->get() ? static_cast<char*>(mem->get()) + offset : nullptr; }
   template <typename T>
-  T* as() const { return static_cast<T*>(data()); }
+  T* as() const {
+    return static_cast<T*>(data());
+  }
   std::int64_t size() const { return rows * cols; }
   std::size_t bytes() const { return static_cast<std::size_t>(size()) * elem; }
   bool empty() const { return size() == 0; }
@@ -79,9 +81,9 @@ BackwardState unpack_backward(const Exec& e, const MessageShape& m, const Tensor
 
 // Expert-parallel bookkeeping, as host::ExpertSource / host::ExpertPacket.
 struct ExpertSource {
-  std::vector<std::vector<int>> slots_to;   // per owner rank: routing slots t * k + j (host)
-  std::vector<Tensor> slot_index;           // the same on the device
-  Tensor y;                                 // [T * k, H] experts' outputs per slot
+  std::vector<std::vector<int>> slots_to;  // per owner rank: routing slots t * k + j (host)
+  std::vector<Tensor> slot_index;          // the same on the device
+  Tensor y;                                // [T * k, H] experts' outputs per slot
   Tensor topk, gates;
   std::vector<int> topk_host;
   std::int64_t tokens = 0;
@@ -120,8 +122,8 @@ struct RouterCache {
 };
 struct ExpertsCache {
   struct Group {
-    int local = 0;              // expert index within this device's shard
-    Tensor index;               // entries routed to it (device int32)
+    int local = 0;  // expert index within this device's shard
+    Tensor index;   // entries routed to it (device int32)
     MlpCache mlp;
   };
   std::vector<Group> groups;
@@ -149,9 +151,9 @@ struct SegmentStash {
 
 // Device arrays of one segment; sizes and chunk bounds come from the host layout.
 struct SegmentDevice {
-  Tensor params;              // storage type, this device's whole (expert-sharded) vector
-  Tensor grads;               // fp32, same length
-  Tensor master;              // fp32: ZeRO 0 the whole vector, ZeRO >= 1 this replica's chunk
+  Tensor params;  // storage type, this device's whole (expert-sharded) vector
+  Tensor grads;   // fp32, same length
+  Tensor master;  // fp32: ZeRO 0 the whole vector, ZeRO >= 1 this replica's chunk
   Tensor grad_chunk, adam_m, adam_v;
   bool grad_chunk_ready = false;
   int gathered = 0;
@@ -183,11 +185,13 @@ class CudaModel {
   std::vector<ExpertPacket> dispatch_forward(const Exec& e, const ForwardState& state, const ExpertSource& src) const;
   void experts_forward_entries(const Exec& e, int seg, const std::vector<ExpertPacket>& from, SegmentStash& stash,
                                std::vector<ExpertPacket>* to_sources);
-  void combine_forward(const Exec& e, ForwardState& state, ExpertSource& src, const std::vector<ExpertPacket>& from_owners) const;
+  void combine_forward(const Exec& e, ForwardState& state, ExpertSource& src,
+                       const std::vector<ExpertPacket>& from_owners) const;
   std::vector<ExpertPacket> dispatch_backward(const Exec& e, BackwardState& grad, const ExpertSource& src) const;
   void experts_backward_entries(const Exec& e, int seg, const std::vector<ExpertPacket>& from, SegmentStash& stash,
                                 std::vector<ExpertPacket>* to_sources);
-  void combine_backward(const Exec& e, BackwardState& grad, const ExpertSource& src, const std::vector<ExpertPacket>& from_owners) const;
+  void combine_backward(const Exec& e, BackwardState& grad, const ExpertSource& src,
+                        const std::vector<ExpertPacket>& from_owners) const;
 
   void update(const Exec& e, int seg, const AdamW& cfg, int step);
   void poison_params(const Exec& e, int seg);

@@ -9,7 +9,7 @@
 namespace piper::runtime::cuda {
 
 struct CudaRunOptions {
-  bool virtual_devices = false;   // every device of the plan in this process, on GPU 0
+  bool virtual_devices = false;  // every device of the plan in this process, on GPU 0
   DType dtype = DType::F32;
 };
 

@@ -16,8 +16,8 @@ namespace piper::runtime::cuda {
 // ---- Embedding: x[t] = table[token[t]]; dtable[token[t]] += dx[t] (fp32) ----
 void embedding_forward(DType dt, const void* table, const int* tokens, int tokens_count, int hidden, void* x,
                        cudaStream_t stream);
-void embedding_backward_weight(DType dt, const int* tokens, const void* dx, int tokens_count, int hidden,
-                               float* dtable, cudaStream_t stream);
+void embedding_backward_weight(DType dt, const int* tokens, const void* dx, int tokens_count, int hidden, float* dtable,
+                               cudaStream_t stream);
 
 // ---- RMSNorm over each row of [rows, cols]: y = x * rstd * g, rstd = (mean(x^2) + eps)^-1/2 ----
 // (Per-head q/k norm is the same kernel on [tokens * heads, head_dim].)
@@ -26,8 +26,8 @@ void rmsnorm_forward(DType dt, const void* x, const void* g, int rows, int cols,
 void rmsnorm_backward_input(DType dt, const void* x, const float* rstd, const void* g, const void* dy, int rows,
                             int cols, void* dx, cudaStream_t stream);
 // dg += sum over rows of dy * x * rstd (accumulates).
-void rmsnorm_backward_weight(DType dt, const void* x, const float* rstd, const void* dy, int rows, int cols,
-                             float* dg, cudaStream_t stream);
+void rmsnorm_backward_weight(DType dt, const void* x, const float* rstd, const void* dy, int rows, int cols, float* dg,
+                             cudaStream_t stream);
 
 // ---- RoPE, rotate-half layout (pairs i, i + head_dim/2), in place on [tokens, heads * head_dim];
 // the position of token t is t mod seq_len; sign = -1 applies the inverse rotation (backward). ----
@@ -41,8 +41,8 @@ void rope(DType dt, void* m, int tokens, int heads, int head_dim, int seq_len, f
 struct AttentionDims {
   int tokens = 0, seq_len = 1, heads = 1, kv_heads = 1, head_dim = 1;
 };
-void attention_core_forward(DType dt, const AttentionDims& d, const void* q, const void* k, const void* v,
-                            float* probs, void* o, cudaStream_t stream);
+void attention_core_forward(DType dt, const AttentionDims& d, const void* q, const void* k, const void* v, float* probs,
+                            void* o, cudaStream_t stream);
 // From d_o, the saved probabilities and q/k/v: dq, dk, dv (overwritten). `ds` is fp32 scratch of the
 // size of probs.
 void attention_core_backward(DType dt, const AttentionDims& d, const void* q, const void* k, const void* v,
@@ -88,8 +88,8 @@ void adamw(const AdamW& cfg, int step, float* params, const float* grads, float*
 // out[i] = in[index[i]] for rows of `cols` elements.
 void gather_rows(DType dt, const void* in, const int* index, int rows, int cols, void* out, cudaStream_t stream);
 // out[index[i]] += weight[i] * in[i] (fp32 out; weight may be null for 1).
-void scatter_add_rows(DType dt, const void* in, const int* index, const float* weight, int rows, int cols,
-                      float* out, cudaStream_t stream);
+void scatter_add_rows(DType dt, const void* in, const int* index, const float* weight, int rows, int cols, float* out,
+                      cudaStream_t stream);
 // dst += src elementwise.
 void accumulate(DType dt, void* dst, const void* src, std::int64_t n, cudaStream_t stream);
 void convert(DType from, const void* src, DType to, void* dst, std::int64_t n, cudaStream_t stream);
@@ -113,8 +113,8 @@ void moe_sum_slots(DType dt, const void* du, const void* slots, int tokens_count
                    cudaStream_t stream);
 // out[i] = weight[index[i]] * in[index[i] / div] (weight may be null for 1): the dispatch of slot
 // `index[i]` (token index / k) with its gate.
-void gather_slots(DType dt, const void* in, const int* index, int div, const float* weight, int rows, int cols, void* out,
-                  cudaStream_t stream);
+void gather_slots(DType dt, const void* in, const int* index, int div, const float* weight, int rows, int cols,
+                  void* out, cudaStream_t stream);
 // out[index[i]] = in[i] (indices unique).
 void scatter_rows(DType dt, const void* in, const int* index, int rows, int cols, void* out, cudaStream_t stream);
 // dst (fp32) += src (storage type): weight gradients accumulate in fp32 whatever the storage.

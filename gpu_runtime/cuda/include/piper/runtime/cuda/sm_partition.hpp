@@ -52,9 +52,9 @@ class SmPartitioner {
 
   // A non-blocking stream for a Program stream: in the communication or the compute partition.
   cudaStream_t create_stream(bool communication) const;
-  int gemm_sm_target() const;   // cuBLASLt SM-count target of compute GEMMs (0: no target)
-  int nccl_max_ctas() const;    // NCCL maxCTAs of every communicator (0: NCCL's default)
-  std::string describe() const; // one line for the run's log
+  int gemm_sm_target() const;    // cuBLASLt SM-count target of compute GEMMs (0: no target)
+  int nccl_max_ctas() const;     // NCCL maxCTAs of every communicator (0: NCCL's default)
+  std::string describe() const;  // one line for the run's log
 
  private:
   SmPartitioner() = default;

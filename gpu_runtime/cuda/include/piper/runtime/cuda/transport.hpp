@@ -25,18 +25,18 @@ enum class CommKind { Send, Recv, AllReduce, ReduceScatter, AllGather, AllToAll 
 // One communication of one device. Buffers are device pointers that stay valid until test() is true.
 struct CommRequest {
   CommKind kind = CommKind::Send;
-  int peer = -1;                    // Send/Recv: the device at the other end
-  int boundary = 0;                 // Send/Recv: model layer boundary the tensor crosses
-  bool backward = false;            // Send/Recv: gradient (true) or activation
-  int node = -1;                    // the DAG node: Send/Recv: the SEND node (the pair's key); collectives: theirs
-  int family = -1;                  // collectives: Program family
-  std::vector<int> group;           // collectives: the devices of my group, in rank order
+  int peer = -1;           // Send/Recv: the device at the other end
+  int boundary = 0;        // Send/Recv: model layer boundary the tensor crosses
+  bool backward = false;   // Send/Recv: gradient (true) or activation
+  int node = -1;           // the DAG node: Send/Recv: the SEND node (the pair's key); collectives: theirs
+  int family = -1;         // collectives: Program family
+  std::vector<int> group;  // collectives: the devices of my group, in rank order
   const void* send = nullptr;
   void* recv = nullptr;
   // Send/Recv: message bytes. AllReduce: fp32 elements in place in `recv`. ReduceScatter: fp32
   // elements per rank's block (send holds ranks blocks). AllGather/AllToAll: bytes per rank's block.
   std::size_t count = 0;
-  cudaStream_t stream = nullptr;    // the op's stream (the work is ordered after its prior work)
+  cudaStream_t stream = nullptr;  // the op's stream (the work is ordered after its prior work)
 };
 
 class Transport {
@@ -60,14 +60,14 @@ class LoopbackHub {
   using Key = std::tuple<int, int, int, int, std::int64_t>;  // (kind, a, b, c, sequence)
   struct Member {
     CommRequest request;
-    cudaEvent_t posted = nullptr;   // recorded on the member's stream when it posted
+    cudaEvent_t posted = nullptr;  // recorded on the member's stream when it posted
     bool seen_done = false;
   };
   struct Rendezvous {
     int expected = 0;
     std::map<int, Member> members;  // by rank in the exchange
     bool launched = false;
-    cudaEvent_t done = nullptr;     // recorded after all the work, on the launching member's stream
+    cudaEvent_t done = nullptr;  // recorded after all the work, on the launching member's stream
     int finished = 0;
   };
   std::mutex mutex_;
@@ -113,7 +113,8 @@ std::vector<P2PChannel> p2p_channels(const core::Program& program);
 
 // `max_ctas` > 0 caps the CTAs (hence SMs) of every NCCL kernel (ncclConfig_t::maxCTAs): the
 // communication side of an SM partition.
-std::unique_ptr<Transport> make_nccl_transport(const core::Program& program, int device, MPI_Comm world, int max_ctas = 0);
+std::unique_ptr<Transport> make_nccl_transport(const core::Program& program, int device, MPI_Comm world,
+                                               int max_ctas = 0);
 bool nccl_available();
 
 }  // namespace piper::runtime::cuda
