@@ -8,7 +8,7 @@
 #include <fmt/format.h>
 
 #include "cli/common.hpp"
-#include "piper/sim/results_csv.hpp"
+#include "piper/search/results_csv.hpp"
 #ifdef PIPER_HAVE_PLOT
 #include "piper/plot/plot.hpp"
 #endif
@@ -28,7 +28,7 @@ int run_plot(const PlotArgs& a) {
   std::istringstream in(read_text_file(a.csv_path));
   std::string header;
   if (!std::getline(in, header)) throw CliError(a.csv_path, "empty file (expected a header line)");
-  const auto columns = sim::csv_split(header);
+  const auto columns = search::csv_split(header);
   auto column = [&](const std::string& name, const char* flag) -> int {
     for (std::size_t i = 0; i < columns.size(); ++i)
       if (columns[i] == name) return static_cast<int>(i);
@@ -61,7 +61,7 @@ int run_plot(const PlotArgs& a) {
   for (std::string line; std::getline(in, line);) {
     line_no += 1;
     if (line.empty()) continue;
-    const auto f = sim::csv_split(line);
+    const auto f = search::csv_split(line);
     if (f.size() != columns.size())
       throw CliError(a.csv_path,
                      fmt::format("line {}: {} fields, the header has {}", line_no, f.size(), columns.size()));

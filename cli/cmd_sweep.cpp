@@ -1,5 +1,5 @@
 // `piper sweep`: simulate every combination of a spec's strategy knobs and append one CSV row each;
-// rerunning with the same -o resumes (the logic is sim::run_sweep, shared with the Python module).
+// rerunning with the same -o resumes (the logic is search::run_sweep, shared with the Python module).
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,8 +10,8 @@
 #include <fmt/format.h>
 
 #include "cli/common.hpp"
-#include "cli/sweep_mpi.hpp"
-#include "piper/sim/sweep.hpp"
+#include "piper/search/sweep.hpp"
+#include "piper/search/worker_pool_mpi.hpp"
 
 namespace piper::cli {
 
@@ -23,24 +23,45 @@ struct SweepArgs {
   int jobs = 1;
 };
 
-int run_sweep(const SweepArgs& a) {
-  // Under mpirun (more than one rank) the combinations are spread over the ranks; see sweep_mpi.hpp.
-  if (launched_under_mpi()) return run_sweep_mpi(a.spec_path, a.output_path, a.jobs);
-  sim::SweepSpec spec;
+// Under mpirun (more than one rank) the combinations are spread over the ranks (worker_pool_mpi.hpp):
+// rank 0 reads the spec and owns the results file; the other ranks print nothing and end with rank
+// 0's status (2 for a bad spec or results file; a file that fails mid-run ends the job from rank 0).
+int run_sweep_mpi(const SweepArgs& a) {
+  search::MpiPool pool(
+      a.jobs, [](const std::string& message) { print_error("", message); }, kExitBadInput);
+  search::SweepSummary s;
   try {
-    spec = sim::SweepSpec::load(a.spec_path);
-  } catch (const sim::SweepError& e) {
+    const search::SweepSpec spec = search::load_sweep_spec(a.spec_path, pool);
+    search::SweepOptions options;
+    options.jobs = a.jobs;
+    s = search::run_sweep(spec, a.output_path, pool, options);
+  } catch (const search::SweepError& e) {
+    if (pool.owner()) throw CliError("", e.what());
+    return kExitBadInput;
+  }
+  if (pool.owner())
+    fmt::print("{} combinations: {} already in {}, {} run ({} ok, {} invalid, {} failed) on {} MPI ranks\n",
+               s.combinations, s.resumed, a.output_path, s.ran, s.ok, s.invalid, s.failed, pool.processes());
+  return 0;
+}
+
+int run_sweep(const SweepArgs& a) {
+  if (search::launched_under_mpi()) return run_sweep_mpi(a);
+  search::SweepSpec spec;
+  try {
+    spec = search::SweepSpec::load(a.spec_path);
+  } catch (const search::SweepError& e) {
     throw CliError("", e.what());
   }
   const bool tty = isatty(fileno(stderr)) != 0;
-  sim::SweepOptions options;
+  search::SweepOptions options;
   options.jobs = a.jobs;
   // Rows simulated in this run (the callback runs on one thread at a time), for the best-rows lines.
-  std::vector<sim::SweepRow> ran;
+  std::vector<search::SweepRow> ran;
   const auto start = std::chrono::steady_clock::now();
   // The bar redraws one line in place, so only on a terminal; logs and pipes get nothing. Its ETA is
   // the mean time per finished combination of this run times the ones left.
-  options.on_row = [tty, &ran, start](const sim::SweepRow& row, std::size_t done, std::size_t total) {
+  options.on_row = [tty, &ran, start](const search::SweepRow& row, std::size_t done, std::size_t total) {
     ran.push_back(row);
     if (!tty) return;
     constexpr int kWidth = 30;
@@ -53,19 +74,19 @@ int run_sweep(const SweepArgs& a) {
     if (done == total) fmt::print(stderr, "\n");
     std::fflush(stderr);
   };
-  sim::SweepSummary s;
+  search::SweepSummary s;
   try {
-    s = sim::run_sweep(spec, a.output_path, options);
-  } catch (const sim::SweepError& e) {
+    s = search::run_sweep(spec, a.output_path, options);
+  } catch (const search::SweepError& e) {
     throw CliError("", e.what());
   }
   fmt::print("{} combinations: {} already in {}, {} run ({} ok, {} invalid, {} failed)\n", s.combinations, s.resumed,
              a.output_path, s.ran, s.ok, s.invalid, s.failed);
   // The fastest plans that fit, of those simulated in this run (resumed rows are in the CSV).
-  std::vector<const sim::SweepRow*> fits;
+  std::vector<const search::SweepRow*> fits;
   for (const auto& r : ran)
     if (r.status == "ok" && !r.oom) fits.push_back(&r);
-  std::sort(fits.begin(), fits.end(), [](const sim::SweepRow* x, const sim::SweepRow* y) {
+  std::sort(fits.begin(), fits.end(), [](const search::SweepRow* x, const search::SweepRow* y) {
     return x->step_time_s != y->step_time_s ? x->step_time_s < y->step_time_s : x->point.key() < y->point.key();
   });
   for (std::size_t i = 0; i < std::min<std::size_t>(3, fits.size()); ++i)

@@ -1,4 +1,4 @@
-// `piper tune`: search the strategy space with the simulator (sim::run_tune), print the best plans
+// `piper tune`: search the strategy space with the simulator (search::run_tune), print the best plans
 // that fit, write the winner's directive program and a Pareto plot (throughput vs peak memory).
 #include <unistd.h>
 
@@ -12,7 +12,7 @@
 
 #include "cli/common.hpp"
 #include "piper/core/program.hpp"
-#include "piper/sim/tune.hpp"
+#include "piper/search/tune.hpp"
 #ifdef PIPER_HAVE_PLOT
 #include "piper/plot/plot.hpp"
 #endif
@@ -24,9 +24,9 @@ namespace {
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 struct TuneArgs {
-  sim::TuneSpec spec;
+  search::TuneSpec spec;
   double memory_cap_gib = 0;
-  double memory_reserve_gib = -1;  // < 0: the default (sim::kDefaultMemoryReserveFraction of the HBM)
+  double memory_reserve_gib = -1;  // < 0: the default (search::kDefaultMemoryReserveFraction of the HBM)
   double budget_s = 0;
   int jobs = 1;
   int show = 10;
@@ -43,7 +43,7 @@ std::string duration(double s) {
 }
 
 // Throughput against peak memory: every simulated candidate, the Pareto front, the best plan, the cap.
-void plot_pareto(const sim::TuneSpec& spec, const sim::TuneSummary& s, const std::string& csv_path,
+void plot_pareto(const search::TuneSpec& spec, const search::TuneSummary& s, const std::string& csv_path,
                  const std::string& png_path) {
 #ifdef PIPER_HAVE_PLOT
   plot::Chart chart;
@@ -52,8 +52,8 @@ void plot_pareto(const sim::TuneSpec& spec, const sim::TuneSummary& s, const std
   chart.y.label = "throughput (tokens/s)";
   plot::Series fits{"fits the cap (analytic)", {}, {}, plot::Style::Points, "#0072B2", 3.5};
   plot::Series over{"over the cap", {}, {}, plot::Style::Points, "#E69F00", 3.5};
-  std::vector<sim::TuneRow> analytic;
-  for (const auto& r : sim::read_tune_results(csv_path)) {
+  std::vector<search::TuneRow> analytic;
+  for (const auto& r : search::read_tune_results(csv_path)) {
     if (r.engine != "analytic" || r.status != "ok") continue;
     analytic.push_back(r);
     auto& series = r.fits(s.memory_cap_bytes) ? fits : over;
@@ -61,7 +61,7 @@ void plot_pareto(const sim::TuneSpec& spec, const sim::TuneSummary& s, const std
     series.y.push_back(r.tokens_per_s);
   }
   plot::Series front{"Pareto front", {}, {}, plot::Style::LinePoints, "#009E73", 4.5};
-  for (const auto& r : sim::pareto_front(analytic)) {
+  for (const auto& r : search::pareto_front(analytic)) {
     front.x.push_back(static_cast<double>(r.peak_memory_bytes) / kGiB);
     front.y.push_back(r.tokens_per_s);
   }
@@ -98,7 +98,7 @@ int run_tune(TuneArgs& a) {
     throw CliError(
         "", fmt::format("--plot '{}': this piper was built without Qt 6 Gui, so it cannot draw plots", a.plot_path));
 #endif
-  sim::TuneSpec& spec = a.spec;
+  search::TuneSpec& spec = a.spec;
   spec.memory_cap_bytes = a.memory_cap_gib * kGiB;
   spec.memory_reserve_bytes = a.memory_reserve_gib < 0 ? -1 : a.memory_reserve_gib * kGiB;
   spec.placement_search = !a.no_placement;
@@ -107,11 +107,11 @@ int run_tune(TuneArgs& a) {
                            : a.sequence_parallel == "off" ? std::vector<bool>{false}
                                                           : std::vector<bool>{false, true};
   const bool tty = isatty(fileno(stderr)) != 0;
-  sim::TuneOptions options;
+  search::TuneOptions options;
   options.jobs = a.jobs;
   options.budget_s = a.budget_s;
   // The bar redraws one line in place, so only on a terminal; logs and pipes get nothing.
-  options.on_progress = [tty](const sim::TuneProgress& p) {
+  options.on_progress = [tty](const search::TuneProgress& p) {
     if (!tty) return;
     constexpr int kWidth = 30;
     const int filled = p.total ? static_cast<int>(kWidth * p.done / p.total) : kWidth;
@@ -129,10 +129,10 @@ int run_tune(TuneArgs& a) {
     if (p.done == p.total) fmt::print(stderr, "\n");
     std::fflush(stderr);
   };
-  sim::TuneSummary s;
+  search::TuneSummary s;
   try {
-    s = sim::run_tune(spec, a.output_path, options);
-  } catch (const sim::TuneError& e) {
+    s = search::run_tune(spec, a.output_path, options);
+  } catch (const search::TuneError& e) {
     throw CliError("", e.what());
   }
   const auto& e = s.enumeration;
@@ -143,7 +143,7 @@ int run_tune(TuneArgs& a) {
         "reserve     {:.2f} GiB of the {:.2f} GiB HBM kept for the CUDA context, NCCL buffers and fragmentation{}\n",
         s.memory_reserve_bytes / kGiB, s.hbm_bytes / kGiB,
         a.memory_reserve_gib < 0
-            ? fmt::format(" ({:.0f} %; --memory-reserve-gib to change)", sim::kDefaultMemoryReserveFraction * 100)
+            ? fmt::format(" ({:.0f} %; --memory-reserve-gib to change)", search::kDefaultMemoryReserveFraction * 100)
             : std::string());
   std::string tps;
   for (int t : e.tp_degrees) tps += (tps.empty() ? "" : ",") + std::to_string(t);
@@ -162,7 +162,7 @@ int run_tune(TuneArgs& a) {
       "            family, virtual) tuples ({} with a global batch that does not split, {} refused by the family)\n",
       s.candidates, e.considered, e.batch_indivisible, e.family_rejected);
   fmt::print("pruned      {} by the memory lower bound; {} by the step time lower bound (above the {} best)\n",
-             s.pruned, s.bounded, sim::ordinal(std::max(a.show, spec.top_k)));
+             s.pruned, s.bounded, search::ordinal(std::max(a.show, spec.top_k)));
   fmt::print("deferred    {} recompute variants whose twin with less recomputation fits (simulated last)\n",
              s.dominated);
   fmt::print("simulated   {} analytic ({} placement variants), {} SimGrid; {} fit the cap; {} rows resumed from {}\n",
@@ -189,21 +189,21 @@ int run_tune(TuneArgs& a) {
                r.step_time_s * 1e3, r.tokens_per_s, r.mfu * 100, static_cast<double>(r.peak_memory_bytes) / kGiB, c.pp,
                c.tp, c.dp, c.ep, c.describe());
   }
-  const sim::TuneRow& best = s.ranked.front();
-  const std::vector<int> ranges = sim::effective_pp_ranges(spec, best.candidate);
+  const search::TuneRow& best = s.ranked.front();
+  const std::vector<int> ranges = search::effective_pp_ranges(spec, best.candidate);
   std::string ranges_text;
   for (int r : ranges) ranges_text += (ranges_text.empty() ? "" : ",") + std::to_string(r);
   fmt::print("\nbest: {} ({}): {:.3f} ms/step, {:.0f} tokens/s, MFU {:.1f} %, peak {:.2f} GiB\n",
              best.candidate.describe(), best.engine, best.step_time_s * 1e3, best.tokens_per_s, best.mfu * 100,
              static_cast<double>(best.peak_memory_bytes) / kGiB);
   if (!a.directives_path.empty()) {
-    core::write_file_atomically(a.directives_path, sim::tune_directives(spec, best.candidate).dump(2) + "\n");
+    core::write_file_atomically(a.directives_path, search::tune_directives(spec, best.candidate).dump(2) + "\n");
     fmt::print("directives -> {} (compile with --model {} --micro-batch-size {}{} --pp-ranges {})\n", a.directives_path,
                spec.model, best.candidate.micro_batch_size,
                spec.seq_len > 0 ? fmt::format(" --seq-len {}", spec.seq_len) : std::string(), ranges_text);
   }
   if (!a.scenario_path.empty()) {
-    core::Scenario scenario = sim::tune_scenario(spec, best.candidate, best.engine);
+    core::Scenario scenario = search::tune_scenario(spec, best.candidate, best.engine);
     scenario.stage_starts = ranges;
     core::write_file_atomically(a.scenario_path, scenario_file_text(scenario, a.scenario_path));
     fmt::print("scenario -> {} (open it in piper-studio)\n", a.scenario_path);
@@ -215,19 +215,9 @@ int run_tune(TuneArgs& a) {
   return 0;
 }
 
-}  // namespace
-
-Command add_tune_command(CLI::App& app) {
-  auto a = std::make_shared<TuneArgs>();
-  CLI::App* cmd = app.add_subcommand("tune",
-                                     "search PP x TP x DP x EP, SP, recompute, schedules, microbatching and ZeRO with "
-                                     "the simulator; print the best plans that fit");
-  cmd->add_option("--model", a->spec.model, "zoo name, model spec JSON or HF config.json")->required();
-  cmd->add_option("--cluster", a->spec.cluster, "cluster preset or spec file")->capture_default_str();
-  cmd->add_option("--devices", a->spec.devices, "GPUs to use")->required()->check(kPositiveInt);
-  cmd->add_option("--global-batch", a->spec.global_batch, "sequences per step (default: 4 per device)")
-      ->check(kPositiveInt);
-  cmd->add_option("--seq-len", a->spec.seq_len, "tokens per sequence (default: the model's)")->check(kPositiveInt);
+// The lists of knobs the search tries (each flag a list; the spec's enumeration checks them).
+void add_search_space_flags(CLI::App* cmd, TuneArgs& args) {
+  TuneArgs* a = &args;
   cmd->add_option("--micro-batch-size", a->spec.micro_batch_sizes, "sequences per microbatch to try (a list)")
       ->check(kPositiveInt)
       ->delimiter(',')
@@ -291,6 +281,22 @@ Command add_tune_command(CLI::App& app) {
   cmd->add_option("--max-virtual", a->spec.max_virtual, "most PP regions per rank tried")
       ->check(kPositiveInt)
       ->capture_default_str();
+}
+
+}  // namespace
+
+Command add_tune_command(CLI::App& app) {
+  auto a = std::make_shared<TuneArgs>();
+  CLI::App* cmd = app.add_subcommand("tune",
+                                     "search PP x TP x DP x EP, SP, recompute, schedules, microbatching and ZeRO with "
+                                     "the simulator; print the best plans that fit");
+  cmd->add_option("--model", a->spec.model, "zoo name, model spec JSON or HF config.json")->required();
+  cmd->add_option("--cluster", a->spec.cluster, "cluster preset or spec file")->capture_default_str();
+  cmd->add_option("--devices", a->spec.devices, "GPUs to use")->required()->check(kPositiveInt);
+  cmd->add_option("--global-batch", a->spec.global_batch, "sequences per step (default: 4 per device)")
+      ->check(kPositiveInt);
+  cmd->add_option("--seq-len", a->spec.seq_len, "tokens per sequence (default: the model's)")->check(kPositiveInt);
+  add_search_space_flags(cmd, *a);
   auto* cap = cmd->add_option("--memory-cap", a->memory_cap_gib,
                               "GiB per device a plan may use (default: the GPU's HBM less the reserve)")
                   ->check(kNonNegativeNumber);

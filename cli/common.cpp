@@ -135,7 +135,7 @@ static CLI::Validator setting_validator(const core::Setting& setting) {
 CLI::Option* StrategyFlags::option(const std::string& setting) const {
   for (const auto& [name, o] : flags)
     if (name == setting) return o;
-  throw std::logic_error("internal: no strategy flag for setting '" + setting + "'");
+  throw core::InternalError("no strategy flag for setting '" + setting + "'");
 }
 
 void StrategyFlags::add_to(CLI::App* app) {

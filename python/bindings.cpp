@@ -24,14 +24,15 @@
 #include "piper/core/verifier.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/engine.hpp"
-#include "piper/sim/results_csv.hpp"
+#include "piper/search/results_csv.hpp"
 #include "piper/sim/simulate.hpp"
-#include "piper/sim/sweep.hpp"
-#include "piper/sim/tune.hpp"
+#include "piper/search/sweep.hpp"
+#include "piper/search/tune.hpp"
 
 namespace py = pybind11;
 namespace core = piper::core;
 namespace sim = piper::sim;
+namespace search = piper::search;
 using nlohmann::json;
 
 namespace {
@@ -170,7 +171,7 @@ py::list verify(const py::handle& plan) {
 py::dict sweep(const py::handle& spec_obj, const py::object& output, int jobs, const std::string& base_dir) {
   const json j = to_cpp(spec_obj, "sweep spec");
   if (jobs < 1) throw PiperError("sweep: jobs must be a positive integer");
-  const sim::SweepSpec spec = guarded([&] { return sim::SweepSpec::from_json(j, "sweep spec", base_dir); });
+  const search::SweepSpec spec = guarded([&] { return search::SweepSpec::from_json(j, "sweep spec", base_dir); });
   // Without output= the rows go to a private temporary CSV that is removed afterwards.
   std::string path;
   std::filesystem::path temp_dir;
@@ -183,12 +184,14 @@ py::dict sweep(const py::handle& spec_obj, const py::object& output, int jobs, c
     path = output.cast<std::string>();
   }
   std::vector<json> rows;
-  sim::SweepOptions options;
+  search::SweepOptions options;
   options.jobs = jobs;
-  options.on_row = [&rows](const sim::SweepRow& row, std::size_t, std::size_t) { rows.push_back(sim::to_json(row)); };
-  sim::SweepSummary s;
+  options.on_row = [&rows](const search::SweepRow& row, std::size_t, std::size_t) {
+    rows.push_back(search::to_json(row));
+  };
+  search::SweepSummary s;
   try {
-    s = guarded([&] { return sim::run_sweep(spec, path, options); });
+    s = guarded([&] { return search::run_sweep(spec, path, options); });
   } catch (...) {
     if (!temp_dir.empty()) std::filesystem::remove_all(temp_dir);
     throw;
@@ -246,7 +249,7 @@ py::list models() {
 // `piper tune`: the search written to `output` (a CSV, resumable), the summary and the ranked rows
 // as CSV fields (the Python half types them by column, as the CLI's file reads).
 py::dict tune(const py::dict& a) {
-  sim::TuneSpec spec;
+  search::TuneSpec spec;
   auto str = [&](const char* k) { return a[k].cast<std::string>(); };
   spec.model = str("model");
   spec.cluster = str("cluster");
@@ -274,10 +277,10 @@ py::dict tune(const py::dict& a) {
   spec.exact_top = a["show"].cast<int>();
   spec.calibration_path = str("calibration");
   const std::string path = str("output");
-  sim::TuneOptions options;
+  search::TuneOptions options;
   options.jobs = a["jobs"].cast<int>();
   options.budget_s = a["budget_s"].cast<double>();
-  const sim::TuneSummary s = guarded([&] { return sim::run_tune(spec, path, options); });
+  const search::TuneSummary s = guarded([&] { return search::run_tune(spec, path, options); });
   const auto& e = s.enumeration;
   py::dict out;
   out["model"] = spec.model;
@@ -306,9 +309,9 @@ py::dict tune(const py::dict& a) {
   py::list ranked;
   for (const auto& r : s.ranked) {
     py::dict d;
-    d["fields"] = sim::csv_split(sim::to_csv(spec, r));
+    d["fields"] = search::csv_split(search::to_csv(spec, r));
     d["strategy"] = r.candidate.describe();
-    d["pp_ranges"] = sim::effective_pp_ranges(spec, r.candidate);
+    d["pp_ranges"] = search::effective_pp_ranges(spec, r.candidate);
     ranked.append(d);
   }
   out["ranked"] = ranked;
@@ -318,12 +321,12 @@ py::dict tune(const py::dict& a) {
 // The best candidate's directive program and scenario (as `piper tune --emit-directives/--emit-scenario`
 // write them), from a ranked row's CSV fields.
 py::dict tune_outputs(const std::vector<std::string>& fields) {
-  sim::TuneSpec spec;
-  const sim::TuneRow row = guarded([&] { return sim::tune_row_from_csv(fields, &spec, "tune row"); });
+  search::TuneSpec spec;
+  const search::TuneRow row = guarded([&] { return search::tune_row_from_csv(fields, &spec, "tune row"); });
   const auto [directives, scenario] = guarded([&] {
-    core::Scenario sc = sim::tune_scenario(spec, row.candidate, row.engine);
-    sc.stage_starts = sim::effective_pp_ranges(spec, row.candidate);
-    return std::make_pair(sim::tune_directives(spec, row.candidate), sc.to_json());
+    core::Scenario sc = search::tune_scenario(spec, row.candidate, row.engine);
+    sc.stage_starts = search::effective_pp_ranges(spec, row.candidate);
+    return std::make_pair(search::tune_directives(spec, row.candidate), sc.to_json());
   });
   py::dict d;
   d["directives"] = to_py(directives);
@@ -383,8 +386,8 @@ PYBIND11_MODULE(_piper, m) {
         "Unit-time view of a schedule family: the text `piper schedule show` prints, step_time and per-rank ops.");
   m.def("tune", &tune, py::arg("args"), "`piper tune` with the arguments of piper.tune as a dict.");
   m.def("tune_outputs", &tune_outputs, py::arg("fields"), "The directives and scenario of a ranked tune row.");
-  m.def("sweep_columns", &sim::sweep_csv_columns, "The columns of a sweep CSV, in order.");
-  m.def("tune_columns", &sim::tune_csv_columns, "The columns of a tune CSV, in order.");
+  m.def("sweep_columns", &search::sweep_csv_columns, "The columns of a sweep CSV, in order.");
+  m.def("tune_columns", &search::tune_csv_columns, "The columns of a tune CSV, in order.");
   m.def("strategy", &strategy, py::arg("settings"),
         "A strategy dict (every setting) from settings keyed by the table's names; unknown or bad ones are errors.");
   m.def(
@@ -394,5 +397,5 @@ PYBIND11_MODULE(_piper, m) {
   m.def("cluster_presets", &sim::cluster_presets, "The cluster preset names.");
   m.def("schedule_names", &schedule_names, "The registered schedule families.");
   m.def("buffer_kinds", &buffer_kinds, "The memory kinds of a report's peak_bytes_by_kind, in order.");
-  m.attr("default_memory_reserve_fraction") = sim::kDefaultMemoryReserveFraction;
+  m.attr("default_memory_reserve_fraction") = search::kDefaultMemoryReserveFraction;
 }

@@ -23,6 +23,7 @@
 #include "piper/core/limits.hpp"
 #include "piper/runtime/host_backend.hpp"
 #include "piper/runtime/trainer.hpp"
+#include "byte_buffer.hpp"
 
 namespace piper::runtime {
 
@@ -45,27 +46,11 @@ void for_each_layer_part(const host::HostModel& model, const host::SegmentParams
   }
 }
 
-template <class T>
-void put(std::string& out, const T& v) {
-  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
-}
-void put_floats(std::string& out, const std::vector<float>& v) {
-  if (!v.empty()) out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
-}
-template <class T>
-T get(const std::string& in, std::size_t& pos) {
-  if (pos + sizeof(T) > in.size()) throw std::runtime_error("truncated");
-  T v;
-  std::memcpy(&v, in.data() + pos, sizeof(T));
-  pos += sizeof(T);
-  return v;
-}
-void get_floats(const std::string& in, std::size_t& pos, std::vector<float>& v, std::size_t n) {
-  if (n > (in.size() - pos) / sizeof(float)) throw std::runtime_error("truncated");
-  v.resize(n);
-  if (n > 0) std::memcpy(v.data(), in.data() + pos, n * sizeof(float));  // a tied head holds no floats
-  pos += n * sizeof(float);
-}
+// Byte buffers: the hardened reader shared with the other binary files (byte_buffer.hpp).
+using bytes::get;
+using bytes::get_floats;
+using bytes::put;
+using bytes::put_floats;
 
 const char* kind_name(int k) { return k == 0 ? "parameters" : k == 1 ? "AdamW first moment" : "AdamW second moment"; }
 

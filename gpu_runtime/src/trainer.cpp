@@ -24,6 +24,7 @@
 #include "piper/runtime/executor.hpp"
 #include "piper/runtime/mpi_gather.hpp"
 #include "piper/runtime/host_backend.hpp"
+#include "byte_buffer.hpp"
 
 namespace piper::runtime {
 
@@ -32,28 +33,11 @@ using nlohmann::json;
 
 namespace {
 
-// ---- byte buffers ----
-template <class T>
-void put(std::string& out, const T& v) {
-  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
-}
-void put_floats(std::string& out, const std::vector<float>& v) {
-  out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
-}
-template <class T>
-T get(const std::string& in, std::size_t& pos) {
-  if (pos + sizeof(T) > in.size()) throw std::runtime_error("truncated");
-  T v;
-  std::memcpy(&v, in.data() + pos, sizeof(T));
-  pos += sizeof(T);
-  return v;
-}
-void get_floats(const std::string& in, std::size_t& pos, std::vector<float>& v, std::size_t n) {
-  if (pos + n * sizeof(float) > in.size()) throw std::runtime_error("truncated");
-  v.resize(n);
-  std::memcpy(v.data(), in.data() + pos, n * sizeof(float));
-  pos += n * sizeof(float);
-}
+// Byte buffers: the hardened reader shared with the other binary files (byte_buffer.hpp).
+using bytes::get;
+using bytes::get_floats;
+using bytes::put;
+using bytes::put_floats;
 
 // Parameter dumps hold at most one checkpoint's worth of floats: bounded by Limit::CheckpointBytes.
 std::string read_all(const std::string& path) {

@@ -53,10 +53,10 @@ TuneBrowser::TuneBrowser(QWidget* parent) : QWidget(parent) {
 }
 
 bool TuneBrowser::open(const QString& path, QString* error) {
-  sim::TuneSpec spec;
-  std::vector<sim::TuneRow> all;
+  search::TuneSpec spec;
+  std::vector<search::TuneRow> all;
   try {
-    all = sim::read_tune_results(path.toStdString(), &spec);
+    all = search::read_tune_results(path.toStdString(), &spec);
   } catch (const std::exception& e) {
     if (error) *error = QString::fromStdString(e.what());
     return false;
@@ -66,13 +66,13 @@ bool TuneBrowser::open(const QString& path, QString* error) {
     return false;
   }
   // One row per candidate: the SimGrid row replaces the analytic one when the tune re-simulated it.
-  std::map<std::string, sim::TuneRow> by_key;
+  std::map<std::string, search::TuneRow> by_key;
   for (const auto& r : all) {
     auto [it, fresh] = by_key.try_emplace(r.candidate.key(), r);
     if (!fresh && r.engine == "simgrid") it->second = r;
   }
   // Fitting plans (within the search's HBM: OOM is the simulator's verdict) by step time, then the rest.
-  auto rank = [](const sim::TuneRow& r) {
+  auto rank = [](const search::TuneRow& r) {
     return r.status == "ok" && !r.oom                      ? 0
            : r.status == "ok"                              ? 1
            : r.status == "pruned" || r.status == "bounded" ? 3
@@ -80,7 +80,7 @@ bool TuneBrowser::open(const QString& path, QString* error) {
   };
   rows_.clear();
   for (auto& [k, r] : by_key) rows_.push_back(r);
-  std::stable_sort(rows_.begin(), rows_.end(), [&](const sim::TuneRow& a, const sim::TuneRow& b) {
+  std::stable_sort(rows_.begin(), rows_.end(), [&](const search::TuneRow& a, const search::TuneRow& b) {
     if (rank(a) != rank(b)) return rank(a) < rank(b);
     if (rank(a) <= 1 && a.step_time_s != b.step_time_s) return a.step_time_s < b.step_time_s;
     return a.candidate.key() < b.candidate.key();
@@ -89,7 +89,7 @@ bool TuneBrowser::open(const QString& path, QString* error) {
   table_->setSortingEnabled(false);
   table_->setRowCount(static_cast<int>(rows_.size()));
   for (int i = 0; i < static_cast<int>(rows_.size()); ++i) {
-    const sim::TuneRow& r = rows_[static_cast<std::size_t>(i)];
+    const search::TuneRow& r = rows_[static_cast<std::size_t>(i)];
     const bool ok = r.status == "ok";
     auto number = [&](double v, const char* format) {
       return new NumberItem(ok ? v : 1e300,
@@ -125,8 +125,8 @@ bool TuneBrowser::open(const QString& path, QString* error) {
 }
 
 core::Scenario TuneBrowser::scenario_of(int row) const {
-  const sim::TuneRow& r = rows_.at(static_cast<std::size_t>(row));
-  return sim::tune_scenario(spec_, r.candidate, r.engine.empty() ? "analytic" : r.engine);
+  const search::TuneRow& r = rows_.at(static_cast<std::size_t>(row));
+  return search::tune_scenario(spec_, r.candidate, r.engine.empty() ? "analytic" : r.engine);
 }
 
 void TuneBrowser::activate(int row) {

@@ -236,7 +236,7 @@ class Errors(unittest.TestCase):
             (lambda: piper.tune("qwen3-9m", devices=2, zero=4), r"^zero=4: every value must be an integer from 0 to 3"),
             (lambda: piper.tune("qwen3-9m", devices=2, memory_cap_gib=10, memory_reserve_gib=1),
              r"^memory_cap_gib and memory_reserve_gib: give one"),
-            # Checked by the library (sim::run_tune), which names --pp / --model: in Python, the keyword.
+            # Checked by the library (search::run_tune), which names --pp / --model: in Python, the keyword.
             (lambda: piper.tune("qwen3-9m", devices=8, pp=[2, 3]), r"^pp=3: does not divide the 8 devices$"),
             (lambda: piper.tune("qwen3-9", devices=2),
              r"^model='qwen3-9': neither a zoo model \(.*\) nor a readable file \(did you mean 'qwen3-9m'\?\)$"),

@@ -23,8 +23,8 @@
 #include "piper/core/verifier.hpp"
 #include "piper/sim/cost_model.hpp"
 #include "piper/sim/simulate.hpp"
-#include "piper/sim/sweep.hpp"
-#include "piper/sim/tune.hpp"
+#include "piper/search/sweep.hpp"
+#include "piper/search/tune.hpp"
 
 using namespace piper::core;
 using nlohmann::json;
@@ -381,6 +381,7 @@ TEST(ContextParallel, StepTimeDropsOnBothEngines) {
 // pruning rely on them).
 TEST(ContextParallel, TuneSearchesCp) {
   using namespace piper::sim;
+  using namespace piper::search;
   TuneSpec spec;
   spec.model = "qwen3-9m";
   spec.cluster = "dgx-h200";
@@ -464,6 +465,7 @@ TEST(ContextParallel, ScenarioKeys) {
 // CP 2 point holds the same tokens per step as CP 1 on twice the devices.
 TEST(ContextParallel, SweepKnob) {
   using namespace piper::sim;
+  using namespace piper::search;
   const SweepSpec spec =
       SweepSpec::parse(R"({"model": "qwen3-9m", "cluster": "dgx-h200", "seq_len": 64, "cp": [1, 2]})", "s.json");
   const auto points = expand(spec);

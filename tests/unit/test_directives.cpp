@@ -460,7 +460,8 @@ TEST(Layering, CompilerSimulatorAndRuntimeNeverNameASchedule) {
     files.push_back(fs::path(PIPER_SOURCE_DIR) / "core/src" / file);
   for (const auto& e : fs::directory_iterator(fs::path(PIPER_SOURCE_DIR) / "core/src/passes"))
     files.push_back(e.path());
-  for (const char* dir : {"sim/src", "sim/include", "gpu_runtime/src", "gpu_runtime/include"})
+  for (const char* dir :
+       {"sim/src", "sim/include", "search/src", "search/include", "gpu_runtime/src", "gpu_runtime/include"})
     for (const auto& e : fs::recursive_directory_iterator(fs::path(PIPER_SOURCE_DIR) / dir))
       if (e.is_regular_file()) files.push_back(e.path());
   ASSERT_GT(files.size(), 10u);

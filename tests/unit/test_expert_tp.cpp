@@ -19,10 +19,10 @@
 #include "piper/core/scenario.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/core/verifier.hpp"
-#include "piper/sim/results_csv.hpp"
+#include "piper/search/results_csv.hpp"
 #include "piper/sim/simulate.hpp"
-#include "piper/sim/sweep.hpp"
-#include "piper/sim/tune.hpp"
+#include "piper/search/sweep.hpp"
+#include "piper/search/tune.hpp"
 
 using namespace piper::core;
 using nlohmann::json;
@@ -358,6 +358,7 @@ TEST(ExpertTensorParallel, VerifierAndBothEnginesRunEtpPlans) {
 // costed; the pruning bounds stay below the simulated peak and step (branch and bound relies on it).
 TEST(ExpertTensorParallel, TuneSearchesEtpWithBoundsBelowTheSimulation) {
   using namespace piper::sim;
+  using namespace piper::search;
   TuneSpec spec;
   spec.model = write_spec(small_moe());
   spec.devices = 4;
@@ -386,6 +387,7 @@ TEST(ExpertTensorParallel, TuneSearchesEtpWithBoundsBelowTheSimulation) {
 // Sweep spec key "etp": one row per value, keyed apart, the column written.
 TEST(ExpertTensorParallel, SweepTakesTheEtpKnob) {
   using namespace piper::sim;
+  using namespace piper::search;
   const SweepSpec spec = SweepSpec::from_json({{"model", write_spec(small_moe())},
                                                {"tp", 2},
                                                {"sequence_parallel", true},

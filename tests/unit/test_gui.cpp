@@ -28,7 +28,7 @@
 #include "piper/gui/session.hpp"
 #include "piper/gui/studio_window.hpp"
 #include "piper/gui/tune_browser.hpp"
-#include "piper/sim/tune.hpp"
+#include "piper/search/tune.hpp"
 
 using namespace piper;
 using namespace piper::gui;
@@ -437,7 +437,7 @@ TEST(GuiStudio, ScreenshotModeWritesANonBlankImageOfTheRequestedSize) {
 // simulates its scenario, whose report is the one the tune recorded (same program, same engine).
 TEST(GuiStudio, TuneResultsListCandidatesAndOpenTheirTimelines) {
   app();
-  sim::TuneSpec spec;
+  search::TuneSpec spec;
   spec.model = "qwen3-9m";
   spec.devices = 4;
   spec.global_batch = 8;
@@ -452,7 +452,7 @@ TEST(GuiStudio, TuneResultsListCandidatesAndOpenTheirTimelines) {
       (std::filesystem::temp_directory_path() / ("piper_test_gui_tune_" + std::to_string(::getpid()) + ".csv"))
           .string();
   std::filesystem::remove(csv);
-  const sim::TuneSummary summary = sim::run_tune(spec, csv);
+  const search::TuneSummary summary = search::run_tune(spec, csv);
   ASSERT_FALSE(summary.ranked.empty());
 
   StudioWindow window;
@@ -475,7 +475,7 @@ TEST(GuiStudio, TuneResultsListCandidatesAndOpenTheirTimelines) {
   EXPECT_TRUE(spy.takeFirst().at(0).toBool()) << window.error_text().toStdString();
   ASSERT_TRUE(window.run_a().has_value());
   EXPECT_EQ(browser->table()->item(pick, 0)->text().toInt(), pick + 1) << "best first";
-  const sim::TuneRow& row = browser->rows()[pick];
+  const search::TuneRow& row = browser->rows()[pick];
   EXPECT_EQ(window.run_a()->report.step_time_s, row.step_time_s);
   EXPECT_EQ(window.run_a()->report.peak_memory_bytes, row.peak_memory_bytes);
   EXPECT_EQ(window.run_a()->report.devices, 4);

@@ -14,10 +14,10 @@
 #include "piper/core/error.hpp"
 #include "piper/core/scenario.hpp"
 #include "piper/core/settings.hpp"
-#include "piper/sim/results_csv.hpp"
+#include "piper/search/results_csv.hpp"
 #include "piper/sim/simulate.hpp"
-#include "piper/sim/sweep.hpp"
-#include "piper/sim/tune.hpp"
+#include "piper/search/sweep.hpp"
+#include "piper/search/tune.hpp"
 
 using namespace piper;
 using nlohmann::json;
@@ -58,7 +58,7 @@ core::StrategyOptions with(const core::Setting& s, const json& v) {
 }
 
 std::string column(const std::string& row, const std::vector<std::string>& columns, const std::string& name) {
-  const auto fields = sim::csv_split(row);
+  const auto fields = search::csv_split(row);
   const auto at = std::find(columns.begin(), columns.end(), name);
   EXPECT_NE(at, columns.end()) << name;
   return at == columns.end() ? std::string() : fields.at(static_cast<std::size_t>(at - columns.begin()));
@@ -123,26 +123,27 @@ TEST(Settings, EverySettingRoundTripsThroughFlagKeyKeywordAndCsv) {
     EXPECT_EQ(core::strategy_to_json(expected, true).at(s.name), v);
 
     // Sweep spec key -> combination -> results CSV column and JSON row.
-    const auto points = sim::expand(sim::SweepSpec::from_json(json{{s.name, json::array({v})}}, "spec.json"));
+    const auto points = search::expand(search::SweepSpec::from_json(json{{s.name, json::array({v})}}, "spec.json"));
     ASSERT_EQ(points.size(), 1u);
     EXPECT_EQ(points[0].strategy(), expected);
-    sim::SweepRow row;
+    search::SweepRow row;
     row.point = points[0];
     row.status = "invalid";
-    const std::string text = column(sim::to_csv(row), sim::sweep_csv_columns(), s.name);
+    const std::string text = column(search::to_csv(row), search::sweep_csv_columns(), s.name);
     core::StrategyOptions from_csv;
     core::set_setting(s, from_csv, core::setting_from_text(s, text, "csv"), "csv");
     EXPECT_EQ(from_csv, expected);
-    EXPECT_EQ(sim::to_json(row).at(s.name), v);
+    EXPECT_EQ(search::to_json(row).at(s.name), v);
 
     // Tune results CSV (global_batch is the spec's there, never a candidate's).
     if (s.name == "global_batch") continue;
-    sim::TuneSpec spec;
-    sim::TuneRow tune_row;
+    search::TuneSpec spec;
+    search::TuneRow tune_row;
     static_cast<core::StrategyOptions&>(tune_row.candidate) = expected;
     tune_row.candidate.zero = s.name == "zero" ? expected.zero : 3;  // reduce_every is a ZeRO-2/3 choice
     tune_row.status = "pruned";
-    const sim::TuneRow back = sim::tune_row_from_csv(sim::csv_split(sim::to_csv(spec, tune_row)), nullptr, "t.csv");
+    const search::TuneRow back =
+        search::tune_row_from_csv(search::csv_split(search::to_csv(spec, tune_row)), nullptr, "t.csv");
     EXPECT_EQ(back.candidate, tune_row.candidate);
   }
 }
@@ -161,7 +162,7 @@ TEST(Settings, UnknownScenarioKeyIsOneLineNamingFileAndKey) {
       << far;
   EXPECT_EQ(far.find('\n'), std::string::npos);
   // The same rule in a sweep spec.
-  EXPECT_EQ(error_of([] { sim::SweepSpec::from_json(json::parse(R"({"dp_shards": [2]})"), "sw.json"); }),
+  EXPECT_EQ(error_of([] { search::SweepSpec::from_json(json::parse(R"({"dp_shards": [2]})"), "sw.json"); }),
             "sw.json: unknown field 'dp_shards' (did you mean 'dp_shard'?)");
 }
 
@@ -178,7 +179,7 @@ TEST(Settings, BadEnumValueNamesTheKeyAndTheChoices) {
             }),
             "s.json: field 'strategy.reduce_every': must be a string (got 1)");
   EXPECT_EQ(
-      error_of([] { sim::SweepSpec::from_json(json::parse(R"({"reduce_every": ["step", "steps"]})"), "sw.json"); }),
+      error_of([] { search::SweepSpec::from_json(json::parse(R"({"reduce_every": ["step", "steps"]})"), "sw.json"); }),
       "sw.json: field 'reduce_every': unknown value 'steps' (did you mean 'step'?); expected microbatch or step");
   EXPECT_EQ(error_of([] {
               core::Scenario::from_json(json::parse(R"({"model": "qwen3-9m", "strategy": {"zero": 4}})"), "s.json");

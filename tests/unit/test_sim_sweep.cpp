@@ -14,10 +14,11 @@
 
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/simulate.hpp"
-#include "piper/sim/sweep.hpp"
+#include "piper/search/sweep.hpp"
 
 using namespace piper;
 using namespace piper::sim;
+using namespace piper::search;
 using nlohmann::json;
 namespace fs = std::filesystem;
 

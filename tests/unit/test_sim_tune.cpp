@@ -17,13 +17,14 @@
 
 #include "piper/core/strategy.hpp"
 #include "piper/sim/cluster.hpp"
-#include "piper/sim/results_csv.hpp"
+#include "piper/search/results_csv.hpp"
 #include "piper/sim/simulate.hpp"
-#include "piper/sim/sweep.hpp"
-#include "piper/sim/tune.hpp"
+#include "piper/search/sweep.hpp"
+#include "piper/search/tune.hpp"
 
 using namespace piper;
 using namespace piper::sim;
+using namespace piper::search;
 namespace fs = std::filesystem;
 
 namespace {

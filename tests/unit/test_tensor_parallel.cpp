@@ -28,7 +28,7 @@
 #include "piper/core/verifier.hpp"
 #include "piper/sim/cost_model.hpp"
 #include "piper/sim/simulate.hpp"
-#include "piper/sim/sweep.hpp"
+#include "piper/search/sweep.hpp"
 
 using namespace piper::core;
 using nlohmann::json;
@@ -733,19 +733,19 @@ TEST(TensorParallel, SweepKeys) {
                      {"sequence_parallel", json::array({false, true})},
                      {"recompute", "selective"},
                      {"global_batch", 8}};
-  const auto points = piper::sim::expand(piper::sim::SweepSpec::from_json(spec, "s.json"));
+  const auto points = piper::search::expand(piper::search::SweepSpec::from_json(spec, "s.json"));
   ASSERT_EQ(points.size(), 4u);
   EXPECT_EQ(points[3].tp, 2);
   EXPECT_TRUE(points[3].sequence_parallel);
   EXPECT_NE(points[3].key().find("/tp2/sp/rc-selective/gb8"), std::string::npos) << points[3].key();
-  const auto ok = piper::sim::run_point(points[3], "");
+  const auto ok = piper::search::run_point(points[3], "");
   EXPECT_EQ(ok.status, "ok") << ok.reason;
   EXPECT_EQ(ok.devices, 4);
   // SP without TP is rejected as a combination, not as a spec.
-  EXPECT_EQ(piper::sim::run_point(points[1], "").status, "invalid");
+  EXPECT_EQ(piper::search::run_point(points[1], "").status, "invalid");
   json bad = spec;
   bad["recompute"] = "some";
-  EXPECT_THROW((void)piper::sim::SweepSpec::from_json(bad, "s.json"), piper::sim::SweepError);
+  EXPECT_THROW((void)piper::search::SweepSpec::from_json(bad, "s.json"), piper::search::SweepError);
 }
 
 // The CLI: a global batch that does not divide is one error line and exit status 2.

@@ -8,7 +8,7 @@
 #include <QWidget>
 
 #include "piper/core/scenario.hpp"
-#include "piper/sim/tune.hpp"
+#include "piper/search/tune.hpp"
 
 class QTableWidget;
 class QLabel;
@@ -21,12 +21,12 @@ class TuneBrowser : public QWidget {
  public:
   explicit TuneBrowser(QWidget* parent = nullptr);
 
-  // Reads a tune CSV (sim::read_tune_results); on error keeps the previous table and returns false
+  // Reads a tune CSV (search::read_tune_results); on error keeps the previous table and returns false
   // with the one-line message in *error.
   bool open(const QString& path, QString* error = nullptr);
   // Rows in table order: fitting simulated candidates by step time, then the rest (over the cap,
   // invalid, pruned). One row per candidate: its SimGrid result when it has one.
-  const std::vector<sim::TuneRow>& rows() const { return rows_; }
+  const std::vector<search::TuneRow>& rows() const { return rows_; }
   QTableWidget* table() const { return table_; }
   // The scenario of row i (the tune's model, cluster, shape; the row's strategy and engine).
   core::Scenario scenario_of(int row) const;
@@ -39,8 +39,8 @@ class TuneBrowser : public QWidget {
  private:
   QTableWidget* table_ = nullptr;
   QLabel* summary_ = nullptr;
-  sim::TuneSpec spec_;
-  std::vector<sim::TuneRow> rows_;
+  search::TuneSpec spec_;
+  std::vector<search::TuneRow> rows_;
 };
 
 }  // namespace piper::gui

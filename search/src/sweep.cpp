@@ -1,6 +1,6 @@
 // Sweeps: spec parsing, cartesian expansion, one simulation per combination, and a resumable
 // append-only CSV (complete rows are kept; a partial last line from a killed run is cut off).
-#include "piper/sim/sweep.hpp"
+#include "piper/search/sweep.hpp"
 
 #include <algorithm>
 #include <cstdio>
@@ -9,9 +9,11 @@
 #include <utility>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -24,10 +26,11 @@
 #include "piper/core/suggest.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/cost_model.hpp"
-#include "piper/sim/results_csv.hpp"
+#include "piper/search/results_csv.hpp"
+#include "piper/search/worker_pool.hpp"
 #include "piper/sim/simulate.hpp"
 
-namespace piper::sim {
+namespace piper::search {
 
 using nlohmann::json;
 namespace fs = std::filesystem;
@@ -98,7 +101,7 @@ const std::vector<json>& SweepSpec::values(const std::string& name) const {
   const auto& table = core::strategy_settings();
   for (std::size_t i = 0; i < table.size(); ++i)
     if (table[i].name == name) return settings.at(i);
-  throw std::logic_error("internal: no strategy setting '" + name + "'");
+  throw core::InternalError("no strategy setting '" + name + "'");
 }
 
 std::vector<json>& SweepSpec::values(const std::string& name) {
@@ -153,13 +156,13 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
         "{}: {}", where,
         core::limit_message(core::Limit::SweepRuns, static_cast<std::int64_t>(std::min(runs, 9e18)), "combinations")));
   // Names that no combination could use are errors in the spec, not rows: say so once, up front.
-  const auto engines = engine_names();
+  const auto engines = sim::engine_names();
   for (const auto& e : s.engine)
     if (std::find(engines.begin(), engines.end(), e) == engines.end())
       throw SweepError(fmt::format("{}: field 'engine': unknown engine '{}'", where, e));
-  Cluster cluster;
+  sim::Cluster cluster;
   try {
-    cluster = load_cluster(s.cluster);
+    cluster = sim::load_cluster(s.cluster);
   } catch (const core::Error& e) {
     throw SweepError(fmt::format("{}: field 'cluster': {}", where, one_line(e.what())));
   }
@@ -171,7 +174,7 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
     const int sms = value.get<int>();
     if (sms == 0) continue;
     for (const auto& node : cluster.nodes)
-      if (const std::string why = sm_partition_misfit(sms, node.gpu); !why.empty())
+      if (const std::string why = sim::sm_partition_misfit(sms, node.gpu); !why.empty())
         throw SweepError(fmt::format("{}: field 'comm_sms': {}", where, why));
   }
   return s;
@@ -353,19 +356,19 @@ Outcome simulate_outcome(const core::Scenario& scenario, const std::string& clus
     if (!scenario.directives) core::validate_strategy_options(scenario.strategy);
     core::CompiledScenario compiled = core::compile_scenario(scenario);
     program = std::make_shared<const core::Program>(std::move(compiled.result.program));
-    with_devices(load_cluster(cluster), program->num_devices);
+    sim::with_devices(sim::load_cluster(cluster), program->num_devices);
   } catch (const std::exception& e) {
     out.status = "invalid";
     out.reason = one_line(e.what());
     return out;
   }
   try {
-    SimulateOptions options;
+    sim::SimulateOptions options;
     options.cluster = cluster;
     options.engine = engine;
     options.calibration_path = calibration_path;
-    const SimulationResult result = simulate_program(program, options);
-    const Report& r = result.report;
+    const sim::SimulationResult result = sim::simulate_program(program, options);
+    const sim::Report& r = result.report;
     out.devices = r.devices;
     out.step_time_s = r.step_time_s;
     out.tokens_per_step = r.tokens_per_step;
@@ -409,50 +412,116 @@ std::set<std::string> repair_results(const std::string& path) {
   return keys;
 }
 
-SweepSummary run_sweep(const SweepSpec& spec, const std::string& csv_path, const SweepOptions& options) {
+SweepSpec load_sweep_spec(const std::string& path, WorkerPool& pool) {
+  // The owner reads the file once (bounded by Limit::InputBytes) and checks it; its verdict and the
+  // text go to every process (they need no shared filesystem), so all stop together on a bad spec.
+  std::string error, text;
+  SweepSpec spec;
+  if (pool.owner()) {
+    try {
+      text = core::read_input_file(path);
+      spec = SweepSpec::parse(text, path, fs::path(path).parent_path().string());
+    } catch (const std::exception& e) {  // SweepError, or a limit/read error
+      error = e.what();
+    }
+  }
+  pool.share(error);
+  if (!error.empty()) throw SweepError(error);
+  pool.share(text);
+  if (!pool.owner()) {
+    try {
+      spec = SweepSpec::parse(text, path, fs::path(path).parent_path().string());
+    } catch (const std::exception& e) {
+      pool.abort(e.what());  // the owner parsed the same text: this rank cannot go on alone
+    }
+  }
+  return spec;
+}
+
+namespace {
+
+char status_letter(const SweepRow& row) { return row.status == "ok" ? 'o' : row.status == "invalid" ? 'i' : 'e'; }
+
+// On the owner: the combinations of `all` not in the results file yet (by index; a value listed twice
+// in the spec runs once), and how many were; the file's header checked and its cut last row repaired.
+std::vector<std::size_t> pending_points(const std::vector<SweepPoint>& all, const std::string& csv_path,
+                                        std::size_t& resumed) {
+  const std::set<std::string> done = repair_results(csv_path);
+  std::set<std::string> queued;
+  std::vector<std::size_t> pending;
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    const std::string k = all[i].key();
+    if (done.count(k)) {
+      resumed += 1;
+      continue;
+    }
+    if (queued.insert(k).second) pending.push_back(i);
+  }
+  return pending;
+}
+
+}  // namespace
+
+SweepSummary run_sweep(const SweepSpec& spec, const std::string& csv_path, WorkerPool& pool,
+                       const SweepOptions& options) {
   SweepSummary summary;
   const std::vector<SweepPoint> all = expand(spec);
   summary.combinations = all.size();
-  const std::set<std::string> done = repair_results(csv_path);
-  std::vector<SweepPoint> parallel, serial;
-  std::set<std::string> queued;
-  for (const auto& p : all) {
-    const std::string k = p.key();
-    if (done.count(k)) {
-      summary.resumed += 1;
-      continue;
-    }
-    if (!queued.insert(k).second) continue;  // a value listed twice in the spec
-    (is_simgrid(p) ? serial : parallel).push_back(p);
-  }
-  const std::size_t total = summary.resumed + parallel.size() + serial.size();
-
+  // The owner checks the results file and opens it for appending; a failure ends every process.
+  std::vector<std::size_t> pending;
   std::optional<ResultsAppender> out;
-  try {
-    out.emplace(csv_path, sweep_csv_columns());
-  } catch (const ResultsFileError& e) {
-    throw SweepError(e.what());
-  }
-  std::mutex mutex;
-  std::size_t finished = summary.resumed;
-  auto record = [&](const SweepRow& row) {
+  std::string error;
+  if (pool.owner()) {
     try {
-      out->append(to_csv(row));
+      pending = pending_points(all, csv_path, summary.resumed);
+      out.emplace(csv_path, sweep_csv_columns());
+    } catch (const ResultsFileError& e) {
+      error = e.what();
+    } catch (const SweepError& e) {
+      error = e.what();
+    }
+  }
+  pool.share(error);
+  if (!error.empty()) throw SweepError(error);
+  pool.share(pending);
+  const std::size_t total = summary.resumed + pending.size();
+  // Rows computed in this process, until the sink hands them to on_row (rows of other ranks arrive
+  // as CSV lines only).
+  std::mutex mutex;
+  std::map<std::size_t, SweepRow> local;
+  std::size_t finished = summary.resumed;
+  auto work = [&](std::size_t i) {
+    SweepRow row = run_point(all[i], spec.calibration_path);
+    const std::string line = status_letter(row) + to_csv(row);
+    if (options.on_row) {
+      std::lock_guard lock(mutex);
+      local.emplace(i, std::move(row));
+    }
+    return line;
+  };
+  auto sink = [&](std::size_t i, const std::string& line) {
+    try {
+      out->append(line.substr(1));
     } catch (const ResultsFileError& e) {
       throw SweepError(e.what());
     }
-    std::lock_guard lock(mutex);
     summary.ran += 1;
-    (row.status == "ok" ? summary.ok : row.status == "invalid" ? summary.invalid : summary.failed) += 1;
+    (line[0] == 'o' ? summary.ok : line[0] == 'i' ? summary.invalid : summary.failed) += 1;
     finished += 1;
-    if (options.on_row) options.on_row(row, finished, total);
+    if (!options.on_row) return;
+    std::unique_lock lock(mutex);
+    auto row = local.extract(i);
+    lock.unlock();
+    if (!row.empty()) options.on_row(row.mapped(), finished, total);
   };
-  run_pool(parallel.size(), options.jobs,
-           [&](std::size_t i) { record(run_point(parallel[i], spec.calibration_path)); });
-  // The simgrid engine forks a child per run; forking while other threads may hold locks (allocator
-  // arenas aside, e.g. stdio or a registry mutex) could deadlock the child, so these run alone.
-  for (const auto& p : serial) record(run_point(p, spec.calibration_path));
+  pool.run(
+      pending, [&](std::size_t i) { return is_simgrid(all[i]); }, work, sink);
   return summary;
 }
 
-}  // namespace piper::sim
+SweepSummary run_sweep(const SweepSpec& spec, const std::string& csv_path, const SweepOptions& options) {
+  ThreadPool pool(options.jobs);
+  return run_sweep(spec, csv_path, pool, options);
+}
+
+}  // namespace piper::search

@@ -1,5 +1,5 @@
-// Sweeps: expand a spec's lists of strategy knobs into every combination, simulate each (in worker
-// threads), and append one CSV row per combination to a results file that a rerun resumes from.
+// Sweeps: expand a spec's lists of strategy knobs into every combination, simulate each (on a worker
+// pool: threads, or MPI ranks), and append one CSV row per combination to a results file that a rerun resumes from.
 // The CLI (`piper sweep`) and the Python module (`piper.sweep`) call the same functions.
 #pragma once
 
@@ -15,7 +15,9 @@
 #include "piper/core/scenario.hpp"
 #include "piper/core/strategy.hpp"
 
-namespace piper::sim {
+namespace piper::search {
+
+class WorkerPool;
 
 // A bad sweep spec or results file: one line naming the file and field.
 class SweepError : public core::Error {
@@ -138,4 +140,15 @@ struct SweepSummary {
 // time afterwards, with no other worker alive, because that engine forks a child per run.
 SweepSummary run_sweep(const SweepSpec& spec, const std::string& csv_path, const SweepOptions& options = {});
 
-}  // namespace piper::sim
+// The same on any worker pool (worker_pool.hpp; under mpirun the MPI one): every process expands the
+// spec, the owner resumes and appends to `csv_path`, and each combination runs on one process.
+// options.jobs is the pool's; on_row sees the rows this process ran. A bad results file throws
+// SweepError on every process. The summary is the owner's (other processes leave it empty).
+SweepSummary run_sweep(const SweepSpec& spec, const std::string& csv_path, WorkerPool& pool,
+                       const SweepOptions& options = {});
+
+// Reads the spec at `path` on the owner of `pool` and shares it with every process; a bad spec (or
+// an unreadable file) throws SweepError on every process, naming the file.
+SweepSpec load_sweep_spec(const std::string& path, WorkerPool& pool);
+
+}  // namespace piper::search

@@ -1,6 +1,6 @@
-// Machinery shared by the result-producing drivers (`piper sweep`, `piper tune`): CSV fields, a
-// resumable append-only results file (complete rows survive a kill, a cut last row is dropped), and
-// a worker pool that stops starting new work when asked (a time budget).
+// Machinery shared by the result-producing drivers (`piper sweep`, `piper tune`): CSV fields and a
+// resumable append-only results file (complete rows survive a kill, a cut last row is dropped). The
+// worker pool they run on is worker_pool.hpp.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +13,7 @@
 
 #include "piper/core/error.hpp"
 
-namespace piper::sim {
+namespace piper::search {
 
 // A results file that cannot be read, resumed or written: one line naming the file (and line).
 class ResultsFileError : public core::Error {
@@ -65,11 +65,4 @@ class ResultsAppender {
   std::mutex mutex_;
 };
 
-// Runs work(i) for i in [0, count) on `jobs` threads (the caller's thread is one of them). Before
-// starting an item each worker asks `stop` (when given); once it says yes no new item starts and
-// the running ones finish. Returns how many items started. The first exception thrown by `work` stops
-// the pool and is rethrown.
-std::size_t run_pool(std::size_t count, int jobs, const std::function<void(std::size_t)>& work,
-                     const std::function<bool()>& stop = {});
-
-}  // namespace piper::sim
+}  // namespace piper::search

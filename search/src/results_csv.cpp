@@ -1,5 +1,5 @@
-// Resumable CSV results files and the worker pool shared by sweeps and the tuner.
-#include "piper/sim/results_csv.hpp"
+// Resumable CSV results files shared by sweeps and the tuner.
+#include "piper/search/results_csv.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -8,18 +8,16 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <atomic>
 #include <exception>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-#include <thread>
 
 #include <fmt/format.h>
 
 #include "piper/core/limits.hpp"
 
-namespace piper::sim {
+namespace piper::search {
 
 namespace fs = std::filesystem;
 
@@ -249,37 +247,4 @@ void ResultsAppender::append(const std::string& row) {
   rows_ += 1;
 }
 
-std::size_t run_pool(std::size_t count, int jobs, const std::function<void(std::size_t)>& work,
-                     const std::function<bool()>& stop) {
-  std::atomic<std::size_t> next{0};
-  std::atomic<std::size_t> started{0};
-  std::mutex mutex;
-  std::exception_ptr failure;
-  auto worker = [&] {
-    try {
-      while (true) {
-        if (stop && stop()) {
-          next = count;
-          return;
-        }
-        const std::size_t i = next++;
-        if (i >= count) return;
-        started += 1;
-        work(i);
-      }
-    } catch (...) {
-      std::lock_guard lock(mutex);
-      if (!failure) failure = std::current_exception();
-      next = count;
-    }
-  };
-  const int threads_wanted = std::max(1, std::min<int>(jobs, static_cast<int>(count)));
-  std::vector<std::thread> threads;
-  for (int t = 1; t < threads_wanted; ++t) threads.emplace_back(worker);
-  worker();
-  for (auto& t : threads) t.join();
-  if (failure) std::rethrow_exception(failure);
-  return std::min(started.load(), count);
-}
-
-}  // namespace piper::sim
+}  // namespace piper::search

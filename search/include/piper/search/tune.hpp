@@ -15,7 +15,7 @@
 #include "piper/core/error.hpp"
 #include "piper/core/scenario.hpp"
 
-namespace piper::sim {
+namespace piper::search {
 
 // A bad tune request or results file: one line naming the flag, file or field.
 class TuneError : public core::Error {
@@ -240,4 +240,4 @@ std::vector<TuneRow> pareto_front(std::vector<TuneRow> rows);
 // with the model and --pp-ranges effective_pp_ranges(spec, c).
 nlohmann::json tune_directives(const TuneSpec& spec, const TuneCandidate& c);
 
-}  // namespace piper::sim
+}  // namespace piper::search
