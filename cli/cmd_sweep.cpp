@@ -25,10 +25,17 @@ struct SweepArgs {
 
 // Under mpirun (more than one rank) the combinations are spread over the ranks (worker_pool_mpi.hpp):
 // rank 0 reads the spec and owns the results file; the other ranks print nothing and end with rank
-// 0's status (2 for a bad spec or results file; a file that fails mid-run ends the job from rank 0).
+// 0's status (2 for a bad spec or results file; a file that fails mid-run ends the job with 2, and a
+// simulation that throws, a bug, with 3).
 int run_sweep_mpi(const SweepArgs& a) {
-  search::MpiPool pool(
-      a.jobs, [](const std::string& message) { print_error("", message); }, kExitBadInput);
+  search::MpiPool pool(a.jobs, [](const std::string& message, bool internal) {
+    if (internal) {
+      print_internal_error(message);
+      return kExitInternal;
+    }
+    print_error("", message);
+    return kExitBadInput;
+  });
   search::SweepSummary s;
   try {
     const search::SweepSpec spec = search::load_sweep_spec(a.spec_path, pool);

@@ -30,8 +30,7 @@ bool launched_under_mpi() {
   return env_above_one("OMPI_COMM_WORLD_SIZE") || env_above_one("PMIX_SIZE") || env_above_one("PMI_SIZE");
 }
 
-MpiPool::MpiPool(int jobs, std::function<void(const std::string&)> report, int exit_code)
-    : jobs_(jobs), report_(std::move(report)), exit_code_(exit_code) {
+MpiPool::MpiPool(int jobs, Report report) : jobs_(jobs), report_(std::move(report)) {
   int provided = 0;
   // Only the main thread calls MPI; worker threads hand results over through a queue.
   MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
@@ -57,11 +56,13 @@ void MpiPool::share(std::vector<std::size_t>& items) {
   items.assign(wide.begin(), wide.end());
 }
 
-void MpiPool::abort(const std::string& message) {
-  report_(message);
+void MpiPool::abort(const std::string& message) { end_job(message, false); }
+
+void MpiPool::end_job(const std::string& message, bool internal) {
+  const int code = report_(message, internal);
   std::fflush(stderr);
-  MPI_Abort(MPI_COMM_WORLD, exit_code_);
-  std::exit(exit_code_);  // MPI_Abort does not return; this tells the compiler so
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::exit(code);  // MPI_Abort does not return; this tells the compiler so
 }
 
 void MpiPool::run(const std::vector<std::size_t>& items, const std::function<bool(std::size_t)>& alone,
@@ -109,7 +110,7 @@ void MpiPool::send_share(const std::vector<std::size_t>& mine, const std::functi
     MPI_Send(msg.data(), static_cast<int>(msg.size()), MPI_CHAR, 0, kTagRow, MPI_COMM_WORLD);
   }
   compute.join();
-  if (!failure.empty()) abort("rank " + std::to_string(rank_) + ": " + failure);
+  if (!failure.empty()) end_job("rank " + std::to_string(rank_) + ": " + failure, true);
   MPI_Send(nullptr, 0, MPI_CHAR, 0, kTagDone, MPI_COMM_WORLD);
 }
 
@@ -120,7 +121,8 @@ void MpiPool::receive_all(const std::vector<std::size_t>& mine, const std::funct
                           const std::function<std::string(std::size_t)>& work,
                           const std::function<void(std::size_t, const std::string&)>& sink) {
   std::mutex mutex;
-  std::string failure;
+  std::string failure;  // the first one: the sink's (bad input) or rank 0's work's (internal)
+  bool internal = false;
   auto record = [&](std::size_t i, const std::string& line) {
     std::lock_guard lock(mutex);
     if (!failure.empty()) return;
@@ -132,14 +134,14 @@ void MpiPool::receive_all(const std::vector<std::size_t>& mine, const std::funct
   };
   auto stop_on_failure = [&] {
     std::lock_guard lock(mutex);
-    if (!failure.empty()) abort(failure);
+    if (!failure.empty()) end_job(failure, internal);
   };
   std::thread compute([&] {
     try {
       run_local(mine, jobs_, alone, work, record);
     } catch (const std::exception& e) {
       std::lock_guard lock(mutex);
-      if (failure.empty()) failure = e.what();
+      if (failure.empty()) failure = "rank 0: " + std::string(e.what()), internal = true;
     }
   });
   for (int remaining = size_ - 1; remaining > 0;) {

@@ -3,11 +3,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <numeric>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -15,6 +18,7 @@
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/simulate.hpp"
 #include "piper/search/sweep.hpp"
+#include "piper/search/worker_pool.hpp"
 
 using namespace piper;
 using namespace piper::sim;
@@ -315,4 +319,45 @@ TEST(Sweep, RefusesAnOlderSweepFileNamingTheMissingColumns) {
   }
   EXPECT_EQ(lines_of(csv), std::vector<std::string>{header});
   fs::remove(csv);
+}
+
+// The thread worker pool: every item's line reaches the sink once, one call at a time; the items that
+// must run alone (SimGrid's: it forks) start after every other item has finished and overlap nothing.
+TEST(WorkerPool, ThreadPoolRunsEveryItemOnceAndTheAloneOnesLastOneAtATime) {
+  ThreadPool pool(4);
+  std::vector<std::size_t> items(40);
+  std::iota(items.begin(), items.end(), 0);
+  auto alone = [](std::size_t i) { return i % 5 == 0; };
+  std::atomic<int> running{0}, others_done{0}, in_sink{0};
+  std::atomic<bool> alone_overlapped{false}, alone_early{false}, sink_overlapped{false};
+  std::map<std::size_t, std::string> got;
+  pool.run(
+      items, alone,
+      [&](std::size_t i) {
+        const int now = ++running;
+        if (alone(i) && now != 1) alone_overlapped = true;
+        if (alone(i) && others_done != 32) alone_early = true;
+        --running;
+        if (!alone(i)) ++others_done;
+        return "line " + std::to_string(i);
+      },
+      [&](std::size_t i, const std::string& line) {
+        if (++in_sink != 1) sink_overlapped = true;
+        EXPECT_TRUE(got.emplace(i, line).second) << "item " << i << " twice";
+        --in_sink;
+      });
+  ASSERT_EQ(got.size(), 40u);
+  for (const auto& [i, line] : got) EXPECT_EQ(line, "line " + std::to_string(i));
+  EXPECT_FALSE(alone_overlapped);
+  EXPECT_FALSE(alone_early);
+  EXPECT_FALSE(sink_overlapped);
+  // The first exception of work stops the run and reaches the caller; abort() throws.
+  EXPECT_THROW(
+      pool.run(
+          items, {}, [](std::size_t i) -> std::string { throw std::runtime_error("item " + std::to_string(i)); },
+          [](std::size_t, const std::string&) {}),
+      std::runtime_error);
+  EXPECT_THROW(pool.abort("stop"), std::runtime_error);
+  EXPECT_TRUE(pool.owner());
+  EXPECT_EQ(pool.processes(), 1);
 }

@@ -34,8 +34,8 @@ class WorkerPool {
   // no to, on its threads, then the others one at a time with no other worker alive (the SimGrid
   // engine forks a child per run). work(i) returns item i's result line; on the owner sink(i, line)
   // runs once per item of every process, one call at a time. An exception of work or sink stops the
-  // run: the thread pool rethrows it; the MPI pool ends the job (the sink's, after reporting it) or,
-  // for work on another rank, reports it and ends the job.
+  // run: the thread pool rethrows it; the MPI pool reports it in one line and ends the job (a sink's
+  // as bad input, a work's as a bug).
   virtual void run(const std::vector<std::size_t>& items, const std::function<bool(std::size_t)>& alone,
                    const std::function<std::string(std::size_t)>& work,
                    const std::function<void(std::size_t, const std::string&)>& sink) = 0;

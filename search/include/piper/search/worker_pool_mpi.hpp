@@ -16,11 +16,14 @@ namespace piper::search {
 bool launched_under_mpi();
 
 // MPI_COMM_WORLD as a WorkerPool: initializes MPI (funneled: only the calling thread calls MPI) and
-// finalizes it when destroyed. `report` prints the one line abort() and a failed sink end the job
-// with; the job then exits with `exit_code` (bad input: a results file that cannot be written).
+// finalizes it when destroyed. A failure that must end the job is given to `report`, which prints its
+// one line and returns the exit status the job ends with: internal is false for abort() and a failed
+// sink (bad input: a results file that cannot be written), true for an exception of work (a bug:
+// work answers bad input with a result line).
 class MpiPool final : public WorkerPool {
  public:
-  MpiPool(int jobs, std::function<void(const std::string&)> report, int exit_code);
+  using Report = std::function<int(const std::string& message, bool internal)>;
+  MpiPool(int jobs, Report report);
   ~MpiPool() override;
   MpiPool(const MpiPool&) = delete;
   MpiPool& operator=(const MpiPool&) = delete;
@@ -37,12 +40,12 @@ class MpiPool final : public WorkerPool {
  private:
   void send_share(const std::vector<std::size_t>& mine, const std::function<bool(std::size_t)>& alone,
                   const std::function<std::string(std::size_t)>& work);
+  [[noreturn]] void end_job(const std::string& message, bool internal);
   void receive_all(const std::vector<std::size_t>& mine, const std::function<bool(std::size_t)>& alone,
                    const std::function<std::string(std::size_t)>& work,
                    const std::function<void(std::size_t, const std::string&)>& sink);
   int jobs_;
-  std::function<void(const std::string&)> report_;
-  int exit_code_;
+  Report report_;
   int rank_ = 0, size_ = 1;
 };
 
