@@ -367,33 +367,10 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
 
 }  // namespace
 
-// The CUDA kernels cover Qwen/Llama-style layers only (RMSNorm, SwiGLU, RoPE, untied, no biases);
-// GPT-style specs run on the host backend. Refused before any GPU is touched.
-static std::string unsupported_model(const core::Program& program) {
-  const core::Model model = program_model(program);
-  for (const auto& l : model.layers()) {
-    std::string what;
-    if (l.kind == core::LayerKind::Norm && l.shape.norm == core::NormKind::LayerNorm)
-      what = "LayerNorm";
-    else if (l.kind == core::LayerKind::Mlp && l.shape.activation == core::MlpActivation::GELU)
-      what = "a GELU MLP";
-    else if ((l.kind == core::LayerKind::Attention || l.kind == core::LayerKind::Mlp) && l.shape.bias)
-      what = "linear biases";
-    else if (l.kind == core::LayerKind::Head && l.shape.tied_with_embedding)
-      what = "a head tied to the embedding";
-    else if (l.kind == core::LayerKind::Embedding && l.shape.max_positions > 0)
-      what = "learned positions";
-    if (!what.empty())
-      return fmt::format(
-          "plan: model '{}' has {} (layer '{}'); the CUDA backend runs RMSNorm/SwiGLU/RoPE models only, the host "
-          "backend (--backend host) runs it",
-          model.name(), what, l.name);
-  }
-  return "";
-}
-
 TrainResult train_cuda(const core::Program& program, const TrainOptions& options, const CudaRunOptions& cuda) {
-  std::string why = unsupported_model(program);
+  // A plan this backend cannot run (TP, SP, CP, expert TP, HSDP, GPT-style layers, ...) is refused in
+  // one line before any GPU is touched (Capabilities, dataflow.hpp).
+  std::string why = unsupported_feature(program, cuda_capabilities());
   if (why.empty() && options.skip_nonfinite)
     why =
         "--on-nonfinite skip: the CUDA backend stops on a non-finite loss; skipping steps is implemented on the host "
