@@ -72,6 +72,21 @@ if [ "$rc" -eq 77 ]; then echo "benchmark: skipped (no GPU)"; elif [ "$rc" -ne 0
   PIPER_ATTENTION=reference timeout 300 build-gpu/bin/bench_cuda_step 3 2>&1 | tee "$out/bench_cuda_step_reference.log"
 fi
 
+echo "== (3a) side by side: the same dense-1b step in PyTorch (eager and torch.compile), Piper's tok/s as a ratio of each =="
+# scripts/measure/torch_dense1b.py is vendored from ../shared/measurements/h200/ (it travels with
+# scripts/ in gpu-bundle.sh's .gpu/ and in any clone). Runs only where PyTorch with CUDA is present.
+if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' > /dev/null 2>&1; then
+  timeout 600 python3 scripts/measure/torch_dense1b.py 2>&1 | tee "$out/torch_dense1b.log"
+  if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+    echo "PyTorch benchmark failed (see $out/torch_dense1b.log)"; status=1
+  else
+    python3 scripts/measure/bench_ratio.py "$out/bench_cuda_step.log" "$out/torch_dense1b.log" 2>&1 | tee "$out/bench_ratio.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
+else
+  echo "side by side: skipped (no PyTorch with CUDA for python3)"
+fi
+
 echo "== (2c) SM partitioning: DualPipeV with communication on 24 SMs (sm_partition; green contexts on Hopper) =="
 timeout 120 build-gpu/bin/piper run --backend cuda --virtual-devices --model tests/data/runtime-tiny-moe.json \
   --pp 2 --dp 2 --ep 2 --microbatches 4 --schedule dualpipev --comm-sms 24 --steps 3 --seed 7 \

@@ -311,6 +311,29 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
 // ---------------------------------------------------------------------------------------------
 // Distributed
 // ---------------------------------------------------------------------------------------------
+namespace {
+
+// The host backend as the training loop drives it.
+class HostTrainee : public RankTrainee {
+ public:
+  explicit HostTrainee(HostBackend& b) : b_(b) {}
+  Backend& backend() override { return b_; }
+  double loss_sum() override { return b_.loss_sum(); }
+  bool state_is_finite() override { return runtime::state_is_finite(b_.model()); }
+  void snapshot() override { before_.take(b_.model()); }
+  void rollback() override { before_.restore(b_.model()); }
+  std::vector<StateRecord> checkpoint_records() override { return state_records(b_.model()); }
+  const core::Model& model() override { return b_.model().model(); }
+  std::vector<host::ParamRecord> param_records() override { return b_.model().param_records(); }
+  core::DeviceTimeline measured(const StepMeasurement& m) override { return m.timeline; }
+
+ private:
+  HostBackend& b_;
+  StateSnapshot before_;
+};
+
+}  // namespace
+
 TrainResult train_distributed(const core::Program& program, const TrainOptions& o) {
   int rank = 0, size = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -367,22 +390,84 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
     throw std::invalid_argument(o.resume_path + ": ranks read different steps from the checkpoint");
   }
   backend->set_steps_done(r.first_step);
+  HostTrainee trainee(*backend);
+  const RankLoopLabels labels{
+      "host-cpu",
+      {{"backend", "host"}, {"clock", "executor (host steady clock, op start to completion)"}},
+      [&](const TrainResult& result, int devices) { write_report(o.report_path, result, "distributed", devices); }};
+  return train_ranks(program, o, trainee, rank, r.first_step, labels);
+}
 
+// ---------------------------------------------------------------------------------------------
+// The training loop over MPI ranks (every backend)
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+// The last step's measured timeline of every rank, gathered on rank 0 (collective): spans as
+// (stream, index, start, end), then memory samples as (time, bytes).
+std::vector<core::DeviceTimeline> gather_timelines(const core::DeviceTimeline& timeline, int rank, int size) {
+  std::vector<double> mine;
+  mine.push_back(static_cast<double>(timeline.spans.size()));
+  for (const auto& s : timeline.spans)
+    mine.insert(mine.end(), {static_cast<double>(s.stream), static_cast<double>(s.index), s.start_s, s.end_s});
+  for (const auto& m : timeline.memory) mine.insert(mine.end(), {m.time_s, static_cast<double>(m.bytes)});
+  const auto [all, offsets, sizes] = gather_on_root(mine);
+  std::vector<core::DeviceTimeline> devices;
+  if (rank != 0) return devices;
+  for (int d = 0; d < size; ++d) {
+    std::size_t at = static_cast<std::size_t>(offsets[static_cast<std::size_t>(d)]);
+    const std::size_t end = at + static_cast<std::size_t>(sizes[static_cast<std::size_t>(d)]);
+    core::DeviceTimeline dt;
+    const auto spans = static_cast<std::size_t>(all[at++]);
+    for (std::size_t i = 0; i < spans; ++i, at += 4)
+      dt.spans.push_back(
+          {static_cast<std::int32_t>(all[at]), static_cast<std::int32_t>(all[at + 1]), all[at + 2], all[at + 3]});
+    for (; at + 1 < end; at += 2) {
+      dt.memory.push_back({all[at], static_cast<std::int64_t>(all[at + 1])});
+      if (dt.memory.back().bytes > dt.peak_memory_bytes)
+        dt.peak_memory_bytes = dt.memory.back().bytes, dt.peak_memory_time_s = all[at];
+    }
+    devices.push_back(std::move(dt));
+  }
+  return devices;
+}
+
+void write_measured_trace(const std::string& path, const core::Program& program,
+                          std::vector<core::DeviceTimeline> devices) {
+  core::Timeline t;
+  t.source = "measured";
+  t.program = std::make_shared<const core::Program>(program);
+  for (auto& dt : devices) {
+    for (const auto& s : dt.spans) t.step_time_s = std::max(t.step_time_s, s.end_s);
+    t.devices.push_back(std::move(dt));
+  }
+  std::ostringstream out;
+  core::write_chrome_trace(t, out);
+  core::write_file_atomically(path, out.str());
+}
+
+}  // namespace
+
+TrainResult train_ranks(const core::Program& program, const TrainOptions& o, RankTrainee& trainee, int rank,
+                        int first_step, const RankLoopLabels& labels) {
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  TrainResult r;
+  r.first_step = first_step;
   const DataShape shape = data_shape(program);
-  Executor executor(program.plan_for(rank), *backend, ExecutorOptions{o.stall_timeout_s});
+  Executor executor(program.plan_for(rank), trainee.backend(), ExecutorOptions{o.stall_timeout_s});
   StepMeasurement last;
   std::vector<core::DeviceTimeline> calibration_steps;  // --calibrate: this rank's kept steps
   double total_step_s = 0;
-  StateSnapshot before;  // --on-nonfinite skip: the state before the step, restored if it diverged
   for (int step = r.first_step; step < o.steps; ++step) {
-    if (o.skip_nonfinite) before.take(backend->model());
-    MPI_Barrier(MPI_COMM_WORLD);  // align step starts so the timeline's devices share a time origin
+    if (o.skip_nonfinite) trainee.snapshot();  // the state before the step, restored if it diverged
+    MPI_Barrier(MPI_COMM_WORLD);               // align step starts so the timeline's devices share a time origin
     last = executor.run_step(step);
     if (!o.calibrate_path.empty() && calibration_uses_step(step - r.first_step, o.steps - r.first_step))
-      calibration_steps.push_back(last.timeline);
+      calibration_steps.push_back(trainee.measured(last));
     // The update ran inside the step, so divergence shows as a non-finite loss or a non-finite
     // updated state (a non-finite gradient makes its AdamW update NaN) on some rank: all ranks agree.
-    double sums[2] = {backend->loss_sum(), state_is_finite(backend->model()) ? 0.0 : 1.0};
+    double sums[2] = {trainee.loss_sum(), trainee.state_is_finite() ? 0.0 : 1.0};
     double step_s = last.step_seconds;
     MPI_Allreduce(MPI_IN_PLACE, sums, 2, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, &step_s, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
@@ -397,7 +482,7 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
         if (rank != 0) throw ReportedByAnotherRank();
         throw TrainingDiverged(nonfinite_message(step + 1, bad));
       }
-      before.restore(backend->model());
+      trainee.rollback();
       r.skipped_steps.push_back(step + 1);
     }
     r.losses.push_back(mean_loss);
@@ -412,58 +497,28 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
       fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms){}\n", step + 1, r.losses.back(), step_s * 1e3,
                  bad.empty() ? "" : "  skipped: " + bad);
     if (saves_after(o, step + 1))
-      save_distributed(o, program, state_records(backend->model()), backend->model().model(), step + 1, rank);
+      save_distributed(o, program, trainee.checkpoint_records(), trainee.model(), step + 1, rank);
   }
   const int ran = o.steps - r.first_step;
   r.step_time_s = ran > 0 ? total_step_s / ran : 0;
   r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
 
   if (!o.save_path.empty() && ran <= 0)
-    save_distributed(o, program, state_records(backend->model()), backend->model().model(), r.first_step, rank);
+    save_distributed(o, program, trainee.checkpoint_records(), trainee.model(), r.first_step, rank);
   if (!o.dump_params_path.empty()) {
-    const std::string mine = serialize_records(backend->model().param_records());
+    const std::string mine = serialize_records(trainee.param_records());
     if (const auto g = gather_on_root(mine); rank == 0) write_dump(o.dump_params_path, g.all);
   }
   if (!o.trace_path.empty() && ran > 0) {
-    // The last step's measured timeline of every device, gathered on rank 0.
-    std::vector<double> mine;
-    mine.push_back(static_cast<double>(last.timeline.spans.size()));
-    for (const auto& s : last.timeline.spans)
-      mine.insert(mine.end(), {static_cast<double>(s.stream), static_cast<double>(s.index), s.start_s, s.end_s});
-    for (const auto& m : last.timeline.memory) mine.insert(mine.end(), {m.time_s, static_cast<double>(m.bytes)});
-    const auto [all, offsets, sizes] = gather_on_root(mine);
-    if (rank == 0) {
-      core::Timeline t;
-      t.source = "measured";
-      t.program = std::make_shared<const core::Program>(program);
-      for (int d = 0; d < size; ++d) {
-        std::size_t at = static_cast<std::size_t>(offsets[static_cast<std::size_t>(d)]);
-        const std::size_t end = at + static_cast<std::size_t>(sizes[static_cast<std::size_t>(d)]);
-        core::DeviceTimeline dt;
-        const auto spans = static_cast<std::size_t>(all[at++]);
-        for (std::size_t i = 0; i < spans; ++i, at += 4)
-          dt.spans.push_back(
-              {static_cast<std::int32_t>(all[at]), static_cast<std::int32_t>(all[at + 1]), all[at + 2], all[at + 3]});
-        for (; at + 1 < end; at += 2) {
-          dt.memory.push_back({all[at], static_cast<std::int64_t>(all[at + 1])});
-          if (dt.memory.back().bytes > dt.peak_memory_bytes)
-            dt.peak_memory_bytes = dt.memory.back().bytes, dt.peak_memory_time_s = all[at];
-        }
-        for (const auto& s : dt.spans) t.step_time_s = std::max(t.step_time_s, s.end_s);
-        t.devices.push_back(std::move(dt));
-      }
-      std::ostringstream out;
-      core::write_chrome_trace(t, out);
-      core::write_file_atomically(o.trace_path, out.str());
-    }
+    auto devices = gather_timelines(trainee.measured(last), rank, size);
+    if (rank == 0) write_measured_trace(o.trace_path, program, std::move(devices));
   }
   if (!o.calibrate_path.empty() && ran > 0) {
-    write_calibration_distributed(
-        o.calibrate_path, program, calibration_steps, "host-cpu",
-        {{"backend", "host"}, {"clock", "executor (host steady clock, op start to completion)"}});
+    write_calibration_distributed(o.calibrate_path, program, calibration_steps, labels.device,
+                                  labels.calibration_source);
     if (o.print && rank == 0) fmt::print("calibration ({} steps) -> {}\n", calibration_steps.size(), o.calibrate_path);
   }
-  if (rank == 0 && !o.report_path.empty()) write_report(o.report_path, r, "distributed", size);
+  if (rank == 0 && !o.report_path.empty()) labels.write_report(r, size);
   return r;
 }
 

@@ -104,6 +104,25 @@ nlohmann::json calibration_source(const std::string& mode) {
           {"clock", "CUDA events around each op's work (communication: until its data is unpacked)"}};
 }
 
+// The CUDA backend as the shared training loop drives it. The GPU state is not checked for
+// non-finite values (the loss is) and --on-nonfinite skip is refused before the run.
+class CudaTrainee : public RankTrainee {
+ public:
+  explicit CudaTrainee(CudaBackend& b) : b_(b) {}
+  Backend& backend() override { return b_; }
+  double loss_sum() override { return b_.loss_sum(); }
+  bool state_is_finite() override { return true; }
+  void snapshot() override { throw std::logic_error("the CUDA backend does not skip non-finite steps"); }
+  void rollback() override { snapshot(); }
+  std::vector<StateRecord> checkpoint_records() override { return b_.checkpoint_records(); }
+  const core::Model& model() override { return b_.model(); }
+  std::vector<host::ParamRecord> param_records() override { return b_.param_records(); }
+  core::DeviceTimeline measured(const StepMeasurement& m) override { return merged(b_, m); }
+
+ private:
+  CudaBackend& b_;
+};
+
 TrainResult train_virtual(const core::Program& program, const TrainOptions& o, const CudaRunOptions& c) {
   const int n = program.num_devices;
   check(cudaSetDevice(0), "cudaSetDevice");
@@ -291,109 +310,27 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
   if (o.print && program.sm_partition) fmt::print("sm_partition: {}\n", sm->describe());
   transport = make_nccl_transport(program, rank, MPI_COMM_WORLD, sm->nccl_max_ctas());
   backend = std::make_unique<CudaBackend>(program, rank, *transport, config_of(o, c, sm));
-  TrainResult r;
+  int first_step = 0;
   if (ckpt) {
     backend->restore(ckpt->state);
     backend->set_steps_done(ckpt->info.step);
-    r.first_step = ckpt->info.step;
+    first_step = ckpt->info.step;
   }
-  const int ran = o.steps - r.first_step;
-  const DataShape shape = data_shape(program);
-  Executor executor(program.plan_for(rank), *backend, ExecutorOptions{o.stall_timeout_s});
-  StepMeasurement last;
-  std::vector<core::DeviceTimeline> calibration;  // this rank's kept steps
-  double total_step_s = 0;
-  for (int step = r.first_step; step < o.steps; ++step) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    last = executor.run_step(step);
-    if (!o.calibrate_path.empty() && calibration_uses_step(step - r.first_step, ran))
-      calibration.push_back(backend->gpu_timeline());
-    double sum = backend->loss_sum(), step_s = last.step_seconds;
-    MPI_Allreduce(MPI_IN_PLACE, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-    MPI_Allreduce(MPI_IN_PLACE, &step_s, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    r.losses.push_back(sum / static_cast<double>(shape.global_tokens()));
-    r.step_times_s.push_back(step_s);
-    total_step_s += step_s;
-    r.backend_s += last.backend_seconds;
-    r.idle_s += last.idle_seconds;
-    r.overhead_s += last.overhead_seconds;
-    r.total_s += last.step_seconds;
-    r.ops += last.ops;
-    if (o.print && rank == 0)
-      fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step + 1, r.losses.back(), step_s * 1e3);
-    // The summed loss is the same on every rank, so every rank stops at this step.
-    if (!std::isfinite(r.losses.back())) {
-      if (rank != 0) throw ReportedByAnotherRank();
-      throw TrainingDiverged(nonfinite_message(step + 1, "loss " + nonfinite_value(r.losses.back())));
-    }
-    if (saves_after(o, step + 1))
-      save_distributed(o, program, backend->checkpoint_records(), backend->model(), step + 1, rank);
-  }
-  if (!o.save_path.empty() && ran <= 0)
-    save_distributed(o, program, backend->checkpoint_records(), backend->model(), r.first_step, rank);
-  if (!o.calibrate_path.empty() && ran > 0) {
-    write_calibration_distributed(o.calibrate_path, program, calibration, gpu_name(), calibration_source("nccl"));
-    if (o.print && rank == 0) fmt::print("calibration ({} steps) -> {}\n", calibration.size(), o.calibrate_path);
-  }
-  r.step_time_s = ran > 0 ? total_step_s / ran : 0;
-  r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
-  if (!o.dump_params_path.empty()) {
-    const std::string mine = serialize_records(backend->param_records());
-    if (const auto g = gather_on_root(mine); rank == 0) write_dump(o.dump_params_path, g.all);
-  }
-  if (!o.trace_path.empty() && ran > 0) {
-    // Spans as (stream, index, start, end) doubles, gathered on rank 0.
-    const core::DeviceTimeline mine = merged(*backend, last);
-    std::vector<double> flat;
-    for (const auto& s : mine.spans)
-      flat.insert(flat.end(), {static_cast<double>(s.stream), static_cast<double>(s.index), s.start_s, s.end_s});
-    const auto [all, offsets, sizes] = gather_on_root(flat);
-    if (rank == 0) {
-      std::vector<core::DeviceTimeline> devices(static_cast<std::size_t>(size));
-      for (int d = 0; d < size; ++d)
-        for (int i = offsets[static_cast<std::size_t>(d)];
-             i + 3 < offsets[static_cast<std::size_t>(d)] + sizes[static_cast<std::size_t>(d)]; i += 4) {
-          const auto at = static_cast<std::size_t>(i);
-          devices[static_cast<std::size_t>(d)].spans.push_back(
-              {static_cast<std::int32_t>(all[at]), static_cast<std::int32_t>(all[at + 1]), all[at + 2], all[at + 3]});
-        }
-      write_trace(o.trace_path, program, std::move(devices));
-    }
-  }
-  if (rank == 0 && !o.report_path.empty())
-    write_report(o.report_path, r, "cuda-nccl", size, c.dtype == DType::F32 ? "fp32" : "bf16");
-  return r;
+  // The training loop every backend shares (trainer.hpp); --on-nonfinite skip is refused in train_cuda.
+  CudaTrainee trainee(*backend);
+  const RankLoopLabels labels{gpu_name(), calibration_source("nccl"), [&](const TrainResult& result, int devices) {
+                                write_report(o.report_path, result, "cuda-nccl", devices,
+                                             c.dtype == DType::F32 ? "fp32" : "bf16");
+                              }};
+  return train_ranks(program, o, trainee, rank, first_step, labels);
 }
 
 }  // namespace
 
-// The CUDA kernels cover Qwen/Llama-style layers only (RMSNorm, SwiGLU, RoPE, untied, no biases);
-// GPT-style specs run on the host backend. Refused before any GPU is touched.
-static std::string unsupported_model(const core::Program& program) {
-  const core::Model model = program_model(program);
-  for (const auto& l : model.layers()) {
-    std::string what;
-    if (l.kind == core::LayerKind::Norm && l.shape.norm == core::NormKind::LayerNorm)
-      what = "LayerNorm";
-    else if (l.kind == core::LayerKind::Mlp && l.shape.activation == core::MlpActivation::GELU)
-      what = "a GELU MLP";
-    else if ((l.kind == core::LayerKind::Attention || l.kind == core::LayerKind::Mlp) && l.shape.bias)
-      what = "linear biases";
-    else if (l.kind == core::LayerKind::Head && l.shape.tied_with_embedding)
-      what = "a head tied to the embedding";
-    else if (l.kind == core::LayerKind::Embedding && l.shape.max_positions > 0)
-      what = "learned positions";
-    if (!what.empty())
-      return fmt::format(
-          "plan: model '{}' has {} (layer '{}'); the CUDA backend runs RMSNorm/SwiGLU/RoPE models only, the host "
-          "backend (--backend host) runs it",
-          model.name(), what, l.name);
-  }
-  return "";
-}
-
 TrainResult train_cuda(const core::Program& program, const TrainOptions& options, const CudaRunOptions& cuda) {
-  std::string why = unsupported_model(program);
+  // A plan this backend cannot run (TP, SP, CP, expert TP, HSDP, GPT-style layers, ...) is refused in
+  // one line before any GPU is touched (Capabilities, dataflow.hpp).
+  std::string why = unsupported_feature(program, cuda_capabilities());
   if (why.empty() && options.skip_nonfinite)
     why =
         "--on-nonfinite skip: the CUDA backend stops on a non-finite loss; skipping steps is implemented on the host "

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -14,6 +15,7 @@
 
 #include "piper/core/program.hpp"
 #include "piper/runtime/backend.hpp"
+#include "piper/runtime/dataflow.hpp"
 #include "piper/runtime/host_model.hpp"
 
 namespace piper::runtime {
@@ -25,22 +27,131 @@ struct HostConfig {
   double stall_timeout_s = 20;  // a TP collective inside a compute op waits at most this long for its group
 };
 
-// The data-parallel shape of a program, as the data and the loss need it.
-struct DataShape {
-  int microbatches = 1;  // Program::microbatches
-  int ranks = 1;         // data-parallel ranks: devices of a compute op's device set
-  std::int64_t micro_batch_size = 1, seq_len = 1;
-  std::int64_t global_tokens() const {
-    return static_cast<std::int64_t>(microbatches) * ranks * micro_batch_size * seq_len;
+// The host side of the two dataflow interfaces (dataflow.hpp). Kernels: the Eigen model; buffers are
+// fp32 host vectors; every op completes synchronously.
+class HostKernels {
+ public:
+  struct Ctx {};
+  struct Mark {};
+  using Buf = std::vector<float>;
+  using Forward = host::ForwardState;
+  using Backward = host::BackwardState;
+  using Stash = host::SegmentStash;
+  using Source = host::ExpertSource;
+  using Packet = host::ExpertPacket;
+
+  HostKernels(host::HostModel& model, const DataShape& shape, host::AdamWConfig adamw)
+      : m_(model), shape_(shape), adamw_(adamw) {}
+  const core::Model& model() const { return m_.model(); }
+  bool tied() const { return m_.tied(); }
+  int embedding_layer() const { return m_.embedding_layer(); }
+  int head_layer() const { return m_.head_layer(); }
+  void require_tied() const {}
+  Ctx ctx(int) const { return {}; }
+  void begin_step(int) {}
+  double end_step(double host_loss) { return host_loss; }
+  Mark begin_op(const Ctx&) { return {}; }
+  void end_op(const Ctx&, Mark&) {}
+  bool op_done(const core::OpRef&, Mark&, const core::Op&) { return true; }
+
+  double forward(const Ctx&, int s, const host::MicrobatchData& d, float scale, Forward& st, Stash& stash) {
+    return m_.forward(s, d, scale, st, stash);
   }
+  void backward_input(const Ctx&, int s, Backward& g, Stash& stash) { m_.backward_input(s, g, stash); }
+  void backward_weight(const Ctx&, int s, Stash& stash) { m_.backward_weight(s, stash); }
+  Source route(const Ctx&, const Forward& st, int ranks) { return m_.route(st, ranks); }
+  std::vector<Packet> dispatch_forward(const Ctx&, const Forward& st, const Source& src) {
+    return m_.dispatch_forward(st, src);
+  }
+  std::vector<Packet> dispatch_backward(const Ctx&, Backward& g, const Source& src) {
+    return m_.dispatch_backward(g, src);
+  }
+  void experts_forward_entries(const Ctx&, int s, const std::vector<Packet>& from, Stash& st, std::vector<Packet>* to) {
+    m_.experts_forward_entries(s, from, st, to);
+  }
+  void experts_backward_entries(const Ctx&, int s, const std::vector<Packet>& from, Stash& st,
+                                std::vector<Packet>* to) {
+    m_.experts_backward_entries(s, from, st, to);
+  }
+  void combine_forward(const Ctx&, Forward& st, Source& src, const std::vector<Packet>& in) {
+    m_.combine_forward(st, src, in);
+  }
+  void combine_backward(const Ctx&, Backward& g, const Source& src, const std::vector<Packet>& in) {
+    m_.combine_backward(g, src, in);
+  }
+  void update(const Ctx&, int s, int step) { m_.update(s, adamw_, step); }
+  void poison(int s) { m_.poison_params(s); }
+
+  Buf pack_forward(const Ctx&, Forward&& st) { return st.serialize(); }
+  Buf pack_backward(const Ctx&, Backward&& g) { return g.serialize(); }
+  Buf message_buffer(const Ctx&) { return {}; }  // sized by the transport when the message arrives
+  Forward unpack_forward(const Ctx&, Buf& b) { return host::ForwardState::deserialize(b); }
+  Backward unpack_backward(const Ctx&, Buf& b) { return host::BackwardState::deserialize(b); }
+  Buf pack_packets(const Ctx&, const std::vector<Packet>& out, int) {
+    return host::pack_packets(out, packet_block(), m_.hidden());
+  }
+  Buf packet_buffer(const Ctx&, int ranks) { return Buf(static_cast<std::size_t>(packet_block() * ranks), 0.0f); }
+  std::vector<Packet> unpack_packets(const Ctx&, Buf& b, int ranks) {
+    return host::unpack_packets(b, ranks, packet_block(), m_.hidden());
+  }
+
+  Buf floats(const Ctx&, std::int64_t n) { return Buf(static_cast<std::size_t>(n), 0.0f); }
+  std::int64_t size(int s, Vec v) { return static_cast<std::int64_t>(vec(s, v).size()); }
+  void zero(const Ctx&, int s, Vec v) {
+    auto x = vec(s, v);
+    std::fill(x.begin(), x.end(), 0.0f);
+  }
+  void read(const Ctx&, Buf& dst, std::int64_t at, int s, Vec v, std::int64_t from, std::int64_t n) {
+    auto x = vec(s, v);
+    std::copy(x.begin() + from, x.begin() + from + n, dst.begin() + at);
+  }
+  void write(const Ctx&, int s, Vec v, std::int64_t at, const Buf& src, std::int64_t from, std::int64_t n, bool add);
+  bool& grad_chunk_ready(int s) { return m_.segment(s).grad_chunk_ready; }
+  int& gathered(int s) { return m_.segment(s).gathered; }
+  host::SegmentParams& layout(int s) { return m_.segment(s); }
+
+ private:
+  std::span<float> vec(int s, Vec v);
+  // An all-to-all block per peer: a count, then up to T·k entries of an expert id and a row.
+  std::int64_t packet_block() const {
+    return 1 + shape_.micro_batch_size * shape_.seq_len * m_.top_k() * (1 + m_.hidden());
+  }
+  host::HostModel& m_;
+  DataShape shape_;
+  host::AdamWConfig adamw_;
 };
-DataShape data_shape(const core::Program& program);
 
-// The model a Program trains: its spec with the Program's training shape; checks the layer count.
-core::Model program_model(const core::Program& program);
+// Transport: non-blocking MPI. SEND is MPI_Issend (tag: the pair's node), RECV probes its message
+// (MPI_Improbe) and receives it (MPI_Imrecv); collectives run on one communicator per Program
+// communicator group, created collectively by all ranks in family order.
+class MpiTransport {
+ public:
+  MpiTransport(const core::Program& program, int device, MPI_Comm world);
+  ~MpiTransport();
+  MpiTransport(const MpiTransport&) = delete;
+  MpiTransport& operator=(const MpiTransport&) = delete;
+  int post(const CommPost<std::vector<float>>& r, const HostKernels::Ctx&);
+  bool test(int ticket);
+  std::string name() const { return ""; }
+  // Posts the receive of every posted RECV whose message has arrived (also while a compute op blocks
+  // in a TP collective, so that a peer's synchronous send completes).
+  void match_posted_receives();
+  MPI_Comm family_comm(int family) const;
 
-// Which segments `device` holds and how (shard / replica index, ZeRO level).
-std::vector<host::SegmentSpec> device_segments(const core::Program& program, int device);
+ private:
+  struct Ticket {
+    MPI_Request request = MPI_REQUEST_NULL;
+    MPI_Message message = MPI_MESSAGE_NULL;
+    bool receive = false, matched = false;
+    int peer = -1, tag = -1;
+    std::vector<float>* recv = nullptr;
+  };
+  int device_;
+  MPI_Comm world_ = MPI_COMM_NULL;
+  std::vector<MPI_Comm> family_comm_;  // this device's group communicator per family (or null)
+  std::map<int, Ticket> tickets_;
+  int next_ticket_ = 0;
+};
 
 class HostBackend : public Backend {
  public:
@@ -49,85 +160,30 @@ class HostBackend : public Backend {
   HostBackend(const HostBackend&) = delete;
   HostBackend& operator=(const HostBackend&) = delete;
 
-  void begin_step(int step) override;
-  bool start(const core::OpRef& at, const core::Op& op) override;
-  bool poll(const core::OpRef& at, const core::Op& op) override;
-  void buffer_freed(int buffer) override;
-  void end_step() override;
-  std::string describe_wait(const core::Op& op) const override;
+  void begin_step(int step) override { flow_->begin_step(step); }
+  bool start(const core::OpRef& at, const core::Op& op) override { return flow_->start(at, op); }
+  bool poll(const core::OpRef& at, const core::Op& op) override { return flow_->poll(at, op); }
+  void buffer_freed(int buffer) override { flow_->buffer_freed(buffer); }
+  void end_step() override { flow_->end_step(); }
+  std::string describe_wait(const core::Op& op) const override { return flow_->describe_wait(op); }
 
-  double loss_sum() const { return loss_sum_; }  // this device's summed token losses of the step
+  double loss_sum() const { return flow_->loss_sum(); }  // this device's summed token losses of the step
   host::HostModel& model() { return *model_; }
-  int steps_done() const { return steps_done_; }
-  void set_steps_done(int steps) { steps_done_ = steps; }
+  int steps_done() const { return flow_->steps_done(); }
+  void set_steps_done(int steps) { flow_->set_steps_done(steps); }
 
  private:
-  struct Pending;
   class MpiTpComm;
-  // Tied embeddings (GPT) with the embedding and the head in different segments: the two copies'
-  // gradients are summed once both are complete (after the segment's last backward of the step),
-  // before anything reads them (the data-parallel reduction, the update). Across devices the plan's
-  // "tied-embedding" ALL_REDUCE does it (the plan orders it); on one device (V placements) the
-  // backend adds the two after the later segment's last backward, and holds the reductions and the
-  // update that read them until then.
-  struct TiedSync {
-    int embed_seg = -1, head_seg = -1;  // the segments, when they differ and this device holds one
-    bool local = false;                 // this device holds both (same data and TP rank)
-    int family = -1;                    // the plan's "tied-embedding" family (-1: none)
-    std::map<int, int> backward_done;   // segment -> B/BW ops run this step
-    bool finished = false;              // the sum is in place for this step
-    int held() const { return embed_seg >= 0 ? embed_seg : head_seg; }  // across devices: the one here
-  };
-  void setup_tied(const core::Program& program);
-  void tied_backward_done(int seg);
-  bool touches_tied(const core::Op& op) const;  // a local sum still due before this op
-  bool is_tied_sum(const core::Op& op) const;
-  // Posts the receive of every in-flight RECV whose message has arrived (also while a compute op
-  // blocks in a TP collective).
-  void match_posted_receives();
-  void run_compute(const core::Op& op);
-  void start_comm(const core::OpRef& at, const core::Op& op);
-  void finish_comm(const core::Op& op, Pending& p);
-  MPI_Comm comm_of(const core::Op& op) const;
-  int mb_of(const core::Op& op) const;
-  int data_rank_of(const core::Op& op) const;
-  host::MicrobatchData local_tokens(host::MicrobatchData d, const core::Op& op) const;  // CP: this rank's chunks
-  const core::ProgramSegment& seg(int s) const { return program_.segments.at(static_cast<std::size_t>(s)); }
+  void setup_group_comms(const core::Program& program);
 
-  const core::Program& program_;
-  const core::Plan& plan_;
   int device_;
-  MPI_Comm world_ = MPI_COMM_NULL;
-  std::vector<MPI_Comm> family_comm_;                   // this device's group communicator per family (or null)
+  HostConfig config_;
+  std::unique_ptr<MpiTransport> transport_;
   std::map<int, std::unique_ptr<MpiTpComm>> tp_comms_;  // TP family -> this device's TP group
   std::map<int, std::unique_ptr<MpiTpComm>> cp_comms_;  // CP family -> this device's CP group
-  std::vector<int> set_tp_;                             // device set -> TP degree of its stage
-  std::vector<int> set_cp_;                             // device set -> CP degree of its segments
-  HostConfig config_;
-  DataShape shape_;
-  float loss_scale_ = 1;
-  int num_layers_ = 0;
   std::unique_ptr<host::HostModel> model_;
-  std::unique_ptr<host::TokenStream> stream_;
-  int step_ = 0, steps_done_ = 0;
-  double loss_sum_ = 0;
-
-  // Data in flight between ops, keyed by microbatch and model layer boundary (the tensor entering
-  // that layer in the forward direction, or leaving it in the backward direction).
-  // The data-parallel rank is part of the key: with mirrored placements one device runs different
-  // ranks' data in different segments (its position differs between their device sets).
-  using Key = std::tuple<int, int, int>;     // (microbatch, data-parallel rank, layer)
-  using SegKey = std::pair<int, int>;        // (segment, microbatch)
-  using EpKey = std::tuple<int, bool, int>;  // (segment, backward, microbatch)
-  std::map<Key, host::ForwardState> forward_;
-  std::map<Key, host::BackwardState> backward_;
-  std::map<SegKey, host::SegmentStash> stash_;
-  std::map<SegKey, host::ExpertSource> ep_source_;
-  std::map<SegKey, host::BackwardState> ep_grad_;
-  std::map<EpKey, std::vector<host::ExpertPacket>> ep_in_, ep_out_;
-  std::map<EpKey, int> a2a_seen_;
-  std::map<core::OpRef, std::unique_ptr<Pending>> pending_;
-  TiedSync tied_;
+  std::unique_ptr<HostKernels> kernels_;
+  std::unique_ptr<Dataflow<HostKernels, MpiTransport>> flow_;
 };
 
 }  // namespace piper::runtime

@@ -4,13 +4,18 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "piper/core/program.hpp"
+#include "piper/runtime/backend.hpp"
 #include "piper/runtime/checkpoint.hpp"
+#include "piper/runtime/executor.hpp"
 #include "piper/runtime/kernels.hpp"
 
 namespace piper::runtime {
@@ -61,6 +66,34 @@ struct TrainResult {
 TrainResult train_reference(const core::Program& program, const TrainOptions& options);
 // Must run under MPI (MPI_Init done by the caller) with as many ranks as the Program has devices.
 TrainResult train_distributed(const core::Program& program, const TrainOptions& options);
+
+// ---- The training loop over MPI ranks, one for every backend (train_distributed, the CUDA backend's
+// MPI + NCCL run) ----
+// One rank's backend as the loop drives it.
+class RankTrainee {
+ public:
+  virtual ~RankTrainee() = default;
+  virtual Backend& backend() = 0;
+  virtual double loss_sum() = 0;       // this rank's summed token losses of the last step
+  virtual bool state_is_finite() = 0;  // after the update (a backend that cannot tell: true)
+  virtual void snapshot() = 0;         // --on-nonfinite skip: keep the state before a step...
+  virtual void rollback() = 0;         // ...and restore it when the step diverged
+  virtual std::vector<StateRecord> checkpoint_records() = 0;
+  virtual const core::Model& model() = 0;
+  virtual std::vector<host::ParamRecord> param_records() = 0;
+  // The last step's measured timeline of this rank (calibration and trace).
+  virtual core::DeviceTimeline measured(const StepMeasurement& m) = 0;
+};
+// What the loop writes that differs by backend.
+struct RankLoopLabels {
+  std::string device;                 // calibration's device name ("host-cpu", the GPU's name)
+  nlohmann::json calibration_source;  // calibration's "measured" field
+  std::function<void(const TrainResult&, int devices)> write_report;
+};
+// Runs steps first_step..o.steps-1 on every rank (collective), then saves, dumps, traces, calibrates
+// and reports (rank 0) as the options ask.
+TrainResult train_ranks(const core::Program& program, const TrainOptions& o, RankTrainee& trainee, int rank,
+                        int first_step, const RankLoopLabels& labels);
 
 // Parameter dumps: one file with records (layer, offset, values) of the canonical parameter layout.
 // Reads a dump into layer -> values (NaN where no record covered an element). The file is not

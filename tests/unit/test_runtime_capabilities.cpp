@@ -1,0 +1,138 @@
+// Each backend declares what it can run (runtime::Capabilities); a plan that needs anything else is
+// refused in one line naming the feature, before step 1. The check is a pure function of the compiled
+// Program and the capabilities, so the CUDA backend's refusals are tested here without a GPU.
+#include <stdexcept>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "piper/core/scenario.hpp"
+#include "piper/runtime/dataflow.hpp"
+
+namespace core = piper::core;
+using piper::runtime::check_capabilities;
+using piper::runtime::cuda_capabilities;
+using piper::runtime::host_capabilities;
+using piper::runtime::unsupported_feature;
+
+namespace {
+
+const std::string kMoe = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-moe.json";
+const std::string kDense = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-dense.json";
+const std::string kGpt = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-gpt.json";
+const std::string kGptUntied = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-gpt-untied.json";
+
+core::StrategyOptions strategy(int pp, int dp, int ep, int zero, int microbatches) {
+  core::StrategyOptions o;
+  o.pp = pp, o.dp = dp, o.ep = ep, o.zero = zero, o.microbatches = microbatches, o.schedule = "1f1b";
+  if (zero >= 2) o.reduce_every = "step";  // what the CUDA backend runs (ZeRO-0/1 always reduce once)
+  return o;
+}
+
+core::Program compile(const core::StrategyOptions& o, const std::string& model) {
+  core::Scenario s;
+  s.model = model;
+  s.strategy = o;
+  return core::compile_scenario(s).result.program;
+}
+
+// Whether `text` contains `part` (the message shown on failure).
+::testing::AssertionResult contains(const std::string& text, const std::string& part) {
+  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << '"' << text << "\" lacks \"" << part << '"';
+}
+
+const std::string kCudaTail = "; the host backend (--backend host) runs it";
+
+}  // namespace
+
+// What the CUDA backend runs today (the cases scripts/gpu-check.sh checks) passes the CUDA check.
+TEST(RuntimeCapabilities, CudaAcceptsPipelineDataExpertAndZero) {
+  for (const auto& o : {strategy(2, 2, 1, 0, 4), strategy(2, 2, 2, 3, 4), strategy(2, 2, 2, 2, 4)})
+    EXPECT_EQ(unsupported_feature(compile(o, kMoe), cuda_capabilities()), "");
+}
+
+TEST(RuntimeCapabilities, CudaRefusesTensorParallelism) {
+  core::StrategyOptions o = strategy(1, 1, 1, 0, 2);
+  o.tp = 2;
+  EXPECT_EQ(
+      unsupported_feature(compile(o, kDense), cuda_capabilities()),
+      "plan: segment 0 is tensor-parallel (tp_degree 2); the CUDA backend does not run tensor parallelism" + kCudaTail);
+}
+
+TEST(RuntimeCapabilities, CudaRefusesSequenceParallelism) {
+  core::StrategyOptions o = strategy(1, 1, 1, 0, 2);
+  o.tp = 2, o.sequence_parallel = true;
+  EXPECT_EQ(unsupported_feature(compile(o, kDense), cuda_capabilities()),
+            "plan: segment 0 is sequence-parallel (tp_degree 2 with SP); the CUDA backend does not run sequence "
+            "parallelism" +
+                kCudaTail);
+}
+
+TEST(RuntimeCapabilities, CudaRefusesContextParallelism) {
+  core::StrategyOptions o = strategy(1, 1, 1, 0, 2);
+  o.cp = 2;
+  EXPECT_EQ(unsupported_feature(compile(o, kDense), cuda_capabilities()),
+            "plan: segment 0 is context-parallel (cp_degree 2); the CUDA backend does not run context parallelism" +
+                kCudaTail);
+}
+
+TEST(RuntimeCapabilities, CudaRefusesExpertTensorParallelism) {
+  core::StrategyOptions o = strategy(1, 2, 1, 0, 2);
+  o.etp = 2;
+  const std::string why = unsupported_feature(compile(o, kMoe), cuda_capabilities());
+  EXPECT_TRUE(contains(why,
+                       "expert-tensor-parallel ranks; the CUDA backend does not run expert tensor parallelism "
+                       "(compile with --etp 1)"));
+  EXPECT_EQ(why.rfind("plan: segment ", 0), 0u) << why;
+}
+
+TEST(RuntimeCapabilities, CudaRefusesHsdp) {
+  core::StrategyOptions o = strategy(1, 4, 1, 1, 2);
+  o.dp_shard = 2;
+  EXPECT_EQ(unsupported_feature(compile(o, kDense), cuda_capabilities()),
+            "plan: segment 0 uses HSDP (ZeRO shards over groups of 2 of its 4 replicas); the CUDA backend does not "
+            "run HSDP" +
+                kCudaTail);
+}
+
+TEST(RuntimeCapabilities, CudaRefusesPerMicrobatchReduction) {
+  core::StrategyOptions o = strategy(1, 2, 1, 2, 2);
+  o.reduce_every = "microbatch";
+  const std::string why = unsupported_feature(compile(o, kDense), cuda_capabilities());
+  EXPECT_TRUE(contains(why,
+                       "reduces its ZeRO-2/3 gradients after every microbatch; the CUDA backend does not run "
+                       "per-microbatch reduction (compile with --reduce-every step)"));
+}
+
+TEST(RuntimeCapabilities, CudaRefusesGptStyleLayers) {
+  for (const auto& model : {kGpt, kGptUntied}) {
+    const std::string why = unsupported_feature(compile(strategy(1, 1, 1, 0, 2), model), cuda_capabilities());
+    EXPECT_EQ(why.rfind("plan: model '", 0), 0u) << why;
+    EXPECT_TRUE(
+        contains(why, "; the CUDA backend runs RMSNorm/SwiGLU/RoPE models only (no GPT-style layers)" + kCudaTail));
+  }
+}
+
+// The host backend runs every one of them; the refusal is one line and check_capabilities throws it.
+TEST(RuntimeCapabilities, HostRunsWhatCudaRefusesAndRefusalsAreOneLine) {
+  core::StrategyOptions tp = strategy(1, 1, 1, 0, 2), sp = tp, cp = tp, hsdp = strategy(1, 4, 1, 1, 2);
+  tp.tp = 2, sp.tp = 2, sp.sequence_parallel = true, cp.cp = 2, hsdp.dp_shard = 2;
+  core::StrategyOptions etp = strategy(1, 2, 1, 0, 2);
+  etp.etp = 2;
+  const core::Program plans[] = {compile(tp, kDense),   compile(sp, kDense), compile(cp, kDense),
+                                 compile(hsdp, kDense), compile(etp, kMoe),  compile(strategy(1, 1, 1, 0, 2), kGpt)};
+  for (const auto& p : plans) {
+    EXPECT_EQ(unsupported_feature(p, host_capabilities()), "");
+    EXPECT_NO_THROW(check_capabilities(p, host_capabilities()));
+    const std::string why = unsupported_feature(p, cuda_capabilities());
+    EXPECT_FALSE(why.empty());
+    EXPECT_EQ(why.find('\n'), std::string::npos) << why;
+    try {
+      check_capabilities(p, cuda_capabilities());
+      ADD_FAILURE() << "check_capabilities accepted a plan the CUDA backend cannot run";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()), why);
+    }
+  }
+}
