@@ -151,7 +151,10 @@ double hf_probability(const json& j, const FieldReader& r, const std::string& f)
 
 }  // namespace
 
-ModelConfig config_from_hf_json(const json& j, const std::string& where, std::vector<std::string>* unmodelled) {
+// One field after another in the order of a Hugging Face config, each read, checked and mapped where
+// it is; splitting it would scatter that mapping.
+ModelConfig config_from_hf_json(const json& j, const std::string& where,  // NOLINT(readability-function-size)
+                                std::vector<std::string>* unmodelled) {
   require_object(j, where, "Hugging Face config");
   FieldReader r(j, where);
   const std::string type = hf_model_type(j, r);

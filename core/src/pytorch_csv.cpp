@@ -71,7 +71,10 @@ std::string schedule_to_pytorch_csv(const ScheduleTable& table) {
   return out;
 }
 
-ScheduleTable schedule_from_pytorch_csv(const std::string& text, const std::string& where, CsvSpelling* spelling) {
+// Three passes over one table (actions as written, the spelling, placement and order) that share the
+// cell locator of their errors: kept together so that every message names its row and column alike.
+ScheduleTable schedule_from_pytorch_csv(const std::string& text,  // NOLINT(readability-function-size)
+                                        const std::string& where, CsvSpelling* spelling) {
   static const std::regex single(R"((\d+)([FBIW])(\d+))");
   static const std::regex overlap(R"(\((.*)\)OVERLAP_F_B)");
   auto at = [&](std::size_t row, std::size_t col, const std::string& why) {

@@ -137,8 +137,8 @@ class GlobalDag {
   std::vector<Split> splits;
   std::optional<SmPartition> sm_partition;  // set by the sm_partition directive
 
-  Vertex add_node(DagNode n) { return boost::add_vertex(std::move(n), graph); }
-  void add_edge(Vertex u, Vertex v, DagEdge e) { boost::add_edge(u, v, std::move(e), graph); }
+  Vertex add_node(const DagNode& n) { return boost::add_vertex(n, graph); }
+  void add_edge(Vertex u, Vertex v, const DagEdge& e) { boost::add_edge(u, v, e, graph); }
   int family_index(const CommFamily& f);   // interns a family
   std::vector<Vertex> live_nodes() const;  // not removed, in index order
   std::size_t live_node_count() const;
