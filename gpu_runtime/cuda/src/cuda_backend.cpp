@@ -275,7 +275,7 @@ void CudaBackend::start_comm(const Exec& e, const core::Op& op, Pending& p) {
   const int mb = mb_of(op);
   CommRequest r;
   r.stream = e.stream;
-  r.node = op.node;
+  r.pair = op.pair;
   if (op.family >= 0 && op.kind != core::OpKind::Send && op.kind != core::OpKind::Recv) {
     p.group = program_.group_of(op.family, device_);
     if (p.group.empty())
