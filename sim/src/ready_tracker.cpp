@@ -213,7 +213,11 @@ ReadyTracker::ReadyTracker(const core::Program& program, const Symmetry* symmetr
           info.seq = st.pairs.family_slot(op.pair);
           auto& seq = pi.family_seq[ix(op.family)];
           if (seq.empty()) seq.assign(ix(st.pairs.family_slots(op.family)), OpRef{});
-          if (info.seq >= 0) seq[ix(info.seq)] = r;
+          // An id registered under another family (an unverified program) never meets: it stays stuck.
+          if (info.seq >= 0 && ix(info.seq) < seq.size())
+            seq[ix(info.seq)] = r;
+          else
+            info.seq = -1;
         }
         pi.ops.push_back(info);
       }

@@ -362,3 +362,37 @@ TEST(Readiness, MayStartNeedsItsStreamTurnAndEveryWait) {
   done[1] = 3, done[2] = 0;
   EXPECT_FALSE(may_start(op, OpRef{0, 3}, count));
 }
+
+// Tied embeddings are a typed pair of the Program: the head's segment names the embedding's
+// (ProgramSegment::tied_to), lowered from the tied-embedding segments; read and checked on load.
+TEST(TiedPair, TheHeadSegmentNamesTheEmbeddingSegment) {
+  Scenario s = base("1f1b", 2, 1, 2);
+  s.model = "gpt3-175b";
+  const CompiledScenario compiled = compile_scenario(s);
+  const Program& p = compiled.result.program;
+  int tied = 0;
+  for (std::size_t i = 0; i < p.segments.size(); ++i) {
+    const ProgramSegment& sg = p.segments[i];
+    if (sg.tied_to < 0) continue;
+    ++tied;
+    EXPECT_EQ(p.segments[ix(sg.tied_to)].first_layer, 0);  // the embedding is the model's first layer
+    int last = 0;
+    for (const auto& other : p.segments) last = std::max(last, other.last_layer);
+    EXPECT_EQ(sg.last_layer, last);  // the head its last
+  }
+  EXPECT_EQ(tied, 1);
+  const json j = p.to_json();
+  EXPECT_TRUE(Program::from_json(j) == p);
+  json bad = j;
+  for (auto& sg : bad["segments"])
+    if (sg.contains("tied_to")) sg["tied_to"] = 99;
+  try {
+    (void)Program::from_json(bad);
+    FAIL() << "tied_to 99 was read";
+  } catch (const PlanError& e) {
+    EXPECT_NE(std::string(e.what()).find("tied_to"), std::string::npos) << e.what();
+  }
+  // An untied model has no pair.
+  const CompiledScenario untied = compile_scenario(base("1f1b", 2, 1, 2));
+  for (const auto& sg : untied.result.program.segments) EXPECT_EQ(sg.tied_to, -1);
+}
