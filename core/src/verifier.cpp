@@ -566,6 +566,8 @@ class Verifier {
       tp_families.insert(sg.tp_family);
     }
     // A plan's TP sequence for one family: its compute ops of segments in that family, in issue order.
+    // Keyed by DAG node, not pairing id: the TP collectives run inside COMPUTE ops, which meet no
+    // other op (core/readiness.hpp) and carry no id; the node says the members run the same work.
     auto sequence = [&](int plan, int family) {
       std::vector<std::tuple<int, int, std::int64_t, int>> seq;
       for (const auto& stream : prog_.plans[ix(plan)].streams)
@@ -653,7 +655,7 @@ class Verifier {
         for (const auto& op : stream.ops) {
           if (op.kind != OpKind::Compute || op.segment < 0 || ix(op.segment) >= prog_.segments.size()) continue;
           if (prog_.segments[ix(op.segment)].cp_family != family) continue;
-          seq.emplace_back(op.node, static_cast<int>(op.pass), op.cp_bytes, op.cp_steps);
+          seq.emplace_back(op.node, static_cast<int>(op.pass), op.cp_bytes, op.cp_steps);  // by node: as TP's
         }
       return seq;
     };
