@@ -930,7 +930,7 @@ TEST(RuntimeFailure, PeerStallMidStepExitsFour) {
   int changed = 0;
   for (auto& stream : p["plans"][p["plan_of_device"][1].get<int>()]["streams"])
     for (auto& op : stream["ops"])
-      if (op["kind"] == "RECV" && changed == 0) op["node"] = 99999, ++changed;
+      if (op["kind"] == "RECV" && changed == 0) op["pair"] = 99999, ++changed;  // an id its peer never sends
   ASSERT_EQ(changed, 1);
   const fs::path bad = dir / "mismatched.json";
   std::ofstream(bad) << p.dump();
