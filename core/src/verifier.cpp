@@ -78,8 +78,10 @@ class Verifier {
 
   std::vector<VerifyIssue> run() {
     check_structure();
+    check_pairing_ids();
     if (!issues_.empty()) return issues_;  // the other checks index freely into the tables
     index_ops();
+    check_collective_ids();
     check_send_recv();
     check_collectives();
     check_tensor_parallel();
@@ -186,7 +188,6 @@ class Verifier {
       auto valid_ref = [&](OpRef r) {
         return in_range(r.stream, plan.streams.size()) && in_range(r.index, plan.streams[ix(r.stream)].ops.size());
       };
-      std::unordered_set<std::int64_t> pair_seen;  // (pair, side) of this plan's ops
       for (std::size_t s = 0; s < plan.streams.size(); ++s) {
         for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
           const Op& op = plan.streams[s].ops[i];
@@ -205,16 +206,6 @@ class Verifier {
             add("structure", at() + "family " + std::to_string(op.family) + " does not exist");
           if (is_collective_op(op.kind) && op.family < 0)
             add("structure", at() + to_string(op.kind) + " has no family");
-          const MeetSide side = meet_side(op.kind);
-          if (side != MeetSide::None && op.pair < 0) add("structure", at() + to_string(op.kind) + " has no pairing id");
-          if (side == MeetSide::None && op.pair != -1)
-            add("structure", at() + to_string(op.kind) + " has pairing id " + std::to_string(op.pair) +
-                                 " (only SEND, RECV and collectives meet)");
-          if (side != MeetSide::None && op.pair >= 0 &&
-              !pair_seen.emplace(static_cast<std::int64_t>(op.pair) * 4 + static_cast<int>(side)).second)
-            add("structure", at() + "a second " +
-                                 (side == MeetSide::Collective ? std::string("collective") : to_string(op.kind)) +
-                                 " with pairing id " + std::to_string(op.pair) + " on this plan");
           for (const OpRef& w : op.waits)
             if (!valid_ref(w))
               add("structure", at() + "waits on stream " + std::to_string(w.stream) + " op " + std::to_string(w.index) +
@@ -270,6 +261,61 @@ class Verifier {
       for (std::size_t i = 0; i < devices.size(); ++i) table[ix(devices[i])] = static_cast<int>(i);
     }
     return table;
+  }
+
+  // ---- pairing ids (core/readiness.hpp): who meets whom ----
+
+  // Every SEND, RECV and collective has an id and COMPUTE/UPD none; a plan holds at most one op per
+  // (side, id).
+  void check_pairing_ids() {
+    for (std::size_t p = 0; p < prog_.plans.size(); ++p) {
+      const Plan& plan = prog_.plans[p];
+      std::unordered_set<std::int64_t> seen;  // (id, side) of this plan's ops
+      for (std::size_t s = 0; s < plan.streams.size(); ++s)
+        for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
+          const Op& op = plan.streams[s].ops[i];
+          const MeetSide side = meet_side(op.kind);
+          auto at = [&] {
+            return "plan " + std::to_string(p) + " stream '" + plan.streams[s].name + "' op " + std::to_string(i) +
+                   " '" + op.label + "': " + to_string(op.kind) + " ";
+          };
+          const std::string id = std::to_string(op.pair);
+          if (side == MeetSide::None) {
+            if (op.pair != -1)
+              add("structure", at() + "has pairing id " + id + " (only SEND, RECV and collectives meet)");
+            continue;
+          }
+          if (op.pair < 0) {
+            add("structure", at() + "has no pairing id");
+            continue;
+          }
+          if (!seen.emplace(static_cast<std::int64_t>(op.pair) * 4 + static_cast<int>(side)).second)
+            add("structure", at() + "is a second op with pairing id " + id + " on this plan");
+        }
+    }
+  }
+
+  // A collective's pairing id names one family and one kind over the whole Program (one occurrence
+  // cannot span two families' groups).
+  void check_collective_ids() {
+    std::unordered_map<int, std::tuple<int, OpKind, int, OpRef>> first;  // id -> (family, kind, plan, op)
+    for (std::size_t p = 0; p < prog_.plans.size(); ++p) {
+      if (members_[p].empty()) continue;
+      const Plan& plan = prog_.plans[p];
+      for (std::size_t s = 0; s < plan.streams.size(); ++s)
+        for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
+          const Op& op = plan.streams[s].ops[i];
+          if (meet_side(op.kind) != MeetSide::Collective) continue;
+          const OpRef r{static_cast<int>(s), static_cast<int>(i)};
+          auto [it, fresh] = first.try_emplace(op.pair, op.family, op.kind, static_cast<int>(p), r);
+          const auto& [family, kind, q, other] = it->second;
+          if (fresh || (family == op.family && kind == op.kind)) continue;
+          add("collective-order", device_op(members_[p].front(), static_cast<int>(p), r) + " " + to_string(op.kind) +
+                                      " on family " + std::to_string(op.family) + " has pairing id " +
+                                      std::to_string(op.pair) + ", as " + device_op(members_[ix(q)].front(), q, other) +
+                                      " " + to_string(kind) + " on family " + std::to_string(family));
+        }
+    }
   }
 
   // ---- send / recv ----

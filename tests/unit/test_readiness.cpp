@@ -321,8 +321,25 @@ TEST(PairingIds, MalformedIdsAreRefusedOnLoad) {
   sends[1]->pair = sends[0]->pair;
   const auto issues = verify(p);
   EXPECT_TRUE(std::any_of(issues.begin(), issues.end(), [](const VerifyIssue& i) {
-    return i.check == "structure" && i.message.find("a second SEND with pairing id") != std::string::npos;
+    return i.check == "structure" && i.message.find("SEND is a second op with pairing id") != std::string::npos;
   }));
+  // A collective id that names two families: one occurrence cannot span them.
+  Program q = compile_scenario(cases()[0].scenario).result.program;  // GPipe PP 2 x DP 2: a DP family per stage
+  std::vector<Op*> collectives;
+  for (auto& plan : q.plans)
+    for (auto& st : plan.streams)
+      for (auto& op : st.ops)
+        if (is_collective(op.kind)) collectives.push_back(&op);
+  auto other = std::find_if(collectives.begin(), collectives.end(), [&](const Op* o) {
+    return o->family != collectives.front()->family && o->kind == collectives.front()->kind;
+  });
+  ASSERT_NE(other, collectives.end());
+  (*other)->pair = collectives.front()->pair;
+  const auto q_issues = verify(q);
+  EXPECT_TRUE(std::any_of(q_issues.begin(), q_issues.end(), [](const VerifyIssue& i) {
+    return i.check == "collective-order" && i.message.find("has pairing id") != std::string::npos &&
+           i.message.find("device ") != std::string::npos;
+  })) << (q_issues.empty() ? "" : q_issues.front().message);
 }
 
 // The ReadyTracker meets ops by pairing id; a reference that meets them by SEND node and family
