@@ -1,10 +1,10 @@
 // Readiness: the one statement of when an op of a device may start and which ops meet which, keyed
 // by the pairing ids lowering gives every SEND, RECV and collective (Op::pair). The simulator's
-// ReadyTracker and PartnerFinder, the schedule view, the GUI's dependency
-// arrows and calibration ask it (PairIndex) instead of matching ops themselves, and the verifier
-// checks plans against the same rule (core/src/verifier.cpp); the runtime's
-// transports (the loopback hub, the host backend's MPI tags, NCCL's channel order), the Chrome-trace
-// flow arrows and the Chakra export key on the same ids, since they meet ops across processes or files.
+// ReadyTracker and PartnerFinder, the schedule view, the GUI's dependency arrows and calibration ask
+// it (PairIndex) instead of matching ops themselves, and the verifier checks plans against the same
+// rule (core/src/verifier.cpp). The runtime's transports (the loopback hub, the host backend's MPI
+// tags, NCCL's channel order), the Chrome-trace flow arrows and the Chakra export key on the same
+// ids: they meet ops across processes or files, where no PairIndex is shared.
 //
 // The rules, for device d running plan P = Program::plan_for(d):
 //  1. Stream order: an op starts after the op before it on its stream has finished.
