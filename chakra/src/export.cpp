@@ -215,8 +215,9 @@ std::string encode_device_trace(const core::Program& program, int device, const 
         add_attr(node, "comm_src", [&](auto& a) { a.set_int32_val(as_int32(send ? device : peer, "device")); });
         add_attr(node, "comm_dst", [&](auto& a) { a.set_int32_val(as_int32(send ? peer : device, "device")); });
         add_attr(node, "comm_size", [&](auto& a) { a.set_int64_val(op.bytes); });
-        // Both sides carry the SEND node's id, which names the transfer uniquely.
-        add_attr(node, "comm_tag", [&](auto& a) { a.set_int32_val(as_int32(op.node, "DAG node")); });
+        // Both sides carry the transfer's pairing id (Op::pair: who meets whom, core/readiness.hpp); with
+        // comm_src and comm_dst it names the transfer uniquely.
+        add_attr(node, "comm_tag", [&](auto& a) { a.set_int32_val(as_int32(op.pair, "pairing id")); });
         break;
       }
       default: {
@@ -236,6 +237,9 @@ std::string encode_device_trace(const core::Program& program, int device, const 
           for (int r : group) a.mutable_int64_list()->add_values(r);
         });
         add_attr(node, "piper_bytes", [&](auto& a) { a.set_int64_val(op.bytes); });
+        // ASTRA-sim meets a group's collectives by their order on pg_name (the verifier checks every
+        // member issues the family's pairing ids in one order); the id itself, for readers.
+        add_attr(node, "piper_pair", [&](auto& a) { a.set_int64_val(op.pair); });
         break;
       }
     }

@@ -390,15 +390,29 @@ Program lower(const GlobalDag& dag) {
   program.families = dag.families;
   program.sm_partition = dag.sm_partition;
   for (const auto& seg : dag.segments)
-    program.segments.push_back({seg.first_layer, seg.last_layer, seg.tags, kNoDevices, seg.costs.params,
-                                seg.shard_degree, seg.replicas, seg.zero_level, seg.tp_degree, seg.sequence_parallel,
-                                seg.recompute, seg.tp_family, seg.tp_comm_overlap, seg.zero_shards,
+    program.segments.push_back({seg.first_layer,
+                                seg.last_layer,
+                                seg.tags,
+                                kNoDevices,
+                                seg.costs.params,
+                                seg.shard_degree,
+                                seg.replicas,
+                                seg.zero_level,
+                                seg.tp_degree,
+                                seg.sequence_parallel,
+                                seg.recompute,
+                                seg.tp_family,
+                                seg.tp_comm_overlap,
+                                seg.zero_shards,
                                 seg.reduce_every_microbatch,
                                 segment_kernels(dag.layers, seg.first_layer, seg.last_layer, dag.training,
                                                 {seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute),
                                                  seg.cp_degree, seg.cp_all_gather, seg.token_split},
                                                 seg.shard_degree),
-                                seg.cp_degree, seg.cp_all_gather, seg.cp_family});
+                                seg.cp_degree,
+                                seg.cp_all_gather,
+                                seg.cp_family,
+                                seg.tied_copy > 0 ? seg.tied_to : -1});
 
   program.plan_of_device = classes.plan_of_device;
 
@@ -407,6 +421,14 @@ Program lower(const GlobalDag& dag) {
   for (auto v : order)
     if (g[v].kind == NodeKind::Compute) segment_set[static_cast<std::size_t>(g[v].segment)] = g[v].devices;
   for (std::size_t s = 0; s < segment_set.size(); ++s) program.segments[s].devices = segment_set[s];
+
+  // Pairing ids (Op::pair): one per SEND node, which its RECV shares, and one per collective node (every
+  // group of its family runs one occurrence), numbered in the global order. Every device holding the
+  // node carries the same id; its peer or group resolves from the device, so plans stay shared.
+  std::vector<int> pair_of(n, -1);
+  int next_pair = 0;
+  for (auto v : order)
+    if (g[v].kind == NodeKind::Send || is_collective(g[v].kind)) pair_of[v] = next_pair++;
 
   const int dt = bytes_per_element(dag.training.precision);
   const std::int64_t state_bytes_per_param = fp32_storage(dag.training.precision) ? 8 : 12;
@@ -436,6 +458,7 @@ Program lower(const GlobalDag& dag) {
       if (node.kind == NodeKind::Recv)  // a transfer is named by its SEND node on both sides
         for (auto e : boost::make_iterator_range(boost::in_edges(v, g)))
           if (g[boost::source(e, g)].kind == NodeKind::Send) op.node = static_cast<std::int32_t>(boost::source(e, g));
+      if (op.kind != OpKind::Compute && op.kind != OpKind::Update) op.pair = pair_of[static_cast<std::size_t>(op.node)];
       op.label = node.label;
       op.tags = node.tags;
       op.microbatch = microbatch_of(dag, node);

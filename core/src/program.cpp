@@ -137,6 +137,7 @@ json op_to_json(const Op& op) {
   if (op.device_set != kNoDevices) j["device_set"] = op.device_set;
   if (op.peer_set != kNoDevices) j["peer_set"] = op.peer_set;
   if (op.family != -1) j["family"] = op.family;
+  if (op.pair != -1) j["pair"] = op.pair;
   if (!op.waits.empty()) {
     json waits = json::array();
     for (const auto& w : op.waits) waits.push_back(ref_to_json(w));
@@ -193,6 +194,13 @@ Op op_from_json(const json& j, const std::string& path) {
   if (const json* f = optional_field(j, "device_set")) op.device_set = as_int(*f, member(path, "device_set"));
   if (const json* f = optional_field(j, "peer_set")) op.peer_set = as_int(*f, member(path, "peer_set"));
   if (const json* f = optional_field(j, "family")) op.family = as_int(*f, member(path, "family"));
+  if (const json* f = optional_field(j, "pair")) {
+    op.pair = as_int(*f, member(path, "pair"));
+    if (op.pair < 0) fail(member(path, "pair"), "must be >= 0, got " + std::to_string(op.pair));
+  }
+  const bool communicates = op.kind != OpKind::Compute && op.kind != OpKind::Update;
+  if (communicates && op.pair < 0) fail(member(path, "pair"), to_string(op.kind) + " needs a pairing id");
+  if (!communicates && op.pair >= 0) fail(member(path, "pair"), to_string(op.kind) + " has no pairing id");
   if (const json* f = optional_field(j, "waits")) {
     std::string p = member(path, "waits");
     as_array(*f, p);
@@ -284,11 +292,11 @@ Plan plan_from_json(const json& j, const std::string& path, std::size_t num_sets
 bool same_op(const Op& a, const Op& b) {
   return a.kind == b.kind && a.pass == b.pass && a.node == b.node && a.label == b.label && a.tags == b.tags &&
          a.microbatch == b.microbatch && a.flops == b.flops && a.memory_bytes == b.memory_bytes && a.bytes == b.bytes &&
-         a.device_set == b.device_set && a.peer_set == b.peer_set && a.family == b.family && a.waits == b.waits &&
-         a.uses == b.uses && a.segment == b.segment && a.segments == b.segments && a.tp_bytes == b.tp_bytes &&
-         a.tp_collectives == b.tp_collectives && a.cp_bytes == b.cp_bytes && a.cp_steps == b.cp_steps &&
-         a.elementwise_bytes == b.elementwise_bytes && a.recompute_flops == b.recompute_flops &&
-         a.gemm_kernels == b.gemm_kernels;
+         a.device_set == b.device_set && a.peer_set == b.peer_set && a.family == b.family && a.pair == b.pair &&
+         a.waits == b.waits && a.uses == b.uses && a.segment == b.segment && a.segments == b.segments &&
+         a.tp_bytes == b.tp_bytes && a.tp_collectives == b.tp_collectives && a.cp_bytes == b.cp_bytes &&
+         a.cp_steps == b.cp_steps && a.elementwise_bytes == b.elementwise_bytes &&
+         a.recompute_flops == b.recompute_flops && a.gemm_kernels == b.gemm_kernels;
 }
 
 bool same_plan(const Plan& a, const Plan& b) {
@@ -478,6 +486,7 @@ json Program::to_json() const {
     if (sg.cp_degree != 1) o["cp_degree"] = sg.cp_degree;
     if (sg.cp_all_gather) o["cp_comm"] = "all_gather";
     if (sg.cp_family != -1) o["cp_family"] = sg.cp_family;
+    if (sg.tied_to != -1) o["tied_to"] = sg.tied_to;
     if (sg.zero_shards != sg.replicas) o["zero_shards"] = sg.zero_shards;  // HSDP only
     if (sg.reduce_every_microbatch) o["reduce_every_microbatch"] = true;
     if (!sg.kernels[0].empty() || !sg.kernels[1].empty() || !sg.kernels[2].empty())
@@ -528,6 +537,11 @@ Program Program::from_json(const json& j) {
     if (version == 1)
       fail("version", "version 1 plans carry no per-op microbatch; compile the plan again with this piper (expected " +
                           std::to_string(kPlanVersion) + ")");
+    // Version 2 plans predate Op::pair; who meets whom is not guessed from node ids or positions.
+    if (version == 2)
+      fail("version",
+           "version 2 plans carry no pairing ids (Op::pair); compile the plan again with this piper (expected " +
+               std::to_string(kPlanVersion) + ")");
     if (version != kPlanVersion)
       fail("version",
            "unsupported version " + std::to_string(version) + " (expected " + std::to_string(kPlanVersion) + ")");
@@ -609,6 +623,7 @@ Program Program::from_json(const json& j) {
         sg.cp_all_gather = comm == "all_gather";
       }
       if (const json* t = optional_field(o, "cp_family")) sg.cp_family = as_int(*t, member(sp, "cp_family"));
+      if (const json* t = optional_field(o, "tied_to")) sg.tied_to = as_int(*t, member(sp, "tied_to"));
       if (const json* t = optional_field(o, "reduce_every_microbatch")) {
         if (!t->is_boolean()) fail(member(sp, "reduce_every_microbatch"), "expected true or false");
         sg.reduce_every_microbatch = t->get<bool>();
@@ -661,6 +676,9 @@ Program Program::from_json(const json& j) {
                 true);
     check_index(p.segments[i].cp_family, member(at_index("segments", i), "cp_family"), p.families.size(), "family",
                 true);
+    check_index(p.segments[i].tied_to, member(at_index("segments", i), "tied_to"), p.segments.size(), "segment", true);
+    if (p.segments[i].tied_to == static_cast<int>(i))
+      fail(member(at_index("segments", i), "tied_to"), "a segment cannot be tied to itself");
   }
   {
     const json& plans = as_array(require(j, "", "plans"), "plans");

@@ -11,6 +11,7 @@
 
 #include "piper/core/compiler.hpp"
 #include "piper/core/error.hpp"
+#include "piper/core/readiness.hpp"
 
 namespace piper::core {
 
@@ -67,7 +68,9 @@ UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs) 
       remaining += ops;
     }
   }
-  // A rendezvous: the SEND node and sending device for a transfer, the node and group for a collective.
+  // A rendezvous: an occurrence of a pairing id, named by (id, first member of its meeting: the
+  // sending device of a transfer, the group's first device of a collective), core/readiness.hpp's rule.
+  const PairIndex pairs(program);
   struct Rendezvous {
     int needed = 0;
     int ready_time = 0;
@@ -97,22 +100,20 @@ UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs) 
       finish(d, k, i, ready, ready + op_cost(op, costs));
       return true;
     }
-    // A transfer node spans every pair of its device sets: the sending device names the pair.
-    int group_key = op.kind == OpKind::Send ? d : op.kind == OpKind::Recv ? program.peer_of(op, d) : -1;
-    int needed = 2;
-    if (!transfer) {
-      const auto group = program.group_of(op.family, d);
-      needed = static_cast<int>(group.size());
-      group_key = group.empty() ? d : *std::min_element(group.begin(), group.end());
-    }
-    auto& m = meeting[{op.node, group_key}];
+    // A pairing id spans every pair of a transfer's device sets and every group of a family: the
+    // meeting's first member names the occurrence. All of a transfer's or group's members must arrive
+    // (a side missing from the plans never completes).
+    const std::vector<Member> members = pairs.meeting(d, OpRef{static_cast<int>(k), static_cast<int>(i)});
+    const int group_key = members.front().first;
+    const int needed = transfer ? 2 : static_cast<int>(program.group_of(op.family, d).size());
+    auto& m = meeting[{op.pair, group_key}];
     m.needed = needed;
     m.ready_time = std::max(m.ready_time, ready);
     m.arrived.emplace_back(d, static_cast<int>(k), i);
     s.waiting[k][i] = 1;
     if (static_cast<int>(m.arrived.size()) == m.needed) {
       const Rendezvous met = m;
-      meeting.erase({op.node, group_key});
+      meeting.erase({op.pair, group_key});
       for (auto [pd, pk, pi] : met.arrived)
         finish(pd, static_cast<std::size_t>(pk), pi, met.ready_time, met.ready_time);
     }

@@ -67,12 +67,12 @@ void write_chrome_trace(const Timeline& timeline, std::ostream& out) {
           R"({{"ph":"X","pid":{},"tid":{},"name":{},"cat":"{}","ts":{},"dur":{},"args":{{"kind":"{}","node":{},"index":{}}}}})",
           d, span.stream, quoted(name), to_string(op.kind), us(span.start_s), us(ns(span.end_s) - ns(span.start_s)),
           to_string(op.kind), op.node, span.index));
-      // Flow arrow SEND -> RECV: both ends carry the id (sender device, SEND node).
+      // Flow arrow SEND -> RECV: both ends carry the id (sender device, pairing id: core/readiness.hpp).
       if (op.kind == OpKind::Send || op.kind == OpKind::Recv) {
         const int peer = peer_of(op, device);
         if (peer < 0) continue;
         const int sender = op.kind == OpKind::Send ? device : peer;
-        const std::int64_t id = static_cast<std::int64_t>(sender) * (std::int64_t{1} << 32) + op.node;
+        const std::int64_t id = static_cast<std::int64_t>(sender) * (std::int64_t{1} << 32) + op.pair;
         if (op.kind == OpKind::Send)
           emit(fmt::format(R"({{"ph":"s","pid":{},"tid":{},"name":"transfer","cat":"p2p","id":{},"ts":{}}})", d,
                            span.stream, id, us(span.start_s)));

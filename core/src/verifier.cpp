@@ -4,13 +4,15 @@
 // Semantics of a Program (the contract this file checks):
 //  * Device d runs plans[plan_of_device[d]]. Its streams run concurrently; ops of one stream run in
 //    order. op.waits lists ops of other streams of the same device that must finish before op starts.
+//  * Who meets whom is core/readiness.hpp's rule, keyed by the pairing id (Op::pair): every SEND, RECV
+//    and collective has one, COMPUTE and UPD none, and a plan holds at most one SEND, one RECV and one
+//    collective per id.
 //  * A SEND on device d goes to peer_of(op, d). Its RECV is the op of kind RECV on that peer with the
-//    same `node` (SEND and RECV of one transfer share the DAG node id) whose own peer_of is d; both
-//    carry the same bytes. Every RECV has its SEND as well.
+//    same pairing id, whose own peer_of is d; both carry the same bytes. Every RECV has its SEND as well.
 //  * A collective (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL) on device d runs in the group
-//    group_of(op.family, d). Every member of a group issues the same sequence of (node, kind, bytes) on
-//    that family, read over the device's streams in index order, ops in order. A collective
-//    completes only when every member has reached it (rendezvous).
+//    group_of(op.family, d). Every member of a group issues the same sequence of (pairing id, kind,
+//    bytes) on that family, read over the device's streams in index order, ops in order (so matching
+//    by id and by position agree). A collective completes only when every member has reached it.
 //  * A transient buffer is allocated when its `alloc` op starts and freed when its `free` op ends:
 //    alloc happens-before-or-equals every use, and every use happens-before-or-equals the free.
 //    Happens-before inside a device is stream order plus waits, transitively (vector clocks).
@@ -36,8 +38,10 @@
 #include <set>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "piper/core/error.hpp"
+#include "piper/core/readiness.hpp"
 
 namespace piper::core {
 
@@ -74,8 +78,10 @@ class Verifier {
 
   std::vector<VerifyIssue> run() {
     check_structure();
+    check_pairing_ids();
     if (!issues_.empty()) return issues_;  // the other checks index freely into the tables
     index_ops();
+    check_collective_ids();
     check_send_recv();
     check_collectives();
     check_tensor_parallel();
@@ -107,7 +113,7 @@ class Verifier {
   std::map<std::tuple<int, int, int>, int> peer_map_ids_;
   std::vector<PeerMap> peer_maps_;
   std::map<std::tuple<int, int, int>, int> compose_cache_;  // (map, plan, map') -> failing member or -1
-  std::vector<std::unordered_map<std::int64_t, std::vector<OpRef>>> by_node_;  // plan -> (node, kind) -> ops
+  std::vector<std::unordered_map<std::int64_t, std::vector<OpRef>>> by_pair_;  // plan -> (pair, kind) -> ops
   std::vector<std::pair<std::size_t, std::size_t>> transfer_edges_;            // SEND -> RECV vertices
   std::vector<std::vector<std::size_t>> collective_instances_;                 // member op vertices of each
 
@@ -227,7 +233,7 @@ class Verifier {
       m.push_back(d);
     }
     stream_base_.resize(prog_.plans.size());
-    by_node_.resize(prog_.plans.size());
+    by_pair_.resize(prog_.plans.size());
     position_.resize(prog_.device_sets.size());
     for (std::size_t p = 0; p < prog_.plans.size(); ++p) {
       const Plan& plan = prog_.plans[p];
@@ -237,14 +243,14 @@ class Verifier {
           loc_.push_back({static_cast<int>(p), static_cast<int>(s), static_cast<int>(i)});
           const Op& op = plan.streams[s].ops[i];
           if (op.kind == OpKind::Send || op.kind == OpKind::Recv)
-            by_node_[p][node_key(op.node, op.kind)].push_back({static_cast<int>(s), static_cast<int>(i)});
+            by_pair_[p][pair_key(op.pair, op.kind)].push_back({static_cast<int>(s), static_cast<int>(i)});
         }
       }
     }
   }
 
-  static std::int64_t node_key(std::int32_t node, OpKind kind) {
-    return static_cast<std::int64_t>(node) * 2 + (kind == OpKind::Recv ? 1 : 0);
+  static std::int64_t pair_key(std::int32_t pair, OpKind kind) {
+    return static_cast<std::int64_t>(pair) * 2 + (kind == OpKind::Recv ? 1 : 0);
   }
 
   const std::vector<int>& positions(DeviceSetId set) {
@@ -255,6 +261,61 @@ class Verifier {
       for (std::size_t i = 0; i < devices.size(); ++i) table[ix(devices[i])] = static_cast<int>(i);
     }
     return table;
+  }
+
+  // ---- pairing ids (core/readiness.hpp): who meets whom ----
+
+  // Every SEND, RECV and collective has an id and COMPUTE/UPD none; a plan holds at most one op per
+  // (side, id).
+  void check_pairing_ids() {
+    for (std::size_t p = 0; p < prog_.plans.size(); ++p) {
+      const Plan& plan = prog_.plans[p];
+      std::unordered_set<std::int64_t> seen;  // (id, side) of this plan's ops
+      for (std::size_t s = 0; s < plan.streams.size(); ++s)
+        for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
+          const Op& op = plan.streams[s].ops[i];
+          const MeetSide side = meet_side(op.kind);
+          auto at = [&] {
+            return "plan " + std::to_string(p) + " stream '" + plan.streams[s].name + "' op " + std::to_string(i) +
+                   " '" + op.label + "': " + to_string(op.kind) + " ";
+          };
+          const std::string id = std::to_string(op.pair);
+          if (side == MeetSide::None) {
+            if (op.pair != -1)
+              add("structure", at() + "has pairing id " + id + " (only SEND, RECV and collectives meet)");
+            continue;
+          }
+          if (op.pair < 0) {
+            add("structure", at() + "has no pairing id");
+            continue;
+          }
+          if (!seen.emplace(static_cast<std::int64_t>(op.pair) * 4 + static_cast<int>(side)).second)
+            add("structure", at() + "is a second op with pairing id " + id + " on this plan");
+        }
+    }
+  }
+
+  // A collective's pairing id names one family and one kind over the whole Program (one occurrence
+  // cannot span two families' groups).
+  void check_collective_ids() {
+    std::unordered_map<int, std::tuple<int, OpKind, int, OpRef>> first;  // id -> (family, kind, plan, op)
+    for (std::size_t p = 0; p < prog_.plans.size(); ++p) {
+      if (members_[p].empty()) continue;
+      const Plan& plan = prog_.plans[p];
+      for (std::size_t s = 0; s < plan.streams.size(); ++s)
+        for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
+          const Op& op = plan.streams[s].ops[i];
+          if (meet_side(op.kind) != MeetSide::Collective) continue;
+          const OpRef r{static_cast<int>(s), static_cast<int>(i)};
+          auto [it, fresh] = first.try_emplace(op.pair, op.family, op.kind, static_cast<int>(p), r);
+          const auto& [family, kind, q, other] = it->second;
+          if (fresh || (family == op.family && kind == op.kind)) continue;
+          add("collective-order", device_op(members_[p].front(), static_cast<int>(p), r) + " " + to_string(op.kind) +
+                                      " on family " + std::to_string(op.family) + " has pairing id " +
+                                      std::to_string(op.pair) + ", as " + device_op(members_[ix(q)].front(), q, other) +
+                                      " " + to_string(kind) + " on family " + std::to_string(family));
+        }
+    }
   }
 
   // ---- send / recv ----
@@ -329,11 +390,11 @@ class Verifier {
       while (prog_.plan_of_device[ix(peer_maps_[ix(there)].peer[rep])] != q) ++rep;
       int d = m[rep];
       int e = peer_maps_[ix(there)].peer[rep];
-      std::string head = device_op(d, p, r) + " " + to_string(op.kind) + " node " + std::to_string(op.node) + " " +
+      std::string head = device_op(d, p, r) + " " + to_string(op.kind) + " pair " + std::to_string(op.pair) + " " +
                          verb + " device " + std::to_string(e);
-      auto found = by_node_[ix(q)].find(node_key(op.node, want));
-      if (found == by_node_[ix(q)].end()) {
-        add("send-recv", head + ": no " + to_string(want) + " of node " + std::to_string(op.node) + " on device " +
+      auto found = by_pair_[ix(q)].find(pair_key(op.pair, want));
+      if (found == by_pair_[ix(q)].end()) {
+        add("send-recv", head + ": no " + to_string(want) + " with pair " + std::to_string(op.pair) + " on device " +
                              std::to_string(e) + " (plan " + std::to_string(q) + ")");
         continue;
       }
@@ -348,7 +409,7 @@ class Verifier {
           int bad_d = m[ix(failing)];
           int bad_e = peer_maps_[ix(there)].peer[ix(failing)];
           int other_peer = peer_maps_[ix(back)].peer[ix(member_index_[ix(bad_e)])];
-          mismatch = device_op(bad_d, p, r) + " " + to_string(op.kind) + " node " + std::to_string(op.node) + " " +
+          mismatch = device_op(bad_d, p, r) + " " + to_string(op.kind) + " pair " + std::to_string(op.pair) + " " +
                      verb + " device " + std::to_string(bad_e) + ": its " + to_string(want) + " " +
                      (sending ? "receives from" : "sends to") + " device " + std::to_string(other_peer) + " instead";
           continue;
@@ -366,7 +427,7 @@ class Verifier {
         if (!mismatch.empty())
           add("send-recv", mismatch);
         else
-          add("send-recv", head + ": no usable " + to_string(want) + " of node " + std::to_string(op.node) +
+          add("send-recv", head + ": no usable " + to_string(want) + " with pair " + std::to_string(op.pair) +
                                " on device " + std::to_string(e));
       }
     }
@@ -388,7 +449,7 @@ class Verifier {
 
   std::string describe_collective(int plan, OpRef r) const {
     const Op& op = op_at(plan, r);
-    return to_string(op.kind) + " node " + std::to_string(op.node) + " (" + std::to_string(op.bytes) + " bytes) '" +
+    return to_string(op.kind) + " pair " + std::to_string(op.pair) + " (" + std::to_string(op.bytes) + " bytes) '" +
            op.label + "'";
   }
 
@@ -453,7 +514,7 @@ class Verifier {
     }
   }
 
-  // Empty when the two sequences agree on (node, kind, bytes) at every position.
+  // Empty when the two sequences agree on (pairing id, kind, bytes) at every position.
   std::string sequence_difference(std::size_t f, int a, int da, const std::vector<OpRef>& sa, int b, int db,
                                   const std::vector<OpRef>& sb) const {
     std::string head = "family " + std::to_string(f) + " ('" + to_string(prog_.families[f].purpose) + "'): device " +
@@ -463,7 +524,7 @@ class Verifier {
     for (std::size_t k = 0; k < n; ++k) {
       const Op& x = op_at(a, sa[k]);
       const Op& y = op_at(b, sb[k]);
-      if (x.node != y.node || x.kind != y.kind || x.bytes != y.bytes)
+      if (x.pair != y.pair || x.kind != y.kind || x.bytes != y.bytes)
         return head + "differ at collective " + std::to_string(k) + ": " + describe_collective(a, sa[k]) + " vs " +
                describe_collective(b, sb[k]);
     }
@@ -551,6 +612,8 @@ class Verifier {
       tp_families.insert(sg.tp_family);
     }
     // A plan's TP sequence for one family: its compute ops of segments in that family, in issue order.
+    // Keyed by DAG node, not pairing id: the TP collectives run inside COMPUTE ops, which meet no
+    // other op (core/readiness.hpp) and carry no id; the node says the members run the same work.
     auto sequence = [&](int plan, int family) {
       std::vector<std::tuple<int, int, std::int64_t, int>> seq;
       for (const auto& stream : prog_.plans[ix(plan)].streams)
@@ -638,7 +701,7 @@ class Verifier {
         for (const auto& op : stream.ops) {
           if (op.kind != OpKind::Compute || op.segment < 0 || ix(op.segment) >= prog_.segments.size()) continue;
           if (prog_.segments[ix(op.segment)].cp_family != family) continue;
-          seq.emplace_back(op.node, static_cast<int>(op.pass), op.cp_bytes, op.cp_steps);
+          seq.emplace_back(op.node, static_cast<int>(op.pass), op.cp_bytes, op.cp_steps);  // by node: as TP's
         }
       return seq;
     };

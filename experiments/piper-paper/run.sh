@@ -74,13 +74,13 @@ cluster1="out/4x1-gpu-50g.json"
 echo '{"name": "4 nodes x 1 A100, the per-GPU share of 400 Gb/s EFA over 8 GPUs", "preset": "dgx-a100-80g", "nodes": 4,
   "node": {"gpus_per_node": 1, "nics": 1, "nic_bandwidth_gbit_per_s": 50}}' > "$cluster1"
 pair_plan() {  # pair_plan ALL_TO_ALL_BYTES ALL_REDUCE_BYTES > plan.json
-  jq -n --argjson a "$1" --argjson r "$2" '{format: "piper-program", version: 2, model: "collectives", num_devices: 4,
+  jq -n --argjson a "$1" --argjson r "$2" '{format: "piper-program", version: 3, model: "collectives", num_devices: 4,
     microbatches: 1, training: {micro_batch_size: 1, precision: "bf16", seq_len: 512}, device_sets: [[0, 1, 2, 3]],
     families: [{devices: 0, group_size: 4, purpose: "ep", stride: 1}, {devices: 0, group_size: 4, purpose: "dp", stride: 1}],
     plan_of_device: [0, 0, 0, 0],
     plans: [{buffers: [], streams: ([{name: "ep", ops: [{bytes: $a, device_set: 0, family: 0, kind: "ALL_TO_ALL",
-      label: "ALL_TO_ALL dispatch", node: 0}]}] + (if $r > 0 then [{name: "dp", ops: [{bytes: $r, device_set: 0,
-      family: 1, kind: "ALL_REDUCE", label: "ALL_REDUCE grads", node: 1}]}] else [] end))}]}'
+      label: "ALL_TO_ALL dispatch", node: 0, pair: 0}]}] + (if $r > 0 then [{name: "dp", ops: [{bytes: $r, device_set: 0,
+      family: 1, kind: "ALL_REDUCE", label: "ALL_REDUCE grads", node: 1, pair: 1}]}] else [] end))}]}'
 }
 a2a=2097152
 allreduces=(0 262144 524288 1048576 2097152 12608000)

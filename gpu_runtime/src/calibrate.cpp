@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <mpi.h>
 
+#include "piper/core/readiness.hpp"
 #include "piper/runtime/mpi_gather.hpp"
 
 namespace piper::runtime {
@@ -17,10 +18,6 @@ using core::OpKind;
 using nlohmann::json;
 
 namespace {
-
-bool is_collective(OpKind k) {
-  return k == OpKind::AllReduce || k == OpKind::ReduceScatter || k == OpKind::AllGather || k == OpKind::AllToAll;
-}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -43,32 +40,37 @@ void CalibrationRecorder::add_step(const std::vector<core::DeviceTimeline>& devi
     int members = 0, size = 0;
     const core::Op* op = nullptr;
   };
-  std::map<std::tuple<int, int, int>, Pair> pairs;               // (SEND node, sender, receiver)
-  std::map<std::tuple<int, int, int, int>, Instance> instances;  // (node, family, first member, occurrence)
+  // An occurrence is (pairing id, its meeting's first member: the sender, the group's first device):
+  // who meets whom is core/readiness.hpp's rule.
+  const core::PairIndex index(program_);
+  std::map<std::pair<int, int>, Pair> pairs;          // (pairing id, sender)
+  std::map<std::pair<int, int>, Instance> instances;  // (pairing id, first member)
   for (int d = 0; d < program_.num_devices; ++d) {
     const core::Plan& plan = program_.plan_for(d);
     const auto& spans = devices[static_cast<std::size_t>(d)].spans;
     if (static_cast<std::int64_t>(spans.size()) != plan.op_count())
       throw std::invalid_argument(
           fmt::format("calibration: device {} measured {} ops, its plan has {}", d, spans.size(), plan.op_count()));
-    std::map<std::pair<int, int>, int> occurrence;  // (node, family) -> collectives seen on this device
     std::size_t flat = 0;
-    for (const auto& stream : plan.streams)
-      for (const auto& op : stream.ops) {
+    for (std::size_t si = 0; si < plan.streams.size(); ++si)
+      for (std::size_t oi = 0; oi < plan.streams[si].ops.size(); ++oi) {
+        const core::Op& op = plan.streams[si].ops[oi];
+        const core::OpRef at{static_cast<int>(si), static_cast<int>(oi)};
         const core::OpSpan& s = spans[flat++];
         const double seconds = std::max(0.0, s.end_s - s.start_s);
         if (op.kind == OpKind::Compute || op.kind == OpKind::Update) {
           samples_[Key{op.kind, op.pass, op.flops, op.memory_bytes, 0, 0}].push_back(seconds);
         } else if (op.kind == OpKind::Send || op.kind == OpKind::Recv) {
-          const int peer = program_.peer_of(op, d);
           const bool send = op.kind == OpKind::Send;
-          Pair& p = pairs[{op.node, send ? d : peer, send ? peer : d}];
+          const int sender = send ? d : index.counterpart(d, at).first;
+          if (sender < 0) continue;
+          Pair& p = pairs[{op.pair, sender}];
           (send ? p.send : p.recv) = seconds;
           if (send) p.op = &op;
-        } else if (is_collective(op.kind)) {
+        } else if (core::is_collective(op.kind)) {
           const std::vector<int> group = program_.group_of(op.family, d);
           if (group.empty()) continue;
-          Instance& in = instances[{op.node, op.family, group.front(), occurrence[{op.node, op.family}]++}];
+          Instance& in = instances[{op.pair, group.front()}];
           in.shortest = in.members == 0 ? seconds : std::min(in.shortest, seconds);
           ++in.members;
           in.size = static_cast<int>(group.size());

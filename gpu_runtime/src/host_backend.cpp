@@ -219,14 +219,14 @@ int MpiTransport::post(const CommPost<std::vector<float>>& r, const HostKernels:
   const int ranks = static_cast<int>(r.group.size());
   switch (r.kind) {
     case CommKind::Send:  // synchronous: completes when the receiver matched it, the rendezvous the simulator models
-      check_mpi(MPI_Issend(r.send->data(), mpi_count(r.send->size(), "a message"), MPI_FLOAT, r.peer, r.node, world_,
+      check_mpi(MPI_Issend(r.send->data(), mpi_count(r.send->size(), "a message"), MPI_FLOAT, r.peer, r.pair, world_,
                            &t.request),
                 "MPI_Issend");
       break;
     case CommKind::Recv:  // probed in test()
       t.receive = true;
       t.peer = r.peer;
-      t.tag = r.node;
+      t.tag = r.pair;  // both sides carry the pairing id (core/readiness.hpp)
       t.recv = r.recv;
       break;
     case CommKind::AllReduce:

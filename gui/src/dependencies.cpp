@@ -7,12 +7,6 @@ namespace piper::gui {
 
 using core::OpKind;
 
-namespace {
-bool is_collective_op(OpKind k) {
-  return k == OpKind::AllReduce || k == OpKind::ReduceScatter || k == OpKind::AllGather || k == OpKind::AllToAll;
-}
-}  // namespace
-
 DependencyIndex::DependencyIndex(std::shared_ptr<const core::Timeline> timeline)
     : timeline_(std::move(timeline)), plans_(timeline_->program->plans.size()) {}
 
@@ -34,7 +28,6 @@ const DependencyIndex::PlanIndex& DependencyIndex::plan_index(int device) const 
       for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
         const core::Op& op = plan.streams[s].ops[i];
         core::OpRef me{static_cast<int>(s), static_cast<int>(i)};
-        idx->ops_of_node[op.node].push_back(me);
         for (const core::OpRef& w : op.waits)
           idx->waiters.at(static_cast<std::size_t>(w.stream)).at(static_cast<std::size_t>(w.index)).push_back(me);
       }
@@ -53,32 +46,13 @@ const core::OpSpan& DependencyIndex::span(const OpKey& k) const {
       .spans.at(idx.span_base.at(static_cast<std::size_t>(k.stream)) + static_cast<std::size_t>(k.index));
 }
 
+// Who meets whom is core/readiness.hpp's rule (the pairing ids), never matched here.
 std::vector<OpKey> DependencyIndex::partners_of(const OpKey& key) const {
-  const core::Program& program = *timeline_->program;
-  const core::Op& me = op(key);
+  if (!pairs_) pairs_ = std::make_unique<core::PairIndex>(*timeline_->program);
+  const core::OpRef me{key.stream, key.index};
   std::vector<OpKey> out;
-  auto find_on = [&](int device, auto&& accept) {
-    const PlanIndex& idx = plan_index(device);
-    auto it = idx.ops_of_node.find(me.node);
-    if (it == idx.ops_of_node.end()) return;
-    for (const core::OpRef& r : it->second) {
-      OpKey k{device, r.stream, r.index};
-      if (accept(op(k), device)) {
-        out.push_back(k);
-        return;
-      }
-    }
-  };
-  if (me.kind == OpKind::Send || me.kind == OpKind::Recv) {
-    const OpKind other = me.kind == OpKind::Send ? OpKind::Recv : OpKind::Send;
-    const int peer = program.peer_of(me, key.device);
-    if (peer >= 0)
-      find_on(peer, [&](const core::Op& o, int d) { return o.kind == other && program.peer_of(o, d) == key.device; });
-  } else if (is_collective_op(me.kind) && me.family >= 0) {
-    for (int m : program.group_of(me.family, key.device))
-      if (m != key.device)
-        find_on(m, [&](const core::Op& o, int) { return o.kind == me.kind && o.family == me.family; });
-  }
+  for (const auto& [device, r] : pairs_->meeting(key.device, me))
+    if (device != key.device || r != me) out.push_back({device, r.stream, r.index});
   return out;
 }
 

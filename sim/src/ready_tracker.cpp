@@ -1,12 +1,16 @@
 // ReadyTracker: per-stream cursors, waits, transfer rendezvous and collective instances over flat
-// per-plan tables, so that 10^4-device programs cost a few array lookups per op.
+// per-plan tables, so that 10^4-device programs cost a few array lookups per op. The rules (stream
+// order, waits, who meets whom by pairing id) are core/readiness.hpp's; the tables here only cache
+// them: a collective occurrence is keyed by its pairing id's slot in its family (PairIndex::family_slot),
+// a transfer's other side is PairIndex::find on the peer's plan.
 #include "piper/sim/ready_tracker.hpp"
 
 #include <algorithm>
 #include <map>
-#include <unordered_map>
 
 #include <fmt/format.h>
+
+#include "piper/core/readiness.hpp"
 
 namespace piper::sim {
 
@@ -18,25 +22,22 @@ namespace {
 
 constexpr std::size_t ix(std::int64_t i) { return static_cast<std::size_t>(i); }
 
-bool is_collective(OpKind k) {
-  return k == OpKind::AllReduce || k == OpKind::ReduceScatter || k == OpKind::AllGather || k == OpKind::AllToAll;
-}
+using core::is_collective;
 
 }  // namespace
 
 struct ReadyTracker::State {
   struct OpInfo {
     OpKind kind;
-    std::int32_t node;
+    std::int32_t pair;                    // Op::pair
     std::int32_t waits_begin, waits_end;  // into Plan::waits
-    std::int32_t seq;                     // collectives: position in its family's sequence on this plan
+    std::int32_t seq;                     // collectives: the pairing id's slot in its family
   };
   struct PlanIndex {
     std::vector<std::int32_t> stream_base;  // stream -> first flat op; back() = op count
     std::vector<OpInfo> ops;
     std::vector<OpRef> waits;
-    std::vector<std::vector<OpRef>> family_seq;  // family -> its collectives in sequence order
-    std::unordered_map<std::int32_t, std::vector<std::int32_t>> send_by_node, recv_by_node;  // node -> flat ops
+    std::vector<std::vector<OpRef>> family_seq;  // family -> slot -> this plan's op ({-1,-1}: none)
     std::int32_t flat(OpRef r) const { return stream_base[ix(r.stream)] + r.index; }
     OpRef ref(std::int32_t flat) const {
       auto it = std::upper_bound(stream_base.begin(), stream_base.end(), flat);
@@ -47,11 +48,12 @@ struct ReadyTracker::State {
   struct FamilyIndex {
     std::vector<std::vector<int>> groups;
     std::vector<std::int32_t> group_of_device;  // -1: not a member
-    std::int32_t seq_count = 0;                 // collectives per member (max over plans)
+    std::int32_t seq_count = 0;                 // occurrences of the family (PairIndex::family_slots)
     std::vector<std::int32_t> arrived;          // group * seq_count + seq
   };
 
   const core::Program& program;
+  const core::PairIndex pairs;    // who meets whom (core/readiness.hpp)
   const Symmetry* sym = nullptr;  // reduced mode when set
   std::vector<int> plan_of;
   std::vector<int> ranks;                                       // collective_ranks() buffer (full mode)
@@ -69,7 +71,7 @@ struct ReadyTracker::State {
   std::vector<std::uint8_t> dirty;
   std::int64_t total_ops = 0, finished_ops = 0;
 
-  explicit State(const core::Program& p) : program(p) {}
+  explicit State(const core::Program& p) : program(p), pairs(p) {}
 
   const std::vector<int>& position_table(core::DeviceSetId set) {
     auto& t = positions[ix(set)];
@@ -89,16 +91,11 @@ struct ReadyTracker::State {
   const core::Op& op_at(int device, OpRef r) const {
     return program.plans[ix(plan_of[ix(device)])].streams[ix(r.stream)].ops[ix(r.index)];
   }
-  // The op of kind `want` with `node` on `device` whose peer is `peer` (flat index), or -1.
-  std::int32_t counterpart(int device, std::int32_t node, bool want_send, int peer) {
-    const PlanIndex& pi = plans[ix(plan_of[ix(device)])];
-    const auto& table = want_send ? pi.send_by_node : pi.recv_by_node;
-    auto it = table.find(node);
-    if (it == table.end()) return -1;
-    if (it->second.size() == 1) return it->second.front();  // the verifier matched it; peers agree
-    for (std::int32_t f : it->second)
-      if (peer_of(op_at(device, pi.ref(f)), device) == peer) return f;
-    return -1;
+  // The SEND (want_send) or RECV with pairing id `pair` on `device` (flat index), or -1.
+  std::int32_t counterpart(int device, std::int32_t pair, bool want_send) {
+    const int p = plan_of[ix(device)];
+    const OpRef r = pairs.find(p, want_send ? core::MeetSide::Send : core::MeetSide::Recv, pair);
+    return r.stream < 0 ? -1 : plans[ix(p)].flat(r);
   }
 
   void mark_dirty(int device) {
@@ -121,7 +118,7 @@ struct ReadyTracker::State {
       const core::Op& op = op_at(device, r);
       const int peer = peer_of(op, device);
       if (peer < 0) return;  // unmatched: stays stuck, reported by stuck_report()
-      const std::int32_t other = counterpart(peer, info.node, !sending, device);
+      const std::int32_t other = counterpart(peer, info.pair, !sending);
       if (other < 0) return;
       const int sender = sending ? device : peer;
       const std::int64_t send_instance = sending ? device_base[ix(device)] + flat : device_base[ix(peer)] + other;
@@ -144,7 +141,7 @@ struct ReadyTracker::State {
       const core::Op& op = op_at(device, r);
       FamilyIndex& fam = families[ix(op.family)];
       const std::int32_t g = fam.group_of_device[ix(device)];
-      if (g < 0 || info.seq >= fam.seq_count) return;
+      if (g < 0 || info.seq < 0 || info.seq >= fam.seq_count) return;
       const std::size_t slot = ix(static_cast<std::int64_t>(g) * fam.seq_count + info.seq);
       const auto& group = fam.groups[ix(g)];
       if (++fam.arrived[slot] == static_cast<std::int32_t>(group.size())) {
@@ -152,7 +149,7 @@ struct ReadyTracker::State {
         a.members.reserve(group.size());
         for (int member : group) {
           const auto& seq = plans[ix(plan_of[ix(member)])].family_seq[ix(op.family)];
-          a.members.emplace_back(member, seq.at(ix(info.seq)));
+          a.members.emplace_back(member, seq.at(ix(info.seq)));  // arrived: so it holds the id
         }
         ready.push_back(std::move(a));
       }
@@ -208,16 +205,20 @@ ReadyTracker::ReadyTracker(const core::Program& program, const Symmetry* symmetr
     for (std::size_t s = 0; s < plan.streams.size(); ++s)
       for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
         const core::Op& op = plan.streams[s].ops[i];
-        State::OpInfo info{op.kind, op.node, static_cast<std::int32_t>(pi.waits.size()), 0, -1};
+        State::OpInfo info{op.kind, op.pair, static_cast<std::int32_t>(pi.waits.size()), 0, -1};
         for (const OpRef& w : op.waits) pi.waits.push_back(w);
         info.waits_end = static_cast<std::int32_t>(pi.waits.size());
         const OpRef r{static_cast<int>(s), static_cast<int>(i)};
         if (is_collective(op.kind) && op.family >= 0 && ix(op.family) < pi.family_seq.size()) {
-          info.seq = static_cast<std::int32_t>(pi.family_seq[ix(op.family)].size());
-          pi.family_seq[ix(op.family)].push_back(r);
+          info.seq = st.pairs.family_slot(op.pair);
+          auto& seq = pi.family_seq[ix(op.family)];
+          if (seq.empty()) seq.assign(ix(st.pairs.family_slots(op.family)), OpRef{});
+          // An id registered under another family (an unverified program) never meets: it stays stuck.
+          if (info.seq >= 0 && ix(info.seq) < seq.size())
+            seq[ix(info.seq)] = r;
+          else
+            info.seq = -1;
         }
-        if (op.kind == OpKind::Send) pi.send_by_node[op.node].push_back(pi.flat(r));
-        if (op.kind == OpKind::Recv) pi.recv_by_node[op.node].push_back(pi.flat(r));
         pi.ops.push_back(info);
       }
   }
@@ -260,8 +261,7 @@ ReadyTracker::ReadyTracker(const core::Program& program, const Symmetry* symmetr
     fam.group_of_device.assign(ix(n), -1);
     for (std::size_t g = 0; g < fam.groups.size(); ++g)
       for (int d : fam.groups[g]) fam.group_of_device[ix(d)] = static_cast<std::int32_t>(g);
-    for (const auto& pi : st.plans)
-      fam.seq_count = std::max(fam.seq_count, static_cast<std::int32_t>(pi.family_seq[f].size()));
+    fam.seq_count = st.pairs.family_slots(static_cast<int>(f));
     fam.arrived.assign(fam.groups.size() * ix(fam.seq_count), 0);
   }
   st.dirty.assign(ix(n), 0);
@@ -380,72 +380,22 @@ std::vector<std::pair<int, OpRef>> ReadyTracker::partners(const core::Program& p
   return PartnerFinder(program)(device, r);
 }
 
+// The pairing-id index of core/readiness.hpp, reordered as partners() documents it.
 struct PartnerFinder::Index {
-  // plan -> DAG node -> its SEND and RECV ops, in stream order (streams in order, ops in order).
-  std::map<int, std::unordered_map<std::int32_t, std::vector<OpRef>>> transfers;
-  // (plan, family) -> the plan's collectives on that family, in the same order.
-  std::map<std::pair<int, int>, std::vector<OpRef>> collectives;
+  explicit Index(const core::Program& p) : pairs(p) {}
+  core::PairIndex pairs;
 };
 
-PartnerFinder::PartnerFinder(const core::Program& program) : program_(program), index_(std::make_unique<Index>()) {}
+PartnerFinder::PartnerFinder(const core::Program& program)
+    : program_(program), index_(std::make_unique<Index>(program)) {}
 PartnerFinder::~PartnerFinder() = default;
 
 std::vector<std::pair<int, OpRef>> PartnerFinder::operator()(int device, OpRef r) {
-  const core::Program& program = program_;
-  const core::Op& op = program.plan_for(device).streams.at(ix(r.stream)).ops.at(ix(r.index));
-  std::vector<std::pair<int, OpRef>> out;
-  if (op.kind == OpKind::Send || op.kind == OpKind::Recv) {
-    const int peer = program.peer_of(op, device);
-    out.emplace_back(device, r);
-    if (peer < 0) return out;
-    const OpKind want = op.kind == OpKind::Send ? OpKind::Recv : OpKind::Send;
-    const int peer_plan = program.plan_of_device.at(ix(peer));
-    auto [it, fresh] = index_->transfers.try_emplace(peer_plan);
-    if (fresh) {
-      const core::Plan& plan = program.plans.at(ix(peer_plan));
-      for (std::size_t s = 0; s < plan.streams.size(); ++s)
-        for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
-          const core::Op& o = plan.streams[s].ops[i];
-          if (o.kind == OpKind::Send || o.kind == OpKind::Recv)
-            it->second[o.node].push_back({static_cast<int>(s), static_cast<int>(i)});
-        }
-    }
-    const core::Plan& plan = program.plans[ix(peer_plan)];
-    if (auto candidates = it->second.find(op.node); candidates != it->second.end())
-      for (OpRef c : candidates->second) {
-        const core::Op& o = plan.streams[ix(c.stream)].ops[ix(c.index)];
-        if (o.kind == want && program.peer_of(o, peer) == device) {
-          out.emplace_back(peer, c);
-          return out;
-        }
-      }
-    return out;
-  }
-  if (!is_collective(op.kind)) return {{device, r}};
-  auto sequence = [&](int plan_index) -> const std::vector<OpRef>& {
-    auto [it, fresh] = index_->collectives.try_emplace({plan_index, op.family});
-    if (fresh) {
-      const core::Plan& plan = program.plans.at(ix(plan_index));
-      for (std::size_t s = 0; s < plan.streams.size(); ++s)
-        for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
-          const core::Op& o = plan.streams[s].ops[i];
-          if (is_collective(o.kind) && o.family == op.family)
-            it->second.push_back({static_cast<int>(s), static_cast<int>(i)});
-        }
-    }
-    return it->second;
-  };
-  const auto& mine = sequence(program.plan_of_device.at(ix(device)));
-  const std::size_t k = ix(std::find(mine.begin(), mine.end(), r) - mine.begin());
-  // The k-th collective of the family depends only on the member's plan (DP groups have 10^4 members).
-  for (int member : program.group_of(op.family, device)) {
-    if (member == device) {
-      out.emplace_back(device, r);
-      continue;
-    }
-    const auto& theirs = sequence(program.plan_of_device[ix(member)]);
-    if (k < theirs.size()) out.emplace_back(member, theirs[k]);
-  }
+  std::vector<std::pair<int, OpRef>> out = index_->pairs.meeting(device, r);
+  // A transfer lists the op itself first (the critical path breaks ties by member order).
+  if (out.size() == 2 && out[1] == std::pair<int, OpRef>{device, r} &&
+      program_.plan_for(device).streams.at(ix(r.stream)).ops.at(ix(r.index)).kind == OpKind::Recv)
+    std::swap(out[0], out[1]);
   return out;
 }
 

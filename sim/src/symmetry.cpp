@@ -36,8 +36,9 @@ class Interner {
 struct PlanRelations {
   std::vector<std::pair<core::DeviceSetId, core::DeviceSetId>> p2p;  // distinct (device set, peer set)
   std::vector<int> families;                                         // distinct collective families
-  // SEND/RECV ops sharing (kind, DAG node) on this plan: their p2p indices. The engines find a
-  // counterpart by node and peer; with peers replaced by classes those peers must stay distinct.
+  // SEND/RECV ops sharing (kind, pairing id) on this plan: their p2p indices. The engines find a
+  // counterpart by pairing id on the peer's plan (core/readiness.hpp), which the verifier makes
+  // unique; an unverified program that repeats one keeps its peers distinct by class or runs full.
   std::vector<std::vector<int>> same_node;
 };
 
@@ -76,7 +77,7 @@ Symmetry find_symmetry(const core::Program& program, const Cluster& cluster) {
         if (op.kind == OpKind::Send || op.kind == OpKind::Recv) {
           auto [it, inserted] = pairs.try_emplace({op.device_set, op.peer_set}, static_cast<int>(pairs.size()));
           if (inserted) rel[p].p2p.push_back(it->first);
-          by_node[{op.kind == OpKind::Send ? 0 : 1, op.node}].push_back(it->second);
+          by_node[{op.kind == OpKind::Send ? 0 : 1, op.pair}].push_back(it->second);
         } else if (is_collective(op.kind) && op.family >= 0) {
           fams.insert(op.family);
         }
@@ -166,7 +167,7 @@ Symmetry find_symmetry(const core::Program& program, const Cluster& cluster) {
   for (int d = 0; d < n; ++d)
     if (sym.representative[ix(color[ix(d)])] < 0) sym.representative[ix(color[ix(d)])] = d;
 
-  // A counterpart found by (node, peer class) must be unique on every device.
+  // A counterpart found by (pairing id, peer class) must be unique on every device.
   for (int d = 0; d < n && sym.usable; ++d) {
     if (!sym.is_representative(d)) continue;  // peers' classes are equal across a class
     const auto& r = rel[ix(program.plan_of_device[ix(d)])];
@@ -180,7 +181,7 @@ Symmetry find_symmetry(const core::Program& program, const Cluster& cluster) {
       if (std::adjacent_find(peer_colors.begin(), peer_colors.end()) != peer_colors.end()) {
         sym.usable = false;
         sym.note = fmt::format(
-            "device {}: two transfers of one DAG node have peers in one class, so they cannot be told apart", d);
+            "device {}: two transfers with one pairing id have peers in one class, so they cannot be told apart", d);
         break;
       }
     }

@@ -4,6 +4,10 @@
 #     No consumer reads a DAG/op tag by the name "MB": they read Op::microbatch. The only files
 #     that may name "MB" are those that produce tags or directives (the split directive's default
 #     dimension, the schedule generators, the PyTorch CSV import) or print tags as labels.
+#   no-meeting-by-node SOURCE_DIR
+#     No consumer outside core reads an op's DAG node (Op::node): who meets whom at a transfer or a
+#     collective is keyed by the pairing id (Op::pair, core/readiness.hpp). Comment lines and the
+#     cluster's own "node" fields (NodeSpec, a call cluster.node(d)) are not ops'.
 #   no-boost SOURCE_DIR CXX NLOHMANN_INCLUDE_DIR
 #     program.hpp's include closure (the compiler's -M listing of a file that includes only it)
 #     holds no Boost header.
@@ -15,7 +19,7 @@ case "$mode" in
   no-tag-by-name)
     allowed='^(core/src/dag\.cpp|core/src/directives\.cpp|core/include/piper/core/directives\.hpp|core/src/schedules\.cpp|core/src/pytorch_csv\.cpp|core/include/piper/core/model\.hpp):'
     hits=$(grep -rn --include='*.cpp' --include='*.hpp' --include='*.h' --include='*.cu' --include='*.py' '"MB"' \
-             core sim gpu_runtime gui cli chakra python | grep -Ev "$allowed" || true)
+             core sim search gpu_runtime gui cli chakra python | grep -Ev "$allowed" || true)
     if [[ -n "$hits" ]]; then
       echo "tags read by the name \"MB\" (use core::Op::microbatch):"
       echo "$hits"
@@ -26,6 +30,17 @@ case "$mode" in
       [[ -f "$f" ]] || { echo "stale allowance: $f does not exist"; exit 1; }
     done
     echo "no consumer reads a tag by the name \"MB\""
+    ;;
+  no-meeting-by-node)
+    allowed='^sim/src/cluster\.cpp:[0-9]+:  c\.nodes\.assign'
+    hits=$(grep -rnE --include='*.cpp' --include='*.hpp' --include='*.h' --include='*.cu' '\.node\b($|[^(])' \
+             sim search gpu_runtime gui cli chakra python | grep -Ev '^[^:]+:[0-9]+:[[:space:]]*//' | grep -Ev "$allowed" || true)
+    if [[ -n "$hits" ]]; then
+      echo "ops read by their DAG node outside core (meet them by core::Op::pair, core/readiness.hpp):"
+      echo "$hits"
+      exit 1
+    fi
+    echo "no consumer outside core reads an op's DAG node"
     ;;
   no-boost)
     cxx=${3:?compiler}
@@ -46,7 +61,7 @@ case "$mode" in
     echo "program.hpp's include closure holds no Boost header and not dag.hpp"
     ;;
   *)
-    echo "unknown mode '$mode' (expected no-tag-by-name or no-boost)"
+    echo "unknown mode '$mode' (expected no-tag-by-name, no-meeting-by-node or no-boost)"
     exit 2
     ;;
 esac

@@ -143,6 +143,7 @@ TEST(Calibrate, RecorderTakesTheShorterSideAndTheMedian) {
   core::Op send;
   send.kind = core::OpKind::Send;
   send.node = 5;
+  send.pair = 0;
   send.bytes = 1000;
   send.device_set = 0;
   send.peer_set = 1;

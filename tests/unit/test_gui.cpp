@@ -309,6 +309,51 @@ TEST(GuiStudio, ClickSelectsTheOpUnderTheCursorAndItsCrossDeviceDependencies) {
   EXPECT_FALSE(view->selected_op().valid());
 }
 
+// The arrows of a click (the cross-device dependencies) are the meeting of the op's pairing id
+// (Op::pair): a RECV's incoming SEND and a SEND's outgoing RECV are the op with the same id on its
+// peer, a collective's partners are the other members of its group, each with the same id.
+TEST(GuiStudio, CrossDeviceArrowsFollowThePairingIds) {
+  Studio s;
+  const auto timeline = s.window.run_a()->timeline;
+  const core::Program& p = *timeline->program;
+  DependencyIndex index(timeline);
+  int transfers = 0, collectives = 0;
+  for (int d = 0; d < p.num_devices; ++d) {
+    const core::Plan& plan = p.plan_for(d);
+    for (int st = 0; st < static_cast<int>(plan.streams.size()); ++st)
+      for (int i = 0; i < static_cast<int>(plan.streams[static_cast<std::size_t>(st)].ops.size()); ++i) {
+        const core::Op& op = plan.streams[static_cast<std::size_t>(st)].ops[static_cast<std::size_t>(i)];
+        if (op.kind == core::OpKind::Compute || op.kind == core::OpKind::Update) continue;
+        const Dependencies deps = index.of({d, st, i});
+        std::vector<OpKey> cross;
+        for (const auto* list : {&deps.incoming, &deps.outgoing, &deps.partners})
+          for (const OpKey& k : *list)
+            if (k.device != d) cross.push_back(k);
+        std::set<int> devices;
+        for (const OpKey& k : cross) {
+          EXPECT_EQ(index.op(k).pair, op.pair) << "device " << d << " " << op.label;
+          devices.insert(k.device);
+        }
+        if (op.kind == core::OpKind::Send || op.kind == core::OpKind::Recv) {
+          ASSERT_EQ(cross.size(), 1u) << "device " << d << " " << op.label;
+          EXPECT_EQ(cross[0].device, p.peer_of(op, d));
+          const auto& list = op.kind == core::OpKind::Recv ? deps.incoming : deps.outgoing;
+          EXPECT_NE(std::find(list.begin(), list.end(), cross[0]), list.end());
+          ++transfers;
+        } else {
+          std::set<int> group;
+          for (int m : p.group_of(op.family, d))
+            if (m != d) group.insert(m);
+          EXPECT_EQ(devices, group) << "device " << d << " " << op.label;
+          EXPECT_EQ(cross.size(), group.size());
+          ++collectives;
+        }
+      }
+  }
+  EXPECT_GT(transfers, 0);
+  EXPECT_GT(collectives, 0);
+}
+
 TEST(GuiStudio, WheelZoomKeepsTheTimeUnderTheCursorFixed) {
   Studio s;
   TimelineView* view = s.window.view();

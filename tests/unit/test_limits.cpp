@@ -143,7 +143,7 @@ TEST_F(Limits, MillionNodeClusterRefused) {
 }
 
 TEST_F(Limits, PlanWithMillionDevicesRefused) {
-  input("plan.json", R"({"format": "piper-program", "version": 2, "model": "m",
+  input("plan.json", R"({"format": "piper-program", "version": 3, "model": "m",
     "training": {"seq_len": 8, "micro_batch_size": 1, "precision": "bf16"}, "microbatches": 1,
     "num_devices": 1000000, "device_sets": [], "families": [], "plans": [], "plan_of_device": []})");
   expect_refused(run("verify plan.json"), "devices", {"plan.json", "num_devices"});

@@ -51,6 +51,7 @@ Program small_program() {
   f0.device_set = 0;
   f0.uses = {0, 1};
   Op send = make_op(OpKind::Send, "SEND act", 2);
+  send.pair = 0;
   send.bytes = 4096;
   send.pass = Pass::F;
   send.microbatch = 0;
@@ -59,6 +60,7 @@ Program small_program() {
   send.waits = {{0, 0}};
   send.uses = {1};
   Op ar0 = make_op(OpKind::AllReduce, "AR grads", 5);
+  ar0.pair = 1;
   ar0.bytes = 1 << 20;
   ar0.device_set = 2;
   ar0.family = 0;
@@ -71,6 +73,7 @@ Program small_program() {
   Plan p1;
   p1.streams = {{"compute", {}}, {"comm", {}}};
   Op recv = make_op(OpKind::Recv, "RECV act", 2);
+  recv.pair = 0;
   recv.bytes = 4096;
   recv.pass = Pass::F;
   recv.microbatch = 0;
@@ -320,9 +323,14 @@ TEST(Program, FromJsonNamesTheField) {
     j["version"] = 1;
     EXPECT_EQ(error_of(j),
               "plan: field 'version': version 1 plans carry no per-op microbatch; compile the plan again with this "
-              "piper (expected 2)");
-    j["version"] = 3;
-    EXPECT_EQ(error_of(j), "plan: field 'version': unsupported version 3 (expected 2)");
+              "piper (expected 3)");
+    // Version 2 plans have no pairing ids: who meets whom is not guessed from node ids or positions.
+    j["version"] = 2;
+    EXPECT_EQ(error_of(j),
+              "plan: field 'version': version 2 plans carry no pairing ids (Op::pair); compile the plan again with "
+              "this piper (expected 3)");
+    j["version"] = 4;
+    EXPECT_EQ(error_of(j), "plan: field 'version': unsupported version 4 (expected 3)");
   }
 }
 

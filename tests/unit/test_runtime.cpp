@@ -638,6 +638,15 @@ TEST(RuntimeFailure, GptTiedDualPipeIsRefusedInOneLine) {
   EXPECT_THROW(compile_plan(dir, strategy(2, 1, 1, 0, 4, "dualpipe"), "", kGpt), core::Error);
   json p = json::parse(std::ifstream(compile_plan(dir, strategy(2, 1, 1, 0, 4, "dualpipe"), "", kGptUntied)));
   p["model_spec"]["tie_embeddings"] = true;
+  // The pair a tied compile would type (ProgramSegment::tied_to): the head's segment names the embedding's.
+  int embed = -1, head = -1, last = -1;
+  for (std::size_t s = 0; s < p["segments"].size(); ++s) {
+    const auto& layers = p["segments"][s]["layers"];
+    if (layers[0] == 0) embed = static_cast<int>(s);
+    if (layers[1].get<int>() > last) last = layers[1].get<int>(), head = static_cast<int>(s);
+  }
+  ASSERT_TRUE(embed >= 0 && head >= 0 && embed != head);
+  p["segments"][static_cast<std::size_t>(head)]["tied_to"] = embed;
   const fs::path plan = dir / "tied.json";
   std::ofstream(plan) << p.dump();
   Result r = sh(mpirun(2) + PIPER_CLI + " run --plan " + plan.string() + " --steps 1");
@@ -921,7 +930,7 @@ TEST(RuntimeFailure, PeerStallMidStepExitsFour) {
   int changed = 0;
   for (auto& stream : p["plans"][p["plan_of_device"][1].get<int>()]["streams"])
     for (auto& op : stream["ops"])
-      if (op["kind"] == "RECV" && changed == 0) op["node"] = 99999, ++changed;
+      if (op["kind"] == "RECV" && changed == 0) op["pair"] = 99999, ++changed;  // an id its peer never sends
   ASSERT_EQ(changed, 1);
   const fs::path bad = dir / "mismatched.json";
   std::ofstream(bad) << p.dump();

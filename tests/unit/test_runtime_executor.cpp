@@ -19,6 +19,7 @@ core::Plan three_op_plan() {
   a.label = "A";
   b.label = "B";
   b.kind = core::OpKind::Send;
+  b.pair = 0;
   b.waits = {{0, 0}};
   c.label = "C";
   c.waits = {{1, 0}};

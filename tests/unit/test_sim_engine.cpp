@@ -187,6 +187,7 @@ core::Program overlap_program() {
   core::Op send;
   send.kind = core::OpKind::Send;
   send.node = 5;
+  send.pair = 0;
   send.bytes = 1000;
   send.device_set = 0;
   send.peer_set = 1;
@@ -262,8 +263,8 @@ TEST(SimAnalytic, DeadlockIsReportedOnOneLine) {
   core::Op s = p.plans[0].streams[1].ops[0];  // SEND 0 -> 1, node 5
   core::Op r = p.plans[1].streams[0].ops[0];  // RECV on 1 from 0, node 5
   core::Op s2 = s, r2 = r;
-  s2.node = 6, s2.device_set = 1, s2.peer_set = 0;  // SEND 1 -> 0, node 6
-  r2.node = 6, r2.device_set = 0, r2.peer_set = 1;  // RECV on 0 from 1, node 6
+  s2.node = 6, s2.pair = 1, s2.device_set = 1, s2.peer_set = 0;  // SEND 1 -> 0, node 6
+  r2.node = 6, r2.pair = 1, r2.device_set = 0, r2.peer_set = 1;  // RECV on 0 from 1, node 6
   p.plans[0].streams = {{"pp", {s, r2}}};
   p.plans[1].streams = {{"pp", {s2, r}}};
   auto program = std::make_shared<const core::Program>(p);

@@ -70,6 +70,7 @@ std::shared_ptr<core::Program> collective_program(OpKind kind, int devices, std:
   core::Op op;
   op.kind = kind;
   op.node = 0;
+  op.pair = 0;
   op.label = core::to_string(kind);
   op.bytes = bytes;
   op.device_set = 0;
@@ -96,6 +97,7 @@ std::shared_ptr<core::Program> transfer_program(int devices, int dst, std::int64
   core::Op send;
   send.kind = OpKind::Send;
   send.node = 7;
+  send.pair = 0;
   send.label = "SEND";
   send.bytes = bytes;
   send.device_set = 0;

@@ -19,6 +19,7 @@ Op op(OpKind kind, const std::string& label, int node, std::vector<OpRef> waits 
   o.kind = kind;
   o.label = label;
   o.node = node;
+  if (kind != OpKind::Compute && kind != OpKind::Update) o.pair = node;  // pairing id: the node's number here
   o.waits = std::move(waits);
   o.uses = std::move(uses);
   return o;
@@ -121,11 +122,11 @@ TEST(Verifier, DevicesSplitOverMorePlansStayClean) {
 
 TEST(Verifier, MissingRecv) {
   Program p = pp2(2);
-  // Stage 0 no longer receives the gradient of node 9 (the last op of its pp stream).
+  // Stage 0 no longer receives the gradient of pair 9 (the last op of its pp stream).
   p.plans[0].streams[kPp].ops.pop_back();
   p.plans[0].streams[kCompute].ops[1].waits.clear();
   auto issues = verify(p);
-  EXPECT_TRUE(has_issue(issues, "send-recv", {"device 1 (plan 1)", "SEND node 9", "no RECV of node 9 on device 0"}))
+  EXPECT_TRUE(has_issue(issues, "send-recv", {"device 1 (plan 1)", "SEND pair 9", "no RECV with pair 9 on device 0"}))
       << describe(issues);
 }
 
@@ -134,7 +135,7 @@ TEST(Verifier, MissingSend) {
   // Stage 1 never sends the gradient back: its RECV partner on stage 0 has no SEND.
   p.plans[1].streams[kPp].ops.pop_back();
   auto issues = verify(p);
-  EXPECT_TRUE(has_issue(issues, "send-recv", {"RECV node 9 from device 1", "no SEND of node 9 on device 1"}))
+  EXPECT_TRUE(has_issue(issues, "send-recv", {"RECV pair 9 from device 1", "no SEND with pair 9 on device 1"}))
       << describe(issues);
 }
 
@@ -142,7 +143,7 @@ TEST(Verifier, RecvBytesDiffer) {
   Program p = pp2(2);
   p.plans[1].streams[kPp].ops[0].bytes = 512;
   auto issues = verify(p);
-  EXPECT_TRUE(has_issue(issues, "send-recv", {"SEND node 2", "sends 1024 bytes", "expects 512 bytes"}))
+  EXPECT_TRUE(has_issue(issues, "send-recv", {"SEND pair 2", "sends 1024 bytes", "expects 512 bytes"}))
       << describe(issues);
   try {
     verify_or_throw(p);
@@ -158,7 +159,7 @@ TEST(Verifier, RecvFromWrongPeer) {
   p.device_sets.push_back({2, 0});
   p.plans[1].streams[kPp].ops[0].peer_set = 2;
   auto issues = verify(p);
-  EXPECT_TRUE(has_issue(issues, "send-recv", {"SEND node 2", "receives from device 2 instead"})) << describe(issues);
+  EXPECT_TRUE(has_issue(issues, "send-recv", {"SEND pair 2", "receives from device 2 instead"})) << describe(issues);
 }
 
 TEST(Verifier, CollectiveOrderDiffersWithinAGroup) {
@@ -170,7 +171,7 @@ TEST(Verifier, CollectiveOrderDiffersWithinAGroup) {
   auto issues = verify(p);
   EXPECT_TRUE(
       has_issue(issues, "collective-order",
-                {"family 0", "device 0 (plan 0)", "device 2 (plan 2)", "differ at collective 0", "node 20", "node 21"}))
+                {"family 0", "device 0 (plan 0)", "device 2 (plan 2)", "differ at collective 0", "pair 20", "pair 21"}))
       << describe(issues);
 }
 
@@ -284,7 +285,7 @@ TEST(Verifier, ThousandDevicesSharingTwoPlansAreClean) {
   q.device_sets.push_back(odds);
   q.plans[0].streams[kPp].ops[0].peer_set = 2;
   issues = verify(q);
-  EXPECT_TRUE(has_issue(issues, "send-recv", {"device 1022 (plan 0)", "SEND node 2 to device 1"})) << describe(issues);
+  EXPECT_TRUE(has_issue(issues, "send-recv", {"device 1022 (plan 0)", "SEND pair 2 to device 1"})) << describe(issues);
 }
 
 TEST(Verifier, CrossedSendsDeadlockUnderRendezvous) {

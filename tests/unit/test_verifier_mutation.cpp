@@ -457,7 +457,7 @@ TEST(VerifierMutation, OracleFindsTheCrossedSendsDeadlock) {
   p.plan_of_device = {0, 1};
   auto transfer = [](OpKind kind, int node, DeviceSetId me, DeviceSetId peer) {
     Op o;
-    o.kind = kind, o.node = node, o.device_set = me, o.peer_set = peer,
+    o.kind = kind, o.node = node, o.pair = node, o.device_set = me, o.peer_set = peer,
     o.label = to_string(kind) + std::to_string(node);
     return o;
   };

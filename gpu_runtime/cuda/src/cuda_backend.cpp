@@ -207,7 +207,7 @@ void CudaKernels::write(const Exec& e, int s, Vec v, std::int64_t at, const Tens
 int CudaTransport::post(const CommPost<Tensor>& r, const Exec& e) {
   CommRequest q;
   q.stream = e.stream;
-  q.node = r.node;
+  q.pair = r.pair;
   q.peer = r.peer;
   q.boundary = r.boundary;
   q.backward = r.backward;

@@ -27,18 +27,19 @@ LoopbackTransport::~LoopbackTransport() = default;
 int LoopbackTransport::post(const CommRequest& r) {
   int rank = 0, expected = 2, a = 0, b = 0, c = 0;
   if (r.kind == CommKind::Send || r.kind == CommKind::Recv) {
-    // Both sides name the pair by (sender, receiver, SEND node).
+    // Both sides name the transfer by (sender, receiver, pairing id): core/readiness.hpp's rule.
     a = r.kind == CommKind::Send ? device_ : r.peer;
     b = r.kind == CommKind::Send ? r.peer : device_;
-    c = r.node;
+    c = r.pair;
     rank = r.kind == CommKind::Send ? 0 : 1;
   } else {
-    // A collective is one DAG node lowered onto every member, so (family, first member, node)
-    // names it whatever order the members post in (groups of a family are disjoint; the
-    // sequence number tells steps apart).
+    // Every member of a collective occurrence carries one pairing id (core/readiness.hpp), so
+    // (family, first member, id) names it whatever order the members post in (groups of a family
+    // are disjoint; the sequence number tells steps apart). The rendezvous itself is this hub's:
+    // the virtual devices are threads of one process, with no PairIndex of their own.
     a = r.family;
     b = r.group.empty() ? -1 : r.group.front();
-    c = r.node;
+    c = r.pair;
     expected = static_cast<int>(r.group.size());
     rank = -1;
     for (std::size_t i = 0; i < r.group.size(); ++i)

@@ -22,8 +22,8 @@ bool is_backward_pass(core::Pass p) { return p == core::Pass::B || p == core::Pa
 
 std::vector<P2PChannel> p2p_channels(const core::Program& program) {
   // NCCL matches a channel's sends and receives by issue order, so each channel's SENDs must be on
-  // one stream of the sender, its RECVs on one stream of the receiver, in the same node order.
-  std::map<P2PChannel, std::pair<std::vector<int>, std::vector<int>>> order;  // send nodes, recv nodes
+  // one stream of the sender, its RECVs on one stream of the receiver, in the same pairing-id order.
+  std::map<P2PChannel, std::pair<std::vector<int>, std::vector<int>>> order;  // send ids, recv ids
   std::map<P2PChannel, std::pair<std::set<int>, std::set<int>>> streams_of;
   for (int d = 0; d < program.num_devices; ++d) {
     const auto& plan = program.plan_for(d);
@@ -37,7 +37,7 @@ std::vector<P2PChannel> p2p_channels(const core::Program& program) {
         // RECV the other way round.
         const int boundary = send == bwd ? seg.first_layer : seg.last_layer;
         const P2PChannel ch{send ? d : peer, send ? peer : d, boundary, bwd};
-        (send ? order[ch].first : order[ch].second).push_back(op.node);
+        (send ? order[ch].first : order[ch].second).push_back(op.pair);
         (send ? streams_of[ch].first : streams_of[ch].second).insert(static_cast<int>(si));
       }
   }

@@ -62,11 +62,17 @@ struct Op {
   DeviceSetId device_set = kNoDevices;  // the set this op's node runs on (resolves peers)
   DeviceSetId peer_set = kNoDevices;    // SEND/RECV: the other side; peer = peer_set[pos(me, device_set)]
   int family = -1;                      // collectives: Program::families index; group = the one holding me
-  std::vector<OpRef> waits;             // ops of other streams of this device that must finish first
-  std::vector<int> uses;                // transient buffers read or written (persistent state is per segment)
-  int segment = -1;                     // Program::segments index: which model layers a COMPUTE op runs; SEND: the
-                                        // producer's segment, RECV: the consumer's, ALL_TO_ALL: the sharded one
-  std::vector<int> segments;            // UPD and gradient/parameter collectives: the segments whose state they touch
+  // Pairing id (SEND, RECV and collectives; -1 on COMPUTE and UPD): unique within the Program per
+  // transfer or collective occurrence. The SEND on device d meets the RECV with the same id on
+  // peer_of(op, d); a collective meets the ops with the same id on every member of group_of(family, d).
+  // Plan-relative: devices sharing a plan share its ids, the peer or group resolving from the device.
+  // A plan holds at most one SEND, one RECV and one collective per id. The rules: core/readiness.hpp.
+  int pair = -1;
+  std::vector<OpRef> waits;   // ops of other streams of this device that must finish first
+  std::vector<int> uses;      // transient buffers read or written (persistent state is per segment)
+  int segment = -1;           // Program::segments index: which model layers a COMPUTE op runs; SEND: the
+                              // producer's segment, RECV: the consumer's, ALL_TO_ALL: the sharded one
+  std::vector<int> segments;  // UPD and gradient/parameter collectives: the segments whose state they touch
   // COMPUTE ops of a tensor-parallel segment: the TP collectives performed inside the op over the
   // segment's TP group (ProgramSegment::tp_family). tp_bytes sums the full (unsharded) tensor bytes
   // of each collective counted in all-gather units: an all-gather or reduce-scatter of an N-byte
@@ -135,6 +141,11 @@ struct ProgramSegment {
   int cp_degree = 1;
   bool cp_all_gather = false;
   int cp_family = -1;
+  // Tied embeddings: on the segment holding a head tied to the embedding of another segment (which
+  // keeps its own copy of the table, summed with the embedding's by the tied-embedding family), the
+  // embedding's segment index; -1 elsewhere. The DAG's Segment::tied_to, which the tied-embedding pass
+  // pairs; consumers read this pair, never layer ranges. In JSON: "tied_to", omitted when -1.
+  int tied_to = -1;
   friend bool operator==(const ProgramSegment&, const ProgramSegment&) = default;
 };
 
@@ -145,9 +156,9 @@ struct ProgramStats {
   std::int64_t compiler_peak_rss_bytes = 0;
 };
 
-// Plan JSON format version ("version"). 2: ops carry "microbatch" (Op::microbatch); version 1
-// plans are refused with a line saying to compile them again.
-inline constexpr int kPlanVersion = 2;
+// Plan JSON format version ("version"). 2: ops carry "microbatch" (Op::microbatch); 3: SEND, RECV and
+// collective ops carry "pair" (Op::pair). Older plans are refused with a line saying to compile them again.
+inline constexpr int kPlanVersion = 3;
 
 struct Program {
   std::string model_name;

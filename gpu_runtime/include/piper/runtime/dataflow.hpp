@@ -90,7 +90,7 @@ template <class Buf>
 struct CommPost {
   CommKind kind = CommKind::Send;
   int peer = -1;           // Send/Recv: the device at the other end
-  int node = -1;           // Send/Recv: the SEND node (the pair's key); collectives: their node
+  int pair = -1;           // the pairing id (Op::pair): a SEND and its RECV, or one collective occurrence, share it
   int boundary = 0;        // Send/Recv: model layer boundary the tensor crosses
   bool backward = false;   // Send/Recv: gradient (true) or activation
   int family = -1;         // collectives: Program family
@@ -416,7 +416,7 @@ template <class K, class T>
 void Dataflow<K, T>::start_comm(const Ctx& c, const core::Op& op, Pending& p) {
   const int mb = op.microbatch;
   CommPost<Buf> r;
-  r.node = op.node;
+  r.pair = op.pair;
   if (op.kind != core::OpKind::Send && op.kind != core::OpKind::Recv) {
     p.group = group_of(op);
     r.family = op.family;

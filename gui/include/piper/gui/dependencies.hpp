@@ -6,6 +6,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "piper/core/readiness.hpp"
 #include "piper/core/timeline.hpp"
 
 namespace piper::gui {
@@ -22,7 +23,8 @@ struct Dependencies {
   std::vector<OpKey> partners;  // run together with the op: the other side of a transfer, collective group members
 };
 
-// Lazily built lookup tables over one timeline's program (node -> ops per plan, reverse waits).
+// Lazily built lookup tables over one timeline's program (reverse waits per plan; partners through
+// core::PairIndex, the pairing ids of core/readiness.hpp).
 class DependencyIndex {
  public:
   explicit DependencyIndex(std::shared_ptr<const core::Timeline> timeline);
@@ -35,7 +37,6 @@ class DependencyIndex {
 
  private:
   struct PlanIndex {
-    std::unordered_map<int, std::vector<core::OpRef>> ops_of_node;
     std::vector<std::vector<std::vector<core::OpRef>>> waiters;  // [stream][index] -> ops waiting on it
     std::vector<std::size_t> span_base;                          // stream -> first span index
   };
@@ -45,6 +46,7 @@ class DependencyIndex {
 
   std::shared_ptr<const core::Timeline> timeline_;
   mutable std::vector<std::unique_ptr<PlanIndex>> plans_;
+  mutable std::unique_ptr<core::PairIndex> pairs_;
 };
 
 }  // namespace piper::gui

@@ -6,13 +6,14 @@
 //    time, in issue order: op i starts no earlier than op i-1 of the same stream ends (CUDA stream).
 //  * An op also waits for every op in its `waits` (other streams of the same device) to end.
 //  * Compute (COMPUTE, UPD) ops start as soon as they are ready.
-//  * A SEND on d (peer e = peer_of(op, d)) and the RECV on e with the same `node` whose peer is d form
-//    ONE transfer: it starts when both ops are ready and ends for both at the same time (rendezvous,
+//  Who meets whom, and the two rules above, are core/readiness.hpp's (keyed by Op::pair):
+//  * A SEND on d (peer e = peer_of(op, d)) and the RECV on e with the same pairing id form ONE
+//    transfer: it starts when both ops are ready and ends for both at the same time (rendezvous,
 //    as NCCL send/recv). Its duration is CostModel::transfer_seconds (analytic engine).
 //  * A collective (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL) on d runs in group
-//    group_of(op.family, d); the k-th collective of a family on each member (streams in index order,
-//    ops in order) is one instance. It starts when every member's op is ready and ends for all members
-//    together. Duration: CostModel::collective_op_seconds (analytic engine).
+//    group_of(op.family, d); the ops with one pairing id on its members are one instance (the
+//    verifier checks every member issues a family's ids in one order). It starts when every member's
+//    op is ready and ends for all members together. Duration: CostModel::collective_op_seconds.
 //  * Compute speed and communication: a compute op has work w = CostModel::compute_seconds. While
 //    at least one communication op (transfer or collective) is running on the same device, its
 //    remaining work progresses at rate compute_rates(d).with_comm (1 - comm_sm_share(d) when SMs

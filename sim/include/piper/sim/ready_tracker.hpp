@@ -1,4 +1,4 @@
-// ReadyTracker: the readiness rules of a Program (see engine.hpp), shared by every engine. It tells
+// ReadyTracker: the readiness rules of a Program (core/readiness.hpp), run for every engine. It tells
 // which activities (a compute op, a SEND+RECV transfer, a collective instance) may start, and
 // advances the per-stream cursors when they finish. Flat per-device arrays; no maps in the hot path.
 #pragma once
@@ -160,10 +160,10 @@ class ReadyTracker {
   std::unique_ptr<State> s_;
 };
 
-// ReadyTracker::partners over one Program, with what it looks up in a plan (the transfers of a DAG
-// node, the collectives of a family, in stream order) indexed on first use: the critical path of a
-// 1,024-GPU program asks for the partners of thousands of ops, and scanning the peer's whole plan
-// for each cost more than the rest of the report. Same answers as partners(), in the same order.
+// ReadyTracker::partners over one Program, through one core::PairIndex (core/readiness.hpp: the op of
+// each pairing id on each plan) built once: the critical path of a 1,024-GPU program asks for the
+// partners of thousands of ops. Same answers as partners(), in the same order: a transfer lists the
+// op itself first, then its other side; a collective lists its group in group order.
 class PartnerFinder {
  public:
   explicit PartnerFinder(const core::Program& program);

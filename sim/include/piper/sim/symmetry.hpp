@@ -7,8 +7,8 @@
 //    node or not alike, with the same node type;
 //  * for each collective family of its plan: a group touching the same set of classes, whose node
 //    layout (per node: node type and ranks there, as a multiset) is the same;
-//  and when, on every plan, a RECV (SEND) is still identified by its DAG node and its peer's class.
-// Under these conditions the readiness rules of engine.hpp and every cost that depends on devices
+//  and when, on every plan, a RECV (SEND) is still identified by its pairing id and its peer's class.
+// Under these conditions the readiness rules of core/readiness.hpp and every cost that depends on devices
 // only through node types and co-location (CostModel) give every member of a class the same spans,
 // by induction over the events; so the reduced simulation EQUALS the full one (tests check it).
 // Link contention (the SimGrid engine) couples flows of different classes: that engine is never

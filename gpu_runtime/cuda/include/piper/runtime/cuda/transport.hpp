@@ -28,7 +28,7 @@ struct CommRequest {
   int peer = -1;           // Send/Recv: the device at the other end
   int boundary = 0;        // Send/Recv: model layer boundary the tensor crosses
   bool backward = false;   // Send/Recv: gradient (true) or activation
-  int node = -1;           // the DAG node: Send/Recv: the SEND node (the pair's key); collectives: theirs
+  int pair = -1;           // Op::pair, the pairing id: who meets whom (core/readiness.hpp)
   int family = -1;         // collectives: Program family
   std::vector<int> group;  // collectives: the devices of my group, in rank order
   const void* send = nullptr;
