@@ -257,6 +257,68 @@ ZbSolution zb_auto_solve(const ZbProblem& problem) {
   return best;
 }
 
+ZbSolution zb_evaluate(const ZbProblem& p, const ScheduleTable& table) {
+  check_problem(p);
+  const auto s = static_cast<std::size_t>(p.stages);
+  if (table.ranks.size() != s)
+    fail("the order has " + std::to_string(table.ranks.size()) + " ranks, not " + std::to_string(s));
+  const auto m = static_cast<std::size_t>(p.microbatches);
+  std::vector<std::vector<double>> f_done(s, std::vector<double>(m, -1)), b_done = f_done;
+  std::vector<std::size_t> next(s, 0);
+  std::vector<double> free_at(s, 0), first(s, -1), mem(s, 0);
+  ZbSolution out;
+  out.table = table;
+  out.peak_mem.assign(s, 0);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (std::size_t r = 0; r < s; ++r)
+      for (; next[r] < table.ranks[r].size(); ++next[r]) {
+        const ScheduleStep& step = table.ranks[r][next[r]];
+        if (step.size() != 1 || step[0].stage != static_cast<int>(r) || step[0].microbatch < 0 ||
+            static_cast<std::size_t>(step[0].microbatch) >= m)
+          fail("rank " + std::to_string(r) + " step " + std::to_string(next[r]) + " is not one action of stage " +
+               std::to_string(r));
+        const ScheduleAction& a = step[0];
+        const auto mb = static_cast<std::size_t>(a.microbatch);
+        double ready = 0, cost = 0;
+        if (a.kind == ActionKind::F) {
+          ready = r == 0 ? 0 : f_done[r - 1][mb] < 0 ? -1 : f_done[r - 1][mb] + p.comm;
+          cost = p.f[r];
+        } else if (a.kind == ActionKind::W) {
+          ready = b_done[r][mb];
+          cost = p.w[r];
+        } else {
+          ready = r + 1 == s ? f_done[r][mb] : b_done[r + 1][mb] < 0 ? -1 : b_done[r + 1][mb] + p.comm;
+          cost = a.kind == ActionKind::B ? p.b[r] + p.w[r] : p.b[r];
+        }
+        if (ready < 0) break;  // its input is not computed yet: another rank must go first
+        const double start = std::max(free_at[r], ready);
+        if (first[r] < 0) first[r] = start;
+        free_at[r] = start + cost;
+        (a.kind == ActionKind::F ? f_done : b_done)[r][mb] = free_at[r];
+        mem[r] += a.kind == ActionKind::F   ? p.mem_f[r]
+                  : a.kind == ActionKind::I ? p.mem_b[r]
+                  : a.kind == ActionKind::W ? p.mem_w[r]
+                                            : p.mem_b[r] + p.mem_w[r];
+        out.peak_mem[r] = std::max(out.peak_mem[r], mem[r]);
+        progress = true;
+      }
+  }
+  for (std::size_t r = 0; r < s; ++r) {
+    if (next[r] < table.ranks[r].size())
+      fail("the order deadlocks: rank " + std::to_string(r) + " waits at step " + std::to_string(next[r]));
+    out.span.push_back(free_at[r] - std::max(first[r], 0.0));
+    out.max_span = std::max(out.max_span, out.span.back());
+  }
+  return out;
+}
+
+double zb_bubble_rate(const ZbProblem& p, const ZbSolution& solution) {
+  double busy = 0;
+  for (std::size_t j = 0; j < p.f.size(); ++j) busy = std::max(busy, p.microbatches * (p.f[j] + p.b[j] + p.w[j]));
+  return solution.max_span > 0 ? (solution.max_span - busy) / solution.max_span : 0;
+}
+
 ZbProblem zb_problem(const ScheduleContext& ctx) {
   ZbProblem p;
   p.stages = ctx.regions;

@@ -35,6 +35,18 @@ struct ZbSolution {
 // memory limit or an input is malformed.
 ZbSolution zb_auto_solve(const ZbProblem& problem);
 
+// Times a given per-rank order (one region per rank, rank r = stage r) under the problem's costs, as
+// the heuristic times its own: each op starts when its rank is free and its input has arrived (F: the
+// previous stage's F + comm; I or B: the next stage's I or B + comm). A full B costs b + w. Returns
+// per-stage spans and max_span (peak_mem counts mem_f at F and releases it at W or B); throws
+// std::invalid_argument when the order deadlocks or names another rank's stage. Used to compare the
+// hand-made families with zb-auto under the same costs (the paper's Table 5).
+ZbSolution zb_evaluate(const ZbProblem& problem, const ScheduleTable& table);
+
+// The paper's bubble rate (section 5.3): (cost - m(F+B+W)) / cost with cost = the longest stage span
+// and F, B, W of the busiest stage.
+double zb_bubble_rate(const ZbProblem& problem, const ZbSolution& solution);
+
 // The problem posed for a schedule context: ctx.costs (unit costs when empty) and ctx.memory_limit
 // ("<k>p": k x ranks microbatch activations; bytes: needs ctx.costs.activation_bytes). A
 // microbatch's activations stay alive from its F until its W (Piper frees a buffer at its last use).
