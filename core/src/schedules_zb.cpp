@@ -295,7 +295,7 @@ ZbSolution zb_evaluate(const ZbProblem& p, const ScheduleTable& table) {
         const double start = std::max(free_at[r], ready);
         if (first[r] < 0) first[r] = start;
         free_at[r] = start + cost;
-        (a.kind == ActionKind::F ? f_done : b_done)[r][mb] = free_at[r];
+        if (a.kind != ActionKind::W) (a.kind == ActionKind::F ? f_done : b_done)[r][mb] = free_at[r];
         mem[r] += a.kind == ActionKind::F   ? p.mem_f[r]
                   : a.kind == ActionKind::I ? p.mem_b[r]
                   : a.kind == ActionKind::W ? p.mem_w[r]
