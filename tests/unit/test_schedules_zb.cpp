@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -152,6 +153,78 @@ TEST(ZbAuto, BothEnginesGiveTheHandDerivedStepTime) {
       const auto r = sim::simulate(s, o);
       EXPECT_NEAR(r.report.step_time_s, 27.0, 1e-9);  // segment shares of 1/3 do not sum exactly
     }
+}
+
+// The cost model's view of each region under the unit-time override (F = 1, B = 2 split into BI = 1
+// and BW = 1 per stage, shared by the stage's segments; communication free): F = BI = BW = 1 on every
+// region, a free transfer, and some activation bytes.
+TEST(ZbAuto, StageCostsMeasuredWithTheCostModel) {
+  core::Scenario s;
+  s.model = "qwen3-9m";
+  s.stages = 4;
+  s.strategy = shape(4, 8, "1p");
+  const core::CompiledScenario c = core::compile_scenario(s);
+  const core::StageCosts m =
+      sim::with_stage_costs(s, "dgx-h200", "", piper::test::unit_costs(c.result.program)).strategy.stage_costs;
+  ASSERT_EQ(m.forward.size(), 4u);
+  for (std::size_t k = 0; k < 4; ++k) {
+    EXPECT_NEAR(m.forward[k], 1.0, 1e-12) << k;
+    EXPECT_NEAR(m.input_grad[k], 1.0, 1e-12) << k;
+    EXPECT_NEAR(m.weight_grad[k], 1.0, 1e-12) << k;
+    EXPECT_GT(m.activation_bytes[k], 0.0) << k;
+  }
+  EXPECT_EQ(m.transfer, 0.0);
+  // A family that is not cost-aware is left alone.
+  s.strategy.schedule = "zb-h1";
+  EXPECT_TRUE(sim::with_stage_costs(s, "dgx-h200", "").strategy.stage_costs.forward.empty());
+}
+
+namespace {
+
+// Peak bytes of activation buffers on each device of a plan: its ops in stream order, a buffer alive
+// from the op that allocates it through the op that frees it.
+std::vector<double> peak_activation_bytes(const core::Program& program) {
+  std::vector<double> out;
+  for (int d = 0; d < program.num_devices; ++d) {
+    const core::Plan& plan = program.plan_for(d);
+    std::map<std::pair<int, int>, double> alloc, release;
+    for (const auto& b : plan.buffers) {
+      if (b.kind != core::BufferKind::Activations || b.persistent()) continue;
+      alloc[{b.alloc.stream, b.alloc.index}] += static_cast<double>(b.bytes);
+      release[{b.free.stream, b.free.index}] += static_cast<double>(b.bytes);
+    }
+    double alive = 0, peak = 0;
+    for (int k = 0; k < static_cast<int>(plan.streams.size()); ++k)
+      for (int i = 0; i < static_cast<int>(plan.streams[static_cast<std::size_t>(k)].ops.size()); ++i) {
+        if (auto it = alloc.find({k, i}); it != alloc.end()) alive += it->second;
+        peak = std::max(peak, alive);
+        if (auto it = release.find({k, i}); it != release.end()) alive -= it->second;
+      }
+    out.push_back(peak);
+  }
+  return out;
+}
+
+}  // namespace
+
+// A byte limit of 2.5 x the largest region's activations of one microbatch: every device's activation
+// buffers stay within it on the simulated plan, where ZB-1p's plan exceeds it on some device.
+TEST(ZbAuto, ByteLimitHoldsOnTheSimulatedPlan) {
+  core::Scenario s;
+  s.model = "qwen3-9m";
+  s.stages = 4;
+  s.strategy = shape(4, 8, "1p");
+  s.engine = "analytic";
+  const core::StageCosts m = sim::with_stage_costs(s, "dgx-h200", "").strategy.stage_costs;
+  const double limit = std::floor(2.5 * *std::max_element(m.activation_bytes.begin(), m.activation_bytes.end()));
+  sim::SimulateOptions o;
+  o.cluster = "dgx-h200";
+  const auto one = peak_activation_bytes(*sim::simulate(s, o).program);
+  EXPECT_GT(*std::max_element(one.begin(), one.end()), limit);
+  s.strategy.zb_memory_limit = std::to_string(static_cast<long long>(limit));
+  const auto capped = peak_activation_bytes(*sim::simulate(s, o).program);
+  ASSERT_EQ(capped.size(), 4u);
+  for (std::size_t d = 0; d < capped.size(); ++d) EXPECT_LE(capped[d], limit) << "device " << d;
 }
 
 TEST(ZbAuto, BadLimitsFailWithOneLine) {
