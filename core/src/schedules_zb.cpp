@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -16,6 +17,8 @@ namespace {
 [[noreturn]] void fail(const std::string& why) { throw std::invalid_argument("zb-auto: " + why); }
 
 enum Kind { kF = 0, kB = 1, kW = 2 };
+
+struct InputMissing {};
 
 struct Variant {
   bool allow_bubble_before_first_b, prioritize_b, no_bubble_greedy;
@@ -73,6 +76,10 @@ class Greedy {
 // previous (next) stage's F (B) of the same microbatch has arrived.
 void Greedy::put(std::size_t j, Kind k) {
   const int mb = n(k, j);
+  // A variant that would issue an op before its input exists is dropped (never seen; kept as a guard).
+  if ((k == kF && j > 0 && n(kF, j - 1) <= mb) || (k == kB && j + 1 < s_ && n(kB, j + 1) <= mb) ||
+      (k == kB && n(kF, j) <= mb) || (k == kW && n(kB, j) <= mb) || mb >= p_.microbatches)
+    throw InputMissing{};
   const double free_end = end_[j] + cost(k, j);
   double finish = free_end;
   if (k == kF && j > 0) finish = std::max(finish, t(kF, j - 1, mb) + p_.comm + cost(k, j));
@@ -157,13 +164,13 @@ bool Greedy::later_round(int i) {
     if (!forward[j]) continue;
     if (!make_room(j, mem(kF, j))) return false;
     if (j > 0) {
-      if (n(kF, j - 1) <= n(kF, j)) throw std::logic_error("zb-auto: a forward issued before its input");
+      if (n(kF, j - 1) <= n(kF, j)) throw InputMissing{};
       fill_with_w(j, t(kF, j - 1, n(kF, j)) + p_.comm);
     }
     put(j, kF);
   }
   for (std::size_t j = s_; j-- > 0;) {
-    if (n(kB, j) != i || n(kF, j) <= i) throw std::logic_error("zb-auto: backward out of order");
+    if (n(kB, j) != i || n(kF, j) <= i) throw InputMissing{};
     if (!make_room(j, mem(kB, j))) return false;
     if (j + 1 < s_) fill_with_w(j, t(kB, j + 1, i) + p_.comm);
     if (j == 0 && n(kF, j) == p_.microbatches)
@@ -235,26 +242,54 @@ double parse_bytes(const std::string& text) {
 
 }  // namespace
 
-ZbSolution zb_auto_solve(const ZbProblem& problem) {
-  check_problem(problem);
-  ZbSolution best;
-  bool found = false;
+namespace {
+
+// The best of the heuristic's eight variants (shortest longest stage, the first on ties), if any fits.
+std::optional<ZbSolution> best_variant(const ZbProblem& problem) {
+  std::optional<ZbSolution> best;
   for (bool allow : {true, false})
     for (bool prioritize : {true, false})
       for (bool greedy : {true, false}) {
         Greedy g(problem, {allow, prioritize, greedy});
-        if (!g.run()) continue;
+        try {
+          if (!g.run()) continue;
+        } catch (const InputMissing&) {
+          continue;
+        }
         ZbSolution s = g.solution();
-        if (found && !(s.max_span < best.max_span)) continue;
+        if (best && !(s.max_span < best->max_span)) continue;
         s.variant = std::string(allow ? "bubble-before-first-B" : "no-bubble-before-first-B") +
                     (prioritize ? ", prioritize-B" : "") + (greedy ? ", greedy-W" : "");
         best = std::move(s);
-        found = true;
       }
-  if (!found)
-    fail("no schedule of " + std::to_string(problem.microbatches) + " microbatches on " +
-         std::to_string(problem.stages) + " stages fits the activation memory limit");
   return best;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+ZbSolution zb_auto_solve(const ZbProblem& problem) {
+  check_problem(problem);
+  if (auto best = best_variant(problem)) return *best;
+  // Unequal stages can break the heuristic's invariants (a stage's forward would run before its
+  // input): it was written for equal stages, and the authors' runtime gives it the median stage. Then
+  // schedule for the medians and time that order under the real costs.
+  ZbProblem equal = problem;
+  const auto s = static_cast<std::size_t>(problem.stages);
+  equal.f.assign(s, median(problem.f));
+  equal.b.assign(s, median(problem.b));
+  equal.w.assign(s, median(problem.w));
+  if (auto best = best_variant(equal)) {
+    ZbSolution out = zb_evaluate(problem, best->table);
+    out.variant = best->variant + ", median stage costs";
+    return out;
+  }
+  fail("no schedule of " + std::to_string(problem.microbatches) + " microbatches on " + std::to_string(problem.stages) +
+       " stages fits the activation memory limit");
 }
 
 ZbSolution zb_evaluate(const ZbProblem& p, const ScheduleTable& table) {
