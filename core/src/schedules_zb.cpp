@@ -232,12 +232,13 @@ double parse_bytes(const std::string& text) {
   }
   std::string unit = text.substr(used);
   for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  const std::vector<std::pair<std::string, double>> units = {
-      {"", 1},      {"B", 1},        {"KB", 1e3},        {"MB", 1e6},           {"GB", 1e9},
-      {"TB", 1e12}, {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0}};
-  for (const auto& [name, scale] : units)
-    if (unit == name && value > 0 && std::isfinite(value)) return value * scale;
-  return -1;
+  if (!(value > 0) || !std::isfinite(value)) return -1;
+  if (unit.empty() || unit == "B") return value;
+  // A decimal (KB: 1e3) or binary (KIB: 2^10) prefix K, M, G or T, then B.
+  const std::size_t prefix = std::string("KMGT").find(unit[0]);
+  const bool binary = unit.size() == 3 && unit[1] == 'I' && unit[2] == 'B';
+  if (prefix == std::string::npos || !(binary || (unit.size() == 2 && unit[1] == 'B'))) return -1;
+  return value * std::pow(binary ? 1024.0 : 1000.0, static_cast<double>(prefix + 1));
 }
 
 }  // namespace

@@ -145,7 +145,7 @@ TEST(ZbAuto, RandomStagesAlwaysScheduleWithinTheLimit) {
   for (int p : {1, 2, 4, 5, 8, 16})
     for (int m : {1, 3, 8, 13, 24})
       for (double k : {1.0, 1.5, 2.0, 3.0}) {
-        SCOPED_TRACE("p" + std::to_string(p) + " m" + std::to_string(m) + " k" + std::to_string(k));
+        SCOPED_TRACE(testing::Message() << "p" << p << " m" << m << " k" << k);
         core::ZbProblem z = uniform(p, m, std::floor(k * p), comm(rng));
         for (int j = 0; j < p; ++j) z.f[j] = cost(rng), z.b[j] = cost(rng), z.w[j] = cost(rng);
         core::ZbSolution s;
@@ -245,6 +245,25 @@ TEST(ZbAuto, ByteLimitHoldsOnTheSimulatedPlan) {
   const auto capped = peak_activation_bytes(*sim::simulate(s, o).program);
   ASSERT_EQ(capped.size(), 4u);
   for (std::size_t d = 0; d < capped.size(); ++d) EXPECT_LE(capped[d], limit) << "device " << d;
+}
+
+// Byte sizes: plain, decimal and binary prefixes; each region's microbatch weighs its activation bytes.
+TEST(ZbAuto, ByteLimitsParse) {
+  core::ScheduleContext ctx;
+  ctx.ranks = ctx.regions = 2;
+  ctx.rank_of_region = {0, 1};
+  ctx.costs.activation_bytes = {1e6, 2e6};
+  for (const auto& [text, bytes] : std::vector<std::pair<std::string, double>>{
+           {"5000000", 5e6}, {"5e6", 5e6}, {"5MB", 5e6}, {"5mb", 5e6}, {"2GiB", 2147483648.0}, {"1.5kB", 1500}}) {
+    ctx.memory_limit = text;
+    const core::ZbProblem z = core::zb_problem(ctx);
+    EXPECT_EQ(z.max_mem, (std::vector<double>{bytes, bytes})) << text;
+    EXPECT_EQ(z.mem_f, (std::vector<double>{1e6, 2e6})) << text;
+  }
+  for (const std::string bad : {"5XB", "5MiBs", "-5MB", "inf", "2.5p", "p"}) {
+    ctx.memory_limit = bad;
+    EXPECT_THROW(core::zb_problem(ctx), std::invalid_argument) << bad;
+  }
 }
 
 TEST(ZbAuto, BadLimitsFailWithOneLine) {
