@@ -13,6 +13,7 @@ namespace {
 struct ScheduleArgs {
   std::string name;
   int ranks = 4, microbatches = 8, virtual_stages = 1;
+  std::string zb_memory_limit = "1p";
   std::vector<int> costs;
   std::string directives_path, csv_path, out_path;
   int dp = 1;
@@ -24,6 +25,7 @@ core::StrategyOptions options_of(const ScheduleArgs& a) {
   o.pp = a.ranks;
   o.microbatches = a.microbatches;
   o.virtual_stages = a.virtual_stages;
+  o.zb_memory_limit = a.zb_memory_limit;
   return o;
 }
 
@@ -39,6 +41,7 @@ void add_shape(CLI::App* app, ScheduleArgs& a) {
   app->add_option("--microbatches", a.microbatches, "microbatches per step")->check(kPositiveInt);
   app->add_option("--virtual", a.virtual_stages, "model chunks per rank (interleaved, looped-bfs, zb-h1)")
       ->check(kPositiveInt);
+  app->add_option("--zb-memory-limit", a.zb_memory_limit, "zb-auto: activation memory limit, 1p, 2p or <k>p");
 }
 
 std::vector<std::string> family_names() {
@@ -81,7 +84,15 @@ Command add_schedule_command(CLI::App& app) {
     if (show->parsed()) {
       core::UnitCosts costs;
       if (!a.costs.empty()) costs = {a.costs[0], a.costs[1], a.costs[2]};
-      fmt::print("{}", core::schedule_show_text(options_of(a), costs));
+      core::StrategyOptions o = options_of(a);
+      if (core::schedule_family(a.name).cost_aware) {
+        // A cost-aware family schedules for the costs the view shows: F, BI = B - W, BW = W per region.
+        const auto regions = static_cast<std::size_t>(a.ranks);
+        o.stage_costs.forward.assign(regions, costs.forward);
+        o.stage_costs.input_grad.assign(regions, costs.backward - costs.weight);
+        o.stage_costs.weight_grad.assign(regions, costs.weight);
+      }
+      fmt::print("{}", core::schedule_show_text(o, costs));
       return 0;
     }
     if (exp->parsed()) {

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "piper/core/schedules_zb.hpp"
 #include "piper/core/strategy.hpp"
 
 namespace piper::core {
@@ -612,6 +613,11 @@ const std::vector<ScheduleFamily>& schedule_registry() {
     r.push_back({"zb-h2", "B split into BI/BW; one region per rank (no --virtual); about 2x 1F1B activation memory",
                  [](const StrategyOptions& o) { return virtual_must_be("zb-h2", o, 1) * o.pp; }, contiguous_placement,
                  table_directives<zb_h2_table>, zb_h2_table});
+    r.push_back({"zb-auto",
+                 "Qi et al.'s automatic zero-bubble scheduler under --zb-memory-limit (1p: ZB-1p, 2p: ZB-2p); one "
+                 "region per rank; stage costs from the simulator's cost model, else unit costs",
+                 [](const StrategyOptions& o) { return virtual_must_be("zb-auto", o, 1) * o.pp; }, contiguous_placement,
+                 table_directives<zb_auto_table>, zb_auto_table, false, true});
     r.push_back({"zb-v", "V placement (2 regions per rank: r and 2pp-1-r); B split into BI/BW; any --microbatches",
                  [](const StrategyOptions& o) { return virtual_must_be("zb-v", o, 2) * o.pp; }, v_placement,
                  table_directives<zb_v_table>, zb_v_table});

@@ -197,6 +197,8 @@ json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_
   ctx.virtual_stages = o.virtual_stages;
   ctx.rank_of_region = rank_of_region;
   ctx.mirrored = family.mirrored;
+  ctx.memory_limit = o.zb_memory_limit;
+  ctx.costs = o.stage_costs;
   return family.directives(ctx);
 }
 
@@ -220,6 +222,8 @@ ScheduleTable schedule_table(const StrategyOptions& o) {
   ctx.virtual_stages = o.virtual_stages;
   ctx.rank_of_region = family.placement(o, ctx.regions);
   ctx.mirrored = family.mirrored;
+  ctx.memory_limit = o.zb_memory_limit;
+  ctx.costs = o.stage_costs;
   return family.table(ctx);
 }
 

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 #include "piper/core/limits.hpp"
+#include "piper/sim/stage_costs.hpp"
 
 namespace piper::sim {
 
@@ -59,11 +60,12 @@ SimulationResult run(SimulationResult out, const std::string& cluster_name, cons
 
 SimulationResult simulate(const core::Scenario& scenario, const SimulateOptions& options) {
   SimulationResult out;
-  out.compiled = core::compile_scenario(scenario);
-  out.program = std::make_shared<const core::Program>(std::move(out.compiled->result.program));
   const std::string cluster = !options.cluster.empty()    ? options.cluster
                               : !scenario.cluster.empty() ? scenario.cluster
                                                           : kDefaultCluster;
+  out.compiled =
+      core::compile_scenario(with_stage_costs(scenario, cluster, options.calibration_path, options.op_override));
+  out.program = std::make_shared<const core::Program>(std::move(out.compiled->result.program));
   const std::string engine = !options.engine.empty()    ? options.engine
                              : !scenario.engine.empty() ? scenario.engine
                                                         : kDefaultEngine;

@@ -147,6 +147,8 @@ class Strategy(unittest.TestCase):
             return setting["min"] if d != setting["min"] else setting["min"] + 1
         if setting["type"] == "double":
             return 25.5
+        if "choices" not in setting:  # a free-form string (zb_memory_limit): any other text
+            return d + "-other"
         return setting["choices"][-1]
 
     def test_every_setting_round_trips_by_keyword_and_csv_type(self):

@@ -382,6 +382,13 @@ TEST(RuntimeEquivalence, Interleaved1F1B_PP2x2Chunks) {
   expect_equivalent("interleaved", 2, strategy(2, 1, 1, 0, 4, "interleaved-1f1b", 2));
 }
 TEST(RuntimeEquivalence, ZBH1_PP2) { expect_equivalent("zbh1", 2, strategy(2, 1, 1, 0, 4, "zb-h1")); }
+// The automatic zero-bubble scheduler (ZB-1p, ZB-2p): orders that no hand-made family emits.
+TEST(RuntimeEquivalence, ZBAuto1p_PP2) { expect_equivalent("zbauto1p", 2, strategy(2, 1, 1, 0, 4, "zb-auto")); }
+TEST(RuntimeEquivalence, ZBAuto2p_PP4) {
+  core::StrategyOptions o = strategy(4, 1, 1, 0, 8, "zb-auto");
+  o.zb_memory_limit = "2p";
+  expect_equivalent("zbauto2p", 4, o);
+}
 TEST(RuntimeEquivalence, DualPipeV_PP2xDP2xEP2) {
   expect_equivalent("dualpipev", 4, strategy(2, 2, 2, 0, 4, "dualpipev"));
 }

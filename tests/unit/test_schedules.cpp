@@ -34,7 +34,7 @@ TEST(Schedules, RegistryHasEveryPublishedFamily) {
   std::vector<std::string> names;
   for (const auto& f : core::schedule_registry()) names.push_back(f.name);
   EXPECT_EQ(names, (std::vector<std::string>{"gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2",
-                                             "zb-v", "dualpipev", "dualpipe"}));
+                                             "zb-auto", "zb-v", "dualpipev", "dualpipe"}));
 }
 
 // compile() lowers and verifies (send/recv matching, collective order, no wait cycle), so a

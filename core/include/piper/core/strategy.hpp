@@ -12,6 +12,18 @@
 
 namespace piper::core {
 
+// Per-region costs for the cost-aware schedule families (zb-auto): seconds of one microbatch's F, BI
+// (input gradient) and BW (weight gradient) per PP region, of one pipeline transfer, and the bytes of
+// activations one microbatch keeps alive in each region. The simulator fills them from its cost model
+// (sim::measure_stage_costs); empty vectors: unit costs (F = BI = BW = 1, transfers free) and no byte
+// sizes.
+struct StageCosts {
+  std::vector<double> forward, input_grad, weight_grad;
+  double transfer = 0;
+  std::vector<double> activation_bytes;
+  friend bool operator==(const StageCosts&, const StageCosts&) = default;
+};
+
 // The strategy settings: one member per line of strategy_settings.def (the settings table, whose
 // names, help, ranges and defaults every front end uses; see settings.hpp).
 struct StrategyOptions {
@@ -23,6 +35,7 @@ struct StrategyOptions {
   std::string pp_stream = "pp";  // place: point-to-point transfers between pipeline ranks
   std::string dp_stream = "dp";  // replicate: gradient reduction and (ZeRO-3) parameter gathers
   std::string ep_stream = "ep";  // shard: expert all-to-all
+  StageCosts stage_costs;        // cost-aware schedules only (not a setting: measured, see StageCosts)
   friend bool operator==(const StrategyOptions&, const StrategyOptions&) = default;
 };
 
@@ -42,6 +55,8 @@ struct ScheduleContext {
   int virtual_stages = 1;
   std::vector<int> rank_of_region;  // region -> pipeline rank
   bool mirrored = false;            // each region also lives on rank ranks-1-r (see ScheduleFamily)
+  std::string memory_limit = "1p";  // zb-auto: --zb-memory-limit
+  StageCosts costs;                 // cost-aware families: StrategyOptions::stage_costs
 };
 
 // One compute action of a schedule, named as PyTorch's torch.distributed.pipelining names them:
@@ -79,6 +94,9 @@ struct ScheduleFamily {
   // copy and on rank pp-1-placement(r) for the second, as a data-parallel pair whose gradients are
   // reduced together. The split count is microbatches/2: each DAG microbatch runs once on each copy.
   bool mirrored = false;
+  // Cost-aware (zb-auto): the order depends on ScheduleContext::costs, which the simulator measures
+  // with its cost model before compiling the schedule (sim::simulate; elsewhere unit costs).
+  bool cost_aware = false;
 };
 
 const std::vector<ScheduleFamily>& schedule_registry();
