@@ -90,9 +90,9 @@ class Run {
     double rate = 1;
     double since = 0;  // comm: the end of its latency part
     std::uint32_t version = 0;
-    bool shared = false;           // comm whose bandwidth part is shared (links, SMs)
+    bool shared = false;              // comm whose bandwidth part is shared (links, SMs)
     std::vector<std::int32_t> links;  // link ids it occupies (4 per device)
-    double sm_demand = 0;          // NVLink-equivalents of traffic it runs on each of its devices
+    double sm_demand = 0;             // NVLink-equivalents of traffic it runs on each of its devices
   };
   // Pending ends, bucketed by time. Data-parallel replicas end their ops at identical times, so
   // distinct times are far fewer than events: a small ordered map of buckets replaces a binary heap
@@ -112,11 +112,11 @@ class Run {
   std::vector<int> node_of_;
   core::Timeline timeline_;
   std::vector<std::vector<std::int32_t>> span_base_;
-  std::vector<std::int32_t> comm_active_;                 // running comm activities per device
-  std::vector<std::vector<std::int32_t>> computes_;       // running compute activities per device
-  std::vector<std::vector<std::int32_t>> link_users_;     // running shared comm per link
-  std::vector<double> sm_demand_;                         // per device, under an sm_partition
-  std::vector<std::vector<std::int32_t>> sm_users_;       // shared comm per device, under an sm_partition
+  std::vector<std::int32_t> comm_active_;              // running comm activities per device
+  std::vector<std::vector<std::int32_t>> computes_;    // running compute activities per device
+  std::vector<std::vector<std::int32_t>> link_users_;  // running shared comm per link
+  std::vector<double> sm_demand_;                      // per device, under an sm_partition
+  std::vector<std::vector<std::int32_t>> sm_users_;    // shared comm per device, under an sm_partition
   bool sm_limited_ = false;
   std::vector<Running> running_;
   std::vector<std::int32_t> free_slots_;

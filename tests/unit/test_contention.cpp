@@ -138,9 +138,10 @@ TEST(Contention, ComputeSlowsByTheSmsEveryRunningCommKernelHolds) {
     double f_end;
   };
   for (const Case& c : {Case{0.5, {1, 2}, 12.0}, Case{0.3, {1, 2}, 11.2}, Case{0.5, {1}, 11.0}}) {
-    const Cluster cl = cluster_from_json(
-        json{{"preset", "dgx-h100"}, {"node", {{"gpu", {{"comm_sm_share", 0.25}, {"comm_sm_share_max", c.share_max}}}}}},
-        "c.json");
+    const Cluster cl =
+        cluster_from_json(json{{"preset", "dgx-h100"},
+                               {"node", {{"gpu", {{"comm_sm_share", 0.25}, {"comm_sm_share_max", c.share_max}}}}}},
+                          "c.json");
     std::vector<std::string> engines = {"analytic"};
     if (have_simgrid()) engines.push_back("simgrid");
     for (const std::string& e : engines) {
@@ -189,6 +190,7 @@ TEST(Contention, CommSmShareMaxIsValidated) {
   const Cluster c = load_cluster("dgx-h100");
   EXPECT_DOUBLE_EQ(c.nodes[0].gpu.comm_sm_share_max, 0.5);
   EXPECT_EQ(c.nodes[0].gpu.to_json().at("comm_sm_share_max"), 0.5);
-  const Cluster set = cluster_from_json(json{{"preset", "dgx-h100"}, {"node", {{"gpu", {{"comm_sm_share_max", 0.3}}}}}}, "c.json");
+  const Cluster set =
+      cluster_from_json(json{{"preset", "dgx-h100"}, {"node", {{"gpu", {{"comm_sm_share_max", 0.3}}}}}}, "c.json");
   EXPECT_DOUBLE_EQ(set.nodes[0].gpu.comm_sm_share_max, 0.3);
 }

@@ -31,8 +31,8 @@ struct GpuSpec {
   int sm_count = 0;
   std::int64_t hbm_bytes = 0;
   double hbm_bandwidth_bytes_per_s = 0;
-  double launch_overhead_s = 0;      // per kernel-sized op
-  double comm_sm_share = 0;          // fraction of compute throughput a running comm kernel takes
+  double launch_overhead_s = 0;  // per kernel-sized op
+  double comm_sm_share = 0;      // fraction of compute throughput a running comm kernel takes
   // The most compute throughput running comm kernels take together (shared SMs): k kernels take
   // min(k * comm_sm_share, max(comm_sm_share, comm_sm_share_max)) (docs/contention.md).
   double comm_sm_share_max = 0.5;

@@ -67,9 +67,9 @@ struct Calibration {
 struct ComputeRates {
   double idle = 1;
   double with_comm = 1;
-  double per_kernel = 0;             // shared SMs: compute share one comm kernel takes (0 with a partition)
-  double max_held = 0;               // shared SMs: the most compute share comm kernels take together
-  double comm_capacity = INFINITY;   // partition: kernel-equivalents of comm traffic the s SMs carry
+  double per_kernel = 0;            // shared SMs: compute share one comm kernel takes (0 with a partition)
+  double max_held = 0;              // shared SMs: the most compute share comm kernels take together
+  double comm_capacity = INFINITY;  // partition: kernel-equivalents of comm traffic the s SMs carry
   double compute(int comm_kernels) const {
     if (comm_kernels <= 0) return idle;
     if (per_kernel <= 0) return with_comm;
