@@ -19,7 +19,7 @@ constexpr std::size_t ix(std::int64_t i) { return static_cast<std::size_t>(i); }
 // at full speed, progressing at `rate` from `since` on; when a rate changes, the work done at the old
 // rate is charged and the end event is pushed again (older events go stale by version).
 //  * Compute: rate compute_rates(d).compute(k) / GpuSharing divisor, k the comm kernels running on d.
-//  * Communication with a modelled time: its latency part (alpha terms) runs first at no rate, then
+//  * Communication with a modelled time: its latency part (alpha terms) runs first, on no link, then
 //    its bandwidth part at rate min(1, 1/n_l over its links l (n_l: comm activities on l; each
 //    device has an NVLink out/in and a NIC out/in link), comm_capacity(d) / demand(d) over its
 //    sending devices d under an sm_partition (demand: the NVLink-equivalents of comm traffic they
@@ -66,7 +66,11 @@ class Run {
       now_ = bucket->first;
       for (std::size_t k = 0; k < bucket->second.size(); ++k) {
         const Pending e = bucket->second[k];  // by value: pushes below may grow this bucket
-        if (e.version == running_[ix(e.slot)].version) finish(e.slot);
+        if (e.version != running_[ix(e.slot)].version) continue;
+        if (e.join)
+          join(e.slot);
+        else
+          finish(e.slot);
       }
       events_.erase(bucket);
     }
@@ -91,6 +95,7 @@ class Run {
     double since = 0;  // comm: the end of its latency part
     std::uint32_t version = 0;
     bool shared = false;              // comm whose bandwidth part is shared (links, SMs)
+    bool joined = false;              // shared comm past its latency part, on its links
     std::vector<std::int32_t> links;  // link ids it occupies (4 per device)
     double sm_demand = 0;             // NVLink-equivalents of traffic it runs on each of its devices
   };
@@ -101,6 +106,7 @@ class Run {
   struct Pending {
     std::int32_t slot;
     std::uint32_t version;
+    bool join = false;  // the end of a shared comm's latency part: it takes its links then
   };
 
   const core::Program& program_;
@@ -186,6 +192,7 @@ class Run {
     r.since = now_;
     r.rate = 1;
     r.shared = false;
+    r.joined = false;
     r.links.clear();
     r.sm_demand = 0;
     for (const auto& [d, ref] : r.activity.members) span(d, ref).start_s = now_;
@@ -199,11 +206,25 @@ class Run {
     } else {
       for (const auto& m : r.activity.members) set_comm(m.first, +1);
       plan_comm(r);
-      if (r.shared) occupy(slot, +1);
     }
     tracker_.started(running_[ix(slot)].activity, now_);
     Running& q = running_[ix(slot)];
-    events_[q.since + q.remaining / q.rate].push_back({slot, q.version});
+    if (q.shared && q.since > now_)
+      events_[q.since].push_back({slot, q.version, true});
+    else if (q.shared)
+      join(slot);
+    else
+      events_[q.since + q.remaining / q.rate].push_back({slot, q.version});
+  }
+
+  // A shared comm's latency part ended: as in SimGrid (a timer, then the flow), it takes its links
+  // and SMs only now, and its bandwidth part starts at its fair share.
+  void join(std::int32_t slot) {
+    occupy(slot, +1);
+    Running& r = running_[ix(slot)];
+    r.joined = true;
+    r.version += 1;
+    events_[r.since + r.remaining / r.rate].push_back({slot, r.version});
   }
 
   void finish(std::int32_t slot) {
@@ -217,7 +238,7 @@ class Run {
       if (sharing_.enabled() && list.empty())
         for (int e : sharing_.idle(d)) reschedule_computes(e);
     } else {
-      if (r.shared) occupy(slot, -1);
+      if (r.joined) occupy(slot, -1);
       for (const auto& m : r.activity.members) set_comm(m.first, -1);
     }
     tracker_.finished(running_[ix(slot)].activity, now_);
@@ -313,7 +334,7 @@ class Run {
       Running& q = running_[ix(s)];
       const double rate = comm_rate(q);
       if (s == slot) {
-        q.rate = rate;  // starting: start() pushes its end
+        q.rate = rate;  // joining: join() pushes its end
       } else if (rate != q.rate) {
         set_rate(s, rate);
       }
