@@ -194,3 +194,23 @@ TEST(Contention, CommSmShareMaxIsValidated) {
       cluster_from_json(json{{"preset", "dgx-h100"}, {"node", {{"gpu", {{"comm_sm_share_max", 0.3}}}}}}, "c.json");
   EXPECT_DOUBLE_EQ(set.nodes[0].gpu.comm_sm_share_max, 0.3);
 }
+
+// The rule itself (cost_model.hpp), by hand: 132 SMs, comm_sm_share 0.25, comm_sm_share_max 0.5.
+// Shared SMs: compute 1, 0.75, 0.5, then 0.5 (capped) with 0..3 comm kernels; no comm cap. A
+// partition of 16 SMs: compute 116/132 whatever runs; comm kernels carry 16 / 33 of one at full speed.
+TEST(Contention, ComputeRatesByHand) {
+  sim::GpuSpec gpu = load_cluster("dgx-h100").nodes[0].gpu;
+  gpu.comm_sm_share = 0.25;
+  gpu.comm_sm_share_max = 0.5;
+  const ComputeRates shared = compute_rates(std::nullopt, gpu);
+  EXPECT_DOUBLE_EQ(shared.compute(0), 1.0);
+  EXPECT_DOUBLE_EQ(shared.compute(1), 0.75);
+  EXPECT_DOUBLE_EQ(shared.compute(2), 0.5);
+  EXPECT_DOUBLE_EQ(shared.compute(3), 0.5);
+  EXPECT_TRUE(std::isinf(shared.comm_capacity));
+  const ComputeRates part = compute_rates(core::SmPartition{"comm", 16}, gpu);
+  for (int k : {0, 1, 3}) EXPECT_DOUBLE_EQ(part.compute(k), 116.0 / 132) << k;
+  EXPECT_DOUBLE_EQ(part.comm_capacity, 16.0 / 33);
+  gpu.comm_sm_share = 0;  // no SM model: a partition caps nothing
+  EXPECT_TRUE(std::isinf(compute_rates(core::SmPartition{"comm", 16}, gpu).comm_capacity));
+}
