@@ -173,7 +173,7 @@ void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec&
   }
   r.check_keys(j, path,
                {"name", "preset", "peak_tflops", "sm_count", "hbm_gib", "hbm_bandwidth_gb_per_s", "launch_overhead_us",
-                "comm_sm_share", "max_efficiency", "half_efficiency_gflops", "kernel_table"});
+                "comm_sm_share", "comm_sm_share_max", "max_efficiency", "half_efficiency_gflops", "kernel_table"});
   if (j.contains("preset")) apply_gpu(r, j.at("preset"), path + "preset.", g);
   if (j.contains("name")) {
     if (!j.at("name").is_string()) r.fail(path + "name", "expected a string");
@@ -190,6 +190,10 @@ void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec&
   if (j.contains("comm_sm_share")) {
     g.comm_sm_share = r.number(j, "comm_sm_share", path, 0, false);
     if (g.comm_sm_share >= 1) r.fail(path + "comm_sm_share", "must be < 1");
+  }
+  if (j.contains("comm_sm_share_max")) {
+    g.comm_sm_share_max = r.number(j, "comm_sm_share_max", path, 0, false);
+    if (g.comm_sm_share_max >= 1) r.fail(path + "comm_sm_share_max", "must be < 1");
   }
   if (j.contains("max_efficiency")) {
     g.max_efficiency = r.number(j, "max_efficiency", path, 0, true);
@@ -284,6 +288,7 @@ json GpuSpec::to_json() const {
           {"hbm_bandwidth_gb_per_s", hbm_bandwidth_bytes_per_s / kGB},
           {"launch_overhead_us", launch_overhead_s * 1e6},
           {"comm_sm_share", comm_sm_share},
+          {"comm_sm_share_max", comm_sm_share_max},
           {"max_efficiency", max_efficiency},
           {"half_efficiency_gflops", half_efficiency_flops / 1e9},
           {"kernel_table", kernel_table}};

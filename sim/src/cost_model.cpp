@@ -52,11 +52,19 @@ std::string sm_partition_misfit(int sms, const GpuSpec& gpu) {
 }
 
 ComputeRates compute_rates(const std::optional<core::SmPartition>& partition, const GpuSpec& gpu) {
-  if (!partition) return {1.0, 1.0 - gpu.comm_sm_share};
+  if (!partition) {
+    ComputeRates r;
+    r.per_kernel = gpu.comm_sm_share;
+    r.max_held = std::max(gpu.comm_sm_share, gpu.comm_sm_share_max);
+    r.with_comm = r.compute(1);
+    return r;
+  }
   if (const std::string why = sm_partition_misfit(partition->sms, gpu); !why.empty())
     throw ClusterError(fmt::format("sm_partition: {}{}", gpu.sm_count > 0 ? "field 'sms': " : "", why));
   const double compute = static_cast<double>(gpu.sm_count - partition->sms) / gpu.sm_count;
-  return {compute, compute};
+  ComputeRates r{compute, compute};
+  if (gpu.comm_sm_share > 0) r.comm_capacity = partition->sms / (gpu.comm_sm_share * gpu.sm_count);
+  return r;
 }
 
 std::vector<ComputeRates> compute_rates(const core::Program& program, const Cluster& cluster) {
@@ -484,6 +492,16 @@ double CostModel::collective_seconds(OpKind kind, const std::vector<int>& ranks,
 double CostModel::transfer_seconds(const core::Op& send, int src, int dst) const {
   if (auto s = replaced(send, 2)) return *s;
   return p2p_seconds(src, dst, send.bytes);
+}
+
+double CostModel::transfer_latency_seconds(const core::Op& send, int src, int dst) const {
+  if (replaced(send, 2) || src == dst) return 0;
+  return latency_s(src, dst);
+}
+
+double CostModel::collective_latency_seconds(const core::Op& op, const std::vector<int>& ranks) const {
+  if (replaced(op, static_cast<int>(ranks.size())) || !is_collective(op.kind)) return 0;
+  return collective_seconds(op.kind, ranks, 0);
 }
 
 double CostModel::collective_op_seconds(const core::Op& op, const std::vector<int>& ranks) const {

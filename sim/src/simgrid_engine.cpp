@@ -69,8 +69,10 @@ class Run {
     if (static_cast<int>(node_of_.size()) < n)
       throw ClusterError("cluster '" + cluster.name + "' has " + std::to_string(node_of_.size()) +
                          " GPUs, the program needs " + std::to_string(n));
-    platform_ = std::make_unique<simgrid_detail::Platform>(cluster, n, route_pairs());
     rates_ = compute_rates(program, cluster);
+    std::vector<double> comm_capacity;
+    for (const ComputeRates& r : rates_) comm_capacity.push_back(r.comm_capacity);
+    platform_ = std::make_unique<simgrid_detail::Platform>(cluster, n, route_pairs(), comm_capacity);
     sharing_ = GpuSharing(cost.gpu_of_devices(), n);
     times_.assign(static_cast<std::size_t>(2 * tracker_.total_ops()), 0.0);
     comm_active_.assign(static_cast<std::size_t>(n), 0);
@@ -168,8 +170,8 @@ class Run {
   static constexpr int kPoolActors = 64;
   static constexpr std::size_t kPoolBatch = 32;
   // Compute ops do not become SimGrid Execs: a GPU's compute streams never share a core, so an op of
-  // w seconds only ever runs at speed 1, or at 1 - comm_sm_share while a communication runs on its
-  // device (engine.hpp), and both changes happen in this class. A timer at the op's end, moved when
+  // w seconds runs at ComputeRates::compute(k), k the communications running on its device
+  // (engine.hpp), and every change of k happens in this class. A timer at the op's end, moved when
   // the speed changes, is the same model without a SimGrid activity per op (each costs a CPU action,
   // an LMM variable, and an entry in an activity list that SimGrid 3.32 scans linearly).
   struct Compute {
@@ -475,7 +477,7 @@ class Run {
 
   double compute_rate(int d) const {
     const ComputeRates& r = rates_[static_cast<std::size_t>(d)];
-    return (comm_active_[static_cast<std::size_t>(d)] > 0 ? r.with_comm : r.idle) / sharing_.divisor(d);
+    return r.compute(comm_active_[static_cast<std::size_t>(d)]) / sharing_.divisor(d);
   }
 
   void start_compute(int live, int d, double seconds) {
@@ -588,15 +590,14 @@ class Run {
     guarded([this, id] { flow_ended(static_cast<int>(id)); });
   }
 
-  // Compute throughput of a device changes to ComputeRates::with_comm while >= 1 communication runs on it.
+  // Compute throughput of a device is ComputeRates::compute(k) while k communications run on it.
   void comm_delta(const Activity& a, int delta) {
     for (const auto& [d, r] : a.members) {
       int& c = comm_active_[static_cast<std::size_t>(d)];
       const int before = c;
       c += delta;
-      if ((before == 0) != (c == 0) &&
-          rates_[static_cast<std::size_t>(d)].with_comm != rates_[static_cast<std::size_t>(d)].idle)
-        compute_rate_changed(d);
+      const ComputeRates& rr = rates_[static_cast<std::size_t>(d)];
+      if (rr.compute(before) != rr.compute(c)) compute_rate_changed(d);
     }
   }
 

@@ -23,7 +23,8 @@ void configure_simgrid_for_alpha_beta() {
   sg::Engine::set_config("network/weight-S:0");
 }
 
-Platform::Platform(const Cluster& cluster, int num_devices, const std::vector<std::pair<int, int>>& routes) {
+Platform::Platform(const Cluster& cluster, int num_devices, const std::vector<std::pair<int, int>>& routes,
+                   const std::vector<double>& comm_capacity) {
   node_of_ = cluster.node_of_devices();
   node_of_.resize(static_cast<std::size_t>(num_devices));
   auto* zone = sg::create_full_zone("cluster");
@@ -62,6 +63,16 @@ Platform::Platform(const Cluster& cluster, int num_devices, const std::vector<st
       link_rate_.push_back(bw);
     }
   }
+  std::vector<sg::Link*> sm(hosts_.size(), nullptr);
+  sm_link_.assign(hosts_.size(), -1);
+  for (std::size_t d = 0; d < comm_capacity.size() && d < hosts_.size(); ++d) {
+    if (!std::isfinite(comm_capacity[d]) || comm_capacity[d] <= 0) continue;
+    const NodeSpec& node = cluster.node(static_cast<int>(d));
+    const double bw = comm_capacity[d] * std::max(1.0, node.nvlink_effective_bandwidth_bytes_per_s()) * kUnitsPerByte;
+    sm[d] = zone->create_link("sm" + std::to_string(d), bw)->set_latency(0)->seal();
+    sm_link_[d] = static_cast<int>(link_rate_.size());
+    link_rate_.push_back(bw);
+  }
   std::vector<std::pair<int, int>> pairs = routes;
   std::sort(pairs.begin(), pairs.end());
   pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());
@@ -69,8 +80,10 @@ Platform::Platform(const Cluster& cluster, int num_devices, const std::vector<st
     if (s == t) continue;
     const auto su = static_cast<std::size_t>(s), tu = static_cast<std::size_t>(t);
     std::vector<sg::LinkInRoute> links;
+    if (sm[su]) links.emplace_back(sm[su]);
     if (node_of_[su] == node_of_[tu]) {
-      links = {sg::LinkInRoute(nv_up[su]), sg::LinkInRoute(nv_dn[tu])};
+      links.emplace_back(nv_up[su]);
+      links.emplace_back(nv_dn[tu]);
     } else {
       links.emplace_back(net_up[su]);
       if (thin_leaf) {
@@ -94,12 +107,13 @@ double Platform::route_latency_s(int src, int dst) const {
 int Platform::route_links(int src, int dst, int* out) const {
   if (src == dst) return 0;
   const auto su = static_cast<std::size_t>(src), tu = static_cast<std::size_t>(dst);
-  if (node_of_[su] == node_of_[tu]) {
-    out[0] = 4 * src;
-    out[1] = 4 * dst + 1;
-    return 2;
-  }
   int k = 0;
+  if (sm_link_[su] >= 0) out[k++] = sm_link_[su];
+  if (node_of_[su] == node_of_[tu]) {
+    out[k++] = 4 * src;
+    out[k++] = 4 * dst + 1;
+    return k;
+  }
   out[k++] = 4 * src + 2;
   if (thin_leaf_) {
     out[k++] = 4 * num_devices_ + 2 * node_of_[su];

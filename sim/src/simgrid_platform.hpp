@@ -38,11 +38,16 @@ void configure_simgrid_for_alpha_beta();
 //    which CM02 makes the same as a link latency (a flow in its latency phase has no bandwidth share);
 //  * fat-tree with oversubscription o > 1: per node a leaf up and a leaf down link of bandwidth
 //    nics * nic_bandwidth / o (latency 0) on every inter-node route — the shared, thin link;
-//  * routes: same node [nvlink_up(src), nvlink_down(dst)]; other nodes [net_up(src),
-//    (leaf_up(node src), leaf_down(node dst)), net_down(dst)].
+//  * under an sm_partition (comm_capacity finite, cost_model.hpp): per device an "sm" link of
+//    comm_capacity x its node's effective NVLink bandwidth, first on every route from that device:
+//    the comm kernels a GPU runs share the SMs of the partition as its flows share that link;
+//  * routes: same node [(sm(src)), nvlink_up(src), nvlink_down(dst)]; other nodes [(sm(src)),
+//    net_up(src), (leaf_up(node src), leaf_down(node dst)), net_down(dst)].
 class Platform {
  public:
-  Platform(const Cluster& cluster, int num_devices, const std::vector<std::pair<int, int>>& routes);
+  // `comm_capacity`: per device, ComputeRates::comm_capacity (empty or infinite: no sm link).
+  Platform(const Cluster& cluster, int num_devices, const std::vector<std::pair<int, int>>& routes,
+           const std::vector<double>& comm_capacity = {});
 
   simgrid::s4u::Host* host(int device) const { return hosts_[static_cast<std::size_t>(device)]; }
   // Latency of the route src -> dst (seconds): the NVLink latency inside a node, the network latency
@@ -53,7 +58,7 @@ class Platform {
   // `out` (at most kMaxRouteLinks; returns how many); and the rate a flow alone on that route gets
   // (its thinnest link, in kUnitsPerByte units per second). The engine uses them to know which
   // flows share a link (simgrid_engine.cpp, exact ring merging).
-  static constexpr int kMaxRouteLinks = 4;
+  static constexpr int kMaxRouteLinks = 5;
   int route_links(int src, int dst, int* out) const;
   double route_rate_units(int src, int dst) const;
   int num_links() const { return static_cast<int>(link_rate_.size()); }
@@ -65,7 +70,9 @@ class Platform {
   bool thin_leaf_ = false;
   int num_devices_ = 0;
   std::vector<double> link_rate_;  // by link id: 4d nvlink up, 4d+1 nvlink down, 4d+2 net up, 4d+3 net down
-                                   // of device d; 4D+2n leaf up, 4D+2n+1 leaf down of node n (D devices)
+                                   // of device d; 4D+2n leaf up, 4D+2n+1 leaf down of node n (D devices);
+                                   // then the sm links
+  std::vector<int> sm_link_;       // per device: its sm link id, or -1
 };
 
 }  // namespace piper::sim::simgrid_detail

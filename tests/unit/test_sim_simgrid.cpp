@@ -357,10 +357,12 @@ TEST_P(SimgridEngine, AgreesWithAnalyticOnContentionFreePrograms) {
 
 // Not contention-free: in 1F1B PP4 x DP2 with ZeRO-1 on one node, the last backward of stages 1-3
 // sends its input gradient to the previous stage while the stage's gradient reduce-scatter starts:
-// both leave the GPU through its one NVLink port, so SimGrid shares the port's bandwidth and the
-// analytic engine does not. Everything that ends before the first such overlap (found in the
-// analytic timeline) agrees within 1e-9; the step is then longer on SimGrid (by ~0.2 % here).
-TEST_P(SimgridEngine, SendSharingAnNvlinkPortWithReduceScatterIsSlowerOnSimgrid) {
+// both leave the GPU through its one NVLink port, and both engines share the port's bandwidth
+// (docs/contention.md). Everything that ends before the first such overlap (found in the analytic
+// timeline) agrees within 1e-9. The steps then agree within 5e-4 relative: the analytic engine's
+// bottleneck fair share holds the ring's links for its whole bandwidth part, SimGrid's rounds hold
+// them flow by flow (measured: 1e-4). An analytic engine that did not share the port was 0.2 % fast.
+TEST_P(SimgridEngine, SendSharingAnNvlinkPortWithReduceScatterIsSharedByBothEngines) {
   auto compiled = compile(4, 2, 1, "1f1b", 8);
   auto program = std::make_shared<const core::Program>(std::move(compiled.result.program));
   const sim::Cluster c = make_cluster(1, 8);
@@ -396,7 +398,7 @@ TEST_P(SimgridEngine, SendSharingAnNvlinkPortWithReduceScatterIsSlowerOnSimgrid)
       EXPECT_NEAR(s.devices[d].spans[k].end_s, x.end_s, 1e-9 * x.end_s);
     }
   EXPECT_GT(compared, 100);
-  EXPECT_GT(s.step_time_s, a.step_time_s * (1 + 1e-4));
+  EXPECT_LE(rel(s.step_time_s, a.step_time_s), 5e-4) << s.step_time_s << " vs " << a.step_time_s;
 }
 
 // A SEND whose RECV never comes: the engine stops with the tracker's one-line deadlock report
@@ -411,9 +413,10 @@ TEST_P(SimgridEngine, UnmatchedSendIsReportedAsDeadlock) {
 // same links at the same instants, so they must give the same timelines, op by op, not only the
 // same step time. Programs with link contention (where the max-min sharing decides the times) and
 // without: a compiled 1F1B PP4 x DP2 ZeRO-1 on one node (a SEND shares an NVLink port with a
-// reduce-scatter), the same on 4 nodes x 2 GPUs of a fat-tree with oversubscription 2 (DP rings
-// share the thin leaf uplinks), ZB-H1 PP2 x DP4 with ZeRO-3, and the two-group all-reduce on a
-// shared leaf uplink: in each, link sharing makes the step longer than the analytic engine's.
+// reduce-scatter, which the analytic engine shares too), the same on 4 nodes x 2 GPUs of a fat-tree
+// with oversubscription 2 (DP rings share the thin leaf uplinks), ZB-H1 PP2 x DP4 with ZeRO-3, and
+// the two-group all-reduce on a shared leaf uplink: in the fat-tree cases, sharing the uplinks (which
+// the analytic engine does not have) makes the step longer than the analytic engine's.
 // Differences could only come from the order in which SimGrid's solver sums the shares of
 // concurrent flows: 1e-12 relative bounds that (measured: 0).
 TEST(SimgridFlowStarters, GiveTheSameTimelineOpByOp) {
@@ -445,9 +448,10 @@ TEST(SimgridFlowStarters, GiveTheSameTimelineOpByOp) {
       options.flow_starter = s;
       runs.push_back(run_engine(*sim::make_simgrid_engine(options), k.program, k.cluster));
     }
-    // Each case is contended: link sharing makes the step longer than the analytic engine's.
+    // The fat-tree cases are contended on the uplinks: sharing them makes the step longer than the
+    // analytic engine's. (The one-node case is checked against it in SendSharingAnNvlinkPort....)
     const double analytic = run_engine(*sim::make_analytic_engine(), k.program, k.cluster).step_time_s;
-    EXPECT_GT(runs[0].step_time_s, analytic * (1 + 1e-3)) << k.what;
+    if (k.cluster.network.topology == "fat-tree") EXPECT_GT(runs[0].step_time_s, analytic * (1 + 1e-3)) << k.what;
     EXPECT_LE(max_span_difference(runs[1], runs[0]), 1e-12) << k.what << ": workers vs maestro";
     EXPECT_LE(max_span_difference(runs[2], runs[0]), 1e-12) << k.what << ": pool vs maestro";
   }

@@ -31,8 +31,11 @@ struct GpuSpec {
   int sm_count = 0;
   std::int64_t hbm_bytes = 0;
   double hbm_bandwidth_bytes_per_s = 0;
-  double launch_overhead_s = 0;      // per kernel-sized op
-  double comm_sm_share = 0;          // fraction of compute throughput a running comm kernel takes
+  double launch_overhead_s = 0;  // per kernel-sized op
+  double comm_sm_share = 0;      // fraction of compute throughput a running comm kernel takes
+  // The most compute throughput running comm kernels take together (shared SMs): k kernels take
+  // min(k * comm_sm_share, max(comm_sm_share, comm_sm_share_max)) (docs/contention.md).
+  double comm_sm_share_max = 0.5;
   double max_efficiency = 1;         // asymptotic fraction of peak_flops reached by large ops
   double half_efficiency_flops = 0;  // op size reaching max_efficiency / 2 (0: always max)
   // The kernel efficiency table (kernel_table.hpp) of this GPU: a built-in name ("h200-sxm",

@@ -3,6 +3,8 @@
 // calibration file of measured times or by a per-op function (tests, unit-time views).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -50,17 +52,29 @@ struct Calibration {
   static Calibration parse(const std::string& text, const std::string& where);
 };
 
-// How fast compute work (CostModel::compute_seconds) progresses on a device, relative to the roofline:
-// `idle` while no communication op runs there, `with_comm` while at least one does (engine.hpp).
-//  * Shared SMs (no sm_partition, the default): compute has every SM until a communication kernel
-//    takes its share: idle = 1, with_comm = 1 - comm_sm_share of the device's GPU.
+// How fast work progresses on a device, relative to the model's times, as a function of k, the
+// communication ops (kernels) running there now (engine.hpp; docs/contention.md):
+//  * Shared SMs (no sm_partition, the default): each running comm kernel holds comm_sm_share of the
+//    GPU's SMs (its NCCL channels' CTAs), up to comm_sm_share_max together; compute runs on the rest:
+//    compute(k) = 1 - min(k * comm_sm_share, max(comm_sm_share, comm_sm_share_max)). Comm kernels
+//    bring their own SMs, so they do not slow each other here (only links do): comm(k) = 1.
 //  * sm_partition giving communication s of the GPU's N SMs: compute runs on the other N - s SMs
 //    whether or not communication runs (a static partition, as green contexts make it):
-//    idle = with_comm = (N - s) / N. Communication times are unchanged (bandwidth-bound: the
-//    partition is meant to give them enough SMs to saturate the links, as DeepSeek-V3's 20 do).
+//    compute(k) = (N - s) / N. The comm kernels share the s SMs: one reaches full bandwidth with
+//    comm_sm_share * N SMs, so together they move at most comm_capacity = s / (comm_sm_share * N)
+//    kernel-equivalents of NVLink traffic (infinite when comm_sm_share is 0).
+// `idle` = compute(0) and `with_comm` = compute(1) are kept for callers that only need those two.
 struct ComputeRates {
   double idle = 1;
   double with_comm = 1;
+  double per_kernel = 0;            // shared SMs: compute share one comm kernel takes (0 with a partition)
+  double max_held = 0;              // shared SMs: the most compute share comm kernels take together
+  double comm_capacity = INFINITY;  // partition: kernel-equivalents of comm traffic the s SMs carry
+  double compute(int comm_kernels) const {
+    if (comm_kernels <= 0) return idle;
+    if (per_kernel <= 0) return with_comm;
+    return 1.0 - std::min(comm_kernels * per_kernel, max_held);
+  }
   friend bool operator==(const ComputeRates&, const ComputeRates&) = default;
 };
 // Why `sms` SMs for communication do not fit `gpu`, "" when they do: a GPU spec without sm_count, or
@@ -94,7 +108,8 @@ using OpOverride = std::function<std::optional<double>(const core::Op&)>;
 // Devices sharing one physical GPU (NodeSpec::devices_per_gpu > 1) exchange data as device copies:
 // alpha = the node's NVLink latency, B = half the HBM bandwidth (a copy reads and writes every byte);
 // a collective whose ranks all share one GPU takes the flat form with those figures.
-// Links are uncontended here (alpha-beta); contention is the SimGrid engine's business.
+// Times here are for an op alone on its links; the engines share links among concurrent ops
+// (analytic: fair share per link, engine.hpp; SimGrid: max-min over its flows).
 class CostModel {
  public:
   explicit CostModel(const Cluster& cluster, std::optional<Calibration> calibration = std::nullopt);
@@ -140,6 +155,15 @@ class CostModel {
   // Fraction of compute throughput lost on `device` while >= 1 communication op runs there, when the
   // program does not partition the SMs (compute_rates() covers both cases).
   double comm_sm_share(int device) const { return cluster_.gpu(device).comm_sm_share; }
+  // The latency part of an op's modelled time (its alpha terms: the time with zero bytes); the rest is
+  // bandwidth-bound and slows when links or SMs are shared. 0 for calibrated or overridden ops.
+  double transfer_latency_seconds(const core::Op& send, int src, int dst) const;
+  double collective_latency_seconds(const core::Op& op, const std::vector<int>& ranks) const;
+  // The NVLink bandwidth of `device`'s node as NCCL reaches it (the SM-partition model's unit of traffic).
+  double nvlink_bytes_per_s(int device) const {
+    return cluster_.nodes[static_cast<std::size_t>(node_of_.at(static_cast<std::size_t>(device)))]
+        .nvlink_effective_bandwidth_bytes_per_s();
+  }
   // The physical GPU of each device (Cluster::gpu_of_devices), and whether two devices share one.
   const std::vector<int>& gpu_of_devices() const { return gpu_of_; }
   bool same_gpu(int a, int b) const {

@@ -9,17 +9,21 @@
 //  Who meets whom, and the two rules above, are core/readiness.hpp's (keyed by Op::pair):
 //  * A SEND on d (peer e = peer_of(op, d)) and the RECV on e with the same pairing id form ONE
 //    transfer: it starts when both ops are ready and ends for both at the same time (rendezvous,
-//    as NCCL send/recv). Its duration is CostModel::transfer_seconds (analytic engine).
+//    as NCCL send/recv). Alone on its links it lasts CostModel::transfer_seconds.
 //  * A collective (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL) on d runs in group
 //    group_of(op.family, d); the ops with one pairing id on its members are one instance (the
 //    verifier checks every member issues a family's ids in one order). It starts when every member's
-//    op is ready and ends for all members together. Duration: CostModel::collective_op_seconds.
-//  * Compute speed and communication: a compute op has work w = CostModel::compute_seconds. While
-//    at least one communication op (transfer or collective) is running on the same device, its
-//    remaining work progresses at rate compute_rates(d).with_comm (1 - comm_sm_share(d) when SMs
-//    are shared); otherwise at rate compute_rates(d).idle (1 when shared). With the program's
-//    sm_partition both are (N - s) / N (cost_model.hpp). Only running comm ops count: one waiting
-//    at a rendezvous takes no SMs.
+//    op is ready and ends for all members together. Alone on its links it lasts
+//    CostModel::collective_op_seconds.
+//  * Contention (docs/contention.md): concurrent communication shares links (each device's NVLink
+//    out/in and NIC out/in; SimGrid: max-min over its flows, analytic: the bandwidth part of each op
+//    runs at its bottleneck fair share 1/n) and, under an sm_partition, the partition's SMs
+//    (ComputeRates::comm_capacity). Calibrated or overridden communication keeps its fixed time.
+//  * Compute speed and communication: a compute op has work w = CostModel::compute_seconds. With k
+//    communication ops (transfers or collectives) running on the same device, its remaining work
+//    progresses at rate compute_rates(d).compute(k): 1 - min(k comm_sm_share, comm_sm_share_max)
+//    with shared SMs, (N - s) / N under an sm_partition (cost_model.hpp). Only running comm ops
+//    count: one waiting at a rendezvous takes no SMs.
 //  * Devices sharing one GPU (NodeSpec::devices_per_gpu > 1): the GPU's compute is split evenly among
 //    its devices that are computing (processor sharing, as time-sliced contexts or streams of one
 //    process run): each running compute's rate above is divided by that count (GpuSharing).
@@ -48,8 +52,8 @@ class Engine {
   // memory to fill_memory() (engines may call it themselves). Throws DeadlockError if stuck.
   virtual core::Timeline run(std::shared_ptr<const core::Program> program, const Cluster& cluster,
                              const CostModel& cost) = 0;
-  // Whether run_reduced() is exact for this engine: true when durations never depend on other
-  // activities (no link contention), so symmetric devices stay symmetric (symmetry.hpp).
+  // Whether run_reduced() is exact for this engine: true when an activity's speed depends only on
+  // what runs on its own devices' links and SMs, so symmetric devices stay symmetric (symmetry.hpp).
   virtual bool supports_symmetry() const { return false; }
   // Simulates the representatives of `symmetry`'s classes only and copies their spans and memory to
   // the other devices of their class: the same Timeline as run(). Default: run().

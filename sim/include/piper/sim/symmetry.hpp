@@ -11,7 +11,9 @@
 // Under these conditions the readiness rules of core/readiness.hpp and every cost that depends on devices
 // only through node types and co-location (CostModel) give every member of a class the same spans,
 // by induction over the events; so the reduced simulation EQUALS the full one (tests check it).
-// Link contention (the SimGrid engine) couples flows of different classes: that engine is never
+// The analytic engine's contention (engine.hpp) depends only on the activities on each device's own
+// links and SMs, which are the same for every member of a class, so it stays exact reduced. SimGrid's
+// max-min sharing (and its fat-tree uplinks) couples flows of different classes: that engine is never
 // reduced.
 #pragma once
 
