@@ -68,6 +68,13 @@ nlohmann::json scenario_program(const Scenario& s, int* regions = nullptr);
 // name or file), first checks the strategy against it (e.g. --ep against its experts).
 nlohmann::json strategy_directives(const StrategyOptions& o, const std::string& model = "");
 
+// --v-head / --v-embedding auto: the choice (in the V, or a region of its own on rank 0..pp-1) whose
+// per-rank compute (F + B FLOPs, as the balancer counts it, after balancing the blocks over the
+// regions and per rank) is least, busiest rank first. Other values are returned unchanged.
+StrategyOptions resolve_v_ends(StrategyOptions o, const ModelConfig& cfg);
+// The per-rank F + B FLOPs of the V placement that `o` (a V family, no "auto") gives `cfg`'s model.
+std::vector<double> v_rank_loads(const StrategyOptions& o, const ModelConfig& cfg);
+
 // PP regions a directive program refers to: 1 + the largest "PP" index in any filter (at least 1).
 int pp_regions_in_program(const nlohmann::json& program);
 

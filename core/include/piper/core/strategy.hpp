@@ -42,6 +42,10 @@ struct ScheduleContext {
   int virtual_stages = 1;
   std::vector<int> rank_of_region;  // region -> pipeline rank
   bool mirrored = false;            // each region also lives on rank ranks-1-r (see ScheduleFamily)
+  // V placements: region 0 holds only the embedding / the last region only the final norm + head +
+  // loss, as regions of their own on any rank; the family's shape applies to the regions between.
+  bool own_embedding = false;
+  bool own_head = false;
 };
 
 // One compute action of a schedule, named as PyTorch's torch.distributed.pipelining names them:
@@ -79,6 +83,9 @@ struct ScheduleFamily {
   // copy and on rank pp-1-placement(r) for the second, as a data-parallel pair whose gradients are
   // reduced together. The split count is microbatches/2: each DAG microbatch runs once on each copy.
   bool mirrored = false;
+  // Accepts the embedding and the head as regions of their own (--v-embedding, --v-head; the
+  // ScheduleContext's own_embedding / own_head): the V placements.
+  bool own_ends = false;
 };
 
 const std::vector<ScheduleFamily>& schedule_registry();
@@ -94,14 +101,23 @@ nlohmann::json placement_directives(const StrategyOptions& o, const std::vector<
                                     bool mirrored = false);
 // The full program: placement + replication + sharding + the schedule's split/order.
 nlohmann::json generate_program(const StrategyOptions& o);
-// Split/order of a schedule for a placement-only program with `regions` regions placed as given.
-nlohmann::json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region);
+// Split/order of a schedule for a placement-only program with `regions` regions placed as given;
+// `own_embedding` / `own_head`: its first / last region holds only the embedding / the head (a place
+// directive's "holds"). --v-embedding / --v-head in `o` say the same.
+nlohmann::json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region,
+                                   bool own_embedding = false, bool own_head = false);
+// --v-head / --v-embedding: -1 when empty (the end stays in the V), else the pipeline rank. Throws
+// std::invalid_argument naming the flag for "auto" (resolved with the model's costs, see
+// scenario.hpp's resolve_v_ends) and for anything that is not a rank of --pp.
+int own_end_rank(const StrategyOptions& o, bool head);
 // Reads the region -> pipeline-rank map of a placement-only program, for appending a schedule.
 // Each distinct device list of the `place {PP:i}` directives is one pipeline rank, numbered in
 // increasing region order (so region 0 is on rank 0). Sets *pipeline_ranks (if not null).
 // Throws std::invalid_argument if the program already has split/order directives, has no such place
-// directives, or its PP regions are not 0..n-1 each placed once.
-std::vector<int> rank_of_region_from_program(const nlohmann::json& program, int* pipeline_ranks);
+// directives, or its PP regions are not 0..n-1 each placed once. Sets *own_embedding / *own_head (if
+// not null) when region 0 / the last region is placed with "holds": "embedding" / "head".
+std::vector<int> rank_of_region_from_program(const nlohmann::json& program, int* pipeline_ranks,
+                                             bool* own_embedding = nullptr, bool* own_head = nullptr);
 
 // The per-rank step order of a schedule for the knobs (its own regions and placement).
 ScheduleTable schedule_table(const StrategyOptions& o);
