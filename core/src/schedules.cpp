@@ -3,6 +3,7 @@
 // states its rule once, as a per-rank step order (a ScheduleTable, PyTorch's compute-only
 // `pipeline_order`); directives, `schedule show` and the PyTorch CSV are all derived from it.
 #include <algorithm>
+#include <array>
 #include <deque>
 #include <map>
 #include <stdexcept>
@@ -548,8 +549,11 @@ ScheduleTable dualpipe_table(const ScheduleContext& ctx) {
 class EndsInserter {
  public:
   // `rank_of_core[c]`: the pipeline rank of the core table's rank c.
-  EndsInserter(const ScheduleContext& ctx, const ScheduleTable& core, const std::vector<int>& rank_of_core)
-      : n_(ctx.regions), m_(ctx.microbatches) {
+  // `cost`: per stage the time of F, I and W (B = I + W); empty: unit time.
+  EndsInserter(const ScheduleContext& ctx, const ScheduleTable& core, const std::vector<int>& rank_of_core,
+               std::vector<std::array<double, 3>> cost = {})
+      : n_(ctx.regions), m_(ctx.microbatches), cost_(std::move(cost)) {
+    if (cost_.empty()) cost_.assign(static_cast<size_t>(n_), {1, 1, 1});
     const int p = ctx.ranks, e = ctx.own_embedding ? 1 : 0;
     out_ = ScheduleTable{n_, core.microbatches, std::vector<std::vector<ScheduleStep>>(static_cast<size_t>(p))};
     f_.assign(static_cast<size_t>(n_), std::vector<double>(static_cast<size_t>(m_), -1));
@@ -603,9 +607,11 @@ class EndsInserter {
       if (k.next < k.core.size() || std::any_of(k.ends.begin(), k.ends.end(), [](const auto& q) { return !q.empty(); }))
         throw std::logic_error("V schedule with regions of their own: rank " + std::to_string(r) + " cannot proceed");
       for (const auto& w : k.weights) emit(r, {w});
+      makespan_ = std::max(makespan_, k.free_at);
     }
     return out_;
   }
+  double makespan() const { return makespan_; }
 
  private:
   struct Rank {
@@ -640,7 +646,13 @@ class EndsInserter {
     Rank& k = ranks_[static_cast<size_t>(r)];
     const double start = std::max(k.free_at, ready_at(st));
     double end = start;
-    for (const auto& a : st) end += a.kind == ActionKind::B ? 2 : 1;
+    for (const auto& a : st) {
+      const auto& c = cost_[static_cast<size_t>(a.stage)];
+      end += a.kind == ActionKind::F   ? c[0]
+             : a.kind == ActionKind::I ? c[1]
+             : a.kind == ActionKind::W ? c[2]
+                                       : c[1] + c[2];
+    }
     for (const auto& a : st) {
       if (a.kind == ActionKind::F) f(a.stage, a.microbatch) = end;
       if (a.kind == ActionKind::B || a.kind == ActionKind::I) i(a.stage, a.microbatch) = end;
@@ -650,6 +662,8 @@ class EndsInserter {
   }
 
   int n_, m_;
+  std::vector<std::array<double, 3>> cost_;
+  double makespan_ = 0;
   ScheduleTable out_;
   std::vector<std::vector<double>> f_, i_;  // completion of F and of B/I per (stage, microbatch); -1: not yet
   std::vector<Rank> ranks_;
@@ -744,6 +758,21 @@ json directives_from_table(const ScheduleTable& table, const std::vector<int>& r
     out.push_back(json{{"op", "order"}, {"filters", std::move(groups)}});
   }
   return out;
+}
+
+double schedule_makespan(const ScheduleTable& table, const std::vector<std::array<double, 3>>& stage_cost) {
+  ScheduleContext ctx;
+  ctx.ranks = static_cast<int>(table.ranks.size());
+  ctx.regions = table.stages;
+  ctx.microbatches = table.microbatches;
+  if (static_cast<int>(stage_cost.size()) != table.stages)
+    throw std::invalid_argument("schedule_makespan: " + std::to_string(stage_cost.size()) + " stage costs for " +
+                                std::to_string(table.stages) + " stages");
+  std::vector<int> identity(table.ranks.size());
+  for (std::size_t r = 0; r < identity.size(); ++r) identity[r] = static_cast<int>(r);
+  EndsInserter replay(ctx, table, identity, stage_cost);
+  replay.run();
+  return replay.makespan();
 }
 
 const std::vector<ScheduleFamily>& schedule_registry() {

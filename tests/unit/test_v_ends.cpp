@@ -92,70 +92,82 @@ TEST(VEnds, HeadAloneTakesTheLastRankAndTheVTheOthers) {
 }
 
 // qwen3-1b: 16 equal MoE blocks of F+B cost c, an embedding of cost E (a gather: no GEMM FLOPs) and a
-// final norm + head of cost H, about 6.2 c (vocabulary 151,936 x hidden 1024 against a block's ~50
-// MFLOP per token). On 4 ranks every V region holds at least one block, so:
-//   in the V (default): rank 0 holds regions 0 and 7 and the head: E + H + 2c at best, the other
-//     14 blocks over ranks 1..3: 5, 5, 4 (busiest 5c);
-//   head alone on rank 3: H there; the V spans ranks 0..2 with 16 blocks: 6c on one of them
-//     (ceil(16/3)), not rank 0, which also holds E; busiest max(H, 6c);
-//   head of its own on rank 3 with its V regions: H + 2c there at best.
-// So the busiest rank goes from E + H + 2c to max(H, 6c), and auto must choose "alone".
+// final norm + head of cost H, between 4 c and 6 c in FLOPs (vocabulary 151,936 x hidden 1024, about
+// 2 x 155.6 MFLOP per token forward, against a block's attention + 2 of 4 experts of 3 x 1024 x 3584).
+// On 4 ranks every V region holds at least one block, so:
+//   in the V (default): rank 0 holds regions 0 and 7 and the head: E + H + 2c at best (it is the
+//     busiest, so the balancer gives its regions one block each); the other 14 blocks go 5, 5, 4;
+//   head alone on rank 3: H there; the V spans ranks 0..2 with 16 blocks: 6, 5, 5 (ceil(16/3)), the
+//     6 not on rank 0, which also holds E;
+//   head of its own on rank 3 beside its two V regions: H + 2c there at best.
 TEST(VEnds, BlocksBalanceAroundTheHeadAsDerivedByHand) {
   core::Scenario s = v_scenario("dualpipev", 4, "", "");
   const auto cfg = core::scenario_model_config(s);
   const core::Model model = core::build_model(cfg);
-  double c = -1, h = 0, e = 0;
+  double c = 0, h = 0, e = 0;
   for (std::size_t l = 0; l < model.layers().size(); ++l) {
     const auto cost = model.layer_cost(l);
     const double f = cost.forward_flops + cost.backward_flops();
     const auto& layer = model.layers()[l];
     if (layer.block < 0) (layer.kind == core::LayerKind::Embedding ? e : h) += f;
+    if (layer.block == 0) c += f;
   }
-  double block0 = 0;
-  for (std::size_t l = 0; l < model.layers().size(); ++l)
-    if (model.layers()[l].block == 0)
-      block0 += model.layer_cost(l).forward_flops + model.layer_cost(l).backward_flops();
-  c = block0;
-  ASSERT_GT(h, 6 * c);  // the premise of the derivation
-  ASSERT_LT(h, 7 * c);
+  ASSERT_GT(h, 4 * c);  // the premise of the derivation
+  ASSERT_LT(h, 6 * c);
   auto sorted = [](std::vector<double> v) {
     std::sort(v.rbegin(), v.rend());
     return v;
   };
   const double tol = 1e-9 * (16 * c + h + e);
-  const auto in_v = sorted(core::v_rank_loads(s.strategy, cfg));
+  const auto in_v = core::v_rank_loads(s.strategy, cfg);
   EXPECT_NEAR(in_v[0], e + h + 2 * c, tol);
-  EXPECT_NEAR(in_v[1], 5 * c, tol);
-  EXPECT_NEAR(in_v[3], 4 * c, tol);
+  const auto others = sorted({in_v[1], in_v[2], in_v[3]});
+  EXPECT_NEAR(others[0], 5 * c, tol);
+  EXPECT_NEAR(others[1], 5 * c, tol);
+  EXPECT_NEAR(others[2], 4 * c, tol);
   s.strategy.v_head = "alone";
   const auto alone = core::v_rank_loads(s.strategy, cfg);
   EXPECT_NEAR(alone[3], h, tol);
-  EXPECT_NEAR(*std::max_element(alone.begin(), alone.begin() + 3), 6 * c, tol);
-  EXPECT_LT(alone[0], 6 * c);  // rank 0 holds the embedding, so not the 6-block share
+  EXPECT_NEAR(alone[0], e + 5 * c, tol);
+  EXPECT_NEAR(std::max(alone[1], alone[2]), 6 * c, tol);
+  EXPECT_NEAR(std::min(alone[1], alone[2]), 5 * c, tol);
   s.strategy.v_head = "3";
-  EXPECT_NEAR(core::v_rank_loads(s.strategy, cfg)[3], h + 2 * c, tol);
-  s.strategy.v_head = "auto";
-  EXPECT_EQ(core::resolve_v_ends(s.strategy, cfg).v_head, "alone");
+  const auto own = core::v_rank_loads(s.strategy, cfg);
+  EXPECT_NEAR(own[3], h + 2 * c, tol);
 }
 
-// The simulated busy time follows: the busiest device loses about two blocks' time (the V's two
-// blocks beside the head), and the head's device is busy about H while the others stay below it.
-TEST(VEnds, BusyTimeOfTheBusiestDeviceDropsByTheTwoBlocksBesideTheHead) {
+// The simulated busy time follows the blocks: with the head alone, the V's three ranks hold 5 + E, 5
+// and 6 blocks, so their busy times are within 6/5 of each other (2 % for the embedding and the
+// transfers), and the busiest device of the default V (rank 0: head + 2 blocks) sheds its two blocks:
+// at least 1.5 blocks' time less.
+TEST(VEnds, BusyTimeBalancedWithinTheBoundDerivedByHand) {
   sim::SimulateOptions options;
   options.cluster = "dgx-h200";
   options.engine = "analytic";
   const auto in_v = sim::simulate(v_scenario("dualpipev", 4, "", ""), options).report;
   const auto alone = sim::simulate(v_scenario("dualpipev", 4, "alone", ""), options).report;
-  auto busiest = [](const sim::Report& r) {
-    double b = 0;
-    for (const auto& d : r.per_device) b = std::max(b, d.busy_s);
-    return b;
-  };
-  // Device 1 holds only blocks (5 or 6 of the 16 under "alone": regions 1 and 4 of the 3-rank V).
-  const double per_block = alone.per_device[1].busy_s / 6;
-  EXPECT_LT(busiest(alone), busiest(in_v) - 1.5 * per_block);
-  EXPECT_EQ(busiest(alone), alone.per_device[3].busy_s);
-  EXPECT_LT(alone.step_time_s, in_v.step_time_s);
+  double lo = 1e30, hi = 0;
+  for (int d = 0; d < 3; ++d)
+    lo = std::min(lo, alone.per_device[static_cast<std::size_t>(d)].busy_s),
+    hi = std::max(hi, alone.per_device[static_cast<std::size_t>(d)].busy_s);
+  EXPECT_LT(hi, lo * 6 / 5 * 1.02);
+  EXPECT_GT(hi, lo * 6 / 5 * 0.98);  // one rank does hold the sixth block
+  const double per_block = std::min(alone.per_device[1].busy_s, alone.per_device[2].busy_s) / 5;
+  EXPECT_NEAR(in_v.per_device[0].busy_s - alone.per_device[3].busy_s, 2 * per_block, 0.5 * per_block);
+}
+
+// auto takes the choice whose replayed schedule is shortest; the simulator agrees within 2 %.
+TEST(VEnds, AutoIsNoSlowerThanEveryExplicitChoiceInTheSimulator) {
+  sim::SimulateOptions options;
+  options.cluster = "dgx-h200";
+  options.engine = "analytic";
+  for (int pp : {4, 8}) {
+    const double chosen = sim::simulate(v_scenario("dualpipev", pp, "auto", "", 2 * pp), options).report.step_time_s;
+    double best = 1e30;
+    for (const std::string& head : std::vector<std::string>{"", "0", std::to_string(pp - 1), "alone"})
+      best = std::min(best, sim::simulate(v_scenario("dualpipev", pp, head, "", 2 * pp), options).report.step_time_s);
+    EXPECT_LT(chosen, best * 1.02) << "pp " << pp;
+  }
 }
 
 TEST(VEnds, ScheduleTableNamesEveryActionOnceOnItsRegionsRank) {
@@ -177,8 +189,12 @@ TEST(VEnds, ScheduleTableNamesEveryActionOnceOnItsRegionsRank) {
           for (const auto& a : step) {
             EXPECT_TRUE(seen.insert({a.stage, core::to_char(a.kind), a.microbatch}).second)
                 << family << " " << head << ": stage " << a.stage << " " << core::to_char(a.kind) << a.microbatch;
-            if (a.stage == regions - 1) EXPECT_EQ(static_cast<int>(r), head == "alone" ? 2 : std::stoi(head));
-            if (a.stage == 0) EXPECT_EQ(r, 1u);
+            if (a.stage == regions - 1) {
+              EXPECT_EQ(static_cast<int>(r), head == "alone" ? 2 : std::stoi(head));
+            }
+            if (a.stage == 0) {
+              EXPECT_EQ(r, 1u);
+            }
             if (a.kind == core::ActionKind::B) ++full_b;
           }
       // Per stage and microbatch: F, and either B or I + W.
@@ -246,7 +262,8 @@ TEST(VEnds, HoldsIsCheckedAgainstWhatTheRegionHolds) {
   core::balance_pipeline(model, 3, {false, true});
   nlohmann::json p = program("head");
   p[1]["filter"]["PP"] = 2;
-  p.insert(p.begin() + 1, {{"op", "place"}, {"filter", {{"PP", 1}}}, {"devices", {0}}, {"stream", "pp"}});
+  const nlohmann::json middle = {{"op", "place"}, {"filter", {{"PP", 1}}}, {"devices", {0}}, {"stream", "pp"}};
+  p.insert(p.begin() + 1, middle);
   EXPECT_EQ(error_of([&] { core::compile(model, core::parse_directives(p)); }), "(no error)");
 }
 

@@ -3,6 +3,7 @@
 // a family is adding one entry to schedule_registry().
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -118,6 +119,11 @@ int own_end_rank(const StrategyOptions& o, bool head);
 // not null) when region 0 / the last region is placed with "holds": "embedding" / "head".
 std::vector<int> rank_of_region_from_program(const nlohmann::json& program, int* pipeline_ranks,
                                              bool* own_embedding = nullptr, bool* own_head = nullptr);
+
+// The step time of `table` when each rank runs its steps in order as soon as their inputs are ready
+// (F(s) after F(s-1); B or I(s) after F(s) and B or I(s+1); W(s) after I(s); an overlapped pair
+// after both, for the sum), communication free; stage_cost[s] = the times of F, I and W (B = I + W).
+double schedule_makespan(const ScheduleTable& table, const std::vector<std::array<double, 3>>& stage_cost);
 
 // The per-rank step order of a schedule for the knobs (its own regions and placement).
 ScheduleTable schedule_table(const StrategyOptions& o);
