@@ -126,15 +126,12 @@ double v_step_estimate(const StrategyOptions& o, const ModelConfig& cfg) {
   return schedule_makespan(schedule_table(o), cost);
 }
 
-StrategyOptions resolve_v_ends(StrategyOptions o, const ModelConfig& cfg) {
-  if (o.v_head != "auto" && o.v_embedding != "auto") return o;
+std::vector<StrategyOptions> v_end_choices(const StrategyOptions& o) {
+  if (o.v_head != "auto" && o.v_embedding != "auto") return {o};
   const ScheduleFamily& family = schedule_family(o.schedule);
   if (!family.own_ends)
     throw Error(std::string(o.v_head == "auto" ? "--v-head" : "--v-embedding") +
                 " applies only to V placements (zb-v, dualpipev), not --schedule " + family.name);
-  // Every choice of the "auto" ends (in the V, a region of its own on rank 0..pp-1, or the head alone on
-  // the last rank); the one with the shortest estimated step (ties within a part in a million: the
-  // earlier choice, in the V first).
   std::vector<std::string> choices{""};
   for (int r = 0; r < o.pp; ++r) choices.push_back(std::to_string(r));
   std::vector<std::string> head_choices = choices;
@@ -142,23 +139,34 @@ StrategyOptions resolve_v_ends(StrategyOptions o, const ModelConfig& cfg) {
   const std::vector<std::string> heads = o.v_head == "auto" ? head_choices : std::vector<std::string>{o.v_head};
   const std::vector<std::string> embeddings =
       o.v_embedding == "auto" ? choices : std::vector<std::string>{o.v_embedding};
-  StrategyOptions best = o;
-  double best_step = -1;
+  std::vector<StrategyOptions> out;
   for (const auto& h : heads)
     for (const auto& e : embeddings) {
       StrategyOptions trial = o;
       trial.v_head = h;
       trial.v_embedding = e;
-      double step = 0;
-      try {
-        step = v_step_estimate(trial, cfg);
-      } catch (const ModelError&) {
-        continue;  // too few blocks for this many regions
-      } catch (const std::invalid_argument&) {
-        continue;  // the family's own limits (e.g. DualPipeV's microbatches) refuse this shape
-      }
-      if (best_step < 0 || step < best_step * (1 - 1e-6)) best = trial, best_step = step;
+      out.push_back(trial);
     }
+  return out;
+}
+
+StrategyOptions resolve_v_ends(StrategyOptions o, const ModelConfig& cfg) {
+  if (o.v_head != "auto" && o.v_embedding != "auto") return o;
+  // The choice with the shortest estimated step (ties within a part in a million: the earlier
+  // choice, in the V first).
+  StrategyOptions best = o;
+  double best_step = -1;
+  for (const auto& trial : v_end_choices(o)) {
+    double step = 0;
+    try {
+      step = v_step_estimate(trial, cfg);
+    } catch (const ModelError&) {
+      continue;  // too few blocks for this many regions
+    } catch (const std::invalid_argument&) {
+      continue;  // the family's own limits (e.g. DualPipeV's microbatches) refuse this shape
+    }
+    if (best_step < 0 || step < best_step * (1 - 1e-6)) best = trial, best_step = step;
+  }
   if (best_step < 0)
     throw Error(fmt::format("--v-head/--v-embedding auto: no placement of model '{}' fits --pp {} (too few blocks)",
                             cfg.name, o.pp));

@@ -351,7 +351,7 @@ Outcome simulate_outcome(const core::Scenario& scenario, const std::string& clus
   std::shared_ptr<const core::Program> program;
   try {
     if (!scenario.directives) core::validate_strategy_options(scenario.strategy);
-    core::CompiledScenario compiled = core::compile_scenario(scenario);
+    core::CompiledScenario compiled = core::compile_scenario(choose_v_ends(scenario, cluster));
     program = std::make_shared<const core::Program>(std::move(compiled.result.program));
     with_devices(load_cluster(cluster), program->num_devices);
   } catch (const std::exception& e) {

@@ -68,8 +68,12 @@ nlohmann::json scenario_program(const Scenario& s, int* regions = nullptr);
 // name or file), first checks the strategy against it (e.g. --ep against its experts).
 nlohmann::json strategy_directives(const StrategyOptions& o, const std::string& model = "");
 
-// --v-head / --v-embedding auto: the choice (in the V, a region of its own on rank 0..pp-1, or the head
-// alone on the last rank) with the shortest v_step_estimate. Other values are returned unchanged.
+// --v-head / --v-embedding auto: every choice (in the V, a region of its own on rank 0..pp-1, or the
+// head alone on the last rank), in the V first; {o} when neither is auto. Error for a non-V family.
+std::vector<StrategyOptions> v_end_choices(const StrategyOptions& o);
+// Without a simulator (piper compile/directives): the choice with the shortest v_step_estimate.
+// sim::simulate instead simulates every choice (analytic engine) and keeps the fastest. Other values
+// are returned unchanged.
 StrategyOptions resolve_v_ends(StrategyOptions o, const ModelConfig& cfg);
 // The step of the V placement `o` (a V family, no "auto") for `cfg`'s model, its blocks balanced as a
 // scenario balances them: the schedule table replayed with each region's roofline work per pass
