@@ -154,12 +154,17 @@ Directive parse_one(const json& d, int index) {
   if (!op_it->is_string()) fail(index, "op", "must be a string");
   const std::string op = op_it->get<std::string>();
   if (op == "place") {
-    check_fields(d, index, {"filter", "devices", "stream", "blocking"});
+    check_fields(d, index, {"filter", "devices", "stream", "blocking", "holds"});
     PlaceDirective p;
     p.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     p.devices = parse_devices(d, index);
     p.stream = get_string(d, index, "stream", "pp");
     p.blocking = get_bool(d, index, "blocking");
+    p.holds = get_string(d, index, "holds", "");
+    if (!p.holds.empty() && p.holds != "head" && p.holds != "embedding")
+      fail(index, "holds", "must be \"head\" or \"embedding\", got \"" + p.holds + "\"");
+    if (!p.holds.empty() && (p.filter.exact.size() != 1 || !p.filter.exact.contains("PP") || !p.filter.any.empty()))
+      fail(index, "holds", "needs a filter naming one PP region and nothing else ({\"PP\": i})");
     return p;
   }
   if (op == "replicate") {

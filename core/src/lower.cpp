@@ -348,7 +348,9 @@ void make_transfers_blocking(const Graph& g, const std::vector<Vertex>& order, c
 
 }  // namespace
 
-Program lower(const GlobalDag& dag) {
+// The phases are calls; what stays inline is the one pass over the global order that emits every op
+// into its plans, which reads and writes all the tables built above.
+Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
   const Graph& g = dag.graph;
   const std::size_t n = boost::num_vertices(g);
   const std::size_t num_sets = dag.device_sets.size();

@@ -1195,7 +1195,7 @@ struct PipelineUnit {
   double flops;             // F + BI + BW at the model's training shape
 };
 
-std::vector<PipelineUnit> pipeline_units(const Model& model) {
+std::vector<PipelineUnit> pipeline_units(const Model& model, PipelineEnds ends = {}) {
   const auto& layers = model.layers();
   std::vector<PipelineUnit> units;
   for (std::size_t i = 0; i < layers.size(); ++i) {
@@ -1208,12 +1208,23 @@ std::vector<PipelineUnit> pipeline_units(const Model& model) {
       units.back().flops += f;
     }
   }
-  if (units.size() >= 3 && layers[units.front().first].block < 0) {
+  // An end unit asked for as a region of its own stays a unit of its own.
+  const bool front_end = !units.empty() && layers[units.front().first].block < 0;
+  const bool back_end = !units.empty() && layers[units.back().first].block < 0;
+  if (ends.embedding && !front_end)
+    throw ModelError(model.name() +
+                     ": the embedding cannot be a PP region of its own: the model has no layers before "
+                     "its first block");
+  if (ends.head && !back_end)
+    throw ModelError(model.name() +
+                     ": the head cannot be a PP region of its own: the model has no layers after its "
+                     "last block");
+  if (!ends.embedding && units.size() >= 3 && front_end) {
     units[1].first = units[0].first;
     units[1].flops += units[0].flops;
     units.erase(units.begin());
   }
-  if (units.size() >= 2 && layers[units.back().first].block < 0) {
+  if (!ends.head && units.size() >= 2 && back_end) {
     units[units.size() - 2].last = units.back().last;
     units[units.size() - 2].flops += units.back().flops;
     units.pop_back();
@@ -1221,21 +1232,14 @@ std::vector<PipelineUnit> pipeline_units(const Model& model) {
   return units;
 }
 
-}  // namespace
-
-void balance_pipeline(Model& model, int stages) {
-  auto& layers = model.mutable_layers();
-  const std::vector<PipelineUnit> units = pipeline_units(model);
-  const int n = static_cast<int>(units.size());
-  if (stages < 1 || stages > n)
-    throw ModelError(model.name() + ": balance_pipeline: stages must be between 1 and " + std::to_string(n) +
-                     " (the number of pipeline units), got " + std::to_string(stages));
-
+// Starts of K contiguous regions over `flops` (unit costs) that minimise the largest region cost and,
+// among those, the sum of squared region costs.
+std::vector<int> balanced_starts(const std::vector<double>& flops, int K) {
+  const int n = static_cast<int>(flops.size());
   std::vector<double> prefix(n + 1, 0.0);
-  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + units[i].flops;
+  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + flops[static_cast<std::size_t>(i)];
   auto cost = [&](int i, int j) { return prefix[j] - prefix[i]; };  // units [i, j)
   const double inf = std::numeric_limits<double>::infinity();
-  const int K = stages;
 
   // Pass 1 (exact DP, O(K n^2)): the smallest achievable maximum region cost.
   std::vector<std::vector<double>> best(K + 1, std::vector<double>(n + 1, inf));
@@ -1261,19 +1265,38 @@ void balance_pipeline(Model& model, int stages) {
           from[k][j] = i;
         }
       }
-
-  clear_pp_tags(model);
+  std::vector<int> starts(static_cast<std::size_t>(K));
   int j = n;
-  for (int k = K; k >= 1; --k) {
-    const int i = from[k][j];
-    for (int u = i; u < j; ++u)
-      for (std::size_t l = units[u].first; l < units[u].last; ++l) layers[l].tags["PP"] = k - 1;
-    j = i;
-  }
+  for (int k = K; k >= 1; --k) j = starts[static_cast<std::size_t>(k - 1)] = from[k][j];
+  return starts;
 }
 
-void rebalance_for_devices(Model& model, const std::vector<std::vector<int>>& devices_of_region) {
-  const std::vector<PipelineUnit> units = pipeline_units(model);
+}  // namespace
+
+void balance_pipeline(Model& model, int stages, PipelineEnds ends) {
+  auto& layers = model.mutable_layers();
+  const std::vector<PipelineUnit> units = pipeline_units(model, ends);
+  const int n = static_cast<int>(units.size());
+  const int e = ends.embedding ? 1 : 0, h = ends.head ? 1 : 0;
+  if (stages - e - h < 1 || stages > n)
+    throw ModelError(model.name() + ": balance_pipeline: stages must be between " + std::to_string(1 + e + h) +
+                     " and " + std::to_string(n) + " (the number of pipeline units), got " + std::to_string(stages));
+  std::vector<double> middle;
+  for (int u = e; u < n - h; ++u) middle.push_back(units[static_cast<std::size_t>(u)].flops);
+  std::vector<int> starts = balanced_starts(middle, stages - e - h);
+  for (auto& s : starts) s += e;
+  if (e) starts.insert(starts.begin(), 0);
+  if (h) starts.push_back(n - 1);
+  starts.push_back(n);
+  clear_pp_tags(model);
+  for (int k = 0; k < stages; ++k)
+    for (int u = starts[static_cast<std::size_t>(k)]; u < starts[static_cast<std::size_t>(k) + 1]; ++u)
+      for (std::size_t l = units[static_cast<std::size_t>(u)].first; l < units[static_cast<std::size_t>(u)].last; ++l)
+        layers[l].tags["PP"] = k;
+}
+
+void rebalance_for_devices(Model& model, const std::vector<std::vector<int>>& devices_of_region, PipelineEnds ends) {
+  const std::vector<PipelineUnit> units = pipeline_units(model, ends);
   const int regions = static_cast<int>(devices_of_region.size());
   auto& layers = model.mutable_layers();
   // Current boundaries from the PP tags: start[r] = first unit of region r.
@@ -1306,6 +1329,8 @@ void rebalance_for_devices(Model& model, const std::vector<std::vector<int>>& de
     std::vector<int> best_start = start;
     for (int r = 1; r < regions; ++r)
       for (int step : {-1, 1}) {
+        // A region of its own (embedding, head) keeps its boundary.
+        if ((ends.embedding && r == 1) || (ends.head && r == regions - 1)) continue;
         std::vector<int> trial = start;
         trial[static_cast<std::size_t>(r)] += step;
         if (trial[static_cast<std::size_t>(r)] <= trial[static_cast<std::size_t>(r) - 1] ||

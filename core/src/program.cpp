@@ -525,7 +525,9 @@ json Program::to_json() const {
   return j;
 }
 
-Program Program::from_json(const json& j) {
+// The plan reader: one block per top-level field, in the file's order, each validated where it is
+// read so that every error names its field.
+Program Program::from_json(const json& j) {  // NOLINT(readability-function-size)
   as_object(j, "(top level)");
   Program p;
   {
@@ -668,7 +670,7 @@ Program Program::from_json(const json& j) {
           fail(member(fp, "purpose"), e.what());
         }
       }
-      p.families.push_back(std::move(f));
+      p.families.push_back(f);
     }
   }
   for (std::size_t i = 0; i < p.segments.size(); ++i) {

@@ -22,11 +22,13 @@ ProgramBuilder::ProgramBuilder(json program) : program_(std::move(program)) {
 }
 
 ProgramBuilder& ProgramBuilder::place(const Filter& filter, const std::vector<int>& devices,
-                                      const std::optional<std::string>& stream, bool blocking) {
+                                      const std::optional<std::string>& stream, bool blocking,
+                                      const std::string& holds) {
   json d = directive("place", filter);
   d["devices"] = devices;
   if (stream) d["stream"] = *stream;
   if (blocking) d["blocking"] = true;
+  if (!holds.empty()) d["holds"] = holds;
   program_.push_back(std::move(d));
   return *this;
 }

@@ -57,6 +57,124 @@ void check_ep(const ModelConfig& cfg, int ep) {
     throw Error(fmt::format("--ep {}: does not divide the {} experts of model '{}'", ep, cfg.experts, cfg.name));
 }
 
+// The ends a program's place directives put in regions of their own ("holds").
+PipelineEnds ends_in_program(const json& program) {
+  PipelineEnds ends;
+  if (!program.is_array()) return ends;
+  for (const auto& d : program)
+    if (d.is_object() && d.value("op", "") == "place" && d.contains("holds") && d["holds"].is_string()) {
+      ends.embedding |= d["holds"] == "embedding";
+      ends.head |= d["holds"] == "head";
+    }
+  return ends;
+}
+
+// Per pipeline rank, the F + B FLOPs of the regions placed on it (the balancer's measure).
+std::vector<double> rank_loads(const Model& model, const std::vector<int>& rank_of_region, int ranks) {
+  std::vector<double> load(static_cast<std::size_t>(ranks), 0.0);
+  for (std::size_t l = 0; l < model.layers().size(); ++l) {
+    const auto it = model.layers()[l].tags.find("PP");
+    if (it == model.layers()[l].tags.end() || it->second >= static_cast<int>(rank_of_region.size())) continue;
+    const Costs c = model.layer_cost(l);
+    load[static_cast<std::size_t>(rank_of_region[static_cast<std::size_t>(it->second)])] +=
+        c.forward_flops + c.backward_flops();
+  }
+  return load;
+}
+
+}  // namespace
+
+std::vector<double> v_rank_loads(const StrategyOptions& o, const ModelConfig& cfg) {
+  const ScheduleFamily& family = schedule_family(o.schedule);
+  Model model = build_model(cfg);
+  const int regions = family.regions(o);
+  const std::vector<int> rank_of_region = family.placement(o, regions);
+  const PipelineEnds ends{!o.v_embedding.empty(), !o.v_head.empty()};
+  balance_pipeline(model, regions, ends);
+  std::vector<std::vector<int>> devices(rank_of_region.size());
+  for (std::size_t r = 0; r < rank_of_region.size(); ++r) devices[r] = {rank_of_region[r]};
+  rebalance_for_devices(model, devices, ends);
+  return rank_loads(model, rank_of_region, o.pp);
+}
+
+// The step time of the V that `o` gives `cfg`'s model, estimated as the cost-weighted replay of its
+// schedule table: each region's F, I and W take their layers' roofline work (FLOPs, or HBM bytes at
+// 300 FLOP/byte, as lowering's estimate), communication free.
+double v_step_estimate(const StrategyOptions& o, const ModelConfig& cfg) {
+  const ScheduleFamily& family = schedule_family(o.schedule);
+  Model model = build_model(cfg);
+  const int regions = family.regions(o);
+  const std::vector<int> rank_of_region = family.placement(o, regions);
+  const PipelineEnds ends{!o.v_embedding.empty(), !o.v_head.empty()};
+  balance_pipeline(model, regions, ends);
+  std::vector<std::vector<int>> devices(rank_of_region.size());
+  for (std::size_t r = 0; r < rank_of_region.size(); ++r) devices[r] = {rank_of_region[r]};
+  rebalance_for_devices(model, devices, ends);
+  constexpr double kFlopsPerByte = 300;
+  std::vector<std::array<double, 3>> cost(static_cast<std::size_t>(regions), {0, 0, 0});
+  for (std::size_t l = 0; l < model.layers().size(); ++l) {
+    const auto it = model.layers()[l].tags.find("PP");
+    if (it == model.layers()[l].tags.end() || it->second >= regions) continue;
+    const Costs c = model.layer_cost(l);
+    auto& k = cost[static_cast<std::size_t>(it->second)];
+    k[0] += std::max(c.forward_flops, kFlopsPerByte * static_cast<double>(c.forward_memory_bytes));
+    const double b = std::max(c.backward_flops(), kFlopsPerByte * static_cast<double>(c.backward_memory_bytes));
+    const double input_share = c.backward_flops() > 0 ? c.backward_input_flops / c.backward_flops() : 0.5;
+    k[1] += b * input_share;
+    k[2] += b * (1 - input_share);
+  }
+  return schedule_makespan(schedule_table(o), cost);
+}
+
+std::vector<StrategyOptions> v_end_choices(const StrategyOptions& o) {
+  if (o.v_head != "auto" && o.v_embedding != "auto") return {o};
+  const ScheduleFamily& family = schedule_family(o.schedule);
+  if (!family.own_ends)
+    throw Error(std::string(o.v_head == "auto" ? "--v-head" : "--v-embedding") +
+                " applies only to V placements (zb-v, dualpipev), not --schedule " + family.name);
+  std::vector<std::string> choices{""};
+  for (int r = 0; r < o.pp; ++r) choices.push_back(std::to_string(r));
+  std::vector<std::string> head_choices = choices;
+  if (o.pp >= 2) head_choices.push_back("alone");
+  const std::vector<std::string> heads = o.v_head == "auto" ? head_choices : std::vector<std::string>{o.v_head};
+  const std::vector<std::string> embeddings =
+      o.v_embedding == "auto" ? choices : std::vector<std::string>{o.v_embedding};
+  std::vector<StrategyOptions> out;
+  for (const auto& h : heads)
+    for (const auto& e : embeddings) {
+      StrategyOptions trial = o;
+      trial.v_head = h;
+      trial.v_embedding = e;
+      out.push_back(trial);
+    }
+  return out;
+}
+
+StrategyOptions resolve_v_ends(StrategyOptions o, const ModelConfig& cfg) {
+  if (o.v_head != "auto" && o.v_embedding != "auto") return o;
+  // The choice with the shortest estimated step (ties within a part in a million: the earlier
+  // choice, in the V first).
+  StrategyOptions best = o;
+  double best_step = -1;
+  for (const auto& trial : v_end_choices(o)) {
+    double step = 0;
+    try {
+      step = v_step_estimate(trial, cfg);
+    } catch (const ModelError&) {
+      continue;  // too few blocks for this many regions
+    } catch (const std::invalid_argument&) {
+      continue;  // the family's own limits (e.g. DualPipeV's microbatches) refuse this shape
+    }
+    if (best_step < 0 || step < best_step * (1 - 1e-6)) best = trial, best_step = step;
+  }
+  if (best_step < 0)
+    throw Error(fmt::format("--v-head/--v-embedding auto: no placement of model '{}' fits --pp {} (too few blocks)",
+                            cfg.name, o.pp));
+  return best;
+}
+
+namespace {
+
 ModelConfig load_config(const Scenario& s) {
   ModelConfig cfg = from(model_file_of(s.model), [&] { return load_model_config(s.model); });
   if (s.seq_len > 0) cfg.training.seq_len = s.seq_len;
@@ -67,6 +185,7 @@ ModelConfig load_config(const Scenario& s) {
 json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
   StrategyOptions opts = s.strategy;
   from("", [&] { return resolve_global_batch(opts, cfg.training.micro_batch_size), 0; });
+  if (!s.directives) opts = from("", [&] { return resolve_v_ends(opts, cfg); });
   if (!s.stage_starts.empty() && s.stages > 0 && s.stages != static_cast<int>(s.stage_starts.size()))
     throw Error(
         fmt::format("--stages {} disagrees with the {} regions of --pp-ranges", s.stages, s.stage_starts.size()));
@@ -86,10 +205,12 @@ json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
       // As in Piper's harness: a placement-only program plus the schedule's split/order.
       from(s.directives_source, [&] {
         int pipeline_ranks = 0;
-        std::vector<int> rank_of_region = rank_of_region_from_program(program, &pipeline_ranks);
+        bool own_embedding = false, own_head = false;
+        std::vector<int> rank_of_region =
+            rank_of_region_from_program(program, &pipeline_ranks, &own_embedding, &own_head);
         StrategyOptions o = opts;
         o.pp = pipeline_ranks;
-        for (auto& d : schedule_directives(o, rank_of_region)) program.push_back(std::move(d));
+        for (auto& d : schedule_directives(o, rank_of_region, own_embedding, own_head)) program.push_back(std::move(d));
         return 0;
       });
     }
@@ -175,6 +296,7 @@ json strategy_directives(const StrategyOptions& o, const std::string& model) {
     s.model = model;
     s.strategy = o;
     scenario_program(s);  // loads the model and checks --ep against its experts
+    return generate_program(resolve_v_ends(o, load_config(s)));
   }
   return generate_program(o);
 }
@@ -203,6 +325,10 @@ std::vector<int> first_last_stage_starts(int blocks, int regions, int first, int
 }
 
 void annotate_regions(const Scenario& s, Model& model, const json& program, int regions) {
+  const PipelineEnds ends = ends_in_program(program);
+  if ((ends.embedding || ends.head) && (s.first_stage_layers > 0 || s.last_stage_layers > 0 || !s.stage_starts.empty()))
+    throw Error(std::string("a place directive's \"holds\" (the ") + (ends.head ? "head" : "embedding") +
+                " as a region of its own) cannot be combined with --pp-ranges or --first/last-stage-layers");
   if ((s.first_stage_layers > 0 || s.last_stage_layers > 0) && !s.stage_starts.empty())
     throw Error(
         "--first-stage-layers/--last-stage-layers cannot be combined with --pp-ranges (which fixes every region)");
@@ -215,7 +341,7 @@ void annotate_regions(const Scenario& s, Model& model, const json& program, int 
   }
   try {
     if (s.stage_starts.empty()) {
-      balance_pipeline(model, regions);
+      balance_pipeline(model, regions, ends);
       // Regions sharing a device (V placements, mirrored pairs) are balanced per device as well.
       std::vector<std::vector<int>> devices_of_region(static_cast<std::size_t>(regions));
       for (const auto& d : program)
@@ -240,7 +366,7 @@ void annotate_regions(const Scenario& s, Model& model, const json& program, int 
       }
       const bool shared =
           std::any_of(regions_of_device.begin(), regions_of_device.end(), [](const auto& kv) { return kv.second > 1; });
-      if (complete && shared) rebalance_for_devices(model, devices_of_region);
+      if (complete && shared) rebalance_for_devices(model, devices_of_region, ends);
     } else {
       annotate_pipeline_ranges(model, s.stage_starts);
     }

@@ -45,7 +45,10 @@ ActionKind action_kind(Pass p) {
 
 }  // namespace
 
-UnitSchedule unit_time_schedule(const Program& program, const UnitCosts& costs) {
+// One event loop over the devices' streams whose local state (ready times, rendezvous, collectives in
+// progress) every step reads; split, it would pass that state around whole.
+UnitSchedule unit_time_schedule(const Program& program,  // NOLINT(readability-function-size)
+                                const UnitCosts& costs) {
   const int devices = program.num_devices;
   struct DeviceState {
     const Plan* plan = nullptr;

@@ -2,6 +2,7 @@
 // split/order part to a schedule family looked up by name in the registry (schedules.cpp).
 #include "piper/core/strategy.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <stdexcept>
@@ -45,7 +46,33 @@ void check_placement(const StrategyOptions& o, const std::vector<int>& rank_of_r
            ", outside --pp " + std::to_string(o.pp));
 }
 
+// --v-head / --v-embedding only where the family takes them (the V placements).
+void check_own_ends(const StrategyOptions& o, const ScheduleFamily& family) {
+  if (family.own_ends) return;
+  if (!o.v_head.empty()) fail("--v-head applies only to V placements (zb-v, dualpipev), not --schedule " + family.name);
+  if (!o.v_embedding.empty())
+    fail("--v-embedding applies only to V placements (zb-v, dualpipev), not --schedule " + family.name);
+}
+
 }  // namespace
+
+int own_end_rank(const StrategyOptions& o, bool head) {
+  const std::string& v = head ? o.v_head : o.v_embedding;
+  const std::string flag = head ? "--v-head" : "--v-embedding";
+  if (v.empty()) return -1;
+  if (v == "auto")
+    fail(flag + " auto chooses with the model's costs: give --model (piper simulate/compile/directives)");
+  if (head && v == "alone") {
+    if (o.pp < 2) fail("--v-head alone needs --pp 2 or more (the head takes the last rank, the V the others)");
+    return o.pp - 1;
+  }
+  const bool digits = v.size() <= 9 && std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
+  const int rank = digits ? std::stoi(v) : -1;
+  if (rank < 0 || rank >= o.pp)
+    fail(flag + " must be " + (head ? "auto, alone" : "auto") + " or a pipeline rank 0.." + std::to_string(o.pp - 1) +
+         " (got '" + v + "')");
+  return rank;
+}
 
 void validate_strategy_options(const StrategyOptions& o) {
   auto at_least_one = [](const char* flag, int v) {
@@ -102,6 +129,8 @@ void validate_strategy_options(const StrategyOptions& o) {
     fail("--fp8-all-gather applies only with --zero 3 (its per-use parameter gathers)");
   if (o.gather_prefetch != 1 && o.zero != 3)
     fail("--gather-prefetch applies only with --zero 3 (its per-use parameter gathers)");
+  for (bool head : {true, false})
+    if (const std::string& v = head ? o.v_head : o.v_embedding; !v.empty() && v != "auto") own_end_rank(o, head);
   if (o.p2p_blocking && o.pp < 2) fail("--p2p-blocking applies only with --pp 2 or more (its pipeline transfers)");
   if (!o.reduce_every.empty() && o.zero < 2)
     fail("--reduce-every applies to --zero 2 and 3 (ZeRO-0/1 reduce once per step)");
@@ -149,9 +178,14 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
   ProgramBuilder out;
   // Directive order follows the published programs: all place, then all replicate, then all shard.
   // With one pipeline rank there are no point-to-point transfers, so no stream (as in dp2.json).
-  for (int i = 0; i < regions; ++i)
+  // The ends as regions of their own (--v-embedding, --v-head) say so with "holds".
+  for (int i = 0; i < regions; ++i) {
+    const char* holds = i == 0 && !o.v_embedding.empty()        ? "embedding"
+                        : i == regions - 1 && !o.v_head.empty() ? "head"
+                                                                : "";
     out.place(region_filter(i), devices_of_region(i), o.pp > 1 ? std::optional(o.pp_stream) : std::nullopt,
-              o.p2p_blocking);
+              o.p2p_blocking, holds);
+  }
   // Dense layers have replicas / tp data-parallel copies; routed experts replicas / (ep x etp).
   if (replicas / o.tp > 1 || replicas / (o.ep * o.etp) > 1) {
     ReplicateArgs rep;
@@ -187,10 +221,17 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
   return out.take();
 }
 
-json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region) {
+json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region, bool own_embedding,
+                         bool own_head) {
   validate_strategy_options(o);
   const ScheduleFamily& family = schedule_family(o.schedule);
+  check_own_ends(o, family);
   ScheduleContext ctx;
+  ctx.own_embedding = own_embedding || !o.v_embedding.empty();
+  ctx.own_head = own_head || !o.v_head.empty();
+  if (!family.own_ends && (ctx.own_embedding || ctx.own_head))
+    fail("--schedule " + family.name + " cannot order a program whose " + (ctx.own_head ? "head" : "embedding") +
+         " is a region of its own (\"holds\"); use a V placement (zb-v, dualpipev)");
   ctx.ranks = o.pp;
   ctx.regions = static_cast<int>(rank_of_region.size());
   ctx.microbatches = o.microbatches;
@@ -205,6 +246,7 @@ json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_
 json generate_program(const StrategyOptions& o) {
   validate_strategy_options(o);
   const ScheduleFamily& family = schedule_family(o.schedule);
+  check_own_ends(o, family);
   const int regions = family.regions(o);
   const std::vector<int> rank_of_region = family.placement(o, regions);
   json program = placement_directives(o, rank_of_region, family.mirrored);
@@ -215,7 +257,10 @@ json generate_program(const StrategyOptions& o) {
 ScheduleTable schedule_table(const StrategyOptions& o) {
   validate_strategy_options(o);
   const ScheduleFamily& family = schedule_family(o.schedule);
+  check_own_ends(o, family);
   ScheduleContext ctx;
+  ctx.own_embedding = !o.v_embedding.empty();
+  ctx.own_head = !o.v_head.empty();
   ctx.ranks = o.pp;
   ctx.regions = family.regions(o);
   ctx.microbatches = o.microbatches;
@@ -227,7 +272,9 @@ ScheduleTable schedule_table(const StrategyOptions& o) {
   return family.table(ctx);
 }
 
-std::vector<int> rank_of_region_from_program(const json& program, int* pipeline_ranks) {
+std::vector<int> rank_of_region_from_program(const json& program, int* pipeline_ranks, bool* own_embedding,
+                                             bool* own_head) {
+  std::map<int, std::string> holds;  // region -> "head" / "embedding"
   if (!program.is_array()) fail("program must be a JSON array of directives");
   std::map<int, json> devices_of_region;
   for (size_t k = 0; k < program.size(); ++k) {
@@ -247,6 +294,7 @@ std::vector<int> rank_of_region_from_program(const json& program, int* pipeline_
     if (!devices_of_region.emplace(region, d["devices"]).second)
       fail("directive " + std::to_string(k) + " field 'filter': region PP " + std::to_string(region) +
            " is placed twice");
+    if (d.contains("holds") && d["holds"].is_string()) holds[region] = d["holds"].get<std::string>();
   }
   if (devices_of_region.empty()) fail("program has no place directives with filter {PP: i}; nothing to schedule");
   const int regions = static_cast<int>(devices_of_region.size());
@@ -269,6 +317,14 @@ std::vector<int> rank_of_region_from_program(const json& program, int* pipeline_
     rank_of_region.push_back(rank);
   }
   if (pipeline_ranks) *pipeline_ranks = static_cast<int>(rank_devices.size());
+  // Schedules take the ends as regions of their own only where they are (region 0, the last one).
+  for (const auto& [region, what] : holds)
+    if ((what == "embedding" && region != 0) || (what == "head" && region != regions - 1))
+      fail("region PP " + std::to_string(region) + " holds the " + what + ", which must be region PP " +
+           (what == "embedding" ? "0" : std::to_string(regions - 1)) + " (the " +
+           (what == "embedding" ? "first" : "last") + " region)");
+  if (own_embedding) *own_embedding = holds.count(0) && holds[0] == "embedding";
+  if (own_head) *own_head = holds.count(regions - 1) && holds[regions - 1] == "head";
   return rank_of_region;
 }
 

@@ -159,12 +159,12 @@ void DataflowBase::setup_tied(bool tied, int embedding_layer, int head_layer, co
   if (embed_segs[0] == head_segs[0]) return;  // one segment: the head uses the embedding's table directly
   // Which segments pair is typed: the head's segment names the embedding's (ProgramSegment::tied_to,
   // which lowering copies from the DAG's tied-embedding segments); the layer ranges above only count copies.
-  const auto tied = std::find_if(program.segments.begin(), program.segments.end(),
+  const auto head = std::find_if(program.segments.begin(), program.segments.end(),
                                  [](const core::ProgramSegment& sg) { return sg.tied_to >= 0; });
-  if (tied == program.segments.end())
+  if (head == program.segments.end())
     throw std::invalid_argument(
         fmt::format("{}, but no segment of the plan keeps a tied copy of the table (segment field 'tied_to')", who));
-  const int h = static_cast<int>(tied - program.segments.begin()), e = tied->tied_to;
+  const int h = static_cast<int>(head - program.segments.begin()), e = head->tied_to;
   const auto& se = program.segments[static_cast<std::size_t>(e)];
   const auto& sh = program.segments[static_cast<std::size_t>(h)];
   const auto& de = program.device_sets.at(static_cast<std::size_t>(se.devices));

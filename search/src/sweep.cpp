@@ -355,7 +355,8 @@ Outcome simulate_outcome(const core::Scenario& scenario, const std::string& clus
   std::shared_ptr<const core::Program> program;
   try {
     if (!scenario.directives) core::validate_strategy_options(scenario.strategy);
-    core::CompiledScenario compiled = core::compile_scenario(sim::with_stage_costs(scenario, cluster, calibration_path));
+    core::CompiledScenario compiled =
+        core::compile_scenario(sim::with_stage_costs(sim::choose_v_ends(scenario, cluster), cluster, calibration_path));
     program = std::make_shared<const core::Program>(std::move(compiled.result.program));
     sim::with_devices(sim::load_cluster(cluster), program->num_devices);
   } catch (const std::exception& e) {

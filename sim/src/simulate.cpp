@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include <fmt/format.h>
+#include "piper/core/error.hpp"
 #include "piper/core/limits.hpp"
 #include "piper/sim/stage_costs.hpp"
 
@@ -58,7 +59,36 @@ SimulationResult run(SimulationResult out, const std::string& cluster_name, cons
 
 }  // namespace
 
-SimulationResult simulate(const core::Scenario& scenario, const SimulateOptions& options) {
+// --v-head / --v-embedding auto (core::v_end_choices): every choice simulated on the analytic engine,
+// the fastest kept (the earlier one on a tie: in the V first). A choice the model cannot take (too few
+// blocks) is skipped.
+core::Scenario choose_v_ends(const core::Scenario& scenario, const std::string& cluster) {
+  if (scenario.directives || (scenario.strategy.v_head != "auto" && scenario.strategy.v_embedding != "auto"))
+    return scenario;
+  core::Scenario best = scenario;
+  double best_step = -1;
+  SimulateOptions quick;
+  quick.cluster = cluster;
+  quick.engine = "analytic";
+  for (const auto& choice : core::v_end_choices(scenario.strategy)) {
+    core::Scenario trial = scenario;
+    trial.strategy = choice;
+    double step = 0;
+    try {
+      step = simulate(trial, quick).report.step_time_s;
+    } catch (const core::Error&) {
+      continue;
+    }
+    if (best_step < 0 || step < best_step * (1 - 1e-9)) best = trial, best_step = step;
+  }
+  if (best_step < 0) return core::Scenario(scenario);  // let the compiler say why (core::resolve_v_ends)
+  return best;
+}
+
+SimulationResult simulate(const core::Scenario& requested, const SimulateOptions& options) {
+  const core::Scenario scenario = choose_v_ends(requested, !options.cluster.empty()     ? options.cluster
+                                                           : !requested.cluster.empty() ? requested.cluster
+                                                                                        : kDefaultCluster);
   SimulationResult out;
   const std::string cluster = !options.cluster.empty()    ? options.cluster
                               : !scenario.cluster.empty() ? scenario.cluster

@@ -393,6 +393,25 @@ TEST(RuntimeEquivalence, DualPipeV_PP2xDP2xEP2) {
   expect_equivalent("dualpipev", 4, strategy(2, 2, 2, 0, 4, "dualpipev"));
 }
 TEST(RuntimeEquivalence, ZBV_PP2) { expect_equivalent("zbv", 2, strategy(2, 1, 1, 0, 4, "zb-v")); }
+// The embedding and the head as regions of their own (--v-embedding, --v-head): the head's rank gets
+// the last V block's output and sends back its gradient; the embedding's feeds the V's first block.
+TEST(RuntimeEquivalence, ZBV_PP2_HeadAndEmbeddingRegionsOnRank1) {
+  core::StrategyOptions o = strategy(2, 1, 1, 0, 4, "zb-v");
+  o.v_head = "1";
+  o.v_embedding = "1";
+  expect_equivalent("zbv-ends", 2, o);
+}
+// The head alone on the last rank, the V over the other two (4 blocks in 4 regions).
+TEST(RuntimeEquivalence, DualPipeV_PP3_HeadAlone) {
+  core::StrategyOptions o = strategy(3, 1, 1, 0, 4, "dualpipev");
+  o.v_head = "alone";
+  expect_equivalent("dualpipev-alone", 3, o);
+}
+TEST(RuntimeEquivalence, DualPipeV_PP2xDP2xEP2_HeadRegionOnRank1) {
+  core::StrategyOptions o = strategy(2, 2, 2, 0, 4, "dualpipev");
+  o.v_head = "1";
+  expect_equivalent("dualpipev-head", 4, o);
+}
 // Two mirrored model copies: each device runs different data-parallel ranks in different segments.
 TEST(RuntimeEquivalence, DualPipe_PP2) { expect_equivalent("dualpipe", 2, strategy(2, 1, 1, 0, 4, "dualpipe")); }
 TEST(RuntimeEquivalence, PublishedFixtureV_PP4xDP2xEP2) {
@@ -623,6 +642,12 @@ TEST(RuntimeEquivalence, Gpt_Tied_ZBH1_PP2_SelectiveRecompute) {
 // V placement: device 0 holds both the embedding and the head (two segments): the sum is local.
 TEST(RuntimeEquivalence, Gpt_Tied_ZBV_PP2) {
   expect_equivalent("gpt-zbv", 2, strategy(2, 1, 1, 0, 4, "zb-v"), "", kGpt);
+}
+// The tied head as a region of its own on rank 1: the table's two copies sum across ranks again.
+TEST(RuntimeEquivalence, Gpt_Tied_ZBV_PP2_HeadRegionOnRank1) {
+  core::StrategyOptions o = strategy(2, 1, 1, 0, 4, "zb-v");
+  o.v_head = "1";
+  expect_equivalent("gpt-zbv-head", 2, o, "", kGpt);
 }
 TEST(RuntimeEquivalence, Gpt_Tied_DualPipeV_PP2xDP2) {
   expect_equivalent("gpt-dualpipev", 4, strategy(2, 2, 1, 0, 4, "dualpipev"), "", kGpt);

@@ -9,10 +9,46 @@ namespace piper::core::passes {
 
 namespace {
 
+// A place directive's `holds`: the region holds exactly the model's end of that name (the layers
+// before its first block, or those after its last block), so that schedules may treat it as a region
+// of its own. One line naming the directive and the first layer that disagrees.
+void check_holds(PassContext& cx, const PlaceDirective& d, int index, const std::vector<Vertex>& matched) {
+  const auto& layers = cx.dag.layers;
+  const bool head = d.holds == "head";
+  int first_block = -1, last_block = -1;  // layer indices of the first and last block layers
+  for (std::size_t l = 0; l < layers.size(); ++l)
+    if (layers[l].block >= 0) {
+      if (first_block < 0) first_block = static_cast<int>(l);
+      last_block = static_cast<int>(l);
+    }
+  const int lo = head ? last_block + 1 : 0, hi = head ? static_cast<int>(layers.size()) : first_block;
+  if (first_block < 0 || lo >= hi)
+    fail(index, "holds",
+         std::string("the model has no ") + (head ? "layers after its last block" : "layers before its first block"));
+  const std::string region = "region PP " + std::to_string(d.filter.exact.at("PP"));
+  std::vector<char> seen(layers.size(), 0);
+  for (auto v : matched) {
+    const auto& n = cx.node(v);
+    for (int l = n.first_layer; l < n.last_layer; ++l) {
+      if (l < lo || l >= hi)
+        fail(index, "holds",
+             region + " holds layer " + std::to_string(l) + " (" + to_string(layers[static_cast<std::size_t>(l)].kind) +
+                 "), not only the " + (head ? "final norm and head" : "embedding"));
+      seen[static_cast<std::size_t>(l)] = 1;
+    }
+  }
+  for (int l = lo; l < hi; ++l)
+    if (!seen[static_cast<std::size_t>(l)])
+      fail(index, "holds",
+           region + " lacks layer " + std::to_string(l) + " (" + to_string(layers[static_cast<std::size_t>(l)].kind) +
+               ") of the " + d.holds);
+}
+
 void apply_place(PassContext& cx, const PlaceDirective& d, int index, std::vector<int>& placed_by) {
   if (d.filter.pass) fail(index, "filter", "place cannot select a single pass");
   auto matched = cx.match(d.filter);
   if (matched.empty()) fail(index, "filter", "matches no node (" + d.filter.to_string() + ")");
+  if (!d.holds.empty()) check_holds(cx, d, index, matched);
   DeviceSetId set = cx.dag.device_sets.intern(d.devices);
   if (placed_by.size() < cx.p2p_stream.size()) placed_by.resize(cx.p2p_stream.size(), -1);
   for (auto v : matched) {

@@ -38,6 +38,10 @@ struct PlaceDirective {
   // compute stream): a SEND's next compute op waits for the transfer to end, and a RECV is posted
   // only when the compute op before its consumer has ended.
   bool blocking = false;
+  // "head" or "embedding": the region (filter exactly {PP: i}) holds only the model's final norm +
+  // LM head + loss, or only its embedding, as a region of its own (V placements move it off the V's
+  // first rank; docs/schedules.md). The compiler checks what the region holds; "" = no claim.
+  std::string holds;
 };
 
 struct ReplicateDirective {

@@ -231,16 +231,28 @@ ModelConfig load_model_config(const std::string& name_or_path);
 // A model file's text (what load_model_config reads): an HF config.json or a model spec.
 ModelConfig config_from_text(const std::string& text, const std::string& where);
 
+// Ends of the model that form PP regions of their own (V placements, docs/schedules.md): the
+// embedding (the layers before the first block) as region 0, the final norm + head + loss (the
+// layers after the last block) as the last region. By default they join the first and last block.
+struct PipelineEnds {
+  bool embedding = false;
+  bool head = false;
+  friend bool operator==(const PipelineEnds&, const PipelineEnds&) = default;
+};
+
 // Annotate PP regions automatically: `stages` contiguous regions balanced by per-layer compute
-// cost (F+B FLOPs), embedding on the first, final norm + head on the last. Replaces existing PP tags.
-void balance_pipeline(Model& model, int stages);
+// cost (F+B FLOPs), embedding on the first, final norm + head on the last (each a region of its own
+// with `ends`; ModelError when the model has no such layers). Replaces existing PP tags.
+void balance_pipeline(Model& model, int stages, PipelineEnds ends = {});
 // Explicit PP annotation: region r spans blocks [starts[r], starts[r+1]); embedding goes with 0 and
 // the final norm and head with the last region.
 void annotate_pipeline_ranges(Model& model, const std::vector<int>& block_starts);
 // After balancing: when several regions share a device (V placements, DualPipe's mirrored pairs),
 // moves region boundaries block by block to minimise the busiest device's load (then the next
 // busiest, ...). devices_of_region[r] lists the devices that run region r. Never makes it worse.
-void rebalance_for_devices(Model& model, const std::vector<std::vector<int>>& devices_of_region);
+// Regions of their own (`ends`) keep their boundaries.
+void rebalance_for_devices(Model& model, const std::vector<std::vector<int>>& devices_of_region,
+                           PipelineEnds ends = {});
 
 // C++ builder with RAII annotation scopes, mirroring `with piper.annotate("PP"):`.
 //   ModelBuilder b("tiny", shape);

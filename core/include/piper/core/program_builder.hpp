@@ -33,7 +33,8 @@ class ProgramBuilder {
   explicit ProgramBuilder(nlohmann::json program);
 
   ProgramBuilder& place(const Filter& filter, const std::vector<int>& devices,
-                        const std::optional<std::string>& stream = {}, bool blocking = false);
+                        const std::optional<std::string>& stream = {}, bool blocking = false,
+                        const std::string& holds = "");
   ProgramBuilder& replicate(const Filter& filter, const std::vector<int>& devices, const ReplicateArgs& args = {});
   ProgramBuilder& shard(const Filter& filter, const std::vector<int>& devices,
                         const std::optional<std::string>& stream = {}, std::optional<int> degree = {});

@@ -68,6 +68,20 @@ nlohmann::json scenario_program(const Scenario& s, int* regions = nullptr);
 // name or file), first checks the strategy against it (e.g. --ep against its experts).
 nlohmann::json strategy_directives(const StrategyOptions& o, const std::string& model = "");
 
+// --v-head / --v-embedding auto: every choice (in the V, a region of its own on rank 0..pp-1, or the
+// head alone on the last rank), in the V first; {o} when neither is auto. Error for a non-V family.
+std::vector<StrategyOptions> v_end_choices(const StrategyOptions& o);
+// Without a simulator (piper compile/directives): the choice with the shortest v_step_estimate.
+// sim::simulate instead simulates every choice (analytic engine) and keeps the fastest. Other values
+// are returned unchanged.
+StrategyOptions resolve_v_ends(StrategyOptions o, const ModelConfig& cfg);
+// The step of the V placement `o` (a V family, no "auto") for `cfg`'s model, its blocks balanced as a
+// scenario balances them: the schedule table replayed with each region's roofline work per pass
+// (FLOPs, or HBM bytes at 300 FLOP/byte), communication free (schedule_makespan).
+double v_step_estimate(const StrategyOptions& o, const ModelConfig& cfg);
+// The per-rank F + B FLOPs of the V placement that `o` (a V family, no "auto") gives `cfg`'s model.
+std::vector<double> v_rank_loads(const StrategyOptions& o, const ModelConfig& cfg);
+
 // PP regions a directive program refers to: 1 + the largest "PP" index in any filter (at least 1).
 int pp_regions_in_program(const nlohmann::json& program);
 

@@ -3,6 +3,7 @@
 // a family is adding one entry to schedule_registry().
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -57,6 +58,10 @@ struct ScheduleContext {
   bool mirrored = false;            // each region also lives on rank ranks-1-r (see ScheduleFamily)
   std::string memory_limit = "1p";  // zb-auto: --zb-memory-limit
   StageCosts costs;                 // cost-aware families: StrategyOptions::stage_costs
+  // V placements: region 0 holds only the embedding / the last region only the final norm + head +
+  // loss, as regions of their own on any rank; the family's shape applies to the regions between.
+  bool own_embedding = false;
+  bool own_head = false;
 };
 
 // One compute action of a schedule, named as PyTorch's torch.distributed.pipelining names them:
@@ -97,6 +102,9 @@ struct ScheduleFamily {
   // Cost-aware (zb-auto): the order depends on ScheduleContext::costs, which the simulator measures
   // with its cost model before compiling the schedule (sim::simulate; elsewhere unit costs).
   bool cost_aware = false;
+  // Accepts the embedding and the head as regions of their own (--v-embedding, --v-head; the
+  // ScheduleContext's own_embedding / own_head): the V placements.
+  bool own_ends = false;
 };
 
 const std::vector<ScheduleFamily>& schedule_registry();
@@ -112,14 +120,28 @@ nlohmann::json placement_directives(const StrategyOptions& o, const std::vector<
                                     bool mirrored = false);
 // The full program: placement + replication + sharding + the schedule's split/order.
 nlohmann::json generate_program(const StrategyOptions& o);
-// Split/order of a schedule for a placement-only program with `regions` regions placed as given.
-nlohmann::json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region);
+// Split/order of a schedule for a placement-only program with `regions` regions placed as given;
+// `own_embedding` / `own_head`: its first / last region holds only the embedding / the head (a place
+// directive's "holds"). --v-embedding / --v-head in `o` say the same.
+nlohmann::json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region,
+                                   bool own_embedding = false, bool own_head = false);
+// --v-head / --v-embedding: -1 when empty (the end stays in the V), else the pipeline rank. Throws
+// std::invalid_argument naming the flag for "auto" (resolved with the model's costs, see
+// scenario.hpp's resolve_v_ends) and for anything that is not a rank of --pp.
+int own_end_rank(const StrategyOptions& o, bool head);
 // Reads the region -> pipeline-rank map of a placement-only program, for appending a schedule.
 // Each distinct device list of the `place {PP:i}` directives is one pipeline rank, numbered in
 // increasing region order (so region 0 is on rank 0). Sets *pipeline_ranks (if not null).
 // Throws std::invalid_argument if the program already has split/order directives, has no such place
-// directives, or its PP regions are not 0..n-1 each placed once.
-std::vector<int> rank_of_region_from_program(const nlohmann::json& program, int* pipeline_ranks);
+// directives, or its PP regions are not 0..n-1 each placed once. Sets *own_embedding / *own_head (if
+// not null) when region 0 / the last region is placed with "holds": "embedding" / "head".
+std::vector<int> rank_of_region_from_program(const nlohmann::json& program, int* pipeline_ranks,
+                                             bool* own_embedding = nullptr, bool* own_head = nullptr);
+
+// The step time of `table` when each rank runs its steps in order as soon as their inputs are ready
+// (F(s) after F(s-1); B or I(s) after F(s) and B or I(s+1); W(s) after I(s); an overlapped pair
+// after both, for the sum), communication free; stage_cost[s] = the times of F, I and W (B = I + W).
+double schedule_makespan(const ScheduleTable& table, const std::vector<std::array<double, 3>>& stage_cost);
 
 // The per-rank step order of a schedule for the knobs (its own regions and placement).
 ScheduleTable schedule_table(const StrategyOptions& o);

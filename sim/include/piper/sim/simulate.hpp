@@ -36,6 +36,10 @@ struct SimulationResult {
   Report report;
 };
 
+// --v-head / --v-embedding auto (core::v_end_choices): the scenario with the choice whose analytic
+// simulation on `cluster` is fastest (the earlier one on a tie: in the V first); unchanged otherwise.
+// simulate() applies it, and so does the sweep.
+core::Scenario choose_v_ends(const core::Scenario& scenario, const std::string& cluster);
 SimulationResult simulate(const core::Scenario& scenario, const SimulateOptions& options = {});
 // A Program already compiled (e.g. read from --plan); compile stats come from program.stats.
 SimulationResult simulate_program(std::shared_ptr<const core::Program> program, const SimulateOptions& options = {});
