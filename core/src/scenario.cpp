@@ -62,7 +62,8 @@ PipelineEnds ends_in_program(const json& program) {
   PipelineEnds ends;
   if (!program.is_array()) return ends;
   for (const auto& d : program)
-    if (d.is_object() && d.value("op", "") == "place" && d.contains("holds") && d["holds"].is_string()) {
+    // Raw JSON, before parse_directives: read only well-typed fields (that pass reports the rest).
+    if (d.is_object() && d.contains("op") && d["op"] == "place" && d.contains("holds") && d["holds"].is_string()) {
       ends.embedding |= d["holds"] == "embedding";
       ends.head |= d["holds"] == "head";
     }

@@ -806,15 +806,15 @@ const std::vector<ScheduleFamily>& schedule_registry() {
                  "Qi et al.'s automatic zero-bubble scheduler under --zb-memory-limit (1p: ZB-1p, 2p: ZB-2p); one "
                  "region per rank; stage costs from the simulator's cost model, else unit costs",
                  [](const StrategyOptions& o) { return virtual_must_be("zb-auto", o, 1) * o.pp; }, contiguous_placement,
-                 table_directives<zb_auto_table>, zb_auto_table, false, true});
+                 table_directives<zb_auto_table>, zb_auto_table, /*mirrored=*/false, /*cost_aware=*/true});
     r.push_back({"zb-v", "V placement (2 regions per rank: r and 2pp-1-r); B split into BI/BW; any --microbatches",
                  [](const StrategyOptions& o) { return virtual_must_be("zb-v", o, 2) * o.pp + own_ends(o); },
-                 v_placement_with_ends, table_directives<with_own_ends<zb_v_table>>, with_own_ends<zb_v_table>, false,
-                 true});
+                 v_placement_with_ends, table_directives<with_own_ends<zb_v_table>>, with_own_ends<zb_v_table>,
+                 /*mirrored=*/false, /*cost_aware=*/false, /*own_ends=*/true});
     r.push_back({"dualpipev", "V placement (2 regions per rank); --microbatches >= 2 x --pp; overlapped F&B pairs",
                  [](const StrategyOptions& o) { return virtual_must_be("dualpipev", o, 2) * o.pp + own_ends(o); },
                  v_placement_with_ends, table_directives<with_own_ends<dualpipev_table>>,
-                 with_own_ends<dualpipev_table>, false, true});
+                 with_own_ends<dualpipev_table>, /*mirrored=*/false, /*cost_aware=*/false, /*own_ends=*/true});
     r.push_back({"dualpipe",
                  "even --pp; even --microbatches >= 2 x --pp; two mirrored model copies, half the microbatches each",
                  [](const StrategyOptions& o) { return virtual_must_be("dualpipe", o, 1) * o.pp; },

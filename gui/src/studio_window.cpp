@@ -18,6 +18,8 @@
 #include <QDoubleSpinBox>
 #include <QFileDialog>
 #include <QFormLayout>
+#include <QScrollArea>
+#include <QScrollBar>
 #include <QLabel>
 #include <QMenuBar>
 #include <QMessageBox>
@@ -369,7 +371,14 @@ QWidget* StudioWindow::build_preset_panel() {
   auto* apply = new QPushButton("Simulate preset");
   connect(apply, &QPushButton::clicked, this, [this] { load_scenario(preset_scenario()); });
   form->addRow(apply);
-  return box;
+  // The table grows with every setting: scrolled, so that it never sets the window's minimum height.
+  auto* scroll = new QScrollArea;
+  scroll->setWidget(box);
+  scroll->setWidgetResizable(true);
+  scroll->setFrameShape(QFrame::NoFrame);
+  scroll->setHorizontalScrollBarPolicy(Qt::ScrollBarAlwaysOff);
+  scroll->setMinimumWidth(box->sizeHint().width() + scroll->verticalScrollBar()->sizeHint().width());
+  return scroll;
 }
 
 void StudioWindow::fill_preset_panel(const core::Scenario& s) {

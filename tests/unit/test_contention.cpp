@@ -22,6 +22,7 @@ core::Op comm_op(core::OpKind kind, std::int32_t node, int set, int peer) {
   core::Op op;
   op.kind = kind;
   op.node = node;
+  op.pair = node;  // a SEND and its RECV share the pairing id (core/readiness.hpp)
   op.bytes = kBytes;
   op.device_set = set;
   op.peer_set = peer;

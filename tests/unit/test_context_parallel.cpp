@@ -485,8 +485,11 @@ TEST(ContextParallel, SweepKnob) {
   const auto at = static_cast<std::size_t>(std::find(columns.begin(), columns.end(), "cp") - columns.begin());
   ASSERT_LT(at, columns.size());
   std::vector<std::string> fields;
-  std::stringstream row(to_csv(two));
-  for (std::string f; std::getline(row, f, ',');) fields.push_back(f);
+  const std::string row = to_csv(two);  // no quoted fields here; an empty last field counts too
+  for (std::size_t b = 0, e = 0; e != std::string::npos; b = e + 1) {
+    e = row.find(',', b);
+    fields.push_back(row.substr(b, e == std::string::npos ? std::string::npos : e - b));
+  }
   ASSERT_EQ(fields.size(), columns.size());
   EXPECT_EQ(fields[at], "2");
   EXPECT_THROW(SweepSpec::parse(R"({"model": "qwen3-9m", "cp": ["two"]})", "s.json"), SweepError);

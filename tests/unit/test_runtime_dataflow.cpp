@@ -29,7 +29,7 @@ namespace {
 const std::string kMoe = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-moe.json";
 using Buf = std::vector<float>;
 
-// Rendezvous of the virtual devices: point-to-point messages by (source, destination, SEND node);
+// Rendezvous of the virtual devices: point-to-point messages by (source, destination, pairing id);
 // collectives by (kind, family, the group's first device, how many of them this family ran before).
 class Hub {
  public:
@@ -59,9 +59,9 @@ class ThreadTransport {
     Ticket t;
     t.kind = r.kind;
     if (r.kind == rt::CommKind::Send) {
-      hub_.mailbox[{device_, r.peer, r.node}] = *r.send;
+      hub_.mailbox[{device_, r.peer, r.pair}] = *r.send;
     } else if (r.kind == rt::CommKind::Recv) {
-      t.p2p = {r.peer, device_, r.node};
+      t.p2p = {r.peer, device_, r.pair};
       t.recv = r.recv;
     } else {
       const int seq = sequence_[{static_cast<int>(r.kind), r.family}]++;
