@@ -147,7 +147,9 @@ bool get_bool(const json& d, int index, const char* field) {
   return it->get<bool>();
 }
 
-Directive parse_one(const json& d, int index) {
+// One case per directive kind, each reading and checking that kind's fields in place, so that the
+// accepted fields of a kind and their messages sit together.
+Directive parse_one(const json& d, int index) {  // NOLINT(readability-function-size)
   if (!d.is_object()) fail(index, "", "must be an object with an \"op\" field, got " + type_name(d));
   auto op_it = d.find("op");
   if (op_it == d.end()) fail(index, "op", "missing required field");

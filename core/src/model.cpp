@@ -587,7 +587,10 @@ TrainingShape context_parallel_local_shape(const TrainingShape& shape, int cp) {
   return local;
 }
 
-Costs layer_costs(const Layer& layer, const TrainingShape& shape, const ParallelLayout& L) {
+// The cost formulas of every layer kind (FLOPs, bytes, kernel lists by pass), one case per kind; the
+// cases share the layout's sharding factors computed at the top.
+Costs layer_costs(const Layer& layer, const TrainingShape& shape,  // NOLINT(readability-function-size)
+                  const ParallelLayout& L) {
   if (L.cp > 1) {
     ParallelLayout inner = L;
     inner.cp = 1;

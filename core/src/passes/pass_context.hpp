@@ -99,7 +99,7 @@ struct PassContext {
     if (nodes > limit_value(Limit::DagNodes)) check_limit(Limit::DagNodes, nodes, "global training DAG", "nodes");
     if (n.label.empty()) n.label = node_label(n);
     if (n.kind == NodeKind::Compute) index.reset();
-    Vertex v = dag.add_node(std::move(n));
+    Vertex v = dag.add_node(n);
     if (p2p_stream.size() <= v) p2p_stream.resize(v + 1);
     if (p2p_blocking.size() <= v) p2p_blocking.resize(v + 1, 0);
     return v;
