@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The curated clang-tidy set (.clang-tidy: bug-prone patterns, needless copies, functions over 100
 # lines; warnings are errors) over the sources named, or by default over the contract floor (core/),
-# which scripts/test.sh checks; --all checks every C++ source of the default build (about 15 minutes
-# on 2 cores). Needs build/compile_commands.json (cmake --preset default).
+# which scripts/test.sh checks; --all checks every C++ source of the default build (outside core/ it
+# still has findings to fix). Needs build/compile_commands.json (cmake --preset default).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 command -v clang-tidy >/dev/null || { echo "tidy: clang-tidy not found (scripts/install-deps.sh installs it)" >&2; exit 1; }

@@ -83,34 +83,39 @@ std::vector<double> rank_loads(const Model& model, const std::vector<int>& rank_
   return load;
 }
 
+// `cfg`'s model split into the regions of the V that `o` asks for, balanced as compile_scenario does
+// (the ends in regions of their own where asked), with each region's rank.
+struct BalancedV {
+  Model model;
+  int regions = 0;
+  std::vector<int> rank_of_region;
+};
+BalancedV balanced_v(const StrategyOptions& o, const ModelConfig& cfg) {
+  const ScheduleFamily& family = schedule_family(o.schedule);
+  BalancedV v{build_model(cfg), family.regions(o), {}};
+  v.rank_of_region = family.placement(o, v.regions);
+  const PipelineEnds ends{!o.v_embedding.empty(), !o.v_head.empty()};
+  balance_pipeline(v.model, v.regions, ends);
+  std::vector<std::vector<int>> devices(v.rank_of_region.size());
+  for (std::size_t r = 0; r < v.rank_of_region.size(); ++r) devices[r] = {v.rank_of_region[r]};
+  rebalance_for_devices(v.model, devices, ends);
+  return v;
+}
+
 }  // namespace
 
 std::vector<double> v_rank_loads(const StrategyOptions& o, const ModelConfig& cfg) {
-  const ScheduleFamily& family = schedule_family(o.schedule);
-  Model model = build_model(cfg);
-  const int regions = family.regions(o);
-  const std::vector<int> rank_of_region = family.placement(o, regions);
-  const PipelineEnds ends{!o.v_embedding.empty(), !o.v_head.empty()};
-  balance_pipeline(model, regions, ends);
-  std::vector<std::vector<int>> devices(rank_of_region.size());
-  for (std::size_t r = 0; r < rank_of_region.size(); ++r) devices[r] = {rank_of_region[r]};
-  rebalance_for_devices(model, devices, ends);
-  return rank_loads(model, rank_of_region, o.pp);
+  const BalancedV v = balanced_v(o, cfg);
+  return rank_loads(v.model, v.rank_of_region, o.pp);
 }
 
 // The step time of the V that `o` gives `cfg`'s model, estimated as the cost-weighted replay of its
 // schedule table: each region's F, I and W take their layers' roofline work (FLOPs, or HBM bytes at
 // 300 FLOP/byte, as lowering's estimate), communication free.
 double v_step_estimate(const StrategyOptions& o, const ModelConfig& cfg) {
-  const ScheduleFamily& family = schedule_family(o.schedule);
-  Model model = build_model(cfg);
-  const int regions = family.regions(o);
-  const std::vector<int> rank_of_region = family.placement(o, regions);
-  const PipelineEnds ends{!o.v_embedding.empty(), !o.v_head.empty()};
-  balance_pipeline(model, regions, ends);
-  std::vector<std::vector<int>> devices(rank_of_region.size());
-  for (std::size_t r = 0; r < rank_of_region.size(); ++r) devices[r] = {rank_of_region[r]};
-  rebalance_for_devices(model, devices, ends);
+  const BalancedV v = balanced_v(o, cfg);
+  const Model& model = v.model;
+  const int regions = v.regions;
   constexpr double kFlopsPerByte = 300;
   std::vector<std::array<double, 3>> cost(static_cast<std::size_t>(regions), {0, 0, 0});
   for (std::size_t l = 0; l < model.layers().size(); ++l) {
