@@ -432,6 +432,8 @@ std::vector<core::DeviceTimeline> gather_timelines(const core::DeviceTimeline& t
   return devices;
 }
 
+}  // namespace
+
 void write_measured_trace(const std::string& path, const core::Program& program,
                           std::vector<core::DeviceTimeline> devices) {
   core::Timeline t;
@@ -445,8 +447,6 @@ void write_measured_trace(const std::string& path, const core::Program& program,
   core::write_chrome_trace(t, out);
   core::write_file_atomically(path, out.str());
 }
-
-}  // namespace
 
 TrainResult train_ranks(const core::Program& program, const TrainOptions& o, RankTrainee& trainee, int rank,
                         int first_step, const RankLoopLabels& labels) {

@@ -10,7 +10,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <thread>
 
 #include <fmt/format.h>
@@ -63,19 +62,6 @@ void write_report(const std::string& path, const TrainResult& r, const std::stri
                    {"overhead_s", r.overhead_s},
                    {"total_s", r.total_s}};
   core::write_file_atomically(path, j.dump(1) + "\n");
-}
-
-void write_trace(const std::string& path, const core::Program& program, std::vector<core::DeviceTimeline> devices) {
-  core::Timeline t;
-  t.source = "measured";
-  t.program = std::make_shared<const core::Program>(program);
-  for (auto& d : devices) {
-    for (const auto& s : d.spans) t.step_time_s = std::max(t.step_time_s, s.end_s);
-    t.devices.push_back(std::move(d));
-  }
-  std::ostringstream out;
-  core::write_chrome_trace(t, out);
-  core::write_file_atomically(path, out.str());
 }
 
 // The GPU spans with the executor's memory samples (host-observed buffer lifetimes).
@@ -250,7 +236,7 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
     std::vector<core::DeviceTimeline> devices;
     for (int d = 0; d < n; ++d)
       devices.push_back(merged(*backends[static_cast<std::size_t>(d)], last[static_cast<std::size_t>(d)]));
-    write_trace(o.trace_path, program, std::move(devices));
+    write_measured_trace(o.trace_path, program, std::move(devices));
   }
   if (!o.report_path.empty())
     write_report(o.report_path, r, "cuda-virtual", n, c.dtype == DType::F32 ? "fp32" : "bf16");

@@ -134,5 +134,9 @@ std::string broadcast_checkpoint_bytes(const std::string& path, const core::Prog
 // ReportedByAnotherRank elsewhere.
 void save_distributed(const TrainOptions& o, const core::Program& program, const std::vector<StateRecord>& records,
                       const core::Model& model, int step, int rank);
+// Writes every device's measured timeline of one step (spans relative to the step start) as a
+// Chrome trace (`--trace`), atomically.
+void write_measured_trace(const std::string& path, const core::Program& program,
+                          std::vector<core::DeviceTimeline> devices);
 
 }  // namespace piper::runtime
