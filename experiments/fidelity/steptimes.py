@@ -28,7 +28,7 @@ REQUIRED = {  # field -> type
     "id": str, "source": str, "url": str, "quote": str, "model": str, "gpu": str, "cluster": str, "gpus": int,
     "flags": list, "family": str, "runtime": str, "measured": dict, "measured_step_s": (int, float), "conversion": str,
     "notes": str}
-OPTIONAL = {"repo", "commit", "path", "quote_context", "measured_peak_gib", "measured_peak_kind"}
+OPTIONAL = {"repo", "commit", "path", "quote_context", "measured_peak_gib", "measured_peak_kind", "attention_kernel"}
 # What a published peak counts: "allocated" (live tensors, what Piper predicts) or "reserved" (the caching
 # allocator's reserved peak, torch.cuda's reserved_bytes.all.peak: allocated plus cached, fragmented blocks).
 PEAK_KINDS = {"allocated", "reserved"}
@@ -132,6 +132,9 @@ def validate(cases, path, zoo):
             errors.append(f"{where}: 'cluster' {c['cluster']} is neither a preset nor a file under the repository")
         if c["runtime"] not in PROFILE_OF_RUNTIME:
             errors.append(f"{where}: 'runtime' {c['runtime']} is not one of {', '.join(sorted(PROFILE_OF_RUNTIME))}")
+        kernel = c.get("attention_kernel")
+        if kernel is not None and (not isinstance(kernel, str) or not kernel.strip()):
+            errors.append(f"{where}: 'attention_kernel' must be a kernel name of the GPU's table (e.g. \"fa2\")")
     return errors
 
 
@@ -150,7 +153,8 @@ def resolve(path_or_name, known):
 
 
 def cluster_with_profile(case, workdir):
-    """A cluster file: the case's cluster with "runtime" set from the case's runtime label."""
+    """A cluster file: the case's cluster with "runtime" set from the case's runtime label and, where the case
+    names one, the attention implementation the source ran ("attention_kernel", docs/cost-model.md)."""
     name = case["cluster"]
     if name in PRESET_CLUSTERS:
         spec = {"preset": name}
@@ -158,6 +162,8 @@ def cluster_with_profile(case, workdir):
         with open(os.path.join(REPO, name)) as f:
             spec = json.load(f)
     spec["runtime"] = PROFILE_OF_RUNTIME[case["runtime"]]
+    if "attention_kernel" in case:
+        spec["attention_kernel"] = case["attention_kernel"]
     path = os.path.join(workdir, case["id"] + "-cluster.json")
     with open(path, "w") as f:
         json.dump(spec, f)

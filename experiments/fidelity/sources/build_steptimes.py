@@ -156,6 +156,24 @@ LF_PICK = [
     ("## H100 80GB BF16 (Large Scale, >= 128 GPUs)", "3b", 2048, 128, None),
     ("## H100 80GB BF16 (Large Scale, >= 128 GPUs)", "3b", 2048, 512, None),
 ]
+
+
+def lf_flash_attn(section):
+    """The flash-attn version the benchmark harness installed when the section's table was added: the commit
+    that introduced the section title, its submit_benchmarks.py's pip_install extra, and setup.py's pin of
+    flash-attn in that extra (all read from the source at that commit)."""
+    first = subprocess.check_output(["git", "-C", f"{MIR}/{LF}/repo", "log", "--reverse", "--format=%H", "-S", section,
+                                     lf_commit, "--", lf_path], text=True).split()[0]
+    harness = show(LF, first, "scripts/train/benchmarking/submit_benchmarks.py")
+    extras = sorted({line.split("[")[1].split("]")[0] for line in harness.splitlines()
+                     if "'pip_install'" in line and "[" in line})
+    assert len(extras) == 1, (section, extras)
+    setup = show(LF, first, "setup.py").splitlines()
+    i = next(k for k, line in enumerate(setup) if line.startswith(f"extra_deps['{extras[0]}'] = ["))
+    pin = next(line.strip().strip("',") for line in setup[i:] if "'flash-attn==" in line)
+    return first, extras[0], pin
+
+
 for section, size, seq, gpus, mbs in LF_PICK:
     line, c = lf_row(section, size, seq, gpus, mbs)
     (model, seqlen, ngpu, gpu, mfu, hfu, mtflop, mbsz, ga, gbs, sps, tps, tpsg, gbs_t, prec, mp, shard, ac, off, nparams) = c
@@ -173,6 +191,16 @@ for section, size, seq, gpus, mbs in LF_PICK:
              "Activation checkpointing True posed as --recompute full." if ac == "True" else "No activation checkpointing.",
              "The step time divides GlobalBatchSize (T) by Throughput (T/s); the README rounds T/s to an integer, so the conversion is exact to < 0.01 %.",
              "Runtime: PyTorch eager under Composer (no torch.compile) with FlashAttention."]
+    # Every MosaicML table: the flash-attn its harness installed.
+    first, extra, pin = lf_flash_attn(section)
+    major = pin.split("==")[1].lstrip("v").split(".")[0]
+    attention_kernel = "fa2"
+    notes.append(f"Attention: the table was added at {first[:9]}, whose benchmark harness installs llm-foundry with "
+                 f"'.[{extra}]' (scripts/train/benchmarking/submit_benchmarks.py), which setup.py pins to '{pin}': "
+                 + ("FlashAttention-2, " if major == "2" else "FlashAttention 1, slower than FlashAttention-2 (Piper has no "
+                    "rates for it, so FlashAttention-2's are the nearest and the prediction leans fast), ")
+                 + ("not a Hopper kernel: " if gpu_label.startswith("H100") else "")
+                 + "attention_kernel \"fa2\" (docs/cost-model.md).")
     if seq != 2048:
         notes.append(f"Sequence length {seq}: the model file has learned positions up to {seq}, as NumParams shows.")
     cases.append({
@@ -193,7 +221,8 @@ for section, size, seq, gpus, mbs in LF_PICK:
         "measured": {"value": int(tps), "unit": "tokens/s (all GPUs)"},
         "measured_step_s": step,
         "conversion": f"GlobalBatchSize (T) {gbs_t} tokens / Throughput {tps} tokens/s = {step:.4f} s",
-        "notes": " ".join(notes) + MPT_LOSS_NOTE})
+        "notes": " ".join(notes) + MPT_LOSS_NOTE,
+        **({"attention_kernel": attention_kernel} if attention_kernel else {})})
 
 # ---------------------------------------------------------------- TorchTitan
 TT = "pytorch+torchtitan"
