@@ -6,7 +6,7 @@
 
 MIRRORS holds one bare or normal git clone per source, at MIRRORS/<owner>+<name>/repo:
 mosaicml+llm-foundry, pytorch+torchtitan, bigscience-workshop+bigscience, cli99+llm-analysis,
-deepspeedai+DeepSpeed (read for its pipeline engine's point-to-point semantics). The
+deepspeedai+DeepSpeed (read for its pipeline engine's point-to-point semantics), NVIDIA+Megatron-LM. The
 script reads each source file at the clone's HEAD with `git show`, picks table rows by their key
 columns, and copies each row's text verbatim into the case's quote; every number in a case is parsed
 from that text (or asserted to appear in it), never typed in. The commit read is recorded per case.
@@ -490,6 +490,61 @@ for servers, secit, tfl in [("280", "60.1", "126"), ("350", "50.2", "121"), ("42
                   "https://creativeg.gr/gpt3/mt-nlg-by-microsoft-and-nvidia-ai/, says 'Each DGX A100 includes eight A100s, each "
                   "with an 80GB Tensor Core GPU' and 'HDR InfiniBand with full-fat tree extension', so the dgx-a100-80g preset is used (the GPUs' FLOP/s and NVLink are the same). DeepSpeed ZeRO-1 "
                   "data parallelism and its 1F1B pipeline schedule; fp32 main grads as Megatron-LM's default." + DS_P2P_NOTE)})
+
+# ---------------------------------------------------------------- Megatron-LM GPT-3 175B (README, January 2021)
+MG = "NVIDIA+Megatron-LM"
+mg_quote_start = "With full global batch size of 1536 on 1024 A100 GPUs, each iteration takes around 32 seconds"
+# The commit that wrote the sentence; the README and the example script are read there.
+mg_commit = subprocess.check_output(["git", "-C", f"{MIR}/{MG}/repo", "log", "--reverse", "--format=%H", "-S", mg_quote_start,
+                                     "--", "README.md"], text=True).split()[0]
+mg_readme = show(MG, mg_commit, "README.md")
+quote = next(l for l in mg_readme.splitlines() if l.startswith(mg_quote_start))
+mg_script = show(MG, mg_commit, "examples/pretrain_gpt3_175B.sh")
+for flag in ("--tensor-model-parallel-size 8", "--pipeline-model-parallel-size 16", "--num-layers 96", "--hidden-size 12288",
+             "--num-attention-heads 96", "--seq-length 2048", "--micro-batch-size 1", "--global-batch-size 1536", "--fp16",
+             "--checkpoint-activations"):
+    assert flag in mg_script, flag
+assert "dropout" not in mg_script and "--num-layers-per-virtual-pipeline-stage" not in mg_script
+mg_args = show(MG, mg_commit, "megatron/arguments.py")
+assert "'--attention-dropout', type=float, default=0.1" in mg_args and "'--hidden-dropout', type=float, default=0.1" in mg_args
+assert "'--make-vocab-size-divisible-by', type=int, default=128" in mg_args
+mg_training = show(MG, mg_commit, "megatron/training.py")
+assert "reqs = torch.distributed.batch_isend_irecv(ops)" in mg_training and "req.wait()" in mg_training
+assert "tensor_shape = (args.seq_length, args.micro_batch_size, args.hidden_size)" in mg_training
+gpt3_model = write_model("gpt3-175b-megatron", {
+    "name": "gpt3-175b-megatron",
+    "description": (f"GPT-3 175B as NVIDIA/Megatron-LM examples/pretrain_gpt3_175B.sh runs it (commit {mg_commit[:10]}): 96 layers, "
+                    "hidden 12288, 96 heads, sequence 2048, fp16; GPT-2 BPE vocabulary 50257 padded to a multiple of 128 x TP 8 "
+                    "(megatron/tokenizer/tokenizer.py) = 51200; learned positions, LayerNorm, GELU, biases, tied embeddings, "
+                    "Megatron's fused-softmax attention (no flash); attention and hidden dropout 0.1 (megatron/arguments.py "
+                    "defaults; the script sets neither)."),
+    "vocab": 51200, "hidden": 12288, "layers": 96, "heads": 96, "ffn": 49152,
+    "activation": "gelu", "norm": "layernorm", "bias": True, "tie_embeddings": True, "max_positions": 2048,
+    "attention": "standard", "dropout": 0.1,
+    "training": {"seq_len": 2048, "micro_batch_size": 1, "precision": "fp16"}})
+assert "takes around 32 seconds" in quote and "1024 A100 GPUs" in quote
+cases.append({
+    "id": "megatron-gpt3-175b-1024gpus",
+    "source": "NVIDIA Megatron-LM README, GPT-3 example (January 2021)",
+    "url": f"https://github.com/NVIDIA/Megatron-LM/blob/{mg_commit}/README.md",
+    "repo": "NVIDIA/Megatron-LM", "commit": mg_commit, "path": "README.md",
+    "quote": quote, "quote_context": "## GPT-3 Example",
+    "model": gpt3_model, "gpu": "A100-80GB", "cluster": "dgx-a100-80g",
+    "gpus": 1024,
+    "flags": ["--tp", "8", "--pp", "16", "--dp", "8", "--zero", "0", "--schedule", "1f1b", "--microbatches", "192",
+              "--micro-batch-size", "1", "--seq-len", "2048", "--recompute", "full", "--p2p-blocking"],
+    "family": "tp+pp+dp", "runtime": "megatron",
+    "measured": {"value": 32, "unit": "s/iteration ('around')"},
+    "measured_step_s": 32.0,
+    "conversion": "'each iteration takes around 32 seconds' is the step time; 1024 GPUs / (TP 8 x PP 16) = DP 8; 1536 / (DP 8 x micro-batch 1) = 192 microbatches",
+    "notes": ("Settings from examples/pretrain_gpt3_175B.sh at the same commit (--tensor-model-parallel-size 8 "
+              "--pipeline-model-parallel-size 16 --micro-batch-size 1 --global-batch-size 1536 --fp16 --checkpoint-activations; "
+              "no --num-layers-per-virtual-pipeline-stage, so the non-interleaved 1F1B schedule). The README gives no GPU memory "
+              "size or network; posed on the dgx-a100-80g preset (8 x 200 Gb/s HDR per node). Megatron's local DDP all-reduces "
+              "fp16 gradients after the backward (--zero 0). The pipeline's communicate() in megatron/training.py sends the "
+              "whole (seq, micro-batch, hidden) tensor from every TP rank with batch_isend_irecv and waits for every request "
+              "before the next compute: --p2p-blocking. The figure is approximate ('around 32 seconds'); the README's 138 "
+              "teraFLOP/s per GPU is the same figure counted with recomputation.")})
 
 ids = [c["id"] for c in cases]
 assert len(ids) == len(set(ids)), "duplicate ids"
