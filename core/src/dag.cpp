@@ -242,8 +242,11 @@ std::vector<Segment> segment_model(const Model& model) {
       s.index = static_cast<int>(segments.size());
       s.first_layer = static_cast<int>(i);
       s.tags = layers[i].tags;
-      if (layers[i].kind == LayerKind::MoeExperts)
+      if (layers[i].kind == LayerKind::MoeExperts) {
         s.fanout = static_cast<int>(std::max<std::int64_t>(1, layers[i].shape.top_k));
+        s.routing_groups = static_cast<int>(layers[i].shape.routing_groups);
+        s.routing_group_limit = static_cast<int>(layers[i].shape.routing_group_limit);
+      }
       segments.push_back(std::move(s));
     }
     auto& s = segments.back();

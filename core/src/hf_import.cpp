@@ -289,10 +289,14 @@ ModelConfig config_from_hf_json(const json& j, const std::string& where,  // NOL
     c.qk_rope_head_dim = r.req_positive("qk_rope_head_dim");
     c.v_head_dim = r.req_positive("v_head_dim");
     c.head_dim = r.req_positive("qk_nope_head_dim");
-    // Node-limited routing (each token's experts drawn from topk_group of n_group groups, i.e.
-    // nodes) bounds the all-to-all's fan-out; Piper's all-to-all assumes uniform routing.
+    // Node-limited routing: each token's experts drawn from topk_group of n_group groups (DeepSeek
+    // places one group per node), which bounds the all-to-all's inter-node traffic (docs/compiler.md).
     const std::int64_t groups = r.positive_or("n_group", 1), picked = r.positive_or("topk_group", groups);
-    if (picked < groups) not_modelled.insert(not_modelled.end(), {"n_group", "topk_group"});
+    if (picked > groups) r.fail("topk_group", "must not exceed n_group (" + std::to_string(groups) + ")");
+    if (picked < groups) {
+      c.routing_groups = groups;
+      c.routing_group_limit = picked;
+    }
     // The multi-token-prediction module (DeepSeek-V3's extra block) is not built.
     if (r.non_negative_or("num_nextn_predict_layers", 0) > 0) not_modelled.push_back("num_nextn_predict_layers");
   }

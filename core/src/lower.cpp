@@ -486,6 +486,14 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
       if (node.kind == NodeKind::Compute || node.kind == NodeKind::Send || node.kind == NodeKind::Recv ||
           node.kind == NodeKind::AllToAll)
         op.segment = node.segment;
+      if (node.kind == NodeKind::AllToAll && node.segment >= 0) {
+        const Segment& routed = dag.segments.at(static_cast<std::size_t>(node.segment));
+        if (routed.routing_groups > 0) {
+          op.route_groups = routed.routing_groups;
+          op.route_group_limit = routed.routing_group_limit;
+          op.route_top_k = routed.fanout;
+        }
+      }
       op.segments = node.buffer_segments;
       const int s =
           stream_of(node.kind == NodeKind::Compute || node.kind == NodeKind::Update ? "compute" : node.stream);

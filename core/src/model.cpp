@@ -744,6 +744,23 @@ int Model::pp_regions() const {
 // ---------------------------------------------------------------------------------------------
 namespace spec {
 
+namespace {
+// moe.routing_groups must split the experts evenly; the limit lies in [1, groups].
+void validate_routing_groups(const ModelConfig& c, const std::string& where) {
+  if (c.routing_groups == 0) {
+    if (c.routing_group_limit != 0)
+      field_error(where, "moe.routing_group_limit", "needs moe.routing_groups (the number of expert groups)");
+    return;
+  }
+  if (c.routing_groups < 0 || c.experts % c.routing_groups != 0)
+    field_error(where, "moe.routing_groups",
+                "must be a positive integer that divides moe.experts (" + std::to_string(c.experts) + ")");
+  if (c.routing_group_limit < 1 || c.routing_group_limit > c.routing_groups)
+    field_error(where, "moe.routing_group_limit",
+                "must lie between 1 and moe.routing_groups (" + std::to_string(c.routing_groups) + ")");
+}
+}  // namespace
+
 void validate_config(const ModelConfig& c, const std::string& where) {
   auto positive = [&](std::int64_t v, const char* field) {
     if (v <= 0) field_error(where, field, "must be a positive integer");
@@ -774,6 +791,7 @@ void validate_config(const ModelConfig& c, const std::string& where) {
     non_negative(c.first_dense_layers, "moe.first_dense_layers");
     if (c.first_dense_layers > c.layers)
       field_error(where, "moe.first_dense_layers", "must not exceed layers (" + std::to_string(c.layers) + ")");
+    validate_routing_groups(c, where);
   }
   non_negative(c.kv_lora_rank, "mla.kv_lora_rank");
   non_negative(c.q_lora_rank, "mla.q_lora_rank");
@@ -870,6 +888,8 @@ Model build_model(const ModelConfig& c) {
   moe.hidden = c.hidden;
   moe.experts = c.experts;
   moe.top_k = c.top_k;
+  moe.routing_groups = c.routing_groups;
+  moe.routing_group_limit = c.routing_group_limit;
   LayerShape experts = moe;
   experts.ffn = c.expert_ffn;
 
@@ -994,6 +1014,8 @@ std::optional<ModelConfig> zoo_config(const std::string& name) {
     c.shared_experts = 1;
     c.shared_expert_ffn = 2048;
     c.first_dense_layers = 3;
+    c.routing_groups = 8;  // config.json n_group / topk_group: each token reaches at most 4 nodes
+    c.routing_group_limit = 4;
     c.q_lora_rank = 1536;
     c.kv_lora_rank = 512;
     c.qk_rope_head_dim = 64;
@@ -1074,13 +1096,16 @@ ModelConfig config_from_spec_json(const json& j, const std::string& where) {
   }
   if (const json* moe = r.opt_object("moe")) {
     FieldReader m(*moe, where, "moe.");
-    m.reject_unknown({"experts", "top_k", "expert_ffn", "shared_experts", "shared_expert_ffn", "first_dense_layers"});
+    m.reject_unknown({"experts", "top_k", "expert_ffn", "shared_experts", "shared_expert_ffn", "first_dense_layers",
+                      "routing_groups", "routing_group_limit"});
     c.experts = m.req_positive("experts");
     c.top_k = m.req_positive("top_k");
     c.expert_ffn = m.req_positive("expert_ffn");
     c.shared_experts = m.non_negative_or("shared_experts", 0);
     c.shared_expert_ffn = m.positive_or("shared_expert_ffn", c.shared_experts > 0 ? c.expert_ffn : 0);
     c.first_dense_layers = m.non_negative_or("first_dense_layers", 0);
+    c.routing_groups = m.non_negative_or("routing_groups", 0);
+    c.routing_group_limit = m.non_negative_or("routing_group_limit", c.routing_groups);
   }
   if (const json* sw = r.opt_object("sliding_window")) {
     FieldReader m(*sw, where, "sliding_window.");
@@ -1138,6 +1163,10 @@ json config_to_spec_json(const ModelConfig& c) {
                 {"shared_experts", c.shared_experts},
                 {"first_dense_layers", c.first_dense_layers}};
     if (c.shared_experts > 0) j["moe"]["shared_expert_ffn"] = c.shared_expert_ffn;
+    if (c.routing_groups > 0) {
+      j["moe"]["routing_groups"] = c.routing_groups;
+      j["moe"]["routing_group_limit"] = c.routing_group_limit;
+    }
   }
   if (c.kv_lora_rank > 0) {
     j["mla"] = {{"q_lora_rank", c.q_lora_rank},

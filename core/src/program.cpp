@@ -153,6 +153,11 @@ json op_to_json(const Op& op) {
   if (op.elementwise_bytes != 0) j["elementwise_bytes"] = op.elementwise_bytes;
   if (op.recompute_flops != 0) j["recompute_flops"] = op.recompute_flops;
   if (op.gemm_kernels != 0) j["gemm_kernels"] = op.gemm_kernels;
+  if (op.route_groups != 0) {
+    j["route_groups"] = op.route_groups;
+    j["route_group_limit"] = op.route_group_limit;
+    j["route_top_k"] = op.route_top_k;
+  }
   return j;
 }
 
@@ -165,6 +170,26 @@ json buffer_to_json(const Buffer& b) {
 
 // Reads an op's own fields; references to streams, buffers, sets and families are checked later,
 // once the whole plan and program tables are known.
+// An ALL_TO_ALL's node-limited routing (Op::route_*): all three or none; 1 <= limit <= groups.
+void read_routing(const json& j, const std::string& path, Op& op) {
+  const json* g = optional_field(j, "route_groups");
+  if (g == nullptr) {
+    for (const char* f : {"route_group_limit", "route_top_k"})
+      if (optional_field(j, f) != nullptr) fail(member(path, f), "needs route_groups");
+    return;
+  }
+  op.route_groups = as_int(*g, member(path, "route_groups"));
+  for (const char* f : {"route_group_limit", "route_top_k"})
+    if (optional_field(j, f) == nullptr) fail(member(path, f), "missing (route_groups is set)");
+  op.route_group_limit = as_int(j.at("route_group_limit"), member(path, "route_group_limit"));
+  op.route_top_k = as_int(j.at("route_top_k"), member(path, "route_top_k"));
+  if (op.kind != OpKind::AllToAll) fail(member(path, "route_groups"), "only an ALL_TO_ALL has routing");
+  if (op.route_groups < 1) fail(member(path, "route_groups"), "must be >= 1");
+  if (op.route_group_limit < 1 || op.route_group_limit > op.route_groups)
+    fail(member(path, "route_group_limit"), "must lie between 1 and route_groups");
+  if (op.route_top_k < 1) fail(member(path, "route_top_k"), "must be >= 1");
+}
+
 Op op_from_json(const json& j, const std::string& path) {
   as_object(j, path);
   Op op;
@@ -230,6 +255,7 @@ Op op_from_json(const json& j, const std::string& path) {
     op.gemm_kernels = as_int(*f, member(path, "gemm_kernels"));
     if (op.gemm_kernels < 0) fail(member(path, "gemm_kernels"), "must be >= 0");
   }
+  read_routing(j, path, op);
   return op;
 }
 

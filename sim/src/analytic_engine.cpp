@@ -265,7 +265,7 @@ class Run {
       const std::vector<int>& ranks = tracker_.collective_ranks(r.activity);
       seconds = cost_.collective_op_seconds(op, ranks);
       r.shared = ranks.size() > 1 && !cost_.on_one_gpu(ranks) && op.bytes > 0 &&
-                 seconds == cost_.collective_seconds(op.kind, ranks, op.bytes);
+                 seconds == cost_.collective_formula_seconds(op, ranks, op.bytes);
       if (r.shared) {
         latency = cost_.collective_latency_seconds(op, ranks);
         levels(ranks, intra, inter);

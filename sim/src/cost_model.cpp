@@ -501,13 +501,72 @@ double CostModel::transfer_latency_seconds(const core::Op& send, int src, int ds
 
 double CostModel::collective_latency_seconds(const core::Op& op, const std::vector<int>& ranks) const {
   if (replaced(op, static_cast<int>(ranks.size())) || !is_collective(op.kind)) return 0;
-  return collective_seconds(op.kind, ranks, 0);
+  return collective_formula_seconds(op, ranks, 0);
 }
 
 double CostModel::collective_op_seconds(const core::Op& op, const std::vector<int>& ranks) const {
   if (auto s = replaced(op, static_cast<int>(ranks.size()))) return *s;
+  return collective_formula_seconds(op, ranks, op.bytes);
+}
+
+// How many nodes one token's experts can span: the groups align with the nodes when the EP ranks fill
+// whole nodes in expert order (routed_all_to_all checks that), so a token drawn from at most
+// `limit` of `groups` groups reaches at most limit * (nodes per group) nodes, and never more than its
+// top_k copies.
+static int routing_nodes(int groups, int limit, int top_k, int nodes) {
+  int b = nodes;
+  if (groups % nodes == 0)
+    b = std::min(limit, nodes);  // whole groups per node
+  else if (nodes % groups == 0)
+    b = std::min(nodes, limit * (nodes / groups));  // a group spans nodes / groups nodes
+  return std::min(b, top_k);
+}
+
+std::optional<CostModel::RoutedAllToAll> CostModel::routed_all_to_all(const core::Op& op, const std::vector<int>& ranks,
+                                                                      std::int64_t bytes) const {
+  if (op.kind != OpKind::AllToAll || op.route_groups <= 0 || ranks.size() < 2 || on_one_gpu(ranks)) return std::nullopt;
+  // Whole nodes, each holding a run of m consecutive ranks, and at least two of them.
+  const auto node = [&](int r) { return node_of_.at(static_cast<std::size_t>(r)); };
+  std::size_t m = 1;
+  while (m < ranks.size() && node(ranks[m]) == node(ranks[0])) ++m;
+  const std::size_t n = ranks.size();
+  if (m == n || n % m != 0) return std::nullopt;
+  std::vector<int> seen;
+  for (std::size_t i = 0; i < n; i += m) {
+    for (std::size_t j = i; j < i + m; ++j)
+      if (node(ranks[j]) != node(ranks[i])) return std::nullopt;
+    if (std::find(seen.begin(), seen.end(), node(ranks[i])) != seen.end()) return std::nullopt;
+    seen.push_back(node(ranks[i]));
+  }
+  const int k = static_cast<int>(n / m);
+  const int t = std::max(1, op.route_top_k);
+  const double S = static_cast<double>(std::max<std::int64_t>(0, bytes));
+  const double b = routing_nodes(op.route_groups, op.route_group_limit, t, k);
+  RoutedAllToAll r;
+  r.nodes = k;
+  r.per_node = static_cast<int>(m);
+  r.direct_chunk = S / static_cast<double>(n);
+  r.ib_chunk = S * b / (t * static_cast<double>(k));
+  r.forward_chunk = S * (k - 1) / (static_cast<double>(k) * static_cast<double>(m));
+  return r;
+}
+
+double CostModel::collective_formula_seconds(const core::Op& op, const std::vector<int>& ranks,
+                                             std::int64_t bytes) const {
   if (!is_collective(op.kind)) return 0;
-  return collective_seconds(op.kind, ranks, op.bytes);
+  const auto routed = routed_all_to_all(op, ranks, bytes);
+  if (!routed) return collective_seconds(op.kind, ranks, bytes);
+  // Slowest links of the group, as collective_seconds takes them.
+  double alpha_i = 0, bw_i = INFINITY, bw_e = INFINITY;
+  for (int r : ranks) {
+    const NodeSpec& ns = cluster_.nodes[static_cast<std::size_t>(node_of_.at(static_cast<std::size_t>(r)))];
+    alpha_i = std::max(alpha_i, ns.nvlink_latency_s);
+    bw_i = std::min(bw_i, ns.nvlink_effective_bandwidth_bytes_per_s());
+    bw_e = std::min(bw_e, ns.nic_bandwidth_per_gpu_bytes_per_s());
+  }
+  const double m1 = routed->per_node - 1, k1 = routed->nodes - 1, alpha_e = cluster_.network.latency_s;
+  return m1 * (alpha_i + routed->direct_chunk / bw_i) + k1 * (alpha_e + routed->ib_chunk / bw_e) +
+         m1 * (alpha_i + routed->forward_chunk / bw_i);
 }
 
 }  // namespace piper::sim

@@ -138,6 +138,35 @@ std::vector<Phase> decompose_collective(core::OpKind kind, const std::vector<int
   return phases;
 }
 
+std::vector<Phase> decompose_routed_all_to_all(const std::vector<int>& ranks, int nodes, int per_node,
+                                               double direct_chunk, double ib_chunk, double forward_chunk) {
+  const auto pairwise = [](std::vector<int> devices, double chunk) {
+    RoundSchedule s;
+    s.pattern = RoundSchedule::Pattern::Pairwise;
+    s.rounds = static_cast<int>(devices.size()) - 1;
+    s.devices = std::move(devices);
+    s.chunk_bytes = chunk;
+    return s;
+  };
+  const auto by_node = [&](double chunk) {
+    Phase p;
+    for (int a = 0; a < nodes; ++a)
+      p.schedules.push_back(pairwise({ranks.begin() + a * per_node, ranks.begin() + (a + 1) * per_node}, chunk));
+    return p;
+  };
+  std::vector<Phase> phases;
+  if (per_node > 1) phases.push_back(by_node(direct_chunk));
+  Phase rails;
+  for (int l = 0; l < per_node; ++l) {
+    std::vector<int> rail;
+    for (int a = 0; a < nodes; ++a) rail.push_back(ranks[static_cast<std::size_t>(a * per_node + l)]);
+    rails.schedules.push_back(pairwise(std::move(rail), ib_chunk));
+  }
+  phases.push_back(std::move(rails));
+  if (per_node > 1) phases.push_back(by_node(forward_chunk));
+  return phases;
+}
+
 void for_each_pair(const std::vector<Phase>& phases, const std::function<void(int, int)>& fn) {
   for (const auto& phase : phases)
     for (const auto& s : phase.schedules) {

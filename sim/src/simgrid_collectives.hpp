@@ -49,6 +49,12 @@ struct Phase {
 std::vector<Phase> decompose_collective(core::OpKind kind, const std::vector<int>& ranks, double bytes,
                                         const std::vector<int>& node_of);
 
+// An all-to-all under node-limited routing (CostModel::routed_all_to_all: `nodes` runs of `per_node`
+// consecutive ranks): same-node pairwise exchange, then one pairwise exchange per rail (the ranks of
+// one local index across the nodes), then the same-node forwarding exchange.
+std::vector<Phase> decompose_routed_all_to_all(const std::vector<int>& ranks, int nodes, int per_node,
+                                               double direct_chunk, double ib_chunk, double forward_chunk);
+
 // Every (src device, dst device) pair a decomposition uses (for building routes ahead of time).
 void for_each_pair(const std::vector<Phase>& phases, const std::function<void(int, int)>& fn);
 

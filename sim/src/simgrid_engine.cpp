@@ -645,14 +645,18 @@ class Run {
         std::vector<int> ranks;
         ranks.reserve(L.activity.members.size());
         for (const auto& m : L.activity.members) ranks.push_back(m.first);
-        const double formula = cost_.collective_seconds(op.kind, ranks, op.bytes);
+        const double formula = cost_.collective_formula_seconds(op, ranks, op.bytes);
         const double seconds = cost_.collective_op_seconds(op, ranks);
         if (seconds != formula || cost_.on_one_gpu(ranks)) {
           seconds > 0 ? start_delay(live, seconds) : finished_now_.push_back(live);
           break;
         }
-        auto phases = simgrid_detail::decompose_collective(
-            op.kind, ranks, static_cast<double>(std::max<std::int64_t>(0, op.bytes)), node_of_);
+        const auto routed = cost_.routed_all_to_all(op, ranks, op.bytes);
+        auto phases = routed ? simgrid_detail::decompose_routed_all_to_all(ranks, routed->nodes, routed->per_node,
+                                                                           routed->direct_chunk, routed->ib_chunk,
+                                                                           routed->forward_chunk)
+                             : simgrid_detail::decompose_collective(
+                                   op.kind, ranks, static_cast<double>(std::max<std::int64_t>(0, op.bytes)), node_of_);
         if (phases.empty()) {
           finished_now_.push_back(live);
           break;

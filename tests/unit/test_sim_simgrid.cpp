@@ -242,6 +242,23 @@ TEST_P(SimgridEngine, HierarchicalCollectivesMatchClosedForms) {
   EXPECT_LE(rel(simgrid_step(collective_program(OpKind::AllToAll, 16, bytes, {iota(16)}), c), a2a), 1e-9);
 }
 
+// Node-limited routing (Op::route_*, CostModel::routed_all_to_all): 4 nodes x 4 GPUs, 8 groups, a
+// token reaching 2 of them, top_k 8: same-node exchange of S/16 per peer, one exchange per rail of
+// S * 2 / (8 * 4) = S/16 per other node, then forwarding 3S/16 to each same-node peer, one phase
+// after the other. Both engines take that closed form.
+TEST_P(SimgridEngine, RoutedAllToAllMatchesItsClosedForm) {
+  const sim::Cluster c = make_cluster(4, 4);
+  const double S = 512e6, ai = 2e-6, bi = 450 * kGB, ae = 5e-6, be = 100 * kGB;
+  const double want = 3 * (ai + S / 16 / bi) + 3 * (ae + S / 16 / be) + 3 * (ai + 3 * S / 16 / bi);
+  auto p = collective_program(OpKind::AllToAll, 16, static_cast<std::int64_t>(S), {iota(16)});
+  core::Op& op = p->plans[0].streams[0].ops[0];
+  op.route_groups = 8;
+  op.route_group_limit = 2;
+  op.route_top_k = 8;
+  EXPECT_LE(rel(simgrid_step(p, c), want), 1e-9) << simgrid_step(p, c) << " s vs " << want << " s";
+  EXPECT_LE(rel(run_engine(*sim::make_engine("analytic"), p, c).step_time_s, want), 1e-9);
+}
+
 // SM stealing (engine.hpp): compute runs at 1 - comm_sm_share = 0.9 of its speed while a
 // communication runs on its device. Device 0 computes for w = 4.8 GB / 4.8 TB/s + 5 us launch =
 // 1.005 ms while its stream "pp" sends S bytes over NVLink (T = 2 us + S / 450 GB/s), both from 0:

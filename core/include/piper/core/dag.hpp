@@ -79,6 +79,9 @@ struct Segment {
   Costs costs;            // sum of the layers' costs, whole (unsharded)
   bool has_loss = false;  // holds the LM head + loss (the turn of the DAG)
   int fanout = 1;         // tokens fan out by top-k when the segment starts with routed experts
+  // Routed experts under node-limited routing (model moe.routing_groups / routing_group_limit; 0 =
+  // uniform): lowering copies them onto the segment's ALL_TO_ALL ops (Op::route_*).
+  int routing_groups = 0, routing_group_limit = 0;
   // Set by the replicate/shard passes; lowering sizes the per-device state buffers from them.
   int shard_degree = 1;  // shard: parameters split over this many devices
   int replicas = 1;      // replicate: data-parallel copies holding (shards of) the params

@@ -103,8 +103,11 @@ struct LayerShape {
   MlpActivation activation = MlpActivation::SwiGLU;
   NormKind norm = NormKind::RMSNorm;
   std::int64_t experts = 0, top_k = 0;  // MoE router / routed experts
-  std::int64_t max_positions = 0;       // learned position embedding rows (GPT-3); 0 = RoPE
-  bool tied_with_embedding = false;     // head shares the embedding matrix (no own params)
+  // Node-limited routing (DeepSeek-V2/V3): experts in routing_groups groups, each token's top_k drawn
+  // from at most routing_group_limit of them. 0 = unrestricted.
+  std::int64_t routing_groups = 0, routing_group_limit = 0;
+  std::int64_t max_positions = 0;    // learned position embedding rows (GPT-3); 0 = RoPE
+  bool tied_with_embedding = false;  // head shares the embedding matrix (no own params)
   AttentionKernel attention_kernel = AttentionKernel::Flash;
   bool dropout = false;  // dropout layers present (their 1-byte masks are kept)
 };
@@ -174,6 +177,10 @@ struct ModelConfig {
   std::int64_t experts = 0, top_k = 0, expert_ffn = 0;
   std::int64_t shared_experts = 0, shared_expert_ffn = 0;
   std::int64_t first_dense_layers = 0;
+  // Node-limited routing (spec moe.routing_groups / moe.routing_group_limit; Hugging Face n_group /
+  // topk_group): the experts form routing_groups equal groups and each token's top_k experts come
+  // from at most routing_group_limit of them. 0 = unrestricted routing.
+  std::int64_t routing_groups = 0, routing_group_limit = 0;
   // MLA attention (0 = off).
   std::int64_t q_lora_rank = 0, kv_lora_rank = 0, qk_rope_head_dim = 0, v_head_dim = 0;
   TrainingShape training;

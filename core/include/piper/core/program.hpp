@@ -93,6 +93,10 @@ struct Op {
   // COMPUTE: GEMM kernels the op launches (core::Costs::*_gemm_kernels); the simulator applies its
   // efficiency curve per kernel. 0: unknown, costed as one kernel.
   int gemm_kernels = 0;
+  // ALL_TO_ALL of routed experts under node-limited routing (model moe.routing_groups, DeepSeek-V3):
+  // the experts form route_groups groups and each token's route_top_k copies go to at most
+  // route_group_limit groups. 0: uniform routing. Costed by CostModel::collective_op_seconds.
+  int route_groups = 0, route_group_limit = 0, route_top_k = 0;
 };
 
 struct Stream {

@@ -105,6 +105,13 @@ using OpOverride = std::function<std::optional<double>(const core::Op&)>;
 //   reduce-scatter  = RS_intra(m, S) + RS_inter(k, S/m)
 //   all-gather      = AG_inter(k, S/m) + AG_intra(m, S)
 //   all-to-all      = (m-1)(alpha_i + S/(n B_i)) + (n-m)(alpha_e + S/(n B_e))   (intra peers over NVLink)
+// An all-to-all of routed experts under node-limited routing (Op::route_*, DeepSeek-V3's dispatch
+// and combine as DeepEP runs them) sends each token once to every other node it reaches (to the
+// rank of the same local index there), which forwards it over NVLink to its experts' ranks. A token
+// reaches at most b nodes (routing_nodes()), on average b (k-1)/k others, so with t = route_top_k:
+//   direct = S/n (same-node experts), ib = S b / (t k) per other node, forward = S (k-1) / (k m)
+//   time   = (m-1)(alpha_i + direct/B_i) + (k-1)(alpha_e + ib/B_e) + (m-1)(alpha_i + forward/B_i)
+// (three phases one after the other; uniform routing sends S (k-1)/k over the network, this S b (k-1) / (t k)).
 // Devices sharing one physical GPU (NodeSpec::devices_per_gpu > 1) exchange data as device copies:
 // alpha = the node's NVLink latency, B = half the HBM bandwidth (a copy reads and writes every byte);
 // a collective whose ranks all share one GPU takes the flat form with those figures.
@@ -146,6 +153,18 @@ class CostModel {
   // The same with the override and calibration applied (what the engines call for an op).
   double transfer_seconds(const core::Op& send, int src, int dst) const;
   double collective_op_seconds(const core::Op& op, const std::vector<int>& ranks) const;
+  // An ALL_TO_ALL under node-limited routing over `ranks` (k > 1 nodes of m ranks each, each node's ranks
+  // consecutive in `ranks`): the per-round chunks of its three phases (above). nullopt where the op
+  // has uniform routing or the group does not span whole, balanced nodes (the uniform form applies).
+  struct RoutedAllToAll {
+    int nodes = 0, per_node = 0;
+    double direct_chunk = 0, ib_chunk = 0, forward_chunk = 0;
+  };
+  std::optional<RoutedAllToAll> routed_all_to_all(const core::Op& op, const std::vector<int>& ranks,
+                                                  std::int64_t bytes) const;
+  // The closed form of a collective op moving `bytes` (the routed form where routed_all_to_all applies),
+  // before any override or calibration: what an engine's flows reproduce when links are not shared.
+  double collective_formula_seconds(const core::Op& op, const std::vector<int>& ranks, std::int64_t bytes) const;
 
   // Latency and per-direction bandwidth between two devices (intra: NVLink; inter: network + NIC/GPU;
   // on one shared GPU: a device copy).
