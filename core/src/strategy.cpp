@@ -103,6 +103,8 @@ void validate_strategy_options(const StrategyOptions& o) {
   if ((o.recompute_every > 0 || o.recompute_first > 0) && o.recompute == "none")
     fail(std::string(o.recompute_every > 0 ? "--recompute-every" : "--recompute-first") +
          " needs --recompute selective, full or op (the mode of the chosen blocks)");
+  if (o.a2a_chunks < 1) fail("--a2a-chunks must be >= 1 (got " + std::to_string(o.a2a_chunks) + ")");
+  if (o.a2a_chunks > 1 && o.ep < 2) fail("--a2a-chunks needs --ep >= 2 (it chunks the expert all-to-alls)");
   if (o.comm_sms < 0) fail("--comm-sms must be >= 1 (got " + std::to_string(o.comm_sms) + ")");
   if (o.global_batch < 0) fail("--global-batch must be >= 1 (got " + std::to_string(o.global_batch) + ")");
   at_least_one("--virtual-stages", o.virtual_stages);
@@ -208,7 +210,8 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
   if (o.ep > 1)
     for (int i = 0; i < regions; ++i)
       out.shard(region_filter(i, "EP"), devices_of_region(i), o.ep_stream,
-                o.ep < replicas ? std::optional(o.ep) : std::nullopt);
+                o.ep < replicas ? std::optional(o.ep) : std::nullopt,
+                o.a2a_chunks > 1 ? std::optional(o.a2a_chunks) : std::nullopt);
   // Piper extensions: tensor (and sequence) parallelism and recomputation of every region.
   if (o.tp > 1 || o.etp > 1)
     for (int i = 0; i < regions; ++i)
