@@ -85,8 +85,6 @@ void validate_strategy_options(const StrategyOptions& o) {
   at_least_one("--tp", o.tp);
   at_least_one("--cp", o.cp);
   if (o.cp_all_gather && o.cp < 2) fail("--cp-all-gather needs --cp >= 2");
-  if (o.cp > 1 && (o.ep > 1 || o.etp > 1))
-    fail("--cp with --ep or --etp is not supported yet (experts over DP x CP groups are not laid out)");
   at_least_one("--etp", o.etp);
   if (o.sequence_parallel && o.tp < 2) fail("--sequence-parallel needs --tp >= 2");
   if (o.tp_comm_overlap && o.tp < 2) fail("--tp-comm-overlap needs --tp >= 2");
@@ -112,12 +110,14 @@ void validate_strategy_options(const StrategyOptions& o) {
   check_limit(Limit::Microbatches, o.microbatches, "--microbatches", "microbatches");
   check_limit(Limit::Devices, static_cast<std::int64_t>(o.pp) * o.dp * o.cp, "--pp x --dp x --cp", "devices");
   check_limit(Limit::Layers, static_cast<std::int64_t>(o.pp) * o.virtual_stages, "--pp x --virtual", "PP regions");
-  // Megatron-core's rule: a stage's dp x tp devices hold the experts as ETP x EP x expert-DP groups.
-  if ((static_cast<std::int64_t>(o.dp) * o.tp) % (static_cast<std::int64_t>(o.ep) * o.etp) != 0) {
-    if (o.tp == 1 && o.etp == 1) fail("--ep " + std::to_string(o.ep) + " must divide --dp " + std::to_string(o.dp));
+  // Megatron-core's rule: a stage's dp x cp x tp devices hold the experts as ETP x EP x expert-DP groups
+  // (EP groups may span DP and CP ranks: experts are token-local, each device routes its own tokens).
+  if ((static_cast<std::int64_t>(o.dp) * o.cp * o.tp) % (static_cast<std::int64_t>(o.ep) * o.etp) != 0) {
+    if (o.tp == 1 && o.etp == 1 && o.cp == 1)
+      fail("--ep " + std::to_string(o.ep) + " must divide --dp " + std::to_string(o.dp));
     fail("--ep " + std::to_string(o.ep) + " x --etp " + std::to_string(o.etp) + " must divide --dp " +
-         std::to_string(o.dp) + " x --tp " + std::to_string(o.tp) +
-         " (a stage's devices hold the experts as ETP x EP x expert-data-parallel groups)");
+         std::to_string(o.dp) + (o.cp > 1 ? " x --cp " + std::to_string(o.cp) : "") + " x --tp " +
+         std::to_string(o.tp) + " (a stage's devices hold the experts as ETP x EP x expert-data-parallel groups)");
   }
   if (o.zero < 0 || o.zero > 3) fail("--zero must be 0, 1, 2 or 3 (got " + std::to_string(o.zero) + ")");
   if (o.dp_shard != 0) {
