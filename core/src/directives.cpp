@@ -230,7 +230,7 @@ Directive parse_one(const json& d, int index) {  // NOLINT(readability-function-
     return r;
   }
   if (op == "shard") {
-    check_fields(d, index, {"filter", "devices", "stream", "degree"});
+    check_fields(d, index, {"filter", "devices", "stream", "degree", "chunks"});
     ShardDirective s;
     s.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     s.devices = parse_devices(d, index);
@@ -243,6 +243,11 @@ Directive parse_one(const json& d, int index) {  // NOLINT(readability-function-
       s.degree = static_cast<int>(it->get<long long>());
       if (s.devices.size() % static_cast<std::size_t>(s.degree) != 0)
         fail(index, "degree", fmt::format("{} does not divide the {} devices", s.degree, s.devices.size()));
+    }
+    if (auto it = d.find("chunks"); it != d.end()) {
+      if (!it->is_number_integer() || it->get<long long>() < 1 || it->get<long long>() > (1 << 20))
+        fail(index, "chunks", "must be an integer in 1..1048576 (got " + it->dump() + ")");
+      s.chunks = static_cast<int>(it->get<long long>());
     }
     return s;
   }

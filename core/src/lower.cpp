@@ -259,6 +259,7 @@ std::int64_t main_grad_accumulation_bytes(const GlobalDag& dag, const DagNode& n
   if (!dag.training.fp32_main_grads || n.kind != NodeKind::Compute || (n.pass != Pass::B && n.pass != Pass::BW) ||
       n.segment < 0)
     return 0;
+  // A chunked B (ShardDirective::chunks) accumulates once per chunk: each of its ops carries this.
   return 2 * 4 * dag.segments.at(static_cast<std::size_t>(n.segment)).state_params();
 }
 
@@ -414,7 +415,8 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
                                 seg.cp_degree,
                                 seg.cp_all_gather,
                                 seg.cp_family,
-                                seg.tied_copy > 0 ? seg.tied_to : -1});
+                                seg.tied_copy > 0 ? seg.tied_to : -1,
+                                seg.a2a_chunks});
 
   program.plan_of_device = classes.plan_of_device;
 

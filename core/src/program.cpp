@@ -513,6 +513,7 @@ json Program::to_json() const {
     if (sg.cp_all_gather) o["cp_comm"] = "all_gather";
     if (sg.cp_family != -1) o["cp_family"] = sg.cp_family;
     if (sg.tied_to != -1) o["tied_to"] = sg.tied_to;
+    if (sg.a2a_chunks != 1) o["a2a_chunks"] = sg.a2a_chunks;
     if (sg.zero_shards != sg.replicas) o["zero_shards"] = sg.zero_shards;  // HSDP only
     if (sg.reduce_every_microbatch) o["reduce_every_microbatch"] = true;
     if (!sg.kernels[0].empty() || !sg.kernels[1].empty() || !sg.kernels[2].empty())
@@ -652,6 +653,10 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
       }
       if (const json* t = optional_field(o, "cp_family")) sg.cp_family = as_int(*t, member(sp, "cp_family"));
       if (const json* t = optional_field(o, "tied_to")) sg.tied_to = as_int(*t, member(sp, "tied_to"));
+      if (const json* t = optional_field(o, "a2a_chunks")) {
+        sg.a2a_chunks = as_int(*t, member(sp, "a2a_chunks"));
+        if (sg.a2a_chunks < 1) fail(member(sp, "a2a_chunks"), "must be >= 1");
+      }
       if (const json* t = optional_field(o, "reduce_every_microbatch")) {
         if (!t->is_boolean()) fail(member(sp, "reduce_every_microbatch"), "expected true or false");
         sg.reduce_every_microbatch = t->get<bool>();

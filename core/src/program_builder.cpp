@@ -58,11 +58,13 @@ ProgramBuilder& ProgramBuilder::replicate(const Filter& filter, const std::vecto
 }
 
 ProgramBuilder& ProgramBuilder::shard(const Filter& filter, const std::vector<int>& devices,
-                                      const std::optional<std::string>& stream, std::optional<int> degree) {
+                                      const std::optional<std::string>& stream, std::optional<int> degree,
+                                      std::optional<int> chunks) {
   json d = directive("shard", filter);
   d["devices"] = devices;
   if (stream) d["stream"] = *stream;
   if (degree) d["degree"] = *degree;
+  if (chunks) d["chunks"] = *chunks;
   program_.push_back(std::move(d));
   return *this;
 }

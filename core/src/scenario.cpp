@@ -255,7 +255,7 @@ std::string strategy_flag_error(const json& program, const StrategyOptions& o, c
            : field == "expert_degree"   ? fmt::format("--etp {}", o.etp)
                                         : fmt::format("--tp {}", o.tp);
   else if (op == "shard")
-    flag = fmt::format("--ep {}", o.ep);
+    flag = field == "chunks" ? fmt::format("--a2a-chunks {}", o.a2a_chunks) : fmt::format("--ep {}", o.ep);
   else if (op == "replicate")
     flag = field == "shard_group"                                 ? fmt::format("--dp-shard {}", o.dp_shard)
            : field == "reduce_every"                              ? "--reduce-every " + o.reduce_every

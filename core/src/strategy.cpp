@@ -85,8 +85,6 @@ void validate_strategy_options(const StrategyOptions& o) {
   at_least_one("--tp", o.tp);
   at_least_one("--cp", o.cp);
   if (o.cp_all_gather && o.cp < 2) fail("--cp-all-gather needs --cp >= 2");
-  if (o.cp > 1 && (o.ep > 1 || o.etp > 1))
-    fail("--cp with --ep or --etp is not supported yet (experts over DP x CP groups are not laid out)");
   at_least_one("--etp", o.etp);
   if (o.sequence_parallel && o.tp < 2) fail("--sequence-parallel needs --tp >= 2");
   if (o.tp_comm_overlap && o.tp < 2) fail("--tp-comm-overlap needs --tp >= 2");
@@ -103,6 +101,8 @@ void validate_strategy_options(const StrategyOptions& o) {
   if ((o.recompute_every > 0 || o.recompute_first > 0) && o.recompute == "none")
     fail(std::string(o.recompute_every > 0 ? "--recompute-every" : "--recompute-first") +
          " needs --recompute selective, full or op (the mode of the chosen blocks)");
+  if (o.a2a_chunks < 1) fail("--a2a-chunks must be >= 1 (got " + std::to_string(o.a2a_chunks) + ")");
+  if (o.a2a_chunks > 1 && o.ep < 2) fail("--a2a-chunks needs --ep >= 2 (it chunks the expert all-to-alls)");
   if (o.comm_sms < 0) fail("--comm-sms must be >= 1 (got " + std::to_string(o.comm_sms) + ")");
   if (o.global_batch < 0) fail("--global-batch must be >= 1 (got " + std::to_string(o.global_batch) + ")");
   at_least_one("--virtual-stages", o.virtual_stages);
@@ -110,12 +110,14 @@ void validate_strategy_options(const StrategyOptions& o) {
   check_limit(Limit::Microbatches, o.microbatches, "--microbatches", "microbatches");
   check_limit(Limit::Devices, static_cast<std::int64_t>(o.pp) * o.dp * o.cp, "--pp x --dp x --cp", "devices");
   check_limit(Limit::Layers, static_cast<std::int64_t>(o.pp) * o.virtual_stages, "--pp x --virtual", "PP regions");
-  // Megatron-core's rule: a stage's dp x tp devices hold the experts as ETP x EP x expert-DP groups.
-  if ((static_cast<std::int64_t>(o.dp) * o.tp) % (static_cast<std::int64_t>(o.ep) * o.etp) != 0) {
-    if (o.tp == 1 && o.etp == 1) fail("--ep " + std::to_string(o.ep) + " must divide --dp " + std::to_string(o.dp));
+  // Megatron-core's rule: a stage's dp x cp x tp devices hold the experts as ETP x EP x expert-DP groups
+  // (EP groups may span DP and CP ranks: experts are token-local, each device routes its own tokens).
+  if ((static_cast<std::int64_t>(o.dp) * o.cp * o.tp) % (static_cast<std::int64_t>(o.ep) * o.etp) != 0) {
+    if (o.tp == 1 && o.etp == 1 && o.cp == 1)
+      fail("--ep " + std::to_string(o.ep) + " must divide --dp " + std::to_string(o.dp));
     fail("--ep " + std::to_string(o.ep) + " x --etp " + std::to_string(o.etp) + " must divide --dp " +
-         std::to_string(o.dp) + " x --tp " + std::to_string(o.tp) +
-         " (a stage's devices hold the experts as ETP x EP x expert-data-parallel groups)");
+         std::to_string(o.dp) + (o.cp > 1 ? " x --cp " + std::to_string(o.cp) : "") + " x --tp " +
+         std::to_string(o.tp) + " (a stage's devices hold the experts as ETP x EP x expert-data-parallel groups)");
   }
   if (o.zero < 0 || o.zero > 3) fail("--zero must be 0, 1, 2 or 3 (got " + std::to_string(o.zero) + ")");
   if (o.dp_shard != 0) {
@@ -208,7 +210,8 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
   if (o.ep > 1)
     for (int i = 0; i < regions; ++i)
       out.shard(region_filter(i, "EP"), devices_of_region(i), o.ep_stream,
-                o.ep < replicas ? std::optional(o.ep) : std::nullopt);
+                o.ep < replicas ? std::optional(o.ep) : std::nullopt,
+                o.a2a_chunks > 1 ? std::optional(o.a2a_chunks) : std::nullopt);
   // Piper extensions: tensor (and sequence) parallelism and recomputation of every region.
   if (o.tp > 1 || o.etp > 1)
     for (int i = 0; i < regions; ++i)

@@ -272,6 +272,9 @@ std::string segment_feature(const core::Program& program, const core::Model& mod
     else if (seg.zero_shards != seg.replicas && !caps.hsdp)
       what = fmt::format("uses HSDP (ZeRO shards over groups of {} of its {} replicas)", seg.zero_shards, seg.replicas),
       feature = "HSDP";
+    else if (seg.a2a_chunks > 1 && !caps.chunked_all_to_all)
+      what = fmt::format("chunks its expert all-to-alls ({} chunks)", seg.a2a_chunks),
+      feature = "chunked all-to-alls (compile with --a2a-chunks 1)";
     else if (seg.reduce_every_microbatch && !caps.reduce_every_microbatch)
       what = "reduces its ZeRO-2/3 gradients after every microbatch",
       feature = "per-microbatch reduction (compile with --reduce-every step)";

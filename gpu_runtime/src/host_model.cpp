@@ -405,9 +405,6 @@ HostModel::HostModel(const core::Model& model, std::vector<SegmentSpec> specs, s
       throw std::invalid_argument(
           "runtime: segment " + std::to_string(sp.segment) +
           " is context-parallel but the model has learned positions; the host backend runs CP with RoPE only");
-    if (sp.cp_degree > 1 && sp.shard_degree > 1)
-      throw std::invalid_argument("runtime: segment " + std::to_string(sp.segment) +
-                                  " is context-parallel and expert-sharded; the host backend does not combine them");
     p.expert_tp = sp.tp_degree > 1 && sp.last_layer == sp.first_layer + 1 &&
                   model_.layers().at(static_cast<std::size_t>(sp.first_layer)).kind == core::LayerKind::MoeExperts;
     if (sp.tp_degree > 1 && (attn_shape_.heads % sp.tp_degree != 0 || attn_shape_.kv_heads % sp.tp_degree != 0))

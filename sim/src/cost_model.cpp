@@ -356,12 +356,14 @@ std::optional<double> CostModel::kernel_seconds(const core::Program& program, in
     std::lock_guard<std::mutex> lock(cache_mu_);
     pass_cache_.emplace(key, pt);
   }
-  // The op runs the listed kernels; should a directive have changed its FLOPs from the layers' (none
-  // does today: a test checks they agree), the time scales with them.
+  // The op runs the listed kernels; should a directive have changed its FLOPs from the layers' (a
+  // chunk of chunked expert all-to-alls runs 1/N of the tokens: ShardDirective::chunks), the time
+  // scales with them, and so does the kernels' element-wise traffic.
+  const double share = pt.flops > 0 && op.flops > 0 ? op.flops / pt.flops : 1.0;
   double seconds = pt.flops > 0 && op.flops > 0 ? pt.seconds * op.flops / pt.flops : pt.seconds;
   // Element-wise traffic the op carries beyond its kernels' (Megatron's fp32 main-grad accumulation
   // in the weight-gradient pass) runs at the GPU's copy bandwidth.
-  const double extra = static_cast<double>(op.elementwise_bytes) - pt.elementwise_bytes;
+  const double extra = static_cast<double>(op.elementwise_bytes) - pt.elementwise_bytes * share;
   if (extra > 0) {
     core::Kernel copy;
     copy.kind = core::KernelKind::Elementwise;

@@ -406,3 +406,68 @@ TEST(ExpertTensorParallel, SweepTakesTheEtpKnob) {
   EXPECT_EQ(row.status, "ok") << row.reason;
   EXPECT_GT(row.tp_comm_s, 0);
 }
+
+// EP groups across DP x CP (Megatron-core forms expert groups over DP x CP; issue 26). Experts are
+// token-local, so each CP rank routes its own seq/cp tokens. The generator numbers a stage's devices
+// c + cp·d (TP 1), so the positions of the experts' set are (DP 0, CP 0), (DP 0, CP 1), (DP 1, CP 0),
+// (DP 1, CP 1): EP 2 takes the two CP ranks of a replica ({0, 1}), the expert-DP group is then {0, 2};
+// EP 4 spans both replicas' CP ranks and leaves no expert copy to reduce. Per device, with CP 2:
+// T/2 = 64 tokens, 64·k = 128 routed rows, F FLOPs 2·128·3hf, each all-to-all 128 rows of h bf16.
+TEST(ExpertTensorParallel, EpGroupsAcrossDpAndCpByHand) {
+  struct Case {
+    int dp, cp, ep;
+    std::set<int> ep_group, edp_group;  // device 0's
+  };
+  for (const Case c : {Case{1, 2, 2, {0, 1}, {}}, Case{2, 2, 2, {0, 1}, {0, 2}}, Case{2, 2, 4, {0, 1, 2, 3}, {}}}) {
+    SCOPED_TRACE(::testing::Message() << "dp " << c.dp << " cp " << c.cp << " ep " << c.ep);
+    StrategyOptions o = opts(1, c.dp, c.ep, 1);
+    o.cp = c.cp;
+    const auto program = std::make_shared<const Program>(compile_moe(o));
+    const Program& p = *program;
+    EXPECT_TRUE(verify(p).empty());
+    const int s = expert_segment(p);
+    const auto& seg = p.segments[static_cast<std::size_t>(s)];
+    EXPECT_EQ(seg.shard_degree, c.ep);
+    EXPECT_EQ(seg.cp_degree, c.cp);
+    for (int d = 0; d < c.dp * c.cp; ++d)
+      EXPECT_EQ(buffer_bytes(p, d, "params s" + std::to_string(s)), kExpertParams / c.ep * 2);
+    const std::int64_t rows = kT / c.cp * kK;
+    const auto f = ops_of(p, 0, OpKind::Compute, s, Pass::F);
+    ASSERT_EQ(f.size(), 2u);
+    EXPECT_DOUBLE_EQ(f[0].flops, 2.0 * static_cast<double>(rows) * 3 * kH * kF);
+    const auto a2a = ops_of(p, 0, OpKind::AllToAll, s);
+    ASSERT_EQ(a2a.size(), 8u);
+    for (const auto& op : a2a) EXPECT_EQ(op.bytes, rows * kH * kDt) << op.label;
+    EXPECT_EQ(group(p, a2a.front().family, 0), c.ep_group);
+    std::vector<Op> reductions;
+    for (const auto& st : p.plan_for(0).streams)
+      for (const auto& op : st.ops)
+        if (op.kind == OpKind::AllReduce && std::find(op.segments.begin(), op.segments.end(), s) != op.segments.end())
+          reductions.push_back(op);
+    if (c.edp_group.empty()) {
+      EXPECT_TRUE(reductions.empty());
+    } else {
+      ASSERT_EQ(reductions.size(), 1u);
+      EXPECT_EQ(group(p, reductions.front().family, 0), c.edp_group);
+    }
+    // The verifier checks these plans' expert groups: an EP family cut in groups of another size is refused.
+    Program bad = p;
+    bad.segments[static_cast<std::size_t>(s)].shard_degree = c.ep * 2;
+    const auto issues = verify(bad);
+    ASSERT_FALSE(issues.empty());
+    EXPECT_EQ(issues.front().check, "ep-group");
+    // Both engines simulate them.
+    piper::sim::SimulateOptions so;
+    so.cluster = "dgx-h100";
+    for (const std::string engine : {"analytic", "simgrid"}) {
+      so.engine = engine;
+      EXPECT_GT(piper::sim::simulate_program(program, so).report.step_time_s, 0) << engine;
+    }
+  }
+  // The rule now counts CP: --ep x --etp must divide --dp x --cp x --tp.
+  StrategyOptions o = opts(1, 1, 4, 1);
+  o.cp = 2;
+  EXPECT_EQ(error_of(o),
+            "--ep 4 x --etp 1 must divide --dp 1 x --cp 2 x --tp 1 (a stage's devices hold the experts as ETP x EP x "
+            "expert-data-parallel groups)");
+}

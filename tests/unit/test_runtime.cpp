@@ -522,6 +522,15 @@ TEST(RuntimeEquivalence, CP2xPP2_1F1B) {
 TEST(RuntimeEquivalence, CP2xDP2_Zero1) {
   expect_equivalent("cp2dp2-zero1", 4, context_parallel(strategy(1, 2, 1, 1, 2, "1f1b"), 2), "", kDense);
 }
+// EP groups across DP x CP (Megatron-core's layout, issue 26): each CP rank routes its own load-balanced
+// chunks of the sequence to the experts of its EP group (CP 2 x EP 2: the CP pair is the EP group; with
+// DP 2 x CP 2 x EP 2 the experts' gradients are reduced over the two replicas holding the same experts).
+TEST(RuntimeEquivalence, CP2xEP2_MoE) {
+  expect_equivalent("cp2-ep2", 2, context_parallel(strategy(1, 1, 2, 0, 2, "1f1b"), 2));
+}
+TEST(RuntimeEquivalence, DP2xCP2xEP2_MoE) {
+  expect_equivalent("dp2cp2-ep2", 4, context_parallel(strategy(1, 2, 2, 0, 2, "1f1b"), 2));
+}
 TEST(RuntimeEquivalence, TP2xCP2_SP) {
   expect_equivalent("tp2cp2", 4, megatron(context_parallel(strategy(1, 1, 1, 0, 2, "1f1b"), 2), 2, true, "none"), "",
                     kDense);

@@ -1,6 +1,7 @@
 // The shard pass: expert parallelism of the selected segments (all-to-all dispatch and combine).
 #include "pass.hpp"
 
+#include <map>
 #include <vector>
 
 #include <fmt/format.h>
@@ -21,6 +22,79 @@ void scale_costs(Costs& c, int degree) {
   c.param_bytes /= degree;
   c.forward_memory_bytes /= degree;
   c.backward_memory_bytes /= degree;
+}
+
+// Chunk i of n of a quantity of x units: the first x mod n chunks take one more.
+std::int64_t part(std::int64_t x, int i, int n) { return x / n + (i < x % n ? 1 : 0); }
+
+// Costs of chunk i of n of an expert node: 1/n of the tokens' work, traffic and tensors. The GEMM
+// kernel and collective counts stay (each chunk launches its own); parameters are the segment's.
+Costs chunk_costs(Costs c, int i, int n) {
+  const double f = 1.0 / n;
+  c.forward_flops *= f;
+  c.backward_input_flops *= f;
+  c.backward_weight_flops *= f;
+  c.recompute_flops *= f;
+  for (std::int64_t* x : {&c.activation_bytes, &c.output_bytes, &c.forward_memory_bytes, &c.backward_memory_bytes,
+                          &c.forward_elementwise_bytes, &c.backward_elementwise_bytes, &c.forward_tp_bytes,
+                          &c.backward_tp_bytes, &c.forward_cp_bytes, &c.backward_cp_bytes})
+    *x = part(*x, i, n);
+  return c;
+}
+
+// ShardDirective::chunks: every matched node that meets an all-to-all (F, B or BI; not BW, which
+// only reads the stash and BI's gradient) becomes n nodes of 1/n of the tokens. Each chunk keeps the
+// node's edges with 1/n of their bytes (an edge between two chunked nodes joins chunk i to chunk i;
+// gradients to the update stay whole), so the crossing edges that get all-to-alls below are per chunk,
+// and chunk i's experts can run while chunk i+1 is dispatched. Returns the matched nodes with the copies.
+std::vector<Vertex> chunk_nodes(PassContext& cx, const std::vector<Vertex>& matched, int n) {
+  Graph& g = cx.g();
+  std::vector<char> in(boost::num_vertices(g), 0);
+  for (auto v : matched) in[v] = 1;
+  auto crossing = [&](Vertex other, const DagEdge& e) {
+    return !in[other] && e.kind == EdgeKind::Data && cx.node(other).kind != NodeKind::Update;
+  };
+  std::map<Vertex, std::vector<Vertex>> copies;
+  for (auto v : matched) {
+    bool meets = false;
+    for (const auto& r : in_edges_of(g, v)) meets = meets || crossing(r.u, r.e);
+    for (const auto& r : out_edges_of(g, v)) meets = meets || crossing(r.v, r.e);
+    if (meets) copies[v] = {v};
+  }
+  std::vector<EdgeRec> edges;  // every edge of a chunked node, once
+  for (const auto& [v, list] : copies) {
+    for (auto& r : out_edges_of(g, v)) edges.push_back(std::move(r));
+    for (auto& r : in_edges_of(g, v))
+      if (!copies.contains(r.u)) edges.push_back(std::move(r));
+  }
+  for (const auto& r : edges) boost::remove_edge(r.u, r.v, g);
+  std::vector<Vertex> out = matched;
+  for (auto& [v, list] : copies) {
+    const DagNode base = cx.node(v);
+    for (int i = 0; i < n; ++i) {
+      DagNode c = base;
+      c.costs = chunk_costs(base.costs, i, n);
+      c.label = base.label + fmt::format(" chunk {}/{}", i + 1, n);
+      if (i == 0) {
+        cx.node(v) = std::move(c);
+      } else {
+        list.push_back(cx.add(std::move(c)));
+        out.push_back(list.back());
+      }
+    }
+  }
+  for (const auto& r : edges) {
+    const auto cu = copies.find(r.u), cv = copies.find(r.v);
+    for (int i = 0; i < n; ++i) {
+      const Vertex u = cu != copies.end() ? cu->second[static_cast<std::size_t>(i)] : r.u;
+      const Vertex v = cv != copies.end() ? cv->second[static_cast<std::size_t>(i)] : r.v;
+      DagEdge e = r.e;
+      if (e.kind == EdgeKind::Data && cx.node(u).kind != NodeKind::Update && cx.node(v).kind != NodeKind::Update)
+        e.bytes = part(e.bytes, i, n);
+      cx.dag.add_edge(u, v, e);
+    }
+  }
+  return out;
 }
 
 void apply_shard(PassContext& cx, const ShardDirective& d, int index) {
@@ -47,6 +121,17 @@ void apply_shard(PassContext& cx, const ShardDirective& d, int index) {
     fail(index, "degree",
          fmt::format("{} x expert_degree {} does not divide the {} devices", degree, etp, d.devices.size()));
   if (degree == 1) return;
+  if (d.chunks > 1) {
+    int split = 1;
+    for (int s : segments_of(cx, matched))
+      split = std::max(split, cx.dag.segments.at(static_cast<std::size_t>(s)).token_split);
+    const std::int64_t tokens = cx.dag.training.tokens_per_microbatch() / split;
+    if (d.chunks > tokens)
+      fail(index, "chunks",
+           fmt::format("{} chunks exceed the {} tokens of a microbatch on a device", d.chunks, tokens));
+    matched = chunk_nodes(cx, matched, d.chunks);
+    for (int s : segments_of(cx, matched)) cx.dag.segments.at(static_cast<std::size_t>(s)).a2a_chunks = d.chunks;
+  }
   Graph& g = cx.g();
   std::vector<int> ep_order;  // the set listed EP group by EP group
   const auto block = static_cast<std::size_t>(etp) * static_cast<std::size_t>(degree);

@@ -107,6 +107,9 @@ struct Segment {
   // Routed experts under a tensor_parallel directive: tp_degree is its expert_degree (ETP) and the
   // experts' input is the 1/token_split sequence slice of the stage (its SP degree, else 1).
   int token_split = 1;
+  // Set by the shard pass (ShardDirective::chunks): each F/B/BI node of these experts is N nodes of 1/N
+  // of the tokens, each between its own dispatch and combine all-to-alls.
+  int a2a_chunks = 1;
   // Parameters of one shard (EP shard, TP rank, or both: an ETP slice of E/ep experts), before ZeRO.
   std::int64_t local_params() const { return (tp_degree > 1 ? tp_local_params : costs.params) / shard_degree; }
   // A head tied to the embedding of another segment keeps its own copy of the table (Megatron's

@@ -75,6 +75,9 @@ struct ShardDirective {
   std::vector<int> devices;
   int degree = 0;  // Piper extension: shard over consecutive groups of `degree` devices (0 = all)
   std::string stream = "ep";
+  // Piper extension: the dispatch and combine all-to-alls and the expert compute between them split
+  // into this many chunks of tokens, so chunk i's experts overlap chunk i+1's dispatch (docs/compiler.md).
+  int chunks = 1;
 };
 
 struct SplitDirective {

@@ -150,6 +150,9 @@ struct ProgramSegment {
   // embedding's segment index; -1 elsewhere. The DAG's Segment::tied_to, which the tied-embedding pass
   // pairs; consumers read this pair, never layer ranges. In JSON: "tied_to", omitted when -1.
   int tied_to = -1;
+  // Routed experts whose all-to-alls are chunked (ShardDirective::chunks): each microbatch's F, B or BI
+  // of the segment is a2a_chunks ops of 1/a2a_chunks of its tokens. In JSON "a2a_chunks", omitted when 1.
+  int a2a_chunks = 1;
   friend bool operator==(const ProgramSegment&, const ProgramSegment&) = default;
 };
 

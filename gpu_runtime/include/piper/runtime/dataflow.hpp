@@ -70,6 +70,9 @@ struct Capabilities {
   bool hsdp = true;                     // ZeRO shards over groups smaller than the replicas
   bool reduce_every_microbatch = true;  // ZeRO-2/3 reduce-scatter after every microbatch
   bool gpt_layers = true;               // LayerNorm, GELU, linear biases, learned positions, tied embeddings
+  // Experts whose all-to-alls are chunked (ShardDirective::chunks: several ops of one segment, microbatch
+  // and pass, each on 1/N of the tokens): no backend keys its data by chunk yet, so both refuse them.
+  bool chunked_all_to_all = false;
 };
 Capabilities host_capabilities();
 Capabilities cuda_capabilities();
