@@ -90,22 +90,8 @@ void plot_pareto(const search::TuneSpec& spec, const search::TuneSummary& s, con
 #endif
 }
 
-int run_tune(TuneArgs& a) {
-#ifndef PIPER_HAVE_PLOT
-  // Refused before the search, not after it: a search takes minutes and writes the CSV, and the
-  // house rule for bad input is one line and nothing written.
-  if (!a.plot_path.empty())
-    throw CliError(
-        "", fmt::format("--plot '{}': this piper was built without Qt 6 Gui, so it cannot draw plots", a.plot_path));
-#endif
-  search::TuneSpec& spec = a.spec;
-  spec.memory_cap_bytes = a.memory_cap_gib * kGiB;
-  spec.memory_reserve_bytes = a.memory_reserve_gib < 0 ? -1 : a.memory_reserve_gib * kGiB;
-  spec.placement_search = !a.no_placement;
-  spec.exact_top = a.show;  // the printed plans are exactly the best (branch and bound keeps them)
-  spec.sequence_parallel = a.sequence_parallel == "on"    ? std::vector<bool>{true}
-                           : a.sequence_parallel == "off" ? std::vector<bool>{false}
-                                                          : std::vector<bool>{false, true};
+// The search options of the flags: jobs, time budget, and a progress bar on a terminal.
+search::TuneOptions tune_options(const TuneArgs& a) {
   const bool tty = isatty(fileno(stderr)) != 0;
   search::TuneOptions options;
   options.jobs = a.jobs;
@@ -129,12 +115,12 @@ int run_tune(TuneArgs& a) {
     if (p.done == p.total) fmt::print(stderr, "\n");
     std::fflush(stderr);
   };
-  search::TuneSummary s;
-  try {
-    s = search::run_tune(spec, a.output_path, options);
-  } catch (const search::TuneError& e) {
-    throw CliError("", e.what());
-  }
+  return options;
+}
+
+// What the search enumerated, pruned and simulated, before the ranking.
+void print_search_summary(const TuneArgs& a, const search::TuneSummary& s) {
+  const search::TuneSpec& spec = a.spec;
   const auto& e = s.enumeration;
   fmt::print("{} on {} x {}, global batch {} sequences, memory cap {:.2f} GiB\n", spec.model, spec.devices,
              spec.cluster, spec.effective_global_batch(), s.memory_cap_bytes / kGiB);
@@ -175,27 +161,15 @@ int run_tune(TuneArgs& a) {
         "coinciding  {} plans left out of the ranking: at PP 1 their schedule family orders the same ops as a "
         "ranked one's\n",
         s.coinciding);
-  if (s.ranked.empty()) {
-    // Exit 1, as `piper verify` does when it finds issues: the search ran, and found nothing usable.
-    fmt::print("no simulated plan fits {:.2f} GiB\n", s.memory_cap_bytes / kGiB);
-    return 1;
-  }
-  fmt::print("\nrank  engine      step ms    tokens/s     MFU  peak GiB  PP  TP  DP  EP  strategy\n");
-  const int shown = std::min<int>(a.show, static_cast<int>(s.ranked.size()));
-  for (int i = 0; i < shown; ++i) {
-    const auto& r = s.ranked[static_cast<std::size_t>(i)];
-    const auto& c = r.candidate;
-    fmt::print("{:>4}  {:<8} {:>10.3f} {:>11.0f} {:>6.1f}% {:>9.2f} {:>3} {:>3} {:>3} {:>3}  {}\n", i + 1, r.engine,
-               r.step_time_s * 1e3, r.tokens_per_s, r.mfu * 100, static_cast<double>(r.peak_memory_bytes) / kGiB, c.pp,
-               c.tp, c.dp, c.ep, c.describe());
-  }
+}
+
+// The files the flags ask for from the best plan: directives, scenario, Pareto plot.
+void write_tune_outputs(const TuneArgs& a, const search::TuneSummary& s) {
+  const search::TuneSpec& spec = a.spec;
   const search::TuneRow& best = s.ranked.front();
   const std::vector<int> ranges = search::effective_pp_ranges(spec, best.candidate);
   std::string ranges_text;
   for (int r : ranges) ranges_text += (ranges_text.empty() ? "" : ",") + std::to_string(r);
-  fmt::print("\nbest: {} ({}): {:.3f} ms/step, {:.0f} tokens/s, MFU {:.1f} %, peak {:.2f} GiB\n",
-             best.candidate.describe(), best.engine, best.step_time_s * 1e3, best.tokens_per_s, best.mfu * 100,
-             static_cast<double>(best.peak_memory_bytes) / kGiB);
   if (!a.directives_path.empty()) {
     core::write_file_atomically(a.directives_path, search::tune_directives(spec, best.candidate).dump(2) + "\n");
     fmt::print("directives -> {} (compile with --model {} --micro-batch-size {}{} --pp-ranges {})\n", a.directives_path,
@@ -212,6 +186,51 @@ int run_tune(TuneArgs& a) {
     plot_pareto(spec, s, a.output_path, a.plot_path);
     fmt::print("plot -> {}\n", a.plot_path);
   }
+}
+
+int run_tune(TuneArgs& a) {
+#ifndef PIPER_HAVE_PLOT
+  // Refused before the search, not after it: a search takes minutes and writes the CSV, and the
+  // house rule for bad input is one line and nothing written.
+  if (!a.plot_path.empty())
+    throw CliError(
+        "", fmt::format("--plot '{}': this piper was built without Qt 6 Gui, so it cannot draw plots", a.plot_path));
+#endif
+  search::TuneSpec& spec = a.spec;
+  spec.memory_cap_bytes = a.memory_cap_gib * kGiB;
+  spec.memory_reserve_bytes = a.memory_reserve_gib < 0 ? -1 : a.memory_reserve_gib * kGiB;
+  spec.placement_search = !a.no_placement;
+  spec.exact_top = a.show;  // the printed plans are exactly the best (branch and bound keeps them)
+  spec.sequence_parallel = a.sequence_parallel == "on"    ? std::vector<bool>{true}
+                           : a.sequence_parallel == "off" ? std::vector<bool>{false}
+                                                          : std::vector<bool>{false, true};
+  const search::TuneOptions options = tune_options(a);
+  search::TuneSummary s;
+  try {
+    s = search::run_tune(spec, a.output_path, options);
+  } catch (const search::TuneError& e) {
+    throw CliError("", e.what());
+  }
+  print_search_summary(a, s);
+  if (s.ranked.empty()) {
+    // Exit 1, as `piper verify` does when it finds issues: the search ran, and found nothing usable.
+    fmt::print("no simulated plan fits {:.2f} GiB\n", s.memory_cap_bytes / kGiB);
+    return 1;
+  }
+  fmt::print("\nrank  engine      step ms    tokens/s     MFU  peak GiB  PP  TP  DP  EP  strategy\n");
+  const int shown = std::min<int>(a.show, static_cast<int>(s.ranked.size()));
+  for (int i = 0; i < shown; ++i) {
+    const auto& r = s.ranked[static_cast<std::size_t>(i)];
+    const auto& c = r.candidate;
+    fmt::print("{:>4}  {:<8} {:>10.3f} {:>11.0f} {:>6.1f}% {:>9.2f} {:>3} {:>3} {:>3} {:>3}  {}\n", i + 1, r.engine,
+               r.step_time_s * 1e3, r.tokens_per_s, r.mfu * 100, static_cast<double>(r.peak_memory_bytes) / kGiB, c.pp,
+               c.tp, c.dp, c.ep, c.describe());
+  }
+  const search::TuneRow& best = s.ranked.front();
+  fmt::print("\nbest: {} ({}): {:.3f} ms/step, {:.0f} tokens/s, MFU {:.1f} %, peak {:.2f} GiB\n",
+             best.candidate.describe(), best.engine, best.step_time_s * 1e3, best.tokens_per_s, best.mfu * 100,
+             static_cast<double>(best.peak_memory_bytes) / kGiB);
+  write_tune_outputs(a, s);
   return 0;
 }
 

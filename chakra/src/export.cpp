@@ -131,12 +131,19 @@ std::string encode_device_trace(const core::Program& program, int device) {
   return encode_device_trace(program, device, comm_groups(program));
 }
 
-std::string encode_device_trace(const core::Program& program, int device, const CommGroups& groups,
-                                const ExportOptions& options) {
-  const core::Plan& plan = program.plan_for(device);
+namespace {
 
-  // Dependencies of each op: its stream predecessor and its cross-stream waits.
+// The device's ops in issue order, numbered by it, with each op's dependencies: its stream predecessor
+// and its cross-stream waits.
+struct IssueOrder {
   std::map<core::OpRef, std::vector<core::OpRef>> deps;
+  std::map<core::OpRef, std::uint64_t> id_of;
+  std::vector<core::OpRef> order;
+};
+
+IssueOrder issue_order(const core::Plan& plan, int device) {
+  IssueOrder out;
+  auto& deps = out.deps;
   std::map<core::OpRef, std::vector<core::OpRef>> dependents;
   std::map<core::OpRef, int> missing;
   // Ready ops by (collective?, stream, index): a deterministic topological order in which, among ops
@@ -162,8 +169,8 @@ std::string encode_device_trace(const core::Program& program, int device, const 
       if (d.empty()) ready.insert(me);
     }
   }
-  std::map<core::OpRef, std::uint64_t> id_of;
-  std::vector<core::OpRef> order;
+  auto& id_of = out.id_of;
+  auto& order = out.order;
   while (!ready.empty()) {
     const core::OpRef op = *ready.begin();
     ready.erase(ready.begin());
@@ -174,8 +181,11 @@ std::string encode_device_trace(const core::Program& program, int device, const 
   }
   if (order.size() != deps.size())
     throw core::Error(fmt::format("chakra export: device {}: the plan's stream order and waits form a cycle", device));
+  return out;
+}
 
-  std::string out;
+// The trace's GlobalMetadata record.
+void append_metadata(const core::Program& program, int device, std::string& out) {
   pb::GlobalMetadata meta;
   meta.set_version("0.0.4");
   auto meta_attr = [&](const std::string& name) {
@@ -189,60 +199,76 @@ std::string encode_device_trace(const core::Program& program, int device, const 
   meta_attr("device")->set_int64_val(device);
   meta_attr("devices")->set_int64_val(program.num_devices);
   append_delimited(meta, out);
+}
+
+// The node's type and its kind's attributes (compute cost, transfer ends, collective group).
+void set_kind_attrs(pb::Node& node, const core::Op& op, const core::Program& program, int device,
+                    const CommGroups& groups, const ExportOptions& options) {
+  switch (op.kind) {
+    case core::OpKind::Compute:
+    case core::OpKind::Update:
+      node.set_type(pb::COMP_NODE);
+      add_attr(node, "num_ops", [&](auto& a) { a.set_int64_val(static_cast<std::int64_t>(op.flops)); });
+      add_attr(node, "tensor_size", [&](auto& a) { a.set_uint64_val(static_cast<std::uint64_t>(op.memory_bytes)); });
+      if (options.compute_seconds) node.set_duration_micros(micros(options.compute_seconds(device, op), device, op));
+      break;
+    case core::OpKind::Send:
+    case core::OpKind::Recv: {
+      const bool send = op.kind == core::OpKind::Send;
+      const int peer = program.peer_of(op, device);
+      node.set_type(send ? pb::COMM_SEND_NODE : pb::COMM_RECV_NODE);
+      add_attr(node, "comm_src", [&](auto& a) { a.set_int32_val(as_int32(send ? device : peer, "device")); });
+      add_attr(node, "comm_dst", [&](auto& a) { a.set_int32_val(as_int32(send ? peer : device, "device")); });
+      add_attr(node, "comm_size", [&](auto& a) { a.set_int64_val(op.bytes); });
+      // Both sides carry the transfer's pairing id (Op::pair: who meets whom, core/readiness.hpp); with
+      // comm_src and comm_dst it names the transfer uniquely.
+      add_attr(node, "comm_tag", [&](auto& a) { a.set_int32_val(as_int32(op.pair, "pairing id")); });
+      break;
+    }
+    default: {
+      node.set_type(pb::COMM_COLL_NODE);
+      add_attr(node, "comm_type", [&](auto& a) { a.set_int64_val(comm_type_of(op.kind)); });
+      // ASTRA-sim's sizes: an all-gather's comm_size is what each rank contributes (its ring sends
+      // comm_size per step and ends with comm_size x n), the others' the full buffer, as Piper's bytes.
+      const std::vector<int> group = program.group_of(op.family, device);
+      const std::int64_t n = std::max<std::int64_t>(1, static_cast<std::int64_t>(group.size()));
+      const std::int64_t comm_size = op.kind == core::OpKind::AllGather ? (op.bytes + n - 1) / n : op.bytes;
+      add_attr(node, "comm_size", [&](auto& a) { a.set_int64_val(comm_size); });
+      // One network dimension: ASTRA-sim spreads the collective over the dimensions marked true.
+      add_attr(node, "involved_dim", [](auto& a) { a.mutable_bool_list()->add_values(true); });
+      // ASTRA-sim's communicator group (the --comm-group-configuration file written beside the traces).
+      add_attr(node, "pg_name", [&](auto& a) { a.set_string_val(groups.pg_name(op.family, device)); });
+      add_attr(node, "piper_group", [&](auto& a) {
+        for (int r : group) a.mutable_int64_list()->add_values(r);
+      });
+      add_attr(node, "piper_bytes", [&](auto& a) { a.set_int64_val(op.bytes); });
+      // ASTRA-sim meets a group's collectives by their order on pg_name (the verifier checks every
+      // member issues the family's pairing ids in one order); the id itself, for readers.
+      add_attr(node, "piper_pair", [&](auto& a) { a.set_int64_val(op.pair); });
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+std::string encode_device_trace(const core::Program& program, int device, const CommGroups& groups,
+                                const ExportOptions& options) {
+  const core::Plan& plan = program.plan_for(device);
+  const IssueOrder issue = issue_order(plan, device);
+  std::string out;
+  append_metadata(program, device, out);
 
   pb::Node node;
-  for (const core::OpRef& ref : order) {
+  for (const core::OpRef& ref : issue.order) {
     const core::Stream& stream = plan.streams[static_cast<std::size_t>(ref.stream)];
     const core::Op& op = stream.ops[static_cast<std::size_t>(ref.index)];
     node.Clear();
-    node.set_id(id_of.at(ref));
+    node.set_id(issue.id_of.at(ref));
     node.set_name(op.label.empty() ? core::to_string(op.kind) : op.label);
-    for (const core::OpRef& d : deps.at(ref)) node.add_data_deps(id_of.at(d));
+    for (const core::OpRef& d : issue.deps.at(ref)) node.add_data_deps(issue.id_of.at(d));
     add_attr(node, "is_cpu_op", [](auto& a) { a.set_bool_val(false); });
-    switch (op.kind) {
-      case core::OpKind::Compute:
-      case core::OpKind::Update:
-        node.set_type(pb::COMP_NODE);
-        add_attr(node, "num_ops", [&](auto& a) { a.set_int64_val(static_cast<std::int64_t>(op.flops)); });
-        add_attr(node, "tensor_size", [&](auto& a) { a.set_uint64_val(static_cast<std::uint64_t>(op.memory_bytes)); });
-        if (options.compute_seconds) node.set_duration_micros(micros(options.compute_seconds(device, op), device, op));
-        break;
-      case core::OpKind::Send:
-      case core::OpKind::Recv: {
-        const bool send = op.kind == core::OpKind::Send;
-        const int peer = program.peer_of(op, device);
-        node.set_type(send ? pb::COMM_SEND_NODE : pb::COMM_RECV_NODE);
-        add_attr(node, "comm_src", [&](auto& a) { a.set_int32_val(as_int32(send ? device : peer, "device")); });
-        add_attr(node, "comm_dst", [&](auto& a) { a.set_int32_val(as_int32(send ? peer : device, "device")); });
-        add_attr(node, "comm_size", [&](auto& a) { a.set_int64_val(op.bytes); });
-        // Both sides carry the transfer's pairing id (Op::pair: who meets whom, core/readiness.hpp); with
-        // comm_src and comm_dst it names the transfer uniquely.
-        add_attr(node, "comm_tag", [&](auto& a) { a.set_int32_val(as_int32(op.pair, "pairing id")); });
-        break;
-      }
-      default: {
-        node.set_type(pb::COMM_COLL_NODE);
-        add_attr(node, "comm_type", [&](auto& a) { a.set_int64_val(comm_type_of(op.kind)); });
-        // ASTRA-sim's sizes: an all-gather's comm_size is what each rank contributes (its ring sends
-        // comm_size per step and ends with comm_size x n), the others' the full buffer, as Piper's bytes.
-        const std::vector<int> group = program.group_of(op.family, device);
-        const std::int64_t n = std::max<std::int64_t>(1, static_cast<std::int64_t>(group.size()));
-        const std::int64_t comm_size = op.kind == core::OpKind::AllGather ? (op.bytes + n - 1) / n : op.bytes;
-        add_attr(node, "comm_size", [&](auto& a) { a.set_int64_val(comm_size); });
-        // One network dimension: ASTRA-sim spreads the collective over the dimensions marked true.
-        add_attr(node, "involved_dim", [](auto& a) { a.mutable_bool_list()->add_values(true); });
-        // ASTRA-sim's communicator group (the --comm-group-configuration file written beside the traces).
-        add_attr(node, "pg_name", [&](auto& a) { a.set_string_val(groups.pg_name(op.family, device)); });
-        add_attr(node, "piper_group", [&](auto& a) {
-          for (int r : group) a.mutable_int64_list()->add_values(r);
-        });
-        add_attr(node, "piper_bytes", [&](auto& a) { a.set_int64_val(op.bytes); });
-        // ASTRA-sim meets a group's collectives by their order on pg_name (the verifier checks every
-        // member issues the family's pairing ids in one order); the id itself, for readers.
-        add_attr(node, "piper_pair", [&](auto& a) { a.set_int64_val(op.pair); });
-        break;
-      }
-    }
+    set_kind_attrs(node, op, program, device, groups, options);
     // Where the node came from, so a reader can map it back to the plan.
     add_attr(node, "piper_stream", [&](auto& a) { a.set_string_val(stream.name); });
     add_attr(node, "piper_index", [&](auto& a) { a.set_int64_val(ref.index); });

@@ -104,7 +104,7 @@ void attention_core(KernelBuilder& kb, const LayerShape& sh, const TrainingShape
   kb.out.push_back(a);
 }
 
-// Op-level recomputation's rerun matmuls of a layer (model.cpp, op_recompute_matmuls), forward shapes
+// Op-level recomputation's rerun matmuls of a layer (model_costs.cpp, op_recompute_matmuls), forward shapes
 // under TP: a layer's output projection (N = hidden) is row-parallel, the others column-parallel.
 void recompute_matmuls(KernelBuilder& kb, const Layer& layer, std::int64_t T, int t) {
   for (const auto& [k, n] : op_recompute_matmuls(layer, false)) {

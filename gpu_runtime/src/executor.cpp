@@ -36,7 +36,9 @@ Executor::Executor(const core::Plan& plan, Backend& backend, ExecutorOptions opt
   }
 }
 
-StepMeasurement Executor::run_step(int step) {
+// One event loop over the plan's streams whose local state (cursors, spans, memory, the sweep's timers)
+// every branch reads and writes; split, it would pass that state around whole.
+StepMeasurement Executor::run_step(int step) {  // NOLINT(readability-function-size)
   const std::size_t streams = plan_.streams.size();
   std::vector<int> cursor(streams, 0);     // next op to start
   std::vector<int> completed(streams, 0);  // ops completed (a stream completes in order)

@@ -154,6 +154,34 @@ core::Scenario default_scenario() {
   return s;
 }
 
+// One row of the preset form: each widget after its label, stretched; a widget without a label
+// (a check box that names itself) keeps its size.
+QWidget* labelled_row(std::initializer_list<std::pair<const char*, QWidget*>> fields) {
+  auto* row = new QWidget;
+  auto* layout = new QHBoxLayout(row);
+  layout->setContentsMargins(0, 0, 0, 0);
+  for (const auto& [name, w] : fields) {
+    if (name == nullptr) {
+      layout->addWidget(w);
+      continue;
+    }
+    layout->addWidget(new QLabel(name));
+    layout->addWidget(w, 1);
+  }
+  return row;
+}
+
+// `box` in a vertical scroll area as wide as the box and its scroll bar.
+QScrollArea* scrolled(QWidget* box) {
+  auto* scroll = new QScrollArea;
+  scroll->setWidget(box);
+  scroll->setWidgetResizable(true);
+  scroll->setFrameShape(QFrame::NoFrame);
+  scroll->setHorizontalScrollBarPolicy(Qt::ScrollBarAlwaysOff);
+  scroll->setMinimumWidth(box->sizeHint().width() + scroll->verticalScrollBar()->sizeHint().width());
+  return scroll;
+}
+
 }  // namespace
 
 StudioWindow::StudioWindow(QWidget* parent) : QMainWindow(parent) {
@@ -260,7 +288,7 @@ void StudioWindow::build_menus() {
   for (auto [title, mode] : {std::pair{"&Off (one row per device)", FoldMode::Off},
                              {"By symmetry &class", FoldMode::Class},
                              {"By pipeline &stage", FoldMode::Stage}}) {
-    QAction* a = fold->addAction(title, this, [this, mode] { view_->set_fold_mode(mode); });
+    QAction* a = fold->addAction(title, this, [this, m = mode] { view_->set_fold_mode(m); });
     a->setCheckable(true);
     a->setData(static_cast<int>(mode));
     fold_group->addAction(a);
@@ -317,31 +345,9 @@ QWidget* StudioWindow::build_preset_panel() {
   form->addRow("cluster", cluster_);
   form->addRow("engine", engine_);
   form->addRow("schedule", schedule_);
-  auto* grid = new QWidget;
-  auto* g = new QHBoxLayout(grid);
-  g->setContentsMargins(0, 0, 0, 0);
-  for (auto [name, w] : {std::pair{"P", pp_}, {"M", microbatches_}, {"V", virtual_}, {"GB", global_batch_}}) {
-    g->addWidget(new QLabel(name));
-    g->addWidget(w, 1);
-  }
-  form->addRow("pipeline", grid);
-  auto* grid2 = new QWidget;
-  auto* g2 = new QHBoxLayout(grid2);
-  g2->setContentsMargins(0, 0, 0, 0);
-  for (auto [name, w] : {std::pair{"DP", dp_}, {"EP", ep_}, {"ZeRO", zero_}, {"shard", dp_shard_}}) {
-    g2->addWidget(new QLabel(name));
-    g2->addWidget(w, 1);
-  }
-  form->addRow("data", grid2);
-  auto* grid3 = new QWidget;
-  auto* g3 = new QHBoxLayout(grid3);
-  g3->setContentsMargins(0, 0, 0, 0);
-  g3->addWidget(new QLabel("TP"));
-  g3->addWidget(tp_, 1);
-  g3->addWidget(sequence_parallel_);
-  g3->addWidget(new QLabel("recompute"));
-  g3->addWidget(recompute_, 1);
-  form->addRow("tensor", grid3);
+  form->addRow("pipeline", labelled_row({{"P", pp_}, {"M", microbatches_}, {"V", virtual_}, {"GB", global_batch_}}));
+  form->addRow("data", labelled_row({{"DP", dp_}, {"EP", ep_}, {"ZeRO", zero_}, {"shard", dp_shard_}}));
+  form->addRow("tensor", labelled_row({{"TP", tp_}, {nullptr, sequence_parallel_}, {"recompute", recompute_}}));
   // The settings table (core/settings.hpp): its help as each field's tool tip, and a generated field
   // for every setting the rows above do not lay out, so a new setting appears here by itself.
   const std::map<std::string, QWidget*> laid_out = {{"schedule", schedule_},
@@ -372,13 +378,7 @@ QWidget* StudioWindow::build_preset_panel() {
   connect(apply, &QPushButton::clicked, this, [this] { load_scenario(preset_scenario()); });
   form->addRow(apply);
   // The table grows with every setting: scrolled, so that it never sets the window's minimum height.
-  auto* scroll = new QScrollArea;
-  scroll->setWidget(box);
-  scroll->setWidgetResizable(true);
-  scroll->setFrameShape(QFrame::NoFrame);
-  scroll->setHorizontalScrollBarPolicy(Qt::ScrollBarAlwaysOff);
-  scroll->setMinimumWidth(box->sizeHint().width() + scroll->verticalScrollBar()->sizeHint().width());
-  return scroll;
+  return scrolled(box);
 }
 
 void StudioWindow::fill_preset_panel(const core::Scenario& s) {

@@ -756,6 +756,104 @@ std::vector<TimelineView::MemoryCurve> TimelineView::memory_curves() const {
   return curves;
 }
 
+// Legend: which curve is which row (device or folded group): a column in the gutter, left of the
+// axis labels, then the header line up to the HBM note; what does not fit is counted.
+void TimelineView::paint_memory_legend(QPainter& p, const std::vector<MemoryCurve>& curves, const MemoryScale& m, int h,
+                                       const QFontMetrics& fm) const {
+  const int top = m.top;
+  const std::int64_t hbm = m.hbm;
+  const bool hbm_on_scale = m.hbm_on_scale;
+  std::vector<MemoryCurve> entries = curves;
+  if (tracks_.size() > 1) {
+    // Comparing: one hue per scenario, so one entry per scenario.
+    entries.clear();
+    for (const MemoryCurve& c : curves)
+      if (entries.empty() || entries.back().track != c.track) {
+        MemoryCurve e = c;
+        e.label = QString(c.track == 0 ? "A" : "B");
+        entries.push_back(e);
+      }
+  }
+  std::size_t shown = 0;
+  const int column_width = plot_left() - 64 - 24;  // the axis labels take the gutter's right 60 px
+  for (int y = top + 20; shown < entries.size() && y + 12 <= h - 2; y += 12, ++shown) {
+    const MemoryCurve& c = entries[shown];
+    p.fillRect(6, y + 5, 14, 3, c.colour);
+    p.setPen(QColor(0x22, 0x22, 0x22));
+    p.drawText(QPointF(24, y + 10), fm.elidedText(c.label, Qt::ElideMiddle, column_width));
+  }
+  int x = plot_left() + 6;
+  int limit = plot_right() - 8;
+  if (hbm > 0 && !hbm_on_scale)  // the HBM note sits on the header line
+    limit -= fm.horizontalAdvance(
+                 QString("HBM limit %1 (above scale)  — OUT OF MEMORY").arg(qbytes(static_cast<double>(hbm)))) +
+             8;
+  for (; shown < entries.size(); ++shown) {
+    const MemoryCurve& c = entries[shown];
+    const int need = 18 + fm.horizontalAdvance(c.label) + 12;
+    if (x + need > limit - 60) break;
+    p.fillRect(x, top + 8, 14, 3, c.colour);
+    p.setPen(QColor(0x22, 0x22, 0x22));
+    p.drawText(QPointF(x + 18, top + 13), c.label);
+    x += need;
+  }
+  if (shown < entries.size()) {
+    p.setPen(QColor(0x77, 0x77, 0x77));
+    p.drawText(QPointF(x, top + 13), QString("+%1 more").arg(entries.size() - shown));
+  }
+}
+
+// Y ticks in the unit of the scale (B, KiB, MiB, GiB, TiB), so small models read in MiB.
+void TimelineView::paint_memory_ticks(QPainter& p, const MemoryScale& m) const {
+  const double y_max = m.y_max;
+  double unit = 1;
+  const char* unit_names[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (y_max / unit >= 1024 && u < 4) {
+    unit *= 1024;
+    ++u;
+  }
+  const double step = nice_step(y_max / unit / 4) * unit;
+  for (double b = 0; b <= y_max; b += step) {
+    const double y = memory_y(m, b);
+    p.setPen(QColor(0xE6, 0xE6, 0xE6));
+    p.drawLine(QPointF(plot_left(), y), QPointF(plot_right(), y));
+    p.setPen(QColor(0x66, 0x66, 0x66));
+    const QString label = QString::number(b / unit, 'g', 4) + " " + unit_names[u];
+    p.drawText(QRectF(6, y - 8, plot_left() - 12, 16), Qt::AlignRight | Qt::AlignVCenter, label);
+  }
+}
+
+// A device's memory step function from the view's start to the plot's right edge, decimated per
+// pixel column: entry value, column min/max, exit value.
+QPolygon TimelineView::memory_polyline(const core::DeviceTimeline& dt, const MemoryScale& m) const {
+  const auto& mem = dt.memory;
+  auto it = std::upper_bound(mem.begin(), mem.end(), view_start_s_,
+                             [](double t, const core::MemorySample& s) { return t < s.time_s; });
+  if (it != mem.begin()) --it;
+  QPolygon line;
+  double value = static_cast<double>(it->bytes);
+  int column = static_cast<int>(std::floor(std::max(x_at(it->time_s), double(plot_left() - 1))));
+  auto yi = [&](double v) { return static_cast<int>(std::lround(memory_y(m, v))); };
+  line << QPoint(column, yi(value));
+  for (++it; it != mem.end(); ++it) {
+    const double x = x_at(it->time_s);
+    if (x > plot_right() + 1) break;
+    const int c2 = static_cast<int>(std::floor(x));
+    const int y_before = yi(value);
+    value = static_cast<double>(it->bytes);
+    const int y_after = yi(value);
+    if (y_after == y_before) continue;  // changes below a pixel draw nothing
+    if (c2 != column) {
+      line << QPoint(c2, y_before);
+      column = c2;
+    }
+    line << QPoint(c2, y_after);
+  }
+  line << QPoint(plot_right() + 1, yi(value));
+  return line;
+}
+
 void TimelineView::paint_memory(QPainter& p, int w, int h) {
   const MemoryScale m = memory_scale();
   const int mh = memory_height();
@@ -767,7 +865,6 @@ void TimelineView::paint_memory(QPainter& p, int w, int h) {
   const double peak = m.peak;
   const std::int64_t hbm = m.hbm;
   const bool hbm_on_scale = m.hbm_on_scale;
-  const double y_max = m.y_max;
   auto y_of = [&](double bytes) { return memory_y(m, bytes); };
   QFont f = font();
   f.setPointSizeF(8);
@@ -777,68 +874,10 @@ void TimelineView::paint_memory(QPainter& p, int w, int h) {
   p.drawText(QRect(6, top + 2, plot_left() - 10, 16), Qt::AlignLeft | Qt::AlignVCenter,
              tracks_.size() > 1 ? "memory (A, B)" : "memory per row (hover: by kind)");
   const std::vector<MemoryCurve> curves = memory_curves();
-  // Legend: which curve is which row (device or folded group): a column in the gutter, left of the
-  // axis labels, then the header line up to the HBM note; what does not fit is counted.
-  {
-    std::vector<MemoryCurve> entries = curves;
-    if (tracks_.size() > 1) {
-      // Comparing: one hue per scenario, so one entry per scenario.
-      entries.clear();
-      for (const MemoryCurve& c : curves)
-        if (entries.empty() || entries.back().track != c.track) {
-          MemoryCurve e = c;
-          e.label = QString(c.track == 0 ? "A" : "B");
-          entries.push_back(e);
-        }
-    }
-    std::size_t shown = 0;
-    const int column_width = plot_left() - 64 - 24;  // the axis labels take the gutter's right 60 px
-    for (int y = top + 20; shown < entries.size() && y + 12 <= h - 2; y += 12, ++shown) {
-      const MemoryCurve& c = entries[shown];
-      p.fillRect(6, y + 5, 14, 3, c.colour);
-      p.setPen(QColor(0x22, 0x22, 0x22));
-      p.drawText(QPointF(24, y + 10), fm.elidedText(c.label, Qt::ElideMiddle, column_width));
-    }
-    int x = plot_left() + 6;
-    int limit = plot_right() - 8;
-    if (hbm > 0 && !hbm_on_scale)  // the HBM note sits on the header line
-      limit -= fm.horizontalAdvance(
-                   QString("HBM limit %1 (above scale)  — OUT OF MEMORY").arg(qbytes(static_cast<double>(hbm)))) +
-               8;
-    for (; shown < entries.size(); ++shown) {
-      const MemoryCurve& c = entries[shown];
-      const int need = 18 + fm.horizontalAdvance(c.label) + 12;
-      if (x + need > limit - 60) break;
-      p.fillRect(x, top + 8, 14, 3, c.colour);
-      p.setPen(QColor(0x22, 0x22, 0x22));
-      p.drawText(QPointF(x + 18, top + 13), c.label);
-      x += need;
-    }
-    if (shown < entries.size()) {
-      p.setPen(QColor(0x77, 0x77, 0x77));
-      p.drawText(QPointF(x, top + 13), QString("+%1 more").arg(entries.size() - shown));
-    }
-  }
-  // Y ticks in the unit of the scale (B, KiB, MiB, GiB, TiB), so small models read in MiB.
-  double unit = 1;
-  const char* unit_names[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (y_max / unit >= 1024 && u < 4) {
-    unit *= 1024;
-    ++u;
-  }
-  const double step = nice_step(y_max / unit / 4) * unit;
-  for (double b = 0; b <= y_max; b += step) {
-    const double y = y_of(b);
-    p.setPen(QColor(0xE6, 0xE6, 0xE6));
-    p.drawLine(QPointF(plot_left(), y), QPointF(plot_right(), y));
-    p.setPen(QColor(0x66, 0x66, 0x66));
-    const QString label = QString::number(b / unit, 'g', 4) + " " + unit_names[u];
-    p.drawText(QRectF(6, y - 8, plot_left() - 12, 16), Qt::AlignRight | Qt::AlignVCenter, label);
-  }
+  paint_memory_legend(p, curves, m, h, fm);
+  paint_memory_ticks(p, m);
   p.save();
   p.setClipRect(QRect(plot_left(), plot_top - 6, plot_right() - plot_left(), h - plot_top + 6));
-  const double t0 = view_start_s_;
   const int selected_device =
       selection_.valid()
           ? tracks_[static_cast<std::size_t>(selection_.track)]->rows[static_cast<std::size_t>(selection_.row)].device
@@ -850,37 +889,12 @@ void TimelineView::paint_memory(QPainter& p, int w, int h) {
     const Track& track = *tracks_[static_cast<std::size_t>(curve.track)];
     const int d = curve.device;
     const auto& dt = track.timeline->devices[static_cast<std::size_t>(d)];
-    const auto& mem = dt.memory;
     const bool oom = track.hbm_bytes > 0 && dt.peak_memory_bytes > track.hbm_bytes;
     const bool highlighted = d == selected_device && curve.track == selection_.track;
     QColor c = oom ? QColor(0xD0, 0x20, 0x20) : curve.colour;
     if (!highlighted && selected_device >= 0) c.setAlpha(90);
     p.setPen(QPen(c, highlighted ? 2.0 : 1.2));
-    // Step function decimated per pixel column: entry value, column min/max, exit value.
-    auto it = std::upper_bound(mem.begin(), mem.end(), t0,
-                               [](double t, const core::MemorySample& s) { return t < s.time_s; });
-    if (it != mem.begin()) --it;
-    QPolygon line;
-    double value = static_cast<double>(it->bytes);
-    int column = static_cast<int>(std::floor(std::max(x_at(it->time_s), double(plot_left() - 1))));
-    auto yi = [&](double v) { return static_cast<int>(std::lround(y_of(v))); };
-    line << QPoint(column, yi(value));
-    for (++it; it != mem.end(); ++it) {
-      const double x = x_at(it->time_s);
-      if (x > plot_right() + 1) break;
-      const int c2 = static_cast<int>(std::floor(x));
-      const int y_before = yi(value);
-      value = static_cast<double>(it->bytes);
-      const int y_after = yi(value);
-      if (y_after == y_before) continue;  // changes below a pixel draw nothing
-      if (c2 != column) {
-        line << QPoint(c2, y_before);
-        column = c2;
-      }
-      line << QPoint(c2, y_after);
-    }
-    line << QPoint(plot_right() + 1, yi(value));
-    p.drawPolyline(line);
+    p.drawPolyline(memory_polyline(dt, m));
     if (dt.peak_memory_bytes > peak_marker_bytes) {
       peak_marker_bytes = dt.peak_memory_bytes;
       peak_marker = QPointF(x_at(dt.peak_memory_time_s), y_of(static_cast<double>(dt.peak_memory_bytes)));

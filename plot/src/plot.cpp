@@ -133,6 +133,157 @@ void ensure_gui_application() {
   new QGuiApplication(argc, argv);
 }
 
+namespace {
+
+// The plot area and the data-to-pixel maps of a chart being drawn.
+struct Frame {
+  const Chart& c;
+  Range xr, yr;
+  QRectF plot;
+  double px(double v) const {
+    return plot.left() + (forward(v, c.x.log) - forward(xr.lo, c.x.log)) /
+                             (forward(xr.hi, c.x.log) - forward(xr.lo, c.x.log)) * plot.width();
+  }
+  double py(double v) const {
+    return plot.bottom() - (forward(v, c.y.log) - forward(yr.lo, c.y.log)) /
+                               (forward(yr.hi, c.y.log) - forward(yr.lo, c.y.log)) * plot.height();
+  }
+  bool visible(double x, double y) const {
+    return std::isfinite(x) && std::isfinite(y) && (!c.x.log || x > 0) && (!c.y.log || y > 0);
+  }
+};
+
+// Title, grid, ticks and axis labels.
+void draw_axes(QPainter& p, const Frame& f, const QFont& font, const std::vector<double>& xticks,
+               const std::vector<double>& yticks, int ytick_w) {
+  const Chart& c = f.c;
+  const QFontMetrics fm(font);
+  if (!c.title.empty()) {
+    QFont tf = font;
+    tf.setPixelSize(18);
+    tf.setBold(true);
+    p.setFont(tf);
+    p.drawText(QRectF(0, 10, c.width, 30), Qt::AlignHCenter | Qt::AlignVCenter, QString::fromStdString(c.title));
+    p.setFont(font);
+  }
+  p.setPen(QPen(QColor("#e5e5e5"), 1));
+  for (double t : xticks) p.drawLine(QPointF(f.px(t), f.plot.top()), QPointF(f.px(t), f.plot.bottom()));
+  for (double t : yticks) p.drawLine(QPointF(f.plot.left(), f.py(t)), QPointF(f.plot.right(), f.py(t)));
+  p.setPen(QPen(Qt::black, 1));
+  p.drawRect(f.plot);
+  for (double t : xticks) {
+    const QString s = QString::fromStdString(tick_label(t));
+    p.drawLine(QPointF(f.px(t), f.plot.bottom()), QPointF(f.px(t), f.plot.bottom() + 5));
+    p.drawText(QRectF(f.px(t) - 60, f.plot.bottom() + 7, 120, fm.height()), Qt::AlignHCenter | Qt::AlignTop, s);
+  }
+  for (double t : yticks) {
+    const QString s = QString::fromStdString(tick_label(t));
+    p.drawLine(QPointF(f.plot.left() - 5, f.py(t)), QPointF(f.plot.left(), f.py(t)));
+    p.drawText(QRectF(f.plot.left() - 8 - ytick_w, f.py(t) - fm.height() / 2.0, ytick_w, fm.height()),
+               Qt::AlignRight | Qt::AlignVCenter, s);
+  }
+  p.drawText(QRectF(f.plot.left(), c.height - fm.height() - 8, f.plot.width(), fm.height()), Qt::AlignHCenter,
+             QString::fromStdString(c.x.label));
+  p.save();
+  p.translate(12, f.plot.center().y());
+  p.rotate(-90);
+  p.drawText(QRectF(-f.plot.height() / 2, 0, f.plot.height(), fm.height()), Qt::AlignHCenter,
+             QString::fromStdString(c.y.label));
+  p.restore();
+}
+
+// Reference lines with their labels.
+void draw_references(QPainter& p, const Frame& f, const QFontMetrics& fm) {
+  for (const auto& r : f.c.references) {
+    if (f.c.x.log && r.vertical && r.value <= 0) continue;
+    if (f.c.y.log && !r.vertical && r.value <= 0) continue;
+    p.setPen(QPen(color_of(r.color, 0), 1.5, Qt::DashLine));
+    if (r.vertical)
+      p.drawLine(QPointF(f.px(r.value), f.plot.top()), QPointF(f.px(r.value), f.plot.bottom()));
+    else
+      p.drawLine(QPointF(f.plot.left(), f.py(r.value)), QPointF(f.plot.right(), f.py(r.value)));
+    const QString s = QString::fromStdString(r.label);
+    // Labels sit at the bottom (the legend owns the top right), on the side with room.
+    if (r.vertical) {
+      const double w = fm.horizontalAdvance(s);
+      const double x = f.px(r.value) + 4 + w > f.plot.right() ? f.px(r.value) - 4 - w : f.px(r.value) + 4;
+      p.drawText(QPointF(x, f.plot.bottom() - 6), s);
+    } else
+      p.drawText(QPointF(f.plot.right() - fm.horizontalAdvance(s) - 4, f.py(r.value) - 4), s);
+  }
+}
+
+// Each series as a line, points or both.
+void draw_series(QPainter& p, const Frame& f) {
+  const Chart& c = f.c;
+  for (std::size_t i = 0; i < c.series.size(); ++i) {
+    const Series& s = c.series[i];
+    const QColor col = color_of(s.color, i);
+    if (s.style != Style::Points) {
+      QPainterPath path;
+      bool open = false;
+      for (std::size_t k = 0; k < s.x.size(); ++k) {
+        if (!f.visible(s.x[k], s.y[k])) {
+          open = false;
+          continue;
+        }
+        const QPointF pt(f.px(s.x[k]), f.py(s.y[k]));
+        if (open)
+          path.lineTo(pt);
+        else
+          path.moveTo(pt), open = true;
+      }
+      p.setPen(QPen(col, 2));
+      p.setBrush(Qt::NoBrush);
+      p.drawPath(path);
+    }
+    if (s.style != Style::Line) {
+      QColor fill = col;
+      fill.setAlpha(170);
+      p.setPen(QPen(col.darker(130), 1));
+      p.setBrush(fill);
+      for (std::size_t k = 0; k < s.x.size(); ++k)
+        if (f.visible(s.x[k], s.y[k])) p.drawEllipse(QPointF(f.px(s.x[k]), f.py(s.y[k])), s.marker_px, s.marker_px);
+    }
+  }
+}
+
+// Legend, top right inside the plot.
+void draw_legend(QPainter& p, const Frame& f, const QFontMetrics& fm) {
+  const Chart& c = f.c;
+  std::vector<std::size_t> named;
+  for (std::size_t i = 0; i < c.series.size(); ++i)
+    if (!c.series[i].name.empty() && !c.series[i].x.empty()) named.push_back(i);
+  if (!named.empty()) {
+    int w = 0;
+    for (auto i : named) w = std::max(w, fm.horizontalAdvance(QString::fromStdString(c.series[i].name)));
+    const double row = fm.height() + 4;
+    const QRectF box(f.plot.right() - w - 50, f.plot.top() + 8, w + 42, row * static_cast<double>(named.size()) + 8);
+    p.setPen(QPen(QColor("#999999"), 1));
+    p.setBrush(QColor(255, 255, 255, 230));
+    p.drawRect(box);
+    for (std::size_t k = 0; k < named.size(); ++k) {
+      const Series& s = c.series[named[k]];
+      const QColor col = color_of(s.color, named[k]);
+      const double y = box.top() + 4 + row * static_cast<double>(k) + row / 2;
+      if (s.style != Style::Points) {
+        p.setPen(QPen(col, 2));
+        p.drawLine(QPointF(box.left() + 6, y), QPointF(box.left() + 26, y));
+      }
+      if (s.style != Style::Line) {
+        p.setPen(QPen(col.darker(130), 1));
+        p.setBrush(col);
+        p.drawEllipse(QPointF(box.left() + 16, y), 4, 4);
+      }
+      p.setPen(Qt::black);
+      p.drawText(QRectF(box.left() + 32, y - row / 2, w + 10, row), Qt::AlignVCenter | Qt::AlignLeft,
+                 QString::fromStdString(s.name));
+    }
+  }
+}
+
+}  // namespace
+
 QImage render(const Chart& c) {
   ensure_gui_application();
   for (const auto& s : c.series)
@@ -155,135 +306,15 @@ QImage render(const Chart& c) {
   for (double t : yticks) ytick_w = std::max(ytick_w, fm.horizontalAdvance(QString::fromStdString(tick_label(t))));
   const int left = 30 + ytick_w + fm.height(), right = 30, top = c.title.empty() ? 20 : 50;
   const int bottom = 30 + 2 * fm.height();
-  const QRectF plot(left, top, c.width - left - right, c.height - top - bottom);
-  auto px = [&](double v) {
-    return plot.left() + (forward(v, c.x.log) - forward(xr.lo, c.x.log)) /
-                             (forward(xr.hi, c.x.log) - forward(xr.lo, c.x.log)) * plot.width();
-  };
-  auto py = [&](double v) {
-    return plot.bottom() - (forward(v, c.y.log) - forward(yr.lo, c.y.log)) /
-                               (forward(yr.hi, c.y.log) - forward(yr.lo, c.y.log)) * plot.height();
-  };
-  auto visible = [&](double x, double y) {
-    return std::isfinite(x) && std::isfinite(y) && (!c.x.log || x > 0) && (!c.y.log || y > 0);
-  };
-
-  // Title, grid, ticks and axis labels.
-  if (!c.title.empty()) {
-    QFont tf = font;
-    tf.setPixelSize(18);
-    tf.setBold(true);
-    p.setFont(tf);
-    p.drawText(QRectF(0, 10, c.width, 30), Qt::AlignHCenter | Qt::AlignVCenter, QString::fromStdString(c.title));
-    p.setFont(font);
-  }
-  p.setPen(QPen(QColor("#e5e5e5"), 1));
-  for (double t : xticks) p.drawLine(QPointF(px(t), plot.top()), QPointF(px(t), plot.bottom()));
-  for (double t : yticks) p.drawLine(QPointF(plot.left(), py(t)), QPointF(plot.right(), py(t)));
-  p.setPen(QPen(Qt::black, 1));
-  p.drawRect(plot);
-  for (double t : xticks) {
-    const QString s = QString::fromStdString(tick_label(t));
-    p.drawLine(QPointF(px(t), plot.bottom()), QPointF(px(t), plot.bottom() + 5));
-    p.drawText(QRectF(px(t) - 60, plot.bottom() + 7, 120, fm.height()), Qt::AlignHCenter | Qt::AlignTop, s);
-  }
-  for (double t : yticks) {
-    const QString s = QString::fromStdString(tick_label(t));
-    p.drawLine(QPointF(plot.left() - 5, py(t)), QPointF(plot.left(), py(t)));
-    p.drawText(QRectF(plot.left() - 8 - ytick_w, py(t) - fm.height() / 2.0, ytick_w, fm.height()),
-               Qt::AlignRight | Qt::AlignVCenter, s);
-  }
-  p.drawText(QRectF(plot.left(), c.height - fm.height() - 8, plot.width(), fm.height()), Qt::AlignHCenter,
-             QString::fromStdString(c.x.label));
-  p.save();
-  p.translate(12, plot.center().y());
-  p.rotate(-90);
-  p.drawText(QRectF(-plot.height() / 2, 0, plot.height(), fm.height()), Qt::AlignHCenter,
-             QString::fromStdString(c.y.label));
-  p.restore();
-
+  const Frame f{c, xr, yr, QRectF(left, top, c.width - left - right, c.height - top - bottom)};
+  draw_axes(p, f, font, xticks, yticks, ytick_w);
   // Data, clipped to the plot area.
   p.save();
-  p.setClipRect(plot);
-  for (const auto& r : c.references) {
-    if (c.x.log && r.vertical && r.value <= 0) continue;
-    if (c.y.log && !r.vertical && r.value <= 0) continue;
-    p.setPen(QPen(color_of(r.color, 0), 1.5, Qt::DashLine));
-    if (r.vertical)
-      p.drawLine(QPointF(px(r.value), plot.top()), QPointF(px(r.value), plot.bottom()));
-    else
-      p.drawLine(QPointF(plot.left(), py(r.value)), QPointF(plot.right(), py(r.value)));
-    const QString s = QString::fromStdString(r.label);
-    // Labels sit at the bottom (the legend owns the top right), on the side with room.
-    if (r.vertical) {
-      const double w = fm.horizontalAdvance(s);
-      const double x = px(r.value) + 4 + w > plot.right() ? px(r.value) - 4 - w : px(r.value) + 4;
-      p.drawText(QPointF(x, plot.bottom() - 6), s);
-    } else
-      p.drawText(QPointF(plot.right() - fm.horizontalAdvance(s) - 4, py(r.value) - 4), s);
-  }
-  for (std::size_t i = 0; i < c.series.size(); ++i) {
-    const Series& s = c.series[i];
-    const QColor col = color_of(s.color, i);
-    if (s.style != Style::Points) {
-      QPainterPath path;
-      bool open = false;
-      for (std::size_t k = 0; k < s.x.size(); ++k) {
-        if (!visible(s.x[k], s.y[k])) {
-          open = false;
-          continue;
-        }
-        const QPointF pt(px(s.x[k]), py(s.y[k]));
-        if (open)
-          path.lineTo(pt);
-        else
-          path.moveTo(pt), open = true;
-      }
-      p.setPen(QPen(col, 2));
-      p.setBrush(Qt::NoBrush);
-      p.drawPath(path);
-    }
-    if (s.style != Style::Line) {
-      QColor fill = col;
-      fill.setAlpha(170);
-      p.setPen(QPen(col.darker(130), 1));
-      p.setBrush(fill);
-      for (std::size_t k = 0; k < s.x.size(); ++k)
-        if (visible(s.x[k], s.y[k])) p.drawEllipse(QPointF(px(s.x[k]), py(s.y[k])), s.marker_px, s.marker_px);
-    }
-  }
+  p.setClipRect(f.plot);
+  draw_references(p, f, fm);
+  draw_series(p, f);
   p.restore();
-
-  // Legend, top right inside the plot.
-  std::vector<std::size_t> named;
-  for (std::size_t i = 0; i < c.series.size(); ++i)
-    if (!c.series[i].name.empty() && !c.series[i].x.empty()) named.push_back(i);
-  if (!named.empty()) {
-    int w = 0;
-    for (auto i : named) w = std::max(w, fm.horizontalAdvance(QString::fromStdString(c.series[i].name)));
-    const double row = fm.height() + 4;
-    const QRectF box(plot.right() - w - 50, plot.top() + 8, w + 42, row * static_cast<double>(named.size()) + 8);
-    p.setPen(QPen(QColor("#999999"), 1));
-    p.setBrush(QColor(255, 255, 255, 230));
-    p.drawRect(box);
-    for (std::size_t k = 0; k < named.size(); ++k) {
-      const Series& s = c.series[named[k]];
-      const QColor col = color_of(s.color, named[k]);
-      const double y = box.top() + 4 + row * static_cast<double>(k) + row / 2;
-      if (s.style != Style::Points) {
-        p.setPen(QPen(col, 2));
-        p.drawLine(QPointF(box.left() + 6, y), QPointF(box.left() + 26, y));
-      }
-      if (s.style != Style::Line) {
-        p.setPen(QPen(col.darker(130), 1));
-        p.setBrush(col);
-        p.drawEllipse(QPointF(box.left() + 16, y), 4, 4);
-      }
-      p.setPen(Qt::black);
-      p.drawText(QRectF(box.left() + 32, y - row / 2, w + 10, row), Qt::AlignVCenter | Qt::AlignLeft,
-                 QString::fromStdString(s.name));
-    }
-  }
+  draw_legend(p, f, fm);
   p.end();
   return image;
 }

@@ -278,6 +278,76 @@ Cluster preset_cluster(const Preset& p, int nodes) {
   return c;
 }
 
+// The "network" object over the preset's network spec.
+void apply_network(const Reader& r, const json& n, NetworkSpec& network) {
+  r.check_keys(n, "network.", {"latency_us", "topology", "oversubscription"});
+  if (n.contains("latency_us")) network.latency_s = r.number(n, "latency_us", "network.", 0, false, 1e6) * 1e-6;
+  if (n.contains("topology")) {
+    const json& t = n.at("topology");
+    if (!t.is_string() || (t.get<std::string>() != "rail-optimized" && t.get<std::string>() != "fat-tree"))
+      r.fail("network.topology", "expected \"rail-optimized\" or \"fat-tree\"");
+    network.topology = t.get<std::string>();
+  }
+  if (n.contains("oversubscription")) network.oversubscription = r.number(n, "oversubscription", "network.", 1, false);
+}
+
+// The "overrides" array: each entry's node fields applied to the nodes it selects (by "nodes":
+// [indices] or "first" and "count").
+void apply_overrides(const Reader& r, const json& list, std::vector<NodeSpec>& nodes) {
+  const int count = static_cast<int>(nodes.size());
+  if (!list.is_array()) r.fail("overrides", "expected an array of node overrides");
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const std::string path = fmt::format("overrides[{}].", i);
+    const json& o = list[i];
+    if (!o.is_object()) r.fail(path.substr(0, path.size() - 1), "expected an object");
+    std::vector<int> which;
+    if (o.contains("nodes")) {
+      if (!o.at("nodes").is_array()) r.fail(path + "nodes", "expected an array of node indices");
+      for (const json& x : o.at("nodes")) {
+        if (!x.is_number_integer()) r.fail(path + "nodes", "expected integer node indices");
+        if (x.get<long long>() < 0 || x.get<long long>() >= count)
+          r.fail(path + "nodes",
+                 fmt::format("node {} out of range (the cluster has {} nodes)", x.get<long long>(), count));
+        which.push_back(x.get<int>());
+      }
+    } else if (o.contains("first")) {
+      const int first = r.count(o, "first", path, 0, core::Limit::Devices, "nodes");
+      const int n = o.contains("count") ? r.count(o, "count", path, 1, core::Limit::Devices, "nodes") : 1;
+      if (static_cast<std::int64_t>(first) + n > count)
+        r.fail(path + "count", fmt::format("nodes {}..{} out of range (the cluster has {} nodes)", first,
+                                           static_cast<std::int64_t>(first) + n - 1, count));
+      for (int k = 0; k < n; ++k) which.push_back(first + k);
+    } else {
+      r.fail(path + "nodes", "missing (give \"nodes\": [indices] or \"first\" and \"count\")");
+    }
+    for (int w : which) {
+      if (w < 0 || w >= count)
+        r.fail(path + "nodes", fmt::format("node {} out of range (the cluster has {} nodes)", w, count));
+      apply_node(r, o, path, nodes[static_cast<std::size_t>(w)], true);
+      check_node_complete(r, nodes[static_cast<std::size_t>(w)], path);
+    }
+  }
+}
+
+// Nodes talk over their NICs: with none, every inter-node byte took infinite time and the
+// simulator printed inf. A cluster that may grow past one node (not "fixed") needs them too.
+// Without a NIC bandwidth the analytic engine predicted 3.5e9 s per step.
+void check_multi_node(const Reader& r, const json& j, const Cluster& c) {
+  if (c.nodes.size() > 1 || !c.fixed_size)
+    for (std::size_t i = 0; i < c.nodes.size(); ++i) {
+      if (c.nodes[i].nics < 1)
+        r.fail(j.contains("overrides") ? "overrides" : "node.nics",
+               fmt::format("node {} has no NICs; nodes of a multi-node cluster need nics >= 1 (a single node without "
+                           "a network is \"nodes\": 1)",
+                           i));
+      if (c.nodes[i].nic_bandwidth_bytes_per_s <= 0)
+        r.fail(j.contains("overrides") ? "overrides" : "node.nic_bandwidth_gbit_per_s",
+               fmt::format("node {} has no NIC bandwidth; nodes of a multi-node cluster need it (a single node without "
+                           "a network is \"nodes\": 1)",
+                           i));
+    }
+}
+
 }  // namespace
 
 json GpuSpec::to_json() const {
@@ -429,19 +499,7 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
   }
   if (j.contains("node")) apply_node(r, j.at("node"), "node.", base, false);
   check_node_complete(r, base, j.contains("node") ? "node." : "");
-  if (j.contains("network")) {
-    const json& n = j.at("network");
-    r.check_keys(n, "network.", {"latency_us", "topology", "oversubscription"});
-    if (n.contains("latency_us")) network.latency_s = r.number(n, "latency_us", "network.", 0, false, 1e6) * 1e-6;
-    if (n.contains("topology")) {
-      const json& t = n.at("topology");
-      if (!t.is_string() || (t.get<std::string>() != "rail-optimized" && t.get<std::string>() != "fat-tree"))
-        r.fail("network.topology", "expected \"rail-optimized\" or \"fat-tree\"");
-      network.topology = t.get<std::string>();
-    }
-    if (n.contains("oversubscription"))
-      network.oversubscription = r.number(n, "oversubscription", "network.", 1, false);
-  }
+  if (j.contains("network")) apply_network(r, j.at("network"), network);
   int count = 1;
   bool fixed = false;
   if (j.contains("nodes")) {
@@ -475,57 +533,8 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
     c.attention_kernel = ak.get<std::string>();
   }
   c.nodes.assign(static_cast<std::size_t>(count), base);
-  if (j.contains("overrides")) {
-    const json& list = j.at("overrides");
-    if (!list.is_array()) r.fail("overrides", "expected an array of node overrides");
-    for (std::size_t i = 0; i < list.size(); ++i) {
-      const std::string path = fmt::format("overrides[{}].", i);
-      const json& o = list[i];
-      if (!o.is_object()) r.fail(path.substr(0, path.size() - 1), "expected an object");
-      std::vector<int> which;
-      if (o.contains("nodes")) {
-        if (!o.at("nodes").is_array()) r.fail(path + "nodes", "expected an array of node indices");
-        for (const json& x : o.at("nodes")) {
-          if (!x.is_number_integer()) r.fail(path + "nodes", "expected integer node indices");
-          if (x.get<long long>() < 0 || x.get<long long>() >= count)
-            r.fail(path + "nodes",
-                   fmt::format("node {} out of range (the cluster has {} nodes)", x.get<long long>(), count));
-          which.push_back(x.get<int>());
-        }
-      } else if (o.contains("first")) {
-        const int first = r.count(o, "first", path, 0, core::Limit::Devices, "nodes");
-        const int n = o.contains("count") ? r.count(o, "count", path, 1, core::Limit::Devices, "nodes") : 1;
-        if (static_cast<std::int64_t>(first) + n > count)
-          r.fail(path + "count", fmt::format("nodes {}..{} out of range (the cluster has {} nodes)", first,
-                                             static_cast<std::int64_t>(first) + n - 1, count));
-        for (int k = 0; k < n; ++k) which.push_back(first + k);
-      } else {
-        r.fail(path + "nodes", "missing (give \"nodes\": [indices] or \"first\" and \"count\")");
-      }
-      for (int w : which) {
-        if (w < 0 || w >= count)
-          r.fail(path + "nodes", fmt::format("node {} out of range (the cluster has {} nodes)", w, count));
-        apply_node(r, o, path, c.nodes[static_cast<std::size_t>(w)], true);
-        check_node_complete(r, c.nodes[static_cast<std::size_t>(w)], path);
-      }
-    }
-  }
-  // Nodes talk over their NICs: with none, every inter-node byte took infinite time and the
-  // simulator printed inf. A cluster that may grow past one node (not "fixed") needs them too.
-  // Without a NIC bandwidth the analytic engine predicted 3.5e9 s per step.
-  if (c.nodes.size() > 1 || !c.fixed_size)
-    for (std::size_t i = 0; i < c.nodes.size(); ++i) {
-      if (c.nodes[i].nics < 1)
-        r.fail(j.contains("overrides") ? "overrides" : "node.nics",
-               fmt::format("node {} has no NICs; nodes of a multi-node cluster need nics >= 1 (a single node without "
-                           "a network is \"nodes\": 1)",
-                           i));
-      if (c.nodes[i].nic_bandwidth_bytes_per_s <= 0)
-        r.fail(j.contains("overrides") ? "overrides" : "node.nic_bandwidth_gbit_per_s",
-               fmt::format("node {} has no NIC bandwidth; nodes of a multi-node cluster need it (a single node without "
-                           "a network is \"nodes\": 1)",
-                           i));
-    }
+  if (j.contains("overrides")) apply_overrides(r, j.at("overrides"), c.nodes);
+  check_multi_node(r, j, c);
   std::int64_t devices = 0;
   for (const auto& node : c.nodes) devices += node.gpus_per_node;
   if (devices > core::limit_value(core::Limit::Devices))

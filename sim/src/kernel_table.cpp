@@ -260,7 +260,9 @@ void remove_dispatch_latency(const TableReader& r, const json& v, KernelTable& t
   }
 }
 
-KernelTable KernelTable::from_json(const json& j, const std::string& where) {
+// The table reader: one block per list of the file (GEMM, attention, memory-bound, AdamW), each checked
+// where it is read, then the scales applied together; kept whole so that one format's rules sit together.
+KernelTable KernelTable::from_json(const json& j, const std::string& where) {  // NOLINT(readability-function-size)
   const TableReader r{where};
   if (!j.is_object()) r.fail("(top level)", "expected an object");
   KernelTable t;

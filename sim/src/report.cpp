@@ -133,21 +133,10 @@ CriticalPath critical_path(const core::Timeline& timeline, const Symmetry* symme
   return path;
 }
 
-Report make_report(const core::Timeline& timeline, const Cluster& cluster, const CompileStats& compile,
-                   const Symmetry* symmetry, const CostModel* cost) {
-  const core::Program& program = *timeline.program;
-  Report r;
-  r.engine = timeline.source;
-  r.model = program.model_name;
-  r.cluster = cluster.name;
-  r.devices = program.num_devices;
-  r.microbatches = program.microbatches;
-  r.step_time_s = timeline.step_time_s;
-  r.compile_time_s = compile.compile_time_s;
-  r.dag_nodes = compile.dag_nodes;
-  r.total_ops = program.total_ops();
+namespace {
 
-  // Model FLOPs and tokens per plan, times the devices running it.
+// Model FLOPs and tokens per plan, times the devices running it.
+void add_model_work(const core::Program& program, Report& r) {
   std::vector<int> devices_of_plan(program.plans.size(), 0);
   for (int p : program.plan_of_device) devices_of_plan[ix(p)] += 1;
   const double tokens_per_mb = static_cast<double>(program.training.tokens_per_microbatch());
@@ -166,6 +155,10 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
                                std::max(1, program.segments[ix(op.segment)].tp_degree) /
                                std::max(1, program.segments[ix(op.segment)].cp_degree);
       }
+}
+
+// Tokens per second and MFU from the step time.
+void set_rates(const core::Program& program, const Cluster& cluster, Report& r) {
   // node_of_devices() once: per-device Cluster lookups are not constant-time on big clusters.
   const std::vector<int> node_of = cluster.node_of_devices();
   auto gpu_of = [&](int d) -> const GpuSpec& { return cluster.nodes[ix(node_of[ix(d)])].gpu; };
@@ -177,15 +170,91 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
     r.tokens_per_s = r.tokens_per_step / r.step_time_s;
     r.mfu = peak_flops > 0 ? r.model_flops / (r.step_time_s * peak_flops) : 0;
   }
+}
+
+// The span of an op of one device's timeline.
+struct SpanOf {
+  const core::DeviceTimeline& dt;
+  const std::vector<std::int32_t>& base;  // stream_span_base of the device's plan
+  const core::OpSpan& operator()(core::OpRef x) const { return dt.spans[ix(base[ix(x.stream)] + x.index)]; }
+};
+
+// A buffer's allocation or free, for the per-kind peaks.
+struct Change {
+  double time_s;
+  std::int64_t bytes;
+  int kind;
+};
+
+// Peak of each buffer kind on its own (frees before allocations at equal times); `changes` is scratch.
+void set_peaks_by_kind(const core::Plan& plan, const SpanOf& span, std::vector<Change>& changes, DeviceReport& dr) {
+  std::array<std::int64_t, kKinds> level{}, peak{};
+  changes.clear();
+  for (const auto& buf : plan.buffers) {
+    const int k = static_cast<int>(buf.kind);
+    if (buf.persistent()) {
+      level[ix(k)] += buf.bytes;
+      continue;
+    }
+    changes.push_back({span(buf.alloc).start_s, buf.bytes, k});
+    if (buf.free.stream >= 0) changes.push_back({span(buf.free).end_s, -buf.bytes, k});
+  }
+  std::sort(changes.begin(), changes.end(), [](const Change& x, const Change& y) {
+    return x.time_s < y.time_s || (x.time_s == y.time_s && x.bytes < y.bytes);
+  });
+  peak = level;
+  for (const auto& c : changes) {
+    level[ix(c.kind)] += c.bytes;
+    peak[ix(c.kind)] = std::max(peak[ix(c.kind)], level[ix(c.kind)]);
+  }
+  for (int k = 0; k < kKinds; ++k)
+    if (peak[ix(k)] > 0) dr.peak_bytes_by_kind[core::to_string(kAllKinds[ix(k)])] = peak[ix(k)];
+}
+
+// The first device over its HBM: when it first went over and which buffer kinds held the memory then.
+void set_oom_details(int d, const DeviceReport& dr, const core::DeviceTimeline& dt, const core::Plan& plan,
+                     const SpanOf& span, OomReport& o) {
+  o.device = d;
+  o.hbm_bytes = dr.hbm_bytes;
+  for (const auto& m : dt.memory)
+    if (m.bytes > dr.hbm_bytes) {
+      o.time_s = m.time_s;
+      o.bytes = m.bytes;
+      break;
+    }
+  std::array<std::int64_t, kKinds> held{};
+  for (const auto& buf : plan.buffers) {
+    const bool live = buf.persistent() ||
+                      (span(buf.alloc).start_s <= o.time_s && (buf.free.stream < 0 || span(buf.free).end_s > o.time_s));
+    if (live) held[ix(static_cast<int>(buf.kind))] += buf.bytes;
+  }
+  for (int k = 0; k < kKinds; ++k)
+    if (held[ix(k)] > 0) o.largest_holders.push_back({core::to_string(kAllKinds[ix(k)]), held[ix(k)]});
+  std::sort(o.largest_holders.begin(), o.largest_holders.end(),
+            [](const MemoryHolder& x, const MemoryHolder& y) { return x.bytes > y.bytes; });
+}
+
+}  // namespace
+
+Report make_report(const core::Timeline& timeline, const Cluster& cluster, const CompileStats& compile,
+                   const Symmetry* symmetry, const CostModel* cost) {
+  const core::Program& program = *timeline.program;
+  Report r;
+  r.engine = timeline.source;
+  r.model = program.model_name;
+  r.cluster = cluster.name;
+  r.devices = program.num_devices;
+  r.microbatches = program.microbatches;
+  r.step_time_s = timeline.step_time_s;
+  r.compile_time_s = compile.compile_time_s;
+  r.dag_nodes = compile.dag_nodes;
+  r.total_ops = program.total_ops();
+  add_model_work(program, r);
+  set_rates(program, cluster, r);
 
   std::vector<std::vector<std::int32_t>> base(program.plans.size());
   for (std::size_t p = 0; p < program.plans.size(); ++p) base[p] = stream_span_base(program.plans[p]);
   Intervals compute, comm;
-  struct Change {
-    double time_s;
-    std::int64_t bytes;
-    int kind;
-  };
   std::vector<Change> changes;
   double bubble_sum = 0;
   r.per_device.reserve(ix(program.num_devices));
@@ -221,55 +290,13 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
     dr.peak_memory_time_s = dt.peak_memory_time_s;
     dr.hbm_bytes = cluster.device_hbm_bytes(d, program.num_devices);
     dr.oom = dr.peak_memory_bytes > dr.hbm_bytes;
-    // Peak of each buffer kind on its own (frees before allocations at equal times).
-    const auto& b = base[ix(program.plan_of_device[ix(d)])];
-    auto span = [&](core::OpRef x) -> const core::OpSpan& { return dt.spans[ix(b[ix(x.stream)] + x.index)]; };
-    std::array<std::int64_t, kKinds> level{}, peak{};
-    changes.clear();
-    for (const auto& buf : plan.buffers) {
-      const int k = static_cast<int>(buf.kind);
-      if (buf.persistent()) {
-        level[ix(k)] += buf.bytes;
-        continue;
-      }
-      changes.push_back({span(buf.alloc).start_s, buf.bytes, k});
-      if (buf.free.stream >= 0) changes.push_back({span(buf.free).end_s, -buf.bytes, k});
-    }
-    std::sort(changes.begin(), changes.end(), [](const Change& x, const Change& y) {
-      return x.time_s < y.time_s || (x.time_s == y.time_s && x.bytes < y.bytes);
-    });
-    peak = level;
-    for (const auto& c : changes) {
-      level[ix(c.kind)] += c.bytes;
-      peak[ix(c.kind)] = std::max(peak[ix(c.kind)], level[ix(c.kind)]);
-    }
-    for (int k = 0; k < kKinds; ++k)
-      if (peak[ix(k)] > 0) dr.peak_bytes_by_kind[core::to_string(kAllKinds[ix(k)])] = peak[ix(k)];
+    const SpanOf span{dt, base[ix(program.plan_of_device[ix(d)])]};
+    set_peaks_by_kind(plan, span, changes, dr);
     r.peak_memory_bytes = std::max(r.peak_memory_bytes, dr.peak_memory_bytes);
     if (dr.oom) {
       r.oom = true;
       r.oom_details.devices_over += 1;
-      if (r.oom_details.device < 0) {
-        OomReport& o = r.oom_details;
-        o.device = d;
-        o.hbm_bytes = dr.hbm_bytes;
-        for (const auto& m : dt.memory)
-          if (m.bytes > dr.hbm_bytes) {
-            o.time_s = m.time_s;
-            o.bytes = m.bytes;
-            break;
-          }
-        std::array<std::int64_t, kKinds> held{};
-        for (const auto& buf : plan.buffers) {
-          const bool live = buf.persistent() || (span(buf.alloc).start_s <= o.time_s &&
-                                                 (buf.free.stream < 0 || span(buf.free).end_s > o.time_s));
-          if (live) held[ix(static_cast<int>(buf.kind))] += buf.bytes;
-        }
-        for (int k = 0; k < kKinds; ++k)
-          if (held[ix(k)] > 0) o.largest_holders.push_back({core::to_string(kAllKinds[ix(k)]), held[ix(k)]});
-        std::sort(o.largest_holders.begin(), o.largest_holders.end(),
-                  [](const MemoryHolder& x, const MemoryHolder& y) { return x.bytes > y.bytes; });
-      }
+      if (r.oom_details.device < 0) set_oom_details(d, dr, dt, plan, span, r.oom_details);
     }
     r.per_device.push_back(std::move(dr));
   }

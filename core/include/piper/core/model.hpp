@@ -120,7 +120,7 @@ struct Layer {
   int block = -1;  // transformer block index, -1 for embedding / final norm / head
 };
 
-// Costs of one layer for a training shape. The formulas live in model.cpp with their sources.
+// Costs of one layer for a training shape. The formulas live in model_costs.cpp with their sources.
 Costs layer_costs(const Layer& layer, const TrainingShape& shape);
 
 // How a layer is parallelised and recomputed inside one device (Megatron layout, see ARCHITECTURE.md).
@@ -143,13 +143,13 @@ struct ParallelLayout {
 // the recomputed forward work added to the backward (input-gradient) pass. layout {1,false,0} gives
 // exactly layer_costs(layer, shape). With cp > 1 every per-token quantity is that of the seq_len / cp
 // local tokens, and the attention core does 1/cp of the whole sequence's work (the causal load balance;
-// context_parallel_costs in model.cpp).
+// context_parallel_costs in model_costs.cpp).
 Costs layer_costs(const Layer& layer, const TrainingShape& shape, const ParallelLayout& layout);
 // The shape one device of a context-parallel group of `cp` sees: seq_len / cp tokens per sequence.
 TrainingShape context_parallel_local_shape(const TrainingShape& shape, int cp);
 // Op-level recomputation (Recompute::Op): the (K, N) of the layer's matmuls, in the block's order,
 // whose outputs are kept (`kept`) or recomputed in the backward (every other one: the 1st, 3rd, ...
-// kept; model.cpp).
+// kept; model_costs.cpp).
 std::vector<std::pair<std::int64_t, std::int64_t>> op_recompute_matmuls(const Layer& layer, bool kept);
 
 // Architecture hyper-parameters, as in a model spec file.

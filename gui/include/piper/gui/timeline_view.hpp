@@ -7,6 +7,7 @@
 #include <optional>
 #include <vector>
 
+#include <QPolygon>
 #include <QScrollBar>
 #include <QStaticText>
 #include <unordered_map>
@@ -150,6 +151,10 @@ class TimelineView : public QWidget {
     int top = 0, plot_top = 0, plot_bottom = 0;
   };
   MemoryScale memory_scale() const;
+  void paint_memory_legend(QPainter& p, const std::vector<MemoryCurve>& curves, const MemoryScale& m, int height,
+                           const QFontMetrics& fm) const;
+  void paint_memory_ticks(QPainter& p, const MemoryScale& m) const;
+  QPolygon memory_polyline(const core::DeviceTimeline& dt, const MemoryScale& m) const;
   double memory_y(const MemoryScale& m, double bytes) const {
     return m.plot_bottom - (m.plot_bottom - m.plot_top) * bytes / m.y_max;
   }

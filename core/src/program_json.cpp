@@ -1,0 +1,666 @@
+// The Program's exact JSON round trip (Program::to_json, Program::from_json, operator==) and the op and
+// buffer kind names; every reading error names its field.
+#include "piper/core/program.hpp"
+
+#include <array>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <stdexcept>
+
+#include "piper/core/error.hpp"
+#include "piper/core/limits.hpp"
+#include "piper/core/model.hpp"
+
+namespace piper::core {
+
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kOpKindNames[] = {"COMPUTE",        "UPD",        "SEND",      "RECV", "ALL_REDUCE",
+                                        "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL"};
+constexpr const char* kBufferKindNames[] = {"parameters",  "gradients", "optimizer_states",
+                                            "activations", "received",  "gathered_parameters"};
+
+template <class Enum, std::size_t N>
+std::optional<Enum> parse_enum(const char* const (&names)[N], const std::string& s) {
+  for (std::size_t i = 0; i < N; ++i)
+    if (s == names[i]) return static_cast<Enum>(i);
+  return std::nullopt;
+}
+
+std::optional<Precision> parse_precision(const std::string& s) {
+  for (Precision p : {Precision::BF16, Precision::FP16, Precision::FP32, Precision::TF32, Precision::FP8})
+    if (to_string(p) == s) return p;
+  return std::nullopt;
+}
+
+// ---- JSON reading with a field path, so every error names the offending field ----
+
+[[noreturn]] void fail(const std::string& path, const std::string& message) {
+  throw PlanError("plan: field '" + path + "': " + message);
+}
+
+std::string at_index(const std::string& path, std::size_t i) { return path + "[" + std::to_string(i) + "]"; }
+std::string member(const std::string& path, const char* key) { return path.empty() ? key : path + "." + key; }
+
+const json& require(const json& obj, const std::string& path, const char* key) {
+  auto it = obj.find(key);
+  if (it == obj.end()) fail(member(path, key), "missing");
+  return *it;
+}
+const json* optional_field(const json& obj, const char* key) {
+  auto it = obj.find(key);
+  return it == obj.end() ? nullptr : &*it;
+}
+
+const json& as_object(const json& j, const std::string& path) {
+  if (!j.is_object()) fail(path, std::string("expected an object, got ") + j.type_name());
+  return j;
+}
+const json& as_array(const json& j, const std::string& path) {
+  if (!j.is_array()) fail(path, std::string("expected an array, got ") + j.type_name());
+  return j;
+}
+std::int64_t as_int64(const json& j, const std::string& path) {
+  if (!j.is_number_integer()) fail(path, std::string("expected an integer, got ") + j.type_name());
+  return j.get<std::int64_t>();
+}
+int as_int(const json& j, const std::string& path) {
+  std::int64_t v = as_int64(j, path);
+  if (v < INT32_MIN || v > INT32_MAX) fail(path, "integer " + std::to_string(v) + " out of range");
+  return static_cast<int>(v);
+}
+double as_double(const json& j, const std::string& path) {
+  if (!j.is_number()) fail(path, std::string("expected a number, got ") + j.type_name());
+  return j.get<double>();
+}
+std::string as_string(const json& j, const std::string& path) {
+  if (!j.is_string()) fail(path, std::string("expected a string, got ") + j.type_name());
+  return j.get<std::string>();
+}
+
+// An index field: -1 (none) when `allow_none`, else within [0, size).
+int check_index(int v, const std::string& path, std::size_t size, const char* what, bool allow_none) {
+  if (allow_none && v == -1) return v;
+  if (v < 0 || static_cast<std::size_t>(v) >= size)
+    fail(path, what + std::string(" ") + std::to_string(v) + " out of range [0, " + std::to_string(size) + ")");
+  return v;
+}
+int as_index(const json& j, const std::string& path, std::size_t size, const char* what, bool allow_none) {
+  return check_index(as_int(j, path), path, size, what, allow_none);
+}
+
+json ref_to_json(const OpRef& r) { return json::array({r.stream, r.index}); }
+
+OpRef ref_from_json(const json& j, const std::string& path) {
+  if (!j.is_array() || j.size() != 2) fail(path, "expected [stream, index]");
+  return OpRef{as_int(j[0], at_index(path, 0)), as_int(j[1], at_index(path, 1))};
+}
+
+// A reference to an op of `plan`, checked against its streams.
+void check_ref(const OpRef& r, const Plan& plan, const std::string& path) {
+  if (r.stream < 0 || static_cast<std::size_t>(r.stream) >= plan.streams.size())
+    fail(path, "stream " + std::to_string(r.stream) + " out of range [0, " + std::to_string(plan.streams.size()) + ")");
+  const auto& ops = plan.streams[static_cast<std::size_t>(r.stream)].ops;
+  if (r.index < 0 || static_cast<std::size_t>(r.index) >= ops.size())
+    fail(path, "op " + std::to_string(r.index) + " out of range [0, " + std::to_string(ops.size()) + ")");
+}
+
+TagMap tags_from_json(const json& j, const std::string& path) {
+  as_object(j, path);
+  TagMap tags;
+  for (auto it = j.begin(); it != j.end(); ++it) tags[it.key()] = as_int(it.value(), member(path, it.key().c_str()));
+  return tags;
+}
+
+// ---- writing: default-valued op fields are omitted to keep large plans small ----
+
+json op_to_json(const Op& op) {
+  json j;
+  j["kind"] = to_string(op.kind);
+  if (op.pass != Pass::None) j["pass"] = to_string(op.pass);
+  if (op.node != -1) j["node"] = op.node;
+  if (!op.label.empty()) j["label"] = op.label;
+  if (!op.tags.empty()) j["tags"] = op.tags;
+  if (op.microbatch != -1) j["microbatch"] = op.microbatch;
+  if (op.flops != 0) j["flops"] = op.flops;
+  if (op.memory_bytes != 0) j["memory_bytes"] = op.memory_bytes;
+  if (op.bytes != 0) j["bytes"] = op.bytes;
+  if (op.device_set != kNoDevices) j["device_set"] = op.device_set;
+  if (op.peer_set != kNoDevices) j["peer_set"] = op.peer_set;
+  if (op.family != -1) j["family"] = op.family;
+  if (op.pair != -1) j["pair"] = op.pair;
+  if (!op.waits.empty()) {
+    json waits = json::array();
+    for (const auto& w : op.waits) waits.push_back(ref_to_json(w));
+    j["waits"] = std::move(waits);
+  }
+  if (!op.uses.empty()) j["uses"] = op.uses;
+  if (op.segment != -1) j["segment"] = op.segment;
+  if (!op.segments.empty()) j["segments"] = op.segments;
+  if (op.tp_bytes != 0) j["tp_bytes"] = op.tp_bytes;
+  if (op.tp_collectives != 0) j["tp_collectives"] = op.tp_collectives;
+  if (op.cp_bytes != 0) j["cp_bytes"] = op.cp_bytes;
+  if (op.cp_steps != 0) j["cp_steps"] = op.cp_steps;
+  if (op.elementwise_bytes != 0) j["elementwise_bytes"] = op.elementwise_bytes;
+  if (op.recompute_flops != 0) j["recompute_flops"] = op.recompute_flops;
+  if (op.gemm_kernels != 0) j["gemm_kernels"] = op.gemm_kernels;
+  if (op.route_groups != 0) {
+    j["route_groups"] = op.route_groups;
+    j["route_group_limit"] = op.route_group_limit;
+    j["route_top_k"] = op.route_top_k;
+  }
+  return j;
+}
+
+json buffer_to_json(const Buffer& b) {
+  json j{{"name", b.name}, {"kind", to_string(b.kind)}, {"bytes", b.bytes}};
+  if (b.alloc != OpRef{}) j["alloc"] = ref_to_json(b.alloc);
+  if (b.free != OpRef{}) j["free"] = ref_to_json(b.free);
+  return j;
+}
+
+// An ALL_TO_ALL's node-limited routing (Op::route_*): all three or none; 1 <= limit <= groups.
+void read_routing(const json& j, const std::string& path, Op& op) {
+  const json* g = optional_field(j, "route_groups");
+  if (g == nullptr) {
+    for (const char* f : {"route_group_limit", "route_top_k"})
+      if (optional_field(j, f) != nullptr) fail(member(path, f), "needs route_groups");
+    return;
+  }
+  op.route_groups = as_int(*g, member(path, "route_groups"));
+  for (const char* f : {"route_group_limit", "route_top_k"})
+    if (optional_field(j, f) == nullptr) fail(member(path, f), "missing (route_groups is set)");
+  op.route_group_limit = as_int(j.at("route_group_limit"), member(path, "route_group_limit"));
+  op.route_top_k = as_int(j.at("route_top_k"), member(path, "route_top_k"));
+  if (op.kind != OpKind::AllToAll) fail(member(path, "route_groups"), "only an ALL_TO_ALL has routing");
+  if (op.route_groups < 1) fail(member(path, "route_groups"), "must be >= 1");
+  if (op.route_group_limit < 1 || op.route_group_limit > op.route_groups)
+    fail(member(path, "route_group_limit"), "must lie between 1 and route_groups");
+  if (op.route_top_k < 1) fail(member(path, "route_top_k"), "must be >= 1");
+}
+
+// Reads an op's own fields; references to streams, buffers, sets and families are checked later,
+// once the whole plan and program tables are known.
+Op op_from_json(const json& j, const std::string& path) {
+  as_object(j, path);
+  Op op;
+  {
+    std::string p = member(path, "kind");
+    std::string s = as_string(require(j, path, "kind"), p);
+    auto kind = parse_enum<OpKind>(kOpKindNames, s);
+    if (!kind) fail(p, "unknown op kind '" + s + "'");
+    op.kind = *kind;
+  }
+  if (const json* f = optional_field(j, "pass")) {
+    std::string p = member(path, "pass");
+    std::string s = as_string(*f, p);
+    try {
+      op.pass = pass_from_string(s);
+    } catch (const std::exception&) {
+      fail(p, "unknown pass '" + s + "'");
+    }
+  }
+  if (const json* f = optional_field(j, "node")) op.node = as_int(*f, member(path, "node"));
+  if (const json* f = optional_field(j, "label")) op.label = as_string(*f, member(path, "label"));
+  if (const json* f = optional_field(j, "tags")) op.tags = tags_from_json(*f, member(path, "tags"));
+  if (const json* f = optional_field(j, "microbatch")) op.microbatch = as_int(*f, member(path, "microbatch"));
+  if (const json* f = optional_field(j, "flops")) op.flops = as_double(*f, member(path, "flops"));
+  if (const json* f = optional_field(j, "memory_bytes")) op.memory_bytes = as_int64(*f, member(path, "memory_bytes"));
+  if (const json* f = optional_field(j, "bytes")) op.bytes = as_int64(*f, member(path, "bytes"));
+  if (const json* f = optional_field(j, "device_set")) op.device_set = as_int(*f, member(path, "device_set"));
+  if (const json* f = optional_field(j, "peer_set")) op.peer_set = as_int(*f, member(path, "peer_set"));
+  if (const json* f = optional_field(j, "family")) op.family = as_int(*f, member(path, "family"));
+  if (const json* f = optional_field(j, "pair")) {
+    op.pair = as_int(*f, member(path, "pair"));
+    if (op.pair < 0) fail(member(path, "pair"), "must be >= 0, got " + std::to_string(op.pair));
+  }
+  const bool communicates = op.kind != OpKind::Compute && op.kind != OpKind::Update;
+  if (communicates && op.pair < 0) fail(member(path, "pair"), to_string(op.kind) + " needs a pairing id");
+  if (!communicates && op.pair >= 0) fail(member(path, "pair"), to_string(op.kind) + " has no pairing id");
+  if (const json* f = optional_field(j, "waits")) {
+    std::string p = member(path, "waits");
+    as_array(*f, p);
+    for (std::size_t i = 0; i < f->size(); ++i) op.waits.push_back(ref_from_json((*f)[i], at_index(p, i)));
+  }
+  if (const json* f = optional_field(j, "uses")) {
+    std::string p = member(path, "uses");
+    as_array(*f, p);
+    for (std::size_t i = 0; i < f->size(); ++i) op.uses.push_back(as_int((*f)[i], at_index(p, i)));
+  }
+  if (const json* f = optional_field(j, "segment")) op.segment = as_int(*f, member(path, "segment"));
+  if (const json* f = optional_field(j, "segments")) {
+    std::string p = member(path, "segments");
+    as_array(*f, p);
+    for (std::size_t i = 0; i < f->size(); ++i) op.segments.push_back(as_int((*f)[i], at_index(p, i)));
+  }
+  if (const json* f = optional_field(j, "tp_bytes")) op.tp_bytes = as_int64(*f, member(path, "tp_bytes"));
+  if (const json* f = optional_field(j, "tp_collectives"))
+    op.tp_collectives = as_int(*f, member(path, "tp_collectives"));
+  if (const json* f = optional_field(j, "cp_bytes")) op.cp_bytes = as_int64(*f, member(path, "cp_bytes"));
+  if (const json* f = optional_field(j, "cp_steps")) op.cp_steps = as_int(*f, member(path, "cp_steps"));
+  if (const json* f = optional_field(j, "elementwise_bytes"))
+    op.elementwise_bytes = as_int64(*f, member(path, "elementwise_bytes"));
+  if (const json* f = optional_field(j, "recompute_flops"))
+    op.recompute_flops = as_double(*f, member(path, "recompute_flops"));
+  if (const json* f = optional_field(j, "gemm_kernels")) {
+    op.gemm_kernels = as_int(*f, member(path, "gemm_kernels"));
+    if (op.gemm_kernels < 0) fail(member(path, "gemm_kernels"), "must be >= 0");
+  }
+  read_routing(j, path, op);
+  return op;
+}
+
+Plan plan_from_json(const json& j, const std::string& path, std::size_t num_sets, std::size_t num_families,
+                    int microbatches) {
+  as_object(j, path);
+  Plan plan;
+  std::string sp = member(path, "streams");
+  const json& streams = as_array(require(j, path, "streams"), sp);
+  for (std::size_t s = 0; s < streams.size(); ++s) {
+    std::string p = at_index(sp, s);
+    as_object(streams[s], p);
+    Stream stream;
+    stream.name = as_string(require(streams[s], p, "name"), member(p, "name"));
+    std::string op_path = member(p, "ops");
+    const json& ops = as_array(require(streams[s], p, "ops"), op_path);
+    stream.ops.reserve(ops.size());
+    for (std::size_t i = 0; i < ops.size(); ++i) stream.ops.push_back(op_from_json(ops[i], at_index(op_path, i)));
+    plan.streams.push_back(std::move(stream));
+  }
+  std::string bp = member(path, "buffers");
+  const json& buffers = as_array(require(j, path, "buffers"), bp);
+  for (std::size_t b = 0; b < buffers.size(); ++b) {
+    std::string p = at_index(bp, b);
+    as_object(buffers[b], p);
+    Buffer buf;
+    buf.name = as_string(require(buffers[b], p, "name"), member(p, "name"));
+    std::string kind = as_string(require(buffers[b], p, "kind"), member(p, "kind"));
+    auto k = parse_enum<BufferKind>(kBufferKindNames, kind);
+    if (!k) fail(member(p, "kind"), "unknown buffer kind '" + kind + "'");
+    buf.kind = *k;
+    buf.bytes = as_int64(require(buffers[b], p, "bytes"), member(p, "bytes"));
+    if (const json* f = optional_field(buffers[b], "alloc")) {
+      buf.alloc = ref_from_json(*f, member(p, "alloc"));
+      check_ref(buf.alloc, plan, member(p, "alloc"));
+    }
+    if (const json* f = optional_field(buffers[b], "free")) {
+      buf.free = ref_from_json(*f, member(p, "free"));
+      check_ref(buf.free, plan, member(p, "free"));
+    }
+    plan.buffers.push_back(std::move(buf));
+  }
+  // Cross references inside the plan and into the program tables.
+  for (std::size_t s = 0; s < plan.streams.size(); ++s) {
+    for (std::size_t i = 0; i < plan.streams[s].ops.size(); ++i) {
+      const Op& op = plan.streams[s].ops[i];
+      std::string p = at_index(member(at_index(sp, s), "ops"), i);
+      for (std::size_t w = 0; w < op.waits.size(); ++w) check_ref(op.waits[w], plan, at_index(member(p, "waits"), w));
+      for (std::size_t u = 0; u < op.uses.size(); ++u)
+        check_index(op.uses[u], at_index(member(p, "uses"), u), plan.buffers.size(), "buffer", false);
+      check_index(op.device_set, member(p, "device_set"), num_sets, "device set", true);
+      check_index(op.peer_set, member(p, "peer_set"), num_sets, "device set", true);
+      check_index(op.family, member(p, "family"), num_families, "family", true);
+      check_index(op.microbatch, member(p, "microbatch"), static_cast<std::size_t>(microbatches), "microbatch", true);
+    }
+  }
+  return plan;
+}
+
+bool same_op(const Op& a, const Op& b) {
+  return a.kind == b.kind && a.pass == b.pass && a.node == b.node && a.label == b.label && a.tags == b.tags &&
+         a.microbatch == b.microbatch && a.flops == b.flops && a.memory_bytes == b.memory_bytes && a.bytes == b.bytes &&
+         a.device_set == b.device_set && a.peer_set == b.peer_set && a.family == b.family && a.pair == b.pair &&
+         a.waits == b.waits && a.uses == b.uses && a.segment == b.segment && a.segments == b.segments &&
+         a.tp_bytes == b.tp_bytes && a.tp_collectives == b.tp_collectives && a.cp_bytes == b.cp_bytes &&
+         a.cp_steps == b.cp_steps && a.elementwise_bytes == b.elementwise_bytes &&
+         a.recompute_flops == b.recompute_flops && a.gemm_kernels == b.gemm_kernels &&
+         a.route_groups == b.route_groups && a.route_group_limit == b.route_group_limit &&
+         a.route_top_k == b.route_top_k;
+}
+
+bool same_plan(const Plan& a, const Plan& b) {
+  if (a.streams.size() != b.streams.size() || a.buffers.size() != b.buffers.size()) return false;
+  for (std::size_t s = 0; s < a.streams.size(); ++s) {
+    const Stream& x = a.streams[s];
+    const Stream& y = b.streams[s];
+    if (x.name != y.name || x.ops.size() != y.ops.size()) return false;
+    for (std::size_t i = 0; i < x.ops.size(); ++i)
+      if (!same_op(x.ops[i], y.ops[i])) return false;
+  }
+  for (std::size_t i = 0; i < a.buffers.size(); ++i) {
+    const Buffer& x = a.buffers[i];
+    const Buffer& y = b.buffers[i];
+    if (x.name != y.name || x.kind != y.kind || x.bytes != y.bytes || x.alloc != y.alloc || x.free != y.free)
+      return false;
+  }
+  return true;
+}
+
+// A plan's training shape, with the rules a compile applies (model validation and limits.hpp), checked
+// before anything is sized by it: seq_len 0 divided by zero in the runtime, 0 microbatches trained to
+// NaN, a negative micro-batch size trained with loss -0 and a 10^7-token sequence ended in bad_alloc.
+void check_training_shape(const Program& p) {
+  const auto& t = p.training;
+  if (t.seq_len < 1) fail("training.seq_len", "must be >= 1, got " + std::to_string(t.seq_len));
+  if (t.micro_batch_size < 1)
+    fail("training.micro_batch_size", "must be >= 1, got " + std::to_string(t.micro_batch_size));
+  if (p.microbatches < 1) fail("microbatches", "must be >= 1, got " + std::to_string(p.microbatches));
+  check_limit(Limit::TokensPerMicrobatch, t.seq_len, "plan: field 'training.seq_len'", "tokens");
+  check_limit(Limit::TokensPerMicrobatch, t.micro_batch_size, "plan: field 'training.micro_batch_size'", "sequences");
+  // Saturated: both factors are within the limit, which an override may set near INT64_MAX.
+  const std::int64_t tokens = t.seq_len > INT64_MAX / t.micro_batch_size ? INT64_MAX : t.seq_len * t.micro_batch_size;
+  check_limit(Limit::TokensPerMicrobatch, tokens, "plan: field 'training'", "tokens per microbatch");
+}
+
+// The plan's model, as a compile would build it from the spec with the plan's training shape: every
+// field valid and within the limits, and learned positions (max_positions > 0) covering seq_len.
+void check_model_spec(const Program& p) {
+  ModelConfig c = config_from_spec_json(p.model_spec, "plan: field 'model_spec'");
+  c.training.seq_len = p.training.seq_len;
+  c.training.micro_batch_size = p.training.micro_batch_size;
+  (void)build_model(c);
+}
+
+}  // namespace
+
+std::string to_string(OpKind k) { return kOpKindNames[static_cast<int>(k)]; }
+
+OpKind op_kind_from_string(const std::string& s) {
+  if (auto k = parse_enum<OpKind>(kOpKindNames, s)) return *k;
+  throw PlanError("unknown op kind '" + s + "'");
+}
+
+std::string to_string(BufferKind k) { return kBufferKindNames[static_cast<int>(k)]; }
+
+BufferKind buffer_kind_from_string(const std::string& s) {
+  if (auto k = parse_enum<BufferKind>(kBufferKindNames, s)) return *k;
+  throw PlanError("unknown buffer kind '" + s + "'");
+}
+
+json Program::to_json() const {
+  json j;
+  j["format"] = "piper-program";
+  j["version"] = kPlanVersion;
+  j["model"] = model_name;
+  j["training"] = {{"seq_len", training.seq_len},
+                   {"micro_batch_size", training.micro_batch_size},
+                   {"precision", to_string(training.precision)}};
+  if (training.fp32_main_grads) j["training"]["fp32_main_grads"] = true;  // omitted at its default
+  j["microbatches"] = microbatches;
+  if (!model_spec.is_null()) j["model_spec"] = model_spec;
+  json segs = json::array();
+  for (const auto& sg : segments) {
+    json o{{"layers", {sg.first_layer, sg.last_layer}},
+           {"tags", sg.tags},
+           {"devices", sg.devices},
+           {"params", sg.params},
+           {"shard_degree", sg.shard_degree},
+           {"replicas", sg.replicas},
+           {"zero_level", sg.zero_level}};
+    // Tensor-parallel fields are omitted at their defaults, so programs without TP are unchanged.
+    if (sg.tp_degree != 1) o["tp_degree"] = sg.tp_degree;
+    if (sg.sequence_parallel) o["sequence_parallel"] = true;
+    if (sg.recompute != Recompute::None) o["recompute"] = to_string(sg.recompute);
+    if (sg.tp_family != -1) o["tp_family"] = sg.tp_family;
+    if (sg.tp_comm_overlap) o["tp_comm_overlap"] = true;
+    if (sg.cp_degree != 1) o["cp_degree"] = sg.cp_degree;
+    if (sg.cp_all_gather) o["cp_comm"] = "all_gather";
+    if (sg.cp_family != -1) o["cp_family"] = sg.cp_family;
+    if (sg.tied_to != -1) o["tied_to"] = sg.tied_to;
+    if (sg.a2a_chunks != 1) o["a2a_chunks"] = sg.a2a_chunks;
+    if (sg.zero_shards != sg.replicas) o["zero_shards"] = sg.zero_shards;  // HSDP only
+    if (sg.reduce_every_microbatch) o["reduce_every_microbatch"] = true;
+    if (!sg.kernels[0].empty() || !sg.kernels[1].empty() || !sg.kernels[2].empty())
+      o["kernels"] = kernels_to_json(sg.kernels);
+    segs.push_back(std::move(o));
+  }
+  j["segments"] = std::move(segs);
+  j["num_devices"] = num_devices;
+  j["device_sets"] = device_sets;
+  json fams = json::array();
+  for (const auto& f : families)
+    fams.push_back({{"devices", f.devices},
+                    {"group_size", f.group_size},
+                    {"stride", f.stride},
+                    {"purpose", to_string(f.purpose)}});
+  j["families"] = std::move(fams);
+  json plan_array = json::array();
+  for (const auto& plan : plans) {
+    json streams = json::array();
+    for (const auto& s : plan.streams) {
+      json ops = json::array();
+      for (const auto& op : s.ops) ops.push_back(op_to_json(op));
+      streams.push_back({{"name", s.name}, {"ops", std::move(ops)}});
+    }
+    json buffers = json::array();
+    for (const auto& b : plan.buffers) buffers.push_back(buffer_to_json(b));
+    plan_array.push_back({{"streams", std::move(streams)}, {"buffers", std::move(buffers)}});
+  }
+  j["plans"] = std::move(plan_array);
+  j["plan_of_device"] = plan_of_device;
+  if (sm_partition) j["sm_partition"] = {{"stream", sm_partition->stream}, {"sms", sm_partition->sms}};
+  j["stats"] = {{"dag_nodes", stats.dag_nodes},
+                {"nodes_by_kind", stats.nodes_by_kind},
+                {"compile_seconds", stats.compile_seconds},
+                {"compiler_peak_rss_bytes", stats.compiler_peak_rss_bytes}};
+  return j;
+}
+
+// The plan reader: one block per top-level field, in the file's order, each validated where it is
+// read so that every error names its field.
+Program Program::from_json(const json& j) {  // NOLINT(readability-function-size)
+  as_object(j, "(top level)");
+  Program p;
+  {
+    std::string format = as_string(require(j, "", "format"), "format");
+    if (format != "piper-program") fail("format", "expected 'piper-program', got '" + format + "'");
+    int version = as_int(require(j, "", "version"), "version");
+    // Version 1 plans predate Op::microbatch; it cannot be derived from their tags (the split
+    // dimension names are not recorded), so they are refused rather than guessed.
+    if (version == 1)
+      fail("version", "version 1 plans carry no per-op microbatch; compile the plan again with this piper (expected " +
+                          std::to_string(kPlanVersion) + ")");
+    // Version 2 plans predate Op::pair; who meets whom is not guessed from node ids or positions.
+    if (version == 2)
+      fail("version",
+           "version 2 plans carry no pairing ids (Op::pair); compile the plan again with this piper (expected " +
+               std::to_string(kPlanVersion) + ")");
+    if (version != kPlanVersion)
+      fail("version",
+           "unsupported version " + std::to_string(version) + " (expected " + std::to_string(kPlanVersion) + ")");
+  }
+  p.model_name = as_string(require(j, "", "model"), "model");
+  {
+    const json& t = as_object(require(j, "", "training"), "training");
+    p.training.seq_len = as_int64(require(t, "training", "seq_len"), "training.seq_len");
+    p.training.micro_batch_size = as_int64(require(t, "training", "micro_batch_size"), "training.micro_batch_size");
+    std::string prec = as_string(require(t, "training", "precision"), "training.precision");
+    auto parsed = parse_precision(prec);
+    if (!parsed) fail("training.precision", "unknown precision '" + prec + "' (expected bf16, fp16 or fp32)");
+    p.training.precision = *parsed;
+    if (const json* f = optional_field(t, "fp32_main_grads")) {
+      if (!f->is_boolean()) fail("training.fp32_main_grads", "expected true or false");
+      p.training.fp32_main_grads = f->get<bool>();
+    }
+  }
+  p.microbatches = as_int(require(j, "", "microbatches"), "microbatches");
+  check_limit(Limit::Microbatches, p.microbatches, "plan: field 'microbatches'", "microbatches");
+  check_training_shape(p);
+  if (const json* f = optional_field(j, "model_spec")) {
+    p.model_spec = as_object(*f, "model_spec");
+    check_model_spec(p);
+  }
+  if (const json* f = optional_field(j, "segments")) {
+    as_array(*f, "segments");
+    for (std::size_t i = 0; i < f->size(); ++i) {
+      const std::string sp = at_index("segments", i);
+      const json& o = as_object((*f)[i], sp);
+      ProgramSegment sg;
+      const json& layers = as_array(require(o, sp, "layers"), member(sp, "layers"));
+      if (layers.size() != 2) fail(member(sp, "layers"), "expected [first, last]");
+      sg.first_layer = as_int(layers[0], member(sp, "layers"));
+      sg.last_layer = as_int(layers[1], member(sp, "layers"));
+      sg.tags = tags_from_json(require(o, sp, "tags"), member(sp, "tags"));
+      sg.devices = as_int(require(o, sp, "devices"), member(sp, "devices"));
+      sg.params = as_int64(require(o, sp, "params"), member(sp, "params"));
+      sg.shard_degree = as_int(require(o, sp, "shard_degree"), member(sp, "shard_degree"));
+      sg.replicas = as_int(require(o, sp, "replicas"), member(sp, "replicas"));
+      sg.zero_level = as_int(require(o, sp, "zero_level"), member(sp, "zero_level"));
+      if (sg.shard_degree < 1 || sg.replicas < 1) fail(sp, "shard_degree and replicas must be >= 1");
+      sg.zero_shards = sg.replicas;
+      if (const json* z = optional_field(o, "zero_shards")) {
+        sg.zero_shards = as_int(*z, member(sp, "zero_shards"));
+        if (sg.zero_shards < 1 || sg.replicas % sg.zero_shards != 0)
+          fail(member(sp, "zero_shards"),
+               std::to_string(sg.zero_shards) + " does not divide the " + std::to_string(sg.replicas) + " replicas");
+      }
+      if (const json* t = optional_field(o, "tp_degree")) {
+        sg.tp_degree = as_int(*t, member(sp, "tp_degree"));
+        if (sg.tp_degree < 1) fail(member(sp, "tp_degree"), "must be >= 1");
+      }
+      if (const json* t = optional_field(o, "sequence_parallel")) {
+        if (!t->is_boolean()) fail(member(sp, "sequence_parallel"), "expected true or false");
+        sg.sequence_parallel = t->get<bool>();
+      }
+      if (const json* t = optional_field(o, "recompute")) {
+        std::string r = as_string(*t, member(sp, "recompute"));
+        try {
+          sg.recompute = recompute_from_string(r);
+        } catch (const std::exception& e) {
+          fail(member(sp, "recompute"), e.what());
+        }
+      }
+      if (const json* t = optional_field(o, "tp_family")) sg.tp_family = as_int(*t, member(sp, "tp_family"));
+      if (const json* t = optional_field(o, "tp_comm_overlap")) {
+        if (!t->is_boolean()) fail(member(sp, "tp_comm_overlap"), "expected true or false");
+        sg.tp_comm_overlap = t->get<bool>();
+      }
+      if (const json* t = optional_field(o, "cp_degree")) {
+        sg.cp_degree = as_int(*t, member(sp, "cp_degree"));
+        if (sg.cp_degree < 1) fail(member(sp, "cp_degree"), "must be >= 1");
+      }
+      if (const json* t = optional_field(o, "cp_comm")) {
+        const std::string comm = as_string(*t, member(sp, "cp_comm"));
+        if (comm != "ring" && comm != "all_gather")
+          fail(member(sp, "cp_comm"), "expected \"ring\" or \"all_gather\", got '" + comm + "'");
+        sg.cp_all_gather = comm == "all_gather";
+      }
+      if (const json* t = optional_field(o, "cp_family")) sg.cp_family = as_int(*t, member(sp, "cp_family"));
+      if (const json* t = optional_field(o, "tied_to")) sg.tied_to = as_int(*t, member(sp, "tied_to"));
+      if (const json* t = optional_field(o, "a2a_chunks")) {
+        sg.a2a_chunks = as_int(*t, member(sp, "a2a_chunks"));
+        if (sg.a2a_chunks < 1) fail(member(sp, "a2a_chunks"), "must be >= 1");
+      }
+      if (const json* t = optional_field(o, "reduce_every_microbatch")) {
+        if (!t->is_boolean()) fail(member(sp, "reduce_every_microbatch"), "expected true or false");
+        sg.reduce_every_microbatch = t->get<bool>();
+      }
+      if (const json* k = optional_field(o, "kernels")) sg.kernels = kernels_from_json(*k, member(sp, "kernels"));
+      p.segments.push_back(std::move(sg));
+    }
+  }
+  p.num_devices = as_int(require(j, "", "num_devices"), "num_devices");
+  if (p.num_devices < 0) fail("num_devices", "negative");
+  // Engines and the verifier size per-device tables by num_devices.
+  check_limit(Limit::Devices, p.num_devices, "plan: field 'num_devices'", "devices");
+  {
+    const json& sets = as_array(require(j, "", "device_sets"), "device_sets");
+    p.device_sets.reserve(sets.size());
+    for (std::size_t s = 0; s < sets.size(); ++s) {
+      std::string sp = at_index("device_sets", s);
+      as_array(sets[s], sp);
+      std::vector<int> devices;
+      devices.reserve(sets[s].size());
+      for (std::size_t i = 0; i < sets[s].size(); ++i)
+        devices.push_back(
+            as_index(sets[s][i], at_index(sp, i), static_cast<std::size_t>(p.num_devices), "device", false));
+      p.device_sets.push_back(std::move(devices));
+    }
+  }
+  {
+    const json& fams = as_array(require(j, "", "families"), "families");
+    for (std::size_t i = 0; i < fams.size(); ++i) {
+      std::string fp = at_index("families", i);
+      as_object(fams[i], fp);
+      CommFamily f;
+      f.devices =
+          as_index(require(fams[i], fp, "devices"), member(fp, "devices"), p.device_sets.size(), "device set", false);
+      f.group_size = as_int(require(fams[i], fp, "group_size"), member(fp, "group_size"));
+      f.stride = as_int(require(fams[i], fp, "stride"), member(fp, "stride"));
+      {
+        const std::string purpose = as_string(require(fams[i], fp, "purpose"), member(fp, "purpose"));
+        try {
+          f.purpose = family_purpose_from_string(purpose);
+        } catch (const std::exception& e) {
+          fail(member(fp, "purpose"), e.what());
+        }
+      }
+      p.families.push_back(f);
+    }
+  }
+  for (std::size_t i = 0; i < p.segments.size(); ++i) {
+    check_index(p.segments[i].tp_family, member(at_index("segments", i), "tp_family"), p.families.size(), "family",
+                true);
+    check_index(p.segments[i].cp_family, member(at_index("segments", i), "cp_family"), p.families.size(), "family",
+                true);
+    check_index(p.segments[i].tied_to, member(at_index("segments", i), "tied_to"), p.segments.size(), "segment", true);
+    if (p.segments[i].tied_to == static_cast<int>(i))
+      fail(member(at_index("segments", i), "tied_to"), "a segment cannot be tied to itself");
+  }
+  {
+    const json& plans = as_array(require(j, "", "plans"), "plans");
+    p.plans.reserve(plans.size());
+    for (std::size_t i = 0; i < plans.size(); ++i)
+      p.plans.push_back(
+          plan_from_json(plans[i], at_index("plans", i), p.device_sets.size(), p.families.size(), p.microbatches));
+  }
+  {
+    const json& pod = as_array(require(j, "", "plan_of_device"), "plan_of_device");
+    if (pod.size() != static_cast<std::size_t>(p.num_devices))
+      fail("plan_of_device",
+           "has " + std::to_string(pod.size()) + " entries for " + std::to_string(p.num_devices) + " devices");
+    p.plan_of_device.reserve(pod.size());
+    for (std::size_t i = 0; i < pod.size(); ++i)
+      p.plan_of_device.push_back(as_index(pod[i], at_index("plan_of_device", i), p.plans.size(), "plan", false));
+  }
+  if (const json* f = optional_field(j, "sm_partition")) {
+    as_object(*f, "sm_partition");
+    SmPartition part;
+    part.stream = as_string(require(*f, "sm_partition", "stream"), "sm_partition.stream");
+    if (part.stream != "comm") fail("sm_partition.stream", "expected \"comm\", got '" + part.stream + "'");
+    part.sms = as_int(require(*f, "sm_partition", "sms"), "sm_partition.sms");
+    if (part.sms < 1) fail("sm_partition.sms", "must be >= 1");
+    p.sm_partition = part;
+  }
+  if (const json* s = optional_field(j, "stats")) {
+    as_object(*s, "stats");
+    if (const json* f = optional_field(*s, "dag_nodes")) p.stats.dag_nodes = as_int64(*f, "stats.dag_nodes");
+    if (const json* f = optional_field(*s, "nodes_by_kind")) {
+      as_object(*f, "stats.nodes_by_kind");
+      for (auto it = f->begin(); it != f->end(); ++it)
+        p.stats.nodes_by_kind[it.key()] = as_int64(it.value(), "stats.nodes_by_kind." + it.key());
+    }
+    if (const json* f = optional_field(*s, "compile_seconds"))
+      p.stats.compile_seconds = as_double(*f, "stats.compile_seconds");
+    if (const json* f = optional_field(*s, "compiler_peak_rss_bytes"))
+      p.stats.compiler_peak_rss_bytes = as_int64(*f, "stats.compiler_peak_rss_bytes");
+  }
+  return p;
+}
+
+bool operator==(const Program& a, const Program& b) {
+  if (a.model_name != b.model_name || a.model_spec != b.model_spec || a.segments != b.segments ||
+      a.training.seq_len != b.training.seq_len || a.training.micro_batch_size != b.training.micro_batch_size ||
+      a.training.precision != b.training.precision || a.training.fp32_main_grads != b.training.fp32_main_grads ||
+      a.microbatches != b.microbatches || a.num_devices != b.num_devices || a.device_sets != b.device_sets ||
+      a.families != b.families || a.plan_of_device != b.plan_of_device || a.sm_partition != b.sm_partition ||
+      a.plans.size() != b.plans.size())
+    return false;
+  for (std::size_t i = 0; i < a.plans.size(); ++i)
+    if (!same_plan(a.plans[i], b.plans[i])) return false;
+  return true;
+}
+
+}  // namespace piper::core

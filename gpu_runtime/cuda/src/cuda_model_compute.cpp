@@ -1,0 +1,560 @@
+// The CUDA model's compute: forward/BI/BW of each layer kind with the CUDA kernels and cuBLASLt, the
+// experts, and the expert-parallel routing (dispatch, combine). Each function mirrors the HostModel
+// function of the same name in gpu_runtime/src/host_model_compute.cpp.
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+#include "cuda_model_weights.hpp"
+#include "piper/runtime/cuda/cuda_model.hpp"
+
+namespace piper::runtime::cuda {
+
+using model_detail::M;
+
+namespace {
+
+M of(const Tensor& t) { return {t.data(), t.rows, t.cols}; }
+
+Gemm& gemm_of(const Exec& e) {
+  if (!e.gemm) throw std::logic_error("runtime: a GEMM was issued on a stream without compute ops");
+  return *e.gemm;
+}
+
+GemmShape shape_of(M a, bool ta, M b, bool tb) {
+  GemmShape s;
+  s.m = static_cast<int>(ta ? a.cols : a.rows);
+  s.k = static_cast<int>(ta ? a.rows : a.cols);
+  s.n = static_cast<int>(tb ? b.rows : b.cols);
+  s.trans_a = ta;
+  s.trans_b = tb;
+  return s;
+}
+
+// C = op(A) op(B) as a new tensor.
+Tensor matmul(const Exec& e, DType dt, M a, bool ta, M b, bool tb) {
+  const GemmShape s = shape_of(a, ta, b, tb);
+  Tensor c = new_tensor(e, s.m, s.n, dtype_bytes(dt));
+  if (s.m > 0 && s.n > 0) {
+    if (s.k == 0)
+      check(cudaMemsetAsync(c.data(), 0, c.bytes(), e.stream), "cudaMemsetAsync");
+    else
+      gemm_of(e).run(dt, s, a.p, b.p, c.data());
+  }
+  return c;
+}
+
+// C += op(A) op(B) in the storage type.
+void matmul_acc(const Exec& e, DType dt, M a, bool ta, M b, bool tb, Tensor& c) {
+  const GemmShape s = shape_of(a, ta, b, tb);
+  if (s.m > 0 && s.n > 0 && s.k > 0) gemm_of(e).run(dt, s, a.p, b.p, c.data(), 1.0f, 1.0f);
+}
+
+// g (fp32) += op(A) op(B): weight gradients accumulate in fp32 whatever the storage type (a bf16
+// product is never rounded to bf16 before it is added).
+void weight_grad(const Exec& e, DType dt, M a, bool ta, M b, bool tb, float* g) {
+  const GemmShape s = shape_of(a, ta, b, tb);
+  if (s.m == 0 || s.n == 0 || s.k == 0) return;
+  gemm_of(e).run_f32_out(dt, s, a.p, b.p, g, 1.0f, 1.0f);
+}
+
+Tensor plus(const Exec& e, DType dt, const Tensor& a, const Tensor& b) {
+  Tensor out = new_tensor(e, a.rows, a.cols, a.elem);
+  add(dt, a.data(), b.data(), a.size(), out.data(), e.stream);
+  return out;
+}
+
+Tensor copy_of(const Exec& e, const Tensor& t) {
+  Tensor out = new_tensor(e, t.rows, t.cols, t.elem);
+  if (t.bytes())
+    check(cudaMemcpyAsync(out.data(), t.data(), t.bytes(), cudaMemcpyDeviceToDevice, e.stream), "cudaMemcpyAsync");
+  return out;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Layer kernels (mirroring host kernels.cpp)
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+AttentionDims dims_of(const host::AttentionShape& s, std::int64_t tokens) {
+  return {static_cast<int>(tokens), s.seq_len, s.heads, s.kv_heads, s.head_dim};
+}
+
+Tensor mlp_forward(const Exec& e, DType dt, M wg, M wu, M wd, const Tensor& u, MlpCache& c) {
+  c.u = u;
+  c.a = matmul(e, dt, of(u), false, wg, false);
+  c.b = matmul(e, dt, of(u), false, wu, false);
+  c.h = new_tensor(e, c.a.rows, c.a.cols, c.a.elem);
+  swiglu_forward(dt, c.a.data(), c.b.data(), c.a.size(), c.h.data(), e.stream);
+  return matmul(e, dt, of(c.h), false, wd, false);
+}
+
+Tensor mlp_backward_input(const Exec& e, DType dt, M wg, M wu, M wd, MlpCache& c, const Tensor& dout) {
+  c.dout = dout;
+  Tensor dh = matmul(e, dt, of(dout), false, wd, true);
+  c.da = new_tensor(e, c.a.rows, c.a.cols, c.a.elem);
+  c.db = new_tensor(e, c.b.rows, c.b.cols, c.b.elem);
+  swiglu_backward(dt, c.a.data(), c.b.data(), dh.data(), c.a.size(), c.da.data(), c.db.data(), e.stream);
+  Tensor du = matmul(e, dt, of(c.da), false, wg, true);
+  matmul_acc(e, dt, of(c.db), false, wu, true, du);
+  return du;
+}
+
+void mlp_backward_weight(const Exec& e, DType dt, const MlpCache& c, float* gwg, float* gwu, float* gwd) {
+  weight_grad(e, dt, of(c.h), true, of(c.dout), false, gwd);
+  weight_grad(e, dt, of(c.u), true, of(c.da), false, gwg);
+  weight_grad(e, dt, of(c.u), true, of(c.db), false, gwu);
+}
+
+// An attention layer's forward on the normed rows `u`: projections, optional per-head q/k RMSNorm
+// (weights q_norm, k_norm), RoPE, the attention core (flash or reference path) and the output
+// projection, which it returns; `k` keeps what the backward reads.
+Tensor attention_layer_forward(const Exec& e, DType dt, const host::AttentionShape& a, const std::array<M, 4>& w,
+                               const void* q_norm, const void* k_norm, const Tensor& u, AttentionCache& k) {
+  const auto& [wq, wk, wv, wo] = w;
+  const std::size_t es = dtype_bytes(dt);
+  const std::int64_t T = u.rows;
+  k.u = u;
+  k.q_lin = matmul(e, dt, of(u), false, wq, false);
+  k.k_lin = matmul(e, dt, of(u), false, wk, false);
+  k.v = matmul(e, dt, of(u), false, wv, false);
+  if (a.qk_norm) {
+    k.q_rstd = new_tensor(e, T, a.heads, 4);
+    k.k_rstd = new_tensor(e, T, a.kv_heads, 4);
+    k.q = new_tensor(e, k.q_lin.rows, k.q_lin.cols, es);
+    k.k = new_tensor(e, k.k_lin.rows, k.k_lin.cols, es);
+    // Per-head RMSNorm: [T, heads*hd] row-major is [T*heads, hd].
+    rmsnorm_forward(dt, k.q_lin.data(), q_norm, static_cast<int>(T * a.heads), a.head_dim, host::kNormEps, k.q.data(),
+                    k.q_rstd.as<float>(), e.stream);
+    rmsnorm_forward(dt, k.k_lin.data(), k_norm, static_cast<int>(T * a.kv_heads), a.head_dim, host::kNormEps,
+                    k.k.data(), k.k_rstd.as<float>(), e.stream);
+  } else {
+    k.q = copy_of(e, k.q_lin);
+    k.k = copy_of(e, k.k_lin);
+  }
+  rope(dt, k.q.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, 1.0f, e.stream);
+  rope(dt, k.k.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, 1.0f, e.stream);
+  const std::int64_t seqs = T / a.seq_len;
+  k.o = new_tensor(e, T, static_cast<std::int64_t>(a.heads) * a.head_dim, es);
+  // The fast path keeps one log-sum-exp per row, the reference the [L, L] probabilities; the
+  // backward takes the path the forward took.
+  k.flash = use_flash_attention(dt, dims_of(a, T));
+  if (k.flash) {
+    k.probs = new_tensor(e, seqs * a.heads, a.seq_len, 4);
+    flash_attention_forward(dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(),
+                            e.stream);
+  } else {
+    k.probs = new_tensor(e, seqs * a.heads * a.seq_len, a.seq_len, 4);
+    attention_core_forward(dt, dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(),
+                           e.stream);
+  }
+  return matmul(e, dt, of(k.o), false, wo, false);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Forward / backward of a segment
+// ---------------------------------------------------------------------------------------------
+void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data, float loss_scale, ForwardState& s,
+                        SegmentStash& stash) {
+  host::SegmentParams& sp = layout_.segment(seg);
+  stash.layers.assign(static_cast<std::size_t>(sp.last_layer - sp.first_layer), LayerCache{});
+  const std::size_t es = elem();
+  for (int l = sp.first_layer; l < sp.last_layer; ++l) {
+    LayerCache& c = stash.layers[static_cast<std::size_t>(l - sp.first_layer)];
+    Weights w = weights(seg, l, false);
+    switch (w.layer->kind) {
+      case core::LayerKind::Embedding: {
+        c.tokens = upload_ints(e, data.tokens);
+        const auto T = static_cast<std::int64_t>(data.tokens.size());
+        s.x = new_tensor(e, T, hidden(), es);
+        embedding_forward(dt_, w.ptr(0), c.tokens.as<int>(), static_cast<int>(T), static_cast<int>(hidden()),
+                          s.x.data(), e.stream);
+        s.u = Tensor{};
+        break;
+      }
+      case core::LayerKind::Norm:
+        c.norm.x = s.x;
+        c.norm.rstd = new_tensor(e, s.x.rows, 1, 4);
+        s.u = new_tensor(e, s.x.rows, s.x.cols, es);
+        rmsnorm_forward(dt_, s.x.data(), w.ptr(0), static_cast<int>(s.x.rows), static_cast<int>(s.x.cols),
+                        host::kNormEps, s.u.data(), c.norm.rstd.as<float>(), e.stream);
+        break;
+      case core::LayerKind::Attention: {
+        const bool qk_norm = attn_shape_.qk_norm;
+        Tensor out = attention_layer_forward(e, dt_, attn_shape_, {w.mat(0), w.mat(1), w.mat(2), w.mat(3)},
+                                             qk_norm ? w.ptr(4) : nullptr, qk_norm ? w.ptr(5) : nullptr, s.u, c.attn);
+        s.x = plus(e, dt_, s.x, out);
+        break;
+      }
+      case core::LayerKind::Mlp: {
+        Tensor out = mlp_forward(e, dt_, w.mat(0), w.mat(1), w.mat(2), s.u, c.mlp);
+        s.x = plus(e, dt_, s.x, out);
+        break;
+      }
+      case core::LayerKind::MoeRouter: {
+        const std::int64_t T = s.u.rows;
+        c.router.u = s.u;
+        Tensor logits = matmul(e, dt_, of(s.u), false, w.mat(0), false);
+        s.topk = new_tensor(e, T, top_k(), 4);
+        s.gates = new_tensor(e, T, top_k(), 4);
+        router_topk(dt_, logits.data(), static_cast<int>(T), experts(), top_k(), s.topk.as<int>(), s.gates.as<float>(),
+                    e.stream);
+        c.router.topk = s.topk;
+        c.router.gates = s.gates;
+        break;
+      }
+      case core::LayerKind::MoeExperts: {
+        if (sp.shard_degree > 1)
+          throw std::logic_error("runtime: sharded experts run through the expert-parallel path");
+        c.source = route(e, s, 1);
+        auto packets = dispatch_forward(e, s, c.source);
+        Tensor y = experts_forward(e, seg, l, 0, packets[0].expert, packets[0].rows, c.experts);
+        combine_forward(e, s, c.source, {ExpertPacket{{}, std::move(y)}});
+        break;
+      }
+      case core::LayerKind::Head: {
+        const std::int64_t T = s.u.rows;
+        c.head.u = s.u;
+        c.head.dlogits =
+            matmul(e, dt_, of(s.u), false, w.mat(0), false);  // logits, then in place (softmax - onehot) * scale
+        Tensor targets = upload_ints(e, data.targets);
+        Tensor loss = new_tensor(e, T, 1, 4);
+        cross_entropy(dt_, c.head.dlogits.data(), targets.as<int>(), static_cast<int>(T),
+                      static_cast<int>(c.head.dlogits.cols), loss_scale, loss.as<float>(), e.stream);
+        sum_into(loss.as<float>(), static_cast<int>(T), loss_.as<float>(), e.stream);
+        break;
+      }
+    }
+  }
+}
+
+void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, SegmentStash& stash) {
+  host::SegmentParams& sp = layout_.segment(seg);
+  const std::size_t es = elem();
+  for (int l = sp.last_layer - 1; l >= sp.first_layer; --l) {
+    LayerCache& c = stash.layers.at(static_cast<std::size_t>(l - sp.first_layer));
+    Weights w = weights(seg, l, false);
+    if (g.du.empty() && !g.dx.empty()) g.du = zeros(e, g.dx.rows, g.dx.cols, es);
+    switch (w.layer->kind) {
+      case core::LayerKind::Head:
+        g.du = matmul(e, dt_, of(c.head.dlogits), false, w.mat(0), true);
+        g.dx = zeros(e, g.du.rows, g.du.cols, es);
+        break;
+      case core::LayerKind::Norm: {
+        c.dy_norm = g.du;
+        Tensor dx = new_tensor(e, g.du.rows, g.du.cols, es);
+        rmsnorm_backward_input(dt_, c.norm.x.data(), c.norm.rstd.as<float>(), w.ptr(0), g.du.data(),
+                               static_cast<int>(g.du.rows), static_cast<int>(g.du.cols), dx.data(), e.stream);
+        g.dx = plus(e, dt_, g.dx, dx);
+        g.du = zeros(e, g.dx.rows, g.dx.cols, es);
+        break;
+      }
+      case core::LayerKind::MoeExperts: {
+        auto packets = dispatch_backward(e, g, c.source);
+        Tensor du = experts_backward_input(e, seg, l, c.experts, packets[0].rows);
+        combine_backward(e, g, c.source, {ExpertPacket{{}, std::move(du)}});
+        break;
+      }
+      case core::LayerKind::MoeRouter: {
+        const std::int64_t T = c.router.u.rows;
+        c.router.dlogits = new_tensor(e, T, experts(), es);
+        router_backward(dt_, c.router.topk.as<int>(), c.router.gates.as<float>(), g.dgates.as<float>(),
+                        static_cast<int>(T), experts(), top_k(), c.router.dlogits.data(), e.stream);
+        Tensor du = matmul(e, dt_, of(c.router.dlogits), false, w.mat(0), true);
+        g.du = plus(e, dt_, g.du, du);
+        g.dgates = Tensor{};
+        break;
+      }
+      case core::LayerKind::Mlp: {
+        Tensor du = mlp_backward_input(e, dt_, w.mat(0), w.mat(1), w.mat(2), c.mlp, g.dx);
+        g.du = plus(e, dt_, g.du, du);
+        break;
+      }
+      case core::LayerKind::Attention: {
+        const auto& a = attn_shape_;
+        AttentionCache& k = c.attn;
+        const std::int64_t T = k.u.rows;
+        k.dout = g.dx;
+        Tensor d_o = matmul(e, dt_, of(g.dx), false, w.mat(3), true);
+        Tensor dq = new_tensor(e, k.q.rows, k.q.cols, es), dk = new_tensor(e, k.k.rows, k.k.cols, es);
+        k.dv = new_tensor(e, k.v.rows, k.v.cols, es);
+        // Reference: ds is scratch of the probabilities' size; fast path: delta, one value per row.
+        Tensor ds = new_tensor(e, k.probs.rows, k.probs.cols, 4);
+        if (k.flash)
+          flash_attention_backward(dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.o.data(), k.probs.as<float>(),
+                                   d_o.data(), ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
+        else
+          attention_core_backward(dt_, dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(),
+                                  d_o.data(), ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
+        rope(dt_, dq.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
+        rope(dt_, dk.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
+        if (a.qk_norm) {
+          k.dq_lin = new_tensor(e, dq.rows, dq.cols, es);
+          k.dk_lin = new_tensor(e, dk.rows, dk.cols, es);
+          rmsnorm_backward_input(dt_, k.q_lin.data(), k.q_rstd.as<float>(), w.ptr(4), dq.data(),
+                                 static_cast<int>(T * a.heads), a.head_dim, k.dq_lin.data(), e.stream);
+          rmsnorm_backward_input(dt_, k.k_lin.data(), k.k_rstd.as<float>(), w.ptr(5), dk.data(),
+                                 static_cast<int>(T * a.kv_heads), a.head_dim, k.dk_lin.data(), e.stream);
+          // The host computes the q/k norm weight gradients in BI and adds them in BW: same here.
+          k.dq_norm = zeros(e, a.head_dim, 1, 4);
+          k.dk_norm = zeros(e, a.head_dim, 1, 4);
+          rmsnorm_backward_weight(dt_, k.q_lin.data(), k.q_rstd.as<float>(), dq.data(), static_cast<int>(T * a.heads),
+                                  a.head_dim, k.dq_norm.as<float>(), e.stream);
+          rmsnorm_backward_weight(dt_, k.k_lin.data(), k.k_rstd.as<float>(), dk.data(),
+                                  static_cast<int>(T * a.kv_heads), a.head_dim, k.dk_norm.as<float>(), e.stream);
+        } else {
+          k.dq_lin = dq;
+          k.dk_lin = dk;
+        }
+        Tensor du = matmul(e, dt_, of(k.dq_lin), false, w.mat(0), true);
+        matmul_acc(e, dt_, of(k.dk_lin), false, w.mat(1), true, du);
+        matmul_acc(e, dt_, of(k.dv), false, w.mat(2), true, du);
+        g.du = plus(e, dt_, g.du, du);
+        break;
+      }
+      case core::LayerKind::Embedding:
+        c.dx_embed = g.dx;
+        g = BackwardState{};
+        break;
+    }
+  }
+}
+
+void CudaModel::backward_weight(const Exec& e, int seg, SegmentStash& stash) {
+  host::SegmentParams& sp = layout_.segment(seg);
+  for (int l = sp.first_layer; l < sp.last_layer; ++l) {
+    LayerCache& c = stash.layers.at(static_cast<std::size_t>(l - sp.first_layer));
+    Weights gw = weights(seg, l, true);
+    switch (gw.layer->kind) {
+      case core::LayerKind::Embedding:
+        embedding_backward_weight(dt_, c.tokens.as<int>(), c.dx_embed.data(), static_cast<int>(c.dx_embed.rows),
+                                  static_cast<int>(c.dx_embed.cols), gw.grad(0), e.stream);
+        break;
+      case core::LayerKind::Norm:
+        rmsnorm_backward_weight(dt_, c.norm.x.data(), c.norm.rstd.as<float>(), c.dy_norm.data(),
+                                static_cast<int>(c.dy_norm.rows), static_cast<int>(c.dy_norm.cols), gw.grad(0),
+                                e.stream);
+        break;
+      case core::LayerKind::Attention: {
+        const AttentionCache& k = c.attn;
+        weight_grad(e, dt_, of(k.u), true, of(k.dq_lin), false, gw.grad(0));
+        weight_grad(e, dt_, of(k.u), true, of(k.dk_lin), false, gw.grad(1));
+        weight_grad(e, dt_, of(k.u), true, of(k.dv), false, gw.grad(2));
+        weight_grad(e, dt_, of(k.o), true, of(k.dout), false, gw.grad(3));
+        if (attn_shape_.qk_norm) {
+          accumulate(DType::F32, gw.grad(4), k.dq_norm.data(), attn_shape_.head_dim, e.stream);
+          accumulate(DType::F32, gw.grad(5), k.dk_norm.data(), attn_shape_.head_dim, e.stream);
+        }
+        break;
+      }
+      case core::LayerKind::Mlp:
+        mlp_backward_weight(e, dt_, c.mlp, gw.grad(0), gw.grad(1), gw.grad(2));
+        break;
+      case core::LayerKind::MoeRouter:
+        weight_grad(e, dt_, of(c.router.u), true, of(c.router.dlogits), false, gw.grad(0));
+        break;
+      case core::LayerKind::MoeExperts:
+        experts_backward_weight(e, seg, l, c.experts);
+        break;
+      case core::LayerKind::Head:
+        weight_grad(e, dt_, of(c.head.u), true, of(c.head.dlogits), false, gw.grad(0));
+        break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Routed experts (host experts_forward / experts_backward_input / experts_backward_weight)
+// ---------------------------------------------------------------------------------------------
+Tensor CudaModel::experts_forward(const Exec& e, int seg, int layer, int first_expert, const std::vector<int>& expert,
+                                  const Tensor& rows, ExpertsCache& c) {
+  Weights w = weights(seg, layer, false);
+  const std::size_t local = w.tensors.size() / 3;
+  std::vector<std::vector<int>> rows_of(local);
+  for (std::size_t i = 0; i < expert.size(); ++i)
+    rows_of.at(static_cast<std::size_t>(expert[i] - first_expert)).push_back(static_cast<int>(i));
+  c.groups.clear();
+  c.entries = rows.rows;
+  Tensor y = new_tensor(e, rows.rows, hidden(), elem());
+  for (std::size_t x = 0; x < local; ++x) {
+    if (rows_of[x].empty()) continue;
+    ExpertsCache::Group gr;
+    gr.local = static_cast<int>(x);
+    gr.index = upload_ints(e, rows_of[x]);
+    const int n = static_cast<int>(rows_of[x].size());
+    Tensor in = new_tensor(e, n, hidden(), elem());
+    gather_slots(dt_, rows.data(), gr.index.as<int>(), 1, nullptr, n, static_cast<int>(hidden()), in.data(), e.stream);
+    Tensor out = mlp_forward(e, dt_, w.mat(3 * x), w.mat(3 * x + 1), w.mat(3 * x + 2), in, gr.mlp);
+    scatter_rows(dt_, out.data(), gr.index.as<int>(), n, static_cast<int>(hidden()), y.data(), e.stream);
+    c.groups.push_back(std::move(gr));
+  }
+  return y;
+}
+
+Tensor CudaModel::experts_backward_input(const Exec& e, int seg, int layer, ExpertsCache& c, const Tensor& dy) {
+  Weights w = weights(seg, layer, false);
+  Tensor du = new_tensor(e, dy.rows, hidden(), elem());
+  for (auto& gr : c.groups) {
+    const int n = static_cast<int>(gr.index.rows);
+    Tensor d = new_tensor(e, n, hidden(), elem());
+    gather_slots(dt_, dy.data(), gr.index.as<int>(), 1, nullptr, n, static_cast<int>(hidden()), d.data(), e.stream);
+    const auto x = static_cast<std::size_t>(gr.local);
+    Tensor dx = mlp_backward_input(e, dt_, w.mat(3 * x), w.mat(3 * x + 1), w.mat(3 * x + 2), gr.mlp, d);
+    scatter_rows(dt_, dx.data(), gr.index.as<int>(), n, static_cast<int>(hidden()), du.data(), e.stream);
+  }
+  return du;
+}
+
+void CudaModel::experts_backward_weight(const Exec& e, int seg, int layer, ExpertsCache& c) {
+  Weights gw = weights(seg, layer, true);
+  for (const auto& gr : c.groups) {
+    const auto x = static_cast<std::size_t>(gr.local);
+    mlp_backward_weight(e, dt_, gr.mlp, gw.grad(3 * x), gw.grad(3 * x + 1), gw.grad(3 * x + 2));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Expert parallelism (host route / dispatch / combine)
+// ---------------------------------------------------------------------------------------------
+ExpertSource CudaModel::route(const Exec& e, const ForwardState& s, int group_size) const {
+  if (s.topk.empty()) throw std::logic_error("runtime: experts reached without a router output");
+  ExpertSource src;
+  src.topk = s.topk;
+  src.gates = s.gates;
+  src.tokens = s.topk.rows;
+  src.k = static_cast<int>(s.topk.cols);
+  src.topk_host = download_ints(e, s.topk);
+  src.slots_to.assign(static_cast<std::size_t>(group_size), {});
+  const int per_rank = experts() / group_size;
+  for (std::size_t slot = 0; slot < src.topk_host.size(); ++slot)
+    src.slots_to[static_cast<std::size_t>(src.topk_host[slot] / per_rank)].push_back(static_cast<int>(slot));
+  for (const auto& slots : src.slots_to) src.slot_index.push_back(upload_ints(e, slots));
+  src.y = zeros(e, src.tokens * src.k, hidden(), elem());
+  return src;
+}
+
+std::vector<ExpertPacket> CudaModel::dispatch_forward(const Exec& e, const ForwardState& s,
+                                                      const ExpertSource& src) const {
+  std::vector<ExpertPacket> out(src.slots_to.size());
+  for (std::size_t p = 0; p < out.size(); ++p) {
+    const auto& slots = src.slots_to[p];
+    const int n = static_cast<int>(slots.size());
+    for (int slot : slots) out[p].expert.push_back(src.topk_host[static_cast<std::size_t>(slot)]);
+    out[p].rows = new_tensor(e, n, s.u.cols, elem());
+    gather_slots(dt_, s.u.data(), src.slot_index[p].as<int>(), src.k, nullptr, n, static_cast<int>(s.u.cols),
+                 out[p].rows.data(), e.stream);
+  }
+  return out;
+}
+
+void CudaModel::experts_forward_entries(const Exec& e, int seg, const std::vector<ExpertPacket>& from,
+                                        SegmentStash& stash, std::vector<ExpertPacket>* to_sources) {
+  host::SegmentParams& sp = layout_.segment(seg);
+  stash.layers.assign(1, LayerCache{});
+  LayerCache& c = stash.layers[0];
+  std::vector<int> experts_of;
+  std::int64_t n = 0;
+  for (const auto& p : from) n += p.rows.rows;
+  Tensor rows = new_tensor(e, n, hidden(), elem());
+  std::int64_t at = 0;
+  for (const auto& p : from) {
+    if (p.rows.bytes())
+      check(cudaMemcpyAsync(static_cast<char*>(rows.data()) + static_cast<std::size_t>(at * hidden()) * elem(),
+                            p.rows.data(), p.rows.bytes(), cudaMemcpyDeviceToDevice, e.stream),
+            "cudaMemcpyAsync");
+    at += p.rows.rows;
+    experts_of.insert(experts_of.end(), p.expert.begin(), p.expert.end());
+    c.source_counts.push_back(static_cast<int>(p.rows.rows));
+  }
+  const int first = sp.shard_index * experts() / sp.shard_degree;
+  Tensor y = experts_forward(e, seg, sp.first_layer, first, experts_of, rows, c.experts);
+  to_sources->assign(c.source_counts.size(), ExpertPacket{});
+  at = 0;
+  for (std::size_t p = 0; p < c.source_counts.size(); ++p) {
+    (*to_sources)[p].rows = y.row_range(at, c.source_counts[p]);
+    at += c.source_counts[p];
+  }
+}
+
+void CudaModel::combine_forward(const Exec& e, ForwardState& s, ExpertSource& src,
+                                const std::vector<ExpertPacket>& from_owners) const {
+  for (std::size_t p = 0; p < from_owners.size(); ++p) {
+    const auto& slots = src.slots_to[p];
+    if (static_cast<std::int64_t>(slots.size()) != from_owners[p].rows.rows)
+      throw std::runtime_error(fmt::format("runtime: expert combine got {} rows from rank {}, expected {}",
+                                           from_owners[p].rows.rows, p, slots.size()));
+    scatter_rows(dt_, from_owners[p].rows.data(), src.slot_index[p].as<int>(), static_cast<int>(slots.size()),
+                 static_cast<int>(hidden()), src.y.data(), e.stream);
+  }
+  Tensor x = new_tensor(e, s.x.rows, s.x.cols, elem());
+  moe_combine(dt_, s.x.data(), src.y.data(), src.gates.as<float>(), static_cast<int>(src.tokens), src.k,
+              static_cast<int>(hidden()), x.data(), e.stream);
+  s.x = x;
+  s.topk = Tensor{};
+  s.gates = Tensor{};
+}
+
+// x += sum_j g_j y_j:  dy_j = g_j dx,  dg_j = dx . y_j.
+std::vector<ExpertPacket> CudaModel::dispatch_backward(const Exec& e, BackwardState& g, const ExpertSource& src) const {
+  g.dgates = new_tensor(e, src.tokens, src.k, 4);
+  moe_gate_grad(dt_, g.dx.data(), src.y.data(), static_cast<int>(src.tokens), src.k, static_cast<int>(hidden()),
+                g.dgates.as<float>(), e.stream);
+  std::vector<ExpertPacket> out(src.slots_to.size());
+  for (std::size_t p = 0; p < out.size(); ++p) {
+    const int n = static_cast<int>(src.slots_to[p].size());
+    out[p].rows = new_tensor(e, n, hidden(), elem());
+    gather_slots(dt_, g.dx.data(), src.slot_index[p].as<int>(), src.k, src.gates.as<float>(), n,
+                 static_cast<int>(hidden()), out[p].rows.data(), e.stream);
+  }
+  return out;
+}
+
+void CudaModel::experts_backward_entries(const Exec& e, int seg, const std::vector<ExpertPacket>& from,
+                                         SegmentStash& stash, std::vector<ExpertPacket>* to_sources) {
+  host::SegmentParams& sp = layout_.segment(seg);
+  LayerCache& c = stash.layers.at(0);
+  std::int64_t n = 0;
+  for (const auto& p : from) n += p.rows.rows;
+  Tensor dy = new_tensor(e, n, hidden(), elem());
+  std::int64_t at = 0;
+  for (const auto& p : from) {
+    if (p.rows.bytes())
+      check(cudaMemcpyAsync(static_cast<char*>(dy.data()) + static_cast<std::size_t>(at * hidden()) * elem(),
+                            p.rows.data(), p.rows.bytes(), cudaMemcpyDeviceToDevice, e.stream),
+            "cudaMemcpyAsync");
+    at += p.rows.rows;
+  }
+  Tensor du = experts_backward_input(e, seg, sp.first_layer, c.experts, dy);
+  to_sources->assign(c.source_counts.size(), ExpertPacket{});
+  at = 0;
+  for (std::size_t p = 0; p < c.source_counts.size(); ++p) {
+    (*to_sources)[p].rows = du.row_range(at, c.source_counts[p]);
+    at += c.source_counts[p];
+  }
+}
+
+void CudaModel::combine_backward(const Exec& e, BackwardState& g, const ExpertSource& src,
+                                 const std::vector<ExpertPacket>& from_owners) const {
+  if (g.du.empty()) g.du = zeros(e, g.dx.rows, g.dx.cols, elem());
+  Tensor slots = zeros(e, src.tokens * src.k, hidden(), elem());
+  for (std::size_t p = 0; p < from_owners.size(); ++p) {
+    const auto& sl = src.slots_to[p];
+    if (static_cast<std::int64_t>(sl.size()) != from_owners[p].rows.rows)
+      throw std::runtime_error("runtime: expert backward combine got a wrong row count from rank " + std::to_string(p));
+    scatter_rows(dt_, from_owners[p].rows.data(), src.slot_index[p].as<int>(), static_cast<int>(sl.size()),
+                 static_cast<int>(hidden()), slots.data(), e.stream);
+  }
+  Tensor du = new_tensor(e, g.du.rows, g.du.cols, elem());
+  moe_sum_slots(dt_, g.du.data(), slots.data(), static_cast<int>(src.tokens), src.k, static_cast<int>(hidden()),
+                du.data(), e.stream);
+  g.du = du;
+}
+
+}  // namespace piper::runtime::cuda
