@@ -65,14 +65,12 @@ std::int64_t estimated_plan_bytes(const core::Scenario& s, std::int64_t* microba
   try {
     core::Model model = core::build_model(core::scenario_model_config(s));
     int regions = 0;
-    const json program = core::scenario_program(s, &regions);
+    const core::DirectiveProgram program = core::scenario_program(s, &regions);
     core::annotate_regions(s, model, program, regions);
     std::int64_t m = 1;
-    for (const auto& d : program)
-      if (d.is_object() && d.value("op", "") == "split" && d.contains("num_microbatches") &&
-          d["num_microbatches"].is_number_integer()) {
-        const double product = static_cast<double>(m) * static_cast<double>(std::max<std::int64_t>(
-                                                            1, d["num_microbatches"].get<std::int64_t>()));
+    for (const auto& d : program.directives)
+      if (const auto* split = std::get_if<core::SplitDirective>(&d)) {
+        const double product = static_cast<double>(m) * static_cast<double>(std::max(1, split->count));
         if (product > static_cast<double>(core::limit_value(core::Limit::Microbatches)))
           return 0;  // the compile names that limit
         m = static_cast<std::int64_t>(product);
@@ -145,7 +143,7 @@ struct DirectivesArgs {
 };
 
 int run_directives(const DirectivesArgs& a) {
-  json program = core::strategy_directives(a.strategy.options, a.model);
+  const json program = core::strategy_directives(a.strategy.options, a.model).to_json();
   // Print "op" and the filter first, as the published programs are written (json objects sort keys).
   nlohmann::ordered_json printed = nlohmann::ordered_json::array();
   for (const json& d : program) {

@@ -100,7 +100,7 @@ Command add_schedule_command(CLI::App& app) {
       if (!a.directives_path.empty()) {
         if (!a.name.empty()) throw CliError("", "give a schedule name or --directives, not both");
         try {
-          table = core::schedule_table_from_program(read_json_file(a.directives_path));
+          table = core::schedule_table_from_program(core::load_directives_file(a.directives_path));
         } catch (const std::invalid_argument& e) {
           throw CliError(a.directives_path, e.what());
         }
@@ -119,7 +119,7 @@ Command add_schedule_command(CLI::App& app) {
           core::schedule_from_pytorch_csv(read_text_file(a.csv_path), a.csv_path, &spelling);
       core::StrategyOptions o;
       o.dp = a.dp;
-      write_or_print(a.out_path, core::program_from_schedule_table(table, o).dump(1) + "\n");
+      write_or_print(a.out_path, core::program_from_schedule_table(table, o).to_json().dump(1) + "\n");
       // Said on stderr so that the program on stdout stays pipeable; only once it succeeded (a note
       // before an error would make two lines of one failure).
       fmt::print(stderr, "{}: read as {}\n", a.csv_path, core::describe(spelling));

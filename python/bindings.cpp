@@ -116,7 +116,8 @@ py::object directives(const py::handle& scenario, const std::string& base_dir) {
   const bool has_model = j.is_object() && j.contains("model");
   if (j.is_object() && !has_model) j["model"] = "";
   const core::Scenario s = guarded([&] { return core::Scenario::from_json(j, "scenario", base_dir); });
-  return to_py(guarded([&] { return has_model ? core::scenario_program(s) : core::strategy_directives(s.strategy); }));
+  return to_py(guarded(
+      [&] { return (has_model ? core::scenario_program(s) : core::strategy_directives(s.strategy)).to_json(); }));
 }
 
 sim::SimulateOptions simulate_options(const std::string& cluster, const std::string& engine,

@@ -407,6 +407,46 @@ DirectiveProgram parse_directives(const json& program) {
 
 json DirectiveProgram::to_json() const { return json(source); }
 
+DirectiveProgram validated(const DirectiveProgram& program) { return parse_directives(program.to_json()); }
+
+DirectiveProgram& DirectiveProgram::append(const DirectiveProgram& other) {
+  directives.insert(directives.end(), other.directives.begin(), other.directives.end());
+  source.insert(source.end(), other.source.begin(), other.source.end());
+  return *this;
+}
+
+DirectiveProgram& DirectiveProgram::relabel_devices(const std::function<int(int)>& map) {
+  for (std::size_t i = 0; i < directives.size(); ++i) {
+    std::vector<int>* devices = std::visit(
+        [](auto& d) -> std::vector<int>* {
+          if constexpr (requires { d.devices; })
+            return &d.devices;
+          else
+            return nullptr;
+        },
+        directives[i]);
+    if (devices == nullptr || devices->empty()) continue;
+    for (int& d : *devices) d = map(d);
+    source[i]["devices"] = *devices;
+  }
+  return *this;
+}
+
+DirectiveProgram& DirectiveProgram::remove_if(const std::function<bool(const Directive&)>& drop) {
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < directives.size(); ++i) {
+    if (drop(directives[i])) continue;
+    if (kept != i) {  // never a self-move, which would empty the directive's strings
+      directives[kept] = std::move(directives[i]);
+      source[kept] = std::move(source[i]);
+    }
+    ++kept;
+  }
+  directives.resize(kept);
+  source.resize(kept);
+  return *this;
+}
+
 DirectiveProgram load_directives_file(const std::string& path) {
   const std::string text = read_input_file(path);
   json j;

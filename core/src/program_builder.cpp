@@ -1,7 +1,11 @@
-// The typed directive-program builder (program_builder.hpp).
+// The typed directive-program builder (program_builder.hpp): each method makes the typed directive, with
+// the defaults the parser gives an absent field, and its JSON form. This file is the one serializer of
+// directives (Contract.FrontEndsBuildTypedDirectives allows it alone to write a directive's JSON).
 #include "piper/core/program_builder.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 namespace piper::core {
 
@@ -16,25 +20,40 @@ json directive(const char* op, const Filter& filter) { return json{{"op", op}, {
 Filter region_filter(int pp) { return Filter{{{"PP", pp}}, {}, {}}; }
 Filter region_filter(int pp, const std::string& any_tag) { return Filter{{{"PP", pp}}, {any_tag}, {}}; }
 
-ProgramBuilder::ProgramBuilder(json program) : program_(std::move(program)) {
-  if (!program_.is_array())
-    throw Error(std::string("a directive program must be a JSON array, got ") + program_.type_name());
+void ProgramBuilder::add(Directive d, json source) {
+  program_.directives.push_back(std::move(d));
+  program_.source.push_back(std::move(source));
 }
 
 ProgramBuilder& ProgramBuilder::place(const Filter& filter, const std::vector<int>& devices,
                                       const std::optional<std::string>& stream, bool blocking,
                                       const std::string& holds) {
+  PlaceDirective p{filter, devices, stream.value_or("pp"), blocking, holds};
   json d = directive("place", filter);
   d["devices"] = devices;
   if (stream) d["stream"] = *stream;
   if (blocking) d["blocking"] = true;
   if (!holds.empty()) d["holds"] = holds;
-  program_.push_back(std::move(d));
+  add(std::move(p), std::move(d));
   return *this;
 }
 
 ProgramBuilder& ProgramBuilder::replicate(const Filter& filter, const std::vector<int>& devices,
                                           const ReplicateArgs& a) {
+  ReplicateDirective r;
+  r.filter = filter;
+  r.devices = devices;
+  r.bucket_size_mb = a.bucket_size_mb.value_or(0);
+  r.shard_optimizer = a.shard_optimizer;
+  r.shard_grads = a.shard_grads;
+  r.shard_params = a.shard_params;
+  r.prefetch = a.prefetch.value_or(1);
+  r.gather_blocks = a.gather_unit == "block";
+  r.gather_fp8 = a.gather_dtype == "fp8";
+  r.shard_group = a.shard_group.value_or(0);
+  r.reduce_every_microbatch = a.reduce_every ? *a.reduce_every == "microbatch" : a.shard_grads;
+  r.reduce_stream = a.reduce_stream.value_or("dp");
+  r.gather_stream = a.gather_stream.value_or(r.reduce_stream);
   json d = directive("replicate", filter);
   d["devices"] = devices;
   if (a.bucket_size_mb) {
@@ -53,28 +72,33 @@ ProgramBuilder& ProgramBuilder::replicate(const Filter& filter, const std::vecto
   if (a.reduce_every) d["reduce_every"] = *a.reduce_every;
   if (a.shard_group) d["shard_group"] = *a.shard_group;
   if (a.prefetch) d["prefetch"] = *a.prefetch;
-  program_.push_back(std::move(d));
+  add(std::move(r), std::move(d));
   return *this;
 }
 
 ProgramBuilder& ProgramBuilder::shard(const Filter& filter, const std::vector<int>& devices,
                                       const std::optional<std::string>& stream, std::optional<int> degree,
                                       std::optional<int> chunks) {
+  ShardDirective s{filter, devices, degree.value_or(0), stream.value_or("ep"), chunks.value_or(1)};
   json d = directive("shard", filter);
   d["devices"] = devices;
   if (stream) d["stream"] = *stream;
   if (degree) d["degree"] = *degree;
   if (chunks) d["chunks"] = *chunks;
-  program_.push_back(std::move(d));
+  add(std::move(s), std::move(d));
   return *this;
 }
 
 ProgramBuilder& ProgramBuilder::split(const Filter& filter, int num_microbatches,
                                       const std::optional<std::string>& dim_name) {
+  SplitDirective s;  // the format's default dimension unless given
+  s.filter = filter;
+  s.count = num_microbatches;
+  if (dim_name) s.dim_name = *dim_name;
   json d = directive("split", filter);
   d["num_microbatches"] = num_microbatches;
   if (dim_name) d["dim_name"] = *dim_name;
-  program_.push_back(std::move(d));
+  add(std::move(s), std::move(d));
   return *this;
 }
 
@@ -85,54 +109,51 @@ ProgramBuilder& ProgramBuilder::order(const std::vector<std::vector<Filter>>& gr
     for (const auto& f : group) g.push_back(f.to_json());
     filters.push_back(std::move(g));
   }
-  program_.push_back(json{{"op", "order"}, {"filters", std::move(filters)}});
+  add(OrderDirective{groups}, json{{"op", "order"}, {"filters", std::move(filters)}});
   return *this;
 }
 
 ProgramBuilder& ProgramBuilder::tensor_parallel(const Filter& filter, int degree, bool sequence_parallel,
                                                 bool comm_overlap, int expert_degree) {
+  TensorParallelDirective t{filter, {}, degree, sequence_parallel, comm_overlap, std::max(expert_degree, 1)};
   json d = directive("tensor_parallel", filter);
   d["degree"] = degree;
   if (sequence_parallel) d["sequence_parallel"] = true;
   if (comm_overlap) d["comm_overlap"] = true;
   if (expert_degree > 1) d["expert_degree"] = expert_degree;
-  program_.push_back(std::move(d));
+  add(std::move(t), std::move(d));
   return *this;
 }
 
 ProgramBuilder& ProgramBuilder::recompute(const Filter& filter, const std::string& mode, int every, int first) {
+  RecomputeDirective r{filter, Recompute::None, std::max(every, 0), std::max(first, 0)};
+  try {
+    r.mode = recompute_from_string(mode);
+  } catch (const std::invalid_argument&) {
+    // Left to build() / validated(), which names the directive and field as for a file's program.
+  }
   json d = directive("recompute", filter);
   d["mode"] = mode;
   if (every > 0) d["every"] = every;
   if (first > 0) d["first"] = first;
-  program_.push_back(std::move(d));
+  add(std::move(r), std::move(d));
   return *this;
 }
 
 ProgramBuilder& ProgramBuilder::context_parallel(int degree, bool all_gather) {
   json d{{"op", "context_parallel"}, {"degree", degree}};
   if (all_gather) d["comm"] = "all_gather";
-  program_.push_back(std::move(d));
+  add(ContextParallelDirective{degree, all_gather}, std::move(d));
   return *this;
 }
 
 ProgramBuilder& ProgramBuilder::sm_partition(int sms) {
-  program_.push_back(json{{"op", "sm_partition"}, {"stream", "comm"}, {"sms", sms}});
+  add(SmPartitionDirective{SmPartition{"comm", sms}}, json{{"op", "sm_partition"}, {"stream", "comm"}, {"sms", sms}});
   return *this;
 }
 
-ProgramBuilder& ProgramBuilder::append(const json& directives) {
-  if (!directives.is_array())
-    throw Error(std::string("a directive program must be a JSON array, got ") + directives.type_name());
-  for (const auto& d : directives) program_.push_back(d);
-  return *this;
-}
-
-ProgramBuilder& ProgramBuilder::relabel_devices(const std::function<int(int)>& map) {
-  for (auto& d : program_)
-    if (d.is_object() && d.contains("devices") && d["devices"].is_array())
-      for (auto& dev : d["devices"])
-        if (dev.is_number_integer()) dev = map(dev.get<int>());
+ProgramBuilder& ProgramBuilder::append(const DirectiveProgram& directives) {
+  program_.append(directives);
   return *this;
 }
 

@@ -269,27 +269,26 @@ std::vector<int> stage_ranks(const ScheduleTable& table) {
   return rank_of;
 }
 
-json program_from_schedule_table(const ScheduleTable& table, StrategyOptions o) {
+DirectiveProgram program_from_schedule_table(const ScheduleTable& table, StrategyOptions o) {
   const std::vector<int> rank_of = stage_ranks(table);
   o.pp = static_cast<int>(table.ranks.size());
-  json program = placement_directives(o, rank_of);
-  for (auto& d : directives_from_table(table, rank_of, table.microbatches)) program.push_back(std::move(d));
-  return program;
+  DirectiveProgram program = placement_directives(o, rank_of);
+  return program.append(directives_from_table(table, rank_of, table.microbatches));
 }
 
-ScheduleTable schedule_table_from_program(const json& program) {
+ScheduleTable schedule_table_from_program(const DirectiveProgram& program) {
   // The placement part numbers the ranks; the split gives the microbatch count.
-  json placement = json::array();
+  DirectiveProgram placement;
   int microbatches = 0;
-  std::vector<const json*> orders;
-  for (const auto& d : program) {
-    const std::string op = d.is_object() ? d.value("op", "") : "";
-    if (op == "order")
-      orders.push_back(&d);
-    else if (op == "split")
-      microbatches = d.value("num_microbatches", 0);
+  std::vector<const OrderDirective*> orders;
+  for (std::size_t i = 0; i < program.size(); ++i) {
+    const Directive& d = program.directives[i];
+    if (const auto* order = std::get_if<OrderDirective>(&d))
+      orders.push_back(order);
+    else if (const auto* split = std::get_if<SplitDirective>(&d))
+      microbatches = split->count;
     else
-      placement.push_back(d);
+      placement.directives.push_back(d), placement.source.push_back(program.source[i]);
   }
   int ranks = 0;
   const std::vector<int> rank_of = rank_of_region_from_program(placement, &ranks);
@@ -301,22 +300,21 @@ ScheduleTable schedule_table_from_program(const json& program) {
   for (std::size_t k = 0; k < orders.size(); ++k) {
     std::vector<ScheduleStep> steps;
     int rank = -1;
-    for (const auto& group : (*orders[k])["filters"]) {
+    for (const auto& group : orders[k]->groups) {
       ScheduleStep step;
       for (const auto& f : group) {
-        if (!f.contains("PP") || !f.contains("MB") || !f.contains("PASS"))
+        if (!f.exact.contains("PP") || !f.exact.contains("MB") || !f.pass)
           throw std::invalid_argument(
               fmt::format("order {}: every filter needs PP, MB and PASS to be a PyTorch action", k));
-        const std::string pass = f["PASS"].get<std::string>();
-        const ActionKind kind = pass == "F"    ? ActionKind::F
-                                : pass == "B"  ? ActionKind::B
-                                : pass == "BI" ? ActionKind::I
-                                               : ActionKind::W;
-        const int stage = f["PP"].get<int>();
+        const ActionKind kind = *f.pass == Pass::F    ? ActionKind::F
+                                : *f.pass == Pass::B  ? ActionKind::B
+                                : *f.pass == Pass::BI ? ActionKind::I
+                                                      : ActionKind::W;
+        const int stage = f.exact.at("PP");
         if (stage < 0 || stage >= t.stages)
           throw std::invalid_argument(fmt::format("order {}: PP {} is not placed", k, stage));
         rank = rank_of[static_cast<std::size_t>(stage)];
-        step.push_back({stage, kind, f["MB"].get<int>()});
+        step.push_back({stage, kind, f.exact.at("MB")});
       }
       steps.push_back(std::move(step));
     }

@@ -58,14 +58,12 @@ void check_ep(const ModelConfig& cfg, int ep) {
 }
 
 // The ends a program's place directives put in regions of their own ("holds").
-PipelineEnds ends_in_program(const json& program) {
+PipelineEnds ends_in_program(const DirectiveProgram& program) {
   PipelineEnds ends;
-  if (!program.is_array()) return ends;
-  for (const auto& d : program)
-    // Raw JSON, before parse_directives: read only well-typed fields (that pass reports the rest).
-    if (d.is_object() && d.contains("op") && d["op"] == "place" && d.contains("holds") && d["holds"].is_string()) {
-      ends.embedding |= d["holds"] == "embedding";
-      ends.head |= d["holds"] == "head";
+  for (const auto& d : program.directives)
+    if (const auto* place = std::get_if<PlaceDirective>(&d)) {
+      ends.embedding |= place->holds == "embedding";
+      ends.head |= place->holds == "head";
     }
   return ends;
 }
@@ -188,7 +186,7 @@ ModelConfig load_config(const Scenario& s) {
   return cfg;
 }
 
-json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
+DirectiveProgram program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
   StrategyOptions opts = s.strategy;
   from("", [&] { return resolve_global_batch(opts, cfg.training.micro_batch_size), 0; });
   if (!s.directives) opts = from("", [&] { return resolve_v_ends(opts, cfg); });
@@ -196,8 +194,11 @@ json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
     throw Error(
         fmt::format("--stages {} disagrees with the {} regions of --pp-ranges", s.stages, s.stage_starts.size()));
   int regions = s.stage_starts.empty() ? s.stages : static_cast<int>(s.stage_starts.size());
+  // A scenario's own program is read here, once: the steps below see only typed directives.
+  DirectiveProgram program;
   if (s.directives) {
-    if (regions == 0) regions = pp_regions_in_program(*s.directives);
+    program = from(s.directives_source, [&] { return parse_directives(*s.directives); });
+    if (regions == 0) regions = pp_regions_in_program(program);
   } else {
     check_ep(cfg, opts.ep);
     if (regions == 0) regions = from("--schedule", [&] { return schedule_family(opts.schedule).regions(opts); });
@@ -206,7 +207,6 @@ json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
   check_limit(Limit::Layers, regions, s.directives ? s.directives_source : std::string("--stages"), "PP regions");
   if (regions_out) *regions_out = regions;
   if (s.directives) {
-    json program = *s.directives;
     if (s.append_schedule) {
       // As in Piper's harness: a placement-only program plus the schedule's split/order.
       from(s.directives_source, [&] {
@@ -216,7 +216,7 @@ json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
             rank_of_region_from_program(program, &pipeline_ranks, &own_embedding, &own_head);
         StrategyOptions o = opts;
         o.pp = pipeline_ranks;
-        for (auto& d : schedule_directives(o, rank_of_region, own_embedding, own_head)) program.push_back(std::move(d));
+        program.append(schedule_directives(o, rank_of_region, own_embedding, own_head));
         return 0;
       });
     }
@@ -227,9 +227,8 @@ json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
     return from("", [&] {
       const ScheduleFamily& family = schedule_family(opts.schedule);
       std::vector<int> rank_of_region = family.placement(opts, regions);
-      json p = placement_directives(opts, rank_of_region, family.mirrored);
-      for (auto& d : schedule_directives(opts, rank_of_region)) p.push_back(std::move(d));
-      return p;
+      DirectiveProgram p = placement_directives(opts, rank_of_region, family.mirrored);
+      return p.append(schedule_directives(opts, rank_of_region));
     });
   }
   return from("", [&] { return generate_program(opts); });
@@ -238,15 +237,14 @@ json program_for(const Scenario& s, const ModelConfig& cfg, int* regions_out) {
 // An error in a program generated from strategy flags names the flag the user wrote, not the
 // directive and field of a program they never saw ("--tp 6: 6 does not divide the 16 heads ..."
 // rather than "directive 1 field 'degree': ...").
-std::string strategy_flag_error(const json& program, const StrategyOptions& o, const DirectiveError& e) {
+std::string strategy_flag_error(const DirectiveProgram& program, const StrategyOptions& o, const DirectiveError& e) {
   std::string message = e.what();
   const std::string prefix =
       "directive " + std::to_string(e.index()) + (e.field().empty() ? "" : " field '" + e.field() + "'") + ": ";
   if (message.rfind(prefix, 0) == 0) message = message.substr(prefix.size());
   std::string op;
-  if (program.is_array() && e.index() >= 0 && static_cast<std::size_t>(e.index()) < program.size() &&
-      program[static_cast<std::size_t>(e.index())].is_object())
-    op = program[static_cast<std::size_t>(e.index())].value("op", "");
+  if (e.index() >= 0 && static_cast<std::size_t>(e.index()) < program.size())
+    op = op_name(program.directives[static_cast<std::size_t>(e.index())]);
   const std::string& field = e.field();
   std::string flag;
   if (op == "tensor_parallel")
@@ -279,24 +277,24 @@ std::string strategy_flag_error(const json& program, const StrategyOptions& o, c
 
 }  // namespace
 
-int pp_regions_in_program(const json& program) {
+int pp_regions_in_program(const DirectiveProgram& program) {
   int max_index = -1;
-  std::function<void(const json&)> walk = [&](const json& j) {
-    if (j.is_object()) {
-      for (auto it = j.begin(); it != j.end(); ++it) {
-        if (it.key() == "PP" && it.value().is_number_integer() && it.value().get<long long>() >= 0)
-          max_index = std::max(max_index, static_cast<int>(std::min(it.value().get<long long>(), 1LL << 30)));
-        walk(it.value());
-      }
-    } else if (j.is_array()) {
-      for (const auto& e : j) walk(e);
-    }
+  auto see = [&](const Filter& f) {
+    if (const auto it = f.exact.find("PP"); it != f.exact.end()) max_index = std::max(max_index, it->second);
   };
-  walk(program);
+  for (const auto& d : program.directives)
+    std::visit(
+        [&](const auto& x) {
+          if constexpr (requires { x.filter; }) see(x.filter);
+          if constexpr (requires { x.groups; })
+            for (const auto& group : x.groups)
+              for (const auto& f : group) see(f);
+        },
+        d);
   return std::max(1, max_index + 1);
 }
 
-json strategy_directives(const StrategyOptions& o, const std::string& model) {
+DirectiveProgram strategy_directives(const StrategyOptions& o, const std::string& model) {
   if (!model.empty()) {
     Scenario s;
     s.model = model;
@@ -330,7 +328,7 @@ std::vector<int> first_last_stage_starts(int blocks, int regions, int first, int
   return starts;
 }
 
-void annotate_regions(const Scenario& s, Model& model, const json& program, int regions) {
+void annotate_regions(const Scenario& s, Model& model, const DirectiveProgram& program, int regions) {
   const PipelineEnds ends = ends_in_program(program);
   if ((ends.embedding || ends.head) && (s.first_stage_layers > 0 || s.last_stage_layers > 0 || !s.stage_starts.empty()))
     throw Error(std::string("a place directive's \"holds\" (the ") + (ends.head ? "head" : "embedding") +
@@ -350,19 +348,12 @@ void annotate_regions(const Scenario& s, Model& model, const json& program, int 
       balance_pipeline(model, regions, ends);
       // Regions sharing a device (V placements, mirrored pairs) are balanced per device as well.
       std::vector<std::vector<int>> devices_of_region(static_cast<std::size_t>(regions));
-      for (const auto& d : program)
-        if (d.is_object() && d.contains("op") && d["op"] == "place" && d.contains("filter") &&
-            d["filter"].size() == 1 && d["filter"].contains("PP") && d["filter"]["PP"].is_number_integer() &&
-            d.contains("devices")) {
-          const long long r = d["filter"]["PP"].get<long long>();
-          // Malformed programs are left to parse_directives, which names the field at fault.
-          const json& devs = d["devices"];
-          if (r < 0 || r >= regions || !devs.is_array()) continue;
-          std::vector<int> list;
-          for (const auto& v : devs)
-            if (v.is_number_integer() && v.get<long long>() >= 0 && v.get<long long>() < limit_value(Limit::Devices))
-              list.push_back(v.get<int>());
-          if (list.size() == devs.size()) devices_of_region[static_cast<std::size_t>(r)] = list;
+      for (const auto& d : program.directives)
+        if (const auto* place = std::get_if<PlaceDirective>(&d); place && place->filter.exact.size() == 1 &&
+                                                                 place->filter.exact.contains("PP") &&
+                                                                 place->filter.any.empty()) {
+          const int r = place->filter.exact.at("PP");
+          if (r < regions) devices_of_region[static_cast<std::size_t>(r)] = place->devices;
         }
       std::map<int, int> regions_of_device;
       bool complete = true;
@@ -396,39 +387,37 @@ void annotate_regions(const Scenario& s, Model& model, const json& program, int 
 
 ModelConfig scenario_model_config(const Scenario& s) { return load_config(s); }
 
-json scenario_program(const Scenario& s, int* regions) { return program_for(s, load_config(s), regions); }
+DirectiveProgram scenario_program(const Scenario& s, int* regions) { return program_for(s, load_config(s), regions); }
 
 CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) {
   CompiledScenario out;
   out.config = load_config(s);
   out.model = from(model_file_of(s.model), [&] { return build_model(out.config); });
   int regions = 0;
-  out.program_json = program_for(s, out.config, &regions);
-  annotate_regions(s, out.model, out.program_json, regions);
+  out.program = program_for(s, out.config, &regions);
+  annotate_regions(s, out.model, out.program, regions);
   if (!s.directives) {
     // A generated program shards every region's experts; regions without experts (dense first blocks,
     // as in DeepSeek-V3) have nothing to shard, so their shard directive is dropped rather than
     // rejected. A hand-written program keeps the strict "filter matches nothing" error.
-    json kept = json::array();
-    for (const auto& d : out.program_json) {
-      if (d.value("op", "") == "shard" && d.contains("filter") && d["filter"].contains("PP")) {
-        const int region = d["filter"]["PP"].get<int>();
-        bool has_experts = false;
-        for (const auto& layer : out.model.layers())
-          has_experts |= layer.tags.contains("EP") && layer.tags.contains("PP") && layer.tags.at("PP") == region;
-        if (!has_experts) continue;
-      }
-      kept.push_back(d);
-    }
-    out.program_json = std::move(kept);
+    out.program.remove_if([&](const Directive& d) {
+      const auto* shard = std::get_if<ShardDirective>(&d);
+      if (shard == nullptr || !shard->filter.exact.contains("PP")) return false;
+      const int region = shard->filter.exact.at("PP");
+      for (const auto& layer : out.model.layers())
+        if (layer.tags.contains("EP") && layer.tags.contains("PP") && layer.tags.at("PP") == region) return false;
+      return true;
+    });
   }
   const std::string source = s.directives ? s.directives_source : std::string();
   try {
-    DirectiveProgram program = from(source, [&] { return parse_directives(out.program_json); });
+    // The program as the passes see it: its JSON form parsed, so that a generated program gets the
+    // checks and errors a file's does (a scenario's own program was read from that form).
+    DirectiveProgram program = from(source, [&] { return validated(out.program); });
     from(source, [&] { return compile(out.model, program, out.result, hook); });  // in place: see compiler.hpp
   } catch (const DirectiveError& e) {
     if (s.directives) throw;
-    throw Error(strategy_flag_error(out.program_json, s.strategy, e));
+    throw Error(strategy_flag_error(out.program, s.strategy, e));
   }
   return out;
 }

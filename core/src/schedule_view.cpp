@@ -197,7 +197,7 @@ UnitSchedule unit_time_schedule(const StrategyOptions& options, const UnitCosts&
   std::vector<int> starts;
   for (int i = 0; i < regions; ++i) starts.push_back(i);
   annotate_pipeline_ranges(model, starts);
-  const DirectiveProgram program = parse_directives(generate_program(o));
+  const DirectiveProgram program = validated(generate_program(o));
   return unit_time_schedule(compile(model, program).program, costs);
 }
 

@@ -10,16 +10,13 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
+#include "piper/core/program_builder.hpp"
 #include "piper/core/schedules_zb.hpp"
 #include "schedule_ends.hpp"
 #include "piper/core/strategy.hpp"
 
 namespace piper::core {
 namespace {
-
-using nlohmann::json;
 
 [[noreturn]] void fail(const std::string& family, const std::string& why) {
   throw std::invalid_argument(family + ": " + why);
@@ -97,12 +94,18 @@ void expect_placement(const std::string& family, const ScheduleContext& ctx, int
                        shape + "), it is on rank " + std::to_string(ctx.rank_of_region[static_cast<size_t>(i)]));
 }
 
-json step(int region, int mb, const char* pass) {
-  return json::array({json{{"PP", region}, {"MB", mb}, {"PASS", pass}}});
+Pass pass_of(ActionKind k);
+
+// The order filter of one action: {PP: stage, MB: microbatch, PASS: its pass}.
+Filter action_filter(const ScheduleAction& a) {
+  return Filter{{{"PP", a.stage}, {"MB", a.microbatch}}, {}, pass_of(a.kind)};
 }
 
-json split_directive(int microbatches) {
-  return json{{"op", "split"}, {"filter", json::object()}, {"dim_name", "MB"}, {"num_microbatches", microbatches}};
+// The split every schedule starts with (its dimension written out, as the published programs do).
+ProgramBuilder split_program(int microbatches) {
+  ProgramBuilder out;
+  out.split(Filter{}, microbatches, std::string("MB"));
+  return out;
 }
 
 // Builds split + one order per PP region from a per-region step sequence. Each region is ordered as
@@ -111,11 +114,14 @@ json split_directive(int microbatches) {
 // Ordering each region on its own keeps any placement deadlock-free: the orders together are those
 // of a plain `regions`-stage pipeline, which is acyclic.
 template <class PerStage>
-json split_and_orders(const ScheduleContext& ctx, PerStage per_stage) {
-  json out = json::array();
-  out.push_back(split_directive(ctx.microbatches));
-  for (int k = 0; k < ctx.regions; ++k) out.push_back(json{{"op", "order"}, {"filters", per_stage(k)}});
-  return out;
+DirectiveProgram split_and_orders(const ScheduleContext& ctx, PerStage per_stage) {
+  ProgramBuilder out = split_program(ctx.microbatches);
+  for (int k = 0; k < ctx.regions; ++k) {
+    std::vector<std::vector<Filter>> groups;
+    for (const auto& a : per_stage(k)) groups.push_back({action_filter(a)});
+    out.order(groups);
+  }
+  return out.take();
 }
 
 // Per-stage sequences of the single-stage families, as actions.
@@ -141,38 +147,28 @@ std::vector<ScheduleAction> one_f_one_b_stage(int k, int n, int m_count) {
   return out;
 }
 
-const char* pass_name(ActionKind k) {
+Pass pass_of(ActionKind k) {
   switch (k) {
     case ActionKind::F:
-      return "F";
+      return Pass::F;
     case ActionKind::B:
-      return "B";
+      return Pass::B;
     case ActionKind::I:
-      return "BI";
+      return Pass::BI;
     case ActionKind::W:
-      return "BW";
+      return Pass::BW;
   }
-  return "F";
+  return Pass::F;
 }
 
-json gpipe_directives(const ScheduleContext& ctx) {
+DirectiveProgram gpipe_directives(const ScheduleContext& ctx) {
   check_context("gpipe", ctx);
-  return split_and_orders(ctx, [&](int k) {
-    json groups = json::array();
-    for (const auto& a : gpipe_stage(k, ctx.microbatches))
-      groups.push_back(step(a.stage, a.microbatch, pass_name(a.kind)));
-    return groups;
-  });
+  return split_and_orders(ctx, [&](int k) { return gpipe_stage(k, ctx.microbatches); });
 }
 
-json one_f_one_b_directives(const ScheduleContext& ctx) {
+DirectiveProgram one_f_one_b_directives(const ScheduleContext& ctx) {
   check_context("1f1b", ctx);
-  return split_and_orders(ctx, [&](int k) {
-    json groups = json::array();
-    for (const auto& a : one_f_one_b_stage(k, ctx.regions, ctx.microbatches))
-      groups.push_back(step(a.stage, a.microbatch, pass_name(a.kind)));
-    return groups;
-  });
+  return split_and_orders(ctx, [&](int k) { return one_f_one_b_stage(k, ctx.regions, ctx.microbatches); });
 }
 
 // Single-stage families have a per-rank order only when each rank holds exactly one region.
@@ -568,7 +564,7 @@ ScheduleTable with_own_ends(const ScheduleContext& ctx) {
 }
 
 template <ScheduleTable (*Table)(const ScheduleContext&)>
-json table_directives(const ScheduleContext& ctx) {
+DirectiveProgram table_directives(const ScheduleContext& ctx) {
   ScheduleTable t = Table(ctx);
   return directives_from_table(t, ctx.rank_of_region, t.microbatches, ctx.mirrored);
 }
@@ -601,10 +597,9 @@ char to_char(ActionKind k) {
   return '?';
 }
 
-json directives_from_table(const ScheduleTable& table, const std::vector<int>& rank_of_region, int split_count,
-                           bool mirrored) {
-  json out = json::array();
-  out.push_back(split_directive(split_count));
+DirectiveProgram directives_from_table(const ScheduleTable& table, const std::vector<int>& rank_of_region,
+                                       int split_count, bool mirrored) {
+  ProgramBuilder out = split_program(split_count);
   const int ranks = static_cast<int>(table.ranks.size());
   for (int r = 0; r < ranks; ++r) {
     const auto& steps = table.ranks[static_cast<size_t>(r)];
@@ -613,9 +608,9 @@ json directives_from_table(const ScheduleTable& table, const std::vector<int>& r
     bool repeat = false;
     for (int q = 0; q < r && !repeat; ++q) repeat = table.ranks[static_cast<size_t>(q)] == steps;
     if (repeat) continue;
-    json groups = json::array();
+    std::vector<std::vector<Filter>> groups;
     for (const auto& st : steps) {
-      json group = json::array();
+      std::vector<Filter> group;
       for (const auto& a : st) {
         if (a.stage < 0 || a.stage >= static_cast<int>(rank_of_region.size()))
           throw std::invalid_argument("rank " + std::to_string(r) + " names stage " + std::to_string(a.stage) +
@@ -624,13 +619,13 @@ json directives_from_table(const ScheduleTable& table, const std::vector<int>& r
         if (home != r && !(mirrored && ranks - 1 - home == r))
           throw std::invalid_argument("rank " + std::to_string(r) + " names stage " + std::to_string(a.stage) +
                                       ", which is placed on rank " + std::to_string(home));
-        group.push_back(json{{"PP", a.stage}, {"MB", a.microbatch}, {"PASS", pass_name(a.kind)}});
+        group.push_back(action_filter(a));
       }
       groups.push_back(std::move(group));
     }
-    out.push_back(json{{"op", "order"}, {"filters", std::move(groups)}});
+    out.order(groups);
   }
-  return out;
+  return out.take();
 }
 
 const std::vector<ScheduleFamily>& schedule_registry() {

@@ -9,14 +9,13 @@
 #include <string>
 #include <vector>
 
+#include "piper/core/directives.hpp"
 #include "piper/core/limits.hpp"
 #include "piper/core/program_builder.hpp"
 #include "piper/core/settings.hpp"
 
 namespace piper::core {
 namespace {
-
-using nlohmann::json;
 
 [[noreturn]] void fail(const std::string& message) { throw std::invalid_argument(message); }
 
@@ -164,7 +163,7 @@ const ScheduleFamily& schedule_family(const std::string& name) {
   fail("--schedule '" + name + "' is unknown; valid schedules: " + valid);
 }
 
-json placement_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region, bool mirrored) {
+DirectiveProgram placement_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region, bool mirrored) {
   validate_strategy_options(o);
   check_placement(o, rank_of_region);
   const int regions = static_cast<int>(rank_of_region.size());
@@ -224,8 +223,8 @@ json placement_directives(const StrategyOptions& o, const std::vector<int>& rank
   return out.take();
 }
 
-json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region, bool own_embedding,
-                         bool own_head) {
+DirectiveProgram schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region,
+                                     bool own_embedding, bool own_head) {
   validate_strategy_options(o);
   const ScheduleFamily& family = schedule_family(o.schedule);
   check_own_ends(o, family);
@@ -246,15 +245,14 @@ json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_
   return family.directives(ctx);
 }
 
-json generate_program(const StrategyOptions& o) {
+DirectiveProgram generate_program(const StrategyOptions& o) {
   validate_strategy_options(o);
   const ScheduleFamily& family = schedule_family(o.schedule);
   check_own_ends(o, family);
   const int regions = family.regions(o);
   const std::vector<int> rank_of_region = family.placement(o, regions);
-  json program = placement_directives(o, rank_of_region, family.mirrored);
-  for (auto& d : schedule_directives(o, rank_of_region)) program.push_back(d);
-  return program;
+  DirectiveProgram program = placement_directives(o, rank_of_region, family.mirrored);
+  return program.append(schedule_directives(o, rank_of_region));
 }
 
 ScheduleTable schedule_table(const StrategyOptions& o) {
@@ -275,29 +273,24 @@ ScheduleTable schedule_table(const StrategyOptions& o) {
   return family.table(ctx);
 }
 
-std::vector<int> rank_of_region_from_program(const json& program, int* pipeline_ranks, bool* own_embedding,
+std::vector<int> rank_of_region_from_program(const DirectiveProgram& program, int* pipeline_ranks, bool* own_embedding,
                                              bool* own_head) {
   std::map<int, std::string> holds;  // region -> "head" / "embedding"
-  if (!program.is_array()) fail("program must be a JSON array of directives");
-  std::map<int, json> devices_of_region;
-  for (size_t k = 0; k < program.size(); ++k) {
-    const json& d = program[k];
-    const std::string op = d.is_object() && d.contains("op") && d["op"].is_string() ? d["op"].get<std::string>() : "";
-    if (op == "split" || op == "order")
+  std::map<int, std::vector<int>> devices_of_region;
+  for (size_t k = 0; k < program.directives.size(); ++k) {
+    const Directive& d = program.directives[k];
+    if (std::holds_alternative<SplitDirective>(d) || std::holds_alternative<OrderDirective>(d))
       fail("directive " + std::to_string(k) + ": program already has split/order directives; drop --schedule");
-    if (op != "place") continue;
-    const json& filter = d.value("filter", json::object());
-    if (!filter.is_object() || filter.size() != 1 || !filter.contains("PP") || !filter["PP"].is_number_integer())
+    const auto* place = std::get_if<PlaceDirective>(&d);
+    if (place == nullptr) continue;
+    const Filter& filter = place->filter;
+    if (filter.exact.size() != 1 || !filter.exact.contains("PP") || !filter.any.empty() || filter.pass)
       continue;  // places of sub-regions (e.g. {PP:i, EP:j}) do not define a pipeline rank
-    const int region = filter["PP"].get<int>();
-    if (region < 0)
-      fail("directive " + std::to_string(k) + " field 'filter': PP " + std::to_string(region) + " is negative");
-    if (!d.contains("devices") || !d["devices"].is_array() || d["devices"].empty())
-      fail("directive " + std::to_string(k) + " field 'devices': must be a non-empty array");
-    if (!devices_of_region.emplace(region, d["devices"]).second)
+    const int region = filter.exact.at("PP");
+    if (!devices_of_region.emplace(region, place->devices).second)
       fail("directive " + std::to_string(k) + " field 'filter': region PP " + std::to_string(region) +
            " is placed twice");
-    if (d.contains("holds") && d["holds"].is_string()) holds[region] = d["holds"].get<std::string>();
+    if (!place->holds.empty()) holds[region] = place->holds;
   }
   if (devices_of_region.empty()) fail("program has no place directives with filter {PP: i}; nothing to schedule");
   const int regions = static_cast<int>(devices_of_region.size());
@@ -307,7 +300,7 @@ std::vector<int> rank_of_region_from_program(const json& program, int* pipeline_
         fail("program places no region PP " + std::to_string(i) + "; PP regions must be 0..n-1");
   }
   // Ranks numbered by first appearance in region order, so region 0 sits on rank 0.
-  std::vector<json> rank_devices;
+  std::vector<std::vector<int>> rank_devices;
   std::vector<int> rank_of_region;
   for (const auto& [region, devices] : devices_of_region) {
     int rank = -1;

@@ -27,7 +27,7 @@ ScenarioRun run_scenario(const core::Scenario& scenario) {
     sim::SimulateOptions options;
     options.engine = scenario.engine.empty() ? kStudioEngine : scenario.engine;
     sim::SimulationResult result = sim::simulate(scenario, options);
-    if (result.compiled) run.program_json = result.compiled->program_json;
+    if (result.compiled) run.program_json = result.compiled->program.to_json();
     auto timeline = std::make_shared<core::Timeline>(std::move(result.timeline));
     run.report = std::move(result.report);
     run.title = scenario_title(scenario, run.report);

@@ -11,7 +11,7 @@
 #include <fmt/format.h>
 
 #include "piper/core/model.hpp"
-#include "piper/core/program_builder.hpp"
+#include "piper/core/directives.hpp"
 #include "piper/core/settings.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/search/tune.hpp"
@@ -116,7 +116,7 @@ core::Model annotated_model(const TuneSpec& spec, const TuneCandidate& c) {
   const core::ModelConfig cfg = core::scenario_model_config(s);
   core::Model model = core::build_model(cfg);
   int regions = 0;
-  const json program = core::scenario_program(s, &regions);
+  const core::DirectiveProgram program = core::scenario_program(s, &regions);
   core::annotate_regions(s, model, program, regions);
   return model;
 }
@@ -294,13 +294,13 @@ core::Scenario tune_scenario(const TuneSpec& spec, const TuneCandidate& c, const
     // k + t (order[r] + d pp)), given to the compiler as an explicit program.
     TuneCandidate plain = c;
     plain.rank_order.clear();
-    core::ProgramBuilder program(core::compile_scenario(tune_scenario(spec, plain)).program_json);
+    core::DirectiveProgram program = core::compile_scenario(tune_scenario(spec, plain)).program;
     const int t = c.tp * c.cp, pp = c.pp;  // a block of tp x cp devices moves as one
     program.relabel_devices([&](int x) {
       const int q = x / t;
       return x % t + t * (c.rank_order.at(static_cast<std::size_t>(q % pp)) + (q / pp) * pp);
     });
-    s.directives = program.take();
+    s.directives = program.to_json();  // the scenario's program, as its file would hold it
   }
   return s;
 }

@@ -199,7 +199,7 @@ std::vector<TuneRow> pareto_front(std::vector<TuneRow> rows) {
 
 nlohmann::json tune_directives(const TuneSpec& spec, const TuneCandidate& c) {
   try {
-    return core::compile_scenario(tune_scenario(spec, c)).program_json;
+    return core::compile_scenario(tune_scenario(spec, c)).program.to_json();
   } catch (const core::Error& e) {
     throw TuneError(e.what());
   }

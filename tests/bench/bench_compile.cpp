@@ -28,7 +28,7 @@ void BM_CompileQwen3_9b_1F1B(benchmark::State& state) {
 
   core::Model model = core::build_model(*core::zoo_config("qwen3-9b"));
   core::balance_pipeline(model, core::schedule_family(opts.schedule).regions(opts));
-  core::DirectiveProgram program = core::parse_directives(core::generate_program(opts));
+  core::DirectiveProgram program = core::validated(core::generate_program(opts));
 
   core::CompileResult result;
   double compile_seconds = 0;

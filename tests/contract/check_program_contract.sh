@@ -8,6 +8,13 @@
 #     No consumer outside core reads an op's DAG node (Op::node): who meets whom at a transfer or a
 #     collective is keyed by the pairing id (Op::pair, core/readiness.hpp). Comment lines and the
 #     cluster's own "node" fields (NodeSpec, a call cluster.node(d)) are not ops'.
+#   no-directive-json SOURCE_DIR
+#     Front ends (the strategy generator, schedules, scenarios, search, the CLI, GUI, Python) build the
+#     typed directive program (core::ProgramBuilder, core::DirectiveProgram) and never write or read a
+#     directive's JSON by hand: no object literal with a directive's "op", no ["op"] / value("op") /
+#     contains("op") read, no ["filter"], ["filters"], ["num_microbatches"], ["holds"], ["dim_name"] edit.
+#     Allowed: the parser (core/src/directives.cpp), the one serializer (core/src/program_builder.cpp)
+#     and the GUI editor's text layout of the program the user edits (gui/src/directive_editor.cpp).
 #   no-boost SOURCE_DIR CXX NLOHMANN_INCLUDE_DIR
 #     program.hpp's include closure (the compiler's -M listing of a file that includes only it)
 #     holds no Boost header.
@@ -42,6 +49,25 @@ case "$mode" in
     fi
     echo "no consumer outside core reads an op's DAG node"
     ;;
+  no-directive-json)
+    allowed='^(core/src/directives\.cpp|core/src/program_builder\.cpp|gui/src/directive_editor\.cpp):'
+    ops='place|replicate|shard|split|order|tensor_parallel|recompute|sm_partition|context_parallel'
+    pattern='"op"[[:space:]]*,[[:space:]]*"('"$ops"')"|\["op"\]|(value|contains|at|find)\("op"|\["(filter|filters|num_microbatches|holds|dim_name)"\]'
+    hits=$(grep -rnE --include='*.cpp' --include='*.hpp' --include='*.h' --include='*.cu' "$pattern" \
+             core sim search gpu_runtime gui cli chakra plot python | grep -Ev '^[^:]+:[0-9]+:[[:space:]]*//' |
+             grep -Ev "$allowed" || true)
+    if [[ -n "$hits" ]]; then
+      echo "directive JSON written or read by hand (build the typed program: core::ProgramBuilder, core::DirectiveProgram):"
+      echo "$hits"
+      exit 1
+    fi
+    for f in core/src/directives.cpp core/src/program_builder.cpp gui/src/directive_editor.cpp; do
+      [[ -f "$f" ]] || { echo "stale allowance: $f does not exist"; exit 1; }
+    done
+    # The check must see what it forbids: the serializer it allows writes directive JSON.
+    grep -qE "$pattern" core/src/program_builder.cpp || { echo "the pattern no longer matches the serializer"; exit 1; }
+    echo "no front end writes or reads directive JSON by hand"
+    ;;
   no-boost)
     cxx=${3:?compiler}
     json_dir=${4:?nlohmann include dir}
@@ -61,7 +87,7 @@ case "$mode" in
     echo "program.hpp's include closure holds no Boost header and not dag.hpp"
     ;;
   *)
-    echo "unknown mode '$mode' (expected no-tag-by-name, no-meeting-by-node or no-boost)"
+    echo "unknown mode '$mode' (expected no-tag-by-name, no-meeting-by-node, no-directive-json or no-boost)"
     exit 2
     ;;
 esac

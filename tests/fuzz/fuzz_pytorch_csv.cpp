@@ -11,7 +11,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         piper::core::schedule_from_pytorch_csv(piper::fuzz::text_of(data, size), "fuzz.csv");
     piper::core::Scenario s;
     s.model = "qwen3-9m";
-    s.directives = piper::core::program_from_schedule_table(table, piper::core::StrategyOptions{});
+    s.directives = piper::core::program_from_schedule_table(table, piper::core::StrategyOptions{}).to_json();
     s.directives_source = "fuzz.csv";
     piper::core::compile_scenario(s);
   });

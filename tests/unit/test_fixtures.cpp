@@ -38,12 +38,12 @@ Model qwen9m_even(int regions) {
 // Appends 1F1B with M microbatches to a placement-only program, as `piper compile --schedule` does.
 json with_1f1b(json program, int microbatches) {
   int ranks = 0;
-  auto rank_of_region = rank_of_region_from_program(program, &ranks);
+  auto rank_of_region = rank_of_region_from_program(parse_directives(program), &ranks);
   StrategyOptions o;
   o.pp = ranks;
   o.microbatches = microbatches;
   o.schedule = "1f1b";
-  for (auto& d : schedule_directives(o, rank_of_region)) program.push_back(d);
+  for (auto& d : schedule_directives(o, rank_of_region).to_json()) program.push_back(d);
   return program;
 }
 

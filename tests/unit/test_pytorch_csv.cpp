@@ -47,19 +47,19 @@ TEST(PytorchCsv, ImportThenExportRoundTripsThroughDirectives) {
   EXPECT_EQ(t.stages, 8);
   EXPECT_EQ(t.microbatches, 10);
   EXPECT_EQ(core::stage_ranks(t), (std::vector<int>{0, 1, 2, 3, 3, 2, 1, 0}));  // the V
-  const nlohmann::json program = core::program_from_schedule_table(t, core::StrategyOptions{});
-  EXPECT_EQ(core::schedule_to_pytorch_csv(core::schedule_table_from_program(program)), csv);
+  const nlohmann::json program = core::program_from_schedule_table(t, core::StrategyOptions{}).to_json();
+  EXPECT_EQ(core::schedule_to_pytorch_csv(core::schedule_table_from_program(core::parse_directives(program))), csv);
   // The imported program is Piper's own DualPipeV program.
   core::StrategyOptions o;
   o.schedule = "dualpipev", o.pp = 4, o.microbatches = 10;
-  EXPECT_EQ(program, core::generate_program(o));
+  EXPECT_EQ(program, core::generate_program(o).to_json());
 }
 
 TEST(PytorchCsv, ImportedScheduleCompilesAndVerifies) {
   core::Scenario s;
   s.model = "qwen3-1b";  // 16 blocks for the 8 stages
   s.seq_len = 256;
-  s.directives = core::program_from_schedule_table(core::schedule_from_pytorch_csv(golden(), "g.csv"), {});
+  s.directives = core::program_from_schedule_table(core::schedule_from_pytorch_csv(golden(), "g.csv"), {}).to_json();
   EXPECT_NO_THROW(core::compile_scenario(s));
 }
 

@@ -158,7 +158,7 @@ std::string rewritten_program(const std::string& name, const core::StrategyOptio
   core::Scenario s;
   s.model = model;
   s.strategy = o;
-  const json program = rewrite_microbatches(core::scenario_program(s), filter, splits);
+  const json program = rewrite_microbatches(core::scenario_program(s).to_json(), filter, splits);
   const fs::path file = temp_dir(name + "-program") / "program.json";
   std::ofstream(file) << program.dump(1);
   return file.string();
@@ -469,7 +469,7 @@ TEST(RuntimeFailure, SplitNotCoveringTheModelIsRefusedInOneLine) {
   s.model = kModel;
   s.strategy = strategy(2, 2, 2, 0, 4, "1f1b");
   json program = json::array();
-  for (const auto& d : core::scenario_program(s)) {
+  for (const auto& d : core::scenario_program(s).to_json()) {
     program.push_back(d);
     if (d.value("op", "") == "split")
       program.push_back({{"op", "split"}, {"filter", {{"PP", 0}}}, {"dim_name", "SUB"}, {"num_microbatches", 2}});

@@ -133,7 +133,7 @@ TEST(Scenario, GeneratedProgramsSkipShardingRegionsWithoutExperts) {
   s.strategy.microbatches = 4;
   const auto c = compile_scenario(s);
   int shards = 0;
-  for (const auto& d : c.program_json) shards += d["op"] == "shard";
+  for (const auto& d : c.program.to_json()) shards += d["op"] == "shard";
   EXPECT_EQ(shards, 3);  // regions 1, 2 and 3 hold experts
   EXPECT_EQ(c.result.program.num_devices, 4);
 }

@@ -201,7 +201,7 @@ TEST(Schedules, ConstraintsFailWithOneLine) {
 TEST(Schedules, DualPipePlacesMirroredCopiesAndReducesThemTogether) {
   auto o = shape("dualpipe", 4, 8);
   o.dp = 2;
-  const auto program = core::generate_program(o);
+  const auto program = core::generate_program(o).to_json();
   int replicates = 0;
   for (const auto& d : program) {
     if (d["op"] == "place" && d["filter"]["PP"] == 1) {

@@ -220,7 +220,7 @@ TEST(Settings, GatherPrefetchBoundsTheZero3Gathers) {
   };
   auto prefetch_of = [&](int prefetch) {
     std::vector<json> out;
-    for (const auto& d : core::scenario_program(scenario(prefetch)))
+    for (const auto& d : core::scenario_program(scenario(prefetch)).to_json())
       if (d.at("op") == "replicate") out.push_back(d.contains("prefetch") ? d.at("prefetch") : json(nullptr));
     return out;
   };

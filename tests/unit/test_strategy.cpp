@@ -74,7 +74,7 @@ StrategyOptions fixture_options(int pp, int dp, int ep, int zero) {
 TEST(Strategy, OneFOneBMatchesMegatronOrderForFourRanksEightMicrobatches) {
   StrategyOptions o;
   o.pp = 4, o.microbatches = 8, o.schedule = "1f1b";
-  json program = generate_program(o);
+  json program = generate_program(o).to_json();
   auto orders = orders_by_rank(program, {0, 1, 2, 3});
   ASSERT_EQ(orders.size(), 4u);
   ASSERT_EQ(only_ops(program, {"split"}).size(), 1u);
@@ -104,7 +104,7 @@ TEST(Strategy, OneFOneBMatchesMegatronOrderForFourRanksEightMicrobatches) {
 TEST(Strategy, OneFOneBWithFewerMicrobatchesThanWarmup) {
   StrategyOptions o;
   o.pp = 4, o.microbatches = 2, o.schedule = "1f1b";
-  auto orders = orders_by_rank(generate_program(o), {0, 1, 2, 3});
+  auto orders = orders_by_rank(generate_program(o).to_json(), {0, 1, 2, 3});
   EXPECT_EQ(total_order(orders[0]), (std::vector<std::string>{"F0", "F1", "B0", "B1"}));
   EXPECT_EQ(total_order(orders[3]), (std::vector<std::string>{"F0", "B0", "F1", "B1"}));
 }
@@ -112,7 +112,7 @@ TEST(Strategy, OneFOneBWithFewerMicrobatchesThanWarmup) {
 TEST(Strategy, GPipeRunsAllForwardsThenAllBackwards) {
   StrategyOptions o;
   o.pp = 2, o.microbatches = 3, o.schedule = "gpipe";
-  json program = generate_program(o);
+  json program = generate_program(o).to_json();
   auto orders = orders_by_rank(program, {0, 1});
   ASSERT_EQ(orders.size(), 2u);
   const std::vector<std::string> expected = {"F0", "F1", "F2", "B0", "B1", "B2"};
@@ -127,28 +127,28 @@ TEST(Strategy, PlacementMatchesPublishedFixtures) {
   // The zero2/zero3 fixtures put the expert all-to-all on the data-parallel stream.
   auto zero2 = fixture_options(2, 2, 2, 2);
   zero2.ep_stream = "dp_stream";
-  EXPECT_EQ(only_ops(generate_program(zero2), ops), load_fixture("pp2_dp2_ep2_zero2.json"));
+  EXPECT_EQ(only_ops(generate_program(zero2).to_json(), ops), load_fixture("pp2_dp2_ep2_zero2.json"));
   auto zero3 = fixture_options(2, 2, 2, 3);
   zero3.ep_stream = "dp_stream";
   // ZeRO-3 adds one Piper field to the published program: FSDP's gather unit, a transformer block.
-  json generated = only_ops(generate_program(zero3), ops);
+  json generated = only_ops(generate_program(zero3).to_json(), ops);
   for (auto& d : generated)
     if (d["op"] == "replicate") {
       EXPECT_EQ(d["gather_unit"], "block");
       d.erase("gather_unit");
     }
   EXPECT_EQ(generated, load_fixture("pp2_dp2_ep2_zero3.json"));
-  EXPECT_EQ(only_ops(generate_program(fixture_options(2, 2, 2, 0)), ops), load_fixture("pp2_dp2_ep2.json"));
+  EXPECT_EQ(only_ops(generate_program(fixture_options(2, 2, 2, 0)).to_json(), ops), load_fixture("pp2_dp2_ep2.json"));
   auto bucket = fixture_options(2, 2, 2, 0);
   bucket.bucket_mb = 100;
-  EXPECT_EQ(only_ops(generate_program(bucket), ops), load_fixture("pp2_dp2_ep2_bucket100.json"));
-  EXPECT_EQ(only_ops(generate_program(fixture_options(1, 2, 1, 0)), ops), load_fixture("dp2.json"));
+  EXPECT_EQ(only_ops(generate_program(bucket).to_json(), ops), load_fixture("pp2_dp2_ep2_bucket100.json"));
+  EXPECT_EQ(only_ops(generate_program(fixture_options(1, 2, 1, 0)).to_json(), ops), load_fixture("dp2.json"));
 }
 
 TEST(Strategy, DevicesArePipelineRankPlusDataRankTimesPp) {
   StrategyOptions o;
   o.pp = 4, o.dp = 3;
-  json places = only_ops(generate_program(o), {"place"});
+  json places = only_ops(generate_program(o).to_json(), {"place"});
   ASSERT_EQ(places.size(), 4u);
   EXPECT_EQ(places[2]["filter"], json::parse(R"({"PP":2})"));
   EXPECT_EQ(places[2]["devices"], json::parse("[2, 6, 10]"));
@@ -158,7 +158,7 @@ TEST(Strategy, DevicesArePipelineRankPlusDataRankTimesPp) {
 TEST(Strategy, ZeroOneAndPartialExpertSharding) {
   StrategyOptions o;
   o.pp = 1, o.dp = 4, o.ep = 2, o.zero = 1;
-  json program = generate_program(o);
+  json program = generate_program(o).to_json();
   json rep = only_ops(program, {"replicate"});
   ASSERT_EQ(rep.size(), 1u);
   EXPECT_EQ(rep[0], json::parse(R"({"op":"replicate","filter":{"PP":0},"devices":[0,1,2,3],
@@ -172,16 +172,16 @@ TEST(Strategy, ZeroOneAndPartialExpertSharding) {
 TEST(Strategy, DpShardWritesTheShardGroupOnlyWhenItSplitsTheReplicas) {
   StrategyOptions o;
   o.pp = 1, o.dp = 4, o.zero = 3, o.dp_shard = 2;
-  json rep = only_ops(generate_program(o), {"replicate"});
+  json rep = only_ops(generate_program(o).to_json(), {"replicate"});
   ASSERT_EQ(rep.size(), 1u);
   EXPECT_EQ(rep[0]["shard_group"], 2);
   o.dp_shard = 4;  // one group of every replica: plain ZeRO
-  rep = only_ops(generate_program(o), {"replicate"});
+  rep = only_ops(generate_program(o).to_json(), {"replicate"});
   ASSERT_EQ(rep.size(), 1u);
   EXPECT_FALSE(rep[0].contains("shard_group"));
   // TP 2 x DP 4: the shard groups count data-parallel replicas, not devices.
   o.tp = 2, o.dp_shard = 2;
-  rep = only_ops(generate_program(o), {"replicate"});
+  rep = only_ops(generate_program(o).to_json(), {"replicate"});
   ASSERT_EQ(rep.size(), 1u);
   EXPECT_EQ(rep[0]["shard_group"], 2);
   EXPECT_EQ(rep[0]["devices"].size(), 8u);
@@ -190,13 +190,13 @@ TEST(Strategy, DpShardWritesTheShardGroupOnlyWhenItSplitsTheReplicas) {
 TEST(Strategy, NoDataParallelMeansNoReplicateOrShard) {
   StrategyOptions o;
   o.pp = 2;
-  EXPECT_TRUE(only_ops(generate_program(o), {"replicate", "shard"}).empty());
+  EXPECT_TRUE(only_ops(generate_program(o).to_json(), {"replicate", "shard"}).empty());
 }
 
 TEST(Strategy, RankOfRegionFromVPlacement) {
   int ranks = 0;
   json program = load_fixture("pp4_dp2_ep2_v_placement.json");
-  auto rank_of_region = rank_of_region_from_program(program, &ranks);
+  auto rank_of_region = rank_of_region_from_program(parse_directives(program), &ranks);
   EXPECT_EQ(rank_of_region, (std::vector<int>{0, 1, 1, 0}));
   EXPECT_EQ(ranks, 2);
 
@@ -204,7 +204,7 @@ TEST(Strategy, RankOfRegionFromVPlacement) {
   // 4-stage pipeline (warmup 3-k), so the two regions of a rank interleave by data dependencies.
   StrategyOptions o;
   o.pp = ranks, o.microbatches = 3, o.schedule = "1f1b";
-  json sched = schedule_directives(o, rank_of_region);
+  json sched = schedule_directives(o, rank_of_region).to_json();
   auto orders = only_ops(sched, {"order"});
   ASSERT_EQ(orders.size(), 4u);
   std::vector<std::vector<std::string>> expected = {
@@ -255,15 +255,17 @@ TEST(Strategy, ErrorsAreOneLineAndNameTheFlag) {
 
 TEST(Strategy, RankOfRegionRejectsScheduledOrIncompletePrograms) {
   int ranks = 0;
-  std::string scheduled =
-      error_of([&] { rank_of_region_from_program(load_fixture("pp2_dp2_ep2_custom_order.json"), &ranks); });
+  std::string scheduled = error_of(
+      [&] { rank_of_region_from_program(parse_directives(load_fixture("pp2_dp2_ep2_custom_order.json")), &ranks); });
   EXPECT_NE(scheduled.find("program already has split/order directives; drop --schedule"), std::string::npos)
       << scheduled;
 
   json gap = json::parse(R"([{"op":"place","filter":{"PP":0},"devices":[0]},
                              {"op":"place","filter":{"PP":2},"devices":[1]}])");
-  EXPECT_NE(error_of([&] { rank_of_region_from_program(gap, &ranks); }).find("PP 1"), std::string::npos);
+  EXPECT_NE(error_of([&] { rank_of_region_from_program(parse_directives(gap), &ranks); }).find("PP 1"),
+            std::string::npos);
 
   json none = json::parse(R"([{"op":"replicate","filter":{"PP":0},"devices":[0,1]}])");
-  EXPECT_NE(error_of([&] { rank_of_region_from_program(none, &ranks); }).find("no place"), std::string::npos);
+  EXPECT_NE(error_of([&] { rank_of_region_from_program(parse_directives(none), &ranks); }).find("no place"),
+            std::string::npos);
 }

@@ -473,7 +473,7 @@ TEST(TensorParallel, StrategyFlagsAndGlobalBatch) {
     EXPECT_NE(std::string(e.what()).find("--global-batch 10"), std::string::npos);
   }
   o.global_batch = 0;
-  const json program = generate_program(o);
+  const json program = generate_program(o).to_json();
   int tp = 0, rc = 0;
   for (const auto& d : program) {
     if (d["op"] == "tensor_parallel") {

@@ -74,7 +74,7 @@ TEST(VEnds, HeadAndEmbeddingOpsRunOnTheChosenRanks) {
   }
   // The program says so: the first and last place directives carry "holds".
   int holds = 0;
-  for (const auto& d : c.program_json)
+  for (const auto& d : c.program.to_json())
     if (d.value("op", "") == "place" && d.contains("holds")) ++holds;
   EXPECT_EQ(holds, 2);
 }

@@ -42,12 +42,12 @@ CompileResult compile_zero3(int prefetch) {
       if (prefetch >= 0) d["prefetch"] = prefetch;
     }
   int ranks = 0;
-  const auto rank_of_region = rank_of_region_from_program(program, &ranks);
+  const auto rank_of_region = rank_of_region_from_program(parse_directives(program), &ranks);
   StrategyOptions o;
   o.pp = ranks;
   o.microbatches = kMicrobatches;
   o.schedule = "1f1b";
-  for (auto& d : schedule_directives(o, rank_of_region)) program.push_back(d);
+  for (auto& d : schedule_directives(o, rank_of_region).to_json()) program.push_back(d);
   Model m = build_model(*zoo_config("qwen3-9m"));
   annotate_pipeline_ranges(m, {0, 2});
   return compile(m, parse_directives(program));
@@ -190,7 +190,7 @@ TEST(Zero3Prefetch, BlockUnitsGatherEachTransformerBlock) {
   EXPECT_EQ(blocks.result.program.stats.nodes_by_kind.at("ALL_GATHER"), 2 * 17 * M * 2);
 
   // The same program with the published unit: one gather per stage, microbatch and pass.
-  json program = blocks.program_json;
+  json program = blocks.program.to_json();
   for (auto& d : program)
     if (d["op"] == "replicate") d.erase("gather_unit");
   Scenario published = scenario(3);

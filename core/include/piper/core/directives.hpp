@@ -28,6 +28,7 @@ struct Filter {
   bool matches(const DagNode& n) const;         // compute nodes only; checks PASS too
   nlohmann::json to_json() const;
   std::string to_string() const;
+  friend bool operator==(const Filter&, const Filter&) = default;
 };
 
 struct PlaceDirective {
@@ -42,6 +43,7 @@ struct PlaceDirective {
   // LM head + loss, or only its embedding, as a region of its own (V placements move it off the V's
   // first rank; docs/schedules.md). The compiler checks what the region holds; "" = no claim.
   std::string holds;
+  friend bool operator==(const PlaceDirective&, const PlaceDirective&) = default;
 };
 
 struct ReplicateDirective {
@@ -68,6 +70,7 @@ struct ReplicateDirective {
   bool reduce_every_microbatch = false;
   std::string reduce_stream = "dp";
   std::string gather_stream;  // empty: same as reduce_stream
+  friend bool operator==(const ReplicateDirective&, const ReplicateDirective&) = default;
 };
 
 struct ShardDirective {
@@ -78,16 +81,19 @@ struct ShardDirective {
   // Piper extension: the dispatch and combine all-to-alls and the expert compute between them split
   // into this many chunks of tokens, so chunk i's experts overlap chunk i+1's dispatch (docs/compiler.md).
   int chunks = 1;
+  friend bool operator==(const ShardDirective&, const ShardDirective&) = default;
 };
 
 struct SplitDirective {
   Filter filter;
   std::string dim_name = "MB";
   int count = 1;  // "num_microbatches" in the published format
+  friend bool operator==(const SplitDirective&, const SplitDirective&) = default;
 };
 
 struct OrderDirective {
   std::vector<std::vector<Filter>> groups;  // groups run in sequence; filters within a group may interleave
+  friend bool operator==(const OrderDirective&, const OrderDirective&) = default;
 };
 
 // Piper extension: Megatron tensor parallelism of the selected segments over consecutive groups of
@@ -105,6 +111,7 @@ struct TensorParallelDirective {
   // routed-expert segments split each expert's FFN over consecutive groups of this many devices
   // (fc1 column-, fc2 row-parallel). 1 (default): experts stay whole and keep only EP.
   int expert_degree = 1;
+  friend bool operator==(const TensorParallelDirective&, const TensorParallelDirective&) = default;
 };
 
 // Piper extension: activation recomputation of the selected segments.
@@ -122,6 +129,7 @@ struct RecomputeDirective {
     return every > 0 || first > 0 || filter.exact.contains("BLK") ||
            std::find(filter.any.begin(), filter.any.end(), "BLK") != filter.any.end();
   }
+  friend bool operator==(const RecomputeDirective&, const RecomputeDirective&) = default;
 };
 
 // Piper extension: a static split of every GPU's SMs, `sms` for the communication streams and the rest
@@ -129,6 +137,7 @@ struct RecomputeDirective {
 // cluster by the simulator and against the GPU by the CUDA backend, which know them.
 struct SmPartitionDirective {
   SmPartition partition;
+  friend bool operator==(const SmPartitionDirective&, const SmPartitionDirective&) = default;
 };
 
 // Piper extension: context parallelism of the whole model (Megatron-LM's --context-parallel-size). Each
@@ -140,20 +149,36 @@ struct SmPartitionDirective {
 struct ContextParallelDirective {
   int degree = 1;
   bool all_gather = false;
+  friend bool operator==(const ContextParallelDirective&, const ContextParallelDirective&) = default;
 };
 
 using Directive =
     std::variant<PlaceDirective, ReplicateDirective, ShardDirective, SplitDirective, OrderDirective,
                  TensorParallelDirective, RecomputeDirective, SmPartitionDirective, ContextParallelDirective>;
 
+// The typed directive program: what the passes apply and what front ends build (ProgramBuilder,
+// program_builder.hpp), combine and edit (the members below), never as raw JSON. `source` is each
+// directive's JSON form: as read (parse_directives), or as the builder wrote it (its one serializer);
+// to_json() is that form, for files, dumps and errors.
 struct DirectiveProgram {
   std::vector<Directive> directives;
-  std::vector<nlohmann::json> source;  // original JSON of each directive, for dumps and errors
+  std::vector<nlohmann::json> source;  // the JSON form of each directive, for files, dumps and errors
   nlohmann::json to_json() const;
+  std::size_t size() const { return directives.size(); }
+  // Another program's directives after this one's, in order.
+  DirectiveProgram& append(const DirectiveProgram& other);
+  // Every device id d of every directive (place, replicate, shard, tensor_parallel) becomes map(d): the
+  // same program on other devices. The JSON form changes with the typed directives.
+  DirectiveProgram& relabel_devices(const std::function<int(int)>& map);
+  // Drops the directives `drop` selects, their JSON form with them.
+  DirectiveProgram& remove_if(const std::function<bool(const Directive&)>& drop);
 };
 
 // Parse a directive program. Errors name the directive index and field (DirectiveError).
 DirectiveProgram parse_directives(const nlohmann::json& program);
+// A built program checked as a read one is: its JSON form parsed (the parser's checks and field-level
+// errors, DirectiveError naming the directive's index in `program`).
+DirectiveProgram validated(const DirectiveProgram& program);
 DirectiveProgram load_directives_file(const std::string& path);  // errors prefixed with the path
 std::string op_name(const Directive& d);                         // "place", "replicate", ...
 

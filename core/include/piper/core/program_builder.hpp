@@ -1,11 +1,12 @@
-// A typed builder of directive programs, for front ends (the strategy generator, tune's rank orders):
-// each directive is added with typed arguments, optional fields are written only when given, and the
-// result is the published JSON format exactly as a person writes it (the form scenario files store,
-// `piper directives` prints and the GUI shows). build() parses it into the DirectiveProgram the
-// passes apply, with the parser's validation and field-level errors.
+// The typed builder of directive programs, for front ends (the strategy generator, the schedule
+// families, scenarios, tune, the PyTorch CSV import): each directive is added with typed arguments and
+// becomes a typed Directive of the DirectiveProgram (directives.hpp), together with its JSON form,
+// written here and nowhere else (the one serializer; a CTest grep, Contract.FrontEndsBuildTypedDirectives,
+// keeps it so). The JSON form is the published format exactly as a person writes it (optional fields
+// only when given, whole megabytes as integers): the form scenario files store, `piper directives`
+// prints and the GUI shows. build() checks the program as the parser checks a file (validated()).
 #pragma once
 
-#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -30,7 +31,7 @@ class ProgramBuilder {
  public:
   ProgramBuilder() = default;
   // Continues an existing program (a file's, or another generator's).
-  explicit ProgramBuilder(nlohmann::json program);
+  explicit ProgramBuilder(DirectiveProgram program) : program_(std::move(program)) {}
 
   ProgramBuilder& place(const Filter& filter, const std::vector<int>& devices,
                         const std::optional<std::string>& stream = {}, bool blocking = false,
@@ -47,17 +48,16 @@ class ProgramBuilder {
   ProgramBuilder& recompute(const Filter& filter, const std::string& mode, int every = 0, int first = 0);
   ProgramBuilder& sm_partition(int sms);                                  // the communication streams' SMs
   ProgramBuilder& context_parallel(int degree, bool all_gather = false);  // the whole model's CP degree
-  ProgramBuilder& append(const nlohmann::json& directives);               // another program's directives, in order
+  ProgramBuilder& append(const DirectiveProgram& directives);             // another program's directives, in order
 
-  // Every device id d of every directive becomes map(d) (the same program on other devices).
-  ProgramBuilder& relabel_devices(const std::function<int(int)>& map);
-
-  const nlohmann::json& program() const { return program_; }
-  nlohmann::json take() { return std::move(program_); }
-  DirectiveProgram build() const { return parse_directives(program_); }
+  const DirectiveProgram& program() const { return program_; }
+  DirectiveProgram take() { return std::move(program_); }
+  nlohmann::json to_json() const { return program_.to_json(); }   // for a file, a print, the GUI's editor
+  DirectiveProgram build() const { return validated(program_); }  // the parser's checks and errors
 
  private:
-  nlohmann::json program_ = nlohmann::json::array();
+  void add(Directive d, nlohmann::json source);
+  DirectiveProgram program_;
 };
 
 // {"PP": pp} and {"PP": pp, tag: "*"}: the filters generators write most.

@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "piper/core/directives.hpp"
 #include "piper/core/strategy.hpp"
 
 namespace piper::core {
@@ -32,10 +33,10 @@ std::vector<int> stage_ranks(const ScheduleTable& table);
 
 // The directive program a table implies: place (stage -> rank; `o` gives dp/ep/zero), split, and
 // one order per rank. o.pp is set from the table.
-nlohmann::json program_from_schedule_table(const ScheduleTable& table, StrategyOptions o);
+DirectiveProgram program_from_schedule_table(const ScheduleTable& table, StrategyOptions o);
 
 // Reads a table back from a directive program with one order directive per pipeline rank (ranks
 // numbered as rank_of_region_from_program numbers them). Throws std::invalid_argument.
-ScheduleTable schedule_table_from_program(const nlohmann::json& program);
+ScheduleTable schedule_table_from_program(const DirectiveProgram& program);
 
 }  // namespace piper::core

@@ -39,8 +39,8 @@ struct Scenario {
 
 struct CompiledScenario {
   ModelConfig config;
-  Model model;                  // with PP annotations
-  nlohmann::json program_json;  // the directive program that was compiled
+  Model model;               // with PP annotations
+  DirectiveProgram program;  // the directive program that was compiled (to_json() for a file)
   CompileResult result;
 };
 
@@ -59,14 +59,16 @@ ModelConfig scenario_model_config(const Scenario& s);
 // Annotates `model`'s PP regions as compile_scenario does: the scenario's explicit ranges, or `regions`
 // regions balanced by compute, then rebalanced per device when `program` places several regions on
 // one device (V placements, mirrored pairs). Throws ModelError naming the region count.
-void annotate_regions(const Scenario& s, Model& model, const nlohmann::json& program, int regions);
+void annotate_regions(const Scenario& s, Model& model, const DirectiveProgram& program, int regions);
 
 // The directive program a scenario compiles (without compiling it); `regions` receives the PP count.
-nlohmann::json scenario_program(const Scenario& s, int* regions = nullptr);
+// A scenario's own program is parsed (errors name its source); a generated one is typed as built
+// (compile_scenario checks it, validated()).
+DirectiveProgram scenario_program(const Scenario& s, int* regions = nullptr);
 
 // `piper directives`: the directive program the strategy generator emits for `o`. With a model (zoo
 // name or file), first checks the strategy against it (e.g. --ep against its experts).
-nlohmann::json strategy_directives(const StrategyOptions& o, const std::string& model = "");
+DirectiveProgram strategy_directives(const StrategyOptions& o, const std::string& model = "");
 
 // --v-head / --v-embedding auto: every choice (in the V, a region of its own on rank 0..pp-1, or the
 // head alone on the last rank), in the V first; {o} when neither is auto. Error for a non-V family.
@@ -83,6 +85,6 @@ double v_step_estimate(const StrategyOptions& o, const ModelConfig& cfg);
 std::vector<double> v_rank_loads(const StrategyOptions& o, const ModelConfig& cfg);
 
 // PP regions a directive program refers to: 1 + the largest "PP" index in any filter (at least 1).
-int pp_regions_in_program(const nlohmann::json& program);
+int pp_regions_in_program(const DirectiveProgram& program);
 
 }  // namespace piper::core

@@ -11,6 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "piper/core/directives.hpp"
+
 namespace piper::core {
 
 // Per-region costs for the cost-aware schedule families (zb-auto): seconds of one microbatch's F, BI
@@ -89,9 +91,9 @@ struct ScheduleFamily {
   std::string constraints;                                                         // one line, for `schedule list`
   std::function<int(const StrategyOptions&)> regions;                              // PP regions it needs for pp ranks
   std::function<std::vector<int>(const StrategyOptions&, int regions)> placement;  // region -> rank
-  // Emits the split + order directives (JSON, published format). Throws std::invalid_argument on
-  // unmet constraints with a one-line reason.
-  std::function<nlohmann::json(const ScheduleContext&)> directives;
+  // Emits the split + order directives (typed, through ProgramBuilder). Throws std::invalid_argument
+  // on unmet constraints with a one-line reason.
+  std::function<DirectiveProgram(const ScheduleContext&)> directives;
   // The per-rank step order (for `schedule show`, CSV export). Throws std::invalid_argument when the
   // placement has no single per-rank order (e.g. 1F1B with several regions per rank).
   std::function<ScheduleTable(const ScheduleContext&)> table;
@@ -116,15 +118,16 @@ const ScheduleFamily& schedule_family(const std::string& name);  // throws std::
 // Placement, replicate and shard directives for `regions` PP regions.
 // With `mirrored`, region i is placed on the devices of rank_of_region[i] followed by those of rank
 // pp-1-rank_of_region[i] (a data-parallel pair; see ScheduleFamily::mirrored).
-nlohmann::json placement_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region,
-                                    bool mirrored = false);
+// The programs below are typed and not yet checked by the parser (validated(), directives.hpp).
+DirectiveProgram placement_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region,
+                                      bool mirrored = false);
 // The full program: placement + replication + sharding + the schedule's split/order.
-nlohmann::json generate_program(const StrategyOptions& o);
+DirectiveProgram generate_program(const StrategyOptions& o);
 // Split/order of a schedule for a placement-only program with `regions` regions placed as given;
 // `own_embedding` / `own_head`: its first / last region holds only the embedding / the head (a place
 // directive's "holds"). --v-embedding / --v-head in `o` say the same.
-nlohmann::json schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region,
-                                   bool own_embedding = false, bool own_head = false);
+DirectiveProgram schedule_directives(const StrategyOptions& o, const std::vector<int>& rank_of_region,
+                                     bool own_embedding = false, bool own_head = false);
 // --v-head / --v-embedding: -1 when empty (the end stays in the V), else the pipeline rank. Throws
 // std::invalid_argument naming the flag for "auto" (resolved with the model's costs, see
 // scenario.hpp's resolve_v_ends) and for anything that is not a rank of --pp.
@@ -135,7 +138,7 @@ int own_end_rank(const StrategyOptions& o, bool head);
 // Throws std::invalid_argument if the program already has split/order directives, has no such place
 // directives, or its PP regions are not 0..n-1 each placed once. Sets *own_embedding / *own_head (if
 // not null) when region 0 / the last region is placed with "holds": "embedding" / "head".
-std::vector<int> rank_of_region_from_program(const nlohmann::json& program, int* pipeline_ranks,
+std::vector<int> rank_of_region_from_program(const DirectiveProgram& program, int* pipeline_ranks,
                                              bool* own_embedding = nullptr, bool* own_head = nullptr);
 
 // The step time of `table` when each rank runs its steps in order as soon as their inputs are ready
@@ -148,7 +151,7 @@ ScheduleTable schedule_table(const StrategyOptions& o);
 // Split + one order per pipeline rank (overlapped steps become two-filter groups; I/W become
 // PASS BI/BW). `split_count` microbatches; rank r's steps must name only regions placed on rank r
 // (or, `mirrored`, on rank ranks-1-r). A rank repeating an earlier rank's steps gets no order of its own.
-nlohmann::json directives_from_table(const ScheduleTable& table, const std::vector<int>& rank_of_region,
-                                     int split_count, bool mirrored = false);
+DirectiveProgram directives_from_table(const ScheduleTable& table, const std::vector<int>& rank_of_region,
+                                       int split_count, bool mirrored = false);
 
 }  // namespace piper::core
