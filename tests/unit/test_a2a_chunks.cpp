@@ -118,7 +118,7 @@ TEST(A2aChunks, PlanShapeByHand) {
   unset.a2a_chunks = StrategyOptions{}.a2a_chunks;
   EXPECT_TRUE(plan_text(base) == plan_text(compile_moe(unset)));
   EXPECT_EQ(plan_text(base).find("a2a_chunks"), std::string::npos);
-  EXPECT_EQ(strategy_directives(opts(1), "").dump().find("chunks"), std::string::npos);
+  EXPECT_EQ(strategy_directives(opts(1), "").to_json().dump().find("chunks"), std::string::npos);
 
   const Program two = compile_moe(opts(2));
   EXPECT_TRUE(verify(two).empty());
@@ -280,7 +280,7 @@ TEST(A2aChunks, BadValuesAreRefusedInOneLine) {
   EXPECT_EQ(sh(cli + "2").code, 0);
 
   // In a directive file: the field, by index.
-  json program = strategy_directives(opts(2), spec_path());
+  json program = strategy_directives(opts(2), spec_path()).to_json();
   bool found = false;
   for (auto& d : program)
     if (d["op"] == "shard") d["chunks"] = 0, found = true;
