@@ -288,10 +288,11 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
         if (pp > k.units || !pinned(spec.pp_degrees, pp)) continue;
         const int dp = spec.devices / tp / cp / pp;
         if (!pinned(spec.dp_degrees, dp)) continue;
-        for (int ep : divisors(dp))
+        // EP groups over the DP x CP ranks (Megatron-core's layout). strategy.cpp also accepts EP groups
+        // that span TP ranks; the search does not enumerate those.
+        for (int ep : divisors(dp * cp))
           for (int etp : k.etps) {
             if (!pinned(spec.ep_degrees, ep)) continue;
-            // Expert parallelism shards experts over consecutive groups of ep data-parallel replicas.
             if (ep > 1 && (k.cfg.experts <= 0 || k.cfg.experts % ep != 0)) continue;
             // Expert TP inside the TP groups, on a split of the experts' FFN.
             if (etp > 1 && (k.cfg.experts <= 0 || tp % etp != 0 || k.cfg.expert_ffn % etp != 0)) continue;

@@ -433,6 +433,11 @@ TEST(ContextParallel, TuneSearchesCp) {
     ++checked;
   }
   EXPECT_GT(checked, 4);
+  // EP groups span the DP x CP ranks (Megatron-core's layout): at CP 2 x DP 2 the search offers EP 4
+  // (qwen3-9m has 8 experts), which divides neither DP nor CP alone.
+  EXPECT_TRUE(std::any_of(candidates.begin(), candidates.end(),
+                          [](const TuneCandidate& c) { return c.cp == 2 && c.dp == 2 && c.ep == 4; }));
+  for (const auto& c : candidates) EXPECT_EQ((c.dp * c.cp) % c.ep, 0) << c.key();
 }
 
 // Scenario files carry the strategy's CP knobs (written only when used) and check them.
