@@ -177,7 +177,8 @@ TEST(RoutingGroups, LoweringPutsItOnTheAllToAllOpsAndPlansCarryIt) {
     EXPECT_EQ(op->route_group_limit, 2);
     EXPECT_EQ(op->route_top_k, 2);  // the model's top_k
   }
-  for (const Op* op : all_to_alls(compile_ep(routed_moe(0, 0)))) EXPECT_EQ(op->route_groups, 0);
+  const Program uniform = compile_ep(routed_moe(0, 0));  // all_to_alls points into it: keep it alive
+  for (const Op* op : all_to_alls(uniform)) EXPECT_EQ(op->route_groups, 0);
 
   const Program back = Program::from_json(routed.to_json());
   const auto again = all_to_alls(back);

@@ -46,7 +46,8 @@ TEST(TypedProgram, PipelineDataParallelZero3) {
     {"op": "order", "filters": [[{"PP": 1, "MB": 0, "PASS": "F"}], [{"PP": 1, "MB": 0, "PASS": "B"}],
                                 [{"PP": 1, "MB": 1, "PASS": "F"}], [{"PP": 1, "MB": 1, "PASS": "B"}]]}])");
   // The typed fields the passes read, as the ZeRO-3 flags mean them.
-  const auto& r = std::get<ReplicateDirective>(generate_program(o).directives.at(2));
+  const DirectiveProgram generated = generate_program(o);  // r refers into it: keep it alive
+  const auto& r = std::get<ReplicateDirective>(generated.directives.at(2));
   EXPECT_TRUE(r.shard_grads && r.shard_params && r.gather_blocks && r.reduce_every_microbatch);
   EXPECT_FALSE(r.shard_optimizer || r.gather_fp8);
   EXPECT_EQ(r.prefetch, 1);
