@@ -191,10 +191,7 @@ double HostModel::forward(int seg, const MicrobatchData& data, float loss_scale,
   return loss;
 }
 
-void HostModel::forward_layers(SegmentParams& sp, const MicrobatchData& data, float loss_scale, ForwardState& s,
-                               SegmentStash& stash, double* loss) {
-  // A rerun for full recomputation keeps the attention core: the backward is about to use it.
-  const bool drop_core = sp.recompute == RecomputeMode::Selective && loss != nullptr;
+AttentionShape HostModel::segment_attention(SegmentParams& sp) const {
   AttentionShape shape = attn_shape_;
   shape.heads /= sp.tp_degree;
   shape.kv_heads /= sp.tp_degree;
@@ -202,6 +199,14 @@ void HostModel::forward_layers(SegmentParams& sp, const MicrobatchData& data, fl
     shape.seq_len /= sp.cp_degree;
     shape.cp = &sp.cp_attention;
   }
+  return shape;
+}
+
+void HostModel::forward_layers(SegmentParams& sp, const MicrobatchData& data, float loss_scale, ForwardState& s,
+                               SegmentStash& stash, double* loss) {
+  // A rerun for full recomputation keeps the attention core: the backward is about to use it.
+  const bool drop_core = sp.recompute == RecomputeMode::Selective && loss != nullptr;
+  const AttentionShape shape = segment_attention(sp);
   stash.layers.assign(static_cast<std::size_t>(sp.last_layer - sp.first_layer), LayerCache{});
   for (int l = sp.first_layer; l < sp.last_layer; ++l) {
     LayerCache& c = stash.layers[static_cast<std::size_t>(l - sp.first_layer)];
@@ -287,13 +292,7 @@ void HostModel::backward_input(int seg, BackwardState& g, SegmentStash& stash) {
     forward_layers(sp, stash.data, stash.loss_scale, s, stash, nullptr);
     stash.input.reset();
   }
-  AttentionShape shape = attn_shape_;
-  shape.heads /= sp.tp_degree;
-  shape.kv_heads /= sp.tp_degree;
-  if (sp.cp_degree > 1) {
-    shape.seq_len /= sp.cp_degree;
-    shape.cp = &sp.cp_attention;
-  }
+  const AttentionShape shape = segment_attention(sp);
   for (int l = sp.last_layer - 1; l >= sp.first_layer; --l) {
     LayerCache& c = stash.layers.at(static_cast<std::size_t>(l - sp.first_layer));
     LayerView v = view(sp, l, false);
@@ -373,13 +372,7 @@ std::vector<std::pair<float*, std::int64_t>> partial_tp_grads(SegmentParams& sp,
 
 void HostModel::backward_weight(int seg, SegmentStash& stash) {
   SegmentParams& sp = segment(seg);
-  AttentionShape shape = attn_shape_;
-  shape.heads /= sp.tp_degree;
-  shape.kv_heads /= sp.tp_degree;
-  if (sp.cp_degree > 1) {
-    shape.seq_len /= sp.cp_degree;
-    shape.cp = &sp.cp_attention;
-  }
+  const AttentionShape shape = segment_attention(sp);
   const std::vector<std::pair<float*, std::int64_t>> partial =
       partial_tp_grads(sp, [&](int l) { return tensors_of(sp, l); });
   std::vector<float> before;

@@ -450,28 +450,34 @@ double CostModel::p2p_seconds(int src, int dst, std::int64_t bytes) const {
   return latency_s(src, dst) + static_cast<double>(bytes) / bandwidth_bytes_per_s(src, dst);
 }
 
-double CostModel::collective_seconds(OpKind kind, const std::vector<int>& ranks, std::int64_t bytes) const {
-  const double n = static_cast<double>(ranks.size());
-  if (ranks.size() <= 1 || bytes < 0) return 0;
-  const double S = static_cast<double>(bytes);
-  // Ranks per node (the busiest node sets m) and the slowest links on each level. Sorting keeps this
-  // O(n log n) for 10^4-rank groups.
+// Ranks per node (the busiest node sets m) and the slowest links on each level. Sorting keeps this
+// O(n log n) for 10^4-rank groups.
+CostModel::GroupLinks CostModel::group_links(const std::vector<int>& ranks) const {
   std::vector<int> nodes;
   nodes.reserve(ranks.size());
   for (int r : ranks) nodes.push_back(node_of_.at(static_cast<std::size_t>(r)));
   std::sort(nodes.begin(), nodes.end());
-  double alpha_i = 0, bw_i = INFINITY, bw_e = INFINITY, k = 0, m = 0;
+  GroupLinks g;
   for (std::size_t i = 0; i < nodes.size();) {
     std::size_t j = i;
     while (j < nodes.size() && nodes[j] == nodes[i]) ++j;
     const NodeSpec& ns = cluster_.nodes[static_cast<std::size_t>(nodes[i])];
-    alpha_i = std::max(alpha_i, ns.nvlink_latency_s);
-    bw_i = std::min(bw_i, ns.nvlink_effective_bandwidth_bytes_per_s());
-    bw_e = std::min(bw_e, ns.nic_bandwidth_per_gpu_bytes_per_s());
-    k += 1;
-    m = std::max(m, static_cast<double>(j - i));
+    g.alpha_i = std::max(g.alpha_i, ns.nvlink_latency_s);
+    g.bw_i = std::min(g.bw_i, ns.nvlink_effective_bandwidth_bytes_per_s());
+    g.bw_e = std::min(g.bw_e, ns.nic_bandwidth_per_gpu_bytes_per_s());
+    g.nodes += 1;
+    g.busiest = std::max(g.busiest, static_cast<double>(j - i));
     i = j;
   }
+  return g;
+}
+
+double CostModel::collective_seconds(OpKind kind, const std::vector<int>& ranks, std::int64_t bytes) const {
+  const double n = static_cast<double>(ranks.size());
+  if (ranks.size() <= 1 || bytes < 0) return 0;
+  const double S = static_cast<double>(bytes);
+  const GroupLinks g = group_links(ranks);
+  const double alpha_i = g.alpha_i, bw_i = g.bw_i, bw_e = g.bw_e, k = g.nodes, m = g.busiest;
   const double alpha_e = cluster_.network.latency_s;
   if (k == 1 && on_one_gpu(ranks)) return flat(kind, n, alpha_i, bandwidth_bytes_per_s(ranks[0], ranks[1]), S);
   if (k == 1) return flat(kind, n, alpha_i, bw_i, S);
@@ -558,17 +564,10 @@ double CostModel::collective_formula_seconds(const core::Op& op, const std::vect
   if (!is_collective(op.kind)) return 0;
   const auto routed = routed_all_to_all(op, ranks, bytes);
   if (!routed) return collective_seconds(op.kind, ranks, bytes);
-  // Slowest links of the group, as collective_seconds takes them.
-  double alpha_i = 0, bw_i = INFINITY, bw_e = INFINITY;
-  for (int r : ranks) {
-    const NodeSpec& ns = cluster_.nodes[static_cast<std::size_t>(node_of_.at(static_cast<std::size_t>(r)))];
-    alpha_i = std::max(alpha_i, ns.nvlink_latency_s);
-    bw_i = std::min(bw_i, ns.nvlink_effective_bandwidth_bytes_per_s());
-    bw_e = std::min(bw_e, ns.nic_bandwidth_per_gpu_bytes_per_s());
-  }
+  const GroupLinks g = group_links(ranks);  // the slowest links, as collective_seconds takes them
   const double m1 = routed->per_node - 1, k1 = routed->nodes - 1, alpha_e = cluster_.network.latency_s;
-  return m1 * (alpha_i + routed->direct_chunk / bw_i) + k1 * (alpha_e + routed->ib_chunk / bw_e) +
-         m1 * (alpha_i + routed->forward_chunk / bw_i);
+  return m1 * (g.alpha_i + routed->direct_chunk / g.bw_i) + k1 * (alpha_e + routed->ib_chunk / g.bw_e) +
+         m1 * (g.alpha_i + routed->forward_chunk / g.bw_i);
 }
 
 }  // namespace piper::sim

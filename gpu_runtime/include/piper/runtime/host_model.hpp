@@ -241,6 +241,8 @@ class HostModel {
   void forward_layers(SegmentParams& sp, const MicrobatchData& data, float loss_scale, ForwardState& s,
                       SegmentStash& stash, double* loss);
   LayerView view(SegmentParams& sp, int layer, bool grads);
+  // The attention one device of segment `sp` runs: its TP share of the heads, its CP slice of the sequence.
+  AttentionShape segment_attention(SegmentParams& sp) const;
   ConstMatMap tied_table(SegmentParams& sp);
   MatMap tied_table_grad(SegmentParams& sp);
   std::vector<MlpWeights> expert_weights(SegmentParams& sp, int layer);

@@ -198,6 +198,12 @@ class CostModel {
   std::optional<Calibration> calibration_;
   OpOverride override_;
   std::optional<double> replaced(const core::Op& op, int group_size) const;
+  // A collective group's nodes and slowest links: NVLink latency and bandwidth inside a node, the
+  // per-GPU NIC bandwidth across; `nodes` it spans, `busiest` = most ranks on one of them.
+  struct GroupLinks {
+    double alpha_i = 0, bw_i = INFINITY, bw_e = INFINITY, nodes = 0, busiest = 0;
+  };
+  GroupLinks group_links(const std::vector<int>& ranks) const;
   std::optional<double> update_seconds(const core::Program& program, int device, const core::Op& op) const;
   double base_seconds(const core::Program& program, int device, const core::Op& op) const;  // without TP
   double with_tp(const core::Program& program, int device, const core::Op& op, double compute) const;
