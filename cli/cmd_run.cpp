@@ -1,6 +1,7 @@
-// `piper run`: trains a compiled Program for real, one MPI rank per device (host backend), on GPUs
-// (--backend cuda: one rank per GPU over NCCL, or --virtual-devices on one GPU), or the
-// single-process reference on the same global batch (--reference).
+// `piper run`: trains a compiled Program for real, one MPI rank per device (host backend; or every
+// device as a thread of this process with --virtual-devices), on GPUs (--backend cuda: one rank per
+// GPU over NCCL, or --virtual-devices on one GPU), or the single-process reference on the same global
+// batch (--reference).
 #include <cstdio>
 #include <cstdlib>
 
@@ -169,11 +170,12 @@ Command add_run_command(CLI::App& app) {
   cmd->add_flag("--reference", args->reference,
                 "run the same model on the same global batch in one process, without parallelism");
   cmd->add_option("--backend", args->backend,
-                  "host: Eigen kernels, one MPI rank per device; cuda: GPUs (one MPI rank per GPU over NCCL, or "
-                  "--virtual-devices)")
+                  "host: Eigen kernels, one MPI rank per device (or --virtual-devices); cuda: GPUs (one MPI rank per "
+                  "GPU over NCCL, or --virtual-devices)")
       ->check(CLI::IsMember({"host", "cuda"}));
   cmd->add_flag("--virtual-devices", args->virtual_devices,
-                "--backend cuda: run every device of the plan in this process on one GPU (loopback transport)");
+                "run every device of the plan as a thread of this process, no mpirun (loopback transport; --backend "
+                "cuda: all on one GPU)");
   cmd->add_option("--precision", args->precision,
                   "--backend cuda: storage type of parameters and activations (fp32 accumulation either way)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
@@ -218,8 +220,11 @@ Command add_run_command(CLI::App& app) {
   return {cmd, [args]() -> int {
             if (!args->plan_path.empty()) args->scenario.reject_beside_plan();
             args->train.skip_nonfinite = args->on_nonfinite == "skip";
-            if ((args->virtual_devices || args->precision != "fp32") && args->backend != "cuda")
-              throw CliError("", "--virtual-devices and --precision need --backend cuda");
+            if (args->precision != "fp32" && args->backend != "cuda")
+              throw CliError("", "--precision needs --backend cuda (the host backend computes in fp32)");
+            if (args->virtual_devices && args->reference)
+              throw CliError("",
+                             "--virtual-devices runs the plan's devices; --reference runs no plan devices: give one");
             // --reference runs on the host CPU: a GPU backend would be quietly ignored.
             if (args->reference && args->backend != "host")
               throw CliError("", "--reference runs in one process on the CPU; it takes no --backend " + args->backend +
@@ -230,6 +235,11 @@ Command add_run_command(CLI::App& app) {
             if (args->reference) {
               const core::Program program = load_program(*args);
               runtime::train_reference(program, args->train);
+              return 0;
+            }
+            if (args->virtual_devices) {
+              const core::Program program = load_program(*args);
+              runtime::train_virtual(program, args->train);
               return 0;
             }
             return run_distributed(*args);

@@ -7,10 +7,8 @@
 #include <stdexcept>
 
 #include <fmt/format.h>
-#include <mpi.h>
 
 #include "piper/core/readiness.hpp"
-#include "piper/runtime/mpi_gather.hpp"
 
 namespace piper::runtime {
 
@@ -120,17 +118,15 @@ void check_calibrate_path(const std::string& path) {
 
 void write_calibration_distributed(const std::string& path, const core::Program& program,
                                    const std::vector<core::DeviceTimeline>& mine, const std::string& gpu,
-                                   const json& measured) {
-  int rank = 0, size = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+                                   const json& measured, RankGroup& group) {
+  const int rank = group.rank(), size = group.size();
   // Flat doubles: per kept step, its span count then (start, end) per span (spans are in plan order).
   std::vector<double> flat;
   for (const auto& step : mine) {
     flat.push_back(static_cast<double>(step.spans.size()));
     for (const auto& s : step.spans) flat.insert(flat.end(), {s.start_s, s.end_s});
   }
-  const auto [all, offsets, sizes] = gather_on_root(flat);
+  const auto [all, offsets, sizes] = group.gather(flat);
   if (rank != 0) return;
   CalibrationRecorder recorder(program);
   std::vector<std::size_t> at(static_cast<std::size_t>(size));

@@ -1,5 +1,6 @@
 // The host backend: compute ops run the Eigen model on the op's microbatch and segment; SEND/RECV and
-// collectives are non-blocking MPI on communicators created once per Program communicator group.
+// collectives are non-blocking MPI on communicators created once per Program communicator group
+// (virtual devices: host_loopback.cpp).
 #include "piper/runtime/host_backend.hpp"
 
 #include <algorithm>
@@ -78,7 +79,7 @@ class HostBackend::MpiTpComm : public host::TpComm {
       int done = 0;
       check_mpi(MPI_Test(&r, &done, MPI_STATUS_IGNORE), "MPI_Test (TP)");
       if (done) return;
-      owner_.transport_->match_posted_receives();
+      owner_.mpi_->match_posted_receives();
       if (spins > 1000) {
         if (std::chrono::steady_clock::now() - t0 > std::chrono::duration<double>(owner_.config_.stall_timeout_s))
           throw RuntimeError(
@@ -96,21 +97,34 @@ class HostBackend::MpiTpComm : public host::TpComm {
 
 HostBackend::HostBackend(const core::Program& program, int device, MPI_Comm world, const HostConfig& config)
     : device_(device), config_(config) {
-  const core::Model model = program_model(program);
-  const DataShape shape = data_shape(program);
   check_capabilities(program, host_capabilities());
-  model_ = std::make_unique<host::HostModel>(model, device_segments(program, device), config.seed);
-  transport_ = std::make_unique<MpiTransport>(program, device, world);
-  setup_group_comms(program);
-  kernels_ = std::make_unique<HostKernels>(*model_, shape, config.adamw);
-  flow_ = std::make_unique<Dataflow<HostKernels, MpiTransport>>(program, device, *kernels_, *transport_, config.seed,
-                                                                config.data_path);
+  model_ = std::make_unique<host::HostModel>(program_model(program), device_segments(program, device), config.seed);
+  auto mpi = std::make_unique<MpiTransport>(program, device, world);
+  mpi_ = mpi.get();
+  transport_ = std::move(mpi);
+  // TP and CP groups: a duplicate of the family's communicator, so the collectives inside compute ops
+  // never mix with the plan's own collectives on that family. Every member duplicates in family
+  // order, which is the same on all of them.
+  setup_group_comms(program, [this](int family, const char* what) -> std::unique_ptr<host::TpComm> {
+    if (mpi_->family_comm(family) == MPI_COMM_NULL) return nullptr;
+    MPI_Comm c = MPI_COMM_NULL;
+    check_mpi(MPI_Comm_dup(mpi_->family_comm(family), &c), fmt::format("MPI_Comm_dup ({})", what).c_str());
+    MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    return std::make_unique<MpiTpComm>(*this, c);
+  });
+  init_flow(program);
 }
 
-// TP and CP groups: a duplicate of the family's communicator per TP (CP) family this device uses, so
-// the collectives inside compute ops never mix with the plan's own collectives on that family. Every
-// member duplicates in family order, which is the same on all of them.
-void HostBackend::setup_group_comms(const core::Program& program) {
+// The kernels over model_ and the dataflow over transport_.
+void HostBackend::init_flow(const core::Program& program) {
+  kernels_ = std::make_unique<HostKernels>(*model_, data_shape(program), config_.adamw);
+  flow_ = std::make_unique<Dataflow<HostKernels, HostTransport>>(program, device_, *kernels_, *transport_, config_.seed,
+                                                                 config_.data_path);
+}
+
+// TP and CP groups: one group comm per TP (CP) family this device uses, made by `group_comm` in
+// family order.
+void HostBackend::setup_group_comms(const core::Program& program, const GroupComm& group_comm) {
   const int device = device_;
   std::vector<bool> tp_family(program.families.size(), false);
   for (const auto& seg : program.segments)
@@ -120,13 +134,9 @@ void HostBackend::setup_group_comms(const core::Program& program) {
             fmt::format("plan: a segment with tp_degree {} has no valid tp_family ({})", seg.tp_degree, seg.tp_family));
       tp_family[static_cast<std::size_t>(seg.tp_family)] = true;
     }
-  for (std::size_t f = 0; f < tp_family.size(); ++f) {
-    if (!tp_family[f] || transport_->family_comm(static_cast<int>(f)) == MPI_COMM_NULL) continue;
-    MPI_Comm c = MPI_COMM_NULL;
-    check_mpi(MPI_Comm_dup(transport_->family_comm(static_cast<int>(f)), &c), "MPI_Comm_dup (TP)");
-    MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
-    tp_comms_[static_cast<int>(f)] = std::make_unique<MpiTpComm>(*this, c);
-  }
+  for (std::size_t f = 0; f < tp_family.size(); ++f)
+    if (tp_family[f])
+      if (auto c = group_comm(static_cast<int>(f), "TP")) tp_comms_[static_cast<int>(f)] = std::move(c);
   // CP groups: the same, per CP family (members in CP-rank order, so the communicator's rank is the CP rank).
   for (const auto& seg : program.segments) {
     if (seg.cp_degree <= 1 || program.position_in(seg.devices, device) < 0) continue;
@@ -137,13 +147,9 @@ void HostBackend::setup_group_comms(const core::Program& program) {
   std::vector<bool> cp_family(program.families.size(), false);
   for (const auto& seg : program.segments)
     if (seg.cp_degree > 1) cp_family[static_cast<std::size_t>(seg.cp_family)] = true;
-  for (std::size_t f = 0; f < cp_family.size(); ++f) {
-    if (!cp_family[f] || transport_->family_comm(static_cast<int>(f)) == MPI_COMM_NULL) continue;
-    MPI_Comm c = MPI_COMM_NULL;
-    check_mpi(MPI_Comm_dup(transport_->family_comm(static_cast<int>(f)), &c), "MPI_Comm_dup (CP)");
-    MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
-    cp_comms_[static_cast<int>(f)] = std::make_unique<MpiTpComm>(*this, c);
-  }
+  for (std::size_t f = 0; f < cp_family.size(); ++f)
+    if (cp_family[f])
+      if (auto c = group_comm(static_cast<int>(f), "CP")) cp_comms_[static_cast<int>(f)] = std::move(c);
   for (auto& sp : model_->segments()) {
     if (sp.cp_degree <= 1) continue;
     const auto& seg = program.segments.at(static_cast<std::size_t>(sp.segment));

@@ -22,7 +22,6 @@
 #include "piper/runtime/calibrate.hpp"
 #include "piper/runtime/checkpoint.hpp"
 #include "piper/runtime/executor.hpp"
-#include "piper/runtime/mpi_gather.hpp"
 #include "piper/runtime/host_backend.hpp"
 #include "byte_buffer.hpp"
 
@@ -74,7 +73,7 @@ void write_report(const std::string& path, const TrainResult& r, const std::stri
             {"step_time_s", r.step_time_s},
             {"step_times_s", r.step_times_s}};
   if (!r.skipped_steps.empty()) j["skipped_steps"] = r.skipped_steps;  // --on-nonfinite skip
-  if (mode == "distributed")
+  if (mode != "reference")
     j["executor"] = {{"ops", r.ops},
                      {"backend_s", r.backend_s},
                      {"idle_s", r.idle_s},
@@ -200,8 +199,9 @@ std::string broadcast_checkpoint_bytes(const std::string& path, const core::Prog
 }
 
 void save_distributed(const TrainOptions& o, const core::Program& program, const std::vector<StateRecord>& records,
-                      const core::Model& model, int step, int rank) {
-  const std::string all = gather_on_root(serialize_state_records(records)).all;
+                      const core::Model& model, int step, RankGroup& group) {
+  const int rank = group.rank();
+  const std::string all = group.gather(serialize_state_records(records)).all;
   std::string error;
   if (rank == 0) {
     try {
@@ -211,9 +211,7 @@ void save_distributed(const TrainOptions& o, const core::Program& program, const
       error = e.what();
     }
   }
-  int failed = error.empty() ? 0 : 1;
-  MPI_Bcast(&failed, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  if (failed) {
+  if (group.broadcast(error.empty() ? 0 : 1) != 0) {
     if (rank == 0) throw std::invalid_argument(error);
     throw ReportedByAnotherRank();
   }
@@ -395,7 +393,55 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
       "host-cpu",
       {{"backend", "host"}, {"clock", "executor (host steady clock, op start to completion)"}},
       [&](const TrainResult& result, int devices) { write_report(o.report_path, result, "distributed", devices); }};
-  return train_ranks(program, o, trainee, rank, r.first_step, labels);
+  const auto world = mpi_world_group();
+  return train_ranks(program, o, trainee, *world, r.first_step, labels);
+}
+
+TrainResult train_virtual(const core::Program& program, const TrainOptions& o) {
+  check_save_path(o.save_path);
+  check_calibrate_path(o.calibrate_path);
+  std::optional<SaveLock> lock;
+  if (!o.save_path.empty()) lock.emplace(o.save_path);
+  const HostConfig cfg{o.seed, o.data_path, o.adamw, o.stall_timeout_s};
+  HostThreads threads(program, o.stall_timeout_s);
+  // Built in this thread, before any device runs: a setup error stops the run before the first step.
+  std::vector<std::unique_ptr<HostBackend>> backends;
+  std::vector<std::unique_ptr<HostTrainee>> trainees;
+  std::vector<RankTrainee*> ranks;
+  for (int d = 0; d < program.num_devices; ++d) {
+    backends.push_back(std::make_unique<HostBackend>(program, d, threads, cfg));
+    trainees.push_back(std::make_unique<HostTrainee>(*backends.back()));
+    ranks.push_back(trainees.back().get());
+  }
+  int first_step = 0;
+  if (!o.resume_path.empty()) {
+    const std::string bytes = read_checkpoint_bytes(o.resume_path, program);
+    for (auto& b : backends) {
+      first_step = resume_from(o.resume_path, bytes, program, b->model());
+      b->set_steps_done(first_step);
+    }
+    check_steps_after_resume(o, first_step);
+  }
+  const RankLoopLabels labels{
+      "host-cpu",
+      {{"backend", "host"},
+       {"mode", "virtual devices"},
+       {"clock", "executor (host steady clock, op start to completion)"}},
+      [&](const TrainResult& result, int devices) { write_report(o.report_path, result, "virtual", devices); }};
+  return train_threads(program, o, ranks, first_step, labels);
+}
+
+TrainResult train_threads(const core::Program& program, const TrainOptions& o,
+                          const std::vector<RankTrainee*>& trainees, int first_step, const RankLoopLabels& labels,
+                          const std::function<void()>& per_thread) {
+  TrainResult result;
+  run_rank_threads(static_cast<int>(trainees.size()), [&](RankGroup& group) {
+    if (per_thread) per_thread();
+    TrainResult r =
+        train_ranks(program, o, *trainees.at(static_cast<std::size_t>(group.rank())), group, first_step, labels);
+    if (group.rank() == 0) result = std::move(r);
+  });
+  return result;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -405,16 +451,16 @@ namespace {
 
 // The last step's measured timeline of every rank, gathered on rank 0 (collective): spans as
 // (stream, index, start, end), then memory samples as (time, bytes).
-std::vector<core::DeviceTimeline> gather_timelines(const core::DeviceTimeline& timeline, int rank, int size) {
+std::vector<core::DeviceTimeline> gather_timelines(const core::DeviceTimeline& timeline, RankGroup& group) {
   std::vector<double> mine;
   mine.push_back(static_cast<double>(timeline.spans.size()));
   for (const auto& s : timeline.spans)
     mine.insert(mine.end(), {static_cast<double>(s.stream), static_cast<double>(s.index), s.start_s, s.end_s});
   for (const auto& m : timeline.memory) mine.insert(mine.end(), {m.time_s, static_cast<double>(m.bytes)});
-  const auto [all, offsets, sizes] = gather_on_root(mine);
+  const auto [all, offsets, sizes] = group.gather(mine);
   std::vector<core::DeviceTimeline> devices;
-  if (rank != 0) return devices;
-  for (int d = 0; d < size; ++d) {
+  if (group.rank() != 0) return devices;
+  for (int d = 0; d < group.size(); ++d) {
     std::size_t at = static_cast<std::size_t>(offsets[static_cast<std::size_t>(d)]);
     const std::size_t end = at + static_cast<std::size_t>(sizes[static_cast<std::size_t>(d)]);
     core::DeviceTimeline dt;
@@ -448,10 +494,9 @@ void write_measured_trace(const std::string& path, const core::Program& program,
   core::write_file_atomically(path, out.str());
 }
 
-TrainResult train_ranks(const core::Program& program, const TrainOptions& o, RankTrainee& trainee, int rank,
+TrainResult train_ranks(const core::Program& program, const TrainOptions& o, RankTrainee& trainee, RankGroup& group,
                         int first_step, const RankLoopLabels& labels) {
-  int size = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  const int rank = group.rank(), size = group.size();
   TrainResult r;
   r.first_step = first_step;
   const DataShape shape = data_shape(program);
@@ -461,16 +506,17 @@ TrainResult train_ranks(const core::Program& program, const TrainOptions& o, Ran
   double total_step_s = 0;
   for (int step = r.first_step; step < o.steps; ++step) {
     if (o.skip_nonfinite) trainee.snapshot();  // the state before the step, restored if it diverged
-    MPI_Barrier(MPI_COMM_WORLD);               // align step starts so the timeline's devices share a time origin
+    group.barrier();                           // align step starts so the timeline's devices share a time origin
     last = executor.run_step(step);
     if (!o.calibrate_path.empty() && calibration_uses_step(step - r.first_step, o.steps - r.first_step))
       calibration_steps.push_back(trainee.measured(last));
     // The update ran inside the step, so divergence shows as a non-finite loss or a non-finite
     // updated state (a non-finite gradient makes its AdamW update NaN) on some rank: all ranks agree.
-    double sums[2] = {trainee.loss_sum(), trainee.state_is_finite() ? 0.0 : 1.0};
-    double step_s = last.step_seconds;
-    MPI_Allreduce(MPI_IN_PLACE, sums, 2, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-    MPI_Allreduce(MPI_IN_PLACE, &step_s, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    std::vector<double> sums = {trainee.loss_sum(), trainee.state_is_finite() ? 0.0 : 1.0};
+    std::vector<double> slowest = {last.step_seconds};
+    group.sum(sums);
+    group.max(slowest);
+    const double step_s = slowest[0];
     const double mean_loss = sums[0] / static_cast<double>(shape.global_tokens());
     std::string bad;
     if (!std::isfinite(mean_loss))
@@ -497,25 +543,25 @@ TrainResult train_ranks(const core::Program& program, const TrainOptions& o, Ran
       fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms){}\n", step + 1, r.losses.back(), step_s * 1e3,
                  bad.empty() ? "" : "  skipped: " + bad);
     if (saves_after(o, step + 1))
-      save_distributed(o, program, trainee.checkpoint_records(), trainee.model(), step + 1, rank);
+      save_distributed(o, program, trainee.checkpoint_records(), trainee.model(), step + 1, group);
   }
   const int ran = o.steps - r.first_step;
   r.step_time_s = ran > 0 ? total_step_s / ran : 0;
   r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
 
   if (!o.save_path.empty() && ran <= 0)
-    save_distributed(o, program, trainee.checkpoint_records(), trainee.model(), r.first_step, rank);
+    save_distributed(o, program, trainee.checkpoint_records(), trainee.model(), r.first_step, group);
   if (!o.dump_params_path.empty()) {
     const std::string mine = serialize_records(trainee.param_records());
-    if (const auto g = gather_on_root(mine); rank == 0) write_dump(o.dump_params_path, g.all);
+    if (const auto g = group.gather(mine); rank == 0) write_dump(o.dump_params_path, g.all);
   }
   if (!o.trace_path.empty() && ran > 0) {
-    auto devices = gather_timelines(trainee.measured(last), rank, size);
+    auto devices = gather_timelines(trainee.measured(last), group);
     if (rank == 0) write_measured_trace(o.trace_path, program, std::move(devices));
   }
   if (!o.calibrate_path.empty() && ran > 0) {
     write_calibration_distributed(o.calibrate_path, program, calibration_steps, labels.device,
-                                  labels.calibration_source);
+                                  labels.calibration_source, group);
     if (o.print && rank == 0) fmt::print("calibration ({} steps) -> {}\n", calibration_steps.size(), o.calibrate_path);
   }
   if (rank == 0 && !o.report_path.empty()) labels.write_report(r, size);

@@ -38,9 +38,13 @@ TEST(CudaCli, NoGpuIsOneLineAndExit2) {
 }
 
 TEST(CudaCli, CudaFlagsNeedTheCudaBackend) {
-  const Result r = sh(std::string(PIPER_CLI) + " run --virtual-devices --reference --model " + kModel + " --steps 1");
+  const Result r = sh(std::string(PIPER_CLI) + " run --precision bf16 --model " + kModel + " --steps 1");
   EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_EQ(r.output, "piper: error: --virtual-devices and --precision need --backend cuda\n");
+  EXPECT_EQ(r.output, "piper: error: --precision needs --backend cuda (the host backend computes in fp32)\n");
+  const Result v = sh(std::string(PIPER_CLI) + " run --virtual-devices --reference --model " + kModel + " --steps 1");
+  EXPECT_EQ(v.code, 2) << v.output;
+  EXPECT_EQ(v.output,
+            "piper: error: --virtual-devices runs the plan's devices; --reference runs no plan devices: give one\n");
   const Result p = sh(std::string(PIPER_CLI) + " run --backend cuda --precision fp16 --model " + kModel);
   EXPECT_EQ(p.code, 2) << p.output;
 }

@@ -117,16 +117,23 @@ void expect_equivalent(const std::string& name, int ranks, const core::StrategyO
   Result ref = sh(std::string(PIPER_CLI) + common + " --reference --report " + (dir / "ref.json").string() +
                   " --dump-params " + (dir / "ref.bin").string());
   ASSERT_EQ(ref.code, 0) << ref.output;
-  Result run = sh(mpirun(ranks) + PIPER_CLI + common + " --report " + (dir / "run.json").string() + " --dump-params " +
-                  (dir / "run.bin").string());
-  ASSERT_EQ(run.code, 0) << run.output;
-  const auto a = losses_of(dir / "ref.json"), b = losses_of(dir / "run.json");
-  ASSERT_EQ(a.size(), 3u);
-  ASSERT_EQ(b.size(), 3u);
-  for (std::size_t i = 0; i < a.size(); ++i)
-    EXPECT_NEAR(b[i], a[i], kLossRelTol * std::abs(a[i])) << name << " step " << i + 1;
-  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "run.bin").string()), kParamAbsTol)
-      << name;
+  // The same plan as MPI ranks and as virtual devices (threads of one process, loopback transport):
+  // one training loop and dataflow, two rank groups and transports.
+  for (const std::string launch : {"mpi", "virtual"}) {
+    const std::string prefix = launch == "mpi" ? mpirun(ranks) + PIPER_CLI : std::string(PIPER_CLI);
+    const std::string flags = launch == "mpi" ? "" : " --virtual-devices";
+    Result run = sh(prefix + common + flags + " --report " + (dir / (launch + ".json")).string() + " --dump-params " +
+                    (dir / (launch + ".bin")).string());
+    ASSERT_EQ(run.code, 0) << launch << ": " << run.output;
+    const auto a = losses_of(dir / "ref.json"), b = losses_of(dir / (launch + ".json"));
+    ASSERT_EQ(a.size(), 3u);
+    ASSERT_EQ(b.size(), 3u);
+    for (std::size_t i = 0; i < a.size(); ++i)
+      EXPECT_NEAR(b[i], a[i], kLossRelTol * std::abs(a[i])) << name << " (" << launch << ") step " << i + 1;
+    EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / (launch + ".bin")).string()),
+              kParamAbsTol)
+        << name << " (" << launch << ")";
+  }
 }
 
 // Rewrites every tag filter of a directive program (objects with an "MB" key) with `filter`, and

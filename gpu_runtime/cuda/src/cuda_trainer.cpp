@@ -1,16 +1,10 @@
-// The CUDA training driver: virtual devices (threads over the loopback transport) or MPI + NCCL ranks;
-// losses, report, parameter dump (the format of trainer.cpp, read by read_param_dump), trace,
-// checkpoints (the host's canonical files and code) and --calibrate.
+// The CUDA training driver: virtual devices (threads over the loopback transport) or MPI + NCCL ranks,
+// both through the training loop every backend shares (trainer.hpp): losses, report, parameter dump,
+// trace, checkpoints and --calibrate.
 #include "piper/runtime/cuda/cuda_trainer.hpp"
 
-#include <barrier>
-#include <cmath>
-#include <cstring>
-#include <exception>
 #include <memory>
-#include <mutex>
 #include <optional>
-#include <thread>
 
 #include <fmt/format.h>
 #include <mpi.h>
@@ -22,28 +16,11 @@
 #include "piper/runtime/cuda/cuda_backend.hpp"
 #include "piper/runtime/cuda/sm_partition.hpp"
 #include "piper/runtime/executor.hpp"
-#include "piper/runtime/mpi_gather.hpp"
+#include "piper/runtime/rank_group.hpp"
 
 namespace piper::runtime::cuda {
 
 namespace {
-
-// Same byte format as trainer.cpp's parameter dumps (magic, then (layer, offset, count, floats)).
-std::string serialize_records(const std::vector<host::ParamRecord>& records) {
-  std::string out;
-  auto put = [&](const auto& v) { out.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
-  for (const auto& r : records) {
-    put(static_cast<std::int32_t>(r.layer));
-    put(static_cast<std::int64_t>(r.offset));
-    put(static_cast<std::int64_t>(r.values.size()));
-    out.append(reinterpret_cast<const char*>(r.values.data()), r.values.size() * sizeof(float));
-  }
-  return out;
-}
-
-void write_dump(const std::string& path, const std::string& records) {
-  core::write_file_atomically(path, std::string("PIPERPRM") + records);
-}
 
 void write_report(const std::string& path, const TrainResult& r, const std::string& mode, int devices,
                   const std::string& precision) {
@@ -109,6 +86,8 @@ class CudaTrainee : public RankTrainee {
   CudaBackend& b_;
 };
 
+// Every device of the plan as a thread of this process on one GPU, over the loopback transport; the
+// training loop is the shared one (trainer.hpp's train_threads).
 TrainResult train_virtual(const core::Program& program, const TrainOptions& o, const CudaRunOptions& c) {
   const int n = program.num_devices;
   check(cudaSetDevice(0), "cudaSetDevice");
@@ -122,125 +101,28 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
   LoopbackHub hub(n);
   std::vector<std::unique_ptr<LoopbackTransport>> transports;
   std::vector<std::unique_ptr<CudaBackend>> backends;
+  std::vector<std::unique_ptr<CudaTrainee>> trainees;
+  std::vector<RankTrainee*> ranks;
   // Built in this thread, before any device runs: a setup error stops the run before the first step.
   for (int d = 0; d < n; ++d) {
     transports.push_back(std::make_unique<LoopbackTransport>(hub, d));
     backends.push_back(std::make_unique<CudaBackend>(program, d, *transports.back(), config_of(o, c, sm)));
+    trainees.push_back(std::make_unique<CudaTrainee>(*backends.back()));
+    ranks.push_back(trainees.back().get());
   }
-  const DataShape shape = data_shape(program);
-  TrainResult r;
+  int first_step = 0;
   if (!o.resume_path.empty()) {
     const Checkpoint ckpt =
         read_compatible_checkpoint(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program);
     check_steps_after_resume(o, ckpt.info.step);
     for (auto& b : backends) b->restore(ckpt.state), b->set_steps_done(ckpt.info.step);
-    r.first_step = ckpt.info.step;
+    first_step = ckpt.info.step;
   }
-  // Every device's records, assembled and written atomically (checkpoint.hpp).
-  auto save = [&](int step) {
-    std::vector<StateRecord> records;
-    for (auto& b : backends) {
-      auto mine = b->checkpoint_records();
-      records.insert(records.end(), std::make_move_iterator(mine.begin()), std::make_move_iterator(mine.end()));
-    }
-    write_checkpoint(o.save_path, checkpoint_info(program, step), assemble_state(backends.front()->model(), records));
-    if (o.print) fmt::print("checkpoint after step {} -> {}\n", step, o.save_path);
-  };
-  const int ran = o.steps - r.first_step;
-  std::vector<std::vector<core::DeviceTimeline>> calibration(static_cast<std::size_t>(n));  // per device, kept steps
-  std::string save_error, diverged;
-  bool stop = false;
-  std::vector<double> loss(static_cast<std::size_t>(n)), step_s(static_cast<std::size_t>(n));
-  std::vector<StepMeasurement> last(static_cast<std::size_t>(n));
-  double total_step_s = 0;
-  int step_now = r.first_step;
-  auto on_step = [&]() noexcept {
-    double sum = 0, slowest = 0;
-    for (int d = 0; d < n; ++d)
-      sum += loss[static_cast<std::size_t>(d)], slowest = std::max(slowest, step_s[static_cast<std::size_t>(d)]);
-    r.losses.push_back(sum / static_cast<double>(shape.global_tokens()));
-    r.step_times_s.push_back(slowest);
-    total_step_s += slowest;
-    for (const auto& m : last)
-      r.backend_s += m.backend_seconds, r.idle_s += m.idle_seconds, r.overhead_s += m.overhead_seconds, r.ops += m.ops;
-    r.total_s += slowest;
-    if (o.print) fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms)\n", step_now + 1, r.losses.back(), slowest * 1e3);
-    ++step_now;
-    // --on-nonfinite stop (the only mode here): a non-finite loss ends the run before any save.
-    if (!std::isfinite(r.losses.back())) {
-      diverged = nonfinite_message(step_now, "loss " + nonfinite_value(r.losses.back()));
-      stop = true;
-      return;
-    }
-    // Every device finished the step (its ops completed on the GPU): the state is final.
-    if (saves_after(o, step_now)) {
-      try {
-        save(step_now);
-      } catch (const std::exception& e) {
-        save_error = e.what();
-        stop = true;
-      }
-    }
-  };
-  std::barrier sync(n, on_step);
-  std::mutex error_mutex;
-  std::string error;
-  std::vector<std::thread> threads;
-  for (int d = 0; d < n; ++d)
-    threads.emplace_back([&, d] {
-      const auto i = static_cast<std::size_t>(d);
-      try {
-        check(cudaSetDevice(0), "cudaSetDevice");
-        Executor executor(program.plan_for(d), *backends[i], ExecutorOptions{o.stall_timeout_s});
-        for (int step = r.first_step; step < o.steps; ++step) {
-          last[i] = executor.run_step(step);
-          loss[i] = backends[i]->loss_sum();
-          step_s[i] = last[i].step_seconds;
-          if (!o.calibrate_path.empty() && calibration_uses_step(step - r.first_step, ran))
-            calibration[i].push_back(backends[i]->gpu_timeline());
-          sync.arrive_and_wait();
-          if (stop) break;  // set by the completion step when a checkpoint could not be written
-        }
-      } catch (const std::exception& e) {
-        {
-          std::lock_guard<std::mutex> lock(error_mutex);
-          if (error.empty()) error = fmt::format("virtual device {}: {}", d, e.what());
-        }
-        sync.arrive_and_drop();  // the others stall on this device's missing ops and stop at their timeout
-      }
-    });
-  for (auto& t : threads) t.join();
-  if (!error.empty()) throw RuntimeError(error);
-  if (!diverged.empty()) throw TrainingDiverged(diverged);
-  if (!save_error.empty()) throw std::invalid_argument(save_error);
-  if (!o.save_path.empty() && ran <= 0) save(r.first_step);
-  if (!o.calibrate_path.empty() && ran > 0) {
-    CalibrationRecorder recorder(program);
-    for (std::size_t k = 0; k < calibration.front().size(); ++k) {
-      std::vector<core::DeviceTimeline> devices;
-      for (auto& per_device : calibration) devices.push_back(per_device.at(k));
-      recorder.add_step(devices);
-    }
-    core::write_file_atomically(o.calibrate_path,
-                                recorder.to_json(gpu_name(), calibration_source("virtual devices")).dump(1) + "\n");
-    if (o.print) fmt::print("calibration ({} steps) -> {}\n", recorder.steps(), o.calibrate_path);
-  }
-  r.step_time_s = ran > 0 ? total_step_s / ran : 0;
-  r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
-  if (!o.dump_params_path.empty()) {
-    std::string all;
-    for (auto& b : backends) all += serialize_records(b->param_records());
-    write_dump(o.dump_params_path, all);
-  }
-  if (!o.trace_path.empty() && ran > 0) {
-    std::vector<core::DeviceTimeline> devices;
-    for (int d = 0; d < n; ++d)
-      devices.push_back(merged(*backends[static_cast<std::size_t>(d)], last[static_cast<std::size_t>(d)]));
-    write_measured_trace(o.trace_path, program, std::move(devices));
-  }
-  if (!o.report_path.empty())
-    write_report(o.report_path, r, "cuda-virtual", n, c.dtype == DType::F32 ? "fp32" : "bf16");
-  return r;
+  const RankLoopLabels labels{
+      gpu_name(), calibration_source("virtual devices"), [&](const TrainResult& result, int devices) {
+        write_report(o.report_path, result, "cuda-virtual", devices, c.dtype == DType::F32 ? "fp32" : "bf16");
+      }};
+  return train_threads(program, o, ranks, first_step, labels, [] { check(cudaSetDevice(0), "cudaSetDevice"); });
 }
 
 TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const CudaRunOptions& c) {
@@ -308,7 +190,8 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
                                 write_report(o.report_path, result, "cuda-nccl", devices,
                                              c.dtype == DType::F32 ? "fp32" : "bf16");
                               }};
-  return train_ranks(program, o, trainee, rank, first_step, labels);
+  const auto world = mpi_world_group();
+  return train_ranks(program, o, trainee, *world, first_step, labels);
 }
 
 }  // namespace

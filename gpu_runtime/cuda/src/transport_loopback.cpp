@@ -1,7 +1,8 @@
 // The loopback transport: N virtual devices of one process exchange tensors on one GPU. Each request
-// waits at a host-side rendezvous until every member has posted; the last member to arrive enqueues
-// the whole exchange on its own stream (after waiting on the events the others recorded when they
-// posted), then every member completes when that work's event has.
+// waits at a host-side rendezvous (comm.hpp's LoopbackTable, named by its LoopbackNamer) until every
+// member has posted; the last member to arrive enqueues the whole exchange on its own stream (after
+// waiting on the events the others recorded when they posted), then every member completes when
+// that work's event has.
 #include "piper/runtime/cuda/transport.hpp"
 
 #include <fmt/format.h>
@@ -25,51 +26,19 @@ cudaEvent_t new_event() {
 LoopbackTransport::~LoopbackTransport() = default;
 
 int LoopbackTransport::post(const CommRequest& r) {
-  int rank = 0, expected = 2, a = 0, b = 0, c = 0;
-  if (r.kind == CommKind::Send || r.kind == CommKind::Recv) {
-    // Both sides name the transfer by (sender, receiver, pairing id): core/readiness.hpp's rule.
-    a = r.kind == CommKind::Send ? device_ : r.peer;
-    b = r.kind == CommKind::Send ? r.peer : device_;
-    c = r.pair;
-    rank = r.kind == CommKind::Send ? 0 : 1;
-  } else {
-    // Every member of a collective occurrence carries one pairing id (core/readiness.hpp), so
-    // (family, first member, id) names it whatever order the members post in (groups of a family
-    // are disjoint; the sequence number tells steps apart). The rendezvous itself is this hub's:
-    // the virtual devices are threads of one process, with no PairIndex of their own.
-    a = r.family;
-    b = r.group.empty() ? -1 : r.group.front();
-    c = r.pair;
-    expected = static_cast<int>(r.group.size());
-    rank = -1;
-    for (std::size_t i = 0; i < r.group.size(); ++i)
-      if (r.group[i] == device_) rank = static_cast<int>(i);
-    if (rank < 0)
-      throw CudaError(fmt::format("loopback: device {} posted a collective of a group it is not in", device_));
-  }
-  const int kind = r.kind == CommKind::Recv ? static_cast<int>(CommKind::Send) : static_cast<int>(r.kind);
-  const auto seq = sequence_[{kind, a, b, c}]++;
-  LoopbackHub::Key key{kind, a, b, c, seq};
+  const LoopbackName name = namer_.name(r.kind, r.peer, r.pair, r.family, r.group);
   LoopbackHub::Member m;
   m.request = r;
   m.posted = new_event();
   check(cudaEventRecord(m.posted, r.stream), "cudaEventRecord");
-  {
-    std::lock_guard<std::mutex> lock(hub_.mutex_);
-    auto& rv = hub_.open_[key];
-    rv.expected = expected;
-    if (rv.members.count(rank))
-      throw CudaError(fmt::format("loopback: device {} posted the same exchange twice", device_));
-    rv.members.emplace(rank, std::move(m));
-    if (static_cast<int>(rv.members.size()) == rv.expected) launch(rv, r.stream);
-  }
+  hub_.table_.join(name, std::move(m), device_, [&](LoopbackHub::Table::Rendezvous& rv) { launch(rv, r.stream); });
   const int t = next_ticket_++;
-  tickets_[t] = Ticket{key, rank};
+  tickets_.emplace(t, name);
   return t;
 }
 
 // Called with the hub locked by the last member to post; enqueues everything on `stream`.
-void LoopbackTransport::launch(LoopbackHub::Rendezvous& rv, cudaStream_t stream) {
+void LoopbackTransport::launch(LoopbackHub::Table::Rendezvous& rv, cudaStream_t stream) {
   for (auto& [rank, m] : rv.members) check(cudaStreamWaitEvent(stream, m.posted, 0), "cudaStreamWaitEvent");
   const CommRequest& first = rv.members.begin()->second.request;
   const int n = static_cast<int>(rv.members.size());
@@ -116,32 +85,25 @@ void LoopbackTransport::launch(LoopbackHub::Rendezvous& rv, cudaStream_t stream)
                static_cast<const char*>(req(r).send) + static_cast<std::size_t>(m) * first.count, first.count, stream);
       break;
   }
-  rv.done = new_event();
-  check(cudaEventRecord(rv.done, stream), "cudaEventRecord");
-  rv.launched = true;
+  rv.shared = new_event();
+  check(cudaEventRecord(rv.shared, stream), "cudaEventRecord");
 }
 
 bool LoopbackTransport::test(int ticket) {
   auto it = tickets_.find(ticket);
   if (it == tickets_.end()) throw CudaError("loopback: unknown ticket");
-  std::lock_guard<std::mutex> lock(hub_.mutex_);
-  auto rv_it = hub_.open_.find(it->second.key);
-  auto& rv = rv_it->second;
-  if (!rv.launched) return false;
-  const cudaError_t q = cudaEventQuery(rv.done);
-  if (q == cudaErrorNotReady) return false;
-  check(q, "cudaEventQuery (loopback)");
-  auto& me = rv.members.at(it->second.rank);
-  if (!me.seen_done) {
-    me.seen_done = true;
-    ++rv.finished;
-  }
-  tickets_.erase(it);
-  if (rv.finished == rv.expected) {
+  auto done = [](LoopbackHub::Table::Rendezvous& rv) {
+    const cudaError_t q = cudaEventQuery(rv.shared);
+    if (q == cudaErrorNotReady) return false;
+    check(q, "cudaEventQuery (loopback)");
+    return true;
+  };
+  auto release = [](LoopbackHub::Table::Rendezvous& rv) {
     for (auto& [rank, m] : rv.members) cudaEventDestroy(m.posted);
-    cudaEventDestroy(rv.done);
-    hub_.open_.erase(rv_it);
-  }
+    cudaEventDestroy(rv.shared);
+  };
+  if (!hub_.table_.test(it->second, done, release)) return false;
+  tickets_.erase(it);
   return true;
 }
 

@@ -13,6 +13,7 @@
 
 #include "piper/core/program.hpp"
 #include "piper/core/timeline.hpp"
+#include "piper/runtime/rank_group.hpp"
 
 namespace piper::runtime {
 
@@ -55,11 +56,11 @@ bool calibration_uses_step(int step_index, int steps);
 // Refuses a --calibrate path that can never be written, before any step runs (std::invalid_argument).
 void check_calibrate_path(const std::string& path);
 
-// Rank 0 of MPI_COMM_WORLD gathers every rank's kept steps (`mine`: this rank's spans, one
+// Rank 0 of `group` gathers every rank's kept steps (`mine`: this rank's spans, one
 // DeviceTimeline per kept step; rank r is device r) and writes the calibration atomically. Collective.
 // A failed write throws std::invalid_argument on rank 0 only.
 void write_calibration_distributed(const std::string& path, const core::Program& program,
                                    const std::vector<core::DeviceTimeline>& mine, const std::string& gpu,
-                                   const nlohmann::json& measured);
+                                   const nlohmann::json& measured, RankGroup& group);
 
 }  // namespace piper::runtime

@@ -25,6 +25,7 @@
 
 #include "piper/core/program.hpp"
 #include "piper/runtime/backend.hpp"
+#include "piper/runtime/comm.hpp"
 #include "piper/runtime/executor.hpp"
 #include "piper/runtime/host_model.hpp"
 
@@ -83,8 +84,6 @@ std::string unsupported_feature(const core::Program& program, const Capabilities
 void check_capabilities(const core::Program& program, const Capabilities& caps);
 
 // ---- The two interfaces ----
-
-enum class CommKind { Send, Recv, AllReduce, ReduceScatter, AllGather, AllToAll };
 
 // One communication of one device over buffers of the kernels' type. Sizes are the buffers' own:
 // AllReduce sums `recv` in place; ReduceScatter sends ranks blocks of recv's size; AllGather

@@ -1,9 +1,12 @@
-// The host backend: one MPI rank is one device of the Program. Compute ops run the Eigen kernels of
-// their segment's layers on their microbatch; transfers are MPI_Issend/Improbe+Imrecv; collectives are
-// non-blocking MPI collectives on one communicator per Program communicator group.
+// The host backend: one MPI rank is one device of the Program, or one thread of a process that runs
+// every device (virtual devices). Compute ops run the Eigen kernels of their segment's layers on their
+// microbatch. Between MPI ranks, transfers are MPI_Issend/Improbe+Imrecv and collectives are
+// non-blocking MPI collectives on one communicator per Program communicator group; between threads,
+// both go through the loopback hub (comm.hpp) and TP/CP collectives meet as threads.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -15,8 +18,10 @@
 
 #include "piper/core/program.hpp"
 #include "piper/runtime/backend.hpp"
+#include "piper/runtime/comm.hpp"
 #include "piper/runtime/dataflow.hpp"
 #include "piper/runtime/host_model.hpp"
+#include "piper/runtime/rank_group.hpp"
 
 namespace piper::runtime {
 
@@ -121,18 +126,27 @@ class HostKernels {
   host::AdamWConfig adamw_;
 };
 
+// The host side of the dataflow's Transport interface.
+class HostTransport {
+ public:
+  virtual ~HostTransport() = default;
+  virtual int post(const CommPost<std::vector<float>>& r, const HostKernels::Ctx& ctx) = 0;
+  virtual bool test(int ticket) = 0;
+  virtual std::string name() const = 0;
+};
+
 // Transport: non-blocking MPI. SEND is MPI_Issend (tag: the pair's node), RECV probes its message
 // (MPI_Improbe) and receives it (MPI_Imrecv); collectives run on one communicator per Program
 // communicator group, created collectively by all ranks in family order.
-class MpiTransport {
+class MpiTransport : public HostTransport {
  public:
   MpiTransport(const core::Program& program, int device, MPI_Comm world);
-  ~MpiTransport();
+  ~MpiTransport() override;
   MpiTransport(const MpiTransport&) = delete;
   MpiTransport& operator=(const MpiTransport&) = delete;
-  int post(const CommPost<std::vector<float>>& r, const HostKernels::Ctx&);
-  bool test(int ticket);
-  std::string name() const { return ""; }
+  int post(const CommPost<std::vector<float>>& r, const HostKernels::Ctx&) override;
+  bool test(int ticket) override;
+  std::string name() const override { return ""; }
   // Posts the receive of every posted RECV whose message has arrived (also while a compute op blocks
   // in a TP collective, so that a peer's synchronous send completes).
   void match_posted_receives();
@@ -153,9 +167,47 @@ class MpiTransport {
   int next_ticket_ = 0;
 };
 
+// What the virtual devices of one process share: the loopback hub of their transfers and collectives,
+// and one ThreadMeeting per TP or CP group. Built before the devices' threads start.
+class HostThreads {
+ public:
+  HostThreads(const core::Program& program, double stall_timeout_s);
+  struct Member {
+    CommPost<std::vector<float>> post;
+  };
+  struct Nothing {};
+  LoopbackTable<Member, Nothing>& table() { return table_; }
+  // The meeting of `family`'s group that holds `device` (nullptr: none).
+  ThreadMeeting* group_meeting(int family, int device);
+
+ private:
+  const core::Program& program_;
+  LoopbackTable<Member, Nothing> table_;
+  std::map<std::pair<int, int>, std::unique_ptr<ThreadMeeting>> meetings_;  // (family, first member)
+};
+
+// Transport between the threads of HostThreads: the member that completes an exchange moves the
+// data (sums in rank order, so every member gets the same bits) before any member sees it complete.
+class LoopbackTransport : public HostTransport {
+ public:
+  LoopbackTransport(HostThreads& threads, int device) : threads_(threads), device_(device), namer_(device) {}
+  int post(const CommPost<std::vector<float>>& r, const HostKernels::Ctx&) override;
+  bool test(int ticket) override;
+  std::string name() const override { return "loopback"; }
+
+ private:
+  HostThreads& threads_;
+  int device_;
+  LoopbackNamer namer_;
+  std::map<int, LoopbackName> tickets_;
+  int next_ticket_ = 0;
+};
+
 class HostBackend : public Backend {
  public:
   HostBackend(const core::Program& program, int device, MPI_Comm world, const HostConfig& config);
+  // A virtual device: one thread of `threads`.
+  HostBackend(const core::Program& program, int device, HostThreads& threads, const HostConfig& config);
   ~HostBackend() override;
   HostBackend(const HostBackend&) = delete;
   HostBackend& operator=(const HostBackend&) = delete;
@@ -174,16 +226,20 @@ class HostBackend : public Backend {
 
  private:
   class MpiTpComm;
-  void setup_group_comms(const core::Program& program);
+  class ThreadTpComm;
+  using GroupComm = std::function<std::unique_ptr<host::TpComm>(int family, const char* what)>;
+  void init_flow(const core::Program& program);
+  void setup_group_comms(const core::Program& program, const GroupComm& group_comm);
 
   int device_;
   HostConfig config_;
-  std::unique_ptr<MpiTransport> transport_;
-  std::map<int, std::unique_ptr<MpiTpComm>> tp_comms_;  // TP family -> this device's TP group
-  std::map<int, std::unique_ptr<MpiTpComm>> cp_comms_;  // CP family -> this device's CP group
+  std::unique_ptr<HostTransport> transport_;
+  MpiTransport* mpi_ = nullptr;                            // transport_ between MPI ranks
+  std::map<int, std::unique_ptr<host::TpComm>> tp_comms_;  // TP family -> this device's TP group
+  std::map<int, std::unique_ptr<host::TpComm>> cp_comms_;  // CP family -> this device's CP group
   std::unique_ptr<host::HostModel> model_;
   std::unique_ptr<HostKernels> kernels_;
-  std::unique_ptr<Dataflow<HostKernels, MpiTransport>> flow_;
+  std::unique_ptr<Dataflow<HostKernels, HostTransport>> flow_;
 };
 
 }  // namespace piper::runtime

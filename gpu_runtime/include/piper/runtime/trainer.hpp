@@ -17,6 +17,7 @@
 #include "piper/runtime/checkpoint.hpp"
 #include "piper/runtime/executor.hpp"
 #include "piper/runtime/kernels.hpp"
+#include "piper/runtime/rank_group.hpp"
 
 namespace piper::runtime {
 
@@ -66,9 +67,12 @@ struct TrainResult {
 TrainResult train_reference(const core::Program& program, const TrainOptions& options);
 // Must run under MPI (MPI_Init done by the caller) with as many ranks as the Program has devices.
 TrainResult train_distributed(const core::Program& program, const TrainOptions& options);
+// Every device of the Program in this process, one thread each (virtual devices): the same backend,
+// loop and results as train_distributed, over the loopback transport. Needs no MPI.
+TrainResult train_virtual(const core::Program& program, const TrainOptions& options);
 
-// ---- The training loop over MPI ranks, one for every backend (train_distributed, the CUDA backend's
-// MPI + NCCL run) ----
+// ---- The training loop, one for every backend and rank group (train_distributed and train_virtual,
+// the CUDA backend's MPI + NCCL and virtual-device runs) ----
 // One rank's backend as the loop drives it.
 class RankTrainee {
  public:
@@ -90,10 +94,16 @@ struct RankLoopLabels {
   nlohmann::json calibration_source;  // calibration's "measured" field
   std::function<void(const TrainResult&, int devices)> write_report;
 };
-// Runs steps first_step..o.steps-1 on every rank (collective), then saves, dumps, traces, calibrates
-// and reports (rank 0) as the options ask.
-TrainResult train_ranks(const core::Program& program, const TrainOptions& o, RankTrainee& trainee, int rank,
+// Runs steps first_step..o.steps-1 on every rank of `group` (collective; rank r is device r), then
+// saves, dumps, traces, calibrates and reports (rank 0) as the options ask.
+TrainResult train_ranks(const core::Program& program, const TrainOptions& o, RankTrainee& trainee, RankGroup& group,
                         int first_step, const RankLoopLabels& labels);
+// The virtual-device run of any backend: `trainees[d]` is device d's backend, built (and resumed)
+// by the caller before any device runs; `per_thread` runs first on each device's thread (the CUDA
+// backend selects its GPU there). The ranks meet as threads (run_rank_threads).
+TrainResult train_threads(const core::Program& program, const TrainOptions& o,
+                          const std::vector<RankTrainee*>& trainees, int first_step, const RankLoopLabels& labels,
+                          const std::function<void()>& per_thread = {});
 
 // Parameter dumps: one file with records (layer, offset, values) of the canonical parameter layout.
 // Reads a dump into layer -> values (NaN where no record covered an element). The file is not
@@ -133,7 +143,7 @@ std::string broadcast_checkpoint_bytes(const std::string& path, const core::Prog
 // atomically. Collective. A failed write stops every rank: std::invalid_argument on rank 0,
 // ReportedByAnotherRank elsewhere.
 void save_distributed(const TrainOptions& o, const core::Program& program, const std::vector<StateRecord>& records,
-                      const core::Model& model, int step, int rank);
+                      const core::Model& model, int step, RankGroup& group);
 // Writes every device's measured timeline of one step (spans relative to the step start) as a
 // Chrome trace (`--trace`), atomically.
 void write_measured_trace(const std::string& path, const core::Program& program,

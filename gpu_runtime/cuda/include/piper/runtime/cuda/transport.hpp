@@ -17,10 +17,11 @@
 #include <mpi.h>
 
 #include "piper/core/program.hpp"
+#include "piper/runtime/comm.hpp"
 
 namespace piper::runtime::cuda {
 
-enum class CommKind { Send, Recv, AllReduce, ReduceScatter, AllGather, AllToAll };
+// CommKind is runtime::CommKind (comm.hpp), shared with the dataflow and the host transports.
 
 // One communication of one device. Buffers are device pointers that stay valid until test() is true.
 struct CommRequest {
@@ -50,6 +51,8 @@ class Transport {
 };
 
 // ---- Loopback: the virtual devices of one process (one thread each) rendezvous here ----
+// Exchanges are named and tracked by comm.hpp's LoopbackNamer and LoopbackTable (shared with the host
+// backend's virtual devices); this transport only enqueues the copies and sums on the GPU.
 class LoopbackHub {
  public:
   explicit LoopbackHub(int devices) : devices_(devices) {}
@@ -57,42 +60,30 @@ class LoopbackHub {
 
  private:
   friend class LoopbackTransport;
-  using Key = std::tuple<int, int, int, int, std::int64_t>;  // (kind, a, b, c, sequence)
   struct Member {
     CommRequest request;
     cudaEvent_t posted = nullptr;  // recorded on the member's stream when it posted
-    bool seen_done = false;
   };
-  struct Rendezvous {
-    int expected = 0;
-    std::map<int, Member> members;  // by rank in the exchange
-    bool launched = false;
-    cudaEvent_t done = nullptr;  // recorded after all the work, on the launching member's stream
-    int finished = 0;
-  };
-  std::mutex mutex_;
-  std::map<Key, Rendezvous> open_;
+  // Shared: the event recorded after all the work, on the launching member's stream.
+  using Table = LoopbackTable<Member, cudaEvent_t>;
+  Table table_;
   int devices_;
 };
 
 class LoopbackTransport : public Transport {
  public:
-  LoopbackTransport(LoopbackHub& hub, int device) : hub_(hub), device_(device) {}
+  LoopbackTransport(LoopbackHub& hub, int device) : hub_(hub), device_(device), namer_(device) {}
   ~LoopbackTransport() override;
   int post(const CommRequest& r) override;
   bool test(int ticket) override;
   std::string name() const override { return "loopback"; }
 
  private:
-  struct Ticket {
-    LoopbackHub::Key key;
-    int rank = 0;
-  };
-  void launch(LoopbackHub::Rendezvous& rv, cudaStream_t stream);
+  static void launch(LoopbackHub::Table::Rendezvous& rv, cudaStream_t stream);
   LoopbackHub& hub_;
   int device_;
-  std::map<std::tuple<int, int, int, int>, std::int64_t> sequence_;
-  std::map<int, Ticket> tickets_;
+  LoopbackNamer namer_;
+  std::map<int, LoopbackName> tickets_;
   int next_ticket_ = 0;
 };
 
