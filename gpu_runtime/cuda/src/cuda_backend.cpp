@@ -206,6 +206,7 @@ void CudaKernels::write(const Exec& e, int s, Vec v, std::int64_t at, const Tens
 // ---------------------------------------------------------------------------------------------
 int CudaTransport::post(const CommPost<Tensor>& r, const Exec& e) {
   CommRequest q;
+  q.kind = r.kind;
   q.stream = e.stream;
   q.pair = r.pair;
   q.peer = r.peer;
@@ -216,35 +217,29 @@ int CudaTransport::post(const CommPost<Tensor>& r, const Exec& e) {
   // Counts as Transport expects them: Send/Recv bytes; AllReduce fp32 elements; ReduceScatter fp32
   // elements per rank's block; AllGather and AllToAll bytes per rank's block.
   switch (r.kind) {
-    case runtime::CommKind::Send:
-      q.kind = CommKind::Send;
+    case CommKind::Send:
       q.send = r.send->data();
       q.count = r.send->bytes();
       break;
-    case runtime::CommKind::Recv:
-      q.kind = CommKind::Recv;
+    case CommKind::Recv:
       q.recv = r.recv->data();
       q.count = r.recv->bytes();
       break;
-    case runtime::CommKind::AllReduce:
-      q.kind = CommKind::AllReduce;
+    case CommKind::AllReduce:
       q.recv = r.recv->data();
       q.count = static_cast<std::size_t>(r.recv->size());
       break;
-    case runtime::CommKind::ReduceScatter:
-      q.kind = CommKind::ReduceScatter;
+    case CommKind::ReduceScatter:
       q.send = r.send->data();
       q.recv = r.recv->data();
       q.count = static_cast<std::size_t>(r.recv->size());
       break;
-    case runtime::CommKind::AllGather:
-      q.kind = CommKind::AllGather;
+    case CommKind::AllGather:
       q.send = r.send->data();
       q.recv = r.recv->data();
       q.count = r.send->bytes();
       break;
-    case runtime::CommKind::AllToAll:
-      q.kind = CommKind::AllToAll;
+    case CommKind::AllToAll:
       q.send = r.send->data();
       q.recv = r.recv->data();
       q.count = r.recv->bytes() / std::max<std::size_t>(1, r.group.size());
