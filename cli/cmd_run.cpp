@@ -27,6 +27,7 @@ struct RunArgs {
   bool virtual_devices = false;
   std::string precision = "fp32";
   std::string on_nonfinite = "stop";
+  std::string lr_decay = "constant";
   runtime::TrainOptions train;
   CLI::Option* plan = nullptr;
 };
@@ -184,7 +185,27 @@ Command add_run_command(CLI::App& app) {
   cmd->add_option("--seed", args->train.seed, "seed of the parameter initialisation and the synthetic token stream");
   cmd->add_option("--data", args->train.data_path,
                   "train on this file's bytes (mod vocab) instead of synthetic tokens");
-  cmd->add_option("--lr", args->train.adamw.lr, "AdamW learning rate")->check(kNonNegativeNumber);
+  cmd->add_option("--lr", args->train.adamw.lr, "AdamW peak learning rate (after warmup, before decay)")
+      ->check(kNonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--min-lr", args->train.adamw.min_lr, "learning rate the decay ends at")
+      ->check(kNonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--warmup-steps", args->train.adamw.warmup_steps,
+                  "linear warmup: step s of the first N uses lr * s / N")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--lr-decay", args->lr_decay, "after warmup: constant, cosine or linear decay to --min-lr")
+      ->check(CLI::IsMember({"constant", "cosine", "linear"}))
+      ->capture_default_str();
+  cmd->add_option("--lr-decay-steps", args->train.adamw.decay_steps,
+                  "the step at which the decay reaches --min-lr (default: --steps)")
+      ->check(kPositiveInt);
+  cmd->add_option("--weight-decay", args->train.adamw.weight_decay, "AdamW decoupled weight decay")
+      ->check(kNonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--beta1", args->train.adamw.beta1, "AdamW beta1")->capture_default_str();
+  cmd->add_option("--beta2", args->train.adamw.beta2, "AdamW beta2")->capture_default_str();
   cmd->add_option(
          "--adam-eps", args->train.adamw.eps,
          "AdamW epsilon (the equivalence tests raise it so that rounding-level gradients stay rounding-level updates)")
@@ -220,6 +241,11 @@ Command add_run_command(CLI::App& app) {
   return {cmd, [args]() -> int {
             if (!args->plan_path.empty()) args->scenario.reject_beside_plan();
             args->train.skip_nonfinite = args->on_nonfinite == "skip";
+            auto& adamw = args->train.adamw;
+            adamw.decay = runtime::host::parse_lr_decay(args->lr_decay);
+            if (adamw.decay != runtime::host::LrDecay::Constant && adamw.decay_steps == 0)
+              adamw.decay_steps = args->train.steps;  // decay over the whole run
+            runtime::host::check_adamw(adamw);
             if (args->precision != "fp32" && args->backend != "cuda")
               throw CliError("", "--precision needs --backend cuda (the host backend computes in fp32)");
             if (args->virtual_devices && args->reference)

@@ -263,6 +263,7 @@ void write_checkpoint(const std::string& path, const CheckpointInfo& info, const
                  {"seq_len", info.seq_len},
                  {"saved_layout", info.saved_layout},
                  {"layers", layers}};
+  if (!info.optimizer.empty()) header["optimizer"] = json::parse(info.optimizer);
   header["header_crc32"] = header_crc(header);
   std::error_code ec;
   if (const fs::file_status st = fs::status(path, ec);
@@ -371,6 +372,7 @@ Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
     c.info.sequences_per_step = h.at("sequences_per_step").get<std::int64_t>();
     c.info.seq_len = h.at("seq_len").get<std::int64_t>();
     c.info.saved_layout = h.value("saved_layout", "");
+    if (const auto it = h.find("optimizer"); it != h.end()) c.info.optimizer = it->dump();
     if (c.info.step < 0)
       throw std::invalid_argument(fmt::format("{}: checkpoint step {} is negative", path, c.info.step));
     if (c.info.sequences_per_step <= 0 || c.info.seq_len <= 0)

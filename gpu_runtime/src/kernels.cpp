@@ -4,7 +4,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numbers>
 #include <numeric>
+#include <stdexcept>
+#include <string>
+
+#include <fmt/format.h>
 
 namespace piper::runtime::host {
 
@@ -535,6 +540,42 @@ void tied_head_backward_weight(const HeadCache& c, MatMap dtable) { dtable += c.
 // ---------------------------------------------------------------------------------------------
 // AdamW
 // ---------------------------------------------------------------------------------------------
+float AdamWConfig::lr_at(int step) const {
+  if (warmup_steps > 0 && step <= warmup_steps)
+    return static_cast<float>(static_cast<double>(lr) * step / warmup_steps);  // the last one is lr exactly
+  if (decay == LrDecay::Constant) return lr;
+  if (step >= decay_steps) return min_lr;
+  const double ratio =
+      static_cast<double>(step - warmup_steps) / static_cast<double>(std::max(1, decay_steps - warmup_steps));
+  const double coeff = decay == LrDecay::Cosine ? 0.5 * (std::cos(std::numbers::pi * ratio) + 1.0) : 1.0 - ratio;
+  return static_cast<float>(min_lr + coeff * (static_cast<double>(lr) - min_lr));
+}
+
+void check_adamw(const AdamWConfig& cfg) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument(what); };
+  if (!(cfg.lr >= 0)) fail(fmt::format("--lr must be >= 0 (got {})", cfg.lr));
+  if (!(cfg.min_lr >= 0 && cfg.min_lr <= cfg.lr))
+    fail(fmt::format("--min-lr must be between 0 and --lr {} (got {})", cfg.lr, cfg.min_lr));
+  if (!(cfg.beta1 >= 0 && cfg.beta1 < 1)) fail(fmt::format("--beta1 must be in [0, 1) (got {})", cfg.beta1));
+  if (!(cfg.beta2 >= 0 && cfg.beta2 < 1)) fail(fmt::format("--beta2 must be in [0, 1) (got {})", cfg.beta2));
+  if (!(cfg.weight_decay >= 0)) fail(fmt::format("--weight-decay must be >= 0 (got {})", cfg.weight_decay));
+  if (cfg.warmup_steps < 0) fail(fmt::format("--warmup-steps must be >= 0 (got {})", cfg.warmup_steps));
+  if (cfg.decay != LrDecay::Constant && cfg.decay_steps <= cfg.warmup_steps)
+    fail(fmt::format("--lr-decay {}: --lr-decay-steps {} must exceed --warmup-steps {} (the decay runs between them)",
+                     lr_decay_name(cfg.decay), cfg.decay_steps, cfg.warmup_steps));
+}
+
+LrDecay parse_lr_decay(const std::string& name) {
+  if (name == "constant") return LrDecay::Constant;
+  if (name == "cosine") return LrDecay::Cosine;
+  if (name == "linear") return LrDecay::Linear;
+  throw std::invalid_argument("--lr-decay must be constant, cosine or linear (got '" + name + "')");
+}
+
+std::string lr_decay_name(LrDecay d) {
+  return d == LrDecay::Cosine ? "cosine" : d == LrDecay::Linear ? "linear" : "constant";
+}
+
 void adamw_update(const AdamWConfig& cfg, int step, std::span<float> params, std::span<const float> grads,
                   std::span<float> m, std::span<float> v) {
   const float c1 = 1.0f - std::pow(cfg.beta1, static_cast<float>(step));

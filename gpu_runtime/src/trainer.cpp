@@ -64,22 +64,9 @@ void write_dump(const std::string& path, const std::string& records) {
   core::write_file_atomically(path, std::string(kDumpMagic, 8) + records);
 }
 
-void write_report(const std::string& path, const TrainResult& r, const std::string& mode, int devices) {
-  json j = {{"mode", mode},
-            {"devices", devices},
-            {"first_step", r.first_step},
-            {"losses", r.losses},
-            {"tokens_per_s", r.tokens_per_s},
-            {"step_time_s", r.step_time_s},
-            {"step_times_s", r.step_times_s}};
-  if (!r.skipped_steps.empty()) j["skipped_steps"] = r.skipped_steps;  // --on-nonfinite skip
-  if (mode != "reference")
-    j["executor"] = {{"ops", r.ops},
-                     {"backend_s", r.backend_s},
-                     {"idle_s", r.idle_s},
-                     {"overhead_s", r.overhead_s},
-                     {"total_s", r.total_s}};
-  core::write_file_atomically(path, j.dump(1) + "\n");
+void write_report(const std::string& path, const TrainResult& r, const TrainOptions& o, const std::string& mode,
+                  int devices) {
+  core::write_file_atomically(path, report_json(r, o, mode, devices).dump(1) + "\n");
 }
 
 // What an update changes (--on-nonfinite skip): restored when a step turns out non-finite.
@@ -121,7 +108,48 @@ std::string model_fingerprint(const core::Program& program) {
 // ---------------------------------------------------------------------------------------------
 // Checkpoints: what the host and CUDA trainers share (canonical layout, see checkpoint.hpp)
 // ---------------------------------------------------------------------------------------------
-CheckpointInfo checkpoint_info(const core::Program& program, int step) {
+namespace {
+// A float as JSON shows it best: its shortest decimal form (3e-4, not 0.0003000000142492354).
+double shortest(float f) { return std::stod(fmt::format("{}", f)); }
+}  // namespace
+
+json report_json(const TrainResult& r, const TrainOptions& o, const std::string& mode, int devices) {
+  json j = {{"mode", mode},
+            {"devices", devices},
+            {"first_step", r.first_step},
+            {"losses", r.losses},
+            {"tokens_per_s", r.tokens_per_s},
+            {"step_time_s", r.step_time_s},
+            {"step_times_s", r.step_times_s},
+            {"optimizer", optimizer_json(o.adamw)}};
+  std::vector<double> lrs;
+  for (int step = r.first_step; step < r.first_step + static_cast<int>(r.losses.size()); ++step)
+    lrs.push_back(shortest(o.adamw.lr_at(step + 1)));
+  j["lrs"] = lrs;
+  if (!r.skipped_steps.empty()) j["skipped_steps"] = r.skipped_steps;  // --on-nonfinite skip
+  if (mode != "reference")
+    j["executor"] = {{"ops", r.ops},
+                     {"backend_s", r.backend_s},
+                     {"idle_s", r.idle_s},
+                     {"overhead_s", r.overhead_s},
+                     {"total_s", r.total_s}};
+  return j;
+}
+
+json optimizer_json(const host::AdamWConfig& a) {
+  return {{"name", "adamw"},
+          {"lr", shortest(a.lr)},
+          {"min_lr", shortest(a.min_lr)},
+          {"warmup_steps", a.warmup_steps},
+          {"lr_decay", host::lr_decay_name(a.decay)},
+          {"lr_decay_steps", a.decay_steps},
+          {"beta1", shortest(a.beta1)},
+          {"beta2", shortest(a.beta2)},
+          {"eps", shortest(a.eps)},
+          {"weight_decay", shortest(a.weight_decay)}};
+}
+
+CheckpointInfo checkpoint_info(const core::Program& program, int step, const host::AdamWConfig& adamw) {
   const DataShape shape = data_shape(program);
   CheckpointInfo i;
   i.model_name = program.model_name;
@@ -131,6 +159,7 @@ CheckpointInfo checkpoint_info(const core::Program& program, int step) {
   i.data_position = static_cast<std::int64_t>(step) * i.sequences_per_step;
   i.seq_len = shape.seq_len;
   i.saved_layout = layout_summary(program);
+  i.optimizer = optimizer_json(adamw).dump();
   return i;
 }
 
@@ -205,7 +234,8 @@ void save_distributed(const TrainOptions& o, const core::Program& program, const
   std::string error;
   if (rank == 0) {
     try {
-      write_checkpoint(o.save_path, checkpoint_info(program, step), assemble_state(model, parse_state_records(all)));
+      write_checkpoint(o.save_path, checkpoint_info(program, step, o.adamw),
+                       assemble_state(model, parse_state_records(all)));
       if (o.print) fmt::print("checkpoint after step {} -> {}\n", step, o.save_path);
     } catch (const std::exception& e) {
       error = e.what();
@@ -274,7 +304,7 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
       bad = "gradient norm " + nonfinite_value(grad_sq);
     if (bad.empty()) {
       if (o.skip_nonfinite) before.take(m);
-      m.update(0, o.adamw, step + 1);
+      m.update(0, o.adamw.at(step + 1), step + 1);
       if (!state_is_finite(m)) bad = "the update made parameters or AdamW moments non-finite";
     }
     if (!bad.empty()) {
@@ -292,7 +322,8 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
       fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms){}\n", step + 1, r.losses.back(), dt * 1e3,
                  bad.empty() ? "" : "  skipped: " + bad);
     if (saves_after(o, step + 1)) {
-      write_checkpoint(o.save_path, checkpoint_info(program, step + 1), assemble_state(m.model(), state_records(m)));
+      write_checkpoint(o.save_path, checkpoint_info(program, step + 1, o.adamw),
+                       assemble_state(m.model(), state_records(m)));
       if (o.print) fmt::print("checkpoint after step {} -> {}\n", step + 1, o.save_path);
     }
   }
@@ -300,9 +331,10 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
   r.step_time_s = ran > 0 ? total_s / ran : 0;
   r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
   if (!o.save_path.empty() && ran <= 0)
-    write_checkpoint(o.save_path, checkpoint_info(program, r.first_step), assemble_state(m.model(), state_records(m)));
+    write_checkpoint(o.save_path, checkpoint_info(program, r.first_step, o.adamw),
+                     assemble_state(m.model(), state_records(m)));
   if (!o.dump_params_path.empty()) write_dump(o.dump_params_path, serialize_records(m.param_records()));
-  if (!o.report_path.empty()) write_report(o.report_path, r, "reference", 1);
+  if (!o.report_path.empty()) write_report(o.report_path, r, o, "reference", 1);
   return r;
 }
 
@@ -392,7 +424,7 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   const RankLoopLabels labels{
       "host-cpu",
       {{"backend", "host"}, {"clock", "executor (host steady clock, op start to completion)"}},
-      [&](const TrainResult& result, int devices) { write_report(o.report_path, result, "distributed", devices); }};
+      [&](const TrainResult& result, int devices) { write_report(o.report_path, result, o, "distributed", devices); }};
   const auto world = mpi_world_group();
   return train_ranks(program, o, trainee, *world, r.first_step, labels);
 }
@@ -427,7 +459,7 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o) {
       {{"backend", "host"},
        {"mode", "virtual devices"},
        {"clock", "executor (host steady clock, op start to completion)"}},
-      [&](const TrainResult& result, int devices) { write_report(o.report_path, result, "virtual", devices); }};
+      [&](const TrainResult& result, int devices) { write_report(o.report_path, result, o, "virtual", devices); }};
   return train_threads(program, o, ranks, first_step, labels);
 }
 

@@ -131,8 +131,8 @@ bool CudaKernels::op_done(const core::OpRef& at, Mark& m, const core::Op& op) {
 }
 
 void CudaKernels::update(const Exec& e, int s, int step) {
-  const AdamW cfg{config_.adamw.lr, config_.adamw.beta1, config_.adamw.beta2, config_.adamw.eps,
-                  config_.adamw.weight_decay};
+  const host::AdamWConfig a = config_.adamw.at(step);  // this step's learning rate (the schedule)
+  const AdamW cfg{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay};
   model_->update(e, s, cfg, step);
 }
 

@@ -22,23 +22,11 @@ namespace piper::runtime::cuda {
 
 namespace {
 
-void write_report(const std::string& path, const TrainResult& r, const std::string& mode, int devices,
-                  const std::string& precision) {
-  nlohmann::json j = {{"mode", mode},
-                      {"backend", "cuda"},
-                      {"precision", precision},
-                      {"devices", devices},
-                      {"first_step", r.first_step},
-                      {"losses", r.losses},
-                      {"tokens_per_s", r.tokens_per_s},
-                      {"step_time_s", r.step_time_s},
-                      {"step_times_s", r.step_times_s}};
-  j["executor"] = {{"ops", r.ops},
-                   {"backend_s", r.backend_s},
-                   {"idle_s", r.idle_s},
-                   {"overhead_s", r.overhead_s},
-                   {"total_s", r.total_s}};
-  core::write_file_atomically(path, j.dump(1) + "\n");
+void write_report(const TrainResult& r, const TrainOptions& o, const std::string& mode, int devices, DType dtype) {
+  nlohmann::json j = report_json(r, o, mode, devices);
+  j["backend"] = "cuda";
+  j["precision"] = dtype == DType::F32 ? "fp32" : "bf16";
+  core::write_file_atomically(o.report_path, j.dump(1) + "\n");
 }
 
 // The GPU spans with the executor's memory samples (host-observed buffer lifetimes).
@@ -119,9 +107,8 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
     first_step = ckpt.info.step;
   }
   const RankLoopLabels labels{
-      gpu_name(), calibration_source("virtual devices"), [&](const TrainResult& result, int devices) {
-        write_report(o.report_path, result, "cuda-virtual", devices, c.dtype == DType::F32 ? "fp32" : "bf16");
-      }};
+      gpu_name(), calibration_source("virtual devices"),
+      [&](const TrainResult& result, int devices) { write_report(result, o, "cuda-virtual", devices, c.dtype); }};
   return train_threads(program, o, ranks, first_step, labels, [] { check(cudaSetDevice(0), "cudaSetDevice"); });
 }
 
@@ -187,8 +174,7 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
   // The training loop every backend shares (trainer.hpp); --on-nonfinite skip is refused in train_cuda.
   CudaTrainee trainee(*backend);
   const RankLoopLabels labels{gpu_name(), calibration_source("nccl"), [&](const TrainResult& result, int devices) {
-                                write_report(o.report_path, result, "cuda-nccl", devices,
-                                             c.dtype == DType::F32 ? "fp32" : "bf16");
+                                write_report(result, o, "cuda-nccl", devices, c.dtype);
                               }};
   const auto world = mpi_world_group();
   return train_ranks(program, o, trainee, *world, first_step, labels);

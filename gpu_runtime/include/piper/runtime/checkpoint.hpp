@@ -32,6 +32,9 @@ struct CheckpointInfo {
   std::int64_t data_position = 0;  // sequences of the token stream consumed (step * sequences_per_step)
   std::int64_t sequences_per_step = 0, seq_len = 0;
   std::string saved_layout;  // informational: how the saving run was laid out
+  // Informational: the optimizer settings of the saving run (AdamW and the learning-rate schedule),
+  // as JSON text; a resumed run may change them (its own flags apply from its first step).
+  std::string optimizer;
 };
 
 // The full state of every layer: kind -> values, NaN-free when complete.

@@ -84,7 +84,7 @@ class HostKernels {
   void combine_backward(const Ctx&, Backward& g, const Source& src, const std::vector<Packet>& in) {
     m_.combine_backward(g, src, in);
   }
-  void update(const Ctx&, int s, int step) { m_.update(s, adamw_, step); }
+  void update(const Ctx&, int s, int step) { m_.update(s, adamw_.at(step), step); }
   void poison(int s) { m_.poison_params(s); }
 
   Buf pack_forward(const Ctx&, Forward&& st) { return st.serialize(); }

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include <Eigen/Dense>
@@ -191,9 +192,30 @@ Mat tied_head_backward_input(const ConstMatMap& table, const HeadCache& c);
 void tied_head_backward_weight(const HeadCache& c, MatMap dtable);
 
 // ---- AdamW (Loshchilov & Hutter 2019), decoupled weight decay, bias-corrected; step counts from 1 ----
+enum class LrDecay { Constant, Cosine, Linear };
 struct AdamWConfig {
   float lr = 3e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.01f;
+  // The learning rate over optimizer steps (Megatron-LM's and TorchTitan's schedules): a linear
+  // warmup to lr over the first warmup_steps steps (step s: lr * s / warmup_steps), then `decay` from
+  // lr at step warmup_steps to min_lr at step decay_steps (constant: lr throughout), min_lr after it.
+  int warmup_steps = 0;
+  LrDecay decay = LrDecay::Constant;
+  int decay_steps = 0;  // > warmup_steps when decay is not constant (the trainers default it to --steps)
+  float min_lr = 0;
+  // The learning rate of optimizer step `step` (counting from 1).
+  float lr_at(int step) const;
+  // This configuration with lr = lr_at(step): what the update of that step uses.
+  AdamWConfig at(int step) const {
+    AdamWConfig c = *this;
+    c.lr = lr_at(step);
+    return c;
+  }
 };
+// Refuses settings no schedule can follow (std::invalid_argument naming the flag): negative rates,
+// betas outside [0, 1), min_lr above lr, a decay that ends before its warmup does.
+void check_adamw(const AdamWConfig& cfg);
+LrDecay parse_lr_decay(const std::string& name);  // "constant", "cosine", "linear"; else invalid_argument
+std::string lr_decay_name(LrDecay d);
 void adamw_update(const AdamWConfig& cfg, int step, std::span<float> params, std::span<const float> grads,
                   std::span<float> m, std::span<float> v);
 

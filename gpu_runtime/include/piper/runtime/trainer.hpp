@@ -118,7 +118,12 @@ std::string model_fingerprint(const core::Program& program);
 
 // ---- checkpoint steps shared by the host and CUDA trainers (the format is checkpoint.hpp's) ----
 // The header of a checkpoint of `program` after `step` optimizer steps.
-CheckpointInfo checkpoint_info(const core::Program& program, int step);
+CheckpointInfo checkpoint_info(const core::Program& program, int step, const host::AdamWConfig& adamw);
+// run.json (--report): losses, step times, tokens/s, the optimizer settings and each step's learning
+// rate, and (distributed runs) rank 0's executor accounting.
+nlohmann::json report_json(const TrainResult& r, const TrainOptions& o, const std::string& mode, int devices);
+// The optimizer settings as a checkpoint records them (CheckpointInfo::optimizer).
+nlohmann::json optimizer_json(const host::AdamWConfig& adamw);
 // Refuses a --save path that can never be written, before any step runs (std::invalid_argument).
 void check_save_path(const std::string& path);
 // Refuses --steps below a resumed checkpoint's step (nothing could run; std::invalid_argument).
