@@ -3,6 +3,7 @@
 #include "piper/core/directives.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <set>
 #include <type_traits>
@@ -354,12 +355,21 @@ Directive parse_one(const json& d, int index) {  // NOLINT(readability-function-
     c.all_gather = comm == "all_gather";
     return c;
   }
+  if (op == "clip_grad") {
+    check_fields(d, index, {"max_norm"});
+    ClipGradDirective c;
+    const json& n = require(d, index, "max_norm");
+    if (!n.is_number() || !(n.get<double>() > 0) || !std::isfinite(n.get<double>()))
+      fail(index, "max_norm", "must be a positive number (the global gradient norm to clip to)");
+    c.max_norm = n.get<double>();
+    return c;
+  }
   fail(index, "op",
        "unknown op '" + op + "'" +
            did_you_mean(op, {"place", "replicate", "shard", "split", "order", "tensor_parallel", "recompute",
-                             "sm_partition", "context_parallel"}) +
-           " (expected place, replicate, shard, split, order, tensor_parallel, recompute, sm_partition or "
-           "context_parallel)");
+                             "sm_partition", "context_parallel", "clip_grad"}) +
+           " (expected place, replicate, shard, split, order, tensor_parallel, recompute, sm_partition, "
+           "context_parallel or clip_grad)");
 }
 
 }  // namespace
@@ -376,6 +386,7 @@ std::string op_name(const Directive& d) {
         if constexpr (std::is_same_v<T, RecomputeDirective>) return "recompute";
         if constexpr (std::is_same_v<T, SmPartitionDirective>) return "sm_partition";
         if constexpr (std::is_same_v<T, ContextParallelDirective>) return "context_parallel";
+        if constexpr (std::is_same_v<T, ClipGradDirective>) return "clip_grad";
         return "order";
       },
       d);
@@ -385,7 +396,7 @@ DirectiveProgram parse_directives(const json& program) {
   if (!program.is_array())
     throw Error(std::string("a directive program must be a JSON array, got ") + program.type_name());
   DirectiveProgram out;
-  int sm_partition_at = -1, context_parallel_at = -1;
+  int sm_partition_at = -1, context_parallel_at = -1, clip_grad_at = -1;
   for (std::size_t i = 0; i < program.size(); ++i) {
     out.directives.push_back(parse_one(program[i], static_cast<int>(i)));
     out.source.push_back(program[i]);
@@ -394,6 +405,12 @@ DirectiveProgram parse_directives(const json& program) {
         fail(static_cast<int>(i), "op",
              fmt::format("a second context_parallel (directive {} already sets the CP degree)", context_parallel_at));
       context_parallel_at = static_cast<int>(i);
+    }
+    if (std::holds_alternative<ClipGradDirective>(out.directives.back())) {
+      if (clip_grad_at >= 0)
+        fail(static_cast<int>(i), "op",
+             fmt::format("a second clip_grad (directive {} already clips the gradients)", clip_grad_at));
+      clip_grad_at = static_cast<int>(i);
     }
     if (std::holds_alternative<SmPartitionDirective>(out.directives.back())) {
       if (sm_partition_at >= 0)

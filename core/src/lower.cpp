@@ -392,6 +392,7 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
   program.device_sets = dag.device_sets.all();
   program.families = dag.families;
   program.sm_partition = dag.sm_partition;
+  program.clip_grad = dag.clip_grad;
   for (const auto& seg : dag.segments)
     program.segments.push_back({seg.first_layer,
                                 seg.last_layer,

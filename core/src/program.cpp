@@ -18,8 +18,8 @@
 namespace piper::core {
 
 namespace {
-constexpr std::array<const char*, 8> kFamilyPurposeNames = {"dp", "dp-ep", "dp-shard",       "dp-replicate",
-                                                            "ep", "tp",    "tied-embedding", "cp"};
+constexpr std::array<const char*, 9> kFamilyPurposeNames = {"dp", "dp-ep",          "dp-shard", "dp-replicate", "ep",
+                                                            "tp", "tied-embedding", "cp",       "grad-norm"};
 }  // namespace
 
 std::string to_string(FamilyPurpose p) { return kFamilyPurposeNames.at(static_cast<std::size_t>(p)); }

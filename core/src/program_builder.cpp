@@ -147,6 +147,11 @@ ProgramBuilder& ProgramBuilder::context_parallel(int degree, bool all_gather) {
   return *this;
 }
 
+ProgramBuilder& ProgramBuilder::clip_grad(double max_norm) {
+  add(ClipGradDirective{max_norm}, json{{"op", "clip_grad"}, {"max_norm", max_norm}});
+  return *this;
+}
+
 ProgramBuilder& ProgramBuilder::sm_partition(int sms) {
   add(SmPartitionDirective{SmPartition{"comm", sms}}, json{{"op", "sm_partition"}, {"stream", "comm"}, {"sms", sms}});
   return *this;

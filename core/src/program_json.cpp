@@ -2,6 +2,7 @@
 // buffer kind names; every reading error names its field.
 #include "piper/core/program.hpp"
 
+#include <cmath>
 #include <array>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -441,6 +442,7 @@ json Program::to_json() const {
   j["plans"] = std::move(plan_array);
   j["plan_of_device"] = plan_of_device;
   if (sm_partition) j["sm_partition"] = {{"stream", sm_partition->stream}, {"sms", sm_partition->sms}};
+  if (clip_grad > 0) j["clip_grad"] = clip_grad;
   j["stats"] = {{"dag_nodes", stats.dag_nodes},
                 {"nodes_by_kind", stats.nodes_by_kind},
                 {"compile_seconds", stats.compile_seconds},
@@ -634,6 +636,11 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
     if (part.sms < 1) fail("sm_partition.sms", "must be >= 1");
     p.sm_partition = part;
   }
+  if (const json* f = optional_field(j, "clip_grad")) {
+    if (!f->is_number() || !(f->get<double>() > 0) || !std::isfinite(f->get<double>()))
+      fail("clip_grad", "must be a positive number (the max global gradient norm)");
+    p.clip_grad = f->get<double>();
+  }
   if (const json* s = optional_field(j, "stats")) {
     as_object(*s, "stats");
     if (const json* f = optional_field(*s, "dag_nodes")) p.stats.dag_nodes = as_int64(*f, "stats.dag_nodes");
@@ -656,7 +663,7 @@ bool operator==(const Program& a, const Program& b) {
       a.training.precision != b.training.precision || a.training.fp32_main_grads != b.training.fp32_main_grads ||
       a.microbatches != b.microbatches || a.num_devices != b.num_devices || a.device_sets != b.device_sets ||
       a.families != b.families || a.plan_of_device != b.plan_of_device || a.sm_partition != b.sm_partition ||
-      a.plans.size() != b.plans.size())
+      a.clip_grad != b.clip_grad || a.plans.size() != b.plans.size())
     return false;
   for (std::size_t i = 0; i < a.plans.size(); ++i)
     if (!same_plan(a.plans[i], b.plans[i])) return false;

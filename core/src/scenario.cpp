@@ -268,6 +268,8 @@ std::string strategy_flag_error(const DirectiveProgram& program, const StrategyO
     flag = o.cp_all_gather ? fmt::format("--cp {} --cp-all-gather", o.cp) : fmt::format("--cp {}", o.cp);
   else if (op == "sm_partition")
     flag = fmt::format("--comm-sms {}", o.comm_sms);
+  else if (op == "clip_grad")
+    flag = fmt::format("--clip-grad {}", o.clip_grad);
   else if (op == "place")
     flag = fmt::format("--pp {}", o.pp);
   else

@@ -103,6 +103,8 @@ void validate_strategy_options(const StrategyOptions& o) {
   if (o.a2a_chunks < 1) fail("--a2a-chunks must be >= 1 (got " + std::to_string(o.a2a_chunks) + ")");
   if (o.a2a_chunks > 1 && o.ep < 2) fail("--a2a-chunks needs --ep >= 2 (it chunks the expert all-to-alls)");
   if (o.comm_sms < 0) fail("--comm-sms must be >= 1 (got " + std::to_string(o.comm_sms) + ")");
+  if (!(o.clip_grad >= 0) || !std::isfinite(o.clip_grad))
+    fail("--clip-grad must be a positive norm (got " + std::to_string(o.clip_grad) + ")");
   if (o.global_batch < 0) fail("--global-batch must be >= 1 (got " + std::to_string(o.global_batch) + ")");
   at_least_one("--virtual-stages", o.virtual_stages);
   // Resource limits (limits.hpp), before any generator loops over ranks, regions or microbatches.
@@ -220,6 +222,7 @@ DirectiveProgram placement_directives(const StrategyOptions& o, const std::vecto
       out.recompute(region_filter(i), o.recompute, o.recompute_every, o.recompute_first);
   if (o.cp > 1) out.context_parallel(o.cp, o.cp_all_gather);
   if (o.comm_sms > 0) out.sm_partition(o.comm_sms);
+  if (o.clip_grad > 0) out.clip_grad(o.clip_grad);
   return out.take();
 }
 

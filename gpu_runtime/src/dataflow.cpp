@@ -4,6 +4,7 @@
 #include "piper/runtime/dataflow.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -314,6 +315,17 @@ DataflowBase::DataflowBase(const core::Program& program, int device)
     set_cp_.push_back(t.cp);
   }
   loss_scale_ = 1.0f / static_cast<float>(shape_.global_tokens());
+  // Gradient clipping: the grad-norm family and the segments whose gradients this device adds.
+  for (std::size_t f = 0; f < program.families.size(); ++f)
+    if (program.families[f].purpose == core::FamilyPurpose::GradNorm) norm_family_ = static_cast<int>(f);
+  for (std::size_t s = 0; s < program.segments.size(); ++s)
+    if (program.position_in(program.segments[s].devices, device) >= 0) held_segments_.push_back(static_cast<int>(s));
+}
+
+float clip_scale(double norm_sq, double max_norm) {
+  const double norm = std::sqrt(norm_sq);
+  if (!std::isfinite(norm)) return static_cast<float>(norm);
+  return static_cast<float>(std::min(1.0, max_norm / (norm + 1e-6)));
 }
 
 int DataflowBase::data_rank_of(const core::Op& op) const {

@@ -552,6 +552,30 @@ void HostModel::update(int seg, const AdamWConfig& cfg, int step) {
   sp.grad_chunk_ready = false;
 }
 
+double HostModel::owned_grad_sq(int seg) const {
+  const SegmentParams& sp = segments_.at(by_index_.at(seg));
+  const bool chunked = sp.zero_level >= 1;
+  if (chunked ? sp.replica_index >= sp.zero_shards : sp.replica_index != 0) return 0;
+  // The reduced gradient: local elements [begin, end) of the segment.
+  const std::int64_t begin = chunked ? sp.chunk_begin : 0;
+  const std::int64_t end = chunked ? sp.chunk_end : static_cast<std::int64_t>(sp.grads.size());
+  const float* g = chunked && sp.grad_chunk_ready ? sp.grad_chunk.data() : sp.grads.data() + begin;
+  double sum = 0;
+  for (int l = sp.first_layer; l < sp.last_layer; ++l) {
+    std::int64_t at = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)];
+    for (const auto& t : tensors_of(sp, l)) {
+      const std::int64_t len = static_cast<std::int64_t>(t.local.size());
+      const bool copy = t.canonical_layer >= 0 && t.canonical_layer != l;  // a tied head's table
+      const bool replicated = sp.tp_degree > 1 && t.split == TpSplit::Replicated;
+      if (!copy && !(replicated && sp.tp_rank != 0))
+        for (std::int64_t i = std::max(at, begin); i < std::min(at + len, end); ++i)
+          sum += static_cast<double>(g[i - begin]) * g[i - begin];
+      at += len;
+    }
+  }
+  return sum;
+}
+
 void HostModel::poison_params(int seg) {
   auto& p = segment(seg).params;
   std::fill(p.begin(), p.end(), std::numeric_limits<float>::quiet_NaN());

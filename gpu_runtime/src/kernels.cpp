@@ -581,8 +581,9 @@ void adamw_update(const AdamWConfig& cfg, int step, std::span<float> params, std
   const float c1 = 1.0f - std::pow(cfg.beta1, static_cast<float>(step));
   const float c2 = 1.0f - std::pow(cfg.beta2, static_cast<float>(step));
   for (std::size_t i = 0; i < params.size(); ++i) {
-    m[i] = cfg.beta1 * m[i] + (1.0f - cfg.beta1) * grads[i];
-    v[i] = cfg.beta2 * v[i] + (1.0f - cfg.beta2) * grads[i] * grads[i];
+    const float g = grads[i] * cfg.grad_scale;
+    m[i] = cfg.beta1 * m[i] + (1.0f - cfg.beta1) * g;
+    v[i] = cfg.beta2 * v[i] + (1.0f - cfg.beta2) * g * g;
     const float mhat = m[i] / c1, vhat = v[i] / c2;
     params[i] -= cfg.lr * (mhat / (std::sqrt(vhat) + cfg.eps) + cfg.weight_decay * params[i]);
   }

@@ -127,6 +127,7 @@ json report_json(const TrainResult& r, const TrainOptions& o, const std::string&
     lrs.push_back(shortest(o.adamw.lr_at(step + 1)));
   j["lrs"] = lrs;
   if (!r.skipped_steps.empty()) j["skipped_steps"] = r.skipped_steps;  // --on-nonfinite skip
+  if (!r.grad_norms.empty()) j["grad_norms"] = r.grad_norms;           // clip_grad
   if (mode != "reference")
     j["executor"] = {{"ops", r.ops},
                      {"backend_s", r.backend_s},
@@ -304,7 +305,9 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
       bad = "gradient norm " + nonfinite_value(grad_sq);
     if (bad.empty()) {
       if (o.skip_nonfinite) before.take(m);
-      m.update(0, o.adamw.at(step + 1), step + 1);
+      host::AdamWConfig cfg = o.adamw.at(step + 1);
+      if (program.clip_grad > 0) cfg.grad_scale = clip_scale(grad_sq, program.clip_grad);  // one model: its norm
+      m.update(0, cfg, step + 1);
       if (!state_is_finite(m)) bad = "the update made parameters or AdamW moments non-finite";
     }
     if (!bad.empty()) {
@@ -317,6 +320,7 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
     total_s += dt;
     r.step_times_s.push_back(dt);
     r.losses.push_back(mean_loss);
+    if (program.clip_grad > 0) r.grad_norms.push_back(std::sqrt(grad_sq));
     if (!bad.empty()) r.skipped_steps.push_back(step + 1);
     if (o.print)
       fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms){}\n", step + 1, r.losses.back(), dt * 1e3,
@@ -349,6 +353,7 @@ class HostTrainee : public RankTrainee {
   explicit HostTrainee(HostBackend& b) : b_(b) {}
   Backend& backend() override { return b_; }
   double loss_sum() override { return b_.loss_sum(); }
+  double grad_norm() override { return b_.grad_norm(); }
   bool state_is_finite() override { return runtime::state_is_finite(b_.model()); }
   void snapshot() override { before_.take(b_.model()); }
   void rollback() override { before_.restore(b_.model()); }
@@ -564,6 +569,7 @@ TrainResult train_ranks(const core::Program& program, const TrainOptions& o, Ran
       r.skipped_steps.push_back(step + 1);
     }
     r.losses.push_back(mean_loss);
+    if (program.clip_grad > 0) r.grad_norms.push_back(trainee.grad_norm());
     r.step_times_s.push_back(step_s);
     total_step_s += step_s;
     r.backend_s += last.backend_seconds;

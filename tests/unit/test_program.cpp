@@ -313,8 +313,7 @@ TEST(Program, FromJsonNamesTheField) {
     j["families"][0]["purpose"] = "pp";
     EXPECT_EQ(error_of(j),
               "plan: field 'families[0].purpose': unknown family purpose 'pp' (expected one of dp, dp-ep, dp-shard, "
-              "dp-replicate, ep, tp, "
-              "tied-embedding, cp)");
+              "dp-replicate, ep, tp, tied-embedding, cp, grad-norm)");
   }
   {
     // Version 1 plans have no per-op microbatch, and it cannot be derived from tags whose split
@@ -343,7 +342,8 @@ TEST(Program, FamilyPurposeNamesRoundTrip) {
                                                                     {FamilyPurpose::Ep, "ep"},
                                                                     {FamilyPurpose::Tp, "tp"},
                                                                     {FamilyPurpose::TiedEmbedding, "tied-embedding"},
-                                                                    {FamilyPurpose::Cp, "cp"}};
+                                                                    {FamilyPurpose::Cp, "cp"},
+                                                                    {FamilyPurpose::GradNorm, "grad-norm"}};
   for (const auto& [purpose, name] : names) {
     EXPECT_EQ(to_string(purpose), name);
     EXPECT_EQ(family_purpose_from_string(name), purpose);

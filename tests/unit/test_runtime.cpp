@@ -133,7 +133,25 @@ void expect_equivalent(const std::string& name, int ranks, const core::StrategyO
     EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / (launch + ".bin")).string()),
               kParamAbsTol)
         << name << " (" << launch << ")";
+    // Gradient clipping: the global norm each launch all-reduced is the reference model's norm.
+    const json ra = json::parse(std::ifstream(dir / "ref.json"));
+    const json rb = json::parse(std::ifstream(dir / (launch + ".json")));
+    ASSERT_EQ(ra.contains("grad_norms"), rb.contains("grad_norms")) << name << " (" << launch << ")";
+    if (!ra.contains("grad_norms")) continue;
+    const auto na = ra["grad_norms"].get<std::vector<double>>(), nb = rb["grad_norms"].get<std::vector<double>>();
+    ASSERT_EQ(na.size(), nb.size());
+    for (std::size_t i = 0; i < na.size(); ++i)
+      EXPECT_NEAR(nb[i], na[i], kLossRelTol * na[i]) << name << " (" << launch << ") grad norm of step " << i + 1;
   }
+}
+
+// Gradient clipping by global norm (clip_grad): a max norm of 0.05 clips every step of these runs
+// (their norms are 0.4-1.8), so a wrong owned-gradient rule (a replica, TP rank, ZeRO shard group or
+// tied copy counted twice or not at all) shows in the all-reduced norm, which expect_equivalent
+// compares with the reference model's.
+core::StrategyOptions clipped(core::StrategyOptions o) {
+  o.clip_grad = 0.05;
+  return o;
 }
 
 // Rewrites every tag filter of a directive program (objects with an "MB" key) with `filter`, and
@@ -421,6 +439,12 @@ TEST(RuntimeEquivalence, DualPipeV_PP2xDP2xEP2_HeadRegionOnRank1) {
 }
 // Two mirrored model copies: each device runs different data-parallel ranks in different segments.
 TEST(RuntimeEquivalence, DualPipe_PP2) { expect_equivalent("dualpipe", 2, strategy(2, 1, 1, 0, 4, "dualpipe")); }
+TEST(RuntimeEquivalence, ClipGrad_DualPipe_PP2) {
+  expect_equivalent("clip-dualpipe", 2, clipped(strategy(2, 1, 1, 0, 4, "dualpipe")));
+}
+TEST(RuntimeEquivalence, ClipGrad_PP2xDP2xEP2_Zero2) {
+  expect_equivalent("clip-zero2-ep", 4, clipped(strategy(2, 2, 2, 2, 4, "1f1b")));
+}
 TEST(RuntimeEquivalence, PublishedFixtureV_PP4xDP2xEP2) {
   expect_equivalent("fixture-v", 4, {}, std::string(PIPER_FIXTURES) + "/piper-directives/pp4_dp2_ep2_v_placement.json");
 }
@@ -529,6 +553,9 @@ TEST(RuntimeEquivalence, CP2xPP2_1F1B) {
 TEST(RuntimeEquivalence, CP2xDP2_Zero1) {
   expect_equivalent("cp2dp2-zero1", 4, context_parallel(strategy(1, 2, 1, 1, 2, "1f1b"), 2), "", kDense);
 }
+TEST(RuntimeEquivalence, ClipGrad_CP2xDP2_Zero1) {
+  expect_equivalent("clip-cp2dp2", 4, clipped(context_parallel(strategy(1, 2, 1, 1, 2, "1f1b"), 2)), "", kDense);
+}
 // EP groups across DP x CP (Megatron-core's layout, issue 26): each CP rank routes its own load-balanced
 // chunks of the sequence to the experts of its EP group (CP 2 x EP 2: the CP pair is the EP group; with
 // DP 2 x CP 2 x EP 2 the experts' gradients are reduced over the two replicas holding the same experts).
@@ -570,6 +597,14 @@ TEST(RuntimeEquivalence, TP2_SP_ETP2_MoE) {
   core::StrategyOptions o = megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, true, "none");
   o.etp = 2;
   expect_equivalent("tp2sp-etp2", 2, o);
+}
+TEST(RuntimeEquivalence, ClipGrad_TP2_SP_PP2) {
+  expect_equivalent("clip-tp2sp", 4, clipped(megatron(strategy(2, 1, 1, 0, 4, "1f1b"), 2, true, "none")), "", kDense);
+}
+TEST(RuntimeEquivalence, ClipGrad_TP2_SP_ETP2_MoE) {
+  core::StrategyOptions o = clipped(megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, true, "none"));
+  o.etp = 2;
+  expect_equivalent("clip-tp2sp-etp2", 2, o);
 }
 TEST(RuntimeEquivalence, TP2_ETP2_MoE_WithoutSp) {
   core::StrategyOptions o = megatron(strategy(1, 1, 1, 0, 2, "1f1b"), 2, false, "none");
@@ -624,6 +659,9 @@ TEST(RuntimeEquivalence, SelectiveRecompute_PP2xDP2xEP2) {
 TEST(RuntimeEquivalence, HSDP_DP4_Zero1) {
   expect_equivalent("hsdp-zero1", 4, hsdp(strategy(1, 4, 1, 1, 2, "1f1b"), 2));
 }
+TEST(RuntimeEquivalence, ClipGrad_HSDP_DP4_Zero3) {
+  expect_equivalent("clip-hsdp-zero3", 4, clipped(hsdp(strategy(1, 4, 1, 3, 2, "1f1b"), 2)), "", kDense);
+}
 TEST(RuntimeEquivalence, HSDP_PP2xDP4xEP2_Zero2) {
   expect_equivalent("hsdp-zero2-ep", 8, hsdp(strategy(2, 4, 2, 2, 4, "1f1b"), 2));
 }
@@ -637,6 +675,9 @@ TEST(RuntimeEquivalence, HSDP_TP2xDP4_Zero3) {
 // single-process reference, where the head uses the embedding's table itself.
 TEST(RuntimeEquivalence, Gpt_Tied_1F1B_PP2xDP2) {
   expect_equivalent("gpt-1f1b", 4, strategy(2, 2, 1, 0, 4, "1f1b"), "", kGpt);
+}
+TEST(RuntimeEquivalence, ClipGrad_Gpt_Tied_PP2xDP2) {  // the head's copy of the table is not counted again
+  expect_equivalent("clip-gpt", 4, clipped(strategy(2, 2, 1, 0, 4, "1f1b")), "", kGpt);
 }
 TEST(RuntimeEquivalence, Gpt_Untied_1F1B_PP2xDP2) {
   expect_equivalent("gpt-untied-1f1b", 4, strategy(2, 2, 1, 0, 4, "1f1b"), "", kGptUntied);

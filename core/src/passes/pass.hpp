@@ -69,5 +69,6 @@ bool run_tied_embedding(PassRun& run);                                          
 bool run_update_costs(PassRun& run);                                                    // update_costs.cpp
 void run_order(PassRun& run, const OrderDirective& d, int index);                       // order.cpp
 void run_sm_partition(PassRun& run, const SmPartitionDirective& d, int index);          // sm_partition.cpp
+void run_clip_grad(PassRun& run, const ClipGradDirective& d, int index);                // clip_grad.cpp
 
 }  // namespace piper::core::passes

@@ -10,8 +10,8 @@ namespace piper::core::passes {
 namespace {
 
 // The order: split -> backward-split -> tensor_parallel/context_parallel/recompute -> recost -> place ->
-// finish-placement -> tp-groups -> cp-groups -> shard -> replicate -> tied-embedding -> update-costs -> order ->
-// sm_partition. ARCHITECTURE.md lists it (checked by the architecture_doc test).
+// finish-placement -> tp-groups -> cp-groups -> shard -> replicate -> tied-embedding -> clip-grad -> update-costs ->
+// order -> sm_partition. ARCHITECTURE.md lists it (checked by the architecture_doc test).
 // Tensor parallelism and recomputation change per-device costs before placement creates the
 // transfers (whose sizes they change); their groups are formed once the placement is known.
 constexpr std::array kPasses = {
@@ -28,6 +28,7 @@ constexpr std::array kPasses = {
     directive_pass<ShardDirective, run_shard>("shard", true),
     directive_pass<ReplicateDirective, run_replicate>("replicate", true),
     internal_pass("tied-embedding", run_tied_embedding, true, true),
+    directive_pass<ClipGradDirective, run_clip_grad>("clip-grad", true, true),
     internal_pass("update-costs", run_update_costs, true),
     directive_pass<OrderDirective, run_order>("order", true),
     directive_pass<SmPartitionDirective, run_sm_partition>("sm-partition", true, true),

@@ -90,6 +90,7 @@ Exec CudaKernels::ctx(int stream) const {
 Exec CudaKernels::util() const { return Exec{util_, nullptr, alloc_.get()}; }
 
 void CudaKernels::begin_step(int) {
+  grad_scale_ = 1;
   if (step_start_) cudaEventDestroy(step_start_);
   step_start_ = timed_event(util_);
   // Completed before any op's events are read against it: cudaEventElapsedTime fails (NotReady) if
@@ -132,8 +133,31 @@ bool CudaKernels::op_done(const core::OpRef& at, Mark& m, const core::Op& op) {
 
 void CudaKernels::update(const Exec& e, int s, int step) {
   const host::AdamWConfig a = config_.adamw.at(step);  // this step's learning rate (the schedule)
-  const AdamW cfg{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay};
+  const AdamW cfg{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, grad_scale_};
   model_->update(e, s, cfg, step);
+}
+
+// The rule of HostModel::owned_grad_sq without tensor parallelism or tied copies (which this backend
+// refuses): replica 0's gradients, or with ZeRO the first shard group's chunks.
+void CudaKernels::grad_sq(const Exec& e, const std::vector<int>& segments, Tensor& out) {
+  for (int s : segments) {
+    const host::SegmentParams& sp = model_->layout(s);
+    SegmentDevice& d = model_->device(s);
+    if (sp.zero_level >= 1) {
+      if (sp.replica_index >= sp.zero_shards) continue;
+      const std::int64_t chunk = sp.chunk_end - sp.chunk_begin;
+      const float* g = d.grad_chunk_ready ? d.grad_chunk.as<float>() : d.grads.as<float>() + sp.chunk_begin;
+      sum_squares(g, chunk, out.as<float>(), e.stream);
+    } else if (sp.replica_index == 0) {
+      sum_squares(d.grads.as<float>(), static_cast<std::int64_t>(d.grads.size()), out.as<float>(), e.stream);
+    }
+  }
+}
+
+double CudaKernels::clip_to(const Exec& e, const Tensor& norm_sq, double max_norm) {
+  const float sq = download_floats(e, norm_sq).at(0);
+  grad_scale_ = clip_scale(sq, max_norm);
+  return sq;
 }
 
 void CudaKernels::poison(int s) {

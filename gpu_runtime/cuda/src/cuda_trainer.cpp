@@ -62,6 +62,7 @@ class CudaTrainee : public RankTrainee {
   explicit CudaTrainee(CudaBackend& b) : b_(b) {}
   Backend& backend() override { return b_; }
   double loss_sum() override { return b_.loss_sum(); }
+  double grad_norm() override { return b_.grad_norm(); }
   bool state_is_finite() override { return true; }
   void snapshot() override { throw std::logic_error("the CUDA backend does not skip non-finite steps"); }
   void rollback() override { snapshot(); }

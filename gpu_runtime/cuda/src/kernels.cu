@@ -279,7 +279,7 @@ __global__ void adamw_k(AdamW cfg, float bc1, float bc2, float* params, const fl
                         std::int64_t n) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float gr = grads[i];
+  const float gr = grads[i] * cfg.grad_scale;
   m[i] = cfg.beta1 * m[i] + (1.0f - cfg.beta1) * gr;
   v[i] = cfg.beta2 * v[i] + (1.0f - cfg.beta2) * gr * gr;
   const float mhat = m[i] / bc1, vhat = v[i] / bc2;
@@ -409,6 +409,15 @@ __global__ void sum_into_k(const float* v, int n, float* acc) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) s += v[i];
   s = block_reduce<false>(s);
   // Atomic: heads of different streams (or virtual devices' ops) may add to one accumulator at once.
+  if (threadIdx.x == 0) atomicAdd(acc, s);
+}
+
+__global__ void sum_squares_k(const float* v, std::int64_t n, float* acc) {
+  float s = 0;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    s += v[i] * v[i];
+  s = block_reduce<false>(s);
   if (threadIdx.x == 0) atomicAdd(acc, s);
 }
 
@@ -660,6 +669,13 @@ void add(DType dt, const void* a, const void* b, std::int64_t n, void* out, cuda
   PIPER_TYPED(dt, (add_k<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const T*>(a), static_cast<const T*>(b),
                                                                     n, static_cast<T*>(out))));
   launched("add");
+}
+
+void sum_squares(const float* v, std::int64_t n, float* acc, cudaStream_t stream) {
+  if (n <= 0) return;
+  const auto blocks = static_cast<unsigned>(std::min<std::int64_t>(blocks_for(n), 1024));
+  sum_squares_k<<<blocks, kThreads, 0, stream>>>(v, n, acc);
+  launched("sum_squares");
 }
 
 void sum_into(const float* v, int n, float* acc, cudaStream_t stream) {

@@ -142,6 +142,7 @@ class GlobalDag {
   };
   std::vector<Split> splits;
   std::optional<SmPartition> sm_partition;  // set by the sm_partition directive
+  double clip_grad = 0;                     // set by the clip_grad directive: the max global norm (0: none)
 
   Vertex add_node(const DagNode& n) { return boost::add_vertex(n, graph); }
   void add_edge(Vertex u, Vertex v, const DagEdge& e) { boost::add_edge(u, v, e, graph); }

@@ -152,9 +152,20 @@ struct ContextParallelDirective {
   friend bool operator==(const ContextParallelDirective&, const ContextParallelDirective&) = default;
 };
 
-using Directive =
-    std::variant<PlaceDirective, ReplicateDirective, ShardDirective, SplitDirective, OrderDirective,
-                 TensorParallelDirective, RecomputeDirective, SmPartitionDirective, ContextParallelDirective>;
+// Gradient clipping by global norm (Megatron-LM's --clip-grad, TorchTitan's max_norm,
+// torch.nn.utils.clip_grad_norm_): before any update of the step, every device adds the squares of
+// the gradients it owns and one all-reduce over every device (family purpose "grad-norm") gives the
+// global norm; every update scales its gradients by min(1, max_norm / (norm + 1e-6)). The all-reduce
+// waits for every gradient reduction of the step and every update waits for it, as in the
+// frameworks, whose optimizer step follows the whole backward. At most one per program.
+struct ClipGradDirective {
+  double max_norm = 1.0;
+  friend bool operator==(const ClipGradDirective&, const ClipGradDirective&) = default;
+};
+
+using Directive = std::variant<PlaceDirective, ReplicateDirective, ShardDirective, SplitDirective, OrderDirective,
+                               TensorParallelDirective, RecomputeDirective, SmPartitionDirective,
+                               ContextParallelDirective, ClipGradDirective>;
 
 // The typed directive program: what the passes apply and what front ends build (ProgramBuilder,
 // program_builder.hpp), combine and edit (the members below), never as raw JSON. `source` is each

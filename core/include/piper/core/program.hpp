@@ -181,6 +181,10 @@ struct Program {
   // The sm_partition directive's split of each GPU's SMs (none: communication and compute share the
   // SMs dynamically, the cluster's comm_sm_share). In JSON: "sm_partition": {"stream", "sms"}, omitted when none.
   std::optional<SmPartition> sm_partition;
+  // The clip_grad directive's max global gradient norm (0: no clipping): the plan then holds one
+  // ALL_REDUCE of family purpose grad-norm per device between its gradient reductions and its
+  // updates. In JSON: "clip_grad", omitted when 0.
+  double clip_grad = 0;
   ProgramStats stats;  // not part of equality; informational
 
   const Plan& plan_for(int device) const {

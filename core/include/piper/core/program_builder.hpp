@@ -47,6 +47,7 @@ class ProgramBuilder {
   // "none", "selective", "full" or "op"; every / first > 0: only those blocks (RecomputeDirective)
   ProgramBuilder& recompute(const Filter& filter, const std::string& mode, int every = 0, int first = 0);
   ProgramBuilder& sm_partition(int sms);                                  // the communication streams' SMs
+  ProgramBuilder& clip_grad(double max_norm);                             // gradient clipping by global norm
   ProgramBuilder& context_parallel(int degree, bool all_gather = false);  // the whole model's CP degree
   ProgramBuilder& append(const DirectiveProgram& directives);             // another program's directives, in order
 

@@ -49,6 +49,7 @@ enum class FamilyPurpose {
   Tp,             // "tp": the tensor-parallel groups of a segment (ProgramSegment::tp_family)
   TiedEmbedding,  // "tied-embedding": pairs of devices summing the tied embedding/head gradients
   Cp,             // "cp": the context-parallel groups of a segment (ProgramSegment::cp_family)
+  GradNorm,       // "grad-norm": every device, summing its owned gradients' squares (the clip_grad directive)
 };
 std::string to_string(FamilyPurpose p);
 FamilyPurpose family_purpose_from_string(const std::string& s);  // throws std::invalid_argument naming the choices

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -83,6 +84,11 @@ std::string unsupported_feature(const core::Program& program, const Capabilities
 // Throws std::invalid_argument with unsupported_feature's line when it is not empty.
 void check_capabilities(const core::Program& program, const Capabilities& caps);
 
+// Gradient clipping by global norm: the factor every gradient of the step is multiplied by,
+// min(1, max_norm / (norm + 1e-6)) with norm = sqrt(norm_sq) (torch.nn.utils.clip_grad_norm_'s rule;
+// a non-finite norm gives a non-finite factor, and the update's non-finite state stops the run).
+float clip_scale(double norm_sq, double max_norm);
+
 // ---- The two interfaces ----
 
 // One communication of one device over buffers of the kernels' type. Sizes are the buffers' own:
@@ -117,15 +123,16 @@ enum class Vec { Grads, GradChunk, Master, Params, TiedGrads };
 //   backward_input(ctx, seg, Backward&, Stash&);  void backward_weight(ctx, seg, Stash&); Source route(ctx, const
 //   Forward&, ranks);  dispatch_forward / dispatch_backward -> std::vector<Packet>; experts_forward_entries /
 //   experts_backward_entries (ctx, seg, from, Stash&, std::vector<Packet>* to); combine_forward(ctx, Forward&, Source&,
-//   from);  combine_backward(ctx, Backward&, const Source&, from); void update(ctx, seg, int step);  void poison(int
-//   seg); Buf pack_forward(ctx, Forward&&);  Buf pack_backward(ctx, Backward&&);  Buf message_buffer(ctx); Forward
-//   unpack_forward(ctx, Buf&);  Backward unpack_backward(ctx, Buf&); Buf pack_packets(ctx, const std::vector<Packet>&,
-//   ranks);  Buf packet_buffer(ctx, ranks); std::vector<Packet> unpack_packets(ctx, Buf&, ranks); Buf floats(ctx,
-//   std::int64_t n);   // zeroed fp32 std::int64_t size(seg, Vec);  void zero(ctx, seg, Vec); void read(ctx, Buf& dst,
-//   std::int64_t at, seg, Vec, std::int64_t from, std::int64_t n);  // dst[at..] = v[from..] void write(ctx, seg, Vec,
-//   std::int64_t at, const Buf& src, std::int64_t from, std::int64_t n, bool add); bool& grad_chunk_ready(seg);  int&
-//   gathered(seg);  host::SegmentParams& layout(seg); bool tied();  int embedding_layer();  int head_layer();  int
-//   top_k();
+//   from);  combine_backward(ctx, Backward&, const Source&, from); void update(ctx, seg, int step);  void grad_sq(ctx,
+//   segments, Buf& out);  double clip_to(ctx, const Buf& norm_sq, double max_norm);  // returns norm_sq's value  void
+//   poison(int seg); Buf pack_forward(ctx, Forward&&);  Buf pack_backward(ctx, Backward&&);  Buf message_buffer(ctx);
+//   Forward unpack_forward(ctx, Buf&);  Backward unpack_backward(ctx, Buf&); Buf pack_packets(ctx, const
+//   std::vector<Packet>&, ranks);  Buf packet_buffer(ctx, ranks); std::vector<Packet> unpack_packets(ctx, Buf&, ranks);
+//   Buf floats(ctx, std::int64_t n);   // zeroed fp32 std::int64_t size(seg, Vec);  void zero(ctx, seg, Vec); void
+//   read(ctx, Buf& dst, std::int64_t at, seg, Vec, std::int64_t from, std::int64_t n);  // dst[at..] = v[from..] void
+//   write(ctx, seg, Vec, std::int64_t at, const Buf& src, std::int64_t from, std::int64_t n, bool add); bool&
+//   grad_chunk_ready(seg);  int& gathered(seg);  host::SegmentParams& layout(seg); bool tied();  int embedding_layer();
+//   int head_layer();  int top_k();
 // };
 // struct Transport {
 //   int post(const CommPost<Buf>&, const Ctx&);  bool test(int ticket);  std::string name() const;
@@ -141,6 +148,7 @@ class DataflowBase {
   int device() const { return device_; }
   const DataShape& shape() const { return shape_; }
   float loss_scale() const { return loss_scale_; }
+  double grad_norm() const { return grad_norm_; }  // clip_grad: the last step's global gradient norm; else -1
 
  protected:
   // The data-parallel rank of this device in `op` (TP ranks of a group and the CP ranks of a block
@@ -175,6 +183,9 @@ class DataflowBase {
   std::vector<int> set_tp_, set_cp_;  // device set -> TP degree of its stage, CP degree of its segments
   std::unique_ptr<host::TokenStream> stream_;
   TiedSync tied_;
+  int norm_family_ = -1;            // the grad-norm family (clip_grad), or -1
+  double grad_norm_ = -1;           // the last step's global gradient norm (clip_grad), or -1
+  std::vector<int> held_segments_;  // the segments this device holds parameters of
   int step_ = 0, steps_done_ = 0;
   double loss_sum_ = 0;
 };
@@ -452,7 +463,10 @@ void Dataflow<K, T>::start_comm(const Ctx& c, const core::Op& op, Pending& p) {
     }
     case core::OpKind::AllReduce: {
       r.kind = CommKind::AllReduce;
-      if (is_tied_sum(op)) {  // this device's copy of the tied table: its local gradient
+      if (op.family >= 0 && op.family == norm_family_) {  // gradient clipping: this device's owned sum of squares
+        p.recv = k_.floats(c, 1);
+        k_.grad_sq(c, held_segments_, p.recv);
+      } else if (is_tied_sum(op)) {  // this device's copy of the tied table: its local gradient
         const std::int64_t n = k_.size(tied_.held(), Vec::TiedGrads);
         p.recv = k_.floats(c, n);
         k_.read(c, p.recv, 0, tied_.held(), Vec::TiedGrads, 0, n);
@@ -577,6 +591,10 @@ void Dataflow<K, T>::finish_comm(const Ctx& c, const core::Op& op, Pending& p) {
       break;
     }
     case core::OpKind::AllReduce: {
+      if (op.family >= 0 && op.family == norm_family_) {
+        grad_norm_ = std::sqrt(k_.clip_to(c, p.recv, program_.clip_grad));
+        break;
+      }
       if (is_tied_sum(op)) {
         k_.write(c, tied_.held(), Vec::TiedGrads, 0, p.recv, 0, k_.size(tied_.held(), Vec::TiedGrads), false);
         tied_.finished = true;

@@ -53,7 +53,7 @@ class HostKernels {
   int head_layer() const { return m_.head_layer(); }
   void require_tied() const {}
   Ctx ctx(int) const { return {}; }
-  void begin_step(int) {}
+  void begin_step(int) { grad_scale_ = 1; }
   double end_step(double host_loss) { return host_loss; }
   Mark begin_op(const Ctx&) { return {}; }
   void end_op(const Ctx&, Mark&) {}
@@ -84,7 +84,22 @@ class HostKernels {
   void combine_backward(const Ctx&, Backward& g, const Source& src, const std::vector<Packet>& in) {
     m_.combine_backward(g, src, in);
   }
-  void update(const Ctx&, int s, int step) { m_.update(s, adamw_.at(step), step); }
+  void update(const Ctx&, int s, int step) {
+    host::AdamWConfig cfg = adamw_.at(step);
+    cfg.grad_scale = grad_scale_;
+    m_.update(s, cfg, step);
+  }
+  // Gradient clipping: this device's owned sum of squares into out[0]; the all-reduced sum sets the
+  // scale of this step's updates.
+  void grad_sq(const Ctx&, const std::vector<int>& segments, Buf& out) {
+    double sum = 0;
+    for (int s : segments) sum += m_.owned_grad_sq(s);
+    out.assign(1, static_cast<float>(sum));
+  }
+  double clip_to(const Ctx&, const Buf& norm_sq, double max_norm) {
+    grad_scale_ = clip_scale(norm_sq.at(0), max_norm);
+    return norm_sq.at(0);
+  }
   void poison(int s) { m_.poison_params(s); }
 
   Buf pack_forward(const Ctx&, Forward&& st) { return st.serialize(); }
@@ -124,6 +139,7 @@ class HostKernels {
   host::HostModel& m_;
   DataShape shape_;
   host::AdamWConfig adamw_;
+  float grad_scale_ = 1;
 };
 
 // The host side of the dataflow's Transport interface.
@@ -219,7 +235,8 @@ class HostBackend : public Backend {
   void end_step() override { flow_->end_step(); }
   std::string describe_wait(const core::Op& op) const override { return flow_->describe_wait(op); }
 
-  double loss_sum() const { return flow_->loss_sum(); }  // this device's summed token losses of the step
+  double loss_sum() const { return flow_->loss_sum(); }    // this device's summed token losses of the step
+  double grad_norm() const { return flow_->grad_norm(); }  // the step's global gradient norm (clip_grad), or -1
   host::HostModel& model() { return *model_; }
   int steps_done() const { return flow_->steps_done(); }
   void set_steps_done(int steps) { flow_->set_steps_done(steps); }

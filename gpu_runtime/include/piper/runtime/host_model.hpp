@@ -210,6 +210,11 @@ class HostModel {
   // This device's accumulated gradients in the canonical layout (tests compare them with the
   // reference's; no ZeRO chunking).
   std::vector<ParamRecord> grad_records() const;
+  // Gradient clipping: the sum of squares of the reduced gradients of segment `seg` that this device
+  // owns, so that the sum over all devices counts every element of the model once: replica 0 (ZeRO:
+  // the first shard group's chunks), TP-replicated tensors on TP rank 0, and a tied head's copy of
+  // the embedding table never (its embedding's segment counts it).
+  double owned_grad_sq(int seg) const;
   // Where a segment's local vector sits in the canonical layout: contiguous runs in local order
   // (expert shards: whole experts; TP: one run per row of a column-split tensor). `replicated` marks
   // tensors every TP rank of a group holds in full.

@@ -202,6 +202,8 @@ struct AdamWConfig {
   LrDecay decay = LrDecay::Constant;
   int decay_steps = 0;  // > warmup_steps when decay is not constant (the trainers default it to --steps)
   float min_lr = 0;
+  // Multiplies every gradient before the moments: gradient clipping's min(1, max_norm / norm).
+  float grad_scale = 1;
   // The learning rate of optimizer step `step` (counting from 1).
   float lr_at(int step) const;
   // This configuration with lr = lr_at(step): what the update of that step uses.

@@ -56,6 +56,7 @@ struct TrainResult {
   std::vector<double> losses;        // one per step run
   std::vector<int> skipped_steps;    // --on-nonfinite skip: the steps (1-based) whose update was dropped
   std::vector<double> step_times_s;  // one per step run (slowest rank)
+  std::vector<double> grad_norms;    // clip_grad: each step's global gradient norm (before clipping)
   double step_time_s = 0;            // mean over steps (slowest rank)
   double tokens_per_s = 0;
   // Executor accounting summed over steps on this rank (distributed runs only).
@@ -79,6 +80,7 @@ class RankTrainee {
   virtual ~RankTrainee() = default;
   virtual Backend& backend() = 0;
   virtual double loss_sum() = 0;       // this rank's summed token losses of the last step
+  virtual double grad_norm() = 0;      // clip_grad: the last step's global gradient norm (every rank's)
   virtual bool state_is_finite() = 0;  // after the update (a backend that cannot tell: true)
   virtual void snapshot() = 0;         // --on-nonfinite skip: keep the state before a step...
   virtual void rollback() = 0;         // ...and restore it when the step diverged

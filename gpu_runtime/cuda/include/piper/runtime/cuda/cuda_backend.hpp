@@ -108,6 +108,10 @@ class CudaKernels {
     model_->combine_backward(e, g, src, in);
   }
   void update(const Exec& e, int s, int step);
+  // Gradient clipping (dataflow.hpp): this device's owned sum of squares into out (one fp32), and
+  // the all-reduced sum read back (a 4-byte copy that waits for the reduction) as the update scale.
+  void grad_sq(const Exec& e, const std::vector<int>& segments, Tensor& out);
+  double clip_to(const Exec& e, const Tensor& norm_sq, double max_norm);  // returns the norm's square
   void poison(int s);
 
   Tensor pack_forward(const Exec& e, Forward&& st) { return cuda::pack_forward(e, msg_, st); }
@@ -151,6 +155,7 @@ class CudaKernels {
   MessageShape msg_;
   PacketShape packets_;
   cudaEvent_t step_start_ = nullptr;
+  float grad_scale_ = 1;  // this step's gradient clipping factor
   core::DeviceTimeline timeline_;
   std::vector<std::size_t> stream_base_;
 };
@@ -183,6 +188,7 @@ class CudaBackend : public Backend {
   std::string describe_wait(const core::Op& op) const override { return flow_->describe_wait(op); }
 
   double loss_sum() const { return flow_->loss_sum(); }
+  double grad_norm() const { return flow_->grad_norm(); }  // the step's global gradient norm (clip_grad), or -1
   int steps_done() const { return flow_->steps_done(); }
   void set_steps_done(int steps) { flow_->set_steps_done(steps); }
   std::vector<host::ParamRecord> param_records();

@@ -80,6 +80,7 @@ void cross_entropy(DType dt, void* logits, const int* targets, int tokens_count,
 // ---- AdamW (decoupled weight decay, bias-corrected, step counts from 1) on fp32 master state ----
 struct AdamW {
   float lr = 3e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.01f;
+  float grad_scale = 1;  // multiplies every gradient first (gradient clipping)
 };
 void adamw(const AdamW& cfg, int step, float* params, const float* grads, float* m, float* v, std::int64_t n,
            cudaStream_t stream);
@@ -123,5 +124,7 @@ void accumulate_f32(DType dt, float* dst, const void* src, std::int64_t n, cudaS
 void add(DType dt, const void* a, const void* b, std::int64_t n, void* out, cudaStream_t stream);
 // *acc += sum of v[0, n) (one block sums in a fixed order, then one atomic add).
 void sum_into(const float* v, int n, float* acc, cudaStream_t stream);
+// acc[0] += sum of v[i]^2 (fp32 atomics: the order of the partial sums is not fixed).
+void sum_squares(const float* v, std::int64_t n, float* acc, cudaStream_t stream);
 
 }  // namespace piper::runtime::cuda
