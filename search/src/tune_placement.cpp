@@ -10,6 +10,7 @@
 
 #include "piper/core/kernels.hpp"
 #include "piper/core/model.hpp"
+#include "piper/core/strategy.hpp"
 #include "piper/search/tune.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/cost_model.hpp"
@@ -156,12 +157,11 @@ std::vector<TuneCandidate> rank_order_variants(const TuneSpec& spec, const TuneC
   // A group is as fast as its slowest device (its TP group and data-parallel replicas wait for it).
   std::vector<double> speed(static_cast<std::size_t>(c.pp), std::numeric_limits<double>::infinity());
   for (int g = 0; g < c.pp; ++g)
-    for (int d = 0; d < c.dp; ++d)
-      for (int k = 0; k < c.tp * c.cp; ++k) {  // a block of tp x cp devices (TP innermost, then CP)
-        const sim::GpuSpec& gpu = cluster.gpu(k + c.tp * c.cp * (g + d * c.pp));
-        speed[static_cast<std::size_t>(g)] =
-            std::min(speed[static_cast<std::size_t>(g)], gpu.peak_flops * gpu.max_efficiency);
-      }
+    for (int device : core::devices_of_rank(c, g)) {  // in c's --device-order
+      const sim::GpuSpec& gpu = cluster.gpu(device);
+      speed[static_cast<std::size_t>(g)] =
+          std::min(speed[static_cast<std::size_t>(g)], gpu.peak_flops * gpu.max_efficiency);
+    }
   if (std::all_of(speed.begin(), speed.end(), [&](double v) { return v == speed.front(); })) return out;
   // Per-rank compute time of the regions each holds, with c's boundaries.
   const RegionPlacement place = placement_of(c);

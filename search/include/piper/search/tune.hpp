@@ -93,7 +93,7 @@ struct TuneCandidate : core::StrategyOptions {
   std::string placement = "default";  // how the PP boundaries were chosen (a label)
   std::vector<int> pp_ranges;         // first block of each PP region; empty: the generator's balance
   // Device group of each pipeline rank (a permutation of 0..pp-1; empty: rank r on group r). Group g
-  // is the devices k + tp * (c + cp * (g + d * pp)) that the generator gives rank g.
+  // is the devices the generator gives rank g (core::devices_of_rank, in the --device-order).
   std::vector<int> rank_order;
 
   // Stable identity (no commas): the resume key.
