@@ -275,7 +275,9 @@ std::string TuneCandidate::describe() const {
   if (comm_sms > 0) s += fmt::format(", communication on {} SMs", comm_sms);
   if (!pp_ranges.empty()) s += fmt::format(", PP starts {}", join(pp_ranges, ','));
   if (!rank_order.empty()) s += fmt::format(", ranks on device groups {}", join(rank_order, ','));
-  if (!pp_ranges.empty() || !rank_order.empty()) s += fmt::format(" ({})", placement);
+  const bool other_order = device_order != core::StrategyOptions().device_order;
+  if (other_order) s += fmt::format(", devices {}", device_order);
+  if (!pp_ranges.empty() || !rank_order.empty() || other_order) s += fmt::format(" ({})", placement);
   return s;
 }
 

@@ -201,4 +201,30 @@ std::vector<TuneCandidate> rank_order_variants(const TuneSpec& spec, const TuneC
   return out;
 }
 
+namespace {
+
+// Nodes spanned by the first expert group (ep x etp consecutive entries of rank 0's device list).
+int expert_group_nodes(const sim::Cluster& cluster, const TuneCandidate& c) {
+  const std::vector<int> devices = core::devices_of_rank(c, 0);
+  std::set<int> nodes;
+  for (std::size_t i = 0; i < devices.size() && i < static_cast<std::size_t>(c.ep * c.etp); ++i)
+    nodes.insert(cluster.node_of(devices[i]));
+  return static_cast<int>(nodes.size());
+}
+
+}  // namespace
+
+std::vector<TuneCandidate> device_order_variants(const TuneSpec& spec, const TuneCandidate& c) {
+  std::vector<TuneCandidate> out;
+  const core::StrategyOptions defaults;
+  if (c.pp < 2 || c.ep < 2 || c.device_order != defaults.device_order || !c.rank_order.empty()) return out;
+  TuneCandidate v = c;
+  v.device_order = "tp-cp-dp-pp";
+  const sim::Cluster& cluster = cost_model_of(spec)->cluster();
+  if (expert_group_nodes(cluster, v) >= expert_group_nodes(cluster, c)) return out;
+  v.placement = (c.pp_ranges.empty() ? std::string() : c.placement + "; ") + "Megatron's device order";
+  out.push_back(std::move(v));
+  return out;
+}
+
 }  // namespace piper::search

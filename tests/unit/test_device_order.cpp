@@ -28,6 +28,7 @@
 #include "piper/core/strategy.hpp"
 #include "piper/core/verifier.hpp"
 #include "piper/runtime/trainer.hpp"
+#include "piper/search/tune.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/cost_model.hpp"
 #include "piper/sim/engine.hpp"
@@ -259,6 +260,91 @@ TEST(DeviceOrder, ExpertGroupsInsideANodeMakeTheStepShorter) {
   EXPECT_EQ(piper.ep_group_nodes, (std::set<int>{2}));
   ASSERT_GT(megatron.step, 0);
   EXPECT_LT(megatron.step, piper.step) << "tp-cp-dp-pp " << megatron.step << " s, tp-cp-pp-dp " << piper.step << " s";
+}
+
+// The tuner's rank orders in tp-cp-dp-pp: device group g is then the devices d + dp g (one node each
+// here), so a relabelled program moves whole groups, and on a cluster whose nodes differ the groups
+// differ too (in tp-cp-pp-dp each group r + 2 d has devices on both nodes, so all groups are alike).
+TEST(DeviceOrder, TunerRankOrdersFollowTheDeviceOrder) {
+  namespace search = piper::search;
+  search::TuneSpec spec;
+  spec.model = "qwen3-1b";
+  spec.devices = 16;
+  spec.seq_len = 1024;
+  spec.global_batch = 16;
+  search::TuneCandidate c;
+  c.pp = 2, c.dp = 8, c.schedule = "1f1b", c.microbatches = 2, c.micro_batch_size = 1;
+  c.device_order = kMegatron;
+  search::TuneCandidate reversed = c;
+  reversed.rank_order = {1, 0};
+  // Rank 0 on group 1 = devices d + 8 x 1 = 8..15, rank 1 on group 0 = 0..7.
+  std::vector<std::vector<int>> places;
+  for (const auto& d : search::tune_directives(spec, reversed))
+    if (d.value("op", "") == "place") places.push_back(d.at("devices").get<std::vector<int>>());
+  EXPECT_EQ(places, (std::vector<std::vector<int>>{{8, 9, 10, 11, 12, 13, 14, 15}, {0, 1, 2, 3, 4, 5, 6, 7}}));
+
+  const fs::path cluster = fs::temp_directory_path() / ("piper-device-order-" + std::to_string(::getpid()) + ".json");
+  std::ofstream(cluster)
+      << R"({"name": "mixed", "preset": "dgx-h200", "nodes": 2, "fixed": true, "overrides": [{"nodes": [1], "gpu": "a100-sxm-80g"}]})";
+  spec.cluster = cluster.string();
+  const auto variants = search::rank_order_variants(spec, c);
+  ASSERT_FALSE(variants.empty()) << "group 0 is node 0 (H200), group 1 node 1 (A100)";
+  EXPECT_EQ(variants.front().device_order, kMegatron);
+  search::TuneCandidate plain = c;
+  plain.device_order = "tp-cp-pp-dp";
+  EXPECT_TRUE(search::rank_order_variants(spec, plain).empty()) << "every group has 4 H200s and 4 A100s";
+  fs::remove(cluster);
+}
+
+// piper tune proposes Megatron's order for its leaders with PP and EP where it puts an expert group on
+// fewer nodes: PP 2 x DP 8 x EP 8 on two 8-GPU nodes (the group of 8 on one node instead of two, as in
+// ExpertGroupsInsideANodeMakeTheStepShorter), not on one node (8 devices: a group is inside it either
+// way), not without EP, not twice. The variant simulates faster, and a search over that space ranks it
+// first.
+TEST(DeviceOrder, TunerTriesMegatronsOrderWhereExpertGroupsSpanNodes) {
+  namespace search = piper::search;
+  const std::string path = ::testing::TempDir() + "/device-order-tune-" + std::to_string(::getpid()) + ".json";
+  write_file_atomically(path, config_to_spec_json(a2a_heavy_moe()).dump());
+  search::TuneSpec spec;
+  spec.model = path;
+  spec.cluster = "dgx-h100";
+  spec.devices = 16;
+  spec.global_batch = 32;
+  search::TuneCandidate c;
+  c.pp = 2, c.dp = 8, c.ep = 8, c.schedule = "1f1b", c.microbatches = 4, c.micro_batch_size = 1;
+  const auto variants = search::device_order_variants(spec, c);
+  ASSERT_EQ(variants.size(), 1u);
+  EXPECT_EQ(variants[0].device_order, kMegatron);
+  EXPECT_EQ(variants[0].placement, "Megatron's device order");
+  EXPECT_TRUE(search::device_order_variants(spec, variants[0]).empty());
+  search::TuneCandidate dense = c;
+  dense.ep = 1;
+  EXPECT_TRUE(search::device_order_variants(spec, dense).empty());
+  search::TuneSpec one_node = spec;
+  one_node.devices = 8;
+  search::TuneCandidate small = c;
+  small.dp = small.ep = 4;
+  EXPECT_TRUE(search::device_order_variants(one_node, small).empty());
+
+  const search::TuneRow plain = search::evaluate_candidate(spec, c, "analytic");
+  const search::TuneRow megatron = search::evaluate_candidate(spec, variants[0], "analytic");
+  ASSERT_EQ(megatron.status, "ok") << megatron.reason;
+  EXPECT_LT(megatron.step_time_s, plain.step_time_s);
+
+  spec.pp_degrees = {2};
+  spec.ep_degrees = {8};
+  spec.tp_degrees = {1};
+  spec.schedules = {"1f1b"};
+  spec.recompute_modes = {"none"};
+  spec.sequence_parallel = {false};
+  spec.zero_levels = {0};
+  spec.micro_batch_sizes = {1};
+  spec.top_k = 0;
+  const fs::path csv = fs::temp_directory_path() / ("piper-device-order-tune-" + std::to_string(::getpid()) + ".csv");
+  const search::TuneSummary summary = search::run_tune(spec, csv.string());
+  ASSERT_FALSE(summary.ranked.empty());
+  EXPECT_EQ(summary.ranked.front().candidate.device_order, kMegatron) << summary.ranked.front().candidate.describe();
+  fs::remove(csv);
 }
 
 namespace {

@@ -152,6 +152,11 @@ std::vector<TuneCandidate> placement_variants(const TuneSpec& spec, const TuneCa
 // crosses more node boundaries.
 std::vector<TuneCandidate> rank_order_variants(const TuneSpec& spec, const TuneCandidate& c);
 
+// Megatron's device order (--device-order tp-cp-dp-pp, pipeline rank outermost) for a candidate with
+// pipeline and expert parallelism in the default order, when it puts an expert group on fewer nodes
+// (its all-to-all then runs more on NVLink, its pipeline transfers cross nodes); else none.
+std::vector<TuneCandidate> device_order_variants(const TuneSpec& spec, const TuneCandidate& c);
+
 // The first block of each PP region that compile_scenario would use for `c` (the default balance
 // when c.pp_ranges is empty).
 std::vector<int> effective_pp_ranges(const TuneSpec& spec, const TuneCandidate& c);
