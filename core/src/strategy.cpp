@@ -26,17 +26,6 @@ std::string num(double v) {
   return s;
 }
 
-// Devices of pipeline rank r: k + tp * (c + cp * (r + d * pp)) for d = 0..dp-1, c = 0..cp-1,
-// k = 0..tp-1 (each TP group consecutive, then the CP ranks, pipeline ranks adjacent; tp = cp = 1 gives
-// r + d * pp).
-std::vector<int> devices_of_rank(const StrategyOptions& o, int rank) {
-  std::vector<int> devices;
-  for (int d = 0; d < o.dp; ++d)
-    for (int c = 0; c < o.cp; ++c)
-      for (int k = 0; k < o.tp; ++k) devices.push_back(k + o.tp * (c + o.cp * (rank + d * o.pp)));
-  return devices;
-}
-
 void check_placement(const StrategyOptions& o, const std::vector<int>& rank_of_region) {
   if (rank_of_region.empty()) fail("placement has no PP regions");
   for (size_t i = 0; i < rank_of_region.size(); ++i)
@@ -54,6 +43,36 @@ void check_own_ends(const StrategyOptions& o, const ScheduleFamily& family) {
 }
 
 }  // namespace
+
+int device_of(const StrategyOptions& o, int k, int c, int r, int d) {
+  const int block = o.device_order == "tp-cp-dp-pp" ? d + o.dp * r : r + d * o.pp;  // the tp x cp block
+  return k + o.tp * (c + o.cp * block);
+}
+
+DeviceRanks ranks_of_device(const StrategyOptions& o, int device) {
+  DeviceRanks x;
+  x.k = device % o.tp;
+  x.c = device / o.tp % o.cp;
+  const int block = device / (o.tp * o.cp);
+  if (o.device_order == "tp-cp-dp-pp") {
+    x.d = block % o.dp;
+    x.r = block / o.dp;
+  } else {
+    x.r = block % o.pp;
+    x.d = block / o.pp;
+  }
+  return x;
+}
+
+// d-major, then c, then k: each TP group consecutive in the list, CP groups blocks of tp x cp entries
+// (the context_parallel pass and the verifier read them so), in either device order.
+std::vector<int> devices_of_rank(const StrategyOptions& o, int rank) {
+  std::vector<int> devices;
+  for (int d = 0; d < o.dp; ++d)
+    for (int c = 0; c < o.cp; ++c)
+      for (int k = 0; k < o.tp; ++k) devices.push_back(device_of(o, k, c, rank, d));
+  return devices;
+}
 
 int own_end_rank(const StrategyOptions& o, bool head) {
   const std::string& v = head ? o.v_head : o.v_embedding;

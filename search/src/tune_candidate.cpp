@@ -275,7 +275,9 @@ std::string TuneCandidate::describe() const {
   if (comm_sms > 0) s += fmt::format(", communication on {} SMs", comm_sms);
   if (!pp_ranges.empty()) s += fmt::format(", PP starts {}", join(pp_ranges, ','));
   if (!rank_order.empty()) s += fmt::format(", ranks on device groups {}", join(rank_order, ','));
-  if (!pp_ranges.empty() || !rank_order.empty()) s += fmt::format(" ({})", placement);
+  const bool other_order = device_order != core::StrategyOptions().device_order;
+  if (other_order) s += fmt::format(", devices {}", device_order);
+  if (!pp_ranges.empty() || !rank_order.empty() || other_order) s += fmt::format(" ({})", placement);
   return s;
 }
 
@@ -290,15 +292,14 @@ core::Scenario tune_scenario(const TuneSpec& spec, const TuneCandidate& c, const
   s.engine = engine;
   if (!c.rank_order.empty()) {
     // Another order of the pipeline ranks on the device groups: the compiled program of the
-    // generator's order with every device relabelled (device k + t (r + d pp) becomes
-    // k + t (order[r] + d pp)), given to the compiler as an explicit program.
+    // generator's order with every device relabelled (the device of ranks k, c, r, d becomes that of
+    // k, c, order[r], d, in c's --device-order), given to the compiler as an explicit program.
     TuneCandidate plain = c;
     plain.rank_order.clear();
     core::DirectiveProgram program = core::compile_scenario(tune_scenario(spec, plain)).program;
-    const int t = c.tp * c.cp, pp = c.pp;  // a block of tp x cp devices moves as one
     program.relabel_devices([&](int x) {
-      const int q = x / t;
-      return x % t + t * (c.rank_order.at(static_cast<std::size_t>(q % pp)) + (q / pp) * pp);
+      const core::DeviceRanks q = core::ranks_of_device(c, x);
+      return core::device_of(c, q.k, q.c, c.rank_order.at(static_cast<std::size_t>(q.r)), q.d);
     });
     s.directives = program.to_json();  // the scenario's program, as its file would hold it
   }

@@ -354,7 +354,8 @@ std::vector<TuneCandidate> Search::with_estimates(std::vector<TuneCandidate> lis
 
 // Phase 3: PP placement alternatives for the leading strategies (default placements only), then the
 // order of the pipeline ranks on the device groups, for the leaders with their best boundaries (only
-// where groups differ: rank_order_variants returns none on uniform clusters).
+// where groups differ: rank_order_variants returns none on uniform clusters), and Megatron's device
+// order for leaders whose expert groups it puts on fewer nodes (device_order_variants).
 void Search::placement_phase() {
   if (!spec_.placement_search || summary_.budget_exhausted) return;
   const int leaders = spec_.placement_leaders > 0 ? spec_.placement_leaders : std::max(spec_.top_k, 4);
@@ -381,6 +382,7 @@ void Search::placement_phase() {
     if (!strategies.insert(plain.key()).second || !row.candidate.rank_order.empty()) continue;
     try {
       for (auto& v : rank_order_variants(spec_, row.candidate)) orders.push_back(std::move(v));
+      for (auto& v : device_order_variants(spec_, row.candidate)) orders.push_back(std::move(v));
     } catch (const std::exception&) {
       // Keeps the generator's order.
     }
@@ -417,7 +419,9 @@ TuneSummary Search::finish() {
   for (const auto& [id, row] : done_) {
     if (id.second == "analytic") {
       summary_.simulated += 1;
-      if (!row.candidate.pp_ranges.empty() || !row.candidate.rank_order.empty()) summary_.placement_variants += 1;
+      if (!row.candidate.pp_ranges.empty() || !row.candidate.rank_order.empty() ||
+          row.candidate.device_order != core::StrategyOptions().device_order)
+        summary_.placement_variants += 1;
       if (row.fits(cap_)) summary_.fitting += 1;
     } else if (id.second == "simgrid") {
       summary_.simgrid += 1;

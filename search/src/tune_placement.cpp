@@ -10,6 +10,7 @@
 
 #include "piper/core/kernels.hpp"
 #include "piper/core/model.hpp"
+#include "piper/core/strategy.hpp"
 #include "piper/search/tune.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/cost_model.hpp"
@@ -156,12 +157,11 @@ std::vector<TuneCandidate> rank_order_variants(const TuneSpec& spec, const TuneC
   // A group is as fast as its slowest device (its TP group and data-parallel replicas wait for it).
   std::vector<double> speed(static_cast<std::size_t>(c.pp), std::numeric_limits<double>::infinity());
   for (int g = 0; g < c.pp; ++g)
-    for (int d = 0; d < c.dp; ++d)
-      for (int k = 0; k < c.tp * c.cp; ++k) {  // a block of tp x cp devices (TP innermost, then CP)
-        const sim::GpuSpec& gpu = cluster.gpu(k + c.tp * c.cp * (g + d * c.pp));
-        speed[static_cast<std::size_t>(g)] =
-            std::min(speed[static_cast<std::size_t>(g)], gpu.peak_flops * gpu.max_efficiency);
-      }
+    for (int device : core::devices_of_rank(c, g)) {  // in c's --device-order
+      const sim::GpuSpec& gpu = cluster.gpu(device);
+      speed[static_cast<std::size_t>(g)] =
+          std::min(speed[static_cast<std::size_t>(g)], gpu.peak_flops * gpu.max_efficiency);
+    }
   if (std::all_of(speed.begin(), speed.end(), [&](double v) { return v == speed.front(); })) return out;
   // Per-rank compute time of the regions each holds, with c's boundaries.
   const RegionPlacement place = placement_of(c);
@@ -198,6 +198,32 @@ std::vector<TuneCandidate> rank_order_variants(const TuneSpec& spec, const TuneC
     v.placement = base + label;
     out.push_back(std::move(v));
   }
+  return out;
+}
+
+namespace {
+
+// Nodes spanned by the first expert group (ep x etp consecutive entries of rank 0's device list).
+int expert_group_nodes(const sim::Cluster& cluster, const TuneCandidate& c) {
+  const std::vector<int> devices = core::devices_of_rank(c, 0);
+  std::set<int> nodes;
+  for (std::size_t i = 0; i < devices.size() && i < static_cast<std::size_t>(c.ep * c.etp); ++i)
+    nodes.insert(cluster.node_of(devices[i]));
+  return static_cast<int>(nodes.size());
+}
+
+}  // namespace
+
+std::vector<TuneCandidate> device_order_variants(const TuneSpec& spec, const TuneCandidate& c) {
+  std::vector<TuneCandidate> out;
+  const core::StrategyOptions defaults;
+  if (c.pp < 2 || c.ep < 2 || c.device_order != defaults.device_order || !c.rank_order.empty()) return out;
+  TuneCandidate v = c;
+  v.device_order = "tp-cp-dp-pp";
+  const sim::Cluster& cluster = cost_model_of(spec)->cluster();
+  if (expert_group_nodes(cluster, v) >= expert_group_nodes(cluster, c)) return out;
+  v.placement = (c.pp_ranges.empty() ? std::string() : c.placement + "; ") + "Megatron's device order";
+  out.push_back(std::move(v));
   return out;
 }
 

@@ -113,8 +113,21 @@ const std::vector<ScheduleFamily>& schedule_registry();
 const ScheduleFamily& schedule_family(const std::string& name);  // throws std::invalid_argument
 
 // Devices: pipeline rank r, data-parallel rank d, context-parallel rank c, tensor-parallel rank k ->
-// device k + tp * (c + cp * (r + d * pp)): TP groups are consecutive devices (inside a node), CP next
-// (Megatron's tp-cp order), then pipeline ranks, data-parallel ranks outermost.
+// a device number by --device-order (innermost first). TP groups are consecutive devices (inside a
+// node), CP next (Megatron's tp-cp order); then
+//   tp-cp-pp-dp (the default): device k + tp * (c + cp * (r + d * pp)), a replica's pipeline ranks
+//     adjacent, data-parallel ranks outermost;
+//   tp-cp-dp-pp (Megatron-LM's default): device k + tp * (c + cp * (d + dp * r)), a pipeline rank's
+//     replicas (and so its expert groups) on consecutive devices, pipeline ranks outermost.
+int device_of(const StrategyOptions& o, int k, int c, int r, int d);
+// The inverse of device_of for a device below pp x dp x cp x tp: its ranks {k, c, r, d}.
+struct DeviceRanks {
+  int k = 0, c = 0, r = 0, d = 0;
+  friend bool operator==(const DeviceRanks&, const DeviceRanks&) = default;
+};
+DeviceRanks ranks_of_device(const StrategyOptions& o, int device);
+// The devices of pipeline rank r, listed d-major, then c, then k (device_of each).
+std::vector<int> devices_of_rank(const StrategyOptions& o, int rank);
 // Placement, replicate and shard directives for `regions` PP regions.
 // With `mirrored`, region i is placed on the devices of rank_of_region[i] followed by those of rank
 // pp-1-rank_of_region[i] (a data-parallel pair; see ScheduleFamily::mirrored).

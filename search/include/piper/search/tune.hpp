@@ -93,7 +93,7 @@ struct TuneCandidate : core::StrategyOptions {
   std::string placement = "default";  // how the PP boundaries were chosen (a label)
   std::vector<int> pp_ranges;         // first block of each PP region; empty: the generator's balance
   // Device group of each pipeline rank (a permutation of 0..pp-1; empty: rank r on group r). Group g
-  // is the devices k + tp * (c + cp * (g + d * pp)) that the generator gives rank g.
+  // is the devices the generator gives rank g (core::devices_of_rank, in the --device-order).
   std::vector<int> rank_order;
 
   // Stable identity (no commas): the resume key.
@@ -151,6 +151,11 @@ std::vector<TuneCandidate> placement_variants(const TuneSpec& spec, const TuneCa
 // pipeline transfer between adjacent groups, and any other order is the same chain relabelled or
 // crosses more node boundaries.
 std::vector<TuneCandidate> rank_order_variants(const TuneSpec& spec, const TuneCandidate& c);
+
+// Megatron's device order (--device-order tp-cp-dp-pp, pipeline rank outermost) for a candidate with
+// pipeline and expert parallelism in the default order, when it puts an expert group on fewer nodes
+// (its all-to-all then runs more on NVLink, its pipeline transfers cross nodes); else none.
+std::vector<TuneCandidate> device_order_variants(const TuneSpec& spec, const TuneCandidate& c);
 
 // The first block of each PP region that compile_scenario would use for `c` (the default balance
 // when c.pp_ranges is empty).
