@@ -158,6 +158,33 @@ TEST(OptimizerRuns, AResumedRunContinuesTheSchedule) {
   fs::remove_all(dir);
 }
 
+// Standard settings on real text (byte-level tokens of this repository's compiler guide): warmup,
+// cosine decay, weight decay and clipping at 1.0 over 100 steps of the tiny dense model on four virtual
+// devices. Its 64-token vocabulary starts near ln 64 = 4.16; the mean loss of the last ten steps must
+// end at least a third below the first ten's (measured: 4.38 -> 2.88 on this text), and every
+// step's norm is reported and finite.
+TEST(OptimizerRuns, RealTextLossFallsOver100Steps) {
+  const fs::path dir = scratch("real-text");
+  const Result r = sh(kCli + " run --virtual-devices --model " + std::string(PIPER_SOURCE_DIR) +
+                      "/tests/data/runtime-tiny-dense.json --pp 2 --dp 2 --microbatches 4 --steps 100 --data " +
+                      std::string(PIPER_SOURCE_DIR) +
+                      "/docs/compiler.md --lr 3e-3 --warmup-steps 10 --lr-decay cosine --min-lr 3e-4 "
+                      "--weight-decay 0.1 --clip-grad 1.0 --report " +
+                      (dir / "run.json").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  const json j = read_json(dir / "run.json");
+  const auto losses = j["losses"].get<std::vector<double>>();
+  const auto norms = j["grad_norms"].get<std::vector<double>>();
+  ASSERT_EQ(losses.size(), 100u);
+  ASSERT_EQ(norms.size(), 100u);
+  double first = 0, last = 0;
+  for (int i = 0; i < 10; ++i)
+    first += losses[static_cast<std::size_t>(i)] / 10, last += losses[static_cast<std::size_t>(90 + i)] / 10;
+  EXPECT_LT(last, first * 2 / 3) << "first ten " << first << ", last ten " << last;
+  for (double n : norms) EXPECT_TRUE(std::isfinite(n) && n > 0) << n;
+  fs::remove_all(dir);
+}
+
 TEST(OptimizerRuns, BadSettingsAreOneLineAndExitTwo) {
   const Result r = sh(kCli + " run --reference --model " + kModel + " --steps 3 --lr-decay cosine --warmup-steps 5");
   EXPECT_EQ(r.code, 2) << r.output;
