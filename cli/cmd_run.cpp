@@ -2,8 +2,10 @@
 // device as a thread of this process with --virtual-devices), on GPUs (--backend cuda: one rank per
 // GPU over NCCL, or --virtual-devices on one GPU), or the single-process reference on the same global
 // batch (--reference).
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 
 #include <fmt/format.h>
 #include <mpi.h>
@@ -22,6 +24,7 @@ namespace {
 struct RunArgs {
   ScenarioFlags scenario;
   std::string plan_path;
+  std::string scenario_path;  // --scenario: model, strategy and training settings from a scenario file
   bool reference = false;
   std::string backend = "host";
   bool virtual_devices = false;
@@ -49,7 +52,13 @@ struct RunArgs {
   std::abort();  // MPI_Abort does not return
 }
 
+// A scenario file (piper-studio's, --save-scenario's); relative paths in it resolve against its folder.
+core::Scenario load_scenario(const std::string& path) {
+  return core::Scenario::from_json(read_json_file(path), path, std::filesystem::path(path).parent_path().string());
+}
+
 core::Program load_program(const RunArgs& a) {
+  if (!a.scenario_path.empty()) return core::compile_scenario(load_scenario(a.scenario_path)).result.program;
   if (!a.plan_path.empty()) {
     const json j = read_json_file(a.plan_path);  // its errors name the file already
     try {
@@ -58,7 +67,8 @@ core::Program load_program(const RunArgs& a) {
       throw CliError(a.plan_path, e.what());
     }
   }
-  if (a.scenario.model.empty()) throw CliError("", "give --plan FILE or the compile inputs (--model ...)");
+  if (a.scenario.model.empty())
+    throw CliError("", "give --plan FILE, --scenario FILE or the compile inputs (--model ...)");
   return core::compile_scenario(a.scenario.scenario()).result.program;
 }
 
@@ -157,6 +167,36 @@ int run_distributed(const RunArgs& a) {
   return code;
 }
 
+// --scenario: the file fixes the model and strategy (a compile input beside it is an error naming the
+// flag), and its "train" section sets each training setting whose flag was not given.
+void apply_scenario_train(RunArgs& a, const CLI::App& cmd) {
+  for (const CLI::Option* o : a.scenario.compile_inputs)
+    if (o->count() > 0)
+      throw CliError("", fmt::format("{} cannot be used with --scenario: the scenario file fixes the model and "
+                                     "strategy (edit the file, or give the compile inputs without --scenario)",
+                                     o->get_name()));
+  const core::Scenario s = load_scenario(a.scenario_path);
+  auto& t = a.train;
+  for (auto it = s.train.begin(); it != s.train.end(); ++it) {
+    const std::string& key = it.key();
+    std::string flag = "--" + key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (cmd.get_option(flag)->count() > 0) continue;  // the flag wins
+    const json& v = it.value();
+    if (key == "steps") t.steps = v.get<int>();
+    if (key == "seed") t.seed = v.get<std::uint64_t>();
+    if (key == "lr") t.adamw.lr = v.get<float>();
+    if (key == "min_lr") t.adamw.min_lr = v.get<float>();
+    if (key == "warmup_steps") t.adamw.warmup_steps = v.get<int>();
+    if (key == "lr_decay") a.lr_decay = v.get<std::string>();
+    if (key == "lr_decay_steps") t.adamw.decay_steps = v.get<int>();
+    if (key == "weight_decay") t.adamw.weight_decay = v.get<float>();
+    if (key == "beta1") t.adamw.beta1 = v.get<float>();
+    if (key == "beta2") t.adamw.beta2 = v.get<float>();
+    if (key == "adam_eps") t.adamw.eps = v.get<float>();
+  }
+}
+
 }  // namespace
 
 Command add_run_command(CLI::App& app) {
@@ -168,6 +208,11 @@ Command add_run_command(CLI::App& app) {
   args->plan =
       cmd->add_option("--plan", args->plan_path, "a compiled Program (piper compile -o); else the compile inputs")
           ->excludes("--model");
+  cmd->add_option("--scenario", args->scenario_path,
+                  "a scenario file (piper-studio's, --save-scenario's): its model, strategy and \"train\" settings "
+                  "(the flags below win over them)")
+      ->excludes(args->plan)
+      ->excludes("--model");
   cmd->add_flag("--reference", args->reference,
                 "run the same model on the same global batch in one process, without parallelism");
   cmd->add_option("--backend", args->backend,
@@ -238,8 +283,9 @@ Command add_run_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--stall-timeout", args->train.stall_timeout_s, "seconds without progress before a rank gives up")
       ->check(kPositiveNumber);
-  return {cmd, [args]() -> int {
+  return {cmd, [args, cmd]() -> int {
             if (!args->plan_path.empty()) args->scenario.reject_beside_plan();
+            if (!args->scenario_path.empty()) apply_scenario_train(*args, *cmd);
             args->train.skip_nonfinite = args->on_nonfinite == "skip";
             auto& adamw = args->train.adamw;
             adamw.decay = runtime::host::parse_lr_decay(args->lr_decay);

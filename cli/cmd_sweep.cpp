@@ -43,7 +43,15 @@ int run_sweep_mpi(const SweepArgs& a) {
     options.jobs = a.jobs;
     s = search::run_sweep(spec, a.output_path, pool, options);
   } catch (const search::SweepError& e) {
-    if (pool.owner()) throw CliError("", e.what());
+    // Every rank is here (the spec and the owner's verdict on the results file are shared). mpirun
+    // ends the whole job as soon as one rank exits non-zero, so the owner says why first and the
+    // others wait for its word (a broadcast it sends after printing) before they exit.
+    if (pool.owner()) {
+      print_error("", e.what());
+      std::fflush(stderr);
+    }
+    std::string said;
+    pool.share(said);
     return kExitBadInput;
   }
   if (pool.owner())

@@ -183,10 +183,14 @@ fi
 
 echo "== (5) dense-1b trains: 100 bf16 steps on real text with standard settings (the loss must fall) =="
 # Byte-level tokens of a real text (piper run --data: each byte mod vocab): the GPL-3 text that
-# Debian's base-files installs, else this repository's documentation. Standard settings: lr 3e-4
-# after 10 warmup steps, cosine decay to 3e-5, weight decay 0.1, betas 0.9/0.95, clipping at 1.0.
+# Debian's base-files installs, else the texts of this tree (docs, or in a .gpu bundle its scripts).
+# Standard settings: lr 3e-4 after 10 warmup steps, cosine decay to 3e-5, weight decay 0.1, betas
+# 0.9/0.95, clipping at 1.0.
 text=/usr/share/common-licenses/GPL-3
-if [ ! -r "$text" ]; then text="$out/docs.txt"; cat docs/*.md README.md ARCHITECTURE.md > "$text"; fi
+if [ ! -r "$text" ]; then
+  text="$out/text.txt"
+  cat docs/*.md README.md ARCHITECTURE.md scripts/*.sh scripts/*.py 2> /dev/null > "$text"
+fi
 if timeout 420 build-gpu/bin/piper run --backend cuda --virtual-devices --precision bf16 $d1b --pp 1 --microbatches 2 \
       --steps 100 --data "$text" --lr 3e-4 --warmup-steps 10 --lr-decay cosine --min-lr 3e-5 --weight-decay 0.1 \
       --clip-grad 1.0 --report "$out/train-100.json" > "$out/train-100.log" 2>&1; then

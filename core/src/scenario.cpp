@@ -2,6 +2,7 @@
 #include "piper/core/scenario.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <fstream>
@@ -440,7 +441,15 @@ json Scenario::to_json() const {
   j["strategy"] = strategy_to_json(strategy);
   if (!cluster.empty()) j["cluster"] = cluster;
   if (!engine.empty()) j["engine"] = engine;
+  if (!train.empty()) j["train"] = train;
   return j;
+}
+
+const std::vector<std::string>& scenario_train_keys() {
+  static const std::vector<std::string> keys = {"steps",    "seed",           "lr",           "min_lr", "warmup_steps",
+                                                "lr_decay", "lr_decay_steps", "weight_decay", "beta1",  "beta2",
+                                                "adam_eps"};
+  return keys;
 }
 
 Scenario Scenario::from_json(const json& j, const std::string& where, const std::string& base_dir) {
@@ -463,7 +472,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
   };
   reject_unknown(j, "",
                  {"model", "seq_len", "micro_batch_size", "stages", "pp_ranges", "first_stage_layers",
-                  "last_stage_layers", "directives", "append_schedule", "strategy", "cluster", "engine"});
+                  "last_stage_layers", "directives", "append_schedule", "strategy", "cluster", "engine", "train"});
   auto resolve = [&](const std::string& p) {
     if (p.empty() || base_dir.empty() || std::filesystem::path(p).is_absolute()) return p;
     std::error_code ec;
@@ -523,6 +532,27 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     if (j.contains(key) && !j[key].is_string()) throw fail(key, "must be a string");
   if (j.contains("cluster")) s.cluster = resolve(j["cluster"].get<std::string>());
   if (j.contains("engine")) s.engine = j["engine"].get<std::string>();
+  if (j.contains("train")) {
+    const json& t = j["train"];
+    if (!t.is_object()) throw fail("train", "must be an object of training settings (piper run's flags)");
+    reject_unknown(t, "train.", scenario_train_keys());
+    for (auto it = t.begin(); it != t.end(); ++it) {
+      const std::string& k = it.key();
+      const json& v = it.value();
+      if (k == "lr_decay") {
+        if (!v.is_string() || (v != "constant" && v != "cosine" && v != "linear"))
+          throw fail("train.lr_decay", "must be \"constant\", \"cosine\" or \"linear\"");
+      } else if (k == "steps" || k == "lr_decay_steps") {
+        if (!v.is_number_integer() || v.get<long long>() < 1 || v.get<long long>() > 1'000'000'000)
+          throw fail("train." + k, "must be an integer >= 1");
+      } else if (k == "warmup_steps" || k == "seed") {
+        if (!v.is_number_integer() || v.get<long long>() < 0) throw fail("train." + k, "must be an integer >= 0");
+      } else if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>())) {
+        throw fail("train." + k, "must be a number >= 0");
+      }
+    }
+    s.train = t;
+  }
   return s;
 }
 

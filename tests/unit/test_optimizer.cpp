@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "piper/core/scenario.hpp"
 #include "piper/runtime/kernels.hpp"
 #include "piper/runtime/trainer.hpp"
 #include "shell.hpp"
@@ -182,6 +183,60 @@ TEST(OptimizerRuns, RealTextLossFallsOver100Steps) {
     first += losses[static_cast<std::size_t>(i)] / 10, last += losses[static_cast<std::size_t>(90 + i)] / 10;
   EXPECT_LT(last, first * 2 / 3) << "first ten " << first << ", last ten " << last;
   for (double n : norms) EXPECT_TRUE(std::isfinite(n) && n > 0) << n;
+  fs::remove_all(dir);
+}
+
+// A scenario file's "train" section sets the run's training settings (piper run --scenario); a flag
+// of the same name wins; its keys and types are checked where any front end reads the file.
+TEST(OptimizerRuns, ScenarioTrainSectionSetsTheRunAndFlagsWin) {
+  const fs::path dir = scratch("scenario");
+  const json scenario = {{"model", kModel},
+                         {"strategy", {{"pp", 2}, {"dp", 1}, {"microbatches", 2}}},
+                         {"train",
+                          {{"steps", 4},
+                           {"lr", 2e-3},
+                           {"warmup_steps", 2},
+                           {"lr_decay", "linear"},
+                           {"min_lr", 2e-4},
+                           {"weight_decay", 0.05}}}};
+  std::ofstream(dir / "s.json") << scenario.dump();
+  const std::string file = (dir / "s.json").string();
+  Result r = sh(kCli + " run --reference --scenario " + file + " --report " + (dir / "a.json").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  const json a = read_json(dir / "a.json");
+  EXPECT_EQ(a["lrs"], json({1e-3, 2e-3, 1.1e-3, 2e-4}));  // warmup 2 steps, then linear to min_lr at step 4
+  EXPECT_DOUBLE_EQ(a["optimizer"]["weight_decay"].get<double>(), 0.05);
+  r = sh(kCli + " run --reference --scenario " + file + " --steps 3 --lr 1e-3 --report " + (dir / "b.json").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  // The flags' steps and lr; the file's warmup, decay and min_lr (the decay ends at --steps 3).
+  EXPECT_EQ(read_json(dir / "b.json")["lrs"], json({5e-4, 1e-3, 2e-4}));
+  // The same scenario as MPI ranks trains the same parameters as the reference.
+  r = sh(kCli + " run --reference --scenario " + file + " --dump-params " + (dir / "ref.bin").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = sh(piper::test::mpirun(2) + kCli + " run --scenario " + file + " --dump-params " + (dir / "mpi.bin").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_LT(piper::runtime::max_param_difference((dir / "ref.bin").string(), (dir / "mpi.bin").string()), 1e-4);
+
+  const piper::core::Scenario s = piper::core::Scenario::from_json(scenario, "s.json");
+  EXPECT_EQ(s.to_json()["train"], scenario["train"]);
+  for (const auto& [bad, message] : std::vector<std::pair<json, std::string>>{
+           {{{"lr", -1}}, "s.json: field 'train.lr': must be a number >= 0"},
+           {{{"lr_decay", "exponential"}},
+            "s.json: field 'train.lr_decay': must be \"constant\", \"cosine\" or \"linear\""},
+           {{{"steps", 0}}, "s.json: field 'train.steps': must be an integer >= 1"},
+           {{{"warmup_step", 3}}, "s.json: field 'train.warmup_step': unknown field (did you mean 'warmup_steps'?)"}}) {
+    json j = scenario;
+    j["train"] = bad;
+    try {
+      piper::core::Scenario::from_json(j, "s.json");
+      ADD_FAILURE() << bad.dump() << " was accepted";
+    } catch (const std::exception& e) {
+      EXPECT_EQ(std::string(e.what()), message);
+    }
+  }
+  r = sh(kCli + " run --reference --scenario " + file + " --pp 4");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(r.output.rfind("piper: error: --pp cannot be used with --scenario", 0), 0u) << r.output;
   fs::remove_all(dir);
 }
 

@@ -31,11 +31,19 @@ struct Scenario {
   bool append_schedule = false;  // directives is placement-only: append strategy.schedule
   std::string cluster;           // cluster preset or file (used by the simulator)
   std::string engine;            // simulator engine (empty: default)
+  // Training settings for `piper run --scenario` (its flags of the same names win): an object with
+  // any of kTrainKeys, each checked for its type here; empty when none.
+  nlohmann::json train = nlohmann::json::object();
 
   nlohmann::json to_json() const;
   // Reads a scenario file's JSON; `where` names it in errors. Relative paths resolve against `base_dir`.
   static Scenario from_json(const nlohmann::json& j, const std::string& where, const std::string& base_dir = "");
 };
+
+// The keys of a scenario's "train" section: `piper run`'s flags of the same names (--lr-decay for
+// lr_decay, ...): steps, seed, lr, min_lr, warmup_steps, lr_decay, lr_decay_steps, weight_decay,
+// beta1, beta2, adam_eps.
+const std::vector<std::string>& scenario_train_keys();
 
 struct CompiledScenario {
   ModelConfig config;
