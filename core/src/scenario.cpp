@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "piper/core/error.hpp"
 #include "piper/core/limits.hpp"
@@ -452,6 +453,41 @@ const std::vector<std::string>& scenario_train_keys() {
   return keys;
 }
 
+namespace {
+
+// A scenario's "train" section, every key and value checked (the values' meaning is piper run's).
+json checked_train(const json& t, const std::string& where) {
+  auto fail = [&](const std::string& field, const std::string& msg) {
+    return Error(where + ": field 'train." + field + "': " + msg);
+  };
+  if (!t.is_object())
+    throw Error(where + ": field 'train': must be an object of training settings (piper run's flags)");
+  const std::vector<std::string>& known = scenario_train_keys();
+  for (auto it = t.begin(); it != t.end(); ++it) {
+    const std::string& k = it.key();
+    const json& v = it.value();
+    if (std::find(known.begin(), known.end(), k) == known.end()) {
+      std::string hint = did_you_mean(k, known);
+      if (hint.empty()) hint = fmt::format(" (expected one of: {})", fmt::join(known, ", "));
+      throw fail(k, "unknown field" + hint);
+    }
+    if (k == "lr_decay") {
+      if (!v.is_string() || (v != "constant" && v != "cosine" && v != "linear"))
+        throw fail(k, "must be \"constant\", \"cosine\" or \"linear\"");
+    } else if (k == "steps" || k == "lr_decay_steps") {
+      if (!v.is_number_integer() || v.get<long long>() < 1 || v.get<long long>() > 1'000'000'000)
+        throw fail(k, "must be an integer >= 1");
+    } else if (k == "warmup_steps" || k == "seed") {
+      if (!v.is_number_integer() || v.get<long long>() < 0) throw fail(k, "must be an integer >= 0");
+    } else if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>())) {
+      throw fail(k, "must be a number >= 0");
+    }
+  }
+  return t;
+}
+
+}  // namespace
+
 Scenario Scenario::from_json(const json& j, const std::string& where, const std::string& base_dir) {
   auto fail = [&](const std::string& field, const std::string& msg) -> Error {
     return Error(where + ": field '" + field + "': " + msg);
@@ -532,27 +568,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     if (j.contains(key) && !j[key].is_string()) throw fail(key, "must be a string");
   if (j.contains("cluster")) s.cluster = resolve(j["cluster"].get<std::string>());
   if (j.contains("engine")) s.engine = j["engine"].get<std::string>();
-  if (j.contains("train")) {
-    const json& t = j["train"];
-    if (!t.is_object()) throw fail("train", "must be an object of training settings (piper run's flags)");
-    reject_unknown(t, "train.", scenario_train_keys());
-    for (auto it = t.begin(); it != t.end(); ++it) {
-      const std::string& k = it.key();
-      const json& v = it.value();
-      if (k == "lr_decay") {
-        if (!v.is_string() || (v != "constant" && v != "cosine" && v != "linear"))
-          throw fail("train.lr_decay", "must be \"constant\", \"cosine\" or \"linear\"");
-      } else if (k == "steps" || k == "lr_decay_steps") {
-        if (!v.is_number_integer() || v.get<long long>() < 1 || v.get<long long>() > 1'000'000'000)
-          throw fail("train." + k, "must be an integer >= 1");
-      } else if (k == "warmup_steps" || k == "seed") {
-        if (!v.is_number_integer() || v.get<long long>() < 0) throw fail("train." + k, "must be an integer >= 0");
-      } else if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>())) {
-        throw fail("train." + k, "must be a number >= 0");
-      }
-    }
-    s.train = t;
-  }
+  if (j.contains("train")) s.train = checked_train(j["train"], where);
   return s;
 }
 
