@@ -9,6 +9,7 @@
 
 #include "piper/runtime/executor.hpp"
 #include "piper/runtime/host_backend.hpp"
+#include "piper/runtime/trainer.hpp"
 
 namespace piper::runtime {
 
@@ -31,6 +32,11 @@ HostThreads::HostThreads(const core::Program& program, double stall_timeout_s) :
         if (!group.empty())
           meetings_[{static_cast<int>(f), group.front()}] =
               std::make_unique<ThreadMeeting>(static_cast<int>(group.size()), stall_timeout_s);
+}
+
+void HostThreads::abort() {
+  aborted_ = true;
+  for (auto& [key, meeting] : meetings_) meeting->abandon();
 }
 
 ThreadMeeting* HostThreads::group_meeting(int family, int device) {
@@ -126,6 +132,7 @@ int LoopbackTransport::post(const CommPost<Buf>& r, const HostKernels::Ctx&) {
 bool LoopbackTransport::test(int ticket) {
   auto it = tickets_.find(ticket);
   if (it == tickets_.end()) throw RuntimeError(fmt::format("runtime: unknown loopback ticket {}", ticket));
+  if (threads_.aborted()) throw ReportedByAnotherRank();  // a peer failed: this exchange may never complete
   // The data moved when the exchange launched: complete as soon as it has.
   if (!threads_.table().test(
           it->second, [](Rendezvous&) { return true; }, [](Rendezvous&) {}))

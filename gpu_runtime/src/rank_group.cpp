@@ -158,7 +158,7 @@ int ThreadRankGroup::broadcast(int value) {
   return out;
 }
 
-void run_rank_threads(int ranks, const std::function<void(RankGroup&)>& body) {
+void run_rank_threads(int ranks, const std::function<void(RankGroup&)>& body, const std::function<void()>& on_failure) {
   ThreadMeeting meeting(ranks);
   std::mutex error_mutex;
   std::exception_ptr first;
@@ -182,6 +182,7 @@ void run_rank_threads(int ranks, const std::function<void(RankGroup&)>& body) {
           if (!first) first = std::current_exception();
         }
         meeting.abandon();
+        if (on_failure) on_failure();
       }
     });
   for (auto& t : threads) t.join();

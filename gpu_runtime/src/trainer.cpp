@@ -465,19 +465,22 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o) {
        {"mode", "virtual devices"},
        {"clock", "executor (host steady clock, op start to completion)"}},
       [&](const TrainResult& result, int devices) { write_report(o.report_path, result, o, "virtual", devices); }};
-  return train_threads(program, o, ranks, first_step, labels);
+  return train_threads(program, o, ranks, first_step, labels, {}, [&threads] { threads.abort(); });
 }
 
 TrainResult train_threads(const core::Program& program, const TrainOptions& o,
                           const std::vector<RankTrainee*>& trainees, int first_step, const RankLoopLabels& labels,
-                          const std::function<void()>& per_thread) {
+                          const std::function<void()>& per_thread, const std::function<void()>& on_failure) {
   TrainResult result;
-  run_rank_threads(static_cast<int>(trainees.size()), [&](RankGroup& group) {
-    if (per_thread) per_thread();
-    TrainResult r =
-        train_ranks(program, o, *trainees.at(static_cast<std::size_t>(group.rank())), group, first_step, labels);
-    if (group.rank() == 0) result = std::move(r);
-  });
+  run_rank_threads(
+      static_cast<int>(trainees.size()),
+      [&](RankGroup& group) {
+        if (per_thread) per_thread();
+        TrainResult r =
+            train_ranks(program, o, *trainees.at(static_cast<std::size_t>(group.rank())), group, first_step, labels);
+        if (group.rank() == 0) result = std::move(r);
+      },
+      on_failure);
   return result;
 }
 

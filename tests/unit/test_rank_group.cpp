@@ -196,6 +196,27 @@ TEST(VirtualDevices, AStalledTransferExitsFourInOneLine) {
   EXPECT_EQ(r.output.find("internal error"), std::string::npos) << r.output;
 }
 
+// A device that fails mid-step (its first op names a segment it does not hold) releases the others
+// from their transfers at once, instead of leaving them to a stall timeout: with a timeout far beyond
+// `timeout 200`, a run that waited would end in 124.
+TEST(VirtualDevices, AFailingDeviceReleasesTheOthersAtOnce) {
+  const fs::path dir = scratch("fail");
+  json p = json::parse(std::ifstream(compile_plan(dir, 2, 1)));
+  bool changed = false;
+  for (auto& stream : p["plans"][p["plan_of_device"][1].get<int>()]["streams"])
+    for (auto& op : stream["ops"])
+      if (op["kind"] == "COMPUTE" && !changed) op["segment"] = 0, changed = true;  // device 0's segment
+  ASSERT_TRUE(changed);
+  const fs::path bad = dir / "bad.json";
+  std::ofstream(bad) << p.dump();
+  const Result r = sh("timeout 200 " + std::string(PIPER_CLI) + " run --virtual-devices --plan " + bad.string() +
+                      " --steps 2 --stall-timeout 1000");
+  EXPECT_NE(r.code, 124) << "the other device waited for its stall timeout";
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_EQ(error_lines(r.output), 1) << r.output;
+  EXPECT_NE(r.output.find("holds no parameters of segment 0"), std::string::npos) << r.output;
+}
+
 // A checkpoint written by virtual devices resumes under MPI ranks of another layout and the other
 // way round, and both continuations agree with an uninterrupted reference run.
 TEST(VirtualDevices, CheckpointsResumeAcrossLaunches) {

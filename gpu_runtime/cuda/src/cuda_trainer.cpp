@@ -110,7 +110,8 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
   const RankLoopLabels labels{
       gpu_name(), calibration_source("virtual devices"),
       [&](const TrainResult& result, int devices) { write_report(result, o, "cuda-virtual", devices, c.dtype); }};
-  return train_threads(program, o, ranks, first_step, labels, [] { check(cudaSetDevice(0), "cudaSetDevice"); });
+  return train_threads(
+      program, o, ranks, first_step, labels, [] { check(cudaSetDevice(0), "cudaSetDevice"); }, [&hub] { hub.abort(); });
 }
 
 TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const CudaRunOptions& c) {

@@ -9,6 +9,7 @@
 
 #include "piper/runtime/cuda/device.hpp"
 #include "piper/runtime/cuda/kernels.hpp"
+#include "piper/runtime/trainer.hpp"
 
 namespace piper::runtime::cuda {
 
@@ -92,6 +93,7 @@ void LoopbackTransport::launch(LoopbackHub::Table::Rendezvous& rv, cudaStream_t 
 bool LoopbackTransport::test(int ticket) {
   auto it = tickets_.find(ticket);
   if (it == tickets_.end()) throw CudaError("loopback: unknown ticket");
+  if (hub_.aborted_) throw ReportedByAnotherRank();  // a peer failed: this exchange may never complete
   auto done = [](LoopbackHub::Table::Rendezvous& rv) {
     const cudaError_t q = cudaEventQuery(rv.shared);
     if (q == cudaErrorNotReady) return false;

@@ -5,6 +5,7 @@
 // both go through the loopback hub (comm.hpp) and TP/CP collectives meet as threads.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -195,8 +196,13 @@ class HostThreads {
   LoopbackTable<Member, Nothing>& table() { return table_; }
   // The meeting of `family`'s group that holds `device` (nullptr: none).
   ThreadMeeting* group_meeting(int family, int device);
+  // A device failed: every transfer still waiting and every TP/CP meeting ends in ReportedByAnotherRank
+  // (the others stop now instead of at their stall timeout).
+  void abort();
+  bool aborted() const { return aborted_; }
 
  private:
+  std::atomic<bool> aborted_{false};
   const core::Program& program_;
   LoopbackTable<Member, Nothing> table_;
   std::map<std::pair<int, int>, std::unique_ptr<ThreadMeeting>> meetings_;  // (family, first member)

@@ -91,8 +91,10 @@ class ThreadRankGroup : public RankGroup {
 };
 
 // Runs body(group) on `ranks` threads (rank r: group.rank() == r) and waits for all. A rank that
-// throws abandons the group, so the others stop at their next group operation (or at their stall
-// timeout inside a step). Rethrows the first error that is not ReportedByAnotherRank, as thrown.
-void run_rank_threads(int ranks, const std::function<void(RankGroup&)>& body);
+// throws abandons the group and calls on_failure (which should release whatever else the ranks wait
+// on, e.g. their transport), so the others stop at their next group operation or wait. Rethrows the
+// first error that is not ReportedByAnotherRank, as thrown.
+void run_rank_threads(int ranks, const std::function<void(RankGroup&)>& body,
+                      const std::function<void()>& on_failure = {});
 
 }  // namespace piper::runtime

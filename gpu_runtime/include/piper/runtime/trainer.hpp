@@ -102,10 +102,11 @@ TrainResult train_ranks(const core::Program& program, const TrainOptions& o, Ran
                         int first_step, const RankLoopLabels& labels);
 // The virtual-device run of any backend: `trainees[d]` is device d's backend, built (and resumed)
 // by the caller before any device runs; `per_thread` runs first on each device's thread (the CUDA
-// backend selects its GPU there). The ranks meet as threads (run_rank_threads).
+// backend selects its GPU there). The ranks meet as threads (run_rank_threads); on_failure runs when
+// a device fails, to release the others from their transport (LoopbackHub::abort).
 TrainResult train_threads(const core::Program& program, const TrainOptions& o,
                           const std::vector<RankTrainee*>& trainees, int first_step, const RankLoopLabels& labels,
-                          const std::function<void()>& per_thread = {});
+                          const std::function<void()>& per_thread = {}, const std::function<void()>& on_failure = {});
 
 // Parameter dumps: one file with records (layer, offset, values) of the canonical parameter layout.
 // Reads a dump into layer -> values (NaN where no record covered an element). The file is not

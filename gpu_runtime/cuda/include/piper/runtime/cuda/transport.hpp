@@ -3,6 +3,7 @@
 // of one process that share one GPU (device-to-device copies and the accumulate kernel).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -57,9 +58,13 @@ class LoopbackHub {
  public:
   explicit LoopbackHub(int devices) : devices_(devices) {}
   int devices() const { return devices_; }
+  // A device failed: every exchange still tested ends in ReportedByAnotherRank (trainer.hpp), so the
+  // others stop now instead of at their stall timeout.
+  void abort() { aborted_ = true; }
 
  private:
   friend class LoopbackTransport;
+  std::atomic<bool> aborted_{false};
   struct Member {
     CommRequest request;
     cudaEvent_t posted = nullptr;  // recorded on the member's stream when it posted
