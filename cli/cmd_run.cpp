@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 
 #include <fmt/format.h>
 #include <mpi.h>
@@ -25,6 +26,7 @@ struct RunArgs {
   ScenarioFlags scenario;
   std::string plan_path;
   std::string scenario_path;  // --scenario: model, strategy and training settings from a scenario file
+  std::optional<core::Scenario> scenario_file;  // read once from scenario_path (apply_scenario_train)
   bool reference = false;
   std::string backend = "host";
   bool virtual_devices = false;
@@ -58,7 +60,7 @@ core::Scenario load_scenario(const std::string& path) {
 }
 
 core::Program load_program(const RunArgs& a) {
-  if (!a.scenario_path.empty()) return core::compile_scenario(load_scenario(a.scenario_path)).result.program;
+  if (a.scenario_file) return core::compile_scenario(*a.scenario_file).result.program;
   if (!a.plan_path.empty()) {
     const json j = read_json_file(a.plan_path);  // its errors name the file already
     try {
@@ -175,7 +177,8 @@ void apply_scenario_train(RunArgs& a, const CLI::App& cmd) {
       throw CliError("", fmt::format("{} cannot be used with --scenario: the scenario file fixes the model and "
                                      "strategy (edit the file, or give the compile inputs without --scenario)",
                                      o->get_name()));
-  const core::Scenario s = load_scenario(a.scenario_path);
+  a.scenario_file = load_scenario(a.scenario_path);
+  const core::Scenario& s = *a.scenario_file;
   auto& t = a.train;
   for (auto it = s.train.begin(); it != s.train.end(); ++it) {
     const std::string& key = it.key();
@@ -195,6 +198,31 @@ void apply_scenario_train(RunArgs& a, const CLI::App& cmd) {
     if (key == "beta2") t.adamw.beta2 = v.get<float>();
     if (key == "adam_eps") t.adamw.eps = v.get<float>();
   }
+}
+
+// AdamW and the learning-rate schedule (runtime::host::AdamWConfig; a scenario's "train" section
+// under the same names).
+void add_optimizer_flags(CLI::App* cmd, RunArgs& a) {
+  cmd->add_option("--lr", a.train.adamw.lr, "AdamW peak learning rate (after warmup, before decay)")
+      ->check(kNonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--min-lr", a.train.adamw.min_lr, "learning rate the decay ends at")
+      ->check(kNonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--warmup-steps", a.train.adamw.warmup_steps, "linear warmup: step s of the first N uses lr * s / N")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--lr-decay", a.lr_decay, "after warmup: constant, cosine or linear decay to --min-lr")
+      ->check(CLI::IsMember({"constant", "cosine", "linear"}))
+      ->capture_default_str();
+  cmd->add_option("--lr-decay-steps", a.train.adamw.decay_steps,
+                  "the step at which the decay reaches --min-lr (default: --steps)")
+      ->check(kPositiveInt);
+  cmd->add_option("--weight-decay", a.train.adamw.weight_decay, "AdamW decoupled weight decay")
+      ->check(kNonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--beta1", a.train.adamw.beta1, "AdamW beta1")->capture_default_str();
+  cmd->add_option("--beta2", a.train.adamw.beta2, "AdamW beta2")->capture_default_str();
 }
 
 }  // namespace
@@ -230,27 +258,7 @@ Command add_run_command(CLI::App& app) {
   cmd->add_option("--seed", args->train.seed, "seed of the parameter initialisation and the synthetic token stream");
   cmd->add_option("--data", args->train.data_path,
                   "train on this file's bytes (mod vocab) instead of synthetic tokens");
-  cmd->add_option("--lr", args->train.adamw.lr, "AdamW peak learning rate (after warmup, before decay)")
-      ->check(kNonNegativeNumber)
-      ->capture_default_str();
-  cmd->add_option("--min-lr", args->train.adamw.min_lr, "learning rate the decay ends at")
-      ->check(kNonNegativeNumber)
-      ->capture_default_str();
-  cmd->add_option("--warmup-steps", args->train.adamw.warmup_steps,
-                  "linear warmup: step s of the first N uses lr * s / N")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  cmd->add_option("--lr-decay", args->lr_decay, "after warmup: constant, cosine or linear decay to --min-lr")
-      ->check(CLI::IsMember({"constant", "cosine", "linear"}))
-      ->capture_default_str();
-  cmd->add_option("--lr-decay-steps", args->train.adamw.decay_steps,
-                  "the step at which the decay reaches --min-lr (default: --steps)")
-      ->check(kPositiveInt);
-  cmd->add_option("--weight-decay", args->train.adamw.weight_decay, "AdamW decoupled weight decay")
-      ->check(kNonNegativeNumber)
-      ->capture_default_str();
-  cmd->add_option("--beta1", args->train.adamw.beta1, "AdamW beta1")->capture_default_str();
-  cmd->add_option("--beta2", args->train.adamw.beta2, "AdamW beta2")->capture_default_str();
+  add_optimizer_flags(cmd, *args);
   cmd->add_option(
          "--adam-eps", args->train.adamw.eps,
          "AdamW epsilon (the equivalence tests raise it so that rounding-level gradients stay rounding-level updates)")

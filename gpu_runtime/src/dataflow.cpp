@@ -322,16 +322,16 @@ DataflowBase::DataflowBase(const core::Program& program, int device)
     if (program.position_in(program.segments[s].devices, device) >= 0) held_segments_.push_back(static_cast<int>(s));
   // A compute or update op of a segment this device does not hold (a damaged or hand-edited plan) is
   // bad input: refused before step 1, not an internal error mid-step.
-  auto held = [&](int s) { return std::binary_search(held_segments_.begin(), held_segments_.end(), s); };
+  auto require_held = [&](const core::Op& op, int s) {
+    if (!std::binary_search(held_segments_.begin(), held_segments_.end(), s))
+      throw std::invalid_argument(fmt::format(
+          "plan: device {}'s op '{}' works on segment {}, which the device does not hold", device, op.label, s));
+  };
   for (const auto& st : plan_.streams)
     for (const auto& op : st.ops) {
-      std::vector<int> segs;
-      if (op.kind == core::OpKind::Compute) segs.push_back(op.segment);
-      if (op.kind == core::OpKind::Update) segs = op.segments;
-      for (int s : segs)
-        if (!held(s))
-          throw std::invalid_argument(fmt::format(
-              "plan: device {}'s op '{}' works on segment {}, which the device does not hold", device, op.label, s));
+      if (op.kind == core::OpKind::Compute) require_held(op, op.segment);
+      if (op.kind == core::OpKind::Update)
+        for (int s : op.segments) require_held(op, s);
     }
 }
 

@@ -554,8 +554,8 @@ void HostModel::update(int seg, const AdamWConfig& cfg, int step) {
 
 double HostModel::owned_grad_sq(int seg) const {
   const SegmentParams& sp = segments_.at(by_index_.at(seg));
+  if (!counts_in_grad_norm(sp)) return 0;
   const bool chunked = sp.zero_level >= 1;
-  if (chunked ? sp.replica_index >= sp.zero_shards : sp.replica_index != 0) return 0;
   // The reduced gradient: local elements [begin, end) of the segment.
   const std::int64_t begin = chunked ? sp.chunk_begin : 0;
   const std::int64_t end = chunked ? sp.chunk_end : static_cast<std::int64_t>(sp.grads.size());

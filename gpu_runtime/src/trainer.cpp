@@ -270,9 +270,7 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
   host::TokenStream stream(model.config() ? model.config()->vocab : 0, shape.seq_len, o.seed, o.data_path);
   const float scale = 1.0f / static_cast<float>(shape.global_tokens());
   TrainResult r;
-  check_save_path(o.save_path);
-  std::optional<SaveLock> lock;
-  if (!o.save_path.empty()) lock.emplace(o.save_path);
+  const auto lock = prepare_outputs(o);
   if (!o.resume_path.empty()) {
     r.first_step = resume_from(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program, m);
     check_steps_after_resume(o, r.first_step);
@@ -434,11 +432,14 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   return train_ranks(program, o, trainee, *world, r.first_step, labels);
 }
 
-TrainResult train_virtual(const core::Program& program, const TrainOptions& o) {
+std::unique_ptr<SaveLock> prepare_outputs(const TrainOptions& o) {
   check_save_path(o.save_path);
   check_calibrate_path(o.calibrate_path);
-  std::optional<SaveLock> lock;
-  if (!o.save_path.empty()) lock.emplace(o.save_path);
+  return o.save_path.empty() ? nullptr : std::make_unique<SaveLock>(o.save_path);
+}
+
+TrainResult train_virtual(const core::Program& program, const TrainOptions& o) {
+  const auto lock = prepare_outputs(o);
   const HostConfig cfg{o.seed, o.data_path, o.adamw, o.stall_timeout_s};
   HostThreads threads(program, o.stall_timeout_s);
   // Built in this thread, before any device runs: a setup error stops the run before the first step.
@@ -451,13 +452,12 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o) {
     ranks.push_back(trainees.back().get());
   }
   int first_step = 0;
-  if (!o.resume_path.empty()) {
-    const std::string bytes = read_checkpoint_bytes(o.resume_path, program);
-    for (auto& b : backends) {
-      first_step = resume_from(o.resume_path, bytes, program, b->model());
-      b->set_steps_done(first_step);
-    }
-    check_steps_after_resume(o, first_step);
+  if (!o.resume_path.empty()) {  // read and checked once, loaded into every device's part
+    const Checkpoint ckpt =
+        read_compatible_checkpoint(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program);
+    check_steps_after_resume(o, ckpt.info.step);
+    first_step = ckpt.info.step;
+    for (auto& b : backends) load_state(b->model(), ckpt.state), b->set_steps_done(first_step);
   }
   const RankLoopLabels labels{
       "host-cpu",

@@ -31,13 +31,13 @@ void run_clip_grad(PassRun& run, const ClipGradDirective& d, int) {
   norm.stream = "norm";
   norm.bytes = 4;  // one fp32 sum of squares per device
   norm.label = "ALL_REDUCE grad norm";
+  // Every input of every update, once (a bucket's reduction feeds the updates of all its segments).
+  std::set<Vertex> inputs;
+  for (Vertex u : updates)
+    for (auto [e, end] = boost::in_edges(u, dag.graph); e != end; ++e) inputs.insert(boost::source(*e, dag.graph));
   const Vertex vn = cx.add(norm);
-  for (Vertex u : updates) {
-    std::vector<Vertex> inputs;
-    for (auto [e, end] = boost::in_edges(u, dag.graph); e != end; ++e) inputs.push_back(boost::source(*e, dag.graph));
-    for (Vertex p : inputs) dag.add_edge(p, vn, {EdgeKind::Data, 0, "grad"});
-    dag.add_edge(vn, u, {EdgeKind::Data, 0, "grad-norm"});
-  }
+  for (Vertex p : inputs) dag.add_edge(p, vn, {EdgeKind::Data, 0, "grad"});
+  for (Vertex u : updates) dag.add_edge(vn, u, {EdgeKind::Data, 0, "grad-norm"});
 }
 
 }  // namespace piper::core::passes

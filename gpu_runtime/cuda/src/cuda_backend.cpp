@@ -138,17 +138,17 @@ void CudaKernels::update(const Exec& e, int s, int step) {
 }
 
 // The rule of HostModel::owned_grad_sq without tensor parallelism or tied copies (which this backend
-// refuses): replica 0's gradients, or with ZeRO the first shard group's chunks.
+// refuses): host::counts_in_grad_norm's gradients, whole or the ZeRO chunk.
 void CudaKernels::grad_sq(const Exec& e, const std::vector<int>& segments, Tensor& out) {
   for (int s : segments) {
     const host::SegmentParams& sp = model_->layout(s);
+    if (!host::counts_in_grad_norm(sp)) continue;
     SegmentDevice& d = model_->device(s);
     if (sp.zero_level >= 1) {
-      if (sp.replica_index >= sp.zero_shards) continue;
       const std::int64_t chunk = sp.chunk_end - sp.chunk_begin;
       const float* g = d.grad_chunk_ready ? d.grad_chunk.as<float>() : d.grads.as<float>() + sp.chunk_begin;
       sum_squares(g, chunk, out.as<float>(), e.stream);
-    } else if (sp.replica_index == 0) {
+    } else {
       sum_squares(d.grads.as<float>(), static_cast<std::int64_t>(d.grads.size()), out.as<float>(), e.stream);
     }
   }

@@ -80,10 +80,7 @@ class CudaTrainee : public RankTrainee {
 TrainResult train_virtual(const core::Program& program, const TrainOptions& o, const CudaRunOptions& c) {
   const int n = program.num_devices;
   check(cudaSetDevice(0), "cudaSetDevice");
-  check_save_path(o.save_path);
-  check_calibrate_path(o.calibrate_path);
-  std::optional<SaveLock> lock;
-  if (!o.save_path.empty()) lock.emplace(o.save_path);
+  const auto lock = prepare_outputs(o);
   // One partition for the GPU that every virtual device shares.
   const auto sm = SmPartitioner::create(program.sm_partition);
   if (o.print && program.sm_partition) fmt::print("sm_partition: {}\n", sm->describe());

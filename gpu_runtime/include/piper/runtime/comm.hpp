@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -69,7 +70,7 @@ class LoopbackTable {
   struct Rendezvous {
     int expected = 0;
     std::map<int, Member> members;  // by member index
-    std::map<int, bool> seen_done;  // members that saw the exchange complete
+    std::set<int> seen_done;        // members that saw the exchange complete
     bool launched = false;
     Shared shared{};
   };
@@ -97,7 +98,7 @@ class LoopbackTable {
     if (it == open_.end()) throw std::logic_error("loopback: an exchange tested after it was released");
     Rendezvous& rv = it->second;
     if (!rv.launched || !done(rv)) return false;
-    rv.seen_done[n.rank] = true;
+    rv.seen_done.insert(n.rank);
     if (static_cast<int>(rv.seen_done.size()) == rv.expected) {
       release(rv);
       open_.erase(it);

@@ -173,6 +173,7 @@ class DataflowBase {
     return tied_.family >= 0 && op.family == tied_.family && op.kind == core::OpKind::AllReduce;
   }
   bool touches_tied(const core::Op& op) const;  // a local sum still due before this op
+  bool is_grad_norm(const core::Op& op) const { return norm_family_ >= 0 && op.family == norm_family_; }
 
   const core::Program& program_;
   const core::Plan& plan_;
@@ -463,7 +464,7 @@ void Dataflow<K, T>::start_comm(const Ctx& c, const core::Op& op, Pending& p) {
     }
     case core::OpKind::AllReduce: {
       r.kind = CommKind::AllReduce;
-      if (op.family >= 0 && op.family == norm_family_) {  // gradient clipping: this device's owned sum of squares
+      if (is_grad_norm(op)) {  // gradient clipping: this device's owned sum of squares
         p.recv = k_.floats(c, 1);
         k_.grad_sq(c, held_segments_, p.recv);
       } else if (is_tied_sum(op)) {  // this device's copy of the tied table: its local gradient
@@ -591,7 +592,7 @@ void Dataflow<K, T>::finish_comm(const Ctx& c, const core::Op& op, Pending& p) {
       break;
     }
     case core::OpKind::AllReduce: {
-      if (op.family >= 0 && op.family == norm_family_) {
+      if (is_grad_norm(op)) {
         grad_norm_ = std::sqrt(k_.clip_to(c, p.recv, program_.clip_grad));
         break;
       }

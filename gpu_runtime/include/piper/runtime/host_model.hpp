@@ -143,6 +143,13 @@ struct SegmentParams {
   int gathered = 0;  // ZeRO-3: live gathered copies (params valid while > 0)
 };
 
+// Gradient clipping: whether this device's reduced gradient of `sp` counts in the global norm, so
+// that every element counts once over all devices: replica 0's, or with ZeRO the first shard
+// group's chunks (the groups of zero_shards replicas hold the same chunks).
+inline bool counts_in_grad_norm(const SegmentParams& sp) {
+  return sp.zero_level >= 1 ? sp.replica_index < sp.zero_shards : sp.replica_index == 0;
+}
+
 // One contiguous part of a layer's canonical full parameter vector: for comparing and checkpointing.
 struct ParamRecord {
   int layer = 0;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -129,6 +130,9 @@ nlohmann::json report_json(const TrainResult& r, const TrainOptions& o, const st
 nlohmann::json optimizer_json(const host::AdamWConfig& adamw);
 // Refuses a --save path that can never be written, before any step runs (std::invalid_argument).
 void check_save_path(const std::string& path);
+// The single-process runs' output checks, before any step: check_save_path, check_calibrate_path,
+// and the --save file's lock (held while the returned value lives; null without --save).
+std::unique_ptr<SaveLock> prepare_outputs(const TrainOptions& o);
 // Refuses --steps below a resumed checkpoint's step (nothing could run; std::invalid_argument).
 void check_steps_after_resume(const TrainOptions& o, int checkpoint_step);
 // The one-line message of a non-finite step (`what`: "loss nan", "gradient norm inf", ...), for
