@@ -55,6 +55,24 @@ FA_PR1791 = {
     "method": "hopper/benchmark_attn.py of FlashAttention: FlashAttention-2 and FlashAttention-3 on one Hopper GPU (FA3 runs only on sm90), bf16",
     "licence": "figures posted publicly in a GitHub pull request; numbers only, attributed",
 }
+FA_README = {
+    "url": "https://github.com/Dao-AILab/flash-attention/blob/014c349eb1c523f9a97d51ea1880486aeeee4a2e/README.md",
+    "title": "Dao-AILab/flash-attention README, 'Changelog', the FlashAttention 2.0 entry",
+    "location": "section 'Changelog', heading of the 2.0 entry ('Upgrading from FlashAttention (1.x) to FlashAttention-2')",
+    "method": "the authors' statement of FlashAttention-2's speed over FlashAttention 1.x (the FlashAttention-2 paper, arXiv 2307.08691, measures the same on an A100: 'around 2x speedup compared to FlashAttention')",
+    "licence": "BSD-3-Clause repository (a short quote, attributed)",
+}
+FA1_QUOTE = "### 2.0: Complete rewrite, 2x faster"
+
+
+def fa1_kernel(fa2):
+    """FlashAttention 1.x (flash-attn < 2.0, as MosaicML llm-foundry pinned it) at half FlashAttention-2's rates."""
+    return {"fwd_scale": r(fa2["fwd_scale"] / 2, 6), "bwd_scale": r(fa2["bwd_scale"] / 2, 6),
+            "source": {"ref": "fa-readme", "quote": FA1_QUOTE,
+                       "note": "FlashAttention 1.x at half the rates of FlashAttention-2 ('fa2' of this table), "
+                               "forward and backward, at every shape"}}
+
+
 # FlashAttention-2 against a Hopper-native kernel at one shape (causal, head_dim 128, seq 8192), the source's
 # four figures; the table's own attention (cuDNN on the H200, 615 / 511 TFLOP/s at that shape with 32 heads)
 # is within 3 % / 4 % of FlashAttention-3's 630.0 / 531.6, so FA2 is costed at these ratios of it.
@@ -83,8 +101,30 @@ def gemm_entry(dtype, m, k, n, tflops, **prov):
     return e
 
 
+def dispatch_latency_s(h200):
+    """The CPU dispatch latency in the H200's single-launch GEMM timings, by the loader's "estimate" rule
+    (sim/src/kernel_table.cpp, docs/cost-model.md): the median over (dtype, K, N) curves of the time at
+    M = 0 on the line through the two smallest M."""
+    curves = {}
+    for g in h200["gemm"]:
+        if "tflops" in g:
+            curves.setdefault((g["dtype"], g["k"], g["n"]), {})[g["m"]] = 2.0 * g["m"] * g["k"] * g["n"] / (g["tflops"] * 1e12)
+    at_zero = []
+    for c in curves.values():
+        if len(c) < 2:
+            continue
+        (m1, t1), (m2, t2) = sorted(c.items())[:2]
+        at_zero.append(t1 - (t2 - t1) / (m2 - m1) * m1)
+    at_zero.sort()
+    n = len(at_zero)
+    return max(0.0, at_zero[n // 2] if n % 2 else (at_zero[n // 2 - 1] + at_zero[n // 2]) / 2)
+
+
 def derive(h200, compute_rule, compute_factor, fp32_rule, fp32_factor, memory_rule, memory_factor, with_fp8):
-    """The H200's entries scaled by the rules' factors, each marked with its rule."""
+    """The H200's entries scaled by the rules' factors, each marked with its rule. A GEMM entry is a
+    single-launch timing: its GPU part (the time less the CPU's dispatch latency) is scaled, the
+    dispatch latency, a host cost, is kept as it is."""
+    latency = dispatch_latency_s(h200)
     gemm = []
     for g in h200["gemm"]:
         if "error" in g:
@@ -92,7 +132,11 @@ def derive(h200, compute_rule, compute_factor, fp32_rule, fp32_factor, memory_ru
         if g["dtype"] == "fp8" and not with_fp8:
             continue  # the A100 has no fp8 tensor cores: no rate to derive
         rule, f = (fp32_rule, fp32_factor) if g["dtype"] == "fp32" else (compute_rule, compute_factor)
-        gemm.append(gemm_entry(g["dtype"], g["m"], g["k"], g["n"], g["tflops"] * f, derived=rule))
+        work = 2.0 * g["m"] * g["k"] * g["n"]
+        t = work / (g["tflops"] * 1e12)
+        gpu = max(t - latency, t / 4)  # the loader's floor: a corrected time keeps a quarter of the measured one
+        gemm.append(gemm_entry(g["dtype"], g["m"], g["k"], g["n"], work / (gpu / f + (t - gpu)) / 1e12,
+                               derived=rule))
     att = []
     for a in h200["attention"]:
         e = {k: a[k] for k in ("b", "s", "heads", "kv_heads", "head_dim")}
@@ -118,6 +162,11 @@ def replace_cited(derived, cited):
     return [d for d in derived if (d["dtype"], d["m"], d["k"], d["n"]) not in keys] + cited
 
 
+# The A100 tables' attention is the H200's cuDNN scaled by the matmul ratio; no FlashAttention-2 figure on
+# the A100 is used, so "fa2" is the table's own rates (rule a100-attention-fa2).
+FA2_A100 = {"fwd_scale": 1.0, "bwd_scale": 1.0, "derived": "a100-attention-fa2"}
+
+
 def a100_table(h200, gb, stream_src, stream_row, scale_gbps, triad_gbps, array_bytes, device):
     copy_h200 = max((m for m in h200["memory_bound"] if m["kernel"] == "copy"), key=lambda m: m["gbps"] * m["s"])
     mem_factor = scale_gbps / copy_h200["gbps"]
@@ -126,11 +175,14 @@ def a100_table(h200, gb, stream_src, stream_row, scale_gbps, triad_gbps, array_b
         "a100-compute": (
             f"H200 measured rate at the same shape (kernels-h200-sxm.json) x {r(compute_factor)} = {A100_BF16_MAMF} / "
             f"{H100_BF16_MAMF}: the ratio of the maximum achievable bf16 matmul TFLOP/s of the A100 SXM and the "
-            f"H100 SXM ('H200 is the same') measured by one tool (source 'mamf'). Used for bf16/fp16 and tf32 GEMMs "
+            f"H100 SXM ('H200 is the same') measured by one tool (source 'mamf'); for a GEMM, its GPU time (the "
+            f"single-launch time less the H200's CPU dispatch latency, the loader's estimate) is scaled and the "
+            f"latency kept. Used for bf16/fp16 and tf32 GEMMs "
             f"(tf32 is half the bf16 tensor-core peak on both datasheets) and for causal attention."),
         "a100-fp32": (
             f"H200 measured fp32 GEMM rate x {r(A100_FP32 / H100_FP32)} = {A100_FP32} / {H100_FP32} TFLOP/s, the FP32 "
-            f"(CUDA-core) peaks of the A100 and H100 SXM datasheets."),
+            f"(CUDA-core) peaks of the A100 and H100 SXM datasheets (GPU time scaled, dispatch latency kept, as "
+            f"a100-compute)."),
         "a100-memory": (
             f"H200 measured rate of the same kernel class and size x {r(mem_factor)} = {scale_gbps} GB/s (A100 "
             f"stream 'scale', source '{stream_src}') / {r(copy_h200['gbps'], 7)} GB/s (H200 'copy' of "
@@ -158,18 +210,16 @@ def a100_table(h200, gb, stream_src, stream_row, scale_gbps, triad_gbps, array_b
         "name": f"a100-{gb}gb-sxm",
         "device": device,
         "cited": True,
-        # The derived GEMMs are the H200's single-launch event timings scaled: the loader removes the
-        # dispatch latency they carry (estimated from the derived curves, as for the H200's own table).
-        "gemm_dispatch_latency": "estimate",
+        # The derived GEMMs keep the H200's single-launch dispatch latency (µs, the loader's estimate on the
+        # H200's table), which the loader removes again.
+        "gemm_dispatch_latency": r(dispatch_latency_s(h200) * 1e6, 6),
         "comment": ("Published microbenchmarks where they exist ('source'), otherwise the H200 measurement scaled by a "
                     "stated rule ('derived'). Written by sim/data/published_tables.py; see sim/data/README.md."),
-        "sources": {"mamf": MAMF, stream_src: RRZE_A100_40 if gb == 40 else RRZE_A100_80},
+        "sources": {"mamf": MAMF, stream_src: RRZE_A100_40 if gb == 40 else RRZE_A100_80, "fa-readme": FA_README},
         "rules": rules,
         "gemm": replace_cited(gemm, cited_gemm),
         "attention": att,
-        # The attention above is the H200's cuDNN scaled by the matmul ratio; no FlashAttention-2 figure on
-        # the A100 is used, so "fa2" is the table's own rates (rule a100-attention-fa2).
-        "attention_kernels": {"fa2": {"fwd_scale": 1.0, "bwd_scale": 1.0, "derived": "a100-attention-fa2"}},
+        "attention_kernels": {"fa2": FA2_A100, "fa1": fa1_kernel(FA2_A100)},
         "memory_bound": mem,
         "adamw": adam,
     }
@@ -189,6 +239,10 @@ def h100_table(h200):
     }
     gemm, att, mem, adam = derive(h200, "h100-same-die", 1.0, "h100-same-die", 1.0, "h100-hbm", mem_factor,
                                   with_fp8=True)
+    fa2 = {"fwd_scale": r(FA2_FWD / FA3_FWD, 6), "bwd_scale": r(FA2_BWD / FA3_BWD, 6),
+           "source": {"ref": "fa-pr1791", "quote": FA2_QUOTE,
+                      "note": "fwd_scale = 284.1 / 630.0, bwd_scale = 287.1 / 531.6: FlashAttention-2 over "
+                              "FlashAttention-3, which the table's cuDNN rates match within 4 % at this shape"}}
     squares = {
         "bf16": [176.62, 676.59, 788.72, 797.51, 719.72],
         "tf32": [119.60, 334.99, 402.15, 372.05, 376.66],
@@ -216,15 +270,11 @@ def h100_table(h200):
         "gemm_dispatch_latency": "estimate",
         "comment": ("Published microbenchmarks where they exist ('source'), otherwise the H200 measurement under a "
                     "stated rule ('derived'). Written by sim/data/published_tables.py; see sim/data/README.md."),
-        "sources": {"mamf": MAMF, "zzc-h100": ZZC_H100, "fa-pr1791": FA_PR1791},
+        "sources": {"mamf": MAMF, "zzc-h100": ZZC_H100, "fa-pr1791": FA_PR1791, "fa-readme": FA_README},
         "rules": rules,
         "gemm": replace_cited(gemm, cited),
         "attention": att,
-        "attention_kernels": {"fa2": {"fwd_scale": r(FA2_FWD / FA3_FWD, 6), "bwd_scale": r(FA2_BWD / FA3_BWD, 6),
-                                      "source": {"ref": "fa-pr1791", "quote": FA2_QUOTE,
-                                                 "note": "fwd_scale = 284.1 / 630.0, bwd_scale = 287.1 / 531.6: "
-                                                         "FlashAttention-2 over FlashAttention-3, which the table's "
-                                                         "cuDNN rates match within 4 % at this shape"}}},
+        "attention_kernels": {"fa2": fa2, "fa1": fa1_kernel(fa2)},
         "memory_bound": mem,
         "adamw": adam,
     }

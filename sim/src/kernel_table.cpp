@@ -253,10 +253,15 @@ void remove_dispatch_latency(const TableReader& r, const json& v, KernelTable& t
     r.fail("gemm_dispatch_latency", "expected \"estimate\" or a number of µs");
   }
   t.gemm_dispatch_latency_s = latency;
+  // No shape outruns the GPU: a corrected rate stays at most the best rate the table holds for its dtype
+  // (measured or cited, before the correction). The intercept estimate also takes in the small-M
+  // inefficiency of each curve, so uncapped it lifts mid-size GEMMs past the best of a shape search.
+  std::map<std::string, double> best;
+  for (const auto& g : t.gemm) best[g.dtype] = std::max(best[g.dtype], g.flops_per_s);
   for (auto& g : t.gemm) {
     if (g.cited) continue;
     const double work = 2.0 * g.m * g.n * g.k, s = work / g.flops_per_s;
-    g.flops_per_s = work / std::max(s - latency, s / 4);
+    g.flops_per_s = std::min(work / std::max(s - latency, s / 4), best[g.dtype]);
   }
 }
 
@@ -345,6 +350,13 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
     // What one launch moved: given ("bytes"), or the measured time ("s", as kernels.py writes) at that rate.
     if (m.contains("bytes") == m.contains("s")) r.fail(at, "expected one of \"bytes\" (moved per launch) and \"s\"");
     e.bytes = m.contains("bytes") ? r.positive(m, "bytes", at) : e.bytes_per_s * r.positive(m, "s", at);
+    if (e.kernel == "cross_entropy_fwd_fp32") {
+      // kernels.py counts this op (F.cross_entropy(logits.float(), target)) at 6 bytes a logit; it
+      // moves 14 (the cast reads 2 and writes 4, log_softmax reads 4 and writes 4), the bytes the
+      // cost model counts for the loss (elementwise_cost): the entry's rate and size are in bytes moved.
+      e.bytes_per_s *= kCrossEntropyBytesMoved / kCrossEntropyBytesCounted;
+      e.bytes *= kCrossEntropyBytesMoved / kCrossEntropyBytesCounted;
+    }
     t.memory.push_back(e);
   }
   // Fused AdamW, bf16 parameters with fp32 moments (kernels.py): per parameter it reads the
