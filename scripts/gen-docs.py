@@ -19,7 +19,8 @@ The convention (docs/README.md says it for authors):
 
 Usage: scripts/gen-docs.py [--check | --update] [--list] [FILE.md ...]
   --check   (default) exit 1 and show a diff when a block's output differs
-  --update  rewrite blocks with the real output (elided blocks keep their `...` lines)
+  --update  rewrite blocks with the real output (a block elided by one `...` line keeps as many lines
+            before and after it as it had)
 """
 import argparse
 import difflib
@@ -161,6 +162,18 @@ def match(expected, actual):
     return result
 
 
+def elide_like(expected, actual):
+    """`actual` cut as `expected` was: with one '...' line between a head of h and a tail of t
+    lines, the first h and the last t lines of `actual` around it; None otherwise (or too short)."""
+    dots = [k for k, l in enumerate(expected) if l.strip() == "..."]
+    if len(dots) != 1:
+        return None
+    head, tail = dots[0], len(expected) - dots[0] - 1
+    if len(actual) <= head + tail:
+        return None
+    return actual[:head] + [expected[head]] + (actual[len(actual) - tail:] if tail else [])
+
+
 def run_block(block, env, scratch):
     """Runs the block's commands with /tmp/ mapped to `scratch`; outputs name /tmp/ again."""
     cmds = block.commands()
@@ -234,6 +247,11 @@ def main():
                 if m is None:
                     if args.update and not any(l.strip() == "..." for l in expected):
                         new_body += actual
+                        changed = True
+                        continue
+                    kept = elide_like(expected, actual) if args.update else None
+                    if kept is not None:
+                        new_body += kept
                         changed = True
                         continue
                     diff = "\n".join(difflib.unified_diff(expected, actual, "documented", "actual", lineterm=""))

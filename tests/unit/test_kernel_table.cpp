@@ -417,8 +417,9 @@ TEST(KernelTable, AttentionKernelsScaleTheTablesAttention) {
   EXPECT_DOUBLE_EQ(CostModel(fa2).timing(0).attention_kernel.fwd_scale, h->attention_kernels.at("fa2").fwd_scale);
   const Cluster fa9 = cl(R"({"preset": "dgx-h100", "attention_kernel": "fa9"})");
   const std::string e = error_of([&] { CostModel{fa9}; });
-  EXPECT_NE(e.find("field 'attention_kernel': kernel table 'h100-sxm' has no attention kernel 'fa9' (it has: fa1, fa2)"),
-            std::string::npos)
+  EXPECT_NE(
+      e.find("field 'attention_kernel': kernel table 'h100-sxm' has no attention kernel 'fa9' (it has: fa1, fa2)"),
+      std::string::npos)
       << e;
   // A table file's variants are checked like its entries.
   const std::string dir = ::testing::TempDir() + "/ak-" + std::to_string(::getpid());
