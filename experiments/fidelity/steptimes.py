@@ -161,6 +161,12 @@ def cluster_with_profile(case, workdir):
     else:
         with open(os.path.join(REPO, name)) as f:
             spec = json.load(f)
+        # The copy lives elsewhere: a kernel table file named beside the cluster file goes by its full path.
+        gpu = spec.get("node", {}).get("gpu", {})
+        table = gpu.get("kernel_table", "")
+        beside = os.path.join(REPO, os.path.dirname(name), table)
+        if table and not os.path.isabs(table) and os.path.isfile(beside):
+            gpu["kernel_table"] = beside
     spec["runtime"] = PROFILE_OF_RUNTIME[case["runtime"]]
     if "attention_kernel" in case:
         spec["attention_kernel"] = case["attention_kernel"]

@@ -194,13 +194,13 @@ for section, size, seq, gpus, mbs in LF_PICK:
     # Every MosaicML table: the flash-attn its harness installed.
     first, extra, pin = lf_flash_attn(section)
     major = pin.split("==")[1].lstrip("v").split(".")[0]
-    attention_kernel = "fa2"
+    attention_kernel = "fa2" if major == "2" else "fa1"
     notes.append(f"Attention: the table was added at {first[:9]}, whose benchmark harness installs llm-foundry with "
                  f"'.[{extra}]' (scripts/train/benchmarking/submit_benchmarks.py), which setup.py pins to '{pin}': "
-                 + ("FlashAttention-2, " if major == "2" else "FlashAttention 1, slower than FlashAttention-2 (Piper has no "
-                    "rates for it, so FlashAttention-2's are the nearest and the prediction leans fast), ")
-                 + ("not a Hopper kernel: " if gpu_label.startswith("H100") else "")
-                 + "attention_kernel \"fa2\" (docs/cost-model.md).")
+                 + ("FlashAttention-2, " + ("not a Hopper kernel: " if gpu_label.startswith("H100") else "")
+                    + "attention_kernel \"fa2\" (docs/cost-model.md)." if major == "2" else
+                    "FlashAttention 1: attention_kernel \"fa1\", half of FlashAttention-2's rates (FlashAttention's "
+                    "changelog: '2.0: Complete rewrite, 2x faster'; docs/cost-model.md)."))
     if seq != 2048:
         notes.append(f"Sequence length {seq}: the model file has learned positions up to {seq}, as NumParams shows.")
     cases.append({
