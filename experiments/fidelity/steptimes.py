@@ -40,7 +40,8 @@ class CaseError(Exception):
 
 # The case's runtime as the cluster's runtime profile (docs/cost-model.md): PyTorch eager launches
 # its element-wise ops one by one; torch.compile and Megatron-LM fuse them.
-PROFILE_OF_RUNTIME = {"eager": "eager", "eager-fused-loss": "eager-fused-loss", "torch.compile": "fused", "megatron": "fused"}
+PROFILE_OF_RUNTIME = {"eager": "eager", "eager-fused-loss": "eager-fused-loss", "eager-unfused-norm": "eager-unfused-norm",
+                      "torch.compile": "fused", "megatron": "fused"}
 
 def fail(msg):
     print(f"steptimes: {msg}", file=sys.stderr)

@@ -521,11 +521,14 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
   if (j.contains("runtime")) {
     const json& rt = j.at("runtime");
     const std::string s = rt.is_string() ? rt.get<std::string>() : "";
-    if (s != "fused" && s != "eager" && s != "eager-fused-loss")
-      r.fail("runtime",
-             "expected \"fused\" (torch.compile, Megatron's fused kernels), \"eager\" (PyTorch eager) or "
-             "\"eager-fused-loss\" (eager with a fused cross-entropy)");
-    c.runtime = rt.get<std::string>();
+    try {
+      runtime_profile_from_string(s);
+    } catch (const ClusterError&) {
+      r.fail("runtime", "expected one of " + runtime_profile_names() +
+                            " (torch.compile or Megatron's fused kernels; PyTorch eager; eager with a fused "
+                            "cross-entropy; eager with the RMSNorm in torch ops: docs/cost-model.md)");
+    }
+    c.runtime = s;
   }
   if (j.contains("attention_kernel")) {
     const json& ak = j.at("attention_kernel");

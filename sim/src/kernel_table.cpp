@@ -24,15 +24,29 @@ extern const char* const kKernelTableH100;
 extern const char* const kKernelTableA100_40;
 extern const char* const kKernelTableA100_80;
 
+namespace {
+constexpr std::pair<RuntimeProfile, const char*> kProfileNames[] = {{RuntimeProfile::Fused, "fused"},
+                                                                    {RuntimeProfile::Eager, "eager"},
+                                                                    {RuntimeProfile::EagerFusedLoss, "eager-fused-loss"},
+                                                                    {RuntimeProfile::EagerUnfusedNorm, "eager-unfused-norm"}};
+}  // namespace
+
 std::string to_string(RuntimeProfile p) {
-  return p == RuntimeProfile::Eager ? "eager" : p == RuntimeProfile::EagerFusedLoss ? "eager-fused-loss" : "fused";
+  for (const auto& [q, name] : kProfileNames)
+    if (q == p) return name;
+  return "fused";
 }
 
 RuntimeProfile runtime_profile_from_string(const std::string& s) {
-  if (s == "fused") return RuntimeProfile::Fused;
-  if (s == "eager") return RuntimeProfile::Eager;
-  if (s == "eager-fused-loss") return RuntimeProfile::EagerFusedLoss;
-  throw ClusterError("unknown runtime profile '" + s + "' (expected \"fused\", \"eager\" or \"eager-fused-loss\")");
+  for (const auto& [q, name] : kProfileNames)
+    if (s == name) return q;
+  throw ClusterError("unknown runtime profile '" + s + "' (expected one of " + runtime_profile_names() + ")");
+}
+
+std::string runtime_profile_names() {
+  std::string out;
+  for (const auto& [q, name] : kProfileNames) out += (out.empty() ? "\"" : ", \"") + std::string(name) + "\"";
+  return out;
 }
 
 namespace {
@@ -449,7 +463,21 @@ struct ElementwiseCost {
 
 ElementwiseCost elementwise_cost(KernelKind kind, RuntimeProfile p) {
   const bool loss = kind == KernelKind::Loss || kind == KernelKind::LossBackward;
-  const bool eager = p == RuntimeProfile::Eager || (p == RuntimeProfile::EagerFusedLoss && !loss);
+  const bool eager = p == RuntimeProfile::Eager || p == RuntimeProfile::EagerUnfusedNorm ||
+                     (p == RuntimeProfile::EagerFusedLoss && !loss);
+  if (p == RuntimeProfile::EagerUnfusedNorm) {
+    // RMSNorm written in torch ops (TorchTitan's: x * rsqrt(x.float().pow(2).mean(-1) + eps), .type_as(x),
+    // * weight). Forward: the cast (read 1, write 4 fp32 bytes), pow (4, 4), mean (4), the product with
+    // the rsqrt (4, 4), type_as (4, write 1), the weight (1, 1): 4 elements of the dtype and 28 fp32
+    // bytes in 8 launches (with the add and rsqrt over the rows). Input gradient, autograd's reverse:
+    // the weight's product (1, 1), type_as (1, 4), the product with the rsqrt (4, 4) and the rsqrt's
+    // gradient (a product 4, 4, 4 and a row sum 4), mean's expansion into pow's gradient (self.pow(1)
+    // 4, 4; times 2 4, 4; times the gradient 4, 4), the sum of the two paths (4, 4, 4) and the cast
+    // back (4, 1): 4 and 68 in 11 launches. The weight's gradient: a product (1, 1, 1) and a sum (1).
+    if (kind == KernelKind::Norm) return {4, 28, 8, "add"};
+    if (kind == KernelKind::NormBackward) return {4, 68, 11, "add"};
+    if (kind == KernelKind::NormWeight) return {4, 0, 2, "add"};
+  }
   switch (kind) {
     // RMSNorm: read x, write y (fused in both: PyTorch's F.rms_norm, and its backward kernel).
     case KernelKind::Norm:

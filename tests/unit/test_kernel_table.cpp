@@ -452,3 +452,34 @@ TEST(KernelTable, CrossEntropyRatesAreInBytesMoved) {
   ASSERT_GT(measured, 0);
   EXPECT_NEAR(kt.seconds(loss), measured * 12 / 14 + 2 * t->launch_floor_s, measured * 0.02);
 }
+
+// eager-unfused-norm: the RMSNorm as TorchTitan writes it in torch ops, counted op by op (docs/cost-model.md):
+// forward 36 bytes a bf16 element in 8 launches, input gradient 76 in 11, weight gradient 8 in 2, all at
+// the table's element-wise ("add") rate for the bytes of one launch; the other kernels as eager.
+TEST(KernelTable, UnfusedNormProfileCountsTheTorchOps) {
+  const auto t = load_kernel_table("h200-sxm");
+  KernelTiming kt{t.get(), RuntimeProfile::EagerUnfusedNorm, 989.4e12, 4.8e12, 0.75, 0, {}};
+  const double n = 16384.0 * 4096;
+  auto timed = [&](core::KernelKind kind) {
+    core::Kernel k;
+    k.kind = kind;
+    k.elems = static_cast<std::int64_t>(n);
+    return kt.seconds(k);
+  };
+  auto by_hand = [&](double bytes_per_elem, int launches) {
+    const double bytes = bytes_per_elem * n;
+    return bytes / t->memory_rate("add", bytes / launches) + launches * t->launch_floor_s;
+  };
+  expect_rel(timed(core::KernelKind::Norm), by_hand(36, 8));
+  expect_rel(timed(core::KernelKind::NormBackward), by_hand(76, 11));
+  expect_rel(timed(core::KernelKind::NormWeight), by_hand(8, 2));
+  // Everything else is eager's: SwiGLU's 5 passes in 2 launches.
+  const double swiglu = timed(core::KernelKind::Activation);
+  kt.profile = RuntimeProfile::Eager;
+  EXPECT_DOUBLE_EQ(swiglu, timed(core::KernelKind::Activation));
+  EXPECT_LT(timed(core::KernelKind::Norm), by_hand(36, 8) / 5);  // F.rms_norm: one read, one write
+  EXPECT_EQ(runtime_profile_from_string("eager-unfused-norm"), RuntimeProfile::EagerUnfusedNorm);
+  EXPECT_EQ(to_string(RuntimeProfile::EagerUnfusedNorm), "eager-unfused-norm");
+  const std::string e = error_of([&] { cluster_from_text(R"({"preset": "dgx-h200", "runtime": "lazy"})", "c.json"); });
+  EXPECT_NE(e.find("\"eager-unfused-norm\""), std::string::npos) << e;
+}

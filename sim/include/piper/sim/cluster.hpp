@@ -95,7 +95,8 @@ struct Cluster {
   std::vector<NodeSpec> nodes;  // devices are numbered node by node: node 0 holds 0..g0-1, ...
   NetworkSpec network;
   bool fixed_size = false;  // the spec fixes its node count: with_devices() will not grow it
-  // Which element-wise kernels the training runtime fuses ("runtime": "fused" | "eager" | "eager-fused-loss";
+  // Which element-wise kernels the training runtime fuses ("runtime": "fused" | "eager" | "eager-fused-loss" |
+  // "eager-unfused-norm";
   // kernel_table.hpp). Only the per-kernel cost model reads it.
   std::string runtime = "fused";
   // Which attention kernel the runtime uses ("attention_kernel"): "" = the kernel tables' own (cuDNN on

@@ -24,9 +24,12 @@ namespace piper::sim {
 //    dense-1b, ../shared/measurements/h200/torch-profile-dense1b.txt);
 //  * eager-fused-loss: eager with one fused cross-entropy kernel (flash-attn's CrossEntropyLoss, the
 //    default loss of MosaicML llm-foundry's MPT models): the loss as fused, the rest as eager.
-enum class RuntimeProfile { Fused, Eager, EagerFusedLoss };
+//  * eager-unfused-norm: eager with the RMSNorm written in torch ops (TorchTitan's Llama RMSNorm, not
+//    F.rms_norm): the norms as the casts, powers, means and products autograd runs.
+enum class RuntimeProfile { Fused, Eager, EagerFusedLoss, EagerUnfusedNorm };
 std::string to_string(RuntimeProfile p);
 RuntimeProfile runtime_profile_from_string(const std::string& s);  // throws ClusterError
+std::string runtime_profile_names();                               // "fused", "eager", ... for messages
 
 class KernelTable {
  public:
