@@ -25,10 +25,11 @@ extern const char* const kKernelTableA100_40;
 extern const char* const kKernelTableA100_80;
 
 namespace {
-constexpr std::pair<RuntimeProfile, const char*> kProfileNames[] = {{RuntimeProfile::Fused, "fused"},
-                                                                    {RuntimeProfile::Eager, "eager"},
-                                                                    {RuntimeProfile::EagerFusedLoss, "eager-fused-loss"},
-                                                                    {RuntimeProfile::EagerUnfusedNorm, "eager-unfused-norm"}};
+constexpr std::pair<RuntimeProfile, const char*> kProfileNames[] = {
+    {RuntimeProfile::Fused, "fused"},
+    {RuntimeProfile::Eager, "eager"},
+    {RuntimeProfile::EagerFusedLoss, "eager-fused-loss"},
+    {RuntimeProfile::EagerUnfusedNorm, "eager-unfused-norm"}};
 }  // namespace
 
 std::string to_string(RuntimeProfile p) {
