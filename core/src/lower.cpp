@@ -254,13 +254,16 @@ int op_gemm_kernels(const DagNode& n) {
 // With fp32 main grads (Megatron-LM's gradient_accumulation_fusion) every weight-gradient GEMM
 // accumulates into its parameter's fp32 main_grad: the epilogue reads and writes 4 bytes per
 // parameter of the segment (this device's share) once per microbatch backward, after the main
-// loop, so the traffic adds to the backward's time. Charged to B, or to BW when B is split.
+// loop, so the traffic adds to the backward's time. Charged to B, or to BW when B is split. With
+// separate accumulation (DeepSpeed's BF16_Optimizer) the bf16 gradients are zeroed and then added
+// into the fp32 ones by their own kernels: 20 bytes a parameter (TrainingShape).
 std::int64_t main_grad_accumulation_bytes(const GlobalDag& dag, const DagNode& n) {
   if (!dag.training.fp32_main_grads || n.kind != NodeKind::Compute || (n.pass != Pass::B && n.pass != Pass::BW) ||
       n.segment < 0)
     return 0;
   // A chunked B (ShardDirective::chunks) accumulates once per chunk: each of its ops carries this.
-  return 2 * 4 * dag.segments.at(static_cast<std::size_t>(n.segment)).state_params();
+  const std::int64_t per_param = dag.training.separate_main_grad_accumulation ? 20 : 2 * 4;
+  return per_param * dag.segments.at(static_cast<std::size_t>(n.segment)).state_params();
 }
 
 std::int64_t op_memory_bytes(const DagNode& n) {

@@ -520,11 +520,20 @@ ModelConfig config_from_spec_json(const json& j, const std::string& where) {
   }
   if (const json* tr = r.opt_object("training")) {
     FieldReader t(*tr, where, "training.");
-    t.reject_unknown({"seq_len", "micro_batch_size", "precision", "fp32_main_grads"});
+    t.reject_unknown({"seq_len", "micro_batch_size", "precision", "fp32_main_grads", "main_grad_accumulation"});
     c.training.seq_len = t.positive_or("seq_len", c.training.seq_len);
     c.training.micro_batch_size = t.positive_or("micro_batch_size", c.training.micro_batch_size);
     c.training.precision = parse_precision(t, t.opt_string("precision").value_or("bf16"));
     c.training.fp32_main_grads = t.bool_or("fp32_main_grads", false);
+    if (const auto mode = t.opt_string("main_grad_accumulation")) {
+      if (*mode != "fused" && *mode != "separate")
+        t.fail("main_grad_accumulation",
+               "expected \"fused\" (Megatron-LM's gradient_accumulation_fusion) or "
+               "\"separate\" (DeepSpeed's BF16_Optimizer), got '" +
+                   *mode + "'");
+      if (!c.training.fp32_main_grads) t.fail("main_grad_accumulation", "needs \"fp32_main_grads\": true");
+      c.training.separate_main_grad_accumulation = *mode == "separate";
+    }
   }
   validate_config(c, where);
   return c;
@@ -575,6 +584,7 @@ json config_to_spec_json(const ModelConfig& c) {
                    {"micro_batch_size", c.training.micro_batch_size},
                    {"precision", to_string(c.training.precision)}};
   if (c.training.fp32_main_grads) j["training"]["fp32_main_grads"] = true;
+  if (c.training.separate_main_grad_accumulation) j["training"]["main_grad_accumulation"] = "separate";
   return j;
 }
 

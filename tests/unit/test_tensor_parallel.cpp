@@ -310,8 +310,36 @@ TEST(TensorParallel, Fp32MainGradsByHand) {
   EXPECT_EQ(bi32->elementwise_bytes, bi16->elementwise_bytes);
   EXPECT_EQ((bw32->elementwise_bytes - bw16->elementwise_bytes) * 42, 8 * upd->memory_bytes);
   EXPECT_GT(upd->memory_bytes, 0);
+  // DeepSpeed's BF16_Optimizer accumulates by separate kernels: zero the bf16 gradient (write 2), then
+  // hp.add_(lp.to(fp32)) (read 2, write 4; read 4 + 4, write 4): 20 bytes per parameter, not 8.
+  c.name = "tp-gpt-fp32-separate";
+  c.training.separate_main_grad_accumulation = true;
+  const Program sep = compile_scenario(tp_scenario(write_spec(c), o)).result.program;
+  EXPECT_EQ(Program::from_json(sep.to_json()), sep);
+  EXPECT_TRUE(Program::from_json(sep.to_json()).training.separate_main_grad_accumulation);
+  const Op* bsep = find(sep, OpKind::Compute, Pass::B);
+  ASSERT_TRUE(bsep);
+  EXPECT_EQ(bsep->elementwise_bytes - b16->elementwise_bytes, 20 * P);
+  EXPECT_TRUE(config_from_spec_json(config_to_spec_json(c), "round trip").training.separate_main_grad_accumulation);
+  c.training.separate_main_grad_accumulation = false;
   // The spec field round-trips and is type-checked.
   EXPECT_TRUE(config_from_spec_json(config_to_spec_json(c), "round trip").training.fp32_main_grads);
+  auto refused = [](const json& bad) {
+    try {
+      (void)config_from_spec_json(bad, "m.json");
+    } catch (const ModelError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  json mode = config_to_spec_json(c);
+  mode["training"]["main_grad_accumulation"] = "later";
+  EXPECT_NE(refused(mode).find("m.json: field 'training.main_grad_accumulation': expected \"fused\""),
+            std::string::npos)
+      << refused(mode);
+  mode["training"]["main_grad_accumulation"] = "separate";
+  mode["training"].erase("fp32_main_grads");
+  EXPECT_NE(refused(mode).find("needs \"fp32_main_grads\": true"), std::string::npos) << refused(mode);
   json spec = config_to_spec_json(c);
   spec["training"]["fp32_main_grads"] = "yes";
   try {

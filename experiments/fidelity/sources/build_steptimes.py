@@ -368,6 +368,18 @@ ds_commit = head(DS)
 ds_p2p = show(DS, ds_commit, "deepspeed/runtime/pipe/p2p.py")
 assert 'def send(tensor, dest_stage, async_op=False):' in ds_p2p
 assert 'assert async_op == False, "Doesn\'t support async_op true"' in ds_p2p and "return dist.send(tensor, dest_rank)" in ds_p2p
+# Its BF16_Optimizer (BLOOM) accumulates gradients in fp32 by separate kernels after every microbatch's backward,
+# read at the commit that brought it to the pipeline engine ("bf16+pipeline parallelism", 2022-04-19).
+ds_bf16_commit = "56c522386878df2513ccb548de76b50191ae3af7"
+ds_bf16 = show(DS, ds_bf16_commit, "deepspeed/runtime/bf16_optimizer.py")
+ds_pipe = show(DS, ds_bf16_commit, "deepspeed/runtime/pipe/engine.py")
+assert "hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype).view(hp_grad.shape))" in ds_bf16
+assert "self.clear_lp_grads()\n        loss.backward(**bwd_kwargs)" in ds_bf16
+assert "self.optimizer.clear_lp_grads()" in ds_pipe and "self.optimizer.update_hp_grads(clear_lp_grads=False)" in ds_pipe
+DS_BF16_NOTE = (" The fp32 gradients accumulate by separate kernels every microbatch (deepspeed/runtime/bf16_optimizer.py at "
+                f"{ds_bf16_commit[:7]}: clear_lp_grads() before each backward, then "
+                "hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype)...); the pipeline engine calls both around every "
+                "microbatch's backward): the model's main_grad_accumulation \"separate\".")
 DS_P2P_NOTE = (" DeepSpeed's pipeline engine sends and receives synchronously (deepspeed/runtime/pipe/p2p.py at "
                f"{ds_commit[:7]}: send(tensor, dest_stage, async_op=False) asserts \"Doesn't support async_op true\" and "
                "calls dist.send): --p2p-blocking.")
@@ -391,12 +403,15 @@ def bs_model(hidden, layers):
                         f"NHIDDEN={hidden} / NLAYERS={layers}, NHEADS=64 ('all NHEADS=64 (above too)'), seq 2048, vocabulary "
                         "250880 (the padded size of the README's `250880*14336` embedding), tied embeddings, LayerNorm, GELU, "
                         "biases, Megatron fused-softmax attention (no flash), bf16 with fp32 gradient accumulation "
-                        "(BF16_Optimizer 'accumulates grads in fp32'). BLOOM uses ALiBi, which Piper does not model: posed as "
+                        "(BF16_Optimizer 'accumulates grads in fp32', zeroing the bf16 gradients and adding them into the fp32 "
+                        "ones around every microbatch's backward: main_grad_accumulation \"separate\"). BLOOM uses ALiBi, which "
+                        "Piper does not model: posed as "
                         "rotary positions (max_positions 0; no parameters either way). BLOOM's embedding LayerNorm is omitted."),
         "vocab": 250880, "hidden": hidden, "layers": layers, "heads": 64, "ffn": 4 * hidden,
         "activation": "gelu", "norm": "layernorm", "bias": True, "tie_embeddings": True, "max_positions": 0,
         "attention": "standard",
-        "training": {"seq_len": 2048, "micro_batch_size": 1, "precision": "bf16", "fp32_main_grads": True}})
+        "training": {"seq_len": 2048, "micro_batch_size": 1, "precision": "bf16", "fp32_main_grads": True,
+                     "main_grad_accumulation": "separate"}})
 
 
 def bs_rows(table_marker, occurrence=0):
@@ -447,7 +462,8 @@ def pick_bs(marker, occurrence, hidden, layers, label, want):
                       "--zero 1; activation checkpointing (README: 'Since we use activation check-pointing') = --recompute full; "
                       "DeepSpeed's pipeline schedule posed as 1F1B; the source partitions embeddings as pipeline layers "
                       "('type:transformer|embedding'), Piper balances its own way. Measured at iteration 2 (the source warns the "
-                      "snapshot 'can fluctuate a bit'). The table's model size column is the source's." + DS_P2P_NOTE)})
+                      "snapshot 'can fluctuate a bit'). The table's model size column is the source's." + DS_P2P_NOTE
+                      + DS_BF16_NOTE)})
 
 
 pick_bs("NHIDDEN=14336 / NLAYERS=72", 0, 14336, 72, "h14336-l72", {(4, 12, 1), (4, 12, 2), (4, 12, 4), (4, 12, 8), (8, 6, 1), (8, 6, 2), (8, 6, 4)})

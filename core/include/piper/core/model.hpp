@@ -36,6 +36,13 @@ struct TrainingShape {
   // optimizer then copies its fp32 main parameters to the bf16 model parameters. False: gradients
   // in the training precision (the ZeRO paper's 2 + 2 + 12 bytes per parameter).
   bool fp32_main_grads = false;
+  // How the fp32 main grads accumulate each microbatch ("main_grad_accumulation"): "fused" (false),
+  // Megatron-LM's gradient_accumulation_fusion, the weight-gradient GEMM's epilogue reads and writes
+  // them (8 bytes a parameter); "separate" (true), DeepSpeed's BF16_Optimizer, which zeroes the bf16
+  // gradients before each microbatch's backward and adds them into the fp32 ones after it
+  // (clear_lp_grads: write 2; hp_grad.add_(lp.grad.to(fp32)): read 2, write 4, read 4 + 4, write 4:
+  // 20 bytes a parameter).
+  bool separate_main_grad_accumulation = false;
   std::int64_t tokens_per_microbatch() const { return seq_len * micro_batch_size; }
 };
 // Bytes per element of the gradient buffer: 4 with fp32 main grads, else the training precision's.
