@@ -268,11 +268,16 @@ void remove_dispatch_latency(const TableReader& r, const json& v, KernelTable& t
     r.fail("gemm_dispatch_latency", "expected \"estimate\" or a number of µs");
   }
   t.gemm_dispatch_latency_s = latency;
-  // No shape outruns the GPU: a corrected rate stays at most the best rate the table holds for its dtype
-  // (measured or cited, before the correction). The intercept estimate also takes in the small-M
-  // inefficiency of each curve, so uncapped it lifts mid-size GEMMs past the best of a shape search.
-  std::map<std::string, double> best;
-  for (const auto& g : t.gemm) best[g.dtype] = std::max(best[g.dtype], g.flops_per_s);
+  // No shape outruns the GPU: a corrected rate stays at most the best rate of its dtype that a cited
+  // figure gives (a published shape search's best), or without one the table's best before the
+  // correction. The intercept estimate also takes in the small-M inefficiency of each curve, so
+  // uncapped it lifts mid-size GEMMs past the best of a shape search.
+  std::map<std::string, double> best, best_cited;
+  for (const auto& g : t.gemm) {
+    best[g.dtype] = std::max(best[g.dtype], g.flops_per_s);
+    if (g.cited) best_cited[g.dtype] = std::max(best_cited[g.dtype], g.flops_per_s);
+  }
+  for (const auto& [dtype, rate] : best_cited) best[dtype] = rate;
   for (auto& g : t.gemm) {
     if (g.cited) continue;
     const double work = 2.0 * g.m * g.n * g.k, s = work / g.flops_per_s;

@@ -116,6 +116,13 @@ TEST(KernelTable, RemovesTheDispatchLatencyOfSingleLaunchGemmTimings) {
   const KernelTable ct = KernelTable::from_json(capped, "capped.json");
   expect_rel(ct.gemm.front().flops_per_s, 600e12);
   expect_rel(ct.gemm.back().flops_per_s, 600e12);
+  // A cited figure of the dtype (a published shape search's best) is the bound where there is one.
+  json cited = capped;
+  cited["gemm"][1]["tflops"] = 450;
+  cited["gemm"][1]["source"] = {{"url", "https://example.org"}, {"quote", "450"}};
+  const KernelTable cb = KernelTable::from_json(cited, "cited.json");
+  expect_rel(cb.gemm.front().flops_per_s, 450e12);
+  expect_rel(cb.gemm.back().flops_per_s, 450e12);  // cited: kept as published
   // The published tables derived from this one keep its dispatch latency (a host cost), unscaled.
   for (const char* name : {"a100-80gb-sxm", "a100-40gb-sxm", "h100-sxm"})
     expect_rel(load_kernel_table(name)->gemm_dispatch_latency_s, t->gemm_dispatch_latency_s, 1e-5);
@@ -180,12 +187,12 @@ TEST(KernelTable, InterpolatesInLogMAndScalesBelowTheSmallestSize) {
 TEST(KernelTable, H100KeepsH200ComputeWhereNothingIsPublishedAndScalesMemory) {
   const auto h200 = load_kernel_table("h200-sxm"), h100 = load_kernel_table("h100-sxm");
   // (k, n) = (4096, 14336) has no published H100 figure: the H200's measurement ("h100-same-die" rule).
-  // Its correction is bounded by the H100 table's own best bf16 rate (a cited square), not the H200's.
+  // Its correction is bounded by the H100 table's best cited bf16 rate (a square), not the H200's.
   std::ifstream in(std::string(PIPER_SOURCE_DIR) + "/sim/data/kernels-h100-sxm.json");
   const json h100_raw = json::parse(in);
   double h100_best = 0;
   for (const auto& g : h100_raw["gemm"])
-    if (g["dtype"] == "bf16") h100_best = std::max(h100_best, g["tflops"].get<double>() * 1e12);
+    if (g["dtype"] == "bf16" && g.contains("source")) h100_best = std::max(h100_best, g["tflops"].get<double>() * 1e12);
   const double work = 2.0 * 8192 * 4096 * 14336;
   double raw_s = 0;
   for (const auto& g : raw_table()["gemm"])
