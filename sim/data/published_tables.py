@@ -12,10 +12,12 @@ The factors are fixed by the rules below from datasheets and the cited sources, 
 independently of any comparison with training-step times; nothing here is fitted to a step time.
 Python 3 standard library only:
 
-    python3 sim/data/published_tables.py     # rewrites sim/data/kernels-{a100-40gb,a100-80gb,h100}-sxm.json
+    python3 sim/data/published_tables.py          # rewrites sim/data/kernels-{a100-40gb,a100-80gb,h100}-sxm.json
+    python3 sim/data/published_tables.py --check  # exit 1 naming each file that differs from what it writes
 """
 import json
 import os
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -291,13 +293,27 @@ def main():
                                                  (256 * 1024 * 1024 + 2) * 8, "NVIDIA A100-SXM4-80GB"),
         "kernels-h100-sxm.json": h100_table(h200),
     }
+    check = sys.argv[1:] == ["--check"]
+    if sys.argv[1:] and not check:
+        sys.exit("usage: published_tables.py [--check]")
+    stale = []
     for name, t in tables.items():
-        with open(os.path.join(HERE, name), "w") as f:
-            json.dump(t, f, indent=1, ensure_ascii=False)
-            f.write("\n")
+        text = json.dumps(t, indent=1, ensure_ascii=False) + "\n"
+        path = os.path.join(HERE, name)
+        if check:
+            with open(path, encoding="utf-8") as f:
+                if f.read() != text:
+                    stale.append(name)
+            continue
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
         n_src = sum(1 for k in ("gemm", "attention", "memory_bound", "adamw") for e in t[k] if "source" in e)
         n_der = sum(1 for k in ("gemm", "attention", "memory_bound", "adamw") for e in t[k] if "derived" in e)
         print(f"{name}: {n_src} cited, {n_der} derived")
+    if stale:
+        sys.exit(f"published_tables: {', '.join(stale)} differ from what this script writes; run it to rewrite them")
+    if check:
+        print(f"published_tables: {len(tables)} tables current")
 
 
 if __name__ == "__main__":

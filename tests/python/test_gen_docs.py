@@ -58,6 +58,22 @@ class EndToEnd(unittest.TestCase):
                 self.assertIn("$ echo one; echo two\none\ntwo\n$ (exit 3)", f.read())
             self.assertEqual(self.run_tool(doc).returncode, 0)
 
+    def test_update_recuts_a_block_elided_once(self):
+        # One '...' keeps as many lines before and after it as the block had; two are left to a person.
+        self.assertEqual(gen_docs.elide_like(["a", "...", "z"], list("pqrs")), ["p", "...", "s"])
+        self.assertEqual(gen_docs.elide_like(["a", "b", "  ..."], list("pqrs")), ["p", "q", "  ..."])
+        self.assertIsNone(gen_docs.elide_like(["a", "...", "b", "...", "c"], list("pqrstu")))
+        self.assertIsNone(gen_docs.elide_like(["a", "...", "z"], ["p", "q"]))  # nothing left to elide
+        with tempfile.TemporaryDirectory() as tmp:
+            doc = os.path.join(tmp, "doc.md")
+            with open(doc, "w") as f:
+                f.write("```console\n$ printf 'new\\nx\\ny\\nlast\\n'\nold\n...\nlast\n```\n")
+            self.assertEqual(self.run_tool(doc).returncode, 1)
+            self.assertEqual(self.run_tool("--update", doc).returncode, 0)
+            with open(doc) as f:
+                self.assertIn("\nnew\n...\nlast\n```", f.read())
+            self.assertEqual(self.run_tool(doc).returncode, 0)
+
     def test_skip_marker_and_plain_fence(self):
         with tempfile.TemporaryDirectory() as tmp:
             doc = os.path.join(tmp, "doc.md")
