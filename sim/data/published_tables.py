@@ -61,7 +61,7 @@ FA_README = {
     "url": "https://github.com/Dao-AILab/flash-attention/blob/014c349eb1c523f9a97d51ea1880486aeeee4a2e/README.md",
     "title": "Dao-AILab/flash-attention README, 'Changelog', the FlashAttention 2.0 entry",
     "location": "section 'Changelog', heading of the 2.0 entry ('Upgrading from FlashAttention (1.x) to FlashAttention-2')",
-    "method": "the authors' statement of FlashAttention-2's speed over FlashAttention 1.x (the FlashAttention-2 paper, arXiv 2307.08691, measures the same on an A100: 'around 2x speedup compared to FlashAttention')",
+    "method": "the authors' statement of FlashAttention-2's speed over FlashAttention 1.x (the FlashAttention-2 paper, arXiv 2307.08691, reports about 2x on an A100 in its abstract)",
     "licence": "BSD-3-Clause repository (a short quote, attributed)",
 }
 FA1_QUOTE = "### 2.0: Complete rewrite, 2x faster"
