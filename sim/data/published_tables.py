@@ -122,11 +122,11 @@ def dispatch_latency_s(h200):
     return max(0.0, at_zero[n // 2] if n % 2 else (at_zero[n // 2 - 1] + at_zero[n // 2]) / 2)
 
 
-def derive(h200, compute_rule, compute_factor, fp32_rule, fp32_factor, memory_rule, memory_factor, with_fp8):
+def derive(h200, latency, compute_rule, compute_factor, fp32_rule, fp32_factor, memory_rule, memory_factor,
+           with_fp8):
     """The H200's entries scaled by the rules' factors, each marked with its rule. A GEMM entry is a
-    single-launch timing: its GPU part (the time less the CPU's dispatch latency) is scaled, the
-    dispatch latency, a host cost, is kept as it is."""
-    latency = dispatch_latency_s(h200)
+    single-launch timing: its GPU part (the time less `latency`, the CPU's dispatch latency) is scaled,
+    the dispatch latency, a host cost, is kept as it is."""
     gemm = []
     for g in h200["gemm"]:
         if "error" in g:
@@ -169,7 +169,7 @@ def replace_cited(derived, cited):
 FA2_A100 = {"fwd_scale": 1.0, "bwd_scale": 1.0, "derived": "a100-attention-fa2"}
 
 
-def a100_table(h200, gb, stream_src, stream_row, scale_gbps, triad_gbps, array_bytes, device):
+def a100_table(h200, latency, gb, stream_src, stream_row, scale_gbps, triad_gbps, array_bytes, device):
     copy_h200 = max((m for m in h200["memory_bound"] if m["kernel"] == "copy"), key=lambda m: m["gbps"] * m["s"])
     mem_factor = scale_gbps / copy_h200["gbps"]
     compute_factor = A100_BF16_MAMF / H100_BF16_MAMF
@@ -194,7 +194,7 @@ def a100_table(h200, gb, stream_src, stream_row, scale_gbps, triad_gbps, array_b
             "attention rates: they are the H200's cuDNN rates x the A100/H100 matmul ratio (a100-compute), which "
             "stands for Ampere's best attention kernel; no separate FlashAttention-2 measurement on the A100 is used."),
     }
-    gemm, att, mem, adam = derive(h200, "a100-compute", compute_factor, "a100-fp32", A100_FP32 / H100_FP32,
+    gemm, att, mem, adam = derive(h200, latency, "a100-compute", compute_factor, "a100-fp32", A100_FP32 / H100_FP32,
                                   "a100-memory", mem_factor, with_fp8=False)
     cited_gemm = [gemm_entry("bf16", 1024, 5120, 10240, A100_BF16_MAMF, source={
         "ref": "mamf",
@@ -214,7 +214,7 @@ def a100_table(h200, gb, stream_src, stream_row, scale_gbps, triad_gbps, array_b
         "cited": True,
         # The derived GEMMs keep the H200's single-launch dispatch latency (µs, the loader's estimate on the
         # H200's table), which the loader removes again.
-        "gemm_dispatch_latency": r(dispatch_latency_s(h200) * 1e6, 6),
+        "gemm_dispatch_latency": r(latency * 1e6, 6),
         "comment": ("Published microbenchmarks where they exist ('source'), otherwise the H200 measurement scaled by a "
                     "stated rule ('derived'). Written by sim/data/published_tables.py; see sim/data/README.md."),
         "sources": {"mamf": MAMF, stream_src: RRZE_A100_40 if gb == 40 else RRZE_A100_80, "fa-readme": FA_README},
@@ -227,7 +227,7 @@ def a100_table(h200, gb, stream_src, stream_row, scale_gbps, triad_gbps, array_b
     }
 
 
-def h100_table(h200):
+def h100_table(h200, latency):
     mem_factor = 3.35 / 4.8
     rules = {
         "h100-same-die": (
@@ -239,7 +239,7 @@ def h100_table(h200):
             "bandwidths of the H100 SXM and H200 datasheets (no published H100 SXM stream measurement was found). "
             "Also used for fused AdamW."),
     }
-    gemm, att, mem, adam = derive(h200, "h100-same-die", 1.0, "h100-same-die", 1.0, "h100-hbm", mem_factor,
+    gemm, att, mem, adam = derive(h200, latency, "h100-same-die", 1.0, "h100-same-die", 1.0, "h100-hbm", mem_factor,
                                   with_fp8=True)
     fa2 = {"fwd_scale": r(FA2_FWD / FA3_FWD, 6), "bwd_scale": r(FA2_BWD / FA3_BWD, 6),
            "source": {"ref": "fa-pr1791", "quote": FA2_QUOTE,
@@ -284,14 +284,15 @@ def h100_table(h200):
 
 def main():
     h200 = load_h200()
+    latency = dispatch_latency_s(h200)
     row40 = "2048      221184  100.0 %  |  GB/s:        1539       1500       1382       1358       1371       1368"
     row80 = "1024    221184       2  100.0%     |  GB/s:        1894       1776       1737       1794       1702       1686"
     tables = {
-        "kernels-a100-40gb-sxm.json": a100_table(h200, 40, "rrze-stream-a100-40", row40, 1382, 1358,
+        "kernels-a100-40gb-sxm.json": a100_table(h200, latency, 40, "rrze-stream-a100-40", row40, 1382, 1358,
                                                  (128 * 1024 * 1024 + 2) * 8, "NVIDIA A100-SXM4-40GB"),
-        "kernels-a100-80gb-sxm.json": a100_table(h200, 80, "rrze-stream-a100-80", row80, 1737, 1794,
+        "kernels-a100-80gb-sxm.json": a100_table(h200, latency, 80, "rrze-stream-a100-80", row80, 1737, 1794,
                                                  (256 * 1024 * 1024 + 2) * 8, "NVIDIA A100-SXM4-80GB"),
-        "kernels-h100-sxm.json": h100_table(h200),
+        "kernels-h100-sxm.json": h100_table(h200, latency),
     }
     check = sys.argv[1:] == ["--check"]
     if sys.argv[1:] and not check:

@@ -374,8 +374,9 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
       // kernels.py counts this op (F.cross_entropy(logits.float(), target)) at 6 bytes a logit; it
       // moves 14 (the cast reads 2 and writes 4, log_softmax reads 4 and writes 4), the bytes the
       // cost model counts for the loss (elementwise_cost): the entry's rate and size are in bytes moved.
-      e.bytes_per_s *= kCrossEntropyBytesMoved / kCrossEntropyBytesCounted;
-      e.bytes *= kCrossEntropyBytesMoved / kCrossEntropyBytesCounted;
+      constexpr double kBytesMovedPerCounted = 14.0 / 6.0;
+      e.bytes_per_s *= kBytesMovedPerCounted;
+      e.bytes *= kBytesMovedPerCounted;
     }
     t.memory.push_back(e);
   }

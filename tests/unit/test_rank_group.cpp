@@ -177,18 +177,25 @@ TEST(VirtualDevices, DivergenceStopsEveryDeviceWithOneLine) {
   EXPECT_NE(r.output.find("skipped: "), std::string::npos) << r.output;
 }
 
+// A 2-device PP plan (compile_plan) with one field of device 1's first op of `kind` set to `value`,
+// written to dir/bad.json.
+fs::path with_device1_first_op(const fs::path& dir, const std::string& kind, const std::string& field,
+                               const json& value) {
+  json p = json::parse(std::ifstream(compile_plan(dir, 2, 1)));
+  bool changed = false;
+  for (auto& stream : p["plans"][p["plan_of_device"][1].get<int>()]["streams"])
+    for (auto& op : stream["ops"])
+      if (op["kind"] == kind && !changed) op[field] = value, changed = true;
+  EXPECT_TRUE(changed);
+  const fs::path bad = dir / "bad.json";
+  std::ofstream(bad) << p.dump();
+  return bad;
+}
+
 // A RECV whose transfer its peer never sends: both devices stall and the run ends as a runtime
 // failure (exit 4) in one line, as the MPI launch does.
 TEST(VirtualDevices, AStalledTransferExitsFourInOneLine) {
-  const fs::path dir = scratch("stall");
-  json p = json::parse(std::ifstream(compile_plan(dir, 2, 1)));
-  int changed = 0;
-  for (auto& stream : p["plans"][p["plan_of_device"][1].get<int>()]["streams"])
-    for (auto& op : stream["ops"])
-      if (op["kind"] == "RECV" && changed == 0) op["pair"] = 99999, ++changed;
-  ASSERT_EQ(changed, 1);
-  const fs::path bad = dir / "mismatched.json";
-  std::ofstream(bad) << p.dump();
+  const fs::path bad = with_device1_first_op(scratch("stall"), "RECV", "pair", 99999);
   const Result r =
       sh(std::string(PIPER_CLI) + " run --virtual-devices --plan " + bad.string() + " --steps 1 --stall-timeout 1");
   EXPECT_EQ(r.code, 4) << r.output;
@@ -199,15 +206,7 @@ TEST(VirtualDevices, AStalledTransferExitsFourInOneLine) {
 // A plan whose op names a segment its device does not hold is refused before step 1, in one line,
 // as bad input (exit 2), in both launches.
 TEST(VirtualDevices, AnOpOnASegmentTheDeviceDoesNotHoldIsBadInput) {
-  const fs::path dir = scratch("not-held");
-  json p = json::parse(std::ifstream(compile_plan(dir, 2, 1)));
-  bool changed = false;
-  for (auto& stream : p["plans"][p["plan_of_device"][1].get<int>()]["streams"])
-    for (auto& op : stream["ops"])
-      if (op["kind"] == "COMPUTE" && !changed) op["segment"] = 0, changed = true;  // device 0's segment
-  ASSERT_TRUE(changed);
-  const fs::path bad = dir / "bad.json";
-  std::ofstream(bad) << p.dump();
+  const fs::path bad = with_device1_first_op(scratch("not-held"), "COMPUTE", "segment", 0);  // device 0's segment
   for (const std::string launch :
        {std::string(PIPER_CLI) + " run --virtual-devices", piper::test::mpirun(2) + std::string(PIPER_CLI) + " run"}) {
     const Result r = sh(launch + " --plan " + bad.string() + " --steps 1");
@@ -224,15 +223,7 @@ TEST(VirtualDevices, AnOpOnASegmentTheDeviceDoesNotHoldIsBadInput) {
 // The failure: device 1's first compute op is turned into a backward, which finds no gradient and
 // stops device 1 at once; device 0 waits for device 1's backward transfer, which never comes.
 TEST(VirtualDevices, AFailingDeviceReleasesTheOthersAtOnce) {
-  const fs::path dir = scratch("fail");
-  json p = json::parse(std::ifstream(compile_plan(dir, 2, 1)));
-  bool changed = false;
-  for (auto& stream : p["plans"][p["plan_of_device"][1].get<int>()]["streams"])
-    for (auto& op : stream["ops"])
-      if (op["kind"] == "COMPUTE" && !changed) op["pass"] = "B", changed = true;
-  ASSERT_TRUE(changed);
-  const fs::path bad = dir / "bad.json";
-  std::ofstream(bad) << p.dump();
+  const fs::path bad = with_device1_first_op(scratch("fail"), "COMPUTE", "pass", "B");
   const Result r = sh("timeout 200 " + std::string(PIPER_CLI) + " run --virtual-devices --plan " + bad.string() +
                       " --steps 2 --stall-timeout 1000");
   EXPECT_EQ(r.code, 4) << "124: the other device waited for its stall timeout\n" << r.output;

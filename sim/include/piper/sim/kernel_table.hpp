@@ -45,10 +45,8 @@ class KernelTable {
     std::int64_t batch = 0, s = 0, heads = 0, kv_heads = 0, head_dim = 0;
     double fwd_flops_per_s = 0, bwd_flops_per_s = 0;
   };
-  // A "cross_entropy_fwd_fp32" entry (kernels.py: F.cross_entropy over the logits cast to fp32) gives
-  // its gbps and bytes at kCrossEntropyBytesCounted bytes a logit; the op moves kCrossEntropyBytesMoved
-  // (cast: read 2, write 4; log_softmax: read 4, write 4). The loader converts to bytes moved.
-  static constexpr double kCrossEntropyBytesCounted = 6, kCrossEntropyBytesMoved = 14;
+  // Read in bytes moved per launch (a "cross_entropy_fwd_fp32" entry, which kernels.py counts at 6
+  // bytes a logit, is converted to the 14 its op moves: kernel_table.cpp).
   struct Memory {
     std::string kernel;  // "add", "rmsnorm", "silu_mul", "copy", "cross_entropy_fwd_fp32"
     double bytes = 0;    // bytes moved by one launch (read + write)
