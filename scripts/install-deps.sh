@@ -21,6 +21,7 @@ packages=(
   jq bc time              # experiments/: the study scripts read JSON reports, time themselves, measure peak RSS
   clang libclang-rt-14-dev  # tests/fuzz: libFuzzer harnesses (clang 14 and its fuzzer/sanitizer runtimes)
   clang-format clang-tidy   # house style: scripts/check-format.sh (.clang-format) and scripts/tidy.sh (.clang-tidy)
+  python3-pip             # fetches the cudnn-frontend headers below (pip download only; nothing is pip-installed)
 )
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -34,9 +35,37 @@ for p in "${packages[@]}"; do
 done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#packages[@]} packages present"
-  exit 0
+else
+  echo "install-deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
-echo "install-deps: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends "${missing[@]}"
+
+# cuDNN's graph API through NVIDIA's header-only cudnn-frontend (Apache-2.0): the CUDA backend's
+# attention (gpu_runtime/cuda/src/cudnn_attention.cpp). Not a Debian package; the CUDA toolkit here
+# carries cuDNN itself but not these headers, so they come from PyPI's nvidia-cudnn-frontend wheel,
+# pinned by version and SHA-256 (the cp311 manylinux wheel, whatever the local Python), unpacked to
+# $fe_dir. Only where the CUDA toolkit is; without the headers the backend builds without cuDNN
+# attention (CMake says so), so a failed download warns instead of failing the setup.
+fe_version=1.32.0
+fe_sha256=c6006556017a4d1c914c52a556c71b1267f2d6a0500f742e7b4edef539878df0
+fe_dir=/usr/local/share/piper/cudnn-frontend-$fe_version
+if [ -x /usr/local/cuda/bin/nvcc ] && [ ! -f "$fe_dir/include/cudnn_frontend.h" ]; then
+  tmp=$(mktemp -d)
+  if python3 -m pip download -q --no-deps --only-binary=:all: --implementation cp --python-version 3.11 --abi cp311 \
+       --platform manylinux_2_28_x86_64 -d "$tmp" "nvidia-cudnn-frontend==$fe_version" &&
+     whl=$(ls "$tmp"/nvidia_cudnn_frontend-*.whl) && echo "$fe_sha256  $whl" | sha256sum -c --quiet - &&
+     python3 - "$whl" "$fe_dir.part" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("include/")])
+PY
+  then
+    rm -rf "$fe_dir" && mv "$fe_dir.part" "$fe_dir" && echo "install-deps: cudnn-frontend $fe_version headers in $fe_dir"
+  else
+    rm -rf "$fe_dir.part"
+    echo "install-deps: warning: could not fetch cudnn-frontend $fe_version; the CUDA backend builds without cuDNN attention" >&2
+  fi
+  rm -rf "$tmp"
+fi

@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
   const double gemm = gemm_tflops(8192);
   std::printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
   std::printf("dense-1b bf16, 1 GPU, %d steps; attention: %s\n", steps,
-              cu::attention_reference_forced() ? "reference kernels (PIPER_ATTENTION=reference)" : "fast path (flash)");
+              cu::attention_path_name(cu::choose_attention(cu::DType::BF16, cu::AttentionDims{4096, 1024, 32, 8, 64})));
   std::printf(
       "first step %.1f ms; steady step %.1f ms (mean of steps 2..%d), %.0f tokens/s, model %.2f TFLOP/step, %.1f "
       "TFLOP/s\n",

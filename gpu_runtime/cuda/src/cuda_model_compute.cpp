@@ -141,17 +141,21 @@ Tensor attention_layer_forward(const Exec& e, DType dt, const host::AttentionSha
   rope(dt, k.k.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, 1.0f, e.stream);
   const std::int64_t seqs = T / a.seq_len;
   k.o = new_tensor(e, T, static_cast<std::int64_t>(a.heads) * a.head_dim, es);
-  // The fast path keeps one log-sum-exp per row, the reference the [L, L] probabilities; the
-  // backward takes the path the forward took.
-  k.flash = use_flash_attention(dt, dims_of(a, T));
-  if (k.flash) {
-    k.probs = new_tensor(e, seqs * a.heads, a.seq_len, 4);
-    flash_attention_forward(dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(),
-                            e.stream);
-  } else {
+  // The flash and cuDNN paths keep one log-sum-exp per row, the reference the [L, L] probabilities;
+  // the backward takes the path the forward took.
+  const AttentionDims dims = dims_of(a, T);
+  k.path = choose_attention(dt, dims);
+  if (k.path == AttentionPath::Reference) {
     k.probs = new_tensor(e, seqs * a.heads * a.seq_len, a.seq_len, 4);
-    attention_core_forward(dt, dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(),
-                           e.stream);
+    attention_core_forward(dt, dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), e.stream);
+  } else if (k.path == AttentionPath::Flash) {
+    k.probs = new_tensor(e, seqs * a.heads, a.seq_len, 4);
+    flash_attention_forward(dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), e.stream);
+  } else {
+    k.probs = new_tensor(e, seqs * a.heads, a.seq_len, 4);
+    const Tensor ws = new_tensor(e, 1, static_cast<std::int64_t>(cudnn_attention_workspace(dims, false)), 1);
+    cudnn_attention_forward(dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), ws.data(),
+                            e.stream);
   }
   return matmul(e, dt, of(k.o), false, wo, false);
 }
@@ -285,14 +289,21 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
         Tensor d_o = matmul(e, dt_, of(g.dx), false, w.mat(3), true);
         Tensor dq = new_tensor(e, k.q.rows, k.q.cols, es), dk = new_tensor(e, k.k.rows, k.k.cols, es);
         k.dv = new_tensor(e, k.v.rows, k.v.cols, es);
-        // Reference: ds is scratch of the probabilities' size; fast path: delta, one value per row.
-        Tensor ds = new_tensor(e, k.probs.rows, k.probs.cols, 4);
-        if (k.flash)
-          flash_attention_backward(dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.o.data(), k.probs.as<float>(),
-                                   d_o.data(), ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
-        else
-          attention_core_backward(dt_, dims_of(a, T), k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(),
-                                  d_o.data(), ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
+        const AttentionDims dims = dims_of(a, T);
+        if (k.path == AttentionPath::Cudnn) {
+          const Tensor ws = new_tensor(e, 1, static_cast<std::int64_t>(cudnn_attention_workspace(dims, true)), 1);
+          cudnn_attention_backward(dims, k.q.data(), k.k.data(), k.v.data(), k.o.data(), k.probs.as<float>(),
+                                   d_o.data(), dq.data(), dk.data(), k.dv.data(), ws.data(), e.stream);
+        } else {
+          // Reference: ds is scratch of the probabilities' size; flash: delta, one value per row.
+          Tensor ds = new_tensor(e, k.probs.rows, k.probs.cols, 4);
+          if (k.path == AttentionPath::Flash)
+            flash_attention_backward(dims, k.q.data(), k.k.data(), k.v.data(), k.o.data(), k.probs.as<float>(),
+                                     d_o.data(), ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
+          else
+            attention_core_backward(dt_, dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), d_o.data(),
+                                    ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
+        }
         rope(dt_, dq.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
         rope(dt_, dk.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
         if (a.qk_norm) {

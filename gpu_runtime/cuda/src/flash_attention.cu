@@ -21,8 +21,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include <cuda_bf16.h>
 #include <fmt/format.h>
@@ -546,22 +544,13 @@ void backward_d(const AttentionDims& d, const void* q, const void* k, const void
 
 }  // namespace
 
-bool attention_reference_forced() {
-  // Read once: the choice must not change between a forward and its backward.
-  static const bool forced = [] {
-    const char* v = std::getenv("PIPER_ATTENTION");
-    return v != nullptr && std::strcmp(v, "reference") == 0;
-  }();
-  return forced;
-}
-
 bool flash_attention_supported(DType dt, const AttentionDims& d) {
   return dt == DType::BF16 && (d.head_dim == 64 || d.head_dim == 128) && d.seq_len >= 1 && d.tokens % d.seq_len == 0 &&
          d.kv_heads >= 1 && d.heads % d.kv_heads == 0;
 }
 
 bool use_flash_attention(DType dt, const AttentionDims& d) {
-  if (attention_reference_forced() || !flash_attention_supported(dt, d)) return false;
+  if (!flash_attention_supported(dt, d)) return false;
   // A GPU whose opt-in shared memory per block is smaller than the plan (not Hopper's 227 KiB; e.g.
   // consumer Ampere's 99 KiB for head_dim 128) takes the reference kernels instead of failing to launch.
   int device = 0, optin = 0;

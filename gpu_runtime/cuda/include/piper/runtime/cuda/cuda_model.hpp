@@ -109,8 +109,10 @@ struct NormCache {
 };
 struct AttentionCache {
   Tensor u, q_lin, k_lin, v, q_rstd, k_rstd, q, k, o;
-  Tensor probs;        // reference path: [seqs*heads*L, L] probabilities; fast path: [seqs*heads, L] lse
-  bool flash = false;  // which attention path the forward took
+  // Reference path: [seqs*heads*L, L] probabilities; flash and cuDNN paths: [seqs*heads, L] log-sum-exp
+  // (each path's own, read only by its backward).
+  Tensor probs;
+  AttentionPath path = AttentionPath::Reference;  // which attention path the forward took
   Tensor dout, dq_lin, dk_lin, dv, dq_norm, dk_norm;
 };
 struct MlpCache {

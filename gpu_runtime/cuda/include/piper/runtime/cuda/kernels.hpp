@@ -6,6 +6,8 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -56,16 +58,47 @@ void attention_core_backward(DType dt, const AttentionDims& d, const void* q, co
 // are overwritten. Operands must be 16-byte aligned (fresh tensors are). ----
 // True when the fast path can run this shape in this storage type.
 bool flash_attention_supported(DType dt, const AttentionDims& d);
-// True when PIPER_ATTENTION=reference is set: every attention then takes the reference kernels.
-bool attention_reference_forced();
-// The backend's choice: the fast path where supported and the current GPU offers the shared memory
-// it needs per block, unless the reference is forced.
+// True when the fast path supports the shape and the current GPU offers the shared memory it needs per
+// block (Hopper's 227 KiB does; consumer Ampere's 99 KiB does not for head_dim 128).
 bool use_flash_attention(DType dt, const AttentionDims& d);
 void flash_attention_forward(const AttentionDims& d, const void* q, const void* k, const void* v, float* lse, void* o,
                              cudaStream_t stream);
 void flash_attention_backward(const AttentionDims& d, const void* q, const void* k, const void* v, const void* o,
                               const float* lse, const void* d_o, float* delta, void* dq, void* dk, void* dv,
                               cudaStream_t stream);
+
+// ---- Causal attention through cuDNN's fused SDPA (cudnn_attention.cpp: cuDNN 9's graph API via the
+// header-only cudnn-frontend; libcudnn opened on first use): bf16, grouped KV heads, the same q/k/v/o
+// layouts as the paths above. The forward writes o and `stats` [sequences*heads, L] (fp32, natural-log
+// log-sum-exp of the scaled scores, cuDNN's own; read only by this backward); the backward overwrites
+// dq, dk, dv. Each call needs `workspace` of cudnn_attention_workspace bytes (may be 0). Graphs are
+// built once per shape and thread. ----
+// False when built without the cudnn-frontend headers.
+bool cudnn_attention_compiled();
+// Describes the forward and backward graphs of the shape and checks them against cuDNN's rules for a
+// GPU of compute capability `sm_version` (90: Hopper) without one (libcudnn must load); "" when both
+// are valid, else why not.
+std::string cudnn_attention_validate(const AttentionDims& d, int sm_version);
+// True when cuDNN can run the shape on the current GPU (builds both graphs; `why` says why not).
+bool cudnn_attention_supported(DType dt, const AttentionDims& d, std::string* why = nullptr);
+std::size_t cudnn_attention_workspace(const AttentionDims& d, bool backward);
+void cudnn_attention_forward(const AttentionDims& d, const void* q, const void* k, const void* v, float* stats, void* o,
+                             void* workspace, cudaStream_t stream);
+void cudnn_attention_backward(const AttentionDims& d, const void* q, const void* k, const void* v, const void* o,
+                              const float* stats, const void* d_o, void* dq, void* dk, void* dv, void* workspace,
+                              cudaStream_t stream);
+
+// ---- Which attention runs ----
+// PIPER_ATTENTION in the environment (read once; unset or "auto": the default) names a path:
+// "reference", "flash" or "cudnn"; any other value throws naming it. By default attention runs on
+// cuDNN where it runs the shape, else on the flash kernels where they do, else on the reference
+// kernels. A named path that cannot run the shape throws one line saying why (the reference always can).
+enum class AttentionPath { Reference, Flash, Cudnn };
+const char* attention_path_name(AttentionPath p);
+// The path PIPER_ATTENTION names; std::nullopt when it is unset or "auto".
+std::optional<AttentionPath> attention_path_forced();
+bool attention_reference_forced();
+AttentionPath choose_attention(DType dt, const AttentionDims& d);
 
 // ---- SwiGLU gate: h = silu(a) * b, elementwise over n; backward gives da, db ----
 void swiglu_forward(DType dt, const void* a, const void* b, std::int64_t n, void* h, cudaStream_t stream);
