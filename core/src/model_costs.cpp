@@ -348,6 +348,12 @@ void attention_core_forward(const Layer& layer, const TrainingShape& shape, doub
 // wv, wo, w1, w3, w2 that is wq, wv, w1 and w2 kept, wk, wo and w3 recomputed); the rest reruns at
 // the start of the backward: those matmuls and every element-wise op. Routed experts and the router
 // keep their activations (as with selective). t: TP degree, seq: the sequence-parallel divisor.
+// Under TP the rerun includes the TP collectives the policy does not save: TorchTitan's save list
+// holds reduce_scatter_tensor but no all-gather or all-reduce, and the non-reentrant checkpoint
+// stops once the last tensor the backward needs (the input of w2) is rebuilt. So with SP the
+// all-gathers before the attention's and the MLP's column-parallel GEMMs rerun (one of N bytes each;
+// the reduce-scatters' outputs are saved); without SP the all-reduce after wo reruns (the MLP's,
+// after w2, comes after the early stop).
 std::vector<std::pair<std::int64_t, std::int64_t>> op_matmuls(const Layer& layer, bool saved) {
   // (K, N) of the matmuls of the layer, in the block's order, whose output is `saved` (or not).
   const LayerShape& sh = layer.shape;
@@ -406,6 +412,14 @@ void apply_op_recompute(const Layer& layer, const TrainingShape& shape, int t, i
       c.backward_input_flops += flops;
       c.recompute_flops += flops;
       c.backward_input_gemm_kernels += static_cast<int>(op_matmuls(layer, false).size());
+      if (t > 1) {
+        const std::int64_t N = T * sh.hidden * dt;
+        const bool sp = seq > 1, attention = layer.kind == LayerKind::Attention;
+        if (sp || attention) {
+          c.backward_tp_bytes += sp ? N : 2 * N;
+          c.backward_tp_collectives += 1;
+        }
+      }
       break;
     }
     default:
