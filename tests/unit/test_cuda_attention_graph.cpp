@@ -20,9 +20,7 @@ namespace {
 constexpr int kHopper = 90;
 
 // "" when the graphs validate; skips the test where cuDNN is absent.
-std::string validate(const cu::AttentionDims& d) {
-  return cu::cudnn_attention_validate(d, kHopper);
-}
+std::string validate(const cu::AttentionDims& d) { return cu::cudnn_attention_validate(d, kHopper); }
 
 bool cudnn_missing(std::string* why) {
   if (!cu::cudnn_attention_compiled()) {
@@ -49,7 +47,8 @@ TEST(CudnnAttentionGraph, EveryMeasuredH200ShapeValidatesOnHopper) {
   for (const auto& a : table.at("attention")) {
     const int b = a.at("b"), s = a.at("s");
     const cu::AttentionDims d{b * s, s, a.at("heads"), a.at("kv_heads"), a.at("head_dim")};
-    EXPECT_EQ(validate(d), "") << b << " x " << s << ", " << d.heads << "/" << d.kv_heads << " heads, hd " << d.head_dim;
+    EXPECT_EQ(validate(d), "") << b << " x " << s << ", " << d.heads << "/" << d.kv_heads << " heads, hd "
+                               << d.head_dim;
     ++shapes;
   }
   EXPECT_EQ(shapes, 24);

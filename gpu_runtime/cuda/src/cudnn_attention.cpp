@@ -49,11 +49,12 @@ const std::string& load_cudnn() {
     const std::string cudart = "libcudart.so." + std::to_string(CUDART_VERSION / 1000);
     setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", cudart.c_str(), 0);
     std::string tried;
-    for (const char* name : std::initializer_list<const char*>{std::getenv("PIPER_CUDNN_LIBRARY"), "libcudnn.so.9",
+    for (const char* name : std::initializer_list<const char*>{
+             std::getenv("PIPER_CUDNN_LIBRARY"), "libcudnn.so.9",
 #ifdef PIPER_CUDNN_PATH
-                             PIPER_CUDNN_PATH,  // the toolkit's, found at configure time
+             PIPER_CUDNN_PATH,  // the toolkit's, found at configure time
 #endif
-                             "/usr/local/cuda/lib/libcudnn.so.9", "/usr/local/cuda/lib64/libcudnn.so.9"}) {
+             "/usr/local/cuda/lib/libcudnn.so.9", "/usr/local/cuda/lib64/libcudnn.so.9"}) {
       if (name == nullptr || *name == '\0') continue;
       if ((fe::cudnn_dlhandle = dlopen(name, RTLD_NOW | RTLD_LOCAL)) != nullptr) return;
       const char* why = dlerror();
@@ -136,9 +137,7 @@ std::shared_ptr<fe::graph::Graph> describe(const AttentionDims& d, bool backward
   return g;
 }
 
-std::string failure(fe::error_t e, const char* step) {
-  return std::string(step) + ": " + e.get_message();
-}
+std::string failure(fe::error_t e, const char* step) { return std::string(step) + ": " + e.get_message(); }
 
 struct ThreadState {
   cudnnHandle_t handle = nullptr;
@@ -170,7 +169,8 @@ const Built& built(const AttentionDims& d, bool backward) {
       if (s.handle == nullptr || s.device != device) {
         if (s.handle != nullptr) fe::detail::destroy_handle(s.handle);
         s.handle = nullptr;
-        if (fe::detail::create_handle(&s.handle) != CUDNN_STATUS_SUCCESS) throw std::runtime_error("cudnnCreate failed");
+        if (fe::detail::create_handle(&s.handle) != CUDNN_STATUS_SUCCESS)
+          throw std::runtime_error("cudnnCreate failed");
         s.device = device;
       }
       auto g = describe(d, backward);
@@ -194,7 +194,8 @@ void execute(const Built& b, std::unordered_map<fe::graph::Tensor_attributes::ui
              cudaStream_t stream, const char* what) {
   if (!b.graph) throw CudaError(std::string(what) + ": cuDNN attention cannot run this shape (" + b.why + ")");
   cudnnHandle_t h = state().handle;
-  if (fe::detail::set_stream(h, stream) != CUDNN_STATUS_SUCCESS) throw CudaError(std::string(what) + ": cudnnSetStream");
+  if (fe::detail::set_stream(h, stream) != CUDNN_STATUS_SUCCESS)
+    throw CudaError(std::string(what) + ": cudnnSetStream");
   if (auto e = b.graph->execute(h, pack, workspace); e.is_bad()) throw CudaError(failure(e, what));
 }
 
@@ -245,12 +246,15 @@ void cudnn_attention_forward(const AttentionDims& d, const void* q, const void* 
 void cudnn_attention_backward(const AttentionDims& d, const void* q, const void* k, const void* v, const void* o,
                               const float* stats, const void* d_o, void* dq, void* dk, void* dv, void* workspace,
                               cudaStream_t stream) {
-  std::unordered_map<fe::graph::Tensor_attributes::uid_t, void*> pack = {
-      {kQ, const_cast<void*>(q)},         {kK, const_cast<void*>(k)},
-      {kV, const_cast<void*>(v)},         {kO, const_cast<void*>(o)},
-      {kStats, const_cast<float*>(stats)}, {kDO, const_cast<void*>(d_o)},
-      {kDQ, dq},                          {kDK, dk},
-      {kDV, dv}};
+  std::unordered_map<fe::graph::Tensor_attributes::uid_t, void*> pack = {{kQ, const_cast<void*>(q)},
+                                                                         {kK, const_cast<void*>(k)},
+                                                                         {kV, const_cast<void*>(v)},
+                                                                         {kO, const_cast<void*>(o)},
+                                                                         {kStats, const_cast<float*>(stats)},
+                                                                         {kDO, const_cast<void*>(d_o)},
+                                                                         {kDQ, dq},
+                                                                         {kDK, dk},
+                                                                         {kDV, dv}};
   execute(built(d, true), pack, workspace, stream, "cuDNN attention backward");
 }
 
