@@ -48,11 +48,13 @@ fs::path temp_dir(const std::string& name) {
 const std::string kHd64Model = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-small-hd64.json";
 
 core::Program compile(int pp, int dp, int ep, int zero, int microbatches, const std::string& schedule,
-                      const std::string& model = kModel) {
+                      const std::string& model = kModel, int dp_shard = 0, const std::string& reduce_every = "") {
   core::Scenario s;
   s.model = model;
   s.strategy.pp = pp, s.strategy.dp = dp, s.strategy.ep = ep, s.strategy.zero = zero;
   s.strategy.microbatches = microbatches, s.strategy.schedule = schedule;
+  s.strategy.dp_shard = dp_shard;
+  if (!reduce_every.empty()) s.strategy.reduce_every = reduce_every;
   return core::compile_scenario(s).result.program;
 }
 
@@ -98,6 +100,16 @@ TEST(CudaBackendEquivalence, DualPipeV_PP2xDP2xEP2) {
 }
 TEST(CudaBackendEquivalence, Zero3_PP2xDP2xEP2) { expect_equivalent("zero3", compile(2, 2, 2, 3, 4, "1f1b")); }
 TEST(CudaBackendEquivalence, EP2_Zero2_PP2xDP2) { expect_equivalent("ep-zero2", compile(2, 2, 2, 2, 4, "1f1b")); }
+// HSDP: ZeRO-3 shards over groups of 2 of the 4 data-parallel replicas (reduce-scatter in the group,
+// all-reduce across the groups, gathers in the group), with EP 2 on the experts.
+TEST(CudaBackendEquivalence, Hsdp_Zero3_PP2xDP4xEP2) {
+  expect_equivalent("hsdp-zero3", compile(2, 4, 2, 3, 4, "1f1b", kModel, 2));
+}
+// The ZeRO-2/3 cases above reduce after every microbatch (the default, DeepSpeed's and FSDP2's); this
+// one once per step, keeping whole gradients (FSDP's no_sync).
+TEST(CudaBackendEquivalence, Zero2_ReduceOncePerStep_PP2xDP2) {
+  expect_equivalent("zero2-step", compile(2, 2, 1, 2, 4, "1f1b", kModel, 0, "step"));
+}
 TEST(CudaBackendEquivalence, Bf16_OneFOneB_PP2xDP2) {
   expect_equivalent("bf16-1f1b", compile(2, 2, 1, 0, 4, "1f1b"), cu::DType::BF16);
 }

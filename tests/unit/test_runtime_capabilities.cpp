@@ -87,20 +87,22 @@ TEST(RuntimeCapabilities, CudaRefusesExpertTensorParallelism) {
   EXPECT_EQ(why.rfind("plan: segment ", 0), 0u) << why;
 }
 
-TEST(RuntimeCapabilities, CudaRefusesHsdp) {
-  core::StrategyOptions o = strategy(1, 4, 1, 1, 2);
-  o.dp_shard = 2;
-  EXPECT_EQ(unsupported_feature(compile(o, kDense), cuda_capabilities()),
+// HSDP and ZeRO-2/3 reduction after every microbatch are the shared dataflow's (reduce-scatter inside
+// the shard group, all-reduce across groups, accumulating writes of the chunk), which the CUDA kernels
+// implement like the host's: accepted (RuntimeDataflow runs both on the CUDA code path).
+TEST(RuntimeCapabilities, CudaAcceptsHsdpAndPerMicrobatchReduction) {
+  core::StrategyOptions hsdp = strategy(1, 4, 1, 3, 2), every = strategy(2, 2, 1, 2, 4);
+  hsdp.dp_shard = 2, every.reduce_every = "microbatch";
+  EXPECT_EQ(unsupported_feature(compile(hsdp, kDense), cuda_capabilities()), "");
+  EXPECT_EQ(unsupported_feature(compile(every, kDense), cuda_capabilities()), "");
+  // The refusal text stays for a backend without them.
+  piper::runtime::Capabilities none = cuda_capabilities();
+  none.hsdp = none.reduce_every_microbatch = false;
+  EXPECT_EQ(unsupported_feature(compile(hsdp, kDense), none),
             "plan: segment 0 uses HSDP (ZeRO shards over groups of 2 of its 4 replicas); the CUDA backend does not "
             "run HSDP" +
                 kCudaTail);
-}
-
-TEST(RuntimeCapabilities, CudaRefusesPerMicrobatchReduction) {
-  core::StrategyOptions o = strategy(1, 2, 1, 2, 2);
-  o.reduce_every = "microbatch";
-  const std::string why = unsupported_feature(compile(o, kDense), cuda_capabilities());
-  EXPECT_TRUE(contains(why,
+  EXPECT_TRUE(contains(unsupported_feature(compile(every, kDense), none),
                        "reduces its ZeRO-2/3 gradients after every microbatch; the CUDA backend does not run "
                        "per-microbatch reduction (compile with --reduce-every step)"));
 }
@@ -116,12 +118,12 @@ TEST(RuntimeCapabilities, CudaRefusesGptStyleLayers) {
 
 // The host backend runs every one of them; the refusal is one line and check_capabilities throws it.
 TEST(RuntimeCapabilities, HostRunsWhatCudaRefusesAndRefusalsAreOneLine) {
-  core::StrategyOptions tp = strategy(1, 1, 1, 0, 2), sp = tp, cp = tp, hsdp = strategy(1, 4, 1, 1, 2);
-  tp.tp = 2, sp.tp = 2, sp.sequence_parallel = true, cp.cp = 2, hsdp.dp_shard = 2;
+  core::StrategyOptions tp = strategy(1, 1, 1, 0, 2), sp = tp, cp = tp;
+  tp.tp = 2, sp.tp = 2, sp.sequence_parallel = true, cp.cp = 2;
   core::StrategyOptions etp = strategy(1, 2, 1, 0, 2);
   etp.etp = 2;
-  const core::Program plans[] = {compile(tp, kDense),   compile(sp, kDense), compile(cp, kDense),
-                                 compile(hsdp, kDense), compile(etp, kMoe),  compile(strategy(1, 1, 1, 0, 2), kGpt)};
+  const core::Program plans[] = {compile(tp, kDense), compile(sp, kDense), compile(cp, kDense), compile(etp, kMoe),
+                                 compile(strategy(1, 1, 1, 0, 2), kGpt)};
   for (const auto& p : plans) {
     EXPECT_EQ(unsupported_feature(p, host_capabilities()), "");
     EXPECT_NO_THROW(check_capabilities(p, host_capabilities()));

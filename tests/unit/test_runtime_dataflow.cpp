@@ -242,3 +242,16 @@ TEST(RuntimeDataflow, DualPipeV_PP2xDP2xEP2_OnThreadsMatchesTheReference) {
 TEST(RuntimeDataflow, ZBH1_Zero1_PP2xDP2_OnThreadsMatchesTheReference) {
   expect_matches_reference(strategy(2, 2, 1, 1, "zb-h1"));
 }
+// HSDP (ZeRO-3 shards over groups of 2 of 4 replicas: reduce-scatter in the group, all-reduce of the
+// chunk across the groups) and ZeRO-2 reducing after every microbatch (the chunk accumulated by each
+// reduce-scatter, the whole gradient zeroed after it): what the CUDA backend runs of them is this.
+TEST(RuntimeDataflow, Hsdp_Zero3_DP4_OnThreadsMatchesTheReference) {
+  core::StrategyOptions o = strategy(1, 4, 1, 3, "1f1b");
+  o.dp_shard = 2;
+  expect_matches_reference(o);
+}
+TEST(RuntimeDataflow, Zero2_ReduceEveryMicrobatch_PP2xDP2_OnThreadsMatchesTheReference) {
+  core::StrategyOptions o = strategy(2, 2, 1, 2, "1f1b");
+  o.reduce_every = "microbatch";
+  expect_matches_reference(o);
+}
