@@ -437,6 +437,35 @@ TEST(CudaAdamW, MatchesHostUpdate) {
   EXPECT_LT(rel_error(download(dp, 1, n), p), kFp32Tol);
 }
 
+// The fused update, cast and gradient reset (adamw_store) against adamw followed by a cast: the same
+// element arithmetic, so the masters, moments and stored parameters are bit-identical; the gradients
+// read are zero after it and the untouched ones (zero_grads false) are kept.
+TEST(CudaAdamW, FusedStoreEqualsUpdateThenCast) {
+  const int n = 1000;
+  const Mat p = random_mat(1, n, 23), g = random_mat(1, n, 24), zero = Mat::Zero(1, n);
+  host::AdamWConfig hc;
+  const cu::AdamW cc{hc.lr, hc.beta1, hc.beta2, hc.eps, hc.weight_decay, 0.5f};
+  for (cu::DType dt : {cu::DType::F32, cu::DType::BF16}) {
+    auto ap = upload(p), am = upload(zero), av = upload(zero), ag = upload(g), ap_out = upload(zero, dt);
+    auto bp = upload(p), bm = upload(zero), bv = upload(zero), bg = upload(g), bp_out = upload(zero, dt);
+    for (int step = 1; step <= 3; ++step) {
+      cu::adamw(cc, step, ap.as<float>(), ag.as<float>(), am.as<float>(), av.as<float>(), n, nullptr);
+      cu::convert(cu::DType::F32, ap.get(), dt, ap_out.get(), n, nullptr);
+      cu::adamw_store(cc, step, bp.as<float>(), bg.as<float>(), bm.as<float>(), bv.as<float>(), n, dt, bp_out.get(),
+                      step < 3, nullptr);
+      if (step < 3) cu::check(cudaMemcpy(bg.get(), ag.get(), bg.bytes(), cudaMemcpyDeviceToDevice), "cudaMemcpy");
+    }
+    EXPECT_EQ(download(bp, 1, n), download(ap, 1, n));
+    EXPECT_EQ(download(bm, 1, n), download(am, 1, n));
+    EXPECT_EQ(download(bv, 1, n), download(av, 1, n));
+    EXPECT_EQ(download(bp_out, 1, n, dt), download(ap_out, 1, n, dt));
+    EXPECT_EQ(download(bg, 1, n), g);  // step 3 kept its gradient
+    cu::adamw_store(cc, 4, bp.as<float>(), bg.as<float>(), bm.as<float>(), bv.as<float>(), n, dt, bp_out.get(), true,
+                    nullptr);
+    EXPECT_EQ(download(bg, 1, n), zero);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Storage, CudaKernels, ::testing::Values(cu::DType::F32, cu::DType::BF16),
                          [](const auto& info) { return info.param == cu::DType::F32 ? "fp32" : "bf16"; });
 

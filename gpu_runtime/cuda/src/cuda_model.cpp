@@ -298,18 +298,21 @@ void CudaModel::update(const Exec& e, int seg, const AdamW& cfg, int step) {
       check(cudaMemcpyAsync(d.grad_chunk.data(), d.grads.as<float>() + sp.chunk_begin,
                             static_cast<std::size_t>(chunk) * 4, cudaMemcpyDeviceToDevice, e.stream),
             "cudaMemcpyAsync");
-    if (chunk > 0)
+    if (sp.zero_level < 3 && chunk > 0)  // the updated chunk also lands in this device's whole parameters
+      adamw_store(cfg, step, d.master.as<float>(), d.grad_chunk.as<float>(), d.adam_m.as<float>(),
+                  d.adam_v.as<float>(), chunk, dt_,
+                  static_cast<char*>(d.params.data()) + static_cast<std::size_t>(sp.chunk_begin) * elem(), false,
+                  e.stream);
+    else if (chunk > 0)
       adamw(cfg, step, d.master.as<float>(), d.grad_chunk.as<float>(), d.adam_m.as<float>(), d.adam_v.as<float>(),
             chunk, e.stream);
-    if (sp.zero_level < 3 && chunk > 0)
-      convert(DType::F32, d.master.data(), dt_,
-              static_cast<char*>(d.params.data()) + static_cast<std::size_t>(sp.chunk_begin) * elem(), chunk, e.stream);
-  } else if (d.master.size() > 0) {
-    adamw(cfg, step, d.master.as<float>(), d.grads.as<float>(), d.adam_m.as<float>(), d.adam_v.as<float>(),
-          d.master.size(), e.stream);
-    convert(DType::F32, d.master.data(), dt_, d.params.data(), d.master.size(), e.stream);
+    if (d.grads.bytes()) check(cudaMemsetAsync(d.grads.data(), 0, d.grads.bytes(), e.stream), "cudaMemsetAsync");
+  } else if (d.master.size() > 0) {  // whole gradients, zeroed as they are read
+    adamw_store(cfg, step, d.master.as<float>(), d.grads.as<float>(), d.adam_m.as<float>(), d.adam_v.as<float>(),
+                d.master.size(), dt_, d.params.data(), true, e.stream);
+  } else if (d.grads.bytes()) {
+    check(cudaMemsetAsync(d.grads.data(), 0, d.grads.bytes(), e.stream), "cudaMemsetAsync");
   }
-  if (d.grads.bytes()) check(cudaMemsetAsync(d.grads.data(), 0, d.grads.bytes(), e.stream), "cudaMemsetAsync");
   if (d.grad_chunk.bytes())
     check(cudaMemsetAsync(d.grad_chunk.data(), 0, d.grad_chunk.bytes(), e.stream), "cudaMemsetAsync");
   d.grad_chunk_ready = false;

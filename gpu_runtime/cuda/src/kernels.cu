@@ -275,15 +275,37 @@ __global__ void cross_entropy_k(T* logits, const int* targets, int vocab, float 
 }
 
 // ---- AdamW ----
+// One element's update; returns the new parameter.
+__device__ __forceinline__ float adamw_element(const AdamW& cfg, float bc1, float bc2, float p, float g, float& m,
+                                               float& v) {
+  const float gr = g * cfg.grad_scale;
+  m = cfg.beta1 * m + (1.0f - cfg.beta1) * gr;
+  v = cfg.beta2 * v + (1.0f - cfg.beta2) * gr * gr;
+  const float mhat = m / bc1, vhat = v / bc2;
+  return p - cfg.lr * (mhat / (sqrtf(vhat) + cfg.eps) + cfg.weight_decay * p);
+}
+
 __global__ void adamw_k(AdamW cfg, float bc1, float bc2, float* params, const float* grads, float* m, float* v,
                         std::int64_t n) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float gr = grads[i] * cfg.grad_scale;
-  m[i] = cfg.beta1 * m[i] + (1.0f - cfg.beta1) * gr;
-  v[i] = cfg.beta2 * v[i] + (1.0f - cfg.beta2) * gr * gr;
-  const float mhat = m[i] / bc1, vhat = v[i] / bc2;
-  params[i] -= cfg.lr * (mhat / (sqrtf(vhat) + cfg.eps) + cfg.weight_decay * params[i]);
+  float mi = m[i], vi = v[i];
+  params[i] = adamw_element(cfg, bc1, bc2, params[i], grads[i], mi, vi);
+  m[i] = mi, v[i] = vi;
+}
+
+// adamw_k that also stores the new parameter in the storage type and zeroes the gradient it read: one
+// pass over the optimizer's memory instead of three (the update, the cast, the gradient memset).
+template <typename T>
+__global__ void adamw_store_k(AdamW cfg, float bc1, float bc2, float* master, float* grads, float* m, float* v,
+                              T* params, bool zero_grads, std::int64_t n) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float mi = m[i], vi = v[i];
+  const float p = adamw_element(cfg, bc1, bc2, master[i], grads[i], mi, vi);
+  master[i] = p, m[i] = mi, v[i] = vi;
+  store(params, i, p);
+  if (zero_grads) grads[i] = 0.0f;
 }
 
 // ---- data movement ----
@@ -559,6 +581,18 @@ void adamw(const AdamW& cfg, int step, float* params, const float* grads, float*
   const float bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg.beta2), step));
   adamw_k<<<blocks_for(n), kThreads, 0, stream>>>(cfg, bc1, bc2, params, grads, m, v, n);
   launched("adamw");
+}
+
+void adamw_store(const AdamW& cfg, int step, float* master, float* grads, float* m, float* v, std::int64_t n, DType dt,
+                 void* params, bool zero_grads, cudaStream_t stream) {
+  const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg.beta1), step));
+  const float bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg.beta2), step));
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    adamw_store_k<T><<<blocks_for(n), kThreads, 0, stream>>>(cfg, bc1, bc2, master, grads, m, v,
+                                                             static_cast<T*>(params), zero_grads, n);
+  });
+  launched("adamw_store");
 }
 
 void gather_rows(DType dt, const void* in, const int* index, int rows, int cols, void* out, cudaStream_t stream) {

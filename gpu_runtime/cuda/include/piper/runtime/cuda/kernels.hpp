@@ -117,6 +117,11 @@ struct AdamW {
 };
 void adamw(const AdamW& cfg, int step, float* params, const float* grads, float* m, float* v, std::int64_t n,
            cudaStream_t stream);
+// adamw on fp32 masters that also writes each updated master to `params` in the storage type `dt` and,
+// when `zero_grads`, zeroes each gradient it read: the update, the cast and the gradient reset in one
+// pass (34 bytes a parameter instead of 38 and three launches).
+void adamw_store(const AdamW& cfg, int step, float* master, float* grads, float* m, float* v, std::int64_t n, DType dt,
+                 void* params, bool zero_grads, cudaStream_t stream);
 
 // ---- Data movement and reductions (MoE permute/unpermute, loopback collectives, casts) ----
 // out[i] = in[index[i]] for rows of `cols` elements.
