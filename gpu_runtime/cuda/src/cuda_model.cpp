@@ -299,10 +299,9 @@ void CudaModel::update(const Exec& e, int seg, const AdamW& cfg, int step) {
                             static_cast<std::size_t>(chunk) * 4, cudaMemcpyDeviceToDevice, e.stream),
             "cudaMemcpyAsync");
     if (sp.zero_level < 3 && chunk > 0)  // the updated chunk also lands in this device's whole parameters
-      adamw_store(cfg, step, d.master.as<float>(), d.grad_chunk.as<float>(), d.adam_m.as<float>(),
-                  d.adam_v.as<float>(), chunk, dt_,
-                  static_cast<char*>(d.params.data()) + static_cast<std::size_t>(sp.chunk_begin) * elem(), false,
-                  e.stream);
+      adamw_store(cfg, step, d.master.as<float>(), d.grad_chunk.as<float>(), d.adam_m.as<float>(), d.adam_v.as<float>(),
+                  chunk, dt_, static_cast<char*>(d.params.data()) + static_cast<std::size_t>(sp.chunk_begin) * elem(),
+                  false, e.stream);
     else if (chunk > 0)
       adamw(cfg, step, d.master.as<float>(), d.grad_chunk.as<float>(), d.adam_m.as<float>(), d.adam_v.as<float>(),
             chunk, e.stream);
