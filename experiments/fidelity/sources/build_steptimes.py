@@ -393,6 +393,9 @@ bs_readme = show(BS, bs_commit, "train/tr11-176B-ml/README.md")
 assert "- Vocabulary size is 250,680 tokens" in bs_readme and "`250880*14336`" in bs_readme
 assert "- 8 GPUs per node Using NVLink 4 inter-gpu connects, 4 OmniPath links" in bs_readme
 assert "all NHEADS=64 (above too)" in bs
+# The training inherits Megatron's dropout defaults (the README says so; the slurm scripts set neither).
+assert "The default Megatron-LM dropout settings are inherited:" in bs_readme
+assert "--attention-dropout 0.1" in bs_readme and "--hidden-dropout default=0.1" in bs_readme
 
 
 def bs_model(hidden, layers):
@@ -404,12 +407,13 @@ def bs_model(hidden, layers):
                         "250880 (the padded size of the README's `250880*14336` embedding), tied embeddings, LayerNorm, GELU, "
                         "biases, Megatron fused-softmax attention (no flash), bf16 with fp32 gradient accumulation "
                         "(BF16_Optimizer 'accumulates grads in fp32', zeroing the bf16 gradients and adding them into the fp32 "
-                        "ones around every microbatch's backward: main_grad_accumulation \"separate\"). BLOOM uses ALiBi, which "
+                        "ones around every microbatch's backward: main_grad_accumulation \"separate\"); attention and hidden "
+                        "dropout 0.1 (README: 'The default Megatron-LM dropout settings are inherited'). BLOOM uses ALiBi, which "
                         "Piper does not model: posed as "
                         "rotary positions (max_positions 0; no parameters either way). BLOOM's embedding LayerNorm is omitted."),
         "vocab": 250880, "hidden": hidden, "layers": layers, "heads": 64, "ffn": 4 * hidden,
         "activation": "gelu", "norm": "layernorm", "bias": True, "tie_embeddings": True, "max_positions": 0,
-        "attention": "standard",
+        "attention": "standard", "dropout": 0.1,
         "training": {"seq_len": 2048, "micro_batch_size": 1, "precision": "bf16", "fp32_main_grads": True,
                      "main_grad_accumulation": "separate"}})
 
