@@ -266,6 +266,10 @@ AttentionRef host_attention(const cu::AttentionDims& d, const Mat& q, const Mat&
 struct AttentionCase {
   int sequences, seq_len, heads, kv_heads, head_dim;
 };
+std::string case_name(const ::testing::TestParamInfo<AttentionCase>& info) {
+  const AttentionCase& c = info.param;
+  return fmt::format("L{}_hd{}_h{}kv{}_x{}", c.seq_len, c.head_dim, c.heads, c.kv_heads, c.sequences);
+}
 
 // The bf16 fast path (flash_attention.cu) and the explicit-probabilities reference kernels against the
 // host, and against each other, at shapes that exercise both head sizes, GQA groups of 1 to 4, several
@@ -273,23 +277,44 @@ struct AttentionCase {
 // (100 = 64 + 36, 130 = 2 * 64 + 2). Bound: the file's bf16 bound 3e-2 of the largest magnitude; both
 // paths see the same bf16 inputs, the fast path also rounds P and dS to bf16 (2^-9 relative) before
 // its tensor-core products, an error of the same order as the stored outputs' own rounding.
+// One case's bf16-rounded random inputs, the double-precision host attention of them, and the inputs on
+// the device.
+struct AttentionInputs {
+  explicit AttentionInputs(const AttentionCase& c)
+      : d{c.sequences * c.seq_len, c.seq_len, c.heads, c.kv_heads, c.head_dim},
+        T(d.tokens),
+        qd(c.heads * c.head_dim),
+        kd(c.kv_heads * c.head_dim),
+        rows(static_cast<std::size_t>(c.sequences * c.heads * c.seq_len)),
+        qbytes(static_cast<std::size_t>(T * qd) * 2),
+        kbytes(static_cast<std::size_t>(T * kd) * 2) {
+    const cu::DType bf = cu::DType::BF16;
+    auto round = [&](const Mat& m) { return download(upload(m, bf), m.rows(), m.cols(), bf); };
+    const Mat q = round(random_mat(T, qd, 31)), k = round(random_mat(T, kd, 32)), v = round(random_mat(T, kd, 33)),
+              d_o = round(random_mat(T, qd, 34));
+    ref = host_attention(d, q, k, v, d_o);
+    dq = upload(q, bf), dk = upload(k, bf), dv = upload(v, bf), ddo = upload(d_o, bf);
+  }
+  cu::AttentionDims d;
+  int T, qd, kd;
+  std::size_t rows, qbytes, kbytes;
+  AttentionRef ref;
+  cu::DeviceBuffer dq, dk, dv, ddo;  // q, k, v and the output gradient
+};
+
 class CudaFlashAttention : public ::testing::TestWithParam<AttentionCase> {};
 
 TEST_P(CudaFlashAttention, FastAndReferencePathsMatchTheHost) {
   const AttentionCase c = GetParam();
   const cu::DType bf = cu::DType::BF16;
-  const cu::AttentionDims d{c.sequences * c.seq_len, c.seq_len, c.heads, c.kv_heads, c.head_dim};
+  const AttentionInputs in(c);
+  const cu::AttentionDims& d = in.d;
   ASSERT_TRUE(cu::flash_attention_supported(bf, d));
   ASSERT_FALSE(cu::flash_attention_supported(cu::DType::F32, d));
-  const int T = d.tokens, qd = c.heads * c.head_dim, kd = c.kv_heads * c.head_dim;
-  auto round = [&](const Mat& m) { return download(upload(m, bf), m.rows(), m.cols(), bf); };
-  const Mat q = round(random_mat(T, qd, 31)), k = round(random_mat(T, kd, 32)), v = round(random_mat(T, kd, 33)),
-            d_o = round(random_mat(T, qd, 34));
-  const AttentionRef ref = host_attention(d, q, k, v, d_o);
-
-  auto dq_ = upload(q, bf), dk_ = upload(k, bf), dv_ = upload(v, bf), ddo = upload(d_o, bf);
-  const std::size_t rows = static_cast<std::size_t>(c.sequences * c.heads * c.seq_len);
-  const std::size_t qbytes = static_cast<std::size_t>(T * qd) * 2, kbytes = static_cast<std::size_t>(T * kd) * 2;
+  const int T = in.T, qd = in.qd, kd = in.kd;
+  const std::size_t rows = in.rows, qbytes = in.qbytes, kbytes = in.kbytes;
+  const AttentionRef& ref = in.ref;
+  const cu::DeviceBuffer &dq_ = in.dq, &dk_ = in.dk, &dv_ = in.dv, &ddo = in.ddo;
   // Fast path.
   cu::DeviceBuffer o(qbytes), lse(rows * 4), delta(rows * 4), gq(qbytes), gk(kbytes), gv(kbytes);
   cu::flash_attention_forward(d, dq_.get(), dk_.get(), dv_.get(), lse.as<float>(), o.get(), nullptr);
@@ -324,11 +349,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaFlashAttention,
                          ::testing::Values(AttentionCase{2, 100, 4, 2, 64}, AttentionCase{1, 130, 2, 1, 128},
                                            AttentionCase{3, 17, 2, 2, 128}, AttentionCase{1, 64, 4, 1, 64},
                                            AttentionCase{1, 200, 4, 4, 64}),
-                         [](const auto& info) {
-                           const AttentionCase& c = info.param;
-                           return fmt::format("L{}_hd{}_h{}kv{}_x{}", c.seq_len, c.head_dim, c.heads, c.kv_heads,
-                                              c.sequences);
-                         });
+                         case_name);
 
 // cuDNN's fused attention (cudnn_attention.cpp) against the same double-precision host attention, at
 // the shapes above and at head dims the flash kernels do not take (8, 256). Same bound: cuDNN also
@@ -342,14 +363,11 @@ TEST_P(CudaCudnnAttention, MatchesTheHost) {
   const cu::AttentionDims d{c.sequences * c.seq_len, c.seq_len, c.heads, c.kv_heads, c.head_dim};
   std::string why;
   if (!cu::cudnn_attention_supported(bf, d, &why)) GTEST_SKIP() << why;
-  const int T = d.tokens, qd = c.heads * c.head_dim, kd = c.kv_heads * c.head_dim;
-  auto round = [&](const Mat& m) { return download(upload(m, bf), m.rows(), m.cols(), bf); };
-  const Mat q = round(random_mat(T, qd, 31)), k = round(random_mat(T, kd, 32)), v = round(random_mat(T, kd, 33)),
-            d_o = round(random_mat(T, qd, 34));
-  const AttentionRef ref = host_attention(d, q, k, v, d_o);
-  auto dq_ = upload(q, bf), dk_ = upload(k, bf), dv_ = upload(v, bf), ddo = upload(d_o, bf);
-  const std::size_t rows = static_cast<std::size_t>(c.sequences * c.heads * c.seq_len);
-  const std::size_t qbytes = static_cast<std::size_t>(T * qd) * 2, kbytes = static_cast<std::size_t>(T * kd) * 2;
+  const AttentionInputs in(c);
+  const int T = in.T, qd = in.qd, kd = in.kd;
+  const std::size_t rows = in.rows, qbytes = in.qbytes, kbytes = in.kbytes;
+  const AttentionRef& ref = in.ref;
+  const cu::DeviceBuffer &dq_ = in.dq, &dk_ = in.dk, &dv_ = in.dv, &ddo = in.ddo;
   cu::DeviceBuffer o(qbytes), stats(rows * 4), gq(qbytes), gk(kbytes), gv(kbytes);
   cu::DeviceBuffer wf(std::max<std::size_t>(1, cu::cudnn_attention_workspace(d, false))),
       wb(std::max<std::size_t>(1, cu::cudnn_attention_workspace(d, true)));
@@ -370,11 +388,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaCudnnAttention,
                                            AttentionCase{3, 17, 2, 2, 128}, AttentionCase{1, 64, 4, 1, 64},
                                            AttentionCase{1, 200, 4, 4, 64}, AttentionCase{2, 16, 4, 2, 8},
                                            AttentionCase{1, 128, 4, 1, 256}),
-                         [](const auto& info) {
-                           const AttentionCase& c = info.param;
-                           return fmt::format("L{}_hd{}_h{}kv{}_x{}", c.seq_len, c.head_dim, c.heads, c.kv_heads,
-                                              c.sequences);
-                         });
+                         case_name);
 
 TEST_P(CudaKernels, CrossEntropyWithLmHead) {
   const int tokens = 20, hidden = 32, vocab = 301;
