@@ -34,7 +34,7 @@ PIPER_KERNELS_JSON=$kjson timeout 240 build-gpu/bin/bench_cuda_attention 2>&1 | 
 rc=${PIPESTATUS[0]}
 if [ "$rc" -eq 77 ]; then echo "attention benchmark: skipped (no GPU)"; elif [ "$rc" -ne 0 ]; then status=1; fi
 
-echo "== (2) CUDA backend on virtual devices vs host reference (fp32: loss 1e-5 rel, params 1e-4; bf16: loss 5e-3 rel) =="
+echo "== (2) CUDA backend on virtual devices vs host reference, incl. HSDP, per-microbatch ZeRO, GPT-style models (fp32: loss 1e-5 rel, params 1e-4; bf16: loss 5e-3 rel) =="
 build-gpu/bin/test_cuda_backend --gtest_brief=1 --gtest_filter='-*FlashAttention*' 2>&1 | tee "$out/test_cuda_backend.log"
 rc=${PIPESTATUS[0]}
 if [ "$rc" -eq 77 ]; then echo "backend: skipped (no GPU)"; elif [ "$rc" -ne 0 ]; then status=1; fi

@@ -222,7 +222,6 @@ Capabilities cuda_capabilities() {
   c.backend = "the CUDA backend";
   c.alternative = "the host backend (--backend host) runs it";
   c.tensor_parallel = c.sequence_parallel = c.expert_tensor_parallel = c.context_parallel = false;
-  c.gpt_layers = false;
   return c;
 }
 

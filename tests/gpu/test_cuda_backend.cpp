@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <string>
 
@@ -44,17 +45,20 @@ fs::path temp_dir(const std::string& name) {
   return d;
 }
 
+const std::string kGpt = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-gpt.json";
+const std::string kGptUntied = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-gpt-untied.json";
+
 // head_dim 64 and 100-token sequences: bf16 runs take the fast attention path (flash_attention.cu).
 const std::string kHd64Model = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-small-hd64.json";
 
 core::Program compile(int pp, int dp, int ep, int zero, int microbatches, const std::string& schedule,
-                      const std::string& model = kModel, int dp_shard = 0, const std::string& reduce_every = "") {
+                      const std::string& model = kModel,
+                      const std::function<void(core::StrategyOptions&)>& more = nullptr) {
   core::Scenario s;
   s.model = model;
   s.strategy.pp = pp, s.strategy.dp = dp, s.strategy.ep = ep, s.strategy.zero = zero;
   s.strategy.microbatches = microbatches, s.strategy.schedule = schedule;
-  s.strategy.dp_shard = dp_shard;
-  if (!reduce_every.empty()) s.strategy.reduce_every = reduce_every;
+  if (more) more(s.strategy);
   return core::compile_scenario(s).result.program;
 }
 
@@ -103,12 +107,26 @@ TEST(CudaBackendEquivalence, EP2_Zero2_PP2xDP2) { expect_equivalent("ep-zero2", 
 // HSDP: ZeRO-3 shards over groups of 2 of the 4 data-parallel replicas (reduce-scatter in the group,
 // all-reduce across the groups, gathers in the group), with EP 2 on the experts.
 TEST(CudaBackendEquivalence, Hsdp_Zero3_PP2xDP4xEP2) {
-  expect_equivalent("hsdp-zero3", compile(2, 4, 2, 3, 4, "1f1b", kModel, 2));
+  expect_equivalent("hsdp-zero3", compile(2, 4, 2, 3, 4, "1f1b", kModel, [](auto& o) { o.dp_shard = 2; }));
 }
 // The ZeRO-2/3 cases above reduce after every microbatch (the default, DeepSpeed's and FSDP2's); this
 // one once per step, keeping whole gradients (FSDP's no_sync).
 TEST(CudaBackendEquivalence, Zero2_ReduceOncePerStep_PP2xDP2) {
-  expect_equivalent("zero2-step", compile(2, 2, 1, 2, 4, "1f1b", kModel, 0, "step"));
+  expect_equivalent("zero2-step", compile(2, 2, 1, 2, 4, "1f1b", kModel, [](auto& o) { o.reduce_every = "step"; }));
+}
+// GPT-style layers: LayerNorm, GELU, linear biases, learned positions and a head tied to the embedding.
+// PP 2 puts the embedding and the head on different stages (the head keeps a copy of the table, and the
+// two gradients are summed over the tied-embedding family); PP 1 keeps them in one segment; the untied
+// model has its own head matrix. With gradient clipping the tied copy must not count twice in the norm.
+TEST(CudaBackendEquivalence, Gpt_Tied_PP2xDP2) { expect_equivalent("gpt-tied", compile(2, 2, 1, 0, 4, "1f1b", kGpt)); }
+TEST(CudaBackendEquivalence, Gpt_Tied_OneSegment_DP2) {
+  expect_equivalent("gpt-tied-pp1", compile(1, 2, 1, 0, 2, "1f1b", kGpt));
+}
+TEST(CudaBackendEquivalence, Gpt_Untied_PP2xDP2) {
+  expect_equivalent("gpt-untied", compile(2, 2, 1, 0, 4, "1f1b", kGptUntied));
+}
+TEST(CudaBackendEquivalence, Gpt_Tied_ClipGrad_Zero1_PP2xDP2) {
+  expect_equivalent("gpt-tied-clip", compile(2, 2, 1, 1, 4, "1f1b", kGpt, [](auto& o) { o.clip_grad = 0.05; }));
 }
 TEST(CudaBackendEquivalence, Bf16_OneFOneB_PP2xDP2) {
   expect_equivalent("bf16-1f1b", compile(2, 2, 1, 0, 4, "1f1b"), cu::DType::BF16);

@@ -126,6 +126,69 @@ TEST_P(CudaKernels, RmsNormForwardAndBackward) {
   EXPECT_LT(rel_error(download(d_dg, 1, cols), Mat(dg.transpose())), tol());
 }
 
+TEST_P(CudaKernels, LayerNormForwardAndBackward) {
+  const int rows = 19, cols = 96;
+  Mat x = rounded(random_mat(rows, cols, 3)), g = rounded(random_mat(1, cols, 4)), b = rounded(random_mat(1, cols, 11)),
+      dy = rounded(random_mat(rows, cols, 5));
+  host::Vec gv = g.row(0).transpose(), bv = b.row(0).transpose();
+  host::LayerNormCache cache;
+  Mat y = host::layernorm_forward(x, host::ConstVecMap(gv.data(), cols), host::ConstVecMap(bv.data(), cols), &cache);
+  Mat dx = host::layernorm_backward_input(cache, host::ConstVecMap(gv.data(), cols), dy);
+  host::Vec dg = host::Vec::Zero(cols), db = host::Vec::Zero(cols);
+  host::layernorm_backward_weight(cache, dy, host::VecMap(dg.data(), cols), host::VecMap(db.data(), cols));
+
+  auto d_x = upload(x, dt()), d_g = upload(g, dt()), d_b = upload(b, dt()), d_dy = upload(dy, dt());
+  const std::size_t bytes = static_cast<std::size_t>(rows * cols) * cu::dtype_bytes(dt());
+  cu::DeviceBuffer d_y(bytes), d_dx(bytes), mean(rows * 4), rstd(rows * 4);
+  Mat zero = Mat::Zero(1, cols);
+  auto d_dg = upload(zero), d_db = upload(zero);
+  cu::layernorm_forward(dt(), d_x.get(), d_g.get(), d_b.get(), rows, cols, host::kLayerNormEps, d_y.get(),
+                        mean.as<float>(), rstd.as<float>(), nullptr);
+  cu::layernorm_backward_input(dt(), d_x.get(), mean.as<float>(), rstd.as<float>(), d_g.get(), d_dy.get(), rows, cols,
+                               d_dx.get(), nullptr);
+  cu::layernorm_backward_weight(dt(), d_x.get(), mean.as<float>(), rstd.as<float>(), d_dy.get(), rows, cols,
+                                d_dg.as<float>(), d_db.as<float>(), nullptr);
+  EXPECT_LT(rel_error(download(d_y, rows, cols, dt()), y), tol());
+  EXPECT_LT(rel_error(download(d_dx, rows, cols, dt()), dx), tol());
+  EXPECT_LT(rel_error(download(d_dg, 1, cols), Mat(dg.transpose())), tol());
+  EXPECT_LT(rel_error(download(d_db, 1, cols), Mat(db.transpose())), tol());
+}
+
+// Biases, GELU and learned positions (GPT) against the host kernels; 3 sequences of 7 positions.
+TEST_P(CudaKernels, BiasGeluAndPositions) {
+  const int rows = 21, cols = 40, seq_len = 7;
+  Mat a = rounded(random_mat(rows, cols, 12)), bias = rounded(random_mat(1, cols, 13)),
+      dy = rounded(random_mat(rows, cols, 14)), pos = rounded(random_mat(seq_len, cols, 15));
+  host::Vec bv = bias.row(0).transpose();
+  Mat with_bias = a;
+  host::bias_add(with_bias, host::ConstVecMap(bv.data(), cols));
+  host::Vec db = host::Vec::Zero(cols);
+  host::bias_backward_weight(dy, host::VecMap(db.data(), cols));
+  const Mat h = host::gelu_forward(a), da = host::gelu_backward(a, dy);
+  Mat with_pos = a, dpos = Mat::Zero(seq_len, cols);
+  host::positions_forward(with_pos, host::ConstMatMap(pos.data(), seq_len, cols), seq_len);
+  host::positions_backward_weight(dy, host::MatMap(dpos.data(), seq_len, cols), seq_len);
+
+  const std::size_t bytes = static_cast<std::size_t>(rows * cols) * cu::dtype_bytes(dt());
+  auto d_a = upload(a, dt()), d_bias = upload(bias, dt()), d_dy = upload(dy, dt()), d_pos = upload(pos, dt());
+  auto d_ab = upload(a, dt()), d_ap = upload(a, dt());
+  Mat zero = Mat::Zero(1, cols), zero_pos = Mat::Zero(seq_len, cols);
+  auto d_db = upload(zero), d_dpos = upload(zero_pos);
+  cu::DeviceBuffer d_h(bytes), d_da(bytes);
+  cu::bias_add(dt(), d_ab.get(), d_bias.get(), rows, cols, nullptr);
+  cu::bias_backward_weight(dt(), d_dy.get(), rows, cols, d_db.as<float>(), nullptr);
+  cu::gelu_forward(dt(), d_a.get(), rows * cols, d_h.get(), nullptr);
+  cu::gelu_backward(dt(), d_a.get(), d_dy.get(), rows * cols, d_da.get(), nullptr);
+  cu::positions_forward(dt(), d_ap.get(), d_pos.get(), rows, cols, seq_len, nullptr);
+  cu::positions_backward_weight(dt(), d_dy.get(), rows, cols, seq_len, d_dpos.as<float>(), nullptr);
+  EXPECT_LT(rel_error(download(d_ab, rows, cols, dt()), with_bias), tol());
+  EXPECT_LT(rel_error(download(d_db, 1, cols), Mat(db.transpose())), tol());
+  EXPECT_LT(rel_error(download(d_h, rows, cols, dt()), h), tol());
+  EXPECT_LT(rel_error(download(d_da, rows, cols, dt()), da), tol());
+  EXPECT_LT(rel_error(download(d_ap, rows, cols, dt()), with_pos), tol());
+  EXPECT_LT(rel_error(download(d_dpos, seq_len, cols), dpos), tol());
+}
+
 TEST_P(CudaKernels, SwigluMlpForwardAndBackward) {
   const int tokens = 24, hidden = 32, ffn = 48;
   Mat wg = rounded(random_mat(hidden, ffn, 6, 0.2f)), wu = rounded(random_mat(hidden, ffn, 7, 0.2f)),

@@ -27,6 +27,7 @@ namespace rt = piper::runtime;
 namespace {
 
 const std::string kMoe = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-moe.json";
+const std::string kGpt = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-gpt.json";
 using Buf = std::vector<float>;
 
 // Rendezvous of the virtual devices: point-to-point messages by (source, destination, pairing id);
@@ -151,9 +152,9 @@ class AsyncKernels : public rt::HostKernels {
   int completed = 0;
 };
 
-core::Program compile(core::StrategyOptions o) {
+core::Program compile(core::StrategyOptions o, const std::string& model = kMoe) {
   core::Scenario s;
-  s.model = kMoe;
+  s.model = model;
   s.strategy = o;
   return core::compile_scenario(s).result.program;
 }
@@ -209,8 +210,8 @@ std::vector<double> train_on_threads(const core::Program& program, int steps, co
   return out;
 }
 
-void expect_matches_reference(const core::StrategyOptions& o) {
-  const core::Program program = compile(o);
+void expect_matches_reference(const core::StrategyOptions& o, const std::string& model = kMoe) {
+  const core::Program program = compile(o, model);
   rt::TrainOptions t;
   t.steps = 3;
   t.print = false;
@@ -254,4 +255,9 @@ TEST(RuntimeDataflow, Zero2_ReduceEveryMicrobatch_PP2xDP2_OnThreadsMatchesTheRef
   core::StrategyOptions o = strategy(2, 2, 1, 2, "1f1b");
   o.reduce_every = "microbatch";
   expect_matches_reference(o);
+}
+// A GPT-style model whose head, on the second stage, keeps a copy of the embedding table: the two
+// copies' gradients are summed over the tied-embedding family before the update.
+TEST(RuntimeDataflow, GptTied_PP2xDP2_OnThreadsMatchesTheReference) {
+  expect_matches_reference(strategy(2, 2, 1, 0, "1f1b"), kGpt);
 }

@@ -3,6 +3,7 @@
 #include "piper/runtime/cuda/cuda_backend.hpp"
 
 #include <algorithm>
+#include <span>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -78,11 +79,6 @@ CudaKernels::~CudaKernels() {
   if (util_) cudaStreamDestroy(util_);
 }
 
-void CudaKernels::require_tied() const {
-  throw std::invalid_argument(
-      "plan: the model ties its head to the embedding; the CUDA backend does not sum tied-embedding copies");
-}
-
 Exec CudaKernels::ctx(int stream) const {
   return Exec{streams_.at(static_cast<std::size_t>(stream)), gemms_.at(static_cast<std::size_t>(stream)).get(),
               alloc_.get()};
@@ -137,21 +133,31 @@ void CudaKernels::update(const Exec& e, int s, int step) {
   model_->update(e, s, cfg, step);
 }
 
-// The rule of HostModel::owned_grad_sq without tensor parallelism or tied copies (which this backend
-// refuses): host::counts_in_grad_norm's gradients, whole or the ZeRO chunk.
+// The rule of HostModel::owned_grad_sq without tensor parallelism (which this backend refuses):
+// host::counts_in_grad_norm's gradients, whole or the ZeRO chunk, never a tied head's copy of the
+// embedding table (the embedding's own table counts it once).
 void CudaKernels::grad_sq(const Exec& e, const std::vector<int>& segments, Tensor& out) {
   for (int s : segments) {
     const host::SegmentParams& sp = model_->layout(s);
     if (!host::counts_in_grad_norm(sp)) continue;
     SegmentDevice& d = model_->device(s);
-    if (sp.zero_level >= 1) {
-      const std::int64_t chunk = sp.chunk_end - sp.chunk_begin;
-      const float* g = d.grad_chunk_ready ? d.grad_chunk.as<float>() : d.grads.as<float>() + sp.chunk_begin;
-      sum_squares(g, chunk, out.as<float>(), e.stream);
-    } else {
-      sum_squares(d.grads.as<float>(), static_cast<std::int64_t>(d.grads.size()), out.as<float>(), e.stream);
-    }
+    // [begin, end) of the segment's vector, read from `g` (which holds element `begin` first).
+    const bool chunked = sp.zero_level >= 1;
+    const std::int64_t begin = chunked ? sp.chunk_begin : 0, end = chunked ? sp.chunk_end : d.grads.size();
+    const float* g =
+        chunked && d.grad_chunk_ready ? d.grad_chunk.as<float>() : d.grads.as<float>() + (chunked ? begin : 0);
+    auto [copy_at, copy_len] = sp.tied_copy ? tied_range(s) : std::pair<std::int64_t, std::int64_t>{0, 0};
+    const std::int64_t cut_b = std::clamp(copy_at, begin, end), cut_e = std::clamp(copy_at + copy_len, begin, end);
+    sum_squares(g, cut_b - begin, out.as<float>(), e.stream);
+    sum_squares(g + (cut_e - begin), end - cut_e, out.as<float>(), e.stream);
   }
+}
+
+std::pair<std::int64_t, std::int64_t> CudaKernels::tied_range(int s) {
+  host::SegmentParams& sp = model_->layout(s);
+  const std::span<float> t = model_->host_state().tied_grads(s);
+  if (t.empty()) return {0, 0};
+  return {t.data() - sp.grads.data(), static_cast<std::int64_t>(t.size())};
 }
 
 double CudaKernels::clip_to(const Exec& e, const Tensor& norm_sq, double max_norm) {
@@ -175,8 +181,9 @@ float* CudaKernels::fp32(int s, Vec v) {
       return d.grad_chunk.as<float>();
     case Vec::Master:
       return d.master.as<float>();
-    case Vec::Params:  // in the storage type: written by write() with a conversion only
     case Vec::TiedGrads:
+      return d.grads.as<float>() + tied_range(s).first;
+    case Vec::Params:  // in the storage type: written by write() with a conversion only
       break;
   }
   throw RuntimeError(fmt::format("runtime: the CUDA backend has no fp32 view of this vector of segment {}", s));
@@ -194,9 +201,8 @@ std::int64_t CudaKernels::size(int s, Vec v) {
     case Vec::Params:
       return static_cast<std::int64_t>(model_->layout(s).params.size());
     case Vec::TiedGrads:
-      break;
+      return tied_range(s).second;
   }
-  require_tied();
   return 0;
 }
 

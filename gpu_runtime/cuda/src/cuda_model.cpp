@@ -197,6 +197,9 @@ std::vector<ExpertPacket> unpack_packets(const Exec& e, const PacketShape& s, co
 CudaModel::CudaModel(const core::Model& model, std::vector<host::SegmentSpec> segments, std::uint64_t seed, DType dt,
                      Allocator& alloc, cudaStream_t init_stream)
     : layout_(model, std::move(segments), seed), dt_(dt), alloc_(alloc) {
+  std::int64_t positions = 0;  // learned absolute positions (GPT) instead of RoPE
+  for (const auto& l : layout_.model().layers())
+    if (l.kind == core::LayerKind::Embedding) positions = l.shape.max_positions;
   for (const auto& l : layout_.model().layers())
     if (l.kind == core::LayerKind::Attention)
       attn_shape_ = host::AttentionShape{static_cast<int>(l.shape.heads),
@@ -204,7 +207,9 @@ CudaModel::CudaModel(const core::Model& model, std::vector<host::SegmentSpec> se
                                          static_cast<int>(l.shape.head_dim),
                                          static_cast<int>(layout_.model().training().seq_len),
                                          l.shape.qk_norm,
-                                         10000.0f};
+                                         10000.0f,
+                                         positions == 0,
+                                         l.shape.bias};
   const Exec e{init_stream, nullptr, &alloc_};
   for (auto& sp : layout_.segments()) {
     SegmentDevice d;
@@ -276,14 +281,19 @@ CudaModel::Weights CudaModel::weights(int seg, int layer, bool grads) {
   const std::size_t es = grads ? 4 : elem();
   char* p = static_cast<char*>(grads ? d.grads.data() : d.params.data()) +
             static_cast<std::size_t>(sp.layer_offset.at(static_cast<std::size_t>(layer - sp.first_layer))) * es;
-  auto tensors = host::layer_tensors(*w.layer);
-  if (w.layer->kind == core::LayerKind::MoeExperts)
-    tensors.resize(tensors.size() / static_cast<std::size_t>(sp.shard_degree));
-  for (const auto& t : tensors) {
-    w.tensors.emplace_back(p, t);
-    p += static_cast<std::size_t>(t.size()) * es;
+  // The host layout's tensors of this layer on this device (expert shards; a tied head's copy of the
+  // embedding table), named as in host::layer_tensors.
+  for (const auto& t : layout_.tensors_of(sp, layer)) {
+    w.tensors.emplace_back(p, host::TensorSpec{t.full.name, t.local.rows, t.local.cols});
+    p += static_cast<std::size_t>(t.local.size()) * es;
   }
   return w;
+}
+
+CudaModel::Weights CudaModel::head_weights(int seg, bool grads, bool& tied) {
+  tied = layout_.tied();
+  const host::SegmentParams& sp = layout_.segment(seg);
+  return weights(seg, tied && !sp.tied_copy ? layout_.embedding_layer() : layout_.head_layer(), grads);
 }
 
 // ---------------------------------------------------------------------------------------------

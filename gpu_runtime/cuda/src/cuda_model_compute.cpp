@@ -111,11 +111,41 @@ void mlp_backward_weight(const Exec& e, DType dt, const MlpCache& c, float* gwg,
   weight_grad(e, dt, of(c.u), true, of(c.db), false, gwu);
 }
 
-// An attention layer's forward on the normed rows `u`: projections, optional per-head q/k RMSNorm
-// (weights q_norm, k_norm), RoPE, the attention core (flash or reference path) and the output
-// projection, which it returns; `k` keeps what the backward reads.
+// db (fp32) += the column sums of the rows `t` (a bias gradient).
+void bias_grad(const Exec& e, DType dt, const Tensor& t, float* db) {
+  bias_backward_weight(dt, t.data(), static_cast<int>(t.rows), static_cast<int>(t.cols), db, e.stream);
+}
+
+// x += b over its rows (a bias), in place.
+void add_bias(const Exec& e, DType dt, Tensor& x, const void* b) {
+  bias_add(dt, x.data(), b, static_cast<int>(x.rows), static_cast<int>(x.cols), e.stream);
+}
+
+// GPT's MLP: h = gelu(u w1 + b1), returned h w2 (the caller adds b2); b1 null without biases.
+Tensor gelu_mlp_forward(const Exec& e, DType dt, M w1, M w2, const void* b1, const Tensor& u, MlpCache& c) {
+  c.u = u;
+  c.a = matmul(e, dt, of(u), false, w1, false);
+  if (b1) add_bias(e, dt, c.a, b1);
+  c.h = new_tensor(e, c.a.rows, c.a.cols, c.a.elem);
+  gelu_forward(dt, c.a.data(), c.a.size(), c.h.data(), e.stream);
+  return matmul(e, dt, of(c.h), false, w2, false);
+}
+
+Tensor gelu_mlp_backward_input(const Exec& e, DType dt, M w1, M w2, MlpCache& c, const Tensor& dout) {
+  c.dout = dout;
+  Tensor dh = matmul(e, dt, of(dout), false, w2, true);
+  c.da = new_tensor(e, c.a.rows, c.a.cols, c.a.elem);
+  gelu_backward(dt, c.a.data(), dh.data(), c.a.size(), c.da.data(), e.stream);
+  return matmul(e, dt, of(c.da), false, w1, true);
+}
+
+// An attention layer's forward on the normed rows `u`: projections (with the q, k, v biases of a
+// GPT layer: `bias` null or {bq, bk, bv}), optional per-head q/k RMSNorm (weights q_norm, k_norm), RoPE
+// (unless the model has learned positions), the attention core and the output projection, which it
+// returns without its bias (the caller adds it); `k` keeps what the backward reads.
 Tensor attention_layer_forward(const Exec& e, DType dt, const host::AttentionShape& a, const std::array<M, 4>& w,
-                               const void* q_norm, const void* k_norm, const Tensor& u, AttentionCache& k) {
+                               const void* q_norm, const void* k_norm, const std::array<const void*, 3>* bias,
+                               const Tensor& u, AttentionCache& k) {
   const auto& [wq, wk, wv, wo] = w;
   const std::size_t es = dtype_bytes(dt);
   const std::int64_t T = u.rows;
@@ -123,6 +153,8 @@ Tensor attention_layer_forward(const Exec& e, DType dt, const host::AttentionSha
   k.q_lin = matmul(e, dt, of(u), false, wq, false);
   k.k_lin = matmul(e, dt, of(u), false, wk, false);
   k.v = matmul(e, dt, of(u), false, wv, false);
+  if (bias)
+    add_bias(e, dt, k.q_lin, (*bias)[0]), add_bias(e, dt, k.k_lin, (*bias)[1]), add_bias(e, dt, k.v, (*bias)[2]);
   if (a.qk_norm) {
     k.q_rstd = new_tensor(e, T, a.heads, 4);
     k.k_rstd = new_tensor(e, T, a.kv_heads, 4);
@@ -133,12 +165,17 @@ Tensor attention_layer_forward(const Exec& e, DType dt, const host::AttentionSha
                     k.q_rstd.as<float>(), e.stream);
     rmsnorm_forward(dt, k.k_lin.data(), k_norm, static_cast<int>(T * a.kv_heads), a.head_dim, host::kNormEps,
                     k.k.data(), k.k_rstd.as<float>(), e.stream);
-  } else {
+  } else if (a.rope) {  // RoPE rotates in place: q_lin and k_lin stay as they were
     k.q = copy_of(e, k.q_lin);
     k.k = copy_of(e, k.k_lin);
+  } else {
+    k.q = k.q_lin;
+    k.k = k.k_lin;
   }
-  rope(dt, k.q.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, 1.0f, e.stream);
-  rope(dt, k.k.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, 1.0f, e.stream);
+  if (a.rope) {
+    rope(dt, k.q.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, 1.0f, e.stream);
+    rope(dt, k.k.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, 1.0f, e.stream);
+  }
   const std::int64_t seqs = T / a.seq_len;
   k.o = new_tensor(e, T, static_cast<std::int64_t>(a.heads) * a.head_dim, es);
   // The flash and cuDNN paths keep one log-sum-exp per row, the reference the [L, L] probabilities;
@@ -180,6 +217,9 @@ void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data
         s.x = new_tensor(e, T, hidden(), es);
         embedding_forward(dt_, w.ptr(0), c.tokens.as<int>(), static_cast<int>(T), static_cast<int>(hidden()),
                           s.x.data(), e.stream);
+        if (w.has("pos"))  // learned absolute positions (GPT)
+          positions_forward(dt_, s.x.data(), w.ptr(w.at("pos")), static_cast<int>(T), static_cast<int>(hidden()),
+                            attn_shape_.seq_len, e.stream);
         s.u = Tensor{};
         break;
       }
@@ -187,18 +227,36 @@ void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data
         c.norm.x = s.x;
         c.norm.rstd = new_tensor(e, s.x.rows, 1, 4);
         s.u = new_tensor(e, s.x.rows, s.x.cols, es);
-        rmsnorm_forward(dt_, s.x.data(), w.ptr(0), static_cast<int>(s.x.rows), static_cast<int>(s.x.cols),
-                        host::kNormEps, s.u.data(), c.norm.rstd.as<float>(), e.stream);
+        if (w.has("norm_bias")) {
+          c.norm.mean = new_tensor(e, s.x.rows, 1, 4);
+          layernorm_forward(dt_, s.x.data(), w.ptr(0), w.ptr(1), static_cast<int>(s.x.rows), static_cast<int>(s.x.cols),
+                            host::kLayerNormEps, s.u.data(), c.norm.mean.as<float>(), c.norm.rstd.as<float>(),
+                            e.stream);
+        } else {
+          rmsnorm_forward(dt_, s.x.data(), w.ptr(0), static_cast<int>(s.x.rows), static_cast<int>(s.x.cols),
+                          host::kNormEps, s.u.data(), c.norm.rstd.as<float>(), e.stream);
+        }
         break;
       case core::LayerKind::Attention: {
         const bool qk_norm = attn_shape_.qk_norm;
+        std::array<const void*, 3> bias{};
+        if (attn_shape_.bias) bias = {w.ptr(w.at("bias_q")), w.ptr(w.at("bias_k")), w.ptr(w.at("bias_v"))};
         Tensor out = attention_layer_forward(e, dt_, attn_shape_, {w.mat(0), w.mat(1), w.mat(2), w.mat(3)},
-                                             qk_norm ? w.ptr(4) : nullptr, qk_norm ? w.ptr(5) : nullptr, s.u, c.attn);
+                                             qk_norm ? w.ptr(4) : nullptr, qk_norm ? w.ptr(5) : nullptr,
+                                             attn_shape_.bias ? &bias : nullptr, s.u, c.attn);
+        if (attn_shape_.bias) add_bias(e, dt_, out, w.ptr(w.at("bias_o")));
         s.x = plus(e, dt_, s.x, out);
         break;
       }
       case core::LayerKind::Mlp: {
-        Tensor out = mlp_forward(e, dt_, w.mat(0), w.mat(1), w.mat(2), s.u, c.mlp);
+        Tensor out;
+        if (w.has("wg")) {
+          out = mlp_forward(e, dt_, w.mat(0), w.mat(1), w.mat(2), s.u, c.mlp);
+        } else {
+          out = gelu_mlp_forward(e, dt_, w.mat(w.at("wu")), w.mat(w.at("wd")),
+                                 w.has("bias_fc1") ? w.ptr(w.at("bias_fc1")) : nullptr, s.u, c.mlp);
+          if (w.has("bias_fc2")) add_bias(e, dt_, out, w.ptr(w.at("bias_fc2")));
+        }
         s.x = plus(e, dt_, s.x, out);
         break;
       }
@@ -226,8 +284,10 @@ void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data
       case core::LayerKind::Head: {
         const std::int64_t T = s.u.rows;
         c.head.u = s.u;
-        c.head.dlogits =
-            matmul(e, dt_, of(s.u), false, w.mat(0), false);  // logits, then in place (softmax - onehot) * scale
+        // logits, then in place (softmax - onehot) * scale; a tied head multiplies by the table [V, H]
+        bool tied = false;
+        const M wh = head_weights(seg, false, tied).mat(0);
+        c.head.dlogits = matmul(e, dt_, of(s.u), false, wh, tied);
         Tensor targets = upload_ints(e, data.targets);
         Tensor loss = new_tensor(e, T, 1, 4);
         cross_entropy(dt_, c.head.dlogits.data(), targets.as<int>(), static_cast<int>(T),
@@ -247,15 +307,23 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
     Weights w = weights(seg, l, false);
     if (g.du.empty() && !g.dx.empty()) g.du = zeros(e, g.dx.rows, g.dx.cols, es);
     switch (w.layer->kind) {
-      case core::LayerKind::Head:
-        g.du = matmul(e, dt_, of(c.head.dlogits), false, w.mat(0), true);
+      case core::LayerKind::Head: {
+        bool tied = false;
+        const M wh = head_weights(seg, false, tied).mat(0);
+        g.du = matmul(e, dt_, of(c.head.dlogits), false, wh, !tied);
         g.dx = zeros(e, g.du.rows, g.du.cols, es);
         break;
+      }
       case core::LayerKind::Norm: {
         c.dy_norm = g.du;
         Tensor dx = new_tensor(e, g.du.rows, g.du.cols, es);
-        rmsnorm_backward_input(dt_, c.norm.x.data(), c.norm.rstd.as<float>(), w.ptr(0), g.du.data(),
-                               static_cast<int>(g.du.rows), static_cast<int>(g.du.cols), dx.data(), e.stream);
+        if (w.has("norm_bias"))
+          layernorm_backward_input(dt_, c.norm.x.data(), c.norm.mean.as<float>(), c.norm.rstd.as<float>(), w.ptr(0),
+                                   g.du.data(), static_cast<int>(g.du.rows), static_cast<int>(g.du.cols), dx.data(),
+                                   e.stream);
+        else
+          rmsnorm_backward_input(dt_, c.norm.x.data(), c.norm.rstd.as<float>(), w.ptr(0), g.du.data(),
+                                 static_cast<int>(g.du.rows), static_cast<int>(g.du.cols), dx.data(), e.stream);
         g.dx = plus(e, dt_, g.dx, dx);
         g.du = zeros(e, g.dx.rows, g.dx.cols, es);
         break;
@@ -277,7 +345,8 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
         break;
       }
       case core::LayerKind::Mlp: {
-        Tensor du = mlp_backward_input(e, dt_, w.mat(0), w.mat(1), w.mat(2), c.mlp, g.dx);
+        Tensor du = w.has("wg") ? mlp_backward_input(e, dt_, w.mat(0), w.mat(1), w.mat(2), c.mlp, g.dx)
+                                : gelu_mlp_backward_input(e, dt_, w.mat(w.at("wu")), w.mat(w.at("wd")), c.mlp, g.dx);
         g.du = plus(e, dt_, g.du, du);
         break;
       }
@@ -304,8 +373,10 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
             attention_core_backward(dt_, dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), d_o.data(),
                                     ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
         }
-        rope(dt_, dq.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
-        rope(dt_, dk.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
+        if (a.rope) {
+          rope(dt_, dq.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
+          rope(dt_, dk.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
+        }
         if (a.qk_norm) {
           k.dq_lin = new_tensor(e, dq.rows, dq.cols, es);
           k.dk_lin = new_tensor(e, dk.rows, dk.cols, es);
@@ -347,11 +418,20 @@ void CudaModel::backward_weight(const Exec& e, int seg, SegmentStash& stash) {
       case core::LayerKind::Embedding:
         embedding_backward_weight(dt_, c.tokens.as<int>(), c.dx_embed.data(), static_cast<int>(c.dx_embed.rows),
                                   static_cast<int>(c.dx_embed.cols), gw.grad(0), e.stream);
+        if (gw.has("pos"))
+          positions_backward_weight(dt_, c.dx_embed.data(), static_cast<int>(c.dx_embed.rows),
+                                    static_cast<int>(c.dx_embed.cols), attn_shape_.seq_len, gw.grad(gw.at("pos")),
+                                    e.stream);
         break;
       case core::LayerKind::Norm:
-        rmsnorm_backward_weight(dt_, c.norm.x.data(), c.norm.rstd.as<float>(), c.dy_norm.data(),
-                                static_cast<int>(c.dy_norm.rows), static_cast<int>(c.dy_norm.cols), gw.grad(0),
-                                e.stream);
+        if (gw.has("norm_bias"))
+          layernorm_backward_weight(dt_, c.norm.x.data(), c.norm.mean.as<float>(), c.norm.rstd.as<float>(),
+                                    c.dy_norm.data(), static_cast<int>(c.dy_norm.rows),
+                                    static_cast<int>(c.dy_norm.cols), gw.grad(0), gw.grad(1), e.stream);
+        else
+          rmsnorm_backward_weight(dt_, c.norm.x.data(), c.norm.rstd.as<float>(), c.dy_norm.data(),
+                                  static_cast<int>(c.dy_norm.rows), static_cast<int>(c.dy_norm.cols), gw.grad(0),
+                                  e.stream);
         break;
       case core::LayerKind::Attention: {
         const AttentionCache& k = c.attn;
@@ -363,10 +443,23 @@ void CudaModel::backward_weight(const Exec& e, int seg, SegmentStash& stash) {
           accumulate(DType::F32, gw.grad(4), k.dq_norm.data(), attn_shape_.head_dim, e.stream);
           accumulate(DType::F32, gw.grad(5), k.dk_norm.data(), attn_shape_.head_dim, e.stream);
         }
+        if (attn_shape_.bias) {
+          bias_grad(e, dt_, k.dq_lin, gw.grad(gw.at("bias_q")));
+          bias_grad(e, dt_, k.dk_lin, gw.grad(gw.at("bias_k")));
+          bias_grad(e, dt_, k.dv, gw.grad(gw.at("bias_v")));
+          bias_grad(e, dt_, k.dout, gw.grad(gw.at("bias_o")));
+        }
         break;
       }
       case core::LayerKind::Mlp:
-        mlp_backward_weight(e, dt_, c.mlp, gw.grad(0), gw.grad(1), gw.grad(2));
+        if (gw.has("wg")) {
+          mlp_backward_weight(e, dt_, c.mlp, gw.grad(0), gw.grad(1), gw.grad(2));
+        } else {
+          weight_grad(e, dt_, of(c.mlp.h), true, of(c.mlp.dout), false, gw.grad(gw.at("wd")));
+          weight_grad(e, dt_, of(c.mlp.u), true, of(c.mlp.da), false, gw.grad(gw.at("wu")));
+          if (gw.has("bias_fc1")) bias_grad(e, dt_, c.mlp.da, gw.grad(gw.at("bias_fc1")));
+          if (gw.has("bias_fc2")) bias_grad(e, dt_, c.mlp.dout, gw.grad(gw.at("bias_fc2")));
+        }
         break;
       case core::LayerKind::MoeRouter:
         weight_grad(e, dt_, of(c.router.u), true, of(c.router.dlogits), false, gw.grad(0));
@@ -374,9 +467,15 @@ void CudaModel::backward_weight(const Exec& e, int seg, SegmentStash& stash) {
       case core::LayerKind::MoeExperts:
         experts_backward_weight(e, seg, l, c.experts);
         break;
-      case core::LayerKind::Head:
-        weight_grad(e, dt_, of(c.head.u), true, of(c.head.dlogits), false, gw.grad(0));
+      case core::LayerKind::Head: {
+        bool tied = false;
+        float* table_grad = head_weights(seg, true, tied).grad(0);
+        if (tied)  // the table [V, H] (the embedding's in this segment, or the head's copy) += dlogits^T u
+          weight_grad(e, dt_, of(c.head.dlogits), true, of(c.head.u), false, table_grad);
+        else
+          weight_grad(e, dt_, of(c.head.u), true, of(c.head.dlogits), false, table_grad);
         break;
+      }
     }
   }
 }

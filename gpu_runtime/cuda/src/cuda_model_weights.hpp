@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -28,6 +30,17 @@ struct CudaModel::Weights {
   }
   void* ptr(std::size_t i) const { return tensors[i].first; }
   float* grad(std::size_t i) const { return reinterpret_cast<float*>(tensors[i].first); }
+  // The tensor named `name` (host::layer_tensors' names: "pos", "norm_bias", "bias_o", ...).
+  bool has(const std::string& name) const {
+    for (const auto& t : tensors)
+      if (t.second.name == name) return true;
+    return false;
+  }
+  std::size_t at(const std::string& name) const {
+    for (std::size_t i = 0; i < tensors.size(); ++i)
+      if (tensors[i].second.name == name) return i;
+    throw std::logic_error("runtime: layer '" + layer->name + "' has no tensor '" + name + "'");
+  }
 };
 
 }  // namespace piper::runtime::cuda

@@ -116,7 +116,6 @@ enum class Vec { Grads, GradChunk, Master, Params, TiedGrads };
 // struct Kernels {
 //   using Ctx, Mark, Buf, Forward, Backward, Stash, Source, Packet;  // Mark: an op's completion marker
 //   const core::Model& model();  Ctx ctx(int stream);
-//   void require_tied();  // throws when the plan sums tied-embedding copies and the kernels cannot
 //   void begin_step(int step);  double end_step(double host_loss);  // returns the step's loss sum
 //   Mark begin_op(const Ctx&);  void end_op(const Ctx&, Mark&);  bool op_done(const core::OpRef&, Mark&, const
 //   core::Op&); double forward(ctx, seg, data, loss_scale, Forward&, Stash&);   // the head's summed loss (or 0) void
@@ -215,7 +214,6 @@ class Dataflow : public Backend, public DataflowBase {
     stream_ = std::make_unique<host::TokenStream>(model.config() ? model.config()->vocab : 0, shape_.seq_len, seed,
                                                   data_path);
     setup_tied(k_.tied(), k_.embedding_layer(), k_.head_layer(), model.name());
-    if (tied_.family >= 0 || tied_.local) k_.require_tied();
   }
 
   int steps_done() const { return steps_done_; }

@@ -52,7 +52,6 @@ class HostKernels {
   bool tied() const { return m_.tied(); }
   int embedding_layer() const { return m_.embedding_layer(); }
   int head_layer() const { return m_.head_layer(); }
-  void require_tied() const {}
   Ctx ctx(int) const { return {}; }
   void begin_step(int) { grad_scale_ = 1; }
   double end_step(double host_loss) { return host_loss; }

@@ -71,7 +71,6 @@ class CudaKernels {
   bool tied() const { return model_->host_state().tied(); }
   int embedding_layer() const { return model_->host_state().embedding_layer(); }
   int head_layer() const { return model_->host_state().head_layer(); }
-  void require_tied() const;
   Exec ctx(int stream) const;
   Exec util() const;
   void begin_step(int step);
@@ -144,6 +143,9 @@ class CudaKernels {
 
  private:
   float* fp32(int s, Vec v);
+  // {offset, length} of the tied table's gradient (the embedding's, or a head's copy) in segment s's
+  // fp32 gradients, located by HostModel::tied_grads in the shared layout; {0, 0} when there is none.
+  std::pair<std::int64_t, std::int64_t> tied_range(int s);
   int device_;
   const core::Plan& plan_;
   CudaConfig config_;

@@ -106,6 +106,7 @@ std::vector<ExpertPacket> unpack_packets(const Exec& e, const PacketShape& s, co
 // Saved forward state per layer (and BI's results for BW), as host::LayerCache.
 struct NormCache {
   Tensor x, rstd;
+  Tensor mean;  // LayerNorm only
 };
 struct AttentionCache {
   Tensor u, q_lin, k_lin, v, q_rstd, k_rstd, q, k, o;
@@ -115,6 +116,7 @@ struct AttentionCache {
   AttentionPath path = AttentionPath::Reference;  // which attention path the forward took
   Tensor dout, dq_lin, dk_lin, dv, dq_norm, dk_norm;
 };
+// SwiGLU (a gate, b up, h = silu(a) * b) or GELU (a = u w1 + b1, h = gelu(a); b and db unused).
 struct MlpCache {
   Tensor u, a, b, h;
   Tensor dout, da, db;
@@ -212,6 +214,10 @@ class CudaModel {
  private:
   struct Weights;
   Weights weights(int seg, int layer, bool grads);
+  // The weights whose first tensor the head of segment `seg` multiplies by: its own [H, V] matrix, or
+  // for a head tied to the embedding (`tied` set) the table [V, H]: the embedding's when it is in this
+  // segment, else the head's copy of it.
+  Weights head_weights(int seg, bool grads, bool& tied);
   void upload_segment(const Exec& e, const host::SegmentParams& sp, SegmentDevice& d);
   Tensor experts_forward(const Exec& e, int seg, int layer, int first_expert, const std::vector<int>& expert,
                          const Tensor& rows, ExpertsCache& c);

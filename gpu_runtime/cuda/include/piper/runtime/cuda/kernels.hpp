@@ -31,6 +31,29 @@ void rmsnorm_backward_input(DType dt, const void* x, const float* rstd, const vo
 void rmsnorm_backward_weight(DType dt, const void* x, const float* rstd, const void* dy, int rows, int cols, float* dg,
                              cudaStream_t stream);
 
+// ---- LayerNorm over each row (GPT): y = (x - mean) * rstd * g + b, rstd = (var(x) + eps)^-1/2; mean
+// and rstd (fp32, one per row) are kept for the backward ----
+void layernorm_forward(DType dt, const void* x, const void* g, const void* b, int rows, int cols, float eps, void* y,
+                       float* mean, float* rstd, cudaStream_t stream);
+void layernorm_backward_input(DType dt, const void* x, const float* mean, const float* rstd, const void* g,
+                              const void* dy, int rows, int cols, void* dx, cudaStream_t stream);
+// dg += sum over rows of dy * xhat, db += sum over rows of dy (accumulate).
+void layernorm_backward_weight(DType dt, const void* x, const float* mean, const float* rstd, const void* dy, int rows,
+                               int cols, float* dg, float* db, cudaStream_t stream);
+
+// ---- Biases, GELU (tanh form), learned absolute positions (GPT) ----
+// x[r][c] += b[c], in place on [rows, cols].
+void bias_add(DType dt, void* x, const void* b, int rows, int cols, cudaStream_t stream);
+// db += column sums of dy (accumulates, deterministic).
+void bias_backward_weight(DType dt, const void* dy, int rows, int cols, float* db, cudaStream_t stream);
+void gelu_forward(DType dt, const void* a, std::int64_t n, void* h, cudaStream_t stream);
+// da = dy * gelu'(a).
+void gelu_backward(DType dt, const void* a, const void* dy, std::int64_t n, void* da, cudaStream_t stream);
+// x[t] += pos[t mod seq_len], in place on [rows, cols]; dpos[p] += sum of dx[t] over t = p mod seq_len.
+void positions_forward(DType dt, void* x, const void* pos, int rows, int cols, int seq_len, cudaStream_t stream);
+void positions_backward_weight(DType dt, const void* dx, int rows, int cols, int seq_len, float* dpos,
+                               cudaStream_t stream);
+
 // ---- RoPE, rotate-half layout (pairs i, i + head_dim/2), in place on [tokens, heads * head_dim];
 // the position of token t is t mod seq_len; sign = -1 applies the inverse rotation (backward). ----
 void rope(DType dt, void* m, int tokens, int heads, int head_dim, int seq_len, float theta, float sign,
