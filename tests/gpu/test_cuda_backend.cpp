@@ -128,6 +128,21 @@ TEST(CudaBackendEquivalence, Gpt_Untied_PP2xDP2) {
 TEST(CudaBackendEquivalence, Gpt_Tied_ClipGrad_Zero1_PP2xDP2) {
   expect_equivalent("gpt-tied-clip", compile(2, 2, 1, 1, 4, "1f1b", kGpt, [](auto& o) { o.clip_grad = 0.05; }));
 }
+// Recomputation reruns what it dropped: full keeps each segment's input and reruns its forward (the
+// head without counting the loss again) before the backward, selective drops each attention core's
+// output and statistics and rebuilds them at the start of the backward; the values are unchanged.
+TEST(CudaBackendEquivalence, FullRecompute_PP2xDP2xEP2) {
+  expect_equivalent("full", compile(2, 2, 2, 0, 4, "1f1b", kModel, [](auto& o) { o.recompute = "full"; }));
+}
+TEST(CudaBackendEquivalence, SelectiveRecompute_ZBH1_PP2xDP2) {
+  expect_equivalent("selective", compile(2, 2, 1, 0, 4, "zb-h1", kModel, [](auto& o) { o.recompute = "selective"; }));
+}
+TEST(CudaBackendEquivalence, Gpt_FullRecomputeEverySecondBlock_PP2xDP2) {
+  expect_equivalent("gpt-full-every2", compile(2, 2, 1, 0, 4, "1f1b", kGpt, [](auto& o) {
+                      o.recompute = "full";
+                      o.recompute_every = 2;
+                    }));
+}
 TEST(CudaBackendEquivalence, Bf16_OneFOneB_PP2xDP2) {
   expect_equivalent("bf16-1f1b", compile(2, 2, 1, 0, 4, "1f1b"), cu::DType::BF16);
 }
@@ -144,6 +159,10 @@ TEST(CudaBackendEquivalence, Bf16_FlashAttention_PP2xDP2) {
     EXPECT_NE(path, cu::AttentionPath::Reference);
   }
   expect_equivalent("bf16-flash-1f1b", p, cu::DType::BF16);
+  // Selective recomputation on the fast path: its output and log-sum-exp are rebuilt in the backward.
+  expect_equivalent("bf16-flash-selective",
+                    compile(2, 2, 1, 0, 4, "1f1b", kHd64Model, [](auto& o) { o.recompute = "selective"; }),
+                    cu::DType::BF16);
 }
 
 // SM partitioning changes where kernels run, not what they compute: DualPipeV with communication on

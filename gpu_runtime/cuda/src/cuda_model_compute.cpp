@@ -139,6 +139,31 @@ Tensor gelu_mlp_backward_input(const Exec& e, DType dt, M w1, M w2, MlpCache& c,
   return matmul(e, dt, of(c.da), false, w1, true);
 }
 
+// The attention core on q, k, v of `k`: its output k.o and what its backward reads (k.probs), on
+// the path choose_attention picks (kept in k.path for the backward).
+void attention_core(const Exec& e, DType dt, const host::AttentionShape& a, AttentionCache& k) {
+  const std::size_t es = dtype_bytes(dt);
+  const std::int64_t T = k.u.rows;
+  const std::int64_t seqs = T / a.seq_len;
+  k.o = new_tensor(e, T, static_cast<std::int64_t>(a.heads) * a.head_dim, es);
+  // The flash and cuDNN paths keep one log-sum-exp per row, the reference the [L, L] probabilities;
+  // the backward takes the path the forward took.
+  const AttentionDims dims = dims_of(a, T);
+  k.path = choose_attention(dt, dims);
+  if (k.path == AttentionPath::Reference) {
+    k.probs = new_tensor(e, seqs * a.heads * a.seq_len, a.seq_len, 4);
+    attention_core_forward(dt, dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), e.stream);
+  } else if (k.path == AttentionPath::Flash) {
+    k.probs = new_tensor(e, seqs * a.heads, a.seq_len, 4);
+    flash_attention_forward(dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), e.stream);
+  } else {
+    k.probs = new_tensor(e, seqs * a.heads, a.seq_len, 4);
+    const Tensor ws = new_tensor(e, 1, static_cast<std::int64_t>(cudnn_attention_workspace(dims, false)), 1);
+    cudnn_attention_forward(dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), ws.data(),
+                            e.stream);
+  }
+}
+
 // An attention layer's forward on the normed rows `u`: projections (with the q, k, v biases of a
 // GPT layer: `bias` null or {bq, bk, bv}), optional per-head q/k RMSNorm (weights q_norm, k_norm), RoPE
 // (unless the model has learned positions), the attention core and the output projection, which it
@@ -176,24 +201,7 @@ Tensor attention_layer_forward(const Exec& e, DType dt, const host::AttentionSha
     rope(dt, k.q.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, 1.0f, e.stream);
     rope(dt, k.k.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, 1.0f, e.stream);
   }
-  const std::int64_t seqs = T / a.seq_len;
-  k.o = new_tensor(e, T, static_cast<std::int64_t>(a.heads) * a.head_dim, es);
-  // The flash and cuDNN paths keep one log-sum-exp per row, the reference the [L, L] probabilities;
-  // the backward takes the path the forward took.
-  const AttentionDims dims = dims_of(a, T);
-  k.path = choose_attention(dt, dims);
-  if (k.path == AttentionPath::Reference) {
-    k.probs = new_tensor(e, seqs * a.heads * a.seq_len, a.seq_len, 4);
-    attention_core_forward(dt, dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), e.stream);
-  } else if (k.path == AttentionPath::Flash) {
-    k.probs = new_tensor(e, seqs * a.heads, a.seq_len, 4);
-    flash_attention_forward(dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), e.stream);
-  } else {
-    k.probs = new_tensor(e, seqs * a.heads, a.seq_len, 4);
-    const Tensor ws = new_tensor(e, 1, static_cast<std::int64_t>(cudnn_attention_workspace(dims, false)), 1);
-    cudnn_attention_forward(dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), ws.data(),
-                            e.stream);
-  }
+  attention_core(e, dt, a, k);
   return matmul(e, dt, of(k.o), false, wo, false);
 }
 
@@ -204,7 +212,18 @@ Tensor attention_layer_forward(const Exec& e, DType dt, const host::AttentionSha
 // ---------------------------------------------------------------------------------------------
 void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data, float loss_scale, ForwardState& s,
                         SegmentStash& stash) {
+  const bool full = layout_.segment(seg).recompute == host::RecomputeMode::Full;
+  stash = SegmentStash{};
+  if (full) stash.input = s, stash.data = data, stash.loss_scale = loss_scale;
+  forward_layers(e, seg, data, loss_scale, s, stash, true);
+  // Full recomputation keeps nothing but the input: the layers' caches go now, B rebuilds them.
+  if (full) stash.layers.clear();
+}
+
+void CudaModel::forward_layers(const Exec& e, int seg, const host::MicrobatchData& data, float loss_scale,
+                               ForwardState& s, SegmentStash& stash, bool count_loss) {
   host::SegmentParams& sp = layout_.segment(seg);
+  const bool drop_core = sp.recompute == host::RecomputeMode::Selective && count_loss;
   stash.layers.assign(static_cast<std::size_t>(sp.last_layer - sp.first_layer), LayerCache{});
   const std::size_t es = elem();
   for (int l = sp.first_layer; l < sp.last_layer; ++l) {
@@ -246,6 +265,7 @@ void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data
                                              attn_shape_.bias ? &bias : nullptr, s.u, c.attn);
         if (attn_shape_.bias) add_bias(e, dt_, out, w.ptr(w.at("bias_o")));
         s.x = plus(e, dt_, s.x, out);
+        if (drop_core) c.attn.o = Tensor{}, c.attn.probs = Tensor{};
         break;
       }
       case core::LayerKind::Mlp: {
@@ -292,7 +312,7 @@ void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data
         Tensor loss = new_tensor(e, T, 1, 4);
         cross_entropy(dt_, c.head.dlogits.data(), targets.as<int>(), static_cast<int>(T),
                       static_cast<int>(c.head.dlogits.cols), loss_scale, loss.as<float>(), e.stream);
-        sum_into(loss.as<float>(), static_cast<int>(T), loss_.as<float>(), e.stream);
+        if (count_loss) sum_into(loss.as<float>(), static_cast<int>(T), loss_.as<float>(), e.stream);
         break;
       }
     }
@@ -301,6 +321,11 @@ void CudaModel::forward(const Exec& e, int seg, const host::MicrobatchData& data
 
 void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, SegmentStash& stash) {
   host::SegmentParams& sp = layout_.segment(seg);
+  if (stash.layers.empty() && stash.input) {  // full recomputation: rerun the forward from the kept input
+    ForwardState s = *stash.input;
+    forward_layers(e, seg, stash.data, stash.loss_scale, s, stash, false);
+    stash.input.reset();
+  }
   const std::size_t es = elem();
   for (int l = sp.last_layer - 1; l >= sp.first_layer; --l) {
     LayerCache& c = stash.layers.at(static_cast<std::size_t>(l - sp.first_layer));
@@ -354,6 +379,7 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
         const auto& a = attn_shape_;
         AttentionCache& k = c.attn;
         const std::int64_t T = k.u.rows;
+        if (k.o.empty()) attention_core(e, dt_, a, k);  // selective recomputation: the core was dropped
         k.dout = g.dx;
         Tensor d_o = matmul(e, dt_, of(g.dx), false, w.mat(3), true);
         Tensor dq = new_tensor(e, k.q.rows, k.q.cols, es), dk = new_tensor(e, k.k.rows, k.k.cols, es);

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -151,6 +152,11 @@ struct LayerCache {
 };
 struct SegmentStash {
   std::vector<LayerCache> layers;
+  // Full recomputation (as host::SegmentStash): F keeps only the segment's input and its microbatch;
+  // B or BI reruns the segment's forward from them before the backward.
+  std::optional<ForwardState> input;
+  host::MicrobatchData data;
+  float loss_scale = 0;
 };
 
 // Device arrays of one segment; sizes and chunk bounds come from the host layout.
@@ -214,6 +220,11 @@ class CudaModel {
  private:
   struct Weights;
   Weights weights(int seg, int layer, bool grads);
+  // The layers of a segment's forward; `count_loss` false for a full recomputation's rerun, whose head
+  // rebuilds its logit gradients without adding the loss again. Selective recomputation drops each
+  // attention core's output and statistics after a counted forward; the backward rebuilds them.
+  void forward_layers(const Exec& e, int seg, const host::MicrobatchData& data, float loss_scale, ForwardState& s,
+                      SegmentStash& stash, bool count_loss);
   // The weights whose first tensor the head of segment `seg` multiplies by: its own [H, V] matrix, or
   // for a head tied to the embedding (`tied` set) the table [V, H]: the embedding's when it is in this
   // segment, else the head's copy of it.
