@@ -71,9 +71,14 @@ timeout 300 build-gpu/bin/bench_cuda_step 5 2>&1 | tee "$out/bench_cuda_step.log
 rc=${PIPESTATUS[0]}
 if [ "$rc" -eq 77 ]; then echo "benchmark: skipped (no GPU)"; elif [ "$rc" -ne 0 ]; then
   status=1
-  # Still measure the rest of the step when the fast attention path is what failed.
-  echo "benchmark failed (exit $rc): again with PIPER_ATTENTION=reference"
-  PIPER_ATTENTION=reference timeout 300 build-gpu/bin/bench_cuda_step 3 2>&1 | tee "$out/bench_cuda_step_reference.log"
+  # Still measure the rest of the step when the attention path is what failed: the flash kernels
+  # (which ran on the H200 before the cuDNN path existed), then the reference kernels.
+  echo "benchmark failed (exit $rc): again with PIPER_ATTENTION=flash"
+  PIPER_ATTENTION=flash timeout 300 build-gpu/bin/bench_cuda_step 3 2>&1 | tee "$out/bench_cuda_step_flash.log"
+  if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+    echo "again with PIPER_ATTENTION=reference"
+    PIPER_ATTENTION=reference timeout 300 build-gpu/bin/bench_cuda_step 3 2>&1 | tee "$out/bench_cuda_step_reference.log"
+  fi
 fi
 
 echo "== (3a) side by side: the same dense-1b step in PyTorch (eager and torch.compile), Piper's tok/s as a ratio of each =="
