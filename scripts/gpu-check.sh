@@ -222,6 +222,16 @@ else
   echo "100-step training run failed (see $out/train-100.log)"; tail -3 "$out/train-100.log"; status=1
 fi
 
+echo "== (6) kernel measurements the cost model lacks: TP-sharded GEMMs, few-head attention, launch floor (kernels_extra.py) =="
+# Data for the per-kernel cost model (docs/cost-model.md), not a check: written to $out/kernels-extra.json
+# for a later session to vendor beside sim/data/kernels-h200-sxm.json. Needs PyTorch with CUDA.
+if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' > /dev/null 2>&1; then
+  timeout 300 python3 scripts/measure/kernels_extra.py "$out/kernels-extra.json" > "$out/kernels-extra.log" 2>&1 \
+    && echo "kernels-extra -> $out/kernels-extra.json" || { echo "kernels_extra.py failed (see $out/kernels-extra.log)"; tail -3 "$out/kernels-extra.log"; }
+else
+  echo "kernel measurements: skipped (no PyTorch with CUDA for python3)"
+fi
+
 # Not checked here (issue 9): multi-GPU NCCL runs (this machine has one GPU).
 echo "not checked here: multi-GPU NCCL runs (mpirun -np N, one GPU per rank)"
 echo "gpu-check: $(( $(date +%s) - start )) s, status $status"
