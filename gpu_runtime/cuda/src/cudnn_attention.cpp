@@ -68,7 +68,7 @@ const std::string& load_cudnn() {
 // Tensor uids of the variant packs.
 enum Uid : fe::graph::Tensor_attributes::uid_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
 
-using Key = std::tuple<int, int, int, int, int, bool>;  // sequences, L, heads, kv_heads, hd, backward
+using Key = std::tuple<int, int, int, int, int, int, bool>;  // device, sequences, L, heads, kv_heads, hd, backward
 
 struct Built {
   std::shared_ptr<fe::graph::Graph> graph;  // null when cuDNN cannot run the shape
@@ -157,15 +157,17 @@ ThreadState& state() {
 // why) when cuDNN is missing or cannot run it.
 const Built& built(const AttentionDims& d, bool backward) {
   ThreadState& s = state();
-  const Key key{d.tokens / d.seq_len, d.seq_len, d.heads, d.kv_heads, d.head_dim, backward};
+  int device = -1;
+  const cudaError_t got_device = cudaGetDevice(&device);
+  if (got_device != cudaSuccess) cudaGetLastError();  // not left for a later launch check to report
+  const Key key{device, d.tokens / d.seq_len, d.seq_len, d.heads, d.kv_heads, d.head_dim, backward};
   if (auto it = s.graphs.find(key); it != s.graphs.end()) return it->second;
   Built b;
   if (const std::string& why = load_cudnn(); !why.empty()) {
     b.why = why;
   } else {
     try {
-      int device = 0;
-      check(cudaGetDevice(&device), "cudaGetDevice");
+      check(got_device, "cudaGetDevice");
       if (s.handle == nullptr || s.device != device) {
         if (s.handle != nullptr) fe::detail::destroy_handle(s.handle);
         s.handle = nullptr;
