@@ -3,6 +3,7 @@
 #pragma once
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -64,10 +65,32 @@ inline CliResult run_cli_in(const std::filesystem::path& dir, const std::string&
 }
 
 #ifdef PIPER_MPIEXEC
+// The session-directory base of this test process's mpiruns, removed when the process ends: two mpiruns
+// of different tests starting at once (ctest -j) can race creating OpenMPI's shared
+// /tmp/ompi.<host>.<uid> and fail in orte_init ("mkdir ... File exists", seen once with two suites
+// running side by side).
+class MpiSessionBase {
+ public:
+  MpiSessionBase() : dir_(std::filesystem::temp_directory_path() / ("piper-ompi-" + std::to_string(getpid()))) {
+    std::filesystem::create_directories(dir_);
+  }
+  ~MpiSessionBase() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  MpiSessionBase(const MpiSessionBase&) = delete;
+  MpiSessionBase& operator=(const MpiSessionBase&) = delete;
+  std::string path() const { return dir_.string(); }
+
+ private:
+  std::filesystem::path dir_;
+};
+
 // As root mpirun refuses to start without --allow-run-as-root; --oversubscribe lets ranks share 2 cores.
 inline std::string mpirun(int ranks) {
-  return std::string("timeout 120 ") + PIPER_MPIEXEC + " --allow-run-as-root --oversubscribe -np " +
-         std::to_string(ranks) + " ";
+  static const MpiSessionBase base;
+  return std::string("timeout 120 ") + PIPER_MPIEXEC + " --allow-run-as-root --oversubscribe --mca orte_tmpdir_base " +
+         base.path() + " -np " + std::to_string(ranks) + " ";
 }
 #endif
 
