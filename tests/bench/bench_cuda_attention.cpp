@@ -8,7 +8,7 @@
 // the cuDNN path's forward and backward time as a ratio of the measured one (measured / ours, so 1.0
 // is cuDNN's speed) and the flash kernels' alike, then the smallest ratios against the target (at least
 // 0.70 at every shape); exits 3 when it is not met. The table is $PIPER_KERNELS_JSON, else
-// sim/data/kernels-h200-sxm.json two folders above the binary. Without a GPU prints "skipped: no GPU"
+// sim/data/kernels-h200-sxm.json of the data root (tests/gpu/data_root.hpp). Without a GPU prints "skipped: no GPU"
 // and exits 77.
 #include <algorithm>
 #include <cmath>
@@ -23,6 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../gpu/data_root.hpp"
 #include "piper/runtime/cuda/device.hpp"
 #include "piper/runtime/cuda/kernels.hpp"
 
@@ -154,9 +155,7 @@ void run_shape(int sequences, int L, int heads, int kv_heads, int hd) {
 
 std::string kernels_json() {
   if (const char* p = std::getenv("PIPER_KERNELS_JSON"); p != nullptr && *p != '\0') return p;
-  return (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "../../sim/data/kernels-h200-sxm.json")
-      .lexically_normal()
-      .string();
+  return piper::test::data_root() + "/sim/data/kernels-h200-sxm.json";
 }
 
 // Part 2; returns false when the target is not met.

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "../gpu/data_root.hpp"
 #include "piper/core/scenario.hpp"
 #include "piper/runtime/cuda/cuda_trainer.hpp"
 #include "piper/runtime/cuda/device.hpp"
@@ -48,7 +49,7 @@ int main(int argc, char** argv) {
   cu::check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
 
   core::Scenario s;
-  s.model = std::string(PIPER_SOURCE_DIR) + "/examples/models/dense-1b.json";
+  s.model = piper::test::data_root() + "/examples/models/dense-1b.json";
   s.strategy.pp = 1, s.strategy.dp = 1, s.strategy.microbatches = 2, s.strategy.schedule = "1f1b";
   const core::Program program = core::compile_scenario(s).result.program;
   // The step's model FLOPs as the compiler costs them (forward + backward of every layer).

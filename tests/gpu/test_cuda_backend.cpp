@@ -22,6 +22,7 @@
 
 #include <gtest/gtest.h>
 
+#include "data_root.hpp"
 #include "piper/core/scenario.hpp"
 #include "piper/runtime/cuda/cuda_trainer.hpp"
 #include "piper/runtime/cuda/device.hpp"
@@ -35,7 +36,7 @@ namespace cu = piper::runtime::cuda;
 
 namespace {
 
-const std::string kModel = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-moe.json";
+const std::string kModel = piper::test::data_root() + "/tests/data/runtime-tiny-moe.json";
 constexpr double kLossRelTol = 1e-5, kParamAbsTol = 1e-4;
 constexpr double kBf16LossRelTol = 5e-3;
 
@@ -45,11 +46,11 @@ fs::path temp_dir(const std::string& name) {
   return d;
 }
 
-const std::string kGpt = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-gpt.json";
-const std::string kGptUntied = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-gpt-untied.json";
+const std::string kGpt = piper::test::data_root() + "/tests/data/runtime-tiny-gpt.json";
+const std::string kGptUntied = piper::test::data_root() + "/tests/data/runtime-tiny-gpt-untied.json";
 
 // head_dim 64 and 100-token sequences: bf16 runs take the fast attention path (flash_attention.cu).
-const std::string kHd64Model = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-small-hd64.json";
+const std::string kHd64Model = piper::test::data_root() + "/tests/data/runtime-small-hd64.json";
 
 core::Program compile(int pp, int dp, int ep, int zero, int microbatches, const std::string& schedule,
                       const std::string& model = kModel,
