@@ -526,7 +526,8 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
     } catch (const ClusterError&) {
       r.fail("runtime", "expected one of " + runtime_profile_names() +
                             " (torch.compile or Megatron's fused kernels; PyTorch eager; eager with a fused "
-                            "cross-entropy; eager with the RMSNorm in torch ops: docs/cost-model.md)");
+                            "cross-entropy; eager with the RMSNorm in torch ops; Piper's CUDA backend: "
+                            "docs/cost-model.md)");
     }
     c.runtime = s;
   }

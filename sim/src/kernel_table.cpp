@@ -29,7 +29,8 @@ constexpr std::pair<RuntimeProfile, const char*> kProfileNames[] = {
     {RuntimeProfile::Fused, "fused"},
     {RuntimeProfile::Eager, "eager"},
     {RuntimeProfile::EagerFusedLoss, "eager-fused-loss"},
-    {RuntimeProfile::EagerUnfusedNorm, "eager-unfused-norm"}};
+    {RuntimeProfile::EagerUnfusedNorm, "eager-unfused-norm"},
+    {RuntimeProfile::PiperCuda, "piper-cuda"}};
 }  // namespace
 
 std::string to_string(RuntimeProfile p) {
@@ -484,6 +485,17 @@ ElementwiseCost elementwise_cost(KernelKind kind, RuntimeProfile p) {
     if (kind == KernelKind::Norm) return {4, 28, 8, "add"};
     if (kind == KernelKind::NormBackward) return {4, 68, 11, "add"};
     if (kind == KernelKind::NormWeight) return {4, 0, 2, "add"};
+  }
+  if (p == RuntimeProfile::PiperCuda) {
+    // Piper's CUDA backend (gpu_runtime/cuda/src/kernels.cu, cuda_model_compute.cpp). RoPE rotates in
+    // place a copy of q and of k (cudaMemcpyAsync, then rope_k: read and write each, 4 element passes
+    // in 2 launches; with per-head q/k norms the norm's output is rotated instead, counted the same).
+    // cross_entropy_k reads each logit row three times (the max, the exp-sum, the gradient) and writes
+    // the gradient over the logits, in the storage type, in the forward (4 passes, 1 launch): its
+    // backward has no kernel. The rest as fused.
+    if (kind == KernelKind::Rope) return {4, 0, 2, "add"};
+    if (kind == KernelKind::Loss) return {4, 0, 1, "cross_entropy_fwd_fp32"};
+    if (kind == KernelKind::LossBackward) return {0, 0, 1, "cross_entropy_fwd_fp32"};
   }
   switch (kind) {
     // RMSNorm: read x, write y (fused in both: PyTorch's F.rms_norm, and its backward kernel).

@@ -460,6 +460,35 @@ TEST(KernelTable, CrossEntropyRatesAreInBytesMoved) {
   EXPECT_NEAR(kt.seconds(loss), measured * 12 / 14 + 2 * t->launch_floor_s, measured * 0.02);
 }
 
+// piper-cuda: Piper's CUDA backend's own kernels (docs/cost-model.md): RoPE on copies of q and k (4 passes
+// in 2 launches), the cross-entropy in the storage type with its gradient written in the forward (4
+// passes, 1 launch; no backward kernel), everything else as fused.
+TEST(KernelTable, PiperCudaProfileCountsItsKernels) {
+  const auto t = load_kernel_table("h200-sxm");
+  KernelTiming kt{t.get(), RuntimeProfile::PiperCuda, 989.4e12, 4.8e12, 0.75, 0, {}};
+  const double n = 16384.0 * 4096;
+  auto timed = [&](core::KernelKind kind) {
+    core::Kernel k;
+    k.kind = kind;
+    k.elems = static_cast<std::int64_t>(n);
+    return kt.seconds(k);
+  };
+  auto by_hand = [&](double bf16_elems, int launches, const char* kernel) {
+    const double bytes = bf16_elems * 2 * n;
+    return bytes / t->memory_rate(kernel, bytes / launches) + launches * t->launch_floor_s;
+  };
+  expect_rel(timed(core::KernelKind::Rope), by_hand(4, 2, "add"));
+  expect_rel(timed(core::KernelKind::Loss), by_hand(4, 1, "cross_entropy_fwd_fp32"));
+  EXPECT_EQ(timed(core::KernelKind::LossBackward), 0.0);
+  const double swiglu = timed(core::KernelKind::Activation), norm = timed(core::KernelKind::Norm);
+  kt.profile = RuntimeProfile::Fused;
+  EXPECT_DOUBLE_EQ(swiglu, timed(core::KernelKind::Activation));
+  EXPECT_DOUBLE_EQ(norm, timed(core::KernelKind::Norm));
+  EXPECT_LT(timed(core::KernelKind::Rope), by_hand(4, 2, "add"));  // fused: one read, one write
+  EXPECT_EQ(runtime_profile_from_string("piper-cuda"), RuntimeProfile::PiperCuda);
+  EXPECT_EQ(to_string(RuntimeProfile::PiperCuda), "piper-cuda");
+}
+
 // eager-unfused-norm: the RMSNorm as TorchTitan writes it in torch ops, counted op by op (docs/cost-model.md):
 // forward 36 bytes a bf16 element in 8 launches, input gradient 76 in 11, weight gradient 8 in 2, all at
 // the table's element-wise ("add") rate for the bytes of one launch; the other kernels as eager.

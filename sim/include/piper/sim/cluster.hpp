@@ -96,7 +96,7 @@ struct Cluster {
   NetworkSpec network;
   bool fixed_size = false;  // the spec fixes its node count: with_devices() will not grow it
   // Which element-wise kernels the training runtime fuses ("runtime": "fused" | "eager" | "eager-fused-loss" |
-  // "eager-unfused-norm";
+  // "eager-unfused-norm" | "piper-cuda";
   // kernel_table.hpp). Only the per-kernel cost model reads it.
   std::string runtime = "fused";
   // Which attention kernel the runtime uses ("attention_kernel"): "" = the kernel tables' own (cuDNN on

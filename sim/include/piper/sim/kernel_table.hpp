@@ -26,7 +26,10 @@ namespace piper::sim {
 //    default loss of MosaicML llm-foundry's MPT models): the loss as fused, the rest as eager.
 //  * eager-unfused-norm: eager with the RMSNorm written in torch ops (TorchTitan's Llama RMSNorm, not
 //    F.rms_norm): the norms as the casts, powers, means and products autograd runs.
-enum class RuntimeProfile { Fused, Eager, EagerFusedLoss, EagerUnfusedNorm };
+//  * piper-cuda: Piper's own CUDA backend (gpu_runtime/cuda/src/kernels.cu): fused kernels, but RoPE
+//    rotates copies of q and k, and the cross-entropy runs in the storage type, its gradient written in
+//    the forward.
+enum class RuntimeProfile { Fused, Eager, EagerFusedLoss, EagerUnfusedNorm, PiperCuda };
 std::string to_string(RuntimeProfile p);
 RuntimeProfile runtime_profile_from_string(const std::string& s);  // throws ClusterError
 std::string runtime_profile_names();                               // "fused", "eager", ... for messages
