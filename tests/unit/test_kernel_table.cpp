@@ -80,6 +80,19 @@ double measured_gemm(const std::string& dt, std::int64_t m, std::int64_t k, std:
   return 0;
 }
 
+// The time of an element-wise kernel of `kind` over n elements (bf16) under kt's profile.
+double elementwise_seconds(const KernelTiming& kt, core::KernelKind kind, double n) {
+  core::Kernel k;
+  k.kind = kind;
+  k.elems = static_cast<std::int64_t>(n);
+  return kt.seconds(k);
+}
+
+// `bytes` moved in `launches` kernels of the table's `kernel` class, derived by hand.
+double memory_bound_by_hand(const KernelTable& t, double bytes, int launches, const char* kernel) {
+  return bytes / t.memory_rate(kernel, bytes / launches) + launches * t.launch_floor_s;
+}
+
 }  // namespace
 
 // kernels.py timed each GEMM as one launch between two events on an idle GPU: the H200 table takes
@@ -467,15 +480,9 @@ TEST(KernelTable, PiperCudaProfileCountsItsKernels) {
   const auto t = load_kernel_table("h200-sxm");
   KernelTiming kt{t.get(), RuntimeProfile::PiperCuda, 989.4e12, 4.8e12, 0.75, 0, {}};
   const double n = 16384.0 * 4096;
-  auto timed = [&](core::KernelKind kind) {
-    core::Kernel k;
-    k.kind = kind;
-    k.elems = static_cast<std::int64_t>(n);
-    return kt.seconds(k);
-  };
+  auto timed = [&](core::KernelKind kind) { return elementwise_seconds(kt, kind, n); };
   auto by_hand = [&](double bf16_elems, int launches, const char* kernel) {
-    const double bytes = bf16_elems * 2 * n;
-    return bytes / t->memory_rate(kernel, bytes / launches) + launches * t->launch_floor_s;
+    return memory_bound_by_hand(*t, bf16_elems * 2 * n, launches, kernel);
   };
   expect_rel(timed(core::KernelKind::Rope), by_hand(4, 2, "add"));
   expect_rel(timed(core::KernelKind::Loss), by_hand(4, 1, "cross_entropy_fwd_fp32"));
@@ -496,15 +503,9 @@ TEST(KernelTable, UnfusedNormProfileCountsTheTorchOps) {
   const auto t = load_kernel_table("h200-sxm");
   KernelTiming kt{t.get(), RuntimeProfile::EagerUnfusedNorm, 989.4e12, 4.8e12, 0.75, 0, {}};
   const double n = 16384.0 * 4096;
-  auto timed = [&](core::KernelKind kind) {
-    core::Kernel k;
-    k.kind = kind;
-    k.elems = static_cast<std::int64_t>(n);
-    return kt.seconds(k);
-  };
+  auto timed = [&](core::KernelKind kind) { return elementwise_seconds(kt, kind, n); };
   auto by_hand = [&](double bytes_per_elem, int launches) {
-    const double bytes = bytes_per_elem * n;
-    return bytes / t->memory_rate("add", bytes / launches) + launches * t->launch_floor_s;
+    return memory_bound_by_hand(*t, bytes_per_elem * n, launches, "add");
   };
   expect_rel(timed(core::KernelKind::Norm), by_hand(36, 8));
   expect_rel(timed(core::KernelKind::NormBackward), by_hand(76, 11));

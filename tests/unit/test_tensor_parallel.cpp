@@ -150,34 +150,6 @@ TEST(TensorParallel, RecomputeAddsForwardWorkToBackward) {
   }
 }
 
-// TorchTitan's op-level checkpointing under TP reruns the collectives its save list does not keep
-// (it keeps reduce_scatter_tensor's output, no all-gather or all-reduce; the non-reentrant
-// checkpoint stops after rebuilding w2's input): with SP the all-gather before the attention's and
-// before the MLP's column-parallel GEMMs, N bytes each; without SP the all-reduce after wo (2N, one
-// collective) and nothing for the MLP, whose all-reduce follows w2. N = s·b·h·2 bytes.
-TEST(TensorParallel, OpRecomputeRerunsTheUnsavedCollectives) {
-  const Model m = build_model(small_gpt());
-  const std::int64_t N = 64 * 2 * 64 * 2;
-  for (bool sp : {false, true}) {
-    for (const auto& layer : m.layers()) {
-      if (layer.block < 0) continue;
-      SCOPED_TRACE(layer.name + (sp ? " SP" : " TP"));
-      const Costs none = layer_costs(layer, m.training(), {2, sp, 0});
-      const Costs op = layer_costs(layer, m.training(), {2, sp, 3});
-      std::int64_t bytes = 0;
-      int collectives = 0;
-      if (layer.kind == LayerKind::Attention) bytes = sp ? N : 2 * N, collectives = 1;
-      if (layer.kind == LayerKind::Mlp && sp) bytes = N, collectives = 1;
-      EXPECT_EQ(op.backward_tp_bytes - none.backward_tp_bytes, bytes);
-      EXPECT_EQ(op.backward_tp_collectives - none.backward_tp_collectives, collectives);
-      EXPECT_EQ(op.forward_tp_bytes, none.forward_tp_bytes);
-    }
-  }
-  // Without TP nothing is gathered.
-  for (const auto& layer : m.layers())
-    EXPECT_EQ(layer_costs(layer, m.training(), {1, false, 3}).backward_tp_bytes, 0) << layer.name;
-}
-
 // GEMM kernels per pass, counted by hand for Megatron-LM's layer (fused QKV, output projection,
 // fc1, fc2; standard attention's QK^T and P·V batched GEMMs, four in the backward): TP splits each
 // GEMM but keeps the kernel; selective recomputation reruns the two core GEMMs in BI, full the

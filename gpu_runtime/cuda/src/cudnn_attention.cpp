@@ -201,13 +201,19 @@ void execute(const Built& b, std::unordered_map<fe::graph::Tensor_attributes::ui
   if (auto e = b.graph->execute(h, pack, workspace); e.is_bad()) throw CudaError(failure(e, what));
 }
 
+// What in the shape itself rules cuDNN out ("" when nothing does).
+std::string shape_problem(const AttentionDims& d) {
+  if (d.seq_len < 1 || d.tokens % d.seq_len != 0 || d.kv_heads < 1 || d.heads % d.kv_heads != 0)
+    return "tokens must be whole sequences and heads a multiple of kv_heads";
+  return "";
+}
+
 }  // namespace
 
 bool cudnn_attention_compiled() { return true; }
 
 std::string cudnn_attention_validate(const AttentionDims& d, int sm_version) {
-  if (d.seq_len < 1 || d.tokens % d.seq_len != 0 || d.kv_heads < 1 || d.heads % d.kv_heads != 0)
-    return "tokens must be whole sequences and heads a multiple of kv_heads";
+  if (std::string problem = shape_problem(d); !problem.empty()) return problem;
   if (const std::string& why = load_cudnn(); !why.empty()) return why;
   for (bool backward : {false, true}) {
     try {
@@ -221,15 +227,14 @@ std::string cudnn_attention_validate(const AttentionDims& d, int sm_version) {
 }
 
 bool cudnn_attention_supported(DType dt, const AttentionDims& d, std::string* why) {
-  std::string reason;
-  if (dt != DType::BF16)
-    reason = "cuDNN attention runs bf16 only";
-  else if (d.seq_len < 1 || d.tokens % d.seq_len != 0 || d.kv_heads < 1 || d.heads % d.kv_heads != 0)
-    reason = "tokens must be whole sequences and heads a multiple of kv_heads";
-  else if (const Built& f = built(d, false); !f.graph)
-    reason = "forward: " + f.why;
-  else if (const Built& b = built(d, true); !b.graph)
-    reason = "backward: " + b.why;
+  std::string reason = dt != DType::BF16 ? "cuDNN attention runs bf16 only" : shape_problem(d);
+  if (reason.empty()) {
+    const Built& f = built(d, false);
+    if (!f.graph)
+      reason = "forward: " + f.why;
+    else if (const Built& b = built(d, true); !b.graph)
+      reason = "backward: " + b.why;
+  }
   if (why != nullptr) *why = reason;
   return reason.empty();
 }

@@ -2,6 +2,8 @@
 // gpu_runtime/src/kernels.cpp, which the GPU tests compare against). fp32 accumulation everywhere.
 #include "piper/runtime/cuda/kernels.hpp"
 
+#include "kernels_common.cuh"
+
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -11,45 +13,7 @@
 namespace piper::runtime::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-
-__device__ __forceinline__ float load(const float* p, std::int64_t i) { return p[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16* p, std::int64_t i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ void store(float* p, std::int64_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, std::int64_t i, float v) { p[i] = __float2bfloat16(v); }
-
-// Block-wide sum or max of one float per thread (blockDim.x == kThreads); every thread gets the result.
-template <bool Max>
-__device__ float block_reduce(float v) {
-  __shared__ float shared[kThreads / 32];
-  __shared__ float result;
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float o = __shfl_down_sync(0xffffffffu, v, offset);
-    v = Max ? fmaxf(v, o) : v + o;
-  }
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < kThreads / 32 ? shared[lane] : (Max ? -INFINITY : 0.0f);
-    for (int offset = 16; offset > 0; offset /= 2) {
-      const float o = __shfl_down_sync(0xffffffffu, v, offset);
-      v = Max ? fmaxf(v, o) : v + o;
-    }
-    if (lane == 0) result = v;
-  }
-  __syncthreads();
-  const float r = result;
-  __syncthreads();  // `result` may be rewritten by the next reduction
-  return r;
-}
-
-// At least one block: a zero-block grid is a launch error, and every elementwise kernel bounds-checks.
-unsigned blocks_for(std::int64_t n) {
-  return static_cast<unsigned>(std::max<std::int64_t>(1, (n + kThreads - 1) / kThreads));
-}
-
-void launched(const char* what) { check(cudaGetLastError(), what); }
+using namespace kernel_detail;
 
 // ---- embedding ----
 template <typename T>
@@ -91,129 +55,10 @@ __global__ void rmsnorm_backward_input_k(const T* x, const float* rstd, const T*
   for (int c = threadIdx.x; c < cols; c += blockDim.x)
     store(dx, row + c, r * load(g, c) * load(dy, row + c) - load(x, row + c) * coef);
 }
-// Column sums (weight gradients of norms and biases): a block of 32 columns x 8 row lanes (kThreads =
-// 256): lane y sums rows y, y + 8, ... of its column (a warp reads 32 adjacent columns of one row:
-// coalesced), then the 8 partial sums are added in lane order and added into out[c]. Deterministic,
-// and cols / 32 blocks keep a GPU busy where one thread per column (cols / 256 blocks, each thread
-// walking every row) left most SMs idle on a 2048-wide model. `term(i, r)` is the row-r value at
-// element i = r * cols + c.
-constexpr int kNormWeightCols = 32, kNormWeightLanes = kThreads / kNormWeightCols;
-unsigned column_blocks(int cols) {
-  return static_cast<unsigned>(std::max(1, (cols + kNormWeightCols - 1) / kNormWeightCols));
-}
-template <typename Term>
-__device__ void column_sum_into(int rows, int cols, float* out, Term term) {
-  __shared__ float partial[kNormWeightLanes][kNormWeightCols];
-  const int cx = static_cast<int>(threadIdx.x) % kNormWeightCols,
-            lane = static_cast<int>(threadIdx.x) / kNormWeightCols;
-  const int c = static_cast<int>(blockIdx.x) * kNormWeightCols + cx;
-  float acc = 0;
-  if (c < cols)
-    for (int r = lane; r < rows; r += kNormWeightLanes) acc += term(static_cast<std::int64_t>(r) * cols + c, r);
-  partial[lane][cx] = acc;
-  __syncthreads();
-  if (lane == 0 && c < cols) {
-    float sum = 0;
-    for (int y = 0; y < kNormWeightLanes; ++y) sum += partial[y][cx];
-    out[c] += sum;
-  }
-}
 // dg += sum over rows of dy x rstd.
 template <typename T>
 __global__ void rmsnorm_backward_weight_k(const T* x, const float* rstd, const T* dy, int rows, int cols, float* dg) {
   column_sum_into(rows, cols, dg, [&](std::int64_t i, int r) { return load(dy, i) * load(x, i) * rstd[r]; });
-}
-
-// ---- LayerNorm: one block per row; y = (x - mean) rstd g + b, mean and rstd kept (fp32) ----
-template <typename T>
-__global__ void layernorm_forward_k(const T* x, const T* g, const T* b, int cols, float eps, T* y, float* mean,
-                                    float* rstd) {
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * cols;
-  float s = 0;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) s += load(x, row + c);
-  const float mu = block_reduce<false>(s) / static_cast<float>(cols);
-  float ss = 0;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float d = load(x, row + c) - mu;
-    ss += d * d;
-  }
-  const float r = rsqrtf(block_reduce<false>(ss) / static_cast<float>(cols) + eps);
-  for (int c = threadIdx.x; c < cols; c += blockDim.x)
-    store(y, row + c, (load(x, row + c) - mu) * r * load(g, c) + load(b, c));
-  if (threadIdx.x == 0) mean[blockIdx.x] = mu, rstd[blockIdx.x] = r;
-}
-// With z = g dy and xhat = (x - mean) rstd: dx = rstd (z - mean(z) - xhat mean(z xhat)).
-template <typename T>
-__global__ void layernorm_backward_input_k(const T* x, const float* mean, const float* rstd, const T* g, const T* dy,
-                                           int cols, T* dx) {
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * cols;
-  const float mu = mean[blockIdx.x], r = rstd[blockIdx.x];
-  float sz = 0, szx = 0;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float z = load(g, c) * load(dy, row + c);
-    sz += z;
-    szx += z * (load(x, row + c) - mu) * r;
-  }
-  const float mz = block_reduce<false>(sz) / static_cast<float>(cols);
-  const float mzx = block_reduce<false>(szx) / static_cast<float>(cols);
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float xhat = (load(x, row + c) - mu) * r;
-    store(dx, row + c, r * (load(g, c) * load(dy, row + c) - mz - xhat * mzx));
-  }
-}
-// dg += sum over rows of dy xhat; db += sum over rows of dy.
-template <typename T>
-__global__ void layernorm_backward_weight_k(const T* x, const float* mean, const float* rstd, const T* dy, int rows,
-                                            int cols, float* dg, float* db) {
-  column_sum_into(rows, cols, dg,
-                  [&](std::int64_t i, int r) { return load(dy, i) * (load(x, i) - mean[r]) * rstd[r]; });
-  __syncthreads();  // the shared partials are reused
-  column_sum_into(rows, cols, db, [&](std::int64_t i, int) { return load(dy, i); });
-}
-
-// ---- Biases, GELU (tanh form, as the host), learned positions ----
-template <typename T>
-__global__ void bias_add_k(T* x, const T* b, std::int64_t n, int cols) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) store(x, i, load(x, i) + load(b, i % cols));
-}
-template <typename T>
-__global__ void bias_backward_weight_k(const T* dy, int rows, int cols, float* db) {
-  column_sum_into(rows, cols, db, [&](std::int64_t i, int) { return load(dy, i); });
-}
-constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi)
-constexpr float kGeluA = 0.044715f;
-template <typename T>
-__global__ void gelu_forward_k(const T* a, std::int64_t n, T* h) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const float x = load(a, i);
-  store(h, i, 0.5f * x * (1.0f + tanhf(kGeluC * (x + kGeluA * x * x * x))));
-}
-template <typename T>
-__global__ void gelu_backward_k(const T* a, const T* dy, std::int64_t n, T* da) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const float x = load(a, i), t = tanhf(kGeluC * (x + kGeluA * x * x * x));
-  const float d = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kGeluC * (1.0f + 3.0f * kGeluA * x * x);
-  store(da, i, d * load(dy, i));
-}
-template <typename T>
-__global__ void positions_forward_k(T* x, const T* pos, int rows, int cols, int seq_len) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= static_cast<std::int64_t>(rows) * cols) return;
-  const std::int64_t t = i / cols, c = i % cols;
-  store(x, i, load(x, i) + load(pos, (t % seq_len) * cols + c));
-}
-// One thread per (position, column): the rows at that position, in sequence order (deterministic).
-template <typename T>
-__global__ void positions_backward_weight_k(const T* dx, int rows, int cols, int seq_len, float* dpos) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= static_cast<std::int64_t>(seq_len) * cols) return;
-  const std::int64_t p = i / cols, c = i % cols;
-  float s = 0;
-  for (std::int64_t t = p; t < rows; t += seq_len) s += load(dx, t * cols + c);
-  dpos[i] += s;
 }
 
 // ---- RoPE, rotate-half: one thread per (token, head, pair) ----
@@ -542,15 +387,6 @@ __global__ void sum_squares_k(const float* v, std::int64_t n, float* acc) {
   if (threadIdx.x == 0) atomicAdd(acc, s);
 }
 
-// Calls f with a typed null pointer selecting the storage type.
-template <typename F>
-void dispatch(DType dt, F&& f) {
-  if (dt == DType::F32)
-    f(static_cast<float*>(nullptr));
-  else
-    f(static_cast<__nv_bfloat16*>(nullptr));
-}
-
 }  // namespace
 
 void embedding_forward(DType dt, const void* table, const int* tokens, int n_tok, int hidden, void* x,
@@ -603,94 +439,6 @@ void rmsnorm_backward_weight(DType dt, const void* x, const float* rstd, const v
         static_cast<const T*>(x), rstd, static_cast<const T*>(dy), rows, cols, dg);
   });
   launched("rmsnorm_backward_weight");
-}
-
-void layernorm_forward(DType dt, const void* x, const void* g, const void* b, int rows, int cols, float eps, void* y,
-                       float* mean, float* rstd, cudaStream_t stream) {
-  if (rows == 0) return;
-  dispatch(dt, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    layernorm_forward_k<T><<<rows, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(g),
-                                                          static_cast<const T*>(b), cols, eps, static_cast<T*>(y), mean,
-                                                          rstd);
-  });
-  launched("layernorm_forward");
-}
-
-void layernorm_backward_input(DType dt, const void* x, const float* mean, const float* rstd, const void* g,
-                              const void* dy, int rows, int cols, void* dx, cudaStream_t stream) {
-  if (rows == 0) return;
-  dispatch(dt, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    layernorm_backward_input_k<T><<<rows, kThreads, 0, stream>>>(static_cast<const T*>(x), mean, rstd,
-                                                                 static_cast<const T*>(g), static_cast<const T*>(dy),
-                                                                 cols, static_cast<T*>(dx));
-  });
-  launched("layernorm_backward_input");
-}
-
-void layernorm_backward_weight(DType dt, const void* x, const float* mean, const float* rstd, const void* dy, int rows,
-                               int cols, float* dg, float* db, cudaStream_t stream) {
-  dispatch(dt, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    layernorm_backward_weight_k<T><<<column_blocks(cols), kThreads, 0, stream>>>(
-        static_cast<const T*>(x), mean, rstd, static_cast<const T*>(dy), rows, cols, dg, db);
-  });
-  launched("layernorm_backward_weight");
-}
-
-void bias_add(DType dt, void* x, const void* b, int rows, int cols, cudaStream_t stream) {
-  const std::int64_t n = static_cast<std::int64_t>(rows) * cols;
-  if (n == 0) return;
-  dispatch(dt, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    bias_add_k<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<T*>(x), static_cast<const T*>(b), n, cols);
-  });
-  launched("bias_add");
-}
-
-void bias_backward_weight(DType dt, const void* dy, int rows, int cols, float* db, cudaStream_t stream) {
-  dispatch(dt, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    bias_backward_weight_k<T><<<column_blocks(cols), kThreads, 0, stream>>>(static_cast<const T*>(dy), rows, cols, db);
-  });
-  launched("bias_backward_weight");
-}
-
-void gelu_forward(DType dt, const void* a, std::int64_t n, void* h, cudaStream_t stream) {
-  dispatch(dt, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    gelu_forward_k<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const T*>(a), n, static_cast<T*>(h));
-  });
-  launched("gelu_forward");
-}
-
-void gelu_backward(DType dt, const void* a, const void* dy, std::int64_t n, void* da, cudaStream_t stream) {
-  dispatch(dt, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    gelu_backward_k<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const T*>(a), static_cast<const T*>(dy), n,
-                                                               static_cast<T*>(da));
-  });
-  launched("gelu_backward");
-}
-
-void positions_forward(DType dt, void* x, const void* pos, int rows, int cols, int seq_len, cudaStream_t stream) {
-  dispatch(dt, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    positions_forward_k<T><<<blocks_for(static_cast<std::int64_t>(rows) * cols), kThreads, 0, stream>>>(
-        static_cast<T*>(x), static_cast<const T*>(pos), rows, cols, seq_len);
-  });
-  launched("positions_forward");
-}
-
-void positions_backward_weight(DType dt, const void* dx, int rows, int cols, int seq_len, float* dpos,
-                               cudaStream_t stream) {
-  dispatch(dt, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    positions_backward_weight_k<T><<<blocks_for(static_cast<std::int64_t>(seq_len) * cols), kThreads, 0, stream>>>(
-        static_cast<const T*>(dx), rows, cols, seq_len, dpos);
-  });
-  launched("positions_backward_weight");
 }
 
 void rope(DType dt, void* m, int n_tok, int heads, int head_dim, int seq_len, float theta, float sign,
