@@ -173,7 +173,8 @@ Directive parse_one(const json& d, int index) {  // NOLINT(readability-function-
   if (op == "replicate") {
     check_fields(d, index,
                  {"filter", "devices", "bucket_size", "shard_grads", "shard_params", "shard_optimizer", "reduce_stream",
-                  "gather_stream", "prefetch", "gather_unit", "gather_dtype", "shard_group", "reduce_every"});
+                  "gather_stream", "prefetch", "gather_unit", "gather_dtype", "shard_group", "reduce_every",
+                  "collective_copies"});
     ReplicateDirective r;
     r.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     r.devices = parse_devices(d, index);
@@ -225,6 +226,18 @@ Directive parse_one(const json& d, int index) {  // NOLINT(readability-function-
       if (r.reduce_every_microbatch && !r.shard_grads)
         fail(index, "reduce_every",
              "\"microbatch\" applies only with shard_grads (ZeRO-2/3 keep only a gradient shard)");
+    }
+    if (auto it = d.find("collective_copies"); it != d.end()) {
+      if (!it->is_string() || (*it != "fsdp2" && *it != "none"))
+        fail(index, "collective_copies",
+             "must be \"fsdp2\" (PyTorch FSDP2's copies around its gathers and reduce-scatters) or \"none\"");
+      r.fsdp2_copies = *it == "fsdp2";
+      if (r.fsdp2_copies && !r.shard_params)
+        fail(index, "collective_copies", "\"fsdp2\" applies only with shard_params (ZeRO-3 gathers)");
+      if (r.fsdp2_copies && !r.reduce_every_microbatch)
+        fail(index, "collective_copies",
+             "\"fsdp2\" is modelled with reduce_every \"microbatch\" only (FSDP2's default; without gradient "
+             "sync its unsharded gradients accumulate first)");
     }
     r.reduce_stream = get_string(d, index, "reduce_stream", "dp");
     r.gather_stream = get_string(d, index, "gather_stream", r.reduce_stream);

@@ -16,10 +16,10 @@ using nlohmann::json;
 
 namespace {
 
-constexpr const char* kKindNames[] = {"gemm",      "attention_fwd", "attention_bwd", "norm",
-                                      "norm_bwd",  "norm_weight",   "activation",    "activation_bwd",
-                                      "residual",  "rope",          "loss",          "loss_bwd",
-                                      "embedding", "embedding_bwd", "permute",       "elementwise"};
+constexpr const char* kKindNames[] = {"gemm",        "attention_fwd", "attention_bwd",  "norm",          "norm_bwd",
+                                      "norm_weight", "activation",    "activation_bwd", "residual",      "rope",
+                                      "loss",        "loss_bwd",      "embedding",      "embedding_bwd", "permute",
+                                      "elementwise", "copy"};
 
 struct KernelBuilder {
   const TrainingShape& shape;
@@ -264,7 +264,7 @@ void expert_kernels(KernelBuilder& kb, const LayerShape& sh, const TrainingShape
 std::string to_string(KernelKind k) { return kKindNames[static_cast<int>(k)]; }
 
 KernelKind kernel_kind_from_string(const std::string& s) {
-  for (int i = 0; i <= static_cast<int>(KernelKind::Elementwise); ++i)
+  for (int i = 0; i <= static_cast<int>(KernelKind::Copy); ++i)
     if (s == kKindNames[i]) return static_cast<KernelKind>(i);
   throw Error("unknown kernel kind '" + s + "'");
 }

@@ -6,6 +6,7 @@
 #include <map>
 #include <queue>
 #include <set>
+#include <utility>
 
 #include "piper/core/error.hpp"
 #include "piper/core/lower.hpp"
@@ -257,13 +258,48 @@ int op_gemm_kernels(const DagNode& n) {
 // loop, so the traffic adds to the backward's time. Charged to B, or to BW when B is split. With
 // separate accumulation (DeepSpeed's BF16_Optimizer) the bf16 gradients are zeroed and then added
 // into the fp32 ones by their own kernels: 20 bytes a parameter (TrainingShape).
+// Not under FSDP2's copies (Segment::fsdp2_copies): FSDP2 keeps no main_grad; autograd writes the
+// unsharded gradient in the parameters' dtype and the reduce-scatter copy-in casts it (add_fsdp2_copy_kernels).
 std::int64_t main_grad_accumulation_bytes(const GlobalDag& dag, const DagNode& n) {
   if (!dag.training.fp32_main_grads || n.kind != NodeKind::Compute || (n.pass != Pass::B && n.pass != Pass::BW) ||
-      n.segment < 0)
+      n.segment < 0 || dag.segments.at(static_cast<std::size_t>(n.segment)).fsdp2_copies)
     return 0;
   // A chunked B (ShardDirective::chunks) accumulates once per chunk: each of its ops carries this.
   const std::int64_t per_param = dag.training.separate_main_grad_accumulation ? 20 : 2 * 4;
   return per_param * dag.segments.at(static_cast<std::size_t>(n.segment)).state_params();
+}
+
+// PyTorch FSDP2's copies around a ZeRO-3 segment's collectives that run on the compute stream, per
+// microbatch, as kernels of the passes that run them (docs/cost-model.md "Copies around the ZeRO-3
+// collectives"; read in pytorch/pytorch torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py at
+// 8fc2039decebd92b15b38296df8bf9aa13275be0, torch/distributed/_composable/fsdp/ in late-2024 PyTorch):
+//  * all-gather copy-out: foreach_all_gather_copy_out waits for the all-gather on the current (compute)
+//    stream and torch.split_with_sizes_copy's the gathered flat output into each parameter's unsharded
+//    tensor, one kernel reading and writing all P gathered parameters in the gathered dtype a (2 for
+//    bf16, 1 with fp8 gathers): 2·a·P bytes before the first use of each gather, F's and the backward's
+//    (listed first in F and BI);
+//  * reduce-scatter copy-in: foreach_reduce's foreach_reduce_scatter_copy_in (torch._chunk_cat, one
+//    kernel even when it casts bf16 to fp32: aten/src/ATen/native/cuda/TensorShape.cu's
+//    _chunk_cat_out_cuda) on the current stream, before the reduce-scatter stream waits for it (so since
+//    pytorch/pytorch#129721, June 2024): it reads the P unsharded gradients in the parameters' dtype g
+//    and writes the reduce-scatter input in the reduction dtype r: (g + r)·P bytes after BW (listed last).
+// Not on the compute stream, so not listed: the all-gather copy-in (cast of the fp32 shard to the
+// parameters' dtype and _foreach_copy_ into the all-gather input, P/N elements, on the all-gather
+// copy-in stream ahead of the collective) and the reduce-scatter's view-out and accumulation into the
+// sharded gradient (P/N, on the reduce-scatter stream).
+void add_fsdp2_copy_kernels(const Segment& seg, const TrainingShape& t, PassKernels& pk) {
+  if (!seg.fsdp2_copies || (pk[0].empty() && pk[1].empty() && pk[2].empty())) return;
+  const std::int64_t params = seg.state_params();
+  const std::int64_t gathered = seg.gather_fp8 ? 1 : bytes_per_element(t.precision);
+  Kernel copy_out;
+  copy_out.kind = KernelKind::Copy;
+  copy_out.bytes = 2 * gathered * params;
+  pk[0].insert(pk[0].begin(), copy_out);
+  pk[1].insert(pk[1].begin(), copy_out);
+  Kernel copy_in;
+  copy_in.kind = KernelKind::Copy;
+  copy_in.bytes = (bytes_per_element(t.precision) + gradient_bytes_per_element(t)) * params;
+  pk[2].push_back(copy_in);
 }
 
 std::int64_t op_memory_bytes(const DagNode& n) {
@@ -396,7 +432,12 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
   program.families = dag.families;
   program.sm_partition = dag.sm_partition;
   program.clip_grad = dag.clip_grad;
-  for (const auto& seg : dag.segments)
+  for (const auto& seg : dag.segments) {
+    PassKernels kernels = segment_kernels(dag.layers, seg.first_layer, seg.last_layer, dag.training,
+                                          {seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute),
+                                           seg.cp_degree, seg.cp_all_gather, seg.token_split},
+                                          seg.shard_degree);
+    add_fsdp2_copy_kernels(seg, dag.training, kernels);
     program.segments.push_back({seg.first_layer,
                                 seg.last_layer,
                                 seg.tags,
@@ -412,15 +453,13 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
                                 seg.tp_comm_overlap,
                                 seg.zero_shards,
                                 seg.reduce_every_microbatch,
-                                segment_kernels(dag.layers, seg.first_layer, seg.last_layer, dag.training,
-                                                {seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute),
-                                                 seg.cp_degree, seg.cp_all_gather, seg.token_split},
-                                                seg.shard_degree),
+                                std::move(kernels),
                                 seg.cp_degree,
                                 seg.cp_all_gather,
                                 seg.cp_family,
                                 seg.tied_copy > 0 ? seg.tied_to : -1,
                                 seg.a2a_chunks});
+  }
 
   program.plan_of_device = classes.plan_of_device;
 

@@ -52,6 +52,7 @@ ProgramBuilder& ProgramBuilder::replicate(const Filter& filter, const std::vecto
   r.gather_fp8 = a.gather_dtype == "fp8";
   r.shard_group = a.shard_group.value_or(0);
   r.reduce_every_microbatch = a.reduce_every ? *a.reduce_every == "microbatch" : a.shard_grads;
+  r.fsdp2_copies = a.collective_copies == "fsdp2";
   r.reduce_stream = a.reduce_stream.value_or("dp");
   r.gather_stream = a.gather_stream.value_or(r.reduce_stream);
   json d = directive("replicate", filter);
@@ -70,6 +71,7 @@ ProgramBuilder& ProgramBuilder::replicate(const Filter& filter, const std::vecto
   if (a.gather_unit) d["gather_unit"] = *a.gather_unit;
   if (a.gather_dtype) d["gather_dtype"] = *a.gather_dtype;
   if (a.reduce_every) d["reduce_every"] = *a.reduce_every;
+  if (a.collective_copies) d["collective_copies"] = *a.collective_copies;
   if (a.shard_group) d["shard_group"] = *a.shard_group;
   if (a.prefetch) d["prefetch"] = *a.prefetch;
   add(std::move(r), std::move(d));

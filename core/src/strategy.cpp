@@ -149,6 +149,10 @@ void validate_strategy_options(const StrategyOptions& o) {
     fail("--reduce-every must be step or microbatch (got '" + o.reduce_every + "')");
   if (o.fp8_all_gather && o.zero != 3)
     fail("--fp8-all-gather applies only with --zero 3 (its per-use parameter gathers)");
+  if (!o.collective_copies.empty() && o.zero != 3)
+    fail("--collective-copies applies only with --zero 3 (the copies around its per-use parameter gathers)");
+  if (!o.collective_copies.empty() && o.reduce_every == "step")
+    fail("--collective-copies fsdp2 is modelled with --reduce-every microbatch only (FSDP2's default)");
   if (o.gather_prefetch != 1 && o.zero != 3)
     fail("--gather-prefetch applies only with --zero 3 (its per-use parameter gathers)");
   for (bool head : {true, false})
@@ -221,6 +225,7 @@ DirectiveProgram placement_directives(const StrategyOptions& o, const std::vecto
       rep.gather_unit = "block";  // FSDP's unit: one transformer block
       if (o.fp8_all_gather) rep.gather_dtype = "fp8";
       if (o.gather_prefetch != 1) rep.prefetch = o.gather_prefetch;
+      if (!o.collective_copies.empty()) rep.collective_copies = o.collective_copies;
     }
     if (o.dp_shard > 1 && o.dp_shard < replicas / o.tp) rep.shard_group = o.dp_shard;
     if (o.zero >= 2 && !o.reduce_every.empty()) rep.reduce_every = o.reduce_every;

@@ -143,7 +143,8 @@ double kernel_bound(const FastestRates& f, const core::Kernel& k) {
     // Without a table attention runs at most at the GEMM rate on Piper's (full-matrix) FLOPs.
     t += rate > 0 ? sim::causal_attention_flops(k) / rate : k.flops / f.flops;
   } else {
-    const double bytes = k.kind == core::KernelKind::Elementwise ? static_cast<double>(k.bytes)
+    const double bytes = k.kind == core::KernelKind::Elementwise || k.kind == core::KernelKind::Copy
+                             ? static_cast<double>(k.bytes)
                          : k.kind == core::KernelKind::Loss || k.kind == core::KernelKind::LossBackward
                              ? static_cast<double>(k.elems) * 4
                              : static_cast<double>(k.elems) * dt * 2;

@@ -533,6 +533,9 @@ ElementwiseCost elementwise_cost(KernelKind kind, RuntimeProfile p) {
       return {3, 0, 1, "add"};
     case KernelKind::Permute:
       return {2, 0, 1, "copy"};
+    // A runtime's buffer copy (split_with_sizes_copy, _chunk_cat): one launch, its bytes given.
+    case KernelKind::Copy:
+      return {0, 0, 1, "copy"};
     default:
       return {0, 0, 1, "add"};  // Elementwise: its bytes are given
   }
@@ -590,8 +593,9 @@ double KernelTiming::seconds(const Kernel& k) const {
   }
   const ElementwiseCost c = elementwise_cost(k.kind, profile);
   const double elems = static_cast<double>(k.elems);
-  const double bytes = k.kind == KernelKind::Elementwise ? static_cast<double>(k.bytes)
-                                                         : elems * (c.bytes_per_elem * dt + c.fp32_bytes_per_elem);
+  const double bytes = k.kind == KernelKind::Elementwise || k.kind == KernelKind::Copy
+                           ? static_cast<double>(k.bytes)
+                           : elems * (c.bytes_per_elem * dt + c.fp32_bytes_per_elem);
   if (bytes <= 0) return 0;
   double rate = table ? table->memory_rate(c.table_kernel, bytes / c.launches) : 0;
   if (rate <= 0) rate = hbm_bytes_per_s;  // no measurement: the HBM peak, as the roofline costs it

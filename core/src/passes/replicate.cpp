@@ -65,6 +65,8 @@ std::map<Families, std::vector<int>> reduction_families(PassContext& cx, const R
       fail(index, "shard_group",
            fmt::format("{} does not divide the {} replicas of segment {}", d.shard_group, seg.replicas, s));
     if (!seg.has_state() || seg.replicas == 1) continue;
+    seg.fsdp2_copies = d.fsdp2_copies && zero == 3;  // its gathers and reduce-scatters are emitted below
+    seg.gather_fp8 = d.gather_fp8 && zero == 3;
     if (seg.zero_shards < seg.replicas) {
       auto [within, across] = hsdp_families(split, seg.replicas, seg.zero_shards);
       by_family[{within, across}].push_back(s);

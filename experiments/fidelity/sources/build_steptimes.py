@@ -190,7 +190,12 @@ for section, size, seq, gpus, mbs in LF_PICK:
              f"Precision {prec}, MP mode {mp}: " + ("pure bf16 parameters (Piper's bf16 costing with its default fp32 optimizer state)" if mp == "PURE" else "autocast bf16 over fp32 parameters, posed as bf16") + ".",
              "Activation checkpointing True posed as --recompute full." if ac == "True" else "No activation checkpointing.",
              "The step time divides GlobalBatchSize (T) by Throughput (T/s); the README rounds T/s to an integer, so the conversion is exact to < 0.01 %.",
-             "Runtime: PyTorch eager under Composer (no torch.compile) with FlashAttention."]
+             "Runtime: PyTorch eager under Composer (no torch.compile) with FlashAttention.",
+             "Composer's FSDP is PyTorch's FSDP1: its FlatParameter all-gathers straight into the unsharded flat "
+             "parameter whose views the layers read, and reduce-scatters the flat gradient (its cast to the "
+             "reduction dtype runs on the post-backward stream), so it has no compute-stream copies around its "
+             "collectives: --collective-copies stays at its default (docs/cost-model.md, 'Copies around the ZeRO-3 "
+             "collectives')."]
     # Every MosaicML table: the flash-attn its harness installed.
     first, extra, pin = lf_flash_attn(section)
     major = pin.split("==")[1].lstrip("v").split(".")[0]
@@ -249,9 +254,26 @@ assert 'max_reserved = device_info["reserved_bytes.all.peak"]' in show(TT, cfg_c
 assert "F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)" in show(TT, cfg_commit, "torchtitan/models/llama/model.py")
 att2 = show(TT, tt2_commit, "torchtitan/models/attention.py")
 assert "SDPBackend.FLASH_ATTENTION,\n            SDPBackend.EFFICIENT_ATTENTION," in att2 and "if has_cuda_capability(10, 0):" in att2
+# FSDP2 (fully_shard) at both commits, with bf16 parameters (mixed_precision_param's default): its copies
+# around the all-gathers and reduce-scatters run on the compute stream (docs/cost-model.md "Copies around
+# the ZeRO-3 collectives", read in PyTorch's _fsdp_collectives.py): --collective-copies fsdp2.
+pl1 = show(TT, cfg_commit, "torchtitan/parallelisms/parallelize_llama.py")
+assert "from torch.distributed._composable.fsdp import (" in pl1 and "    fully_shard,\n    MixedPrecisionPolicy,\n)" in pl1
+assert "mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)" in pl1
+assert ('"--training.mixed_precision_param",\n            type=str,\n            default="bfloat16",' in cm1)
+pl2 = show(TT, tt2_commit, "torchtitan/models/llama3/parallelize_llama.py")
+assert "from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, MixedPrecisionPolicy" in pl2
+assert 'mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"' in show(TT, tt2_commit, "torchtitan/config_manager.py")
 TT_NOTE_RUNTIME = (" FSDP2 reduces gradients in fp32 (training.mixed_precision_reduce = \"float32\", its only choice, at "
                    f"{cfg_commit[:7]} and {tt2_commit[:7]}): the model file sets fp32_main_grads. Attention is SDPA's "
-                   "flash backend (FlashAttention-2): the cluster's attention_kernel \"fa2\".")
+                   "flash backend (FlashAttention-2): the cluster's attention_kernel \"fa2\". FSDP2 is fully_shard "
+                   "(torchtitan/parallelisms/parallelize_llama.py at "
+                   f"{cfg_commit[:7]}, torchtitan/models/llama3/parallelize_llama.py at {tt2_commit[:7]}) with bf16 "
+                   "parameters (training.mixed_precision_param's default): on the compute stream it copies each gathered "
+                   "flat buffer out into the parameters (split_with_sizes_copy) and each block's bf16 gradients into the "
+                   "fp32 reduce-scatter input (_chunk_cat), per PyTorch's _fsdp_collectives.py: --collective-copies fsdp2 "
+                   "(docs/cost-model.md, 'Copies around the ZeRO-3 collectives'; TorchTitan keeps the last block gathered "
+                   "from forward to backward, which Piper re-gathers like the others).")
 
 
 def titan_model(size, hidden, layers, heads, ffn):
@@ -317,7 +339,7 @@ for table, tech, gpus, lbs, runtime in [
         "model": TITAN_MODEL["llama3-8b"], "gpu": "H100-96GB-500W", "cluster": "experiments/fidelity/clusters/grand-teton-h100.json",
         "gpus": gpus,
         "flags": ["--pp", "1", "--dp", str(gpus), "--zero", "3", "--microbatches", "1", "--micro-batch-size", str(lbs),
-                  "--seq-len", "8192", "--recompute", "op"],
+                  "--seq-len", "8192", "--recompute", "op", "--collective-copies", "fsdp2"],
         "family": "fsdp/zero3", "runtime": runtime,
         "measured": {"value": tps, "unit": "tokens/s per GPU"},
         "measured_step_s": step,
@@ -348,7 +370,7 @@ for caption_prefix, quant_row, name, gpus, tp, lbs, ac, model in [
         "model": TITAN_MODEL[model], "gpu": "H100-96GB-500W", "cluster": "experiments/fidelity/clusters/grand-teton-h100.json",
         "gpus": gpus,
         "flags": ["--pp", "1", "--tp", str(tp), "--sequence-parallel", "--dp", str(dp), "--zero", "3", "--microbatches", "1",
-                  "--micro-batch-size", str(lbs), "--seq-len", "8192", "--recompute", ac],
+                  "--micro-batch-size", str(lbs), "--seq-len", "8192", "--recompute", ac, "--collective-copies", "fsdp2"],
         "family": "fsdp+tp", "runtime": "torch.compile",
         "measured": {"value": tps, "unit": "tokens/s per GPU (vanilla TP column)"},
         "measured_step_s": step,

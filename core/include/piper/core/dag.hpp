@@ -90,6 +90,10 @@ struct Segment {
   // ZeRO-2/3 reducing after every microbatch (ReplicateDirective::reduce_every_microbatch): only the
   // gradient shard persists. Otherwise (ZeRO-2/3 reducing once per step) the whole gradient does.
   bool reduce_every_microbatch = false;
+  // ZeRO-3 under replicate's collective_copies "fsdp2" (ReplicateDirective::fsdp2_copies), on a segment
+  // whose parameters are gathered: lowering lists FSDP2's copy-out and reduce-scatter copy-in kernels.
+  bool fsdp2_copies = false;
+  bool gather_fp8 = false;  // ZeRO-3 gathers move fp8 weights (ReplicateDirective::gather_fp8)
   std::int64_t grad_divisor() const { return zero_level >= 2 && reduce_every_microbatch ? zero_shards : 1; }
   // What divides state that ZeRO shards from `level` on (1 optimizer states, 2 gradients, 3 parameters).
   std::int64_t zero_divisor(int level) const { return zero_level >= level ? zero_shards : 1; }

@@ -68,6 +68,15 @@ struct ReplicateDirective {
   // DeepSpeed ZeRO-2 and FSDP2's default, which keep only the gradient shard between microbatches).
   // Default: "microbatch" with shard_grads (ZeRO-2/3), "step" otherwise.
   bool reduce_every_microbatch = false;
+  // ZeRO-3 "collective_copies" (Piper extension): which runtime's copies around the parameter gathers and
+  // gradient reduce-scatters are costed. "fsdp2": PyTorch FSDP2's, on the compute stream: each gather's
+  // copy-out of the gathered parameters (read and write them in the gathered dtype) before their first
+  // use in F and in the backward, and each reduce-scatter's copy-in of the unsharded gradients into its
+  // input (read them, write them in the reduction dtype) after BW, instead of Megatron-LM's fp32
+  // main-grad accumulation (docs/cost-model.md "Copies around the ZeRO-3 collectives"). "none" (the
+  // default): no such copies (FSDP1 gathers into the flat parameter its views read; DeepSpeed's ZeRO-3
+  // has not been read for them; Piper's backends). Needs shard_params and reduce_every "microbatch".
+  bool fsdp2_copies = false;
   std::string reduce_stream = "dp";
   std::string gather_stream;  // empty: same as reduce_stream
   friend bool operator==(const ReplicateDirective&, const ReplicateDirective&) = default;

@@ -35,6 +35,10 @@ enum class KernelKind : std::uint8_t {
   EmbeddingBackward,  // scatter-add of the output gradient into the table
   Permute,            // MoE token permutation for dispatch and combine (elems = routed copies x hidden)
   Elementwise,        // other memory-bound work given by its HBM traffic `bytes` (standard-attention models)
+  // A copy (with a dtype cast, if any) of a runtime's own buffers, given by the bytes it reads and writes
+  // (`bytes`): the copies a ZeRO runtime makes around its collectives (replicate's collective_copies,
+  // docs/cost-model.md "Copies around the ZeRO-3 collectives"), timed at the table's copy rate.
+  Copy,
 };
 std::string to_string(KernelKind k);                       // "gemm", "attention_fwd", ...
 KernelKind kernel_kind_from_string(const std::string& s);  // throws Error

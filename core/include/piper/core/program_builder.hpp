@@ -23,7 +23,7 @@ struct ReplicateArgs {
   bool shard_optimizer = false;          // ZeRO-1 (written only when true, as are the two below)
   bool shard_grads = false;              // ZeRO-2
   bool shard_params = false;             // ZeRO-3
-  std::optional<std::string> reduce_stream, gather_stream, gather_unit, gather_dtype, reduce_every;
+  std::optional<std::string> reduce_stream, gather_stream, gather_unit, gather_dtype, reduce_every, collective_copies;
   std::optional<int> shard_group, prefetch;
 };
 
