@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
+#include <set>
 
 #include <fmt/format.h>
 #include <mpi.h>
@@ -33,7 +34,9 @@ struct RunArgs {
   std::string precision = "fp32";
   std::string on_nonfinite = "stop";
   std::string lr_decay = "constant";
+  std::string loss_scale;  // --loss-scale: "dynamic", a power of two, or empty (none)
   runtime::TrainOptions train;
+  std::set<std::string> dynamic_only_given;  // --initial-loss-scale etc. given (flag or scenario)
   CLI::Option* plan = nullptr;
 };
 
@@ -85,7 +88,9 @@ int run_cuda(const RunArgs& a) {
   }
   runtime::cuda::CudaRunOptions c;
   c.virtual_devices = a.virtual_devices;
-  c.dtype = a.precision == "bf16" ? runtime::cuda::DType::BF16 : runtime::cuda::DType::F32;
+  c.dtype = a.precision == "bf16"   ? runtime::cuda::DType::BF16
+            : a.precision == "fp16" ? runtime::cuda::DType::F16
+                                    : runtime::cuda::DType::F32;
   if (a.virtual_devices) {
     const core::Program program = load_program(a);
     runtime::cuda::train_cuda(program, a.train, c);
@@ -197,7 +202,40 @@ void apply_scenario_train(RunArgs& a, const CLI::App& cmd) {
     if (key == "beta1") t.adamw.beta1 = v.get<float>();
     if (key == "beta2") t.adamw.beta2 = v.get<float>();
     if (key == "adam_eps") t.adamw.eps = v.get<float>();
+    if (key == "loss_scale") a.loss_scale = v.is_string() ? v.get<std::string>() : fmt::format("{}", v.get<double>());
+    if (key == "initial_loss_scale" || key == "loss_scale_window" || key == "min_loss_scale")
+      a.dynamic_only_given.insert(flag);
+    if (key == "initial_loss_scale") t.adamw.loss_scaling.initial = v.get<double>();
+    if (key == "loss_scale_window") t.adamw.loss_scaling.window = v.get<int>();
+    if (key == "min_loss_scale") t.adamw.loss_scaling.min_scale = v.get<double>();
   }
+}
+
+// --loss-scale's value: "dynamic", or a static scale (a power of two, checked by check_loss_scaling).
+void parse_loss_scale(RunArgs& a) {
+  auto& ls = a.train.adamw.loss_scaling;
+  if (a.loss_scale.empty()) {
+    ls.mode = runtime::host::LossScaleMode::None;
+  } else if (a.loss_scale == "dynamic") {
+    ls.mode = runtime::host::LossScaleMode::Dynamic;
+  } else {
+    std::size_t used = 0;
+    double v = 0;
+    try {
+      v = std::stod(a.loss_scale, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != a.loss_scale.size())
+      throw CliError(
+          "", fmt::format("--loss-scale must be \"dynamic\" or a static scale such as 1024 (got '{}')", a.loss_scale));
+    ls.mode = runtime::host::LossScaleMode::Static;
+    ls.initial = v;
+  }
+  for (const char* flag : {"--initial-loss-scale", "--loss-scale-window", "--min-loss-scale"})
+    if (a.dynamic_only_given.count(flag) && ls.mode != runtime::host::LossScaleMode::Dynamic)
+      throw CliError("", fmt::format("{} applies only with --loss-scale dynamic", flag));
+  runtime::host::check_loss_scaling(ls);
 }
 
 // AdamW and the learning-rate schedule (runtime::host::AdamWConfig; a scenario's "train" section
@@ -223,6 +261,38 @@ void add_optimizer_flags(CLI::App* cmd, RunArgs& a) {
       ->capture_default_str();
   cmd->add_option("--beta1", a.train.adamw.beta1, "AdamW beta1")->capture_default_str();
   cmd->add_option("--beta2", a.train.adamw.beta2, "AdamW beta2")->capture_default_str();
+  auto& ls = a.train.adamw.loss_scaling;
+  cmd->add_option("--loss-scale", a.loss_scale,
+                  "loss scaling (fp16 training; needs --clip-grad): dynamic (halved and the step skipped when "
+                  "gradients overflow, doubled after --loss-scale-window good steps), or a static power of two");
+  cmd->add_option("--initial-loss-scale", ls.initial, "--loss-scale dynamic: the first scale (a power of two)")
+      ->capture_default_str();
+  cmd->add_option("--loss-scale-window", ls.window,
+                  "--loss-scale dynamic: good steps in a row before the scale doubles")
+      ->check(kPositiveInt)
+      ->capture_default_str();
+  cmd->add_option("--min-loss-scale", ls.min_scale, "--loss-scale dynamic: the scale never falls below this")
+      ->capture_default_str();
+}
+
+// The run's optimizer, loss-scaling and precision settings from the flags (and scenario), each
+// checked: one line naming the flag for what cannot work.
+void settle_training_settings(RunArgs& a, const CLI::App& cmd) {
+  a.train.skip_nonfinite = a.on_nonfinite == "skip";
+  auto& adamw = a.train.adamw;
+  adamw.decay = runtime::host::parse_lr_decay(a.lr_decay);
+  if (adamw.decay != runtime::host::LrDecay::Constant && adamw.decay_steps == 0)
+    adamw.decay_steps = a.train.steps;  // decay over the whole run
+  runtime::host::check_adamw(adamw);
+  for (const char* flag : {"--initial-loss-scale", "--loss-scale-window", "--min-loss-scale"})
+    if (cmd.get_option(flag)->count() > 0) a.dynamic_only_given.insert(flag);
+  parse_loss_scale(a);
+  if (a.precision != "fp32" && a.backend != "cuda")
+    throw CliError("", "--precision needs --backend cuda (the host backend computes in fp32)");
+  if (a.precision == "fp16" && adamw.loss_scaling.mode == runtime::host::LossScaleMode::None)
+    throw CliError("",
+                   "--precision fp16 needs --loss-scale (dynamic, or a static power of two): fp16 "
+                   "gradients below 6e-8 flush to zero without it");
 }
 
 }  // namespace
@@ -252,7 +322,7 @@ Command add_run_command(CLI::App& app) {
                 "cuda: all on one GPU)");
   cmd->add_option("--precision", args->precision,
                   "--backend cuda: storage type of parameters and activations (fp32 accumulation either way)")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   cmd->add_option("--steps", args->train.steps, "training steps (a resumed run continues up to this step)")
       ->check(kPositiveInt);
   cmd->add_option("--seed", args->train.seed, "seed of the parameter initialisation and the synthetic token stream");
@@ -294,14 +364,7 @@ Command add_run_command(CLI::App& app) {
   return {cmd, [args, cmd]() -> int {
             if (!args->plan_path.empty()) args->scenario.reject_beside_plan();
             if (!args->scenario_path.empty()) apply_scenario_train(*args, *cmd);
-            args->train.skip_nonfinite = args->on_nonfinite == "skip";
-            auto& adamw = args->train.adamw;
-            adamw.decay = runtime::host::parse_lr_decay(args->lr_decay);
-            if (adamw.decay != runtime::host::LrDecay::Constant && adamw.decay_steps == 0)
-              adamw.decay_steps = args->train.steps;  // decay over the whole run
-            runtime::host::check_adamw(adamw);
-            if (args->precision != "fp32" && args->backend != "cuda")
-              throw CliError("", "--precision needs --backend cuda (the host backend computes in fp32)");
+            settle_training_settings(*args, *cmd);
             if (args->virtual_devices && args->reference)
               throw CliError("",
                              "--virtual-devices runs the plan's devices; --reference runs no plan devices: give one");

@@ -447,9 +447,10 @@ json Scenario::to_json() const {
 }
 
 const std::vector<std::string>& scenario_train_keys() {
-  static const std::vector<std::string> keys = {"steps",    "seed",           "lr",           "min_lr", "warmup_steps",
-                                                "lr_decay", "lr_decay_steps", "weight_decay", "beta1",  "beta2",
-                                                "adam_eps"};
+  static const std::vector<std::string> keys = {
+      "steps",         "seed",  "lr",    "min_lr",   "warmup_steps", "lr_decay",           "lr_decay_steps",
+      "weight_decay",  "beta1", "beta2", "adam_eps", "loss_scale",   "initial_loss_scale", "loss_scale_window",
+      "min_loss_scale"};
   return keys;
 }
 
@@ -474,7 +475,10 @@ json checked_train(const json& t, const std::string& where) {
     if (k == "lr_decay") {
       if (!v.is_string() || (v != "constant" && v != "cosine" && v != "linear"))
         throw fail(k, "must be \"constant\", \"cosine\" or \"linear\"");
-    } else if (k == "steps" || k == "lr_decay_steps") {
+    } else if (k == "loss_scale") {
+      if (!(v == "dynamic" || (v.is_number() && v.get<double>() >= 1 && std::isfinite(v.get<double>()))))
+        throw fail(k, "must be \"dynamic\" or a static scale >= 1 (a power of two)");
+    } else if (k == "steps" || k == "lr_decay_steps" || k == "loss_scale_window") {
       if (!v.is_number_integer() || v.get<long long>() < 1 || v.get<long long>() > 1'000'000'000)
         throw fail(k, "must be an integer >= 1");
     } else if (k == "warmup_steps" || k == "seed") {

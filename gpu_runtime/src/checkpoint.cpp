@@ -264,6 +264,8 @@ void write_checkpoint(const std::string& path, const CheckpointInfo& info, const
                  {"saved_layout", info.saved_layout},
                  {"layers", layers}};
   if (!info.optimizer.empty()) header["optimizer"] = json::parse(info.optimizer);
+  if (info.loss_scale)
+    header["loss_scale"] = {{"scale", info.loss_scale->scale}, {"good_steps", info.loss_scale->good_steps}};
   header["header_crc32"] = header_crc(header);
   std::error_code ec;
   if (const fs::file_status st = fs::status(path, ec);
@@ -373,6 +375,15 @@ Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
     c.info.seq_len = h.at("seq_len").get<std::int64_t>();
     c.info.saved_layout = h.value("saved_layout", "");
     if (const auto it = h.find("optimizer"); it != h.end()) c.info.optimizer = it->dump();
+    if (const auto it = h.find("loss_scale"); it != h.end()) {
+      host::LossScaleState ls{it->at("scale").get<double>(), it->at("good_steps").get<int>()};
+      int e = 0;
+      if (!(ls.scale >= 1 && std::isfinite(ls.scale) && std::frexp(ls.scale, &e) == 0.5) || ls.good_steps < 0)
+        throw std::invalid_argument(fmt::format(
+            "{}: checkpoint loss scale {} (after {} good steps) is not a power of two >= 1 with a count >= 0", path,
+            ls.scale, ls.good_steps));
+      c.info.loss_scale = ls;
+    }
     if (c.info.step < 0)
       throw std::invalid_argument(fmt::format("{}: checkpoint step {} is negative", path, c.info.step));
     if (c.info.sequences_per_step <= 0 || c.info.seq_len <= 0)

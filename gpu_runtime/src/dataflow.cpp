@@ -334,6 +334,11 @@ DataflowBase::DataflowBase(const core::Program& program, int device)
     }
 }
 
+float unscale_and_clip(double unscaled_norm_sq, double max_norm, double loss_scale) {
+  const float clip = max_norm > 0 ? clip_scale(unscaled_norm_sq, max_norm) : 1.0f;
+  return static_cast<float>(static_cast<double>(clip) / loss_scale);
+}
+
 float clip_scale(double norm_sq, double max_norm) {
   const double norm = std::sqrt(norm_sq);
   if (!std::isfinite(norm)) return static_cast<float>(norm);

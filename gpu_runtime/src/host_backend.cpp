@@ -120,6 +120,7 @@ void HostBackend::init_flow(const core::Program& program) {
   kernels_ = std::make_unique<HostKernels>(*model_, data_shape(program), config_.adamw);
   flow_ = std::make_unique<Dataflow<HostKernels, HostTransport>>(program, device_, *kernels_, *transport_, config_.seed,
                                                                  config_.data_path);
+  flow_->set_loss_scaling(config_.adamw.loss_scaling);
 }
 
 // TP and CP groups: one group comm per TP (CP) family this device uses, made by `group_comm` in

@@ -547,12 +547,17 @@ void HostModel::update(int seg, const AdamWConfig& cfg, int step) {
   } else {
     adamw_update(cfg, step, sp.params, sp.grads, sp.adam_m, sp.adam_v);
   }
+  discard_grads(seg);
+}
+
+void HostModel::discard_grads(int seg) {
+  SegmentParams& sp = segment(seg);
   std::fill(sp.grads.begin(), sp.grads.end(), 0.0f);
   std::fill(sp.grad_chunk.begin(), sp.grad_chunk.end(), 0.0f);
   sp.grad_chunk_ready = false;
 }
 
-double HostModel::owned_grad_sq(int seg) const {
+double HostModel::owned_grad_sq(int seg, double loss_scale) const {
   const SegmentParams& sp = segments_.at(by_index_.at(seg));
   if (!counts_in_grad_norm(sp)) return 0;
   const bool chunked = sp.zero_level >= 1;
@@ -568,8 +573,10 @@ double HostModel::owned_grad_sq(int seg) const {
       const bool copy = t.canonical_layer >= 0 && t.canonical_layer != l;  // a tied head's table
       const bool replicated = sp.tp_degree > 1 && t.split == TpSplit::Replicated;
       if (!copy && !(replicated && sp.tp_rank != 0))
-        for (std::int64_t i = std::max(at, begin); i < std::min(at + len, end); ++i)
-          sum += static_cast<double>(g[i - begin]) * g[i - begin];
+        for (std::int64_t i = std::max(at, begin); i < std::min(at + len, end); ++i) {
+          const double u = static_cast<double>(g[i - begin]) / loss_scale;  // a power of two: exact
+          sum += u * u;
+        }
       at += len;
     }
   }

@@ -565,6 +565,39 @@ void check_adamw(const AdamWConfig& cfg) {
                      lr_decay_name(cfg.decay), cfg.decay_steps, cfg.warmup_steps));
 }
 
+LossScaleState initial_loss_scale(const LossScaling& cfg) {
+  return LossScaleState{cfg.mode == LossScaleMode::None ? 1.0 : cfg.initial, 0};
+}
+
+LossScaleState next_loss_scale(const LossScaling& cfg, LossScaleState s, bool overflow) {
+  if (cfg.mode != LossScaleMode::Dynamic) return s;
+  if (overflow) return LossScaleState{std::max(cfg.min_scale, s.scale / 2), 0};
+  if (++s.good_steps >= cfg.window) s = LossScaleState{s.scale * 2, 0};
+  return s;
+}
+
+void check_loss_scaling(const LossScaling& cfg) {
+  if (cfg.mode == LossScaleMode::None) return;
+  auto power_of_two = [](double x) {
+    int e = 0;
+    return x >= 1 && std::isfinite(x) && std::frexp(x, &e) == 0.5;
+  };
+  const char* flag = cfg.mode == LossScaleMode::Static ? "--loss-scale" : "--initial-loss-scale";
+  if (!power_of_two(cfg.initial))
+    throw std::invalid_argument(fmt::format(
+        "{} must be a power of two >= 1 (got {}): scaling by it and back must be exact", flag, cfg.initial));
+  if (cfg.mode != LossScaleMode::Dynamic) return;
+  if (cfg.window < 1) throw std::invalid_argument(fmt::format("--loss-scale-window must be >= 1 (got {})", cfg.window));
+  if (!power_of_two(cfg.min_scale) || cfg.min_scale > cfg.initial)
+    throw std::invalid_argument(
+        fmt::format("--min-loss-scale must be a power of two between 1 and --initial-loss-scale {} (got {})",
+                    cfg.initial, cfg.min_scale));
+}
+
+std::string loss_scale_mode_name(LossScaleMode m) {
+  return m == LossScaleMode::Static ? "static" : m == LossScaleMode::Dynamic ? "dynamic" : "none";
+}
+
 LrDecay parse_lr_decay(const std::string& name) {
   if (name == "constant") return LrDecay::Constant;
   if (name == "cosine") return LrDecay::Cosine;

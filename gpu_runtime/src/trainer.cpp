@@ -128,6 +128,7 @@ json report_json(const TrainResult& r, const TrainOptions& o, const std::string&
   j["lrs"] = lrs;
   if (!r.skipped_steps.empty()) j["skipped_steps"] = r.skipped_steps;  // --on-nonfinite skip
   if (!r.grad_norms.empty()) j["grad_norms"] = r.grad_norms;           // clip_grad
+  if (!r.loss_scales.empty()) j["loss_scales"] = r.loss_scales;        // loss scaling
   if (mode != "reference")
     j["executor"] = {{"ops", r.ops},
                      {"backend_s", r.backend_s},
@@ -138,19 +139,26 @@ json report_json(const TrainResult& r, const TrainOptions& o, const std::string&
 }
 
 json optimizer_json(const host::AdamWConfig& a) {
-  return {{"name", "adamw"},
-          {"lr", shortest(a.lr)},
-          {"min_lr", shortest(a.min_lr)},
-          {"warmup_steps", a.warmup_steps},
-          {"lr_decay", host::lr_decay_name(a.decay)},
-          {"lr_decay_steps", a.decay_steps},
-          {"beta1", shortest(a.beta1)},
-          {"beta2", shortest(a.beta2)},
-          {"eps", shortest(a.eps)},
-          {"weight_decay", shortest(a.weight_decay)}};
+  json j = {{"name", "adamw"},
+            {"lr", shortest(a.lr)},
+            {"min_lr", shortest(a.min_lr)},
+            {"warmup_steps", a.warmup_steps},
+            {"lr_decay", host::lr_decay_name(a.decay)},
+            {"lr_decay_steps", a.decay_steps},
+            {"beta1", shortest(a.beta1)},
+            {"beta2", shortest(a.beta2)},
+            {"eps", shortest(a.eps)},
+            {"weight_decay", shortest(a.weight_decay)}};
+  const host::LossScaling& ls = a.loss_scaling;
+  if (ls.mode == host::LossScaleMode::Static) j["loss_scaling"] = {{"mode", "static"}, {"scale", ls.initial}};
+  if (ls.mode == host::LossScaleMode::Dynamic)
+    j["loss_scaling"] = {
+        {"mode", "dynamic"}, {"initial_scale", ls.initial}, {"window", ls.window}, {"min_scale", ls.min_scale}};
+  return j;
 }
 
-CheckpointInfo checkpoint_info(const core::Program& program, int step, const host::AdamWConfig& adamw) {
+CheckpointInfo checkpoint_info(const core::Program& program, int step, const host::AdamWConfig& adamw,
+                               host::LossScaleState loss_scale) {
   const DataShape shape = data_shape(program);
   CheckpointInfo i;
   i.model_name = program.model_name;
@@ -161,7 +169,19 @@ CheckpointInfo checkpoint_info(const core::Program& program, int step, const hos
   i.seq_len = shape.seq_len;
   i.saved_layout = layout_summary(program);
   i.optimizer = optimizer_json(adamw).dump();
+  if (adamw.loss_scaling.mode != host::LossScaleMode::None) i.loss_scale = loss_scale;
   return i;
+}
+
+void resume_flow(DataflowBase& flow, const CheckpointInfo& info, const host::LossScaling& cfg) {
+  flow.set_steps_done(info.step);
+  if (cfg.mode == host::LossScaleMode::Dynamic && info.loss_scale) flow.set_loss_scale_state(*info.loss_scale);
+}
+
+std::string loss_scaling_problem(const core::Program& program, const TrainOptions& o) {
+  if (o.adamw.loss_scaling.mode == host::LossScaleMode::None || program.clip_grad > 0) return "";
+  return "--loss-scale needs the plan's gradient-norm all-reduce, through which every device learns of an overflow "
+         "before any update: add --clip-grad (Megatron-LM's default is 1.0)";
 }
 
 void check_save_path(const std::string& path) {
@@ -175,6 +195,9 @@ void check_steps_after_resume(const TrainOptions& o, int checkpoint_step) {
         "--steps {} is below the step of the checkpoint {} ({}): nothing would run; give --steps {} or more", o.steps,
         o.resume_path, checkpoint_step, checkpoint_step));
 }
+
+// A step skipped by loss scaling: what the printed line and nothing else says about it.
+static std::string overflow_note(double scale) { return fmt::format("gradients overflowed at loss scale {}", scale); }
 
 std::string nonfinite_value(double v) { return std::isnan(v) ? "nan" : v > 0 ? "inf" : "-inf"; }
 
@@ -229,13 +252,13 @@ std::string broadcast_checkpoint_bytes(const std::string& path, const core::Prog
 }
 
 void save_distributed(const TrainOptions& o, const core::Program& program, const std::vector<StateRecord>& records,
-                      const core::Model& model, int step, RankGroup& group) {
+                      const core::Model& model, int step, RankGroup& group, host::LossScaleState loss_scale) {
   const int rank = group.rank();
   const std::string all = group.gather(serialize_state_records(records)).all;
   std::string error;
   if (rank == 0) {
     try {
-      write_checkpoint(o.save_path, checkpoint_info(program, step, o.adamw),
+      write_checkpoint(o.save_path, checkpoint_info(program, step, o.adamw, loss_scale),
                        assemble_state(model, parse_state_records(all)));
       if (o.print) fmt::print("checkpoint after step {} -> {}\n", step, o.save_path);
     } catch (const std::exception& e) {
@@ -249,11 +272,11 @@ void save_distributed(const TrainOptions& o, const core::Program& program, const
 }
 
 // Loads a checkpoint into `model` (all checks first); returns the step to continue from.
-static int resume_from(const std::string& path, const std::string& bytes, const core::Program& program,
-                       host::HostModel& model) {
+static CheckpointInfo resume_from(const std::string& path, const std::string& bytes, const core::Program& program,
+                                  host::HostModel& model) {
   const Checkpoint ckpt = read_compatible_checkpoint(path, bytes, program);
   load_state(model, ckpt.state);
-  return ckpt.info.step;
+  return ckpt.info;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -268,17 +291,22 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
   all.last_layer = static_cast<int>(model.layers().size());
   host::HostModel m(model, {all}, o.seed);
   host::TokenStream stream(model.config() ? model.config()->vocab : 0, shape.seq_len, o.seed, o.data_path);
-  const float scale = 1.0f / static_cast<float>(shape.global_tokens());
   TrainResult r;
+  if (const std::string why = loss_scaling_problem(program, o); !why.empty()) throw std::invalid_argument(why);
   const auto lock = prepare_outputs(o);
+  const host::LossScaling& scaling = o.adamw.loss_scaling;
+  host::LossScaleState scaler = host::initial_loss_scale(scaling);
   if (!o.resume_path.empty()) {
-    r.first_step = resume_from(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program, m);
+    const CheckpointInfo info = resume_from(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program, m);
+    r.first_step = info.step;
+    if (scaling.mode == host::LossScaleMode::Dynamic && info.loss_scale) scaler = *info.loss_scale;
     check_steps_after_resume(o, r.first_step);
   }
   double total_s = 0;
   StateSnapshot before;
   for (int step = r.first_step; step < o.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
+    const float scale = host::scaled_loss_gradient(scaler.scale, shape.global_tokens());
     double loss = 0;
     for (int mb = 0; mb < shape.microbatches; ++mb)
       for (int rank = 0; rank < shape.ranks; ++rank) {
@@ -292,19 +320,26 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
       }
     // Non-finite loss or gradient norm: checked before the update (which would spread it into the
     // state); a finite gradient can still give a non-finite update (a zero --adam-eps: 0/0).
-    double grad_sq = 0;
+    double grad_sq = 0;  // of the unscaled gradients (over a power of two: exact)
     for (const auto& sp : m.segments())
-      for (float g : sp.grads) grad_sq += static_cast<double>(g) * g;
+      for (float g : sp.grads) {
+        const double u = static_cast<double>(g) / scaler.scale;
+        grad_sq += u * u;
+      }
     const double mean_loss = loss / static_cast<double>(shape.global_tokens());
+    // Loss scaling: a non-finite norm is an overflow of the scaled gradients; the update is skipped.
+    const bool overflow = scaling.mode != host::LossScaleMode::None && !std::isfinite(grad_sq);
     std::string bad;
     if (!std::isfinite(mean_loss))
       bad = "loss " + nonfinite_value(mean_loss);
-    else if (!std::isfinite(grad_sq))
+    else if (!std::isfinite(grad_sq) && !overflow)
       bad = "gradient norm " + nonfinite_value(grad_sq);
-    if (bad.empty()) {
+    if (bad.empty() && overflow) {
+      m.discard_grads(0);
+    } else if (bad.empty()) {
       if (o.skip_nonfinite) before.take(m);
       host::AdamWConfig cfg = o.adamw.at(step + 1);
-      if (program.clip_grad > 0) cfg.grad_scale = clip_scale(grad_sq, program.clip_grad);  // one model: its norm
+      cfg.grad_scale = unscale_and_clip(grad_sq, program.clip_grad, scaler.scale);  // one model: its norm
       m.update(0, cfg, step + 1);
       if (!state_is_finite(m)) bad = "the update made parameters or AdamW moments non-finite";
     }
@@ -319,12 +354,15 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
     r.step_times_s.push_back(dt);
     r.losses.push_back(mean_loss);
     if (program.clip_grad > 0) r.grad_norms.push_back(std::sqrt(grad_sq));
+    if (overflow) bad = overflow_note(scaler.scale);
     if (!bad.empty()) r.skipped_steps.push_back(step + 1);
+    if (scaling.mode != host::LossScaleMode::None) r.loss_scales.push_back(scaler.scale);
+    scaler = host::next_loss_scale(scaling, scaler, overflow);
     if (o.print)
       fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms){}\n", step + 1, r.losses.back(), dt * 1e3,
                  bad.empty() ? "" : "  skipped: " + bad);
     if (saves_after(o, step + 1)) {
-      write_checkpoint(o.save_path, checkpoint_info(program, step + 1, o.adamw),
+      write_checkpoint(o.save_path, checkpoint_info(program, step + 1, o.adamw, scaler),
                        assemble_state(m.model(), state_records(m)));
       if (o.print) fmt::print("checkpoint after step {} -> {}\n", step + 1, o.save_path);
     }
@@ -333,7 +371,7 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
   r.step_time_s = ran > 0 ? total_s / ran : 0;
   r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
   if (!o.save_path.empty() && ran <= 0)
-    write_checkpoint(o.save_path, checkpoint_info(program, r.first_step, o.adamw),
+    write_checkpoint(o.save_path, checkpoint_info(program, r.first_step, o.adamw, scaler),
                      assemble_state(m.model(), state_records(m)));
   if (!o.dump_params_path.empty()) write_dump(o.dump_params_path, serialize_records(m.param_records()));
   if (!o.report_path.empty()) write_report(o.report_path, r, o, "reference", 1);
@@ -352,6 +390,7 @@ class HostTrainee : public RankTrainee {
   Backend& backend() override { return b_; }
   double loss_sum() override { return b_.loss_sum(); }
   double grad_norm() override { return b_.grad_norm(); }
+  DataflowBase& flow() override { return b_.flow(); }
   bool state_is_finite() override { return runtime::state_is_finite(b_.model()); }
   void snapshot() override { before_.take(b_.model()); }
   void rollback() override { before_.restore(b_.model()); }
@@ -401,10 +440,13 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
   try {
     check_save_path(o.save_path);
     check_calibrate_path(o.calibrate_path);
+    if (const std::string why = loss_scaling_problem(program, o); !why.empty()) throw std::invalid_argument(why);
     HostConfig cfg{o.seed, o.data_path, o.adamw, o.stall_timeout_s};
     if (error.empty()) backend = std::make_unique<HostBackend>(program, rank, MPI_COMM_WORLD, cfg);
     if (error.empty() && !o.resume_path.empty()) {
-      r.first_step = resume_from(o.resume_path, checkpoint, program, backend->model());
+      const CheckpointInfo info = resume_from(o.resume_path, checkpoint, program, backend->model());
+      r.first_step = info.step;
+      resume_flow(backend->flow(), info, o.adamw.loss_scaling);
       check_steps_after_resume(o, r.first_step);
     }
   } catch (const std::exception& e) {
@@ -422,7 +464,6 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
     if (rank != 0) throw ReportedByAnotherRank();
     throw std::invalid_argument(o.resume_path + ": ranks read different steps from the checkpoint");
   }
-  backend->set_steps_done(r.first_step);
   HostTrainee trainee(*backend);
   const RankLoopLabels labels{
       "host-cpu",
@@ -439,6 +480,7 @@ std::unique_ptr<SaveLock> prepare_outputs(const TrainOptions& o) {
 }
 
 TrainResult train_virtual(const core::Program& program, const TrainOptions& o) {
+  if (const std::string why = loss_scaling_problem(program, o); !why.empty()) throw std::invalid_argument(why);
   const auto lock = prepare_outputs(o);
   const HostConfig cfg{o.seed, o.data_path, o.adamw, o.stall_timeout_s};
   HostThreads threads(program, o.stall_timeout_s);
@@ -457,7 +499,8 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o) {
         read_compatible_checkpoint(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program);
     check_steps_after_resume(o, ckpt.info.step);
     first_step = ckpt.info.step;
-    for (auto& b : backends) load_state(b->model(), ckpt.state), b->set_steps_done(first_step);
+    for (auto& b : backends)
+      load_state(b->model(), ckpt.state), resume_flow(b->flow(), ckpt.info, o.adamw.loss_scaling);
   }
   const RankLoopLabels labels{
       "host-cpu",
@@ -547,6 +590,7 @@ TrainResult train_ranks(const core::Program& program, const TrainOptions& o, Ran
   for (int step = r.first_step; step < o.steps; ++step) {
     if (o.skip_nonfinite) trainee.snapshot();  // the state before the step, restored if it diverged
     group.barrier();                           // align step starts so the timeline's devices share a time origin
+    const double loss_scale = trainee.flow().loss_scale_state().scale;  // this step's (end_step moves it)
     last = executor.run_step(step);
     if (!o.calibrate_path.empty() && calibration_uses_step(step - r.first_step, o.steps - r.first_step))
       calibration_steps.push_back(trainee.measured(last));
@@ -570,9 +614,13 @@ TrainResult train_ranks(const core::Program& program, const TrainOptions& o, Ran
       }
       trainee.rollback();
       r.skipped_steps.push_back(step + 1);
+    } else if (trainee.flow().overflowed()) {  // loss scaling: every device skipped the update
+      bad = overflow_note(loss_scale);
+      r.skipped_steps.push_back(step + 1);
     }
     r.losses.push_back(mean_loss);
     if (program.clip_grad > 0) r.grad_norms.push_back(trainee.grad_norm());
+    if (o.adamw.loss_scaling.mode != host::LossScaleMode::None) r.loss_scales.push_back(loss_scale);
     r.step_times_s.push_back(step_s);
     total_step_s += step_s;
     r.backend_s += last.backend_seconds;
@@ -584,14 +632,16 @@ TrainResult train_ranks(const core::Program& program, const TrainOptions& o, Ran
       fmt::print("step {:>4}  loss {:.6f}  ({:.1f} ms){}\n", step + 1, r.losses.back(), step_s * 1e3,
                  bad.empty() ? "" : "  skipped: " + bad);
     if (saves_after(o, step + 1))
-      save_distributed(o, program, trainee.checkpoint_records(), trainee.model(), step + 1, group);
+      save_distributed(o, program, trainee.checkpoint_records(), trainee.model(), step + 1, group,
+                       trainee.flow().loss_scale_state());
   }
   const int ran = o.steps - r.first_step;
   r.step_time_s = ran > 0 ? total_step_s / ran : 0;
   r.tokens_per_s = r.step_time_s > 0 ? static_cast<double>(shape.global_tokens()) / r.step_time_s : 0;
 
   if (!o.save_path.empty() && ran <= 0)
-    save_distributed(o, program, trainee.checkpoint_records(), trainee.model(), r.first_step, group);
+    save_distributed(o, program, trainee.checkpoint_records(), trainee.model(), r.first_step, group,
+                     trainee.flow().loss_scale_state());
   if (!o.dump_params_path.empty()) {
     const std::string mine = serialize_records(trainee.param_records());
     if (const auto g = group.gather(mine); rank == 0) write_dump(o.dump_params_path, g.all);

@@ -74,13 +74,19 @@ rt::TrainOptions options(const fs::path& dump) {
   return o;
 }
 
-void expect_equivalent(const std::string& name, const core::Program& program, cu::DType dt = cu::DType::F32) {
+// `adjust` changes both runs' options alike (loss scaling, say).
+void expect_equivalent(const std::string& name, const core::Program& program, cu::DType dt = cu::DType::F32,
+                       const std::function<void(rt::TrainOptions&)>& adjust = {}) {
   const fs::path dir = temp_dir(name);
-  const auto ref = rt::train_reference(program, options(dir / "ref.bin"));
+  rt::TrainOptions ref_options = options(dir / "ref.bin"), cuda_options = options(dir / "cuda.bin");
+  if (adjust) adjust(ref_options), adjust(cuda_options);
+  const auto ref = rt::train_reference(program, ref_options);
   cu::CudaRunOptions c;
   c.virtual_devices = true;
   c.dtype = dt;
-  const auto run = cu::train_cuda(program, options(dir / "cuda.bin"), c);
+  const auto run = cu::train_cuda(program, cuda_options, c);
+  EXPECT_EQ(run.skipped_steps, ref.skipped_steps) << name;
+  EXPECT_EQ(run.loss_scales, ref.loss_scales) << name;
   const bool f32 = dt == cu::DType::F32;
   ASSERT_EQ(ref.losses.size(), 3u);
   ASSERT_EQ(run.losses.size(), 3u);
@@ -92,7 +98,7 @@ void expect_equivalent(const std::string& name, const core::Program& program, cu
     EXPECT_LT(diff, kParamAbsTol) << name;
   }
   std::printf("[%s] %s: losses %.7f %.7f %.7f (reference %.7f %.7f %.7f), max |param diff| %.3g\n", name.c_str(),
-              f32 ? "fp32" : "bf16", run.losses[0], run.losses[1], run.losses[2], ref.losses[0], ref.losses[1],
+              cu::dtype_name(dt), run.losses[0], run.losses[1], run.losses[2], ref.losses[0], ref.losses[1],
               ref.losses[2], diff);
 }
 
@@ -143,6 +149,26 @@ TEST(CudaBackendEquivalence, Gpt_FullRecomputeEverySecondBlock_PP2xDP2) {
                       o.recompute = "full";
                       o.recompute_every = 2;
                     }));
+}
+// fp16 storage trains only with loss scaling (its gradients would flush to zero): dynamic scaling from
+// 2^16 with clipping that does not bind, within the bf16 bounds of the fp32 reference (fp16 keeps 3
+// more mantissa bits than bf16), with the reference's scales and no skipped step.
+TEST(CudaBackendEquivalence, Fp16_DynamicLossScale_OneFOneB_PP2xDP2) {
+  expect_equivalent("fp16-1f1b", compile(2, 2, 1, 0, 4, "1f1b", kModel, [](auto& o) { o.clip_grad = 1e6; }),
+                    cu::DType::F16, [](rt::TrainOptions& o) {
+                      o.adamw.loss_scaling.mode = rt::host::LossScaleMode::Dynamic;
+                      o.adamw.loss_scaling.initial = 65536;
+                    });
+}
+// Scales beyond float's range (2^130, 2^129, 2^128) overflow every device's gradients whatever their
+// values: the GPU skips all three steps as the reference does (gradients and ZeRO chunks zeroed, no
+// update kernel), halving the scale, and the parameters stay the initial ones.
+TEST(CudaBackendEquivalence, LossScaleOverflowSkipsTheUpdates_Zero1_PP2xDP2) {
+  expect_equivalent("overflow-zero1", compile(2, 2, 1, 1, 4, "1f1b", kModel, [](auto& o) { o.clip_grad = 1.0; }),
+                    cu::DType::F32, [](rt::TrainOptions& o) {
+                      o.adamw.loss_scaling.mode = rt::host::LossScaleMode::Dynamic;
+                      o.adamw.loss_scaling.initial = std::ldexp(1.0, 130);
+                    });
 }
 TEST(CudaBackendEquivalence, Bf16_OneFOneB_PP2xDP2) {
   expect_equivalent("bf16-1f1b", compile(2, 2, 1, 0, 4, "1f1b"), cu::DType::BF16);

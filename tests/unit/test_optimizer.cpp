@@ -159,17 +159,19 @@ TEST(OptimizerRuns, AResumedRunContinuesTheSchedule) {
   fs::remove_all(dir);
 }
 
-// Standard settings on real text (byte-level tokens of this repository's compiler guide): warmup,
-// cosine decay, weight decay and clipping at 1.0 over 100 steps of the tiny dense model on four virtual
+// Standard settings on real text (byte-level tokens of the GPL-3 text Debian's base-files installs, as
+// scripts/gpu-check.sh uses: a text that does not change with this repository's docs): warmup, cosine
+// decay, weight decay and clipping at 1.0 over 100 steps of the tiny dense model on four virtual
 // devices. Its 64-token vocabulary starts near ln 64 = 4.16; the mean loss of the last ten steps must
-// end at least a third below the first ten's (measured: 4.38 -> 2.88 on this text), and every
+// end at least a third below the first ten's (measured: 4.52 -> 2.57 on this text), and every
 // step's norm is reported and finite.
 TEST(OptimizerRuns, RealTextLossFallsOver100Steps) {
+  const std::string kText = "/usr/share/common-licenses/GPL-3";
+  if (!fs::exists(kText)) GTEST_SKIP() << kText << " is missing (Debian's base-files installs it)";
   const fs::path dir = scratch("real-text");
   const Result r = sh(kCli + " run --virtual-devices --model " + std::string(PIPER_SOURCE_DIR) +
-                      "/tests/data/runtime-tiny-dense.json --pp 2 --dp 2 --microbatches 4 --steps 100 --data " +
-                      std::string(PIPER_SOURCE_DIR) +
-                      "/docs/compiler.md --lr 3e-3 --warmup-steps 10 --lr-decay cosine --min-lr 3e-4 "
+                      "/tests/data/runtime-tiny-dense.json --pp 2 --dp 2 --microbatches 4 --steps 100 --data " + kText +
+                      " --lr 3e-3 --warmup-steps 10 --lr-decay cosine --min-lr 3e-4 "
                       "--weight-decay 0.1 --clip-grad 1.0 --report " +
                       (dir / "run.json").string());
   ASSERT_EQ(r.code, 0) << r.output;

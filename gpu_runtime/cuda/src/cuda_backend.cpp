@@ -136,7 +136,8 @@ void CudaKernels::update(const Exec& e, int s, int step) {
 // The rule of HostModel::owned_grad_sq without tensor parallelism (which this backend refuses):
 // host::counts_in_grad_norm's gradients, whole or the ZeRO chunk, never a tied head's copy of the
 // embedding table (the embedding's own table counts it once).
-void CudaKernels::grad_sq(const Exec& e, const std::vector<int>& segments, Tensor& out) {
+void CudaKernels::grad_sq(const Exec& e, const std::vector<int>& segments, Tensor& out, double loss_scale) {
+  const float inv = static_cast<float>(1.0 / loss_scale);  // a power of two: g * inv is exact
   for (int s : segments) {
     const host::SegmentParams& sp = model_->layout(s);
     if (!host::counts_in_grad_norm(sp)) continue;
@@ -148,8 +149,8 @@ void CudaKernels::grad_sq(const Exec& e, const std::vector<int>& segments, Tenso
         chunked && d.grad_chunk_ready ? d.grad_chunk.as<float>() : d.grads.as<float>() + (chunked ? begin : 0);
     auto [copy_at, copy_len] = sp.tied_copy ? tied_range(s) : std::pair<std::int64_t, std::int64_t>{0, 0};
     const std::int64_t cut_b = std::clamp(copy_at, begin, end), cut_e = std::clamp(copy_at + copy_len, begin, end);
-    sum_squares(g, cut_b - begin, out.as<float>(), e.stream);
-    sum_squares(g + (cut_e - begin), end - cut_e, out.as<float>(), e.stream);
+    sum_squares(g, cut_b - begin, out.as<float>(), e.stream, inv);
+    sum_squares(g + (cut_e - begin), end - cut_e, out.as<float>(), e.stream, inv);
   }
 }
 
@@ -160,11 +161,13 @@ std::pair<std::int64_t, std::int64_t> CudaKernels::tied_range(int s) {
   return {t.data() - sp.grads.data(), static_cast<std::int64_t>(t.size())};
 }
 
-double CudaKernels::clip_to(const Exec& e, const Tensor& norm_sq, double max_norm) {
-  const float sq = download_floats(e, norm_sq).at(0);
-  grad_scale_ = clip_scale(sq, max_norm);
+double CudaKernels::clip_to(const Exec& e, const Tensor& norm_sq, double max_norm, double loss_scale) {
+  const double sq = download_floats(e, norm_sq).at(0);
+  grad_scale_ = unscale_and_clip(sq, max_norm, loss_scale);
   return sq;
 }
+
+void CudaKernels::discard_grads(const Exec& e, int s) { model_->discard_grads(e, s); }
 
 void CudaKernels::poison(int s) {
   // Poisoned before any later op is issued: the next gather's conversion cannot race with it.
@@ -288,6 +291,7 @@ CudaBackend::CudaBackend(const core::Program& program, int device, Transport& tr
   transport_ = std::make_unique<CudaTransport>(transport);
   flow_ = std::make_unique<Dataflow<CudaKernels, CudaTransport>>(program, device, *kernels_, *transport_, config.seed,
                                                                  config.data_path);
+  flow_->set_loss_scaling(config.adamw.loss_scaling);
 }
 
 CudaBackend::~CudaBackend() {

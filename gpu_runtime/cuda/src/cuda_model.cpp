@@ -327,6 +327,14 @@ void CudaModel::update(const Exec& e, int seg, const AdamW& cfg, int step) {
   d.grad_chunk_ready = false;
 }
 
+void CudaModel::discard_grads(const Exec& e, int seg) {
+  SegmentDevice& d = device(seg);
+  if (d.grads.bytes()) check(cudaMemsetAsync(d.grads.data(), 0, d.grads.bytes(), e.stream), "cudaMemsetAsync");
+  if (d.grad_chunk.bytes())
+    check(cudaMemsetAsync(d.grad_chunk.data(), 0, d.grad_chunk.bytes(), e.stream), "cudaMemsetAsync");
+  d.grad_chunk_ready = false;
+}
+
 void CudaModel::poison_params(const Exec& e, int seg) {
   // All-ones bytes are a NaN in both fp32 and bf16.
   SegmentDevice& d = device(seg);

@@ -25,7 +25,7 @@ namespace {
 void write_report(const TrainResult& r, const TrainOptions& o, const std::string& mode, int devices, DType dtype) {
   nlohmann::json j = report_json(r, o, mode, devices);
   j["backend"] = "cuda";
-  j["precision"] = dtype == DType::F32 ? "fp32" : "bf16";
+  j["precision"] = dtype_name(dtype);
   core::write_file_atomically(o.report_path, j.dump(1) + "\n");
 }
 
@@ -63,6 +63,7 @@ class CudaTrainee : public RankTrainee {
   Backend& backend() override { return b_; }
   double loss_sum() override { return b_.loss_sum(); }
   double grad_norm() override { return b_.grad_norm(); }
+  DataflowBase& flow() override { return b_.flow(); }
   bool state_is_finite() override { return true; }
   void snapshot() override { throw std::logic_error("the CUDA backend does not skip non-finite steps"); }
   void rollback() override { snapshot(); }
@@ -101,7 +102,7 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
     const Checkpoint ckpt =
         read_compatible_checkpoint(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program);
     check_steps_after_resume(o, ckpt.info.step);
-    for (auto& b : backends) b->restore(ckpt.state), b->set_steps_done(ckpt.info.step);
+    for (auto& b : backends) b->restore(ckpt.state), resume_flow(b->flow(), ckpt.info, o.adamw.loss_scaling);
     first_step = ckpt.info.step;
   }
   const RankLoopLabels labels{
@@ -167,7 +168,7 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
   int first_step = 0;
   if (ckpt) {
     backend->restore(ckpt->state);
-    backend->set_steps_done(ckpt->info.step);
+    resume_flow(backend->flow(), ckpt->info, o.adamw.loss_scaling);
     first_step = ckpt->info.step;
   }
   // The training loop every backend shares (trainer.hpp); --on-nonfinite skip is refused in train_cuda.
@@ -185,6 +186,7 @@ TrainResult train_cuda(const core::Program& program, const TrainOptions& options
   // A plan this backend cannot run (TP, SP, CP, expert TP, ...) is refused in
   // one line before any GPU is touched (Capabilities, dataflow.hpp).
   std::string why = unsupported_feature(program, cuda_capabilities());
+  if (why.empty()) why = loss_scaling_problem(program, options);
   if (why.empty() && options.skip_nonfinite)
     why =
         "--on-nonfinite skip: the CUDA backend stops on a non-finite loss; skipping steps is implemented on the host "

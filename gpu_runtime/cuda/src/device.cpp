@@ -25,6 +25,7 @@ void check(cudaError_t status, const char* what) {
 }
 
 std::size_t dtype_bytes(DType t) { return t == DType::F32 ? 4 : 2; }
+const char* dtype_name(DType t) { return t == DType::F32 ? "fp32" : t == DType::BF16 ? "bf16" : "fp16"; }
 
 DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
   if (bytes > 0) check(cudaMalloc(&ptr_, bytes), "cudaMalloc");

@@ -72,8 +72,9 @@ void Gemm::run_f32_out(DType dt, const GemmShape& s, const void* a, const void* 
 
 void Gemm::run_typed(DType in, DType out_type, const GemmShape& s, const void* a, const void* b, void* c, float alpha,
                      float beta, Epilogue epilogue, const void* bias) {
-  const cudaDataType_t type = in == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
-  const cudaDataType_t out_dt = out_type == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
+  auto cuda_type = [](DType t) { return t == DType::F32 ? CUDA_R_32F : t == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F; };
+  const cudaDataType_t type = cuda_type(in);
+  const cudaDataType_t out_dt = cuda_type(out_type);
   // Stored row-major shapes: A is [m,k] (or [k,m] when transposed), B is [k,n] (or [n,k]).
   const std::int64_t a_cols = s.trans_a ? s.m : s.k, a_rows = s.trans_a ? s.k : s.m;
   const std::int64_t b_cols = s.trans_b ? s.k : s.n, b_rows = s.trans_b ? s.n : s.k;

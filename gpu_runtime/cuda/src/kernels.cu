@@ -378,11 +378,13 @@ __global__ void sum_into_k(const float* v, int n, float* acc) {
   if (threadIdx.x == 0) atomicAdd(acc, s);
 }
 
-__global__ void sum_squares_k(const float* v, std::int64_t n, float* acc) {
+__global__ void sum_squares_k(const float* v, std::int64_t n, float* acc, float scale) {
   float s = 0;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    s += v[i] * v[i];
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const float u = v[i] * scale;
+    s += u * u;
+  }
   s = block_reduce<false>(s);
   if (threadIdx.x == 0) atomicAdd(acc, s);
 }
@@ -639,10 +641,10 @@ void add(DType dt, const void* a, const void* b, std::int64_t n, void* out, cuda
   launched("add");
 }
 
-void sum_squares(const float* v, std::int64_t n, float* acc, cudaStream_t stream) {
+void sum_squares(const float* v, std::int64_t n, float* acc, cudaStream_t stream, float scale) {
   if (n <= 0) return;
   const auto blocks = static_cast<unsigned>(std::min<std::int64_t>(blocks_for(n), 1024));
-  sum_squares_k<<<blocks, kThreads, 0, stream>>>(v, n, acc);
+  sum_squares_k<<<blocks, kThreads, 0, stream>>>(v, n, acc, scale);
   launched("sum_squares");
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "piper/runtime/cuda/device.hpp"
 
@@ -18,6 +19,8 @@ __device__ __forceinline__ float load(const float* p, std::int64_t i) { return p
 __device__ __forceinline__ float load(const __nv_bfloat16* p, std::int64_t i) { return __bfloat162float(p[i]); }
 __device__ __forceinline__ void store(float* p, std::int64_t i, float v) { p[i] = v; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, std::int64_t i, float v) { p[i] = __float2bfloat16(v); }
+__device__ __forceinline__ float load(const __half* p, std::int64_t i) { return __half2float(p[i]); }
+__device__ __forceinline__ void store(__half* p, std::int64_t i, float v) { p[i] = __float2half(v); }
 
 // Block-wide sum or max of one float per thread (blockDim.x == kThreads); every thread gets the result.
 template <bool Max>
@@ -85,8 +88,10 @@ template <typename F>
 void dispatch(DType dt, F&& f) {
   if (dt == DType::F32)
     f(static_cast<float*>(nullptr));
-  else
+  else if (dt == DType::BF16)
     f(static_cast<__nv_bfloat16*>(nullptr));
+  else
+    f(static_cast<__half*>(nullptr));
 }
 
 }  // namespace piper::runtime::cuda::kernel_detail

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,9 @@ struct CheckpointInfo {
   // Informational: the optimizer settings of the saving run (AdamW and the learning-rate schedule),
   // as JSON text; a resumed run may change them (its own flags apply from its first step).
   std::string optimizer;
+  // Loss scaling's state after `step` (a run with loss scaling saved it; header "loss_scale"):
+  // a resumed dynamic run continues from it, as an uninterrupted one would.
+  std::optional<host::LossScaleState> loss_scale;
 };
 
 // The full state of every layer: kind -> values, NaN-free when complete.

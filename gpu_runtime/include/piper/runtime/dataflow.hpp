@@ -88,6 +88,9 @@ void check_capabilities(const core::Program& program, const Capabilities& caps);
 // min(1, max_norm / (norm + 1e-6)) with norm = sqrt(norm_sq) (torch.nn.utils.clip_grad_norm_'s rule;
 // a non-finite norm gives a non-finite factor, and the update's non-finite state stops the run).
 float clip_scale(double norm_sq, double max_norm);
+// The factor every gradient of the step is multiplied by before the update: the clipping factor of
+// the unscaled norm's square over the loss scale (a power of two: exact).
+float unscale_and_clip(double unscaled_norm_sq, double max_norm, double loss_scale);
 
 // ---- The two interfaces ----
 
@@ -123,7 +126,9 @@ enum class Vec { Grads, GradChunk, Master, Params, TiedGrads };
 //   Forward&, ranks);  dispatch_forward / dispatch_backward -> std::vector<Packet>; experts_forward_entries /
 //   experts_backward_entries (ctx, seg, from, Stash&, std::vector<Packet>* to); combine_forward(ctx, Forward&, Source&,
 //   from);  combine_backward(ctx, Backward&, const Source&, from); void update(ctx, seg, int step);  void grad_sq(ctx,
-//   segments, Buf& out);  double clip_to(ctx, const Buf& norm_sq, double max_norm);  // returns norm_sq's value  void
+//   segments, Buf& out, double loss_scale);  // the squares of the gradients over the loss scale (unscaled first: the
+//   scaled squares could overflow)  double clip_to(ctx, const Buf& norm_sq, double max_norm, double loss_scale);
+//   // returns norm_sq  void discard_grads(ctx, seg);  // an overflowed step: zero the gradients, no update  void
 //   poison(int seg); Buf pack_forward(ctx, Forward&&);  Buf pack_backward(ctx, Backward&&);  Buf message_buffer(ctx);
 //   Forward unpack_forward(ctx, Buf&);  Backward unpack_backward(ctx, Buf&); Buf pack_packets(ctx, const
 //   std::vector<Packet>&, ranks);  Buf packet_buffer(ctx, ranks); std::vector<Packet> unpack_packets(ctx, Buf&, ranks);
@@ -148,6 +153,17 @@ class DataflowBase {
   const DataShape& shape() const { return shape_; }
   float loss_scale() const { return loss_scale_; }
   double grad_norm() const { return grad_norm_; }  // clip_grad: the last step's global gradient norm; else -1
+  // Loss scaling (host::LossScaling, the same on every device): set before step 1; the state moves
+  // at each end_step, identically on every device (all see the same global gradient norm).
+  void set_loss_scaling(const host::LossScaling& cfg) {
+    scaling_ = cfg;
+    scale_state_ = host::initial_loss_scale(cfg);
+  }
+  host::LossScaleState loss_scale_state() const { return scale_state_; }
+  void set_loss_scale_state(host::LossScaleState s) { scale_state_ = s; }  // resuming a checkpoint
+  bool overflowed() const { return overflowed_; }  // the last step's gradients overflowed: its update was skipped
+  int steps_done() const { return steps_done_; }   // optimizer steps so far (AdamW's bias correction counts them)
+  void set_steps_done(int steps) { steps_done_ = steps; }
 
  protected:
   // The data-parallel rank of this device in `op` (TP ranks of a group and the CP ranks of a block
@@ -183,8 +199,11 @@ class DataflowBase {
   std::vector<int> set_tp_, set_cp_;  // device set -> TP degree of its stage, CP degree of its segments
   std::unique_ptr<host::TokenStream> stream_;
   TiedSync tied_;
-  int norm_family_ = -1;            // the grad-norm family (clip_grad), or -1
-  double grad_norm_ = -1;           // the last step's global gradient norm (clip_grad), or -1
+  int norm_family_ = -1;   // the grad-norm family (clip_grad), or -1
+  double grad_norm_ = -1;  // the last step's global gradient norm (clip_grad), or -1
+  host::LossScaling scaling_;
+  host::LossScaleState scale_state_;
+  bool overflowed_ = false;
   std::vector<int> held_segments_;  // the segments this device holds parameters of
   int step_ = 0, steps_done_ = 0;
   double loss_sum_ = 0;
@@ -216,13 +235,14 @@ class Dataflow : public Backend, public DataflowBase {
     setup_tied(k_.tied(), k_.embedding_layer(), k_.head_layer(), model.name());
   }
 
-  int steps_done() const { return steps_done_; }
-  void set_steps_done(int steps) { steps_done_ = steps; }
   double loss_sum() const { return loss_sum_; }
 
   void begin_step(int step) override {
     step_ = step;
     loss_sum_ = 0;
+    overflowed_ = false;
+    // The loss gradient of the step's mean token loss, times the loss scale (a power of two: exact).
+    loss_scale_ = host::scaled_loss_gradient(scale_state_.scale, shape_.global_tokens());
     k_.begin_step(step);
   }
 
@@ -241,6 +261,7 @@ class Dataflow : public Backend, public DataflowBase {
     tied_.backward_done.clear();
     tied_.finished = false;
     loss_sum_ = k_.end_step(loss_sum_);
+    scale_state_ = host::next_loss_scale(scaling_, scale_state_, overflowed_);
     ++steps_done_;
   }
 
@@ -261,7 +282,11 @@ class Dataflow : public Backend, public DataflowBase {
         k_.end_op(c, ref.mark);
         break;
       case core::OpKind::Update:
-        for (int s : op.segments) k_.update(c, s, steps_done_ + 1);
+        for (int s : op.segments)
+          if (overflowed_)
+            k_.discard_grads(c, s);  // loss scaling: the step's gradients overflowed, its update is skipped
+          else
+            k_.update(c, s, steps_done_ + 1);
         k_.end_op(c, ref.mark);
         break;
       default:
@@ -464,7 +489,7 @@ void Dataflow<K, T>::start_comm(const Ctx& c, const core::Op& op, Pending& p) {
       r.kind = CommKind::AllReduce;
       if (is_grad_norm(op)) {  // gradient clipping: this device's owned sum of squares
         p.recv = k_.floats(c, 1);
-        k_.grad_sq(c, held_segments_, p.recv);
+        k_.grad_sq(c, held_segments_, p.recv, scale_state_.scale);
       } else if (is_tied_sum(op)) {  // this device's copy of the tied table: its local gradient
         const std::int64_t n = k_.size(tied_.held(), Vec::TiedGrads);
         p.recv = k_.floats(c, n);
@@ -591,7 +616,12 @@ void Dataflow<K, T>::finish_comm(const Ctx& c, const core::Op& op, Pending& p) {
     }
     case core::OpKind::AllReduce: {
       if (is_grad_norm(op)) {
-        grad_norm_ = std::sqrt(k_.clip_to(c, p.recv, program_.clip_grad));
+        const double sq = k_.clip_to(c, p.recv, program_.clip_grad, scale_state_.scale);
+        // With loss scaling a non-finite norm is an overflow of the scaled gradients: every device
+        // sees the same sum, so all skip this step's updates. Without it, the update spreads the
+        // non-finite values and the loop stops or rolls back (--on-nonfinite).
+        overflowed_ = scaling_.mode != host::LossScaleMode::None && !std::isfinite(sq);
+        grad_norm_ = std::sqrt(sq);
         break;
       }
       if (is_tied_sum(op)) {

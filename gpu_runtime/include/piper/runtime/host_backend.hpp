@@ -91,15 +91,16 @@ class HostKernels {
   }
   // Gradient clipping: this device's owned sum of squares into out[0]; the all-reduced sum sets the
   // scale of this step's updates.
-  void grad_sq(const Ctx&, const std::vector<int>& segments, Buf& out) {
+  void grad_sq(const Ctx&, const std::vector<int>& segments, Buf& out, double loss_scale) {
     double sum = 0;
-    for (int s : segments) sum += m_.owned_grad_sq(s);
+    for (int s : segments) sum += m_.owned_grad_sq(s, loss_scale);
     out.assign(1, static_cast<float>(sum));
   }
-  double clip_to(const Ctx&, const Buf& norm_sq, double max_norm) {
-    grad_scale_ = clip_scale(norm_sq.at(0), max_norm);
+  double clip_to(const Ctx&, const Buf& norm_sq, double max_norm, double loss_scale) {
+    grad_scale_ = unscale_and_clip(norm_sq.at(0), max_norm, loss_scale);
     return norm_sq.at(0);
   }
+  void discard_grads(const Ctx&, int s) { m_.discard_grads(s); }
   void poison(int s) { m_.poison_params(s); }
 
   Buf pack_forward(const Ctx&, Forward&& st) { return st.serialize(); }
@@ -243,8 +244,7 @@ class HostBackend : public Backend {
   double loss_sum() const { return flow_->loss_sum(); }    // this device's summed token losses of the step
   double grad_norm() const { return flow_->grad_norm(); }  // the step's global gradient norm (clip_grad), or -1
   host::HostModel& model() { return *model_; }
-  int steps_done() const { return flow_->steps_done(); }
-  void set_steps_done(int steps) { flow_->set_steps_done(steps); }
+  DataflowBase& flow() { return *flow_; }  // steps done, loss scaling
 
  private:
   class MpiTpComm;

@@ -208,6 +208,9 @@ class HostModel {
 
   // Optimizer step of one segment with its reduced gradients (ZeRO >= 1: the chunk), then zero grads.
   void update(int seg, const AdamWConfig& cfg, int step);
+  // Zeroes the segment's gradients (and ZeRO chunk) without an update: what update leaves behind,
+  // for a step whose update is skipped (loss scaling's overflow).
+  void discard_grads(int seg);
   // ZeRO-3: parameters outside a gather are poisoned with NaN so a plan that uses them fails loudly.
   void poison_params(int seg);
 
@@ -220,8 +223,9 @@ class HostModel {
   // Gradient clipping: the sum of squares of the reduced gradients of segment `seg` that this device
   // owns, so that the sum over all devices counts every element of the model once: replica 0 (ZeRO:
   // the first shard group's chunks), TP-replicated tensors on TP rank 0, and a tied head's copy of
-  // the embedding table never (its embedding's segment counts it).
-  double owned_grad_sq(int seg) const;
+  // the embedding table never (its embedding's segment counts it). Loss scaling: each gradient is
+  // divided by `loss_scale` (a power of two: exact) before it is squared, so a square cannot overflow.
+  double owned_grad_sq(int seg, double loss_scale = 1) const;
   // Where a segment's local vector sits in the canonical layout: contiguous runs in local order
   // (expert shards: whole experts; TP: one run per row of a column-split tensor). `replicated` marks
   // tensors every TP rank of a group holds in full.

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <span>
 #include <string>
 #include <vector>
@@ -191,6 +192,39 @@ double tied_head_forward(const ConstMatMap& table, const Mat& u, const std::vect
 Mat tied_head_backward_input(const ConstMatMap& table, const HeadCache& c);
 void tied_head_backward_weight(const HeadCache& c, MatMap dtable);
 
+// ---- Loss scaling (fp16 training): PyTorch's GradScaler, Megatron-LM's DynamicGradScaler ----
+// The loss gradient is multiplied by the scale, and every gradient divided by it before clipping and
+// the update. Dynamic: a step whose gradients overflow (a non-finite global gradient norm) has its
+// update skipped and the scale halved (not below min_scale); after `window` steps in a row without
+// an overflow the scale doubles. Scales are powers of two, so scaling and unscaling are exact.
+enum class LossScaleMode { None, Static, Dynamic };
+struct LossScaling {
+  LossScaleMode mode = LossScaleMode::None;
+  double initial = 65536;  // the static scale, or the dynamic one's start (GradScaler's init_scale 2^16)
+  int window = 2000;       // GradScaler's growth_interval (Megatron's --loss-scale-window is 1000)
+  double min_scale = 1;    // Megatron's --min-loss-scale
+};
+// The scaler's state between steps (saved in checkpoints).
+struct LossScaleState {
+  double scale = 1;
+  int good_steps = 0;  // steps since the last overflow or growth
+};
+LossScaleState initial_loss_scale(const LossScaling& cfg);
+// The state after a step that did (or did not) overflow; Static and None keep the scale.
+LossScaleState next_loss_scale(const LossScaling& cfg, LossScaleState s, bool overflow);
+// Refuses a scale that is not a power of two >= 1, a window < 1 or min_scale above the initial scale
+// (std::invalid_argument naming the flag).
+void check_loss_scaling(const LossScaling& cfg);
+std::string loss_scale_mode_name(LossScaleMode m);  // "none", "static", "dynamic"
+// The gradient of each token's loss in a step of `tokens` tokens, times `scale`: scale * (1 / tokens),
+// the power of two applied after the rounding of 1 / tokens (so a scaled run's gradients are its
+// unscaled run's times the scale, exactly). A scale beyond float's range gives inf: an overflow.
+inline float scaled_loss_gradient(double scale, std::int64_t tokens) {
+  const float s =
+      scale > std::numeric_limits<float>::max() ? std::numeric_limits<float>::infinity() : static_cast<float>(scale);
+  return s * (1.0f / static_cast<float>(tokens));
+}
+
 // ---- AdamW (Loshchilov & Hutter 2019), decoupled weight decay, bias-corrected; step counts from 1 ----
 enum class LrDecay { Constant, Cosine, Linear };
 struct AdamWConfig {
@@ -202,8 +236,10 @@ struct AdamWConfig {
   LrDecay decay = LrDecay::Constant;
   int decay_steps = 0;  // > warmup_steps when decay is not constant (the trainers default it to --steps)
   float min_lr = 0;
-  // Multiplies every gradient before the moments: gradient clipping's min(1, max_norm / norm).
+  // Multiplies every gradient before the moments: gradient clipping's min(1, max_norm / norm), over
+  // the loss scale when there is one.
   float grad_scale = 1;
+  LossScaling loss_scaling;
   // The learning rate of optimizer step `step` (counting from 1).
   float lr_at(int step) const;
   // This configuration with lr = lr_at(step): what the update of that step uses.

@@ -22,6 +22,8 @@
 
 namespace piper::runtime {
 
+class DataflowBase;  // dataflow.hpp
+
 // Thrown on ranks that stop because another rank reported the error: one line, not one per rank.
 struct ReportedByAnotherRank : std::runtime_error {
   ReportedByAnotherRank() : std::runtime_error("reported by another rank") {}
@@ -58,6 +60,7 @@ struct TrainResult {
   std::vector<int> skipped_steps;    // --on-nonfinite skip: the steps (1-based) whose update was dropped
   std::vector<double> step_times_s;  // one per step run (slowest rank)
   std::vector<double> grad_norms;    // clip_grad: each step's global gradient norm (before clipping)
+  std::vector<double> loss_scales;   // loss scaling: the scale each step ran with
   double step_time_s = 0;            // mean over steps (slowest rank)
   double tokens_per_s = 0;
   // Executor accounting summed over steps on this rank (distributed runs only).
@@ -82,6 +85,7 @@ class RankTrainee {
   virtual Backend& backend() = 0;
   virtual double loss_sum() = 0;       // this rank's summed token losses of the last step
   virtual double grad_norm() = 0;      // clip_grad: the last step's global gradient norm (every rank's)
+  virtual DataflowBase& flow() = 0;    // the shared dataflow: steps done, loss scale, overflow
   virtual bool state_is_finite() = 0;  // after the update (a backend that cannot tell: true)
   virtual void snapshot() = 0;         // --on-nonfinite skip: keep the state before a step...
   virtual void rollback() = 0;         // ...and restore it when the step diverged
@@ -121,8 +125,17 @@ double max_param_difference(const std::string& path_a, const std::string& path_b
 std::string model_fingerprint(const core::Program& program);
 
 // ---- checkpoint steps shared by the host and CUDA trainers (the format is checkpoint.hpp's) ----
-// The header of a checkpoint of `program` after `step` optimizer steps.
-CheckpointInfo checkpoint_info(const core::Program& program, int step, const host::AdamWConfig& adamw);
+// The header of a checkpoint of `program` after `step` optimizer steps (with loss scaling, its state
+// after that step).
+CheckpointInfo checkpoint_info(const core::Program& program, int step, const host::AdamWConfig& adamw,
+                               host::LossScaleState loss_scale = {});
+// A resumed run's dataflow: the checkpoint's step count, and (dynamic loss scaling) its scaler state;
+// a static scale, or a checkpoint without a state, starts from the run's own setting.
+void resume_flow(DataflowBase& flow, const CheckpointInfo& info, const host::LossScaling& cfg);
+// Loss scaling finds an overflow on any device before any update through the plan's gradient-norm
+// all-reduce (clip_grad): a plan without one cannot skip an overflowed step everywhere. The one-line
+// reason, or empty.
+std::string loss_scaling_problem(const core::Program& program, const TrainOptions& o);
 // run.json (--report): losses, step times, tokens/s, the optimizer settings and each step's learning
 // rate, and (distributed runs) rank 0's executor accounting.
 nlohmann::json report_json(const TrainResult& r, const TrainOptions& o, const std::string& mode, int devices);
@@ -155,7 +168,7 @@ std::string broadcast_checkpoint_bytes(const std::string& path, const core::Prog
 // atomically. Collective. A failed write stops every rank: std::invalid_argument on rank 0,
 // ReportedByAnotherRank elsewhere.
 void save_distributed(const TrainOptions& o, const core::Program& program, const std::vector<StateRecord>& records,
-                      const core::Model& model, int step, RankGroup& group);
+                      const core::Model& model, int step, RankGroup& group, host::LossScaleState loss_scale);
 // Writes every device's measured timeline of one step (spans relative to the step start) as a
 // Chrome trace (`--trace`), atomically.
 void write_measured_trace(const std::string& path, const core::Program& program,

@@ -109,8 +109,10 @@ class CudaKernels {
   void update(const Exec& e, int s, int step);
   // Gradient clipping (dataflow.hpp): this device's owned sum of squares into out (one fp32), and
   // the all-reduced sum read back (a 4-byte copy that waits for the reduction) as the update scale.
-  void grad_sq(const Exec& e, const std::vector<int>& segments, Tensor& out);
-  double clip_to(const Exec& e, const Tensor& norm_sq, double max_norm);  // returns the norm's square
+  void grad_sq(const Exec& e, const std::vector<int>& segments, Tensor& out, double loss_scale);
+  // Returns the (unscaled) norm's square; sets the update's factor (clipping over the loss scale).
+  double clip_to(const Exec& e, const Tensor& norm_sq, double max_norm, double loss_scale);
+  void discard_grads(const Exec& e, int s);  // loss scaling's overflowed step: zero gradients, no update
   void poison(int s);
 
   Tensor pack_forward(const Exec& e, Forward&& st) { return cuda::pack_forward(e, msg_, st); }
@@ -191,8 +193,7 @@ class CudaBackend : public Backend {
 
   double loss_sum() const { return flow_->loss_sum(); }
   double grad_norm() const { return flow_->grad_norm(); }  // the step's global gradient norm (clip_grad), or -1
-  int steps_done() const { return flow_->steps_done(); }
-  void set_steps_done(int steps) { flow_->set_steps_done(steps); }
+  DataflowBase& flow() { return *flow_; }                  // steps done, loss scaling
   std::vector<host::ParamRecord> param_records();
   // Checkpoints in the canonical layout (checkpoint.hpp): this device's records (fp32 masters and
   // AdamW moments), and the reverse (its shards and chunks of a canonical state; gradients zeroed).

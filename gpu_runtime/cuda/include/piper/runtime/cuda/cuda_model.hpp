@@ -204,6 +204,7 @@ class CudaModel {
                         const std::vector<ExpertPacket>& from_owners) const;
 
   void update(const Exec& e, int seg, const AdamW& cfg, int step);
+  void discard_grads(const Exec& e, int seg);  // zero the gradients (and ZeRO chunk) without an update
   void poison_params(const Exec& e, int seg);
 
   float* loss_accumulator() const { return loss_.as<float>(); }

@@ -24,9 +24,10 @@ bool device_available(std::string* why = nullptr);
 
 void check(cudaError_t status, const char* what);
 
-// Storage type of activations and parameters: fp32 for equivalence tests, bf16 for speed (fp32
-// accumulation in every kernel either way).
-enum class DType { F32, BF16 };
+// Storage type of activations and parameters: fp32 for equivalence tests, bf16 for speed, fp16 with
+// loss scaling (fp32 accumulation in every kernel either way).
+enum class DType { F32, BF16, F16 };
+const char* dtype_name(DType t);  // "fp32", "bf16", "fp16" (--precision's names)
 std::size_t dtype_bytes(DType t);
 
 // Mean device time, in ms, of `reps` calls of `launch`, which enqueues work on `stream`: CUDA events

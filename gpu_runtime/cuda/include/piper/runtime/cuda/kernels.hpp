@@ -185,7 +185,8 @@ void accumulate_f32(DType dt, float* dst, const void* src, std::int64_t n, cudaS
 void add(DType dt, const void* a, const void* b, std::int64_t n, void* out, cudaStream_t stream);
 // *acc += sum of v[0, n) (one block sums in a fixed order, then one atomic add).
 void sum_into(const float* v, int n, float* acc, cudaStream_t stream);
-// acc[0] += sum of v[i]^2 (fp32 atomics: the order of the partial sums is not fixed).
-void sum_squares(const float* v, std::int64_t n, float* acc, cudaStream_t stream);
+// acc[0] += sum of (v[i] * scale)^2 (fp32 atomics: the order of the partial sums is not fixed); loss
+// scaling unscales each gradient first (scale = 1 / the loss scale), so the squares cannot overflow.
+void sum_squares(const float* v, std::int64_t n, float* acc, cudaStream_t stream, float scale = 1);
 
 }  // namespace piper::runtime::cuda
