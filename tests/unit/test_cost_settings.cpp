@@ -197,3 +197,39 @@ TEST(CostSettings, Fp8ParameterGathersMoveOneByteAParameter) {
     EXPECT_NE(std::string(e.what()).find("--fp8-all-gather applies only with --zero 3"), std::string::npos) << e.what();
   }
 }
+
+// fp32 main grads (Megatron-LM's bf16 default, FSDP2's fp32 reduce_dtype) make the gradients 4 bytes:
+// every reduction moves twice the bytes of the bf16-gradient plan, while the parameters stay bf16, so
+// every gather (ZeRO-1's after the update, ZeRO-3's before each use) and the gathered-parameter
+// buffers are unchanged: Megatron's distributed optimizer, DeepSpeed and FSDP's param_dtype all
+// gather the 2-byte parameters.
+TEST(CostSettings, Fp32MainGradsDoubleTheReductionsNotTheParameterGathers) {
+  core::ModelConfig cfg = *core::zoo_config("qwen3-9m");
+  cfg.training.fp32_main_grads = true;
+  cfg.name = "qwen3-9m-fp32-main-grads";
+  const std::string main_grads = ::testing::TempDir() + "/" + cfg.name + "-" + std::to_string(::getpid()) + ".json";
+  core::write_file_atomically(main_grads, core::config_to_spec_json(cfg).dump());
+  const std::string bf16 = spec_with(core::Precision::BF16);
+  auto bytes_of = [](const core::Program& p, core::OpKind kind) {
+    std::vector<std::int64_t> bytes;
+    for (const auto& s : p.plan_for(0).streams)
+      for (const auto& op : s.ops)
+        if (op.kind == kind) bytes.push_back(op.bytes);
+    return bytes;
+  };
+  for (int zero : {1, 3}) {
+    core::StrategyOptions o;
+    o.dp = 2;
+    o.zero = zero;
+    o.microbatches = 2;
+    const core::Program a = compile(o, bf16).result.program, b = compile(o, main_grads).result.program;
+    EXPECT_EQ(bytes_of(b, core::OpKind::AllGather), bytes_of(a, core::OpKind::AllGather)) << "zero " << zero;
+    ASSERT_FALSE(bytes_of(a, core::OpKind::AllGather).empty());
+    const auto ra = bytes_of(a, core::OpKind::ReduceScatter), rb = bytes_of(b, core::OpKind::ReduceScatter);
+    ASSERT_EQ(ra.size(), rb.size());
+    ASSERT_FALSE(ra.empty());
+    for (std::size_t i = 0; i < ra.size(); ++i) EXPECT_EQ(rb[i], 2 * ra[i]) << "zero " << zero << " reduction " << i;
+    EXPECT_EQ(buffer_bytes(b, 0, core::BufferKind::GatheredParameters),
+              buffer_bytes(a, 0, core::BufferKind::GatheredParameters));
+  }
+}

@@ -138,7 +138,9 @@ std::vector<Vertex> emit_reductions(BucketContext& b, const DagNode& red, const 
   return reduced;
 }
 
-// ZeRO-1/2: one gather of the updated shards after the UPD; ZeRO-3: one before each use.
+// ZeRO-1/2: one gather of the updated shards after the UPD; ZeRO-3: one before each use. `bytes`: the
+// bucket's parameters in their storage dtype (bf16 parameters gather 2 bytes each whatever the
+// gradients' dtype: Megatron's distributed optimizer, DeepSpeed's and FSDP's param_dtype gathers).
 void emit_gathers(BucketContext& b, const DagNode& red, const std::vector<int>& bucket, std::int64_t bytes,
                   const std::string& what) {
   PassContext& cx = b.cx;
@@ -149,6 +151,7 @@ void emit_gathers(BucketContext& b, const DagNode& red, const std::vector<int>& 
   if (b.zero == 1 || b.zero == 2) {
     // Each rank updated its shard of the parameters: gather the full parameters back.
     ag.label = "ALL_GATHER" + what;
+    ag.bytes = bytes;
     Vertex va = cx.add(ag);
     if (b.has_upd()) dag.add_edge(b.upd, va, {EdgeKind::Data, bytes, "param"});
   } else if (b.zero == 3) {
@@ -163,7 +166,7 @@ void emit_gathers(BucketContext& b, const DagNode& red, const std::vector<int>& 
         uses[{is_backward(cx.node(c).pass), key}].push_back(c);
       }
     // fp8 gathers (Float8 training): one byte a parameter instead of the parameters' dtype.
-    const std::int64_t gathered = b.d.gather_fp8 ? bytes / gradient_bytes_per_element(dag.training) : bytes;
+    const std::int64_t gathered = b.d.gather_fp8 ? bytes / bytes_per_element(dag.training.precision) : bytes;
     for (auto& [key, users] : uses) {
       DagNode pre = ag;
       pre.bytes = gathered;
@@ -200,7 +203,10 @@ void emit_bucket(BucketContext& b, const Families& families, const std::vector<i
   const std::vector<Vertex> reduced = emit_reductions(b, red, families, bucket, bytes, what);
   if (b.has_upd())
     for (Vertex vr : reduced) dag.add_edge(vr, b.upd, {EdgeKind::Data, bytes, "grad"});
-  emit_gathers(b, red, bucket, bytes, what);
+  std::int64_t param_bytes = 0;
+  for (int s : bucket)
+    param_bytes += dag.segments[static_cast<std::size_t>(s)].state_params() * bytes_per_element(dag.training.precision);
+  emit_gathers(b, red, bucket, param_bytes, what);
 }
 
 void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {
