@@ -48,6 +48,8 @@ fs::path temp_dir(const std::string& name) {
 
 const std::string kGpt = piper::test::data_root() + "/tests/data/runtime-tiny-gpt.json";
 const std::string kGptUntied = piper::test::data_root() + "/tests/data/runtime-tiny-gpt-untied.json";
+// Dense, 4 heads over 2 KV heads with qk-norm: TP 2 splits heads, KV heads, FFN and vocabulary.
+const std::string kDense = piper::test::data_root() + "/tests/data/runtime-tiny-dense.json";
 
 // head_dim 64 and 100-token sequences: bf16 runs take the fast attention path (flash_attention.cu).
 const std::string kHd64Model = piper::test::data_root() + "/tests/data/runtime-small-hd64.json";
@@ -169,6 +171,25 @@ TEST(CudaBackendEquivalence, LossScaleOverflowSkipsTheUpdates_Zero1_PP2xDP2) {
                       o.adamw.loss_scaling.mode = rt::host::LossScaleMode::Dynamic;
                       o.adamw.loss_scaling.initial = std::ldexp(1.0, 130);
                     });
+}
+// Tensor parallelism (Megatron's layout, no SP): column-parallel q/k/v and gate/up, row-parallel
+// output and down projections summed over the TP group inside the op, a vocab-parallel embedding and
+// head (the cross-entropy's max and sums gathered over the group), qk-norm weight gradients summed;
+// the TP-replicated tensors count once in the clipping norm.
+TEST(CudaBackendEquivalence, TensorParallel_TP2xPP2) {
+  expect_equivalent("tp2-pp2", compile(2, 1, 1, 0, 4, "1f1b", kDense, [](auto& o) { o.tp = 2; }));
+}
+TEST(CudaBackendEquivalence, TensorParallel_TP2xDP2_Zero1_ClipGrad) {
+  expect_equivalent("tp2-dp2-zero1-clip", compile(1, 2, 1, 1, 2, "1f1b", kDense, [](auto& o) {
+                      o.tp = 2;
+                      o.clip_grad = 0.05;
+                    }));
+}
+TEST(CudaBackendEquivalence, Gpt_Tied_TensorParallel_TP2xPP2) {
+  expect_equivalent("gpt-tied-tp2", compile(2, 1, 1, 0, 4, "1f1b", kGpt, [](auto& o) { o.tp = 2; }));
+}
+TEST(CudaBackendEquivalence, Bf16_TensorParallel_TP2xPP2) {
+  expect_equivalent("bf16-tp2", compile(2, 1, 1, 0, 4, "1f1b", kDense, [](auto& o) { o.tp = 2; }), cu::DType::BF16);
 }
 TEST(CudaBackendEquivalence, Bf16_OneFOneB_PP2xDP2) {
   expect_equivalent("bf16-1f1b", compile(2, 2, 1, 0, 4, "1f1b"), cu::DType::BF16);

@@ -133,9 +133,9 @@ void CudaKernels::update(const Exec& e, int s, int step) {
   model_->update(e, s, cfg, step);
 }
 
-// The rule of HostModel::owned_grad_sq without tensor parallelism (which this backend refuses):
-// host::counts_in_grad_norm's gradients, whole or the ZeRO chunk, never a tied head's copy of the
-// embedding table (the embedding's own table counts it once).
+// The rule of HostModel::owned_grad_sq: host::counts_in_grad_norm's gradients, whole or the ZeRO
+// chunk, of the runs CudaModel::counted_grad_runs lists (never a tied head's copy of the embedding
+// table, a TP-replicated tensor on TP rank 0 only), each unscaled before it is squared.
 void CudaKernels::grad_sq(const Exec& e, const std::vector<int>& segments, Tensor& out, double loss_scale) {
   const float inv = static_cast<float>(1.0 / loss_scale);  // a power of two: g * inv is exact
   for (int s : segments) {
@@ -147,10 +147,10 @@ void CudaKernels::grad_sq(const Exec& e, const std::vector<int>& segments, Tenso
     const std::int64_t begin = chunked ? sp.chunk_begin : 0, end = chunked ? sp.chunk_end : d.grads.size();
     const float* g =
         chunked && d.grad_chunk_ready ? d.grad_chunk.as<float>() : d.grads.as<float>() + (chunked ? begin : 0);
-    auto [copy_at, copy_len] = sp.tied_copy ? tied_range(s) : std::pair<std::int64_t, std::int64_t>{0, 0};
-    const std::int64_t cut_b = std::clamp(copy_at, begin, end), cut_e = std::clamp(copy_at + copy_len, begin, end);
-    sum_squares(g, cut_b - begin, out.as<float>(), e.stream, inv);
-    sum_squares(g + (cut_e - begin), end - cut_e, out.as<float>(), e.stream, inv);
+    for (const auto& [at, len] : model_->counted_grad_runs(s)) {
+      const std::int64_t b = std::max(at, begin), en = std::min(at + len, end);
+      if (en > b) sum_squares(g + (b - begin), en - b, out.as<float>(), e.stream, inv);
+    }
   }
 }
 
@@ -288,6 +288,21 @@ CudaBackend::CudaBackend(const core::Program& program, int device, Transport& tr
   const core::Model model = program_model(program);
   check_capabilities(program, cuda_capabilities());
   kernels_ = std::make_unique<CudaKernels>(program, device, model, config);
+  // Tensor parallelism (dense blocks; routed experts in a TP segment are expert TP, which
+  // check_capabilities refuses): each held TP segment's group, whose collectives go through this transport.
+  for (std::size_t s = 0; s < program.segments.size(); ++s) {
+    const core::ProgramSegment& seg = program.segments[s];
+    if (seg.tp_degree <= 1 || !kernels_->cuda_model().holds(static_cast<int>(s))) continue;
+    const std::vector<int> group = seg.tp_family >= 0 && seg.tp_family < static_cast<int>(program.families.size())
+                                       ? program.group_of(seg.tp_family, device)
+                                       : std::vector<int>{};
+    if (static_cast<int>(group.size()) != seg.tp_degree)
+      throw std::invalid_argument(
+          fmt::format("plan: segment {}'s TP family {} gives device {} a group of {} devices, "
+                      "not tp_degree {}",
+                      s, seg.tp_family, device, group.size(), seg.tp_degree));
+    kernels_->cuda_model().set_tp(static_cast<int>(s), TpLink{&transport, seg.tp_family, group});
+  }
   transport_ = std::make_unique<CudaTransport>(transport);
   flow_ = std::make_unique<Dataflow<CudaKernels, CudaTransport>>(program, device, *kernels_, *transport_, config.seed,
                                                                  config.data_path);

@@ -327,6 +327,27 @@ void CudaModel::update(const Exec& e, int seg, const AdamW& cfg, int step) {
   d.grad_chunk_ready = false;
 }
 
+std::vector<std::pair<std::int64_t, std::int64_t>> CudaModel::counted_grad_runs(int seg) {
+  const host::SegmentParams& sp = layout_.segment(seg);
+  std::vector<std::pair<std::int64_t, std::int64_t>> runs;
+  for (int l = sp.first_layer; l < sp.last_layer; ++l) {
+    std::int64_t at = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)];
+    for (const auto& t : layout_.tensors_of(sp, l)) {
+      const std::int64_t len = t.local.size();
+      const bool copy = t.canonical_layer >= 0 && t.canonical_layer != l;  // a tied head's table
+      const bool replicated = sp.tp_degree > 1 && t.split == host::TpSplit::Replicated;
+      if (!copy && !(replicated && sp.tp_rank != 0) && len > 0) {
+        if (!runs.empty() && runs.back().first + runs.back().second == at)
+          runs.back().second += len;  // adjacent: one launch
+        else
+          runs.emplace_back(at, len);
+      }
+      at += len;
+    }
+  }
+  return runs;
+}
+
 void CudaModel::discard_grads(const Exec& e, int seg) {
   SegmentDevice& d = device(seg);
   if (d.grads.bytes()) check(cudaMemsetAsync(d.grads.data(), 0, d.grads.bytes(), e.stream), "cudaMemsetAsync");

@@ -5,11 +5,13 @@
 #include <array>
 #include <cstring>
 #include <stdexcept>
+#include <thread>
 
 #include <fmt/format.h>
 
 #include "cuda_model_weights.hpp"
 #include "piper/runtime/cuda/cuda_model.hpp"
+#include "piper/runtime/cuda/transport.hpp"
 
 namespace piper::runtime::cuda {
 
@@ -226,22 +228,14 @@ void CudaModel::forward_layers(const Exec& e, int seg, const host::MicrobatchDat
   const bool drop_core = sp.recompute == host::RecomputeMode::Selective && count_loss;
   stash.layers.assign(static_cast<std::size_t>(sp.last_layer - sp.first_layer), LayerCache{});
   const std::size_t es = elem();
+  const host::AttentionShape shape = segment_attention(seg);  // this TP rank's heads
   for (int l = sp.first_layer; l < sp.last_layer; ++l) {
     LayerCache& c = stash.layers[static_cast<std::size_t>(l - sp.first_layer)];
     Weights w = weights(seg, l, false);
     switch (w.layer->kind) {
-      case core::LayerKind::Embedding: {
-        c.tokens = upload_ints(e, data.tokens);
-        const auto T = static_cast<std::int64_t>(data.tokens.size());
-        s.x = new_tensor(e, T, hidden(), es);
-        embedding_forward(dt_, w.ptr(0), c.tokens.as<int>(), static_cast<int>(T), static_cast<int>(hidden()),
-                          s.x.data(), e.stream);
-        if (w.has("pos"))  // learned absolute positions (GPT)
-          positions_forward(dt_, s.x.data(), w.ptr(w.at("pos")), static_cast<int>(T), static_cast<int>(hidden()),
-                            attn_shape_.seq_len, e.stream);
-        s.u = Tensor{};
+      case core::LayerKind::Embedding:
+        embedding_layer_forward(e, seg, w, data, s, c);
         break;
-      }
       case core::LayerKind::Norm:
         c.norm.x = s.x;
         c.norm.rstd = new_tensor(e, s.x.rows, 1, 4);
@@ -260,10 +254,11 @@ void CudaModel::forward_layers(const Exec& e, int seg, const host::MicrobatchDat
         const bool qk_norm = attn_shape_.qk_norm;
         std::array<const void*, 3> bias{};
         if (attn_shape_.bias) bias = {w.ptr(w.at("bias_q")), w.ptr(w.at("bias_k")), w.ptr(w.at("bias_v"))};
-        Tensor out = attention_layer_forward(e, dt_, attn_shape_, {w.mat(0), w.mat(1), w.mat(2), w.mat(3)},
+        Tensor out = attention_layer_forward(e, dt_, shape, {w.mat(0), w.mat(1), w.mat(2), w.mat(3)},
                                              qk_norm ? w.ptr(4) : nullptr, qk_norm ? w.ptr(5) : nullptr,
                                              attn_shape_.bias ? &bias : nullptr, s.u, c.attn);
-        if (attn_shape_.bias) add_bias(e, dt_, out, w.ptr(w.at("bias_o")));
+        tp_sum(e, seg, out);  // row-parallel output projection: the ranks' partial sums
+        if (attn_shape_.bias) add_bias(e, dt_, out, w.ptr(w.at("bias_o")));  // once, after the sum
         s.x = plus(e, dt_, s.x, out);
         if (drop_core) c.attn.o = Tensor{}, c.attn.probs = Tensor{};
         break;
@@ -275,8 +270,9 @@ void CudaModel::forward_layers(const Exec& e, int seg, const host::MicrobatchDat
         } else {
           out = gelu_mlp_forward(e, dt_, w.mat(w.at("wu")), w.mat(w.at("wd")),
                                  w.has("bias_fc1") ? w.ptr(w.at("bias_fc1")) : nullptr, s.u, c.mlp);
-          if (w.has("bias_fc2")) add_bias(e, dt_, out, w.ptr(w.at("bias_fc2")));
         }
+        tp_sum(e, seg, out);
+        if (w.has("bias_fc2")) add_bias(e, dt_, out, w.ptr(w.at("bias_fc2")));
         s.x = plus(e, dt_, s.x, out);
         break;
       }
@@ -301,22 +297,52 @@ void CudaModel::forward_layers(const Exec& e, int seg, const host::MicrobatchDat
         combine_forward(e, s, c.source, {ExpertPacket{{}, std::move(y)}});
         break;
       }
-      case core::LayerKind::Head: {
-        const std::int64_t T = s.u.rows;
-        c.head.u = s.u;
-        // logits, then in place (softmax - onehot) * scale; a tied head multiplies by the table [V, H]
-        bool tied = false;
-        const M wh = head_weights(seg, false, tied).mat(0);
-        c.head.dlogits = matmul(e, dt_, of(s.u), false, wh, tied);
-        Tensor targets = upload_ints(e, data.targets);
-        Tensor loss = new_tensor(e, T, 1, 4);
-        cross_entropy(dt_, c.head.dlogits.data(), targets.as<int>(), static_cast<int>(T),
-                      static_cast<int>(c.head.dlogits.cols), loss_scale, loss.as<float>(), e.stream);
-        if (count_loss) sum_into(loss.as<float>(), static_cast<int>(T), loss_.as<float>(), e.stream);
+      case core::LayerKind::Head:
+        head_forward(e, seg, data, loss_scale, s.u, c, count_loss);
         break;
-      }
     }
   }
+}
+
+void CudaModel::embedding_layer_forward(const Exec& e, int seg, const Weights& w, const host::MicrobatchData& data,
+                                        ForwardState& s, LayerCache& c) {
+  const host::SegmentParams& sp = layout_.segment(seg);
+  const bool tp = tp_of(seg) != nullptr;
+  c.tokens = upload_ints(e, data.tokens);
+  const auto T = static_cast<std::int64_t>(data.tokens.size());
+  s.x = new_tensor(e, T, hidden(), elem());
+  // Vocab-parallel under TP: this rank's rows of the table, the others' zero, summed over the group.
+  const int rows = static_cast<int>(w.tensors[0].second.rows);
+  embedding_forward(dt_, w.ptr(0), c.tokens.as<int>(), static_cast<int>(T), static_cast<int>(hidden()), s.x.data(),
+                    e.stream, tp ? sp.tp_rank * rows : 0, tp ? rows : -1);
+  tp_sum(e, seg, s.x);
+  if (w.has("pos"))  // learned absolute positions (GPT), replicated: added once, after the sum
+    positions_forward(dt_, s.x.data(), w.ptr(w.at("pos")), static_cast<int>(T), static_cast<int>(hidden()),
+                      attn_shape_.seq_len, e.stream);
+  s.u = Tensor{};
+}
+
+void CudaModel::head_forward(const Exec& e, int seg, const host::MicrobatchData& data, float loss_scale,
+                             const Tensor& u, LayerCache& c, bool count_loss) {
+  const host::SegmentParams& sp = layout_.segment(seg);
+  const bool tp = tp_of(seg) != nullptr;
+  const std::int64_t T = u.rows;
+  c.head.u = u;
+  // logits, then in place (softmax - onehot) * scale; a tied head multiplies by the table [V, H]
+  bool tied = false;
+  const M wh = head_weights(seg, false, tied).mat(0);
+  c.head.dlogits = matmul(e, dt_, of(u), false, wh, tied);
+  Tensor targets = upload_ints(e, data.targets);
+  Tensor loss = new_tensor(e, T, 1, 4);
+  if (tp)  // vocab-parallel: this rank's columns of the logits
+    vocab_parallel_cross_entropy(e, seg, c.head.dlogits, targets, sp.tp_rank * static_cast<int>(c.head.dlogits.cols),
+                                 loss_scale, loss.as<float>());
+  else
+    cross_entropy(dt_, c.head.dlogits.data(), targets.as<int>(), static_cast<int>(T),
+                  static_cast<int>(c.head.dlogits.cols), loss_scale, loss.as<float>(), e.stream);
+  // Every TP rank computed the same loss: rank 0 counts it.
+  if (count_loss && (!tp || sp.tp_rank == 0))
+    sum_into(loss.as<float>(), static_cast<int>(T), loss_.as<float>(), e.stream);
 }
 
 void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, SegmentStash& stash) {
@@ -336,6 +362,7 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
         bool tied = false;
         const M wh = head_weights(seg, false, tied).mat(0);
         g.du = matmul(e, dt_, of(c.head.dlogits), false, wh, !tied);
+        tp_sum(e, seg, g.du);  // vocab-parallel: each rank's columns give a partial input gradient
         g.dx = zeros(e, g.du.rows, g.du.cols, es);
         break;
       }
@@ -372,58 +399,13 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
       case core::LayerKind::Mlp: {
         Tensor du = w.has("wg") ? mlp_backward_input(e, dt_, w.mat(0), w.mat(1), w.mat(2), c.mlp, g.dx)
                                 : gelu_mlp_backward_input(e, dt_, w.mat(w.at("wu")), w.mat(w.at("wd")), c.mlp, g.dx);
+        tp_sum(e, seg, du);  // column-parallel input gradient: partial over the ranks' columns
         g.du = plus(e, dt_, g.du, du);
         break;
       }
       case core::LayerKind::Attention: {
-        const auto& a = attn_shape_;
-        AttentionCache& k = c.attn;
-        const std::int64_t T = k.u.rows;
-        if (k.o.empty()) attention_core(e, dt_, a, k);  // selective recomputation: the core was dropped
-        k.dout = g.dx;
-        Tensor d_o = matmul(e, dt_, of(g.dx), false, w.mat(3), true);
-        Tensor dq = new_tensor(e, k.q.rows, k.q.cols, es), dk = new_tensor(e, k.k.rows, k.k.cols, es);
-        k.dv = new_tensor(e, k.v.rows, k.v.cols, es);
-        const AttentionDims dims = dims_of(a, T);
-        if (k.path == AttentionPath::Cudnn) {
-          const Tensor ws = new_tensor(e, 1, static_cast<std::int64_t>(cudnn_attention_workspace(dims, true)), 1);
-          cudnn_attention_backward(dims, k.q.data(), k.k.data(), k.v.data(), k.o.data(), k.probs.as<float>(),
-                                   d_o.data(), dq.data(), dk.data(), k.dv.data(), ws.data(), e.stream);
-        } else {
-          // Reference: ds is scratch of the probabilities' size; flash: delta, one value per row.
-          Tensor ds = new_tensor(e, k.probs.rows, k.probs.cols, 4);
-          if (k.path == AttentionPath::Flash)
-            flash_attention_backward(dims, k.q.data(), k.k.data(), k.v.data(), k.o.data(), k.probs.as<float>(),
-                                     d_o.data(), ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
-          else
-            attention_core_backward(dt_, dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), d_o.data(),
-                                    ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
-        }
-        if (a.rope) {
-          rope(dt_, dq.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
-          rope(dt_, dk.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
-        }
-        if (a.qk_norm) {
-          k.dq_lin = new_tensor(e, dq.rows, dq.cols, es);
-          k.dk_lin = new_tensor(e, dk.rows, dk.cols, es);
-          rmsnorm_backward_input(dt_, k.q_lin.data(), k.q_rstd.as<float>(), w.ptr(4), dq.data(),
-                                 static_cast<int>(T * a.heads), a.head_dim, k.dq_lin.data(), e.stream);
-          rmsnorm_backward_input(dt_, k.k_lin.data(), k.k_rstd.as<float>(), w.ptr(5), dk.data(),
-                                 static_cast<int>(T * a.kv_heads), a.head_dim, k.dk_lin.data(), e.stream);
-          // The host computes the q/k norm weight gradients in BI and adds them in BW: same here.
-          k.dq_norm = zeros(e, a.head_dim, 1, 4);
-          k.dk_norm = zeros(e, a.head_dim, 1, 4);
-          rmsnorm_backward_weight(dt_, k.q_lin.data(), k.q_rstd.as<float>(), dq.data(), static_cast<int>(T * a.heads),
-                                  a.head_dim, k.dq_norm.as<float>(), e.stream);
-          rmsnorm_backward_weight(dt_, k.k_lin.data(), k.k_rstd.as<float>(), dk.data(),
-                                  static_cast<int>(T * a.kv_heads), a.head_dim, k.dk_norm.as<float>(), e.stream);
-        } else {
-          k.dq_lin = dq;
-          k.dk_lin = dk;
-        }
-        Tensor du = matmul(e, dt_, of(k.dq_lin), false, w.mat(0), true);
-        matmul_acc(e, dt_, of(k.dk_lin), false, w.mat(1), true, du);
-        matmul_acc(e, dt_, of(k.dv), false, w.mat(2), true, du);
+        Tensor du = attention_backward_input(e, seg, w, c.attn, g.dx);
+        tp_sum(e, seg, du);  // column-parallel q/k/v: partial over the ranks' heads
         g.du = plus(e, dt_, g.du, du);
         break;
       }
@@ -435,15 +417,75 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
   }
 }
 
+Tensor CudaModel::attention_backward_input(const Exec& e, int seg, const Weights& w, AttentionCache& k,
+                                           const Tensor& dx) {
+  const std::size_t es = elem();
+  const host::AttentionShape a = segment_attention(seg);
+  const std::int64_t T = k.u.rows;
+  if (k.o.empty()) attention_core(e, dt_, a, k);  // selective recomputation: the core was dropped
+  k.dout = dx;
+  Tensor d_o = matmul(e, dt_, of(dx), false, w.mat(3), true);
+  Tensor dq = new_tensor(e, k.q.rows, k.q.cols, es), dk = new_tensor(e, k.k.rows, k.k.cols, es);
+  k.dv = new_tensor(e, k.v.rows, k.v.cols, es);
+  const AttentionDims dims = dims_of(a, T);
+  if (k.path == AttentionPath::Cudnn) {
+    const Tensor ws = new_tensor(e, 1, static_cast<std::int64_t>(cudnn_attention_workspace(dims, true)), 1);
+    cudnn_attention_backward(dims, k.q.data(), k.k.data(), k.v.data(), k.o.data(), k.probs.as<float>(), d_o.data(),
+                             dq.data(), dk.data(), k.dv.data(), ws.data(), e.stream);
+  } else {
+    // Reference: ds is scratch of the probabilities' size; flash: delta, one value per row.
+    Tensor ds = new_tensor(e, k.probs.rows, k.probs.cols, 4);
+    if (k.path == AttentionPath::Flash)
+      flash_attention_backward(dims, k.q.data(), k.k.data(), k.v.data(), k.o.data(), k.probs.as<float>(), d_o.data(),
+                               ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
+    else
+      attention_core_backward(dt_, dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), d_o.data(),
+                              ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
+  }
+  if (a.rope) {
+    rope(dt_, dq.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
+    rope(dt_, dk.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
+  }
+  if (a.qk_norm) {
+    k.dq_lin = new_tensor(e, dq.rows, dq.cols, es);
+    k.dk_lin = new_tensor(e, dk.rows, dk.cols, es);
+    rmsnorm_backward_input(dt_, k.q_lin.data(), k.q_rstd.as<float>(), w.ptr(4), dq.data(),
+                           static_cast<int>(T * a.heads), a.head_dim, k.dq_lin.data(), e.stream);
+    rmsnorm_backward_input(dt_, k.k_lin.data(), k.k_rstd.as<float>(), w.ptr(5), dk.data(),
+                           static_cast<int>(T * a.kv_heads), a.head_dim, k.dk_lin.data(), e.stream);
+    // The host computes the q/k norm weight gradients in BI and adds them in BW: same here.
+    k.dq_norm = zeros(e, a.head_dim, 1, 4);
+    k.dk_norm = zeros(e, a.head_dim, 1, 4);
+    rmsnorm_backward_weight(dt_, k.q_lin.data(), k.q_rstd.as<float>(), dq.data(), static_cast<int>(T * a.heads),
+                            a.head_dim, k.dq_norm.as<float>(), e.stream);
+    rmsnorm_backward_weight(dt_, k.k_lin.data(), k.k_rstd.as<float>(), dk.data(), static_cast<int>(T * a.kv_heads),
+                            a.head_dim, k.dk_norm.as<float>(), e.stream);
+    // Replicated over TP but seen through this rank's heads only: summed over the group.
+    tp_sum_floats(e, seg, k.dq_norm.as<float>(), a.head_dim);
+    tp_sum_floats(e, seg, k.dk_norm.as<float>(), a.head_dim);
+  } else {
+    k.dq_lin = dq;
+    k.dk_lin = dk;
+  }
+  Tensor du = matmul(e, dt_, of(k.dq_lin), false, w.mat(0), true);
+  matmul_acc(e, dt_, of(k.dk_lin), false, w.mat(1), true, du);
+  matmul_acc(e, dt_, of(k.dv), false, w.mat(2), true, du);
+  return du;
+}
+
 void CudaModel::backward_weight(const Exec& e, int seg, SegmentStash& stash) {
   host::SegmentParams& sp = layout_.segment(seg);
   for (int l = sp.first_layer; l < sp.last_layer; ++l) {
     LayerCache& c = stash.layers.at(static_cast<std::size_t>(l - sp.first_layer));
     Weights gw = weights(seg, l, true);
     switch (gw.layer->kind) {
-      case core::LayerKind::Embedding:
+      case core::LayerKind::Embedding: {
+        const int rows = static_cast<int>(gw.tensors[0].second.rows);
+        const bool tp = tp_of(seg) != nullptr;
         embedding_backward_weight(dt_, c.tokens.as<int>(), c.dx_embed.data(), static_cast<int>(c.dx_embed.rows),
-                                  static_cast<int>(c.dx_embed.cols), gw.grad(0), e.stream);
+                                  static_cast<int>(c.dx_embed.cols), gw.grad(0), e.stream, tp ? sp.tp_rank * rows : 0,
+                                  tp ? rows : -1);
+      }
         if (gw.has("pos"))
           positions_backward_weight(dt_, c.dx_embed.data(), static_cast<int>(c.dx_embed.rows),
                                     static_cast<int>(c.dx_embed.cols), attn_shape_.seq_len, gw.grad(gw.at("pos")),
@@ -504,6 +546,88 @@ void CudaModel::backward_weight(const Exec& e, int seg, SegmentStash& stash) {
       }
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor parallelism (host_model_compute.cpp's tp_sum and vocab-parallel head)
+// ---------------------------------------------------------------------------------------------
+namespace {
+constexpr int kTpPair = -2;  // the collectives inside compute ops, named apart from the plan's (pair >= -1)
+// The op waits for its TP collective (the group meets inside the op, as host::TpComm's calls block).
+void wait_for(Transport& t, int ticket) {
+  while (!t.test(ticket)) std::this_thread::yield();
+}
+}  // namespace
+
+void CudaModel::set_tp(int seg, TpLink link) { tp_[seg] = std::move(link); }
+
+const TpLink* CudaModel::tp_of(int seg) const {
+  const auto it = tp_.find(seg);
+  return it == tp_.end() ? nullptr : &it->second;
+}
+
+host::AttentionShape CudaModel::segment_attention(int seg) {
+  host::AttentionShape a = attn_shape_;
+  const int t = layout_.segment(seg).tp_degree;
+  a.heads /= t;
+  a.kv_heads /= t;
+  return a;
+}
+
+void CudaModel::tp_sum_floats(const Exec& e, int seg, float* p, std::int64_t n) {
+  const TpLink* tp = tp_of(seg);
+  if (!tp || n == 0) return;
+  CommRequest r;
+  r.kind = CommKind::AllReduce;
+  r.pair = kTpPair;
+  r.family = tp->family;
+  r.group = tp->group;
+  r.recv = p;
+  r.count = static_cast<std::size_t>(n);
+  r.stream = e.stream;
+  wait_for(*tp->transport, tp->transport->post(r));
+}
+
+void CudaModel::tp_sum(const Exec& e, int seg, Tensor& t) {
+  if (!tp_of(seg)) return;
+  const std::int64_t n = t.rows * t.cols;
+  if (dt_ == DType::F32) return tp_sum_floats(e, seg, t.as<float>(), n);
+  // bf16/fp16 partial sums are added in fp32 (the transports reduce fp32), then stored once.
+  Tensor f = new_tensor(e, t.rows, t.cols, 4);
+  convert(dt_, t.data(), DType::F32, f.data(), n, e.stream);
+  tp_sum_floats(e, seg, f.as<float>(), n);
+  convert(DType::F32, f.data(), dt_, t.data(), n, e.stream);
+}
+
+Tensor CudaModel::tp_gather_floats(const Exec& e, int seg, const float* send, std::int64_t n) {
+  const TpLink* tp = tp_of(seg);
+  Tensor all = new_tensor(e, static_cast<std::int64_t>(tp->group.size()), n, 4);
+  CommRequest r;
+  r.kind = CommKind::AllGather;
+  r.pair = kTpPair;
+  r.family = tp->family;
+  r.group = tp->group;
+  r.send = send;
+  r.recv = all.data();
+  r.count = static_cast<std::size_t>(n) * 4;  // bytes per rank
+  r.stream = e.stream;
+  wait_for(*tp->transport, tp->transport->post(r));
+  return all;
+}
+
+void CudaModel::vocab_parallel_cross_entropy(const Exec& e, int seg, Tensor& logits, const Tensor& targets, int first,
+                                             float loss_scale, float* loss) {
+  const int T = static_cast<int>(logits.rows), V = static_cast<int>(logits.cols);
+  const int ranks = static_cast<int>(tp_of(seg)->group.size());
+  Tensor mx = new_tensor(e, T, 1, 4);
+  vocab_parallel_row_max(dt_, logits.data(), T, V, mx.as<float>(), e.stream);
+  const Tensor all_max = tp_gather_floats(e, seg, mx.as<float>(), T);
+  Tensor sums = new_tensor(e, 2, T, 4);
+  vocab_parallel_sums(dt_, logits.data(), targets.as<int>(), T, V, first, all_max.as<float>(), ranks, sums.as<float>(),
+                      e.stream);
+  const Tensor all_sums = tp_gather_floats(e, seg, sums.as<float>(), 2 * static_cast<std::int64_t>(T));
+  vocab_parallel_finish(dt_, logits.data(), targets.as<int>(), T, V, first, all_max.as<float>(), all_sums.as<float>(),
+                        ranks, loss_scale, loss, e.stream);
 }
 
 // ---------------------------------------------------------------------------------------------

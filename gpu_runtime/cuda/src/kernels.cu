@@ -17,18 +17,26 @@ using namespace kernel_detail;
 
 // ---- embedding ----
 template <typename T>
-__global__ void embedding_forward_k(const T* table, const int* tokens, int n_tok, int hidden, T* x) {
+__global__ void embedding_forward_k(const T* table, const int* tokens, int n_tok, int hidden, T* x, int first,
+                                    int rows) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= static_cast<std::int64_t>(n_tok) * hidden) return;
   const std::int64_t t = i / hidden, c = i % hidden;
-  x[i] = table[static_cast<std::int64_t>(tokens[t]) * hidden + c];
+  const int r = tokens[t] - first;
+  if (rows >= 0 && (r < 0 || r >= rows))
+    store(x, i, 0.0f);
+  else
+    x[i] = table[static_cast<std::int64_t>(r) * hidden + c];
 }
 template <typename T>
-__global__ void embedding_backward_weight_k(const int* tokens, const T* dx, int n_tok, int hidden, float* dtable) {
+__global__ void embedding_backward_weight_k(const int* tokens, const T* dx, int n_tok, int hidden, float* dtable,
+                                            int first, int rows) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= static_cast<std::int64_t>(n_tok) * hidden) return;
   const std::int64_t t = i / hidden, c = i % hidden;
-  atomicAdd(&dtable[static_cast<std::int64_t>(tokens[t]) * hidden + c], load(dx, i));
+  const int r = tokens[t] - first;
+  if (rows >= 0 && (r < 0 || r >= rows)) return;
+  atomicAdd(&dtable[static_cast<std::int64_t>(r) * hidden + c], load(dx, i));
 }
 
 // ---- RMSNorm: one block per row ----
@@ -218,6 +226,55 @@ __global__ void cross_entropy_k(T* logits, const int* targets, int vocab, float 
   }
 }
 
+// ---- Vocab-parallel cross-entropy: one block per row, in three passes (kernels.hpp) ----
+template <typename T>
+__global__ void vocab_parallel_row_max_k(const T* logits, int vocab, float* row_max) {
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * vocab;
+  float mx = -INFINITY;
+  for (int c = threadIdx.x; c < vocab; c += blockDim.x) mx = fmaxf(mx, load(logits, row + c));
+  mx = block_reduce<true>(mx);
+  if (threadIdx.x == 0) row_max[blockIdx.x] = mx;
+}
+__device__ __forceinline__ float max_over_ranks(const float* all_max, int ranks, int n_tok, int t) {
+  float m = -INFINITY;
+  for (int r = 0; r < ranks; ++r) m = fmaxf(m, all_max[static_cast<std::int64_t>(r) * n_tok + t]);
+  return m;
+}
+template <typename T>
+__global__ void vocab_parallel_sums_k(const T* logits, const int* targets, int n_tok, int vocab, int first,
+                                      const float* all_max, int ranks, float* sums) {
+  const int t = static_cast<int>(blockIdx.x);
+  const std::int64_t row = static_cast<std::int64_t>(t) * vocab;
+  const float m = max_over_ranks(all_max, ranks, n_tok, t);
+  float s = 0;
+  for (int c = threadIdx.x; c < vocab; c += blockDim.x) s += expf(load(logits, row + c) - m);
+  s = block_reduce<false>(s);
+  if (threadIdx.x == 0) {
+    const int y = targets[t] - first;
+    sums[t] = s;
+    sums[n_tok + t] = y >= 0 && y < vocab ? load(logits, row + y) - m : 0.0f;
+  }
+}
+template <typename T>
+__global__ void vocab_parallel_finish_k(T* logits, const int* targets, int n_tok, int vocab, int first,
+                                        const float* all_max, const float* all_sums, int ranks, float loss_scale,
+                                        float* loss) {
+  const int t = static_cast<int>(blockIdx.x);
+  const std::int64_t row = static_cast<std::int64_t>(t) * vocab;
+  const float m = max_over_ranks(all_max, ranks, n_tok, t);
+  float s = 0, z = 0;
+  for (int r = 0; r < ranks; ++r) {  // in rank order on every rank: the same sum everywhere
+    s += all_sums[static_cast<std::int64_t>(r) * 2 * n_tok + t];
+    z += all_sums[static_cast<std::int64_t>(r) * 2 * n_tok + n_tok + t];
+  }
+  if (threadIdx.x == 0) loss[t] = logf(s) - z;
+  const int y = targets[t] - first;
+  for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
+    const float p = expf(load(logits, row + c) - m) / s;
+    store(logits, row + c, (p - (c == y ? 1.0f : 0.0f)) * loss_scale);
+  }
+}
+
 // ---- AdamW ----
 // One element's update; returns the new parameter.
 __device__ __forceinline__ float adamw_element(const AdamW& cfg, float bc1, float bc2, float p, float g, float& m,
@@ -392,21 +449,21 @@ __global__ void sum_squares_k(const float* v, std::int64_t n, float* acc, float 
 }  // namespace
 
 void embedding_forward(DType dt, const void* table, const int* tokens, int n_tok, int hidden, void* x,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, int first_row, int table_rows) {
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     embedding_forward_k<T><<<blocks_for(static_cast<std::int64_t>(n_tok) * hidden), kThreads, 0, stream>>>(
-        static_cast<const T*>(table), tokens, n_tok, hidden, static_cast<T*>(x));
+        static_cast<const T*>(table), tokens, n_tok, hidden, static_cast<T*>(x), first_row, table_rows);
   });
   launched("embedding_forward");
 }
 
 void embedding_backward_weight(DType dt, const int* tokens, const void* dx, int n_tok, int hidden, float* dtable,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, int first_row, int table_rows) {
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     embedding_backward_weight_k<T><<<blocks_for(static_cast<std::int64_t>(n_tok) * hidden), kThreads, 0, stream>>>(
-        tokens, static_cast<const T*>(dx), n_tok, hidden, dtable);
+        tokens, static_cast<const T*>(dx), n_tok, hidden, dtable, first_row, table_rows);
   });
   launched("embedding_backward_weight");
 }
@@ -508,6 +565,38 @@ void cross_entropy(DType dt, void* logits, const int* targets, int n_tok, int vo
     cross_entropy_k<T><<<n_tok, kThreads, 0, stream>>>(static_cast<T*>(logits), targets, vocab, loss_scale, loss);
   });
   launched("cross_entropy");
+}
+
+void vocab_parallel_row_max(DType dt, const void* logits, int n_tok, int vocab, float* row_max, cudaStream_t stream) {
+  if (n_tok == 0) return;
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    vocab_parallel_row_max_k<T><<<n_tok, kThreads, 0, stream>>>(static_cast<const T*>(logits), vocab, row_max);
+  });
+  launched("vocab_parallel_row_max");
+}
+
+void vocab_parallel_sums(DType dt, const void* logits, const int* targets, int n_tok, int vocab, int first,
+                         const float* all_max, int ranks, float* sums, cudaStream_t stream) {
+  if (n_tok == 0) return;
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    vocab_parallel_sums_k<T><<<n_tok, kThreads, 0, stream>>>(static_cast<const T*>(logits), targets, n_tok, vocab,
+                                                             first, all_max, ranks, sums);
+  });
+  launched("vocab_parallel_sums");
+}
+
+void vocab_parallel_finish(DType dt, void* logits, const int* targets, int n_tok, int vocab, int first,
+                           const float* all_max, const float* all_sums, int ranks, float loss_scale, float* loss,
+                           cudaStream_t stream) {
+  if (n_tok == 0) return;
+  dispatch(dt, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    vocab_parallel_finish_k<T><<<n_tok, kThreads, 0, stream>>>(static_cast<T*>(logits), targets, n_tok, vocab, first,
+                                                               all_max, all_sums, ranks, loss_scale, loss);
+  });
+  launched("vocab_parallel_finish");
 }
 
 void adamw(const AdamW& cfg, int step, float* params, const float* grads, float* m, float* v, std::int64_t n,

@@ -21,6 +21,10 @@
 #include "piper/runtime/host_model.hpp"
 
 namespace piper::runtime::cuda {
+class Transport;  // transport.hpp
+}
+
+namespace piper::runtime::cuda {
 
 // A rows x cols view of `elem`-byte elements into a shared device block. Kernels never write into a
 // tensor that a cache may share: each result is a new tensor (so caches can share instead of copy).
@@ -169,6 +173,15 @@ struct SegmentDevice {
   int gathered = 0;
 };
 
+// The tensor-parallel group of a segment (tp_degree > 1): its collectives go through the backend's
+// transport on the TP family, in the compute stream's order; the op waits for each (host::TpComm's
+// blocking semantics, as the host backend runs them).
+struct TpLink {
+  Transport* transport = nullptr;
+  int family = -1;
+  std::vector<int> group;  // the devices, in TP-rank order
+};
+
 class CudaModel {
  public:
   CudaModel(const core::Model& model, std::vector<host::SegmentSpec> segments, std::uint64_t seed, DType dt,
@@ -203,6 +216,12 @@ class CudaModel {
   void combine_backward(const Exec& e, BackwardState& grad, const ExpertSource& src,
                         const std::vector<ExpertPacket>& from_owners) const;
 
+  void set_tp(int seg, TpLink link);  // before the first step, for each held segment with tp_degree > 1
+  // The [offset, length) runs of a segment's local gradient vector that count in the global gradient
+  // norm (host::HostModel::owned_grad_sq's rule): not a tied head's copy of the embedding table, and a
+  // TP-replicated tensor on TP rank 0 only.
+  std::vector<std::pair<std::int64_t, std::int64_t>> counted_grad_runs(int seg);
+
   void update(const Exec& e, int seg, const AdamW& cfg, int step);
   void discard_grads(const Exec& e, int seg);  // zero the gradients (and ZeRO chunk) without an update
   void poison_params(const Exec& e, int seg);
@@ -235,12 +254,31 @@ class CudaModel {
                          const Tensor& rows, ExpertsCache& c);
   Tensor experts_backward_input(const Exec& e, int seg, int layer, ExpertsCache& c, const Tensor& dy);
   void experts_backward_weight(const Exec& e, int seg, int layer, ExpertsCache& c);
+  // Tensor parallelism (host_model_compute.cpp's tp_sum and vocab-parallel head, on the device): the
+  // attention shape of a segment (its TP rank's heads), the sum of a partial tensor over the TP group
+  // in place, an all-gather of n floats per rank, and the vocab-parallel cross-entropy.
+  host::AttentionShape segment_attention(int seg);
+  // Layer steps of forward_layers / backward_input: the (vocab-parallel) embedding with its positions,
+  // the head's logits and (vocab-parallel) cross-entropy, and an attention layer's input gradient
+  // (the caller sums it over the TP group).
+  void embedding_layer_forward(const Exec& e, int seg, const Weights& w, const host::MicrobatchData& data,
+                               ForwardState& s, LayerCache& c);
+  void head_forward(const Exec& e, int seg, const host::MicrobatchData& data, float loss_scale, const Tensor& u,
+                    LayerCache& c, bool count_loss);
+  Tensor attention_backward_input(const Exec& e, int seg, const Weights& w, AttentionCache& k, const Tensor& dx);
+  const TpLink* tp_of(int seg) const;
+  void tp_sum(const Exec& e, int seg, Tensor& t);
+  void tp_sum_floats(const Exec& e, int seg, float* p, std::int64_t n);
+  Tensor tp_gather_floats(const Exec& e, int seg, const float* send, std::int64_t n);
+  void vocab_parallel_cross_entropy(const Exec& e, int seg, Tensor& logits, const Tensor& targets, int first,
+                                    float loss_scale, float* loss);
 
   host::HostModel layout_;
   DType dt_;
   Allocator& alloc_;
   host::AttentionShape attn_shape_;
   std::map<int, SegmentDevice> device_;
+  std::map<int, TpLink> tp_;
   Tensor loss_;
 };
 

@@ -16,10 +16,12 @@
 namespace piper::runtime::cuda {
 
 // ---- Embedding: x[t] = table[token[t]]; dtable[token[t]] += dx[t] (fp32) ----
+// Vocab-parallel (TP): the table holds rows [first_row, first_row + table_rows) of the vocabulary; a
+// token outside them gives a zero row (the TP all-reduce adds the owner's) and no gradient here.
 void embedding_forward(DType dt, const void* table, const int* tokens, int tokens_count, int hidden, void* x,
-                       cudaStream_t stream);
+                       cudaStream_t stream, int first_row = 0, int table_rows = -1);
 void embedding_backward_weight(DType dt, const int* tokens, const void* dx, int tokens_count, int hidden, float* dtable,
-                               cudaStream_t stream);
+                               cudaStream_t stream, int first_row = 0, int table_rows = -1);
 
 // ---- RMSNorm over each row of [rows, cols]: y = x * rstd * g, rstd = (mean(x^2) + eps)^-1/2 ----
 // (Per-head q/k norm is the same kernel on [tokens * heads, head_dim].)
@@ -132,6 +134,19 @@ void swiglu_backward(DType dt, const void* a, const void* b, const void* dh, std
 // loss[t] = logsumexp(l_t) - l_t[target_t] (fp32, unscaled). ----
 void cross_entropy(DType dt, void* logits, const int* targets, int tokens_count, int vocab, float loss_scale,
                    float* loss, cudaStream_t stream);
+// The vocab-parallel cross-entropy (TP: this rank's logits are vocabulary columns [first, first + vocab)
+// of [T, V]), in three passes around two all-gathers over the TP group (the host's allreduce of the row
+// max, then of the sums): (1) row_max[t] = this rank's max; (2) with M_t = max over the `ranks` gathered
+// maxima [ranks, T]: sums[t] = sum of exp(l - M_t) over this rank's columns, sums[T + t] = l_target -
+// M_t where this rank owns the target (else 0); (3) with the gathered [ranks, 2T] sums: loss[t] = log S_t
+// - z_t, and the logits become (exp(l - M_t) / S_t - onehot) * scale in place.
+void vocab_parallel_row_max(DType dt, const void* logits, int tokens_count, int vocab, float* row_max,
+                            cudaStream_t stream);
+void vocab_parallel_sums(DType dt, const void* logits, const int* targets, int tokens_count, int vocab, int first,
+                         const float* all_max, int ranks, float* sums, cudaStream_t stream);
+void vocab_parallel_finish(DType dt, void* logits, const int* targets, int tokens_count, int vocab, int first,
+                           const float* all_max, const float* all_sums, int ranks, float loss_scale, float* loss,
+                           cudaStream_t stream);
 
 // ---- AdamW (decoupled weight decay, bias-corrected, step counts from 1) on fp32 master state ----
 struct AdamW {
