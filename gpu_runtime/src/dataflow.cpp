@@ -221,7 +221,7 @@ Capabilities cuda_capabilities() {
   Capabilities c;
   c.backend = "the CUDA backend";
   c.alternative = "the host backend (--backend host) runs it";
-  c.sequence_parallel = c.expert_tensor_parallel = c.context_parallel = false;  // TP without SP: yes
+  c.expert_tensor_parallel = c.context_parallel = false;
   return c;
 }
 

@@ -185,6 +185,21 @@ TEST(CudaBackendEquivalence, TensorParallel_TP2xDP2_Zero1_ClipGrad) {
                       o.clip_grad = 0.05;
                     }));
 }
+// Sequence parallelism: the residual stream holds this rank's token rows; gathers before the
+// column-parallel GEMMs, reduce-scatters after the row-parallel ones, norm weight gradients summed.
+TEST(CudaBackendEquivalence, SequenceParallel_TP2xPP2_SelectiveRecompute) {
+  expect_equivalent("sp-tp2", compile(2, 1, 1, 0, 4, "1f1b", kDense, [](auto& o) {
+                      o.tp = 2;
+                      o.sequence_parallel = true;
+                      o.recompute = "selective";
+                    }));
+}
+TEST(CudaBackendEquivalence, Gpt_Tied_SequenceParallel_TP2xDP2) {
+  expect_equivalent("gpt-sp-tp2", compile(1, 2, 1, 0, 2, "1f1b", kGpt, [](auto& o) {
+                      o.tp = 2;
+                      o.sequence_parallel = true;
+                    }));
+}
 TEST(CudaBackendEquivalence, Gpt_Tied_TensorParallel_TP2xPP2) {
   expect_equivalent("gpt-tied-tp2", compile(2, 1, 1, 0, 4, "1f1b", kGpt, [](auto& o) { o.tp = 2; }));
 }

@@ -52,24 +52,20 @@ TEST(RuntimeCapabilities, CudaAcceptsPipelineDataExpertAndZero) {
     EXPECT_EQ(unsupported_feature(compile(o, kMoe), cuda_capabilities()), "");
 }
 
-// Tensor parallelism without SP is accepted (column/row-parallel GEMMs, vocab-parallel embedding and
-// head, the TP collectives through the transport inside the compute ops); the refusal stays for a
-// backend without it.
-TEST(RuntimeCapabilities, CudaAcceptsTensorParallelismWithoutSequenceParallelism) {
-  core::StrategyOptions o = strategy(2, 2, 1, 0, 4);
-  o.tp = 2;
-  EXPECT_EQ(unsupported_feature(compile(o, kDense), cuda_capabilities()), "");
+// Tensor and sequence parallelism are accepted (column/row-parallel GEMMs, vocab-parallel embedding and
+// head, SP's gathers and reduce-scatters of token rows, the TP collectives through the transport inside
+// the compute ops); the refusals stay for a backend without them.
+TEST(RuntimeCapabilities, CudaAcceptsTensorAndSequenceParallelism) {
+  core::StrategyOptions tp = strategy(2, 2, 1, 0, 4), sp = tp;
+  tp.tp = 2, sp.tp = 2, sp.sequence_parallel = true;
+  EXPECT_EQ(unsupported_feature(compile(tp, kDense), cuda_capabilities()), "");
+  EXPECT_EQ(unsupported_feature(compile(sp, kDense), cuda_capabilities()), "");
   piper::runtime::Capabilities none = cuda_capabilities();
-  none.tensor_parallel = false;
+  none.tensor_parallel = none.sequence_parallel = false;
   EXPECT_EQ(
-      unsupported_feature(compile(o, kDense), none),
+      unsupported_feature(compile(tp, kDense), none),
       "plan: segment 0 is tensor-parallel (tp_degree 2); the CUDA backend does not run tensor parallelism" + kCudaTail);
-}
-
-TEST(RuntimeCapabilities, CudaRefusesSequenceParallelism) {
-  core::StrategyOptions o = strategy(1, 1, 1, 0, 2);
-  o.tp = 2, o.sequence_parallel = true;
-  EXPECT_EQ(unsupported_feature(compile(o, kDense), cuda_capabilities()),
+  EXPECT_EQ(unsupported_feature(compile(sp, kDense), none),
             "plan: segment 0 is sequence-parallel (tp_degree 2 with SP); the CUDA backend does not run sequence "
             "parallelism" +
                 kCudaTail);
@@ -129,11 +125,11 @@ TEST(RuntimeCapabilities, CudaAcceptsGptStyleLayers) {
 
 // The host backend runs every one of them; the refusal is one line and check_capabilities throws it.
 TEST(RuntimeCapabilities, HostRunsWhatCudaRefusesAndRefusalsAreOneLine) {
-  core::StrategyOptions sp = strategy(1, 1, 1, 0, 2), cp = sp;
-  sp.tp = 2, sp.sequence_parallel = true, cp.cp = 2;
+  core::StrategyOptions cp = strategy(1, 1, 1, 0, 2);
+  cp.cp = 2;
   core::StrategyOptions etp = strategy(1, 2, 1, 0, 2);
   etp.etp = 2;
-  const core::Program plans[] = {compile(sp, kDense), compile(cp, kDense), compile(etp, kMoe)};
+  const core::Program plans[] = {compile(cp, kDense), compile(etp, kMoe)};
   for (const auto& p : plans) {
     EXPECT_EQ(unsupported_feature(p, host_capabilities()), "");
     EXPECT_NO_THROW(check_capabilities(p, host_capabilities()));

@@ -256,8 +256,8 @@ void CudaModel::forward_layers(const Exec& e, int seg, const host::MicrobatchDat
         if (attn_shape_.bias) bias = {w.ptr(w.at("bias_q")), w.ptr(w.at("bias_k")), w.ptr(w.at("bias_v"))};
         Tensor out = attention_layer_forward(e, dt_, shape, {w.mat(0), w.mat(1), w.mat(2), w.mat(3)},
                                              qk_norm ? w.ptr(4) : nullptr, qk_norm ? w.ptr(5) : nullptr,
-                                             attn_shape_.bias ? &bias : nullptr, s.u, c.attn);
-        tp_sum(e, seg, out);  // row-parallel output projection: the ranks' partial sums
+                                             attn_shape_.bias ? &bias : nullptr, tp_enter(e, seg, s.u), c.attn);
+        out = tp_leave(e, seg, out);  // row-parallel output projection: the ranks' partial sums
         if (attn_shape_.bias) add_bias(e, dt_, out, w.ptr(w.at("bias_o")));  // once, after the sum
         s.x = plus(e, dt_, s.x, out);
         if (drop_core) c.attn.o = Tensor{}, c.attn.probs = Tensor{};
@@ -265,13 +265,14 @@ void CudaModel::forward_layers(const Exec& e, int seg, const host::MicrobatchDat
       }
       case core::LayerKind::Mlp: {
         Tensor out;
+        const Tensor u = tp_enter(e, seg, s.u);
         if (w.has("wg")) {
-          out = mlp_forward(e, dt_, w.mat(0), w.mat(1), w.mat(2), s.u, c.mlp);
+          out = mlp_forward(e, dt_, w.mat(0), w.mat(1), w.mat(2), u, c.mlp);
         } else {
           out = gelu_mlp_forward(e, dt_, w.mat(w.at("wu")), w.mat(w.at("wd")),
-                                 w.has("bias_fc1") ? w.ptr(w.at("bias_fc1")) : nullptr, s.u, c.mlp);
+                                 w.has("bias_fc1") ? w.ptr(w.at("bias_fc1")) : nullptr, u, c.mlp);
         }
-        tp_sum(e, seg, out);
+        out = tp_leave(e, seg, out);
         if (w.has("bias_fc2")) add_bias(e, dt_, out, w.ptr(w.at("bias_fc2")));
         s.x = plus(e, dt_, s.x, out);
         break;
@@ -298,7 +299,7 @@ void CudaModel::forward_layers(const Exec& e, int seg, const host::MicrobatchDat
         break;
       }
       case core::LayerKind::Head:
-        head_forward(e, seg, data, loss_scale, s.u, c, count_loss);
+        head_forward(e, seg, data, loss_scale, tp_enter(e, seg, s.u), c, count_loss);
         break;
     }
   }
@@ -315,10 +316,11 @@ void CudaModel::embedding_layer_forward(const Exec& e, int seg, const Weights& w
   const int rows = static_cast<int>(w.tensors[0].second.rows);
   embedding_forward(dt_, w.ptr(0), c.tokens.as<int>(), static_cast<int>(T), static_cast<int>(hidden()), s.x.data(),
                     e.stream, tp ? sp.tp_rank * rows : 0, tp ? rows : -1);
-  tp_sum(e, seg, s.x);
-  if (w.has("pos"))  // learned absolute positions (GPT), replicated: added once, after the sum
-    positions_forward(dt_, s.x.data(), w.ptr(w.at("pos")), static_cast<int>(T), static_cast<int>(hidden()),
-                      attn_shape_.seq_len, e.stream);
+  s.x = tp_leave(e, seg, s.x);  // SP: this rank's token rows of the sum
+  if (w.has("pos"))             // learned absolute positions (GPT), replicated: added once, after the sum
+    positions_forward(dt_, s.x.data(), w.ptr(w.at("pos")), static_cast<int>(s.x.rows), static_cast<int>(hidden()),
+                      attn_shape_.seq_len, e.stream,
+                      sp.sequence_parallel ? sp.tp_rank * static_cast<int>(s.x.rows) : 0);
   s.u = Tensor{};
 }
 
@@ -361,8 +363,8 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
       case core::LayerKind::Head: {
         bool tied = false;
         const M wh = head_weights(seg, false, tied).mat(0);
-        g.du = matmul(e, dt_, of(c.head.dlogits), false, wh, !tied);
-        tp_sum(e, seg, g.du);  // vocab-parallel: each rank's columns give a partial input gradient
+        // Vocab-parallel: each rank's columns give a partial input gradient (SP: reduce-scattered to its rows).
+        g.du = tp_leave(e, seg, matmul(e, dt_, of(c.head.dlogits), false, wh, !tied));
         g.dx = zeros(e, g.du.rows, g.du.cols, es);
         break;
       }
@@ -397,20 +399,21 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
         break;
       }
       case core::LayerKind::Mlp: {
-        Tensor du = w.has("wg") ? mlp_backward_input(e, dt_, w.mat(0), w.mat(1), w.mat(2), c.mlp, g.dx)
-                                : gelu_mlp_backward_input(e, dt_, w.mat(w.at("wu")), w.mat(w.at("wd")), c.mlp, g.dx);
-        tp_sum(e, seg, du);  // column-parallel input gradient: partial over the ranks' columns
+        const Tensor dx = tp_enter(e, seg, g.dx);
+        Tensor du = w.has("wg") ? mlp_backward_input(e, dt_, w.mat(0), w.mat(1), w.mat(2), c.mlp, dx)
+                                : gelu_mlp_backward_input(e, dt_, w.mat(w.at("wu")), w.mat(w.at("wd")), c.mlp, dx);
+        du = tp_leave(e, seg, du);  // column-parallel input gradient: partial over the ranks' columns
         g.du = plus(e, dt_, g.du, du);
         break;
       }
       case core::LayerKind::Attention: {
-        Tensor du = attention_backward_input(e, seg, w, c.attn, g.dx);
-        tp_sum(e, seg, du);  // column-parallel q/k/v: partial over the ranks' heads
+        // Column-parallel q/k/v: partial over the ranks' heads.
+        const Tensor du = tp_leave(e, seg, attention_backward_input(e, seg, w, c.attn, tp_enter(e, seg, g.dx)));
         g.du = plus(e, dt_, g.du, du);
         break;
       }
       case core::LayerKind::Embedding:
-        c.dx_embed = g.dx;
+        c.dx_embed = tp_enter(e, seg, g.dx);  // whole rows: the table's and the positions' gradients
         g = BackwardState{};
         break;
     }
@@ -491,16 +494,23 @@ void CudaModel::backward_weight(const Exec& e, int seg, SegmentStash& stash) {
                                     static_cast<int>(c.dx_embed.cols), attn_shape_.seq_len, gw.grad(gw.at("pos")),
                                     e.stream);
         break;
-      case core::LayerKind::Norm:
-        if (gw.has("norm_bias"))
+      case core::LayerKind::Norm: {
+        const std::int64_t cols = c.dy_norm.cols;
+        float* const bias = gw.has("norm_bias") ? gw.grad(1) : nullptr;
+        Tensor s0, s1;
+        float* g0 = partial_grad_begin(e, seg, gw.grad(0), cols, s0);
+        float* g1 = partial_grad_begin(e, seg, bias, cols, s1);
+        if (bias)
           layernorm_backward_weight(dt_, c.norm.x.data(), c.norm.mean.as<float>(), c.norm.rstd.as<float>(),
-                                    c.dy_norm.data(), static_cast<int>(c.dy_norm.rows),
-                                    static_cast<int>(c.dy_norm.cols), gw.grad(0), gw.grad(1), e.stream);
+                                    c.dy_norm.data(), static_cast<int>(c.dy_norm.rows), static_cast<int>(cols), g0, g1,
+                                    e.stream);
         else
           rmsnorm_backward_weight(dt_, c.norm.x.data(), c.norm.rstd.as<float>(), c.dy_norm.data(),
-                                  static_cast<int>(c.dy_norm.rows), static_cast<int>(c.dy_norm.cols), gw.grad(0),
-                                  e.stream);
+                                  static_cast<int>(c.dy_norm.rows), static_cast<int>(cols), g0, e.stream);
+        partial_grad_end(e, seg, gw.grad(0), cols, s0);
+        partial_grad_end(e, seg, bias, cols, s1);
         break;
+      }
       case core::LayerKind::Attention: {
         const AttentionCache& k = c.attn;
         weight_grad(e, dt_, of(k.u), true, of(k.dq_lin), false, gw.grad(0));
@@ -529,9 +539,13 @@ void CudaModel::backward_weight(const Exec& e, int seg, SegmentStash& stash) {
           if (gw.has("bias_fc2")) bias_grad(e, dt_, c.mlp.dout, gw.grad(gw.at("bias_fc2")));
         }
         break;
-      case core::LayerKind::MoeRouter:
-        weight_grad(e, dt_, of(c.router.u), true, of(c.router.dlogits), false, gw.grad(0));
+      case core::LayerKind::MoeRouter: {
+        Tensor s0;
+        float* g0 = partial_grad_begin(e, seg, gw.grad(0), hidden() * experts(), s0);
+        weight_grad(e, dt_, of(c.router.u), true, of(c.router.dlogits), false, g0);
+        partial_grad_end(e, seg, gw.grad(0), hidden() * experts(), s0);
         break;
+      }
       case core::LayerKind::MoeExperts:
         experts_backward_weight(e, seg, l, c.experts);
         break;
@@ -597,6 +611,69 @@ void CudaModel::tp_sum(const Exec& e, int seg, Tensor& t) {
   convert(dt_, t.data(), DType::F32, f.data(), n, e.stream);
   tp_sum_floats(e, seg, f.as<float>(), n);
   convert(DType::F32, f.data(), dt_, t.data(), n, e.stream);
+}
+
+bool CudaModel::sequence_parallel(int seg) { return tp_of(seg) && layout_.segment(seg).sequence_parallel; }
+
+Tensor CudaModel::tp_enter(const Exec& e, int seg, const Tensor& local) {
+  if (!sequence_parallel(seg)) return local;
+  const TpLink* tp = tp_of(seg);
+  Tensor full = new_tensor(e, local.rows * static_cast<std::int64_t>(tp->group.size()), local.cols, elem());
+  CommRequest r;
+  r.kind = CommKind::AllGather;
+  r.pair = kTpPair;
+  r.family = tp->family;
+  r.group = tp->group;
+  r.send = local.data();
+  r.recv = full.data();
+  r.count = local.bytes();  // bytes per rank: its rows, in rank order
+  r.stream = e.stream;
+  wait_for(*tp->transport, tp->transport->post(r));
+  return full;
+}
+
+Tensor CudaModel::tp_leave(const Exec& e, int seg, Tensor partial) {
+  if (!sequence_parallel(seg)) {
+    tp_sum(e, seg, partial);
+    return partial;
+  }
+  const TpLink* tp = tp_of(seg);
+  const auto ranks = static_cast<std::int64_t>(tp->group.size());
+  if (partial.rows % ranks != 0)
+    throw std::invalid_argument(
+        fmt::format("runtime: {} token rows do not split over {} sequence-parallel ranks", partial.rows, ranks));
+  const std::int64_t rows = partial.rows / ranks, n = rows * partial.cols;
+  Tensor in = partial, out = new_tensor(e, rows, partial.cols, 4);
+  if (dt_ != DType::F32) {  // bf16/fp16 partial sums are added in fp32 (the transports reduce fp32)
+    in = new_tensor(e, partial.rows, partial.cols, 4);
+    convert(dt_, partial.data(), DType::F32, in.data(), partial.rows * partial.cols, e.stream);
+  }
+  CommRequest r;
+  r.kind = CommKind::ReduceScatter;
+  r.pair = kTpPair;
+  r.family = tp->family;
+  r.group = tp->group;
+  r.send = in.data();
+  r.recv = out.data();
+  r.count = static_cast<std::size_t>(n);  // fp32 elements per rank's block
+  r.stream = e.stream;
+  wait_for(*tp->transport, tp->transport->post(r));
+  if (dt_ == DType::F32) return out;
+  Tensor local = new_tensor(e, rows, partial.cols, elem());
+  convert(DType::F32, out.data(), dt_, local.data(), n, e.stream);
+  return local;
+}
+
+float* CudaModel::partial_grad_begin(const Exec& e, int seg, float* grad, std::int64_t n, Tensor& scratch) {
+  if (grad == nullptr || !sequence_parallel(seg)) return grad;
+  scratch = zeros(e, n, 1, 4);
+  return scratch.as<float>();
+}
+
+void CudaModel::partial_grad_end(const Exec& e, int seg, float* grad, std::int64_t n, Tensor& scratch) {
+  if (scratch.empty()) return;
+  tp_sum_floats(e, seg, scratch.as<float>(), n);
+  accumulate(DType::F32, grad, scratch.data(), n, e.stream);
 }
 
 Tensor CudaModel::tp_gather_floats(const Exec& e, int seg, const float* send, std::int64_t n) {

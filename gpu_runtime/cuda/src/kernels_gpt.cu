@@ -87,10 +87,10 @@ __global__ void gelu_backward_k(const T* a, const T* dy, std::int64_t n, T* da) 
   store(da, i, d * load(dy, i));
 }
 template <typename T>
-__global__ void positions_forward_k(T* x, const T* pos, int rows, int cols, int seq_len) {
+__global__ void positions_forward_k(T* x, const T* pos, int rows, int cols, int seq_len, int first_row) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= static_cast<std::int64_t>(rows) * cols) return;
-  const std::int64_t t = i / cols, c = i % cols;
+  const std::int64_t t = i / cols + first_row, c = i % cols;
   store(x, i, load(x, i) + load(pos, (t % seq_len) * cols + c));
 }
 // One thread per (position, column): the rows at that position, in sequence order (deterministic).
@@ -175,11 +175,12 @@ void gelu_backward(DType dt, const void* a, const void* dy, std::int64_t n, void
   launched("gelu_backward");
 }
 
-void positions_forward(DType dt, void* x, const void* pos, int rows, int cols, int seq_len, cudaStream_t stream) {
+void positions_forward(DType dt, void* x, const void* pos, int rows, int cols, int seq_len, cudaStream_t stream,
+                       int first_row) {
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     positions_forward_k<T><<<blocks_for(static_cast<std::int64_t>(rows) * cols), kThreads, 0, stream>>>(
-        static_cast<T*>(x), static_cast<const T*>(pos), rows, cols, seq_len);
+        static_cast<T*>(x), static_cast<const T*>(pos), rows, cols, seq_len, first_row);
   });
   launched("positions_forward");
 }

@@ -272,6 +272,17 @@ class CudaModel {
   Tensor tp_gather_floats(const Exec& e, int seg, const float* send, std::int64_t n);
   void vocab_parallel_cross_entropy(const Exec& e, int seg, Tensor& logits, const Tensor& targets, int first,
                                     float loss_scale, float* loss);
+  // Sequence parallelism (host tp_enter / tp_leave): entering a column-parallel GEMM gathers the
+  // ranks' token rows (identity without SP); leaving a row-parallel one (or a column-parallel one's
+  // backward) sums the partial results, all-reduced, or reduce-scattered to this rank's rows under SP.
+  bool sequence_parallel(int seg);
+  Tensor tp_enter(const Exec& e, int seg, const Tensor& local);
+  Tensor tp_leave(const Exec& e, int seg, Tensor partial);
+  // Under SP a replicated weight's gradient from this rank's token rows is partial (host
+  // partial_tp_grads): begin returns where the kernel writes it (zeroed scratch under SP, else the
+  // gradient itself), end sums the scratch over the TP group and adds it to the gradient.
+  float* partial_grad_begin(const Exec& e, int seg, float* grad, std::int64_t n, Tensor& scratch);
+  void partial_grad_end(const Exec& e, int seg, float* grad, std::int64_t n, Tensor& scratch);
 
   host::HostModel layout_;
   DType dt_;

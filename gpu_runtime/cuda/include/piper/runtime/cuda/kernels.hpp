@@ -52,7 +52,9 @@ void gelu_forward(DType dt, const void* a, std::int64_t n, void* h, cudaStream_t
 // da = dy * gelu'(a).
 void gelu_backward(DType dt, const void* a, const void* dy, std::int64_t n, void* da, cudaStream_t stream);
 // x[t] += pos[t mod seq_len], in place on [rows, cols]; dpos[p] += sum of dx[t] over t = p mod seq_len.
-void positions_forward(DType dt, void* x, const void* pos, int rows, int cols, int seq_len, cudaStream_t stream);
+// first_row: the token row of x's row 0 (sequence parallelism: this rank's slice of the microbatch).
+void positions_forward(DType dt, void* x, const void* pos, int rows, int cols, int seq_len, cudaStream_t stream,
+                       int first_row = 0);
 void positions_backward_weight(DType dt, const void* dx, int rows, int cols, int seq_len, float* dpos,
                                cudaStream_t stream);
 
