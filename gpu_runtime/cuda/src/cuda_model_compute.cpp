@@ -588,18 +588,22 @@ host::AttentionShape CudaModel::segment_attention(int seg) {
   return a;
 }
 
-void CudaModel::tp_sum_floats(const Exec& e, int seg, float* p, std::int64_t n) {
+void CudaModel::tp_collective(const Exec& e, int seg, CommKind kind, const void* send, void* recv, std::size_t count) {
   const TpLink* tp = tp_of(seg);
-  if (!tp || n == 0) return;
   CommRequest r;
-  r.kind = CommKind::AllReduce;
+  r.kind = kind;
   r.pair = kTpPair;
   r.family = tp->family;
   r.group = tp->group;
-  r.recv = p;
-  r.count = static_cast<std::size_t>(n);
+  r.send = send;
+  r.recv = recv;
+  r.count = count;
   r.stream = e.stream;
   wait_for(*tp->transport, tp->transport->post(r));
+}
+
+void CudaModel::tp_sum_floats(const Exec& e, int seg, float* p, std::int64_t n) {
+  if (tp_of(seg) && n > 0) tp_collective(e, seg, CommKind::AllReduce, nullptr, p, static_cast<std::size_t>(n));
 }
 
 void CudaModel::tp_sum(const Exec& e, int seg, Tensor& t) {
@@ -617,18 +621,9 @@ bool CudaModel::sequence_parallel(int seg) { return tp_of(seg) && layout_.segmen
 
 Tensor CudaModel::tp_enter(const Exec& e, int seg, const Tensor& local) {
   if (!sequence_parallel(seg)) return local;
-  const TpLink* tp = tp_of(seg);
-  Tensor full = new_tensor(e, local.rows * static_cast<std::int64_t>(tp->group.size()), local.cols, elem());
-  CommRequest r;
-  r.kind = CommKind::AllGather;
-  r.pair = kTpPair;
-  r.family = tp->family;
-  r.group = tp->group;
-  r.send = local.data();
-  r.recv = full.data();
-  r.count = local.bytes();  // bytes per rank: its rows, in rank order
-  r.stream = e.stream;
-  wait_for(*tp->transport, tp->transport->post(r));
+  const auto ranks = static_cast<std::int64_t>(tp_of(seg)->group.size());
+  Tensor full = new_tensor(e, local.rows * ranks, local.cols, elem());
+  tp_collective(e, seg, CommKind::AllGather, local.data(), full.data(), local.bytes());  // rank order = row order
   return full;
 }
 
@@ -637,8 +632,7 @@ Tensor CudaModel::tp_leave(const Exec& e, int seg, Tensor partial) {
     tp_sum(e, seg, partial);
     return partial;
   }
-  const TpLink* tp = tp_of(seg);
-  const auto ranks = static_cast<std::int64_t>(tp->group.size());
+  const auto ranks = static_cast<std::int64_t>(tp_of(seg)->group.size());
   if (partial.rows % ranks != 0)
     throw std::invalid_argument(
         fmt::format("runtime: {} token rows do not split over {} sequence-parallel ranks", partial.rows, ranks));
@@ -648,16 +642,7 @@ Tensor CudaModel::tp_leave(const Exec& e, int seg, Tensor partial) {
     in = new_tensor(e, partial.rows, partial.cols, 4);
     convert(dt_, partial.data(), DType::F32, in.data(), partial.rows * partial.cols, e.stream);
   }
-  CommRequest r;
-  r.kind = CommKind::ReduceScatter;
-  r.pair = kTpPair;
-  r.family = tp->family;
-  r.group = tp->group;
-  r.send = in.data();
-  r.recv = out.data();
-  r.count = static_cast<std::size_t>(n);  // fp32 elements per rank's block
-  r.stream = e.stream;
-  wait_for(*tp->transport, tp->transport->post(r));
+  tp_collective(e, seg, CommKind::ReduceScatter, in.data(), out.data(), static_cast<std::size_t>(n));
   if (dt_ == DType::F32) return out;
   Tensor local = new_tensor(e, rows, partial.cols, elem());
   convert(DType::F32, out.data(), dt_, local.data(), n, e.stream);
@@ -677,18 +662,8 @@ void CudaModel::partial_grad_end(const Exec& e, int seg, float* grad, std::int64
 }
 
 Tensor CudaModel::tp_gather_floats(const Exec& e, int seg, const float* send, std::int64_t n) {
-  const TpLink* tp = tp_of(seg);
-  Tensor all = new_tensor(e, static_cast<std::int64_t>(tp->group.size()), n, 4);
-  CommRequest r;
-  r.kind = CommKind::AllGather;
-  r.pair = kTpPair;
-  r.family = tp->family;
-  r.group = tp->group;
-  r.send = send;
-  r.recv = all.data();
-  r.count = static_cast<std::size_t>(n) * 4;  // bytes per rank
-  r.stream = e.stream;
-  wait_for(*tp->transport, tp->transport->post(r));
+  Tensor all = new_tensor(e, static_cast<std::int64_t>(tp_of(seg)->group.size()), n, 4);
+  tp_collective(e, seg, CommKind::AllGather, send, all.data(), static_cast<std::size_t>(n) * 4);  // bytes per rank
   return all;
 }
 

@@ -17,6 +17,7 @@
 #include "piper/runtime/cuda/allocator.hpp"
 #include "piper/runtime/cuda/device.hpp"
 #include "piper/runtime/cuda/gemm.hpp"
+#include "piper/runtime/comm.hpp"
 #include "piper/runtime/cuda/kernels.hpp"
 #include "piper/runtime/host_model.hpp"
 
@@ -267,6 +268,8 @@ class CudaModel {
                     LayerCache& c, bool count_loss);
   Tensor attention_backward_input(const Exec& e, int seg, const Weights& w, AttentionCache& k, const Tensor& dx);
   const TpLink* tp_of(int seg) const;
+  // One collective over the segment's TP group (transport.hpp's counts), waited for.
+  void tp_collective(const Exec& e, int seg, CommKind kind, const void* send, void* recv, std::size_t count);
   void tp_sum(const Exec& e, int seg, Tensor& t);
   void tp_sum_floats(const Exec& e, int seg, float* p, std::int64_t n);
   Tensor tp_gather_floats(const Exec& e, int seg, const float* send, std::int64_t n);
