@@ -241,7 +241,8 @@ TEST(Fsdp2Copies, IsRefusedWhereItDoesNotApply) {
   core::ProgramBuilder builder;
   builder.replicate(core::Filter{}, {0, 1}, args);
   EXPECT_EQ(builder.to_json()[0]["collective_copies"], "fsdp2");
-  const auto& r = std::get<core::ReplicateDirective>(builder.build().directives.at(0));
+  const core::DirectiveProgram built = builder.build();  // the directive below refers into it
+  const auto& r = std::get<core::ReplicateDirective>(built.directives.at(0));
   EXPECT_TRUE(r.fsdp2_copies);
   const std::string zero2 = R"([{"op": "replicate", "filter": {}, "devices": [0, 1], "shard_grads": true,
                                  "collective_copies": "fsdp2"}])";
