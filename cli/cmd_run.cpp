@@ -3,6 +3,7 @@
 // GPU over NCCL, or --virtual-devices on one GPU), or the single-process reference on the same global
 // batch (--reference).
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -23,6 +24,10 @@ namespace piper::cli {
 
 namespace {
 
+// The settings that apply only with --loss-scale dynamic.
+constexpr std::array<const char*, 3> kDynamicScaleFlags = {"--initial-loss-scale", "--loss-scale-window",
+                                                           "--min-loss-scale"};
+
 struct RunArgs {
   ScenarioFlags scenario;
   std::string plan_path;
@@ -36,7 +41,7 @@ struct RunArgs {
   std::string lr_decay = "constant";
   std::string loss_scale;  // --loss-scale: "dynamic", a power of two, or empty (none)
   runtime::TrainOptions train;
-  std::set<std::string> dynamic_only_given;  // --initial-loss-scale etc. given (flag or scenario)
+  std::set<std::string> dynamic_only_given;  // kDynamicScaleFlags given (as flags or scenario keys)
   CLI::Option* plan = nullptr;
 };
 
@@ -203,7 +208,7 @@ void apply_scenario_train(RunArgs& a, const CLI::App& cmd) {
     if (key == "beta2") t.adamw.beta2 = v.get<float>();
     if (key == "adam_eps") t.adamw.eps = v.get<float>();
     if (key == "loss_scale") a.loss_scale = v.is_string() ? v.get<std::string>() : fmt::format("{}", v.get<double>());
-    if (key == "initial_loss_scale" || key == "loss_scale_window" || key == "min_loss_scale")
+    if (std::find(kDynamicScaleFlags.begin(), kDynamicScaleFlags.end(), flag) != kDynamicScaleFlags.end())
       a.dynamic_only_given.insert(flag);
     if (key == "initial_loss_scale") t.adamw.loss_scaling.initial = v.get<double>();
     if (key == "loss_scale_window") t.adamw.loss_scaling.window = v.get<int>();
@@ -232,9 +237,8 @@ void parse_loss_scale(RunArgs& a) {
     ls.mode = runtime::host::LossScaleMode::Static;
     ls.initial = v;
   }
-  for (const char* flag : {"--initial-loss-scale", "--loss-scale-window", "--min-loss-scale"})
-    if (a.dynamic_only_given.count(flag) && ls.mode != runtime::host::LossScaleMode::Dynamic)
-      throw CliError("", fmt::format("{} applies only with --loss-scale dynamic", flag));
+  if (!a.dynamic_only_given.empty() && ls.mode != runtime::host::LossScaleMode::Dynamic)
+    throw CliError("", fmt::format("{} applies only with --loss-scale dynamic", *a.dynamic_only_given.begin()));
   runtime::host::check_loss_scaling(ls);
 }
 
@@ -284,7 +288,7 @@ void settle_training_settings(RunArgs& a, const CLI::App& cmd) {
   if (adamw.decay != runtime::host::LrDecay::Constant && adamw.decay_steps == 0)
     adamw.decay_steps = a.train.steps;  // decay over the whole run
   runtime::host::check_adamw(adamw);
-  for (const char* flag : {"--initial-loss-scale", "--loss-scale-window", "--min-loss-scale"})
+  for (const char* flag : kDynamicScaleFlags)
     if (cmd.get_option(flag)->count() > 0) a.dynamic_only_given.insert(flag);
   parse_loss_scale(a);
   if (a.precision != "fp32" && a.backend != "cuda")

@@ -377,8 +377,7 @@ Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
     if (const auto it = h.find("optimizer"); it != h.end()) c.info.optimizer = it->dump();
     if (const auto it = h.find("loss_scale"); it != h.end()) {
       host::LossScaleState ls{it->at("scale").get<double>(), it->at("good_steps").get<int>()};
-      int e = 0;
-      if (!(ls.scale >= 1 && std::isfinite(ls.scale) && std::frexp(ls.scale, &e) == 0.5) || ls.good_steps < 0)
+      if (!host::is_loss_scale(ls.scale) || ls.good_steps < 0)
         throw std::invalid_argument(fmt::format(
             "{}: checkpoint loss scale {} (after {} good steps) is not a power of two >= 1 with a count >= 0", path,
             ls.scale, ls.good_steps));

@@ -313,7 +313,6 @@ DataflowBase::DataflowBase(const core::Program& program, int device)
     set_tp_.push_back(t.degree);
     set_cp_.push_back(t.cp);
   }
-  loss_scale_ = 1.0f / static_cast<float>(shape_.global_tokens());
   // Gradient clipping: the grad-norm family and the segments whose gradients this device adds.
   for (std::size_t f = 0; f < program.families.size(); ++f)
     if (program.families[f].purpose == core::FamilyPurpose::GradNorm) norm_family_ = static_cast<int>(f);

@@ -75,45 +75,49 @@ StepMeasurement Executor::run_step(int step) {  // NOLINT(readability-function-s
     const auto sweep_start = Clock::now();
     double backend_s = 0;
     bool progressed = false;
-    // Two passes: every ready transfer and collective first, then the compute ops. A compute op can
-    // block inside its tensor-parallel collectives until its TP peers meet it; a send it would
-    // otherwise hold back can be what a peer (and so the TP group) is waiting for.
-    for (int pass = 0; pass < 2; ++pass)
-      for (std::size_t s = 0; s < streams; ++s) {
-        const auto& ops = plan_.streams[s].ops;
-        if (in_flight[s]) {
-          const auto& op = ops[static_cast<std::size_t>(completed[s])];
-          const auto b0 = Clock::now();
-          const bool done = backend_.poll({static_cast<int>(s), completed[s]}, op);
-          backend_s += seconds_between(b0, Clock::now());
-          if (!done) continue;
-          finish(s);
-          --remaining;
-          progressed = true;
+    // Starts as many ops of stream s as are ready (synchronous ones complete at once); with
+    // `compute` false it stops before a compute op.
+    auto start_ready = [&](std::size_t s, bool compute) {
+      const auto& ops = plan_.streams[s].ops;
+      while (!in_flight[s] && cursor[s] < static_cast<int>(ops.size()) &&
+             waits_done(ops[static_cast<std::size_t>(cursor[s])])) {
+        if (!compute && ops[static_cast<std::size_t>(cursor[s])].kind == core::OpKind::Compute) return;
+        const int index = cursor[s]++;
+        const std::size_t flat = stream_base_[s] + static_cast<std::size_t>(index);
+        spans[flat] = core::OpSpan{static_cast<std::int32_t>(s), index, now_s(), 0.0};
+        for (int b : allocs_[flat]) {
+          memory += plan_.buffers[static_cast<std::size_t>(b)].bytes;
+          m.timeline.memory.push_back({spans[flat].start_s, memory});
+          if (memory > m.timeline.peak_memory_bytes)
+            m.timeline.peak_memory_bytes = memory, m.timeline.peak_memory_time_s = spans[flat].start_s;
         }
-        // Start as many ops of this stream as are ready (synchronous ones complete at once).
-        while (!in_flight[s] && cursor[s] < static_cast<int>(ops.size()) &&
-               waits_done(ops[static_cast<std::size_t>(cursor[s])])) {
-          if (pass == 0 && ops[static_cast<std::size_t>(cursor[s])].kind == core::OpKind::Compute) break;
-          const int index = cursor[s]++;
-          const std::size_t flat = stream_base_[s] + static_cast<std::size_t>(index);
-          spans[flat] = core::OpSpan{static_cast<std::int32_t>(s), index, now_s(), 0.0};
-          for (int b : allocs_[flat]) {
-            memory += plan_.buffers[static_cast<std::size_t>(b)].bytes;
-            m.timeline.memory.push_back({spans[flat].start_s, memory});
-            if (memory > m.timeline.peak_memory_bytes)
-              m.timeline.peak_memory_bytes = memory, m.timeline.peak_memory_time_s = spans[flat].start_s;
-          }
-          in_flight[s] = true;
-          const auto b0 = Clock::now();
-          const bool done = backend_.start({static_cast<int>(s), index}, ops[static_cast<std::size_t>(index)]);
-          backend_s += seconds_between(b0, Clock::now());
-          progressed = true;
-          if (!done) break;
-          finish(s);
-          --remaining;
-        }
+        in_flight[s] = true;
+        const auto b0 = Clock::now();
+        const bool done = backend_.start({static_cast<int>(s), index}, ops[static_cast<std::size_t>(index)]);
+        backend_s += seconds_between(b0, Clock::now());
+        progressed = true;
+        if (!done) return;
+        finish(s);
+        --remaining;
       }
+    };
+    // Every ready transfer and collective first, then the compute ops: a compute op can block inside
+    // its tensor-parallel collectives until its TP peers meet it, and a send it would otherwise hold
+    // back can be what a peer (and so the TP group) is waiting for.
+    for (std::size_t s = 0; s < streams; ++s) {
+      if (in_flight[s]) {
+        const auto& op = plan_.streams[s].ops[static_cast<std::size_t>(completed[s])];
+        const auto b0 = Clock::now();
+        const bool done = backend_.poll({static_cast<int>(s), completed[s]}, op);
+        backend_s += seconds_between(b0, Clock::now());
+        if (!done) continue;
+        finish(s);
+        --remaining;
+        progressed = true;
+      }
+      start_ready(s, false);
+    }
+    for (std::size_t s = 0; s < streams; ++s) start_ready(s, true);
     const auto sweep_end = Clock::now();
     const double sweep_s = seconds_between(sweep_start, sweep_end);
     if (progressed) {

@@ -576,19 +576,20 @@ LossScaleState next_loss_scale(const LossScaling& cfg, LossScaleState s, bool ov
   return s;
 }
 
+bool is_loss_scale(double x) {
+  int e = 0;
+  return x >= 1 && std::isfinite(x) && std::frexp(x, &e) == 0.5;
+}
+
 void check_loss_scaling(const LossScaling& cfg) {
   if (cfg.mode == LossScaleMode::None) return;
-  auto power_of_two = [](double x) {
-    int e = 0;
-    return x >= 1 && std::isfinite(x) && std::frexp(x, &e) == 0.5;
-  };
   const char* flag = cfg.mode == LossScaleMode::Static ? "--loss-scale" : "--initial-loss-scale";
-  if (!power_of_two(cfg.initial))
+  if (!is_loss_scale(cfg.initial))
     throw std::invalid_argument(fmt::format(
         "{} must be a power of two >= 1 (got {}): scaling by it and back must be exact", flag, cfg.initial));
   if (cfg.mode != LossScaleMode::Dynamic) return;
   if (cfg.window < 1) throw std::invalid_argument(fmt::format("--loss-scale-window must be >= 1 (got {})", cfg.window));
-  if (!power_of_two(cfg.min_scale) || cfg.min_scale > cfg.initial)
+  if (!is_loss_scale(cfg.min_scale) || cfg.min_scale > cfg.initial)
     throw std::invalid_argument(
         fmt::format("--min-loss-scale must be a power of two between 1 and --initial-loss-scale {} (got {})",
                     cfg.initial, cfg.min_scale));

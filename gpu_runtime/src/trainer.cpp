@@ -173,9 +173,16 @@ CheckpointInfo checkpoint_info(const core::Program& program, int step, const hos
   return i;
 }
 
+// A resumed run's scaler: a dynamic one continues from the checkpoint's state (when it has one); a
+// static scale, or none, starts from the run's own setting.
+static host::LossScaleState resumed_loss_scale(const host::LossScaling& cfg, const CheckpointInfo& info) {
+  if (cfg.mode == host::LossScaleMode::Dynamic && info.loss_scale) return *info.loss_scale;
+  return host::initial_loss_scale(cfg);
+}
+
 void resume_flow(DataflowBase& flow, const CheckpointInfo& info, const host::LossScaling& cfg) {
   flow.set_steps_done(info.step);
-  if (cfg.mode == host::LossScaleMode::Dynamic && info.loss_scale) flow.set_loss_scale_state(*info.loss_scale);
+  flow.set_loss_scale_state(resumed_loss_scale(cfg, info));
 }
 
 std::string loss_scaling_problem(const core::Program& program, const TrainOptions& o) {
@@ -299,7 +306,7 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
   if (!o.resume_path.empty()) {
     const CheckpointInfo info = resume_from(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program, m);
     r.first_step = info.step;
-    if (scaling.mode == host::LossScaleMode::Dynamic && info.loss_scale) scaler = *info.loss_scale;
+    scaler = resumed_loss_scale(scaling, info);
     check_steps_after_resume(o, r.first_step);
   }
   double total_s = 0;

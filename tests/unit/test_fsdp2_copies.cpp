@@ -70,31 +70,18 @@ core::CompiledScenario compile(const std::string& model, const std::string& copi
   return core::compile_scenario(sc);
 }
 
-// The H200 table's smallest "copy" measurement: its bytes (gbps x s) and bytes/s.
-std::pair<double, double> smallest_copy_measurement() {
+// The H200 table's smallest measurement of a memory-bound kernel class ("copy"; "add", as Megatron's
+// fp32 main-grad accumulation is costed): its bytes (gbps x s) and bytes/s.
+std::pair<double, double> smallest_measurement(const std::string& kernel) {
   std::ifstream in(std::string(PIPER_SOURCE_DIR) + "/sim/data/kernels-h200-sxm.json");
   const nlohmann::json t = nlohmann::json::parse(in);
   double bytes = 0, rate = 0;
   for (const auto& m : t["memory_bound"])
-    if (m["kernel"] == "copy") {
+    if (m["kernel"] == kernel) {
       const double b = m["gbps"].get<double>() * 1e9 * m["s"].get<double>();
       if (rate == 0 || b < bytes) bytes = b, rate = m["gbps"].get<double>() * 1e9;
     }
   return {bytes, rate};
-}
-
-// The same for the "add" class (Megatron's fp32 main-grad accumulation is costed as an add).
-double smallest_add_rate(double* bytes_out) {
-  std::ifstream in(std::string(PIPER_SOURCE_DIR) + "/sim/data/kernels-h200-sxm.json");
-  const nlohmann::json t = nlohmann::json::parse(in);
-  double bytes = 0, rate = 0;
-  for (const auto& m : t["memory_bound"])
-    if (m["kernel"] == "add") {
-      const double b = m["gbps"].get<double>() * 1e9 * m["s"].get<double>();
-      if (rate == 0 || b < bytes) bytes = b, rate = m["gbps"].get<double>() * 1e9;
-    }
-  *bytes_out = bytes;
-  return rate;
 }
 
 constexpr double kLaunchFloor = 2e-6;  // the table names no launch_floor_us: the 2 µs default
@@ -125,7 +112,7 @@ TEST(Fsdp2Copies, CostsTheCopyOutAndTheReduceScatterCopyInByHand) {
   const auto none = compile(model, "");
   const auto fsdp2 = compile(model, "fsdp2");
   const core::Program &a = none.result.program, &b = fsdp2.result.program;
-  const auto [measured_bytes, copy_rate] = smallest_copy_measurement();
+  const auto [measured_bytes, copy_rate] = smallest_measurement("copy");
   ASSERT_GT(copy_rate, 0);
   const double P = kBlockParams;
   ASSERT_LT(6 * P, measured_bytes) << "the copies must lie below the smallest measurement (constant rate)";
@@ -189,9 +176,8 @@ TEST(Fsdp2Copies, Fp32ReductionCastsInTheCopyInInsteadOfAMainGradAccumulation) {
   const auto none = compile(model, "");
   const auto fsdp2 = compile(model, "fsdp2");
   const core::Program &a = none.result.program, &b = fsdp2.result.program;
-  const auto [measured_bytes, copy_rate] = smallest_copy_measurement();
-  double add_bytes = 0;
-  const double add_rate = smallest_add_rate(&add_bytes);
+  const auto [measured_bytes, copy_rate] = smallest_measurement("copy");
+  const auto [add_bytes, add_rate] = smallest_measurement("add");
   const double P = kBlockParams;
   ASSERT_LT(8 * P, std::min(measured_bytes, add_bytes));
   const double copy_out = 2 * 2 * P / copy_rate + kLaunchFloor;

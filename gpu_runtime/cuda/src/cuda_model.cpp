@@ -327,9 +327,10 @@ void CudaModel::update(const Exec& e, int seg, const AdamW& cfg, int step) {
   d.grad_chunk_ready = false;
 }
 
-std::vector<std::pair<std::int64_t, std::int64_t>> CudaModel::counted_grad_runs(int seg) {
+const std::vector<std::pair<std::int64_t, std::int64_t>>& CudaModel::counted_grad_runs(int seg) {
+  if (const auto it = counted_runs_.find(seg); it != counted_runs_.end()) return it->second;
   const host::SegmentParams& sp = layout_.segment(seg);
-  std::vector<std::pair<std::int64_t, std::int64_t>> runs;
+  std::vector<std::pair<std::int64_t, std::int64_t>>& runs = counted_runs_[seg];
   for (int l = sp.first_layer; l < sp.last_layer; ++l) {
     std::int64_t at = sp.layer_offset[static_cast<std::size_t>(l - sp.first_layer)];
     for (const auto& t : layout_.tensors_of(sp, l)) {

@@ -194,7 +194,7 @@ class DataflowBase {
   const core::Plan& plan_;
   int device_;
   DataShape shape_;
-  float loss_scale_ = 1;
+  float loss_scale_ = 1;  // the loss gradient of a token this step (begin_step: scale / tokens)
   int num_layers_ = 0;
   std::vector<int> set_tp_, set_cp_;  // device set -> TP degree of its stage, CP degree of its segments
   std::unique_ptr<host::TokenStream> stream_;

@@ -212,6 +212,8 @@ struct LossScaleState {
 LossScaleState initial_loss_scale(const LossScaling& cfg);
 // The state after a step that did (or did not) overflow; Static and None keep the scale.
 LossScaleState next_loss_scale(const LossScaling& cfg, LossScaleState s, bool overflow);
+// A usable scale: a finite power of two >= 1 (scaling by it and back is exact).
+bool is_loss_scale(double x);
 // Refuses a scale that is not a power of two >= 1, a window < 1 or min_scale above the initial scale
 // (std::invalid_argument naming the flag).
 void check_loss_scaling(const LossScaling& cfg);

@@ -221,7 +221,8 @@ class CudaModel {
   // The [offset, length) runs of a segment's local gradient vector that count in the global gradient
   // norm (host::HostModel::owned_grad_sq's rule): not a tied head's copy of the embedding table, and a
   // TP-replicated tensor on TP rank 0 only.
-  std::vector<std::pair<std::int64_t, std::int64_t>> counted_grad_runs(int seg);
+  // (Derived from the layout once per segment, on first use.)
+  const std::vector<std::pair<std::int64_t, std::int64_t>>& counted_grad_runs(int seg);
 
   void update(const Exec& e, int seg, const AdamW& cfg, int step);
   void discard_grads(const Exec& e, int seg);  // zero the gradients (and ZeRO chunk) without an update
@@ -293,6 +294,7 @@ class CudaModel {
   host::AttentionShape attn_shape_;
   std::map<int, SegmentDevice> device_;
   std::map<int, TpLink> tp_;
+  std::map<int, std::vector<std::pair<std::int64_t, std::int64_t>>> counted_runs_;  // counted_grad_runs
   Tensor loss_;
 };
 
