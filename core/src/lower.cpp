@@ -252,21 +252,38 @@ int op_gemm_kernels(const DagNode& n) {
   return 0;
 }
 
-// With fp32 main grads (Megatron-LM's gradient_accumulation_fusion) every weight-gradient GEMM
-// accumulates into its parameter's fp32 main_grad: the epilogue reads and writes 4 bytes per
-// parameter of the segment (this device's share) once per microbatch backward, after the main
-// loop, so the traffic adds to the backward's time. Charged to B, or to BW when B is split. With
-// separate accumulation (DeepSpeed's BF16_Optimizer) the bf16 gradients are zeroed and then added
-// into the fp32 ones by their own kernels: 20 bytes a parameter (TrainingShape).
+// Each microbatch's backward joins its weight gradients to the ones the step already holds
+// (TrainingShape::grad_accumulation), as serial HBM traffic added to B (or BW when B is split), per
+// parameter of the segment on this device:
+//  * fused (Megatron-LM's gradient_accumulation_fusion): the weight-gradient GEMMs' epilogue reads and
+//    writes the held gradient, every microbatch: 2 x 4 bytes into fp32 main grads, 2 x 2 in bf16;
+//  * separate with fp32 main grads (DeepSpeed's BF16_Optimizer): zero the bf16 gradients, add them into
+//    the fp32 ones by their own kernels: 20 bytes, every microbatch;
+//  * separate in the training precision (PyTorch autograd's AccumulateGrad): the step's first
+//    microbatch keeps its new gradient, each later one adds into it in place (read 2 + 2, write 2 for
+//    bf16); under ZeRO-2/3 reducing every microbatch, which frees the whole gradients after each
+//    reduce-scatter, into the held shard (FSDP's sharded gradient, DeepSpeed ZeRO-2's partition).
 // Not under FSDP2's copies (Segment::fsdp2_copies): FSDP2 keeps no main_grad; autograd writes the
 // unsharded gradient in the parameters' dtype and the reduce-scatter copy-in casts it (add_fsdp2_copy_kernels).
-std::int64_t main_grad_accumulation_bytes(const GlobalDag& dag, const DagNode& n) {
-  if (!dag.training.fp32_main_grads || n.kind != NodeKind::Compute || (n.pass != Pass::B && n.pass != Pass::BW) ||
-      n.segment < 0 || dag.segments.at(static_cast<std::size_t>(n.segment)).fsdp2_copies)
-    return 0;
+std::int64_t grad_accumulation_bytes(const GlobalDag& dag, const DagNode& n, int microbatch) {
+  if (n.kind != NodeKind::Compute || (n.pass != Pass::B && n.pass != Pass::BW) || n.segment < 0) return 0;
+  const Segment& seg = dag.segments.at(static_cast<std::size_t>(n.segment));
+  if (seg.fsdp2_copies) return 0;
+  const TrainingShape& t = dag.training;
+  const std::int64_t g = gradient_bytes_per_element(t);
+  std::int64_t per_param = 2 * g;  // fused
+  if (t.separate_grad_accumulation()) {
+    if (t.fp32_main_grads) {
+      per_param = 20;
+    } else {
+      if (microbatch == 0) return 0;
+      // ZeRO-2/3 reducing every microbatch adds each reduce-scatter's output into the held shard.
+      if (seg.zero_level >= 2 && seg.reduce_every_microbatch) return 3 * g * seg.state_params() / seg.zero_shards;
+      per_param = 3 * g;
+    }
+  }
   // A chunked B (ShardDirective::chunks) accumulates once per chunk: each of its ops carries this.
-  const std::int64_t per_param = dag.training.separate_main_grad_accumulation ? 20 : 2 * 4;
-  return per_param * dag.segments.at(static_cast<std::size_t>(n.segment)).state_params();
+  return per_param * seg.state_params();
 }
 
 // PyTorch FSDP2's copies around a ZeRO-3 segment's collectives that run on the compute stream, per
@@ -520,7 +537,7 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
         op.cp_steps = fwd ? node.costs.forward_cp_steps : node.costs.backward_cp_steps;
         if (node.pass == Pass::B || node.pass == Pass::BI) op.recompute_flops = node.costs.recompute_flops;
         op.gemm_kernels = op_gemm_kernels(node);
-        op.elementwise_bytes += main_grad_accumulation_bytes(dag, node);
+        op.elementwise_bytes += grad_accumulation_bytes(dag, node, op.microbatch);
       }
       op.bytes = node.bytes;
       op.device_set = node.devices;

@@ -45,6 +45,10 @@ int bytes_per_element(Precision p) {
   return 2;
 }
 
+std::string to_string(GradAccumulation g) {
+  return g == GradAccumulation::Fused ? "fused" : g == GradAccumulation::Separate ? "separate" : "auto";
+}
+
 bool fp32_storage(Precision p) { return p == Precision::FP32 || p == Precision::TF32; }
 
 int gradient_bytes_per_element(const TrainingShape& t) {
@@ -528,11 +532,10 @@ ModelConfig config_from_spec_json(const json& j, const std::string& where) {
     if (const auto mode = t.opt_string("main_grad_accumulation")) {
       if (*mode != "fused" && *mode != "separate")
         t.fail("main_grad_accumulation",
-               "expected \"fused\" (Megatron-LM's gradient_accumulation_fusion) or "
-               "\"separate\" (DeepSpeed's BF16_Optimizer), got '" +
+               "expected \"fused\" (the weight-gradient GEMMs accumulate, Megatron-LM's gradient_accumulation_fusion) or "
+               "\"separate\" (their own kernels: PyTorch autograd, DeepSpeed's BF16_Optimizer), got '" +
                    *mode + "'");
-      if (!c.training.fp32_main_grads) t.fail("main_grad_accumulation", "needs \"fp32_main_grads\": true");
-      c.training.separate_main_grad_accumulation = *mode == "separate";
+      c.training.grad_accumulation = *mode == "separate" ? GradAccumulation::Separate : GradAccumulation::Fused;
     }
   }
   validate_config(c, where);
@@ -584,7 +587,8 @@ json config_to_spec_json(const ModelConfig& c) {
                    {"micro_batch_size", c.training.micro_batch_size},
                    {"precision", to_string(c.training.precision)}};
   if (c.training.fp32_main_grads) j["training"]["fp32_main_grads"] = true;
-  if (c.training.separate_main_grad_accumulation) j["training"]["main_grad_accumulation"] = "separate";
+  if (c.training.grad_accumulation != GradAccumulation::Auto)
+    j["training"]["main_grad_accumulation"] = to_string(c.training.grad_accumulation);
   return j;
 }
 

@@ -389,7 +389,8 @@ json Program::to_json() const {
                    {"micro_batch_size", training.micro_batch_size},
                    {"precision", to_string(training.precision)}};
   if (training.fp32_main_grads) j["training"]["fp32_main_grads"] = true;  // omitted at its default
-  if (training.separate_main_grad_accumulation) j["training"]["main_grad_accumulation"] = "separate";
+  if (training.grad_accumulation != GradAccumulation::Auto)
+    j["training"]["main_grad_accumulation"] = to_string(training.grad_accumulation);
   j["microbatches"] = microbatches;
   if (!model_spec.is_null()) j["model_spec"] = model_spec;
   json segs = json::array();
@@ -490,8 +491,7 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
     if (const json* f = optional_field(t, "main_grad_accumulation")) {
       if (!f->is_string() || (*f != "fused" && *f != "separate"))
         fail("training.main_grad_accumulation", "expected \"fused\" or \"separate\"");
-      if (!p.training.fp32_main_grads) fail("training.main_grad_accumulation", "needs \"fp32_main_grads\": true");
-      p.training.separate_main_grad_accumulation = *f == "separate";
+      p.training.grad_accumulation = *f == "separate" ? GradAccumulation::Separate : GradAccumulation::Fused;
     }
   }
   p.microbatches = as_int(require(j, "", "microbatches"), "microbatches");
@@ -668,7 +668,7 @@ bool operator==(const Program& a, const Program& b) {
   if (a.model_name != b.model_name || a.model_spec != b.model_spec || a.segments != b.segments ||
       a.training.seq_len != b.training.seq_len || a.training.micro_batch_size != b.training.micro_batch_size ||
       a.training.precision != b.training.precision || a.training.fp32_main_grads != b.training.fp32_main_grads ||
-      a.training.separate_main_grad_accumulation != b.training.separate_main_grad_accumulation ||
+      a.training.grad_accumulation != b.training.grad_accumulation ||
       a.microbatches != b.microbatches || a.num_devices != b.num_devices || a.device_sets != b.device_sets ||
       a.families != b.families || a.plan_of_device != b.plan_of_device || a.sm_partition != b.sm_partition ||
       a.clip_grad != b.clip_grad || a.plans.size() != b.plans.size())

@@ -750,8 +750,9 @@ TEST(Tune, RankingListsDistinctPlans) {
 }
 
 // The ZeRO-2/3 gradient reduction is a search axis: both modes for ZeRO-2/3, one plan for ZeRO-0/1.
-// Per step keeps the whole gradient (memory bound grows by (1 - 1/shards) of the gradient bytes),
-// per microbatch moves the gradient once per microbatch (the simulated step is never faster).
+// Per step keeps the whole gradient (memory bound grows by (1 - 1/shards) of the gradient bytes) and
+// adds each later microbatch's into it; per microbatch moves the gradient once per microbatch and adds
+// only into its shard. Neither is faster in general (communication against HBM traffic), but they differ.
 TEST(Tune, SearchesTheZeroGradientReduction) {
   TuneSpec spec = narrow_spec(8, 16, 1, {"1f1b"});
   spec.zero_levels = {1, 2};
@@ -771,7 +772,7 @@ TEST(Tune, SearchesTheZeroGradientReduction) {
       const TuneRow a = evaluate_candidate(spec, c, "analytic"), b = evaluate_candidate(spec, mb, "analytic");
       ASSERT_EQ(a.status, "ok") << a.reason;
       ASSERT_EQ(b.status, "ok") << b.reason;
-      EXPECT_LE(a.step_time_s, b.step_time_s) << c.key();
+      EXPECT_NE(a.step_time_s, b.step_time_s) << c.key();
       EXPECT_GT(a.peak_memory_bytes, b.peak_memory_bytes) << c.key();
     }
   }

@@ -390,18 +390,12 @@ ds_commit = head(DS)
 ds_p2p = show(DS, ds_commit, "deepspeed/runtime/pipe/p2p.py")
 assert 'def send(tensor, dest_stage, async_op=False):' in ds_p2p
 assert 'assert async_op == False, "Doesn\'t support async_op true"' in ds_p2p and "return dist.send(tensor, dest_rank)" in ds_p2p
-# Its BF16_Optimizer (BLOOM) accumulates gradients in fp32 by separate kernels after every microbatch's backward,
-# read at the commit that brought it to the pipeline engine ("bf16+pipeline parallelism", 2022-04-19).
+# DeepSpeed's BF16_Optimizer (fp32 gradient accumulation) reached the pipeline engine on 2022-04-19 ("bf16+pipeline
+# parallelism"); the BLOOM topology rows below are from February 2022 and ran without it (asserted in the BLOOM section).
 ds_bf16_commit = "56c522386878df2513ccb548de76b50191ae3af7"
 ds_bf16 = show(DS, ds_bf16_commit, "deepspeed/runtime/bf16_optimizer.py")
 ds_pipe = show(DS, ds_bf16_commit, "deepspeed/runtime/pipe/engine.py")
-assert "hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype).view(hp_grad.shape))" in ds_bf16
-assert "self.clear_lp_grads()\n        loss.backward(**bwd_kwargs)" in ds_bf16
 assert "self.optimizer.clear_lp_grads()" in ds_pipe and "self.optimizer.update_hp_grads(clear_lp_grads=False)" in ds_pipe
-DS_BF16_NOTE = (" The fp32 gradients accumulate by separate kernels every microbatch (deepspeed/runtime/bf16_optimizer.py at "
-                f"{ds_bf16_commit[:7]}: clear_lp_grads() before each backward, then "
-                "hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype)...); the pipeline engine calls both around every "
-                "microbatch's backward): the model's main_grad_accumulation \"separate\".")
 DS_P2P_NOTE = (" DeepSpeed's pipeline engine sends and receives synchronously (deepspeed/runtime/pipe/p2p.py at "
                f"{ds_commit[:7]}: send(tensor, dest_stage, async_op=False) asserts \"Doesn't support async_op true\" and "
                "calls dist.send): --p2p-blocking.")
@@ -418,6 +412,18 @@ assert "all NHEADS=64 (above too)" in bs
 # The training inherits Megatron's dropout defaults (the README says so; the slurm scripts set neither).
 assert "The default Megatron-LM dropout settings are inherited:" in bs_readme
 assert "--attention-dropout 0.1" in bs_readme and "--hidden-dropout default=0.1" in bs_readme
+# The rows used here (02-21, 02-23) precede both the BF16 optimizer and the embedding-aware pipeline partition,
+# which the "Rebalancing layers" section (02-28, after these tables) introduces: until then the runs were fp16,
+# gradients accumulating in fp16 (PyTorch autograd's in-place add: the model's default accumulation), and the
+# pipeline partitioned transformer layers only ('type:transformer', Megatron-DeepSpeed's GPTModelPipe default),
+# so the first stage also holds the embedding and the last the tied head: posed with --pp-ranges.
+BS_FP16 = ("- First, from now on the testing is happening with BF16 optimizer that was just written to accumulate "
+           "gradients in fp32, so it is more memory heavy and is a bit slower - this is compared to fp16 which grad "
+           "accumulates in fp16.")
+BS_PARTITION = "- I implemented and enabled `--pp-partition-method 'type:transformer|embedding'` so we use 2 layers less"
+BS_REBALANCING = bs.index("## Rebalancing layers")
+assert [l.startswith(BS_FP16) for l in bs].index(True) > BS_REBALANCING
+assert [l.startswith(BS_PARTITION) for l in bs].index(True) > BS_REBALANCING
 
 
 def bs_model(hidden, layers):
@@ -427,22 +433,22 @@ def bs_model(hidden, layers):
         "description": (f"A BLOOM-176B topology-search variant from bigscience tr11 chronicles-prequel.md (commit {bs_commit[:8]}): "
                         f"NHIDDEN={hidden} / NLAYERS={layers}, NHEADS=64 ('all NHEADS=64 (above too)'), seq 2048, vocabulary "
                         "250880 (the padded size of the README's `250880*14336` embedding), tied embeddings, LayerNorm, GELU, "
-                        "biases, Megatron fused-softmax attention (no flash), bf16 with fp32 gradient accumulation "
-                        "(BF16_Optimizer 'accumulates grads in fp32', zeroing the bf16 gradients and adding them into the fp32 "
-                        "ones around every microbatch's backward: main_grad_accumulation \"separate\"); attention and hidden "
+                        "biases, Megatron fused-softmax attention (no flash), fp16 with gradients accumulated in fp16 by autograd "
+                        "(the rows predate the BF16 optimizer: 'this is compared to fp16 which grad accumulates in fp16', "
+                        "chronicles-prequel.md, Rebalancing layers); attention and hidden "
                         "dropout 0.1 (README: 'The default Megatron-LM dropout settings are inherited'). BLOOM uses ALiBi, which "
                         "Piper does not model: posed as "
                         "rotary positions (max_positions 0; no parameters either way). BLOOM's embedding LayerNorm is omitted."),
         "vocab": 250880, "hidden": hidden, "layers": layers, "heads": 64, "ffn": 4 * hidden,
         "activation": "gelu", "norm": "layernorm", "bias": True, "tie_embeddings": True, "max_positions": 0,
         "attention": "standard", "dropout": 0.1,
-        "training": {"seq_len": 2048, "micro_batch_size": 1, "precision": "bf16", "fp32_main_grads": True,
-                     "main_grad_accumulation": "separate"}})
+        "training": {"seq_len": 2048, "micro_batch_size": 1, "precision": "fp16"}})
 
 
 def bs_rows(table_marker, occurrence=0):
     idx = [k for k, l in enumerate(bs) if l.strip() == table_marker]
     i = idx[occurrence]
+    assert i < BS_REBALANCING  # fp16, transformer-only partition (above)
     out, header = [], None
     for l in bs[i + 1:]:
         if l.startswith("NHIDDEN=") or l.startswith("#"):
@@ -476,7 +482,8 @@ def pick_bs(marker, occurrence, hidden, layers, label, want):
             "model": bs_model(hidden, layers), "gpu": "A100-80GB", "cluster": "experiments/fidelity/clusters/jean-zay-a100.json",
             "gpus": gpus,
             "flags": ["--tp", tp, "--pp", pp, "--dp", dp, "--zero", "1", "--schedule", "1f1b", "--microbatches", str(m),
-                      "--micro-batch-size", mbs, "--seq-len", "2048", "--recompute", "full", "--p2p-blocking"],
+                      "--micro-batch-size", mbs, "--seq-len", "2048", "--recompute", "full", "--p2p-blocking",
+                      "--pp-ranges", ",".join(str(layers // int(pp) * r) for r in range(int(pp)))],
             "family": "tp+pp+dp",
             "runtime": "megatron",
             "measured": {"value": float(secit), "unit": "s/iteration (iteration 2)"},
@@ -484,12 +491,16 @@ def pick_bs(marker, occurrence, hidden, layers, label, want):
             "conversion": f"Sec/it {secit} s is the step time; GBS {gbs} / (DP {dp} x MBS {mbs}) = {m} microbatches per pipeline",
             "notes": ("Jean Zay A100 80GB nodes, '8 GPUs per node Using NVLink 4 inter-gpu connects, 4 OmniPath links' (README): "
                       "posed as the dgx-a100-80g preset with 4 NICs of 100 Gb/s per node (experiments/bandwidth/README.md: OPA "
-                      "'is supposed to be 400Gbps max'). Megatron-DeepSpeed with DeepSpeed's BF16_Optimizer (its own ZeRO-1) = "
-                      "--zero 1; activation checkpointing (README: 'Since we use activation check-pointing') = --recompute full; "
-                      "DeepSpeed's pipeline schedule posed as 1F1B; the source partitions embeddings as pipeline layers "
-                      "('type:transformer|embedding'), Piper balances its own way. Measured at iteration 2 (the source warns the "
-                      "snapshot 'can fluctuate a bit'). The table's model size column is the source's." + DS_P2P_NOTE
-                      + DS_BF16_NOTE)})
+                      "'is supposed to be 400Gbps max'). Megatron-DeepSpeed in fp16 with DeepSpeed's ZeRO-1 = --zero 1; the row "
+                      "predates the BF16 optimizer (fp32 gradient accumulation), which the source's 'Rebalancing layers' section "
+                      "introduces after these tables ('this is compared to fp16 which grad accumulates in fp16'), so the "
+                      "gradients accumulate in fp16 by autograd (the model's default accumulation); activation checkpointing "
+                      "(README: 'Since we use activation check-pointing') = --recompute full; DeepSpeed's pipeline schedule posed "
+                      "as 1F1B; the same section introduces the embedding-aware partition ('I implemented and enabled "
+                      "`--pp-partition-method 'type:transformer|embedding'`'), so these rows partitioned transformer layers "
+                      f"only, {layers // int(pp)} a stage with the embedding on the first and the tied head on the last: "
+                      "--pp-ranges. Measured at iteration 2 (the source warns the snapshot 'can fluctuate a bit'). The table's "
+                      "model size column is the source's." + DS_P2P_NOTE)})
 
 
 pick_bs("NHIDDEN=14336 / NLAYERS=72", 0, 14336, 72, "h14336-l72", {(4, 12, 1), (4, 12, 2), (4, 12, 4), (4, 12, 8), (8, 6, 1), (8, 6, 2), (8, 6, 4)})

@@ -24,6 +24,10 @@ int bytes_per_element(Precision p);  // storage: 2, 2, 4, 4, 2
 std::string to_string(Precision p);  // "bf16", "fp16", "fp32", "tf32", "fp8"
 bool fp32_storage(Precision p);      // FP32, TF32: no separate master weights
 
+// How gradients accumulate over a step's microbatches (TrainingShape::grad_accumulation).
+enum class GradAccumulation { Auto, Fused, Separate };
+std::string to_string(GradAccumulation g);
+
 // What a training step looks like: it scales every cost.
 struct TrainingShape {
   std::int64_t seq_len = 4096;
@@ -36,13 +40,24 @@ struct TrainingShape {
   // optimizer then copies its fp32 main parameters to the bf16 model parameters. False: gradients
   // in the training precision (the ZeRO paper's 2 + 2 + 12 bytes per parameter).
   bool fp32_main_grads = false;
-  // How the fp32 main grads accumulate each microbatch ("main_grad_accumulation"): "fused" (false),
-  // Megatron-LM's gradient_accumulation_fusion, the weight-gradient GEMM's epilogue reads and writes
-  // them (8 bytes a parameter); "separate" (true), DeepSpeed's BF16_Optimizer, which zeroes the bf16
-  // gradients before each microbatch's backward and adds them into the fp32 ones after it
-  // (clear_lp_grads: write 2; hp_grad.add_(lp.grad.to(fp32)): read 2, write 4, read 4 + 4, write 4:
-  // 20 bytes a parameter).
-  bool separate_main_grad_accumulation = false;
+  // How each microbatch's weight gradients join the ones already held ("main_grad_accumulation"):
+  //  * Fused: the weight-gradient GEMM's epilogue reads and writes the held gradient every microbatch
+  //    (Megatron-LM's gradient_accumulation_fusion into its main_grad buffer): 2 x 4 bytes a parameter
+  //    with fp32 main grads, 2 x 2 in bf16/fp16;
+  //  * Separate: their own kernels. With fp32 main grads, DeepSpeed's BF16_Optimizer, which zeroes the
+  //    bf16 gradients before each microbatch's backward and adds them into the fp32 ones after it
+  //    (clear_lp_grads: write 2; hp_grad.add_(lp.grad.to(fp32)): read 2, write 4, read 4 + 4, write 4:
+  //    20 bytes a parameter, every microbatch). In the training precision, PyTorch autograd's
+  //    AccumulateGrad: the first backward of a step keeps its new gradient, each later one adds into
+  //    it in place (read 2 + 2, write 2: 6 bytes a parameter for bf16/fp16), wherever whole gradients
+  //    persist across microbatches (ZeRO-0/1, ZeRO-2/3 reducing once per step);
+  //  * Auto (the field omitted): Fused with fp32 main grads (Megatron-LM's default), Separate without
+  //    (PyTorch's autograd, DDP and FSDP).
+  GradAccumulation grad_accumulation = GradAccumulation::Auto;
+  bool separate_grad_accumulation() const {
+    return grad_accumulation == GradAccumulation::Separate ||
+           (grad_accumulation == GradAccumulation::Auto && !fp32_main_grads);
+  }
   std::int64_t tokens_per_microbatch() const { return seq_len * micro_batch_size; }
 };
 // Bytes per element of the gradient buffer: 4 with fp32 main grads, else the training precision's.
