@@ -531,10 +531,11 @@ ModelConfig config_from_spec_json(const json& j, const std::string& where) {
     c.training.fp32_main_grads = t.bool_or("fp32_main_grads", false);
     if (const auto mode = t.opt_string("main_grad_accumulation")) {
       if (*mode != "fused" && *mode != "separate")
-        t.fail("main_grad_accumulation",
-               "expected \"fused\" (the weight-gradient GEMMs accumulate, Megatron-LM's gradient_accumulation_fusion) or "
-               "\"separate\" (their own kernels: PyTorch autograd, DeepSpeed's BF16_Optimizer), got '" +
-                   *mode + "'");
+        t.fail(
+            "main_grad_accumulation",
+            "expected \"fused\" (the weight-gradient GEMMs accumulate, Megatron-LM's gradient_accumulation_fusion) or "
+            "\"separate\" (their own kernels: PyTorch autograd, DeepSpeed's BF16_Optimizer), got '" +
+                *mode + "'");
       c.training.grad_accumulation = *mode == "separate" ? GradAccumulation::Separate : GradAccumulation::Fused;
     }
   }

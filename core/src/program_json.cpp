@@ -668,10 +668,10 @@ bool operator==(const Program& a, const Program& b) {
   if (a.model_name != b.model_name || a.model_spec != b.model_spec || a.segments != b.segments ||
       a.training.seq_len != b.training.seq_len || a.training.micro_batch_size != b.training.micro_batch_size ||
       a.training.precision != b.training.precision || a.training.fp32_main_grads != b.training.fp32_main_grads ||
-      a.training.grad_accumulation != b.training.grad_accumulation ||
-      a.microbatches != b.microbatches || a.num_devices != b.num_devices || a.device_sets != b.device_sets ||
-      a.families != b.families || a.plan_of_device != b.plan_of_device || a.sm_partition != b.sm_partition ||
-      a.clip_grad != b.clip_grad || a.plans.size() != b.plans.size())
+      a.training.grad_accumulation != b.training.grad_accumulation || a.microbatches != b.microbatches ||
+      a.num_devices != b.num_devices || a.device_sets != b.device_sets || a.families != b.families ||
+      a.plan_of_device != b.plan_of_device || a.sm_partition != b.sm_partition || a.clip_grad != b.clip_grad ||
+      a.plans.size() != b.plans.size())
     return false;
   for (std::size_t i = 0; i < a.plans.size(); ++i)
     if (!same_plan(a.plans[i], b.plans[i])) return false;

@@ -368,7 +368,8 @@ TEST(TensorParallel, Fp32MainGradsByHand) {
   const Op* bsep = find(sep, OpKind::Compute, Pass::B);
   ASSERT_TRUE(bsep);
   EXPECT_EQ(bsep->elementwise_bytes - b16->elementwise_bytes, 20 * P);
-  EXPECT_EQ(config_from_spec_json(config_to_spec_json(c), "round trip").training.grad_accumulation, GradAccumulation::Separate);
+  EXPECT_EQ(config_from_spec_json(config_to_spec_json(c), "round trip").training.grad_accumulation,
+            GradAccumulation::Separate);
   c.training.grad_accumulation = GradAccumulation::Auto;
   // The spec field round-trips and is type-checked.
   EXPECT_TRUE(config_from_spec_json(config_to_spec_json(c), "round trip").training.fp32_main_grads);
