@@ -193,6 +193,8 @@ Command add_compile_command(CLI::App& app) {
   auto args = std::make_shared<CompileArgs>();
   CLI::App* cmd = app.add_subcommand("compile", "compile a model and a directive program into per-device plans");
   args->scenario.add_to(cmd);
+  args->scenario.add_file_option(cmd,
+                                 "compile a scenario file (piper-studio's, --save-scenario's): its model and strategy");
   cmd->add_option("-o,--output", args->out_path, "write the Program (JSON) here")->check(kOutputPath);
   cmd->add_flag("--stats", args->stats, "print a statistics table");
   cmd->add_option("--dump-after", args->dump_after,

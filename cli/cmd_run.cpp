@@ -31,8 +31,7 @@ constexpr std::array<const char*, 3> kDynamicScaleFlags = {"--initial-loss-scale
 struct RunArgs {
   ScenarioFlags scenario;
   std::string plan_path;
-  std::string scenario_path;  // --scenario: model, strategy and training settings from a scenario file
-  std::optional<core::Scenario> scenario_file;  // read once from scenario_path (apply_scenario_train)
+  std::optional<core::Scenario> scenario_file;  // --scenario's, read once (apply_scenario_train)
   bool reference = false;
   std::string backend = "host";
   bool virtual_devices = false;
@@ -60,11 +59,6 @@ struct RunArgs {
     MPI_Abort(MPI_COMM_WORLD, kExitInternal);
   }
   std::abort();  // MPI_Abort does not return
-}
-
-// A scenario file (piper-studio's, --save-scenario's); relative paths in it resolve against its folder.
-core::Scenario load_scenario(const std::string& path) {
-  return core::Scenario::from_json(read_json_file(path), path, std::filesystem::path(path).parent_path().string());
 }
 
 core::Program load_program(const RunArgs& a) {
@@ -182,12 +176,7 @@ int run_distributed(const RunArgs& a) {
 // --scenario: the file fixes the model and strategy (a compile input beside it is an error naming the
 // flag), and its "train" section sets each training setting whose flag was not given.
 void apply_scenario_train(RunArgs& a, const CLI::App& cmd) {
-  for (const CLI::Option* o : a.scenario.compile_inputs)
-    if (o->count() > 0)
-      throw CliError("", fmt::format("{} cannot be used with --scenario: the scenario file fixes the model and "
-                                     "strategy (edit the file, or give the compile inputs without --scenario)",
-                                     o->get_name()));
-  a.scenario_file = load_scenario(a.scenario_path);
+  a.scenario_file = a.scenario.scenario();
   const core::Scenario& s = *a.scenario_file;
   auto& t = a.train;
   for (auto it = s.train.begin(); it != s.train.end(); ++it) {
@@ -310,11 +299,12 @@ Command add_run_command(CLI::App& app) {
   args->plan =
       cmd->add_option("--plan", args->plan_path, "a compiled Program (piper compile -o); else the compile inputs")
           ->excludes("--model");
-  cmd->add_option("--scenario", args->scenario_path,
-                  "a scenario file (piper-studio's, --save-scenario's): its model, strategy and \"train\" settings "
-                  "(the flags below win over them)")
-      ->excludes(args->plan)
-      ->excludes("--model");
+  args->scenario
+      .add_file_option(
+          cmd,
+          "a scenario file (piper-studio's, --save-scenario's): its model, strategy and \"train\" settings "
+          "(the flags below win over them)")
+      ->excludes(args->plan);
   cmd->add_flag("--reference", args->reference,
                 "run the same model on the same global batch in one process, without parallelism");
   cmd->add_option("--backend", args->backend,
@@ -367,7 +357,7 @@ Command add_run_command(CLI::App& app) {
       ->check(kPositiveNumber);
   return {cmd, [args, cmd]() -> int {
             if (!args->plan_path.empty()) args->scenario.reject_beside_plan();
-            if (!args->scenario_path.empty()) apply_scenario_train(*args, *cmd);
+            if (!args->scenario.scenario_path.empty()) apply_scenario_train(*args, *cmd);
             settle_training_settings(*args, *cmd);
             if (args->virtual_devices && args->reference)
               throw CliError("",

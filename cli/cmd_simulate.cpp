@@ -24,8 +24,9 @@ struct SimulateArgs {
   double memory_budget_gib = 0;  // --recompute auto: the budget the chosen policy's peak fits
   int max_devices = 16;
   bool no_symmetry = false;
-  CLI::Option* model = nullptr;
   CLI::Option* plan = nullptr;
+  CLI::Option* cluster_option = nullptr;
+  CLI::Option* engine_option = nullptr;
   CLI::Option* memory_budget = nullptr;
 };
 
@@ -42,8 +43,12 @@ int run_simulate(const SimulateArgs& a) {
       throw CliError("", "--memory-budget cannot be used with --plan: the plan already fixes its recomputation");
     result = sim::simulate_program(std::make_shared<const core::Program>(read_verified_plan(a.plan_path)), options);
   } else {
-    if (a.model->count() == 0) throw CliError("", "--model is required (or give --plan)");
+    if (a.scenario.model.empty() && a.scenario.scenario_path.empty())
+      throw CliError("", "--model is required (or give --plan or --scenario)");
     core::Scenario scenario = a.scenario.scenario();
+    // A scenario file's cluster and engine apply unless the flags name others.
+    if (a.cluster_option->count() == 0 && !scenario.cluster.empty()) options.cluster.clear();
+    if (a.engine_option->count() == 0 && !scenario.engine.empty()) options.engine.clear();
     const bool automatic = scenario.strategy.recompute == "auto";
     if (automatic != (a.memory_budget->count() > 0))
       throw CliError(
@@ -58,8 +63,8 @@ int run_simulate(const SimulateArgs& a) {
       scenario.strategy.recompute_every = choice.chosen.policy.every;
     }
     result = sim::simulate(scenario, options);
-    scenario.cluster = a.cluster;
-    scenario.engine = a.engine;
+    if (!options.cluster.empty()) scenario.cluster = options.cluster;
+    if (!options.engine.empty()) scenario.engine = options.engine;
     a.scenario.save_if_requested(scenario);
   }
   // Files are written whole (temporary file, then rename) so an interrupted run leaves nothing half-written.
@@ -82,18 +87,21 @@ Command add_simulate_command(CLI::App& app) {
   CLI::App* cmd =
       app.add_subcommand("simulate", "simulate one training step: step time, bubbles, memory, critical path");
   args->scenario.add_to(cmd);
-  args->model = cmd->get_option("--model");
-  args->model->required(false);
+  CLI::Option* scenario_file = args->scenario.add_file_option(
+      cmd,
+      "simulate a scenario file (piper-studio's, --save-scenario's): its model, strategy, cluster and engine "
+      "(--cluster and --engine win over the last two)");
   args->plan =
       cmd->add_option("--plan", args->plan_path, "simulate this plan (from `piper compile -o`) instead of compiling");
-  args->plan->excludes(args->model);
-  cmd->add_option(
-         "--cluster", args->cluster,
-         "cluster preset (dgx-a100-80g, dgx-h100, dgx-h200, hgx-h800) or spec JSON; nodes are added to fit the program")
-      ->capture_default_str();
-  cmd->add_option("--engine", args->engine,
-                  "simulation engine: simgrid (flow-level network) or analytic (fast, no contention)")
-      ->capture_default_str();
+  args->plan->excludes(cmd->get_option("--model"))->excludes(scenario_file);
+  args->cluster_option = cmd->add_option("--cluster", args->cluster,
+                                         "cluster preset (dgx-a100-80g, dgx-h100, dgx-h200, hgx-h800) or spec JSON; "
+                                         "nodes are added to fit the program")
+                             ->capture_default_str();
+  args->engine_option =
+      cmd->add_option("--engine", args->engine,
+                      "simulation engine: simgrid (flow-level network) or analytic (fast, no contention)")
+          ->capture_default_str();
   args->memory_budget =
       cmd->add_option("--memory-budget", args->memory_budget_gib,
                       "with --recompute auto: peak memory per device (GiB) the chosen policy must fit")

@@ -218,7 +218,24 @@ void ScenarioFlags::save_if_requested(const core::Scenario& s) const {
   core::write_file_atomically(save_scenario_path, scenario_file_text(s, save_scenario_path));
 }
 
+CLI::Option* ScenarioFlags::add_file_option(CLI::App* app, const std::string& help) {
+  CLI::Option* model_option = app->get_option("--model");
+  model_option->required(false);
+  return app->add_option("--scenario", scenario_path, help)->excludes(model_option);
+}
+
 core::Scenario ScenarioFlags::scenario() const {
+  if (!scenario_path.empty()) {
+    for (const CLI::Option* o : compile_inputs)
+      if (o->count() > 0)
+        throw CliError("", fmt::format("{} cannot be used with --scenario: the scenario file fixes the model and "
+                                       "strategy (edit the file, or give the compile inputs without --scenario)",
+                                       o->get_name()));
+    // Relative model, cluster and directive files in it resolve against its folder.
+    return core::Scenario::from_json(read_json_file(scenario_path), scenario_path,
+                                     std::filesystem::path(scenario_path).parent_path().string());
+  }
+  if (model.empty()) throw CliError("", "--model is required (or give --scenario FILE)");
   if (strategy.option("microbatches")->count() > 0 && directives->count() > 0 &&
       strategy.option("schedule")->count() == 0)
     throw CliError("", "--microbatches with --directives needs --schedule (the schedule to append)");

@@ -63,6 +63,9 @@ struct StrategyFlags {
   std::vector<std::pair<std::string, CLI::Option*>> flags;  // setting name -> its flag, in table order
   CLI::Option* option(const std::string& setting) const;    // the flag of a setting of the table
   void add_to(CLI::App* app);
+  // --scenario FILE, in place of --model and the compile inputs (piper-studio's files, --save-scenario's);
+  // makes --model optional. `help` says what the command takes from the file.
+  CLI::Option* add_file_option(CLI::App* app, const std::string& help);
 };
 
 // The inputs of `piper compile`, reused by every command that compiles (simulate, run, ...):
@@ -75,17 +78,22 @@ struct ScenarioFlags {
   int first_stage_layers = 0, last_stage_layers = 0;
   std::string directives_path;
   std::string save_scenario_path;
+  std::string scenario_path;  // --scenario FILE (add_file_option): the model and strategy from a scenario file
   StrategyFlags strategy;
   CLI::Option* directives = nullptr;
   // Every compile input (all of the above but --model): none of them applies to a compiled plan.
   std::vector<CLI::Option*> compile_inputs;
   void add_to(CLI::App* app);
+  // --scenario FILE, in place of --model and the compile inputs (piper-studio's files, --save-scenario's);
+  // makes --model optional. `help` says what the command takes from the file.
+  CLI::Option* add_file_option(CLI::App* app, const std::string& help);
   // With --plan FILE the plan fixes the strategy: a compile input given beside it would be silently
   // ignored, so it is an error naming the flag (CliError).
   void reject_beside_plan() const;
   // --save-scenario FILE: writes the scenario (the file piper-studio opens) atomically, if asked.
   void save_if_requested(const core::Scenario& s) const;
-  // Checks flag combinations and reads the directive file; throws CliError.
+  // The scenario file's (a compile input beside it is an error naming the flag), else the flags' after
+  // checking their combinations and reading the directive file; throws CliError.
   core::Scenario scenario() const;
 };
 

@@ -187,6 +187,12 @@ TEST(CudaBackendEquivalence, TensorParallel_TP2xDP2_Zero1_ClipGrad) {
 }
 // Sequence parallelism: the residual stream holds this rank's token rows; gathers before the
 // column-parallel GEMMs, reduce-scatters after the row-parallel ones, norm weight gradients summed.
+// Routed experts without TP on a TP 2 stage without SP: both TP ranks run every token through the
+// experts, and each adds half its expert gradient (the host's token copies; a review found the CUDA
+// model adding the whole of it, twice the host's gradient after the expert-DP sum).
+TEST(CudaBackendEquivalence, TensorParallel_TP2_MoE_ExpertsOnBothTpRanks) {
+  expect_equivalent("tp2-moe", compile(1, 1, 1, 0, 2, "1f1b", kModel, [](auto& o) { o.tp = 2; }));
+}
 TEST(CudaBackendEquivalence, SequenceParallel_TP2xPP2_SelectiveRecompute) {
   expect_equivalent("sp-tp2", compile(2, 1, 1, 0, 4, "1f1b", kDense, [](auto& o) {
                       o.tp = 2;

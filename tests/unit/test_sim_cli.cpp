@@ -83,6 +83,38 @@ TEST_F(SimCli, SimulatesAPlanFile) {
   EXPECT_EQ(json::parse(std::ifstream(report)).at("devices"), 2);
 }
 
+// --save-scenario then --scenario replays the same step: the file's model, strategy, cluster and
+// engine; --engine wins over the file's; a compile input beside --scenario is a one-line error.
+TEST_F(SimCli, ReplaysASavedScenario) {
+  const fs::path sc = dir_ / "s.json", first = dir_ / "first.json", again = dir_ / "again.json";
+  ASSERT_EQ(run("simulate --model qwen3-9m --pp 2 --dp 2 --microbatches 4 --engine analytic --cluster dgx-h100 "
+                "--save-scenario " +
+                    sc.string() + " --report " + first.string(),
+                dir_)
+                .code,
+            0);
+  Result r = run("simulate --scenario " + sc.string() + " --report " + again.string(), dir_);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json a = json::parse(std::ifstream(first)), b = json::parse(std::ifstream(again));
+  EXPECT_EQ(b.at("step_time_s"), a.at("step_time_s"));
+  EXPECT_EQ(b.at("engine"), "analytic");
+  EXPECT_EQ(b.at("devices"), 4);
+  EXPECT_NE(r.out.find("(dgx-h100)"), std::string::npos) << r.out;
+  Result s = run("simulate --scenario " + sc.string() + " --engine simgrid --report " + again.string(), dir_);
+  ASSERT_EQ(s.code, 0) << s.err;
+  EXPECT_EQ(json::parse(std::ifstream(again)).at("engine"), "simgrid");
+  Result c = run("compile --scenario " + sc.string(), dir_);
+  ASSERT_EQ(c.code, 0) << c.err;
+  EXPECT_NE(c.out.find("qwen3-9m: 4 devices"), std::string::npos) << c.out;
+  Result bad = run("simulate --scenario " + sc.string() + " --pp 4", dir_);
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("piper: error: --pp cannot be used with --scenario"), std::string::npos) << bad.err;
+  EXPECT_EQ(std::count(bad.err.begin(), bad.err.end(), '\n'), 1) << bad.err;
+  Result none = run("compile --pp 2", dir_);
+  EXPECT_EQ(none.code, 2);
+  EXPECT_NE(none.err.find("--model is required (or give --scenario FILE)"), std::string::npos) << none.err;
+}
+
 TEST_F(SimCli, BadClusterIsOneLineAndWritesNothing) {
   const fs::path report = dir_ / "report.json";
   Result r = run("simulate --model qwen3-9m --engine analytic --cluster dgx-h9000 --report " + report.string(), dir_);

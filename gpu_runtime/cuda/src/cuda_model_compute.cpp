@@ -53,12 +53,12 @@ void matmul_acc(const Exec& e, DType dt, M a, bool ta, M b, bool tb, Tensor& c) 
   if (s.m > 0 && s.n > 0 && s.k > 0) gemm_of(e).run(dt, s, a.p, b.p, c.data(), 1.0f, 1.0f);
 }
 
-// g (fp32) += op(A) op(B): weight gradients accumulate in fp32 whatever the storage type (a bf16
+// g (fp32) += alpha op(A) op(B): weight gradients accumulate in fp32 whatever the storage type (a bf16
 // product is never rounded to bf16 before it is added).
-void weight_grad(const Exec& e, DType dt, M a, bool ta, M b, bool tb, float* g) {
+void weight_grad(const Exec& e, DType dt, M a, bool ta, M b, bool tb, float* g, float alpha = 1.0f) {
   const GemmShape s = shape_of(a, ta, b, tb);
   if (s.m == 0 || s.n == 0 || s.k == 0) return;
-  gemm_of(e).run_f32_out(dt, s, a.p, b.p, g, 1.0f, 1.0f);
+  gemm_of(e).run_f32_out(dt, s, a.p, b.p, g, alpha, 1.0f);
 }
 
 Tensor plus(const Exec& e, DType dt, const Tensor& a, const Tensor& b) {
@@ -105,10 +105,11 @@ Tensor mlp_backward_input(const Exec& e, DType dt, M wg, M wu, M wd, MlpCache& c
   return du;
 }
 
-void mlp_backward_weight(const Exec& e, DType dt, const MlpCache& c, float* gwg, float* gwu, float* gwd) {
-  weight_grad(e, dt, of(c.h), true, of(c.dout), false, gwd);
-  weight_grad(e, dt, of(c.u), true, of(c.da), false, gwg);
-  weight_grad(e, dt, of(c.u), true, of(c.db), false, gwu);
+void mlp_backward_weight(const Exec& e, DType dt, const MlpCache& c, float* gwg, float* gwu, float* gwd,
+                         float alpha = 1.0f) {
+  weight_grad(e, dt, of(c.h), true, of(c.dout), false, gwd, alpha);
+  weight_grad(e, dt, of(c.u), true, of(c.da), false, gwg, alpha);
+  weight_grad(e, dt, of(c.u), true, of(c.db), false, gwu, alpha);
 }
 
 // db (fp32) += the column sums of the rows `t` (a bias gradient).
@@ -602,11 +603,15 @@ Tensor CudaModel::experts_backward_input(const Exec& e, int seg, int layer, Expe
   return du;
 }
 
+// Experts without TP on a TP stage without SP see the same tokens on each of the t TP ranks (token
+// copies), and the expert data-parallel reduction sums the t identical gradients: each adds 1/t of
+// its gradient, as the host backend does (host_model_compute.cpp, backward_weight).
 void CudaModel::experts_backward_weight(const Exec& e, int seg, int layer, ExpertsCache& c) {
   Weights gw = weights(seg, layer, true);
+  const float alpha = 1.0f / static_cast<float>(std::max(1, layout(seg).token_copies));
   for (const auto& gr : c.groups) {
     const auto x = static_cast<std::size_t>(gr.local);
-    mlp_backward_weight(e, dt_, gr.mlp, gw.grad(3 * x), gw.grad(3 * x + 1), gw.grad(3 * x + 2));
+    mlp_backward_weight(e, dt_, gr.mlp, gw.grad(3 * x), gw.grad(3 * x + 1), gw.grad(3 * x + 2), alpha);
   }
 }
 
