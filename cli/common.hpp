@@ -63,9 +63,6 @@ struct StrategyFlags {
   std::vector<std::pair<std::string, CLI::Option*>> flags;  // setting name -> its flag, in table order
   CLI::Option* option(const std::string& setting) const;    // the flag of a setting of the table
   void add_to(CLI::App* app);
-  // --scenario FILE, in place of --model and the compile inputs (piper-studio's files, --save-scenario's);
-  // makes --model optional. `help` says what the command takes from the file.
-  CLI::Option* add_file_option(CLI::App* app, const std::string& help);
 };
 
 // The inputs of `piper compile`, reused by every command that compiles (simulate, run, ...):
