@@ -261,8 +261,9 @@ int op_gemm_kernels(const DagNode& n) {
 //    the fp32 ones by their own kernels: 20 bytes, every microbatch;
 //  * separate in the training precision (PyTorch autograd's AccumulateGrad): the step's first
 //    microbatch keeps its new gradient, each later one adds into it in place (read 2 + 2, write 2 for
-//    bf16); under ZeRO-2/3 reducing every microbatch, which frees the whole gradients after each
-//    reduce-scatter, into the held shard (FSDP's sharded gradient, DeepSpeed ZeRO-2's partition).
+//    bf16);
+//  * ZeRO-2/3 reducing every microbatch (the accumulation not named), with or without fp32 reduction
+//    (FSDP's reduce_dtype): nothing on the compute stream, below.
 // Not under FSDP2's copies (Segment::fsdp2_copies): FSDP2 keeps no main_grad; autograd writes the
 // unsharded gradient in the parameters' dtype and the reduce-scatter copy-in casts it (add_fsdp2_copy_kernels).
 std::int64_t grad_accumulation_bytes(const GlobalDag& dag, const DagNode& n, int microbatch) {
@@ -271,14 +272,17 @@ std::int64_t grad_accumulation_bytes(const GlobalDag& dag, const DagNode& n, int
   if (seg.fsdp2_copies) return 0;
   const TrainingShape& t = dag.training;
   const std::int64_t g = gradient_bytes_per_element(t);
+  // ZeRO-2/3 reducing every microbatch keeps no whole gradient to add into: the reduce-scatter's input
+  // (cast to fp32 where it reduces in fp32) and its accumulation into the held shard run off the
+  // compute stream (FSDP1's post-backward stream, DeepSpeed's reduction stream; FSDP2's copy-in is
+  // listed as its own kernel), unless the model names an accumulation.
+  if (seg.zero_level >= 2 && seg.reduce_every_microbatch && t.grad_accumulation == GradAccumulation::Auto) return 0;
   std::int64_t per_param = 2 * g;  // fused
   if (t.separate_grad_accumulation()) {
     if (t.fp32_main_grads) {
       per_param = 20;
     } else {
       if (microbatch == 0) return 0;
-      // ZeRO-2/3 reducing every microbatch adds each reduce-scatter's output into the held shard.
-      if (seg.zero_level >= 2 && seg.reduce_every_microbatch) return 3 * g * seg.state_params() / seg.zero_shards;
       per_param = 3 * g;
     }
   }

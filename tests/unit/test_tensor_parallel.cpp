@@ -242,8 +242,9 @@ TEST(TensorParallel, StandardAttentionElementwiseBytesByHand) {
 // (the default without fp32 main grads): microbatch 0's backward keeps its new gradients, 1 and 2 add
 // into them in place (read 2 + 2, write 2): 6P bytes more each. Megatron-LM's fused accumulation
 // into a bf16 main_grad buffer: the weight-gradient GEMMs read and write it every microbatch, 4P.
-// ZeRO-2 reducing every microbatch frees the whole gradients after each reduce-scatter and adds its
-// output into the held shard (6P / 2 over 2 replicas); reducing once per step keeps them, as ZeRO-1.
+// ZeRO-2 reducing every microbatch frees the whole gradients after each reduce-scatter, whose output
+// joins the held shard off the compute stream (FSDP's post-backward stream, DeepSpeed's reduction
+// stream): nothing on the backward, in bf16 or fp32; reducing once per step keeps them, as ZeRO-1.
 TEST(TensorParallel, GradientAccumulationInTheTrainingPrecisionByHand) {
   const double P = 256 / 2 * 64 + 64 * 64 + 2 * (2 * 2 * h + (4 * h * h + 4 * h) / 2 + (2 * h * 256 + 256 + h) / 2) +
                    2 * h + 256 / 2 * h;
@@ -277,8 +278,16 @@ TEST(TensorParallel, GradientAccumulationInTheTrainingPrecisionByHand) {
   StrategyOptions z2 = o;
   z2.zero = 2;  // reduces every microbatch by default
   const auto per_microbatch = b_bytes(c, z2);
-  EXPECT_EQ(per_microbatch[1] - per_microbatch[0], 6 * P / 2);  // into the shard of 2 replicas
-  EXPECT_EQ(per_microbatch[2] - per_microbatch[0], 6 * P / 2);
+  EXPECT_EQ(per_microbatch[0], autograd[0]);
+  EXPECT_EQ(per_microbatch[1], autograd[0]);
+  EXPECT_EQ(per_microbatch[2], autograd[0]);
+  // Reduced in fp32 (FSDP's reduce_dtype, fp32 main grads): no whole fp32 main_grad either; the cast
+  // and the shard's accumulation run off the compute stream.
+  c.name = "tp-gpt-accumulate-zero2-fp32";
+  c.training.fp32_main_grads = true;
+  const auto fp32_reduced = b_bytes(c, z2);
+  for (std::size_t mb = 0; mb < 3; ++mb) EXPECT_EQ(fp32_reduced[mb], autograd[0]) << "microbatch " << mb;
+  c.training.fp32_main_grads = false;
   z2.reduce_every = "step";
   c.name = "tp-gpt-accumulate-zero2-step";
   const auto per_step = b_bytes(c, z2);

@@ -81,20 +81,23 @@ for size, (d, h, l) in MPT.items():
     assert "expansion_ratio: 4" in y and "vocab_size: 50368" in y and "attn_impl: flash" in y, size
 
 
-def mpt_model(size, seq):
+def mpt_model(size, seq, fp32_reduce=False):
     d, h, l = MPT[size]
-    name = f"mpt-{size}" if seq == 2048 else f"mpt-{size}-s{seq}"
+    name = (f"mpt-{size}" if seq == 2048 else f"mpt-{size}-s{seq}") + ("-fp32-reduce" if fp32_reduce else "")
     return write_model(name, {
         "name": name,
         "description": (f"MosaicML MPT-{size} as benchmarked in llm-foundry scripts/train/benchmarking (commit {lf_commit[:8]}): "
                         f"d_model {d}, n_heads {h}, n_layers {l}, expansion_ratio 4, vocab_size 50368, attn_impl flash "
                         f"(scripts/train/yamls/pretrain/mpt-{size}.yaml). The table's NumParams grows by d_model per extra "
                         f"token of SeqLen and exceeds 12*L*d^2 + V*d by 9d per layer, so: learned positions up to the "
-                        f"sequence length ({seq}), biases on every linear, LayerNorm, GELU MLP, tied embeddings."),
+                        f"sequence length ({seq}), biases on every linear, LayerNorm, GELU MLP, tied embeddings."
+                        + (" Gradients reduced in fp32 (Composer's FSDP mixed precision DEFAULT: reduce_dtype "
+                           "torch.float32): fp32_main_grads." if fp32_reduce else "")),
         "vocab": 50368, "hidden": d, "layers": l, "heads": h, "ffn": 4 * d,
         "activation": "gelu", "norm": "layernorm", "bias": True, "tie_embeddings": True,
         "max_positions": seq, "attention": "flash",
-        "training": {"seq_len": seq, "micro_batch_size": 1, "precision": "bf16"}})
+        "training": {"seq_len": seq, "micro_batch_size": 1, "precision": "bf16",
+                     **({"fp32_main_grads": True} if fp32_reduce else {})}})
 
 
 def lf_section(title):
@@ -174,6 +177,23 @@ def lf_flash_attn(section):
     return first, extras[0], pin
 
 
+# Composer's FSDP mixed precision 'DEFAULT' (the tables' "MP mode"): from v0.16.4 on it sets reduce_dtype
+# torch.float32, before that it leaves it unset (FSDP then reduces in param_dtype, bf16). Read at the lowest
+# Composer the section's harness allowed (llm-foundry's setup.py at the commit that added the table).
+CP = "mosaicml+composer"
+
+
+def lf_default_reduces_in_fp32(first):
+    setup = show(LF, first, "setup.py")
+    lows = {l.split(">=")[1].split(",")[0] for l in setup.splitlines()
+            if ("'mosaicml[" in l or "'composer[" in l) and ">=" in l}  # the install_requires and extras pins
+    assert lows, first
+    low = max(lows, key=lambda v: tuple(int(x) for x in v.split(".")))  # pip satisfies every pin
+    src = subprocess.check_output(["git", "-C", f"{MIR}/{CP}/repo", "grep", "-h", "-A3",
+                                   "elif mixed_precision == 'DEFAULT':", f"v{low}", "--", "composer"], text=True)
+    return "reduce_dtype = torch.float32" in src, low
+
+
 for section, size, seq, gpus, mbs in LF_PICK:
     line, c = lf_row(section, size, seq, gpus, mbs)
     (model, seqlen, ngpu, gpu, mfu, hfu, mtflop, mbsz, ga, gbs, sps, tps, tpsg, gbs_t, prec, mp, shard, ac, off, nparams) = c
@@ -198,6 +218,14 @@ for section, size, seq, gpus, mbs in LF_PICK:
              "collectives')."]
     # Every MosaicML table: the flash-attn its harness installed.
     first, extra, pin = lf_flash_attn(section)
+    fp32_reduce, composer_low = lf_default_reduces_in_fp32(first) if mp == "DEFAULT" else (False, None)
+    if mp == "DEFAULT":
+        notes[2] = (f"Precision {prec}, MP mode DEFAULT: autocast bf16 over fp32 parameters, posed as bf16; Composer "
+                    f"{composer_low} (the lowest the harness allowed at {first[:9]}) "
+                    + ("sets reduce_dtype torch.float32 for DEFAULT, so the gradients are reduce-scattered in fp32: "
+                       "the model's fp32_main_grads (ZeRO-2/3 reducing every microbatch keeps no whole fp32 gradient; "
+                       "docs/cost-model.md, 'Gradient accumulation')."
+                       if fp32_reduce else "leaves reduce_dtype unset for DEFAULT, so FSDP reduces in param_dtype, bf16."))
     major = pin.split("==")[1].lstrip("v").split(".")[0]
     attention_kernel = "fa2" if major == "2" else "fa1"
     notes.append(f"Attention: the table was added at {first[:9]}, whose benchmark harness installs llm-foundry with "
@@ -215,7 +243,7 @@ for section, size, seq, gpus, mbs in LF_PICK:
         "repo": "mosaicml/llm-foundry", "commit": lf_commit, "path": lf_path,
         "quote": line,
         "quote_context": f"{section} / " + next(l for l in lf[lf_section(section) + 1:] if l.startswith("|  Model")).strip(),
-        "model": mpt_model(size, seq),
+        "model": mpt_model(size, seq, fp32_reduce),
         "gpu": gpu_label,
         "cluster": cluster,
         "gpus": int(ngpu),
