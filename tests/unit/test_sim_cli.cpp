@@ -110,6 +110,12 @@ TEST_F(SimCli, ReplaysASavedScenario) {
   EXPECT_EQ(bad.code, 2);
   EXPECT_NE(bad.err.find("piper: error: --pp cannot be used with --scenario"), std::string::npos) << bad.err;
   EXPECT_EQ(std::count(bad.err.begin(), bad.err.end(), '\n'), 1) << bad.err;
+  // A bad cluster in the file is the file's field, not a --cluster flag.
+  { std::ofstream(dir_ / "bad-cluster.json") << R"({"model": "qwen3-9m", "cluster": "dgx-h9000"})"; }
+  Result cl = run("simulate --scenario " + (dir_ / "bad-cluster.json").string(), dir_);
+  EXPECT_EQ(cl.code, 2);
+  EXPECT_NE(cl.err.find("bad-cluster.json: field 'cluster': 'dgx-h9000': neither a preset"), std::string::npos)
+      << cl.err;
   Result none = run("compile --pp 2", dir_);
   EXPECT_EQ(none.code, 2);
   EXPECT_NE(none.err.find("--model is required (or give --scenario FILE)"), std::string::npos) << none.err;
