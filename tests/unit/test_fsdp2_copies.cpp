@@ -170,7 +170,7 @@ TEST(Fsdp2Copies, CostsTheCopyOutAndTheReduceScatterCopyInByHand) {
 // With fp32 gradient reduction (training.fp32_main_grads, TorchTitan's mixed_precision_reduce): the
 // copy-in writes fp32, 2 + 4 bytes a parameter. Neither plan charges Megatron-LM's accumulation into a
 // whole fp32 main_grad: ZeRO-3 reducing every microbatch keeps none (lowering's grad_accumulation_bytes).
-TEST(Fsdp2Copies, Fp32ReductionCastsInTheCopyInInsteadOfAMainGradAccumulation) {
+TEST(Fsdp2Copies, Fp32ReductionCastsInTheCopyIn) {
   const std::string model = tiny_model(true);
   const auto none = compile(model, "");
   const auto fsdp2 = compile(model, "fsdp2");
