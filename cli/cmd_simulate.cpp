@@ -47,16 +47,7 @@ int run_simulate(const SimulateArgs& a) {
       throw CliError("", "--model is required (or give --plan or --scenario)");
     core::Scenario scenario = a.scenario.scenario();
     // A scenario file's cluster and engine apply unless the flags name others.
-    if (a.cluster_option->count() == 0 && !scenario.cluster.empty()) {
-      options.cluster.clear();
-      try {  // a bad cluster is the file's field, not a --cluster flag the user did not give
-        (void)sim::load_cluster(scenario.cluster);
-      } catch (const sim::ClusterError& e) {
-        std::string why = e.what();
-        if (why.rfind("--cluster ", 0) == 0) why.erase(0, 10);
-        throw CliError(a.scenario.scenario_path, "field 'cluster': " + why);
-      }
-    }
+    if (a.cluster_option->count() == 0 && !scenario.cluster.empty()) options.cluster.clear();
     if (a.engine_option->count() == 0 && !scenario.engine.empty()) options.engine.clear();
     const bool automatic = scenario.strategy.recompute == "auto";
     if (automatic != (a.memory_budget->count() > 0))

@@ -277,17 +277,11 @@ std::int64_t grad_accumulation_bytes(const GlobalDag& dag, const DagNode& n, int
   // compute stream (FSDP1's post-backward stream, DeepSpeed's reduction stream; FSDP2's copy-in is
   // listed as its own kernel), unless the model names an accumulation.
   if (seg.zero_level >= 2 && seg.reduce_every_microbatch && t.grad_accumulation == GradAccumulation::Auto) return 0;
-  std::int64_t per_param = 2 * g;  // fused
-  if (t.separate_grad_accumulation()) {
-    if (t.fp32_main_grads) {
-      per_param = 20;
-    } else {
-      if (microbatch == 0) return 0;
-      per_param = 3 * g;
-    }
-  }
   // A chunked B (ShardDirective::chunks) accumulates once per chunk: each of its ops carries this.
-  return per_param * seg.state_params();
+  const std::int64_t params = seg.state_params();
+  if (!t.separate_grad_accumulation()) return 2 * g * params;  // fused
+  if (t.fp32_main_grads) return 20 * params;                   // DeepSpeed's BF16_Optimizer
+  return microbatch == 0 ? 0 : 3 * g * params;                 // autograd's in-place add
 }
 
 // PyTorch FSDP2's copies around a ZeRO-3 segment's collectives that run on the compute stream, per

@@ -49,6 +49,12 @@ std::string to_string(GradAccumulation g) {
   return g == GradAccumulation::Fused ? "fused" : g == GradAccumulation::Separate ? "separate" : "auto";
 }
 
+std::optional<GradAccumulation> grad_accumulation_from_string(const std::string& s) {
+  if (s == "fused") return GradAccumulation::Fused;
+  if (s == "separate") return GradAccumulation::Separate;
+  return std::nullopt;
+}
+
 bool fp32_storage(Precision p) { return p == Precision::FP32 || p == Precision::TF32; }
 
 int gradient_bytes_per_element(const TrainingShape& t) {
@@ -530,13 +536,14 @@ ModelConfig config_from_spec_json(const json& j, const std::string& where) {
     c.training.precision = parse_precision(t, t.opt_string("precision").value_or("bf16"));
     c.training.fp32_main_grads = t.bool_or("fp32_main_grads", false);
     if (const auto mode = t.opt_string("main_grad_accumulation")) {
-      if (*mode != "fused" && *mode != "separate")
+      const auto parsed = grad_accumulation_from_string(*mode);
+      if (!parsed)
         t.fail(
             "main_grad_accumulation",
             "expected \"fused\" (the weight-gradient GEMMs accumulate, Megatron-LM's gradient_accumulation_fusion) or "
             "\"separate\" (their own kernels: PyTorch autograd, DeepSpeed's BF16_Optimizer), got '" +
                 *mode + "'");
-      c.training.grad_accumulation = *mode == "separate" ? GradAccumulation::Separate : GradAccumulation::Fused;
+      c.training.grad_accumulation = *parsed;
     }
   }
   validate_config(c, where);

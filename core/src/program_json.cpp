@@ -489,9 +489,9 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
       p.training.fp32_main_grads = f->get<bool>();
     }
     if (const json* f = optional_field(t, "main_grad_accumulation")) {
-      if (!f->is_string() || (*f != "fused" && *f != "separate"))
-        fail("training.main_grad_accumulation", "expected \"fused\" or \"separate\"");
-      p.training.grad_accumulation = *f == "separate" ? GradAccumulation::Separate : GradAccumulation::Fused;
+      const auto mode = f->is_string() ? grad_accumulation_from_string(f->get<std::string>()) : std::nullopt;
+      if (!mode) fail("training.main_grad_accumulation", "expected \"fused\" or \"separate\"");
+      p.training.grad_accumulation = *mode;
     }
   }
   p.microbatches = as_int(require(j, "", "microbatches"), "microbatches");

@@ -520,6 +520,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     return std::filesystem::exists(candidate, ec) ? candidate.string() : p;
   };
   Scenario s;
+  s.source = where;
   auto int_field = [&](const json& obj, const char* key, const std::string& path, auto& out, long long min) {
     if (!obj.contains(key)) return;
     if (!obj[key].is_number_integer() || obj[key].get<long long>() < min)

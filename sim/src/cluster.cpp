@@ -547,14 +547,14 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
   return c;
 }
 
-Cluster load_cluster(const std::string& preset_or_path) {
+Cluster load_cluster(const std::string& preset_or_path, const std::string& given_by) {
   for (const auto& p : presets())
     if (p.name == preset_or_path) return preset_cluster(p, 1);
   std::error_code ec;
   if (!std::filesystem::exists(preset_or_path, ec)) {
     std::string list;
     for (const auto& n : cluster_presets()) list += (list.empty() ? "" : ", ") + n;
-    throw ClusterError(fmt::format("--cluster '{}': neither a preset ({}) nor a file", preset_or_path, list));
+    throw ClusterError(fmt::format("{} '{}': neither a preset ({}) nor a file", given_by, preset_or_path, list));
   }
   return cluster_from_text(core::read_input_file(preset_or_path), preset_or_path);
 }

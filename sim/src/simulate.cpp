@@ -13,7 +13,7 @@ namespace piper::sim {
 
 namespace {
 
-SimulationResult run(SimulationResult out, const std::string& cluster_name, const std::string& engine_name,
+SimulationResult run(SimulationResult out, const Cluster& cluster, const std::string& engine_name,
                      const SimulateOptions& options) {
   // Every device runs its plan's ops; refuse a simulation too large to finish before starting it.
   std::int64_t instances = 0;
@@ -21,7 +21,7 @@ SimulationResult run(SimulationResult out, const std::string& cluster_name, cons
     if (plan >= 0 && static_cast<std::size_t>(plan) < out.program->plans.size())
       instances += out.program->plans[static_cast<std::size_t>(plan)].op_count();
   core::check_limit(core::Limit::SimulatedOps, instances, "simulation", "op instances");
-  out.cluster = with_devices(load_cluster(cluster_name), out.program->num_devices);
+  out.cluster = with_devices(cluster, out.program->num_devices);
   std::optional<Calibration> calibration;
   if (!options.calibration_path.empty()) calibration = Calibration::load(options.calibration_path);
   CostModel cost(out.cluster, calibration);
@@ -86,26 +86,30 @@ core::Scenario choose_v_ends(const core::Scenario& scenario, const std::string& 
 }
 
 SimulationResult simulate(const core::Scenario& requested, const SimulateOptions& options) {
-  const core::Scenario scenario = choose_v_ends(requested, !options.cluster.empty()     ? options.cluster
-                                                           : !requested.cluster.empty() ? requested.cluster
-                                                                                        : kDefaultCluster);
+  // The options' cluster (--cluster), else the scenario's, else the default; loaded first, so that a
+  // bad name is reported as given, the flag or the scenario's field.
+  const bool scenario_cluster = options.cluster.empty() && !requested.cluster.empty();
+  const std::string cluster = !options.cluster.empty() ? options.cluster
+                              : scenario_cluster       ? requested.cluster
+                                                       : kDefaultCluster;
+  const Cluster loaded = load_cluster(
+      cluster, scenario_cluster ? (requested.source.empty() ? "scenario" : requested.source) + ": field 'cluster':"
+                                : "--cluster");
+  const core::Scenario scenario = choose_v_ends(requested, cluster);
   SimulationResult out;
-  const std::string cluster = !options.cluster.empty()    ? options.cluster
-                              : !scenario.cluster.empty() ? scenario.cluster
-                                                          : kDefaultCluster;
   out.compiled =
       core::compile_scenario(with_stage_costs(scenario, cluster, options.calibration_path, options.op_override));
   out.program = std::make_shared<const core::Program>(std::move(out.compiled->result.program));
   const std::string engine = !options.engine.empty()    ? options.engine
                              : !scenario.engine.empty() ? scenario.engine
                                                         : kDefaultEngine;
-  return run(std::move(out), cluster, engine, options);
+  return run(std::move(out), loaded, engine, options);
 }
 
 SimulationResult simulate_program(std::shared_ptr<const core::Program> program, const SimulateOptions& options) {
   SimulationResult out;
   out.program = std::move(program);
-  return run(std::move(out), options.cluster.empty() ? kDefaultCluster : options.cluster,
+  return run(std::move(out), load_cluster(options.cluster.empty() ? kDefaultCluster : options.cluster),
              options.engine.empty() ? kDefaultEngine : options.engine, options);
 }
 

@@ -29,36 +29,13 @@
 #include "piper/sim/cost_model.hpp"
 #include "piper/sim/simulate.hpp"
 #include "piper/search/sweep.hpp"
+#include "tp_support.hpp"
 
 using namespace piper::core;
+using namespace piper::test::tp;
 using nlohmann::json;
 
 namespace {
-
-// A small GPT in Korthikanti's setting (standard attention, dropout, GELU, ffn = 4h): s = 64,
-// b = 2, h = 64, a = 4 heads, vocab 256, L layers.
-ModelConfig small_gpt(int layers = 2) {
-  ModelConfig c;
-  c.name = "tp-gpt";
-  c.vocab = 256;
-  c.hidden = 64;
-  c.layers = layers;
-  c.heads = 4;
-  c.kv_heads = 4;
-  c.head_dim = 16;
-  c.ffn = 256;
-  c.activation = MlpActivation::GELU;
-  c.norm = NormKind::LayerNorm;
-  c.bias = true;
-  c.max_positions = 64;
-  c.attention_kernel = AttentionKernel::Standard;
-  c.dropout = true;
-  c.dropout_probability = 0.1;
-  c.training.seq_len = 64;
-  c.training.micro_batch_size = 2;
-  c.training.precision = Precision::BF16;
-  return c;
-}
 
 // Stored activation bytes of transformer block 0 (attn_norm, attn, mlp_norm, mlp) under a layout.
 double block_activations(const Model& m, ParallelLayout layout) {
@@ -67,8 +44,6 @@ double block_activations(const Model& m, ParallelLayout layout) {
     if (layer.block == 0) bytes += static_cast<double>(layer_costs(layer, m.training(), layout).activation_bytes);
   return bytes;
 }
-
-constexpr double s = 64, b = 2, h = 64, a = 4;
 
 }  // namespace
 
@@ -196,24 +171,6 @@ TEST(TensorParallel, GemmKernelsPerPass) {
     }
 }
 
-namespace {
-
-Scenario tp_scenario(const std::string& model_path, StrategyOptions o) {
-  Scenario sc;
-  sc.model = model_path;
-  sc.strategy = o;
-  return sc;
-}
-
-std::string write_spec(const ModelConfig& c) {
-  // One file per process: CTest runs this binary's tests in parallel processes.
-  const std::string path = ::testing::TempDir() + "/" + c.name + "-" + std::to_string(::getpid()) + ".json";
-  write_file_atomically(path, config_to_spec_json(c).dump());
-  return path;
-}
-
-}  // namespace
-
 // Standard attention's serial HBM traffic per layer, by hand (bf16, dropout; scores = b·a·s²):
 // forward: scale-mask-softmax reads and writes each score (2 + 2), dropout reads, writes and masks
 // it (2 + 2 + 1), and QK^T's epilogue writes it (2); bias-dropout-add on the hidden reads two,
@@ -234,178 +191,6 @@ TEST(TensorParallel, StandardAttentionElementwiseBytesByHand) {
     // Selective recomputation reruns softmax, dropout and QK^T (with its epilogue) in the backward.
     const Costs sel = layer_costs(layer, m.training(), {2, true, 1});
     EXPECT_EQ(sel.backward_elementwise_bytes - sp.backward_elementwise_bytes, scores * 11 / 2);
-  }
-}
-
-// Gradient accumulation in the training precision, by hand for the small GPT on TP 2 x DP 2 over three
-// microbatches (P local parameters of one TP rank, as in Fp32MainGradsByHand below). PyTorch autograd
-// (the default without fp32 main grads): microbatch 0's backward keeps its new gradients, 1 and 2 add
-// into them in place (read 2 + 2, write 2): 6P bytes more each. Megatron-LM's fused accumulation
-// into a bf16 main_grad buffer: the weight-gradient GEMMs read and write it every microbatch, 4P.
-// ZeRO-2 reducing every microbatch frees the whole gradients after each reduce-scatter, whose output
-// joins the held shard off the compute stream (FSDP's post-backward stream, DeepSpeed's reduction
-// stream): nothing on the backward, in bf16 or fp32; reducing once per step keeps them, as ZeRO-1.
-TEST(TensorParallel, GradientAccumulationInTheTrainingPrecisionByHand) {
-  const double P = 256 / 2 * 64 + 64 * 64 + 2 * (2 * 2 * h + (4 * h * h + 4 * h) / 2 + (2 * h * 256 + 256 + h) / 2) +
-                   2 * h + 256 / 2 * h;
-  StrategyOptions o;
-  o.tp = 2;
-  o.dp = 2;
-  o.microbatches = 3;
-  o.zero = 1;
-  // The B op's element-wise bytes of each microbatch on device 0.
-  auto b_bytes = [&](const ModelConfig& c, const StrategyOptions& opts) {
-    const Program p = compile_scenario(tp_scenario(write_spec(c), opts)).result.program;
-    std::vector<std::int64_t> out(3, -1);
-    for (const auto& st : p.plan_for(0).streams)
-      for (const auto& op : st.ops)
-        if (op.kind == OpKind::Compute && op.pass == Pass::B && op.microbatch >= 0 && op.microbatch < 3)
-          out[static_cast<std::size_t>(op.microbatch)] = op.elementwise_bytes;
-    return out;
-  };
-  ModelConfig c = small_gpt();
-  c.name = "tp-gpt-accumulate-auto";
-  const auto autograd = b_bytes(c, o);
-  ASSERT_GE(autograd[0], 0);
-  EXPECT_EQ(autograd[1] - autograd[0], 6 * P);
-  EXPECT_EQ(autograd[2] - autograd[0], 6 * P);
-  c.name = "tp-gpt-accumulate-fused";
-  c.training.grad_accumulation = GradAccumulation::Fused;
-  const auto fused = b_bytes(c, o);
-  for (std::size_t mb = 0; mb < 3; ++mb) EXPECT_EQ(fused[mb] - autograd[0], 4 * P) << "microbatch " << mb;
-  c.name = "tp-gpt-accumulate-zero2";
-  c.training.grad_accumulation = GradAccumulation::Auto;
-  StrategyOptions z2 = o;
-  z2.zero = 2;  // reduces every microbatch by default
-  const auto per_microbatch = b_bytes(c, z2);
-  EXPECT_EQ(per_microbatch[0], autograd[0]);
-  EXPECT_EQ(per_microbatch[1], autograd[0]);
-  EXPECT_EQ(per_microbatch[2], autograd[0]);
-  // Reduced in fp32 (FSDP's reduce_dtype, fp32 main grads): no whole fp32 main_grad either; the cast
-  // and the shard's accumulation run off the compute stream.
-  c.name = "tp-gpt-accumulate-zero2-fp32";
-  c.training.fp32_main_grads = true;
-  const auto fp32_reduced = b_bytes(c, z2);
-  for (std::size_t mb = 0; mb < 3; ++mb) EXPECT_EQ(fp32_reduced[mb], autograd[0]) << "microbatch " << mb;
-  c.training.fp32_main_grads = false;
-  z2.reduce_every = "step";
-  c.name = "tp-gpt-accumulate-zero2-step";
-  const auto per_step = b_bytes(c, z2);
-  EXPECT_EQ(per_step[1] - per_step[0], 6 * P);
-}
-
-// fp32 main grads (Megatron-LM's bf16 recipe), by hand for the small GPT on TP 2 × DP 2: the local
-// parameters P of one TP rank are the embedding's vocabulary half and its positions (256/2·64 +
-// 64·64), per block the two LayerNorms (2·2h) and half of attention (4h² + 4h) and MLP
-// (2·h·ffn + ffn + h), the final LayerNorm (2h) and the head's vocabulary half (256/2·h, not tied
-// here). Each microbatch's B reads and
-// writes P fp32 gradients (8P bytes more element-wise traffic), the gradient buffer and the
-// data-parallel all-reduce hold 4P bytes instead of 2P, and the optimizer step moves 42 bytes per
-// parameter instead of 32 (norm 4 + Adam 4 + 2·12 + copy to bf16 4 + 2 + zeroing 4).
-TEST(TensorParallel, Fp32MainGradsByHand) {
-  const double P = 256 / 2 * 64 + 64 * 64 + 2 * (2 * 2 * h + (4 * h * h + 4 * h) / 2 + (2 * h * 256 + 256 + h) / 2) +
-                   2 * h + 256 / 2 * h;
-  ModelConfig c = small_gpt();
-  StrategyOptions o;
-  o.tp = 2;
-  o.dp = 2;
-  const Program bf16 = compile_scenario(tp_scenario(write_spec(c), o)).result.program;
-  c.name = "tp-gpt-fp32-grads";
-  c.training.fp32_main_grads = true;
-  const Program fp32 = compile_scenario(tp_scenario(write_spec(c), o)).result.program;
-  EXPECT_TRUE(fp32.training.fp32_main_grads);
-  EXPECT_EQ(Program::from_json(fp32.to_json()), fp32);
-  auto find = [](const Program& p, OpKind kind, Pass pass) -> const Op* {
-    for (const auto& st : p.plan_for(0).streams)
-      for (const auto& op : st.ops)
-        if (op.kind == kind && (kind != OpKind::Compute || op.pass == pass)) return &op;
-    return nullptr;
-  };
-  const Op *b16 = find(bf16, OpKind::Compute, Pass::B), *b32 = find(fp32, OpKind::Compute, Pass::B);
-  const Op *f16 = find(bf16, OpKind::Compute, Pass::F), *f32 = find(fp32, OpKind::Compute, Pass::F);
-  const Op *u16 = find(bf16, OpKind::Update, Pass::None), *u32 = find(fp32, OpKind::Update, Pass::None);
-  const Op *r16 = find(bf16, OpKind::AllReduce, Pass::None), *r32 = find(fp32, OpKind::AllReduce, Pass::None);
-  ASSERT_TRUE(b16 && b32 && f16 && f32 && u16 && u32 && r16 && r32);
-  EXPECT_EQ(b32->elementwise_bytes - b16->elementwise_bytes, 8 * P);
-  EXPECT_EQ(f32->elementwise_bytes, f16->elementwise_bytes);  // the forward accumulates nothing
-  EXPECT_EQ(u16->memory_bytes, 32 * P);
-  EXPECT_EQ(u32->memory_bytes, 42 * P);
-  EXPECT_EQ(r16->bytes, 2 * P);
-  EXPECT_EQ(r32->bytes, 4 * P);
-  auto grads = [](const Program& p) {
-    std::int64_t bytes = 0;
-    for (const auto& buf : p.plan_for(0).buffers)
-      if (buf.kind == BufferKind::Gradients) bytes += buf.bytes;
-    return bytes;
-  };
-  EXPECT_EQ(grads(bf16), 2 * P);
-  EXPECT_EQ(grads(fp32), 4 * P);
-  // The simulator adds the accumulation to the backward as one more element-wise kernel: its traffic
-  // at the GPU's HBM bandwidth (the A100 without its kernel table) plus the 2 µs launch floor.
-  const piper::sim::Cluster cluster = piper::sim::with_devices(
-      piper::sim::cluster_from_text(R"({"preset": "dgx-a100-80g", "node": {"gpu": {"kernel_table": ""}}})", "c.json"),
-      4);
-  const piper::sim::CostModel cost(cluster);
-  EXPECT_NEAR(cost.compute_seconds(fp32, 0, *b32) - cost.compute_seconds(bf16, 0, *b16), 8 * P / 2039e9 + 2e-6, 1e-12);
-  // With the backward split (zero-bubble schedules) the accumulation belongs to BW: 8 bytes per
-  // parameter of the stage (its UPD moves 42), nothing in BI.
-  StrategyOptions zb = o;
-  zb.dp = 1;
-  zb.pp = 2;
-  zb.schedule = "zb-h1";
-  zb.microbatches = 2;
-  c.name = "tp-gpt-fp32-zb";
-  const Program split32 = compile_scenario(tp_scenario(write_spec(c), zb)).result.program;
-  c.name = "tp-gpt-bf16-zb";
-  c.training.fp32_main_grads = false;
-  const Program split16 = compile_scenario(tp_scenario(write_spec(c), zb)).result.program;
-  c.training.fp32_main_grads = true;
-  const Op *bi32 = find(split32, OpKind::Compute, Pass::BI), *bi16 = find(split16, OpKind::Compute, Pass::BI);
-  const Op *bw32 = find(split32, OpKind::Compute, Pass::BW), *bw16 = find(split16, OpKind::Compute, Pass::BW);
-  const Op* upd = find(split32, OpKind::Update, Pass::None);
-  ASSERT_TRUE(bi32 && bi16 && bw32 && bw16 && upd);
-  EXPECT_EQ(bi32->elementwise_bytes, bi16->elementwise_bytes);
-  EXPECT_EQ((bw32->elementwise_bytes - bw16->elementwise_bytes) * 42, 8 * upd->memory_bytes);
-  EXPECT_GT(upd->memory_bytes, 0);
-  // DeepSpeed's BF16_Optimizer accumulates by separate kernels: zero the bf16 gradient (write 2), then
-  // hp.add_(lp.to(fp32)) (read 2, write 4; read 4 + 4, write 4): 20 bytes per parameter, not 8.
-  c.name = "tp-gpt-fp32-separate";
-  c.training.grad_accumulation = GradAccumulation::Separate;
-  const Program sep = compile_scenario(tp_scenario(write_spec(c), o)).result.program;
-  EXPECT_EQ(Program::from_json(sep.to_json()), sep);
-  EXPECT_EQ(Program::from_json(sep.to_json()).training.grad_accumulation, GradAccumulation::Separate);
-  const Op* bsep = find(sep, OpKind::Compute, Pass::B);
-  ASSERT_TRUE(bsep);
-  EXPECT_EQ(bsep->elementwise_bytes - b16->elementwise_bytes, 20 * P);
-  EXPECT_EQ(config_from_spec_json(config_to_spec_json(c), "round trip").training.grad_accumulation,
-            GradAccumulation::Separate);
-  c.training.grad_accumulation = GradAccumulation::Auto;
-  // The spec field round-trips and is type-checked.
-  EXPECT_TRUE(config_from_spec_json(config_to_spec_json(c), "round trip").training.fp32_main_grads);
-  auto refused = [](const json& bad) {
-    try {
-      (void)config_from_spec_json(bad, "m.json");
-    } catch (const ModelError& e) {
-      return std::string(e.what());
-    }
-    return std::string("accepted");
-  };
-  json mode = config_to_spec_json(c);
-  mode["training"]["main_grad_accumulation"] = "later";
-  EXPECT_NE(refused(mode).find("m.json: field 'training.main_grad_accumulation': expected \"fused\""),
-            std::string::npos)
-      << refused(mode);
-  mode["training"]["main_grad_accumulation"] = "fused";  // also names how bf16 gradients accumulate
-  mode["training"].erase("fp32_main_grads");
-  EXPECT_EQ(refused(mode), "accepted");
-  EXPECT_EQ(config_from_spec_json(mode, "m.json").training.grad_accumulation, GradAccumulation::Fused);
-  json spec = config_to_spec_json(c);
-  spec["training"]["fp32_main_grads"] = "yes";
-  try {
-    (void)config_from_spec_json(spec, "m.json");
-    ADD_FAILURE() << "fp32_main_grads \"yes\" accepted";
-  } catch (const ModelError& e) {
-    EXPECT_NE(std::string(e.what()).find("m.json: field 'training.fp32_main_grads'"), std::string::npos) << e.what();
   }
 }
 

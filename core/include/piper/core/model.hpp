@@ -27,6 +27,8 @@ bool fp32_storage(Precision p);      // FP32, TF32: no separate master weights
 // How gradients accumulate over a step's microbatches (TrainingShape::grad_accumulation).
 enum class GradAccumulation { Auto, Fused, Separate };
 std::string to_string(GradAccumulation g);
+// "fused" or "separate" (the model spec's and the Program's "main_grad_accumulation"); nullopt otherwise.
+std::optional<GradAccumulation> grad_accumulation_from_string(const std::string& s);
 
 // What a training step looks like: it scales every cost.
 struct TrainingShape {

@@ -34,6 +34,7 @@ struct Scenario {
   // Training settings for `piper run --scenario` (its flags of the same names win): an object with
   // any of kTrainKeys, each checked for its type here; empty when none.
   nlohmann::json train = nlohmann::json::object();
+  std::string source;  // where from_json read it (its `where`), for error messages; empty from flags
 
   nlohmann::json to_json() const;
   // Reads a scenario file's JSON; `where` names it in errors. Relative paths resolve against `base_dir`.

@@ -131,8 +131,9 @@ struct Cluster {
 // Preset names: dgx-a100-80g, dgx-h100, dgx-h200, hgx-h800.
 std::vector<std::string> cluster_presets();
 // A preset name or a path to a cluster JSON file (format in docs/simulator.md,
-// "Cluster specs"). Throws ClusterError with one line naming the file and field.
-Cluster load_cluster(const std::string& preset_or_path);
+// "Cluster specs"). Throws ClusterError with one line naming the file and field; a name that is
+// neither is named as coming from `given_by` (the flag, or a scenario file's field).
+Cluster load_cluster(const std::string& preset_or_path, const std::string& given_by = "--cluster");
 // Parses a cluster spec; `where` (a file name) prefixes errors.
 //   {"name": "...", "preset": "dgx-h200"?, "nodes": N, "fixed": bool?,
 //    "node": {"gpus_per_node", "gpu": {...}|"h100-sxm", "nvlink_bandwidth_gbps"...}?,   (overrides of the preset's
