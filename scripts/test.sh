@@ -43,7 +43,8 @@ print_summary() {
 build_default() { cmake --preset default && cmake --build --preset default -j"$jobs"; }
 build_sanitize() { cmake --preset sanitize >/dev/null && cmake --build --preset sanitize -j"$jobs"; }
 # The environment (ASan, UBSan, LSan options and suppressions) comes with the test preset; the mpirun
-# tests add the slow unwinder themselves (tests/CMakeLists.txt).
+# tests run without LeakSanitizer, and the MpiLeakCheck.* tests check a few of them for leaks with the
+# slow unwinder (tests/CMakeLists.txt, docs/reliability.md).
 # LeakSanitizer's tracer itself crashes now and then at process exit (not a leak; see
 # tests/sanitizer/lsan_tracer_crashes.py): tests that failed only so run once more, alone.
 # The sanitize test preset (CMakePresets.json) leaves out two tune property tests that evaluate every
