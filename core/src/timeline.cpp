@@ -21,8 +21,8 @@ std::string quoted(const std::string& s) { return nlohmann::json(s).dump(); }
 // (one ends where the next starts) never overlap by a nanosecond in the trace.
 std::int64_t ns(double seconds) { return std::llround(seconds * 1e9); }
 std::string us(std::int64_t ns) {
-  if (ns < 0) return "-" + us(-ns);
-  return fmt::format("{}.{:03}", ns / 1000, ns % 1000);
+  const std::int64_t magnitude = ns < 0 ? -ns : ns;
+  return fmt::format("{}{}.{:03}", ns < 0 ? "-" : "", magnitude / 1000, magnitude % 1000);
 }
 std::string us(double seconds) { return us(ns(seconds)); }
 

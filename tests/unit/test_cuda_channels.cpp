@@ -22,7 +22,7 @@ namespace {
 
 core::Program compile(int pp, int dp, int ep, int microbatches, const std::string& schedule, int virtual_stages = 1) {
   core::Scenario s;
-  s.model = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-moe.json";
+  s.model = PIPER_SOURCE_DIR "/tests/data/runtime-tiny-moe.json";
   s.strategy.pp = pp, s.strategy.dp = dp, s.strategy.ep = ep, s.strategy.microbatches = microbatches;
   s.strategy.schedule = schedule, s.strategy.virtual_stages = virtual_stages;
   return core::compile_scenario(s).result.program;

@@ -202,8 +202,8 @@ TEST(ExpertTensorParallel, FlopsAllToAllAndEtpCollectivesByHand) {
     int tp, dp, ep, etp;
     bool sp;
   };
-  for (const Case c : {Case{2, 1, 2, 1, true}, Case{2, 1, 1, 2, true}, Case{2, 2, 2, 2, true}, Case{4, 1, 2, 2, true},
-                       Case{2, 2, 2, 2, false}}) {
+  for (const Case& c : {Case{2, 1, 2, 1, true}, Case{2, 1, 1, 2, true}, Case{2, 2, 2, 2, true}, Case{4, 1, 2, 2, true},
+                        Case{2, 2, 2, 2, false}}) {
     SCOPED_TRACE(::testing::Message() << "tp " << c.tp << " dp " << c.dp << " ep " << c.ep << " etp " << c.etp << " sp "
                                       << c.sp);
     const Program p = compile_moe(opts(c.tp, c.dp, c.ep, c.etp, c.sp));
@@ -400,7 +400,9 @@ TEST(ExpertTensorParallel, SweepTakesTheEtpKnob) {
   EXPECT_NE(points[1].key().find("/etp2"), std::string::npos);
   const auto& cols = sweep_csv_columns();
   EXPECT_NE(std::find(cols.begin(), cols.end(), "etp"), cols.end());
-  EXPECT_EQ(to_json(SweepRow{points[1]})["etp"], 2);
+  SweepRow probe;
+  probe.point = points[1];
+  EXPECT_EQ(to_json(probe)["etp"], 2);
   // The point compiles with expert TP and simulates.
   const SweepRow row = run_point(points[1]);
   EXPECT_EQ(row.status, "ok") << row.reason;
@@ -418,7 +420,7 @@ TEST(ExpertTensorParallel, EpGroupsAcrossDpAndCpByHand) {
     int dp, cp, ep;
     std::set<int> ep_group, edp_group;  // device 0's
   };
-  for (const Case c : {Case{1, 2, 2, {0, 1}, {}}, Case{2, 2, 2, {0, 1}, {0, 2}}, Case{2, 2, 4, {0, 1, 2, 3}, {}}}) {
+  for (const Case& c : {Case{1, 2, 2, {0, 1}, {}}, Case{2, 2, 2, {0, 1}, {0, 2}}, Case{2, 2, 4, {0, 1, 2, 3}, {}}}) {
     SCOPED_TRACE(::testing::Message() << "dp " << c.dp << " cp " << c.cp << " ep " << c.ep);
     StrategyOptions o = opts(1, c.dp, c.ep, 1);
     o.cp = c.cp;

@@ -207,7 +207,7 @@ TEST(VirtualDevices, AStalledTransferExitsFourInOneLine) {
 // as bad input (exit 2), in both launches.
 TEST(VirtualDevices, AnOpOnASegmentTheDeviceDoesNotHoldIsBadInput) {
   const fs::path bad = with_device1_first_op(scratch("not-held"), "COMPUTE", "segment", 0);  // device 0's segment
-  for (const std::string launch :
+  for (const std::string& launch :
        {std::string(PIPER_CLI) + " run --virtual-devices", piper::test::mpirun(2) + std::string(PIPER_CLI) + " run"}) {
     const Result r = sh(launch + " --plan " + bad.string() + " --steps 1");
     EXPECT_EQ(r.code, 2) << r.output;

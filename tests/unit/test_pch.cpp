@@ -1,0 +1,1 @@
+// Compiles tests/unit/test_pch.hpp into the precompiled header the test programs reuse.
