@@ -74,7 +74,7 @@ TEST(IssueOrder, CommunicationFeedingComputeIsIssuedInConsumptionOrder) {
 // 48 + 9 = 57, so DualPipeV must be faster by about 10 %. The model is qwen3-1b with an 8k
 // vocabulary, so no stage carries a head several blocks heavy (the zoo's 152k vocabulary does).
 TEST(IssueOrder, DualPipeVBeatsOneFOneBOnABalancedMoeModel) {
-  const std::string model = std::string(PIPER_SOURCE_DIR) + "/tests/data/qwen3-1b-vocab8k.json";
+  const std::string model = PIPER_SOURCE_DIR "/tests/data/qwen3-1b-vocab8k.json";
   sim::SimulateOptions options;
   options.cluster = "dgx-h200";
   options.engine = "analytic";
