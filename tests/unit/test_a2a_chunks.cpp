@@ -1,8 +1,6 @@
 // Chunked expert all-to-alls (--a2a-chunks N, the shard directive's "chunks"; issue 26): the plan's
 // shape, the step time of a tiny MoE derived by hand in both engines (with shared SMs, without the SM
 // model, and under an sm_partition), and the refusals of bad values in one line naming the flag.
-#include <unistd.h>
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,6 +19,7 @@
 #include "piper/runtime/dataflow.hpp"
 #include "piper/sim/engine.hpp"
 #include "shell.hpp"
+#include "spec_file.hpp"
 
 using namespace piper::core;
 using nlohmann::json;
@@ -48,12 +47,7 @@ ModelConfig tiny_moe(int layers) {
   return c;
 }
 
-std::string spec_path(int layers = 2) {
-  const std::string p =
-      ::testing::TempDir() + "/a2a-moe" + std::to_string(layers) + "-" + std::to_string(::getpid()) + ".json";
-  write_file_atomically(p, config_to_spec_json(tiny_moe(layers)).dump());
-  return p;
-}
+std::string spec_path(int layers = 2) { return piper::test::write_spec(tiny_moe(layers)); }
 
 StrategyOptions opts(int chunks, const std::string& schedule = "1f1b", int microbatches = 1) {
   StrategyOptions o;

@@ -25,9 +25,11 @@
 #include "piper/sim/simulate.hpp"
 #include "piper/search/sweep.hpp"
 #include "piper/search/tune.hpp"
+#include "spec_file.hpp"
 
 using namespace piper::core;
 using nlohmann::json;
+using piper::test::write_spec;
 
 namespace {
 
@@ -47,12 +49,6 @@ ModelConfig small_llama(int layers = 2, std::int64_t seq = 8) {
   c.training.micro_batch_size = 1;
   c.training.precision = Precision::BF16;
   return c;
-}
-
-std::string write_spec(const ModelConfig& c) {
-  const std::string path = ::testing::TempDir() + "/" + c.name + "-" + std::to_string(::getpid()) + ".json";
-  write_file_atomically(path, config_to_spec_json(c).dump());
-  return path;
 }
 
 Scenario cp_scenario(const ModelConfig& c, StrategyOptions o) {

@@ -1,8 +1,6 @@
 // Settings the cost model answers to, checked by hand on small plans: ZeRO-2/3 gradient reduction
 // per microbatch or per step (traffic and memory), TP communication overlap, and precision (fp8's
 // weight copies and GEMM rates, fp32/tf32 on a GPU without a kernel table).
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 
@@ -13,6 +11,7 @@
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/cost_model.hpp"
 #include "piper/sim/simulate.hpp"
+#include "spec_file.hpp"
 
 using namespace piper;
 using namespace piper::sim;
@@ -30,9 +29,7 @@ std::string spec_with(core::Precision pr) {
   core::ModelConfig cfg = *core::zoo_config("qwen3-9m");
   cfg.training.precision = pr;
   cfg.name = "qwen3-9m-" + core::to_string(pr);
-  const std::string path = ::testing::TempDir() + "/" + cfg.name + "-" + std::to_string(::getpid()) + ".json";
-  core::write_file_atomically(path, core::config_to_spec_json(cfg).dump());
-  return path;
+  return piper::test::write_spec(cfg);
 }
 
 int count_ops(const core::Program& p, int device, core::OpKind kind) {
@@ -207,8 +204,7 @@ TEST(CostSettings, Fp32MainGradsDoubleTheReductionsNotTheParameterGathers) {
   core::ModelConfig cfg = *core::zoo_config("qwen3-9m");
   cfg.training.fp32_main_grads = true;
   cfg.name = "qwen3-9m-fp32-main-grads";
-  const std::string main_grads = ::testing::TempDir() + "/" + cfg.name + "-" + std::to_string(::getpid()) + ".json";
-  core::write_file_atomically(main_grads, core::config_to_spec_json(cfg).dump());
+  const std::string main_grads = piper::test::write_spec(cfg);
   const std::string bf16 = spec_with(core::Precision::BF16);
   auto bytes_of = [](const core::Program& p, core::OpKind kind) {
     std::vector<std::int64_t> bytes;

@@ -1,8 +1,6 @@
 // Tests of expert tensor parallelism (--etp, tensor_parallel "expert_degree") and EP groups formed over
 // DP x TP (issue 26), every figure derived by hand on a small MoE and on Mixtral-8x7B: per-device expert
 // parameters and state, collective groups and bytes, FLOPs, validation errors, verifier and simulator.
-#include <unistd.h>
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -23,9 +21,11 @@
 #include "piper/sim/simulate.hpp"
 #include "piper/search/sweep.hpp"
 #include "piper/search/tune.hpp"
+#include "spec_file.hpp"
 
 using namespace piper::core;
 using nlohmann::json;
+using piper::test::write_spec;
 
 namespace {
 
@@ -51,12 +51,6 @@ ModelConfig small_moe() {
   c.training.micro_batch_size = 2;
   c.training.precision = Precision::BF16;
   return c;
-}
-
-std::string write_spec(const ModelConfig& c) {
-  const std::string path = ::testing::TempDir() + "/" + c.name + "-" + std::to_string(::getpid()) + ".json";
-  write_file_atomically(path, config_to_spec_json(c).dump());
-  return path;
 }
 
 StrategyOptions opts(int tp, int dp, int ep, int etp, bool sp = true) {

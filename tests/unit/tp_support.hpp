@@ -2,16 +2,12 @@
 // test_tensor_parallel.cpp and test_gradient_accumulation.cpp.
 #pragma once
 
-#include <unistd.h>
-
-#include <gtest/gtest.h>
-
 #include <string>
 
-#include "piper/core/error.hpp"
 #include "piper/core/model.hpp"
 #include "piper/core/scenario.hpp"
 #include "piper/core/strategy.hpp"
+#include "spec_file.hpp"
 
 namespace piper::test::tp {
 
@@ -50,12 +46,6 @@ inline core::Scenario tp_scenario(const std::string& model_path, core::StrategyO
   return sc;
 }
 
-// Writes the spec to a file of its own and returns the path.
-inline std::string write_spec(const core::ModelConfig& c) {
-  // One file per process: CTest runs this binary's tests in parallel processes.
-  const std::string path = ::testing::TempDir() + "/" + c.name + "-" + std::to_string(::getpid()) + ".json";
-  core::write_file_atomically(path, core::config_to_spec_json(c).dump());
-  return path;
-}
+using piper::test::write_spec;
 
 }  // namespace piper::test::tp
