@@ -253,10 +253,12 @@ int op_gemm_kernels(const DagNode& n) {
 }
 
 // Each microbatch's backward joins its weight gradients to the ones the step already holds
-// (TrainingShape::grad_accumulation), as serial HBM traffic added to B (or BW when B is split), per
-// parameter of the segment on this device:
+// (TrainingShape::grad_accumulation), per parameter of the segment on this device:
 //  * fused (Megatron-LM's gradient_accumulation_fusion): the weight-gradient GEMMs' epilogue reads and
-//    writes the held gradient, every microbatch: 2 x 4 bytes into fp32 main grads, 2 x 2 in bf16;
+//    writes the held gradient, every microbatch, as traffic of those GEMMs (accumulate_in_gemm_epilogues,
+//    below); the parameters no GEMM produces by Megatron's gradient hook, serial traffic added to B (or
+//    BW when B is split);
+//  the others as serial HBM traffic added to B (or BW):
 //  * separate with fp32 main grads (DeepSpeed's BF16_Optimizer): zero the bf16 gradients, add them into
 //    the fp32 ones by their own kernels: 20 bytes, every microbatch;
 //  * separate in the training precision (PyTorch autograd's AccumulateGrad): the step's first
@@ -266,22 +268,54 @@ int op_gemm_kernels(const DagNode& n) {
 //    (FSDP's reduce_dtype): nothing on the compute stream, below.
 // Not under FSDP2's copies (Segment::fsdp2_copies): FSDP2 keeps no main_grad; autograd writes the
 // unsharded gradient in the parameters' dtype and the reduce-scatter copy-in casts it (add_fsdp2_copy_kernels).
-std::int64_t grad_accumulation_bytes(const GlobalDag& dag, const DagNode& n, int microbatch) {
-  if (n.kind != NodeKind::Compute || (n.pass != Pass::B && n.pass != Pass::BW) || n.segment < 0) return 0;
-  const Segment& seg = dag.segments.at(static_cast<std::size_t>(n.segment));
-  if (seg.fsdp2_copies) return 0;
-  const TrainingShape& t = dag.training;
-  const std::int64_t g = gradient_bytes_per_element(t);
+//
+// Whether a segment's backward accumulates at all (see above): not under FSDP2's copies, and not under
+// ZeRO-2/3 reducing every microbatch unless the model names an accumulation.
+bool accumulates_gradients(const Segment& seg, const TrainingShape& t) {
+  if (seg.fsdp2_copies) return false;
   // ZeRO-2/3 reducing every microbatch keeps no whole gradient to add into: the reduce-scatter's input
   // (cast to fp32 where it reduces in fp32) and its accumulation into the held shard run off the
   // compute stream (FSDP1's post-backward stream, DeepSpeed's reduction stream; FSDP2's copy-in is
   // listed as its own kernel), unless the model names an accumulation.
-  if (seg.zero_level >= 2 && seg.reduce_every_microbatch && t.grad_accumulation == GradAccumulation::Auto) return 0;
+  return !(seg.zero_level >= 2 && seg.reduce_every_microbatch && t.grad_accumulation == GradAccumulation::Auto);
+}
+
+// Fused accumulation (Megatron-LM's gradient_accumulation_fusion: fused_weight_gradient_mlp_cuda's
+// wgrad_gemm_accum_fp32/fp16, a GEMM with beta = 1 into the held gradient) happens in the weight-gradient
+// GEMMs' epilogue: each reads the held gradient and writes it at its width g where a plain GEMM writes
+// its result at the training precision, (2g - dt) more bytes per output element. They go into the GEMM
+// kernel's memory term (Kernel::bytes), not serial time: a compute-bound GEMM hides them. The profiled
+// weight-gradient passes of Qi et al. 2024 (Table 9: Megatron-LM in fp16, these fused GEMMs alone) take
+// what the GEMMs take without the traffic (experiments/fidelity, "Stage times"). Returns the parameters
+// whose accumulation the GEMMs carry (their outputs' elements).
+std::int64_t accumulate_in_gemm_epilogues(const TrainingShape& t, PassKernels& kernels) {
+  const std::int64_t extra = 2 * gradient_bytes_per_element(t) - bytes_per_element(t.precision);
+  double covered = 0;
+  for (Kernel& k : kernels[2])
+    if (k.kind == KernelKind::Gemm) {
+      k.bytes = k.m * k.n * k.batch * extra;
+      covered += k.count * static_cast<double>(k.m * k.n * k.batch);
+    }
+  return static_cast<std::int64_t>(covered);
+}
+
+// `epilogue_params`: the parameters of the node's segment whose fused accumulation its weight-gradient
+// GEMMs carry (accumulate_in_gemm_epilogues).
+std::int64_t grad_accumulation_bytes(const GlobalDag& dag, const DagNode& n, int microbatch,
+                                     std::int64_t epilogue_params) {
+  if (n.kind != NodeKind::Compute || (n.pass != Pass::B && n.pass != Pass::BW) || n.segment < 0) return 0;
+  const Segment& seg = dag.segments.at(static_cast<std::size_t>(n.segment));
+  const TrainingShape& t = dag.training;
+  if (!accumulates_gradients(seg, t)) return 0;
+  const std::int64_t g = gradient_bytes_per_element(t);
   // A chunked B (ShardDirective::chunks) accumulates once per chunk: each of its ops carries this.
   const std::int64_t params = seg.state_params();
-  if (!t.separate_grad_accumulation()) return 2 * g * params;  // fused
-  if (t.fp32_main_grads) return 20 * params;                   // DeepSpeed's BF16_Optimizer
-  return microbatch == 0 ? 0 : 3 * g * params;                 // autograd's in-place add
+  // Fused: the parameters no GEMM produces (biases, norms, the embedding's scatter-add) join by
+  // Megatron-LM's gradient hook, main_grad.add_(grad): read the gradient, read and write the main grad.
+  if (!t.separate_grad_accumulation())
+    return (2 * g + bytes_per_element(t.precision)) * std::max<std::int64_t>(0, params - epilogue_params);
+  if (t.fp32_main_grads) return 20 * params;    // DeepSpeed's BF16_Optimizer
+  return microbatch == 0 ? 0 : 3 * g * params;  // autograd's in-place add
 }
 
 // PyTorch FSDP2's copies around a ZeRO-3 segment's collectives that run on the compute stream, per
@@ -447,12 +481,16 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
   program.families = dag.families;
   program.sm_partition = dag.sm_partition;
   program.clip_grad = dag.clip_grad;
+  std::vector<std::int64_t> epilogue_params;  // per segment: accumulate_in_gemm_epilogues
   for (const auto& seg : dag.segments) {
     PassKernels kernels = segment_kernels(dag.layers, seg.first_layer, seg.last_layer, dag.training,
                                           {seg.tp_degree, seg.sequence_parallel, static_cast<int>(seg.recompute),
                                            seg.cp_degree, seg.cp_all_gather, seg.token_split},
                                           seg.shard_degree);
     add_fsdp2_copy_kernels(seg, dag.training, kernels);
+    epilogue_params.push_back(accumulates_gradients(seg, dag.training) && !dag.training.separate_grad_accumulation()
+                                  ? accumulate_in_gemm_epilogues(dag.training, kernels)
+                                  : 0);
     program.segments.push_back({seg.first_layer,
                                 seg.last_layer,
                                 seg.tags,
@@ -535,7 +573,8 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
         op.cp_steps = fwd ? node.costs.forward_cp_steps : node.costs.backward_cp_steps;
         if (node.pass == Pass::B || node.pass == Pass::BI) op.recompute_flops = node.costs.recompute_flops;
         op.gemm_kernels = op_gemm_kernels(node);
-        op.elementwise_bytes += grad_accumulation_bytes(dag, node, op.microbatch);
+        op.elementwise_bytes += grad_accumulation_bytes(
+            dag, node, op.microbatch, node.segment >= 0 ? epilogue_params[static_cast<std::size_t>(node.segment)] : 0);
       }
       op.bytes = node.bytes;
       op.device_set = node.devices;

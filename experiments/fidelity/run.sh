@@ -58,12 +58,14 @@ done
 measured() { awk -v w="$1" '$1 == "torch" && $2 == w":" { for (i = 1; i <= NF; ++i) if ($i == "step") { print $(i + 1); exit } }' "$STUDY_SRC/data/torch-dense1b.txt"; }
 row "step time (ms)" "Piper H200 measurement (data/torch-dense1b.txt): torch.compile" "dense-1b on 1 H200; 2 x 4 x 1024 tokens; bf16; runtime fused" "$(measured compile)" "$(jq -r '.step_time_s * 1000' out/dense1b-fused.json)"
 row "step time (ms)" "Piper H200 measurement (data/torch-dense1b.txt): PyTorch eager" "dense-1b on 1 H200; 2 x 4 x 1024 tokens; bf16; runtime eager" "$(measured eager)" "$(jq -r '.step_time_s * 1000' out/dense1b-eager.json)"
-# 6. Published measured step times (steptimes.json, 45 cases from 4 sources; README "Step times"): full
-# mode writes steptimes.csv/.md/.svg here; quick mode checks the file and simulates 3 cases.
+# 6. Published measured step times (steptimes.json, 84 cases from 6 sources; README "Step times"): full
+# mode writes steptimes.csv/.md/.svg here; quick mode checks the file and simulates 3 cases. Full mode
+# also compares the published per-stage op times (stagetimes.json; README "Stage times").
 if [ "$QUICK" = 1 ]; then
   PIPER="$PIPER" python3 "$STUDY_SRC/steptimes.py" --check > /dev/null
 else
   PIPER="$PIPER" python3 "$STUDY_SRC/steptimes.py" --out "$PWD"
+  PIPER="$PIPER" python3 "$STUDY_SRC/stagetimes.py" --out "$PWD"
 fi
 # 7. A kernel table calibrated on Piper's CUDA backend at PP 1 (one H200) predicting its PP 2 runs on
 # virtual devices sharing the GPU (calibrated.sh writes calibrated.md).

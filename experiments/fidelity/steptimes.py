@@ -28,10 +28,12 @@ REQUIRED = {  # field -> type
     "id": str, "source": str, "url": str, "quote": str, "model": str, "gpu": str, "cluster": str, "gpus": int,
     "flags": list, "family": str, "runtime": str, "measured": dict, "measured_step_s": (int, float), "conversion": str,
     "notes": str}
-OPTIONAL = {"repo", "commit", "path", "quote_context", "measured_peak_gib", "measured_peak_kind", "attention_kernel"}
+OPTIONAL = {"repo", "commit", "path", "text_of", "quote_context", "measured_peak_gib", "measured_peak_kind",
+            "attention_kernel"}
 # What a published peak counts: "allocated" (live tensors, what Piper predicts) or "reserved" (the caching
 # allocator's reserved peak, torch.cuda's reserved_bytes.all.peak: allocated plus cached, fragmented blocks).
-PEAK_KINDS = {"allocated", "reserved"}
+# "unstated": the source prints a peak without saying which of the two.
+PEAK_KINDS = {"allocated", "reserved", "unstated"}
 
 
 class CaseError(Exception):
@@ -218,7 +220,7 @@ def run_all(piper, cases, zoo, jobs):
 def short_source(c):
     s = c["source"]
     for key, short in (("MosaicML", "MosaicML llm-foundry"), ("TorchTitan", "TorchTitan"), ("BigScience", "BigScience BLOOM"),
-                       ("Megatron-Turing", "MT-NLG")):
+                       ("Megatron-Turing", "MT-NLG"), ("Zero Bubble", "Zero Bubble PP (Qi et al.)")):
         if key in s:
             return short
     return s.split(",")[0]
@@ -285,13 +287,20 @@ def write_md(path, rows, piper_version):
     if mem:
         lines += ["## Peak memory, where published", "",
                   "Piper predicts the peak of live (allocated) bytes; a `reserved` figure is the caching allocator's reserved "
-                  "peak, which adds cached and fragmented blocks, so a prediction below it is expected by that margin.", "",
+                  "peak, which adds cached and fragmented blocks, so a prediction below it is expected by that margin; an "
+                  "`unstated` one may be either.", "",
                   "| id | published GiB | published kind | predicted GiB (allocated) | error | predicted OOM |",
                   "|---|---|---|---|---|---|"]
         for r in mem:
             e = 100.0 * (r["peak_gib"] - r["measured_peak_gib"]) / r["measured_peak_gib"]
             lines.append(f"| {r['id']} | {r['measured_peak_gib']:g} | {r['measured_peak_kind']} | {r['peak_gib']:.1f} | {e:+.1f} % | "
                          f"{'yes' if r['oom'] else 'no'} |")
+        lines.append("")
+        for kind in sorted({r["measured_peak_kind"] for r in mem}):
+            errs = [100.0 * (r["peak_gib"] - r["measured_peak_gib"]) / r["measured_peak_gib"] for r in mem
+                    if r["measured_peak_kind"] == kind]
+            lines.append(f"Against the {len(errs)} `{kind}` figures: mean |error| {sum(map(abs, errs)) / len(errs):.1f} %, "
+                         f"signed mean {sum(errs) / len(errs):+.1f} %.")
         lines.append("")
     lines += ["## Cases", "", "| id | source | GPU | family | GPUs | measured s | predicted s | error | OOM |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -579,7 +579,8 @@ double KernelTiming::seconds(const Kernel& k) const {
     double rate = table ? table->gemm_rate(core::to_string(k.dtype), k.m, k.n, k.k, k.batch) : 0;
     if (rate <= 0) rate = fallback_rate;
     const double compute = 2 * mm * nn * kk * b / rate;
-    const double memory = (mm * kk + kk * nn + mm * nn) * b * dt / hbm_bytes_per_s;
+    // k.bytes: what the epilogue moves beyond writing the result once (a fused gradient accumulation).
+    const double memory = ((mm * kk + kk * nn + mm * nn) * b * dt + static_cast<double>(k.bytes)) / hbm_bytes_per_s;
     // A GEMM whose rounded shape differs from its exact FLOPs (k / tp not whole) is scaled to them.
     const double exact = k.flops > 0 ? k.flops / (2 * mm * nn * kk * b) : 1;
     return std::max(compute * exact, memory) + launch;

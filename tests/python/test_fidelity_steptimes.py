@@ -1,6 +1,7 @@
 """Tests of experiments/fidelity/steptimes.py: the case-file schema (the committed file passes, each kind of
 broken case is refused with one line naming it), the statistics derived by hand, the log-axis plot's
-coordinates, and `--check` simulating 3 committed cases with the piper binary ($PIPER)."""
+coordinates, and `--check` simulating 3 committed cases with the piper binary ($PIPER); and stagetimes.py
+comparing the committed per-stage op times."""
 import copy
 import importlib.util
 import json
@@ -135,6 +136,37 @@ class Cli(unittest.TestCase):
             self.assertEqual(out.returncode, 1)
             self.assertIn(f"case '{bad['id']}': piper simulate exited", out.stderr)
             self.assertEqual(sorted(os.listdir(d)), ["bad.json"])
+
+
+@unittest.skipUnless(os.access(PIPER, os.X_OK), "piper binary not built")
+class StageTimes(unittest.TestCase):
+    """experiments/fidelity/stagetimes.py: every committed stage row simulated, one table row each, and the
+    measured figures in the table are the file's."""
+
+    def test_committed_rows_are_compared(self):
+        script = os.path.join(SOURCE_DIR, "experiments", "fidelity", "stagetimes.py")
+        with open(os.path.join(SOURCE_DIR, "experiments", "fidelity", "stagetimes.json")) as f:
+            stages = json.load(f)["stages"]
+        self.assertGreaterEqual(len(stages), 12)
+        with tempfile.TemporaryDirectory() as d:
+            out = subprocess.run([sys.executable, script, "--out", d], capture_output=True, text=True,
+                                 env=dict(os.environ, PIPER=PIPER))
+            self.assertEqual(out.returncode, 0, out.stderr)
+            with open(os.path.join(d, "stagetimes.md")) as f:
+                table = f.read()
+        rows = [l for l in table.splitlines() if l.startswith("| zb-")]
+        self.assertEqual(len(rows), len(stages))
+        for s, row in zip(stages, rows):
+            self.assertTrue(row.startswith(f"| {s['id']} |"), row)
+            self.assertIn(f"{s['measured_ms']['F']:.2f} / ", row)
+            self.assertIn(f"{s['measured_ms']['BW']:.2f} / ", row)
+        self.assertIn("Signed mean error per pass: F ", table)
+
+    def test_bad_argument_exits_2(self):
+        script = os.path.join(SOURCE_DIR, "experiments", "fidelity", "stagetimes.py")
+        out = subprocess.run([sys.executable, script, "--out"], capture_output=True, text=True)
+        self.assertEqual(out.returncode, 2)
+        self.assertEqual(out.stderr.strip(), "stagetimes: usage: stagetimes.py [--out DIR]")
 
 
 if __name__ == "__main__":

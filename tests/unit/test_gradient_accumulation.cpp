@@ -4,6 +4,7 @@
 // buffer, data-parallel reduction and optimizer traffic (docs/cost-model.md, "Gradient accumulation").
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -23,10 +24,25 @@ using nlohmann::json;
 // microbatches (P local parameters of one TP rank, as in Fp32MainGradsByHand below). PyTorch autograd
 // (the default without fp32 main grads): microbatch 0's backward keeps its new gradients, 1 and 2 add
 // into them in place (read 2 + 2, write 2): 6P bytes more each. Megatron-LM's fused accumulation
-// into a bf16 main_grad buffer: the weight-gradient GEMMs read and write it every microbatch, 4P.
+// into a bf16 main_grad buffer: the weight-gradient GEMMs read it and write it in their epilogue every
+// microbatch, 2 bytes per output element more than writing a fresh bf16 result, as traffic of those
+// GEMM kernels (their roofline hides it when compute-bound); the Pg parameters of one TP rank's weight
+// GEMMs (per block QKV and O, 4h²/2, fc1 and fc2, 2·h·256/2; the head's vocabulary half 256/2·h) so,
+// and the rest (embedding, norms, biases) by Megatron's gradient hook main_grad.add_(grad): read 2,
+// read and write 2 + 2, 6 bytes each on the backward's element-wise traffic.
 // ZeRO-2 reducing every microbatch frees the whole gradients after each reduce-scatter, whose output
 // joins the held shard off the compute stream (FSDP's post-backward stream, DeepSpeed's reduction
 // stream): nothing on the backward, in bf16 or fp32; reducing once per step keeps them, as ZeRO-1.
+// What the weight-gradient GEMMs' epilogues move beyond a plain GEMM's result (Kernel::bytes), summed
+// over the segments' BW lists: the fused accumulation's traffic on one device of a single-stage plan.
+double bw_gemm_epilogue_bytes(const Program& p) {
+  double bytes = 0;
+  for (const auto& seg : p.segments)
+    for (const auto& k : seg.kernels[2])
+      if (k.kind == KernelKind::Gemm) bytes += k.count * static_cast<double>(k.bytes);
+  return bytes;
+}
+
 TEST(TensorParallel, GradientAccumulationInTheTrainingPrecisionByHand) {
   const double P = 256 / 2 * 64 + 64 * 64 + 2 * (2 * 2 * h + (4 * h * h + 4 * h) / 2 + (2 * h * 256 + 256 + h) / 2) +
                    2 * h + 256 / 2 * h;
@@ -54,7 +70,13 @@ TEST(TensorParallel, GradientAccumulationInTheTrainingPrecisionByHand) {
   c.name = "tp-gpt-accumulate-fused";
   c.training.grad_accumulation = GradAccumulation::Fused;
   const auto fused = b_bytes(c, o);
-  for (std::size_t mb = 0; mb < 3; ++mb) EXPECT_EQ(fused[mb] - autograd[0], 4 * P) << "microbatch " << mb;
+  const double Pg = 2 * (4 * h * h / 2 + 2 * h * 256 / 2) + 256 / 2 * h;
+  for (std::size_t mb = 0; mb < 3; ++mb) EXPECT_EQ(fused[mb] - autograd[0], 6 * (P - Pg)) << "microbatch " << mb;
+  EXPECT_EQ(bw_gemm_epilogue_bytes(compile_scenario(tp_scenario(write_spec(c), o)).result.program), 2 * Pg);
+  ModelConfig plain = c;  // autograd's accumulation: plain GEMMs
+  plain.name = "tp-gpt-accumulate-auto";
+  plain.training.grad_accumulation = GradAccumulation::Auto;
+  EXPECT_EQ(bw_gemm_epilogue_bytes(compile_scenario(tp_scenario(write_spec(plain), o)).result.program), 0);
   c.name = "tp-gpt-accumulate-zero2";
   c.training.grad_accumulation = GradAccumulation::Auto;
   StrategyOptions z2 = o;
@@ -80,13 +102,16 @@ TEST(TensorParallel, GradientAccumulationInTheTrainingPrecisionByHand) {
 // parameters P of one TP rank are the embedding's vocabulary half and its positions (256/2·64 +
 // 64·64), per block the two LayerNorms (2·2h) and half of attention (4h² + 4h) and MLP
 // (2·h·ffn + ffn + h), the final LayerNorm (2h) and the head's vocabulary half (256/2·h, not tied
-// here). Each microbatch's B reads and
-// writes P fp32 gradients (8P bytes more element-wise traffic), the gradient buffer and the
-// data-parallel all-reduce hold 4P bytes instead of 2P, and the optimizer step moves 42 bytes per
-// parameter instead of 32 (norm 4 + Adam 4 + 2·12 + copy to bf16 4 + 2 + zeroing 4).
+// here). Each microbatch's weight-gradient GEMMs read and write the Pg fp32 main grads of their
+// outputs in their epilogue (4 + 4 bytes where a plain GEMM writes 2: 6 Pg bytes of GEMM traffic), the
+// other P - Pg parameters join by Megatron's gradient hook (read 2, read and write 4 + 4: 10 bytes each
+// of element-wise traffic), the gradient buffer and the data-parallel all-reduce hold 4P bytes instead
+// of 2P, and the optimizer step moves 42 bytes per parameter instead of 32 (norm 4 + Adam 4 + 2·12 +
+// copy to bf16 4 + 2 + zeroing 4).
 TEST(TensorParallel, Fp32MainGradsByHand) {
   const double P = 256 / 2 * 64 + 64 * 64 + 2 * (2 * 2 * h + (4 * h * h + 4 * h) / 2 + (2 * h * 256 + 256 + h) / 2) +
                    2 * h + 256 / 2 * h;
+  const double Pg = 2 * (4 * h * h / 2 + 2 * h * 256 / 2) + 256 / 2 * h;
   ModelConfig c = small_gpt();
   StrategyOptions o;
   o.tp = 2;
@@ -108,7 +133,9 @@ TEST(TensorParallel, Fp32MainGradsByHand) {
   const Op *u16 = find(bf16, OpKind::Update, Pass::None), *u32 = find(fp32, OpKind::Update, Pass::None);
   const Op *r16 = find(bf16, OpKind::AllReduce, Pass::None), *r32 = find(fp32, OpKind::AllReduce, Pass::None);
   ASSERT_TRUE(b16 && b32 && f16 && f32 && u16 && u32 && r16 && r32);
-  EXPECT_EQ(b32->elementwise_bytes - b16->elementwise_bytes, 8 * P);
+  EXPECT_EQ(b32->elementwise_bytes - b16->elementwise_bytes, 10 * (P - Pg));
+  EXPECT_EQ(bw_gemm_epilogue_bytes(fp32), 6 * Pg);
+  EXPECT_EQ(bw_gemm_epilogue_bytes(bf16), 0);
   EXPECT_EQ(f32->elementwise_bytes, f16->elementwise_bytes);  // the forward accumulates nothing
   EXPECT_EQ(u16->memory_bytes, 32 * P);
   EXPECT_EQ(u32->memory_bytes, 42 * P);
@@ -122,15 +149,27 @@ TEST(TensorParallel, Fp32MainGradsByHand) {
   };
   EXPECT_EQ(grads(bf16), 2 * P);
   EXPECT_EQ(grads(fp32), 4 * P);
-  // The simulator adds the accumulation to the backward as one more element-wise kernel: its traffic
-  // at the GPU's HBM bandwidth (the A100 without its kernel table) plus the 2 µs launch floor.
+  // The simulator adds the hook's share to the backward as one more element-wise kernel: its traffic
+  // at the GPU's HBM bandwidth (the A100 without its kernel table) plus the 2 µs launch floor; the
+  // GEMMs' share moves each weight-gradient GEMM's memory term, max(compute, memory) + floor, by hand.
   const piper::sim::Cluster cluster = piper::sim::with_devices(
       piper::sim::cluster_from_text(R"({"preset": "dgx-a100-80g", "node": {"gpu": {"kernel_table": ""}}})", "c.json"),
       4);
   const piper::sim::CostModel cost(cluster);
-  EXPECT_NEAR(cost.compute_seconds(fp32, 0, *b32) - cost.compute_seconds(bf16, 0, *b16), 8 * P / 2039e9 + 2e-6, 1e-12);
-  // With the backward split (zero-bubble schedules) the accumulation belongs to BW: 8 bytes per
-  // parameter of the stage (its UPD moves 42), nothing in BI.
+  double gemm_delta = 0;  // the fp32 plan's BW GEMMs against the same GEMMs without their epilogue bytes
+  for (const auto& seg : fp32.segments)
+    for (const auto& k : seg.kernels[2])
+      if (k.kind == KernelKind::Gemm) {
+        const double flops = 2.0 * k.m * k.n * k.k * k.batch;
+        const double compute = flops / (312e12 * 0.75 * flops / (flops + 2e9));  // the A100's curve
+        const double plain = (k.m * k.k + k.k * k.n + k.m * k.n) * k.batch * 2.0 / 2039e9;
+        gemm_delta +=
+            k.count * (std::max(compute, plain + static_cast<double>(k.bytes) / 2039e9) - std::max(compute, plain));
+      }
+  EXPECT_NEAR(cost.compute_seconds(fp32, 0, *b32) - cost.compute_seconds(bf16, 0, *b16),
+              10 * (P - Pg) / 2039e9 + 2e-6 + gemm_delta, 1e-12);
+  // With the backward split (zero-bubble schedules) the accumulation belongs to BW: 10 bytes per
+  // parameter of the stage (its UPD moves 42) that its BW GEMMs do not produce, nothing in BI.
   StrategyOptions zb = o;
   zb.dp = 1;
   zb.pp = 2;
@@ -147,7 +186,15 @@ TEST(TensorParallel, Fp32MainGradsByHand) {
   const Op* upd = find(split32, OpKind::Update, Pass::None);
   ASSERT_TRUE(bi32 && bi16 && bw32 && bw16 && upd);
   EXPECT_EQ(bi32->elementwise_bytes, bi16->elementwise_bytes);
-  EXPECT_EQ((bw32->elementwise_bytes - bw16->elementwise_bytes) * 42, 8 * upd->memory_bytes);
+  double stage_gemm_params = 0;  // device 0's stage: the segments its BW ops run
+  for (const auto& st : split32.plan_for(0).streams)
+    for (const auto& op : st.ops)
+      if (op.kind == OpKind::Compute && op.pass == Pass::BW && op.microbatch == 0)
+        for (const auto& k : split32.segments[static_cast<std::size_t>(op.segment)].kernels[2])
+          if (k.kind == KernelKind::Gemm) stage_gemm_params += k.count * static_cast<double>(k.m * k.n * k.batch);
+  EXPECT_GT(stage_gemm_params, 0);
+  EXPECT_EQ(bw32->elementwise_bytes - bw16->elementwise_bytes,
+            10 * (static_cast<double>(upd->memory_bytes) / 42 - stage_gemm_params));
   EXPECT_GT(upd->memory_bytes, 0);
   // DeepSpeed's BF16_Optimizer accumulates by separate kernels: zero the bf16 gradient (write 2), then
   // hp.add_(lp.to(fp32)) (read 2, write 4; read 4 + 4, write 4): 20 bytes per parameter, not 8.

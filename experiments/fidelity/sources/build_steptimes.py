@@ -6,7 +6,8 @@
 
 MIRRORS holds one bare or normal git clone per source, at MIRRORS/<owner>+<name>/repo:
 mosaicml+llm-foundry, pytorch+torchtitan, bigscience-workshop+bigscience, cli99+llm-analysis,
-deepspeedai+DeepSpeed (read for its pipeline engine's point-to-point semantics), NVIDIA+Megatron-LM. The
+deepspeedai+DeepSpeed (read for its pipeline engine's point-to-point semantics), NVIDIA+Megatron-LM,
+sail-sg+zero-bubble-pipeline-parallelism (its paper.pdf is read with `pdftotext -layout`, from poppler-utils). The
 script reads each source file at the clone's HEAD with `git show`, picks table rows by their key
 columns, and copies each row's text verbatim into the case's quote; every number in a case is parsed
 from that text (or asserted to appear in it), never typed in. The commit read is recorded per case.
@@ -22,13 +23,16 @@ MIR = args[0]
 
 
 def verify():
-    """Every case's quote (and quote_context's first line) must occur verbatim in its file at its commit."""
+    """Every case's (and stage time's) quote must occur verbatim in its file at its commit."""
     with open(f"{OUT}/steptimes.json") as f:
         cases = json.load(f)["cases"]
+    with open(f"{OUT}/stagetimes.json") as f:
+        cases += json.load(f)["stages"]
     bad = 0
     for c in cases:
         repo = c["repo"].replace("/", "+")
-        text = subprocess.check_output(["git", "-C", f"{MIR}/{repo}/repo", "show", f"{c['commit']}:{c['path']}"], text=True)
+        text = (pdf_text(repo, c["commit"], c["path"]) if c.get("text_of") == "pdftotext -layout" else
+                subprocess.check_output(["git", "-C", f"{MIR}/{repo}/repo", "show", f"{c['commit']}:{c['path']}"], text=True))
         if c["quote"] not in text:
             print(f"build_steptimes: case '{c['id']}': quote not found in {c['repo']}@{c['commit'][:8]}:{c['path']}")
             bad += 1
@@ -36,16 +40,24 @@ def verify():
     sys.exit(1 if bad else 0)
 
 
-if "--verify" in sys.argv[1:]:
-    verify()
 
 
 def show(repo, commit, path):
     return subprocess.check_output(["git", "-C", f"{MIR}/{repo}/repo", "show", f"{commit}:{path}"], text=True)
 
 
+def pdf_text(repo, commit, path):
+    """A PDF in a source repository as `pdftotext -layout` prints it (poppler-utils)."""
+    pdf = subprocess.check_output(["git", "-C", f"{MIR}/{repo}/repo", "show", f"{commit}:{path}"])
+    return subprocess.run(["pdftotext", "-layout", "-", "-"], input=pdf, capture_output=True, check=True).stdout.decode()
+
+
 def head(repo):
     return subprocess.check_output(["git", "-C", f"{MIR}/{repo}/repo", "rev-parse", "HEAD"], text=True).strip()
+
+
+if "--verify" in sys.argv[1:]:
+    verify()
 
 
 cases = []
@@ -639,6 +651,133 @@ cases.append({
               "whole (seq, micro-batch, hidden) tensor from every TP rank with batch_isend_irecv and waits for every request "
               "before the next compute: --p2p-blocking. The figure is approximate ('around 32 seconds'); the README's 138 "
               "teraFLOP/s per GPU is the same figure counted with recomputation.")})
+
+# ---------------------------------------------------------------- Zero Bubble Pipeline Parallelism (Qi et al., ICLR 2024)
+ZB = "sail-sg+zero-bubble-pipeline-parallelism"
+ZB_PDF_COMMIT = "3a91d0c8c21755dd0f7b425e3ac5699ab00b4083"  # "Add paper because arxiv pending too long" (2024-01-17)
+ZB_SCRIPT_COMMIT = "ed85b11c0b9e58a3bb6b9d15ee0de2aeff62e398"  # "Zero Bubble Pipeline Parallelism", the first commit (2023-11-03)
+zb_lines = pdf_text(ZB, ZB_PDF_COMMIT, "paper.pdf").splitlines()
+zb_script = show(ZB, ZB_SCRIPT_COMMIT, "examples/pretrain_llama_7b.sh")
+for flag in ("--seq-length 1024", "--tokenizer-type GPTSentencePieceTokenizer", "--fp16", "--clip-grad"):
+    assert flag in zb_script, flag
+assert "flash" not in zb_script and "dropout" not in zb_script.split("ENABLE_EXACTLY_NUMERIC_MATCH")[0]
+assert "--untie-embeddings-and-output-weights" not in zb_script
+
+
+def zb_line(prefix, after=0):
+    hits = [i for i, l in enumerate(zb_lines) if l.strip().startswith(prefix) and i > after]
+    return hits[0]
+
+
+t3 = zb_line("Table 3: Models and fixed settings used in experiments")
+t4 = zb_line("Table 4: Experiment result details")
+ZB_MODELS = {}
+for size in ("1.5B", "6.2B", "14.6B", "28.3B"):
+    row = zb_lines[zb_line(size, t3)].split()
+    layers, heads, hidden, seq, gpus, mbs = (int(x) for x in row[1:7])
+    ms = [int(x) for x in row[7:] if x != "/"]
+    assert seq == 1024 and len(ms) == 3, row
+    ZB_MODELS[size] = (layers, heads, hidden, gpus, mbs, ms, " ".join(zb_lines[zb_line(size, t3)].split()))
+ZB_PERF, ZB_MEM = {}, {}
+for sched in ("ZB-2p", "ZB-1p", "1F1B"):
+    perf_i = next(i for i in range(t4, t4 + 12) if sched in zb_lines[i].split() and "." in zb_lines[i])
+    mem_i = next(i for i in range(perf_i + 1, t4 + 16) if sched in zb_lines[i].split())
+    for store, i in ((ZB_PERF, perf_i), (ZB_MEM, mem_i)):
+        words = zb_lines[i].split()
+        store[sched] = ([float(x) for x in words[words.index(sched) + 1:]], zb_lines[i].strip())
+    assert len(ZB_PERF[sched][0]) == 12 and len(ZB_MEM[sched][0]) == 12, sched
+ZB_FLAGS = {
+    "1F1B": ["--schedule", "1f1b", "--clip-grad", "8", "--p2p-blocking"],
+    "ZB-1p": ["--schedule", "zb-auto", "--zb-memory-limit", "1p"],
+    "ZB-2p": ["--schedule", "zb-auto", "--zb-memory-limit", "2p"],
+}
+ZB_NOTE = ("Setup from the paper's section 5.1: Megatron-LM GPT models, 'up to 32 NVIDIA A100 SXM 80G GPUs distributed across 4 "
+           "nodes interconnected by a RoCE RDMA network' (posed as the dgx-a100-80g preset; the RoCE bandwidth is not given), "
+           "TP 1, DP 1, 'both the initial and final pipeline stages possess one fewer transformer layer' "
+           "(--first-stage-layers and --last-stage-layers one below the other stages). The authors' training script at their first commit "
+           f"({ZB_SCRIPT_COMMIT[:8]}, examples/pretrain_llama_7b.sh) sets --fp16 and --clip-grad and no --use-flash-attn, so "
+           "Megatron's fused-softmax attention with its default dropout 0.1; fp16 main grads with the fused weight-gradient "
+           "accumulation (Megatron's defaults for fp16). 1F1B is Megatron-LM's schedule: blocking batched send/receive "
+           "(--p2p-blocking) and the gradient-norm all-reduce before the update (--clip-grad). ZB-1p and ZB-2p use the paper's "
+           "optimizer post-validation ('we propose to replace the before-hand synchronizations with a post update "
+           "validation', section 4): no all-reduce before the update; posed as Piper's zb-auto with activation limit 1p / 2p. The Memory (GB) row is "
+           "Megatron-LM's report_memory, which prints both max allocated and max reserved in MiB; the paper does not say "
+           "which: measured_peak_kind 'unstated', the GB read as GiB.")
+for size, (layers, heads, hidden, gpus, mbs, ms, t3_row) in ZB_MODELS.items():
+    name = f"zb-gpt-{size.lower()}"
+    model = write_model(name, {
+        "name": name,
+        "description": (f"The {size} GPT of Qi et al., 'Zero Bubble Pipeline Parallelism' (ICLR 2024), Table 3: {layers} layers, "
+                        f"{heads} heads, hidden {hidden}, sequence 1024, micro-batch {mbs}. Megatron-LM GPT as the authors' "
+                        f"script runs it (sail-sg/zero-bubble-pipeline-parallelism {ZB_SCRIPT_COMMIT[:8]}, "
+                        "examples/pretrain_llama_7b.sh): fp16, Megatron's fused-softmax attention (no --use-flash-attn), "
+                        "attention and hidden dropout 0.1 (Megatron-LM's defaults), learned positions, LayerNorm, GELU, biases, "
+                        "ffn 4h, tied embeddings (no --untie-embeddings-and-output-weights). Assumed: a vocabulary of 32,000 "
+                        "(the script's GPTSentencePieceTokenizer model is not in the repository; the script's name suggests "
+                        "Llama's SentencePiece vocabulary)."),
+        "vocab": 32000, "hidden": hidden, "layers": layers, "heads": heads, "ffn": 4 * hidden,
+        "activation": "gelu", "norm": "layernorm", "bias": True, "tie_embeddings": True, "max_positions": 2048,
+        "attention": "standard", "dropout": 0.1,
+        "training": {"seq_len": 1024, "micro_batch_size": mbs, "precision": "fp16", "main_grad_accumulation": "fused"}})
+    per_stage = (layers + 2) // gpus
+    assert (per_stage - 1) * 2 + per_stage * (gpus - 2) == layers, size
+    col0 = list(ZB_MODELS).index(size) * 3
+    for j, m in enumerate(ms):
+        for sched, flags in ZB_FLAGS.items():
+            rate = ZB_PERF[sched][0][col0 + j]
+            step = m * mbs / gpus / rate
+            cases.append({
+                "id": f"zb-{size.lower()}-pp{gpus}-m{m}-{sched.lower()}",
+                "source": "Qi et al. 2024, Zero Bubble Pipeline Parallelism (ICLR 2024) Table 4, the paper in the authors' repository",
+                "url": f"https://github.com/sail-sg/zero-bubble-pipeline-parallelism/blob/{ZB_PDF_COMMIT}/paper.pdf",
+                "repo": "sail-sg/zero-bubble-pipeline-parallelism", "commit": ZB_PDF_COMMIT, "path": "paper.pdf",
+                "text_of": "pdftotext -layout",
+                "quote": ZB_PERF[sched][1],
+                "quote_context": (f"Table 4: Experiment result details (samples per GPU per second; columns {size} #Microbatch "
+                                  f"{ms[0]} {ms[1]} {ms[2]}). Table 3: {t3_row}. Memory (GB): {ZB_MEM[sched][1]}"),
+                "model": model, "gpu": "A100-80GB", "cluster": "dgx-a100-80g", "gpus": gpus,
+                "flags": ["--pp", str(gpus), "--dp", "1", "--microbatches", str(m), "--micro-batch-size", str(mbs),
+                          "--seq-len", "1024", "--recompute", "none", "--first-stage-layers", str(per_stage - 1),
+                          "--last-stage-layers", str(per_stage - 1)] + flags,
+                "family": "pp", "runtime": "megatron",
+                "measured": {"value": rate, "unit": "samples per GPU per second"},
+                "measured_step_s": step,
+                "conversion": f"{m} microbatches x {mbs} sequences / {gpus} GPUs / {rate} samples per GPU per second = {step:.4g} s",
+                "measured_peak_gib": ZB_MEM[sched][0][col0 + j], "measured_peak_kind": "unstated",
+                "notes": ZB_NOTE})
+
+# Table 9 (appendix D): the profiled F, B (input gradient) and W (weight gradient) times of one
+# microbatch on one stage, the median over ranks (zb_schedules.py's update_schedule takes the middle
+# of the sorted per-rank times), and the p2p time, in the ZB-2p runs: ../stagetimes.json.
+t9 = zb_line("Table 9: Profiled time of")
+t9_rows = [l for l in zb_lines[t9 + 2:t9 + 16] if l.strip()][:12]
+stages = []
+for i, line in enumerate(t9_rows):
+    size = list(ZB_MODELS)[i // 3]
+    layers, heads, hidden, gpus, mbs, ms, _ = ZB_MODELS[size]
+    words = line.split()
+    m, tf, tb, tw, tc = int(words[-5]), *(float(x) for x in words[-4:])
+    assert m == ms[i % 3] and (i % 3 != 1 or (size in words and str(gpus) in words)), line
+    per_stage = (layers + 2) // gpus
+    stages.append({
+        "id": f"zb-{size.lower()}-pp{gpus}-m{m}", "model": f"experiments/fidelity/models/zb-gpt-{size.lower()}.json",
+        "gpu": "A100-80GB", "cluster": "dgx-a100-80g",
+        "flags": ["--pp", str(gpus), "--dp", "1", "--microbatches", str(m), "--micro-batch-size", str(mbs),
+                  "--seq-len", "1024", "--recompute", "none", "--first-stage-layers", str(per_stage - 1),
+                  "--last-stage-layers", str(per_stage - 1)] + ZB_FLAGS["ZB-2p"],
+        "stage_layers": per_stage,
+        "measured_ms": {"F": tf, "BI": tb, "BW": tw, "p2p": tc},
+        "quote": line.strip(), "quote_context": " ".join(zb_lines[t9].split()) + " " + " ".join(zb_lines[t9 + 1].split()),
+        "repo": "sail-sg/zero-bubble-pipeline-parallelism", "commit": ZB_PDF_COMMIT, "path": "paper.pdf",
+        "text_of": "pdftotext -layout",
+        "url": f"https://github.com/sail-sg/zero-bubble-pipeline-parallelism/blob/{ZB_PDF_COMMIT}/paper.pdf"})
+with open(f"{OUT}/stagetimes.json", "w") as f:
+    json.dump({"format": "piper-fidelity-stagetimes", "version": 1,
+               "comment": ("Published per-stage op times (Qi et al. 2024, Table 9): one microbatch's forward (F), input "
+                           "gradient (B, Piper's BI) and weight gradient (W, Piper's BW) on a middle pipeline stage, and "
+                           "the p2p time, in ms. See README.md, section 'Stage times'."),
+               "stages": stages}, f, indent=2, ensure_ascii=False)
+    f.write("\n")
 
 ids = [c["id"] for c in cases]
 assert len(ids) == len(set(ids)), "duplicate ids"

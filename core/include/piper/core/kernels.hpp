@@ -52,7 +52,8 @@ struct Kernel {
   std::int64_t head_dim = 0, v_dim = 0;  // attention: q/k and v head dimensions
   std::int64_t window = 0;               // attention: sliding window (keys per query), 0 = full
   std::int64_t elems = 0;                // element-wise kinds: elements of the kernel's tensor
-  std::int64_t bytes = 0;                // Elementwise: its HBM traffic
+  std::int64_t bytes = 0;                // Elementwise: its HBM traffic; GEMM: what its epilogue moves beyond
+                                         // writing the result once (a fused accumulation into a held gradient)
   double flops = 0;                      // FLOPs of one launch, in core::Costs' convention
   double count = 1;                      // launches in the pass (layers of a segment, local experts)
   friend bool operator==(const Kernel&, const Kernel&) = default;
