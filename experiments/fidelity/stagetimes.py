@@ -8,8 +8,9 @@ p/2: every stage but the first and last holds the same layers) and writes staget
 numbers are op times, not step times: they say which pass of Piper's cost model is off, and by how
 much, where a step time mixes them with the schedule.
 
-  python3 experiments/fidelity/stagetimes.py [--out DIR]   # piper from $PIPER, default build/bin/piper;
-                                                            # stagetimes.md into DIR (default: beside this script)
+  python3 experiments/fidelity/stagetimes.py [--stages FILE] [--out DIR]
+      piper from $PIPER (default build/bin/piper); FILE defaults to stagetimes.json beside this script,
+      stagetimes.md goes into DIR (default: beside this script)
 """
 import json
 import os
@@ -25,6 +26,24 @@ PASSES = ("F", "BI", "BW")
 def fail(msg):
     print(f"stagetimes: {msg}", file=sys.stderr)
     sys.exit(2)
+
+
+def check_stage(path, i, s):
+    """One line naming the stage and the field for anything middle_stage_ms or the table would trip on."""
+    where = f"{path}: stage {i}" + (f" '{s['id']}'" if isinstance(s, dict) and isinstance(s.get("id"), str) else "")
+    if not isinstance(s, dict):
+        fail(f"{where}: expected an object")
+    for key, kind in (("id", str), ("model", str), ("cluster", str), ("flags", list), ("stage_layers", int),
+                      ("measured_ms", dict)):
+        if not isinstance(s.get(key), kind):
+            fail(f"{where}: '{key}' missing or not a {kind.__name__}")
+    flags = s["flags"]
+    if not all(isinstance(f, str) for f in flags) or "--pp" not in flags[:-1] or not flags[flags.index("--pp") + 1].isdigit():
+        fail(f"{where}: 'flags' must be strings with '--pp N'")
+    for p in PASSES:
+        v = s["measured_ms"].get(p)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            fail(f"{where}: 'measured_ms.{p}' must be a positive number")
 
 
 def middle_stage_ms(piper, stage, workdir):
@@ -53,17 +72,18 @@ def middle_stage_ms(piper, stage, workdir):
 
 def main():
     args = sys.argv[1:]
-    out_dir = HERE
-    if args[:1] == ["--out"] and len(args) == 2:
-        out_dir = args[1]
-    elif args:
-        fail("usage: stagetimes.py [--out DIR]")
+    opts = {"--out": HERE, "--stages": os.path.join(HERE, "stagetimes.json")}
+    while args:
+        if args[0] not in opts or len(args) < 2:
+            fail("usage: stagetimes.py [--stages FILE] [--out DIR]")
+        opts[args[0]] = args[1]
+        args = args[2:]
+    out_dir, path = opts["--out"], opts["--stages"]
     if not os.path.isdir(out_dir):
         fail(f"--out {out_dir}: not a folder")
     piper = os.environ.get("PIPER", os.path.join(REPO, "build", "bin", "piper"))
     if not os.access(piper, os.X_OK):
         fail(f"{piper} is not an executable (build Piper first, or set PIPER)")
-    path = os.path.join(HERE, "stagetimes.json")
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -71,6 +91,8 @@ def main():
         fail(f"{path}: {e}")
     if doc.get("format") != "piper-fidelity-stagetimes" or not isinstance(doc.get("stages"), list):
         fail(f"{path}: 'format' must be \"piper-fidelity-stagetimes\" with a 'stages' list")
+    for i, st in enumerate(doc["stages"]):
+        check_stage(path, i, st)
     rows = []
     with tempfile.TemporaryDirectory(prefix="piper-stagetimes-") as tmp:
         for s in doc["stages"]:

@@ -166,7 +166,23 @@ class StageTimes(unittest.TestCase):
         script = os.path.join(SOURCE_DIR, "experiments", "fidelity", "stagetimes.py")
         out = subprocess.run([sys.executable, script, "--out"], capture_output=True, text=True)
         self.assertEqual(out.returncode, 2)
-        self.assertEqual(out.stderr.strip(), "stagetimes: usage: stagetimes.py [--out DIR]")
+        self.assertEqual(out.stderr.strip(), "stagetimes: usage: stagetimes.py [--stages FILE] [--out DIR]")
+
+    def test_bad_stage_exits_2_naming_it_and_writes_nothing(self):
+        script = os.path.join(SOURCE_DIR, "experiments", "fidelity", "stagetimes.py")
+        with open(os.path.join(SOURCE_DIR, "experiments", "fidelity", "stagetimes.json")) as f:
+            doc = json.load(f)
+        doc["stages"][2]["measured_ms"]["BI"] = "18 ms"
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "bad.json")
+            with open(p, "w") as f:
+                json.dump(doc, f)
+            out = subprocess.run([sys.executable, script, "--stages", p, "--out", d], capture_output=True, text=True,
+                                 env=dict(os.environ, PIPER=PIPER))
+            self.assertEqual(out.returncode, 2)
+            self.assertEqual(out.stderr.strip(), f"stagetimes: {p}: stage 2 '{doc['stages'][2]['id']}': "
+                                                 "'measured_ms.BI' must be a positive number")
+            self.assertEqual(os.listdir(d), ["bad.json"])
 
 
 if __name__ == "__main__":
