@@ -287,8 +287,9 @@ bool accumulates_gradients(const Segment& seg, const TrainingShape& t) {
 // kernel's memory term (Kernel::bytes), not serial time: a compute-bound GEMM hides them. The profiled
 // weight-gradient passes of Qi et al. 2024 (Table 9: Megatron-LM in fp16, these fused GEMMs alone) take
 // what the GEMMs take without the traffic (experiments/fidelity, "Stage times"). Returns the parameters
-// whose accumulation the GEMMs carry (their outputs' elements).
-std::int64_t accumulate_in_gemm_epilogues(const TrainingShape& t, PassKernels& kernels) {
+// whose accumulation the GEMMs carry (their outputs' elements); 0 where the segment's accumulation is not fused.
+std::int64_t accumulate_in_gemm_epilogues(const Segment& seg, const TrainingShape& t, PassKernels& kernels) {
+  if (!accumulates_gradients(seg, t) || t.separate_grad_accumulation()) return 0;
   const std::int64_t extra = 2 * gradient_bytes_per_element(t) - bytes_per_element(t.precision);
   double covered = 0;
   for (Kernel& k : kernels[2])
@@ -488,9 +489,7 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
                                            seg.cp_degree, seg.cp_all_gather, seg.token_split},
                                           seg.shard_degree);
     add_fsdp2_copy_kernels(seg, dag.training, kernels);
-    epilogue_params.push_back(accumulates_gradients(seg, dag.training) && !dag.training.separate_grad_accumulation()
-                                  ? accumulate_in_gemm_epilogues(dag.training, kernels)
-                                  : 0);
+    epilogue_params.push_back(accumulate_in_gemm_epilogues(seg, dag.training, kernels));
     program.segments.push_back({seg.first_layer,
                                 seg.last_layer,
                                 seg.tags,

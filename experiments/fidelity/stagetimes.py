@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 
+from steptimes import flag_value  # this script's folder is on sys.path when it runs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 PASSES = ("F", "BI", "BW")
@@ -38,7 +40,7 @@ def check_stage(path, i, s):
         if not isinstance(s.get(key), kind):
             fail(f"{where}: '{key}' missing or not a {kind.__name__}")
     flags = s["flags"]
-    if not all(isinstance(f, str) for f in flags) or "--pp" not in flags[:-1] or not flags[flags.index("--pp") + 1].isdigit():
+    if not all(isinstance(f, str) for f in flags) or not (flag_value(flags, "--pp") or "").isdigit():
         fail(f"{where}: 'flags' must be strings with '--pp N'")
     for p in PASSES:
         v = s["measured_ms"].get(p)
@@ -48,7 +50,7 @@ def check_stage(path, i, s):
 
 def middle_stage_ms(piper, stage, workdir):
     """Mean duration (ms) of each pass's ops on device p/2, from the simulated Chrome trace."""
-    pp = int(stage["flags"][stage["flags"].index("--pp") + 1])
+    pp = int(flag_value(stage["flags"], "--pp"))
     trace = os.path.join(workdir, stage["id"] + ".trace.json")
     cmd = [piper, "simulate", "--model", os.path.join(REPO, stage["model"]), "--cluster", stage["cluster"],
            "--engine", "analytic", "--trace", trace] + stage["flags"]

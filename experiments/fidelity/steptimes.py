@@ -291,14 +291,14 @@ def write_md(path, rows, piper_version):
                   "`unstated` one may be either.", "",
                   "| id | published GiB | published kind | predicted GiB (allocated) | error | predicted OOM |",
                   "|---|---|---|---|---|---|"]
+        by_kind = {}
         for r in mem:
             e = 100.0 * (r["peak_gib"] - r["measured_peak_gib"]) / r["measured_peak_gib"]
+            by_kind.setdefault(r["measured_peak_kind"], []).append(e)
             lines.append(f"| {r['id']} | {r['measured_peak_gib']:g} | {r['measured_peak_kind']} | {r['peak_gib']:.1f} | {e:+.1f} % | "
                          f"{'yes' if r['oom'] else 'no'} |")
         lines.append("")
-        for kind in sorted({r["measured_peak_kind"] for r in mem}):
-            errs = [100.0 * (r["peak_gib"] - r["measured_peak_gib"]) / r["measured_peak_gib"] for r in mem
-                    if r["measured_peak_kind"] == kind]
+        for kind, errs in sorted(by_kind.items()):
             lines.append(f"Against the {len(errs)} `{kind}` figures: mean |error| {sum(map(abs, errs)) / len(errs):.1f} %, "
                          f"signed mean {sum(errs) / len(errs):+.1f} %.")
         lines.append("")

@@ -142,14 +142,14 @@ class Cli(unittest.TestCase):
 class StageTimes(unittest.TestCase):
     """experiments/fidelity/stagetimes.py: every committed stage row simulated, one table row each, and the
     measured figures in the table are the file's."""
+    script = os.path.join(SOURCE_DIR, "experiments", "fidelity", "stagetimes.py")
 
     def test_committed_rows_are_compared(self):
-        script = os.path.join(SOURCE_DIR, "experiments", "fidelity", "stagetimes.py")
         with open(os.path.join(SOURCE_DIR, "experiments", "fidelity", "stagetimes.json")) as f:
             stages = json.load(f)["stages"]
         self.assertGreaterEqual(len(stages), 12)
         with tempfile.TemporaryDirectory() as d:
-            out = subprocess.run([sys.executable, script, "--out", d], capture_output=True, text=True,
+            out = subprocess.run([sys.executable, self.script, "--out", d], capture_output=True, text=True,
                                  env=dict(os.environ, PIPER=PIPER))
             self.assertEqual(out.returncode, 0, out.stderr)
             with open(os.path.join(d, "stagetimes.md")) as f:
@@ -163,13 +163,11 @@ class StageTimes(unittest.TestCase):
         self.assertIn("Signed mean error per pass: F ", table)
 
     def test_bad_argument_exits_2(self):
-        script = os.path.join(SOURCE_DIR, "experiments", "fidelity", "stagetimes.py")
-        out = subprocess.run([sys.executable, script, "--out"], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, self.script, "--out"], capture_output=True, text=True)
         self.assertEqual(out.returncode, 2)
         self.assertEqual(out.stderr.strip(), "stagetimes: usage: stagetimes.py [--stages FILE] [--out DIR]")
 
     def test_bad_stage_exits_2_naming_it_and_writes_nothing(self):
-        script = os.path.join(SOURCE_DIR, "experiments", "fidelity", "stagetimes.py")
         with open(os.path.join(SOURCE_DIR, "experiments", "fidelity", "stagetimes.json")) as f:
             doc = json.load(f)
         doc["stages"][2]["measured_ms"]["BI"] = "18 ms"
@@ -177,7 +175,7 @@ class StageTimes(unittest.TestCase):
             p = os.path.join(d, "bad.json")
             with open(p, "w") as f:
                 json.dump(doc, f)
-            out = subprocess.run([sys.executable, script, "--stages", p, "--out", d], capture_output=True, text=True,
+            out = subprocess.run([sys.executable, self.script, "--stages", p, "--out", d], capture_output=True, text=True,
                                  env=dict(os.environ, PIPER=PIPER))
             self.assertEqual(out.returncode, 2)
             self.assertEqual(out.stderr.strip(), f"stagetimes: {p}: stage 2 '{doc['stages'][2]['id']}': "

@@ -33,13 +33,20 @@ using nlohmann::json;
 // ZeRO-2 reducing every microbatch frees the whole gradients after each reduce-scatter, whose output
 // joins the held shard off the compute stream (FSDP's post-backward stream, DeepSpeed's reduction
 // stream): nothing on the backward, in bf16 or fp32; reducing once per step keeps them, as ZeRO-1.
+// sum over a segment's weight-gradient GEMMs (its BW list) of launches x of(kernel).
+template <class Of>
+double sum_bw_gemms(const ProgramSegment& seg, Of of) {
+  double sum = 0;
+  for (const auto& k : seg.kernels[2])
+    if (k.kind == KernelKind::Gemm) sum += k.count * static_cast<double>(of(k));
+  return sum;
+}
+
 // What the weight-gradient GEMMs' epilogues move beyond a plain GEMM's result (Kernel::bytes), summed
 // over the segments' BW lists: the fused accumulation's traffic on one device of a single-stage plan.
 double bw_gemm_epilogue_bytes(const Program& p) {
   double bytes = 0;
-  for (const auto& seg : p.segments)
-    for (const auto& k : seg.kernels[2])
-      if (k.kind == KernelKind::Gemm) bytes += k.count * static_cast<double>(k.bytes);
+  for (const auto& seg : p.segments) bytes += sum_bw_gemms(seg, [](const Kernel& k) { return k.bytes; });
   return bytes;
 }
 
@@ -158,14 +165,12 @@ TEST(TensorParallel, Fp32MainGradsByHand) {
   const piper::sim::CostModel cost(cluster);
   double gemm_delta = 0;  // the fp32 plan's BW GEMMs against the same GEMMs without their epilogue bytes
   for (const auto& seg : fp32.segments)
-    for (const auto& k : seg.kernels[2])
-      if (k.kind == KernelKind::Gemm) {
-        const double flops = 2.0 * k.m * k.n * k.k * k.batch;
-        const double compute = flops / (312e12 * 0.75 * flops / (flops + 2e9));  // the A100's curve
-        const double plain = (k.m * k.k + k.k * k.n + k.m * k.n) * k.batch * 2.0 / 2039e9;
-        gemm_delta +=
-            k.count * (std::max(compute, plain + static_cast<double>(k.bytes) / 2039e9) - std::max(compute, plain));
-      }
+    gemm_delta += sum_bw_gemms(seg, [](const Kernel& k) {
+      const double flops = 2.0 * k.m * k.n * k.k * k.batch;
+      const double compute = flops / (312e12 * 0.75 * flops / (flops + 2e9));  // the A100's curve
+      const double plain = (k.m * k.k + k.k * k.n + k.m * k.n) * k.batch * 2.0 / 2039e9;
+      return std::max(compute, plain + static_cast<double>(k.bytes) / 2039e9) - std::max(compute, plain);
+    });
   EXPECT_NEAR(cost.compute_seconds(fp32, 0, *b32) - cost.compute_seconds(bf16, 0, *b16),
               10 * (P - Pg) / 2039e9 + 2e-6 + gemm_delta, 1e-12);
   // With the backward split (zero-bubble schedules) the accumulation belongs to BW: 10 bytes per
@@ -190,8 +195,8 @@ TEST(TensorParallel, Fp32MainGradsByHand) {
   for (const auto& st : split32.plan_for(0).streams)
     for (const auto& op : st.ops)
       if (op.kind == OpKind::Compute && op.pass == Pass::BW && op.microbatch == 0)
-        for (const auto& k : split32.segments[static_cast<std::size_t>(op.segment)].kernels[2])
-          if (k.kind == KernelKind::Gemm) stage_gemm_params += k.count * static_cast<double>(k.m * k.n * k.batch);
+        stage_gemm_params += sum_bw_gemms(split32.segments[static_cast<std::size_t>(op.segment)],
+                                          [](const Kernel& k) { return k.m * k.n * k.batch; });
   EXPECT_GT(stage_gemm_params, 0);
   EXPECT_EQ(bw32->elementwise_bytes - bw16->elementwise_bytes,
             10 * (static_cast<double>(upd->memory_bytes) / 42 - stage_gemm_params));

@@ -686,6 +686,19 @@ for sched in ("ZB-2p", "ZB-1p", "1F1B"):
         words = zb_lines[i].split()
         store[sched] = ([float(x) for x in words[words.index(sched) + 1:]], zb_lines[i].strip())
     assert len(ZB_PERF[sched][0]) == 12 and len(ZB_MEM[sched][0]) == 12, sched
+ZB_PDF = {"url": f"https://github.com/sail-sg/zero-bubble-pipeline-parallelism/blob/{ZB_PDF_COMMIT}/paper.pdf",
+          "repo": "sail-sg/zero-bubble-pipeline-parallelism", "commit": ZB_PDF_COMMIT, "path": "paper.pdf",
+          "text_of": "pdftotext -layout"}
+
+
+def zb_setting(layers, gpus, m, mbs):
+    """A Table 3 model's pipeline as posed (one fewer layer on the first and last stages), before the schedule."""
+    per_stage = (layers + 2) // gpus
+    assert (per_stage - 1) * 2 + per_stage * (gpus - 2) == layers, (layers, gpus)
+    return ["--pp", str(gpus), "--dp", "1", "--microbatches", str(m), "--micro-batch-size", str(mbs), "--seq-len", "1024",
+            "--recompute", "none", "--first-stage-layers", str(per_stage - 1), "--last-stage-layers", str(per_stage - 1)]
+
+
 ZB_FLAGS = {
     "1F1B": ["--schedule", "1f1b", "--clip-grad", "8", "--p2p-blocking"],
     "ZB-1p": ["--schedule", "zb-auto", "--zb-memory-limit", "1p"],
@@ -719,8 +732,6 @@ for size, (layers, heads, hidden, gpus, mbs, ms, t3_row) in ZB_MODELS.items():
         "activation": "gelu", "norm": "layernorm", "bias": True, "tie_embeddings": True, "max_positions": 2048,
         "attention": "standard", "dropout": 0.1,
         "training": {"seq_len": 1024, "micro_batch_size": mbs, "precision": "fp16", "main_grad_accumulation": "fused"}})
-    per_stage = (layers + 2) // gpus
-    assert (per_stage - 1) * 2 + per_stage * (gpus - 2) == layers, size
     col0 = list(ZB_MODELS).index(size) * 3
     for j, m in enumerate(ms):
         for sched, flags in ZB_FLAGS.items():
@@ -729,16 +740,12 @@ for size, (layers, heads, hidden, gpus, mbs, ms, t3_row) in ZB_MODELS.items():
             cases.append({
                 "id": f"zb-{size.lower()}-pp{gpus}-m{m}-{sched.lower()}",
                 "source": "Qi et al. 2024, Zero Bubble Pipeline Parallelism (ICLR 2024) Table 4, the paper in the authors' repository",
-                "url": f"https://github.com/sail-sg/zero-bubble-pipeline-parallelism/blob/{ZB_PDF_COMMIT}/paper.pdf",
-                "repo": "sail-sg/zero-bubble-pipeline-parallelism", "commit": ZB_PDF_COMMIT, "path": "paper.pdf",
-                "text_of": "pdftotext -layout",
+                **ZB_PDF,
                 "quote": ZB_PERF[sched][1],
                 "quote_context": (f"Table 4: Experiment result details (samples per GPU per second; columns {size} #Microbatch "
                                   f"{ms[0]} {ms[1]} {ms[2]}). Table 3: {t3_row}. Memory (GB): {ZB_MEM[sched][1]}"),
                 "model": model, "gpu": "A100-80GB", "cluster": "dgx-a100-80g", "gpus": gpus,
-                "flags": ["--pp", str(gpus), "--dp", "1", "--microbatches", str(m), "--micro-batch-size", str(mbs),
-                          "--seq-len", "1024", "--recompute", "none", "--first-stage-layers", str(per_stage - 1),
-                          "--last-stage-layers", str(per_stage - 1)] + flags,
+                "flags": zb_setting(layers, gpus, m, mbs) + flags,
                 "family": "pp", "runtime": "megatron",
                 "measured": {"value": rate, "unit": "samples per GPU per second"},
                 "measured_step_s": step,
@@ -758,19 +765,14 @@ for i, line in enumerate(t9_rows):
     words = line.split()
     m, tf, tb, tw, tc = int(words[-5]), *(float(x) for x in words[-4:])
     assert m == ms[i % 3] and (i % 3 != 1 or (size in words and str(gpus) in words)), line
-    per_stage = (layers + 2) // gpus
     stages.append({
         "id": f"zb-{size.lower()}-pp{gpus}-m{m}", "model": f"experiments/fidelity/models/zb-gpt-{size.lower()}.json",
         "gpu": "A100-80GB", "cluster": "dgx-a100-80g",
-        "flags": ["--pp", str(gpus), "--dp", "1", "--microbatches", str(m), "--micro-batch-size", str(mbs),
-                  "--seq-len", "1024", "--recompute", "none", "--first-stage-layers", str(per_stage - 1),
-                  "--last-stage-layers", str(per_stage - 1)] + ZB_FLAGS["ZB-2p"],
-        "stage_layers": per_stage,
+        "flags": zb_setting(layers, gpus, m, mbs) + ZB_FLAGS["ZB-2p"],
+        "stage_layers": (layers + 2) // gpus,
         "measured_ms": {"F": tf, "BI": tb, "BW": tw, "p2p": tc},
         "quote": line.strip(), "quote_context": " ".join(zb_lines[t9].split()) + " " + " ".join(zb_lines[t9 + 1].split()),
-        "repo": "sail-sg/zero-bubble-pipeline-parallelism", "commit": ZB_PDF_COMMIT, "path": "paper.pdf",
-        "text_of": "pdftotext -layout",
-        "url": f"https://github.com/sail-sg/zero-bubble-pipeline-parallelism/blob/{ZB_PDF_COMMIT}/paper.pdf"})
+        **ZB_PDF})
 with open(f"{OUT}/stagetimes.json", "w") as f:
     json.dump({"format": "piper-fidelity-stagetimes", "version": 1,
                "comment": ("Published per-stage op times (Qi et al. 2024, Table 9): one microbatch's forward (F), input "
