@@ -48,8 +48,10 @@ int run_plot(const PlotArgs& a) {
   }
   std::map<std::string, plot::Series> groups;
   std::vector<std::string> order;
-  int line_no = 1, skipped = 0;
+  int line_no = 1, skipped = 0, not_positive = 0;
   auto number = [](const std::string& s, double* out) {
+    // Decimal numbers only: std::stod would also read "0x10" as 16.
+    if (s.find_first_not_of("0123456789+-.eE") != std::string::npos) return false;
     try {
       std::size_t used = 0;
       *out = std::stod(s, &used);
@@ -69,6 +71,10 @@ int run_plot(const PlotArgs& a) {
     double x = 0, y = 0;
     if (!number(f[static_cast<std::size_t>(xi)], &x) || !number(f[static_cast<std::size_t>(yi)], &y)) {
       skipped += 1;  // e.g. invalid or pruned rows with empty figures
+      continue;
+    }
+    if ((a.log_x && x <= 0) || (a.log_y && y <= 0)) {
+      not_positive += 1;  // a logarithmic axis has no place for it; counted, not drawn as if it were
       continue;
     }
     const std::string name = si >= 0 ? f[static_cast<std::size_t>(si)] : std::string();
@@ -98,7 +104,11 @@ int run_plot(const PlotArgs& a) {
     points += s.x.size();
     chart.series.push_back(std::move(s));
   }
-  if (points == 0) throw CliError(a.csv_path, fmt::format("no row has numbers in both '{}' and '{}'", a.x, a.y));
+  if (points == 0)
+    throw CliError(a.csv_path,
+                   not_positive > 0
+                       ? fmt::format("no row has values > 0 in '{}' and '{}' for the logarithmic axis", a.x, a.y)
+                       : fmt::format("no row has numbers in both '{}' and '{}'", a.x, a.y));
   try {
     if (a.line)
       plot::write_line_png(chart, a.output_path);
@@ -107,7 +117,8 @@ int run_plot(const PlotArgs& a) {
   } catch (const plot::PlotError& e) {
     throw CliError("", e.what());
   }
-  fmt::print("{} points in {} series ({} rows without numbers skipped) -> {}\n", points, chart.series.size(), skipped,
+  fmt::print("{} points in {} series ({} rows without numbers skipped{}) -> {}\n", points, chart.series.size(), skipped,
+             not_positive > 0 ? fmt::format(", {} with values <= 0 left off the logarithmic axis", not_positive) : "",
              a.output_path);
   return 0;
 #else

@@ -241,7 +241,7 @@ void add_optimizer_flags(CLI::App* cmd, RunArgs& a) {
       ->check(kNonNegativeNumber)
       ->capture_default_str();
   cmd->add_option("--warmup-steps", a.train.adamw.warmup_steps, "linear warmup: step s of the first N uses lr * s / N")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegativeInt)
       ->capture_default_str();
   cmd->add_option("--lr-decay", a.lr_decay, "after warmup: constant, cosine or linear decay to --min-lr")
       ->check(CLI::IsMember({"constant", "cosine", "linear"}))

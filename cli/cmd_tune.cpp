@@ -316,9 +316,10 @@ Command add_tune_command(CLI::App& app) {
       ->check(kPositiveInt);
   cmd->add_option("--seq-len", a->spec.seq_len, "tokens per sequence (default: the model's)")->check(kPositiveInt);
   add_search_space_flags(cmd, *a);
+  // Positive: a cap of 0 GiB (read as "no cap given") would silently be the default.
   auto* cap = cmd->add_option("--memory-cap", a->memory_cap_gib,
                               "GiB per device a plan may use (default: the GPU's HBM less the reserve)")
-                  ->check(kNonNegativeNumber);
+                  ->check(kPositiveNumber);
   cmd->add_option("--memory-reserve-gib", a->memory_reserve_gib,
                   "GiB of HBM kept out of the default cap for the CUDA context, NCCL buffers and fragmentation "
                   "(default: 5 % of the HBM)")
@@ -327,7 +328,7 @@ Command add_tune_command(CLI::App& app) {
   cmd->add_option("--budget-s", a->budget_s, "stop starting simulations after this many seconds (0: no limit)")
       ->check(kNonNegativeNumber);
   cmd->add_option("--top", a->spec.top_k, "best plans re-simulated on the SimGrid engine")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegativeInt)
       ->capture_default_str();
   cmd->add_flag("--no-placement-search", a->no_placement, "keep the generator's PP boundaries");
   cmd->add_option("--show", a->show, "plans printed")->check(kPositiveInt)->capture_default_str();

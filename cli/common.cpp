@@ -112,7 +112,75 @@ const CLI::Validator kOutputPath(
     [](std::string& value) -> std::string {
       return value.empty() ? "must name a file, got an empty path" : std::string();
     },
-    "FILE");
+    "FILE", kOutputPathName);
+
+namespace {
+
+struct PathOption {
+  std::string flag, path;
+};
+
+// The flag (or positional) name of `o` as a user wrote it: "--output", "plan".
+std::string option_label(const CLI::Option* o) {
+  const auto& longs = o->get_lnames();
+  if (!longs.empty()) return "--" + longs.front();
+  const auto& shorts = o->get_snames();
+  if (!shorts.empty()) return "-" + shorts.front();
+  return o->get_name();
+}
+
+void collect_path_options(CLI::App* app, std::vector<PathOption>& outputs, std::vector<PathOption>& inputs) {
+  for (CLI::Option* o : app->get_options()) {
+    // Text options only: a number (--pp 2) is never a file, even where a file of that name exists.
+    if (o->count() == 0 || o->get_type_name().rfind("TEXT", 0) != 0) continue;
+    bool output = false;
+    try {
+      output = o->get_validator(kOutputPathName) != nullptr;
+    } catch (const CLI::OptionNotFound&) {
+    }
+    for (const std::string& value : o->results())
+      if (!value.empty()) (output ? outputs : inputs).push_back({option_label(o), value});
+  }
+  for (CLI::App* sub : app->get_subcommands()) collect_path_options(sub, outputs, inputs);
+}
+
+}  // namespace
+
+void refuse_outputs_over_inputs(CLI::App* command) {
+  namespace fs = std::filesystem;
+  std::vector<PathOption> outputs, inputs;
+  collect_path_options(command, outputs, inputs);
+  // A device or FIFO (/dev/null) may take several outputs; only regular files (or new paths) are compared.
+  auto replaceable = [](const std::string& p) {
+    std::error_code ec;
+    return !fs::exists(p, ec) || fs::is_regular_file(p, ec);
+  };
+  auto same_existing_file = [](const std::string& in, const std::string& out) {
+    std::error_code ec;
+    return fs::is_regular_file(in, ec) && fs::exists(out, ec) && fs::equivalent(in, out, ec) && !ec;
+  };
+  auto same_path = [](const std::string& a, const std::string& b) {
+    std::error_code ec_a, ec_b;
+    const fs::path ca = fs::weakly_canonical(a, ec_a), cb = fs::weakly_canonical(b, ec_b);
+    return !ec_a && !ec_b && ca == cb;
+  };
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const PathOption& out = outputs[i];
+    if (!replaceable(out.path)) continue;
+    for (const PathOption& in : inputs) {
+      if (in.flag == "--resume" && out.flag == "--save") continue;  // a run continuing its own checkpoint
+      if (same_existing_file(in.path, out.path))
+        throw CliError(out.path, fmt::format("{} is also the input {}: writing it would destroy the input (choose "
+                                             "another output file)",
+                                             out.flag, in.flag));
+    }
+    for (std::size_t j = 0; j < i; ++j)
+      if (same_path(out.path, outputs[j].path))
+        throw CliError(out.path, fmt::format("{} and {} name the same file: one output would replace the other "
+                                             "(give each its own file)",
+                                             outputs[j].flag, out.flag));
+  }
+}
 
 // A setting's value as the flag gives it: its type and range from the table.
 static CLI::Validator setting_validator(const core::Setting& setting) {
@@ -166,7 +234,7 @@ void ScenarioFlags::add_to(CLI::App* app) {
       app->add_option("--stages", stages, "balance the model over N PP regions")->check(kPositiveInt),
       app->add_option("--pp-ranges", pp_ranges, "explicit PP regions: first block of each, e.g. 0,10,20")
           ->delimiter(',')
-          ->check(CLI::NonNegativeNumber),
+          ->check(kNonNegativeInt),
       app->add_option("--first-stage-layers", first_stage_layers,
                       "blocks of the first PP region; the regions between share the rest evenly (Megatron's "
                       "--decoder-first-pipeline-num-layers)")

@@ -53,8 +53,16 @@ extern const CLI::Validator kPositiveInt;
 extern const CLI::Validator kNonNegativeInt;
 extern const CLI::Validator kNonNegativeNumber;
 extern const CLI::Validator kPositiveNumber;
-// An output file name: an empty one (`-o ""`) is refused instead of writing nothing.
+// An output file name: an empty one (`-o ""`) is refused instead of writing nothing. Options checked
+// with it are the command's outputs for refuse_outputs_over_inputs (it finds them by the name
+// kOutputPathName).
 extern const CLI::Validator kOutputPath;
+inline constexpr const char* kOutputPathName = "output-path";
+// Before a parsed command runs: an output (an option checked with kOutputPath) naming the same regular
+// file as one of its inputs (any other option or positional naming an existing file) or as another
+// output is refused (CliError), since writing it would destroy the input or the other output.
+// `piper run --resume ck --save ck` continues its own checkpoint and is allowed.
+void refuse_outputs_over_inputs(CLI::App* command);
 
 // Strategy flags: one per setting of the table (core/settings.hpp), named --kebab-case of the
 // setting, with its help, type and range checks.

@@ -100,7 +100,10 @@ int run_command(int argc, char** argv) {
       if (what == "logic") throw std::logic_error("test logic error");
     }
     for (const auto& c : commands)
-      if (c.app->parsed()) return c.run();
+      if (c.app->parsed()) {
+        refuse_outputs_over_inputs(c.app);
+        return c.run();
+      }
   } catch (const CliError& e) {
     print_error(e.file(), e.what());
     return kExitBadInput;

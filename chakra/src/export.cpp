@@ -289,8 +289,14 @@ std::vector<std::string> export_traces(const core::Program& program, const std::
 
 std::vector<std::string> export_traces(const core::Program& program, const std::string& out_dir,
                                        const ExportOptions& options) {
-  core::verify_or_throw(program);
   const std::string& prefix = options.prefix;
+  // The prefix names files inside out_dir: "" would hide them (".0.et"), "../x" or "a/b" leave the folder.
+  const bool control = std::any_of(prefix.begin(), prefix.end(), [](unsigned char c) { return c < 0x20 || c == 0x7f; });
+  if (prefix.empty() || prefix.find('/') != std::string::npos || prefix == "." || prefix == ".." || control)
+    throw core::Error("prefix '" + prefix +
+                      "': must be a plain file name (not empty, no '/' or control characters): the traces are written "
+                      "into the output folder");
+  core::verify_or_throw(program);
   // Every file is encoded before any is written, so a bad plan leaves nothing behind.
   const CommGroups groups = comm_groups(program);
   std::vector<std::string> bytes;

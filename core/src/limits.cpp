@@ -11,7 +11,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -233,7 +236,21 @@ void check_json_depth(std::string_view text, const std::string& where) {
 
 nlohmann::json parse_json(std::string_view text, const std::string& where) {
   check_json_depth(text, where);
-  return nlohmann::json::parse(text);
+  // nlohmann keeps the last of two equal keys of one object; a repeated key ("pp": 2, ... "pp": 4) is an
+  // edit gone wrong, and one of its values would be dropped without a word: refused instead.
+  using Event = nlohmann::json::parse_event_t;
+  std::vector<std::set<std::string>> keys;  // of each object being read, innermost last
+  return nlohmann::json::parse(text, [&](int /*depth*/, Event event, nlohmann::json& parsed) {
+    if (event == Event::object_start) {
+      keys.emplace_back();
+    } else if (event == Event::object_end) {
+      keys.pop_back();
+    } else if (event == Event::key && !keys.back().insert(parsed.get<std::string>()).second) {
+      throw Error(where + ": duplicate key '" + printable(parsed.get<std::string>(), 80) +
+                  "' in one JSON object (one of its values would be silently dropped)");
+    }
+    return true;
+  });
 }
 
 }  // namespace piper::core

@@ -7,6 +7,7 @@
 #include <map>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <set>
 #include <type_traits>
 
@@ -521,11 +522,17 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
   };
   Scenario s;
   s.source = where;
+  // Within the field's type: 4294967298 stages must not wrap to 2.
   auto int_field = [&](const json& obj, const char* key, const std::string& path, auto& out, long long min) {
+    using T = std::remove_reference_t<decltype(out)>;
     if (!obj.contains(key)) return;
-    if (!obj[key].is_number_integer() || obj[key].get<long long>() < min)
+    const json& v = obj[key];
+    if (!v.is_number_integer() || v.get<long long>() < min)
       throw fail(path, fmt::format("must be an integer >= {}", min));
-    out = static_cast<std::remove_reference_t<decltype(out)>>(obj[key].get<long long>());
+    if ((v.is_number_unsigned() && v.get<unsigned long long>() > INT64_MAX) ||
+        v.get<long long>() > static_cast<long long>(std::numeric_limits<T>::max()))
+      throw fail(path, fmt::format("must be an integer <= {} (got {})", std::numeric_limits<T>::max(), v.dump()));
+    out = static_cast<T>(v.get<long long>());
   };
   if (!j.contains("model") || !j["model"].is_string()) throw fail("model", "required: a zoo name or a model file");
   s.model = resolve(j["model"].get<std::string>());
@@ -537,7 +544,8 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
   if (j.contains("pp_ranges")) {
     if (!j["pp_ranges"].is_array()) throw fail("pp_ranges", "must be an array of first blocks, e.g. [0, 8, 16]");
     for (const auto& v : j["pp_ranges"]) {
-      if (!v.is_number_integer() || v.get<long long>() < 0) throw fail("pp_ranges", "entries must be integers >= 0");
+      if (!v.is_number_integer() || v.get<long long>() < 0 || v.get<long long>() > std::numeric_limits<int>::max())
+        throw fail("pp_ranges", fmt::format("entries must be integers in 0..{}", std::numeric_limits<int>::max()));
       s.stage_starts.push_back(v.get<int>());
     }
   }

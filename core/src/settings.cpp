@@ -67,6 +67,11 @@ std::vector<Setting> make_table() {
 
 std::string number_text(double v) { return fmt::format("{}", v); }
 
+// A value as the message shows it: JSON writes NaN and infinity (from a flag's "nan") as null.
+std::string value_text(const json& v) {
+  return v.is_number_float() && !std::isfinite(v.get<double>()) ? number_text(v.get<double>()) : v.dump();
+}
+
 }  // namespace
 
 const std::vector<Setting>& strategy_settings() {
@@ -144,10 +149,10 @@ std::string setting_problem(const Setting& s, const json& v) {
         return r;
       };
       if (is_int ? !v.is_number_integer() : !v.is_number())
-        return fmt::format("must be {} {} (got {})", is_int ? "an integer" : "a number", range(), v.dump());
+        return fmt::format("must be {} {} (got {})", is_int ? "an integer" : "a number", range(), value_text(v));
       const double x = v.get<double>();
       if (v == def || (std::isfinite(x) && x >= s.min && x <= s.max)) return {};
-      return fmt::format("must be {} {} (got {})", is_int ? "an integer" : "a number", range(), v.dump());
+      return fmt::format("must be {} {} (got {})", is_int ? "an integer" : "a number", range(), value_text(v));
     }
     case SettingType::String: {
       if (!v.is_string()) return fmt::format("must be a string (got {})", v.dump());

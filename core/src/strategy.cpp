@@ -34,8 +34,12 @@ void check_placement(const StrategyOptions& o, const std::vector<int>& rank_of_r
            ", outside --pp " + std::to_string(o.pp));
 }
 
-// --v-head / --v-embedding only where the family takes them (the V placements).
+// --v-head / --v-embedding only where the family takes them (the V placements); --zb-memory-limit only
+// for the cost-aware family, whose scheduler it bounds (elsewhere it would be ignored).
 void check_own_ends(const StrategyOptions& o, const ScheduleFamily& family) {
+  if (!family.cost_aware && o.zb_memory_limit != StrategyOptions{}.zb_memory_limit)
+    fail("--zb-memory-limit applies only to --schedule zb-auto (its scheduler's memory limit), not --schedule " +
+         family.name);
   if (family.own_ends) return;
   if (!o.v_head.empty()) fail("--v-head applies only to V placements (zb-v, dualpipev), not --schedule " + family.name);
   if (!o.v_embedding.empty())

@@ -60,6 +60,10 @@ Range data_range(const Chart& c, bool x_axis) {
   if (axis.min) lo = *axis.min;
   if (axis.max) hi = *axis.max;
   if (!(hi > lo)) hi = lo + 1;
+  // Values near the largest double (1e308 and -1e308) overflow the span: every position would be NaN.
+  if (!std::isfinite(lo) || !std::isfinite(hi) || !std::isfinite(forward(hi, axis.log) - forward(lo, axis.log)))
+    throw PlotError((x_axis ? "x" : "y") + std::string(" axis '") + axis.label +
+                    "': its values span more than a chart can draw (overflow near the largest double)");
   return {lo, hi};
 }
 

@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 
 #include "piper/core/limits.hpp"
+#include "piper/core/model.hpp"
 #include "piper/core/scenario.hpp"
 #include "piper/core/settings.hpp"
 #include "piper/core/strategy.hpp"
@@ -166,6 +167,19 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
     cluster = sim::load_cluster(s.cluster);
   } catch (const core::Error& e) {
     throw SweepError(fmt::format("{}: field 'cluster': {}", where, one_line(e.what())));
+  }
+  // So are a misspelt or broken model and an unreadable calibration: every row would fail alike.
+  try {
+    (void)core::load_model_config(s.model);
+  } catch (const core::Error& e) {
+    throw SweepError(fmt::format("{}: field 'model': {}", where, one_line(e.what())));
+  }
+  if (!s.calibration_path.empty()) {
+    try {
+      (void)sim::Calibration::load(s.calibration_path);
+    } catch (const core::Error& e) {
+      throw SweepError(fmt::format("{}: field 'calibration': {}", where, one_line(e.what())));
+    }
   }
   // SM partitions: the simulator's rule (sim::compute_rates, the check `simulate --comm-sms` makes:
   // at least one SM left for compute) for every GPU of the cluster, once, rather than one invalid row

@@ -230,7 +230,9 @@ void add_family_candidates(const TuneSpec& spec, const Knobs& k, const core::Sch
                            std::vector<TuneCandidate>& out) {
   const std::int64_t per_replica = static_cast<std::int64_t>(base.dp) * base.micro_batch_size;
   std::set<int> regions_seen;
-  for (int v = 1; v <= std::max(1, spec.max_virtual); ++v) {
+  // A family's region count grows with v where it takes v (v x pp, at least v), so v past the pipeline
+  // units adds nothing: --max-virtual 1000000 must not spin through a million values per candidate.
+  for (int v = 1; v <= std::clamp(spec.max_virtual, 1, std::max(1, k.units)); ++v) {
     stats.considered += 1;
     if (k.batch % per_replica != 0) {
       stats.batch_indivisible += 1;
@@ -282,6 +284,15 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
   probe_tp_degrees(spec, k, stats);
   check_pins(spec, k.cfg);
   accept_cp_degrees(spec, k, stats);
+  // Nothing left to search is bad input (a --tp that cannot divide the devices, a sequence past a
+  // limit), not a search that found no plan that fits: one line with the first reason.
+  auto refuse_if_none = [](const char* what, std::size_t left, const std::vector<std::string>& rejected) {
+    if (left == 0 && !rejected.empty())
+      throw TuneError(fmt::format("no {}-parallel degree applies: {}{}", what, rejected.front(),
+                                  rejected.size() > 1 ? fmt::format(" (and {} more)", rejected.size() - 1) : ""));
+  };
+  refuse_if_none("tensor", stats.tp_degrees.size(), stats.tp_rejected);
+  refuse_if_none("context", k.cps.size(), stats.cp_rejected);
   for (const auto& [tp, sps] : k.sp_of_tp)
     for (int cp : k.cps)
       for (int pp : spec.devices % (tp * cp) == 0 ? divisors(spec.devices / tp / cp) : std::vector<int>{}) {

@@ -299,6 +299,149 @@ TEST_F(HostileInput, ReferenceRunRefusesTheCudaBackend) {
                   {"--reference", "--backend cuda"});
 }
 
+// ---- 13. The adversarial-user probe --------------------------------------------------------
+// Each case below was accepted (exit 0) or answered misleadingly before; now one line, exit 2.
+
+// An output naming one of the command's inputs replaced it: the model spec, the directive program,
+// the scenario, the CSV, each overwritten by the plan; two outputs on one path lost one of them.
+TEST_F(HostileInput, OutputOverAnInputOrAnotherOutputIsRefused) {
+  const std::string model = read_file(kTiny);
+  input("model.json", model);
+  expect_one_line(run("compile --model model.json -o model.json"),
+                  {"model.json", "--output is also the input --model"});
+  EXPECT_EQ(read_file(dir_ / "model.json"), model);
+  // The same file by another spelling.
+  expect_one_line(run("compile --model ./model.json -o '" + (dir_ / "model.json").string() + "'"),
+                  {"--output is also the input --model"});
+  const std::string program = read_file(kSource + "/tests/fixtures/piper-directives/dp2.json");
+  input("dp2.json", program);
+  expect_one_line(run("compile --model qwen3-9m --directives dp2.json -o dp2.json"), {"the input --directives"});
+  EXPECT_EQ(read_file(dir_ / "dp2.json"), program);
+  const std::string csv = "0F0,0B0\n";
+  input("s.csv", csv);
+  expect_one_line(run("schedule import-csv s.csv -o s.csv"), {"s.csv", "the input file"});
+  EXPECT_EQ(read_file(dir_ / "s.csv"), csv);
+  expect_one_line(run("compile --model qwen3-9m --save-scenario same.json -o same.json"),
+                  {"same.json", "name the same file"});
+  EXPECT_FALSE(fs::exists(dir_ / "same.json"));
+  expect_one_line(run("tune --model qwen3-9m --devices 2 -o t.csv --emit-directives t.csv"), {"name the same file"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.csv"));
+  // Devices take several outputs, and a run may save over the checkpoint it resumed from.
+  const CliResult null = run("compile --model qwen3-9m --save-scenario /dev/null -o /dev/null");
+  EXPECT_EQ(null.exit_code, 0) << null.err;
+  const CliResult saved = run("run --reference --model '" + kTiny + "' --steps 1 --save ck");
+  ASSERT_EQ(saved.exit_code, 0) << saved.err;
+  const CliResult resumed = run("run --reference --model '" + kTiny + "' --steps 2 --resume ck --save ck");
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.err;
+}
+
+// --zb-memory-limit bounds zb-auto's scheduler; with any other schedule it was ignored.
+TEST_F(HostileInput, ZbMemoryLimitWithAnotherScheduleRefused) {
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --pp 2 --schedule 1f1b --zb-memory-limit 2p"),
+                  {"--zb-memory-limit", "zb-auto", "1f1b"});
+  expect_one_line(run("schedule export-csv gpipe --ranks 2 --microbatches 2 --zb-memory-limit 3p"),
+                  {"--zb-memory-limit"});
+  const CliResult ok =
+      run("simulate --model qwen3-9m --engine analytic --pp 2 --schedule zb-auto --zb-memory-limit 2p");
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+}
+
+// A non-finite flag value was shown as JSON's "null".
+TEST_F(HostileInput, NonFiniteFlagValueIsNamedNotNull) {
+  const CliResult r = run("simulate --model qwen3-9m --engine analytic --clip-grad nan");
+  expect_one_line(r, {"--clip-grad", "(got nan)"});
+  EXPECT_EQ(r.err.find("null"), std::string::npos) << r.err;
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --bucket-mb inf"), {"--bucket-mb", "(got inf)"});
+}
+
+// CLI11's own range check printed DBL_MAX with 300 digits ("Value -1 not in range 0.000000 to 1797...").
+TEST_F(HostileInput, NegativeCountsAreRefusedInAFewWords) {
+  for (const std::string& args : {"run --reference --model '" + kTiny + "' --steps 1 --warmup-steps -1",
+                                  std::string("compile --model qwen3-9m --pp 2 --pp-ranges 0,-1 -o plan.json"),
+                                  std::string("tune --model qwen3-9m --devices 2 --top -1 -o t.csv")}) {
+    SCOPED_TRACE(args);
+    const CliResult r = run(args);
+    expect_one_line(r, {"must be a non-negative integer"});
+    EXPECT_LT(r.err.size(), 200u) << r.err;
+  }
+}
+
+// A sweep spec's misspelt model or missing calibration made every row "invalid" or "error", exit 0.
+TEST_F(HostileInput, SweepModelAndCalibrationCheckedUpFront) {
+  input("typo.json", R"({"model": "qwen3-9", "engine": "analytic", "pp": [1, 2]})");
+  expect_one_line(run("sweep typo.json -o out.csv"), {"typo.json", "field 'model'", "qwen3-9"});
+  input("nocal.json", R"({"model": "qwen3-9m", "engine": "analytic", "calibration": "nope.json"})");
+  expect_one_line(run("sweep nocal.json -o out.csv"), {"nocal.json", "field 'calibration'", "nope.json"});
+  EXPECT_FALSE(fs::exists(dir_ / "out.csv"));
+}
+
+// Scenario integers past int wrapped: 4294967298 stages compiled as 2, a PP range 4294967297 as 1.
+TEST_F(HostileInput, ScenarioIntegersBeyondIntRefused) {
+  input("stages.json", R"({"model": "qwen3-9m", "stages": 4294967298, "strategy": {"pp": 2}})");
+  expect_one_line(run("compile --scenario stages.json -o plan.json"), {"stages.json", "field 'stages'", "4294967298"});
+  input("ranges.json", R"({"model": "qwen3-9m", "pp_ranges": [0, 4294967297], "strategy": {"pp": 2}})");
+  expect_one_line(run("compile --scenario ranges.json -o plan.json"), {"ranges.json", "pp_ranges"});
+  input("first.json", R"({"model": "qwen3-9m", "first_stage_layers": 4294967297, "strategy": {"pp": 2}})");
+  expect_one_line(run("compile --scenario first.json -o plan.json"), {"first.json", "first_stage_layers"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+}
+
+// An empty export-chakra prefix wrote hidden files (".0.et"); "../x" wrote beside the folder.
+TEST_F(HostileInput, ChakraPrefixMustBeAPlainFileName) {
+  ASSERT_EQ(run("compile --model qwen3-9m --pp 2 --microbatches 2 -o plan.json").exit_code, 0);
+  for (const std::string prefix : {"''", "../escaped", "a/b", ".."}) {
+    SCOPED_TRACE(prefix);
+    expect_one_line(run("export-chakra plan.json -o traces --prefix " + prefix), {"prefix", "plain file name"});
+    EXPECT_FALSE(fs::exists(dir_ / "traces"));
+  }
+  EXPECT_FALSE(fs::exists(dir_ / "escaped.0.et"));
+}
+
+// tune: a --tp that cannot apply, or a sequence past a limit, left nothing to search and ended with
+// "no simulated plan fits 124.75 GiB", exit 1; --max-virtual 2147483647 never ended; --memory-cap 0
+// silently meant the default cap.
+TEST_F(HostileInput, TuneRefusesAnEmptySearchSpaceAndAbsurdKnobs) {
+  expect_one_line(run("tune --model qwen3-9m --devices 2 --tp 16 -o t.csv", 60),
+                  {"no tensor-parallel degree applies", "TP 16: does not divide the 2 devices"});
+  expect_one_line(run("tune --model qwen3-9m --devices 2 --seq-len 100000000 -o t.csv", 60),
+                  {"no tensor-parallel degree applies", "limit 'tokens-per-microbatch'"});
+  expect_one_line(run("tune --model qwen3-9m --devices 2 --cp 3 -o t.csv", 60),
+                  {"no context-parallel degree applies", "CP 3"});
+  expect_one_line(run("tune --model qwen3-9m --devices 2 --memory-cap 0 -o t.csv"), {"--memory-cap"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.csv"));
+  const CliResult r =
+      run("tune --model qwen3-9m --devices 2 --max-virtual 2147483647 --schedules interleaved-1f1b "
+          "--recompute none --zero 0 --top 0 -o v.csv",
+          60);
+  EXPECT_NE(r.exit_code, 124) << "still spinning through --max-virtual";
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+// A key given twice in one object kept its last value without a word ("pp": 2 then "pp": 4), in every
+// JSON input; equal keys in different objects are fine.
+TEST_F(HostileInput, DuplicateJsonKeysRefusedInEveryInputKind) {
+  std::string spec = read_file(kTiny);
+  spec.replace(spec.find('{'), 1, "{\"layers\": 64, ");
+  input("model.json", spec);
+  expect_one_line(run("compile --model model.json -o plan.json"), {"model.json", "duplicate key 'layers'"});
+  input("scenario.json", R"({"model": "qwen3-9m", "strategy": {"pp": 2, "microbatches": 4, "pp": 4}})");
+  expect_one_line(run("compile --scenario scenario.json -o plan.json"), {"scenario.json", "duplicate key 'pp'"});
+  input("cluster.json", R"({"preset": "dgx-h200", "nodes": 1, "nodes": 2})");
+  expect_one_line(run("simulate --model qwen3-9m --cluster cluster.json"), {"cluster.json", "duplicate key 'nodes'"});
+  input("dp2.json", R"([{"op": "place", "filter": {"PP": 0}, "devices": [0, 1], "devices": [0]}])");
+  expect_one_line(run("compile --model qwen3-9m --directives dp2.json -o plan.json"),
+                  {"dp2.json", "duplicate key 'devices'"});
+  input("sweep.json", R"({"model": "qwen3-9m", "pp": [1], "pp": [2]})");
+  expect_one_line(run("sweep sweep.json -o out.csv"), {"sweep.json", "duplicate key 'pp'"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+  EXPECT_FALSE(fs::exists(dir_ / "out.csv"));
+  // The same key in sibling and nested objects is not a duplicate.
+  input("ok.json", R"([{"op": "place", "filter": {"PP": 0}, "devices": [0, 1]},
+                       {"op": "replicate", "filter": {"PP": 0}, "devices": [0, 1]}])");
+  const CliResult ok = run("compile --model qwen3-9m --directives ok.json -o plan.json");
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+}
+
 // ---- The helpers themselves ------------------------------------------------------------------
 
 // Depth of {"a": "<s>", "b": [[1]]} as check_json_depth sees it: the smallest limit it accepts.

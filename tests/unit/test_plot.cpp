@@ -120,3 +120,41 @@ TEST(PlotCli, PlotsColumnsOfACsvBySeries) {
   fs::remove(csv);
   fs::remove(png);
 }
+
+// Hostile CSVs: non-positive values on a logarithmic axis were counted as plotted and left undrawn;
+// values near the largest double overflowed the axis span (Qt printed NaN warnings, exit 0); "0x10"
+// was read as 16; -o naming the CSV replaced it with the PNG.
+TEST(PlotCli, HostileValuesAndPathsAreRefusedOrCounted) {
+  const fs::path csv = temp("hostile.csv"), png = temp("hostile.png");
+  auto write = [&](const std::string& text) { std::ofstream(csv) << text; };
+  write("a,b\n1,-2\n2,0\n3,5\n");
+  CliRun r = run("plot " + csv.string() + " --x a --y b --log-y -o " + png.string());
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("1 points in 1 series (0 rows without numbers skipped, 2 with values <= 0 left off the "
+                          "logarithmic axis)"),
+            std::string::npos)
+      << r.output;
+  write("a,b\n1,-2\n2,0\n");
+  r = run("plot " + csv.string() + " --x a --y b --log-y -o " + png.string());
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("values > 0"), std::string::npos) << r.output;
+  fs::remove(png);
+  write("a,b\n1,1e308\n2,-1e308\n");
+  r = run("plot " + csv.string() + " --x a --y b -o " + png.string());
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_EQ(r.output.find("QPainter"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("y axis 'b'"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(png));
+  write("a,b\n0x10,2\n1,2\n");
+  r = run("plot " + csv.string() + " --x a --y b -o " + png.string());
+  EXPECT_NE(r.output.find("1 points in 1 series (1 rows without numbers skipped)"), std::string::npos) << r.output;
+  const std::string before = "a,b\n1,2\n";
+  write(before);
+  r = run("plot " + csv.string() + " --x a --y b -o " + csv.string());
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--output is also the input csv"), std::string::npos) << r.output;
+  std::ifstream in(csv);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()), before);
+  fs::remove(csv);
+  fs::remove(png);
+}
