@@ -137,6 +137,17 @@ TEST(CudaBackendEquivalence, Gpt_Untied_PP2xDP2) {
 TEST(CudaBackendEquivalence, Gpt_Tied_ClipGrad_Zero1_PP2xDP2) {
   expect_equivalent("gpt-tied-clip", compile(2, 2, 1, 1, 4, "1f1b", kGpt, [](auto& o) { o.clip_grad = 0.05; }));
 }
+// V placements hold the embedding and the tied head on one device, which sums the two gradients after
+// its last backward of the step and then releases the reductions it deferred for that sum. ZeRO-2/3
+// reduce-scatter the embedding's segment after every microbatch, and in the plan the early ones do not
+// wait for that last backward: on the GPU they must still start after it and the sum (a review found
+// them reading and zeroing the gradients while both could still be running on the compute stream).
+TEST(CudaBackendEquivalence, Gpt_Tied_DualPipeV_Zero2_PP2xDP2) {
+  expect_equivalent("gpt-tied-dualpipev-zero2", compile(2, 2, 1, 2, 4, "dualpipev", kGpt));
+}
+TEST(CudaBackendEquivalence, Gpt_Tied_ZBV_Zero3_PP2xDP2) {
+  expect_equivalent("gpt-tied-zbv-zero3", compile(2, 2, 1, 3, 4, "zb-v", kGpt));
+}
 // Recomputation reruns what it dropped: full keeps each segment's input and reruns its forward (the
 // head without counting the loss again) before the backward, selective drops each attention core's
 // output and statistics and rebuilds them at the start of the backward; the values are unchanged.

@@ -61,6 +61,13 @@ CudaKernels::CudaKernels(const core::Program& program, int device, const core::M
   }
   check(cudaStreamCreateWithFlags(&util_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   alloc_->add_stream(util_);
+  check(cudaEventCreateWithFlags(&tied_sum_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  check(cudaEventCreateWithFlags(&grads_zeroed_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  compute_marks_.assign(streams_.size(), nullptr);
+  for (std::size_t s = 0; s < streams_.size(); ++s)
+    if (gemms_[s])
+      check(cudaEventCreateWithFlags(&compute_marks_[s], cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  for (const auto& seg : program.segments) reduce_every_.push_back(seg.reduce_every_microbatch);
   model_ =
       std::make_unique<CudaModel>(model, device_segments(program, device), config.seed, config.dtype, *alloc_, util_);
   msg_ = MessageShape{shape.micro_batch_size * shape.seq_len, model_->hidden(), model_->top_k(), config.dtype};
@@ -75,6 +82,10 @@ CudaKernels::~CudaKernels() {
   gemms_.clear();
   alloc_.reset();
   if (step_start_) cudaEventDestroy(step_start_);
+  if (tied_sum_) cudaEventDestroy(tied_sum_);
+  if (grads_zeroed_) cudaEventDestroy(grads_zeroed_);
+  for (auto e : compute_marks_)
+    if (e) cudaEventDestroy(e);
   for (auto s : streams_) cudaStreamDestroy(s);
   if (util_) cudaStreamDestroy(util_);
 }
@@ -87,6 +98,7 @@ Exec CudaKernels::util() const { return Exec{util_, nullptr, alloc_.get()}; }
 
 void CudaKernels::begin_step(int) {
   grad_scale_ = 1;
+  tied_sum_recorded_ = false;
   if (step_start_) cudaEventDestroy(step_start_);
   step_start_ = timed_event(util_);
   // Completed before any op's events are read against it: cudaEventElapsedTime fails (NotReady) if
@@ -108,6 +120,8 @@ double CudaKernels::end_step(double) {
 }
 
 CudaKernels::Mark CudaKernels::begin_op(const Exec& e) {
+  // After this step's tied-embedding sum was enqueued, every op waits for it on the GPU (see write()).
+  if (tied_sum_recorded_) check(cudaStreamWaitEvent(e.stream, tied_sum_, 0), "cudaStreamWaitEvent (tied sum)");
   Mark m;
   m.begin = timed_event(e.stream);
   return m;
@@ -209,12 +223,45 @@ std::int64_t CudaKernels::size(int s, Vec v) {
   return 0;
 }
 
+// ZeRO-2/3 reducing after every microbatch (Dataflow::post_block_collective): the reduce-scatter of a
+// microbatch reads the segment's gradients and zeroes them on its communication stream, and in the plan
+// it need not wait for the backward passes of the segment's other microbatches, which accumulate into
+// the same gradients on the compute stream (one may be running, the next may start at once). The host
+// runs each op whole, in the order the ops start; here the two streams are ordered alike: the reads wait
+// for the work already enqueued on the compute streams, and these wait for the zeroing before the work
+// enqueued after it. Without it the reduce-scatter could copy part of a backward's gradient and zero
+// the rest, or zero what a running backward had just added.
+bool CudaKernels::is_compute_stream(cudaStream_t st) const {
+  for (std::size_t i = 0; i < streams_.size(); ++i)
+    if (streams_[i] == st) return gemms_[i] != nullptr;
+  return false;
+}
+
+bool CudaKernels::reduced_every_microbatch(int s) const {
+  return s >= 0 && static_cast<std::size_t>(s) < reduce_every_.size() && reduce_every_[static_cast<std::size_t>(s)];
+}
+
+void CudaKernels::wait_for_compute(cudaStream_t st) {
+  for (std::size_t i = 0; i < streams_.size(); ++i) {
+    if (!gemms_[i] || streams_[i] == st) continue;
+    check(cudaEventRecord(compute_marks_[i], streams_[i]), "cudaEventRecord (compute mark)");
+    check(cudaStreamWaitEvent(st, compute_marks_[i], 0), "cudaStreamWaitEvent (compute mark)");
+  }
+}
+
 void CudaKernels::zero(const Exec& e, int s, Vec v) {
   const std::int64_t n = size(s, v);
   if (n > 0) check(cudaMemsetAsync(fp32(s, v), 0, static_cast<std::size_t>(n) * 4, e.stream), "cudaMemsetAsync");
+  if (v == Vec::Grads && reduced_every_microbatch(s) && !is_compute_stream(e.stream)) {
+    check(cudaEventRecord(grads_zeroed_, e.stream), "cudaEventRecord (gradients zeroed)");
+    for (std::size_t i = 0; i < streams_.size(); ++i)
+      if (gemms_[i] && streams_[i] != e.stream)
+        check(cudaStreamWaitEvent(streams_[i], grads_zeroed_, 0), "cudaStreamWaitEvent (gradients zeroed)");
+  }
 }
 
 void CudaKernels::read(const Exec& e, Tensor& dst, std::int64_t at, int s, Vec v, std::int64_t from, std::int64_t n) {
+  if (v == Vec::Grads && reduced_every_microbatch(s) && !is_compute_stream(e.stream)) wait_for_compute(e.stream);
   if (n > 0) d2d(dst.as<float>() + at, fp32(s, v) + from, static_cast<std::size_t>(n) * 4, e.stream);
 }
 
@@ -231,6 +278,16 @@ void CudaKernels::write(const Exec& e, int s, Vec v, std::int64_t at, const Tens
     accumulate(DType::F32, fp32(s, v) + at, in, n, e.stream);
   } else {
     d2d(fp32(s, v) + at, in, static_cast<std::size_t>(n) * 4, e.stream);
+  }
+  // The tied-embedding sum in place (the dataflow's last write of it, summed locally or all-reduced):
+  // the dataflow then releases at once the reductions and updates of the two segments it deferred
+  // (Dataflow::touches_tied), on other streams, and in the plan these need not wait for the backward
+  // that enqueued the sum (V placements with ZeRO-2/3's per-microbatch reduce-scatters: the early
+  // microbatches' reduce-scatters of the embedding's segment). On the host the sum is done when the
+  // flag is set; here it is enqueued, so every op begun after it waits for it (and for that backward).
+  if (v == Vec::TiedGrads && !add) {
+    check(cudaEventRecord(tied_sum_, e.stream), "cudaEventRecord (tied sum)");
+    tied_sum_recorded_ = true;
   }
 }
 

@@ -160,6 +160,18 @@ class CudaKernels {
   PacketShape packets_;
   cudaEvent_t step_start_ = nullptr;
   float grad_scale_ = 1;  // this step's gradient clipping factor
+  // Recorded after this step's tied-embedding sum (write() of Vec::TiedGrads); once recorded, every
+  // op begun waits for it (begin_op).
+  cudaEvent_t tied_sum_ = nullptr;
+  bool tied_sum_recorded_ = false;
+  // ZeRO-2/3 reducing after every microbatch: the reduce-scatter's reads of a segment's gradients and
+  // the compute streams' backward passes are ordered as the host runs them (see zero() and read()).
+  bool is_compute_stream(cudaStream_t st) const;
+  bool reduced_every_microbatch(int s) const;
+  void wait_for_compute(cudaStream_t st);   // `st` waits for the work enqueued on the compute streams
+  std::vector<bool> reduce_every_;          // per program segment
+  std::vector<cudaEvent_t> compute_marks_;  // per stream (compute streams only)
+  cudaEvent_t grads_zeroed_ = nullptr;
   core::DeviceTimeline timeline_;
   std::vector<std::size_t> stream_base_;
 };
