@@ -79,12 +79,7 @@ int run_calibrate(const CalibrateArgs& a) {
   sim::TableCalibration c;
   std::string source;
   if (!a.calibration_path.empty()) {
-    sim::Calibration measured;
-    try {
-      measured = sim::Calibration::load(a.calibration_path);
-    } catch (const core::Error& e) {
-      throw CliError(a.calibration_path, e.what());
-    }
+    const sim::Calibration measured = sim::Calibration::load(a.calibration_path);  // its errors name the file
     c = sim::calibrate_from_ops(*program, cost, measured);
     source = "op times " + a.calibration_path;
   } else {

@@ -207,7 +207,8 @@ Command add_compile_command(CLI::App& app) {
       }()));
   cmd->add_option("--dump-dir", args->dump_dir, "folder for --dump-after files")
       ->capture_default_str()
-      ->check(kOutputPath);
+      ->check(kOutputPath)
+      ->check(kMakesItsFolder);
   return {cmd, [args] { return run_compile(*args); }};
 }
 

@@ -55,7 +55,8 @@ Command add_export_chakra_command(CLI::App& app) {
   cmd->add_option("plan", args->plan_path, "plan JSON written by `piper compile -o`")->required();
   cmd->add_option("-o,--output", args->out_dir, "folder for <prefix>.<device>.et (created if missing)")
       ->required()
-      ->check(kOutputPath);
+      ->check(kOutputPath)
+      ->check(kMakesItsFolder);
   cmd->add_option("--prefix", args->prefix, "file name prefix")->capture_default_str();
   CLI::Option* times =
       cmd->add_flag("--compute-times", args->compute_times,

@@ -319,7 +319,8 @@ Command add_run_command(CLI::App& app) {
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   cmd->add_option("--steps", args->train.steps, "training steps (a resumed run continues up to this step)")
       ->check(kPositiveInt);
-  cmd->add_option("--seed", args->train.seed, "seed of the parameter initialisation and the synthetic token stream");
+  cmd->add_option("--seed", args->train.seed, "seed of the parameter initialisation and the synthetic token stream")
+      ->check(kNonNegativeInt64);
   cmd->add_option("--data", args->train.data_path,
                   "train on this file's bytes (mod vocab) instead of synthetic tokens");
   add_optimizer_flags(cmd, *args);
@@ -334,7 +335,8 @@ Command add_run_command(CLI::App& app) {
   auto* save = cmd->add_option("--save", args->train.save_path,
                                "after the last step, write a checkpoint FILE (canonical layout: resumable under any "
                                "strategy of the same model)")
-                   ->check(kOutputPath);
+                   ->check(kOutputPath)
+                   ->check(kMakesItsFolder);
   cmd->add_option("--save-every", args->train.save_every,
                   "also write the --save checkpoint every N steps (atomically: the last good one survives a crash)")
       ->check(kPositiveInt)

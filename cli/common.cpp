@@ -85,6 +85,20 @@ static CLI::Validator int_at_least(long long min, const std::string& what, const
 }
 const CLI::Validator kPositiveInt = int_at_least(1, "a positive integer", "POSITIVE");
 const CLI::Validator kNonNegativeInt = int_at_least(0, "a non-negative integer", "NONNEGATIVE");
+// A seed and other 64-bit unsigned values: digits only (stoull would take "-1" and wrap it to 2^64 - 1).
+const CLI::Validator kNonNegativeInt64(
+    [](std::string& value) -> std::string {
+      try {
+        std::size_t used = 0;
+        if (!value.empty() && value.front() >= '0' && value.front() <= '9') {
+          (void)std::stoull(value, &used);
+          if (used == value.size()) return {};
+        }
+      } catch (const std::exception&) {
+      }
+      return "must be a non-negative integer below 2^64, got '" + value + "'";
+    },
+    "NONNEGATIVE");
 const CLI::Validator kNonNegativeNumber(
     [](std::string& value) -> std::string {
       try {
@@ -113,12 +127,22 @@ const CLI::Validator kOutputPath(
       return value.empty() ? "must name a file, got an empty path" : std::string();
     },
     "FILE", kOutputPathName);
+const CLI::Validator kMakesItsFolder([](std::string&) { return std::string(); }, "", kMakesItsFolderName);
 
 namespace {
 
 struct PathOption {
   std::string flag, path;
+  bool makes_its_folder = false;  // an output whose missing folders the command creates
 };
+
+bool has_validator(CLI::Option* o, const char* name) {
+  try {
+    return o->get_validator(name) != nullptr;
+  } catch (const CLI::OptionNotFound&) {
+    return false;
+  }
+}
 
 // The flag (or positional) name of `o` as a user wrote it: "--output", "plan".
 std::string option_label(const CLI::Option* o) {
@@ -133,13 +157,10 @@ void collect_path_options(CLI::App* app, std::vector<PathOption>& outputs, std::
   for (CLI::Option* o : app->get_options()) {
     // Text options only: a number (--pp 2) is never a file, even where a file of that name exists.
     if (o->count() == 0 || o->get_type_name().rfind("TEXT", 0) != 0) continue;
-    bool output = false;
-    try {
-      output = o->get_validator(kOutputPathName) != nullptr;
-    } catch (const CLI::OptionNotFound&) {
-    }
+    const bool output = has_validator(o, kOutputPathName);
+    const bool makes_folder = has_validator(o, kMakesItsFolderName);
     for (const std::string& value : o->results())
-      if (!value.empty()) (output ? outputs : inputs).push_back({option_label(o), value});
+      if (!value.empty()) (output ? outputs : inputs).push_back({option_label(o), value, makes_folder});
   }
   for (CLI::App* sub : app->get_subcommands()) collect_path_options(sub, outputs, inputs);
 }
@@ -166,6 +187,18 @@ void refuse_outputs_over_inputs(CLI::App* command) {
   };
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     const PathOption& out = outputs[i];
+    // The folder an output goes in must be there now, not after a search or a training run: writing
+    // into a missing folder fails only at the end (`tune --emit-directives /no/such/dir/x.json`).
+    if (!out.makes_its_folder) {
+      const fs::path folder = fs::path(out.path).parent_path();
+      std::error_code ec;
+      if (!folder.empty() && !fs::is_directory(folder, ec))
+        throw CliError(out.path,
+                       fs::exists(folder, ec)
+                           ? fmt::format("{}: '{}' is not a folder (choose another path)", out.flag, folder.string())
+                           : fmt::format("{}: no such folder '{}' (create it first, or choose another path)", out.flag,
+                                         folder.string()));
+    }
     if (!replaceable(out.path)) continue;
     for (const PathOption& in : inputs) {
       if (in.flag == "--resume" && out.flag == "--save") continue;  // a run continuing its own checkpoint

@@ -51,6 +51,7 @@ void print_internal_error(const std::string& message);
 
 extern const CLI::Validator kPositiveInt;
 extern const CLI::Validator kNonNegativeInt;
+extern const CLI::Validator kNonNegativeInt64;  // a uint64 (a seed): digits only, "-1" refused
 extern const CLI::Validator kNonNegativeNumber;
 extern const CLI::Validator kPositiveNumber;
 // An output file name: an empty one (`-o ""`) is refused instead of writing nothing. Options checked
@@ -58,9 +59,14 @@ extern const CLI::Validator kPositiveNumber;
 // kOutputPathName).
 extern const CLI::Validator kOutputPath;
 inline constexpr const char* kOutputPathName = "output-path";
+// Checked beside kOutputPath on an output whose missing folders the command creates (a checkpoint,
+// export-chakra's folder); every other output's folder must exist before the command runs.
+extern const CLI::Validator kMakesItsFolder;
+inline constexpr const char* kMakesItsFolderName = "makes-its-folder";
 // Before a parsed command runs: an output (an option checked with kOutputPath) naming the same regular
 // file as one of its inputs (any other option or positional naming an existing file) or as another
-// output is refused (CliError), since writing it would destroy the input or the other output.
+// output is refused (CliError), since writing it would destroy the input or the other output; so is an
+// output whose folder does not exist (unless the option is marked kMakesItsFolder).
 // `piper run --resume ck --save ck` continues its own checkpoint and is allowed.
 void refuse_outputs_over_inputs(CLI::App* command);
 

@@ -2,15 +2,20 @@
 // buffer kind names; every reading error names its field.
 #include "piper/core/program.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <array>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <stdexcept>
+#include <string_view>
+#include <vector>
 
 #include "piper/core/error.hpp"
 #include "piper/core/limits.hpp"
 #include "piper/core/model.hpp"
+#include "piper/core/suggest.hpp"
 
 namespace piper::core {
 
@@ -54,6 +59,71 @@ const json* optional_field(const json& obj, const char* key) {
   auto it = obj.find(key);
   return it == obj.end() ? nullptr : &*it;
 }
+
+// A key of `obj` that this reader does not know is refused: a hand-edited plan's typo ("wait" for
+// "waits") would otherwise be dropped silently. A few length-first comparisons per key, so the
+// check stays linear in the plan (ops have a few keys each); the hint is built only on failure.
+void reject_unknown(const json& obj, const std::string& path, std::span<const std::string_view> known) {
+  for (auto it = obj.begin(); it != obj.end(); ++it) {
+    const std::string& key = it.key();
+    if (std::find(known.begin(), known.end(), std::string_view(key)) != known.end()) continue;
+    const std::string shown = printable(key, 80);  // a key may hold any bytes; the line stays one line
+    fail(path.empty() ? shown : path + "." + shown,
+         "unknown field" + unknown_field_hint(key, std::vector<std::string>(known.begin(), known.end())));
+  }
+}
+void reject_unknown(const json& obj, const std::string& path, std::initializer_list<std::string_view> known) {
+  reject_unknown(obj, path, std::span<const std::string_view>(known.begin(), known.size()));
+}
+
+// The keys an op and a segment may have (op_to_json, Program::to_json).
+constexpr std::string_view kOpKeys[] = {"kind",
+                                        "pass",
+                                        "node",
+                                        "label",
+                                        "tags",
+                                        "microbatch",
+                                        "segment",
+                                        "segments",
+                                        "flops",
+                                        "memory_bytes",
+                                        "bytes",
+                                        "elementwise_bytes",
+                                        "recompute_flops",
+                                        "gemm_kernels",
+                                        "tp_bytes",
+                                        "tp_collectives",
+                                        "cp_bytes",
+                                        "cp_steps",
+                                        "device_set",
+                                        "peer_set",
+                                        "family",
+                                        "pair",
+                                        "waits",
+                                        "uses",
+                                        "route_groups",
+                                        "route_group_limit",
+                                        "route_top_k"};
+constexpr std::string_view kSegmentKeys[] = {"layers",
+                                             "tags",
+                                             "devices",
+                                             "params",
+                                             "shard_degree",
+                                             "replicas",
+                                             "zero_level",
+                                             "zero_shards",
+                                             "tp_degree",
+                                             "sequence_parallel",
+                                             "recompute",
+                                             "tp_family",
+                                             "tp_comm_overlap",
+                                             "cp_degree",
+                                             "cp_comm",
+                                             "cp_family",
+                                             "tied_to",
+                                             "a2a_chunks",
+                                             "reduce_every_microbatch",
+                                             "kernels"};
 
 const json& as_object(const json& j, const std::string& path) {
   if (!j.is_object()) fail(path, std::string("expected an object, got ") + j.type_name());
@@ -186,6 +256,7 @@ void read_routing(const json& j, const std::string& path, Op& op) {
 // once the whole plan and program tables are known.
 Op op_from_json(const json& j, const std::string& path) {
   as_object(j, path);
+  reject_unknown(j, path, kOpKeys);
   Op op;
   {
     std::string p = member(path, "kind");
@@ -256,12 +327,14 @@ Op op_from_json(const json& j, const std::string& path) {
 Plan plan_from_json(const json& j, const std::string& path, std::size_t num_sets, std::size_t num_families,
                     int microbatches) {
   as_object(j, path);
+  reject_unknown(j, path, {"streams", "buffers"});
   Plan plan;
   std::string sp = member(path, "streams");
   const json& streams = as_array(require(j, path, "streams"), sp);
   for (std::size_t s = 0; s < streams.size(); ++s) {
     std::string p = at_index(sp, s);
     as_object(streams[s], p);
+    reject_unknown(streams[s], p, {"name", "ops"});
     Stream stream;
     stream.name = as_string(require(streams[s], p, "name"), member(p, "name"));
     std::string op_path = member(p, "ops");
@@ -275,6 +348,7 @@ Plan plan_from_json(const json& j, const std::string& path, std::size_t num_sets
   for (std::size_t b = 0; b < buffers.size(); ++b) {
     std::string p = at_index(bp, b);
     as_object(buffers[b], p);
+    reject_unknown(buffers[b], p, {"name", "kind", "bytes", "alloc", "free"});
     Buffer buf;
     buf.name = as_string(require(buffers[b], p, "name"), member(p, "name"));
     std::string kind = as_string(require(buffers[b], p, "kind"), member(p, "kind"));
@@ -456,6 +530,9 @@ json Program::to_json() const {
 // read so that every error names its field.
 Program Program::from_json(const json& j) {  // NOLINT(readability-function-size)
   as_object(j, "(top level)");
+  reject_unknown(j, "",
+                 {"format", "version", "model", "training", "microbatches", "model_spec", "segments", "num_devices",
+                  "device_sets", "families", "plans", "plan_of_device", "sm_partition", "clip_grad", "stats"});
   Program p;
   {
     std::string format = as_string(require(j, "", "format"), "format");
@@ -478,6 +555,8 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
   p.model_name = as_string(require(j, "", "model"), "model");
   {
     const json& t = as_object(require(j, "", "training"), "training");
+    reject_unknown(t, "training",
+                   {"seq_len", "micro_batch_size", "precision", "fp32_main_grads", "main_grad_accumulation"});
     p.training.seq_len = as_int64(require(t, "training", "seq_len"), "training.seq_len");
     p.training.micro_batch_size = as_int64(require(t, "training", "micro_batch_size"), "training.micro_batch_size");
     std::string prec = as_string(require(t, "training", "precision"), "training.precision");
@@ -506,6 +585,7 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
     for (std::size_t i = 0; i < f->size(); ++i) {
       const std::string sp = at_index("segments", i);
       const json& o = as_object((*f)[i], sp);
+      reject_unknown(o, sp, kSegmentKeys);
       ProgramSegment sg;
       const json& layers = as_array(require(o, sp, "layers"), member(sp, "layers"));
       if (layers.size() != 2) fail(member(sp, "layers"), "expected [first, last]");
@@ -593,6 +673,7 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
     for (std::size_t i = 0; i < fams.size(); ++i) {
       std::string fp = at_index("families", i);
       as_object(fams[i], fp);
+      reject_unknown(fams[i], fp, {"devices", "group_size", "stride", "purpose"});
       CommFamily f;
       f.devices =
           as_index(require(fams[i], fp, "devices"), member(fp, "devices"), p.device_sets.size(), "device set", false);
@@ -636,6 +717,7 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
   }
   if (const json* f = optional_field(j, "sm_partition")) {
     as_object(*f, "sm_partition");
+    reject_unknown(*f, "sm_partition", {"stream", "sms"});
     SmPartition part;
     part.stream = as_string(require(*f, "sm_partition", "stream"), "sm_partition.stream");
     if (part.stream != "comm") fail("sm_partition.stream", "expected \"comm\", got '" + part.stream + "'");
@@ -650,6 +732,7 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
   }
   if (const json* s = optional_field(j, "stats")) {
     as_object(*s, "stats");
+    reject_unknown(*s, "stats", {"dag_nodes", "nodes_by_kind", "compile_seconds", "compiler_peak_rss_bytes"});
     if (const json* f = optional_field(*s, "dag_nodes")) p.stats.dag_nodes = as_int64(*f, "stats.dag_nodes");
     if (const json* f = optional_field(*s, "nodes_by_kind")) {
       as_object(*f, "stats.nodes_by_kind");

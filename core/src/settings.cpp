@@ -240,13 +240,8 @@ void read_strategy_json(const json& obj, StrategyOptions& o, const std::string& 
   for (auto it = obj.begin(); it != obj.end(); ++it) {
     const Setting* s = find_setting(it.key());
     if (!s) {
-      std::string hint = did_you_mean(it.key(), names);
-      if (hint.empty()) {
-        hint = " (expected one of: ";
-        for (std::size_t i = 0; i < names.size(); ++i) hint += (i ? ", " : "") + names[i];
-        hint += ")";
-      }
-      throw Error(fmt::format("{}: field '{}{}': unknown field{}", where, prefix, it.key(), hint));
+      throw Error(fmt::format("{}: field '{}{}': unknown field{}", where, prefix, it.key(),
+                              unknown_field_hint(it.key(), names)));
     }
     set_setting(*s, o, it.value(), fmt::format("{}: field '{}{}'", where, prefix, it.key()));
   }

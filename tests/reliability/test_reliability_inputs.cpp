@@ -442,6 +442,101 @@ TEST_F(HostileInput, DuplicateJsonKeysRefusedInEveryInputKind) {
   EXPECT_EQ(ok.exit_code, 0) << ok.err;
 }
 
+// A calibration file's unknown keys were ignored: an entry with a misspelt match field ("flop")
+// matched every COMPUTE F op, and "secs" left the entry without its time. Every level is checked.
+TEST_F(HostileInput, CalibrationUnknownKeysRefusedAtEveryLevel) {
+  input("flop.json", R"({"format": "piper-calibration", "gpu": "h200", "entries": [
+      {"kind": "COMPUTE", "pass": "B", "seconds": 0.25},
+      {"kind": "COMPUTE", "pass": "F", "flop": 1e12, "seconds": 0.5}]})");
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --calibration flop.json"),
+                  {"flop.json", "field 'entries[1].flop'", "unknown field", "did you mean 'flops'"});
+  tiny_plan();  // a.json; `piper calibrate` named the file twice ("flop.json: flop.json: field ...")
+  const CliResult fit = run("calibrate --plan a.json --calibration flop.json -o table.json");
+  expect_one_line(fit, {"did you mean 'flops'"});
+  EXPECT_EQ(fit.err.rfind("piper: error: flop.json: field 'entries[1].flop'", 0), 0u) << fit.err;
+  input("secs.json", R"({"format": "piper-calibration", "entries": [{"kind": "COMPUTE", "secs": 0.5}]})");
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --calibration secs.json"),
+                  {"secs.json", "field 'entries[0].secs'", "expected one of: kind, pass, seconds, flops"});
+  input("top.json", R"({"format": "piper-calibration", "entries": [], "gpus": "h200"})");
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --calibration top.json"),
+                  {"top.json", "field 'gpus'", "did you mean 'gpu'"});
+  // What `piper run --calibrate` writes ("version", "measured") and the shipped files still read.
+  for (const std::string& shipped : {kSource + "/experiments/fidelity/data/h200-piper-cuda/cal-pp1.json",
+                                     kSource + "/tests/fuzz/seeds/calibration/h200.json"}) {
+    const CliResult ok = run("simulate --model qwen3-9m --engine analytic --calibration '" + shipped + "'");
+    EXPECT_EQ(ok.exit_code, 0) << shipped << ": " << ok.err;
+  }
+}
+
+// A hand-edited plan's unknown keys were ignored: "wait" for "waits" dropped the op's dependencies
+// and verify said "ok". Each is refused with its path, by every command that reads a plan.
+TEST_F(HostileInput, PlanUnknownKeysRefusedWithTheirPath) {
+  const json plan = tiny_plan();
+  input("a.json", plan.dump());
+  EXPECT_EQ(run("verify a.json").exit_code, 0);  // what compile writes reads back
+  json wait = plan;
+  wait["plans"][1]["streams"][0]["ops"][3]["wait"] = json::array({json::array({0, 0})});
+  input("wait.json", wait.dump());
+  for (const char* cmd : {"verify wait.json", "simulate --plan wait.json", "run --reference --plan wait.json"})
+    expect_one_line(run(cmd),
+                    {"wait.json", "field 'plans[1].streams[0].ops[3].wait'", "unknown field", "did you mean 'waits'"});
+  struct Case {
+    std::vector<std::string> where;  // object path in the plan
+    const char* key;
+    const char* fragment;
+  };
+  const std::vector<Case> cases = {
+      {{}, "stat", "field 'stat'"},
+      {{"training"}, "seqlen", "field 'training.seqlen'"},
+      {{"segments", "0"}, "tp_degre", "field 'segments[0].tp_degre'"},
+      {{"families", "0"}, "strides", "field 'families[0].strides'"},
+      {{"plans", "0"}, "buffer", "field 'plans[0].buffer'"},
+      {{"plans", "0", "streams", "1"}, "op", "field 'plans[0].streams[1].op'"},
+      {{"plans", "0", "buffers", "0"}, "frees", "field 'plans[0].buffers[0].frees'"},
+      {{"stats"}, "dag_node", "field 'stats.dag_node'"},
+  };
+  for (const Case& c : cases) {
+    json edited = plan;
+    json* at = &edited;
+    for (const std::string& step : c.where)
+      at = at->is_array() ? &(*at)[static_cast<std::size_t>(std::stoi(step))] : &(*at)[step];
+    ASSERT_TRUE(at->is_object()) << c.fragment;
+    (*at)[c.key] = 1;
+    input("edited.json", edited.dump());
+    SCOPED_TRACE(c.fragment);
+    expect_one_line(run("verify edited.json"), {"edited.json", c.fragment, "unknown field"});
+  }
+}
+
+// `run --seed -1` wrapped to 2^64 - 1 and trained.
+TEST_F(HostileInput, NegativeSeedRefused) {
+  expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --seed -1"), {"--seed", "got '-1'"});
+  expect_one_line(run("run --reference --model '" + kTiny + "' --steps 1 --seed 18446744073709551616"), {"--seed"});
+  EXPECT_EQ(run("run --reference --model '" + kTiny + "' --steps 1 --seed 18446744073709551615").exit_code, 0);
+}
+
+// `tune --emit-directives /no/such/dir/x.json` ran the whole search, wrote the results file and
+// printed the table, then failed to write. Every output's folder is checked before the command runs;
+// outputs that create their folder (run --save, export-chakra -o, compile --dump-dir) still do.
+TEST_F(HostileInput, OutputFolderCheckedBeforeTheWork) {
+  const CliResult tune = run("tune --model qwen3-9m --devices 2 --emit-directives missing/dir/x.json -o t.csv");
+  expect_one_line(tune, {"missing/dir/x.json", "--emit-directives", "no such folder 'missing/dir'"});
+  EXPECT_EQ(tune.out, "");
+  EXPECT_FALSE(fs::exists(dir_ / "t.csv"));
+  const CliResult train = run("run --reference --model '" + kTiny + "' --steps 1 --report missing/run.json");
+  expect_one_line(train, {"--report", "no such folder 'missing'"});
+  EXPECT_EQ(train.out, "");
+  input("afile", "x");
+  expect_one_line(run("compile --model qwen3-9m -o afile/plan.json"), {"--output", "'afile' is not a folder"});
+  EXPECT_EQ(run("compile --model '" + kTiny + "' -o plan.json").exit_code, 0);
+  const CliResult chakra = run("export-chakra plan.json -o new/traces");
+  EXPECT_EQ(chakra.exit_code, 0) << chakra.err;
+  EXPECT_TRUE(fs::exists(dir_ / "new/traces"));
+  const CliResult save = run("run --reference --plan plan.json --steps 1 --save ck/dir/step.ckpt");
+  EXPECT_EQ(save.exit_code, 0) << save.err;
+  EXPECT_TRUE(fs::exists(dir_ / "ck/dir/step.ckpt"));
+}
+
 // ---- The helpers themselves ------------------------------------------------------------------
 
 // Depth of {"a": "<s>", "b": [[1]]} as check_json_depth sees it: the smallest limit it accepts.

@@ -44,4 +44,14 @@ inline std::string did_you_mean(const std::string& word, const std::vector<std::
   return n.empty() ? std::string() : " (did you mean '" + n + "'?)";
 }
 
+// The hint after "unknown field": did_you_mean's, or " (expected one of: a, b, c)" when no
+// candidate is near.
+inline std::string unknown_field_hint(const std::string& word, const std::vector<std::string>& known) {
+  std::string hint = did_you_mean(word, known);
+  if (!hint.empty()) return hint;
+  hint = " (expected one of: ";
+  for (std::size_t i = 0; i < known.size(); ++i) hint += (i ? ", " : "") + known[i];
+  return hint + ")";
+}
+
 }  // namespace piper::core
