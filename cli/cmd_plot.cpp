@@ -1,5 +1,6 @@
 // `piper plot`: draw columns of a CSV (a sweep's or tune's results, or any CSV with a header) as a
 // PNG scatter or line chart, one series per value of an optional grouping column.
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -21,6 +22,30 @@ struct PlotArgs {
   std::string csv_path, x, y, series, where, title, x_label, y_label, output_path;
   bool line = false, log_x = false, log_y = false;
 };
+
+#ifdef PIPER_HAVE_PLOT
+// A CSV cell as a finite decimal number; false for anything else (std::stod alone would also read
+// "0x10" as 16).
+bool decimal_number(const std::string& s, double* out) {
+  if (s.find_first_not_of("0123456789+-.eE") != std::string::npos) return false;
+  try {
+    std::size_t used = 0;
+    *out = std::stod(s, &used);
+    return used == s.size() && std::isfinite(*out);
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+plot::Series sorted_by_x(const plot::Series& s) {
+  std::vector<std::size_t> idx(s.x.size());
+  for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+  std::sort(idx.begin(), idx.end(), [&](std::size_t l, std::size_t r) { return s.x[l] < s.x[r]; });
+  plot::Series sorted = s;
+  for (std::size_t i = 0; i < idx.size(); ++i) sorted.x[i] = s.x[idx[i]], sorted.y[i] = s.y[idx[i]];
+  return sorted;
+}
+#endif
 
 int run_plot(const PlotArgs& a) {
 #ifdef PIPER_HAVE_PLOT
@@ -49,17 +74,6 @@ int run_plot(const PlotArgs& a) {
   std::map<std::string, plot::Series> groups;
   std::vector<std::string> order;
   int line_no = 1, skipped = 0, not_positive = 0;
-  auto number = [](const std::string& s, double* out) {
-    // Decimal numbers only: std::stod would also read "0x10" as 16.
-    if (s.find_first_not_of("0123456789+-.eE") != std::string::npos) return false;
-    try {
-      std::size_t used = 0;
-      *out = std::stod(s, &used);
-      return used == s.size() && std::isfinite(*out);
-    } catch (const std::exception&) {
-      return false;
-    }
-  };
   for (std::string line; std::getline(in, line);) {
     line_no += 1;
     if (line.empty()) continue;
@@ -69,7 +83,7 @@ int run_plot(const PlotArgs& a) {
                      fmt::format("line {}: {} fields, the header has {}", line_no, f.size(), columns.size()));
     if (wi >= 0 && f[static_cast<std::size_t>(wi)] != wanted) continue;
     double x = 0, y = 0;
-    if (!number(f[static_cast<std::size_t>(xi)], &x) || !number(f[static_cast<std::size_t>(yi)], &y)) {
+    if (!decimal_number(f[static_cast<std::size_t>(xi)], &x) || !decimal_number(f[static_cast<std::size_t>(yi)], &y)) {
       skipped += 1;  // e.g. invalid or pruned rows with empty figures
       continue;
     }
@@ -91,16 +105,7 @@ int run_plot(const PlotArgs& a) {
   chart.y = {a.y_label.empty() ? a.y : a.y_label, a.log_y, {}, {}};
   std::size_t points = 0;
   for (const auto& name : order) {
-    plot::Series s = groups[name];
-    if (a.line) {
-      // A line joins points by increasing x.
-      std::vector<std::size_t> idx(s.x.size());
-      for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = i;
-      std::sort(idx.begin(), idx.end(), [&](std::size_t l, std::size_t r) { return s.x[l] < s.x[r]; });
-      plot::Series sorted = s;
-      for (std::size_t i = 0; i < idx.size(); ++i) sorted.x[i] = s.x[idx[i]], sorted.y[i] = s.y[idx[i]];
-      s = sorted;
-    }
+    plot::Series s = a.line ? sorted_by_x(groups[name]) : groups[name];  // a line joins points by increasing x
     points += s.x.size();
     chart.series.push_back(std::move(s));
   }
