@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up, checks the house format (scripts/check-format.sh), builds every target (library, CLI,
 # tests, benchmarks), runs the curated clang-tidy set over the directories it keeps clean (core/, sim/,
-# plot/, chakra/, search/: scripts/tidy.sh's CI_DIRS) and then, in
+# plot/, chakra/, search/, cli/: scripts/tidy.sh's CI_DIRS) and then, in
 # order: the test suite under ASan + UBSan (preset "sanitize", clang, build-sanitize/: its own build, which also holds the
 # libFuzzer harnesses, then CTest; SKIP_SANITIZE=1 leaves both out, though the fuzz stage still
 # builds the harnesses), a short fuzz run of every harness (FUZZ_SECONDS each, default 5; SKIP_FUZZ=1
@@ -64,7 +64,7 @@ fuzz() { FUZZ_SEED=${FUZZ_SEED:-1} bash scripts/fuzz.sh "${FUZZ_SECONDS:-5}"; }
 
 stage "format (.clang-format)" bash scripts/check-format.sh
 stage "build (preset default)" build_default || { print_summary; exit 1; }
-stage "clang-tidy (core/ sim/ plot/ chakra/ search/)" bash scripts/tidy.sh
+stage "clang-tidy (core/ sim/ plot/ chakra/ search/ cli/)" bash scripts/tidy.sh
 if [ "${SKIP_SANITIZE:-0}" != 1 ]; then
   stage "build (preset sanitize)" build_sanitize && stage "test suite under ASan+UBSan" test_sanitize
 fi
