@@ -10,7 +10,6 @@
 
 #include "piper/core/error.hpp"
 #include "piper/core/limits.hpp"
-#include "piper/core/suggest.hpp"
 
 namespace piper::core {
 
@@ -420,13 +419,7 @@ PassKernels kernels_from_json(const json& j, const std::string& where) {
   };
   if (!j.is_object()) fail("", "expected an object with F, BI and BW kernel lists");
   // Unknown keys are refused, as everywhere in a plan (program_json.cpp).
-  auto reject_unknown = [&](const json& o, const std::string& at, const std::vector<std::string>& known) {
-    for (auto it = o.begin(); it != o.end(); ++it)
-      if (std::find(known.begin(), known.end(), it.key()) == known.end())
-        fail(at.empty() ? printable(it.key(), 80) : at + "." + printable(it.key(), 80),
-             "unknown field" + unknown_field_hint(it.key(), known));
-  };
-  reject_unknown(j, "", {"F", "BI", "BW"});
+  if (auto u = unknown_field(j, {"F", "BI", "BW"})) fail(u->key, u->message);
   PassKernels out;
   for (int p = 0; p < 3; ++p) {
     if (!j.contains(kPass[p])) continue;
@@ -436,9 +429,9 @@ PassKernels kernels_from_json(const json& j, const std::string& where) {
       const json& e = list[i];
       const std::string at = fmt::format("{}[{}]", kPass[p], i);
       if (!e.is_object()) fail(at, "expected an object");
-      static const std::vector<std::string> kKernelKeys = {"kind",  "dtype",    "flops", "count",  "m",     "n",    "k",
-                                                           "batch", "head_dim", "v_dim", "window", "elems", "bytes"};
-      reject_unknown(e, at, kKernelKeys);
+      if (auto u = unknown_field(e, {"kind", "dtype", "flops", "count", "m", "n", "k", "batch", "head_dim", "v_dim",
+                                     "window", "elems", "bytes"}))
+        fail(at + "." + u->key, u->message);
       Kernel k;
       try {
         k.kind = kernel_kind_from_string(e.at("kind").get<std::string>());

@@ -19,6 +19,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "piper/core/suggest.hpp"
+
 namespace piper::core {
 
 namespace {
@@ -251,6 +253,21 @@ nlohmann::json parse_json(std::string_view text, const std::string& where) {
     }
     return true;
   });
+}
+
+std::optional<UnknownField> unknown_field(const nlohmann::json& obj, std::span<const std::string_view> known) {
+  for (auto it = obj.begin(); it != obj.end(); ++it) {
+    const std::string& key = it.key();
+    if (std::find(known.begin(), known.end(), std::string_view(key)) != known.end()) continue;
+    // The hint is built only on failure; a key may hold any bytes, and the line stays one line.
+    return UnknownField{printable(key, 80), "unknown field" + unknown_field_hint(key, std::vector<std::string>(
+                                                                                          known.begin(), known.end()))};
+  }
+  return std::nullopt;
+}
+
+std::optional<UnknownField> unknown_field(const nlohmann::json& obj, std::initializer_list<std::string_view> known) {
+  return unknown_field(obj, std::span<const std::string_view>(known.begin(), known.size()));
 }
 
 }  // namespace piper::core

@@ -15,7 +15,6 @@
 #include "piper/core/error.hpp"
 #include "piper/core/limits.hpp"
 #include "piper/core/model.hpp"
-#include "piper/core/suggest.hpp"
 
 namespace piper::core {
 
@@ -61,16 +60,10 @@ const json* optional_field(const json& obj, const char* key) {
 }
 
 // A key of `obj` that this reader does not know is refused: a hand-edited plan's typo ("wait" for
-// "waits") would otherwise be dropped silently. A few length-first comparisons per key, so the
-// check stays linear in the plan (ops have a few keys each); the hint is built only on failure.
+// "waits") would otherwise be dropped silently. A few comparisons per key, so the check stays linear
+// in the plan (ops have a few keys each).
 void reject_unknown(const json& obj, const std::string& path, std::span<const std::string_view> known) {
-  for (auto it = obj.begin(); it != obj.end(); ++it) {
-    const std::string& key = it.key();
-    if (std::find(known.begin(), known.end(), std::string_view(key)) != known.end()) continue;
-    const std::string shown = printable(key, 80);  // a key may hold any bytes; the line stays one line
-    fail(path.empty() ? shown : path + "." + shown,
-         "unknown field" + unknown_field_hint(key, std::vector<std::string>(known.begin(), known.end())));
-  }
+  if (auto u = unknown_field(obj, known)) fail(path.empty() ? u->key : path + "." + u->key, u->message);
 }
 void reject_unknown(const json& obj, const std::string& path, std::initializer_list<std::string_view> known) {
   reject_unknown(obj, path, std::span<const std::string_view>(known.begin(), known.size()));

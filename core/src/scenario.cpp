@@ -499,21 +499,10 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
   };
   if (!j.is_object()) throw Error(where + ": a scenario must be a JSON object");
   // Every key of every section is checked: a misspelt one ("microbatchs") would otherwise be ignored.
-  auto reject_unknown = [&](const json& obj, const std::string& prefix, const std::vector<std::string>& known) {
-    for (auto it = obj.begin(); it != obj.end(); ++it)
-      if (std::find(known.begin(), known.end(), it.key()) == known.end()) {
-        std::string hint = did_you_mean(it.key(), known);
-        if (hint.empty()) {
-          hint = " (expected one of: ";
-          for (std::size_t i = 0; i < known.size(); ++i) hint += (i ? ", " : "") + known[i];
-          hint += ")";
-        }
-        throw fail(prefix + it.key(), "unknown field" + hint);
-      }
-  };
-  reject_unknown(j, "",
-                 {"model", "seq_len", "micro_batch_size", "stages", "pp_ranges", "first_stage_layers",
-                  "last_stage_layers", "directives", "append_schedule", "strategy", "cluster", "engine", "train"});
+  if (auto u = unknown_field(
+          j, {"model", "seq_len", "micro_batch_size", "stages", "pp_ranges", "first_stage_layers", "last_stage_layers",
+              "directives", "append_schedule", "strategy", "cluster", "engine", "train"}))
+    throw fail(u->key, u->message);
   auto resolve = [&](const std::string& p) {
     if (p.empty() || base_dir.empty() || std::filesystem::path(p).is_absolute()) return p;
     std::error_code ec;

@@ -12,7 +12,6 @@
 #include <fmt/format.h>
 
 #include "piper/core/limits.hpp"
-#include "piper/core/suggest.hpp"
 
 namespace piper::sim {
 
@@ -142,12 +141,7 @@ Calibration Calibration::from_json(const json& j, const std::string& where) {
   if (!j.is_object() || j.value("format", "") != "piper-calibration") fail("format", "expected \"piper-calibration\"");
   // Every key is one this reader knows: a misspelt match field ("flop") would otherwise be ignored
   // and its entry match more ops than meant. "measured" is the run's free-form provenance.
-  auto reject_unknown = [&](const json& o, const std::string& at, const std::vector<std::string>& known) {
-    for (auto it = o.begin(); it != o.end(); ++it)
-      if (std::find(known.begin(), known.end(), it.key()) == known.end())
-        fail(at + core::printable(it.key(), 80), "unknown field" + core::unknown_field_hint(it.key(), known));
-  };
-  reject_unknown(j, "", {"format", "version", "gpu", "measured", "entries"});
+  if (auto u = core::unknown_field(j, {"format", "version", "gpu", "measured", "entries"})) fail(u->key, u->message);
   Calibration c;
   c.gpu = j.value("gpu", "");
   if (!j.contains("entries") || !j.at("entries").is_array()) fail("entries", "expected an array");
@@ -156,7 +150,9 @@ Calibration Calibration::from_json(const json& j, const std::string& where) {
     const json& e = list[i];
     const std::string at = fmt::format("entries[{}].", i);
     if (!e.is_object()) fail(fmt::format("entries[{}]", i), "expected an object");
-    reject_unknown(e, at, {"kind", "pass", "seconds", "flops", "memory_bytes", "bytes", "group_size", "key"});
+    if (auto u =
+            core::unknown_field(e, {"kind", "pass", "seconds", "flops", "memory_bytes", "bytes", "group_size", "key"}))
+      fail(at + u->key, u->message);
     CalibrationEntry c_e;
     try {
       c_e.kind = core::op_kind_from_string(e.at("kind").get<std::string>());

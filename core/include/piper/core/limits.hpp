@@ -5,6 +5,9 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -91,5 +94,15 @@ nlohmann::json parse_json(std::string_view text, const std::string& where);
 // become \xNN, and past max_bytes (0: no cap) the rest is replaced by "... (N bytes in all)". A CSV
 // cell of 355 binary bytes used to be written raw into the error line.
 std::string printable(std::string_view text, std::size_t max_bytes = 0);
+
+// The first key of the JSON object `obj` that is not among `known`: the key made printable (80 bytes
+// at most) and "unknown field" with did_you_mean's hint, or the allowed keys when none is near; nullopt
+// when every key is known. The plan, plan-kernel, calibration and scenario readers word their refusal
+// of a misspelt key from it.
+struct UnknownField {
+  std::string key, message;
+};
+std::optional<UnknownField> unknown_field(const nlohmann::json& obj, std::span<const std::string_view> known);
+std::optional<UnknownField> unknown_field(const nlohmann::json& obj, std::initializer_list<std::string_view> known);
 
 }  // namespace piper::core
