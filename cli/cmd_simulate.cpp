@@ -23,6 +23,7 @@ struct SimulateArgs {
   std::string trace_path;
   double memory_budget_gib = 0;  // --recompute auto: the budget the chosen policy's peak fits
   int max_devices = 16;
+  int kernels_device = -1;  // --kernels D: print device D's per-kernel breakdown
   bool no_symmetry = false;
   CLI::Option* plan = nullptr;
   CLI::Option* cluster_option = nullptr;
@@ -67,6 +68,13 @@ int run_simulate(const SimulateArgs& a) {
     if (!options.engine.empty()) scenario.engine = options.engine;
     a.scenario.save_if_requested(scenario);
   }
+  // --kernels before any file is written: a device outside the plan is refused with nothing written.
+  std::string kernels;
+  if (a.kernels_device >= 0) {
+    std::optional<sim::Calibration> calibration;
+    if (!a.calibration_path.empty()) calibration = sim::Calibration::load(a.calibration_path);
+    kernels = sim::kernel_breakdown(*result.program, sim::CostModel(result.cluster, calibration), a.kernels_device);
+  }
   // Files are written whole (temporary file, then rename) so an interrupted run leaves nothing half-written.
   if (!a.report_path.empty()) core::write_file_atomically(a.report_path, result.report.to_json().dump(1) + "\n");
   if (!a.trace_path.empty()) {
@@ -75,6 +83,7 @@ int run_simulate(const SimulateArgs& a) {
     core::write_file_atomically(a.trace_path, trace.str());
   }
   fmt::print("{}", result.report.to_text(a.max_devices));
+  if (!kernels.empty()) fmt::print("\n{}", kernels);
   if (!a.report_path.empty()) fmt::print("report written to {}\n", a.report_path);
   if (!a.trace_path.empty()) fmt::print("trace written to {} (open in https://ui.perfetto.dev)\n", a.trace_path);
   return 0;
@@ -112,6 +121,10 @@ Command add_simulate_command(CLI::App& app) {
   cmd->add_option("--trace", args->trace_path, "write a Chrome trace (Perfetto) here")->check(kOutputPath);
   cmd->add_flag("--no-symmetry", args->no_symmetry,
                 "simulate every device, even where symmetric devices could be simulated once (same result, slower)");
+  cmd->add_option("--kernels", args->kernels_device,
+                  "also print the kernels device D runs per microbatch: shapes, FLOPs, bytes, time and achieved "
+                  "rate of each, as the cost model times them")
+      ->check(kNonNegativeInt);
   cmd->add_option("--show-devices", args->max_devices, "devices listed in the printed table")->capture_default_str();
   return {cmd, [args] { return run_simulate(*args); }};
 }

@@ -6,7 +6,7 @@
 # The default build is a unity build, so the database lists its unity translation units (each includes
 # up to 8 of a target's sources; a finding names the source file and line) and the sources kept out of
 # them: checking those parses each target's headers once per unity unit instead of once per source.
-# A source named on the command line is checked alone, with the flags clang infers from its neighbours.
+# A source named on the command line is checked alone, with the flags of the unity unit that includes it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 command -v clang-tidy >/dev/null || { echo "tidy: clang-tidy not found (scripts/install-deps.sh installs it)" >&2; exit 1; }
@@ -48,10 +48,28 @@ elif [ $# -gt 0 ]; then
 else
   mapfile -t files < <(sources "${CI_DIRS[@]}")
 fi
+# The database clang-tidy reads: each file's entry of build/compile_commands.json without the
+# precompiled header (GCC's .gch, which clang cannot read; the sources include what they use). A
+# source named alone is not in it (the unity units that include it are): it takes its unit's flags.
+db=$(mktemp -d)
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+trap 'rm -f "$log"; rm -rf "$db"' EXIT
+python3 - "$db" "${files[@]}" <<'PY'
+import json, os, re, sys
+entries = json.load(open("build/compile_commands.json"))
+by_file = {e["file"]: e for e in entries}
+units = [e for e in entries if "/Unity/unity_" in e["file"] and os.path.exists(e["file"])]
+out = []
+for f in map(os.path.abspath, sys.argv[2:]):
+    home = by_file.get(f) or next((u for u in units if '#include "%s"' % f in open(u["file"]).read()), None)
+    if home is None:
+        continue  # not built by the default preset: clang infers its flags from a neighbour
+    command = re.sub(r" -Winvalid-pch| -include \S*cmake_pch\.hxx", "", home["command"])
+    out.append(dict(home, command=command.replace(home["file"], f), file=f))
+json.dump(out, open(os.path.join(sys.argv[1], "compile_commands.json"), "w"))
+PY
 status=0
-printf '%s\n' "${files[@]}" | xargs -P "$(nproc)" -n 1 clang-tidy -p build --quiet >"$log" 2>&1 || status=$?
+printf '%s\n' "${files[@]}" | xargs -P "$(nproc)" -n 1 clang-tidy -p "$db" --quiet >"$log" 2>&1 || status=$?
 grep -E '(warning|error): ' "$log" | sort -u || true
 if [ $status -ne 0 ]; then
   echo "tidy: findings in ${#files[@]} translation units checked (see above)" >&2

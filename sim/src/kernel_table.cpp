@@ -566,7 +566,6 @@ double causal_attention_flops(const Kernel& k) {
 
 double KernelTiming::seconds(const Kernel& k) const {
   const double launch = table ? table->launch_floor_s : KernelTable::kDefaultLaunchFloor;
-  const double dt = core::bytes_per_element(k.dtype);
   // Without a table: GEMMs at the GPU's curve-free efficiency of its dense bf16 peak, scaled by the
   // datasheet ratio of the dtype's peak on A100 and H100 (fp32 on the CUDA cores 1/16, tf32 1/2, fp8
   // 2x); element-wise work at the HBM peak (what the FLOP roofline assumed; no measurement says more).
@@ -579,8 +578,7 @@ double KernelTiming::seconds(const Kernel& k) const {
     double rate = table ? table->gemm_rate(core::to_string(k.dtype), k.m, k.n, k.k, k.batch) : 0;
     if (rate <= 0) rate = fallback_rate;
     const double compute = 2 * mm * nn * kk * b / rate;
-    // k.bytes: what the epilogue moves beyond writing the result once (a fused gradient accumulation).
-    const double memory = ((mm * kk + kk * nn + mm * nn) * b * dt + static_cast<double>(k.bytes)) / hbm_bytes_per_s;
+    const double memory = bytes(k) / hbm_bytes_per_s;
     // A GEMM whose rounded shape differs from its exact FLOPs (k / tp not whole) is scaled to them.
     const double exact = k.flops > 0 ? k.flops / (2 * mm * nn * kk * b) : 1;
     return std::max(compute * exact, memory) + launch;
@@ -593,14 +591,28 @@ double KernelTiming::seconds(const Kernel& k) const {
            launch;
   }
   const ElementwiseCost c = elementwise_cost(k.kind, profile);
-  const double elems = static_cast<double>(k.elems);
-  const double bytes = k.kind == KernelKind::Elementwise || k.kind == KernelKind::Copy
-                           ? static_cast<double>(k.bytes)
-                           : elems * (c.bytes_per_elem * dt + c.fp32_bytes_per_elem);
-  if (bytes <= 0) return 0;
-  double rate = table ? table->memory_rate(c.table_kernel, bytes / c.launches) : 0;
+  const double moved = bytes(k);
+  if (moved <= 0) return 0;
+  double rate = table ? table->memory_rate(c.table_kernel, moved / c.launches) : 0;
   if (rate <= 0) rate = hbm_bytes_per_s;  // no measurement: the HBM peak, as the roofline costs it
-  return bytes / rate + c.launches * launch;
+  return moved / rate + c.launches * launch;
+}
+
+double KernelTiming::bytes(const Kernel& k) const {
+  const double dt = core::bytes_per_element(k.dtype);
+  if (k.kind == KernelKind::Gemm) {
+    // Read A and B, write C once; k.bytes: what the epilogue moves beyond that (a fused gradient accumulation).
+    const double mm = static_cast<double>(k.m), nn = static_cast<double>(k.n), kk = static_cast<double>(k.k);
+    return (mm * kk + kk * nn + mm * nn) * static_cast<double>(k.batch) * dt + static_cast<double>(k.bytes);
+  }
+  if (k.kind == KernelKind::AttentionForward || k.kind == KernelKind::AttentionBackward) return 0;
+  if (k.kind == KernelKind::Elementwise || k.kind == KernelKind::Copy) return static_cast<double>(k.bytes);
+  const ElementwiseCost c = elementwise_cost(k.kind, profile);
+  return static_cast<double>(k.elems) * (c.bytes_per_elem * dt + c.fp32_bytes_per_elem);
+}
+
+int KernelTiming::launches(const Kernel& k) const {
+  return core::is_elementwise(k.kind) ? elementwise_cost(k.kind, profile).launches : 1;
 }
 
 }  // namespace piper::sim

@@ -251,6 +251,21 @@ TEST_F(Cli, OutputIntoMissingFolderIsOneLineErrorAndWritesNothing) {
   EXPECT_FALSE(fs::exists(dir_ / "missing"));
 }
 
+// --kernels D: device D's kernels after the report; a device outside the plan is refused before
+// the report or any file is written.
+TEST_F(Cli, SimulateKernelsListsTheDevicesKernelsOrRefusesADeviceOutsideThePlan) {
+  CliRun ok = run("simulate --model qwen3-9m --pp 2 --microbatches 2 --engine analytic --kernels 1");
+  ASSERT_EQ(ok.exit_code, 0) << ok.err;
+  EXPECT_NE(ok.out.find("Kernels of device 1 per microbatch"), std::string::npos) << ok.out;
+  EXPECT_NE(ok.out.find("), F: kernels "), std::string::npos) << ok.out;
+  const fs::path report = dir_ / "report.json";
+  CliRun bad = run("simulate --model qwen3-9m --pp 2 --microbatches 2 --engine analytic --kernels 2 --report " +
+                   quote(report.string()));
+  expect_one_line_error(bad, {"--kernels 2", "devices 0 to 1"});
+  EXPECT_EQ(bad.out.find("step time"), std::string::npos) << bad.out;
+  EXPECT_FALSE(fs::exists(report));
+}
+
 TEST_F(Cli, HelpOnEverySubcommand) {
   for (std::string sub : {"", "compile", "directives", "verify", "models"}) {
     CliRun r = run(sub + " --help");

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <sstream>
 #include <tuple>
 
 #include <gtest/gtest.h>
@@ -527,4 +528,72 @@ TEST(KernelTable, UnfusedNormProfileCountsTheTorchOps) {
   EXPECT_EQ(to_string(RuntimeProfile::EagerUnfusedNorm), "eager-unfused-norm");
   const std::string e = error_of([&] { cluster_from_text(R"({"preset": "dgx-h200", "runtime": "lazy"})", "c.json"); });
   EXPECT_NE(e.find("\"eager-unfused-norm\""), std::string::npos) << e;
+}
+
+TEST(KernelTable, BreakdownListsEveryKernelAsTheModelTimesIt) {
+  core::Scenario sc;
+  sc.model = "llama3-8b";
+  sc.strategy.pp = 4;
+  sc.strategy.microbatches = 4;
+  const auto compiled = core::compile_scenario(sc);
+  const core::Program& p = compiled.result.program;
+  const CostModel cost(load_cluster("dgx-h200"));
+  const KernelTiming kt = cost.timing(1);
+  const std::string text = kernel_breakdown(p, cost, 1);
+  // One block per pass of the device's segment (F, BI, BW as zb-less 1F1B fuses them: F and B),
+  // headed by the kernels' sum and the op's time, then one row per kernel.
+  std::istringstream in(text);
+  std::string line;
+  int blocks = 0, rows = 0;
+  std::size_t expected_rows = 0;
+  while (std::getline(in, line)) {
+    if (line.rfind("segment ", 0) != 0) continue;
+    ++blocks;
+    const int segment = std::stoi(line.substr(8));
+    const bool forward = line.find("), F:") != std::string::npos;
+    const auto& pk = p.segments.at(static_cast<std::size_t>(segment)).kernels;
+    double by_hand = 0;
+    for (std::size_t l : forward ? std::vector<std::size_t>{0} : std::vector<std::size_t>{1, 2}) {
+      expected_rows += pk[l].size();
+      for (const auto& k : pk[l]) by_hand += k.count * kt.seconds(k);
+    }
+    const std::size_t at = line.find("kernels ");
+    ASSERT_NE(at, std::string::npos) << line;
+    EXPECT_NEAR(std::stod(line.substr(at + 8)), by_hand * 1e3, 5e-4) << line;
+    std::getline(in, line);  // column names
+    EXPECT_NE(line.find("achieved"), std::string::npos);
+    while (in.peek() == ' ' && std::getline(in, line)) ++rows;
+  }
+  EXPECT_EQ(blocks, 2);
+  EXPECT_EQ(static_cast<std::size_t>(rows), expected_rows);
+  // A GEMM row's achieved rate is its FLOPs over its time; the table's rate for that shape.
+  EXPECT_NE(text.find("TFLOP/s"), std::string::npos);
+  EXPECT_NE(text.find("TB/s"), std::string::npos);
+  EXPECT_EQ(error_of([&] { (void)kernel_breakdown(p, cost, 4); }), "--kernels 4: the plan has devices 0 to 3");
+}
+
+TEST(KernelTable, BytesAreWhatTheKernelMoves) {
+  KernelTiming kt;
+  core::Kernel g;
+  g.m = 64;
+  g.n = 32;
+  g.k = 16;
+  g.batch = 3;
+  g.dtype = core::Precision::FP32;
+  // Read A (m x k) and B (k x n), write C (m x n), per product, 4 bytes an element.
+  EXPECT_DOUBLE_EQ(kt.bytes(g), (64.0 * 16 + 16 * 32 + 64 * 32) * 3 * 4);
+  core::Kernel n;
+  n.kind = core::KernelKind::Norm;
+  n.elems = 1000;
+  EXPECT_DOUBLE_EQ(kt.bytes(n), 4000);  // bf16: read and write
+  EXPECT_EQ(kt.launches(n), 1);
+  core::Kernel act;
+  act.kind = core::KernelKind::Activation;
+  act.elems = 1000;
+  kt.profile = RuntimeProfile::Eager;  // silu, then mul: 5 element passes in 2 launches
+  EXPECT_DOUBLE_EQ(kt.bytes(act), 10000);
+  EXPECT_EQ(kt.launches(act), 2);
+  core::Kernel attention;
+  attention.kind = core::KernelKind::AttentionForward;
+  EXPECT_DOUBLE_EQ(kt.bytes(attention), 0);
 }

@@ -220,4 +220,10 @@ class CostModel {
   mutable std::unordered_map<std::uint64_t, PassTime> pass_cache_;
 };
 
+// The kernels `device` runs per microbatch for each segment and pass of its plan, each with its shape,
+// FLOPs, HBM bytes, time and achieved rate as `model` times it, and the time the engines give one such
+// op (TP collectives and traffic beyond the kernels included). `piper simulate --kernels D`. Throws
+// core::Error for a device outside the program.
+std::string kernel_breakdown(const core::Program& program, const CostModel& model, int device);
+
 }  // namespace piper::sim

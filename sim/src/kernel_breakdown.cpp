@@ -1,0 +1,84 @@
+// `piper simulate --kernels D`: the kernels device D runs per microbatch, each timed as the per-kernel
+// cost model times it, so a user can see where a pass's time goes and which table entry it came from.
+#include <fmt/format.h>
+
+#include <set>
+#include <utility>
+
+#include "piper/core/error.hpp"
+#include "piper/sim/cost_model.hpp"
+
+namespace piper::sim {
+
+namespace {
+
+std::string breakdown_shape(const core::Kernel& k) {
+  using core::KernelKind;
+  if (k.kind == KernelKind::Gemm)
+    return k.batch > 1 ? fmt::format("{} x {}x{}x{}", k.batch, k.m, k.n, k.k) : fmt::format("{}x{}x{}", k.m, k.n, k.k);
+  if (k.kind == KernelKind::AttentionForward || k.kind == KernelKind::AttentionBackward)
+    return fmt::format("b{} s{} h{}/{} d{}{}", k.batch, k.m, k.n, k.k, k.head_dim,
+                       k.window > 0 ? fmt::format(" w{}", k.window) : std::string());
+  return k.elems > 0 ? fmt::format("{} elems", k.elems) : std::string("-");
+}
+
+// "251.3 TFLOP/s" for compute-bound kernels, "1.52 TB/s" for memory-bound ones.
+std::string breakdown_rate(const core::Kernel& k, double seconds, double bytes) {
+  if (seconds <= 0) return "-";
+  // The attention core in the causal FLOPs its table rates are measured in (half of Piper's full-matrix count).
+  if (k.kind == core::KernelKind::AttentionForward || k.kind == core::KernelKind::AttentionBackward)
+    return fmt::format("{:.1f} TFLOP/s", causal_attention_flops(k) / seconds / 1e12);
+  if (k.kind == core::KernelKind::Gemm && k.flops > 0) return fmt::format("{:.1f} TFLOP/s", k.flops / seconds / 1e12);
+  return bytes > 0 ? fmt::format("{:.2f} TB/s", bytes / seconds / 1e12) : std::string("-");
+}
+
+}  // namespace
+
+std::string kernel_breakdown(const core::Program& program, const CostModel& model, int device) {
+  if (device < 0 || device >= program.num_devices)
+    throw core::Error(fmt::format("--kernels {}: the plan has devices 0 to {}", device, program.num_devices - 1));
+  const KernelTiming timing = model.timing(device);
+  const GpuSpec& gpu = model.cluster().gpu(device);
+  std::string out = fmt::format(
+      "Kernels of device {} per microbatch on {} ({}, runtime {}):\n", device, gpu.name,
+      timing.table ? "kernel table " + timing.table->name : std::string("no kernel table: efficiency curve"),
+      to_string(timing.profile));
+  // The passes each segment runs on this device, with the time the simulator gives one such op (TP
+  // collectives and traffic beyond the kernels' included), in plan order.
+  std::vector<std::pair<int, core::Pass>> seen;
+  std::set<std::pair<int, int>> listed;
+  for (const core::Stream& s : program.plan_for(device).streams)
+    for (const core::Op& op : s.ops)
+      if (op.kind == core::OpKind::Compute && op.segment >= 0 && op.pass != core::Pass::None &&
+          listed.insert({op.segment, static_cast<int>(op.pass)}).second)
+        seen.emplace_back(op.segment, op.pass);
+  if (seen.empty()) return out + "  (no compute ops)\n";
+  for (const auto& [segment, pass] : seen) {
+    const core::ProgramSegment& seg = program.segments.at(static_cast<std::size_t>(segment));
+    const auto [first, last] = core::pass_kernel_lists(pass);
+    double total = 0;
+    std::string rows;
+    for (std::size_t l = first; l <= last; ++l)
+      for (const core::Kernel& k : seg.kernels[l]) {
+        const double each = timing.seconds(k), bytes = timing.bytes(k);
+        total += each * k.count;
+        rows += fmt::format("  {:<20} {:<5} {:<26} {:>8g} {:>9.2f} {:>10.1f} {:>9.1f} {:>10.1f}  {}\n",
+                            to_string(k.kind), to_string(k.dtype), breakdown_shape(k), k.count, k.flops / 1e9,
+                            bytes / 1e6, each * 1e6, each * k.count * 1e6, breakdown_rate(k, each, bytes));
+      }
+    // One op of this segment and pass on the device, as the engines time it.
+    double op_seconds = 0;
+    for (const core::Stream& s : program.plan_for(device).streams)
+      for (const core::Op& op : s.ops)
+        if (op_seconds == 0 && op.kind == core::OpKind::Compute && op.segment == segment && op.pass == pass)
+          op_seconds = model.compute_seconds(program, device, op);
+    out += fmt::format("\nsegment {} (layers {}-{}), {}: kernels {:.3f} ms, op {:.3f} ms\n", segment, seg.first_layer,
+                       seg.last_layer - 1, core::to_string(pass), total * 1e3, op_seconds * 1e3);
+    out += fmt::format("  {:<20} {:<5} {:<26} {:>8} {:>9} {:>10} {:>9} {:>10}  {}\n", "kernel", "dtype", "shape",
+                       "launches", "GFLOP", "MB", "us each", "us total", "achieved");
+    out += rows;
+  }
+  return out;
+}
+
+}  // namespace piper::sim
