@@ -222,7 +222,7 @@ else
   echo "100-step training run failed (see $out/train-100.log)"; tail -3 "$out/train-100.log"; status=1
 fi
 
-echo "== (6) kernel measurements the cost model lacks: TP-sharded GEMMs, few-head attention, launch floor (kernels_extra.py) =="
+echo "== (6) kernel measurements the cost model lacks: TP-sharded GEMMs, few-head attention, launch floor, Megatron's non-flash attention core (kernels_extra.py) =="
 # Data for the per-kernel cost model (docs/cost-model.md), not a check: written to $out/kernels-extra.json
 # for a later session to vendor beside sim/data/kernels-h200-sxm.json. Needs PyTorch with CUDA.
 if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' > /dev/null 2>&1; then
