@@ -105,7 +105,9 @@ def main():
              "Parallelism), Table 9, one microbatch on a middle stage of Megatron-LM GPT models in fp16 on A100 80GB "
              "([`stagetimes.json`](stagetimes.json) has each row's quote and the setting). Predicted: the mean F, BI and "
              "BW op of device p/2 in `piper simulate --engine analytic --trace`. Error = (predicted - measured) / "
-             "measured.", "",
+             "measured. The authors timed each pass with wall-clock timers that synchronize the GPU at start and stop "
+             "(README.md, 'How the passes were timed'): a measured pass includes the host's time to issue its kernels "
+             "where the host is slower than they are; Piper's is device time only.", "",
              "| setting | layers | F ms (meas / Piper) | error | B ms | error | W ms | error |", "|---|---|---|---|---|---|---|---|"]
     errs = {p: [] for p in PASSES}
     for s, pred in rows:
