@@ -2,6 +2,7 @@
 // cost model times it, so a user can see where a pass's time goes and which table entry it came from.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <set>
 #include <utility>
 
@@ -43,19 +44,27 @@ std::string kernel_breakdown(const core::Program& program, const CostModel& mode
       "Kernels of device {} per microbatch on {} ({}, runtime {}):\n", device, gpu.name,
       timing.table ? "kernel table " + timing.table->name : std::string("no kernel table: efficiency curve"),
       to_string(timing.profile));
-  // The passes each segment runs on this device, with the time the simulator gives one such op (TP
-  // collectives and traffic beyond the kernels' included), in plan order.
-  std::vector<std::pair<int, core::Pass>> seen;
+  // The passes each segment runs on this device, in plan order, each with its first op: the engines'
+  // time for one such op adds TP collectives and traffic beyond the kernels.
+  std::vector<const core::Op*> firsts;
   std::set<std::pair<int, int>> listed;
   for (const core::Stream& s : program.plan_for(device).streams)
     for (const core::Op& op : s.ops)
       if (op.kind == core::OpKind::Compute && op.segment >= 0 && op.pass != core::Pass::None &&
           listed.insert({op.segment, static_cast<int>(op.pass)}).second)
-        seen.emplace_back(op.segment, op.pass);
-  if (seen.empty()) return out + "  (no compute ops)\n";
-  for (const auto& [segment, pass] : seen) {
-    const core::ProgramSegment& seg = program.segments.at(static_cast<std::size_t>(segment));
-    const auto [first, last] = core::pass_kernel_lists(pass);
+        firsts.push_back(&op);
+  if (firsts.empty()) return out + "  (no compute ops)\n";
+  // Consecutive segments that run the same kernels in the same pass (a model's repeated blocks) are
+  // listed once, their segments and layers as a range.
+  struct Block {
+    core::Pass pass;
+    int first_segment, last_segment, first_layer, last_layer;
+    std::string times, rows;
+  };
+  std::vector<Block> blocks;
+  for (const core::Op* op : firsts) {
+    const core::ProgramSegment& seg = program.segments.at(static_cast<std::size_t>(op->segment));
+    const auto [first, last] = core::pass_kernel_lists(op->pass);
     double total = 0;
     std::string rows;
     for (std::size_t l = first; l <= last; ++l)
@@ -66,17 +75,29 @@ std::string kernel_breakdown(const core::Program& program, const CostModel& mode
                             to_string(k.kind), to_string(k.dtype), breakdown_shape(k), k.count, k.flops / 1e9,
                             bytes / 1e6, each * 1e6, each * k.count * 1e6, breakdown_rate(k, each, bytes));
       }
-    // One op of this segment and pass on the device, as the engines time it.
-    double op_seconds = 0;
-    for (const core::Stream& s : program.plan_for(device).streams)
-      for (const core::Op& op : s.ops)
-        if (op_seconds == 0 && op.kind == core::OpKind::Compute && op.segment == segment && op.pass == pass)
-          op_seconds = model.compute_seconds(program, device, op);
-    out += fmt::format("\nsegment {} (layers {}-{}), {}: kernels {:.3f} ms, op {:.3f} ms\n", segment, seg.first_layer,
-                       seg.last_layer - 1, core::to_string(pass), total * 1e3, op_seconds * 1e3);
+    std::string times =
+        fmt::format("kernels {:.3f} ms, op {:.3f} ms", total * 1e3, model.compute_seconds(program, device, *op) * 1e3);
+    Block* prev = blocks.empty() ? nullptr : &blocks.back();
+    if (prev && prev->pass == op->pass && prev->times == times && prev->rows == rows &&
+        (prev->last_segment + 1 == op->segment || prev->first_segment - 1 == op->segment)) {
+      prev->first_segment = std::min(prev->first_segment, op->segment);  // backward passes run downwards
+      prev->last_segment = std::max(prev->last_segment, op->segment);
+      prev->first_layer = std::min(prev->first_layer, seg.first_layer);
+      prev->last_layer = std::max(prev->last_layer, seg.last_layer - 1);
+    } else {
+      blocks.push_back(
+          {op->pass, op->segment, op->segment, seg.first_layer, seg.last_layer - 1, std::move(times), std::move(rows)});
+    }
+  }
+  for (const Block& b : blocks) {
+    const bool one = b.first_segment == b.last_segment;
+    out += fmt::format("\n{} (layers {}-{}), {}{}: {}\n",
+                       one ? fmt::format("segment {}", b.first_segment)
+                           : fmt::format("segments {}-{}", b.first_segment, b.last_segment),
+                       b.first_layer, b.last_layer, core::to_string(b.pass), one ? "" : ", each", b.times);
     out += fmt::format("  {:<20} {:<5} {:<26} {:>8} {:>9} {:>10} {:>9} {:>10}  {}\n", "kernel", "dtype", "shape",
                        "launches", "GFLOP", "MB", "us each", "us total", "achieved");
-    out += rows;
+    out += b.rows;
   }
   return out;
 }

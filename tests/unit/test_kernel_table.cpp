@@ -530,6 +530,50 @@ TEST(KernelTable, UnfusedNormProfileCountsTheTorchOps) {
   EXPECT_NE(e.find("\"eager-unfused-norm\""), std::string::npos) << e;
 }
 
+namespace {
+
+// Checks kernel_breakdown(device) of a compiled scenario against the kernels listed in the plan: each
+// block's "kernels X ms" is the by-hand sum of its first segment's kernels, each block lists one row
+// per kernel, and merged blocks ("segments a-b ..., each") cover the segments between. Returns the
+// (blocks, (segment, pass) pairs covered).
+std::pair<int, int> check_breakdown(const core::Program& p, const CostModel& cost, int device) {
+  const KernelTiming kt = cost.timing(device);
+  const std::string text = kernel_breakdown(p, cost, device);
+  std::istringstream in(text);
+  std::string line;
+  int blocks = 0, covered = 0;
+  while (std::getline(in, line)) {
+    const bool merged = line.rfind("segments ", 0) == 0;
+    if (!merged && line.rfind("segment ", 0) != 0) continue;
+    ++blocks;
+    std::size_t pos = merged ? 9 : 8, used = 0;
+    const int first = std::stoi(line.substr(pos), &used);
+    const int last = merged ? std::stoi(line.substr(pos + used + 1)) : first;
+    EXPECT_EQ(merged, line.find(", each: ") != std::string::npos) << line;
+    covered += last - first + 1;
+    const bool forward = line.find("), F") != std::string::npos;
+    const auto& pk = p.segments.at(static_cast<std::size_t>(first)).kernels;
+    double by_hand = 0;
+    std::size_t expected_rows = 0;
+    for (std::size_t l : forward ? std::vector<std::size_t>{0} : std::vector<std::size_t>{1, 2}) {
+      expected_rows += pk[l].size();
+      for (const auto& k : pk[l]) by_hand += k.count * kt.seconds(k);
+    }
+    const std::size_t at = line.find("kernels ");
+    EXPECT_NE(at, std::string::npos) << line;
+    if (at == std::string::npos) continue;
+    EXPECT_NEAR(std::stod(line.substr(at + 8)), by_hand * 1e3, 5e-4) << line;
+    std::getline(in, line);  // column names
+    EXPECT_NE(line.find("achieved"), std::string::npos);
+    std::size_t rows = 0;
+    while (in.peek() == ' ' && std::getline(in, line)) ++rows;
+    EXPECT_EQ(rows, expected_rows) << text;
+  }
+  return {blocks, covered};
+}
+
+}  // namespace
+
 TEST(KernelTable, BreakdownListsEveryKernelAsTheModelTimesIt) {
   core::Scenario sc;
   sc.model = "llama3-8b";
@@ -538,38 +582,24 @@ TEST(KernelTable, BreakdownListsEveryKernelAsTheModelTimesIt) {
   const auto compiled = core::compile_scenario(sc);
   const core::Program& p = compiled.result.program;
   const CostModel cost(load_cluster("dgx-h200"));
-  const KernelTiming kt = cost.timing(1);
+  // 1F1B without zero-bubble splitting: device 1's one segment runs F and a fused B.
+  EXPECT_EQ(check_breakdown(p, cost, 1), std::make_pair(2, 2));
   const std::string text = kernel_breakdown(p, cost, 1);
-  // One block per pass of the device's segment (F, BI, BW as zb-less 1F1B fuses them: F and B),
-  // headed by the kernels' sum and the op's time, then one row per kernel.
-  std::istringstream in(text);
-  std::string line;
-  int blocks = 0, rows = 0;
-  std::size_t expected_rows = 0;
-  while (std::getline(in, line)) {
-    if (line.rfind("segment ", 0) != 0) continue;
-    ++blocks;
-    const int segment = std::stoi(line.substr(8));
-    const bool forward = line.find("), F:") != std::string::npos;
-    const auto& pk = p.segments.at(static_cast<std::size_t>(segment)).kernels;
-    double by_hand = 0;
-    for (std::size_t l : forward ? std::vector<std::size_t>{0} : std::vector<std::size_t>{1, 2}) {
-      expected_rows += pk[l].size();
-      for (const auto& k : pk[l]) by_hand += k.count * kt.seconds(k);
-    }
-    const std::size_t at = line.find("kernels ");
-    ASSERT_NE(at, std::string::npos) << line;
-    EXPECT_NEAR(std::stod(line.substr(at + 8)), by_hand * 1e3, 5e-4) << line;
-    std::getline(in, line);  // column names
-    EXPECT_NE(line.find("achieved"), std::string::npos);
-    while (in.peek() == ' ' && std::getline(in, line)) ++rows;
-  }
-  EXPECT_EQ(blocks, 2);
-  EXPECT_EQ(static_cast<std::size_t>(rows), expected_rows);
-  // A GEMM row's achieved rate is its FLOPs over its time; the table's rate for that shape.
   EXPECT_NE(text.find("TFLOP/s"), std::string::npos);
   EXPECT_NE(text.find("TB/s"), std::string::npos);
   EXPECT_EQ(error_of([&] { (void)kernel_breakdown(p, cost, 4); }), "--kernels 4: the plan has devices 0 to 3");
+  // ZeRO-3 gives every block its own segment: the blocks' identical passes are listed once, as a
+  // range, in the forward (segments upwards) and in the backward (downwards) alike.
+  core::Scenario z;
+  z.model = "llama3-8b";
+  z.strategy.dp = 2;
+  z.strategy.zero = 3;
+  const auto zc = core::compile_scenario(z);
+  const auto [blocks, covered] = check_breakdown(zc.result.program, cost, 0);
+  EXPECT_LT(blocks, covered);
+  const std::string ztext = kernel_breakdown(zc.result.program, cost, 0);
+  EXPECT_NE(ztext.find("), F, each: "), std::string::npos) << ztext;
+  EXPECT_NE(ztext.find("), B, each: "), std::string::npos) << ztext;
 }
 
 TEST(KernelTable, BytesAreWhatTheKernelMoves) {
