@@ -34,6 +34,24 @@ struct Dims {
 // their reads are negligible beside the s x s output once s >> head_dim, so only the write counts.
 std::int64_t attention_score_epilogue_bytes(std::int64_t scores, std::int64_t dt) { return scores * dt; }
 
+// Standard-attention (Megatron-LM GPT) layers: the element-wise bytes per token and hidden element
+// after the row-parallel GEMM (output projection, fc2), replicated over TP ranks (SP slices them).
+// Forward: the fused bias-dropout-add (read two tensors, write one, the dropout's 1-byte mask).
+// Backward: its gradient (read the gradient and the mask, write), and with biases the row-parallel
+// bias's gradient, autograd's reduction of the broadcast bias over the tokens (read the gradient).
+std::int64_t standard_hidden_forward_bytes(const LayerShape& sh, std::int64_t dt) {
+  return 3 * dt + (sh.dropout ? 1 : 0);
+}
+std::int64_t standard_hidden_backward_bytes(const LayerShape& sh, std::int64_t dt) {
+  return 2 * dt + (sh.dropout ? 1 : 0) + (sh.bias ? dt : 0);
+}
+// Megatron-LM's CoreAttention ends by permuting the context [b, np, s, hn] to [s, b, np·hn]
+// (.contiguous(): read and write); its backward copies the gradient back the same way.
+std::int64_t standard_context_permute_bytes(std::int64_t tokens, std::int64_t heads, std::int64_t v_dim,
+                                            std::int64_t dt) {
+  return tokens * heads * v_dim * 2 * dt;
+}
+
 // Keys each query attends to in the attention core's FLOP count: s (the full s x s matrix, causal
 // masking not credited), or min(s, window) for a sliding-window layer run by the flash kernel (a
 // windowed flash kernel skips the key blocks outside the band). Standard attention materialises
@@ -160,12 +178,19 @@ Costs attention_costs(const LayerShape& sh, const Dims& d) {
     // forward, dP = dO·V^T backward): with a head dimension of ~100 their main loop is a few
     // k-steps and each output tile's write to HBM follows it on the SM, so the writes add to the
     // GEMM time (attention_score_epilogue_bytes).
+    // And the context's permute both ways (standard_context_permute_bytes); with biases, the QKV
+    // projection's bias added as a kernel of its own (ColumnParallelLinear without skip_bias_add runs
+    // `output = torch.matmul(input, weight.t())` then `output = output + bias`: read and write the
+    // QKV output, megatron/core/tensor_parallel/layers.py) and, backward, its gradient
+    // (`grad_output.sum(dim=0)`: read the QKV output's gradient).
+    const std::int64_t permute = standard_context_permute_bytes(d.tokens, nh, v_dim, d.dt);
+    const std::int64_t qkv = sh.bias && !mla ? d.tokens * (nh + 2 * sh.kv_heads) * hd : 0;
     c.forward_elementwise_bytes = scores * (2 * d.dt + (sh.dropout ? 2 * d.dt + 1 : 0)) +
-                                  d.tokens * h * (3 * d.dt + (sh.dropout ? 1 : 0)) +
-                                  attention_score_epilogue_bytes(scores, d.dt);
+                                  d.tokens * h * standard_hidden_forward_bytes(sh, d.dt) +
+                                  attention_score_epilogue_bytes(scores, d.dt) + permute + qkv * 2 * d.dt;
     c.backward_elementwise_bytes = scores * (3 * d.dt + (sh.dropout ? 2 * d.dt + 1 : 0)) +
-                                   d.tokens * h * (2 * d.dt + (sh.dropout ? 1 : 0)) +
-                                   attention_score_epilogue_bytes(scores, d.dt);
+                                   d.tokens * h * standard_hidden_backward_bytes(sh, d.dt) +
+                                   attention_score_epilogue_bytes(scores, d.dt) + permute + qkv * d.dt;
   }
   if (sh.dropout) c.activation_bytes += d.tokens * h;  // 1-byte mask of the dropout after the projection
   return c;
@@ -187,11 +212,14 @@ Costs mlp_costs(const LayerShape& sh, const Dims& d) {
   if (sh.dropout) c.activation_bytes += d.tokens * h;  // 1-byte mask of the dropout after the MLP
   if (sh.attention_kernel == AttentionKernel::Standard) {
     // Element-wise kernels: bias + activation (GELU: read, write; SwiGLU: read two, write one) and the
-    // fused bias-dropout-add; backward reads the stored input and the gradient and writes the gradient.
+    // fused bias-dropout-add; backward reads the stored input and the gradient and writes the gradient,
+    // and with biases reduces fc1's bias gradient over the tokens (read the gradient; Megatron-LM's
+    // bias_gelu returns the same tensor as the input's and the bias's gradient, and autograd sums
+    // the broadcast) besides fc2's (standard_hidden_backward_bytes).
     c.forward_elementwise_bytes =
-        d.tokens * f * (swiglu ? 3 : 2) * d.dt + d.tokens * h * (3 * d.dt + (sh.dropout ? 1 : 0));
-    c.backward_elementwise_bytes =
-        d.tokens * f * (swiglu ? 5 : 3) * d.dt + d.tokens * h * (2 * d.dt + (sh.dropout ? 1 : 0));
+        d.tokens * f * (swiglu ? 3 : 2) * d.dt + d.tokens * h * standard_hidden_forward_bytes(sh, d.dt);
+    c.backward_elementwise_bytes = d.tokens * f * ((swiglu ? 5 : 3) + (sh.bias ? 1 : 0)) * d.dt +
+                                   d.tokens * h * standard_hidden_backward_bytes(sh, d.dt);
   }
   return c;
 }
@@ -338,7 +366,8 @@ void attention_core_forward(const Layer& layer, const TrainingShape& shape, doub
   if (sh.attention_kernel == AttentionKernel::Standard) {
     const std::int64_t dt = bytes_per_element(shape.precision);
     const std::int64_t scores = shape.micro_batch_size * sh.heads * shape.seq_len * shape.seq_len;
-    elementwise = scores * (2 * dt + (sh.dropout ? 2 * dt + 1 : 0)) + attention_score_epilogue_bytes(scores, dt);
+    elementwise = scores * (2 * dt + (sh.dropout ? 2 * dt + 1 : 0)) + attention_score_epilogue_bytes(scores, dt) +
+                  standard_context_permute_bytes(shape.tokens_per_microbatch(), sh.heads, v, dt);
   }
 }
 
@@ -537,8 +566,8 @@ Costs layer_costs(const Layer& layer, const TrainingShape& shape,  // NOLINT(rea
       div_all(c, t);
       c.params = base.params / t;
       if (layer.shape.attention_kernel == AttentionKernel::Standard) {
-        const std::int64_t m = layer.shape.dropout ? 1 : 0;
-        const std::int64_t hf = T * h * (3 * dt + m), hb = T * h * (2 * dt + m);
+        const std::int64_t hf = T * h * standard_hidden_forward_bytes(layer.shape, dt),
+                           hb = T * h * standard_hidden_backward_bytes(layer.shape, dt);
         c.forward_elementwise_bytes = (base.forward_elementwise_bytes - hf) / t + hf / seq;
         c.backward_elementwise_bytes = (base.backward_elementwise_bytes - hb) / t + hb / seq;
       }

@@ -171,27 +171,50 @@ TEST(TensorParallel, GemmKernelsPerPass) {
     }
 }
 
-// Standard attention's serial HBM traffic per layer, by hand (bf16, dropout; scores = b·a·s²):
+// Standard attention's serial HBM traffic per layer, by hand (bf16, dropout, biases; scores = b·a·s²,
+// hidden = s·b·h elements; the QKV output is 3·hidden, the context hidden):
 // forward: scale-mask-softmax reads and writes each score (2 + 2), dropout reads, writes and masks
 // it (2 + 2 + 1), and QK^T's epilogue writes it (2); bias-dropout-add on the hidden reads two,
-// writes one and masks (3·2 + 1 per element). Backward: softmax reads two and writes (3·2),
-// dropout reads the gradient and mask and writes (2 + 1 + 2), dP's epilogue writes (2); the hidden
-// bias-dropout-add (2·2 + 1). TP splits the score terms by heads; SP slices the hidden ones.
+// writes one and masks (3·2 + 1 per element); the context's permute to [s, b, h] reads and writes
+// it (2 + 2); the QKV bias, added by a kernel of its own, reads and writes the QKV output (3·(2 + 2)).
+// Backward: softmax reads two and writes (3·2), dropout reads the gradient and mask and writes
+// (2 + 1 + 2), dP's epilogue writes (2); the hidden bias-dropout-add (2·2 + 1) and the output
+// projection's bias gradient, a sum over the tokens (2); the permute's gradient (2 + 2); the QKV
+// bias gradient (3·2). TP splits the score, context and QKV terms by heads; SP slices the hidden ones.
+// The MLP (ffn f = 4h, T·f = 4·hidden): bias + GELU reads and writes T·f (2 + 2), the hidden
+// bias-dropout-add as above; backward GELU reads the input and the gradient and writes (3·2), fc1's
+// bias gradient reads the gradient (2), and the hidden part as the attention's (2·2 + 1 + 2).
 TEST(TensorParallel, StandardAttentionElementwiseBytesByHand) {
   const Model m = build_model(small_gpt());
   const double scores = b * a * s * s, hidden = s * b * h;
+  int attention = 0, mlp = 0;
   for (const auto& layer : m.layers()) {
+    if (layer.kind == LayerKind::Mlp) {
+      ++mlp;
+      const Costs c = layer_costs(layer, m.training());
+      EXPECT_EQ(c.forward_elementwise_bytes, 4 * hidden * 4 + hidden * 7);
+      EXPECT_EQ(c.backward_elementwise_bytes, 4 * hidden * 8 + hidden * 7);
+      const Costs sp = layer_costs(layer, m.training(), {2, true, 0});
+      EXPECT_EQ(sp.forward_elementwise_bytes, (4 * hidden * 4 + hidden * 7) / 2);
+      EXPECT_EQ(sp.backward_elementwise_bytes, (4 * hidden * 8 + hidden * 7) / 2);
+      const Costs tp = layer_costs(layer, m.training(), {2, false, 0});  // TP alone: the hidden part whole
+      EXPECT_EQ(tp.backward_elementwise_bytes, 4 * hidden * 8 / 2 + hidden * 7);
+    }
     if (layer.kind != LayerKind::Attention) continue;
+    ++attention;
     const Costs base = layer_costs(layer, m.training());
-    EXPECT_EQ(base.forward_elementwise_bytes, scores * (4 + 5 + 2) + hidden * 7);
-    EXPECT_EQ(base.backward_elementwise_bytes, scores * (6 + 5 + 2) + hidden * 5);
+    EXPECT_EQ(base.forward_elementwise_bytes, scores * (4 + 5 + 2) + hidden * (7 + 4 + 12));
+    EXPECT_EQ(base.backward_elementwise_bytes, scores * (6 + 5 + 2) + hidden * (7 + 4 + 6));
     const Costs sp = layer_costs(layer, m.training(), {2, true, 0});
-    EXPECT_EQ(sp.forward_elementwise_bytes, (scores * 11 + hidden * 7) / 2);
-    EXPECT_EQ(sp.backward_elementwise_bytes, (scores * 13 + hidden * 5) / 2);
-    // Selective recomputation reruns softmax, dropout and QK^T (with its epilogue) in the backward.
+    EXPECT_EQ(sp.forward_elementwise_bytes, (scores * 11 + hidden * 23) / 2);
+    EXPECT_EQ(sp.backward_elementwise_bytes, (scores * 13 + hidden * 17) / 2);
+    // Selective recomputation reruns the core: softmax, dropout, QK^T (with its epilogue) and the
+    // context's permute, in the backward.
     const Costs sel = layer_costs(layer, m.training(), {2, true, 1});
-    EXPECT_EQ(sel.backward_elementwise_bytes - sp.backward_elementwise_bytes, scores * 11 / 2);
+    EXPECT_EQ(sel.backward_elementwise_bytes - sp.backward_elementwise_bytes, (scores * 11 + hidden * 4) / 2);
   }
+  EXPECT_EQ(attention, 2);
+  EXPECT_EQ(mlp, 2);
 }
 
 // TP groups: consecutive devices (k + tp·(r + d·pp)); DP replicas strided; gradients over 1/t.
