@@ -37,13 +37,14 @@ std::int64_t attention_score_epilogue_bytes(std::int64_t scores, std::int64_t dt
 // Standard-attention (Megatron-LM GPT) layers: the element-wise bytes per token and hidden element
 // after the row-parallel GEMM (output projection, fc2), replicated over TP ranks (SP slices them).
 // Forward: the fused bias-dropout-add (read two tensors, write one, the dropout's 1-byte mask).
-// Backward: its gradient (read the gradient and the mask, write), and with biases the row-parallel
-// bias's gradient, autograd's reduction of the broadcast bias over the tokens (read the gradient).
+// Backward: its gradient (read the gradient and the mask, write); autograd's sum of the layer input's
+// two gradients, through the norm and through the residual (read two, write one); and with biases the
+// row-parallel bias's gradient, autograd's reduction of the broadcast bias over the tokens (read).
 std::int64_t standard_hidden_forward_bytes(const LayerShape& sh, std::int64_t dt) {
   return 3 * dt + (sh.dropout ? 1 : 0);
 }
 std::int64_t standard_hidden_backward_bytes(const LayerShape& sh, std::int64_t dt) {
-  return 2 * dt + (sh.dropout ? 1 : 0) + (sh.bias ? dt : 0);
+  return 2 * dt + (sh.dropout ? 1 : 0) + 3 * dt + (sh.bias ? dt : 0);
 }
 // Megatron-LM's CoreAttention ends by permuting the context [b, np, s, hn] to [s, b, np·hn]
 // (.contiguous(): read and write); its backward copies the gradient back the same way.
@@ -178,19 +179,25 @@ Costs attention_costs(const LayerShape& sh, const Dims& d) {
     // forward, dP = dO·V^T backward): with a head dimension of ~100 their main loop is a few
     // k-steps and each output tile's write to HBM follows it on the SM, so the writes add to the
     // GEMM time (attention_score_epilogue_bytes).
-    // And the context's permute both ways (standard_context_permute_bytes); with biases, the QKV
-    // projection's bias added as a kernel of its own (ColumnParallelLinear without skip_bias_add runs
-    // `output = torch.matmul(input, weight.t())` then `output = output + bias`: read and write the
-    // QKV output, megatron/core/tensor_parallel/layers.py) and, backward, its gradient
-    // (`grad_output.sum(dim=0)`: read the QKV output's gradient).
+    // And, read from Megatron-LM's code (megatron/model/transformer.py, megatron/core/tensor_parallel/
+    // layers.py): the context's permute both ways (standard_context_permute_bytes); with biases, the
+    // QKV projection's bias added by a kernel of its own (ColumnParallelLinear without skip_bias_add:
+    // `output = torch.matmul(input, weight.t())`, then `output = output + bias`: read and write the
+    // QKV output) and, backward, its gradient (`grad_output.sum(dim=0)`: read the QKV output's
+    // gradient). Backward also: torch.split's gradient, which concatenates the q, k and v gradients
+    // into the QKV output's (read and write it), and baddbmm's, which scales the q and k gradients
+    // by its alpha (1/sqrt(head_dim)) in kernels of their own (read and write each).
     const std::int64_t permute = standard_context_permute_bytes(d.tokens, nh, v_dim, d.dt);
-    const std::int64_t qkv = sh.bias && !mla ? d.tokens * (nh + 2 * sh.kv_heads) * hd : 0;
+    const std::int64_t qkv = !mla ? d.tokens * (nh + 2 * sh.kv_heads) * hd : 0;
+    const std::int64_t qk_scale = !mla ? d.tokens * (nh + sh.kv_heads) * hd * 2 * d.dt : 0;
+    const std::int64_t bias_add = sh.bias ? qkv * 2 * d.dt : 0, bias_grad = sh.bias ? qkv * d.dt : 0;
     c.forward_elementwise_bytes = scores * (2 * d.dt + (sh.dropout ? 2 * d.dt + 1 : 0)) +
                                   d.tokens * h * standard_hidden_forward_bytes(sh, d.dt) +
-                                  attention_score_epilogue_bytes(scores, d.dt) + permute + qkv * 2 * d.dt;
+                                  attention_score_epilogue_bytes(scores, d.dt) + permute + bias_add;
     c.backward_elementwise_bytes = scores * (3 * d.dt + (sh.dropout ? 2 * d.dt + 1 : 0)) +
                                    d.tokens * h * standard_hidden_backward_bytes(sh, d.dt) +
-                                   attention_score_epilogue_bytes(scores, d.dt) + permute + qkv * d.dt;
+                                   attention_score_epilogue_bytes(scores, d.dt) + permute + bias_grad + qkv * 2 * d.dt +
+                                   qk_scale;
   }
   if (sh.dropout) c.activation_bytes += d.tokens * h;  // 1-byte mask of the dropout after the projection
   return c;

@@ -178,12 +178,15 @@ TEST(TensorParallel, GemmKernelsPerPass) {
 // writes one and masks (3·2 + 1 per element); the context's permute to [s, b, h] reads and writes
 // it (2 + 2); the QKV bias, added by a kernel of its own, reads and writes the QKV output (3·(2 + 2)).
 // Backward: softmax reads two and writes (3·2), dropout reads the gradient and mask and writes
-// (2 + 1 + 2), dP's epilogue writes (2); the hidden bias-dropout-add (2·2 + 1) and the output
-// projection's bias gradient, a sum over the tokens (2); the permute's gradient (2 + 2); the QKV
-// bias gradient (3·2). TP splits the score, context and QKV terms by heads; SP slices the hidden ones.
+// (2 + 1 + 2), dP's epilogue writes (2); the hidden bias-dropout-add (2·2 + 1), autograd's sum of
+// the layer input's gradients through the norm and the residual (3·2) and the output projection's
+// bias gradient, a sum over the tokens (2); the permute's gradient (2 + 2); the QKV
+// bias gradient (3·2); torch.split's gradient, concatenating the q, k, v gradients (3·(2 + 2)); and
+// baddbmm's alpha scaling the q and k gradients (2·(2 + 2)). TP splits the score, context and QKV
+// terms by heads; SP slices the hidden ones.
 // The MLP (ffn f = 4h, T·f = 4·hidden): bias + GELU reads and writes T·f (2 + 2), the hidden
 // bias-dropout-add as above; backward GELU reads the input and the gradient and writes (3·2), fc1's
-// bias gradient reads the gradient (2), and the hidden part as the attention's (2·2 + 1 + 2).
+// bias gradient reads the gradient (2), and the hidden part as the attention's (2·2 + 1 + 3·2 + 2).
 TEST(TensorParallel, StandardAttentionElementwiseBytesByHand) {
   const Model m = build_model(small_gpt());
   const double scores = b * a * s * s, hidden = s * b * h;
@@ -193,21 +196,21 @@ TEST(TensorParallel, StandardAttentionElementwiseBytesByHand) {
       ++mlp;
       const Costs c = layer_costs(layer, m.training());
       EXPECT_EQ(c.forward_elementwise_bytes, 4 * hidden * 4 + hidden * 7);
-      EXPECT_EQ(c.backward_elementwise_bytes, 4 * hidden * 8 + hidden * 7);
+      EXPECT_EQ(c.backward_elementwise_bytes, 4 * hidden * 8 + hidden * 13);
       const Costs sp = layer_costs(layer, m.training(), {2, true, 0});
       EXPECT_EQ(sp.forward_elementwise_bytes, (4 * hidden * 4 + hidden * 7) / 2);
-      EXPECT_EQ(sp.backward_elementwise_bytes, (4 * hidden * 8 + hidden * 7) / 2);
+      EXPECT_EQ(sp.backward_elementwise_bytes, (4 * hidden * 8 + hidden * 13) / 2);
       const Costs tp = layer_costs(layer, m.training(), {2, false, 0});  // TP alone: the hidden part whole
-      EXPECT_EQ(tp.backward_elementwise_bytes, 4 * hidden * 8 / 2 + hidden * 7);
+      EXPECT_EQ(tp.backward_elementwise_bytes, 4 * hidden * 8 / 2 + hidden * 13);
     }
     if (layer.kind != LayerKind::Attention) continue;
     ++attention;
     const Costs base = layer_costs(layer, m.training());
     EXPECT_EQ(base.forward_elementwise_bytes, scores * (4 + 5 + 2) + hidden * (7 + 4 + 12));
-    EXPECT_EQ(base.backward_elementwise_bytes, scores * (6 + 5 + 2) + hidden * (7 + 4 + 6));
+    EXPECT_EQ(base.backward_elementwise_bytes, scores * (6 + 5 + 2) + hidden * (13 + 4 + 6 + 12 + 8));
     const Costs sp = layer_costs(layer, m.training(), {2, true, 0});
     EXPECT_EQ(sp.forward_elementwise_bytes, (scores * 11 + hidden * 23) / 2);
-    EXPECT_EQ(sp.backward_elementwise_bytes, (scores * 13 + hidden * 17) / 2);
+    EXPECT_EQ(sp.backward_elementwise_bytes, (scores * 13 + hidden * 43) / 2);
     // Selective recomputation reruns the core: softmax, dropout, QK^T (with its epilogue) and the
     // context's permute, in the backward.
     const Costs sel = layer_costs(layer, m.training(), {2, true, 1});
