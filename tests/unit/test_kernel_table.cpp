@@ -276,12 +276,21 @@ TEST(KernelTable, TimesKernelsByHand) {
   EXPECT_EQ(runtime_profile_from_string(to_string(RuntimeProfile::EagerFusedLoss)), RuntimeProfile::EagerFusedLoss);
 }
 
-TEST(KernelTable, CostModelSumsTheKernelsOfAnOp) {
+namespace {
+
+// A zoo model compiled with a pipeline of `pp` stages over `microbatches`.
+core::CompiledScenario compile_pipeline(const char* model, int pp, int microbatches) {
   core::Scenario sc;
-  sc.model = "qwen3-9m";
-  sc.strategy.pp = 2;
-  sc.strategy.microbatches = 2;
-  const auto compiled = core::compile_scenario(sc);
+  sc.model = model;
+  sc.strategy.pp = pp;
+  sc.strategy.microbatches = microbatches;
+  return core::compile_scenario(sc);
+}
+
+}  // namespace
+
+TEST(KernelTable, CostModelSumsTheKernelsOfAnOp) {
+  const auto compiled = compile_pipeline("qwen3-9m", 2, 2);
   const core::Program& p = compiled.result.program;
   const Cluster cluster = load_cluster("dgx-h200");
   const CostModel cost(cluster);
@@ -575,11 +584,7 @@ std::pair<int, int> check_breakdown(const core::Program& p, const CostModel& cos
 }  // namespace
 
 TEST(KernelTable, BreakdownListsEveryKernelAsTheModelTimesIt) {
-  core::Scenario sc;
-  sc.model = "llama3-8b";
-  sc.strategy.pp = 4;
-  sc.strategy.microbatches = 4;
-  const auto compiled = core::compile_scenario(sc);
+  const auto compiled = compile_pipeline("llama3-8b", 4, 4);
   const core::Program& p = compiled.result.program;
   const CostModel cost(load_cluster("dgx-h200"));
   // 1F1B without zero-bubble splitting: device 1's one segment runs F and a fused B.
