@@ -56,7 +56,14 @@ int run_plot(const PlotArgs& a) {
   const auto columns = search::csv_split(header);
   auto column = [&](const std::string& name, const char* flag) -> int {
     for (std::size_t i = 0; i < columns.size(); ++i)
-      if (columns[i] == name) return static_cast<int>(i);
+      if (columns[i] == name) {
+        // A header naming it twice: the first was plotted, silently.
+        for (std::size_t j = i + 1; j < columns.size(); ++j)
+          if (columns[j] == name)
+            throw CliError(a.csv_path, fmt::format("{} '{}': columns {} and {} of the header both have this name", flag,
+                                                   name, i + 1, j + 1));
+        return static_cast<int>(i);
+      }
     std::string list;
     for (const auto& c : columns) list += (list.empty() ? "" : ", ") + c;
     throw CliError(a.csv_path, fmt::format("{} '{}': no such column (columns: {})", flag, name, list));

@@ -184,9 +184,17 @@ UnitSchedule unit_time_schedule(const Program& program,  // NOLINT(readability-f
 UnitSchedule unit_time_schedule(const StrategyOptions& options, const UnitCosts& costs) {
   if (costs.forward < 1 || costs.backward < 1 || costs.weight < 1 || costs.weight >= costs.backward)
     throw Error("--costs F,B,W: need integers F >= 1, B >= 2 and 1 <= W < B (BI = B - W must be positive)");
+  // Unit costs are small: times are ints, and 2 x 10^9 units overflowed them.
+  constexpr int kMaxUnitCost = 100;
+  if (costs.forward > kMaxUnitCost || costs.backward > kMaxUnitCost)
+    throw Error(fmt::format("--costs F,B,W: unit costs are at most {} (got F={} B={} W={})", kMaxUnitCost,
+                            costs.forward, costs.backward, costs.weight));
   StrategyOptions o = options;
   o.dp = 1, o.ep = 1, o.zero = 0, o.bucket_mb = 0;
   const ScheduleFamily& family = schedule_family(o.schedule);
+  // The directive program first: its errors name the flags (--pp x --virtual past the PP-region
+  // limit), where the model's named a zoo model the user never gave.
+  const DirectiveProgram program = validated(generate_program(o));
   const int regions = family.regions(o);
   // A small dense model (no expert segments) with one block per region: one compute op per
   // (region, microbatch, pass), so a unit cost per op is a unit cost per pipeline step.
@@ -197,7 +205,6 @@ UnitSchedule unit_time_schedule(const StrategyOptions& options, const UnitCosts&
   std::vector<int> starts;
   for (int i = 0; i < regions; ++i) starts.push_back(i);
   annotate_pipeline_ranges(model, starts);
-  const DirectiveProgram program = validated(generate_program(o));
   return unit_time_schedule(compile(model, program).program, costs);
 }
 
@@ -236,6 +243,15 @@ std::string render_unit_schedule(const UnitSchedule& s, const ScheduleTable* tab
       labels[r].push_back(std::move(label));
     }
   const std::size_t cell = width + 1;
+  // One line per rank of cell x step_time characters: refused before it is built (10^9 time units of
+  // --costs took minutes and gigabytes).
+  constexpr double kMaxGridChars = 1 << 28;
+  const double grid = static_cast<double>(s.ranks.size()) * static_cast<double>(cell) * s.step_time;
+  if (grid > kMaxGridChars)
+    throw Error(
+        fmt::format("schedule grid of {} ranks x {} time units would take {:.0f} characters (at most {:.0f}): "
+                    "give fewer ranks or microbatches, or smaller --costs",
+                    s.ranks.size(), s.step_time, grid, kMaxGridChars));
   std::string out;
   // Time ruler: a mark every 5 units.
   out += fmt::format("{:<8}", "time");

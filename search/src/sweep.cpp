@@ -135,6 +135,12 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   s.engine = knob(j, "engine", where, s.engine);
   s.seq_len = knob(j, "seq_len", where, s.seq_len);
   s.micro_batch_size = knob(j, "micro_batch_size", where, s.micro_batch_size);
+  // 0 keeps the model's; a negative value did too, silently.
+  for (const auto& [field, list] :
+       {std::pair{"seq_len", &s.seq_len}, std::pair{"micro_batch_size", &s.micro_batch_size}})
+    for (const auto v : *list)
+      if (v < 0)
+        throw SweepError(fmt::format("{}: field '{}': must be >= 0 (0: the model's), got {}", where, field, v));
   // Every strategy setting: a value or a list of values, each of the setting's type and range.
   const auto& table = core::strategy_settings();
   for (std::size_t i = 0; i < table.size(); ++i) {

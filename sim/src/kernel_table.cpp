@@ -5,6 +5,7 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -184,6 +185,14 @@ struct TableReader {
     if (!std::isfinite(v) || v <= 0 || v > 1e18) fail(at + "." + key, fmt::format("must be in (0, 1e18], got {}", v));
     return v;
   }
+  // A shape (m, n, k, batch, heads, ...): a whole number in [1, 1e9] (0.5 truncated to 0, and products
+  // of 1e18 overflowed int64).
+  std::int64_t whole(const json& o, const char* key, const std::string& at) const {
+    const double v = positive(o, key, at);
+    if (v != std::floor(v) || v < 1 || v > 1e9)
+      fail(at + "." + key, fmt::format("must be a whole number in [1, 1e9], got {}", v));
+    return static_cast<std::int64_t>(v);
+  }
   // Where a number came from (docs/cost-model.md, "Citations"): "source" {"url" or "ref" (a key of the
   // table's "sources"), "quote"} for a published figure, "derived" (a key of the table's "rules") for one
   // computed from another table by a stated rule. A table with "cited": true needs one on every entry.
@@ -291,10 +300,42 @@ void remove_dispatch_latency(const TableReader& r, const json& v, KernelTable& t
 KernelTable KernelTable::from_json(const json& j, const std::string& where) {  // NOLINT(readability-function-size)
   const TableReader r{where};
   if (!j.is_object()) r.fail("(top level)", "expected an object");
+  // kernels.py also records the GPU ("device", "sms", "torch", "cudnn") and its copy rates ("copy");
+  // `piper calibrate` its fit ("calibration").
+  static constexpr std::string_view kKnown[] = {"name",
+                                                "comment",
+                                                "device",
+                                                "sms",
+                                                "torch",
+                                                "cudnn",
+                                                "copy",
+                                                "calibration",
+                                                "base",
+                                                "compute_scale",
+                                                "memory_scale",
+                                                "gemm_scale",
+                                                "attention_scale",
+                                                "adamw_scale",
+                                                "launch_floor_us",
+                                                "gemm_dispatch_latency",
+                                                "gemm",
+                                                "attention",
+                                                "attention_kernels",
+                                                "memory_bound",
+                                                "adamw",
+                                                "sources",
+                                                "rules",
+                                                "cited"};
+  if (auto u = core::unknown_field(j, kKnown)) r.fail(u->key, u->message);
   KernelTable t;
   double compute_scale = 1, memory_scale = 1, gemm_scale = 1, attention_scale = 1, adamw_scale = 1;  // rate multipliers
   if (j.contains("base")) {
-    if (!j.at("base").is_string()) r.fail("base", "expected a built-in table name");
+    // A built-in table only: a file naming itself (or another file) recursed without end (SIGSEGV).
+    const auto names = kernel_table_names();
+    if (!j.at("base").is_string() ||
+        std::find(names.begin(), names.end(), j.at("base").get<std::string>()) == names.end())
+      r.fail("base", fmt::format("expected a built-in table name ({}), got {}", fmt::join(names, ", "),
+                                 core::printable(j.at("base").dump(), 80)));
     t = *load_kernel_table(j.at("base").get<std::string>());
     if (j.contains("compute_scale")) compute_scale = r.positive(j, "compute_scale", "");
     if (j.contains("memory_scale")) memory_scale = r.positive(j, "memory_scale", "");
@@ -302,6 +343,10 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
     if (j.contains("gemm_scale")) gemm_scale = r.positive(j, "gemm_scale", "");
     if (j.contains("attention_scale")) attention_scale = r.positive(j, "attention_scale", "");
     if (j.contains("adamw_scale")) adamw_scale = r.positive(j, "adamw_scale", "");
+  } else {
+    // Without a base they scaled nothing, silently.
+    for (const char* key : {"compute_scale", "memory_scale", "gemm_scale", "attention_scale", "adamw_scale"})
+      if (j.contains(key)) r.fail(key, "scales a built-in table: give \"base\" too");
   }
   t.name = j.contains("name") && j.at("name").is_string() ? j.at("name").get<std::string>() : where;
   if (j.contains("launch_floor_us")) {
@@ -325,9 +370,9 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
     if (std::find_if(std::begin(kDtypes), std::end(kDtypes), [&](const char* d) { return e.dtype == d; }) ==
         std::end(kDtypes))
       r.fail(at + ".dtype", "unknown dtype '" + e.dtype + "' (expected bf16, fp16, fp32, tf32 or fp8)");
-    e.m = static_cast<std::int64_t>(r.positive(g, "m", at));
-    e.n = static_cast<std::int64_t>(r.positive(g, "n", at));
-    e.k = static_cast<std::int64_t>(r.positive(g, "k", at));
+    e.m = r.whole(g, "m", at);
+    e.n = r.whole(g, "n", at);
+    e.k = r.whole(g, "k", at);
     e.flops_per_s = r.positive(g, "tflops", at) * 1e12;
     e.cited = g.contains("source");
     t.gemm.push_back(e);
@@ -339,11 +384,11 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
     const std::string at = fmt::format("attention[{}]", i);
     r.provenance(a, at, j, cited);
     Attention e;
-    e.batch = static_cast<std::int64_t>(r.positive(a, "b", at));
-    e.s = static_cast<std::int64_t>(r.positive(a, "s", at));
-    e.heads = static_cast<std::int64_t>(r.positive(a, "heads", at));
-    e.kv_heads = a.contains("kv_heads") ? static_cast<std::int64_t>(r.positive(a, "kv_heads", at)) : e.heads;
-    e.head_dim = static_cast<std::int64_t>(r.positive(a, "head_dim", at));
+    e.batch = r.whole(a, "b", at);
+    e.s = r.whole(a, "s", at);
+    e.heads = r.whole(a, "heads", at);
+    e.kv_heads = a.contains("kv_heads") ? r.whole(a, "kv_heads", at) : e.heads;
+    e.head_dim = r.whole(a, "head_dim", at);
     e.fwd_flops_per_s = r.positive(a, "fwd_tflops", at) * 1e12;
     e.bwd_flops_per_s = r.positive(a, "bwd_tflops", at) * 1e12;
     t.attention.push_back(e);

@@ -12,6 +12,7 @@
 
 #include "piper/core/error.hpp"
 #include "piper/core/kernels.hpp"
+#include "piper/core/limits.hpp"
 
 namespace piper::sim {
 
@@ -287,13 +288,22 @@ TableCalibration calibrate_from_trace(const core::Program& program, const CostMo
   std::size_t kernels = 0;
   for (std::size_t i = 0; i < events->size(); ++i) {
     const json& e = (*events)[i];
-    if (!e.is_object() || e.value("ph", "") != "X" || lower(e.value("cat", "")) != "kernel") continue;
+    if (!e.is_object()) continue;
+    // value() of a non-string "ph" or "cat" threw json's type_error, which named neither file nor event.
+    for (const char* key : {"ph", "cat"})
+      if (e.contains(key) && !e.at(key).is_string())
+        throw core::Error(fmt::format("{}: traceEvents[{}].{}: expected a string, got {}", where, i, key,
+                                      core::printable(e.at(key).dump(), 40)));
+    if (e.value("ph", "") != "X" || lower(e.value("cat", "")) != "kernel") continue;
     if (!e.contains("name") || !e.at("name").is_string() || !e.contains("dur") || !e.at("dur").is_number())
       throw core::Error(
           fmt::format("{}: traceEvents[{}]: a kernel event needs a string \"name\" and a number \"dur\"", where, i));
     const double dur = e.at("dur").get<double>();
-    if (!std::isfinite(dur) || dur < 0)
-      throw core::Error(fmt::format("{}: traceEvents[{}].dur: expected a duration >= 0 in µs, got {}", where, i, dur));
+    // At most 1e6 s, as a calibration file's "seconds": a sum of 1e300 µs made the fit's squares
+    // overflow and the multiplier land on its lower bound, 0.5.
+    if (!std::isfinite(dur) || dur < 0 || dur > 1e12)
+      throw core::Error(
+          fmt::format("{}: traceEvents[{}].dur: expected a duration in [0, 1e12] microseconds, got {}", where, i, dur));
     KernelClass k;
     if (!classify_kernel(e.at("name").get<std::string>(), k)) continue;
     measured[ix(static_cast<int>(k))] += dur * 1e-6 / steps;

@@ -537,6 +537,68 @@ TEST_F(HostileInput, OutputFolderCheckedBeforeTheWork) {
   EXPECT_TRUE(fs::exists(dir_ / "ck/dir/step.ckpt"));
 }
 
+// A kernel table (cluster "kernel_table") whose "base" named itself recursed until SIGSEGV; a misspelt
+// list ("gem") or a scale without a base was ignored; a shape of 0.5 became 0, and 1e18 x 1e18
+// overflowed int64. Each is now one line naming the cluster, the table and the field.
+TEST_F(HostileInput, KernelTableBaseShapesAndUnknownKeysChecked) {
+  input("c.json", R"({"preset": "dgx-h200", "nodes": 1, "node": {"gpu": {"kernel_table": "t.json"}}})");
+  const std::string sim = "simulate --model qwen3-9m --pp 2 --microbatches 2 --engine analytic --cluster c.json";
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {R"({"base": "t.json"})", {"field 'base'", "built-in table name", "h200-sxm"}},
+      {R"({"base": "nope"})", {"field 'base'", "got \"nope\""}},
+      {R"({"gem": []})", {"field 'gem'", "did you mean 'gemm'"}},
+      {R"({"compute_scale": 0.001})", {"field 'compute_scale'", "give \"base\" too"}},
+      {R"({"gemm": [{"dtype": "bf16", "m": 0.5, "n": 1024, "k": 1024, "tflops": 100}]})",
+       {"field 'gemm[0].m'", "whole number"}},
+      {R"({"attention": [{"b": 1e18, "s": 1024, "heads": 1e18, "head_dim": 64, "fwd_tflops": 1, "bwd_tflops": 1}]})",
+       {"field 'attention[0].b'", "whole number"}}};
+  for (const auto& [table, fragments] : cases) {
+    SCOPED_TRACE(table);
+    input("t.json", table);
+    std::vector<std::string> want = {"c.json", "t.json"};
+    want.insert(want.end(), fragments.begin(), fragments.end());
+    expect_one_line(run(sim, 30), want);
+  }
+  input("t.json", R"({"base": "h200-sxm", "compute_scale": 0.5, "comment": "slower"})");
+  EXPECT_EQ(run(sim, 30).exit_code, 0);
+}
+
+// calibrate --trace: a non-string "cat" or "ph" escaped as json's "type must be string, but is number"
+// (no file, no event); a kernel of 1e300 us made the fit's squares overflow and its multiplier land on
+// the lower bound (0.5), written as a table with exit 0.
+TEST_F(HostileInput, CalibrateTraceEventFieldsNamedAndDurationsBounded) {
+  const std::string calibrate = "calibrate --model qwen3-9m --pp 1 --microbatches 2 --trace tr.json -o table.json";
+  input("tr.json", R"({"traceEvents": [{"ph": "X", "cat": 5, "name": "x", "dur": 100}]})");
+  expect_one_line(run(calibrate, 30), {"tr.json", "traceEvents[0].cat", "expected a string"});
+  input("tr.json", R"({"traceEvents": [{"ph": 7, "cat": "kernel", "name": "x", "dur": 100}]})");
+  expect_one_line(run(calibrate, 30), {"tr.json", "traceEvents[0].ph", "expected a string"});
+  input("tr.json", R"({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "elementwise", "dur": 1e300}]})");
+  expect_one_line(run(calibrate, 30), {"tr.json", "traceEvents[0].dur", "[0, 1e12]"});
+  EXPECT_FALSE(fs::exists(dir_ / "table.json"));
+  input("tr.json", R"({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "elementwise", "dur": 1e12}]})");
+  EXPECT_EQ(run(calibrate, 30).exit_code, 0);
+}
+
+// schedule show --costs 1000000000,2000000000,1 overflowed the int time units and drew a grid of
+// billions of columns: it ran past any timeout. --ranks 100000 was refused naming llama3-8b's layers.
+TEST_F(HostileInput, ScheduleShowBoundsCostsAndNamesTheFlag) {
+  expect_one_line(run("schedule show 1f1b --ranks 2 --microbatches 2 --costs 1000000000,2000000000,1", 30),
+                  {"--costs", "at most 100"});
+  const CliResult ranks = run("schedule show 1f1b --ranks 100000 --microbatches 2", 30);
+  expect_one_line(ranks, {"--pp x --virtual", "100000 PP regions", "limit 'layers'"});
+  EXPECT_EQ(ranks.err.find("llama3-8b"), std::string::npos) << ranks.err;
+  EXPECT_EQ(run("schedule show 1f1b --ranks 2 --microbatches 2 --costs 100,100,1", 30).exit_code, 0);
+}
+
+// A sweep's seq_len or micro_batch_size of -1 silently meant the model's (as 0 does).
+TEST_F(HostileInput, SweepNegativeSequenceShapeRefused) {
+  input("mbs.json", R"({"model": "qwen3-9m", "pp": 2, "micro_batch_size": [2, -1]})");
+  expect_one_line(run("sweep mbs.json -o out.csv"), {"mbs.json", "field 'micro_batch_size'", ">= 0", "-1"});
+  input("seq.json", R"({"model": "qwen3-9m", "pp": 2, "seq_len": -128})");
+  expect_one_line(run("sweep seq.json -o out.csv"), {"seq.json", "field 'seq_len'", "-128"});
+  EXPECT_FALSE(fs::exists(dir_ / "out.csv"));
+}
+
 // ---- The helpers themselves ------------------------------------------------------------------
 
 // Depth of {"a": "<s>", "b": [[1]]} as check_json_depth sees it: the smallest limit it accepts.

@@ -155,6 +155,13 @@ TEST(PlotCli, HostileValuesAndPathsAreRefusedOrCounted) {
   EXPECT_NE(r.output.find("--output is also the input csv"), std::string::npos) << r.output;
   std::ifstream in(csv);
   EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()), before);
+  // A header naming a column twice: the first one was plotted, silently.
+  fs::remove(png);
+  write("a,b,a\n1,2,3\n");
+  r = run("plot " + csv.string() + " --x b --y a -o " + png.string());
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--y 'a': columns 1 and 3 of the header both have this name"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(png));
   fs::remove(csv);
   fs::remove(png);
 }

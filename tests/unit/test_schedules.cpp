@@ -158,6 +158,20 @@ TEST(ScheduleFormulas, RenderedGridMarksOverlappedPairs) {
   EXPECT_NE(text.find("peak activations"), std::string::npos);
 }
 
+// A grid of 10^9 time units (huge --costs) is refused before its rows are built, not drawn.
+TEST(ScheduleFormulas, OversizedGridRefusedBeforeItIsBuilt) {
+  core::UnitSchedule s;
+  s.step_time = 1000000000;
+  s.ranks.resize(2);
+  try {
+    (void)core::render_unit_schedule(s, nullptr);
+    FAIL() << "rendered";
+  } catch (const core::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("2 ranks x 1000000000 time units"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW((void)core::unit_time_schedule(shape("1f1b", 2, 2), core::UnitCosts{1, 1000, 1}), core::Error);
+}
+
 // DualPipeV's eight phases for rank 0 of 4 ranks and 10 microbatches, derived by hand from the rule
 // (phase 1: 6 F0; 2: F0 F1; 3: 3 x I1 W1 F1; 4: 3 x (F0&B1, F1&B0); 5: 3 x B1, F1&B0; 6: B1 I0;
 // 7: 3 x W0 I0; 8: W0), stages 0 and 7.
