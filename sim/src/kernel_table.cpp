@@ -337,12 +337,21 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
       r.fail("base", fmt::format("expected a built-in table name ({}), got {}", fmt::join(names, ", "),
                                  core::printable(j.at("base").dump(), 80)));
     t = *load_kernel_table(j.at("base").get<std::string>());
-    if (j.contains("compute_scale")) compute_scale = r.positive(j, "compute_scale", "");
-    if (j.contains("memory_scale")) memory_scale = r.positive(j, "memory_scale", "");
+    // A scale is a rate multiplier of the base table, at most 1000 times either way: beyond that it
+    // describes another machine, or a unit slipped (what `piper calibrate` refuses to fit, too).
+    const auto scale = [&](const char* key) {
+      const double v = r.positive(j, key, "");
+      if (v < kMinTableScale || v > 1 / kMinTableScale)
+        r.fail(key, fmt::format("must be in [{}, {}] (a rate multiplier of the base table), got {}", kMinTableScale,
+                                1 / kMinTableScale, v));
+      return v;
+    };
+    if (j.contains("compute_scale")) compute_scale = scale("compute_scale");
+    if (j.contains("memory_scale")) memory_scale = scale("memory_scale");
     // Per-class scales (`piper calibrate` writes them): GEMM, attention and AdamW rates apart.
-    if (j.contains("gemm_scale")) gemm_scale = r.positive(j, "gemm_scale", "");
-    if (j.contains("attention_scale")) attention_scale = r.positive(j, "attention_scale", "");
-    if (j.contains("adamw_scale")) adamw_scale = r.positive(j, "adamw_scale", "");
+    if (j.contains("gemm_scale")) gemm_scale = scale("gemm_scale");
+    if (j.contains("attention_scale")) attention_scale = scale("attention_scale");
+    if (j.contains("adamw_scale")) adamw_scale = scale("adamw_scale");
   } else {
     // Without a base they scaled nothing, silently.
     for (const char* key : {"compute_scale", "memory_scale", "gemm_scale", "attention_scale", "adamw_scale"})

@@ -191,6 +191,12 @@ void fit_multipliers(TableCalibration& c) {
   for (std::size_t r = 0; r < n; ++r) {
     c.multiplier[ix(cls[r])] = best->x[r];
     c.at_bound[ix(cls[r])] = (best_pinned >> r & 1u) != 0;
+    // The table it writes scales by 1 / multiplier, which a table accepts down to kMinTableScale.
+    if (best->x[r] > 1 / kMinTableScale)
+      throw core::Error(fmt::format(
+          "calibrate: the measured times make {} kernels {:.3g} times slower than the table's, beyond the {:g} a "
+          "calibrated table may scale: not this table's GPU and runtime, or a unit slipped (seconds, not us?)",
+          to_string(static_cast<KernelClass>(cls[r])), best->x[r], 1 / kMinTableScale));
   }
 }
 

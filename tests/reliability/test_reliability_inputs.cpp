@@ -551,7 +551,10 @@ TEST_F(HostileInput, KernelTableBaseShapesAndUnknownKeysChecked) {
       {R"({"gemm": [{"dtype": "bf16", "m": 0.5, "n": 1024, "k": 1024, "tflops": 100}]})",
        {"field 'gemm[0].m'", "whole number"}},
       {R"({"attention": [{"b": 1e18, "s": 1024, "heads": 1e18, "head_dim": 64, "fwd_tflops": 1, "bwd_tflops": 1}]})",
-       {"field 'attention[0].b'", "whole number"}}};
+       {"field 'attention[0].b'", "whole number"}},
+      // A scale past 1000 either way gave finite, absurd times (a 300-digit step in ms).
+      {R"({"base": "h200-sxm", "gemm_scale": 1e-300})", {"field 'gemm_scale'", "must be in [0.001, 1000]"}},
+      {R"({"base": "h200-sxm", "memory_scale": 1e4})", {"field 'memory_scale'", "must be in [0.001, 1000]"}}};
   for (const auto& [table, fragments] : cases) {
     SCOPED_TRACE(table);
     input("t.json", table);
@@ -575,7 +578,12 @@ TEST_F(HostileInput, CalibrateTraceEventFieldsNamedAndDurationsBounded) {
   input("tr.json", R"({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "elementwise", "dur": 1e300}]})");
   expect_one_line(run(calibrate, 30), {"tr.json", "traceEvents[0].dur", "[0, 1e12]"});
   EXPECT_FALSE(fs::exists(dir_ / "table.json"));
+  // A kernel within the bound but a million times the table's time fits a multiplier whose table
+  // (scale 1 / multiplier) no table accepts: refused, nothing written.
   input("tr.json", R"({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "elementwise", "dur": 1e12}]})");
+  expect_one_line(run(calibrate, 30), {"calibrate", "times slower than the table's", "1000"});
+  EXPECT_FALSE(fs::exists(dir_ / "table.json"));
+  input("tr.json", R"({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "elementwise", "dur": 100}]})");
   EXPECT_EQ(run(calibrate, 30).exit_code, 0);
 }
 

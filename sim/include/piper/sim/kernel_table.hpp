@@ -108,6 +108,10 @@ double dtype_peak_ratio(core::Precision p);
 // band instead: s² becomes 2·s·w - w².
 double causal_attention_flops(const core::Kernel& k);
 
+// The bounds of a derived table's rate multipliers ("compute_scale", ..., what `piper calibrate` writes
+// as 1 / multiplier): [kMinTableScale, 1 / kMinTableScale].
+inline constexpr double kMinTableScale = 1e-3;
+
 // Built-in tables: "h200-sxm" (measured), "h100-sxm" (derived from it: docs/cost-model.md).
 std::vector<std::string> kernel_table_names();
 // A built-in name or a path to a table file; loaded once and shared (thread-safe). Throws ClusterError.
