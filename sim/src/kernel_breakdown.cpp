@@ -96,7 +96,7 @@ std::string kernel_breakdown(const core::Program& program, const CostModel& mode
                            : fmt::format("segments {}-{}", b.first_segment, b.last_segment),
                        b.first_layer, b.last_layer, core::to_string(b.pass), one ? "" : ", each", b.times);
     out += fmt::format("  {:<20} {:<5} {:<26} {:>8} {:>9} {:>10} {:>9} {:>10}  {}\n", "kernel", "dtype", "shape",
-                       "launches", "GFLOP", "MB", "us each", "us total", "achieved");
+                       "launches", "GFLOP", "MB each", "us each", "us total", "achieved");
     out += b.rows;
   }
   return out;
