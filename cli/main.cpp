@@ -44,6 +44,18 @@ std::string unknown_flag_message(const CLI::App& app, int argc, char** argv) {
   return {};
 }
 
+// The --limit NAME=N flags, each limit once: a second value would silently win.
+void set_limits_from_flags(const std::vector<std::string>& flags) {
+  std::vector<std::string> given;
+  for (const auto& spec : flags) {
+    const std::string name = spec.substr(0, spec.find('='));
+    if (std::find(given.begin(), given.end(), name) != given.end())
+      throw piper::core::LimitError(fmt::format("--limit {}: given twice (give each limit once)", name));
+    given.push_back(name);
+    piper::core::set_limit_from_flag(spec);
+  }
+}
+
 int run_command(int argc, char** argv) {
   CLI::App app{"piper: a programmable distributed-training compiler, simulator and runtime", "piper"};
   app.require_subcommand(1);
@@ -52,7 +64,8 @@ int run_command(int argc, char** argv) {
   app.fallthrough();
   std::vector<std::string> limit_flags;
   app.add_option("--limit", limit_flags, "override a resource limit, NAME=N (repeatable; see `piper limits`)")
-      ->expected(1);
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   std::vector<Command> commands = {
       add_compile_command(app),  add_directives_command(app), add_verify_command(app),
       add_models_command(app),   add_run_command(app),        add_simulate_command(app),
@@ -89,7 +102,7 @@ int run_command(int argc, char** argv) {
 
   try {
     (void)piper::core::limit_value(piper::core::Limit::InputBytes);  // a malformed PIPER_LIMIT_* fails up front
-    for (const auto& spec : limit_flags) piper::core::set_limit_from_flag(spec);
+    set_limits_from_flags(limit_flags);
     // Test hook (as checkpoint.cpp's PIPER_TEST_CRASH_BEFORE_RENAME): raise one failure of each
     // class, so that tests/unit/test_cli.cpp can check the exit code each one maps to.
     if (const char* fail = std::getenv("PIPER_TEST_FAIL")) {

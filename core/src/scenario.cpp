@@ -381,6 +381,8 @@ void annotate_regions(const Scenario& s, Model& model, const DirectiveProgram& p
     std::string origin;
     if (s.stages > 0)
       origin = fmt::format("--stages {}: ", s.stages);
+    else if (s.directives && s.stage_starts.empty())  // the regions its "PP" filters name
+      origin = fmt::format("{}: \"PP\" filters up to {}: ", s.directives_source, regions - 1);
     else if (!s.directives)
       origin = s.strategy.virtual_stages > 1
                    ? fmt::format("--pp {} --virtual {}: ", s.strategy.pp, s.strategy.virtual_stages)

@@ -450,6 +450,19 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
   Search search(spec, options);
   search.set_memory_cap();
   const std::vector<TuneCandidate> candidates = enumerate_candidates(spec, &search.summary().enumeration);
+  // Pins that exclude each other (--pp 2 --dp 4 on 4 devices, a --dp-shard no DP degree takes) are bad
+  // input, not a search that found no plan that fits: one line before anything is written.
+  if (candidates.empty()) {
+    const EnumerationStats& e = search.summary().enumeration;
+    std::string why;
+    if (e.batch_indivisible > 0)
+      why += fmt::format("; {} left out: the global batch is not a multiple of DP x micro batch size",
+                         e.batch_indivisible);
+    throw TuneError(
+        fmt::format("nothing to search: no plan on {} devices takes every given knob (--pp, --dp, --ep, "
+                    "--dp-shard, --zero, --global-batch, --micro-batch-size, --schedules){}",
+                    spec.devices, why));
+  }
   search.summary().candidates = candidates.size();
   search.resume(csv_path);
   const std::vector<TuneCandidate> survivors = search.prune_by_memory(candidates);

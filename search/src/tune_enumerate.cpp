@@ -53,7 +53,9 @@ void read_model_knobs(const TuneSpec& spec, Knobs& k) {
     try {
       core::schedule_family(name);
     } catch (const std::invalid_argument& e) {
-      throw TuneError(e.what());
+      std::string m = e.what();  // "--schedule 'x' is unknown": the flag here is --schedules
+      if (m.rfind("--schedule ", 0) == 0) m.insert(std::string("--schedule").size(), "s");
+      throw TuneError(m);
     }
   }
   for (auto mbs : spec.micro_batch_sizes) {

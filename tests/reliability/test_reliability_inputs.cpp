@@ -607,6 +607,67 @@ TEST_F(HostileInput, SweepNegativeSequenceShapeRefused) {
   EXPECT_FALSE(fs::exists(dir_ / "out.csv"));
 }
 
+// A Hugging Face config whose num_key_value_heads, num_experts_per_tok or first_k_dense_replace broke a
+// model rule was refused under the spec's names ('kv_heads', 'moe.top_k'), which the file does not
+// hold; and the "fields not modelled" warning came three times from one compile.
+TEST_F(HostileInput, HuggingFaceConfigErrorsNameTheFilesKeys) {
+  const std::string llama = R"({"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "intermediate_size": 128, )";
+  input("kv.json", llama + R"("num_key_value_heads": 3})");
+  expect_one_line(run("compile --model kv.json -o plan.json"),
+                  {"kv.json: field 'num_key_value_heads': must divide num_attention_heads (4)"});
+  input("moe.json", R"({"model_type": "mixtral", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "intermediate_size": 128, "num_local_experts": 4,
+                        "num_experts_per_tok": 8})");
+  expect_one_line(run("compile --model moe.json -o plan.json"),
+                  {"moe.json: field 'num_experts_per_tok': must not exceed num_local_experts (4)"});
+  input("ds.json", R"({"model_type": "deepseek_v3", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 3,
+                       "num_attention_heads": 4, "intermediate_size": 128, "n_routed_experts": 4,
+                       "num_experts_per_tok": 2, "moe_intermediate_size": 32, "kv_lora_rank": 16,
+                       "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16, "first_k_dense_replace": 9})");
+  expect_one_line(run("compile --model ds.json -o plan.json"),
+                  {"ds.json: field 'first_k_dense_replace': must not exceed num_hidden_layers (3)"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+  input("extra.json", llama + R"("zeta_mixer": 1})");
+  const CliResult ok = run("compile --model extra.json -o plan.json");
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+  EXPECT_EQ(ok.err, "piper: warning: extra.json: fields not modelled: zeta_mixer\n");
+}
+
+// `--limit` is documented as repeatable, but a second one was refused by the flag parser ("At Most 1
+// required but received 2"); the same limit twice now names the limit instead of keeping the last.
+TEST_F(HostileInput, LimitFlagRepeatsButNotTheSameLimitTwice) {
+  const CliResult two = run("--limit devices=5 limits --limit json-depth=7");
+  EXPECT_EQ(two.exit_code, 0) << two.err;
+  EXPECT_NE(two.out.find("json-depth                           7*"), std::string::npos) << two.out;
+  EXPECT_NE(two.out.find("devices                              5*"), std::string::npos) << two.out;
+  expect_one_line(run("--limit devices=5 --limit devices=9 limits"), {"--limit devices: given twice"});
+}
+
+// Pins that exclude each other (--pp 2 --dp 4 on 4 devices, a --dp-shard no DP degree takes, a global
+// batch smaller than one microbatch) left nothing to search: "no simulated plan fits 124.75 GiB", exit 1.
+TEST_F(HostileInput, TunePinsThatLeaveNothingToSearchRefused) {
+  expect_one_line(run("tune --model qwen3-9m --devices 4 --pp 2 --dp 4 --top 0 -o t.csv", 60),
+                  {"nothing to search", "4 devices", "--pp, --dp"});
+  expect_one_line(run("tune --model qwen3-9m --devices 4 --dp-shard 3 --top 0 -o t.csv", 60),
+                  {"nothing to search", "--dp-shard"});
+  expect_one_line(run("tune --model qwen3-9m --devices 4 --global-batch 1 --micro-batch-size 2 --top 0 -o t.csv", 60),
+                  {"nothing to search", "not a multiple of DP x micro batch size"});
+  // An unknown family named the flag of simulate and compile, --schedule.
+  expect_one_line(run("tune --model qwen3-9m --devices 4 --schedules 1f1b,foo -o t.csv"),
+                  {"--schedules 'foo' is unknown"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.csv"));
+}
+
+// A directive program whose "PP" filters name more regions than the model has pipeline units was
+// refused without the file: "cannot annotate 5 PP regions: qwen3-9m: ...".
+TEST_F(HostileInput, DirectivePpFilterPastTheModelNamesTheFile) {
+  input("pp.json", R"([{"op": "place", "filter": {"PP": 4}, "devices": [0]}])");
+  expect_one_line(run("compile --model qwen3-9m --directives pp.json -o plan.json"),
+                  {"pp.json: \"PP\" filters up to 4: cannot annotate 5 PP regions", "between 1 and 4"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+}
+
 // ---- The helpers themselves ------------------------------------------------------------------
 
 // Depth of {"a": "<s>", "b": [[1]]} as check_json_depth sees it: the smallest limit it accepts.

@@ -202,7 +202,7 @@ TEST_F(SimCli, TuneWritesTheWinnersProgramAndResumes) {
 
   Result bad = run("tune --model qwen3-9m --devices 4 --schedules nope -o " + (dir_ / "x.csv").string(), dir_);
   EXPECT_EQ(bad.code, 2);
-  EXPECT_NE(bad.err.find("--schedule 'nope' is unknown"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("--schedules 'nope' is unknown"), std::string::npos) << bad.err;
   EXPECT_FALSE(fs::exists(dir_ / "x.csv")) << "nothing written for bad input";
   Result foreign = run("tune --model qwen3-9m --devices 4 --global-batch 16 -o " + csv.string(), dir_);
   EXPECT_EQ(foreign.code, 2);
