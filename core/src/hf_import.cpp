@@ -8,7 +8,6 @@
 #include <nlohmann/json.hpp>
 
 #include "piper/core/error.hpp"
-#include "piper/core/limits.hpp"
 #include "piper/core/model.hpp"
 #include "spec_fields.hpp"
 
@@ -149,24 +148,6 @@ double hf_probability(const json& j, const FieldReader& r, const std::string& f)
   const json& v = j.at(f);
   if (!v.is_number() || v.get<double>() < 0 || v.get<double>() >= 1) r.fail(f, "must be a probability in [0, 1)");
   return v.get<double>();
-}
-
-// validate_config names a model spec's fields (kv_heads, moe.top_k): in an error about a
-// config.json, the key the file spells instead, in the field and in the text after it.
-std::string hf_field_names(std::string message, const std::string& where,
-                           const std::vector<std::pair<std::string, std::string>>& names) {
-  const std::string prefix = where + ": field '";
-  if (message.rfind(prefix, 0) != 0) return message;
-  const auto end = message.find('\'', prefix.size());
-  if (end == std::string::npos) return message;
-  std::string text = message.substr(end);
-  for (const auto& [spec_name, hf_name] : names)
-    for (auto at = text.find(spec_name + " ("); at != std::string::npos; at = text.find(spec_name + " (", at + 1))
-      if (at == 0 || text[at - 1] == ' ') text.replace(at, spec_name.size(), hf_name);
-  std::string field = message.substr(prefix.size(), end - prefix.size());
-  for (const auto& [spec_name, hf_name] : names)
-    if (field == spec_name) field = hf_name;
-  return prefix + field + text;
 }
 
 }  // namespace
@@ -359,36 +340,30 @@ ModelConfig config_from_hf_json(const json& j, const std::string& where,  // NOL
   std::vector<std::string> unknown = not_modelled;
   for (auto it = j.begin(); it != j.end(); ++it)
     if (!r.read_keys().count(it.key()) && !hf_cost_irrelevant_fields().count(it.key())) unknown.push_back(it.key());
-  const std::vector<std::pair<std::string, std::string>> names = {
-      {"vocab", "vocab_size"},
-      {"hidden", key("hidden_size", "n_embd")},
-      {"layers", key("num_hidden_layers", "n_layer")},
-      {"heads", key("num_attention_heads", "n_head")},
-      {"kv_heads", "num_key_value_heads"},
-      {"head_dim", deepseek ? "qk_nope_head_dim" : "head_dim"},
-      {"ffn", key("intermediate_size", "n_inner")},
-      {"max_positions", "n_positions"},
-      {"moe.experts", type == "mixtral" ? "num_local_experts"
-                      : deepseek        ? "n_routed_experts"
-                                        : "num_experts"},
-      {"moe.top_k", "num_experts_per_tok"},
-      {"moe.expert_ffn", type == "mixtral" ? "intermediate_size" : "moe_intermediate_size"},
-      {"moe.shared_experts", "n_shared_experts"},
-      {"moe.first_dense_layers", deepseek ? "first_k_dense_replace" : "mlp_only_layers"},
-      {"moe.routing_groups", "n_group"},
-      {"moe.routing_group_limit", "topk_group"},
-      {"mla.q_lora_rank", "q_lora_rank"},
-      {"mla.kv_lora_rank", "kv_lora_rank"},
-      {"mla.qk_rope_head_dim", "qk_rope_head_dim"},
-      {"mla.v_head_dim", "v_head_dim"},
-      {"sliding_window.window", "sliding_window"}};
-  try {
-    validate_config(c, where);
-  } catch (const LimitError& e) {
-    throw LimitError(hf_field_names(e.what(), where, names));
-  } catch (const ModelError& e) {
-    throw ModelError(hf_field_names(e.what(), where, names));
-  }
+  // Errors about the config name its keys, not the spec's fields.
+  const spec::FieldNames names = {{"vocab", "vocab_size"},
+                                  {"hidden", key("hidden_size", "n_embd")},
+                                  {"layers", key("num_hidden_layers", "n_layer")},
+                                  {"heads", key("num_attention_heads", "n_head")},
+                                  {"kv_heads", "num_key_value_heads"},
+                                  {"head_dim", deepseek ? "qk_nope_head_dim" : "head_dim"},
+                                  {"ffn", key("intermediate_size", "n_inner")},
+                                  {"max_positions", "n_positions"},
+                                  {"moe.experts", type == "mixtral" ? "num_local_experts"
+                                                  : deepseek        ? "n_routed_experts"
+                                                                    : "num_experts"},
+                                  {"moe.top_k", "num_experts_per_tok"},
+                                  {"moe.expert_ffn", type == "mixtral" ? "intermediate_size" : "moe_intermediate_size"},
+                                  {"moe.shared_experts", "n_shared_experts"},
+                                  {"moe.first_dense_layers", deepseek ? "first_k_dense_replace" : "mlp_only_layers"},
+                                  {"moe.routing_groups", "n_group"},
+                                  {"moe.routing_group_limit", "topk_group"},
+                                  {"mla.q_lora_rank", "q_lora_rank"},
+                                  {"mla.kv_lora_rank", "kv_lora_rank"},
+                                  {"mla.qk_rope_head_dim", "qk_rope_head_dim"},
+                                  {"mla.v_head_dim", "v_head_dim"},
+                                  {"sliding_window.window", "sliding_window"}};
+  validate_config(c, where, names);
   if (unmodelled) {
     *unmodelled = unknown;
   } else if (!unknown.empty()) {

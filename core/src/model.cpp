@@ -152,28 +152,39 @@ int Model::pp_regions() const {
 namespace spec {
 
 namespace {
+// A field's name in the front end's file (FieldNames), or the spec's.
+struct Namer {
+  const FieldNames& names;
+  std::string operator()(const char* field) const {
+    const auto it = names.find(field);
+    return it == names.end() ? field : it->second;
+  }
+};
+
 // moe.routing_groups must split the experts evenly; the limit lies in [1, groups].
-void validate_routing_groups(const ModelConfig& c, const std::string& where) {
+void validate_routing_groups(const ModelConfig& c, const std::string& where, const Namer& n) {
   if (c.routing_groups == 0) {
     if (c.routing_group_limit != 0)
-      field_error(where, "moe.routing_group_limit", "needs moe.routing_groups (the number of expert groups)");
+      field_error(where, n("moe.routing_group_limit"),
+                  "needs " + n("moe.routing_groups") + " (the number of expert groups)");
     return;
   }
   if (c.routing_groups < 0 || c.experts % c.routing_groups != 0)
-    field_error(where, "moe.routing_groups",
-                "must be a positive integer that divides moe.experts (" + std::to_string(c.experts) + ")");
+    field_error(where, n("moe.routing_groups"),
+                "must be a positive integer that divides " + n("moe.experts") + " (" + std::to_string(c.experts) + ")");
   if (c.routing_group_limit < 1 || c.routing_group_limit > c.routing_groups)
-    field_error(where, "moe.routing_group_limit",
-                "must lie between 1 and moe.routing_groups (" + std::to_string(c.routing_groups) + ")");
+    field_error(where, n("moe.routing_group_limit"),
+                "must lie between 1 and " + n("moe.routing_groups") + " (" + std::to_string(c.routing_groups) + ")");
 }
 }  // namespace
 
-void validate_config(const ModelConfig& c, const std::string& where) {
+void validate_config(const ModelConfig& c, const std::string& where, const FieldNames& names) {
+  const Namer n{names};
   auto positive = [&](std::int64_t v, const char* field) {
-    if (v <= 0) field_error(where, field, "must be a positive integer");
+    if (v <= 0) field_error(where, n(field), "must be a positive integer");
   };
   auto non_negative = [&](std::int64_t v, const char* field) {
-    if (v < 0) field_error(where, field, "must be a non-negative integer");
+    if (v < 0) field_error(where, n(field), "must be a non-negative integer");
   };
   positive(c.vocab, "vocab");
   positive(c.hidden, "hidden");
@@ -181,24 +192,27 @@ void validate_config(const ModelConfig& c, const std::string& where) {
   positive(c.heads, "heads");
   positive(c.kv_heads, "kv_heads");
   positive(c.head_dim, "head_dim");
-  if (c.heads % c.kv_heads != 0) field_error(where, "kv_heads", "must divide heads (" + std::to_string(c.heads) + ")");
+  if (c.heads % c.kv_heads != 0)
+    field_error(where, n("kv_heads"), "must divide " + n("heads") + " (" + std::to_string(c.heads) + ")");
   non_negative(c.ffn, "ffn");
   non_negative(c.max_positions, "max_positions");
   non_negative(c.experts, "moe.experts");
   const bool has_dense_block = c.experts == 0 || c.first_dense_layers > 0;
   if (has_dense_block && c.ffn <= 0)
-    field_error(where, "ffn", "must be a positive integer (the model has dense blocks)");
+    field_error(where, n("ffn"), "must be a positive integer (the model has dense blocks)");
   if (c.experts > 0) {
     positive(c.top_k, "moe.top_k");
     if (c.top_k > c.experts)
-      field_error(where, "moe.top_k", "must not exceed moe.experts (" + std::to_string(c.experts) + ")");
+      field_error(where, n("moe.top_k"),
+                  "must not exceed " + n("moe.experts") + " (" + std::to_string(c.experts) + ")");
     positive(c.expert_ffn, "moe.expert_ffn");
     non_negative(c.shared_experts, "moe.shared_experts");
     if (c.shared_experts > 0) positive(c.shared_expert_ffn, "moe.shared_expert_ffn");
     non_negative(c.first_dense_layers, "moe.first_dense_layers");
     if (c.first_dense_layers > c.layers)
-      field_error(where, "moe.first_dense_layers", "must not exceed layers (" + std::to_string(c.layers) + ")");
-    validate_routing_groups(c, where);
+      field_error(where, n("moe.first_dense_layers"),
+                  "must not exceed " + n("layers") + " (" + std::to_string(c.layers) + ")");
+    validate_routing_groups(c, where, n);
   }
   non_negative(c.kv_lora_rank, "mla.kv_lora_rank");
   non_negative(c.q_lora_rank, "mla.q_lora_rank");
@@ -206,18 +220,18 @@ void validate_config(const ModelConfig& c, const std::string& where) {
     positive(c.qk_rope_head_dim, "mla.qk_rope_head_dim");
     positive(c.v_head_dim, "mla.v_head_dim");
   } else if (c.q_lora_rank > 0) {
-    field_error(where, "mla.kv_lora_rank", "must be positive when mla.q_lora_rank is set");
+    field_error(where, n("mla.kv_lora_rank"), "must be positive when mla.q_lora_rank is set");
   }
   non_negative(c.sliding_window, "sliding_window.window");
   non_negative(c.global_every, "sliding_window.global_every");
   if (c.global_every > 0 && c.sliding_window == 0)
-    field_error(where, "sliding_window.global_every", "needs a positive sliding_window.window");
+    field_error(where, n("sliding_window.global_every"), "needs a positive sliding_window.window");
   positive(c.training.seq_len, "training.seq_len");
   positive(c.training.micro_batch_size, "training.micro_batch_size");
   // Resource limits (limits.hpp): past them the DAG would not fit in memory or the costs (int64
   // bytes) would overflow; checked here so every front end (spec, HF config, flags) is covered.
   auto within = [&](Limit l, std::int64_t v, const char* field, const char* unit) {
-    check_limit(l, v, where + ": field '" + field + "'", unit);
+    check_limit(l, v, where + ": field '" + n(field) + "'", unit);
   };
   within(Limit::Layers, c.layers, "layers", "layers");
   const std::pair<std::int64_t, const char*> widths[] = {{c.vocab, "vocab"},
@@ -242,7 +256,7 @@ void validate_config(const ModelConfig& c, const std::string& where) {
          "tokens per microbatch");
   // Learned absolute positions (GPT) have one row per position: a longer sequence has none to read.
   if (c.max_positions > 0 && c.training.seq_len > c.max_positions)
-    field_error(where, "training.seq_len",
+    field_error(where, n("training.seq_len"),
                 std::to_string(c.training.seq_len) + " exceeds max_positions " + std::to_string(c.max_positions) +
                     " (the model's learned positions)");
 }

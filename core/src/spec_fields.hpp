@@ -2,6 +2,7 @@
 // (model.cpp) and the Hugging Face importer (hf_import.cpp). Internal to piper_core.
 #pragma once
 
+#include <map>
 #include <set>
 #include <string>
 
@@ -19,9 +20,13 @@ using nlohmann::json;
   throw ModelError(where + ": field '" + field + "': " + msg);
 }
 
-// Checks the invariants every consumer of a ModelConfig relies on; field names are the spec's
-// (model.cpp).
-void validate_config(const ModelConfig& c, const std::string& where);
+// What a front end calls a model spec field (hf_import.cpp: the config.json keys), so that an error
+// names the key the user's file spells; a field not in the map keeps the spec's name.
+using FieldNames = std::map<std::string, std::string>;
+
+// Checks the invariants every consumer of a ModelConfig relies on; fields are named as `names` says,
+// else as the spec does (model.cpp).
+void validate_config(const ModelConfig& c, const std::string& where, const FieldNames& names = {});
 
 // Typed access to one JSON object with one-line errors naming `where` and the dotted field.
 class FieldReader {
