@@ -665,8 +665,4 @@ double KernelTiming::bytes(const Kernel& k) const {
   return static_cast<double>(k.elems) * (c.bytes_per_elem * dt + c.fp32_bytes_per_elem);
 }
 
-int KernelTiming::launches(const Kernel& k) const {
-  return core::is_elementwise(k.kind) ? elementwise_cost(k.kind, profile).launches : 1;
-}
-
 }  // namespace piper::sim

@@ -131,10 +131,9 @@ struct KernelTiming {
   double half_efficiency_flops = 0;
   KernelTable::AttentionKernel attention_kernel{};  // the cluster's attention implementation (1, 1: the table's own)
   double seconds(const core::Kernel& k) const;
-  // HBM bytes one launch of `k` moves as seconds() counts them (GEMM: its operands and result; the
-  // attention core: 0, it is timed by FLOPs alone), and the launches a runtime splits it into.
+  // HBM bytes `k` moves as seconds() counts them (GEMM: its operands and result; the attention core:
+  // 0, it is timed by FLOPs alone).
   double bytes(const core::Kernel& k) const;
-  int launches(const core::Kernel& k) const;
 };
 
 }  // namespace piper::sim
