@@ -337,9 +337,13 @@ core::Scenario ScenarioFlags::scenario() const {
                                      std::filesystem::path(scenario_path).parent_path().string());
   }
   if (model.empty()) throw CliError("", "--model is required (or give --scenario FILE)");
-  if (strategy.option("microbatches")->count() > 0 && directives->count() > 0 &&
-      strategy.option("schedule")->count() == 0)
-    throw CliError("", "--microbatches with --directives needs --schedule (the schedule to append)");
+  // Beside --directives the schedule's settings (--microbatches, --virtual, --global-batch, ...) apply
+  // only to a schedule appended with --schedule; else the program's own split and order win.
+  if (directives->count() > 0 && strategy.option("schedule")->count() == 0)
+    for (const core::Setting& setting : core::strategy_settings())
+      if (!setting.generator_only && setting.name != "schedule" && strategy.option(setting.name)->count() > 0)
+        throw CliError("", fmt::format("{} with --directives needs --schedule (the schedule to append)",
+                                       core::setting_flag(setting)));
   core::Scenario s;
   s.model = model;
   s.seq_len = seq_len;

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>  // environ
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -62,7 +64,8 @@ std::int64_t parse_positive(const std::string& text, const std::string& where) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used == 0 || used != text.size() || v < 1)
+  // stoll skips leading white space: " 5" must be refused as "5 " is.
+  if (used == 0 || used != text.size() || v < 1 || std::isspace(static_cast<unsigned char>(text.front())))
     throw LimitError(fmt::format("{}: expected a positive integer, got '{}'", where, text));
   return v;
 }
@@ -79,6 +82,17 @@ struct Values {
 Values& values() {
   static Values vals;
   static const std::string env_error = [] {
+    // A misspelt variable (PIPER_LIMIT_DEVICE=8) would leave its limit at the default without a word.
+    std::vector<std::string> known;
+    for (const LimitInfo& l : kTable) known.push_back(env_name(l.name));
+    const std::string prefix = "PIPER_LIMIT_";
+    for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+      const std::string entry = *e;
+      const std::string name = entry.substr(0, entry.find('='));
+      if (name.rfind(prefix, 0) == 0 && std::find(known.begin(), known.end(), name) == known.end())
+        return fmt::format("{}: not a piper limit{} (piper limits lists them)", printable(name, 80),
+                           did_you_mean(name, known));
+    }
     for (std::size_t i = 0; i < kCount; ++i) {
       const std::string name = env_name(kTable[i].name);
       if (const char* text = std::getenv(name.c_str())) {

@@ -212,6 +212,12 @@ void validate_config(const ModelConfig& c, const std::string& where, const Field
     if (c.first_dense_layers > c.layers)
       field_error(where, n("moe.first_dense_layers"),
                   "must not exceed " + n("layers") + " (" + std::to_string(c.layers) + ")");
+    // Every block dense: the MoE fields (and --ep, whose shard directives then match nothing) would be
+    // silently ignored.
+    if (c.first_dense_layers == c.layers)
+      field_error(where, n("moe.first_dense_layers"),
+                  "equals " + n("layers") + " (" + std::to_string(c.layers) +
+                      "): no block would be a MoE block, so the experts would be ignored");
     validate_routing_groups(c, where, n);
   }
   non_negative(c.kv_lora_rank, "mla.kv_lora_rank");
@@ -523,6 +529,8 @@ ModelConfig config_from_spec_json(const json& j, const std::string& where) {
     c.top_k = m.req_positive("top_k");
     c.expert_ffn = m.req_positive("expert_ffn");
     c.shared_experts = m.non_negative_or("shared_experts", 0);
+    if (c.shared_experts == 0 && m.has("shared_expert_ffn"))
+      m.fail("shared_expert_ffn", "needs moe.shared_experts >= 1 (without shared experts it would be ignored)");
     c.shared_expert_ffn = m.positive_or("shared_expert_ffn", c.shared_experts > 0 ? c.expert_ffn : 0);
     c.first_dense_layers = m.non_negative_or("first_dense_layers", 0);
     c.routing_groups = m.non_negative_or("routing_groups", 0);

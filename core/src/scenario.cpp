@@ -52,8 +52,12 @@ std::string model_file_of(const std::string& model) {
   return std::filesystem::exists(model, ec) ? model : std::string();
 }
 
-// Expert parallelism needs experts to shard: reject --ep on a dense model before generating anything.
-void check_ep(const ModelConfig& cfg, int ep) {
+// Expert parallelism needs experts to shard: reject --ep (and --etp, which splits the experts) on a
+// dense model before generating anything; the generated program would silently leave them out.
+void check_ep(const ModelConfig& cfg, int ep, int etp) {
+  if (etp > 1 && cfg.experts <= 0)
+    throw Error(fmt::format("--etp {}: model '{}' has no MoE experts to split (use --etp 1; --tp splits dense layers)",
+                            etp, cfg.name));
   if (ep <= 1) return;
   if (cfg.experts <= 0) throw Error(fmt::format("--ep {}: model '{}' has no MoE experts (use --ep 1)", ep, cfg.name));
   if (cfg.experts % ep != 0)
@@ -203,7 +207,7 @@ DirectiveProgram program_for(const Scenario& s, const ModelConfig& cfg, int* reg
     program = from(s.directives_source, [&] { return parse_directives(*s.directives); });
     if (regions == 0) regions = pp_regions_in_program(program);
   } else {
-    check_ep(cfg, opts.ep);
+    check_ep(cfg, opts.ep, opts.etp);
     if (regions == 0) regions = from("--schedule", [&] { return schedule_family(opts.schedule).regions(opts); });
   }
   // Regions size per-region tables (balancing, placement): a "PP": 2000000000 filter must not allocate.
@@ -441,8 +445,12 @@ json Scenario::to_json() const {
     j["directives"] = *directives;
     if (append_schedule) j["append_schedule"] = true;
   }
-  // Essential settings always, the others only when not at their default (settings.hpp).
+  // Essential settings always, the others only when not at their default (settings.hpp); beside a
+  // directive program only those it takes (from_json refuses the others): the schedule's, when appended.
   j["strategy"] = strategy_to_json(strategy);
+  if (directives)
+    for (const Setting& s : strategy_settings())
+      if (s.generator_only || !append_schedule) j["strategy"].erase(s.name);
   if (!cluster.empty()) j["cluster"] = cluster;
   if (!engine.empty()) j["engine"] = engine;
   if (!train.empty()) j["train"] = train;
@@ -484,8 +492,12 @@ json checked_train(const json& t, const std::string& where) {
     } else if (k == "steps" || k == "lr_decay_steps" || k == "loss_scale_window") {
       if (!v.is_number_integer() || v.get<long long>() < 1 || v.get<long long>() > 1'000'000'000)
         throw fail(k, "must be an integer >= 1");
-    } else if (k == "warmup_steps" || k == "seed") {
-      if (!v.is_number_integer() || v.get<long long>() < 0) throw fail(k, "must be an integer >= 0");
+    } else if (k == "warmup_steps") {  // an int of piper run's (4294967297 must not wrap to 1)
+      if (!v.is_number_integer() || v.get<long long>() < 0 || v.get<long long>() > 1'000'000'000)
+        throw fail(k, "must be an integer in [0, 1e9]");
+    } else if (k == "seed") {  // a uint64, as --seed takes
+      if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<long long>() >= 0))
+        throw fail(k, "must be an integer >= 0");
     } else if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>())) {
       throw fail(k, "must be a number >= 0");
     }
@@ -547,14 +559,12 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
       std::string text;
       try {
         text = read_input_file(s.directives_source);
-        check_json_depth(text, s.directives_source);
-      } catch (const Error& e) {
-        throw fail("directives", e.what());
-      }
-      try {
-        s.directives = json::parse(text);
+        // parse_json: the depth limit, and a key given twice refused as in every other input
+        s.directives = parse_json(text, s.directives_source);
       } catch (const json::exception& e) {  // also number overflow (out_of_range.406)
         throw Error(s.directives_source + ": not JSON: " + e.what());
+      } catch (const Error& e) {
+        throw fail("directives", e.what());
       }
     } else if (d.is_array()) {
       s.directives = d;
@@ -568,6 +578,23 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     s.append_schedule = j["append_schedule"].get<bool>();
   }
   if (j.contains("strategy")) read_strategy_json(j["strategy"], s.strategy, where);
+  // A directive program fixes the placement, parallelism and sharding (the CLI's generator flags exclude
+  // --directives), and its own split/order the schedule unless append_schedule: a setting it would
+  // ignore is an error, not a silently different strategy.
+  if (s.append_schedule && !s.directives)
+    throw fail("append_schedule", "applies only with \"directives\" (the program the schedule is appended to)");
+  if (s.directives)
+    for (const Setting& setting : strategy_settings()) {
+      if (at_default(setting, s.strategy)) continue;
+      if (setting.generator_only)
+        throw fail("strategy." + setting.name,
+                   "the directive program fixes the placement, parallelism and sharding: this setting would be "
+                   "ignored (drop it, or drop \"directives\")");
+      if (!s.append_schedule)
+        throw fail("strategy." + setting.name,
+                   "applies only with \"append_schedule\": true (the directive program's own split and order fix "
+                   "the schedule)");
+    }
   for (const char* key : {"cluster", "engine"})
     if (j.contains(key) && !j[key].is_string()) throw fail(key, "must be a string");
   if (j.contains("cluster")) s.cluster = resolve(j["cluster"].get<std::string>());

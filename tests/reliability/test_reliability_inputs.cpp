@@ -668,6 +668,82 @@ TEST_F(HostileInput, DirectivePpFilterPastTheModelNamesTheFile) {
   EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
 }
 
+// ---- Round 4: settings that had no effect where they were given ---------------------------------
+
+// --etp on a dense model compiled the same plan as --etp 1 (--ep was already refused there); a MoE
+// spec whose first_dense_layers covers every block kept its experts on paper only, so --ep 2 changed
+// nothing; a shared_expert_ffn without shared experts was dropped.
+TEST_F(HostileInput, ExpertSettingsWithoutExpertsRefused) {
+  const std::string dense = kSource + "/examples/models/dense-1b.json";
+  expect_one_line(run("compile --model '" + dense + "' --dp 2 --etp 2 -o plan.json"),
+                  {"--etp 2", "model 'dense-1b' has no MoE experts", "use --etp 1"});
+  const std::string base =
+      R"({"name": "m", "vocab": 1000, "hidden": 256, "layers": 4, "heads": 4, "ffn": 512, "moe": {"experts": 4,
+          "top_k": 2, "expert_ffn": 128, )";
+  input("all-dense.json", base + R"("first_dense_layers": 4}})");
+  expect_one_line(run("simulate --model all-dense.json --dp 2 --ep 2 --engine analytic"),
+                  {"all-dense.json", "field 'moe.first_dense_layers'", "equals layers (4)", "no block would be a MoE"});
+  input("shared.json", base + R"("shared_expert_ffn": 64}})");
+  expect_one_line(run("compile --model shared.json -o plan.json"),
+                  {"shared.json", "field 'moe.shared_expert_ffn'", "needs moe.shared_experts >= 1"});
+  // The same with shared experts, and three dense blocks of four, still compile.
+  input("ok.json", base + R"("shared_experts": 1, "shared_expert_ffn": 64, "first_dense_layers": 3}})");
+  EXPECT_EQ(run("compile --model ok.json --dp 2 --ep 2 -o plan.json").exit_code, 0);
+  fs::remove(dir_ / "plan.json");
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+}
+
+// A scenario holding a directive program used the program and ignored the strategy's parallelism
+// ("pp": 4, "zero": 3 compiled the program's PP 2 without ZeRO, exit 0), its schedule settings unless
+// "append_schedule" was set, and "append_schedule" without a program. The CLI's --global-batch and
+// --virtual beside --directives without --schedule were ignored too (--microbatches was refused).
+TEST_F(HostileInput, ScenarioSettingsADirectiveProgramWouldIgnoreRefused) {
+  const CliResult program = run("directives --model qwen3-9m --pp 2 --microbatches 2");
+  ASSERT_EQ(program.exit_code, 0) << program.err;
+  input("d.json", program.out);
+  input("pp.json", R"({"model": "qwen3-9m", "directives": "d.json", "strategy": {"pp": 4, "zero": 3}})");
+  expect_one_line(run("compile --scenario pp.json -o plan.json"),
+                  {"pp.json", "field 'strategy.pp'", "directive program fixes the placement", "would be ignored"});
+  input("mb.json", R"({"model": "qwen3-9m", "directives": "d.json", "strategy": {"microbatches": 8}})");
+  expect_one_line(run("simulate --scenario mb.json"),
+                  {"mb.json", "field 'strategy.microbatches'", "applies only with \"append_schedule\": true"});
+  input("append.json", R"({"model": "qwen3-9m", "append_schedule": true, "strategy": {"pp": 2}})");
+  expect_one_line(run("compile --scenario append.json -o plan.json"),
+                  {"append.json", "field 'append_schedule'", "applies only with \"directives\""});
+  expect_one_line(run("compile --model qwen3-9m --directives d.json --global-batch 8 -o plan.json"),
+                  {"--global-batch with --directives needs --schedule"});
+  expect_one_line(run("compile --model qwen3-9m --directives d.json --virtual 2 -o plan.json"),
+                  {"--virtual with --directives needs --schedule"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+  // What --save-scenario writes beside a program reads back (the settings at their defaults are left
+  // out), with an appended schedule its settings kept.
+  ASSERT_EQ(run("compile --model qwen3-9m --directives d.json --save-scenario s.json -o a.json").exit_code, 0);
+  EXPECT_EQ(json::parse(read_file(dir_ / "s.json"))["strategy"], json::object());
+  EXPECT_EQ(run("compile --scenario s.json -o b.json").exit_code, 0);
+  // A key given twice in the directive file a scenario names (read by the scenario, not by --directives).
+  input("dup.json", R"([{"op": "split", "filter": {}, "filter": {}, "dim_name": "MB", "num_microbatches": 2}])");
+  input("dup-scenario.json", R"({"model": "qwen3-9m", "directives": "dup.json"})");
+  expect_one_line(run("compile --scenario dup-scenario.json -o plan.json"),
+                  {"dup-scenario.json", "field 'directives'", "duplicate key 'filter'"});
+  // A train section's warmup_steps past int wrapped (4294967297 warmed up for 1 step).
+  input("warm.json", R"({"model": "qwen3-9m", "train": {"warmup_steps": 4294967297}})");
+  expect_one_line(run("run --reference --scenario warm.json"), {"warm.json", "field 'train.warmup_steps'", "1e9"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+}
+
+// A misspelt PIPER_LIMIT_ variable left its limit at the default, silently; " 5" was read as 5 while
+// "5 " was refused.
+TEST_F(HostileInput, UnknownOrPaddedLimitVariablesRefused) {
+  const CliResult misspelt =
+      run_cli_in(dir_, PIPER_CLI, "compile --model qwen3-9m --dp 2 -o plan.json", "PIPER_LIMIT_DEVICE=1 timeout 60");
+  expect_one_line(misspelt, {"PIPER_LIMIT_DEVICE: not a piper limit", "did you mean 'PIPER_LIMIT_DEVICES'"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+  expect_one_line(run_cli_in(dir_, PIPER_CLI, "limits", "PIPER_LIMIT_DEVICES=' 5' timeout 60"),
+                  {"PIPER_LIMIT_DEVICES: expected a positive integer, got ' 5'"});
+  const CliResult ok = run_cli_in(dir_, PIPER_CLI, "limits", "PIPER_LIMIT_DEVICES=5 timeout 60");
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+}
+
 // ---- The helpers themselves ------------------------------------------------------------------
 
 // Depth of {"a": "<s>", "b": [[1]]} as check_json_depth sees it: the smallest limit it accepts.
