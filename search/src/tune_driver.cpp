@@ -463,6 +463,20 @@ TuneSummary run_tune(const TuneSpec& spec, const std::string& csv_path, const Tu
                     "--dp-shard, --zero, --global-batch, --micro-batch-size, --schedules){}",
                     spec.devices, why));
   }
+  // A knob given explicitly that no candidate can take would be dropped from every plan without a
+  // word (`--sequence-parallel on` with only TP 1, `--reduce-every step` with only ZeRO-0/1).
+  const auto any = [&](auto pred) { return std::any_of(candidates.begin(), candidates.end(), pred); };
+  if (spec.sequence_parallel == std::vector<bool>{true} &&
+      !any([](const TuneCandidate& c) { return c.sequence_parallel; }))
+    throw TuneError(
+        "--sequence-parallel on: no candidate has a TP degree of 2 or more, where sequence parallelism applies "
+        "(give --tp 2 or more, or drop --sequence-parallel)");
+  // (`microbatch` alone is not checked: callers pin it to leave the axis out, whatever the ZeRO levels.)
+  if (std::find(spec.reduce_every.begin(), spec.reduce_every.end(), "step") != spec.reduce_every.end() &&
+      !any([](const TuneCandidate& c) { return c.zero >= 2; }))
+    throw TuneError(
+        "--reduce-every step applies to ZeRO-2/3, and no candidate has ZeRO 2 or 3 (more than one data-parallel "
+        "replica and --zero 2 or 3), so it would be ignored");
   search.summary().candidates = candidates.size();
   search.resume(csv_path);
   const std::vector<TuneCandidate> survivors = search.prune_by_memory(candidates);

@@ -744,6 +744,22 @@ TEST_F(HostileInput, UnknownOrPaddedLimitVariablesRefused) {
   EXPECT_EQ(ok.exit_code, 0) << ok.err;
 }
 
+// tune's knob lists: an explicit value no candidate can take was dropped from every plan, exit 0
+// (`--sequence-parallel on` with only TP 1 ranked plans without SP; `--reduce-every step` with ZeRO-0).
+TEST_F(HostileInput, TuneKnobsNoCandidateCanTakeRefused) {
+  const std::string narrow =
+      "tune --model qwen3-9m --devices 2 --pp 1 --micro-batch-size 1 --recompute none "
+      "--schedules 1f1b --max-virtual 1 --top 0 -o t.csv ";
+  expect_one_line(run(narrow + "--tp 1 --sequence-parallel on", 60),
+                  {"--sequence-parallel on", "no candidate has a TP degree of 2 or more"});
+  expect_one_line(run(narrow + "--tp 1 --zero 0,1 --reduce-every step", 60),
+                  {"--reduce-every step applies to ZeRO-2/3", "no candidate has ZeRO 2 or 3"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.csv"));
+  // Where some candidate takes it, the search runs.
+  const CliResult ok = run(narrow + "--tp 1 --zero 0,2 --reduce-every step", 120);
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+}
+
 // ---- The helpers themselves ------------------------------------------------------------------
 
 // Depth of {"a": "<s>", "b": [[1]]} as check_json_depth sees it: the smallest limit it accepts.
