@@ -79,8 +79,11 @@ for tag in ref new; do
   bin=$ref; [ $tag = new ] && bin=$new
   rm -f "$work/sweep.$tag.csv"
   "$bin" sweep "$spec" -o "$work/sweep.$tag.csv" -j 2 >/dev/null
-  # Rows land in completion order: sort them; drop compile_time_s and simulate_time_s (columns 26, 27).
-  cut -d, -f1-25,28- "$work/sweep.$tag.csv" | sort >"$work/sweep.$tag.cmp"
+  # Rows land in completion order: sort them; drop compile_time_s and simulate_time_s, found by name in
+  # the header (a fixed column range went stale when columns were added before them).
+  drop=$(head -1 "$work/sweep.$tag.csv" | tr ',' '\n' | grep -n -x -e compile_time_s -e simulate_time_s | cut -d: -f1 | paste -sd,)
+  [ -n "$drop" ] || { echo "sweep.$tag.csv: no compile_time_s / simulate_time_s column" >&2; exit 2; }
+  cut -d, --complement -f"$drop" "$work/sweep.$tag.csv" | sort >"$work/sweep.$tag.cmp"
 done
 if cmp -s "$work/sweep.ref.cmp" "$work/sweep.new.cmp"; then
   echo "same      sweep  $(($(wc -l <"$work/sweep.new.cmp") - 1)) rows"

@@ -402,8 +402,8 @@ int microbatch_of(const GlobalDag& dag, const DagNode& node) {
 // waits for the compute op before its first consumer, so it is posted no earlier than the compute
 // stream reaches it. Added as waits (one per stream, the latest), which every engine, the verifier
 // and the runtime already honour.
-void make_transfers_blocking(const Graph& g, const std::vector<Vertex>& order, const std::vector<OpRef>& ref,
-                             const std::function<bool(Vertex)>& here, Plan& plan) {
+void make_transfers_blocking(const Graph& g, const std::vector<Vertex>& plan_order, const std::vector<OpRef>& ref,
+                             Plan& plan) {
   auto add_wait = [](Op& op, OpRef on) {
     for (auto& w : op.waits)
       if (w.stream == on.stream) {
@@ -414,9 +414,9 @@ void make_transfers_blocking(const Graph& g, const std::vector<Vertex>& order, c
     std::sort(op.waits.begin(), op.waits.end(), [](const OpRef& a, const OpRef& b) { return a.stream < b.stream; });
   };
   auto& compute = plan.streams.front().ops;  // stream 0 is "compute"
-  for (auto v : order) {
+  for (auto v : plan_order) {
     const auto& node = g[v];
-    if (!node.blocking || !here(v) || ref[v].stream < 0) continue;
+    if (!node.blocking || ref[v].stream < 0) continue;
     if (node.kind == NodeKind::Send) {
       int producer = -1;
       for (auto e : boost::make_iterator_range(boost::in_edges(v, g)))
@@ -531,10 +531,25 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
 
   const int dt = bytes_per_element(dag.training.precision);
   const std::int64_t state_bytes_per_param = fp32_storage(dag.training.precision) ? 8 : 12;
-  std::vector<OpRef> ref(n);
+  // Each device set's nodes in the global order. A plan emits the nodes of its sets, so it walks those
+  // (merged by rank), not the whole order: walking the order once per plan made lowering
+  // O(plans x nodes), cubic in a deep pipeline whose stages are all plans of their own.
+  std::vector<std::vector<Vertex>> nodes_of_set(num_sets);
+  for (auto v : order)
+    if (g[v].kind != NodeKind::OrderDummy && g[v].devices != kNoDevices)
+      nodes_of_set[static_cast<std::size_t>(g[v].devices)].push_back(v);
+  std::vector<Vertex> plan_order;  // the current plan's nodes in the global order
+  std::vector<OpRef> ref(n);       // OpRef{} except for plan_order's nodes
   for (const auto* sig : classes.signature) {
+    for (auto v : plan_order) ref[v] = OpRef{};
+    plan_order.clear();
     std::vector<char> in_plan(num_sets, 0);
-    for (auto s : *sig) in_plan[static_cast<std::size_t>(s)] = 1;
+    for (auto s : *sig) {
+      if (std::exchange(in_plan[static_cast<std::size_t>(s)], 1) != 0) continue;
+      const auto& nodes = nodes_of_set[static_cast<std::size_t>(s)];
+      plan_order.insert(plan_order.end(), nodes.begin(), nodes.end());
+    }
+    std::sort(plan_order.begin(), plan_order.end(), [&](Vertex a, Vertex b) { return rank[a] < rank[b]; });
     auto here = [&](Vertex v) { return g[v].devices != kNoDevices && in_plan[static_cast<std::size_t>(g[v].devices)]; };
     Plan plan;
     std::map<std::string, int> stream_index;
@@ -544,12 +559,10 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
       return it->second;
     };
     stream_of("compute");
-    std::fill(ref.begin(), ref.end(), OpRef{});
     std::vector<int> latest;   // stream -> 1 + index of its latest predecessor of the current op
     std::vector<int> touched;  // streams with a nonzero entry in `latest`
-    for (auto v : order) {
+    for (auto v : plan_order) {
       const auto& node = g[v];
-      if (node.kind == NodeKind::OrderDummy || !here(v)) continue;
       Op op;
       op.kind = op_kind(node.kind);
       op.pass = node.pass;
@@ -617,7 +630,7 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
     auto op_at = [&](OpRef r) -> Op& {
       return plan.streams[static_cast<std::size_t>(r.stream)].ops[static_cast<std::size_t>(r.index)];
     };
-    make_transfers_blocking(g, order, ref, here, plan);
+    make_transfers_blocking(g, plan_order, ref, plan);
 
     // Persistent state of each segment on this plan, sized by its sharding (ZeRO-aware).
     auto add_state = [&](const Segment& seg, std::int64_t params, const std::string& what) {
@@ -646,8 +659,7 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
       if (seg.tied_copy > 0) add_state(seg, seg.copy_local_params(), " tied embedding copy");
     }
     // Transient buffers: allocated by their producer, freed by their last consumer on this device.
-    for (auto v : order) {
-      if (ref[v].stream < 0) continue;
+    for (auto v : plan_order) {
       const auto& node = g[v];
       BufferKind kind;
       std::int64_t bytes = 0;

@@ -2,6 +2,8 @@
 // PP 8 x DP {128, 512, 2048} = 1,024 / 4,096 / 16,384 devices. Prints compile seconds, compiler peak
 // memory, plan bytes and distinct plans per size and the growth ratios between sizes.
 // Each size runs in its own process (`bench_compile_scale --devices N`) so that peak RSS is its own.
+// Then deep pipelines, where every stage is a plan of its own: `piper schedule show 1f1b --ranks N
+// --microbatches N` (compile and unit-time view) at N = 64, 128, 256 (`--pipeline N`).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +14,7 @@
 
 #include "piper/core/compiler.hpp"
 #include "piper/core/scenario.hpp"
+#include "piper/core/schedule_view.hpp"
 
 namespace {
 
@@ -46,26 +49,47 @@ int run_one(int devices) {
   return 0;
 }
 
-}  // namespace
+// One deep pipeline, in this process: what `piper schedule show 1f1b --ranks N --microbatches N` runs.
+int run_pipeline(int ranks) {
+  core::StrategyOptions o;
+  o.schedule = "1f1b";
+  o.pp = ranks;
+  o.microbatches = ranks;
+  const auto t0 = std::chrono::steady_clock::now();
+  const core::UnitSchedule s = core::unit_time_schedule(o, core::UnitCosts{});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  fmt::print("RESULT {} {:.3f} {} {} {}\n", s.ranks.size(), seconds, core::peak_rss_bytes(), 0, 0);
+  return 0;
+}
 
-int main(int argc, char** argv) {
-  if (argc == 3 && std::string(argv[1]) == "--devices") return run_one(std::atoi(argv[2]));
+// Runs `argv0 mode size` per size; the RESULT lines, or nothing if a run failed.
+std::vector<Figures> measure(const char* argv0, const char* mode, const std::vector<int>& sizes) {
   std::vector<Figures> rows;
-  for (int devices : {1024, 4096, 16384}) {
-    const std::string cmd = fmt::format("'{}' --devices {}", argv[0], devices);
+  for (int size : sizes) {
+    const std::string cmd = fmt::format("'{}' {} {}", argv0, mode, size);
     FILE* pipe = popen(cmd.c_str(), "r");
-    if (!pipe) return 1;
+    if (!pipe) return {};
     char line[512];
     Figures f;
     while (fgets(line, sizeof line, pipe))
       if (std::sscanf(line, "RESULT %d %lf %lf %lf %d", &f.devices, &f.compile_seconds, &f.peak_rss_bytes,
                       &f.plan_bytes, &f.distinct_plans) == 5)
         rows.push_back(f);
-    if (pclose(pipe) != 0 || rows.empty() || rows.back().devices != devices) {
-      fmt::print(stderr, "bench_compile_scale: the run with {} devices failed\n", devices);
-      return 1;
+    if (pclose(pipe) != 0 || rows.empty() || rows.back().devices != size) {
+      fmt::print(stderr, "bench_compile_scale: the run {} {} failed\n", mode, size);
+      return {};
     }
   }
+  return rows;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--devices") return run_one(std::atoi(argv[2]));
+  if (argc == 3 && std::string(argv[1]) == "--pipeline") return run_pipeline(std::atoi(argv[2]));
+  const std::vector<Figures> rows = measure(argv[0], "--devices", {1024, 4096, 16384});
+  if (rows.empty()) return 1;
   fmt::print("qwen3-30b-a3b, dualpipev, PP {} x DP, EP 8, ZeRO-1, 64 microbatches (one process per size, one core)\n",
              kPipelineRanks);
   fmt::print("{:>8} {:>12} {:>14} {:>14} {:>8}   growth vs previous (devices x{})\n", "devices", "compile s",
@@ -85,5 +109,21 @@ int main(int argc, char** argv) {
   fmt::print("target at 16,384 devices: <= 5 s and <= 4 GiB: {} ({:.2f} s, {:.2f} GiB)\n",
              big.compile_seconds <= 5 && big.peak_rss_bytes <= 4.0 * (1 << 30) ? "met" : "NOT met", big.compile_seconds,
              big.peak_rss_bytes / (1024.0 * 1024.0 * 1024.0));
+
+  // Deep pipelines: N plans of N microbatches each, so the ops grow as N^2; a compile linear in its
+  // output grows x4 per doubling, one that walks every node once per plan x8.
+  const std::vector<Figures> deep = measure(argv[0], "--pipeline", {64, 128, 256});
+  if (deep.empty()) return 1;
+  fmt::print("\nschedule show 1f1b --ranks N --microbatches N (compile and unit-time view; one process per size)\n");
+  fmt::print("{:>8} {:>12} {:>14}   growth vs previous (ranks x2, ops x4)\n", "ranks", "seconds", "peak RSS MiB");
+  for (std::size_t i = 0; i < deep.size(); ++i) {
+    const Figures& f = deep[i];
+    const std::string growth =
+        i == 0 ? ""
+               : fmt::format("time x{:.2f}, memory x{:.2f}", f.compile_seconds / deep[i - 1].compile_seconds,
+                             f.peak_rss_bytes / deep[i - 1].peak_rss_bytes);
+    fmt::print("{:>8} {:>12.3f} {:>14.1f}   {}\n", f.devices, f.compile_seconds, f.peak_rss_bytes / (1024.0 * 1024.0),
+               growth);
+  }
   return 0;
 }

@@ -26,8 +26,10 @@ std::string set_str(const std::vector<int>& s);
 // are done no pass adds, removes or retags one, yet every directive runs a filter and each order
 // directive one per step (8 stages, 40 microbatches, an F and a B each: 8 directives x 80 steps), and
 // scanning the whole DAG for each filter dominated compile time. candidates() holds every node the
-// filter can select (those carrying its rarest exact tag value), ascending, so match() returns exactly
-// what a scan of all vertices in index order returns.
+// filter can select (those carrying all its exact tag values), ascending, so match() returns exactly
+// what a scan of all vertices in index order returns. Filters of several exact tags (an order step's
+// {PP, mb}) look up an index of that set of tags, built on its first use: picking the rarest tag's
+// list instead left every step of a deep pipeline matching a whole region's or microbatch's nodes.
 class TagIndex {
  public:
   explicit TagIndex(const Graph& g) : g_(g) {
@@ -41,13 +43,27 @@ class TagIndex {
 
   const std::vector<Vertex>& candidates(const Filter& f) const {
     static const std::vector<Vertex> none;
-    const std::vector<Vertex>* out = &compute_;
-    for (const auto& [tag, value] : f.exact) {
-      const std::vector<Vertex>* list = find(tag, value);
-      if (!list) return none;
-      if (list->size() < out->size()) out = list;
+    if (f.exact.empty()) return compute_;
+    if (f.exact.size() == 1) {
+      const std::vector<Vertex>* list = find(f.exact.begin()->first, f.exact.begin()->second);
+      return list ? *list : none;
     }
-    return *out;
+    std::vector<std::string> names;
+    std::vector<int> values;
+    for (const auto& [tag, value] : f.exact) names.push_back(tag), values.push_back(value);
+    auto [index, fresh] = by_tags_.try_emplace(names);
+    if (fresh)
+      for (auto v : compute_) {
+        std::vector<int> key;
+        for (const auto& name : names) {
+          auto it = g_[v].tags.find(name);
+          if (it == g_[v].tags.end()) break;
+          key.push_back(it->second);
+        }
+        if (key.size() == names.size()) index->second[key].push_back(v);
+      }
+    auto it = index->second.find(values);
+    return it == index->second.end() ? none : it->second;
   }
 
   std::vector<Vertex> match(const Filter& f) const {
@@ -68,6 +84,8 @@ class TagIndex {
   const Graph& g_;
   std::vector<Vertex> compute_;  // ascending, like every list below
   std::map<std::string, std::map<int, std::vector<Vertex>>> by_tag_;
+  // tag names (ascending) -> their values -> nodes carrying exactly those values; filled by candidates()
+  mutable std::map<std::vector<std::string>, std::map<std::vector<int>, std::vector<Vertex>>> by_tags_;
 };
 
 // Working state of one apply_directives call.
