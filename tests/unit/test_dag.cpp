@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "piper/core/dag.hpp"
+#include "piper/core/scenario.hpp"
 
 using namespace piper::core;
 
@@ -79,4 +80,55 @@ TEST(Dag, JsonAndDotDumpsListEveryNode) {
   EXPECT_EQ(dot.rfind("digraph piper {", 0), 0u);
   EXPECT_NE(dot.find("F PP0 s0"), std::string::npos);
   EXPECT_NE(dot.find("n8 -> n9"), std::string::npos);
+}
+
+// GlobalDag moves its graph by swap (Boost's adjacency_list has no move operations) and every other
+// member as usual: a moved DAG equals the one it was copied from, member by member, and the
+// moved-from one is left with no graph to copy or free twice.
+TEST(DagMove, MovesEveryMemberAndTheGraph) {
+  Scenario s;
+  s.model = "qwen3-9m";
+  s.strategy.pp = 2;
+  s.strategy.dp = 2;
+  s.strategy.microbatches = 4;
+  s.strategy.clip_grad = 1.0;
+  s.strategy.comm_sms = 16;
+  const GlobalDag original = compile_scenario(s).result.dag;
+  ASSERT_TRUE(original.sm_partition.has_value());
+  ASSERT_GT(original.clip_grad, 0);
+  ASSERT_FALSE(original.splits.empty());
+
+  auto expect_equal = [&](const GlobalDag& d) {
+    EXPECT_EQ(d.to_json(), original.to_json());  // nodes, edges, families, model, microbatches
+    EXPECT_EQ(boost::num_vertices(d.graph), boost::num_vertices(original.graph));
+    EXPECT_EQ(d.device_sets.all(), original.device_sets.all());
+    EXPECT_EQ(d.segments.size(), original.segments.size());
+    EXPECT_EQ(d.training.seq_len, original.training.seq_len);
+    EXPECT_EQ(d.layers.size(), original.layers.size());
+    EXPECT_EQ(d.microbatches, original.microbatches);
+    ASSERT_EQ(d.splits.size(), original.splits.size());
+    EXPECT_EQ(d.splits.front().dim_name, original.splits.front().dim_name);
+    EXPECT_EQ(d.sm_partition.has_value(), original.sm_partition.has_value());
+    EXPECT_EQ(d.clip_grad, original.clip_grad);
+  };
+  GlobalDag copy = original;
+  GlobalDag moved(std::move(copy));
+  expect_equal(moved);
+  EXPECT_EQ(boost::num_vertices(copy.graph), 0U);  // NOLINT(bugprone-use-after-move): the point
+
+  GlobalDag assigned;
+  assigned.add_node(DagNode{});
+  assigned = std::move(moved);
+  expect_equal(assigned);
+
+  // The moved graph is whole: its vertices' edge entries point into its own edge list.
+  const auto edges = boost::num_edges(assigned.graph);
+  const Vertex a = assigned.add_node(DagNode{});
+  const Vertex b = assigned.add_node(DagNode{});
+  assigned.add_edge(a, b, DagEdge{});
+  EXPECT_EQ(boost::num_edges(assigned.graph), edges + 1);
+  EXPECT_EQ(boost::in_degree(b, assigned.graph), 1U);
+  EXPECT_FALSE(assigned.has_cycle());
+  boost::remove_edge(a, b, assigned.graph);
+  EXPECT_EQ(boost::num_edges(assigned.graph), edges);
 }

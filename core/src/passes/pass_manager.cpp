@@ -108,9 +108,8 @@ std::vector<std::string> pass_names() {
 
 void apply_directives(GlobalDag& dag, const DirectiveProgram& program, const AfterPassHook& hook) {
   // All-or-nothing: the caller's DAG changes only on success. The passes work on the caller's DAG and a
-  // failure restores it from a backup, rather than working on a copy and moving it back: Boost 1.74's
-  // adjacency_list has no move constructor (a "move" copies the graph), and the DAG before the
-  // directives (no microbatch split yet) is far smaller than after them.
+  // failure restores it from a backup, rather than working on a copy: the DAG before the directives (no
+  // microbatch split yet) is far smaller than after them, so the backup is the cheaper copy.
   const GlobalDag backup = dag;
   auto run_strictly = [&] {
     try {

@@ -16,9 +16,8 @@ struct CompileResult {
 // Builds the DAG, applies the directives (calling `hook` after each pass), lowers, verifies, and
 // fills program.stats (DAG node counts, compile seconds, compiler peak RSS).
 CompileResult compile(const Model& model, const DirectiveProgram& program, const AfterPassHook& hook = {});
-// The same, filling `result` in place: with Boost 1.74 a GlobalDag cannot be moved (adjacency_list has
-// no move constructor, so a "move" copies the whole graph), and callers that keep the result in a
-// larger object (CompiledScenario) use this to avoid that copy.
+// The same, filling `result` in place (a caller that keeps the result in a larger object, such as
+// CompiledScenario, builds it there).
 void compile(const Model& model, const DirectiveProgram& program, CompileResult& result,
              const AfterPassHook& hook = {});
 

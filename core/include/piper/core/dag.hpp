@@ -5,7 +5,9 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <boost/graph/adjacency_list.hpp>
@@ -130,6 +132,18 @@ struct Segment {
 
 class GlobalDag {
  public:
+  GlobalDag() = default;
+  GlobalDag(const GlobalDag&) = default;
+  GlobalDag& operator=(const GlobalDag&) = default;
+  // Boost 1.74's adjacency_list has no move constructor or move assignment, so moving a GlobalDag
+  // copied its whole graph: three copies and their destruction per `piper simulate` (a compiled
+  // scenario moved into the result, into the engine's run and out of it), 40 % of one at 1,024 GPUs.
+  // The graph moves by swapping its storage; the other members move as usual (members(): every one
+  // but the graph).
+  GlobalDag(GlobalDag&& other) noexcept { *this = std::move(other); }
+  GlobalDag& operator=(GlobalDag&& other) noexcept;
+  ~GlobalDag() = default;
+
   Graph graph;
   DeviceSetTable device_sets;
   std::vector<CommFamily> families;
@@ -147,6 +161,7 @@ class GlobalDag {
   std::vector<Split> splits;
   std::optional<SmPartition> sm_partition;  // set by the sm_partition directive
   double clip_grad = 0;                     // set by the clip_grad directive: the max global norm (0: none)
+  // A member added above belongs in members() too (DagMove.MovesEveryMemberAndTheGraph checks them).
 
   Vertex add_node(const DagNode& n) { return boost::add_vertex(n, graph); }
   void add_edge(Vertex u, Vertex v, const DagEdge& e) { boost::add_edge(u, v, e, graph); }
@@ -159,7 +174,25 @@ class GlobalDag {
   bool has_cycle() const;  // BGL depth-first search over live nodes
   nlohmann::json to_json() const;
   std::string to_dot() const;
+
+ private:
+  auto members() {
+    return std::tie(device_sets, families, segments, training, model_name, layers, microbatches, splits, sm_partition,
+                    clip_grad);
+  }
 };
+
+inline GlobalDag& GlobalDag::operator=(GlobalDag&& other) noexcept {
+  if (this == &other) return *this;
+  // adjacency_list::swap copies the graph three times. Its storage (public members, "would be
+  // protected if friends were more portable") swaps in O(1): the vertex vector, the edge list the
+  // vertices' out- and in-edge entries point into (std::list iterators survive a swap), the property.
+  graph.m_vertices.swap(other.graph.m_vertices);
+  graph.m_edges.swap(other.graph.m_edges);
+  graph.m_property.swap(other.graph.m_property);
+  members() = std::apply([](auto&... m) { return std::forward_as_tuple(std::move(m)...); }, other.members());
+  return *this;
+}
 
 // Kind name as printed in stats and dumps: "F", "B", "BI", "BW", "UPD", "SEND", ..., "ORDER_DUMMY".
 std::string node_kind_name(const DagNode& n);
