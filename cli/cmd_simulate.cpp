@@ -42,6 +42,7 @@ int run_simulate(const SimulateArgs& a) {
     a.scenario.reject_beside_plan();
     if (a.memory_budget->count() > 0)
       throw CliError("", "--memory-budget cannot be used with --plan: the plan already fixes its recomputation");
+    options.program_source = a.plan_path;
     result = sim::simulate_program(std::make_shared<const core::Program>(read_verified_plan(a.plan_path)), options);
   } else {
     if (a.scenario.model.empty() && a.scenario.scenario_path.empty())

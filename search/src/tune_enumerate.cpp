@@ -100,7 +100,7 @@ void read_cluster_knobs(const TuneSpec& spec, Knobs& k) {
       throw TuneError(fmt::format("--comm-sms: {} is negative (0: SMs shared, N >= 1: N SMs for communication)", sms));
     if (sms == 0) continue;
     for (int d = 0; d < spec.devices; ++d)
-      if (const std::string why = sim::sm_partition_misfit(sms, cluster.node(d).gpu); !why.empty())
+      if (const std::string why = sim::sm_partition_misfit(sms, cluster.node(d).gpu, spec.cluster); !why.empty())
         throw TuneError(fmt::format("--comm-sms {}: {}", sms, why));
   }
   k.dp_shards = distinct_or(spec.dp_shards, {0});

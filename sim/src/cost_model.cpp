@@ -44,9 +44,13 @@ double flat(OpKind kind, double n, double alpha, double bw, double bytes) {
 
 // ---- SM sharing and partitioning ----
 
-std::string sm_partition_misfit(int sms, const GpuSpec& gpu) {
-  if (gpu.sm_count <= 0) return fmt::format("the cluster's GPU '{}' has no sm_count to partition", gpu.name);
-  if (sms >= gpu.sm_count)
+std::string sm_partition_misfit(int sms, const GpuSpec& gpu, const std::string& cluster) {
+  if (gpu.sm_count <= 0)
+    return cluster.empty()
+               ? fmt::format("the cluster's GPU '{}' has no sm_count to partition", gpu.name)
+               : fmt::format("cluster '{}': its GPU '{}' has no sm_count to partition (give node.gpu.sm_count)",
+                             cluster, gpu.name);
+  if (sms >= gpu.sm_count)  // the count is at fault, not the cluster: the GPU is named
     return fmt::format("{} SMs for communication leave none for compute on '{}' ({} SMs)", sms, gpu.name, gpu.sm_count);
   return "";
 }

@@ -13,6 +13,18 @@ namespace piper::sim {
 
 namespace {
 
+// An SM partition the cluster's GPUs cannot take (no sm_count, or no SM left for compute), refused
+// before anything is simulated, in one line naming what asked for it (`origin`: the flag, the
+// directive or the plan) and the cluster (as given: the preset or file). compute_rates makes the same
+// check, but knows neither.
+void check_sm_partition(const core::Program& program, const Cluster& cluster, const std::string& cluster_given,
+                        const std::string& origin) {
+  if (!program.sm_partition) return;
+  for (const auto& node : cluster.nodes)
+    if (const std::string why = sm_partition_misfit(program.sm_partition->sms, node.gpu, cluster_given); !why.empty())
+      throw ClusterError(fmt::format("{}: {}", origin, why));
+}
+
 SimulationResult run(SimulationResult out, const Cluster& cluster, const std::string& engine_name,
                      const SimulateOptions& options) {
   // Every device runs its plan's ops; refuse a simulation too large to finish before starting it.
@@ -100,6 +112,21 @@ SimulationResult simulate(const core::Scenario& requested, const SimulateOptions
   out.compiled =
       core::compile_scenario(with_stage_costs(scenario, cluster, options.calibration_path, options.op_override));
   out.program = std::make_shared<const core::Program>(std::move(out.compiled->result.program));
+  if (out.program->sm_partition) {
+    // What asked for the partition: a directive of the scenario's program, or --comm-sms (the
+    // scenario file's strategy.comm_sms) that generated it.
+    std::string origin;
+    const auto& directives = out.compiled->program.directives;
+    for (std::size_t i = 0; i < directives.size() && origin.empty(); ++i)
+      if (std::holds_alternative<core::SmPartitionDirective>(directives[i]) && scenario.directives)
+        origin =
+            fmt::format("{}: directive {} field 'sms'",
+                        scenario.directives_source.empty() ? std::string("directives") : scenario.directives_source, i);
+    if (origin.empty())
+      origin = scenario.source.empty() ? fmt::format("--comm-sms {}", scenario.strategy.comm_sms)
+                                       : scenario.source + ": field 'strategy.comm_sms'";
+    check_sm_partition(*out.program, with_devices(loaded, out.program->num_devices), cluster, origin);
+  }
   const std::string engine = !options.engine.empty()    ? options.engine
                              : !scenario.engine.empty() ? scenario.engine
                                                         : kDefaultEngine;
@@ -109,8 +136,12 @@ SimulationResult simulate(const core::Scenario& requested, const SimulateOptions
 SimulationResult simulate_program(std::shared_ptr<const core::Program> program, const SimulateOptions& options) {
   SimulationResult out;
   out.program = std::move(program);
-  return run(std::move(out), load_cluster(options.cluster.empty() ? kDefaultCluster : options.cluster),
-             options.engine.empty() ? kDefaultEngine : options.engine, options);
+  const std::string cluster = options.cluster.empty() ? kDefaultCluster : options.cluster;
+  const Cluster loaded = load_cluster(cluster);
+  check_sm_partition(
+      *out.program, with_devices(loaded, out.program->num_devices), cluster,
+      (options.program_source.empty() ? std::string("plan") : options.program_source) + ": field 'sm_partition.sms'");
+  return run(std::move(out), loaded, options.engine.empty() ? kDefaultEngine : options.engine, options);
 }
 
 }  // namespace piper::sim

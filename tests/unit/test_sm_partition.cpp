@@ -125,7 +125,7 @@ TEST(SmPartition, SimulateRefusesAPartitionLargerThanTheGpu) {
                              " simulate --model qwen3-1b --pp 2 --microbatches 2 --engine analytic --cluster dgx-h100";
   const auto bad = sh(common + " --comm-sms 132");
   EXPECT_EQ(bad.code, 2) << bad.output;
-  EXPECT_NE(bad.output.find("sm_partition: field 'sms': 132 SMs"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("piper: error: --comm-sms 132: 132 SMs"), std::string::npos) << bad.output;
   const auto good = sh(common + " --comm-sms 24");
   EXPECT_EQ(good.code, 0) << good.output;
 }

@@ -78,8 +78,9 @@ struct ComputeRates {
   friend bool operator==(const ComputeRates&, const ComputeRates&) = default;
 };
 // Why `sms` SMs for communication do not fit `gpu`, "" when they do: a GPU spec without sm_count, or
-// sms >= N (no SM left for compute). The one rule behind compute_rates and the sweep and tune checks.
-std::string sm_partition_misfit(int sms, const GpuSpec& gpu);
+// sms >= N (no SM left for compute). The one rule behind compute_rates and the simulate, sweep and tune
+// checks; `cluster` (the preset or file as given) is named in the first reason when not empty.
+std::string sm_partition_misfit(int sms, const GpuSpec& gpu, const std::string& cluster = "");
 // For one GPU model. Throws ClusterError (one line, sm_partition_misfit's reason) when the partition
 // does not fit.
 ComputeRates compute_rates(const std::optional<core::SmPartition>& partition, const GpuSpec& gpu);

@@ -23,6 +23,8 @@ struct SimulateOptions {
   // Simulate one device per symmetry class when the engine and program allow it (symmetry.hpp); the
   // result equals the full simulation. false: always simulate every device (--no-symmetry).
   bool symmetry = true;
+  // simulate_program: where the program came from (a plan file), for error messages; empty: "plan".
+  std::string program_source;
 };
 
 constexpr const char* kDefaultCluster = "dgx-h200";
