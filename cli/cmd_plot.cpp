@@ -53,6 +53,12 @@ int run_plot(const PlotArgs& a) {
   std::istringstream in(read_text_file(a.csv_path));
   std::string header;
   if (!std::getline(in, header)) throw CliError(a.csv_path, "empty file (expected a header line)");
+  // RFC 4180 (and spreadsheets' exports) end lines with CRLF: the '\r' is not part of the last field
+  // (it made the last column 'y\r', "no such column" for --y y).
+  auto drop_cr = [](std::string& line) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+  };
+  drop_cr(header);
   const auto columns = search::csv_split(header);
   auto column = [&](const std::string& name, const char* flag) -> int {
     for (std::size_t i = 0; i < columns.size(); ++i)
@@ -83,6 +89,7 @@ int run_plot(const PlotArgs& a) {
   int line_no = 1, skipped = 0, not_positive = 0;
   for (std::string line; std::getline(in, line);) {
     line_no += 1;
+    drop_cr(line);
     if (line.empty()) continue;
     const auto f = search::csv_split(line);
     if (f.size() != columns.size())
@@ -154,7 +161,7 @@ Command add_plot_command(CLI::App& app) {
   cmd->add_option("--title", a->title, "chart title");
   cmd->add_option("--x-label", a->x_label, "x axis label with its unit (default: the column name)");
   cmd->add_option("--y-label", a->y_label, "y axis label with its unit (default: the column name)");
-  cmd->add_option("-o,--output", a->output_path, "PNG file to write")->required()->check(kOutputPath);
+  cmd->add_option("-o,--output", a->output_path, "PNG file to write")->required()->check(kOutputPath)->check(kPngPath);
   return {cmd, [a] { return run_plot(*a); }};
 }
 

@@ -45,12 +45,16 @@ struct RunArgs {
 };
 
 // A failure mid-step leaves peers waiting on this rank: end them all now, with the reason. A
-// RuntimeError (a peer died, stalled or disagreed) exits 4; anything else is a bug in piper (3).
+// RuntimeError (a peer died, stalled or disagreed) exits 4; a core::Error that is not an internal one
+// (an output that cannot be written: `--report` on a full disk) exits 2, as it does without mpirun;
+// anything else is a bug in piper (3).
 [[noreturn]] void abort_ranks(int rank, const std::exception& e) {
-  if (dynamic_cast<const runtime::RuntimeError*>(&e)) {
+  const bool bad_input_or_output =
+      dynamic_cast<const core::Error*>(&e) != nullptr && dynamic_cast<const core::InternalError*>(&e) == nullptr;
+  if (dynamic_cast<const runtime::RuntimeError*>(&e) || bad_input_or_output) {
     fmt::print(stderr, "piper: error: rank {}: {}\n", rank, one_line(e.what()));
     std::fflush(stderr);
-    MPI_Abort(MPI_COMM_WORLD, kExitPeerFailure);
+    MPI_Abort(MPI_COMM_WORLD, bad_input_or_output ? kExitBadInput : kExitPeerFailure);
   } else {
     fmt::print(stderr,
                "piper: internal error: rank {}: {} (please report this: it is a bug in piper, not in the input)\n",

@@ -104,6 +104,11 @@ int run_sweep(const SweepArgs& a) {
   std::sort(fits.begin(), fits.end(), [](const search::SweepRow* x, const search::SweepRow* y) {
     return x->step_time_s != y->step_time_s ? x->step_time_s < y->step_time_s : x->point.key() < y->point.key();
   });
+  // A resumed sweep's fastest plan may be a resumed row: say what the lines rank (probe 5: they
+  // read as the best of the whole sweep).
+  if (s.resumed > 0 && !fits.empty())
+    fmt::print("best of the {} run now ({} resumed rows are in {}, not ranked here):\n", s.ran, s.resumed,
+               a.output_path);
   for (std::size_t i = 0; i < std::min<std::size_t>(3, fits.size()); ++i)
     fmt::print("best {}: {}  step {:.3f} ms  MFU {:.1f} %  peak {:.2f} GiB\n", i + 1, fits[i]->point.key(),
                fits[i]->step_time_s * 1e3, fits[i]->mfu * 100,

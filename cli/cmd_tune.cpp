@@ -344,7 +344,9 @@ Command add_tune_command(CLI::App& app) {
       ->check(kOutputPath);
   cmd->add_option("--emit-scenario", a->scenario_path, "write the best plan's scenario (JSON, opens in piper-studio)")
       ->check(kOutputPath);
-  cmd->add_option("--plot", a->plot_path, "write a Pareto plot (throughput vs peak memory) as PNG")->check(kOutputPath);
+  cmd->add_option("--plot", a->plot_path, "write a Pareto plot (throughput vs peak memory) as PNG")
+      ->check(kOutputPath)
+      ->check(kPngPath);
   return {cmd, [a] { return run_tune(*a); }};
 }
 

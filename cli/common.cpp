@@ -2,6 +2,7 @@
 #include "cli/common.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -128,6 +129,17 @@ const CLI::Validator kOutputPath(
     },
     "FILE", kOutputPathName);
 const CLI::Validator kMakesItsFolder([](std::string&) { return std::string(); }, "", kMakesItsFolderName);
+const CLI::Validator kPngPath(
+    [](std::string& value) -> std::string {
+      namespace fs = std::filesystem;
+      std::error_code ec;
+      if (fs::exists(value, ec) && !fs::is_regular_file(value, ec) && !fs::is_directory(value, ec)) return {};
+      std::string ext = fs::path(value).extension().string();
+      std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
+      if (ext.empty() || ext == ".png") return {};
+      return "writes a PNG image: name a .png file, got '" + value + "'";
+    },
+    "");
 
 namespace {
 
@@ -198,6 +210,11 @@ void refuse_outputs_over_inputs(CLI::App* command) {
                            ? fmt::format("{}: '{}' is not a folder (choose another path)", out.flag, folder.string())
                            : fmt::format("{}: no such folder '{}' (create it first, or choose another path)", out.flag,
                                          folder.string()));
+      // Nor may the output itself be a folder: `tune -o t.csv --emit-directives DIR` ran the whole
+      // search and wrote t.csv before failing; `run --save ck --report DIR` trained and saved first.
+      if (fs::is_directory(out.path, ec))
+        throw CliError(out.path,
+                       fmt::format("{}: is a folder, not a regular file: name a file (in it, or elsewhere)", out.flag));
     }
     if (!replaceable(out.path)) continue;
     for (const PathOption& in : inputs) {

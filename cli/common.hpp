@@ -62,6 +62,10 @@ inline constexpr const char* kOutputPathName = "output-path";
 // Checked beside kOutputPath on an output whose missing folders the command creates (a checkpoint,
 // export-chakra's folder); every other output's folder must exist before the command runs.
 extern const CLI::Validator kMakesItsFolder;
+// Beside kOutputPath on an output written as PNG (`plot -o`, `tune --plot`): a name with another
+// extension (chart.svg, chart.jpg) is refused at parse time rather than given PNG bytes; a name
+// without an extension, or an existing device or FIFO (/dev/stdout), is taken.
+extern const CLI::Validator kPngPath;
 inline constexpr const char* kMakesItsFolderName = "makes-its-folder";
 // Before a parsed command runs: an output (an option checked with kOutputPath) naming the same regular
 // file as one of its inputs (any other option or positional naming an existing file) or as another

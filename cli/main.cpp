@@ -44,6 +44,16 @@ std::string unknown_flag_message(const CLI::App& app, int argc, char** argv) {
   return {};
 }
 
+// A rank other than 0 of an mpirun launch (OpenMPI, PMIx and MPICH name the rank in the environment).
+// Every rank parses the same command line, so a flag error is the same on each: rank 0 says it, and
+// `mpirun -np 8 piper run --steps 0` prints one line instead of eight. The output paths are rank 0's
+// to check (it writes them).
+bool another_mpi_rank() {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"})
+    if (const char* rank = std::getenv(name); rank != nullptr && *rank != '\0') return std::string(rank) != "0";
+  return false;
+}
+
 // The --limit NAME=N flags, each limit once: a second value would silently win.
 void set_limits_from_flags(const std::vector<std::string>& flags) {
   std::vector<std::string> given;
@@ -83,7 +93,7 @@ int run_command(int argc, char** argv) {
       for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
       hint = " (expected one of: " + list + ")";
     }
-    print_error("", fmt::format("unknown command '{}'{}", argv[1], hint));
+    if (!another_mpi_rank()) print_error("", fmt::format("unknown command '{}'{}", argv[1], hint));
     return kExitBadInput;
   }
   try {
@@ -96,7 +106,7 @@ int run_command(int argc, char** argv) {
       const std::string named = unknown_flag_message(app, argc, argv);
       if (!named.empty()) message = named;
     }
-    print_error("", fmt::format("{} (see '{}')", message, help));
+    if (!another_mpi_rank()) print_error("", fmt::format("{} (see '{}')", message, help));
     return kExitBadInput;
   }
 
@@ -114,7 +124,9 @@ int run_command(int argc, char** argv) {
     }
     for (const auto& c : commands)
       if (c.app->parsed()) {
-        refuse_outputs_over_inputs(c.app);
+        // Under mpirun rank 0 writes every output (the run's report, trace and checkpoint, the sweep's
+        // results file): it checks them, in one line; the job ends when it exits.
+        if (!another_mpi_rank()) refuse_outputs_over_inputs(c.app);
         return c.run();
       }
   } catch (const CliError& e) {

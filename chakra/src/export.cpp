@@ -303,6 +303,33 @@ std::vector<std::string> export_traces(const core::Program& program, const std::
   for (int d = 0; d < program.num_devices; ++d) bytes.push_back(encode_device_trace(program, d, groups, options));
   namespace fs = std::filesystem;
   if (out_dir.empty()) throw core::Error("cannot write Chakra traces: the output folder name is empty");
+  // Traces of devices past this plan's, left by an export of a larger plan with the same prefix: a
+  // replay of the folder (ASTRA-sim takes the prefix and its own NPU count) would mix the two plans.
+  // Refused before anything is written; the folder is the user's to clear.
+  {
+    std::error_code list_ec;
+    std::vector<int> stale;
+    if (fs::is_directory(out_dir, list_ec))
+      for (const auto& entry : fs::directory_iterator(out_dir, list_ec)) {
+        const std::string name = entry.path().filename().string();
+        const std::string head = prefix + ".", tail = ".et";
+        if (name.size() <= head.size() + tail.size() || name.rfind(head, 0) != 0 ||
+            name.compare(name.size() - tail.size(), tail.size(), tail) != 0)
+          continue;
+        const std::string number = name.substr(head.size(), name.size() - head.size() - tail.size());
+        if (number.size() > 9 || number.find_first_not_of("0123456789") != std::string::npos) continue;
+        if (std::stoi(number) >= program.num_devices) stale.push_back(std::stoi(number));
+      }
+    if (!stale.empty()) {
+      std::sort(stale.begin(), stale.end());
+      throw core::Error(fmt::format(
+          "{}: holds {}{} of another export (devices past this plan's {}): a replay would mix the two plans; remove "
+          "{} or choose another folder",
+          out_dir, trace_file_name(prefix, stale.front()),
+          stale.size() > 1 ? fmt::format(" .. {} ({} files)", trace_file_name(prefix, stale.back()), stale.size()) : "",
+          program.num_devices, stale.size() > 1 ? "them" : "it"));
+    }
+  }
   // What this call creates (the outermost missing folder, new files) is removed again if a write
   // fails (a full disk), so a failed export leaves nothing behind.
   std::error_code ec;

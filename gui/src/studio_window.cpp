@@ -2,6 +2,8 @@
 #include "piper/gui/studio_window.hpp"
 
 #include <algorithm>
+#include <cctype>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -26,6 +28,7 @@
 #include <QPainter>
 #include <QPushButton>
 #include <QRegularExpression>
+#include <QSaveFile>
 #include <QScrollBar>
 #include <QSpinBox>
 #include <QSplitter>
@@ -710,12 +713,38 @@ int studio_main(int argc, char** argv) {
     std::cerr << "piper-studio: error: --size: expected WxH, e.g. 1600x1000\n";
     return 2;
   }
+  // 100000x100000 (40 GB of pixels) printed a dozen Qt warnings, then "cannot write".
+  constexpr int kMaxSide = 16384;
+  if (dims[0].toInt() > kMaxSide || dims[1].toInt() > kMaxSide) {
+    std::cerr << "piper-studio: error: --size " << parser.value(size).toStdString() << ": at most " << kMaxSide
+              << " pixels a side\n";
+    return 2;
+  }
   window.resize(dims[0].toInt(), dims[1].toInt());
   const bool sync = parser.isSet(shot);
   auto fail = [&](const QString& what) {
     std::cerr << "piper-studio: error: " << what.toStdString() << "\n";
     return 2;
   };
+  // The screenshot's path, checked before anything is loaded or drawn: a PNG under another
+  // extension (shot.svg held PNG bytes, exit 0), a folder, or a missing folder (both failed only
+  // after rendering, as "cannot write").
+  if (sync) {
+    namespace fs = std::filesystem;
+    const std::string out = parser.value(shot).toStdString();
+    std::error_code ec;
+    std::string ext = fs::path(out).extension().string();
+    std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
+    const bool special = fs::exists(out, ec) && !fs::is_regular_file(out, ec) && !fs::is_directory(out, ec);
+    if (out.empty()) return fail("--screenshot: must name a file, got an empty path");
+    if (!special && !ext.empty() && ext != ".png")
+      return fail(QString::fromStdString("--screenshot: writes a PNG image: name a .png file, got '" + out + "'"));
+    if (fs::is_directory(out, ec))
+      return fail(QString::fromStdString(out + ": --screenshot: is a folder, not a regular file: name a file"));
+    const fs::path folder = fs::path(out).parent_path();
+    if (!folder.empty() && !fs::is_directory(folder, ec))
+      return fail(QString::fromStdString(out + ": --screenshot: no such folder '" + folder.string() + "'"));
+  }
   bool ok = true;
   const QString first = parser.positionalArguments().isEmpty() ? QString() : parser.positionalArguments().first();
   if (first.endsWith(".csv", Qt::CaseInsensitive)) {
@@ -738,7 +767,12 @@ int studio_main(int argc, char** argv) {
   QApplication::processEvents();
   window.view()->fit_to_window();
   QApplication::processEvents();
-  if (!window.grab().save(parser.value(shot), "PNG")) return fail("cannot write " + parser.value(shot));
+  // Whole or not at all (temporary file, then rename; written into a device or FIFO): a failed write
+  // no longer leaves a cut PNG in place of an earlier one.
+  QSaveFile file(parser.value(shot));
+  file.setDirectWriteFallback(true);
+  if (!file.open(QIODevice::WriteOnly) || !window.grab().save(&file, "PNG") || !file.commit())
+    return fail(parser.value(shot) + ": cannot write the screenshot: " + file.errorString());
   return 0;
 }
 

@@ -195,7 +195,7 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
     const int sms = value.get<int>();
     if (sms == 0) continue;
     for (const auto& node : cluster.nodes)
-      if (const std::string why = sim::sm_partition_misfit(sms, node.gpu); !why.empty())
+      if (const std::string why = sim::sm_partition_misfit(sms, node.gpu, s.cluster); !why.empty())
         throw SweepError(fmt::format("{}: field 'comm_sms': {}", where, why));
   }
   return s;
@@ -225,6 +225,7 @@ std::string SweepPoint::key() const {
   // The other settings only when set, so keys of sweeps without them (and their resume files) are unchanged.
   for (const auto& s : core::strategy_settings())
     if (!s.essential) k += core::setting_key_part(s, *this);
+  if (!calibration.empty()) k += "/calibration=" + calibration;
   std::replace(k.begin(), k.end(), ',', ';');
   return k;
 }
@@ -258,6 +259,7 @@ std::vector<SweepPoint> expand(const SweepSpec& s) {
     SweepPoint p;
     p.model = s.model;
     p.cluster = s.cluster;
+    p.calibration = s.calibration_path;
     for (std::size_t d = 0; d < dims.size(); ++d) dims[d].set(p, at[d]);
     out.push_back(std::move(p));
     // The last dimension varies fastest.

@@ -760,6 +760,111 @@ TEST_F(HostileInput, TuneKnobsNoCandidateCanTakeRefused) {
   EXPECT_EQ(ok.exit_code, 0) << ok.err;
 }
 
+// ---- Fifth probe: outputs, plots, runs -----------------------------------------------------------
+
+// An SM partition on a cluster whose GPU has no sm_count: the line named the directive
+// ("sm_partition: the cluster's GPU 'custom' has no sm_count"), neither the flag, the directive file,
+// the plan nor the cluster file. Now what asked for the partition and the cluster, in every front end.
+TEST_F(HostileInput, CommSmsOnAGpuWithoutSmCountNamesTheFlagAndTheCluster) {
+  json cluster = json::parse(read_file(kSource + "/examples/clusters/custom-gpu.json"));
+  cluster["node"]["gpu"].erase("sm_count");
+  input("nosm.json", cluster.dump());
+  const std::string why = "cluster 'nosm.json': its GPU 'custom' has no sm_count to partition";
+  const std::string sim = "simulate --model qwen3-9m --engine analytic --cluster nosm.json ";
+  expect_one_line(run(sim + "--pp 2 --microbatches 2 --comm-sms 8 --report r.json"), {"--comm-sms 8: " + why});
+  input("d.json", R"([{"op": "place", "filter": {"PP": 0}, "devices": [0]}, {"op": "sm_partition", "sms": 8}])");
+  expect_one_line(run(sim + "--directives d.json --trace t.json"), {"d.json: directive 1 field 'sms': " + why});
+  ASSERT_EQ(
+      run("compile --model qwen3-9m --pp 2 --microbatches 2 --comm-sms 8 -o p.json --save-scenario s.json").exit_code,
+      0);
+  expect_one_line(run("simulate --plan p.json --cluster nosm.json"), {"p.json: field 'sm_partition.sms': " + why});
+  expect_one_line(run("simulate --scenario s.json --cluster nosm.json"), {"s.json: field 'strategy.comm_sms': " + why});
+  expect_one_line(run("tune --model qwen3-9m --devices 2 --cluster nosm.json --comm-sms 8 -o t.csv"),
+                  {"--comm-sms 8: " + why});
+  input("sw.json", R"({"cluster": "nosm.json", "comm_sms": [0, 8]})");
+  expect_one_line(run("sweep sw.json -o sw.csv"), {"sw.json: field 'comm_sms': " + why});
+  for (const char* out : {"r.json", "t.json", "t.csv", "sw.csv"}) EXPECT_FALSE(fs::exists(dir_ / out)) << out;
+}
+
+// An output naming an existing folder: refused before the work, as a missing folder is. It failed
+// only when written: `tune -o t.csv --emit-directives DIR` searched and wrote t.csv, `run --save ck
+// --report DIR` trained and saved ck, then exit 2.
+TEST_F(HostileInput, OutputThatIsAFolderRefusedBeforeTheWork) {
+  fs::create_directories(dir_ / "dir");
+  expect_one_line(run("tune --model qwen3-9m --devices 2 -o t.csv --emit-directives dir"),
+                  {"dir", "--emit-directives: is a folder"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.csv"));
+  ASSERT_EQ(run("compile --model qwen3-9m --pp 2 --microbatches 2 -o p.json").exit_code, 0);
+  const CliResult trained = run("run --reference --plan p.json --steps 1 --save ck --report dir");
+  expect_one_line(trained, {"--report: is a folder"});
+  EXPECT_EQ(trained.out.find("step"), std::string::npos) << trained.out;
+  EXPECT_FALSE(fs::exists(dir_ / "ck"));
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --trace dir"), {"--trace: is a folder"});
+  expect_one_line(run("compile --model qwen3-9m -o plan.json --save-scenario dir"), {"--save-scenario: is a folder"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+  // Outputs that are folders (export-chakra -o) still take an existing one.
+  EXPECT_EQ(run("export-chakra p.json -o dir").exit_code, 0);
+  EXPECT_TRUE(fs::exists(dir_ / "dir" / "piper.0.et"));
+}
+
+// `plot -o chart.svg` (or .jpg, .pdf) wrote PNG bytes under that name, exit 0; `tune --plot x.svg`
+// the same after the whole search. Refused when the flags are read.
+TEST_F(HostileInput, PngOutputUnderAnotherImageExtensionRefused) {
+  input("r.csv", "x,y\n1,2\n2,3\n");
+  for (const char* name : {"chart.svg", "chart.JPG", "chart.pdf"}) {
+    expect_one_line(run(std::string("plot r.csv --x x --y y -o ") + name), {"--output", "name a .png file", name});
+    EXPECT_FALSE(fs::exists(dir_ / name)) << name;
+  }
+  expect_one_line(run("tune --model qwen3-9m --devices 2 -o t.csv --plot pareto.svg"), {"--plot", "name a .png file"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.csv"));
+}
+
+// A sweep spec with a calibration resuming the results file of the same sweep without one: every
+// combination was "already in" the file, so its uncalibrated rows stood for the calibrated sweep
+// (nothing in a row says which), exit 0. The calibration file is part of the key now.
+TEST_F(HostileInput, SweepResumedUnderAnotherCalibrationRunsItsOwnRows) {
+  input("cal.json",
+        R"({"format": "piper-calibration", "entries": [{"kind": "COMPUTE", "pass": "F", "seconds": 0.01}]})");
+  input("plain.json", R"({"model": "qwen3-9m", "engine": "analytic", "pp": [1, 2], "microbatches": [4]})");
+  input("cal-sweep.json",
+        R"({"model": "qwen3-9m", "engine": "analytic", "pp": [1, 2], "microbatches": [4], "calibration": "cal.json"})");
+  const CliResult plain = run("sweep plain.json -j 1 -o r.csv");
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  const CliResult calibrated = run("sweep cal-sweep.json -j 1 -o r.csv");
+  ASSERT_EQ(calibrated.exit_code, 0) << calibrated.err;
+  EXPECT_NE(calibrated.out.find("0 already in r.csv, 2 run (2 ok"), std::string::npos) << calibrated.out;
+  const std::string text = read_file(dir_ / "r.csv");
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 5) << text;
+  EXPECT_NE(text.find("/calibration=cal.json,"), std::string::npos) << text;
+  // Resuming the calibrated sweep itself still skips its rows.
+  const CliResult again = run("sweep cal-sweep.json -j 1 -o r.csv");
+  EXPECT_NE(again.out.find("2 already in r.csv, 0 run"), std::string::npos) << again.out;
+  // A resumed sweep's "best" lines rank the combinations run now only, and say so (they read as the
+  // best of the whole sweep, whose fastest plan may be a resumed row).
+  input("wider.json", R"({"model": "qwen3-9m", "engine": "analytic", "pp": [1, 2, 4], "microbatches": [4]})");
+  const CliResult wider = run("sweep wider.json -j 1 -o r.csv");
+  EXPECT_NE(wider.out.find("2 already in r.csv, 1 run (1 ok"), std::string::npos) << wider.out;
+  EXPECT_NE(wider.out.find("best of the 1 run now (2 resumed rows are in r.csv, not ranked here):\nbest 1: "),
+            std::string::npos)
+      << wider.out;
+}
+
+// `export-chakra` of a 2-device plan into the folder of a 4-device export: piper.0.et and piper.1.et
+// were replaced, piper.2.et and piper.3.et of the other plan stayed, exit 0; a replay of the folder on
+// 4 NPUs mixed the two plans. Refused now, nothing written; the same plan again still replaces its own.
+TEST_F(HostileInput, ChakraExportOverALargerExportsTracesRefused) {
+  ASSERT_EQ(run("compile --model qwen3-9m --pp 2 --dp 2 --microbatches 4 -o p4.json").exit_code, 0);
+  ASSERT_EQ(run("compile --model qwen3-9m --pp 2 --microbatches 4 -o p2.json").exit_code, 0);
+  ASSERT_EQ(run("export-chakra p4.json -o ch").exit_code, 0);
+  const std::string first = read_file(dir_ / "ch" / "piper.0.et");
+  expect_one_line(run("export-chakra p2.json -o ch"),
+                  {"ch: holds piper.2.et .. piper.3.et (2 files) of another export", "devices past this plan's 2"});
+  EXPECT_EQ(read_file(dir_ / "ch" / "piper.0.et"), first);
+  EXPECT_EQ(run("export-chakra p4.json -o ch").exit_code, 0);
+  EXPECT_EQ(run("export-chakra p2.json -o ch --prefix two").exit_code, 0);  // another prefix: its own files
+  EXPECT_TRUE(fs::exists(dir_ / "ch" / "two.1.et"));
+}
+
 // ---- The helpers themselves ------------------------------------------------------------------
 
 // Depth of {"a": "<s>", "b": [[1]]} as check_json_depth sees it: the smallest limit it accepts.

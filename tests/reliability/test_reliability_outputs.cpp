@@ -221,6 +221,37 @@ TEST_F(Outputs, OutputToAFullDeviceIsAnError) {
   EXPECT_EQ(sh(kCli + " models > /dev/null").code, 0);
 }
 
+// A report or trace that cannot be written at the end of an mpirun run (probe 5): rank 0 called it
+// `piper: internal error: ... (please report this: it is a bug in piper)` and the job exited 3;
+// without mpirun the same write fails with exit 2. Now exit 2 and one line under mpirun too.
+TEST_F(Outputs, DistributedRunOutputWriteFailureIsBadOutputNotInternal) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  const std::string a = plan();
+  for (const char* flag : {"--report", "--trace"}) {
+    Result r = sh(quiet(mpirun(2) + kCli + " run --plan " + a + " --steps 1 " + flag + " /dev/full"));
+    EXPECT_EQ(r.code, 2) << flag << "\n" << r.output;
+    const auto errors = error_lines(r);
+    ASSERT_EQ(errors.size(), 1u) << flag << "\n" << r.output;
+    EXPECT_EQ(errors[0], "piper: error: rank 0: cannot write /dev/full: No space left on device") << flag;
+  }
+  // Without mpirun: the same reason, exit 2.
+  Result r = sh(quiet(kCli + " run --reference --plan " + a + " --steps 1 --report /dev/full"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("cannot write /dev/full: No space left on device"), std::string::npos) << r.output;
+}
+
+// A flag error under mpirun (probe 5): every rank printed the same line (`mpirun -np 2 piper run
+// --steps 0`: two lines). Every rank parses the same command line; rank 0 says it, all exit 2.
+TEST_F(Outputs, FlagErrorUnderMpirunIsOneLine) {
+  const std::string a = plan();
+  for (const char* flags : {"--steps 0", "--steps 2 --save-every 0 --save ck", "--stall-timeout 0", "--stepz 2"}) {
+    Result r = sh(quiet(mpirun(2) + kCli + " run --plan " + a + " " + flags));
+    EXPECT_EQ(r.code, 2) << flags << "\n" << r.output;
+    EXPECT_EQ(error_lines(r).size(), 1u) << flags << "\n" << r.output;
+  }
+  EXPECT_FALSE(fs::exists(path("ck")));
+}
+
 // ---------------------------------------------------------------------------------------------
 // 6. Writers write into what is not a regular file, and replace only regular files
 // ---------------------------------------------------------------------------------------------

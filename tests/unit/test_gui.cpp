@@ -3,6 +3,7 @@
 // export and the --screenshot mode. The studio at scale (folding, elision, units) is in
 // test_gui_scale.cpp.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -10,6 +11,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include <QApplication>
 #include <QImage>
@@ -442,6 +444,45 @@ TEST(GuiStudio, ScreenshotModeWritesANonBlankImageOfTheRequestedSize) {
   const std::string bad = std::string("QT_QPA_PLATFORM=offscreen '") + PIPER_STUDIO + "' --screenshot '" + png + "' '" +
                           (dir / "bad.json").string() + "' > /dev/null 2>&1";
   EXPECT_NE(std::system(bad.c_str()), 0);
+}
+
+// Hostile screenshot paths and sizes (probe 5): shot.svg got PNG bytes (exit 0); a folder, or a
+// size of 100000x100000 (a dozen Qt warnings), failed only after rendering, as "cannot write". Each is
+// one line and exit 2 now, with nothing written.
+TEST(GuiStudio, ScreenshotPathsAndSizesCheckedBeforeRendering) {
+  const auto dir = std::filesystem::temp_directory_path() / ("piper_test_gui_paths_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir / "folder");
+  const auto scenario = (dir / "scenario.json").string();
+  std::ofstream(scenario) << small_scenario().to_json().dump();
+  auto studio = [&](const std::string& args) {
+    const std::string err = (dir / "err.txt").string();
+    const std::string cmd = std::string("QT_QPA_PLATFORM=offscreen '") + PIPER_STUDIO + "' " + args + " '" + scenario +
+                            "' > /dev/null 2> '" + err + "'";
+    const int status = std::system(cmd.c_str());
+    std::ifstream in(err);
+    std::string line, errors;
+    while (std::getline(in, line))
+      if (line.rfind("piper-studio: ", 0) == 0) errors += line + "\n";
+    return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1, errors);
+  };
+  const std::string shot = (dir / "shot.svg").string();
+  auto [code, errors] = studio("--screenshot '" + shot + "'");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(errors, "piper-studio: error: --screenshot: writes a PNG image: name a .png file, got '" + shot + "'\n");
+  EXPECT_FALSE(std::filesystem::exists(shot));
+  std::tie(code, errors) = studio("--screenshot '" + (dir / "folder").string() + "'");
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(errors.find("--screenshot: is a folder"), std::string::npos) << errors;
+  std::tie(code, errors) = studio("--screenshot '" + (dir / "big.png").string() + "' --size 100000x100000");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(errors, "piper-studio: error: --size 100000x100000: at most 16384 pixels a side\n");
+  EXPECT_FALSE(std::filesystem::exists(dir / "big.png"));
+  // An upper-case .PNG is a PNG name.
+  std::tie(code, errors) = studio("--screenshot '" + (dir / "shot.PNG").string() + "' --size 1100x700");
+  EXPECT_EQ(code, 0) << errors;
+  EXPECT_EQ(QImage(QString::fromStdString((dir / "shot.PNG").string())).size(), QSize(1100, 700));
+  std::filesystem::remove_all(dir);
 }
 
 // A `piper tune` result opens as a table of candidates, best first; activating one compiles and

@@ -152,9 +152,21 @@ TEST(PlotCli, HostileValuesAndPathsAreRefusedOrCounted) {
   write(before);
   r = run("plot " + csv.string() + " --x a --y b -o " + csv.string());
   EXPECT_EQ(r.status, 2) << r.output;
+  // -o x.csv is refused for its extension first (a PNG under another image or file type's name).
+  EXPECT_NE(r.output.find("--output: writes a PNG image: name a .png file"), std::string::npos) << r.output;
+  {
+    std::ifstream in(csv);
+    EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()), before);
+  }
+  // A CSV without an extension passes that rule and meets the output-over-input one.
+  const fs::path bare = temp("hostile-data");
+  std::ofstream(bare) << before;
+  r = run("plot " + bare.string() + " --x a --y b -o " + bare.string());
+  EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("--output is also the input csv"), std::string::npos) << r.output;
-  std::ifstream in(csv);
+  std::ifstream in(bare);
   EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()), before);
+  fs::remove(bare);
   // A header naming a column twice: the first one was plotted, silently.
   fs::remove(png);
   write("a,b,a\n1,2,3\n");
@@ -162,6 +174,12 @@ TEST(PlotCli, HostileValuesAndPathsAreRefusedOrCounted) {
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("--y 'a': columns 1 and 3 of the header both have this name"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(png));
+  // CRLF line ends (RFC 4180, spreadsheets' exports; probe 5): the last column was 'b\r', so
+  // `--y b` was "no such column (columns: a, b )" and a last-column cell "2\r" no number.
+  write("a,b\r\n1,2\r\n2,3\r\n");
+  r = run("plot " + csv.string() + " --x a --y b -o " + png.string());
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("2 points in 1 series (0 rows without numbers skipped)"), std::string::npos) << r.output;
   fs::remove(csv);
   fs::remove(png);
 }

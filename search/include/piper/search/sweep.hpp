@@ -52,9 +52,14 @@ struct SweepSpec {
 struct SweepPoint : core::StrategyOptions {
   std::string model, cluster, engine;
   std::int64_t seq_len = 0, micro_batch_size = 0;
+  // The spec's calibration file (SweepSpec::calibration_path), "" without one: part of the key, so a
+  // results file resumed by a sweep with another calibration (or none) does not pass off the rows
+  // simulated without it as its own. run_point takes the file to use separately.
+  std::string calibration;
   const core::StrategyOptions& strategy() const { return *this; }
   // Stable identity of the combination (no commas): the resume key. The essential settings, then
-  // seq_len and micro_batch_size when set, then every other setting not at its default.
+  // seq_len and micro_batch_size when set, then every other setting not at its default, then the
+  // calibration file when there is one.
   std::string key() const;
 };
 
