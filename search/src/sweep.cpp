@@ -39,6 +39,16 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// A value listed twice in one list is a typo (the sweep would count the combination twice and run it
+// once): refused, naming the field and the value.
+void check_no_repeats(const std::vector<json>& list, const std::string& where, const std::string& field) {
+  for (std::size_t i = 0; i < list.size(); ++i)
+    for (std::size_t k = 0; k < i; ++k)
+      if (list[k] == list[i])
+        throw SweepError(fmt::format("{}: field '{}': {} is listed twice (entries {} and {})", where, field,
+                                     list[i].dump(), k + 1, i + 1));
+}
+
 // A knob is a value or a list of values; each value must have type T.
 template <class T>
 std::vector<T> knob(const json& j, const char* field, const std::string& where, const std::vector<T>& fallback) {
@@ -77,6 +87,7 @@ std::vector<T> knob(const json& j, const char* field, const std::string& where, 
   if (v.is_array()) {
     if (v.empty()) throw SweepError(fmt::format("{}: field '{}': empty list", where, field));
     for (const json& x : v) one(x);
+    check_no_repeats(v.get<std::vector<json>>(), where, field);
   } else {
     one(v);
   }
@@ -152,6 +163,7 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
     for (const json& x : list)
       if (const std::string why = core::setting_problem(setting, x); !why.empty())
         throw SweepError(fmt::format("{}: field '{}': {}", where, setting.name, why));
+    check_no_repeats(list, where, setting.name);
     s.settings[i] = std::move(list);
   }
   // The combinations multiply: refuse an absurd sweep before expanding it (limits.hpp).
@@ -466,8 +478,8 @@ namespace {
 
 char status_letter(const SweepRow& row) { return row.status == "ok" ? 'o' : row.status == "invalid" ? 'i' : 'e'; }
 
-// On the owner: the combinations of `all` not in the results file yet (by index; a value listed twice
-// in the spec runs once), and how many were; the file's header checked and its cut last row repaired.
+// On the owner: the combinations of `all` not in the results file yet (by index; two combinations with
+// one key run once), and how many were; the file's header checked and its cut last row repaired.
 std::vector<std::size_t> pending_points(const std::vector<SweepPoint>& all, const std::string& csv_path,
                                         std::size_t& resumed) {
   const std::set<std::string> done = repair_results(csv_path);

@@ -607,6 +607,20 @@ TEST_F(HostileInput, SweepNegativeSequenceShapeRefused) {
   EXPECT_FALSE(fs::exists(dir_ / "out.csv"));
 }
 
+// A value listed twice in a sweep list ("pp": [2, 2], a typo for [2, 4]) was counted as two
+// combinations and run as one: "2 combinations: 0 already in out.csv, 1 run".
+TEST_F(HostileInput, SweepValueListedTwiceRefused) {
+  input("pp.json", R"({"model": "qwen3-9m", "pp": [2, 2], "microbatches": 4})");
+  expect_one_line(run("sweep pp.json -o out.csv"), {"pp.json", "field 'pp'", "2 is listed twice", "entries 1 and 2"});
+  input("eng.json", R"({"model": "qwen3-9m", "pp": 2, "engine": ["analytic", "simgrid", "analytic"]})");
+  expect_one_line(run("sweep eng.json -o out.csv"), {"eng.json", "field 'engine'", "\"analytic\" is listed twice"});
+  input("seq.json", R"({"model": "qwen3-9m", "pp": 2, "seq_len": [128, 128.0]})");
+  EXPECT_EQ(run("sweep seq.json -o out.csv").exit_code, 2);  // 128.0 is not an integer, or a repeat: either way
+  EXPECT_FALSE(fs::exists(dir_ / "out.csv"));
+  input("ok.json", R"({"model": "qwen3-9m", "pp": [1, 2], "microbatches": 2})");
+  EXPECT_EQ(run("sweep ok.json -o out.csv").exit_code, 0);
+}
+
 // A Hugging Face config whose num_key_value_heads, num_experts_per_tok or first_k_dense_replace broke a
 // model rule was refused under the spec's names ('kv_heads', 'moe.top_k'), which the file does not
 // hold; and the "fields not modelled" warning came three times from one compile.
