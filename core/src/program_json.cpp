@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <array>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
@@ -139,6 +140,28 @@ double as_double(const json& j, const std::string& path) {
   if (!j.is_number()) fail(path, std::string("expected a number, got ") + j.type_name());
   return j.get<double>();
 }
+// A size in bytes (an op's traffic, a buffer): a whole number in [0, 2^53]. A negative one freed
+// memory it never held and reached SimGrid as a transfer it aborts on; 2^53 bytes (8 PiB) is past
+// any device's memory and keeps every sum of sizes exact in a double.
+std::int64_t as_bytes(const json& j, const std::string& path) {
+  const std::int64_t v = as_int64(j, path);
+  constexpr std::int64_t kMaxBytes = std::int64_t{1} << 53;
+  if (v < 0 || v > kMaxBytes) fail(path, fmt::format("must be a byte count in [0, 2^53], got {}", v));
+  return v;
+}
+// An amount of work (FLOPs): finite, in [0, 1e24]. 1e24 FLOPs is a million seconds on a 1e18 FLOP/s
+// device; a larger one only makes a step time of hundreds of digits.
+double as_flops(const json& j, const std::string& path) {
+  const double v = as_double(j, path);
+  if (!(v >= 0.0 && v <= 1e24)) fail(path, fmt::format("must be a number of FLOPs in [0, 1e24], got {}", v));
+  return v;
+}
+// A count (collectives, ring steps): an integer >= 0.
+int as_count(const json& j, const std::string& path) {
+  const int v = as_int(j, path);
+  if (v < 0) fail(path, fmt::format("must be >= 0, got {}", v));
+  return v;
+}
 std::string as_string(const json& j, const std::string& path) {
   if (!j.is_string()) fail(path, std::string("expected a string, got ") + j.type_name());
   return j.get<std::string>();
@@ -271,9 +294,9 @@ Op op_from_json(const json& j, const std::string& path) {
   if (const json* f = optional_field(j, "label")) op.label = as_string(*f, member(path, "label"));
   if (const json* f = optional_field(j, "tags")) op.tags = tags_from_json(*f, member(path, "tags"));
   if (const json* f = optional_field(j, "microbatch")) op.microbatch = as_int(*f, member(path, "microbatch"));
-  if (const json* f = optional_field(j, "flops")) op.flops = as_double(*f, member(path, "flops"));
-  if (const json* f = optional_field(j, "memory_bytes")) op.memory_bytes = as_int64(*f, member(path, "memory_bytes"));
-  if (const json* f = optional_field(j, "bytes")) op.bytes = as_int64(*f, member(path, "bytes"));
+  if (const json* f = optional_field(j, "flops")) op.flops = as_flops(*f, member(path, "flops"));
+  if (const json* f = optional_field(j, "memory_bytes")) op.memory_bytes = as_bytes(*f, member(path, "memory_bytes"));
+  if (const json* f = optional_field(j, "bytes")) op.bytes = as_bytes(*f, member(path, "bytes"));
   if (const json* f = optional_field(j, "device_set")) op.device_set = as_int(*f, member(path, "device_set"));
   if (const json* f = optional_field(j, "peer_set")) op.peer_set = as_int(*f, member(path, "peer_set"));
   if (const json* f = optional_field(j, "family")) op.family = as_int(*f, member(path, "family"));
@@ -300,15 +323,15 @@ Op op_from_json(const json& j, const std::string& path) {
     as_array(*f, p);
     for (std::size_t i = 0; i < f->size(); ++i) op.segments.push_back(as_int((*f)[i], at_index(p, i)));
   }
-  if (const json* f = optional_field(j, "tp_bytes")) op.tp_bytes = as_int64(*f, member(path, "tp_bytes"));
+  if (const json* f = optional_field(j, "tp_bytes")) op.tp_bytes = as_bytes(*f, member(path, "tp_bytes"));
   if (const json* f = optional_field(j, "tp_collectives"))
-    op.tp_collectives = as_int(*f, member(path, "tp_collectives"));
-  if (const json* f = optional_field(j, "cp_bytes")) op.cp_bytes = as_int64(*f, member(path, "cp_bytes"));
-  if (const json* f = optional_field(j, "cp_steps")) op.cp_steps = as_int(*f, member(path, "cp_steps"));
+    op.tp_collectives = as_count(*f, member(path, "tp_collectives"));
+  if (const json* f = optional_field(j, "cp_bytes")) op.cp_bytes = as_bytes(*f, member(path, "cp_bytes"));
+  if (const json* f = optional_field(j, "cp_steps")) op.cp_steps = as_count(*f, member(path, "cp_steps"));
   if (const json* f = optional_field(j, "elementwise_bytes"))
-    op.elementwise_bytes = as_int64(*f, member(path, "elementwise_bytes"));
+    op.elementwise_bytes = as_bytes(*f, member(path, "elementwise_bytes"));
   if (const json* f = optional_field(j, "recompute_flops"))
-    op.recompute_flops = as_double(*f, member(path, "recompute_flops"));
+    op.recompute_flops = as_flops(*f, member(path, "recompute_flops"));
   if (const json* f = optional_field(j, "gemm_kernels")) {
     op.gemm_kernels = as_int(*f, member(path, "gemm_kernels"));
     if (op.gemm_kernels < 0) fail(member(path, "gemm_kernels"), "must be >= 0");
@@ -348,7 +371,7 @@ Plan plan_from_json(const json& j, const std::string& path, std::size_t num_sets
     auto k = parse_enum<BufferKind>(kBufferKindNames, kind);
     if (!k) fail(member(p, "kind"), "unknown buffer kind '" + kind + "'");
     buf.kind = *k;
-    buf.bytes = as_int64(require(buffers[b], p, "bytes"), member(p, "bytes"));
+    buf.bytes = as_bytes(require(buffers[b], p, "bytes"), member(p, "bytes"));
     if (const json* f = optional_field(buffers[b], "alloc")) {
       buf.alloc = ref_from_json(*f, member(p, "alloc"));
       check_ref(buf.alloc, plan, member(p, "alloc"));

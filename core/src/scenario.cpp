@@ -230,7 +230,19 @@ DirectiveProgram program_for(const Scenario& s, const ModelConfig& cfg, int* reg
     return program;
   }
   if (regions > 0 && (s.stages > 0 || !s.stage_starts.empty())) {
-    // Explicit region count: place it with the family's own placement, then its schedule.
+    // Explicit region count: place it with the family's own placement, then its schedule. More
+    // regions than pipeline ranks is a strategy of its own (uneven interleaving, V chunks per rank,
+    // as --virtual); fewer leaves a rank without one, which failed as "1f1b: pipeline rank 1 holds
+    // no PP region", naming neither flag.
+    if (regions < opts.pp) {
+      std::string given;
+      for (int start : s.stage_starts) given += (given.empty() ? "" : ",") + std::to_string(start);
+      given = s.stage_starts.empty() ? fmt::format("--stages {}", s.stages) : "--pp-ranges " + given;
+      throw Error(
+          fmt::format("{}: {} PP regions for the {} pipeline ranks of --pp {}: every rank needs at least one "
+                      "(give {} or more, or a smaller --pp)",
+                      given, regions, opts.pp, opts.pp, opts.pp));
+    }
     return from("", [&] {
       const ScheduleFamily& family = schedule_family(opts.schedule);
       std::vector<int> rank_of_region = family.placement(opts, regions);

@@ -879,6 +879,69 @@ TEST_F(HostileInput, ChakraExportOverALargerExportsTracesRefused) {
   EXPECT_TRUE(fs::exists(dir_ / "ch" / "two.1.et"));
 }
 
+// ---- Probe 6 ---------------------------------------------------------------------------------
+
+// A hand-edited plan's negative or absurd sizes verified "ok": a buffer of -100 bytes or an op of
+// -1e9 FLOPs simulated (exit 0) with memory and time taken off, 1e300 FLOPs gave a 300-digit step
+// time, and a collective of -1 bytes killed the SimGrid process (signal 6). Refused on load, with
+// the plan, stream and op in the field path.
+TEST_F(HostileInput, PlanNegativeOrAbsurdSizesRefusedOnLoad) {
+  const json plan = tiny_plan();
+  struct Case {
+    std::string field;  // a JSON pointer into the plan
+    json value;
+    std::vector<std::string> fragments;
+  };
+  const std::vector<Case> cases = {
+      {"/plans/0/buffers/0/bytes", -100, {"field 'plans[0].buffers[0].bytes'", "byte count in [0, 2^53]", "-100"}},
+      {"/plans/0/streams/0/ops/0/flops", -1e9, {"field 'plans[0].streams[0].ops[0].flops'", "FLOPs in [0, 1e24]"}},
+      {"/plans/0/streams/0/ops/0/flops", 1e300, {"ops[0].flops'", "got 1e+300"}},
+      {"/plans/0/streams/0/ops/0/memory_bytes", -5, {"ops[0].memory_bytes'", "got -5"}},
+      {"/plans/0/streams/0/ops/0/tp_collectives", -1, {"ops[0].tp_collectives'", "must be >= 0"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.field);
+    json edited = plan;
+    edited[json::json_pointer(c.field)] = c.value;
+    input("edited.json", edited.dump());
+    std::vector<std::string> fragments = c.fragments;
+    fragments.push_back("edited.json");
+    expect_one_line(run("verify edited.json"), fragments);
+    expect_one_line(run("simulate --plan edited.json --engine analytic --report r.json"), fragments);
+    EXPECT_FALSE(fs::exists(dir_ / "r.json"));
+  }
+  // A collective's bytes: the one that reached SimGrid.
+  json edited = plan;
+  bool found = false;
+  for (auto& stream : edited["plans"][0]["streams"])
+    for (auto& op : stream["ops"])
+      if (!found && op["kind"] == "ALL_REDUCE") {
+        op["bytes"] = -1;
+        found = true;
+      }
+  ASSERT_TRUE(found);
+  input("edited.json", edited.dump());
+  expect_one_line(run("simulate --plan edited.json --engine simgrid"), {"edited.json", ".bytes'", "got -1"});
+  EXPECT_EQ(run("verify a.json").exit_code, 0);  // the plan as compiled still loads
+}
+
+// --pp-ranges (or --stages) with fewer regions than pipeline ranks failed as "1f1b: pipeline rank 1
+// holds no PP region", naming neither flag.
+TEST_F(HostileInput, PpRangesOrStagesFewerThanThePipelineRanksNamesTheFlag) {
+  expect_one_line(run("compile --model qwen3-9m --pp 4 --pp-ranges 0,1 --microbatches 4 -o plan.json"),
+                  {"--pp-ranges 0,1: 2 PP regions for the 4 pipeline ranks of --pp 4"});
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --pp 4 --stages 3 --microbatches 4"),
+                  {"--stages 3: 3 PP regions", "--pp 4"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+  // As many regions as ranks, or more (chunks per rank, uneven interleaving), still compile.
+  for (const std::string& args : {std::string("--pp 2 --pp-ranges 0,1"), std::string("--pp 2 --stages 3"),
+                                  std::string("--pp 2 --pp-ranges 0,1,2,3")}) {
+    SCOPED_TRACE(args);
+    const CliResult ok = run("simulate --model qwen3-9m --engine analytic --microbatches 4 " + args);
+    EXPECT_EQ(ok.exit_code, 0) << ok.err;
+  }
+}
+
 // ---- The helpers themselves ------------------------------------------------------------------
 
 // Depth of {"a": "<s>", "b": [[1]]} as check_json_depth sees it: the smallest limit it accepts.
