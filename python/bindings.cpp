@@ -90,14 +90,32 @@ auto guarded(F&& fn) -> decltype(fn()) {
 json to_cpp(const py::handle& obj, const char* what) {
   std::string text;
   try {
-    text = py::module_::import("json").attr("dumps")(obj).cast<std::string>();
+    text = py::module_::import("json").attr("dumps")(obj, py::arg("allow_nan") = false).cast<std::string>();
   } catch (py::error_already_set& e) {
-    throw PiperError(std::string(what) + ": not JSON-serialisable: " + one_line(e.what()));
+    // The exception's own line ("Object of type bytes is not JSON serializable"), not what(), which
+    // appends the Python traceback.
+    throw PiperError(std::string(what) +
+                     ": not JSON-serialisable: " + one_line(py::str(e.value()).cast<std::string>()));
   }
   return guarded([&] { return core::parse_json(text, what); });
 }
 
 py::object to_py(const json& j) { return py::module_::import("json").attr("loads")(j.dump()); }
+
+// A JSON input file read as the CLI reads it: bounded by the input-bytes limit (a device such as
+// /dev/zero stops there), nested no deeper than json-depth, a key given twice refused. Python's own
+// open().read() and json.loads had none of these: /dev/zero ran the process out of memory, and
+// {"pp": 2, "pp": 4} silently kept 4.
+py::object read_json(const std::string& path) {
+  return to_py(guarded([&] {
+    const std::string text = core::read_input_file(path);
+    try {
+      return core::parse_json(text, path);
+    } catch (const json::exception& e) {
+      throw core::Error(path + ": not JSON: " + json_message(e));
+    }
+  }));
+}
 
 core::Scenario scenario_of(const py::handle& obj, const std::string& base_dir) {
   const json j = to_cpp(obj, "scenario");
@@ -375,6 +393,7 @@ PYBIND11_MODULE(_piper, m) {
       "simulate", &simulate, py::arg("scenario") = py::none(), py::arg("plan") = py::none(), py::arg("cluster") = "",
       py::arg("engine") = "", py::arg("calibration") = "", py::arg("base_dir") = "",
       "Simulate a scenario dict (or plan=, a Program dict); returns the report dict `piper simulate --report` writes.");
+  m.def("read_json", &read_json, py::arg("path"), "A JSON input file, read and parsed as the CLI reads it.");
   m.def("verify", &verify, py::arg("plan"),
         "Verify a Program dict; returns the issues as [{check, message}] (empty: ok).");
   m.def("sweep", &sweep, py::arg("spec"), py::arg("output") = py::none(), py::arg("jobs") = 1, py::arg("base_dir") = "",

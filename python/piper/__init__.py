@@ -15,6 +15,7 @@ import difflib as _difflib
 import functools as _functools
 import inspect as _inspect
 import json as _json
+import math as _math
 import os as _os
 import re as _re
 import shutil as _shutil
@@ -62,10 +63,40 @@ def _did_you_mean(value, choices):
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+_SCALARS = (str, int, float, bool)
+
+
+def _accepted_types(annotation):
+    """The types a parameter annotated `str`, `int`, `float`, `bool` (or one of them `| None`) takes,
+    and whether None is one; None for other annotations (checked where they are used)."""
+    if annotation in _SCALARS:
+        return (annotation,), False
+    args = getattr(annotation, "__args__", None)
+    if args and len(args) == 2 and type(None) in args:
+        other = args[0] if args[1] is type(None) else args[1]
+        if other in _SCALARS:
+            return (other,), True
+    return None
+
+
+def _type_ok(value, kind):
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (str, _os.PathLike))  # str: a name or a path
+
+
 def _keywords(fn):
-    """Gives `fn` a TypeError with a suggestion for an unknown keyword; keeps its signature."""
+    """Gives `fn` a TypeError with a suggestion for an unknown keyword, and a one-line TypeError for
+    an argument of the wrong type where its annotation is a plain str/int/float/bool (optionally
+    `| None`): `reference="no"` used to be truthy, `cluster=5` reached pybind11's many-line error,
+    `trace=True` became a file named 'True'. Keeps `fn`'s signature."""
     sig = _inspect.signature(fn)
     names = [n for n, p in sig.parameters.items() if p.kind is not _inspect.Parameter.POSITIONAL_ONLY]
+    checked = {n: t for n, p in sig.parameters.items() if (t := _accepted_types(p.annotation)) is not None}
 
     @_functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -73,6 +104,18 @@ def _keywords(fn):
             if k not in names:
                 raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {k!r}"
                                 f"{_did_you_mean(k, names)}") from None
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError:
+            return fn(*args, **kwargs)  # Python's own message for a missing or extra argument
+        for k, v in bound.arguments.items():
+            if k not in checked or (v is None and checked[k][1]):
+                continue
+            (kind,), optional = checked[k]
+            if not _type_ok(v, kind):
+                want = {str: "a str", int: "an int", float: "a number", bool: "a bool (True or False)"}[kind]
+                raise TypeError(f"{fn.__name__}() argument {k}={v!r}: must be {want}{' or None' if optional else ''}, "
+                                f"not {type(v).__name__}") from None
         return fn(*args, **kwargs)
 
     return wrapper
@@ -127,17 +170,59 @@ def _check_choice(keyword, value, choices, what):
         _bad(keyword, value, f"unknown {what}{_did_you_mean(value, choices)}; expected one of: {', '.join(choices)}")
 
 
-def _check_int(keyword, value, minimum=1):
+# The largest integer a keyword takes: the C++ side holds them as int (2**31 and more reached
+# pybind11 as "Unable to cast Python instance to C++ type", a RuntimeError).
+_INT_MAX = 2**31 - 1
+
+
+def _check_int(keyword, value, minimum=1, maximum=_INT_MAX):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         _bad(keyword, value, "must be an integer >= %d" % minimum)
+    if value > maximum:
+        _bad(keyword, value, "must be an integer from %d to %d" % (minimum, maximum))
 
 
-def _check_number(keyword, value, minimum=0.0):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
-        _bad(keyword, value, "must be a number >= %g" % minimum)
+def _check_number(keyword, value, minimum=0.0, positive=False):
+    """A finite number >= minimum (> 0 when `positive`): inf and nan are refused, not taken as "no limit"."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not _math.isfinite(value)
+            or not value >= minimum or (positive and not value > 0)):
+        _bad(keyword, value, "must be a finite number " + ("> 0" if positive else ">= %g" % minimum))
 
 
-def _int_list(keyword, value, minimum=1, maximum=None):
+def _check_plain(obj, what):
+    """A dict or list that crosses to C++ as JSON: str keys, finite numbers, JSON types only, named by
+    field path. json.dumps turned {1: 2} into {"1": 2} and nan into a parse error that named nothing."""
+    stack = [(obj, "", 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        where = f"{what}: field '{path}'" if path else what
+        if depth > 1000:
+            raise InputError(f"{where}: nested more than 1000 deep")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    raise InputError(f"{where}: key {k!r} is not a str ({type(k).__name__})")
+                _check_utf8(k, where)
+                stack.append((x, f"{path}.{k}" if path else k, depth + 1))
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                stack.append((x, f"{path}[{i}]", depth + 1))
+        elif isinstance(v, str):
+            _check_utf8(v, where)
+        elif isinstance(v, float) and not _math.isfinite(v):
+            raise InputError(f"{where}: {v!r} is not a JSON number (finite numbers only)")
+        elif v is not None and not isinstance(v, (str, int, float, bool)):
+            raise InputError(f"{where}: {type(v).__name__} is not a JSON type (dicts, lists, str, numbers, bools, None)")
+
+
+def _check_utf8(text, where):
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{where}: {text!r} is not valid Unicode (a lone surrogate at {e.start})") from None
+
+
+def _int_list(keyword, value, minimum=1, maximum=_INT_MAX):
     """An int or a list of ints (a pin or the values to try); None is empty (every legal one)."""
     if value is None:
         return []
@@ -150,7 +235,8 @@ def _int_list(keyword, value, minimum=1, maximum=None):
         _bad(keyword, value, "must not be empty (leave it out for every legal value)")
     for v in items:
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum or (maximum is not None and v > maximum):
-            bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+            above = isinstance(v, int) and v > maximum
+            bounds = f">= {minimum}" if maximum == _INT_MAX and not above else f"from {minimum} to {maximum}"
             _bad(keyword, value, f"every value must be an integer {bounds} ({v!r} is not)")
     return items
 
@@ -185,17 +271,20 @@ def _load(obj, what, base_dir):
     """A dict as given, or a JSON file's content (relative names in it then resolve against its folder)."""
     if isinstance(obj, (str, _os.PathLike)):
         path = _os.fspath(obj)
+        # Read and parsed as the CLI reads a file: the input-bytes and json-depth limits, duplicate
+        # keys refused (Python's open().read() ran /dev/zero out of memory; json.loads kept the last
+        # of two keys).
         try:
-            with open(path) as f:
-                text = f.read()
-        except OSError as e:
-            raise InputError(f"{what}={path!r}: cannot open: {e.strerror.lower() if e.strerror else e}") from None
-        try:
-            obj = _json.loads(text)
-        except ValueError as e:
-            raise InputError(f"{path}: not JSON: {e}") from None
+            obj = _piper.read_json(path)
+        except _piper.NativeInputError as e:
+            message = str(e)
+            if message.startswith(f"{path}: cannot open"):
+                message = f"{what}={path!r}: " + message[len(path) + 2:]
+            raise InputError(message) from None
         if not base_dir:
             base_dir = _os.path.dirname(_os.path.abspath(path))
+    else:
+        _check_plain(obj, what)
     return obj, base_dir
 
 
@@ -456,6 +545,7 @@ def strategy(**settings) -> dict:
     (``pp``, ``zero``, ``dp_shard``, ...; see :func:`strategy_settings`): every setting, the ones not
     given at their defaults. An unknown keyword or a bad value raises InputError naming it (with a
     suggestion for a misspelt one)."""
+    _check_plain(settings, "strategy")
     flags = {s["flag"][2:]: s["name"] for s in _piper.strategy_settings()}
     return _native(_piper.strategy, settings, flags=flags)
 
@@ -536,7 +626,7 @@ def tune(model: str, *, devices: int, cluster: str = "dgx-h200", global_batch: i
         raise InputError("memory_cap_gib and memory_reserve_gib: give one (the cap is the whole budget; the reserve "
                          "is taken off the HBM)")
     if memory_cap_gib is not None:
-        _check_number("memory_cap_gib", memory_cap_gib)
+        _check_number("memory_cap_gib", memory_cap_gib, positive=True)  # 0 used to mean the default cap
     if memory_reserve_gib is not None:
         _check_number("memory_reserve_gib", memory_reserve_gib)
     if budget_s is not None:
@@ -709,6 +799,8 @@ def run(scenario=None, *, plan=None, steps: int = 3, seed: int = 1, reference: b
             _check_number(kw, v)
     if stall_timeout is not None:
         _check_number("stall_timeout", stall_timeout, 1e-9)
+    if timeout is not None:
+        _check_number("timeout", timeout, positive=True)
     if scenario is not None:
         program = compile(scenario, base_dir=base_dir)
     else:
@@ -743,6 +835,9 @@ def run(scenario=None, *, plan=None, steps: int = 3, seed: int = 1, reference: b
             msg = _cli_error(p.stderr, _RUN_FLAGS, {"resume": resume, "data": data, "save": save,
                                                     "dump_params": dump_params, "calibrate": calibrate,
                                                     "trace": trace})
+            # The plan went through a temporary file: name what the caller gave instead.
+            given = _os.fspath(plan) if isinstance(plan, (str, _os.PathLike)) else "plan"
+            msg = msg.replace(plan_path, given)
             if p.returncode == 2:
                 raise InputError(msg)
             if p.returncode == 3:

@@ -287,6 +287,98 @@ class Files(unittest.TestCase):
             piper.simulate("/no/such.json")
 
 
+class HostileArguments(unittest.TestCase):
+    """Probe 6 (docs/reliability.md, sixth probe): each of these crashed, ran away, named nothing or
+    was silently taken before; now each is one line naming the keyword, field or file."""
+
+    S = {"model": "qwen3-9m", "strategy": {"pp": 2, "microbatches": 4}}
+
+    def test_json_files_are_read_as_the_cli_reads_them(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            dup = os.path.join(tmp, "dup.json")
+            with open(dup, "w") as f:
+                f.write('{"model": "qwen3-9m", "strategy": {"pp": 2, "pp": 4}}')
+            # json.loads kept pp 4 silently; the CLI refuses a key given twice.
+            for fn in (piper.compile, piper.simulate, piper.directives):
+                with self.assertRaisesRegex(piper.InputError, r"^" + re.escape(dup) + r": duplicate key 'pp'"):
+                    fn(dup)
+            with self.assertRaisesRegex(piper.InputError, r"^" + re.escape(dup) + r": duplicate key 'pp'"):
+                piper.sweep(dup)
+            deep = os.path.join(tmp, "deep.json")
+            with open(deep, "w") as f:
+                f.write("[" * 100000 + "]" * 100000)
+            with self.assertRaisesRegex(piper.InputError, r"limit 'json-depth'"):
+                piper.verify(deep)
+            text = os.path.join(tmp, "x.csv")
+            with open(text, "w") as f:
+                f.write("a,b\n")
+            with self.assertRaisesRegex(piper.InputError, r"^" + re.escape(text) + r": not JSON: "):
+                piper.verify(text)
+        # open().read() of /dev/zero ran the process out of memory: now the input-bytes limit.
+        with self.assertRaisesRegex(piper.InputError, r"^/dev/zero: .* exceeds the limit .*'input-bytes'"):
+            piper.compile("/dev/zero")
+        with self.assertRaisesRegex(piper.InputError, r"^scenario='/no/such.json': cannot open"):
+            piper.compile("/no/such.json")
+
+    def test_dicts_that_are_not_json_name_the_field(self):
+        cases = [
+            ({"model": "qwen3-9m", "seq_len": float("nan")}, r"^scenario: field 'seq_len': nan is not a JSON number"),
+            ({"model": "qwen3-9m", "strategy": {"bucket_mb": float("inf")}},
+             r"^scenario: field 'strategy.bucket_mb': inf is not a JSON number"),
+            ({"model": "qwen3-9m", "strategy": {1: 2}}, r"^scenario: field 'strategy': key 1 is not a str \(int\)$"),
+            ({"model": b"qwen3-9m"}, r"^scenario: field 'model': bytes is not a JSON type"),
+            ({"model": "qwen3-9m\udcff"}, r"^scenario: field 'model': .* is not valid Unicode"),
+        ]
+        for scenario, pattern in cases:
+            with self.assertRaisesRegex(piper.InputError, pattern):
+                piper.compile(scenario)
+        with self.assertRaisesRegex(piper.InputError, r"^strategy: field 'bucket_mb': nan is not a JSON number"):
+            piper.strategy(bucket_mb=float("nan"))
+        with self.assertRaisesRegex(piper.InputError, r"^plan: field 'plans\[0\]': set is not a JSON type"):
+            piper.verify({"plans": [{1, 2}]})
+
+    def test_wrong_types_are_one_line_type_errors(self):
+        cases = [
+            (lambda: piper.simulate(self.S, cluster=5), r"^simulate\(\) argument cluster=5: must be a str, not int$"),
+            (lambda: piper.simulate(self.S, engine=None), r"^simulate\(\) argument engine=None: must be a str"),
+            (lambda: piper.compile(self.S, base_dir=None), r"^compile\(\) argument base_dir=None: must be a str"),
+            # bool("no") is True: these ran the reference and searched placements.
+            (lambda: piper.tune("qwen3-9m", devices=2, placement_search="no"),
+             r"^tune\(\) argument placement_search='no': must be a bool \(True or False\), not str$"),
+            (lambda: piper.run(self.S, reference="no"), r"^run\(\) argument reference='no': must be a bool"),
+            # str(True): a trace file named 'True'.
+            (lambda: piper.run(self.S, trace=True), r"^run\(\) argument trace=True: must be a str or None, not bool$"),
+            (lambda: piper.plot("r.csv", x="a", y="b", output="o.svg", title=5), r"^plot\(\) argument title=5"),
+            (lambda: piper.sweep(self.S, jobs=1.5), r"^sweep\(\) argument jobs=1.5: must be an int, not float$"),
+        ]
+        for fn, pattern in cases:
+            with self.assertRaisesRegex(TypeError, pattern):
+                fn()
+        piper.simulate(self.S, engine="analytic", cluster="dgx-h200")  # the right types still pass
+
+    def test_numbers_out_of_range_name_the_keyword(self):
+        cases = [
+            # 2**31 and more reached pybind11: a many-line TypeError or "Unable to cast" RuntimeError.
+            (lambda: piper.schedule_show("1f1b", ranks=2**31), r"^ranks=2147483648: must be an integer from 1 to 2147483647$"),
+            (lambda: piper.sweep(self.S, jobs=2**40), r"^jobs=1099511627776: must be an integer from 1 to"),
+            (lambda: piper.tune("qwen3-9m", devices=2, pp=2**40), r"^pp=1099511627776: every value must be an integer from 1"),
+            (lambda: piper.tune("qwen3-9m", devices=2, max_virtual=2**40), r"^max_virtual=1099511627776: "),
+            # 0 was silently the default cap, inf no cap at all (the CLI's --memory-cap must be positive).
+            (lambda: piper.tune("qwen3-9m", devices=2, memory_cap_gib=0), r"^memory_cap_gib=0: must be a finite number > 0$"),
+            (lambda: piper.tune("qwen3-9m", devices=2, memory_cap_gib=float("inf")), r"^memory_cap_gib=inf: "),
+            # A negative timeout raised TimeoutError at once, nan a bare ValueError from subprocess.
+            (lambda: piper.run(self.S, timeout=-1), r"^timeout=-1: must be a finite number > 0$"),
+            (lambda: piper.run(self.S, timeout=float("nan")), r"^timeout=nan: must be a finite number > 0$"),
+        ]
+        for fn, pattern in cases:
+            with self.assertRaisesRegex(piper.InputError, pattern):
+                fn()
+
+    def test_run_names_the_plan_not_its_temporary_file(self):
+        with self.assertRaisesRegex(piper.InputError, r"^plan: plan: field 'format': missing$"):
+            piper.run(plan={"plan_of_device": [0]}, reference=True, steps=1)
+
+
 class Records(unittest.TestCase):
     def test_simulate_records_one_row_per_device(self):
         report = piper.simulate({"model": "qwen3-9m", "strategy": {"pp": 2, "dp": 2, "microbatches": 4}},
