@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <memory>
 #include <thread>
 
 #include <fmt/format.h>
@@ -34,13 +35,6 @@ struct TuneArgs {
   std::string sequence_parallel = "both";
   std::string output_path, directives_path, scenario_path, plot_path;
 };
-
-std::string duration(double s) {
-  if (!std::isfinite(s) || s < 0) return "?";
-  if (s < 60) return fmt::format("{:.0f}s", s);
-  if (s < 3600) return fmt::format("{}m{:02.0f}s", static_cast<int>(s / 60), std::fmod(s, 60));
-  return fmt::format("{}h{:02d}m", static_cast<int>(s / 3600), static_cast<int>(std::fmod(s, 3600) / 60));
-}
 
 // Throughput against peak memory: every simulated candidate, the Pareto front, the best plan, the cap.
 void plot_pareto(const search::TuneSpec& spec, const search::TuneSummary& s, const std::string& csv_path,
@@ -96,9 +90,17 @@ search::TuneOptions tune_options(const TuneArgs& a) {
   search::TuneOptions options;
   options.jobs = a.jobs;
   options.budget_s = a.budget_s;
-  // The bar redraws one line in place, so only on a terminal; logs and pipes get nothing.
-  options.on_progress = [tty](const search::TuneProgress& p) {
-    if (!tty) return;
+  // The bar redraws one line in place, so only on a terminal; a log or a pipe gets whole lines once
+  // the search has run a minute (it printed nothing until the end).
+  auto log = std::make_shared<ProgressLog>("tune", 60);
+  options.on_progress = [tty, log](const search::TuneProgress& p) {
+    if (!tty) {
+      if (const std::string line = log->report(p.phase, p.done, p.total, p.elapsed_s); !line.empty()) {
+        fmt::print(stderr, "{}", line);
+        std::fflush(stderr);
+      }
+      return;
+    }
     constexpr int kWidth = 30;
     const int filled = p.total ? static_cast<int>(kWidth * p.done / p.total) : kWidth;
     static std::string phase;
@@ -110,8 +112,8 @@ search::TuneOptions tune_options(const TuneArgs& a) {
                                              : std::numeric_limits<double>::quiet_NaN();
     fmt::print(stderr, "\r{:<9} [{}{}] {}/{}  elapsed {}  eta {}   ", p.phase,
                std::string(static_cast<std::size_t>(filled), '#'),
-               std::string(static_cast<std::size_t>(kWidth - filled), ' '), p.done, p.total, duration(p.elapsed_s),
-               duration(rate * static_cast<double>(p.total - p.done)));
+               std::string(static_cast<std::size_t>(kWidth - filled), ' '), p.done, p.total,
+               format_duration(p.elapsed_s), format_duration(rate * static_cast<double>(p.total - p.done)));
     if (p.done == p.total) fmt::print(stderr, "\n");
     std::fflush(stderr);
   };

@@ -390,4 +390,20 @@ void print_internal_error(const std::string& message) {
              one_line(message));
 }
 
+std::string format_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  if (s < 60) return fmt::format("{:.0f}s", s);
+  if (s < 3600) return fmt::format("{}m{:02.0f}s", static_cast<int>(s / 60), std::fmod(s, 60));
+  return fmt::format("{}h{:02d}m", static_cast<int>(s / 3600), static_cast<int>(std::fmod(s, 3600) / 60));
+}
+
+std::string ProgressLog::report(const std::string& phase, std::size_t done, std::size_t total, double elapsed_s) {
+  const bool end = done == total && phase != ended_;
+  if (elapsed_s < every_s_ || (!end && (done == total || elapsed_s - last_line_s_ < every_s_))) return "";
+  last_line_s_ = elapsed_s;
+  if (end) ended_ = phase;
+  return fmt::format("{}: {}: {} of {}{}, elapsed {}\n", command_, phase, done, total, end ? " done" : "",
+                     format_duration(elapsed_s));
+}
+
 }  // namespace piper::cli

@@ -117,6 +117,25 @@ struct ScenarioFlags {
 // opens from any working directory.
 std::string scenario_file_text(core::Scenario s, const std::string& path);
 
+// "42s", "3m07s", "2h05m"; "?" for a negative or non-finite time.
+std::string format_duration(double s);
+
+// A long search's progress as whole lines, for a log or a pipe (a terminal gets a bar redrawn in
+// place): nothing during its first `every_s` seconds (a short search stays quiet); then a line every
+// `every_s` seconds while a phase runs and one as each phase ends ("tune: analytic: 7 of 9, elapsed
+// 2m00s", "... 9 of 9 done, elapsed 2m41s"). report() returns the line to print, or "".
+class ProgressLog {
+ public:
+  ProgressLog(std::string command, double every_s) : command_(std::move(command)), every_s_(every_s) {}
+  std::string report(const std::string& phase, std::size_t done, std::size_t total, double elapsed_s);
+
+ private:
+  std::string command_;
+  double every_s_;
+  std::string ended_;  // the last phase whose end was reported
+  double last_line_s_ = 0;
+};
+
 // Registers a subcommand: `run` is called when it was parsed. Commands live in cli/cmd_*.cpp.
 struct Command {
   CLI::App* app;

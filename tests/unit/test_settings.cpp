@@ -241,3 +241,21 @@ TEST(Settings, GatherPrefetchBoundsTheZero3Gathers) {
   EXPECT_EQ(error_of([&] { core::compile_scenario(zero2); }),
             "--gather-prefetch applies only with --zero 3 (its per-use parameter gathers)");
 }
+
+// A long search's progress in a log: quiet for the first interval, then one line per interval while a
+// phase runs and one as each phase ends (once), with the elapsed time.
+TEST(ProgressLog, QuietAtFirstThenOneLineAnIntervalAndOneAtEachPhaseEnd) {
+  piper::cli::ProgressLog log("tune", 60);
+  EXPECT_EQ(log.report("estimate", 10, 10, 1), "") << "a phase that ends in the first minute says nothing";
+  EXPECT_EQ(log.report("analytic", 5, 100, 59.9), "");
+  EXPECT_EQ(log.report("analytic", 6, 100, 60), "tune: analytic: 6 of 100, elapsed 1m00s\n");
+  EXPECT_EQ(log.report("analytic", 7, 100, 119), "");
+  EXPECT_EQ(log.report("analytic", 50, 100, 121), "tune: analytic: 50 of 100, elapsed 2m01s\n");
+  EXPECT_EQ(log.report("analytic", 100, 100, 130), "tune: analytic: 100 of 100 done, elapsed 2m10s\n");
+  EXPECT_EQ(log.report("analytic", 100, 100, 200), "") << "its end is said once";
+  EXPECT_EQ(log.report("simgrid", 0, 0, 201), "tune: simgrid: 0 of 0 done, elapsed 3m21s\n");
+  EXPECT_EQ(log.report("placement", 1, 4, 230), "");
+  EXPECT_EQ(log.report("placement", 2, 4, 262), "tune: placement: 2 of 4, elapsed 4m22s\n");
+  EXPECT_EQ(piper::cli::format_duration(7325), "2h02m");
+  EXPECT_EQ(piper::cli::format_duration(-1), "?");
+}
