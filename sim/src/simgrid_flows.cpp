@@ -222,6 +222,12 @@ void Run::start_flow(int src, int dst, double bytes, SlotKind kind, int owner, i
   s.dst = dst;
   s.units = static_cast<double>(std::llround(std::max(0.0, bytes) * kUnitsPerByte));
   ++flows_in_use_;
+  // Nothing to move (a hand-edited plan's zero-byte transfer): the latency it waited was all of it.
+  // SimGrid refuses an empty communication ("Cannot have a communication with no flop") and aborts.
+  if (s.units <= 0) {
+    at(now(), [this, id] { flow_ended(id); });
+    return;
+  }
   if (use_workers_) {
     pending_.push_back(id);
     return;
