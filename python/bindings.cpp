@@ -147,6 +147,12 @@ sim::SimulateOptions simulate_options(const std::string& cluster, const std::str
   return o;
 }
 
+// Errors of a plan given by value name it "plan"; Program::from_json's own messages already start
+// with "plan: field ...", so the prefix is added only where it is missing (it read "plan: plan: ").
+std::string plan_prefixed(const std::string& message) {
+  return message.rfind("plan: ", 0) == 0 ? message : "plan: " + message;
+}
+
 py::object simulate(const py::object& scenario, const py::object& plan, const std::string& cluster,
                     const std::string& engine, const std::string& calibration, const std::string& base_dir) {
   const sim::SimulateOptions options = simulate_options(cluster, engine, calibration);
@@ -159,7 +165,7 @@ py::object simulate(const py::object& scenario, const py::object& plan, const st
         program = core::Program::from_json(j);
         core::verify_or_throw(program);
       } catch (const core::Error& e) {
-        throw core::Error(std::string("plan: ") + e.what());
+        throw core::Error(plan_prefixed(e.what()));
       }
       return sim::simulate_program(std::make_shared<const core::Program>(std::move(program)), options).report.to_json();
     }));
@@ -174,7 +180,7 @@ py::list verify(const py::handle& plan) {
     try {
       return core::verify(core::Program::from_json(j));
     } catch (const core::Error& e) {
-      throw core::Error(std::string("plan: ") + e.what());
+      throw core::Error(plan_prefixed(e.what()));
     }
   });
   py::list out;

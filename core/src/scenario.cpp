@@ -395,7 +395,11 @@ void annotate_regions(const Scenario& s, Model& model, const DirectiveProgram& p
     if (const auto at = why.find(internal); at != std::string::npos)
       why.replace(at, internal.size(), "PP regions must be");
     std::string origin;
-    if (s.stages > 0)
+    if (!s.stage_starts.empty()) {  // the regions the user gave; they named --pp N (not given)
+      std::string given;
+      for (int start : s.stage_starts) given += (given.empty() ? "" : ",") + std::to_string(start);
+      origin = "--pp-ranges " + given + ": ";
+    } else if (s.stages > 0)
       origin = fmt::format("--stages {}: ", s.stages);
     else if (s.directives && s.stage_starts.empty())  // the regions its "PP" filters name
       origin = fmt::format("{}: \"PP\" filters up to {}: ", s.directives_source, regions - 1);

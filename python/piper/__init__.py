@@ -837,6 +837,10 @@ def run(scenario=None, *, plan=None, steps: int = 3, seed: int = 1, reference: b
                                                     "trace": trace})
             # The plan went through a temporary file: name what the caller gave instead.
             given = _os.fspath(plan) if isinstance(plan, (str, _os.PathLike)) else "plan"
+            # The CLI's own messages about a plan start "plan: field ...": a plan given by value is
+            # already named by that prefix (it read "plan: plan: field ...").
+            if given == "plan":
+                msg = msg.replace(plan_path + ": plan: ", "plan: ")
             msg = msg.replace(plan_path, given)
             if p.returncode == 2:
                 raise InputError(msg)

@@ -159,6 +159,14 @@ void Search::resume(const std::string& csv_path) {
       throw TuneError(fmt::format("{}: holds a tune of {} on {} x {} (global batch {}, seq_len {}); choose another -o",
                                   csv_path, file_spec.model, file_spec.devices, file_spec.cluster,
                                   file_spec.global_batch, file_spec.seq_len));
+    // The tune CSV records no calibration, so a row cannot say whether measured times made it; a
+    // calibrated search (the library's TuneSpec; neither the CLI nor piper.tune takes one) would take
+    // uncalibrated rows, or another calibration's, as its own. It starts a file of its own instead.
+    if (!spec_.calibration_path.empty())
+      throw TuneError(
+          fmt::format("{}: a tune with a calibration ({}) cannot resume a results file: its rows do not "
+                      "record which calibration, if any, made them; choose another -o",
+                      csv_path, spec_.calibration_path));
     done_[{row.candidate.key(), row.engine}] = row;
   }
   summary_.resumed = done_.size();

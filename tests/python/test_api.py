@@ -375,8 +375,13 @@ class HostileArguments(unittest.TestCase):
                 fn()
 
     def test_run_names_the_plan_not_its_temporary_file(self):
-        with self.assertRaisesRegex(piper.InputError, r"^plan: plan: field 'format': missing$"):
+        # The prefix was doubled ("plan: plan: field ...") for a plan given by value.
+        with self.assertRaisesRegex(piper.InputError, r"^plan: field 'format': missing$"):
             piper.run(plan={"plan_of_device": [0]}, reference=True, steps=1)
+        with self.assertRaisesRegex(piper.InputError, r"^plan: field 'format': missing$"):
+            piper.simulate(plan={"plan_of_device": [0]})
+        with self.assertRaisesRegex(piper.InputError, r"^plan: field 'format': missing$"):
+            piper.verify({"plan_of_device": [0]})
 
 
 class Records(unittest.TestCase):

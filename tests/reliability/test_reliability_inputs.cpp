@@ -863,6 +863,56 @@ TEST_F(HostileInput, SweepResumedUnderAnotherCalibrationRunsItsOwnRows) {
       << wider.out;
 }
 
+// Probe 7: a resumed sweep took its rows by key alone, so a hand-edited row (status "bogus", a step
+// time "nan") stood for its combination: "2 already in r.csv, 0 run", exit 0. A resumed row must be
+// one piper could have written; otherwise the file is refused naming the line, untouched.
+TEST_F(HostileInput, SweepResumedRowThatPiperCouldNotHaveWrittenRefused) {
+  input("s.json", R"({"model": "qwen3-9m", "engine": "analytic", "pp": [1, 2], "microbatches": [4]})");
+  ASSERT_EQ(run("sweep s.json -j 1 -o r.csv").exit_code, 0);
+  const std::string good = read_file(dir_ / "r.csv");
+  // Sets one cell of data row `row` (line row + 1) by column name; ok rows have no quoted fields.
+  auto edited = [&](int row, const std::string& column, const std::string& value) {
+    std::vector<std::vector<std::string>> lines;
+    std::istringstream in(good);
+    for (std::string line; std::getline(in, line);) {
+      std::vector<std::string> fields;
+      std::istringstream cells(line);
+      for (std::string f; std::getline(cells, f, ',');) fields.push_back(f);
+      if (!line.empty() && line.back() == ',') fields.emplace_back();
+      lines.push_back(fields);
+    }
+    const auto at = std::find(lines[0].begin(), lines[0].end(), column) - lines[0].begin();
+    lines[static_cast<std::size_t>(row)][static_cast<std::size_t>(at)] = value;
+    std::string text;
+    for (const auto& fields : lines) {
+      for (std::size_t i = 0; i < fields.size(); ++i) text += (i ? "," : "") + fields[i];
+      text += "\n";
+    }
+    return text;
+  };
+  const struct {
+    int row;
+    std::string column, value, expected;
+  } cases[] = {
+      {1, "status", "bogus", "r.csv: line 2: column 'status': not ok, invalid or error, got 'bogus'"},
+      {2, "step_time_s", "nan", "r.csv: line 3: column 'step_time_s': expected a finite number >= 0 in an ok row"},
+      {1, "mfu", "-0.5", "line 2: column 'mfu': expected a finite number"},
+      {2, "oom", "7", "line 3: column 'oom': expected 0 or 1"},
+      {1, "step_time_s", "", "line 2: column 'step_time_s'"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.column + "=" + c.value);
+    const std::string text = edited(c.row, c.column, c.value);
+    ASSERT_NE(text, good);
+    input("r.csv", text);
+    expect_one_line(run("sweep s.json -j 1 -o r.csv"), {c.expected});
+    EXPECT_EQ(read_file(dir_ / "r.csv"), text);
+  }
+  input("r.csv", good);  // the rows piper wrote still resume
+  const CliResult again = run("sweep s.json -j 1 -o r.csv");
+  EXPECT_NE(again.out.find("2 already in r.csv, 0 run"), std::string::npos) << again.out << again.err;
+}
+
 // `export-chakra` of a 2-device plan into the folder of a 4-device export: piper.0.et and piper.1.et
 // were replaced, piper.2.et and piper.3.et of the other plan stayed, exit 0; a replay of the folder on
 // 4 NPUs mixed the two plans. Refused now, nothing written; the same plan again still replaces its own.
@@ -940,6 +990,18 @@ TEST_F(HostileInput, PpRangesOrStagesFewerThanThePipelineRanksNamesTheFlag) {
     const CliResult ok = run("simulate --model qwen3-9m --engine analytic --microbatches 4 " + args);
     EXPECT_EQ(ok.exit_code, 0) << ok.err;
   }
+}
+
+// Probe 7: --pp-ranges the model's region check refuses (past the last block, not increasing, not
+// starting at 0) named "--pp 2", a flag the user did not give, rather than --pp-ranges.
+TEST_F(HostileInput, PpRangesRefusedByTheModelNamesPpRanges) {
+  expect_one_line(run("compile --model qwen3-9m --pp 2 --pp-ranges 0,5,3 -o plan.json"),
+                  {"--pp-ranges 0,5,3: cannot annotate 3 PP regions", "past the last block"});
+  expect_one_line(run("compile --model qwen3-9m --pp 2 --pp-ranges 1,2 -o plan.json"),
+                  {"--pp-ranges 1,2: cannot annotate 2 PP regions", "must start at block 0"});
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --pp 2 --pp-ranges 0,0,1"),
+                  {"--pp-ranges 0,0,1: ", "strictly increasing"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
 }
 
 // ---- The helpers themselves ------------------------------------------------------------------

@@ -373,6 +373,17 @@ TEST(Tune, ResumesAfterAKillWithoutLosingOrDuplicatingRows) {
   TuneSpec other = spec;
   other.global_batch = 32;
   EXPECT_THROW(run_tune(other, csv.string()), TuneError);
+  // Nor is it resumed by a calibrated search: no column says which calibration made its rows (probe 7).
+  TuneSpec calibrated = spec;
+  calibrated.calibration_path = "cal.json";
+  try {
+    run_tune(calibrated, csv.string());
+    ADD_FAILURE() << "a calibrated tune resumed an uncalibrated results file";
+  } catch (const TuneError& e) {
+    EXPECT_NE(std::string(e.what()).find("a tune with a calibration (cal.json) cannot resume a results file"),
+              std::string::npos)
+        << e.what();
+  }
 
   // A file written before TP and recomputation were searched (the same columns less tp,
   // sequence_parallel and recompute) is refused with a line saying so, and left as it was.
