@@ -321,8 +321,18 @@ DirectiveProgram strategy_directives(const StrategyOptions& o, const std::string
     s.model = model;
     s.strategy = o;
     scenario_program(s);  // loads the model and checks --ep against its experts
-    return generate_program(resolve_v_ends(o, load_config(s)));
+    const ModelConfig cfg = load_config(s);
+    // --global-batch sets the microbatches, as a compile does (the program said 1 microbatch: the
+    // flag was ignored, exit 0).
+    StrategyOptions resolved = o;
+    resolve_global_batch(resolved, cfg.training.micro_batch_size);
+    return generate_program(resolve_v_ends(resolved, cfg));
   }
+  if (o.global_batch > 0)
+    throw Error(
+        fmt::format("--global-batch {}: needs --model, whose micro-batch size turns sequences into "
+                    "microbatches (or give --microbatches)",
+                    o.global_batch));
   return generate_program(o);
 }
 

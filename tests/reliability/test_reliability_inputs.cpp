@@ -1004,6 +1004,21 @@ TEST_F(HostileInput, PpRangesRefusedByTheModelNamesPpRanges) {
   EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
 }
 
+// Probe 7: `piper directives --global-batch` was ignored: `--model qwen3-9m --global-batch 16 --dp 2`
+// printed a program of 1 microbatch (a compile of the same flags has 8), exit 0; without --model,
+// where the micro-batch size is unknown, the flag was dropped as silently.
+TEST_F(HostileInput, DirectivesGlobalBatchSetsTheMicrobatchesOrIsRefused) {
+  const CliResult with_model = run("directives --model qwen3-9m --global-batch 16 --dp 2");
+  ASSERT_EQ(with_model.exit_code, 0) << with_model.err;
+  const json program = json::parse(with_model.out);
+  int microbatches = 0;
+  for (const json& d : program)
+    if (d.value("op", "") == "split") microbatches = d.at("num_microbatches").get<int>();
+  EXPECT_EQ(microbatches, 8) << with_model.out;
+  expect_one_line(run("directives --model qwen3-9m --global-batch 5 --dp 2"), {"--global-batch 5 is not divisible"});
+  expect_one_line(run("directives --global-batch 16 --dp 2"), {"--global-batch 16: needs --model"});
+}
+
 // ---- The helpers themselves ------------------------------------------------------------------
 
 // Depth of {"a": "<s>", "b": [[1]]} as check_json_depth sees it: the smallest limit it accepts.
