@@ -66,6 +66,34 @@ void set_limits_from_flags(const std::vector<std::string>& flags) {
   }
 }
 
+// CLI11 would only say "A subcommand is required" for a misspelt one: name it instead. True (the line
+// printed) when argv[1] is a word that names no command.
+bool unknown_command(int argc, char** argv, const std::vector<Command>& commands) {
+  std::vector<std::string> names;
+  for (const auto& c : commands) names.push_back(c.app->get_name());
+  if (argc <= 1 || argv[1][0] == '-' || std::find(names.begin(), names.end(), argv[1]) != names.end()) return false;
+  std::string hint = piper::core::did_you_mean(argv[1], names);
+  if (hint.empty()) {
+    std::string list;
+    for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+    hint = " (expected one of: " + list + ")";
+  }
+  if (!another_mpi_rank()) print_error("", fmt::format("unknown command '{}'{}", argv[1], hint));
+  return true;
+}
+
+// Test hook (as checkpoint.cpp's PIPER_TEST_CRASH_BEFORE_RENAME): raise one failure of each class, so
+// that tests/unit/test_cli.cpp can check the exit code each one maps to.
+void raise_test_failure() {
+  const char* fail = std::getenv("PIPER_TEST_FAIL");
+  if (fail == nullptr) return;
+  const std::string what = fail;
+  if (what == "internal") throw piper::core::InternalError("test failure");
+  if (what == "deadlock") throw piper::sim::DeadlockError("test deadlock");
+  if (what == "runtime") throw piper::runtime::RuntimeError("runtime: test peer failure");
+  if (what == "logic") throw std::logic_error("test logic error");
+}
+
 int run_command(int argc, char** argv) {
   CLI::App app{"piper: a programmable distributed-training compiler, simulator and runtime", "piper"};
   app.require_subcommand(1);
@@ -83,19 +111,7 @@ int run_command(int argc, char** argv) {
       add_tune_command(app),     add_plot_command(app),       add_calibrate_command(app),
       add_limits_command(app)};
 
-  // CLI11 would only say "A subcommand is required" for a misspelt one; name it instead.
-  std::vector<std::string> names;
-  for (const auto& c : commands) names.push_back(c.app->get_name());
-  if (argc > 1 && argv[1][0] != '-' && std::find(names.begin(), names.end(), argv[1]) == names.end()) {
-    std::string hint = piper::core::did_you_mean(argv[1], names);
-    if (hint.empty()) {
-      std::string list;
-      for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
-      hint = " (expected one of: " + list + ")";
-    }
-    if (!another_mpi_rank()) print_error("", fmt::format("unknown command '{}'{}", argv[1], hint));
-    return kExitBadInput;
-  }
+  if (unknown_command(argc, argv, commands)) return kExitBadInput;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -113,15 +129,7 @@ int run_command(int argc, char** argv) {
   try {
     (void)piper::core::limit_value(piper::core::Limit::InputBytes);  // a malformed PIPER_LIMIT_* fails up front
     set_limits_from_flags(limit_flags);
-    // Test hook (as checkpoint.cpp's PIPER_TEST_CRASH_BEFORE_RENAME): raise one failure of each
-    // class, so that tests/unit/test_cli.cpp can check the exit code each one maps to.
-    if (const char* fail = std::getenv("PIPER_TEST_FAIL")) {
-      const std::string what = fail;
-      if (what == "internal") throw piper::core::InternalError("test failure");
-      if (what == "deadlock") throw piper::sim::DeadlockError("test deadlock");
-      if (what == "runtime") throw piper::runtime::RuntimeError("runtime: test peer failure");
-      if (what == "logic") throw std::logic_error("test logic error");
-    }
+    raise_test_failure();
     for (const auto& c : commands)
       if (c.app->parsed()) {
         // Under mpirun rank 0 writes every output (the run's report, trace and checkpoint, the sweep's
