@@ -1,0 +1,359 @@
+// Reliability, input side, the fourth to seventh probes (docs/reliability.md): settings that had no
+// effect where they were given, outputs and their paths, hand-edited plans' sizes, flags named by
+// what the user gave. Each case runs the real `piper` binary (the HostileInput fixture).
+#include <filesystem>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "hostile_input.hpp"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using piper::test::CliResult;
+using piper::test::HostileInput;
+using piper::test::kSource;
+using piper::test::read_file;
+using piper::test::run_cli_in;
+
+namespace {
+
+// ---- Round 4: settings that had no effect where they were given ---------------------------------
+
+// --etp on a dense model compiled the same plan as --etp 1 (--ep was already refused there); a MoE
+// spec whose first_dense_layers covers every block kept its experts on paper only, so --ep 2 changed
+// nothing; a shared_expert_ffn without shared experts was dropped.
+TEST_F(HostileInput, ExpertSettingsWithoutExpertsRefused) {
+  const std::string dense = kSource + "/examples/models/dense-1b.json";
+  expect_one_line(run("compile --model '" + dense + "' --dp 2 --etp 2 -o plan.json"),
+                  {"--etp 2", "model 'dense-1b' has no MoE experts", "use --etp 1"});
+  const std::string base =
+      R"({"name": "m", "vocab": 1000, "hidden": 256, "layers": 4, "heads": 4, "ffn": 512, "moe": {"experts": 4,
+          "top_k": 2, "expert_ffn": 128, )";
+  input("all-dense.json", base + R"("first_dense_layers": 4}})");
+  expect_one_line(run("simulate --model all-dense.json --dp 2 --ep 2 --engine analytic"),
+                  {"all-dense.json", "field 'moe.first_dense_layers'", "equals layers (4)", "no block would be a MoE"});
+  input("shared.json", base + R"("shared_expert_ffn": 64}})");
+  expect_one_line(run("compile --model shared.json -o plan.json"),
+                  {"shared.json", "field 'moe.shared_expert_ffn'", "needs moe.shared_experts >= 1"});
+  // The same with shared experts, and three dense blocks of four, still compile.
+  input("ok.json", base + R"("shared_experts": 1, "shared_expert_ffn": 64, "first_dense_layers": 3}})");
+  EXPECT_EQ(run("compile --model ok.json --dp 2 --ep 2 -o plan.json").exit_code, 0);
+  fs::remove(dir_ / "plan.json");
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+}
+
+// A scenario holding a directive program used the program and ignored the strategy's parallelism
+// ("pp": 4, "zero": 3 compiled the program's PP 2 without ZeRO, exit 0), its schedule settings unless
+// "append_schedule" was set, and "append_schedule" without a program. The CLI's --global-batch and
+// --virtual beside --directives without --schedule were ignored too (--microbatches was refused).
+TEST_F(HostileInput, ScenarioSettingsADirectiveProgramWouldIgnoreRefused) {
+  const CliResult program = run("directives --model qwen3-9m --pp 2 --microbatches 2");
+  ASSERT_EQ(program.exit_code, 0) << program.err;
+  input("d.json", program.out);
+  input("pp.json", R"({"model": "qwen3-9m", "directives": "d.json", "strategy": {"pp": 4, "zero": 3}})");
+  expect_one_line(run("compile --scenario pp.json -o plan.json"),
+                  {"pp.json", "field 'strategy.pp'", "directive program fixes the placement", "would be ignored"});
+  input("mb.json", R"({"model": "qwen3-9m", "directives": "d.json", "strategy": {"microbatches": 8}})");
+  expect_one_line(run("simulate --scenario mb.json"),
+                  {"mb.json", "field 'strategy.microbatches'", "applies only with \"append_schedule\": true"});
+  input("append.json", R"({"model": "qwen3-9m", "append_schedule": true, "strategy": {"pp": 2}})");
+  expect_one_line(run("compile --scenario append.json -o plan.json"),
+                  {"append.json", "field 'append_schedule'", "applies only with \"directives\""});
+  expect_one_line(run("compile --model qwen3-9m --directives d.json --global-batch 8 -o plan.json"),
+                  {"--global-batch with --directives needs --schedule"});
+  expect_one_line(run("compile --model qwen3-9m --directives d.json --virtual 2 -o plan.json"),
+                  {"--virtual with --directives needs --schedule"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+  // What --save-scenario writes beside a program reads back (the settings at their defaults are left
+  // out), with an appended schedule its settings kept.
+  ASSERT_EQ(run("compile --model qwen3-9m --directives d.json --save-scenario s.json -o a.json").exit_code, 0);
+  EXPECT_EQ(json::parse(read_file(dir_ / "s.json"))["strategy"], json::object());
+  EXPECT_EQ(run("compile --scenario s.json -o b.json").exit_code, 0);
+  // A key given twice in the directive file a scenario names (read by the scenario, not by --directives).
+  input("dup.json", R"([{"op": "split", "filter": {}, "filter": {}, "dim_name": "MB", "num_microbatches": 2}])");
+  input("dup-scenario.json", R"({"model": "qwen3-9m", "directives": "dup.json"})");
+  expect_one_line(run("compile --scenario dup-scenario.json -o plan.json"),
+                  {"dup-scenario.json", "field 'directives'", "duplicate key 'filter'"});
+  // A train section's warmup_steps past int wrapped (4294967297 warmed up for 1 step).
+  input("warm.json", R"({"model": "qwen3-9m", "train": {"warmup_steps": 4294967297}})");
+  expect_one_line(run("run --reference --scenario warm.json"), {"warm.json", "field 'train.warmup_steps'", "1e9"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+}
+
+// A misspelt PIPER_LIMIT_ variable left its limit at the default, silently; " 5" was read as 5 while
+// "5 " was refused.
+TEST_F(HostileInput, UnknownOrPaddedLimitVariablesRefused) {
+  const CliResult misspelt =
+      run_cli_in(dir_, PIPER_CLI, "compile --model qwen3-9m --dp 2 -o plan.json", "PIPER_LIMIT_DEVICE=1 timeout 60");
+  expect_one_line(misspelt, {"PIPER_LIMIT_DEVICE: not a piper limit", "did you mean 'PIPER_LIMIT_DEVICES'"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+  expect_one_line(run_cli_in(dir_, PIPER_CLI, "limits", "PIPER_LIMIT_DEVICES=' 5' timeout 60"),
+                  {"PIPER_LIMIT_DEVICES: expected a positive integer, got ' 5'"});
+  const CliResult ok = run_cli_in(dir_, PIPER_CLI, "limits", "PIPER_LIMIT_DEVICES=5 timeout 60");
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+}
+
+// tune's knob lists: an explicit value no candidate can take was dropped from every plan, exit 0
+// (`--sequence-parallel on` with only TP 1 ranked plans without SP; `--reduce-every step` with ZeRO-0).
+TEST_F(HostileInput, TuneKnobsNoCandidateCanTakeRefused) {
+  const std::string narrow =
+      "tune --model qwen3-9m --devices 2 --pp 1 --micro-batch-size 1 --recompute none "
+      "--schedules 1f1b --max-virtual 1 --top 0 -o t.csv ";
+  expect_one_line(run(narrow + "--tp 1 --sequence-parallel on", 60),
+                  {"--sequence-parallel on", "no candidate has a TP degree of 2 or more"});
+  expect_one_line(run(narrow + "--tp 1 --zero 0,1 --reduce-every step", 60),
+                  {"--reduce-every step applies to ZeRO-2/3", "no candidate has ZeRO 2 or 3"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.csv"));
+  // Where some candidate takes it, the search runs.
+  const CliResult ok = run(narrow + "--tp 1 --zero 0,2 --reduce-every step", 120);
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+}
+
+// ---- Fifth probe: outputs, plots, runs -----------------------------------------------------------
+
+// An SM partition on a cluster whose GPU has no sm_count: the line named the directive
+// ("sm_partition: the cluster's GPU 'custom' has no sm_count"), neither the flag, the directive file,
+// the plan nor the cluster file. Now what asked for the partition and the cluster, in every front end.
+TEST_F(HostileInput, CommSmsOnAGpuWithoutSmCountNamesTheFlagAndTheCluster) {
+  json cluster = json::parse(read_file(kSource + "/examples/clusters/custom-gpu.json"));
+  cluster["node"]["gpu"].erase("sm_count");
+  input("nosm.json", cluster.dump());
+  const std::string why = "cluster 'nosm.json': its GPU 'custom' has no sm_count to partition";
+  const std::string sim = "simulate --model qwen3-9m --engine analytic --cluster nosm.json ";
+  expect_one_line(run(sim + "--pp 2 --microbatches 2 --comm-sms 8 --report r.json"), {"--comm-sms 8: " + why});
+  input("d.json", R"([{"op": "place", "filter": {"PP": 0}, "devices": [0]}, {"op": "sm_partition", "sms": 8}])");
+  expect_one_line(run(sim + "--directives d.json --trace t.json"), {"d.json: directive 1 field 'sms': " + why});
+  ASSERT_EQ(
+      run("compile --model qwen3-9m --pp 2 --microbatches 2 --comm-sms 8 -o p.json --save-scenario s.json").exit_code,
+      0);
+  expect_one_line(run("simulate --plan p.json --cluster nosm.json"), {"p.json: field 'sm_partition.sms': " + why});
+  expect_one_line(run("simulate --scenario s.json --cluster nosm.json"), {"s.json: field 'strategy.comm_sms': " + why});
+  expect_one_line(run("tune --model qwen3-9m --devices 2 --cluster nosm.json --comm-sms 8 -o t.csv"),
+                  {"--comm-sms 8: " + why});
+  input("sw.json", R"({"cluster": "nosm.json", "comm_sms": [0, 8]})");
+  expect_one_line(run("sweep sw.json -o sw.csv"), {"sw.json: field 'comm_sms': " + why});
+  for (const char* out : {"r.json", "t.json", "t.csv", "sw.csv"}) EXPECT_FALSE(fs::exists(dir_ / out)) << out;
+}
+
+// An output naming an existing folder: refused before the work, as a missing folder is. It failed
+// only when written: `tune -o t.csv --emit-directives DIR` searched and wrote t.csv, `run --save ck
+// --report DIR` trained and saved ck, then exit 2.
+TEST_F(HostileInput, OutputThatIsAFolderRefusedBeforeTheWork) {
+  fs::create_directories(dir_ / "dir");
+  expect_one_line(run("tune --model qwen3-9m --devices 2 -o t.csv --emit-directives dir"),
+                  {"dir", "--emit-directives: is a folder"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.csv"));
+  ASSERT_EQ(run("compile --model qwen3-9m --pp 2 --microbatches 2 -o p.json").exit_code, 0);
+  const CliResult trained = run("run --reference --plan p.json --steps 1 --save ck --report dir");
+  expect_one_line(trained, {"--report: is a folder"});
+  EXPECT_EQ(trained.out.find("step"), std::string::npos) << trained.out;
+  EXPECT_FALSE(fs::exists(dir_ / "ck"));
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --trace dir"), {"--trace: is a folder"});
+  expect_one_line(run("compile --model qwen3-9m -o plan.json --save-scenario dir"), {"--save-scenario: is a folder"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+  // Outputs that are folders (export-chakra -o) still take an existing one.
+  EXPECT_EQ(run("export-chakra p.json -o dir").exit_code, 0);
+  EXPECT_TRUE(fs::exists(dir_ / "dir" / "piper.0.et"));
+}
+
+// `plot -o chart.svg` (or .jpg, .pdf) wrote PNG bytes under that name, exit 0; `tune --plot x.svg`
+// the same after the whole search. Refused when the flags are read.
+TEST_F(HostileInput, PngOutputUnderAnotherImageExtensionRefused) {
+  input("r.csv", "x,y\n1,2\n2,3\n");
+  for (const char* name : {"chart.svg", "chart.JPG", "chart.pdf"}) {
+    expect_one_line(run(std::string("plot r.csv --x x --y y -o ") + name), {"--output", "name a .png file", name});
+    EXPECT_FALSE(fs::exists(dir_ / name)) << name;
+  }
+  expect_one_line(run("tune --model qwen3-9m --devices 2 -o t.csv --plot pareto.svg"), {"--plot", "name a .png file"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.csv"));
+}
+
+// A sweep spec with a calibration resuming the results file of the same sweep without one: every
+// combination was "already in" the file, so its uncalibrated rows stood for the calibrated sweep
+// (nothing in a row says which), exit 0. The calibration file is part of the key now.
+TEST_F(HostileInput, SweepResumedUnderAnotherCalibrationRunsItsOwnRows) {
+  input("cal.json",
+        R"({"format": "piper-calibration", "entries": [{"kind": "COMPUTE", "pass": "F", "seconds": 0.01}]})");
+  input("plain.json", R"({"model": "qwen3-9m", "engine": "analytic", "pp": [1, 2], "microbatches": [4]})");
+  input("cal-sweep.json",
+        R"({"model": "qwen3-9m", "engine": "analytic", "pp": [1, 2], "microbatches": [4], "calibration": "cal.json"})");
+  const CliResult plain = run("sweep plain.json -j 1 -o r.csv");
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  const CliResult calibrated = run("sweep cal-sweep.json -j 1 -o r.csv");
+  ASSERT_EQ(calibrated.exit_code, 0) << calibrated.err;
+  EXPECT_NE(calibrated.out.find("0 already in r.csv, 2 run (2 ok"), std::string::npos) << calibrated.out;
+  const std::string text = read_file(dir_ / "r.csv");
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 5) << text;
+  EXPECT_NE(text.find("/calibration=cal.json,"), std::string::npos) << text;
+  // Resuming the calibrated sweep itself still skips its rows.
+  const CliResult again = run("sweep cal-sweep.json -j 1 -o r.csv");
+  EXPECT_NE(again.out.find("2 already in r.csv, 0 run"), std::string::npos) << again.out;
+  // A resumed sweep's "best" lines rank the combinations run now only, and say so (they read as the
+  // best of the whole sweep, whose fastest plan may be a resumed row).
+  input("wider.json", R"({"model": "qwen3-9m", "engine": "analytic", "pp": [1, 2, 4], "microbatches": [4]})");
+  const CliResult wider = run("sweep wider.json -j 1 -o r.csv");
+  EXPECT_NE(wider.out.find("2 already in r.csv, 1 run (1 ok"), std::string::npos) << wider.out;
+  EXPECT_NE(wider.out.find("best of the 1 run now (2 resumed rows are in r.csv, not ranked here):\nbest 1: "),
+            std::string::npos)
+      << wider.out;
+}
+
+// Probe 7: a resumed sweep took its rows by key alone, so a hand-edited row (status "bogus", a step
+// time "nan") stood for its combination: "2 already in r.csv, 0 run", exit 0. A resumed row must be
+// one piper could have written; otherwise the file is refused naming the line, untouched.
+TEST_F(HostileInput, SweepResumedRowThatPiperCouldNotHaveWrittenRefused) {
+  input("s.json", R"({"model": "qwen3-9m", "engine": "analytic", "pp": [1, 2], "microbatches": [4]})");
+  ASSERT_EQ(run("sweep s.json -j 1 -o r.csv").exit_code, 0);
+  const std::string good = read_file(dir_ / "r.csv");
+  // Sets one cell of data row `row` (line row + 1) by column name; ok rows have no quoted fields.
+  auto edited = [&](int row, const std::string& column, const std::string& value) {
+    std::vector<std::vector<std::string>> lines;
+    std::istringstream in(good);
+    for (std::string line; std::getline(in, line);) {
+      std::vector<std::string> fields;
+      std::istringstream cells(line);
+      for (std::string f; std::getline(cells, f, ',');) fields.push_back(f);
+      if (!line.empty() && line.back() == ',') fields.emplace_back();
+      lines.push_back(fields);
+    }
+    const auto at = std::find(lines[0].begin(), lines[0].end(), column) - lines[0].begin();
+    lines[static_cast<std::size_t>(row)][static_cast<std::size_t>(at)] = value;
+    std::string text;
+    for (const auto& fields : lines) {
+      for (std::size_t i = 0; i < fields.size(); ++i) text += (i ? "," : "") + fields[i];
+      text += "\n";
+    }
+    return text;
+  };
+  const struct {
+    int row;
+    std::string column, value, expected;
+  } cases[] = {
+      {1, "status", "bogus", "r.csv: line 2: column 'status': not ok, invalid or error, got 'bogus'"},
+      {2, "step_time_s", "nan", "r.csv: line 3: column 'step_time_s': expected a finite number >= 0 in an ok row"},
+      {1, "mfu", "-0.5", "line 2: column 'mfu': expected a finite number"},
+      {2, "oom", "7", "line 3: column 'oom': expected 0 or 1"},
+      {1, "step_time_s", "", "line 2: column 'step_time_s'"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.column + "=" + c.value);
+    const std::string text = edited(c.row, c.column, c.value);
+    ASSERT_NE(text, good);
+    input("r.csv", text);
+    expect_one_line(run("sweep s.json -j 1 -o r.csv"), {c.expected});
+    EXPECT_EQ(read_file(dir_ / "r.csv"), text);
+  }
+  input("r.csv", good);  // the rows piper wrote still resume
+  const CliResult again = run("sweep s.json -j 1 -o r.csv");
+  EXPECT_NE(again.out.find("2 already in r.csv, 0 run"), std::string::npos) << again.out << again.err;
+}
+
+// `export-chakra` of a 2-device plan into the folder of a 4-device export: piper.0.et and piper.1.et
+// were replaced, piper.2.et and piper.3.et of the other plan stayed, exit 0; a replay of the folder on
+// 4 NPUs mixed the two plans. Refused now, nothing written; the same plan again still replaces its own.
+TEST_F(HostileInput, ChakraExportOverALargerExportsTracesRefused) {
+  ASSERT_EQ(run("compile --model qwen3-9m --pp 2 --dp 2 --microbatches 4 -o p4.json").exit_code, 0);
+  ASSERT_EQ(run("compile --model qwen3-9m --pp 2 --microbatches 4 -o p2.json").exit_code, 0);
+  ASSERT_EQ(run("export-chakra p4.json -o ch").exit_code, 0);
+  const std::string first = read_file(dir_ / "ch" / "piper.0.et");
+  expect_one_line(run("export-chakra p2.json -o ch"),
+                  {"ch: holds piper.2.et .. piper.3.et (2 files) of another export", "devices past this plan's 2"});
+  EXPECT_EQ(read_file(dir_ / "ch" / "piper.0.et"), first);
+  EXPECT_EQ(run("export-chakra p4.json -o ch").exit_code, 0);
+  EXPECT_EQ(run("export-chakra p2.json -o ch --prefix two").exit_code, 0);  // another prefix: its own files
+  EXPECT_TRUE(fs::exists(dir_ / "ch" / "two.1.et"));
+}
+
+// ---- Probe 6 ---------------------------------------------------------------------------------
+
+// A hand-edited plan's negative or absurd sizes verified "ok": a buffer of -100 bytes or an op of
+// -1e9 FLOPs simulated (exit 0) with memory and time taken off, 1e300 FLOPs gave a 300-digit step
+// time, and a collective of -1 bytes killed the SimGrid process (signal 6). Refused on load, with
+// the plan, stream and op in the field path.
+TEST_F(HostileInput, PlanNegativeOrAbsurdSizesRefusedOnLoad) {
+  const json plan = tiny_plan();
+  struct Case {
+    std::string field;  // a JSON pointer into the plan
+    json value;
+    std::vector<std::string> fragments;
+  };
+  const std::vector<Case> cases = {
+      {"/plans/0/buffers/0/bytes", -100, {"field 'plans[0].buffers[0].bytes'", "byte count in [0, 2^53]", "-100"}},
+      {"/plans/0/streams/0/ops/0/flops", -1e9, {"field 'plans[0].streams[0].ops[0].flops'", "FLOPs in [0, 1e24]"}},
+      {"/plans/0/streams/0/ops/0/flops", 1e300, {"ops[0].flops'", "got 1e+300"}},
+      {"/plans/0/streams/0/ops/0/memory_bytes", -5, {"ops[0].memory_bytes'", "got -5"}},
+      {"/plans/0/streams/0/ops/0/tp_collectives", -1, {"ops[0].tp_collectives'", "must be >= 0"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.field);
+    json edited = plan;
+    edited[json::json_pointer(c.field)] = c.value;
+    input("edited.json", edited.dump());
+    std::vector<std::string> fragments = c.fragments;
+    fragments.push_back("edited.json");
+    expect_one_line(run("verify edited.json"), fragments);
+    expect_one_line(run("simulate --plan edited.json --engine analytic --report r.json"), fragments);
+    EXPECT_FALSE(fs::exists(dir_ / "r.json"));
+  }
+  // A collective's bytes: the one that reached SimGrid.
+  json edited = plan;
+  bool found = false;
+  for (auto& stream : edited["plans"][0]["streams"])
+    for (auto& op : stream["ops"])
+      if (!found && op["kind"] == "ALL_REDUCE") {
+        op["bytes"] = -1;
+        found = true;
+      }
+  ASSERT_TRUE(found);
+  input("edited.json", edited.dump());
+  expect_one_line(run("simulate --plan edited.json --engine simgrid"), {"edited.json", ".bytes'", "got -1"});
+  EXPECT_EQ(run("verify a.json").exit_code, 0);  // the plan as compiled still loads
+}
+
+// --pp-ranges (or --stages) with fewer regions than pipeline ranks failed as "1f1b: pipeline rank 1
+// holds no PP region", naming neither flag.
+TEST_F(HostileInput, PpRangesOrStagesFewerThanThePipelineRanksNamesTheFlag) {
+  expect_one_line(run("compile --model qwen3-9m --pp 4 --pp-ranges 0,1 --microbatches 4 -o plan.json"),
+                  {"--pp-ranges 0,1: 2 PP regions for the 4 pipeline ranks of --pp 4"});
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --pp 4 --stages 3 --microbatches 4"),
+                  {"--stages 3: 3 PP regions", "--pp 4"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+  // As many regions as ranks, or more (chunks per rank, uneven interleaving), still compile.
+  for (const std::string& args : {std::string("--pp 2 --pp-ranges 0,1"), std::string("--pp 2 --stages 3"),
+                                  std::string("--pp 2 --pp-ranges 0,1,2,3")}) {
+    SCOPED_TRACE(args);
+    const CliResult ok = run("simulate --model qwen3-9m --engine analytic --microbatches 4 " + args);
+    EXPECT_EQ(ok.exit_code, 0) << ok.err;
+  }
+}
+
+// Probe 7: --pp-ranges the model's region check refuses (past the last block, not increasing, not
+// starting at 0) named "--pp 2", a flag the user did not give, rather than --pp-ranges.
+TEST_F(HostileInput, PpRangesRefusedByTheModelNamesPpRanges) {
+  expect_one_line(run("compile --model qwen3-9m --pp 2 --pp-ranges 0,5,3 -o plan.json"),
+                  {"--pp-ranges 0,5,3: cannot annotate 3 PP regions", "past the last block"});
+  expect_one_line(run("compile --model qwen3-9m --pp 2 --pp-ranges 1,2 -o plan.json"),
+                  {"--pp-ranges 1,2: cannot annotate 2 PP regions", "must start at block 0"});
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --pp 2 --pp-ranges 0,0,1"),
+                  {"--pp-ranges 0,0,1: ", "strictly increasing"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+}
+
+// Probe 7: `piper directives --global-batch` was ignored: `--model qwen3-9m --global-batch 16 --dp 2`
+// printed a program of 1 microbatch (a compile of the same flags has 8), exit 0; without --model,
+// where the micro-batch size is unknown, the flag was dropped as silently.
+TEST_F(HostileInput, DirectivesGlobalBatchSetsTheMicrobatchesOrIsRefused) {
+  const CliResult with_model = run("directives --model qwen3-9m --global-batch 16 --dp 2");
+  ASSERT_EQ(with_model.exit_code, 0) << with_model.err;
+  const json program = json::parse(with_model.out);
+  int microbatches = 0;
+  for (const json& d : program)
+    if (d.value("op", "") == "split") microbatches = d.at("num_microbatches").get<int>();
+  EXPECT_EQ(microbatches, 8) << with_model.out;
+  expect_one_line(run("directives --model qwen3-9m --global-batch 5 --dp 2"), {"--global-batch 5 is not divisible"});
+  expect_one_line(run("directives --global-batch 16 --dp 2"), {"--global-batch 16: needs --model"});
+}
+
+}  // namespace
