@@ -7,11 +7,15 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
+#include <system_error>
 
 #include <fmt/format.h>
 
@@ -63,7 +67,61 @@ std::string csv_header(const std::vector<std::string>& columns) {
   return h;
 }
 
+const std::vector<std::string>& every_result_status() {
+  static const std::vector<std::string> statuses = {"ok", "invalid", "error", "pruned", "bounded"};
+  return statuses;
+}
+
 namespace {
+
+// `cell` as a finite number >= 0, or nullopt: the whole cell, in the form fmt writes (no blanks,
+// no hex, no sign; "nan" and "inf" are not finite).
+std::optional<double> non_negative_number(const std::string& cell) {
+  double v = 0;
+  const char* end = cell.data() + cell.size();
+  const auto [ptr, ec] = std::from_chars(cell.data(), end, v, std::chars_format::general);
+  if (cell.empty() || ec != std::errc() || ptr != end || !std::isfinite(v) || v < 0) return std::nullopt;
+  return v;
+}
+
+// Refuses a row no driver could have written (see read_results): it would be resumed as done.
+void check_row(const std::vector<std::string>& fields, const std::vector<std::string>& columns,
+               const std::vector<std::string>& statuses, const std::string& path, int line_no) {
+  auto column = [&](const std::string& name) -> const std::string* {
+    const auto at = std::find(columns.begin(), columns.end(), name);
+    return at == columns.end() ? nullptr : &fields[static_cast<std::size_t>(at - columns.begin())];
+  };
+  auto bad = [&](const std::string& name, const std::string& what) {
+    return ResultsFileError(fmt::format("{}: line {}: column '{}': {}, got '{}'; remove the row to rerun it", path,
+                                        line_no, name, what, core::printable(*column(name), 40)));
+  };
+  const std::string* status = column("status");
+  if (status == nullptr) return;
+  if (std::find(statuses.begin(), statuses.end(), *status) == statuses.end()) {
+    std::string names = statuses.back();
+    if (statuses.size() > 1)
+      names = fmt::format("{} or {}", fmt::join(statuses.begin(), statuses.end() - 1, ", "), statuses.back());
+    throw bad("status", "not " + names);
+  }
+  const bool ok = *status == "ok";
+  for (const char* name : {"step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom",
+                           "compile_time_s", "simulate_time_s", "tp_comm_s"}) {
+    const std::string* cell = column(name);
+    if (cell == nullptr) continue;
+    if (!ok) {
+      if (!cell->empty()) throw bad(name, "a figure of a row that was not simulated (status " + *status + ") is blank");
+      continue;
+    }
+    const std::optional<double> v = non_negative_number(*cell);
+    if (!v) throw bad(name, "expected a finite number >= 0 in an ok row");
+    if (std::string(name) == "oom" && *v != 0 && *v != 1) throw bad(name, "expected 0 or 1");
+  }
+  if (const std::string* devices = column("devices"); ok && devices != nullptr && devices->empty())
+    throw bad("devices", "an ok row names its devices");
+  if (const std::string* estimate = column("estimated_memory_bytes");
+      estimate != nullptr && !estimate->empty() && !non_negative_number(*estimate))
+    throw bad("estimated_memory_bytes", "expected a number of bytes >= 0, or blank");
+}
 
 // The columns an older version's file lacks, when `header` is `columns` less some of them (in order);
 // empty otherwise.
@@ -84,7 +142,7 @@ std::vector<std::string> missing_in_older_version(const std::string& header, con
 }  // namespace
 
 std::vector<std::vector<std::string>> read_results(const std::string& path, const std::vector<std::string>& columns,
-                                                   const std::string& kind) {
+                                                   const std::string& kind, const std::vector<std::string>& statuses) {
   std::vector<std::vector<std::string>> rows;
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
@@ -160,6 +218,7 @@ std::vector<std::vector<std::string>> read_results(const std::string& path, cons
     if (fields.size() != columns.size())
       throw ResultsFileError(
           fmt::format("{}: line {}: {} fields, expected {}", path, line_no, fields.size(), columns.size()));
+    check_row(fields, columns, statuses, path, line_no);
     rows.push_back(std::move(fields));
   }
   return rows;

@@ -439,58 +439,17 @@ SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
   return row;
 }
 
-namespace {
-
-// A resumed row stands for its combination, so it must be a row to_csv could have written: a known
-// status, and the figures finite non-negative numbers where it is ok (blank where it is not). A
-// hand-edited row (status "bogus", a step time "nan") was kept as done and never rerun.
-void check_resumed_row(const std::vector<std::string>& fields, const std::string& path, std::size_t line_no) {
-  const std::vector<std::string>& columns = sweep_csv_columns();
-  auto column = [&](const std::string& name) {
-    return static_cast<std::size_t>(std::find(columns.begin(), columns.end(), name) - columns.begin());
-  };
-  auto bad = [&](const std::string& name, const std::string& what) {
-    return SweepError(fmt::format("{}: line {}: column '{}': {}, got '{}'; remove the row to rerun it", path, line_no,
-                                  name, what, core::printable(fields[column(name)], 40)));
-  };
-  const std::string& status = fields[column("status")];
-  if (status != "ok" && status != "invalid" && status != "error") throw bad("status", "not ok, invalid or error");
-  const bool ok = status == "ok";
-  for (const char* name : {"step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "peak_memory_bytes", "oom",
-                           "compile_time_s", "simulate_time_s", "tp_comm_s"}) {
-    const std::string& cell = fields[column(name)];
-    if (!ok) {
-      if (!cell.empty()) throw bad(name, "a figure of a row that was not simulated (status " + status + ") is blank");
-      continue;
-    }
-    double v = std::numeric_limits<double>::quiet_NaN();
-    try {
-      std::size_t used = 0;
-      v = std::stod(cell, &used);
-      if (used != cell.size()) v = std::numeric_limits<double>::quiet_NaN();
-    } catch (const std::exception&) {
-    }
-    if (!std::isfinite(v) || v < 0) throw bad(name, "expected a finite number >= 0 in an ok row");
-    if (std::string(name) == "oom" && v != 0 && v != 1) throw bad(name, "expected 0 or 1");
-  }
-  if (ok && fields[column("devices")].empty()) throw bad("devices", "an ok row names its devices");
-}
-
-}  // namespace
-
 std::set<std::string> repair_results(const std::string& path) {
   std::set<std::string> keys;
   std::vector<std::vector<std::string>> rows;
   try {
-    rows = read_results(path, sweep_csv_columns(), "sweep");
+    // A sweep writes no pruned or bounded rows (the tuner does).
+    rows = read_results(path, sweep_csv_columns(), "sweep", {"ok", "invalid", "error"});
   } catch (const ResultsFileError& e) {
     throw SweepError(e.what());
   }
-  // Line 1 is the header, and read_results refuses any line (an empty one too) that is not a row.
-  for (std::size_t i = 0; i < rows.size(); ++i) {
-    check_resumed_row(rows[i], path, i + 2);
-    keys.insert(rows[i].front());
-  }
+  // read_results refuses any line (an empty one too) that is not a row a sweep could have written.
+  for (const auto& row : rows) keys.insert(row.front());
   return keys;
 }
 

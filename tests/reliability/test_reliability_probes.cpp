@@ -1,8 +1,11 @@
 // Reliability, input side, the fourth to seventh probes (docs/reliability.md): settings that had no
 // effect where they were given, outputs and their paths, hand-edited plans' sizes, flags named by
 // what the user gave. Each case runs the real `piper` binary (the HostileInput fixture).
+#include <algorithm>
 #include <filesystem>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -18,6 +21,29 @@ using piper::test::read_file;
 using piper::test::run_cli_in;
 
 namespace {
+
+// The results file `csv` with one cell of data row `row` (line row + 1) set, by column name. Lines are
+// split at every comma and joined again, which leaves every other line as it was; the edited row
+// must have no quoted field before the column.
+std::string with_cell(const std::string& csv, int row, const std::string& column, const std::string& value) {
+  std::vector<std::vector<std::string>> lines;
+  std::istringstream in(csv);
+  for (std::string line; std::getline(in, line);) {
+    std::vector<std::string> fields;
+    std::istringstream cells(line);
+    for (std::string f; std::getline(cells, f, ',');) fields.push_back(f);
+    if (!line.empty() && line.back() == ',') fields.emplace_back();
+    lines.push_back(fields);
+  }
+  const auto at = std::find(lines[0].begin(), lines[0].end(), column) - lines[0].begin();
+  lines.at(static_cast<std::size_t>(row)).at(static_cast<std::size_t>(at)) = value;
+  std::string text;
+  for (const auto& fields : lines) {
+    for (std::size_t i = 0; i < fields.size(); ++i) text += (i ? "," : "") + fields[i];
+    text += "\n";
+  }
+  return text;
+}
 
 // ---- Round 4: settings that had no effect where they were given ---------------------------------
 
@@ -207,25 +233,8 @@ TEST_F(HostileInput, SweepResumedRowThatPiperCouldNotHaveWrittenRefused) {
   input("s.json", R"({"model": "qwen3-9m", "engine": "analytic", "pp": [1, 2], "microbatches": [4]})");
   ASSERT_EQ(run("sweep s.json -j 1 -o r.csv").exit_code, 0);
   const std::string good = read_file(dir_ / "r.csv");
-  // Sets one cell of data row `row` (line row + 1) by column name; ok rows have no quoted fields.
   auto edited = [&](int row, const std::string& column, const std::string& value) {
-    std::vector<std::vector<std::string>> lines;
-    std::istringstream in(good);
-    for (std::string line; std::getline(in, line);) {
-      std::vector<std::string> fields;
-      std::istringstream cells(line);
-      for (std::string f; std::getline(cells, f, ',');) fields.push_back(f);
-      if (!line.empty() && line.back() == ',') fields.emplace_back();
-      lines.push_back(fields);
-    }
-    const auto at = std::find(lines[0].begin(), lines[0].end(), column) - lines[0].begin();
-    lines[static_cast<std::size_t>(row)][static_cast<std::size_t>(at)] = value;
-    std::string text;
-    for (const auto& fields : lines) {
-      for (std::size_t i = 0; i < fields.size(); ++i) text += (i ? "," : "") + fields[i];
-      text += "\n";
-    }
-    return text;
+    return with_cell(good, row, column, value);
   };
   const struct {
     int row;
@@ -354,6 +363,49 @@ TEST_F(HostileInput, DirectivesGlobalBatchSetsTheMicrobatchesOrIsRefused) {
   EXPECT_EQ(microbatches, 8) << with_model.out;
   expect_one_line(run("directives --model qwen3-9m --global-batch 5 --dp 2"), {"--global-batch 5 is not divisible"});
   expect_one_line(run("directives --global-batch 16 --dp 2"), {"--global-batch 16: needs --model"});
+}
+
+// ---- Probe 8 ---------------------------------------------------------------------------------
+
+// A resumed tune's results file with a hand-edited row: status "bogus" was kept as done (the
+// candidate never simulated), a step time "nan" or "-1" was ranked (-1 ms first), oom 7 read as out
+// of memory, a figure in a bounded row or a negative memory estimate taken as written; exit 0. The
+// sweep's resume already refused these (probe 7); the check is now read_results', which both use.
+TEST_F(HostileInput, TuneResumedRowThatPiperCouldNotHaveWrittenRefused) {
+  const std::string tune =
+      "tune --model qwen3-9m --devices 2 --pp 1 --micro-batch-size 1 --recompute none --zero 0,1 "
+      "--schedules 1f1b --top 0 --no-placement-search -j 1 -o t.csv";
+  ASSERT_EQ(run(tune).exit_code, 0);
+  const std::string good = read_file(dir_ / "t.csv");
+  int bounded = 0;  // the first bounded row: the search left its figures blank
+  std::istringstream lines(good);
+  int row = 0;
+  for (std::string line; std::getline(lines, line); ++row)
+    if (bounded == 0 && line.find(",bounded,") != std::string::npos) bounded = row;
+  ASSERT_GT(bounded, 2) << good;
+  const struct {
+    int row;
+    std::string column, value, expected;
+  } cases[] = {
+      {1, "status", "bogus", "t.csv: line 2: column 'status': not ok, invalid, error, pruned or bounded, got 'bogus'"},
+      {1, "step_time_s", "nan", "line 2: column 'step_time_s': expected a finite number >= 0 in an ok row"},
+      {2, "step_time_s", "-1", "line 3: column 'step_time_s': expected a finite number >= 0"},
+      {1, "oom", "7", "line 2: column 'oom': expected 0 or 1"},
+      {bounded, "mfu", "0.5", "column 'mfu': a figure of a row that was not simulated (status bounded) is blank"},
+      {1, "estimated_memory_bytes", "-5", "column 'estimated_memory_bytes': expected a number of bytes >= 0"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.column + "=" + c.value);
+    const std::string text = with_cell(good, c.row, c.column, c.value);
+    ASSERT_NE(text, good);
+    input("t.csv", text);
+    expect_one_line(run(tune), {c.expected, "remove the row to rerun it"});
+    EXPECT_EQ(read_file(dir_ / "t.csv"), text);
+  }
+  input("t.csv", good);  // the rows piper wrote still resume
+  const CliResult again = run(tune);
+  EXPECT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_NE(again.out.find("rows resumed from t.csv"), std::string::npos) << again.out;
 }
 
 }  // namespace

@@ -29,6 +29,9 @@ std::vector<std::string> csv_split(const std::string& line);
 std::string one_line(std::string s);
 // The header line for `columns` (no newline).
 std::string csv_header(const std::vector<std::string>& columns);
+// Every status a results row may hold: a sweep writes ok, invalid and error; the tuner also pruned
+// (over the memory bound) and bounded (over the step time bound).
+const std::vector<std::string>& every_result_status();
 
 // Reads a results file for resuming: checks line 1 first (a file whose first line is not the header,
 // or a non-regular file, is refused untouched), then cuts a trailing partial line (a run killed
@@ -38,8 +41,14 @@ std::string csv_header(const std::vector<std::string>& columns);
 // `columns` less some of them, in the same order, is refused as an older piper's file, naming what it
 // lacks (its rows could be read, but new rows could not be appended under its header): columns come
 // from the settings table, so a new setting adds one without a list of versions to keep.
+// A resumed row stands for its item, so every row must be one a driver could have written (a
+// hand-edited status "bogus" or step time "nan" was kept as done and never rerun): its `status` one of
+// `statuses`; the figures an Outcome fills (step_time_s ... tp_comm_s, those among `columns`) finite
+// numbers >= 0 in an ok row (oom 0 or 1) and blank in any other; an ok row names its devices; an
+// `estimated_memory_bytes` blank or a number >= 0. Else ResultsFileError naming the line and column.
 std::vector<std::vector<std::string>> read_results(const std::string& csv_path, const std::vector<std::string>& columns,
-                                                   const std::string& kind);
+                                                   const std::string& kind,
+                                                   const std::vector<std::string>& statuses = every_result_status());
 
 // Appends rows to a results file (O_APPEND, one write + fdatasync per row), writing the header first
 // when the file is new or empty; refuses a path that is not a regular file. A failed write (a full
