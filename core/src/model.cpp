@@ -10,6 +10,7 @@
 #include <limits>
 #include <set>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "piper/core/error.hpp"
@@ -176,6 +177,65 @@ void validate_routing_groups(const ModelConfig& c, const std::string& where, con
     field_error(where, n("moe.routing_group_limit"),
                 "must lie between 1 and " + n("moe.routing_groups") + " (" + std::to_string(c.routing_groups) + ")");
 }
+// Fields within their own limits still multiply: 65,536 experts of width 2^20 in blocks of hidden
+// 2^20 overflowed the cost model's int64 byte counts (a negative peak memory, "out of memory: no",
+// exit 0). Bounded here in floating point, before any int64 product is formed, from above (what the
+// cost model counts is less): one layer's buffers (its parameters' training state at 16 bytes each,
+// one microbatch's activations at 4 bytes an element) at 2^53 bytes, a plan's bound on a buffer, and
+// the whole model's at 2^62, half of int64.
+void validate_products(const ModelConfig& c, const std::string& where, const Namer& n) {
+  constexpr double kBuffer = 9007199254740992.0, kModel = 4611686018427387904.0;  // 2^53, 2^62
+  auto d = [](std::int64_t v) { return static_cast<double>(v); };
+  auto term = [&](const char* field, std::int64_t v) { return fmt::format("{} {}", n(field), v); };
+  auto refuse_above = [&](double bytes, double bound, const char* field, const std::string& what,
+                          const std::vector<std::string>& factors) {
+    if (bytes <= bound) return;
+    field_error(where, n(field),
+                fmt::format("{} ({}) come to {:.3g} bytes, more than the {} piper counts; make one of them smaller",
+                            what, fmt::join(factors, " x "), bytes,
+                            bound == kBuffer ? "2^53 bytes of one buffer" : "2^62 bytes of a whole model"));
+  };
+  const bool mla = c.kv_lora_rank > 0;
+  const double h = d(c.hidden), heads = d(c.heads), qk = d(c.head_dim + (mla ? c.qk_rope_head_dim : 0));
+  const double v = d(mla ? c.v_head_dim : c.head_dim);
+  const double attention = h * heads * (qk + v) + 2 * h * d(c.kv_heads) * d(c.head_dim) +
+                           d(c.q_lora_rank) * (h + heads * qk) + d(c.kv_lora_rank) * (h + heads * (qk + v)) +
+                           h * d(c.qk_rope_head_dim);
+  const double experts = 3 * h * (d(c.experts) * d(c.expert_ffn) + d(c.shared_experts) * d(c.shared_expert_ffn));
+  const double dense = 3 * h * d(c.ffn), embedding = d(c.vocab) * h + d(c.max_positions) * h;
+  constexpr double kStateBytes = 16, kElementBytes = 4;
+  refuse_above(attention * kStateBytes, kBuffer, "heads", "an attention layer's training state",
+               {term("heads", c.heads), term("head_dim", c.head_dim), term("hidden", c.hidden), "16 bytes"});
+  refuse_above(
+      experts * kStateBytes, kBuffer, "moe.experts", "a MoE layer's training state",
+      {term("moe.experts", c.experts), term("moe.expert_ffn", c.expert_ffn), term("hidden", c.hidden), "16 bytes"});
+  refuse_above(dense * kStateBytes, kBuffer, "ffn", "an MLP's training state",
+               {term("ffn", c.ffn), term("hidden", c.hidden), "16 bytes"});
+  refuse_above(embedding * kStateBytes, kBuffer, "vocab", "the embedding's training state",
+               {term("vocab", c.vocab), term("hidden", c.hidden), "16 bytes"});
+  const double block = attention + std::max(dense, experts);
+  refuse_above((d(c.layers) * block + 2 * embedding) * kStateBytes, kModel, "layers", "the model's training state",
+               {term("layers", c.layers), fmt::format("{:.3g} parameters a block", block), "16 bytes"});
+  // One microbatch's activations: every layer's widest tensor, and standard attention's scores.
+  const double tokens = d(c.training.seq_len) * d(c.training.micro_batch_size);
+  const double widest = std::max({h, heads * (qk + v) + 2 * d(c.kv_heads) * d(c.head_dim), 3 * d(c.ffn),
+                                  3 * d(c.top_k) * d(c.expert_ffn), d(c.vocab), d(c.experts)});
+  refuse_above(
+      tokens * widest * kElementBytes, kBuffer, "training.seq_len", "one microbatch's widest activation",
+      {term("training.seq_len", c.training.seq_len), term("training.micro_batch_size", c.training.micro_batch_size),
+       fmt::format("width {:.3g}", widest), "4 bytes"});
+  if (c.attention_kernel == AttentionKernel::Standard)
+    refuse_above(
+        d(c.training.micro_batch_size) * heads * d(c.training.seq_len) * d(c.training.seq_len) * 5, kBuffer,
+        "training.seq_len", "standard attention's scores",
+        {term("training.micro_batch_size", c.training.micro_batch_size), term("heads", c.heads),
+         term("training.seq_len", c.training.seq_len), term("training.seq_len", c.training.seq_len), "5 bytes"});
+  refuse_above(d(c.layers) * 8 * tokens * widest * kElementBytes, kModel, "layers", "one microbatch's activations",
+               {term("layers", c.layers), term("training.seq_len", c.training.seq_len),
+                term("training.micro_batch_size", c.training.micro_batch_size), fmt::format("8 x width {:.3g}", widest),
+                "4 bytes"});
+}
+
 }  // namespace
 
 void validate_config(const ModelConfig& c, const std::string& where, const FieldNames& names) {
@@ -260,6 +320,7 @@ void validate_config(const ModelConfig& c, const std::string& where, const Field
   within(Limit::TokensPerMicrobatch, c.training.micro_batch_size, "training.micro_batch_size", "sequences");
   within(Limit::TokensPerMicrobatch, c.training.seq_len * c.training.micro_batch_size, "training",
          "tokens per microbatch");
+  validate_products(c, where, n);
   // Learned absolute positions (GPT) have one row per position: a longer sequence has none to read.
   if (c.max_positions > 0 && c.training.seq_len > c.max_positions)
     field_error(where, n("training.seq_len"),

@@ -408,4 +408,37 @@ TEST_F(HostileInput, TuneResumedRowThatPiperCouldNotHaveWrittenRefused) {
   EXPECT_NE(again.out.find("rows resumed from t.csv"), std::string::npos) << again.out;
 }
 
+// Model sizes each within its own limit (model-width 2^20, experts 65,536) that multiply past the
+// cost model's int64 byte counts: 65,536 experts of width 2^20 at hidden 2^20 simulated with a
+// negative peak memory and "out of memory: no", exit 0. Refused in validate_config (every front end:
+// specs, Hugging Face configs, --seq-len), naming the file's own key.
+TEST_F(HostileInput, ModelSizesThatMultiplyPastTheByteCountsRefused) {
+  json moe = json::parse(read_file(kSource + "/examples/models/tiny-moe.json"));
+  moe["hidden"] = 1048576;
+  moe["moe"]["experts"] = 65536;
+  moe["moe"]["expert_ffn"] = 1048576;
+  input("moe.json", moe.dump());
+  expect_one_line(run("simulate --model moe.json --engine analytic --report r.json"),
+                  {"moe.json: field 'moe.experts': a MoE layer's training state (moe.experts 65536 x moe.expert_ffn "
+                   "1048576 x hidden 1048576 x 16 bytes) come to 3.46e+18 bytes, more than the 2^53 bytes"});
+  input("mixtral.json", R"({"model_type": "mixtral", "vocab_size": 1000, "hidden_size": 1048576,
+                            "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 1048576,
+                            "num_local_experts": 65536, "num_experts_per_tok": 2})");
+  expect_one_line(run("compile --model mixtral.json -o p.json"),
+                  {"mixtral.json: field 'num_local_experts': a MoE layer's training state (num_local_experts 65536",
+                   "hidden_size 1048576"});
+  json wide = json::parse(read_file(kSource + "/examples/models/dense-1b.json"));
+  wide["heads"] = wide["kv_heads"] = wide["head_dim"] = 1048576;
+  input("wide.json", wide.dump());
+  expect_one_line(run("compile --model wide.json -o p.json"), {"field 'heads': an attention layer's training state"});
+  json gpt = json::parse(read_file(kSource + "/examples/models/gpt-22b-korthikanti.json"));
+  gpt.erase("max_positions");
+  input("gpt.json", gpt.dump());
+  expect_one_line(run("compile --model gpt.json --seq-len 8388608 --micro-batch-size 2 -o p.json"),
+                  {"field 'training.seq_len': standard attention's scores"});
+  EXPECT_FALSE(fs::exists(dir_ / "p.json"));
+  EXPECT_FALSE(fs::exists(dir_ / "r.json"));
+  EXPECT_EQ(run("compile --model gpt.json --seq-len 4096 -o p.json").exit_code, 0);  // its own shape still compiles
+}
+
 }  // namespace
