@@ -192,6 +192,16 @@ void refuse_outputs_over_inputs(CLI::App* command) {
     std::error_code ec;
     return fs::is_regular_file(in, ec) && fs::exists(out, ec) && fs::equivalent(in, out, ec) && !ec;
   };
+  // Outputs are compared by the file a write lands on: through a dangling link too, whose target
+  // weakly_canonical leaves unresolved (`--report t.json --trace link-to-t.json` lost the report).
+  std::vector<std::string> targets;
+  for (const PathOption& out : outputs) {
+    try {
+      targets.push_back(core::output_target(out.path));
+    } catch (const core::Error&) {
+      throw CliError(out.path, out.flag + ": too many levels of symbolic links (a loop?)");
+    }
+  }
   auto same_path = [](const std::string& a, const std::string& b) {
     std::error_code ec_a, ec_b;
     const fs::path ca = fs::weakly_canonical(a, ec_a), cb = fs::weakly_canonical(b, ec_b);
@@ -202,7 +212,7 @@ void refuse_outputs_over_inputs(CLI::App* command) {
     // The folder an output goes in must be there now, not after a search or a training run: writing
     // into a missing folder fails only at the end (`tune --emit-directives /no/such/dir/x.json`).
     if (!out.makes_its_folder) {
-      const fs::path folder = fs::path(out.path).parent_path();
+      const fs::path folder = fs::path(targets[i]).parent_path();
       std::error_code ec;
       if (!folder.empty() && !fs::is_directory(folder, ec))
         throw CliError(out.path,
@@ -225,7 +235,7 @@ void refuse_outputs_over_inputs(CLI::App* command) {
                                              out.flag, in.flag));
     }
     for (std::size_t j = 0; j < i; ++j)
-      if (same_path(out.path, outputs[j].path))
+      if (same_path(targets[i], targets[j]))
         throw CliError(out.path, fmt::format("{} and {} name the same file: one output would replace the other "
                                              "(give each its own file)",
                                              outputs[j].flag, out.flag));

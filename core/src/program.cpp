@@ -135,6 +135,19 @@ bool write_whole(int fd, const std::string& contents, int& err) {
 
 }  // namespace
 
+std::string output_target(const std::string& path) {
+  namespace fs = std::filesystem;
+  fs::path p(path);
+  for (int links = 0; links < 40; ++links) {  // Linux's own bound on links in one lookup
+    std::error_code ec;
+    if (!fs::is_symlink(fs::symlink_status(p, ec))) return p.string();
+    const fs::path to = fs::read_symlink(p, ec);
+    if (ec) return p.string();
+    p = to.is_absolute() ? to : p.parent_path() / to;
+  }
+  throw Error("cannot write " + path + ": too many levels of symbolic links (a loop?)");
+}
+
 void write_file_atomically(const std::string& path, const std::string& contents) {
   namespace fs = std::filesystem;
   if (path.empty()) throw Error("cannot write an output file with an empty name");
@@ -152,14 +165,14 @@ void write_file_atomically(const std::string& path, const std::string& contents)
     if (!ok || err != 0) throw Error("cannot write " + path + ": " + std::strerror(err));
     return;
   }
-  // A symbolic link to a regular file stays a link: its target is the file replaced.
-  std::string target = path;
-  if (fs::is_symlink(fs::symlink_status(path, ec))) {
-    const fs::path resolved = fs::canonical(path, ec);
-    if (!ec) target = resolved.string();
-  }
-  // The temporary sits in the same folder so the rename stays within one file system (atomic).
-  const std::string temp = target + ".tmp." + std::to_string(::getpid());
+  // A symbolic link stays a link: its target is the file replaced (or created, for a dangling link).
+  const std::string target = output_target(path);
+  // The temporary sits in the same folder so the rename stays within one file system (atomic); its
+  // name is cut so that a file name of NAME_MAX bytes still gets one.
+  const fs::path target_path(target);
+  const std::string name = target_path.filename().string();
+  const std::string temp =
+      (target_path.parent_path() / (name.substr(0, 200) + ".tmp." + std::to_string(::getpid()))).string();
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
   if (fd < 0) throw Error("cannot write " + path + ": " + std::strerror(errno));
   // An existing file keeps its permissions.

@@ -441,4 +441,31 @@ TEST_F(HostileInput, ModelSizesThatMultiplyPastTheByteCountsRefused) {
   EXPECT_EQ(run("compile --model gpt.json --seq-len 4096 -o p.json").exit_code, 0);  // its own shape still compiles
 }
 
+// Outputs through symbolic links: `--report t.json --trace l.json` with l.json a dangling link to
+// t.json wrote the report, then the trace through the link over it (the report lost, exit 0); a
+// dangling link was replaced by a regular file (a link to a file keeps its link), one into a missing
+// folder passed the folder check and one in a loop was replaced too; a valid 255-byte name failed
+// after the work ("File name too long": the temporary's suffix). core::output_target follows links
+// for the writer and for the output checks of every command.
+TEST_F(HostileInput, OutputsThroughSymbolicLinksLandOnTheirTargets) {
+  const std::string compile = "compile --model qwen3-9m --pp 2 --microbatches 2 -o ";
+  fs::create_symlink("t.json", dir_ / "l.json");
+  expect_one_line(run("simulate --model qwen3-9m --pp 2 --microbatches 2 --engine analytic --report t.json "
+                      "--trace l.json"),
+                  {"l.json: --report and --trace name the same file"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.json"));
+  ASSERT_EQ(run(compile + "l.json").exit_code, 0);
+  EXPECT_TRUE(fs::is_symlink(dir_ / "l.json"));
+  EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(dir_ / "t.json")));
+  fs::create_symlink("/no/such/dir/p.json", dir_ / "far.json");
+  expect_one_line(run(compile + "far.json"), {"far.json: --output: no such folder '/no/such/dir'"});
+  fs::create_symlink("loop2", dir_ / "loop1");
+  fs::create_symlink("loop1", dir_ / "loop2");
+  expect_one_line(run(compile + "loop1"), {"loop1: --output: too many levels of symbolic links"});
+  EXPECT_TRUE(fs::is_symlink(dir_ / "loop1"));
+  const std::string longest = std::string(250, 'a') + ".json";  // NAME_MAX bytes
+  EXPECT_EQ(run(compile + longest).exit_code, 0);
+  EXPECT_TRUE(fs::is_regular_file(dir_ / longest));
+}
+
 }  // namespace
