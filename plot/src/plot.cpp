@@ -1,5 +1,5 @@
 // Offscreen PNG charts with QPainter: axes with nice ticks, series as points or lines, a legend,
-// reference lines; written atomically (temporary file, then rename).
+// reference lines; written atomically (core::write_file_atomically).
 #include "piper/plot/plot.hpp"
 
 #include <algorithm>
@@ -10,6 +10,8 @@
 
 #include <unistd.h>
 
+#include <QBuffer>
+#include <QByteArray>
 #include <QColor>
 #include <QFont>
 #include <QFontMetrics>
@@ -19,6 +21,9 @@
 #include <QPainterPath>
 #include <QPen>
 #include <QString>
+
+#include "piper/core/error.hpp"
+#include "piper/core/program.hpp"
 
 namespace piper::plot {
 
@@ -326,23 +331,18 @@ QImage render(const Chart& c) {
 void write_png(const Chart& chart, const std::string& path) {
   if (path.empty()) throw PlotError("cannot write a PNG with an empty file name");
   const QImage image = render(chart);
-  std::error_code ec;
-  const auto st = std::filesystem::status(path, ec);
-  if (!ec && std::filesystem::exists(st) && !std::filesystem::is_regular_file(st)) {
-    // A device or FIFO is written into, never replaced by a renamed regular file.
-    if (std::filesystem::is_directory(st) || !image.save(QString::fromStdString(path), "PNG"))
-      throw PlotError(path + ": cannot write the PNG");
-    return;
-  }
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  if (!image.save(QString::fromStdString(tmp), "PNG")) {
-    std::filesystem::remove(tmp, ec);
-    throw PlotError(path + ": cannot write the PNG");
-  }
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    throw PlotError(path + ": cannot write the PNG: " + ec.message());
+  // Encoded in memory, then written as every output is (core::write_file_atomically): through a
+  // symbolic link, to a temporary beside the file, fsync'd, then renamed; a device or FIFO written
+  // into. QImage::save to a path wrote its own temporary, replaced a link by a regular file and did
+  // not fsync before the rename.
+  QByteArray bytes;
+  QBuffer buffer(&bytes);
+  if (!buffer.open(QIODevice::WriteOnly) || !image.save(&buffer, "PNG"))
+    throw PlotError(path + ": cannot encode the PNG");
+  try {
+    core::write_file_atomically(path, std::string(bytes.constData(), static_cast<std::size_t>(bytes.size())));
+  } catch (const core::Error& e) {
+    throw PlotError(e.what());
   }
 }
 

@@ -468,4 +468,31 @@ TEST_F(HostileInput, OutputsThroughSymbolicLinksLandOnTheirTargets) {
   EXPECT_TRUE(fs::is_regular_file(dir_ / longest));
 }
 
+// `plot -o c.png` and `tune --plot p.png` with the PNG a symbolic link: write_png saved the image to
+// its own temporary and renamed it over the link (a regular file in its place, a dangling link's
+// folder left empty), without an fsync before the rename. The PNG is now encoded in memory and
+// written by core::write_file_atomically: through the link, which stays a link, whole.
+TEST_F(HostileInput, PngOutputsThroughSymbolicLinksLandOnTheirTargets) {
+  input("r.csv", "x,y\n1,2\n2,3\n");
+  fs::create_directories(dir_ / "charts");
+  fs::create_symlink("charts/c.png", dir_ / "c.png");  // dangling: the write creates its target
+  input("charts/p.png", "an older chart");
+  fs::create_symlink("charts/p.png", dir_ / "p.png");
+  const CliResult plotted = run("plot r.csv --x x --y y -o c.png");
+  ASSERT_EQ(plotted.exit_code, 0) << plotted.err;
+  const CliResult tuned = run("tune --model qwen3-9m --devices 2 -o t.csv --plot p.png");
+  ASSERT_EQ(tuned.exit_code, 0) << tuned.err;
+  const std::string signature = "\x89PNG\r\n\x1a\n", end = std::string("IEND\xae\x42\x60\x82", 8);
+  for (const char* name : {"c.png", "p.png"}) {
+    SCOPED_TRACE(name);
+    EXPECT_TRUE(fs::is_symlink(dir_ / name));
+    const std::string png = read_file(dir_ / "charts" / name);  // whole: the signature to the IEND chunk
+    ASSERT_GT(png.size(), signature.size() + end.size());
+    EXPECT_EQ(png.substr(0, signature.size()), signature);
+    EXPECT_EQ(png.substr(png.size() - end.size()), end);
+  }
+  for (const auto& entry : fs::directory_iterator(dir_ / "charts"))  // no temporary left beside them
+    EXPECT_EQ(entry.path().filename().string().find(".tmp."), std::string::npos) << entry.path();
+}
+
 }  // namespace

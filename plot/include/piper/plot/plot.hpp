@@ -51,7 +51,8 @@ struct Chart {
 
 // Renders the chart; every series keeps its own style.
 QImage render(const Chart& chart);
-// Writes the chart as a PNG (to a temporary file, then renamed). Throws PlotError.
+// Writes the chart as a PNG with core::write_file_atomically (a temporary beside the file, fsync,
+// rename; through a symbolic link, which stays a link). Throws PlotError("cannot write PATH: ...").
 void write_png(const Chart& chart, const std::string& path);
 // The same with every series drawn as points / as lines with markers.
 void write_scatter_png(Chart chart, const std::string& path);
