@@ -179,9 +179,33 @@ std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* sp
   } catch (const ResultsFileError& e) {
     throw TuneError(e.what());
   }
+  // Every row names its search (model, cluster, devices, global batch, sequence); a file holds one
+  // search, so a row of another (pasted or appended by hand) would pass for one of this search's.
   std::vector<TuneRow> out;
-  for (std::size_t i = 0; i < rows.size(); ++i)
-    out.push_back(tune_row_from_csv(rows[i], i == 0 ? spec : nullptr, fmt::format("{}: line {}", csv_path, i + 2)));
+  TuneSpec first;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    TuneSpec row_spec;
+    const std::string where = fmt::format("{}: line {}", csv_path, i + 2);
+    out.push_back(tune_row_from_csv(rows[i], &row_spec, where));
+    if (i == 0) {
+      first = row_spec;
+    } else if (row_spec.model != first.model || row_spec.cluster != first.cluster ||
+               row_spec.devices != first.devices || row_spec.global_batch != first.global_batch ||
+               row_spec.seq_len != first.seq_len) {
+      throw TuneError(
+          fmt::format("{}: a row of another search ({} on {} x {}, global batch {}, seq_len {}) than "
+                      "line 2's ({} on {} x {}, global batch {}, seq_len {}); a tune file holds one search",
+                      where, row_spec.model, row_spec.devices, row_spec.cluster, row_spec.global_batch,
+                      row_spec.seq_len, first.model, first.devices, first.cluster, first.global_batch, first.seq_len));
+    }
+  }
+  if (spec && !rows.empty()) {
+    spec->model = first.model;
+    spec->cluster = first.cluster;
+    spec->devices = first.devices;
+    spec->global_batch = first.global_batch;
+    spec->seq_len = first.seq_len;
+  }
   return out;
 }
 

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -400,6 +401,18 @@ TEST_F(HostileInput, TuneResumedRowThatPiperCouldNotHaveWrittenRefused) {
     ASSERT_NE(text, good);
     input("t.csv", text);
     expect_one_line(run(tune), {c.expected, "remove the row to rerun it"});
+    EXPECT_EQ(read_file(dir_ / "t.csv"), text);
+  }
+  // A later row of another search (a row pasted from another file) was taken as this search's: only
+  // the first row's model, cluster, devices, batch and sequence were compared with the search's.
+  for (const auto& [column, value] : std::vector<std::pair<std::string, std::string>>{
+           {"model", "qwen3-30b-a3b"}, {"devices", "4"}, {"seq_len", "64"}}) {
+    SCOPED_TRACE(column + "=" + value);
+    const std::string text = with_cell(good, 2, column, value);
+    ASSERT_NE(text, good);
+    input("t.csv", text);
+    expect_one_line(run(tune), {"t.csv: line 3: a row of another search (", "than line 2's (qwen3-9m on 2 x ",
+                                "a tune file holds one search"});
     EXPECT_EQ(read_file(dir_ / "t.csv"), text);
   }
   input("t.csv", good);  // the rows piper wrote still resume
