@@ -19,12 +19,23 @@
 
 namespace piper::cli {
 
-// Error messages must stay on one line: a newline inside one would break "one line per error".
+// Error messages must stay on one line: a newline inside one would break "one line per error". Line
+// ends at the end are dropped; one inside is escaped as core::printable escapes every control byte
+// (\x0a, \x0d), since it may be part of a name the message quotes: a space in its place showed a
+// folder "no<newline>such" as 'no such', a name the user does not have.
 std::string one_line(std::string s) {
-  std::replace(s.begin(), s.end(), '\n', ' ');
-  std::replace(s.begin(), s.end(), '\r', ' ');
-  while (!s.empty() && s.back() == ' ') s.pop_back();
-  return s;
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\n' || s.back() == '\r')) s.pop_back();
+  std::string out;
+  out.reserve(s.size());
+  for (const char c : s) {
+    if (c == '\n')
+      out += "\\x0a";
+    else if (c == '\r')
+      out += "\\x0d";
+    else
+      out += c;
+  }
+  return out;
 }
 
 // nlohmann messages start with "[json.exception.parse_error.101] "; the id means nothing to a user.

@@ -36,6 +36,7 @@ class CliError : public std::runtime_error {
   std::string file_;
 };
 
+// The message on one line: line ends at its end dropped, those inside escaped (\x0a) as core::printable does.
 std::string one_line(std::string s);
 std::string json_message(const json::exception& e);
 std::string read_text_file(const std::string& path);

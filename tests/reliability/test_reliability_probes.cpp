@@ -508,4 +508,17 @@ TEST_F(HostileInput, PngOutputsThroughSymbolicLinksLandOnTheirTargets) {
     EXPECT_EQ(entry.path().filename().string().find(".tmp."), std::string::npos) << entry.path();
 }
 
+// An output in a missing folder whose name holds a newline: the line named the path escaped (by
+// core::printable) but the folder with a space in its place (`no\x0asuch/x.json: --output: no such
+// folder 'no such'`: one_line flattened the message before printable saw it), a name the user does not
+// have. one_line escapes a line end inside a message as printable does.
+TEST_F(HostileInput, NewlineInAFolderNameIsEscapedInTheErrorLine) {
+  expect_one_line(run("compile --model qwen3-9m -o 'no\nsuch/x.json'"),
+                  {"no\\x0asuch/x.json: --output: no such folder 'no\\x0asuch'"});
+  // A carriage return, and a name quoted inside the message rather than as its file prefix.
+  expect_one_line(run("simulate --model qwen3-9m --cluster 'dgx\rh200' --report r.json"),
+                  {"--cluster 'dgx\\x0dh200': neither a preset"});
+  EXPECT_FALSE(fs::exists(dir_ / "r.json"));
+}
+
 }  // namespace
