@@ -2,16 +2,23 @@
 // round trip is in program_json.cpp.
 #include "piper/core/program.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 #include "piper/core/error.hpp"
 
@@ -133,6 +140,51 @@ bool write_whole(int fd, const std::string& contents, int& err) {
   return true;
 }
 
+// True for `<prefix><pid>` where pid is a process that no longer exists: a temporary that a write
+// killed before its rename left behind. kill(pid, 0) is ESRCH only for no such process (EPERM: another
+// user's, alive); a live pid keeps its file, even a reused one, and this process's own is truncated by
+// the open that follows.
+bool temporary_of_a_dead_process(const std::string& name, const std::string& prefix) {
+  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) return false;
+  const std::string digits = name.substr(prefix.size());
+  if (digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) return false;
+  const auto pid = static_cast<pid_t>(std::stol(digits));
+  if (pid <= 0 || pid == ::getpid()) return false;
+  return ::kill(pid, 0) != 0 && errno == ESRCH;
+}
+
+// Removes the temporaries `<prefix><pid>` in `folder` that a killed write of the same output left (a
+// SIGKILL cannot be caught, so they are cleared on the next write rather than by a handler). A folder is
+// listed once per process, keeping the names that hold ".tmp.": `export-chakra` writes one file per
+// device into one folder, and a listing per write would read it n^2/2 times.
+void remove_stale_temporaries(const std::filesystem::path& folder, const std::string& prefix) {
+  namespace fs = std::filesystem;
+  static std::mutex mutex;
+  static std::map<std::string, std::vector<std::string>> listed;  // absolute folder -> names with ".tmp."
+  std::error_code ec;
+  const std::string key = fs::absolute(folder.empty() ? fs::path(".") : folder, ec).lexically_normal().string();
+  if (ec) return;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = listed.find(key);
+  if (it == listed.end()) {
+    std::vector<std::string> names;
+    if (DIR* dir = ::opendir(key.c_str())) {
+      while (const dirent* entry = ::readdir(dir))
+        if (std::strstr(entry->d_name, ".tmp.") != nullptr) names.emplace_back(entry->d_name);
+      ::closedir(dir);
+    }
+    it = listed.emplace(key, std::move(names)).first;
+  }
+  std::vector<std::string>& names = it->second;
+  names.erase(std::remove_if(names.begin(), names.end(),
+                             [&](const std::string& name) {
+                               if (!temporary_of_a_dead_process(name, prefix)) return false;
+                               (void)::unlink((fs::path(key) / name).c_str());
+                               return true;
+                             }),
+              names.end());
+}
+
 }  // namespace
 
 std::string output_target(const std::string& path) {
@@ -170,9 +222,9 @@ void write_file_atomically(const std::string& path, const std::string& contents)
   // The temporary sits in the same folder so the rename stays within one file system (atomic); its
   // name is cut so that a file name of NAME_MAX bytes still gets one.
   const fs::path target_path(target);
-  const std::string name = target_path.filename().string();
-  const std::string temp =
-      (target_path.parent_path() / (name.substr(0, 200) + ".tmp." + std::to_string(::getpid()))).string();
+  const std::string prefix = target_path.filename().string().substr(0, 200) + ".tmp.";
+  remove_stale_temporaries(target_path.parent_path(), prefix);
+  const std::string temp = (target_path.parent_path() / (prefix + std::to_string(::getpid()))).string();
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
   if (fd < 0) throw Error("cannot write " + path + ": " + std::strerror(errno));
   // An existing file keeps its permissions.

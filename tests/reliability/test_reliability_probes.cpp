@@ -521,4 +521,21 @@ TEST_F(HostileInput, NewlineInAFolderNameIsEscapedInTheErrorLine) {
   EXPECT_FALSE(fs::exists(dir_ / "r.json"));
 }
 
+// A kill inside an atomic write's window (after the temporary, before the rename) left `p.json.tmp.PID`
+// beside the intact previous p.json, and every later write left it too. The next write of p.json
+// removes the temporaries of processes that are gone (core::write_file_atomically); a live one's stays.
+TEST_F(HostileInput, TemporaryOfAKilledWriteRemovedByTheNextWrite) {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // reaped: its pid names no process
+  input("p.json.tmp." + std::to_string(child), "half a plan");
+  input("p.json.tmp." + std::to_string(::getpid()), "a write in progress");  // this test is alive
+  const CliResult r = run("compile --model qwen3-9m --pp 2 --microbatches 2 -o p.json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_FALSE(fs::exists(dir_ / ("p.json.tmp." + std::to_string(child))));
+  EXPECT_TRUE(fs::exists(dir_ / ("p.json.tmp." + std::to_string(::getpid()))));
+  EXPECT_TRUE(fs::is_regular_file(dir_ / "p.json"));
+}
+
 }  // namespace

@@ -1,6 +1,7 @@
 // Tests of the Program: kind names, peers and communicator groups, the exact JSON round trip with
 // field-naming errors, and atomic file writes.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -9,6 +10,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <vector>
 
 #include "piper/core/error.hpp"
 #include "piper/core/program.hpp"
@@ -375,6 +377,35 @@ TEST(Program, WriteFileAtomically) {
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()).rfind("cannot write " + missing + ": ", 0), 0u) << e.what();
   }
+  fs::remove_all(dir);
+}
+
+// A write killed (SIGKILL, SIGTERM) between creating its temporary and renaming it left
+// `NAME.tmp.PID` beside the intact previous output, forever. The next write of NAME removes those of
+// processes that are gone; a live process's (a write in progress) and another output's are left alone.
+TEST(Program, WriteFileAtomicallyRemovesTheTemporariesOfKilledWrites) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("piper_test_stale_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // reaped: its pid names no process
+  const std::string dead = std::to_string(child), live = std::to_string(::getppid());
+  const std::string longest = std::string(250, 'a') + ".json";  // NAME_MAX: the temporary's name is cut
+  const std::vector<std::string> stale = {"plan.json.tmp." + dead, longest.substr(0, 200) + ".tmp." + dead};
+  const std::vector<std::string> kept = {"plan.json.tmp." + live, "other.json.tmp." + dead, "plan.json.tmp.x" + dead};
+  for (const auto& name : stale) std::ofstream(dir / name) << "half an output";
+  for (const auto& name : kept) std::ofstream(dir / name) << "not this write's to remove";
+  write_file_atomically((dir / "plan.json").string(), "new");
+  write_file_atomically((dir / longest).string(), "new");
+  for (const auto& name : stale) EXPECT_FALSE(fs::exists(dir / name)) << name;
+  for (const auto& name : kept) EXPECT_TRUE(fs::exists(dir / name)) << name;
+  std::ifstream in(dir / "plan.json");
+  std::stringstream read;
+  read << in.rdbuf();
+  EXPECT_EQ(read.str(), "new");
   fs::remove_all(dir);
 }
 

@@ -208,7 +208,9 @@ struct Program {
 // Writes `contents` to `path`. A regular file (or a new path) is replaced atomically: a temporary
 // file in the same folder, fsync, then rename (through a symbolic link, its target is replaced, or
 // created for a dangling link). A device, FIFO or socket is written into, never replaced. An empty
-// path, a folder or any failed write throws Error("cannot write PATH: <reason>").
+// path, a folder or any failed write throws Error("cannot write PATH: <reason>"). The temporary is
+// `NAME.tmp.PID`; those of the same NAME whose process is gone (a write killed before its rename) are
+// removed first, those of live processes left alone.
 void write_file_atomically(const std::string& path, const std::string& contents);
 // The file a write to `path` lands on: `path` with its symbolic links followed, a dangling link's
 // too (a write goes through a link, never replaces it); relative targets from the link's folder.
