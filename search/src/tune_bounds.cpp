@@ -169,14 +169,17 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
   const std::shared_ptr<const Shape> shape = shape_of(spec, c);
   const core::Model& model = shape->model;
   const RegionPlacement& place = shape->place;
-  const FastestRates rates = fastest_rates(cost_model_of(spec)->cluster(), model.training().precision);
+  const std::shared_ptr<const sim::CostModel> costs = cost_model_of(spec);
+  const FastestRates rates = fastest_rates(costs->cluster(), model.training().precision);
   if (rates.flops <= 0 || rates.hbm <= 0) return 0;
   const double link = rates.link;
   // Per region and microbatch: a lower bound of its F and of its B (BI + BW when split) per device
   // under c's layout, from the kernels its layers launch (core::layer_kernels, what lowering lists),
-  // each bounded by kernel_bound; plus the TP collectives (an all-gather moves (t-1)/t of its bytes
-  // through each device's link). Ops of one pass of a region run one after another, so their
-  // kernels add up.
+  // each timed as the cost model times it on the cluster's fastest GPU for it (a compute op takes
+  // its kernels' times, scaled by nothing smaller, plus traffic and collectives; kernel_bound, the
+  // fastest rates alone, is the floor); plus the TP collectives (an all-gather moves (t-1)/t of its
+  // bytes through each device's link). Ops of one pass of a region run one after another, so their
+  // kernels add up. Identical layers launch identical kernels: each distinct list is timed once.
   std::vector<PassBound> f(static_cast<std::size_t>(place.regions)), b = f;
   const std::shared_ptr<const std::vector<core::Costs>> layer_costs = shape->costs(c);
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
@@ -187,7 +190,8 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     const core::ParallelLayout L = layout_of(c, layer);
     for (int p = 0; p < 3; ++p)
       for (const auto& kern : core::layer_kernels(layer, model.training(), L, p, shard))
-        (p == 0 ? f[r] : b[r]).seconds += kernel_bound(rates, kern);
+        (p == 0 ? f[r] : b[r]).seconds +=
+            std::max(kernel_bound(rates, kern), kern.count * costs->fastest_kernel_seconds(kern));
     const bool experts = layer.kind == core::LayerKind::MoeExperts;
     (experts ? f[r].etp : f[r].tp) += static_cast<double>(k.forward_tp_bytes);
     (experts ? b[r].etp : b[r].tp) += static_cast<double>(k.backward_tp_bytes);

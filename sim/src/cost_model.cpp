@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -322,9 +323,24 @@ const KernelTiming& CostModel::node_timing(int node) const {
                      g.half_efficiency_flops, {}};
       if (!cluster_.attention_kernel.empty() && tables_[i])
         timings_[i].attention_kernel = attention_kernel_of(*tables_[i], cluster_.attention_kernel);
+      const KernelTiming& t = timings_[i];
+      if (std::none_of(distinct_timings_.begin(), distinct_timings_.end(), [&](std::size_t j) {
+            const KernelTiming& u = timings_[j];
+            return u.table == t.table && u.peak_flops == t.peak_flops && u.hbm_bytes_per_s == t.hbm_bytes_per_s &&
+                   u.fallback_efficiency == t.fallback_efficiency && u.half_efficiency_flops == t.half_efficiency_flops;
+          }))
+        distinct_timings_.push_back(i);
     }
   });
   return timings_[static_cast<std::size_t>(node)];
+}
+
+double CostModel::fastest_kernel_seconds(const core::Kernel& k) const {
+  if (cluster_.nodes.empty()) return 0;
+  node_timing(0);  // builds the timings
+  double best = std::numeric_limits<double>::infinity();
+  for (std::size_t i : distinct_timings_) best = std::min(best, timings_[i].seconds(k));
+  return best;
 }
 
 KernelTiming CostModel::timing(int device) const { return node_timing(node_of_.at(static_cast<std::size_t>(device))); }

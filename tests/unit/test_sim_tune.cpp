@@ -328,6 +328,45 @@ TEST(Tune, MemoryBoundNeverExceedsTheSimulatedPeak) {
   }
 }
 
+// The step time bound times each layer's kernels as the cost model does on the cluster's fastest GPU
+// for them. It must stay below the simulated step at full size too, where kernel tables, runtime
+// profiles and MoE layers decide the times: a dense and a MoE model, on an H200 under the eager
+// profile (more element-wise launches and bytes than the kernels list) and on A100s (another
+// table), over a spread of candidates of every family, ZeRO level, TP layout and recompute mode.
+TEST(Tune, TimeBoundStaysBelowTheSimulationAtFullSize) {
+  const fs::path eager =
+      fs::temp_directory_path() / ("piper_test_tune_" + std::to_string(::getpid()) + "_eager_h200.json");
+  std::ofstream(eager) << R"({"preset": "dgx-h200", "runtime": "eager"})";
+  double tightest = 0;
+  int checked = 0;
+  for (const std::string& model : {std::string("llama3-8b"), std::string("qwen3-30b-a3b")})
+    for (const std::string& cluster : {eager.string(), std::string("dgx-a100-80g")}) {
+      TuneSpec spec = small_spec();
+      spec.model = model;
+      spec.cluster = cluster;
+      spec.global_batch = 32;
+      spec.zero_levels = {0, 1, 2, 3};
+      spec.tp_degrees.clear();
+      spec.recompute_modes = {"none", "selective", "full"};
+      const std::vector<TuneCandidate> all = enumerate_candidates(spec);
+      ASSERT_GT(all.size(), 100u) << model;
+      const std::size_t stride = all.size() / 12;  // a dozen spread over the enumeration order
+      for (std::size_t i = 0; i < all.size(); i += stride) {
+        const TuneCandidate& c = all[i];
+        const TuneRow row = evaluate_candidate(spec, c, "analytic");
+        if (row.status != "ok") continue;
+        const double bound = step_time_lower_bound(spec, c);
+        EXPECT_LE(bound, row.step_time_s) << model << " on " << cluster << ": " << c.key();
+        tightest = std::max(tightest, bound / row.step_time_s);
+        checked += 1;
+      }
+    }
+  EXPECT_GT(checked, 30);
+  EXPECT_GT(tightest, 0.8) << "the bound must bite at full size";
+  std::cout << checked << " candidates at full size: time bound up to " << tightest << " of the simulation\n";
+  fs::remove(eager);
+}
+
 TEST(Tune, ResumesAfterAKillWithoutLosingOrDuplicatingRows) {
   TuneSpec spec = small_spec();
   spec.micro_batch_sizes = {2};

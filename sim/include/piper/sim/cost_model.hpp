@@ -134,6 +134,9 @@ class CostModel {
   std::optional<double> kernel_seconds(const core::Program& program, int device, const core::Op& op) const;
   // How kernels are timed on `device` (its node's table, the cluster's runtime profile).
   KernelTiming timing(int device) const;
+  // The least time one launch of `k` takes on any GPU of the cluster (KernelTiming::seconds on the
+  // fastest node for it): the tuner's step time bound.
+  double fastest_kernel_seconds(const core::Kernel& k) const;
   // The tensor-parallel collectives a COMPUTE op performs inside itself (0 for non-TP ops).
   double tp_seconds(const core::Program& program, int device, const core::Op& op) const;
   // The part of compute_seconds() that is TP collectives: tp_seconds() (with comm_overlap, what the
@@ -214,6 +217,7 @@ class CostModel {
   mutable std::once_flag timings_once_;
   mutable std::vector<std::shared_ptr<const KernelTable>> tables_;
   mutable std::vector<KernelTiming> timings_;
+  mutable std::vector<std::size_t> distinct_timings_;  // one node per distinct GPU timing
   struct PassTime {
     double seconds = 0, flops = -1, elementwise_bytes = 0;
   };
