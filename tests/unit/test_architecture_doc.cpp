@@ -76,7 +76,7 @@ struct Library {
   int floor;
 };
 const std::vector<Library> kLibraries = {
-    {"core", "core", 0},     {"plot", "plot", 0},     {"sim", "sim", 1}, {"gpu_runtime", "runtime", 1},
+    {"core", "core", 0},     {"plot", "plot", 1},     {"sim", "sim", 1}, {"gpu_runtime", "runtime", 1},
     {"chakra", "chakra", 1}, {"search", "search", 2}, {"gui", "gui", 3}, {"cli", "cli", 3},
     {"python", "python", 3}};
 
