@@ -179,19 +179,28 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
   // its kernels' times, scaled by nothing smaller, plus traffic and collectives; kernel_bound, the
   // fastest rates alone, is the floor); plus the TP collectives (an all-gather moves (t-1)/t of its
   // bytes through each device's link). Ops of one pass of a region run one after another, so their
-  // kernels add up. Identical layers launch identical kernels: each distinct list is timed once.
+  // kernels add up. The per-layer kernel times depend only on the layout, EP degree and cluster:
+  // computed once per such key for the shape (Shape::kernel_times), which thousands of candidates share.
   std::vector<PassBound> f(static_cast<std::size_t>(place.regions)), b = f;
   const std::shared_ptr<const std::vector<core::Costs>> layer_costs = shape->costs(c);
+  const auto kernel_times = shape->kernel_times(c, costs.get(), [&] {
+    Shape::KernelTimes times(model.layers().size(), {0.0, 0.0});
+    for (std::size_t i = 0; i < model.layers().size(); ++i) {
+      const core::Layer& layer = model.layers()[i];
+      const core::ParallelLayout L = layout_of(c, layer);
+      for (int p = 0; p < 3; ++p)
+        for (const auto& kern : core::layer_kernels(layer, model.training(), L, p, shape->ep_tagged[i] ? c.ep : 1))
+          times[i][p == 0 ? 0 : 1] +=
+              std::max(kernel_bound(rates, kern), kern.count * costs->fastest_kernel_seconds(kern));
+    }
+    return times;
+  });
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
     const auto r = static_cast<std::size_t>(shape->region_of_layer[i]);
     const core::Layer& layer = model.layers()[i];
     const core::Costs& k = (*layer_costs)[i];
-    const int shard = shape->ep_tagged[i] ? c.ep : 1;
-    const core::ParallelLayout L = layout_of(c, layer);
-    for (int p = 0; p < 3; ++p)
-      for (const auto& kern : core::layer_kernels(layer, model.training(), L, p, shard))
-        (p == 0 ? f[r] : b[r]).seconds +=
-            std::max(kernel_bound(rates, kern), kern.count * costs->fastest_kernel_seconds(kern));
+    f[r].seconds += (*kernel_times)[i][0];
+    b[r].seconds += (*kernel_times)[i][1];
     const bool experts = layer.kind == core::LayerKind::MoeExperts;
     (experts ? f[r].etp : f[r].tp) += static_cast<double>(k.forward_tp_bytes);
     (experts ? b[r].etp : b[r].tp) += static_cast<double>(k.backward_tp_bytes);

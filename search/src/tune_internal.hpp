@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -89,10 +90,32 @@ struct Shape {
     return slot;
   }
 
+  // Per layer, what `make` computes under c's layout, EP degree and cluster (the step time bound's
+  // kernel times: {F, B} seconds per microbatch), computed once per such key. Cost models are cached
+  // for the process (cost_model_of), so their address names a cluster.
+  using KernelTimes = std::vector<std::array<double, 2>>;
+  template <class Make>
+  std::shared_ptr<const KernelTimes> kernel_times(const TuneCandidate& c, const sim::CostModel* cluster,
+                                                  const Make& make) const {
+    const std::tuple<int, bool, std::string, int, bool, int, int, const sim::CostModel*> key{
+        c.tp, c.sequence_parallel, c.recompute, c.cp, c.cp_all_gather, c.etp, c.ep, cluster};
+    {
+      std::lock_guard lock(mutex);
+      auto it = kernel_times_by_layout.find(key);
+      if (it != kernel_times_by_layout.end()) return it->second;
+    }
+    auto times = std::make_shared<const KernelTimes>(make());
+    std::lock_guard lock(mutex);
+    return kernel_times_by_layout.emplace(key, std::move(times)).first->second;
+  }
+
  private:
   mutable std::mutex mutex;
   mutable std::map<std::tuple<int, bool, std::string, int, bool, int>, std::shared_ptr<const std::vector<core::Costs>>>
       by_layout;
+  mutable std::map<std::tuple<int, bool, std::string, int, bool, int, int, const sim::CostModel*>,
+                   std::shared_ptr<const KernelTimes>>
+      kernel_times_by_layout;
 };
 
 // The shape of candidate c, cached by (model, sequence, family, PP, regions, microbatches, micro
