@@ -538,4 +538,28 @@ TEST_F(HostileInput, TemporaryOfAKilledWriteRemovedByTheNextWrite) {
   EXPECT_TRUE(fs::is_regular_file(dir_ / "p.json"));
 }
 
+// The ninth probe (valid but unusual configurations that succeed wrongly). KV heads that the TP degree
+// does not divide (6 KV heads over TP 4: 1.5 a rank; qwen3-30b-a3b's 4 over TP 8: replicated) were
+// compiled and simulated as fractions of a head, their K/V projections, weights and stash divided by
+// the degree: wrong FLOPs and memory per device, exit 0. The runtime refused them, and tune left such
+// degrees out; the compiler now refuses them too, naming the flag and the layer, as it does heads.
+TEST_F(HostileInput, KvHeadsTheTpDegreeDoesNotDivideRefused) {
+  json m = json::parse(read_file(piper::test::kTiny));
+  m["heads"] = 12;
+  m["kv_heads"] = 6;
+  m["hidden"] = 48;
+  m["head_dim"] = 4;
+  m["ffn"] = 96;
+  input("kv6.json", m.dump());
+  expect_one_line(run("simulate --model kv6.json --tp 4 --engine analytic --report r.json"),
+                  {"--tp 4", "does not divide the 6 KV heads of layer 'layers.0.attn'"});
+  EXPECT_FALSE(fs::exists(dir_ / "r.json"));
+  expect_one_line(run("compile --model qwen3-30b-a3b --tp 8 --sequence-parallel -o p.json"),
+                  {"--tp 8", "does not divide the 4 KV heads"});
+  EXPECT_FALSE(fs::exists(dir_ / "p.json"));
+  // What divides still compiles: 6 KV heads over TP 2 and TP 3 (heads 12).
+  EXPECT_EQ(run("compile --model kv6.json --tp 2 -o p.json").exit_code, 0);
+  EXPECT_EQ(run("compile --model kv6.json --tp 3 -o p.json").exit_code, 0);
+}
+
 }  // namespace

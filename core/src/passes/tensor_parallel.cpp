@@ -52,6 +52,10 @@ void apply_tensor_parallel(PassContext& cx, const TensorParallelDirective& d, in
                fmt::format("{} does not divide the {} {} of layer '{}'", d.degree, v, what, layer.name));
       };
       if (layer.kind == LayerKind::Attention) indivisible("heads", sh.heads);
+      // The KV heads split too (Megatron-LM's num_query_groups; the runtime and tune ask the same): the
+      // cost model divides the K/V projections, their weights and stash by the degree, which would
+      // otherwise count a fraction of a KV head per rank, or none of the replication below one.
+      if (layer.kind == LayerKind::Attention && sh.kv_lora_rank == 0) indivisible("KV heads", sh.kv_heads);
       if (layer.kind == LayerKind::Mlp) indivisible("ffn columns", sh.ffn);
       // The vocabulary is not checked: Megatron pads it to a multiple of the TP degree.
     }
