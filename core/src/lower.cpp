@@ -638,17 +638,19 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
       plan.buffers.push_back({"params" + suffix,
                               BufferKind::Parameters,
                               // FP8 (Transformer Engine) also keeps an fp8 copy of each weight.
-                              params * (dt + (dag.training.precision == Precision::FP8 ? 1 : 0)) / seg.zero_divisor(3),
+                              Segment::shard_elems(params, seg.zero_divisor(3)) *
+                                  (dt + (dag.training.precision == Precision::FP8 ? 1 : 0)),
                               {},
                               {}});
-      plan.buffers.push_back({"grads" + suffix,
-                              BufferKind::Gradients,
-                              params * gradient_bytes_per_element(dag.training) / seg.grad_divisor(),
-                              {},
-                              {}});
+      plan.buffers.push_back(
+          {"grads" + suffix,
+           BufferKind::Gradients,
+           Segment::shard_elems(params, seg.grad_divisor()) * gradient_bytes_per_element(dag.training),
+           {},
+           {}});
       plan.buffers.push_back({"optimizer" + suffix,
                               BufferKind::OptimizerStates,
-                              params * state_bytes_per_param / seg.zero_divisor(1),
+                              Segment::shard_elems(params, seg.zero_divisor(1)) * state_bytes_per_param,
                               {},
                               {}});
     };

@@ -3,6 +3,7 @@
 // weight copies and GEMM rates, fp32/tf32 on a GPU without a kernel table).
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include <gtest/gtest.h>
 
@@ -228,4 +229,39 @@ TEST(CostSettings, Fp32MainGradsDoubleTheReductionsNotTheParameterGathers) {
     EXPECT_EQ(buffer_bytes(b, 0, core::BufferKind::GatheredParameters),
               buffer_bytes(a, 0, core::BufferKind::GatheredParameters));
   }
+}
+
+// ZeRO shards hold whole elements, the last one padded (FSDP's and DeepSpeed's flat buffers), so that
+// the shards of a segment hold all its parameters: the tiny model's segments over 3 replicas (counts 3
+// does not divide) under ZeRO-3, each parameter, gradient and optimizer state buffer a whole number of
+// elements and 3 of them at least the unsharded buffer, by less than one element each. Before, the
+// bytes were divided (55,079 parameter bytes a device, not a whole fp32 element, 11 bytes short of
+// the model's 165,248 over the three).
+TEST(CostSettings, ZeroShardsHoldWholeElementsAndEveryParameter) {
+  const std::string tiny = std::string(PIPER_SOURCE_DIR) + "/tests/data/runtime-tiny-dense.json";
+  core::StrategyOptions o;
+  o.dp = 3;
+  o.zero = 3;
+  const core::Program p = compile(o, tiny).result.program;
+  int uneven = 0, checked = 0;
+  for (int d = 0; d < 3; ++d) {
+    std::int64_t params = 0;
+    for (const auto& b : p.plan_for(d).buffers) {
+      const bool param = b.kind == core::BufferKind::Parameters;
+      if (!param && b.kind != core::BufferKind::Gradients && b.kind != core::BufferKind::OptimizerStates) continue;
+      const std::int64_t per = b.kind == core::BufferKind::OptimizerStates ? 8 : 4;  // fp32: two moments
+      const auto s = static_cast<std::size_t>(std::stoi(b.name.substr(b.name.rfind(" s") + 2)));
+      ASSERT_LT(s, p.segments.size()) << b.name;
+      const std::int64_t elems = p.segments[s].params;
+      EXPECT_EQ(b.bytes % per, 0) << b.name;
+      EXPECT_GE(3 * (b.bytes / per), elems) << b.name;
+      EXPECT_LT(3 * (b.bytes / per), elems + 3) << b.name;
+      uneven += elems % 3 != 0;
+      ++checked;
+      if (param) params += b.bytes;
+    }
+    EXPECT_GE(3 * params, 165248) << "device " << d;  // the model's 41,312 fp32 parameters
+  }
+  EXPECT_GT(checked, 0);
+  EXPECT_GT(uneven, 0);
 }

@@ -22,7 +22,7 @@ void cost_updates(PassContext& cx) {
     std::int64_t params = 0;
     for (int s : n.buffer_segments) {
       const auto& seg = dag.segments.at(static_cast<std::size_t>(s));
-      params += seg.state_params() / seg.zero_divisor(1);
+      params += Segment::shard_elems(seg.state_params(), seg.zero_divisor(1));
     }
     n.costs = Costs{};
     n.costs.params = params;

@@ -99,6 +99,12 @@ struct Segment {
   std::int64_t grad_divisor() const { return zero_level >= 2 && reduce_every_microbatch ? zero_shards : 1; }
   // What divides state that ZeRO shards from `level` on (1 optimizer states, 2 gradients, 3 parameters).
   std::int64_t zero_divisor(int level) const { return zero_level >= level ? zero_shards : 1; }
+  // Elements of one device's share of `params` split `divisor` ways: whole elements, the last shard
+  // padded (FSDP's and DeepSpeed's flat buffers pad to a multiple of the shard count), so the shards
+  // hold every parameter even where the count does not divide.
+  static std::int64_t shard_elems(std::int64_t params, std::int64_t divisor) {
+    return (params + divisor - 1) / divisor;
+  }
   // Set by the tensor_parallel / recompute passes (Megatron layout, see ARCHITECTURE.md).
   int tp_degree = 1;               // tensor-parallel group size (consecutive devices of the set)
   bool sequence_parallel = false;  // TP all-reduces become reduce-scatter + all-gather
