@@ -95,70 +95,27 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
 
 namespace {
 
-// The fastest GPU and link of the cluster, so that the bound holds on every device.
-struct FastestRates {
-  double flops = 0, hbm = 0, link = 0;
-  double att_fwd = 0, att_bwd = 0;  // the fastest measured attention rates (0 without a table)
-  double floor = 0;                 // the smallest launch time of a kernel
-};
-
-FastestRates fastest_rates(const sim::Cluster& cluster, core::Precision pr) {
-  FastestRates f;
-  double launch = std::numeric_limits<double>::infinity();
+// The fastest link a TP collective can cross in the cluster, so that the bound holds on every device:
+// NVLink or a NIC, or a GPU's own memory where devices share a GPU (a copy within one GPU moves
+// each byte through HBM twice, CostModel's same-GPU bandwidth).
+double fastest_link(const sim::Cluster& cluster) {
+  double link = 0;
   for (const auto& node : cluster.nodes) {
-    // Without a table: the curve's asymptote (fp8 at twice the bf16 peak); with one, its fastest
-    // GEMM measurement in the training dtype (fp32 may run as tf32).
-    f.flops =
-        std::max(f.flops, node.gpu.peak_flops * node.gpu.max_efficiency * std::max(1.0, sim::dtype_peak_ratio(pr)));
-    launch = std::min(launch, node.gpu.launch_overhead_s);
-    f.hbm = std::max(f.hbm, node.gpu.hbm_bandwidth_bytes_per_s);
-    f.link = std::max({f.link, node.nvlink_bandwidth_bytes_per_s, node.nic_bandwidth_per_gpu_bytes_per_s()});
-    if (!node.gpu.kernel_table.empty()) {
-      const auto t = sim::load_kernel_table(node.gpu.kernel_table);
-      launch = std::min(launch, t->launch_floor_s);
-      const std::string dt = pr == core::Precision::FP16 ? "bf16" : core::to_string(pr);
-      for (const auto& g : t->gemm)
-        if (g.dtype == dt || (dt == "fp32" && g.dtype == "tf32")) f.flops = std::max(f.flops, g.flops_per_s);
-    }
+    link = std::max({link, node.nvlink_bandwidth_bytes_per_s, node.nic_bandwidth_per_gpu_bytes_per_s()});
+    if (node.devices_per_gpu > 1) link = std::max(link, node.gpu.hbm_bandwidth_bytes_per_s / 2);
   }
-  launch = std::max(0.0, launch);
-  for (const auto& node : cluster.nodes)
-    if (!node.gpu.kernel_table.empty())
-      for (const auto& a : sim::load_kernel_table(node.gpu.kernel_table)->attention)
-        f.att_fwd = std::max(f.att_fwd, a.fwd_flops_per_s), f.att_bwd = std::max(f.att_bwd, a.bwd_flops_per_s);
-  f.floor = std::min(launch, sim::KernelTable::kDefaultLaunchFloor);
-  return f;
-}
-
-// A lower bound of one kernel's time: at least the launch floor plus its FLOPs at the fastest rate
-// (GEMMs), its causal FLOPs at the fastest measured attention rate, or its fewest bytes (the fused
-// profile's) at the HBM peak.
-double kernel_bound(const FastestRates& f, const core::Kernel& k) {
-  double t = f.floor;
-  const double dt = core::bytes_per_element(k.dtype);
-  if (k.kind == core::KernelKind::Gemm) {
-    t += k.flops / f.flops;  // the exact FLOPs (a rounded shape's time is scaled to them)
-  } else if (k.kind == core::KernelKind::AttentionForward || k.kind == core::KernelKind::AttentionBackward) {
-    const double rate = k.kind == core::KernelKind::AttentionBackward ? f.att_bwd : f.att_fwd;
-    // Without a table attention runs at most at the GEMM rate on Piper's (full-matrix) FLOPs.
-    t += rate > 0 ? sim::causal_attention_flops(k) / rate : k.flops / f.flops;
-  } else {
-    const double bytes = k.kind == core::KernelKind::Elementwise || k.kind == core::KernelKind::Copy
-                             ? static_cast<double>(k.bytes)
-                         : k.kind == core::KernelKind::Loss || k.kind == core::KernelKind::LossBackward
-                             ? static_cast<double>(k.elems) * 4
-                             : static_cast<double>(k.elems) * dt * 2;
-    t += bytes / f.hbm;
-  }
-  return t * k.count;
+  return link;
 }
 
 struct PassBound {
   double seconds = 0, tp = 0, etp = 0;  // etp: the routed experts' collectives over their ETP groups
   int e = 1;
-  double total(int t, double link_bw) const {
-    return seconds + (t > 1 && link_bw > 0 ? tp * (t - 1.0) / t / link_bw : 0.0) +
-           (e > 1 && link_bw > 0 ? etp * (e - 1.0) / e / link_bw : 0.0);
+  // With TP communication overlap an op takes max(c, m) + min(c, m) / t >= max(c, m) (CostModel's
+  // with_tp), and a sum of such maxima is at least the maximum of the sums.
+  double total(int t, double link_bw, bool overlap) const {
+    const double comm = (t > 1 && link_bw > 0 ? tp * (t - 1.0) / t / link_bw : 0.0) +
+                        (e > 1 && link_bw > 0 ? etp * (e - 1.0) / e / link_bw : 0.0);
+    return overlap ? std::max(seconds, comm) : seconds + comm;
   }
 };
 
@@ -170,28 +127,32 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
   const core::Model& model = shape->model;
   const RegionPlacement& place = shape->place;
   const std::shared_ptr<const sim::CostModel> costs = cost_model_of(spec);
-  const FastestRates rates = fastest_rates(costs->cluster(), model.training().precision);
-  if (rates.flops <= 0 || rates.hbm <= 0) return 0;
-  const double link = rates.link;
+  const double link = fastest_link(costs->cluster());
   // Per region and microbatch: a lower bound of its F and of its B (BI + BW when split) per device
   // under c's layout, from the kernels its layers launch (core::layer_kernels, what lowering lists),
-  // each timed as the cost model times it on the cluster's fastest GPU for it (a compute op takes
-  // its kernels' times, scaled by nothing smaller, plus traffic and collectives; kernel_bound, the
-  // fastest rates alone, is the floor); plus the TP collectives (an all-gather moves (t-1)/t of its
-  // bytes through each device's link). Ops of one pass of a region run one after another, so their
-  // kernels add up. The per-layer kernel times depend only on the layout, EP degree and cluster:
-  // computed once per such key for the shape (Shape::kernel_times), which thousands of candidates share.
+  // each timed as the cost model times it (KernelTiming: the kernel table, the runtime profile) on
+  // the cluster's fastest GPU for that kernel: a compute op takes its kernels' times, scaled by
+  // nothing smaller, plus traffic and collectives. Plus the TP collectives (an all-gather moves
+  // (t-1)/t of its bytes through each device's link). Ops of one pass of a region run one after
+  // another, so their kernels add up. Recomputation limited to some blocks (recompute_every,
+  // recompute_first) is bounded by no recomputation. The per-layer kernel times depend only on the
+  // layout, EP degree and cluster: computed once per such key for the shape (Shape::kernel_times),
+  // which thousands of candidates share.
+  TuneCandidate layout = c;
+  if (c.recompute_every > 0 || c.recompute_first > 0) {
+    layout.recompute = "none";
+    layout.recompute_every = layout.recompute_first = 0;
+  }
   std::vector<PassBound> f(static_cast<std::size_t>(place.regions)), b = f;
   const std::shared_ptr<const std::vector<core::Costs>> layer_costs = shape->costs(c);
-  const auto kernel_times = shape->kernel_times(c, costs.get(), [&] {
+  const auto kernel_times = shape->kernel_times(layout, spec, [&] {
     Shape::KernelTimes times(model.layers().size(), {0.0, 0.0});
     for (std::size_t i = 0; i < model.layers().size(); ++i) {
       const core::Layer& layer = model.layers()[i];
-      const core::ParallelLayout L = layout_of(c, layer);
+      const core::ParallelLayout L = layout_of(layout, layer);
       for (int p = 0; p < 3; ++p)
         for (const auto& kern : core::layer_kernels(layer, model.training(), L, p, shape->ep_tagged[i] ? c.ep : 1))
-          times[i][p == 0 ? 0 : 1] +=
-              std::max(kernel_bound(rates, kern), kern.count * costs->fastest_kernel_seconds(kern));
+          times[i][p == 0 ? 0 : 1] += kern.count * costs->fastest_kernel_seconds(kern);
     }
     return times;
   });
@@ -218,9 +179,10 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
       const int copies = (home == rank ? 1 : 0) + (place.mirrored && c.pp - 1 - home == rank ? 1 : 0);
       if (copies == 0) continue;
       busy += copies * per_copy *
-              (f[static_cast<std::size_t>(r)].total(c.tp, link) + b[static_cast<std::size_t>(r)].total(c.tp, link));
+              (f[static_cast<std::size_t>(r)].total(c.tp, link, c.tp_comm_overlap) +
+               b[static_cast<std::size_t>(r)].total(c.tp, link, c.tp_comm_overlap));
       double before = 0;
-      for (int s = 0; s < r; ++s) before += f[static_cast<std::size_t>(s)].total(c.tp, link);
+      for (int s = 0; s < r; ++s) before += f[static_cast<std::size_t>(s)].total(c.tp, link, c.tp_comm_overlap);
       fill = std::min(fill, before);
     }
     if (std::isfinite(fill)) worst = std::max(worst, fill + busy);

@@ -109,8 +109,10 @@ core::Model annotated_model(const TuneSpec& spec, const TuneCandidate& c) {
   s.strategy.etp = 1;
   s.strategy.sequence_parallel = false;
   s.strategy.recompute = "none";
-  s.strategy.comm_sms = 0;  // nor does an SM partition
-  s.strategy.dp_shard = 0;  // (no data parallelism here)
+  s.strategy.recompute_every = s.strategy.recompute_first = 0;  // (a block selection needs a mode)
+  s.strategy.a2a_chunks = 1;                                    // (chunks need EP)
+  s.strategy.comm_sms = 0;                                      // nor does an SM partition
+  s.strategy.dp_shard = 0;                                      // (no data parallelism here)
   s.strategy.reduce_every.clear();
   s.strategy.tp_comm_overlap = false;
   const core::ModelConfig cfg = core::scenario_model_config(s);

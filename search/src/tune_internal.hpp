@@ -90,15 +90,14 @@ struct Shape {
     return slot;
   }
 
-  // Per layer, what `make` computes under c's layout, EP degree and cluster (the step time bound's
-  // kernel times: {F, B} seconds per microbatch), computed once per such key. Cost models are cached
-  // for the process (cost_model_of), so their address names a cluster.
+  // Per layer, what `make` computes under c's layout, EP degree and the spec's cluster (the step time
+  // bound's kernel times: {F, B} seconds per microbatch), computed once per such key.
   using KernelTimes = std::vector<std::array<double, 2>>;
   template <class Make>
-  std::shared_ptr<const KernelTimes> kernel_times(const TuneCandidate& c, const sim::CostModel* cluster,
+  std::shared_ptr<const KernelTimes> kernel_times(const TuneCandidate& c, const TuneSpec& spec,
                                                   const Make& make) const {
-    const std::tuple<int, bool, std::string, int, bool, int, int, const sim::CostModel*> key{
-        c.tp, c.sequence_parallel, c.recompute, c.cp, c.cp_all_gather, c.etp, c.ep, cluster};
+    const KernelTimesKey key{c.tp, c.sequence_parallel, c.recompute, c.cp, c.cp_all_gather, c.etp,
+                             c.ep, spec.cluster,        spec.devices};
     {
       std::lock_guard lock(mutex);
       auto it = kernel_times_by_layout.find(key);
@@ -113,9 +112,8 @@ struct Shape {
   mutable std::mutex mutex;
   mutable std::map<std::tuple<int, bool, std::string, int, bool, int>, std::shared_ptr<const std::vector<core::Costs>>>
       by_layout;
-  mutable std::map<std::tuple<int, bool, std::string, int, bool, int, int, const sim::CostModel*>,
-                   std::shared_ptr<const KernelTimes>>
-      kernel_times_by_layout;
+  using KernelTimesKey = std::tuple<int, bool, std::string, int, bool, int, int, std::string, int>;
+  mutable std::map<KernelTimesKey, std::shared_ptr<const KernelTimes>> kernel_times_by_layout;
 };
 
 // The shape of candidate c, cached by (model, sequence, family, PP, regions, microbatches, micro
