@@ -11,6 +11,8 @@
 #include <array>
 #include <cerrno>
 #include <csignal>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -179,13 +181,29 @@ void remove_stale_temporaries(const std::filesystem::path& folder, const std::st
   names.erase(std::remove_if(names.begin(), names.end(),
                              [&](const std::string& name) {
                                if (!temporary_of_a_dead_process(name, prefix)) return false;
-                               (void)::unlink((fs::path(key) / name).c_str());
+                               // Only a regular file of this user: never a link, a folder or
+                               // another user's file that happens to match the pattern.
+                               const std::string file = (fs::path(key) / name).string();
+                               struct stat sb {};
+                               if (::lstat(file.c_str(), &sb) == 0 && S_ISREG(sb.st_mode) && sb.st_uid == ::geteuid())
+                                 (void)::unlink(file.c_str());
                                return true;
                              }),
               names.end());
 }
 
 }  // namespace
+
+// A hash of the whole name keeps two long outputs that share their cut part apart (export-chakra's
+// per-device files under a long prefix would otherwise share one temporary).
+std::string temporary_prefix(const std::string& name) {
+  if (name.size() <= 200) return name + ".tmp.";
+  std::uint64_t h = 1469598103934665603ULL;  // FNV-1a
+  for (const unsigned char ch : name) h = (h ^ ch) * 1099511628211ULL;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return name.substr(0, 180) + "." + hex + ".tmp.";
+}
 
 std::string output_target(const std::string& path) {
   namespace fs = std::filesystem;
@@ -219,10 +237,9 @@ void write_file_atomically(const std::string& path, const std::string& contents)
   }
   // A symbolic link stays a link: its target is the file replaced (or created, for a dangling link).
   const std::string target = output_target(path);
-  // The temporary sits in the same folder so the rename stays within one file system (atomic); its
-  // name is cut so that a file name of NAME_MAX bytes still gets one.
+  // The temporary sits in the same folder so the rename stays within one file system (atomic).
   const fs::path target_path(target);
-  const std::string prefix = target_path.filename().string().substr(0, 200) + ".tmp.";
+  const std::string prefix = temporary_prefix(target_path.filename().string());
   remove_stale_temporaries(target_path.parent_path(), prefix);
   const std::string temp = (target_path.parent_path() / (prefix + std::to_string(::getpid()))).string();
   const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);

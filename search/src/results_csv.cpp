@@ -142,7 +142,8 @@ std::vector<std::string> missing_in_older_version(const std::string& header, con
 }  // namespace
 
 std::vector<std::vector<std::string>> read_results(const std::string& path, const std::vector<std::string>& columns,
-                                                   const std::string& kind, const std::vector<std::string>& statuses) {
+                                                   const std::string& kind, const std::vector<std::string>& statuses,
+                                                   Repair repair) {
   std::vector<std::vector<std::string>> rows;
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
@@ -169,7 +170,7 @@ std::vector<std::vector<std::string>> read_results(const std::string& path, cons
     // No complete line: a header cut by a kill (a prefix of it) starts the file over; anything else
     // is someone else's file.
     if (!whole_file || header.compare(0, text.size(), text) != 0) throw not_results();
-    if (!text.empty()) {
+    if (!text.empty() && repair == Repair::CutPartialLine) {
       fs::resize_file(path, 0, ec);
       if (ec) throw ResultsFileError(path + ": cannot cut the partial header: " + ec.message());
     }
@@ -200,13 +201,11 @@ std::vector<std::vector<std::string>> read_results(const std::string& path, cons
     text += rest.str();
   }
   // Rows are written whole and newline-terminated, so everything after the last newline is a row cut
-  // by a kill: drop it (its item simply reruns). The header is known good by now.
+  // by a kill (or one a running search is writing): left out of the rows, and cut off the file only
+  // by a resuming driver once every whole row passed (a refused row leaves the file untouched).
   const std::size_t complete = text.rfind('\n') + 1;
-  if (complete < text.size()) {
-    fs::resize_file(path, complete, ec);
-    if (ec) throw ResultsFileError(path + ": cannot cut the partial last line: " + ec.message());
-    text.resize(complete);
-  }
+  const std::size_t size = text.size();
+  text.resize(complete);
   std::size_t pos = first_nl + 1;
   int line_no = 1;
   while (pos < text.size()) {
@@ -220,6 +219,10 @@ std::vector<std::vector<std::string>> read_results(const std::string& path, cons
           fmt::format("{}: line {}: {} fields, expected {}", path, line_no, fields.size(), columns.size()));
     check_row(fields, columns, statuses, path, line_no);
     rows.push_back(std::move(fields));
+  }
+  if (complete < size && repair == Repair::CutPartialLine) {
+    fs::resize_file(path, complete, ec);
+    if (ec) throw ResultsFileError(path + ": cannot cut the partial last line: " + ec.message());
   }
   return rows;
 }

@@ -444,7 +444,7 @@ std::set<std::string> repair_results(const std::string& path) {
   std::vector<std::vector<std::string>> rows;
   try {
     // A sweep writes no pruned or bounded rows (the tuner does).
-    rows = read_results(path, sweep_csv_columns(), "sweep", {"ok", "invalid", "error"});
+    rows = read_results(path, sweep_csv_columns(), "sweep", {"ok", "invalid", "error"}, Repair::CutPartialLine);
   } catch (const ResultsFileError& e) {
     throw SweepError(e.what());
   }

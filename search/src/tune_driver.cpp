@@ -152,7 +152,7 @@ void Search::set_memory_cap() {
 // Rows of this search already in the file, by key and engine; the file then takes the new rows.
 void Search::resume(const std::string& csv_path) {
   TuneSpec file_spec;
-  for (auto& row : read_tune_results(csv_path, &file_spec)) {
+  for (auto& row : read_tune_results(csv_path, &file_spec, Repair::CutPartialLine)) {
     if (done_.empty() &&
         (file_spec.model != spec_.model || file_spec.cluster != spec_.cluster || file_spec.devices != spec_.devices ||
          file_spec.global_batch != spec_.effective_global_batch() || file_spec.seq_len != spec_.seq_len))

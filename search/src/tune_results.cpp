@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "piper/core/limits.hpp"
 #include "piper/core/settings.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/search/results_csv.hpp"
@@ -172,10 +173,10 @@ TuneRow tune_row_from_csv(const std::vector<std::string>& f, TuneSpec* spec, con
   return r;
 }
 
-std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* spec) {
+std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* spec, Repair repair) {
   std::vector<std::vector<std::string>> rows;
   try {
-    rows = read_results(csv_path, tune_csv_columns(), "tune");
+    rows = read_results(csv_path, tune_csv_columns(), "tune", every_result_status(), repair);
   } catch (const ResultsFileError& e) {
     throw TuneError(e.what());
   }
@@ -195,8 +196,9 @@ std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* sp
       throw TuneError(
           fmt::format("{}: a row of another search ({} on {} x {}, global batch {}, seq_len {}) than "
                       "line 2's ({} on {} x {}, global batch {}, seq_len {}); a tune file holds one search",
-                      where, row_spec.model, row_spec.devices, row_spec.cluster, row_spec.global_batch,
-                      row_spec.seq_len, first.model, first.devices, first.cluster, first.global_batch, first.seq_len));
+                      where, core::printable(row_spec.model), row_spec.devices, core::printable(row_spec.cluster),
+                      row_spec.global_batch, row_spec.seq_len, core::printable(first.model), first.devices,
+                      core::printable(first.cluster), first.global_batch, first.seq_len));
     }
   }
   if (spec && !rows.empty()) {

@@ -394,8 +394,14 @@ TEST(Program, WriteFileAtomicallyRemovesTheTemporariesOfKilledWrites) {
   ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // reaped: its pid names no process
   const std::string dead = std::to_string(child), live = std::to_string(::getppid());
   const std::string longest = std::string(250, 'a') + ".json";  // NAME_MAX: the temporary's name is cut
-  const std::vector<std::string> stale = {"plan.json.tmp." + dead, longest.substr(0, 200) + ".tmp." + dead};
-  const std::vector<std::string> kept = {"plan.json.tmp." + live, "other.json.tmp." + dead, "plan.json.tmp.x" + dead};
+  // Another long output sharing its first 200 bytes has temporaries of its own, which stay.
+  const std::string sibling = std::string(250, 'a') + ".yaml";
+  EXPECT_EQ(temporary_prefix("plan.json"), "plan.json.tmp.");
+  EXPECT_NE(temporary_prefix(longest), temporary_prefix(sibling));
+  EXPECT_LE(temporary_prefix(longest).size() + 10, 255u);
+  const std::vector<std::string> stale = {"plan.json.tmp." + dead, temporary_prefix(longest) + dead};
+  const std::vector<std::string> kept = {"plan.json.tmp." + live, "other.json.tmp." + dead, "plan.json.tmp.x" + dead,
+                                         temporary_prefix(sibling) + dead};
   for (const auto& name : stale) std::ofstream(dir / name) << "half an output";
   for (const auto& name : kept) std::ofstream(dir / name) << "not this write's to remove";
   write_file_atomically((dir / "plan.json").string(), "new");

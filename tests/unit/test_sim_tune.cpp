@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <set>
@@ -455,11 +456,29 @@ TEST(Tune, ResumesAfterAKillWithoutLosingOrDuplicatingRows) {
   }
   ASSERT_GT(lines.size(), 10u);
   // Keep the header, 5 rows and half of the 6th, as a kill mid-write leaves it.
-  {
+  auto write_cut = [&](const std::string& row_2) {
     std::ofstream out(csv, std::ios::trunc | std::ios::binary);
-    for (int i = 0; i < 6; ++i) out << lines[static_cast<std::size_t>(i)] << "\n";
+    for (int i = 0; i < 6; ++i) out << (i == 2 ? row_2 : lines[static_cast<std::size_t>(i)]) << "\n";
     out << lines[6].substr(0, lines[6].size() / 2);
-  }
+  };
+  auto bytes = [&] {
+    std::ifstream in(csv, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  write_cut(lines[2]);
+  const std::string cut = bytes();
+  // A reader that only looks (tune --show, piper-studio) skips the partial line and leaves it: it may
+  // be a row a running search is writing, which a cut would lose.
+  EXPECT_EQ(read_tune_results(csv.string()).size(), 5u);
+  EXPECT_EQ(bytes(), cut);
+  // A resume that refuses a row leaves the file as it was, partial line included.
+  std::string bogus = lines[2];
+  bogus.replace(bogus.find(",ok,"), 4, ",bogus,");
+  write_cut(bogus);
+  const std::string refused = bytes();
+  EXPECT_THROW(run_tune(spec, csv.string()), TuneError);
+  EXPECT_EQ(bytes(), refused);
+  write_cut(lines[2]);
   const TuneSummary second = run_tune(spec, csv.string());
   EXPECT_EQ(second.resumed, 5u);
   EXPECT_LT(second.ran, first.ran) << "resumed rows are not simulated again";

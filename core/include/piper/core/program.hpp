@@ -216,5 +216,9 @@ void write_file_atomically(const std::string& path, const std::string& contents)
 // too (a write goes through a link, never replaces it); relative targets from the link's folder.
 // Throws Error("cannot write PATH: too many levels of symbolic links") for a loop.
 std::string output_target(const std::string& path);
+// The name of write_file_atomically's temporaries for an output file named `name`, less the pid that
+// follows: `NAME.tmp.`, or for a name too long to take it within NAME_MAX, its first 180 bytes and a
+// hash of the whole name (two long names that share their start get temporaries of their own).
+std::string temporary_prefix(const std::string& name);
 
 }  // namespace piper::core

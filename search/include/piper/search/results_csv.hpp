@@ -46,9 +46,14 @@ const std::vector<std::string>& every_result_status();
 // `statuses`; the figures an Outcome fills (step_time_s ... tp_comm_s, those among `columns`) finite
 // numbers >= 0 in an ok row (oom 0 or 1) and blank in any other; an ok row names its devices; an
 // `estimated_memory_bytes` blank or a number >= 0. Else ResultsFileError naming the line and column.
+// What a reader does with a last line (or header) cut by a kill: a driver resuming the file
+// (`Repair::CutPartialLine`, it appends next) cuts it off once every whole row passed the checks above;
+// a reader that only looks (`tune --show`, piper-studio) leaves the file as it is and skips it, since
+// the line may be a row a running search is writing.
+enum class Repair { CutPartialLine, LeaveFile };
 std::vector<std::vector<std::string>> read_results(const std::string& csv_path, const std::vector<std::string>& columns,
-                                                   const std::string& kind,
-                                                   const std::vector<std::string>& statuses = every_result_status());
+                                                   const std::string& kind, const std::vector<std::string>& statuses,
+                                                   Repair repair);
 
 // Appends rows to a results file (O_APPEND, one write + fdatasync per row), writing the header first
 // when the file is new or empty; refuses a path that is not a regular file. A failed write (a full

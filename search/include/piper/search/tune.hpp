@@ -14,6 +14,7 @@
 
 #include "piper/core/error.hpp"
 #include "piper/core/scenario.hpp"
+#include "piper/search/results_csv.hpp"
 
 namespace piper::search {
 
@@ -187,8 +188,10 @@ std::string to_csv(const TuneSpec& spec, const TuneRow& row);
 // A data row of a tune CSV back into the spec fields it names (model, cluster, devices, global batch,
 // seq_len) and the row. Throws TuneError naming `where` and the column on a malformed field.
 TuneRow tune_row_from_csv(const std::vector<std::string>& fields, TuneSpec* spec, const std::string& where);
-// Reads every data row of a tune results file (for the studio and the CLI's summary).
-std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* spec = nullptr);
+// Reads every data row of a tune results file (for the studio and the CLI's summary; the search
+// itself resumes with Repair::CutPartialLine, see read_results).
+std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* spec = nullptr,
+                                       Repair repair = Repair::LeaveFile);
 
 struct TuneProgress {
   std::string phase;                // "estimate" | "analytic" | "placement" | "simgrid"
