@@ -209,8 +209,11 @@ void refuse_outputs_over_inputs(CLI::App* command) {
   for (const PathOption& out : outputs) {
     try {
       targets.push_back(core::output_target(out.path));
-    } catch (const core::Error&) {
-      throw CliError(out.path, out.flag + ": too many levels of symbolic links (a loop?)");
+    } catch (const core::Error& e) {
+      // "cannot write PATH: why" from output_target: a link loop, or another user's link in /tmp.
+      const std::string what = e.what();
+      const std::string lead = "cannot write " + out.path + ": ";
+      throw CliError(out.path, out.flag + ": " + (what.rfind(lead, 0) == 0 ? what.substr(lead.size()) : what));
     }
   }
   auto same_path = [](const std::string& a, const std::string& b) {

@@ -211,6 +211,16 @@ std::string output_target(const std::string& path) {
   for (int links = 0; links < 40; ++links) {  // Linux's own bound on links in one lookup
     std::error_code ec;
     if (!fs::is_symlink(fs::symlink_status(p, ec))) return p.string();
+    // The kernel's fs.protected_symlinks rule, which a link followed here would bypass: in a sticky,
+    // world-writable folder (/tmp) a link is followed only if it is this user's or the folder owner's
+    // (another user's link there could aim a write at any file of ours).
+    struct stat link {
+    }, folder{};
+    const fs::path parent = p.has_parent_path() ? p.parent_path() : fs::path(".");
+    if (::lstat(p.c_str(), &link) == 0 && ::stat(parent.c_str(), &folder) == 0 && (folder.st_mode & S_ISVTX) &&
+        (folder.st_mode & S_IWOTH) && link.st_uid != ::geteuid() && link.st_uid != folder.st_uid)
+      throw Error("cannot write " + path + ": " + p.string() +
+                  " is another user's symbolic link in a shared sticky folder; not followed");
     const fs::path to = fs::read_symlink(p, ec);
     if (ec) return p.string();
     p = to.is_absolute() ? to : p.parent_path() / to;
@@ -242,7 +252,10 @@ void write_file_atomically(const std::string& path, const std::string& contents)
   const std::string prefix = temporary_prefix(target_path.filename().string());
   remove_stale_temporaries(target_path.parent_path(), prefix);
   const std::string temp = (target_path.parent_path() / (prefix + std::to_string(::getpid()))).string();
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  // A new file, never through a link or onto a file planted under the temporary's (predictable) name.
+  int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+  if (fd < 0 && errno == EEXIST && ::unlink(temp.c_str()) == 0)
+    fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
   if (fd < 0) throw Error("cannot write " + path + ": " + std::strerror(errno));
   // An existing file keeps its permissions.
   struct stat old {};

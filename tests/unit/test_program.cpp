@@ -383,6 +383,38 @@ TEST(Program, WriteFileAtomically) {
 // A write killed (SIGKILL, SIGTERM) between creating its temporary and renaming it left
 // `NAME.tmp.PID` beside the intact previous output, forever. The next write of NAME removes those of
 // processes that are gone; a live process's (a write in progress) and another output's are left alone.
+// A link in a sticky, world-writable folder that belongs to neither this user nor the folder's owner
+// is not followed (the kernel's fs.protected_symlinks rule, which resolving links in user space would
+// bypass): another user's dangling link in /tmp would otherwise aim the write at a file of ours. A
+// temporary planted under the write's name (a link) is replaced, never written through.
+TEST(Program, WriteFileAtomicallyDoesNotFollowAnotherUsersLinkInASharedFolder) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("piper_test_sticky_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  ASSERT_EQ(::chmod(dir.c_str(), 01777), 0);
+  const fs::path victim = dir / "victim.json", planted = dir / "planted";
+  const fs::path temp = dir / (temporary_prefix("own.json") + std::to_string(::getpid()));
+  fs::create_symlink(planted, temp);  // a link where the write's temporary goes
+  write_file_atomically((dir / "own.json").string(), "mine");
+  EXPECT_FALSE(fs::exists(planted)) << "written through a planted temporary link";
+  EXPECT_FALSE(fs::is_symlink(dir / "own.json"));
+  fs::create_symlink(victim, dir / "link.json");
+  if (::geteuid() != 0 || ::lchown((dir / "link.json").c_str(), 65534, 65534) != 0) {
+    fs::remove_all(dir);
+    GTEST_SKIP() << "needs root to make a link of another user";
+  }
+  try {
+    write_file_atomically((dir / "link.json").string(), "aimed");
+    ADD_FAILURE() << "followed another user's link";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("another user's symbolic link in a shared sticky folder"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fs::exists(victim));
+  fs::remove_all(dir);
+}
+
 TEST(Program, WriteFileAtomicallyRemovesTheTemporariesOfKilledWrites) {
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / ("piper_test_stale_" + std::to_string(::getpid()));
