@@ -144,7 +144,7 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     layout.recompute_every = layout.recompute_first = 0;
   }
   std::vector<PassBound> f(static_cast<std::size_t>(place.regions)), b = f;
-  const std::shared_ptr<const std::vector<core::Costs>> layer_costs = shape->costs(c);
+  const std::shared_ptr<const std::vector<core::Costs>> layer_costs = shape->costs(layout);  // TP bytes
   const auto kernel_times = shape->kernel_times(layout, spec, [&] {
     Shape::KernelTimes times(model.layers().size(), {0.0, 0.0});
     for (std::size_t i = 0; i < model.layers().size(); ++i) {
