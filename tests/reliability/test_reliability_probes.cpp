@@ -492,6 +492,8 @@ TEST_F(HostileInput, PngOutputsThroughSymbolicLinksLandOnTheirTargets) {
   input("charts/p.png", "an older chart");
   fs::create_symlink("charts/p.png", dir_ / "p.png");
   const CliResult plotted = run("plot r.csv --x x --y y -o c.png");
+  if (plotted.err.find("built without Qt 6 Gui") != std::string::npos)
+    GTEST_SKIP() << "this piper draws no plots (the sanitize build has no Qt): " << plotted.err;
   ASSERT_EQ(plotted.exit_code, 0) << plotted.err;
   const CliResult tuned = run("tune --model qwen3-9m --devices 2 -o t.csv --plot p.png");
   ASSERT_EQ(tuned.exit_code, 0) << tuned.err;
