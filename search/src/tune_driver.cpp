@@ -151,24 +151,23 @@ void Search::set_memory_cap() {
 
 // Rows of this search already in the file, by key and engine; the file then takes the new rows.
 void Search::resume(const std::string& csv_path) {
-  TuneSpec file_spec;
-  for (auto& row : read_tune_results(csv_path, &file_spec, Repair::CutPartialLine)) {
-    if (done_.empty() &&
-        (file_spec.model != spec_.model || file_spec.cluster != spec_.cluster || file_spec.devices != spec_.devices ||
-         file_spec.global_batch != spec_.effective_global_batch() || file_spec.seq_len != spec_.seq_len))
-      throw TuneError(fmt::format("{}: holds a tune of {} on {} x {} (global batch {}, seq_len {}); choose another -o",
-                                  csv_path, file_spec.model, file_spec.devices, file_spec.cluster,
-                                  file_spec.global_batch, file_spec.seq_len));
-    // The tune CSV records no calibration, so a row cannot say whether measured times made it; a
-    // calibrated search (the library's TuneSpec; neither the CLI nor piper.tune takes one) would take
-    // uncalibrated rows, or another calibration's, as its own. It starts a file of its own instead.
-    if (!spec_.calibration_path.empty())
-      throw TuneError(
-          fmt::format("{}: a tune with a calibration ({}) cannot resume a results file: its rows do not "
-                      "record which calibration, if any, made them; choose another -o",
-                      csv_path, spec_.calibration_path));
-    done_[{row.candidate.key(), row.engine}] = row;
-  }
+  TuneSpec file_spec, searched = spec_;
+  searched.global_batch = spec_.effective_global_batch();  // what the rows record
+  // Every row names the same search as the first (read_tune_results checks it).
+  const std::vector<TuneRow> rows = read_tune_results(csv_path, &file_spec, Repair::CutPartialLine);
+  if (!rows.empty() && !same_search(file_spec, searched))
+    throw TuneError(fmt::format("{}: holds a tune of {} on {} x {} (global batch {}, seq_len {}); choose another -o",
+                                csv_path, file_spec.model, file_spec.devices, file_spec.cluster, file_spec.global_batch,
+                                file_spec.seq_len));
+  // The tune CSV records no calibration, so a row cannot say whether measured times made it; a
+  // calibrated search (the library's TuneSpec; neither the CLI nor piper.tune takes one) would take
+  // uncalibrated rows, or another calibration's, as its own. It starts a file of its own instead.
+  if (!rows.empty() && !spec_.calibration_path.empty())
+    throw TuneError(
+        fmt::format("{}: a tune with a calibration ({}) cannot resume a results file: its rows do not "
+                    "record which calibration, if any, made them; choose another -o",
+                    csv_path, spec_.calibration_path));
+  for (const auto& row : rows) done_[{row.candidate.key(), row.engine}] = row;
   summary_.resumed = done_.size();
   try {
     out_.emplace(csv_path, tune_csv_columns());

@@ -121,5 +121,11 @@ struct Shape {
 std::shared_ptr<const Shape> shape_of(const TuneSpec& spec, const TuneCandidate& c);
 // The cluster grown to the spec's devices and its cost model, built once per (cluster, devices).
 std::shared_ptr<const sim::CostModel> cost_model_of(const TuneSpec& spec);
+// Whether two specs name one search: model, cluster, devices, global batch and sequence, the fields a
+// tune results row records (resume compares the file's with the search's, and each row with the first).
+inline bool same_search(const TuneSpec& a, const TuneSpec& b) {
+  return a.model == b.model && a.cluster == b.cluster && a.devices == b.devices && a.global_batch == b.global_batch &&
+         a.seq_len == b.seq_len;
+}
 
 }  // namespace piper::search::detail

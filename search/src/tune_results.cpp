@@ -190,9 +190,7 @@ std::vector<TuneRow> read_tune_results(const std::string& csv_path, TuneSpec* sp
     out.push_back(tune_row_from_csv(rows[i], &row_spec, where));
     if (i == 0) {
       first = row_spec;
-    } else if (row_spec.model != first.model || row_spec.cluster != first.cluster ||
-               row_spec.devices != first.devices || row_spec.global_batch != first.global_batch ||
-               row_spec.seq_len != first.seq_len) {
+    } else if (!same_search(row_spec, first)) {
       throw TuneError(
           fmt::format("{}: a row of another search ({} on {} x {}, global batch {}, seq_len {}) than "
                       "line 2's ({} on {} x {}, global batch {}, seq_len {}); a tune file holds one search",
