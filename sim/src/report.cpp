@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <array>
+#include <optional>
 
 #include <fmt/format.h>
 
+#include "piper/core/model.hpp"
 #include "piper/sim/engine.hpp"
 #include "piper/sim/ready_tracker.hpp"
 
@@ -136,16 +138,36 @@ CriticalPath critical_path(const core::Timeline& timeline, const Symmetry* symme
 namespace {
 
 // Model FLOPs and tokens per plan, times the devices running it.
+// Model FLOPs of one microbatch: every layer's forward and backward at TP 1 without recomputation, as
+// the model spec builds it with the plan's training shape; nullopt for plans without a spec (builder
+// models). This is the work MFU counts: what the devices repeat (norms and routed experts replicated
+// across a TP group without sequence parallelism, recomputed forwards) is hardware work, not model work.
+std::optional<double> model_flops_per_microbatch(const core::Program& program) {
+  if (program.model_spec.is_null()) return std::nullopt;
+  core::ModelConfig c = core::config_from_spec_json(program.model_spec, "plan: field 'model_spec'");
+  c.training.seq_len = program.training.seq_len;
+  c.training.micro_batch_size = program.training.micro_batch_size;
+  const core::Model model = core::build_model(c);
+  double flops = 0;
+  for (std::size_t i = 0; i < model.layers().size(); ++i) {
+    const core::Costs costs = model.layer_cost(i);
+    flops += costs.forward_flops + costs.backward_input_flops + costs.backward_weight_flops;
+  }
+  return flops;
+}
+
 void add_model_work(const core::Program& program, Report& r) {
   std::vector<int> devices_of_plan(program.plans.size(), 0);
   for (int p : program.plan_of_device) devices_of_plan[ix(p)] += 1;
   const double tokens_per_mb = static_cast<double>(program.training.tokens_per_microbatch());
+  const std::optional<double> per_mb = model_flops_per_microbatch(program);
   for (std::size_t p = 0; p < program.plans.size(); ++p)
     for (const auto& s : program.plans[p].streams)
       for (const auto& op : s.ops) {
         if (op.kind != OpKind::Compute) continue;
-        // Recomputed forward work is hardware work, not model work (MFU excludes it).
-        if (op.pass != core::Pass::None) r.model_flops += (op.flops - op.recompute_flops) * devices_of_plan[p];
+        // Without a model spec: the compute ops' FLOPs less their recomputed forward work.
+        if (!per_mb && op.pass != core::Pass::None)
+          r.model_flops += (op.flops - op.recompute_flops) * devices_of_plan[p];
         // Each forward of the segment holding layer 0 consumes one microbatch (sharded copies count once;
         // a TP group shares it, and a CP group holds 1/cp of its tokens on each device).
         if (op.pass == core::Pass::F && op.segment >= 0 && ix(op.segment) < program.segments.size() &&
@@ -155,6 +177,7 @@ void add_model_work(const core::Program& program, Report& r) {
                                std::max(1, program.segments[ix(op.segment)].tp_degree) /
                                std::max(1, program.segments[ix(op.segment)].cp_degree);
       }
+  if (per_mb && tokens_per_mb > 0) r.model_flops = *per_mb * r.tokens_per_step / tokens_per_mb;
 }
 
 // Tokens per second and MFU from the step time.

@@ -467,3 +467,37 @@ TEST(ExpertTensorParallel, EpGroupsAcrossDpAndCpByHand) {
             "--ep 4 x --etp 1 must divide --dp 1 x --cp 2 x --tp 1 (a stage's devices hold the experts as ETP x EP x "
             "expert-data-parallel groups)");
 }
+
+// MFU counts each token's model work once: a TP group without sequence parallelism computes the routed
+// experts (ETP 1) and the norms on every TP rank, and recomputation repeats the forward; both are hardware
+// work. So the report's model FLOPs per token are those of the plain layout whatever the layout: the sum
+// of the plain (TP 1, no recomputation) plan's compute ops over its tokens.
+TEST(ExpertTensorParallel, ModelFlopsCountEachTokensWorkOnceWhateverTheLayout) {
+  piper::sim::SimulateOptions so;
+  so.cluster = "dgx-h100";
+  so.engine = "analytic";
+  const Program plain = compile_moe(opts(1, 1, 1, 1));
+  double plain_flops = 0;
+  for (const auto& st : plain.plan_for(0).streams)
+    for (const auto& op : st.ops)
+      if (op.kind == OpKind::Compute && op.pass != Pass::None) plain_flops += op.flops;
+  const double per_token = plain_flops / (2.0 * kT);  // two microbatches of kT tokens on the one device
+  struct Case {
+    int tp, dp, ep, etp;
+    bool sp;
+    std::string recompute;
+  };
+  for (const Case& c :
+       {Case{1, 1, 1, 1, false, "none"}, Case{2, 1, 1, 1, false, "none"}, Case{2, 1, 2, 1, false, "none"},
+        Case{2, 1, 2, 1, true, "none"}, Case{2, 2, 2, 2, false, "full"}, Case{1, 2, 2, 1, false, "full"},
+        Case{2, 1, 1, 1, false, "selective"}}) {
+    SCOPED_TRACE(::testing::Message() << "tp " << c.tp << " dp " << c.dp << " ep " << c.ep << " etp " << c.etp << " sp "
+                                      << c.sp << " recompute " << c.recompute);
+    StrategyOptions o = opts(c.tp, c.dp, c.ep, c.etp, c.sp);
+    o.recompute = c.recompute;
+    const auto program = std::make_shared<const Program>(compile_moe(o));
+    const auto report = piper::sim::simulate_program(program, so).report;
+    ASSERT_DOUBLE_EQ(report.tokens_per_step, 2.0 * kT * c.dp);
+    EXPECT_NEAR(report.model_flops / report.tokens_per_step, per_token, 1e-9 * per_token);
+  }
+}
