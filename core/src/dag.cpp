@@ -258,16 +258,17 @@ std::vector<Segment> segment_model(const Model& model) {
   // A tied head in another segment than the embedding keeps a copy of the table (one embedding and
   // one head; a model listing two is not costed).
   int embed = -1, head = -1, embeds = 0, heads = 0;
-  std::int64_t table = 0;
+  std::int64_t table = 0, vocab = 0;
   for (const auto& s : segments)
     for (int l = s.first_layer; l < s.last_layer; ++l) {
       const Layer& layer = layers[static_cast<std::size_t>(l)];
       if (layer.kind == LayerKind::Embedding) embed = s.index, ++embeds;
       if (layer.kind == LayerKind::Head && layer.shape.tied_with_embedding)
-        head = s.index, ++heads, table = layer.shape.vocab * layer.shape.hidden;
+        head = s.index, ++heads, table = layer.shape.vocab * layer.shape.hidden, vocab = layer.shape.vocab;
     }
   if (embeds == 1 && heads == 1 && embed != head) {
     segments[static_cast<std::size_t>(head)].tied_copy = table;
+    segments[static_cast<std::size_t>(head)].tied_vocab = vocab;
     segments[static_cast<std::size_t>(head)].tied_to = embed;
   }
   return segments;

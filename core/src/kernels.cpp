@@ -340,8 +340,10 @@ std::vector<Kernel> layer_kernels(const Layer& layer, const TrainingShape& shape
       expert_kernels(kb, sh, shape, L, p, shard_degree);
       break;
     case LayerKind::Head: {
-      const double V = static_cast<double>(sh.vocab) / t, Td = static_cast<double>(T), hd = static_cast<double>(h);
-      const std::int64_t logits = T * sh.vocab / t;
+      // Vocabulary-parallel: each rank's ceil(V / t) columns of the padded vocabulary (core::tp_padded_vocab).
+      const std::int64_t columns = tp_padded_vocab(sh.vocab, t) / t;
+      const double V = static_cast<double>(columns), Td = static_cast<double>(T), hd = static_cast<double>(h);
+      const std::int64_t logits = T * columns;
       const double loss = 5.0 * Td * V;
       if (p == 0) {
         kb.linear(0, Td, hd, V);

@@ -3,6 +3,7 @@
 #include "piper/core/model.hpp"
 
 #include <algorithm>
+#include <optional>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -535,19 +536,27 @@ TrainingShape context_parallel_local_shape(const TrainingShape& shape, int cp) {
 
 // The cost formulas of every layer kind (FLOPs, bytes, kernel lists by pass), one case per kind; the
 // cases share the layout's sharding factors computed at the top.
-Costs layer_costs(const Layer& layer, const TrainingShape& shape,  // NOLINT(readability-function-size)
+Costs layer_costs(const Layer& unpadded, const TrainingShape& shape,  // NOLINT(readability-function-size)
                   const ParallelLayout& L) {
   if (L.cp > 1) {
     ParallelLayout inner = L;
     inner.cp = 1;
     inner.cp_all_gather = false;
     const TrainingShape local = context_parallel_local_shape(shape, L.cp);
-    Costs c = layer_costs(layer, local, inner);
-    context_parallel_costs(layer, local, L, c);
+    Costs c = layer_costs(unpadded, local, inner);
+    context_parallel_costs(unpadded, local, L, c);
     return c;
   }
-  const Costs base = layer_costs(layer, shape);
   const int t = std::max(1, L.tp);
+  // A vocabulary-parallel embedding or head whose vocabulary t does not divide holds the padded one.
+  std::optional<Layer> padded;
+  if ((unpadded.kind == LayerKind::Embedding || unpadded.kind == LayerKind::Head) &&
+      tp_padded_vocab(unpadded.shape.vocab, t) != unpadded.shape.vocab) {
+    padded = unpadded;
+    padded->shape.vocab = tp_padded_vocab(unpadded.shape.vocab, t);
+  }
+  const Layer& layer = padded ? *padded : unpadded;
+  const Costs base = layer_costs(layer, shape);
   if (t == 1 && L.recompute == 0 && L.token_split <= 1) return base;
   const std::int64_t T = shape.tokens_per_microbatch(), dt = bytes_per_element(shape.precision);
   const std::int64_t h = layer.shape.hidden;

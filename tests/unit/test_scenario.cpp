@@ -168,8 +168,9 @@ TEST(Scenario, TiedEmbeddingCopyIsCostedOnTheHeadsStage) {
   EXPECT_EQ(two[BufferKind::Parameters], table * 2);
   EXPECT_EQ(two[BufferKind::Gradients], table * 2);
   EXPECT_EQ(two[BufferKind::OptimizerStates], table * 12);
-  auto tp2 = copy_bytes(2, "1f1b", 2, 1, 0);  // vocabulary-parallel rows: half per TP rank
-  EXPECT_EQ(tp2[BufferKind::Parameters], table / 2 * 2);
+  // Vocabulary-parallel rows: half of the vocabulary padded to a multiple of 2, 25,129 rows per TP rank.
+  auto tp2 = copy_bytes(2, "1f1b", 2, 1, 0);
+  EXPECT_EQ(tp2[BufferKind::Parameters], 25129LL * 768 * 2);
   auto zero1 = copy_bytes(2, "1f1b", 1, 2, 1);  // ZeRO-1 over 2 replicas shards the copy's state too
   EXPECT_EQ(zero1[BufferKind::Parameters], table * 2);
   EXPECT_EQ(zero1[BufferKind::OptimizerStates], table * 12 / 2);

@@ -23,6 +23,7 @@
 #include "piper/core/compiler.hpp"
 #include "piper/core/directives.hpp"
 #include "piper/core/error.hpp"
+#include "piper/core/kernels.hpp"
 #include "piper/core/scenario.hpp"
 #include "piper/core/strategy.hpp"
 #include "piper/core/verifier.hpp"
@@ -84,6 +85,43 @@ TEST(TensorParallel, FlopsAndParametersSplit) {
       EXPECT_EQ(tp.params * 4, base.params);
     }
   }
+}
+
+// A vocabulary TP does not divide (250 over t = 4) is padded to 252: each rank holds ceil(250 / 4) = 63
+// rows of the embedding, 63 columns of the head (its GEMM, logits and loss) and of a tied head's copy of
+// the table. T = s·b = 128 tokens, h = 64; the head costs 2·T·h·V for its GEMM and 5·T·V for the loss.
+TEST(TensorParallel, VocabularyThatTpDoesNotDivideIsPadded) {
+  ModelConfig c = small_gpt(4);
+  c.vocab = 250;
+  c.tie_embeddings = false;
+  const Model m = build_model(c);
+  const double T = s * b, rows = 63;
+  for (const auto& layer : m.layers()) {
+    const Costs tp = layer_costs(layer, m.training(), {4, false, 0});
+    if (layer.kind == LayerKind::Embedding) {
+      EXPECT_EQ(tp.params, 63 * 64 + 64 * 64);  // padded vocabulary rows split, positions replicated
+    } else if (layer.kind == LayerKind::Head) {
+      EXPECT_EQ(tp.params, 63 * 64);
+      EXPECT_DOUBLE_EQ(tp.forward_flops, 2 * T * h * rows + 5 * T * rows);
+      EXPECT_DOUBLE_EQ(tp.backward_weight_flops, 2 * T * h * rows);
+      const auto kernels = layer_kernels(layer, m.training(), {4, false, 0}, 0);
+      ASSERT_FALSE(kernels.empty());
+      EXPECT_EQ(kernels.front().kind, KernelKind::Gemm);
+      EXPECT_EQ(kernels.front().n, 63);
+      EXPECT_DOUBLE_EQ(kernel_flops(kernels), tp.forward_flops);
+    }
+  }
+  // Tied, with the head on another stage: its copy of the table is 63 rows a rank too.
+  StrategyOptions o;
+  o.pp = 2;
+  o.tp = 4;
+  o.microbatches = 2;
+  c.tie_embeddings = true;
+  const Program p = compile_scenario(tp_scenario(write_spec(c), o)).result.program;
+  std::int64_t copy = -1;
+  for (const auto& buf : p.plan_for(4).buffers)
+    if (buf.name.starts_with("params tied embedding copy")) copy = buf.bytes;
+  EXPECT_EQ(copy, 63 * 64 * 2);  // bf16
 }
 
 // Collectives inside each op, per Megatron layout: N = s·b·h·2 bytes (one hidden tensor).

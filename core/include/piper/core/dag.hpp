@@ -128,8 +128,14 @@ struct Segment {
   // embedding group; both runtime backends do the same, V placements included): V·h parameters,
   // whole (vocabulary-parallel under TP), with gradient and optimizer state like the segment's own.
   std::int64_t tied_copy = 0;
-  int tied_to = -1;  // with tied_copy: the embedding's segment
-  std::int64_t copy_local_params() const { return tied_copy / tp_degree; }
+  std::int64_t tied_vocab = 0;  // with tied_copy: the table's vocabulary (tied_copy / V is the hidden size)
+  int tied_to = -1;             // with tied_copy: the embedding's segment
+  // One TP rank's rows of the copy: ceil(V / t) of the padded vocabulary (core::tp_padded_vocab).
+  std::int64_t copy_local_params() const {
+    return tp_degree > 1 && tied_vocab > 0
+               ? tp_padded_vocab(tied_vocab, tp_degree) / tp_degree * (tied_copy / tied_vocab)
+               : tied_copy;
+  }
   // Everything this segment's plan keeps state for, per shard: its parameters and the tied copy.
   std::int64_t state_params() const { return local_params() + copy_local_params(); }
   bool has_state() const { return costs.params > 0 || tied_copy > 0; }

@@ -144,6 +144,14 @@ struct Layer {
   int block = -1;  // transformer block index, -1 for embedding / final norm / head
 };
 
+// The vocabulary a vocabulary-parallel embedding or head holds under TP degree t: padded up to a
+// multiple of t, so each rank holds ceil(V / t) rows (Megatron-LM pads so, and further to a multiple of
+// 128·t by default (--make-vocab-size-divisible-by): a spec states that padded vocabulary itself).
+constexpr std::int64_t tp_padded_vocab(std::int64_t vocab, int tp) {
+  const std::int64_t t = tp > 1 ? tp : 1;
+  return (vocab + t - 1) / t * t;
+}
+
 // Costs of one layer for a training shape. The formulas live in model_costs.cpp with their sources.
 Costs layer_costs(const Layer& layer, const TrainingShape& shape);
 
