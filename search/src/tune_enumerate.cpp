@@ -318,6 +318,8 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
               base.dp = dp;
               base.ep = ep;
               base.etp = etp;
+              // Chunked all-to-alls (a fixed setting) chunk the expert all-to-alls: none without EP.
+              if (ep < 2) base.a2a_chunks = 1;
               base.micro_batch_size = mbs;
               for (const auto* family : k.families) add_family_candidates(spec, k, *family, base, sps, stats, out);
             }

@@ -745,3 +745,28 @@ TEST(Tune, SearchesTheZeroGradientReduction) {
   spec.reduce_every = {"sometimes"};
   EXPECT_THROW(enumerate_candidates(spec), TuneError);
 }
+
+// A fixed setting that needs EP (TuneSpec::fixed.a2a_chunks: chunked expert all-to-alls) applies to
+// the candidates with EP >= 2; those without EP run unchunked, as the fixed setting cannot apply.
+TEST(Tune, FixedExpertChunksApplyWhereThereIsExpertParallelism) {
+  TuneSpec spec = small_spec();
+  spec.model = std::string(PIPER_SOURCE_DIR) + "/examples/models/tiny-moe.json";
+  spec.fixed.a2a_chunks = 2;
+  const auto candidates = enumerate_candidates(spec);
+  ASSERT_FALSE(candidates.empty());
+  int chunked = 0, unchunked = 0;
+  for (const auto& c : candidates) {
+    EXPECT_EQ(c.a2a_chunks, c.ep >= 2 ? 2 : 1) << c.key();
+    (c.ep >= 2 ? chunked : unchunked) += 1;
+  }
+  EXPECT_GT(chunked, 0);
+  EXPECT_GT(unchunked, 0);
+  spec.ep_degrees = {2};
+  spec.zero_levels = {0};
+  spec.micro_batch_sizes = {1};
+  spec.schedules = {"1f1b"};
+  const fs::path csv = temp_csv("a2a-chunks");
+  const TuneSummary s = run_tune(spec, csv.string());
+  ASSERT_FALSE(s.ranked.empty());
+  fs::remove(csv);
+}
