@@ -102,7 +102,7 @@ int run_calibrate(const CalibrateArgs& a) {
   }
   fmt::print("{:<44} {:>11} {:>11} {:>11}\n", "observation", "measured ms", "base ms", "fitted ms");
   for (const auto& o : c.observations) {
-    double base_s = 0, fitted = 0;
+    double base_s = o.fixed_s, fitted = o.fixed_s;
     for (int k = 0; k < sim::kKernelClasses; ++k) {
       base_s += o.predicted[static_cast<std::size_t>(k)];
       fitted += o.predicted[static_cast<std::size_t>(k)] * c.multiplier[static_cast<std::size_t>(k)];

@@ -652,6 +652,13 @@ double KernelTiming::seconds(const Kernel& k) const {
   return moved / rate + c.launches * launch;
 }
 
+double KernelTiming::launch_seconds(const Kernel& k) const {
+  const double launch = table ? table->launch_floor_s : KernelTable::kDefaultLaunchFloor;
+  if (k.kind == KernelKind::Gemm || k.kind == KernelKind::AttentionForward || k.kind == KernelKind::AttentionBackward)
+    return launch;
+  return bytes(k) > 0 ? elementwise_cost(k.kind, profile).launches * launch : 0;
+}
+
 double KernelTiming::bytes(const Kernel& k) const {
   const double dt = core::bytes_per_element(k.dtype);
   if (k.kind == KernelKind::Gemm) {

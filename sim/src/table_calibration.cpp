@@ -80,22 +80,36 @@ std::string to_string(KernelClass c) {
   return "?";
 }
 
-ClassSeconds class_seconds(const core::Program& program, const CostModel& cost, int device, const core::Op& op) {
+ClassSeconds class_seconds(const core::Program& program, const CostModel& cost, int device, const core::Op& op,
+                           double* launch_s) {
   ClassSeconds out{};
   const std::optional<double> modelled = cost.kernel_seconds(program, device, op);
   if (!modelled) return out;
-  if (op.kind == OpKind::Update) {
-    out[ix(static_cast<int>(KernelClass::Adamw))] = *modelled;
-    return out;
-  }
   const KernelTiming t = cost.timing(device);
-  const core::PassKernels& pk = program.segments[static_cast<std::size_t>(op.segment)].kernels;
-  const auto [first, last] = core::pass_kernel_lists(op.pass);
-  for (std::size_t l = first; l <= last; ++l)
-    for (const auto& k : pk[l]) out[ix(static_cast<int>(class_of(k.kind)))] += k.count * t.seconds(k);
-  // What kernel_seconds adds beyond the listed kernels (element-wise traffic of the op) is memory-bound.
-  const double rest = *modelled - total(out);
-  if (rest > 0) out[ix(static_cast<int>(KernelClass::Memory))] += rest;
+  double launches = 0;
+  if (op.kind == OpKind::Update) {
+    // One launch of the fused multi-tensor AdamW (CostModel::update_seconds).
+    launches = std::min(*modelled, t.table ? t.table->launch_floor_s : KernelTable::kDefaultLaunchFloor);
+    out[ix(static_cast<int>(KernelClass::Adamw))] = *modelled - launches;
+  } else {
+    const core::PassKernels& pk = program.segments[static_cast<std::size_t>(op.segment)].kernels;
+    const auto [first, last] = core::pass_kernel_lists(op.pass);
+    for (std::size_t l = first; l <= last; ++l)
+      for (const auto& k : pk[l]) {
+        const double floor = k.count * t.launch_seconds(k);
+        out[ix(static_cast<int>(class_of(k.kind)))] += k.count * t.seconds(k) - floor;
+        launches += floor;
+      }
+    // What kernel_seconds adds beyond the listed kernels (element-wise traffic of the op) is one
+    // memory-bound kernel: a launch and its bytes.
+    const double rest = *modelled - total(out) - launches;
+    if (rest > 0) {
+      const double floor = std::min(rest, t.table ? t.table->launch_floor_s : KernelTable::kDefaultLaunchFloor);
+      out[ix(static_cast<int>(KernelClass::Memory))] += rest - floor;
+      launches += floor;
+    }
+  }
+  if (launch_s) *launch_s += launches;
   return out;
 }
 
@@ -125,7 +139,7 @@ std::optional<Fit> fit_with_pinned(const TableCalibration& c, const std::vector<
     for (const auto& o : c.observations) {
       if (o.measured_s <= 0) continue;
       const double w = 1 / (o.measured_s * o.measured_s);
-      double fixed = 0;  // the pinned classes' share of the prediction
+      double fixed = o.fixed_s;  // the launch floors and the pinned classes' share of the prediction
       for (std::size_t r = 0; r < n; ++r)
         if (pinned >> r & 1u) fixed += o.predicted[ix(cls[r])] * kMinMultiplier;
       for (std::size_t r = 0; r < k; ++r) {
@@ -149,7 +163,7 @@ std::optional<Fit> fit_with_pinned(const TableCalibration& c, const std::vector<
   }
   for (const auto& o : c.observations) {
     if (o.measured_s <= 0) continue;
-    double p = 0;
+    double p = o.fixed_s;
     for (std::size_t r = 0; r < n; ++r) p += o.predicted[ix(cls[r])] * f.x[r];
     f.objective += (p - o.measured_s) * (p - o.measured_s) / (o.measured_s * o.measured_s);
   }
@@ -203,13 +217,17 @@ void fit_multipliers(TableCalibration& c) {
 json TableCalibration::table_json(const std::string& name, const std::string& source) const {
   json obs = json::array();
   for (const auto& o : observations) {
-    double fitted = 0;
+    double fitted = o.fixed_s;
     json split = json::object();
     for (int k = 0; k < kKernelClasses; ++k) {
       fitted += o.predicted[ix(k)] * multiplier[ix(k)];
       if (o.predicted[ix(k)] > 0) split[to_string(static_cast<KernelClass>(k))] = o.predicted[ix(k)];
     }
-    obs.push_back({{"what", o.what}, {"measured_s", o.measured_s}, {"base_predicted_s", split}, {"fitted_s", fitted}});
+    obs.push_back({{"what", o.what},
+                   {"measured_s", o.measured_s},
+                   {"base_predicted_s", split},
+                   {"launch_floors_s", o.fixed_s},
+                   {"fitted_s", fitted}});
   }
   json mult = json::object(), bound = json::array();
   for (int k = 0; k < kKernelClasses; ++k) {
@@ -249,7 +267,7 @@ TableCalibration calibrate_from_ops(const core::Program& program, const CostMode
         CalibrationObservation o;
         o.what = fmt::format("{} {} (flops {:.4g}, memory bytes {})", core::to_string(op.kind),
                              core::to_string(op.pass), op.flops, op.memory_bytes);
-        o.predicted = class_seconds(program, cost, d, op);
+        o.predicted = class_seconds(program, cost, d, op, &o.fixed_s);
         o.measured_s = *m;
         if (total(o.predicted) > 0) c.observations.push_back(std::move(o));
       }

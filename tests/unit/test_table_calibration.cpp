@@ -2,6 +2,8 @@
 // ones, the derived table's rates checked by hand, the lower bound, and the one-line refusals.
 #include <cmath>
 #include <filesystem>
+#include <set>
+#include <tuple>
 
 #include <unistd.h>
 
@@ -101,7 +103,8 @@ TEST(TableCalibration, DerivedTableScalesTheBaseRatesByHand) {
   EXPECT_EQ(j.at("calibration").at("multipliers").at("attention").get<double>(), 3.0);
 }
 
-// Op times measured with every compute class 1.7x the table and AdamW 1.2x (F, B and UPD rows: the
+// Op times measured with every compute class 1.7x the table's rates and AdamW 1.2x, the launch floors as
+// the table's (F, B and UPD rows: the
 // compute classes are not separable, and equal multipliers explain the rows exactly) are fitted as
 // such; the calibrated table then predicts another model's plan at PP 2 with the same multipliers.
 TEST(TableCalibration, OpTimesFitAndPredictAnotherPlan) {
@@ -111,18 +114,20 @@ TEST(TableCalibration, OpTimesFitAndPredictAnotherPlan) {
   for (const auto& stream : p->plan_for(0).streams)
     for (const auto& op : stream.ops) {
       if (op.kind != core::OpKind::Compute && op.kind != core::OpKind::Update) continue;
-      const ClassSeconds s = class_seconds(*p, cost, 0, op);
+      double launches = 0;
+      const ClassSeconds s = class_seconds(*p, cost, 0, op, &launches);
       CalibrationEntry e;
       e.kind = op.kind;
       e.pass = op.pass;
       e.flops = op.flops;
       e.memory_bytes = op.memory_bytes;
-      e.seconds = 1.7 * (s[0] + s[1] + s[2]) + 1.2 * s[3];
+      e.seconds = launches + 1.7 * (s[0] + s[1] + s[2]) + 1.2 * s[3];
       measured.entries.push_back(e);
     }
   TableCalibration c = calibrate_from_ops(*p, cost, measured);
   ASSERT_GE(c.observations.size(), 3u);
-  for (int k = 0; k < 3; ++k) EXPECT_NEAR(c.multiplier[static_cast<std::size_t>(k)], 1.7, 1e-3) << k;
+  // Exact but for the fit's weak pull towards a common multiplier (here towards AdamW's 1.2).
+  for (int k = 0; k < 3; ++k) EXPECT_NEAR(c.multiplier[static_cast<std::size_t>(k)], 1.7, 2e-3) << k;
   EXPECT_NEAR(c.multiplier[3], 1.2, 1e-4);
   c.base = "h200-sxm";
   const std::string dir = scratch("table_calibration");
@@ -137,6 +142,103 @@ TEST(TableCalibration, OpTimesFitAndPredictAnotherPlan) {
     // roofline's max(compute, memory) of small kernels.
     const double before = 1.7 * (b[0] + b[1] + b[2]) + 1.2 * b[3], got = after[0] + after[1] + after[2] + after[3];
     EXPECT_NEAR(got / before, 1.0, 0.02) << d;
+  }
+}
+
+// The calibrated table reproduces the op times it was fitted to: a run measured at 3x the table's
+// whole time for each op (launch floors included, as a slower GPU or runtime would show it) is fitted
+// exactly (gpt-small at PP 1: three rows, F, B and UPD, four classes), so a cost model on the written table predicts
+// each measured op time. The fit used to scale the launch floors with the rates, which the table cannot do: its printed
+// "fitted ms" claimed the measured times while the table predicted 8 % less (gpt-small).
+TEST(TableCalibration, CalibratedTableReproducesTheMeasuredOpTimes) {
+  auto p = compile(std::string(PIPER_SOURCE_DIR) + "/examples/models/gpt-small.json", 1, 2);
+  CostModel cost(h200());
+  Calibration measured;
+  std::vector<std::pair<const core::Op*, double>> ops;
+  std::set<std::tuple<int, int, double, std::int64_t>> keys;
+  for (const auto& stream : p->plan_for(0).streams)
+    for (const auto& op : stream.ops) {
+      if (op.kind != core::OpKind::Compute && op.kind != core::OpKind::Update) continue;
+      // An entry per (kind, pass, FLOPs, bytes), as `run --calibrate` writes: the first op of each
+      // (the second microbatch's B, which adds its gradients into the first's, shares the first's).
+      if (!keys.emplace(static_cast<int>(op.kind), static_cast<int>(op.pass), op.flops, op.memory_bytes).second)
+        continue;
+      const std::optional<double> base = cost.kernel_seconds(*p, 0, op);
+      ASSERT_TRUE(base);
+      CalibrationEntry e;
+      e.kind = op.kind;
+      e.pass = op.pass;
+      e.flops = op.flops;
+      e.memory_bytes = op.memory_bytes;
+      e.seconds = 3 * *base;
+      measured.entries.push_back(e);
+      ops.emplace_back(&op, e.seconds);
+    }
+  TableCalibration c = calibrate_from_ops(*p, cost, measured);
+  c.base = "h200-sxm";
+  const std::string dir = scratch("table_calibration_reproduce");
+  core::write_file_atomically(dir + "/t.json", c.table_json("t", "test").dump());
+  Cluster cal = h200();
+  for (auto& n : cal.nodes) n.gpu.kernel_table = dir + "/t.json";
+  CostModel calibrated(cal);
+  for (const auto& [op, want] : ops) {
+    const std::optional<double> got = calibrated.kernel_seconds(*p, 0, *op);
+    ASSERT_TRUE(got);
+    EXPECT_NEAR(*got / want, 1.0, 1e-4) << core::to_string(op->kind) << " " << core::to_string(op->pass);
+  }
+  // What the table records as each row's fit is what it predicts.
+  for (const auto& o : c.table_json("t", "test").at("calibration").at("observations"))
+    EXPECT_NEAR(o.at("fitted_s").get<double>() / o.at("measured_s").get<double>(), 1.0, 1e-4) << o.dump();
+}
+
+// A kernel trace holds the kernels' durations, not the gaps between them: a trace whose kernels take
+// exactly what the h200 table's rates give (a table with the same rates and no launch floor times
+// them) calibrates to multipliers of 1. Comparing the durations with predictions that held the
+// 2 us floors put every class below 1, the memory-bound one most.
+TEST(TableCalibration, TraceOfTheTablesOwnKernelTimesFitsMultipliersOfOne) {
+  auto p = compile("qwen3-9m", 1, 2);
+  CostModel cost(h200());
+  const std::string dir = scratch("table_calibration_nofloor");
+  core::write_file_atomically(dir + "/nofloor.json", R"({"base": "h200-sxm", "launch_floor_us": 0})");
+  Cluster nofloor = h200();
+  for (auto& n : nofloor.nodes) n.gpu.kernel_table = dir + "/nofloor.json";
+  CostModel durations(nofloor);
+  json events = json::array();
+  const KernelTiming t = durations.timing(0);
+  const char* names[3] = {"nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "flash_fwd_kernel",
+                          "void at::native::vectorized_elementwise_kernel<4>"};
+  for (const auto& stream : p->plan_for(0).streams)
+    for (const auto& op : stream.ops) {
+      if (op.kind == core::OpKind::Update) {
+        events.push_back({{"ph", "X"},
+                          {"cat", "kernel"},
+                          {"name", "multi_tensor_apply_kernel"},
+                          {"dur", *durations.kernel_seconds(*p, 0, op) * 1e6}});
+        continue;
+      }
+      if (op.kind != core::OpKind::Compute) continue;
+      const auto [first, last] = core::pass_kernel_lists(op.pass);
+      // The element-wise traffic beyond the listed kernels (the second microbatch's gradients added
+      // into the first's) is one more memory-bound kernel.
+      double rest = *durations.kernel_seconds(*p, 0, op);
+      for (std::size_t l = first; l <= last; ++l)
+        for (const auto& k : p->segments[static_cast<std::size_t>(op.segment)].kernels[l])
+          rest -= k.count * t.seconds(k);
+      if (rest > 1e-12) events.push_back({{"ph", "X"}, {"cat", "kernel"}, {"name", names[2]}, {"dur", rest * 1e6}});
+      for (std::size_t l = first; l <= last; ++l)
+        for (const auto& k : p->segments[static_cast<std::size_t>(op.segment)].kernels[l]) {
+          const int cls =
+              k.kind == core::KernelKind::Gemm                                                                ? 0
+              : k.kind == core::KernelKind::AttentionForward || k.kind == core::KernelKind::AttentionBackward ? 1
+                                                                                                              : 2;
+          const double us = k.count * t.seconds(k) * 1e6;
+          if (us > 0) events.push_back({{"ph", "X"}, {"cat", "kernel"}, {"name", names[cls]}, {"dur", us}});
+        }
+    }
+  const TableCalibration c = calibrate_from_trace(*p, cost, json{{"traceEvents", events}}, 1, 0, "t.json");
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_TRUE(c.observed[static_cast<std::size_t>(k)]) << k;
+    EXPECT_NEAR(c.multiplier[static_cast<std::size_t>(k)], 1.0, 1e-3) << to_string(static_cast<KernelClass>(k));
   }
 }
 

@@ -131,6 +131,9 @@ struct KernelTiming {
   double half_efficiency_flops = 0;
   KernelTable::AttentionKernel attention_kernel{};  // the cluster's attention implementation (1, 1: the table's own)
   double seconds(const core::Kernel& k) const;
+  // The part of seconds(k) that is launch floors (KernelTable::launch_floor_s per launch): what a
+  // table's rate scales do not move.
+  double launch_seconds(const core::Kernel& k) const;
   // HBM bytes `k` moves as seconds() counts them (GEMM: its operands and result; the attention core:
   // 0, it is timed by FLOPs alone).
   double bytes(const core::Kernel& k) const;

@@ -25,8 +25,12 @@ using ClassSeconds = std::array<double, kKernelClasses>;
 // One measured time and the model's prediction of the same work, split by class.
 struct CalibrationObservation {
   std::string what;          // "COMPUTE F (flops 9.06e12)", "GEMM kernels"
-  ClassSeconds predicted{};  // by the base table
+  ClassSeconds predicted{};  // by the base table, without the launch floors: what the per-class scales move
   double measured_s = 0;
+  // The kernels' launch floors (KernelTable::launch_floor_s each), which a scale does not move: the
+  // calibrated table predicts fixed_s + sum of multiplier x predicted. 0 for a kernel trace, whose
+  // kernel durations hold no launch gaps.
+  double fixed_s = 0;
 };
 
 struct TableCalibration {
@@ -64,8 +68,10 @@ TableCalibration calibrate_from_trace(const core::Program& program, const CostMo
 // AdamW, the rest memory-bound); false for communication kernels (NCCL), which are not compute.
 bool classify_kernel(const std::string& name, KernelClass& out);
 
-// The model's prediction of one op by class (the per-kernel model's split of kernel_seconds); all zero
-// for ops the per-kernel model does not cost.
-ClassSeconds class_seconds(const core::Program& program, const CostModel& cost, int device, const core::Op& op);
+// The model's prediction of one op by class (the per-kernel model's split of kernel_seconds) without
+// its kernels' launch floors, which are added to *launch_s when given; all zero for ops the per-kernel
+// model does not cost.
+ClassSeconds class_seconds(const core::Program& program, const CostModel& cost, int device, const core::Op& op,
+                           double* launch_s = nullptr);
 
 }  // namespace piper::sim
