@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "cli/common.hpp"
 #include "piper/sim/cluster.hpp"
@@ -75,6 +76,13 @@ int run_calibrate(const CalibrateArgs& a) {
         fmt::format(
             "--cluster '{}': GPU '{}' has no kernel table to calibrate (give one: \"gpu\": {{\"kernel_table\": …}})",
             a.cluster, cluster.gpu(device).name));
+  // The written table is {"base": <this table>, scales}, and a table's base is a built-in table: a
+  // file here (a calibrated cluster's own table, or kernels.py's) wrote a table no reader takes.
+  if (const auto names = sim::kernel_table_names(); std::find(names.begin(), names.end(), base) == names.end())
+    throw CliError("", fmt::format("--cluster '{}': GPU '{}' takes its kernel table from the file '{}', and a "
+                                   "calibrated table derives from a built-in table ({}): calibrate against the "
+                                   "cluster that names one (the uncalibrated cluster)",
+                                   a.cluster, cluster.gpu(device).name, base, fmt::join(names, ", ")));
   sim::CostModel cost(cluster);
   sim::TableCalibration c;
   std::string source;

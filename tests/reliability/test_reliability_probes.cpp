@@ -564,4 +564,23 @@ TEST_F(HostileInput, KvHeadsTheTpDegreeDoesNotDivideRefused) {
   EXPECT_EQ(run("compile --model kv6.json --tp 3 -o p.json").exit_code, 0);
 }
 
+// The tenth probe. `piper calibrate --cluster` of a cluster whose GPU's kernel table is a file (the
+// calibrated cluster `--cluster-output` writes, to calibrate again) wrote a table with "base": that
+// file, which every reader refuses (a table's base is a built-in table): exit 0, an unusable table.
+TEST_F(HostileInput, CalibrateAgainstAClusterWithATableFileRefused) {
+  input("cal.json",
+        R"({"format": "piper-calibration", "entries": [{"kind": "COMPUTE", "pass": "F", "seconds": 0.001},
+            {"kind": "COMPUTE", "pass": "B", "seconds": 0.002}, {"kind": "UPD", "seconds": 0.001}]})");
+  input("h200.json", R"({"preset": "dgx-h200", "nodes": 1})");
+  const std::string flags = "calibrate --model qwen3-9m --pp 1 --microbatches 2 --calibration cal.json ";
+  const CliResult first = run(flags + "--cluster h200.json -o t.json --cluster-output c.json");
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  expect_one_line(
+      run(flags + "--cluster c.json -o t2.json"),
+      {"--cluster 'c.json'", "kernel table from the file 't.json'", "derives from a built-in table", "h200-sxm"});
+  EXPECT_FALSE(fs::exists(dir_ / "t2.json"));
+  // The calibrated cluster itself is usable.
+  EXPECT_EQ(run("simulate --model qwen3-9m --cluster c.json --engine analytic").exit_code, 0);
+}
+
 }  // namespace
