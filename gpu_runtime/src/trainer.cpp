@@ -203,6 +203,34 @@ void check_steps_after_resume(const TrainOptions& o, int checkpoint_step) {
         o.resume_path, checkpoint_step, checkpoint_step));
 }
 
+void check_schedule_after_resume(const TrainOptions& o, const CheckpointInfo& info) {
+  if (info.optimizer.empty()) return;  // a checkpoint of a piper that did not record it
+  const json saved = json::parse(info.optimizer), now = optimizer_json(o.adamw);
+  // The settings lr_at reads; --min-lr and --lr-decay-steps only where a decay reads them.
+  std::vector<std::string> keys = {"lr", "warmup_steps", "lr_decay"};
+  if (now.at("lr_decay") != "constant" || saved.value("lr_decay", "constant") != "constant")
+    keys.insert(keys.end(), {"min_lr", "lr_decay_steps"});
+  auto flags = [&](const json& j) {
+    std::string out;
+    for (const auto& k : keys) {
+      std::string flag = k;
+      std::replace(flag.begin(), flag.end(), '_', '-');
+      out += fmt::format("{}--{} {}", out.empty() ? "" : " ", flag,
+                         !j.contains(k)        ? std::string("?")
+                         : j.at(k).is_number() ? fmt::format("{}", j.at(k).get<double>())
+                         : j.at(k).is_string() ? j.at(k).get<std::string>()
+                                               : j.at(k).dump());
+    }
+    return out;
+  };
+  for (const auto& k : keys)
+    if (!saved.contains(k) || saved.at(k) != now.at(k))
+      throw std::invalid_argument(fmt::format(
+          "--resume {}: the checkpoint's learning-rate schedule is {}, this run's {}: the run would not continue it; "
+          "give the checkpoint's settings (--lr-decay-steps defaults to --steps)",
+          o.resume_path, flags(saved), flags(now)));
+}
+
 // A step skipped by loss scaling: what the printed line and nothing else says about it.
 static std::string overflow_note(double scale) { return fmt::format("gradients overflowed at loss scale {}", scale); }
 
@@ -308,6 +336,7 @@ TrainResult train_reference(const core::Program& program, const TrainOptions& o)
     r.first_step = info.step;
     scaler = resumed_loss_scale(scaling, info);
     check_steps_after_resume(o, r.first_step);
+    check_schedule_after_resume(o, info);
   }
   double total_s = 0;
   StateSnapshot before;
@@ -455,6 +484,7 @@ TrainResult train_distributed(const core::Program& program, const TrainOptions& 
       r.first_step = info.step;
       resume_flow(backend->flow(), info, o.adamw.loss_scaling);
       check_steps_after_resume(o, r.first_step);
+      check_schedule_after_resume(o, info);
     }
   } catch (const std::exception& e) {
     error = e.what();
@@ -505,6 +535,7 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o) {
     const Checkpoint ckpt =
         read_compatible_checkpoint(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program);
     check_steps_after_resume(o, ckpt.info.step);
+    check_schedule_after_resume(o, ckpt.info);
     first_step = ckpt.info.step;
     for (auto& b : backends)
       load_state(b->model(), ckpt.state), resume_flow(b->flow(), ckpt.info, o.adamw.loss_scaling);

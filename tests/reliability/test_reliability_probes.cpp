@@ -583,4 +583,31 @@ TEST_F(HostileInput, CalibrateAgainstAClusterWithATableFileRefused) {
   EXPECT_EQ(run("simulate --model qwen3-9m --cluster c.json --engine analytic").exit_code, 0);
 }
 
+// A resumed run followed its own learning-rate schedule, not the one its checkpoint records: a run of
+// 2 steps decaying (cosine, --lr-decay-steps defaulting to --steps) to --min-lr at step 2, resumed
+// to 6, went back up to 5.5e-4 at step 3; resumed without --lr-decay it ran at --lr. Exit 0 both.
+// Megatron-LM refuses a checkpoint whose scheduler settings differ from the run's; so does piper.
+TEST_F(HostileInput, ResumeUnderAnotherLearningRateScheduleRefused) {
+  const std::string run_flags =
+      "run --model '" + piper::test::kTiny + "' --pp 2 --microbatches 2 --virtual-devices --seed 5 ";
+  const std::string cosine = "--lr 1e-3 --lr-decay cosine --min-lr 1e-4 ";
+  const CliResult saved = run(run_flags + cosine + "--steps 2 --save ck");
+  ASSERT_EQ(saved.exit_code, 0) << saved.err;
+  expect_one_line(run(run_flags + cosine + "--steps 6 --resume ck --report r.json"),
+                  {"--resume ck", "--lr-decay cosine --min-lr 0.0001 --lr-decay-steps 2",
+                   "this run's --lr 0.001 --warmup-steps 0 --lr-decay cosine --min-lr 0.0001 --lr-decay-steps 6"});
+  expect_one_line(run(run_flags + "--lr 1e-3 --steps 6 --resume ck --report r.json"),
+                  {"--resume ck", "this run's --lr 0.001 --warmup-steps 0 --lr-decay constant"});
+  expect_one_line(run(run_flags + cosine + "--warmup-steps 1 --lr-decay-steps 2 --steps 6 --resume ck"),
+                  {"--resume ck", "--warmup-steps 1"});
+  EXPECT_FALSE(fs::exists(dir_ / "r.json"));
+  // The checkpoint's schedule continues: past --lr-decay-steps, --min-lr (by hand).
+  const CliResult resumed = run(run_flags + cosine + "--lr-decay-steps 2 --steps 4 --resume ck --report r.json");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_EQ(json::parse(read_file((dir_ / "r.json").string())).at("lrs"), json::parse("[0.0001, 0.0001]"));
+  // A constant rate: --min-lr and --lr-decay-steps play no part and may differ.
+  ASSERT_EQ(run(run_flags + "--steps 2 --save c0").exit_code, 0);
+  EXPECT_EQ(run(run_flags + "--steps 5 --min-lr 1e-5 --resume c0").exit_code, 0);
+}
+
 }  // namespace

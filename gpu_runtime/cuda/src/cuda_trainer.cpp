@@ -102,6 +102,7 @@ TrainResult train_virtual(const core::Program& program, const TrainOptions& o, c
     const Checkpoint ckpt =
         read_compatible_checkpoint(o.resume_path, read_checkpoint_bytes(o.resume_path, program), program);
     check_steps_after_resume(o, ckpt.info.step);
+    check_schedule_after_resume(o, ckpt.info);
     for (auto& b : backends) b->restore(ckpt.state), resume_flow(b->flow(), ckpt.info, o.adamw.loss_scaling);
     first_step = ckpt.info.step;
   }
@@ -150,6 +151,7 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
       if (!o.resume_path.empty()) {
         ckpt = read_compatible_checkpoint(o.resume_path, checkpoint_bytes, program);
         check_steps_after_resume(o, ckpt->info.step);
+        check_schedule_after_resume(o, ckpt->info);
       }
     }
   } catch (const std::exception& e) {

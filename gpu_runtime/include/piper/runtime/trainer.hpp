@@ -148,6 +148,10 @@ void check_save_path(const std::string& path);
 std::unique_ptr<SaveLock> prepare_outputs(const TrainOptions& o);
 // Refuses --steps below a resumed checkpoint's step (nothing could run; std::invalid_argument).
 void check_steps_after_resume(const TrainOptions& o, int checkpoint_step);
+// Refuses a resumed run whose learning-rate schedule (--lr, --min-lr, --warmup-steps, --lr-decay and,
+// for a decay, --lr-decay-steps) is not the one its checkpoint records (CheckpointInfo::optimizer):
+// the run would not continue the checkpoint's schedule, as Megatron-LM refuses it (std::invalid_argument).
+void check_schedule_after_resume(const TrainOptions& o, const CheckpointInfo& info);
 // The one-line message of a non-finite step (`what`: "loss nan", "gradient norm inf", ...), for
 // TrainingDiverged.
 std::string nonfinite_message(int step, const std::string& what);
