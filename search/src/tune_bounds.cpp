@@ -110,14 +110,28 @@ double fastest_link(const sim::Cluster& cluster) {
 struct PassBound {
   double seconds = 0, tp = 0, etp = 0;  // etp: the routed experts' collectives over their ETP groups
   int e = 1;
+  double exposed = 0;  // expert all-to-alls the pass waits for between its own compute ops (seconds)
   // With TP communication overlap an op takes max(c, m) + min(c, m) / t >= max(c, m) (CostModel's
-  // with_tp), and a sum of such maxima is at least the maximum of the sums.
+  // with_tp), and a sum of such maxima is at least the maximum of the sums. The exposed all-to-alls
+  // run between compute ops, not inside one: they add either way.
   double total(int t, double link_bw, bool overlap) const {
     const double comm = (t > 1 && link_bw > 0 ? tp * (t - 1.0) / t / link_bw : 0.0) +
                         (e > 1 && link_bw > 0 ? etp * (e - 1.0) / e / link_bw : 0.0);
-    return overlap ? std::max(seconds, comm) : seconds + comm;
+    return (overlap ? std::max(seconds, comm) : seconds + comm) + exposed;
   }
 };
+
+// Whether every step of the candidate's schedule runs one action: each step is then one region's pass
+// of one microbatch, a chain of segments that the next step waits for (the order pass's temporal
+// edges), so an expert all-to-all between two of its segments leaves the compute stream waiting.
+// Not known without a per-rank table, and not so where a step overlaps two actions (DualPipe's F&B).
+bool steps_run_one_action(const Shape& shape) {
+  if (!shape.table || shape.place.mirrored) return false;
+  for (const auto& rank : shape.table->ranks)
+    for (const auto& step : rank)
+      if (step.size() != 1) return false;
+  return true;
+}
 
 }  // namespace
 
@@ -156,6 +170,20 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     }
     return times;
   });
+  // Expert all-to-alls (EP >= 2, unchunked, steps of one action): each routed-experts layer's F and B
+  // send the dispatch and the combine (shard pass: T·k rows of h over the device's sequence slice, as
+  // the test of ExpertTensorParallel derives), each taking at least bytes·(ep-1)/ep over the fastest
+  // link (CostModel's flat all-to-all). A pass of a region waits for all of them but the one at its
+  // edge (the last combine of F, the first combine gradient of B: the neighbouring region's step
+  // sends or waits for it): all of a region's but its longest. Node-limited routing has its own
+  // cheaper form (CostModel::routed_all_to_all): left out.
+  const bool a2a_exposed = c.ep > 1 && c.a2a_chunks <= 1 && link > 0 && steps_run_one_action(*shape);
+  const std::int64_t slice = static_cast<std::int64_t>(c.sequence_parallel ? c.tp : 1) * std::max(1, c.cp);
+  const std::int64_t local_tokens = model.training().tokens_per_microbatch() / slice;  // whole rows, as the compiler
+  const auto rows = static_cast<double>(local_tokens);
+  const double dt = core::bytes_per_element(model.training().precision);
+  // Per region: the sum of its all-to-alls' times and the longest one (the edge one is at most that).
+  std::vector<double> a2a_sum(static_cast<std::size_t>(place.regions), 0), a2a_max = a2a_sum;
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
     const auto r = static_cast<std::size_t>(shape->region_of_layer[i]);
     const core::Layer& layer = model.layers()[i];
@@ -166,7 +194,14 @@ double step_time_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     (experts ? f[r].etp : f[r].tp) += static_cast<double>(k.forward_tp_bytes);
     (experts ? b[r].etp : b[r].tp) += static_cast<double>(k.backward_tp_bytes);
     f[r].e = b[r].e = c.etp;
+    if (a2a_exposed && experts && shape->ep_tagged[i] && layer.shape.routing_groups <= 0) {
+      const double bytes = rows * static_cast<double>(layer.shape.hidden) * dt * static_cast<double>(layer.shape.top_k);
+      const double seconds = bytes * (c.ep - 1.0) / c.ep / link;
+      a2a_sum[r] += 2 * seconds;
+      a2a_max[r] = std::max(a2a_max[r], seconds);
+    }
   }
+  for (std::size_t r = 0; r < a2a_sum.size(); ++r) f[r].exposed = b[r].exposed = a2a_sum[r] - a2a_max[r];
   // A device's compute ops run one at a time on its compute stream. Rank r runs every microbatch's F
   // and B of each region it holds, and cannot start before the first microbatch has gone through
   // every region before its earliest one (the regions form a chain).

@@ -179,3 +179,41 @@ TEST(Tune, TimeBoundStaysBelowTheSimulationUnderFixedSettings) {
     EXPECT_GT(large, 5) << "variant " << variant;
   }
 }
+
+// Expert all-to-alls: where each step of a schedule runs one action, a region's pass waits for the
+// dispatch and combine of its routed-experts layers between its segments, so the step time bound counts
+// them (all but one a region, each at its bytes over the fastest link). It must stay below the
+// simulation with EP inside a node, across two nodes (slower links than the bound takes), with SP,
+// TP + SP, ETP and CP slicing the tokens; and with them the bound must come close to the simulation of
+// an MoE model at full size, where the all-to-alls are a large part of the step.
+TEST(Tune, TimeBoundCountsTheExposedExpertAllToAlls) {
+  double tightest = 0;
+  int checked = 0;
+  for (const int devices : {8, 16}) {
+    TuneSpec spec = small_spec();
+    spec.model = "qwen3-30b-a3b";
+    spec.devices = devices;
+    spec.global_batch = 2 * devices;
+    spec.micro_batch_sizes = {1};
+    spec.zero_levels = {1};
+    spec.tp_degrees = {1, 2};
+    spec.etp_degrees = {1, 2};
+    spec.cp_degrees = {1, 2};
+    spec.ep_degrees = {devices / 2, devices};
+    spec.recompute_modes = {"none", "full"};
+    spec.schedules = {"1f1b", "gpipe", "zb-h1", "interleaved-1f1b", "dualpipev"};
+    const std::vector<TuneCandidate> all = enumerate_candidates(spec);
+    ASSERT_GT(all.size(), 20u) << devices;
+    for (std::size_t i = 0; i < all.size(); i += std::max<std::size_t>(1, all.size() / 24)) {
+      const TuneCandidate& c = all[i];
+      const TuneRow row = evaluate_candidate(spec, c, "analytic");
+      if (row.status != "ok") continue;
+      const double bound = step_time_lower_bound(spec, c);
+      EXPECT_LE(bound, row.step_time_s) << devices << " devices: " << c.key();
+      tightest = std::max(tightest, bound / row.step_time_s);
+      checked += 1;
+    }
+  }
+  EXPECT_GT(checked, 20);
+  std::cout << checked << " expert-parallel candidates: time bound up to " << tightest << " of the simulation\n";
+}
