@@ -124,7 +124,7 @@ struct PassBound {
 // Whether every step of the candidate's schedule runs one action: each step is then one region's pass
 // of one microbatch, a chain of segments that the next step waits for (the order pass's temporal
 // edges), so an expert all-to-all between two of its segments leaves the compute stream waiting.
-// Not known without a per-rank table, and not so where a step overlaps two actions (DualPipe's F&B).
+// Not known without a per-rank table, and not so where a step overlaps two actions (an overlapped F&B pair).
 bool steps_run_one_action(const Shape& shape) {
   if (!shape.table || shape.place.mirrored) return false;
   for (const auto& rank : shape.table->ranks)
