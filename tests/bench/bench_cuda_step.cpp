@@ -2,11 +2,13 @@
 // the CUDA backend (one virtual device): step time, MFU against the GPU's dense bf16 peak, the
 // executor's share of the step, and a large cuBLASLt GEMM's throughput against the same peak.
 // Prints its figures; without a GPU prints "skipped: no GPU" and exits 77. Never run on a GPU yet.
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
 #include "../gpu/data_root.hpp"
+#include "piper/core/model.hpp"
 #include "piper/core/scenario.hpp"
 #include "piper/runtime/cuda/cuda_trainer.hpp"
 #include "piper/runtime/cuda/device.hpp"
@@ -57,6 +59,14 @@ int main(int argc, char** argv) {
   for (const auto& st : program.plan_for(0).streams)
     for (const auto& op : st.ops)
       if (op.kind == core::OpKind::Compute) flops += op.flops;
+  // PaLM's count, as ../shared/measurements/h200/torch_dense1b.py (scripts/measure/) counts PyTorch's runs:
+  // 6 x non-embedding parameters + 6 x layers x heads x head_dim x sequence (causal attention) per token.
+  const core::ModelConfig cfg = core::scenario_model_config(s);
+  const auto d = [](std::int64_t x) { return static_cast<double>(x); };
+  const double step_tokens = d(program.training.tokens_per_microbatch()) * program.microbatches;
+  const double palm_flops =
+      step_tokens * (6 * (d(core::build_model(cfg).parameter_count()) - d(cfg.vocab) * d(cfg.hidden)) +
+                     6 * d(cfg.layers) * d(cfg.heads) * d(cfg.head_dim) * d(program.training.seq_len));
 
   piper::runtime::TrainOptions o;
   o.steps = steps;
@@ -84,7 +94,8 @@ int main(int argc, char** argv) {
       "TFLOP/s\n",
       r.step_times_s.empty() ? 0.0 : r.step_times_s.front() * 1e3, steady * 1e3, steps,
       r.tokens_per_s * r.step_time_s / steady, flops / 1e12, tflops);
-  std::printf("MFU %.1f %% of %.1f TFLOP/s (target >= 50 %%)\n", 100 * tflops / kPeakTflops, kPeakTflops);
+  std::printf("MFU %.1f %% of %.1f TFLOP/s; PaLM's count (torch_dense1b.py's) %.1f %% (target >= 50 %%)\n",
+              100 * tflops / kPeakTflops, kPeakTflops, 100 * palm_flops / steady / 1e12 / kPeakTflops);
   std::printf("executor overhead %.2f %% of the step, all steps (target <= 2 %%)\n",
               r.total_s > 0 ? 100 * r.overhead_s / r.total_s : 0.0);
   std::printf("cuBLASLt bf16 GEMM 8192^3: %.1f TFLOP/s = %.1f %% of peak\n", gemm, 100 * gemm / kPeakTflops);
