@@ -205,7 +205,8 @@ void check_steps_after_resume(const TrainOptions& o, int checkpoint_step) {
 
 void check_schedule_after_resume(const TrainOptions& o, const CheckpointInfo& info) {
   if (info.optimizer.empty()) return;  // a checkpoint of a piper that did not record it
-  const json saved = json::parse(info.optimizer), now = optimizer_json(o.adamw);
+  const json parsed = json::parse(info.optimizer, nullptr, false), now = optimizer_json(o.adamw);
+  const json saved = parsed.is_object() ? parsed : json::object();  // a hand-made header: every key differs
   // The settings lr_at reads; --min-lr and --lr-decay-steps only where a decay reads them.
   std::vector<std::string> keys = {"lr", "warmup_steps", "lr_decay"};
   if (now.at("lr_decay") != "constant" || saved.value("lr_decay", "constant") != "constant")
