@@ -6,6 +6,7 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <set>
 #include <tuple>
 
 #include <fmt/format.h>
@@ -310,6 +311,9 @@ TableCalibration calibrate_from_trace(const core::Program& program, const CostMo
   }
   ClassSeconds measured{};
   std::size_t kernels = 0;
+  // The GPU of each kernel event (the PyTorch profiler's "args": {"device": N}, else its "pid"): the
+  // trace must be one GPU's, whose kernels add up to one device's step.
+  std::set<std::string> gpus;
   for (std::size_t i = 0; i < events->size(); ++i) {
     const json& e = (*events)[i];
     if (!e.is_object()) continue;
@@ -328,6 +332,11 @@ TableCalibration calibrate_from_trace(const core::Program& program, const CostMo
     if (!std::isfinite(dur) || dur < 0 || dur > 1e12)
       throw core::Error(
           fmt::format("{}: traceEvents[{}].dur: expected a duration in [0, 1e12] microseconds, got {}", where, i, dur));
+    const auto args = e.find("args");
+    if (args != e.end() && args->is_object() && args->contains("device"))
+      gpus.insert(core::printable(args->at("device").dump(), 20));
+    else if (e.contains("pid"))
+      gpus.insert(core::printable(e.at("pid").dump(), 20));
     KernelClass k;
     if (!classify_kernel(e.at("name").get<std::string>(), k)) continue;
     measured[ix(static_cast<int>(k))] += dur * 1e-6 / steps;
@@ -335,6 +344,12 @@ TableCalibration calibrate_from_trace(const core::Program& program, const CostMo
   }
   if (kernels == 0)
     throw core::Error(where + ": no GPU kernel events (\"ph\": \"X\", \"cat\": \"kernel\") in the trace");
+  if (gpus.size() > 1)
+    throw core::Error(
+        fmt::format("{}: kernel events of {} GPUs ({}, {}, ...: their \"args.device\" or \"pid\"): calibrate fits one "
+                    "device's step; "
+                    "give the trace of the GPU that ran --device {}",
+                    where, gpus.size(), *gpus.begin(), *std::next(gpus.begin()), device));
   ClassSeconds predicted{};
   const core::Plan& plan = program.plan_for(device);
   for (const auto& stream : plan.streams)

@@ -291,3 +291,27 @@ TEST(TableCalibration, CliRefusesBadInputsInOneLine) {
   EXPECT_NE(r.output.find("has no kernel table to calibrate"), std::string::npos) << r.output;
   EXPECT_FALSE(std::filesystem::exists(dir + "/out.json"));
 }
+
+// A trace holding several GPUs' kernels (the profiler of a process driving two GPUs, two ranks' traces
+// merged) would add them up as one device's step: refused in one line naming two of them. One GPU's
+// kernels, named by "args": {"device"} or by "pid", are taken.
+TEST(TableCalibration, TraceOfSeveralGpusRefused) {
+  auto p = compile("qwen3-9m", 1, 2);
+  CostModel cost(h200());
+  auto kernel = [](const json& where) {
+    json e = {{"ph", "X"}, {"cat", "kernel"}, {"name", "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT"}, {"dur", 100}};
+    e.update(where);
+    return e;
+  };
+  const json one = {{"traceEvents", {kernel({{"args", {{"device", 0}}}}), kernel({{"pid", 0}})}}};
+  EXPECT_NO_THROW(calibrate_from_trace(*p, cost, one, 1, 0, "t.json"));
+  const json two = {{"traceEvents", {kernel({{"args", {{"device", 0}}}}), kernel({{"args", {{"device", 1}}}})}}};
+  try {
+    calibrate_from_trace(*p, cost, two, 1, 0, "t.json");
+    FAIL() << "accepted a trace of two GPUs";
+  } catch (const piper::core::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("t.json: kernel events of 2 GPUs (0, 1, ...:"), std::string::npos) << m;
+    EXPECT_EQ(m.find('\n'), std::string::npos);
+  }
+}
