@@ -120,7 +120,14 @@ int run_calibrate(const CalibrateArgs& a) {
   }
   fmt::print("table written to {}\n", a.output);
   if (!a.cluster_output.empty()) {
-    core::write_file_atomically(a.cluster_output, calibrated_cluster(a.cluster, a.output).dump(1) + "\n");
+    // The table as a path relative to the cluster file's folder (the spec's rule for table files), so the
+    // cluster reads the same table from any working directory.
+    namespace fs = std::filesystem;
+    const std::string table = fs::absolute(a.output)
+                                  .lexically_normal()
+                                  .lexically_relative(fs::absolute(a.cluster_output).lexically_normal().parent_path())
+                                  .string();
+    core::write_file_atomically(a.cluster_output, calibrated_cluster(a.cluster, table).dump(1) + "\n");
     fmt::print("cluster written to {}\n", a.cluster_output);
   }
   return 0;

@@ -583,6 +583,30 @@ TEST_F(HostileInput, CalibrateAgainstAClusterWithATableFileRefused) {
   EXPECT_EQ(run("simulate --model qwen3-9m --cluster c.json --engine analytic").exit_code, 0);
 }
 
+// `calibrate --cluster-output` wrote the table's path as given on the command line (relative to the
+// working directory), where a cluster spec's table files are relative to the cluster file: from another
+// folder the calibrated cluster named a table it could not find. It now writes the path relative to
+// the cluster file.
+TEST_F(HostileInput, CalibratedClusterFindsItsTableFromAnyFolder) {
+  input("cal.json",
+        R"({"format": "piper-calibration", "entries": [{"kind": "COMPUTE", "pass": "F", "seconds": 0.001},
+            {"kind": "COMPUTE", "pass": "B", "seconds": 0.002}, {"kind": "UPD", "seconds": 0.001}]})");
+  fs::create_directories(dir_ / "tables");
+  fs::create_directories(dir_ / "clusters");
+  const CliResult made =
+      run("calibrate --model qwen3-9m --pp 1 --microbatches 2 --calibration cal.json --cluster "
+          "dgx-h200 -o tables/t.json --cluster-output clusters/c.json");
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  EXPECT_EQ(json::parse(read_file(dir_ / "clusters/c.json")).at("node").at("gpu").at("kernel_table"),
+            "../tables/t.json");
+  for (const fs::path& folder : {dir_, dir_ / "clusters", dir_ / "tables"}) {
+    const fs::path cluster = fs::relative(dir_ / "clusters/c.json", folder);
+    const CliResult r = run_cli_in(
+        folder, PIPER_CLI, "simulate --model qwen3-9m --engine analytic --cluster " + cluster.string(), "timeout 120");
+    EXPECT_EQ(r.exit_code, 0) << folder << ": " << r.err;
+  }
+}
+
 // A resumed run followed its own learning-rate schedule, not the one its checkpoint records: a run of
 // 2 steps decaying (cosine, --lr-decay-steps defaulting to --steps) to --min-lr at step 2, resumed
 // to 6, went back up to 5.5e-4 at step 3; resumed without --lr-decay it ran at --lr. Exit 0 both.
