@@ -633,13 +633,16 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
     make_transfers_blocking(g, plan_order, ref, plan);
 
     // Persistent state of each segment on this plan, sized by its sharding (ZeRO-aware).
-    auto add_state = [&](const Segment& seg, std::int64_t params, const std::string& what) {
+    // FP8 (Transformer Engine) also keeps a 1-byte fp8 copy of the weights of its fp8 GEMMs (`gemm`
+    // of `params`: the blocks' linear layers, not the embedding, head, norms, biases or router),
+    // sharded by ZeRO-3 like the parameters.
+    const bool fp8 = dag.training.precision == Precision::FP8;
+    auto add_state = [&](const Segment& seg, std::int64_t params, std::int64_t gemm, const std::string& what) {
       const std::string suffix = what + " s" + std::to_string(seg.index);
       plan.buffers.push_back({"params" + suffix,
                               BufferKind::Parameters,
-                              // FP8 (Transformer Engine) also keeps an fp8 copy of each weight.
-                              Segment::shard_elems(params, seg.zero_divisor(3)) *
-                                  (dt + (dag.training.precision == Precision::FP8 ? 1 : 0)),
+                              Segment::shard_elems(params, seg.zero_divisor(3)) * dt +
+                                  (fp8 ? Segment::shard_elems(gemm, seg.zero_divisor(3)) : 0),
                               {},
                               {}});
       plan.buffers.push_back(
@@ -657,8 +660,8 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
     for (const auto& seg : dag.segments) {
       auto set = segment_set[static_cast<std::size_t>(seg.index)];
       if (set == kNoDevices || !in_plan[static_cast<std::size_t>(set)]) continue;
-      if (seg.costs.params > 0) add_state(seg, seg.local_params(), "");
-      if (seg.tied_copy > 0) add_state(seg, seg.copy_local_params(), " tied embedding copy");
+      if (seg.costs.params > 0) add_state(seg, seg.local_params(), seg.local_gemm_weight_params(), "");
+      if (seg.tied_copy > 0) add_state(seg, seg.copy_local_params(), 0, " tied embedding copy");
     }
     // Transient buffers: allocated by their producer, freed by their last consumer on this device.
     for (auto v : plan_order) {

@@ -101,6 +101,7 @@ std::string to_string(LayerKind k) {
 Costs& Costs::operator+=(const Costs& o) {
   params += o.params;
   param_bytes += o.param_bytes;
+  gemm_weight_params += o.gemm_weight_params;
   forward_flops += o.forward_flops;
   backward_input_flops += o.backward_input_flops;
   backward_weight_flops += o.backward_weight_flops;

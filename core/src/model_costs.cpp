@@ -149,6 +149,7 @@ Costs attention_costs(const LayerShape& sh, const Dims& d) {
     stash_elems = h + ql + nh * qk_dim + (kvl + rope) + nh * qk_dim + nh * v_dim + nh * v_dim;
   }
   c.params = matmul_elems + other_params;
+  c.gemm_weight_params = matmul_elems;  // TE's fp8 linears: QKV (MLA: its projections) and output
   // GEMM kernels: MHA/GQA runs Q, K and V as one fused column-parallel GEMM plus the output
   // projection (Megatron-LM's layout); MLA runs q_a, q_b (or one q), kv_a, kv_b and o.
   const int projections = !mla ? 2 : (sh.q_lora_rank > 0 ? 5 : 4);
@@ -211,6 +212,7 @@ Costs mlp_costs(const LayerShape& sh, const Dims& d) {
   // SwiGLU: gate, up (h x f each) and down (f x h); GELU: up and down.
   const std::int64_t matmul_elems = (swiglu ? 3 : 2) * h * f;
   c.params = matmul_elems + (sh.bias ? f + h : 0);
+  c.gemm_weight_params = matmul_elems;  // fc1, fc2 (not their biases)
   // Two GEMM kernels: fc1 (SwiGLU's gate and up fused into one 2f-wide GEMM, as Megatron-LM runs
   // it) and fc2.
   matmul_costs(c, d, matmul_elems, h, h * d.dt, 2);
@@ -236,6 +238,7 @@ Costs router_costs(const LayerShape& sh, const Dims& d) {
   Costs c;
   const std::int64_t h = sh.hidden, e = sh.experts;
   // A linear gate h x E (DeepSeek-V3's E-element score-correction bias is ignored: < 1e-4 of it).
+  // Not an fp8 GEMM weight (Megatron-LM's router is a plain fp32/bf16 parameter): no fp8 copy.
   c.params = h * e;
   matmul_costs(c, d, h * e, h, e * 4, 1);                       // writes fp32 router probabilities
   c.activation_bytes = d.tokens * h * d.dt + d.tokens * e * 4;  // input + fp32 probabilities
@@ -248,6 +251,7 @@ Costs experts_costs(const LayerShape& sh, const Dims& d) {
   const std::int64_t h = sh.hidden, f = sh.ffn, e = sh.experts, k = sh.top_k;
   const std::int64_t per_expert = 3 * h * f;  // SwiGLU experts
   c.params = e * per_expert;
+  c.gemm_weight_params = c.params;  // fp8 grouped GEMMs
   // Only the T*top_k routed token copies are computed (balanced routing assumed).
   c.forward_flops = 2.0 * d.T * static_cast<double>(k) * static_cast<double>(per_expert);
   c.backward_input_flops = c.forward_flops;
@@ -268,7 +272,8 @@ Costs head_costs(const LayerShape& sh, const Dims& d) {
   Costs c;
   const std::int64_t h = sh.hidden, v = sh.vocab;
   // A tied head reuses the embedding matrix: no own parameters, same FLOPs (its weight gradient is
-  // still computed here and added to the embedding's).
+  // still computed here and added to the embedding's). Megatron-LM keeps the output layer in bf16
+  // under --fp8 (not a Transformer Engine linear): no fp8 copy of its weight (gemm_weight_params 0).
   c.params = sh.tied_with_embedding ? 0 : v * h;
   matmul_costs(c, d, v * h, h, v * 4, 1);  // logits written in fp32
   // Softmax cross-entropy: ~5 FLOPs per logit (max, subtract, exp, sum, log); its backward
@@ -581,6 +586,7 @@ Costs layer_costs(const Layer& unpadded, const TrainingShape& shape,  // NOLINT(
       // the bias-dropout-add on the hidden after the row-parallel GEMM is replicated (SP: sliced).
       div_all(c, t);
       c.params = base.params / t;
+      c.gemm_weight_params = base.gemm_weight_params / t;
       if (layer.shape.attention_kernel == AttentionKernel::Standard) {
         const std::int64_t hf = T * h * standard_hidden_forward_bytes(layer.shape, dt),
                            hb = T * h * standard_hidden_backward_bytes(layer.shape, dt);
@@ -629,6 +635,7 @@ Costs layer_costs(const Layer& unpadded, const TrainingShape& shape,  // NOLINT(
       const std::int64_t f = layer.shape.ffn, k = layer.shape.top_k, rows = T * k / s;
       const std::int64_t touched = std::min(layer.shape.experts, T * k);
       c.params = base.params / t;
+      c.gemm_weight_params = base.gemm_weight_params / t;
       c.forward_memory_bytes = touched * 3 * h * f * dt / t + 2 * t * rows * h * dt;
       c.backward_memory_bytes = 2 * c.forward_memory_bytes;
       if (t > 1) {

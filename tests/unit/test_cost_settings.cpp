@@ -1,6 +1,6 @@
 // Settings the cost model answers to, checked by hand on small plans: ZeRO-2/3 gradient reduction
 // per microbatch or per step (traffic and memory), TP communication overlap, and precision (fp8's
-// weight copies and GEMM rates, fp32/tf32 on a GPU without a kernel table).
+// weight copies of the fp8 GEMM weights and GEMM rates, fp32/tf32 on a GPU without a kernel table).
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -116,15 +116,19 @@ TEST(CostSettings, TensorParallelCommunicationOverlap) {
 TEST(CostSettings, PrecisionSetsGemmDtypeMemoryAndRates) {
   core::StrategyOptions o;
   const auto bf16 = compile(o);
-  // FP8 keeps a 1-byte copy of each weight beside the bf16 one.
+  // FP8 keeps a 1-byte copy of each fp8 GEMM weight beside the bf16 parameters: qwen3-9m's 4 blocks
+  // of attention projections 256·256 + 2·256·128 + 256·256 = 196,608 and 8 experts of 3·256·128 =
+  // 786,432, 3,932,160 in all (not the embedding, head, norms or router).
   const std::int64_t P = bf16.model.parameter_count();
+  const std::int64_t gemm_weights = 4 * (196608 + 786432);
   const CostModel h200(load_cluster("dgx-h200"));
   const auto& op16 = bf16.result.program.plan_for(0).streams[0].ops[0];
   for (auto pr : {core::Precision::FP8, core::Precision::TF32}) {
     const auto c = compile(o, spec_with(pr));
     const core::Program& p = c.result.program;
     EXPECT_EQ(c.model.parameter_count(), P);
-    EXPECT_EQ(buffer_bytes(p, 0, core::BufferKind::Parameters), pr == core::Precision::FP8 ? P * 3 : P * 4);
+    EXPECT_EQ(buffer_bytes(p, 0, core::BufferKind::Parameters),
+              pr == core::Precision::FP8 ? P * 2 + gemm_weights : P * 4);
     for (const auto& k : p.segments[0].kernels[0]) {
       if (k.kind == core::KernelKind::Gemm) {
         EXPECT_EQ(k.dtype, pr);
@@ -153,6 +157,59 @@ TEST(CostSettings, PrecisionSetsGemmDtypeMemoryAndRates) {
   g.dtype = core::Precision::TF32;
   const double tf32 = g.flops / (312e12 / 2 * 0.75 * g.flops / (g.flops + 2e9)) + 2e-6;
   EXPECT_NEAR(a100.seconds(g), tf32, 1e-12 * tf32);
+}
+
+// Under fp8 training Transformer Engine keeps a 1-byte fp8 copy of the weights of the GEMMs it runs in
+// fp8 only: the blocks' linear layers (attention QKV and output projections, MLP fc1/fc2, routed
+// experts). The embedding, the LM head (Megatron-LM's output layer stays bf16), norms and the router
+// have none. The copy is the difference between a device's parameter bytes under fp8 and under bf16
+// (both store 2 bytes a parameter), divided by TP and EP and sharded by ZeRO-3 like the parameters.
+// Before, every parameter had one (41,312 bytes for the tiny dense model on one device).
+//
+// runtime-tiny-dense (h 32, 4 heads of 8 over 2 KV heads, ffn 64, SwiGLU, V 64, 4 blocks, untied):
+//   a block's GEMM weights: q 32·32 + k, v 2·32·16 + o 32·32 = 3,072; fc1 2·32·64 + fc2 64·32 = 6,144
+//   one device: 4 · (3,072 + 6,144) = 36,864 (the other 4,448 of the 41,312 parameters: embedding and
+//     head 64·32 each, qk-norms 2·8 and norms 2·32 a block, the final norm 32)
+//   TP 2: 4 · (1,536 + 3,072) = 18,432;  TP 2 x DP 2, ZeRO-3: 18,432 / 2 = 9,216
+// runtime-tiny-moe (the same attention; 4 experts of ffn 32 top-2, one shared expert of ffn 32):
+//   a block's GEMM weights: attention 3,072; experts 4 · 3·32·32 = 12,288; shared expert 3·32·32 = 3,072
+//   one device: 4 · (3,072 + 12,288 + 3,072) = 73,728 (not the router's 32·4 a block)
+//   TP 2 x DP 2, EP 2, ZeRO-3: attention and shared expert split by TP, then halved by ZeRO-3 over the
+//     2 replicas: (1,536 + 1,536) / 2 = 1,536 a block; experts 2 of 4 a device (EP 2, ETP 1) over
+//     4 / 2 = 2 replicas: 12,288 / 2 / 2 = 3,072 a block; 4 · (1,536 + 3,072) = 18,432
+TEST(CostSettings, Fp8WeightCopyHoldsOnlyTheFp8GemmWeights) {
+  auto spec = [](const std::string& file, core::Precision pr) {
+    core::ModelConfig cfg = core::load_model_config(std::string(PIPER_SOURCE_DIR) + "/tests/data/" + file + ".json");
+    cfg.training.precision = pr;
+    cfg.name = file + "-" + core::to_string(pr);
+    return piper::test::write_spec(cfg);
+  };
+  struct Case {
+    std::string model;
+    int tp, dp, ep, zero;
+    std::int64_t fp8_copy;  // bytes a device, by hand (above)
+  };
+  const std::vector<Case> cases = {{"runtime-tiny-dense", 1, 1, 1, 0, 36864},
+                                   {"runtime-tiny-dense", 2, 1, 1, 0, 18432},
+                                   {"runtime-tiny-dense", 2, 2, 1, 3, 9216},
+                                   {"runtime-tiny-moe", 1, 1, 1, 0, 73728},
+                                   {"runtime-tiny-moe", 2, 2, 2, 3, 18432}};
+  for (const auto& c : cases) {
+    core::StrategyOptions o;
+    o.tp = c.tp;
+    o.dp = c.dp;
+    o.ep = c.ep;
+    o.zero = c.zero;
+    const core::Program fp8 = compile(o, spec(c.model, core::Precision::FP8)).result.program;
+    const core::Program bf16 = compile(o, spec(c.model, core::Precision::BF16)).result.program;
+    const int devices = c.tp * c.dp;
+    ASSERT_EQ(fp8.num_devices, devices) << c.model;
+    for (int d = 0; d < devices; ++d)
+      EXPECT_EQ(
+          buffer_bytes(fp8, d, core::BufferKind::Parameters) - buffer_bytes(bf16, d, core::BufferKind::Parameters),
+          c.fp8_copy)
+          << c.model << " TP " << c.tp << " DP " << c.dp << " EP " << c.ep << " ZeRO " << c.zero << " device " << d;
+  }
 }
 
 // ZeRO-3 with fp8 training (bf16 storage, 2 bytes a parameter) over 2 replicas: each per-use parameter

@@ -169,6 +169,11 @@ TEST(ModelFlops, CostsAdd) {
   EXPECT_EQ(a.output_bytes, 77);
   EXPECT_EQ(a.forward_memory_bytes, 88);
   EXPECT_EQ(a.backward_memory_bytes, 99);
+  Costs fp8_weights;
+  fp8_weights.gemm_weight_params = 7;
+  a += fp8_weights;
+  a += fp8_weights;
+  EXPECT_EQ(a.gemm_weight_params, 14);
   EXPECT_EQ(bytes_per_element(Precision::FP32), 4);
   EXPECT_EQ(bytes_per_element(Precision::BF16), 2);
 }

@@ -26,6 +26,7 @@ void recost_segments(PassContext& cx, const std::vector<int>& tp_by) {
     for (int l = seg.first_layer; l < seg.last_layer; ++l)
       c += layer_costs(dag.layers.at(static_cast<std::size_t>(l)), dag.training, layout);
     seg.tp_local_params = c.params;
+    seg.tp_local_gemm_weight_params = c.gemm_weight_params;
     costs[static_cast<std::size_t>(seg.index)] = c;
     changed[static_cast<std::size_t>(seg.index)] = 1;
   }

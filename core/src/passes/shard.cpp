@@ -20,6 +20,7 @@ namespace {
 void scale_costs(Costs& c, int degree) {
   c.params /= degree;
   c.param_bytes /= degree;
+  c.gemm_weight_params /= degree;
   c.forward_memory_bytes /= degree;
   c.backward_memory_bytes /= degree;
 }

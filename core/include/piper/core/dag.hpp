@@ -114,8 +114,9 @@ struct Segment {
   // Set by the context_parallel pass (ContextParallelDirective): CP degree, K/V exchange, CP groups.
   int cp_degree = 1;
   bool cp_all_gather = false;
-  int cp_family = -1;                // GlobalDag::families index of the CP groups (purpose "cp")
-  std::int64_t tp_local_params = 0;  // parameters one TP rank holds (norms replicated), when tp_degree > 1
+  int cp_family = -1;                            // GlobalDag::families index of the CP groups (purpose "cp")
+  std::int64_t tp_local_params = 0;              // parameters one TP rank holds (norms replicated), when tp_degree > 1
+  std::int64_t tp_local_gemm_weight_params = 0;  // of those, fp8 GEMM weights (Costs::gemm_weight_params)
   // Routed experts under a tensor_parallel directive: tp_degree is its expert_degree (ETP) and the
   // experts' input is the 1/token_split sequence slice of the stage (its SP degree, else 1).
   int token_split = 1;
@@ -124,6 +125,11 @@ struct Segment {
   int a2a_chunks = 1;
   // Parameters of one shard (EP shard, TP rank, or both: an ETP slice of E/ep experts), before ZeRO.
   std::int64_t local_params() const { return (tp_degree > 1 ? tp_local_params : costs.params) / shard_degree; }
+  // Of those, the weights of the GEMMs fp8 training runs in fp8 (Costs::gemm_weight_params): what
+  // keeps a 1-byte fp8 copy under precision fp8. The tied copy (an LM head's) has none.
+  std::int64_t local_gemm_weight_params() const {
+    return (tp_degree > 1 ? tp_local_gemm_weight_params : costs.gemm_weight_params) / shard_degree;
+  }
   // A head tied to the embedding of another segment keeps its own copy of the table (Megatron's
   // embedding group; both runtime backends do the same, V placements included): V·h parameters,
   // whole (vocabulary-parallel under TP), with gradient and optimizer state like the segment's own.

@@ -18,7 +18,8 @@ using TagMap = std::map<std::string, int>;
 // Training precision. BF16/FP16: mixed precision (half-precision weights, activations and GEMMs,
 // fp32 master weights and moments). FP32: everything fp32, GEMMs on the CUDA cores. TF32: fp32
 // storage, GEMMs on the tensor cores in TF32. FP8: BF16's storage with e4m3 GEMMs (Transformer
-// Engine's recipe), which also keeps an fp8 copy of each weight (1 byte per parameter).
+// Engine's recipe), which also keeps a 1-byte fp8 copy of each weight of its fp8 GEMMs (the linear
+// layers of the transformer blocks; Costs::gemm_weight_params).
 enum class Precision { BF16, FP16, FP32, TF32, FP8 };
 int bytes_per_element(Precision p);  // storage: 2, 2, 4, 4, 2
 std::string to_string(Precision p);  // "bf16", "fp16", "fp32", "tf32", "fp8"
@@ -107,6 +108,11 @@ struct Costs {
   // The simulator applies its GEMM efficiency curve per kernel instead of per op (cluster.hpp).
   // Zero: unknown (the op counts as one kernel). Not divided by TP: a split GEMM is still a kernel.
   int forward_gemm_kernels = 0, backward_input_gemm_kernels = 0, backward_weight_gemm_kernels = 0;
+  // Of `params`, the weights of the GEMMs Transformer Engine runs in fp8 (precision fp8): the linear
+  // layers inside the transformer blocks (attention projections, MLP fc1/fc2, routed experts).
+  // Embedding, LM head, norms, biases and the MoE router stay bf16. Lowering gives these, and only
+  // these, a 1-byte fp8 copy under fp8 training. Divided under TP and expert sharding like params.
+  std::int64_t gemm_weight_params = 0;
   double backward_flops() const { return backward_input_flops + backward_weight_flops; }
   Costs& operator+=(const Costs& o);
 };
