@@ -25,11 +25,15 @@ constexpr const char* kKindNames[] = {"gemm",        "attention_fwd", "attention
 struct KernelBuilder {
   const TrainingShape& shape;
   std::vector<Kernel> out;
+  // GEMMs that Transformer Engine's fp8 recipe leaves in bf16 (the LM head, which Megatron-LM keeps in
+  // bf16, the MoE router, the attention core's batched products): set while such a layer's kernels are
+  // listed. Only fp8 training differs: its other GEMMs run in e4m3.
+  bool high_precision = false;
 
   void gemm(std::int64_t m, std::int64_t n, std::int64_t k, double flops, double count = 1, std::int64_t batch = 1) {
     Kernel g;
     g.kind = KernelKind::Gemm;
-    g.dtype = shape.precision;
+    g.dtype = high_precision && shape.precision == Precision::FP8 ? Precision::BF16 : shape.precision;
     g.m = std::max<std::int64_t>(1, m);
     g.n = std::max<std::int64_t>(1, n);
     g.k = std::max<std::int64_t>(1, k);
@@ -79,6 +83,7 @@ void attention_core(KernelBuilder& kb, const LayerShape& sh, const TrainingShape
     const std::int64_t batch = shape.micro_batch_size * nh, S = shape.seq_len;
     const double unit = 2.0 * static_cast<double>(batch) * static_cast<double>(S) * static_cast<double>(S);
     const double scale = core / (unit * static_cast<double>(qk + v));  // 1 unless heads % t != 0
+    kb.high_precision = true;  // the core's products stay bf16 under fp8, as flash attention does
     if (!backward) {
       kb.gemm(S, S, qk, unit * qk * scale, 1, batch);  // Q·K^T
       kb.gemm(S, v, S, unit * v * scale, 1, batch);    // P·V
@@ -88,6 +93,7 @@ void attention_core(KernelBuilder& kb, const LayerShape& sh, const TrainingShape
       kb.gemm(S, qk, S, unit * qk * scale, 1, batch);  // dQ = dS·K
       kb.gemm(S, qk, S, unit * qk * scale, 1, batch);  // dK = dS^T·Q
     }
+    kb.high_precision = false;
     kb.elementwise(KernelKind::Elementwise, 0, 0, standard_elementwise);
     return;
   }
@@ -288,7 +294,7 @@ std::vector<Kernel> layer_kernels(const Layer& layer, const TrainingShape& shape
       if (k.kind == KernelKind::AttentionForward || k.kind == KernelKind::AttentionBackward) k.count *= L.cp;
     return out;
   }
-  KernelBuilder kb{shape, {}};
+  KernelBuilder kb{shape, {}, false};
   const LayerShape& sh = layer.shape;
   const int t = std::max(1, L.tp), seq = L.sequence_parallel ? t : 1;
   const std::int64_t T = shape.tokens_per_microbatch(), h = sh.hidden;
@@ -331,6 +337,7 @@ std::vector<Kernel> layer_kernels(const Layer& layer, const TrainingShape& shape
       break;
     case LayerKind::MoeRouter: {
       const double Ts = static_cast<double>(T) / seq, hd = static_cast<double>(h), E = static_cast<double>(sh.experts);
+      kb.high_precision = true;
       if (p == 1 && full) kb.linear(0, Ts, hd, E);
       kb.linear(p, Ts, hd, E);
       break;
@@ -345,6 +352,7 @@ std::vector<Kernel> layer_kernels(const Layer& layer, const TrainingShape& shape
       const double V = static_cast<double>(columns), Td = static_cast<double>(T), hd = static_cast<double>(h);
       const std::int64_t logits = T * columns;
       const double loss = 5.0 * Td * V;
+      kb.high_precision = true;
       if (p == 0) {
         kb.linear(0, Td, hd, V);
         kb.elementwise(KernelKind::Loss, logits, loss);

@@ -326,8 +326,8 @@ std::int64_t grad_accumulation_bytes(const GlobalDag& dag, const DagNode& n, int
 //  * all-gather copy-out: foreach_all_gather_copy_out waits for the all-gather on the current (compute)
 //    stream and torch.split_with_sizes_copy's the gathered flat output into each parameter's unsharded
 //    tensor, one kernel reading and writing all P gathered parameters in the gathered dtype a (2 for
-//    bf16, 1 with fp8 gathers): 2·a·P bytes before the first use of each gather, F's and the backward's
-//    (listed first in F and BI);
+//    bf16; with fp8 gathers 1 for the fp8 GEMMs' weights): 2·a·P bytes before the first use of each gather, F's and the
+//    backward's (listed first in F and BI);
 //  * reduce-scatter copy-in: foreach_reduce's foreach_reduce_scatter_copy_in (torch._chunk_cat, one
 //    kernel even when it casts bf16 to fp32: aten/src/ATen/native/cuda/TensorShape.cu's
 //    _chunk_cat_out_cuda) on the current stream, before the reduce-scatter stream waits for it (so since
@@ -340,10 +340,10 @@ std::int64_t grad_accumulation_bytes(const GlobalDag& dag, const DagNode& n, int
 void add_fsdp2_copy_kernels(const Segment& seg, const TrainingShape& t, PassKernels& pk) {
   if (!seg.fsdp2_copies || (pk[0].empty() && pk[1].empty() && pk[2].empty())) return;
   const std::int64_t params = seg.state_params();
-  const std::int64_t gathered = seg.gather_fp8 ? 1 : bytes_per_element(t.precision);
   Kernel copy_out;
   copy_out.kind = KernelKind::Copy;
-  copy_out.bytes = 2 * gathered * params;
+  copy_out.bytes = 2 * (seg.gather_fp8 ? seg.fp8_gather_bytes(bytes_per_element(t.precision))
+                                       : params * bytes_per_element(t.precision));
   pk[0].insert(pk[0].begin(), copy_out);
   pk[1].insert(pk[1].begin(), copy_out);
   Kernel copy_in;

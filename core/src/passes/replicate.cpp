@@ -142,7 +142,7 @@ std::vector<Vertex> emit_reductions(BucketContext& b, const DagNode& red, const 
 // bucket's parameters in their storage dtype (bf16 parameters gather 2 bytes each whatever the
 // gradients' dtype: Megatron's distributed optimizer, DeepSpeed's and FSDP's param_dtype gathers).
 void emit_gathers(BucketContext& b, const DagNode& red, const std::vector<int>& bucket, std::int64_t bytes,
-                  const std::string& what) {
+                  std::int64_t fp8_bytes, const std::string& what) {
   PassContext& cx = b.cx;
   auto& dag = cx.dag;
   DagNode ag = red;
@@ -165,8 +165,9 @@ void emit_gathers(BucketContext& b, const DagNode& red, const std::vector<int>& 
           key.push_back(cx.node(c).tags.contains(dim) ? cx.node(c).tags.at(dim) : -1);
         uses[{is_backward(cx.node(c).pass), key}].push_back(c);
       }
-    // fp8 gathers (Float8 training): one byte a parameter instead of the parameters' dtype.
-    const std::int64_t gathered = b.d.gather_fp8 ? bytes / bytes_per_element(dag.training.precision) : bytes;
+    // fp8 gathers (Float8 training): the fp8 GEMMs' weights one byte each, the other parameters
+    // (embedding, head, norms, biases, router) in their dtype.
+    const std::int64_t gathered = b.d.gather_fp8 ? fp8_bytes : bytes;
     for (auto& [key, users] : uses) {
       DagNode pre = ag;
       pre.bytes = gathered;
@@ -203,10 +204,13 @@ void emit_bucket(BucketContext& b, const Families& families, const std::vector<i
   const std::vector<Vertex> reduced = emit_reductions(b, red, families, bucket, bytes, what);
   if (b.has_upd())
     for (Vertex vr : reduced) dag.add_edge(vr, b.upd, {EdgeKind::Data, bytes, "grad"});
-  std::int64_t param_bytes = 0;
-  for (int s : bucket)
-    param_bytes += dag.segments[static_cast<std::size_t>(s)].state_params() * bytes_per_element(dag.training.precision);
-  emit_gathers(b, red, bucket, param_bytes, what);
+  std::int64_t param_bytes = 0, fp8_bytes = 0;
+  for (int s : bucket) {
+    const Segment& seg = dag.segments[static_cast<std::size_t>(s)];
+    param_bytes += seg.state_params() * bytes_per_element(dag.training.precision);
+    fp8_bytes += seg.fp8_gather_bytes(bytes_per_element(dag.training.precision));
+  }
+  emit_gathers(b, red, bucket, param_bytes, fp8_bytes, what);
 }
 
 void apply_replicate(PassContext& cx, const ReplicateDirective& d, int index) {

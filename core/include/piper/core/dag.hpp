@@ -130,6 +130,12 @@ struct Segment {
   std::int64_t local_gemm_weight_params() const {
     return (tp_degree > 1 ? tp_local_gemm_weight_params : costs.gemm_weight_params) / shard_degree;
   }
+  // Bytes of one shard's parameters gathered in fp8 (ReplicateDirective::gather_fp8, TorchTitan's Float8):
+  // the fp8 GEMMs' weights one byte each, every other parameter (the tied copy's included) in `dt` bytes.
+  std::int64_t fp8_gather_bytes(std::int64_t dt) const {
+    const std::int64_t gemm = local_gemm_weight_params();
+    return gemm + (state_params() - gemm) * dt;
+  }
   // A head tied to the embedding of another segment keeps its own copy of the table (Megatron's
   // embedding group; both runtime backends do the same, V placements included): V·h parameters,
   // whole (vocabulary-parallel under TP), with gradient and optimizer state like the segment's own.
