@@ -35,6 +35,17 @@ std::string scratch(const std::string& name) {
   return dir.string();
 }
 
+// The H200 cluster with the calibration's table (derived from h200-sxm) on every GPU, written under the
+// scratch folder `name`.
+Cluster h200_with_table(TableCalibration c, const std::string& name) {
+  c.base = "h200-sxm";
+  const std::string table = scratch(name) + "/t.json";
+  core::write_file_atomically(table, c.table_json("t", "test").dump());
+  Cluster cal = h200();
+  for (auto& n : cal.nodes) n.gpu.kernel_table = table;
+  return cal;
+}
+
 ClassSeconds step_by_class(const core::Program& p, const CostModel& cost, int device) {
   ClassSeconds out{};
   for (const auto& stream : p.plan_for(device).streams)
@@ -129,12 +140,7 @@ TEST(TableCalibration, OpTimesFitAndPredictAnotherPlan) {
   // Exact but for the fit's weak pull towards a common multiplier (here towards AdamW's 1.2).
   for (int k = 0; k < 3; ++k) EXPECT_NEAR(c.multiplier[static_cast<std::size_t>(k)], 1.7, 2e-3) << k;
   EXPECT_NEAR(c.multiplier[3], 1.2, 1e-4);
-  c.base = "h200-sxm";
-  const std::string dir = scratch("table_calibration");
-  core::write_file_atomically(dir + "/t.json", c.table_json("t", "test").dump());
-  Cluster cal = h200();
-  for (auto& n : cal.nodes) n.gpu.kernel_table = dir + "/t.json";
-  CostModel calibrated(cal);
+  CostModel calibrated(h200_with_table(c, "table_calibration"));
   auto q = compile("qwen3-1b", 2, 4);
   for (int d = 0; d < 2; ++d) {
     const ClassSeconds b = step_by_class(*q, cost, d), after = step_by_class(*q, calibrated, d);
@@ -175,12 +181,7 @@ TEST(TableCalibration, CalibratedTableReproducesTheMeasuredOpTimes) {
       ops.emplace_back(&op, e.seconds);
     }
   TableCalibration c = calibrate_from_ops(*p, cost, measured);
-  c.base = "h200-sxm";
-  const std::string dir = scratch("table_calibration_reproduce");
-  core::write_file_atomically(dir + "/t.json", c.table_json("t", "test").dump());
-  Cluster cal = h200();
-  for (auto& n : cal.nodes) n.gpu.kernel_table = dir + "/t.json";
-  CostModel calibrated(cal);
+  CostModel calibrated(h200_with_table(c, "table_calibration_reproduce"));
   for (const auto& [op, want] : ops) {
     const std::optional<double> got = calibrated.kernel_seconds(*p, 0, *op);
     ASSERT_TRUE(got);
