@@ -3,8 +3,8 @@
 #include "piper/core/model.hpp"
 
 #include <algorithm>
-#include <optional>
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
