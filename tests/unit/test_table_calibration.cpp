@@ -188,7 +188,8 @@ TEST(TableCalibration, CalibratedTableReproducesTheMeasuredOpTimes) {
     EXPECT_NEAR(*got / want, 1.0, 1e-4) << core::to_string(op->kind) << " " << core::to_string(op->pass);
   }
   // What the table records as each row's fit is what it predicts.
-  for (const auto& o : c.table_json("t", "test").at("calibration").at("observations"))
+  const json table = c.table_json("t", "test");  // held: a range over a temporary's member dangles
+  for (const auto& o : table.at("calibration").at("observations"))
     EXPECT_NEAR(o.at("fitted_s").get<double>() / o.at("measured_s").get<double>(), 1.0, 1e-4) << o.dump();
 }
 
