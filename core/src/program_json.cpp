@@ -445,16 +445,14 @@ void check_training_shape(const Program& p) {
   check_limit(Limit::TokensPerMicrobatch, tokens, "plan: field 'training'", "tokens per microbatch");
 }
 
-// The plan's model, as a compile would build it from the spec with the plan's training shape: every
-// field valid and within the limits, and learned positions (max_positions > 0) covering seq_len.
-void check_model_spec(const Program& p) {
+}  // namespace
+
+Model plan_model(const Program& p) {
   ModelConfig c = config_from_spec_json(p.model_spec, "plan: field 'model_spec'");
   c.training.seq_len = p.training.seq_len;
   c.training.micro_batch_size = p.training.micro_batch_size;
-  (void)build_model(c);
+  return build_model(c);
 }
-
-}  // namespace
 
 std::string to_string(OpKind k) { return kOpKindNames[static_cast<int>(k)]; }
 
@@ -594,7 +592,8 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
   check_training_shape(p);
   if (const json* f = optional_field(j, "model_spec")) {
     p.model_spec = as_object(*f, "model_spec");
-    check_model_spec(p);
+    // Every field valid and within the limits, learned positions covering seq_len: as a compile checks.
+    (void)plan_model(p);
   }
   if (const json* f = optional_field(j, "segments")) {
     as_array(*f, "segments");

@@ -32,7 +32,7 @@ core::Model program_model(const core::Program& program) {
     throw std::invalid_argument(
         "plan: field 'model_spec' is empty; the runtime needs the model to train (compile from a model spec or zoo "
         "name)");
-  core::Model model = core::build_model(core::config_from_spec_json(program.model_spec, "plan model_spec"));
+  core::Model model = core::plan_model(program);
   model.set_training(program.training);
   const int layers = static_cast<int>(model.layers().size());
   for (std::size_t s = 0; s < program.segments.size(); ++s)

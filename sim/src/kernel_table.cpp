@@ -619,7 +619,7 @@ double causal_attention_flops(const Kernel& k) {
 }
 
 double KernelTiming::seconds(const Kernel& k) const {
-  const double launch = table ? table->launch_floor_s : KernelTable::kDefaultLaunchFloor;
+  const double launch = launch_floor();
   // Without a table: GEMMs at the GPU's curve-free efficiency of its dense bf16 peak, scaled by the
   // datasheet ratio of the dtype's peak on A100 and H100 (fp32 on the CUDA cores 1/16, tf32 1/2, fp8
   // 2x); element-wise work at the HBM peak (what the FLOP roofline assumed; no measurement says more).
@@ -653,7 +653,7 @@ double KernelTiming::seconds(const Kernel& k) const {
 }
 
 double KernelTiming::launch_seconds(const Kernel& k) const {
-  const double launch = table ? table->launch_floor_s : KernelTable::kDefaultLaunchFloor;
+  const double launch = launch_floor();
   if (k.kind == KernelKind::Gemm || k.kind == KernelKind::AttentionForward || k.kind == KernelKind::AttentionBackward)
     return launch;
   return bytes(k) > 0 ? elementwise_cost(k.kind, profile).launches * launch : 0;

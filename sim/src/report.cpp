@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "piper/core/model.hpp"
+#include "piper/core/program.hpp"
 #include "piper/sim/engine.hpp"
 #include "piper/sim/ready_tracker.hpp"
 
@@ -144,14 +145,11 @@ namespace {
 // across a TP group without sequence parallelism, recomputed forwards) is hardware work, not model work.
 std::optional<double> model_flops_per_microbatch(const core::Program& program) {
   if (program.model_spec.is_null()) return std::nullopt;
-  core::ModelConfig c = core::config_from_spec_json(program.model_spec, "plan: field 'model_spec'");
-  c.training.seq_len = program.training.seq_len;
-  c.training.micro_batch_size = program.training.micro_batch_size;
-  const core::Model model = core::build_model(c);
+  const core::Model model = core::plan_model(program);
   double flops = 0;
   for (std::size_t i = 0; i < model.layers().size(); ++i) {
     const core::Costs costs = model.layer_cost(i);
-    flops += costs.forward_flops + costs.backward_input_flops + costs.backward_weight_flops;
+    flops += costs.forward_flops + costs.backward_flops();
   }
   return flops;
 }

@@ -90,7 +90,7 @@ ClassSeconds class_seconds(const core::Program& program, const CostModel& cost, 
   double launches = 0;
   if (op.kind == OpKind::Update) {
     // One launch of the fused multi-tensor AdamW (CostModel::update_seconds).
-    launches = std::min(*modelled, t.table ? t.table->launch_floor_s : KernelTable::kDefaultLaunchFloor);
+    launches = std::min(*modelled, t.launch_floor());
     out[ix(static_cast<int>(KernelClass::Adamw))] = *modelled - launches;
   } else {
     const core::PassKernels& pk = program.segments[static_cast<std::size_t>(op.segment)].kernels;
@@ -105,7 +105,7 @@ ClassSeconds class_seconds(const core::Program& program, const CostModel& cost, 
     // memory-bound kernel: a launch and its bytes.
     const double rest = *modelled - total(out) - launches;
     if (rest > 0) {
-      const double floor = std::min(rest, t.table ? t.table->launch_floor_s : KernelTable::kDefaultLaunchFloor);
+      const double floor = std::min(rest, t.launch_floor());
       out[ix(static_cast<int>(KernelClass::Memory))] += rest - floor;
       launches += floor;
     }

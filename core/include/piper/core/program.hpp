@@ -220,5 +220,9 @@ std::string output_target(const std::string& path);
 // follows: `NAME.tmp.`, or for a name too long to take it within NAME_MAX, its first 180 bytes and a
 // hash of the whole name (two long names that share their start get temporaries of their own).
 std::string temporary_prefix(const std::string& name);
+// The plan's model as a compile builds it: its `model_spec` with the plan's sequence length and micro
+// batch size (ModelError naming "plan: field 'model_spec'" for a spec a compile would refuse). The
+// spec must be present (Program::model_spec not null).
+Model plan_model(const Program& p);
 
 }  // namespace piper::core

@@ -131,6 +131,8 @@ struct KernelTiming {
   double half_efficiency_flops = 0;
   KernelTable::AttentionKernel attention_kernel{};  // the cluster's attention implementation (1, 1: the table's own)
   double seconds(const core::Kernel& k) const;
+  // One launch's floor: the table's launch_floor_s, or KernelTable::kDefaultLaunchFloor without a table.
+  double launch_floor() const { return table ? table->launch_floor_s : KernelTable::kDefaultLaunchFloor; }
   // The part of seconds(k) that is launch floors (KernelTable::launch_floor_s per launch): what a
   // table's rate scales do not move.
   double launch_seconds(const core::Kernel& k) const;
