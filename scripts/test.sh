@@ -47,9 +47,10 @@ build_sanitize() { cmake --preset sanitize >/dev/null && cmake --build --preset 
 # slow unwinder (tests/CMakeLists.txt, docs/reliability.md).
 # LeakSanitizer's tracer itself crashes now and then at process exit (not a leak; see
 # tests/sanitizer/lsan_tracer_crashes.py): tests that failed only so run once more, alone.
-# The sanitize test preset (CMakePresets.json) leaves out four tune property tests that evaluate every
+# The sanitize test preset (CMakePresets.json) leaves out five tune property tests that evaluate every
 # candidate of a large space or full-size models (92 s and 42 s under ASan for the first two, 5 s and 3 s
-# without; the two step time bound tests 5-6 s each without): the code they run is the tune code the
+# without; the three step time bound tests 2-8 s each without, 24 s under ASan for the expert
+# all-to-all one): the code they run is the tune code the
 # other Tune tests run under ASan; the default CTest stage runs them in full. It leaves
 # out fidelity_steptimes too: a Python test of the step-time script (not instrumented) whose three
 # simulations took 58 s with the sanitized piper; the CTest stage runs it.
