@@ -223,6 +223,43 @@ TEST(CudaBackendEquivalence, Gpt_Tied_TensorParallel_TP2xPP2) {
 TEST(CudaBackendEquivalence, Bf16_TensorParallel_TP2xPP2) {
   expect_equivalent("bf16-tp2", compile(2, 1, 1, 0, 4, "1f1b", kDense, [](auto& o) { o.tp = 2; }), cu::DType::BF16);
 }
+// Context parallelism (the host's RuntimeEquivalence.CP* cases): each CP rank holds the load-balanced
+// chunks rank and 2·cp-1-rank of every sequence; RoPE at those positions, K/V gathered over the CP group,
+// the reference kernels masking by global position, dK/dV reduce-scattered back to their owners, the
+// gradients reduced over DP x CP.
+TEST(CudaBackendEquivalence, ContextParallel_CP2) {
+  expect_equivalent("cp2", compile(1, 1, 1, 0, 2, "1f1b", kDense, [](auto& o) { o.cp = 2; }));
+}
+TEST(CudaBackendEquivalence, ContextParallel_CP4_SelectiveRecompute) {
+  expect_equivalent("cp4-selective", compile(1, 1, 1, 0, 2, "1f1b", kDense, [](auto& o) {
+                      o.cp = 4, o.cp_all_gather = true;
+                      o.recompute = "selective";
+                    }));
+}
+TEST(CudaBackendEquivalence, ContextParallel_CP2xPP2_FullRecompute) {
+  expect_equivalent("cp2-pp2-full", compile(2, 1, 1, 0, 4, "1f1b", kDense, [](auto& o) {
+                      o.cp = 2;
+                      o.recompute = "full";
+                    }));
+}
+TEST(CudaBackendEquivalence, ContextParallel_CP2xDP2_Zero1_ClipGrad) {
+  expect_equivalent("cp2-dp2-zero1-clip", compile(1, 2, 1, 1, 2, "1f1b", kDense, [](auto& o) {
+                      o.cp = 2;
+                      o.clip_grad = 0.05;
+                    }));
+}
+TEST(CudaBackendEquivalence, ContextParallel_CP2xEP2_MoE) {
+  expect_equivalent("cp2-ep2", compile(1, 1, 2, 0, 2, "1f1b", kModel, [](auto& o) { o.cp = 2; }));
+}
+TEST(CudaBackendEquivalence, ContextParallel_TP2xCP2_SequenceParallel) {
+  expect_equivalent("tp2-cp2-sp", compile(1, 1, 1, 0, 2, "1f1b", kDense, [](auto& o) {
+                      o.tp = 2, o.cp = 2;
+                      o.sequence_parallel = true;
+                    }));
+}
+TEST(CudaBackendEquivalence, Bf16_ContextParallel_CP2xPP2) {
+  expect_equivalent("bf16-cp2-pp2", compile(2, 1, 1, 0, 4, "1f1b", kDense, [](auto& o) { o.cp = 2; }), cu::DType::BF16);
+}
 TEST(CudaBackendEquivalence, Bf16_OneFOneB_PP2xDP2) {
   expect_equivalent("bf16-1f1b", compile(2, 2, 1, 0, 4, "1f1b"), cu::DType::BF16);
 }

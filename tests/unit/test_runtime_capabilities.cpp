@@ -71,10 +71,18 @@ TEST(RuntimeCapabilities, CudaAcceptsTensorAndSequenceParallelism) {
                 kCudaTail);
 }
 
-TEST(RuntimeCapabilities, CudaRefusesContextParallelism) {
-  core::StrategyOptions o = strategy(1, 1, 1, 0, 2);
+// Context parallelism is accepted (each rank's load-balanced chunks, K/V gathered over the CP group and
+// dK/dV returned, through the transport inside the attention ops; the reference attention kernels mask
+// by global position); the refusal stays for a backend without it.
+TEST(RuntimeCapabilities, CudaAcceptsContextParallelism) {
+  core::StrategyOptions o = strategy(1, 1, 1, 0, 2), tp_cp = strategy(1, 1, 1, 0, 2);
   o.cp = 2;
-  EXPECT_EQ(unsupported_feature(compile(o, kDense), cuda_capabilities()),
+  tp_cp.cp = 2, tp_cp.tp = 2, tp_cp.sequence_parallel = true;
+  EXPECT_EQ(unsupported_feature(compile(o, kDense), cuda_capabilities()), "");
+  EXPECT_EQ(unsupported_feature(compile(tp_cp, kDense), cuda_capabilities()), "");
+  piper::runtime::Capabilities none = cuda_capabilities();
+  none.context_parallel = false;
+  EXPECT_EQ(unsupported_feature(compile(o, kDense), none),
             "plan: segment 0 is context-parallel (cp_degree 2); the CUDA backend does not run context parallelism" +
                 kCudaTail);
 }
@@ -125,11 +133,10 @@ TEST(RuntimeCapabilities, CudaAcceptsGptStyleLayers) {
 
 // The host backend runs every one of them; the refusal is one line and check_capabilities throws it.
 TEST(RuntimeCapabilities, HostRunsWhatCudaRefusesAndRefusalsAreOneLine) {
-  core::StrategyOptions cp = strategy(1, 1, 1, 0, 2);
-  cp.cp = 2;
-  core::StrategyOptions etp = strategy(1, 2, 1, 0, 2);
+  core::StrategyOptions etp = strategy(1, 2, 1, 0, 2), etp_sp = strategy(1, 2, 1, 0, 2);
   etp.etp = 2;
-  const core::Program plans[] = {compile(cp, kDense), compile(etp, kMoe)};
+  etp_sp.etp = 2, etp_sp.tp = 2, etp_sp.sequence_parallel = true;
+  const core::Program plans[] = {compile(etp, kMoe), compile(etp_sp, kMoe)};
   for (const auto& p : plans) {
     EXPECT_EQ(unsupported_feature(p, host_capabilities()), "");
     EXPECT_NO_THROW(check_capabilities(p, host_capabilities()));

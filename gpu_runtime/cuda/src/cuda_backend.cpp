@@ -360,6 +360,23 @@ CudaBackend::CudaBackend(const core::Program& program, int device, Transport& tr
                       s, seg.tp_family, device, group.size(), seg.tp_degree));
     kernels_->cuda_model().set_tp(static_cast<int>(s), TpLink{&transport, seg.tp_family, group});
   }
+  // Context parallelism: each held CP segment's group (members in CP-rank order), over which its
+  // attention layers gather K/V and return dK/dV.
+  for (std::size_t s = 0; s < program.segments.size(); ++s) {
+    const core::ProgramSegment& seg = program.segments[s];
+    if (seg.cp_degree <= 1 || !kernels_->cuda_model().holds(static_cast<int>(s))) continue;
+    const std::vector<int> group = seg.cp_family >= 0 && seg.cp_family < static_cast<int>(program.families.size())
+                                       ? program.group_of(seg.cp_family, device)
+                                       : std::vector<int>{};
+    const auto at = std::find(group.begin(), group.end(), device);
+    if (static_cast<int>(group.size()) != seg.cp_degree ||
+        at - group.begin() != kernels_->cuda_model().layout(static_cast<int>(s)).cp_rank)
+      throw std::invalid_argument(
+          fmt::format("plan: segment {}'s CP family {} gives device {} a group of {} devices without it at its CP "
+                      "rank, not one of cp_degree {}",
+                      s, seg.cp_family, device, group.size(), seg.cp_degree));
+    kernels_->cuda_model().set_cp(static_cast<int>(s), TpLink{&transport, seg.cp_family, group});
+  }
   transport_ = std::make_unique<CudaTransport>(transport);
   flow_ = std::make_unique<Dataflow<CudaKernels, CudaTransport>>(program, device, *kernels_, *transport_, config.seed,
                                                                  config.data_path);

@@ -3,6 +3,7 @@
 // function of the same name in gpu_runtime/src/host_model_compute.cpp.
 #include <algorithm>
 #include <array>
+#include <functional>
 #include <cstring>
 #include <stdexcept>
 
@@ -82,7 +83,16 @@ Tensor copy_of(const Exec& e, const Tensor& t) {
 namespace {
 
 AttentionDims dims_of(const host::AttentionShape& s, std::int64_t tokens) {
-  return {static_cast<int>(tokens), s.seq_len, s.heads, s.kv_heads, s.head_dim};
+  AttentionDims d{static_cast<int>(tokens), s.seq_len, s.heads, s.kv_heads, s.head_dim};
+  if (s.context_parallel()) d.cp = s.cp->cp, d.cp_rank = s.cp->rank;
+  return d;
+}
+
+// RoPE of `m` ([T, heads*hd]) at its rows' positions (under CP, this rank's chunks'); sign -1 inverts it.
+void rope_rows(const Exec& e, DType dt, const host::AttentionShape& a, Tensor& m, int heads, float sign) {
+  const AttentionDims d = dims_of(a, m.rows);
+  rope(dt, m.data(), static_cast<int>(m.rows), heads, a.head_dim, a.seq_len, a.rope_theta, sign, e.stream, d.cp,
+       d.cp_rank);
 }
 
 Tensor mlp_forward(const Exec& e, DType dt, M wg, M wu, M wd, const Tensor& u, MlpCache& c) {
@@ -147,13 +157,15 @@ void attention_core(const Exec& e, DType dt, const host::AttentionShape& a, Atte
   const std::int64_t T = k.u.rows;
   const std::int64_t seqs = T / a.seq_len;
   k.o = new_tensor(e, T, static_cast<std::int64_t>(a.heads) * a.head_dim, es);
-  // The flash and cuDNN paths keep one log-sum-exp per row, the reference the [L, L] probabilities;
-  // the backward takes the path the forward took.
+  // The flash and cuDNN paths keep one log-sum-exp per row, the reference the [L, cp·L] probabilities;
+  // the backward takes the path the forward took (the reference one under context parallelism).
   const AttentionDims dims = dims_of(a, T);
   k.path = choose_attention(dt, dims);
   if (k.path == AttentionPath::Reference) {
-    k.probs = new_tensor(e, seqs * a.heads * a.seq_len, a.seq_len, 4);
-    attention_core_forward(dt, dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), e.stream);
+    const bool cp = dims.cp > 1;
+    k.probs = new_tensor(e, seqs * a.heads * a.seq_len, static_cast<std::int64_t>(a.seq_len) * dims.cp, 4);
+    attention_core_forward(dt, dims, k.q.data(), (cp ? k.k_all : k.k).data(), (cp ? k.v_all : k.v).data(),
+                           k.probs.as<float>(), k.o.data(), e.stream);
   } else if (k.path == AttentionPath::Flash) {
     k.probs = new_tensor(e, seqs * a.heads, a.seq_len, 4);
     flash_attention_forward(dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), k.o.data(), e.stream);
@@ -167,11 +179,13 @@ void attention_core(const Exec& e, DType dt, const host::AttentionShape& a, Atte
 
 // An attention layer's forward on the normed rows `u`: projections (with the q, k, v biases of a
 // GPT layer: `bias` null or {bq, bk, bv}), optional per-head q/k RMSNorm (weights q_norm, k_norm), RoPE
-// (unless the model has learned positions), the attention core and the output projection, which it
-// returns without its bias (the caller adds it); `k` keeps what the backward reads.
+// (unless the model has learned positions), under context parallelism every CP rank's k and v
+// (`cp_gather`, set exactly then), the attention core and the output projection, which it returns
+// without its bias (the caller adds it); `k` keeps what the backward reads.
 Tensor attention_layer_forward(const Exec& e, DType dt, const host::AttentionShape& a, const std::array<M, 4>& w,
                                const void* q_norm, const void* k_norm, const std::array<const void*, 3>* bias,
-                               const Tensor& u, AttentionCache& k) {
+                               const Tensor& u, AttentionCache& k,
+                               const std::function<Tensor(const Tensor&)>& cp_gather) {
   const auto& [wq, wk, wv, wo] = w;
   const std::size_t es = dtype_bytes(dt);
   const std::int64_t T = u.rows;
@@ -199,8 +213,12 @@ Tensor attention_layer_forward(const Exec& e, DType dt, const host::AttentionSha
     k.k = k.k_lin;
   }
   if (a.rope) {
-    rope(dt, k.q.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, 1.0f, e.stream);
-    rope(dt, k.k.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, 1.0f, e.stream);
+    rope_rows(e, dt, a, k.q, a.heads, 1.0f);
+    rope_rows(e, dt, a, k.k, a.kv_heads, 1.0f);
+  }
+  if (a.context_parallel()) {  // K and V of the whole sequence (ring attention's blocks, all at once)
+    k.k_all = cp_gather(k.k);
+    k.v_all = cp_gather(k.v);
   }
   attention_core(e, dt, a, k);
   return matmul(e, dt, of(k.o), false, wo, false);
@@ -255,7 +273,8 @@ void CudaModel::forward_layers(const Exec& e, int seg, const host::MicrobatchDat
         if (attn_shape_.bias) bias = {w.ptr(w.at("bias_q")), w.ptr(w.at("bias_k")), w.ptr(w.at("bias_v"))};
         Tensor out = attention_layer_forward(e, dt_, shape, {w.mat(0), w.mat(1), w.mat(2), w.mat(3)},
                                              qk_norm ? w.ptr(4) : nullptr, qk_norm ? w.ptr(5) : nullptr,
-                                             attn_shape_.bias ? &bias : nullptr, tp_enter(e, seg, s.u), c.attn);
+                                             attn_shape_.bias ? &bias : nullptr, tp_enter(e, seg, s.u), c.attn,
+                                             [&](const Tensor& local) { return cp_gather(e, seg, local); });
         out = tp_leave(e, seg, out);  // row-parallel output projection: the ranks' partial sums
         if (attn_shape_.bias) add_bias(e, dt_, out, w.ptr(w.at("bias_o")));  // once, after the sum
         s.x = plus(e, dt_, s.x, out);
@@ -427,9 +446,13 @@ Tensor CudaModel::attention_backward_input(const Exec& e, int seg, const Weights
   if (k.o.empty()) attention_core(e, dt_, a, k);  // selective recomputation: the core was dropped
   k.dout = dx;
   Tensor d_o = matmul(e, dt_, of(dx), false, w.mat(3), true);
-  Tensor dq = new_tensor(e, k.q.rows, k.q.cols, es), dk = new_tensor(e, k.k.rows, k.k.cols, es);
-  k.dv = new_tensor(e, k.v.rows, k.v.cols, es);
   const AttentionDims dims = dims_of(a, T);
+  const bool cp = dims.cp > 1;
+  // Under context parallelism dK and dV of every rank's keys, summed back to their owners below.
+  const Tensor& keys = cp ? k.k_all : k.k;
+  const Tensor& values = cp ? k.v_all : k.v;
+  Tensor dq = new_tensor(e, k.q.rows, k.q.cols, es), dk = new_tensor(e, keys.rows, keys.cols, es);
+  k.dv = new_tensor(e, values.rows, values.cols, es);
   if (k.path == AttentionPath::Cudnn) {
     const Tensor ws = new_tensor(e, 1, static_cast<std::int64_t>(cudnn_attention_workspace(dims, true)), 1);
     cudnn_attention_backward(dims, k.q.data(), k.k.data(), k.v.data(), k.o.data(), k.probs.as<float>(), d_o.data(),
@@ -441,12 +464,16 @@ Tensor CudaModel::attention_backward_input(const Exec& e, int seg, const Weights
       flash_attention_backward(dims, k.q.data(), k.k.data(), k.v.data(), k.o.data(), k.probs.as<float>(), d_o.data(),
                                ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
     else
-      attention_core_backward(dt_, dims, k.q.data(), k.k.data(), k.v.data(), k.probs.as<float>(), d_o.data(),
+      attention_core_backward(dt_, dims, k.q.data(), keys.data(), values.data(), k.probs.as<float>(), d_o.data(),
                               ds.as<float>(), dq.data(), dk.data(), k.dv.data(), e.stream);
   }
+  if (cp) {  // ring attention's returning dK/dV: each rank keeps the sum over the group of its block
+    dk = cp_scatter_sum(e, seg, dk);
+    k.dv = cp_scatter_sum(e, seg, k.dv);
+  }
   if (a.rope) {
-    rope(dt_, dq.data(), static_cast<int>(T), a.heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
-    rope(dt_, dk.data(), static_cast<int>(T), a.kv_heads, a.head_dim, a.seq_len, a.rope_theta, -1.0f, e.stream);
+    rope_rows(e, dt_, a, dq, a.heads, -1.0f);
+    rope_rows(e, dt_, a, dk, a.kv_heads, -1.0f);
   }
   if (a.qk_norm) {
     k.dq_lin = new_tensor(e, dq.rows, dq.cols, es);

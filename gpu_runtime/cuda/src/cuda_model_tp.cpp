@@ -1,6 +1,8 @@
 // CudaModel's tensor and sequence parallelism (host_model_compute.cpp's tp_sum, tp_enter/tp_leave,
-// partial replicated gradients and vocab-parallel head, on the device): the collectives a compute op
-// runs over its segment's TP group through the backend's transport, and waits for.
+// partial replicated gradients and vocab-parallel head, on the device) and context parallelism (the
+// K/V exchange of host AttentionCp): the collectives a compute op runs over its segment's TP or CP group
+// through the backend's transport, and waits for.
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -16,7 +18,9 @@ namespace piper::runtime::cuda {
 // Tensor parallelism (host_model_compute.cpp's tp_sum and vocab-parallel head)
 // ---------------------------------------------------------------------------------------------
 namespace {
-constexpr int kTpPair = -2;  // the collectives inside compute ops, named apart from the plan's (pair >= -1)
+// The collectives inside compute ops, named apart from the plan's (pair >= -1): TP's and CP's.
+constexpr int kTpPair = -2;
+constexpr int kCpPair = -3;
 // The op waits for its TP collective (the group meets inside the op, as host::TpComm's calls block).
 void wait_for(Transport& t, int ticket) {
   while (!t.test(ticket)) std::this_thread::yield();
@@ -32,24 +36,73 @@ const TpLink* CudaModel::tp_of(int seg) const {
 
 host::AttentionShape CudaModel::segment_attention(int seg) {
   host::AttentionShape a = attn_shape_;
-  const int t = layout_.segment(seg).tp_degree;
-  a.heads /= t;
-  a.kv_heads /= t;
+  host::SegmentParams& sp = layout_.segment(seg);
+  a.heads /= sp.tp_degree;
+  a.kv_heads /= sp.tp_degree;
+  if (sp.cp_degree > 1) {  // this CP rank's two chunks of each sequence (host segment_attention)
+    a.seq_len /= sp.cp_degree;
+    a.cp = &sp.cp_attention;
+  }
   return a;
 }
 
-void CudaModel::tp_collective(const Exec& e, int seg, CommKind kind, const void* send, void* recv, std::size_t count) {
-  const TpLink* tp = tp_of(seg);
+void CudaModel::group_collective(const Exec& e, const TpLink& link, int pair, CommKind kind, const void* send,
+                                 void* recv, std::size_t count) {
   CommRequest r;
   r.kind = kind;
-  r.pair = kTpPair;
-  r.family = tp->family;
-  r.group = tp->group;
+  r.pair = pair;
+  r.family = link.family;
+  r.group = link.group;
   r.send = send;
   r.recv = recv;
   r.count = count;
   r.stream = e.stream;
-  wait_for(*tp->transport, tp->transport->post(r));
+  wait_for(*link.transport, link.transport->post(r));
+}
+
+void CudaModel::tp_collective(const Exec& e, int seg, CommKind kind, const void* send, void* recv, std::size_t count) {
+  group_collective(e, *tp_of(seg), kTpPair, kind, send, recv, count);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Context parallelism (host_model.cpp's set_cp_comm: AttentionCp's gather and scatter_sum)
+// ---------------------------------------------------------------------------------------------
+void CudaModel::set_cp(int seg, TpLink link) {
+  host::SegmentParams& sp = layout_.segment(seg);
+  if (static_cast<int>(link.group.size()) != sp.cp_degree)
+    throw std::logic_error(fmt::format("runtime: segment {} got a context-parallel group of {} devices, not {}", seg,
+                                       link.group.size(), sp.cp_degree));
+  sp.cp_attention.cp = sp.cp_degree;  // the kernels' positions; gather and scatter_sum stay unset (the host's)
+  sp.cp_attention.rank = sp.cp_rank;
+  cp_[seg] = std::move(link);
+}
+
+const TpLink* CudaModel::cp_of(int seg) const {
+  const auto it = cp_.find(seg);
+  return it == cp_.end() ? nullptr : &it->second;
+}
+
+Tensor CudaModel::cp_gather(const Exec& e, int seg, const Tensor& local) {
+  const TpLink& cp = *cp_of(seg);
+  Tensor all = new_tensor(e, local.rows * static_cast<std::int64_t>(cp.group.size()), local.cols, local.elem);
+  group_collective(e, cp, kCpPair, CommKind::AllGather, local.data(), all.data(), local.bytes());  // rank order
+  return all;
+}
+
+Tensor CudaModel::cp_scatter_sum(const Exec& e, int seg, const Tensor& all) {
+  const TpLink& cp = *cp_of(seg);
+  const auto ranks = static_cast<std::int64_t>(cp.group.size());
+  const std::int64_t rows = all.rows / ranks, n = rows * all.cols;
+  Tensor in = all, out = new_tensor(e, rows, all.cols, 4);
+  if (dt_ != DType::F32) {  // bf16/fp16 partial sums are added in fp32 (the transports reduce fp32)
+    in = new_tensor(e, all.rows, all.cols, 4);
+    convert(dt_, all.data(), DType::F32, in.data(), all.rows * all.cols, e.stream);
+  }
+  group_collective(e, cp, kCpPair, CommKind::ReduceScatter, in.data(), out.data(), static_cast<std::size_t>(n));
+  if (dt_ == DType::F32) return out;
+  Tensor local = new_tensor(e, rows, all.cols, elem());
+  convert(DType::F32, out.data(), dt_, local.data(), n, e.stream);
+  return local;
 }
 
 void CudaModel::tp_sum_floats(const Exec& e, int seg, float* p, std::int64_t n) {

@@ -205,6 +205,7 @@ void execute(const Built& b, std::unordered_map<fe::graph::Tensor_attributes::ui
 std::string shape_problem(const AttentionDims& d) {
   if (d.seq_len < 1 || d.tokens % d.seq_len != 0 || d.kv_heads < 1 || d.heads % d.kv_heads != 0)
     return "tokens must be whole sequences and heads a multiple of kv_heads";
+  if (d.cp > 1) return "context parallelism (keys of every CP rank, masked by position) runs on the reference kernels";
   return "";
 }
 
@@ -327,7 +328,8 @@ AttentionPath choose_attention(DType dt, const AttentionDims& d) {
   }
   if (forced == AttentionPath::Flash) {
     if (!use_flash_attention(dt, d))
-      throw CudaError("PIPER_ATTENTION=flash: the flash kernels run bf16 with head_dim 64 or 128 only");
+      throw CudaError(d.cp > 1 ? "PIPER_ATTENTION=flash: context parallelism runs on the reference kernels"
+                               : "PIPER_ATTENTION=flash: the flash kernels run bf16 with head_dim 64 or 128 only");
     return AttentionPath::Flash;
   }
   if (dt == DType::BF16 && cudnn_attention_supported(dt, d)) return AttentionPath::Cudnn;

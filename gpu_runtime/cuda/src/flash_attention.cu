@@ -546,7 +546,7 @@ void backward_d(const AttentionDims& d, const void* q, const void* k, const void
 
 bool flash_attention_supported(DType dt, const AttentionDims& d) {
   return dt == DType::BF16 && (d.head_dim == 64 || d.head_dim == 128) && d.seq_len >= 1 && d.tokens % d.seq_len == 0 &&
-         d.kv_heads >= 1 && d.heads % d.kv_heads == 0;
+         d.kv_heads >= 1 && d.heads % d.kv_heads == 0 && d.cp <= 1;  // CP: the reference kernels
 }
 
 bool use_flash_attention(DType dt, const AttentionDims& d) {

@@ -69,9 +69,29 @@ __global__ void rmsnorm_backward_weight_k(const T* x, const float* rstd, const T
   column_sum_into(rows, cols, dg, [&](std::int64_t i, int r) { return load(dy, i) * load(x, i) * rstd[r]; });
 }
 
+// ---- Context parallelism: a CP rank's L local rows of a sequence are the load-balanced chunks rank
+// and 2·cp-1-rank (host::AttentionCp::position, the same expression); the keys of a sequence are every
+// rank's rows, gathered rank after rank, so key j is rank j / L's local row j % L. ----
+__device__ __forceinline__ int cp_position(int cp, int rank, int i, int L) {
+  if (cp <= 1) return i;
+  const int chunk = L / 2;
+  return i < chunk ? rank * chunk + i : (2 * cp - 1 - rank) * chunk + (i - chunk);
+}
+// The row of key j of sequence `seq` in the K/V buffer (d.tokens local rows a rank); seq·L + j without CP.
+__device__ __forceinline__ std::int64_t key_row(const AttentionDims& d, int seq, int j) {
+  return static_cast<std::int64_t>(j / d.seq_len) * d.tokens + static_cast<std::int64_t>(seq) * d.seq_len +
+         j % d.seq_len;
+}
+// Whether key j (of cp·L) is visible to local query i: its global position is not after the query's.
+__device__ __forceinline__ bool key_visible(const AttentionDims& d, int i, int j) {
+  if (d.cp <= 1) return j <= i;
+  return cp_position(d.cp, j / d.seq_len, j % d.seq_len, d.seq_len) <= cp_position(d.cp, d.cp_rank, i, d.seq_len);
+}
+
 // ---- RoPE, rotate-half: one thread per (token, head, pair) ----
 template <typename T>
-__global__ void rope_k(T* m, int n_tok, int heads, int head_dim, int seq_len, float theta, float sign) {
+__global__ void rope_k(T* m, int n_tok, int heads, int head_dim, int seq_len, float theta, float sign, int cp,
+                       int cp_rank) {
   const int half = head_dim / 2;
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= static_cast<std::int64_t>(n_tok) * heads * half) return;
@@ -79,7 +99,7 @@ __global__ void rope_k(T* m, int n_tok, int heads, int head_dim, int seq_len, fl
   const std::int64_t th = i / half;
   const int h = static_cast<int>(th % heads);
   const std::int64_t t = th / heads;
-  const float pos = static_cast<float>(t % seq_len);
+  const float pos = static_cast<float>(cp_position(cp, cp_rank, static_cast<int>(t % seq_len), seq_len));
   // Same expression as the host kernel (pow in fp32) so fp32 results agree to rounding.
   const float angle = pos * powf(theta, -2.0f * static_cast<float>(pair) / static_cast<float>(head_dim));
   const float cs = cosf(angle), sn = sign * sinf(angle);
@@ -90,22 +110,24 @@ __global__ void rope_k(T* m, int n_tok, int heads, int head_dim, int seq_len, fl
 }
 
 // ---- attention core: one block per (query token, head) ----
+// Keys 0 .. Lk-1 of the query's sequence (Lk = cp·L; L without CP, where the visible keys are 0 .. i).
 template <typename T>
 __global__ void attention_forward_k(AttentionDims d, const T* q, const T* k, const T* v, float* probs, T* o) {
   const int t = blockIdx.x, h = blockIdx.y;
-  const int L = d.seq_len, hd = d.head_dim, g = h / (d.heads / d.kv_heads);
+  const int L = d.seq_len, Lk = L * d.cp, hd = d.head_dim, g = h / (d.heads / d.kv_heads);
   const int seq = t / L, i = t % L;
+  const int end = d.cp > 1 ? Lk : i + 1;  // past the last key that can be visible
   const float scale = rsqrtf(static_cast<float>(hd));
   const std::int64_t qs = static_cast<std::int64_t>(d.heads) * hd, ks = static_cast<std::int64_t>(d.kv_heads) * hd;
-  float* p = probs + ((static_cast<std::int64_t>(seq) * d.heads + h) * L + i) * L;
+  float* p = probs + ((static_cast<std::int64_t>(seq) * d.heads + h) * L + i) * Lk;
   const T* qrow = q + t * qs + static_cast<std::int64_t>(h) * hd;
   float mx = -INFINITY;
-  for (int j = threadIdx.x; j < L; j += blockDim.x) {
-    if (j > i) {
+  for (int j = threadIdx.x; j < Lk; j += blockDim.x) {
+    if (!key_visible(d, i, j)) {
       p[j] = 0;
       continue;
     }
-    const T* krow = k + (static_cast<std::int64_t>(seq) * L + j) * ks + static_cast<std::int64_t>(g) * hd;
+    const T* krow = k + key_row(d, seq, j) * ks + static_cast<std::int64_t>(g) * hd;
     float s = 0;
     for (int e = 0; e < hd; ++e) s += load(qrow, e) * load(krow, e);
     s *= scale;
@@ -114,18 +136,20 @@ __global__ void attention_forward_k(AttentionDims d, const T* q, const T* k, con
   }
   mx = block_reduce<true>(mx);
   float sum = 0;
-  for (int j = threadIdx.x; j <= i; j += blockDim.x) {
+  for (int j = threadIdx.x; j < end; j += blockDim.x) {
+    if (!key_visible(d, i, j)) continue;
     const float e = expf(p[j] - mx);
     p[j] = e;
     sum += e;
   }
   const float inv = 1.0f / block_reduce<false>(sum);
-  for (int j = threadIdx.x; j <= i; j += blockDim.x) p[j] *= inv;
+  for (int j = threadIdx.x; j < end; j += blockDim.x)
+    if (key_visible(d, i, j)) p[j] *= inv;
   __syncthreads();
   for (int e = threadIdx.x; e < hd; e += blockDim.x) {
     float acc = 0;
-    for (int j = 0; j <= i; ++j)
-      acc += p[j] * load(v, (static_cast<std::int64_t>(seq) * L + j) * ks + static_cast<std::int64_t>(g) * hd + e);
+    for (int j = 0; j < end; ++j)  // masked keys have p = 0
+      acc += p[j] * load(v, key_row(d, seq, j) * ks + static_cast<std::int64_t>(g) * hd + e);
     store(o, t * qs + static_cast<std::int64_t>(h) * hd + e, acc);
   }
 }
@@ -134,51 +158,55 @@ template <typename T>
 __global__ void attention_backward_q_k(AttentionDims d, const T* k, const T* v, const float* probs, const T* d_o,
                                        float* ds, T* dq) {
   const int t = blockIdx.x, h = blockIdx.y;
-  const int L = d.seq_len, hd = d.head_dim, g = h / (d.heads / d.kv_heads);
+  const int L = d.seq_len, Lk = L * d.cp, hd = d.head_dim, g = h / (d.heads / d.kv_heads);
   const int seq = t / L, i = t % L;
+  const int end = d.cp > 1 ? Lk : i + 1;
   const float scale = rsqrtf(static_cast<float>(hd));
   const std::int64_t qs = static_cast<std::int64_t>(d.heads) * hd, ks = static_cast<std::int64_t>(d.kv_heads) * hd;
-  const std::int64_t prow = ((static_cast<std::int64_t>(seq) * d.heads + h) * L + i) * L;
+  const std::int64_t prow = ((static_cast<std::int64_t>(seq) * d.heads + h) * L + i) * Lk;
   const T* dorow = d_o + t * qs + static_cast<std::int64_t>(h) * hd;
   float rowdot = 0;
-  for (int j = threadIdx.x; j < L; j += blockDim.x) {
-    if (j > i) {
+  for (int j = threadIdx.x; j < Lk; j += blockDim.x) {
+    if (!key_visible(d, i, j)) {
       ds[prow + j] = 0;
       continue;
     }
-    const T* vrow = v + (static_cast<std::int64_t>(seq) * L + j) * ks + static_cast<std::int64_t>(g) * hd;
+    const T* vrow = v + key_row(d, seq, j) * ks + static_cast<std::int64_t>(g) * hd;
     float dp = 0;
     for (int e = 0; e < hd; ++e) dp += load(dorow, e) * load(vrow, e);
     ds[prow + j] = dp;
     rowdot += dp * probs[prow + j];
   }
   rowdot = block_reduce<false>(rowdot);
-  for (int j = threadIdx.x; j <= i; j += blockDim.x) ds[prow + j] = probs[prow + j] * (ds[prow + j] - rowdot) * scale;
+  for (int j = threadIdx.x; j < end; j += blockDim.x)
+    if (key_visible(d, i, j)) ds[prow + j] = probs[prow + j] * (ds[prow + j] - rowdot) * scale;
   __syncthreads();
   for (int e = threadIdx.x; e < hd; e += blockDim.x) {
     float acc = 0;
-    for (int j = 0; j <= i; ++j)
-      acc +=
-          ds[prow + j] * load(k, (static_cast<std::int64_t>(seq) * L + j) * ks + static_cast<std::int64_t>(g) * hd + e);
+    for (int j = 0; j < end; ++j)  // masked keys have dS = 0
+      acc += ds[prow + j] * load(k, key_row(d, seq, j) * ks + static_cast<std::int64_t>(g) * hd + e);
     store(dq, t * qs + static_cast<std::int64_t>(h) * hd + e, acc);
   }
 }
-// One block per (key token, kv head): dk_j = sum_{h in group} sum_{i>=j} dS_ij q_i, dv_j = ... P_ij dO_i.
+// One block per (key row of the K/V buffer, kv head): dk_j = sum_{h in group} sum_{i sees j} dS_ij q_i,
+// dv_j = ... P_ij dO_i. Under CP the key rows are every rank's (cp·T of them), dk and dv alike.
 template <typename T>
 __global__ void attention_backward_kv_k(AttentionDims d, const T* q, const float* probs, const T* d_o, const float* ds,
                                         T* dk, T* dv) {
   const int t = blockIdx.x, g = blockIdx.y;
-  const int L = d.seq_len, hd = d.head_dim, group = d.heads / d.kv_heads;
-  const int seq = t / L, j = t % L;
+  const int L = d.seq_len, Lk = L * d.cp, hd = d.head_dim, group = d.heads / d.kv_heads;
+  const int rank = t / d.tokens, local = t % d.tokens;
+  const int seq = local / L, j = rank * L + local % L;  // key j of sequence seq
+  const int first = d.cp > 1 ? 0 : j;                   // without CP, queries j .. L-1 see key j
   const std::int64_t qs = static_cast<std::int64_t>(d.heads) * hd, ks = static_cast<std::int64_t>(d.kv_heads) * hd;
   for (int e = threadIdx.x; e < hd; e += blockDim.x) {
     float acc_k = 0, acc_v = 0;
     for (int h = g * group; h < (g + 1) * group; ++h) {
-      const std::int64_t pbase = (static_cast<std::int64_t>(seq) * d.heads + h) * L * L;
-      for (int i = j; i < L; ++i) {
+      const std::int64_t pbase = (static_cast<std::int64_t>(seq) * d.heads + h) * L * Lk;
+      for (int i = first; i < L; ++i) {  // masked pairs have P = dS = 0
         const std::int64_t row = (static_cast<std::int64_t>(seq) * L + i) * qs + static_cast<std::int64_t>(h) * hd + e;
-        acc_k += ds[pbase + static_cast<std::int64_t>(i) * L + j] * load(q, row);
-        acc_v += probs[pbase + static_cast<std::int64_t>(i) * L + j] * load(d_o, row);
+        acc_k += ds[pbase + static_cast<std::int64_t>(i) * Lk + j] * load(q, row);
+        acc_v += probs[pbase + static_cast<std::int64_t>(i) * Lk + j] * load(d_o, row);
       }
     }
     store(dk, t * ks + static_cast<std::int64_t>(g) * hd + e, acc_k);
@@ -501,11 +529,11 @@ void rmsnorm_backward_weight(DType dt, const void* x, const float* rstd, const v
 }
 
 void rope(DType dt, void* m, int n_tok, int heads, int head_dim, int seq_len, float theta, float sign,
-          cudaStream_t stream) {
+          cudaStream_t stream, int cp, int cp_rank) {
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     rope_k<T><<<blocks_for(static_cast<std::int64_t>(n_tok) * heads * (head_dim / 2)), kThreads, 0, stream>>>(
-        static_cast<T*>(m), n_tok, heads, head_dim, seq_len, theta, sign);
+        static_cast<T*>(m), n_tok, heads, head_dim, seq_len, theta, sign, cp, cp_rank);
   });
   launched("rope");
 }
@@ -525,7 +553,7 @@ void attention_core_backward(DType dt, const AttentionDims& d, const void* q, co
                              const float* probs, const void* d_o, float* ds, void* dq, void* dk, void* dv,
                              cudaStream_t stream) {
   const dim3 grid_q(static_cast<unsigned>(d.tokens), static_cast<unsigned>(d.heads));
-  const dim3 grid_kv(static_cast<unsigned>(d.tokens), static_cast<unsigned>(d.kv_heads));
+  const dim3 grid_kv(static_cast<unsigned>(d.tokens) * static_cast<unsigned>(d.cp), static_cast<unsigned>(d.kv_heads));
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     attention_backward_q_k<T><<<grid_q, kThreads, 0, stream>>>(d, static_cast<const T*>(k), static_cast<const T*>(v),

@@ -116,9 +116,12 @@ struct NormCache {
 };
 struct AttentionCache {
   Tensor u, q_lin, k_lin, v, q_rstd, k_rstd, q, k, o;
-  // Reference path: [seqs*heads*L, L] probabilities; flash and cuDNN paths: [seqs*heads, L] log-sum-exp
-  // (each path's own, read only by its backward).
+  // Reference path: [seqs*heads*L, L] probabilities ([seqs*heads*L, cp*L] under context parallelism); flash and cuDNN
+  // paths: [seqs*heads, L] log-sum-exp (each path's own, read only by its backward).
   Tensor probs;
+  // Context parallelism: every CP rank's k and v, rank after rank (the all-gather's order; kernels.hpp's
+  // AttentionDims), which the core reads instead of k and v.
+  Tensor k_all, v_all;
   AttentionPath path = AttentionPath::Reference;  // which attention path the forward took
   Tensor dout, dq_lin, dk_lin, dv, dq_norm, dk_norm;
 };
@@ -177,6 +180,8 @@ struct SegmentDevice {
 // The tensor-parallel group of a segment (tp_degree > 1): its collectives go through the backend's
 // transport on the TP family, in the compute stream's order; the op waits for each (host::TpComm's
 // blocking semantics, as the host backend runs them).
+// The group of a segment's tensor-parallel (or context-parallel) ranks: the transport its collectives
+// go through, the Program family and the devices in TP (CP) rank order.
 struct TpLink {
   Transport* transport = nullptr;
   int family = -1;
@@ -218,6 +223,9 @@ class CudaModel {
                         const std::vector<ExpertPacket>& from_owners) const;
 
   void set_tp(int seg, TpLink link);  // before the first step, for each held segment with tp_degree > 1
+  // Before the first step, for each held segment with cp_degree > 1: its CP group (this device at its
+  // CP rank), whose ranks exchange K/V in every attention layer (host::HostModel::set_cp_comm).
+  void set_cp(int seg, TpLink link);
   // The [offset, length) runs of a segment's local gradient vector that count in the global gradient
   // norm (host::HostModel::owned_grad_sq's rule): not a tied head's copy of the embedding table, and a
   // TP-replicated tensor on TP rank 0 only.
@@ -269,8 +277,17 @@ class CudaModel {
                     LayerCache& c, bool count_loss);
   Tensor attention_backward_input(const Exec& e, int seg, const Weights& w, AttentionCache& k, const Tensor& dx);
   const TpLink* tp_of(int seg) const;
-  // One collective over the segment's TP group (transport.hpp's counts), waited for.
+  // One collective over a group (transport.hpp's counts), waited for; `pair` names the kind of group
+  // apart from the plan's own collectives. tp_collective: over the segment's TP group.
+  static void group_collective(const Exec& e, const TpLink& link, int pair, CommKind kind, const void* send, void* recv,
+                               std::size_t count);
   void tp_collective(const Exec& e, int seg, CommKind kind, const void* send, void* recv, std::size_t count);
+  // Context parallelism (host AttentionCp's gather and scatter_sum): every CP rank's rows of `local`,
+  // rank after rank; and the sum over the CP group of `all` ([cp·rows, cols]) of which this rank keeps
+  // its block (summed in fp32, stored in the storage type).
+  const TpLink* cp_of(int seg) const;
+  Tensor cp_gather(const Exec& e, int seg, const Tensor& local);
+  Tensor cp_scatter_sum(const Exec& e, int seg, const Tensor& all);
   void tp_sum(const Exec& e, int seg, Tensor& t);
   void tp_sum_floats(const Exec& e, int seg, float* p, std::int64_t n);
   Tensor tp_gather_floats(const Exec& e, int seg, const float* send, std::int64_t n);
@@ -293,7 +310,7 @@ class CudaModel {
   Allocator& alloc_;
   host::AttentionShape attn_shape_;
   std::map<int, SegmentDevice> device_;
-  std::map<int, TpLink> tp_;
+  std::map<int, TpLink> tp_, cp_;
   std::map<int, std::vector<std::pair<std::int64_t, std::int64_t>>> counted_runs_;  // counted_grad_runs
   Tensor loss_;
 };

@@ -59,16 +59,23 @@ void positions_backward_weight(DType dt, const void* dx, int rows, int cols, int
                                cudaStream_t stream);
 
 // ---- RoPE, rotate-half layout (pairs i, i + head_dim/2), in place on [tokens, heads * head_dim];
-// the position of token t is t mod seq_len; sign = -1 applies the inverse rotation (backward). ----
+// the position of token t is t mod seq_len, or under context parallelism (cp > 1) that local row's
+// position in its sequence (host::AttentionCp::position of cp_rank); sign = -1 applies the inverse
+// rotation (backward). ----
 void rope(DType dt, void* m, int tokens, int heads, int head_dim, int seq_len, float theta, float sign,
-          cudaStream_t stream);
+          cudaStream_t stream, int cp = 1, int cp_rank = 0);
 
 // ---- Causal attention core with grouped KV heads (the reference path: explicit probabilities; fp32 and
 // shapes the fast path below does not take) ----
 // q [T, heads*hd], k/v [T, kv_heads*hd], T = sequences * seq_len. probs [sequences*heads, L, L] (fp32,
 // kept for the backward), o [T, heads*hd]. Scores are scaled by 1/sqrt(hd).
+// Context parallelism (cp > 1; the reference path only): q holds this CP rank's L = seq_len local rows
+// of each sequence, the load-balanced chunks cp_rank and 2·cp-1-cp_rank (host::AttentionCp); k and v
+// (and dk, dv) hold every rank's rows, rank after rank ([cp·T, kv_heads*hd], an all-gather's order),
+// so a sequence has cp·L keys; probs is [sequences*heads, L, cp·L], masked by global position.
 struct AttentionDims {
   int tokens = 0, seq_len = 1, heads = 1, kv_heads = 1, head_dim = 1;
+  int cp = 1, cp_rank = 0;
 };
 void attention_core_forward(DType dt, const AttentionDims& d, const void* q, const void* k, const void* v, float* probs,
                             void* o, cudaStream_t stream);
