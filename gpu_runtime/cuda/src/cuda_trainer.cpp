@@ -185,7 +185,7 @@ TrainResult train_mpi(const core::Program& program, const TrainOptions& o, const
 }  // namespace
 
 TrainResult train_cuda(const core::Program& program, const TrainOptions& options, const CudaRunOptions& cuda) {
-  // A plan this backend cannot run (TP, SP, CP, expert TP, ...) is refused in
+  // A plan this backend cannot run (expert TP, chunked all-to-alls, ...) is refused in
   // one line before any GPU is touched (Capabilities, dataflow.hpp).
   std::string why = unsupported_feature(program, cuda_capabilities());
   if (why.empty()) why = loss_scaling_problem(program, options);
