@@ -634,4 +634,36 @@ TEST_F(HostileInput, ResumeUnderAnotherLearningRateScheduleRefused) {
   EXPECT_EQ(run(run_flags + "--steps 5 --min-lr 1e-5 --resume c0").exit_code, 0);
 }
 
+// ---- Round 11: wrong answers with exit 0 (docs/reliability.md, "eleventh probe") -----------------
+
+// A directive program that placed a region on two devices with no replicate directive selecting it
+// compiled, simulated (no gradient reduction, so a faster step) and trained with exit 0: each device
+// updated its own copy from its half of the batch, and the losses left the reference's at step 2
+// (4.478950 against 4.464804 for runtime-tiny-dense, PP 2 x DP 2). Every published and generated
+// program replicates each region over the devices it is placed on.
+TEST_F(HostileInput, RegionPlacedOnSeveralDevicesWithoutReplicateRefused) {
+  const CliResult program = run("directives --model '" + piper::test::kTiny + "' --pp 2 --dp 2 --microbatches 2");
+  ASSERT_EQ(program.exit_code, 0) << program.err;
+  json d = json::parse(program.out);
+  input("all.json", d.dump());
+  json without = json::array();
+  for (const auto& x : d)
+    if (!(x.at("op") == "replicate" && x.at("filter") == json{{"PP", 1}})) without.push_back(x);
+  ASSERT_EQ(without.size() + 1, d.size());
+  input("norep.json", without.dump());
+  for (const std::string cmd :
+       {"compile --model '" + piper::test::kTiny + "' --directives norep.json -o plan.json",
+        "simulate --model '" + piper::test::kTiny + "' --directives norep.json --engine analytic",
+        "run --model '" + piper::test::kTiny + "' --directives norep.json --virtual-devices"})
+    expect_one_line(run(cmd), {"norep.json", "directive 1", "field 'devices'", "2 devices [1,3]",
+                               "no replicate directive selects", "would train apart"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+  // With every replicate the same program compiles; so does a TP group of the placement's size
+  // without one (a single replica: nothing to reduce).
+  EXPECT_EQ(run("compile --model '" + piper::test::kTiny + "' --directives all.json -o plan.json").exit_code, 0);
+  input("tp.json", R"([{"op": "place", "filter": {"PP": 0}, "devices": [0, 1]},
+                       {"op": "tensor_parallel", "filter": {"PP": 0}, "degree": 2}])");
+  EXPECT_EQ(run("compile --model '" + piper::test::kTiny + "' --directives tp.json -o plan.json").exit_code, 0);
+}
+
 }  // namespace

@@ -57,6 +57,10 @@ json prog(std::initializer_list<json> directives) {
 }
 
 json split(int n) { return {{"op", "split"}, {"filter", json::object()}, {"dim_name", "MB"}, {"num_microbatches", n}}; }
+// The data-parallel copies of a region placed on several devices (a program must reduce them).
+json replicate(int pp, std::vector<int> devices) {
+  return json{{"op", "replicate"}, {"filter", json{{"PP", pp}}}, {"devices", json(devices)}};
+}
 json step(int pp, int mb, const char* pass) { return prog({json{{"PP", pp}, {"MB", mb}, {"PASS", pass}}}); }
 
 std::int64_t count(const GlobalDag& dag, const std::string& kind) {
@@ -265,7 +269,8 @@ TEST(Shard, DividesParametersKeepsPerDeviceFlopsAndInsertsAllToAllsAtTheRegionBo
   const Model m = qwen9m(1);
   const GlobalDag dag = apply_program(m, json::parse(R"([
     {"op":"place","filter":{"PP":0},"devices":[0,1,2,3]},
-    {"op":"shard","filter":{"EP":0},"devices":[0,1,2,3],"stream":"ep"}])"));
+    {"op":"shard","filter":{"EP":0},"devices":[0,1,2,3],"stream":"ep"},
+    {"op":"replicate","filter":{"PP":0},"devices":[0,1,2,3]}])"));
   EXPECT_EQ(count(dag, "ALL_TO_ALL"), 4);  // dispatch + combine, forward and backward
   const auto segs = segment_model(m);
   for (auto v : dag.live_nodes()) {
@@ -412,11 +417,11 @@ TEST(Replicate, HybridShardingReducesInsideGroupsThenAcrossThem) {
 
 TEST(Order, RejectsCyclesAndCrossingDeviceSets) {
   const Model m = qwen9m(2);
-  json base = prog({split(2), place(0, {0, 2}), place(1, {1, 3})});
+  json base = prog({split(2), place(0, {0, 2}), place(1, {1, 3}), replicate(0, {0, 2}), replicate(1, {1, 3})});
   json cycle = base;
   cycle.push_back({{"op", "order"}, {"filters", {step(1, 0, "B"), step(1, 0, "F")}}});
   auto e = error_of(m, cycle);
-  EXPECT_EQ(e.index(), 3);
+  EXPECT_EQ(e.index(), 5);
   EXPECT_EQ(e.field(), "filters[1]");
   EXPECT_NE(std::string(e.what()).find("cycle"), std::string::npos);
   json across = base;

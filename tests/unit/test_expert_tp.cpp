@@ -276,7 +276,8 @@ TEST(ExpertTensorParallel, InvalidLayoutsAreRefusedInOneLine) {
     return json::array(
         {{{"op", "place"}, {"filter", {{"PP", 0}}}, {"devices", {0, 1, 2, 3}}},
          {{"op", "shard"}, {"filter", {{"PP", 0}, {"EP", "*"}}}, {"devices", {0, 1, 2, 3}}, {"degree", 2}},
-         tp});
+         tp,
+         {{"op", "replicate"}, {"filter", {{"PP", 0}}}, {"devices", {0, 1, 2, 3}}}});
   };
   json tp = {{"op", "tensor_parallel"},
              {"filter", {{"PP", 0}}},

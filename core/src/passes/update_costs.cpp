@@ -3,6 +3,8 @@
 
 #include <vector>
 
+#include <fmt/format.h>
+
 namespace piper::core::passes {
 
 namespace {
@@ -39,9 +41,35 @@ void cost_updates(PassContext& cx) {
   }
 }
 
+// A segment with parameters on more devices than its TP group x expert shard holds copies of them that
+// only a replicate directive keeps in step (its gradient reduction); without one each copy would
+// follow its own share of the batch. Checked once every replicate directive has run.
+void check_copies_reduced(PassRun& run) {
+  auto& dag = run.cx.dag;
+  std::vector<char> seen(dag.segments.size(), 0);
+  for (auto v : dag.live_nodes()) {
+    const auto& n = run.cx.node(v);
+    if (n.kind != NodeKind::Compute || n.segment < 0 || n.devices == kNoDevices) continue;
+    const auto s = static_cast<std::size_t>(n.segment);
+    if (seen.at(s) || run.cx.replicated.at(s)) continue;
+    seen[s] = 1;
+    const auto& seg = dag.segments.at(s);
+    const auto& devices = dag.device_sets.at(n.devices);
+    const auto copies = static_cast<int>(devices.size()) / (seg.tp_degree * seg.shard_degree);
+    if (!seg.has_state() || copies <= 1) continue;
+    const int by = v < run.placed_by.size() ? run.placed_by[v] : -1;
+    fail(by, "devices",
+         fmt::format("'{}' is placed on {} devices {}, {} copies of its parameters, but no replicate directive "
+                     "selects it: the copies would train apart (their gradients never reduced); replicate it over "
+                     "the same devices",
+                     n.label, devices.size(), set_str(devices), copies));
+  }
+}
+
 }  // namespace
 
 bool run_update_costs(PassRun& run) {
+  check_copies_reduced(run);
   cost_updates(run.cx);
   return true;
 }
