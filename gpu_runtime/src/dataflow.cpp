@@ -221,7 +221,6 @@ Capabilities cuda_capabilities() {
   Capabilities c;
   c.backend = "the CUDA backend";
   c.alternative = "the host backend (--backend host) runs it";
-  c.expert_tensor_parallel = false;
   return c;
 }
 

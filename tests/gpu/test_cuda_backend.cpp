@@ -257,6 +257,39 @@ TEST(CudaBackendEquivalence, ContextParallel_TP2xCP2_SequenceParallel) {
                       o.sequence_parallel = true;
                     }));
 }
+// Expert tensor parallelism (the host's RuntimeEquivalence.*ETP2* cases): each ETP rank holds 1/2 of
+// every local expert's FFN; the routed rows (and their experts) are gathered over the ETP group before
+// fc1 and the partial sums reduce-scattered after fc2 and after the input gradient's GEMMs.
+TEST(CudaBackendEquivalence, ExpertTensorParallel_TP2_SP_ETP2) {
+  expect_equivalent("tp2-sp-etp2", compile(1, 1, 1, 0, 2, "1f1b", kModel, [](auto& o) {
+                      o.tp = 2, o.etp = 2;
+                      o.sequence_parallel = true;
+                    }));
+}
+TEST(CudaBackendEquivalence, ExpertTensorParallel_TP2_ETP2_WithoutSp_ClipGrad) {
+  expect_equivalent("tp2-etp2-clip", compile(1, 1, 1, 0, 2, "1f1b", kModel, [](auto& o) {
+                      o.tp = 2, o.etp = 2;
+                      o.clip_grad = 0.05;
+                    }));
+}
+TEST(CudaBackendEquivalence, ExpertTensorParallel_TP2_SP_DP2xEP2xETP2) {
+  expect_equivalent("tp2-sp-ep2-etp2", compile(1, 2, 2, 0, 2, "1f1b", kModel, [](auto& o) {
+                      o.tp = 2, o.etp = 2;
+                      o.sequence_parallel = true;
+                    }));
+}
+TEST(CudaBackendEquivalence, ExpertTensorParallel_DP2xETP2_Zero1) {
+  expect_equivalent("dp2-etp2-zero1", compile(1, 2, 1, 1, 2, "1f1b", kModel, [](auto& o) { o.etp = 2; }));
+}
+TEST(CudaBackendEquivalence, Bf16_ExpertTensorParallel_TP2_SP_ETP2) {
+  expect_equivalent("bf16-tp2-sp-etp2",
+                    compile(1, 1, 1, 0, 2, "1f1b", kModel,
+                            [](auto& o) {
+                              o.tp = 2, o.etp = 2;
+                              o.sequence_parallel = true;
+                            }),
+                    cu::DType::BF16);
+}
 TEST(CudaBackendEquivalence, Bf16_ContextParallel_CP2xPP2) {
   expect_equivalent("bf16-cp2-pp2", compile(2, 1, 1, 0, 4, "1f1b", kDense, [](auto& o) { o.cp = 2; }), cu::DType::BF16);
 }

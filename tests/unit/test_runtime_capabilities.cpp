@@ -87,10 +87,16 @@ TEST(RuntimeCapabilities, CudaAcceptsContextParallelism) {
                 kCudaTail);
 }
 
-TEST(RuntimeCapabilities, CudaRefusesExpertTensorParallelism) {
+// Expert tensor parallelism is accepted (each ETP rank's slice of every local expert's FFN, the routed
+// rows gathered over the ETP group before fc1 and the partial sums reduce-scattered after fc2, as the
+// host's etp_gather / etp_scatter); the refusal stays for a backend without it.
+TEST(RuntimeCapabilities, CudaAcceptsExpertTensorParallelism) {
   core::StrategyOptions o = strategy(1, 2, 1, 0, 2);
   o.etp = 2;
-  const std::string why = unsupported_feature(compile(o, kMoe), cuda_capabilities());
+  EXPECT_EQ(unsupported_feature(compile(o, kMoe), cuda_capabilities()), "");
+  piper::runtime::Capabilities none = cuda_capabilities();
+  none.expert_tensor_parallel = false;
+  const std::string why = unsupported_feature(compile(o, kMoe), none);
   EXPECT_TRUE(contains(why,
                        "expert-tensor-parallel ranks; the CUDA backend does not run expert tensor parallelism "
                        "(compile with --etp 1)"));
@@ -131,21 +137,27 @@ TEST(RuntimeCapabilities, CudaAcceptsGptStyleLayers) {
   }
 }
 
-// The host backend runs every one of them; the refusal is one line and check_capabilities throws it.
-TEST(RuntimeCapabilities, HostRunsWhatCudaRefusesAndRefusalsAreOneLine) {
-  core::StrategyOptions etp = strategy(1, 2, 1, 0, 2), etp_sp = strategy(1, 2, 1, 0, 2);
+// The host and CUDA backends run every one of them; a backend without one refuses in one line, which
+// check_capabilities throws.
+TEST(RuntimeCapabilities, BothBackendsRunThemAndRefusalsAreOneLine) {
+  core::StrategyOptions cp = strategy(1, 1, 1, 0, 2), etp = strategy(1, 2, 1, 0, 2), etp_sp = strategy(1, 2, 1, 0, 2);
+  cp.cp = 2;
   etp.etp = 2;
   etp_sp.etp = 2, etp_sp.tp = 2, etp_sp.sequence_parallel = true;
-  const core::Program plans[] = {compile(etp, kMoe), compile(etp_sp, kMoe)};
+  const core::Program plans[] = {compile(cp, kDense), compile(etp, kMoe), compile(etp_sp, kMoe)};
+  piper::runtime::Capabilities none = cuda_capabilities();
+  none.context_parallel = none.expert_tensor_parallel = false;
   for (const auto& p : plans) {
     EXPECT_EQ(unsupported_feature(p, host_capabilities()), "");
+    EXPECT_EQ(unsupported_feature(p, cuda_capabilities()), "");
     EXPECT_NO_THROW(check_capabilities(p, host_capabilities()));
-    const std::string why = unsupported_feature(p, cuda_capabilities());
+    EXPECT_NO_THROW(check_capabilities(p, cuda_capabilities()));
+    const std::string why = unsupported_feature(p, none);
     EXPECT_FALSE(why.empty());
     EXPECT_EQ(why.find('\n'), std::string::npos) << why;
     try {
-      check_capabilities(p, cuda_capabilities());
-      ADD_FAILURE() << "check_capabilities accepted a plan the CUDA backend cannot run";
+      check_capabilities(p, none);
+      ADD_FAILURE() << "check_capabilities accepted a plan the backend cannot run";
     } catch (const std::invalid_argument& e) {
       EXPECT_EQ(std::string(e.what()), why);
     }

@@ -345,18 +345,20 @@ CudaBackend::CudaBackend(const core::Program& program, int device, Transport& tr
   const core::Model model = program_model(program);
   check_capabilities(program, cuda_capabilities());
   kernels_ = std::make_unique<CudaKernels>(program, device, model, config);
-  // Tensor parallelism (dense blocks; routed experts in a TP segment are expert TP, which
-  // check_capabilities refuses): each held TP segment's group, whose collectives go through this transport.
+  // Tensor parallelism (dense blocks; routed experts in a TP segment are expert TP): each held TP
+  // segment's group, whose collectives go through this transport, with this device at its TP rank.
   for (std::size_t s = 0; s < program.segments.size(); ++s) {
     const core::ProgramSegment& seg = program.segments[s];
     if (seg.tp_degree <= 1 || !kernels_->cuda_model().holds(static_cast<int>(s))) continue;
     const std::vector<int> group = seg.tp_family >= 0 && seg.tp_family < static_cast<int>(program.families.size())
                                        ? program.group_of(seg.tp_family, device)
                                        : std::vector<int>{};
-    if (static_cast<int>(group.size()) != seg.tp_degree)
+    const auto at = std::find(group.begin(), group.end(), device);
+    if (static_cast<int>(group.size()) != seg.tp_degree ||
+        at - group.begin() != kernels_->cuda_model().layout(static_cast<int>(s)).tp_rank)
       throw std::invalid_argument(
-          fmt::format("plan: segment {}'s TP family {} gives device {} a group of {} devices, "
-                      "not tp_degree {}",
+          fmt::format("plan: segment {}'s TP family {} gives device {} a group of {} devices without it at its TP "
+                      "rank, not one of tp_degree {}",
                       s, seg.tp_family, device, group.size(), seg.tp_degree));
     kernels_->cuda_model().set_tp(static_cast<int>(s), TpLink{&transport, seg.tp_family, group});
   }

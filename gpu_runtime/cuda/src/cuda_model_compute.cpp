@@ -312,7 +312,7 @@ void CudaModel::forward_layers(const Exec& e, int seg, const host::MicrobatchDat
           throw std::logic_error("runtime: sharded experts run through the expert-parallel path");
         c.source = route(e, s, 1);
         auto packets = dispatch_forward(e, s, c.source);
-        Tensor y = experts_forward(e, seg, l, 0, packets[0].expert, packets[0].rows, c.experts);
+        Tensor y = routed_experts_forward(e, seg, l, 0, packets[0].expert, packets[0].rows, c.experts);
         combine_forward(e, s, c.source, {ExpertPacket{{}, std::move(y)}});
         break;
       }
@@ -402,7 +402,7 @@ void CudaModel::backward_input(const Exec& e, int seg, BackwardState& g, Segment
       }
       case core::LayerKind::MoeExperts: {
         auto packets = dispatch_backward(e, g, c.source);
-        Tensor du = experts_backward_input(e, seg, l, c.experts, packets[0].rows);
+        Tensor du = routed_experts_backward_input(e, seg, l, c.experts, packets[0].rows);
         combine_backward(e, g, c.source, {ExpertPacket{{}, std::move(du)}});
         break;
       }
@@ -696,7 +696,7 @@ void CudaModel::experts_forward_entries(const Exec& e, int seg, const std::vecto
     c.source_counts.push_back(static_cast<int>(p.rows.rows));
   }
   const int first = sp.shard_index * experts() / sp.shard_degree;
-  Tensor y = experts_forward(e, seg, sp.first_layer, first, experts_of, rows, c.experts);
+  Tensor y = routed_experts_forward(e, seg, sp.first_layer, first, experts_of, rows, c.experts);
   to_sources->assign(c.source_counts.size(), ExpertPacket{});
   at = 0;
   for (std::size_t p = 0; p < c.source_counts.size(); ++p) {
@@ -753,7 +753,7 @@ void CudaModel::experts_backward_entries(const Exec& e, int seg, const std::vect
             "cudaMemcpyAsync");
     at += p.rows.rows;
   }
-  Tensor du = experts_backward_input(e, seg, sp.first_layer, c.experts, dy);
+  Tensor du = routed_experts_backward_input(e, seg, sp.first_layer, c.experts, dy);
   to_sources->assign(c.source_counts.size(), ExpertPacket{});
   at = 0;
   for (std::size_t p = 0; p < c.source_counts.size(); ++p) {

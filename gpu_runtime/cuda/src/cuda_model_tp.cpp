@@ -1,7 +1,9 @@
 // CudaModel's tensor and sequence parallelism (host_model_compute.cpp's tp_sum, tp_enter/tp_leave,
 // partial replicated gradients and vocab-parallel head, on the device) and context parallelism (the
 // K/V exchange of host AttentionCp): the collectives a compute op runs over its segment's TP or CP group
-// through the backend's transport, and waits for.
+// through the backend's transport, and waits for; and expert tensor parallelism's gathers and
+// reduce-scatters of the routed rows over the ETP group.
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -183,6 +185,108 @@ void CudaModel::vocab_parallel_cross_entropy(const Exec& e, int seg, Tensor& log
   const Tensor all_sums = tp_gather_floats(e, seg, sums.as<float>(), 2 * static_cast<std::int64_t>(T));
   vocab_parallel_finish(dt_, logits.data(), targets.as<int>(), T, V, first, all_max.as<float>(), all_sums.as<float>(),
                         ranks, loss_scale, loss, e.stream);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Expert tensor parallelism (host_model_compute.cpp's etp_gather / etp_scatter)
+// ---------------------------------------------------------------------------------------------
+namespace {
+// Copies `count` rows of `src` from row `from` to `dst` at row `to` (same columns and element size).
+void copy_rows(const Exec& e, const Tensor& dst, std::int64_t to, const Tensor& src, std::int64_t from,
+               std::int64_t count) {
+  if (count <= 0) return;
+  const std::size_t row = static_cast<std::size_t>(src.cols) * src.elem;
+  check(cudaMemcpyAsync(static_cast<char*>(dst.data()) + static_cast<std::size_t>(to) * row,
+                        static_cast<const char*>(src.data()) + static_cast<std::size_t>(from) * row,
+                        static_cast<std::size_t>(count) * row, cudaMemcpyDeviceToDevice, e.stream),
+        "cudaMemcpyAsync (expert TP rows)");
+}
+// n floats from the host (pageable: staged before the call returns).
+Tensor upload_floats(const Exec& e, const std::vector<float>& v) {
+  Tensor t = new_tensor(e, static_cast<std::int64_t>(v.size()), 1, 4);
+  if (t.bytes())
+    check(cudaMemcpyAsync(t.data(), v.data(), t.bytes(), cudaMemcpyHostToDevice, e.stream), "cudaMemcpyAsync");
+  return t;
+}
+}  // namespace
+
+CudaModel::EtpRows CudaModel::etp_gather(const Exec& e, int seg, const Tensor& rows, const std::vector<int>* expert,
+                                         const std::vector<int>* counts_known) {
+  const int ranks = static_cast<int>(tp_of(seg)->group.size());
+  const std::int64_t h = hidden();
+  EtpRows out;
+  if (counts_known) {
+    out.counts = *counts_known;
+  } else {
+    const Tensor n = upload_floats(e, {static_cast<float>(rows.rows)});
+    for (float v : download_floats(e, tp_gather_floats(e, seg, n.as<float>(), 1)))
+      out.counts.push_back(static_cast<int>(v));
+  }
+  const std::int64_t pad = std::max<std::int64_t>(1, *std::max_element(out.counts.begin(), out.counts.end()));
+  Tensor mine = zeros(e, pad, h, elem());
+  copy_rows(e, mine, 0, rows, 0, rows.rows);
+  Tensor all = new_tensor(e, pad * ranks, h, elem());
+  tp_collective(e, seg, CommKind::AllGather, mine.data(), all.data(), mine.bytes());  // bytes per rank
+  std::int64_t total = 0;
+  for (int c : out.counts) total += c;
+  out.rows = new_tensor(e, total, h, elem());
+  std::int64_t at = 0;
+  for (int r = 0; r < ranks; ++r) {
+    copy_rows(e, out.rows, at, all, r * pad, out.counts[static_cast<std::size_t>(r)]);
+    at += out.counts[static_cast<std::size_t>(r)];
+  }
+  if (expert) {
+    std::vector<float> ids(static_cast<std::size_t>(pad), -1.0f);
+    for (std::size_t i = 0; i < expert->size(); ++i) ids[i] = static_cast<float>((*expert)[i]);
+    const Tensor mine_ids = upload_floats(e, ids);
+    const std::vector<float> all_ids =
+        download_floats(e, tp_gather_floats(e, seg, mine_ids.as<float>(), static_cast<std::int64_t>(pad)));
+    for (int r = 0; r < ranks; ++r)
+      for (int i = 0; i < out.counts[static_cast<std::size_t>(r)]; ++i)
+        out.expert.push_back(static_cast<int>(all_ids[static_cast<std::size_t>(r * pad + i)]));
+  }
+  return out;
+}
+
+Tensor CudaModel::etp_scatter(const Exec& e, int seg, const Tensor& partial, const std::vector<int>& counts) {
+  const int ranks = static_cast<int>(tp_of(seg)->group.size());
+  const int rank = layout_.segment(seg).tp_rank;
+  const std::int64_t h = partial.cols;
+  const std::int64_t pad = std::max<std::int64_t>(1, *std::max_element(counts.begin(), counts.end()));
+  // The partial sums in fp32 (the transports reduce fp32), each rank's rows in its padded block.
+  Tensor f = partial;
+  if (dt_ != DType::F32) {
+    f = new_tensor(e, partial.rows, h, 4);
+    convert(dt_, partial.data(), DType::F32, f.data(), partial.rows * h, e.stream);
+  }
+  Tensor padded = zeros(e, pad * ranks, h, 4);
+  std::int64_t at = 0;
+  for (int r = 0; r < ranks; ++r) {
+    copy_rows(e, padded, r * pad, f, at, counts[static_cast<std::size_t>(r)]);
+    at += counts[static_cast<std::size_t>(r)];
+  }
+  Tensor mine = new_tensor(e, pad, h, 4);
+  tp_collective(e, seg, CommKind::ReduceScatter, padded.data(), mine.data(), static_cast<std::size_t>(pad * h));
+  const std::int64_t n = counts[static_cast<std::size_t>(rank)];
+  if (dt_ == DType::F32) return mine.row_range(0, n);
+  Tensor local = new_tensor(e, n, h, elem());
+  if (n > 0) convert(DType::F32, mine.data(), dt_, local.data(), n * h, e.stream);
+  return local;
+}
+
+Tensor CudaModel::routed_experts_forward(const Exec& e, int seg, int layer, int first_expert,
+                                         const std::vector<int>& expert, const Tensor& rows, ExpertsCache& c) {
+  if (!layout_.segment(seg).expert_tp) return experts_forward(e, seg, layer, first_expert, expert, rows, c);
+  EtpRows g = etp_gather(e, seg, rows, &expert, nullptr);
+  Tensor y = experts_forward(e, seg, layer, first_expert, g.expert, g.rows, c);
+  c.etp_counts = std::move(g.counts);
+  return etp_scatter(e, seg, y, c.etp_counts);
+}
+
+Tensor CudaModel::routed_experts_backward_input(const Exec& e, int seg, int layer, ExpertsCache& c, const Tensor& dy) {
+  if (!layout_.segment(seg).expert_tp) return experts_backward_input(e, seg, layer, c, dy);
+  const EtpRows g = etp_gather(e, seg, dy, nullptr, &c.etp_counts);
+  return etp_scatter(e, seg, experts_backward_input(e, seg, layer, c, g.rows), c.etp_counts);
 }
 
 }  // namespace piper::runtime::cuda

@@ -141,6 +141,7 @@ struct ExpertsCache {
   };
   std::vector<Group> groups;
   std::int64_t entries = 0;
+  std::vector<int> etp_counts;  // expert TP: each ETP rank's rows in the gathered rows (host LayerCache's)
 };
 struct HeadCache {
   Tensor u, dlogits;
@@ -288,6 +289,22 @@ class CudaModel {
   const TpLink* cp_of(int seg) const;
   Tensor cp_gather(const Exec& e, int seg, const Tensor& local);
   Tensor cp_scatter_sum(const Exec& e, int seg, const Tensor& all);
+  // Expert tensor parallelism (host etp_gather / etp_scatter): each ETP rank holds 1/e of every local
+  // expert's FFN. Before the experts' fc1 the ETP group gathers its routed rows (and, where `expert` is
+  // given, their experts; the counts are gathered unless known), rank after rank; after fc2 (and after
+  // the input gradient's GEMMs) the partial sums are reduce-scattered back to the rows' owners.
+  struct EtpRows {
+    Tensor rows;
+    std::vector<int> expert, counts;
+  };
+  EtpRows etp_gather(const Exec& e, int seg, const Tensor& rows, const std::vector<int>* expert,
+                     const std::vector<int>* counts_known);
+  Tensor etp_scatter(const Exec& e, int seg, const Tensor& partial, const std::vector<int>& counts);
+  // The experts of a layer on `rows` routed to `expert` (global ids from `first_expert`), through the
+  // ETP group where the segment has expert TP; and their input gradient likewise.
+  Tensor routed_experts_forward(const Exec& e, int seg, int layer, int first_expert, const std::vector<int>& expert,
+                                const Tensor& rows, ExpertsCache& c);
+  Tensor routed_experts_backward_input(const Exec& e, int seg, int layer, ExpertsCache& c, const Tensor& dy);
   void tp_sum(const Exec& e, int seg, Tensor& t);
   void tp_sum_floats(const Exec& e, int seg, float* p, std::int64_t n);
   Tensor tp_gather_floats(const Exec& e, int seg, const float* send, std::int64_t n);
