@@ -3,11 +3,14 @@
 // Program and the capabilities, so the CUDA backend's refusals are tested here without a GPU.
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
 #include "piper/core/scenario.hpp"
+#include "piper/runtime/cp_layout.hpp"
 #include "piper/runtime/dataflow.hpp"
+#include "piper/runtime/kernels.hpp"
 
 namespace core = piper::core;
 using piper::runtime::check_capabilities;
@@ -85,6 +88,54 @@ TEST(RuntimeCapabilities, CudaAcceptsContextParallelism) {
   EXPECT_EQ(unsupported_feature(compile(o, kDense), none),
             "plan: segment 0 is context-parallel (cp_degree 2); the CUDA backend does not run context parallelism" +
                 kCudaTail);
+}
+
+// The CUDA attention kernels' context-parallel arithmetic (cp_layout.hpp, which kernels.cu compiles),
+// checked here without a GPU against the host backend's layout: a rank's local rows sit at
+// host::AttentionCp's positions, each position of a sequence held once; key j of the gathered K/V
+// (rank blocks of T rows) is a row of the query's own sequence, the keys cover the sequence once; and
+// the mask lets local query i see exactly the keys at or before its position, position + 1 of them.
+TEST(RuntimeCapabilities, CudaContextParallelIndexingIsTheHostLayout) {
+  namespace cpl = piper::runtime::cp_layout;
+  for (int cp : {1, 2, 3, 4})
+    for (int L : {2, 4, 6}) {
+      const int seqs = 3, T = seqs * L;
+      piper::runtime::host::AttentionCp host;
+      host.cp = cp;
+      std::vector<int> held(static_cast<std::size_t>(cp * L), 0);
+      for (int r = 0; r < cp; ++r)
+        for (int i = 0; i < L; ++i) {
+          const int p = cpl::position(cp, r, i, L);
+          EXPECT_EQ(p, cp > 1 ? host.position(r, i, L) : i) << "cp " << cp << " rank " << r << " row " << i;
+          ++held.at(static_cast<std::size_t>(p));
+        }
+      for (int n : held) EXPECT_EQ(n, 1) << "cp " << cp << " L " << L;
+      for (int b = 0; b < seqs; ++b) {
+        std::vector<int> key_at(static_cast<std::size_t>(cp * L), -1), covered(static_cast<std::size_t>(cp * L), 0);
+        for (int j = 0; j < cp * L; ++j) {
+          const std::int64_t row = cpl::key_row(T, L, b, j);
+          ASSERT_GE(row, 0);
+          ASSERT_LT(row, static_cast<std::int64_t>(cp) * T);
+          const int rank = static_cast<int>(row / T), local = static_cast<int>(row % T);
+          EXPECT_EQ(local / L, b) << "key " << j << " of sequence " << b << " is a row of another sequence";
+          const int p = cp > 1 ? host.position(rank, local % L, L) : local % L;
+          key_at[static_cast<std::size_t>(j)] = p;
+          ++covered.at(static_cast<std::size_t>(p));
+        }
+        for (int n : covered) EXPECT_EQ(n, 1);
+        for (int r = 0; r < cp; ++r)
+          for (int i = 0; i < L; ++i) {
+            const int q = cp > 1 ? host.position(r, i, L) : i;
+            int visible = 0;
+            for (int j = 0; j < cp * L; ++j) {
+              const bool v = cpl::key_visible(cp, r, L, i, j);
+              EXPECT_EQ(v, key_at[static_cast<std::size_t>(j)] <= q);
+              visible += v ? 1 : 0;
+            }
+            EXPECT_EQ(visible, q + 1);
+          }
+      }
+    }
 }
 
 // Expert tensor parallelism is accepted (each ETP rank's slice of every local expert's FFN, the routed

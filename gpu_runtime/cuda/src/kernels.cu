@@ -3,6 +3,7 @@
 #include "piper/runtime/cuda/kernels.hpp"
 
 #include "kernels_common.cuh"
+#include "piper/runtime/cp_layout.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -69,23 +70,18 @@ __global__ void rmsnorm_backward_weight_k(const T* x, const float* rstd, const T
   column_sum_into(rows, cols, dg, [&](std::int64_t i, int r) { return load(dy, i) * load(x, i) * rstd[r]; });
 }
 
-// ---- Context parallelism: a CP rank's L local rows of a sequence are the load-balanced chunks rank
-// and 2·cp-1-rank (host::AttentionCp::position, the same expression); the keys of a sequence are every
-// rank's rows, gathered rank after rank, so key j is rank j / L's local row j % L. ----
+// ---- Context parallelism (cp_layout.hpp: the host compiles the same arithmetic and tests it against
+// the host backend's layout) ----
 __device__ __forceinline__ int cp_position(int cp, int rank, int i, int L) {
-  if (cp <= 1) return i;
-  const int chunk = L / 2;
-  return i < chunk ? rank * chunk + i : (2 * cp - 1 - rank) * chunk + (i - chunk);
+  return cp_layout::position(cp, rank, i, L);
 }
 // The row of key j of sequence `seq` in the K/V buffer (d.tokens local rows a rank); seq·L + j without CP.
 __device__ __forceinline__ std::int64_t key_row(const AttentionDims& d, int seq, int j) {
-  return static_cast<std::int64_t>(j / d.seq_len) * d.tokens + static_cast<std::int64_t>(seq) * d.seq_len +
-         j % d.seq_len;
+  return cp_layout::key_row(d.tokens, d.seq_len, seq, j);
 }
 // Whether key j (of cp·L) is visible to local query i: its global position is not after the query's.
 __device__ __forceinline__ bool key_visible(const AttentionDims& d, int i, int j) {
-  if (d.cp <= 1) return j <= i;
-  return cp_position(d.cp, j / d.seq_len, j % d.seq_len, d.seq_len) <= cp_position(d.cp, d.cp_rank, i, d.seq_len);
+  return cp_layout::key_visible(d.cp, d.cp_rank, d.seq_len, i, j);
 }
 
 // ---- RoPE, rotate-half: one thread per (token, head, pair) ----
