@@ -234,14 +234,23 @@ DirectiveProgram program_for(const Scenario& s, const ModelConfig& cfg, int* reg
     // regions than pipeline ranks is a strategy of its own (uneven interleaving, V chunks per rank,
     // as --virtual); fewer leaves a rank without one, which failed as "1f1b: pipeline rank 1 holds
     // no PP region", naming neither flag.
-    if (regions < opts.pp) {
-      std::string given;
-      for (int start : s.stage_starts) given += (given.empty() ? "" : ",") + std::to_string(start);
-      given = s.stage_starts.empty() ? fmt::format("--stages {}", s.stages) : "--pp-ranges " + given;
+    std::string given;
+    for (int start : s.stage_starts) given += (given.empty() ? "" : ",") + std::to_string(start);
+    given = s.stage_starts.empty() ? fmt::format("--stages {}", s.stages) : "--pp-ranges " + given;
+    if (regions < opts.pp)
       throw Error(
           fmt::format("{}: {} PP regions for the {} pipeline ranks of --pp {}: every rank needs at least one "
                       "(give {} or more, or a smaller --pp)",
                       given, regions, opts.pp, opts.pp, opts.pp));
+    // A --virtual given beside the regions must agree with them: they would set the shape and the
+    // flag would be dropped (2 ranges under --pp 2 --virtual 2 ran plain 1F1B).
+    if (opts.virtual_stages > 1) {
+      const int asked = from("--schedule", [&] { return schedule_family(opts.schedule).regions(opts); });
+      if (asked != regions)
+        throw Error(
+            fmt::format("{}: {} PP regions, but --pp {} --virtual {} asks for {}: give {} (or leave "
+                        "--virtual out: the regions then set the chunks per rank)",
+                        given, regions, opts.pp, opts.virtual_stages, asked, asked));
     }
     return from("", [&] {
       const ScheduleFamily& family = schedule_family(opts.schedule);

@@ -666,4 +666,25 @@ TEST_F(HostileInput, RegionPlacedOnSeveralDevicesWithoutReplicateRefused) {
   EXPECT_EQ(run("compile --model '" + piper::test::kTiny + "' --directives tp.json -o plan.json").exit_code, 0);
 }
 
+// --pp-ranges (or --stages) with fewer or more regions than --pp x --virtual asks for: the regions
+// set the shape and --virtual was dropped without a word. `--pp 2 --virtual 2 --schedule
+// interleaved-1f1b --pp-ranges 0 1` (qwen3-9m) simulated plain 1F1B over 2 regions, 1.359 ms a step as
+// with --virtual 1, against 1.016 ms for the 4 regions --virtual 2 places; the V families already
+// refused the same mismatch ("needs 4 PP regions for --pp 2").
+TEST_F(HostileInput, PpRangesDisagreeingWithVirtualRefused) {
+  const std::string base = "simulate --model qwen3-9m --engine analytic --pp 2 --microbatches 4 ";
+  expect_one_line(run(base + "--schedule interleaved-1f1b --virtual 2 --pp-ranges 0 1"),
+                  {"--pp-ranges 0,1", "2 PP regions", "--pp 2 --virtual 2", "4"});
+  expect_one_line(run(base + "--schedule interleaved-1f1b --virtual 2 --stages 3"),
+                  {"--stages 3", "3 PP regions", "--pp 2 --virtual 2", "4"});
+  expect_one_line(run("compile --model qwen3-1b --seq-len 256 --pp 2 --microbatches 4 --schedule zb-h1 --virtual 2 "
+                      "--pp-ranges 0 3 6 9 12 -o plan.json"),
+                  {"--pp-ranges 0,3,6,9,12", "5 PP regions", "--pp 2 --virtual 2"});
+  EXPECT_FALSE(fs::exists(dir_ / "plan.json"));
+  // Ranges of the asked count, and ranges without --virtual (uneven chunks: a shape of its own), run.
+  EXPECT_EQ(run(base + "--schedule interleaved-1f1b --virtual 2 --pp-ranges 0 1 2 3").exit_code, 0);
+  EXPECT_EQ(run(base + "--schedule interleaved-1f1b --stages 3").exit_code, 0);
+  EXPECT_EQ(run(base + "--schedule dualpipev --pp-ranges 0 1 2 3").exit_code, 0);
+}
+
 }  // namespace
