@@ -71,40 +71,43 @@ StepMeasurement Executor::run_step(int step) {  // NOLINT(readability-function-s
 
   std::size_t remaining = static_cast<std::size_t>(plan_.op_count());
   auto last_progress = Clock::now();
-  while (remaining > 0) {
-    const auto sweep_start = Clock::now();
-    double backend_s = 0;
-    bool progressed = false;
-    // Starts as many ops of stream s as are ready (synchronous ones complete at once); with
-    // `compute` false it stops before a compute op.
-    auto start_ready = [&](std::size_t s, bool compute) {
-      const auto& ops = plan_.streams[s].ops;
-      while (!in_flight[s] && cursor[s] < static_cast<int>(ops.size()) &&
-             waits_done(ops[static_cast<std::size_t>(cursor[s])])) {
-        if (!compute && ops[static_cast<std::size_t>(cursor[s])].kind == core::OpKind::Compute) return;
-        const int index = cursor[s]++;
-        const std::size_t flat = stream_base_[s] + static_cast<std::size_t>(index);
-        spans[flat] = core::OpSpan{static_cast<std::int32_t>(s), index, now_s(), 0.0};
-        for (int b : allocs_[flat]) {
-          memory += plan_.buffers[static_cast<std::size_t>(b)].bytes;
-          m.timeline.memory.push_back({spans[flat].start_s, memory});
-          if (memory > m.timeline.peak_memory_bytes)
-            m.timeline.peak_memory_bytes = memory, m.timeline.peak_memory_time_s = spans[flat].start_s;
-        }
-        in_flight[s] = true;
-        const auto b0 = Clock::now();
-        const bool done = backend_.start({static_cast<int>(s), index}, ops[static_cast<std::size_t>(index)]);
-        backend_s += seconds_between(b0, Clock::now());
-        progressed = true;
-        if (!done) return;
-        finish(s);
-        --remaining;
+  double backend_s = 0;     // this sweep's time inside the backend, of ops that progressed
+  bool progressed = false;  // this sweep started or completed an op
+  int running = -1;         // the stream whose compute op is inside Backend::start (it may wait there)
+  // Starts as many ops of stream s as are ready (synchronous ones complete at once); with
+  // `compute` false it stops before a compute op.
+  auto start_ready = [&](std::size_t s, bool compute) {
+    const auto& ops = plan_.streams[s].ops;
+    while (!in_flight[s] && cursor[s] < static_cast<int>(ops.size()) &&
+           waits_done(ops[static_cast<std::size_t>(cursor[s])])) {
+      const bool is_compute = ops[static_cast<std::size_t>(cursor[s])].kind == core::OpKind::Compute;
+      if (!compute && is_compute) return;
+      const int index = cursor[s]++;
+      const std::size_t flat = stream_base_[s] + static_cast<std::size_t>(index);
+      spans[flat] = core::OpSpan{static_cast<std::int32_t>(s), index, now_s(), 0.0};
+      for (int b : allocs_[flat]) {
+        memory += plan_.buffers[static_cast<std::size_t>(b)].bytes;
+        m.timeline.memory.push_back({spans[flat].start_s, memory});
+        if (memory > m.timeline.peak_memory_bytes)
+          m.timeline.peak_memory_bytes = memory, m.timeline.peak_memory_time_s = spans[flat].start_s;
       }
-    };
-    // Every ready transfer and collective first, then the compute ops: a compute op can block inside
-    // its tensor-parallel collectives until its TP peers meet it, and a send it would otherwise hold
-    // back can be what a peer (and so the TP group) is waiting for.
+      in_flight[s] = true;
+      const auto b0 = Clock::now();
+      if (is_compute) running = static_cast<int>(s);
+      const bool done = backend_.start({static_cast<int>(s), index}, ops[static_cast<std::size_t>(index)]);
+      if (is_compute) running = -1;
+      backend_s += seconds_between(b0, Clock::now());
+      progressed = true;
+      if (!done) return;
+      finish(s);
+      --remaining;
+    }
+  };
+  // Polls the in-flight ops of every stream but `skip` and starts their ready transfers and
+  // collectives (not compute ops).
+  auto progress_transfers = [&](int skip) {
     for (std::size_t s = 0; s < streams; ++s) {
+      if (static_cast<int>(s) == skip) continue;
       if (in_flight[s]) {
         const auto& op = plan_.streams[s].ops[static_cast<std::size_t>(completed[s])];
         const auto b0 = Clock::now();
@@ -117,6 +120,32 @@ StepMeasurement Executor::run_step(int step) {  // NOLINT(readability-function-s
       }
       start_ready(s, false);
     }
+  };
+  // While a compute op waits inside Backend::start for its group, the other streams keep moving
+  // (Backend::progress): a send it would otherwise hold back can be what its group's peers wait for.
+  bool in_progress = false;
+  backend_.set_progress([&] {
+    if (running < 0 || in_progress) return;
+    in_progress = true;
+    const bool before = progressed;
+    progressed = false;
+    progress_transfers(running);
+    if (progressed) last_progress = Clock::now();
+    progressed = progressed || before;
+    in_progress = false;
+  });
+  struct ClearProgress {
+    Backend& b;
+    ~ClearProgress() { b.set_progress({}); }
+  } clear_progress{backend_};
+  while (remaining > 0) {
+    const auto sweep_start = Clock::now();
+    backend_s = 0;
+    progressed = false;
+    // Every ready transfer and collective first, then the compute ops: a compute op can block inside
+    // its tensor-parallel collectives until its TP peers meet it, and a send it would otherwise hold
+    // back can be what a peer (and so the TP group) is waiting for.
+    progress_transfers(-1);
     for (std::size_t s = 0; s < streams; ++s) start_ready(s, true);
     const auto sweep_end = Clock::now();
     const double sweep_s = seconds_between(sweep_start, sweep_end);

@@ -80,6 +80,7 @@ class HostBackend::MpiTpComm : public host::TpComm {
       check_mpi(MPI_Test(&r, &done, MPI_STATUS_IGNORE), "MPI_Test (TP)");
       if (done) return;
       owner_.mpi_->match_posted_receives();
+      owner_.progress();  // the device's other streams keep moving while this compute op waits
       if (spins > 1000) {
         if (std::chrono::steady_clock::now() - t0 > std::chrono::duration<double>(owner_.config_.stall_timeout_s))
           throw RuntimeError(

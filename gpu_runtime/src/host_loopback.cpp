@@ -148,7 +148,7 @@ bool LoopbackTransport::test(int ticket) {
 // inputs while they wait, then writes its own output after the meeting.
 class HostBackend::ThreadTpComm : public host::TpComm {
  public:
-  ThreadTpComm(ThreadMeeting& meeting, int rank) : meeting_(meeting), rank_(rank) {}
+  ThreadTpComm(HostBackend& owner, ThreadMeeting& meeting, int rank) : owner_(owner), meeting_(meeting), rank_(rank) {}
   int size() const override { return meeting_.members(); }
   int rank() const override { return rank_; }
   void allreduce_sum(float* d, std::int64_t n) override {
@@ -164,7 +164,7 @@ class HostBackend::ThreadTpComm : public host::TpComm {
           for (std::size_t r = 0; r < all.size(); ++r)
             std::copy_n(static_cast<const float*>(all[r]), n, out + static_cast<std::int64_t>(r) * n);
         },
-        "a tensor-parallel all-gather");
+        "a tensor-parallel all-gather", idle_);
   }
   void reduce_scatter(const float* in, std::int64_t n, float* out) override {
     std::vector<float> acc(static_cast<std::size_t>(n), 0.0f);
@@ -176,7 +176,7 @@ class HostBackend::ThreadTpComm : public host::TpComm {
             std::transform(acc.begin(), acc.end(), theirs, acc.begin(), std::plus<float>());
           }
         },
-        "a tensor-parallel reduce-scatter");
+        "a tensor-parallel reduce-scatter", idle_);
     std::copy(acc.begin(), acc.end(), out);
   }
 
@@ -191,9 +191,12 @@ class HostBackend::ThreadTpComm : public host::TpComm {
           for (std::size_t r = 1; r < all.size(); ++r)
             std::transform(acc.begin(), acc.end(), static_cast<const float*>(all[r]), acc.begin(), op);
         },
-        "a tensor-parallel all-reduce");
+        "a tensor-parallel all-reduce", idle_);
     std::copy(acc.begin(), acc.end(), d);
   }
+  HostBackend& owner_;
+  // While it waits for its group, the device's other streams keep moving (Backend::progress).
+  std::function<void()> idle_ = [this] { owner_.progress(); };
   ThreadMeeting& meeting_;
   int rank_;
 };
@@ -208,7 +211,7 @@ HostBackend::HostBackend(const core::Program& program, int device, HostThreads& 
     if (!m) return nullptr;
     const auto group = program.group_of(family, device);
     const auto rank = static_cast<int>(std::find(group.begin(), group.end(), device) - group.begin());
-    return std::make_unique<ThreadTpComm>(*m, rank);
+    return std::make_unique<ThreadTpComm>(*this, *m, rank);
   });
   init_flow(program);
 }

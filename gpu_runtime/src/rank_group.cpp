@@ -69,7 +69,7 @@ std::unique_ptr<RankGroup> mpi_world_group() { return std::make_unique<MpiWorldG
 // ---------------------------------------------------------------------------------------------
 // Threads
 // ---------------------------------------------------------------------------------------------
-void ThreadMeeting::wait_all(std::unique_lock<std::mutex>& lock, const char* what) {
+void ThreadMeeting::wait_all(std::unique_lock<std::mutex>& lock, const char* what, const std::function<void()>& idle) {
   if (abandoned_) throw ReportedByAnotherRank();
   const std::uint64_t generation = generation_;
   if (++arrived_ == members_) {
@@ -79,28 +79,41 @@ void ThreadMeeting::wait_all(std::unique_lock<std::mutex>& lock, const char* wha
     return;
   }
   auto released = [&] { return generation_ != generation || abandoned_; };
-  if (timeout_s_ <= 0) {
-    cv_.wait(lock, released);
-  } else if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s_), released)) {
+  auto timed_out = [&] {
     abandoned_ = true;  // the group cannot meet again: release the others too
     cv_.notify_all();
     throw RuntimeError(fmt::format("runtime: {} waited {:.0f} s for its members (a peer died or the plan deadlocks)",
                                    what, timeout_s_));
+  };
+  if (idle) {
+    const auto t0 = std::chrono::steady_clock::now();
+    while (!released()) {
+      lock.unlock();
+      idle();
+      lock.lock();
+      if (cv_.wait_for(lock, std::chrono::microseconds(100), released)) break;
+      if (timeout_s_ > 0 && std::chrono::steady_clock::now() - t0 > std::chrono::duration<double>(timeout_s_))
+        timed_out();
+    }
+  } else if (timeout_s_ <= 0) {
+    cv_.wait(lock, released);
+  } else if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s_), released)) {
+    timed_out();
   }
   if (generation_ == generation) throw ReportedByAnotherRank();  // released by abandon()
 }
 
 void ThreadMeeting::meet(int member, const void* mine, const std::function<void(const std::vector<const void*>&)>& use,
-                         const char* what) {
+                         const char* what, const std::function<void()>& idle) {
   std::unique_lock<std::mutex> lock(mutex_);
   slots_.at(static_cast<std::size_t>(member)) = mine;
-  wait_all(lock, what);
+  wait_all(lock, what, idle);
   // Every slot is filled and stays valid until the second wait: read them without the lock.
   const std::vector<const void*> slots = slots_;
   lock.unlock();
   use(slots);
   lock.lock();
-  wait_all(lock, what);
+  wait_all(lock, what, idle);
 }
 
 void ThreadMeeting::abandon() {

@@ -379,6 +379,7 @@ CudaBackend::CudaBackend(const core::Program& program, int device, Transport& tr
                       s, seg.cp_family, device, group.size(), seg.cp_degree));
     kernels_->cuda_model().set_cp(static_cast<int>(s), TpLink{&transport, seg.cp_family, group});
   }
+  kernels_->cuda_model().set_progress([this] { progress(); });
   transport_ = std::make_unique<CudaTransport>(transport);
   flow_ = std::make_unique<Dataflow<CudaKernels, CudaTransport>>(program, device, *kernels_, *transport_, config.seed,
                                                                  config.data_path);

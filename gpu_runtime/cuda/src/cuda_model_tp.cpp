@@ -23,10 +23,6 @@ namespace {
 // The collectives inside compute ops, named apart from the plan's (pair >= -1): TP's and CP's.
 constexpr int kTpPair = -2;
 constexpr int kCpPair = -3;
-// The op waits for its TP collective (the group meets inside the op, as host::TpComm's calls block).
-void wait_for(Transport& t, int ticket) {
-  while (!t.test(ticket)) std::this_thread::yield();
-}
 }  // namespace
 
 void CudaModel::set_tp(int seg, TpLink link) { tp_[seg] = std::move(link); }
@@ -59,7 +55,13 @@ void CudaModel::group_collective(const Exec& e, const TpLink& link, int pair, Co
   r.recv = recv;
   r.count = count;
   r.stream = e.stream;
-  wait_for(*link.transport, link.transport->post(r));
+  // The op waits for its collective (the group meets inside the op, as host::TpComm's calls block),
+  // while the device's other streams keep moving.
+  const int ticket = link.transport->post(r);
+  while (!link.transport->test(ticket)) {
+    if (progress_) progress_();
+    std::this_thread::yield();
+  }
 }
 
 void CudaModel::tp_collective(const Exec& e, int seg, CommKind kind, const void* send, void* recv, std::size_t count) {

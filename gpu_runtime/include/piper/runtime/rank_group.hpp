@@ -56,12 +56,14 @@ class ThreadMeeting {
     slots_.resize(static_cast<std::size_t>(members));
   }
   int members() const { return members_; }
+  // `idle`, if set, runs (without the meeting's lock) every ~100 us while this member waits: a device
+  // waiting inside a compute op keeps its other streams moving (Backend::progress).
   void meet(int member, const void* mine, const std::function<void(const std::vector<const void*>&)>& use,
-            const char* what = "a thread group");
+            const char* what = "a thread group", const std::function<void()>& idle = {});
   void abandon();
 
  private:
-  void wait_all(std::unique_lock<std::mutex>& lock, const char* what);
+  void wait_all(std::unique_lock<std::mutex>& lock, const char* what, const std::function<void()>& idle);
   std::mutex mutex_;
   std::condition_variable cv_;
   int members_;

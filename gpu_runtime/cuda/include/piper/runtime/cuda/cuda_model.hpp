@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -227,6 +228,9 @@ class CudaModel {
   // Before the first step, for each held segment with cp_degree > 1: its CP group (this device at its
   // CP rank), whose ranks exchange K/V in every attention layer (host::HostModel::set_cp_comm).
   void set_cp(int seg, TpLink link);
+  // Called while a compute op waits for its group's collective (the backend's Backend::progress: the
+  // device's other streams keep moving).
+  void set_progress(std::function<void()> f) { progress_ = std::move(f); }
   // The [offset, length) runs of a segment's local gradient vector that count in the global gradient
   // norm (host::HostModel::owned_grad_sq's rule): not a tied head's copy of the embedding table, and a
   // TP-replicated tensor on TP rank 0 only.
@@ -280,8 +284,8 @@ class CudaModel {
   const TpLink* tp_of(int seg) const;
   // One collective over a group (transport.hpp's counts), waited for; `pair` names the kind of group
   // apart from the plan's own collectives. tp_collective: over the segment's TP group.
-  static void group_collective(const Exec& e, const TpLink& link, int pair, CommKind kind, const void* send, void* recv,
-                               std::size_t count);
+  void group_collective(const Exec& e, const TpLink& link, int pair, CommKind kind, const void* send, void* recv,
+                        std::size_t count);
   void tp_collective(const Exec& e, int seg, CommKind kind, const void* send, void* recv, std::size_t count);
   // Context parallelism (host AttentionCp's gather and scatter_sum): every CP rank's rows of `local`,
   // rank after rank; and the sum over the CP group of `all` ([cp·rows, cols]) of which this rank keeps
@@ -328,6 +332,7 @@ class CudaModel {
   host::AttentionShape attn_shape_;
   std::map<int, SegmentDevice> device_;
   std::map<int, TpLink> tp_, cp_;
+  std::function<void()> progress_;
   std::map<int, std::vector<std::pair<std::int64_t, std::int64_t>>> counted_runs_;  // counted_grad_runs
   Tensor loss_;
 };
