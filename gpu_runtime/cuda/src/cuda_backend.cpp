@@ -345,39 +345,28 @@ CudaBackend::CudaBackend(const core::Program& program, int device, Transport& tr
   const core::Model model = program_model(program);
   check_capabilities(program, cuda_capabilities());
   kernels_ = std::make_unique<CudaKernels>(program, device, model, config);
-  // Tensor parallelism (dense blocks; routed experts in a TP segment are expert TP): each held TP
-  // segment's group, whose collectives go through this transport, with this device at its TP rank.
-  for (std::size_t s = 0; s < program.segments.size(); ++s) {
-    const core::ProgramSegment& seg = program.segments[s];
-    if (seg.tp_degree <= 1 || !kernels_->cuda_model().holds(static_cast<int>(s))) continue;
-    const std::vector<int> group = seg.tp_family >= 0 && seg.tp_family < static_cast<int>(program.families.size())
-                                       ? program.group_of(seg.tp_family, device)
+  // Each held segment's TP group (dense blocks; routed experts in a TP segment are expert TP) and CP
+  // group, whose collectives inside the compute ops go through this transport: the family's group of
+  // this device, with the device at its TP (CP) rank.
+  auto link = [&](std::size_t s, const char* what, int family, int degree, int rank) {
+    const std::vector<int> group = family >= 0 && family < static_cast<int>(program.families.size())
+                                       ? program.group_of(family, device)
                                        : std::vector<int>{};
     const auto at = std::find(group.begin(), group.end(), device);
-    if (static_cast<int>(group.size()) != seg.tp_degree ||
-        at - group.begin() != kernels_->cuda_model().layout(static_cast<int>(s)).tp_rank)
-      throw std::invalid_argument(
-          fmt::format("plan: segment {}'s TP family {} gives device {} a group of {} devices without it at its TP "
-                      "rank, not one of tp_degree {}",
-                      s, seg.tp_family, device, group.size(), seg.tp_degree));
-    kernels_->cuda_model().set_tp(static_cast<int>(s), TpLink{&transport, seg.tp_family, group});
-  }
-  // Context parallelism: each held CP segment's group (members in CP-rank order), over which its
-  // attention layers gather K/V and return dK/dV.
+    if (static_cast<int>(group.size()) != degree || at - group.begin() != rank)
+      throw std::invalid_argument(fmt::format(
+          "plan: segment {}'s {} family {} gives device {} a group of {} devices without it at its {} rank, not one "
+          "of degree {}",
+          s, what, family, device, group.size(), what, degree));
+    return TpLink{&transport, family, group};
+  };
+  CudaModel& m = kernels_->cuda_model();
   for (std::size_t s = 0; s < program.segments.size(); ++s) {
     const core::ProgramSegment& seg = program.segments[s];
-    if (seg.cp_degree <= 1 || !kernels_->cuda_model().holds(static_cast<int>(s))) continue;
-    const std::vector<int> group = seg.cp_family >= 0 && seg.cp_family < static_cast<int>(program.families.size())
-                                       ? program.group_of(seg.cp_family, device)
-                                       : std::vector<int>{};
-    const auto at = std::find(group.begin(), group.end(), device);
-    if (static_cast<int>(group.size()) != seg.cp_degree ||
-        at - group.begin() != kernels_->cuda_model().layout(static_cast<int>(s)).cp_rank)
-      throw std::invalid_argument(
-          fmt::format("plan: segment {}'s CP family {} gives device {} a group of {} devices without it at its CP "
-                      "rank, not one of cp_degree {}",
-                      s, seg.cp_family, device, group.size(), seg.cp_degree));
-    kernels_->cuda_model().set_cp(static_cast<int>(s), TpLink{&transport, seg.cp_family, group});
+    const int si = static_cast<int>(s);
+    if (!m.holds(si)) continue;
+    if (seg.tp_degree > 1) m.set_tp(si, link(s, "TP", seg.tp_family, seg.tp_degree, m.layout(si).tp_rank));
+    if (seg.cp_degree > 1) m.set_cp(si, link(s, "CP", seg.cp_family, seg.cp_degree, m.layout(si).cp_rank));
   }
   kernels_->cuda_model().set_progress([this] { progress(); });
   transport_ = std::make_unique<CudaTransport>(transport);
