@@ -74,14 +74,20 @@ StepMeasurement Executor::run_step(int step) {  // NOLINT(readability-function-s
   double backend_s = 0;     // this sweep's time inside the backend, of ops that progressed
   bool progressed = false;  // this sweep started or completed an op
   int running = -1;         // the stream whose compute op is inside Backend::start (it may wait there)
+  // Point-to-point transfers: what a device waiting inside a compute op still starts and finishes
+  // (below). Their data is a finished op's output or a later op's input, never what a running
+  // compute op reads or writes; a collective's start or finish reads or writes the model's
+  // gradients and parameters (a ZeRO reduce-scatter zeroes the gradients it sent), so it waits.
+  auto p2p = [](const core::Op& op) { return op.kind == core::OpKind::Send || op.kind == core::OpKind::Recv; };
   // Starts as many ops of stream s as are ready (synchronous ones complete at once); with
-  // `compute` false it stops before a compute op.
-  auto start_ready = [&](std::size_t s, bool compute) {
+  // `compute` false it stops before a compute op, with `p2p_only` before anything but a transfer.
+  auto start_ready = [&](std::size_t s, bool compute, bool p2p_only = false) {
     const auto& ops = plan_.streams[s].ops;
     while (!in_flight[s] && cursor[s] < static_cast<int>(ops.size()) &&
            waits_done(ops[static_cast<std::size_t>(cursor[s])])) {
       const bool is_compute = ops[static_cast<std::size_t>(cursor[s])].kind == core::OpKind::Compute;
       if (!compute && is_compute) return;
+      if (p2p_only && !p2p(ops[static_cast<std::size_t>(cursor[s])])) return;
       const int index = cursor[s]++;
       const std::size_t flat = stream_base_[s] + static_cast<std::size_t>(index);
       spans[flat] = core::OpSpan{static_cast<std::int32_t>(s), index, now_s(), 0.0};
@@ -104,12 +110,13 @@ StepMeasurement Executor::run_step(int step) {  // NOLINT(readability-function-s
     }
   };
   // Polls the in-flight ops of every stream but `skip` and starts their ready transfers and
-  // collectives (not compute ops).
-  auto progress_transfers = [&](int skip) {
+  // collectives (not compute ops); with `p2p_only`, point-to-point transfers only.
+  auto progress_transfers = [&](int skip, bool p2p_only) {
     for (std::size_t s = 0; s < streams; ++s) {
       if (static_cast<int>(s) == skip) continue;
       if (in_flight[s]) {
         const auto& op = plan_.streams[s].ops[static_cast<std::size_t>(completed[s])];
+        if (p2p_only && !p2p(op)) continue;
         const auto b0 = Clock::now();
         const bool done = backend_.poll({static_cast<int>(s), completed[s]}, op);
         backend_s += seconds_between(b0, Clock::now());
@@ -118,18 +125,19 @@ StepMeasurement Executor::run_step(int step) {  // NOLINT(readability-function-s
         --remaining;
         progressed = true;
       }
-      start_ready(s, false);
+      start_ready(s, false, p2p_only);
     }
   };
-  // While a compute op waits inside Backend::start for its group, the other streams keep moving
-  // (Backend::progress): a send it would otherwise hold back can be what its group's peers wait for.
+  // While a compute op waits inside Backend::start for its group, the other streams' transfers keep
+  // moving (Backend::progress): a send it would otherwise hold back can be what its group's peers wait
+  // for.
   bool in_progress = false;
   backend_.set_progress([&] {
     if (running < 0 || in_progress) return;
     in_progress = true;
     const bool before = progressed;
     progressed = false;
-    progress_transfers(running);
+    progress_transfers(running, true);
     if (progressed) last_progress = Clock::now();
     progressed = progressed || before;
     in_progress = false;
@@ -145,7 +153,7 @@ StepMeasurement Executor::run_step(int step) {  // NOLINT(readability-function-s
     // Every ready transfer and collective first, then the compute ops: a compute op can block inside
     // its tensor-parallel collectives until its TP peers meet it, and a send it would otherwise hold
     // back can be what a peer (and so the TP group) is waiting for.
-    progress_transfers(-1);
+    progress_transfers(-1, false);
     for (std::size_t s = 0; s < streams; ++s) start_ready(s, true);
     const auto sweep_end = Clock::now();
     const double sweep_s = seconds_between(sweep_start, sweep_end);

@@ -24,12 +24,12 @@ class Backend {
   // Names the op a rank is stuck on for the watchdog's error (e.g. the peer it waits for).
   virtual std::string describe_wait(const core::Op& op) const { return op.label; }
 
-  // The device's other streams, kept moving while an op waits inside start(): a compute op blocked
-  // on its tensor-parallel (CP, ETP) group calls progress() as it waits, and the executor polls the
-  // other streams' transfers and starts their ready ones, as a GPU's streams run beside a waiting
-  // kernel. Without it two TP groups, each waiting inside a compute op, could each hold back a send
-  // (queued behind a synchronous one still unmatched) that the other group waits for. Set by the
-  // executor for a step; a no-op outside one.
+  // The device's point-to-point transfers, kept moving while an op waits inside start(): a compute op
+  // blocked on its tensor-parallel (CP, ETP) group calls progress() as it waits, and the executor
+  // polls the other streams' sends and receives and starts their ready ones, as a GPU's streams run
+  // beside a waiting kernel (collectives wait: they touch the model's gradients and parameters). Without it two TP
+  // groups, each waiting inside a compute op, could each hold back a send (queued behind a synchronous one still
+  // unmatched) that the other group waits for. Set by the executor for a step; a no-op outside one.
   void set_progress(std::function<void()> f) { progress_ = std::move(f); }
   void progress() const {
     if (progress_) progress_();
