@@ -68,14 +68,28 @@ void CudaModel::tp_collective(const Exec& e, int seg, CommKind kind, const void*
   group_collective(e, *tp_of(seg), kTpPair, kind, send, recv, count);
 }
 
+Tensor CudaModel::reduce_scatter_rows(const Exec& e, const TpLink& link, int pair, const Tensor& all) {
+  const auto ranks = static_cast<std::int64_t>(link.group.size());
+  if (all.rows % ranks != 0)
+    throw std::invalid_argument(fmt::format("runtime: {} rows do not split over {} ranks", all.rows, ranks));
+  const std::int64_t rows = all.rows / ranks, n = rows * all.cols;
+  Tensor in = all, out = new_tensor(e, rows, all.cols, 4);
+  if (dt_ != DType::F32) {  // bf16/fp16 partial sums are added in fp32 (the transports reduce fp32)
+    in = new_tensor(e, all.rows, all.cols, 4);
+    convert(dt_, all.data(), DType::F32, in.data(), all.rows * all.cols, e.stream);
+  }
+  group_collective(e, link, pair, CommKind::ReduceScatter, in.data(), out.data(), static_cast<std::size_t>(n));
+  if (dt_ == DType::F32) return out;
+  Tensor local = new_tensor(e, rows, all.cols, elem());
+  convert(DType::F32, out.data(), dt_, local.data(), n, e.stream);
+  return local;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Context parallelism (host_model.cpp's set_cp_comm: AttentionCp's gather and scatter_sum)
 // ---------------------------------------------------------------------------------------------
 void CudaModel::set_cp(int seg, TpLink link) {
   host::SegmentParams& sp = layout_.segment(seg);
-  if (static_cast<int>(link.group.size()) != sp.cp_degree)
-    throw std::logic_error(fmt::format("runtime: segment {} got a context-parallel group of {} devices, not {}", seg,
-                                       link.group.size(), sp.cp_degree));
   sp.cp_attention.cp = sp.cp_degree;  // the kernels' positions; gather and scatter_sum stay unset (the host's)
   sp.cp_attention.rank = sp.cp_rank;
   cp_[seg] = std::move(link);
@@ -94,19 +108,7 @@ Tensor CudaModel::cp_gather(const Exec& e, int seg, const Tensor& local) {
 }
 
 Tensor CudaModel::cp_scatter_sum(const Exec& e, int seg, const Tensor& all) {
-  const TpLink& cp = *cp_of(seg);
-  const auto ranks = static_cast<std::int64_t>(cp.group.size());
-  const std::int64_t rows = all.rows / ranks, n = rows * all.cols;
-  Tensor in = all, out = new_tensor(e, rows, all.cols, 4);
-  if (dt_ != DType::F32) {  // bf16/fp16 partial sums are added in fp32 (the transports reduce fp32)
-    in = new_tensor(e, all.rows, all.cols, 4);
-    convert(dt_, all.data(), DType::F32, in.data(), all.rows * all.cols, e.stream);
-  }
-  group_collective(e, cp, kCpPair, CommKind::ReduceScatter, in.data(), out.data(), static_cast<std::size_t>(n));
-  if (dt_ == DType::F32) return out;
-  Tensor local = new_tensor(e, rows, all.cols, elem());
-  convert(DType::F32, out.data(), dt_, local.data(), n, e.stream);
-  return local;
+  return reduce_scatter_rows(e, *cp_of(seg), kCpPair, all);
 }
 
 void CudaModel::tp_sum_floats(const Exec& e, int seg, float* p, std::int64_t n) {
@@ -143,17 +145,7 @@ Tensor CudaModel::tp_leave(const Exec& e, int seg, Tensor partial) {
   if (partial.rows % ranks != 0)
     throw std::invalid_argument(
         fmt::format("runtime: {} token rows do not split over {} sequence-parallel ranks", partial.rows, ranks));
-  const std::int64_t rows = partial.rows / ranks, n = rows * partial.cols;
-  Tensor in = partial, out = new_tensor(e, rows, partial.cols, 4);
-  if (dt_ != DType::F32) {  // bf16/fp16 partial sums are added in fp32 (the transports reduce fp32)
-    in = new_tensor(e, partial.rows, partial.cols, 4);
-    convert(dt_, partial.data(), DType::F32, in.data(), partial.rows * partial.cols, e.stream);
-  }
-  tp_collective(e, seg, CommKind::ReduceScatter, in.data(), out.data(), static_cast<std::size_t>(n));
-  if (dt_ == DType::F32) return out;
-  Tensor local = new_tensor(e, rows, partial.cols, elem());
-  convert(DType::F32, out.data(), dt_, local.data(), n, e.stream);
-  return local;
+  return reduce_scatter_rows(e, *tp_of(seg), kTpPair, partial);
 }
 
 float* CudaModel::partial_grad_begin(const Exec& e, int seg, float* grad, std::int64_t n, Tensor& scratch) {
@@ -252,28 +244,16 @@ CudaModel::EtpRows CudaModel::etp_gather(const Exec& e, int seg, const Tensor& r
 
 Tensor CudaModel::etp_scatter(const Exec& e, int seg, const Tensor& partial, const std::vector<int>& counts) {
   const int ranks = static_cast<int>(tp_of(seg)->group.size());
-  const int rank = layout_.segment(seg).tp_rank;
-  const std::int64_t h = partial.cols;
   const std::int64_t pad = std::max<std::int64_t>(1, *std::max_element(counts.begin(), counts.end()));
-  // The partial sums in fp32 (the transports reduce fp32), each rank's rows in its padded block.
-  Tensor f = partial;
-  if (dt_ != DType::F32) {
-    f = new_tensor(e, partial.rows, h, 4);
-    convert(dt_, partial.data(), DType::F32, f.data(), partial.rows * h, e.stream);
-  }
-  Tensor padded = zeros(e, pad * ranks, h, 4);
+  // Each rank's rows in its padded block, summed over the group; this rank keeps its own.
+  Tensor padded = zeros(e, pad * ranks, partial.cols, elem());
   std::int64_t at = 0;
   for (int r = 0; r < ranks; ++r) {
-    copy_rows(e, padded, r * pad, f, at, counts[static_cast<std::size_t>(r)]);
+    copy_rows(e, padded, r * pad, partial, at, counts[static_cast<std::size_t>(r)]);
     at += counts[static_cast<std::size_t>(r)];
   }
-  Tensor mine = new_tensor(e, pad, h, 4);
-  tp_collective(e, seg, CommKind::ReduceScatter, padded.data(), mine.data(), static_cast<std::size_t>(pad * h));
-  const std::int64_t n = counts[static_cast<std::size_t>(rank)];
-  if (dt_ == DType::F32) return mine.row_range(0, n);
-  Tensor local = new_tensor(e, n, h, elem());
-  if (n > 0) convert(DType::F32, mine.data(), dt_, local.data(), n * h, e.stream);
-  return local;
+  return reduce_scatter_rows(e, *tp_of(seg), kTpPair, padded)
+      .row_range(0, counts[static_cast<std::size_t>(layout_.segment(seg).tp_rank)]);
 }
 
 Tensor CudaModel::routed_experts_forward(const Exec& e, int seg, int layer, int first_expert,

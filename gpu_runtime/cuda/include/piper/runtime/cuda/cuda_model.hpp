@@ -287,6 +287,9 @@ class CudaModel {
   void group_collective(const Exec& e, const TpLink& link, int pair, CommKind kind, const void* send, void* recv,
                         std::size_t count);
   void tp_collective(const Exec& e, int seg, CommKind kind, const void* send, void* recv, std::size_t count);
+  // The sum over the group of `all` ([ranks·rows, cols]; bf16/fp16 summed in fp32), of which this rank
+  // keeps its block of rows (SP's tp_leave, CP's dK/dV, ETP's partial outputs).
+  Tensor reduce_scatter_rows(const Exec& e, const TpLink& link, int pair, const Tensor& all);
   // Context parallelism (host AttentionCp's gather and scatter_sum): every CP rank's rows of `local`,
   // rank after rank; and the sum over the CP group of `all` ([cp·rows, cols]) of which this rank keeps
   // its block (summed in fp32, stored in the storage type).
