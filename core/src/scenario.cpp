@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <set>
+#include <stdexcept>
 #include <type_traits>
 
 #include <fmt/format.h>
@@ -167,17 +168,23 @@ StrategyOptions resolve_v_ends(StrategyOptions o, const ModelConfig& cfg) {
   // choice, in the V first).
   StrategyOptions best = o;
   double best_step = -1;
+  std::string family_refused;  // the first refusal by the family's own limits, if any
   for (const auto& trial : v_end_choices(o)) {
     double step = 0;
     try {
       step = v_step_estimate(trial, cfg);
     } catch (const ModelError&) {
       continue;  // too few blocks for this many regions
-    } catch (const std::invalid_argument&) {
+    } catch (const std::invalid_argument& e) {
+      if (family_refused.empty()) family_refused = e.what();
       continue;  // the family's own limits (e.g. DualPipeV's microbatches) refuse this shape
     }
     if (best_step < 0 || step < best_step * (1 - 1e-6)) best = trial, best_step = step;
   }
+  // A shape the family refuses whatever the ends (DualPipeV with fewer than 2 x PP microbatches) is
+  // that refusal, not "too few blocks" (qwen3-9m's 4 blocks fit a V over PP 2).
+  if (best_step < 0 && !family_refused.empty())
+    throw std::invalid_argument(fmt::format("--v-head/--v-embedding auto: no placement fits: {}", family_refused));
   if (best_step < 0)
     throw Error(fmt::format("--v-head/--v-embedding auto: no placement of model '{}' fits --pp {} (too few blocks)",
                             cfg.name, o.pp));
@@ -283,9 +290,10 @@ std::string strategy_flag_error(const DirectiveProgram& program, const StrategyO
   else if (op == "shard")
     flag = field == "chunks" ? fmt::format("--a2a-chunks {}", o.a2a_chunks) : fmt::format("--ep {}", o.ep);
   else if (op == "replicate")
-    flag = field == "shard_group"                                 ? fmt::format("--dp-shard {}", o.dp_shard)
-           : field == "reduce_every"                              ? "--reduce-every " + o.reduce_every
-           : field == "gather_dtype"                              ? std::string("--fp8-all-gather")
+    flag = field == "shard_group"    ? (o.cp > 1 ? fmt::format("--dp-shard {} x --cp {}", o.dp_shard, o.cp)
+                                                 : fmt::format("--dp-shard {}", o.dp_shard))
+           : field == "reduce_every" ? "--reduce-every " + o.reduce_every
+           : field == "gather_dtype" ? std::string("--fp8-all-gather")
            : field.rfind("shard_", 0) == 0 || field == "prefetch" ? fmt::format("--zero {}", o.zero)
                                                                   : fmt::format("--dp {}", o.dp);
   else if (op == "recompute")

@@ -110,6 +110,10 @@ void validate_strategy_options(const StrategyOptions& o) {
   at_least_one("--etp", o.etp);
   if (o.sequence_parallel && o.tp < 2) fail("--sequence-parallel needs --tp >= 2");
   if (o.tp_comm_overlap && o.tp < 2) fail("--tp-comm-overlap needs --tp >= 2");
+  if (o.tp_comm_overlap && !o.sequence_parallel)
+    fail(
+        "--tp-comm-overlap needs --sequence-parallel (the overlap splits SP's all-gathers and reduce-scatters around "
+        "the GEMMs; without SP, TP all-reduces, which Megatron-LM and TorchTitan do not overlap)");
   if (o.recompute == "auto")
     fail(
         "--recompute auto is chosen by the simulator's memory model: use it with piper simulate and --memory-budget "
@@ -205,6 +209,14 @@ DirectiveProgram placement_directives(const StrategyOptions& o, const std::vecto
     return devices;
   };
   const int replicas = o.dp * o.cp * o.tp * (mirrored ? 2 : 1);  // devices per region
+  // A segment's CP groups are cut from blocks of its TP degree x CP devices (TP innermost), and a routed
+  // expert's TP degree is --etp: `--cp 2 --etp 2` on 2 devices failed in the cp-groups pass, naming a
+  // "TP 2" that was never given.
+  if (o.cp > 1 && o.etp > 1 && replicas % (o.etp * o.cp) != 0)
+    fail("--etp " + std::to_string(o.etp) + " with --cp " + std::to_string(o.cp) +
+         ": --etp x --cp = " + std::to_string(o.etp * o.cp) + " must divide the " + std::to_string(replicas) +
+         " devices of a pipeline region (--dp x --cp x --tp): an expert's tensor-parallel group cannot span its "
+         "context-parallel ranks (give --dp or --tp a multiple of --etp)");
   ProgramBuilder out;
   // Directive order follows the published programs: all place, then all replicate, then all shard.
   // With one pipeline rank there are no point-to-point transfers, so no stream (as in dp2.json).
@@ -231,7 +243,11 @@ DirectiveProgram placement_directives(const StrategyOptions& o, const std::vecto
       if (o.gather_prefetch != 1) rep.prefetch = o.gather_prefetch;
       if (!o.collective_copies.empty()) rep.collective_copies = o.collective_copies;
     }
-    if (o.dp_shard > 1 && o.dp_shard < replicas / o.tp) rep.shard_group = o.dp_shard;
+    // A shard group is dp_shard data-parallel replicas with their CP ranks (consecutive in the region's
+    // devices, CP inside DP), as TorchTitan's dp_shard x cp mesh: a group of dp_shard consecutive
+    // replicas was the CP ranks of one replica, so `--cp 2 --dp 2 --dp-shard 2` sharded over CP and
+    // replicated over DP (each device 1/2 of the state, where plain ZeRO over DP x CP keeps 1/4).
+    if (o.dp_shard > 1 && o.dp_shard * o.cp < replicas / o.tp) rep.shard_group = o.dp_shard * o.cp;
     if (o.zero >= 2 && !o.reduce_every.empty()) rep.reduce_every = o.reduce_every;
     for (int i = 0; i < regions; ++i) out.replicate(region_filter(i), devices_of_region(i), rep);
   }

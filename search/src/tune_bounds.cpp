@@ -50,7 +50,8 @@ std::int64_t memory_lower_bound(const TuneSpec& spec, const TuneCandidate& c) {
     const std::int64_t shard = shape->ep_tagged[i] ? c.ep : 1;
     const std::int64_t devices = region_replicas * (shape->experts[i] ? c.tp : 1);
     const std::int64_t replicas = std::max<std::int64_t>(1, devices / (shard * (shape->experts[i] ? c.etp : 1)));
-    const std::int64_t shards = core::zero_shards_of(static_cast<int>(replicas), c.dp_shard);  // HSDP: the group's
+    const std::int64_t shards =
+        core::zero_shards_of(static_cast<int>(replicas), c.dp_shard * c.cp);  // HSDP: the group's
     const std::int64_t params = costs.params / shard;
     persistent_of_region[static_cast<std::size_t>(r)] +=
         params * dt / (c.zero >= 3 ? shards : 1) +

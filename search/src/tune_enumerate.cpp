@@ -202,15 +202,18 @@ void add_knob_variants(const TuneSpec& spec, const Knobs& k, TuneCandidate c, co
   for (bool sp : sps)
     for (const auto& rc : k.recompute_modes)
       for (int z : spec.zero_levels) {
+        // Fixed settings that need a knob: TP overlap splits SP's collectives; a block selection
+        // recomputes its blocks in a mode.
+        if ((c.tp_comm_overlap && !sp) || ((c.recompute_every > 0 || c.recompute_first > 0) && rc == "none")) continue;
         if (z < 0 || z > 3) throw TuneError(fmt::format("ZeRO level {} is not 0..3", z));
         if (replicas == 1 && z != spec.zero_levels.front()) continue;
         c.sequence_parallel = sp;
         c.recompute = rc;
         c.zero = replicas == 1 ? 0 : z;
         for (int hs : k.dp_shards) {
-          // HSDP groups the ZeRO shards of dp replicas (strategy.cpp): a group must divide dp and be
-          // smaller than the region's replicas (else it is plain ZeRO).
-          if (hs > 0 && (c.zero == 0 || c.dp % hs != 0 || hs >= replicas)) continue;
+          // HSDP groups the ZeRO shards of dp replicas and their CP ranks (strategy.cpp): a group must
+          // divide dp and be smaller than the region's replicas (else it is plain ZeRO).
+          if (hs > 0 && (c.zero == 0 || c.dp % hs != 0 || hs * c.cp >= replicas)) continue;
           c.dp_shard = hs;
           for (const auto& re : k.reduce_modes) {
             // The gradient reduction is a choice of ZeRO-2/3 only.
@@ -261,7 +264,12 @@ void add_family_candidates(const TuneSpec& spec, const Knobs& k, const core::Sch
     }
     c.virtual_stages = regions / c.pp;
     try {
-      const core::StrategyOptions o = strategy_of(c);
+      // The schedule does not depend on the settings that need a knob add_knob_variants sets (a fixed TP
+      // overlap needs SP, a fixed block selection a recompute mode): checked here with them, every
+      // candidate was refused.
+      core::StrategyOptions o = strategy_of(c);
+      o.tp_comm_overlap = false;
+      o.recompute_every = o.recompute_first = 0;
       if (family.regions(o) != regions) throw std::invalid_argument("region count changed");
       core::schedule_directives(o, family.placement(o, regions));
     } catch (const std::invalid_argument&) {

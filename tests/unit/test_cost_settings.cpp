@@ -90,6 +90,7 @@ TEST(CostSettings, ZeroGradientReductionPerMicrobatchOrPerStep) {
 TEST(CostSettings, TensorParallelCommunicationOverlap) {
   core::StrategyOptions o;
   o.tp = 2;
+  o.sequence_parallel = true;  // the overlap splits SP's collectives
   const auto plain = compile(o);
   o.tp_comm_overlap = true;
   const auto overlap = compile(o);
