@@ -149,10 +149,13 @@ Command add_calibrate_command(CLI::App& app) {
                   "cluster preset or spec JSON of the measured GPU (its kernel table is the base)")
       ->capture_default_str();
   cmd->add_option("--calibration", args->calibration_path, "op times measured by `piper run --calibrate`");
-  cmd->add_option("--trace", args->trace_path, "Chrome trace of GPU kernels (the PyTorch profiler's export)");
+  auto* trace =
+      cmd->add_option("--trace", args->trace_path, "Chrome trace of GPU kernels (the PyTorch profiler's export)");
+  // Op times are per step already: beside --calibration the count was ignored.
   cmd->add_option("--trace-steps", args->trace_steps, "training steps the trace covers")
       ->check(kPositiveInt)
-      ->capture_default_str();
+      ->capture_default_str()
+      ->needs(trace);
   cmd->add_option("--device", args->device, "the plan's device the trace or times were measured on")
       ->check(kNonNegativeInt)
       ->capture_default_str();

@@ -126,7 +126,10 @@ Command add_simulate_command(CLI::App& app) {
                   "also print the kernels device D runs per microbatch: shapes, FLOPs, bytes, time and achieved "
                   "rate of each, as the cost model times them")
       ->check(kNonNegativeInt);
-  cmd->add_option("--show-devices", args->max_devices, "devices listed in the printed table")->capture_default_str();
+  // Negative counts printed "... (3 more devices)" under a 2-device table.
+  cmd->add_option("--show-devices", args->max_devices, "devices listed in the printed table")
+      ->check(kNonNegativeInt)
+      ->capture_default_str();
   return {cmd, [args] { return run_simulate(*args); }};
 }
 

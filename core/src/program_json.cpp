@@ -445,6 +445,30 @@ void check_training_shape(const Program& p) {
   check_limit(Limit::TokensPerMicrobatch, tokens, "plan: field 'training'", "tokens per microbatch");
 }
 
+// "microbatches" sizes the step (the runtime's batch and loss normalisation, tokens per step), and every
+// device that computes runs each of its microbatches: a plan edited from 2 to 4 trained on 2 with the loss
+// divided by 4 (half the reference's), and one whose ops ran microbatch 0 twice and 1 never trained on
+// another batch; both verified ok. Op indices past it are refused op by op.
+void check_microbatches_run(const Program& p) {
+  // seen[m] = 1 + the last plan that ran m: one pass over the ops, whatever the plan count.
+  std::vector<std::size_t> seen(static_cast<std::size_t>(p.microbatches), 0);
+  for (std::size_t i = 0; i < p.plans.size(); ++i) {
+    std::int64_t distinct = 0;
+    for (const Stream& s : p.plans[i].streams)
+      for (const Op& op : s.ops)
+        if (op.kind == OpKind::Compute && op.microbatch >= 0 &&
+            seen[static_cast<std::size_t>(op.microbatch)] != i + 1) {
+          seen[static_cast<std::size_t>(op.microbatch)] = i + 1;
+          ++distinct;
+        }
+    if (distinct == 0 || distinct == p.microbatches) continue;
+    const auto missing = std::find_if(seen.begin(), seen.end(), [&](std::size_t v) { return v != i + 1; });
+    fail("microbatches", fmt::format("{}, but the compute ops of plans[{}] run no microbatch {} (a device that "
+                                     "computes runs microbatches 0 to microbatches - 1)",
+                                     p.microbatches, i, missing - seen.begin()));
+  }
+}
+
 }  // namespace
 
 Model plan_model(const Program& p) {
@@ -575,7 +599,8 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
     p.training.micro_batch_size = as_int64(require(t, "training", "micro_batch_size"), "training.micro_batch_size");
     std::string prec = as_string(require(t, "training", "precision"), "training.precision");
     auto parsed = parse_precision(prec);
-    if (!parsed) fail("training.precision", "unknown precision '" + prec + "' (expected bf16, fp16 or fp32)");
+    if (!parsed)
+      fail("training.precision", "unknown precision '" + prec + "' (expected bf16, fp16, fp32, tf32 or fp8)");
     p.training.precision = *parsed;
     if (const json* f = optional_field(t, "fp32_main_grads")) {
       if (!f->is_boolean()) fail("training.fp32_main_grads", "expected true or false");
@@ -720,6 +745,7 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
     for (std::size_t i = 0; i < plans.size(); ++i)
       p.plans.push_back(
           plan_from_json(plans[i], at_index("plans", i), p.device_sets.size(), p.families.size(), p.microbatches));
+    check_microbatches_run(p);
   }
   {
     const json& pod = as_array(require(j, "", "plan_of_device"), "plan_of_device");

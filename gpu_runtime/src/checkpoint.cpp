@@ -426,7 +426,7 @@ Checkpoint parse_checkpoint(const std::string& path, const std::string& bytes) {
 
 void check_compatible(const std::string& path, const Checkpoint& ckpt, const core::Program& program) {
   const auto& i = ckpt.info;
-  if (i.fingerprint != model_fingerprint(program))
+  if (i.fingerprint != model_fingerprint(program) && i.fingerprint != model_fingerprint(program, true))
     throw std::invalid_argument(
         fmt::format("{}: checkpoint of model '{}' ({}) does not match the plan's model '{}' ({}): their specs differ",
                     path, i.model_name, i.fingerprint, program.model_name, model_fingerprint(program)));

@@ -98,11 +98,19 @@ std::uint64_t fnv1a(const std::string& s) {
 
 }  // namespace
 
-std::string model_fingerprint(const core::Program& program) {
+std::string model_fingerprint(const core::Program& program, bool with_training_shape) {
   // The model alone (its spec): the layout (segments, sharding, ZeRO) may change between save and
-  // resume, and the training shape is checked separately with its own message.
-  const std::string s = program.model_spec.is_null() ? "name:" + program.model_name : program.model_spec.dump();
-  return fmt::format("{:016x}", fnv1a(s));
+  // resume, and the training shape is checked separately with its own message. The spec's "training"
+  // holds that shape (sequence length, micro-batch size), so it is left out: with it, a resume under
+  // another micro-batch size of the same global batch was refused ("their specs differ"), and a
+  // resume under another sequence length did not say so.
+  if (program.model_spec.is_null()) return fmt::format("{:016x}", fnv1a("name:" + program.model_name));
+  json spec = program.model_spec;
+  if (const auto t = spec.find("training"); !with_training_shape && t != spec.end() && t->is_object()) {
+    t->erase("seq_len");
+    t->erase("micro_batch_size");
+  }
+  return fmt::format("{:016x}", fnv1a(spec.dump()));
 }
 
 // ---------------------------------------------------------------------------------------------

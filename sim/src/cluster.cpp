@@ -348,6 +348,28 @@ void check_multi_node(const Reader& r, const json& j, const Cluster& c) {
     }
 }
 
+// "attention_kernel" scales the attention rates of the GPUs' kernel tables: a name no table holds is
+// an error naming the file (the cost model's own check names no file), and a cluster whose GPUs have
+// no table (kernel_table "") has nothing for it to scale: it was ignored, any name accepted.
+void check_attention_kernel(const Reader& r, const Cluster& c) {
+  std::set<std::string> tables;
+  for (const auto& node : c.nodes)
+    if (!node.gpu.kernel_table.empty()) tables.insert(node.gpu.kernel_table);
+  if (tables.empty())
+    r.fail("attention_kernel",
+           fmt::format("'{}' scales a kernel table's attention rates, and no GPU of the cluster has a kernel table "
+                       "(\"kernel_table\": \"\"): it would be ignored (drop it, or give the GPU a table)",
+                       c.attention_kernel));
+  for (const std::string& name : tables) {
+    const auto table = load_kernel_table(name);
+    if (table->attention_kernels.contains(c.attention_kernel)) continue;
+    std::string known;
+    for (const auto& [k, v] : table->attention_kernels) known += (known.empty() ? "" : ", ") + k;
+    r.fail("attention_kernel", fmt::format("kernel table '{}' has no attention kernel '{}' (it has: {})", table->name,
+                                           c.attention_kernel, known.empty() ? "none" : known));
+  }
+}
+
 }  // namespace
 
 json GpuSpec::to_json() const {
@@ -538,6 +560,7 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
   }
   c.nodes.assign(static_cast<std::size_t>(count), base);
   if (j.contains("overrides")) apply_overrides(r, j.at("overrides"), c.nodes);
+  if (!c.attention_kernel.empty()) check_attention_kernel(r, c);
   check_multi_node(r, j, c);
   std::int64_t devices = 0;
   for (const auto& node : c.nodes) devices += node.gpus_per_node;

@@ -687,4 +687,172 @@ TEST_F(HostileInput, PpRangesDisagreeingWithVirtualRefused) {
   EXPECT_EQ(run(base + "--schedule dualpipev --pp-ranges 0 1 2 3").exit_code, 0);
 }
 
+// ---- Round 12: newer surfaces (docs/reliability.md, "twelfth probe") ------------------------------
+
+// A plan whose "microbatches" was edited past the microbatches its compute ops run (2 to 4) verified
+// ok and trained with exit 0: the virtual-device run took 2 microbatches and divided the loss by 4
+// (2.262867 at step 2 against the reference's 4.443177 on 4 microbatches). So did one whose ops were
+// edited to run microbatch 0 twice and 1 never.
+TEST_F(HostileInput, PlanMicrobatchesThatNoComputeOpRunsRefused) {
+  const CliResult made =
+      run("compile --model '" + piper::test::kTiny + "' --pp 2 --dp 2 --microbatches 2 -o plan.json");
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  json plan = json::parse(read_file(dir_ / "plan.json"));
+  plan["microbatches"] = 4;
+  input("mb4.json", plan.dump());
+  for (const std::string cmd : {"verify mb4.json", "simulate --plan mb4.json --engine analytic",
+                                "run --plan mb4.json --virtual-devices --steps 1 --report r.json"})
+    expect_one_line(run(cmd),
+                    {"mb4.json", "field 'microbatches'", "4, but the compute ops of plans[0] run no microbatch 2"});
+  EXPECT_FALSE(fs::exists(dir_ / "r.json"));
+  // One device's ops edited to run microbatch 0 twice and 1 never (it trained on another batch).
+  plan = json::parse(read_file(dir_ / "plan.json"));
+  for (auto& stream : plan.at("plans").at(1).at("streams"))
+    for (auto& op : stream.at("ops"))
+      if (op.value("microbatch", -1) == 1) op["microbatch"] = 0;
+  input("twice.json", plan.dump());
+  expect_one_line(run("verify twice.json"),
+                  {"twice.json", "field 'microbatches'", "2, but the compute ops of plans[1] run no microbatch 1"});
+  // The plan as compiled, and plans of every microbatch count a family writes, still load.
+  EXPECT_EQ(run("verify plan.json").exit_code, 0);
+  for (const std::string flags :
+       {"--schedule dualpipe --pp 2 --microbatches 4", "--schedule zb-v --pp 2 --microbatches 4",
+        "--schedule interleaved-1f1b --pp 2 --virtual 2 --microbatches 4"}) {
+    ASSERT_EQ(run("compile --model '" + piper::test::kTiny + "' " + flags + " -o p.json").exit_code, 0) << flags;
+    EXPECT_EQ(run("verify p.json").exit_code, 0) << flags;
+  }
+}
+
+// A checkpoint's model fingerprint hashed the model spec with its training shape, so a resume under
+// another micro-batch size of the same global batch (2 x 2 sequences saved, 1 x 4 resumed) was
+// refused as "their specs differ", and one under another sequence length did not say so. The shape is
+// checked apart, with its own messages, as docs/reliability.md says.
+TEST_F(HostileInput, ResumeUnderAnotherMicroBatchSizeOfTheSameGlobalBatch) {
+  const std::string model = "--model '" + piper::test::kTiny + "' --seed 3 ";
+  const CliResult saved = run("run " + model + "--pp 2 --microbatches 2 --virtual-devices --steps 2 --save ck");
+  ASSERT_EQ(saved.exit_code, 0) << saved.err;
+  const CliResult resumed = run("run " + model +
+                                "--pp 2 --micro-batch-size 1 --microbatches 4 --virtual-devices --steps 4 --resume ck "
+                                "--report r.json");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  const CliResult whole = run("run " + model + "--microbatches 2 --reference --steps 4 --report ref.json");
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+  const json losses = json::parse(read_file(dir_ / "r.json")).at("losses");
+  const json reference = json::parse(read_file(dir_ / "ref.json")).at("losses");
+  ASSERT_EQ(losses.size(), 2u);
+  for (std::size_t i = 0; i < 2; ++i)
+    EXPECT_NEAR(losses[i].get<double>(), reference[i + 2].get<double>(), 1e-5 * reference[i + 2].get<double>());
+  expect_one_line(run("run " + model + "--pp 2 --seq-len 8 --microbatches 2 --virtual-devices --steps 4 --resume ck"),
+                  {"ck: checkpoint trained on sequences of 16 tokens, the plan uses 8"});
+  expect_one_line(run("run " + model + "--pp 2 --microbatches 4 --virtual-devices --steps 4 --resume ck"),
+                  {"ck: checkpoint took 4 sequences per step, the plan takes 8"});
+}
+
+// "attention_kernel" on a cluster whose GPUs have no kernel table was ignored, any name accepted:
+// llama3-8b at TP 8 simulated in 75.693 ms with "fa2" and with "zz" alike. An unknown name on a table
+// was refused naming "cluster", not the file.
+TEST_F(HostileInput, AttentionKernelWithoutAKernelTableRefused) {
+  input("none.json",
+        R"({"preset": "dgx-h200", "nodes": 1, "node": {"gpu": {"preset": "h200-sxm", "kernel_table": ""}},
+            "attention_kernel": "fa2"})");
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --cluster none.json"),
+                  {"none.json: field 'attention_kernel'", "'fa2' scales a kernel table's attention rates",
+                   "no GPU of the cluster has a kernel table"});
+  input("fa9.json", R"({"preset": "dgx-h200", "nodes": 1, "attention_kernel": "fa9"})");
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --cluster fa9.json"),
+                  {"fa9.json: field 'attention_kernel'", "kernel table 'h200-sxm' has no attention kernel 'fa9'"});
+  input("fa2.json", R"({"preset": "dgx-h200", "nodes": 1, "attention_kernel": "fa2"})");
+  EXPECT_EQ(run("simulate --model qwen3-9m --engine analytic --cluster fa2.json").exit_code, 0);
+}
+
+// --tp-comm-overlap without --sequence-parallel (or a tensor_parallel directive's "comm_overlap"
+// without "sequence_parallel") was costed as overlapped: llama3-8b at TP 8, 63.111 ms against 83.607
+// without it, where Megatron-LM asserts sequence parallelism for the overlap and TorchTitan's async TP
+// pipelines SP's collectives only.
+TEST_F(HostileInput, TpCommOverlapWithoutSequenceParallelRefused) {
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --tp 2 --tp-comm-overlap"),
+                  {"--tp-comm-overlap needs --sequence-parallel"});
+  input("d.json", R"([{"op": "place", "filter": {"PP": 0}, "devices": [0, 1]},
+                      {"op": "tensor_parallel", "filter": {"PP": 0}, "degree": 2, "comm_overlap": true}])");
+  expect_one_line(run("compile --model qwen3-9m --directives d.json -o p.json"),
+                  {"d.json", "directive 1 field 'comm_overlap'", "needs \"sequence_parallel\": true"});
+  EXPECT_FALSE(fs::exists(dir_ / "p.json"));
+  EXPECT_EQ(run("simulate --model qwen3-9m --engine analytic --tp 2 --sequence-parallel --tp-comm-overlap").exit_code,
+            0);
+}
+
+// `--v-head auto` where the family refuses the shape whatever the ends (DualPipeV with 1 microbatch
+// over PP 2) said "no placement of model 'qwen3-9m' fits --pp 2 (too few blocks)": its 4 blocks fit.
+TEST_F(HostileInput, VHeadAutoNamesTheFamilysRefusal) {
+  for (const std::string cmd : {"directives --model qwen3-9m", "simulate --model qwen3-9m --engine analytic"}) {
+    const CliResult r = run(cmd + " --schedule dualpipev --pp 2 --v-head auto");
+    expect_one_line(r, {"--v-head/--v-embedding auto", "dualpipev: --microbatches 1 must be >= 2 x --pp = 4"});
+    EXPECT_EQ(r.err.find("too few blocks"), std::string::npos) << r.err;
+  }
+  EXPECT_EQ(run("directives --model qwen3-9m --schedule dualpipev --pp 2 --microbatches 4 --v-head auto").exit_code, 0);
+}
+
+// `--cp 2 --etp 2`, which the help's rule admits (--ep x --etp divides --dp x --cp x --tp), failed in
+// the cp-groups pass as "--cp 2: 2 x TP 2 does not divide the 2 devices segment 1 is placed on": a TP
+// degree never given. A segment's CP groups sit beside its TP group, so ETP x CP must divide a
+// region's devices.
+TEST_F(HostileInput, ContextParallelWithExpertTensorParallelNamesBothFlags) {
+  const std::string moe = "--model '" + kSource + "/tests/data/runtime-tiny-moe.json' ";
+  expect_one_line(run("compile " + moe + "--cp 2 --etp 2 -o p.json"),
+                  {"--etp 2 with --cp 2", "--etp x --cp = 4 must divide the 2 devices of a pipeline region"});
+  EXPECT_FALSE(fs::exists(dir_ / "p.json"));
+  // Where ETP x CP divides the region's devices: DP or TP of 2, or DualPipe's mirrored copies.
+  for (const std::string flags :
+       {"--cp 2 --etp 2 --dp 2", "--cp 2 --etp 2 --tp 2", "--cp 2 --etp 2 --schedule dualpipe --pp 2 --microbatches 4"})
+    EXPECT_EQ(run("compile " + moe + flags + " -o p.json").exit_code, 0) << flags;
+}
+
+// Flags that were taken without effect or with a wrong count: `calibrate --trace-steps 3` beside
+// --calibration (op times are per step; the count was ignored), `simulate --show-devices -1`
+// ("... (3 more devices)" under a 2-device table).
+TEST_F(HostileInput, CalibrateTraceStepsWithoutATraceAndNegativeShowDevicesRefused) {
+  input("cal.json",
+        R"({"format": "piper-calibration", "entries": [{"kind": "COMPUTE", "pass": "F", "seconds": 0.001},
+            {"kind": "COMPUTE", "pass": "B", "seconds": 0.002}, {"kind": "UPD", "seconds": 0.001}]})");
+  expect_one_line(run("calibrate --model qwen3-9m --calibration cal.json --trace-steps 3 -o t.json"),
+                  {"--trace-steps requires --trace"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.json"));
+  expect_one_line(run("simulate --model qwen3-9m --pp 2 --engine analytic --show-devices -1"), {"--show-devices"});
+  EXPECT_EQ(run("calibrate --model qwen3-9m --calibration cal.json -o t.json").exit_code, 0);
+}
+
+// `--dp-shard N` with `--cp C` grouped N consecutive replicas of the region, which are the CP ranks of
+// one data-parallel replica: `--cp 2 --dp 2 --zero 3 --dp-shard 2` (one shard group holding both DP
+// replicas, i.e. plain ZeRO-3) sharded each parameter over the CP pair and replicated it over DP, 1/2
+// of the state a device where plain ZeRO-3 over DP x CP keeps 1/4. A group is N replicas with their CP
+// ranks, as TorchTitan's dp_shard x cp mesh shards.
+TEST_F(HostileInput, HsdpShardGroupsHoldTheirReplicasContextParallelRanks) {
+  auto parameters = [&](const std::string& flags) {
+    const CliResult r = run("simulate --model qwen3-9m --engine analytic --zero 3 " + flags + " --report r.json");
+    EXPECT_EQ(r.exit_code, 0) << flags << ": " << r.err;
+    return json::parse(read_file(dir_ / "r.json")).at("per_device").at(0).at("peak_bytes_by_kind").at("parameters");
+  };
+  EXPECT_EQ(parameters("--cp 2 --dp 2 --dp-shard 2"), parameters("--cp 2 --dp 2"));
+  EXPECT_EQ(parameters("--cp 2 --dp 4 --dp-shard 2"), parameters("--dp 4"));  // 4 shards: 2 replicas x 2 CP ranks
+  // The shard groups are the CP ranks of two DP replicas: devices 0-3 and 4-7.
+  ASSERT_EQ(run("compile --model qwen3-9m --zero 3 --cp 2 --dp 4 --dp-shard 2 -o p.json").exit_code, 0);
+  const json plan = json::parse(read_file(dir_ / "p.json"));
+  bool found = false;
+  for (const auto& f : plan.at("families"))
+    if (f.at("purpose") == "dp-shard") {
+      found = true;
+      EXPECT_EQ(f.at("group_size"), 4);
+      EXPECT_EQ(plan.at("device_sets").at(f.at("devices").get<std::size_t>()), json::parse("[0, 1, 2, 3, 4, 5, 6, 7]"));
+    }
+  EXPECT_TRUE(found);
+  // It trains as the single-process reference does.
+  const std::string moe = "--model '" + kSource + "/tests/data/runtime-tiny-moe.json' --microbatches 2 --steps 2 ";
+  const CliResult hsdp = run("run " + moe + "--cp 2 --dp 4 --zero 3 --dp-shard 2 --virtual-devices --report a.json");
+  ASSERT_EQ(hsdp.exit_code, 0) << hsdp.err;
+  ASSERT_EQ(run("run " + moe + "--dp 4 --reference --report b.json").exit_code, 0);
+  const json a = json::parse(read_file(dir_ / "a.json")).at("losses"),
+             b = json::parse(read_file(dir_ / "b.json")).at("losses");
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_NEAR(a[i].get<double>(), b[i].get<double>(), 1e-5 * b[i].get<double>());
+}
+
 }  // namespace

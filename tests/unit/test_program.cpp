@@ -296,7 +296,8 @@ TEST(Program, FromJsonNamesTheField) {
   {
     json j = good;
     j["training"]["precision"] = "int4";
-    EXPECT_EQ(error_of(j), "plan: field 'training.precision': unknown precision 'int4' (expected bf16, fp16 or fp32)");
+    EXPECT_EQ(error_of(j),
+              "plan: field 'training.precision': unknown precision 'int4' (expected bf16, fp16, fp32, tf32 or fp8)");
   }
   {
     json j = good;

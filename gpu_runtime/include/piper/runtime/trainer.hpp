@@ -121,8 +121,10 @@ std::map<int, std::vector<float>> read_param_dump(const std::string& path);
 // Largest |a - b| over all parameters; throws if a layer or element is missing from either.
 double max_param_difference(const std::string& path_a, const std::string& path_b);
 
-// What identifies a model for checkpoint compatibility: its spec only (never the layout).
-std::string model_fingerprint(const core::Program& program);
+// What identifies a model for checkpoint compatibility: its spec only (never the layout), less its
+// training shape; `with_training_shape`: the whole spec, as checkpoints written before the twelfth
+// reliability probe hold it (still read).
+std::string model_fingerprint(const core::Program& program, bool with_training_shape = false);
 
 // ---- checkpoint steps shared by the host and CUDA trainers (the format is checkpoint.hpp's) ----
 // The header of a checkpoint of `program` after `step` optimizer steps (with loss scaling, its state
