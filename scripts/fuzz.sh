@@ -54,22 +54,34 @@ mkdir -p "$work/findings"
 seed_flag=()
 [ -n "${FUZZ_SEED:-}" ] && seed_flag=(-seed="$FUZZ_SEED")
 export UBSAN_OPTIONS=print_stacktrace=1
+# One harness per core at a time (each libFuzzer process is single-threaded); the table below is
+# printed in the harnesses' order once all have finished.
+run_harness() {
+  local h=$1 corpus=$work/corpus/$1
+  mkdir -p "$corpus"
+  # -timeout: one input taking 10 s is a hang; -rss_limit_mb: one using 2 GB is a runaway.
+  # -max_len: 64 KiB holds JSON nested far past the json-depth limit (256 levels: 514 bytes), which the
+  # dictionary's runs of brackets reach.
+  "$bin/$h" "$corpus" "$seeds/$h" -dict=tests/fuzz/piper.dict -max_total_time="$seconds" "${seed_flag[@]}" \
+    -timeout=10 -rss_limit_mb=2048 -max_len=65536 -print_final_stats=1 \
+    -artifact_prefix="$work/findings/$h-" </dev/null >"$work/findings/$h.log" 2>&1 || true
+}
+running=0
+for h in "${harnesses[@]}"; do
+  if [ "$running" -ge "$(nproc)" ]; then
+    wait -n || true
+    running=$((running - 1))
+  fi
+  run_harness "$h" &
+  running=$((running + 1))
+done
+wait
 exec > >(tee "$work/summary.txt.tmp")
 printf '\n%-20s %12s %8s %8s %8s %8s\n' harness executions crashes leaks timeouts ooms
 total_execs=0
 total_findings=0
 for h in "${harnesses[@]}"; do
-  corpus=$work/corpus/$h
-  mkdir -p "$corpus"
   log=$work/findings/$h.log
-  # -timeout: one input taking 10 s is a hang; -rss_limit_mb: one using 2 GB is a runaway.
-  # -max_len: 64 KiB holds JSON nested far past the json-depth limit (256 levels: 514 bytes), which the
-  # dictionary's runs of brackets reach.
-  set +e
-  "$bin/$h" "$corpus" "$seeds/$h" -dict=tests/fuzz/piper.dict -max_total_time="$seconds" "${seed_flag[@]}" \
-    -timeout=10 -rss_limit_mb=2048 -max_len=65536 -print_final_stats=1 \
-    -artifact_prefix="$work/findings/$h-" </dev/null >"$log" 2>&1
-  set -e
   execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -1)
   execs=${execs:-0}
   count() { ls "$work/findings" | grep -c "^$h-$1-" || true; }

@@ -20,6 +20,7 @@ packages=(
   python3-pandas          # python: to_dataframe() (optional at run time), so the docs' DataFrame examples run in CI
   jq bc time              # experiments/: the study scripts read JSON reports, time themselves, measure peak RSS
   clang libclang-rt-14-dev  # tests/fuzz: libFuzzer harnesses (clang 14 and its fuzzer/sanitizer runtimes)
+  lld                     # the sanitize preset links with it: ~0.3 s a test program under ASan, ld.bfd 1.4 s
   clang-format clang-tidy   # house style: scripts/check-format.sh (.clang-format) and scripts/tidy.sh (.clang-tidy)
   python3-pip             # fetches the cudnn-frontend headers below (pip download only; nothing is pip-installed)
 )

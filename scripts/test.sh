@@ -61,7 +61,8 @@ build_sanitize() { cmake --preset sanitize >/dev/null && cmake --build --preset 
 # all-to-all one): the code they run is the tune code the
 # other Tune tests run under ASan; the default CTest stage runs them in full. It leaves
 # out fidelity_steptimes too: a Python test of the step-time script (not instrumented) whose three
-# simulations took 58 s with the sanitized piper; the CTest stage runs it.
+# simulations took 58 s with the sanitized piper, and Experiments.QuickModeRunsEveryStudy (58 s under
+# ASan, 15 s without; its piper runs are the paths the CLI tests run under ASan); the CTest stage runs both.
 test_sanitize() {
   local junit=build-sanitize/Testing/sanitize-junit.xml
   ctest --preset sanitize --output-on-failure -j2 --output-junit "$PWD/$junit" && return 0
