@@ -781,8 +781,9 @@ TEST_F(HostileInput, TpCommOverlapWithoutSequenceParallelRefused) {
             0);
 }
 
-// `--v-head auto` where the family refuses the shape whatever the ends (DualPipeV with 1 microbatch
-// over PP 2) said "no placement of model 'qwen3-9m' fits --pp 2 (too few blocks)": its 4 blocks fit.
+// Errors that named the wrong cause or no place. `--v-head auto` where the family refuses the shape
+// whatever the ends (DualPipeV with 1 microbatch over PP 2) said "no placement of model 'qwen3-9m' fits
+// --pp 2 (too few blocks)": its 4 blocks fit.
 TEST_F(HostileInput, VHeadAutoNamesTheFamilysRefusal) {
   for (const std::string cmd : {"directives --model qwen3-9m", "simulate --model qwen3-9m --engine analytic"}) {
     const CliResult r = run(cmd + " --schedule dualpipev --pp 2 --v-head auto");
@@ -790,6 +791,11 @@ TEST_F(HostileInput, VHeadAutoNamesTheFamilysRefusal) {
     EXPECT_EQ(r.err.find("too few blocks"), std::string::npos) << r.err;
   }
   EXPECT_EQ(run("directives --model qwen3-9m --schedule dualpipev --pp 2 --microbatches 4 --v-head auto").exit_code, 0);
+  // --recompute-first N past a region's blocks said "the filter selects only 1 blocks": not which
+  // region (qwen3-9m's second PP region holds 1 block beside the LM head, the balancer's choice).
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --pp 2 --microbatches 2 --recompute full "
+                      "--recompute-first 3"),
+                  {"--recompute full --recompute-first 3", "the filter {\"PP\":1} selects only 1 block"});
 }
 
 // `--cp 2 --etp 2`, which the help's rule admits (--ep x --etp divides --dp x --cp x --tp), failed in

@@ -175,7 +175,7 @@ TEST(RecomputePolicy, DirectiveFieldsAndErrors) {
   EXPECT_EQ(error_of({{"op", "recompute"}, {"filter", {{"PP", 0}}}, {"mode", "full"}, {"every", 2}, {"first", 1}}),
             "directive 1 field 'first': cannot be combined with \"every\" (choose one block selection)");
   EXPECT_EQ(error_of({{"op", "recompute"}, {"filter", {{"PP", 0}}}, {"mode", "full"}, {"first", 5}}),
-            "directive 1 field 'first': asks for 5 blocks but the filter selects only 4 blocks");
+            "directive 1 field 'first': asks for 5 blocks but the filter {\"PP\":0} selects only 4 blocks");
 }
 
 TEST(RecomputePolicy, StrategyFlagErrors) {

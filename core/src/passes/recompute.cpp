@@ -32,9 +32,9 @@ void apply_recompute(PassContext& cx, const RecomputeDirective& d, int index, st
       ++rank;
     }
     if (d.first > static_cast<int>(blocks.size()))
-      fail(index, "first",
-           "asks for " + std::to_string(d.first) + " blocks but the filter selects only " +
-               std::to_string(blocks.size()) + " blocks");
+      fail(index, "first",  // the filter named: a generated program's filters are its PP regions
+           "asks for " + std::to_string(d.first) + " blocks but the filter " + d.filter.to_string() + " selects only " +
+               std::to_string(blocks.size()) + (blocks.size() == 1 ? " block" : " blocks"));
     std::vector<int> kept;
     for (int s : segments)
       if (chosen.contains(block_of(cx.dag.segments.at(static_cast<std::size_t>(s))))) kept.push_back(s);
