@@ -748,10 +748,10 @@ TEST_F(HostileInput, ResumeUnderAnotherMicroBatchSizeOfTheSameGlobalBatch) {
                   {"ck: checkpoint took 4 sequences per step, the plan takes 8"});
 }
 
-// "attention_kernel" on a cluster whose GPUs have no kernel table was ignored, any name accepted:
-// llama3-8b at TP 8 simulated in 75.693 ms with "fa2" and with "zz" alike. An unknown name on a table
-// was refused naming "cluster", not the file.
-TEST_F(HostileInput, AttentionKernelWithoutAKernelTableRefused) {
+// Cluster fields that had no effect. "attention_kernel" on a cluster whose GPUs have no kernel table
+// was ignored, any name accepted: llama3-8b at TP 8 simulated in 75.693 ms with "fa2" and with "zz"
+// alike. An unknown name on a table was refused naming "cluster", not the file.
+TEST_F(HostileInput, ClusterFieldsThatHadNoEffectRefused) {
   input("none.json",
         R"({"preset": "dgx-h200", "nodes": 1, "node": {"gpu": {"preset": "h200-sxm", "kernel_table": ""}},
             "attention_kernel": "fa2"})");
@@ -763,6 +763,14 @@ TEST_F(HostileInput, AttentionKernelWithoutAKernelTableRefused) {
                   {"fa9.json: field 'attention_kernel'", "kernel table 'h200-sxm' has no attention kernel 'fa9'"});
   input("fa2.json", R"({"preset": "dgx-h200", "nodes": 1, "attention_kernel": "fa2"})");
   EXPECT_EQ(run("simulate --model qwen3-9m --engine analytic --cluster fa2.json").exit_code, 0);
+  // A network's "oversubscription" thins a fat-tree's leaf links; a rail-optimized network (the presets')
+  // has none, and the field was ignored: qwen3-1b DP 16 on two nodes, 51.427 ms at 1 and at 4.
+  input("rail.json", R"({"preset": "dgx-h200", "nodes": 2, "network": {"oversubscription": 4}})");
+  expect_one_line(run("simulate --model qwen3-9m --engine analytic --dp 16 --cluster rail.json"),
+                  {"rail.json: field 'network.oversubscription'", "the topology is rail-optimized", "ignored"});
+  input("fat.json",
+        R"({"preset": "dgx-h200", "nodes": 2, "network": {"topology": "fat-tree", "oversubscription": 4}})");
+  EXPECT_EQ(run("simulate --model qwen3-9m --engine analytic --dp 16 --cluster fat.json").exit_code, 0);
 }
 
 // --tp-comm-overlap without --sequence-parallel (or a tensor_parallel directive's "comm_overlap"
