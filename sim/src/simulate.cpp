@@ -1,10 +1,12 @@
 // simulate(): scenario or Program + cluster + engine -> Timeline and Report, for the CLI, GUI and sweeps.
 #include "piper/sim/simulate.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include "piper/core/error.hpp"
 #include "piper/core/limits.hpp"
 #include "piper/sim/stage_costs.hpp"
@@ -107,6 +109,14 @@ SimulationResult simulate(const core::Scenario& requested, const SimulateOptions
   const Cluster loaded = load_cluster(
       cluster, scenario_cluster ? (requested.source.empty() ? "scenario" : requested.source) + ": field 'cluster':"
                                 : "--cluster");
+  // The engine likewise, before compiling: a scenario file's misspelt "engine" was reported as
+  // "--engine 'analytc'", a flag the user did not give.
+  const bool scenario_engine = options.engine.empty() && !requested.engine.empty();
+  if (const auto names = engine_names();
+      scenario_engine && std::find(names.begin(), names.end(), requested.engine) == names.end())
+    throw core::Error(fmt::format("{}: field 'engine': unknown engine '{}' (expected one of: {})",
+                                  requested.source.empty() ? "scenario" : requested.source, requested.engine,
+                                  fmt::join(names, ", ")));
   const core::Scenario scenario = choose_v_ends(requested, cluster);
   SimulationResult out;
   out.compiled =

@@ -771,6 +771,12 @@ TEST_F(HostileInput, ClusterFieldsThatHadNoEffectRefused) {
   input("fat.json",
         R"({"preset": "dgx-h200", "nodes": 2, "network": {"topology": "fat-tree", "oversubscription": 4}})");
   EXPECT_EQ(run("simulate --model qwen3-9m --engine analytic --dp 16 --cluster fat.json").exit_code, 0);
+  // A scenario file's misspelt "engine" was reported as the flag "--engine 'analytc'", which was not
+  // given (its "cluster" already named the file's field).
+  input("s.json", R"({"model": "qwen3-9m", "engine": "analytc"})");
+  expect_one_line(run("simulate --scenario s.json"),
+                  {"s.json: field 'engine': unknown engine 'analytc' (expected one of: analytic, simgrid)"});
+  EXPECT_EQ(run("simulate --scenario s.json --engine analytic").exit_code, 0);  // the flag wins
 }
 
 // --tp-comm-overlap without --sequence-parallel (or a tensor_parallel directive's "comm_overlap"
