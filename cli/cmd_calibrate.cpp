@@ -130,6 +130,13 @@ int run_calibrate(const CalibrateArgs& a) {
     core::write_file_atomically(a.cluster_output, calibrated_cluster(a.cluster, table).dump(1) + "\n");
     fmt::print("cluster written to {}\n", a.cluster_output);
   }
+  // --save-scenario: the measured plan's inputs on the measured cluster (the option was taken and
+  // nothing was written). Beside --plan it is refused with the other compile inputs.
+  if (!a.scenario.save_scenario_path.empty()) {
+    core::Scenario s = a.scenario.scenario();
+    s.cluster = a.cluster;
+    a.scenario.save_if_requested(s);
+  }
   return 0;
 }
 

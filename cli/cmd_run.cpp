@@ -41,8 +41,19 @@ struct RunArgs {
   std::string loss_scale;  // --loss-scale: "dynamic", a power of two, or empty (none)
   runtime::TrainOptions train;
   std::set<std::string> dynamic_only_given;  // kDynamicScaleFlags given (as flags or scenario keys)
+  json train_given;                          // the training flags given, under the scenario's "train" keys
   CLI::Option* plan = nullptr;
 };
+
+// --save-scenario: the compile inputs and the training settings given (a scenario's "train" section),
+// so that `piper run --scenario FILE` repeats the run. Written after a run that succeeded (rank 0 of an
+// MPI run): the option was taken and nothing was written.
+void save_run_scenario(const RunArgs& a) {
+  if (a.scenario.save_scenario_path.empty()) return;
+  core::Scenario s = a.scenario.scenario();
+  s.train = a.train_given;
+  a.scenario.save_if_requested(s);
+}
 
 // A failure mid-step leaves peers waiting on this rank: end them all now, with the reason. A
 // RuntimeError (a peer died, stalled or disagreed) exits 4; a core::Error that is not an internal one
@@ -97,6 +108,7 @@ int run_cuda(const RunArgs& a) {
   if (a.virtual_devices) {
     const core::Program program = load_program(a);
     runtime::cuda::train_cuda(program, a.train, c);
+    save_run_scenario(a);
     return 0;
   }
   int provided = 0;
@@ -119,6 +131,7 @@ int run_cuda(const RunArgs& a) {
       runtime::TrainOptions o = a.train;
       o.print = rank == 0;
       runtime::cuda::train_cuda(program, o, c);
+      if (rank == 0) save_run_scenario(a);
     } catch (const runtime::ReportedByAnotherRank&) {
       code = kExitBadInput;
     } catch (const runtime::TrainingDiverged& e) {
@@ -161,6 +174,7 @@ int run_distributed(const RunArgs& a) {
       runtime::TrainOptions o = a.train;
       o.print = rank == 0;
       runtime::train_distributed(program, o);
+      if (rank == 0) save_run_scenario(a);
     } catch (const runtime::ReportedByAnotherRank&) {
       code = kExitBadInput;
     } catch (const runtime::TrainingDiverged& e) {  // every rank stopped at the same step; rank 0 says why
@@ -286,6 +300,29 @@ void settle_training_settings(RunArgs& a, const CLI::App& cmd) {
   parse_loss_scale(a);
   if (a.precision != "fp32" && a.backend != "cuda")
     throw CliError("", "--precision needs --backend cuda (the host backend computes in fp32)");
+  // The training flags given, for --save-scenario (floats in their shortest form: 0.01, not 0.00999...).
+  auto shortest = [](double f) { return std::stod(fmt::format("{}", static_cast<float>(f))); };
+  for (const std::string& key : core::scenario_train_keys()) {
+    std::string flag = "--" + key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (cmd.get_option(flag)->count() == 0) continue;
+    json& v = a.train_given[key];
+    if (key == "steps") v = a.train.steps;
+    if (key == "seed") v = a.train.seed;
+    if (key == "lr") v = shortest(adamw.lr);
+    if (key == "min_lr") v = shortest(adamw.min_lr);
+    if (key == "warmup_steps") v = adamw.warmup_steps;
+    if (key == "lr_decay") v = a.lr_decay;
+    if (key == "lr_decay_steps") v = adamw.decay_steps;
+    if (key == "weight_decay") v = shortest(adamw.weight_decay);
+    if (key == "beta1") v = shortest(adamw.beta1);
+    if (key == "beta2") v = shortest(adamw.beta2);
+    if (key == "adam_eps") v = shortest(adamw.eps);
+    if (key == "loss_scale") v = a.loss_scale == "dynamic" ? json(a.loss_scale) : json(adamw.loss_scaling.initial);
+    if (key == "initial_loss_scale") v = adamw.loss_scaling.initial;
+    if (key == "loss_scale_window") v = adamw.loss_scaling.window;
+    if (key == "min_loss_scale") v = adamw.loss_scaling.min_scale;
+  }
   if (a.precision == "fp16" && adamw.loss_scaling.mode == runtime::host::LossScaleMode::None)
     throw CliError("",
                    "--precision fp16 needs --loss-scale (dynamic, or a static power of two): fp16 "
@@ -378,11 +415,13 @@ Command add_run_command(CLI::App& app) {
             if (args->reference) {
               const core::Program program = load_program(*args);
               runtime::train_reference(program, args->train);
+              save_run_scenario(*args);
               return 0;
             }
             if (args->virtual_devices) {
               const core::Program program = load_program(*args);
               runtime::train_virtual(program, args->train);
+              save_run_scenario(*args);
               return 0;
             }
             return run_distributed(*args);

@@ -875,4 +875,33 @@ TEST_F(HostileInput, HsdpShardGroupsHoldTheirReplicasContextParallelRanks) {
   for (std::size_t i = 0; i < 2; ++i) EXPECT_NEAR(a[i].get<double>(), b[i].get<double>(), 1e-5 * b[i].get<double>());
 }
 
+// `run --save-scenario` and `calibrate --save-scenario` took the option and wrote nothing, exit 0 (only
+// compile and simulate wrote it). A run's scenario holds the training flags given ("train"), so that
+// `run --scenario` repeats it; a run that fails writes none.
+TEST_F(HostileInput, RunAndCalibrateWriteTheScenarioTheyAreAskedFor) {
+  const std::string tiny = "--model '" + piper::test::kTiny + "' ";
+  const CliResult ran = run("run " + tiny +
+                            "--pp 2 --microbatches 2 --virtual-devices --steps 3 --lr 0.01 --warmup-steps 1 --seed 9 "
+                            "--save-scenario s.json --report a.json");
+  ASSERT_EQ(ran.exit_code, 0) << ran.err;
+  const json saved = json::parse(read_file(dir_ / "s.json"));
+  EXPECT_EQ(saved.at("train"), json::parse(R"({"lr": 0.01, "seed": 9, "steps": 3, "warmup_steps": 1})"));
+  const CliResult again = run("run --scenario s.json --virtual-devices --report b.json");
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(json::parse(read_file(dir_ / "a.json")).at("losses"), json::parse(read_file(dir_ / "b.json")).at("losses"));
+  // A run that diverges (AdamW's eps 0 over a zero gradient) writes no scenario.
+  EXPECT_EQ(run("run " + tiny + "--virtual-devices --steps 2 --adam-eps 0 --save-scenario bad.json").exit_code, 2);
+  EXPECT_FALSE(fs::exists(dir_ / "bad.json"));
+  input("cal.json",
+        R"({"format": "piper-calibration", "entries": [{"kind": "COMPUTE", "pass": "F", "seconds": 0.001},
+            {"kind": "COMPUTE", "pass": "B", "seconds": 0.002}, {"kind": "UPD", "seconds": 0.001}]})");
+  const CliResult calibrated =
+      run("calibrate --model qwen3-9m --pp 2 --microbatches 2 --calibration cal.json -o t.json --save-scenario c.json");
+  ASSERT_EQ(calibrated.exit_code, 0) << calibrated.err;
+  const json scenario = json::parse(read_file(dir_ / "c.json"));
+  EXPECT_EQ(scenario.at("model"), "qwen3-9m");
+  EXPECT_EQ(scenario.at("cluster"), "dgx-h200");
+  EXPECT_EQ(scenario.at("strategy").at("pp"), 2);
+}
+
 }  // namespace
