@@ -411,6 +411,11 @@ Command add_run_command(CLI::App& app) {
                                      " (drop --reference to train on the GPUs)");
             if (args->reference && !args->train.calibrate_path.empty())
               throw CliError("", "--calibrate measures the plan's ops: it needs a distributed run, not --reference");
+            // The reference runs no plan devices: the trace was taken and never written, exit 0.
+            if (args->reference && !args->train.trace_path.empty())
+              throw CliError("",
+                             "--trace records the plan's devices' timeline: it needs a distributed run, not "
+                             "--reference");
             if (args->backend == "cuda" && !args->reference) return run_cuda(*args);
             if (args->reference) {
               const core::Program program = load_program(*args);

@@ -875,10 +875,10 @@ TEST_F(HostileInput, HsdpShardGroupsHoldTheirReplicasContextParallelRanks) {
   for (std::size_t i = 0; i < 2; ++i) EXPECT_NEAR(a[i].get<double>(), b[i].get<double>(), 1e-5 * b[i].get<double>());
 }
 
-// `run --save-scenario` and `calibrate --save-scenario` took the option and wrote nothing, exit 0 (only
-// compile and simulate wrote it). A run's scenario holds the training flags given ("train"), so that
-// `run --scenario` repeats it; a run that fails writes none.
-TEST_F(HostileInput, RunAndCalibrateWriteTheScenarioTheyAreAskedFor) {
+// Outputs taken and never written, exit 0. `run --save-scenario` and `calibrate --save-scenario`
+// (only compile and simulate wrote it), and `run --reference --trace`. A run's scenario holds the training flags given
+// ("train"), so that `run --scenario` repeats it; a run that fails writes none.
+TEST_F(HostileInput, OutputsTakenButNeverWrittenAreWrittenOrRefused) {
   const std::string tiny = "--model '" + piper::test::kTiny + "' ";
   const CliResult ran = run("run " + tiny +
                             "--pp 2 --microbatches 2 --virtual-devices --steps 3 --lr 0.01 --warmup-steps 1 --seed 9 "
@@ -889,6 +889,11 @@ TEST_F(HostileInput, RunAndCalibrateWriteTheScenarioTheyAreAskedFor) {
   const CliResult again = run("run --scenario s.json --virtual-devices --report b.json");
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_EQ(json::parse(read_file(dir_ / "a.json")).at("losses"), json::parse(read_file(dir_ / "b.json")).at("losses"));
+  // `run --reference --trace t.json` took the trace and wrote none (the reference runs no plan devices).
+  expect_one_line(run("run " + tiny + "--reference --steps 1 --trace t.json --report r.json"),
+                  {"--trace records the plan's devices' timeline", "not --reference"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.json"));
+  EXPECT_FALSE(fs::exists(dir_ / "r.json"));
   // A run that diverges (AdamW's eps 0 over a zero gradient) writes no scenario.
   EXPECT_EQ(run("run " + tiny + "--virtual-devices --steps 2 --adam-eps 0 --save-scenario bad.json").exit_code, 2);
   EXPECT_FALSE(fs::exists(dir_ / "bad.json"));
