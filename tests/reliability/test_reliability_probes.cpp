@@ -894,6 +894,16 @@ TEST_F(HostileInput, OutputsTakenButNeverWrittenAreWrittenOrRefused) {
                   {"--trace records the plan's devices' timeline", "not --reference"});
   EXPECT_FALSE(fs::exists(dir_ / "t.json"));
   EXPECT_FALSE(fs::exists(dir_ / "r.json"));
+  // Resumed at --steps equal to the checkpoint's step, no step runs: --calibrate and --trace were
+  // taken and never written (the report and a parameter dump still are).
+  ASSERT_EQ(run("run " + tiny + "--pp 2 --microbatches 2 --virtual-devices --steps 2 --save ck").exit_code, 0);
+  expect_one_line(
+      run("run " + tiny + "--pp 2 --microbatches 2 --virtual-devices --steps 2 --resume ck --calibrate cal.json"),
+      {"--calibrate: --steps 2 is the step of the checkpoint ck: no step would run", "--steps 3 or more"});
+  EXPECT_FALSE(fs::exists(dir_ / "cal.json"));
+  EXPECT_EQ(run("run " + tiny + "--pp 2 --microbatches 2 --virtual-devices --steps 2 --resume ck --dump-params p.bin")
+                .exit_code,
+            0);
   // A run that diverges (AdamW's eps 0 over a zero gradient) writes no scenario.
   EXPECT_EQ(run("run " + tiny + "--virtual-devices --steps 2 --adam-eps 0 --save-scenario bad.json").exit_code, 2);
   EXPECT_FALSE(fs::exists(dir_ / "bad.json"));
