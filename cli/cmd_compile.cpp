@@ -197,18 +197,21 @@ Command add_compile_command(CLI::App& app) {
                                  "compile a scenario file (piper-studio's, --save-scenario's): its model and strategy");
   cmd->add_option("-o,--output", args->out_path, "write the Program (JSON) here")->check(kOutputPath);
   cmd->add_flag("--stats", args->stats, "print a statistics table");
-  cmd->add_option("--dump-after", args->dump_after,
-                  "after these passes write the DAG to DIR/after-<directive index>-<pass>.json and .dot")
-      ->delimiter(',')
-      ->check(CLI::IsMember([] {
-        auto names = core::pass_names();  // the pass manager's table, internal passes included
-        names.push_back("all");
-        return names;
-      }()));
+  auto* dump_after =
+      cmd->add_option("--dump-after", args->dump_after,
+                      "after these passes write the DAG to DIR/after-<directive index>-<pass>.json and .dot")
+          ->delimiter(',')
+          ->check(CLI::IsMember([] {
+            auto names = core::pass_names();  // the pass manager's table, internal passes included
+            names.push_back("all");
+            return names;
+          }()));
+  // Without --dump-after nothing is dumped: the folder was taken and never made, exit 0.
   cmd->add_option("--dump-dir", args->dump_dir, "folder for --dump-after files")
       ->capture_default_str()
       ->check(kOutputPath)
-      ->check(kMakesItsFolder);
+      ->check(kMakesItsFolder)
+      ->needs(dump_after);
   return {cmd, [args] { return run_compile(*args); }};
 }
 

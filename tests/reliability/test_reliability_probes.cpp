@@ -904,6 +904,9 @@ TEST_F(HostileInput, OutputsTakenButNeverWrittenAreWrittenOrRefused) {
   EXPECT_EQ(run("run " + tiny + "--pp 2 --microbatches 2 --virtual-devices --steps 2 --resume ck --dump-params p.bin")
                 .exit_code,
             0);
+  // `compile --dump-dir d` without --dump-after dumps nothing: the folder was taken, never made.
+  expect_one_line(run("compile --model qwen3-9m --dump-dir d -o p.json"), {"--dump-dir requires --dump-after"});
+  EXPECT_FALSE(fs::exists(dir_ / "p.json"));
   // A run that diverges (AdamW's eps 0 over a zero gradient) writes no scenario.
   EXPECT_EQ(run("run " + tiny + "--virtual-devices --steps 2 --adam-eps 0 --save-scenario bad.json").exit_code, 2);
   EXPECT_FALSE(fs::exists(dir_ / "bad.json"));
