@@ -120,7 +120,7 @@ def validate(cases, path, zoo):
             if banned in flags:
                 errors.append(f"{where}: 'flags' must not contain {banned} (the script sets it)")
         degrees = 1
-        for name in ("--pp", "--dp", "--tp"):
+        for name in ("--pp", "--dp", "--tp", "--cp"):
             v = flag_value(flags, name, "1")
             if v is None or not v.isdigit() or int(v) < 1:
                 errors.append(f"{where}: {name} needs a positive integer")
@@ -128,7 +128,7 @@ def validate(cases, path, zoo):
             degrees *= int(v)
         else:
             if degrees != c["gpus"]:
-                errors.append(f"{where}: pp x dp x tp = {degrees} but 'gpus' is {c['gpus']}")
+                errors.append(f"{where}: pp x dp x tp x cp = {degrees} but 'gpus' is {c['gpus']}")
         if c["model"] not in zoo and not os.path.isfile(os.path.join(REPO, c["model"])):
             errors.append(f"{where}: 'model' {c['model']} is neither a zoo model nor a file under the repository")
         if c["cluster"] not in PRESET_CLUSTERS and not os.path.isfile(os.path.join(REPO, c["cluster"])):
@@ -220,7 +220,8 @@ def run_all(piper, cases, zoo, jobs):
 def short_source(c):
     s = c["source"]
     for key, short in (("MosaicML", "MosaicML llm-foundry"), ("TorchTitan", "TorchTitan"), ("BigScience", "BigScience BLOOM"),
-                       ("Megatron-Turing", "MT-NLG"), ("Zero Bubble", "Zero Bubble PP (Qi et al.)")):
+                       ("Megatron-Turing", "MT-NLG"), ("Zero Bubble", "Zero Bubble PP (Qi et al.)"),
+                       ("Megatron-Bridge", "NVIDIA Megatron-Bridge")):
         if key in s:
             return short
     return s.split(",")[0]

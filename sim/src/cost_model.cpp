@@ -282,15 +282,45 @@ double CostModel::base_seconds(const core::Program& program, int device, const c
 }
 
 // The op's TP collectives (tp_seconds, m) with its compute (c): run between the GEMMs, c + m; with
-// comm_overlap (Megatron's --tp-comm-overlap, async TP), the GEMM and its collective are split into
-// t chunks around the TP ring and pipelined, so one chunk of the shorter of the two stays exposed:
-// max(c, m) + min(c, m) / t.
+// comm_overlap (Megatron's --tp-comm-overlap, async TP), each collective is split into t chunks around
+// the TP ring and pipelined with the GEMM it feeds or drains (SP's all-gather with the column-parallel
+// GEMM after it, its reduce-scatter with the row-parallel GEMM before it): tp_overlap_seconds().
 double CostModel::with_tp(const core::Program& program, int device, const core::Op& op, double c) const {
   const double m = tp_seconds(program, device, op);
   if (m <= 0) return c;
   const auto& seg = program.segments[static_cast<std::size_t>(op.segment)];
   if (!seg.tp_comm_overlap) return c + m;
-  return std::max(c, m) + std::min(c, m) / std::max(1, seg.tp_degree);
+  const int t = std::max(1, seg.tp_degree);
+  const double n = op.tp_collectives, m1 = m / n;
+  // The n calls pair with the projection GEMMs (unbatched) of the pass's first kernel list, F or BI,
+  // whose input or output they carry (a fused B's weight-gradient GEMMs carry none); in proportion to
+  // the launches where there are more of them than calls.
+  double launches = 0, exposed = 0;
+  if (op.pass != core::Pass::None && kernel_seconds(program, device, op)) {
+    const KernelTiming timing = this->timing(device);
+    for (const auto& k : seg.kernels[core::pass_kernel_lists(op.pass).first])
+      if (k.kind == core::KernelKind::Gemm && k.batch == 1) {
+        launches += k.count;
+        exposed += k.count * (tp_overlap_seconds(timing, k, t, m1) - timing.seconds(k));
+      }
+  }
+  if (launches <= 0) return std::max(c, m) + std::min(c, m) / t;  // no kernel list: the op is one GEMM
+  // Each call beside one GEMM launch; calls beyond the launches run alone.
+  return c + std::min(1.0, n / launches) * exposed + std::max(0.0, n - launches) * m1;
+}
+
+// One projection GEMM `k` overlapped with a TP collective of m1 seconds over t ranks: the runtime
+// splits the GEMM along its token rows into t GEMMs of m/t rows (TE's ring exchange, async TP), each
+// timed by the kernel table at its own shape (a smaller GEMM runs at its own efficiency, and pays its
+// own launch), pipelined with the t chunks of the collective so that one chunk of the shorter of the
+// two stays exposed: max(g_t, m1) + min(g_t, m1) / t, g_t the t chunks' time.
+double CostModel::tp_overlap_seconds(const KernelTiming& timing, const core::Kernel& k, int t, double m1) {
+  core::Kernel chunk = k;
+  chunk.m = (k.m + t - 1) / t;
+  chunk.flops = k.flops / t;
+  chunk.bytes = k.bytes / t;
+  const double g = t * timing.seconds(chunk);
+  return std::max(g, m1) + std::min(g, m1) / t;
 }
 
 // ---- per-kernel costing ----

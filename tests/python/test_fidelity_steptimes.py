@@ -54,7 +54,7 @@ class Schema(unittest.TestCase):
                          ["f.json: case 'c1': 'measured.value' must be a positive number"])
         self.assertEqual(errors(lambda c: c.update(measured_step_s=-1.0)),
                          ["f.json: case 'c1': 'measured_step_s' must be a positive number"])
-        self.assertEqual(errors(lambda c: c.update(gpus=16)), ["f.json: case 'c1': pp x dp x tp = 8 but 'gpus' is 16"])
+        self.assertEqual(errors(lambda c: c.update(gpus=16)), ["f.json: case 'c1': pp x dp x tp x cp = 8 but 'gpus' is 16"])
         self.assertEqual(errors(lambda c: c.update(flags=["--dp", "8", "--model", "x"])),
                          ["f.json: case 'c1': 'flags' must not contain --model (the script sets it)"])
         self.assertEqual(errors(lambda c: c.update(model="nope.json")),

@@ -143,6 +143,10 @@ class CostModel {
   // GEMMs do not hide), or 0 when an override or a calibration gives the op's time (a measured time is
   // not split into GEMMs and collectives).
   double tp_part_seconds(const core::Program& program, int device, const core::Op& op) const;
+  // With tp_comm_overlap: one launch of projection GEMM `k` overlapped with a TP collective of `m1`
+  // seconds over `t` ranks, the GEMM run as t chunks of m/t token rows: max(g_t, m1) + min(g_t, m1) / t,
+  // g_t the chunks' time by `timing` (docs/cost-model.md, "TP communication overlap").
+  static double tp_overlap_seconds(const KernelTiming& timing, const core::Kernel& k, int t, double m1);
   // The exposed time of the context-parallel K/V exchange a COMPUTE op performs inside itself (0 for
   // ops without one). Ring: cp_steps transfers of cp_bytes / cp_steps to the next CP rank, each under
   // one block of the attention core (the op's attention kernels, a; the cp blocks of a layer hide cp-1
