@@ -99,6 +99,12 @@ Command add_schedule_command(CLI::App& app) {
       core::ScheduleTable table;
       if (!a.directives_path.empty()) {
         if (!a.name.empty()) throw CliError("", "give a schedule name or --directives, not both");
+        // The program's split and order are the schedule: a shape flag beside it was ignored, exit 0.
+        for (const char* flag : {"--ranks", "--microbatches", "--virtual", "--zb-memory-limit"})
+          if (exp->get_option(flag)->count() > 0)
+            throw CliError("", fmt::format("{} applies to a schedule name: the directive program {} fixes the "
+                                           "schedule (its ranks, microbatches and order)",
+                                           flag, a.directives_path));
         try {
           table = core::schedule_table_from_program(core::load_directives_file(a.directives_path));
         } catch (const std::invalid_argument& e) {

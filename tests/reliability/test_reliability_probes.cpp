@@ -922,4 +922,19 @@ TEST_F(HostileInput, OutputsTakenButNeverWrittenAreWrittenOrRefused) {
   EXPECT_EQ(scenario.at("strategy").at("pp"), 2);
 }
 
+// `schedule export-csv --directives d.json --ranks 4` (or --microbatches, --virtual, --zb-memory-limit)
+// exported the program's own schedule: the flag ignored, exit 0.
+TEST_F(HostileInput, ScheduleExportShapeFlagsBesideADirectiveProgramRefused) {
+  const CliResult program = run("directives --model qwen3-9m --pp 2 --microbatches 2");
+  ASSERT_EQ(program.exit_code, 0) << program.err;
+  input("d.json", program.out);
+  for (const std::string flag : {"--ranks 4", "--microbatches 8", "--virtual 2", "--zb-memory-limit 2p"}) {
+    const std::string name = flag.substr(0, flag.find(' '));
+    expect_one_line(run("schedule export-csv --directives d.json " + flag + " -o s.csv"),
+                    {name + " applies to a schedule name", "d.json fixes the schedule"});
+  }
+  EXPECT_FALSE(fs::exists(dir_ / "s.csv"));
+  EXPECT_EQ(run("schedule export-csv --directives d.json -o s.csv").exit_code, 0);
+}
+
 }  // namespace
