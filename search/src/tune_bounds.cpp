@@ -112,8 +112,9 @@ struct PassBound {
   double seconds = 0, tp = 0, etp = 0;  // etp: the routed experts' collectives over their ETP groups
   int e = 1;
   double exposed = 0;  // expert all-to-alls the pass waits for between its own compute ops (seconds)
-  // With TP communication overlap an op takes max(c, m) + min(c, m) / t >= max(c, m) (CostModel's
-  // with_tp), and a sum of such maxima is at least the maximum of the sums. The exposed all-to-alls
+  // With TP communication overlap an op takes at least max(c, m) (CostModel's with_tp: each collective
+  // beside its chunked GEMM, max(g_t, m1) + min(g_t, m1) / t, chunks no faster in sum than the kernel
+  // table's bound), and a sum of such maxima is at least the maximum of the sums. The exposed all-to-alls
   // run between compute ops, not inside one: they add either way.
   double total(int t, double link_bw, bool overlap) const {
     const double comm = (t > 1 && link_bw > 0 ? tp * (t - 1.0) / t / link_bw : 0.0) +
