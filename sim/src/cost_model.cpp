@@ -313,13 +313,15 @@ double CostModel::with_tp(const core::Program& program, int device, const core::
 // splits the GEMM along its token rows into t GEMMs of m/t rows (TE's ring exchange, async TP), each
 // timed by the kernel table at its own shape (a smaller GEMM runs at its own efficiency, and pays its
 // own launch), pipelined with the t chunks of the collective so that one chunk of the shorter of the
-// two stays exposed: max(g_t, m1) + min(g_t, m1) / t, g_t the t chunks' time.
+// two stays exposed: max(g_t, m1) + min(g_t, m1) / t, g_t the t chunks' time (at least the whole's).
 double CostModel::tp_overlap_seconds(const KernelTiming& timing, const core::Kernel& k, int t, double m1) {
   core::Kernel chunk = k;
   chunk.m = (k.m + t - 1) / t;
   chunk.flops = k.flops / t;
   chunk.bytes = k.bytes / t;
-  const double g = t * timing.seconds(chunk);
+  // Never below the whole GEMM's time: a table's interpolation can make t smaller GEMMs add up to a
+  // hair less, which splitting cannot.
+  const double g = std::max(t * timing.seconds(chunk), timing.seconds(k));
   return std::max(g, m1) + std::min(g, m1) / t;
 }
 
