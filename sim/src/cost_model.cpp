@@ -220,11 +220,11 @@ namespace {
 
 // The table's multipliers for attention implementation `name`; ClusterError naming the ones it has.
 KernelTable::AttentionKernel attention_kernel_of(const KernelTable& t, const std::string& name) {
-  if (const auto it = t.attention_kernels.find(name); it != t.attention_kernels.end()) return it->second;
-  std::string known;
-  for (const auto& [k, v] : t.attention_kernels) known += (known.empty() ? "" : ", ") + k;
-  throw ClusterError("cluster: field 'attention_kernel': kernel table '" + t.name + "' has no attention kernel '" +
-                     name + "' (it has: " + (known.empty() ? "none" : known) + ")");
+  try {
+    return t.attention_kernel(name);
+  } catch (const std::invalid_argument& e) {
+    throw ClusterError(std::string("cluster: field 'attention_kernel': ") + e.what());
+  }
 }
 
 }  // namespace
@@ -296,8 +296,8 @@ double CostModel::with_tp(const core::Program& program, int device, const core::
   // whose input or output they carry (a fused B's weight-gradient GEMMs carry none); in proportion to
   // the launches where there are more of them than calls.
   double launches = 0, exposed = 0;
-  if (op.pass != core::Pass::None && kernel_seconds(program, device, op)) {
-    const KernelTiming timing = this->timing(device);
+  if (op.pass != core::Pass::None) {
+    const KernelTiming& timing = node_timing(node_of_.at(static_cast<std::size_t>(device)));
     for (const auto& k : seg.kernels[core::pass_kernel_lists(op.pass).first])
       if (k.kind == core::KernelKind::Gemm && k.batch == 1) {
         launches += k.count;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string_view>
 
 #include <fmt/format.h>
@@ -466,6 +467,14 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
 }
 
 std::vector<std::string> kernel_table_names() { return {"a100-40gb-sxm", "a100-80gb-sxm", "h100-sxm", "h200-sxm"}; }
+
+const KernelTable::AttentionKernel& KernelTable::attention_kernel(const std::string& kernel) const {
+  if (const auto it = attention_kernels.find(kernel); it != attention_kernels.end()) return it->second;
+  std::string known;
+  for (const auto& [k, v] : attention_kernels) known += (known.empty() ? "" : ", ") + k;
+  throw std::invalid_argument(fmt::format("kernel table '{}' has no attention kernel '{}' (it has: {})", name, kernel,
+                                          known.empty() ? "none" : known));
+}
 
 std::shared_ptr<const KernelTable> load_kernel_table(const std::string& name) {
   static std::mutex mu;

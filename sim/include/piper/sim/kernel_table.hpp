@@ -66,6 +66,9 @@ class KernelTable {
     double fwd_scale = 1, bwd_scale = 1;
   };
   std::map<std::string, AttentionKernel> attention_kernels;
+  // attention_kernels' entry `name`; std::invalid_argument "kernel table 'T' has no attention kernel
+  // 'name' (it has: ...)" where it has none (the cluster loader and the cost model name the field).
+  const AttentionKernel& attention_kernel(const std::string& name) const;
   std::vector<Memory> memory;
   // Fused multi-tensor AdamW over half-precision (bf16) and fp32 parameters, from the table's largest
   // measured run of each.
