@@ -1,4 +1,4 @@
-// Program queries (peers, communicator groups), family purpose names, and atomic file writes; the JSON
+// Program queries (peers, communicator groups), family purpose names, atomic file writes and equality; the JSON
 // round trip is in program_json.cpp.
 #include "piper/core/program.hpp"
 
@@ -276,6 +276,56 @@ void write_file_atomically(const std::string& path, const std::string& contents)
     fs::remove(temp, ignored);
     throw Error("cannot write " + path + ": " + ec.message());
   }
+}
+
+// ---- equality: every field a plan file holds (the JSON round trip's test) ----
+
+namespace {
+
+bool same_op(const Op& a, const Op& b) {
+  return a.kind == b.kind && a.pass == b.pass && a.node == b.node && a.label == b.label && a.tags == b.tags &&
+         a.microbatch == b.microbatch && a.flops == b.flops && a.memory_bytes == b.memory_bytes && a.bytes == b.bytes &&
+         a.device_set == b.device_set && a.peer_set == b.peer_set && a.family == b.family && a.pair == b.pair &&
+         a.waits == b.waits && a.uses == b.uses && a.segment == b.segment && a.segments == b.segments &&
+         a.tp_bytes == b.tp_bytes && a.tp_collectives == b.tp_collectives && a.cp_bytes == b.cp_bytes &&
+         a.cp_steps == b.cp_steps && a.elementwise_bytes == b.elementwise_bytes &&
+         a.recompute_flops == b.recompute_flops && a.gemm_kernels == b.gemm_kernels &&
+         a.route_groups == b.route_groups && a.route_group_limit == b.route_group_limit &&
+         a.route_top_k == b.route_top_k;
+}
+
+bool same_plan(const Plan& a, const Plan& b) {
+  if (a.streams.size() != b.streams.size() || a.buffers.size() != b.buffers.size()) return false;
+  for (std::size_t s = 0; s < a.streams.size(); ++s) {
+    const Stream& x = a.streams[s];
+    const Stream& y = b.streams[s];
+    if (x.name != y.name || x.ops.size() != y.ops.size()) return false;
+    for (std::size_t i = 0; i < x.ops.size(); ++i)
+      if (!same_op(x.ops[i], y.ops[i])) return false;
+  }
+  for (std::size_t i = 0; i < a.buffers.size(); ++i) {
+    const Buffer& x = a.buffers[i];
+    const Buffer& y = b.buffers[i];
+    if (x.name != y.name || x.kind != y.kind || x.bytes != y.bytes || x.alloc != y.alloc || x.free != y.free)
+      return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool operator==(const Program& a, const Program& b) {
+  if (a.model_name != b.model_name || a.model_spec != b.model_spec || a.segments != b.segments ||
+      a.training.seq_len != b.training.seq_len || a.training.micro_batch_size != b.training.micro_batch_size ||
+      a.training.precision != b.training.precision || a.training.fp32_main_grads != b.training.fp32_main_grads ||
+      a.training.grad_accumulation != b.training.grad_accumulation || a.microbatches != b.microbatches ||
+      a.num_devices != b.num_devices || a.device_sets != b.device_sets || a.families != b.families ||
+      a.plan_of_device != b.plan_of_device || a.sm_partition != b.sm_partition || a.clip_grad != b.clip_grad ||
+      a.plans.size() != b.plans.size())
+    return false;
+  for (std::size_t i = 0; i < a.plans.size(); ++i)
+    if (!same_plan(a.plans[i], b.plans[i])) return false;
+  return true;
 }
 
 }  // namespace piper::core

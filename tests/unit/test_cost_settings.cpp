@@ -207,7 +207,9 @@ TEST(CostSettings, PrecisionSetsGemmDtypeMemoryAndRates) {
       EXPECT_GT(projections, 0);
     }
     for (const auto& k : p.segments[0].kernels[0])
-      if (k.kind == core::KernelKind::Gemm && pr != core::Precision::FP8) EXPECT_EQ(k.dtype, pr);
+      if (k.kind == core::KernelKind::Gemm && pr != core::Precision::FP8) {
+        EXPECT_EQ(k.dtype, pr);
+      }
     // A forward in fp8 runs faster than in bf16 on the H200 (its fp8 GEMMs measure ~1.8x), in tf32
     // slower (~0.5x).
     const auto& op = p.plan_for(0).streams[0].ops[0];
