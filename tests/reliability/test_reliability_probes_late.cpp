@@ -87,7 +87,7 @@ TEST_F(HostileInput, PlanMicrobatchesThatNoComputeOpRunsRefused) {
   plan["microbatches"] = 4;
   input("mb4.json", plan.dump());
   for (const std::string cmd : {"verify mb4.json", "simulate --plan mb4.json --engine analytic",
-                                 "run --plan mb4.json --virtual-devices --steps 1 --report r.json"})
+                                "run --plan mb4.json --virtual-devices --steps 1 --report r.json"})
     expect_one_line(run(cmd),
                     {"mb4.json", "field 'microbatches'", "4, but the compute ops of plans[0] run no microbatch 2"});
   EXPECT_FALSE(fs::exists(dir_ / "r.json"));
