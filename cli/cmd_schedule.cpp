@@ -2,6 +2,8 @@
 // from its compiled program, and exchange schedules with PyTorch as compute-only CSV.
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "cli/common.hpp"
 #include "piper/core/pytorch_csv.hpp"
 #include "piper/core/schedule_view.hpp"
@@ -78,7 +80,9 @@ Command add_schedule_command(CLI::App& app) {
   auto run = [args, list, show, exp, imp]() -> int {
     const ScheduleArgs& a = *args;
     if (list->parsed()) {
-      for (const auto& f : core::schedule_registry()) fmt::print("{:<18}{}\n", f.name, f.constraints);
+      std::size_t width = 0;  // the longest name and two spaces
+      for (const auto& f : core::schedule_registry()) width = std::max(width, f.name.size() + 2);
+      for (const auto& f : core::schedule_registry()) fmt::print("{:<{}}{}\n", f.name, width, f.constraints);
       return 0;
     }
     if (show->parsed()) {

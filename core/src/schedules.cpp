@@ -235,13 +235,16 @@ class RankWriter {
 // after `warmup` forwards every forward is paired with a backward walking the stages in reverse.
 // With zero_bubble the backward is split: I on the critical path, W deferred by r steps so that
 // rank r fills its cooldown bubble with weight gradients.
-ScheduleTable depth_first_table(const ScheduleContext& ctx, bool zero_bubble) {
+ScheduleTable depth_first_table(const ScheduleContext& ctx, bool zero_bubble, bool overlap = false) {
   const int p = ctx.ranks, v = ctx.regions / ctx.ranks, m = ctx.microbatches;
   const int rounds = std::max(1, m / p), per_round = m / rounds;
   ScheduleTable t{ctx.regions, m, std::vector<std::vector<ScheduleStep>>(static_cast<size_t>(p))};
   for (int r = 0; r < p; ++r) {
     const int total = m * v;
-    const int warmup = std::min((v - 1) * per_round + (zero_bubble ? 1 : 2) * (p - 1 - r), total);
+    // With overlapped F&B pairs one more forward runs ahead, so that no pair holds a forward and the
+    // backward that depends on it (Megatron-LM's num_warmup_microbatches + 1 under
+    // overlap_moe_expert_parallel_comm).
+    const int warmup = std::min((v - 1) * per_round + (zero_bubble ? 1 : 2) * (p - 1 - r) + (overlap ? 1 : 0), total);
     auto fstage = [&](int k) { return ((k / per_round) % v) * p + r; };
     auto bstage = [&](int k) { return (v - 1 - ((k - warmup) / per_round) % v) * p + r; };
     RankWriter w(t.ranks[static_cast<size_t>(r)]);
@@ -254,6 +257,10 @@ ScheduleTable depth_first_table(const ScheduleContext& ctx, bool zero_bubble) {
       if (zero_bubble && op - warmup >= r) w.add(backward_stages[static_cast<size_t>(weights_done++)], ActionKind::W);
     };
     for (int op = 0; op < total + warmup; ++op) {
+      if (overlap && op < total && op >= warmup) {
+        w.overlap(fstage(op), bstage(op));
+        continue;
+      }
       if (op < total) w.add(fstage(op), ActionKind::F);
       if (op >= warmup) backward(op);
     }
@@ -381,6 +388,25 @@ ScheduleTable interleaved_table(const ScheduleContext& ctx) {
   expect_placement(family, ctx, ctx.regions, "region k on rank k mod pp", looped_rank);
   check_virtual_rounds(family, ctx);
   return ctx.regions % ctx.ranks == 0 ? depth_first_table(ctx, false) : depth_first_uneven_table(ctx, false);
+}
+
+// Megatron-core's combined 1F1B (--overlap-moe-expert-parallel-comm; megatron/core/pipeline_parallel):
+// the interleaved rule above with one more warmup forward, and each steady-state forward issued with the
+// backward that follows it as one overlapped F&B step, so that one microbatch's expert all-to-alls run
+// under the other's compute (DualPipe's pairing, without the V). Megatron requires virtual stages when
+// pp > 1; with pp = 1 every forward after the first pairs with the previous microbatch's backward.
+ScheduleTable interleaved_overlap_table(const ScheduleContext& ctx) {
+  const std::string family = "interleaved-1f1b-overlap";
+  check_context(family, ctx);
+  expect_placement(family, ctx, ctx.regions, "region k on rank k mod pp", looped_rank);
+  check_virtual_rounds(family, ctx);
+  if (ctx.regions % ctx.ranks != 0)
+    fail(family, std::to_string(ctx.regions) + " PP regions are not a multiple of --pp " + std::to_string(ctx.ranks) +
+                     " (each rank needs the same number of chunks)");
+  if (ctx.ranks > 1 && ctx.regions < 2 * ctx.ranks)
+    fail(family, "needs --virtual 2 or more with --pp " + std::to_string(ctx.ranks) +
+                     " (Megatron-core overlaps F and B only in the interleaved schedule)");
+  return depth_first_table(ctx, false, true);
 }
 
 ScheduleTable zb_h1_table(const ScheduleContext& ctx) {
@@ -646,6 +672,12 @@ const std::vector<ScheduleFamily>& schedule_registry() {
                  "--virtual V chunks per rank (region k on rank k mod pp; --stages N not a multiple of pp: unequal "
                  "chunks); with V > 1, --microbatches a multiple of --pp",
                  regions_pp_times_virtual, looped_placement, table_directives<interleaved_table>, interleaved_table});
+    r.push_back({"interleaved-1f1b-overlap",
+                 "interleaved-1f1b (--virtual V >= 2 when --pp > 1) with each steady-state F and B overlapped "
+                 "as one F&B step: Megatron-core's --overlap-moe-expert-parallel-comm",
+                 regions_pp_times_virtual, looped_placement, table_directives<interleaved_overlap_table>,
+                 interleaved_overlap_table, /*mirrored=*/false, /*cost_aware=*/false, /*own_ends=*/false,
+                 /*expert_overlap=*/true});
     r.push_back({"looped-bfs", "--virtual V chunks per rank (region k on rank k mod pp); all microbatches per chunk",
                  regions_pp_times_virtual, looped_placement, table_directives<looped_bfs_table>, looped_bfs_table});
     r.push_back({"zb-h1",

@@ -329,7 +329,8 @@ std::vector<TuneCandidate> enumerate_candidates(const TuneSpec& spec, Enumeratio
               // Chunked all-to-alls (a fixed setting) chunk the expert all-to-alls: none without EP.
               if (ep < 2) base.a2a_chunks = 1;
               base.micro_batch_size = mbs;
-              for (const auto* family : k.families) add_family_candidates(spec, k, *family, base, sps, stats, out);
+              for (const auto* family : k.families)
+                if (!family->expert_overlap || ep >= 2) add_family_candidates(spec, k, *family, base, sps, stats, out);
             }
           }
       }

@@ -33,8 +33,9 @@ constexpr int F = 1, B = 2, W = 1, FB = F + B;
 TEST(Schedules, RegistryHasEveryPublishedFamily) {
   std::vector<std::string> names;
   for (const auto& f : core::schedule_registry()) names.push_back(f.name);
-  EXPECT_EQ(names, (std::vector<std::string>{"gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2",
-                                             "zb-auto", "zb-v", "dualpipev", "dualpipe"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"gpipe", "1f1b", "interleaved-1f1b", "interleaved-1f1b-overlap", "looped-bfs",
+                                      "zb-h1", "zb-h2", "zb-auto", "zb-v", "dualpipev", "dualpipe"}));
 }
 
 // compile() lowers and verifies (send/recv matching, collective order, no wait cycle), so a
@@ -51,6 +52,8 @@ TEST(Schedules, EveryFamilyCompilesAndVerifiesForSeveralShapes) {
   for (const std::string f : {"interleaved-1f1b", "looped-bfs", "zb-h1"})
     for (auto [p, m, v] : {std::tuple{2, 4, 2}, std::tuple{4, 8, 2}, std::tuple{4, 4, 3}, std::tuple{4, 12, 1}})
       cases.push_back({f, p, m, v});
+  for (auto [p, m, v] : {std::tuple{2, 4, 2}, std::tuple{4, 8, 2}, std::tuple{4, 4, 3}, std::tuple{1, 4, 1}})
+    cases.push_back({"interleaved-1f1b-overlap", p, m, v});
   cases.push_back({"zb-v", 4, 3, 1});  // fewer microbatches than the V's depth
   cases.push_back({"zb-h1", 4, 2, 1});
   for (const auto& c : cases) {
@@ -70,9 +73,11 @@ TEST(Schedules, EveryFamilyComposesWithExpertParallelismAndZero3AtEightRanks) {
     core::Scenario s;
     s.model = "qwen3-1b";  // 16 blocks: enough for 2 x 8 regions; 4 experts
     s.seq_len = 256;
-    s.strategy =
-        shape(family.name, 8, 32,
-              family.name == "interleaved-1f1b" || family.name == "looped-bfs" || family.name == "zb-h1" ? 2 : 1);
+    s.strategy = shape(family.name, 8, 32,
+                       family.name == "interleaved-1f1b" || family.name == "interleaved-1f1b-overlap" ||
+                               family.name == "looped-bfs" || family.name == "zb-h1"
+                           ? 2
+                           : 1);
     s.strategy.dp = 4, s.strategy.ep = 4, s.strategy.zero = 3;
     core::CompiledScenario c;
     ASSERT_NO_THROW(c = core::compile_scenario(s));
@@ -190,6 +195,68 @@ TEST(Schedules, DualPipeVPhasesOfRankZero) {
             "0F9&7B5 7F6&0B2 7B6 7F7&0B3 7B7 7F8&0B4 7B8 7F9&0B5 7B9 0I6 0W6 0I7 0W7 0I8 0W8 0I9 0W9");
 }
 
+namespace {
+
+// A rank's steps as text: "4F0 4F1 0F2&4B0 ...", overlapped members joined by '&'.
+std::string steps_text(const std::vector<core::ScheduleStep>& steps) {
+  std::string got;
+  for (const auto& step : steps) {
+    if (!got.empty()) got += ' ';
+    for (std::size_t k = 0; k < step.size(); ++k) {
+      if (k) got += '&';
+      got += std::to_string(step[k].stage) + core::to_char(step[k].kind) + std::to_string(step[k].microbatch);
+    }
+  }
+  return got;
+}
+
+}  // namespace
+
+// interleaved-1f1b-overlap runs interleaved-1f1b's forwards and its backwards each in the same order,
+// with one more warmup forward on every rank ((v-1)p + 2(p-1-r) + 1 with m a multiple of p), and pairs
+// each later forward with the next backward: m*v - warmup two-member steps, each an F and a B.
+TEST(Schedules, OverlapPairsTheSteadyStateOfInterleaved) {
+  using Kind = core::ActionKind;
+  for (auto [p, m, v] : {std::tuple{2, 4, 2}, std::tuple{4, 8, 2}, std::tuple{4, 12, 3}}) {
+    const auto plain = core::schedule_table(shape("interleaved-1f1b", p, m, v));
+    const auto paired = core::schedule_table(shape("interleaved-1f1b-overlap", p, m, v));
+    for (int r = 0; r < p; ++r) {
+      SCOPED_TRACE("p" + std::to_string(p) + " m" + std::to_string(m) + " v" + std::to_string(v) + " rank " +
+                   std::to_string(r));
+      auto of_kind = [](const std::vector<core::ScheduleStep>& steps, Kind k) {
+        std::vector<core::ScheduleAction> out;
+        for (const auto& st : steps)
+          for (const auto& a : st)
+            if (a.kind == k) out.push_back(a);
+        return out;
+      };
+      EXPECT_EQ(of_kind(paired.ranks[r], Kind::F), of_kind(plain.ranks[r], Kind::F));
+      EXPECT_EQ(of_kind(paired.ranks[r], Kind::B), of_kind(plain.ranks[r], Kind::B));
+      const int warmup = (v - 1) * p + 2 * (p - 1 - r) + 1;
+      int pairs = 0, leading_forwards = 0;
+      for (const auto& st : paired.ranks[r]) {
+        if (st.size() == 2) {
+          ++pairs;
+          EXPECT_EQ(st[0].kind, Kind::F);
+          EXPECT_EQ(st[1].kind, Kind::B);
+          EXPECT_FALSE(st[0].stage == st[1].stage && st[0].microbatch == st[1].microbatch);
+        } else if (pairs == 0 && st[0].kind == Kind::F) {
+          ++leading_forwards;
+        }
+      }
+      EXPECT_EQ(leading_forwards, warmup);
+      EXPECT_EQ(pairs, m * v - warmup);
+    }
+  }
+  // Rank 1 of 2, v = 2, m = 4 (stages 1 and 3), derived from the rule: warmup (2-1)*2 + 2*0 + 1 = 3
+  // forwards (1F0 1F1 3F0), then forward k with the backward after it; backwards walk 3, 3, 1, 1, ...
+  EXPECT_EQ(steps_text(core::schedule_table(shape("interleaved-1f1b-overlap", 2, 4, 2)).ranks[1]),
+            "1F0 1F1 3F0 3F1&3B0 1F2&3B1 1F3&1B0 3F2&1B1 3F3&3B2 3B3 1B2 1B3");
+  // Without a pipeline, one forward runs ahead and each later forward pairs with the previous backward.
+  EXPECT_EQ(steps_text(core::schedule_table(shape("interleaved-1f1b-overlap", 1, 4, 1)).ranks[0]),
+            "0F0 0F1&0B0 0F2&0B1 0F3&0B2 0B3");
+}
+
 TEST(Schedules, ConstraintsFailWithOneLine) {
   auto message = [](const core::StrategyOptions& o) {
     try {
@@ -205,6 +272,9 @@ TEST(Schedules, ConstraintsFailWithOneLine) {
   EXPECT_EQ(message(shape("interleaved-1f1b", 4, 6, 2)),
             "interleaved-1f1b: --microbatches 6 must be a multiple of --pp 4 with --virtual 2 (microbatches go through "
             "the virtual stages in groups of pp)");
+  EXPECT_EQ(message(shape("interleaved-1f1b-overlap", 4, 8, 1)),
+            "interleaved-1f1b-overlap: needs --virtual 2 or more with --pp 4 (Megatron-core overlaps F and B only in "
+            "the interleaved schedule)");
   EXPECT_EQ(message(shape("zb-v", 4, 8, 3)),
             "zb-v: --virtual 3 is not supported (its shape fixes 2 region(s) per rank)");
   for (const auto& o : {shape("dualpipev", 4, 6), shape("interleaved-1f1b", 4, 6, 2)})

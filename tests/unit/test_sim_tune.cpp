@@ -52,8 +52,9 @@ struct BruteForce {
   std::map<Strategy, Outcome> ok;  // every combination that compiles and simulates
 };
 
-// Every combination of a superset of the knobs (degrees 1..8, every microbatch count, every family,
-// --virtual 1..max, the spec's ZeRO levels, TP degrees with and without SP, recompute modes) simulated
+// Every combination of a superset of the knobs (degrees 1..8, every microbatch count, every family, the
+// expert-overlap one with EP only as the tuner documents, --virtual 1..max, the spec's ZeRO levels, TP
+// degrees with and without SP, recompute modes) simulated
 // through the sweep machinery, which asks the compiler (not the tuner) what is legal. Kept: the ones
 // on exactly 8 devices whose step holds the global batch.
 BruteForce brute_force(const TuneSpec& spec) {
@@ -70,7 +71,8 @@ BruteForce brute_force(const TuneSpec& spec) {
                 for (int m = 1; m <= spec.global_batch; ++m) {
                   if (static_cast<std::int64_t>(m) * dp * mbs != spec.global_batch) continue;
                   for (const auto& family : core::schedule_registry())
-                    for (int v = 1; v <= spec.max_virtual; ++v)
+                    // The tuner tries the expert-overlap family only where it has all-to-alls to hide.
+                    for (int v = 1; v <= spec.max_virtual && (!family.expert_overlap || ep >= 2); ++v)
                       for (int zero : spec.zero_levels) {
                         core::Scenario s;
                         s.model = spec.model;

@@ -431,7 +431,8 @@ std::vector<Variant> variants() {
       out.push_back({family.name + " " + tag, o});
     };
     // Families with chunks per rank use 2 (the V families fix it themselves).
-    const bool looped = family.name == "interleaved-1f1b" || family.name == "looped-bfs";
+    const bool looped =
+        family.name == "interleaved-1f1b" || family.name == "interleaved-1f1b-overlap" || family.name == "looped-bfs";
     const int v = looped ? 2 : (family.name == "zb-v" || family.name == "dualpipev") ? 2 : 1;
     add("pp2 dp2", 2, 2, 1, 0, v);
     add("pp2 dp2 ep2 zero1", 2, 2, 2, 1, v);

@@ -107,6 +107,9 @@ struct ScheduleFamily {
   // Accepts the embedding and the head as regions of their own (--v-embedding, --v-head; the
   // ScheduleContext's own_embedding / own_head): the V placements.
   bool own_ends = false;
+  // Overlaps one microbatch's expert all-to-alls with another's compute (interleaved-1f1b-overlap):
+  // valid for any model, worth trying only with expert parallelism, so `tune` skips it below --ep 2.
+  bool expert_overlap = false;
 };
 
 const std::vector<ScheduleFamily>& schedule_registry();
