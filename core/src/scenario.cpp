@@ -2,6 +2,7 @@
 #include "piper/core/scenario.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -313,6 +314,115 @@ std::string strategy_flag_error(const DirectiveProgram& program, const StrategyO
   return flag + ": " + message;
 }
 
+// A scenario file's strategy named as its fields. Errors from the strategy name the flags that set
+// it ("--tp 3: 3 does not divide the 8 heads ..."), and a scenario file (`--scenario s.json`, the
+// Python functions' dicts) sets them through its fields: the message then names the file and its
+// field instead ("s.json: field 'strategy.tp': 3 does not divide ..."), each flag of the strategy or
+// of the scenario's own keys (`--pp-ranges`: 'pp_ranges') as the field holding it.
+struct FlagField {
+  std::string field;  // "strategy.tp", "pp_ranges"
+  std::string value;  // as the flag would be written ("3"; empty for a switch)
+};
+
+std::map<std::string, FlagField> scenario_flag_fields(const Scenario& s) {
+  std::map<std::string, FlagField> out;
+  for (const Setting& setting : strategy_settings())
+    out[setting_flag(setting)] = {"strategy." + setting.name, setting.type == SettingType::Bool
+                                                                  ? std::string()
+                                                                  : setting_text(setting, s.strategy)};
+  std::string ranges;
+  for (int start : s.stage_starts) ranges += (ranges.empty() ? "" : ",") + std::to_string(start);
+  out["--pp-ranges"] = {"pp_ranges", ranges};
+  out["--stages"] = {"stages", std::to_string(s.stages)};
+  out["--first-stage-layers"] = {"first_stage_layers", std::to_string(s.first_stage_layers)};
+  out["--last-stage-layers"] = {"last_stage_layers", std::to_string(s.last_stage_layers)};
+  out["--seq-len"] = {"seq_len", std::to_string(s.seq_len)};
+  out["--micro-batch-size"] = {"micro_batch_size", std::to_string(s.micro_batch_size)};
+  return out;
+}
+
+std::string in_scenario_terms(const Scenario& s, const std::string& message) {
+  const std::string source = s.source.empty() ? std::string("scenario") : s.source;
+  if (message.rfind(source + ": ", 0) == 0) return message;  // already the file's (its fields, its program)
+  const std::map<std::string, FlagField> fields = scenario_flag_fields(s);
+  // The flag at `pos` ("--tp" in "--tp 3: ..."), or none.
+  auto flag_at = [&](std::size_t pos) -> const std::pair<const std::string, FlagField>* {
+    if (message.compare(pos, 2, "--") != 0 ||
+        (pos > 0 && (std::isalnum(static_cast<unsigned char>(message[pos - 1])) || message[pos - 1] == '-')))
+      return nullptr;
+    std::size_t end = pos + 2;
+    while (end < message.size() && (std::islower(static_cast<unsigned char>(message[end])) ||
+                                    std::isdigit(static_cast<unsigned char>(message[end])) || message[end] == '-'))
+      ++end;
+    const auto it = fields.find(message.substr(pos, end - pos));
+    return it == fields.end() ? nullptr : &*it;
+  };
+  // The flags the message starts with ("--tp 2 --sequence-parallel: ", "--v-head/--v-embedding auto: "),
+  // their values dropped where they are the file's: the prefix names the fields.
+  std::vector<std::string> lead;
+  std::size_t pos = 0;
+  // The next flag of the group at `at` ("/--v-embedding", " --sequence-parallel", " x --dp"): its
+  // position, or 0.
+  auto joined = [&](std::size_t at) -> std::size_t {
+    for (const char* sep : {"/", " ", " x "})
+      if (message.compare(at, std::string(sep).size(), sep) == 0 && flag_at(at + std::string(sep).size()))
+        return at + std::string(sep).size();
+    return 0;
+  };
+  while (const auto* f = flag_at(pos)) {
+    lead.push_back(f->second.field);
+    pos += f->first.size();
+    // Its value, where the field names it: before the colon or the group's next flag ("--tp 3: ...",
+    // "--recompute full --recompute-first 3: ..."); in a sentence ("--dp-shard 3 must be ...") it stays.
+    const std::string value = " " + f->second.value;
+    if (const std::size_t after = pos + value.size();
+        !f->second.value.empty() && message.compare(pos, value.size(), value) == 0 &&
+        (after == message.size() || message[after] == ':' || joined(after)))
+      pos = after;
+    if (const std::size_t next = joined(pos)) {
+      pos = next;
+      continue;
+    }
+    break;
+  }
+  if (!lead.empty() && message.compare(pos, 2, ": ") == 0) pos += 2;
+  if (!lead.empty() && message.compare(pos, 1, " ") == 0) pos += 1;
+  // The flags further on, each as its field ("needs 'strategy.tp' >= 2").
+  std::string body;
+  for (std::size_t i = pos; i < message.size();) {
+    if (const auto* f = flag_at(i)) {
+      if (lead.empty()) lead.push_back(f->second.field);
+      body += "'" + f->second.field + "'";
+      i += f->first.size();
+    } else {
+      body += message[i++];
+    }
+  }
+  if (lead.empty()) return message;  // no flag of the scenario's in it
+  std::string names;
+  for (std::size_t i = 0; i < lead.size(); ++i) names += (i == 0 ? "'" : ", '") + lead[i] + "'";
+  return fmt::format("{}: field{} {}: {}", source, lead.size() > 1 ? "s" : "", names, body);
+}
+
+// Runs `fn`; where the scenario came from a file (or a dict), its errors name the file's fields.
+template <class F>
+auto in_scenario_terms(const Scenario& s, F&& fn) -> decltype(fn()) {
+  if (s.source.empty()) return fn();
+  try {
+    return fn();
+  } catch (const InternalError&) {
+    throw;
+  } catch (const DirectiveError&) {
+    throw;  // its program's directive and field (a file's, or its own "directives")
+  } catch (const ModelError& e) {
+    throw ModelError(in_scenario_terms(s, e.what()));
+  } catch (const LimitError& e) {
+    throw LimitError(in_scenario_terms(s, e.what()));
+  } catch (const Error& e) {
+    throw Error(in_scenario_terms(s, e.what()));
+  }
+}
+
 }  // namespace
 
 int pp_regions_in_program(const DirectiveProgram& program) {
@@ -441,9 +551,22 @@ void annotate_regions(const Scenario& s, Model& model, const DirectiveProgram& p
 
 ModelConfig scenario_model_config(const Scenario& s) { return load_config(s); }
 
-DirectiveProgram scenario_program(const Scenario& s, int* regions) { return program_for(s, load_config(s), regions); }
+namespace {
+CompiledScenario compile_scenario_named_by_flags(const Scenario& s, const AfterPassHook& hook);
+}  // namespace
+
+DirectiveProgram scenario_program(const Scenario& s, int* regions) {
+  return in_scenario_terms(s, [&] { return program_for(s, load_config(s), regions); });
+}
 
 CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) {
+  return in_scenario_terms(s, [&] { return compile_scenario_named_by_flags(s, hook); });
+}
+
+namespace {
+
+// compile_scenario, its errors naming the flags of the strategy.
+CompiledScenario compile_scenario_named_by_flags(const Scenario& s, const AfterPassHook& hook) {
   CompiledScenario out;
   out.config = load_config(s);
   out.model = from(model_file_of(s.model), [&] { return build_model(out.config); });
@@ -475,6 +598,8 @@ CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) 
   }
   return out;
 }
+
+}  // namespace
 
 json Scenario::to_json() const {
   json j{{"model", model}};

@@ -183,9 +183,11 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
       throw SweepError(fmt::format("{}: field 'engine': unknown engine '{}'", where, e));
   sim::Cluster cluster;
   try {
-    cluster = sim::load_cluster(s.cluster);
+    // Named as the spec's field: the default "--cluster" named a flag the sweep does not take.
+    cluster = sim::load_cluster(s.cluster, fmt::format("{}: field 'cluster':", where));
   } catch (const core::Error& e) {
-    throw SweepError(fmt::format("{}: field 'cluster': {}", where, one_line(e.what())));
+    const std::string m = one_line(e.what());
+    throw SweepError(m.rfind(where + ": ", 0) == 0 ? m : fmt::format("{}: field 'cluster': {}", where, m));
   }
   // So are a misspelt or broken model and an unreadable calibration: every row would fail alike.
   try {
