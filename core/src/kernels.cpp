@@ -442,6 +442,10 @@ PassKernels kernels_from_json(const json& j, const std::string& where) {
       if (auto u = unknown_field(e, {"kind", "dtype", "flops", "count", "m", "n", "k", "batch", "head_dim", "v_dim",
                                      "window", "elems", "bytes"}))
         fail(at + "." + u->key, u->message);
+      // Sizes are whole numbers: "m": 0.5 was read as 0 (a GEMM of no rows, costed as free).
+      for (const char* key : {"m", "n", "k", "batch", "head_dim", "v_dim", "window", "elems", "bytes"})
+        if (e.contains(key) && !e.at(key).is_number_integer())
+          fail(at + "." + key, "must be a whole number, got " + printable(e.at(key).dump(), 40));
       Kernel k;
       try {
         k.kind = kernel_kind_from_string(e.at("kind").get<std::string>());

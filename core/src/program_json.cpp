@@ -439,6 +439,82 @@ void check_microbatches_run(const Program& p) {
   }
 }
 
+// A plan whose "model_spec" was edited after compiling (say "vocab" 64 to 128, or another "layers")
+// simulated and ran with the ops compiled from the old spec, while `run` built its model from the new
+// one. The spec must still give each segment the layers and parameter count the plan records (its ops
+// were costed from them): every segment's layers lie within the spec's, the last ends at the spec's
+// last layer, and each segment holds the sum of its layers' parameters. Edits that keep every
+// segment's parameter count (the attention kernel, a routing top_k) are not seen here.
+// The compiler writes the plan's "training" into its "model_spec" too (compiler.cpp), so the two
+// agree in every plan it wrote. One edited alone (a plan's "precision" bf16 to fp32 changed its step
+// time but not its buffers or kernels; "seq_len" changed what `run` trains but no op) is refused.
+void check_spec_training(const Program& p) {
+  const TrainingShape spec = config_from_spec_json(p.model_spec, "plan: field 'model_spec'").training;
+  const TrainingShape& t = p.training;
+  auto differ = [&](const char* field, const std::string& plan, const std::string& in_spec) {
+    fail(std::string("training.") + field,
+         fmt::format("{}, but model_spec.training.{} is {}: the compiler writes both alike, so one was edited after "
+                     "compiling (compile the plan again)",
+                     plan, field, in_spec));
+  };
+  if (t.seq_len != spec.seq_len) differ("seq_len", std::to_string(t.seq_len), std::to_string(spec.seq_len));
+  if (t.micro_batch_size != spec.micro_batch_size)
+    differ("micro_batch_size", std::to_string(t.micro_batch_size), std::to_string(spec.micro_batch_size));
+  if (t.precision != spec.precision) differ("precision", to_string(t.precision), to_string(spec.precision));
+  if (t.fp32_main_grads != spec.fp32_main_grads)
+    differ("fp32_main_grads", t.fp32_main_grads ? "true" : "false", spec.fp32_main_grads ? "true" : "false");
+  if (t.grad_accumulation != spec.grad_accumulation)
+    differ("main_grad_accumulation", to_string(t.grad_accumulation), to_string(spec.grad_accumulation));
+}
+
+// The GEMMs a segment lists run in the plan's precision (fp8: bf16 too, for the GEMMs Transformer
+// Engine's recipe keeps there: kernels.cpp). A plan whose "precision" was edited with its model_spec's
+// (bf16 to fp32 in both) kept the bf16 kernels and buffers, and its step time changed by the little
+// the precision's other uses add.
+void check_kernel_precision(const Program& p) {
+  static const char* kPass[] = {"F", "BI", "BW"};
+  const Precision t = p.training.precision;
+  for (std::size_t i = 0; i < p.segments.size(); ++i)
+    for (std::size_t pass = 0; pass < 3; ++pass) {
+      const auto& list = p.segments[i].kernels[pass];
+      for (std::size_t k = 0; k < list.size(); ++k) {
+        const Kernel& kernel = list[k];
+        if (kernel.kind != KernelKind::Gemm || kernel.dtype == t ||
+            (t == Precision::FP8 && kernel.dtype == Precision::BF16))
+          continue;
+        fail(fmt::format("segments[{}].kernels.{}[{}].dtype", i, kPass[pass], k),
+             fmt::format("a {} GEMM, but the plan trains in {} (training.precision): the precision was edited "
+                         "after compiling (compile the plan again)",
+                         to_string(kernel.dtype), to_string(t)));
+      }
+    }
+}
+
+void check_spec_matches_segments(const Program& p, const Model& model) {
+  const auto layers = static_cast<int>(model.layers().size());
+  int end = 0;
+  for (std::size_t i = 0; i < p.segments.size(); ++i) {
+    const ProgramSegment& sg = p.segments[i];
+    const std::string where = at_index("segments", i);
+    if (sg.first_layer < 0 || sg.last_layer < sg.first_layer || sg.last_layer > layers)
+      fail("model_spec",
+           fmt::format("has {} layers, but {} was compiled for layers [{}, {}]: the spec was edited after "
+                       "compiling (compile the plan again from it)",
+                       layers, where, sg.first_layer, sg.last_layer));
+    std::int64_t params = 0;
+    for (int l = sg.first_layer; l < sg.last_layer; ++l) params += model.layer_cost(static_cast<std::size_t>(l)).params;
+    if (params != sg.params)
+      fail("model_spec", fmt::format("gives layers [{}, {}] {} parameters, but {} was compiled with {}: the spec was "
+                                     "edited after compiling (compile the plan again from it)",
+                                     sg.first_layer, sg.last_layer, params, where, sg.params));
+    end = std::max(end, sg.last_layer);
+  }
+  if (!p.segments.empty() && end != layers)
+    fail("model_spec", fmt::format("has {} layers, but the plan's segments cover layers [0, {}]: the spec was edited "
+                                   "after compiling (compile the plan again from it)",
+                                   layers, end));
+}
+
 }  // namespace
 
 Model plan_model(const Program& p) {
@@ -585,10 +661,12 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
   p.microbatches = as_int(require(j, "", "microbatches"), "microbatches");
   check_limit(Limit::Microbatches, p.microbatches, "plan: field 'microbatches'", "microbatches");
   check_training_shape(p);
+  std::optional<Model> spec_model;  // the model its "model_spec" gives, checked against the segments
   if (const json* f = optional_field(j, "model_spec")) {
     p.model_spec = as_object(*f, "model_spec");
     // Every field valid and within the limits, learned positions covering seq_len: as a compile checks.
-    (void)plan_model(p);
+    spec_model = plan_model(p);
+    check_spec_training(p);
   }
   if (const json* f = optional_field(j, "segments")) {
     as_array(*f, "segments");
@@ -660,6 +738,8 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
       p.segments.push_back(std::move(sg));
     }
   }
+  if (spec_model) check_spec_matches_segments(p, *spec_model);
+  check_kernel_precision(p);
   p.num_devices = as_int(require(j, "", "num_devices"), "num_devices");
   if (p.num_devices < 0) fail("num_devices", "negative");
   // Engines and the verifier size per-device tables by num_devices.

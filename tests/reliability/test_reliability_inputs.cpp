@@ -117,6 +117,9 @@ TEST_F(HostileInput, PlanWithHugeSequenceIsRefusedNotBadAlloc) {
   input("seq-1e7.json", plan.dump());
   expect_one_line(run("run --reference --steps 1 --plan seq-1e7.json"), {"seq-1e7.json", "tokens-per-microbatch"});
   plan["training"]["micro_batch_size"] = 1;
+  // The plan's model_spec holds the same shape (a plan whose two disagree is refused on load).
+  plan["model_spec"]["training"]["seq_len"] = 10000000;
+  plan["model_spec"]["training"]["micro_batch_size"] = 1;
   input("seq-1e7-mbs1.json", plan.dump());
   expect_one_line(run("run --reference --steps 1 --plan seq-1e7-mbs1.json"),
                   {"10000000 tokens", "attention scores", "memory"});
