@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <sstream>
@@ -479,4 +480,58 @@ TEST_F(Chakra, CliClusterNeedsComputeTimes) {
   std::getline(err, line);
   EXPECT_NE(line.find("--compute-times"), std::string::npos) << line;
   EXPECT_FALSE(fs::exists(out));
+}
+
+// --compute-times on a cluster whose devices share GPUs ("devices_per_gpu"): each compute node gave
+// a whole GPU's time, where the simulator splits a GPU's compute among its devices computing at that
+// moment. Now each node carries the op's simulated time. By hand, on one H200 holding 2 devices: under
+// DP 2 both devices run the same ops at the same moments, so every forward and update takes twice its
+// time on a whole GPU (a backward at least twice: see below); under PP 2 with one microbatch the last stage's forward
+// runs while the first stage waits for its backward, so it takes its whole-GPU time, not twice (a fixed x2 would be
+// wrong there).
+TEST_F(Chakra, CliComputeTimesOnSharedGpusAreTheSimulatedOnes) {
+  fs::create_directories(dir_);
+  const fs::path shared = dir_ / "shared.json";
+  std::ofstream(shared) << R"({"preset": "dgx-h200", "nodes": 1, "node": {"devices_per_gpu": 2}})";
+  auto durations = [&](const std::string& flags, const std::string& cluster, const std::string& name) {
+    const fs::path plan = dir_ / (name + ".plan.json"), out = dir_ / name;
+    const std::string compile =
+        std::string(PIPER_CLI) + " compile --model qwen3-9m " + flags + " -o " + plan.string() + " >/dev/null";
+    EXPECT_EQ(std::system(compile.c_str()), 0) << compile;
+    const std::string cmd = std::string(PIPER_CLI) + " export-chakra " + plan.string() + " -o " + out.string() +
+                            " --compute-times --cluster " + cluster + " >" + (dir_ / "out.txt").string();
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    std::map<std::pair<int, std::string>, std::uint64_t> micros;  // (device, node name) -> duration
+    for (int d = 0; d < 2; ++d)
+      for (const pb::Node& n : read_trace(out / ("piper." + std::to_string(d) + ".et")).nodes)
+        if (n.type() == pb::COMP_NODE) micros[{d, n.name()}] = n.duration_micros();
+    return micros;
+  };
+  const auto whole = durations("--dp 2", "dgx-h200", "dp-whole");
+  const auto halves = durations("--dp 2", shared.string(), "dp-shared");
+  std::ifstream said(dir_ / "out.txt");
+  const std::string text((std::istreambuf_iterator<char>(said)), {});
+  EXPECT_NE(text.find("as simulated on cluster"), std::string::npos) << text;
+  ASSERT_EQ(whole.size(), halves.size());
+  ASSERT_GT(whole.size(), 4u);
+  for (const auto& [key, us] : whole) {
+    ASSERT_TRUE(halves.contains(key)) << key.second;
+    EXPECT_GE(us, 5u) << key.second;  // long enough for whole microseconds to show the factor
+    // Whole microseconds: 2 x a rounded time is off by at most 1. A backward also overlaps the
+    // gradient all-reduce of the segments after it (device copies on the GPU), whose SMs slow it
+    // further in the simulation: at least twice there.
+    if (key.second.rfind("B ", 0) == 0)
+      EXPECT_GE(static_cast<double>(halves.at(key)), 2.0 * static_cast<double>(us) - 1.0) << key.second;
+    else
+      EXPECT_NEAR(static_cast<double>(halves.at(key)), 2.0 * static_cast<double>(us), 1.0) << key.second;
+  }
+  const auto pp_whole = durations("--pp 2 --microbatches 1", "dgx-h200", "pp-whole");
+  const auto pp_shared = durations("--pp 2 --microbatches 1", shared.string(), "pp-shared");
+  int alone = 0;
+  for (const auto& [key, us] : pp_whole)
+    if (key.first == 1 && key.second.rfind("F ", 0) == 0) {
+      EXPECT_EQ(pp_shared.at(key), us) << key.second;
+      ++alone;
+    }
+  EXPECT_GE(alone, 1);  // the forward of each of the stage's segments
 }
