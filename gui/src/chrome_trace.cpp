@@ -2,13 +2,16 @@
 #include "piper/gui/chrome_trace.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <limits>
 #include <fstream>
 #include <map>
 #include <numeric>
 #include <regex>
 #include <sstream>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "piper/core/error.hpp"
@@ -20,10 +23,63 @@ using nlohmann::json;
 
 namespace {
 
-int microbatch_of(const std::string& name) {
+const std::regex& microbatch_pattern() {
   static const std::regex mb(R"((?:^|\s)mb(\d+))");
+  return mb;
+}
+
+// Reading an event's fields: json's value() threw type_error for a wrong type ("type must be
+// string, but is number", naming neither file nor event), std::stoi threw "stoi" for a device or
+// microbatch number past int, a pid past int wrapped onto another device, and times of 1e300 us
+// were drawn as infinities. Each field is now checked where it is read, its event named.
+[[noreturn]] void bad_event(const std::string& where, std::size_t i, const std::string& field, const std::string& why,
+                            const json& v) {
+  throw core::Error(fmt::format("{}: traceEvents[{}]{}{}: {}, got {}", where, i, field.empty() ? "" : ".", field, why,
+                                core::printable(v.dump(), 40)));
+}
+
+std::string string_field(const json& e, const char* key, const std::string& where, std::size_t i) {
+  if (!e.contains(key)) return {};
+  if (!e.at(key).is_string()) bad_event(where, i, key, "expected a string", e.at(key));
+  return e.at(key).get<std::string>();
+}
+
+// pid: an integer that fits an int (it becomes a device number unless a process_name names one);
+// tid: any integer (a lane key).
+long long id_field(const json& e, const char* key, const std::string& where, std::size_t i) {
+  if (!e.contains(key)) return 0;
+  const json& v = e.at(key);
+  const bool pid = std::string(key) == "pid";
+  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<unsigned long long>() > LLONG_MAX) ||
+      (pid && (v.get<long long>() < INT_MIN || v.get<long long>() > INT_MAX)))
+    bad_event(where, i, key,
+              pid ? fmt::format("expected an integer in [{}, {}]", INT_MIN, INT_MAX) : "expected an integer", v);
+  return v.get<long long>();
+}
+
+// Times in microseconds, finite and >= 0: a start at most 1e18 (profilers write epoch microseconds,
+// about 1.8e15 in 2027), a duration at most 1e12 (1e6 s, a calibration's bound on an op's time).
+double time_field(const json& e, const char* key, double max, const std::string& where, std::size_t i) {
+  const json& v = e.at(key);
+  if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0 || v.get<double>() > max)
+    bad_event(where, i, key, fmt::format("expected a time in [0, {:g}] microseconds", max), v);
+  return v.get<double>();
+}
+
+// The number `pattern` captures in `text` ("device 3", "mb12"), or -1 when there is none. A device
+// number past int is refused (std::stoi threw "stoi"); a microbatch number past it only labels a span
+// and is read as none.
+int number_in(const std::regex& pattern, const std::string& text, const std::string& where, std::size_t i,
+              const char* field, bool strict) {
   std::smatch m;
-  return std::regex_search(name, m, mb) ? std::stoi(m[1].str()) : -1;
+  if (!std::regex_search(text, m, pattern)) return -1;
+  const std::string digits = m[1].str();
+  if (digits.size() > 9) {
+    if (!strict) return -1;
+    throw core::Error(fmt::format("{}: traceEvents[{}].{}: the number {} in '{}' is out of range", where, i, field,
+                                  core::printable(digits, 20), core::printable(text, 60)));
+  }
+  return std::stoi(digits);
 }
 
 SpanKind kind_of(const std::string& name, const std::string& cat) {
@@ -54,30 +110,39 @@ std::shared_ptr<Track> parse_chrome_trace(const std::string& text, const std::st
   std::map<long long, int> device_of_pid;
   std::map<std::pair<long long, long long>, std::string> thread_names;
   static const std::regex device_name(R"((?:device|gpu|rank|GPU|Device|Rank)\s*(\d+))");
-  for (const json& e : *events) {
-    if (!e.is_object() || e.value("ph", "") != "M") continue;
-    const long long pid = e.value("pid", 0LL);
-    const std::string name = e.contains("args") && e["args"].is_object() ? e["args"].value("name", "") : "";
+  for (std::size_t i = 0; i < events->size(); ++i) {
+    const json& e = (*events)[i];
+    if (!e.is_object()) continue;
+    for (const char* key : {"ph", "name", "cat"}) (void)string_field(e, key, where, i);
+    if (e.value("ph", "") != "M") continue;
+    const long long pid = id_field(e, "pid", where, i);
+    std::string name;
+    if (e.contains("args") && e["args"].is_object() && e["args"].contains("name")) {
+      if (!e["args"]["name"].is_string()) bad_event(where, i, "args.name", "expected a string", e["args"]["name"]);
+      name = e["args"]["name"].get<std::string>();
+    }
     if (e.value("name", "") == "process_name") {
-      std::smatch m;
-      if (std::regex_search(name, m, device_name)) device_of_pid[pid] = std::stoi(m[1].str());
+      if (const int d = number_in(device_name, name, where, i, "args.name", true); d >= 0) device_of_pid[pid] = d;
     } else if (e.value("name", "") == "thread_name") {
-      thread_names[{pid, e.value("tid", 0LL)}] = name;
+      thread_names[{pid, id_field(e, "tid", where, i)}] = name;
     }
   }
   // (device, tid) -> event indices; "B"/"E" pairs are matched per thread with a stack.
   std::map<std::pair<int, long long>, std::vector<std::int32_t>> lanes;
-  std::map<std::pair<long long, long long>, std::vector<json>> open;
+  std::map<std::pair<long long, long long>, std::vector<std::pair<std::size_t, double>>> open;  // "B": event, ts
   auto device = [&](long long pid) {
     auto it = device_of_pid.find(pid);
     return it != device_of_pid.end() ? it->second : static_cast<int>(pid);
   };
+  std::size_t event_index = 0;    // the event being read, for add()'s messages
+  std::vector<int> microbatches;  // of each measured event, from its name
   auto add = [&](long long pid, long long tid, const std::string& name, const std::string& cat, double ts_us,
                  double dur_us) {
     MeasuredEvent ev;
+    microbatches.push_back(number_in(microbatch_pattern(), name, where, event_index, "name", false));
     ev.name = name;
     ev.start_s = ts_us * 1e-6;
-    ev.end_s = (ts_us + std::max(0.0, dur_us)) * 1e-6;
+    ev.end_s = (ts_us + dur_us) * 1e-6;
     ev.device = device(pid);
     auto tn = thread_names.find({pid, tid});
     ev.thread = tn != thread_names.end() ? tn->second : "thread " + std::to_string(tid);
@@ -86,23 +151,30 @@ std::shared_ptr<Track> parse_chrome_trace(const std::string& text, const std::st
     lanes[{ev.device, tid}].push_back(static_cast<std::int32_t>(track->measured.size()));
     track->measured.push_back(std::move(ev));
   };
-  for (const json& e : *events) {
+  for (std::size_t i = 0; i < events->size(); ++i) {
+    const json& e = (*events)[i];
     if (!e.is_object()) continue;
     const std::string ph = e.value("ph", "");
     if (ph != "X" && ph != "B" && ph != "E") continue;
-    if (!e.contains("ts") || !e["ts"].is_number()) throw core::Error(where + ": event without a numeric 'ts'");
-    const long long pid = e.value("pid", 0LL), tid = e.value("tid", 0LL);
+    if (!e.contains("ts")) throw core::Error(fmt::format("{}: traceEvents[{}]: event without a 'ts'", where, i));
+    const double ts = time_field(e, "ts", 1e18, where, i);
+    const long long pid = id_field(e, "pid", where, i), tid = id_field(e, "tid", where, i);
+    event_index = i;
     if (ph == "X") {
-      add(pid, tid, e.value("name", ""), e.value("cat", ""), e["ts"].get<double>(), e.value("dur", 0.0));
+      add(pid, tid, e.value("name", ""), e.value("cat", ""), ts,
+          e.contains("dur") ? time_field(e, "dur", 1e12, where, i) : 0.0);
     } else if (ph == "B") {
-      open[{pid, tid}].push_back(e);
+      open[{pid, tid}].push_back({i, ts});
     } else {
       auto& stack = open[{pid, tid}];
       if (stack.empty()) continue;
-      const json b = stack.back();
+      const auto [b, begin] = stack.back();
       stack.pop_back();
-      add(pid, tid, b.value("name", ""), b.value("cat", ""), b["ts"].get<double>(),
-          e["ts"].get<double>() - b["ts"].get<double>());
+      if (ts < begin)
+        bad_event(where, i, "ts", fmt::format("ends before its 'B' event (traceEvents[{}], ts {})", b, begin), e["ts"]);
+      event_index = b;
+      const json& be = (*events)[b];
+      add(pid, tid, be.value("name", ""), be.value("cat", ""), begin, ts - begin);
     }
   }
   if (track->measured.empty()) throw core::Error(where + ": the Chrome trace has no complete ('X') events");
@@ -126,7 +198,11 @@ std::shared_ptr<Track> parse_chrome_trace(const std::string& text, const std::st
       max_end = std::max(max_end, ev.end_s);
       lane.max_end_s.push_back(max_end);
       lane.kind.push_back(static_cast<std::uint8_t>(kind_of(ev.name, "")));
-      lane.microbatch.push_back(static_cast<std::int16_t>(microbatch_of(ev.name)));
+      // A microbatch past int16 is drawn without one (-1) rather than wrapped to another's number.
+      lane.microbatch.push_back(static_cast<std::int16_t>(microbatches[static_cast<std::size_t>(i)] <=
+                                                                  std::numeric_limits<std::int16_t>::max()
+                                                              ? microbatches[static_cast<std::size_t>(i)]
+                                                              : -1));
       lane.op_index.push_back(i);
       track->step_time_s = std::max(track->step_time_s, ev.end_s);
     }

@@ -387,6 +387,48 @@ TEST(GuiStudio, ChromeTraceRoundTripOverlaysMeasuredLanes) {
   EXPECT_THROW(parse_chrome_trace("{\"traceEvents\": 3}", "bad.json"), core::Error);
 }
 
+// A Chrome trace to overlay (piper-studio --overlay, File > Overlay) with a field of the wrong type
+// said "[json.exception.type_error.302] type must be string, but is number" (no file, no event); a
+// device or microbatch number past int said "stoi"; a pid past int wrapped onto device 0; a negative
+// "dur" was drawn as 0, and times of 1e300 us as infinities: all with nothing named. Each is now one
+// line naming the file, the event and its field (docs/reliability.md, thirteenth probe).
+TEST(GuiChromeTrace, HostileEventFieldsNameTheEventAndField) {
+  auto refused = [](const std::string& event, const std::string& fragment) {
+    const std::string text = R"({"traceEvents": [)" + event + "]}";
+    try {
+      parse_chrome_trace(text, "t.json");
+      ADD_FAILURE() << "accepted: " << event;
+    } catch (const core::Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("t.json: traceEvents[0]" + fragment), std::string::npos) << m;
+      EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+      EXPECT_EQ(m.find("json.exception"), std::string::npos) << m;
+    }
+  };
+  refused(R"({"ph": "X", "pid": 0, "tid": 0, "name": 5, "ts": 0, "dur": 5})", ".name: expected a string, got 5");
+  refused(R"({"ph": "X", "pid": 0, "tid": 0, "name": "F", "ts": 0, "dur": "5"})", ".dur: expected a time in");
+  refused(R"({"ph": "X", "pid": 0, "tid": 0, "name": "F", "ts": 0, "dur": -5})", ".dur: expected a time in [0, 1e+12]");
+  refused(R"({"ph": "X", "pid": 0, "tid": 0, "name": "F", "ts": 1e300, "dur": 5})", ".ts: expected a time in");
+  refused(R"({"ph": "X", "pid": 4294967296, "tid": 0, "name": "F", "ts": 0, "dur": 5})",
+          ".pid: expected an integer in");
+  refused(R"({"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "device 99999999999"}},
+             {"ph": "X", "pid": 0, "tid": 0, "name": "F", "ts": 0, "dur": 5})",
+          ".args.name: the number 99999999999 in 'device 99999999999' is out of range");
+  // A microbatch number past int only labels the span: read as none, not "stoi".
+  const auto track = parse_chrome_trace(
+      R"({"traceEvents": [{"ph": "X", "pid": 0, "tid": 0, "name": "F mb99999999999 PP0", "ts": 0, "dur": 5},
+                          {"ph": "X", "pid": 0, "tid": 0, "name": "F mb40000 PP0", "ts": 5, "dur": 5},
+                          {"ph": "X", "pid": 0, "tid": 0, "name": "F mb3 PP0", "ts": 10, "dur": 5}]})",
+      "t.json");
+  ASSERT_EQ(track->rows.size(), 1u);
+  const Lane& lane = track->rows.at(0).lanes.at(0);
+  ASSERT_EQ(lane.size(), 3u);
+  EXPECT_EQ(lane.microbatch[0], -1);
+  EXPECT_EQ(lane.microbatch[1], -1);  // past int16: none, not wrapped to -25536
+  EXPECT_EQ(lane.microbatch[2], 3);
+  EXPECT_NEAR(track->step_time_s, 15e-6, 1e-12);
+}
+
 TEST(GuiStudio, CriticalPathIsAChainEndingAtTheStepTime) {
   Studio s;
   TimelineView* view = s.window.view();
