@@ -60,6 +60,7 @@ long long id_field(const json& e, const char* key, const std::string& where, std
 // Times in microseconds, finite and >= 0: a start at most 1e18 (profilers write epoch microseconds,
 // about 1.8e15 in 2027), a duration at most 1e12 (1e6 s, a calibration's bound on an op's time).
 double time_field(const json& e, const char* key, double max, const std::string& where, std::size_t i) {
+  if (!e.contains(key)) throw core::Error(fmt::format("{}: traceEvents[{}]: event without a '{}'", where, i, key));
   const json& v = e.at(key);
   if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0 || v.get<double>() > max)
     bad_event(where, i, key, fmt::format("expected a time in [0, {:g}] microseconds", max), v);
@@ -80,6 +81,36 @@ int number_in(const std::regex& pattern, const std::string& text, const std::str
                                   core::printable(digits, 20), core::printable(text, 60)));
   }
   return std::stoi(digits);
+}
+
+// The metadata ("M") events: which device a pid is (its process_name: "device 3", "GPU 3", "rank 3")
+// and each thread's name. Every event's string fields are checked here, once.
+struct TraceNames {
+  std::map<long long, int> device_of_pid;
+  std::map<std::pair<long long, long long>, std::string> thread_names;
+};
+
+TraceNames trace_names(const json& events, const std::string& where) {
+  TraceNames out;
+  static const std::regex device_name(R"((?:device|gpu|rank|GPU|Device|Rank)\s*(\d+))");
+  for (std::size_t i = 0; i < events.size(); ++i) {
+    const json& e = events[i];
+    if (!e.is_object()) continue;
+    for (const char* key : {"ph", "name", "cat"}) (void)string_field(e, key, where, i);
+    if (e.value("ph", "") != "M") continue;
+    const long long pid = id_field(e, "pid", where, i);
+    std::string name;
+    if (e.contains("args") && e["args"].is_object() && e["args"].contains("name")) {
+      if (!e["args"]["name"].is_string()) bad_event(where, i, "args.name", "expected a string", e["args"]["name"]);
+      name = e["args"]["name"].get<std::string>();
+    }
+    if (e.value("name", "") == "process_name") {
+      if (const int d = number_in(device_name, name, where, i, "args.name", true); d >= 0) out.device_of_pid[pid] = d;
+    } else if (e.value("name", "") == "thread_name") {
+      out.thread_names[{pid, id_field(e, "tid", where, i)}] = name;
+    }
+  }
+  return out;
 }
 
 SpanKind kind_of(const std::string& name, const std::string& cat) {
@@ -107,32 +138,13 @@ std::shared_ptr<Track> parse_chrome_trace(const std::string& text, const std::st
 
   auto track = std::make_shared<Track>();
   track->title = title.empty() ? where : title;
-  std::map<long long, int> device_of_pid;
-  std::map<std::pair<long long, long long>, std::string> thread_names;
-  static const std::regex device_name(R"((?:device|gpu|rank|GPU|Device|Rank)\s*(\d+))");
-  for (std::size_t i = 0; i < events->size(); ++i) {
-    const json& e = (*events)[i];
-    if (!e.is_object()) continue;
-    for (const char* key : {"ph", "name", "cat"}) (void)string_field(e, key, where, i);
-    if (e.value("ph", "") != "M") continue;
-    const long long pid = id_field(e, "pid", where, i);
-    std::string name;
-    if (e.contains("args") && e["args"].is_object() && e["args"].contains("name")) {
-      if (!e["args"]["name"].is_string()) bad_event(where, i, "args.name", "expected a string", e["args"]["name"]);
-      name = e["args"]["name"].get<std::string>();
-    }
-    if (e.value("name", "") == "process_name") {
-      if (const int d = number_in(device_name, name, where, i, "args.name", true); d >= 0) device_of_pid[pid] = d;
-    } else if (e.value("name", "") == "thread_name") {
-      thread_names[{pid, id_field(e, "tid", where, i)}] = name;
-    }
-  }
+  const TraceNames names = trace_names(*events, where);
   // (device, tid) -> event indices; "B"/"E" pairs are matched per thread with a stack.
   std::map<std::pair<int, long long>, std::vector<std::int32_t>> lanes;
   std::map<std::pair<long long, long long>, std::vector<std::pair<std::size_t, double>>> open;  // "B": event, ts
   auto device = [&](long long pid) {
-    auto it = device_of_pid.find(pid);
-    return it != device_of_pid.end() ? it->second : static_cast<int>(pid);
+    auto it = names.device_of_pid.find(pid);
+    return it != names.device_of_pid.end() ? it->second : static_cast<int>(pid);
   };
   std::size_t event_index = 0;    // the event being read, for add()'s messages
   std::vector<int> microbatches;  // of each measured event, from its name
@@ -144,8 +156,8 @@ std::shared_ptr<Track> parse_chrome_trace(const std::string& text, const std::st
     ev.start_s = ts_us * 1e-6;
     ev.end_s = (ts_us + dur_us) * 1e-6;
     ev.device = device(pid);
-    auto tn = thread_names.find({pid, tid});
-    ev.thread = tn != thread_names.end() ? tn->second : "thread " + std::to_string(tid);
+    auto tn = names.thread_names.find({pid, tid});
+    ev.thread = tn != names.thread_names.end() ? tn->second : "thread " + std::to_string(tid);
     if (!cat.empty() && name.find(' ') == std::string::npos && span_kind_from_name(name) == SpanKind::Other)
       ev.name = cat + " " + name;
     lanes[{ev.device, tid}].push_back(static_cast<std::int32_t>(track->measured.size()));
@@ -156,7 +168,6 @@ std::shared_ptr<Track> parse_chrome_trace(const std::string& text, const std::st
     if (!e.is_object()) continue;
     const std::string ph = e.value("ph", "");
     if (ph != "X" && ph != "B" && ph != "E") continue;
-    if (!e.contains("ts")) throw core::Error(fmt::format("{}: traceEvents[{}]: event without a 'ts'", where, i));
     const double ts = time_field(e, "ts", 1e18, where, i);
     const long long pid = id_field(e, "pid", where, i), tid = id_field(e, "tid", where, i);
     event_index = i;
