@@ -291,4 +291,28 @@ std::optional<UnknownField> unknown_field(const nlohmann::json& obj, std::initia
   return unknown_field(obj, std::span<const std::string_view>(known.begin(), known.size()));
 }
 
+std::string wrong_input_kind(const nlohmann::json& obj, std::string_view expected) {
+  if (!obj.is_object()) return {};
+  std::string kind, goes;
+  if (obj.contains("format") && obj["format"] == "piper-program") {
+    kind = "a plan (\"format\": \"piper-program\")";
+    goes = "piper verify, simulate --plan, run --plan or export-chakra (Python: plan=)";
+  } else if (obj.contains("format")) {
+    return {};
+  } else if (obj.contains("model") && obj["model"].is_string() && !obj.contains("vocab")) {
+    kind = "a scenario (a \"model\" with its settings)";
+    goes = "--scenario";
+  } else if (obj.contains("model_type")) {
+    kind = "a Hugging Face config (\"model_type\")";
+    goes = "--model";
+  } else if (obj.contains("vocab") && obj.contains("hidden") && obj.contains("layers")) {
+    kind = "a model spec (\"vocab\", \"hidden\", \"layers\")";
+    goes = "--model";
+  } else {
+    return {};
+  }
+  if (kind.rfind(expected, 0) == 0) return {};
+  return fmt::format("this is {}, not {}: give it to {}", kind, expected, goes);
+}
+
 }  // namespace piper::core

@@ -542,6 +542,8 @@ Precision parse_precision(const FieldReader& r, const std::string& s) {
 
 ModelConfig config_from_spec_json(const json& j, const std::string& where) {
   require_object(j, where, "model spec");
+  if (const std::string other = wrong_input_kind(j, "a model spec"); !other.empty())
+    throw ModelError(where + ": " + other);
   FieldReader r(j, where);
   r.reject_unknown({"name",      "description",    "vocab",         "hidden",        "layers", "heads",
                     "kv_heads",  "head_dim",       "ffn",           "activation",    "norm",   "qk_norm",

@@ -614,6 +614,7 @@ json Program::to_json() const {
 // read so that every error names its field.
 Program Program::from_json(const json& j) {  // NOLINT(readability-function-size)
   as_object(j, "(top level)");
+  if (const std::string other = wrong_input_kind(j, "a plan"); !other.empty()) throw PlanError("plan: " + other);
   reject_unknown(j, "",
                  {"format", "version", "model", "training", "microbatches", "model_spec", "segments", "num_devices",
                   "device_sets", "families", "plans", "plan_of_device", "sm_partition", "clip_grad", "stats"});

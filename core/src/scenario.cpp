@@ -680,6 +680,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     return Error(where + ": field '" + field + "': " + msg);
   };
   if (!j.is_object()) throw Error(where + ": a scenario must be a JSON object");
+  if (const std::string other = wrong_input_kind(j, "a scenario"); !other.empty()) throw Error(where + ": " + other);
   // Every key of every section is checked: a misspelt one ("microbatchs") would otherwise be ignored.
   if (auto u = unknown_field(
           j, {"model", "seq_len", "micro_batch_size", "stages", "pp_ranges", "first_stage_layers", "last_stage_layers",

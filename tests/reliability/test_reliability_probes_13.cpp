@@ -136,3 +136,30 @@ TEST_F(HostileInput, PlanKernelSizesMustBeWholeNumbers) {
 }
 
 }  // namespace
+
+namespace {
+
+// One of Piper's inputs given where another goes (a plan to --scenario or --model, a scenario to
+// --plan, a model spec to --scenario): the reader named its first unknown key ("field 'device_sets':
+// unknown field (expected one of: model, seq_len, ...)"), not the mix-up.
+TEST_F(HostileInput, AnInputOfAnotherKindIsNamed) {
+  (void)tiny_plan();  // a.json
+  input("s.json", R"({"model": "qwen3-9m", "strategy": {"pp": 2}})");
+  expect_one_line(run("simulate --scenario a.json"),
+                  {"a.json: this is a plan (\"format\": \"piper-program\"), not a scenario", "simulate --plan"});
+  expect_one_line(run("compile --model a.json -o p.json"), {"a.json: this is a plan", "not a model spec"});
+  expect_one_line(
+      run("simulate --plan s.json"),
+      {"s.json: plan: this is a scenario (a \"model\" with its settings), not a plan: give it to --scenario"});
+  expect_one_line(run("verify s.json"), {"this is a scenario", "not a plan"});
+  expect_one_line(run("compile --scenario '" + kTiny + "' -o p.json"),
+                  {"this is a model spec (\"vocab\", \"hidden\", \"layers\"), not a scenario: give it to --model"});
+  expect_one_line(run("verify '" + piper::test::kSource + "/tests/data/hf/llama3-8b.json'"),
+                  {"this is a Hugging Face config (\"model_type\"), not a plan: give it to --model"});
+  EXPECT_FALSE(fs::exists(dir_ / "p.json"));
+  // Each where it goes.
+  EXPECT_EQ(run("compile --scenario s.json -o p.json").exit_code, 0);
+  EXPECT_EQ(run("verify p.json").exit_code, 0);
+}
+
+}  // namespace

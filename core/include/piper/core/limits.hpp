@@ -105,4 +105,11 @@ struct UnknownField {
 std::optional<UnknownField> unknown_field(const nlohmann::json& obj, std::span<const std::string_view> known);
 std::optional<UnknownField> unknown_field(const nlohmann::json& obj, std::initializer_list<std::string_view> known);
 
+// A JSON object that is plainly another of Piper's inputs than the reader expects (`expected`: "a
+// plan", "a scenario", "a model spec"): a plan ("format": "piper-program"), a scenario (a "model" to
+// load), a model spec ("vocab", "hidden", "layers") or a Hugging Face config ("model_type"). Returns the
+// line saying so and where such a file goes, or "" when it is not plainly another kind. A plan given to
+// --scenario (or a scenario to --plan) said only "field 'device_sets': unknown field".
+std::string wrong_input_kind(const nlohmann::json& obj, std::string_view expected);
+
 }  // namespace piper::core
