@@ -164,8 +164,9 @@ TEST(RuntimeFailure, SplitNotCoveringTheModelIsRefusedInOneLine) {
 // DualPipe runs the pipeline in both directions: device 0 holds the embedding for data-parallel rank
 // 0 and the head for rank 1 (and device 1 the mirror), so each device would have to keep two tied
 // pairs with two peers. The compiler refuses the layout (Scenario.TiedCopiesAreSummedByAPairAllReduce);
-// a plan that has it anyway (here the untied model's plan, its spec marked tied) is refused by the
-// host backend before any step, in one line, exit code 2.
+// a plan that has it anyway (here the untied model's plan, its spec marked tied and the head's segment
+// without the head's weights, as a tied compile counts them, so that the plan still loads) is refused by
+// the host backend before any step, in one line, exit code 2.
 TEST(RuntimeFailure, GptTiedDualPipeIsRefusedInOneLine) {
   const fs::path dir = temp_dir("gpt-dualpipe");
   EXPECT_THROW(compile_plan(dir, strategy(2, 1, 1, 0, 4, "dualpipe"), "", kGpt), core::Error);
@@ -180,6 +181,10 @@ TEST(RuntimeFailure, GptTiedDualPipeIsRefusedInOneLine) {
   }
   ASSERT_TRUE(embed >= 0 && head >= 0 && embed != head);
   p["segments"][static_cast<std::size_t>(head)]["tied_to"] = embed;
+  const auto head_weights =
+      p["model_spec"]["vocab"].get<std::int64_t>() * p["model_spec"]["hidden"].get<std::int64_t>();
+  auto& head_params = p["segments"][static_cast<std::size_t>(head)]["params"];
+  head_params = head_params.get<std::int64_t>() - head_weights;
   const fs::path plan = dir / "tied.json";
   std::ofstream(plan) << p.dump();
   Result r = sh(mpirun(2) + PIPER_CLI + " run --plan " + plan.string() + " --steps 1");

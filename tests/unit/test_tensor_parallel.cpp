@@ -538,7 +538,8 @@ TEST(TensorParallel, ComposesWithSchedulesEpAndZero) {
         o.ep = with_ep ? 2 : 1;
         o.zero = zero;
         o.microbatches = 4;
-        o.virtual_stages = family.name == "zb-v" || family.name == "dualpipev" ? 2 : 1;
+        o.virtual_stages =
+            family.name == "zb-v" || family.name == "dualpipev" || family.name == "interleaved-1f1b-overlap" ? 2 : 1;
         o.tp = 2;
         o.sequence_parallel = true;
         o.recompute = zero % 2 ? "selective" : "full";
