@@ -234,7 +234,8 @@ class RankWriter {
 // r, r+p, ..., r+(v-1)p. Forwards walk the local stages in rounds of `per_round` microbatches;
 // after `warmup` forwards every forward is paired with a backward walking the stages in reverse.
 // With zero_bubble the backward is split: I on the critical path, W deferred by r steps so that
-// rank r fills its cooldown bubble with weight gradients.
+// rank r fills its cooldown bubble with weight gradients. With overlap (interleaved-1f1b-overlap) each
+// steady-state forward and its backward form one overlapped step.
 ScheduleTable depth_first_table(const ScheduleContext& ctx, bool zero_bubble, bool overlap = false) {
   const int p = ctx.ranks, v = ctx.regions / ctx.ranks, m = ctx.microbatches;
   const int rounds = std::max(1, m / p), per_round = m / rounds;
