@@ -38,8 +38,6 @@ int run_export_chakra(const ExportArgs& a) {
   if (a.compute_times) {
     // The simulator's cost model (per-kernel, calibration, roofline: CostModel::compute_seconds) on
     // the cluster `piper simulate --cluster` would use, grown to the plan's devices.
-    std::optional<sim::Calibration> calibration;
-    if (!a.calibration_path.empty()) calibration = sim::Calibration::load(a.calibration_path);
     const sim::Cluster cluster = sim::with_devices(sim::load_cluster(a.cluster), program.num_devices);
     shares_gpus = cluster.shares_gpus();
     if (shares_gpus) {
@@ -69,6 +67,9 @@ int run_export_chakra(const ExportArgs& a) {
         return it->second;
       };
     } else {
+      // The simulation above reads the calibration itself (SimulateOptions::calibration_path).
+      std::optional<sim::Calibration> calibration;
+      if (!a.calibration_path.empty()) calibration = sim::Calibration::load(a.calibration_path);
       cost.emplace(cluster, calibration);
       options.compute_seconds = [&](int device, const core::Op& op) {
         return cost->compute_seconds(program, device, op);
