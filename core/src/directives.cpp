@@ -244,7 +244,7 @@ Directive parse_one(const json& d, int index) {  // NOLINT(readability-function-
     return r;
   }
   if (op == "shard") {
-    check_fields(d, index, {"filter", "devices", "stream", "degree", "chunks"});
+    check_fields(d, index, {"filter", "devices", "stream", "degree", "chunks", "dispatch_dtype"});
     ShardDirective s;
     s.filter = parse_filter(require(d, index, "filter"), index, "filter", false);
     s.devices = parse_devices(d, index);
@@ -262,6 +262,13 @@ Directive parse_one(const json& d, int index) {  // NOLINT(readability-function-
       if (!it->is_number_integer() || it->get<long long>() < 1 || it->get<long long>() > (1 << 20))
         fail(index, "chunks", "must be an integer in 1..1048576 (got " + it->dump() + ")");
       s.chunks = static_cast<int>(it->get<long long>());
+    }
+    if (auto it = d.find("dispatch_dtype"); it != d.end()) {
+      if (!it->is_string() || (*it != "fp8" && *it != "activation"))
+        fail(index, "dispatch_dtype",
+             "must be \"fp8\" (e4m3 with a scale per 128 values) or \"activation\" (the activations' dtype), got " +
+                 it->dump());
+      if (*it == "fp8") s.dispatch_dtype = "fp8";
     }
     return s;
   }

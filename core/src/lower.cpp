@@ -510,7 +510,8 @@ Program lower(const GlobalDag& dag) {  // NOLINT(readability-function-size)
                                 seg.cp_all_gather,
                                 seg.cp_family,
                                 seg.tied_copy > 0 ? seg.tied_to : -1,
-                                seg.a2a_chunks});
+                                seg.a2a_chunks,
+                                seg.fp8_dispatch});
   }
 
   program.plan_of_device = classes.plan_of_device;

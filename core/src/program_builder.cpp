@@ -80,13 +80,19 @@ ProgramBuilder& ProgramBuilder::replicate(const Filter& filter, const std::vecto
 
 ProgramBuilder& ProgramBuilder::shard(const Filter& filter, const std::vector<int>& devices,
                                       const std::optional<std::string>& stream, std::optional<int> degree,
-                                      std::optional<int> chunks) {
-  ShardDirective s{filter, devices, degree.value_or(0), stream.value_or("ep"), chunks.value_or(1)};
+                                      std::optional<int> chunks, const std::optional<std::string>& dispatch_dtype) {
+  ShardDirective s{filter,
+                   devices,
+                   degree.value_or(0),
+                   stream.value_or("ep"),
+                   chunks.value_or(1),
+                   dispatch_dtype == "fp8" ? "fp8" : ""};
   json d = directive("shard", filter);
   d["devices"] = devices;
   if (stream) d["stream"] = *stream;
   if (degree) d["degree"] = *degree;
   if (chunks) d["chunks"] = *chunks;
+  if (dispatch_dtype) d["dispatch_dtype"] = *dispatch_dtype;
   add(std::move(s), std::move(d));
   return *this;
 }

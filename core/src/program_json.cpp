@@ -101,26 +101,13 @@ constexpr std::string_view kOpKeys[] = {"kind",
                                         "route_groups",
                                         "route_group_limit",
                                         "route_top_k"};
-constexpr std::string_view kSegmentKeys[] = {"layers",
-                                             "tags",
-                                             "devices",
-                                             "params",
-                                             "shard_degree",
-                                             "replicas",
-                                             "zero_level",
-                                             "zero_shards",
-                                             "tp_degree",
-                                             "sequence_parallel",
-                                             "recompute",
-                                             "tp_family",
-                                             "tp_comm_overlap",
-                                             "cp_degree",
-                                             "cp_comm",
-                                             "cp_family",
-                                             "tied_to",
-                                             "a2a_chunks",
-                                             "reduce_every_microbatch",
-                                             "kernels"};
+constexpr std::string_view kSegmentKeys[] = {
+    "layers",    "tags",       "devices",         "params",       "shard_degree",
+    "replicas",  "zero_level", "zero_shards",     "tp_degree",    "sequence_parallel",
+    "recompute", "tp_family",  "tp_comm_overlap", "cp_degree",    "cp_comm",
+    "cp_family", "tied_to",    "a2a_chunks",      "fp8_dispatch", "reduce_every_microbatch",
+    "kernels",
+};
 
 const json& as_object(const json& j, const std::string& path) {
   if (!j.is_object()) fail(path, std::string("expected an object, got ") + j.type_name());
@@ -458,6 +445,7 @@ json Program::to_json() const {
     if (sg.cp_family != -1) o["cp_family"] = sg.cp_family;
     if (sg.tied_to != -1) o["tied_to"] = sg.tied_to;
     if (sg.a2a_chunks != 1) o["a2a_chunks"] = sg.a2a_chunks;
+    if (sg.fp8_dispatch) o["fp8_dispatch"] = true;
     if (sg.zero_shards != sg.replicas) o["zero_shards"] = sg.zero_shards;  // HSDP only
     if (sg.reduce_every_microbatch) o["reduce_every_microbatch"] = true;
     if (!sg.kernels[0].empty() || !sg.kernels[1].empty() || !sg.kernels[2].empty())
@@ -617,6 +605,10 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
       if (const json* t = optional_field(o, "a2a_chunks")) {
         sg.a2a_chunks = as_int(*t, member(sp, "a2a_chunks"));
         if (sg.a2a_chunks < 1) fail(member(sp, "a2a_chunks"), "must be >= 1");
+      }
+      if (const json* t = optional_field(o, "fp8_dispatch")) {
+        if (!t->is_boolean()) fail(member(sp, "fp8_dispatch"), "expected true or false");
+        sg.fp8_dispatch = t->get<bool>();
       }
       if (const json* t = optional_field(o, "reduce_every_microbatch")) {
         if (!t->is_boolean()) fail(member(sp, "reduce_every_microbatch"), "expected true or false");

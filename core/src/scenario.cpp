@@ -289,7 +289,9 @@ std::string strategy_flag_error(const DirectiveProgram& program, const StrategyO
            : field == "expert_degree"   ? fmt::format("--etp {}", o.etp)
                                         : fmt::format("--tp {}", o.tp);
   else if (op == "shard")
-    flag = field == "chunks" ? fmt::format("--a2a-chunks {}", o.a2a_chunks) : fmt::format("--ep {}", o.ep);
+    flag = field == "chunks"           ? fmt::format("--a2a-chunks {}", o.a2a_chunks)
+           : field == "dispatch_dtype" ? std::string("--fp8-dispatch")
+                                       : fmt::format("--ep {}", o.ep);
   else if (op == "replicate")
     flag = field == "shard_group"    ? (o.cp > 1 ? fmt::format("--dp-shard {} x --cp {}", o.dp_shard, o.cp)
                                                  : fmt::format("--dp-shard {}", o.dp_shard))

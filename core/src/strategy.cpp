@@ -129,6 +129,7 @@ void validate_strategy_options(const StrategyOptions& o) {
          " needs --recompute selective, full or op (the mode of the chosen blocks)");
   if (o.a2a_chunks < 1) fail("--a2a-chunks must be >= 1 (got " + std::to_string(o.a2a_chunks) + ")");
   if (o.a2a_chunks > 1 && o.ep < 2) fail("--a2a-chunks needs --ep >= 2 (it chunks the expert all-to-alls)");
+  if (o.fp8_dispatch && o.ep < 2) fail("--fp8-dispatch needs --ep >= 2 (it sets the dtype of the expert all-to-alls)");
   if (o.comm_sms < 0) fail("--comm-sms must be >= 1 (got " + std::to_string(o.comm_sms) + ")");
   if (!(o.clip_grad >= 0) || !std::isfinite(o.clip_grad))
     fail("--clip-grad must be a positive norm (got " + std::to_string(o.clip_grad) + ")");
@@ -256,7 +257,8 @@ DirectiveProgram placement_directives(const StrategyOptions& o, const std::vecto
     for (int i = 0; i < regions; ++i)
       out.shard(region_filter(i, "EP"), devices_of_region(i), o.ep_stream,
                 o.ep < replicas ? std::optional(o.ep) : std::nullopt,
-                o.a2a_chunks > 1 ? std::optional(o.a2a_chunks) : std::nullopt);
+                o.a2a_chunks > 1 ? std::optional(o.a2a_chunks) : std::nullopt,
+                o.fp8_dispatch ? std::optional<std::string>("fp8") : std::nullopt);
   // Piper extensions: tensor (and sequence) parallelism and recomputation of every region.
   if (o.tp > 1 || o.etp > 1)
     for (int i = 0; i < regions; ++i)

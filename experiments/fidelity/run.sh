@@ -28,15 +28,21 @@ fi
 
 # 3. Training throughput: DeepSeek-V3 report, table 1 and section 1: 180K H800 GPU hours per
 # trillion tokens on 2,048 H800 GPUs (DualPipe PP16, EP64 over 8 nodes, ZeRO-1 DP; section 3.2).
-# Piper: deepseek-v3, DualPipe PP16 x DP128, EP64, ZeRO-1, bf16 (the report trains in FP8), 32
-# microbatches of one 4,096-token sequence per DP rank (the report's batch is larger: 15,360).
+# Piper: DualPipe PP16 x DP128, EP64, ZeRO-1 with the report's stated settings (DeepSeek_V3.pdf at
+# deepseek-ai/DeepSeek-V3 4c2fdb8): FP8 training (section 3.3; models/deepseek-v3-fp8.json, 4K
+# sequences), "only 20 SMs are sufficient to fully utilize the bandwidths of IB and NVLink" (3.2.2:
+# --comm-sms 20), "we quantize the activation before MoE up-projections into FP8 and then apply
+# dispatch components ... For both the forward and backward combine components, we retain them in
+# BF16" (3.3.3: --fp8-dispatch), "the batch size ... keeps 15360" (4.2: 15,360 / DP 128 = 120
+# microbatches of one sequence) and "the gradient clipping norm is set to 1.0" (--clip-grad 1).
 # Devices in Megatron's order, pipeline rank outermost (--device-order tp-cp-dp-pp): a pipeline
 # rank's 128 replicas are 16 consecutive nodes and each EP group of 64 fills 8 nodes, as in the report.
 if [ "$QUICK" = 0 ]; then
-  "$PIPER" simulate --model deepseek-v3 --pp 16 --dp 128 --ep 64 --zero 1 --schedule dualpipe --microbatches 32 \
-    --device-order tp-cp-dp-pp --cluster hgx-h800 --engine analytic --report out/deepseek-v3.json > /dev/null
+  "$PIPER" simulate --model "$STUDY_SRC/models/deepseek-v3-fp8.json" --pp 16 --dp 128 --ep 64 --zero 1 --schedule dualpipe \
+    --microbatches 120 --comm-sms 20 --fp8-dispatch --clip-grad 1 --device-order tp-cp-dp-pp --cluster hgx-h800 \
+    --engine analytic --report out/deepseek-v3.json > /dev/null
   hours=$(jq -r '2048 * .step_time_s / .tokens_per_step * 1e12 / 3600 / 1000' out/deepseek-v3.json)
-  row "H800 GPU hours per trillion tokens (thousands)" "DeepSeek-V3 technical report table 1" "deepseek-v3 on 2048 H800 (hgx-h800); DualPipe PP16 EP64 (8 nodes) ZeRO-1; bf16; 32 microbatches" 180 "$(printf '%.1f' "$hours")"
+  row "H800 GPU hours per trillion tokens (thousands)" "DeepSeek-V3 technical report table 1" "deepseek-v3 on 2048 H800 (hgx-h800); DualPipe PP16 EP64 (8 nodes) ZeRO-1; fp8 with fp8 dispatch; 20 comm SMs; 120 microbatches" 180 "$(printf '%.1f' "$hours")"
 fi
 # 4. Megatron 22B, Korthikanti et al. table 5 (study 6), on the SimGrid engine when it ran.
 if [ -f ../megatron-22b/results.csv ]; then

@@ -274,6 +274,8 @@ std::string segment_feature(const core::Program& program, const core::Model& mod
     else if (seg.a2a_chunks > 1 && !caps.chunked_all_to_all)
       what = fmt::format("chunks its expert all-to-alls ({} chunks)", seg.a2a_chunks),
       feature = "chunked all-to-alls (compile with --a2a-chunks 1)";
+    else if (seg.fp8_dispatch)
+      what = "moves its expert all-to-alls in fp8", feature = "fp8 all-to-alls (compile without --fp8-dispatch)";
     else if (seg.reduce_every_microbatch && !caps.reduce_every_microbatch)
       what = "reduces its ZeRO-2/3 gradients after every microbatch",
       feature = "per-microbatch reduction (compile with --reduce-every step)";

@@ -1,6 +1,8 @@
 // Chunked expert all-to-alls (--a2a-chunks N, the shard directive's "chunks"; issue 26): the plan's
 // shape, the step time of a tiny MoE derived by hand in both engines (with shared SMs, without the SM
 // model, and under an sm_partition), and the refusals of bad values in one line naming the flag.
+// fp8 all-to-alls toward the experts (--fp8-dispatch, the shard directive's "dispatch_dtype"): their
+// bytes by hand, and the refusals.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -28,7 +30,7 @@ namespace sim = piper::sim;
 namespace {
 
 // MoE blocks (two unless said) of 4 experts, top-2; s = 64, b = 2: T = 128 tokens per microbatch.
-ModelConfig tiny_moe(int layers) {
+ModelConfig tiny_moe(int layers, Precision precision = Precision::BF16) {
   ModelConfig c;
   c.name = "a2a-moe" + std::to_string(layers);
   c.vocab = 256;
@@ -43,11 +45,12 @@ ModelConfig tiny_moe(int layers) {
   c.expert_ffn = 64;
   c.training.seq_len = 64;
   c.training.micro_batch_size = 2;
-  c.training.precision = Precision::BF16;
+  c.training.precision = precision;
   return c;
 }
 
 std::string spec_path(int layers = 2) { return piper::test::write_spec(tiny_moe(layers)); }
+std::string fp8_spec_path() { return piper::test::write_spec(tiny_moe(2, Precision::FP8)); }
 
 StrategyOptions opts(int chunks, const std::string& schedule = "1f1b", int microbatches = 1) {
   StrategyOptions o;
@@ -296,4 +299,101 @@ TEST(A2aChunks, BadValuesAreRefusedInOneLine) {
     EXPECT_TRUE(one_line(why)) << why;
   }
   EXPECT_EQ(piper::runtime::unsupported_feature(compile_moe(opts(1)), piper::runtime::host_capabilities()), "");
+}
+
+namespace {
+
+StrategyOptions fp8_opts(bool fp8_dispatch) {
+  StrategyOptions o = opts(1);
+  o.fp8_dispatch = fp8_dispatch;
+  return o;
+}
+
+Program compile_fp8(const StrategyOptions& o) {
+  Scenario sc;
+  sc.model = fp8_spec_path();
+  sc.strategy = o;
+  return compile_scenario(sc).result.program;
+}
+
+}  // namespace
+
+// T·k = 128 tokens x top-2 = 256 routed rows of h = 64 values: 16,384 values an all-to-all. Toward the
+// experts (the forward's dispatch, the backward's gradient of the combine, both labelled "dispatch")
+// fp8 moves a byte each plus an fp32 scale per 128 values: 16,384 + 128 x 4 = 16,896 bytes; back from
+// the experts they stay bf16 (the fp8 recipe's activations): 32,768 bytes. Without the setting all four
+// move 32,768.
+TEST(Fp8Dispatch, AllToAllBytesByHand) {
+  const Program plain = compile_fp8(fp8_opts(false));
+  const Program fp8 = compile_fp8(fp8_opts(true));
+  EXPECT_TRUE(verify(fp8).empty());
+  const std::vector<int> experts = expert_segments(fp8);
+  ASSERT_EQ(experts.size(), 2u);
+  for (int s : experts) {
+    SCOPED_TRACE(s);
+    EXPECT_TRUE(fp8.segments[static_cast<std::size_t>(s)].fp8_dispatch);
+    EXPECT_FALSE(plain.segments[static_cast<std::size_t>(s)].fp8_dispatch);
+    for (Pass pass : {Pass::F, Pass::B}) {
+      SCOPED_TRACE(static_cast<int>(pass));
+      for (const auto& a : ops_of(plain, OpKind::AllToAll, s, pass)) EXPECT_EQ(a.bytes, 32768);
+      const auto a = ops_of(fp8, OpKind::AllToAll, s, pass);
+      ASSERT_EQ(a.size(), 2u);
+      int toward = 0;
+      for (const auto& op : a) {
+        const bool dispatch = op.label.find("dispatch") != std::string::npos;
+        toward += dispatch;
+        EXPECT_EQ(op.bytes, dispatch ? 16896 : 32768) << op.label;
+      }
+      EXPECT_EQ(toward, 1);
+    }
+  }
+  // Dense segments and the plan's other ops are untouched.
+  EXPECT_EQ(plain.segments.size(), fp8.segments.size());
+  // The plan and the directives say it, and round-trip.
+  EXPECT_EQ(Program::from_json(fp8.to_json()), fp8);
+  EXPECT_NE(fp8.to_json().dump().find("\"fp8_dispatch\":true"), std::string::npos);
+  EXPECT_EQ(plain.to_json().dump().find("fp8_dispatch"), std::string::npos);
+  EXPECT_NE(strategy_directives(fp8_opts(true), "").to_json().dump().find("\"dispatch_dtype\":\"fp8\""),
+            std::string::npos);
+  EXPECT_EQ(strategy_directives(fp8_opts(false), "").to_json().dump().find("dispatch_dtype"), std::string::npos);
+}
+
+TEST(Fp8Dispatch, RefusedInOneLine) {
+  StrategyOptions no_ep = fp8_opts(true);
+  no_ep.ep = 1;
+  EXPECT_EQ(error_of(no_ep), "--fp8-dispatch needs --ep >= 2 (it sets the dtype of the expert all-to-alls)");
+  // A bf16 model has no fp8 tokens to send.
+  EXPECT_EQ(error_of(fp8_opts(true)),
+            "--fp8-dispatch: fp8 all-to-alls need fp8 training (the experts' first GEMM takes the fp8 tokens); the "
+            "model trains in bf16");
+  // A directive file's bad value names the field.
+  json program = strategy_directives(fp8_opts(true), fp8_spec_path()).to_json();
+  for (auto& d : program)
+    if (d["op"] == "shard") d["dispatch_dtype"] = "fp16";
+  try {
+    (void)parse_directives(program);
+    ADD_FAILURE() << "dispatch_dtype fp16 accepted";
+  } catch (const DirectiveError& e) {
+    EXPECT_EQ(e.field(), "dispatch_dtype");
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+  }
+  // A plan edited to fp8 all-to-alls under bf16 training is refused on load.
+  json plan = compile_moe(opts(1)).to_json();
+  for (auto& sg : plan["segments"])
+    if (sg.contains("tags") && sg["tags"].dump().find("EP") != std::string::npos) sg["fp8_dispatch"] = true;
+  try {
+    (void)Program::from_json(plan);
+    ADD_FAILURE() << "fp8_dispatch under bf16 accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("fp8_dispatch"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("need fp8 training"), std::string::npos) << e.what();
+  }
+  // Neither runtime moves fp8: both refuse the plan before step 1, in one line.
+  const Program fp8 = compile_fp8(fp8_opts(true));
+  for (const auto& caps : {piper::runtime::host_capabilities(), piper::runtime::cuda_capabilities()}) {
+    const std::string why = piper::runtime::unsupported_feature(fp8, caps);
+    EXPECT_NE(why.find("moves its expert all-to-alls in fp8"), std::string::npos) << why;
+    EXPECT_NE(why.find("compile without --fp8-dispatch"), std::string::npos) << why;
+    EXPECT_EQ(why.find('\n'), std::string::npos) << why;
+  }
 }

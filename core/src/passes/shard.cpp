@@ -121,7 +121,14 @@ void apply_shard(PassContext& cx, const ShardDirective& d, int index) {
   if (d.devices.size() % (static_cast<std::size_t>(etp) * static_cast<std::size_t>(degree)) != 0)
     fail(index, "degree",
          fmt::format("{} x expert_degree {} does not divide the {} devices", degree, etp, d.devices.size()));
+  const bool fp8 = d.dispatch_dtype == "fp8";
+  if (fp8 && cx.dag.training.precision != Precision::FP8)
+    fail(index, "dispatch_dtype",
+         "fp8 all-to-alls need fp8 training (the experts' first GEMM takes the fp8 tokens); the model trains in " +
+             to_string(cx.dag.training.precision));
   if (degree == 1) return;
+  if (fp8)
+    for (int s : segments_of(cx, matched)) cx.dag.segments.at(static_cast<std::size_t>(s)).fp8_dispatch = true;
   if (d.chunks > 1) {
     int split = 1;
     for (int s : segments_of(cx, matched))
@@ -165,6 +172,12 @@ void apply_shard(PassContext& cx, const ShardDirective& d, int index) {
     a2a.stream = d.stream;
     a2a.family = family;
     a2a.bytes = r.e.bytes * cx.dag.segments.at(static_cast<std::size_t>(sn.segment)).fanout;
+    // fp8 toward the experts (DeepSeek-V3, section 3.3.3): a byte a value and an fp32 scale per 128
+    // values (1x128 tiles); the results coming back keep the activations' dtype.
+    if (fp8 && into) {
+      const std::int64_t values = a2a.bytes / bytes_per_element(cx.dag.training.precision);
+      a2a.bytes = values + (values + 127) / 128 * 4;
+    }
     a2a.label = std::string("ALL_TO_ALL ") + (into ? "dispatch " : "combine ") + sn.label;
     boost::remove_edge(r.u, r.v, g);
     Vertex a = cx.add(std::move(a2a));

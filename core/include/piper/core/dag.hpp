@@ -123,6 +123,9 @@ struct Segment {
   // Set by the shard pass (ShardDirective::chunks): each F/B/BI node of these experts is N nodes of 1/N
   // of the tokens, each between its own dispatch and combine all-to-alls.
   int a2a_chunks = 1;
+  // Set by the shard pass (ShardDirective::dispatch_dtype "fp8"): the all-to-alls toward these experts
+  // move fp8 (a byte a value and an fp32 scale per 128).
+  bool fp8_dispatch = false;
   // Parameters of one shard (EP shard, TP rank, or both: an ETP slice of E/ep experts), before ZeRO.
   std::int64_t local_params() const { return (tp_degree > 1 ? tp_local_params : costs.params) / shard_degree; }
   // Of those, the weights of the GEMMs fp8 training runs in fp8 (Costs::gemm_weight_params): what

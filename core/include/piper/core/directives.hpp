@@ -90,6 +90,10 @@ struct ShardDirective {
   // Piper extension: the dispatch and combine all-to-alls and the expert compute between them split
   // into this many chunks of tokens, so chunk i's experts overlap chunk i+1's dispatch (docs/compiler.md).
   int chunks = 1;
+  // Piper extension: "fp8" moves the all-to-alls toward the experts (the forward's dispatch and the
+  // backward's gradient of the combine) as e4m3 values with one fp32 scale per 128 (DeepSeek-V3's
+  // low-precision communication; needs fp8 training); "" (or "activation") the activations' dtype.
+  std::string dispatch_dtype;
   friend bool operator==(const ShardDirective&, const ShardDirective&) = default;
 };
 

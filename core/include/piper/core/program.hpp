@@ -153,6 +153,10 @@ struct ProgramSegment {
   // Routed experts whose all-to-alls are chunked (ShardDirective::chunks): each microbatch's F, B or BI
   // of the segment is a2a_chunks ops of 1/a2a_chunks of its tokens. In JSON "a2a_chunks", omitted when 1.
   int a2a_chunks = 1;
+  // Routed experts whose all-to-alls toward them move fp8 (ShardDirective::dispatch_dtype): the costs
+  // say so (each such ALL_TO_ALL's bytes); a backend that moves its own dtype refuses the plan. In JSON
+  // "fp8_dispatch": true, omitted when false.
+  bool fp8_dispatch = false;
   friend bool operator==(const ProgramSegment&, const ProgramSegment&) = default;
 };
 

@@ -39,7 +39,7 @@ class ProgramBuilder {
   ProgramBuilder& replicate(const Filter& filter, const std::vector<int>& devices, const ReplicateArgs& args = {});
   ProgramBuilder& shard(const Filter& filter, const std::vector<int>& devices,
                         const std::optional<std::string>& stream = {}, std::optional<int> degree = {},
-                        std::optional<int> chunks = {});
+                        std::optional<int> chunks = {}, const std::optional<std::string>& dispatch_dtype = {});
   ProgramBuilder& split(const Filter& filter, int num_microbatches, const std::optional<std::string>& dim_name = {});
   ProgramBuilder& order(const std::vector<std::vector<Filter>>& groups);
   ProgramBuilder& tensor_parallel(const Filter& filter, int degree, bool sequence_parallel = false,
