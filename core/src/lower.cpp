@@ -37,10 +37,20 @@ using Edges = std::vector<std::pair<Vertex, Vertex>>;
 // half its speed to it; experiments/pp-ep-moe/README.md).
 // The key of a compute op is its estimated start: the longest path to it with each compute op
 // weighted by its roofline work (FLOPs, or memory bytes times a machine balance of 300 FLOP/byte,
-// about an H100's) and communication weighted zero; the order directives' temporal edges serialise
-// each device's steps, so this approximates when the op runs. The key of a communication op is the
-// smallest key of the compute it feeds (through other communication): it is issued in the order its
+// about an H100's), the expert all-to-alls by their bytes at a network balance (below) and other
+// communication weighted zero; the order directives' temporal edges serialise each device's steps, so
+// this approximates when the op runs. The key of a communication op is the smallest key of the
+// compute it feeds (through other communication) less its own weight: it is issued in the order its
 // data is consumed, as a program posts its receives and all-to-alls for the step that needs them.
+// Why the all-to-alls weigh: they sit inside a step, between the attention and the experts of one
+// microbatch, and in an overlapped F&B step (a schedule's pair of one microbatch's forward and
+// another's backward, docs/schedules.md) the other microbatch's compute that does not wait for them
+// should run under them. Weighted zero, an expert pass fed by an all-to-all looked ready as early as
+// the attention beside it and could be issued first, so the compute stream waited for the all-to-all
+// with independent work queued behind it (Megatron-core's layer-level pairing issues the forward's
+// attention first, then the backward's experts, while the backward's combine and the forward's
+// dispatch move). Other communication (pipeline transfers at step boundaries, gradient collectives
+// feeding the update) stays at zero.
 // `extra` edges (the ZeRO-3 prefetch limit) order like the DAG's own edges.
 std::vector<Vertex> global_order(const Graph& g, const Edges& extra) {
   const std::size_t n = boost::num_vertices(g);
@@ -56,8 +66,12 @@ std::vector<Vertex> global_order(const Graph& g, const Edges& extra) {
 
   // Pass 1: estimated start times along a topological order (any; here by id).
   constexpr double kMachineBalanceFlopsPerByte = 300;
+  // An expert all-to-all's bytes at a network balance: an H100's 989 TFLOP/s over the 50 GB/s of one
+  // 400 Gb/s NIC (EP groups wide enough for their all-to-alls to matter span nodes).
+  constexpr double kNetworkBalanceFlopsPerByte = 20000;
   auto is_compute = [&](Vertex v) { return g[v].kind == NodeKind::Compute || g[v].kind == NodeKind::Update; };
   auto work = [&](Vertex v) {
+    if (g[v].kind == NodeKind::AllToAll) return kNetworkBalanceFlopsPerByte * static_cast<double>(g[v].bytes);
     if (!is_compute(v)) return 0.0;
     return std::max(op_flops(g[v]), kMachineBalanceFlopsPerByte * static_cast<double>(op_memory_bytes(g[v])));
   };
@@ -89,7 +103,7 @@ std::vector<Vertex> global_order(const Graph& g, const Edges& extra) {
     double consumed = std::numeric_limits<double>::infinity();
     for (auto e : boost::make_iterator_range(boost::out_edges(v, g)))
       if (g[e].kind == EdgeKind::Data) consumed = std::min(consumed, key[boost::target(e, g)]);
-    if (consumed != std::numeric_limits<double>::infinity()) key[v] = std::max(key[v], consumed);
+    if (consumed != std::numeric_limits<double>::infinity()) key[v] = std::max(key[v], consumed - work(v));
   }
 
   // Pass 2: Kahn's algorithm by (estimated start, id).
