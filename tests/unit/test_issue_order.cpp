@@ -1,6 +1,7 @@
 // Lowering's issue order under pipeline x expert parallelism: communication that feeds compute is
 // issued in the order the compute consumes it (no head-of-line blocking on a stream), and the
-// consequence the DualPipe work reports: on a balanced MoE model DualPipeV beats 1F1B.
+// consequence the DualPipe work reports: on a balanced MoE model DualPipeV beats 1F1B; and an
+// overlapped F&B step waits for its members' inputs, not for its own all-to-alls.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -87,6 +88,60 @@ TEST(IssueOrder, DualPipeVBeatsOneFOneBOnABalancedMoeModel) {
   double busiest = 0;
   for (const auto& d : dualpipev.per_device) busiest = std::max(busiest, d.busy_s);
   EXPECT_LT(dualpipev.step_time_s, 1.25 * busiest);
+}
+
+// qwen3-9m (4 MoE blocks), PP 2 x 2 virtual stages x DP 2 x EP 2, interleaved-1f1b-overlap, 4
+// microbatches: rank 0's first overlapped step pairs F mb3 of its first chunk (PP region 0: the
+// embedding and block 0's attention, then block 0's experts) with B mb0 of its second chunk (region
+// 2, which ends at block 2's experts). B's chunk starts with the all-to-all that moves the gradient
+// arriving from rank 1 (RECV B mb0 ... <- s6) to the experts. The step starts when its inputs are
+// there: the forward's attention waits for that RECV (Megatron-core receives both of a pair's inputs
+// before running it) but not for B's all-to-all, which is the step's own work and runs under it; B's
+// experts wait for the all-to-all. (The all-to-all fed by a RECV used to count as an input, so the
+// attention waited for it: op 10 of the ep stream.)
+TEST(IssueOrder, OverlappedStepWaitsForItsInputsNotForItsOwnAllToAll) {
+  core::Scenario sc;
+  sc.model = "qwen3-9m";
+  sc.strategy.schedule = "interleaved-1f1b-overlap";
+  sc.strategy.pp = 2;
+  sc.strategy.virtual_stages = 2;
+  sc.strategy.dp = 2;
+  sc.strategy.ep = 2;
+  sc.strategy.microbatches = 4;
+  const auto program = core::compile_scenario(sc).result.program;
+  const auto& plan = program.plan_for(0);
+  auto stream_of = [&](const std::string& name) {
+    for (std::size_t s = 0; s < plan.streams.size(); ++s)
+      if (plan.streams[s].name.rfind(name, 0) == 0) return static_cast<int>(s);
+    return -1;
+  };
+  auto find = [&](int stream, const std::string& label) -> const core::Op* {
+    for (const auto& op : plan.streams[static_cast<std::size_t>(stream)].ops)
+      if (op.label == label) return &op;
+    return nullptr;
+  };
+  const int ep = stream_of("ep");
+  ASSERT_GE(ep, 1);
+  const core::Op* attention = find(0, "F mb3 PP0 s0");
+  const core::Op* experts = find(0, "B mb0 EP2 PP2 s5");
+  ASSERT_NE(attention, nullptr);
+  ASSERT_NE(experts, nullptr);
+  auto waited = [&](const core::Op& op, int stream) -> std::string {
+    std::string out;
+    for (const auto& w : op.waits)
+      if (w.stream == stream)
+        out = plan.streams[static_cast<std::size_t>(stream)].ops[static_cast<std::size_t>(w.index)].label;
+    return out;
+  };
+  EXPECT_EQ(waited(*attention, ep), "");
+  int recv_stream = -1;
+  for (const auto& w : attention->waits) recv_stream = w.stream;
+  ASSERT_GE(recv_stream, 1);
+  EXPECT_EQ(waited(*attention, recv_stream), "RECV B mb0 EP2 PP2 s5 <- s6");
+  EXPECT_EQ(waited(*experts, ep), "ALL_TO_ALL dispatch B mb0 EP2 PP2 s5");
+  // The attention is issued first: nothing it needs waits for the all-to-all.
+  const auto& ops = plan.streams[0].ops;
+  EXPECT_LT(attention - ops.data(), experts - ops.data());
 }
 
 }  // namespace

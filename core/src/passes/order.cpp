@@ -82,11 +82,22 @@ void apply_order(PassContext& cx, const OrderDirective& d, int index) {
     // ZeRO-3's per-use parameter gathers do not gate the step: each member waits for its own
     // segment's parameters only, so a step's later segments gather while its first ones compute
     // (FSDP's prefetch; the replicate directive's `prefetch` bounds how far ahead).
+    // An expert all-to-all that feeds a member is the step's own work even when what feeds it comes
+    // from outside (a backward chunk that starts at the experts: the gradient arrives by a RECV, then
+    // the chunk's first all-to-all moves it): the step waits for the all-to-all's inputs, not for the
+    // all-to-all, so the other member's compute runs under it.
+    std::function<void(Vertex)> collect = [&](Vertex u) {
+      if (internal(u) || is_parameter_gather(dag.graph[u])) return;
+      if (dag.graph[u].kind != NodeKind::AllToAll) {
+        producers.insert(u);
+        return;
+      }
+      for (auto e : boost::make_iterator_range(boost::in_edges(u, dag.graph)))
+        if (dag.graph[e].kind == EdgeKind::Data) collect(boost::source(e, dag.graph));
+    };
     for (auto w : groups[gi])
       for (auto e : boost::make_iterator_range(boost::in_edges(w, dag.graph)))
-        if (dag.graph[e].kind == EdgeKind::Data && !internal(boost::source(e, dag.graph)) &&
-            !is_parameter_gather(dag.graph[boost::source(e, dag.graph)]))
-          producers.insert(boost::source(e, dag.graph));
+        if (dag.graph[e].kind == EdgeKind::Data) collect(boost::source(e, dag.graph));
     for (auto v : groups[gi])
       for (auto u : producers)
         if (!boost::edge(u, v, dag.graph).second) costart[gi].emplace_back(u, v);
