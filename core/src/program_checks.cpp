@@ -93,12 +93,11 @@ void check_spec_training(const Program& p) {
 void check_kernel_precision(const Program& p) {
   static const char* kPass[] = {"F", "BI", "BW"};
   const Precision t = p.training.precision;
-  for (std::size_t i = 0; i < p.segments.size(); ++i)
+  for (std::size_t i = 0; i < p.segments.size(); ++i) {
     if (p.segments[i].fp8_dispatch && t != Precision::FP8)
       fail(fmt::format("segments[{}].fp8_dispatch", i),
            fmt::format("fp8 all-to-alls need fp8 training, but the plan trains in {} (training.precision)",
                        to_string(t)));
-  for (std::size_t i = 0; i < p.segments.size(); ++i)
     for (std::size_t pass = 0; pass < 3; ++pass) {
       const auto& list = p.segments[i].kernels[pass];
       for (std::size_t k = 0; k < list.size(); ++k) {
@@ -112,6 +111,7 @@ void check_kernel_precision(const Program& p) {
                          to_string(kernel.dtype), to_string(t)));
       }
     }
+  }
 }
 
 void check_spec_matches_segments(const Program& p, const Model& model) {

@@ -554,18 +554,6 @@ void annotate_regions(const Scenario& s, Model& model, const DirectiveProgram& p
 ModelConfig scenario_model_config(const Scenario& s) { return load_config(s); }
 
 namespace {
-CompiledScenario compile_scenario_named_by_flags(const Scenario& s, const AfterPassHook& hook);
-}  // namespace
-
-DirectiveProgram scenario_program(const Scenario& s, int* regions) {
-  return in_scenario_terms(s, [&] { return program_for(s, load_config(s), regions); });
-}
-
-CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) {
-  return in_scenario_terms(s, [&] { return compile_scenario_named_by_flags(s, hook); });
-}
-
-namespace {
 
 // compile_scenario, its errors naming the flags of the strategy.
 CompiledScenario compile_scenario_named_by_flags(const Scenario& s, const AfterPassHook& hook) {
@@ -602,6 +590,14 @@ CompiledScenario compile_scenario_named_by_flags(const Scenario& s, const AfterP
 }
 
 }  // namespace
+
+DirectiveProgram scenario_program(const Scenario& s, int* regions) {
+  return in_scenario_terms(s, [&] { return program_for(s, load_config(s), regions); });
+}
+
+CompiledScenario compile_scenario(const Scenario& s, const AfterPassHook& hook) {
+  return in_scenario_terms(s, [&] { return compile_scenario_named_by_flags(s, hook); });
+}
 
 json Scenario::to_json() const {
   json j{{"model", model}};

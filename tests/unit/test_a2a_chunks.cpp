@@ -49,8 +49,9 @@ ModelConfig tiny_moe(int layers, Precision precision = Precision::BF16) {
   return c;
 }
 
-std::string spec_path(int layers = 2) { return piper::test::write_spec(tiny_moe(layers)); }
-std::string fp8_spec_path() { return piper::test::write_spec(tiny_moe(2, Precision::FP8)); }
+std::string spec_path(int layers = 2, Precision precision = Precision::BF16) {
+  return piper::test::write_spec(tiny_moe(layers, precision));
+}
 
 StrategyOptions opts(int chunks, const std::string& schedule = "1f1b", int microbatches = 1) {
   StrategyOptions o;
@@ -62,15 +63,15 @@ StrategyOptions opts(int chunks, const std::string& schedule = "1f1b", int micro
   return o;
 }
 
-Scenario scenario(const StrategyOptions& o, int layers = 2) {
+Scenario scenario(const StrategyOptions& o, int layers = 2, Precision precision = Precision::BF16) {
   Scenario sc;
-  sc.model = spec_path(layers);
+  sc.model = spec_path(layers, precision);
   sc.strategy = o;
   return sc;
 }
 
-Program compile_moe(const StrategyOptions& o, int layers = 2) {
-  return compile_scenario(scenario(o, layers)).result.program;
+Program compile_moe(const StrategyOptions& o, int layers = 2, Precision precision = Precision::BF16) {
+  return compile_scenario(scenario(o, layers, precision)).result.program;
 }
 
 // Program JSON without the compiler's statistics (its own compile time).
@@ -309,13 +310,6 @@ StrategyOptions fp8_opts(bool fp8_dispatch) {
   return o;
 }
 
-Program compile_fp8(const StrategyOptions& o) {
-  Scenario sc;
-  sc.model = fp8_spec_path();
-  sc.strategy = o;
-  return compile_scenario(sc).result.program;
-}
-
 }  // namespace
 
 // T·k = 128 tokens x top-2 = 256 routed rows of h = 64 values: 16,384 values an all-to-all. Toward the
@@ -324,8 +318,8 @@ Program compile_fp8(const StrategyOptions& o) {
 // the experts they stay bf16 (the fp8 recipe's activations): 32,768 bytes. Without the setting all four
 // move 32,768.
 TEST(Fp8Dispatch, AllToAllBytesByHand) {
-  const Program plain = compile_fp8(fp8_opts(false));
-  const Program fp8 = compile_fp8(fp8_opts(true));
+  const Program plain = compile_moe(fp8_opts(false), 2, Precision::FP8);
+  const Program fp8 = compile_moe(fp8_opts(true), 2, Precision::FP8);
   EXPECT_TRUE(verify(fp8).empty());
   const std::vector<int> experts = expert_segments(fp8);
   ASSERT_EQ(experts.size(), 2u);
@@ -367,7 +361,7 @@ TEST(Fp8Dispatch, RefusedInOneLine) {
             "--fp8-dispatch: fp8 all-to-alls need fp8 training (the experts' first GEMM takes the fp8 tokens); the "
             "model trains in bf16");
   // A directive file's bad value names the field.
-  json program = strategy_directives(fp8_opts(true), fp8_spec_path()).to_json();
+  json program = strategy_directives(fp8_opts(true), spec_path(2, Precision::FP8)).to_json();
   for (auto& d : program)
     if (d["op"] == "shard") d["dispatch_dtype"] = "fp16";
   try {
@@ -389,7 +383,7 @@ TEST(Fp8Dispatch, RefusedInOneLine) {
     EXPECT_NE(std::string(e.what()).find("need fp8 training"), std::string::npos) << e.what();
   }
   // Neither runtime moves fp8: both refuse the plan before step 1, in one line.
-  const Program fp8 = compile_fp8(fp8_opts(true));
+  const Program fp8 = compile_moe(fp8_opts(true), 2, Precision::FP8);
   for (const auto& caps : {piper::runtime::host_capabilities(), piper::runtime::cuda_capabilities()}) {
     const std::string why = piper::runtime::unsupported_feature(fp8, caps);
     EXPECT_NE(why.find("moves its expert all-to-alls in fp8"), std::string::npos) << why;
