@@ -17,10 +17,25 @@ using nlohmann::json;
 
 namespace {
 
-constexpr const char* kKindNames[] = {"gemm",        "attention_fwd", "attention_bwd",  "norm",          "norm_bwd",
-                                      "norm_weight", "activation",    "activation_bwd", "residual",      "rope",
-                                      "loss",        "loss_bwd",      "embedding",      "embedding_bwd", "permute",
-                                      "elementwise", "copy"};
+constexpr const char* kKindNames[] = {"gemm",
+                                      "attention_fwd",
+                                      "attention_bwd",
+                                      "norm",
+                                      "norm_bwd",
+                                      "norm_weight",
+                                      "activation",
+                                      "activation_bwd",
+                                      "residual",
+                                      "rope",
+                                      "loss",
+                                      "loss_bwd",
+                                      "embedding",
+                                      "embedding_bwd",
+                                      "permute",
+                                      "elementwise",
+                                      "copy",
+                                      "attention_std_fwd",
+                                      "attention_std_bwd"};
 
 struct KernelBuilder {
   const TrainingShape& shape;
@@ -80,21 +95,23 @@ void attention_core(KernelBuilder& kb, const LayerShape& sh, const TrainingShape
   const double keys = windowed ? std::min(s, static_cast<double>(sh.window)) : s;
   const double core = 2.0 * b * s * keys * static_cast<double>(sh.heads) * static_cast<double>(qk + v) / t;
   if (sh.attention_kernel == AttentionKernel::Standard) {
-    const std::int64_t batch = shape.micro_batch_size * nh, S = shape.seq_len;
-    const double unit = 2.0 * static_cast<double>(batch) * static_cast<double>(S) * static_cast<double>(S);
-    const double scale = core / (unit * static_cast<double>(qk + v));  // 1 unless heads % t != 0
-    kb.high_precision = true;  // the core's products stay bf16 under fp8, as flash attention does
-    if (!backward) {
-      kb.gemm(S, S, qk, unit * qk * scale, 1, batch);  // Q·K^T
-      kb.gemm(S, v, S, unit * v * scale, 1, batch);    // P·V
-    } else {
-      kb.gemm(S, S, v, unit * v * scale, 1, batch);    // dP = dO·V^T
-      kb.gemm(S, v, S, unit * v * scale, 1, batch);    // dV = P^T·dO
-      kb.gemm(S, qk, S, unit * qk * scale, 1, batch);  // dQ = dS·K
-      kb.gemm(S, qk, S, unit * qk * scale, 1, batch);  // dK = dS^T·Q
-    }
-    kb.high_precision = false;
-    kb.elementwise(KernelKind::Elementwise, 0, 0, standard_elementwise);
+    // One kernel for the whole core, with its batched products' FLOPs (forward Q·K^T and P·V; backward
+    // twice that: dP, dV, dQ, dK) and its score traffic; the rest of the layer's element-wise bytes
+    // (bias-dropout-add, permutes, bias adds) stay an element-wise kernel.
+    const std::int64_t S = shape.seq_len, scores = shape.micro_batch_size * nh * S * S;
+    Kernel a;
+    a.kind = backward ? KernelKind::StandardAttentionBackward : KernelKind::StandardAttentionForward;
+    a.dtype = shape.precision == Precision::FP8 ? Precision::BF16 : shape.precision;  // bf16 under fp8
+    a.m = S;
+    a.n = nh;
+    a.batch = shape.micro_batch_size;
+    a.head_dim = qk;
+    a.v_dim = v;
+    a.dropout = sh.dropout;
+    a.flops = backward ? 2 * core : core;
+    a.bytes = standard_score_bytes(sh, scores, bytes_per_element(shape.precision), backward);
+    kb.out.push_back(a);
+    kb.elementwise(KernelKind::Elementwise, 0, 0, std::max<std::int64_t>(0, standard_elementwise - a.bytes));
     return;
   }
   Kernel a;
@@ -156,8 +173,15 @@ void attention_kernels(KernelBuilder& kb, const Layer& layer, const TrainingShap
   // Standard-attention models count their element-wise traffic (softmax, dropout, bias-dropout-add)
   // as Costs::*_elementwise_bytes: the core carries the score part, the residual the rest.
   // (Full recomputation: its rerun forward kernels carry the forward part of the backward's bytes.)
-  const std::int64_t ew = p == 0 ? c.forward_elementwise_bytes
-                                 : c.backward_elementwise_bytes - (L.recompute == 2 ? c.forward_elementwise_bytes : 0);
+  // (Selective recomputation: the rerun core's kernel carries its own score traffic.)
+  const std::int64_t rerun_scores =
+      standard && L.recompute == 1
+          ? standard_score_bytes(sh, shape.micro_batch_size * split(sh.heads, t) * shape.seq_len * shape.seq_len,
+                                 bytes_per_element(shape.precision), false)
+          : 0;
+  const std::int64_t ew =
+      p == 0 ? c.forward_elementwise_bytes
+             : c.backward_elementwise_bytes - (L.recompute == 2 ? c.forward_elementwise_bytes : 0) - rerun_scores;
   if (p == 0) {
     for (std::size_t i = 0; i + 1 < proj.size(); ++i) project(i);
     if (sh.qk_norm) kb.elementwise(KernelKind::Norm, T * (sh.heads + sh.kv_heads) * sh.head_dim / t);
@@ -271,13 +295,18 @@ void expert_kernels(KernelBuilder& kb, const LayerShape& sh, const TrainingShape
 std::string to_string(KernelKind k) { return kKindNames[static_cast<int>(k)]; }
 
 KernelKind kernel_kind_from_string(const std::string& s) {
-  for (int i = 0; i <= static_cast<int>(KernelKind::Copy); ++i)
+  for (int i = 0; i <= static_cast<int>(KernelKind::StandardAttentionBackward); ++i)
     if (s == kKindNames[i]) return static_cast<KernelKind>(i);
   throw Error("unknown kernel kind '" + s + "'");
 }
 
+bool is_standard_attention(KernelKind k) {
+  return k == KernelKind::StandardAttentionForward || k == KernelKind::StandardAttentionBackward;
+}
+
 bool is_elementwise(KernelKind k) {
-  return k != KernelKind::Gemm && k != KernelKind::AttentionForward && k != KernelKind::AttentionBackward;
+  return k != KernelKind::Gemm && k != KernelKind::AttentionForward && k != KernelKind::AttentionBackward &&
+         !is_standard_attention(k);
 }
 
 std::vector<Kernel> layer_kernels(const Layer& layer, const TrainingShape& shape, const ParallelLayout& L, int p,
@@ -415,6 +444,7 @@ json kernels_to_json(const PassKernels& pk) {
       put("window", k.window, 0);
       put("elems", k.elems, 0);
       put("bytes", k.bytes, 0);
+      if (k.dropout) j["dropout"] = true;
       list.push_back(std::move(j));
     }
     out[kPass[p]] = std::move(list);
@@ -440,7 +470,7 @@ PassKernels kernels_from_json(const json& j, const std::string& where) {
       const std::string at = fmt::format("{}[{}]", kPass[p], i);
       if (!e.is_object()) fail(at, "expected an object");
       if (auto u = unknown_field(e, {"kind", "dtype", "flops", "count", "m", "n", "k", "batch", "head_dim", "v_dim",
-                                     "window", "elems", "bytes"}))
+                                     "window", "elems", "bytes", "dropout"}))
         fail(at + "." + u->key, u->message);
       // Sizes are whole numbers: "m": 0.5 was read as 0 (a GEMM of no rows, costed as free).
       for (const char* key : {"m", "n", "k", "batch", "head_dim", "v_dim", "window", "elems", "bytes"})
@@ -465,6 +495,8 @@ PassKernels kernels_from_json(const json& j, const std::string& where) {
         k.window = e.value("window", std::int64_t{0});
         k.elems = e.value("elems", std::int64_t{0});
         k.bytes = e.value("bytes", std::int64_t{0});
+        if (e.contains("dropout") && !e.at("dropout").is_boolean()) fail(at + ".dropout", "expected true or false");
+        k.dropout = e.value("dropout", false);
       } catch (const PlanError&) {
         throw;
       } catch (const std::exception& ex) {

@@ -193,13 +193,11 @@ Costs attention_costs(const LayerShape& sh, const Dims& d) {
     const std::int64_t qkv = !mla ? d.tokens * (nh + 2 * sh.kv_heads) * hd : 0;
     const std::int64_t qk_scale = !mla ? d.tokens * (nh + sh.kv_heads) * hd * 2 * d.dt : 0;
     const std::int64_t bias_add = sh.bias ? qkv * 2 * d.dt : 0, bias_grad = sh.bias ? qkv * d.dt : 0;
-    c.forward_elementwise_bytes = scores * (2 * d.dt + (sh.dropout ? 2 * d.dt + 1 : 0)) +
-                                  d.tokens * h * standard_hidden_forward_bytes(sh, d.dt) +
-                                  attention_score_epilogue_bytes(scores, d.dt) + permute + bias_add;
-    c.backward_elementwise_bytes = scores * (3 * d.dt + (sh.dropout ? 2 * d.dt + 1 : 0)) +
-                                   d.tokens * h * standard_hidden_backward_bytes(sh, d.dt) +
-                                   attention_score_epilogue_bytes(scores, d.dt) + permute + bias_grad + qkv * 2 * d.dt +
-                                   qk_scale;
+    c.forward_elementwise_bytes = standard_score_bytes(sh, scores, d.dt, false) +
+                                  d.tokens * h * standard_hidden_forward_bytes(sh, d.dt) + permute + bias_add;
+    c.backward_elementwise_bytes = standard_score_bytes(sh, scores, d.dt, true) +
+                                   d.tokens * h * standard_hidden_backward_bytes(sh, d.dt) + permute + bias_grad +
+                                   qkv * 2 * d.dt + qk_scale;
   }
   if (sh.dropout) c.activation_bytes += d.tokens * h;  // 1-byte mask of the dropout after the projection
   return c;
@@ -287,6 +285,13 @@ Costs head_costs(const LayerShape& sh, const Dims& d) {
 }
 
 }  // namespace
+
+std::int64_t standard_score_bytes(const LayerShape& sh, std::int64_t scores, std::int64_t dt, bool backward) {
+  // Softmax: forward reads the scores and writes the probabilities, backward reads the probabilities and
+  // their gradient and writes the scores' gradient; dropout: read, write and its 1-byte mask each way.
+  const std::int64_t softmax = (backward ? 3 : 2) * dt, dropout = sh.dropout ? 2 * dt + 1 : 0;
+  return scores * (softmax + dropout) + attention_score_epilogue_bytes(scores, dt);
+}
 
 Costs layer_costs(const Layer& layer, const TrainingShape& shape) {
   const Dims d{static_cast<double>(shape.tokens_per_microbatch()), static_cast<double>(shape.seq_len),

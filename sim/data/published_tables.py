@@ -65,6 +65,43 @@ FA_README = {
     "licence": "BSD-3-Clause repository (a short quote, attributed)",
 }
 FA1_QUOTE = "### 2.0: Complete rewrite, 2x faster"
+FA1_PAPER = {
+    "url": "https://arxiv.org/abs/2205.14135v2",
+    "title": "Dao, Fu, Ermon, Rudra, Re, 'FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness' (NeurIPS 2022), arXiv:2205.14135v2, Appendix E.6 'Full Benchmarking Results'",
+    "location": "Table 15 (forward runtime in ms, with dropout), Table 16 (backward, with dropout), Table 18 (forward, without dropout or masking), Table 19 (backward, without); rows 'PyTorch Attention' and 'Megatron'; columns: sequence length 128, 256, 512, 1024, 2048, 4096, 8192, ... ('-': out of memory or not supported)",
+    "method": "'We measure runtime and memory usage of the attention computation with 8 heads of dimension 64, and batch size 16 on a machine with one A100 GPU with 40 GB of GPU HBM. ... We compute attention on random vectors for Q, K, and V (we do not measure the projection from the hidden layer). For dropout, we use dropout 0.1 ... we take the average of 100 measurements of the attention call.' 'We use FP16 for all measurements'. No mask: the full (non-causal) s x s scores",
+    "licence": "arXiv paper; numbers and short quotes, attributed",
+}
+
+# Standard attention (the s x s scores in HBM) on the A100-40GB: FA1_PAPER's rows, by sequence length, as
+# printed (the first four rows: Tables 15, 16, 18, 19). Columns where both passes ran are used.
+FA1_SEQ = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+FA1_ROWS = {
+    # (implementation, dropout): (forward row, backward row, their tables)
+    ("pytorch", True): ("PyTorch Attention 0.26 0.24 0.57 1.80 6.56 25.34 - - - -",
+                        "PyTorch Attention 0.44 0.35 0.90 2.94 10.77 41.67 - - - -", (15, 16)),
+    ("megatron", True): ("Megatron 0.27 0.27 0.56 1.88 6.56 - - - - -",
+                         "Megatron 0.28 0.33 0.92 2.94 10.80 - - - - -", (15, 16)),
+    ("pytorch", False): ("PyTorch Attention 0.21 0.22 0.43 1.27 4.32 16.47 67.77 - - -",
+                         "PyTorch Attention 0.26 0.29 0.78 2.44 8.82 33.87 - - - -", (18, 19)),
+    ("megatron", False): ("Megatron 0.24 0.26 0.42 1.33 4.28 - - - - -",
+                          "Megatron 0.29 0.30 0.80 2.59 8.86 - - - - -", (18, 19)),
+}
+
+
+def standard_attention_entries():
+    out = []
+    for (impl, dropout), (fwd_row, bwd_row, (tf, tb)) in FA1_ROWS.items():
+        fwd, bwd = fwd_row.split()[-len(FA1_SEQ):], bwd_row.split()[-len(FA1_SEQ):]
+        for col, (s, f, b) in enumerate(zip(FA1_SEQ, fwd, bwd)):
+            if f == "-" or b == "-":
+                continue
+            out.append({"implementation": impl, "dropout": dropout, "b": 16, "heads": 8, "s": s, "head_dim": 64,
+                        "dtype": "fp16", "fwd_ms": float(f), "bwd_ms": float(b),
+                        "source": {"ref": "fa1-paper", "quote": f"Table {tf}: {fwd_row} / Table {tb}: {bwd_row}",
+                                   "note": f"column {col + 1}: sequence length {s}; forward from Table {tf}, "
+                                           f"backward from Table {tb}"}})
+    return out
 
 
 def fa1_kernel(fa2):
@@ -217,13 +254,16 @@ def a100_table(h200, latency, gb, stream_src, stream_row, scale_gbps, triad_gbps
         "gemm_dispatch_latency": r(latency * 1e6, 6),
         "comment": ("Published microbenchmarks where they exist ('source'), otherwise the H200 measurement scaled by a "
                     "stated rule ('derived'). Written by sim/data/published_tables.py; see sim/data/README.md."),
-        "sources": {"mamf": MAMF, stream_src: RRZE_A100_40 if gb == 40 else RRZE_A100_80, "fa-readme": FA_README},
+        "sources": dict({"mamf": MAMF, stream_src: RRZE_A100_40 if gb == 40 else RRZE_A100_80, "fa-readme": FA_README},
+                        **({"fa1-paper": FA1_PAPER} if gb == 40 else {})),
         "rules": rules,
         "gemm": replace_cited(gemm, cited_gemm),
         "attention": att,
         "attention_kernels": {"fa2": FA2_A100, "fa1": fa1_kernel(FA2_A100)},
         "memory_bound": mem,
         "adamw": adam,
+        # Measured on the 40 GB card only; the loader derives every other table's (docs/cost-model.md).
+        **({"attention_standard": standard_attention_entries()} if gb == 40 else {}),
     }
 
 
@@ -308,8 +348,9 @@ def main():
             continue
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
-        n_src = sum(1 for k in ("gemm", "attention", "memory_bound", "adamw") for e in t[k] if "source" in e)
-        n_der = sum(1 for k in ("gemm", "attention", "memory_bound", "adamw") for e in t[k] if "derived" in e)
+        sections = ("gemm", "attention", "memory_bound", "adamw", "attention_standard")
+        n_src = sum(1 for k in sections for e in t.get(k, []) if "source" in e)
+        n_der = sum(1 for k in sections for e in t.get(k, []) if "derived" in e)
         print(f"{name}: {n_src} cited, {n_der} derived")
     if stale:
         sys.exit(f"published_tables: {', '.join(stale)} differ from what this script writes; run it to rewrite them")

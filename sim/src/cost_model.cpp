@@ -392,7 +392,7 @@ std::optional<double> CostModel::kernel_seconds(const core::Program& program, in
     for (const auto& k : pk[l]) {
       any = true;
       key = mix(key, static_cast<std::uint64_t>(k.kind) << 8 | static_cast<std::uint64_t>(k.dtype));
-      for (std::int64_t v : {k.m, k.n, k.k, k.batch, k.head_dim, k.v_dim, k.elems, k.bytes})
+      for (std::int64_t v : {k.m, k.n, k.k, k.batch, k.head_dim, k.v_dim, k.elems, k.bytes, std::int64_t{k.dropout}})
         key = mix(key, static_cast<std::uint64_t>(v));
       key = mix(mix(key, bits(k.flops)), bits(k.count));
     }
@@ -410,7 +410,9 @@ std::optional<double> CostModel::kernel_seconds(const core::Program& program, in
       for (const auto& k : pk[l]) {
         pt.seconds += k.count * t.seconds(k);
         pt.flops += k.count * k.flops;
-        if (k.kind == core::KernelKind::Elementwise) pt.elementwise_bytes += k.count * static_cast<double>(k.bytes);
+        // (Standard attention's kernel carries the op's score traffic.)
+        if (k.kind == core::KernelKind::Elementwise || core::is_standard_attention(k.kind))
+          pt.elementwise_bytes += k.count * static_cast<double>(k.bytes);
       }
     std::lock_guard<std::mutex> lock(cache_mu_);
     pass_cache_.emplace(key, pt);

@@ -20,6 +20,8 @@ std::string breakdown_shape(const core::Kernel& k) {
   if (k.kind == KernelKind::AttentionForward || k.kind == KernelKind::AttentionBackward)
     return fmt::format("b{} s{} h{}/{} d{}{}", k.batch, k.m, k.n, k.k, k.head_dim,
                        k.window > 0 ? fmt::format(" w{}", k.window) : std::string());
+  if (core::is_standard_attention(k.kind))
+    return fmt::format("b{} s{} h{} d{}{}", k.batch, k.m, k.n, k.head_dim, k.dropout ? " dropout" : "");
   return k.elems > 0 ? fmt::format("{} elems", k.elems) : std::string("-");
 }
 

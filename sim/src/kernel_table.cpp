@@ -2,6 +2,7 @@
 #include "piper/sim/kernel_table.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -173,6 +174,21 @@ double KernelTable::memory_rate(const std::string& kernel, double bytes) const {
   return interp_log(c, bytes);
 }
 
+double KernelTable::standard_attention_seconds_per_score(bool backward, bool dropout, const std::string& implementation,
+                                                         double scores) const {
+  const auto pick = [&](bool by_impl, bool by_dropout) {
+    std::vector<std::pair<double, double>> c;
+    for (const auto& a : standard_attention)
+      if ((!by_impl || a.implementation == implementation) && (!by_dropout || a.dropout == dropout))
+        c.emplace_back(a.scores, backward ? a.bwd_s_per_score : a.fwd_s_per_score);
+    std::sort(c.begin(), c.end());
+    return c;
+  };
+  for (const auto& [by_impl, by_dropout] : {std::pair{true, true}, {false, true}, {true, false}, {false, false}})
+    if (auto c = pick(by_impl, by_dropout); !c.empty()) return interp_log(c, scores);
+  return 0;
+}
+
 namespace {
 
 struct TableReader {
@@ -323,6 +339,7 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
                                                 "attention",
                                                 "attention_kernels",
                                                 "memory_bound",
+                                                "attention_standard",
                                                 "adamw",
                                                 "sources",
                                                 "rules",
@@ -436,6 +453,30 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
     }
     t.memory.push_back(e);
   }
+  if (j.contains("attention_standard")) {
+    const json& sa = r.list(j, "attention_standard");
+    for (std::size_t i = 0; i < sa.size(); ++i) {
+      const json& a = sa[i];
+      const std::string at = fmt::format("attention_standard[{}]", i);
+      r.provenance(a, at, j, cited);
+      StandardAttention e;
+      if (!a.is_object() || !a.contains("implementation") || !a.at("implementation").is_string())
+        r.fail(at + ".implementation", "expected a string (\"megatron\" or \"pytorch\")");
+      e.implementation = a.at("implementation").get<std::string>();
+      if (!a.contains("dropout") || !a.at("dropout").is_boolean()) r.fail(at + ".dropout", "expected true or false");
+      e.dropout = a.at("dropout").get<bool>();
+      // Timed in a 2-byte dtype: the core is memory-bound on its scores, whose bytes the dtype sets.
+      if (!a.contains("dtype") || !a.at("dtype").is_string() ||
+          (a.at("dtype").get<std::string>() != "fp16" && a.at("dtype").get<std::string>() != "bf16"))
+        r.fail(at + ".dtype", "expected \"fp16\" or \"bf16\" (the core is timed in a 2-byte dtype)");
+      const auto s = static_cast<double>(r.whole(a, "s", at));
+      e.scores = static_cast<double>(r.whole(a, "b", at)) * static_cast<double>(r.whole(a, "heads", at)) * s * s;
+      r.whole(a, "head_dim", at);
+      e.fwd_s_per_score = r.positive(a, "fwd_ms", at) * 1e-3 / e.scores;
+      e.bwd_s_per_score = r.positive(a, "bwd_ms", at) * 1e-3 / e.scores;
+      t.standard_attention.push_back(e);
+    }
+  }
   // Fused AdamW, bf16 parameters with fp32 moments (kernels.py): per parameter it reads the
   // parameter, gradient and both moments and writes the parameter and moments: 2+2+4+4 + 2+4+4 = 22
   // bytes; fp32 parameters: 28. The largest measured run of each gives its bandwidth.
@@ -459,6 +500,7 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
   for (auto& a : t.attention)
     a.fwd_flops_per_s *= compute_scale * attention_scale, a.bwd_flops_per_s *= compute_scale * attention_scale;
   for (auto& m : t.memory) m.bytes_per_s *= memory_scale;
+  for (auto& a : t.standard_attention) a.fwd_s_per_score /= memory_scale, a.bwd_s_per_score /= memory_scale;
   // AdamW is memory-bound: memory_scale applies to it unless adamw_scale is given.
   const double adamw = j.contains("adamw_scale") ? adamw_scale : memory_scale;
   t.adamw_bytes_per_s *= adamw;
@@ -475,6 +517,12 @@ const KernelTable::AttentionKernel& KernelTable::attention_kernel(const std::str
   throw std::invalid_argument(fmt::format("kernel table '{}' has no attention kernel '{}' (it has: {})", name, kernel,
                                           known.empty() ? "none" : known));
 }
+
+namespace {
+// The table whose "attention_standard" entries the others derive theirs from, and the copy size compared.
+constexpr const char* kStandardAttentionTable = "a100-40gb-sxm";
+constexpr double kStandardAttentionCopyBytes = 1073741824.0;
+}  // namespace
 
 std::shared_ptr<const KernelTable> load_kernel_table(const std::string& name) {
   static std::mutex mu;
@@ -513,6 +561,17 @@ std::shared_ptr<const KernelTable> load_kernel_table(const std::string& name) {
     if (name == "h200-sxm") t.attention_kernels = load_kernel_table("h100-sxm")->attention_kernels;
   } else {
     t = parse(core::read_input_file(name), name);
+  }
+  // Standard attention measured on one GPU only (the A100-40GB's cited entries): elsewhere the same
+  // core, memory-bound on its scores, at the ratio of the two tables' copy bandwidth (1 GiB moved).
+  if (t.standard_attention.empty() && name != kStandardAttentionTable) {
+    const auto a100 = load_kernel_table(kStandardAttentionTable);
+    const double here = t.memory_rate("copy", kStandardAttentionCopyBytes),
+                 there = a100->memory_rate("copy", kStandardAttentionCopyBytes);
+    if (here > 0 && there > 0) {
+      t.standard_attention = a100->standard_attention;
+      for (auto& a : t.standard_attention) a.fwd_s_per_score *= there / here, a.bwd_s_per_score *= there / here;
+    }
   }
   auto shared = std::make_shared<const KernelTable>(std::move(t));
   std::lock_guard<std::mutex> lock(mu);
@@ -604,6 +663,36 @@ ElementwiseCost elementwise_cost(KernelKind kind, RuntimeProfile p) {
   }
 }
 
+// Standard attention's batched products as cuBLAS runs them (b·heads independent products, each an
+// s x s score matrix against s x head_dim operands): forward Q·K^T and P·V; backward dP = dO·V^T,
+// dV = P^T·dO, dQ = dS·K, dK = dS^T·Q. Their FLOPs add up to the core's (k.flops).
+std::vector<Kernel> standard_attention_products(const Kernel& k) {
+  const bool bwd = k.kind == KernelKind::StandardAttentionBackward;
+  const std::int64_t S = k.m, qk = k.head_dim, v = k.v_dim, batch = k.batch * k.n;
+  const std::vector<std::array<std::int64_t, 3>> shapes =
+      bwd ? std::vector<std::array<std::int64_t, 3>>{{S, S, v}, {S, v, S}, {S, qk, S}, {S, qk, S}}
+          : std::vector<std::array<std::int64_t, 3>>{{S, S, qk}, {S, v, S}};
+  double work = 0;
+  for (const auto& sh : shapes) work += 2.0 * static_cast<double>(sh[0] * sh[1]) * static_cast<double>(sh[2] * batch);
+  std::vector<Kernel> out;
+  for (const auto& sh : shapes) {
+    Kernel g;
+    g.kind = KernelKind::Gemm;
+    g.dtype = k.dtype;
+    g.m = sh[0], g.n = sh[1], g.k = sh[2], g.batch = batch;
+    const double f = 2.0 * static_cast<double>(sh[0] * sh[1]) * static_cast<double>(sh[2] * batch);
+    g.flops = work > 0 ? k.flops * f / work : 0;
+    out.push_back(g);
+  }
+  return out;
+}
+
+// The runtime's standard-attention implementation: Megatron-LM's fused scale-mask-softmax under the fused
+// profiles, torch ops (softmax, dropout) under the eager ones.
+const char* standard_attention_implementation(RuntimeProfile p) {
+  return p == RuntimeProfile::Fused || p == RuntimeProfile::PiperCuda ? "megatron" : "pytorch";
+}
+
 }  // namespace
 
 double dtype_peak_ratio(core::Precision p) {
@@ -653,6 +742,27 @@ double KernelTiming::seconds(const Kernel& k) const {
     return causal_attention_flops(k) / (rate * (bwd ? attention_kernel.bwd_scale : attention_kernel.fwd_scale)) +
            launch;
   }
+  if (core::is_standard_attention(k.kind)) {
+    // Measured as a whole where the table has it (memory-bound on the scores: their bytes scale with the
+    // dtype's), never faster than its products' FLOPs at the GEMM rate of the score-producing shape;
+    // otherwise its products as GEMMs and its score traffic as an element-wise kernel.
+    const double S = static_cast<double>(k.m), scores = static_cast<double>(k.batch * k.n) * S * S;
+    const double per =
+        table ? table->standard_attention_seconds_per_score(k.kind == KernelKind::StandardAttentionBackward, k.dropout,
+                                                            standard_attention_implementation(profile), scores)
+              : 0;
+    if (per > 0) {
+      double rate = table->gemm_rate(core::to_string(k.dtype), k.m, k.m, k.head_dim, k.batch * k.n);
+      if (rate <= 0) rate = fallback_rate;
+      return std::max(per * scores * core::bytes_per_element(k.dtype) / 2, k.flops / rate) + launch;
+    }
+    double total = 0;
+    for (const Kernel& g : standard_attention_products(k)) total += seconds(g);
+    Kernel traffic;
+    traffic.kind = KernelKind::Elementwise;
+    traffic.bytes = k.bytes;
+    return total + seconds(traffic);
+  }
   const ElementwiseCost c = elementwise_cost(k.kind, profile);
   const double moved = bytes(k);
   if (moved <= 0) return 0;
@@ -665,6 +775,13 @@ double KernelTiming::launch_seconds(const Kernel& k) const {
   const double launch = launch_floor();
   if (k.kind == KernelKind::Gemm || k.kind == KernelKind::AttentionForward || k.kind == KernelKind::AttentionBackward)
     return launch;
+  if (core::is_standard_attention(k.kind)) {
+    const double S = static_cast<double>(k.m), scores = static_cast<double>(k.batch * k.n) * S * S;
+    const bool measured =
+        table && table->standard_attention_seconds_per_score(false, k.dropout, "megatron", scores) > 0;
+    // Measured: one launch's floor; otherwise the products' and the element-wise kernel's.
+    return measured ? launch : static_cast<double>(standard_attention_products(k).size() + 1) * launch;
+  }
   return bytes(k) > 0 ? elementwise_cost(k.kind, profile).launches * launch : 0;
 }
 
@@ -676,6 +793,11 @@ double KernelTiming::bytes(const Kernel& k) const {
     return (mm * kk + kk * nn + mm * nn) * static_cast<double>(k.batch) * dt + static_cast<double>(k.bytes);
   }
   if (k.kind == KernelKind::AttentionForward || k.kind == KernelKind::AttentionBackward) return 0;
+  if (core::is_standard_attention(k.kind)) {
+    double moved = static_cast<double>(k.bytes);  // the score traffic, then the products' operands and results
+    for (const Kernel& g : standard_attention_products(k)) moved += bytes(g);
+    return moved;
+  }
   if (k.kind == KernelKind::Elementwise || k.kind == KernelKind::Copy) return static_cast<double>(k.bytes);
   const ElementwiseCost c = elementwise_cost(k.kind, profile);
   return static_cast<double>(k.elems) * (c.bytes_per_elem * dt + c.fp32_bytes_per_elem);

@@ -199,9 +199,13 @@ TEST(CostSettings, PrecisionSetsGemmDtypeMemoryAndRates) {
         if (layer.kind == core::LayerKind::Attention)
           for (int pass = 0; pass < 3; ++pass)
             for (const auto& k : core::layer_kernels(layer, m.training(), {}, pass)) {
+              if (core::is_standard_attention(k.kind)) {
+                ++batched;
+                EXPECT_EQ(k.dtype, core::Precision::BF16);
+              }
               if (k.kind != core::KernelKind::Gemm) continue;
-              (k.batch > 1 ? batched : projections) += 1;
-              EXPECT_EQ(k.dtype, k.batch > 1 ? core::Precision::BF16 : core::Precision::FP8);
+              ++projections;
+              EXPECT_EQ(k.dtype, core::Precision::FP8);
             }
       EXPECT_GT(batched, 0);
       EXPECT_GT(projections, 0);

@@ -643,3 +643,122 @@ TEST(KernelTable, BytesAreWhatTheKernelMoves) {
   attention.kind = core::KernelKind::AttentionForward;
   EXPECT_DOUBLE_EQ(kt.bytes(attention), 0);
 }
+
+namespace {
+
+// A standard-attention core kernel: b sequences of s tokens, `heads` heads of 64.
+core::Kernel standard_core(bool backward, std::int64_t b, std::int64_t heads, std::int64_t s, bool dropout) {
+  core::Kernel k;
+  k.kind = backward ? core::KernelKind::StandardAttentionBackward : core::KernelKind::StandardAttentionForward;
+  k.dtype = core::Precision::FP16;
+  k.batch = b;
+  k.n = heads;
+  k.m = s;
+  k.head_dim = k.v_dim = 64;
+  k.dropout = dropout;
+  const double unit = 2.0 * static_cast<double>(b * heads) * static_cast<double>(s * s) * 128;  // Q·K^T + P·V
+  k.flops = backward ? 2 * unit : unit;
+  k.bytes = b * heads * s * s * 11;  // any score traffic: used only without a measurement
+  return k;
+}
+
+}  // namespace
+
+TEST(KernelTable, StandardAttentionIsTimedPerScoreFromItsMeasurement) {
+  // Two measurements of one implementation with dropout, 1 sequence x 1 head: s = 1024 (2^20 scores) in
+  // 1 ms forward / 3 ms backward, s = 4096 (2^24 scores) in 8 / 32 ms; and one without dropout.
+  const json j = json::parse(R"({"attention_standard": [
+    {"implementation": "megatron", "dropout": true, "b": 1, "heads": 1, "s": 1024, "head_dim": 64, "dtype": "fp16", "fwd_ms": 1, "bwd_ms": 3},
+    {"implementation": "megatron", "dropout": true, "b": 1, "heads": 1, "s": 4096, "head_dim": 64, "dtype": "fp16", "fwd_ms": 8, "bwd_ms": 32},
+    {"implementation": "pytorch", "dropout": false, "b": 1, "heads": 1, "s": 1024, "head_dim": 64, "dtype": "fp16", "fwd_ms": 2, "bwd_ms": 4}]})");
+  const KernelTable t = KernelTable::from_json(j, "std.json");
+  KernelTiming kt;
+  kt.table = &t;
+  kt.peak_flops = 1e18;  // no GEMM data: the compute floor at the fallback rate, far below these times
+  kt.hbm_bytes_per_s = 1e12;
+  const double floor = t.launch_floor_s;
+  // At s = 2048 (2^22 scores, halfway in log between 2^20 and 2^24) the per-score time is halfway between
+  // 1e-3 / 2^20 and 8e-3 / 2^24 (the fused profile runs Megatron's).
+  const double s20 = std::ldexp(1.0, 20), s22 = std::ldexp(1.0, 22), s24 = std::ldexp(1.0, 24);
+  expect_rel(kt.seconds(standard_core(false, 1, 1, 2048, true)), (1e-3 / s20 + 8e-3 / s24) / 2 * s22 + floor);
+  expect_rel(kt.seconds(standard_core(true, 1, 1, 2048, true)), (3e-3 / s20 + 32e-3 / s24) / 2 * s22 + floor);
+  // The work's size is its score count, not s: 2 sequences of 4 heads at s = 1024 are 2^23 scores, three
+  // quarters of the way in log from 2^20 to 2^24: a quarter of 1e-3 / 2^20 and three of 8e-3 / 2^24.
+  const double s23 = std::ldexp(1.0, 23);
+  expect_rel(kt.seconds(standard_core(false, 2, 4, 1024, true)), (0.25 * 1e-3 / s20 + 0.75 * 8e-3 / s24) * s23 + floor);
+  // Beyond the measured range: the nearest measurement's per-score time (s = 8192: 4 x 2^24 scores).
+  expect_rel(kt.seconds(standard_core(false, 1, 1, 8192, true)), 4 * 8e-3 + floor);
+  // fp32 moves twice the bytes of the fp16 measurement.
+  core::Kernel fp32 = standard_core(false, 1, 1, 1024, true);
+  fp32.dtype = core::Precision::FP32;
+  expect_rel(kt.seconds(fp32), 2e-3 + floor);
+  // Without dropout the fused profile has no Megatron entry: PyTorch's without dropout.
+  expect_rel(kt.seconds(standard_core(false, 1, 1, 1024, false)), 2e-3 + floor);
+  // Eager runs PyTorch's; with dropout it has none: the other implementation's with dropout.
+  kt.profile = RuntimeProfile::Eager;
+  expect_rel(kt.seconds(standard_core(false, 1, 1, 1024, true)), 1e-3 + floor);
+  // Never faster than the products' FLOPs: at 1 GFLOP/s the forward's 2^20·256 FLOPs take 0.27 s.
+  kt.peak_flops = 1e9 / kt.fallback_efficiency;
+  expect_rel(kt.seconds(standard_core(false, 1, 1, 1024, true)), s20 * 256 / 1e9 + floor);
+}
+
+TEST(KernelTable, StandardAttentionWithoutAMeasurementIsItsProductsAndScoreTraffic) {
+  // No table: the batched products at the fallback GEMM rate and the score traffic at the HBM peak.
+  KernelTiming kt;
+  kt.peak_flops = 100e12;
+  kt.hbm_bytes_per_s = 2e12;
+  const core::Kernel f = standard_core(false, 2, 4, 512, true);
+  const double rate = 100e12 * kt.fallback_efficiency, floor = KernelTable::kDefaultLaunchFloor;
+  const double scores = 2.0 * 4 * 512 * 512;
+  // Forward: Q·K^T and P·V, each 2·scores·64 FLOPs; each also reads and writes its operands: the s x s
+  // matrix once, the two s x 64 ones, in 2-byte elements. The products are compute- or memory-bound.
+  const double product_bytes = 8 * (512.0 * 512 + 2 * 512 * 64) * 2;
+  const double product = std::max(2 * scores * 64 / rate, product_bytes / 2e12) + floor;
+  expect_rel(kt.seconds(f), 2 * product + static_cast<double>(f.bytes) / 2e12 + floor);
+  const core::Kernel b = standard_core(true, 2, 4, 512, true);
+  expect_rel(kt.seconds(b), 4 * product + static_cast<double>(b.bytes) / 2e12 + floor);
+  EXPECT_DOUBLE_EQ(kt.launch_seconds(f), 3 * floor);
+  EXPECT_DOUBLE_EQ(kt.bytes(f), static_cast<double>(f.bytes) + 2 * product_bytes);
+}
+
+TEST(KernelTable, StandardAttentionIsCitedOnTheA100AndDerivedElsewhereByCopyBandwidth) {
+  // The A100-40GB's entries are FlashAttention's appendix (Tables 15/16: Megatron, dropout, s = 1024 in
+  // 1.88 / 2.94 ms at batch 16 x 8 heads).
+  const auto a100 = load_kernel_table("a100-40gb-sxm");
+  const double scores = 16.0 * 8 * 1024 * 1024;
+  expect_rel(a100->standard_attention_seconds_per_score(false, true, "megatron", scores), 1.88e-3 / scores);
+  expect_rel(a100->standard_attention_seconds_per_score(true, true, "megatron", scores), 2.94e-3 / scores);
+  // Every other table: the A100-40GB's times the ratio of the two copy rates at 1 GiB moved.
+  const double gib = 1073741824.0;
+  for (const char* name : {"a100-80gb-sxm", "h100-sxm", "h200-sxm"}) {
+    const auto t = load_kernel_table(name);
+    const double ratio = a100->memory_rate("copy", gib) / t->memory_rate("copy", gib);
+    EXPECT_LT(ratio, 1.0) << name;
+    for (bool bwd : {false, true})
+      expect_rel(t->standard_attention_seconds_per_score(bwd, true, "megatron", scores),
+                 a100->standard_attention_seconds_per_score(bwd, true, "megatron", scores) * ratio);
+  }
+  // The A100-80GB: its cited stream 'scale' (1737 GB/s) against the 40 GB's (1382).
+  expect_rel(load_kernel_table("a100-80gb-sxm")->standard_attention_seconds_per_score(false, true, "megatron", scores),
+             1.88e-3 / scores * 1382 / 1737);
+}
+
+TEST(KernelTable, StandardAttentionEntriesAreChecked) {
+  auto err = [](const std::string& entry) {
+    return error_of(
+        [&] { KernelTable::from_json(json::parse(R"({"attention_standard": [)" + entry + "]}"), "t.json"); });
+  };
+  const std::string ok = R"("b": 1, "heads": 1, "s": 64, "head_dim": 64, "fwd_ms": 1, "bwd_ms": 2)";
+  EXPECT_NE(err(R"({"dropout": true, "dtype": "fp16", )" + ok + "}").find("attention_standard[0].implementation"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"implementation": "megatron", "dropout": 1, "dtype": "fp16", )" + ok + "}")
+                .find("attention_standard[0].dropout"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"implementation": "megatron", "dropout": true, "dtype": "fp32", )" + ok + "}")
+                .find("attention_standard[0].dtype"),
+            std::string::npos);
+  EXPECT_NE(
+      err(R"({"implementation": "megatron", "dropout": true, "dtype": "fp16", "b": 1, "heads": 1, "s": 64, "head_dim": 64, "fwd_ms": 0, "bwd_ms": 2})")
+          .find("attention_standard[0].fwd_ms"),
+      std::string::npos);
+}

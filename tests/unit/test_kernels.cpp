@@ -70,6 +70,86 @@ TEST(Kernels, StandardAttentionModelsKeepTheirElementwiseBytes) {
   }
 }
 
+// Standard attention by hand: a GPT layer (4 heads of 16, dropout, fp16), 2 sequences of 16 tokens: 2·4·16²
+// = 2048 scores. Its core is one kernel, the batched products' FLOPs and the score traffic; the rest of
+// the layer's element-wise bytes stay an element-wise kernel.
+TEST(Kernels, StandardAttentionCoreByHand) {
+  TrainingShape t;
+  t.seq_len = 16;
+  t.micro_batch_size = 2;
+  t.precision = Precision::FP16;
+  Layer attn{"layers.0.attn", LayerKind::Attention, {}, {}, 0};
+  attn.shape.hidden = 64;
+  attn.shape.heads = attn.shape.kv_heads = 4;
+  attn.shape.head_dim = 16;
+  attn.shape.bias = true;
+  attn.shape.dropout = true;
+  attn.shape.attention_kernel = AttentionKernel::Standard;
+  auto core_of = [](const std::vector<Kernel>& ks) {
+    for (const auto& k : ks)
+      if (is_standard_attention(k.kind)) return k;
+    ADD_FAILURE() << "no standard attention kernel";
+    return Kernel{};
+  };
+  const Kernel f = core_of(layer_kernels(attn, t, {}, 0));
+  EXPECT_EQ(f.kind, KernelKind::StandardAttentionForward);
+  EXPECT_EQ(f.batch, 2);
+  EXPECT_EQ(f.m, 16);
+  EXPECT_EQ(f.n, 4);
+  EXPECT_EQ(f.head_dim, 16);
+  EXPECT_TRUE(f.dropout);
+  EXPECT_DOUBLE_EQ(f.flops, 2.0 * 2048 * (16 + 16));  // Q·K^T and P·V
+  // Forward per score: softmax reads and writes (2 + 2), dropout reads, writes and masks (2 + 2 + 1), and
+  // Q·K^T's epilogue writes (2): 11 bytes. Backward: softmax 2 + 2 + 2, dropout 5, dP's epilogue 2: 13.
+  EXPECT_EQ(f.bytes, 2048 * 11);
+  const Kernel b = core_of(layer_kernels(attn, t, {}, 1));
+  EXPECT_EQ(b.kind, KernelKind::StandardAttentionBackward);
+  EXPECT_DOUBLE_EQ(b.flops, 2 * f.flops);
+  EXPECT_EQ(b.bytes, 2048 * 13);
+  // TP 2: two heads a device, half the scores.
+  const Kernel f2 = core_of(layer_kernels(attn, t, {2, false, 0}, 0));
+  EXPECT_EQ(f2.n, 2);
+  EXPECT_EQ(f2.bytes, 1024 * 11);
+  // Without dropout: 6 bytes forward, 8 backward.
+  attn.shape.dropout = false;
+  EXPECT_EQ(core_of(layer_kernels(attn, t, {}, 0)).bytes, 2048 * 6);
+  EXPECT_EQ(core_of(layer_kernels(attn, t, {}, 1)).bytes, 2048 * 8);
+  // Selective recomputation reruns the forward core at the start of the backward, each with its own traffic.
+  std::vector<Kernel> cores;
+  for (const auto& k : layer_kernels(attn, t, {1, false, 1}, 1))
+    if (is_standard_attention(k.kind)) cores.push_back(k);
+  ASSERT_EQ(cores.size(), 2u);
+  EXPECT_EQ(cores[0].kind, KernelKind::StandardAttentionForward);
+  EXPECT_EQ(cores[0].bytes, 2048 * 6);
+  EXPECT_EQ(cores[1].bytes, 2048 * 8);
+}
+
+TEST(Kernels, StandardAttentionKernelsRoundTripThroughJson) {
+  PassKernels pk;
+  Kernel k;
+  k.kind = KernelKind::StandardAttentionBackward;
+  k.m = 1024;
+  k.n = 8;
+  k.batch = 2;
+  k.head_dim = k.v_dim = 64;
+  k.bytes = 12345;
+  k.dropout = true;
+  k.flops = 1e9;
+  pk[1].push_back(k);
+  const nlohmann::json j = kernels_to_json(pk);
+  EXPECT_EQ(j["BI"][0]["kind"], "attention_std_bwd");
+  EXPECT_EQ(j["BI"][0]["dropout"], true);
+  EXPECT_EQ(kernels_from_json(j, "k")[1].front(), k);
+  nlohmann::json bad = j;
+  bad["BI"][0]["dropout"] = "yes";
+  try {
+    kernels_from_json(bad, "k");
+    ADD_FAILURE() << "a non-boolean dropout was accepted";
+  } catch (const PlanError& e) {
+    EXPECT_NE(std::string(e.what()).find("k.BI[0].dropout"), std::string::npos) << e.what();
+  }
+}
+
 // A small GQA layer by hand: h = 64, 4 heads of 16, 2 KV heads, SwiGLU ffn 96, T = 2 x 16 tokens.
 TEST(Kernels, ShapesOfADenseBlockByHand) {
   TrainingShape t;

@@ -39,10 +39,18 @@ enum class KernelKind : std::uint8_t {
   // (`bytes`): the copies a ZeRO runtime makes around its collectives (replicate's collective_copies,
   // docs/cost-model.md "Copies around the ZeRO-3 collectives"), timed at the table's copy rate.
   Copy,
+  // Standard (non-flash) attention's core, the s x s score matrix in HBM: forward Q·K^T, the fused
+  // scale-mask-softmax, the attention dropout and P·V; backward their gradients (dP, dV, the dropout
+  // and softmax gradients, dQ, dK). batch sequences of m = s tokens, n heads, head_dim / v_dim; flops:
+  // the batched products'; bytes: the score traffic beyond their operands (core::standard_score_bytes),
+  // what the cost model times where its table has no measurement of the whole core.
+  StandardAttentionForward,
+  StandardAttentionBackward,
 };
 std::string to_string(KernelKind k);                       // "gemm", "attention_fwd", ...
 KernelKind kernel_kind_from_string(const std::string& s);  // throws Error
-bool is_elementwise(KernelKind k);                         // every kind but Gemm and the attention core
+bool is_elementwise(KernelKind k);                         // every kind but Gemm and the attention cores
+bool is_standard_attention(KernelKind k);                  // StandardAttentionForward or -Backward
 
 struct Kernel {
   KernelKind kind = KernelKind::Gemm;
@@ -53,7 +61,9 @@ struct Kernel {
   std::int64_t window = 0;               // attention: sliding window (keys per query), 0 = full
   std::int64_t elems = 0;                // element-wise kinds: elements of the kernel's tensor
   std::int64_t bytes = 0;                // Elementwise: its HBM traffic; GEMM: what its epilogue moves beyond
-                                         // writing the result once (a fused accumulation into a held gradient)
+                                         // writing the result once (a fused accumulation into a held gradient);
+                                         // standard attention: its score traffic
+  bool dropout = false;                  // standard attention: dropout on the probabilities
   double flops = 0;                      // FLOPs of one launch, in core::Costs' convention
   double count = 1;                      // launches in the pass (layers of a segment, local experts)
   friend bool operator==(const Kernel&, const Kernel&) = default;

@@ -183,6 +183,10 @@ struct ParallelLayout {
 // local tokens, and the attention core does 1/cp of the whole sequence's work (the causal load balance;
 // context_parallel_costs in model_costs.cpp).
 Costs layer_costs(const Layer& layer, const TrainingShape& shape, const ParallelLayout& layout);
+// Standard attention's element-wise traffic over its `scores` (b·heads·s²) score elements, in `dt` bytes
+// an element (model_costs.cpp): forward the fused scale-mask-softmax, the attention dropout and the
+// write of QK^T's epilogue; backward the softmax and dropout gradients and the write of dP's epilogue.
+std::int64_t standard_score_bytes(const LayerShape& sh, std::int64_t scores, std::int64_t dt, bool backward);
 // The shape one device of a context-parallel group of `cp` sees: seq_len / cp tokens per sequence.
 TrainingShape context_parallel_local_shape(const TrainingShape& shape, int cp);
 // Op-level recomputation (Recompute::Op): the (K, N) of the layer's matmuls, in the block's order,

@@ -70,6 +70,24 @@ class KernelTable {
   // 'name' (it has: ...)" where it has none (the cluster loader and the cost model name the field).
   const AttentionKernel& attention_kernel(const std::string& name) const;
   std::vector<Memory> memory;
+  // Standard attention's whole core (core::KernelKind::StandardAttention*: the batched products, the
+  // softmax and the dropout over the s x s scores) measured by sequence length in a 2-byte dtype:
+  // "attention_standard": [{"implementation", "dropout", "b", "heads", "s", "head_dim", "dtype", "fwd_ms",
+  // "bwd_ms"}], kept as seconds per score element (b·heads·s²). A table without entries takes the
+  // A100-40GB's cited ones scaled by the two tables' copy bandwidth (load_kernel_table; docs/cost-model.md,
+  // "Standard attention").
+  struct StandardAttention {
+    std::string implementation;  // "megatron" (fused scale-mask-softmax) or "pytorch" (torch ops)
+    bool dropout = false;
+    double scores = 0;  // b·heads·s² of the measurement
+    double fwd_s_per_score = 0, bwd_s_per_score = 0;
+  };
+  std::vector<StandardAttention> standard_attention;
+  // Seconds per score element of the standard-attention core (2-byte storage), interpolated in log(scores)
+  // over the entries of `implementation` (any implementation's where it has none) with the same dropout
+  // (any where none match), clamped to the measured range; 0 without entries.
+  double standard_attention_seconds_per_score(bool backward, bool dropout, const std::string& implementation,
+                                              double scores) const;
   // Fused multi-tensor AdamW over half-precision (bf16) and fp32 parameters, from the table's largest
   // measured run of each.
   double adamw_bytes_per_s = 0, adamw_fp32_bytes_per_s = 0;
@@ -139,8 +157,8 @@ struct KernelTiming {
   // The part of seconds(k) that is launch floors (KernelTable::launch_floor_s per launch): what a
   // table's rate scales do not move.
   double launch_seconds(const core::Kernel& k) const;
-  // HBM bytes `k` moves as seconds() counts them (GEMM: its operands and result; the attention core:
-  // 0, it is timed by FLOPs alone).
+  // HBM bytes `k` moves as seconds() counts them (GEMM: its operands and result; the flash attention
+  // core: 0, it is timed by FLOPs alone; standard attention: its products' and its score traffic).
   double bytes(const core::Kernel& k) const;
 };
 
