@@ -52,6 +52,13 @@ if [ -f ../megatron-22b/results.csv ]; then
       row "iteration time (s)" "Korthikanti et al. 2022 (arXiv:2205.05198) table 5" "gpt-22b on 8 A100-80GB; TP 8; $name; global batch 4 x 2048; $engine" "$pub" "$pred"
     done
 fi
+# 4b. The same 22B's per-layer forward and backward times, Korthikanti et al. table 4 (study 6).
+if [ -f ../megatron-22b/layers.csv ]; then
+  awk -F, 'NR>1 { printf "%s,%s,%s,%s\n", $1, $2, $3, $4 }' ../megatron-22b/layers.csv |
+    while IFS=, read -r name pass pub pred; do
+      row "layer $pass time (ms)" "Korthikanti et al. 2022 (arXiv:2205.05198) table 4" "gpt-22b one layer on 8 A100-80GB; TP 8; $name; micro-batch 4 x 2048; analytic" "$pub" "$pred"
+    done
+fi
 # 5. One H200 (the project's own measurement, data/torch-dense1b.txt, copied from
 # shared/measurements/h200/): dense-1b, 2 microbatches of 4 x 1024 tokens, bf16, fused AdamW, in
 # PyTorch eager (123.3 ms) and torch.compile (103.0 ms). Predicted uncalibrated by the dgx-h200

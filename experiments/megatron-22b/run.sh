@@ -2,7 +2,8 @@
 # Study 6: the 22B GPT of Korthikanti et al. (arXiv:2205.05198) on 8 A100-80GB GPUs with tensor
 # parallelism 8 (PP 1, DP 1), global batch 4 sequences of 2,048 tokens: iteration time with full
 # activation recomputation (TP alone) and with sequence parallelism + selective recomputation
-# ("present work"), against the paper's table 5. Both engines; the analytic one is the fast check.
+# ("present work"), against the paper's table 5. Both engines; the analytic one is the fast check. And
+# the time of one layer's forward and backward in five settings, against its table 4.
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 enter_study megatron-22b
 mkdir -p out
@@ -24,3 +25,27 @@ for engine in "${engines[@]}"; do
 done
 csv_to_md results.csv > results.md
 echo "megatron-22b: $(awk -F, 'NR>1 { printf "%s/%s %s s vs %s s (%+.1f%%); ", $1, $2, $4, $3, $5 }' results.csv)"
+
+# Table 4 of the paper: the forward and backward time of one transformer layer of the same 22B (TP 8,
+# micro-batch 4 as in its table 3), five settings, in ms. One layer alone: 48 pipeline stages of one
+# block each, blocking transfers so that no transfer runs beside a layer's compute; the mean F and B
+# op of the middle stage (device 24) in the analytic engine's trace. Only the ops are compared.
+echo "configuration,pass,published_ms,predicted_ms,error_pct" > layers.csv
+for cfg in "no recompute|--recompute none|7.7|11.9" "sequence parallel|--sequence-parallel --recompute none|7.2|11.8" \
+  "full recompute|--recompute full|7.7|19.5" "selective recompute|--recompute selective|7.7|13.2" \
+  "selective + sequence parallel|--sequence-parallel --recompute selective|7.2|13.1"; do
+  IFS='|' read -r name flags pub_f pub_b <<< "$cfg"
+  t="out/layer-$(echo "$name" | tr ' +' '__').trace.json"
+  # shellcheck disable=SC2086
+  "$PIPER" simulate --model "$model" --tp 8 $flags --pp 48 --dp 1 --schedule 1f1b --microbatches 48 --micro-batch-size 4 \
+    --p2p-blocking --cluster dgx-a100-80g --engine analytic --trace "$t" > /dev/null
+  for pass in F B; do
+    pub=$pub_f; [ "$pass" = B ] && pub=$pub_b
+    jq -r --arg n "$name" --arg p "$pass" --argjson pub "$pub" \
+      '[.traceEvents[] | select(.ph == "X" and .pid == 24 and .cat == "COMPUTE" and (.name | startswith($p + " "))) | .dur]
+       | (add / length / 1000) as $ms | [$n, $p, $pub, ($ms * 1000 | round / 1000), (($ms - $pub) / $pub * 100 * 100 | round / 100)] | @csv' \
+      "$t" | tr -d '"' >> layers.csv
+  done
+done
+csv_to_md layers.csv > layers.md
+echo "megatron-22b layers: $(awk -F, 'NR>1 { printf "%s %s %s ms vs %s (%+.1f%%); ", $1, $2, $4, $3, $5 }' layers.csv)"
