@@ -59,6 +59,13 @@ if [ -f ../megatron-22b/layers.csv ]; then
       row "layer $pass time (ms)" "Korthikanti et al. 2022 (arXiv:2205.05198) table 4" "gpt-22b one layer on 8 A100-80GB; TP 8; $name; micro-batch 4 x 2048; analytic" "$pub" "$pred"
     done
 fi
+# 4c. The same paper's 175B, 530B and 1T iteration times (its table 5 and section 6.3; study 6).
+if [ -f ../megatron-22b/table5.csv ]; then
+  awk -F, 'NR>1 { printf "%s,%s,%s,%s,%s\n", $1, $2, $3, $4, $5 }' ../megatron-22b/table5.csv |
+    while IFS=, read -r label name gpus pub pred; do
+      row "iteration time (s)" "Korthikanti et al. 2022 (arXiv:2205.05198) table 5 / section 6.3" "gpt-$label on $gpus A100-80GB; TP 8; $name; micro-batch 1; analytic" "$pub" "$pred"
+    done
+fi
 # 5. One H200 (the project's own measurement, data/torch-dense1b.txt, copied from
 # shared/measurements/h200/): dense-1b, 2 microbatches of 4 x 1024 tokens, bf16, fused AdamW, in
 # PyTorch eager (123.3 ms) and torch.compile (103.0 ms). Predicted uncalibrated by the dgx-h200

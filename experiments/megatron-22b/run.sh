@@ -49,3 +49,29 @@ for cfg in "no recompute|--recompute none|7.7|11.9" "sequence parallel|--sequenc
 done
 csv_to_md layers.csv > layers.md
 echo "megatron-22b layers: $(awk -F, 'NR>1 { printf "%s %s %s ms vs %s (%+.1f%%); ", $1, $2, $4, $3, $5 }' layers.csv)"
+
+# The paper's other table 5 rows: the 175B, 530B and 1T of its table 3 (TP 8; PP 8, 35 and 64 with 64,
+# 280 and 512 GPUs; global batch = GPUs, micro-batch 1; "the interleaving schedule with three
+# interleaving stages (m = 3) for the 175B and 530B models"), full recomputation and SP + selective;
+# and section 6.3's 530B at 8-way data parallelism (2,240 GPUs, the batch x 8). Analytic engine; quick
+# mode runs the 175B only.
+echo "model,configuration,gpus,published_s,predicted_s,error_pct,mfu_pct,peak_gib,oom" > table5.csv
+cases=("175B|gpt-175b|--pp 8 --schedule interleaved-1f1b --virtual 3|64|18.13|13.75")
+[ "$QUICK" = 0 ] && cases+=("530B|gpt-530b|--pp 35 --schedule interleaved-1f1b --virtual 3|280|49.05|37.83"
+  "1T|gpt-1t|--pp 64 --schedule 1f1b|512|94.42|71.49"
+  "530B DP 8|gpt-530b|--pp 35 --dp 8 --schedule interleaved-1f1b --virtual 3|2240|-|39.15")
+for c in "${cases[@]}"; do
+  IFS='|' read -r label spec layout gpus pub_full pub_present <<< "$c"
+  for cfg in "full recompute|--recompute full|$pub_full" "sequence parallel + selective recompute|--sequence-parallel --recompute selective|$pub_present"; do
+    IFS='|' read -r name flags pub <<< "$cfg"
+    [ "$pub" = - ] && continue
+    r="out/$(echo "$label $name" | tr ' +' '__').json"
+    # shellcheck disable=SC2086
+    "$PIPER" simulate --model "$REPO_DIR/examples/models/$spec-korthikanti.json" --tp 8 $layout $flags \
+      --global-batch "$gpus" --micro-batch-size 1 --cluster dgx-a100-80g --engine analytic --report "$r" > /dev/null
+    jq -r --arg m "$label" --arg n "$name" --arg g "$gpus" --argjson p "$pub" \
+      '[$m, $n, $g, $p, (.step_time_s * 1000 | round / 1000), ((.step_time_s - $p) / $p * 100 * 100 | round / 100), (.mfu * 1000 | round / 10), (.peak_memory_bytes / 1073741824 * 100 | round / 100), .oom] | @csv' "$r" | tr -d '"' >> table5.csv
+  done
+done
+csv_to_md table5.csv > table5.md
+echo "megatron-22b table 5: $(awk -F, 'NR>1 { printf "%s %s %s s vs %s s (%+.1f%%); ", $1, $2, $5, $4, $6 }' table5.csv)"
