@@ -102,13 +102,15 @@ void check_kernel_precision(const Program& p) {
       const auto& list = p.segments[i].kernels[pass];
       for (std::size_t k = 0; k < list.size(); ++k) {
         const Kernel& kernel = list[k];
-        if (kernel.kind != KernelKind::Gemm || kernel.dtype == t ||
+        // GEMMs and the standard-attention core run in the training precision (bf16 under fp8).
+        const bool core = is_standard_attention(kernel.kind);
+        if ((kernel.kind != KernelKind::Gemm && !core) || kernel.dtype == t ||
             (t == Precision::FP8 && kernel.dtype == Precision::BF16))
           continue;
         fail(fmt::format("segments[{}].kernels.{}[{}].dtype", i, kPass[pass], k),
-             fmt::format("a {} GEMM, but the plan trains in {} (training.precision): the precision was edited "
+             fmt::format("a {} {}, but the plan trains in {} (training.precision): the precision was edited "
                          "after compiling (compile the plan again)",
-                         to_string(kernel.dtype), to_string(t)));
+                         to_string(kernel.dtype), core ? "standard-attention core" : "GEMM", to_string(t)));
       }
     }
   }

@@ -258,6 +258,35 @@ TEST(TensorParallel, StandardAttentionElementwiseBytesByHand) {
   EXPECT_EQ(mlp, 2);
 }
 
+// A plan whose standard-attention core says another dtype than its training precision (edited after
+// compiling) is refused on load, naming the kernel, as an edited GEMM is.
+TEST(TensorParallel, AnEditedStandardAttentionCoreDtypeIsRefused) {
+  StrategyOptions o;
+  o.tp = 2;
+  const Program p = compile_scenario(tp_scenario(write_spec(small_gpt(2)), o)).result.program;
+  json j = p.to_json();
+  std::string where;
+  for (std::size_t i = 0; i < j["segments"].size() && where.empty(); ++i) {
+    json& list = j["segments"][i]["kernels"]["F"];
+    for (std::size_t k = 0; k < list.size(); ++k)
+      if (list[k]["kind"] == "attention_std_fwd") {
+        list[k]["dtype"] = "fp32";
+        where = "segments[" + std::to_string(i) + "].kernels.F[" + std::to_string(k) + "].dtype";
+        break;
+      }
+  }
+  ASSERT_FALSE(where.empty()) << "no standard-attention kernel in the plan";
+  EXPECT_EQ(Program::from_json(p.to_json()), p);
+  try {
+    (void)Program::from_json(j);
+    ADD_FAILURE() << "an fp32 core in a bf16 plan was accepted";
+  } catch (const PlanError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find(where), std::string::npos) << m;
+    EXPECT_NE(m.find("a fp32 standard-attention core, but the plan trains in bf16"), std::string::npos) << m;
+  }
+}
+
 // TP groups: consecutive devices (k + tp·(r + d·pp)); DP replicas strided; gradients over 1/t.
 TEST(TensorParallel, GroupsInTheProgram) {
   StrategyOptions o;
