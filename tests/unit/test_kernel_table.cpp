@@ -751,6 +751,10 @@ TEST(KernelTable, StandardAttentionEntriesAreChecked) {
   const std::string ok = R"("b": 1, "heads": 1, "s": 64, "head_dim": 64, "fwd_ms": 1, "bwd_ms": 2)";
   EXPECT_NE(err(R"({"dropout": true, "dtype": "fp16", )" + ok + "}").find("attention_standard[0].implementation"),
             std::string::npos);
+  // A misspelt implementation would match no runtime profile: refused, not silently another's.
+  EXPECT_NE(err(R"({"implementation": "megatorn", "dropout": true, "dtype": "fp16", )" + ok + "}")
+                .find("attention_standard[0].implementation': expected \"megatron\" or \"pytorch\""),
+            std::string::npos);
   EXPECT_NE(err(R"({"implementation": "megatron", "dropout": 1, "dtype": "fp16", )" + ok + "}")
                 .find("attention_standard[0].dropout"),
             std::string::npos);
