@@ -261,6 +261,16 @@ struct TableReader {
     if (!j.at(key).is_array()) fail(key, "expected an array");
     return j.at(key);
   }
+  // Calls f(entry, "key[i]") for each entry of the list `key` (none where absent), its provenance checked.
+  template <class F>
+  void entries(const json& j, const char* key, bool cited, F&& f) const {
+    const json& l = list(j, key);
+    for (std::size_t i = 0; i < l.size(); ++i) {
+      const std::string at = fmt::format("{}[{}]", key, i);
+      provenance(l[i], at, j, cited);
+      f(l[i], at);
+    }
+  }
 };
 
 }  // namespace
@@ -405,11 +415,7 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
     t.gemm.push_back(e);
   }
   if (j.contains("gemm_dispatch_latency")) remove_dispatch_latency(r, j.at("gemm_dispatch_latency"), t);
-  const json& att = r.list(j, "attention");
-  for (std::size_t i = 0; i < att.size(); ++i) {
-    const json& a = att[i];
-    const std::string at = fmt::format("attention[{}]", i);
-    r.provenance(a, at, j, cited);
+  r.entries(j, "attention", cited, [&](const json& a, const std::string& at) {
     Attention e;
     e.batch = r.whole(a, "b", at);
     e.s = r.whole(a, "s", at);
@@ -419,7 +425,7 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
     e.fwd_flops_per_s = r.positive(a, "fwd_tflops", at) * 1e12;
     e.bwd_flops_per_s = r.positive(a, "bwd_tflops", at) * 1e12;
     t.attention.push_back(e);
-  }
+  });
   if (j.contains("attention_kernels")) {
     const json& ak = j.at("attention_kernels");
     if (!ak.is_object())
@@ -453,42 +459,32 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
     }
     t.memory.push_back(e);
   }
-  if (j.contains("attention_standard")) {
-    const json& sa = r.list(j, "attention_standard");
-    for (std::size_t i = 0; i < sa.size(); ++i) {
-      const json& a = sa[i];
-      const std::string at = fmt::format("attention_standard[{}]", i);
-      r.provenance(a, at, j, cited);
-      StandardAttention e;
-      // The implementations the runtime profiles name (standard_attention_implementation).
-      if (!a.is_object() || !a.contains("implementation") || !a.at("implementation").is_string() ||
-          (a.at("implementation").get<std::string>() != "megatron" &&
-           a.at("implementation").get<std::string>() != "pytorch"))
-        r.fail(at + ".implementation", "expected \"megatron\" or \"pytorch\"");
-      e.implementation = a.at("implementation").get<std::string>();
-      if (!a.contains("dropout") || !a.at("dropout").is_boolean()) r.fail(at + ".dropout", "expected true or false");
-      e.dropout = a.at("dropout").get<bool>();
-      // Timed in a 2-byte dtype: the core is memory-bound on its scores, whose bytes the dtype sets.
-      if (!a.contains("dtype") || !a.at("dtype").is_string() ||
-          (a.at("dtype").get<std::string>() != "fp16" && a.at("dtype").get<std::string>() != "bf16"))
-        r.fail(at + ".dtype", "expected \"fp16\" or \"bf16\" (the core is timed in a 2-byte dtype)");
-      const auto s = static_cast<double>(r.whole(a, "s", at));
-      e.scores = static_cast<double>(r.whole(a, "b", at)) * static_cast<double>(r.whole(a, "heads", at)) * s * s;
-      r.whole(a, "head_dim", at);  // checked, not used: the time is per score (docs/cost-model.md)
-      e.fwd_s_per_score = r.positive(a, "fwd_ms", at) * 1e-3 / e.scores;
-      e.bwd_s_per_score = r.positive(a, "bwd_ms", at) * 1e-3 / e.scores;
-      t.standard_attention.push_back(e);
-    }
-  }
+  r.entries(j, "attention_standard", cited, [&](const json& a, const std::string& at) {
+    StandardAttention e;
+    // The implementations the runtime profiles name (standard_attention_implementation).
+    if (!a.is_object() || !a.contains("implementation") || !a.at("implementation").is_string() ||
+        (a.at("implementation").get<std::string>() != "megatron" &&
+         a.at("implementation").get<std::string>() != "pytorch"))
+      r.fail(at + ".implementation", "expected \"megatron\" or \"pytorch\"");
+    e.implementation = a.at("implementation").get<std::string>();
+    if (!a.contains("dropout") || !a.at("dropout").is_boolean()) r.fail(at + ".dropout", "expected true or false");
+    e.dropout = a.at("dropout").get<bool>();
+    // Timed in a 2-byte dtype: the core is memory-bound on its scores, whose bytes the dtype sets.
+    if (!a.contains("dtype") || !a.at("dtype").is_string() ||
+        (a.at("dtype").get<std::string>() != "fp16" && a.at("dtype").get<std::string>() != "bf16"))
+      r.fail(at + ".dtype", "expected \"fp16\" or \"bf16\" (the core is timed in a 2-byte dtype)");
+    const auto s = static_cast<double>(r.whole(a, "s", at));
+    e.scores = static_cast<double>(r.whole(a, "b", at)) * static_cast<double>(r.whole(a, "heads", at)) * s * s;
+    r.whole(a, "head_dim", at);  // checked, not used: the time is per score (docs/cost-model.md)
+    e.fwd_s_per_score = r.positive(a, "fwd_ms", at) * 1e-3 / e.scores;
+    e.bwd_s_per_score = r.positive(a, "bwd_ms", at) * 1e-3 / e.scores;
+    t.standard_attention.push_back(e);
+  });
   // Fused AdamW, bf16 parameters with fp32 moments (kernels.py): per parameter it reads the
   // parameter, gradient and both moments and writes the parameter and moments: 2+2+4+4 + 2+4+4 = 22
   // bytes; fp32 parameters: 28. The largest measured run of each gives its bandwidth.
-  const json& adam = r.list(j, "adamw");
   double best = 0, best32 = 0;
-  for (std::size_t i = 0; i < adam.size(); ++i) {
-    const json& a = adam[i];
-    const std::string at = fmt::format("adamw[{}]", i);
-    r.provenance(a, at, j, cited);
+  r.entries(j, "adamw", cited, [&](const json& a, const std::string& at) {
     const double params = r.positive(a, "params", at), s = r.positive(a, "s", at);
     const std::string dt = a.is_object() && a.contains("param_dtype") && a.at("param_dtype").is_string()
                                ? a.at("param_dtype").get<std::string>()
@@ -498,7 +494,7 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
     } else if (params >= best) {
       best = params, t.adamw_bytes_per_s = params * 22 / s;
     }
-  }
+  });
   for (auto& g : t.gemm) g.flops_per_s *= compute_scale * gemm_scale;
   for (auto& a : t.attention)
     a.fwd_flops_per_s *= compute_scale * attention_scale, a.bwd_flops_per_s *= compute_scale * attention_scale;
