@@ -505,6 +505,17 @@ PassKernels kernels_from_json(const json& j, const std::string& where) {
       if (!std::isfinite(k.flops) || k.flops < 0 || !std::isfinite(k.count) || k.count < 0 || k.m < 0 || k.n < 0 ||
           k.k < 0 || k.batch < 1 || k.elems < 0 || k.bytes < 0 || k.head_dim < 0 || k.v_dim < 0 || k.window < 0)
         fail(at, "sizes, flops and count must be finite and >= 0 (batch >= 1)");
+      // The kinds timed from their shape need one: a product of no rows, or an attention core of no
+      // tokens, heads or head dimension, was costed as free (its FLOPs over a zero-sized shape).
+      std::vector<std::pair<const char*, std::int64_t>> shape;
+      if (k.kind == KernelKind::Gemm)
+        shape = {{"m", k.m}, {"n", k.n}, {"k", k.k}};
+      else if (k.kind == KernelKind::AttentionForward || k.kind == KernelKind::AttentionBackward ||
+               is_standard_attention(k.kind))
+        shape = {{"m", k.m}, {"n", k.n}, {"head_dim", k.head_dim}, {"v_dim", k.v_dim}};
+      for (const auto& [key, v] : shape)
+        if (v < 1)
+          fail(at + "." + key, fmt::format("a kernel of kind '{}' needs {} >= 1, got {}", to_string(k.kind), key, v));
       out[static_cast<std::size_t>(p)].push_back(k);
     }
   }

@@ -124,6 +124,28 @@ TEST(Kernels, StandardAttentionCoreByHand) {
   EXPECT_EQ(cores[1].bytes, 2048 * 8);
 }
 
+// A plan edited to a GEMM of no rows (or an attention core of no tokens) simulated a step of 0 ms: refused
+// on load, naming the field.
+TEST(Kernels, AShapeOfZeroIsRefusedWhereTheTimeComesFromTheShape) {
+  auto error_for = [](const std::string& kernel) {
+    try {
+      (void)kernels_from_json(nlohmann::json::parse(R"({"F": [)" + kernel + "]}"), "k");
+    } catch (const PlanError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  EXPECT_EQ(error_for(R"({"kind": "gemm", "m": 0, "n": 8, "k": 8, "flops": 1e6})"),
+            "plan: field 'k.F[0].m': a kernel of kind 'gemm' needs m >= 1, got 0");
+  EXPECT_EQ(error_for(R"({"kind": "attention_fwd", "m": 64, "n": 0, "k": 1, "head_dim": 16, "v_dim": 16})"),
+            "plan: field 'k.F[0].n': a kernel of kind 'attention_fwd' needs n >= 1, got 0");
+  EXPECT_EQ(error_for(R"({"kind": "attention_std_bwd", "m": 64, "n": 2, "head_dim": 0, "v_dim": 16})"),
+            "plan: field 'k.F[0].head_dim': a kernel of kind 'attention_std_bwd' needs head_dim >= 1, got 0");
+  // Element-wise kinds carry their size in elements or bytes: 0 of either is a kernel that moves nothing.
+  EXPECT_EQ(error_for(R"({"kind": "norm", "elems": 0})"), "(accepted)");
+  EXPECT_EQ(error_for(R"({"kind": "gemm", "m": 1, "n": 1, "k": 1})"), "(accepted)");
+}
+
 TEST(Kernels, StandardAttentionKernelsRoundTripThroughJson) {
   PassKernels pk;
   Kernel k;
