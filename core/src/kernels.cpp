@@ -82,6 +82,11 @@ struct KernelBuilder {
 // Divides x by d, at least 1 (a KV head shared by several TP ranks stays one head on each).
 std::int64_t split(std::int64_t x, int d) { return std::max<std::int64_t>(1, x / std::max(1, d)); }
 
+// Standard attention's score elements on one device of t TP ranks: b·(heads / t)·s².
+std::int64_t standard_scores(const LayerShape& sh, const TrainingShape& shape, int t) {
+  return shape.micro_batch_size * split(sh.heads, t) * shape.seq_len * shape.seq_len;
+}
+
 void attention_core(KernelBuilder& kb, const LayerShape& sh, const TrainingShape& shape, int t, bool backward,
                     std::int64_t standard_elementwise) {
   const bool mla = sh.kv_lora_rank > 0;
@@ -98,7 +103,7 @@ void attention_core(KernelBuilder& kb, const LayerShape& sh, const TrainingShape
     // One kernel for the whole core, with its batched products' FLOPs (forward Q·K^T and P·V; backward
     // twice that: dP, dV, dQ, dK) and its score traffic; the rest of the layer's element-wise bytes
     // (bias-dropout-add, permutes, bias adds) stay an element-wise kernel.
-    const std::int64_t S = shape.seq_len, scores = shape.micro_batch_size * nh * S * S;
+    const std::int64_t S = shape.seq_len;
     Kernel a;
     a.kind = backward ? KernelKind::StandardAttentionBackward : KernelKind::StandardAttentionForward;
     a.dtype = shape.precision == Precision::FP8 ? Precision::BF16 : shape.precision;  // bf16 under fp8
@@ -109,7 +114,7 @@ void attention_core(KernelBuilder& kb, const LayerShape& sh, const TrainingShape
     a.v_dim = v;
     a.dropout = sh.dropout;
     a.flops = backward ? 2 * core : core;
-    a.bytes = standard_score_bytes(sh, scores, bytes_per_element(shape.precision), backward);
+    a.bytes = standard_score_bytes(sh, standard_scores(sh, shape, t), bytes_per_element(shape.precision), backward);
     kb.out.push_back(a);
     kb.elementwise(KernelKind::Elementwise, 0, 0, std::max<std::int64_t>(0, standard_elementwise - a.bytes));
     return;
@@ -176,8 +181,7 @@ void attention_kernels(KernelBuilder& kb, const Layer& layer, const TrainingShap
   // (Selective recomputation: the rerun core's kernel carries its own score traffic.)
   const std::int64_t rerun_scores =
       standard && L.recompute == 1
-          ? standard_score_bytes(sh, shape.micro_batch_size * split(sh.heads, t) * shape.seq_len * shape.seq_len,
-                                 bytes_per_element(shape.precision), false)
+          ? standard_score_bytes(sh, standard_scores(sh, shape, t), bytes_per_element(shape.precision), false)
           : 0;
   const std::int64_t ew =
       p == 0 ? c.forward_elementwise_bytes

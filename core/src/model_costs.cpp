@@ -384,7 +384,7 @@ void attention_core_forward(const Layer& layer, const TrainingShape& shape, doub
   if (sh.attention_kernel == AttentionKernel::Standard) {
     const std::int64_t dt = bytes_per_element(shape.precision);
     const std::int64_t scores = shape.micro_batch_size * sh.heads * shape.seq_len * shape.seq_len;
-    elementwise = scores * (2 * dt + (sh.dropout ? 2 * dt + 1 : 0)) + attention_score_epilogue_bytes(scores, dt) +
+    elementwise = standard_score_bytes(sh, scores, dt, false) +
                   standard_context_permute_bytes(shape.tokens_per_microbatch(), sh.heads, v, dt);
   }
 }
