@@ -16,6 +16,7 @@ Python 3 standard library only:
     python3 sim/data/published_tables.py --check  # exit 1 naming each file that differs from what it writes
 """
 import json
+import math
 import os
 import sys
 
@@ -57,14 +58,22 @@ FA_PR1791 = {
     "method": "hopper/benchmark_attn.py of FlashAttention: FlashAttention-2 and FlashAttention-3 on one Hopper GPU (FA3 runs only on sm90), bf16",
     "licence": "figures posted publicly in a GitHub pull request; numbers only, attributed",
 }
-FA_README = {
-    "url": "https://github.com/Dao-AILab/flash-attention/blob/014c349eb1c523f9a97d51ea1880486aeeee4a2e/README.md",
-    "title": "Dao-AILab/flash-attention README, 'Changelog', the FlashAttention 2.0 entry",
-    "location": "section 'Changelog', heading of the 2.0 entry ('Upgrading from FlashAttention (1.x) to FlashAttention-2')",
-    "method": "the authors' statement of FlashAttention-2's speed over FlashAttention 1.x (the FlashAttention-2 paper, arXiv 2307.08691, reports about 2x on an A100 in its abstract)",
-    "licence": "BSD-3-Clause repository (a short quote, attributed)",
+FA2_PAPER = {
+    "url": "https://arxiv.org/abs/2307.08691",
+    "title": "Tri Dao, 'FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning' (ICLR 2024), arXiv:2307.08691, Figure 4(c) 'Attention forward + backward speed (A100 80GB SXM4)', with causal mask, head dimension 64",
+    "location": "Figure 4(c): the TFLOP/s printed above each bar, series 'FlashAttention' and 'FlashAttention-2', sequence length 512, 1k, 2k, 4k, 8k, 16k (the figure is an image in the paper; its bar labels are text in the e-print's figure file figs/flash2_causal_True_hdim_64_fwd_bwd_speed.pdf)",
+    "method": "section 4.1: 'We vary the sequence length from 512, 1k, ..., 16k, and set batch size so that the total number of tokens is 16k. We set hidden dimension to 2048, and head dimension to be either 64 or 128 (i.e., 32 heads or 16 heads)'; causal FLOPs are half of 4 seqlen^2 head_dim heads, the backward 2.5 times the forward",
+    "licence": "arXiv paper; numbers and short quotes, attributed",
 }
-FA1_QUOTE = "### 2.0: Complete rewrite, 2x faster"
+# Figure 4(c) of FA2_PAPER, forward + backward TFLOP/s of the two kernels by sequence length (512 ... 16k).
+FA2_PAPER_SEQ = [512, 1024, 2048, 4096, 8192, 16384]
+FA2_PAPER_FA1 = [58, 70, 77, 87, 92, 97]
+FA2_PAPER_FA2 = [88, 119, 140, 156, 165, 171]
+FA1_QUOTE = ("Figure 4(c), bar labels (TFLOPs/s), sequence length 512 1k 2k 4k 8k 16k: FlashAttention "
+             + " ".join(map(str, FA2_PAPER_FA1)) + "; FlashAttention-2 " + " ".join(map(str, FA2_PAPER_FA2)))
+# FlashAttention 1.x over FlashAttention-2: the geometric mean of the figure's six ratios (0.66 at 512, 0.55-0.57
+# from 2k on), one ratio at every shape, forward and backward (the figure times them together).
+FA1_OVER_FA2 = math.exp(sum(math.log(a / b) for a, b in zip(FA2_PAPER_FA1, FA2_PAPER_FA2)) / len(FA2_PAPER_SEQ))
 FA1_PAPER = {
     "url": "https://arxiv.org/abs/2205.14135v2",
     "title": "Dao, Fu, Ermon, Rudra, Re, 'FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness' (NeurIPS 2022), arXiv:2205.14135v2, Appendix E.6 'Full Benchmarking Results'",
@@ -105,11 +114,13 @@ def standard_attention_entries():
 
 
 def fa1_kernel(fa2):
-    """FlashAttention 1.x (flash-attn < 2.0, as MosaicML llm-foundry pinned it) at half FlashAttention-2's rates."""
-    return {"fwd_scale": r(fa2["fwd_scale"] / 2, 6), "bwd_scale": r(fa2["bwd_scale"] / 2, 6),
-            "source": {"ref": "fa-readme", "quote": FA1_QUOTE,
-                       "note": "FlashAttention 1.x at half the rates of FlashAttention-2 ('fa2' of this table), "
-                               "forward and backward, at every shape"}}
+    """FlashAttention 1.x (flash-attn < 2.0, as MosaicML llm-foundry pinned it) at FA1_OVER_FA2 of FlashAttention-2's
+    rates."""
+    return {"fwd_scale": r(fa2["fwd_scale"] * FA1_OVER_FA2, 6), "bwd_scale": r(fa2["bwd_scale"] * FA1_OVER_FA2, 6),
+            "source": {"ref": "fa2-paper", "quote": FA1_QUOTE,
+                       "note": f"FlashAttention 1.x at {r(FA1_OVER_FA2, 6)} of the rates of FlashAttention-2 ('fa2' of "
+                               f"this table), the geometric mean of the six ratios FlashAttention / FlashAttention-2 "
+                               f"of the figure, forward and backward, at every shape"}}
 
 
 # FlashAttention-2 against a Hopper-native kernel at one shape (causal, head_dim 128, seq 8192), the source's
@@ -206,6 +217,37 @@ def replace_cited(derived, cited):
 FA2_A100 = {"fwd_scale": 1.0, "bwd_scale": 1.0, "derived": "a100-attention-fa2"}
 
 
+def combined_tflops(fwd, bwd):
+    """Forward + backward TFLOP/s of one attention call, the backward doing 2.5 times the forward's work
+    (FA2_PAPER's count)."""
+    return 3.5 / (1 / fwd + 2.5 / bwd)
+
+
+def anchor_a100_hd64_attention(att):
+    """Head dimension 64 on the A100: FA2_PAPER's Figure 4(c) times FlashAttention-2 at exactly the shapes of the
+    H200's head-dim-64, 32-head entries (batch x 32 heads x s = 16k tokens, causal), forward and backward
+    together. Those entries take the figure's rate, split into forward and backward as the H200's cuDNN
+    split its time at that shape; the other head-dim-64 entries (16 heads) take the same factor over the
+    a100-compute rate at their sequence length. Returns the rule's text."""
+    factors = {}
+    for s, fig in zip(FA2_PAPER_SEQ, FA2_PAPER_FA2):
+        e = next(a for a in att if a["head_dim"] == 64 and a["heads"] == 32 and a["s"] == s)
+        assert e["b"] * e["s"] == 16384, e
+        factors[s] = fig / combined_tflops(e["fwd_tflops"], e["bwd_tflops"])
+    for a in att:
+        if a["head_dim"] != 64:
+            continue
+        c = factors[a["s"]]
+        a["fwd_tflops"], a["bwd_tflops"] = r(a["fwd_tflops"] * c), r(a["bwd_tflops"] * c)
+        a["derived"] = "a100-attention-hd64"
+    return ("Causal attention at head dimension 64: the a100-compute rate x the factor that brings the 32-head entry "
+            "of the same sequence length to FlashAttention-2's forward + backward rate in source 'fa2-paper' "
+            "(Figure 4(c), measured on an A100 80GB at exactly those shapes), forward and backward alike: "
+            + ", ".join(f"{s}: {r(c, 4)}" for s, c in factors.items())
+            + ". The H200's cuDNN runs head dimension 64 far below its head-dimension-128 rates, so the matmul ratio "
+              "alone left these 13-47 % below the figure.")
+
+
 def a100_table(h200, latency, gb, stream_src, stream_row, scale_gbps, triad_gbps, array_bytes, device):
     copy_h200 = max((m for m in h200["memory_bound"] if m["kernel"] == "copy"), key=lambda m: m["gbps"] * m["s"])
     mem_factor = scale_gbps / copy_h200["gbps"]
@@ -233,6 +275,7 @@ def a100_table(h200, latency, gb, stream_src, stream_row, scale_gbps, triad_gbps
     }
     gemm, att, mem, adam = derive(h200, latency, "a100-compute", compute_factor, "a100-fp32", A100_FP32 / H100_FP32,
                                   "a100-memory", mem_factor, with_fp8=False)
+    rules["a100-attention-hd64"] = anchor_a100_hd64_attention(att)
     cited_gemm = [gemm_entry("bf16", 1024, 5120, 10240, A100_BF16_MAMF, source={
         "ref": "mamf",
         "quote": "| NVIDIA A100 SXM  |  271.2 |    312 |      86.9% |  1024x10240x5120 | 2.6.0+cu126",
@@ -254,7 +297,7 @@ def a100_table(h200, latency, gb, stream_src, stream_row, scale_gbps, triad_gbps
         "gemm_dispatch_latency": r(latency * 1e6, 6),
         "comment": ("Published microbenchmarks where they exist ('source'), otherwise the H200 measurement scaled by a "
                     "stated rule ('derived'). Written by sim/data/published_tables.py; see sim/data/README.md."),
-        "sources": dict({"mamf": MAMF, stream_src: RRZE_A100_40 if gb == 40 else RRZE_A100_80, "fa-readme": FA_README},
+        "sources": dict({"mamf": MAMF, stream_src: RRZE_A100_40 if gb == 40 else RRZE_A100_80, "fa2-paper": FA2_PAPER},
                         **({"fa1-paper": FA1_PAPER} if gb == 40 else {})),
         "rules": rules,
         "gemm": replace_cited(gemm, cited_gemm),
@@ -312,7 +355,7 @@ def h100_table(h200, latency):
         "gemm_dispatch_latency": "estimate",
         "comment": ("Published microbenchmarks where they exist ('source'), otherwise the H200 measurement under a "
                     "stated rule ('derived'). Written by sim/data/published_tables.py; see sim/data/README.md."),
-        "sources": {"mamf": MAMF, "zzc-h100": ZZC_H100, "fa-pr1791": FA_PR1791, "fa-readme": FA_README},
+        "sources": {"mamf": MAMF, "zzc-h100": ZZC_H100, "fa-pr1791": FA_PR1791, "fa2-paper": FA2_PAPER},
         "rules": rules,
         "gemm": replace_cited(gemm, cited),
         "attention": att,

@@ -265,8 +265,8 @@ for section, size, seq, gpus, mbs in LF_PICK:
                  f"'.[{extra}]' (scripts/train/benchmarking/submit_benchmarks.py), which setup.py pins to '{pin}': "
                  + ("FlashAttention-2, " + ("not a Hopper kernel: " if gpu_label.startswith("H100") else "")
                     + "attention_kernel \"fa2\" (docs/cost-model.md)." if major == "2" else
-                    "FlashAttention 1: attention_kernel \"fa1\", half of FlashAttention-2's rates (FlashAttention's "
-                    "changelog: '2.0: Complete rewrite, 2x faster'; docs/cost-model.md)."))
+                    "FlashAttention 1: attention_kernel \"fa1\", 0.5788 of FlashAttention-2's rates (the FlashAttention-2 "
+                    "paper's Figure 4(c); docs/cost-model.md)."))
     if seq != 2048:
         notes.append(f"Sequence length {seq}: the model file has learned positions up to {seq}, as NumParams shows.")
     cases.append({
