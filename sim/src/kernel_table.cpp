@@ -116,22 +116,36 @@ double KernelTable::gemm_rate(const std::string& dtype_in, std::int64_t m, std::
   return base > 0 ? rate_of("bf16", mm, nn, kk) * rate_of(dtype, at, nn, kk, false) / base : rate_of(dtype, mm, nn, kk);
 }
 
-// Attention: inverse distance over (log s, log batch·heads, log head_dim) among the 4 nearest
-// measurements, the query clamped into the measured box (a flash kernel's tiles fill the GPU at
-// every measured size, so nothing is extrapolated).
+// Attention: each measured head dimension is its own surface over (log s, log batch·heads), inverse
+// distance among its 4 nearest measurements with the query clamped into that head dimension's measured
+// box (a flash kernel's tiles fill the GPU at every measured size, so nothing is extrapolated); a head
+// dimension between two measured ones is linear in log head_dim between their two surfaces, one outside
+// them takes the nearest's. Kernels of different head dimensions are different tilings, so a measured
+// head dimension is never mixed with another's points.
 double KernelTable::attention_rate(bool backward, std::int64_t batch, std::int64_t s, std::int64_t heads,
                                    std::int64_t head_dim) const {
   if (attention.empty()) return 0;
-  double lo[3] = {1e300, 1e300, 1e300}, hi[3] = {0, 0, 0};
-  std::vector<std::pair<std::vector<double>, double>> pts;
-  for (const auto& a : attention) {
-    const double x[3] = {lg(a.s), lg(static_cast<double>(a.batch * a.heads)), lg(a.head_dim)};
-    for (int i = 0; i < 3; ++i) lo[i] = std::min(lo[i], x[i]), hi[i] = std::max(hi[i], x[i]);
-    pts.push_back({{x[0], x[1], x[2]}, backward ? a.bwd_flops_per_s : a.fwd_flops_per_s});
-  }
-  std::vector<double> q = {lg(s), lg(static_cast<double>(batch * heads)), lg(head_dim)};
-  for (int i = 0; i < 3; ++i) q[static_cast<std::size_t>(i)] = std::clamp(q[static_cast<std::size_t>(i)], lo[i], hi[i]);
-  return idw(pts, q, 4);
+  std::map<std::int64_t, std::vector<const Attention*>> by_dim;
+  for (const auto& a : attention) by_dim[a.head_dim].push_back(&a);
+  const auto surface = [&](const std::vector<const Attention*>& entries) {
+    double lo[2] = {1e300, 1e300}, hi[2] = {0, 0};
+    std::vector<std::pair<std::vector<double>, double>> pts;
+    for (const auto* a : entries) {
+      const double x[2] = {lg(a->s), lg(static_cast<double>(a->batch * a->heads))};
+      for (int i = 0; i < 2; ++i) lo[i] = std::min(lo[i], x[i]), hi[i] = std::max(hi[i], x[i]);
+      pts.push_back({{x[0], x[1]}, backward ? a->bwd_flops_per_s : a->fwd_flops_per_s});
+    }
+    std::vector<double> q = {lg(s), lg(static_cast<double>(batch * heads))};
+    for (std::size_t i = 0; i < 2; ++i) q[i] = std::clamp(q[i], lo[i], hi[i]);
+    return idw(pts, q, 4);
+  };
+  const auto above = by_dim.lower_bound(head_dim);
+  if (above == by_dim.begin()) return surface(above->second);
+  if (above == by_dim.end()) return surface(std::prev(above)->second);
+  if (above->first == head_dim) return surface(above->second);
+  const auto below = std::prev(above);
+  const double t = (lg(head_dim) - lg(below->first)) / (lg(above->first) - lg(below->first));
+  return surface(below->second) + t * (surface(above->second) - surface(below->second));
 }
 
 double KernelTable::memory_rate(const std::string& kernel, double bytes) const {

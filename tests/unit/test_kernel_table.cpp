@@ -153,6 +153,36 @@ TEST(KernelTable, RemovesTheDispatchLatencyOfSingleLaunchGemmTimings) {
             std::string::npos);
 }
 
+// Attention interpolates within each measured head dimension, never across: a head-dim-128 query of few
+// heads takes the head-dim-128 measurements (clamped into their box), not the faster or slower
+// head-dim-64 ones nearer in batch·heads; a head dimension between two measured ones is linear in log
+// head_dim between the two surfaces. By hand on a four-entry table.
+TEST(KernelTable, AttentionInterpolatesWithinEachMeasuredHeadDimension) {
+  const auto entry = [](int b, int s, int heads, int d, double fwd, double bwd) {
+    return json{{"b", b}, {"s", s}, {"heads", heads}, {"head_dim", d}, {"fwd_tflops", fwd}, {"bwd_tflops", bwd}};
+  };
+  const json j = {{"gemm", {{{"dtype", "bf16"}, {"m", 512}, {"k", 1024}, {"n", 1024}, {"tflops", 10}}}},
+                  {"attention",
+                   {entry(1, 8192, 16, 64, 100, 80), entry(1, 8192, 32, 64, 120, 90), entry(1, 8192, 32, 128, 300, 250),
+                    entry(1, 8192, 64, 128, 340, 270)}},
+                  {"memory_bound", json::array()},
+                  {"adamw", json::array()}};
+  const KernelTable t = KernelTable::from_json(j, "hd.json");
+  // 16 heads of 128: below head-dim 128's box (32-64 heads): its 32-head point, not a mix with head dim 64's.
+  expect_rel(t.attention_rate(false, 1, 8192, 16, 128), 300e12);
+  expect_rel(t.attention_rate(true, 1, 8192, 16, 128), 250e12);
+  // 48 heads of 128: inverse squared distance in log2(batch·heads) between 32 (log 5) and 64 (log 6).
+  const double d32 = std::log2(48.0) - 5, d64 = 6 - std::log2(48.0);
+  const double w32 = 1 / (d32 * d32), w64 = 1 / (d64 * d64);
+  expect_rel(t.attention_rate(false, 1, 8192, 48, 128), (w32 * 300 + w64 * 340) / (w32 + w64) * 1e12);
+  // Head dim 96 at 32 heads: between 120 (64) and 300 (128), at log2(96/64) / log2(128/64) of the way.
+  const double f = std::log2(96.0 / 64.0);
+  expect_rel(t.attention_rate(false, 1, 8192, 32, 96), (120 + f * (300 - 120)) * 1e12);
+  // Outside the measured head dimensions: the nearest's surface.
+  expect_rel(t.attention_rate(false, 1, 8192, 32, 256), 300e12);
+  expect_rel(t.attention_rate(true, 1, 8192, 16, 32), 80e12);
+}
+
 TEST(KernelTable, MeasuredShapesReturnTheirMeasurement) {
   const auto t = load_kernel_table("h200-sxm");
   // gemm_rate takes (m, n, k); the file lists m, k, n.
