@@ -125,27 +125,30 @@ double KernelTable::gemm_rate(const std::string& dtype_in, std::int64_t m, std::
 double KernelTable::attention_rate(bool backward, std::int64_t batch, std::int64_t s, std::int64_t heads,
                                    std::int64_t head_dim) const {
   if (attention.empty()) return 0;
-  std::map<std::int64_t, std::vector<const Attention*>> by_dim;
-  for (const auto& a : attention) by_dim[a.head_dim].push_back(&a);
-  const auto surface = [&](const std::vector<const Attention*>& entries) {
+  std::vector<std::int64_t> dims;  // the measured head dimensions, ascending
+  for (const auto& a : attention)
+    if (std::find(dims.begin(), dims.end(), a.head_dim) == dims.end()) dims.push_back(a.head_dim);
+  std::sort(dims.begin(), dims.end());
+  const auto surface = [&](std::int64_t dim) {
     double lo[2] = {1e300, 1e300}, hi[2] = {0, 0};
     std::vector<std::pair<std::vector<double>, double>> pts;
-    for (const auto* a : entries) {
-      const double x[2] = {lg(a->s), lg(static_cast<double>(a->batch * a->heads))};
+    for (const auto& a : attention) {
+      if (a.head_dim != dim) continue;
+      const double x[2] = {lg(a.s), lg(static_cast<double>(a.batch * a.heads))};
       for (int i = 0; i < 2; ++i) lo[i] = std::min(lo[i], x[i]), hi[i] = std::max(hi[i], x[i]);
-      pts.push_back({{x[0], x[1]}, backward ? a->bwd_flops_per_s : a->fwd_flops_per_s});
+      pts.push_back({{x[0], x[1]}, backward ? a.bwd_flops_per_s : a.fwd_flops_per_s});
     }
     std::vector<double> q = {lg(s), lg(static_cast<double>(batch * heads))};
     for (std::size_t i = 0; i < 2; ++i) q[i] = std::clamp(q[i], lo[i], hi[i]);
     return idw(pts, q, 4);
   };
-  const auto above = by_dim.lower_bound(head_dim);
-  if (above == by_dim.begin()) return surface(above->second);
-  if (above == by_dim.end()) return surface(std::prev(above)->second);
-  if (above->first == head_dim) return surface(above->second);
-  const auto below = std::prev(above);
-  const double t = (lg(head_dim) - lg(below->first)) / (lg(above->first) - lg(below->first));
-  return surface(below->second) + t * (surface(above->second) - surface(below->second));
+  const auto above = std::lower_bound(dims.begin(), dims.end(), head_dim);
+  if (above == dims.begin()) return surface(*above);
+  if (above == dims.end()) return surface(dims.back());
+  if (*above == head_dim) return surface(head_dim);
+  const std::int64_t below = *std::prev(above);
+  const double t = (lg(head_dim) - lg(below)) / (lg(*above) - lg(below));
+  return surface(below) + t * (surface(*above) - surface(below));
 }
 
 double KernelTable::memory_rate(const std::string& kernel, double bytes) const {
