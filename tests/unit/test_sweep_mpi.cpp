@@ -70,24 +70,30 @@ fs::path fresh_dir(const std::string& name) {
   return dir;
 }
 
-// The quick spec has 2*3*2*2*2*2 = 96 combinations (pp, dp, ep, zero, schedule, microbatches).
-TEST(SweepMpi, TwoRanksWriteTheSameRowsAsALocalSweep) {
-  const fs::path dir = fresh_dir("same");
-  const Result local = sh(std::string(PIPER_CLI) + " sweep " + kSpec + " -o " + (dir / "local.csv").string() + " -j 1");
+// Sweeps `spec` locally and under mpirun -np 2 (dir/local.csv, dir/mpi.csv) and checks that the MPI run
+// split `combinations` over the two ranks and wrote one header and the local run's rows.
+void expect_mpi_rows_equal_local(const std::string& spec, const fs::path& dir, std::size_t combinations) {
+  const Result local = sh(std::string(PIPER_CLI) + " sweep " + spec + " -o " + (dir / "local.csv").string() + " -j 1");
   ASSERT_EQ(local.code, 0) << local.output;
-  const Result mpi = sh(mpirun(2) + PIPER_CLI + " sweep " + kSpec + " -o " + (dir / "mpi.csv").string() + " -j 1");
+  const Result mpi = sh(mpirun(2) + PIPER_CLI + " sweep " + spec + " -o " + (dir / "mpi.csv").string() + " -j 1");
   ASSERT_EQ(mpi.code, 0) << mpi.output;
-  EXPECT_NE(mpi.output.find("96 combinations: 0 already in"), std::string::npos) << mpi.output;
+  EXPECT_NE(mpi.output.find(std::to_string(combinations) + " combinations: 0 already in"), std::string::npos)
+      << mpi.output;
   EXPECT_NE(mpi.output.find("on 2 MPI ranks"), std::string::npos) << mpi.output;
   EXPECT_EQ(lines_of(dir / "mpi.csv").front(), lines_of(dir / "local.csv").front());  // one header
   const auto a = rows_by_key(dir / "mpi.csv");
-  const auto b = rows_by_key(dir / "local.csv");
-  EXPECT_EQ(a.size(), 96u);
-  EXPECT_EQ(a, b);
+  EXPECT_EQ(a.size(), combinations);
+  EXPECT_EQ(a, rows_by_key(dir / "local.csv"));
+}
+
+// The quick spec has 2*3*2*2*2*2 = 96 combinations (pp, dp, ep, zero, schedule, microbatches).
+TEST(SweepMpi, TwoRanksWriteTheSameRowsAsALocalSweep) {
+  const fs::path dir = fresh_dir("same");
+  expect_mpi_rows_equal_local(kSpec, dir, 96);
   fs::remove_all(dir);
 }
 
-// The same over a sweep of 6 combinations (one of them invalid, recorded as such): the case
+// The same over a sweep of 6 combinations (the ep 3 ones invalid, recorded as such): the case
 // MpiLeakCheck.Sweep runs with leak checking in every rank, where the quick spec's 96 took most of a
 // minute under the slow unwinder.
 TEST(SweepMpi, TwoRanksShareASmallSweep) {
@@ -96,16 +102,7 @@ TEST(SweepMpi, TwoRanksShareASmallSweep) {
     std::ofstream(dir / "small.json") << R"({"model": "qwen3-9m", "cluster": "dgx-h200", "engine": "analytic",
       "pp": [1, 2, 4], "ep": [1, 3], "schedule": ["1f1b"], "microbatches": [4]})";
   }
-  const std::string spec = (dir / "small.json").string();
-  const Result local = sh(std::string(PIPER_CLI) + " sweep " + spec + " -o " + (dir / "local.csv").string() + " -j 1");
-  ASSERT_EQ(local.code, 0) << local.output;
-  const Result mpi = sh(mpirun(2) + PIPER_CLI + " sweep " + spec + " -o " + (dir / "mpi.csv").string() + " -j 1");
-  ASSERT_EQ(mpi.code, 0) << mpi.output;
-  EXPECT_NE(mpi.output.find("6 combinations: 0 already in"), std::string::npos) << mpi.output;
-  EXPECT_NE(mpi.output.find("on 2 MPI ranks"), std::string::npos) << mpi.output;
-  const auto a = rows_by_key(dir / "mpi.csv");
-  EXPECT_EQ(a.size(), 6u);
-  EXPECT_EQ(a, rows_by_key(dir / "local.csv"));
+  expect_mpi_rows_equal_local((dir / "small.json").string(), dir, 6);
   fs::remove_all(dir);
 }
 
