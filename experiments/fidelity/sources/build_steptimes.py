@@ -121,17 +121,18 @@ def lf_section(title):
     return i
 
 
-def lf_row(section, size, seq, gpus, mbs=None):
-    start = lf_section(section)
-    rows = []
-    for line in lf[start + 1:]:
+def lf_rows(section):
+    """The (line, cells) of each data row of the table under `section`, to the next section."""
+    for line in lf[lf_section(section) + 1:]:
         if line.startswith("## "):
             break
-        if not line.startswith("|  ") or "---" in line or "Model" in line:
-            continue
-        c = [x.strip() for x in line.strip().strip("|").split("|")]
-        if c[0] == size and c[1] == str(seq) and c[2] == str(gpus) and (mbs is None or c[7] == str(mbs)):
-            rows.append((line, c))
+        if line.startswith("|  ") and "---" not in line and "Model" not in line:
+            yield line, [x.strip() for x in line.strip().strip("|").split("|")]
+
+
+def lf_row(section, size, seq, gpus, mbs=None):
+    rows = [(line, c) for line, c in lf_rows(section)
+            if c[0] == size and c[1] == str(seq) and c[2] == str(gpus) and (mbs is None or c[7] == str(mbs))]
     assert len(rows) == 1, (section, size, seq, gpus, rows)
     return rows[0]
 
@@ -180,15 +181,8 @@ LF_PICK = [
 def lf_long_rows():
     """Every row of the bf16 tables with a sequence of 32K tokens or more (the held-out set's worst class at
     issue #23's filing, 'long sequences with flash attention (32k)'): picked by that rule, not one by one."""
-    picked, section = [], None
-    for line in lf:
-        if line.startswith("## "):
-            section = line if line in LF_CLUSTERS else None
-        elif section and line.startswith("|  ") and "---" not in line and "Model" not in line:
-            c = [x.strip() for x in line.strip().strip("|").split("|")]
-            if int(c[1]) >= 32768:
-                picked.append((section, c[0], int(c[1]), int(c[2]), None))
-    return picked
+    return [(section, c[0], int(c[1]), int(c[2]), None)
+            for section in sorted(LF_CLUSTERS, key=lf_section) for _, c in lf_rows(section) if int(c[1]) >= 32768]
 
 
 LF_PICK += [row for row in lf_long_rows() if row[:4] not in {p[:4] for p in LF_PICK}]
