@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "cli/common.hpp"
+#include "cli/runtime_flags.hpp"
 #include "piper/sim/recompute_policy.hpp"
 #include "piper/sim/simulate.hpp"
 
@@ -15,6 +16,7 @@ namespace {
 
 struct SimulateArgs {
   ScenarioFlags scenario;
+  RuntimeFlags runtime;
   std::string plan_path;
   std::string cluster = piper::sim::kDefaultCluster;
   std::string engine = piper::sim::kDefaultEngine;
@@ -33,7 +35,7 @@ struct SimulateArgs {
 
 int run_simulate(const SimulateArgs& a) {
   sim::SimulateOptions options;
-  options.cluster = a.cluster;
+  options.cluster = a.runtime.applied_to(a.cluster);
   options.engine = a.engine;
   options.calibration_path = a.calibration_path;
   options.symmetry = !a.no_symmetry;
@@ -49,7 +51,8 @@ int run_simulate(const SimulateArgs& a) {
       throw CliError("", "--model is required (or give --plan or --scenario)");
     core::Scenario scenario = a.scenario.scenario();
     // A scenario file's cluster and engine apply unless the flags name others.
-    if (a.cluster_option->count() == 0 && !scenario.cluster.empty()) options.cluster.clear();
+    if (a.cluster_option->count() == 0 && !scenario.cluster.empty())
+      options.cluster = a.runtime.given() ? a.runtime.applied_to(scenario.cluster) : std::string();
     if (a.engine_option->count() == 0 && !scenario.engine.empty()) options.engine.clear();
     const bool automatic = scenario.strategy.recompute == "auto";
     if (automatic != (a.memory_budget->count() > 0))
@@ -108,6 +111,7 @@ Command add_simulate_command(CLI::App& app) {
                                          "cluster preset (dgx-a100-80g, dgx-h100, dgx-h200, hgx-h800) or spec JSON; "
                                          "nodes are added to fit the program")
                              ->capture_default_str();
+  args->runtime.add_to(cmd);
   args->engine_option =
       cmd->add_option("--engine", args->engine,
                       "simulation engine: simgrid (flow-level network) or analytic (fast, no contention)")

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "cli/common.hpp"
+#include "cli/runtime_flags.hpp"
 #include "piper/core/program.hpp"
 #include "piper/search/tune.hpp"
 #ifdef PIPER_HAVE_PLOT
@@ -26,6 +27,7 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 struct TuneArgs {
   search::TuneSpec spec;
+  RuntimeFlags runtime;
   double memory_cap_gib = 0;
   double memory_reserve_gib = -1;  // < 0: the default (search::kDefaultMemoryReserveFraction of the HBM)
   double budget_s = 0;
@@ -41,7 +43,8 @@ void plot_pareto(const search::TuneSpec& spec, const search::TuneSummary& s, con
                  const std::string& png_path) {
 #ifdef PIPER_HAVE_PLOT
   plot::Chart chart;
-  chart.title = fmt::format("{} on {} x {}: throughput vs peak memory", spec.model, spec.devices, spec.cluster);
+  chart.title =
+      fmt::format("{} on {} x {}: throughput vs peak memory", spec.model, spec.devices, cluster_label(spec.cluster));
   chart.x.label = "peak memory per device (GiB)";
   chart.y.label = "throughput (tokens/s)";
   plot::Series fits{"fits the cap (analytic)", {}, {}, plot::Style::Points, "#0072B2", 3.5};
@@ -125,7 +128,7 @@ void print_search_summary(const TuneArgs& a, const search::TuneSummary& s) {
   const search::TuneSpec& spec = a.spec;
   const auto& e = s.enumeration;
   fmt::print("{} on {} x {}, global batch {} sequences, memory cap {:.2f} GiB\n", spec.model, spec.devices,
-             spec.cluster, spec.effective_global_batch(), s.memory_cap_bytes / kGiB);
+             cluster_label(spec.cluster), spec.effective_global_batch(), s.memory_cap_bytes / kGiB);
   if (s.memory_reserve_bytes > 0 || spec.memory_cap_bytes <= 0)
     fmt::print(
         "reserve     {:.2f} GiB of the {:.2f} GiB HBM kept for the CUDA context, NCCL buffers and fragmentation{}\n",
@@ -199,6 +202,7 @@ int run_tune(TuneArgs& a) {
         "", fmt::format("--plot '{}': this piper was built without Qt 6 Gui, so it cannot draw plots", a.plot_path));
 #endif
   search::TuneSpec& spec = a.spec;
+  spec.cluster = a.runtime.applied_to(spec.cluster);
   spec.memory_cap_bytes = a.memory_cap_gib * kGiB;
   spec.memory_reserve_bytes = a.memory_reserve_gib < 0 ? -1 : a.memory_reserve_gib * kGiB;
   spec.placement_search = !a.no_placement;
@@ -313,6 +317,7 @@ Command add_tune_command(CLI::App& app) {
                                      "the simulator; print the best plans that fit");
   cmd->add_option("--model", a->spec.model, "zoo name, model spec JSON or HF config.json")->required();
   cmd->add_option("--cluster", a->spec.cluster, "cluster preset or spec file")->capture_default_str();
+  a->runtime.add_to(cmd);
   cmd->add_option("--devices", a->spec.devices, "GPUs to use")->required()->check(kPositiveInt);
   cmd->add_option("--global-batch", a->spec.global_batch, "sequences per step (default: 4 per device)")
       ->check(kPositiveInt);

@@ -501,7 +501,65 @@ std::vector<std::string> cluster_presets() {
   return out;
 }
 
+namespace {
+
+// How many derived clusters may stand on one another ({"cluster": ...} naming a derived cluster).
+constexpr int kMaxClusterNesting = 8;
+
+bool is_preset(const std::string& name) {
+  return std::any_of(presets().begin(), presets().end(), [&](const Preset& p) { return p.name == name; });
+}
+
+// "runtime" and "attention_kernel" (the training runtime's settings) into `c`; checked against its GPUs'
+// tables once the nodes are known (check_attention_kernel).
+void read_runtime_settings(const Reader& r, const json& j, Cluster& c) {
+  if (j.contains("runtime")) {
+    const json& rt = j.at("runtime");
+    const std::string s = rt.is_string() ? rt.get<std::string>() : "";
+    try {
+      runtime_profile_from_string(s);
+    } catch (const ClusterError&) {
+      r.fail("runtime", "expected one of " + runtime_profile_names() +
+                            " (torch.compile or Megatron's fused kernels; PyTorch eager; eager with a fused "
+                            "cross-entropy; eager with the RMSNorm in torch ops; Piper's CUDA backend: "
+                            "docs/cost-model.md)");
+    }
+    c.runtime = s;
+  }
+  if (j.contains("attention_kernel")) {
+    const json& ak = j.at("attention_kernel");
+    if (!ak.is_string()) r.fail("attention_kernel", "expected the name of an attention implementation (e.g. \"fa2\")");
+    c.attention_kernel = ak.get<std::string>();
+  }
+}
+
+// {"cluster": "<preset or file>", "runtime"?, "attention_kernel"?, "name"?, "comment"?}: that cluster with
+// the training runtime's settings replaced (what `--runtime` and `--attention-kernel` write). A file is
+// taken relative to this spec's folder when it is not found as given.
+Cluster derived_cluster(const json& j, const std::string& where) {
+  Reader r{where};
+  r.check_keys(j, "", {"cluster", "name", "runtime", "attention_kernel", "comment"});
+  if (!j.at("cluster").is_string() || j.at("cluster").get<std::string>().empty())
+    r.fail("cluster", "expected a preset name or a cluster file");
+  std::string base = j.at("cluster").get<std::string>();
+  std::error_code ec;
+  const std::filesystem::path beside = std::filesystem::path(where).parent_path() / base;
+  if (!is_preset(base) && !std::filesystem::exists(base, ec) && std::filesystem::exists(beside, ec))
+    base = beside.string();
+  Cluster c = load_cluster(base, fmt::format("{}: field 'cluster':", where));
+  if (j.contains("name")) {
+    if (!j.at("name").is_string()) r.fail("name", "expected a string");
+    c.name = j.at("name").get<std::string>();
+  }
+  read_runtime_settings(r, j, c);
+  if (j.contains("attention_kernel")) check_attention_kernel(r, c);
+  return c;
+}
+
+}  // namespace
+
 Cluster cluster_from_json(const json& j, const std::string& where) {
+  if (j.is_object() && j.contains("cluster")) return derived_cluster(j, where);
   Reader r{where};
   r.check_keys(
       j, "",
@@ -547,24 +605,7 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
   c.name = name;
   c.network = network;
   c.fixed_size = fixed;
-  if (j.contains("runtime")) {
-    const json& rt = j.at("runtime");
-    const std::string s = rt.is_string() ? rt.get<std::string>() : "";
-    try {
-      runtime_profile_from_string(s);
-    } catch (const ClusterError&) {
-      r.fail("runtime", "expected one of " + runtime_profile_names() +
-                            " (torch.compile or Megatron's fused kernels; PyTorch eager; eager with a fused "
-                            "cross-entropy; eager with the RMSNorm in torch ops; Piper's CUDA backend: "
-                            "docs/cost-model.md)");
-    }
-    c.runtime = s;
-  }
-  if (j.contains("attention_kernel")) {
-    const json& ak = j.at("attention_kernel");
-    if (!ak.is_string()) r.fail("attention_kernel", "expected the name of an attention implementation (e.g. \"fa2\")");
-    c.attention_kernel = ak.get<std::string>();
-  }
+  read_runtime_settings(r, j, c);
   c.nodes.assign(static_cast<std::size_t>(count), base);
   if (j.contains("overrides")) apply_overrides(r, j.at("overrides"), c.nodes);
   if (!c.attention_kernel.empty()) check_attention_kernel(r, c);
@@ -580,6 +621,26 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
 Cluster load_cluster(const std::string& preset_or_path, const std::string& given_by) {
   for (const auto& p : presets())
     if (p.name == preset_or_path) return preset_cluster(p, 1);
+  // Derived clusters name other clusters: a file that names itself would recurse without end.
+  static thread_local int depth = 0;
+  if (depth >= kMaxClusterNesting)
+    throw ClusterError(
+        fmt::format("{} '{}': clusters derived from clusters nest deeper than {} (does a file name "
+                    "itself in \"cluster\"?)",
+                    given_by, preset_or_path, kMaxClusterNesting));
+  struct Nest {
+    Nest() { ++depth; }
+    ~Nest() { --depth; }
+    Nest(const Nest&) = delete;
+    Nest& operator=(const Nest&) = delete;
+  } nest;
+  // A spec given inline (`--cluster '{"cluster": "dgx-h100", "runtime": "eager"}'`).
+  if (const auto first = preset_or_path.find_first_not_of(" \t\r\n");
+      first != std::string::npos && preset_or_path[first] == '{') {
+    std::string where = given_by;
+    if (!where.empty() && where.back() == ':') where.pop_back();
+    return cluster_from_text(preset_or_path, where);
+  }
   std::error_code ec;
   if (!std::filesystem::exists(preset_or_path, ec)) {
     std::string list;

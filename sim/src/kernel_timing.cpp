@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "piper/core/suggest.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/kernel_table.hpp"
 
@@ -33,7 +34,10 @@ std::string to_string(RuntimeProfile p) {
 RuntimeProfile runtime_profile_from_string(const std::string& s) {
   for (const auto& [q, name] : kProfileNames)
     if (s == name) return q;
-  throw ClusterError("unknown runtime profile '" + s + "' (expected one of " + runtime_profile_names() + ")");
+  std::vector<std::string> names;
+  for (const auto& [q, name] : kProfileNames) names.emplace_back(name);
+  throw ClusterError("unknown runtime profile '" + s + "'" + core::did_you_mean(s, names) + " (expected one of " +
+                     runtime_profile_names() + ")");
 }
 
 std::string runtime_profile_names() {

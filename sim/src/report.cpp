@@ -7,6 +7,7 @@
 #include <optional>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "piper/core/model.hpp"
 #include "piper/core/program.hpp"
@@ -264,6 +265,10 @@ Report make_report(const core::Timeline& timeline, const Cluster& cluster, const
   r.engine = timeline.source;
   r.model = program.model_name;
   r.cluster = cluster.name;
+  std::vector<std::string> settings;
+  if (cluster.runtime != "fused") settings.push_back("runtime " + cluster.runtime);
+  if (!cluster.attention_kernel.empty()) settings.push_back("attention " + cluster.attention_kernel);
+  r.runtime = fmt::format("{}", fmt::join(settings, ", "));
   r.devices = program.num_devices;
   r.microbatches = program.microbatches;
   r.step_time_s = timeline.step_time_s;
@@ -353,6 +358,7 @@ json Report::to_json() const {
          {"engine", engine},
          {"model", model},
          {"cluster", cluster},
+         {"runtime", runtime},
          {"devices", devices},
          {"microbatches", microbatches},
          {"step_time_s", step_time_s},
@@ -392,6 +398,7 @@ Report Report::from_json(const json& j) {
   r.engine = j.value("engine", "");
   r.model = j.value("model", "");
   r.cluster = j.value("cluster", "");
+  r.runtime = j.value("runtime", "");
   r.devices = j.value("devices", 0);
   r.microbatches = j.value("microbatches", 0);
   r.step_time_s = j.value("step_time_s", 0.0);
@@ -452,7 +459,8 @@ Report Report::from_json(const json& j) {
 std::string Report::to_text(int max_devices) const {
   std::string out;
   auto row = [&](const std::string& k, const std::string& v) { out += fmt::format("{:<22}{}\n", k, v); };
-  row("model", fmt::format("{} on {} devices ({}), {} microbatches", model, devices, cluster, microbatches));
+  row("model", fmt::format("{} on {} devices ({}{}), {} microbatches", model, devices, cluster,
+                           runtime.empty() ? "" : "; " + runtime, microbatches));
   row("engine", engine);
   row("step time", fmt::format("{:.3f} ms", step_time_s * 1e3));
   row("throughput", fmt::format("{:.0f} tokens/s ({:.0f} tokens/step)", tokens_per_s, tokens_per_step));

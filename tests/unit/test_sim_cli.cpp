@@ -133,6 +133,60 @@ TEST_F(SimCli, BadClusterIsOneLineAndWritesNothing) {
   EXPECT_NE(e.err.find("--engine 'nope'"), std::string::npos) << e.err;
 }
 
+// --runtime / --attention-kernel: the same prediction as a cluster file that sets them, named in the
+// report, kept by --save-scenario; a bad value is one line naming the flag, and nothing is written.
+TEST_F(SimCli, RuntimeFlagsCostTheNamedRuntime) {
+  const fs::path spelled = dir_ / "spelled.json", flagged = dir_ / "flagged.json", sc = dir_ / "s.json",
+                 again = dir_ / "again.json", fused = dir_ / "fused.json";
+  { std::ofstream(dir_ / "c.json") << R"({"preset": "dgx-h100", "runtime": "eager", "attention_kernel": "fa2"})"; }
+  const std::string base = "simulate --model qwen3-9m --pp 2 --microbatches 4 --engine analytic ";
+  ASSERT_EQ(run(base + "--cluster " + (dir_ / "c.json").string() + " --report " + spelled.string(), dir_).code, 0);
+  Result r = run(base + "--cluster dgx-h100 --runtime eager --attention-kernel fa2 --report " + flagged.string() +
+                     " --save-scenario " + sc.string(),
+                 dir_);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("(dgx-h100; runtime eager, attention fa2)"), std::string::npos) << r.out;
+  const json a = json::parse(std::ifstream(spelled)), b = json::parse(std::ifstream(flagged));
+  EXPECT_EQ(b.at("step_time_s"), a.at("step_time_s"));
+  EXPECT_EQ(b.at("runtime"), "runtime eager, attention fa2");
+  ASSERT_EQ(run(base + "--cluster dgx-h100 --report " + fused.string(), dir_).code, 0);
+  EXPECT_LT(json::parse(std::ifstream(fused)).at("step_time_s").get<double>(), b.at("step_time_s").get<double>());
+  r = run("simulate --scenario " + sc.string() + " --report " + again.string(), dir_);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(json::parse(std::ifstream(again)).at("step_time_s"), b.at("step_time_s"));
+  // Over a scenario file's own cluster.
+  r = run("simulate --scenario " + sc.string() + " --runtime fused --report " + again.string(), dir_);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("(dgx-h100; attention fa2)"), std::string::npos) << r.out;
+
+  const fs::path none = dir_ / "none.json";
+  r = run(base + "--runtime eagr --report " + none.string(), dir_);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("piper: error: --runtime 'eagr': unknown runtime profile 'eagr' (did you mean 'eager'?)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  r = run(base + "--cluster dgx-a100-80g --attention-kernel fa3 --report " + none.string(), dir_);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("piper: error: --attention-kernel 'fa3': kernel table 'a100-80gb-sxm' has no attention kernel "
+                       "'fa3' (it has: fa1, fa2)"),
+            std::string::npos)
+      << r.err;
+  r = run(base + "--cluster dgx-h9000 --runtime eager --report " + none.string(), dir_);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("piper: error: --cluster 'dgx-h9000': neither a preset"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(none));
+  // piper tune states the runtime it searched for.
+  r = run(
+      "tune --model qwen3-9m --devices 2 --global-batch 4 --micro-batch-size 1 --zero 0 --schedules 1f1b "
+      "--max-virtual 1 --ep 1 --tp 1 --recompute none --top 0 --show 1 --no-placement-search -j 1 --cluster dgx-h100 "
+      "--runtime eager -o " +
+          (dir_ / "tune.csv").string(),
+      dir_);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("qwen3-9m on 2 x dgx-h100 (runtime eager), global batch 4"), std::string::npos) << r.out;
+}
+
 // `piper tune` end to end: the best plan's directive program and scenario compile to the plan it
 // reports, the plot is a PNG, a rerun resumes everything, and bad flags are one-line errors.
 TEST_F(SimCli, TuneWritesTheWinnersProgramAndResumes) {

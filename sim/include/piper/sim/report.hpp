@@ -76,6 +76,9 @@ struct Report {
   std::string engine;
   std::string model;
   std::string cluster;
+  // The training runtime the kernels were costed for (Cluster::runtime, attention_kernel): "" for the
+  // defaults (fused, the tables' attention), else e.g. "runtime eager, attention fa2".
+  std::string runtime;
   int devices = 0;
   int microbatches = 0;
   double step_time_s = 0;

@@ -1,0 +1,65 @@
+#include "cli/runtime_flags.hpp"
+
+#include <filesystem>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/common.hpp"
+#include "piper/sim/cluster.hpp"
+#include "piper/sim/kernel_table.hpp"
+
+namespace piper::cli {
+
+void RuntimeFlags::add_to(CLI::App* app) {
+  app->add_option("--runtime", runtime,
+                  "training runtime whose kernels are costed, over the cluster's \"runtime\": fused (torch.compile, "
+                  "Megatron-LM), eager (PyTorch eager), eager-fused-loss, eager-unfused-norm, piper-cuda "
+                  "(docs/cost-model.md)");
+  app->add_option("--attention-kernel", attention_kernel,
+                  "attention implementation costed, over the cluster's \"attention_kernel\": fa2 (FlashAttention-2), "
+                  "fa1 (FlashAttention 1.x); default: the kernel tables' own (cuDNN on Hopper)");
+}
+
+std::string RuntimeFlags::applied_to(const std::string& cluster) const {
+  if (!given()) return cluster;
+  if (!runtime.empty()) try {
+      sim::runtime_profile_from_string(runtime);
+    } catch (const sim::ClusterError& e) {
+      throw CliError("", fmt::format("--runtime '{}': {}", runtime, e.what()));
+    }
+  std::error_code ec;
+  const bool file = std::filesystem::is_regular_file(cluster, ec);
+  nlohmann::json spec = {{"cluster", file ? std::filesystem::absolute(cluster).lexically_normal().string() : cluster}};
+  if (!runtime.empty()) spec["runtime"] = runtime;
+  if (!attention_kernel.empty()) spec["attention_kernel"] = attention_kernel;
+  const std::string text = spec.dump();
+  try {
+    sim::load_cluster(text);
+  } catch (const sim::ClusterError& e) {
+    const std::string m = e.what();
+    // The flag's own mistake named as the flag; the cluster's as it reads.
+    const std::string field = "--cluster: field 'attention_kernel': ";
+    if (m.rfind(field, 0) == 0)
+      throw CliError("", fmt::format("--attention-kernel '{}': {}", attention_kernel, m.substr(field.size())));
+    const std::string base = "--cluster: field 'cluster': ";
+    throw CliError("", m.rfind(base, 0) == 0 ? "--cluster " + m.substr(base.size()) : m);
+  }
+  return text;
+}
+
+std::string cluster_label(const std::string& cluster) {
+  if (cluster.empty() || cluster.front() != '{') return cluster;
+  const nlohmann::json spec = nlohmann::json::parse(cluster, nullptr, false);
+  if (!spec.is_object() || !spec.contains("cluster") || !spec.at("cluster").is_string()) return cluster;
+  std::vector<std::string> settings;
+  for (const char* key : {"runtime", "attention_kernel"})
+    if (spec.contains(key) && spec.at(key).is_string())
+      settings.push_back(fmt::format("{} {}", key == std::string("runtime") ? "runtime" : "attention",
+                                     spec.at(key).get<std::string>()));
+  return fmt::format("{} ({})", spec.at("cluster").get<std::string>(), fmt::join(settings, ", "));
+}
+
+}  // namespace piper::cli
