@@ -88,7 +88,7 @@ int run_calibrate(const CalibrateArgs& a) {
   std::string source;
   if (!a.calibration_path.empty()) {
     const sim::Calibration measured = sim::Calibration::load(a.calibration_path);  // its errors name the file
-    c = sim::calibrate_from_ops(*program, cost, measured);
+    c = sim::calibrate_from_ops(*program, cost, measured, a.calibration_path);
     source = "op times " + a.calibration_path;
   } else {
     c = sim::calibrate_from_trace(*program, cost, read_json_file(a.trace_path), a.trace_steps, device, a.trace_path);

@@ -509,6 +509,11 @@ PassKernels kernels_from_json(const json& j, const std::string& where) {
       if (!std::isfinite(k.flops) || k.flops < 0 || !std::isfinite(k.count) || k.count < 0 || k.m < 0 || k.n < 0 ||
           k.k < 0 || k.batch < 1 || k.elems < 0 || k.bytes < 0 || k.head_dim < 0 || k.v_dim < 0 || k.window < 0)
         fail(at, "sizes, flops and count must be finite and >= 0 (batch >= 1)");
+      // Upper bounds: a count of 1e300 passed `piper verify` and simulated as 1e6 would (the model
+      // saturates). 1e9 launches is past any layers x local experts x context-parallel steps (limits.hpp:
+      // 4096 layers, 65536 experts); 1e24 FLOPs is an op's own bound (program_json.cpp, as_flops).
+      if (k.count > 1e9) fail(at + ".count", fmt::format("must be <= {:g} launches, got {:g}", 1e9, k.count));
+      if (k.flops > 1e24) fail(at + ".flops", fmt::format("must be <= {:g} FLOPs, got {:g}", 1e24, k.flops));
       // The kinds timed from their shape need one: a product of no rows, or an attention core of no
       // tokens, heads or head dimension, was costed as free (its FLOPs over a zero-sized shape).
       std::vector<std::pair<const char*, std::int64_t>> shape;

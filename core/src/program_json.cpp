@@ -704,16 +704,25 @@ Program Program::from_json(const json& j) {  // NOLINT(readability-function-size
   if (const json* s = optional_field(j, "stats")) {
     as_object(*s, "stats");
     reject_unknown(*s, "stats", {"dag_nodes", "nodes_by_kind", "compile_seconds", "compiler_peak_rss_bytes"});
-    if (const json* f = optional_field(*s, "dag_nodes")) p.stats.dag_nodes = as_int64(*f, "stats.dag_nodes");
+    // Counts, a time and a size: none below 0 ("dag_nodes": -1 was printed as "(-1 DAG nodes, ...)").
+    const auto non_negative = [](auto v, const std::string& path) {
+      if (v < 0) fail(path, fmt::format("must be >= 0, got {}", v));
+      return v;
+    };
+    if (const json* f = optional_field(*s, "dag_nodes"))
+      p.stats.dag_nodes = non_negative(as_int64(*f, "stats.dag_nodes"), "stats.dag_nodes");
     if (const json* f = optional_field(*s, "nodes_by_kind")) {
       as_object(*f, "stats.nodes_by_kind");
-      for (auto it = f->begin(); it != f->end(); ++it)
-        p.stats.nodes_by_kind[it.key()] = as_int64(it.value(), "stats.nodes_by_kind." + it.key());
+      for (auto it = f->begin(); it != f->end(); ++it) {
+        const std::string path = "stats.nodes_by_kind." + it.key();
+        p.stats.nodes_by_kind[it.key()] = non_negative(as_int64(it.value(), path), path);
+      }
     }
     if (const json* f = optional_field(*s, "compile_seconds"))
-      p.stats.compile_seconds = as_double(*f, "stats.compile_seconds");
+      p.stats.compile_seconds = non_negative(as_double(*f, "stats.compile_seconds"), "stats.compile_seconds");
     if (const json* f = optional_field(*s, "compiler_peak_rss_bytes"))
-      p.stats.compiler_peak_rss_bytes = as_int64(*f, "stats.compiler_peak_rss_bytes");
+      p.stats.compiler_peak_rss_bytes =
+          non_negative(as_int64(*f, "stats.compiler_peak_rss_bytes"), "stats.compiler_peak_rss_bytes");
   }
   return p;
 }

@@ -133,6 +133,18 @@ struct Reader {
     return x;
   }
   static constexpr double kMaxField = 1e9;
+  // A rate, bandwidth, size or efficiency: at least `floor`, a physical lower bound that `what` says
+  // in units ("1 GFLOP/s"). Only an upper bound was checked, and 1e-300 TFLOP/s predicted a step
+  // time of 300 digits and 0 tokens/s.
+  double at_least(const json& j, const std::string& key, const std::string& path, double floor, const char* what,
+                  double max = kMaxField) const {
+    const json& v = j.at(key);
+    if (!v.is_number()) fail(path + key, "expected a number, got " + std::string(v.type_name()));
+    const double x = v.get<double>();
+    if (!std::isfinite(x) || x < floor) fail(path + key, fmt::format("must be >= {} ({}), got {}", floor, what, x));
+    if (x > max) fail(path + key, fmt::format("must be <= {:g}, got {:g}", max, x));
+    return x;
+  }
   // A whole number in [min, limit]: counts of nodes and GPUs, which size tables (limits.hpp).
   int count(const json& j, const std::string& key, const std::string& path, double min, core::Limit limit,
             const char* unit) const {
@@ -179,12 +191,17 @@ void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec&
     if (!j.at("name").is_string()) r.fail(path + "name", "expected a string");
     g.name = j.at("name").get<std::string>();
   }
-  if (j.contains("peak_tflops")) g.peak_flops = r.number(j, "peak_tflops", path, 0, true) * kTera;
-  if (j.contains("sm_count")) g.sm_count = static_cast<int>(r.number(j, "sm_count", path, 1, false, 1e6));
+  if (j.contains("peak_tflops")) g.peak_flops = r.at_least(j, "peak_tflops", path, 1e-3, "1 GFLOP/s") * kTera;
+  if (j.contains("sm_count")) {
+    const double sms = r.number(j, "sm_count", path, 1, false, 1e6);
+    if (sms != std::floor(sms)) r.fail(path + "sm_count", fmt::format("expected a whole number, got {:g}", sms));
+    g.sm_count = static_cast<int>(sms);
+  }
   if (j.contains("hbm_gib"))
-    g.hbm_bytes = static_cast<std::int64_t>(r.number(j, "hbm_gib", path, 0, true) * static_cast<double>(kGiB));
+    g.hbm_bytes =
+        static_cast<std::int64_t>(r.at_least(j, "hbm_gib", path, 1.0 / 1024, "1 MiB") * static_cast<double>(kGiB));
   if (j.contains("hbm_bandwidth_gb_per_s"))
-    g.hbm_bandwidth_bytes_per_s = r.number(j, "hbm_bandwidth_gb_per_s", path, 0, true) * kGB;
+    g.hbm_bandwidth_bytes_per_s = r.at_least(j, "hbm_bandwidth_gb_per_s", path, 1e-3, "1 MB/s") * kGB;
   if (j.contains("launch_overhead_us"))
     g.launch_overhead_s = r.number(j, "launch_overhead_us", path, 0, false, 1e6) * 1e-6;
   if (j.contains("comm_sm_share")) {
@@ -194,13 +211,17 @@ void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec&
   if (j.contains("comm_sm_share_max")) {
     g.comm_sm_share_max = r.number(j, "comm_sm_share_max", path, 0, false);
     if (g.comm_sm_share_max >= 1) r.fail(path + "comm_sm_share_max", "must be < 1");
+    // Below comm_sm_share it was silently raised to it (compute(k) takes the larger of the two):
+    // docs/contention.md has it at least comm_sm_share.
+    if (g.comm_sm_share_max < g.comm_sm_share)
+      r.fail(path + "comm_sm_share_max",
+             fmt::format("must be >= comm_sm_share ({:g}), got {:g}", g.comm_sm_share, g.comm_sm_share_max));
   }
-  if (j.contains("max_efficiency")) {
-    g.max_efficiency = r.number(j, "max_efficiency", path, 0, true);
-    if (g.max_efficiency > 1) r.fail(path + "max_efficiency", "must be <= 1");
-  }
+  if (j.contains("max_efficiency")) g.max_efficiency = r.at_least(j, "max_efficiency", path, 1e-3, "0.1 % of peak", 1);
+  // At most 1e6 GFLOP: the efficiency curve f / (f + half) of a larger one slows every kernel by
+  // orders of magnitude (a 1 GFLOP GEMM at 1e-9 of peak).
   if (j.contains("half_efficiency_gflops"))
-    g.half_efficiency_flops = r.number(j, "half_efficiency_gflops", path, 0, false) * 1e9;
+    g.half_efficiency_flops = r.number(j, "half_efficiency_gflops", path, 0, false, 1e6) * 1e9;
   if (j.contains("kernel_table")) {
     if (!j.at("kernel_table").is_string())
       r.fail(path + "kernel_table", "expected a table name or file path (or \"\")");
@@ -242,11 +263,9 @@ void apply_node(const Reader& r, const json& j, const std::string& path, NodeSpe
     n.gpus_per_node = r.count(j, "gpus_per_node", path, 1, core::Limit::Devices, "GPUs per node");
   if (j.contains("gpu")) apply_gpu(r, j.at("gpu"), path + "gpu.", n.gpu);
   if (j.contains("nvlink_bandwidth_gb_per_s"))
-    n.nvlink_bandwidth_bytes_per_s = r.number(j, "nvlink_bandwidth_gb_per_s", path, 0, true) * kGB;
-  if (j.contains("nvlink_efficiency")) {
-    n.nvlink_efficiency = r.number(j, "nvlink_efficiency", path, 0, true);
-    if (n.nvlink_efficiency > 1) r.fail(path + "nvlink_efficiency", "must be <= 1");
-  }
+    n.nvlink_bandwidth_bytes_per_s = r.at_least(j, "nvlink_bandwidth_gb_per_s", path, 1e-3, "1 MB/s") * kGB;
+  if (j.contains("nvlink_efficiency"))
+    n.nvlink_efficiency = r.at_least(j, "nvlink_efficiency", path, 1e-3, "0.1 % of the line rate", 1);
   if (j.contains("nvlink_latency_us"))
     n.nvlink_latency_s = r.number(j, "nvlink_latency_us", path, 0, false, 1e6) * 1e-6;
   if (j.contains("nics")) {
@@ -255,7 +274,7 @@ void apply_node(const Reader& r, const json& j, const std::string& path, NodeSpe
       r.fail(path + "nics", fmt::format("expected a whole number, got {}", j.at("nics").get<double>()));
   }
   if (j.contains("nic_bandwidth_gbit_per_s"))
-    n.nic_bandwidth_bytes_per_s = r.number(j, "nic_bandwidth_gbit_per_s", path, 0, true) * kGbit;
+    n.nic_bandwidth_bytes_per_s = r.at_least(j, "nic_bandwidth_gbit_per_s", path, 1e-3, "1 Mbit/s") * kGbit;
   if (j.contains("devices_per_gpu"))
     n.devices_per_gpu = r.count(j, "devices_per_gpu", path, 1, core::Limit::Devices, "devices per GPU");
   if (n.gpus_per_node % n.devices_per_gpu != 0)
@@ -288,7 +307,10 @@ void apply_network(const Reader& r, const json& n, NetworkSpec& network) {
       r.fail("network.topology", "expected \"rail-optimized\" or \"fat-tree\"");
     network.topology = t.get<std::string>();
   }
-  if (n.contains("oversubscription")) network.oversubscription = r.number(n, "oversubscription", "network.", 1, false);
+  // At most 1000: a leaf link thinned further is slower than any real network (1e9 made a 400 Gb/s NIC
+  // one of 400 bit/s).
+  if (n.contains("oversubscription"))
+    network.oversubscription = r.number(n, "oversubscription", "network.", 1, false, 1000);
   // Only a fat-tree has the leaf links it thins: on a rail-optimized network it was ignored (qwen3-1b
   // DP 16 on two nodes, 51.427 ms at 1 and at 4; a fat-tree at 4: 71.239 ms).
   if (network.oversubscription > 1 && network.topology != "fat-tree")
@@ -299,22 +321,31 @@ void apply_network(const Reader& r, const json& n, NetworkSpec& network) {
 }
 
 // The "overrides" array: each entry's node fields applied to the nodes it selects (by "nodes":
-// [indices] or "first" and "count").
+// [indices] or "first" and "count"). Each node is overridden at most once, by one selector: a node
+// listed twice, a selection of no node, "nodes" beside "first"/"count" (which were ignored) and two
+// overrides of one node (the last won) are refused.
 void apply_overrides(const Reader& r, const json& list, std::vector<NodeSpec>& nodes) {
   const int count = static_cast<int>(nodes.size());
   if (!list.is_array()) r.fail("overrides", "expected an array of node overrides");
+  std::vector<int> overridden_by(nodes.size(), -1);  // the override that set each node
   for (std::size_t i = 0; i < list.size(); ++i) {
     const std::string path = fmt::format("overrides[{}].", i);
     const json& o = list[i];
     if (!o.is_object()) r.fail(path.substr(0, path.size() - 1), "expected an object");
     std::vector<int> which;
+    const std::string selector = o.contains("nodes") ? "nodes" : "first";
     if (o.contains("nodes")) {
+      for (const char* other : {"first", "count"})
+        if (o.contains(other)) r.fail(path + other, "give either \"nodes\" or \"first\" and \"count\", not both");
       if (!o.at("nodes").is_array()) r.fail(path + "nodes", "expected an array of node indices");
+      if (o.at("nodes").empty()) r.fail(path + "nodes", "selects no node (give at least one node index)");
       for (const json& x : o.at("nodes")) {
         if (!x.is_number_integer()) r.fail(path + "nodes", "expected integer node indices");
         if (x.get<long long>() < 0 || x.get<long long>() >= count)
           r.fail(path + "nodes",
                  fmt::format("node {} out of range (the cluster has {} nodes)", x.get<long long>(), count));
+        if (std::find(which.begin(), which.end(), x.get<int>()) != which.end())
+          r.fail(path + "nodes", fmt::format("node {} is listed twice", x.get<int>()));
         which.push_back(x.get<int>());
       }
     } else if (o.contains("first")) {
@@ -330,6 +361,12 @@ void apply_overrides(const Reader& r, const json& list, std::vector<NodeSpec>& n
     for (int w : which) {
       if (w < 0 || w >= count)
         r.fail(path + "nodes", fmt::format("node {} out of range (the cluster has {} nodes)", w, count));
+      int& by = overridden_by[static_cast<std::size_t>(w)];
+      if (by >= 0)
+        r.fail(path + selector, fmt::format("node {} is already overridden by overrides[{}] (give each node's fields "
+                                            "in one override)",
+                                            w, by));
+      by = static_cast<int>(i);
       apply_node(r, o, path, nodes[static_cast<std::size_t>(w)], true);
       check_node_complete(r, nodes[static_cast<std::size_t>(w)], path);
     }

@@ -147,6 +147,10 @@ Calibration Calibration::from_json(const json& j, const std::string& where) {
   // Every key is one this reader knows: a misspelt match field ("flop") would otherwise be ignored
   // and its entry match more ops than meant. "measured" is the run's free-form provenance.
   if (auto u = core::unknown_field(j, {"format", "version", "gpu", "measured", "entries"})) fail(u->key, u->message);
+  // Version 1 is the only one written (Calibration::to_json, the runtime's calibrate.cpp): another was
+  // read as version 1.
+  if (j.contains("version") && !(j.at("version").is_number_integer() && j.at("version").get<std::int64_t>() == 1))
+    fail("version", "unsupported version " + core::printable(j.at("version").dump(), 40) + " (expected 1)");
   Calibration c;
   c.gpu = j.value("gpu", "");
   if (!j.contains("entries") || !j.at("entries").is_array()) fail("entries", "expected an array");

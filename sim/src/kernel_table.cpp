@@ -190,6 +190,16 @@ struct TableReader {
     if (!std::isfinite(v) || v <= 0 || v > 1e18) fail(at + "." + key, fmt::format("must be in (0, 1e18], got {}", v));
     return v;
   }
+  // A rate or a measured time: at least `floor` (`what` says it in units). Only (0, 1e18] was checked,
+  // and a GEMM rate of 1e-300 TFLOP/s predicted a step of 300 digits (a time of 1e-300 ms, none).
+  double at_least(const json& o, const char* key, const std::string& at, double floor, const char* what) const {
+    const double v = positive(o, key, at);
+    if (v < floor) fail(at + "." + key, fmt::format("must be >= {:g} ({}), got {:g}", floor, what, v));
+    return v;
+  }
+  double tflops(const json& o, const char* key, const std::string& at) const {
+    return at_least(o, key, at, 1e-3, "1 GFLOP/s");
+  }
   // A shape (m, n, k, batch, heads, ...): a whole number in [1, 1e9] (0.5 truncated to 0, and products
   // of 1e18 overflowed int64).
   std::int64_t whole(const json& o, const char* key, const std::string& at) const {
@@ -398,7 +408,7 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
     e.m = r.whole(g, "m", at);
     e.n = r.whole(g, "n", at);
     e.k = r.whole(g, "k", at);
-    e.flops_per_s = r.positive(g, "tflops", at) * 1e12;
+    e.flops_per_s = r.tflops(g, "tflops", at) * 1e12;
     e.cited = g.contains("source");
     t.gemm.push_back(e);
   }
@@ -410,8 +420,8 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
     e.heads = r.whole(a, "heads", at);
     e.kv_heads = a.contains("kv_heads") ? r.whole(a, "kv_heads", at) : e.heads;
     e.head_dim = r.whole(a, "head_dim", at);
-    e.fwd_flops_per_s = r.positive(a, "fwd_tflops", at) * 1e12;
-    e.bwd_flops_per_s = r.positive(a, "bwd_tflops", at) * 1e12;
+    e.fwd_flops_per_s = r.tflops(a, "fwd_tflops", at) * 1e12;
+    e.bwd_flops_per_s = r.tflops(a, "bwd_tflops", at) * 1e12;
     t.attention.push_back(e);
   });
   if (j.contains("attention_kernels")) {
@@ -421,7 +431,16 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
     for (const auto& [name, v] : ak.items()) {
       const std::string at = "attention_kernels." + name;
       r.provenance(v, at, j, cited);
-      t.attention_kernels[name] = {r.positive(v, "fwd_scale", at), r.positive(v, "bwd_scale", at)};
+      // Rate multipliers of the table's attention, bounded as the table's own scales.
+      const json& entry = v;  // a structured binding is not captured by a lambda before C++20's clang 16
+      const auto scale = [&](const char* key) {
+        const double x = r.positive(entry, key, at);
+        if (x < kMinTableScale || x > 1 / kMinTableScale)
+          r.fail(at + "." + key, fmt::format("must be in [{}, {}] (a rate multiplier of the table's attention), got {}",
+                                             kMinTableScale, 1 / kMinTableScale, x));
+        return x;
+      };
+      t.attention_kernels[name] = {scale("fwd_scale"), scale("bwd_scale")};
     }
   }
   const json& mem = r.list(j, "memory_bound");
@@ -433,10 +452,10 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
       r.fail(at + ".kernel", "expected a string");
     r.provenance(m, at, j, cited);
     e.kernel = m.at("kernel").get<std::string>();
-    e.bytes_per_s = r.positive(m, "gbps", at) * 1e9;
+    e.bytes_per_s = r.at_least(m, "gbps", at, 1e-3, "1 MB/s") * 1e9;
     // What one launch moved: given ("bytes"), or the measured time ("s", as kernels.py writes) at that rate.
     if (m.contains("bytes") == m.contains("s")) r.fail(at, "expected one of \"bytes\" (moved per launch) and \"s\"");
-    e.bytes = m.contains("bytes") ? r.positive(m, "bytes", at) : e.bytes_per_s * r.positive(m, "s", at);
+    e.bytes = m.contains("bytes") ? r.positive(m, "bytes", at) : e.bytes_per_s * r.at_least(m, "s", at, 1e-9, "1 ns");
     if (e.kernel == "cross_entropy_fwd_fp32") {
       // kernels.py counts this op (F.cross_entropy(logits.float(), target)) at 6 bytes a logit; it
       // moves 14 (the cast reads 2 and writes 4, log_softmax reads 4 and writes 4), the bytes the
@@ -464,8 +483,8 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
     const auto s = static_cast<double>(r.whole(a, "s", at));
     e.scores = static_cast<double>(r.whole(a, "b", at)) * static_cast<double>(r.whole(a, "heads", at)) * s * s;
     r.whole(a, "head_dim", at);  // checked, not used: the time is per score (docs/cost-model.md)
-    e.fwd_s_per_score = r.positive(a, "fwd_ms", at) * 1e-3 / e.scores;
-    e.bwd_s_per_score = r.positive(a, "bwd_ms", at) * 1e-3 / e.scores;
+    e.fwd_s_per_score = r.at_least(a, "fwd_ms", at, 1e-6, "1 ns") * 1e-3 / e.scores;
+    e.bwd_s_per_score = r.at_least(a, "bwd_ms", at, 1e-6, "1 ns") * 1e-3 / e.scores;
     t.standard_attention.push_back(e);
   });
   // Fused AdamW, bf16 parameters with fp32 moments (kernels.py): per parameter it reads the
@@ -473,7 +492,7 @@ KernelTable KernelTable::from_json(const json& j, const std::string& where) {  /
   // bytes; fp32 parameters: 28. The largest measured run of each gives its bandwidth.
   double best = 0, best32 = 0;
   r.entries(j, "adamw", cited, [&](const json& a, const std::string& at) {
-    const double params = r.positive(a, "params", at), s = r.positive(a, "s", at);
+    const double params = r.positive(a, "params", at), s = r.at_least(a, "s", at, 1e-9, "1 ns");
     const std::string dt = a.is_object() && a.contains("param_dtype") && a.at("param_dtype").is_string()
                                ? a.at("param_dtype").get<std::string>()
                                : "torch.bfloat16";

@@ -2,6 +2,7 @@
 #include "piper/sim/table_calibration.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cmath>
 #include <map>
@@ -175,7 +176,7 @@ std::optional<Fit> fit_with_pinned(const TableCalibration& c, const std::vector<
 
 }  // namespace
 
-void fit_multipliers(TableCalibration& c) {
+void fit_multipliers(TableCalibration& c, const std::string& where) {
   std::vector<int> cls;  // observed classes: the unknowns
   for (int k = 0; k < kKernelClasses; ++k) {
     c.observed[ix(k)] = std::any_of(c.observations.begin(), c.observations.end(), [&](const CalibrationObservation& o) {
@@ -209,11 +210,29 @@ void fit_multipliers(TableCalibration& c) {
     // The table it writes scales by 1 / multiplier, which a table accepts down to kMinTableScale.
     if (best->x[r] > 1 / kMinTableScale)
       throw core::Error(fmt::format(
-          "calibrate: the measured times make {} kernels {:.3g} times slower than the table's, beyond the {:g} a "
+          "{}: the measured times make {} kernels {:.3g} times slower than the table's, beyond the {:g} a "
           "calibrated table may scale: not this table's GPU and runtime, or a unit slipped (seconds, not us?)",
-          to_string(static_cast<KernelClass>(cls[r])), best->x[r], 1 / kMinTableScale));
+          where, to_string(static_cast<KernelClass>(cls[r])), best->x[r], 1 / kMinTableScale));
   }
 }
+
+namespace {
+
+// An observation measured far FASTER than the table predicts (below kMinTableScale of its time: op
+// times of 1 ns, a trace divided by --trace-steps 1e9) was fitted with every multiplier at its lower
+// bound, 0.5, and the table written; the slower side is refused in fit_multipliers. `predicted_s`
+// is the base table's whole time of what was measured.
+void check_not_far_faster(const std::string& where, const std::string& what, double measured_s, double predicted_s) {
+  if (!(predicted_s > 0) || measured_s >= kMinTableScale * predicted_s) return;
+  const std::string how_far = measured_s > 0 ? fmt::format("{:.3g} times faster than", predicted_s / measured_s)
+                                             : std::string("no time at all against");
+  throw core::Error(fmt::format(
+      "{}: {}: measured {:.3g} ms, {} the table's {:.3g} ms, beyond the {:g} a calibrated table may scale: not "
+      "this table's GPU and runtime, or a unit slipped",
+      where, what, measured_s * 1e3, how_far, predicted_s * 1e3, 1 / kMinTableScale));
+}
+
+}  // namespace
 
 json TableCalibration::table_json(const std::string& name, const std::string& source) const {
   json obs = json::array();
@@ -251,7 +270,15 @@ json TableCalibration::table_json(const std::string& name, const std::string& so
             {"observations", obs}}}};
 }
 
-TableCalibration calibrate_from_ops(const core::Program& program, const CostModel& cost, const Calibration& measured) {
+TableCalibration calibrate_from_ops(const core::Program& program, const CostModel& cost, const Calibration& measured,
+                                    const std::string& where) {
+  // A COMPUTE or UPD op measured at 0 s is no measurement: the fit skipped it without a word.
+  for (std::size_t i = 0; i < measured.entries.size(); ++i) {
+    const CalibrationEntry& e = measured.entries[i];
+    if ((e.kind == OpKind::Compute || e.kind == OpKind::Update) && !(e.seconds > 0))
+      throw core::Error(fmt::format("{}: field 'entries[{}].seconds': a measured op time must be > 0 s, got {:g}",
+                                    where, i, e.seconds));
+  }
   TableCalibration c;
   std::map<std::tuple<int, int, double, std::int64_t>, bool> seen;  // one observation per distinct op class
   for (int d = 0; d < program.num_devices; ++d) {
@@ -270,10 +297,13 @@ TableCalibration calibrate_from_ops(const core::Program& program, const CostMode
                              core::to_string(op.pass), op.flops, op.memory_bytes);
         o.predicted = class_seconds(program, cost, d, op, &o.fixed_s);
         o.measured_s = *m;
-        if (total(o.predicted) > 0) c.observations.push_back(std::move(o));
+        if (total(o.predicted) > 0) {
+          check_not_far_faster(where, o.what, o.measured_s, o.fixed_s + total(o.predicted));
+          c.observations.push_back(std::move(o));
+        }
       }
   }
-  fit_multipliers(c);
+  fit_multipliers(c, where);
   return c;
 }
 
@@ -310,6 +340,7 @@ TableCalibration calibrate_from_trace(const core::Program& program, const CostMo
                       ": expected a Chrome trace (an object with a \"traceEvents\" array, or an array of events)");
   }
   ClassSeconds measured{};
+  std::array<std::size_t, kKernelClasses> kernels_of{};  // kernel events per class
   std::size_t kernels = 0;
   // The GPU of each kernel event (the PyTorch profiler's "args": {"device": N}, else its "pid"): the
   // trace must be one GPU's, whose kernels add up to one device's step.
@@ -340,6 +371,7 @@ TableCalibration calibrate_from_trace(const core::Program& program, const CostMo
     KernelClass k;
     if (!classify_kernel(e.at("name").get<std::string>(), k)) continue;
     measured[ix(static_cast<int>(k))] += dur * 1e-6 / steps;
+    ++kernels_of[ix(static_cast<int>(k))];
     ++kernels;
   }
   if (kernels == 0)
@@ -350,6 +382,12 @@ TableCalibration calibrate_from_trace(const core::Program& program, const CostMo
                     "device's step; "
                     "give the trace of the GPU that ran --device {}",
                     where, gpus.size(), *gpus.begin(), *std::next(gpus.begin()), device));
+  // Each step runs a kernel at least: more steps than kernels divided the trace's times by a count it
+  // does not hold (--trace-steps 1e9 made every kernel a nanosecond's).
+  if (static_cast<std::size_t>(steps) > kernels)
+    throw core::Error(fmt::format(
+        "{}: --trace-steps {}: more steps than the trace has GPU kernels ({}); give the steps the trace covers", where,
+        steps, kernels));
   ClassSeconds predicted{};
   const core::Plan& plan = program.plan_for(device);
   for (const auto& stream : plan.streams)
@@ -360,14 +398,17 @@ TableCalibration calibrate_from_trace(const core::Program& program, const CostMo
     }
   TableCalibration c;
   for (int k = 0; k < kKernelClasses; ++k) {
+    const std::string what = to_string(static_cast<KernelClass>(k)) + " kernels of one step";
+    // A class whose kernels took no time at all is as far from the table as 1 ns.
+    if (kernels_of[ix(k)] > 0) check_not_far_faster(where, what, measured[ix(k)], predicted[ix(k)]);
     if (measured[ix(k)] <= 0 || predicted[ix(k)] <= 0) continue;
     CalibrationObservation o;
-    o.what = to_string(static_cast<KernelClass>(k)) + " kernels of one step";
+    o.what = what;
     o.predicted[ix(k)] = predicted[ix(k)];
     o.measured_s = measured[ix(k)];
     c.observations.push_back(std::move(o));
   }
-  fit_multipliers(c);
+  fit_multipliers(c, where);
   return c;
 }
 

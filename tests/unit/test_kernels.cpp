@@ -273,6 +273,31 @@ TEST(Kernels, SegmentsMergeRepeatedBlocksAndRoundTripThroughJson) {
   EXPECT_THROW(kernels_from_json(bad, "t"), PlanError);
 }
 
+// A kernel's "count" (its launches in the pass) of 1e300 passed `piper verify` and simulated as count
+// 1e6 would (the model saturates): refused past 1e9, naming the field; its "flops" past 1e24 too (the
+// bound of an op's FLOPs).
+TEST(Kernels, KernelCountAndFlopsHaveAnUpperBound) {
+  ModelConfig cfg = *zoo_config("qwen3-9m");
+  const Model m = build_model(cfg);
+  const PassKernels pk = segment_kernels(m.layers(), 0, static_cast<int>(m.layers().size()), m.training(), {}, 1);
+  auto error_of = [](const nlohmann::json& j) -> std::string {
+    try {
+      (void)kernels_from_json(j, "segments[0].kernels");
+    } catch (const PlanError& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  nlohmann::json j = kernels_to_json(pk);
+  j["BI"][0]["count"] = 1e300;
+  EXPECT_EQ(error_of(j), "plan: field 'segments[0].kernels.BI[0].count': must be <= 1e+09 launches, got 1e+300");
+  j["BI"][0]["count"] = 1e9;
+  EXPECT_EQ(error_of(j), "(no error)");
+  j = kernels_to_json(pk);
+  j["F"][0]["flops"] = 1e300;
+  EXPECT_EQ(error_of(j), "plan: field 'segments[0].kernels.F[0].flops': must be <= 1e+24 FLOPs, got 1e+300");
+}
+
 // TorchTitan's op-level selective checkpointing (Recompute::Op), derived by hand for llama3-8b
 // (h 4096, 32 heads of 128, 8 KV heads, ffn 14336, bf16), T = 2 x 512 tokens, no TP: of the block's
 // matmuls wq, wk, wv, wo, w1, w3, w2 the 1st, 3rd, 5th and 7th outputs are kept (wq: h, wv: 1024,

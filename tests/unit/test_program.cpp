@@ -246,6 +246,24 @@ TEST(Program, EqualityComparesEveryFieldButStats) {
   }
 }
 
+// "stats": {"dag_nodes": -1} was read and printed as "(-1 DAG nodes, 46 ops)": a count or size below
+// zero is refused, naming the field.
+TEST(Program, NegativeStatsAreRefusedNamingTheField) {
+  const json good = small_program().to_json();
+  for (const auto& [path, value] : std::vector<std::pair<std::string, json>>{
+           {"dag_nodes", -1}, {"compile_seconds", -0.5}, {"compiler_peak_rss_bytes", -1}}) {
+    json j = good;
+    j["stats"][path] = value;
+    EXPECT_EQ(error_of(j), "plan: field 'stats." + path + "': must be >= 0, got " + value.dump()) << path;
+  }
+  json j = good;
+  j["stats"]["nodes_by_kind"]["F"] = -2;
+  EXPECT_EQ(error_of(j), "plan: field 'stats.nodes_by_kind.F': must be >= 0, got -2");
+  j = good;
+  j["stats"]["dag_nodes"] = 0;
+  EXPECT_EQ(error_of(j), "(no error)");
+}
+
 TEST(Program, FromJsonNamesTheField) {
   const json good = small_program().to_json();
   {

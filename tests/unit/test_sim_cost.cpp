@@ -103,6 +103,96 @@ TEST(SimCluster, HeterogeneousOverridesAndOneLineErrors) {
   std::filesystem::remove(path);
 }
 
+// Tiny positive rates and sizes were taken as given: peak_tflops 1e-300 predicted a step of 300 digits
+// and 0 tokens/s, exit 0. Each rate, bandwidth and size has a physical floor, named with its unit; the
+// floor itself is accepted.
+TEST(SimCluster, TinyRatesAndSizesAreRefusedNamingTheFloor) {
+  const json base = {{"preset", "dgx-h100"}};
+  auto with = [&](const std::string& section, const std::string& key, double v) {
+    json j = base;
+    if (section == "gpu")
+      j["node"]["gpu"][key] = v;
+    else if (section == "node")
+      j["node"][key] = v;
+    else
+      j["network"] = json{{"topology", "fat-tree"}, {key, v}};
+    return j;
+  };
+  struct Case {
+    std::string section, key, field, floor;
+    double at_floor;
+  };
+  const std::vector<Case> cases = {
+      {"gpu", "peak_tflops", "node.gpu.peak_tflops", "must be >= 0.001 (1 GFLOP/s)", 0.001},
+      {"gpu", "hbm_bandwidth_gb_per_s", "node.gpu.hbm_bandwidth_gb_per_s", "must be >= 0.001 (1 MB/s)", 0.001},
+      {"gpu", "hbm_gib", "node.gpu.hbm_gib", "must be >= 0.0009765625 (1 MiB)", 1.0 / 1024},
+      {"gpu", "max_efficiency", "node.gpu.max_efficiency", "must be >= 0.001 (0.1 % of peak)", 0.001},
+      {"node", "nvlink_bandwidth_gb_per_s", "node.nvlink_bandwidth_gb_per_s", "must be >= 0.001 (1 MB/s)", 0.001},
+      {"node", "nvlink_efficiency", "node.nvlink_efficiency", "must be >= 0.001 (0.1 % of the line rate)", 0.001},
+      {"node", "nic_bandwidth_gbit_per_s", "node.nic_bandwidth_gbit_per_s", "must be >= 0.001 (1 Mbit/s)", 0.001},
+  };
+  for (const Case& c : cases) {
+    const std::string e = error_of([&] { cluster_from_json(with(c.section, c.key, 1e-300), "tiny.json"); });
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+    EXPECT_NE(e.find("tiny.json: field '" + c.field + "': " + c.floor + ", got 1e-300"), std::string::npos) << e;
+    EXPECT_NO_THROW(cluster_from_json(with(c.section, c.key, c.at_floor), "tiny.json")) << c.field;
+  }
+  // A fractional SM count was truncated (1.5 -> 1 SM).
+  EXPECT_NE(error_of([&] {
+              cluster_from_json(with("gpu", "sm_count", 1.5), "sm.json");
+            }).find("sm.json: field 'node.gpu.sm_count': expected a whole number, got 1.5"),
+            std::string::npos);
+  // A leaf link thinned a billion times is a NIC of 400 bits/s.
+  EXPECT_NE(error_of([&] {
+              cluster_from_json(with("network", "oversubscription", 1e9), "o.json");
+            }).find("o.json: field 'network.oversubscription': must be <= 1000, got 1e+09"),
+            std::string::npos);
+  EXPECT_NO_THROW(cluster_from_json(with("network", "oversubscription", 1000), "o.json"));
+}
+
+// Overrides that select no node, a node twice, or by two selectors at once, and a node that two
+// overrides both set, were accepted (the last write won, "first" and "count" were ignored beside
+// "nodes"); a comm_sm_share_max below comm_sm_share was silently raised to it.
+TEST(SimCluster, AmbiguousOverridesAreRefusedInOneLine) {
+  auto err = [](const json& overrides) {
+    return error_of([&] {
+      cluster_from_json(json{{"preset", "dgx-h100"}, {"nodes", 4}, {"overrides", overrides}}, "o.json");
+    });
+  };
+  auto expect_has = [](const std::string& e, const std::string& want) {
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+    EXPECT_NE(e.find(want), std::string::npos) << e;
+  };
+  expect_has(err(json::array({{{"nodes", {3, 3}}, {"gpu", "a100-sxm-80g"}}})),
+             "o.json: field 'overrides[0].nodes': node 3 is listed twice");
+  expect_has(err(json::array({{{"nodes", json::array()}, {"gpu", "a100-sxm-80g"}}})),
+             "o.json: field 'overrides[0].nodes': selects no node");
+  expect_has(err(json::array({{{"nodes", {1}}, {"first", 0}, {"count", 1}, {"gpu", "a100-sxm-80g"}}})),
+             "o.json: field 'overrides[0].first': give either \"nodes\" or \"first\" and \"count\", not both");
+  expect_has(err(json::array({{{"nodes", {1}}, {"count", 1}}})),
+             "o.json: field 'overrides[0].count': give either \"nodes\" or \"first\" and \"count\", not both");
+  expect_has(err(json::array({{{"nodes", {3}}, {"gpu", "a100-sxm-80g"}}, {{"first", 2}, {"count", 2}}})),
+             "o.json: field 'overrides[1].first': node 3 is already overridden by overrides[0]");
+  expect_has(err(json::array({{{"nodes", {3}}, {"gpu", "a100-sxm-80g"}}, {{"nodes", {3}}, {"gpu", "h100-sxm"}}})),
+             "o.json: field 'overrides[1].nodes': node 3 is already overridden by overrides[0]");
+  // Distinct nodes in two overrides are fine.
+  EXPECT_NO_THROW(cluster_from_json(
+      json{{"preset", "dgx-h100"},
+           {"nodes", 4},
+           {"overrides", {{{"nodes", {3}}, {"gpu", "a100-sxm-80g"}}, {{"first", 0}, {"count", 2}, {"nics", 4}}}}},
+      "o.json"));
+  // comm_sm_share_max is at least comm_sm_share (docs/contention.md).
+  const std::string e = error_of([] {
+    cluster_from_json(
+        json{{"preset", "dgx-h100"}, {"node", {{"gpu", {{"comm_sm_share", 0.5}, {"comm_sm_share_max", 0.1}}}}}},
+        "s.json");
+  });
+  expect_has(e, "s.json: field 'node.gpu.comm_sm_share_max': must be >= comm_sm_share (0.5), got 0.1");
+  EXPECT_NO_THROW(cluster_from_json(
+      json{{"preset", "dgx-h100"}, {"node", {{"gpu", {{"comm_sm_share", 0.3}, {"comm_sm_share_max", 0.3}}}}}},
+      "s.json"));
+}
+
 TEST(SimCost, RingAllReduceMatchesClosedForm) {
   const std::int64_t bytes = 1 << 30;
   const double S = static_cast<double>(bytes);

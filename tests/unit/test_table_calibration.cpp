@@ -317,3 +317,99 @@ TEST(TableCalibration, TraceOfSeveralGpusRefused) {
     EXPECT_EQ(m.find('\n'), std::string::npos);
   }
 }
+
+// Measured times far FASTER than the table (op times of 1 ns, a trace's kernels of 1 ns, a trace
+// divided by --trace-steps 1e9) were fitted with every multiplier at its lower bound, 0.5, the table
+// written and exit 0; the opposite side (1000 times slower) was refused. Both sides are refused, in
+// one line naming the file and the measured and predicted times.
+TEST(TableCalibration, MeasuredTimesFarFasterThanTheTableAreRefused) {
+  auto p = compile("qwen3-9m", 1, 2);
+  CostModel cost(h200());
+  auto op_times = [&](double factor) {
+    Calibration measured;
+    for (const auto& stream : p->plan_for(0).streams)
+      for (const auto& op : stream.ops) {
+        if (op.kind != core::OpKind::Compute && op.kind != core::OpKind::Update) continue;
+        double launches = 0;
+        const ClassSeconds s = class_seconds(*p, cost, 0, op, &launches);
+        CalibrationEntry e;
+        e.kind = op.kind;
+        e.pass = op.pass;
+        e.flops = op.flops;
+        e.memory_bytes = op.memory_bytes;
+        e.seconds = factor * (launches + s[0] + s[1] + s[2] + s[3]);
+        measured.entries.push_back(e);
+      }
+    return measured;
+  };
+  auto error_of = [](const auto& f) -> std::string {
+    try {
+      f();
+    } catch (const core::Error& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  EXPECT_EQ(error_of([&] { calibrate_from_ops(*p, cost, op_times(0.01), "c.json"); }), "(no error)");
+  std::string e = error_of([&] { calibrate_from_ops(*p, cost, op_times(1e-4), "c.json"); });
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  EXPECT_EQ(e.rfind("c.json: ", 0), 0u) << e;
+  EXPECT_NE(e.find("times faster than the table's"), std::string::npos) << e;
+  EXPECT_NE(e.find("a unit slipped"), std::string::npos) << e;
+  // A measured time of 0 (or below) is no measurement: named by its entry.
+  Calibration zero = op_times(1);
+  zero.entries[1].seconds = 0;
+  EXPECT_EQ(error_of([&] { calibrate_from_ops(*p, cost, zero, "c.json"); }),
+            "c.json: field 'entries[1].seconds': a measured op time must be > 0 s, got 0");
+
+  // A trace: one step's GEMM time at 1e-4 of the table's, or an honest trace over 1e9 "steps".
+  const ClassSeconds step = step_by_class(*p, cost, 0);
+  auto trace = [](double gemm_us, int kernels) {
+    json events = json::array();
+    for (int i = 0; i < kernels; ++i)
+      events.push_back({{"ph", "X"}, {"cat", "kernel"}, {"name", "nvjet_sm90_gemm"}, {"dur", gemm_us / kernels}});
+    return json{{"traceEvents", events}};
+  };
+  EXPECT_EQ(error_of([&] { calibrate_from_trace(*p, cost, trace(step[0] * 1e6, 4), 1, 0, "t.json"); }), "(no error)");
+  e = error_of([&] { calibrate_from_trace(*p, cost, trace(step[0] * 1e2, 4), 1, 0, "t.json"); });
+  EXPECT_EQ(e.rfind("t.json: gemm kernels of one step: measured ", 0), 0u) << e;
+  EXPECT_NE(e.find("times faster than the table's"), std::string::npos) << e;
+  // Every kernel of the class taking 0 us is as far from the table.
+  e = error_of([&] { calibrate_from_trace(*p, cost, trace(0, 4), 1, 0, "t.json"); });
+  EXPECT_NE(e.find("t.json: gemm kernels of one step: measured 0 ms"), std::string::npos) << e;
+  // More steps than the trace holds kernels: a step without a single kernel.
+  e = error_of([&] { calibrate_from_trace(*p, cost, trace(step[0] * 1e6 * 5, 4), 5, 0, "t.json"); });
+  EXPECT_EQ(e,
+            "t.json: --trace-steps 5: more steps than the trace has GPU kernels (4); give the steps the trace covers");
+}
+
+// A calibration file of another version was read as version 1.
+TEST(TableCalibration, CalibrationFileVersionIsChecked) {
+  const json ok = {{"format", "piper-calibration"},
+                   {"version", 1},
+                   {"entries", {{{"kind", "COMPUTE"}, {"pass", "F"}, {"seconds", 0.01}}}}};
+  EXPECT_NO_THROW(Calibration::from_json(ok, "c.json"));
+  for (const json& v : {json(99), json("1"), json(1.5)}) {
+    json j = ok;
+    j["version"] = v;
+    try {
+      Calibration::from_json(j, "c.json");
+      FAIL() << "accepted version " << v.dump();
+    } catch (const ClusterError& e) {
+      EXPECT_EQ(std::string(e.what()), "c.json: field 'version': unsupported version " + v.dump() + " (expected 1)");
+    }
+  }
+}
+
+// The CLI: a trace far faster than the table exits 2 in one line and writes no table.
+TEST(TableCalibration, CliRefusesFarTooFastTimesAndWritesNothing) {
+  const std::string dir = scratch("table_calibration_fast");
+  core::write_file_atomically(dir + "/fast.json",
+                              R"({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "dur": 0.001}]})");
+  const auto r = piper::test::run_cli_in(
+      dir, PIPER_CLI, "calibrate --model qwen3-9m --pp 1 --microbatches 2 -o " + dir + "/out.json --trace fast.json");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("fast.json: gemm kernels of one step: measured"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("times faster than the table's"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/out.json"));
+}

@@ -51,16 +51,21 @@ struct TableCalibration {
 // Fits the multipliers to observations: least squares of the relative errors, each multiplier at
 // least kMinMultiplier, with a weak pull of the observed classes towards one common multiplier (it
 // decides what the observations leave open); a class with no time in any observation keeps 1. Throws
-// core::Error when nothing was observed.
-void fit_multipliers(TableCalibration& c);
+// core::Error when nothing was observed, or when a multiplier passes 1 / kMinTableScale (what a
+// calibrated table may scale); `where` (the file) prefixes its errors.
+void fit_multipliers(TableCalibration& c, const std::string& where = "calibrate");
 
 // From the op times of a run of `program` (a piper-calibration file, `piper run --calibrate`): one
-// observation per calibration entry that some COMPUTE or UPD op of the plan matches.
-TableCalibration calibrate_from_ops(const core::Program& program, const CostModel& cost, const Calibration& measured);
+// observation per calibration entry that some COMPUTE or UPD op of the plan matches. `where` (the
+// file) prefixes its errors: a COMPUTE or UPD entry's time must be > 0, and no op may be measured
+// more than 1 / kMinTableScale times faster or slower than the table predicts (a unit slipped).
+TableCalibration calibrate_from_ops(const core::Program& program, const CostModel& cost, const Calibration& measured,
+                                    const std::string& where = "calibrate");
 
 // From a Chrome trace of GPU kernels (the PyTorch profiler's export: events with "ph": "X",
 // "cat": "kernel", "name", "dur" in µs) covering `steps` training steps of device `device`'s plan: the
-// kernel times summed by class (classify_kernel), one observation per class.
+// kernel times summed by class (classify_kernel), one observation per class. `steps` is at most the
+// trace's kernels (a step runs one at least); the classes' times obey calibrate_from_ops's bounds.
 TableCalibration calibrate_from_trace(const core::Program& program, const CostModel& cost, const nlohmann::json& trace,
                                       int steps, int device, const std::string& where);
 
