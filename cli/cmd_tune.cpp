@@ -201,6 +201,12 @@ int run_tune(TuneArgs& a) {
     throw CliError(
         "", fmt::format("--plot '{}': this piper was built without Qt 6 Gui, so it cannot draw plots", a.plot_path));
 #endif
+  // GiB a device: 1e308 overflowed to "memory cap inf GiB" (exit 0) and "--memory-reserve-gib inf".
+  constexpr double kMaxDeviceGiB = 1e6;
+  for (const auto& [flag, gib] :
+       {std::pair{"--memory-cap", a.memory_cap_gib}, {"--memory-reserve-gib", a.memory_reserve_gib}})
+    if (gib > kMaxDeviceGiB)
+      throw CliError("", fmt::format("{} {:g}: more GiB than any device has (at most {:g})", flag, gib, kMaxDeviceGiB));
   search::TuneSpec& spec = a.spec;
   spec.cluster = a.runtime.applied_to(spec.cluster);
   spec.memory_cap_bytes = a.memory_cap_gib * kGiB;

@@ -1,8 +1,12 @@
 // Shared pieces of the piper command (see common.hpp).
 #include "cli/common.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <cstring>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -80,6 +84,31 @@ std::string human_count(std::int64_t n) {
 
 double mib(std::int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
+// A number as a person writes one: decimal digits with an optional sign, point and exponent (an
+// integer: digits and a sign). stod and CLI11 also took "0x10" (16), "0x1p-40" and " 2".
+bool decimal_number(const std::string& v, bool integer) {
+  std::size_t i = 0;
+  auto digits = [&] {
+    const std::size_t start = i;
+    while (i < v.size() && std::isdigit(static_cast<unsigned char>(v[i]))) ++i;
+    return i > start;
+  };
+  if (i < v.size() && (v[i] == '+' || v[i] == '-')) ++i;
+  bool any = digits();
+  if (integer) return any && i == v.size();
+  if (i < v.size() && v[i] == '.') {
+    ++i;
+    any = digits() || any;
+  }
+  if (!any) return false;
+  if (i < v.size() && (v[i] == 'e' || v[i] == 'E')) {
+    ++i;
+    if (i < v.size() && (v[i] == '+' || v[i] == '-')) ++i;
+    if (!digits()) return false;
+  }
+  return i == v.size();
+}
+
 // CLI11's Range prints DBL_MAX for a non-number; these say what is expected in a few words.
 // An int (the whole text, within int's range) of at least `min`; `what` names the rule in the message.
 static CLI::Validator int_at_least(long long min, const std::string& what, const std::string& name) {
@@ -88,7 +117,8 @@ static CLI::Validator int_at_least(long long min, const std::string& what, const
         try {
           std::size_t used = 0;
           long long v = std::stoll(value, &used);
-          if (used == value.size() && v >= min && v <= std::numeric_limits<int>::max()) return {};
+          if (decimal_number(value, true) && used == value.size() && v >= min && v <= std::numeric_limits<int>::max())
+            return {};
         } catch (const std::exception&) {
         }
         return "must be " + what + ", got '" + value + "'";
@@ -116,7 +146,7 @@ const CLI::Validator kNonNegativeNumber(
       try {
         std::size_t used = 0;
         double v = std::stod(value, &used);
-        if (used == value.size() && v >= 0 && std::isfinite(v)) return {};
+        if (decimal_number(value, false) && used == value.size() && v >= 0 && std::isfinite(v)) return {};
       } catch (const std::exception&) {
       }
       return "must be a non-negative number, got '" + value + "'";
@@ -127,7 +157,7 @@ const CLI::Validator kPositiveNumber(
       try {
         std::size_t used = 0;
         double v = std::stod(value, &used);
-        if (used == value.size() && v > 0 && std::isfinite(v)) return {};
+        if (decimal_number(value, false) && used == value.size() && v > 0 && std::isfinite(v)) return {};
       } catch (const std::exception&) {
       }
       return "must be a positive number, got '" + value + "'";
@@ -182,13 +212,43 @@ void collect_path_options(CLI::App* app, std::vector<PathOption>& outputs, std::
     if (o->count() == 0 || o->get_type_name().rfind("TEXT", 0) != 0) continue;
     const bool output = has_validator(o, kOutputPathName);
     const bool makes_folder = has_validator(o, kMakesItsFolderName);
-    for (const std::string& value : o->results())
-      if (!value.empty()) (output ? outputs : inputs).push_back({option_label(o), value, makes_folder});
+    for (const std::string& value : o->results()) {
+      // An empty value meant "the default" (`--cluster ""` simulated dgx-h200, `--calibration ""` was
+      // ignored): no text option takes one.
+      if (value.empty())
+        throw CliError(
+            "", fmt::format("{}: empty value (give one, or leave the option out for its default)", option_label(o)));
+      (output ? outputs : inputs).push_back({option_label(o), value, makes_folder});
+    }
   }
   for (CLI::App* sub : app->get_subcommands()) collect_path_options(sub, outputs, inputs);
 }
 
+// Why a new file cannot be made in `folder` (the reason), or "" when one can: tried, and removed.
+std::string folder_refuses_files(const std::filesystem::path& folder) {
+  std::string name = (folder / ".piper-write-check-XXXXXX").string();
+  const int fd = ::mkstemp(name.data());
+  if (fd < 0) return std::strerror(errno);
+  ::close(fd);
+  ::unlink(name.c_str());
+  return {};
+}
+
 }  // namespace
+
+void refuse_loose_numbers(CLI::App* command) {
+  for (CLI::Option* o : command->get_options()) {
+    if (o->count() == 0) continue;
+    const std::string type = o->get_type_name();
+    const bool integer = type.rfind("INT", 0) == 0 || type.rfind("UINT", 0) == 0;
+    if (!integer && type.rfind("FLOAT", 0) != 0) continue;
+    for (const std::string& value : o->results())
+      if (!decimal_number(value, integer))
+        throw CliError("", fmt::format("{} '{}': expected {} in decimal", option_label(o), core::printable(value, 80),
+                                       integer ? "a whole number" : "a number"));
+  }
+  for (CLI::App* sub : command->get_subcommands()) refuse_loose_numbers(sub);
+}
 
 void refuse_outputs_over_inputs(CLI::App* command) {
   namespace fs = std::filesystem;
@@ -239,6 +299,12 @@ void refuse_outputs_over_inputs(CLI::App* command) {
       if (fs::is_directory(out.path, ec))
         throw CliError(out.path,
                        fmt::format("{}: is a folder, not a regular file: name a file (in it, or elsewhere)", out.flag));
+      // And the folder must take a new file (outputs are written to a temporary file beside the
+      // target, then renamed): `tune --emit-directives /proc/x.json` failed only after the search.
+      if (replaceable(out.path))
+        if (const std::string why = folder_refuses_files(folder.empty() ? fs::path(".") : folder); !why.empty())
+          throw CliError(out.path, fmt::format("{}: cannot write in the folder '{}': {}", out.flag,
+                                               folder.empty() ? std::string(".") : folder.string(), why));
     }
     if (!replaceable(out.path)) continue;
     for (const PathOption& in : inputs) {

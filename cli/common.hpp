@@ -74,6 +74,10 @@ inline constexpr const char* kMakesItsFolderName = "makes-its-folder";
 // output whose folder does not exist (unless the option is marked kMakesItsFolder).
 // `piper run --resume ck --save ck` continues its own checkpoint and is allowed.
 void refuse_outputs_over_inputs(CLI::App* command);
+// Numbers given to number options in decimal only (CLI11 also read "0x10" as 16 and " 2" as 2): a
+// CliError naming the flag otherwise.
+bool decimal_number(const std::string& text, bool integer);
+void refuse_loose_numbers(CLI::App* command);
 
 // Strategy flags: one per setting of the table (core/settings.hpp), named --kebab-case of the
 // setting, with its help, type and range checks.

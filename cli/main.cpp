@@ -134,6 +134,7 @@ int run_command(int argc, char** argv) {
       if (c.app->parsed()) {
         // Under mpirun rank 0 writes every output (the run's report, trace and checkpoint, the sweep's
         // results file): it checks them, in one line; the job ends when it exits.
+        refuse_loose_numbers(c.app);
         if (!another_mpi_rank()) refuse_outputs_over_inputs(c.app);
         return c.run();
       }

@@ -195,7 +195,19 @@ StrategyOptions resolve_v_ends(StrategyOptions o, const ModelConfig& cfg) {
 namespace {
 
 ModelConfig load_config(const Scenario& s) {
-  ModelConfig cfg = from(model_file_of(s.model), [&] { return load_model_config(s.model); });
+  ModelConfig cfg = from(model_file_of(s.model), [&] {
+    try {
+      return load_model_config(s.model);
+    } catch (const ModelError& e) {
+      // A scenario file's model that names nothing is the file's field, not the loader's bare
+      // "nosuch: neither a zoo model ..." (": neither ..." for an empty one). Python's dicts ("scenario")
+      // keep the loader's words, which the bindings name as their own keyword.
+      const std::string what = e.what(), lead = s.model + ": neither a zoo model";
+      if (s.source.empty() || s.source == "scenario" || what.rfind(lead, 0) != 0) throw;
+      if (s.model.empty()) throw ModelError(s.source + ": field 'model': required: a zoo name or a model file");
+      throw ModelError(fmt::format("{}: field 'model': '{}'{}", s.source, s.model, what.substr(s.model.size())));
+    }
+  });
   if (s.seq_len > 0) cfg.training.seq_len = s.seq_len;
   if (s.micro_batch_size > 0) cfg.training.micro_batch_size = s.micro_batch_size;
   return cfg;
@@ -763,7 +775,8 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
                    "the schedule)");
     }
   for (const char* key : {"cluster", "engine"})
-    if (j.contains(key) && !j[key].is_string()) throw fail(key, "must be a string");
+    if (j.contains(key) && (!j[key].is_string() || j[key].get<std::string>().empty()))
+      throw fail(key, "must be a non-empty string (leave the field out for the default)");
   if (j.contains("cluster")) s.cluster = resolve(j["cluster"].get<std::string>());
   if (j.contains("engine")) s.engine = j["engine"].get<std::string>();
   if (j.contains("train")) s.train = checked_train(j["train"], where);

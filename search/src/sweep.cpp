@@ -138,7 +138,8 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
   SweepSpec s;
   auto text = [&](const char* field, std::string fallback) {
     if (!j.contains(field)) return fallback;
-    if (!j.at(field).is_string()) throw SweepError(fmt::format("{}: field '{}': expected a string", where, field));
+    if (!j.at(field).is_string() || j.at(field).get<std::string>().empty())
+      throw SweepError(fmt::format("{}: field '{}': expected a non-empty string", where, field));
     return j.at(field).get<std::string>();
   };
   s.model = resolve(text("model", s.model), base_dir);
