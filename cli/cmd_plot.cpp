@@ -2,6 +2,7 @@
 // PNG scatter or line chart, one series per value of an optional grouping column.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -25,16 +26,13 @@ struct PlotArgs {
 
 #ifdef PIPER_HAVE_PLOT
 // A CSV cell as a finite decimal number; false for anything else (std::stod alone would also read
-// "0x10" as 16).
+// "0x10" as 16). A denormal (1e-320) or a value that rounds to 0 (1e-400) is a number: std::stod threw
+// out_of_range for them (strtod's ERANGE on underflow), and the row was counted "without numbers".
 bool decimal_number(const std::string& s, double* out) {
-  if (s.find_first_not_of("0123456789+-.eE") != std::string::npos) return false;
-  try {
-    std::size_t used = 0;
-    *out = std::stod(s, &used);
-    return used == s.size() && std::isfinite(*out);
-  } catch (const std::exception&) {
-    return false;
-  }
+  if (s.empty() || s.find_first_not_of("0123456789+-.eE") != std::string::npos) return false;
+  char* end = nullptr;
+  *out = std::strtod(s.c_str(), &end);
+  return end == s.c_str() + s.size() && std::isfinite(*out);  // overflow is HUGE_VAL: not finite
 }
 
 plot::Series sorted_by_x(const plot::Series& s) {
@@ -44,6 +42,19 @@ plot::Series sorted_by_x(const plot::Series& s) {
   plot::Series sorted = s;
   for (std::size_t i = 0; i < idx.size(); ++i) sorted.x[i] = s.x[idx[i]], sorted.y[i] = s.y[idx[i]];
   return sorted;
+}
+
+// Why nothing is drawn, in one line: no row passed --where (said as such: "no row has numbers in both
+// 'x' and 'y'" sent the user looking at the wrong columns), none has values > 0 for a logarithmic axis,
+// or none has numbers in both columns.
+[[noreturn]] void refuse_no_points(const PlotArgs& a, const std::string& where_column, int matched, int not_positive) {
+  if (!where_column.empty() && matched == 0)
+    throw CliError(a.csv_path, fmt::format("--where '{}': no row has '{}' in column '{}'", a.where,
+                                           a.where.substr(a.where.find('=') + 1), where_column));
+  if (not_positive > 0)
+    throw CliError(a.csv_path,
+                   fmt::format("no row has values > 0 in '{}' and '{}' for the logarithmic axis", a.x, a.y));
+  throw CliError(a.csv_path, fmt::format("no row has numbers in both '{}' and '{}'", a.x, a.y));
 }
 #endif
 
@@ -86,7 +97,7 @@ int run_plot(const PlotArgs& a) {
   }
   std::map<std::string, plot::Series> groups;
   std::vector<std::string> order;
-  int line_no = 1, skipped = 0, not_positive = 0;
+  int line_no = 1, skipped = 0, not_positive = 0, matched = 0;
   for (std::string line; std::getline(in, line);) {
     line_no += 1;
     drop_cr(line);
@@ -96,6 +107,7 @@ int run_plot(const PlotArgs& a) {
       throw CliError(a.csv_path,
                      fmt::format("line {}: {} fields, the header has {}", line_no, f.size(), columns.size()));
     if (wi >= 0 && f[static_cast<std::size_t>(wi)] != wanted) continue;
+    matched += 1;
     double x = 0, y = 0;
     if (!decimal_number(f[static_cast<std::size_t>(xi)], &x) || !decimal_number(f[static_cast<std::size_t>(yi)], &y)) {
       skipped += 1;  // e.g. invalid or pruned rows with empty figures
@@ -123,11 +135,7 @@ int run_plot(const PlotArgs& a) {
     points += s.x.size();
     chart.series.push_back(std::move(s));
   }
-  if (points == 0)
-    throw CliError(a.csv_path,
-                   not_positive > 0
-                       ? fmt::format("no row has values > 0 in '{}' and '{}' for the logarithmic axis", a.x, a.y)
-                       : fmt::format("no row has numbers in both '{}' and '{}'", a.x, a.y));
+  if (points == 0) refuse_no_points(a, wi >= 0 ? columns[static_cast<std::size_t>(wi)] : "", matched, not_positive);
   try {
     if (a.line)
       plot::write_line_png(chart, a.output_path);

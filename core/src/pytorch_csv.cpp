@@ -1,11 +1,15 @@
 // PyTorch torch.distributed.pipelining compute-only CSV <-> ScheduleTable <-> directive program.
 #include "piper/core/pytorch_csv.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <regex>
 #include <set>
 #include <stdexcept>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -31,6 +35,84 @@ ActionKind kind_from_char(char c) {
       return ActionKind::I;
     default:
       return ActionKind::W;
+  }
+}
+
+// Pass 4: the order can run. Each step (cell) waits for the step before it in its row and for the
+// steps holding its actions' inputs: F(s, m) for F(s + 1, m); F(s, m) and the backward (B or I) of
+// (s + 1, m) for a backward of (s, m); I(s, m) for W(s, m). Kahn's algorithm over the steps; any step
+// left over waits, through a cycle, on itself. A backward before its forward or ranks waiting on each
+// other were imported with exit 0, and `piper compile` then found a cycle in the generated program.
+template <typename Cells, typename Shown, typename At>
+void check_runnable(const Cells& cells, int stages, const Shown& shown, const At& at) {
+  using Key = std::tuple<int, ActionKind, int>;
+  std::map<Key, std::size_t> cell_of;
+  for (std::size_t i = 0; i < cells.size(); ++i)
+    for (const auto& act : cells[i].step) cell_of[{act.stage, act.kind, act.microbatch}] = i;
+  // Per step, the steps it needs, with the action each one holds; those of its own row first.
+  std::vector<std::vector<std::pair<std::size_t, ScheduleAction>>> inputs(cells.size());
+  std::vector<std::vector<std::size_t>> users(cells.size());
+  std::vector<std::size_t> waiting(cells.size(), 0);
+  auto need = [&](std::size_t i, const ScheduleAction& input) {
+    const auto it = cell_of.find({input.stage, input.kind, input.microbatch});
+    if (it == cell_of.end() || it->second == i) return;  // the completeness and overlap checks' cases
+    inputs[i].emplace_back(it->second, input);
+    users[it->second].push_back(i);
+    ++waiting[i];
+  };
+  for (std::size_t i = 0; i < cells.size(); ++i) {
+    if (i > 0 && cells[i - 1].row == cells[i].row) {
+      users[i - 1].push_back(i);
+      ++waiting[i];
+    }
+    for (const auto& act : cells[i].step) {
+      const int s = act.stage, m = act.microbatch;
+      if (act.kind == ActionKind::F && s > 0) need(i, {s - 1, ActionKind::F, m});
+      if (act.kind == ActionKind::B || act.kind == ActionKind::I) {
+        need(i, {s, ActionKind::F, m});
+        if (s + 1 < stages) {
+          const bool full = cell_of.contains({s + 1, ActionKind::B, m});
+          need(i, {s + 1, full ? ActionKind::B : ActionKind::I, m});
+        }
+      }
+      if (act.kind == ActionKind::W) need(i, {s, ActionKind::I, m});
+    }
+    std::stable_partition(inputs[i].begin(), inputs[i].end(),
+                          [&](const auto& in) { return cells[in.first].row == cells[i].row; });
+  }
+  std::vector<char> done(cells.size(), 0);
+  std::vector<std::size_t> ready;
+  for (std::size_t i = 0; i < cells.size(); ++i)
+    if (waiting[i] == 0) ready.push_back(i);
+  std::size_t ran = 0;
+  while (!ready.empty()) {
+    const std::size_t i = ready.back();
+    ready.pop_back();
+    done[i] = 1, ++ran;
+    for (std::size_t u : users[i])
+      if (--waiting[u] == 0) ready.push_back(u);
+  }
+  if (ran == cells.size()) return;
+  // The first step left over whose row ran up to it waits for an input that never runs.
+  for (std::size_t i = 0; i < cells.size(); ++i) {
+    if (done[i] || (i > 0 && cells[i - 1].row == cells[i].row && !done[i - 1])) continue;
+    for (const auto& entry : inputs[i]) {
+      const std::size_t j = entry.first;
+      const ScheduleAction& input = entry.second;
+      if (done[j]) continue;
+      const auto& user = *std::find_if(cells[i].step.begin(), cells[i].step.end(),
+                                       [&](const ScheduleAction& a) { return a.microbatch == input.microbatch; });
+      if (cells[j].row == cells[i].row)
+        throw at(cells[i].row, cells[i].col,
+                 input.stage == user.stage ? fmt::format("{} comes before its forward {} (column {})", shown(user),
+                                                         shown(input), cells[j].col + 1)
+                                           : fmt::format("{} comes before {} (column {}), whose output it needs",
+                                                         shown(user), shown(input), cells[j].col + 1));
+      throw at(cells[i].row, cells[i].col,
+               fmt::format("{} waits for {} (row {}, column {}), which can never run: the rows' orders wait on each "
+                           "other",
+                           shown(user), shown(input), cells[j].row + 1, cells[j].col + 1));
+    }
   }
 }
 
@@ -114,6 +196,10 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text,  // NOLINT(read
   };
   std::vector<Cell> cells;
   for (std::size_t r = 0; r < rows.size(); ++r) {
+    // A rank with nothing to run: a blank line in the middle became an idle device of the program.
+    if (std::all_of(rows[r].begin(), rows[r].end(), [](const std::string& c) { return c.empty(); }))
+      throw std::invalid_argument(fmt::format(
+          "{}: row {} (rank {}): no actions (a blank row?): every rank runs at least one stage", where, r + 1, r));
     for (std::size_t c = 0; c < rows[r].size(); ++c) {
       const std::string& cell = rows[r][c];
       if (cell.empty()) continue;  // an idle slot
@@ -200,6 +286,13 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text,  // NOLINT(read
     {
       if (step.size() == 2 && !(step[0].kind == ActionKind::F && step[1].kind != ActionKind::F))
         throw at(r, c, "'" + printable(cell, 40) + "': an overlapped step is a forward then a backward");
+      // A microbatch's backward on any stage follows all of its forwards (through the last stage's), so
+      // the two halves of a step would wait on each other.
+      if (step.size() == 2 && step[0].microbatch == step[1].microbatch)
+        throw at(
+            r, c,
+            fmt::format("'{}': the backward {} needs the forward {} of the same microbatch, so they cannot overlap",
+                        printable(cell, 40), shown(step[1]), shown(step[0])));
       for (const auto& act : step) {
         auto [home, fresh] = stage_home.try_emplace(act.stage, std::make_pair(r, c));
         if (!fresh && home->second.first != r)
@@ -227,7 +320,7 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text,  // NOLINT(read
         max_stage = std::max(max_stage, act.stage);
         max_mb = std::max(max_mb, act.microbatch);
       }
-      t.ranks[r].push_back(std::move(step));
+      t.ranks[r].push_back(step);  // a copy: pass 4 reads the cells
     }
   }
   t.stages = max_stage + 1;
@@ -251,6 +344,7 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text,  // NOLINT(read
                  fmt::format("missing microbatch: stage {} has {}{}{} but no {}W{}", s, s, input_letter, mb, s, mb));
     }
   }
+  check_runnable(cells, t.stages, shown, at);
   return t;
 }
 

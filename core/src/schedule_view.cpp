@@ -3,6 +3,7 @@
 #include "piper/core/schedule_view.hpp"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -181,7 +182,13 @@ UnitSchedule unit_time_schedule(const Program& program,  // NOLINT(readability-f
   return out;
 }
 
-UnitSchedule unit_time_schedule(const StrategyOptions& options, const UnitCosts& costs) {
+namespace {
+
+// unit_time_schedule of a family; `before_program` sees the options once they passed
+// validate_strategy_options, before the directive program and the compile (both grow with the ops:
+// the program of 400 ranks x 1600 microbatches alone took 9 s and 2.9 GB).
+UnitSchedule unit_time_schedule_of(const StrategyOptions& options, const UnitCosts& costs,
+                                   const std::function<void(const StrategyOptions&)>& before_program) {
   if (costs.forward < 1 || costs.backward < 1 || costs.weight < 1 || costs.weight >= costs.backward)
     throw Error("--costs F,B,W: need integers F >= 1, B >= 2 and 1 <= W < B (BI = B - W must be positive)");
   // Unit costs are small: times are ints, and 2 x 10^9 units overflowed them.
@@ -194,6 +201,10 @@ UnitSchedule unit_time_schedule(const StrategyOptions& options, const UnitCosts&
   const ScheduleFamily& family = schedule_family(o.schedule);
   // The directive program first: its errors name the flags (--pp x --virtual past the PP-region
   // limit), where the model's named a zoo model the user never gave.
+  if (before_program) {
+    validate_strategy_options(o);  // its errors name the flags (--pp x --virtual past the PP-region limit)
+    before_program(o);
+  }
   const DirectiveProgram program = validated(generate_program(o));
   const int regions = family.regions(o);
   // A small dense model (no expert segments) with one block per region: one compute op per
@@ -206,6 +217,12 @@ UnitSchedule unit_time_schedule(const StrategyOptions& options, const UnitCosts&
   for (int i = 0; i < regions; ++i) starts.push_back(i);
   annotate_pipeline_ranges(model, starts);
   return unit_time_schedule(compile(model, program).program, costs);
+}
+
+}  // namespace
+
+UnitSchedule unit_time_schedule(const StrategyOptions& options, const UnitCosts& costs) {
+  return unit_time_schedule_of(options, costs, nullptr);
 }
 
 std::string render_unit_schedule(const UnitSchedule& s, const ScheduleTable* table) {
@@ -285,8 +302,36 @@ std::string render_unit_schedule(const UnitSchedule& s, const ScheduleTable* tab
 
 namespace piper::core {
 
+double schedule_grid_chars_at_least(const StrategyOptions& o, const UnitCosts& costs) {
+  const ScheduleFamily& family = schedule_family(o.schedule);
+  const int regions = family.regions(o);
+  // A mirrored family runs microbatches / 2 on each of its two copies.
+  const int microbatches = family.mirrored ? 2 * (o.microbatches / 2) : o.microbatches;
+  auto digits = [](int n) {
+    int d = 1;
+    for (; n >= 10; n /= 10) ++d;
+    return d;
+  };
+  const int cell = digits(std::max(regions - 1, 0)) + 1 + digits(std::max(microbatches - 1, 0)) + 1;
+  return static_cast<double>(cell) * regions * microbatches * (static_cast<double>(costs.forward) + costs.backward);
+}
+
 std::string schedule_show_text(const StrategyOptions& o, const UnitCosts& costs) {
-  const UnitSchedule s = unit_time_schedule(o, costs);
+  // The program and its compile cost time and memory with the ops (400 ranks x 1600 microbatches:
+  // minutes and 4.6 GB; a grid of 2 * 10^6 characters about 10 s and 1.2 GB), so a grid too big to
+  // read is refused from the flags, before them.
+  constexpr double kMaxShownGridChars = 2e6;
+  const UnitSchedule s = unit_time_schedule_of(o, costs, [&](const StrategyOptions& valid) {
+    const double least = schedule_grid_chars_at_least(valid, costs);
+    if (least > kMaxShownGridChars)
+      throw Error(fmt::format(
+          "schedule show: a grid of --ranks {} x --microbatches {}{} with --costs {},{},{} takes at least {:.0f} "
+          "characters (at most {:.0f}): give fewer ranks or microbatches, or smaller --costs (schedule export-csv "
+          "writes a schedule of any size)",
+          valid.pp, valid.microbatches,
+          valid.virtual_stages > 1 ? fmt::format(" x --virtual {}", valid.virtual_stages) : "", costs.forward,
+          costs.backward, costs.weight, least, kMaxShownGridChars));
+  });
   std::optional<ScheduleTable> table;
   try {
     table = schedule_table(o);

@@ -38,6 +38,13 @@ struct Range {
 
 double forward(double v, bool log) { return log ? std::log10(v) : v; }
 
+// [lo, hi] (on the axis' scale) is empty, inverted, or so narrow against its values' magnitude that
+// nothing can be told apart in it: under a millionth of a millionth of the magnitude.
+bool too_narrow(double lo, double hi, bool log) {
+  const double a = forward(lo, log), b = forward(hi, log);
+  return !(b - a > std::max(std::abs(a), std::abs(b)) * 1e-12);
+}
+
 Range data_range(const Chart& c, bool x_axis) {
   const Axis& axis = x_axis ? c.x : c.y;
   double lo = std::numeric_limits<double>::infinity(), hi = -lo;
@@ -57,14 +64,18 @@ Range data_range(const Chart& c, bool x_axis) {
     lo = std::pow(10, std::floor(std::log10(lo) * 10) / 10 - 0.05);
     hi = std::pow(10, std::ceil(std::log10(hi) * 10) / 10 + 0.05);
   } else {
-    // Pad 5 % so markers on the edge stay whole; a single value gets a unit-wide window.
-    const double pad = hi > lo ? 0.05 * (hi - lo) : std::max(1.0, std::abs(lo) * 0.1);
+    // Pad 5 % so markers on the edge stay whole; a single value gets a unit-wide window (10 % of the
+    // value's magnitude beyond 10). So does a span within rounding of its values (1 and
+    // 1.0000000000000002): its ticks and positions would lie below the resolution of the doubles.
+    const double pad =
+        !too_narrow(lo, hi, false) ? 0.05 * (hi - lo) : std::max(1.0, std::max(std::abs(lo), std::abs(hi)) * 0.1);
     lo -= pad;
     hi += pad;
   }
   if (axis.min) lo = *axis.min;
   if (axis.max) hi = *axis.max;
-  if (!(hi > lo)) hi = lo + 1;
+  // A fixed range that is empty, inverted or within rounding of its values: a window above its low end.
+  if (too_narrow(lo, hi, axis.log)) hi = axis.log ? lo * 10 : lo + std::max(1.0, std::abs(lo) * 0.1);
   // Values near the largest double (1e308 and -1e308) overflow the span: every position would be NaN.
   if (!std::isfinite(lo) || !std::isfinite(hi) || !std::isfinite(forward(hi, axis.log) - forward(lo, axis.log)))
     throw PlotError((x_axis ? "x" : "y") + std::string(" axis '") + axis.label +
@@ -105,8 +116,20 @@ std::vector<double> nice_ticks(double lo, double hi, bool log, int target) {
       step = m * mag;
       break;
     }
-  for (double v = std::ceil(lo / step - 1e-9) * step; v <= hi + step * 1e-9; v += step)
-    out.push_back(std::abs(v) < step * 1e-9 ? 0.0 : v);
+  // Ticks by index, k x step: a step below the resolution of the values (1 and 1.0000000000000002)
+  // added to v left it unchanged, and the loop never ended. There are about `target` of them; never
+  // more than a few times that, whatever the rounding.
+  if (!(step > 0) || !std::isfinite(step)) return out;
+  const double first = std::ceil(lo / step - 1e-9), last = std::floor(hi / step + 1e-9);
+  if (!std::isfinite(first) || !std::isfinite(last) || !(last >= first)) return out;
+  const int count = static_cast<int>(std::min(last - first, 4.0 * std::max(1, target) + 4)) + 1;
+  for (int i = 0; i < count; ++i) {
+    double v = (first + i) * step;
+    if (std::abs(v) < step * 1e-9) v = 0.0;
+    // Within rounding of lo and hi, and each tick a value of its own.
+    if (v < lo - step * 1e-9 || v > hi + step * 1e-9 || (!out.empty() && v <= out.back())) continue;
+    out.push_back(v);
+  }
   return out;
 }
 

@@ -2,10 +2,12 @@
 // the requested size written atomically, and one-line errors for bad input.
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 
 #include <gtest/gtest.h>
 
@@ -16,6 +18,14 @@
 
 using namespace piper::plot;
 namespace fs = std::filesystem;
+
+#if defined(__SANITIZE_ADDRESS__)
+#define PIPER_TEST_PLOT_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define PIPER_TEST_PLOT_ASAN 1
+#endif
+#endif
 
 namespace {
 
@@ -43,7 +53,14 @@ struct CliRun {
 
 CliRun run(const std::string& args) {
   const fs::path out = temp("cli.txt");
-  const std::string cmd = std::string(PIPER_CLI) + " " + args + " > " + out.string() + " 2>&1";
+  // Bounded (a timeout; 4 GB of address space but under AddressSanitizer, whose shadow memory needs
+  // far more): a regression that loops fails the test instead of hanging it or filling the memory.
+#if defined(PIPER_TEST_PLOT_ASAN)
+  const std::string bound = "timeout 60 ";
+#else
+  const std::string bound = "ulimit -v 4000000; timeout 60 ";
+#endif
+  const std::string cmd = bound + std::string(PIPER_CLI) + " " + args + " > " + out.string() + " 2>&1";
   const int rc = std::system(cmd.c_str());
   std::ifstream in(out);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -180,6 +197,62 @@ TEST(PlotCli, HostileValuesAndPathsAreRefusedOrCounted) {
   r = run("plot " + csv.string() + " --x a --y b -o " + png.string());
   EXPECT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("2 points in 1 series (0 rows without numbers skipped)"), std::string::npos) << r.output;
+  fs::remove(csv);
+  fs::remove(png);
+}
+
+// Degenerate axis ranges. Values 1 ulp apart (1 and 1.0000000000000002) gave a tick step that, added
+// to 1, left it unchanged: the tick loop never ended and grew memory without bound. The commands run
+// under `timeout` and an address-space cap so that the bug fails the test instead of hanging it.
+TEST(PlotCli, AxesSpanningOneUlpOrHugeOrDenormalValuesPlot) {
+  const fs::path csv = temp("degenerate.csv"), png = temp("degenerate.png");
+  auto write = [&](const std::string& text) { std::ofstream(csv) << text; };
+  auto plot = [&](const std::string& extra = "") {
+    fs::remove(png);
+    return run("plot " + csv.string() + " --x x --y y -o " + png.string() + extra);
+  };
+  for (const char* text :
+       {"x,y\n1,1\n1.0000000000000002,2\n", "x,y\n1,1\n2,1.0000000000000002\n", "x,y\n1e300,1\n-1e300,2\n"}) {
+    write(text);
+    const CliRun r = run("plot " + csv.string() + " --x x --y y -o " + png.string());
+    ASSERT_EQ(r.status, 0) << text << r.output;  // not the in-process checks below if the CLI hung
+    EXPECT_NE(r.output.find("2 points in 1 series (0 rows without numbers skipped)"), std::string::npos) << r.output;
+    EXPECT_EQ(QImage(QString::fromStdString(png.string())).width(), 1100) << text;
+  }
+  // Ticks of a range within rounding of its values: few, ordered, inside the range.
+  for (const auto& [lo, hi] : {std::pair{1.0, std::nextafter(1.0, 2.0)}, std::pair{1e20, std::nextafter(1e20, 2e20)},
+                               std::pair{5e-324, 1e-323}, std::pair{-1e300, 1e300}}) {
+    const auto ticks = nice_ticks(lo, hi, false);
+    EXPECT_LE(ticks.size(), 8u) << lo << " " << hi;
+    for (std::size_t i = 0; i < ticks.size(); ++i) {
+      EXPECT_GE(ticks[i], lo) << lo << " " << hi;
+      EXPECT_LE(ticks[i], hi) << lo << " " << hi;
+      if (i > 0) {
+        EXPECT_LT(ticks[i - 1], ticks[i]);
+      }
+    }
+  }
+  // Charts whose data or fixed range is within rounding of its values, or denormal, draw.
+  Chart chart;
+  chart.x = {"x", false, 1e20, 1e20};
+  chart.y = {"y", false, 1.0, std::nextafter(1.0, 2.0)};
+  chart.series.push_back({"", {1e20}, {1}, Style::Points, "", 5});
+  EXPECT_EQ(render(chart).width(), 1100);
+  chart.x = {"x", false, {}, {}};
+  chart.y = {"y", false, {}, {}};
+  chart.series = {{"", {1e20, std::nextafter(1e20, 2e20)}, {1e-320, 2e-320}, Style::Points, "", 5}};
+  EXPECT_EQ(render(chart).width(), 1100);
+  // Denormal cells are numbers (std::stod called them out of range: "rows without numbers").
+  write("x,y\n1e-320,1\n1,2\n");
+  CliRun r = plot();
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("2 points in 1 series (0 rows without numbers skipped)"), std::string::npos) << r.output;
+  // --where matching no row says so (it said "no row has numbers in both 'x' and 'y'").
+  write("x,y,s\n1,2,a\n2,3,b\n");
+  r = plot(" --where s=zzz");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--where 's=zzz': no row has 'zzz' in column 's'"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(png));
   fs::remove(csv);
   fs::remove(png);
 }

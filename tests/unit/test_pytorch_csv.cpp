@@ -144,3 +144,61 @@ TEST(PytorchCsv, BothSpellingsInOneFileAreAnError) {
   EXPECT_EQ(import_error("0F0,0W0,0B0\n"), "x.csv: row 1 (rank 0), column 2: 0W0 comes before its input gradient 0B0");
   EXPECT_EQ(import_error("0F0,0B0,0W0,0B0\n"), "x.csv: row 1 (rank 0), column 4: 0B0 is already at row 1, column 2");
 }
+
+// Orders that cannot run were imported with exit 0, and `piper compile` failed later with a cycle in
+// generated JSON: a backward before its forward on a rank, the forward and backward of one microbatch
+// overlapped in one step, or ranks waiting on each other.
+TEST(PytorchCsv, OrdersThatCannotRunAreRefusedAtTheirCell) {
+  EXPECT_EQ(import_error("0B0,0F0\n1B0,1F0\n"),
+            "x.csv: row 1 (rank 0), column 1: 0B0 comes before its forward 0F0 (column 2)");
+  // One rank holding stages 0 and 1: stage 1's forward needs stage 0's.
+  EXPECT_EQ(import_error("1F0,0F0,1B0,0B0\n"),
+            "x.csv: row 1 (rank 0), column 1: 1F0 comes before 0F0 (column 2), whose output it needs");
+  EXPECT_EQ(import_error("(0F0;0B0)OVERLAP_F_B\n1F0,1B0\n"),
+            "x.csv: row 1 (rank 0), column 1: '(0F0;0B0)OVERLAP_F_B': the backward 0B0 needs the forward 0F0 of "
+            "the same microbatch, so they cannot overlap");
+  // Another stage's backward of the same microbatch needs that forward too (ranks in a V: 0 and 3, 1 and 2).
+  EXPECT_EQ(import_error("0F0,(3F0;0B0)OVERLAP_F_B,3B0\n1F0,2F0,2B0,1B0\n"),
+            "x.csv: row 1 (rank 0), column 2: '(3F0;0B0)OVERLAP_F_B': the backward 0B0 needs the forward 3F0 of "
+            "the same microbatch, so they cannot overlap");
+  // Ranks that wait on each other: rank 0's 0B0 needs 1B0, after 1F1 on rank 1, which needs 0F1,
+  // after 0B0 on rank 0.
+  EXPECT_EQ(import_error("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n"),
+            "x.csv: row 1 (rank 0), column 2: 0B0 waits for 1B0 (row 2, column 3), which can never run: the rows' "
+            "orders wait on each other");
+  // What runs: one microbatch's forward overlapped with another's backward.
+  EXPECT_EQ(import_error("0F0,(0F1;0B0)OVERLAP_F_B,0B1\n1F0,1B0,1F1,1B1\n"), "no error");
+}
+
+// A blank row in the middle added a rank with nothing to run: an idle device in the compiled program.
+TEST(PytorchCsv, RowsWithoutActionsAreRefused) {
+  EXPECT_EQ(import_error("0F0,0B0\n\n1F0,1B0\n"),
+            "x.csv: row 2 (rank 1): no actions (a blank row?): every rank runs at least one stage");
+  EXPECT_EQ(import_error("0F0,0B0\n,,\n1F0,1B0\n"),
+            "x.csv: row 2 (rank 1): no actions (a blank row?): every rank runs at least one stage");
+  EXPECT_EQ(import_error("\n0F0,0B0\n"),
+            "x.csv: row 1 (rank 0): no actions (a blank row?): every rank runs at least one stage");
+  // Blank lines at the end are no rows.
+  EXPECT_EQ(import_error("0F0,0B0\n1F0,1B0\n\n\r\n"), "no error");
+}
+
+// Every schedule family's export imports again (the order checks refuse no schedule that runs).
+TEST(PytorchCsv, EveryFamilysExportImports) {
+  int exported = 0;
+  for (const auto& family : core::schedule_registry()) {
+    if (family.mirrored) continue;  // one stage -> rank map only
+    for (int v : {1, 2}) {
+      core::StrategyOptions o;
+      o.schedule = family.name, o.pp = 4, o.microbatches = 8, o.virtual_stages = v;
+      std::string csv;
+      try {
+        csv = core::schedule_to_pytorch_csv(core::schedule_table(o));
+      } catch (const std::invalid_argument&) {
+        continue;  // no per-rank table for this shape
+      }
+      EXPECT_EQ(import_error(csv), "no error") << family.name << " --virtual " << v;
+      ++exported;
+    }
+  }
+  EXPECT_GT(exported, 8);
+}

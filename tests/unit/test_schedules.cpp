@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "piper/core/error.hpp"
@@ -175,6 +176,39 @@ TEST(ScheduleFormulas, OversizedGridRefusedBeforeItIsBuilt) {
     EXPECT_NE(std::string(e.what()).find("2 ranks x 1000000000 time units"), std::string::npos) << e.what();
   }
   EXPECT_THROW((void)core::unit_time_schedule(shape("1f1b", 2, 2), core::UnitCosts{1, 1000, 1}), core::Error);
+}
+
+// `schedule show 1f1b --ranks 400 --microbatches 1600` compiled 1.3 million ops for minutes and 4.6 GB
+// before the grid it was to print (over 2 * 10^7 characters) was refused or drawn. A grid that cannot
+// take fewer than 2 * 10^6 characters is refused from the flags, before the directive program and the
+// compile; the bound is a lower one (never above the text shown).
+TEST(ScheduleFormulas, ShowRefusesAnEnormousGridBeforeCompiling) {
+  // 4 x 2048 x (100 + 100) time units of cells 7 wide: 11.5 million characters. A small compile, so
+  // that without the check the test fails in about a second (a grid drawn, no error).
+  try {
+    (void)core::schedule_show_text(shape("1f1b", 4, 2048), core::UnitCosts{100, 100, 1});
+    FAIL() << "shown";
+  } catch (const core::Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "schedule show: a grid of --ranks 4 x --microbatches 2048 with --costs 100,100,1 takes at least "
+                 "11468800 characters (at most 2000000): give fewer ranks or microbatches, or smaller --costs "
+                 "(schedule export-csv writes a schedule of any size)");
+  }
+  for (const auto& family : core::schedule_registry())
+    for (const auto& [p, m, v] : {std::tuple{2, 4, 1}, std::tuple{4, 12, 1}, std::tuple{2, 8, 2}}) {
+      const auto o = shape(family.name, p, m, v);
+      std::string text;
+      try {
+        text = core::schedule_show_text(o, kCosts);
+      } catch (const core::Error&) {
+        continue;  // a shape the family does not take
+      } catch (const std::invalid_argument&) {
+        continue;
+      }
+      const double least = core::schedule_grid_chars_at_least(o, kCosts);
+      EXPECT_GT(least, 0) << family.name;
+      EXPECT_LE(least, static_cast<double>(text.size())) << family.name << " " << p << "x" << m << " v" << v;
+    }
 }
 
 // DualPipeV's eight phases for rank 0 of 4 ranks and 10 microbatches, derived by hand from the rule

@@ -54,8 +54,16 @@ std::string render_unit_schedule(const UnitSchedule& s, const ScheduleTable* tab
 
 // `piper schedule show`: the header line ("dualpipev on 4 ranks, ..."), then render_unit_schedule of
 // the family's unit-time schedule, with overlapped-pair marks when the family has a per-rank table.
-// The CLI and the Python bindings print/return exactly this.
+// The CLI and the Python bindings print/return exactly this. A grid that takes more than 2 * 10^6
+// characters by schedule_grid_chars_at_least is refused (Error naming the flags) before the directive
+// program and the compile, whose time and memory grow with the ops (minutes and gigabytes for 400
+// ranks x 1600 microbatches).
 std::string schedule_show_text(const StrategyOptions& o, const UnitCosts& costs);
+
+// A lower bound on the characters of the grid schedule_show_text draws for `o` (valid options):
+// every time unit of every op (PP regions x microbatches x (F + B)) takes a cell as wide as the
+// widest label ("<last region>B<last microbatch>") and a space. Computed from the flags alone.
+double schedule_grid_chars_at_least(const StrategyOptions& o, const UnitCosts& costs);
 
 // The unit-time schedule as JSON: step_time and, per rank, busy, bubble, peak_activations and ops
 // ({stage, microbatch, pass, start, end}); the Python bindings return it.
