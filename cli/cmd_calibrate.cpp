@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include "cli/common.hpp"
+#include "piper/core/limits.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/simulate.hpp"
 #include "piper/sim/table_calibration.hpp"
@@ -171,7 +172,15 @@ Command add_calibrate_command(CLI::App& app) {
       ->check(kOutputPath);
   cmd->add_option("--cluster-output", args->cluster_output, "also write a cluster spec that uses the table")
       ->check(kOutputPath);
-  cmd->add_option("--name", args->name, "the table's name (default: <base>-calibrated)");
+  cmd->add_option("--name", args->name, "the table's name (default: <base>-calibrated)")
+      ->check(CLI::Validator(
+          [](std::string& value) -> std::string {
+            // Printed in reports and --kernels headers: a newline split them.
+            return core::plain_text(value) ? std::string()
+                                           : "'" + core::printable_text(value, 80) +
+                                                 "': control or bidirectional-override characters are not allowed";
+          },
+          "NAME"));
   return {cmd, [args] { return run_calibrate(*args); }};
 }
 

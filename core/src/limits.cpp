@@ -226,6 +226,40 @@ std::string printable(std::string_view s, std::size_t max_bytes) {
   return out;
 }
 
+namespace {
+
+// Whether the 3 bytes at s[i] are the UTF-8 of a bidirectional control (U+202A-U+202E, U+2066-U+2069).
+bool bidi_at(std::string_view s, std::size_t i) {
+  if (i + 2 >= s.size() || static_cast<unsigned char>(s[i]) != 0xE2) return false;
+  const auto b = static_cast<unsigned char>(s[i + 1]), c = static_cast<unsigned char>(s[i + 2]);
+  return (b == 0x80 && c >= 0xAA && c <= 0xAE) || (b == 0x81 && c >= 0xA6 && c <= 0xA9);
+}
+
+}  // namespace
+
+bool plain_text(std::string_view s) {
+  if (printable(s) != s) return false;
+  for (std::size_t i = 0; i < s.size(); ++i)
+    if (bidi_at(s, i)) return false;
+  return true;
+}
+
+std::string printable_text(std::string_view text, std::size_t max_bytes) {
+  const std::string s = printable(text, max_bytes);
+  std::string out;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    if (!bidi_at(s, i)) {
+      out += s[i];
+      continue;
+    }
+    const unsigned code =
+        ((static_cast<unsigned char>(s[i + 1]) & 0x3Fu) << 6) | (static_cast<unsigned char>(s[i + 2]) & 0x3Fu);
+    out += fmt::format("\\u{:04x}", 0x2000u | code);
+    i += 2;
+  }
+  return out;
+}
+
 void check_json_depth(std::string_view text, const std::string& where) {
   const std::int64_t limit = limit_value(Limit::JsonDepth);
   std::int64_t depth = 0;

@@ -538,38 +538,6 @@ Precision parse_precision(const FieldReader& r, const std::string& s) {
   r.fail("precision", "unknown precision '" + s + "' (expected \"bf16\", \"fp16\", \"fp32\", \"tf32\" or \"fp8\")");
 }
 
-// Whether the 3 bytes at s[i] are the UTF-8 of a bidirectional control (U+202A-U+202E, U+2066-U+2069).
-bool bidi_at(std::string_view s, std::size_t i) {
-  if (i + 2 >= s.size() || static_cast<unsigned char>(s[i]) != 0xE2) return false;
-  const auto b = static_cast<unsigned char>(s[i + 1]), c = static_cast<unsigned char>(s[i + 2]);
-  return (b == 0x80 && c >= 0xAA && c <= 0xAE) || (b == 0x81 && c >= 0xA6 && c <= 0xA9);
-}
-
-// `s` with each bidirectional control written as \uXXXX, for an error line.
-std::string without_bidi(std::string_view s) {
-  std::string out;
-  for (std::size_t i = 0; i < s.size(); ++i) {
-    if (!bidi_at(s, i)) {
-      out += s[i];
-      continue;
-    }
-    const unsigned code =
-        ((static_cast<unsigned char>(s[i + 1]) & 0x3Fu) << 6) | (static_cast<unsigned char>(s[i + 2]) & 0x3Fu);
-    out += fmt::format("\\u{:04x}", 0x2000u | code);
-    i += 2;
-  }
-  return out;
-}
-
-// Text with no control characters, no bytes that are not UTF-8 (printable() leaves it unchanged) and no
-// bidirectional controls (U+202A-U+202E, U+2066-U+2069).
-bool plain_text(std::string_view s) {
-  if (printable(s) != s) return false;
-  for (std::size_t i = 0; i < s.size(); ++i)
-    if (bidi_at(s, i)) return false;
-  return true;
-}
-
 }  // namespace
 
 ModelConfig config_from_spec_json(const json& j, const std::string& where) {
@@ -588,7 +556,7 @@ ModelConfig config_from_spec_json(const json& j, const std::string& where) {
   // bidirectional override reordered what followed it on the terminal.
   if (!plain_text(*name))
     r.fail("name", fmt::format("'{}': control or bidirectional-override characters are not allowed in a name",
-                               without_bidi(printable(*name, 80))));
+                               printable_text(*name, 80)));
   c.name = *name;
   (void)r.opt_string("description");  // free text, but text: a number there was accepted silently
   c.vocab = r.req_positive("vocab");

@@ -82,6 +82,10 @@ TEST_F(HostileInput, ModelNameControlCharactersRefused) {
   expect_one_line(run("compile --model desc.json"), {"desc.json", "field 'description'", "must be a string"});
   input("fine.json", R"({"name": "tiny model – ünïcode", )" + spec);
   EXPECT_EQ(run("compile --model fine.json").exit_code, 0);
+  // A calibrated table's name likewise (it was written with its newline into the table).
+  expect_one_line(run(R"x(calibrate --model qwen3-9m --calibration none.json -o t.json --name "$(printf 'a\nb')")x"),
+                  {"--name", R"('a\x0ab')", "not allowed"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.json"));
 }
 
 }  // namespace

@@ -94,6 +94,11 @@ nlohmann::json parse_json(std::string_view text, const std::string& where);
 // become \xNN, and past max_bytes (0: no cap) the rest is replaced by "... (N bytes in all)". A CSV
 // cell of 355 binary bytes used to be written raw into the error line.
 std::string printable(std::string_view text, std::size_t max_bytes = 0);
+// A name or label safe to print as it is: printable() leaves it unchanged and it holds no bidirectional
+// control (U+202A-U+202E, U+2066-U+2069, which reorder what follows them on a terminal).
+bool plain_text(std::string_view text);
+// printable(), with bidirectional controls also escaped (\u202e): for echoing a refused name.
+std::string printable_text(std::string_view text, std::size_t max_bytes = 0);
 
 // The first key of the JSON object `obj` that is not among `known`: the key made printable (80 bytes
 // at most) and "unknown field" with did_you_mean's hint, or the allowed keys when none is near; nullopt
