@@ -86,11 +86,13 @@ TEST_F(DerivedCluster, InlineSpecs) {
   EXPECT_EQ(c.nodes.size(), 3u);
   EXPECT_EQ(c.runtime, "eager");
   EXPECT_EQ(load_cluster(R"({"cluster": "dgx-h200", "runtime": "eager"})").nodes, load_cluster("dgx-h200").nodes);
-  EXPECT_EQ(error_of([] { load_cluster(R"({"preset": "dgx-h200", "nodes": 0.5})"); }).rfind("--cluster: field 'nodes'", 0),
-            0u);
+  EXPECT_EQ(
+      error_of([] { load_cluster(R"({"preset": "dgx-h200", "nodes": 0.5})"); }).rfind("--cluster: field 'nodes'", 0),
+      0u);
   EXPECT_EQ(error_of([] { load_cluster("{\"preset\": "); }).rfind("--cluster: invalid JSON", 0), 0u);
-  EXPECT_EQ(error_of([] { load_cluster(R"({"cluster": "dgx-h200", "runtime": "lazy"})", "s.json: field 'cluster':"); })
-                .rfind("s.json: field 'cluster': field 'runtime'", 0),
+  EXPECT_EQ(error_of([] {
+              load_cluster(R"({"cluster": "dgx-h200", "runtime": "lazy"})", "s.json: field 'cluster':");
+            }).rfind("s.json: field 'cluster': field 'runtime'", 0),
             0u);
 }
 
