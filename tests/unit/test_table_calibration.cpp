@@ -1,6 +1,7 @@
 // `piper calibrate` (table_calibration.hpp): multipliers recovered from measurements made with known
 // ones, the derived table's rates checked by hand, the lower bound, and the one-line refusals.
 #include <cmath>
+#include <functional>
 #include <filesystem>
 #include <set>
 #include <tuple>
@@ -54,6 +55,26 @@ ClassSeconds step_by_class(const core::Program& p, const CostModel& cost, int de
       for (int k = 0; k < kKernelClasses; ++k) out[static_cast<std::size_t>(k)] += s[static_cast<std::size_t>(k)];
     }
   return out;
+}
+
+// Device 0's COMPUTE and UPD op times as `seconds(launches, the op's time by kernel class)` makes them.
+Calibration op_times(const core::Program& p, const CostModel& cost,
+                     const std::function<double(double, const ClassSeconds&)>& seconds) {
+  Calibration measured;
+  for (const auto& stream : p.plan_for(0).streams)
+    for (const auto& op : stream.ops) {
+      if (op.kind != core::OpKind::Compute && op.kind != core::OpKind::Update) continue;
+      double launches = 0;
+      const ClassSeconds s = class_seconds(p, cost, 0, op, &launches);
+      CalibrationEntry e;
+      e.kind = op.kind;
+      e.pass = op.pass;
+      e.flops = op.flops;
+      e.memory_bytes = op.memory_bytes;
+      e.seconds = seconds(launches, s);
+      measured.entries.push_back(e);
+    }
+  return measured;
 }
 
 }  // namespace
@@ -121,20 +142,9 @@ TEST(TableCalibration, DerivedTableScalesTheBaseRatesByHand) {
 TEST(TableCalibration, OpTimesFitAndPredictAnotherPlan) {
   auto p = compile("qwen3-9m", 1, 2);
   CostModel cost(h200());
-  Calibration measured;
-  for (const auto& stream : p->plan_for(0).streams)
-    for (const auto& op : stream.ops) {
-      if (op.kind != core::OpKind::Compute && op.kind != core::OpKind::Update) continue;
-      double launches = 0;
-      const ClassSeconds s = class_seconds(*p, cost, 0, op, &launches);
-      CalibrationEntry e;
-      e.kind = op.kind;
-      e.pass = op.pass;
-      e.flops = op.flops;
-      e.memory_bytes = op.memory_bytes;
-      e.seconds = launches + 1.7 * (s[0] + s[1] + s[2]) + 1.2 * s[3];
-      measured.entries.push_back(e);
-    }
+  const Calibration measured = op_times(*p, cost, [](double launches, const ClassSeconds& s) {
+    return launches + 1.7 * (s[0] + s[1] + s[2]) + 1.2 * s[3];
+  });
   TableCalibration c = calibrate_from_ops(*p, cost, measured);
   ASSERT_GE(c.observations.size(), 3u);
   // Exact but for the fit's weak pull towards a common multiplier (here towards AdamW's 1.2).
@@ -325,22 +335,10 @@ TEST(TableCalibration, TraceOfSeveralGpusRefused) {
 TEST(TableCalibration, MeasuredTimesFarFasterThanTheTableAreRefused) {
   auto p = compile("qwen3-9m", 1, 2);
   CostModel cost(h200());
-  auto op_times = [&](double factor) {
-    Calibration measured;
-    for (const auto& stream : p->plan_for(0).streams)
-      for (const auto& op : stream.ops) {
-        if (op.kind != core::OpKind::Compute && op.kind != core::OpKind::Update) continue;
-        double launches = 0;
-        const ClassSeconds s = class_seconds(*p, cost, 0, op, &launches);
-        CalibrationEntry e;
-        e.kind = op.kind;
-        e.pass = op.pass;
-        e.flops = op.flops;
-        e.memory_bytes = op.memory_bytes;
-        e.seconds = factor * (launches + s[0] + s[1] + s[2] + s[3]);
-        measured.entries.push_back(e);
-      }
-    return measured;
+  auto scaled = [&](double factor) {
+    return op_times(*p, cost, [factor](double launches, const ClassSeconds& s) {
+      return factor * (launches + s[0] + s[1] + s[2] + s[3]);
+    });
   };
   auto error_of = [](const auto& f) -> std::string {
     try {
@@ -350,14 +348,14 @@ TEST(TableCalibration, MeasuredTimesFarFasterThanTheTableAreRefused) {
     }
     return "(no error)";
   };
-  EXPECT_EQ(error_of([&] { calibrate_from_ops(*p, cost, op_times(0.01), "c.json"); }), "(no error)");
-  std::string e = error_of([&] { calibrate_from_ops(*p, cost, op_times(1e-4), "c.json"); });
+  EXPECT_EQ(error_of([&] { calibrate_from_ops(*p, cost, scaled(0.01), "c.json"); }), "(no error)");
+  std::string e = error_of([&] { calibrate_from_ops(*p, cost, scaled(1e-4), "c.json"); });
   EXPECT_EQ(e.find('\n'), std::string::npos) << e;
   EXPECT_EQ(e.rfind("c.json: ", 0), 0u) << e;
   EXPECT_NE(e.find("times faster than the table's"), std::string::npos) << e;
   EXPECT_NE(e.find("a unit slipped"), std::string::npos) << e;
   // A measured time of 0 (or below) is no measurement: named by its entry.
-  Calibration zero = op_times(1);
+  Calibration zero = scaled(1);
   zero.entries[1].seconds = 0;
   EXPECT_EQ(error_of([&] { calibrate_from_ops(*p, cost, zero, "c.json"); }),
             "c.json: field 'entries[1].seconds': a measured op time must be > 0 s, got 0");
