@@ -24,6 +24,7 @@
 #include "piper/core/verifier.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/engine.hpp"
+#include "piper/sim/kernel_table.hpp"
 #include "piper/search/results_csv.hpp"
 #include "piper/sim/simulate.hpp"
 #include "piper/search/sweep.hpp"
@@ -421,6 +422,10 @@ PYBIND11_MODULE(_piper, m) {
       "The strategy settings table: [{name, flag, type, default, help, choices?, min?, max?}].");
   m.def("engine_names", &sim::engine_names, "The simulation engines.");
   m.def("cluster_presets", &sim::cluster_presets, "The cluster preset names.");
+  m.def("runtime_profiles", &sim::runtime_profiles, "The runtime profiles a cluster's \"runtime\" names.");
+  m.def(
+      "check_cluster", [](const std::string& spec) { guarded([&] { (void)sim::load_cluster(spec); }); },
+      py::arg("spec"), "Load a cluster (preset, file or inline spec) as the CLI does; raises on an error.");
   m.def("schedule_names", &schedule_names, "The registered schedule families.");
   m.def("buffer_kinds", &buffer_kinds, "The memory kinds of a report's peak_bytes_by_kind, in order.");
   m.attr("default_memory_reserve_fraction") = search::kDefaultMemoryReserveFraction;

@@ -267,6 +267,36 @@ def _check_cluster(cluster, base_dir, keyword="cluster"):
         _bad(keyword, cluster, f"neither a preset nor a file{_did_you_mean(cluster, presets)}; presets: {', '.join(presets)}")
 
 
+def _with_runtime(cluster, base_dir, runtime, attention_kernel, keyword="cluster"):
+    """`cluster` (a preset or file; "" the default) costed under the named training runtime: the derived
+    cluster spec ``piper simulate --runtime / --attention-kernel`` makes ({"cluster": ..., "runtime":
+    ..., "attention_kernel": ...}, inline; docs/simulator.md). Unchanged when neither is given."""
+    if not runtime and not attention_kernel:
+        return cluster
+    if runtime:
+        _check_choice("runtime", runtime, _piper.runtime_profiles(), "runtime profile")
+    base = cluster or "dgx-h200"
+    if base not in _piper.cluster_presets():
+        path = base if _os.path.isabs(base) or not base_dir else _os.path.join(base_dir, base)
+        base = _os.path.abspath(path)
+    spec = {"cluster": base}
+    if runtime:
+        spec["runtime"] = runtime
+    if attention_kernel:
+        spec["attention_kernel"] = attention_kernel
+    text = _json.dumps(spec)
+    try:
+        _piper.check_cluster(text)
+    except _piper.NativeInputError as e:
+        message = str(e)
+        lead = "--cluster: field 'attention_kernel': "
+        if message.startswith(lead):
+            _bad("attention_kernel", attention_kernel, message[len(lead):])
+        lead = "--cluster: field 'cluster': "
+        raise InputError(f"{keyword}={cluster!r}: " + message[len(lead):] if message.startswith(lead) else message) from None
+    return text
+
+
 def _load(obj, what, base_dir):
     """A dict as given, or a JSON file's content (relative names in it then resolve against its folder)."""
     if isinstance(obj, (str, _os.PathLike)):
@@ -417,12 +447,14 @@ def directives(scenario, *, base_dir: str = "") -> list:
 
 @_keywords
 def simulate(scenario=None, *, plan=None, cluster: str = "", engine: str = "", calibration: str = "",
-             base_dir: str = "") -> Report:
+             runtime: str = "", attention_kernel: str = "", base_dir: str = "") -> Report:
     """Simulate a scenario (dict or file) or ``plan=`` (a Program dict or file): the report ``piper simulate --report`` writes.
 
     `cluster` (a preset or a cluster file) and `engine` (``"analytic"`` or ``"simgrid"``) override the
-    scenario's; `calibration` is a measured-times file (``piper run --calibrate``). The result is a
-    :class:`Report` (a dict) whose to_records() has one row per device.
+    scenario's; `runtime` (``"eager"``, ...) and `attention_kernel` (``"fa2"``, ``"fa1"``) cost it under
+    that training runtime, as ``--runtime`` and ``--attention-kernel`` do; `calibration` is a
+    measured-times file (``piper run --calibrate``). The result is a :class:`Report` (a dict) whose
+    to_records() has one row per device.
     """
     if (scenario is None) == (plan is None):
         raise InputError("simulate: give a scenario or plan=, not both or neither")
@@ -442,6 +474,10 @@ def simulate(scenario=None, *, plan=None, cluster: str = "", engine: str = "", c
             flags["engine"] = "scenario['engine']"
         if not cluster and scenario.get("cluster"):
             flags["cluster"] = "scenario['cluster']"
+    if runtime or attention_kernel:
+        own = scenario.get("cluster", "") if not cluster and isinstance(scenario, dict) else ""
+        cluster = _with_runtime(cluster or own, base_dir, runtime, attention_kernel,
+                                "scenario['cluster']" if own else "cluster")
     files = {"calibration": calibration}
     if isinstance(scenario, dict):
         files["scenario['model']"] = scenario.get("model")
@@ -594,13 +630,16 @@ def tune(model: str, *, devices: int, cluster: str = "dgx-h200", global_batch: i
          dp_shard=None, reduce_every=None, schedules=None, max_virtual: int = 4,
          memory_cap_gib: float | None = None, memory_reserve_gib: float | None = None,
          budget_s: float | None = None, top: int = 3, placement_search: bool = True, show: int = 10,
-         jobs: int | None = None, output: str | None = None) -> TuneResult:
+         jobs: int | None = None, output: str | None = None, runtime: str = "",
+         attention_kernel: str = "") -> TuneResult:
     """Search the strategy space with the simulator, as ``piper tune``; the plans that fit, best first.
 
     `pp`, `dp`, `ep`, `tp`, `etp`, `zero`, `micro_batch_size`, `comm_sms` and `dp_shard` take one value (a
     pin) or a list of values to try; left out, every legal value is tried (as the CLI's defaults).
     `sequence_parallel` is ``"on"``, ``"off"`` or ``"both"`` (or a bool). The memory cap is the GPU's
-    HBM less `memory_reserve_gib` (default 5 % of the HBM), or `memory_cap_gib`. `show` plans are
+    HBM less `memory_reserve_gib` (default 5 % of the HBM), or `memory_cap_gib`. `runtime` and
+    `attention_kernel` cost every plan under that training runtime (``--runtime``,
+    ``--attention-kernel``). `show` plans are
     exact (branch and bound keeps them); `top` are re-simulated on SimGrid. With `output` the rows go
     to that CSV and a rerun resumes; without it, to a temporary file that is removed. `jobs`
     defaults to the CPU count.
@@ -614,6 +653,7 @@ def tune(model: str, *, devices: int, cluster: str = "dgx-h200", global_batch: i
         _bad("model", model, "must be a zoo name or a model file")
     _check_int("devices", devices)
     _check_cluster(cluster, "")
+    cluster = _with_runtime(cluster, "", runtime, attention_kernel)
     if global_batch is not None:
         _check_int("global_batch", global_batch)
     if seq_len is not None:

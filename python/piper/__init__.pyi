@@ -43,6 +43,8 @@ def simulate(
     cluster: str = "",
     engine: str = "",
     calibration: str = "",
+    runtime: str = "",
+    attention_kernel: str = "",
     base_dir: str = "",
 ) -> Report: ...
 def verify(plan: Program) -> list[dict[str, str]]: ...
@@ -82,6 +84,8 @@ def tune(
     show: int = 10,
     jobs: int | None = None,
     output: str | None = None,
+    runtime: str = "",
+    attention_kernel: str = "",
 ) -> TuneResult: ...
 def read_results(csv: str | os.PathLike[str]) -> Results: ...
 def models() -> list[dict[str, Any]]: ...

@@ -34,15 +34,20 @@ std::string to_string(RuntimeProfile p) {
 RuntimeProfile runtime_profile_from_string(const std::string& s) {
   for (const auto& [q, name] : kProfileNames)
     if (s == name) return q;
-  std::vector<std::string> names;
-  for (const auto& [q, name] : kProfileNames) names.emplace_back(name);
-  throw ClusterError("unknown runtime profile '" + s + "'" + core::did_you_mean(s, names) + " (expected one of " +
+  throw ClusterError("unknown runtime profile '" + s + "'" + core::did_you_mean(s, runtime_profiles()) +
+                     " (expected one of " +
                      runtime_profile_names() + ")");
+}
+
+std::vector<std::string> runtime_profiles() {
+  std::vector<std::string> out;
+  for (const auto& [q, name] : kProfileNames) out.emplace_back(name);
+  return out;
 }
 
 std::string runtime_profile_names() {
   std::string out;
-  for (const auto& [q, name] : kProfileNames) out += (out.empty() ? "\"" : ", \"") + std::string(name) + "\"";
+  for (const std::string& name : runtime_profiles()) out += (out.empty() ? "\"" : ", \"") + name + "\"";
   return out;
 }
 

@@ -63,7 +63,7 @@ class Signatures(unittest.TestCase):
     def test_options_are_keyword_only(self):
         sig = inspect.signature(piper.simulate)
         self.assertEqual([p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY],
-                         ["plan", "cluster", "engine", "calibration", "base_dir"])
+                         ["plan", "cluster", "engine", "calibration", "runtime", "attention_kernel", "base_dir"])
         tune = inspect.signature(piper.tune).parameters
         self.assertIs(tune["model"].kind, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         self.assertIs(tune["devices"].kind, inspect.Parameter.KEYWORD_ONLY)
@@ -285,6 +285,41 @@ class Files(unittest.TestCase):
             self.assertEqual(piper.simulate(plan=plan_path, engine="analytic")["step_time_s"], by_file["step_time_s"])
         with self.assertRaisesRegex(piper.InputError, r"^scenario='/no/such.json': cannot open"):
             piper.simulate("/no/such.json")
+
+
+class Runtime(unittest.TestCase):
+    SCENARIO = {"model": "qwen3-9m", "strategy": {"pp": 2, "microbatches": 4}}
+
+    def test_runtime_and_attention_kernel_cost_as_a_cluster_file_says(self):
+        # The same prediction as the settings spelled out in a cluster file, as the CLI's flags give.
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "c.json")
+            with open(path, "w") as f:
+                json.dump({"preset": "dgx-h100", "runtime": "eager", "attention_kernel": "fa2"}, f)
+            spelled = piper.simulate(self.SCENARIO, cluster=path, engine="analytic")
+            named = piper.simulate(self.SCENARIO, cluster="dgx-h100", engine="analytic", runtime="eager",
+                                   attention_kernel="fa2")
+            self.assertEqual(named["step_time_s"], spelled["step_time_s"])
+            self.assertEqual(named["runtime"], "runtime eager, attention fa2")
+            fused = piper.simulate(self.SCENARIO, cluster="dgx-h100", engine="analytic")
+            self.assertLess(fused["step_time_s"], named["step_time_s"])
+            self.assertEqual(fused["runtime"], "")
+            # Over a scenario's own cluster, a file relative to base_dir.
+            own = dict(self.SCENARIO, cluster="c.json")
+            self.assertEqual(piper.simulate(own, engine="analytic", base_dir=tmp, runtime="eager")["step_time_s"],
+                             spelled["step_time_s"])
+        cli = run_cli("simulate", "--model", "qwen3-9m", "--pp", "2", "--microbatches", "4", "--engine", "analytic",
+                      "--cluster", "dgx-h100", "--runtime", "eager", "--attention-kernel", "fa2").stdout
+        self.assertIn(f"step time             {named['step_time_s'] * 1e3:.3f} ms", cli)
+
+    def test_errors_name_the_keyword(self):
+        with self.assertRaisesRegex(piper.InputError, r"^runtime='eagr': unknown runtime profile \(did you mean 'eager'\?\)"):
+            piper.simulate(self.SCENARIO, engine="analytic", runtime="eagr")
+        with self.assertRaisesRegex(piper.InputError, r"^attention_kernel='fa3': kernel table 'a100-80gb-sxm' has no "
+                                                      r"attention kernel 'fa3' \(it has: fa1, fa2\)$"):
+            piper.simulate(self.SCENARIO, cluster="dgx-a100-80g", engine="analytic", attention_kernel="fa3")
+        with self.assertRaisesRegex(piper.InputError, r"^runtime='lazy'"):
+            piper.tune("qwen3-9m", devices=2, runtime="lazy")
 
 
 class HostileArguments(unittest.TestCase):

@@ -33,6 +33,7 @@ enum class RuntimeProfile { Fused, Eager, EagerFusedLoss, EagerUnfusedNorm, Pipe
 std::string to_string(RuntimeProfile p);
 RuntimeProfile runtime_profile_from_string(const std::string& s);  // throws ClusterError
 std::string runtime_profile_names();                               // "fused", "eager", ... for messages
+std::vector<std::string> runtime_profiles();                       // the names, in that order
 
 class KernelTable {
  public:
