@@ -35,8 +35,7 @@ RuntimeProfile runtime_profile_from_string(const std::string& s) {
   for (const auto& [q, name] : kProfileNames)
     if (s == name) return q;
   throw ClusterError("unknown runtime profile '" + s + "'" + core::did_you_mean(s, runtime_profiles()) +
-                     " (expected one of " +
-                     runtime_profile_names() + ")");
+                     " (expected one of " + runtime_profile_names() + ")");
 }
 
 std::vector<std::string> runtime_profiles() {
