@@ -42,18 +42,38 @@ std::shared_ptr<const core::Program> measured_program(const CalibrateArgs& a) {
   return std::make_shared<const core::Program>(std::move(compiled.result.program));
 }
 
-// The measured cluster's spec with the calibrated table on its GPUs: the preset, or the spec file's
-// JSON with "kernel_table" set on the node and on every override that names a GPU.
+// The measured cluster's spec with the calibrated table on its GPUs: the preset, or the spec (a file's
+// JSON, or given inline) with "kernel_table" set on the node and on every override that names a GPU.
+// A derived spec ({"cluster": base, "runtime", ...}) becomes its base's, calibrated, with its runtime
+// settings: a derived spec has no node to take a table (it was written with one, and refused).
 json calibrated_cluster(const std::string& cluster, const std::string& table) {
+  namespace fs = std::filesystem;
   const std::vector<std::string> presets = sim::cluster_presets();
-  json spec = std::find(presets.begin(), presets.end(), cluster) != presets.end() ? json{{"preset", cluster}}
-                                                                                  : read_json_file(cluster);
+  const bool preset = std::find(presets.begin(), presets.end(), cluster) != presets.end();
+  const std::size_t first = cluster.find_first_not_of(" \t\r\n");
+  const bool given_inline = first != std::string::npos && cluster[first] == '{';
+  json spec = preset ? json{{"preset", cluster}} : given_inline ? json::parse(cluster) : read_json_file(cluster);
+  if (spec.contains("cluster") && spec.at("cluster").is_string()) {
+    std::string base = spec.at("cluster").get<std::string>();
+    const fs::path beside = fs::path(given_inline ? std::string() : cluster).parent_path() / base;
+    std::error_code ec;
+    if (std::find(presets.begin(), presets.end(), base) == presets.end() && !fs::exists(base, ec) &&
+        fs::exists(beside, ec))
+      base = beside.string();
+    json out = calibrated_cluster(base, table);
+    for (const char* key : {"runtime", "attention_kernel"})
+      if (spec.contains(key)) out[key] = spec.at(key);
+    if (spec.contains("name")) out["name"] = spec.at("name").get<std::string>() + "-calibrated";
+    return out;
+  }
   auto set_table = [&](json& node) {
     json& gpu = node["gpu"];
     if (gpu.is_string()) gpu = json{{"preset", gpu.get<std::string>()}};
     gpu["kernel_table"] = table;
   };
-  spec["name"] = spec.value("name", std::filesystem::path(cluster).stem().string()) + "-calibrated";
+  spec["name"] = spec.value("name", given_inline ? spec.value("preset", std::string("cluster"))
+                                                 : fs::path(cluster).stem().string()) +
+                 "-calibrated";
   set_table(spec["node"]);
   if (spec.contains("overrides") && spec.at("overrides").is_array())
     for (json& o : spec.at("overrides"))
@@ -97,6 +117,18 @@ int run_calibrate(const CalibrateArgs& a) {
   }
   c.base = base;
   const std::string name = a.name.empty() ? base + "-calibrated" : a.name;
+  // The calibrated cluster is made before anything is written: a spec it cannot be made from leaves no table.
+  std::string cluster_text;
+  if (!a.cluster_output.empty()) {
+    // The table as a path relative to the cluster file's folder (the spec's rule for table files), so the
+    // cluster reads the same table from any working directory.
+    namespace fs = std::filesystem;
+    const std::string table = fs::absolute(a.output)
+                                  .lexically_normal()
+                                  .lexically_relative(fs::absolute(a.cluster_output).lexically_normal().parent_path())
+                                  .string();
+    cluster_text = calibrated_cluster(a.cluster, table).dump(1) + "\n";
+  }
   core::write_file_atomically(a.output, c.table_json(name, source).dump(1) + "\n");
   fmt::print("calibrated {} against {} ({} observations)\n", base, source, c.observations.size());
   fmt::print("{:<10} {:>10}   (measured time / {} time)\n", "class", "multiplier", base);
@@ -121,14 +153,7 @@ int run_calibrate(const CalibrateArgs& a) {
   }
   fmt::print("table written to {}\n", a.output);
   if (!a.cluster_output.empty()) {
-    // The table as a path relative to the cluster file's folder (the spec's rule for table files), so the
-    // cluster reads the same table from any working directory.
-    namespace fs = std::filesystem;
-    const std::string table = fs::absolute(a.output)
-                                  .lexically_normal()
-                                  .lexically_relative(fs::absolute(a.cluster_output).lexically_normal().parent_path())
-                                  .string();
-    core::write_file_atomically(a.cluster_output, calibrated_cluster(a.cluster, table).dump(1) + "\n");
+    core::write_file_atomically(a.cluster_output, cluster_text);
     fmt::print("cluster written to {}\n", a.cluster_output);
   }
   // --save-scenario: the measured plan's inputs on the measured cluster (the option was taken and

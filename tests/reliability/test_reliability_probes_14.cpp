@@ -88,4 +88,23 @@ TEST_F(HostileInput, ModelNameControlCharactersRefused) {
   EXPECT_FALSE(fs::exists(dir_ / "t.json"));
 }
 
+// `calibrate --cluster-output` of a derived spec ({"cluster": ..., "runtime": ...}) wrote "node" beside
+// "cluster", a spec every reader refuses (exit 0); of a spec given inline it wrote the table, then
+// failed to read the spec as a file. Both now write a cluster that loads, with the runtime kept.
+TEST_F(HostileInput, CalibratedClusterOfADerivedOrInlineSpecLoads) {
+  input("cal.json",
+        R"({"format": "piper-calibration", "entries": [{"kind": "COMPUTE", "pass": "F", "seconds": 0.001},
+            {"kind": "COMPUTE", "pass": "B", "seconds": 0.002}, {"kind": "UPD", "seconds": 0.001}]})");
+  input("d.json", R"({"cluster": "dgx-h200", "runtime": "eager"})");
+  const std::string flags = "calibrate --model qwen3-9m --pp 1 --microbatches 2 --calibration cal.json ";
+  for (const std::string cluster : {"d.json", R"('{"preset": "dgx-h200", "runtime": "eager"}')"}) {
+    SCOPED_TRACE(cluster);
+    const CliResult made = run(flags + "--cluster " + cluster + " -o t.json --cluster-output c.json");
+    ASSERT_EQ(made.exit_code, 0) << made.err;
+    const CliResult r = run("simulate --model qwen3-9m --engine analytic --cluster c.json");
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_NE(r.out.find("(dgx-h200-calibrated; runtime eager)"), std::string::npos) << r.out;
+  }
+}
+
 }  // namespace
