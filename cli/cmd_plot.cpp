@@ -25,11 +25,12 @@ struct PlotArgs {
 };
 
 #ifdef PIPER_HAVE_PLOT
-// A CSV cell as a finite decimal number; false for anything else (std::stod alone would also read
-// "0x10" as 16). A denormal (1e-320) or a value that rounds to 0 (1e-400) is a number: std::stod threw
-// out_of_range for them (strtod's ERANGE on underflow), and the row was counted "without numbers".
-bool decimal_number(const std::string& s, double* out) {
-  if (s.empty() || s.find_first_not_of("0123456789+-.eE") != std::string::npos) return false;
+// A CSV cell as a finite decimal number (common.hpp's decimal_number, as the flags take numbers);
+// false for anything else (std::stod alone would also read "0x10" as 16). A denormal (1e-320) or a
+// value that rounds to 0 (1e-400) is a number: std::stod threw out_of_range for them (strtod's ERANGE
+// on underflow), and the row was counted "without numbers".
+bool csv_number(const std::string& s, double* out) {
+  if (!decimal_number(s, false)) return false;
   char* end = nullptr;
   *out = std::strtod(s.c_str(), &end);
   return end == s.c_str() + s.size() && std::isfinite(*out);  // overflow is HUGE_VAL: not finite
@@ -109,7 +110,7 @@ int run_plot(const PlotArgs& a) {
     if (wi >= 0 && f[static_cast<std::size_t>(wi)] != wanted) continue;
     matched += 1;
     double x = 0, y = 0;
-    if (!decimal_number(f[static_cast<std::size_t>(xi)], &x) || !decimal_number(f[static_cast<std::size_t>(yi)], &y)) {
+    if (!csv_number(f[static_cast<std::size_t>(xi)], &x) || !csv_number(f[static_cast<std::size_t>(yi)], &y)) {
       skipped += 1;  // e.g. invalid or pruned rows with empty figures
       continue;
     }
