@@ -50,17 +50,11 @@ json calibrated_cluster(const std::string& cluster, const std::string& table) {
   namespace fs = std::filesystem;
   const std::vector<std::string> presets = sim::cluster_presets();
   const bool preset = std::find(presets.begin(), presets.end(), cluster) != presets.end();
-  const std::size_t first = cluster.find_first_not_of(" \t\r\n");
-  const bool given_inline = first != std::string::npos && cluster[first] == '{';
+  const bool given_inline = sim::is_inline_cluster_spec(cluster);
   json spec = preset ? json{{"preset", cluster}} : given_inline ? json::parse(cluster) : read_json_file(cluster);
   if (spec.contains("cluster") && spec.at("cluster").is_string()) {
-    std::string base = spec.at("cluster").get<std::string>();
-    const fs::path beside = fs::path(given_inline ? std::string() : cluster).parent_path() / base;
-    std::error_code ec;
-    if (std::find(presets.begin(), presets.end(), base) == presets.end() && !fs::exists(base, ec) &&
-        fs::exists(beside, ec))
-      base = beside.string();
-    json out = calibrated_cluster(base, table);
+    json out = calibrated_cluster(
+        sim::cluster_named_in(spec.at("cluster").get<std::string>(), given_inline ? std::string() : cluster), table);
     for (const char* key : {"runtime", "attention_kernel"})
       if (spec.contains(key)) out[key] = spec.at(key);
     if (spec.contains("name")) out["name"] = spec.at("name").get<std::string>() + "-calibrated";

@@ -1,6 +1,5 @@
 #include "cli/runtime_flags.hpp"
 
-#include <filesystem>
 #include <vector>
 
 #include <fmt/format.h>
@@ -30,12 +29,7 @@ std::string RuntimeFlags::applied_to(const std::string& cluster) const {
     } catch (const sim::ClusterError& e) {
       throw CliError("", fmt::format("--runtime '{}': {}", runtime, e.what()));
     }
-  std::error_code ec;
-  const bool file = std::filesystem::is_regular_file(cluster, ec);
-  nlohmann::json spec = {{"cluster", file ? std::filesystem::absolute(cluster).lexically_normal().string() : cluster}};
-  if (!runtime.empty()) spec["runtime"] = runtime;
-  if (!attention_kernel.empty()) spec["attention_kernel"] = attention_kernel;
-  const std::string text = spec.dump();
+  const std::string text = sim::derived_cluster_spec(cluster, runtime, attention_kernel);
   try {
     sim::load_cluster(text);
   } catch (const sim::ClusterError& e) {
@@ -51,7 +45,7 @@ std::string RuntimeFlags::applied_to(const std::string& cluster) const {
 }
 
 std::string cluster_label(const std::string& cluster) {
-  if (cluster.empty() || cluster.front() != '{') return cluster;
+  if (!sim::is_inline_cluster_spec(cluster)) return cluster;
   const nlohmann::json spec = nlohmann::json::parse(cluster, nullptr, false);
   if (!spec.is_object() || !spec.contains("cluster") || !spec.at("cluster").is_string()) return cluster;
   std::vector<std::string> settings;

@@ -423,6 +423,8 @@ PYBIND11_MODULE(_piper, m) {
   m.def("engine_names", &sim::engine_names, "The simulation engines.");
   m.def("cluster_presets", &sim::cluster_presets, "The cluster preset names.");
   m.def("runtime_profiles", &sim::runtime_profiles, "The runtime profiles a cluster's \"runtime\" names.");
+  m.def("derived_cluster_spec", &sim::derived_cluster_spec, py::arg("cluster"), py::arg("runtime"),
+        py::arg("attention_kernel"), "The derived cluster spec (inline JSON) of a cluster under a training runtime.");
   m.def(
       "check_cluster", [](const std::string& spec) { guarded([&] { (void)sim::load_cluster(spec); }); },
       py::arg("spec"), "Load a cluster (preset, file or inline spec) as the CLI does; raises on an error.");

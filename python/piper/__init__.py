@@ -276,15 +276,9 @@ def _with_runtime(cluster, base_dir, runtime, attention_kernel, keyword="cluster
     if runtime:
         _check_choice("runtime", runtime, _piper.runtime_profiles(), "runtime profile")
     base = cluster or "dgx-h200"
-    if base not in _piper.cluster_presets():
-        path = base if _os.path.isabs(base) or not base_dir else _os.path.join(base_dir, base)
-        base = _os.path.abspath(path)
-    spec = {"cluster": base}
-    if runtime:
-        spec["runtime"] = runtime
-    if attention_kernel:
-        spec["attention_kernel"] = attention_kernel
-    text = _json.dumps(spec)
+    if base not in _piper.cluster_presets() and base_dir and not _os.path.isabs(base):
+        base = _os.path.join(base_dir, base)
+    text = _piper.derived_cluster_spec(base, runtime or "", attention_kernel or "")
     try:
         _piper.check_cluster(text)
     except _piper.NativeInputError as e:

@@ -115,6 +115,14 @@ const std::vector<std::pair<std::string, GpuSpec>>& gpu_presets() {
 }
 
 // Reads JSON fields with one-line errors naming the file and the field path.
+// `name` as a spec at `spec_path` names a file: as given when it exists, else relative to the spec's
+// folder when it exists there (a cluster file's kernel table, a derived spec's base cluster).
+std::string beside_spec(const std::string& name, const std::string& spec_path) {
+  std::error_code ec;
+  const std::filesystem::path beside = std::filesystem::path(spec_path).parent_path() / name;
+  return !std::filesystem::exists(name, ec) && std::filesystem::exists(beside, ec) ? beside.string() : name;
+}
+
 struct Reader {
   std::string where;
   [[noreturn]] void fail(const std::string& field, const std::string& msg) const {
@@ -230,10 +238,8 @@ void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec&
       const auto& names = kernel_table_names();
       // A file path is taken relative to the cluster file's folder when it is not found as given.
       if (std::find(names.begin(), names.end(), g.kernel_table) == names.end()) {
+        g.kernel_table = beside_spec(g.kernel_table, r.where);
         std::error_code ec;
-        const std::filesystem::path beside = std::filesystem::path(r.where).parent_path() / g.kernel_table;
-        if (!std::filesystem::exists(g.kernel_table, ec) && std::filesystem::exists(beside, ec))
-          g.kernel_table = beside.string();
         if (!std::filesystem::exists(g.kernel_table, ec)) {
           std::string list;
           for (const auto& n : names) list += ", " + n;
@@ -578,12 +584,8 @@ Cluster derived_cluster(const json& j, const std::string& where) {
   r.check_keys(j, "", {"cluster", "name", "runtime", "attention_kernel", "comment"});
   if (!j.at("cluster").is_string() || j.at("cluster").get<std::string>().empty())
     r.fail("cluster", "expected a preset name or a cluster file");
-  std::string base = j.at("cluster").get<std::string>();
-  std::error_code ec;
-  const std::filesystem::path beside = std::filesystem::path(where).parent_path() / base;
-  if (!is_preset(base) && !std::filesystem::exists(base, ec) && std::filesystem::exists(beside, ec))
-    base = beside.string();
-  Cluster c = load_cluster(base, fmt::format("{}: field 'cluster':", where));
+  Cluster c = load_cluster(cluster_named_in(j.at("cluster").get<std::string>(), where),
+                           fmt::format("{}: field 'cluster':", where));
   if (j.contains("name")) {
     if (!j.at("name").is_string()) r.fail("name", "expected a string");
     c.name = j.at("name").get<std::string>();
@@ -672,8 +674,7 @@ Cluster load_cluster(const std::string& preset_or_path, const std::string& given
     Nest& operator=(const Nest&) = delete;
   } nest;
   // A spec given inline (`--cluster '{"cluster": "dgx-h100", "runtime": "eager"}'`).
-  if (const auto first = preset_or_path.find_first_not_of(" \t\r\n");
-      first != std::string::npos && preset_or_path[first] == '{') {
+  if (is_inline_cluster_spec(preset_or_path)) {
     std::string where = given_by;
     if (!where.empty() && where.back() == ':') where.pop_back();
     return cluster_from_text(preset_or_path, where);
@@ -702,6 +703,25 @@ Cluster cluster_from_text(const std::string& text, const std::string& where) {
   } catch (const json::exception& e) {
     throw ClusterError(preset_or_path + ": " + e.what());
   }
+}
+
+bool is_inline_cluster_spec(const std::string& text) {
+  const std::size_t first = text.find_first_not_of(" \t\r\n");
+  return first != std::string::npos && text[first] == '{';
+}
+
+std::string cluster_named_in(const std::string& name, const std::string& spec_path) {
+  return is_preset(name) ? name : beside_spec(name, spec_path);
+}
+
+std::string derived_cluster_spec(const std::string& cluster, const std::string& runtime,
+                                 const std::string& attention_kernel) {
+  std::error_code ec;
+  const bool file = !is_inline_cluster_spec(cluster) && std::filesystem::is_regular_file(cluster, ec);
+  json spec = {{"cluster", file ? std::filesystem::absolute(cluster).lexically_normal().string() : cluster}};
+  if (!runtime.empty()) spec["runtime"] = runtime;
+  if (!attention_kernel.empty()) spec["attention_kernel"] = attention_kernel;
+  return spec.dump();
 }
 
 Cluster with_devices(const Cluster& cluster, int devices) {

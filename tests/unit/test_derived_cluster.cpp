@@ -1,7 +1,5 @@
 // Derived cluster specs ({"cluster": <preset or file>, "runtime", "attention_kernel"}, sim/cluster.hpp) and
 // specs given inline: what `piper simulate --runtime / --attention-kernel` write (docs/cost-model.md).
-#include <unistd.h>
-
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -12,6 +10,7 @@
 #include "piper/core/scenario.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/simulate.hpp"
+#include "scratch_test.hpp"
 
 using namespace piper;
 using namespace piper::sim;
@@ -29,17 +28,9 @@ std::string error_of(const std::function<void()>& f) {
   return "(no error)";
 }
 
-class DerivedCluster : public ::testing::Test {
+class DerivedCluster : public piper::test::ScratchTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("piper_derived_cluster_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
   void write(const std::string& name, const std::string& text) const { std::ofstream(dir_ / name) << text; }
-  fs::path dir_;
 };
 
 double step_on(const std::string& cluster) {

@@ -10,6 +10,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "scratch_test.hpp"
+
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -33,17 +35,7 @@ Result run(const std::string& args, const fs::path& dir) {
   return {WEXITSTATUS(status), slurp(out), slurp(err)};
 }
 
-class SimCli : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("piper_sim_cli_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  fs::path dir_;
-};
+class SimCli : public piper::test::ScratchTest {};
 
 }  // namespace
 

@@ -1,5 +1,6 @@
-// Cluster presets and spec errors, and the cost model's closed forms recomputed here from the
-// cluster's alpha and beta (relative tolerance 1e-12: the same arithmetic in another order).
+// Cluster presets and spec errors, the kernel tables' rate floors, and the cost model's closed forms
+// recomputed here from the cluster's alpha and beta (relative tolerance 1e-12: the same arithmetic in
+// another order).
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -8,6 +9,7 @@
 
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/cost_model.hpp"
+#include "piper/sim/kernel_table.hpp"
 #include "expect.hpp"
 
 using namespace piper;
@@ -148,6 +150,44 @@ TEST(SimCluster, TinyRatesAndSizesAreRefusedNamingTheFloor) {
             }).find("o.json: field 'network.oversubscription': must be <= 1000, got 1e+09"),
             std::string::npos);
   EXPECT_NO_THROW(cluster_from_json(with("network", "oversubscription", 1000), "o.json"));
+}
+
+// A table rate of 1e-300 TFLOP/s (or GB/s), or a measured time of 1e-300 ms, was taken: a step of
+// 300 digits, or attention that cost nothing. Rates and times have a physical floor, named with its unit.
+TEST(KernelTable, TinyRatesAndTimesAreRefusedNamingTheFloor) {
+  auto err = [](const std::string& text) {
+    return error_of([&] { KernelTable::from_json(json::parse(text), "t.json"); });
+  };
+  const std::string gemm = R"({"gemm": [{"dtype": "bf16", "m": 512, "n": 512, "k": 512, "tflops": %}]})";
+  auto at = [](std::string text, const std::string& v) { return text.replace(text.find('%'), 1, v); };
+  EXPECT_NE(err(at(gemm, "1e-300")).find("t.json: field 'gemm[0].tflops': must be >= 0.001 (1 GFLOP/s), got 1e-300"),
+            std::string::npos)
+      << err(at(gemm, "1e-300"));
+  EXPECT_EQ(err(at(gemm, "0.001")), "");
+  const std::string attn =
+      R"({"attention": [{"b": 1, "s": 64, "heads": 1, "head_dim": 64, "fwd_tflops": %, "bwd_tflops": 1}]})";
+  EXPECT_NE(err(at(attn, "1e-300")).find("field 'attention[0].fwd_tflops': must be >= 0.001 (1 GFLOP/s)"),
+            std::string::npos);
+  const std::string mem = R"({"memory_bound": [{"kernel": "add", "gbps": %, "bytes": 1e6}]})";
+  EXPECT_NE(err(at(mem, "1e-300")).find("field 'memory_bound[0].gbps': must be >= 0.001 (1 MB/s), got 1e-300"),
+            std::string::npos)
+      << err(at(mem, "1e-300"));
+  EXPECT_EQ(err(at(mem, "0.001")), "");
+  const std::string std_attn =
+      R"({"attention_standard": [{"implementation": "megatron", "dropout": true, "dtype": "fp16", "b": 1,)"
+      R"( "heads": 1, "s": 64, "head_dim": 64, "fwd_ms": %, "bwd_ms": 2}]})";
+  EXPECT_NE(err(at(std_attn, "1e-300")).find("field 'attention_standard[0].fwd_ms': must be >= 1e-06 (1 ns)"),
+            std::string::npos)
+      << err(at(std_attn, "1e-300"));
+  const std::string adamw = R"({"adamw": [{"params": 1e8, "s": %}]})";
+  EXPECT_NE(err(at(adamw, "1e-300")).find("field 'adamw[0].s': must be >= 1e-09 (1 ns)"), std::string::npos)
+      << err(at(adamw, "1e-300"));
+  EXPECT_EQ(err(at(adamw, "0.01")), "");
+  // An attention implementation's rate multiplier, bounded as a table's scales are.
+  EXPECT_NE(err(R"({"attention_kernels": {"fa3": {"fwd_scale": 1e-300, "bwd_scale": 1}}})")
+                .find("field 'attention_kernels.fa3.fwd_scale': must be in [0.001, 1000]"),
+            std::string::npos)
+      << err(R"({"attention_kernels": {"fa3": {"fwd_scale": 1e-300, "bwd_scale": 1}}})");
 }
 
 // Overrides that select no node, a node twice, or by two selectors at once, and a node that two

@@ -134,6 +134,16 @@ std::vector<std::string> cluster_presets();
 // "Cluster specs"). Throws ClusterError with one line naming the file and field; a name that is
 // neither is named as coming from `given_by` (the flag, or a scenario file's field).
 Cluster load_cluster(const std::string& preset_or_path, const std::string& given_by = "--cluster");
+// Whether `text` is a cluster spec written inline (JSON text), not a preset name or a file path.
+bool is_inline_cluster_spec(const std::string& text);
+// A derived spec's "cluster" as the spec at `spec_path` names it: a preset, or a file taken relative to
+// the spec's folder when it is not found as given.
+std::string cluster_named_in(const std::string& name, const std::string& spec_path);
+// The derived spec (inline JSON) of `cluster` under a training runtime's settings ("" leaves the
+// cluster's own): what --runtime / --attention-kernel and Python's runtime= make. A file is named by its
+// absolute path, so the spec reads the same from any folder. Checks nothing: load_cluster of it does.
+std::string derived_cluster_spec(const std::string& cluster, const std::string& runtime,
+                                 const std::string& attention_kernel);
 // Parses a cluster spec; `where` (a file name) prefixes errors.
 //   {"name": "...", "preset": "dgx-h200"?, "nodes": N, "fixed": bool?,
 //    "node": {"gpus_per_node", "gpu": {...}|"h100-sxm", "nvlink_bandwidth_gbps"...}?,   (overrides of the preset's
