@@ -4,7 +4,6 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
 
 #include "cli/common.hpp"
 #include "piper/sim/cluster.hpp"
@@ -45,15 +44,12 @@ std::string RuntimeFlags::applied_to(const std::string& cluster) const {
 }
 
 std::string cluster_label(const std::string& cluster) {
-  if (!sim::is_inline_cluster_spec(cluster)) return cluster;
-  const nlohmann::json spec = nlohmann::json::parse(cluster, nullptr, false);
-  if (!spec.is_object() || !spec.contains("cluster") || !spec.at("cluster").is_string()) return cluster;
+  const auto parts = sim::derived_cluster_parts(cluster);
+  if (!parts) return cluster;
   std::vector<std::string> settings;
-  for (const char* key : {"runtime", "attention_kernel"})
-    if (spec.contains(key) && spec.at(key).is_string())
-      settings.push_back(fmt::format("{} {}", key == std::string("runtime") ? "runtime" : "attention",
-                                     spec.at(key).get<std::string>()));
-  return fmt::format("{} ({})", spec.at("cluster").get<std::string>(), fmt::join(settings, ", "));
+  if (!parts->runtime.empty()) settings.push_back("runtime " + parts->runtime);
+  if (!parts->attention_kernel.empty()) settings.push_back("attention " + parts->attention_kernel);
+  return settings.empty() ? parts->cluster : fmt::format("{} ({})", parts->cluster, fmt::join(settings, ", "));
 }
 
 }  // namespace piper::cli

@@ -16,8 +16,8 @@ std::string scenario_title(const core::Scenario& s, const sim::Report& r) {
   std::string model = std::filesystem::path(s.model).filename().string();
   std::string schedule = s.directives ? (s.append_schedule ? s.strategy.schedule + " (appended)" : "directive program")
                                       : s.strategy.schedule;
-  return fmt::format("{} · {} · {} devices, {} microbatches · {} ({})", model, schedule, r.devices, r.microbatches,
-                     r.cluster.empty() ? "cluster" : r.cluster, r.engine);
+  return fmt::format("{} · {} · {} devices, {} microbatches · {}{} ({})", model, schedule, r.devices, r.microbatches,
+                     r.cluster.empty() ? "cluster" : r.cluster, r.runtime.empty() ? "" : ", " + r.runtime, r.engine);
 }
 
 ScenarioRun run_scenario(const core::Scenario& scenario) {

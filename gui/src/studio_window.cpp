@@ -29,6 +29,7 @@
 #include <QPushButton>
 #include <QRegularExpression>
 #include <QSaveFile>
+#include <QSignalBlocker>
 #include <QScrollBar>
 #include <QSpinBox>
 #include <QSplitter>
@@ -43,6 +44,7 @@
 #include "piper/gui/chrome_trace.hpp"
 #include "piper/sim/cluster.hpp"
 #include "piper/sim/engine.hpp"
+#include "piper/sim/kernel_table.hpp"
 #include "piper/sim/simulate.hpp"
 
 namespace piper::gui {
@@ -172,6 +174,17 @@ QWidget* labelled_row(std::initializer_list<std::pair<const char*, QWidget*>> fi
     layout->addWidget(w, 1);
   }
   return row;
+}
+
+// Selects the item of `box` whose data is `value`, adding one shown as `label` when there is none.
+void select_data(QComboBox* box, const QString& value, const QString& label) {
+  int index = box->findData(value);
+  if (index < 0) {
+    box->addItem(label, value);
+    index = box->count() - 1;
+    box->setItemData(index, value, Qt::ToolTipRole);
+  }
+  box->setCurrentIndex(index);
 }
 
 // `box` in a vertical scroll area as wide as the box and its scroll bar.
@@ -311,9 +324,25 @@ QWidget* StudioWindow::build_preset_panel() {
   model_ = new QComboBox;
   model_->setEditable(true);  // zoo name, or a model spec / HF config path
   for (const auto& n : core::zoo_names()) model_->addItem(QString::fromStdString(n));
+  // A preset, or the file or inline spec a loaded scenario names (added as an item when it loads).
   cluster_ = new QComboBox;
-  for (const auto& n : sim::cluster_presets()) cluster_->addItem(QString::fromStdString(n));
+  for (const auto& n : sim::cluster_presets()) cluster_->addItem(QString::fromStdString(n), QString::fromStdString(n));
   cluster_->setCurrentText(sim::kDefaultCluster);
+  runtime_ = new QComboBox;
+  runtime_->setObjectName("runtime");
+  runtime_->setToolTip(
+      "--runtime: the training runtime whose kernels are costed (docs/cost-model.md), over the "
+      "cluster's own");
+  runtime_->addItem("cluster's", QString());
+  for (const auto& n : sim::runtime_profiles()) runtime_->addItem(QString::fromStdString(n), QString::fromStdString(n));
+  attention_ = new QComboBox;
+  attention_->setObjectName("attention_kernel");
+  attention_->setToolTip(
+      "--attention-kernel: the attention implementation costed, over the cluster's own (the "
+      "ones its kernel tables hold)");
+  attention_->addItem("cluster's", QString());
+  connect(cluster_, &QComboBox::currentIndexChanged, this, [this] { fill_attention_kernels(); });
+  fill_attention_kernels();
   engine_ = new QComboBox;
   for (const auto& n : sim::engine_names()) engine_->addItem(QString::fromStdString(n));
   engine_->setCurrentText(kStudioEngine);
@@ -346,6 +375,7 @@ QWidget* StudioWindow::build_preset_panel() {
   form->addRow("<b>Preset</b>", new QWidget);
   form->addRow("model", model_);
   form->addRow("cluster", cluster_);
+  form->addRow("runtime", labelled_row({{nullptr, runtime_}, {"attention", attention_}}));
   form->addRow("engine", engine_);
   form->addRow("schedule", schedule_);
   form->addRow("pipeline", labelled_row({{"P", pp_}, {"M", microbatches_}, {"V", virtual_}, {"GB", global_batch_}}));
@@ -386,7 +416,17 @@ QWidget* StudioWindow::build_preset_panel() {
 
 void StudioWindow::fill_preset_panel(const core::Scenario& s) {
   model_->setCurrentText(QString::fromStdString(s.model));
-  if (!s.cluster.empty()) cluster_->setCurrentText(QString::fromStdString(s.cluster));
+  {
+    // A derived spec shows as its cluster and settings; any other file or inline spec as itself.
+    const std::string cluster = s.cluster.empty() ? std::string(sim::kDefaultCluster) : s.cluster;
+    const auto parts = sim::derived_cluster_parts(cluster);
+    const QString base = QString::fromStdString(parts ? parts->cluster : cluster);
+    select_data(cluster_, base, sim::is_inline_cluster_spec(base.toStdString()) ? "inline spec" : base);
+    const QString runtime = QString::fromStdString(parts ? parts->runtime : "");
+    const QString attention = QString::fromStdString(parts ? parts->attention_kernel : "");
+    select_data(runtime_, runtime, runtime);
+    select_data(attention_, attention, attention);
+  }
   engine_->setCurrentText(QString::fromStdString(s.engine.empty() ? kStudioEngine : s.engine));
   schedule_->setCurrentText(QString::fromStdString(s.strategy.schedule));
   pp_->setValue(s.strategy.pp);
@@ -421,7 +461,10 @@ void StudioWindow::fill_preset_panel(const core::Scenario& s) {
 core::Scenario StudioWindow::preset_scenario() const {
   core::Scenario s;
   s.model = model_->currentText().toStdString();
-  s.cluster = cluster_->currentText().toStdString();
+  s.cluster = cluster_->currentData().toString().toStdString();
+  const std::string runtime = runtime_->currentData().toString().toStdString();
+  const std::string attention = attention_->currentData().toString().toStdString();
+  if (!runtime.empty() || !attention.empty()) s.cluster = sim::derived_cluster_spec(s.cluster, runtime, attention);
   s.engine = engine_->currentText().toStdString();
   s.strategy.schedule = schedule_->currentText().toStdString();
   s.strategy.pp = pp_->value();
@@ -449,6 +492,21 @@ core::Scenario StudioWindow::preset_scenario() const {
     }
   }
   return s;
+}
+
+void StudioWindow::fill_attention_kernels() {
+  const QString chosen = attention_->currentData().toString();
+  std::vector<std::string> names;
+  try {
+    names = sim::attention_kernel_names(sim::load_cluster(cluster_->currentData().toString().toStdString()));
+  } catch (const std::exception&) {
+    // A cluster that does not load offers the cluster's own; simulating it names the error.
+  }
+  const QSignalBlocker quiet(attention_);
+  attention_->clear();
+  attention_->addItem("cluster's", QString());
+  for (const auto& n : names) attention_->addItem(QString::fromStdString(n), QString::fromStdString(n));
+  attention_->setCurrentIndex(std::max(0, attention_->findData(chosen)));
 }
 
 void StudioWindow::set_editor_program(const nlohmann::json& program) {

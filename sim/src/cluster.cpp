@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <sstream>
 
@@ -722,6 +723,41 @@ std::string derived_cluster_spec(const std::string& cluster, const std::string& 
   if (!runtime.empty()) spec["runtime"] = runtime;
   if (!attention_kernel.empty()) spec["attention_kernel"] = attention_kernel;
   return spec.dump();
+}
+
+std::optional<DerivedClusterParts> derived_cluster_parts(const std::string& text) {
+  if (!is_inline_cluster_spec(text)) return std::nullopt;
+  const json spec = json::parse(text, nullptr, false);
+  if (!spec.is_object() || !spec.contains("cluster") || !spec.at("cluster").is_string()) return std::nullopt;
+  DerivedClusterParts parts{spec.at("cluster").get<std::string>(), "", ""};
+  for (const auto& [key, value] : spec.items()) {
+    if (key == "runtime" && value.is_string())
+      parts.runtime = value.get<std::string>();
+    else if (key == "attention_kernel" && value.is_string())
+      parts.attention_kernel = value.get<std::string>();
+    else if (key != "cluster" && key != "name" && key != "comment")
+      return std::nullopt;
+  }
+  return parts;
+}
+
+std::vector<std::string> attention_kernel_names(const Cluster& cluster) {
+  std::set<std::string> tables;
+  for (const auto& node : cluster.nodes)
+    if (!node.gpu.kernel_table.empty()) tables.insert(node.gpu.kernel_table);
+  std::vector<std::string> names;
+  for (auto it = tables.begin(); it != tables.end(); ++it) {
+    std::vector<std::string> held;
+    for (const auto& [name, kernel] : load_kernel_table(*it)->attention_kernels) held.push_back(name);
+    if (it == tables.begin()) {
+      names = held;
+      continue;
+    }
+    std::vector<std::string> both;
+    std::set_intersection(names.begin(), names.end(), held.begin(), held.end(), std::back_inserter(both));
+    names = both;
+  }
+  return names;
 }
 
 Cluster with_devices(const Cluster& cluster, int devices) {

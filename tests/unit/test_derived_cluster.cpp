@@ -123,3 +123,27 @@ TEST_F(DerivedCluster, CostsAsTheSameSettingsSpelledOut) {
   EXPECT_DOUBLE_EQ(derived, step_on((dir_ / "full.json").string()));
   EXPECT_GT(derived, step_on("dgx-h100"));  // eager's unfused kernels and FlashAttention-2's rates
 }
+
+// What the studio's preset panel reads back from a scenario's cluster: a derived spec's parts, and
+// nothing for any other cluster text.
+TEST(DerivedClusterParts, OfADerivedSpecOnly) {
+  const auto parts = derived_cluster_parts(derived_cluster_spec("dgx-h100", "eager", "fa2"));
+  ASSERT_TRUE(parts.has_value());
+  EXPECT_EQ(parts->cluster, "dgx-h100");
+  EXPECT_EQ(parts->runtime, "eager");
+  EXPECT_EQ(parts->attention_kernel, "fa2");
+  const auto runtime_only = derived_cluster_parts(R"({"cluster": "c.json", "runtime": "fused", "name": "n"})");
+  ASSERT_TRUE(runtime_only.has_value());
+  EXPECT_EQ(runtime_only->cluster, "c.json");
+  EXPECT_EQ(runtime_only->attention_kernel, "");
+  for (const char* other : {"dgx-h100", "c.json", R"({"preset": "dgx-h100", "nodes": 2})",
+                            R"({"cluster": "dgx-h100", "nodes": 2})", R"({"cluster": 3})", "{not json"})
+    EXPECT_FALSE(derived_cluster_parts(other).has_value()) << other;
+}
+
+TEST(DerivedClusterParts, AttentionKernelsAreThoseEveryTableHolds) {
+  EXPECT_EQ(attention_kernel_names(load_cluster("dgx-h100")), (std::vector<std::string>{"fa1", "fa2"}));
+  EXPECT_TRUE(attention_kernel_names(
+                  cluster_from_text(R"({"preset": "dgx-h100", "node": {"gpu": {"kernel_table": ""}}})", "c.json"))
+                  .empty());
+}

@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include <QApplication>
+#include <QComboBox>
 #include <QImage>
 #include <QPushButton>
 #include <QTextBlock>
@@ -32,6 +33,7 @@
 #include "piper/gui/studio_window.hpp"
 #include "piper/gui/tune_browser.hpp"
 #include "piper/search/tune.hpp"
+#include "piper/sim/cluster.hpp"
 #include "gui_support.hpp"
 
 using namespace piper;
@@ -40,6 +42,18 @@ using gui_test::app;
 using gui_test::AppFirst;
 using gui_test::small_scenario;
 using gui_test::Studio;
+
+// Clicks "Simulate preset" and waits for the run, which must succeed.
+void simulate_preset(StudioWindow& window) {
+  QPushButton* apply = nullptr;
+  for (auto* b : window.findChildren<QPushButton*>())
+    if (b->text() == "Simulate preset") apply = b;
+  ASSERT_NE(apply, nullptr);
+  QSignalSpy spy(&window, &StudioWindow::simulation_finished);
+  apply->click();
+  ASSERT_TRUE(spy.wait(20000));
+  ASSERT_TRUE(spy.takeFirst().at(0).toBool()) << window.error_text().toStdString();
+}
 
 TEST(GuiData, LaneVisibleRangeAndHitUseBinarySearchOverSortedSpans) {
   // Hand-made lane: [0,1) [1,2) [5,6) and a long overlapping measured-style span [1.5, 10).
@@ -111,14 +125,7 @@ TEST(GuiStudio, PresetPanelCarriesTensorParallelAndHybridShardingKnobs) {
   s.window.load_scenario(sc, /*synchronous=*/true);
   ASSERT_TRUE(s.window.run_a()) << s.window.error_text().toStdString();
   EXPECT_EQ(s.window.view()->device_rows(), 2 * 4);
-  QPushButton* apply = nullptr;
-  for (auto* b : s.window.findChildren<QPushButton*>())
-    if (b->text() == "Simulate preset") apply = b;
-  ASSERT_NE(apply, nullptr);
-  QSignalSpy spy(&s.window, &StudioWindow::simulation_finished);
-  apply->click();
-  ASSERT_TRUE(spy.wait(20000));
-  ASSERT_TRUE(spy.takeFirst().at(0).toBool()) << s.window.error_text().toStdString();
+  ASSERT_NO_FATAL_FAILURE(simulate_preset(s.window));
   const auto& st = s.window.run_a()->scenario.strategy;
   EXPECT_EQ(st.tp, 2);
   EXPECT_TRUE(st.sequence_parallel);
@@ -145,14 +152,7 @@ TEST(GuiStudio, PresetPanelHasAFieldForEverySetting) {
     ASSERT_NE(field, nullptr) << name;
     EXPECT_TRUE(field->toolTip().startsWith("--")) << name;
   }
-  QPushButton* apply = nullptr;
-  for (auto* b : s.window.findChildren<QPushButton*>())
-    if (b->text() == "Simulate preset") apply = b;
-  ASSERT_NE(apply, nullptr);
-  QSignalSpy spy(&s.window, &StudioWindow::simulation_finished);
-  apply->click();
-  ASSERT_TRUE(spy.wait(20000));
-  ASSERT_TRUE(spy.takeFirst().at(0).toBool()) << s.window.error_text().toStdString();
+  ASSERT_NO_FATAL_FAILURE(simulate_preset(s.window));
   const auto& st = s.window.run_a()->scenario.strategy;
   EXPECT_FALSE(st.fp8_all_gather);
   EXPECT_EQ(st.reduce_every, "step");
@@ -179,14 +179,7 @@ TEST(GuiStudio, PresetPanelShowsTheMicrobatchesOfAGlobalBatch) {
   EXPECT_FALSE(microbatches->isEnabled());
   EXPECT_EQ(global_batch->value(), 512);
   EXPECT_EQ(s.window.run_a()->report.microbatches, 256);
-  QPushButton* apply = nullptr;
-  for (auto* b : s.window.findChildren<QPushButton*>())
-    if (b->text() == "Simulate preset") apply = b;
-  ASSERT_NE(apply, nullptr);
-  QSignalSpy spy(&s.window, &StudioWindow::simulation_finished);
-  apply->click();
-  ASSERT_TRUE(spy.wait(20000));
-  ASSERT_TRUE(spy.takeFirst().at(0).toBool()) << s.window.error_text().toStdString();
+  ASSERT_NO_FATAL_FAILURE(simulate_preset(s.window));
   EXPECT_EQ(s.window.run_a()->scenario.strategy.global_batch, 512);
   EXPECT_EQ(s.window.run_a()->report.microbatches, 256);
   // Without a global batch, M is the scenario's own and editable again.
@@ -205,6 +198,52 @@ TEST(GuiStudio, ScenarioFileWithAMisspeltKeyIsRefused) {
   EXPECT_FALSE(s.window.open_scenario_file(QString::fromStdString(path.string()), /*synchronous=*/true));
   EXPECT_NE(s.window.error_text().indexOf("unknown field (did you mean 'microbatches'?)"), -1)
       << s.window.error_text().toStdString();
+  std::filesystem::remove(path);
+}
+
+// The cluster a scenario names stays the panel's cluster: a file shows as itself (a non-preset was
+// not selectable, and "Simulate preset" ran the previous preset), a derived spec as its cluster with
+// its runtime and attention kernel, and the runtime and attention fields compose that spec again.
+TEST(GuiStudio, PresetPanelKeepsTheClusterAndItsRuntimeSettings) {
+  Studio s;
+  auto* runtime = s.window.findChild<QComboBox*>("runtime");
+  auto* attention = s.window.findChild<QComboBox*>("attention_kernel");
+  ASSERT_NE(runtime, nullptr);
+  ASSERT_NE(attention, nullptr);
+  const auto path =
+      std::filesystem::temp_directory_path() / ("piper_gui_cluster_" + std::to_string(::getpid()) + ".json");
+  // A GPU without a kernel table (the efficiency curve): no attention implementation to choose.
+  std::ofstream(path) << R"({"name": "two-node h100", "preset": "dgx-h100", "nodes": 2,
+                             "node": {"gpu": {"kernel_table": ""}}})";
+  core::Scenario sc = small_scenario();
+  sc.cluster = path.string();
+  s.window.load_scenario(sc, /*synchronous=*/true);
+  ASSERT_NO_FATAL_FAILURE(simulate_preset(s.window));
+  EXPECT_EQ(s.window.run_a()->scenario.cluster, path.string());
+  EXPECT_EQ(s.window.run_a()->report.cluster, "two-node h100");
+  EXPECT_EQ(attention->count(), 1);
+
+  sc.cluster = sim::derived_cluster_spec("dgx-h100", "eager", "fa2");
+  s.window.load_scenario(sc, /*synchronous=*/true);
+  ASSERT_TRUE(s.window.run_a()) << s.window.error_text().toStdString();
+  const double derived_step = s.window.run_a()->report.step_time_s;
+  EXPECT_NE(s.window.run_a()->title.find("dgx-h100, runtime eager, attention fa2 (analytic)"), std::string::npos)
+      << s.window.run_a()->title;
+  EXPECT_EQ(runtime->currentData().toString(), "eager");
+  EXPECT_EQ(attention->currentData().toString(), "fa2");
+  ASSERT_NO_FATAL_FAILURE(simulate_preset(s.window));
+  EXPECT_EQ(s.window.run_a()->scenario.cluster, sc.cluster);
+  EXPECT_DOUBLE_EQ(s.window.run_a()->report.step_time_s, derived_step);
+
+  // The cluster's own settings again: the plain preset, which costs the fused runtime and cuDNN.
+  runtime->setCurrentIndex(0);
+  attention->setCurrentIndex(0);
+  ASSERT_NO_FATAL_FAILURE(simulate_preset(s.window));
+  EXPECT_EQ(s.window.run_a()->scenario.cluster, "dgx-h100");
+  EXPECT_LT(s.window.run_a()->report.step_time_s, derived_step);
+  // The attention implementations the H100 table holds.
+  EXPECT_NE(attention->findData("fa1"), -1);
+  EXPECT_NE(attention->findData("fa2"), -1);
   std::filesystem::remove(path);
 }
 

@@ -77,6 +77,8 @@ class StudioWindow : public QMainWindow {
   QWidget* build_preset_panel();
   void fill_preset_panel(const core::Scenario& s);
   core::Scenario preset_scenario() const;
+  // The attention implementations of the cluster the panel names, keeping the chosen one if it has it.
+  void fill_attention_kernels();
   void start(const core::Scenario& scenario, int slot, bool synchronous, const std::string& editor_text);
   void finish(const RunOutcome& outcome, int slot, bool from_editor);
   void refresh_view(bool keep_view);
@@ -94,6 +96,9 @@ class StudioWindow : public QMainWindow {
   QSpinBox *dp_shard_ = nullptr, *tp_ = nullptr, *global_batch_ = nullptr;
   QCheckBox* sequence_parallel_ = nullptr;
   QComboBox* recompute_ = nullptr;
+  // The training runtime's settings over the cluster's (a derived cluster spec, sim/cluster.hpp): an
+  // item's data is the setting's value, "" (the first item) for the cluster's own.
+  QComboBox *runtime_ = nullptr, *attention_ = nullptr;
   // Fields generated from the settings table (core/settings.hpp) for the settings without one above.
   std::vector<std::pair<std::string, QWidget*>> setting_fields_;
   QAction* critical_action_ = nullptr;

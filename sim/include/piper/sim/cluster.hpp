@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -144,6 +145,16 @@ std::string cluster_named_in(const std::string& name, const std::string& spec_pa
 // absolute path, so the spec reads the same from any folder. Checks nothing: load_cluster of it does.
 std::string derived_cluster_spec(const std::string& cluster, const std::string& runtime,
                                  const std::string& attention_kernel);
+// The parts of a derived spec written inline (what derived_cluster_spec makes): its "cluster" and the
+// runtime settings it sets ("" where it leaves the cluster's own). nullopt for anything else (a preset,
+// a file, a full inline spec, text that is not such an object). Checks nothing but the shape.
+struct DerivedClusterParts {
+  std::string cluster, runtime, attention_kernel;
+};
+std::optional<DerivedClusterParts> derived_cluster_parts(const std::string& text);
+// The attention implementations a cluster may name in "attention_kernel": those every kernel table of
+// its GPUs holds (sorted; empty when no GPU has a table).
+std::vector<std::string> attention_kernel_names(const Cluster& cluster);
 // Parses a cluster spec; `where` (a file name) prefixes errors.
 //   {"name": "...", "preset": "dgx-h200"?, "nodes": N, "fixed": bool?,
 //    "node": {"gpus_per_node", "gpu": {...}|"h100-sxm", "nvlink_bandwidth_gbps"...}?,   (overrides of the preset's
