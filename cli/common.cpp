@@ -417,7 +417,10 @@ std::string scenario_file_text(core::Scenario s, const std::string& path) {
     file = rel.empty() ? target.lexically_normal().string() : rel.string();
   };
   relocate(s.model);
-  relocate(s.cluster);
+  s.cluster = core::map_cluster_file(s.cluster, [&](std::string file) {
+    relocate(file);
+    return file;
+  });
   return s.to_json().dump(2) + "\n";
 }
 

@@ -635,6 +635,15 @@ json Scenario::to_json() const {
   return j;
 }
 
+std::string map_cluster_file(const std::string& cluster, const std::function<std::string(const std::string&)>& map) {
+  const std::size_t first = cluster.find_first_not_of(" \t\r\n");
+  if (first == std::string::npos || cluster[first] != '{') return map(cluster);
+  json spec = json::parse(cluster, nullptr, false);
+  if (!spec.is_object() || !spec.contains("cluster") || !spec.at("cluster").is_string()) return cluster;
+  spec["cluster"] = map(spec.at("cluster").get<std::string>());
+  return spec.dump();
+}
+
 const std::vector<std::string>& scenario_train_keys() {
   static const std::vector<std::string> keys = {
       "steps",         "seed",  "lr",    "min_lr",   "warmup_steps", "lr_decay",           "lr_decay_steps",
@@ -777,7 +786,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
   for (const char* key : {"cluster", "engine"})
     if (j.contains(key) && (!j[key].is_string() || j[key].get<std::string>().empty()))
       throw fail(key, "must be a non-empty string (leave the field out for the default)");
-  if (j.contains("cluster")) s.cluster = resolve(j["cluster"].get<std::string>());
+  if (j.contains("cluster")) s.cluster = map_cluster_file(j["cluster"].get<std::string>(), resolve);
   if (j.contains("engine")) s.engine = j["engine"].get<std::string>();
   if (j.contains("train")) s.train = checked_train(j["train"], where);
   return s;

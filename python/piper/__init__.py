@@ -261,6 +261,13 @@ def _check_engine(engine, keyword="engine"):
 def _check_cluster(cluster, base_dir, keyword="cluster"):
     if not cluster or not isinstance(cluster, str):
         return
+    if cluster.lstrip().startswith("{"):
+        # A spec written inline (as --cluster takes one): the loader checks it, and names the field.
+        try:
+            _piper.check_cluster(cluster)
+        except _piper.NativeInputError as e:
+            _bad(keyword, cluster, str(e).removeprefix("--cluster: "))
+        return
     presets = _piper.cluster_presets()
     path = cluster if _os.path.isabs(cluster) or not base_dir else _os.path.join(base_dir, cluster)
     if cluster not in presets and not _os.path.exists(path):

@@ -143,7 +143,8 @@ SweepSpec SweepSpec::from_json(const json& j, const std::string& where, const st
     return j.at(field).get<std::string>();
   };
   s.model = resolve(text("model", s.model), base_dir);
-  s.cluster = resolve(text("cluster", s.cluster), base_dir);
+  s.cluster =
+      core::map_cluster_file(text("cluster", s.cluster), [&](const std::string& f) { return resolve(f, base_dir); });
   s.calibration_path = resolve(text("calibration", ""), base_dir);
   s.engine = knob(j, "engine", where, s.engine);
   s.seq_len = knob(j, "seq_len", where, s.seq_len);
@@ -242,8 +243,16 @@ std::string SweepPoint::key() const {
   for (const auto& s : core::strategy_settings())
     if (!s.essential) k += core::setting_key_part(s, *this);
   if (!calibration.empty()) k += "/calibration=" + calibration;
-  std::replace(k.begin(), k.end(), ',', ';');
-  return k;
+  // A comma would need CSV quoting: it and the characters CSV quotes are percent-encoded, '%' too, so
+  // that two settings never share a key (a ';' in place of ',' made "c,1.json" and "c;1.json" one).
+  std::string escaped;
+  for (const char c : k) {
+    if (c == ',' || c == '%' || c == '"' || c == '\n' || c == '\r')
+      escaped += fmt::format("%{:02X}", static_cast<unsigned char>(c));
+    else
+      escaped += c;
+  }
+  return escaped;
 }
 
 std::vector<SweepPoint> expand(const SweepSpec& s) {

@@ -142,6 +142,17 @@ struct Reader {
     return x;
   }
   static constexpr double kMaxField = 1e9;
+  // A "name": printed in reports, titles and the --kernels header, where a newline or NUL split the
+  // line, an override reordered what followed it, and an empty one printed "()".
+  std::string name(const json& j, const std::string& path) const {
+    const json& v = j.at("name");
+    if (!v.is_string() || v.get<std::string>().empty()) fail(path + "name", "expected a non-empty string");
+    const std::string text = v.get<std::string>();
+    if (!core::plain_text(text))
+      fail(path + "name", fmt::format("'{}': control or bidirectional-override characters are not allowed in a name",
+                                      core::printable_text(text, 80)));
+    return text;
+  }
   // A rate, bandwidth, size or efficiency: at least `floor`, a physical lower bound that `what` says
   // in units ("1 GFLOP/s"). Only an upper bound was checked, and 1e-300 TFLOP/s predicted a step
   // time of 300 digits and 0 tokens/s.
@@ -196,10 +207,7 @@ void apply_gpu(const Reader& r, const json& j, const std::string& path, GpuSpec&
                {"name", "preset", "peak_tflops", "sm_count", "hbm_gib", "hbm_bandwidth_gb_per_s", "launch_overhead_us",
                 "comm_sm_share", "comm_sm_share_max", "max_efficiency", "half_efficiency_gflops", "kernel_table"});
   if (j.contains("preset")) apply_gpu(r, j.at("preset"), path + "preset.", g);
-  if (j.contains("name")) {
-    if (!j.at("name").is_string()) r.fail(path + "name", "expected a string");
-    g.name = j.at("name").get<std::string>();
-  }
+  if (j.contains("name")) g.name = r.name(j, path);
   if (j.contains("peak_tflops")) g.peak_flops = r.at_least(j, "peak_tflops", path, 1e-3, "1 GFLOP/s") * kTera;
   if (j.contains("sm_count")) {
     const double sms = r.number(j, "sm_count", path, 1, false, 1e6);
@@ -587,10 +595,7 @@ Cluster derived_cluster(const json& j, const std::string& where) {
     r.fail("cluster", "expected a preset name or a cluster file");
   Cluster c = load_cluster(cluster_named_in(j.at("cluster").get<std::string>(), where),
                            fmt::format("{}: field 'cluster':", where));
-  if (j.contains("name")) {
-    if (!j.at("name").is_string()) r.fail("name", "expected a string");
-    c.name = j.at("name").get<std::string>();
-  }
+  if (j.contains("name")) c.name = r.name(j, "");
   read_runtime_settings(r, j, c);
   if (j.contains("attention_kernel")) check_attention_kernel(r, c);
   return c;
@@ -620,10 +625,7 @@ Cluster cluster_from_json(const json& j, const std::string& where) {
     network = it->network;
     name = p;
   }
-  if (j.contains("name")) {
-    if (!j.at("name").is_string()) r.fail("name", "expected a string");
-    name = j.at("name").get<std::string>();
-  }
+  if (j.contains("name")) name = r.name(j, "");
   if (j.contains("node")) apply_node(r, j.at("node"), "node.", base, false);
   check_node_complete(r, base, j.contains("node") ? "node." : "");
   if (j.contains("network")) apply_network(r, j.at("network"), network);

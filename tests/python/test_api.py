@@ -322,6 +322,23 @@ class Runtime(unittest.TestCase):
             piper.tune("qwen3-9m", devices=2, runtime="lazy")
 
 
+    def test_inline_cluster_specs_are_taken_as_the_cli_takes_them(self):
+        # Probe 15: an inline spec was "neither a preset nor a file" to Python, as cluster=, as a
+        # scenario's "cluster" (what --runtime --save-scenario writes, and what tune's scenarios hold).
+        spec = '{"cluster": "dgx-h100", "runtime": "eager"}'
+        named = piper.simulate(self.SCENARIO, cluster="dgx-h100", engine="analytic", runtime="eager")
+        self.assertEqual(piper.simulate(self.SCENARIO, cluster=spec, engine="analytic")["step_time_s"],
+                         named["step_time_s"])
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "s.json")
+            run_cli("simulate", "--model", "qwen3-9m", "--pp", "2", "--microbatches", "4", "--engine", "analytic",
+                    "--cluster", "dgx-h100", "--runtime", "eager", "--save-scenario", path)
+            self.assertEqual(piper.simulate(path, engine="analytic")["step_time_s"], named["step_time_s"])
+        with self.assertRaisesRegex(piper.InputError, r"^cluster='\{\"cluster\": \"nosuch\"\}': field 'cluster': "
+                                                      r"'nosuch': neither a preset"):
+            piper.simulate(self.SCENARIO, cluster='{"cluster": "nosuch"}', engine="analytic")
+
+
 class HostileArguments(unittest.TestCase):
     """Probe 6 (docs/reliability.md, sixth probe): each of these crashed, ran away, named nothing or
     was silently taken before; now each is one line naming the keyword, field or file."""

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -40,6 +41,12 @@ struct Scenario {
   // Reads a scenario file's JSON; `where` names it in errors. Relative paths resolve against `base_dir`.
   static Scenario from_json(const nlohmann::json& j, const std::string& where, const std::string& base_dir = "");
 };
+
+// A "cluster" field (a preset, a file, or a spec written inline) with the file it names passed through
+// `map`: the field itself, or, for a derived spec written inline ({"cluster": "base.json", "runtime":
+// ...}: sim/cluster.hpp), its "cluster". So a scenario or sweep file resolves (and --save-scenario
+// relocates) the base of an inline derived spec as it does a cluster file it names directly.
+std::string map_cluster_file(const std::string& cluster, const std::function<std::string(const std::string&)>& map);
 
 // The keys of a scenario's "train" section: `piper run`'s flags of the same names (--lr-decay for
 // lr_decay, ...): steps, seed, lr, min_lr, warmup_steps, lr_decay, lr_decay_steps, weight_decay,
