@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "cli/common.hpp"
+#include "piper/sim/simulate.hpp"
 #include "piper/core/dag.hpp"
 #include "piper/core/limits.hpp"
 #include "piper/core/scenario.hpp"
@@ -90,6 +91,7 @@ std::int64_t estimated_plan_bytes(const core::Scenario& s, std::int64_t* microba
 
 int run_compile(const CompileArgs& a) {
   const core::Scenario scenario = a.scenario.scenario();
+  sim::check_scenario_cluster_and_engine(scenario);
   // A plan Piper could not read back (over the input-bytes limit) is refused before the compile,
   // which would take minutes and gigabytes to write it.
   if (!a.out_path.empty()) {

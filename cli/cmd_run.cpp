@@ -4,9 +4,11 @@
 // batch (--reference).
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <set>
 
@@ -14,6 +16,7 @@
 #include <mpi.h>
 
 #include "cli/common.hpp"
+#include "piper/sim/simulate.hpp"
 #include "piper/runtime/executor.hpp"
 #include "piper/runtime/trainer.hpp"
 #ifdef PIPER_HAVE_CUDA
@@ -40,8 +43,9 @@ struct RunArgs {
   std::string lr_decay = "constant";
   std::string loss_scale;  // --loss-scale: "dynamic", a power of two, or empty (none)
   runtime::TrainOptions train;
-  std::set<std::string> dynamic_only_given;  // kDynamicScaleFlags given (as flags or scenario keys)
-  json train_given;                          // the training flags given, under the scenario's "train" keys
+  std::set<std::string> dynamic_only_given;            // kDynamicScaleFlags given (as flags or scenario keys)
+  json train_given;                                    // the training flags given, under the scenario's "train" keys
+  std::map<std::string, std::string> train_from_file;  // flag -> "train" key, for each setting the scenario set
   CLI::Option* plan = nullptr;
 };
 
@@ -195,6 +199,7 @@ int run_distributed(const RunArgs& a) {
 // flag), and its "train" section sets each training setting whose flag was not given.
 void apply_scenario_train(RunArgs& a, const CLI::App& cmd) {
   a.scenario_file = a.scenario.scenario();
+  sim::check_scenario_cluster_and_engine(*a.scenario_file);
   const core::Scenario& s = *a.scenario_file;
   auto& t = a.train;
   for (auto it = s.train.begin(); it != s.train.end(); ++it) {
@@ -202,6 +207,7 @@ void apply_scenario_train(RunArgs& a, const CLI::App& cmd) {
     std::string flag = "--" + key;
     std::replace(flag.begin(), flag.end(), '_', '-');
     if (cmd.get_option(flag)->count() > 0) continue;  // the flag wins
+    a.train_from_file[flag] = key;
     const json& v = it.value();
     if (key == "steps") t.steps = v.get<int>();
     if (key == "seed") t.seed = v.get<std::uint64_t>();
@@ -220,7 +226,42 @@ void apply_scenario_train(RunArgs& a, const CLI::App& cmd) {
     if (key == "initial_loss_scale") t.adamw.loss_scaling.initial = v.get<double>();
     if (key == "loss_scale_window") t.adamw.loss_scaling.window = v.get<int>();
     if (key == "min_loss_scale") t.adamw.loss_scaling.min_scale = v.get<double>();
+    if (key == "data") t.data_path = v.get<std::string>();
+    if (key == "on_nonfinite") a.on_nonfinite = v.get<std::string>();
   }
+}
+
+// A training setting's error names its flag ("--beta1 must be in [0, 1) (got 1)"); a setting the
+// scenario's "train" section set is named as the file's field instead ("s.json: field 'train.beta1':
+// must be in [0, 1) (got 1)"), and so is each such setting it mentions ("between 0 and 'train.lr' 0.003").
+std::string in_train_terms(const RunArgs& a, const std::string& message) {
+  if (a.train_from_file.empty()) return message;
+  auto flag_at = [&](std::size_t pos) -> const std::pair<const std::string, std::string>* {
+    for (const auto& entry : a.train_from_file) {
+      const std::string& flag = entry.first;
+      const std::size_t end = pos + flag.size();
+      if (message.compare(pos, flag.size(), flag) == 0 &&
+          (end == message.size() || !(std::isalnum(static_cast<unsigned char>(message[end])) || message[end] == '-')))
+        return &entry;
+    }
+    return nullptr;
+  };
+  std::string lead, body;
+  std::size_t i = 0;
+  if (const auto* first = flag_at(0)) {
+    lead = fmt::format("{}: field 'train.{}': ", a.scenario.scenario_path, first->second);
+    i = first->first.size();
+    if (message.compare(i, 1, " ") == 0) ++i;
+  }
+  while (i < message.size()) {
+    if (const auto* f = (i == 0 || message[i - 1] == ' ') ? flag_at(i) : nullptr) {
+      body += "'train." + f->second + "'";
+      i += f->first.size();
+    } else {
+      body += message[i++];
+    }
+  }
+  return lead + body;
 }
 
 // --loss-scale's value: "dynamic", or a static scale (a power of two, checked by check_loss_scaling).
@@ -231,14 +272,15 @@ void parse_loss_scale(RunArgs& a) {
   } else if (a.loss_scale == "dynamic") {
     ls.mode = runtime::host::LossScaleMode::Dynamic;
   } else {
+    // In decimal, as every number flag (stod also read "0x10", "0x1p4" and " 16").
     std::size_t used = 0;
     double v = 0;
     try {
-      v = std::stod(a.loss_scale, &used);
+      if (decimal_number(a.loss_scale, false)) v = std::stod(a.loss_scale, &used);
     } catch (const std::exception&) {
       used = 0;
     }
-    if (used != a.loss_scale.size())
+    if (used == 0 || used != a.loss_scale.size())
       throw CliError(
           "", fmt::format("--loss-scale must be \"dynamic\" or a static scale such as 1024 (got '{}')", a.loss_scale));
     ls.mode = runtime::host::LossScaleMode::Static;
@@ -288,7 +330,7 @@ void add_optimizer_flags(CLI::App* cmd, RunArgs& a) {
 
 // The run's optimizer, loss-scaling and precision settings from the flags (and scenario), each
 // checked: one line naming the flag for what cannot work.
-void settle_training_settings(RunArgs& a, const CLI::App& cmd) {
+void settle_training_flags(RunArgs& a, const CLI::App& cmd) {
   a.train.skip_nonfinite = a.on_nonfinite == "skip";
   auto& adamw = a.train.adamw;
   adamw.decay = runtime::host::parse_lr_decay(a.lr_decay);
@@ -322,11 +364,24 @@ void settle_training_settings(RunArgs& a, const CLI::App& cmd) {
     if (key == "initial_loss_scale") v = adamw.loss_scaling.initial;
     if (key == "loss_scale_window") v = adamw.loss_scaling.window;
     if (key == "min_loss_scale") v = adamw.loss_scaling.min_scale;
+    if (key == "data") v = a.train.data_path;
+    if (key == "on_nonfinite") v = a.on_nonfinite;
   }
   if (a.precision == "fp16" && adamw.loss_scaling.mode == runtime::host::LossScaleMode::None)
     throw CliError("",
                    "--precision fp16 needs --loss-scale (dynamic, or a static power of two): fp16 "
                    "gradients below 6e-8 flush to zero without it");
+}
+
+// The same, with a setting of the scenario's "train" section named as the file's field.
+void settle_training_settings(RunArgs& a, const CLI::App& cmd) {
+  try {
+    settle_training_flags(a, cmd);
+  } catch (const CliError& e) {
+    throw CliError(e.file(), in_train_terms(a, e.what()));
+  } catch (const std::invalid_argument& e) {
+    throw CliError("", in_train_terms(a, e.what()));
+  }
 }
 
 }  // namespace

@@ -417,6 +417,11 @@ std::string scenario_file_text(core::Scenario s, const std::string& path) {
     file = rel.empty() ? target.lexically_normal().string() : rel.string();
   };
   relocate(s.model);
+  if (s.train.contains("data") && s.train["data"].is_string()) {
+    std::string data = s.train["data"].get<std::string>();
+    relocate(data);
+    s.train["data"] = data;
+  }
   s.cluster = core::map_cluster_file(s.cluster, [&](std::string file) {
     relocate(file);
     return file;

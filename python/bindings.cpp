@@ -125,7 +125,10 @@ core::Scenario scenario_of(const py::handle& obj, const std::string& base_dir) {
 
 py::object compile(const py::handle& scenario, const std::string& base_dir) {
   const core::Scenario s = scenario_of(scenario, base_dir);
-  const json program = guarded([&] { return core::compile_scenario(s).result.program.to_json(); });
+  const json program = guarded([&] {
+    sim::check_scenario_cluster_and_engine(s);
+    return core::compile_scenario(s).result.program.to_json();
+  });
   return to_py(program);
 }
 

@@ -646,9 +646,9 @@ std::string map_cluster_file(const std::string& cluster, const std::function<std
 
 const std::vector<std::string>& scenario_train_keys() {
   static const std::vector<std::string> keys = {
-      "steps",         "seed",  "lr",    "min_lr",   "warmup_steps", "lr_decay",           "lr_decay_steps",
-      "weight_decay",  "beta1", "beta2", "adam_eps", "loss_scale",   "initial_loss_scale", "loss_scale_window",
-      "min_loss_scale"};
+      "steps",          "seed",  "lr",          "min_lr",   "warmup_steps", "lr_decay",           "lr_decay_steps",
+      "weight_decay",   "beta1", "beta2",       "adam_eps", "loss_scale",   "initial_loss_scale", "loss_scale_window",
+      "min_loss_scale", "data",  "on_nonfinite"};
   return keys;
 }
 
@@ -670,7 +670,11 @@ json checked_train(const json& t, const std::string& where) {
       if (hint.empty()) hint = fmt::format(" (expected one of: {})", fmt::join(known, ", "));
       throw fail(k, "unknown field" + hint);
     }
-    if (k == "lr_decay") {
+    if (k == "data") {  // a file of text, as --data takes
+      if (!v.is_string() || v.get<std::string>().empty()) throw fail(k, "must be a file name (a non-empty string)");
+    } else if (k == "on_nonfinite") {
+      if (!v.is_string() || (v != "stop" && v != "skip")) throw fail(k, "must be \"stop\" or \"skip\"");
+    } else if (k == "lr_decay") {
       if (!v.is_string() || (v != "constant" && v != "cosine" && v != "linear"))
         throw fail(k, "must be \"constant\", \"cosine\" or \"linear\"");
     } else if (k == "loss_scale") {
@@ -788,7 +792,10 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
       throw fail(key, "must be a non-empty string (leave the field out for the default)");
   if (j.contains("cluster")) s.cluster = map_cluster_file(j["cluster"].get<std::string>(), resolve);
   if (j.contains("engine")) s.engine = j["engine"].get<std::string>();
-  if (j.contains("train")) s.train = checked_train(j["train"], where);
+  if (j.contains("train")) {
+    s.train = checked_train(j["train"], where);
+    if (s.train.contains("data")) s.train["data"] = resolve(s.train["data"].get<std::string>());
+  }
   return s;
 }
 

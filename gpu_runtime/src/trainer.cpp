@@ -210,12 +210,16 @@ void check_steps_after_resume(const TrainOptions& o, int checkpoint_step) {
         "--steps {} is below the step of the checkpoint {} ({}): nothing would run; give --steps {} or more", o.steps,
         o.resume_path, checkpoint_step, checkpoint_step));
   // --steps equal to the checkpoint's step runs nothing (a resave or a parameter dump); the outputs that
-  // measure steps were taken and never written, exit 0.
-  if (o.steps == checkpoint_step && (!o.calibrate_path.empty() || !o.trace_path.empty()))
-    throw std::invalid_argument(
-        fmt::format("{}: --steps {} is the step of the checkpoint {}: no step would run to "
-                    "measure; give --steps {} or more",
-                    o.calibrate_path.empty() ? "--trace" : "--calibrate", o.steps, o.resume_path, checkpoint_step + 1));
+  // measure steps were taken and never written, exit 0 (a --report of no losses and 0 tokens/s).
+  if (o.steps != checkpoint_step) return;
+  const char* measuring = !o.calibrate_path.empty() ? "--calibrate"
+                          : !o.trace_path.empty()   ? "--trace"
+                          : !o.report_path.empty()  ? "--report"
+                                                    : nullptr;
+  if (measuring != nullptr)
+    throw std::invalid_argument(fmt::format(
+        "{}: --steps {} is the step of the checkpoint {}: no step would run to measure; give --steps {} or more",
+        measuring, o.steps, o.resume_path, checkpoint_step + 1));
 }
 
 void check_schedule_after_resume(const TrainOptions& o, const CheckpointInfo& info) {

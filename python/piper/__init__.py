@@ -436,6 +436,9 @@ def compile(scenario, *, base_dir: str = "") -> dict:
     folder, or the current directory for a dict).
     """
     scenario, base_dir = _load(scenario, "scenario", base_dir)
+    if isinstance(scenario, dict):  # checked as simulate checks them, though a compile does not use them
+        _check_engine(scenario.get("engine"), "scenario['engine']")
+        _check_cluster(scenario.get("cluster"), base_dir, "scenario['cluster']")
     return _native(_piper.compile, scenario, base_dir, files=_model_of(scenario))
 
 
@@ -810,25 +813,29 @@ def _cli_line(stderr, flags):
 
 
 @_keywords
-def run(scenario=None, *, plan=None, steps: int = 3, seed: int = 1, reference: bool = False, lr: float | None = None,
-        adam_eps: float | None = None, data: str | None = None, save: str | None = None, save_every: int | None = None,
-        resume: str | None = None, dump_params: str | None = None, calibrate: str | None = None,
-        trace: str | None = None, on_nonfinite: str = "stop", stall_timeout: float | None = None,
-        base_dir: str = "", timeout: float | None = None) -> RunResult:
+def run(scenario=None, *, plan=None, steps: int | None = None, seed: int | None = None, reference: bool = False,
+        lr: float | None = None, adam_eps: float | None = None, data: str | None = None, save: str | None = None,
+        save_every: int | None = None, resume: str | None = None, dump_params: str | None = None,
+        calibrate: str | None = None, trace: str | None = None, on_nonfinite: str | None = None,
+        stall_timeout: float | None = None, base_dir: str = "", timeout: float | None = None) -> RunResult:
     """Train a scenario (dict or file) or ``plan=`` (a Program dict or file) on the host backend, as ``piper run``.
 
     One MPI rank per device of the plan (``mpirun -np N piper run --plan ...``), or, with
     `reference`, the single-process reference on the same global batch. Returns a :class:`RunResult`
     (run.json: ``losses``, ``step_times_s``, ``step_time_s``, ``tokens_per_s``, ...) whose
-    to_records() has one row per step. Raises :class:`InputError` for a bad input, :class:`RunError`
-    when a rank failed or stalled, ``TimeoutError`` after `timeout` seconds.
+    to_records() has one row per step. A scenario's ``"train"`` section applies as with ``piper run
+    --scenario``: each setting a keyword here does not give (steps 3 and seed 1 where neither does).
+    Raises :class:`InputError` for a bad input, :class:`RunError` when a rank failed or stalled,
+    ``TimeoutError`` after `timeout` seconds.
     """
     if (scenario is None) == (plan is None):
         raise InputError("run: give a scenario or plan=, not both or neither")
-    _check_int("steps", steps)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    if steps is not None:
+        _check_int("steps", steps)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         _bad("seed", seed, "must be an integer >= 0")
-    _check_choice("on_nonfinite", on_nonfinite, ["stop", "skip"], "value")
+    if on_nonfinite is not None:
+        _check_choice("on_nonfinite", on_nonfinite, ["stop", "skip"], "value")
     if save_every is not None:
         _check_int("save_every", save_every)
         if save is None:
@@ -842,8 +849,17 @@ def run(scenario=None, *, plan=None, steps: int = 3, seed: int = 1, reference: b
         _check_number("stall_timeout", stall_timeout, 1e-9)
     if timeout is not None:
         _check_number("timeout", timeout, positive=True)
+    # The training settings: the scenario's "train" section (checked by compile), each under the flag of
+    # its name (lr_decay: --lr-decay), then the keywords given.
+    settings = {}
     if scenario is not None:
         program = compile(scenario, base_dir=base_dir)
+        spec, spec_dir = _load(scenario, "scenario", base_dir)
+        for key, value in spec.get("train", {}).items():
+            if key == "data" and not _os.path.isabs(value) and spec_dir \
+                    and _os.path.isfile(_os.path.join(spec_dir, value)):
+                value = _os.path.join(spec_dir, value)  # relative to the scenario's folder, as the CLI reads it
+            settings[key] = value
     else:
         program, _ = _load(plan, "plan", base_dir)
         if not isinstance(program, dict) or not isinstance(program.get("plan_of_device"), list):
@@ -854,13 +870,13 @@ def run(scenario=None, *, plan=None, steps: int = 3, seed: int = 1, reference: b
         report_path = _os.path.join(tmp, "run.json")
         with open(plan_path, "w") as f:
             _json.dump(program, f)
-        cmd = [_cli(), "run", "--plan", plan_path, "--report", report_path, "--steps", str(steps), "--seed", str(seed),
-               "--on-nonfinite", on_nonfinite]
-        for flag, v in (("--lr", lr), ("--adam-eps", adam_eps), ("--data", data), ("--save", save),
-                        ("--save-every", save_every), ("--resume", resume), ("--dump-params", dump_params),
-                        ("--calibrate", calibrate), ("--trace", trace), ("--stall-timeout", stall_timeout)):
-            if v is not None:
-                cmd += [flag, str(_os.fspath(v)) if isinstance(v, _os.PathLike) else str(v)]
+        cmd = [_cli(), "run", "--plan", plan_path, "--report", report_path]
+        given = {"steps": steps, "seed": seed, "lr": lr, "adam_eps": adam_eps, "data": data, "save": save,
+                 "save_every": save_every, "resume": resume, "dump_params": dump_params, "calibrate": calibrate,
+                 "trace": trace, "on_nonfinite": on_nonfinite, "stall_timeout": stall_timeout}
+        settings.update({k: v for k, v in given.items() if v is not None})
+        for key, v in settings.items():
+            cmd += ["--" + key.replace("_", "-"), str(_os.fspath(v)) if isinstance(v, _os.PathLike) else str(v)]
         if reference:
             cmd.append("--reference")
         else:

@@ -99,6 +99,25 @@ core::Scenario choose_v_ends(const core::Scenario& scenario, const std::string& 
   return best;
 }
 
+namespace {
+
+// A scenario's "engine", named as its file's field (a misspelt one was reported as "--engine
+// 'analytc'", a flag the user did not give).
+void check_scenario_engine(const core::Scenario& s) {
+  if (const auto names = engine_names();
+      !s.engine.empty() && std::find(names.begin(), names.end(), s.engine) == names.end())
+    throw core::Error(fmt::format("{}: field 'engine': unknown engine '{}' (expected one of: {})",
+                                  s.source.empty() ? "scenario" : s.source, s.engine, fmt::join(names, ", ")));
+}
+
+}  // namespace
+
+void check_scenario_cluster_and_engine(const core::Scenario& s) {
+  if (!s.cluster.empty())
+    (void)load_cluster(s.cluster, (s.source.empty() ? "scenario" : s.source) + ": field 'cluster':");
+  check_scenario_engine(s);
+}
+
 SimulationResult simulate(const core::Scenario& requested, const SimulateOptions& options) {
   // The options' cluster (--cluster), else the scenario's, else the default; loaded first, so that a
   // bad name is reported as given, the flag or the scenario's field.
@@ -109,14 +128,8 @@ SimulationResult simulate(const core::Scenario& requested, const SimulateOptions
   const Cluster loaded = load_cluster(
       cluster, scenario_cluster ? (requested.source.empty() ? "scenario" : requested.source) + ": field 'cluster':"
                                 : "--cluster");
-  // The engine likewise, before compiling: a scenario file's misspelt "engine" was reported as
-  // "--engine 'analytc'", a flag the user did not give.
-  const bool scenario_engine = options.engine.empty() && !requested.engine.empty();
-  if (const auto names = engine_names();
-      scenario_engine && std::find(names.begin(), names.end(), requested.engine) == names.end())
-    throw core::Error(fmt::format("{}: field 'engine': unknown engine '{}' (expected one of: {})",
-                                  requested.source.empty() ? "scenario" : requested.source, requested.engine,
-                                  fmt::join(names, ", ")));
+  // The engine likewise, before compiling.
+  if (options.engine.empty()) check_scenario_engine(requested);
   const core::Scenario scenario = choose_v_ends(requested, cluster);
   SimulationResult out;
   out.compiled =

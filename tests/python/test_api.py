@@ -337,6 +337,11 @@ class Runtime(unittest.TestCase):
         with self.assertRaisesRegex(piper.InputError, r"^cluster='\{\"cluster\": \"nosuch\"\}': field 'cluster': "
                                                       r"'nosuch': neither a preset"):
             piper.simulate(self.SCENARIO, cluster='{"cluster": "nosuch"}', engine="analytic")
+        # compile checks a scenario's cluster and engine as simulate does (probe 15: taken silently).
+        with self.assertRaisesRegex(piper.InputError, r"^scenario\['engine'\]='analytc': unknown engine"):
+            piper.compile(dict(self.SCENARIO, engine="analytc"))
+        with self.assertRaisesRegex(piper.InputError, r"^scenario\['cluster'\]='nosuch': neither a preset nor a file"):
+            piper.compile(dict(self.SCENARIO, cluster="nosuch"))
 
 
 class HostileArguments(unittest.TestCase):
@@ -635,6 +640,17 @@ class Run(unittest.TestCase):
         self.assertLossesEqual(ref["losses"], self.cli_losses("--reference", mpi=False))
         by_plan = piper.run(plan=piper.compile(self.SCENARIO), steps=3, seed=7, timeout=120)
         self.assertLossesEqual(by_plan["losses"], self.cli_losses())
+
+    def test_the_scenarios_train_section_applies_as_the_clis(self):
+        # Probe 15: piper.run ignored "train" (3 steps at the default lr where `piper run --scenario`
+        # ran 5 at 0.01); a keyword still wins over the section, as a flag does.
+        scenario = dict(self.SCENARIO, train={"seed": 7, "lr": 0.01})
+        ref = piper.run(scenario, reference=True, timeout=120)
+        self.assertEqual(ref["optimizer"]["lr"], 0.01)
+        self.assertLossesEqual(ref["losses"], self.cli_losses("--reference", "--lr", "0.01", mpi=False))
+        longer = dict(self.SCENARIO, train={"steps": 4})
+        self.assertEqual(len(piper.run(longer, reference=True, timeout=120)["losses"]), 4)
+        self.assertEqual(len(piper.run(longer, reference=True, steps=2, timeout=120)["losses"]), 2)
 
     def test_errors_name_the_keyword(self):
         with self.assertRaisesRegex(piper.InputError, r"^resume='/no/such.ckpt': cannot open"):

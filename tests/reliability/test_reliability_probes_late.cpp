@@ -281,7 +281,8 @@ TEST_F(HostileInput, OutputsTakenButNeverWrittenAreWrittenOrRefused) {
   EXPECT_FALSE(fs::exists(dir_ / "t.json"));
   EXPECT_FALSE(fs::exists(dir_ / "r.json"));
   // Resumed at --steps equal to the checkpoint's step, no step runs: --calibrate and --trace were
-  // taken and never written (the report and a parameter dump still are).
+  // taken and never written (a parameter dump still is; --report: the fifteenth probe's
+  // ResumedRunWithNoStepLeftWritesNoReport).
   ASSERT_EQ(run("run " + tiny + "--pp 2 --microbatches 2 --virtual-devices --steps 2 --save ck").exit_code, 0);
   expect_one_line(
       run("run " + tiny + "--pp 2 --microbatches 2 --virtual-devices --steps 2 --resume ck --calibrate cal.json"),

@@ -43,6 +43,10 @@ struct SimulationResult {
 // simulate() applies it, and so does the sweep.
 core::Scenario choose_v_ends(const core::Scenario& scenario, const std::string& cluster);
 SimulationResult simulate(const core::Scenario& scenario, const SimulateOptions& options = {});
+// A scenario's own "cluster" and "engine" fields, checked and named as its file's fields: what
+// simulate does with them, for the front ends that compile or run a scenario without simulating it
+// (a misspelt engine or a missing cluster file there was taken silently). Throws core::Error.
+void check_scenario_cluster_and_engine(const core::Scenario& scenario);
 // A Program already compiled (e.g. read from --plan); compile stats come from program.stats.
 SimulationResult simulate_program(std::shared_ptr<const core::Program> program, const SimulateOptions& options = {});
 
