@@ -16,9 +16,10 @@
 #include <mpi.h>
 
 #include "cli/common.hpp"
-#include "piper/sim/simulate.hpp"
+#include "piper/core/limits.hpp"
 #include "piper/runtime/executor.hpp"
 #include "piper/runtime/trainer.hpp"
+#include "piper/sim/simulate.hpp"
 #ifdef PIPER_HAVE_CUDA
 #include "piper/runtime/cuda/cuda_trainer.hpp"
 #endif
@@ -228,6 +229,22 @@ void apply_scenario_train(RunArgs& a, const CLI::App& cmd) {
     if (key == "min_loss_scale") t.adamw.loss_scaling.min_scale = v.get<double>();
     if (key == "data") t.data_path = v.get<std::string>();
     if (key == "on_nonfinite") a.on_nonfinite = v.get<std::string>();
+    if (key == "resume") t.resume_path = v.get<std::string>();
+    if (key == "precision") a.precision = v.get<std::string>();
+    // The section's files are looked for now, so that a missing one is named as the file's field: the
+    // trainer reads them later and names them as the flags ("--data nosuch.txt: cannot open").
+    if (key == "data" || key == "resume") {
+      namespace fs = std::filesystem;
+      const std::string file = v.get<std::string>();
+      std::error_code ec;
+      const fs::file_status st = fs::status(file, ec);
+      const char* why = ec || !fs::exists(st)  ? "cannot open: no such file"
+                        : fs::is_directory(st) ? "is a directory, expected a file"
+                                               : nullptr;
+      if (why != nullptr)
+        throw CliError("", fmt::format("{}: field 'train.{}': '{}': {}", a.scenario.scenario_path, key,
+                                       core::printable(file, 200), why));
+    }
   }
 }
 
@@ -272,7 +289,7 @@ void parse_loss_scale(RunArgs& a) {
   } else if (a.loss_scale == "dynamic") {
     ls.mode = runtime::host::LossScaleMode::Dynamic;
   } else {
-    // In decimal, as every number flag (stod also read "0x10", "0x1p4" and " 16").
+    // In decimal, as every number flag: stod also read "0x10", "0x1p4" and " 16" as 16.
     std::size_t used = 0;
     double v = 0;
     try {
@@ -280,9 +297,15 @@ void parse_loss_scale(RunArgs& a) {
     } catch (const std::exception&) {
       used = 0;
     }
-    if (used == 0 || used != a.loss_scale.size())
-      throw CliError(
-          "", fmt::format("--loss-scale must be \"dynamic\" or a static scale such as 1024 (got '{}')", a.loss_scale));
+    if (used == 0 || used != a.loss_scale.size()) {
+      const std::string shown = core::printable(a.loss_scale, 80);
+      if (std::any_of(a.loss_scale.begin(), a.loss_scale.end(), [](char c) { return std::isdigit(c & 0xff); }))
+        throw CliError("", fmt::format("--loss-scale '{}': expected \"dynamic\" or a static scale in decimal, such as "
+                                       "1024",
+                                       shown));
+      throw CliError("",
+                     fmt::format("--loss-scale must be \"dynamic\" or a static scale such as 1024 (got '{}')", shown));
+    }
     ls.mode = runtime::host::LossScaleMode::Static;
     ls.initial = v;
   }
@@ -366,6 +389,8 @@ void settle_training_flags(RunArgs& a, const CLI::App& cmd) {
     if (key == "min_loss_scale") v = adamw.loss_scaling.min_scale;
     if (key == "data") v = a.train.data_path;
     if (key == "on_nonfinite") v = a.on_nonfinite;
+    if (key == "resume") v = a.train.resume_path;
+    if (key == "precision") v = a.precision;
   }
   if (a.precision == "fp16" && adamw.loss_scaling.mode == runtime::host::LossScaleMode::None)
     throw CliError("",

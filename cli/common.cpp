@@ -417,10 +417,11 @@ std::string scenario_file_text(core::Scenario s, const std::string& path) {
     file = rel.empty() ? target.lexically_normal().string() : rel.string();
   };
   relocate(s.model);
-  if (s.train.contains("data") && s.train["data"].is_string()) {
-    std::string data = s.train["data"].get<std::string>();
-    relocate(data);
-    s.train["data"] = data;
+  for (const char* key : {"data", "resume"}) {  // the run's input files, in its "train" section
+    if (!s.train.contains(key) || !s.train[key].is_string()) continue;
+    std::string file = s.train[key].get<std::string>();
+    relocate(file);
+    s.train[key] = file;
   }
   s.cluster = core::map_cluster_file(s.cluster, [&](std::string file) {
     relocate(file);

@@ -648,7 +648,7 @@ const std::vector<std::string>& scenario_train_keys() {
   static const std::vector<std::string> keys = {
       "steps",          "seed",  "lr",          "min_lr",   "warmup_steps", "lr_decay",           "lr_decay_steps",
       "weight_decay",   "beta1", "beta2",       "adam_eps", "loss_scale",   "initial_loss_scale", "loss_scale_window",
-      "min_loss_scale", "data",  "on_nonfinite"};
+      "min_loss_scale", "data",  "on_nonfinite", "resume",   "precision"};
   return keys;
 }
 
@@ -670,8 +670,11 @@ json checked_train(const json& t, const std::string& where) {
       if (hint.empty()) hint = fmt::format(" (expected one of: {})", fmt::join(known, ", "));
       throw fail(k, "unknown field" + hint);
     }
-    if (k == "data") {  // a file of text, as --data takes
+    if (k == "data" || k == "resume") {  // a file: of text, as --data takes; a checkpoint, as --resume takes
       if (!v.is_string() || v.get<std::string>().empty()) throw fail(k, "must be a file name (a non-empty string)");
+    } else if (k == "precision") {
+      if (!v.is_string() || (v != "fp32" && v != "bf16" && v != "fp16"))
+        throw fail(k, "must be \"fp32\", \"bf16\" or \"fp16\"");
     } else if (k == "on_nonfinite") {
       if (!v.is_string() || (v != "stop" && v != "skip")) throw fail(k, "must be \"stop\" or \"skip\"");
     } else if (k == "lr_decay") {
@@ -794,7 +797,8 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
   if (j.contains("engine")) s.engine = j["engine"].get<std::string>();
   if (j.contains("train")) {
     s.train = checked_train(j["train"], where);
-    if (s.train.contains("data")) s.train["data"] = resolve(s.train["data"].get<std::string>());
+    for (const char* file : {"data", "resume"})
+      if (s.train.contains(file)) s.train[file] = resolve(s.train[file].get<std::string>());
   }
   return s;
 }

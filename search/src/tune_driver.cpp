@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "piper/core/limits.hpp"
 #include "piper/search/results_csv.hpp"
@@ -155,10 +156,24 @@ void Search::resume(const std::string& csv_path) {
   searched.global_batch = spec_.effective_global_batch();  // what the rows record
   // Every row names the same search as the first (read_tune_results checks it).
   const std::vector<TuneRow> rows = read_tune_results(csv_path, &file_spec, Repair::CutPartialLine);
-  if (!rows.empty() && !same_search(file_spec, searched))
-    throw TuneError(fmt::format("{}: holds a tune of {} on {} x {} (global batch {}, seq_len {}); choose another -o",
-                                csv_path, file_spec.model, file_spec.devices, file_spec.cluster, file_spec.global_batch,
-                                file_spec.seq_len));
+  if (!rows.empty() && !same_search(file_spec, searched)) {
+    // What differs, said: a cluster given inline, or with --runtime, read like the file's own search.
+    std::vector<std::string> differs;
+    auto compare = [&](const char* field, const std::string& file, const std::string& now) {
+      if (file != now)
+        differs.push_back(
+            fmt::format("{} '{}' (the file's: '{}')", field, core::printable(now, 200), core::printable(file, 200)));
+    };
+    compare("model", file_spec.model, searched.model);
+    compare("cluster", file_spec.cluster, searched.cluster);
+    compare("devices", std::to_string(file_spec.devices), std::to_string(searched.devices));
+    compare("global batch", std::to_string(file_spec.global_batch), std::to_string(searched.global_batch));
+    compare("seq_len", std::to_string(file_spec.seq_len), std::to_string(searched.seq_len));
+    throw TuneError(fmt::format(
+        "{}: holds a tune of {} on {} x {} (global batch {}, seq_len {}); this search has {}; choose another -o",
+        csv_path, core::printable(file_spec.model, 200), file_spec.devices, core::printable(file_spec.cluster, 200),
+        file_spec.global_batch, file_spec.seq_len, fmt::join(differs, ", ")));
+  }
   // The tune CSV records no calibration, so a row cannot say whether measured times made it; a
   // calibrated search (the library's TuneSpec; neither the CLI nor piper.tune takes one) would take
   // uncalibrated rows, or another calibration's, as its own. It starts a file of its own instead.

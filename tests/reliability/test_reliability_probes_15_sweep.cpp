@@ -81,4 +81,15 @@ TEST_F(HostileInput, SweepKeysOfDifferentClustersDiffer) {
   EXPECT_NE(second.out.find("0 already in r.csv, 1 run (1 ok"), std::string::npos) << second.out;
 }
 
+// A tune resuming into a file of another search said which search the file holds, which read exactly
+// like the one asked for when only the runtime (a derived cluster) differed; now it names what differs.
+TEST_F(HostileInput, TuneResumeRefusalNamesWhatDiffers) {
+  ASSERT_EQ(run("tune --model qwen3-9m --devices 2 -o t.csv --cluster dgx-h100").exit_code, 0);
+  expect_one_line(run("tune --model qwen3-9m --devices 2 -o t.csv --cluster dgx-h100 --runtime eager"),
+                  {"t.csv: holds a tune of qwen3-9m on 2 x dgx-h100", R"(this search has cluster '{"cluster":)",
+                   R"("runtime":"eager"}' (the file's: 'dgx-h100'); choose another -o)"});
+  expect_one_line(run("tune --model qwen3-9m --devices 4 -o t.csv --cluster dgx-h100"),
+                  {"this search has devices '4' (the file's: '2')"});
+}
+
 }  // namespace

@@ -50,8 +50,8 @@ std::string map_cluster_file(const std::string& cluster, const std::function<std
 
 // The keys of a scenario's "train" section: `piper run`'s flags of the same names (--lr-decay for
 // lr_decay, ...): steps, seed, lr, min_lr, warmup_steps, lr_decay, lr_decay_steps, weight_decay,
-// beta1, beta2, adam_eps, the loss-scaling settings, data (a file, relative to the scenario's folder)
-// and on_nonfinite.
+// beta1, beta2, adam_eps, the loss-scaling settings, data and resume (files, relative to the
+// scenario's folder), on_nonfinite and precision.
 const std::vector<std::string>& scenario_train_keys();
 
 struct CompiledScenario {
