@@ -62,7 +62,10 @@ plot::Series sorted_by_x(const plot::Series& s) {
 int run_plot(const PlotArgs& a) {
 #ifdef PIPER_HAVE_PLOT
   // Bounded read (Limit::InputBytes): a line-by-line getline on /dev/zero would never end.
-  std::istringstream in(read_text_file(a.csv_path));
+  std::string text = read_text_file(a.csv_path);
+  // A UTF-8 byte-order mark (spreadsheets write one) is not part of the first column's name.
+  if (text.rfind("\xEF\xBB\xBF", 0) == 0) text.erase(0, 3);
+  std::istringstream in(text);
   std::string header;
   if (!std::getline(in, header)) throw CliError(a.csv_path, "empty file (expected a header line)");
   // RFC 4180 (and spreadsheets' exports) end lines with CRLF: the '\r' is not part of the last field
@@ -71,6 +74,12 @@ int run_plot(const PlotArgs& a) {
     if (!line.empty() && line.back() == '\r') line.pop_back();
   };
   drop_cr(header);
+  // Malformed quoting is refused, not read as something else (`1,"2"3` was 23).
+  auto check_quoting = [&](const std::string& line, int line_no) {
+    if (const std::string problem = search::csv_quoting_problem(line); !problem.empty())
+      throw CliError(a.csv_path, fmt::format("line {}: {}", line_no, problem));
+  };
+  check_quoting(header, 1);
   const auto columns = search::csv_split(header);
   auto column = [&](const std::string& name, const char* flag) -> int {
     for (std::size_t i = 0; i < columns.size(); ++i)
@@ -103,6 +112,7 @@ int run_plot(const PlotArgs& a) {
     line_no += 1;
     drop_cr(line);
     if (line.empty()) continue;
+    check_quoting(line, line_no);
     const auto f = search::csv_split(line);
     if (f.size() != columns.size())
       throw CliError(a.csv_path,

@@ -118,6 +118,11 @@ py::object read_json(const std::string& path) {
   }));
 }
 
+// Any input file's bytes, read as the CLI reads one (the input-bytes limit): what read_results parses.
+py::bytes read_input(const std::string& path) {
+  return py::bytes(guarded([&] { return core::read_input_file(path); }));
+}
+
 core::Scenario scenario_of(const py::handle& obj, const std::string& base_dir) {
   const json j = to_cpp(obj, "scenario");
   return guarded([&] { return core::Scenario::from_json(j, "scenario", base_dir); });
@@ -404,6 +409,7 @@ PYBIND11_MODULE(_piper, m) {
       py::arg("engine") = "", py::arg("calibration") = "", py::arg("base_dir") = "",
       "Simulate a scenario dict (or plan=, a Program dict); returns the report dict `piper simulate --report` writes.");
   m.def("read_json", &read_json, py::arg("path"), "A JSON input file, read and parsed as the CLI reads it.");
+  m.def("read_input", &read_input, py::arg("path"), "An input file's bytes, bounded as the CLI bounds them.");
   m.def("verify", &verify, py::arg("plan"),
         "Verify a Program dict; returns the issues as [{check, message}] (empty: ok).");
   m.def("sweep", &sweep, py::arg("spec"), py::arg("output") = py::none(), py::arg("jobs") = 1, py::arg("base_dir") = "",

@@ -164,7 +164,8 @@ ScheduleTable schedule_from_pytorch_csv(const std::string& text,  // NOLINT(read
   };
   // Rows and cells (compute-only CSVs never quote; surrounding quotes and CR are tolerated).
   std::vector<std::vector<std::string>> rows;
-  std::size_t pos = 0;
+  // A UTF-8 byte-order mark (a spreadsheet's export) is not part of the first cell.
+  std::size_t pos = text.rfind("\xEF\xBB\xBF", 0) == 0 ? 3 : 0;
   while (pos < text.size()) {
     std::size_t eol = text.find('\n', pos);
     std::string line = text.substr(pos, eol == std::string::npos ? std::string::npos : eol - pos);

@@ -646,8 +646,8 @@ std::string map_cluster_file(const std::string& cluster, const std::function<std
 
 const std::vector<std::string>& scenario_train_keys() {
   static const std::vector<std::string> keys = {
-      "steps",          "seed",  "lr",          "min_lr",   "warmup_steps", "lr_decay",           "lr_decay_steps",
-      "weight_decay",   "beta1", "beta2",       "adam_eps", "loss_scale",   "initial_loss_scale", "loss_scale_window",
+      "steps",          "seed",  "lr",           "min_lr",   "warmup_steps", "lr_decay",           "lr_decay_steps",
+      "weight_decay",   "beta1", "beta2",        "adam_eps", "loss_scale",   "initial_loss_scale", "loss_scale_window",
       "min_loss_scale", "data",  "on_nonfinite", "resume",   "precision"};
   return keys;
 }

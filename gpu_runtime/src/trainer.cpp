@@ -223,8 +223,8 @@ void check_steps_after_resume(const TrainOptions& o, int checkpoint_step) {
   // Else it is done already, as Megatron's run resumed at its train_iters: said, where it printed
   // nothing at all and exited 0.
   if (o.print)
-    fmt::print("no step to run: the checkpoint {} is at step {} already (--steps {})\n", o.resume_path,
-               checkpoint_step, o.steps);
+    fmt::print("no step to run: the checkpoint {} is at step {} already (--steps {})\n", o.resume_path, checkpoint_step,
+               o.steps);
 }
 
 void check_schedule_after_resume(const TrainOptions& o, const CheckpointInfo& info) {

@@ -14,6 +14,7 @@ import csv as _csv
 import difflib as _difflib
 import functools as _functools
 import inspect as _inspect
+import io as _io
 import json as _json
 import math as _math
 import os as _os
@@ -532,6 +533,19 @@ def _setting_types():
 _SETTING_TYPES = _setting_types()
 
 
+_INTEGER = _re.compile(r"[+-]?[0-9]+")
+_DECIMAL = _re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def _number(kind, text):
+    """`text` as int or float where it is a number in decimal as the CLI reads one (cli/common.hpp
+    decimal_number): Python's int() and float() also took "1_000", a fullwidth "１", "inf" and "nan",
+    which `piper plot` does not count as numbers. ValueError otherwise."""
+    if not (_INTEGER if kind is int else _DECIMAL).fullmatch(text):
+        raise ValueError(f"{text!r} is not a number in decimal")
+    return kind(text)
+
+
 def _typed(column, text):
     """A field of a results CSV as Python reads it: blank is None (no value), never 0. The columns of
     sweep and tune files have their types; other columns are int, float or str, whichever parses."""
@@ -540,9 +554,9 @@ def _typed(column, text):
     if text == "":
         return None
     if column in _INT_COLUMNS:
-        return int(text)
+        return _number(int, text)
     if column in _FLOAT_COLUMNS:
-        return float(text)
+        return _number(float, text)
     if column in _BOOL_COLUMNS:
         return text == "1"
     if column in _STR_COLUMNS:
@@ -550,11 +564,13 @@ def _typed(column, text):
     kind = _SETTING_TYPES.get(column)
     if kind is bool:
         return text == "1"
+    if kind in (int, float):
+        return _number(kind, text)
     if kind is not None:
         return kind(text)
     for kind in (int, float):
         try:
-            return kind(text)
+            return _number(kind, text)
         except ValueError:
             pass
     return text
@@ -597,6 +613,27 @@ strategy.__signature__ = _inspect.Signature(
      for s in _piper.strategy_settings()], return_annotation=dict)
 
 
+def _csv_rows(path):
+    """A CSV file's rows, read as the CLI reads an input (bounded by the input-bytes limit: open().read()
+    of /dev/zero ran out of memory), as UTF-8 with a leading byte-order mark dropped (it became part of
+    the first column's name), its quoting strict (`1,"2"3` read as 23)."""
+    try:
+        data = _piper.read_input(path)
+    except _piper.NativeInputError as e:
+        message = str(e)
+        if message.startswith(f"{path}: cannot open"):
+            message = f"csv={path!r}: " + message[len(path) + 2:]
+        raise InputError(message) from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: byte {e.start}: not UTF-8 text (a results CSV is UTF-8)") from None
+    try:
+        return list(_csv.reader(_io.StringIO(text, newline=""), strict=True))
+    except _csv.Error as e:
+        raise InputError(f"{path}: not a well-formed CSV: {e}") from None
+
+
 @_keywords
 def read_results(csv: str) -> Results:
     """Read a results CSV (``piper sweep -o``, ``piper tune -o``, or any CSV with a header) by column name.
@@ -606,11 +643,7 @@ def read_results(csv: str) -> Results:
     simulated has no figures, never 0). to_dataframe() makes it a pandas DataFrame.
     """
     path = _os.fspath(csv)
-    try:
-        with open(path, newline="") as f:
-            rows = list(_csv.reader(f))
-    except OSError as e:
-        raise InputError(f"csv={path!r}: cannot open: {(e.strerror or str(e)).lower()}") from None
+    rows = _csv_rows(path)
     if not rows:
         raise InputError(f"{path}: empty file (expected a header line)")
     header = rows[0]
@@ -812,6 +845,21 @@ def _cli_line(stderr, flags):
     return lines[-1] if lines else "no message"
 
 
+def _in_train_terms(message, where, keys):
+    """A CLI message about the flags of a scenario's "train" `keys` in the scenario's terms, as ``piper
+    run --scenario`` words it: "--beta1 must be ..." reads "s.json: field 'train.beta1': must be ...",
+    and a later mention of such a flag "'train.beta1'"."""
+    flag_of = {"--" + k.replace("_", "-"): k for k in keys}
+    if not flag_of:
+        return message
+    pattern = _re.compile(r"(?<![\w-])(" + "|".join(_re.escape(f) for f in flag_of) + r")(?![\w-])")
+    head, lead = "", pattern.match(message)
+    if lead:
+        head = f"{where}: field 'train.{flag_of[lead.group(1)]}': "
+        message = message[lead.end():].lstrip(" :")
+    return head + pattern.sub(lambda m: f"'train.{flag_of[m.group(1)]}'", message)
+
+
 @_keywords
 def run(scenario=None, *, plan=None, steps: int | None = None, seed: int | None = None, reference: bool = False,
         lr: float | None = None, adam_eps: float | None = None, data: str | None = None, save: str | None = None,
@@ -851,13 +899,15 @@ def run(scenario=None, *, plan=None, steps: int | None = None, seed: int | None 
         _check_number("timeout", timeout, positive=True)
     # The training settings: the scenario's "train" section (checked by compile), each under the flag of
     # its name (lr_decay: --lr-decay), then the keywords given.
-    settings = {}
+    settings, where = {}, "scenario"
     if scenario is not None:
         program = compile(scenario, base_dir=base_dir)
         spec, spec_dir = _load(scenario, "scenario", base_dir)
+        if isinstance(scenario, (str, _os.PathLike)):
+            where = _os.fspath(scenario)
         for key, value in spec.get("train", {}).items():
-            if key == "data" and not _os.path.isabs(value) and spec_dir \
-                    and _os.path.isfile(_os.path.join(spec_dir, value)):
+            if key in ("data", "resume") and not _os.path.isabs(value) and spec_dir \
+                    and _os.path.exists(_os.path.join(spec_dir, value)):
                 value = _os.path.join(spec_dir, value)  # relative to the scenario's folder, as the CLI reads it
             settings[key] = value
     else:
@@ -874,7 +924,9 @@ def run(scenario=None, *, plan=None, steps: int | None = None, seed: int | None 
         given = {"steps": steps, "seed": seed, "lr": lr, "adam_eps": adam_eps, "data": data, "save": save,
                  "save_every": save_every, "resume": resume, "dump_params": dump_params, "calibrate": calibrate,
                  "trace": trace, "on_nonfinite": on_nonfinite, "stall_timeout": stall_timeout}
-        settings.update({k: v for k, v in given.items() if v is not None})
+        given = {k: v for k, v in given.items() if v is not None}
+        from_scenario = [k for k in settings if k not in given]  # named as the scenario's fields, not as flags
+        settings.update(given)
         for key, v in settings.items():
             cmd += ["--" + key.replace("_", "-"), str(_os.fspath(v)) if isinstance(v, _os.PathLike) else str(v)]
         if reference:
@@ -889,9 +941,10 @@ def run(scenario=None, *, plan=None, steps: int | None = None, seed: int | None 
         except _subprocess.TimeoutExpired:
             raise TimeoutError(f"run: not finished after timeout={timeout} seconds") from None
         if p.returncode != 0:
-            msg = _cli_error(p.stderr, _RUN_FLAGS, {"resume": resume, "data": data, "save": save,
-                                                    "dump_params": dump_params, "calibrate": calibrate,
-                                                    "trace": trace})
+            flags = {f: kw for f, kw in _RUN_FLAGS.items() if kw not in from_scenario}
+            msg = _cli_error(p.stderr, flags, {"resume": resume, "data": data, "save": save,
+                                               "dump_params": dump_params, "calibrate": calibrate, "trace": trace})
+            msg = _in_train_terms(msg, where, from_scenario)
             # The plan went through a temporary file: name what the caller gave instead.
             given = _os.fspath(plan) if isinstance(plan, (str, _os.PathLike)) else "plan"
             # The CLI's own messages about a plan start "plan: field ...": a plan given by value is
@@ -929,11 +982,7 @@ def plot(csv: str, *, x: str, y: str, output: str, series: str | None = None, wh
         _bad("output", output, "expected a .svg or .png file name")
     if where is not None and not isinstance(where, dict):
         _bad("where", where, "must be a dict {column: value}")
-    try:
-        with open(csv_path, newline="") as f:
-            rows = list(_csv.reader(f))
-    except OSError as e:
-        raise InputError(f"csv={csv_path!r}: cannot open: {(e.strerror or str(e)).lower()}") from None
+    rows = _csv_rows(csv_path)
     if not rows:
         raise InputError(f"{csv_path}: empty file (expected a header line)")
     header = rows[0]
@@ -956,7 +1005,7 @@ def plot(csv: str, *, x: str, y: str, output: str, series: str | None = None, wh
         if any(fields[i] != v for i, v in wanted):
             continue
         try:
-            px, py = float(fields[xi]), float(fields[yi])
+            px, py = _number(float, fields[xi]), _number(float, fields[yi])
         except ValueError:
             skipped += 1
             continue

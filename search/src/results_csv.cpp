@@ -55,6 +55,34 @@ std::vector<std::string> csv_split(const std::string& line) {
   return out;
 }
 
+std::string csv_quoting_problem(const std::string& line) {
+  std::size_t field = 1;
+  bool at_start = true, quoted = false;
+  for (std::size_t i = 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (quoted) {
+      if (c != '"') continue;
+      if (i + 1 < line.size() && line[i + 1] == '"') {
+        ++i;
+        continue;
+      }
+      quoted = false;
+      if (i + 1 < line.size() && line[i + 1] != ',')
+        return fmt::format("field {}: text after its closing quote", field);
+    } else if (c == ',') {
+      ++field;
+      at_start = true;
+    } else if (c == '"') {
+      if (!at_start) return fmt::format("field {}: a quote inside an unquoted field", field);
+      quoted = true;
+      at_start = false;
+    } else {
+      at_start = false;
+    }
+  }
+  return quoted ? fmt::format("field {}: a quote that is never closed", field) : "";
+}
+
 std::string one_line(std::string s) {
   std::replace(s.begin(), s.end(), '\n', ' ');
   std::replace(s.begin(), s.end(), '\r', ' ');

@@ -503,6 +503,31 @@ class Records(unittest.TestCase):
         self.assertEqual(rows.to_records(), out.to_records())
         self.assertEqual(generic, [{"name": "a", "n": 1, "x": 0.5}, {"name": "b", "n": None, "x": 2000.0}])
 
+    def test_read_results_reads_as_the_cli_reads(self):
+        # Probe 15: /dev/zero ran out of memory; a non-UTF-8 file raised a bare UnicodeDecodeError; "1_000"
+        # and a fullwidth digit were numbers (piper plot skips them); a byte-order mark joined the first
+        # column's name; `1,"2"3` read as 23.
+        with self.assertRaisesRegex(piper.InputError, r"^/dev/zero: .*exceeds the limit .*'input-bytes'"):
+            piper.read_results("/dev/zero")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "r.csv")
+
+            def read(data):
+                with open(path, "wb") as f:
+                    f.write(data)
+                return piper.read_results(path)
+
+            with self.assertRaisesRegex(piper.InputError, r"r.csv: byte 6: not UTF-8 text"):
+                read(b"x,y\n1,\xff\n")
+            self.assertEqual(read("x,y\n1_000,1\n\uff11,2\n3,4e1\ninf,nan\n".encode()),
+                             [{"x": "1_000", "y": 1}, {"x": "\uff11", "y": 2}, {"x": 3, "y": 40.0},
+                              {"x": "inf", "y": "nan"}])
+            self.assertEqual(read(b"\xef\xbb\xbfx,y\n1,2\n"), [{"x": 1, "y": 2}])
+            with self.assertRaisesRegex(piper.InputError, r"r.csv: not a well-formed CSV"):
+                read(b'x,y\n1,"2"3\n')
+            with self.assertRaisesRegex(piper.InputError, r"^/dev/zero: .*exceeds the limit"):
+                piper.plot("/dev/zero", x="x", y="y", output=os.path.join(tmp, "z.svg"))
+
     def test_dataframe(self):
         out = piper.sweep({"model": "qwen3-9m", "engine": "analytic", "pp": [1, 2]})
         try:
@@ -651,6 +676,23 @@ class Run(unittest.TestCase):
         longer = dict(self.SCENARIO, train={"steps": 4})
         self.assertEqual(len(piper.run(longer, reference=True, timeout=120)["losses"]), 4)
         self.assertEqual(len(piper.run(longer, reference=True, steps=2, timeout=120)["losses"]), 2)
+
+    def test_the_scenarios_train_errors_name_its_fields(self):
+        # A bad "train" value is named as the scenario's field, as `piper run --scenario` names it, not
+        # as the flag piper.run passes on ("--beta2 must be in [0, 1)"); a keyword is still a keyword.
+        with self.assertRaisesRegex(piper.InputError, r"^scenario: field 'train\.beta2': must be in \[0, 1\)"):
+            piper.run(dict(self.SCENARIO, train={"beta2": 1}), reference=True, timeout=120)
+        with self.assertRaisesRegex(piper.InputError, r"^scenario: field 'train\.data': \S*gone\.txt: cannot open"):
+            piper.run(dict(self.SCENARIO, train={"data": "gone.txt"}), reference=True, timeout=120)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "s.json")
+            with open(path, "w") as f:
+                json.dump(dict(self.SCENARIO, strategy={"clip_grad": 1}, train={"loss_scale": 3}), f)
+            with self.assertRaisesRegex(piper.InputError, "^" + re.escape(path) + r": field 'train\.loss_scale': "
+                                                          r"must be a power of two"):
+                piper.run(path, reference=True, timeout=120)
+        with self.assertRaisesRegex(piper.InputError, r"^steps=0: "):
+            piper.run(dict(self.SCENARIO, train={"steps": 4}), reference=True, steps=0, timeout=120)
 
     def test_errors_name_the_keyword(self):
         with self.assertRaisesRegex(piper.InputError, r"^resume='/no/such.ckpt': cannot open"):

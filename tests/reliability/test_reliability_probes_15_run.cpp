@@ -51,7 +51,9 @@ TEST_F(HostileInput, TrainSectionValuesAreNamedAsTheFilesFields) {
 TEST_F(HostileInput, LossScaleInDecimalOnly) {
   for (const std::string scale : {"0x10", "0x1p4", "' 16'"})
     expect_one_line(run("run --model " + kTiny + " --reference --steps 1 --clip-grad 1 --loss-scale " + scale),
-                    {"--loss-scale must be \"dynamic\" or a static scale such as 1024"});
+                    {"--loss-scale '", "': expected \"dynamic\" or a static scale in decimal, such as 1024"});
+  expect_one_line(run("run --model " + kTiny + " --reference --steps 1 --clip-grad 1 --loss-scale dinamic"),
+                  {"--loss-scale must be \"dynamic\" or a static scale such as 1024 (got 'dinamic')"});
   EXPECT_EQ(run("run --model " + kTiny + " --reference --steps 1 --clip-grad 1 --loss-scale 16").exit_code, 0);
 }
 
@@ -78,6 +80,37 @@ TEST_F(HostileInput, SavedRunScenarioKeepsItsDataAndNonfinitePolicy) {
   input("bad.json", R"({"model": "qwen3-9m", "train": {"on_nonfinite": "ignore"}})");
   expect_one_line(run("run --scenario bad.json --reference"),
                   {"bad.json: field 'train.on_nonfinite': must be \"stop\" or \"skip\""});
+  input("gone.json", R"({"model": "qwen3-9m", "train": {"data": "gone.txt"}})");
+  expect_one_line(run("run --scenario gone.json --reference"),
+                  {"gone.json: field 'train.data': 'gone.txt': cannot open: no such file"});
+}
+
+// The other run flags that change what is trained were left out too: a resumed run replayed from
+// step 0, a --precision (GPU) run in fp32. Now "resume" (relative to the scenario's folder, as "data")
+// and "precision"; what only says how or where it runs (--reference, --backend, outputs) is not saved.
+TEST_F(HostileInput, SavedRunScenarioKeepsItsCheckpointAndPrecision) {
+  ASSERT_EQ(run("run --model " + kTiny + " --reference --steps 2 --save ck").exit_code, 0);
+  fs::create_directories(dir_ / "saved");
+  const CliResult ran =
+      run("run --model " + kTiny + " --reference --steps 4 --resume ck --save-scenario saved/s.json --report a.json");
+  ASSERT_EQ(ran.exit_code, 0) << ran.err;
+  const nlohmann::json train = nlohmann::json::parse(piper::test::read_file(dir_ / "saved" / "s.json")).at("train");
+  EXPECT_EQ(train.value("resume", ""), "../ck");
+  EXPECT_FALSE(train.contains("report"));
+  const CliResult again = piper::test::run_cli_in(dir_ / "saved", PIPER_CLI,
+                                                  "run --scenario s.json --reference --report b.json", "timeout 60");
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(nlohmann::json::parse(piper::test::read_file(dir_ / "a.json")).at("losses"),
+            nlohmann::json::parse(piper::test::read_file(dir_ / "saved" / "b.json")).at("losses"));
+  input("gone.json", R"({"model": "qwen3-9m", "train": {"resume": "gone.ckpt"}})");
+  expect_one_line(run("run --scenario gone.json --reference"),
+                  {"gone.json: field 'train.resume': 'gone.ckpt': cannot open: no such file"});
+  input("bf16.json", R"({"model": ")" + kTiny + R"(", "train": {"precision": "bf16"}})");
+  expect_one_line(run("run --scenario bf16.json --reference"),
+                  {"bf16.json: field 'train.precision': needs --backend cuda"});
+  input("fp8.json", R"({"model": ")" + kTiny + R"(", "train": {"precision": "fp8"}})");
+  expect_one_line(run("run --scenario fp8.json --reference"),
+                  {"fp8.json: field 'train.precision': must be \"fp32\", \"bf16\" or \"fp16\""});
 }
 
 // Resumed with --steps at the checkpoint's step, no step runs: --report wrote "losses": [] with a step
@@ -90,6 +123,11 @@ TEST_F(HostileInput, ResumedRunWithNoStepLeftWritesNoReport) {
   const CliResult more = run("run --model " + kTiny + " --reference --steps 4 --resume ck --report r.json");
   ASSERT_EQ(more.exit_code, 0) << more.err;
   EXPECT_TRUE(fs::exists(dir_ / "r.json"));
+  // Without an output that measures steps it is done already, as Megatron's run resumed at its
+  // train_iters: exit 0, and said (it printed nothing).
+  const CliResult done = run("run --model " + kTiny + " --reference --steps 3 --resume ck");
+  ASSERT_EQ(done.exit_code, 0) << done.err;
+  EXPECT_NE(done.out.find("no step to run: the checkpoint ck is at step 3 already"), std::string::npos) << done.out;
 }
 
 }  // namespace

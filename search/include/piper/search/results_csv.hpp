@@ -25,6 +25,10 @@ class ResultsFileError : public core::Error {
 std::string csv_field(const std::string& s);
 // Splits one CSV line (no newline) into fields, honouring double quotes.
 std::vector<std::string> csv_split(const std::string& line);
+// What is wrong with one CSV line's quoting (RFC 4180: a quote opens a field, is doubled inside one,
+// and closes it just before a comma or the line's end), "" when nothing is: csv_split reads `1,"2"3`
+// as 23 and an unterminated `"2` as 2.
+std::string csv_quoting_problem(const std::string& line);
 // Newlines and carriage returns become spaces (reasons and messages are kept to one CSV line).
 std::string one_line(std::string s);
 // The header line for `columns` (no newline).
