@@ -57,6 +57,14 @@ plot::Series sorted_by_x(const plot::Series& s) {
                    fmt::format("no row has values > 0 in '{}' and '{}' for the logarithmic axis", a.x, a.y));
   throw CliError(a.csv_path, fmt::format("no row has numbers in both '{}' and '{}'", a.x, a.y));
 }
+
+// One line's fields; malformed quoting is refused at its line, not read as something else (`1,"2"3`
+// was 23).
+std::vector<std::string> csv_fields(const std::string& path, const std::string& line, int line_no) {
+  if (const std::string problem = search::csv_quoting_problem(line); !problem.empty())
+    throw CliError(path, fmt::format("line {}: {}", line_no, problem));
+  return search::csv_split(line);
+}
 #endif
 
 int run_plot(const PlotArgs& a) {
@@ -74,13 +82,7 @@ int run_plot(const PlotArgs& a) {
     if (!line.empty() && line.back() == '\r') line.pop_back();
   };
   drop_cr(header);
-  // Malformed quoting is refused, not read as something else (`1,"2"3` was 23).
-  auto check_quoting = [&](const std::string& line, int line_no) {
-    if (const std::string problem = search::csv_quoting_problem(line); !problem.empty())
-      throw CliError(a.csv_path, fmt::format("line {}: {}", line_no, problem));
-  };
-  check_quoting(header, 1);
-  const auto columns = search::csv_split(header);
+  const auto columns = csv_fields(a.csv_path, header, 1);
   auto column = [&](const std::string& name, const char* flag) -> int {
     for (std::size_t i = 0; i < columns.size(); ++i)
       if (columns[i] == name) {
@@ -112,8 +114,7 @@ int run_plot(const PlotArgs& a) {
     line_no += 1;
     drop_cr(line);
     if (line.empty()) continue;
-    check_quoting(line, line_no);
-    const auto f = search::csv_split(line);
+    const auto f = csv_fields(a.csv_path, line, line_no);
     if (f.size() != columns.size())
       throw CliError(a.csv_path,
                      fmt::format("line {}: {} fields, the header has {}", line_no, f.size(), columns.size()));

@@ -50,6 +50,50 @@ struct RunArgs {
   CLI::Option* plan = nullptr;
 };
 
+// A training setting's error names its flag ("--beta1 must be in [0, 1) (got 1)"); a setting the
+// scenario's "train" section set is named as the file's field instead ("s.json: field 'train.beta1':
+// must be in [0, 1) (got 1)"), and so is each such setting it mentions ("between 0 and 'train.lr' 0.003").
+std::string in_train_terms(const RunArgs& a, const std::string& message) {
+  if (a.train_from_file.empty()) return message;
+  auto flag_at = [&](std::size_t pos) -> const std::pair<const std::string, std::string>* {
+    for (const auto& entry : a.train_from_file) {
+      const std::string& flag = entry.first;
+      const std::size_t end = pos + flag.size();
+      if (message.compare(pos, flag.size(), flag) == 0 &&
+          (end == message.size() || !(std::isalnum(static_cast<unsigned char>(message[end])) || message[end] == '-')))
+        return &entry;
+    }
+    return nullptr;
+  };
+  std::string lead, body;
+  std::size_t i = 0;
+  if (const auto* first = flag_at(0)) {
+    lead = fmt::format("{}: field 'train.{}': ", a.scenario.scenario_path, first->second);
+    i = first->first.size();
+    if (message.compare(i, 1, " ") == 0) ++i;
+  }
+  while (i < message.size()) {
+    if (const auto* f = (i == 0 || message[i - 1] == ' ') ? flag_at(i) : nullptr) {
+      body += "'train." + f->second + "'";
+      i += f->first.size();
+    } else {
+      body += message[i++];
+    }
+  }
+  return lead + body;
+}
+
+// Runs `train` in this process (the reference, --virtual-devices), its setup errors in the scenario's
+// terms: the trainer names a setting as its flag ("--steps 2 is below the step of the checkpoint").
+template <class Train>
+void train_here(const RunArgs& a, Train&& train) {
+  try {
+    train();
+  } catch (const std::invalid_argument& e) {
+    throw CliError("", in_train_terms(a, e.what()));
+  }
+}
+
 // --save-scenario: the compile inputs and the training settings given (a scenario's "train" section),
 // so that `piper run --scenario FILE` repeats the run. Written after a run that succeeded (rank 0 of an
 // MPI run): the option was taken and nothing was written.
@@ -112,7 +156,7 @@ int run_cuda(const RunArgs& a) {
                                     : runtime::cuda::DType::F32;
   if (a.virtual_devices) {
     const core::Program program = load_program(a);
-    runtime::cuda::train_cuda(program, a.train, c);
+    train_here(a, [&] { runtime::cuda::train_cuda(program, a.train, c); });
     save_run_scenario(a);
     return 0;
   }
@@ -143,7 +187,7 @@ int run_cuda(const RunArgs& a) {
       print_error("", e.what());
       code = kExitBadInput;
     } catch (const std::invalid_argument& e) {
-      print_error("", e.what());
+      print_error("", in_train_terms(a, e.what()));
       code = kExitBadInput;
     } catch (const std::exception& e) {
       abort_ranks(rank, e);
@@ -186,7 +230,7 @@ int run_distributed(const RunArgs& a) {
       print_error("", e.what());
       code = kExitBadInput;
     } catch (const std::invalid_argument& e) {  // setup errors: train_distributed throws them on one rank only
-      print_error("", e.what());
+      print_error("", in_train_terms(a, e.what()));
       code = kExitBadInput;
     } catch (const std::exception& e) {
       abort_ranks(rank, e);
@@ -246,39 +290,6 @@ void apply_scenario_train(RunArgs& a, const CLI::App& cmd) {
                                        core::printable(file, 200), why));
     }
   }
-}
-
-// A training setting's error names its flag ("--beta1 must be in [0, 1) (got 1)"); a setting the
-// scenario's "train" section set is named as the file's field instead ("s.json: field 'train.beta1':
-// must be in [0, 1) (got 1)"), and so is each such setting it mentions ("between 0 and 'train.lr' 0.003").
-std::string in_train_terms(const RunArgs& a, const std::string& message) {
-  if (a.train_from_file.empty()) return message;
-  auto flag_at = [&](std::size_t pos) -> const std::pair<const std::string, std::string>* {
-    for (const auto& entry : a.train_from_file) {
-      const std::string& flag = entry.first;
-      const std::size_t end = pos + flag.size();
-      if (message.compare(pos, flag.size(), flag) == 0 &&
-          (end == message.size() || !(std::isalnum(static_cast<unsigned char>(message[end])) || message[end] == '-')))
-        return &entry;
-    }
-    return nullptr;
-  };
-  std::string lead, body;
-  std::size_t i = 0;
-  if (const auto* first = flag_at(0)) {
-    lead = fmt::format("{}: field 'train.{}': ", a.scenario.scenario_path, first->second);
-    i = first->first.size();
-    if (message.compare(i, 1, " ") == 0) ++i;
-  }
-  while (i < message.size()) {
-    if (const auto* f = (i == 0 || message[i - 1] == ' ') ? flag_at(i) : nullptr) {
-      body += "'train." + f->second + "'";
-      i += f->first.size();
-    } else {
-      body += message[i++];
-    }
-  }
-  return lead + body;
 }
 
 // --loss-scale's value: "dynamic", or a static scale (a power of two, checked by check_loss_scaling).
@@ -499,13 +510,13 @@ Command add_run_command(CLI::App& app) {
             if (args->backend == "cuda" && !args->reference) return run_cuda(*args);
             if (args->reference) {
               const core::Program program = load_program(*args);
-              runtime::train_reference(program, args->train);
+              train_here(*args, [&] { runtime::train_reference(program, args->train); });
               save_run_scenario(*args);
               return 0;
             }
             if (args->virtual_devices) {
               const core::Program program = load_program(*args);
-              runtime::train_virtual(program, args->train);
+              train_here(*args, [&] { runtime::train_virtual(program, args->train); });
               save_run_scenario(*args);
               return 0;
             }
