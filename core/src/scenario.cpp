@@ -725,10 +725,15 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     using T = std::remove_reference_t<decltype(out)>;
     if (!obj.contains(key)) return;
     const json& v = obj[key];
-    if (!v.is_number_integer() || v.get<long long>() < min)
+    // Above the field's type (2^70 reads as a float): the upper bound said, not "must be >= 1".
+    const bool above =
+        v.is_number_float()
+            ? v.get<double>() > static_cast<double>(std::numeric_limits<T>::max())
+            : v.is_number() && ((v.is_number_unsigned() && v.get<unsigned long long>() > INT64_MAX) ||
+                                v.get<long long>() > static_cast<long long>(std::numeric_limits<T>::max()));
+    if (!above && (!v.is_number_integer() || v.get<long long>() < min))
       throw fail(path, fmt::format("must be an integer >= {}", min));
-    if ((v.is_number_unsigned() && v.get<unsigned long long>() > INT64_MAX) ||
-        v.get<long long>() > static_cast<long long>(std::numeric_limits<T>::max()))
+    if (above)
       throw fail(path, fmt::format("must be an integer <= {} (got {})", std::numeric_limits<T>::max(), v.dump()));
     out = static_cast<T>(v.get<long long>());
   };

@@ -45,6 +45,13 @@ TEST_F(HostileInput, TrainSectionValuesAreNamedAsTheFilesFields) {
   expect_one_line(run("run --scenario dyn.json --reference"),
                   {"dyn.json: field 'train.initial_loss_scale': applies only with 'train.loss_scale' dynamic"});
   expect_one_line(run("run --scenario beta.json --reference --beta1 0.9 --beta2 1"), {"--beta2 must be in [0, 1)"});
+  // The trainer's checks too ("--steps 2 is below the step of the checkpoint"), in every launch.
+  ASSERT_EQ(run("run --model " + kTiny + " --reference --steps 3 --save ck").exit_code, 0);
+  input("below.json", R"({"model": ")" + kTiny + R"(", "train": {"steps": 2, "resume": "ck"}})");
+  for (const std::string how : {"--reference", "--virtual-devices"})
+    expect_one_line(
+        run("run --scenario below.json " + how),
+        {"below.json: field 'train.steps': 2 is below the step of the checkpoint", "give 'train.steps' 3 or more"});
 }
 
 // --loss-scale took "0x10", "0x1p4" and " 16" (stod), where every number flag takes decimal only.
