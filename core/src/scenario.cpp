@@ -654,6 +654,15 @@ const std::vector<std::string>& scenario_train_keys() {
 
 namespace {
 
+// Whether a number is above the largest T (2^70 reads as a float): its message says the upper bound,
+// not "must be >= 1".
+template <class T>
+bool above_type(const json& v) {
+  if (v.is_number_float()) return v.get<double>() > static_cast<double>(std::numeric_limits<T>::max());
+  return v.is_number() && ((v.is_number_unsigned() && v.get<unsigned long long>() > INT64_MAX) ||
+                           v.get<long long>() > static_cast<long long>(std::numeric_limits<T>::max()));
+}
+
 // A scenario's "train" section, every key and value checked (the values' meaning is piper run's).
 json checked_train(const json& t, const std::string& where) {
   auto fail = [&](const std::string& field, const std::string& msg) {
@@ -725,12 +734,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     using T = std::remove_reference_t<decltype(out)>;
     if (!obj.contains(key)) return;
     const json& v = obj[key];
-    // Above the field's type (2^70 reads as a float): the upper bound said, not "must be >= 1".
-    const bool above =
-        v.is_number_float()
-            ? v.get<double>() > static_cast<double>(std::numeric_limits<T>::max())
-            : v.is_number() && ((v.is_number_unsigned() && v.get<unsigned long long>() > INT64_MAX) ||
-                                v.get<long long>() > static_cast<long long>(std::numeric_limits<T>::max()));
+    const bool above = above_type<T>(v);
     if (!above && (!v.is_number_integer() || v.get<long long>() < min))
       throw fail(path, fmt::format("must be an integer >= {}", min));
     if (above)

@@ -142,12 +142,10 @@ std::string setting_problem(const Setting& s, const json& v) {
     case SettingType::Int:
     case SettingType::Double: {
       const bool is_int = s.type == SettingType::Int;
-      // The upper bound is stated where one applies: every number setting's, and an integer's implicit
-      // one (the largest int) once the value is past it; "must be an integer >= 1 (got 2147483648)" and
-      // "must be a number >= 1e-12 (got 1e13)" named only the bound that was kept.
-      const bool above = v.is_number() && !(v.get<double>() <= s.max);
+      // Every number setting has an upper bound of its own, stated with the lower one (clip_grad's 1e12
+      // is above the largest int, which stands for "no maximum" only for integer settings).
       auto range = [&] {
-        const bool has_max = !is_int || s.max < kSettingNoMax || above;
+        const bool has_max = !is_int || s.max < kSettingNoMax;
         const std::string lo = number_text(s.min), hi = has_max ? number_text(s.max) : std::string();
         std::string r = hi.empty() ? ">= " + lo : "in " + lo + ".." + hi;
         if (!(def.get<double>() >= s.min && def.get<double>() <= s.max)) r += fmt::format(" (or {}: off)", def.dump());
