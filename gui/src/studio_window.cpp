@@ -750,7 +750,23 @@ int studio_main(int argc, char** argv) {
   QCommandLineOption critical("critical-path", "highlight the critical path");
   QCommandLineOption fold("fold", "rows: off, class or stage (default: class above 16 devices)", "mode");
   parser.addOptions({shot, compare, overlay, size, critical, fold});
-  parser.process(app);
+  // Errors as the CLI's, one line and exit 2 (QCommandLineParser::process printed "Unknown option"
+  // and exited 1); a second scenario, or an option given twice, was silently dropped.
+  if (!parser.parse(QApplication::arguments())) {
+    std::cerr << "piper-studio: error: " << parser.errorText().toStdString() << " (see piper-studio --help)\n";
+    return 2;
+  }
+  if (parser.positionalArguments().size() > 1) {
+    std::cerr << "piper-studio: error: one scenario at a time, got " << parser.positionalArguments().size()
+              << " (--compare FILE stacks a second)\n";
+    return 2;
+  }
+  for (const QCommandLineOption* o : {&shot, &compare, &overlay, &size, &fold})
+    if (parser.values(*o).size() > 1) {
+      std::cerr << "piper-studio: error: --" << o->names().first().toStdString() << " given "
+                << parser.values(*o).size() << " times (once at most)\n";
+      return 2;
+    }
 
   StudioWindow window;
   if (parser.isSet(fold)) {
@@ -768,7 +784,8 @@ int studio_main(int argc, char** argv) {
   }
   const QStringList dims = parser.value(size).split('x');
   if (dims.size() != 2 || dims[0].toInt() < 320 || dims[1].toInt() < 240) {
-    std::cerr << "piper-studio: error: --size: expected WxH, e.g. 1600x1000\n";
+    std::cerr << "piper-studio: error: --size '" << parser.value(size).toStdString()
+              << "': expected WxH of at least 320x240, e.g. 1600x1000\n";
     return 2;
   }
   // 100000x100000 (40 GB of pixels) printed a dozen Qt warnings, then "cannot write".

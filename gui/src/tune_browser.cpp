@@ -58,9 +58,15 @@ bool TuneBrowser::open(const QString& path, QString* error) {
   try {
     all = search::read_tune_results(path.toStdString(), &spec);
   } catch (const std::exception& e) {
-    if (error) *error = QString::fromStdString(e.what());
+    // The reader's advice to `piper tune` ("choose another -o") is no advice here.
+    std::string message = e.what();
+    if (const std::string tail = "; choose another -o";
+        message.size() >= tail.size() && message.compare(message.size() - tail.size(), tail.size(), tail) == 0)
+      message.erase(message.size() - tail.size());
+    if (error) *error = QString::fromStdString(message);
     return false;
   }
+  path_ = path.toStdString();
   if (all.empty()) {
     if (error) *error = path + ": no results";
     return false;
@@ -126,7 +132,10 @@ bool TuneBrowser::open(const QString& path, QString* error) {
 
 core::Scenario TuneBrowser::scenario_of(int row) const {
   const search::TuneRow& r = rows_.at(static_cast<std::size_t>(row));
-  return search::tune_scenario(spec_, r.candidate, r.engine.empty() ? "analytic" : r.engine);
+  core::Scenario s = search::tune_scenario(spec_, r.candidate, r.engine.empty() ? "analytic" : r.engine);
+  // Its errors name the file and candidate (a bad cluster field read "scenario: field 'cluster'").
+  s.source = fmt::format("{}, candidate {}", path_, row + 1);
+  return s;
 }
 
 void TuneBrowser::activate(int row) {

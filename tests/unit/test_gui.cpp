@@ -559,6 +559,22 @@ TEST(GuiStudio, ScreenshotPathsAndSizesCheckedBeforeRendering) {
   EXPECT_EQ(code, 2);
   EXPECT_EQ(errors, "piper-studio: error: --size 100000x100000: at most 16384 pixels a side\n");
   EXPECT_FALSE(std::filesystem::exists(dir / "big.png"));
+  // Fifteenth probe: a second scenario and a repeated option were dropped silently, an unknown option
+  // exited 1 without "error:", and --size did not say its minimum.
+  const std::string one = (dir / "one.png").string();
+  std::tie(code, errors) = studio("'" + scenario + "' --screenshot '" + one + "'");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(errors, "piper-studio: error: one scenario at a time, got 2 (--compare FILE stacks a second)\n");
+  std::tie(code, errors) = studio("--screenshot '" + one + "' --screenshot '" + one + "'");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(errors, "piper-studio: error: --screenshot given 2 times (once at most)\n");
+  std::tie(code, errors) = studio("--bogus --screenshot '" + one + "'");
+  EXPECT_EQ(code, 2);
+  EXPECT_EQ(errors, "piper-studio: error: Unknown option 'bogus'. (see piper-studio --help)\n");
+  std::tie(code, errors) = studio("--screenshot '" + one + "' --size 100x100");
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(errors.find("--size '100x100': expected WxH of at least 320x240"), std::string::npos) << errors;
+  EXPECT_FALSE(std::filesystem::exists(one));
   // An upper-case .PNG is a PNG name.
   std::tie(code, errors) = studio("--screenshot '" + (dir / "shot.PNG").string() + "' --size 1100x700");
   EXPECT_EQ(code, 0) << errors;
@@ -619,6 +635,11 @@ TEST(GuiStudio, TuneResultsListCandidatesAndOpenTheirTimelines) {
   EXPECT_FALSE(window.open_tune_results(QString::fromStdString(bad)));
   EXPECT_NE(window.error_text().toStdString().find("not a piper tune results file"), std::string::npos)
       << window.error_text().toStdString();
+  // Without `piper tune`'s advice ("choose another -o": the studio has no -o), and a candidate's
+  // scenario names the file and candidate in its errors (it read "scenario: field 'cluster'").
+  EXPECT_EQ(window.error_text().indexOf("choose another -o"), -1) << window.error_text().toStdString();
+  ASSERT_TRUE(window.open_tune_results(QString::fromStdString(csv)));
+  EXPECT_EQ(browser->scenario_of(1).source, csv + ", candidate 2");
   std::filesystem::remove(csv);
   std::filesystem::remove(bad);
 }

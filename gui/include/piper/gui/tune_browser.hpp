@@ -41,6 +41,7 @@ class TuneBrowser : public QWidget {
   QLabel* summary_ = nullptr;
   search::TuneSpec spec_;
   std::vector<search::TuneRow> rows_;
+  std::string path_;  // the results file, naming a candidate's scenario in errors
 };
 
 }  // namespace piper::gui
