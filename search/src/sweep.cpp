@@ -232,22 +232,39 @@ SweepSpec SweepSpec::parse(const std::string& text, const std::string& where, co
   return from_json(j, where, base_dir);
 }
 
-std::string SweepPoint::key() const {
-  // '/' separates fields (commas would need CSV quoting); numbers use the shortest exact form.
-  std::string k = fmt::format("{}/{}/{}", model, cluster, engine);
+namespace {
+
+// A point's key before any character is escaped: '/' separates fields; numbers use the shortest exact form.
+std::string unescaped_key(const SweepPoint& p) {
+  std::string k = fmt::format("{}/{}/{}", p.model, p.cluster, p.engine);
   for (const auto& s : core::strategy_settings())
-    if (s.essential) k += core::setting_key_part(s, *this);
-  if (seq_len > 0) k += fmt::format("/s{}", seq_len);
-  if (micro_batch_size > 0) k += fmt::format("/m{}", micro_batch_size);
+    if (s.essential) k += core::setting_key_part(s, p);
+  if (p.seq_len > 0) k += fmt::format("/s{}", p.seq_len);
+  if (p.micro_batch_size > 0) k += fmt::format("/m{}", p.micro_batch_size);
   // The other settings only when set, so keys of sweeps without them (and their resume files) are unchanged.
   for (const auto& s : core::strategy_settings())
-    if (!s.essential) k += core::setting_key_part(s, *this);
-  if (!calibration.empty()) k += "/calibration=" + calibration;
-  // A comma would need CSV quoting: it and the characters CSV quotes are percent-encoded, '%' too, so
-  // that two settings never share a key (a ';' in place of ',' made "c,1.json" and "c;1.json" one).
+    if (!s.essential) k += core::setting_key_part(s, p);
+  if (!p.calibration.empty()) k += "/calibration=" + p.calibration;
+  return k;
+}
+
+// The key that piper sweep wrote for `p` before keys were escaped: ',' as ';'. Two settings could share
+// it ("c,1.json" and "c;1.json"), so a row under it is taken only when its columns name p's files too.
+std::string older_key(const SweepPoint& p) {
+  std::string k = unescaped_key(p);
+  std::replace(k.begin(), k.end(), ',', ';');
+  return k;
+}
+
+}  // namespace
+
+std::string SweepPoint::key() const {
+  // A comma would need CSV quoting (and `cut -d,` would split the key): it, a line break and '%' are
+  // percent-encoded, so that two settings never share a key (a ';' in place of ',' made "c,1.json"
+  // and "c;1.json" one). Any other character is kept, so keys without these read as before.
   std::string escaped;
-  for (const char c : k) {
-    if (c == ',' || c == '%' || c == '"' || c == '\n' || c == '\r')
+  for (const char c : unescaped_key(*this)) {
+    if (c == ',' || c == '%' || c == '\n' || c == '\r')
       escaped += fmt::format("%{:02X}", static_cast<unsigned char>(c));
     else
       escaped += c;
@@ -444,24 +461,40 @@ SweepRow run_point(const SweepPoint& p, const std::string& calibration_path) {
   scenario.seq_len = p.seq_len;
   scenario.micro_batch_size = p.micro_batch_size;
   scenario.strategy = p.strategy();
-  const Outcome o = simulate_outcome(scenario, p.cluster, p.engine, calibration_path);
   SweepRow row;
   row.point = p;
-  copy_outcome(o, row);
+  try {
+    // Loaded here first so that a cluster that fails (the spec's was checked, but a file can change
+    // while a sweep runs) is named as the spec's field: the loader's default names --cluster, a flag
+    // sweep does not take.
+    (void)sim::load_cluster(p.cluster, "field 'cluster':");
+  } catch (const std::exception& e) {
+    row.status = "invalid";
+    row.reason = one_line(e.what());
+    return row;
+  }
+  copy_outcome(simulate_outcome(scenario, p.cluster, p.engine, calibration_path), row);
   return row;
 }
 
-std::set<std::string> repair_results(const std::string& path) {
-  std::set<std::string> keys;
-  std::vector<std::vector<std::string>> rows;
+namespace {
+
+// The complete rows of a results file (its header checked, a cut last row repaired), each as its fields.
+std::vector<std::vector<std::string>> complete_rows(const std::string& path) {
   try {
-    // A sweep writes no pruned or bounded rows (the tuner does).
-    rows = read_results(path, sweep_csv_columns(), "sweep", {"ok", "invalid", "error"}, Repair::CutPartialLine);
+    // A sweep writes no pruned or bounded rows (the tuner does). read_results refuses any line (an
+    // empty one too) that is not a row a sweep could have written.
+    return read_results(path, sweep_csv_columns(), "sweep", {"ok", "invalid", "error"}, Repair::CutPartialLine);
   } catch (const ResultsFileError& e) {
     throw SweepError(e.what());
   }
-  // read_results refuses any line (an empty one too) that is not a row a sweep could have written.
-  for (const auto& row : rows) keys.insert(row.front());
+}
+
+}  // namespace
+
+std::set<std::string> repair_results(const std::string& path) {
+  std::set<std::string> keys;
+  for (const auto& row : complete_rows(path)) keys.insert(row.front());
   return keys;
 }
 
@@ -499,12 +532,29 @@ char status_letter(const SweepRow& row) { return row.status == "ok" ? 'o' : row.
 // one key run once), and how many were; the file's header checked and its cut last row repaired.
 std::vector<std::size_t> pending_points(const std::vector<SweepPoint>& all, const std::string& csv_path,
                                         std::size_t& resumed) {
-  const std::set<std::string> done = repair_results(csv_path);
+  const auto& columns = sweep_csv_columns();
+  auto column = [&](const char* name) {
+    return static_cast<std::size_t>(std::find(columns.begin(), columns.end(), name) - columns.begin());
+  };
+  const std::size_t model = column("model"), cluster = column("cluster");
+  // key -> (model, cluster) of each row under it. A row is a point's when it is under the point's key,
+  // or the older one, and its model and cluster columns are the point's: the older keys of two
+  // clusters could be one, and an older key can be a newer one's ("c;1.json" was also "c,1.json"'s).
+  std::multimap<std::string, std::pair<std::string, std::string>> done;
+  for (auto& row : complete_rows(csv_path)) done.emplace(row.front(), std::make_pair(row[model], row[cluster]));
+  auto is_done = [&](const SweepPoint& p, const std::string& k) {
+    for (const std::string& key : {k, older_key(p)}) {
+      const auto [first, last] = done.equal_range(key);
+      if (std::any_of(first, last, [&](const auto& row) { return row.second == std::make_pair(p.model, p.cluster); }))
+        return true;
+    }
+    return false;
+  };
   std::set<std::string> queued;
   std::vector<std::size_t> pending;
   for (std::size_t i = 0; i < all.size(); ++i) {
     const std::string k = all[i].key();
-    if (done.count(k)) {
+    if (is_done(all[i], k)) {
       resumed += 1;
       continue;
     }

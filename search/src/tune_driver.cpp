@@ -168,11 +168,14 @@ void Search::resume(const std::string& csv_path) {
     compare("cluster", file_spec.cluster, searched.cluster);
     compare("devices", std::to_string(file_spec.devices), std::to_string(searched.devices));
     compare("global batch", std::to_string(file_spec.global_batch), std::to_string(searched.global_batch));
-    compare("seq_len", std::to_string(file_spec.seq_len), std::to_string(searched.seq_len));
+    // A seq_len of 0 is the model's own (no --seq-len), which "seq_len 0" did not say.
+    auto seq_len = [](std::int64_t s) { return s > 0 ? std::to_string(s) : std::string("the model's"); };
+    compare("seq_len", seq_len(file_spec.seq_len), seq_len(searched.seq_len));
     throw TuneError(fmt::format(
-        "{}: holds a tune of {} on {} x {} (global batch {}, seq_len {}); this search has {}; choose another -o",
-        csv_path, core::printable(file_spec.model, 200), file_spec.devices, core::printable(file_spec.cluster, 200),
-        file_spec.global_batch, file_spec.seq_len, fmt::join(differs, ", ")));
+        "{}: holds a tune of {} on {} x {} (global batch {}, {}); this search has {}; choose another -o", csv_path,
+        core::printable(file_spec.model, 200), file_spec.devices, core::printable(file_spec.cluster, 200),
+        file_spec.global_batch, file_spec.seq_len > 0 ? "seq_len " + seq_len(file_spec.seq_len) : "the model's seq_len",
+        fmt::join(differs, ", ")));
   }
   // The tune CSV records no calibration, so a row cannot say whether measured times made it; a
   // calibrated search (the library's TuneSpec; neither the CLI nor piper.tune takes one) would take

@@ -334,6 +334,12 @@ class Runtime(unittest.TestCase):
             run_cli("simulate", "--model", "qwen3-9m", "--pp", "2", "--microbatches", "4", "--engine", "analytic",
                     "--cluster", "dgx-h100", "--runtime", "eager", "--save-scenario", path)
             self.assertEqual(piper.simulate(path, engine="analytic")["step_time_s"], named["step_time_s"])
+        # A tune with runtime= returns scenarios whose cluster is such a spec: each simulates as tuned.
+        tuned = piper.tune("qwen3-9m", devices=1, cluster="dgx-h100", runtime="eager").scenario(rank=1)
+        self.assertEqual(tuned["cluster"], '{"cluster":"dgx-h100","runtime":"eager"}')
+        self.assertEqual(piper.simulate(tuned, engine="analytic")["step_time_s"],
+                         piper.simulate(dict(tuned, cluster="dgx-h100"), engine="analytic",
+                                        runtime="eager")["step_time_s"])
         with self.assertRaisesRegex(piper.InputError, r"^cluster='\{\"cluster\": \"nosuch\"\}': field 'cluster': "
                                                       r"'nosuch': neither a preset"):
             piper.simulate(self.SCENARIO, cluster='{"cluster": "nosuch"}', engine="analytic")

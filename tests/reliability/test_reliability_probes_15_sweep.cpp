@@ -79,6 +79,20 @@ TEST_F(HostileInput, SweepKeysOfDifferentClustersDiffer) {
   const CliResult second = run("sweep b.json -o r.csv");
   ASSERT_EQ(second.exit_code, 0) << second.err;
   EXPECT_NE(second.out.find("0 already in r.csv, 1 run (1 ok"), std::string::npos) << second.out;
+
+  // A file an older piper wrote (',' as ';' in the key) still resumes, and its row under the shared
+  // key "c;1.json" is taken only for the cluster its column names.
+  std::string old = piper::test::read_file(dir_ / "r.csv");
+  old.resize(old.find('\n', old.find('\n') + 1) + 1);  // the header and the row of "c,1.json"
+  ASSERT_NE(old.find("qwen3-9m/c%2C1.json/"), std::string::npos) << old;
+  old.replace(old.find("%2C"), 3, ";");
+  input("old.csv", old);
+  const CliResult other = run("sweep b.json -o old.csv");
+  ASSERT_EQ(other.exit_code, 0) << other.err;
+  EXPECT_NE(other.out.find("0 already in old.csv, 1 run (1 ok"), std::string::npos) << other.out;
+  const CliResult same = run("sweep a.json -o old.csv");
+  ASSERT_EQ(same.exit_code, 0) << same.err;
+  EXPECT_NE(same.out.find("1 already in old.csv, 0 run"), std::string::npos) << same.out;
 }
 
 // A tune resuming into a file of another search said which search the file holds, which read exactly
@@ -90,6 +104,9 @@ TEST_F(HostileInput, TuneResumeRefusalNamesWhatDiffers) {
                    R"("runtime":"eager"}' (the file's: 'dgx-h100'); choose another -o)"});
   expect_one_line(run("tune --model qwen3-9m --devices 4 -o t.csv --cluster dgx-h100"),
                   {"this search has devices '4' (the file's: '2')"});
+  // A seq_len of 0 is the model's own, which "seq_len 0" did not say.
+  expect_one_line(run("tune --model qwen3-9m --devices 2 -o t.csv --cluster dgx-h100 --seq-len 128"),
+                  {"(global batch 8, the model's seq_len); this search has seq_len '128' (the file's: 'the model's')"});
 }
 
 }  // namespace

@@ -116,6 +116,16 @@ TEST(Sweep, InvalidCombinationsCarryTheReason) {
   EXPECT_EQ(field(to_csv(row), "status"), "invalid");
 }
 
+TEST(Sweep, ARowsClusterErrorNamesTheSpecsField) {
+  // A cluster that fails in a row (the spec's is checked up front, but a file can go while a sweep
+  // runs) was named "--cluster", a flag sweep does not take.
+  SweepPoint p = expand(small_spec()).front();
+  p.cluster = (fs::temp_directory_path() / ("piper_test_sweep_" + std::to_string(::getpid()) + "_gone.json")).string();
+  const SweepRow row = run_point(p);
+  EXPECT_EQ(row.status, "invalid");
+  EXPECT_EQ(row.reason.rfind("field 'cluster': '" + p.cluster + "': neither a preset", 0), 0u) << row.reason;
+}
+
 TEST(Sweep, RowMatchesADirectSimulation) {
   SweepPoint p = expand(small_spec()).front();
   p.pp = 2, p.dp = 2, p.ep = 1;
