@@ -7,15 +7,17 @@
 #include <atomic>
 #include <cctype>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
-#include <unistd.h>  // environ
+#include <fcntl.h>
+#include <unistd.h>  // environ, read
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -167,23 +169,53 @@ std::string read_input_file(const std::string& path, Limit bytes_limit, std::int
   const fs::file_status st = fs::status(path, ec);
   if (ec || !fs::exists(st)) throw Error(fmt::format("{}: cannot open: no such file", path));
   if (fs::is_directory(st)) throw Error(fmt::format("{}: is a directory, expected a file", path));
+  if (fs::is_socket(st)) throw Error(fmt::format("{}: not a regular file (a socket), expected a file", path));
   // Regular files are sized before reading; pipes and devices (/dev/stdin, /dev/zero) are read in
   // chunks and stopped as soon as they pass the bound.
   if (fs::is_regular_file(st)) {
     const auto size = fs::file_size(path, ec);
     if (!ec) check(static_cast<std::int64_t>(size), "bytes");
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  const bool fifo = fs::is_fifo(st);
+  // open(2) of a FIFO waits for a writer, forever if none comes (`run --data fifo` hung): it is opened
+  // without waiting, and read once a program writes to it (a shell's pipe, /dev/stdin or <(...), or a
+  // writer started first: it waits in its own open).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (fifo ? O_NONBLOCK : 0));
+  if (fd < 0) throw Error(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
   std::string text;
   char buffer[1 << 16];
+  if (fifo) {
+    // A read of an empty FIFO says whether a writer has it open (EAGAIN) or not (0). A writer started
+    // just after piper gets a moment to open it; then the FIFO is refused, not waited on.
+    constexpr auto kWriterGrace = std::chrono::seconds(2);
+    const auto give_up = std::chrono::steady_clock::now() + kWriterGrace;
+    for (;;) {
+      const ssize_t n = ::read(fd, buffer, sizeof buffer);
+      if (n > 0) text.append(buffer, static_cast<std::size_t>(n));
+      if (n > 0 || (n < 0 && errno == EAGAIN)) break;
+      if (n < 0 && errno != EINTR) throw Error(fmt::format("{}: read failed: {}", path, std::strerror(errno)));
+      if (std::chrono::steady_clock::now() >= give_up)
+        throw Error(fmt::format("{}: not a regular file: a pipe (FIFO) that no program writes to", path));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  }
   // Grown by doubling but never past the bound and one buffer: /dev/zero stops at about the bound in
   // memory, not twice it.
   std::int64_t bound = limit_value(bytes_limit);
   if (max_bytes >= 0) bound = std::min(bound, max_bytes);
   const auto cap = static_cast<std::size_t>(std::min<std::int64_t>(bound, std::int64_t{1} << 60)) + sizeof buffer;
-  while (in.read(buffer, sizeof buffer) || in.gcount() > 0) {
-    const auto n = static_cast<std::size_t>(in.gcount());
+  check(static_cast<std::int64_t>(text.size()), "bytes (or more)");
+  for (;;) {
+    const ssize_t got = ::read(fd, buffer, sizeof buffer);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) throw Error(fmt::format("{}: read failed: {}", path, std::strerror(errno)));
+    if (got == 0) break;
+    const auto n = static_cast<std::size_t>(got);
     if (text.size() + n > text.capacity()) {
       // Straight to the cap once doubling would pass half of it (libstdc++ doubles any smaller request).
       std::size_t want = std::max(2 * text.capacity(), text.size() + n);
@@ -193,7 +225,6 @@ std::string read_input_file(const std::string& path, Limit bytes_limit, std::int
     text.append(buffer, n);
     check(static_cast<std::int64_t>(text.size()), "bytes (or more)");
   }
-  if (in.bad()) throw Error(fmt::format("{}: read failed", path));
   return text;
 }
 

@@ -5,10 +5,11 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <limits>
 #include <set>
+
+#include <unistd.h>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -697,7 +698,8 @@ ModelConfig load_model_config(const std::string& name_or_path) {
   std::filesystem::path path(name_or_path);
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) path /= "config.json";  // an HF checkpoint folder
-  if (!std::filesystem::exists(path, ec) || !std::ifstream(path)) {
+  // access(2), not an open: opening a FIFO waits for a writer (read_input_file opens one without waiting).
+  if (!std::filesystem::exists(path, ec) || ::access(path.c_str(), R_OK) != 0) {
     std::string names;
     for (const auto& n : zoo_names()) names += (names.empty() ? "" : ", ") + n;
     throw ModelError(name_or_path + ": neither a zoo model (" + names + ") nor a readable file");

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
@@ -19,6 +20,7 @@
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -228,6 +230,23 @@ std::string output_target(const std::string& path) {
   throw Error("cannot write " + path + ": too many levels of symbolic links (a loop?)");
 }
 
+int open_to_write_through(const std::string& path) {
+  constexpr auto kReaderGrace = std::chrono::seconds(2);
+  const auto give_up = std::chrono::steady_clock::now() + kReaderGrace;
+  for (;;) {
+    // Without O_NONBLOCK a FIFO with no reader blocks here; with it, ENXIO says so at once.
+    const int fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd >= 0) {
+      ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+      return fd;
+    }
+    if (errno != ENXIO && errno != EINTR) throw Error("cannot write " + path + ": " + std::strerror(errno));
+    if (errno == ENXIO && std::chrono::steady_clock::now() >= give_up)
+      throw Error("cannot write " + path + ": a pipe (FIFO) that no program reads");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
 void write_file_atomically(const std::string& path, const std::string& contents) {
   namespace fs = std::filesystem;
   if (path.empty()) throw Error("cannot write an output file with an empty name");
@@ -237,8 +256,7 @@ void write_file_atomically(const std::string& path, const std::string& contents)
     // A device, a FIFO or a socket is written into, never replaced: a rename would put a regular
     // file in its place (/dev/null would become a file).
     if (fs::is_directory(st)) throw Error("cannot write " + path + ": is a folder");
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
-    if (fd < 0) throw Error("cannot write " + path + ": " + std::strerror(errno));
+    const int fd = open_to_write_through(path);
     int err = 0;
     const bool ok = write_whole(fd, contents, err);
     if (::close(fd) != 0 && ok) err = errno;

@@ -663,6 +663,12 @@ bool above_type(const json& v) {
                            v.get<long long>() > static_cast<long long>(std::numeric_limits<T>::max()));
 }
 
+// "must be an integer in MIN..MAX" for a field held in a T: a value above it is told both bounds.
+template <class T>
+std::string integer_range(long long min) {
+  return fmt::format("must be an integer in {}..{}", min, std::numeric_limits<T>::max());
+}
+
 // A scenario's "train" section, every key and value checked (the values' meaning is piper run's).
 json checked_train(const json& t, const std::string& where) {
   auto fail = [&](const std::string& field, const std::string& msg) {
@@ -694,7 +700,7 @@ json checked_train(const json& t, const std::string& where) {
         throw fail(k, "must be \"dynamic\" or a static scale >= 1 (a power of two)");
     } else if (k == "steps" || k == "lr_decay_steps" || k == "loss_scale_window") {
       if (!v.is_number_integer() || v.get<long long>() < 1 || v.get<long long>() > 1'000'000'000)
-        throw fail(k, "must be an integer >= 1");
+        throw fail(k, "must be an integer in [1, 1e9]");
     } else if (k == "warmup_steps") {  // an int of piper run's (4294967297 must not wrap to 1)
       if (!v.is_number_integer() || v.get<long long>() < 0 || v.get<long long>() > 1'000'000'000)
         throw fail(k, "must be an integer in [0, 1e9]");
@@ -737,8 +743,7 @@ Scenario Scenario::from_json(const json& j, const std::string& where, const std:
     const bool above = above_type<T>(v);
     if (!above && (!v.is_number_integer() || v.get<long long>() < min))
       throw fail(path, fmt::format("must be an integer >= {}", min));
-    if (above)
-      throw fail(path, fmt::format("must be an integer <= {} (got {})", std::numeric_limits<T>::max(), v.dump()));
+    if (above) throw fail(path, fmt::format("{} (got {})", integer_range<T>(min), v.dump()));
     out = static_cast<T>(v.get<long long>());
   };
   if (!j.contains("model") || !j["model"].is_string()) throw fail("model", "required: a zoo name or a model file");

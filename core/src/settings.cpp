@@ -142,20 +142,18 @@ std::string setting_problem(const Setting& s, const json& v) {
     case SettingType::Int:
     case SettingType::Double: {
       const bool is_int = s.type == SettingType::Int;
-      // Every number setting has an upper bound of its own, stated with the lower one (clip_grad's 1e12
-      // is above the largest int, which stands for "no maximum" only for integer settings).
+      // The range is stated with its upper bound where one applies: every number setting's (clip_grad's
+      // 1e12 is above the largest int, which stands for "no maximum" only for integer settings), and an
+      // integer's implicit one, the largest int, once the value is past it ("must be an integer >= 1
+      // (got 4611686018427387904)" named only the bound that was kept).
+      const bool above = v.is_number() && !(v.get<double>() <= s.max);
       auto range = [&] {
-        const bool has_max = !is_int || s.max < kSettingNoMax;
+        const bool has_max = !is_int || s.max < kSettingNoMax || above;
         const std::string lo = number_text(s.min), hi = has_max ? number_text(s.max) : std::string();
         std::string r = hi.empty() ? ">= " + lo : "in " + lo + ".." + hi;
         if (!(def.get<double>() >= s.min && def.get<double>() <= s.max)) r += fmt::format(" (or {}: off)", def.dump());
         return r;
       };
-      // Above the largest value (2^31 - 1 where a setting has no maximum of its own, the int it is held
-      // in): the upper bound said, not only the lower one ("must be >= 1 (got 4611686018427387904)").
-      if (v.is_number() && v.get<double>() > s.max)
-        return fmt::format("must be {} <= {} (got {})", is_int ? "an integer" : "a number", number_text(s.max),
-                           value_text(v));
       if (is_int ? !v.is_number_integer() : !v.is_number())
         return fmt::format("must be {} {} (got {})", is_int ? "an integer" : "a number", range(), value_text(v));
       const double x = v.get<double>();

@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "piper/core/limits.hpp"
+#include "piper/core/program.hpp"
 #include "piper/runtime/host_backend.hpp"
 #include "piper/runtime/trainer.hpp"
 #include "byte_buffer.hpp"
@@ -89,8 +90,7 @@ std::uint32_t header_crc(json header) {
 
 // Writes `data` into an existing non-regular file (a device, a FIFO): never replaced by a rename.
 void write_through(const std::string& path, const std::string& data) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
-  if (fd < 0) throw std::runtime_error("cannot write " + path + ": " + std::strerror(errno));
+  const int fd = core::open_to_write_through(path);  // a FIFO that no program reads is refused, not waited on
   try {
     write_all(fd, data, path);
   } catch (...) {

@@ -543,7 +543,10 @@ def _number(kind, text):
     which `piper plot` does not count as numbers. ValueError otherwise."""
     if not (_INTEGER if kind is int else _DECIMAL).fullmatch(text):
         raise ValueError(f"{text!r} is not a number in decimal")
-    return kind(text)
+    value = kind(text)
+    if kind is float and not _math.isfinite(value):  # "1e400": the CLI's strtod overflows, not a number
+        raise ValueError(f"{text!r} is out of range")
+    return value
 
 
 def _typed(column, text):

@@ -525,9 +525,9 @@ class Records(unittest.TestCase):
 
             with self.assertRaisesRegex(piper.InputError, r"r.csv: byte 6: not UTF-8 text"):
                 read(b"x,y\n1,\xff\n")
-            self.assertEqual(read("x,y\n1_000,1\n\uff11,2\n3,4e1\ninf,nan\n".encode()),
+            self.assertEqual(read("x,y\n1_000,1\n\uff11,2\n3,4e1\ninf,nan\n5,1e400\n".encode()),
                              [{"x": "1_000", "y": 1}, {"x": "\uff11", "y": 2}, {"x": 3, "y": 40.0},
-                              {"x": "inf", "y": "nan"}])
+                              {"x": "inf", "y": "nan"}, {"x": 5, "y": "1e400"}])
             self.assertEqual(read(b"\xef\xbb\xbfx,y\n1,2\n"), [{"x": 1, "y": 2}])
             with self.assertRaisesRegex(piper.InputError, r"r.csv: not a well-formed CSV"):
                 read(b'x,y\n1,"2"3\n')

@@ -225,7 +225,8 @@ TEST(OptimizerRuns, ScenarioTrainSectionSetsTheRunAndFlagsWin) {
            {{{"lr", -1}}, "s.json: field 'train.lr': must be a number >= 0"},
            {{{"lr_decay", "exponential"}},
             "s.json: field 'train.lr_decay': must be \"constant\", \"cosine\" or \"linear\""},
-           {{{"steps", 0}}, "s.json: field 'train.steps': must be an integer >= 1"},
+           {{{"steps", 0}}, "s.json: field 'train.steps': must be an integer in [1, 1e9]"},
+           {{{"steps", 2'000'000'000}}, "s.json: field 'train.steps': must be an integer in [1, 1e9]"},
            {{{"warmup_step", 3}}, "s.json: field 'train.warmup_step': unknown field (did you mean 'warmup_steps'?)"}}) {
     json j = scenario;
     j["train"] = bad;

@@ -216,6 +216,10 @@ struct Program {
 // `NAME.tmp.PID`; those of the same NAME whose process is gone (a write killed before its rename) are
 // removed first, those of live processes left alone.
 void write_file_atomically(const std::string& path, const std::string& contents);
+// Opens an existing device or FIFO `path` to write into it; the descriptor is blocking. open(2) of a
+// FIFO waits for a reader, forever if none comes (`run --dump-params fifo` hung after training): a
+// reader started just after gets a moment, then Error("cannot write PATH: ...") as for any failure.
+int open_to_write_through(const std::string& path);
 // The file a write to `path` lands on: `path` with its symbolic links followed, a dangling link's
 // too (a write goes through a link, never replaces it); relative targets from the link's folder.
 // Throws Error("cannot write PATH: too many levels of symbolic links") for a loop.
