@@ -299,6 +299,18 @@ def _with_runtime(cluster, base_dir, runtime, attention_kernel, keyword="cluster
     return text
 
 
+def _read_native(read, path, what):
+    """`read(path)` of the native module (the CLI's bounded readers); a file that does not open is named
+    as the keyword that gave it (``what='path'``)."""
+    try:
+        return read(path)
+    except _piper.NativeInputError as e:
+        message = str(e)
+        if message.startswith(f"{path}: cannot open"):
+            message = f"{what}={path!r}: " + message[len(path) + 2:]
+        raise InputError(message) from None
+
+
 def _load(obj, what, base_dir):
     """A dict as given, or a JSON file's content (relative names in it then resolve against its folder)."""
     if isinstance(obj, (str, _os.PathLike)):
@@ -306,13 +318,7 @@ def _load(obj, what, base_dir):
         # Read and parsed as the CLI reads a file: the input-bytes and json-depth limits, duplicate
         # keys refused (Python's open().read() ran /dev/zero out of memory; json.loads kept the last
         # of two keys).
-        try:
-            obj = _piper.read_json(path)
-        except _piper.NativeInputError as e:
-            message = str(e)
-            if message.startswith(f"{path}: cannot open"):
-                message = f"{what}={path!r}: " + message[len(path) + 2:]
-            raise InputError(message) from None
+        obj = _read_native(_piper.read_json, path, what)
         if not base_dir:
             base_dir = _os.path.dirname(_os.path.abspath(path))
     else:
@@ -620,13 +626,7 @@ def _csv_rows(path):
     """A CSV file's rows, read as the CLI reads an input (bounded by the input-bytes limit: open().read()
     of /dev/zero ran out of memory), as UTF-8 with a leading byte-order mark dropped (it became part of
     the first column's name), its quoting strict (`1,"2"3` read as 23)."""
-    try:
-        data = _piper.read_input(path)
-    except _piper.NativeInputError as e:
-        message = str(e)
-        if message.startswith(f"{path}: cannot open"):
-            message = f"csv={path!r}: " + message[len(path) + 2:]
-        raise InputError(message) from None
+    data = _read_native(_piper.read_input, path, "csv")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
