@@ -17,46 +17,16 @@ using piper::test::kTiny;
 
 namespace {
 
-// Malformed quoting was read as something else: `1,"2"3` as 23 (`--where y=23` matched it) and an
-// unterminated `"2` as 2. It is refused at its line, as a row with the wrong number of fields is.
-TEST_F(HostileInput, PlotRefusesMalformedCsvQuoting) {
-  input("after.csv", "x,y\n1,\"2\"3\n5,6\n");
-  expect_one_line(run("plot after.csv --x x --y y --where y=23 -o a.png"),
-                  {"after.csv", "line 2", "field 2", "text after its closing quote"});
-  input("open.csv", "x,y\n3,4\n1,\"2\n");
-  expect_one_line(run("plot open.csv --x x --y y -o a.png"), {"open.csv", "line 3", "field 2", "never closed"});
-  input("inside.csv", "x,y\n1,2\"\n");
-  expect_one_line(run("plot inside.csv --x x --y y -o a.png"), {"inside.csv", "line 2", "quote inside"});
-  input("header.csv", "x,\"y\nz\"\n1,2\n");
-  expect_one_line(run("plot header.csv --x x --y y -o a.png"), {"header.csv", "line 1", "never closed"});
-  EXPECT_FALSE(fs::exists(dir_ / "a.png"));
-  // Well-formed quoting, a doubled quote and an empty quoted field included, is still read.
-  input("good.csv", "x,y,name\n\"1\",\"2\",\"a \"\"b\"\", c\"\n3,4,\"\"\n");
-  const CliResult good = run("plot good.csv --x x --y y -o a.png");
-  EXPECT_EQ(good.exit_code, 0) << good.err;
-}
-
-// A UTF-8 byte-order mark (a spreadsheet's "CSV UTF-8") became part of the first column's name: "--x 'x':
-// no such column (columns: <U+FEFF>x, y)", and schedule import-csv's "'<U+FEFF>0F0' is not a compute action".
-TEST_F(HostileInput, CsvByteOrderMarkIsNotPartOfTheFirstField) {
-  input("bom.csv",
-        "\xEF\xBB\xBF"
-        "x,y\r\n1,2\r\n3,4\r\n");
-  const CliResult plotted = run("plot bom.csv --x x --y y -o a.png");
-  EXPECT_EQ(plotted.exit_code, 0) << plotted.err;
-  EXPECT_TRUE(fs::exists(dir_ / "a.png"));
+// A UTF-8 byte-order mark (a spreadsheet's "CSV UTF-8") became part of the first cell: schedule
+// import-csv's "'<U+FEFF>0F0' is not a compute action". (plot's own CSV cases, quoting and the mark, are
+// PlotCli tests in tests/unit/test_plot.cpp: this sanitize-built piper draws no plots.)
+TEST_F(HostileInput, CsvByteOrderMarkIsNotPartOfTheFirstCell) {
   input("s.csv",
         "\xEF\xBB\xBF"
         "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n");
   const CliResult imported = run("schedule import-csv s.csv -o s.json");
   EXPECT_EQ(imported.exit_code, 0) << imported.err;
   EXPECT_TRUE(fs::exists(dir_ / "s.json"));
-  // Only a leading mark is dropped: one later in the file is text, as before.
-  input("late.csv",
-        "x,y\n\xEF\xBB\xBF"
-        "1,2\n");
-  const CliResult late = run("plot late.csv --x x --y y -o b.png");
-  EXPECT_NE(late.exit_code, 0);
 }
 
 // The message named only the lower bound of a value above the upper one: "--clip-grad: must be a number

@@ -256,3 +256,38 @@ TEST(PlotCli, AxesSpanningOneUlpOrHugeOrDenormalValuesPlot) {
   fs::remove(csv);
   fs::remove(png);
 }
+
+// Fifteenth probe (docs/reliability.md): malformed quoting was read as something else, `1,"2"3` as 23
+// (`--where y=23` matched it) and an unterminated `"2` as 2; it is refused at its line, as a row with
+// the wrong number of fields is. A UTF-8 byte-order mark became part of the first column's name.
+TEST(PlotCli, MalformedQuotingIsRefusedAndAByteOrderMarkDropped) {
+  const fs::path csv = temp("quoting.csv"), png = temp("quoting.png");
+  auto plot = [&](const std::string& text, const std::string& flags) {
+    std::ofstream(csv) << text;
+    return run("plot " + csv.string() + " " + flags + " -o " + png.string());
+  };
+  CliRun r = plot("x,y\n1,\"2\"3\n5,6\n", "--x x --y y --where y=23");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.output.find("line 2: field 2: text after its closing quote"), std::string::npos) << r.output;
+  r = plot("x,y\n3,4\n1,\"2\n", "--x x --y y");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.output.find("line 3: field 2: a quote that is never closed"), std::string::npos) << r.output;
+  r = plot("x,y\n1,2\"\n", "--x x --y y");
+  EXPECT_NE(r.output.find("line 2: field 2: a quote inside an unquoted field"), std::string::npos) << r.output;
+  r = plot("x,\"y\nz\"\n1,2\n", "--x x --y y");
+  EXPECT_NE(r.output.find("line 1: field 2: a quote that is never closed"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(png));
+  // Well-formed quoting, a doubled quote and an empty quoted field included, is still read.
+  r = plot("x,y,name\n\"1\",\"2\",\"a \"\"b\"\", c\"\n3,4,\"\"\n", "--x x --y y");
+  EXPECT_EQ(r.status, 0) << r.output;
+  // A leading byte-order mark is dropped (with CRLF lines); one later in the file is text.
+  r = plot("\xEF\xBB\xBFx,y\r\n1,2\r\n3,4\r\n", "--x x --y y");
+  EXPECT_EQ(r.status, 0) << r.output;
+  r = plot(
+      "x,y\n\xEF\xBB\xBF"
+      "1,2\n",
+      "--x x --y y");
+  EXPECT_NE(r.status, 0) << r.output;
+  fs::remove(csv);
+  fs::remove(png);
+}
